@@ -1,0 +1,45 @@
+"""Make the quick-start's data and model: a tiny random-weight Qwen2 and a digits task.
+
+The task: answer each prompt with digits only. The reward (reward.py) is the share of digit
+characters in the response, so a random model starts near 10% and GRPO visibly raises it within
+a minute on a CPU.
+
+    python examples/quickstart/prepare.py [OUT_DIR]     # default: examples/data
+"""
+
+import json
+import random
+import sys
+from pathlib import Path
+
+from keel.models.tiny import make_tiny_model
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def make_rows(n: int, rng: random.Random) -> list[dict]:
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        rows.append({
+            "prompt": [{"role": "user", "content": f"Reply with digits only: {a} {b}"}],
+            "data_source": "digits",
+            "reward_model": {"ground_truth": f"{a}{b}"},
+            "extra_info": {},
+        })
+    return rows
+
+
+def main(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    write_jsonl(out / "train.jsonl", make_rows(256, rng))
+    write_jsonl(out / "val.jsonl", make_rows(32, rng))
+    make_tiny_model(out / "model", arch="qwen2", hidden_size=64, num_layers=2)
+    print(f"wrote {out}/train.jsonl, {out}/val.jsonl and {out}/model")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "examples/data"))

@@ -1,0 +1,191 @@
+"""Advantage estimators: token-level rewards (plus values, groups or baselines) -> advantages.
+
+Every estimator has one signature, `fn(inp, p) -> (advantages [B, T], returns [B, T])`, both zero
+on padding, and lives in `ADV_ESTIMATORS` under verl's name (`algorithm.adv_estimator`). The
+registry entry says which optional inputs it needs, so the trainer knows whether to run a
+critic (`needs_critic`) or a greedy baseline rollout (`needs_baseline`) before calling it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .utils import masked_whiten
+
+
+@dataclass
+class AdvantageInputs:
+    token_level_rewards: Tensor  # [B, T] (outcome reward usually sits on the last valid token)
+    response_mask: Tensor  # [B, T] 1 for response tokens, 0 for padding
+    group_index: Tensor | None = None  # [B] int: samples of the same prompt share a value
+    values: Tensor | None = None  # [B, T] critic values (gae)
+    baseline_rewards: Tensor | None = None  # [B] reward of the greedy rollout (remax)
+
+
+@dataclass
+class AdvantageParams:
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    epsilon: float = 1e-6
+
+
+EstimatorFn = Callable[[AdvantageInputs, AdvantageParams], tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    name: str
+    fn: EstimatorFn
+    needs_critic: bool  # reads inp.values
+    needs_baseline: bool  # reads inp.baseline_rewards
+    needs_group: bool  # reads inp.group_index
+
+    def check_inputs(self, inp: AdvantageInputs) -> None:
+        required = {
+            "values": self.needs_critic,
+            "baseline_rewards": self.needs_baseline,
+            "group_index": self.needs_group,
+        }
+        for field_name, needed in required.items():
+            if needed and getattr(inp, field_name) is None:
+                raise ValueError(f"advantage estimator {self.name!r} needs `{field_name}`, got None")
+        if inp.token_level_rewards.shape != inp.response_mask.shape:
+            raise ValueError(
+                f"token_level_rewards {tuple(inp.token_level_rewards.shape)} and response_mask "
+                f"{tuple(inp.response_mask.shape)} must have the same [B, T] shape"
+            )
+
+    def __call__(self, inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
+        self.check_inputs(inp)
+        # Advantages and returns are regression/weighting targets: never differentiate through them.
+        with torch.no_grad():
+            return self.fn(inp, p)
+
+
+ADV_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+
+def register_adv_est(
+    name: str, needs_critic: bool = False, needs_baseline: bool = False, needs_group: bool = False
+) -> Callable[[EstimatorFn], EstimatorFn]:
+    def decorator(fn: EstimatorFn) -> EstimatorFn:
+        if name in ADV_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADV_ESTIMATORS[name] = AdvantageEstimator(name, fn, needs_critic, needs_baseline, needs_group)
+        return fn
+
+    return decorator
+
+
+def compute_advantage(name: str, inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
+    if name not in ADV_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid: {sorted(ADV_ESTIMATORS)}")
+    return ADV_ESTIMATORS[name](inp, p)
+
+
+def _group_mean_std(scores: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sample mean, unbiased std and size of its group: [B] -> 3 x [B].
+
+    A group of one has no spread to compare against: verl gives it mean 0 and std 1, so its
+    advantage is its raw score; we keep that.
+    """
+    _, inverse, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
+    n = counts.to(scores.dtype)  # [G]
+    mean = torch.zeros_like(n).index_add_(0, inverse, scores) / n  # [G]
+    sq_dev = torch.zeros_like(n).index_add_(0, inverse, (scores - mean[inverse]) ** 2)  # [G]
+    std = (sq_dev / (n - 1).clamp(min=1)).sqrt()  # [G], Bessel-corrected as torch.std
+    single = counts == 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    return mean[inverse], std[inverse], n[inverse]
+
+
+@register_adv_est("gae", needs_critic=True)
+def gae(inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (arXiv 1506.02438), as verl's compute_gae_advantage_return.
+
+    Masked positions inside a response (e.g. tool observations in multi-turn rollouts) are
+    skipped: the next value and the running GAE are carried across them unchanged.
+    """
+    rewards, values, mask = inp.token_level_rewards, inp.values, inp.response_mask.to(inp.values.dtype)
+    next_value = torch.zeros_like(values[:, 0])  # [B]
+    last_gae = torch.zeros_like(values[:, 0])  # [B]
+    advantages = torch.zeros_like(values)  # [B, T]
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + p.gamma * next_value - values[:, t]
+        gae_t = delta + p.gamma * p.lam * last_gae
+        next_value = torch.where(mask[:, t] > 0, values[:, t], next_value)
+        last_gae = torch.where(mask[:, t] > 0, gae_t, last_gae)
+        advantages[:, t] = last_gae
+    returns = (advantages + values) * mask  # critic target, on the reward's own scale
+    return masked_whiten(advantages, mask) * mask, returns
+
+
+@register_adv_est("grpo", needs_group=True)
+def grpo(inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
+    """GRPO (arXiv 2402.03300): outcome score normalised within the prompt's group.
+
+    With `norm_adv_by_std_in_grpo=False` the std division is dropped, as Dr. GRPO
+    (arXiv 2503.20783) argues it up-weights prompts that are nearly always right or wrong.
+    """
+    scores = inp.token_level_rewards.sum(dim=-1)  # [B]
+    mean, std, _ = _group_mean_std(scores, inp.group_index)
+    adv = scores - mean
+    if p.norm_adv_by_std_in_grpo:
+        adv = adv / (std + p.epsilon)
+    adv = adv[:, None] * inp.response_mask  # [B, T]
+    return adv, adv
+
+
+@register_adv_est("rloo", needs_group=True)
+def rloo(inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
+    """RLOO (arXiv 2402.14740): the baseline is the mean score of the group's other samples."""
+    scores = inp.token_level_rewards.sum(dim=-1)  # [B]
+    mean, _, n = _group_mean_std(scores, inp.group_index)
+    # mean of the others = (n * mean - score) / (n - 1); a group of one has no others, baseline 0.
+    baseline = torch.where(n > 1, (n * mean - scores) / (n - 1).clamp(min=1), torch.zeros_like(scores))
+    adv = (scores - baseline)[:, None] * inp.response_mask  # [B, T]
+    return adv, adv
+
+
+@register_adv_est("reinforce_plus_plus")
+def reinforce_plus_plus(inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ (arXiv 2501.03262): discounted return-to-go, whitened over the batch."""
+    rewards, mask = inp.token_level_rewards, inp.response_mask.to(inp.token_level_rewards.dtype)
+    returns = torch.zeros_like(rewards)  # [B, T]
+    running = torch.zeros_like(rewards[:, 0])  # [B]
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + p.gamma * running
+        returns[:, t] = running
+        # A padded position stops the sum, so nothing after the end of a response leaks into it.
+        running = running * mask[:, t]
+    return masked_whiten(returns, mask) * mask, returns * mask
+
+
+@register_adv_est("reinforce_plus_plus_baseline", needs_group=True)
+def reinforce_plus_plus_baseline(inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ with the group mean as baseline (arXiv 2501.03262), then batch whitening.
+
+    Whitening over the whole batch rather than per group keeps the scale of groups relative to
+    each other, which per-group std normalisation (GRPO) removes.
+    """
+    scores = inp.token_level_rewards.sum(dim=-1)  # [B]
+    mean, _, _ = _group_mean_std(scores, inp.group_index)
+    mask = inp.response_mask.to(scores.dtype)
+    adv = (scores - mean)[:, None] * mask  # [B, T]
+    adv = masked_whiten(adv, mask) * mask
+    return adv, adv
+
+
+@register_adv_est("remax", needs_baseline=True)
+def remax(inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
+    """ReMax (arXiv 2310.10505): the greedy rollout's reward is the baseline."""
+    mask = inp.response_mask.to(inp.token_level_rewards.dtype)
+    returns = (inp.token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1)  # [B, T] reward-to-go
+    adv = returns - inp.baseline_rewards[:, None] * mask
+    return adv, returns

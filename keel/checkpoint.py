@@ -1,0 +1,143 @@
+"""Checkpoints: atomic save, resume, and export to a Hugging Face directory.
+
+A checkpoint `global_step_<N>/` is written into a hidden temporary directory, completed with a
+`COMPLETE` marker, then renamed into place: a crash mid-write leaves only a `.tmp` directory that
+nothing mistakes for a checkpoint. `latest_checkpointed_iteration.txt` (verl's name) is replaced
+atomically after the rename.
+
+Layout of a checkpoint:
+  actor/             Hugging Face model + tokenizer (loads with from_pretrained as it is)
+  actor_optim.pt     optimiser and LR-scheduler state
+  critic/            critic weights (safetensors) and critic_optim.pt, when there is a critic
+  trainer_state.pt   step, sampler position, KL controller, RNG states
+  COMPLETE           JSON: step and keel version
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from keel.diagnostics.codes import RESUME_PATH, KeelError
+
+LATEST = "latest_checkpointed_iteration.txt"
+MARKER = "COMPLETE"
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / f"global_step_{step}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / MARKER).is_file()
+
+
+def save_checkpoint(run_dir: Path, step: int, write: Callable[[Path], None],
+                    max_to_keep: int | None = None) -> Path:
+    """Call `write(tmp_dir)` to fill a checkpoint, then publish it atomically."""
+    from keel import __version__
+
+    final = step_dir(run_dir, step)
+    tmp = run_dir / f".global_step_{step}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left by a crash during an earlier save
+    tmp.mkdir(parents=True)
+    write(tmp)
+    (tmp / MARKER).write_text(json.dumps({"step": step, "keel_version": __version__}))
+    _fsync_tree(tmp)
+    if final.exists():  # the same step saved again after a resume from an earlier one
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _write_atomic(run_dir / LATEST, str(step))
+    if max_to_keep:
+        _prune(run_dir, max_to_keep)
+    return final
+
+
+def find_resume_checkpoint(run_dir: Path, resume_mode: str) -> Path | None:
+    """The checkpoint to resume from: None to start fresh."""
+    if resume_mode == "disable":
+        return None
+    if resume_mode == "auto":
+        latest = run_dir / LATEST
+        if not latest.is_file():
+            return None
+        path = step_dir(run_dir, int(latest.read_text().strip()))
+        return path if is_complete(path) else _newest_complete(run_dir)
+    path = Path(resume_mode)
+    if not is_complete(path):
+        state = "does not exist" if not path.exists() else "is incomplete (no COMPLETE marker)"
+        raise KeelError(RESUME_PATH, f"trainer.resume_mode={resume_mode!r}: the checkpoint {state}")
+    return path
+
+
+def checkpoint_step(path: Path) -> int:
+    return json.loads((path / MARKER).read_text())["step"]
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Write the checkpoint's policy as a Hugging Face directory (from_pretrained loads it)."""
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    if not is_complete(checkpoint):
+        state = "does not exist" if not checkpoint.exists() else "is not a complete keel checkpoint"
+        raise KeelError(RESUME_PATH, f"{checkpoint} {state}",
+                        "pass a global_step_<N> directory that contains a COMPLETE marker")
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(checkpoint / "actor", tmp)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def _checkpoints(run_dir: Path) -> list[Path]:
+    """`global_step_<N>` directories, oldest first."""
+    found = [p for p in run_dir.glob("global_step_*") if p.name.rsplit("_", 1)[1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.rsplit("_", 1)[1]))
+
+
+def _newest_complete(run_dir: Path) -> Path | None:
+    complete = [p for p in _checkpoints(run_dir) if is_complete(p)]
+    return complete[-1] if complete else None
+
+
+def _prune(run_dir: Path, keep: int) -> None:
+    for path in _checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(path)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in [*root.rglob("*"), root]:
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())

@@ -1,0 +1,79 @@
+"""keel's command line: a thin shell over the Python API.
+
+Errors a user can fix print `error[KEEL-...]` and a fix line and exit 2; `--debug` shows the
+traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from keel import __version__
+from keel.diagnostics.codes import CATALOGUE, KeelError, explain
+
+
+def _cmd_train(args) -> int:
+    from keel.trainer.rl import train
+
+    result = train(args.config, args.overrides)
+    print(f"done: {result.last_step} steps; run directory {result.run_dir}")
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from keel.checkpoint import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out)
+    print(f"exported {args.checkpoint} -> {out} (loads with AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
+def _cmd_explain(args) -> int:
+    if args.list or not args.code:
+        for entry in CATALOGUE.values():
+            print(f"{entry.code}  {entry.title}")
+        return 0
+    code = args.code.upper()
+    code = code if code.startswith("KEEL-") else f"KEEL-{code}"
+    if code not in CATALOGUE:
+        print(f"unknown code {args.code!r}; `keel explain --list` shows every code", file=sys.stderr)
+        return 2
+    print(explain(code))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="keel", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"keel {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for keel's errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="RL-train a policy (PPO, GRPO and relatives)")
+    train.add_argument("config", help="YAML config file")
+    train.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    train.set_defaults(func=_cmd_train)
+
+    export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face directory")
+    export.add_argument("checkpoint", help="a global_step_<N> directory")
+    export.add_argument("out", help="output directory")
+    export.set_defaults(func=_cmd_export)
+
+    explain_cmd = sub.add_parser("explain", help="explain an error code (cause and fix)")
+    explain_cmd.add_argument("code", nargs="?", help="e.g. KEEL-C001")
+    explain_cmd.add_argument("--list", action="store_true", help="list every code")
+    explain_cmd.set_defaults(func=_cmd_explain)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="keel: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except KeelError as e:
+        if args.debug:
+            raise
+        print(e.render(), file=sys.stderr)
+        return 2

@@ -1,0 +1,73 @@
+"""The batch plan: what one RL step does, in numbers, printed and saved at start.
+
+verl's batch sizes are counted in prompts for mini-batches and in samples for micro-batches; the
+plan spells out both so nobody has to multiply by `rollout.n` in their head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from keel.config.schema import KeelConfig
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    mini_batches: int            # per ppo epoch
+    samples_per_mini_batch: int
+    micro_batches_per_mini_batch: int
+    optimizer_steps_per_rollout: int
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    prompts_per_step: int
+    samples_per_step: int
+    actor: RolePlan
+    critic: RolePlan | None
+    max_tokens_per_step: int     # samples x (max prompt + max response)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def render(self) -> str:
+        rows = [
+            ("prompts per step", self.prompts_per_step),
+            ("samples per step (x rollout.n)", self.samples_per_step),
+            ("tokens per step, at most", self.max_tokens_per_step),
+        ]
+        for name, role in (("actor", self.actor), ("critic", self.critic)):
+            if role is None:
+                continue
+            rows += [
+                (f"{name}: mini-batches per epoch", role.mini_batches),
+                (f"{name}: samples per mini-batch", role.samples_per_mini_batch),
+                (f"{name}: micro-batches per mini-batch", role.micro_batches_per_mini_batch),
+                (f"{name}: optimiser steps per rollout", role.optimizer_steps_per_rollout),
+            ]
+        width = max(len(label) for label, _ in rows)
+        return "batch plan\n" + "\n".join(f"  {label:<{width}}  {value}" for label, value in rows)
+
+
+def make_plan(cfg: KeelConfig) -> BatchPlan:
+    n = cfg.actor_rollout_ref.rollout.n
+    prompts = cfg.data.train_batch_size
+    actor = cfg.actor_rollout_ref.actor
+
+    def role(mini_prompts: int, micro: int, epochs: int) -> RolePlan:
+        minis = prompts // mini_prompts
+        return RolePlan(minis, mini_prompts * n, mini_prompts * n // micro, minis * epochs)
+
+    critic = None
+    if cfg.critic_enabled:
+        c = cfg.critic
+        critic = role(c.ppo_mini_batch_size or actor.ppo_mini_batch_size,
+                      c.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu,
+                      c.ppo_epochs or actor.ppo_epochs)
+    return BatchPlan(
+        prompts_per_step=prompts,
+        samples_per_step=prompts * n,
+        actor=role(actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, actor.ppo_epochs),
+        critic=critic,
+        max_tokens_per_step=prompts * n * (cfg.data.max_prompt_length + cfg.data.max_response_length),
+    )

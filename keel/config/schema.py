@@ -1,0 +1,288 @@
+"""keel's configuration: a typed tree of dataclasses with verl's key names.
+
+Every field may carry constraints (`choices`, `ge`, `gt`, `le`) that `keel.config.load` checks when
+it builds the tree; cross-field rules (batch divisibility, options that need each other) live in
+`validate()` at the bottom, each raising a coded error with the numbers and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from keel.diagnostics.codes import BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, KeelError
+
+
+def opt(default: Any = None, *, choices: tuple | None = None, ge: float | None = None,
+        gt: float | None = None, le: float | None = None, help: str = "", factory=None):
+    """A config field with its constraints and a one-line help."""
+    meta = {"choices": choices, "ge": ge, "gt": gt, "le": le, "help": help}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = opt(factory=list, help="parquet/jsonl prompt files (verl schema)")
+    val_files: list[str] = opt(factory=list, help="held-out prompt files for validation")
+    prompt_key: str = opt("prompt", help="column holding the prompt (chat messages or a string)")
+    max_prompt_length: int = opt(512, gt=0)
+    max_response_length: int = opt(512, gt=0)
+    train_batch_size: int = opt(8, gt=0, help="prompts per RL step")
+    val_batch_size: int | None = opt(None, gt=0, help="prompts per validation batch (default: all)")
+    truncation: str = opt("error", choices=("error", "left", "right"))
+    filter_overlong_prompts: bool = opt(False)
+    apply_chat_template: bool = opt(True)
+    shuffle: bool = opt(True)
+    seed: int = opt(1, help="seed of the prompt sampler")
+
+
+@dataclass
+class ModelConfig:
+    path: str = opt("", help="local Hugging Face model directory")
+    dtype: str = opt("float32", choices=DTYPES, help="parameter dtype for training")
+    trust_remote_code: bool = opt(False)
+    enable_gradient_checkpointing: bool = opt(False)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = opt(1e-6, gt=0)
+    betas: list[float] = opt(factory=lambda: [0.9, 0.999])
+    weight_decay: float = opt(0.01, ge=0)
+    lr_warmup_steps: int = opt(-1, help="-1: use lr_warmup_steps_ratio")
+    lr_warmup_steps_ratio: float = opt(0.0, ge=0, le=1)
+    warmup_style: str = opt("constant", choices=("constant", "cosine"), help="schedule after warm-up")
+    min_lr_ratio: float = opt(0.0, ge=0, le=1, help="cosine floor as a fraction of lr")
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = opt("vanilla", choices=("vanilla", "gspo"))
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = opt(4, gt=0, help="prompts per mini-batch (x rollout.n samples)")
+    ppo_micro_batch_size_per_gpu: int = opt(4, gt=0, help="samples per forward/backward")
+    ppo_epochs: int = opt(1, gt=0)
+    shuffle: bool = opt(True, help="shuffle samples between mini-batches")
+    clip_ratio: float = opt(0.2, gt=0)
+    clip_ratio_low: float | None = opt(None, gt=0, help="default: clip_ratio")
+    clip_ratio_high: float | None = opt(None, gt=0, help="default: clip_ratio (DAPO clip-higher)")
+    clip_ratio_c: float = opt(3.0, gt=1, help="dual-clip bound for negative advantages")
+    loss_agg_mode: str = opt("token-mean", choices=LOSS_AGG_MODES)
+    policy_loss: PolicyLossConfig = opt(factory=PolicyLossConfig)
+    entropy_coeff: float = opt(0.0, ge=0)
+    use_kl_loss: bool = opt(False)
+    kl_loss_coef: float = opt(0.001, ge=0)
+    kl_loss_type: str = opt("low_var_kl", choices=KL_TYPES)
+    grad_clip: float = opt(1.0, gt=0)
+    optim: OptimConfig = opt(factory=OptimConfig)
+
+
+@dataclass
+class ValKwargs:
+    n: int = opt(1, gt=0)
+    do_sample: bool = opt(False)
+    temperature: float = opt(0.0, ge=0)
+    top_p: float = opt(1.0, gt=0, le=1)
+    top_k: int = opt(-1, ge=-1)
+
+
+@dataclass
+class RolloutConfig:
+    name: str = opt("hf", choices=("hf",), help="generation engine")
+    n: int = opt(1, gt=0, help="samples per prompt")
+    temperature: float = opt(1.0, gt=0)
+    top_p: float = opt(1.0, gt=0, le=1)
+    top_k: int = opt(-1, ge=-1, help="-1: off")
+    do_sample: bool = opt(True)
+    max_num_seqs: int = opt(256, gt=0, help="sequences generated at once")
+    log_prob_micro_batch_size_per_gpu: int = opt(8, gt=0)
+    val_kwargs: ValKwargs = opt(factory=ValKwargs)
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = opt(8, gt=0)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = opt(factory=ModelConfig)
+    actor: ActorConfig = opt(factory=ActorConfig)
+    rollout: RolloutConfig = opt(factory=RolloutConfig)
+    ref: RefConfig = opt(factory=RefConfig)
+
+
+@dataclass
+class CriticModelConfig:
+    path: str | None = opt(None, help="default: the actor's model path")
+    dtype: str = opt("float32", choices=DTYPES)
+
+
+@dataclass
+class CriticOptimConfig(OptimConfig):
+    lr: float = opt(1e-5, gt=0)
+
+
+@dataclass
+class CriticConfig:
+    enable: bool | None = opt(None, help="default: on when the advantage estimator needs values")
+    model: CriticModelConfig = opt(factory=CriticModelConfig)
+    optim: CriticOptimConfig = opt(factory=CriticOptimConfig)
+    ppo_mini_batch_size: int | None = opt(None, gt=0, help="default: the actor's")
+    ppo_micro_batch_size_per_gpu: int | None = opt(None, gt=0, help="default: the actor's")
+    ppo_epochs: int | None = opt(None, gt=0, help="default: the actor's")
+    cliprange_value: float = opt(0.5, gt=0)
+    loss_agg_mode: str = opt("token-mean", choices=LOSS_AGG_MODES)
+    grad_clip: float = opt(1.0, gt=0)
+
+
+@dataclass
+class KLControlConfig:
+    type: str = opt("fixed", choices=("fixed", "adaptive"))
+    kl_coef: float = opt(0.001, ge=0)
+    target_kl: float = opt(0.1, gt=0)
+    horizon: int = opt(10000, gt=0)
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = opt("gae", choices=ADV_ESTIMATORS)
+    gamma: float = opt(1.0, ge=0, le=1)
+    lam: float = opt(1.0, ge=0, le=1)
+    norm_adv_by_std_in_grpo: bool = opt(True, help="false gives Dr. GRPO")
+    use_kl_in_reward: bool = opt(False)
+    kl_penalty: str = opt("kl", choices=KL_TYPES, help="KL estimator in the reward")
+    kl_ctrl: KLControlConfig = opt(factory=KLControlConfig)
+    critic_warmup: int = opt(0, ge=0, help="steps that train only the critic")
+
+
+@dataclass
+class CustomRewardConfig:
+    path: str | None = opt(None, help="python file defining the reward function")
+    name: str = opt("compute_score")
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = opt("keel")
+    experiment_name: str = opt("run")
+    default_local_dir: str | None = opt(None, help="default: checkpoints/<project>/<experiment>")
+    total_epochs: int = opt(1, gt=0)
+    total_training_steps: int | None = opt(None, gt=0, help="default: epochs x batches per epoch")
+    test_freq: int = opt(-1, help="validate every N steps; -1: never")
+    val_before_train: bool = opt(True)
+    save_freq: int = opt(-1, help="checkpoint every N steps; -1: only at the end")
+    max_actor_ckpt_to_keep: int | None = opt(None, gt=0, help="older checkpoints are deleted")
+    resume_mode: str = opt("auto", help="auto | disable | path of a global_step_<N> dir")
+    seed: int = opt(1)
+    device: str = opt("auto", choices=("auto", "cpu", "cuda"))
+    logger: list[str] = opt(factory=lambda: ["console"], help="console; metrics.jsonl is always written")
+    log_samples: int = opt(4, ge=0, help="samples per step written to samples.jsonl")
+    n_gpus_per_node: int = opt(1, gt=0)
+    nnodes: int = opt(1, gt=0)
+
+
+@dataclass
+class KeelConfig:
+    data: DataConfig = opt(factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = opt(factory=ActorRolloutRefConfig)
+    critic: CriticConfig = opt(factory=CriticConfig)
+    algorithm: AlgorithmConfig = opt(factory=AlgorithmConfig)
+    custom_reward_function: CustomRewardConfig = opt(factory=CustomRewardConfig)
+    trainer: TrainerConfig = opt(factory=TrainerConfig)
+
+    # --- derived settings, so components never re-derive defaults on their own ---
+    @property
+    def critic_enabled(self) -> bool:
+        if self.critic.enable is not None:
+            return self.critic.enable
+        return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def ref_enabled(self) -> bool:
+        return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def run_dir(self) -> str:
+        t = self.trainer
+        return t.default_local_dir or f"checkpoints/{t.project_name}/{t.experiment_name}"
+
+
+def validate(cfg: KeelConfig) -> None:
+    """Cross-field rules; single fields are checked by the loader."""
+    _check_batch_arithmetic(cfg)
+    _check_options(cfg)
+
+
+def _check_batch_arithmetic(cfg: KeelConfig) -> None:
+    actor = cfg.actor_rollout_ref.actor
+    n = cfg.actor_rollout_ref.rollout.n
+    prompts = cfg.data.train_batch_size
+    critic_mini = cfg.critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
+    critic_micro = cfg.critic.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu
+    roles = [("actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu)]
+    if cfg.critic_enabled:
+        roles.append(("critic", critic_mini, critic_micro))
+    for role, mini, micro in roles:
+        key = "actor_rollout_ref.actor" if role == "actor" else "critic"
+        if mini > prompts or prompts % mini:
+            raise KeelError(
+                BATCH_ARITHMETIC,
+                f"data.train_batch_size={prompts} prompts do not split into {role} mini-batches of "
+                f"{key}.ppo_mini_batch_size={mini} prompts",
+                f"set {key}.ppo_mini_batch_size to a divisor of {prompts} (e.g. "
+                f"{_largest_divisor_at_most(prompts, mini)})")
+        if (mini * n) % micro:
+            raise KeelError(
+                BATCH_ARITHMETIC,
+                f"a {role} mini-batch of {mini} prompts x rollout.n={n} = {mini * n} samples does not "
+                f"split into micro-batches of {key}.ppo_micro_batch_size_per_gpu={micro}",
+                f"set {key}.ppo_micro_batch_size_per_gpu to a divisor of {mini * n} (e.g. "
+                f"{_largest_divisor_at_most(mini * n, micro)})")
+
+
+def _largest_divisor_at_most(total: int, limit: int) -> int:
+    return max(d for d in range(1, min(total, limit) + 1) if total % d == 0)
+
+
+def _check_options(cfg: KeelConfig) -> None:
+    est = cfg.algorithm.adv_estimator
+    rollout = cfg.actor_rollout_ref.rollout
+
+    def incompatible(message: str, fix: str) -> KeelError:
+        return KeelError(INCOMPATIBLE_OPTIONS, message, fix)
+
+    if est in GROUP_ESTIMATORS and rollout.n < 2:
+        raise incompatible(
+            f"algorithm.adv_estimator={est} compares samples of the same prompt, but "
+            f"actor_rollout_ref.rollout.n=1: every advantage would be 0 and nothing would learn",
+            "set actor_rollout_ref.rollout.n to 2 or more (GRPO typically uses 4-16)")
+    if est == "gae" and not cfg.critic_enabled:
+        raise incompatible("algorithm.adv_estimator=gae needs a critic but critic.enable=false",
+                           "set critic.enable=true, or choose grpo/rloo/reinforce_plus_plus")
+    if not rollout.do_sample and rollout.n > 1:
+        raise incompatible(
+            f"actor_rollout_ref.rollout.do_sample=false with rollout.n={rollout.n}: greedy samples "
+            "of one prompt are identical", "set rollout.do_sample=true or rollout.n=1")
+    if cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes != 1:
+        raise incompatible(
+            "this version of keel trains in a single process: trainer.n_gpus_per_node x "
+            f"trainer.nnodes = {cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes}",
+            "set trainer.n_gpus_per_node=1 and trainer.nnodes=1")
+    if not cfg.data.train_files:
+        raise incompatible("data.train_files is empty", "set data.train_files to parquet/jsonl files")
+    if not cfg.actor_rollout_ref.model.path:
+        raise incompatible("actor_rollout_ref.model.path is empty",
+                           "set actor_rollout_ref.model.path to a local Hugging Face model directory")

@@ -1,0 +1,175 @@
+"""The catalogue of every error a user can cause, and the exception that carries one.
+
+Each code is `KEEL-<area><nnn>`: E environment, C configuration, M model/tokenizer, D data,
+R reward, T training numerics, P parallel/distributed. `keel explain CODE` prints an entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Code:
+    code: str
+    title: str
+    cause: str
+    fix: str
+    keys: tuple[str, ...] = field(default_factory=tuple)  # config keys involved
+
+
+CATALOGUE: dict[str, Code] = {}
+
+
+def _code(code: str, title: str, cause: str, fix: str, keys: tuple[str, ...] = ()) -> str:
+    assert code not in CATALOGUE, f"duplicate code {code}"
+    CATALOGUE[code] = Code(code, title, cause, fix, keys)
+    return code
+
+
+# --- C: configuration -------------------------------------------------------------------------
+UNKNOWN_KEY = _code(
+    "KEEL-C001", "Unknown configuration key",
+    "A key in the YAML file or a command-line override is not part of keel's configuration; "
+    "other frameworks ignore such keys silently, so a misspelt key would never take effect.",
+    "Correct the spelling to the suggested key, or remove it. `keel train --help` lists sections; "
+    "the README lists every key.")
+BAD_VALUE = _code(
+    "KEEL-C002", "Configuration value of the wrong type or out of range",
+    "A configuration value cannot be converted to the key's type, is outside its allowed range, "
+    "or is not one of the allowed choices.",
+    "Set the key to a value of the type and range the message names.")
+BAD_OVERRIDE = _code(
+    "KEEL-C003", "Malformed command-line override",
+    "Overrides are written `section.key=value`; this one has no `=` or an empty key.",
+    "Write the override as `section.key=value`, e.g. `data.train_batch_size=16`.")
+BATCH_ARITHMETIC = _code(
+    "KEEL-C004", "Batch sizes do not divide",
+    "The batch plan needs samples per step to split evenly into mini-batches and mini-batches "
+    "into micro-batches; otherwise some samples would be silently dropped or reused.",
+    "Change the batch sizes so each divides the one above it; the message gives the numbers.",
+    ("data.train_batch_size", "actor_rollout_ref.rollout.n",
+     "actor_rollout_ref.actor.ppo_mini_batch_size",
+     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"))
+CONFIG_FILE = _code(
+    "KEEL-C005", "Configuration file missing or not valid YAML",
+    "The configuration path does not exist, cannot be read, or is not a YAML mapping.",
+    "Pass the path of a YAML file whose top level is a mapping of sections.")
+INCOMPATIBLE_OPTIONS = _code(
+    "KEEL-C006", "Options that cannot be used together",
+    "Two settings contradict each other, e.g. an advantage estimator that needs a critic with "
+    "no critic configured, or a KL loss with no reference model.",
+    "Change one of the settings the message names.")
+RESUME_PATH = _code(
+    "KEEL-C007", "Resume checkpoint not found or incomplete",
+    "`trainer.resume_mode` names a checkpoint directory that does not exist or has no "
+    "completion marker (it was being written when a run stopped).",
+    "Point `trainer.resume_mode` at a complete `global_step_<N>` directory, or use `auto`/`disable`.",
+    ("trainer.resume_mode",))
+
+# --- M: model / tokenizer ---------------------------------------------------------------------
+MODEL_PATH = _code(
+    "KEEL-M001", "Model path not found or not a Hugging Face model",
+    "The model path does not exist or has no `config.json`; keel loads models from local "
+    "directories only.",
+    "Point `actor_rollout_ref.model.path` (or `critic.model.path`) at a directory saved by "
+    "`save_pretrained`, or build a tiny model with `keel.models.tiny`.",
+    ("actor_rollout_ref.model.path", "critic.model.path"))
+NO_EOS = _code(
+    "KEEL-M002", "Tokenizer has no EOS token",
+    "Generation stops at the EOS token and response masks are built from it; without one every "
+    "response runs to the length limit.",
+    "Set `eos_token` in the tokenizer (tokenizer_config.json) to the model's end-of-turn token.")
+NO_CHAT_TEMPLATE = _code(
+    "KEEL-M003", "Prompt is a chat but the tokenizer has no chat template",
+    "A dataset prompt is a list of chat messages, which needs the tokenizer's chat template to "
+    "become text; this tokenizer has none.",
+    "Use a tokenizer with a chat template, give prompts as plain strings, or set "
+    "`data.apply_chat_template=false` to join message contents as plain text.",
+    ("data.apply_chat_template",))
+
+# --- D: data ----------------------------------------------------------------------------------
+DATA_FILE = _code(
+    "KEEL-D001", "Dataset file missing or unreadable",
+    "A path in `data.train_files` / `data.val_files` does not exist or is not parquet or JSONL.",
+    "Give existing `.parquet`, `.jsonl` or `.json` files.", ("data.train_files", "data.val_files"))
+DATA_COLUMN = _code(
+    "KEEL-D002", "Dataset is missing a required column",
+    "Every row needs the prompt column (`data.prompt_key`, default `prompt`).",
+    "Add the column, or point `data.prompt_key` at the column that holds prompts.",
+    ("data.prompt_key",))
+PROMPT_TOO_LONG = _code(
+    "KEEL-D003", "Prompt longer than data.max_prompt_length",
+    "With `data.truncation=error`, a prompt over the limit stops the run rather than being "
+    "cut silently.",
+    "Raise `data.max_prompt_length`, set `data.truncation` to `left` or `right`, or set "
+    "`data.filter_overlong_prompts=true`.",
+    ("data.max_prompt_length", "data.truncation", "data.filter_overlong_prompts"))
+DATA_EMPTY = _code(
+    "KEEL-D004", "Dataset empty or smaller than one batch",
+    "After filtering, the dataset has fewer prompts than `data.train_batch_size`, so not one "
+    "step could run.",
+    "Add data, lower `data.train_batch_size`, or relax the overlong-prompt filter.",
+    ("data.train_batch_size", "data.filter_overlong_prompts"))
+
+# --- R: reward --------------------------------------------------------------------------------
+REWARD_FN_LOAD = _code(
+    "KEEL-R001", "Custom reward function cannot be loaded",
+    "`custom_reward_function.path` does not exist, does not import, or has no function named "
+    "`custom_reward_function.name`.",
+    "Fix the path or the name; the function takes (data_source, solution_str, ground_truth, "
+    "extra_info) and returns a float.",
+    ("custom_reward_function.path", "custom_reward_function.name"))
+NO_SCORER = _code(
+    "KEEL-R002", "No scorer for a data_source",
+    "A row's `data_source` matches no built-in scorer and no custom reward function is set; "
+    "scoring it as 0 would look like a model that never learns.",
+    "Set `custom_reward_function.path`, or name a built-in scorer with `reward_model.reward_manager`"
+    " style mapping `reward.scorer` (exact_match, gsm8k).",
+    ("custom_reward_function.path", "reward.scorer"))
+REWARD_NOT_NUMBER = _code(
+    "KEEL-R003", "Reward function returned a non-finite number or a non-number",
+    "The reward function returned None, a string, NaN or infinity for a sample.",
+    "Make the reward function return a finite float for every sample.")
+
+# --- T: training numerics ---------------------------------------------------------------------
+NONFINITE_LOSS = _code(
+    "KEEL-T001", "Loss or gradient norm is not finite",
+    "A NaN or infinite loss or gradient norm would corrupt the weights; the update was refused "
+    "and the run stopped before any bad weights were saved.",
+    "Lower the learning rate, check rewards for extreme values, or enable gradient clipping "
+    "(`actor_rollout_ref.actor.grad_clip`).",
+    ("actor_rollout_ref.actor.optim.lr", "actor_rollout_ref.actor.grad_clip"))
+NO_GRADIENT = _code(
+    "KEEL-T002", "No parameter received a gradient",
+    "After backward, every trainable parameter's gradient is None: the loss does not depend on "
+    "the weights being trained, so the run would move its loss and learn nothing.",
+    "Check that the model is trainable (not frozen) and that the loss uses the policy's log-probs.")
+
+# --- E: environment ---------------------------------------------------------------------------
+DEVICE_UNAVAILABLE = _code(
+    "KEEL-E001", "Requested device is not available",
+    "`trainer.device` names a device this machine does not have (e.g. cuda without a GPU).",
+    "Set `trainer.device=cpu` or `auto`.", ("trainer.device",))
+
+
+class KeelError(Exception):
+    """An error the user can fix: it carries a catalogue code and a fix line."""
+
+    def __init__(self, code: str, message: str, fix: str | None = None):
+        assert code in CATALOGUE, f"unregistered error code {code}"
+        self.code = code
+        self.message = message
+        self.fix = fix or CATALOGUE[code].fix
+        super().__init__(f"{code}: {message}")
+
+    def render(self) -> str:
+        return f"error[{self.code}]: {self.message}\nfix: {self.fix}"
+
+
+def explain(code: str) -> str:
+    entry = CATALOGUE[code]
+    lines = [f"{entry.code}: {entry.title}", "", f"cause: {entry.cause}", f"fix:   {entry.fix}"]
+    if entry.keys:
+        lines.append("keys:  " + ", ".join(entry.keys))
+    return "\n".join(lines)

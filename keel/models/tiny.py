@@ -1,0 +1,91 @@
+"""Tiny models and a tokenizer built by keel itself, for tests, examples and the demo.
+
+Nothing is downloaded: the tokenizer is character-level (every printable ASCII character is a
+token, plus chat special tokens) and the model is a Qwen2 or Llama architecture with random
+weights, saved with `save_pretrained` so it loads like any Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+PAD, EOS, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [PAD, EOS, IM_START, IM_END]
+
+# ChatML, as Qwen uses; `add_generation_prompt` opens the assistant turn. The assistant turn ends
+# with <|im_end|>, which is the tokenizer's EOS so generation stops there.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_tokenizer(with_pad: bool = True):
+    """A character-level fast tokenizer with a ChatML chat template; EOS is <|im_end|>."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(string.printable)  # digits, letters, punctuation, whitespace
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ["<unk>"] + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=PAD if with_pad else None,
+        unk_token="<unk>",
+        additional_special_tokens=[EOS, IM_START],
+        model_max_length=2048,
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    return hf_tok
+
+
+def build_model_config(arch: str = "qwen2", vocab_size: int = 128, hidden_size: int = 64,
+                       num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                       intermediate_size: int | None = None, max_position_embeddings: int = 1024,
+                       eos_token_id: int | None = None, pad_token_id: int | None = None,
+                       tie_word_embeddings: bool = True):
+    from transformers import LlamaConfig, Qwen2Config
+
+    configs = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+    if arch not in configs:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(configs)}")
+    return configs[arch](
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+
+
+def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", seed: int = 0, with_pad: bool = True,
+                    **config_overrides) -> Path:
+    """Write a random-weight model and keel's tokenizer to `out_dir`; returns the path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer(with_pad=with_pad)
+    # Round the vocabulary up to a multiple of 8, as real checkpoints do (embedding rows > tokens).
+    vocab_size = (len(tokenizer) + 7) // 8 * 8
+    config = build_model_config(arch, vocab_size=vocab_size, eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,49 @@
+"""Metrics computed from a finished batch, with verl's names."""
+
+from __future__ import annotations
+
+import torch
+
+from keel.algorithms.utils import masked_mean
+from keel.types import RolloutBatch
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    values = values.float()
+    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(),
+            f"{prefix}/min": values.min().item()}
+
+
+def _masked_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    valid = values[mask.bool()]
+    if valid.numel() == 0:
+        return {}
+    return {f"{prefix}/mean": masked_mean(values, mask).item(), f"{prefix}/max": valid.max().item(),
+            f"{prefix}/min": valid.min().item()}
+
+
+def batch_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, float]:
+    mask = batch.response_mask
+    lengths = batch.response_lengths.float()
+    metrics = {
+        **_stats("critic/score", batch.scores),
+        **_stats("critic/rewards", batch.token_level_rewards.sum(-1)),
+        **_masked_stats("critic/advantages", batch.advantages, mask),
+        **_masked_stats("critic/returns", batch.returns, mask),
+        **_stats("response_length", lengths),
+        "response_length/clip_ratio": (lengths >= max_response_length).float().mean().item(),
+        **_stats("prompt_length", batch.prompt_mask.sum(-1).float()),
+        # How far the sampler's log-probs are from the trainer's: numerics, not learning.
+        "rollout/log_prob_gap": masked_mean((batch.sampling_log_probs - batch.old_log_probs).abs(), mask).item(),
+    }
+    if batch.values is not None:
+        metrics.update(_masked_stats("critic/values", batch.values, mask))
+    if batch.ref_log_probs is not None:
+        metrics["actor/ref_kl"] = masked_mean(batch.old_log_probs - batch.ref_log_probs, mask).item()
+    return metrics
+
+
+def throughput_metrics(batch: RolloutBatch, step_seconds: float, n_gpus: int = 1) -> dict[str, float]:
+    tokens = batch.attention_mask.sum().item()
+    return {"perf/total_num_tokens": float(tokens),
+            "perf/throughput": tokens / max(step_seconds, 1e-9) / n_gpus}

@@ -1,0 +1,98 @@
+"""Where metrics go: metrics.jsonl always, the console when asked, and samples.jsonl."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+# Shown in the one-line summary after each step, in this order, when present.
+SUMMARY_KEYS = ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl",
+                "actor/grad_norm", "critic/vf_loss", "response_length/mean", "timing_s/step")
+
+
+class Timer:
+    """Wall time per named phase, reported as `timing_s/<phase>`."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.times.items()}
+
+
+def _jsonable(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN; keep it visible rather than dropping the line
+    return value
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Drop records after `last_step` (a resumed run redoes those steps), atomically."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, console: bool, total_steps: int, start_step: int):
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.samples_path = run_dir / "samples.jsonl"
+        self.console = console
+        self.bar = None
+        if console:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="keel train", unit="step",
+                            file=sys.stderr, dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        append_jsonl(self.metrics_path, {"step": step, **metrics})
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            self.bar.write(summary_line(step, metrics))
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        for sample in samples:
+            append_jsonl(self.samples_path, {"step": step, **sample})
+
+    def write(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        elif self.console:
+            print(text, file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def summary_line(step: int, metrics: dict[str, float]) -> str:
+    parts = [f"step {step}"]
+    parts += [f"{k.split('/', 1)[-1] if k.startswith('actor/') else k}={metrics[k]:.4g}"
+              for k in SUMMARY_KEYS if k in metrics]
+    parts += [f"{k}={v:.3f}" for k, v in metrics.items() if k.startswith("val/") and k.endswith("/acc")]
+    return " | ".join(parts)

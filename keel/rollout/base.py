@@ -1,0 +1,19 @@
+"""The contract every generation engine meets."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from keel.types import RolloutBatch, SamplingParams
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
+        """Generate for a PromptBatch whose prompts are already repeated `n` times.
+
+        Returns responses right-padded after EOS, their masks (EOS included) and the log-probs of
+        the sampled tokens under the sampling distribution (logits / temperature).
+        """
+
+    def sync_weights(self, model) -> None:
+        """Make the next `generate` use the policy's current weights."""

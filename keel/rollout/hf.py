@@ -1,0 +1,93 @@
+"""Rollout with transformers' `generate`: runs anywhere, shares the policy's weights."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from keel.types import RolloutBatch, SamplingParams
+
+
+class HFRolloutEngine:
+    """Generates with the actor module itself, so it always sees the latest weights."""
+
+    def __init__(self, model, tokenizer, max_num_seqs: int = 256):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs
+
+    def sync_weights(self, model) -> None:
+        self.model = model  # same object as the actor's: nothing to copy
+
+    @torch.no_grad()
+    def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            chunks = [self._generate_chunk(prompts.input_ids[i:i + self.max_num_seqs],
+                                           prompts.attention_mask[i:i + self.max_num_seqs], params)
+                      for i in range(0, len(prompts), self.max_num_seqs)]
+        finally:
+            self.model.train(was_training)
+        response_ids, sampling_log_probs = _cat_right_padded(chunks, self.tokenizer.pad_token_id)
+        response_ids, response_mask, truncated = _mask_after_eos(
+            response_ids, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
+            params.max_new_tokens)
+        return RolloutBatch(
+            prompt_ids=prompts.input_ids,
+            prompt_mask=prompts.attention_mask,
+            response_ids=response_ids,
+            response_mask=response_mask,
+            sampling_log_probs=sampling_log_probs * response_mask,
+            group_index=torch.tensor([r.index for r in prompts.records]),
+            records=list(prompts.records),
+            response_texts=self.tokenizer.batch_decode(
+                [ids[m.bool()] for ids, m in zip(response_ids, response_mask)], skip_special_tokens=True),
+            truncated=truncated,
+        )
+
+    def _generate_chunk(self, input_ids: Tensor, attention_mask: Tensor,
+                        params: SamplingParams) -> tuple[Tensor, Tensor]:
+        from transformers import GenerationConfig
+
+        device = next(self.model.parameters()).device
+        greedy = not params.do_sample or params.temperature == 0
+        gen_config = GenerationConfig(
+            do_sample=not greedy,
+            temperature=1.0 if greedy else params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else 0,  # 0 switches top-k off in transformers
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            use_cache=True,
+        )
+        out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                  generation_config=gen_config, return_dict_in_generate=True,
+                                  output_logits=True)
+        response_ids = out.sequences[:, input_ids.shape[1]:].cpu()                 # [B, R]
+        # Raw logits scaled by temperature: the distribution the trainer recomputes, so the
+        # sampler/trainer log-prob gap measures numerics, not top-p/top-k truncation.
+        logits = torch.stack(out.logits, dim=1).float()                           # [B, R, V]
+        temperature = 1.0 if greedy else params.temperature
+        log_probs = torch.log_softmax(logits / temperature, dim=-1)
+        sampled = log_probs.gather(-1, response_ids.to(logits.device).unsqueeze(-1)).squeeze(-1)
+        return response_ids, sampled.cpu()                                         # [B, R] x2
+
+
+def _cat_right_padded(chunks: list[tuple[Tensor, Tensor]], pad_id: int) -> tuple[Tensor, Tensor]:
+    width = max(ids.shape[1] for ids, _ in chunks)
+    ids = [torch.nn.functional.pad(i, (0, width - i.shape[1]), value=pad_id) for i, _ in chunks]
+    lps = [torch.nn.functional.pad(lp, (0, width - lp.shape[1]), value=0.0) for _, lp in chunks]
+    return torch.cat(ids), torch.cat(lps)
+
+
+def _mask_after_eos(response_ids: Tensor, eos_id: int, pad_id: int,
+                    max_new_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Mask = tokens up to and including the first EOS; what follows becomes padding."""
+    is_eos = response_ids == eos_id                                                # [N, R]
+    seen_eos_before = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+    mask = (~seen_eos_before).long()
+    has_eos = is_eos.any(-1)
+    truncated = ~has_eos & (mask.sum(-1) >= max_new_tokens)
+    return response_ids.masked_fill(mask == 0, pad_id), mask, truncated

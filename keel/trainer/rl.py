@@ -1,0 +1,195 @@
+"""The RL loop: generate, score, compute log-probs and values, advantages, update, repeat.
+
+One process drives the algorithm; the components it calls (rollout engine, actor, critic) are the
+ones worker groups will wrap when keel runs on many GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from keel import checkpoint as ckpt
+from keel.algorithms.advantages import AdvantageInputs, AdvantageParams, compute_advantage
+from keel.algorithms.kl import apply_kl_penalty
+from keel.config.load import load_config, to_yaml
+from keel.config.plan import make_plan
+from keel.config.schema import KeelConfig
+from keel.data.prompts import PromptBatch, collate_prompts
+from keel.observe.batch_metrics import batch_metrics, throughput_metrics
+from keel.observe.metrics import MetricsLogger, Timer, truncate_jsonl
+from keel.training.forward import batched_log_probs
+from keel.trainer.setup import Components, build_components, needs_baseline_rollout
+from keel.trainer.validate import validate
+from keel.types import RolloutBatch, SamplingParams
+
+log = logging.getLogger("keel")
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    last_step: int
+    last_metrics: dict[str, float]
+
+
+class RLTrainer:
+    def __init__(self, cfg: KeelConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.resume_from = ckpt.find_resume_checkpoint(self.run_dir, cfg.trainer.resume_mode)
+        self.c: Components = build_components(cfg, self.resume_from / "actor" if self.resume_from else None)
+        rollout = cfg.actor_rollout_ref.rollout
+        self.sampling = SamplingParams(n=rollout.n, do_sample=rollout.do_sample, temperature=rollout.temperature,
+                                       top_p=rollout.top_p, top_k=rollout.top_k,
+                                       max_new_tokens=cfg.data.max_response_length)
+        a = cfg.algorithm
+        self.adv_params = AdvantageParams(gamma=a.gamma, lam=a.lam, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
+        self.step = 0
+
+    # --- the loop ----------------------------------------------------------------------------
+    def fit(self) -> RunResult:
+        self._open_run_dir()
+        logger = MetricsLogger(self.run_dir, "console" in self.cfg.trainer.logger, self.c.total_steps, self.step)
+        logger.write(f"resolved config (saved to {self.run_dir / 'config.yaml'}):\n{to_yaml(self.cfg)}")
+        logger.write(make_plan(self.cfg).render())
+        metrics: dict[str, float] = {}
+        try:
+            if self.step == 0 and self.c.val_data and self.cfg.trainer.val_before_train:
+                logger.log(0, self._validate())
+            while self.step < self.c.total_steps:
+                self.step += 1
+                metrics = self.train_step(logger)
+                if self._due(self.cfg.trainer.test_freq) and self.c.val_data:
+                    metrics.update(self._validate())
+                logger.log(self.step, metrics)
+                if self._due(self.cfg.trainer.save_freq) or self.step == self.c.total_steps:
+                    self.save()
+        finally:
+            logger.close()
+        return RunResult(self.run_dir, self.step, metrics)
+
+    def train_step(self, logger: MetricsLogger) -> dict[str, float]:
+        timer, c = Timer(), self.c
+        with timer("step"):
+            prompts = collate_prompts([c.train_data[i] for i in c.sampler.next_batch()], c.tokenizer.pad_token_id)
+            with timer("gen"):
+                batch = c.rollout.generate(prompts.repeat_interleave(self.sampling.n), self.sampling)
+            with timer("reward"):
+                batch.scores = c.reward.score(batch.records, batch.response_texts)
+                baseline = self._baseline_scores(prompts) if needs_baseline_rollout(self.cfg) else None
+            with timer("old_log_prob"):
+                batch.old_log_probs = c.actor.compute_log_probs(batch)
+            if c.ref_model is not None:
+                with timer("ref"):
+                    batch.ref_log_probs = batched_log_probs(
+                        c.ref_model, batch, self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
+                        self.sampling.temperature)
+            if c.critic is not None:
+                with timer("values"):
+                    batch.values = c.critic.compute_values(batch)
+            with timer("adv"):
+                metrics = self._assign_rewards(batch)
+                batch.advantages, batch.returns = compute_advantage(
+                    self.cfg.algorithm.adv_estimator,
+                    AdvantageInputs(batch.token_level_rewards, batch.response_mask, batch.group_index,
+                                    batch.values, baseline), self.adv_params)
+            seed = self.cfg.trainer.seed * 100_003 + self.step  # mini-batch order, stable on resume
+            if c.critic is not None:
+                with timer("update_critic"):
+                    metrics.update(c.critic.update(batch, seed))
+            if self.step > self.cfg.algorithm.critic_warmup:
+                with timer("update_actor"):
+                    metrics.update(c.actor.update(batch, seed))
+                c.rollout.sync_weights(c.actor.model)
+        logger.log_samples(self.step, self._samples(batch))
+        return {**metrics, **batch_metrics(batch, self.cfg.data.max_response_length), **timer.metrics(),
+                **throughput_metrics(batch, timer.times["step"]), "training/epoch": float(c.sampler.epoch)}
+
+    # --- pieces of the step --------------------------------------------------------------------
+    def _assign_rewards(self, batch: RolloutBatch) -> dict[str, float]:
+        """The outcome score sits on each response's last token; optionally minus KL to the reference."""
+        last = (batch.response_lengths - 1).clamp(min=0)                          # [N]
+        scores = torch.zeros_like(batch.response_mask, dtype=torch.float32)       # [N, R]
+        scores[torch.arange(len(batch)), last] = batch.scores
+        batch.token_level_rewards = scores * batch.response_mask
+        if not self.cfg.algorithm.use_kl_in_reward:
+            return {}
+        kl_coef = self.c.kl_ctrl.value
+        batch.token_level_rewards, current_kl = apply_kl_penalty(
+            batch.token_level_rewards, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
+            kl_coef, self.cfg.algorithm.kl_penalty)
+        self.c.kl_ctrl.update(current_kl, len(batch))
+        return {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": kl_coef}
+
+    def _baseline_scores(self, prompts: PromptBatch) -> torch.Tensor:
+        """ReMax (arXiv 2310.10505): the greedy response's score is each prompt's baseline."""
+        greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=self.sampling.max_new_tokens)
+        baseline = self.c.rollout.generate(prompts, greedy)
+        return self.c.reward.score(baseline.records, baseline.response_texts).repeat_interleave(self.sampling.n)
+
+    def _validate(self) -> dict[str, float]:
+        return validate(self.c.rollout, self.c.reward, self.c.val_data, self.c.tokenizer.pad_token_id,
+                        self.cfg.actor_rollout_ref.rollout.val_kwargs, self.cfg.data)
+
+    def _samples(self, batch: RolloutBatch) -> list[dict]:
+        return [{"data_source": r.data_source, "prompt": r.prompt_text, "response": text,
+                 "ground_truth": r.ground_truth, "score": score}
+                for r, text, score in zip(batch.records, batch.response_texts, batch.scores.tolist())
+                ][: self.cfg.trainer.log_samples]
+
+    def _due(self, freq: int) -> bool:
+        return freq > 0 and self.step % freq == 0
+
+    # --- run directory and checkpoints ---------------------------------------------------------
+    def _open_run_dir(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
+        (self.run_dir / "batch_plan.json").write_text(json.dumps(make_plan(self.cfg).as_dict(), indent=2))
+        keep_until = -1  # a fresh run starts empty logs
+        if self.resume_from is not None:
+            self.load(self.resume_from)
+            log.info("resumed from %s at step %d", self.resume_from, self.step)
+            keep_until = self.step  # a resumed run redoes the steps after its checkpoint
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            truncate_jsonl(self.run_dir / name, keep_until)
+
+    def save(self) -> Path:
+        c = self.c
+
+        def write(tmp: Path) -> None:
+            c.actor.model.save_pretrained(tmp / "actor")
+            c.tokenizer.save_pretrained(tmp / "actor")
+            torch.save(c.actor.state_dict(), tmp / "actor_optim.pt")
+            if c.critic is not None:
+                (tmp / "critic").mkdir()
+                torch.save({"model": c.critic.model.state_dict(), **c.critic.state_dict()}, tmp / "critic" / "critic.pt")
+            torch.save({"step": self.step, "sampler": c.sampler.state_dict(), "kl_ctrl": c.kl_ctrl.state_dict(),
+                        "rng": ckpt.rng_state()}, tmp / "trainer_state.pt")
+
+        return ckpt.save_checkpoint(self.run_dir, self.step, write, self.cfg.trainer.max_actor_ckpt_to_keep)
+
+    def load(self, path: Path) -> None:
+        """Restore everything but the actor weights, which `build_components` loaded from `path`."""
+        c = self.c
+        c.actor.load_state_dict(torch.load(path / "actor_optim.pt", weights_only=False))
+        if c.critic is not None:
+            state = torch.load(path / "critic" / "critic.pt", weights_only=False)
+            c.critic.model.load_state_dict(state.pop("model"))
+            c.critic.load_state_dict(state)
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        self.step = state["step"]
+        c.sampler.load_state_dict(state["sampler"])
+        c.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        ckpt.set_rng_state(state["rng"])
+
+
+def train(config: str | Path | dict | KeelConfig | None = None,
+          overrides: list[str] | dict | None = None) -> RunResult:
+    """Python API: load and validate a config (path, dict or object, plus overrides), then train."""
+    cfg = load_config(config, overrides)
+    return RLTrainer(cfg).fit()

@@ -1,0 +1,120 @@
+"""Build what the RL loop needs from a config: data, models, engines, reward, run directory.
+
+Everything that can fail on bad input is built here, before the run directory is touched, so a
+mistake costs seconds and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from keel.algorithms.advantages import ADV_ESTIMATORS
+from keel.algorithms.kl import make_kl_controller
+from keel.config.schema import KeelConfig
+from keel.data.prompts import PromptRecord, build_prompt_dataset, load_rows
+from keel.data.sampler import ResumableSampler
+from keel.diagnostics.codes import DATA_EMPTY, DEVICE_UNAVAILABLE, KeelError
+from keel.models.load import load_causal_lm, load_critic, load_tokenizer, quiet_transformers, resolve_dtype
+from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
+from keel.rollout.hf import HFRolloutEngine
+from keel.training.actor import ActorTrainer
+from keel.training.critic import CriticTrainer
+
+log = logging.getLogger("keel")
+
+
+@dataclass
+class Components:
+    tokenizer: object
+    train_data: list[PromptRecord]
+    val_data: list[PromptRecord]
+    sampler: ResumableSampler
+    actor: ActorTrainer
+    rollout: HFRolloutEngine
+    ref_model: torch.nn.Module | None
+    critic: CriticTrainer | None
+    reward: RewardScorer
+    kl_ctrl: object
+    total_steps: int
+    device: torch.device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise KeelError(DEVICE_UNAVAILABLE, "trainer.device=cuda but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def load_prompts(files: list[str], tokenizer, cfg: KeelConfig, name: str) -> list[PromptRecord]:
+    d = cfg.data
+    records, stats = build_prompt_dataset(
+        load_rows(files), tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+        truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
+        apply_chat_template=d.apply_chat_template, name=name)
+    log.info(stats.summary())
+    return records
+
+
+def build_components(cfg: KeelConfig, actor_weights: Path | None = None) -> Components:
+    """`actor_weights`: a checkpoint's actor directory to start from instead of the model path."""
+    quiet_transformers()
+    seed_everything(cfg.trainer.seed)
+    device = resolve_device(cfg.trainer.device)
+    arr = cfg.actor_rollout_ref
+    tokenizer = load_tokenizer(arr.model.path, arr.model.trust_remote_code)
+
+    reward = RewardScorer(load_custom_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+                          if cfg.custom_reward_function.path else None)
+    train_data = load_prompts(cfg.data.train_files, tokenizer, cfg, "train")
+    val_data = load_prompts(cfg.data.val_files, tokenizer, cfg, "val") if cfg.data.val_files else []
+    reward.check_sources({r.data_source for r in train_data + val_data})
+    if len(train_data) < cfg.data.train_batch_size:
+        raise KeelError(DATA_EMPTY, f"{len(train_data)} training prompts remain after filtering, fewer "
+                        f"than data.train_batch_size={cfg.data.train_batch_size}")
+    sampler = ResumableSampler(len(train_data), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
+    total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.batches_per_epoch
+
+    dtype = resolve_dtype(arr.model.dtype, device)
+    model = load_causal_lm(actor_weights or arr.model.path, dtype, device, arr.model.trust_remote_code,
+                           arr.model.enable_gradient_checkpointing)
+    actor = ActorTrainer(model, arr.actor, arr.rollout.n, arr.rollout.temperature, total_steps,
+                         arr.rollout.log_prob_micro_batch_size_per_gpu)
+    ref_model = None
+    if cfg.ref_enabled:  # the reference is always the starting policy, even on resume
+        ref_model = load_causal_lm(arr.model.path, dtype, device, arr.model.trust_remote_code).eval()
+        ref_model.requires_grad_(False)
+    return Components(
+        tokenizer=tokenizer, train_data=train_data, val_data=val_data, sampler=sampler, actor=actor,
+        rollout=HFRolloutEngine(model, tokenizer, arr.rollout.max_num_seqs), ref_model=ref_model,
+        critic=build_critic(cfg, device, total_steps) if cfg.critic_enabled else None, reward=reward,
+        kl_ctrl=make_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
+                                   cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon),
+        total_steps=total_steps, device=device)
+
+
+def build_critic(cfg: KeelConfig, device: torch.device, total_steps: int) -> CriticTrainer:
+    c, actor = cfg.critic, cfg.actor_rollout_ref.actor
+    model = load_critic(c.model.path or cfg.actor_rollout_ref.model.path, resolve_dtype(c.model.dtype, device),
+                        device, cfg.actor_rollout_ref.model.trust_remote_code)
+    return CriticTrainer(model, c, mini_prompts=c.ppo_mini_batch_size or actor.ppo_mini_batch_size,
+                         micro_size=c.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu,
+                         epochs=c.ppo_epochs or actor.ppo_epochs, rollout_n=cfg.actor_rollout_ref.rollout.n,
+                         total_steps=total_steps, shuffle=actor.shuffle)
+
+
+def needs_baseline_rollout(cfg: KeelConfig) -> bool:
+    return ADV_ESTIMATORS[cfg.algorithm.adv_estimator].needs_baseline

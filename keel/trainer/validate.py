@@ -1,0 +1,28 @@
+"""Validation: generate on held-out prompts with `val_kwargs`, report accuracy per data_source."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from keel.data.prompts import collate_prompts
+from keel.types import SamplingParams
+
+
+def validate(rollout, reward, records, pad_token_id: int, val_kwargs, data_cfg) -> dict[str, float]:
+    """`val/<data_source>/acc`: the mean score over every sample (mean@n when val_kwargs.n > 1)."""
+    params = SamplingParams(n=val_kwargs.n, do_sample=val_kwargs.do_sample and val_kwargs.temperature > 0,
+                            temperature=val_kwargs.temperature or 1.0, top_p=val_kwargs.top_p,
+                            top_k=val_kwargs.top_k, max_new_tokens=data_cfg.max_response_length)
+    batch_size = data_cfg.val_batch_size or len(records)
+    scores_by_source: dict[str, list[float]] = defaultdict(list)
+    lengths: list[float] = []
+    for start in range(0, len(records), batch_size):
+        prompts = collate_prompts(records[start:start + batch_size], pad_token_id).repeat_interleave(params.n)
+        batch = rollout.generate(prompts, params)
+        scores = reward.score(batch.records, batch.response_texts)
+        for record, score in zip(batch.records, scores.tolist()):
+            scores_by_source[record.data_source].append(score)
+        lengths += batch.response_lengths.float().tolist()
+    metrics = {f"val/{source}/acc": sum(s) / len(s) for source, s in sorted(scores_by_source.items())}
+    metrics["val/response_length/mean"] = sum(lengths) / len(lengths)
+    return metrics

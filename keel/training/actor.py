@@ -1,0 +1,90 @@
+"""The policy's trainer: old log-probs before the update, then PPO-style mini-batch updates."""
+
+from __future__ import annotations
+
+import torch
+
+from keel.algorithms.kl import kl_penalty
+from keel.algorithms.losses import PolicyLossParams, agg_loss, compute_policy_loss
+from keel.algorithms.utils import masked_mean
+from keel.training.forward import batched_log_probs, response_log_probs, split_micro
+from keel.training.optim import build_optimizer, build_scheduler
+from keel.training.step import MetricSums, apply_gradients, mask_counts, minibatch_indices
+from keel.types import RolloutBatch
+
+
+class ActorTrainer:
+    def __init__(self, model, actor_cfg, rollout_n: int, temperature: float, total_steps: int,
+                 log_prob_micro_size: int):
+        self.model = model
+        self.cfg = actor_cfg
+        self.samples_per_mini = actor_cfg.ppo_mini_batch_size * rollout_n
+        # Log-probs are recomputed at the sampling temperature, as verl does, so the PPO ratio
+        # compares the same distribution the samples came from.
+        self.temperature = temperature
+        self.log_prob_micro_size = log_prob_micro_size
+        self.loss_params = PolicyLossParams(
+            clip_ratio_low=actor_cfg.clip_ratio_low or actor_cfg.clip_ratio,
+            clip_ratio_high=actor_cfg.clip_ratio_high or actor_cfg.clip_ratio,
+            clip_ratio_c=actor_cfg.clip_ratio_c,
+            loss_agg_mode=actor_cfg.loss_agg_mode)
+        self.optimizer = build_optimizer(model.parameters(), actor_cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps)
+
+    def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:       # [N, R]
+        return batched_log_probs(self.model, batch, self.log_prob_micro_size, self.temperature)
+
+    def update(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
+        self.model.train()
+        sums = MetricSums()
+        for epoch in range(self.cfg.ppo_epochs):
+            for index in minibatch_indices(len(batch), self.samples_per_mini, self.cfg.shuffle,
+                                           seed * 1000 + epoch):
+                self._update_mini_batch(batch.select(index), sums)
+        sums.add("actor/lr", self.scheduler.get_last_lr()[0])
+        self.scheduler.step()
+        return sums.means()
+
+    def _update_mini_batch(self, mini: RolloutBatch, sums: MetricSums) -> None:
+        global_tokens, global_seqs = mask_counts(mini.response_mask)
+        totals: dict[str, float] = {}
+        for micro in split_micro(mini, self.cfg.ppo_micro_batch_size_per_gpu):
+            loss, metrics = self._micro_loss(micro, global_tokens, global_seqs)
+            loss.backward()
+            share = micro.response_mask.sum().item() / global_tokens.item()  # token-weighted average
+            for name, value in metrics.items():
+                totals[name] = totals.get(name, 0.0) + value * share
+        totals["actor/grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "actor")
+        for name, value in totals.items():
+            sums.add(name, value)
+
+    def _micro_loss(self, micro: RolloutBatch, global_tokens, global_seqs):
+        cfg = self.cfg
+        device = next(self.model.parameters()).device
+        mask = micro.response_mask.to(device)                                   # [b, R]
+        log_prob, entropy = response_log_probs(self.model, micro, self.temperature, with_entropy=True,
+                                               entropy_grad=cfg.entropy_coeff > 0)
+        denominators = {"global_tokens": global_tokens, "global_seqs": global_seqs}
+        pg_loss, pg_metrics = compute_policy_loss(
+            cfg.policy_loss.loss_mode, micro.old_log_probs.to(device), log_prob,
+            micro.advantages.to(device), mask, self.loss_params, **denominators)
+        loss = pg_loss
+        if cfg.entropy_coeff > 0:
+            loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, **denominators)
+        metrics = {f"actor/{k}": v.item() for k, v in pg_metrics.items()}
+        if cfg.use_kl_loss:
+            kl = kl_penalty(log_prob, micro.ref_log_probs.to(device), cfg.kl_loss_type)  # [b, R]
+            loss = loss + cfg.kl_loss_coef * agg_loss(kl, mask, cfg.loss_agg_mode, **denominators)
+            metrics["actor/kl_loss"] = masked_mean(kl.detach(), mask).item()
+        # The micro-batch losses sum to the mini-batch loss, so scale to report the local mean.
+        share = mask.sum() / global_tokens
+        metrics["actor/pg_loss"] = (pg_loss.detach() / share).item()
+        metrics["actor/entropy"] = masked_mean(entropy.detach(), mask).item()
+        return loss, metrics
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,35 @@
+"""AdamW and the learning-rate schedule, stepped once per RL step as verl does."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def build_optimizer(params, optim_cfg) -> torch.optim.Optimizer:
+    # fused/foreach kernels differ in rounding on some builds; the default keeps CPU runs exact.
+    return torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
+                             weight_decay=optim_cfg.weight_decay)
+
+
+def warmup_steps(optim_cfg, total_steps: int) -> int:
+    if optim_cfg.lr_warmup_steps >= 0:
+        return optim_cfg.lr_warmup_steps
+    return int(optim_cfg.lr_warmup_steps_ratio * total_steps)
+
+
+def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up, then constant or cosine down to `min_lr_ratio`."""
+    warmup = warmup_steps(optim_cfg, total_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if optim_cfg.warmup_style == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return optim_cfg.min_lr_ratio + (1.0 - optim_cfg.min_lr_ratio) * cosine
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,54 @@
+"""What every optimiser step shares: mini-batch order, gradient checks, clipping, stepping."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from keel.diagnostics.codes import NO_GRADIENT, NONFINITE_LOSS, KeelError
+
+
+def minibatch_indices(n_samples: int, mini_size: int, shuffle: bool, seed: int) -> list[torch.Tensor]:
+    """Split sample indices into mini-batches; the shuffle depends only on `seed`, so a resumed
+    run takes the same mini-batches as an uninterrupted one."""
+    if shuffle:
+        order = torch.randperm(n_samples, generator=torch.Generator().manual_seed(seed))
+    else:
+        order = torch.arange(n_samples)
+    return list(order.split(mini_size))
+
+
+def mask_counts(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid tokens, sequences with a valid token) of a mini-batch: the loss denominators."""
+    return response_mask.sum().clamp(min=1), (response_mask.sum(-1) > 0).sum().clamp(min=1)
+
+
+def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
+                    role: str) -> float:
+    """Clip, check and step; a non-finite or missing gradient stops the run before it is applied."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if all(p.grad is None for p in params):
+        raise KeelError(NO_GRADIENT, f"no {role} parameter received a gradient in this mini-batch")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    if not torch.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise KeelError(NONFINITE_LOSS, f"{role} gradient norm is {grad_norm.item()}; the update "
+                        "was refused and the weights are unchanged")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.item()
+
+
+class MetricSums:
+    """Averages metrics over mini-batches (each weighted equally, like verl's logs)."""
+
+    def __init__(self):
+        self._sums: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
+
+    def add(self, name: str, value: float) -> None:
+        self._sums[name] = self._sums.get(name, 0.0) + float(value)
+        self._counts[name] = self._counts.get(name, 0) + 1
+
+    def means(self) -> dict[str, float]:
+        return {k: self._sums[k] / self._counts[k] for k in self._sums}

@@ -1,0 +1,82 @@
+"""Typed records passed between the stages of an RL step.
+
+N = samples in the batch (prompts x rollout.n), P = longest prompt (left-padded),
+R = longest response (right-padded). A full sequence is `[prompt | response]`, length P + R.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                 # -1: off
+    max_new_tokens: int = 512
+
+
+@dataclass
+class RolloutBatch:
+    prompt_ids: Tensor              # [N, P] left-padded
+    prompt_mask: Tensor             # [N, P] 1 on prompt tokens
+    response_ids: Tensor            # [N, R] right-padded after EOS
+    response_mask: Tensor           # [N, R] 1 on response tokens, EOS included
+    sampling_log_probs: Tensor      # [N, R] log-probs of the sampled tokens under the sampler
+    group_index: Tensor             # [N] samples of the same prompt share a value
+    records: list[Any]              # [N] the prompt's record (data_source, ground_truth, ...)
+    response_texts: list[str]       # [N]
+    truncated: Tensor               # [N] bool: hit max_response_length without EOS
+
+    # Filled in by later stages of the step.
+    scores: Tensor | None = None                # [N] outcome reward from the reward function
+    token_level_rewards: Tensor | None = None   # [N, R] score on the last token, minus KL if in reward
+    old_log_probs: Tensor | None = None         # [N, R] actor log-probs before the update
+    ref_log_probs: Tensor | None = None         # [N, R]
+    values: Tensor | None = None                # [N, R] critic values
+    advantages: Tensor | None = None            # [N, R]
+    returns: Tensor | None = None               # [N, R]
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def input_ids(self) -> Tensor:               # [N, P + R]
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:          # [N, P + R]
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def response_lengths(self) -> Tensor:        # [N]
+        return self.response_mask.sum(-1)
+
+    def select(self, index: Tensor | list[int]) -> "RolloutBatch":
+        """A sub-batch (mini- or micro-batch) with every per-sample field indexed alike."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        picked = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                picked[f.name] = value[index]
+            elif isinstance(value, list):
+                picked[f.name] = [value[i] for i in index.tolist()]
+            else:
+                picked[f.name] = value
+        return RolloutBatch(**picked)
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions that skip left padding, as `generate` computes them: [B, L] -> [B, L]."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.clamp(min=0)
