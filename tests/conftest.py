@@ -1,0 +1,59 @@
+"""Shared fixtures: a tiny random model, a prompt dataset and a reward with variance.
+
+Nothing is downloaded: the model and tokenizer are built by keel (keel.models.tiny).
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+REWARD_FILE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Share of digits in the response: varies across random samples, so advantages are non-zero."""
+    text = solution_str.strip()
+    return sum(ch.isdigit() for ch in text) / len(text) if text else 0.0
+'''
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def digit_rows(n: int, start: int = 0) -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": f"Digits please: {i}"}], "data_source": "digits",
+             "reward_model": {"ground_truth": str(i)}, "extra_info": {"index": i}}
+            for i in range(start, start + n)]
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory) -> dict[str, Path]:
+    from keel.models.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("assets")
+    return {
+        "model": make_tiny_model(root / "model", hidden_size=32, num_layers=2),
+        "train": write_jsonl(root / "train.jsonl", digit_rows(32)),
+        "val": write_jsonl(root / "val.jsonl", digit_rows(4, start=100)),
+        "reward": (root / "reward.py", (root / "reward.py").write_text(REWARD_FILE))[0],
+    }
+
+
+@pytest.fixture
+def tiny_config(tiny_assets, tmp_path) -> dict:
+    """A 2-step GRPO config small enough to run in a few seconds on CPU."""
+    return {
+        "data": {"train_files": [str(tiny_assets["train"])], "val_files": [str(tiny_assets["val"])],
+                 "max_prompt_length": 48, "max_response_length": 8, "train_batch_size": 4},
+        "actor_rollout_ref": {
+            "model": {"path": str(tiny_assets["model"])},
+            "actor": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 4,
+                      "optim": {"lr": 1e-3, "weight_decay": 0.0}},
+            "rollout": {"n": 4},
+        },
+        "algorithm": {"adv_estimator": "grpo"},
+        "custom_reward_function": {"path": str(tiny_assets["reward"])},
+        "trainer": {"total_training_steps": 2, "default_local_dir": str(tmp_path / "run"),
+                    "logger": [], "test_freq": 2},
+    }
