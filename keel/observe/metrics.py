@@ -66,24 +66,24 @@ class MetricsLogger:
         if console:
             from tqdm import tqdm
 
+            # No bar when stderr is a log file: carriage returns would bury the summary lines.
             self.bar = tqdm(total=total_steps, initial=start_step, desc="keel train", unit="step",
-                            file=sys.stderr, dynamic_ncols=True)
+                            file=sys.stderr, dynamic_ncols=True, disable=not sys.stderr.isatty())
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         append_jsonl(self.metrics_path, {"step": step, **metrics})
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
-            self.bar.write(summary_line(step, metrics))
+        self.write(summary_line(step, metrics))
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
         for sample in samples:
             append_jsonl(self.samples_path, {"step": step, **sample})
 
     def write(self, text: str) -> None:
+        """Print above the progress bar without breaking it."""
         if self.bar is not None:
-            self.bar.write(text)
-        elif self.console:
-            print(text, file=sys.stderr)
+            self.bar.write(text, file=sys.stderr)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -1,0 +1,65 @@
+"""Checkpoints are atomic: a crash mid-write never leaves one that looks complete."""
+
+import pytest
+
+from keel import checkpoint as ckpt
+from keel.diagnostics.codes import RESUME_PATH, KeelError
+
+
+def write_files(tmp):
+    (tmp / "weights.bin").write_bytes(b"\x00" * 16)
+
+
+def test_save_publishes_complete_checkpoint_and_latest(tmp_path):
+    path = ckpt.save_checkpoint(tmp_path, 3, write_files)
+    assert path == tmp_path / "global_step_3" and ckpt.is_complete(path)
+    assert (tmp_path / ckpt.LATEST).read_text() == "3"
+    assert ckpt.find_resume_checkpoint(tmp_path, "auto") == path
+    assert ckpt.checkpoint_step(path) == 3
+
+
+def test_crash_mid_write_leaves_previous_checkpoint_as_latest(tmp_path):
+    ckpt.save_checkpoint(tmp_path, 2, write_files)
+
+    def crash(tmp):
+        write_files(tmp)
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        ckpt.save_checkpoint(tmp_path, 4, crash)
+    assert not (tmp_path / "global_step_4").exists()
+    assert ckpt.find_resume_checkpoint(tmp_path, "auto") == tmp_path / "global_step_2"
+    # the next save of step 4 cleans the leftover and succeeds
+    ckpt.save_checkpoint(tmp_path, 4, write_files)
+    assert ckpt.find_resume_checkpoint(tmp_path, "auto") == tmp_path / "global_step_4"
+
+
+def test_auto_falls_back_to_newest_complete_when_latest_points_at_a_broken_one(tmp_path):
+    ckpt.save_checkpoint(tmp_path, 2, write_files)
+    (tmp_path / "global_step_5").mkdir()          # e.g. copied by hand, no COMPLETE marker
+    (tmp_path / ckpt.LATEST).write_text("5")
+    assert ckpt.find_resume_checkpoint(tmp_path, "auto") == tmp_path / "global_step_2"
+
+
+def test_resume_modes(tmp_path):
+    assert ckpt.find_resume_checkpoint(tmp_path, "auto") is None      # nothing there yet
+    path = ckpt.save_checkpoint(tmp_path, 1, write_files)
+    assert ckpt.find_resume_checkpoint(tmp_path, "disable") is None
+    assert ckpt.find_resume_checkpoint(tmp_path, str(path)) == path
+    with pytest.raises(KeelError) as info:
+        ckpt.find_resume_checkpoint(tmp_path, str(tmp_path / "global_step_9"))
+    assert info.value.code == RESUME_PATH
+
+
+def test_keep_only_the_newest(tmp_path):
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(tmp_path, step, write_files, max_to_keep=2)
+    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_2", "global_step_3"]
+
+
+def test_export_refuses_an_incomplete_checkpoint(tmp_path):
+    (tmp_path / "global_step_1" / "actor").mkdir(parents=True)
+    with pytest.raises(KeelError) as info:
+        ckpt.export_checkpoint(tmp_path / "global_step_1", tmp_path / "out")
+    assert info.value.code == RESUME_PATH
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,114 @@
+"""Config loading: verl key names, overrides, typed validation, the batch plan."""
+
+import pytest
+
+from keel.config.load import all_keys, load_config
+from keel.config.plan import make_plan
+from keel.diagnostics.codes import (BAD_OVERRIDE, BAD_VALUE, BATCH_ARITHMETIC, CONFIG_FILE,
+                                    INCOMPATIBLE_OPTIONS, UNKNOWN_KEY, KeelError)
+
+BASE = {"data": {"train_files": ["train.jsonl"]}, "actor_rollout_ref": {"model": {"path": "model"}}}
+
+
+def error_of(overrides, base=BASE) -> KeelError:
+    with pytest.raises(KeelError) as info:
+        load_config(base, overrides)
+    return info.value
+
+
+def test_yaml_file_and_overrides_use_verl_names(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("data:\n  train_files: [a.parquet]\n  train_batch_size: 16\n"
+                    "actor_rollout_ref:\n  model: {path: m}\n")
+    cfg = load_config(path, ["actor_rollout_ref.rollout.n=4", "algorithm.adv_estimator=grpo",
+                             "actor_rollout_ref.actor.optim.lr=1e-5", "trainer.logger=[console]"])
+    assert cfg.data.train_batch_size == 16
+    assert cfg.actor_rollout_ref.rollout.n == 4
+    assert cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-5  # YAML reads 1e-5 as a string; coerced
+    assert cfg.trainer.logger == ["console"]
+    assert not cfg.critic_enabled  # grpo needs no critic
+
+
+@pytest.mark.parametrize("override, suggestion", [
+    ("actor_rollout_ref.actor.ppo_mini_batch_szie=4", "actor_rollout_ref.actor.ppo_mini_batch_size"),
+    ("trainer.sav_freq=2", "trainer.save_freq"),
+    ("actor.ppo_epochs=2", "actor_rollout_ref.actor.ppo_epochs"),  # section left out
+])
+def test_unknown_key_names_the_closest_valid_key(override, suggestion):
+    err = error_of([override])
+    assert err.code == UNKNOWN_KEY
+    assert f"did you mean {suggestion!r}" in err.message
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("data.max_prompt_length=abc", "must be an integer"),
+    ("data.max_prompt_length=0", "must be > 0"),
+    ("trainer.device=tpu", "not one of"),
+    ("data.truncation=middle", "not one of"),
+    ("actor_rollout_ref.actor.optim.lr=fast", "must be a number"),
+    ("data.shuffle=maybe", "true or false"),
+])
+def test_bad_values_are_rejected_with_what_to_set(override, needle):
+    err = error_of([override])
+    assert err.code == BAD_VALUE
+    assert needle in err.message
+    assert override.split("=")[0] in err.fix
+
+
+def test_malformed_override():
+    assert error_of(["data.train_batch_size"]).code == BAD_OVERRIDE
+
+
+def test_missing_or_invalid_config_file(tmp_path):
+    assert error_of(None, base=str(tmp_path / "nope.yaml")).code == CONFIG_FILE
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    assert error_of(None, base=str(bad)).code == CONFIG_FILE
+
+
+def test_batch_arithmetic_names_the_numbers():
+    err = error_of(["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
+    assert err.code == BATCH_ARITHMETIC
+    assert "data.train_batch_size=6" in err.message and "ppo_mini_batch_size=4" in err.message
+    assert "e.g. 3" in err.fix  # the largest divisor of 6 not above 4
+
+    err = error_of(["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                    "actor_rollout_ref.rollout.n=3", "algorithm.adv_estimator=grpo",
+                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"])
+    # 2 prompts x n=3 = 6 samples per mini-batch, not a multiple of 4
+    assert err.code == BATCH_ARITHMETIC and "6 samples" in err.message
+
+
+@pytest.mark.parametrize("overrides", [
+    ["algorithm.adv_estimator=grpo"],  # n=1: every group advantage would be 0
+    ["algorithm.adv_estimator=gae", "critic.enable=false"],
+    ["trainer.n_gpus_per_node=2"],
+])
+def test_incompatible_options(overrides):
+    assert error_of(overrides).code == INCOMPATIBLE_OPTIONS
+
+
+def test_batch_plan_counts():
+    cfg = load_config(BASE, ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
+                             "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                             "actor_rollout_ref.actor.ppo_epochs=2", "data.max_prompt_length=10",
+                             "data.max_response_length=6"])
+    plan = make_plan(cfg)
+    assert plan.prompts_per_step == 8
+    assert plan.samples_per_step == 32                 # 8 prompts x n=4
+    assert plan.actor.mini_batches == 4                # 8 / 2 prompts
+    assert plan.actor.samples_per_mini_batch == 8      # 2 prompts x 4
+    assert plan.actor.micro_batches_per_mini_batch == 2  # 8 / 4
+    assert plan.actor.optimizer_steps_per_rollout == 8   # 4 mini-batches x 2 epochs
+    assert plan.critic is not None                     # gae has a critic, with the actor's sizes
+    assert plan.max_tokens_per_step == 32 * 16         # samples x (10 + 6)
+    assert "samples per step (x rollout.n)" in plan.render()
+
+
+def test_every_key_is_reachable():
+    keys = all_keys()
+    assert "actor_rollout_ref.actor.policy_loss.loss_mode" in keys
+    assert "algorithm.kl_ctrl.kl_coef" in keys
+    assert len(keys) == len(set(keys))
