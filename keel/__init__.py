@@ -11,3 +11,19 @@ def _version() -> str:
 
 
 __version__ = _version()
+
+
+def __getattr__(name: str):
+    """The Python API, imported on first use so `import keel` stays light."""
+    if name in ("train", "RLTrainer"):
+        from keel.trainer import rl
+
+        return getattr(rl, name)
+    if name == "load_config":
+        from keel.config.load import load_config
+
+        return load_config
+    raise AttributeError(f"module 'keel' has no attribute {name!r}")
+
+
+__all__ = ["__version__", "train", "RLTrainer", "load_config"]

@@ -32,8 +32,7 @@ UNKNOWN_KEY = _code(
     "KEEL-C001", "Unknown configuration key",
     "A key in the YAML file or a command-line override is not part of keel's configuration; "
     "other frameworks ignore such keys silently, so a misspelt key would never take effect.",
-    "Correct the spelling to the suggested key, or remove it. `keel train --help` lists sections; "
-    "the README lists every key.")
+    "Correct the spelling to the suggested key, or remove it; docs/config.md lists every key.")
 BAD_VALUE = _code(
     "KEEL-C002", "Configuration value of the wrong type or out of range",
     "A configuration value cannot be converted to the key's type, is outside its allowed range, "
@@ -73,7 +72,7 @@ MODEL_PATH = _code(
     "The model path does not exist or has no `config.json`; keel loads models from local "
     "directories only.",
     "Point `actor_rollout_ref.model.path` (or `critic.model.path`) at a directory saved by "
-    "`save_pretrained`, or build a tiny model with `keel.models.tiny`.",
+    "`save_pretrained`, or build a tiny model with `keel.models.tiny.make_tiny_model`.",
     ("actor_rollout_ref.model.path", "critic.model.path"))
 NO_EOS = _code(
     "KEEL-M002", "Tokenizer has no EOS token",
@@ -124,9 +123,9 @@ NO_SCORER = _code(
     "KEEL-R002", "No scorer for a data_source",
     "A row's `data_source` matches no built-in scorer and no custom reward function is set; "
     "scoring it as 0 would look like a model that never learns.",
-    "Set `custom_reward_function.path`, or name a built-in scorer with `reward_model.reward_manager`"
-    " style mapping `reward.scorer` (exact_match, gsm8k).",
-    ("custom_reward_function.path", "reward.scorer"))
+    "Set `custom_reward_function.path` to a file with your scorer, or set the rows' data_source to "
+    "one a built-in scorer serves (gsm8k, openai/gsm8k, exact_match).",
+    ("custom_reward_function.path", "custom_reward_function.name"))
 REWARD_NOT_NUMBER = _code(
     "KEEL-R003", "Reward function returned a non-finite number or a non-number",
     "The reward function returned None, a string, NaN or infinity for a sample.",

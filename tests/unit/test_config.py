@@ -112,3 +112,13 @@ def test_every_key_is_reachable():
     assert "actor_rollout_ref.actor.policy_loss.loss_mode" in keys
     assert "algorithm.kl_ctrl.kl_coef" in keys
     assert len(keys) == len(set(keys))
+
+
+def test_config_reference_lists_every_key():
+    from pathlib import Path
+
+    from keel.config.docs import render_reference
+
+    doc = Path(__file__).parents[2] / "docs" / "config.md"
+    assert doc.read_text() == render_reference(), "regenerate: python -m keel.config.docs > docs/config.md"
+    assert all(f"`{key}`" in doc.read_text() for key in all_keys())
