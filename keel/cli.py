@@ -77,3 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(e.render(), file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: checkpoints already written are complete; run the same command to resume "
+              "(trainer.resume_mode=auto)", file=sys.stderr)
+        return 130
