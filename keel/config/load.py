@@ -204,9 +204,10 @@ def _check_field(f: dataclasses.Field, value: Any, dotted: str):
     if value is None:
         return value
     choices = meta.get("choices")
-    if choices and value not in choices:
-        raise KeelError(BAD_VALUE, f"{dotted}={value!r} is not one of {list(choices)}",
-                        f"set {dotted} to one of {', '.join(map(str, choices))}")
+    for item in value if isinstance(value, list) else [value]:
+        if choices and item not in choices:
+            raise KeelError(BAD_VALUE, f"{dotted}: {item!r} is not one of {list(choices)}",
+                            f"set {dotted} to one of {', '.join(map(str, choices))}")
     for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
                             ("le", lambda v, b: v <= b, "<=")):
         b = meta.get(bound)

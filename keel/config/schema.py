@@ -188,7 +188,8 @@ class TrainerConfig:
     resume_mode: str = opt("auto", help="auto | disable | path of a global_step_<N> dir")
     seed: int = opt(1)
     device: str = opt("auto", choices=("auto", "cpu", "cuda"))
-    logger: list[str] = opt(factory=lambda: ["console"], help="console; metrics.jsonl is always written")
+    logger: list[str] = opt(factory=lambda: ["console"], choices=("console",),
+                            help="console; metrics.jsonl is always written")
     log_samples: int = opt(4, ge=0, help="samples per step written to samples.jsonl")
     n_gpus_per_node: int = opt(1, gt=0)
     nnodes: int = opt(1, gt=0)

@@ -65,6 +65,13 @@ RESUME_PATH = _code(
     "completion marker (it was being written when a run stopped).",
     "Point `trainer.resume_mode` at a complete `global_step_<N>` directory, or use `auto`/`disable`.",
     ("trainer.resume_mode",))
+RESUME_MISMATCH = _code(
+    "KEEL-C008", "Checkpoint does not match the current config or data",
+    "The run directory holds a checkpoint from a run with a different dataset size, batch size or "
+    "set of models (e.g. a critic); continuing from it would not be the same run.",
+    "Resume with the config the checkpoint was made with, set `trainer.resume_mode=disable` to "
+    "start fresh in this directory, or choose another `trainer.experiment_name`.",
+    ("trainer.resume_mode", "trainer.default_local_dir"))
 
 # --- M: model / tokenizer ---------------------------------------------------------------------
 MODEL_PATH = _code(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from transformers import LogitsProcessor
 
 from keel.types import RolloutBatch, SamplingParams
 
@@ -51,7 +52,7 @@ class HFRolloutEngine:
         from transformers import GenerationConfig
 
         device = next(self.model.parameters()).device
-        greedy = not params.do_sample or params.temperature == 0
+        greedy = not params.do_sample or params.temperature == 0  # temperature 0 means greedy
         gen_config = GenerationConfig(
             do_sample=not greedy,
             temperature=1.0 if greedy else params.temperature,
@@ -62,17 +63,40 @@ class HFRolloutEngine:
             pad_token_id=self.tokenizer.pad_token_id,
             use_cache=True,
         )
-        out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                  generation_config=gen_config, return_dict_in_generate=True,
-                                  output_logits=True)
-        response_ids = out.sequences[:, input_ids.shape[1]:].cpu()                 # [B, R]
         # Raw logits scaled by temperature: the distribution the trainer recomputes, so the
         # sampler/trainer log-prob gap measures numerics, not top-p/top-k truncation.
-        logits = torch.stack(out.logits, dim=1).float()                           # [B, R, V]
-        temperature = 1.0 if greedy else params.temperature
-        log_probs = torch.log_softmax(logits / temperature, dim=-1)
-        sampled = log_probs.gather(-1, response_ids.to(logits.device).unsqueeze(-1)).squeeze(-1)
-        return response_ids, sampled.cpu()                                         # [B, R] x2
+        recorder = _SampledLogProbs(1.0 if greedy else params.temperature)
+        sequences = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                        generation_config=gen_config, logits_processor=[recorder])
+        return sequences[:, input_ids.shape[1]:].cpu(), recorder.finish(sequences).cpu()   # [B, R] x2
+
+
+class _SampledLogProbs(LogitsProcessor):
+    """Log-prob of each sampled token, without keeping the [B, R, V] logits of the whole rollout.
+
+    Custom processors run before transformers' sampling warpers, so they see the raw logits. At
+    step t the processor keeps that step's log-softmax [B, V]; at step t + 1 the token sampled from
+    it is the last column of `input_ids`, and only its log-prob is kept.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.pending: Tensor | None = None                                         # [B, V]
+        self.picked: list[Tensor] = []                                             # R x [B]
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        self._collect(input_ids)
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _collect(self, input_ids: Tensor) -> None:
+        if self.pending is not None:
+            self.picked.append(self.pending.gather(-1, input_ids[:, -1:]).squeeze(-1))
+
+    def finish(self, sequences: Tensor) -> Tensor:                                 # -> [B, R]
+        self._collect(sequences)  # the token sampled at the last step
+        self.pending = None
+        return torch.stack(self.picked, dim=1)
 
 
 def _cat_right_padded(chunks: list[tuple[Tensor, Tensor]], pad_id: int) -> tuple[Tensor, Tensor]:

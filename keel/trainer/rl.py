@@ -20,6 +20,7 @@ from keel.config.load import load_config, to_yaml
 from keel.config.plan import make_plan
 from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptBatch, collate_prompts
+from keel.diagnostics.codes import RESUME_MISMATCH, KeelError
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
 from keel.observe.metrics import MetricsLogger, Timer, truncate_jsonl
 from keel.training.forward import batched_log_probs
@@ -147,14 +148,14 @@ class RLTrainer:
 
     # --- run directory and checkpoints ---------------------------------------------------------
     def _open_run_dir(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
-        (self.run_dir / "batch_plan.json").write_text(json.dumps(make_plan(self.cfg).as_dict(), indent=2))
         keep_until = -1  # a fresh run starts empty logs
-        if self.resume_from is not None:
+        if self.resume_from is not None:  # loaded first: a mismatch must leave the directory as it was
             self.load(self.resume_from)
             log.info("resumed from %s at step %d", self.resume_from, self.step)
             keep_until = self.step  # a resumed run redoes the steps after its checkpoint
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
+        (self.run_dir / "batch_plan.json").write_text(json.dumps(make_plan(self.cfg).as_dict(), indent=2))
         for name in ("metrics.jsonl", "samples.jsonl"):
             truncate_jsonl(self.run_dir / name, keep_until)
 
@@ -176,6 +177,9 @@ class RLTrainer:
     def load(self, path: Path) -> None:
         """Restore everything but the actor weights, which `build_components` loaded from `path`."""
         c = self.c
+        if (c.critic is not None) != (path / "critic").is_dir():
+            raise KeelError(RESUME_MISMATCH, f"{path} was saved {'without' if c.critic else 'with'} a critic, "
+                            f"but this config {'has' if c.critic else 'has no'} critic")
         c.actor.load_state_dict(torch.load(path / "actor_optim.pt", weights_only=False))
         if c.critic is not None:
             state = torch.load(path / "critic" / "critic.pt", weights_only=False)
@@ -183,7 +187,10 @@ class RLTrainer:
             c.critic.load_state_dict(state)
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         self.step = state["step"]
-        c.sampler.load_state_dict(state["sampler"])
+        try:
+            c.sampler.load_state_dict(state["sampler"])
+        except ValueError as e:  # the dataset or batch size changed since the checkpoint
+            raise KeelError(RESUME_MISMATCH, f"{path}: {e}") from e
         c.kl_ctrl.load_state_dict(state["kl_ctrl"])
         ckpt.set_rng_state(state["rng"])
 

@@ -156,3 +156,17 @@ def test_exported_checkpoint_loads_and_generates(tiny_config, tmp_path):
     inputs = tokenizer("Digits please: 7", return_tensors="pt")
     generated = model.generate(**inputs, max_new_tokens=5, do_sample=False)
     assert generated.shape[1] > inputs["input_ids"].shape[1]
+
+
+def test_resume_with_a_different_batch_size_is_refused(tiny_config):
+    from keel.diagnostics.codes import RESUME_MISMATCH, KeelError
+    from keel.trainer.rl import train
+
+    train(tiny_config)
+    run_dir = Path(tiny_config["trainer"]["default_local_dir"])
+    before = {name: (run_dir / name).read_text() for name in ("metrics.jsonl", "config.yaml")}
+    with pytest.raises(KeelError) as info:
+        train(tiny_config, {"data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 1,
+                            "trainer.total_training_steps": 4})
+    assert info.value.code == RESUME_MISMATCH
+    assert {name: (run_dir / name).read_text() for name in before} == before  # the run directory is untouched

@@ -48,6 +48,7 @@ def test_unknown_key_names_the_closest_valid_key(override, suggestion):
     ("data.truncation=middle", "not one of"),
     ("actor_rollout_ref.actor.optim.lr=fast", "must be a number"),
     ("data.shuffle=maybe", "true or false"),
+    ("trainer.logger=[console,wandb]", "'wandb' is not one of"),  # never silently dropped
 ])
 def test_bad_values_are_rejected_with_what_to_set(override, needle):
     err = error_of([override])

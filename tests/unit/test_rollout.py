@@ -32,7 +32,8 @@ def _engine_and_prompts(tiny_assets, n):
 def test_n_samples_per_prompt_and_sampler_log_probs_match_the_trainer(tiny_assets):
     engine, model, prompts = _engine_and_prompts(tiny_assets, n=4)
     torch.manual_seed(0)
-    batch = engine.generate(prompts, SamplingParams(n=4, temperature=0.7, max_new_tokens=6))
+    # top-k/top-p truncate what is sampled, but the log-probs are those of the full distribution
+    batch = engine.generate(prompts, SamplingParams(n=4, temperature=0.7, top_k=20, top_p=0.95, max_new_tokens=6))
 
     assert len(batch) == 8 and batch.group_index.tolist() == [0] * 4 + [1] * 4
     assert batch.response_ids.shape[1] <= 6
