@@ -43,7 +43,12 @@ def batch_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, fl
     return metrics
 
 
-def throughput_metrics(batch: RolloutBatch, step_seconds: float, n_gpus: int = 1) -> dict[str, float]:
+def throughput_metrics(batch: RolloutBatch, step_seconds: float, device: torch.device,
+                       n_gpus: int = 1) -> dict[str, float]:
+    """Prompt and response tokens per second per GPU over the whole step (verl's perf/throughput)."""
     tokens = batch.attention_mask.sum().item()
-    return {"perf/total_num_tokens": float(tokens),
-            "perf/throughput": tokens / max(step_seconds, 1e-9) / n_gpus}
+    metrics = {"perf/total_num_tokens": float(tokens),
+               "perf/throughput": tokens / max(step_seconds, 1e-9) / n_gpus}
+    if device.type == "cuda":
+        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return metrics

@@ -23,7 +23,6 @@ from keel.data.prompts import PromptBatch, collate_prompts
 from keel.diagnostics.codes import RESUME_MISMATCH, KeelError
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
 from keel.observe.metrics import MetricsLogger, Timer, truncate_jsonl
-from keel.training.forward import batched_log_probs
 from keel.trainer.setup import Components, build_components, needs_baseline_rollout
 from keel.trainer.validate import validate
 from keel.types import RolloutBatch, SamplingParams
@@ -80,16 +79,17 @@ class RLTrainer:
             prompts = collate_prompts([c.train_data[i] for i in c.sampler.next_batch()], c.tokenizer.pad_token_id)
             with timer("gen"):
                 batch = c.rollout.generate(prompts.repeat_interleave(self.sampling.n), self.sampling)
+            baseline = None
+            if needs_baseline_rollout(self.cfg):
+                with timer("gen_baseline"):
+                    baseline = self._baseline_scores(prompts)
             with timer("reward"):
                 batch.scores = c.reward.score(batch.records, batch.response_texts)
-                baseline = self._baseline_scores(prompts) if needs_baseline_rollout(self.cfg) else None
             with timer("old_log_prob"):
                 batch.old_log_probs = c.actor.compute_log_probs(batch)
-            if c.ref_model is not None:
+            if c.ref is not None:
                 with timer("ref"):
-                    batch.ref_log_probs = batched_log_probs(
-                        c.ref_model, batch, self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
-                        self.sampling.temperature)
+                    batch.ref_log_probs = c.ref.compute_log_probs(batch)
             if c.critic is not None:
                 with timer("values"):
                     batch.values = c.critic.compute_values(batch)
@@ -109,7 +109,8 @@ class RLTrainer:
                 c.rollout.sync_weights(c.actor.model)
         logger.log_samples(self.step, self._samples(batch))
         return {**metrics, **batch_metrics(batch, self.cfg.data.max_response_length), **timer.metrics(),
-                **throughput_metrics(batch, timer.times["step"]), "training/epoch": float(c.sampler.epoch)}
+                **throughput_metrics(batch, timer.times["step"], c.device),
+                "training/global_step": float(self.step), "training/epoch": float(c.sampler.epoch)}
 
     # --- pieces of the step --------------------------------------------------------------------
     def _assign_rewards(self, batch: RolloutBatch) -> dict[str, float]:
@@ -138,9 +139,10 @@ class RLTrainer:
                         self.cfg.actor_rollout_ref.rollout.val_kwargs, self.cfg.data)
 
     def _samples(self, batch: RolloutBatch) -> list[dict]:
+        rewards = batch.token_level_rewards.sum(-1).tolist()  # the score, minus KL when it is in the reward
         return [{"data_source": r.data_source, "prompt": r.prompt_text, "response": text,
-                 "ground_truth": r.ground_truth, "score": score}
-                for r, text, score in zip(batch.records, batch.response_texts, batch.scores.tolist())
+                 "ground_truth": r.ground_truth, "score": score, "reward": reward}
+                for r, text, score, reward in zip(batch.records, batch.response_texts, batch.scores.tolist(), rewards)
                 ][: self.cfg.trainer.log_samples]
 
     def _due(self, freq: int) -> bool:

@@ -25,6 +25,7 @@ from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
 from keel.rollout.hf import HFRolloutEngine
 from keel.training.actor import ActorTrainer
 from keel.training.critic import CriticTrainer
+from keel.training.reference import ReferencePolicy
 
 log = logging.getLogger("keel")
 
@@ -37,7 +38,7 @@ class Components:
     sampler: ResumableSampler
     actor: ActorTrainer
     rollout: HFRolloutEngine
-    ref_model: torch.nn.Module | None
+    ref: ReferencePolicy | None
     critic: CriticTrainer | None
     reward: RewardScorer
     kl_ctrl: object
@@ -93,13 +94,13 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None) -> Comp
                            arr.model.enable_gradient_checkpointing)
     actor = ActorTrainer(model, arr.actor, arr.rollout.n, arr.rollout.temperature, total_steps,
                          arr.rollout.log_prob_micro_batch_size_per_gpu)
-    ref_model = None
+    ref = None
     if cfg.ref_enabled:  # the reference is always the starting policy, even on resume
-        ref_model = load_causal_lm(arr.model.path, dtype, device, arr.model.trust_remote_code).eval()
-        ref_model.requires_grad_(False)
+        ref = ReferencePolicy(load_causal_lm(arr.model.path, dtype, device, arr.model.trust_remote_code),
+                              arr.ref.log_prob_micro_batch_size_per_gpu, arr.rollout.temperature)
     return Components(
         tokenizer=tokenizer, train_data=train_data, val_data=val_data, sampler=sampler, actor=actor,
-        rollout=HFRolloutEngine(model, tokenizer, arr.rollout.max_num_seqs), ref_model=ref_model,
+        rollout=HFRolloutEngine(model, tokenizer, arr.rollout.max_num_seqs), ref=ref,
         critic=build_critic(cfg, device, total_steps) if cfg.critic_enabled else None, reward=reward,
         kl_ctrl=make_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                    cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon),

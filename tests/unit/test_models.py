@@ -1,0 +1,33 @@
+"""Tiny models and the critic: what tests, examples and the demo are built on."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from keel.models.load import load_critic
+from keel.models.tiny import make_tiny_model
+
+
+@pytest.mark.parametrize("arch, expected_class", [("qwen2", "Qwen2ForCausalLM"), ("llama", "LlamaForCausalLM")])
+def test_tiny_model_loads_like_any_hugging_face_checkpoint(arch, expected_class, tmp_path):
+    path = make_tiny_model(tmp_path / arch, arch=arch, hidden_size=32)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert type(model).__name__ == expected_class
+    assert model.get_input_embeddings().num_embeddings >= len(tokenizer)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "12+5"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text  # lossless round trip
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token_id is not None
+
+
+def test_critic_gives_one_value_per_token(tiny_assets):
+    critic = load_critic(tiny_assets["model"], torch.float32, torch.device("cpu"))
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    mask = torch.ones_like(ids)
+    values = critic(ids, mask, torch.arange(3).expand(2, 3))
+    assert values.shape == (2, 3)
+    values.sum().backward()
+    assert critic.value_head.weight.grad is not None
+    assert any(p.grad is not None for p in critic.backbone.parameters())
