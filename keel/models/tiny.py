@@ -1,13 +1,12 @@
 """Tiny models and a tokenizer built by keel itself, for tests, examples and the demo.
 
-Nothing is downloaded: the tokenizer is character-level (every printable ASCII character is a
-token, plus chat special tokens) and the model is a Qwen2 or Llama architecture with random
-weights, saved with `save_pretrained` so it loads like any Hugging Face checkpoint.
+Nothing is downloaded: the tokenizer is byte-level (one token per byte, plus chat special tokens)
+and the model is a Qwen2 or Llama architecture with random weights, saved with `save_pretrained`
+so it loads like any Hugging Face checkpoint.
 """
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 
 PAD, EOS, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -23,22 +22,35 @@ CHAT_TEMPLATE = (
 )
 
 
+# Qwen2's pre-tokenizer split: contractions, words, single digits, punctuation runs, newlines.
+_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
 def build_tokenizer(with_pad: bool = True):
-    """A character-level fast tokenizer with a ChatML chat template; EOS is <|im_end|>."""
+    """A byte-level fast tokenizer with one token per byte (no merges) and a ChatML template.
+
+    It is built the way Qwen2's tokenizer is (regex split, byte-level alphabet, BPE), so it
+    tokenizes identically whichever class `AutoTokenizer` picks for the model type: transformers 5
+    loads a `qwen2` checkpoint's tokenizer.json through `Qwen2Tokenizer`, which keeps the vocabulary
+    but replaces the pipeline. Any UTF-8 text round-trips; EOS is <|im_end|>.
+    """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = list(string.printable)  # digits, letters, punctuation, whitespace
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ["<unk>"] + chars)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # 256 printable stand-ins for the bytes
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,
         pad_token=PAD if with_pad else None,
-        unk_token="<unk>",
         additional_special_tokens=[EOS, IM_START],
         model_max_length=2048,
     )
@@ -76,6 +88,9 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", seed: int = 0, wit
     import torch
     from transformers import AutoModelForCausalLM
 
+    from keel.models.load import quiet_transformers
+
+    quiet_transformers()
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(with_pad=with_pad)
     # Round the vocabulary up to a multiple of 8, as real checkpoints do (embedding rows > tokens).
