@@ -61,6 +61,26 @@ def save_checkpoint(run_dir: Path, step: int, write: Callable[[Path], None],
     return final
 
 
+def write_policy(directory: Path, model, tokenizer) -> None:
+    """A Hugging Face model directory: weights, config and tokenizer."""
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def init_run_dir(run_dir: Path, config_yaml: str, resumed_step: int | None) -> None:
+    """Write the resolved config; keep the logs of the steps a resumed run will not redo.
+
+    A fresh run (`resumed_step` None) starts empty logs; a resumed one drops the records after its
+    checkpoint, which it is about to redo.
+    """
+    from keel.observe.metrics import truncate_jsonl
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config_yaml)
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        truncate_jsonl(run_dir / name, -1 if resumed_step is None else resumed_step)
+
+
 def find_resume_checkpoint(run_dir: Path, resume_mode: str) -> Path | None:
     """The checkpoint to resume from: None to start fresh."""
     if resume_mode == "disable":

@@ -22,6 +22,15 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_sft(args) -> int:
+    from keel.trainer.sft import sft
+
+    result = sft(args.config, args.overrides)
+    print(f"done: {result.last_step} steps; the fine-tuned model is {result.run_dir} "
+          "(use it as actor_rollout_ref.model.path)")
+    return 0
+
+
 def _cmd_export(args) -> int:
     from keel.checkpoint import export_checkpoint
 
@@ -54,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML config file")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides")
     train.set_defaults(func=_cmd_train)
+
+    sft_cmd = sub.add_parser("sft", help="supervised fine-tuning on chat data")
+    sft_cmd.add_argument("config", help="YAML config file")
+    sft_cmd.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    sft_cmd.set_defaults(func=_cmd_sft)
 
     export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face directory")
     export.add_argument("checkpoint", help="a global_step_<N> directory")

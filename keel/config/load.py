@@ -1,4 +1,4 @@
-"""Build a `KeelConfig` from YAML, a dict or an object, plus `key=value` overrides.
+"""Build a config tree (`KeelConfig`, `SFTConfig`) from YAML, a dict or an object, plus overrides.
 
 Unknown keys are errors that name the closest valid key: a misspelt key silently ignored is one of
 the traps keel exists to remove.
@@ -15,19 +15,23 @@ from typing import Any
 
 import yaml
 
-from keel.config.schema import KeelConfig, validate
+from keel.config.schema import KeelConfig
 from keel.diagnostics.codes import BAD_OVERRIDE, BAD_VALUE, CONFIG_FILE, UNKNOWN_KEY, KeelError
 
 
 
-def load_config(source: str | Path | dict | KeelConfig | None = None,
-                overrides: list[str] | dict[str, Any] | None = None) -> KeelConfig:
-    """The one way to get a validated config: from a YAML path, a nested dict or a config object."""
+def load_config(source: str | Path | dict | Any | None = None,
+                overrides: list[str] | dict[str, Any] | None = None, schema: type = KeelConfig):
+    """The one way to get a validated config: from a YAML path, a nested dict or a config object.
+
+    `schema` is the root dataclass (KeelConfig for RL, SFTConfig for SFT); its `validate()` checks
+    the rules that span several keys.
+    """
     tree = _as_tree(source)
     for key, value in _parse_overrides(overrides):
         _set_dotted(tree, key, value)
-    cfg = _build(KeelConfig, tree, prefix="")
-    validate(cfg)
+    cfg = _build(schema, tree, prefix="", schema=schema)
+    cfg.validate()
     return cfg
 
 
@@ -35,7 +39,7 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def to_yaml(cfg: KeelConfig) -> str:
+def to_yaml(cfg) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
@@ -54,7 +58,7 @@ def all_keys(cls: type = KeelConfig, prefix: str = "") -> list[str]:
 def _as_tree(source) -> dict:
     if source is None:
         return {}
-    if isinstance(source, KeelConfig):
+    if dataclasses.is_dataclass(source):
         return to_dict(source)
     if isinstance(source, dict):
         return _deep_copy(source)
@@ -102,20 +106,20 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 # --- building the typed tree -------------------------------------------------------------------
 
-def _build(cls: type, tree: Any, prefix: str):
+def _build(cls: type, tree: Any, prefix: str, schema: type):
     if not isinstance(tree, dict):
         raise KeelError(BAD_VALUE, f"{prefix.rstrip('.') or 'config'} must be a mapping, got {tree!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in tree.items():
         if key not in fields:
-            _unknown_key(f"{prefix}{key}" + _first_leaf(value))
+            _unknown_key(f"{prefix}{key}" + _first_leaf(value), schema)
     kwargs = {}
     for name, value in tree.items():
         f = fields[name]
         dotted = f"{prefix}{name}"
         sub = _dataclass_type(f.type, cls)
         if sub is not None:
-            kwargs[name] = _build(sub, value if value is not None else {}, dotted + ".")
+            kwargs[name] = _build(sub, value if value is not None else {}, dotted + ".", schema)
         else:
             kwargs[name] = _check_field(f, _coerce(value, _resolve(f.type, cls), dotted), dotted)
     return cls(**kwargs)
@@ -129,8 +133,8 @@ def _first_leaf(value: Any) -> str:
     return ""
 
 
-def _unknown_key(dotted: str):
-    valid = all_keys()
+def _unknown_key(dotted: str, schema: type):
+    valid = all_keys(schema)
     # A right key under a missing section (`actor.ppo_epochs`) is matched by its suffix first.
     close = [k for k in valid if k.endswith("." + dotted)][:1]
     close = close or difflib.get_close_matches(dotted, valid, n=1, cutoff=0.6)

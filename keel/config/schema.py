@@ -220,11 +220,10 @@ class KeelConfig:
         t = self.trainer
         return t.default_local_dir or f"checkpoints/{t.project_name}/{t.experiment_name}"
 
-
-def validate(cfg: KeelConfig) -> None:
-    """Cross-field rules; single fields are checked by the loader."""
-    _check_batch_arithmetic(cfg)
-    _check_options(cfg)
+    def validate(self) -> None:
+        """Cross-field rules; single fields are checked by the loader."""
+        _check_batch_arithmetic(self)
+        _check_options(self)
 
 
 def _check_batch_arithmetic(cfg: KeelConfig) -> None:

@@ -117,6 +117,18 @@ DATA_EMPTY = _code(
     "step could run.",
     "Add data, lower `data.train_batch_size`, or relax the overlong-prompt filter.",
     ("data.train_batch_size", "data.filter_overlong_prompts"))
+SFT_TOO_LONG = _code(
+    "KEEL-D005", "SFT example longer than data.max_length",
+    "With `data.truncation=error`, an example over the limit stops the run rather than being cut "
+    "silently (a cut example may lose the very answer it should teach).",
+    "Raise `data.max_length`, or set `data.truncation` to `right` (keep the start) or `left`.",
+    ("data.max_length", "data.truncation"))
+NO_ASSISTANT_TURN = _code(
+    "KEEL-D006", "SFT example has nothing to learn from",
+    "SFT trains only on assistant tokens; this conversation has no assistant message with content, "
+    "so its loss would be empty.",
+    "Give every example an assistant turn (`messages` with role `assistant`, or a response column).",
+    ("data.messages_key", "data.response_key"))
 
 # --- R: reward --------------------------------------------------------------------------------
 REWARD_FN_LOAD = _code(

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # Shown in the one-line summary after each step, in this order, when present.
-SUMMARY_KEYS = ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl",
+SUMMARY_KEYS = ("train/loss", "val/loss", "critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl",
                 "actor/grad_norm", "critic/vf_loss", "response_length/mean", "timing_s/step")
 
 
@@ -58,7 +58,7 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, console: bool, total_steps: int, start_step: int):
+    def __init__(self, run_dir: Path, console: bool, total_steps: int, start_step: int, desc: str = "keel train"):
         self.metrics_path = run_dir / "metrics.jsonl"
         self.samples_path = run_dir / "samples.jsonl"
         self.console = console
@@ -67,7 +67,7 @@ class MetricsLogger:
             from tqdm import tqdm
 
             # No bar when stderr is a log file: carriage returns would bury the summary lines.
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="keel train", unit="step",
+            self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step",
                             file=sys.stderr, dynamic_ncols=True, disable=not sys.stderr.isatty())
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

@@ -22,7 +22,7 @@ from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptBatch, collate_prompts
 from keel.diagnostics.codes import RESUME_MISMATCH, KeelError
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
-from keel.observe.metrics import MetricsLogger, Timer, truncate_jsonl
+from keel.observe.metrics import MetricsLogger, Timer
 from keel.trainer.setup import Components, build_components, needs_baseline_rollout
 from keel.trainer.validate import validate
 from keel.types import RolloutBatch, SamplingParams
@@ -64,7 +64,7 @@ class RLTrainer:
             while self.step < self.c.total_steps:
                 self.step += 1
                 metrics = self.train_step(logger)
-                if self._due(self.cfg.trainer.test_freq) and self.c.val_data:
+                if self._validation_due():
                     metrics.update(self._validate())
                 logger.log(self.step, metrics)
                 if self._due(self.cfg.trainer.save_freq) or self.step == self.c.total_steps:
@@ -148,25 +148,24 @@ class RLTrainer:
     def _due(self, freq: int) -> bool:
         return freq > 0 and self.step % freq == 0
 
+    def _validation_due(self) -> bool:
+        """Every test_freq steps, and after the last step so a run always ends with a number."""
+        last = self.step == self.c.total_steps and self.cfg.trainer.test_freq > 0
+        return bool(self.c.val_data) and (self._due(self.cfg.trainer.test_freq) or last)
+
     # --- run directory and checkpoints ---------------------------------------------------------
     def _open_run_dir(self) -> None:
-        keep_until = -1  # a fresh run starts empty logs
         if self.resume_from is not None:  # loaded first: a mismatch must leave the directory as it was
             self.load(self.resume_from)
             log.info("resumed from %s at step %d", self.resume_from, self.step)
-            keep_until = self.step  # a resumed run redoes the steps after its checkpoint
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
+        ckpt.init_run_dir(self.run_dir, to_yaml(self.cfg), self.step if self.resume_from else None)
         (self.run_dir / "batch_plan.json").write_text(json.dumps(make_plan(self.cfg).as_dict(), indent=2))
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            truncate_jsonl(self.run_dir / name, keep_until)
 
     def save(self) -> Path:
         c = self.c
 
         def write(tmp: Path) -> None:
-            c.actor.model.save_pretrained(tmp / "actor")
-            c.tokenizer.save_pretrained(tmp / "actor")
+            ckpt.write_policy(tmp / "actor", c.actor.model, c.tokenizer)
             torch.save(c.actor.state_dict(), tmp / "actor_optim.pt")
             if c.critic is not None:
                 (tmp / "critic").mkdir()

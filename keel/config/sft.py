@@ -1,0 +1,80 @@
+"""The SFT configuration tree, with the key names of verl's SFT trainer where they exist."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from keel.config.schema import DTYPES, OptimConfig, opt
+from keel.diagnostics.codes import BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, KeelError
+
+
+@dataclass
+class SFTDataConfig:
+    train_files: list[str] = opt(factory=list, help="parquet/jsonl chat data")
+    val_files: list[str] = opt(factory=list)
+    messages_key: str = opt("messages", help="column of role/content messages (multi-turn)")
+    prompt_key: str = opt("prompt", help="used when there is no messages column")
+    response_key: str = opt("response", help="used when there is no messages column")
+    max_length: int = opt(1024, gt=0, help="tokens per example, prompt and response together")
+    truncation: str = opt("error", choices=("error", "left", "right"))
+    train_batch_size: int = opt(32, gt=0, help="examples per optimiser step")
+    micro_batch_size_per_gpu: int = opt(8, gt=0, help="examples per forward/backward")
+    shuffle: bool = opt(True)
+    seed: int = opt(1)
+
+
+@dataclass
+class SFTModelConfig:
+    partial_pretrain: str = opt("", help="local Hugging Face model directory to fine-tune")
+    dtype: str = opt("float32", choices=DTYPES)
+    trust_remote_code: bool = opt(False)
+    enable_gradient_checkpointing: bool = opt(False)
+
+
+@dataclass
+class SFTOptimConfig(OptimConfig):
+    lr: float = opt(1e-5, gt=0)
+    clip_grad: float = opt(1.0, gt=0)
+
+
+@dataclass
+class SFTTrainerConfig:
+    project_name: str = opt("keel")
+    experiment_name: str = opt("sft")
+    default_local_dir: str | None = opt(None, help="default: checkpoints/<project>/<experiment>")
+    total_epochs: int = opt(1, gt=0)
+    total_training_steps: int | None = opt(None, gt=0, help="default: epochs x batches per epoch")
+    test_freq: int = opt(-1, help="validation loss every N steps; -1: only at the end")
+    save_freq: int = opt(-1, help="checkpoint every N steps; -1: only at the end")
+    max_ckpt_to_keep: int | None = opt(None, gt=0)
+    resume_mode: str = opt("auto", help="auto | disable | path of a global_step_<N> dir")
+    seed: int = opt(1)
+    device: str = opt("auto", choices=("auto", "cpu", "cuda"))
+    logger: list[str] = opt(factory=lambda: ["console"], choices=("console",))
+
+
+@dataclass
+class SFTConfig:
+    data: SFTDataConfig = opt(factory=SFTDataConfig)
+    model: SFTModelConfig = opt(factory=SFTModelConfig)
+    optim: SFTOptimConfig = opt(factory=SFTOptimConfig)
+    trainer: SFTTrainerConfig = opt(factory=SFTTrainerConfig)
+
+    @property
+    def run_dir(self) -> str:
+        t = self.trainer
+        return t.default_local_dir or f"checkpoints/{t.project_name}/{t.experiment_name}"
+
+    def validate(self) -> None:
+        d = self.data
+        if d.train_batch_size % d.micro_batch_size_per_gpu:
+            raise KeelError(BATCH_ARITHMETIC,
+                            f"data.train_batch_size={d.train_batch_size} does not split into micro-batches of "
+                            f"data.micro_batch_size_per_gpu={d.micro_batch_size_per_gpu}",
+                            "set data.micro_batch_size_per_gpu to a divisor of data.train_batch_size")
+        if not d.train_files:
+            raise KeelError(INCOMPATIBLE_OPTIONS, "data.train_files is empty",
+                            "set data.train_files to parquet/jsonl files")
+        if not self.model.partial_pretrain:
+            raise KeelError(INCOMPATIBLE_OPTIONS, "model.partial_pretrain is empty",
+                            "set model.partial_pretrain to a local Hugging Face model directory")

@@ -1,0 +1,165 @@
+"""Supervised fine-tuning: next-token loss on assistant tokens, with keel's optimiser, metrics,
+checkpoints and exact resume. The finished run directory is itself a Hugging Face model."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from keel import checkpoint as ckpt
+from keel.config.load import load_config, to_yaml
+from keel.config.sft import SFTConfig
+from keel.data.prompts import load_rows
+from keel.data.sampler import ResumableSampler
+from keel.data.sft import SFTExample, build_sft_dataset, collate_sft
+from keel.diagnostics.codes import DATA_EMPTY, RESUME_MISMATCH, KeelError
+from keel.models.load import load_causal_lm, load_tokenizer, quiet_transformers, resolve_dtype
+from keel.observe.metrics import MetricsLogger, Timer
+from keel.trainer.setup import resolve_device, seed_everything
+from keel.training.optim import build_optimizer, build_scheduler
+from keel.training.step import apply_gradients
+
+log = logging.getLogger("keel")
+
+
+@dataclass
+class SFTResult:
+    run_dir: Path          # a Hugging Face model directory once the run finishes
+    last_step: int
+    last_metrics: dict[str, float]
+
+
+def token_losses(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token loss over the loss mask, and the number of tokens it covers."""
+    device = next(model.parameters()).device
+    input_ids = batch["input_ids"].to(device)                                   # [B, L]
+    logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"].to(device),
+                   use_cache=False).logits[:, :-1].float()                      # [B, L-1, V]
+    targets = input_ids[:, 1:]                                                  # [B, L-1]
+    mask = batch["loss_mask"][:, 1:].to(device).float()                         # a token is learnt where it is predicted
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+    return (nll * mask).sum(), mask.sum()
+
+
+class SFTTrainer:
+    def __init__(self, cfg: SFTConfig):
+        quiet_transformers()
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.resume_from = ckpt.find_resume_checkpoint(self.run_dir, cfg.trainer.resume_mode)
+        seed_everything(cfg.trainer.seed)
+        device = resolve_device(cfg.trainer.device)
+        m, d = cfg.model, cfg.data
+        self.tokenizer = load_tokenizer(m.partial_pretrain, m.trust_remote_code)
+        self.tokenizer.padding_side = "right"
+        self.train_data = self._load(d.train_files, "train")
+        self.val_data = self._load(d.val_files, "val") if d.val_files else []
+        if len(self.train_data) < d.train_batch_size:
+            raise KeelError(DATA_EMPTY, f"{len(self.train_data)} SFT examples, fewer than "
+                                        f"data.train_batch_size={d.train_batch_size}")
+        self.sampler = ResumableSampler(len(self.train_data), d.train_batch_size, d.seed, d.shuffle)
+        self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
+        start = self.resume_from / "actor" if self.resume_from else m.partial_pretrain
+        self.model = load_causal_lm(start, resolve_dtype(m.dtype, device), device, m.trust_remote_code,
+                                    m.enable_gradient_checkpointing)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
+        self.step = 0
+
+    def _load(self, files: list[str], name: str) -> list[SFTExample]:
+        d = self.cfg.data
+        examples, stats = build_sft_dataset(load_rows(files), self.tokenizer, messages_key=d.messages_key,
+                                            prompt_key=d.prompt_key, response_key=d.response_key,
+                                            max_length=d.max_length, truncation=d.truncation, name=name)
+        log.info(stats.summary())
+        return examples
+
+    def fit(self) -> SFTResult:
+        if self.resume_from is not None:
+            self.load(self.resume_from)
+        ckpt.init_run_dir(self.run_dir, to_yaml(self.cfg), self.step if self.resume_from else None)
+        logger = MetricsLogger(self.run_dir, "console" in self.cfg.trainer.logger, self.total_steps, self.step,
+                               desc="keel sft")
+        metrics: dict[str, float] = {}
+        try:
+            while self.step < self.total_steps:
+                self.step += 1
+                metrics = self.train_step()
+                if self._due(self.cfg.trainer.test_freq) or self.step == self.total_steps:
+                    metrics.update(self.validate())
+                logger.log(self.step, metrics)
+                if self._due(self.cfg.trainer.save_freq) or self.step == self.total_steps:
+                    self.save()
+        finally:
+            logger.close()
+        ckpt.write_policy(self.run_dir, self.model, self.tokenizer)  # the run directory is the model
+        return SFTResult(self.run_dir, self.step, metrics)
+
+    def train_step(self) -> dict[str, float]:
+        timer = Timer()
+        with timer("step"):
+            batch = [self.train_data[i] for i in self.sampler.next_batch()]
+            n_tokens = sum(sum(e.loss_mask[1:]) for e in batch)  # the mini-batch's loss denominator
+            self.model.train()
+            loss_sum = 0.0
+            for start in range(0, len(batch), self.cfg.data.micro_batch_size_per_gpu):
+                micro = collate_sft(batch[start:start + self.cfg.data.micro_batch_size_per_gpu],
+                                    self.tokenizer.pad_token_id)
+                nll, _ = token_losses(self.model, micro)
+                (nll / n_tokens).backward()  # micro-batch sums over the whole batch's token count
+                loss_sum += nll.item()
+            lr = self.scheduler.get_last_lr()[0]
+            grad_norm = apply_gradients(self.model, self.optimizer, self.cfg.optim.clip_grad, "model")
+            self.scheduler.step()
+        tokens = sum(len(e.input_ids) for e in batch)
+        return {"train/loss": loss_sum / max(n_tokens, 1), "train/lr": lr, "train/grad_norm": grad_norm,
+                "train/epoch": float(self.sampler.epoch), **timer.metrics(),
+                "perf/throughput": tokens / timer.times["step"]}
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        if not self.val_data:
+            return {}
+        self.model.eval()
+        nll_sum, n_tokens = 0.0, 0.0
+        size = self.cfg.data.micro_batch_size_per_gpu
+        for start in range(0, len(self.val_data), size):
+            nll, count = token_losses(self.model, collate_sft(self.val_data[start:start + size],
+                                                              self.tokenizer.pad_token_id))
+            nll_sum, n_tokens = nll_sum + nll.item(), n_tokens + count.item()
+        return {"val/loss": nll_sum / max(n_tokens, 1)}
+
+    def _due(self, freq: int) -> bool:
+        return freq > 0 and self.step % freq == 0
+
+    def save(self) -> Path:
+        def write(tmp: Path) -> None:
+            ckpt.write_policy(tmp / "actor", self.model, self.tokenizer)
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                       tmp / "actor_optim.pt")
+            torch.save({"step": self.step, "sampler": self.sampler.state_dict(), "rng": ckpt.rng_state()},
+                       tmp / "trainer_state.pt")
+
+        return ckpt.save_checkpoint(self.run_dir, self.step, write, self.cfg.trainer.max_ckpt_to_keep)
+
+    def load(self, path: Path) -> None:
+        """Everything but the weights, which __init__ loaded from `path`."""
+        optim = torch.load(path / "actor_optim.pt", weights_only=False)
+        self.optimizer.load_state_dict(optim["optimizer"])
+        self.scheduler.load_state_dict(optim["scheduler"])
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        self.step = state["step"]
+        try:
+            self.sampler.load_state_dict(state["sampler"])
+        except ValueError as e:
+            raise KeelError(RESUME_MISMATCH, f"{path}: {e}") from e
+        ckpt.set_rng_state(state["rng"])
+        log.info("resumed from %s at step %d", path, self.step)
+
+
+def sft(config=None, overrides=None) -> SFTResult:
+    """Python API: load and validate an SFT config (path, dict or object, plus overrides), then train."""
+    return SFTTrainer(load_config(config, overrides, schema=SFTConfig)).fit()
