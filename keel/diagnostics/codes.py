@@ -72,6 +72,11 @@ RESUME_MISMATCH = _code(
     "Resume with the config the checkpoint was made with, set `trainer.resume_mode=disable` to "
     "start fresh in this directory, or choose another `trainer.experiment_name`.",
     ("trainer.resume_mode", "trainer.default_local_dir"))
+DEMO_DIR = _code(
+    "KEEL-C009", "Demo output directory holds something else",
+    "`keel demo` clears and reuses only directories it made itself (they contain keel_demo.json); "
+    "the directory given exists, is not empty and was not made by the demo.",
+    "Pass another directory with `keel demo --out DIR`, or empty this one.")
 
 # --- M: model / tokenizer ---------------------------------------------------------------------
 MODEL_PATH = _code(

@@ -27,7 +27,14 @@ def gsm8k(data_source: str, solution_str: str, ground_truth: Any, extra_info: di
     return float(answer == truth)
 
 
-SCORERS: dict[str, RewardFn] = {"exact_match": exact_match, "gsm8k": gsm8k}
+def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """keel's demo task: the response must be the integer answer and nothing else."""
+    answer = solution_str.strip()
+    return float(answer.lstrip("-").isdigit() and int(answer) == int(ground_truth))
+
+
+SCORERS: dict[str, RewardFn] = {"exact_match": exact_match, "gsm8k": gsm8k, "arithmetic": arithmetic}
 
 # data_source values (as verl's datasets write them) that pick a built-in scorer.
-DATA_SOURCE_SCORERS = {"openai/gsm8k": "gsm8k", "gsm8k": "gsm8k", "exact_match": "exact_match"}
+DATA_SOURCE_SCORERS = {"openai/gsm8k": "gsm8k", "gsm8k": "gsm8k", "exact_match": "exact_match",
+                       "keel/arithmetic": "arithmetic"}
