@@ -25,10 +25,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from keel.diagnostics.codes import RESUME_PATH, KeelError
+from keel.diagnostics.codes import EXPORT_TARGET, NOT_A_CHECKPOINT, RESUME_PATH, KeelError
 
 LATEST = "latest_checkpointed_iteration.txt"
 MARKER = "COMPLETE"
+EXPORT_MARKER = "keel_export.json"
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -118,16 +119,22 @@ def set_rng_state(state: dict) -> None:
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Write the checkpoint's policy as a Hugging Face directory (from_pretrained loads it)."""
+    """Write the checkpoint's policy as a Hugging Face directory (from_pretrained loads it).
+
+    `out_dir` must be new, empty, or an earlier export (it holds EXPORT_MARKER): nothing else is
+    ever deleted.
+    """
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if not is_complete(checkpoint):
-        state = "does not exist" if not checkpoint.exists() else "is not a complete keel checkpoint"
-        raise KeelError(RESUME_PATH, f"{checkpoint} {state}",
-                        "pass a global_step_<N> directory that contains a COMPLETE marker")
+        state = "does not exist" if not checkpoint.exists() else "has no COMPLETE marker"
+        raise KeelError(NOT_A_CHECKPOINT, f"{checkpoint} {state}")
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / EXPORT_MARKER).exists():
+        raise KeelError(EXPORT_TARGET, f"{out_dir} exists, is not empty and is not an earlier keel export")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     shutil.copytree(checkpoint / "actor", tmp)
+    (tmp / EXPORT_MARKER).write_text(json.dumps({"source": str(checkpoint.resolve())}))
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)

@@ -22,7 +22,7 @@ def opt(default: Any = None, *, choices: tuple | None = None, ge: float | None =
     return field(default=default, metadata=meta)
 
 
-DTYPES = ("float32", "bfloat16", "float16", "auto")
+DTYPES = ("float32", "bfloat16", "auto")  # float16 would need loss scaling
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
@@ -48,7 +48,8 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     path: str = opt("", help="local Hugging Face model directory")
-    dtype: str = opt("float32", choices=DTYPES, help="parameter dtype for training")
+    dtype: str = opt("float32", choices=DTYPES,
+                     help="compute dtype (auto: bfloat16 on GPU); weights and optimiser state stay float32")
     trust_remote_code: bool = opt(False)
     enable_gradient_checkpointing: bool = opt(False)
 
@@ -126,8 +127,7 @@ class ActorRolloutRefConfig:
 
 @dataclass
 class CriticModelConfig:
-    path: str | None = opt(None, help="default: the actor's model path")
-    dtype: str = opt("float32", choices=DTYPES)
+    path: str | None = opt(None, help="default: the actor's model path; computes in the actor's dtype")
 
 
 @dataclass

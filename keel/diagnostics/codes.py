@@ -77,6 +77,16 @@ DEMO_DIR = _code(
     "`keel demo` clears and reuses only directories it made itself (they contain keel_demo.json); "
     "the directory given exists, is not empty and was not made by the demo.",
     "Pass another directory with `keel demo --out DIR`, or empty this one.")
+EXPORT_TARGET = _code(
+    "KEEL-C010", "Export target exists and is not an earlier export",
+    "`keel export` writes a new directory; it never deletes a directory it did not write itself "
+    "(one without keel_export.json), since that could be a run directory or your own files.",
+    "Pass a new or empty output directory.")
+NOT_A_CHECKPOINT = _code(
+    "KEEL-C011", "Not a complete keel checkpoint",
+    "The path given to `keel export` is not a `global_step_<N>` directory with a COMPLETE marker "
+    "(it may be missing, or still being written when a run stopped).",
+    "Pass a complete checkpoint directory, e.g. checkpoints/<project>/<experiment>/global_step_<N>.")
 
 # --- M: model / tokenizer ---------------------------------------------------------------------
 MODEL_PATH = _code(

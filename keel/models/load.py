@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ from keel.diagnostics.codes import MODEL_PATH, NO_EOS, KeelError
 
 log = logging.getLogger("keel")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def quiet_transformers() -> None:
@@ -49,16 +50,26 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The compute dtype: `auto` is bfloat16 on GPU, float32 on CPU."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
 
 
-def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device,
-                   trust_remote_code: bool = False, gradient_checkpointing: bool = False):
+def autocast(device: torch.device, dtype: torch.dtype):
+    """Mixed precision: compute in `dtype` over float32 weights, so the optimiser's small updates
+    are not rounded away (bf16 weights lose most updates at RL learning rates such as 1e-6)."""
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def load_causal_lm(path: str | Path, device: torch.device, trust_remote_code: bool = False,
+                   gradient_checkpointing: bool = False):
+    """Weights in float32 (master weights); `autocast` chooses the compute dtype."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(check_model_dir(path), dtype=dtype,
+    model = AutoModelForCausalLM.from_pretrained(check_model_dir(path), dtype=torch.float32,
                                                  trust_remote_code=trust_remote_code)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -79,15 +90,12 @@ class CriticModel(nn.Module):
     def forward(self, input_ids, attention_mask, position_ids):     # [B, L] -> [B, L]
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                                position_ids=position_ids, use_cache=False).last_hidden_state
-        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+        return self.value_head(hidden).squeeze(-1)
 
 
-def load_critic(path: str | Path, dtype: torch.dtype, device: torch.device,
-                trust_remote_code: bool = False) -> CriticModel:
+def load_critic(path: str | Path, device: torch.device, trust_remote_code: bool = False) -> CriticModel:
     from transformers import AutoModel
 
-    backbone = AutoModel.from_pretrained(check_model_dir(path, "critic.model.path"), dtype=dtype,
+    backbone = AutoModel.from_pretrained(check_model_dir(path, "critic.model.path"), dtype=torch.float32,
                                          trust_remote_code=trust_remote_code)
-    critic = CriticModel(backbone, backbone.config.hidden_size)
-    critic.value_head.to(dtype)
-    return critic.to(device)
+    return CriticModel(backbone, backbone.config.hidden_size).to(device)

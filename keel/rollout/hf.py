@@ -2,11 +2,35 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
-from transformers import LogitsProcessor
+from transformers import GenerationConfig, LogitsProcessor
 
 from keel.types import RolloutBatch, SamplingParams
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """EOS ids from the tokenizer and the model's generation config (chat models often list their
+    end-of-turn token only there)."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
+    return sorted(i for i in ids if i is not None)
+
+
+@contextmanager
+def _neutral_generation_config(model):
+    """transformers fills every unset sampling field from the checkpoint's generation_config.json
+    (Instruct models ship repetition penalties, suppressed tokens, ...), which would make rollouts
+    silently off-policy: generate with only the settings keel passes."""
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
 
 
 class HFRolloutEngine:
@@ -16,6 +40,7 @@ class HFRolloutEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
+        self.eos_ids = stop_token_ids(tokenizer, model)
 
     def sync_weights(self, model) -> None:
         self.model = model  # same object as the actor's: nothing to copy
@@ -32,8 +57,7 @@ class HFRolloutEngine:
             self.model.train(was_training)
         response_ids, sampling_log_probs = _cat_right_padded(chunks, self.tokenizer.pad_token_id)
         response_ids, response_mask, truncated = _mask_after_eos(
-            response_ids, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
-            params.max_new_tokens)
+            response_ids, self.eos_ids, self.tokenizer.pad_token_id, params.max_new_tokens)
         return RolloutBatch(
             prompt_ids=prompts.input_ids,
             prompt_mask=prompts.attention_mask,
@@ -49,8 +73,6 @@ class HFRolloutEngine:
 
     def _generate_chunk(self, input_ids: Tensor, attention_mask: Tensor,
                         params: SamplingParams) -> tuple[Tensor, Tensor]:
-        from transformers import GenerationConfig
-
         device = next(self.model.parameters()).device
         greedy = not params.do_sample or params.temperature == 0  # temperature 0 means greedy
         gen_config = GenerationConfig(
@@ -59,15 +81,16 @@ class HFRolloutEngine:
             top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else 0,  # 0 switches top-k off in transformers
             max_new_tokens=params.max_new_tokens,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=self.eos_ids,
             pad_token_id=self.tokenizer.pad_token_id,
             use_cache=True,
         )
         # Raw logits scaled by temperature: the distribution the trainer recomputes, so the
         # sampler/trainer log-prob gap measures numerics, not top-p/top-k truncation.
         recorder = _SampledLogProbs(1.0 if greedy else params.temperature)
-        sequences = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                        generation_config=gen_config, logits_processor=[recorder])
+        with _neutral_generation_config(self.model):
+            sequences = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                            generation_config=gen_config, logits_processor=[recorder])
         return sequences[:, input_ids.shape[1]:].cpu(), recorder.finish(sequences).cpu()   # [B, R] x2
 
 
@@ -106,10 +129,10 @@ def _cat_right_padded(chunks: list[tuple[Tensor, Tensor]], pad_id: int) -> tuple
     return torch.cat(ids), torch.cat(lps)
 
 
-def _mask_after_eos(response_ids: Tensor, eos_id: int, pad_id: int,
+def _mask_after_eos(response_ids: Tensor, eos_ids: list[int], pad_id: int,
                     max_new_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
     """Mask = tokens up to and including the first EOS; what follows becomes padding."""
-    is_eos = response_ids == eos_id                                                # [N, R]
+    is_eos = torch.isin(response_ids, torch.tensor(eos_ids))                       # [N, R]
     seen_eos_before = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
     mask = (~seen_eos_before).long()
     has_eos = is_eos.any(-1)

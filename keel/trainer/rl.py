@@ -75,7 +75,7 @@ class RLTrainer:
 
     def train_step(self, logger: MetricsLogger) -> dict[str, float]:
         timer, c = Timer(), self.c
-        with timer("step"):
+        with timer("step"), c.autocast():
             prompts = collate_prompts([c.train_data[i] for i in c.sampler.next_batch()], c.tokenizer.pad_token_id)
             with timer("gen"):
                 batch = c.rollout.generate(prompts.repeat_interleave(self.sampling.n), self.sampling)
@@ -135,8 +135,9 @@ class RLTrainer:
         return self.c.reward.score(baseline.records, baseline.response_texts).repeat_interleave(self.sampling.n)
 
     def _validate(self) -> dict[str, float]:
-        return validate(self.c.rollout, self.c.reward, self.c.val_data, self.c.tokenizer.pad_token_id,
-                        self.cfg.actor_rollout_ref.rollout.val_kwargs, self.cfg.data)
+        with self.c.autocast():
+            return validate(self.c.rollout, self.c.reward, self.c.val_data, self.c.tokenizer.pad_token_id,
+                            self.cfg.actor_rollout_ref.rollout.val_kwargs, self.cfg.data)
 
     def _samples(self, batch: RolloutBatch) -> list[dict]:
         rewards = batch.token_level_rewards.sum(-1).tolist()  # the score, minus KL when it is in the reward

@@ -20,7 +20,8 @@ from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptRecord, build_prompt_dataset, load_rows
 from keel.data.sampler import ResumableSampler
 from keel.diagnostics.codes import DATA_EMPTY, DEVICE_UNAVAILABLE, KeelError
-from keel.models.load import load_causal_lm, load_critic, load_tokenizer, quiet_transformers, resolve_dtype
+from keel.models.load import (autocast, load_causal_lm, load_critic, load_tokenizer, quiet_transformers,
+                              resolve_dtype)
 from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
 from keel.rollout.hf import HFRolloutEngine
 from keel.training.actor import ActorTrainer
@@ -44,6 +45,10 @@ class Components:
     kl_ctrl: object
     total_steps: int
     device: torch.device
+    compute_dtype: torch.dtype
+
+    def autocast(self):
+        return autocast(self.device, self.compute_dtype)
 
 
 def seed_everything(seed: int) -> None:
@@ -89,14 +94,13 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None) -> Comp
     sampler = ResumableSampler(len(train_data), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
     total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.batches_per_epoch
 
-    dtype = resolve_dtype(arr.model.dtype, device)
-    model = load_causal_lm(actor_weights or arr.model.path, dtype, device, arr.model.trust_remote_code,
+    model = load_causal_lm(actor_weights or arr.model.path, device, arr.model.trust_remote_code,
                            arr.model.enable_gradient_checkpointing)
     actor = ActorTrainer(model, arr.actor, arr.rollout.n, arr.rollout.temperature, total_steps,
                          arr.rollout.log_prob_micro_batch_size_per_gpu)
     ref = None
     if cfg.ref_enabled:  # the reference is always the starting policy, even on resume
-        ref = ReferencePolicy(load_causal_lm(arr.model.path, dtype, device, arr.model.trust_remote_code),
+        ref = ReferencePolicy(load_causal_lm(arr.model.path, device, arr.model.trust_remote_code),
                               arr.ref.log_prob_micro_batch_size_per_gpu, arr.rollout.temperature)
     return Components(
         tokenizer=tokenizer, train_data=train_data, val_data=val_data, sampler=sampler, actor=actor,
@@ -104,13 +108,13 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None) -> Comp
         critic=build_critic(cfg, device, total_steps) if cfg.critic_enabled else None, reward=reward,
         kl_ctrl=make_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                    cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon),
-        total_steps=total_steps, device=device)
+        total_steps=total_steps, device=device, compute_dtype=resolve_dtype(arr.model.dtype, device))
 
 
 def build_critic(cfg: KeelConfig, device: torch.device, total_steps: int) -> CriticTrainer:
     c, actor = cfg.critic, cfg.actor_rollout_ref.actor
-    model = load_critic(c.model.path or cfg.actor_rollout_ref.model.path, resolve_dtype(c.model.dtype, device),
-                        device, cfg.actor_rollout_ref.model.trust_remote_code)
+    model = load_critic(c.model.path or cfg.actor_rollout_ref.model.path, device,
+                        cfg.actor_rollout_ref.model.trust_remote_code)
     return CriticTrainer(model, c, mini_prompts=c.ppo_mini_batch_size or actor.ppo_mini_batch_size,
                          micro_size=c.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu,
                          epochs=c.ppo_epochs or actor.ppo_epochs, rollout_n=cfg.actor_rollout_ref.rollout.n,

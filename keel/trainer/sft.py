@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from keel.data.prompts import load_rows
 from keel.data.sampler import ResumableSampler
 from keel.data.sft import SFTExample, build_sft_dataset, collate_sft
 from keel.diagnostics.codes import DATA_EMPTY, RESUME_MISMATCH, KeelError
-from keel.models.load import load_causal_lm, load_tokenizer, quiet_transformers, resolve_dtype
+from keel.models.load import autocast, load_causal_lm, load_tokenizer, quiet_transformers, resolve_dtype
 from keel.observe.metrics import MetricsLogger, Timer
 from keel.trainer.setup import resolve_device, seed_everything
 from keel.training.optim import build_optimizer, build_scheduler
@@ -63,8 +64,8 @@ class SFTTrainer:
         self.sampler = ResumableSampler(len(self.train_data), d.train_batch_size, d.seed, d.shuffle)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
         start = self.resume_from / "actor" if self.resume_from else m.partial_pretrain
-        self.model = load_causal_lm(start, resolve_dtype(m.dtype, device), device, m.trust_remote_code,
-                                    m.enable_gradient_checkpointing)
+        self.model = load_causal_lm(start, device, m.trust_remote_code, m.enable_gradient_checkpointing)
+        self.autocast = partial(autocast, device, resolve_dtype(m.dtype, device))
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
         self.step = 0
@@ -100,7 +101,7 @@ class SFTTrainer:
 
     def train_step(self) -> dict[str, float]:
         timer = Timer()
-        with timer("step"):
+        with timer("step"), self.autocast():
             batch = [self.train_data[i] for i in self.sampler.next_batch()]
             n_tokens = sum(sum(e.loss_mask[1:]) for e in batch)  # the mini-batch's loss denominator
             self.model.train()
@@ -126,10 +127,11 @@ class SFTTrainer:
         self.model.eval()
         nll_sum, n_tokens = 0.0, 0.0
         size = self.cfg.data.micro_batch_size_per_gpu
-        for start in range(0, len(self.val_data), size):
-            nll, count = token_losses(self.model, collate_sft(self.val_data[start:start + size],
-                                                              self.tokenizer.pad_token_id))
-            nll_sum, n_tokens = nll_sum + nll.item(), n_tokens + count.item()
+        with self.autocast():
+            for start in range(0, len(self.val_data), size):
+                nll, count = token_losses(self.model, collate_sft(self.val_data[start:start + size],
+                                                                  self.tokenizer.pad_token_id))
+                nll_sum, n_tokens = nll_sum + nll.item(), n_tokens + count.item()
         return {"val/loss": nll_sum / max(n_tokens, 1)}
 
     def _due(self, freq: int) -> bool:

@@ -170,3 +170,18 @@ def test_resume_with_a_different_batch_size_is_refused(tiny_config):
                             "trainer.total_training_steps": 4})
     assert info.value.code == RESUME_MISMATCH
     assert {name: (run_dir / name).read_text() for name in before} == before  # the run directory is untouched
+
+
+def test_bf16_compute_keeps_float32_master_weights_that_move_at_small_lr(tiny_config, tiny_assets):
+    """At RL learning rates an update is far below bf16's resolution; float32 master weights keep it."""
+    from keel.trainer.rl import train
+
+    tiny_config["actor_rollout_ref"]["model"]["dtype"] = "bfloat16"
+    tiny_config["actor_rollout_ref"]["actor"]["optim"]["lr"] = 1e-6
+    result = train(tiny_config)
+
+    before, after = weights(tiny_assets["model"]), weights(result.run_dir / "global_step_2" / "actor")
+    assert all(t.dtype == torch.float32 for t in after.values())
+    changed = sum(int((before[k] != after[k]).sum()) for k in before)
+    total = sum(t.numel() for t in before.values())
+    assert changed / total > 0.5, f"only {changed}/{total} weights moved"

@@ -3,7 +3,7 @@
 import pytest
 
 from keel import checkpoint as ckpt
-from keel.diagnostics.codes import RESUME_PATH, KeelError
+from keel.diagnostics.codes import EXPORT_TARGET, NOT_A_CHECKPOINT, RESUME_PATH, KeelError
 
 
 def write_files(tmp):
@@ -61,5 +61,20 @@ def test_export_refuses_an_incomplete_checkpoint(tmp_path):
     (tmp_path / "global_step_1" / "actor").mkdir(parents=True)
     with pytest.raises(KeelError) as info:
         ckpt.export_checkpoint(tmp_path / "global_step_1", tmp_path / "out")
-    assert info.value.code == RESUME_PATH
+    assert info.value.code == NOT_A_CHECKPOINT
     assert not (tmp_path / "out").exists()
+
+
+def test_export_never_deletes_a_directory_it_did_not_write(tmp_path):
+    path = ckpt.save_checkpoint(tmp_path / "run", 1, lambda tmp: (tmp / "actor").mkdir() or
+                                (tmp / "actor" / "config.json").write_text("{}"))
+    precious = tmp_path / "mine"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    with pytest.raises(KeelError) as info:
+        ckpt.export_checkpoint(path, precious)
+    assert info.value.code == EXPORT_TARGET
+    assert (precious / "notes.txt").read_text() == "keep me"
+    # an earlier export is replaced
+    out = ckpt.export_checkpoint(path, tmp_path / "exported")
+    assert ckpt.export_checkpoint(path, out) == out and (out / "config.json").exists()

@@ -23,7 +23,7 @@ def test_tiny_model_loads_like_any_hugging_face_checkpoint(arch, expected_class,
 
 
 def test_critic_gives_one_value_per_token(tiny_assets):
-    critic = load_critic(tiny_assets["model"], torch.float32, torch.device("cpu"))
+    critic = load_critic(tiny_assets["model"], torch.device("cpu"))
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
     mask = torch.ones_like(ids)
     values = critic(ids, mask, torch.arange(3).expand(2, 3))

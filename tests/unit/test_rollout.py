@@ -14,7 +14,7 @@ def test_mask_covers_tokens_up_to_first_eos():
     ids = torch.tensor([[5, 9, 7, 9],    # EOS at 1: keep [5, 9], the rest becomes padding
                         [5, 6, 7, 8],    # no EOS, hit the limit: truncated
                         [9, 0, 0, 0]])   # EOS first: a one-token response
-    masked, mask, truncated = _mask_after_eos(ids, eos, pad, max_new_tokens=4)
+    masked, mask, truncated = _mask_after_eos(ids, [eos], pad, max_new_tokens=4)
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
     assert masked.tolist() == [[5, 9, 0, 0], [5, 6, 7, 8], [9, 0, 0, 0]]
     assert truncated.tolist() == [False, True, False]
@@ -22,7 +22,7 @@ def test_mask_covers_tokens_up_to_first_eos():
 
 def _engine_and_prompts(tiny_assets, n):
     tokenizer = load_tokenizer(tiny_assets["model"])
-    model = load_causal_lm(tiny_assets["model"], torch.float32, torch.device("cpu"))
+    model = load_causal_lm(tiny_assets["model"], torch.device("cpu"))
     rows = [{"prompt": "Digits please: 1"}, {"prompt": [{"role": "user", "content": "a longer prompt here"}]}]
     records, _ = build_prompt_dataset(rows, tokenizer, max_prompt_length=64)
     prompts = collate_prompts(records, tokenizer.pad_token_id).repeat_interleave(n)
@@ -51,3 +51,26 @@ def test_greedy_generation_is_deterministic(tiny_assets):
     first, second = engine.generate(prompts, greedy), engine.generate(prompts, greedy)
     assert torch.equal(first.response_ids, second.response_ids)
     assert first.response_texts == second.response_texts
+
+
+def test_checkpoint_generation_settings_do_not_leak_into_rollouts(tiny_assets, tmp_path):
+    """An Instruct checkpoint's generation_config.json (repetition penalty, extra end-of-turn id)
+    must not change what is sampled behind the trainer's back; its EOS ids do stop generation."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    path = tmp_path / "instruct"
+    shutil.copytree(tiny_assets["model"], path)
+    tokenizer = load_tokenizer(path)
+    stop_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    GenerationConfig(repetition_penalty=1.5, no_repeat_ngram_size=2,
+                     eos_token_id=[tokenizer.eos_token_id, stop_id]).save_pretrained(path)
+    engine, model, prompts = _engine_and_prompts({"model": path}, n=4)
+    assert stop_id in engine.eos_ids
+
+    torch.manual_seed(0)
+    batch = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8))
+    recomputed = batched_log_probs(model, batch, micro_size=8, temperature=1.0)
+    assert torch.allclose(recomputed, batch.sampling_log_probs, atol=1e-4)
+    assert model.generation_config.repetition_penalty == 1.5  # the user's model is left as it was
