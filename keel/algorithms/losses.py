@@ -28,8 +28,12 @@ def agg_loss(
     *,
     global_tokens: float | Tensor | None = None,
     global_seqs: float | Tensor | None = None,
+    norm_length: int | None = None,
 ) -> Tensor:
     """Reduce a per-token loss to a scalar; `mode` is verl's `loss_agg_mode`.
+
+    `norm_length` is the constant of `seq-mean-token-sum-norm`, normally max_response_length: the
+    padded length of one rollout changes from step to step, and so would the loss scale.
 
     Only sequences with at least one valid token count as sequences, so an all-padding row
     neither adds to nor dilutes a seq-mean. A micro-batch with no valid token at all gives 0.
@@ -45,10 +49,9 @@ def agg_loss(
         seq_losses = masked_sum(loss_mat, loss_mask, dim=-1)  # [B]
     else:  # seq-mean-token-sum-norm
         # Dr. GRPO (arXiv 2503.20783): a constant normaliser (the padded length T) instead of each
-        # sequence's own length, so long answers are not down-weighted per token. Micro-batches
-        # must share T (they do when cut from one padded mini-batch) for accumulation to be exact.
+        # sequence's own length, so long answers are not down-weighted per token.
         # verl sums over sequences here; we take the mean, like the other seq-mean modes.
-        seq_losses = masked_sum(loss_mat, loss_mask, dim=-1) / loss_mask.shape[-1]  # [B]
+        seq_losses = masked_sum(loss_mat, loss_mask, dim=-1) / (norm_length or loss_mask.shape[-1])  # [B]
     n_seqs = (loss_mask.sum(dim=-1) > 0).sum().clamp(min=1) if global_seqs is None else global_seqs
     return seq_losses.sum() / n_seqs
 
@@ -59,6 +62,7 @@ class PolicyLossParams:
     clip_ratio_high: float = 0.2  # ratio ceiling 1 + high; > low is DAPO's clip-higher (arXiv 2503.14476)
     clip_ratio_c: float = 3.0  # dual-clip bound on -A * ratio for A < 0 (arXiv 1912.09729)
     loss_agg_mode: str = "token-mean"
+    norm_length: int | None = None  # seq-mean-token-sum-norm's constant: max_response_length
 
     def __post_init__(self) -> None:
         if self.clip_ratio_c <= 1.0:
@@ -144,7 +148,8 @@ def vanilla(
     loss_cap = -advantages * p.clip_ratio_c
     negative = advantages < 0
     losses = torch.where(negative, torch.minimum(loss_ppo, loss_cap), loss_ppo)  # [B, T]
-    loss = agg_loss(losses, response_mask, p.loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
+    loss = agg_loss(losses, response_mask, p.loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,
+                    norm_length=p.norm_length)
     clipped, dual_clipped = loss_clipped > loss_unclipped, negative & (loss_ppo > loss_cap)
     metrics = _metrics(clipped, dual_clipped, old_log_prob, log_prob, response_mask)
     return loss, metrics
@@ -190,24 +195,14 @@ def compute_value_loss(
     *,
     global_tokens: float | Tensor | None = None,
     global_seqs: float | Tensor | None = None,
+    norm_length: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """PPO's clipped value loss, as verl: returns (vf_loss, vf_clipfrac)."""
     vpred_clipped = values + torch.clamp(vpreds - values, -cliprange_value, cliprange_value)
     loss_unclipped = (vpreds - returns) ** 2
     loss_clipped = (vpred_clipped - returns) ** 2
     losses = torch.maximum(loss_unclipped, loss_clipped)  # [B, T]
-    vf_loss = 0.5 * agg_loss(losses, response_mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
+    vf_loss = 0.5 * agg_loss(losses, response_mask, loss_agg_mode, global_tokens=global_tokens,
+                             global_seqs=global_seqs, norm_length=norm_length)
     vf_clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), response_mask).detach()
     return vf_loss, vf_clipfrac
-
-
-def entropy_loss(
-    entropy: Tensor,  # [B, T]
-    response_mask: Tensor,  # [B, T]
-    loss_agg_mode: str = "token-mean",
-    *,
-    global_tokens: float | Tensor | None = None,
-    global_seqs: float | Tensor | None = None,
-) -> Tensor:
-    """Aggregated entropy; the trainer subtracts `entropy_coeff *` this to encourage exploration."""
-    return agg_loss(entropy, response_mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)

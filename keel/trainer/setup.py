@@ -97,7 +97,7 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None) -> Comp
     model = load_causal_lm(actor_weights or arr.model.path, device, arr.model.trust_remote_code,
                            arr.model.enable_gradient_checkpointing)
     actor = ActorTrainer(model, arr.actor, arr.rollout.n, arr.rollout.temperature, total_steps,
-                         arr.rollout.log_prob_micro_batch_size_per_gpu)
+                         arr.rollout.log_prob_micro_batch_size_per_gpu, cfg.data.max_response_length)
     ref = None
     if cfg.ref_enabled:  # the reference is always the starting policy, even on resume
         ref = ReferencePolicy(load_causal_lm(arr.model.path, device, arr.model.trust_remote_code),
@@ -118,7 +118,8 @@ def build_critic(cfg: KeelConfig, device: torch.device, total_steps: int) -> Cri
     return CriticTrainer(model, c, mini_prompts=c.ppo_mini_batch_size or actor.ppo_mini_batch_size,
                          micro_size=c.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu,
                          epochs=c.ppo_epochs or actor.ppo_epochs, rollout_n=cfg.actor_rollout_ref.rollout.n,
-                         total_steps=total_steps, shuffle=actor.shuffle)
+                         total_steps=total_steps, shuffle=actor.shuffle,
+                         max_response_length=cfg.data.max_response_length)
 
 
 def needs_baseline_rollout(cfg: KeelConfig) -> bool:

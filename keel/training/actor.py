@@ -9,13 +9,13 @@ from keel.algorithms.losses import PolicyLossParams, agg_loss, compute_policy_lo
 from keel.algorithms.utils import masked_mean
 from keel.training.forward import batched_log_probs, response_log_probs, split_micro
 from keel.training.optim import build_optimizer, build_scheduler
-from keel.training.step import MetricSums, apply_gradients, mask_counts, minibatch_indices
+from keel.training.step import LossScale, MetricSums, apply_gradients, mask_counts, minibatch_indices
 from keel.types import RolloutBatch
 
 
 class ActorTrainer:
     def __init__(self, model, actor_cfg, rollout_n: int, temperature: float, total_steps: int,
-                 log_prob_micro_size: int):
+                 log_prob_micro_size: int, max_response_length: int):
         self.model = model
         self.cfg = actor_cfg
         self.samples_per_mini = actor_cfg.ppo_mini_batch_size * rollout_n
@@ -27,7 +27,8 @@ class ActorTrainer:
             clip_ratio_low=actor_cfg.clip_ratio_low or actor_cfg.clip_ratio,
             clip_ratio_high=actor_cfg.clip_ratio_high or actor_cfg.clip_ratio,
             clip_ratio_c=actor_cfg.clip_ratio_c,
-            loss_agg_mode=actor_cfg.loss_agg_mode)
+            loss_agg_mode=actor_cfg.loss_agg_mode,
+            norm_length=max_response_length)
         self.optimizer = build_optimizer(model.parameters(), actor_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps)
 
@@ -46,41 +47,39 @@ class ActorTrainer:
         return sums.means()
 
     def _update_mini_batch(self, mini: RolloutBatch, sums: MetricSums) -> None:
-        global_tokens, global_seqs = mask_counts(mini.response_mask)
-        totals: dict[str, float] = {}
+        scale = LossScale(*mask_counts(mini.response_mask), self.loss_params.norm_length)
+        totals: dict[str, float] = {"actor/pg_loss": 0.0}
         for micro in split_micro(mini, self.cfg.ppo_micro_batch_size_per_gpu):
-            loss, metrics = self._micro_loss(micro, global_tokens, global_seqs)
+            loss, pg_loss, metrics = self._micro_loss(micro, scale)
             loss.backward()
-            share = micro.response_mask.sum().item() / global_tokens.item()  # token-weighted average
+            totals["actor/pg_loss"] += pg_loss  # micro-batch losses add up to the mini-batch loss
+            share = micro.response_mask.sum().item() / scale.tokens.item()  # token-weighted means
             for name, value in metrics.items():
                 totals[name] = totals.get(name, 0.0) + value * share
         totals["actor/grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "actor")
         for name, value in totals.items():
             sums.add(name, value)
 
-    def _micro_loss(self, micro: RolloutBatch, global_tokens, global_seqs):
+    def _micro_loss(self, micro: RolloutBatch, scale: LossScale) -> tuple[torch.Tensor, float, dict[str, float]]:
+        """(loss to back-propagate, its policy-loss part, per-token metrics) of one micro-batch."""
         cfg = self.cfg
         device = next(self.model.parameters()).device
         mask = micro.response_mask.to(device)                                   # [b, R]
         log_prob, entropy = response_log_probs(self.model, micro, self.temperature, with_entropy=True,
                                                entropy_grad=cfg.entropy_coeff > 0)
-        denominators = {"global_tokens": global_tokens, "global_seqs": global_seqs}
         pg_loss, pg_metrics = compute_policy_loss(
             cfg.policy_loss.loss_mode, micro.old_log_probs.to(device), log_prob,
-            micro.advantages.to(device), mask, self.loss_params, **denominators)
+            micro.advantages.to(device), mask, self.loss_params, **scale.policy_kwargs())
         loss = pg_loss
-        if cfg.entropy_coeff > 0:
-            loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, **denominators)
         metrics = {f"actor/{k}": v.item() for k, v in pg_metrics.items()}
+        metrics["actor/entropy"] = masked_mean(entropy.detach(), mask).item()
+        if cfg.entropy_coeff > 0:  # entropy and KL terms aggregate like the policy loss
+            loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, **scale.agg_kwargs())
         if cfg.use_kl_loss:
             kl = kl_penalty(log_prob, micro.ref_log_probs.to(device), cfg.kl_loss_type)  # [b, R]
-            loss = loss + cfg.kl_loss_coef * agg_loss(kl, mask, cfg.loss_agg_mode, **denominators)
+            loss = loss + cfg.kl_loss_coef * agg_loss(kl, mask, cfg.loss_agg_mode, **scale.agg_kwargs())
             metrics["actor/kl_loss"] = masked_mean(kl.detach(), mask).item()
-        # The micro-batch losses sum to the mini-batch loss, so scale to report the local mean.
-        share = mask.sum() / global_tokens
-        metrics["actor/pg_loss"] = (pg_loss.detach() / share).item()
-        metrics["actor/entropy"] = masked_mean(entropy.detach(), mask).item()
-        return loss, metrics
+        return loss, pg_loss.item(), metrics
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}

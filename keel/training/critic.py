@@ -8,19 +8,20 @@ from keel.algorithms.losses import compute_value_loss
 from keel.algorithms.utils import masked_mean
 from keel.training.forward import response_values, split_micro
 from keel.training.optim import build_optimizer, build_scheduler
-from keel.training.step import MetricSums, apply_gradients, mask_counts, minibatch_indices
+from keel.training.step import LossScale, MetricSums, apply_gradients, mask_counts, minibatch_indices
 from keel.types import RolloutBatch
 
 
 class CriticTrainer:
     def __init__(self, critic, critic_cfg, mini_prompts: int, micro_size: int, epochs: int,
-                 rollout_n: int, total_steps: int, shuffle: bool):
+                 rollout_n: int, total_steps: int, shuffle: bool, max_response_length: int):
         self.model = critic
         self.cfg = critic_cfg
         self.samples_per_mini = mini_prompts * rollout_n
         self.micro_size = micro_size
         self.epochs = epochs
         self.shuffle = shuffle
+        self.max_response_length = max_response_length
         self.optimizer = build_optimizer(critic.parameters(), critic_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, critic_cfg.optim, total_steps)
 
@@ -43,17 +44,16 @@ class CriticTrainer:
 
     def _update_mini_batch(self, mini: RolloutBatch, sums: MetricSums) -> None:
         device = next(self.model.parameters()).device
-        global_tokens, global_seqs = mask_counts(mini.response_mask)
+        scale = LossScale(*mask_counts(mini.response_mask), self.max_response_length)
         totals = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0, "critic/vpred_mean": 0.0}
         for micro in split_micro(mini, self.micro_size):
             mask = micro.response_mask.to(device)
             vpreds = response_values(self.model, micro)                         # [b, R]
             vf_loss, clipfrac = compute_value_loss(
                 vpreds, micro.returns.to(device), micro.values.to(device), mask,
-                self.cfg.cliprange_value, self.cfg.loss_agg_mode,
-                global_tokens=global_tokens, global_seqs=global_seqs)
+                self.cfg.cliprange_value, self.cfg.loss_agg_mode, **scale.agg_kwargs())
             vf_loss.backward()
-            share = mask.sum().item() / global_tokens.item()
+            share = mask.sum().item() / scale.tokens.item()
             totals["critic/vf_loss"] += vf_loss.item()
             totals["critic/vf_clipfrac"] += float(clipfrac) * share
             totals["critic/vpred_mean"] += masked_mean(vpreds.detach(), mask).item() * share

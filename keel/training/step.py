@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -16,6 +18,20 @@ def minibatch_indices(n_samples: int, mini_size: int, shuffle: bool, seed: int) 
     else:
         order = torch.arange(n_samples)
     return list(order.split(mini_size))
+
+
+@dataclass
+class LossScale:
+    """The denominators of a mini-batch's loss, so micro-batch losses add up to it exactly."""
+    tokens: torch.Tensor           # valid tokens in the mini-batch
+    seqs: torch.Tensor             # sequences with a valid token
+    norm_length: int | None        # seq-mean-token-sum-norm's constant
+
+    def policy_kwargs(self) -> dict:
+        return {"global_tokens": self.tokens, "global_seqs": self.seqs}
+
+    def agg_kwargs(self) -> dict:
+        return {**self.policy_kwargs(), "norm_length": self.norm_length}
 
 
 def mask_counts(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

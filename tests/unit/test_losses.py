@@ -12,7 +12,6 @@ from keel.algorithms.losses import (
     agg_loss,
     compute_policy_loss,
     compute_value_loss,
-    entropy_loss,
 )
 from keel.algorithms.utils import entropy_from_logits
 
@@ -236,8 +235,10 @@ def test_entropy_from_logits():
     torch.testing.assert_close(entropy_from_logits(logits), t([0.69315, 0.56233]), atol=ATOL, rtol=0)
 
 
-def test_entropy_loss_aggregates():
-    entropy = t([[1.0, 2.0], [3.0, 99.0]])
-    mask = t([[1, 1], [1, 0]])
-    assert entropy_loss(entropy, mask, "token-mean").item() == approx(2.0)  # (1 + 2 + 3) / 3
-    assert entropy_loss(entropy, mask, "seq-mean-token-mean").item() == approx(2.25)  # (1.5 + 3) / 2
+def test_token_sum_norm_divides_by_the_constant_length_not_the_padded_width():
+    loss = t([[1.0, 2.0, 3.0]])
+    mask = t([[1, 1, 1]])
+    # Dr. GRPO's constant is max_response_length (say 8), whatever the rollout's padded width (3):
+    # (1 + 2 + 3) / 8 = 0.75 for the one sequence
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm", norm_length=8).item() == approx(0.75)
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == approx(2.0)  # 6 / 3 without it
