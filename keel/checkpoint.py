@@ -24,8 +24,9 @@ from typing import Callable
 
 import numpy as np
 import torch
+import yaml
 
-from keel.diagnostics.codes import EXPORT_TARGET, NOT_A_CHECKPOINT, RESUME_PATH, KeelError
+from keel.diagnostics.codes import EXPORT_TARGET, NOT_A_CHECKPOINT, RESUME_MISMATCH, RESUME_PATH, KeelError
 
 LATEST = "latest_checkpointed_iteration.txt"
 MARKER = "COMPLETE"
@@ -41,7 +42,7 @@ def is_complete(path: Path) -> bool:
 
 
 def save_checkpoint(run_dir: Path, step: int, write: Callable[[Path], None],
-                    max_to_keep: int | None = None) -> Path:
+                    max_to_keep: int | None = None, config_yaml: str | None = None) -> Path:
     """Call `write(tmp_dir)` to fill a checkpoint, then publish it atomically."""
     from keel import __version__
 
@@ -51,6 +52,8 @@ def save_checkpoint(run_dir: Path, step: int, write: Callable[[Path], None],
         shutil.rmtree(tmp)  # left by a crash during an earlier save
     tmp.mkdir(parents=True)
     write(tmp)
+    if config_yaml is not None:  # the config that made it, compared on resume
+        (tmp / "config.yaml").write_text(config_yaml)
     (tmp / MARKER).write_text(json.dumps({"step": step, "keel_version": __version__}))
     _fsync_tree(tmp)
     if final.exists():  # the same step saved again after a resume from an earlier one
@@ -58,8 +61,12 @@ def save_checkpoint(run_dir: Path, step: int, write: Callable[[Path], None],
     os.replace(tmp, final)
     _write_atomic(run_dir / LATEST, str(step))
     if max_to_keep:
-        _prune(run_dir, max_to_keep)
+        _prune(run_dir, max_to_keep, newest=step)
     return final
+
+
+def existing_checkpoints(run_dir: Path) -> list[Path]:
+    return _checkpoints(run_dir) if run_dir.is_dir() else []
 
 
 def write_policy(directory: Path, model, tokenizer) -> None:
@@ -82,16 +89,41 @@ def init_run_dir(run_dir: Path, config_yaml: str, resumed_step: int | None) -> N
         truncate_jsonl(run_dir / name, -1 if resumed_step is None else resumed_step)
 
 
+def resolve_resume(run_dir: Path, resume_mode: str) -> Path | None:
+    """The checkpoint to resume from; refuses to start a fresh run over an old run's checkpoints."""
+    found = find_resume_checkpoint(run_dir, resume_mode)
+    old = existing_checkpoints(run_dir)
+    if found is None and old:
+        raise KeelError(RESUME_MISMATCH, f"{run_dir} already holds checkpoints ({old[0].name} .. {old[-1].name}) "
+                        f"and trainer.resume_mode={resume_mode} starts a new run: the two runs' checkpoints "
+                        "and logs would mix",
+                        "use a new trainer.experiment_name (or trainer.default_local_dir), delete the old "
+                        "run directory, or continue it with trainer.resume_mode=auto")
+    return found
+
+
+def check_same_run(checkpoint: Path, cfg) -> None:
+    """Refuse to resume with settings that would make a different run (a new lr, dataset, model)."""
+    from keel.config.load import changed_keys, to_dict
+
+    saved = checkpoint / "config.yaml"
+    if not saved.is_file():
+        return
+    changes = changed_keys(yaml.safe_load(saved.read_text()), to_dict(cfg), cfg.RESUME_MAY_CHANGE)
+    if changes:
+        raise KeelError(RESUME_MISMATCH, f"resuming from {checkpoint} with different settings: "
+                        + "; ".join(changes[:6]) + (" ..." if len(changes) > 6 else ""))
+
+
 def find_resume_checkpoint(run_dir: Path, resume_mode: str) -> Path | None:
     """The checkpoint to resume from: None to start fresh."""
     if resume_mode == "disable":
         return None
     if resume_mode == "auto":
         latest = run_dir / LATEST
-        if not latest.is_file():
-            return None
-        path = step_dir(run_dir, int(latest.read_text().strip()))
-        return path if is_complete(path) else _newest_complete(run_dir)
+        step = latest.read_text().strip() if latest.is_file() else ""
+        path = step_dir(run_dir, int(step)) if step.isdigit() else None
+        return path if path is not None and is_complete(path) else _newest_complete(run_dir)
     path = Path(resume_mode)
     if not is_complete(path):
         state = "does not exist" if not path.exists() else "is incomplete (no COMPLETE marker)"
@@ -152,8 +184,10 @@ def _newest_complete(run_dir: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def _prune(run_dir: Path, keep: int) -> None:
-    for path in _checkpoints(run_dir)[:-keep]:
+def _prune(run_dir: Path, keep: int, newest: int) -> None:
+    """Keep the `keep` newest checkpoints up to step `newest`, the one just written among them."""
+    ours = [p for p in _checkpoints(run_dir) if int(p.name.rsplit("_", 1)[1]) <= newest]
+    for path in ours[:-keep]:
         shutil.rmtree(path)
 
 

@@ -29,12 +29,10 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     """Variance over all masked positions (a scalar), Bessel-corrected when `unbiased`."""
     n = mask.to(x.dtype).sum()
-    if n < (2 if unbiased else 1):
-        # verl divides by n - 1 regardless and returns nan here; we say why instead.
-        raise ValueError(
-            f"masked_var needs at least {2 if unbiased else 1} unmasked element(s), got {int(n)}; "
-            "the batch (or mini-batch) holds too few response tokens to normalise over"
-        )
+    if n < 2:
+        # verl divides by n - 1 regardless and returns nan; one token has no spread to measure, and
+        # whitening it then gives 0 (x - mean = 0) instead of a nan that poisons the loss.
+        return torch.zeros((), dtype=x.dtype, device=x.device)
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
     return var * n / (n - 1) if unbiased else var

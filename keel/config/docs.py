@@ -6,6 +6,7 @@ import dataclasses
 import typing
 
 from keel.config.schema import KeelConfig
+from keel.config.sft import SFTConfig
 
 
 def _rows(cls: type, prefix: str = ""):
@@ -29,11 +30,12 @@ def _rows(cls: type, prefix: str = ""):
 
 def render_reference() -> str:
     lines = ["# Configuration reference", "",
-             "Every key keel accepts, generated from `keel/config/schema.py` by",
-             "`python -m keel.config.docs > docs/config.md`. Unknown keys are errors (KEEL-C001).", "",
-             "| key | type | default | allowed | meaning |", "| --- | --- | --- | --- | --- |"]
-    for key, type_name, default, allowed, help_text in _rows(KeelConfig):
-        lines.append(f"| `{key}` | {type_name} | `{default}` | {allowed} | {help_text} |")
+             "Every key keel accepts, generated from `keel/config/` by",
+             "`python -m keel.config.docs > docs/config.md`. Unknown keys are errors (KEEL-C001)."]
+    for title, schema in (("`keel train` (RL)", KeelConfig), ("`keel sft`", SFTConfig)):
+        lines += ["", f"## {title}", "", "| key | type | default | allowed | meaning |", "| --- | --- | --- | --- | --- |"]
+        for key, type_name, default, allowed, help_text in _rows(schema):
+            lines.append(f"| `{key}` | {type_name} | `{default}` | {allowed} | {help_text} |")
     return "\n".join(lines) + "\n"
 
 

@@ -43,6 +43,24 @@ def to_yaml(cfg) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}"""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def changed_keys(saved: dict, current: dict, may_change: tuple[str, ...]) -> list[str]:
+    """`key: old -> new` for every key that differs, except keys starting with a `may_change` entry."""
+    old, new = flatten(saved), flatten(current)
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new))
+            if old.get(key) != new.get(key) and not key.startswith(may_change)]
+
+
 def all_keys(cls: type = KeelConfig, prefix: str = "") -> list[str]:
     """Every dotted key of the tree, e.g. `actor_rollout_ref.actor.ppo_mini_batch_size`."""
     keys = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from keel.diagnostics.codes import BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, KeelError
+from keel.diagnostics.codes import BAD_VALUE, BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, KeelError
 
 
 def opt(default: Any = None, *, choices: tuple | None = None, ge: float | None = None,
@@ -42,7 +42,7 @@ class DataConfig:
     filter_overlong_prompts: bool = opt(False)
     apply_chat_template: bool = opt(True)
     shuffle: bool = opt(True)
-    seed: int = opt(1, help="seed of the prompt sampler")
+    seed: int = opt(1, ge=0, help="seed of the prompt sampler")
 
 
 @dataclass
@@ -165,7 +165,8 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = opt(False)
     kl_penalty: str = opt("kl", choices=KL_TYPES, help="KL estimator in the reward")
     kl_ctrl: KLControlConfig = opt(factory=KLControlConfig)
-    critic_warmup: int = opt(0, ge=0, help="steps that train only the critic")
+    critic_warmup: int = opt(0, ge=0, help="steps that train only the critic (verl trains the actor one "
+                                            "step earlier than its name says; keel does not)")
 
 
 @dataclass
@@ -186,7 +187,7 @@ class TrainerConfig:
     save_freq: int = opt(-1, help="checkpoint every N steps; -1: only at the end")
     max_actor_ckpt_to_keep: int | None = opt(None, gt=0, help="older checkpoints are deleted")
     resume_mode: str = opt("auto", help="auto | disable | path of a global_step_<N> dir")
-    seed: int = opt(1)
+    seed: int = opt(1, ge=0)
     device: str = opt("auto", choices=("auto", "cpu", "cuda"))
     logger: list[str] = opt(factory=lambda: ["console"], choices=("console",),
                             help="console; metrics.jsonl is always written")
@@ -203,6 +204,19 @@ class KeelConfig:
     algorithm: AlgorithmConfig = opt(factory=AlgorithmConfig)
     custom_reward_function: CustomRewardConfig = opt(factory=CustomRewardConfig)
     trainer: TrainerConfig = opt(factory=TrainerConfig)
+
+    # Keys a resumed run may change: when it stops, how often it logs, validates and saves, how big
+    # its micro-batches are. Anything else would make the resumed run a different run.
+    RESUME_MAY_CHANGE = ("trainer.total_training_steps", "trainer.total_epochs", "trainer.test_freq",
+                         "trainer.save_freq", "trainer.max_actor_ckpt_to_keep", "trainer.resume_mode",
+                         "trainer.logger", "trainer.log_samples", "trainer.val_before_train",
+                         "trainer.default_local_dir", "trainer.project_name", "trainer.experiment_name",
+                         "trainer.device", "data.val_files", "data.val_batch_size",
+                         "actor_rollout_ref.rollout.val_kwargs.", "actor_rollout_ref.rollout.max_num_seqs",
+                         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                         "critic.ppo_micro_batch_size_per_gpu")
 
     # --- derived settings, so components never re-derive defaults on their own ---
     @property
@@ -257,6 +271,12 @@ def _largest_divisor_at_most(total: int, limit: int) -> int:
     return max(d for d in range(1, min(total, limit) + 1) if total % d == 0)
 
 
+def check_betas(key: str, betas: list[float]) -> None:
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise KeelError(BAD_VALUE, f"{key}.betas={betas} must be two numbers in [0, 1)",
+                        f"set {key}.betas, e.g. [0.9, 0.999]")
+
+
 def _check_options(cfg: KeelConfig) -> None:
     est = cfg.algorithm.adv_estimator
     rollout = cfg.actor_rollout_ref.rollout
@@ -272,6 +292,23 @@ def _check_options(cfg: KeelConfig) -> None:
     if est == "gae" and not cfg.critic_enabled:
         raise incompatible("algorithm.adv_estimator=gae needs a critic but critic.enable=false",
                            "set critic.enable=true, or choose grpo/rloo/reinforce_plus_plus")
+    if est == "remax" and not rollout.do_sample:
+        raise incompatible("algorithm.adv_estimator=remax compares samples with a greedy baseline, but "
+                           "rollout.do_sample=false makes every sample the baseline: all advantages 0",
+                           "set actor_rollout_ref.rollout.do_sample=true")
+    if cfg.algorithm.critic_warmup > 0 and not cfg.critic_enabled:
+        raise incompatible(f"algorithm.critic_warmup={cfg.algorithm.critic_warmup} with no critic: the "
+                           "policy would not be updated for those steps", "set algorithm.critic_warmup=0")
+    val = rollout.val_kwargs
+    if val.n > 1 and not (val.do_sample and val.temperature > 0):
+        raise incompatible(f"rollout.val_kwargs.n={val.n} with greedy decoding gives {val.n} identical answers",
+                           "set val_kwargs.do_sample=true and val_kwargs.temperature > 0, or val_kwargs.n=1")
+    if val.do_sample and val.temperature == 0:
+        raise incompatible("rollout.val_kwargs.do_sample=true with temperature=0 is greedy decoding",
+                           "set val_kwargs.temperature > 0 to sample, or val_kwargs.do_sample=false")
+    for key, optim in (("actor_rollout_ref.actor.optim", cfg.actor_rollout_ref.actor.optim),
+                       ("critic.optim", cfg.critic.optim)):
+        check_betas(key, optim.betas)
     if not rollout.do_sample and rollout.n > 1:
         raise incompatible(
             f"actor_rollout_ref.rollout.do_sample=false with rollout.n={rollout.n}: greedy samples "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from keel.config.schema import DTYPES, OptimConfig, opt
+from keel.config.schema import DTYPES, OptimConfig, check_betas, opt
 from keel.diagnostics.codes import BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, KeelError
 
 
@@ -20,7 +20,7 @@ class SFTDataConfig:
     train_batch_size: int = opt(32, gt=0, help="examples per optimiser step")
     micro_batch_size_per_gpu: int = opt(8, gt=0, help="examples per forward/backward")
     shuffle: bool = opt(True)
-    seed: int = opt(1)
+    seed: int = opt(1, ge=0)
 
 
 @dataclass
@@ -49,7 +49,7 @@ class SFTTrainerConfig:
     save_freq: int = opt(-1, help="checkpoint every N steps; -1: only at the end")
     max_ckpt_to_keep: int | None = opt(None, gt=0)
     resume_mode: str = opt("auto", help="auto | disable | path of a global_step_<N> dir")
-    seed: int = opt(1)
+    seed: int = opt(1, ge=0)
     device: str = opt("auto", choices=("auto", "cpu", "cuda"))
     logger: list[str] = opt(factory=lambda: ["console"], choices=("console",))
 
@@ -60,6 +60,11 @@ class SFTConfig:
     model: SFTModelConfig = opt(factory=SFTModelConfig)
     optim: SFTOptimConfig = opt(factory=SFTOptimConfig)
     trainer: SFTTrainerConfig = opt(factory=SFTTrainerConfig)
+
+    RESUME_MAY_CHANGE = ("trainer.total_training_steps", "trainer.total_epochs", "trainer.test_freq",
+                         "trainer.save_freq", "trainer.max_ckpt_to_keep", "trainer.resume_mode", "trainer.logger",
+                         "trainer.default_local_dir", "trainer.project_name", "trainer.experiment_name",
+                         "trainer.device", "data.val_files", "data.micro_batch_size_per_gpu")
 
     @property
     def run_dir(self) -> str:
@@ -76,6 +81,7 @@ class SFTConfig:
         if not d.train_files:
             raise KeelError(INCOMPATIBLE_OPTIONS, "data.train_files is empty",
                             "set data.train_files to parquet/jsonl files")
+        check_betas("optim", self.optim.betas)
         if not self.model.partial_pretrain:
             raise KeelError(INCOMPATIBLE_OPTIONS, "model.partial_pretrain is empty",
                             "set model.partial_pretrain to a local Hugging Face model directory")

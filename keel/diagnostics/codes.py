@@ -164,6 +164,12 @@ REWARD_NOT_NUMBER = _code(
     "KEEL-R003", "Reward function returned a non-finite number or a non-number",
     "The reward function returned None, a string, NaN or infinity for a sample.",
     "Make the reward function return a finite float for every sample.")
+MISSING_GROUND_TRUTH = _code(
+    "KEEL-R004", "Rows without a ground truth for a built-in scorer",
+    "Built-in scorers compare the response with `reward_model.ground_truth`; a row without one "
+    "would score 0 on every sample, which looks like a model that never learns.",
+    "Add `reward_model: {ground_truth: ...}` to every row, or score with your own "
+    "`custom_reward_function` that does not need one.", ("custom_reward_function.path",))
 
 # --- T: training numerics ---------------------------------------------------------------------
 NONFINITE_LOSS = _code(

@@ -50,8 +50,14 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
     """Drop records after `last_step` (a resumed run redoes those steps), atomically."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line half-written when the process was killed
+            continue
+        if record.get("step", 0) <= last_step:
+            kept.append(line)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)

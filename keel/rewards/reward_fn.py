@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import numbers
 from pathlib import Path
 
 import torch
 
-from keel.diagnostics.codes import NO_SCORER, REWARD_FN_LOAD, REWARD_NOT_NUMBER, KeelError
+from keel.diagnostics.codes import MISSING_GROUND_TRUTH, NO_SCORER, REWARD_FN_LOAD, REWARD_NOT_NUMBER, KeelError
 from keel.rewards.scorers import DATA_SOURCE_SCORERS, SCORERS, RewardFn
 
 
@@ -50,10 +51,16 @@ class RewardScorer:
                 "solution_str, ground_truth, extra_info), or set data_source to a built-in one")
         return SCORERS[name]
 
-    def check_sources(self, data_sources: set[str]) -> None:
-        """Fail before any generation if some data_source could not be scored."""
-        for source in sorted(data_sources):
+    def check_records(self, records: list) -> None:
+        """Fail before any generation if some row could not be scored: no scorer for its
+        data_source, or no ground truth for a built-in scorer (which would score it 0 forever)."""
+        for source in sorted({r.data_source for r in records}):
             self.scorer_for(source)
+        if self.custom_fn is None:
+            missing = [r.index for r in records if r.ground_truth is None]
+            if missing:
+                raise KeelError(MISSING_GROUND_TRUTH, f"{len(missing)} rows (first: row {missing[0]}) have no "
+                                "reward_model.ground_truth, which the built-in scorers compare against")
 
     def score(self, records: list, response_texts: list[str]) -> torch.Tensor:      # -> [N]
         scores = [self._score_one(r, text) for r, text in zip(records, response_texts)]
@@ -64,9 +71,9 @@ class RewardScorer:
         result = fn(record.data_source, response, record.ground_truth, record.extra_info)
         if isinstance(result, dict):  # verl's scorers may return {"score": x, ...}
             result = result.get("score")
-        if isinstance(result, bool):
-            result = float(result)
-        if not isinstance(result, (int, float)) or not math.isfinite(result):
+        if isinstance(result, torch.Tensor) and result.numel() == 1:
+            result = result.item()
+        if not isinstance(result, numbers.Real) or not math.isfinite(result):  # numpy scalars are Real
             raise KeelError(
                 REWARD_NOT_NUMBER,
                 f"the reward function {getattr(fn, '__name__', fn)!r} returned {result!r} for a sample "

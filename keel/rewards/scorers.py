@@ -30,7 +30,7 @@ def gsm8k(data_source: str, solution_str: str, ground_truth: Any, extra_info: di
 def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
     """keel's demo task: the response must be the integer answer and nothing else."""
     answer = solution_str.strip()
-    return float(answer.lstrip("-").isdigit() and int(answer) == int(ground_truth))
+    return float(re.fullmatch(r"-?\d+", answer) is not None and int(answer) == int(ground_truth))
 
 
 SCORERS: dict[str, RewardFn] = {"exact_match": exact_match, "gsm8k": gsm8k, "arithmetic": arithmetic}

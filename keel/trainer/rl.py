@@ -41,7 +41,9 @@ class RLTrainer:
     def __init__(self, cfg: KeelConfig):
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
-        self.resume_from = ckpt.find_resume_checkpoint(self.run_dir, cfg.trainer.resume_mode)
+        self.resume_from = ckpt.resolve_resume(self.run_dir, cfg.trainer.resume_mode)
+        if self.resume_from is not None:
+            ckpt.check_same_run(self.resume_from, cfg)
         self.c: Components = build_components(cfg, self.resume_from / "actor" if self.resume_from else None)
         rollout = cfg.actor_rollout_ref.rollout
         self.sampling = SamplingParams(n=rollout.n, do_sample=rollout.do_sample, temperature=rollout.temperature,
@@ -174,7 +176,8 @@ class RLTrainer:
             torch.save({"step": self.step, "sampler": c.sampler.state_dict(), "kl_ctrl": c.kl_ctrl.state_dict(),
                         "rng": ckpt.rng_state()}, tmp / "trainer_state.pt")
 
-        return ckpt.save_checkpoint(self.run_dir, self.step, write, self.cfg.trainer.max_actor_ckpt_to_keep)
+        return ckpt.save_checkpoint(self.run_dir, self.step, write, self.cfg.trainer.max_actor_ckpt_to_keep,
+                                    to_yaml(self.cfg))
 
     def load(self, path: Path) -> None:
         """Restore everything but the actor weights, which `build_components` loaded from `path`."""

@@ -87,7 +87,7 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None) -> Comp
                           if cfg.custom_reward_function.path else None)
     train_data = load_prompts(cfg.data.train_files, tokenizer, cfg, "train")
     val_data = load_prompts(cfg.data.val_files, tokenizer, cfg, "val") if cfg.data.val_files else []
-    reward.check_sources({r.data_source for r in train_data + val_data})
+    reward.check_records(train_data + val_data)
     if len(train_data) < cfg.data.train_batch_size:
         raise KeelError(DATA_EMPTY, f"{len(train_data)} training prompts remain after filtering, fewer "
                         f"than data.train_batch_size={cfg.data.train_batch_size}")

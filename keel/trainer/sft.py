@@ -50,7 +50,9 @@ class SFTTrainer:
         quiet_transformers()
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
-        self.resume_from = ckpt.find_resume_checkpoint(self.run_dir, cfg.trainer.resume_mode)
+        self.resume_from = ckpt.resolve_resume(self.run_dir, cfg.trainer.resume_mode)
+        if self.resume_from is not None:
+            ckpt.check_same_run(self.resume_from, cfg)
         seed_everything(cfg.trainer.seed)
         device = resolve_device(cfg.trainer.device)
         m, d = cfg.model, cfg.data
@@ -145,7 +147,8 @@ class SFTTrainer:
             torch.save({"step": self.step, "sampler": self.sampler.state_dict(), "rng": ckpt.rng_state()},
                        tmp / "trainer_state.pt")
 
-        return ckpt.save_checkpoint(self.run_dir, self.step, write, self.cfg.trainer.max_ckpt_to_keep)
+        return ckpt.save_checkpoint(self.run_dir, self.step, write, self.cfg.trainer.max_ckpt_to_keep,
+                                    to_yaml(self.cfg))
 
     def load(self, path: Path) -> None:
         """Everything but the weights, which __init__ loaded from `path`."""

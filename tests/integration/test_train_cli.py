@@ -95,9 +95,16 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-def test_resume_after_stop_matches_uninterrupted_run(tiny_config, tmp_path, monkeypatch):
+@pytest.mark.parametrize("variant", [
+    {},  # GRPO
+    # PPO: critic weights and optimiser, the adaptive KL controller and two epochs must all resume
+    {"algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True, "kl_ctrl": {"type": "adaptive"}},
+     "actor_rollout_ref": {"actor": {"ppo_epochs": 2}}},
+], ids=["grpo", "ppo-adaptive-kl"])
+def test_resume_after_stop_matches_uninterrupted_run(variant, tiny_config, tmp_path, monkeypatch):
     from keel.trainer import rl
 
+    tiny_config = _merge(tiny_config, variant)
     tiny_config["trainer"].update({"total_training_steps": 4, "save_freq": 2, "test_freq": -1})
     tiny_config["actor_rollout_ref"]["actor"]["optim"]["warmup_style"] = "cosine"  # schedule state matters
     straight = dict(tiny_config, trainer={**tiny_config["trainer"], "default_local_dir": str(tmp_path / "a")})
@@ -124,6 +131,13 @@ def test_resume_after_stop_matches_uninterrupted_run(tiny_config, tmp_path, monk
     assert [m["step"] for m in metrics_b] == [0, 1, 2, 3, 4]
     for ma, mb in zip(metrics_a, metrics_b):
         assert _numerics(ma) == _numerics(mb)
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    merged = dict(base)
+    for key, value in extra.items():
+        merged[key] = _merge(base.get(key, {}), value) if isinstance(value, dict) else value
+    return merged
 
 
 def _numerics(record: dict) -> dict:
@@ -158,7 +172,11 @@ def test_exported_checkpoint_loads_and_generates(tiny_config, tmp_path):
     assert generated.shape[1] > inputs["input_ids"].shape[1]
 
 
-def test_resume_with_a_different_batch_size_is_refused(tiny_config):
+@pytest.mark.parametrize("change", [
+    {"data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 1},
+    {"actor_rollout_ref.actor.optim.lr": 1e-6},  # the optimiser state would silently keep the old lr
+])
+def test_resume_with_different_settings_is_refused(change, tiny_config):
     from keel.diagnostics.codes import RESUME_MISMATCH, KeelError
     from keel.trainer.rl import train
 
@@ -166,9 +184,9 @@ def test_resume_with_a_different_batch_size_is_refused(tiny_config):
     run_dir = Path(tiny_config["trainer"]["default_local_dir"])
     before = {name: (run_dir / name).read_text() for name in ("metrics.jsonl", "config.yaml")}
     with pytest.raises(KeelError) as info:
-        train(tiny_config, {"data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 1,
-                            "trainer.total_training_steps": 4})
+        train(tiny_config, {**change, "trainer.total_training_steps": 4})
     assert info.value.code == RESUME_MISMATCH
+    assert next(iter(change)) in info.value.message
     assert {name: (run_dir / name).read_text() for name in before} == before  # the run directory is untouched
 
 
@@ -185,3 +203,19 @@ def test_bf16_compute_keeps_float32_master_weights_that_move_at_small_lr(tiny_co
     changed = sum(int((before[k] != after[k]).sum()) for k in before)
     total = sum(t.numel() for t in before.values())
     assert changed / total > 0.5, f"only {changed}/{total} weights moved"
+
+
+def test_new_run_over_old_checkpoints_is_refused_and_extending_a_run_is_allowed(tiny_config):
+    from keel.diagnostics.codes import RESUME_MISMATCH, KeelError
+    from keel.trainer.rl import train
+
+    train(tiny_config)
+    with pytest.raises(KeelError) as info:
+        train(tiny_config, {"trainer.resume_mode": "disable"})
+    assert info.value.code == RESUME_MISMATCH and "global_step_2" in info.value.message
+
+    # more steps, a new save frequency and pruning are fine: the same run, continued
+    result = train(tiny_config, {"trainer.total_training_steps": 4, "trainer.save_freq": 1,
+                                 "trainer.max_actor_ckpt_to_keep": 1})
+    assert result.last_step == 4
+    assert [p.name for p in result.run_dir.glob("global_step_*")] == ["global_step_4"]

@@ -52,9 +52,9 @@ def test_masked_var_and_whiten():
     assert_close(masked_whiten(x, mask, shift_mean=False)[:, :3], [[1.0, 2.0, 3.0]])
 
 
-def test_masked_var_with_one_element_raises():
-    with pytest.raises(ValueError, match="at least 2"):
-        masked_var(t([[5.0, 0.0]]), t([[1, 0]]))
+def test_one_element_has_zero_variance_and_whitens_to_zero_not_nan():
+    assert masked_var(t([[5.0, 0.0]]), t([[1, 0]])).item() == 0.0
+    assert masked_whiten(t([[5.0, 0.0]]), t([[1, 0]]))[0, 0].item() == 0.0  # (5 - 5) * rsqrt(0 + 1e-8)
 
 
 # --- shared batch for the group estimators -----------------------------------------------------

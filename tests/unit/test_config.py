@@ -49,6 +49,8 @@ def test_unknown_key_names_the_closest_valid_key(override, suggestion):
     ("actor_rollout_ref.actor.optim.lr=fast", "must be a number"),
     ("data.shuffle=maybe", "true or false"),
     ("trainer.logger=[console,wandb]", "'wandb' is not one of"),  # never silently dropped
+    ("trainer.seed=-1", "must be >= 0"),
+    ("actor_rollout_ref.actor.optim.betas=[0.9]", "two numbers in [0, 1)"),
 ])
 def test_bad_values_are_rejected_with_what_to_set(override, needle):
     err = error_of([override])
@@ -85,6 +87,10 @@ def test_batch_arithmetic_names_the_numbers():
     ["algorithm.adv_estimator=grpo"],  # n=1: every group advantage would be 0
     ["algorithm.adv_estimator=gae", "critic.enable=false"],
     ["trainer.n_gpus_per_node=2"],
+    ["algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.do_sample=false"],
+    ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "algorithm.critic_warmup=3"],
+    ["actor_rollout_ref.rollout.val_kwargs.n=4"],  # four identical greedy answers
+    ["actor_rollout_ref.rollout.val_kwargs.do_sample=true"],  # with temperature 0
 ])
 def test_incompatible_options(overrides):
     assert error_of(overrides).code == INCOMPATIBLE_OPTIONS
@@ -123,3 +129,4 @@ def test_config_reference_lists_every_key():
     doc = Path(__file__).parents[2] / "docs" / "config.md"
     assert doc.read_text() == render_reference(), "regenerate: python -m keel.config.docs > docs/config.md"
     assert all(f"`{key}`" in doc.read_text() for key in all_keys())
+    assert "`model.partial_pretrain`" in doc.read_text()  # the SFT keys too

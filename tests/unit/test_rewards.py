@@ -4,9 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from keel.diagnostics.codes import NO_SCORER, REWARD_FN_LOAD, REWARD_NOT_NUMBER, KeelError
+from keel.diagnostics.codes import MISSING_GROUND_TRUTH, NO_SCORER, REWARD_FN_LOAD, REWARD_NOT_NUMBER, KeelError
 from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
-from keel.rewards.scorers import exact_match, gsm8k
+from keel.rewards.scorers import arithmetic, exact_match, gsm8k
 
 
 def record(data_source="gsm8k", ground_truth="72"):
@@ -39,8 +39,30 @@ def test_dispatch_by_data_source_and_unknown_source_is_an_error():
     scores = scorer.score([record("openai/gsm8k"), record("exact_match", "hi")], ["#### 72", "hi"])
     assert scores.tolist() == [1.0, 1.0]
     with pytest.raises(KeelError) as info:
-        scorer.check_sources({"my_task"})
+        scorer.check_records([record("my_task")])
     assert info.value.code == NO_SCORER and "my_task" in info.value.message
+
+
+def test_rows_without_ground_truth_are_refused_for_built_in_scorers():
+    rows = [SimpleNamespace(data_source="openai/gsm8k", ground_truth=None, extra_info={}, index=7)]
+    with pytest.raises(KeelError) as info:
+        RewardScorer().check_records(rows)
+    assert info.value.code == MISSING_GROUND_TRUTH and "row 7" in info.value.message
+    RewardScorer(lambda *a: 1.0).check_records(rows)  # a custom scorer may not need one
+
+
+@pytest.mark.parametrize("response, expected", [("57", 1.0), (" 57\n", 1.0), ("57.0", 0.0), ("--57", 0.0),
+                                                ("5 7", 0.0), ("", 0.0)])
+def test_arithmetic_scorer(response, expected):
+    assert arithmetic("keel/arithmetic", response, "57") == expected
+
+
+def test_numpy_and_tensor_rewards_are_numbers():
+    import numpy as np
+    import torch
+
+    for value in (np.float32(0.5), np.int64(1), torch.tensor(0.25)):
+        assert RewardScorer(lambda *a, v=value: v).score([record()], ["x"]).item() == pytest.approx(float(value))
 
 
 def test_custom_reward_function_from_file(tmp_path):
