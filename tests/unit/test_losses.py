@@ -73,6 +73,8 @@ def test_micro_batches_without_global_counts_are_weighted_wrongly():
     # token-mean per micro-batch: 10 / 4 = 2.5 and 15 / 2 = 7.5; their mean 5.0 != 25 / 6
     local = [agg_loss(MB_LOSS[r], MB_MASK[r], "token-mean") for r in (slice(0, 2), slice(2, 4))]
     assert [x.item() for x in local] == [approx(2.5), approx(7.5)]
+    full = agg_loss(MB_LOSS, MB_MASK, "token-mean").item()
+    assert full == approx(25 / 6) and sum(x.item() for x in local) / 2 != approx(full)
 
 
 def test_agg_loss_all_padding_is_zero_not_nan():

@@ -1,0 +1,35 @@
+"""The error catalogue stays honest: every code is tested, and config choices match the registries."""
+
+from pathlib import Path
+
+from keel.algorithms.advantages import ADV_ESTIMATORS
+from keel.algorithms.kl import KL_ESTIMATORS
+from keel.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
+from keel.config import schema
+from keel.diagnostics import codes
+
+TESTS = Path(__file__).parents[1]
+
+
+def test_every_code_is_triggered_by_some_test():
+    names = {value: name for name, value in vars(codes).items() if isinstance(value, str) and value in codes.CATALOGUE}
+    assert set(names) == set(codes.CATALOGUE)
+    sources = "\n".join(p.read_text() for p in TESTS.rglob("test_*.py") if p.name != Path(__file__).name)
+    untested = sorted(f"{code} ({name})" for code, name in names.items() if name not in sources)
+    assert not untested, f"codes no test triggers: {untested}"
+
+
+def test_every_code_has_title_cause_and_fix():
+    for entry in codes.CATALOGUE.values():
+        assert entry.title and entry.cause and entry.fix, entry.code
+        assert entry.code.startswith("KEEL-") and entry.code[5] in "ECMDRTP"
+
+
+def test_config_choices_match_the_algorithm_registries():
+    # keel.config may not import keel.algorithms (layout rule), so the lists are kept in step here
+    assert set(schema.ADV_ESTIMATORS) == set(ADV_ESTIMATORS)
+    assert set(schema.LOSS_AGG_MODES) == set(LOSS_AGG_MODES)
+    assert set(schema.KL_TYPES) == set(KL_ESTIMATORS)
+    assert set(schema.PolicyLossConfig.__dataclass_fields__["loss_mode"].metadata["choices"]) == set(POLICY_LOSSES)
+    assert set(schema.GROUP_ESTIMATORS) == {n for n, e in ADV_ESTIMATORS.items() if e.needs_group}
+    assert {n for n, e in ADV_ESTIMATORS.items() if e.needs_critic} == {"gae"}  # KeelConfig.critic_enabled
