@@ -31,6 +31,21 @@ def _cmd_sft(args) -> int:
     return 0
 
 
+def _cmd_report(args) -> int:
+    from keel.observe.report import write_report
+
+    png, page = write_report(args.run_dir)
+    print(f"wrote {png} and {page}")
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from keel.demo import DemoSettings, print_summary, run_demo
+
+    print_summary(run_demo(args.out, DemoSettings(), fresh=args.fresh))
+    return 0
+
+
 def _cmd_export(args) -> int:
     from keel.checkpoint import export_checkpoint
 
@@ -68,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
     sft_cmd.add_argument("config", help="YAML config file")
     sft_cmd.add_argument("overrides", nargs="*", help="section.key=value overrides")
     sft_cmd.set_defaults(func=_cmd_sft)
+
+    report = sub.add_parser("report", help="plot a run's metrics to report.png and report.html")
+    report.add_argument("run_dir", help="a run directory (holds metrics.jsonl)")
+    report.set_defaults(func=_cmd_report)
+
+    demo = sub.add_parser("demo", help="SFT then GRPO on a tiny model that learns addition (CPU, minutes)")
+    demo.add_argument("--out", default="keel_demo", help="output directory (default: keel_demo)")
+    demo.add_argument("--fresh", action="store_true", help="start over instead of resuming")
+    demo.set_defaults(func=_cmd_demo)
 
     export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face directory")
     export.add_argument("checkpoint", help="a global_step_<N> directory")

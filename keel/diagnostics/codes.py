@@ -87,6 +87,11 @@ NOT_A_CHECKPOINT = _code(
     "The path given to `keel export` is not a `global_step_<N>` directory with a COMPLETE marker "
     "(it may be missing, or still being written when a run stopped).",
     "Pass a complete checkpoint directory, e.g. checkpoints/<project>/<experiment>/global_step_<N>.")
+NO_METRICS = _code(
+    "KEEL-C012", "No metrics to report",
+    "`keel report` reads RUN_DIR/metrics.jsonl, which is missing or empty: the path is not a run "
+    "directory, or the run has not finished a step yet.",
+    "Pass the run directory (trainer.default_local_dir) of a run that has logged at least one step.")
 
 # --- M: model / tokenizer ---------------------------------------------------------------------
 MODEL_PATH = _code(

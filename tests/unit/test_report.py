@@ -1,0 +1,38 @@
+"""keel report: curves from metrics.jsonl, and a clear error when there are none."""
+
+import json
+
+import pytest
+
+from keel.cli import main
+from keel.diagnostics.codes import NO_METRICS, KeelError
+from keel.observe.report import series, write_report
+
+
+def write_metrics(run_dir, records):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 9, "cut')
+
+
+def test_report_draws_the_panels_a_user_looks_at_first(tmp_path):
+    records = [{"step": 0, "val/gsm8k/acc": 0.1}] + [
+        {"step": s, "critic/score/mean": s / 10, "actor/entropy": 2 - s / 10, "actor/pg_loss": 0.01,
+         "actor/ppo_kl": 0.001, "actor/grad_norm": 1.0, "response_length/mean": 20 + s,
+         "timing_s/step": 1.5, "val/gsm8k/acc": 0.1 + s / 20} for s in range(1, 6)]
+    write_metrics(tmp_path, records)
+    png, page = write_report(tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    text = page.read_text()
+    assert "data:image/png;base64," in text  # self-contained
+    for panel in ("reward", "held-out accuracy", "response length", "entropy", "KL", "policy loss",
+                  "gradient norm", "step time"):
+        assert panel in text
+    assert series(records, "val/*/acc")["val/gsm8k/acc"][0] == [0, 1, 2, 3, 4, 5]
+
+
+def test_missing_or_empty_metrics_is_a_clear_error(tmp_path):
+    with pytest.raises(KeelError) as info:
+        write_report(tmp_path / "nope")
+    assert info.value.code == NO_METRICS
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert main(["report", str(tmp_path)]) == 2
