@@ -7,7 +7,7 @@ R = longest response (right-padded). A full sequence is `[prompt | response]`, l
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,7 +44,6 @@ class RolloutBatch:
     values: Tensor | None = None                # [N, R] critic values
     advantages: Tensor | None = None            # [N, R]
     returns: Tensor | None = None               # [N, R]
-    extras: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]

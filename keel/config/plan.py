@@ -60,10 +60,7 @@ def make_plan(cfg: KeelConfig) -> BatchPlan:
 
     critic = None
     if cfg.critic_enabled:
-        c = cfg.critic
-        critic = role(c.ppo_mini_batch_size or actor.ppo_mini_batch_size,
-                      c.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu,
-                      c.ppo_epochs or actor.ppo_epochs)
+        critic = role(*cfg.critic_batching)
     return BatchPlan(
         prompts_per_step=prompts,
         samples_per_step=prompts * n,

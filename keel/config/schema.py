@@ -226,6 +226,14 @@ class KeelConfig:
         return self.algorithm.adv_estimator == "gae"
 
     @property
+    def critic_batching(self) -> tuple[int, int, int]:
+        """(mini-batch prompts, micro-batch samples, epochs) of the critic: the actor's unless set."""
+        c, actor = self.critic, self.actor_rollout_ref.actor
+        return (c.ppo_mini_batch_size or actor.ppo_mini_batch_size,
+                c.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu,
+                c.ppo_epochs or actor.ppo_epochs)
+
+    @property
     def ref_enabled(self) -> bool:
         return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
@@ -244,8 +252,7 @@ def _check_batch_arithmetic(cfg: KeelConfig) -> None:
     actor = cfg.actor_rollout_ref.actor
     n = cfg.actor_rollout_ref.rollout.n
     prompts = cfg.data.train_batch_size
-    critic_mini = cfg.critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
-    critic_micro = cfg.critic.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu
+    critic_mini, critic_micro, _ = cfg.critic_batching
     roles = [("actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu)]
     if cfg.critic_enabled:
         roles.append(("critic", critic_mini, critic_micro))

@@ -22,7 +22,7 @@ def _masked_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict
             f"{prefix}/min": valid.min().item()}
 
 
-def batch_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, float]:
+def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
     mask = batch.response_mask
     lengths = batch.response_lengths.float()
     metrics = {
@@ -31,7 +31,8 @@ def batch_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, fl
         **_masked_stats("critic/advantages", batch.advantages, mask),
         **_masked_stats("critic/returns", batch.returns, mask),
         **_stats("response_length", lengths),
-        "response_length/clip_ratio": (lengths >= max_response_length).float().mean().item(),
+        # responses cut at max_response_length without EOS: their reward may be for half an answer
+        "response_length/clip_ratio": batch.truncated.float().mean().item(),
         **_stats("prompt_length", batch.prompt_mask.sum(-1).float()),
         # How far the sampler's log-probs are from the trainer's: numerics, not learning.
         "rollout/log_prob_gap": masked_mean((batch.sampling_log_probs - batch.old_log_probs).abs(), mask).item(),

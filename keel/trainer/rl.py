@@ -22,6 +22,7 @@ from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptBatch, collate_prompts
 from keel.diagnostics.codes import RESUME_MISMATCH, KeelError
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
+from keel.observe.log import ensure_console_logging
 from keel.observe.metrics import MetricsLogger, Timer
 from keel.trainer.setup import Components, build_components, needs_baseline_rollout
 from keel.trainer.validate import validate
@@ -63,6 +64,9 @@ class RLTrainer:
         try:
             if self.step == 0 and self.c.val_data and self.cfg.trainer.val_before_train:
                 logger.log(0, self._validate())
+            if self.step >= self.c.total_steps:
+                log.info("the run is already at step %d of %d: nothing to do (raise "
+                         "trainer.total_training_steps to continue it)", self.step, self.c.total_steps)
             while self.step < self.c.total_steps:
                 self.step += 1
                 metrics = self.train_step(logger)
@@ -110,7 +114,7 @@ class RLTrainer:
                     metrics.update(c.actor.update(batch, seed))
                 c.rollout.sync_weights(c.actor.model)
         logger.log_samples(self.step, self._samples(batch))
-        return {**metrics, **batch_metrics(batch, self.cfg.data.max_response_length), **timer.metrics(),
+        return {**metrics, **batch_metrics(batch), **timer.metrics(),
                 **throughput_metrics(batch, timer.times["step"], c.device),
                 "training/global_step": float(self.step), "training/epoch": float(c.sampler.epoch)}
 
@@ -203,5 +207,6 @@ class RLTrainer:
 def train(config: str | Path | dict | KeelConfig | None = None,
           overrides: list[str] | dict | None = None) -> RunResult:
     """Python API: load and validate a config (path, dict or object, plus overrides), then train."""
+    ensure_console_logging()
     cfg = load_config(config, overrides)
     return RLTrainer(cfg).fit()

@@ -23,6 +23,7 @@ from keel.diagnostics.codes import DATA_EMPTY, DEVICE_UNAVAILABLE, KeelError
 from keel.models.load import (autocast, load_causal_lm, load_critic, load_tokenizer, quiet_transformers,
                               resolve_dtype)
 from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
+from keel.rollout.base import RolloutEngine
 from keel.rollout.hf import HFRolloutEngine
 from keel.training.actor import ActorTrainer
 from keel.training.critic import CriticTrainer
@@ -38,7 +39,7 @@ class Components:
     val_data: list[PromptRecord]
     sampler: ResumableSampler
     actor: ActorTrainer
-    rollout: HFRolloutEngine
+    rollout: RolloutEngine
     ref: ReferencePolicy | None
     critic: CriticTrainer | None
     reward: RewardScorer
@@ -91,6 +92,9 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None) -> Comp
     if len(train_data) < cfg.data.train_batch_size:
         raise KeelError(DATA_EMPTY, f"{len(train_data)} training prompts remain after filtering, fewer "
                         f"than data.train_batch_size={cfg.data.train_batch_size}")
+    if cfg.critic.enable and not ADV_ESTIMATORS[cfg.algorithm.adv_estimator].needs_critic:
+        log.warning("critic.enable=true with algorithm.adv_estimator=%s, which does not use values: the "
+                    "critic is trained but nothing reads it", cfg.algorithm.adv_estimator)
     sampler = ResumableSampler(len(train_data), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
     total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.batches_per_epoch
 
@@ -112,13 +116,13 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None) -> Comp
 
 
 def build_critic(cfg: KeelConfig, device: torch.device, total_steps: int) -> CriticTrainer:
-    c, actor = cfg.critic, cfg.actor_rollout_ref.actor
+    c = cfg.critic
+    mini_prompts, micro_size, epochs = cfg.critic_batching
     model = load_critic(c.model.path or cfg.actor_rollout_ref.model.path, device,
                         cfg.actor_rollout_ref.model.trust_remote_code)
-    return CriticTrainer(model, c, mini_prompts=c.ppo_mini_batch_size or actor.ppo_mini_batch_size,
-                         micro_size=c.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu,
-                         epochs=c.ppo_epochs or actor.ppo_epochs, rollout_n=cfg.actor_rollout_ref.rollout.n,
-                         total_steps=total_steps, shuffle=actor.shuffle,
+    return CriticTrainer(model, c, mini_prompts=mini_prompts, micro_size=micro_size, epochs=epochs,
+                         rollout_n=cfg.actor_rollout_ref.rollout.n, total_steps=total_steps,
+                         shuffle=cfg.actor_rollout_ref.actor.shuffle,
                          max_response_length=cfg.data.max_response_length)
 
 

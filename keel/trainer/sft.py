@@ -18,6 +18,7 @@ from keel.data.sampler import ResumableSampler
 from keel.data.sft import SFTExample, build_sft_dataset, collate_sft
 from keel.diagnostics.codes import DATA_EMPTY, RESUME_MISMATCH, KeelError
 from keel.models.load import autocast, load_causal_lm, load_tokenizer, quiet_transformers, resolve_dtype
+from keel.observe.log import ensure_console_logging
 from keel.observe.metrics import MetricsLogger, Timer
 from keel.trainer.setup import resolve_device, seed_everything
 from keel.training.optim import build_optimizer, build_scheduler
@@ -167,4 +168,5 @@ class SFTTrainer:
 
 def sft(config=None, overrides=None) -> SFTResult:
     """Python API: load and validate an SFT config (path, dict or object, plus overrides), then train."""
+    ensure_console_logging()
     return SFTTrainer(load_config(config, overrides, schema=SFTConfig)).fit()
