@@ -10,9 +10,9 @@ import pytest
 
 REWARD_FILE = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """Share of digits in the response: varies across random samples, so advantages are non-zero."""
-    text = solution_str.strip()
-    return sum(ch.isdigit() for ch in text) / len(text) if text else 0.0
+    """A deterministic score that differs between almost any two random responses, so every
+    estimator (even with one sample per prompt) sees non-zero advantages on any device's RNG."""
+    return (sum(map(ord, solution_str)) % 7) / 6
 '''
 
 
