@@ -71,10 +71,10 @@ def test_each_estimator_trains_two_steps(estimator, tiny_config, tiny_assets, tm
                                      "clip_ratio_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"}}},
 ], ids=["ppo-kl-in-reward", "dr-grpo-kl-loss", "gspo"])
 def test_algorithm_variants_train(overrides, tiny_config):
-    from keel.config.load import load_config
+    from keel.config.load import flatten, load_config
     from keel.trainer.rl import RLTrainer
 
-    cfg = load_config(tiny_config, _flatten(overrides))
+    cfg = load_config(tiny_config, flatten(overrides))
     result = RLTrainer(cfg).fit()
 
     assert result.last_step == 2
@@ -83,16 +83,6 @@ def test_algorithm_variants_train(overrides, tiny_config):
         assert "actor/ref_kl" in result.last_metrics
     if cfg.algorithm.use_kl_in_reward:
         assert "actor/reward_kl_penalty_coeff" in result.last_metrics
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            flat.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            flat[f"{prefix}{k}"] = v
-    return flat
 
 
 @pytest.mark.parametrize("variant", [
