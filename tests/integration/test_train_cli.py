@@ -70,17 +70,30 @@ def test_each_estimator_trains_two_steps(estimator, tiny_config, tiny_assets, tm
     {"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "gspo"}, "clip_ratio_low": 3e-4,
                                      "clip_ratio_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"}}},
 ], ids=["ppo-kl-in-reward", "dr-grpo-kl-loss", "gspo"])
-def test_algorithm_variants_train(overrides, tiny_config):
+def test_algorithm_variants_train(overrides, tiny_config, monkeypatch):
     from keel.config.load import flatten, load_config
+    from keel.training import actor
     from keel.trainer.rl import RLTrainer
 
+    used = []  # the policy loss and its parameters, as the actor really calls them
+    real_loss = actor.compute_policy_loss
+    monkeypatch.setattr(actor, "compute_policy_loss",
+                        lambda name, *args, **kw: used.append((name, args[-1])) or real_loss(name, *args, **kw))
     cfg = load_config(tiny_config, flatten(overrides))
     result = RLTrainer(cfg).fit()
 
     assert result.last_step == 2
     assert all(math.isfinite(v) for v in result.last_metrics.values())
+    name, params = used[-1]
+    a = cfg.actor_rollout_ref.actor
+    assert name == a.policy_loss.loss_mode
+    assert (params.clip_ratio_low, params.clip_ratio_high) == (a.clip_ratio_low or a.clip_ratio,
+                                                               a.clip_ratio_high or a.clip_ratio)
+    assert params.loss_agg_mode == a.loss_agg_mode and params.norm_length == cfg.data.max_response_length
     if cfg.ref_enabled:
         assert "actor/ref_kl" in result.last_metrics
+    if a.use_kl_loss:
+        assert "actor/kl_loss" in result.last_metrics
     if cfg.algorithm.use_kl_in_reward:
         assert "actor/reward_kl_penalty_coeff" in result.last_metrics
 
