@@ -33,3 +33,25 @@ def test_config_choices_match_the_algorithm_registries():
     assert set(schema.PolicyLossConfig.__dataclass_fields__["loss_mode"].metadata["choices"]) == set(POLICY_LOSSES)
     assert set(schema.GROUP_ESTIMATORS) == {n for n, e in ADV_ESTIMATORS.items() if e.needs_group}
     assert {n for n, e in ADV_ESTIMATORS.items() if e.needs_critic} == {"gae"}  # KeelConfig.critic_enabled
+
+
+def test_errors_doc_and_explain_list_every_code(capsys):
+    from keel.cli import main
+    from keel.diagnostics.docs import render_errors
+
+    doc = (TESTS.parent / "docs" / "errors.md").read_text()
+    assert doc == render_errors(), "regenerate: python -m keel.diagnostics.docs > docs/errors.md"
+    assert main(["explain", "--list"]) == 0
+    listed = capsys.readouterr().out
+    for code in codes.CATALOGUE:
+        assert f"### {code}:" in doc and code in listed
+    assert main(["explain", "c001"]) == 0 and "fix:" in capsys.readouterr().out
+    assert main(["explain", "KEEL-X999"]) == 2
+
+
+def test_every_code_raised_in_the_code_base_is_in_the_catalogue():
+    import re
+
+    package = TESTS.parent / "keel"
+    raised = {m for p in package.rglob("*.py") for m in re.findall(r"KEEL-[A-Z]\d{3}", p.read_text())}
+    assert raised <= set(codes.CATALOGUE)
