@@ -17,9 +17,20 @@ from keel.diagnostics.codes import CATALOGUE, KeelError, explain
 def _cmd_train(args) -> int:
     from keel.trainer.rl import train
 
-    result = train(args.config, args.overrides)
+    result = train(args.config, args.overrides, check=not args.skip_check)
     print(f"done: {result.last_step} steps; run directory {result.run_dir}")
     return 0
+
+
+def _cmd_check(args) -> int:
+    import json
+
+    from keel.config.load import load_config
+    from keel.diagnostics.preflight import render, run_checks
+
+    report = run_checks(load_config(args.config, args.overrides))
+    print(json.dumps(report.as_dict(), indent=2) if args.json else render(report))
+    return 1 if report.failures else 0
 
 
 def _cmd_sft(args) -> int:
@@ -77,7 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="RL-train a policy (PPO, GRPO and relatives)")
     train.add_argument("config", help="YAML config file")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    train.add_argument("--skip-check", action="store_true", help="do not run `keel check` first (logged)")
     train.set_defaults(func=_cmd_train)
+
+    check = sub.add_parser("check", help="check a config, its model, data, reward and memory without training")
+    check.add_argument("config", help="YAML config file")
+    check.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    check.add_argument("--json", action="store_true", help="machine-readable output")
+    check.set_defaults(func=_cmd_check)
 
     sft_cmd = sub.add_parser("sft", help="supervised fine-tuning on chat data")
     sft_cmd.add_argument("config", help="YAML config file")

@@ -92,6 +92,12 @@ NO_METRICS = _code(
     "`keel report` reads RUN_DIR/metrics.jsonl, which is missing or empty: the path is not a run "
     "directory, or the run has not finished a step yet.",
     "Pass the run directory (trainer.default_local_dir) of a run that has logged at least one step.")
+TOKEN_BUDGET = _code(
+    "KEEL-C013", "Prompt plus response longer than the model reads",
+    "`data.max_prompt_length + data.max_response_length` is more than the policy's "
+    "`max_position_embeddings`: long rollouts would run past the positions the model was trained on.",
+    "Lower data.max_prompt_length or data.max_response_length, or use a model with a longer context.",
+    ("data.max_prompt_length", "data.max_response_length"))
 
 # --- M: model / tokenizer ---------------------------------------------------------------------
 MODEL_PATH = _code(
@@ -113,6 +119,12 @@ NO_CHAT_TEMPLATE = _code(
     "Use a tokenizer with a chat template, give prompts as plain strings, or set "
     "`data.apply_chat_template=false` to join message contents as plain text.",
     ("data.apply_chat_template",))
+VOCAB_MISMATCH = _code(
+    "KEEL-M004", "Tokenizer and model disagree on the vocabulary",
+    "The tokenizer produces ids (or has special-token ids) that the model's embedding has no row "
+    "for; training would index out of range or read garbage rows.",
+    "Use the tokenizer that was saved with the model, or resize the model's embeddings "
+    "(model.resize_token_embeddings) and save it again.", ("actor_rollout_ref.model.path",))
 
 # --- D: data ----------------------------------------------------------------------------------
 DATA_FILE = _code(
@@ -175,6 +187,12 @@ MISSING_GROUND_TRUTH = _code(
     "would score 0 on every sample, which looks like a model that never learns.",
     "Add `reward_model: {ground_truth: ...}` to every row, or score with your own "
     "`custom_reward_function` that does not need one.", ("custom_reward_function.path",))
+SCORER_RAISED = _code(
+    "KEEL-R005", "The scorer raised an exception on a real row",
+    "`keel check` ran the reward function on a few dataset rows (the ground truth as the answer, "
+    "and an empty answer) and it raised; during training every such sample would crash the run.",
+    "Make the reward function handle these inputs (an empty response must score, e.g. 0.0).",
+    ("custom_reward_function.path", "custom_reward_function.name"))
 
 # --- T: training numerics ---------------------------------------------------------------------
 NONFINITE_LOSS = _code(
@@ -195,6 +213,19 @@ DEVICE_UNAVAILABLE = _code(
     "KEEL-E001", "Requested device is not available",
     "`trainer.device` names a device this machine does not have (e.g. cuda without a GPU).",
     "Set `trainer.device=cpu` or `auto`.", ("trainer.device",))
+MEMORY_ESTIMATE = _code(
+    "KEEL-E002", "The run will not fit in the device's memory",
+    "keel's estimate (float32 weights, gradients and AdamW state of each trained model, the "
+    "reference, one micro-batch's activations and logits, the generation KV cache) exceeds the "
+    "free memory of the device.",
+    "Lower actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, rollout.max_num_seqs or the sequence "
+    "lengths, turn on model.enable_gradient_checkpointing, or use a smaller model.",
+    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.max_num_seqs"))
+RUN_DIR_NOT_WRITABLE = _code(
+    "KEEL-E003", "The run directory cannot be written",
+    "keel writes its config, metrics and checkpoints under trainer.default_local_dir; the nearest "
+    "existing folder above it is not writable.",
+    "Point trainer.default_local_dir at a writable location.", ("trainer.default_local_dir",))
 
 
 class KeelError(Exception):

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from keel.diagnostics.codes import MODEL_PATH, NO_EOS, KeelError
+from keel.diagnostics.codes import DEVICE_UNAVAILABLE, MODEL_PATH, NO_EOS, KeelError
 
 log = logging.getLogger("keel")
 
@@ -47,6 +47,14 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     # Generation appends on the right, so prompts are padded on the left.
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise KeelError(DEVICE_UNAVAILABLE, "trainer.device=cuda but torch sees no CUDA device")
+    return torch.device(name)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

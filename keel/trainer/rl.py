@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from keel.config.load import load_config, to_yaml
 from keel.config.plan import make_plan
 from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptBatch, collate_prompts
+from keel.diagnostics.preflight import render, run_checks
 from keel.diagnostics.codes import RESUME_MISMATCH, KeelError
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
 from keel.observe.log import ensure_console_logging
@@ -205,8 +207,22 @@ class RLTrainer:
 
 
 def train(config: str | Path | dict | KeelConfig | None = None,
-          overrides: list[str] | dict | None = None) -> RunResult:
-    """Python API: load and validate a config (path, dict or object, plus overrides), then train."""
+          overrides: list[str] | dict | None = None, check: bool = True) -> RunResult:
+    """Python API: load and validate a config (path, dict or object, plus overrides), run
+    `keel check` on it (unless `check=False`, which is logged), then train."""
     ensure_console_logging()
     cfg = load_config(config, overrides)
+    if check:
+        preflight(cfg)
+    else:
+        log.warning("keel check skipped: problems it would have caught will surface during the run")
     return RLTrainer(cfg).fit()
+
+
+def preflight(cfg: KeelConfig) -> None:
+    """Stop before any model weight is loaded if `keel check` finds a failure."""
+    report = run_checks(cfg)
+    if "console" in cfg.trainer.logger or report.failures:
+        print(render(report), file=sys.stderr)
+    if report.failures:
+        raise report.first_error()

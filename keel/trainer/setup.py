@@ -19,9 +19,9 @@ from keel.algorithms.kl import make_kl_controller
 from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptRecord, build_prompt_dataset, load_rows
 from keel.data.sampler import ResumableSampler
-from keel.diagnostics.codes import DATA_EMPTY, DEVICE_UNAVAILABLE, KeelError
+from keel.diagnostics.codes import DATA_EMPTY, KeelError
 from keel.models.load import (autocast, load_causal_lm, load_critic, load_tokenizer, quiet_transformers,
-                              resolve_dtype)
+                              resolve_device, resolve_dtype)
 from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
 from keel.rollout.base import RolloutEngine
 from keel.rollout.hf import HFRolloutEngine
@@ -56,14 +56,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise KeelError(DEVICE_UNAVAILABLE, "trainer.device=cuda but torch sees no CUDA device")
-    return torch.device(name)
 
 
 def load_prompts(files: list[str], tokenizer, cfg: KeelConfig, name: str) -> list[PromptRecord]:

@@ -20,7 +20,8 @@ from keel.diagnostics.codes import DATA_EMPTY, RESUME_MISMATCH, KeelError
 from keel.models.load import autocast, load_causal_lm, load_tokenizer, quiet_transformers, resolve_dtype
 from keel.observe.log import ensure_console_logging
 from keel.observe.metrics import MetricsLogger, Timer
-from keel.trainer.setup import resolve_device, seed_everything
+from keel.models.load import resolve_device
+from keel.trainer.setup import seed_everything
 from keel.training.optim import build_optimizer, build_scheduler
 from keel.training.step import apply_gradients
 

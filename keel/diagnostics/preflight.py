@@ -1,0 +1,303 @@
+"""`keel check`: everything that can be known to fail before a GPU-hour is spent.
+
+Loads the tokenizer, the model configs (not the weights) and the datasets, runs the scorer on a few
+rows, and estimates memory. Each check yields findings (pass / warn / fail); a failure carries the
+catalogue code that `keel train` exits with.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from keel import checkpoint as ckpt
+from keel.config.plan import make_plan
+from keel.config.schema import KeelConfig
+from keel.diagnostics.codes import (MEMORY_ESTIMATE, RUN_DIR_NOT_WRITABLE, SCORER_RAISED, TOKEN_BUDGET,
+                                    VOCAB_MISMATCH, KeelError)
+
+PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
+
+
+class Skipped(Exception):
+    """A check that needs what an earlier, failed check would have loaded."""
+
+
+def need(context: dict, key: str):
+    if key not in context:
+        raise Skipped(key)
+    return context[key]
+
+
+@dataclass
+class Finding:
+    level: str
+    check: str
+    message: str
+    code: str | None = None
+    fix: str | None = None
+
+    @classmethod
+    def failed(cls, check: str, error: KeelError) -> "Finding":
+        return cls(FAIL, check, error.message, error.code, error.fix)
+
+
+@dataclass
+class Report:
+    findings: list[Finding]
+    plan: dict
+    plan_text: str
+    audit: dict[str, str]
+    memory_gb: dict[str, float]
+
+    @property
+    def failures(self) -> list[Finding]:
+        return [f for f in self.findings if f.level == FAIL]
+
+    def as_dict(self) -> dict:
+        return {"findings": [asdict(f) for f in self.findings], "plan": self.plan, "audit": self.audit,
+                "memory_gb": self.memory_gb, "ok": not self.failures}
+
+    def first_error(self) -> KeelError:
+        f = self.failures[0]
+        return KeelError(f.code, f.message, f.fix)
+
+
+def run_checks(cfg: KeelConfig) -> Report:
+    from keel.models.load import quiet_transformers
+
+    quiet_transformers()
+    findings: list[Finding] = []
+    context: dict = {}
+    for name, check in CHECKS:
+        try:
+            findings += check(cfg, context)
+        except KeelError as e:
+            findings.append(Finding.failed(name, e))
+        except Skipped as missing:
+            findings.append(Finding(SKIP, name, f"skipped: needs the {missing} an earlier check could not load"))
+    memory = context.get("memory_gb", {})
+    plan = make_plan(cfg)
+    return Report(findings, plan.as_dict(), plan.render(), audit(cfg, context), memory)
+
+
+# --- the checks, in the order a user would fix them ---------------------------------------------
+
+def check_tokenizer(cfg: KeelConfig, context: dict) -> list[Finding]:
+    from transformers import AutoTokenizer
+
+    from keel.models.load import check_model_dir, load_tokenizer
+
+    path = check_model_dir(cfg.actor_rollout_ref.model.path)
+    raw = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+    context["tokenizer"] = tokenizer = load_tokenizer(path, cfg.actor_rollout_ref.model.trust_remote_code)
+    found = [Finding(PASS, "tokenizer", f"EOS {tokenizer.eos_token!r}, {len(tokenizer)} tokens")]
+    if raw.pad_token_id is None:
+        context["pad_from_eos"] = True
+        found.append(Finding(WARN, "tokenizer", f"no pad token: keel pads with EOS {tokenizer.eos_token!r}"))
+    return found
+
+
+def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
+    from transformers import AutoConfig
+
+    tokenizer = need(context, "tokenizer")
+    model_cfg = AutoConfig.from_pretrained(cfg.actor_rollout_ref.model.path,
+                                           trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+    context["model_config"] = model_cfg
+    vocab = model_cfg.vocab_size
+    if len(tokenizer) > vocab:
+        raise KeelError(VOCAB_MISMATCH, f"the tokenizer has {len(tokenizer)} tokens but the model's embedding "
+                                        f"has {vocab} rows: ids >= {vocab} would index out of range")
+    special = {name: getattr(tokenizer, f"{name}_token_id") for name in ("eos", "pad", "bos")}
+    bad = {k: v for k, v in special.items() if v is not None and v >= vocab}
+    if bad:
+        raise KeelError(VOCAB_MISMATCH, f"special token ids {bad} are outside the model's vocabulary of {vocab}")
+    budget = cfg.data.max_prompt_length + cfg.data.max_response_length
+    limit = getattr(model_cfg, "max_position_embeddings", None)
+    if limit is not None and budget > limit:
+        raise KeelError(TOKEN_BUDGET, f"data.max_prompt_length + data.max_response_length = {budget} tokens, "
+                                      f"over the policy's max_position_embeddings={limit}")
+    found = [Finding(PASS, "model", f"{model_cfg.model_type}, vocab {vocab}, "
+                                    f"{budget} of {limit or '?'} positions used")]
+    if tokenizer.model_max_length < budget:
+        found.append(Finding(WARN, "model", f"tokenizer model_max_length={tokenizer.model_max_length} is below "
+                                            f"the {budget}-token budget; transformers may warn or truncate"))
+    return found
+
+
+def check_data(cfg: KeelConfig, context: dict) -> list[Finding]:
+    from keel.data.prompts import build_prompt_dataset, load_rows
+    from keel.diagnostics.codes import DATA_EMPTY
+
+    d = cfg.data
+    found = []
+    for name, files in (("train", d.train_files), ("val", d.val_files)):
+        if not files:
+            continue
+        records, stats = build_prompt_dataset(
+            load_rows(files), need(context, "tokenizer"), prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+            truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
+            apply_chat_template=d.apply_chat_template, name=name)
+        context[f"{name}_records"] = records
+        level = WARN if stats.truncated or stats.dropped else PASS
+        found.append(Finding(level, "data", stats.summary()))
+    if len(context["train_records"]) < d.train_batch_size:
+        raise KeelError(DATA_EMPTY, f"{len(context['train_records'])} training prompts, fewer than "
+                                    f"data.train_batch_size={d.train_batch_size}")
+    return found
+
+
+def check_reward(cfg: KeelConfig, context: dict) -> list[Finding]:
+    """The scorer must run on real rows: the ground truth as the answer, and an empty answer."""
+    from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
+
+    custom = cfg.custom_reward_function
+    scorer = RewardScorer(load_custom_reward_fn(custom.path, custom.name) if custom.path else None)
+    records = need(context, "train_records") + context.get("val_records", [])
+    scorer.check_records(records)
+    sample = records[:4]
+    for responses in ([str(r.ground_truth) for r in sample], [""] * len(sample)):
+        try:
+            scores = scorer.score(sample, responses)
+        except KeelError:  # already coded (e.g. a NaN score)
+            raise
+        except Exception as e:  # the user's scorer: report what it raised, on which input
+            raise KeelError(SCORER_RAISED, f"the scorer raised {type(e).__name__}: {e} on data_source="
+                                           f"{sample[0].data_source!r} with response {responses[0][:40]!r}") from e
+    return [Finding(PASS, "reward", f"scorer ran on {len(sample)} rows (last scores {scores.tolist()})")]
+
+
+def check_run_dir(cfg: KeelConfig, context: dict) -> list[Finding]:
+    run_dir = Path(cfg.run_dir)
+    existing = next(p for p in [run_dir, *run_dir.parents] if p.exists())
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise KeelError(RUN_DIR_NOT_WRITABLE, f"cannot write under {existing}: {e}") from e
+    resume = ckpt.resolve_resume(run_dir, cfg.trainer.resume_mode)
+    if resume is not None:
+        ckpt.check_same_run(resume, cfg)
+    action = f"resume from {resume}" if resume is not None else "start a new run"
+    return [Finding(PASS, "run directory", f"{run_dir}: writable; will {action}")]
+
+
+def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
+    estimate = estimate_memory_gb(cfg, need(context, "model_config"))
+    context["memory_gb"] = estimate
+    total, available, where = device_memory_gb(cfg)
+    required = estimate["total"]
+    message = f"about {required:.2f} GB needed on {where}, {available:.1f} GB free of {total:.1f} GB"
+    if required > available:
+        raise KeelError(MEMORY_ESTIMATE, message)
+    return [Finding(WARN if required > 0.9 * available else PASS, "memory", message)]
+
+
+CHECKS = [("tokenizer", check_tokenizer), ("model", check_model), ("data", check_data),
+          ("reward", check_reward), ("run directory", check_run_dir), ("memory", check_memory)]
+
+
+# --- memory ---------------------------------------------------------------------------------
+
+def count_parameters(model_cfg) -> int:
+    """Exact count from the architecture, built on the meta device (no memory, no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
+    """Per-device estimate. float32 master weights (4 B) + gradients (4 B) + AdamW moments (8 B) for
+    each trained model; 4 B per weight for the frozen reference; activations of one micro-batch
+    (about 34 bytes x hidden per token per layer, Korthikanti et al. arXiv 2205.05198, plus the
+    float32 logits); the KV cache of one generation batch."""
+    gb = 2 ** 30
+    params = count_parameters(model_cfg)
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    layers, hidden = model_cfg.num_hidden_layers, model_cfg.hidden_size
+    heads = model_cfg.num_attention_heads
+    kv_heads = getattr(model_cfg, "num_key_value_heads", heads) or heads
+    head_dim = getattr(model_cfg, "head_dim", None) or hidden // heads
+    micro = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+    bytes_act = 2 if cfg.actor_rollout_ref.model.dtype != "float32" else 4
+    estimate = {
+        "actor_states": 16 * params / gb,
+        "activations": (34 * hidden * layers * micro * seq * bytes_act / 2
+                        + micro * cfg.data.max_response_length * model_cfg.vocab_size * 4 * 2) / gb,
+        "kv_cache": 2 * layers * kv_heads * head_dim * seq * cfg.actor_rollout_ref.rollout.max_num_seqs
+                    * bytes_act / gb,
+    }
+    if cfg.ref_enabled:
+        estimate["reference"] = 4 * params / gb
+    if cfg.critic_enabled:
+        estimate["critic_states"] = 16 * params / gb
+    estimate["total"] = sum(estimate.values())
+    return {k: round(v, 3) for k, v in estimate.items()}
+
+
+def device_memory_gb(cfg: KeelConfig) -> tuple[float, float, str]:
+    """(total, free, device name) of the device the run will use."""
+    from keel.models.load import resolve_device
+
+    device = resolve_device(cfg.trainer.device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total / 2 ** 30, free / 2 ** 30, torch.cuda.get_device_name(device)
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = page * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    available = page * os.sysconf("SC_AVPHYS_PAGES") / 2 ** 30
+    return total, available, "cpu"
+
+
+# --- what keel decided for you ----------------------------------------------------------------
+
+def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
+    """Every value keel derived or overrode, so no change is silent."""
+    from keel.models.load import resolve_device, resolve_dtype
+
+    actor = cfg.actor_rollout_ref.actor
+    device = resolve_device(cfg.trainer.device)
+    mini, micro, epochs = cfg.critic_batching
+    decided = {
+        "trainer.default_local_dir": cfg.run_dir,
+        "device": f"{device} (trainer.device={cfg.trainer.device})",
+        "compute dtype": f"{resolve_dtype(cfg.actor_rollout_ref.model.dtype, device)}; weights and optimiser "
+                         "state float32",
+        "critic": "on" if cfg.critic_enabled else "off",
+        "reference model": "on" if cfg.ref_enabled else "off",
+        "clip range": f"[1 - {actor.clip_ratio_low or actor.clip_ratio}, 1 + {actor.clip_ratio_high or actor.clip_ratio}]",
+    }
+    if cfg.critic_enabled:
+        decided["critic batching"] = f"mini {mini} prompts, micro {micro} samples, {epochs} epochs"
+    if "train_records" in context:
+        per_epoch = len(context["train_records"]) // cfg.data.train_batch_size
+        total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * per_epoch
+        decided["total training steps"] = f"{total} ({per_epoch} per epoch)"
+    if context.get("pad_from_eos"):
+        decided["pad token"] = "EOS (the tokenizer has none)"
+    if actor.policy_loss.loss_mode == "gspo":
+        decided["loss_agg_mode"] = "seq-mean-token-mean (GSPO's objective; actor.loss_agg_mode is not used)"
+    return decided
+
+
+def render(report: Report) -> str:
+    marks = {PASS: "ok  ", WARN: "warn", FAIL: "FAIL", SKIP: "skip"}
+    lines = ["keel check"]
+    lines += [f"  [{marks[f.level]}] {f.check:<14} {f.message}" + (f"  ({f.code})" if f.code else "")
+              for f in report.findings]
+    lines.append(report.plan_text)
+    lines.append("decided for you")
+    lines += [f"  {key:<26} {value}" for key, value in report.audit.items()]
+    if report.memory_gb:
+        lines.append("memory estimate per device (GB): " + ", ".join(f"{k} {v}" for k, v in report.memory_gb.items()))
+    counts = {level: sum(f.level == level for f in report.findings) for level in (PASS, WARN, FAIL)}
+    verdict = "ready to train" if not counts[FAIL] else "fix the failures above before training"
+    lines.append(f"{counts[PASS]} passed, {counts[WARN]} warnings, {counts[FAIL]} failed: {verdict}")
+    return "\n".join(lines)

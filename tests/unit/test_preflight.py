@@ -1,0 +1,86 @@
+"""keel check: what it reports on a good config, and the coded failures a user can cause."""
+
+import json
+import shutil
+
+import pytest
+
+from keel.cli import main
+from keel.config.load import load_config
+from keel.diagnostics.codes import (MEMORY_ESTIMATE, NO_EOS, RUN_DIR_NOT_WRITABLE, SCORER_RAISED, TOKEN_BUDGET,
+                                    VOCAB_MISMATCH)
+from keel.diagnostics.preflight import FAIL, SKIP, run_checks
+
+
+def failure_codes(report) -> list[str]:
+    return [f.code for f in report.findings if f.level == FAIL]
+
+
+def test_good_config_passes_with_plan_audit_and_memory(tiny_config, tmp_path, capsys):
+    import yaml
+
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(tiny_config))
+    assert main(["check", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "batch plan" in out and "decided for you" in out and "memory estimate" in out
+    assert "0 failed: ready to train" in out
+    assert main(["check", str(config), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["memory_gb"]["total"] > 0
+    assert report["audit"]["critic"] == "off" and report["plan"]["samples_per_step"] == 16
+    assert not (tmp_path / "run").exists()  # checking creates nothing
+
+
+@pytest.mark.parametrize("overrides, code", [
+    ({"data.max_prompt_length": 1000, "data.max_response_length": 100}, TOKEN_BUDGET),  # model reads 1024
+    ({"actor_rollout_ref.rollout.max_num_seqs": 10**8}, MEMORY_ESTIMATE),  # a KV cache of petabytes
+])
+def test_failures_before_any_weight_is_loaded(tiny_config, overrides, code):
+    assert code in failure_codes(run_checks(load_config(tiny_config, overrides)))
+
+
+def test_scorer_that_raises_on_an_empty_answer(tiny_config, tmp_path):
+    reward = tmp_path / "bad_reward.py"
+    reward.write_text("def compute_score(ds, s, gt, ei=None):\n    return 1.0 / len(s)\n")
+    report = run_checks(load_config(tiny_config, {"custom_reward_function.path": str(reward)}))
+    assert failure_codes(report) == [SCORER_RAISED]
+    assert "ZeroDivisionError" in report.failures[0].message
+
+
+def test_run_dir_that_cannot_be_written(tiny_config, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")  # a file where a folder should be: not writable even for root
+    report = run_checks(load_config(tiny_config, {"trainer.default_local_dir": str(blocker / "run")}))
+    assert failure_codes(report) == [RUN_DIR_NOT_WRITABLE]
+
+
+def test_tokenizer_bigger_than_the_embedding(tiny_config, tiny_assets, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_assets["model"], model)
+    config = json.loads((model / "config.json").read_text())
+    config["vocab_size"] = 200  # the tokenizer has 260 tokens
+    (model / "config.json").write_text(json.dumps(config))
+    report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": str(model)}))
+    assert failure_codes(report) == [VOCAB_MISMATCH]
+
+
+def test_broken_tokenizer_fails_and_dependent_checks_are_skipped(tiny_config, tiny_assets, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_assets["model"], model)
+    tok_config = json.loads((model / "tokenizer_config.json").read_text())
+    tok_config["eos_token"] = None
+    (model / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": str(model)}))
+    assert failure_codes(report) == [NO_EOS]
+    assert {f.check for f in report.findings if f.level == SKIP} >= {"model", "data", "reward", "memory"}
+
+
+def test_train_runs_the_check_first_and_stops_before_the_run_dir_exists(tiny_config, tmp_path, capsys):
+    import yaml
+
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(tiny_config))
+    assert main(["train", str(config), "data.max_prompt_length=1000", "data.max_response_length=100"]) == 2
+    assert "error[KEEL-C013]" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
