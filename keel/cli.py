@@ -57,6 +57,16 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _cmd_doctor(args) -> int:
+    import json
+
+    from keel.diagnostics.doctor import as_json, collect, render
+
+    checks = collect(args.path)
+    print(json.dumps(as_json(checks), indent=2) if args.json else render(checks))
+    return 1 if any(c.level == "fail" for c in checks) else 0
+
+
 def _cmd_export(args) -> int:
     from keel.checkpoint import export_checkpoint
 
@@ -101,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     sft_cmd.add_argument("config", help="YAML config file")
     sft_cmd.add_argument("overrides", nargs="*", help="section.key=value overrides")
     sft_cmd.set_defaults(func=_cmd_sft)
+
+    doctor = sub.add_parser("doctor", help="check this machine: versions, GPU, driver, disk")
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument("--path", default=".", help="where checkpoints will go (for the disk check)")
+    doctor.set_defaults(func=_cmd_doctor)
 
     report = sub.add_parser("report", help="plot a run's metrics to report.png and report.html")
     report.add_argument("run_dir", help="a run directory (holds metrics.jsonl)")

@@ -221,6 +221,32 @@ MEMORY_ESTIMATE = _code(
     "Lower actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, rollout.max_num_seqs or the sequence "
     "lengths, turn on model.enable_gradient_checkpointing, or use a smaller model.",
     ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.max_num_seqs"))
+TORCH_UNSUPPORTED = _code(
+    "KEEL-E004", "Unsupported torch release",
+    "keel needs torch >= 2.4; torch 2.3.x has an FSDP bug that can leave gradients None after "
+    "backward, so the loss moves and the model learns nothing.",
+    "Install torch >= 2.4 (a build matching your CUDA driver).")
+CUDA_DRIVER_TOO_OLD = _code(
+    "KEEL-E005", "The NVIDIA driver is older than torch's CUDA",
+    "torch was built for a CUDA major version the installed driver does not support; torch then "
+    "sees no GPU, or fails at the first kernel.",
+    "Update the NVIDIA driver, or install a torch build for the CUDA version the driver supports.")
+GPU_ARCH_UNSUPPORTED = _code(
+    "KEEL-E006", "This torch build has no kernels for the GPU",
+    "The GPU's compute capability (sm_XY) is not in torch.cuda.get_arch_list(): kernels fail with "
+    "'no kernel image is available'.",
+    "Install a torch build compiled for this GPU generation.")
+PACKAGE_VERSION = _code(
+    "KEEL-E007", "A required package is missing or outside the supported range",
+    "keel is tested with Python >= 3.10 and transformers, tokenizers and peft within the ranges "
+    "`keel doctor` prints; other versions change APIs keel relies on.",
+    "Install a supported version: pip install -e . picks them.")
+LOW_DISK = _code(
+    "KEEL-E008", "Little free disk for checkpoints",
+    "Each checkpoint holds float32 weights and optimiser state (about 16 bytes per parameter); a "
+    "full disk fails a save hours into a run.",
+    "Free disk space, point trainer.default_local_dir at a larger disk, or set "
+    "trainer.max_actor_ckpt_to_keep.", ("trainer.default_local_dir", "trainer.max_actor_ckpt_to_keep"))
 RUN_DIR_NOT_WRITABLE = _code(
     "KEEL-E003", "The run directory cannot be written",
     "keel writes its config, metrics and checkpoints under trainer.default_local_dir; the nearest "

@@ -1,0 +1,48 @@
+"""keel doctor: each check against the facts of a healthy and of a broken machine."""
+
+import json
+
+from keel.cli import main
+from keel.diagnostics.codes import (CUDA_DRIVER_TOO_OLD, GPU_ARCH_UNSUPPORTED, LOW_DISK, PACKAGE_VERSION,
+                                    TORCH_UNSUPPORTED)
+from keel.diagnostics.doctor import (check_cuda, check_disk, check_gpu_arch, check_package, check_python,
+                                     check_torch)
+
+
+def test_torch_with_the_fsdp_gradient_bug_is_rejected():
+    assert check_torch("2.3.1+cu121").code == TORCH_UNSUPPORTED
+    assert check_torch("2.1.0").code == TORCH_UNSUPPORTED
+    assert check_torch("2.11.0+cu130").level == "pass"
+
+
+def test_package_ranges():
+    assert check_package("transformers", "4.40.0").code == PACKAGE_VERSION
+    assert check_package("transformers", None).code == PACKAGE_VERSION
+    assert check_package("peft", None).level == "warn"  # only LoRA needs it
+    assert check_package("transformers", "5.17.0").level == "pass"
+    assert check_python((3, 9)).code == PACKAGE_VERSION
+
+
+def test_driver_older_than_torch_cuda():
+    # torch for CUDA 13.0 with a driver that supports up to CUDA 12.4 (cuDriverGetVersion 12040)
+    assert check_cuda("13.0", 12040, ["NVIDIA H200"]).code == CUDA_DRIVER_TOO_OLD
+    assert check_cuda("12.8", 13000, ["NVIDIA H200"]).level == "pass"
+    assert check_cuda(None, None, []).level == "warn"  # CPU build: runs, slowly
+
+
+def test_gpu_without_kernels_in_this_build():
+    assert check_gpu_arch([(12, 0)], ["sm_80", "sm_90"]).code == GPU_ARCH_UNSUPPORTED
+    assert check_gpu_arch([(9, 0)], ["sm_80", "sm_90"]).level == "pass"
+
+
+def test_low_disk_warns():
+    assert check_disk("/x", 3.0).code == LOW_DISK
+    assert check_disk("/x", 300.0).level == "pass"
+
+
+def test_doctor_runs_here(capsys):
+    code = main(["doctor", "--json"])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    assert {"python", "torch", "transformers", "cuda", "gpu arch", "disk"} <= set(checks)
+    assert code == (1 if any(c["level"] == "fail" for c in checks.values()) else 0)
+    assert checks["torch"]["level"] == "pass"
