@@ -176,6 +176,17 @@ class CustomRewardConfig:
 
 
 @dataclass
+class GuardsConfig:
+    nonfinite: str = opt("stop", choices=("stop", "skip"), help="NaN/inf in a stage: stop, or skip the step")
+    zero_signal_steps: int = opt(5, gt=0, help="warn after this many steps with no reward variance")
+    max_clip_ratio: float = opt(0.9, ge=0, le=1, help="warn when more responses hit max_response_length")
+    min_response_length: float = opt(1.5, ge=0, help="warn when responses average fewer tokens")
+    min_entropy: float = opt(0.01, ge=0, help="warn below this entropy (collapse)")
+    max_kl: float = opt(1.0, gt=0, help="warn above this ppo_kl or ref_kl (blow-up)")
+    phase_timeout_s: float | None = opt(None, gt=0, help="a phase running longer dumps stacks and exits")
+
+
+@dataclass
 class TrainerConfig:
     project_name: str = opt("keel")
     experiment_name: str = opt("run")
@@ -194,6 +205,9 @@ class TrainerConfig:
     log_samples: int = opt(4, ge=0, help="samples per step written to samples.jsonl")
     n_gpus_per_node: int = opt(1, gt=0)
     nnodes: int = opt(1, gt=0)
+    guards: GuardsConfig = opt(factory=GuardsConfig)
+    hooks: list[str] = opt(factory=list, help="`module:function` called as fn(step, metrics, batch)")
+    hook_freq: int = opt(1, gt=0, help="call hooks every N steps")
 
 
 @dataclass
@@ -207,7 +221,7 @@ class KeelConfig:
 
     # Keys a resumed run may change: when it stops, how often it logs, validates and saves, how big
     # its micro-batches are. Anything else would make the resumed run a different run.
-    RESUME_MAY_CHANGE = ("trainer.total_training_steps", "trainer.total_epochs", "trainer.test_freq",
+    RESUME_MAY_CHANGE = ("trainer.guards.", "trainer.hooks", "trainer.hook_freq", "trainer.total_training_steps", "trainer.total_epochs", "trainer.test_freq",
                          "trainer.save_freq", "trainer.max_actor_ckpt_to_keep", "trainer.resume_mode",
                          "trainer.logger", "trainer.log_samples", "trainer.val_before_train",
                          "trainer.default_local_dir", "trainer.project_name", "trainer.experiment_name",

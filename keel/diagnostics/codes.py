@@ -98,6 +98,11 @@ TOKEN_BUDGET = _code(
     "`max_position_embeddings`: long rollouts would run past the positions the model was trained on.",
     "Lower data.max_prompt_length or data.max_response_length, or use a model with a longer context.",
     ("data.max_prompt_length", "data.max_response_length"))
+HOOK_LOAD = _code(
+    "KEEL-C014", "A hook cannot be loaded",
+    "An entry of trainer.hooks is not `module:function`, the module does not import, or it has no "
+    "such function.",
+    "Write hooks as `package.module:function` importable from where keel runs.", ("trainer.hooks",))
 
 # --- M: model / tokenizer ---------------------------------------------------------------------
 MODEL_PATH = _code(
@@ -207,6 +212,19 @@ NO_GRADIENT = _code(
     "After backward, every trainable parameter's gradient is None: the loss does not depend on "
     "the weights being trained, so the run would move its loss and learn nothing.",
     "Check that the model is trainable (not frozen) and that the loss uses the policy's log-probs.")
+NONFINITE_VALUES = _code(
+    "KEEL-T003", "Non-finite values in a stage of the step",
+    "A reward, log-prob, value or advantage is NaN or infinite; one such number poisons the loss "
+    "and then every weight. The step was stopped before any update.",
+    "Look at the stage the message names: for rewards, the scorer on samples.jsonl; for log-probs, "
+    "the model's dtype and inputs. `trainer.guards.nonfinite=skip` drops such steps (counted as "
+    "guards/skipped_steps) instead of stopping.", ("trainer.guards.nonfinite",))
+PHASE_TIMEOUT = _code(
+    "KEEL-T004", "A phase of the step ran past its time limit",
+    "Generation, scoring, a forward/backward or a save took longer than "
+    "trainer.guards.phase_timeout_s: something hangs (a reward service, a collective, a deadlock).",
+    "Read the stacks printed with the error to see where it hung; raise "
+    "trainer.guards.phase_timeout_s if the phase is just slow.", ("trainer.guards.phase_timeout_s",))
 
 # --- E: environment ---------------------------------------------------------------------------
 DEVICE_UNAVAILABLE = _code(

@@ -16,16 +16,21 @@ SUMMARY_KEYS = ("train/loss", "val/loss", "critic/score/mean", "actor/pg_loss", 
 
 
 class Timer:
-    """Wall time per named phase, reported as `timing_s/<phase>`."""
+    """Wall time per named phase, reported as `timing_s/<phase>`; a phase running past `deadline_s`
+    dumps every stack and exits (keel.diagnostics.guards.phase_deadline)."""
 
-    def __init__(self):
+    def __init__(self, deadline_s: float | None = None):
         self.times: dict[str, float] = {}
+        self.deadline_s = deadline_s
 
     @contextmanager
     def __call__(self, phase: str):
+        from keel.diagnostics.guards import phase_deadline
+
         start = time.perf_counter()
         try:
-            yield
+            with phase_deadline(phase, self.deadline_s if phase != "step" else None):
+                yield
         finally:
             self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
 

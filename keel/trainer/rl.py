@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +20,11 @@ from keel.algorithms.advantages import AdvantageInputs, AdvantageParams, compute
 from keel.algorithms.kl import apply_kl_penalty
 from keel.config.load import load_config, to_yaml
 from keel.config.plan import make_plan
-from keel.config.schema import KeelConfig
+from keel.config.schema import GROUP_ESTIMATORS, KeelConfig
 from keel.data.prompts import PromptBatch, collate_prompts
+from keel.diagnostics.guards import LearningSignalGuard, SkipStep, check_finite, frac_reward_zero_std
 from keel.diagnostics.preflight import render, run_checks
+from keel.trainer.hooks import load_hook, run_hooks
 from keel.diagnostics.codes import RESUME_MISMATCH, KeelError
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
 from keel.observe.log import ensure_console_logging
@@ -47,6 +50,9 @@ class RLTrainer:
         self.resume_from = ckpt.resolve_resume(self.run_dir, cfg.trainer.resume_mode)
         if self.resume_from is not None:
             ckpt.check_same_run(self.resume_from, cfg)
+        self.hooks = [load_hook(spec) for spec in cfg.trainer.hooks]
+        self.guard = LearningSignalGuard(cfg.trainer.guards, cfg.algorithm.adv_estimator in GROUP_ESTIMATORS)
+        self.skipped_steps = 0
         self.c: Components = build_components(cfg, self.resume_from / "actor" if self.resume_from else None)
         rollout = cfg.actor_rollout_ref.rollout
         self.sampling = SamplingParams(n=rollout.n, do_sample=rollout.do_sample, temperature=rollout.temperature,
@@ -71,7 +77,13 @@ class RLTrainer:
                          "trainer.total_training_steps to continue it)", self.step, self.c.total_steps)
             while self.step < self.c.total_steps:
                 self.step += 1
-                metrics = self.train_step(logger)
+                try:
+                    metrics, batch = self.train_step(logger)
+                except SkipStep:  # trainer.guards.nonfinite=skip: counted, never silent
+                    self.skipped_steps += 1
+                    logger.log(self.step, {"guards/skipped_steps": float(self.skipped_steps)})
+                    continue
+                self._watch(logger, metrics, batch)
                 if self._validation_due():
                     metrics.update(self._validate())
                 logger.log(self.step, metrics)
@@ -81,8 +93,9 @@ class RLTrainer:
             logger.close()
         return RunResult(self.run_dir, self.step, metrics)
 
-    def train_step(self, logger: MetricsLogger) -> dict[str, float]:
-        timer, c = Timer(), self.c
+    def train_step(self, logger: MetricsLogger) -> tuple[dict[str, float], RolloutBatch]:
+        timer, c = Timer(self.cfg.trainer.guards.phase_timeout_s), self.c
+        finite = partial(check_finite, policy=self.cfg.trainer.guards.nonfinite)
         with timer("step"), c.autocast():
             prompts = collate_prompts([c.train_data[i] for i in c.sampler.next_batch()], c.tokenizer.pad_token_id)
             with timer("gen"):
@@ -95,18 +108,23 @@ class RLTrainer:
                 batch.scores = c.reward.score(batch.records, batch.response_texts)
             with timer("old_log_prob"):
                 batch.old_log_probs = c.actor.compute_log_probs(batch)
+                finite("actor log-probs", batch.old_log_probs, batch.response_mask)
             if c.ref is not None:
                 with timer("ref"):
                     batch.ref_log_probs = c.ref.compute_log_probs(batch)
+                    finite("reference log-probs", batch.ref_log_probs, batch.response_mask)
             if c.critic is not None:
                 with timer("values"):
                     batch.values = c.critic.compute_values(batch)
+                    finite("critic values", batch.values, batch.response_mask)
             with timer("adv"):
                 metrics = self._assign_rewards(batch)
+                finite("token-level rewards", batch.token_level_rewards, batch.response_mask)
                 batch.advantages, batch.returns = compute_advantage(
                     self.cfg.algorithm.adv_estimator,
                     AdvantageInputs(batch.token_level_rewards, batch.response_mask, batch.group_index,
                                     batch.values, baseline), self.adv_params)
+                finite("advantages", batch.advantages, batch.response_mask)
             seed = self.cfg.trainer.seed * 100_003 + self.step  # mini-batch order, stable on resume
             if c.critic is not None:
                 with timer("update_critic"):
@@ -116,9 +134,10 @@ class RLTrainer:
                     metrics.update(c.actor.update(batch, seed))
                 c.rollout.sync_weights(c.actor.model)
         logger.log_samples(self.step, self._samples(batch))
-        return {**metrics, **batch_metrics(batch), **timer.metrics(),
-                **throughput_metrics(batch, timer.times["step"], c.device),
-                "training/global_step": float(self.step), "training/epoch": float(c.sampler.epoch)}
+        metrics.update(batch_metrics(batch), **timer.metrics(), **throughput_metrics(batch, timer.times["step"], c.device))
+        metrics.update({"training/global_step": float(self.step), "training/epoch": float(c.sampler.epoch),
+                        "guards/frac_reward_zero_std": frac_reward_zero_std(batch.scores, batch.group_index)})
+        return metrics, batch
 
     # --- pieces of the step --------------------------------------------------------------------
     def _assign_rewards(self, batch: RolloutBatch) -> dict[str, float]:
@@ -153,6 +172,16 @@ class RLTrainer:
                  "ground_truth": r.ground_truth, "score": score, "reward": reward}
                 for r, text, score, reward in zip(batch.records, batch.response_texts, batch.scores.tolist(), rewards)
                 ][: self.cfg.trainer.log_samples]
+
+    def _watch(self, logger: MetricsLogger, metrics: dict[str, float], batch: RolloutBatch) -> None:
+        """keel's guards every step, the user's hooks every hook_freq steps; warnings are counted."""
+        warnings = self.guard(self.step, metrics)
+        if self.hooks and self._due(self.cfg.trainer.hook_freq):
+            warnings += run_hooks(self.hooks, self.step, metrics, batch)
+        for warning in warnings:
+            log.warning("step %d: %s", self.step, warning)
+        metrics["guards/warnings"] = float(len(warnings))
+        metrics["guards/skipped_steps"] = float(self.skipped_steps)
 
     def _due(self, freq: int) -> bool:
         return freq > 0 and self.step % freq == 0

@@ -23,7 +23,7 @@ from keel.observe.metrics import MetricsLogger, Timer
 from keel.models.load import resolve_device
 from keel.trainer.setup import seed_everything
 from keel.training.optim import build_optimizer, build_scheduler
-from keel.training.step import apply_gradients
+from keel.training.step import apply_gradients, backward
 
 log = logging.getLogger("keel")
 
@@ -114,7 +114,7 @@ class SFTTrainer:
                 micro = collate_sft(batch[start:start + self.cfg.data.micro_batch_size_per_gpu],
                                     self.tokenizer.pad_token_id)
                 nll, _ = token_losses(self.model, micro)
-                (nll / n_tokens).backward()  # micro-batch sums over the whole batch's token count
+                backward(nll / n_tokens, "SFT")  # micro-batch sums over the whole batch's token count
                 loss_sum += nll.item()
             lr = self.scheduler.get_last_lr()[0]
             grad_norm = apply_gradients(self.model, self.optimizer, self.cfg.optim.clip_grad, "model")

@@ -7,10 +7,20 @@ import torch
 from keel.algorithms.kl import kl_penalty
 from keel.algorithms.losses import PolicyLossParams, agg_loss, compute_policy_loss
 from keel.algorithms.utils import masked_mean
+from keel.diagnostics.codes import NO_GRADIENT, KeelError
 from keel.training.forward import batched_log_probs, response_log_probs, split_micro
 from keel.training.optim import build_optimizer, build_scheduler
-from keel.training.step import LossScale, MetricSums, apply_gradients, mask_counts, minibatch_indices
+from keel.training.step import LossScale, MetricSums, apply_gradients, backward, mask_counts, minibatch_indices
 from keel.types import RolloutBatch
+
+
+def check_gradient_flows(grad_norm: float, mini: RolloutBatch) -> None:
+    """The first mini-batch is on-policy (ratio 1, nothing clipped): non-zero advantages must give a
+    non-zero gradient, or the loss is cut from the weights (a frozen module, a detached tensor, a
+    sharding bug) and the run would move its loss and learn nothing."""
+    if grad_norm == 0.0 and bool((mini.advantages * mini.response_mask).abs().sum() > 0):
+        raise KeelError(NO_GRADIENT, "the actor's gradient norm is exactly 0 although advantages are not: "
+                                     "the policy loss does not reach the weights")
 
 
 class ActorTrainer:
@@ -39,19 +49,21 @@ class ActorTrainer:
         self.model.train()
         sums = MetricSums()
         for epoch in range(self.cfg.ppo_epochs):
-            for index in minibatch_indices(len(batch), self.samples_per_mini, self.cfg.shuffle,
-                                           seed * 1000 + epoch):
-                self._update_mini_batch(batch.select(index), sums)
+            for i, index in enumerate(minibatch_indices(len(batch), self.samples_per_mini, self.cfg.shuffle,
+                                                        seed * 1000 + epoch)):
+                grad_norm = self._update_mini_batch(batch.select(index), sums)
+                if epoch == 0 and i == 0:
+                    check_gradient_flows(grad_norm, batch.select(index))
         sums.add("actor/lr", self.scheduler.get_last_lr()[0])
         self.scheduler.step()
         return sums.means()
 
-    def _update_mini_batch(self, mini: RolloutBatch, sums: MetricSums) -> None:
+    def _update_mini_batch(self, mini: RolloutBatch, sums: MetricSums) -> float:
         scale = LossScale(*mask_counts(mini.response_mask), self.loss_params.norm_length)
         totals: dict[str, float] = {"actor/pg_loss": 0.0}
         for micro in split_micro(mini, self.cfg.ppo_micro_batch_size_per_gpu):
             loss, pg_loss, metrics = self._micro_loss(micro, scale)
-            loss.backward()
+            backward(loss, "actor")
             totals["actor/pg_loss"] += pg_loss  # micro-batch losses add up to the mini-batch loss
             share = micro.response_mask.sum().item() / scale.tokens.item()  # token-weighted means
             for name, value in metrics.items():
@@ -59,6 +71,7 @@ class ActorTrainer:
         totals["actor/grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "actor")
         for name, value in totals.items():
             sums.add(name, value)
+        return totals["actor/grad_norm"]
 
     def _micro_loss(self, micro: RolloutBatch, scale: LossScale) -> tuple[torch.Tensor, float, dict[str, float]]:
         """(loss to back-propagate, its policy-loss part, per-token metrics) of one micro-batch."""

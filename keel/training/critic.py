@@ -8,7 +8,7 @@ from keel.algorithms.losses import compute_value_loss
 from keel.algorithms.utils import masked_mean
 from keel.training.forward import response_values, split_micro
 from keel.training.optim import build_optimizer, build_scheduler
-from keel.training.step import LossScale, MetricSums, apply_gradients, mask_counts, minibatch_indices
+from keel.training.step import LossScale, MetricSums, apply_gradients, backward, mask_counts, minibatch_indices
 from keel.types import RolloutBatch
 
 
@@ -52,7 +52,7 @@ class CriticTrainer:
             vf_loss, clipfrac = compute_value_loss(
                 vpreds, micro.returns.to(device), micro.values.to(device), mask,
                 self.cfg.cliprange_value, self.cfg.loss_agg_mode, **scale.agg_kwargs())
-            vf_loss.backward()
+            backward(vf_loss, "critic")
             share = mask.sum().item() / scale.tokens.item()
             totals["critic/vf_loss"] += vf_loss.item()
             totals["critic/vf_clipfrac"] += float(clipfrac) * share

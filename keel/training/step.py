@@ -39,17 +39,30 @@ def mask_counts(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return response_mask.sum().clamp(min=1), (response_mask.sum(-1) > 0).sum().clamp(min=1)
 
 
+def backward(loss: torch.Tensor, role: str) -> None:
+    """Back-propagate, refusing a loss that no trainable weight feeds (frozen or detached model)."""
+    if not loss.requires_grad:
+        raise KeelError(NO_GRADIENT, f"the {role} loss does not depend on any trainable parameter: every "
+                        "weight is frozen or the graph was detached before the loss")
+    loss.backward()
+
+
 def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
                     role: str) -> float:
     """Clip, check and step; a non-finite or missing gradient stops the run before it is applied."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if all(p.grad is None for p in params):
-        raise KeelError(NO_GRADIENT, f"no {role} parameter received a gradient in this mini-batch")
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    missing = [name for name, p in named if p.grad is None]
+    if missing:
+        raise KeelError(NO_GRADIENT, f"{len(missing)} of {len(named)} trainable {role} parameters received no "
+                        f"gradient, e.g. {missing[:3]}")
+    params = [p for _, p in named]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     if not torch.isfinite(grad_norm):
+        bad = [name for name, p in named if not torch.isfinite(p.grad).all()]
         optimizer.zero_grad(set_to_none=True)
-        raise KeelError(NONFINITE_LOSS, f"{role} gradient norm is {grad_norm.item()}; the update "
-                        "was refused and the weights are unchanged")
+        raise KeelError(NONFINITE_LOSS, f"{role} gradient norm is {grad_norm.item()} (non-finite in "
+                        f"{len(bad)} parameters, e.g. {bad[:3]}); the update was refused and the weights "
+                        "are unchanged")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm.item()

@@ -222,3 +222,49 @@ def test_new_run_over_old_checkpoints_is_refused_and_extending_a_run_is_allowed(
                                  "trainer.max_actor_ckpt_to_keep": 1})
     assert result.last_step == 4
     assert [p.name for p in result.run_dir.glob("global_step_*")] == ["global_step_4"]
+
+
+def test_user_hook_adds_metrics_and_guards_are_logged(tiny_config, tmp_path, monkeypatch):
+    from keel.trainer.rl import train
+
+    (tmp_path / "my_hooks.py").write_text(
+        "def longest(step, metrics, batch):\n"
+        "    metrics['custom/longest_response'] = float(batch.response_lengths.max())\n"
+        "    return [f'hook saw step {step}']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = train(tiny_config, {"trainer.hooks": ["my_hooks:longest"]})
+    steps = [m for m in read_metrics(result.run_dir) if m["step"] > 0]
+    assert all("custom/longest_response" in m and m["guards/warnings"] >= 1 for m in steps)
+    assert all("guards/frac_reward_zero_std" in m for m in steps)
+
+
+def test_nonfinite_log_probs_stop_or_skip_the_step(tiny_config, monkeypatch):
+    from keel.diagnostics.codes import NONFINITE_VALUES, KeelError
+    from keel.trainer.rl import train
+    from keel.training.actor import ActorTrainer
+
+    real = ActorTrainer.compute_log_probs
+    monkeypatch.setattr(ActorTrainer, "compute_log_probs", lambda self, batch: real(self, batch) * float("nan"))
+    with pytest.raises(KeelError) as info:
+        train(tiny_config)
+    assert info.value.code == NONFINITE_VALUES and "actor log-probs" in info.value.message
+
+    tiny_config["trainer"]["default_local_dir"] += "_skip"
+    result = train(tiny_config, {"trainer.guards.nonfinite": "skip"})
+    assert [m.get("guards/skipped_steps") for m in read_metrics(result.run_dir) if m["step"] > 0] == [1.0, 2.0]
+
+
+def test_gradients_cut_from_the_weights_stop_the_run(tiny_config, monkeypatch):
+    from keel.diagnostics.codes import NO_GRADIENT, KeelError
+    from keel.trainer import setup
+    from keel.trainer.rl import train
+
+    real = setup.load_causal_lm
+
+    def frozen(*args, **kwargs):  # e.g. a wrapper that left every weight frozen
+        return real(*args, **kwargs).requires_grad_(False)
+
+    monkeypatch.setattr(setup, "load_causal_lm", frozen)
+    with pytest.raises(KeelError) as info:
+        train(tiny_config)
+    assert info.value.code == NO_GRADIENT

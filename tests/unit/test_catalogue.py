@@ -15,7 +15,7 @@ def test_every_code_is_triggered_by_some_test():
     names = {value: name for name, value in vars(codes).items() if isinstance(value, str) and value in codes.CATALOGUE}
     assert set(names) == set(codes.CATALOGUE)
     sources = "\n".join(p.read_text() for p in TESTS.rglob("test_*.py") if p.name != Path(__file__).name)
-    untested = sorted(f"{code} ({name})" for code, name in names.items() if name not in sources)
+    untested = sorted(f"{code} ({name})" for code, name in names.items() if name not in sources and code not in sources)
     assert not untested, f"codes no test triggers: {untested}"
 
 

@@ -67,3 +67,58 @@ def test_no_gradient_is_an_error():
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     assert code_of(lambda: apply_gradients(model, optimizer, 1.0, "actor")) == NO_GRADIENT
+
+
+# --- run-time guards ----------------------------------------------------------------------------
+
+def test_nonfinite_values_stop_or_skip_with_the_stage_named():
+    from keel.diagnostics.codes import NONFINITE_VALUES
+    from keel.diagnostics.guards import SkipStep, check_finite
+
+    values = torch.tensor([[0.5, float("nan")], [1.0, float("inf")]])
+    mask = torch.tensor([[1, 1], [1, 0]])  # the inf sits on padding and does not count
+    with pytest.raises(KeelError) as info:
+        check_finite("advantages", values, mask, "stop")
+    assert info.value.code == NONFINITE_VALUES
+    assert "advantages: 1 of 3 values non-finite (1 NaN)" in info.value.message
+    with pytest.raises(SkipStep):
+        check_finite("advantages", values, mask, "skip")
+    check_finite("advantages", values, torch.tensor([[1, 0], [1, 0]]), "stop")  # all valid ones finite
+
+
+def test_learning_signal_guard_warns_on_flat_rewards_collapse_and_blow_up():
+    from keel.config.schema import GuardsConfig
+    from keel.diagnostics.guards import LearningSignalGuard, frac_reward_zero_std
+
+    # groups {0: [1, 1]} flat, {1: [0, 1]} not: half the prompts carry no signal
+    assert frac_reward_zero_std(torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1])) == 0.5
+    guard = LearningSignalGuard(GuardsConfig(zero_signal_steps=2), group_based=True)
+    flat = {"critic/score/mean": 0.0, "critic/score/max": 0.0, "critic/score/min": 0.0}
+    assert guard(1, flat) == []
+    assert any("no learning signal for 2 steps" in w for w in guard(2, flat))
+    warnings = guard(3, {"actor/entropy": 0.001, "actor/ppo_kl": 5.0, "response_length/clip_ratio": 0.95,
+                         "critic/score/max": 1.0, "critic/score/min": 0.0})
+    assert len(warnings) == 3 and guard.flat_steps == 0
+
+
+def test_a_hung_phase_dumps_stacks_and_exits_with_its_code():
+    import subprocess
+    import sys
+
+    script = ("import time\nfrom keel.diagnostics.guards import phase_deadline\n"
+              "with phase_deadline('gen', 0.5):\n    time.sleep(30)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3
+    assert "error[KEEL-T004]: phase 'gen'" in proc.stderr and "fix:" in proc.stderr
+    assert "time.sleep" in proc.stderr or "line 4" in proc.stderr  # the stack shows where it hung
+
+
+def test_hooks_load_by_name_and_report_bad_specs():
+    from keel.diagnostics.codes import HOOK_LOAD
+    from keel.trainer.hooks import load_hook, run_hooks
+
+    hook = load_hook("json:dumps")  # any importable function
+    assert callable(hook)
+    for spec in ("no_colon", "no_such_module_xyz:f", "json:no_such_function"):
+        assert code_of(lambda: load_hook(spec)) == HOOK_LOAD
+    assert run_hooks([lambda step, metrics, batch: [f"step {step}"]], 3, {}, None) == ["step 3"]

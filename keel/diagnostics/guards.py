@@ -1,0 +1,102 @@
+"""Run-time guards: stop (or skip, when asked) the moment numbers go bad, and warn when a run stops
+learning in ways that look fine on a loss curve."""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import sys
+import threading
+from contextlib import contextmanager
+
+import torch
+
+from keel.diagnostics.codes import NONFINITE_VALUES, PHASE_TIMEOUT, CATALOGUE, KeelError
+
+log = logging.getLogger("keel")
+
+
+class SkipStep(Exception):
+    """Raised instead of an error when `trainer.guards.nonfinite=skip`: the step is dropped, counted."""
+
+
+def check_finite(stage: str, values: torch.Tensor, mask: torch.Tensor | None, policy: str) -> None:
+    """Non-finite rewards, log-probs, values or advantages stop the step before they reach a weight."""
+    valid = values if mask is None else values[mask.bool()]
+    bad = ~torch.isfinite(valid)
+    if not bad.any():
+        return
+    finite = valid[~bad]
+    stats = (f"{int(bad.sum())} of {valid.numel()} values non-finite "
+             f"({int(torch.isnan(valid).sum())} NaN); finite ones in "
+             f"[{finite.min().item():.4g}, {finite.max().item():.4g}]" if finite.numel() else "all non-finite")
+    if policy == "skip":
+        log.warning("skipping the step: %s in %s", stats, stage)
+        raise SkipStep(stage)
+    raise KeelError(NONFINITE_VALUES, f"{stage}: {stats}")
+
+
+def frac_reward_zero_std(scores: torch.Tensor, group_index: torch.Tensor) -> float:
+    """Share of prompts whose samples all scored the same: group-relative estimators learn nothing there."""
+    groups = group_index.unique()
+    flat = sum(bool((scores[group_index == g].max() - scores[group_index == g].min()) == 0) for g in groups)
+    return flat / len(groups)
+
+
+class LearningSignalGuard:
+    """Warns when a run is burning compute without a signal to learn from."""
+
+    def __init__(self, guards_cfg, group_based: bool):
+        self.cfg = guards_cfg
+        self.group_based = group_based
+        self.flat_steps = 0
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> list[str]:
+        c, warnings = self.cfg, []
+        flat = metrics.get("critic/score/max", 1.0) == metrics.get("critic/score/min", 0.0)
+        if self.group_based:
+            flat = flat or metrics.get("guards/frac_reward_zero_std", 0.0) == 1.0
+        self.flat_steps = self.flat_steps + 1 if flat else 0
+        if self.flat_steps >= c.zero_signal_steps:
+            warnings.append(f"no learning signal for {self.flat_steps} steps: every reward "
+                            f"{'in each group ' if self.group_based else ''}is the same "
+                            f"(score {metrics.get('critic/score/mean', 0):.3g}); check the scorer on samples.jsonl")
+        if metrics.get("response_length/clip_ratio", 0.0) > c.max_clip_ratio:
+            warnings.append(f"{100 * metrics['response_length/clip_ratio']:.0f}% of responses hit "
+                            "data.max_response_length: their rewards score cut-off answers")
+        if metrics.get("response_length/mean", c.min_response_length) < c.min_response_length:
+            warnings.append(f"responses average {metrics['response_length/mean']:.2f} tokens: the policy may "
+                            "have collapsed to emitting EOS")
+        if metrics.get("actor/entropy", c.min_entropy) < c.min_entropy:
+            warnings.append(f"entropy {metrics['actor/entropy']:.3g} < {c.min_entropy}: the policy has "
+                            "collapsed; samples of a prompt are nearly identical")
+        for key in ("actor/ppo_kl", "actor/ref_kl"):
+            if abs(metrics.get(key, 0.0)) > c.max_kl:
+                warnings.append(f"{key}={metrics[key]:.3g} > {c.max_kl}: the policy moved far in one step; "
+                                "lower the learning rate or the clip range")
+        return warnings
+
+
+@contextmanager
+def phase_deadline(phase: str, seconds: float | None):
+    """Past `seconds`, dump every thread's stack and exit with a code that names the phase: a hang
+    in generation, a collective or a reward service becomes a message instead of a silent job."""
+    if not seconds:
+        yield
+        return
+
+    def expire() -> None:
+        print(f"error[{PHASE_TIMEOUT}]: phase {phase!r} ran past trainer.guards.phase_timeout_s={seconds}; "
+              "stacks of every thread follow", file=sys.stderr, flush=True)
+        print(f"fix: {CATALOGUE[PHASE_TIMEOUT].fix}", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        os._exit(3)  # the main thread may be stuck in C code: a normal exit would wait forever
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
