@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from keel import __version__
@@ -92,7 +93,8 @@ def _cmd_explain(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keel", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"keel {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks for keel's errors")
+    parser.add_argument("--debug", action="store_true",
+                        help="full tracebacks; CUDA_LAUNCH_BLOCKING=1 and TORCH_DISTRIBUTED_DEBUG=DETAIL")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="RL-train a policy (PPO, GRPO and relatives)")
@@ -140,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.debug:
+        # Synchronous kernels put a CUDA error's traceback at the op that caused it; DETAIL makes
+        # collectives check their arguments. Set here, every process keel starts inherits them.
+        os.environ.setdefault("CUDA_LAUNCH_BLOCKING", "1")
+        os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     logging.basicConfig(level=logging.INFO, format="keel: %(message)s", stream=sys.stderr)
     try:
         return args.func(args)

@@ -122,3 +122,17 @@ def test_hooks_load_by_name_and_report_bad_specs():
     for spec in ("no_colon", "no_such_module_xyz:f", "json:no_such_function"):
         assert code_of(lambda: load_hook(spec)) == HOOK_LOAD
     assert run_hooks([lambda step, metrics, batch: [f"step {step}"]], 3, {}, None) == ["step 3"]
+
+
+def test_debug_shows_tracebacks_and_sets_the_debug_environment(tmp_path, monkeypatch):
+    from keel.cli import main
+
+    monkeypatch.delenv("CUDA_LAUNCH_BLOCKING", raising=False)
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
+    missing = str(tmp_path / "missing.yaml")
+    assert main(["train", missing]) == 2  # a coded error, no traceback
+    with pytest.raises(KeelError):
+        main(["--debug", "train", missing])
+    import os
+
+    assert os.environ["CUDA_LAUNCH_BLOCKING"] == "1" and os.environ["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
