@@ -10,6 +10,7 @@ import json
 import math
 import random
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,17 +21,22 @@ MARKER = "keel_demo.json"  # marks a directory as the demo's own, so a rerun may
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """Sized for 2 CPU cores: SFT stops part-way through learning to carry (about 20% held-out
-    accuracy), where sampled answers are often right and GRPO has a signal to amplify."""
+    """Sized for 2 CPU cores. SFT runs in chunks until a dev set's accuracy reaches `sft_target`:
+    part-way through learning to carry, sampled answers are often right and GRPO has a signal to
+    amplify. Stopping on accuracy rather than a step count keeps that starting point the same on
+    machines whose numerics differ (the jump from 5% to 60% takes only ~100 steps)."""
     digits: int = 2                  # operands have up to this many digits
     n_sft: int = 4000
     n_rl: int = 2000
+    n_dev: int = 200                 # decides when SFT stops; disjoint from the held-out set
     n_heldout: int = 400
     hidden_size: int = 128
     num_layers: int = 4
-    sft_steps: int = 350
+    sft_target: float = 0.2
+    sft_chunk: int = 25
+    sft_max_steps: int = 1000
     sft_batch: int = 64
-    sft_lr: float = 2e-3
+    sft_lr: float = 1e-3
     grpo_steps: int = 120
     grpo_prompts: int = 64
     grpo_n: int = 8
@@ -70,7 +76,7 @@ def make_data(out: Path, s: DemoSettings) -> dict[str, Path]:
                 picked.append((question, answer))
         return picked
 
-    heldout, sft, rl = problems(s.n_heldout), problems(s.n_sft), problems(s.n_rl)
+    heldout, dev, sft, rl = problems(s.n_heldout), problems(s.n_dev), problems(s.n_sft), problems(s.n_rl)
 
     def prompt_row(question: str, answer: int) -> dict:
         return {"prompt": [{"role": "user", "content": question}], "data_source": DATA_SOURCE,
@@ -81,6 +87,7 @@ def make_data(out: Path, s: DemoSettings) -> dict[str, Path]:
                 for q, a in sft],
         "rl": [prompt_row(q, a) for q, a in rl],
         "heldout": [prompt_row(q, a) for q, a in heldout],
+        "dev": [prompt_row(q, a) for q, a in dev],
     }
     paths = {}
     for name, rows in files.items():
@@ -90,15 +97,15 @@ def make_data(out: Path, s: DemoSettings) -> dict[str, Path]:
     return paths
 
 
-def sft_config(out: Path, data: dict[str, Path], model: Path, s: DemoSettings) -> dict:
+def sft_config(out: Path, data: dict[str, Path], model: Path, s: DemoSettings, steps: int) -> dict:
     return {
         "data": {"train_files": [str(data["sft"])], "max_length": 64, "train_batch_size": s.sft_batch,
                  "micro_batch_size_per_gpu": s.sft_batch},
         "model": {"partial_pretrain": str(model)},
-        "optim": {"lr": s.sft_lr, "weight_decay": 0.0, "lr_warmup_steps": 5, "warmup_style": "cosine",
-                  "min_lr_ratio": 0.1},
-        "trainer": {"default_local_dir": str(out / "sft"), "total_training_steps": s.sft_steps,
-                    "save_freq": s.sft_steps, "seed": s.seed},
+        # constant after warm-up, so extending the run by a chunk continues the same schedule
+        "optim": {"lr": s.sft_lr, "weight_decay": 0.0, "lr_warmup_steps": 5, "warmup_style": "constant"},
+        "trainer": {"default_local_dir": str(out / "sft"), "total_training_steps": steps,
+                    "save_freq": s.sft_chunk, "max_ckpt_to_keep": 1, "seed": s.seed},
     }
 
 
@@ -150,7 +157,6 @@ def run_demo(out: str | Path = "keel_demo", settings: DemoSettings = DemoSetting
     from keel.models.tiny import make_tiny_model
     from keel.observe.report import write_report
     from keel.trainer.rl import train
-    from keel.trainer.sft import sft
 
     start = time.perf_counter()
     out = Path(out)
@@ -161,13 +167,48 @@ def run_demo(out: str | Path = "keel_demo", settings: DemoSettings = DemoSetting
         make_tiny_model(model, hidden_size=settings.hidden_size, num_layers=settings.num_layers,
                         num_heads=4, num_kv_heads=2, seed=settings.seed)
     logger = {"trainer.logger": ["console"] if console else []}
-    sft(sft_config(out, data, model, settings), logger)
+    sft_steps = sft_until_partly_competent(out, data, model, settings, logger)
     grpo = train(grpo_config(out, data, settings), logger)
     write_report(grpo.run_dir)
     write_report(out / "sft")
     return DemoResult(out, heldout_accuracy(grpo.run_dir, 0), heldout_accuracy(grpo.run_dir, grpo.last_step),
-                      settings.sft_steps, settings.grpo_steps, time.perf_counter() - start,
+                      sft_steps, settings.grpo_steps, time.perf_counter() - start,
                       count_parameters(grpo.run_dir / f"global_step_{grpo.last_step}" / "actor"))
+
+
+def sft_until_partly_competent(out: Path, data: dict[str, Path], model: Path, s: DemoSettings,
+                               logger: dict) -> int:
+    """Extend the SFT run chunk by chunk until greedy dev accuracy reaches `sft_target`."""
+    from keel.trainer.sft import sft
+
+    steps = s.sft_chunk
+    while True:
+        sft(sft_config(out, data, model, s, steps), logger)
+        accuracy = greedy_accuracy(out / "sft", data["dev"])
+        print(f"SFT step {steps}: dev accuracy {100 * accuracy:.1f}% (target {100 * s.sft_target:.0f}%)",
+              file=sys.stderr)
+        if accuracy >= s.sft_target or steps >= s.sft_max_steps:
+            return steps
+        steps += s.sft_chunk
+
+
+def greedy_accuracy(model_dir: Path, prompts_file: Path) -> float:
+    import torch
+
+    from keel.config.schema import DataConfig, ValKwargs
+    from keel.data.prompts import build_prompt_dataset, load_rows
+    from keel.models.load import load_causal_lm, load_tokenizer, resolve_device
+    from keel.rewards.reward_fn import RewardScorer
+    from keel.rollout.hf import HFRolloutEngine
+    from keel.trainer.validate import validate
+
+    tokenizer = load_tokenizer(model_dir)
+    records, _ = build_prompt_dataset(load_rows([prompts_file]), tokenizer, max_prompt_length=64)
+    engine = HFRolloutEngine(load_causal_lm(model_dir, resolve_device("auto")), tokenizer)
+    with torch.no_grad():
+        metrics = validate(engine, RewardScorer(), records, tokenizer.pad_token_id, ValKwargs(),
+                           DataConfig(max_response_length=6))
+    return metrics[f"val/{DATA_SOURCE}/acc"]
 
 
 def count_parameters(model_dir: Path) -> int:
