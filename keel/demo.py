@@ -7,6 +7,7 @@ weights and keel's byte-level tokenizer. It runs on 2 CPU cores in a few minutes
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import shutil
@@ -182,8 +183,14 @@ def sft_until_partly_competent(out: Path, data: dict[str, Path], model: Path, s:
     from keel.trainer.sft import sft
 
     steps = s.sft_chunk
+    keel_log = logging.getLogger("keel")
     while True:
-        sft(sft_config(out, data, model, s, steps), logger)
+        level = keel_log.level
+        keel_log.setLevel(logging.WARNING if steps > s.sft_chunk else level)  # one "resumed" line per chunk is noise
+        try:
+            sft(sft_config(out, data, model, s, steps), logger)
+        finally:
+            keel_log.setLevel(level)
         accuracy = greedy_accuracy(out / "sft", data["dev"])
         print(f"SFT step {steps}: dev accuracy {100 * accuracy:.1f}% (target {100 * s.sft_target:.0f}%)",
               file=sys.stderr)

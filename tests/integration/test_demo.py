@@ -13,15 +13,16 @@ SHORT = DemoSettings(grpo_steps=40, grpo_prompts=32, grpo_mini_batches=2, test_f
 def test_shortened_demo_raises_heldout_accuracy_and_reruns_cleanly(tmp_path):
     out = tmp_path / "demo"
     first = run_demo(out, SHORT, console=False)
-    # measured here: 21.0% -> 32.0%; the margin absorbs noise on 400 held-out problems
+    # measured on 2 CPU cores: 22.0% -> 53.8%; the margin absorbs noise on 400 held-out problems
     assert first.acc_after >= first.acc_before + 0.05, (first.acc_before, first.acc_after)
     assert (out / "grpo" / "report.png").stat().st_size > 10_000
 
     again = run_demo(out, SHORT, console=False)  # resumes the finished run: same numbers, no crash
     assert (again.acc_before, again.acc_after) == (first.acc_before, first.acc_after)
 
-    other = run_demo(out, DemoSettings(sft_steps=5, grpo_steps=1, grpo_prompts=8, grpo_mini_batches=1,
-                                       n_sft=64, n_rl=16, n_heldout=8, test_freq=1), console=False)
+    other = run_demo(out, DemoSettings(sft_chunk=5, sft_max_steps=5, grpo_steps=1, grpo_prompts=8,
+                                       grpo_mini_batches=1, n_sft=64, n_rl=16, n_dev=8, n_heldout=8, test_freq=1),
+                     console=False)
     assert other.sft_steps == 5  # other settings: the old demo was cleared, not mixed in
 
 
