@@ -282,7 +282,7 @@ def _check_batch_arithmetic(cfg: KeelConfig) -> None:
         if (mini * n) % micro:
             raise KeelError(
                 BATCH_ARITHMETIC,
-                f"a {role} mini-batch of {mini} prompts x rollout.n={n} = {mini * n} samples does not "
+                f"the {role} mini-batch of {mini} prompts x rollout.n={n} = {mini * n} samples does not "
                 f"split into micro-batches of {key}.ppo_micro_batch_size_per_gpu={micro}",
                 f"set {key}.ppo_micro_batch_size_per_gpu to a divisor of {mini * n} (e.g. "
                 f"{_largest_divisor_at_most(mini * n, micro)})")
