@@ -97,22 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="full tracebacks; CUDA_LAUNCH_BLOCKING=1 and TORCH_DISTRIBUTED_DEBUG=DETAIL")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="RL-train a policy (PPO, GRPO and relatives)")
-    train.add_argument("config", help="YAML config file")
-    train.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    train.add_argument("--skip-check", action="store_true", help="do not run `keel check` first (logged)")
-    train.set_defaults(func=_cmd_train)
+    def config_command(name: str, help: str, func) -> argparse.ArgumentParser:
+        command = sub.add_parser(name, help=help)
+        command.add_argument("config", help="YAML config file")
+        command.add_argument("overrides", nargs="*", help="section.key=value overrides")
+        command.set_defaults(func=func)
+        return command
 
-    check = sub.add_parser("check", help="check a config, its model, data, reward and memory without training")
-    check.add_argument("config", help="YAML config file")
-    check.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    check.add_argument("--json", action="store_true", help="machine-readable output")
-    check.set_defaults(func=_cmd_check)
-
-    sft_cmd = sub.add_parser("sft", help="supervised fine-tuning on chat data")
-    sft_cmd.add_argument("config", help="YAML config file")
-    sft_cmd.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    sft_cmd.set_defaults(func=_cmd_sft)
+    config_command("train", "RL-train a policy (PPO, GRPO and relatives)", _cmd_train).add_argument(
+        "--skip-check", action="store_true", help="do not run `keel check` first (logged)")
+    config_command("check", "check a config, its model, data, reward and memory without training",
+                   _cmd_check).add_argument("--json", action="store_true", help="machine-readable output")
+    config_command("sft", "supervised fine-tuning on chat data", _cmd_sft)
 
     doctor = sub.add_parser("doctor", help="check this machine: versions, GPU, driver, disk")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
