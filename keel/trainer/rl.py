@@ -77,13 +77,7 @@ class RLTrainer:
                          "trainer.total_training_steps to continue it)", self.step, self.c.total_steps)
             while self.step < self.c.total_steps:
                 self.step += 1
-                try:
-                    metrics, batch = self.train_step(logger)
-                except SkipStep:  # trainer.guards.nonfinite=skip: counted, never silent
-                    self.skipped_steps += 1
-                    logger.log(self.step, {"guards/skipped_steps": float(self.skipped_steps)})
-                    continue
-                self._watch(logger, metrics, batch)
+                metrics = self.guarded_step(logger)
                 if self._validation_due():
                     metrics.update(self._validate())
                 logger.log(self.step, metrics)
@@ -92,6 +86,22 @@ class RLTrainer:
         finally:
             logger.close()
         return RunResult(self.run_dir, self.step, metrics)
+
+    def guarded_step(self, logger: MetricsLogger) -> dict[str, float]:
+        """One step, then keel's guards (every step) and the user's hooks (every hook_freq steps)."""
+        try:
+            metrics, batch = self.train_step(logger)
+        except SkipStep:  # trainer.guards.nonfinite=skip: the step is dropped, counted, never silent
+            self.skipped_steps += 1
+            return {"guards/skipped_steps": float(self.skipped_steps)}
+        warnings = self.guard(self.step, metrics)
+        if self.hooks and self._due(self.cfg.trainer.hook_freq):
+            warnings += run_hooks(self.hooks, self.step, metrics, batch)
+        for warning in warnings:
+            log.warning("step %d: %s", self.step, warning)
+        metrics["guards/warnings"] = float(len(warnings))
+        metrics["guards/skipped_steps"] = float(self.skipped_steps)
+        return metrics
 
     def train_step(self, logger: MetricsLogger) -> tuple[dict[str, float], RolloutBatch]:
         timer, c = Timer(self.cfg.trainer.guards.phase_timeout_s), self.c
@@ -134,7 +144,9 @@ class RLTrainer:
                     metrics.update(c.actor.update(batch, seed))
                 c.rollout.sync_weights(c.actor.model)
         logger.log_samples(self.step, self._samples(batch))
-        metrics.update(batch_metrics(batch), **timer.metrics(), **throughput_metrics(batch, timer.times["step"], c.device))
+        metrics.update(batch_metrics(batch))
+        metrics.update(timer.metrics())
+        metrics.update(throughput_metrics(batch, timer.times["step"], c.device))
         metrics.update({"training/global_step": float(self.step), "training/epoch": float(c.sampler.epoch),
                         "guards/frac_reward_zero_std": frac_reward_zero_std(batch.scores, batch.group_index)})
         return metrics, batch
@@ -173,16 +185,6 @@ class RLTrainer:
                 for r, text, score, reward in zip(batch.records, batch.response_texts, batch.scores.tolist(), rewards)
                 ][: self.cfg.trainer.log_samples]
 
-    def _watch(self, logger: MetricsLogger, metrics: dict[str, float], batch: RolloutBatch) -> None:
-        """keel's guards every step, the user's hooks every hook_freq steps; warnings are counted."""
-        warnings = self.guard(self.step, metrics)
-        if self.hooks and self._due(self.cfg.trainer.hook_freq):
-            warnings += run_hooks(self.hooks, self.step, metrics, batch)
-        for warning in warnings:
-            log.warning("step %d: %s", self.step, warning)
-        metrics["guards/warnings"] = float(len(warnings))
-        metrics["guards/skipped_steps"] = float(self.skipped_steps)
-
     def _due(self, freq: int) -> bool:
         return freq > 0 and self.step % freq == 0
 
@@ -209,7 +211,7 @@ class RLTrainer:
                 (tmp / "critic").mkdir()
                 torch.save({"model": c.critic.model.state_dict(), **c.critic.state_dict()}, tmp / "critic" / "critic.pt")
             torch.save({"step": self.step, "sampler": c.sampler.state_dict(), "kl_ctrl": c.kl_ctrl.state_dict(),
-                        "rng": ckpt.rng_state()}, tmp / "trainer_state.pt")
+                        "skipped_steps": self.skipped_steps, "rng": ckpt.rng_state()}, tmp / "trainer_state.pt")
 
         return ckpt.save_checkpoint(self.run_dir, self.step, write, self.cfg.trainer.max_actor_ckpt_to_keep,
                                     to_yaml(self.cfg))
@@ -227,6 +229,7 @@ class RLTrainer:
             c.critic.load_state_dict(state)
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         self.step = state["step"]
+        self.skipped_steps = state.get("skipped_steps", 0)
         try:
             c.sampler.load_state_dict(state["sampler"])
         except ValueError as e:  # the dataset or batch size changed since the checkpoint
