@@ -182,7 +182,10 @@ def sft_until_partly_competent(out: Path, data: dict[str, Path], model: Path, s:
     """Extend the SFT run chunk by chunk until greedy dev accuracy reaches `sft_target`."""
     from keel.trainer.sft import sft
 
-    steps = s.sft_chunk
+    from keel.checkpoint import find_resume_checkpoint
+
+    done = find_resume_checkpoint(out / "sft", "auto")  # a rerun continues where the last one stopped
+    steps = max(s.sft_chunk, int(done.name.rsplit("_", 1)[1]) if done else 0)
     keel_log = logging.getLogger("keel")
     while True:
         level = keel_log.level

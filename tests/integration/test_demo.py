@@ -18,7 +18,7 @@ def test_shortened_demo_raises_heldout_accuracy_and_reruns_cleanly(tmp_path):
     assert (out / "grpo" / "report.png").stat().st_size > 10_000
 
     again = run_demo(out, SHORT, console=False)  # resumes the finished run: same numbers, no crash
-    assert (again.acc_before, again.acc_after) == (first.acc_before, first.acc_after)
+    assert (again.acc_before, again.acc_after, again.sft_steps) == (first.acc_before, first.acc_after, first.sft_steps)
 
     other = run_demo(out, DemoSettings(sft_chunk=5, sft_max_steps=5, grpo_steps=1, grpo_prompts=8,
                                        grpo_mini_batches=1, n_sft=64, n_rl=16, n_dev=8, n_heldout=8, test_freq=1),
