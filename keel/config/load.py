@@ -185,6 +185,11 @@ def _coerce(value: Any, target, dotted: str):
         if value is None:
             return None
         return _coerce(value, args[0], dotted)
+    if origin is dict:  # free-form keys (e.g. data_source -> scorer weights); values are typed
+        key_type, value_type = typing.get_args(target)
+        if not isinstance(value, dict):
+            _bad_type(dotted, value, "a mapping")
+        return {_coerce(k, key_type, dotted): _coerce(v, value_type, f"{dotted}.{k}") for k, v in value.items()}
     if origin is list:
         (item_type,) = typing.get_args(target)
         items = [value] if isinstance(value, (str, int, float)) else value

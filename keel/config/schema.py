@@ -170,6 +170,21 @@ class AlgorithmConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    enable: bool = opt(False, help="DAPO's soft overlong punishment (arXiv 2503.14476)")
+    len: int = opt(64, gt=0, help="the last `len` tokens before max_response_length are penalised")
+    penalty_factor: float = opt(1.0, ge=0, help="penalty at max_response_length")
+
+
+@dataclass
+class RewardConfig:
+    scorers: dict[str, dict[str, float]] = opt(
+        factory=dict, help="data_source -> {scorer: weight}, e.g. {gsm8k: {gsm8k: 0.9, think_answer_format: 0.1}}; "
+                           "sources not listed use the built-in dispatch")
+    overlong_buffer: OverlongBufferConfig = opt(factory=OverlongBufferConfig)
+
+
+@dataclass
 class CustomRewardConfig:
     path: str | None = opt(None, help="python file defining the reward function")
     name: str = opt("compute_score")
@@ -217,6 +232,7 @@ class KeelConfig:
     critic: CriticConfig = opt(factory=CriticConfig)
     algorithm: AlgorithmConfig = opt(factory=AlgorithmConfig)
     custom_reward_function: CustomRewardConfig = opt(factory=CustomRewardConfig)
+    reward: RewardConfig = opt(factory=RewardConfig)
     trainer: TrainerConfig = opt(factory=TrainerConfig)
 
     # Keys a resumed run may change: when it stops, how often it logs, validates and saves, how big
@@ -313,6 +329,11 @@ def _check_options(cfg: KeelConfig) -> None:
     if est == "gae" and not cfg.critic_enabled:
         raise incompatible("algorithm.adv_estimator=gae needs a critic but critic.enable=false",
                            "set critic.enable=true, or choose grpo/rloo/reinforce_plus_plus")
+    overlong = cfg.reward.overlong_buffer
+    if overlong.enable and overlong.len >= cfg.data.max_response_length:
+        raise incompatible(f"reward.overlong_buffer.len={overlong.len} is not shorter than "
+                           f"data.max_response_length={cfg.data.max_response_length}: every response would be "
+                           "penalised", "set reward.overlong_buffer.len to a fraction of max_response_length")
     if est == "remax" and not rollout.do_sample:
         raise incompatible("algorithm.adv_estimator=remax compares samples with a greedy baseline, but "
                            "rollout.do_sample=false makes every sample the baseline: all advantages 0",

@@ -154,10 +154,9 @@ def check_data(cfg: KeelConfig, context: dict) -> list[Finding]:
 
 def check_reward(cfg: KeelConfig, context: dict) -> list[Finding]:
     """The scorer must run on real rows: the ground truth as the answer, and an empty answer."""
-    from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
+    from keel.trainer.setup import build_reward
 
-    custom = cfg.custom_reward_function
-    scorer = RewardScorer(load_custom_reward_fn(custom.path, custom.name) if custom.path else None)
+    scorer = build_reward(cfg)
     records = need(context, "train_records") + context.get("val_records", [])
     scorer.check_records(records)
     sample = records[:4]

@@ -9,7 +9,12 @@ from typing import Any, Callable
 
 RewardFn = Callable[[str, str, Any, dict], float]
 
-_GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+_GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+_NUMBER = re.compile(r"-?\d[\d,]*\.?\d*|-?\.\d+")
+
+
+def _normalise_number(text: str) -> str:
+    return text.replace(",", "").rstrip(".").strip()
 
 
 def exact_match(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
@@ -19,12 +24,90 @@ def exact_match(data_source: str, solution_str: str, ground_truth: Any, extra_in
 
 def gsm8k(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
     """GSM8K's strict format: the last `#### <number>` in the response must equal the answer."""
-    matches = _GSM8K_ANSWER.findall(solution_str)
-    if not matches:
+    matches = _GSM8K_STRICT.findall(solution_str)
+    return float(bool(matches) and _normalise_number(matches[-1]) == _normalise_number(str(ground_truth)))
+
+
+def gsm8k_flexible(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """GSM8K's flexible mode: the last number anywhere in the response must equal the answer."""
+    numbers = _NUMBER.findall(solution_str)
+    return float(bool(numbers) and _normalise_number(numbers[-1]) == _normalise_number(str(ground_truth)))
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} (or \\fbox{...}), braces balanced."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth = 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None  # unbalanced: the response was cut off
+
+
+_FINAL_ANSWER = re.compile(r"(?:final answer|answer is)\s*:?\s*\$?([^\n$]+?)\$?\s*\.?\s*$", re.IGNORECASE | re.MULTILINE)
+
+
+def extract_math_answer(text: str) -> str | None:
+    """The boxed answer, else the text after 'the answer is' / 'final answer:'."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    matches = _FINAL_ANSWER.findall(text)
+    return matches[-1].strip() if matches else None
+
+
+def math(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """Mathematical equivalence of the extracted answer and the ground truth (math-verify):
+    `1/2`, `0.5` and `\\frac{1}{2}` are the same answer."""
+    from math_verify import parse, verify
+
+    answer = extract_math_answer(solution_str)
+    if answer is None:
         return 0.0
-    answer = matches[-1].replace(",", "").rstrip(".")
-    truth = str(ground_truth).replace(",", "").strip()
-    return float(answer == truth)
+    # math-verify bounds parsing and comparison with its own (signal-based, main-thread) timeouts
+    gold = parse(f"${ground_truth}$" if "$" not in str(ground_truth) else str(ground_truth))
+    predicted = parse(f"${answer}$")
+    return float(bool(gold) and bool(predicted) and verify(gold, predicted))
+
+
+def regex_match(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """The ground truth is a regular expression the whole (stripped) response must match."""
+    return float(re.fullmatch(str(ground_truth), solution_str.strip(), re.DOTALL) is not None)
+
+
+_CHOICE_PATTERNS = [
+    re.compile(r"\\boxed\{\s*\(?([A-J])\)?\s*\}"),
+    re.compile(r"answer is\s*:?\s*\(?([A-J])\)?(?![A-Za-z])", re.IGNORECASE),
+    re.compile(r"^\s*\(?([A-J])\)?[.)]?\s*$", re.IGNORECASE),   # the response is just the letter
+    re.compile(r"\(([A-J])\)"),                 # a parenthesised letter anywhere (the last one counts)
+]
+
+
+def extract_choice(text: str) -> str | None:
+    for pattern in _CHOICE_PATTERNS:
+        found = pattern.findall(text)
+        if found:
+            return found[-1].upper()
+    return None
+
+
+def multiple_choice(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """The chosen letter (boxed, 'the answer is (B)', or the bare letter) equals the ground truth's."""
+    choice = extract_choice(solution_str)
+    return float(choice is not None and choice == str(ground_truth).strip().strip("()").upper())
+
+
+_THINK_ANSWER = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
+
+
+def think_answer_format(data_source: str, solution_str: str, ground_truth: Any = None,
+                        extra_info: dict | None = None) -> float:
+    """1.0 when the response is `<think>...</think><answer>...</answer>` and nothing else."""
+    return float(_THINK_ANSWER.fullmatch(solution_str) is not None)
 
 
 def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
@@ -33,8 +116,18 @@ def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_inf
     return float(re.fullmatch(r"-?\d+", answer) is not None and int(answer) == int(ground_truth))
 
 
-SCORERS: dict[str, RewardFn] = {"exact_match": exact_match, "gsm8k": gsm8k, "arithmetic": arithmetic}
+SCORERS: dict[str, RewardFn] = {
+    "exact_match": exact_match, "gsm8k": gsm8k, "gsm8k_flexible": gsm8k_flexible, "math": math,
+    "regex": regex_match, "multiple_choice": multiple_choice, "think_answer_format": think_answer_format,
+    "arithmetic": arithmetic,
+}
 
 # data_source values (as verl's datasets write them) that pick a built-in scorer.
-DATA_SOURCE_SCORERS = {"openai/gsm8k": "gsm8k", "gsm8k": "gsm8k", "exact_match": "exact_match",
-                       "keel/arithmetic": "arithmetic"}
+DATA_SOURCE_SCORERS = {
+    "openai/gsm8k": "gsm8k", "gsm8k": "gsm8k", "exact_match": "exact_match", "keel/arithmetic": "arithmetic",
+    "lighteval/MATH": "math", "DigitalLearningGmbH/MATH-lighteval": "math", "HuggingFaceH4/MATH-500": "math",
+    "math": "math",
+}
+
+# Scorers that do not compare against a ground truth.
+NO_GROUND_TRUTH = {"think_answer_format"}

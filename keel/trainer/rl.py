@@ -115,7 +115,8 @@ class RLTrainer:
                 with timer("gen_baseline"):
                     baseline = self._baseline_scores(prompts)
             with timer("reward"):
-                batch.scores = c.reward.score(batch.records, batch.response_texts)
+                batch.scores, metrics = c.reward.score_batch(batch.records, batch.response_texts,
+                                                             batch.response_lengths)
             with timer("old_log_prob"):
                 batch.old_log_probs = c.actor.compute_log_probs(batch)
                 finite("actor log-probs", batch.old_log_probs, batch.response_mask)
@@ -128,7 +129,7 @@ class RLTrainer:
                     batch.values = c.critic.compute_values(batch)
                     finite("critic values", batch.values, batch.response_mask)
             with timer("adv"):
-                metrics = self._assign_rewards(batch)
+                metrics.update(self._assign_rewards(batch))
                 finite("token-level rewards", batch.token_level_rewards, batch.response_mask)
                 batch.advantages, batch.returns = compute_advantage(
                     self.cfg.algorithm.adv_estimator,
@@ -171,7 +172,8 @@ class RLTrainer:
         """ReMax (arXiv 2310.10505): the greedy response's score is each prompt's baseline."""
         greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=self.sampling.max_new_tokens)
         baseline = self.c.rollout.generate(prompts, greedy)
-        return self.c.reward.score(baseline.records, baseline.response_texts).repeat_interleave(self.sampling.n)
+        scores, _ = self.c.reward.score_batch(baseline.records, baseline.response_texts, baseline.response_lengths)
+        return scores.repeat_interleave(self.sampling.n)
 
     def _validate(self) -> dict[str, float]:
         with self.c.autocast():

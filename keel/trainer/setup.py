@@ -76,8 +76,7 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None) -> Comp
     arr = cfg.actor_rollout_ref
     tokenizer = load_tokenizer(arr.model.path, arr.model.trust_remote_code)
 
-    reward = RewardScorer(load_custom_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
-                          if cfg.custom_reward_function.path else None)
+    reward = build_reward(cfg)
     train_data = load_prompts(cfg.data.train_files, tokenizer, cfg, "train")
     val_data = load_prompts(cfg.data.val_files, tokenizer, cfg, "val") if cfg.data.val_files else []
     reward.check_records(train_data + val_data)
@@ -116,6 +115,12 @@ def build_critic(cfg: KeelConfig, device: torch.device, total_steps: int) -> Cri
                          rollout_n=cfg.actor_rollout_ref.rollout.n, total_steps=total_steps,
                          shuffle=cfg.actor_rollout_ref.actor.shuffle,
                          max_response_length=cfg.data.max_response_length)
+
+
+def build_reward(cfg: KeelConfig) -> RewardScorer:
+    custom = cfg.custom_reward_function
+    return RewardScorer(load_custom_reward_fn(custom.path, custom.name) if custom.path else None,
+                        cfg.reward.scorers, cfg.reward.overlong_buffer, cfg.data.max_response_length)
 
 
 def needs_baseline_rollout(cfg: KeelConfig) -> bool:

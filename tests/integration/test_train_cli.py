@@ -268,3 +268,13 @@ def test_gradients_cut_from_the_weights_stop_the_run(tiny_config, monkeypatch):
     with pytest.raises(KeelError) as info:
         train(tiny_config)
     assert info.value.code == NO_GRADIENT
+
+
+def test_weighted_scorers_and_overlong_penalty_in_a_run(tiny_config):
+    from keel.trainer.rl import train
+
+    result = train(tiny_config, {"reward.scorers": {"digits": {"custom": 0.8, "think_answer_format": 0.2}},
+                                 "reward.overlong_buffer.enable": True, "reward.overlong_buffer.len": 4})
+    last = result.last_metrics
+    assert {"reward/custom/mean", "reward/think_answer_format/mean", "reward/overlong_penalty/mean"} <= set(last)
+    assert last["reward/overlong_penalty/mean"] <= 0.0

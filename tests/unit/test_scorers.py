@@ -1,0 +1,91 @@
+"""Rule scorers on hand-picked right, wrong and malformed answers; weighted combinations; DAPO's
+overlong penalty worked out by hand."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from keel.config.schema import OverlongBufferConfig
+from keel.diagnostics.codes import NO_SCORER, KeelError
+from keel.rewards.reward_fn import RewardScorer, overlong_penalty
+from keel.rewards.scorers import (extract_choice, gsm8k_flexible, last_boxed, math, multiple_choice, regex_match,
+                                  think_answer_format)
+
+
+@pytest.mark.parametrize("response, truth, expected", [
+    ("so x = \\boxed{\\frac{1}{2}}", "0.5", 1.0),          # boxed fraction vs decimal
+    ("The answer is 1/2.", "\\frac{1}{2}", 1.0),             # unboxed, 'the answer is'
+    ("\\boxed{0.5}", "1/2", 1.0),
+    ("Final answer: 6", "6", 1.0),
+    ("\\boxed{\\sqrt{4}}", "2", 1.0),                       # equal after simplification
+    ("\\boxed{3}", "4", 0.0),                               # wrong
+    ("I think it is 4", "4", 0.0),                          # no extractable final answer
+    ("\\boxed{\\frac{1}{2", "0.5", 0.0),                    # cut off mid-box: malformed
+    ("", "4", 0.0),
+])
+def test_math(response, truth, expected):
+    assert math("lighteval/MATH", response, truth) == expected
+
+
+def test_last_boxed_balances_braces():
+    assert last_boxed("a \\boxed{1} then \\boxed{\\frac{a}{b}} end") == "\\frac{a}{b}"
+    assert last_boxed("no box") is None
+
+
+@pytest.mark.parametrize("response, expected", [
+    ("she pays 1,200 dollars.", 1.0), ("#### 1200", 1.0), ("1200 then 1201", 0.0), ("no number", 0.0)])
+def test_gsm8k_flexible_takes_the_last_number(response, expected):
+    assert gsm8k_flexible("gsm8k", response, "1200") == expected
+
+
+@pytest.mark.parametrize("response, expected", [
+    ("The answer is (B).", "B"), ("\\boxed{D}", "D"), ("c", "C"), ("(A) looks wrong, so (C)", "C"),
+    ("I am not sure", None)])
+def test_extract_choice(response, expected):
+    assert extract_choice(response) == expected
+
+
+def test_multiple_choice():
+    assert multiple_choice("mmlu", "The answer is (B).", "B") == 1.0
+    assert multiple_choice("mmlu", "The answer is (B).", "(C)") == 0.0
+    assert multiple_choice("mmlu", "no idea", "B") == 0.0
+
+
+def test_regex_and_format():
+    assert regex_match("x", " The result: 42\n", r"The result: \d+") == 1.0
+    assert regex_match("x", "The result: 42 apples", r"The result: \d+") == 0.0  # the whole response
+    assert think_answer_format("x", "<think>2+2</think>\n<answer>4</answer>") == 1.0
+    assert think_answer_format("x", "<answer>4</answer>") == 0.0
+    assert think_answer_format("x", "<think>a</think><answer>4</answer> trailing") == 0.0
+
+
+def record(source, truth):
+    return SimpleNamespace(data_source=source, ground_truth=truth, extra_info={}, index=0)
+
+
+def test_weighted_scorers_with_breakdown():
+    scorer = RewardScorer(by_source={"gsm8k": {"gsm8k_flexible": 0.9, "think_answer_format": 0.1}})
+    responses = ["<think>6*7</think><answer>42</answer>", "42", "<think>x</think><answer>41</answer>"]
+    scores, metrics = scorer.score_batch([record("gsm8k", "42")] * 3, responses)
+    # 0.9*1 + 0.1*1 = 1.0; 0.9*1 + 0.1*0 = 0.9; 0.9*0 + 0.1*1 = 0.1
+    assert scores.tolist() == pytest.approx([1.0, 0.9, 0.1])
+    assert metrics["reward/gsm8k_flexible/mean"] == pytest.approx(2 / 3)
+    assert metrics["reward/think_answer_format/mean"] == pytest.approx(2 / 3)
+
+
+def test_unknown_scorer_name_is_refused():
+    with pytest.raises(KeelError) as info:
+        RewardScorer(by_source={"gsm8k": {"gsm8k_strict": 1.0}})
+    assert info.value.code == NO_SCORER and "gsm8k_strict" in info.value.message
+
+
+def test_overlong_penalty():
+    cfg = OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0)
+    # max 10, buffer 4: no penalty up to 6 tokens; 8 tokens exceed by 2 -> -2/4 = -0.5; 10 -> -1
+    penalty = overlong_penalty(torch.tensor([3, 6, 8, 10]), 10, cfg)
+    assert penalty.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0])
+    scorer = RewardScorer(lambda *a: 1.0, overlong=cfg, max_response_length=10)
+    scores, metrics = scorer.score_batch([record("x", "1")] * 2, ["a", "b"], torch.tensor([5, 9]))
+    assert scores.tolist() == pytest.approx([1.0, 0.25])  # 9 tokens: -3/4
+    assert metrics["reward/overlong_penalty/mean"] == pytest.approx(-0.375)
