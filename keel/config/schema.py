@@ -182,6 +182,11 @@ class RewardConfig:
         factory=dict, help="data_source -> {scorer: weight}, e.g. {gsm8k: {gsm8k: 0.9, think_answer_format: 0.1}}; "
                            "sources not listed use the built-in dispatch")
     overlong_buffer: OverlongBufferConfig = opt(factory=OverlongBufferConfig)
+    on_error: str = opt("mask", choices=("mask", "zero", "raise"),
+                        help="a sample the scorer fails on: left out of the update, scored 0, or stop")
+    max_not_scored_ratio: float = opt(0.1, ge=0, le=1, help="stop when a batch has more not-scored samples")
+    timeout_s: float | None = opt(30.0, gt=0, help="per-sample scoring time limit")
+    num_workers: int = opt(0, ge=0, help="scoring processes; 0 scores in the trainer's process")
 
 
 @dataclass

@@ -198,6 +198,19 @@ SCORER_RAISED = _code(
     "and an empty answer) and it raised; during training every such sample would crash the run.",
     "Make the reward function handle these inputs (an empty response must score, e.g. 0.0).",
     ("custom_reward_function.path", "custom_reward_function.name"))
+TOO_MANY_NOT_SCORED = _code(
+    "KEEL-R006", "Too many samples could not be scored",
+    "More than reward.max_not_scored_ratio of a batch's samples raised, hung or returned a "
+    "non-number in the scorer; a scorer failing that often is broken, and training on the rest "
+    "would quietly follow a different reward than the one you wrote.",
+    "Read the reason in the message (and reward/not_scored/* in the metrics), fix the scorer, or "
+    "raise reward.max_not_scored_ratio / reward.timeout_s if the failures are expected.",
+    ("reward.max_not_scored_ratio", "reward.on_error", "reward.timeout_s"))
+SCORER_TIMEOUT = _code(
+    "KEEL-R007", "A scorer took longer than reward.timeout_s",
+    "With reward.on_error=raise, one sample whose scoring runs past the limit stops the run.",
+    "Make the scorer faster, raise reward.timeout_s, or let reward.on_error=mask leave such samples "
+    "out of the update (counted as reward/not_scored/timeout).", ("reward.timeout_s", "reward.on_error"))
 
 # --- T: training numerics ---------------------------------------------------------------------
 NONFINITE_LOSS = _code(

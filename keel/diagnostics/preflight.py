@@ -17,7 +17,7 @@ import torch
 from keel import checkpoint as ckpt
 from keel.config.plan import make_plan
 from keel.config.schema import KeelConfig
-from keel.diagnostics.codes import (MEMORY_ESTIMATE, RUN_DIR_NOT_WRITABLE, SCORER_RAISED, TOKEN_BUDGET,
+from keel.diagnostics.codes import (MEMORY_ESTIMATE, RUN_DIR_NOT_WRITABLE, TOKEN_BUDGET,
                                     VOCAB_MISMATCH, KeelError)
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
@@ -161,13 +161,8 @@ def check_reward(cfg: KeelConfig, context: dict) -> list[Finding]:
     scorer.check_records(records)
     sample = records[:4]
     for responses in ([str(r.ground_truth) for r in sample], [""] * len(sample)):
-        try:
-            scores = scorer.score(sample, responses)
-        except KeelError:  # already coded (e.g. a NaN score)
-            raise
-        except Exception as e:  # the user's scorer: report what it raised, on which input
-            raise KeelError(SCORER_RAISED, f"the scorer raised {type(e).__name__}: {e} on data_source="
-                                           f"{sample[0].data_source!r} with response {responses[0][:40]!r}") from e
+        scores = scorer.score_batch(sample, responses, on_error="raise").scores
+    scorer.close()
     return [Finding(PASS, "reward", f"scorer ran on {len(sample)} rows (last scores {scores.tolist()})")]
 
 

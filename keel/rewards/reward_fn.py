@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
-import math
-import numbers
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from keel.diagnostics.codes import MISSING_GROUND_TRUTH, NO_SCORER, REWARD_FN_LOAD, REWARD_NOT_NUMBER, KeelError
+from keel.diagnostics.codes import (MISSING_GROUND_TRUTH, NO_SCORER, REWARD_FN_LOAD, REWARD_NOT_NUMBER, SCORER_RAISED,
+                                    SCORER_TIMEOUT, TOO_MANY_NOT_SCORED, KeelError)
+from keel.rewards.executor import ScoringPool
 from keel.rewards.scorers import DATA_SOURCE_SCORERS, NO_GROUND_TRUTH, SCORERS, RewardFn
+from keel.rewards.worker import SampleResult, SampleTask, Spec
 
 
 def load_custom_reward_fn(path: str, name: str) -> RewardFn:
@@ -32,35 +34,52 @@ def load_custom_reward_fn(path: str, name: str) -> RewardFn:
     return fn
 
 
+@dataclass
+class ScoreResult:
+    scores: torch.Tensor            # [N]; 0 where not scored
+    scored: torch.Tensor            # [N] bool
+    reasons: list[str | None]       # [N] why a sample was not scored
+    metrics: dict[str, float]
+
+
 class RewardScorer:
-    """Scores a batch of responses.
+    """Scores a batch of responses; every sample is scored or marked not scored with a reason.
 
     Per data_source: the weighted scorers named in `reward.scorers`, else the custom function (it
     serves every data_source, as in verl), else the built-in scorer for that data_source. The name
     `custom` in `reward.scorers` refers to the custom function, so it can be combined with rules.
+
+    `on_error` decides what a not-scored sample becomes: `mask` (left out of the update), `zero`
+    (scored 0) or `raise` (the run stops). With mask or zero, a share of not-scored samples above
+    `max_not_scored_ratio` stops the run: a scorer failing that often is broken, not unlucky.
     """
 
-    def __init__(self, custom_fn: RewardFn | None = None, by_source: dict[str, dict[str, float]] | None = None,
-                 overlong=None, max_response_length: int | None = None):
-        self.custom_fn = custom_fn
+    def __init__(self, custom: RewardFn | tuple | None = None, by_source: dict[str, dict[str, float]] | None = None,
+                 overlong=None, max_response_length: int | None = None, on_error: str = "mask",
+                 max_not_scored_ratio: float = 0.1, timeout_s: float | None = None, num_workers: int = 0):
+        self.custom = custom
         self.by_source = by_source or {}
         self.overlong = overlong if overlong is not None and overlong.enable else None
         self.max_response_length = max_response_length
-        known = set(SCORERS) | ({"custom"} if custom_fn else set())
+        self.on_error = on_error
+        self.max_not_scored_ratio = max_not_scored_ratio
+        self.timeout_s = timeout_s
+        self.pool = ScoringPool(num_workers)
+        known = set(SCORERS) | ({"custom"} if custom else set())
         for source, weights in self.by_source.items():
             unknown = sorted(set(weights) - known)
             if unknown:
                 raise KeelError(NO_SCORER, f"reward.scorers.{source} names {unknown}, which are not scorers",
-                                f"use built-in scorers {sorted(SCORERS)}" + (" or custom" if custom_fn else
+                                f"use built-in scorers {sorted(SCORERS)}" + (" or custom" if custom else
                                 " (set custom_reward_function.path to use `custom`)"))
 
-    def scorers_for(self, data_source: str) -> dict[str, tuple[RewardFn, float]]:
-        """{name: (function, weight)} for one data_source."""
+    def scorers_for(self, data_source: str) -> dict[str, tuple[Spec, float]]:
+        """{name: (scorer spec, weight)} for one data_source."""
         if data_source in self.by_source:
-            return {name: (self.custom_fn if name == "custom" else SCORERS[name], weight)
+            return {name: (self.custom if name == "custom" else ("builtin", name), weight)
                     for name, weight in self.by_source[data_source].items()}
-        if self.custom_fn is not None:
-            return {"custom": (self.custom_fn, 1.0)}
+        if self.custom is not None:
+            return {"custom": (self.custom, 1.0)}
         name = DATA_SOURCE_SCORERS.get(data_source) or ("gsm8k" if "gsm8k" in data_source else None)
         if name is None:
             raise KeelError(
@@ -68,7 +87,7 @@ class RewardScorer:
                 f"no scorer for data_source={data_source!r}; built-in ones serve {sorted(DATA_SOURCE_SCORERS)}",
                 "set custom_reward_function.path to a file with compute_score(data_source, solution_str, "
                 "ground_truth, extra_info), map the source in reward.scorers, or set data_source to a built-in one")
-        return {name: (SCORERS[name], 1.0)}
+        return {name: (("builtin", name), 1.0)}
 
     def check_records(self, records: list) -> None:
         """Fail before any generation if some row could not be scored: no scorer for its
@@ -83,39 +102,63 @@ class RewardScorer:
                             "reward_model.ground_truth, which the built-in scorers compare against")
 
     def score(self, records: list, response_texts: list[str]) -> torch.Tensor:      # -> [N]
-        return self.score_batch(records, response_texts)[0]
+        return self.score_batch(records, response_texts).scores
 
-    def score_batch(self, records: list, response_texts: list[str],
-                    response_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        """Scores [N] and a per-scorer breakdown (`reward/<scorer>/mean`)."""
-        totals, parts = [], {}
-        for record, text in zip(records, response_texts):
-            total = 0.0
-            for name, (fn, weight) in self.scorers_for(record.data_source).items():
-                value = self._call(fn, record, text)
-                parts.setdefault(name, []).append(value)
-                total += weight * value
-            totals.append(total)
+    def score_batch(self, records: list, response_texts: list[str], response_lengths: torch.Tensor | None = None,
+                    on_error: str | None = None) -> ScoreResult:
+        """Scores, which samples were scored, and metrics: the per-scorer breakdown, not-scored
+        counts by reason, scoring latency and the overlong penalty."""
+        on_error = on_error or self.on_error
+        weights = [self.scorers_for(r.data_source) for r in records]
+        tasks = [SampleTask([(name, spec) for name, (spec, _) in w.items()], r.data_source, text, r.ground_truth,
+                            r.extra_info, self.timeout_s) for r, w, text in zip(records, weights, response_texts)]
+        results = self.pool.run(tasks, self.timeout_s)
+        failed = [(i, res.reason) for i, res in enumerate(results) if res.values is None]
+        if failed and on_error == "raise":
+            raise _scoring_error(records[failed[0][0]], failed[0][1], response_texts[failed[0][0]])
+        totals = [sum(weight * res.values[name] for name, (_, weight) in w.items()) if res.values else 0.0
+                  for res, w in zip(results, weights)]
         scores = torch.tensor(totals, dtype=torch.float32)
-        metrics = {f"reward/{name}/mean": sum(v) / len(v) for name, v in parts.items()} if len(parts) > 1 else {}
+        scored = torch.tensor([res.values is not None or on_error == "zero" for res in results])
+        metrics = self._metrics(results, failed)
         if self.overlong is not None and response_lengths is not None:
             penalty = overlong_penalty(response_lengths, self.max_response_length, self.overlong)
-            scores = scores + penalty
+            scores = scores + penalty * scored
             metrics["reward/overlong_penalty/mean"] = penalty.mean().item()
-        return scores, metrics
+        ratio = len(failed) / max(len(records), 1)
+        if ratio > self.max_not_scored_ratio:
+            raise KeelError(TOO_MANY_NOT_SCORED, f"{len(failed)} of {len(records)} samples could not be scored "
+                            f"(over reward.max_not_scored_ratio={self.max_not_scored_ratio}); first reason: "
+                            f"{failed[0][1]} (data_source={records[failed[0][0]].data_source!r})")
+        return ScoreResult(scores, scored, [res.reason for res in results], metrics)
 
-    def _call(self, fn: RewardFn, record, response: str) -> float:
-        result = fn(record.data_source, response, record.ground_truth, record.extra_info)
-        if isinstance(result, dict):  # verl's scorers may return {"score": x, ...}
-            result = result.get("score")
-        if isinstance(result, torch.Tensor) and result.numel() == 1:
-            result = result.item()
-        if not isinstance(result, numbers.Real) or not math.isfinite(result):  # numpy scalars are Real
-            raise KeelError(
-                REWARD_NOT_NUMBER,
-                f"the reward function {getattr(fn, '__name__', fn)!r} returned {result!r} for a sample "
-                f"of data_source={record.data_source!r} (response {response[:80]!r})")
-        return float(result)
+    @staticmethod
+    def _metrics(results: list[SampleResult], failed: list[tuple[int, str]]) -> dict[str, float]:
+        metrics = {"reward/not_scored_ratio": len(failed) / max(len(results), 1),
+                   "timing_s/score_sample/mean": sum(r.seconds for r in results) / max(len(results), 1),
+                   "timing_s/score_sample/max": max((r.seconds for r in results), default=0.0)}
+        for _, reason in failed:
+            key = f"reward/not_scored/{reason.split(':')[0].split(' (')[0].replace(' ', '_')}"
+            metrics[key] = metrics.get(key, 0.0) + 1
+        parts: dict[str, list[float]] = {}
+        for res in results:
+            for name, value in (res.values or {}).items():
+                parts.setdefault(name, []).append(value)
+        if len(parts) > 1:
+            metrics.update({f"reward/{name}/mean": sum(v) / len(v) for name, v in parts.items()})
+        return metrics
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def _scoring_error(record, reason: str, response: str) -> KeelError:
+    where = f"data_source={record.data_source!r}, response {response[:60]!r}"
+    if reason.startswith("not a number"):
+        return KeelError(REWARD_NOT_NUMBER, f"the reward function returned {reason[len('not a number: '):]} ({where})")
+    if reason.startswith("timeout"):
+        return KeelError(SCORER_TIMEOUT, f"scoring took longer than reward.timeout_s ({where})")
+    return KeelError(SCORER_RAISED, f"the scorer {reason} ({where})")
 
 
 def overlong_penalty(lengths: torch.Tensor, max_response_length: int, cfg) -> torch.Tensor:

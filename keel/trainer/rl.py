@@ -85,6 +85,7 @@ class RLTrainer:
                     self.save()
         finally:
             logger.close()
+            self.c.reward.close()
         return RunResult(self.run_dir, self.step, metrics)
 
     def guarded_step(self, logger: MetricsLogger) -> dict[str, float]:
@@ -115,8 +116,10 @@ class RLTrainer:
                 with timer("gen_baseline"):
                     baseline = self._baseline_scores(prompts)
             with timer("reward"):
-                batch.scores, metrics = c.reward.score_batch(batch.records, batch.response_texts,
-                                                             batch.response_lengths)
+                scored = c.reward.score_batch(batch.records, batch.response_texts, batch.response_lengths)
+                batch.scores, metrics = scored.scores, scored.metrics
+                if not scored.scored.all():  # reward.on_error=mask: not-scored samples leave the update
+                    batch = batch.select(scored.scored.nonzero().squeeze(-1))
             with timer("old_log_prob"):
                 batch.old_log_probs = c.actor.compute_log_probs(batch)
                 finite("actor log-probs", batch.old_log_probs, batch.response_mask)
@@ -172,8 +175,9 @@ class RLTrainer:
         """ReMax (arXiv 2310.10505): the greedy response's score is each prompt's baseline."""
         greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=self.sampling.max_new_tokens)
         baseline = self.c.rollout.generate(prompts, greedy)
-        scores, _ = self.c.reward.score_batch(baseline.records, baseline.response_texts, baseline.response_lengths)
-        return scores.repeat_interleave(self.sampling.n)
+        result = self.c.reward.score_batch(baseline.records, baseline.response_texts, baseline.response_lengths,
+                                           on_error="zero")
+        return result.scores.repeat_interleave(self.sampling.n)
 
     def _validate(self) -> dict[str, float]:
         with self.c.autocast():

@@ -118,9 +118,14 @@ def build_critic(cfg: KeelConfig, device: torch.device, total_steps: int) -> Cri
 
 
 def build_reward(cfg: KeelConfig) -> RewardScorer:
-    custom = cfg.custom_reward_function
-    return RewardScorer(load_custom_reward_fn(custom.path, custom.name) if custom.path else None,
-                        cfg.reward.scorers, cfg.reward.overlong_buffer, cfg.data.max_response_length)
+    custom, r = cfg.custom_reward_function, cfg.reward
+    scorer = None
+    if custom.path:
+        scorer = load_custom_reward_fn(custom.path, custom.name)  # load here: a broken file fails now
+        if r.num_workers > 0:
+            scorer = ("file", str(Path(custom.path).resolve()), custom.name)  # workers import it themselves
+    return RewardScorer(scorer, r.scorers, r.overlong_buffer, cfg.data.max_response_length, r.on_error,
+                        r.max_not_scored_ratio, r.timeout_s, r.num_workers)
 
 
 def needs_baseline_rollout(cfg: KeelConfig) -> bool:

@@ -16,13 +16,18 @@ def validate(rollout, reward, records, pad_token_id: int, val_kwargs, data_cfg) 
     batch_size = data_cfg.val_batch_size or len(records)
     scores_by_source: dict[str, list[float]] = defaultdict(list)
     lengths: list[float] = []
+    not_scored = 0
     for start in range(0, len(records), batch_size):
         prompts = collate_prompts(records[start:start + batch_size], pad_token_id).repeat_interleave(params.n)
         batch = rollout.generate(prompts, params)
-        scores = reward.score(batch.records, batch.response_texts)
+        # a sample the scorer fails on counts as wrong here, and is counted
+        result = reward.score_batch(batch.records, batch.response_texts, on_error="zero")
+        scores = result.scores
+        not_scored += int(result.metrics["reward/not_scored_ratio"] * len(batch))
         for record, score in zip(batch.records, scores.tolist()):
             scores_by_source[record.data_source].append(score)
         lengths += batch.response_lengths.float().tolist()
     metrics = {f"val/{source}/acc": sum(s) / len(s) for source, s in sorted(scores_by_source.items())}
     metrics["val/response_length/mean"] = sum(lengths) / len(lengths)
+    metrics["val/not_scored_ratio"] = not_scored / len(lengths)
     return metrics

@@ -278,3 +278,19 @@ def test_weighted_scorers_and_overlong_penalty_in_a_run(tiny_config):
     last = result.last_metrics
     assert {"reward/custom/mean", "reward/think_answer_format/mean", "reward/overlong_penalty/mean"} <= set(last)
     assert last["reward/overlong_penalty/mean"] <= 0.0
+
+
+def test_samples_the_scorer_fails_on_leave_the_update_and_are_counted(tiny_config, tmp_path):
+    from keel.trainer.rl import train
+
+    scorer = tmp_path / "flaky.py"
+    scorer.write_text("def compute_score(ds, s, gt, ei=None):\n"
+                      "    if len(s) > 3 and sum(map(ord, s)) % 4 == 0:  # real rows and '' score fine\n"
+                      "        raise ValueError('cannot parse')\n"
+                      "    return (sum(map(ord, s)) % 7) / 6\n")
+    result = train(tiny_config, {"custom_reward_function.path": str(scorer), "reward.max_not_scored_ratio": 0.9,
+                                 "trainer.val_before_train": False, "trainer.test_freq": -1})
+    steps = [m for m in read_metrics(result.run_dir) if m["step"] > 0]
+    assert len(steps) == 2 and all(math.isfinite(m["actor/pg_loss"]) for m in steps)
+    assert sum(m["reward/not_scored_ratio"] for m in steps) > 0
+    assert sum(m.get("reward/not_scored/raised_ValueError", 0) for m in steps) > 0

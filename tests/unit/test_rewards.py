@@ -89,8 +89,11 @@ def test_custom_reward_function_errors(tmp_path):
 
 
 @pytest.mark.parametrize("bad", [None, float("nan"), "1.0", float("inf")])
-def test_non_number_reward_stops_the_run(bad):
-    scorer = RewardScorer(lambda *args: bad)
+def test_non_number_reward_is_never_a_silent_zero(bad):
+    scorer = RewardScorer(lambda *args: bad, max_not_scored_ratio=1.0)
     with pytest.raises(KeelError) as info:
-        scorer.score([record()], ["x"])
+        scorer.score_batch([record()], ["x"], on_error="raise")
     assert info.value.code == REWARD_NOT_NUMBER
+    result = scorer.score_batch([record()], ["x"])  # on_error=mask: not scored, with the reason
+    assert not result.scored[0] and result.reasons[0].startswith("not a number")
+    assert result.metrics["reward/not_scored/not_a_number"] == 1

@@ -67,7 +67,8 @@ def record(source, truth):
 def test_weighted_scorers_with_breakdown():
     scorer = RewardScorer(by_source={"gsm8k": {"gsm8k_flexible": 0.9, "think_answer_format": 0.1}})
     responses = ["<think>6*7</think><answer>42</answer>", "42", "<think>x</think><answer>41</answer>"]
-    scores, metrics = scorer.score_batch([record("gsm8k", "42")] * 3, responses)
+    result = scorer.score_batch([record("gsm8k", "42")] * 3, responses)
+    scores, metrics = result.scores, result.metrics
     # 0.9*1 + 0.1*1 = 1.0; 0.9*1 + 0.1*0 = 0.9; 0.9*0 + 0.1*1 = 0.1
     assert scores.tolist() == pytest.approx([1.0, 0.9, 0.1])
     assert metrics["reward/gsm8k_flexible/mean"] == pytest.approx(2 / 3)
@@ -86,6 +87,7 @@ def test_overlong_penalty():
     penalty = overlong_penalty(torch.tensor([3, 6, 8, 10]), 10, cfg)
     assert penalty.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0])
     scorer = RewardScorer(lambda *a: 1.0, overlong=cfg, max_response_length=10)
-    scores, metrics = scorer.score_batch([record("x", "1")] * 2, ["a", "b"], torch.tensor([5, 9]))
+    result = scorer.score_batch([record("x", "1")] * 2, ["a", "b"], torch.tensor([5, 9]))
+    scores, metrics = result.scores, result.metrics
     assert scores.tolist() == pytest.approx([1.0, 0.25])  # 9 tokens: -3/4
     assert metrics["reward/overlong_penalty/mean"] == pytest.approx(-0.375)

@@ -1,0 +1,51 @@
+"""Run scoring tasks in worker processes, each under a time limit; a hung worker is killed."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import time
+
+from keel.rewards.worker import SampleResult, SampleTask, score_sample
+
+# Spawned workers start in about a second (they import no torch); this covers it.
+START_SLACK_S = 5.0
+
+
+class ScoringPool:
+    """`num_workers=0` scores in this process (per-sample timeouts still apply, via SIGALRM)."""
+
+    def __init__(self, num_workers: int):
+        self.num_workers = num_workers
+        self._pool = None
+
+    def run(self, tasks: list[SampleTask], timeout_s: float | None) -> list[SampleResult]:
+        if self.num_workers == 0:
+            return [score_sample(task) for task in tasks]
+        pool = self._get_pool()
+        pending = [pool.apply_async(score_sample, (task,)) for task in tasks]
+        # The per-sample limit runs inside each worker; this batch deadline catches what a signal
+        # cannot interrupt (a scorer stuck in C code, a worker that died mid-task).
+        waves = math.ceil(len(tasks) / self.num_workers)
+        deadline = time.monotonic() + (timeout_s * waves + START_SLACK_S if timeout_s else float("inf"))
+        results, hung = [], False
+        for future in pending:
+            try:
+                results.append(future.get(timeout=max(0.0, deadline - time.monotonic())))
+            except multiprocessing.TimeoutError:
+                results.append(SampleResult(None, "timeout (worker killed)", timeout_s or 0.0))
+                hung = True
+        if hung:
+            self.close()  # the next batch starts with fresh workers
+        return results
+
+    def _get_pool(self):
+        if self._pool is None:
+            self._pool = multiprocessing.get_context("spawn").Pool(self.num_workers)
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None

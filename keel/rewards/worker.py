@@ -1,0 +1,114 @@
+"""Scoring one sample, in this process or a worker: every outcome is a number or a reason.
+
+Kept free of torch so worker processes start in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import numbers
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable
+
+# A scorer is named by a spec that pickles: ("builtin", name) or ("file", path, function name). In
+# this process a plain callable works too (tests, notebooks).
+Spec = tuple | Callable
+
+
+@dataclass
+class SampleTask:
+    scorers: list[tuple[str, Spec]]     # (name in the breakdown, scorer)
+    data_source: str
+    response: str
+    ground_truth: Any
+    extra_info: dict
+    timeout_s: float | None
+
+
+@dataclass
+class SampleResult:
+    values: dict[str, float] | None    # per scorer; None when the sample was not scored
+    reason: str | None                 # why not: "timeout", "raised ValueError: ...", "not a number: None"
+    seconds: float
+
+
+class ScoreTimeout(Exception):
+    pass
+
+
+class NotANumber(Exception):
+    pass
+
+
+def load_file_function(path: str, name: str) -> Callable:
+    file = Path(path)
+    spec = importlib.util.spec_from_file_location(f"keel_custom_reward_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+@lru_cache(maxsize=None)
+def _resolve_spec(spec: tuple) -> Callable:
+    if spec[0] == "builtin":
+        from keel.rewards.scorers import SCORERS
+
+        return SCORERS[spec[1]]
+    return load_file_function(spec[1], spec[2])
+
+
+def resolve(spec: Spec) -> Callable:
+    return spec if callable(spec) else _resolve_spec(spec)
+
+
+def as_number(result: Any) -> float:
+    """A scorer's result as a finite float: verl's {"score": x} dicts and 0-d tensors included."""
+    if isinstance(result, dict):
+        result = result.get("score")
+    if hasattr(result, "item") and getattr(result, "ndim", 1) == 0:  # numpy or torch scalar
+        result = result.item()
+    if not isinstance(result, numbers.Real) or not math.isfinite(result):  # bool is Real: True -> 1.0
+        raise NotANumber(f"not a number: {result!r}"[:120])
+    return float(result)
+
+
+@contextmanager
+def deadline(seconds: float | None):
+    """SIGALRM interrupts a scorer stuck in Python code (a worker's main thread runs it)."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise ScoreTimeout()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def score_sample(task: SampleTask) -> SampleResult:
+    start = time.perf_counter()
+    try:
+        with deadline(task.timeout_s):
+            values = {name: as_number(resolve(spec)(task.data_source, task.response, task.ground_truth,
+                                                    task.extra_info))
+                      for name, spec in task.scorers}
+        return SampleResult(values, None, time.perf_counter() - start)
+    except ScoreTimeout:
+        return SampleResult(None, "timeout", time.perf_counter() - start)
+    except NotANumber as e:
+        return SampleResult(None, str(e), time.perf_counter() - start)
+    except Exception as e:  # the scorer is user code: any failure is this sample's, with its reason
+        return SampleResult(None, f"raised {type(e).__name__}: {e}"[:160], time.perf_counter() - start)

@@ -1,0 +1,79 @@
+"""Every sample is scored or marked not scored with its reason: raising, hanging, dying and
+non-number scorers, in this process and in worker processes."""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from keel.diagnostics.codes import SCORER_RAISED, SCORER_TIMEOUT, TOO_MANY_NOT_SCORED, KeelError
+from keel.rewards.reward_fn import RewardScorer
+
+
+def record(i=0):
+    return SimpleNamespace(data_source="task", ground_truth="1", extra_info={}, index=i)
+
+
+def flaky(data_source, solution_str, ground_truth, extra_info):
+    if solution_str == "boom":
+        raise ZeroDivisionError("division by zero")
+    if solution_str == "hang":
+        time.sleep(30)
+    return 1.0
+
+
+def test_failures_are_masked_counted_and_bounded():
+    scorer = RewardScorer(flaky, max_not_scored_ratio=0.5, timeout_s=0.5)
+    result = scorer.score_batch([record(i) for i in range(4)], ["ok", "boom", "ok", "hang"])
+    assert result.scored.tolist() == [True, False, True, False]
+    assert result.reasons[1] == "raised ZeroDivisionError: division by zero" and result.reasons[3] == "timeout"
+    assert result.metrics["reward/not_scored_ratio"] == 0.5
+    assert result.metrics["reward/not_scored/raised_ZeroDivisionError"] == 1
+    assert result.metrics["reward/not_scored/timeout"] == 1
+    with pytest.raises(KeelError) as info:  # 2 of 4 is over a 0.25 limit
+        RewardScorer(flaky, max_not_scored_ratio=0.25, timeout_s=0.5).score_batch(
+            [record(i) for i in range(4)], ["ok", "boom", "ok", "hang"])
+    assert info.value.code == TOO_MANY_NOT_SCORED and "raised ZeroDivisionError" in info.value.message
+
+
+def test_zero_and_raise_policies():
+    zero = RewardScorer(flaky, on_error="zero", max_not_scored_ratio=1.0)
+    result = zero.score_batch([record(), record()], ["ok", "boom"])
+    assert result.scores.tolist() == [1.0, 0.0] and result.scored.all()
+    assert result.metrics["reward/not_scored_ratio"] == 0.5  # scored 0, still counted
+    with pytest.raises(KeelError) as info:
+        RewardScorer(flaky, on_error="raise").score_batch([record()], ["boom"])
+    assert info.value.code == SCORER_RAISED
+    with pytest.raises(KeelError) as info:
+        RewardScorer(flaky, on_error="raise", timeout_s=0.3).score_batch([record()], ["hang"])
+    assert info.value.code == SCORER_TIMEOUT
+
+
+UNTRUSTED = '''
+import os, time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info):
+    if solution_str == "loop":
+        while True:
+            pass
+    if solution_str == "die":
+        os._exit(1)  # the worker process vanishes mid-task
+    return float(solution_str == ground_truth)
+'''
+
+
+def test_worker_processes_survive_hangs_and_crashes(tmp_path):
+    path = tmp_path / "scorer.py"
+    path.write_text(UNTRUSTED)
+    scorer = RewardScorer(("file", str(path), "compute_score"), timeout_s=1.0, num_workers=2,
+                          max_not_scored_ratio=1.0)
+    try:
+        start = time.monotonic()
+        result = scorer.score_batch([record(i) for i in range(4)], ["1", "loop", "0", "die"])
+        assert time.monotonic() - start < 30
+        assert result.scores[0] == 1.0 and result.scored.tolist() == [True, False, True, False]
+        assert result.reasons[1] == "timeout" and result.reasons[3].startswith("timeout")
+        # the pool was replaced: the next batch is scored normally
+        assert scorer.score_batch([record()], ["1"]).scores.tolist() == [1.0]
+    finally:
+        scorer.close()
