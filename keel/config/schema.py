@@ -177,11 +177,20 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class RewardNormConfig:
+    enable: bool = opt(False, help="running mean/std normalisation of scores")
+    window_size: int = opt(1000, gt=1, help="scores the mean and std are taken over")
+    eps: float = opt(1e-6, gt=0)
+    clip: float | None = opt(5.0, gt=0, help="clip z-scores to [-clip, clip]; null: no clip")
+
+
+@dataclass
 class RewardConfig:
     scorers: dict[str, dict[str, float]] = opt(
         factory=dict, help="data_source -> {scorer: weight}, e.g. {gsm8k: {gsm8k: 0.9, think_answer_format: 0.1}}; "
                            "sources not listed use the built-in dispatch")
     overlong_buffer: OverlongBufferConfig = opt(factory=OverlongBufferConfig)
+    normalize: RewardNormConfig = opt(factory=RewardNormConfig)
     on_error: str = opt("mask", choices=("mask", "zero", "raise"),
                         help="a sample the scorer fails on: left out of the update, scored 0, or stop")
     max_not_scored_ratio: float = opt(0.1, ge=0, le=1, help="stop when a batch has more not-scored samples")

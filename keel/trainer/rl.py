@@ -157,19 +157,24 @@ class RLTrainer:
 
     # --- pieces of the step --------------------------------------------------------------------
     def _assign_rewards(self, batch: RolloutBatch) -> dict[str, float]:
-        """The outcome score sits on each response's last token; optionally minus KL to the reference."""
+        """The outcome score (normalised, if asked) sits on each response's last token; optionally
+        minus KL to the reference."""
+        metrics = {}
+        outcome = batch.scores                                                     # [N]
+        if self.c.normalizer is not None:
+            outcome, metrics = self.c.normalizer(batch.scores)
         last = (batch.response_lengths - 1).clamp(min=0)                          # [N]
         scores = torch.zeros_like(batch.response_mask, dtype=torch.float32)       # [N, R]
-        scores[torch.arange(len(batch)), last] = batch.scores
+        scores[torch.arange(len(batch)), last] = outcome
         batch.token_level_rewards = scores * batch.response_mask
         if not self.cfg.algorithm.use_kl_in_reward:
-            return {}
+            return metrics
         kl_coef = self.c.kl_ctrl.value
         batch.token_level_rewards, current_kl = apply_kl_penalty(
             batch.token_level_rewards, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
             kl_coef, self.cfg.algorithm.kl_penalty)
         self.c.kl_ctrl.update(current_kl, len(batch))
-        return {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": kl_coef}
+        return {**metrics, "actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": kl_coef}
 
     def _baseline_scores(self, prompts: PromptBatch) -> torch.Tensor:
         """ReMax (arXiv 2310.10505): the greedy response's score is each prompt's baseline."""
@@ -217,7 +222,8 @@ class RLTrainer:
                 (tmp / "critic").mkdir()
                 torch.save({"model": c.critic.model.state_dict(), **c.critic.state_dict()}, tmp / "critic" / "critic.pt")
             torch.save({"step": self.step, "sampler": c.sampler.state_dict(), "kl_ctrl": c.kl_ctrl.state_dict(),
-                        "skipped_steps": self.skipped_steps, "rng": ckpt.rng_state()}, tmp / "trainer_state.pt")
+                        "skipped_steps": self.skipped_steps, "rng": ckpt.rng_state(),
+                        "normalizer": c.normalizer.state_dict() if c.normalizer else None}, tmp / "trainer_state.pt")
 
         return ckpt.save_checkpoint(self.run_dir, self.step, write, self.cfg.trainer.max_actor_ckpt_to_keep,
                                     to_yaml(self.cfg))
@@ -236,6 +242,8 @@ class RLTrainer:
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         self.step = state["step"]
         self.skipped_steps = state.get("skipped_steps", 0)
+        if c.normalizer is not None and state.get("normalizer"):
+            c.normalizer.load_state_dict(state["normalizer"])
         try:
             c.sampler.load_state_dict(state["sampler"])
         except ValueError as e:  # the dataset or batch size changed since the checkpoint

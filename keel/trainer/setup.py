@@ -22,6 +22,7 @@ from keel.data.sampler import ResumableSampler
 from keel.diagnostics.codes import DATA_EMPTY, KeelError
 from keel.models.load import (autocast, load_causal_lm, load_critic, load_tokenizer, quiet_transformers,
                               resolve_device, resolve_dtype)
+from keel.rewards.normalize import RunningNormalizer
 from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
 from keel.rollout.base import RolloutEngine
 from keel.rollout.hf import HFRolloutEngine
@@ -44,6 +45,7 @@ class Components:
     critic: CriticTrainer | None
     reward: RewardScorer
     kl_ctrl: object
+    normalizer: RunningNormalizer | None
     total_steps: int
     device: torch.device
     compute_dtype: torch.dtype
@@ -86,6 +88,7 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None) -> Comp
     if cfg.critic.enable and not ADV_ESTIMATORS[cfg.algorithm.adv_estimator].needs_critic:
         log.warning("critic.enable=true with algorithm.adv_estimator=%s, which does not use values: the "
                     "critic is trained but nothing reads it", cfg.algorithm.adv_estimator)
+    norm = cfg.reward.normalize
     sampler = ResumableSampler(len(train_data), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
     total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.batches_per_epoch
 
@@ -103,6 +106,7 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None) -> Comp
         critic=build_critic(cfg, device, total_steps) if cfg.critic_enabled else None, reward=reward,
         kl_ctrl=make_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                    cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon),
+        normalizer=RunningNormalizer(norm.window_size, norm.eps, norm.clip) if norm.enable else None,
         total_steps=total_steps, device=device, compute_dtype=resolve_dtype(arr.model.dtype, device))
 
 

@@ -101,9 +101,10 @@ def test_algorithm_variants_train(overrides, tiny_config, monkeypatch):
 @pytest.mark.parametrize("variant", [
     {},  # GRPO
     # PPO: critic weights and optimiser, the adaptive KL controller and two epochs must all resume
+    # ... and the reward normaliser's window
     {"algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True, "kl_ctrl": {"type": "adaptive"}},
-     "actor_rollout_ref": {"actor": {"ppo_epochs": 2}}},
-], ids=["grpo", "ppo-adaptive-kl"])
+     "actor_rollout_ref": {"actor": {"ppo_epochs": 2}}, "reward": {"normalize": {"enable": True}}},
+], ids=["grpo", "ppo-adaptive-kl-norm"])
 def test_resume_after_stop_matches_uninterrupted_run(variant, tiny_config, tmp_path, monkeypatch):
     from keel.trainer import rl
 

@@ -91,3 +91,20 @@ def test_overlong_penalty():
     scores, metrics = result.scores, result.metrics
     assert scores.tolist() == pytest.approx([1.0, 0.25])  # 9 tokens: -3/4
     assert metrics["reward/overlong_penalty/mean"] == pytest.approx(-0.375)
+
+
+def test_running_normalizer_by_hand_and_its_state():
+    from keel.rewards.normalize import RunningNormalizer
+
+    norm = RunningNormalizer(window_size=4, eps=0.0, clip=None)
+    z, metrics = norm(torch.tensor([1.0, 3.0]))
+    # window [1, 3]: mean 2, std (unbiased) sqrt(2) = 1.41421 -> [-0.70711, 0.70711]
+    assert z.tolist() == pytest.approx([-0.70711, 0.70711], abs=1e-5)
+    assert metrics["reward/norm_mean"] == pytest.approx(2.0)
+    z, _ = norm(torch.tensor([5.0, 7.0, 9.0]))  # window keeps the last 4: [3, 5, 7, 9], mean 6, std 2.58199
+    assert z.tolist() == pytest.approx([-0.38730, 0.38730, 1.16190], abs=1e-5)
+    restored = RunningNormalizer(4, 0.0, None)
+    restored.load_state_dict(norm.state_dict())
+    assert restored(torch.tensor([6.0]))[0].tolist() == norm(torch.tensor([6.0]))[0].tolist()
+    clipped = RunningNormalizer(8, 0.0, clip=0.5)(torch.tensor([0.0, 10.0]))[0]
+    assert clipped.tolist() == pytest.approx([-0.5, 0.5])
