@@ -202,6 +202,8 @@ class RewardConfig:
 class CustomRewardConfig:
     path: str | None = opt(None, help="python file defining the reward function")
     name: str = opt("compute_score")
+    batched: bool = opt(False, help="the function takes lists (data_sources, solution_strs, ground_truths, "
+                                    "extra_infos) and returns a list of scores")
 
 
 @dataclass
@@ -343,6 +345,10 @@ def _check_options(cfg: KeelConfig) -> None:
     if est == "gae" and not cfg.critic_enabled:
         raise incompatible("algorithm.adv_estimator=gae needs a critic but critic.enable=false",
                            "set critic.enable=true, or choose grpo/rloo/reinforce_plus_plus")
+    if cfg.custom_reward_function.batched and (cfg.reward.scorers or not cfg.custom_reward_function.path):
+        raise incompatible("custom_reward_function.batched=true needs custom_reward_function.path and no "
+                           "reward.scorers mapping: a batched function scores every sample itself",
+                           "set custom_reward_function.path, or remove reward.scorers")
     overlong = cfg.reward.overlong_buffer
     if overlong.enable and overlong.len >= cfg.data.max_response_length:
         raise incompatible(f"reward.overlong_buffer.len={overlong.len} is not shorter than "

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 import multiprocessing
 import time
 
-from keel.rewards.worker import SampleResult, SampleTask, score_sample
+from keel.rewards.worker import SampleResult, SampleTask, resolve, score_sample, score_samples_async
+
+
+def is_async(spec) -> bool:
+    return inspect.iscoroutinefunction(resolve(spec))
 
 # Spawned workers start in about a second (they import no torch); this covers it.
 START_SLACK_S = 5.0
@@ -20,6 +26,8 @@ class ScoringPool:
         self._pool = None
 
     def run(self, tasks: list[SampleTask], timeout_s: float | None) -> list[SampleResult]:
+        if any(is_async(spec) for task in tasks for _, spec in task.scorers):
+            return asyncio.run(score_samples_async(tasks))  # I/O-bound scorers: concurrency, not processes
         if self.num_workers == 0:
             return [score_sample(task) for task in tasks]
         pool = self._get_pool()

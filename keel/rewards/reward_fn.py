@@ -12,7 +12,7 @@ from keel.diagnostics.codes import (MISSING_GROUND_TRUTH, NO_SCORER, REWARD_FN_L
                                     SCORER_TIMEOUT, TOO_MANY_NOT_SCORED, KeelError)
 from keel.rewards.executor import ScoringPool
 from keel.rewards.scorers import DATA_SOURCE_SCORERS, NO_GROUND_TRUTH, SCORERS, RewardFn
-from keel.rewards.worker import SampleResult, SampleTask, Spec
+from keel.rewards.worker import SampleResult, SampleTask, Spec, resolve, score_batched
 
 
 def load_custom_reward_fn(path: str, name: str) -> RewardFn:
@@ -56,8 +56,10 @@ class RewardScorer:
 
     def __init__(self, custom: RewardFn | tuple | None = None, by_source: dict[str, dict[str, float]] | None = None,
                  overlong=None, max_response_length: int | None = None, on_error: str = "mask",
-                 max_not_scored_ratio: float = 0.1, timeout_s: float | None = None, num_workers: int = 0):
+                 max_not_scored_ratio: float = 0.1, timeout_s: float | None = None, num_workers: int = 0,
+                 batched: bool = False):
         self.custom = custom
+        self.batched = batched
         self.by_source = by_source or {}
         self.overlong = overlong if overlong is not None and overlong.enable else None
         self.max_response_length = max_response_length
@@ -112,7 +114,10 @@ class RewardScorer:
         weights = [self.scorers_for(r.data_source) for r in records]
         tasks = [SampleTask([(name, spec) for name, (spec, _) in w.items()], r.data_source, text, r.ground_truth,
                             r.extra_info, self.timeout_s) for r, w, text in zip(records, weights, response_texts)]
-        results = self.pool.run(tasks, self.timeout_s)
+        if self.batched:  # custom_reward_function.batched: the custom function scores the whole batch
+            results = score_batched(resolve(self.custom), tasks)
+        else:
+            results = self.pool.run(tasks, self.timeout_s)
         failed = [(i, res.reason) for i, res in enumerate(results) if res.values is None]
         if failed and on_error == "raise":
             raise _scoring_error(records[failed[0][0]], failed[0][1], response_texts[failed[0][0]])

@@ -6,6 +6,7 @@ Kept free of torch so worker processes start in a fraction of a second.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 import numbers
 import signal
@@ -96,6 +97,55 @@ def deadline(seconds: float | None):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+async def score_samples_async(tasks: list[SampleTask]) -> list[SampleResult]:
+    """All samples at once, for scorers that are coroutines (they wait on a service or a judge)."""
+    import asyncio
+
+    async def one(task: SampleTask) -> SampleResult:
+        start = time.perf_counter()
+        try:
+            values = {}
+            for name, spec in task.scorers:
+                result = resolve(spec)(task.data_source, task.response, task.ground_truth, task.extra_info)
+                if inspect.isawaitable(result):
+                    result = await asyncio.wait_for(result, task.timeout_s)
+                values[name] = as_number(result)
+            return SampleResult(values, None, time.perf_counter() - start)
+        except asyncio.TimeoutError:
+            return SampleResult(None, "timeout", time.perf_counter() - start)
+        except NotANumber as e:
+            return SampleResult(None, str(e), time.perf_counter() - start)
+        except Exception as e:  # the scorer is user code: any failure is this sample's, with its reason
+            return SampleResult(None, f"raised {type(e).__name__}: {e}"[:160], time.perf_counter() - start)
+
+    return list(await asyncio.gather(*(one(task) for task in tasks)))
+
+
+def score_batched(fn: Callable, tasks: list[SampleTask]) -> list[SampleResult]:
+    """One call for the whole batch: fn(data_sources, solution_strs, ground_truths, extra_infos) -> list."""
+    start = time.perf_counter()
+    try:
+        with deadline(tasks[0].timeout_s * len(tasks) if tasks and tasks[0].timeout_s else None):
+            results = list(fn([t.data_source for t in tasks], [t.response for t in tasks],
+                              [t.ground_truth for t in tasks], [t.extra_info for t in tasks]))
+        if len(results) != len(tasks):
+            raise NotANumber(f"not a number: the batched scorer returned {len(results)} scores for {len(tasks)} samples")
+    except ScoreTimeout:
+        return [SampleResult(None, "timeout", time.perf_counter() - start)] * len(tasks)
+    except NotANumber as e:
+        return [SampleResult(None, str(e), time.perf_counter() - start)] * len(tasks)
+    except Exception as e:  # the scorer is user code: the batch fails together, with the reason
+        return [SampleResult(None, f"raised {type(e).__name__}: {e}"[:160], time.perf_counter() - start)] * len(tasks)
+    seconds = (time.perf_counter() - start) / max(len(tasks), 1)
+    out = []
+    for task, result in zip(tasks, results):
+        try:
+            out.append(SampleResult({task.scorers[0][0]: as_number(result)}, None, seconds))
+        except NotANumber as e:
+            out.append(SampleResult(None, str(e), seconds))
+    return out
 
 
 def score_sample(task: SampleTask) -> SampleResult:

@@ -126,10 +126,10 @@ def build_reward(cfg: KeelConfig) -> RewardScorer:
     scorer = None
     if custom.path:
         scorer = load_custom_reward_fn(custom.path, custom.name)  # load here: a broken file fails now
-        if r.num_workers > 0:
+        if r.num_workers > 0 and not custom.batched:
             scorer = ("file", str(Path(custom.path).resolve()), custom.name)  # workers import it themselves
     return RewardScorer(scorer, r.scorers, r.overlong_buffer, cfg.data.max_response_length, r.on_error,
-                        r.max_not_scored_ratio, r.timeout_s, r.num_workers)
+                        r.max_not_scored_ratio, r.timeout_s, r.num_workers, custom.batched)
 
 
 def needs_baseline_rollout(cfg: KeelConfig) -> bool:

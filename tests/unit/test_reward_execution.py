@@ -77,3 +77,31 @@ def test_worker_processes_survive_hangs_and_crashes(tmp_path):
         assert scorer.score_batch([record()], ["1"]).scores.tolist() == [1.0]
     finally:
         scorer.close()
+
+
+def test_async_scorers_run_concurrently_with_timeouts():
+    import asyncio
+
+    async def judge(data_source, solution_str, ground_truth, extra_info):
+        await asyncio.sleep(5 if solution_str == "slow" else 0.2)
+        return float(solution_str == ground_truth)
+
+    scorer = RewardScorer(judge, timeout_s=1.0, max_not_scored_ratio=1.0)
+    start = time.monotonic()
+    result = scorer.score_batch([record(i) for i in range(6)], ["1", "0", "1", "1", "0", "slow"])
+    assert time.monotonic() - start < 3  # six 0.2 s calls overlap, the slow one is cut at 1 s
+    assert result.scores.tolist()[:5] == [1.0, 0.0, 1.0, 1.0, 0.0] and result.reasons[5] == "timeout"
+
+
+def test_batched_scorer_scores_the_batch_in_one_call():
+    calls = []
+
+    def batch_fn(data_sources, solution_strs, ground_truths, extra_infos):
+        calls.append(len(solution_strs))
+        return [float(s == g) for s, g in zip(solution_strs, ground_truths)]
+
+    result = RewardScorer(batch_fn, batched=True).score_batch([record(), record()], ["1", "2"])
+    assert calls == [2] and result.scores.tolist() == [1.0, 0.0]
+    wrong_length = RewardScorer(lambda *lists: [1.0], batched=True, max_not_scored_ratio=1.0)
+    result = wrong_length.score_batch([record(), record()], ["1", "2"])
+    assert not result.scored.any() and "returned 1 scores for 2 samples" in result.reasons[0]
