@@ -199,6 +199,20 @@ class RewardConfig:
 
 
 @dataclass
+class RewardModelPathConfig:
+    path: str | None = opt(None, help="local sequence-classification model (num_labels=1)")
+    trust_remote_code: bool = opt(False)
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = opt(False, help="score with a reward model (all data_sources, unless reward.scorers maps them)")
+    model: RewardModelPathConfig = opt(factory=RewardModelPathConfig)
+    micro_batch_size_per_gpu: int = opt(16, gt=0)
+    max_length: int | None = opt(None, gt=0, help="tokens it reads; default: its max_position_embeddings")
+
+
+@dataclass
 class CustomRewardConfig:
     path: str | None = opt(None, help="python file defining the reward function")
     name: str = opt("compute_score")
@@ -249,6 +263,7 @@ class KeelConfig:
     algorithm: AlgorithmConfig = opt(factory=AlgorithmConfig)
     custom_reward_function: CustomRewardConfig = opt(factory=CustomRewardConfig)
     reward: RewardConfig = opt(factory=RewardConfig)
+    reward_model: RewardModelConfig = opt(factory=RewardModelConfig)
     trainer: TrainerConfig = opt(factory=TrainerConfig)
 
     # Keys a resumed run may change: when it stops, how often it logs, validates and saves, how big
@@ -349,6 +364,9 @@ def _check_options(cfg: KeelConfig) -> None:
         raise incompatible("custom_reward_function.batched=true needs custom_reward_function.path and no "
                            "reward.scorers mapping: a batched function scores every sample itself",
                            "set custom_reward_function.path, or remove reward.scorers")
+    if cfg.reward_model.enable and not cfg.reward_model.model.path:
+        raise incompatible("reward_model.enable=true without reward_model.model.path",
+                           "set reward_model.model.path to a local sequence-classification model")
     overlong = cfg.reward.overlong_buffer
     if overlong.enable and overlong.len >= cfg.data.max_response_length:
         raise incompatible(f"reward.overlong_buffer.len={overlong.len} is not shorter than "

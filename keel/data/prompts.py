@@ -106,6 +106,7 @@ class PromptRecord:
     data_source: str
     ground_truth: Any
     extra_info: dict = field(default_factory=dict)
+    raw_prompt: str | list[dict] | None = None  # as in the data: a reward model templates it its own way
 
 
 @dataclass
@@ -146,7 +147,7 @@ def build_prompt_dataset(rows: list[dict], tokenizer, *, prompt_key: str = "prom
         if len(ids) > max_prompt_length:
             ids = _truncate(ids, max_prompt_length, truncation)
             text = tokenizer.decode(ids, skip_special_tokens=False)
-        records.append(_make_record(i, row, ids, text))
+        records.append(_make_record(i, row, ids, text, prompts[i]))
 
     stats = PromptStats(total=len(rows), kept=len(records),
                         truncated=0 if filter_overlong_prompts else len(overlong),
@@ -205,12 +206,12 @@ def _truncate(ids: list[int], limit: int, truncation: str) -> list[int]:
     return ids[-limit:] if truncation == "left" else ids[:limit]
 
 
-def _make_record(i: int, row: dict, ids: list[int], text: str) -> PromptRecord:
+def _make_record(i: int, row: dict, ids: list[int], text: str, raw_prompt) -> PromptRecord:
     reward_model = row.get("reward_model")
     ground_truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
     return PromptRecord(index=i, prompt_ids=ids, prompt_text=text,
                         data_source=row.get("data_source") or "unknown",
-                        ground_truth=ground_truth, extra_info=row.get("extra_info") or {})
+                        ground_truth=ground_truth, extra_info=row.get("extra_info") or {}, raw_prompt=raw_prompt)
 
 
 # --- batching ---------------------------------------------------------------------------------

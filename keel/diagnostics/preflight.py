@@ -163,7 +163,25 @@ def check_reward(cfg: KeelConfig, context: dict) -> list[Finding]:
     for responses in ([str(r.ground_truth) for r in sample], [""] * len(sample)):
         scores = scorer.score_batch(sample, responses, on_error="raise").scores
     scorer.close()
-    return [Finding(PASS, "reward", f"scorer ran on {len(sample)} rows (last scores {scores.tolist()})")]
+    found = [Finding(PASS, "reward", f"scorer ran on {len(sample)} rows (last scores {scores.tolist()})")]
+    if cfg.reward_model.enable:
+        found.append(check_reward_model_budget(cfg, scorer.reward_model, records))
+    return found
+
+
+def check_reward_model_budget(cfg: KeelConfig, reward_model, records: list) -> Finding:
+    """The longest prompt, in the reward model's own template and tokens, plus a full-length
+    response must fit what it reads: a 4096-token rollout scored by a 512-token model is an error."""
+    longest = max(len(reward_model.tokenizer(reward_model.text(r.raw_prompt, ""), add_special_tokens=False)["input_ids"])
+                  for r in records)
+    need = longest + cfg.data.max_response_length
+    if reward_model.max_length and need > reward_model.max_length:
+        raise KeelError(TOKEN_BUDGET, f"the longest prompt is {longest} tokens in the reward model's own template; "
+                                      f"with data.max_response_length={cfg.data.max_response_length} that is {need}, "
+                                      f"over the {reward_model.max_length} tokens the reward model reads",
+                        "lower data.max_response_length or data.max_prompt_length, or use a reward model "
+                        "with a longer context (reward_model.max_length)")
+    return Finding(PASS, "reward model", f"reads {reward_model.max_length} tokens; the longest sample needs {need}")
 
 
 def check_run_dir(cfg: KeelConfig, context: dict) -> list[Finding]:

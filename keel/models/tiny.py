@@ -82,6 +82,22 @@ def build_model_config(arch: str = "qwen2", vocab_size: int = 128, hidden_size: 
     )
 
 
+def make_tiny_reward_model(out_dir: str | Path, seed: int = 0, **config_overrides) -> Path:
+    """A random-weight Qwen2 sequence classifier (one score) with keel's tokenizer."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer()
+    config = build_model_config("qwen2", vocab_size=(len(tokenizer) + 7) // 8 * 8, eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id, **config_overrides)
+    config.num_labels = 1
+    torch.manual_seed(seed)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
 def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", seed: int = 0, with_pad: bool = True,
                     **config_overrides) -> Path:
     """Write a random-weight model and keel's tokenizer to `out_dir`; returns the path."""

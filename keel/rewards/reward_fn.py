@@ -34,6 +34,9 @@ def load_custom_reward_fn(path: str, name: str) -> RewardFn:
     return fn
 
 
+REWARD_MODEL = ("reward_model",)  # the spec naming the reward model in a data_source's scorers
+
+
 @dataclass
 class ScoreResult:
     scores: torch.Tensor            # [N]; 0 where not scored
@@ -57,9 +60,10 @@ class RewardScorer:
     def __init__(self, custom: RewardFn | tuple | None = None, by_source: dict[str, dict[str, float]] | None = None,
                  overlong=None, max_response_length: int | None = None, on_error: str = "mask",
                  max_not_scored_ratio: float = 0.1, timeout_s: float | None = None, num_workers: int = 0,
-                 batched: bool = False):
+                 batched: bool = False, reward_model=None):
         self.custom = custom
         self.batched = batched
+        self.reward_model = reward_model
         self.by_source = by_source or {}
         self.overlong = overlong if overlong is not None and overlong.enable else None
         self.max_response_length = max_response_length
@@ -67,7 +71,7 @@ class RewardScorer:
         self.max_not_scored_ratio = max_not_scored_ratio
         self.timeout_s = timeout_s
         self.pool = ScoringPool(num_workers)
-        known = set(SCORERS) | ({"custom"} if custom else set())
+        known = set(SCORERS) | ({"custom"} if custom else set()) | ({"reward_model"} if reward_model else set())
         for source, weights in self.by_source.items():
             unknown = sorted(set(weights) - known)
             if unknown:
@@ -78,8 +82,11 @@ class RewardScorer:
     def scorers_for(self, data_source: str) -> dict[str, tuple[Spec, float]]:
         """{name: (scorer spec, weight)} for one data_source."""
         if data_source in self.by_source:
-            return {name: (self.custom if name == "custom" else ("builtin", name), weight)
+            named = {"custom": self.custom, "reward_model": REWARD_MODEL}
+            return {name: (named.get(name, ("builtin", name)), weight)
                     for name, weight in self.by_source[data_source].items()}
+        if self.reward_model is not None:
+            return {"reward_model": (REWARD_MODEL, 1.0)}
         if self.custom is not None:
             return {"custom": (self.custom, 1.0)}
         name = DATA_SOURCE_SCORERS.get(data_source) or ("gsm8k" if "gsm8k" in data_source else None)
@@ -112,12 +119,14 @@ class RewardScorer:
         counts by reason, scoring latency and the overlong penalty."""
         on_error = on_error or self.on_error
         weights = [self.scorers_for(r.data_source) for r in records]
-        tasks = [SampleTask([(name, spec) for name, (spec, _) in w.items()], r.data_source, text, r.ground_truth,
-                            r.extra_info, self.timeout_s) for r, w, text in zip(records, weights, response_texts)]
+        tasks = [SampleTask([(name, spec) for name, (spec, _) in w.items() if spec != REWARD_MODEL], r.data_source,
+                            text, r.ground_truth, r.extra_info, self.timeout_s)
+                 for r, w, text in zip(records, weights, response_texts)]
         if self.batched:  # custom_reward_function.batched: the custom function scores the whole batch
             results = score_batched(resolve(self.custom), tasks)
         else:
             results = self.pool.run(tasks, self.timeout_s)
+        self._add_reward_model_scores(records, response_texts, weights, results)
         failed = [(i, res.reason) for i, res in enumerate(results) if res.values is None]
         if failed and on_error == "raise":
             raise _scoring_error(records[failed[0][0]], failed[0][1], response_texts[failed[0][0]])
@@ -136,6 +145,18 @@ class RewardScorer:
                             f"(over reward.max_not_scored_ratio={self.max_not_scored_ratio}); first reason: "
                             f"{failed[0][1]} (data_source={records[failed[0][0]].data_source!r})")
         return ScoreResult(scores, scored, [res.reason for res in results], metrics)
+
+    def _add_reward_model_scores(self, records, texts, weights, results: list[SampleResult]) -> None:
+        """The reward model scores its samples in batches on the device, beside the rule scorers."""
+        rows = [i for i, w in enumerate(weights) if "reward_model" in w and results[i].values is not None]
+        if not rows:
+            return
+        for i, value in zip(rows, self.reward_model.score([records[i].raw_prompt for i in rows],
+                                                          [texts[i] for i in rows])):
+            if isinstance(value, str):  # too long to read whole: not scored, never truncated
+                results[i] = SampleResult(None, value, results[i].seconds)
+            else:
+                results[i].values["reward_model"] = value
 
     @staticmethod
     def _metrics(results: list[SampleResult], failed: list[tuple[int, str]]) -> dict[str, float]:

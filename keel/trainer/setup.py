@@ -22,6 +22,7 @@ from keel.data.sampler import ResumableSampler
 from keel.diagnostics.codes import DATA_EMPTY, KeelError
 from keel.models.load import (autocast, load_causal_lm, load_critic, load_tokenizer, quiet_transformers,
                               resolve_device, resolve_dtype)
+from keel.rewards.model import RewardModel
 from keel.rewards.normalize import RunningNormalizer
 from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
 from keel.rollout.base import RolloutEngine
@@ -122,14 +123,18 @@ def build_critic(cfg: KeelConfig, device: torch.device, total_steps: int) -> Cri
 
 
 def build_reward(cfg: KeelConfig) -> RewardScorer:
-    custom, r = cfg.custom_reward_function, cfg.reward
+    custom, r, rm = cfg.custom_reward_function, cfg.reward, cfg.reward_model
+    reward_model = None
+    if rm.enable:
+        reward_model = RewardModel(rm.model.path, resolve_device(cfg.trainer.device), rm.micro_batch_size_per_gpu,
+                                   rm.max_length, rm.model.trust_remote_code)
     scorer = None
     if custom.path:
         scorer = load_custom_reward_fn(custom.path, custom.name)  # load here: a broken file fails now
         if r.num_workers > 0 and not custom.batched:
             scorer = ("file", str(Path(custom.path).resolve()), custom.name)  # workers import it themselves
     return RewardScorer(scorer, r.scorers, r.overlong_buffer, cfg.data.max_response_length, r.on_error,
-                        r.max_not_scored_ratio, r.timeout_s, r.num_workers, custom.batched)
+                        r.max_not_scored_ratio, r.timeout_s, r.num_workers, custom.batched, reward_model)
 
 
 def needs_baseline_rollout(cfg: KeelConfig) -> bool:

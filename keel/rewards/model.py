@@ -1,0 +1,55 @@
+"""A reward model: a Hugging Face sequence-classification model scoring (prompt, whole response).
+
+It reads with its own tokenizer and chat template, never the policy's, and never truncates: a
+sample longer than it reads is not scored (with that reason), since a cut-off response scored as if
+whole is one of the quiet ways RL runs go wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from keel.models.load import check_model_dir
+
+
+class RewardModel:
+    def __init__(self, path: str, device: torch.device, micro_batch_size: int, max_length: int | None,
+                 trust_remote_code: bool = False):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        path = check_model_dir(path, "reward_model.model.path")
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, trust_remote_code=trust_remote_code).to(device).eval()
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id  # it finds each sequence's last token by it
+        self.device = device
+        self.micro_batch_size = micro_batch_size
+        self.max_length = max_length or getattr(self.model.config, "max_position_embeddings", None)
+
+    def text(self, raw_prompt, response: str) -> str:
+        """The conversation as the reward model was trained to read it."""
+        if self.tokenizer.chat_template is None:
+            prompt = raw_prompt if isinstance(raw_prompt, str) else "\n".join(m["content"] for m in raw_prompt)
+            return prompt + response
+        chat = [{"role": "user", "content": raw_prompt}] if isinstance(raw_prompt, str) else list(raw_prompt)
+        return self.tokenizer.apply_chat_template(chat + [{"role": "assistant", "content": response}],
+                                                  tokenize=False)
+
+    @torch.no_grad()
+    def score(self, raw_prompts: list, responses: list[str]) -> list[float | str]:
+        """A score per sample, or the reason it was not scored."""
+        ids = [self.tokenizer(self.text(p, r), add_special_tokens=False)["input_ids"]
+               for p, r in zip(raw_prompts, responses)]
+        out: list[float | str] = [f"longer than the reward model reads ({len(x)} > {self.max_length} tokens)"
+                                  if self.max_length and len(x) > self.max_length else 0.0 for x in ids]
+        fits = [i for i, x in enumerate(ids) if isinstance(out[i], float)]
+        for start in range(0, len(fits), self.micro_batch_size):
+            chunk = fits[start:start + self.micro_batch_size]
+            batch = self.tokenizer.pad({"input_ids": [ids[i] for i in chunk]}, padding=True, return_tensors="pt")
+            logits = self.model(input_ids=batch["input_ids"].to(self.device),
+                                attention_mask=batch["attention_mask"].to(self.device)).logits  # [b, 1]
+            for i, value in zip(chunk, logits[:, 0].float().tolist()):
+                out[i] = value
+        return out

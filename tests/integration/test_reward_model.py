@@ -1,0 +1,43 @@
+"""A reward model scores whole responses in its own template; too long is not scored, never cut."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from keel.config.load import load_config
+from keel.diagnostics.codes import TOKEN_BUDGET
+from keel.diagnostics.preflight import run_checks
+from keel.models.tiny import make_tiny_reward_model
+from keel.rewards.model import RewardModel
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory):
+    return make_tiny_reward_model(tmp_path_factory.mktemp("rm") / "rm", hidden_size=32, max_position_embeddings=96)
+
+
+def test_reward_model_scores_whole_responses_and_refuses_to_truncate(reward_model_dir):
+    rm = RewardModel(str(reward_model_dir), torch.device("cpu"), micro_batch_size=2, max_length=None)
+    chat = [{"role": "user", "content": "2+2?"}]
+    assert rm.text(chat, "4").endswith("<|im_start|>assistant\n4<|im_end|>\n")  # its own template
+    scores = rm.score([chat, chat, "plain prompt"], ["4", "5", "x" * 200])
+    assert isinstance(scores[0], float) and scores[0] != scores[1]
+    assert scores[2].startswith("longer than the reward model reads")  # 96 positions
+
+
+def test_keel_train_with_a_reward_model(tiny_config, reward_model_dir):
+    from keel.trainer.rl import train
+
+    overrides = {"reward_model.enable": True, "reward_model.model.path": str(reward_model_dir),
+                 "custom_reward_function.path": None}
+    result = train(tiny_config, overrides)
+    assert result.last_step == 2 and result.last_metrics["reward/not_scored_ratio"] == 0.0
+
+
+def test_check_measures_the_budget_in_the_reward_models_own_tokens(tiny_config, reward_model_dir):
+    overrides = {"reward_model.enable": True, "reward_model.model.path": str(reward_model_dir),
+                 "custom_reward_function.path": None, "data.max_response_length": 80}
+    report = run_checks(load_config(tiny_config, overrides))
+    assert [f.code for f in report.failures] == [TOKEN_BUDGET]
+    assert "reward model" in report.failures[0].message
