@@ -110,6 +110,30 @@ def think_answer_format(data_source: str, solution_str: str, ground_truth: Any =
     return float(_THINK_ANSWER.fullmatch(solution_str) is not None)
 
 
+_CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+
+
+def extract_code(text: str) -> str:
+    """The last fenced code block, else the whole response."""
+    blocks = _CODE_BLOCK.findall(text)
+    return blocks[-1] if blocks else text
+
+
+def code_exec(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """Share of test cases the program passes, run in keel's sandbox. `ground_truth` is a list (or
+    its JSON) of {"input": stdin, "output": expected stdout}. A program the sandbox had to stop
+    (time, memory, a refused operation) raises SandboxViolation: the sample is not scored, with that
+    reason, rather than counted as a wrong answer."""
+    import json
+
+    from keel.rewards.sandbox import run_python
+
+    tests = json.loads(ground_truth) if isinstance(ground_truth, str) else ground_truth
+    code = extract_code(solution_str)
+    passed = sum(run_python(code, case["input"]).rstrip() == str(case["output"]).rstrip() for case in tests)
+    return passed / len(tests)
+
+
 def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
     """keel's demo task: the response must be the integer answer and nothing else."""
     answer = solution_str.strip()
@@ -119,14 +143,14 @@ def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_inf
 SCORERS: dict[str, RewardFn] = {
     "exact_match": exact_match, "gsm8k": gsm8k, "gsm8k_flexible": gsm8k_flexible, "math": math,
     "regex": regex_match, "multiple_choice": multiple_choice, "think_answer_format": think_answer_format,
-    "arithmetic": arithmetic,
+    "arithmetic": arithmetic, "code_exec": code_exec,
 }
 
 # data_source values (as verl's datasets write them) that pick a built-in scorer.
 DATA_SOURCE_SCORERS = {
     "openai/gsm8k": "gsm8k", "gsm8k": "gsm8k", "exact_match": "exact_match", "keel/arithmetic": "arithmetic",
     "lighteval/MATH": "math", "DigitalLearningGmbH/MATH-lighteval": "math", "HuggingFaceH4/MATH-500": "math",
-    "math": "math",
+    "math": "math", "codecontests": "code_exec", "apps": "code_exec", "taco": "code_exec", "code": "code_exec",
 }
 
 # Scorers that do not compare against a ground truth.
