@@ -68,6 +68,26 @@ def _cmd_doctor(args) -> int:
     return 1 if any(c.level == "fail" for c in checks) else 0
 
 
+def _cmd_reward_server(args) -> int:
+    from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
+    from keel.rewards.service import make_server
+
+    if args.custom:
+        path, _, name = args.custom.partition(":")
+        scorer_fn = load_custom_reward_fn(path, name or "compute_score")
+    else:
+        scorer_fn = ("builtin", args.scorer)
+    scorer = RewardScorer(scorer_fn, timeout_s=args.timeout_s, num_workers=args.num_workers, max_not_scored_ratio=1.0)
+    server = make_server(scorer, args.host, args.port, args.token, args.max_request_bytes, args.max_concurrency)
+    print(f"keel reward-server on http://{args.host}:{server.server_address[1]} (POST /score, GET /health)",
+          flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        scorer.close()
+    return 0
+
+
 def _cmd_export(args) -> int:
     from keel.checkpoint import export_checkpoint
 
@@ -88,6 +108,12 @@ def _cmd_explain(args) -> int:
         return 2
     print(explain(code))
     return 0
+
+
+def _builtin_scorers() -> list[str]:
+    from keel.rewards.scorers import SCORERS
+
+    return list(SCORERS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +149,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="keel_demo", help="output directory (default: keel_demo)")
     demo.add_argument("--fresh", action="store_true", help="start over instead of resuming")
     demo.set_defaults(func=_cmd_demo)
+
+    serve = sub.add_parser("reward-server", help="serve a scorer over HTTP (POST /score, GET /health)")
+    source = serve.add_mutually_exclusive_group(required=True)
+    source.add_argument("--scorer", help="a built-in scorer: " + ", ".join(sorted(_builtin_scorers())))
+    source.add_argument("--custom", help="PATH[:FUNCTION] of a reward function file")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--token", help="require `Authorization: Bearer TOKEN`")
+    serve.add_argument("--max-request-bytes", type=int, default=8 << 20)
+    serve.add_argument("--max-concurrency", type=int, default=8)
+    serve.add_argument("--timeout-s", type=float, default=30.0, help="per-sample scoring limit")
+    serve.add_argument("--num-workers", type=int, default=0, help="scoring processes")
+    serve.set_defaults(func=_cmd_reward_server)
 
     export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face directory")
     export.add_argument("checkpoint", help="a global_step_<N> directory")

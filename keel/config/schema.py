@@ -185,12 +185,22 @@ class RewardNormConfig:
 
 
 @dataclass
+class RewardServiceConfig:
+    url: str | None = opt(None, help="a keel reward-server, e.g. http://127.0.0.1:8000; scores every sample")
+    timeout_s: float = opt(30.0, gt=0, help="per request")
+    retry_times: int = opt(3, ge=0)
+    retry_delay_s: float = opt(1.0, ge=0, help="doubles after each retry")
+    token: str | None = opt(None, help="bearer token, if the server wants one")
+
+
+@dataclass
 class RewardConfig:
     scorers: dict[str, dict[str, float]] = opt(
         factory=dict, help="data_source -> {scorer: weight}, e.g. {gsm8k: {gsm8k: 0.9, think_answer_format: 0.1}}; "
                            "sources not listed use the built-in dispatch")
     overlong_buffer: OverlongBufferConfig = opt(factory=OverlongBufferConfig)
     normalize: RewardNormConfig = opt(factory=RewardNormConfig)
+    service: RewardServiceConfig = opt(factory=RewardServiceConfig)
     on_error: str = opt("mask", choices=("mask", "zero", "raise"),
                         help="a sample the scorer fails on: left out of the update, scored 0, or stop")
     max_not_scored_ratio: float = opt(0.1, ge=0, le=1, help="stop when a batch has more not-scored samples")

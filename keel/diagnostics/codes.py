@@ -211,6 +211,12 @@ SCORER_TIMEOUT = _code(
     "With reward.on_error=raise, one sample whose scoring runs past the limit stops the run.",
     "Make the scorer faster, raise reward.timeout_s, or let reward.on_error=mask leave such samples "
     "out of the update (counted as reward/not_scored/timeout).", ("reward.timeout_s", "reward.on_error"))
+SERVICE_UNAVAILABLE = _code(
+    "KEEL-R008", "The reward service is not reachable or not healthy",
+    "reward.service.url is set, but GET /health did not answer {\"status\": \"ok\"} before training "
+    "started: every batch would end up not scored.",
+    "Start the service (`keel reward-server ...`), check the URL, port and token, or unset "
+    "reward.service.url.", ("reward.service.url", "reward.service.token"))
 
 # --- T: training numerics ---------------------------------------------------------------------
 NONFINITE_LOSS = _code(

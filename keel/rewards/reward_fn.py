@@ -35,6 +35,7 @@ def load_custom_reward_fn(path: str, name: str) -> RewardFn:
 
 
 REWARD_MODEL = ("reward_model",)  # the spec naming the reward model in a data_source's scorers
+SERVICE = ("service",)
 
 
 @dataclass
@@ -60,7 +61,8 @@ class RewardScorer:
     def __init__(self, custom: RewardFn | tuple | None = None, by_source: dict[str, dict[str, float]] | None = None,
                  overlong=None, max_response_length: int | None = None, on_error: str = "mask",
                  max_not_scored_ratio: float = 0.1, timeout_s: float | None = None, num_workers: int = 0,
-                 batched: bool = False, reward_model=None):
+                 batched: bool = False, reward_model=None, service=None):
+        self.service = service
         self.custom = custom
         self.batched = batched
         self.reward_model = reward_model
@@ -81,6 +83,8 @@ class RewardScorer:
 
     def scorers_for(self, data_source: str) -> dict[str, tuple[Spec, float]]:
         """{name: (scorer spec, weight)} for one data_source."""
+        if self.service is not None:
+            return {"service": (SERVICE, 1.0)}
         if data_source in self.by_source:
             named = {"custom": self.custom, "reward_model": REWARD_MODEL}
             return {name: (named.get(name, ("builtin", name)), weight)
@@ -122,7 +126,9 @@ class RewardScorer:
         tasks = [SampleTask([(name, spec) for name, (spec, _) in w.items() if spec != REWARD_MODEL], r.data_source,
                             text, r.ground_truth, r.extra_info, self.timeout_s)
                  for r, w, text in zip(records, weights, response_texts)]
-        if self.batched:  # custom_reward_function.batched: the custom function scores the whole batch
+        if self.service is not None:  # reward.service.url: the remote service scores every sample
+            results = self.service.score(records, response_texts)
+        elif self.batched:  # custom_reward_function.batched: the custom function scores the whole batch
             results = score_batched(resolve(self.custom), tasks)
         else:
             results = self.pool.run(tasks, self.timeout_s)
@@ -135,6 +141,8 @@ class RewardScorer:
         scores = torch.tensor(totals, dtype=torch.float32)
         scored = torch.tensor([res.values is not None or on_error == "zero" for res in results])
         metrics = self._metrics(results, failed)
+        if self.service is not None:
+            metrics["reward/service_retries"] = float(self.service.retries)
         if self.overlong is not None and response_lengths is not None:
             penalty = overlong_penalty(response_lengths, self.max_response_length, self.overlong)
             scores = scores + penalty * scored

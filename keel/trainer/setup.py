@@ -24,6 +24,7 @@ from keel.models.load import (autocast, load_causal_lm, load_critic, load_tokeni
                               resolve_device, resolve_dtype)
 from keel.rewards.model import RewardModel
 from keel.rewards.normalize import RunningNormalizer
+from keel.rewards.service import RewardServiceClient
 from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
 from keel.rollout.base import RolloutEngine
 from keel.rollout.hf import HFRolloutEngine
@@ -124,6 +125,11 @@ def build_critic(cfg: KeelConfig, device: torch.device, total_steps: int) -> Cri
 
 def build_reward(cfg: KeelConfig) -> RewardScorer:
     custom, r, rm = cfg.custom_reward_function, cfg.reward, cfg.reward_model
+    service = None
+    if r.service.url:
+        s = r.service
+        service = RewardServiceClient(s.url, s.timeout_s, s.retry_times, s.retry_delay_s, s.token)
+        service.check_health()
     reward_model = None
     if rm.enable:
         reward_model = RewardModel(rm.model.path, resolve_device(cfg.trainer.device), rm.micro_batch_size_per_gpu,
@@ -134,7 +140,7 @@ def build_reward(cfg: KeelConfig) -> RewardScorer:
         if r.num_workers > 0 and not custom.batched:
             scorer = ("file", str(Path(custom.path).resolve()), custom.name)  # workers import it themselves
     return RewardScorer(scorer, r.scorers, r.overlong_buffer, cfg.data.max_response_length, r.on_error,
-                        r.max_not_scored_ratio, r.timeout_s, r.num_workers, custom.batched, reward_model)
+                        r.max_not_scored_ratio, r.timeout_s, r.num_workers, custom.batched, reward_model, service)
 
 
 def needs_baseline_rollout(cfg: KeelConfig) -> bool:

@@ -1,0 +1,153 @@
+"""A reward service over HTTP: `keel reward-server` and the client the trainer uses.
+
+Protocol (JSON): `GET /health` -> {"status": "ok"}; `POST /score` with {"request_id": str,
+"samples": [{"data_source", "response", "ground_truth", "extra_info"}]} -> {"request_id",
+"scores": [float], "reasons": [str | null]} (a reason marks a sample not scored). Errors are 4xx
+with {"error": ...}. The client retries with backoff; after the retries every sample of the batch
+is not scored with the reason, and the trainer's reward.on_error policy decides: never a silent drop.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+from keel.diagnostics.codes import SERVICE_UNAVAILABLE, KeelError
+from keel.rewards.worker import SampleResult
+
+FIELDS = ("data_source", "response", "ground_truth")
+
+
+# --- server -----------------------------------------------------------------------------------
+
+def make_server(scorer, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
+                max_request_bytes: int = 8 << 20, max_concurrency: int = 8) -> ThreadingHTTPServer:
+    busy = threading.BoundedSemaphore(max_concurrency)
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:  # one line per request is noise in a training log
+            pass
+
+        def reply(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def authorised(self) -> bool:
+            if token and self.headers.get("Authorization") != f"Bearer {token}":
+                self.reply(HTTPStatus.UNAUTHORIZED, {"error": "missing or wrong bearer token"})
+                return False
+            return True
+
+        def do_GET(self) -> None:
+            if not self.authorised():
+                return
+            if self.path != "/health":
+                return self.reply(HTTPStatus.NOT_FOUND, {"error": "GET /health or POST /score"})
+            self.reply(HTTPStatus.OK, {"status": "ok"})
+
+        def do_POST(self) -> None:
+            if not self.authorised():
+                return
+            if self.path != "/score":
+                return self.reply(HTTPStatus.NOT_FOUND, {"error": "GET /health or POST /score"})
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > max_request_bytes:
+                return self.reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                                  {"error": f"request of {length} bytes is over {max_request_bytes}"})
+            try:
+                request = json.loads(self.rfile.read(length))
+                samples = request["samples"]
+                missing = [f for s in samples for f in FIELDS if f not in s]
+                if missing:
+                    raise KeyError(missing[0])
+            except (ValueError, KeyError, TypeError) as e:
+                return self.reply(HTTPStatus.BAD_REQUEST, {"error": f"malformed request: {type(e).__name__}: {e}"})
+            if not busy.acquire(blocking=False):
+                return self.reply(HTTPStatus.TOO_MANY_REQUESTS, {"error": f"over {max_concurrency} requests at once"})
+            try:
+                self.reply(HTTPStatus.OK, score_request(scorer, request))
+            finally:
+                busy.release()
+
+    return ThreadingHTTPServer((host, port), Handler)
+
+
+def score_request(scorer, request: dict) -> dict:
+    records = [SimpleNamespace(data_source=s["data_source"], ground_truth=s["ground_truth"],
+                               extra_info=s.get("extra_info") or {}, raw_prompt=s.get("prompt"), index=i)
+               for i, s in enumerate(request["samples"])]
+    result = scorer.score_batch(records, [s["response"] for s in request["samples"]], on_error="zero")
+    reasons = result.reasons
+    return {"request_id": request.get("request_id"), "scores": result.scores.tolist(), "reasons": reasons}
+
+
+# --- client -----------------------------------------------------------------------------------
+
+class RewardServiceClient:
+    """Scores batches on a keel reward service, with retries; failures become not-scored samples."""
+
+    def __init__(self, url: str, timeout_s: float = 30.0, retry_times: int = 3, retry_delay_s: float = 1.0,
+                 token: str | None = None):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.retry_times = retry_times
+        self.retry_delay_s = retry_delay_s
+        self.token = token
+        self.retries = 0  # over the run, for the metrics
+
+    def check_health(self) -> None:
+        try:
+            body = self._call("GET", "/health", None, timeout=min(self.timeout_s, 10.0))
+        except Exception as e:  # any failure to reach it: say where and why, before training starts
+            raise KeelError(SERVICE_UNAVAILABLE, f"the reward service at {self.url} is not healthy: "
+                                                 f"{type(e).__name__}: {e}") from e
+        if body.get("status") != "ok":
+            raise KeelError(SERVICE_UNAVAILABLE, f"{self.url}/health answered {body}")
+
+    def score(self, records: list, responses: list[str]) -> list[SampleResult]:
+        request = {"request_id": uuid.uuid4().hex, "samples": [
+            {"data_source": r.data_source, "response": text, "ground_truth": r.ground_truth,
+             "extra_info": r.extra_info, "prompt": getattr(r, "raw_prompt", None)}
+            for r, text in zip(records, responses)]}
+        start = time.perf_counter()
+        error = "no attempt"
+        for attempt in range(self.retry_times + 1):
+            if attempt:
+                self.retries += 1
+                time.sleep(self.retry_delay_s * 2 ** (attempt - 1))  # exponential backoff
+            try:
+                body = self._call("POST", "/score", request, timeout=self.timeout_s)
+                if body.get("request_id") != request["request_id"] or len(body["scores"]) != len(records):
+                    raise ValueError("answer does not match the request")
+                seconds = (time.perf_counter() - start) / max(len(records), 1)
+                return [SampleResult(None, f"service: {reason}", seconds) if reason else
+                        SampleResult({"service": float(score)}, None, seconds)
+                        for score, reason in zip(body["scores"], body["reasons"])]
+            except urllib.error.HTTPError as e:
+                error = f"HTTP {e.code}"
+                if 400 <= e.code < 500 and e.code != HTTPStatus.TOO_MANY_REQUESTS:
+                    break  # the request itself is wrong: retrying would not help
+            except (urllib.error.URLError, TimeoutError, ConnectionError, ValueError, KeyError) as e:
+                error = "timeout" if "timed out" in str(e) else f"{type(e).__name__}"
+        seconds = (time.perf_counter() - start) / max(len(records), 1)
+        return [SampleResult(None, f"service {error} after {self.retry_times} retries", seconds)] * len(records)
+
+    def _call(self, method: str, path: str, payload: dict | None, timeout: float) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        data = json.dumps(payload).encode() if payload is not None else None
+        request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())

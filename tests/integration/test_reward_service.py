@@ -1,0 +1,168 @@
+"""Fault injection against a real `keel reward-server` on 127.0.0.1: every failure ends as
+retried-and-recovered or as counted not-scored samples, never as a silently dropped batch."""
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+
+from keel.diagnostics.codes import SERVICE_UNAVAILABLE, KeelError
+from keel.rewards.reward_fn import RewardScorer
+from keel.rewards.service import RewardServiceClient
+
+SCORER = '''
+import time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "slow":
+        time.sleep(3)
+    return float(solution_str == str(ground_truth))
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(path, port, *extra) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-m", "keel", "reward-server", "--custom", f"{path}:compute_score",
+                                "--port", str(port), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            RewardServiceClient(f"http://127.0.0.1:{port}", token=extra[1] if extra else None).check_health()
+            return process
+        except KeelError:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(process.stderr.read().decode())
+
+
+@pytest.fixture
+def server(tmp_path):
+    path = tmp_path / "scorer.py"
+    path.write_text(SCORER)
+    port = free_port()
+    process = start_server(path, port)
+    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", port=port, path=path, process=process)
+    process.kill()
+    process.wait()
+
+
+def rows(n):
+    return [SimpleNamespace(data_source="any", ground_truth="7", extra_info={}, raw_prompt="q", index=i) for i in range(n)]
+
+
+def test_scores_come_back_in_order(server):
+    result = RewardServiceClient(server.url).score(rows(3), ["7", "8", "7"])
+    assert [r.values["service"] if r.values else None for r in result] == [1.0, 0.0, 1.0]
+
+
+def test_slow_endpoint_past_the_timeout_is_retried_then_not_scored(server):
+    client = RewardServiceClient(server.url, timeout_s=1.0, retry_times=1, retry_delay_s=0.1)
+    scorer = RewardScorer(service=client, max_not_scored_ratio=1.0)
+    result = scorer.score_batch(rows(2), ["slow", "7"])
+    assert not result.scored.any()  # the whole request timed out: both samples counted, none dropped
+    assert result.reasons[0] == "service timeout after 1 retries"
+    assert result.metrics["reward/not_scored_ratio"] == 1.0 and result.metrics["reward/service_retries"] == 1
+
+
+def test_connection_refused_fails_the_health_check_and_marks_batches(tmp_path):
+    client = RewardServiceClient(f"http://127.0.0.1:{free_port()}", timeout_s=1, retry_times=1, retry_delay_s=0.05)
+    with pytest.raises(KeelError) as info:
+        client.check_health()
+    assert info.value.code == SERVICE_UNAVAILABLE
+    result = client.score(rows(2), ["7", "7"])
+    assert all(r.values is None and r.reason.startswith("service URLError") for r in result)
+
+
+def test_server_restarted_mid_run_is_recovered_by_retries(server):
+    client = RewardServiceClient(server.url, timeout_s=2, retry_times=4, retry_delay_s=0.5)
+    server.process.kill()
+    server.process.wait()
+    restarted = {}
+    threading.Thread(target=lambda: restarted.setdefault("p", start_server(server.path, server.port))).start()
+    try:
+        result = client.score(rows(1), ["7"])
+        assert result[0].values == {"service": 1.0} and client.retries >= 1
+    finally:
+        time.sleep(0.1)
+        if "p" in restarted:
+            restarted["p"].kill()
+
+
+def test_bearer_token_bad_input_and_size_limits(tmp_path):
+    path = tmp_path / "scorer.py"
+    path.write_text(SCORER)
+    port = free_port()
+    process = start_server(path, port, "--token", "s3cret", "--max-request-bytes", "2000")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert RewardServiceClient(url, retry_times=2).score(rows(1), ["7"])[0].reason == "service HTTP 401 after 2 retries"
+        assert RewardServiceClient(url, token="s3cret").score(rows(1), ["7"])[0].values == {"service": 1.0}
+
+        def post(body: bytes) -> int:
+            request = urllib.request.Request(url + "/score", data=body, method="POST",
+                                             headers={"Authorization": "Bearer s3cret"})
+            try:
+                urllib.request.urlopen(request, timeout=5)
+            except urllib.error.HTTPError as e:
+                return e.code
+            return 200
+
+        assert post(b"{not json") == 400
+        assert post(json.dumps({"samples": [{"response": "7"}]}).encode()) == 400  # missing fields
+        assert post(json.dumps({"samples": [{"data_source": "a", "response": "x" * 3000, "ground_truth": 1}]}).encode()) == 413
+    finally:
+        process.kill()
+
+
+class FlakyHandler(BaseHTTPRequestHandler):
+    """A stand-in service: HTTP 500 on the first call, then malformed JSON, then a good answer."""
+    calls = 0
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        FlakyHandler.calls += 1
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if FlakyHandler.calls == 1:
+            self.send_response(500)
+            self.end_headers()
+            return
+        body = b"{broken" if FlakyHandler.calls == 2 else json.dumps(
+            {"request_id": request["request_id"], "scores": [0.5] * len(request["samples"]),
+             "reasons": [None] * len(request["samples"])}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_http_500_and_malformed_json_are_retried():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FlakyHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = RewardServiceClient(f"http://127.0.0.1:{server.server_address[1]}", retry_times=3, retry_delay_s=0.05)
+        result = client.score(rows(2), ["a", "b"])
+        assert [r.values for r in result] == [{"service": 0.5}] * 2 and client.retries == 2
+    finally:
+        server.shutdown()
+
+
+def test_keel_train_with_the_reward_service(server, tiny_config):
+    from keel.trainer.rl import train
+
+    result = train(tiny_config, {"reward.service.url": server.url, "custom_reward_function.path": None})
+    assert result.last_step == 2 and result.last_metrics["reward/not_scored_ratio"] == 0.0
