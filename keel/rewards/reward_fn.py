@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from keel.diagnostics.codes import (MISSING_GROUND_TRUTH, NO_SCORER, REWARD_FN_L
 from keel.rewards.executor import ScoringPool
 from keel.rewards.scorers import DATA_SOURCE_SCORERS, NO_GROUND_TRUTH, SCORERS, RewardFn
 from keel.rewards.worker import SampleResult, SampleTask, Spec, resolve, score_batched
+
+log = logging.getLogger("keel")
 
 
 def load_custom_reward_fn(path: str, name: str) -> RewardFn:
@@ -134,6 +137,9 @@ class RewardScorer:
             results = self.pool.run(tasks, self.timeout_s)
         self._add_reward_model_scores(records, response_texts, weights, results)
         failed = [(i, res.reason) for i, res in enumerate(results) if res.values is None]
+        if failed:
+            log.warning("%d of %d samples not scored (first: %s); reward.on_error=%s", len(failed), len(records),
+                        failed[0][1], on_error)
         if failed and on_error == "raise":
             raise _scoring_error(records[failed[0][0]], failed[0][1], response_texts[failed[0][0]])
         totals = [sum(weight * res.values[name] for name, (_, weight) in w.items()) if res.values else 0.0

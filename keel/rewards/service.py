@@ -10,6 +10,7 @@ is not scored with the reason, and the trainer's reward.on_error policy decides:
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import urllib.error
@@ -21,6 +22,8 @@ from types import SimpleNamespace
 
 from keel.diagnostics.codes import SERVICE_UNAVAILABLE, KeelError
 from keel.rewards.worker import SampleResult
+
+log = logging.getLogger("keel")
 
 FIELDS = ("data_source", "response", "ground_truth")
 
@@ -125,7 +128,10 @@ class RewardServiceClient:
         for attempt in range(self.retry_times + 1):
             if attempt:
                 self.retries += 1
-                time.sleep(self.retry_delay_s * 2 ** (attempt - 1))  # exponential backoff
+                delay = self.retry_delay_s * 2 ** (attempt - 1)  # exponential backoff
+                log.warning("reward service %s: %s; retry %d of %d in %.1f s", self.url, error, attempt,
+                            self.retry_times, delay)
+                time.sleep(delay)
             try:
                 body = self._call("POST", "/score", request, timeout=self.timeout_s)
                 if body.get("request_id") != request["request_id"] or len(body["scores"]) != len(records):

@@ -68,13 +68,14 @@ def test_scores_come_back_in_order(server):
     assert [r.values["service"] if r.values else None for r in result] == [1.0, 0.0, 1.0]
 
 
-def test_slow_endpoint_past_the_timeout_is_retried_then_not_scored(server):
+def test_slow_endpoint_past_the_timeout_is_retried_then_not_scored(server, caplog):
     client = RewardServiceClient(server.url, timeout_s=1.0, retry_times=1, retry_delay_s=0.1)
     scorer = RewardScorer(service=client, max_not_scored_ratio=1.0)
     result = scorer.score_batch(rows(2), ["slow", "7"])
     assert not result.scored.any()  # the whole request timed out: both samples counted, none dropped
     assert result.reasons[0] == "service timeout after 1 retries"
     assert result.metrics["reward/not_scored_ratio"] == 1.0 and result.metrics["reward/service_retries"] == 1
+    assert "retry 1 of 1" in caplog.text and "2 of 2 samples not scored" in caplog.text  # the log says so too
 
 
 def test_connection_refused_fails_the_health_check_and_marks_batches(tmp_path):
