@@ -99,6 +99,17 @@ def deadline(seconds: float | None):
         signal.signal(signal.SIGALRM, previous)
 
 
+def failure_reason(error: Exception) -> str:
+    """Why a sample was not scored, as counted in reward/not_scored/<reason>."""
+    import asyncio
+
+    if isinstance(error, (ScoreTimeout, asyncio.TimeoutError)):
+        return "timeout"
+    if isinstance(error, NotANumber):
+        return str(error)
+    return f"raised {type(error).__name__}: {error}"[:160]
+
+
 async def score_samples_async(tasks: list[SampleTask]) -> list[SampleResult]:
     """All samples at once, for scorers that are coroutines (they wait on a service or a judge)."""
     import asyncio
@@ -113,12 +124,8 @@ async def score_samples_async(tasks: list[SampleTask]) -> list[SampleResult]:
                     result = await asyncio.wait_for(result, task.timeout_s)
                 values[name] = as_number(result)
             return SampleResult(values, None, time.perf_counter() - start)
-        except asyncio.TimeoutError:
-            return SampleResult(None, "timeout", time.perf_counter() - start)
-        except NotANumber as e:
-            return SampleResult(None, str(e), time.perf_counter() - start)
         except Exception as e:  # the scorer is user code: any failure is this sample's, with its reason
-            return SampleResult(None, f"raised {type(e).__name__}: {e}"[:160], time.perf_counter() - start)
+            return SampleResult(None, failure_reason(e), time.perf_counter() - start)
 
     return list(await asyncio.gather(*(one(task) for task in tasks)))
 
@@ -132,12 +139,8 @@ def score_batched(fn: Callable, tasks: list[SampleTask]) -> list[SampleResult]:
                               [t.ground_truth for t in tasks], [t.extra_info for t in tasks]))
         if len(results) != len(tasks):
             raise NotANumber(f"not a number: the batched scorer returned {len(results)} scores for {len(tasks)} samples")
-    except ScoreTimeout:
-        return [SampleResult(None, "timeout", time.perf_counter() - start)] * len(tasks)
-    except NotANumber as e:
-        return [SampleResult(None, str(e), time.perf_counter() - start)] * len(tasks)
     except Exception as e:  # the scorer is user code: the batch fails together, with the reason
-        return [SampleResult(None, f"raised {type(e).__name__}: {e}"[:160], time.perf_counter() - start)] * len(tasks)
+        return [SampleResult(None, failure_reason(e), time.perf_counter() - start)] * len(tasks)
     seconds = (time.perf_counter() - start) / max(len(tasks), 1)
     out = []
     for task, result in zip(tasks, results):
@@ -156,9 +159,5 @@ def score_sample(task: SampleTask) -> SampleResult:
                                                     task.extra_info))
                       for name, spec in task.scorers}
         return SampleResult(values, None, time.perf_counter() - start)
-    except ScoreTimeout:
-        return SampleResult(None, "timeout", time.perf_counter() - start)
-    except NotANumber as e:
-        return SampleResult(None, str(e), time.perf_counter() - start)
     except Exception as e:  # the scorer is user code: any failure is this sample's, with its reason
-        return SampleResult(None, f"raised {type(e).__name__}: {e}"[:160], time.perf_counter() - start)
+        return SampleResult(None, failure_reason(e), time.perf_counter() - start)
