@@ -78,7 +78,8 @@ def _cmd_reward_server(args) -> int:
     else:
         scorer_fn = ("builtin", args.scorer)
     scorer = RewardScorer(scorer_fn, timeout_s=args.timeout_s, num_workers=args.num_workers, max_not_scored_ratio=1.0)
-    server = make_server(scorer, args.host, args.port, args.token, args.max_request_bytes, args.max_concurrency)
+    server = make_server(scorer, args.host, args.port, args.token, args.max_request_bytes, args.max_concurrency,
+                         args.inject.split(",") if args.inject else None)
     print(f"keel reward-server on http://{args.host}:{server.server_address[1]} (POST /score, GET /health)",
           flush=True)
     try:
@@ -161,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-concurrency", type=int, default=8)
     serve.add_argument("--timeout-s", type=float, default=30.0, help="per-sample scoring limit")
     serve.add_argument("--num-workers", type=int, default=0, help="scoring processes")
+    serve.add_argument("--inject", help="faults for the first /score requests, e.g. 500,malformed,slow "
+                                        "(to test a client's retries)")
     serve.set_defaults(func=_cmd_reward_server)
 
     export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face directory")

@@ -30,9 +30,21 @@ FIELDS = ("data_source", "response", "ground_truth")
 
 # --- server -----------------------------------------------------------------------------------
 
+FAULTS = ("500", "malformed", "slow")
+
+
 def make_server(scorer, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
-                max_request_bytes: int = 8 << 20, max_concurrency: int = 8) -> ThreadingHTTPServer:
+                max_request_bytes: int = 8 << 20, max_concurrency: int = 8,
+                inject: list[str] | None = None) -> ThreadingHTTPServer:
+    """`inject`: faults answered to the first POST /score requests, in order (`500`, `malformed`
+    JSON, `slow`: 60 s of silence), for testing a client's handling of a failing service."""
     busy = threading.BoundedSemaphore(max_concurrency)
+    faults = list(inject or [])
+    faults_lock = threading.Lock()
+
+    def next_fault() -> str | None:
+        with faults_lock:
+            return faults.pop(0) if faults else None
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args) -> None:  # one line per request is noise in a training log
@@ -79,7 +91,18 @@ def make_server(scorer, host: str = "127.0.0.1", port: int = 8000, token: str | 
             if not busy.acquire(blocking=False):
                 return self.reply(HTTPStatus.TOO_MANY_REQUESTS, {"error": f"over {max_concurrency} requests at once"})
             try:
+                fault = next_fault()
+                if fault == "500":
+                    return self.reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": "injected fault"})
+                if fault == "malformed":
+                    self.send_response(HTTPStatus.OK)
+                    self.end_headers()
+                    return self.wfile.write(b"{not json")
+                if fault == "slow":
+                    time.sleep(60)
                 self.reply(HTTPStatus.OK, score_request(scorer, request))
+            except Exception as e:  # a bug on the server: the client retries a 500
+                self.reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(e).__name__}: {e}"})
             finally:
                 busy.release()
 

@@ -9,7 +9,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
@@ -37,10 +36,11 @@ def free_port() -> int:
 def start_server(path, port, *extra) -> subprocess.Popen:
     process = subprocess.Popen([sys.executable, "-m", "keel", "reward-server", "--custom", f"{path}:compute_score",
                                 "--port", str(port), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    token = extra[extra.index("--token") + 1] if "--token" in extra else None
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
-            RewardServiceClient(f"http://127.0.0.1:{port}", token=extra[1] if extra else None).check_health()
+            RewardServiceClient(f"http://127.0.0.1:{port}", token=token).check_health()
             return process
         except KeelError:
             time.sleep(0.2)
@@ -128,38 +128,17 @@ def test_bearer_token_bad_input_and_size_limits(tmp_path):
         process.kill()
 
 
-class FlakyHandler(BaseHTTPRequestHandler):
-    """A stand-in service: HTTP 500 on the first call, then malformed JSON, then a good answer."""
-    calls = 0
-
-    def log_message(self, *args):
-        pass
-
-    def do_POST(self):
-        FlakyHandler.calls += 1
-        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if FlakyHandler.calls == 1:
-            self.send_response(500)
-            self.end_headers()
-            return
-        body = b"{broken" if FlakyHandler.calls == 2 else json.dumps(
-            {"request_id": request["request_id"], "scores": [0.5] * len(request["samples"]),
-             "reasons": [None] * len(request["samples"])}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-
-def test_http_500_and_malformed_json_are_retried():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), FlakyHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+def test_http_500_and_malformed_json_are_retried(tmp_path):
+    path = tmp_path / "scorer.py"
+    path.write_text(SCORER)
+    port = free_port()
+    process = start_server(path, port, "--inject", "500,malformed")
     try:
-        client = RewardServiceClient(f"http://127.0.0.1:{server.server_address[1]}", retry_times=3, retry_delay_s=0.05)
-        result = client.score(rows(2), ["a", "b"])
-        assert [r.values for r in result] == [{"service": 0.5}] * 2 and client.retries == 2
+        client = RewardServiceClient(f"http://127.0.0.1:{port}", retry_times=3, retry_delay_s=0.05)
+        result = client.score(rows(2), ["7", "8"])
+        assert [r.values for r in result] == [{"service": 1.0}, {"service": 0.0}] and client.retries == 2
     finally:
-        server.shutdown()
+        process.kill()
 
 
 def test_keel_train_with_the_reward_service(server, tiny_config):
