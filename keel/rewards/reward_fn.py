@@ -126,16 +126,7 @@ class RewardScorer:
         counts by reason, scoring latency and the overlong penalty."""
         on_error = on_error or self.on_error
         weights = [self.scorers_for(r.data_source) for r in records]
-        tasks = [SampleTask([(name, spec) for name, (spec, _) in w.items() if spec != REWARD_MODEL], r.data_source,
-                            text, r.ground_truth, r.extra_info, self.timeout_s)
-                 for r, w, text in zip(records, weights, response_texts)]
-        if self.service is not None:  # reward.service.url: the remote service scores every sample
-            results = self.service.score(records, response_texts)
-        elif self.batched:  # custom_reward_function.batched: the custom function scores the whole batch
-            results = score_batched(resolve(self.custom), tasks)
-        else:
-            results = self.pool.run(tasks, self.timeout_s)
-        self._add_reward_model_scores(records, response_texts, weights, results)
+        results = self._run(records, response_texts, weights)
         failed = [(i, res.reason) for i, res in enumerate(results) if res.values is None]
         if failed:
             log.warning("%d of %d samples not scored (first: %s); reward.on_error=%s", len(failed), len(records),
@@ -159,6 +150,20 @@ class RewardScorer:
                             f"(over reward.max_not_scored_ratio={self.max_not_scored_ratio}); first reason: "
                             f"{failed[0][1]} (data_source={records[failed[0][0]].data_source!r})")
         return ScoreResult(scores, scored, [res.reason for res in results], metrics)
+
+    def _run(self, records: list, texts: list[str], weights: list[dict]) -> list[SampleResult]:
+        """Each sample's per-scorer values, or the reason it has none."""
+        if self.service is not None:  # reward.service.url: the remote service scores every sample
+            return self.service.score(records, texts)
+        tasks = [SampleTask([(name, spec) for name, (spec, _) in w.items() if spec != REWARD_MODEL], r.data_source,
+                            text, r.ground_truth, r.extra_info, self.timeout_s)
+                 for r, w, text in zip(records, weights, texts)]
+        if self.batched:  # custom_reward_function.batched: the custom function scores the whole batch
+            results = score_batched(resolve(self.custom), tasks)
+        else:
+            results = self.pool.run(tasks, self.timeout_s)
+        self._add_reward_model_scores(records, texts, weights, results)
+        return results
 
     def _add_reward_model_scores(self, records, texts, weights, results: list[SampleResult]) -> None:
         """The reward model scores its samples in batches on the device, beside the rule scorers."""
