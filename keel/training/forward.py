@@ -15,22 +15,56 @@ def _model_inputs(batch: RolloutBatch, device: torch.device) -> dict[str, Tensor
             "position_ids": position_ids_from_mask(attention_mask)}
 
 
+# Architectures whose logits are exactly lm_head(final hidden state): no soft-capping or scaling
+# (Gemma 2, Cohere) that the chunked path below would skip.
+PLAIN_LM_HEAD = {"qwen2", "qwen3", "llama", "mistral"}
+LOGITS_CHUNK_TOKENS = 1024  # [chunk, V] float32 logits at a time: 0.6 GB for a 151k vocabulary
+
+
 def response_log_probs(model, batch: RolloutBatch, temperature: float,
                        with_entropy: bool = False, entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
     """Log-probs [B, R] of the response tokens, and their entropy [B, R] when asked.
 
-    Only the last R + 1 positions go through `lm_head` (`logits_to_keep`): position t predicts
-    token t + 1, so positions P-1 .. P+R-2 predict the R response tokens.
+    Position t predicts token t + 1, so positions P-1 .. P+R-2 predict the R response tokens. For
+    plain architectures the [B, R, V] float32 logits never exist at once: `lm_head` runs on chunks
+    of LOGITS_CHUNK_TOKENS positions, each recomputed in backward (activation checkpointing), so
+    memory holds only the [B, R, H] hidden states. Other models go through `logits_to_keep`.
     """
     device = next(model.parameters()).device
     response_len = batch.response_ids.shape[1]
-    out = model(**_model_inputs(batch, device), use_cache=False, logits_to_keep=response_len + 1)
-    logits = out.logits[:, :-1].float() / temperature                       # [B, R, V]
-    targets = batch.response_ids.to(device).unsqueeze(-1)                   # [B, R, 1]
-    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+    targets = batch.response_ids.to(device)                                 # [B, R]
+    if getattr(model.config, "model_type", None) not in PLAIN_LM_HEAD:
+        out = model(**_model_inputs(batch, device), use_cache=False, logits_to_keep=response_len + 1)
+        return _token_stats(out.logits[:, :-1], targets, temperature, with_entropy, entropy_grad)
+    hidden = model.get_decoder()(**_model_inputs(batch, device), use_cache=False).last_hidden_state
+    hidden = hidden[:, -response_len - 1:-1]                                # [B, R, H]
+    lm_head = model.get_output_embeddings()
+    flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)  # [B*R, H], [B*R]
+    parts = []
+    for start in range(0, flat_targets.shape[0], LOGITS_CHUNK_TOKENS):
+        chunk = slice(start, start + LOGITS_CHUNK_TOKENS)
+        args = (lm_head, flat_hidden[chunk], flat_targets[chunk], temperature, with_entropy, entropy_grad)
+        if torch.is_grad_enabled():
+            parts.append(torch.utils.checkpoint.checkpoint(_chunk_stats, *args, use_reentrant=False))
+        else:
+            parts.append(_chunk_stats(*args))
+    log_probs = torch.cat([lp for lp, _ in parts]).view_as(targets)
+    entropy = torch.cat([e for _, e in parts]).view_as(targets) if with_entropy else None
+    return log_probs, entropy
+
+
+def _chunk_stats(lm_head, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
+                 entropy_grad: bool) -> tuple[Tensor, Tensor]:
+    log_probs, entropy = _token_stats(lm_head(hidden), targets, temperature, with_entropy, entropy_grad)
+    return log_probs, entropy if entropy is not None else torch.zeros_like(log_probs)
+
+
+def _token_stats(logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
+                 entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+    """Log-prob of each target and the entropy, from logits [..., V] scaled by temperature."""
+    logits = logits.float() / temperature
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = entropy_from_logits(logits if entropy_grad else logits.detach()) if with_entropy else None
     return log_probs, entropy
 
 

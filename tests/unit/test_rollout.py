@@ -1,5 +1,6 @@
 """The hf rollout engine: masks after EOS, n samples, and log-probs the trainer agrees with."""
 
+import pytest
 import torch
 
 from keel.data.prompts import build_prompt_dataset, collate_prompts
@@ -74,3 +75,27 @@ def test_checkpoint_generation_settings_do_not_leak_into_rollouts(tiny_assets, t
     recomputed = batched_log_probs(model, batch, micro_size=8, temperature=1.0)
     assert torch.allclose(recomputed, batch.sampling_log_probs, atol=1e-4)
     assert model.generation_config.repetition_penalty == 1.5  # the user's model is left as it was
+
+
+@pytest.mark.parametrize("chunk", [3, 1024])
+def test_chunked_log_probs_match_full_logits_values_and_gradients(tiny_assets, chunk, monkeypatch):
+    """The chunked lm_head path (no [tokens, vocab] logits at once) gives the same numbers and
+    gradients as the full-logits path, here forced for comparison."""
+    import copy
+
+    from keel.training import forward
+
+    engine, model, prompts = _engine_and_prompts(tiny_assets, n=2)
+    torch.manual_seed(0)
+    batch = engine.generate(prompts, SamplingParams(temperature=0.9, max_new_tokens=6))
+    monkeypatch.setattr(forward, "LOGITS_CHUNK_TOKENS", chunk)
+    results = []
+    for plain in (forward.PLAIN_LM_HEAD, set()):  # chunked, then the logits_to_keep path
+        monkeypatch.setattr(forward, "PLAIN_LM_HEAD", plain)
+        m = copy.deepcopy(model)
+        log_probs, entropy = forward.response_log_probs(m, batch, 0.9, with_entropy=True, entropy_grad=True)
+        ((log_probs * batch.response_mask).sum() + entropy.sum() * 0.1).backward()
+        results.append((log_probs.detach(), entropy.detach(), [p.grad.clone() for p in m.parameters()]))
+    (lp_a, ent_a, grads_a), (lp_b, ent_b, grads_b) = results
+    assert torch.allclose(lp_a, lp_b, atol=1e-5) and torch.allclose(ent_a, ent_b, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads_a, grads_b))
