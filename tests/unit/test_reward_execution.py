@@ -83,14 +83,16 @@ def test_async_scorers_run_concurrently_with_timeouts():
     import asyncio
 
     async def judge(data_source, solution_str, ground_truth, extra_info):
-        await asyncio.sleep(5 if solution_str == "slow" else 0.2)
+        await asyncio.sleep(30 if solution_str == "slow" else 0.5)
         return float(solution_str == ground_truth)
 
     scorer = RewardScorer(judge, timeout_s=1.0, max_not_scored_ratio=1.0)
+    responses = ["1", "0"] * 5 + ["slow"]
     start = time.monotonic()
-    result = scorer.score_batch([record(i) for i in range(6)], ["1", "0", "1", "1", "0", "slow"])
-    assert time.monotonic() - start < 3  # six 0.2 s calls overlap, the slow one is cut at 1 s
-    assert result.scores.tolist()[:5] == [1.0, 0.0, 1.0, 1.0, 0.0] and result.reasons[5] == "timeout"
+    result = scorer.score_batch([record(i) for i in range(11)], responses)
+    # one after another: 10 x 0.5 s + 1 s = 6 s; overlapping: about 1 s (the slow one is cut at 1 s)
+    assert time.monotonic() - start < 4
+    assert result.scores.tolist()[:10] == [1.0, 0.0] * 5 and result.reasons[10] == "timeout"
 
 
 def test_batched_scorer_scores_the_batch_in_one_call():
