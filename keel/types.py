@@ -75,6 +75,29 @@ class RolloutBatch:
         return RolloutBatch(**picked)
 
 
+def trim_padding(batch: RolloutBatch) -> RolloutBatch:
+    """The same samples without the columns that are padding in all of them: prompt columns on the
+    left, response columns on the right. A micro-batch of short samples then costs what they cost,
+    not what the longest sample of the whole batch does."""
+    prompt_width = int(batch.prompt_mask.sum(-1).max())
+    response_width = max(int(batch.response_mask.sum(-1).max()), 1)
+    full_width = batch.response_ids.shape[1]
+    trimmed = {}
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if f.name in ("prompt_ids", "prompt_mask"):
+            value = value[:, value.shape[1] - prompt_width:]
+        elif isinstance(value, Tensor) and value.dim() == 2 and value.shape[1] == full_width:
+            value = value[:, :response_width]                                # [n, R] fields
+        trimmed[f.name] = value
+    return RolloutBatch(**trimmed)
+
+
+def pad_responses(values: Tensor, width: int) -> Tensor:
+    """[n, r] -> [n, width], zeros on the right: undoes trim_padding for per-token outputs."""
+    return torch.nn.functional.pad(values, (0, width - values.shape[1]))
+
+
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """Positions that skip left padding, as `generate` computes them: [B, L] -> [B, L]."""
     positions = attention_mask.long().cumsum(-1) - 1

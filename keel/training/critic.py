@@ -9,7 +9,7 @@ from keel.algorithms.utils import masked_mean
 from keel.training.forward import response_values, split_micro
 from keel.training.optim import build_optimizer, build_scheduler
 from keel.training.step import LossScale, MetricSums, apply_gradients, backward, mask_counts, minibatch_indices
-from keel.types import RolloutBatch
+from keel.types import RolloutBatch, pad_responses
 
 
 class CriticTrainer:
@@ -28,7 +28,9 @@ class CriticTrainer:
     @torch.no_grad()
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:          # [N, R]
         self.model.eval()
-        values = torch.cat([response_values(self.model, m).cpu() for m in split_micro(batch, self.micro_size)])
+        width = batch.response_ids.shape[1]
+        values = torch.cat([pad_responses(response_values(self.model, m).cpu(), width)
+                            for m in split_micro(batch, self.micro_size)])
         return values * batch.response_mask
 
     def update(self, batch: RolloutBatch, seed: int) -> dict[str, float]:

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from keel.algorithms.utils import entropy_from_logits
-from keel.types import RolloutBatch, position_ids_from_mask
+from keel.types import RolloutBatch, pad_responses, position_ids_from_mask, trim_padding
 
 
 def _model_inputs(batch: RolloutBatch, device: torch.device) -> dict[str, Tensor]:
@@ -77,7 +77,8 @@ def response_values(critic, batch: RolloutBatch) -> Tensor:
 
 
 def split_micro(batch: RolloutBatch, micro_size: int) -> list[RolloutBatch]:
-    return [batch.select(range(i, min(i + micro_size, len(batch))))
+    """Micro-batches of `micro_size` samples, each trimmed to its own longest prompt and response."""
+    return [trim_padding(batch.select(range(i, min(i + micro_size, len(batch)))))
             for i in range(0, len(batch), micro_size)]
 
 
@@ -87,7 +88,8 @@ def batched_log_probs(model, batch: RolloutBatch, micro_size: int, temperature: 
     was_training = model.training
     model.eval()
     try:
-        parts = [response_log_probs(model, micro, temperature)[0].cpu()
+        width = batch.response_ids.shape[1]
+        parts = [pad_responses(response_log_probs(model, micro, temperature)[0].cpu(), width)
                  for micro in split_micro(batch, micro_size)]
     finally:
         model.train(was_training)

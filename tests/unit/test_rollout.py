@@ -99,3 +99,19 @@ def test_chunked_log_probs_match_full_logits_values_and_gradients(tiny_assets, c
     (lp_a, ent_a, grads_a), (lp_b, ent_b, grads_b) = results
     assert torch.allclose(lp_a, lp_b, atol=1e-5) and torch.allclose(ent_a, ent_b, atol=1e-5)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads_a, grads_b))
+
+
+def test_micro_batches_drop_columns_that_are_padding_in_all_their_samples():
+    from keel.types import RolloutBatch, pad_responses, trim_padding
+
+    batch = RolloutBatch(
+        prompt_ids=torch.tensor([[0, 0, 5, 6], [0, 7, 8, 9]]), prompt_mask=torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]]),
+        response_ids=torch.tensor([[1, 2, 0, 0], [3, 0, 0, 0]]), response_mask=torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]]),
+        sampling_log_probs=torch.tensor([[-1.0, -2.0, 0.0, 0.0], [-3.0, 0.0, 0.0, 0.0]]),
+        group_index=torch.tensor([0, 1]), records=["a", "b"], response_texts=["x", "y"],
+        truncated=torch.tensor([False, False]))
+    small = trim_padding(batch)
+    assert small.prompt_ids.tolist() == [[0, 5, 6], [7, 8, 9]]          # longest prompt: 3
+    assert small.response_ids.tolist() == [[1, 2], [3, 0]]              # longest response: 2
+    assert small.sampling_log_probs.shape == (2, 2) and small.records == ["a", "b"]
+    assert torch.equal(pad_responses(small.sampling_log_probs, 4), batch.sampling_log_probs)
