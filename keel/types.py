@@ -93,9 +93,9 @@ def trim_padding(batch: RolloutBatch) -> RolloutBatch:
     return RolloutBatch(**trimmed)
 
 
-def pad_responses(values: Tensor, width: int) -> Tensor:
-    """[n, r] -> [n, width], zeros on the right: undoes trim_padding for per-token outputs."""
-    return torch.nn.functional.pad(values, (0, width - values.shape[1]))
+def pad_responses(values: Tensor, width: int, value: float = 0) -> Tensor:
+    """[n, r] -> [n, width], `value` on the right: undoes trim_padding for per-token outputs."""
+    return torch.nn.functional.pad(values, (0, width - values.shape[1]), value=value)
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:

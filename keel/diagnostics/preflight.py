@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -53,6 +53,8 @@ class Report:
     plan_text: str
     audit: dict[str, str]
     memory_gb: dict[str, float]
+    # What the checks loaded (tokenizer, datasets, reward), for `keel train` to reuse, not redo.
+    loaded: dict = field(default_factory=dict, repr=False)
 
     @property
     def failures(self) -> list[Finding]:
@@ -82,7 +84,7 @@ def run_checks(cfg: KeelConfig) -> Report:
             findings.append(Finding(SKIP, name, f"skipped: needs the {missing} an earlier check could not load"))
     memory = context.get("memory_gb", {})
     plan = make_plan(cfg)
-    return Report(findings, plan.as_dict(), plan.render(), audit(cfg, context), memory)
+    return Report(findings, plan.as_dict(), plan.render(), audit(cfg, context), memory, context)
 
 
 # --- the checks, in the order a user would fix them ---------------------------------------------
@@ -162,7 +164,8 @@ def check_reward(cfg: KeelConfig, context: dict) -> list[Finding]:
     sample = records[:4]
     for responses in ([str(r.ground_truth) for r in sample], [""] * len(sample)):
         scores = scorer.score_batch(sample, responses, on_error="raise").scores
-    scorer.close()
+    scorer.close()  # its worker pool; the scorer starts a new one when the trainer reuses it
+    context["reward"] = scorer
     found = [Finding(PASS, "reward", f"scorer ran on {len(sample)} rows (last scores {scores.tolist()})")]
     if cfg.reward_model.enable:
         found.append(check_reward_model_budget(cfg, scorer.reward_model, records))

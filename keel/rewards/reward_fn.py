@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,7 @@ from keel.diagnostics.codes import (MISSING_GROUND_TRUTH, NO_SCORER, REWARD_FN_L
                                     SCORER_TIMEOUT, TOO_MANY_NOT_SCORED, KeelError)
 from keel.rewards.executor import ScoringPool
 from keel.rewards.scorers import DATA_SOURCE_SCORERS, NO_GROUND_TRUTH, SCORERS, RewardFn
-from keel.rewards.worker import SampleResult, SampleTask, Spec, resolve, score_batched
+from keel.rewards.worker import SampleResult, SampleTask, Spec, load_module, resolve, score_batched
 
 log = logging.getLogger("keel")
 
@@ -23,10 +22,8 @@ def load_custom_reward_fn(path: str, name: str) -> RewardFn:
     file = Path(path)
     if not file.is_file():
         raise KeelError(REWARD_FN_LOAD, f"custom_reward_function.path={path!r} does not exist")
-    spec = importlib.util.spec_from_file_location(f"keel_custom_reward_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(module)
+        module = load_module(path)
     except Exception as e:  # the user's file: any import-time error is theirs to fix
         raise KeelError(REWARD_FN_LOAD, f"importing {path} failed: {type(e).__name__}: {e}") from e
     fn = getattr(module, name, None)

@@ -48,12 +48,17 @@ class NotANumber(Exception):
     pass
 
 
-def load_file_function(path: str, name: str) -> Callable:
+def load_module(path: str):
+    """Import a python file by path (a custom reward function's module)."""
     file = Path(path)
     spec = importlib.util.spec_from_file_location(f"keel_custom_reward_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return getattr(module, name)
+    return module
+
+
+def load_file_function(path: str, name: str) -> Callable:
+    return getattr(load_module(path), name)
 
 
 @lru_cache(maxsize=None)

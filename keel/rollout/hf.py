@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig, LogitsProcessor
 
-from keel.types import RolloutBatch, SamplingParams
+from keel.types import RolloutBatch, SamplingParams, pad_responses
 
 
 def stop_token_ids(tokenizer, model) -> list[int]:
@@ -124,9 +124,8 @@ class _SampledLogProbs(LogitsProcessor):
 
 def _cat_right_padded(chunks: list[tuple[Tensor, Tensor]], pad_id: int) -> tuple[Tensor, Tensor]:
     width = max(ids.shape[1] for ids, _ in chunks)
-    ids = [torch.nn.functional.pad(i, (0, width - i.shape[1]), value=pad_id) for i, _ in chunks]
-    lps = [torch.nn.functional.pad(lp, (0, width - lp.shape[1]), value=0.0) for _, lp in chunks]
-    return torch.cat(ids), torch.cat(lps)
+    return (torch.cat([pad_responses(ids, width, pad_id) for ids, _ in chunks]),
+            torch.cat([pad_responses(lps, width) for _, lps in chunks]))
 
 
 def _mask_after_eos(response_ids: Tensor, eos_ids: list[int], pad_id: int,

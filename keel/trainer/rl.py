@@ -44,7 +44,7 @@ class RunResult:
 
 
 class RLTrainer:
-    def __init__(self, cfg: KeelConfig):
+    def __init__(self, cfg: KeelConfig, loaded: dict | None = None):
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.resume_from = ckpt.resolve_resume(self.run_dir, cfg.trainer.resume_mode)
@@ -53,7 +53,7 @@ class RLTrainer:
         self.hooks = [load_hook(spec) for spec in cfg.trainer.hooks]
         self.guard = LearningSignalGuard(cfg.trainer.guards, cfg.algorithm.adv_estimator in GROUP_ESTIMATORS)
         self.skipped_steps = 0
-        self.c: Components = build_components(cfg, self.resume_from / "actor" if self.resume_from else None)
+        self.c: Components = build_components(cfg, self.resume_from / "actor" if self.resume_from else None, loaded)
         rollout = cfg.actor_rollout_ref.rollout
         self.sampling = SamplingParams(n=rollout.n, do_sample=rollout.do_sample, temperature=rollout.temperature,
                                        top_p=rollout.top_p, top_k=rollout.top_k,
@@ -258,17 +258,20 @@ def train(config: str | Path | dict | KeelConfig | None = None,
     `keel check` on it (unless `check=False`, which is logged), then train."""
     ensure_console_logging()
     cfg = load_config(config, overrides)
+    loaded = None
     if check:
-        preflight(cfg)
+        loaded = preflight(cfg)
     else:
         log.warning("keel check skipped: problems it would have caught will surface during the run")
-    return RLTrainer(cfg).fit()
+    return RLTrainer(cfg, loaded).fit()
 
 
-def preflight(cfg: KeelConfig) -> None:
-    """Stop before any model weight is loaded if `keel check` finds a failure."""
+def preflight(cfg: KeelConfig) -> dict:
+    """Stop before any model weight is loaded if `keel check` finds a failure; returns what the
+    checks loaded, so the trainer does not load it again."""
     report = run_checks(cfg)
     if "console" in cfg.trainer.logger or report.failures:
         print(render(report), file=sys.stderr)
     if report.failures:
         raise report.first_error()
+    return report.loaded

@@ -72,17 +72,22 @@ def load_prompts(files: list[str], tokenizer, cfg: KeelConfig, name: str) -> lis
     return records
 
 
-def build_components(cfg: KeelConfig, actor_weights: Path | None = None) -> Components:
-    """`actor_weights`: a checkpoint's actor directory to start from instead of the model path."""
+def build_components(cfg: KeelConfig, actor_weights: Path | None = None, loaded: dict | None = None) -> Components:
+    """`actor_weights`: a checkpoint's actor directory to start from instead of the model path.
+    `loaded`: what `keel check` already loaded (tokenizer, datasets, reward), reused as it is."""
     quiet_transformers()
     seed_everything(cfg.trainer.seed)
     device = resolve_device(cfg.trainer.device)
     arr = cfg.actor_rollout_ref
-    tokenizer = load_tokenizer(arr.model.path, arr.model.trust_remote_code)
+    loaded = loaded or {}
+    tokenizer = loaded.get("tokenizer") or load_tokenizer(arr.model.path, arr.model.trust_remote_code)
 
-    reward = build_reward(cfg)
-    train_data = load_prompts(cfg.data.train_files, tokenizer, cfg, "train")
-    val_data = load_prompts(cfg.data.val_files, tokenizer, cfg, "val") if cfg.data.val_files else []
+    reward = loaded.get("reward") or build_reward(cfg)
+    if "train_records" in loaded:
+        train_data, val_data = loaded["train_records"], loaded.get("val_records", [])
+    else:
+        train_data = load_prompts(cfg.data.train_files, tokenizer, cfg, "train")
+        val_data = load_prompts(cfg.data.val_files, tokenizer, cfg, "val") if cfg.data.val_files else []
     reward.check_records(train_data + val_data)
     if len(train_data) < cfg.data.train_batch_size:
         raise KeelError(DATA_EMPTY, f"{len(train_data)} training prompts remain after filtering, fewer "
