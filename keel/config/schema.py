@@ -71,6 +71,15 @@ class PolicyLossConfig:
 
 
 @dataclass
+class FSDPConfig:
+    param_offload: bool = opt(False, help="sharded parameters (and their gradients) live in CPU memory")
+    optimizer_offload: bool = opt(False, help="optimiser state lives in CPU memory between steps")
+    reshard_after_forward: bool = opt(True, help="free gathered layers after forward: less memory, one "
+                                                 "more all-gather in backward")
+    fsdp_size: int = opt(-1, help="shard within groups of this many ranks, replicate across them; -1: all")
+
+
+@dataclass
 class ActorConfig:
     ppo_mini_batch_size: int = opt(4, gt=0, help="prompts per mini-batch (x rollout.n samples)")
     ppo_micro_batch_size_per_gpu: int = opt(4, gt=0, help="samples per forward/backward")
@@ -88,6 +97,7 @@ class ActorConfig:
     kl_loss_type: str = opt("low_var_kl", choices=KL_TYPES)
     grad_clip: float = opt(1.0, gt=0)
     optim: OptimConfig = opt(factory=OptimConfig)
+    fsdp_config: FSDPConfig = opt(factory=FSDPConfig)
 
 
 @dataclass
@@ -115,6 +125,7 @@ class RolloutConfig:
 @dataclass
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = opt(8, gt=0)
+    fsdp_config: FSDPConfig = opt(factory=FSDPConfig)
 
 
 @dataclass
@@ -128,6 +139,7 @@ class ActorRolloutRefConfig:
 @dataclass
 class CriticModelConfig:
     path: str | None = opt(None, help="default: the actor's model path; computes in the actor's dtype")
+    fsdp_config: FSDPConfig = opt(factory=FSDPConfig)
 
 
 @dataclass
@@ -258,8 +270,10 @@ class TrainerConfig:
     logger: list[str] = opt(factory=lambda: ["console"], choices=("console",),
                             help="console; metrics.jsonl is always written")
     log_samples: int = opt(4, ge=0, help="samples per step written to samples.jsonl")
-    n_gpus_per_node: int = opt(1, gt=0)
-    nnodes: int = opt(1, gt=0)
+    n_gpus_per_node: int = opt(1, gt=0, help="workers per node (CPU processes with device=cpu)")
+    nnodes: int = opt(1, gt=0, help="nodes of the Ray cluster (RAY_ADDRESS) to train on")
+    collective_timeout_s: float = opt(300.0, gt=0, help="a collective waiting longer fails (NCCL's "
+                                                        "default is 600 s)")
     guards: GuardsConfig = opt(factory=GuardsConfig)
     hooks: list[str] = opt(factory=list, help="`module:function` called as fn(step, metrics, batch)")
     hook_freq: int = opt(1, gt=0, help="call hooks every N steps")
@@ -282,7 +296,9 @@ class KeelConfig:
                          "trainer.save_freq", "trainer.max_actor_ckpt_to_keep", "trainer.resume_mode",
                          "trainer.logger", "trainer.log_samples", "trainer.val_before_train",
                          "trainer.default_local_dir", "trainer.project_name", "trainer.experiment_name",
-                         "trainer.device", "data.val_files", "data.val_batch_size",
+                         "trainer.device", "trainer.n_gpus_per_node", "trainer.nnodes",
+                         "trainer.collective_timeout_s", "actor_rollout_ref.actor.fsdp_config.",
+                         "actor_rollout_ref.ref.fsdp_config.", "critic.model.fsdp_config.", "data.val_files", "data.val_batch_size",
                          "actor_rollout_ref.rollout.val_kwargs.", "actor_rollout_ref.rollout.max_num_seqs",
                          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
                          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
@@ -290,6 +306,10 @@ class KeelConfig:
                          "critic.ppo_micro_batch_size_per_gpu")
 
     # --- derived settings, so components never re-derive defaults on their own ---
+    @property
+    def world_size(self) -> int:
+        return self.trainer.n_gpus_per_node * self.trainer.nnodes
+
     @property
     def critic_enabled(self) -> bool:
         if self.critic.enable is not None:
@@ -343,6 +363,23 @@ def _check_batch_arithmetic(cfg: KeelConfig) -> None:
                 f"split into micro-batches of {key}.ppo_micro_batch_size_per_gpu={micro}",
                 f"set {key}.ppo_micro_batch_size_per_gpu to a divisor of {mini * n} (e.g. "
                 f"{_largest_divisor_at_most(mini * n, micro)})")
+
+
+def _check_world(cfg: KeelConfig, incompatible) -> None:
+    """Every rank needs at least one sample of every mini-batch, and FSDP groups must tile the world."""
+    world = cfg.world_size
+    n = cfg.actor_rollout_ref.rollout.n
+    mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * n
+    if mini < world:
+        raise KeelError(BATCH_ARITHMETIC, f"an actor mini-batch of {mini} samples cannot be split across "
+                        f"{world} workers (trainer.n_gpus_per_node x trainer.nnodes)",
+                        f"raise actor_rollout_ref.actor.ppo_mini_batch_size to at least {-(-world // n)} prompts")
+    for key, fsdp in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.fsdp_config),
+                      ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.fsdp_config),
+                      ("critic.model", cfg.critic.model.fsdp_config)):
+        if fsdp.fsdp_size != -1 and (fsdp.fsdp_size < 1 or world % fsdp.fsdp_size):
+            raise incompatible(f"{key}.fsdp_config.fsdp_size={fsdp.fsdp_size} does not divide the {world} workers",
+                               f"set {key}.fsdp_config.fsdp_size to -1 or a divisor of {world}")
 
 
 def _largest_divisor_at_most(total: int, limit: int) -> int:
@@ -403,11 +440,7 @@ def _check_options(cfg: KeelConfig) -> None:
         raise incompatible(
             f"actor_rollout_ref.rollout.do_sample=false with rollout.n={rollout.n}: greedy samples "
             "of one prompt are identical", "set rollout.do_sample=true or rollout.n=1")
-    if cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes != 1:
-        raise incompatible(
-            "this version of keel trains in a single process: trainer.n_gpus_per_node x "
-            f"trainer.nnodes = {cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes}",
-            "set trainer.n_gpus_per_node=1 and trainer.nnodes=1")
+    _check_world(cfg, incompatible)
     if not cfg.data.train_files:
         raise incompatible("data.train_files is empty", "set data.train_files to parquet/jsonl files")
     if not cfg.actor_rollout_ref.model.path:

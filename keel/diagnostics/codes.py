@@ -291,6 +291,43 @@ RUN_DIR_NOT_WRITABLE = _code(
     "Point trainer.default_local_dir at a writable location.", ("trainer.default_local_dir",))
 
 
+# --- P: parallel / distributed ------------------------------------------------------------------
+WORKER_RAISED = _code(
+    "KEEL-P001", "A worker raised an exception",
+    "Code running in one of the worker processes (generation, log-probs, an update, a checkpoint) "
+    "raised. The message names the rank, host, role and phase, and the worker's own traceback "
+    "follows it.",
+    "Read the worker's traceback: it is the real error. Rerun with --debug for NCCL/torch detail.")
+WORKER_DIED = _code(
+    "KEEL-P002", "A worker process died",
+    "A worker process ended without raising: it was killed by the system (most often the "
+    "out-of-memory killer) or crashed in native code. The message gives its last memory reading.",
+    "If memory was near the limit: lower the micro-batch sizes or rollout.max_num_seqs, enable "
+    "fsdp_config.param_offload / optimizer_offload, or use more GPUs.",
+    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.max_num_seqs",
+     "actor_rollout_ref.actor.fsdp_config.param_offload"))
+PHASE_STALLED = _code(
+    "KEEL-P003", "A distributed phase stalled",
+    "Some ranks did not reach a collective (or a phase did not finish on every rank) within the "
+    "time allowed. Every rank's stacks are written to the run directory and the ranks that did not "
+    "arrive are named.",
+    "Look at the stacks of the ranks named as not arrived: they are stuck elsewhere (a reward "
+    "call, a data loader, a deadlock). Raise trainer.collective_timeout_s only if the phase is "
+    "legitimately slow.", ("trainer.collective_timeout_s", "trainer.guards.phase_timeout_s"))
+NOT_ENOUGH_DEVICES = _code(
+    "KEEL-P004", "More workers asked for than devices or Ray resources available",
+    "trainer.n_gpus_per_node x trainer.nnodes workers need that many GPUs (or CPUs with "
+    "trainer.device=cpu), and the machine or the Ray cluster has fewer.",
+    "Lower trainer.n_gpus_per_node / trainer.nnodes, or add nodes to the Ray cluster "
+    "(`ray start --address=...` on each).", ("trainer.n_gpus_per_node", "trainer.nnodes"))
+RAY_MISSING = _code(
+    "KEEL-P005", "Ray is needed for more than one worker and is not usable",
+    "Training on more than one GPU or node runs its workers as Ray actors; Ray is not installed, "
+    "or the cluster in RAY_ADDRESS cannot be reached.",
+    "pip install 'ray[default]' (keel's install does this), or unset RAY_ADDRESS to start a local "
+    "Ray instance.")
+
+
 class KeelError(Exception):
     """An error the user can fix: it carries a catalogue code and a fix line."""
 
@@ -300,6 +337,9 @@ class KeelError(Exception):
         self.message = message
         self.fix = fix or CATALOGUE[code].fix
         super().__init__(f"{code}: {message}")
+
+    def __reduce__(self):  # crosses process boundaries (Ray workers) with its code intact
+        return KeelError, (self.code, self.message, self.fix)
 
     def render(self) -> str:
         return f"error[{self.code}]: {self.message}\nfix: {self.fix}"

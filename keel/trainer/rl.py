@@ -86,6 +86,7 @@ class RLTrainer:
         finally:
             logger.close()
             self.c.reward.close()
+            self.c.workers.shutdown()
         return RunResult(self.run_dir, self.step, metrics)
 
     def guarded_step(self, logger: MetricsLogger) -> dict[str, float]:
@@ -105,12 +106,14 @@ class RLTrainer:
         return metrics
 
     def train_step(self, logger: MetricsLogger) -> tuple[dict[str, float], RolloutBatch]:
-        timer, c = Timer(self.cfg.trainer.guards.phase_timeout_s), self.c
+        # With Ray workers the group enforces phase_timeout_s itself, collecting every rank's stacks.
+        timer = Timer(self.cfg.trainer.guards.phase_timeout_s if self.cfg.world_size == 1 else None)
+        c, workers = self.c, self.c.workers
         finite = partial(check_finite, policy=self.cfg.trainer.guards.nonfinite)
-        with timer("step"), c.autocast():
+        with timer("step"):
             prompts = collate_prompts([c.train_data[i] for i in c.sampler.next_batch()], c.tokenizer.pad_token_id)
             with timer("gen"):
-                batch = c.rollout.generate(prompts.repeat_interleave(self.sampling.n), self.sampling)
+                batch = workers.generate(prompts.repeat_interleave(self.sampling.n), self.sampling, self._seed())
             baseline = None
             if needs_baseline_rollout(self.cfg):
                 with timer("gen_baseline"):
@@ -121,15 +124,15 @@ class RLTrainer:
                 if not scored.scored.all():  # reward.on_error=mask: not-scored samples leave the update
                     batch = batch.select(scored.scored.nonzero().squeeze(-1))
             with timer("old_log_prob"):
-                batch.old_log_probs = c.actor.compute_log_probs(batch)
+                batch.old_log_probs = workers.actor_log_probs(batch)
                 finite("actor log-probs", batch.old_log_probs, batch.response_mask)
-            if c.ref is not None:
+            if self.cfg.ref_enabled:
                 with timer("ref"):
-                    batch.ref_log_probs = c.ref.compute_log_probs(batch)
+                    batch.ref_log_probs = workers.ref_log_probs(batch)
                     finite("reference log-probs", batch.ref_log_probs, batch.response_mask)
-            if c.critic is not None:
+            if self.cfg.critic_enabled:
                 with timer("values"):
-                    batch.values = c.critic.compute_values(batch)
+                    batch.values = workers.values(batch)
                     finite("critic values", batch.values, batch.response_mask)
             with timer("adv"):
                 metrics.update(self._assign_rewards(batch))
@@ -139,14 +142,12 @@ class RLTrainer:
                     AdvantageInputs(batch.token_level_rewards, batch.response_mask, batch.group_index,
                                     batch.values, baseline), self.adv_params)
                 finite("advantages", batch.advantages, batch.response_mask)
-            seed = self.cfg.trainer.seed * 100_003 + self.step  # mini-batch order, stable on resume
-            if c.critic is not None:
+            if self.cfg.critic_enabled:
                 with timer("update_critic"):
-                    metrics.update(c.critic.update(batch, seed))
+                    metrics.update(workers.update_critic(batch, self._seed()))
             if self.step > self.cfg.algorithm.critic_warmup:
                 with timer("update_actor"):
-                    metrics.update(c.actor.update(batch, seed))
-                c.rollout.sync_weights(c.actor.model)
+                    metrics.update(workers.update_actor(batch, self._seed()))
         logger.log_samples(self.step, self._samples(batch))
         metrics.update(batch_metrics(batch))
         metrics.update(timer.metrics())
@@ -179,15 +180,18 @@ class RLTrainer:
     def _baseline_scores(self, prompts: PromptBatch) -> torch.Tensor:
         """ReMax (arXiv 2310.10505): the greedy response's score is each prompt's baseline."""
         greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=self.sampling.max_new_tokens)
-        baseline = self.c.rollout.generate(prompts, greedy)
+        baseline = self.c.workers.generate(prompts, greedy, self._seed())
         result = self.c.reward.score_batch(baseline.records, baseline.response_texts, baseline.response_lengths,
                                            on_error="zero")
         return result.scores.repeat_interleave(self.sampling.n)
 
     def _validate(self) -> dict[str, float]:
-        with self.c.autocast():
-            return validate(self.c.rollout, self.c.reward, self.c.val_data, self.c.tokenizer.pad_token_id,
-                            self.cfg.actor_rollout_ref.rollout.val_kwargs, self.cfg.data)
+        return validate(partial(self.c.workers.generate, seed=self._seed()), self.c.reward, self.c.val_data,
+                        self.c.tokenizer.pad_token_id, self.cfg.actor_rollout_ref.rollout.val_kwargs, self.cfg.data)
+
+    def _seed(self) -> int:
+        """Per step: sampling and mini-batch order, so a resumed run repeats an uninterrupted one."""
+        return self.cfg.trainer.seed * 100_003 + self.step
 
     def _samples(self, batch: RolloutBatch) -> list[dict]:
         rewards = batch.token_level_rewards.sum(-1).tolist()  # the score, minus KL when it is in the reward
@@ -216,11 +220,7 @@ class RLTrainer:
         c = self.c
 
         def write(tmp: Path) -> None:
-            ckpt.write_policy(tmp / "actor", c.actor.model, c.tokenizer)
-            torch.save(c.actor.state_dict(), tmp / "actor_optim.pt")
-            if c.critic is not None:
-                (tmp / "critic").mkdir()
-                torch.save({"model": c.critic.model.state_dict(), **c.critic.state_dict()}, tmp / "critic" / "critic.pt")
+            c.workers.save(tmp)
             torch.save({"step": self.step, "sampler": c.sampler.state_dict(), "kl_ctrl": c.kl_ctrl.state_dict(),
                         "skipped_steps": self.skipped_steps, "rng": ckpt.rng_state(),
                         "normalizer": c.normalizer.state_dict() if c.normalizer else None}, tmp / "trainer_state.pt")
@@ -230,15 +230,11 @@ class RLTrainer:
 
     def load(self, path: Path) -> None:
         """Restore everything but the actor weights, which `build_components` loaded from `path`."""
-        c = self.c
-        if (c.critic is not None) != (path / "critic").is_dir():
-            raise KeelError(RESUME_MISMATCH, f"{path} was saved {'without' if c.critic else 'with'} a critic, "
-                            f"but this config {'has' if c.critic else 'has no'} critic")
-        c.actor.load_state_dict(torch.load(path / "actor_optim.pt", weights_only=False))
-        if c.critic is not None:
-            state = torch.load(path / "critic" / "critic.pt", weights_only=False)
-            c.critic.model.load_state_dict(state.pop("model"))
-            c.critic.load_state_dict(state)
+        c, critic = self.c, self.cfg.critic_enabled
+        if critic != (path / "critic").is_dir():
+            raise KeelError(RESUME_MISMATCH, f"{path} was saved {'without' if critic else 'with'} a critic, "
+                            f"but this config {'has' if critic else 'has no'} critic")
+        c.workers.load(path)
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         self.step = state["step"]
         self.skipped_steps = state.get("skipped_steps", 0)

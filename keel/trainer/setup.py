@@ -20,17 +20,14 @@ from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptRecord, build_prompt_dataset, load_rows
 from keel.data.sampler import ResumableSampler
 from keel.diagnostics.codes import DATA_EMPTY, KeelError
-from keel.models.load import (autocast, load_causal_lm, load_critic, load_tokenizer, quiet_transformers,
-                              resolve_device, resolve_dtype)
+from keel.distributed.group import LocalGroup, RayGroup
+from keel.distributed.worker import PolicyWorker
+from keel.models.load import load_tokenizer, quiet_transformers, resolve_device
 from keel.rewards.model import RewardModel
 from keel.rewards.normalize import RunningNormalizer
 from keel.rewards.service import RewardServiceClient
 from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
-from keel.rollout.base import RolloutEngine
-from keel.rollout.hf import HFRolloutEngine
-from keel.training.actor import ActorTrainer
-from keel.training.critic import CriticTrainer
-from keel.training.reference import ReferencePolicy
+from keel.trainer.workers import WorkerRoles
 
 log = logging.getLogger("keel")
 
@@ -41,19 +38,12 @@ class Components:
     train_data: list[PromptRecord]
     val_data: list[PromptRecord]
     sampler: ResumableSampler
-    actor: ActorTrainer
-    rollout: RolloutEngine
-    ref: ReferencePolicy | None
-    critic: CriticTrainer | None
+    workers: WorkerRoles
     reward: RewardScorer
     kl_ctrl: object
     normalizer: RunningNormalizer | None
     total_steps: int
     device: torch.device
-    compute_dtype: torch.dtype
-
-    def autocast(self):
-        return autocast(self.device, self.compute_dtype)
 
 
 def seed_everything(seed: int) -> None:
@@ -78,9 +68,9 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None, loaded:
     quiet_transformers()
     seed_everything(cfg.trainer.seed)
     device = resolve_device(cfg.trainer.device)
-    arr = cfg.actor_rollout_ref
     loaded = loaded or {}
-    tokenizer = loaded.get("tokenizer") or load_tokenizer(arr.model.path, arr.model.trust_remote_code)
+    model_cfg = cfg.actor_rollout_ref.model
+    tokenizer = loaded.get("tokenizer") or load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
 
     reward = loaded.get("reward") or build_reward(cfg)
     if "train_records" in loaded:
@@ -99,33 +89,26 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None, loaded:
     sampler = ResumableSampler(len(train_data), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
     total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.batches_per_epoch
 
-    model = load_causal_lm(actor_weights or arr.model.path, device, arr.model.trust_remote_code,
-                           arr.model.enable_gradient_checkpointing)
-    actor = ActorTrainer(model, arr.actor, arr.rollout.n, arr.rollout.temperature, total_steps,
-                         arr.rollout.log_prob_micro_batch_size_per_gpu, cfg.data.max_response_length)
-    ref = None
-    if cfg.ref_enabled:  # the reference is always the starting policy, even on resume
-        ref = ReferencePolicy(load_causal_lm(arr.model.path, device, arr.model.trust_remote_code),
-                              arr.ref.log_prob_micro_batch_size_per_gpu, arr.rollout.temperature)
+    workers = build_workers(cfg, total_steps, actor_weights, tokenizer, cfg.run_dir)
     return Components(
-        tokenizer=tokenizer, train_data=train_data, val_data=val_data, sampler=sampler, actor=actor,
-        rollout=HFRolloutEngine(model, tokenizer, arr.rollout.max_num_seqs), ref=ref,
-        critic=build_critic(cfg, device, total_steps) if cfg.critic_enabled else None, reward=reward,
-        kl_ctrl=make_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
-                                   cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon),
+        tokenizer=tokenizer, train_data=train_data, val_data=val_data, sampler=sampler, workers=workers,
+        reward=reward, kl_ctrl=make_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
+                                                  cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon),
         normalizer=RunningNormalizer(norm.window_size, norm.eps, norm.clip) if norm.enable else None,
-        total_steps=total_steps, device=device, compute_dtype=resolve_dtype(arr.model.dtype, device))
+        total_steps=total_steps, device=device)
 
 
-def build_critic(cfg: KeelConfig, device: torch.device, total_steps: int) -> CriticTrainer:
-    c = cfg.critic
-    mini_prompts, micro_size, epochs = cfg.critic_batching
-    model = load_critic(c.model.path or cfg.actor_rollout_ref.model.path, device,
-                        cfg.actor_rollout_ref.model.trust_remote_code)
-    return CriticTrainer(model, c, mini_prompts=mini_prompts, micro_size=micro_size, epochs=epochs,
-                         rollout_n=cfg.actor_rollout_ref.rollout.n, total_steps=total_steps,
-                         shuffle=cfg.actor_rollout_ref.actor.shuffle,
-                         max_response_length=cfg.data.max_response_length)
+def build_workers(cfg: KeelConfig, total_steps: int, actor_weights: Path | None, tokenizer,
+                  run_dir: str | Path) -> WorkerRoles:
+    """One worker in this process, or `trainer.n_gpus_per_node x trainer.nnodes` Ray workers."""
+    weights = str(actor_weights) if actor_weights else None
+    if cfg.world_size == 1:
+        group = LocalGroup(PolicyWorker(cfg, total_steps, weights, tokenizer=tokenizer))
+    else:
+        log.info("starting %d workers (trainer.n_gpus_per_node=%d x trainer.nnodes=%d)", cfg.world_size,
+                 cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes)
+        group = RayGroup(cfg, total_steps, weights, Path(run_dir))
+    return WorkerRoles(group, cfg, tokenizer.pad_token_id)
 
 
 def build_reward(cfg: KeelConfig) -> RewardScorer:

@@ -8,8 +8,9 @@ from keel.data.prompts import collate_prompts
 from keel.types import SamplingParams
 
 
-def validate(rollout, reward, records, pad_token_id: int, val_kwargs, data_cfg) -> dict[str, float]:
-    """`val/<data_source>/acc`: the mean score over every sample (mean@n when val_kwargs.n > 1)."""
+def validate(generate, reward, records, pad_token_id: int, val_kwargs, data_cfg) -> dict[str, float]:
+    """`val/<data_source>/acc`: the mean score over every sample (mean@n when val_kwargs.n > 1).
+    `generate(prompts, params)` is a rollout engine's or the worker group's."""
     params = SamplingParams(n=val_kwargs.n, do_sample=val_kwargs.do_sample and val_kwargs.temperature > 0,
                             temperature=val_kwargs.temperature or 1.0, top_p=val_kwargs.top_p,
                             top_k=val_kwargs.top_k, max_new_tokens=data_cfg.max_response_length)
@@ -19,7 +20,7 @@ def validate(rollout, reward, records, pad_token_id: int, val_kwargs, data_cfg) 
     not_scored = 0
     for start in range(0, len(records), batch_size):
         prompts = collate_prompts(records[start:start + batch_size], pad_token_id).repeat_interleave(params.n)
-        batch = rollout.generate(prompts, params)
+        batch = generate(prompts, params)
         # a sample the scorer fails on counts as wrong here, and is counted
         result = reward.score_batch(batch.records, batch.response_texts, on_error="zero")
         scores = result.scores

@@ -8,27 +8,26 @@ from keel.algorithms.kl import kl_penalty
 from keel.algorithms.losses import PolicyLossParams, agg_loss, compute_policy_loss
 from keel.algorithms.utils import masked_mean
 from keel.diagnostics.codes import NO_GRADIENT, KeelError
-from keel.training.forward import batched_log_probs, response_log_probs, split_micro
+from keel.training.forward import compute_device, batched_log_probs, response_log_probs, split_micro
 from keel.training.optim import build_optimizer, build_scheduler
-from keel.training.step import LossScale, MetricSums, apply_gradients, backward, mask_counts, minibatch_indices
+from keel.training.step import LossScale, MetricSums, MiniBatch, apply_gradients, backward
 from keel.types import RolloutBatch
 
 
-def check_gradient_flows(grad_norm: float, mini: RolloutBatch) -> None:
+def check_gradient_flows(grad_norm: float, mini: MiniBatch) -> None:
     """The first mini-batch is on-policy (ratio 1, nothing clipped): non-zero advantages must give a
     non-zero gradient, or the loss is cut from the weights (a frozen module, a detached tensor, a
     sharding bug) and the run would move its loss and learn nothing."""
-    if grad_norm == 0.0 and bool((mini.advantages * mini.response_mask).abs().sum() > 0):
+    if grad_norm == 0.0 and mini.on_policy_signal:
         raise KeelError(NO_GRADIENT, "the actor's gradient norm is exactly 0 although advantages are not: "
                                      "the policy loss does not reach the weights")
 
 
 class ActorTrainer:
-    def __init__(self, model, actor_cfg, rollout_n: int, temperature: float, total_steps: int,
+    def __init__(self, model, actor_cfg, temperature: float, total_steps: int,
                  log_prob_micro_size: int, max_response_length: int):
         self.model = model
         self.cfg = actor_cfg
-        self.samples_per_mini = actor_cfg.ppo_mini_batch_size * rollout_n
         # Log-probs are recomputed at the sampling temperature, as verl does, so the PPO ratio
         # compares the same distribution the samples came from.
         self.temperature = temperature
@@ -39,31 +38,29 @@ class ActorTrainer:
             clip_ratio_c=actor_cfg.clip_ratio_c,
             loss_agg_mode=actor_cfg.loss_agg_mode,
             norm_length=max_response_length)
+        self.data_parallel_size = 1  # ranks whose gradients are averaged (set by the worker)
         self.optimizer = build_optimizer(model.parameters(), actor_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps)
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:       # [N, R]
         return batched_log_probs(self.model, batch, self.log_prob_micro_size, self.temperature)
 
-    def update(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
+    def update(self, minis: list[MiniBatch]) -> dict[str, float]:
         self.model.train()
         sums = MetricSums()
-        for epoch in range(self.cfg.ppo_epochs):
-            for i, index in enumerate(minibatch_indices(len(batch), self.samples_per_mini, self.cfg.shuffle,
-                                                        seed * 1000 + epoch)):
-                grad_norm = self._update_mini_batch(batch.select(index), sums)
-                if epoch == 0 and i == 0:
-                    check_gradient_flows(grad_norm, batch.select(index))
+        for mini in minis:
+            grad_norm = self._update_mini_batch(mini, sums)
+            check_gradient_flows(grad_norm, mini)
         sums.add("actor/lr", self.scheduler.get_last_lr()[0])
         self.scheduler.step()
         return sums.means()
 
-    def _update_mini_batch(self, mini: RolloutBatch, sums: MetricSums) -> float:
-        scale = LossScale(*mask_counts(mini.response_mask), self.loss_params.norm_length)
+    def _update_mini_batch(self, mini: MiniBatch, sums: MetricSums) -> float:
+        scale = mini.scale
         totals: dict[str, float] = {"actor/pg_loss": 0.0}
-        for micro in split_micro(mini, self.cfg.ppo_micro_batch_size_per_gpu):
+        for micro in split_micro(mini.samples, self.cfg.ppo_micro_batch_size_per_gpu):
             loss, pg_loss, metrics = self._micro_loss(micro, scale)
-            backward(loss, "actor")
+            backward(loss, "actor", self.data_parallel_size)
             totals["actor/pg_loss"] += pg_loss  # micro-batch losses add up to the mini-batch loss
             share = micro.response_mask.sum().item() / scale.tokens.item()  # token-weighted means
             for name, value in metrics.items():
@@ -76,7 +73,7 @@ class ActorTrainer:
     def _micro_loss(self, micro: RolloutBatch, scale: LossScale) -> tuple[torch.Tensor, float, dict[str, float]]:
         """(loss to back-propagate, its policy-loss part, per-token metrics) of one micro-batch."""
         cfg = self.cfg
-        device = next(self.model.parameters()).device
+        device = compute_device(self.model)
         mask = micro.response_mask.to(device)                                   # [b, R]
         log_prob, entropy = response_log_probs(self.model, micro, self.temperature, with_entropy=True,
                                                entropy_grad=cfg.entropy_coeff > 0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -21,6 +23,12 @@ PLAIN_LM_HEAD = {"qwen2", "qwen3", "llama", "mistral"}
 LOGITS_CHUNK_TOKENS = 1024  # [chunk, V] float32 logits at a time: 0.6 GB for a 151k vocabulary
 
 
+def compute_device(model) -> torch.device:
+    """Where the model computes: its parameters' device, unless they are offloaded to CPU (FSDP's
+    param_offload), in which case the worker recorded its device on the model."""
+    return getattr(model, "keel_compute_device", None) or next(model.parameters()).device
+
+
 def response_log_probs(model, batch: RolloutBatch, temperature: float,
                        with_entropy: bool = False, entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
     """Log-probs [B, R] of the response tokens, and their entropy [B, R] when asked.
@@ -30,13 +38,21 @@ def response_log_probs(model, batch: RolloutBatch, temperature: float,
     of LOGITS_CHUNK_TOKENS positions, each recomputed in backward (activation checkpointing), so
     memory holds only the [B, R, H] hidden states. Other models go through `logits_to_keep`.
     """
-    device = next(model.parameters()).device
-    response_len = batch.response_ids.shape[1]
+    device = compute_device(model)
+    inputs = _model_inputs(batch, device)
     targets = batch.response_ids.to(device)                                 # [B, R]
     if getattr(model.config, "model_type", None) not in PLAIN_LM_HEAD:
-        out = model(**_model_inputs(batch, device), use_cache=False, logits_to_keep=response_len + 1)
+        out = model(**inputs, use_cache=False, logits_to_keep=targets.shape[1] + 1)
         return _token_stats(out.logits[:, :-1], targets, temperature, with_entropy, entropy_grad)
-    hidden = model.get_decoder()(**_model_inputs(batch, device), use_cache=False).last_hidden_state
+    # Under FSDP2 `keel_token_stats` is decoder_token_stats registered as a forward method.
+    token_stats = getattr(model, "keel_token_stats", None) or partial(decoder_token_stats, model)
+    return token_stats(inputs, targets, temperature, with_entropy, entropy_grad)
+
+
+def decoder_token_stats(model, inputs: dict[str, Tensor], targets: Tensor, temperature: float, with_entropy: bool,
+                        entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+    response_len = targets.shape[1]
+    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
     hidden = hidden[:, -response_len - 1:-1]                                # [B, R, H]
     lm_head = model.get_output_embeddings()
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)  # [B*R, H], [B*R]
@@ -48,8 +64,9 @@ def response_log_probs(model, batch: RolloutBatch, temperature: float,
             parts.append(torch.utils.checkpoint.checkpoint(_chunk_stats, *args, use_reentrant=False))
         else:
             parts.append(_chunk_stats(*args))
-    log_probs = torch.cat([lp for lp, _ in parts]).view_as(targets)
-    entropy = torch.cat([e for _, e in parts]).view_as(targets) if with_entropy else None
+    # Reshaped copies, not views: FSDP hooks the outputs of a forward method for backward.
+    log_probs = torch.cat([lp for lp, _ in parts]).reshape(targets.shape).clone()
+    entropy = torch.cat([e for _, e in parts]).reshape(targets.shape).clone() if with_entropy else None
     return log_probs, entropy
 
 
@@ -70,7 +87,7 @@ def _token_stats(logits: Tensor, targets: Tensor, temperature: float, with_entro
 
 def response_values(critic, batch: RolloutBatch) -> Tensor:
     """Critic values [B, R]: the value of the state before each response token."""
-    device = next(critic.parameters()).device
+    device = compute_device(critic)
     response_len = batch.response_ids.shape[1]
     values = critic(**_model_inputs(batch, device))                         # [B, P + R]
     return values[:, -response_len - 1:-1].float()

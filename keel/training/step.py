@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from keel.diagnostics.codes import NO_GRADIENT, NONFINITE_LOSS, KeelError
+from keel.distributed.partition import split_for_ranks
+from keel.types import RolloutBatch
 
 
 def minibatch_indices(n_samples: int, mini_size: int, shuffle: bool, seed: int) -> list[torch.Tensor]:
@@ -39,12 +41,40 @@ def mask_counts(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return response_mask.sum().clamp(min=1), (response_mask.sum(-1) > 0).sum().clamp(min=1)
 
 
-def backward(loss: torch.Tensor, role: str) -> None:
-    """Back-propagate, refusing a loss that no trainable weight feeds (frozen or detached model)."""
+@dataclass
+class MiniBatch:
+    """One rank's part of a mini-batch, carrying the denominators of the whole mini-batch: the
+    parts' losses then add up, over micro-batches and over ranks, to the loss of the whole."""
+    samples: RolloutBatch
+    scale: LossScale
+    on_policy_signal: bool  # first mini-batch, non-zero advantages: its gradient must not be 0
+
+
+def plan_minibatches(batch: RolloutBatch, samples_per_mini: int, epochs: int, shuffle: bool, seed: int,
+                     norm_length: int | None, world_size: int = 1) -> list[list[MiniBatch]]:
+    """Every rank's mini-batches for one update, in order: the same mini-batches one process would
+    take, each split across ranks balancing tokens (equal sample counts, so every rank runs the
+    same number of forward passes, which sharded weights need)."""
+    per_rank: list[list[MiniBatch]] = [[] for _ in range(world_size)]
+    for epoch in range(epochs):
+        for i, index in enumerate(minibatch_indices(len(batch), samples_per_mini, shuffle, seed + epoch)):
+            mini = batch.select(index)
+            scale = LossScale(*mask_counts(mini.response_mask), norm_length)
+            signal = epoch == 0 and i == 0 and bool((mini.advantages * mini.response_mask).abs().sum() > 0)
+            for rank, part in enumerate(split_for_ranks(mini, world_size)):
+                per_rank[rank].append(MiniBatch(part, scale, signal))
+    return per_rank
+
+
+def backward(loss: torch.Tensor, role: str, data_parallel_size: int = 1) -> None:
+    """Back-propagate, refusing a loss that no trainable weight feeds (frozen or detached model).
+
+    Each rank's loss is its share of the whole mini-batch's loss (global denominators), so the
+    ranks' gradients must add up; FSDP averages them, hence the multiplication."""
     if not loss.requires_grad:
         raise KeelError(NO_GRADIENT, f"the {role} loss does not depend on any trainable parameter: every "
                         "weight is frozen or the graph was detached before the loss")
-    loss.backward()
+    (loss * data_parallel_size if data_parallel_size > 1 else loss).backward()
 
 
 def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
@@ -56,9 +86,9 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_cli
         raise KeelError(NO_GRADIENT, f"{len(missing)} of {len(named)} trainable {role} parameters received no "
                         f"gradient, e.g. {missing[:3]}")
     params = [p for _, p in named]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    grad_norm = full_value(torch.nn.utils.clip_grad_norm_(params, grad_clip))  # over every rank's shard
     if not torch.isfinite(grad_norm):
-        bad = [name for name, p in named if not torch.isfinite(p.grad).all()]
+        bad = [name for name, p in named if not torch.isfinite(full_value(p.grad)).all()]
         optimizer.zero_grad(set_to_none=True)
         raise KeelError(NONFINITE_LOSS, f"{role} gradient norm is {grad_norm.item()} (non-finite in "
                         f"{len(bad)} parameters, e.g. {bad[:3]}); the update was refused and the weights "
@@ -66,6 +96,11 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_cli
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm.item()
+
+
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a sharded one (a DTensor under FSDP2), unchanged otherwise."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 class MetricSums:

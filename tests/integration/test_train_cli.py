@@ -257,15 +257,15 @@ def test_nonfinite_log_probs_stop_or_skip_the_step(tiny_config, monkeypatch):
 
 def test_gradients_cut_from_the_weights_stop_the_run(tiny_config, monkeypatch):
     from keel.diagnostics.codes import NO_GRADIENT, KeelError
-    from keel.trainer import setup
+    from keel.distributed import worker
     from keel.trainer.rl import train
 
-    real = setup.load_causal_lm
+    real = worker.load_causal_lm
 
     def frozen(*args, **kwargs):  # e.g. a wrapper that left every weight frozen
         return real(*args, **kwargs).requires_grad_(False)
 
-    monkeypatch.setattr(setup, "load_causal_lm", frozen)
+    monkeypatch.setattr(worker, "load_causal_lm", frozen)
     with pytest.raises(KeelError) as info:
         train(tiny_config)
     assert info.value.code == NO_GRADIENT

@@ -1,0 +1,48 @@
+"""torch.distributed set-up for one worker: rank, world, backend, timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int,
+                       device: torch.device, timeout_s: float) -> None:
+    """NCCL on GPUs, gloo on CPU. The timeout bounds every collective: a rank that never arrives
+    makes the others fail after `timeout_s` instead of NCCL's default of ten minutes."""
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    kwargs = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s), **kwargs)
+
+
+def memory_reading(device: torch.device) -> dict[str, float]:
+    """This process's resident memory, and the GPU's allocated and peak memory, in GB."""
+    reading = {"rss_gb": _rss_bytes() / 1e9}
+    if device.type == "cuda":
+        reading["gpu_allocated_gb"] = torch.cuda.memory_allocated(device) / 1e9
+        reading["gpu_peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    return reading
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,243 @@
+"""Worker groups: the driver's handle on its workers, in this process or as Ray actors.
+
+`call(method, per_rank_args, ...)` runs `method` on every rank with that rank's arguments and
+returns the results in rank order. A failure anywhere becomes a KeelError that names the rank,
+host, role and phase: a worker's exception (with its traceback), a worker the system killed
+(with its last memory reading), or a phase that stalled (with every rank's stacks on disk and
+the ranks that never reached the collective named).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from keel.diagnostics.codes import (NOT_ENOUGH_DEVICES, PHASE_STALLED, RAY_MISSING, WORKER_DIED, WORKER_RAISED,
+                                    KeelError)
+from keel.distributed.faults import ENV as FAULT_ENV
+
+log = logging.getLogger("keel")
+
+ROLE = "actor_rollout_ref"  # the colocated roles every worker of the group runs
+STACKS_TIMEOUT_S = 15.0
+STARTUP_TIMEOUT_S = 600.0
+
+
+class LocalGroup:
+    """One worker in the driver's process: the single-device case, with no Ray and no copies."""
+
+    world_size = 1
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def call(self, method: str, per_rank_args: list[tuple]) -> list:
+        return [self.worker.run(method, *per_rank_args[0])[0]]
+
+    def shutdown(self) -> None:
+        pass
+
+
+class RayGroup:
+    """`world_size` Ray actors, one per GPU (or CPU process with trainer.device=cpu), each a
+    torch.distributed rank. Ranks are placed with a PACK placement group, so ranks of a node are
+    consecutive; rank 0's node hosts the rendezvous on a port it found free."""
+
+    def __init__(self, cfg, total_steps: int, actor_weights: str | None, stacks_dir: Path):
+        ray = connect_ray(cfg)
+        self.world_size = cfg.world_size
+        self.stacks_dir = stacks_dir
+        self.phase_timeout_s = cfg.trainer.guards.phase_timeout_s
+        self.memory: dict[int, dict] = {}
+        self.hosts: dict[int, str] = {}
+        self.placement = _reserve(ray, cfg)
+        actor_class = _worker_actor_class(ray)
+        gpus = 1 if _wants_gpus(cfg) else 0
+        env = {k: v for k, v in os.environ.items() if k.startswith("KEEL_") or k == FAULT_ENV}
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.actors = [actor_class.options(
+            num_cpus=1, num_gpus=gpus, runtime_env={"env_vars": env} if env else None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
+        ).remote() for rank in range(self.world_size)]
+        master = self._wait([self.actors[0].rendezvous.remote()], "setup", [0], STARTUP_TIMEOUT_S)[0]
+        self._wait([a.setup.remote(cfg, total_steps, actor_weights, rank, self.world_size, master)
+                    for rank, a in enumerate(self.actors)], "setup", list(range(self.world_size)),
+                   STARTUP_TIMEOUT_S)
+        infos = self.call("info", [()] * self.world_size)
+        self.hosts = {i["rank"]: i["host"] for i in infos}
+        for info in infos:
+            log.info("rank %d on %s (pid %d, %s)%s", info["rank"], info["host"], info["pid"], info["device"],
+                     "".join(f", {k}={v:.3f}" for k, v in info.items() if k.startswith("fsdp/")))
+
+    def call(self, method: str, per_rank_args: list[tuple]) -> list:
+        refs = [a.run.remote(method, *args) for a, args in zip(self.actors, per_rank_args)]
+        results = self._wait(refs, method, list(range(self.world_size)), self.phase_timeout_s)
+        for rank, (_, memory) in enumerate(results):
+            self.memory[rank] = memory
+        return [result for result, _ in results]
+
+    def shutdown(self) -> None:
+        import ray
+        for actor in self.actors:
+            ray.kill(actor)
+        from ray.util.placement_group import remove_placement_group
+        remove_placement_group(self.placement)
+
+    # --- failures ------------------------------------------------------------------------------
+    def _wait(self, refs: list, phase: str, ranks: list[int], timeout_s: float | None) -> list:
+        """Results in rank order; the first failure ends the wait (the other ranks would only
+        block in a collective until it times out)."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        pending = dict(zip(refs, ranks))
+        results: dict[int, object] = {}
+        deadline = time.monotonic() + timeout_s if timeout_s else None
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=remaining)
+            if not ready:
+                raise self._stalled(phase, sorted(pending.values()), f"phase {phase!r} ran past "
+                                    f"trainer.guards.phase_timeout_s={timeout_s}")
+            rank = pending.pop(ready[0])
+            try:
+                results[rank] = ray.get(ready[0])
+            except RayTaskError as e:
+                if _is_collective_timeout(e):
+                    raise self._stalled(phase, sorted(pending.values()), f"rank {rank}'s collective timed out "
+                                        "after trainer.collective_timeout_s") from None
+                raise self._raised(rank, phase, e) from None
+            except (RayActorError, GetTimeoutError) as e:
+                raise self._died(rank, phase, e) from None
+        return [results[r] for r in ranks]
+
+    def _where(self, rank: int, phase: str) -> str:
+        host = self.hosts.get(rank, "?")
+        return f"rank {rank} of {self.world_size} (host {host}, role {ROLE}, phase {phase})"
+
+    def _raised(self, rank: int, phase: str, error) -> KeelError:
+        self.shutdown()
+        cause = getattr(error, "cause", None)
+        if isinstance(cause, KeelError):  # the worker's own diagnosis keeps its code
+            return KeelError(cause.code, f"{self._where(rank, phase)}: {cause.message}", cause.fix)
+        remote = str(error).strip()
+        return KeelError(WORKER_RAISED, f"{self._where(rank, phase)} raised "
+                         f"{type(cause).__name__ if cause else 'an exception'}: {cause}\n"
+                         f"--- worker traceback ---\n{remote}")
+
+    def _died(self, rank: int, phase: str, error) -> KeelError:
+        self.shutdown()
+        memory = self.memory.get(rank)
+        reading = (", ".join(f"{k}={v:.2f}" for k, v in memory.items()) if memory
+                   else "none (it died before its first call returned)")
+        return KeelError(WORKER_DIED, f"{self._where(rank, phase)} died without raising: killed by the "
+                         f"system (e.g. out of memory) or crashed in native code. Last memory reading: "
+                         f"{reading}. Ray said: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
+
+    def _stalled(self, phase: str, waiting: list[int], why: str) -> KeelError:
+        """Every rank's stacks to disk; ranks whose main thread is not inside torch.distributed
+        are the ones that did not arrive."""
+        import ray
+
+        stacks = {}
+        for rank, actor in enumerate(self.actors):
+            try:
+                stacks[rank] = ray.get(actor.stacks.remote(), timeout=STACKS_TIMEOUT_S)
+            except Exception as e:  # a dead or wedged process cannot answer: say so in the dump
+                stacks[rank] = {"phase": "?", "in_collective": False, "text": f"(no stacks: {e})"}
+        self.stacks_dir.mkdir(parents=True, exist_ok=True)
+        path = self.stacks_dir / f"stacks_{phase}_{int(time.time())}.txt"
+        path.write_text("\n\n".join(f"===== {self._where(r, s['phase'])} =====\n{s['text']}"
+                                    for r, s in stacks.items()))
+        absent = [r for r in waiting if not stacks[r]["in_collective"]]
+        self.shutdown()
+        return KeelError(PHASE_STALLED, f"{why}. Ranks that did not arrive: {absent or 'none identified'}; "
+                         f"still running: {waiting}; every rank's stacks: {path}")
+
+
+def _is_collective_timeout(error) -> bool:
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text and ("gloo" in text or "nccl" in text or "distributed" in text)
+
+
+def _wants_gpus(cfg) -> bool:
+    import torch
+    return cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+
+
+def connect_ray(cfg):
+    """Join the cluster in RAY_ADDRESS, or start a local instance sized for this machine."""
+    try:
+        import ray
+    except ImportError:
+        raise KeelError(RAY_MISSING, f"trainer.n_gpus_per_node x trainer.nnodes = {cfg.world_size} workers "
+                        "need Ray, which is not installed") from None
+    if ray.is_initialized():
+        return ray
+    address = os.environ.get("RAY_ADDRESS")
+    try:
+        if address:
+            ray.init(address=address, log_to_driver=True)
+        else:
+            ray.init(num_cpus=max(os.cpu_count() or 1, cfg.world_size), include_dashboard=False,
+                     object_store_memory=512 * 1024**2, log_to_driver=True)
+    except Exception as e:  # noqa: BLE001 - any start/connect failure has one fix
+        raise KeelError(RAY_MISSING, f"could not {'join the Ray cluster at ' + address if address else 'start Ray'}: "
+                        f"{e}") from None
+    return ray
+
+
+def _reserve(ray, cfg):
+    """One bundle per rank, packed onto as few nodes as possible; refused up front when the
+    cluster does not have the devices, instead of waiting forever for them."""
+    from ray.util.placement_group import placement_group
+
+    gpus = _wants_gpus(cfg)
+    resource = "GPU" if gpus else "CPU"
+    available = ray.cluster_resources().get(resource, 0)
+    if available < cfg.world_size:
+        raise KeelError(NOT_ENOUGH_DEVICES, f"trainer.n_gpus_per_node x trainer.nnodes = {cfg.world_size} workers "
+                        f"need {cfg.world_size} {resource}s, and the Ray cluster has {available:g}")
+    bundle = {"GPU": 1, "CPU": 1} if gpus else {"CPU": 1}
+    group = placement_group([bundle] * cfg.world_size, strategy="PACK")
+    if not group.wait(timeout_seconds=60):
+        raise KeelError(NOT_ENOUGH_DEVICES, f"{cfg.world_size} {resource}s could not be reserved within 60 s "
+                        "(other jobs hold them)")
+    return group
+
+
+def _worker_actor_class(ray):
+    @ray.remote(concurrency_groups={"control": 1})
+    class WorkerActor:
+        """A PolicyWorker in its own process; `stacks` answers on a second thread, so the driver
+        can see where a rank is stuck while its main thread is blocked."""
+
+        def rendezvous(self) -> tuple[str, int]:
+            from keel.distributed.dist import free_port
+            return ray.util.get_node_ip_address(), free_port()
+
+        def setup(self, cfg, total_steps, actor_weights, rank, world_size, master) -> None:
+            import torch
+
+            from keel.distributed.worker import PolicyWorker
+            from keel.observe.log import ensure_console_logging
+
+            ensure_console_logging()
+            if not _wants_gpus(cfg):  # CPU workers share the machine's cores
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+            self.worker = PolicyWorker(cfg, total_steps, actor_weights, rank, world_size, master)
+
+        def run(self, method, *args):
+            return self.worker.run(method, *args)
+
+        @ray.method(concurrency_group="control")
+        def stacks(self) -> dict:
+            worker = getattr(self, "worker", None)
+            if worker is None:
+                return {"phase": "setup", "in_collective": False, "text": "(still setting up)"}
+            return worker.stacks()
+
+    return WorkerActor

@@ -1,0 +1,239 @@
+"""One SPMD rank of the colocated roles: actor, rollout, reference and (when enabled) critic.
+
+This is verl's ActorRolloutRefWorker with the critic sharing its GPUs. The driver calls it with
+this rank's part of each batch; with one worker it runs in the driver's own process. With more,
+each worker is a torch.distributed rank whose models are sharded with FSDP2, and its rollout
+engine generates from an unsharded copy of the policy that is refreshed after every update.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from keel.checkpoint import write_policy
+from keel.config.schema import KeelConfig
+from keel.distributed.dist import init_process_group, memory_reading
+from keel.distributed.faults import maybe_inject
+from keel.distributed.fsdp import make_mesh, shard_model, sharding_report
+from keel.models.load import (autocast, load_causal_lm, load_critic, load_tokenizer, quiet_transformers,
+                              resolve_device, resolve_dtype)
+from keel.rollout.hf import HFRolloutEngine
+from keel.training.actor import ActorTrainer
+from keel.training.critic import CriticTrainer
+from keel.training.reference import ReferencePolicy
+from keel.training.step import MiniBatch
+from keel.types import RolloutBatch, SamplingParams
+
+log = logging.getLogger("keel")
+
+
+class PolicyWorker:
+    def __init__(self, cfg: KeelConfig, total_steps: int, actor_weights: str | None = None, rank: int = 0,
+                 world_size: int = 1, master: tuple[str, int] | None = None, tokenizer=None):
+        quiet_transformers()
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.phase = "setup"
+        self.device = resolve_device(cfg.trainer.device)
+        self.compute_dtype = resolve_dtype(cfg.actor_rollout_ref.model.dtype, self.device)
+        if world_size > 1:
+            init_process_group(rank, world_size, *master, self.device, cfg.trainer.collective_timeout_s)
+        self.sharding: dict[str, float] = {}
+        arr = cfg.actor_rollout_ref
+        self.tokenizer = tokenizer or load_tokenizer(arr.model.path, arr.model.trust_remote_code)
+        torch.manual_seed(cfg.trainer.seed)  # every rank starts from identical weights
+        model = load_causal_lm(actor_weights or arr.model.path, self.device, arr.model.trust_remote_code,
+                               arr.model.enable_gradient_checkpointing)
+        # With one worker the engine generates with the actor module itself; sharded, it needs
+        # whole weights, so it gets its own copy, refreshed after each update (sync_rollout).
+        self.rollout = HFRolloutEngine(copy.deepcopy(model) if self.sharded else model, self.tokenizer,
+                                       arr.rollout.max_num_seqs)
+        self.actor = ActorTrainer(self._shard(model, arr.actor.fsdp_config, "actor"), arr.actor,
+                                  arr.rollout.temperature, total_steps, arr.rollout.log_prob_micro_batch_size_per_gpu,
+                                  cfg.data.max_response_length)
+        self.actor.data_parallel_size = world_size
+        self.ref = None
+        if cfg.ref_enabled:  # the reference is always the starting policy, even on resume
+            ref_model = load_causal_lm(arr.model.path, self.device, arr.model.trust_remote_code)
+            self.ref = ReferencePolicy(self._shard(ref_model, arr.ref.fsdp_config, "ref"),
+                                       arr.ref.log_prob_micro_batch_size_per_gpu, arr.rollout.temperature)
+        self.critic = self._build_critic(total_steps) if cfg.critic_enabled else None
+
+    @property
+    def sharded(self) -> bool:
+        return self.world_size > 1
+
+    def _shard(self, model, fsdp_cfg, role: str):
+        if not self.sharded:
+            return model
+        mesh = make_mesh(self.device.type, self.world_size, fsdp_cfg.fsdp_size)
+        model = shard_model(model, mesh, self.compute_dtype, fsdp_cfg)
+        model.keel_compute_device = self.device
+        self.sharding.update(sharding_report(model, role))
+        return model
+
+    def _build_critic(self, total_steps: int) -> CriticTrainer:
+        cfg, c = self.cfg, self.cfg.critic
+        _, micro_size, _ = cfg.critic_batching
+        torch.manual_seed(cfg.trainer.seed)  # the value head's initialisation, identical on every rank
+        model = load_critic(c.model.path or cfg.actor_rollout_ref.model.path, self.device,
+                            cfg.actor_rollout_ref.model.trust_remote_code)
+        critic = CriticTrainer(self._shard(model, c.model.fsdp_config, "critic"), c, micro_size, total_steps)
+        critic.data_parallel_size = self.world_size
+        return critic
+
+    # --- what the driver calls -----------------------------------------------------------------
+    def run(self, method: str, *args):
+        """Every call from the driver: the phase is recorded (for stack dumps), faults can be
+        injected for tests, and the result comes back with a memory reading."""
+        self.phase = method
+        maybe_inject(method, self.rank)
+        result = getattr(self, method)(*args)
+        self.phase = "idle"
+        return result, memory_reading(self.device)
+
+    def info(self) -> dict:
+        import socket
+        return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "device": str(self.device),
+                **self.sharding}
+
+    def generate(self, prompts, sampling: SamplingParams, seed: int) -> RolloutBatch | None:
+        if prompts is None:  # fewer prompts than ranks
+            return None
+        torch.manual_seed(seed)  # per step and rank: a resumed run samples what an uninterrupted one would
+        with autocast(self.device, self.compute_dtype):
+            return self.rollout.generate(prompts, sampling)
+
+    def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+        with autocast(self.device, self.compute_dtype):
+            return self.actor.compute_log_probs(batch)
+
+    def compute_ref_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+        with autocast(self.device, self.compute_dtype):
+            return self.ref.compute_log_probs(batch)
+
+    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
+        with autocast(self.device, self.compute_dtype):
+            return self.critic.compute_values(batch)
+
+    def update_actor(self, minis: list[MiniBatch]) -> dict[str, float]:
+        with autocast(self.device, self.compute_dtype), self._optimizer_state_on_device(
+                self.actor.optimizer, self.cfg.actor_rollout_ref.actor.fsdp_config):
+            metrics = self.actor.update(minis)
+        start = time.perf_counter()
+        self._sync_rollout()
+        metrics["timing_s/sync_rollout_weights"] = time.perf_counter() - start
+        return metrics
+
+    def update_critic(self, minis: list[MiniBatch]) -> dict[str, float]:
+        with autocast(self.device, self.compute_dtype), self._optimizer_state_on_device(
+                self.critic.optimizer, self.cfg.critic.model.fsdp_config):
+            return self.critic.update(minis)
+
+    def _sync_rollout(self) -> None:
+        """The engine's unsharded copy takes the updated weights, one gathered parameter at a time."""
+        if not self.sharded:
+            return  # the engine generates with the actor module itself
+        copies = dict(self.rollout.model.named_parameters())
+        with torch.no_grad():
+            for name, param in self.actor.model.named_parameters():
+                copies[name].copy_(param.detach().to(self.device).full_tensor())
+
+    @contextmanager
+    def _optimizer_state_on_device(self, optimizer, fsdp_cfg):
+        """fsdp_config.optimizer_offload: Adam's two moments wait in CPU memory, away from the KV
+        cache and activations, and come back to the GPU only for the update."""
+        if fsdp_cfg.optimizer_offload:
+            _move_optimizer_state(optimizer, self.device)
+        try:
+            yield
+        finally:
+            if fsdp_cfg.optimizer_offload:
+                _move_optimizer_state(optimizer, torch.device("cpu"))
+
+    # --- checkpoints -----------------------------------------------------------------------------
+    def save(self, directory: str) -> None:
+        """The policy as a Hugging Face model (written by rank 0 from the engine's whole copy);
+        optimiser state and the critic sharded with torch.distributed.checkpoint, which can be
+        loaded back on any number of workers."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        out = Path(directory)
+        if self.rank == 0:
+            write_policy(out / "actor", self.rollout.model, self.tokenizer)
+            torch.save(self.actor.scheduler.state_dict(), out / "actor_scheduler.pt")
+        _save_sharded(out / "actor_optim", {"optimizer": _optimizer_state(self.actor)})
+        if self.critic is not None:
+            _save_sharded(out / "critic", {"model": get_model_state_dict(self.critic.model),
+                                           "optimizer": _optimizer_state(self.critic)})
+            if self.rank == 0:
+                torch.save(self.critic.scheduler.state_dict(), out / "critic_scheduler.pt")
+
+    def load(self, directory: str) -> None:
+        """Everything but the actor weights, which were loaded from the checkpoint at start-up."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        path = Path(directory)
+        _load_into(self.actor, path / "actor_optim", path / "actor_scheduler.pt")
+        if self.critic is not None:
+            state = {"model": get_model_state_dict(self.critic.model)}
+            _load_sharded(path / "critic", state)
+            set_model_state_dict(self.critic.model, state["model"])
+            _load_into(self.critic, path / "critic", path / "critic_scheduler.pt")
+
+    def stacks(self) -> dict:
+        """Every thread's stack, and whether the main thread waits in a collective."""
+        main = threading.main_thread().ident
+        frames = sys._current_frames()
+        text, in_collective = [], False
+        for ident, frame in frames.items():
+            stack = "".join(traceback.format_stack(frame))
+            if ident == main:
+                in_collective = "torch/distributed" in stack
+            text.append(f"--- thread {ident}{' (main)' if ident == main else ''} ---\n{stack}")
+        return {"phase": self.phase, "in_collective": in_collective, "text": "\n".join(text)}
+
+
+def _optimizer_state(trainer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    return get_optimizer_state_dict(trainer.model, trainer.optimizer)
+
+
+def _load_into(trainer, optim_dir: Path, scheduler_file: Path) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    state = {"optimizer": _optimizer_state(trainer)}
+    _load_sharded(optim_dir, state)
+    set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optimizer"])
+    trainer.scheduler.load_state_dict(torch.load(scheduler_file, weights_only=False))
+
+
+def _save_sharded(path: Path, state: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():  # one worker writes without a process group, on purpose
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(path))
+
+
+def _load_sharded(path: Path, state: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path))
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)

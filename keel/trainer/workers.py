@@ -1,0 +1,91 @@
+"""The driver's view of its workers: each call splits a batch across ranks, runs the role's
+method on every rank, and puts the results back in batch order. With one worker the split is
+the whole batch and nothing is copied."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from keel.config.schema import KeelConfig
+from keel.data.prompts import PromptBatch
+from keel.distributed.partition import concat_rows, shard_batch, unshard_rows
+from keel.training.step import plan_minibatches
+from keel.types import RolloutBatch, SamplingParams
+
+# Metrics every rank reports identically (computed after the gradients were summed); every other
+# update metric is a rank's share of the whole mini-batch, so the ranks' values add up.
+REPLICATED_METRICS = ("actor/grad_norm", "actor/lr", "critic/grad_norm", "critic/lr",
+                      "timing_s/sync_rollout_weights")
+
+
+class WorkerRoles:
+    def __init__(self, group, cfg: KeelConfig, pad_token_id: int):
+        self.group = group
+        self.cfg = cfg
+        self.world = group.world_size
+        self.pad_token_id = pad_token_id
+
+    # --- rollout -----------------------------------------------------------------------------------
+    def generate(self, prompts: PromptBatch, sampling: SamplingParams, seed: int) -> RolloutBatch:
+        """Contiguous slices of the prompts, one per rank (generation has no collectives, so the
+        slices may differ in size or be empty)."""
+        bounds = [len(prompts) * r // self.world for r in range(self.world + 1)]
+        parts = [_slice_prompts(prompts, bounds[r], bounds[r + 1]) for r in range(self.world)]
+        results = self.group.call("generate", [(p, sampling, seed * 1009 + r) for r, p in enumerate(parts)])
+        return concat_rows([b for b in results if b is not None], self.pad_token_id)
+
+    # --- forward passes ------------------------------------------------------------------------------
+    def actor_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+        return self._per_token("compute_log_probs", batch)
+
+    def ref_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+        return self._per_token("compute_ref_log_probs", batch)
+
+    def values(self, batch: RolloutBatch) -> torch.Tensor:
+        return self._per_token("compute_values", batch)
+
+    def _per_token(self, method: str, batch: RolloutBatch) -> torch.Tensor:       # [N, R]
+        index, parts = shard_batch(batch, self.world)
+        return unshard_rows(index, self.group.call(method, [(p,) for p in parts]))
+
+    # --- updates -------------------------------------------------------------------------------------
+    def update_actor(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
+        actor = self.cfg.actor_rollout_ref.actor
+        plan = plan_minibatches(batch, actor.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n,
+                                actor.ppo_epochs, actor.shuffle, seed * 1000, self.cfg.data.max_response_length,
+                                self.world)
+        return combine_metrics(self.group.call("update_actor", [(p,) for p in plan]))
+
+    def update_critic(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
+        mini_prompts, _, epochs = self.cfg.critic_batching
+        plan = plan_minibatches(batch, mini_prompts * self.cfg.actor_rollout_ref.rollout.n, epochs,
+                                self.cfg.actor_rollout_ref.actor.shuffle, seed * 1000 + 500,
+                                self.cfg.data.max_response_length, self.world)
+        return combine_metrics(self.group.call("update_critic", [(p,) for p in plan]))
+
+    # --- checkpoints -----------------------------------------------------------------------------
+    def save(self, directory: Path) -> None:
+        self.group.call("save", [(str(directory),)] * self.world)
+
+    def load(self, directory: Path) -> None:
+        self.group.call("load", [(str(directory),)] * self.world)
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+
+
+def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    combined = dict(per_rank[0])
+    for metrics in per_rank[1:]:
+        for name, value in metrics.items():
+            if name not in REPLICATED_METRICS:
+                combined[name] += value
+    return combined
+
+
+def _slice_prompts(prompts: PromptBatch, start: int, end: int) -> PromptBatch | None:
+    if start == end:
+        return None
+    return PromptBatch(prompts.input_ids[start:end], prompts.attention_mask[start:end], prompts.records[start:end])
