@@ -1,0 +1,119 @@
+"""Two CPU workers (Ray actors, gloo, FSDP2) against one process, and failures that say where."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+pytest.importorskip("ray")
+
+from keel.config.load import load_config  # noqa: E402
+from keel.data.prompts import collate_prompts  # noqa: E402
+from keel.distributed.group import LocalGroup, RayGroup  # noqa: E402
+from keel.distributed.worker import PolicyWorker  # noqa: E402
+from keel.trainer.setup import load_prompts  # noqa: E402
+from keel.trainer.workers import WorkerRoles  # noqa: E402
+from keel.types import SamplingParams  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def ppo_config(tiny_config: dict, workers: int):
+    """Every role: actor, reference (KL loss), critic (GAE); two mini-batches of 8 samples."""
+    return load_config(tiny_config, ["trainer.device=cpu", f"trainer.n_gpus_per_node={workers}",
+                                     "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
+                                     "actor_rollout_ref.actor.kl_loss_coef=0.5"])
+
+
+def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ray_cluster):
+    one_cfg, two_cfg = ppo_config(tiny_config, 1), ppo_config(tiny_config, 2)
+    one = WorkerRoles(LocalGroup(PolicyWorker(one_cfg, total_steps=2)), one_cfg, pad_token_id=0)
+    tokenizer = one.group.worker.tokenizer
+    prompts = collate_prompts(load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4],
+                              tokenizer.pad_token_id).repeat_interleave(4)
+    batch = one.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
+    batch = batch.select(list(range(15)))  # odd: one rank's part is padded with a masked sample
+    torch.manual_seed(0)
+    batch.advantages = torch.randn(batch.response_mask.shape) * batch.response_mask
+    batch.returns = torch.randn(batch.response_mask.shape) * batch.response_mask
+
+    two = WorkerRoles(RayGroup(two_cfg, 2, None, tmp_path / "stacks"), two_cfg, tokenizer.pad_token_id)
+    try:
+        for name in ("actor_log_probs", "ref_log_probs", "values"):  # forward passes split across ranks
+            single, split = getattr(one, name)(batch), getattr(two, name)(batch)
+            torch.testing.assert_close(split, single, atol=1e-5, rtol=1e-4, msg=name)
+        batch.old_log_probs, batch.ref_log_probs = one.actor_log_probs(batch), one.ref_log_probs(batch)
+        batch.values = one.values(batch)
+        for update in ("update_critic", "update_actor"):
+            single, split = getattr(one, update)(batch, seed=3), getattr(two, update)(batch, seed=3)
+            for key in [k for k in single if not k.startswith("timing_s/")]:
+                assert split[key] == pytest.approx(single[key], rel=1e-4, abs=1e-6), key
+        one.save(tmp_path / "one"), (tmp_path / "two").mkdir(), two.save(tmp_path / "two")
+    finally:
+        two.shutdown()
+    single = load_file(tmp_path / "one" / "actor" / "model.safetensors")
+    split = load_file(tmp_path / "two" / "actor" / "model.safetensors")
+    assert single.keys() == split.keys()
+    initial = load_file(Path(one_cfg.actor_rollout_ref.model.path) / "model.safetensors")
+    moved = max(float((initial[k] - single[k]).abs().max()) for k in single)
+    assert moved > 1e-3  # two Adam steps at lr 1e-3
+    for key in single:  # Adam amplifies rounding where a gradient is ~0: 1% of one step's size
+        torch.testing.assert_close(split[key], single[key], atol=1e-5, rtol=0, msg=key)
+
+
+def write_config(cfg: dict, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def keel_train(config: Path, *overrides: str, env: dict | None = None, timeout: int = 300):
+    return subprocess.run([sys.executable, "-m", "keel", "train", str(config), "trainer.device=cpu", *overrides],
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_two_workers_train_and_the_checkpoint_resumes_on_one(tiny_config, tmp_path):
+    config = write_config(tiny_config, tmp_path / "cfg.yaml")
+    proc = keel_train(config, "trainer.n_gpus_per_node=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = Path(tiny_config["trainer"]["default_local_dir"])
+    assert (run_dir / "global_step_2" / "actor" / "model.safetensors").exists()
+
+    proc = keel_train(config, "trainer.n_gpus_per_node=1", "trainer.total_training_steps=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr and "global_step_2" in proc.stderr
+    import json
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s for s in steps if s > 0] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("fault, code, expected", [
+    ("raise", "KEEL-P001", ["rank 1 of 2", "phase update_actor", "InjectedFault", "worker traceback"]),
+    ("die", "KEEL-P002", ["rank 1 of 2", "phase update_actor", "Last memory reading: rss_gb="]),
+    ("hang", "KEEL-P003", ["Ranks that did not arrive: [1]", "collective timed out"]),
+])
+def test_a_failing_worker_ends_the_run_with_its_code_and_rank(tiny_config, tmp_path, fault, code, expected):
+    config = write_config(tiny_config, tmp_path / "cfg.yaml")
+    start = time.monotonic()
+    proc = keel_train(config, "trainer.n_gpus_per_node=2", "trainer.collective_timeout_s=10",
+                      env={"KEEL_INJECT_FAULT": f"{fault}:update_actor:1"}, timeout=240)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert f"error[{code}]" in proc.stderr, proc.stderr[-3000:]
+    for text in expected:
+        assert text in proc.stderr, (text, proc.stderr[-3000:])
+    assert elapsed < 180
+    if fault == "hang":  # every rank's stacks were saved; the hung rank's shows where it is
+        stacks = list(Path(tiny_config["trainer"]["default_local_dir"]).glob("stacks_update_actor_*.txt"))
+        assert stacks and "faults.py" in stacks[0].read_text()

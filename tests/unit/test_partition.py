@@ -1,0 +1,77 @@
+"""Splitting batches across ranks: equal counts, balanced tokens, nothing lost or counted twice."""
+
+import pytest
+import torch
+
+from keel.distributed.group import _reserve
+from keel.diagnostics.codes import NOT_ENOUGH_DEVICES, RAY_MISSING, KeelError
+from keel.distributed.partition import balanced_partitions, shard_batch, unshard_rows
+from keel.trainer.workers import combine_metrics
+from keel.types import RolloutBatch
+
+
+def make_batch(response_lengths: list[int], width: int = 6) -> RolloutBatch:
+    n = len(response_lengths)
+    mask = torch.tensor([[1] * k + [0] * (width - k) for k in response_lengths])
+    return RolloutBatch(prompt_ids=torch.ones(n, 3, dtype=torch.long), prompt_mask=torch.ones(n, 3, dtype=torch.long),
+                        response_ids=torch.arange(n * width).view(n, width), response_mask=mask,
+                        sampling_log_probs=torch.zeros(n, width), group_index=torch.arange(n),
+                        records=list(range(n)), response_texts=[str(i) for i in range(n)],
+                        truncated=torch.zeros(n, dtype=torch.bool))
+
+
+def test_partitions_have_equal_counts_and_balanced_tokens():
+    lengths = torch.tensor([100, 1, 1, 1, 50, 50, 2, 2])
+    parts = balanced_partitions(lengths, 2)
+    assert sorted(torch.cat(parts).tolist()) == list(range(8))
+    assert [len(p) for p in parts] == [4, 4]
+    totals = [int(lengths[p].sum()) for p in parts]
+    assert abs(totals[0] - totals[1]) <= 2  # 104 vs 103; a split by position would give 103 vs 104 by luck
+    lengths = torch.tensor([100, 90, 1, 1])  # by position the first rank would get 190 tokens
+    assert sorted(int(lengths[p].sum()) for p in balanced_partitions(lengths, 2)) == [91, 101]
+
+
+def test_uneven_batch_is_padded_with_masked_samples_and_unsharded_in_order():
+    batch = make_batch([1, 2, 3, 4, 5])
+    index, parts = shard_batch(batch, 2)
+    assert [len(p) for p in parts] == [3, 3]  # equal sizes: ranks run the same number of forwards
+    assert sum(int(p.response_mask.sum()) for p in parts) == int(batch.response_mask.sum())  # filler adds none
+    per_rank = [p.response_ids.float() for p in parts]
+    assert torch.equal(unshard_rows(index, per_rank), batch.response_ids.float())
+
+
+def test_metrics_from_ranks_add_up_except_replicated_ones():
+    combined = combine_metrics([{"actor/pg_loss": 0.25, "actor/grad_norm": 2.0, "actor/lr": 1e-3},
+                                {"actor/pg_loss": 0.5, "actor/grad_norm": 2.0, "actor/lr": 1e-3}])
+    assert combined == {"actor/pg_loss": 0.75, "actor/grad_norm": 2.0, "actor/lr": 1e-3}
+
+
+class _Cluster:
+    """What `_reserve` asks a Ray cluster: its resources."""
+
+    def __init__(self, resources):
+        self.resources = resources
+
+    def cluster_resources(self):
+        return self.resources
+
+
+def test_more_workers_than_the_cluster_has_devices_is_refused(tiny_config):
+    from keel.config.load import load_config
+
+    cfg = load_config(tiny_config, ["trainer.n_gpus_per_node=4", "trainer.device=cpu"])
+    with pytest.raises(KeelError) as info:
+        _reserve(_Cluster({"CPU": 2.0}), cfg)
+    assert info.value.code == NOT_ENOUGH_DEVICES and "4 workers" in info.value.message and "has 2" in info.value.message
+
+
+def test_ray_missing_is_a_coded_error(tiny_config, monkeypatch):
+    import sys
+
+    from keel.config.load import load_config
+    from keel.distributed.group import connect_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray looks like
+    with pytest.raises(KeelError) as info:
+        connect_ray(load_config(tiny_config, ["trainer.n_gpus_per_node=2"]))
+    assert info.value.code == RAY_MISSING
