@@ -7,9 +7,11 @@ traceback instead.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from keel import __version__
 from keel.diagnostics.codes import CATALOGUE, KeelError, explain
@@ -97,6 +99,15 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _cmd_bench(args) -> int:
+    from keel.bench.run import run_bench
+
+    record = run_bench(args.workload, steps=args.steps, warmup=args.warmup, gpus=args.gpus,
+                       overrides=args.overrides, out=Path(args.out) if args.out else None)
+    print(json.dumps(record, indent=2))
+    return 0
+
+
 def _cmd_explain(args) -> int:
     if args.list or not args.code:
         for entry in CATALOGUE.values():
@@ -170,6 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a global_step_<N> directory")
     export.add_argument("out", help="output directory")
     export.set_defaults(func=_cmd_export)
+
+    from keel.bench.workloads import WORKLOADS
+
+    bench = sub.add_parser("bench", help="time a GRPO workload on a random-weight model; prints a JSON record")
+    bench.add_argument("workload", choices=sorted(WORKLOADS))
+    bench.add_argument("overrides", nargs="*", help="section.key=value overrides of the workload's config")
+    bench.add_argument("--steps", type=int, default=5, help="measured steps")
+    bench.add_argument("--warmup", type=int, default=2, help="steps run first and left out of the numbers")
+    bench.add_argument("--gpus", type=int, default=1, help="workers (trainer.n_gpus_per_node)")
+    bench.add_argument("--out", help="append the record to this JSON-lines file")
+    bench.set_defaults(func=_cmd_bench)
 
     explain_cmd = sub.add_parser("explain", help="explain an error code (cause and fix)")
     explain_cmd.add_argument("code", nargs="?", help="e.g. KEEL-C001")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 import shutil
 import sys
@@ -170,6 +169,7 @@ def run_demo(out: str | Path = "keel_demo", settings: DemoSettings = DemoSetting
     logger = {"trainer.logger": ["console"] if console else []}
     sft_steps = sft_until_partly_competent(out, data, model, settings, logger)
     grpo = train(grpo_config(out, data, settings), logger)
+    from keel.models.load import count_parameters
     write_report(grpo.run_dir)
     write_report(out / "sft")
     return DemoResult(out, heldout_accuracy(grpo.run_dir, 0), heldout_accuracy(grpo.run_dir, grpo.last_step),
@@ -219,13 +219,6 @@ def greedy_accuracy(model_dir: Path, prompts_file: Path) -> float:
         metrics = validate(engine.generate, RewardScorer(), records, tokenizer.pad_token_id, ValKwargs(),
                            DataConfig(max_response_length=6))
     return metrics[f"val/{DATA_SOURCE}/acc"]
-
-
-def count_parameters(model_dir: Path) -> int:
-    from safetensors import safe_open
-
-    with safe_open(model_dir / "model.safetensors", "pt") as f:
-        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
 
 
 def print_summary(r: DemoResult) -> None:

@@ -22,6 +22,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1                 # -1: off
     max_new_tokens: int = 512
+    ignore_eos: bool = False        # every response is max_new_tokens long (benchmarks)
 
 
 @dataclass

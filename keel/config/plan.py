@@ -15,7 +15,8 @@ from keel.config.schema import KeelConfig
 class RolePlan:
     mini_batches: int            # per ppo epoch
     samples_per_mini_batch: int
-    micro_batches_per_mini_batch: int
+    samples_per_worker: int      # each worker's share of a mini-batch
+    micro_batches_per_mini_batch: int  # on each worker
     optimizer_steps_per_rollout: int
 
 
@@ -23,6 +24,7 @@ class RolePlan:
 class BatchPlan:
     prompts_per_step: int
     samples_per_step: int
+    workers: int
     actor: RolePlan
     critic: RolePlan | None
     max_tokens_per_step: int     # samples x (max prompt + max response)
@@ -34,6 +36,7 @@ class BatchPlan:
         rows = [
             ("prompts per step", self.prompts_per_step),
             ("samples per step (x rollout.n)", self.samples_per_step),
+            ("workers (n_gpus_per_node x nnodes)", self.workers),
             ("tokens per step, at most", self.max_tokens_per_step),
         ]
         for name, role in (("actor", self.actor), ("critic", self.critic)):
@@ -42,7 +45,8 @@ class BatchPlan:
             rows += [
                 (f"{name}: mini-batches per epoch", role.mini_batches),
                 (f"{name}: samples per mini-batch", role.samples_per_mini_batch),
-                (f"{name}: micro-batches per mini-batch", role.micro_batches_per_mini_batch),
+                (f"{name}: samples per mini-batch per worker", role.samples_per_worker),
+                (f"{name}: micro-batches per mini-batch per worker", role.micro_batches_per_mini_batch),
                 (f"{name}: optimiser steps per rollout", role.optimizer_steps_per_rollout),
             ]
         width = max(len(label) for label, _ in rows)
@@ -54,9 +58,12 @@ def make_plan(cfg: KeelConfig) -> BatchPlan:
     prompts = cfg.data.train_batch_size
     actor = cfg.actor_rollout_ref.actor
 
+    workers = cfg.world_size
+
     def role(mini_prompts: int, micro: int, epochs: int) -> RolePlan:
         minis = prompts // mini_prompts
-        return RolePlan(minis, mini_prompts * n, mini_prompts * n // micro, minis * epochs)
+        per_worker = -(-mini_prompts * n // workers)  # a short share is padded to this size
+        return RolePlan(minis, mini_prompts * n, per_worker, -(-per_worker // micro), minis * epochs)
 
     critic = None
     if cfg.critic_enabled:
@@ -64,6 +71,7 @@ def make_plan(cfg: KeelConfig) -> BatchPlan:
     return BatchPlan(
         prompts_per_step=prompts,
         samples_per_step=prompts * n,
+        workers=workers,
         actor=role(actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, actor.ppo_epochs),
         critic=critic,
         max_tokens_per_step=prompts * n * (cfg.data.max_prompt_length + cfg.data.max_response_length),

@@ -117,6 +117,7 @@ class RolloutConfig:
     top_p: float = opt(1.0, gt=0, le=1)
     top_k: int = opt(-1, ge=-1, help="-1: off")
     do_sample: bool = opt(True)
+    ignore_eos: bool = opt(False, help="generate max_response_length tokens whatever is sampled (benchmarks)")
     max_num_seqs: int = opt(256, gt=0, help="sequences generated at once")
     log_prob_micro_batch_size_per_gpu: int = opt(8, gt=0)
     val_kwargs: ValKwargs = opt(factory=ValKwargs)

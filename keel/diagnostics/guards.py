@@ -47,9 +47,10 @@ def frac_reward_zero_std(scores: torch.Tensor, group_index: torch.Tensor) -> flo
 class LearningSignalGuard:
     """Warns when a run is burning compute without a signal to learn from."""
 
-    def __init__(self, guards_cfg, group_based: bool):
+    def __init__(self, guards_cfg, group_based: bool, fixed_length: bool = False):
         self.cfg = guards_cfg
         self.group_based = group_based
+        self.fixed_length = fixed_length  # rollout.ignore_eos: every response is cut off by design
         self.flat_steps = 0
 
     def __call__(self, step: int, metrics: dict[str, float]) -> list[str]:
@@ -62,7 +63,7 @@ class LearningSignalGuard:
             warnings.append(f"no learning signal for {self.flat_steps} steps: every reward "
                             f"{'in each group ' if self.group_based else ''}is the same "
                             f"(score {metrics.get('critic/score/mean', 0):.3g}); check the scorer on samples.jsonl")
-        if metrics.get("response_length/clip_ratio", 0.0) > c.max_clip_ratio:
+        if not self.fixed_length and metrics.get("response_length/clip_ratio", 0.0) > c.max_clip_ratio:
             warnings.append(f"{100 * metrics['response_length/clip_ratio']:.0f}% of responses hit "
                             "data.max_response_length: their rewards score cut-off answers")
         if metrics.get("response_length/mean", c.min_response_length) < c.min_response_length:

@@ -32,9 +32,11 @@ class LocalGroup:
 
     def __init__(self, worker):
         self.worker = worker
+        self.memory: dict[int, dict] = {}  # rank -> its reading after the last call
 
     def call(self, method: str, per_rank_args: list[tuple]) -> list:
-        return [self.worker.run(method, *per_rank_args[0])[0]]
+        result, self.memory[0] = self.worker.run(method, *per_rank_args[0])
+        return [result]
 
     def shutdown(self) -> None:
         pass

@@ -107,3 +107,16 @@ def load_critic(path: str | Path, device: torch.device, trust_remote_code: bool 
     backbone = AutoModel.from_pretrained(check_model_dir(path, "critic.model.path"), dtype=torch.float32,
                                          trust_remote_code=trust_remote_code)
     return CriticModel(backbone, backbone.config.hidden_size).to(device)
+
+
+def count_parameters(model_dir: str | Path) -> int:
+    """Parameters stored in a model directory's safetensors files (tied weights count once)."""
+    import math
+
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return total

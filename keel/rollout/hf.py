@@ -57,7 +57,8 @@ class HFRolloutEngine:
             self.model.train(was_training)
         response_ids, sampling_log_probs = _cat_right_padded(chunks, self.tokenizer.pad_token_id)
         response_ids, response_mask, truncated = _mask_after_eos(
-            response_ids, self.eos_ids, self.tokenizer.pad_token_id, params.max_new_tokens)
+            response_ids, [] if params.ignore_eos else self.eos_ids, self.tokenizer.pad_token_id,
+            params.max_new_tokens)
         return RolloutBatch(
             prompt_ids=prompts.input_ids,
             prompt_mask=prompts.attention_mask,
@@ -81,7 +82,7 @@ class HFRolloutEngine:
             top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else 0,  # 0 switches top-k off in transformers
             max_new_tokens=params.max_new_tokens,
-            eos_token_id=self.eos_ids,
+            eos_token_id=None if params.ignore_eos else self.eos_ids,
             pad_token_id=self.tokenizer.pad_token_id,
             use_cache=True,
         )
@@ -131,7 +132,7 @@ def _cat_right_padded(chunks: list[tuple[Tensor, Tensor]], pad_id: int) -> tuple
 def _mask_after_eos(response_ids: Tensor, eos_ids: list[int], pad_id: int,
                     max_new_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
     """Mask = tokens up to and including the first EOS; what follows becomes padding."""
-    is_eos = torch.isin(response_ids, torch.tensor(eos_ids))                       # [N, R]
+    is_eos = torch.isin(response_ids, torch.tensor(eos_ids, dtype=response_ids.dtype))                     # [N, R]
     seen_eos_before = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
     mask = (~seen_eos_before).long()
     has_eos = is_eos.any(-1)

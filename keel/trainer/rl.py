@@ -51,13 +51,14 @@ class RLTrainer:
         if self.resume_from is not None:
             ckpt.check_same_run(self.resume_from, cfg)
         self.hooks = [load_hook(spec) for spec in cfg.trainer.hooks]
-        self.guard = LearningSignalGuard(cfg.trainer.guards, cfg.algorithm.adv_estimator in GROUP_ESTIMATORS)
+        self.guard = LearningSignalGuard(cfg.trainer.guards, cfg.algorithm.adv_estimator in GROUP_ESTIMATORS,
+                                         cfg.actor_rollout_ref.rollout.ignore_eos)
         self.skipped_steps = 0
         self.c: Components = build_components(cfg, self.resume_from / "actor" if self.resume_from else None, loaded)
         rollout = cfg.actor_rollout_ref.rollout
         self.sampling = SamplingParams(n=rollout.n, do_sample=rollout.do_sample, temperature=rollout.temperature,
                                        top_p=rollout.top_p, top_k=rollout.top_k,
-                                       max_new_tokens=cfg.data.max_response_length)
+                                       max_new_tokens=cfg.data.max_response_length, ignore_eos=rollout.ignore_eos)
         a = cfg.algorithm
         self.adv_params = AdvantageParams(gamma=a.gamma, lam=a.lam, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
         self.step = 0
@@ -151,7 +152,7 @@ class RLTrainer:
         logger.log_samples(self.step, self._samples(batch))
         metrics.update(batch_metrics(batch))
         metrics.update(timer.metrics())
-        metrics.update(throughput_metrics(batch, timer.times["step"], c.device))
+        metrics.update(throughput_metrics(batch, timer.times["step"], workers.group.memory))
         metrics.update({"training/global_step": float(self.step), "training/epoch": float(c.sampler.epoch),
                         "guards/frac_reward_zero_std": frac_reward_zero_std(batch.scores, batch.group_index)})
         return metrics, batch

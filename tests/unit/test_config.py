@@ -108,6 +108,10 @@ def test_batch_plan_counts():
     assert plan.actor.mini_batches == 4                # 8 / 2 prompts
     assert plan.actor.samples_per_mini_batch == 8      # 2 prompts x 4
     assert plan.actor.micro_batches_per_mini_batch == 2  # 8 / 4
+    two = make_plan(load_config(BASE, ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
+                                       "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.n_gpus_per_node=2",
+                                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]))
+    assert (two.workers, two.actor.samples_per_worker, two.actor.micro_batches_per_mini_batch) == (2, 4, 1)
     assert plan.actor.optimizer_steps_per_rollout == 8   # 4 mini-batches x 2 epochs
     assert plan.critic is not None                     # gae has a critic, with the actor's sizes
     assert plan.max_tokens_per_step == 32 * 16         # samples x (10 + 6)

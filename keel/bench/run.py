@@ -1,0 +1,195 @@
+"""`keel bench WORKLOAD`: a real GRPO run (keel's trainer, engines and workers) on a random-weight
+model, timed per phase; one JSON record per run.
+
+Responses have a fixed length (rollout.ignore_eos) so runs are comparable. The first `warmup`
+steps (allocator growth, kernel selection) are left out of every number.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from keel.bench.workloads import QWEN25_COMMON, QWEN25_SHAPES, WORKLOADS, Workload
+from keel.models.load import count_parameters
+
+log = logging.getLogger("keel")
+
+H200_BF16_DENSE_TFLOPS = 989.4      # datasheet, dense (no sparsity)
+H200_HBM_TB_PER_S = 4.8
+REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" \
+         "    return (sum(map(ord, solution_str)) % 7) / 6\n"
+
+
+def make_model(shape: str, out_dir: Path) -> Path:
+    """Qwen2.5 shapes with random weights and keel's byte-level tokenizer (ids < 300)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from keel.models.tiny import build_tokenizer
+
+    if (out_dir / "config.json").exists():
+        return out_dir
+    tokenizer = build_tokenizer()
+    tokenizer.model_max_length = QWEN25_COMMON["max_position_embeddings"]
+    config = Qwen2Config(**QWEN25_COMMON, **QWEN25_SHAPES[shape], eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def make_prompts(workload: Workload, path: Path, count: int) -> Path:
+    """Prompts of exactly `prompt_length` tokens (one byte per token, no chat template)."""
+    import random
+    rng = random.Random(0)
+    rows = [{"prompt": "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(workload.prompt_length)),
+             "data_source": "bench", "reward_model": {"ground_truth": ""}} for _ in range(count)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def bench_config(workload: Workload, root: Path, steps: int, gpus: int) -> dict:
+    samples_per_mini = max(1, workload.prompts // 4) * workload.n
+    tokens = workload.prompt_length + workload.response_length
+    micro = max(1, min(samples_per_mini // gpus, 16384 // tokens))  # about 16k tokens per forward
+    arr = {
+        "model": {"path": str(make_model(workload.model, root / f"model_{workload.model}"))},
+        "actor": {"ppo_mini_batch_size": max(1, workload.prompts // 4), "ppo_micro_batch_size_per_gpu": micro,
+                  "use_kl_loss": workload.kl_loss, "optim": {"lr": 1e-6}},
+        "rollout": {"n": workload.n, "ignore_eos": True, "log_prob_micro_batch_size_per_gpu": 2 * micro,
+                    "max_num_seqs": workload.prompts * workload.n},
+        "ref": {"log_prob_micro_batch_size_per_gpu": 2 * micro},
+    }
+    return {
+        "data": {"train_files": [str(make_prompts(workload, root / "prompts.jsonl", workload.prompts * (steps + 1)))],
+                 "apply_chat_template": False, "max_prompt_length": workload.prompt_length,
+                 "max_response_length": workload.response_length, "train_batch_size": workload.prompts},
+        "actor_rollout_ref": arr,
+        "algorithm": {"adv_estimator": "grpo"},
+        "custom_reward_function": {"path": str(_write(root / "reward.py", REWARD))},
+        "trainer": {"total_training_steps": steps, "logger": [], "test_freq": -1, "val_before_train": False,
+                    "n_gpus_per_node": gpus, "default_local_dir": str(root / "run"), "log_samples": 0},
+    }
+
+
+def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrides: list[str] | None = None,
+              out: Path | None = None, workdir: Path | None = None) -> dict:
+    from keel.config.load import load_config
+    from keel.observe.metrics import MetricsLogger
+    from keel.trainer.rl import RLTrainer
+
+    workload = WORKLOADS[name]
+    root = Path(workdir or tempfile.mkdtemp(prefix="keel_bench_"))
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(bench_config(workload, root, warmup + steps, gpus), overrides or [])
+    trainer = RLTrainer(cfg)
+    trainer._open_run_dir()
+    logger = MetricsLogger(trainer.run_dir, False, warmup + steps, 0)
+    per_step = []
+    try:
+        for _ in range(warmup + steps):
+            trainer.step += 1
+            per_step.append(trainer.guarded_step(logger))
+    finally:
+        logger.close()
+        trainer.c.workers.shutdown()
+    record = summarize(name, workload, cfg, per_step[warmup:], trainer.c.workers.group.memory)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+    return record
+
+
+def summarize(name: str, w: Workload, cfg, steps: list[dict], memory: dict[int, dict]) -> dict:
+    def mean(key: str) -> float | None:
+        values = [m[key] for m in steps if key in m]
+        return statistics.fmean(values) if values else None
+
+    gpus = cfg.world_size
+    samples = w.prompts * w.n
+    seq = w.prompt_length + w.response_length
+    params = count_parameters(cfg.actor_rollout_ref.model.path)
+    update_tokens = samples * seq * cfg.actor_rollout_ref.actor.ppo_epochs
+    update_s = mean("timing_s/update_actor")
+    # Useful training FLOPs: 6 per parameter per token, plus causal attention (QK^T and AV).
+    shape = {**QWEN25_COMMON, **QWEN25_SHAPES[w.model]}
+    attention = 6 * 2 * shape["num_hidden_layers"] * shape["hidden_size"] * seq  # per token, causal mean seq/2 x 2
+    update_flops = update_tokens * (6 * params + attention) / update_s / gpus
+    peak = measured_peak_tflops() * 1e12 if torch.cuda.is_available() else None
+    gen_s = mean("timing_s/gen")
+    gen_tokens_per_s = samples * w.response_length / gen_s
+    return {
+        "workload": name, "date": datetime.date.today().isoformat(), "commit": _commit(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "n_gpus": gpus,
+        "rollout": cfg.actor_rollout_ref.rollout.name, "parameters": params,
+        "step_time_s": mean("timing_s/step"), "steps_per_s": 1 / mean("timing_s/step"),
+        "gen_tokens_per_s": gen_tokens_per_s,
+        "decode_bandwidth_utilisation": decode_bandwidth_utilisation(w, shape, params, gen_tokens_per_s / gpus),
+        "update_tokens_per_s": update_tokens / update_s,
+        "update_mfu": update_flops / peak if peak else None,  # None: no GPU to measure a peak on
+        "update_mfu_datasheet": update_flops / (H200_BF16_DENSE_TFLOPS * 1e12),
+        "peak_tflops_measured": peak / 1e12 if peak else None,
+        "logprob_tokens_per_s": samples * seq / mean("timing_s/old_log_prob"),
+        "throughput_tokens_per_s_per_gpu": mean("perf/throughput"),
+        "peak_memory_gb": max((m.get("gpu_peak_gb", 0.0) for m in memory.values()), default=0.0),
+        "peak_memory_gb_per_gpu": [memory[r].get("gpu_peak_gb", 0.0) for r in sorted(memory)],
+        "log_prob_gap": mean("rollout/log_prob_gap"),
+        "timing_s": {k[len("timing_s/"):]: mean(k) for k in steps[-1] if k.startswith("timing_s/")},
+    }
+
+
+def decode_bandwidth_utilisation(w: Workload, shape: dict, params: int, tokens_per_s_per_gpu: float) -> float | None:
+    """Bytes a decode step must read (bf16 weights once, plus every sequence's KV cache at its
+    mean context) per generated token, times tokens/s, over the HBM bandwidth."""
+    if not torch.cuda.is_available():
+        return None
+    batch = w.prompts * w.n
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    kv_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2
+    mean_context = w.prompt_length + w.response_length / 2
+    bytes_per_token = (2 * params + batch * mean_context * kv_per_token) / batch
+    return bytes_per_token * tokens_per_s_per_gpu / (H200_HBM_TB_PER_S * 1e12)
+
+
+_PEAK: list[float] = []
+
+
+def measured_peak_tflops() -> float:
+    """bf16 matmul throughput of this GPU (8192^3, best of several): the ceiling MFU is read against."""
+    if not _PEAK:
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        best = 0.0
+        for _ in range(5):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                a @ b
+            end.record()
+            torch.cuda.synchronize()
+            best = max(best, 20 * 2 * 8192**3 / (start.elapsed_time(end) / 1e3) / 1e12)
+        _PEAK.append(best)
+    return _PEAK[0]
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path

@@ -1,0 +1,36 @@
+"""Named benchmark workloads: Qwen2.5 shapes with random weights, fixed response lengths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Qwen2.5 architectures (config.json of the released checkpoints), built with random weights.
+QWEN25_SHAPES = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, tie_word_embeddings=True),
+}
+QWEN25_SHAPES["tiny"] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, tie_word_embeddings=True)  # CPU check of the harness
+QWEN25_COMMON = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: str                 # a key of QWEN25_SHAPES
+    prompts: int               # prompts per step
+    n: int                     # samples per prompt
+    prompt_length: int
+    response_length: int
+    kl_loss: bool = False      # GRPO with a KL loss to the reference model
+    overrides: dict = field(default_factory=dict)
+
+
+WORKLOADS = {
+    "t1": Workload("0.5b", 16, 8, 256, 256),
+    "w1": Workload("0.5b", 64, 8, 512, 512, kl_loss=True),
+    "w2": Workload("0.5b", 32, 8, 256, 2048),
+    "w3": Workload("1.5b", 64, 8, 512, 512, kl_loss=True),
+    "tiny": Workload("tiny", 4, 4, 32, 16),
+}
