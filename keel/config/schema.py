@@ -111,7 +111,8 @@ class ValKwargs:
 
 @dataclass
 class RolloutConfig:
-    name: str = opt("hf", choices=("hf",), help="generation engine")
+    name: str = opt("auto", choices=("auto", "native", "hf"),
+                    help="generation engine; auto: native where it supports the model, else hf")
     n: int = opt(1, gt=0, help="samples per prompt")
     temperature: float = opt(1.0, gt=0)
     top_p: float = opt(1.0, gt=0, le=1)
@@ -119,6 +120,8 @@ class RolloutConfig:
     do_sample: bool = opt(True)
     ignore_eos: bool = opt(False, help="generate max_response_length tokens whatever is sampled (benchmarks)")
     max_num_seqs: int = opt(256, gt=0, help="sequences generated at once")
+    gpu_memory_utilization: float = opt(0.5, gt=0, le=1, help="native: share of the free GPU memory the KV "
+                                                              "cache may take (fewer sequences at once if needed)")
     log_prob_micro_batch_size_per_gpu: int = opt(8, gt=0)
     val_kwargs: ValKwargs = opt(factory=ValKwargs)
 

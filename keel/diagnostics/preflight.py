@@ -17,8 +17,8 @@ import torch
 from keel import checkpoint as ckpt
 from keel.config.plan import make_plan
 from keel.config.schema import KeelConfig
-from keel.diagnostics.codes import (MEMORY_ESTIMATE, RUN_DIR_NOT_WRITABLE, TOKEN_BUDGET,
-                                    VOCAB_MISMATCH, KeelError)
+from keel.diagnostics.codes import (MEMORY_ESTIMATE, NOT_ENOUGH_DEVICES, RAY_MISSING, RUN_DIR_NOT_WRITABLE,
+                                    TOKEN_BUDGET, VOCAB_MISMATCH, KeelError)
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 
@@ -213,8 +213,36 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
     return [Finding(WARN if required > 0.9 * available else PASS, "memory", message)]
 
 
+def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
+    """Workers against what this machine has (a Ray cluster in RAY_ADDRESS is checked when the
+    workers are placed), and Ray itself."""
+    from keel.models.load import resolve_device
+
+    world = cfg.world_size
+    if world == 1:
+        return [Finding(PASS, "workers", "1 worker in this process")]
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise KeelError(RAY_MISSING, f"{world} workers need Ray, which is not installed") from None
+    if os.environ.get("RAY_ADDRESS"):
+        return [Finding(PASS, "workers", f"{world} workers on the Ray cluster at {os.environ['RAY_ADDRESS']}")]
+    if cfg.trainer.nnodes > 1:
+        raise KeelError(NOT_ENOUGH_DEVICES, f"trainer.nnodes={cfg.trainer.nnodes} but RAY_ADDRESS is not set: "
+                        "a local Ray instance has one node", "start the cluster (`ray start --head`, then "
+                        "`ray start --address=HEAD:6379` on each node) and set RAY_ADDRESS")
+    device = resolve_device(cfg.trainer.device)
+    have = torch.cuda.device_count() if device.type == "cuda" else (os.cpu_count() or 1)
+    what = "GPUs" if device.type == "cuda" else "CPU cores"
+    if device.type == "cuda" and have < world:
+        raise KeelError(NOT_ENOUGH_DEVICES, f"trainer.n_gpus_per_node={world} but this machine has {have} {what}")
+    level = WARN if have < world else PASS
+    return [Finding(level, "workers", f"{world} workers on this machine ({have} {what}), Ray started by keel")]
+
+
 CHECKS = [("tokenizer", check_tokenizer), ("model", check_model), ("data", check_data),
-          ("reward", check_reward), ("run directory", check_run_dir), ("memory", check_memory)]
+          ("reward", check_reward), ("run directory", check_run_dir), ("workers", check_workers),
+          ("memory", check_memory)]
 
 
 # --- memory ---------------------------------------------------------------------------------
@@ -230,11 +258,14 @@ def count_parameters(model_cfg) -> int:
 
 def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
     """Per-device estimate. float32 master weights (4 B) + gradients (4 B) + AdamW moments (8 B) for
-    each trained model; 4 B per weight for the frozen reference; activations of one micro-batch
-    (about 34 bytes x hidden per token per layer, Korthikanti et al. arXiv 2205.05198, plus the
-    float32 logits); the KV cache of one generation batch."""
+    each trained model, divided among the ranks FSDP shards them over (and off the device when
+    offloaded); 4 B per weight for the frozen reference; with more than one worker, the rollout
+    engine's whole float32 copy of the policy; activations of one micro-batch (about 34 bytes x
+    hidden per token per layer, Korthikanti et al. arXiv 2205.05198, plus the float32 logits);
+    the KV cache of one generation batch."""
     gb = 2 ** 30
     params = count_parameters(model_cfg)
+    arr = cfg.actor_rollout_ref
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     layers, hidden = model_cfg.num_hidden_layers, model_cfg.hidden_size
     heads = model_cfg.num_attention_heads
@@ -243,18 +274,29 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
     micro = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
     bytes_act = 2 if cfg.actor_rollout_ref.model.dtype != "float32" else 4
     estimate = {
-        "actor_states": 16 * params / gb,
+        "actor_states": _sharded_bytes(params, True, arr.actor.fsdp_config, cfg.world_size) / gb,
         "activations": (34 * hidden * layers * micro * seq * bytes_act / 2
                         + micro * cfg.data.max_response_length * model_cfg.vocab_size * 4 * 2) / gb,
         "kv_cache": 2 * layers * kv_heads * head_dim * seq * cfg.actor_rollout_ref.rollout.max_num_seqs
                     * bytes_act / gb,
     }
+    if cfg.world_size > 1:
+        estimate["rollout_copy"] = 4 * params / gb
     if cfg.ref_enabled:
-        estimate["reference"] = 4 * params / gb
+        estimate["reference"] = _sharded_bytes(params, False, arr.ref.fsdp_config, cfg.world_size) / gb
     if cfg.critic_enabled:
-        estimate["critic_states"] = 16 * params / gb
+        estimate["critic_states"] = _sharded_bytes(params, True, cfg.critic.model.fsdp_config, cfg.world_size) / gb
     estimate["total"] = sum(estimate.values())
     return {k: round(v, 3) for k, v in estimate.items()}
+
+
+def _sharded_bytes(params: int, trained: bool, fsdp_cfg, world: int) -> float:
+    """Device bytes of one rank: float32 weights (and gradients, if trained) and AdamW's two
+    moments, sharded over the fsdp group, minus what is offloaded to CPU."""
+    shards = world if fsdp_cfg.fsdp_size == -1 else fsdp_cfg.fsdp_size
+    weights = 0 if fsdp_cfg.param_offload else (8 if trained else 4) * params
+    moments = 0 if (not trained or fsdp_cfg.param_offload or fsdp_cfg.optimizer_offload) else 8 * params
+    return (weights + moments) / shards
 
 
 def device_memory_gb(cfg: KeelConfig) -> tuple[float, float, str]:

@@ -18,15 +18,16 @@ def free_port() -> int:
 
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int,
                        device: torch.device, timeout_s: float) -> None:
-    """NCCL on GPUs, gloo on CPU. The timeout bounds every collective: a rank that never arrives
-    makes the others fail after `timeout_s` instead of NCCL's default of ten minutes."""
+    """NCCL for GPU tensors, gloo for CPU ones (CPU-offloaded parameters and gradients need it).
+    The timeout bounds every collective: a rank that never arrives makes the others fail after
+    `timeout_s` instead of NCCL's default of ten minutes."""
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK="0")
     kwargs = {}
     if device.type == "cuda":
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
+    dist.init_process_group("cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s), **kwargs)
 
 

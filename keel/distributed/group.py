@@ -54,24 +54,25 @@ class RayGroup:
         self.phase_timeout_s = cfg.trainer.guards.phase_timeout_s
         self.memory: dict[int, dict] = {}
         self.hosts: dict[int, str] = {}
-        self.placement = _reserve(ray, cfg)
+        self.placement, cpus = _reserve(ray, cfg)
         actor_class = _worker_actor_class(ray)
         gpus = 1 if _wants_gpus(cfg) else 0
         env = {k: v for k, v in os.environ.items() if k.startswith("KEEL_") or k == FAULT_ENV}
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.actors = [actor_class.options(
-            num_cpus=1, num_gpus=gpus, runtime_env={"env_vars": env} if env else None,
+            num_cpus=cpus, num_gpus=gpus, runtime_env={"env_vars": env} if env else None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
         ).remote() for rank in range(self.world_size)]
+        ranks = list(range(self.world_size))
+        self.hosts = dict(zip(ranks, self._wait([a.hostname.remote() for a in self.actors], "setup", ranks,
+                                                STARTUP_TIMEOUT_S)))
         master = self._wait([self.actors[0].rendezvous.remote()], "setup", [0], STARTUP_TIMEOUT_S)[0]
         self._wait([a.setup.remote(cfg, total_steps, actor_weights, rank, self.world_size, master)
-                    for rank, a in enumerate(self.actors)], "setup", list(range(self.world_size)),
-                   STARTUP_TIMEOUT_S)
-        infos = self.call("info", [()] * self.world_size)
-        self.hosts = {i["rank"]: i["host"] for i in infos}
-        for info in infos:
-            log.info("rank %d on %s (pid %d, %s)%s", info["rank"], info["host"], info["pid"], info["device"],
+                    for rank, a in enumerate(self.actors)], "setup", ranks, STARTUP_TIMEOUT_S)
+        for info in self.call("info", [()] * self.world_size):  # what each rank holds of each model
+            log.info("rank %d on %s (pid %d, %s, CUDA_VISIBLE_DEVICES=%s, %d threads)%s", info["rank"],
+                     self.hosts[info["rank"]], info["pid"], info["device"], info["visible"], info["threads"],
                      "".join(f", {k}={v:.3f}" for k, v in info.items() if k.startswith("fsdp/")))
 
     def call(self, method: str, per_rank_args: list[tuple]) -> list:
@@ -109,8 +110,9 @@ class RayGroup:
                 results[rank] = ray.get(ready[0])
             except RayTaskError as e:
                 if _is_collective_timeout(e):
+                    first_line = str(e.cause).strip().splitlines()[0][:300]
                     raise self._stalled(phase, sorted(pending.values()), f"rank {rank}'s collective timed out "
-                                        "after trainer.collective_timeout_s") from None
+                                        f"after trainer.collective_timeout_s ({first_line})") from None
                 raise self._raised(rank, phase, e) from None
             except (RayActorError, GetTimeoutError) as e:
                 raise self._died(rank, phase, e) from None
@@ -161,8 +163,10 @@ class RayGroup:
 
 
 def _is_collective_timeout(error) -> bool:
-    text = str(error).lower()
-    return "timed out" in text or "timeout" in text and ("gloo" in text or "nccl" in text or "distributed" in text)
+    """A collective that gave up waiting (gloo's or NCCL's timeout), judged by the exception's
+    own message: the traceback always mentions torch.distributed and timeouts."""
+    message = str(getattr(error, "cause", None) or "").lower()
+    return "timed out" in message or "timeout" in message
 
 
 def _wants_gpus(cfg) -> bool:
@@ -193,8 +197,8 @@ def connect_ray(cfg):
 
 
 def _reserve(ray, cfg):
-    """One bundle per rank, packed onto as few nodes as possible; refused up front when the
-    cluster does not have the devices, instead of waiting forever for them."""
+    """One bundle per rank, packed onto as few nodes as possible, and the CPUs each worker gets;
+    refused up front when the cluster does not have the devices, instead of waiting forever."""
     from ray.util.placement_group import placement_group
 
     gpus = _wants_gpus(cfg)
@@ -203,12 +207,15 @@ def _reserve(ray, cfg):
     if available < cfg.world_size:
         raise KeelError(NOT_ENOUGH_DEVICES, f"trainer.n_gpus_per_node x trainer.nnodes = {cfg.world_size} workers "
                         f"need {cfg.world_size} {resource}s, and the Ray cluster has {available:g}")
-    bundle = {"GPU": 1, "CPU": 1} if gpus else {"CPU": 1}
+    # A GPU worker gets a share of the node's cores: Ray limits a worker's threads to its CPUs,
+    # and one core is not enough for a process that launches kernels, gathers and copies.
+    cpus = max(1, min(8, int(ray.cluster_resources().get("CPU", 1) // cfg.world_size) - 1)) if gpus else 1
+    bundle = {"GPU": 1, "CPU": cpus} if gpus else {"CPU": 1}
     group = placement_group([bundle] * cfg.world_size, strategy="PACK")
     if not group.wait(timeout_seconds=60):
         raise KeelError(NOT_ENOUGH_DEVICES, f"{cfg.world_size} {resource}s could not be reserved within 60 s "
                         "(other jobs hold them)")
-    return group
+    return group, cpus
 
 
 def _worker_actor_class(ray):
@@ -216,6 +223,10 @@ def _worker_actor_class(ray):
     class WorkerActor:
         """A PolicyWorker in its own process; `stacks` answers on a second thread, so the driver
         can see where a rank is stuck while its main thread is blocked."""
+
+        def hostname(self) -> str:
+            import socket
+            return socket.gethostname()
 
         def rendezvous(self) -> tuple[str, int]:
             from keel.distributed.dist import free_port

@@ -28,7 +28,7 @@ from keel.distributed.faults import maybe_inject
 from keel.distributed.fsdp import make_mesh, shard_model, sharding_report
 from keel.models.load import (autocast, load_causal_lm, load_critic, load_tokenizer, quiet_transformers,
                               resolve_device, resolve_dtype)
-from keel.rollout.hf import HFRolloutEngine
+from keel.rollout.select import make_rollout_engine
 from keel.training.actor import ActorTrainer
 from keel.training.critic import CriticTrainer
 from keel.training.reference import ReferencePolicy
@@ -45,6 +45,8 @@ class PolicyWorker:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.phase = "setup"
         self.device = resolve_device(cfg.trainer.device)
+        if self.device.type == "cuda":  # NCCL wants an index; a Ray worker sees only its own GPU
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.compute_dtype = resolve_dtype(cfg.actor_rollout_ref.model.dtype, self.device)
         if world_size > 1:
             init_process_group(rank, world_size, *master, self.device, cfg.trainer.collective_timeout_s)
@@ -56,8 +58,8 @@ class PolicyWorker:
                                arr.model.enable_gradient_checkpointing)
         # With one worker the engine generates with the actor module itself; sharded, it needs
         # whole weights, so it gets its own copy, refreshed after each update (sync_rollout).
-        self.rollout = HFRolloutEngine(copy.deepcopy(model) if self.sharded else model, self.tokenizer,
-                                       arr.rollout.max_num_seqs)
+        self.rollout = make_rollout_engine(arr.rollout, copy.deepcopy(model) if self.sharded else model,
+                                           self.tokenizer, self.device, self.compute_dtype, log_choice=rank == 0)
         self.actor = ActorTrainer(self._shard(model, arr.actor.fsdp_config, "actor"), arr.actor,
                                   arr.rollout.temperature, total_steps, arr.rollout.log_prob_micro_batch_size_per_gpu,
                                   cfg.data.max_response_length)
@@ -103,16 +105,18 @@ class PolicyWorker:
         return result, memory_reading(self.device)
 
     def info(self) -> dict:
-        import socket
-        return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "device": str(self.device),
-                **self.sharding}
+        return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "threads": torch.get_num_threads(),
+                "visible": os.environ.get("CUDA_VISIBLE_DEVICES", "all"), **self.sharding}
 
     def generate(self, prompts, sampling: SamplingParams, seed: int) -> RolloutBatch | None:
         if prompts is None:  # fewer prompts than ranks
             return None
         torch.manual_seed(seed)  # per step and rank: a resumed run samples what an uninterrupted one would
+        start = time.perf_counter()
         with autocast(self.device, self.compute_dtype):
-            return self.rollout.generate(prompts, sampling)
+            batch = self.rollout.generate(prompts, sampling)
+        log.debug("rank %d generated %d samples in %.2f s", self.rank, len(batch), time.perf_counter() - start)
+        return batch
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         with autocast(self.device, self.compute_dtype):
@@ -141,24 +145,27 @@ class PolicyWorker:
             return self.critic.update(minis)
 
     def _sync_rollout(self) -> None:
-        """The engine's unsharded copy takes the updated weights, one gathered parameter at a time."""
-        if not self.sharded:
-            return  # the engine generates with the actor module itself
-        copies = dict(self.rollout.model.named_parameters())
-        with torch.no_grad():
-            for name, param in self.actor.model.named_parameters():
-                copies[name].copy_(param.detach().to(self.device).full_tensor())
+        """The engine sees the updated weights: sharded, its whole copy takes them one gathered
+        parameter at a time; then the engine refreshes what it derives from them."""
+        if self.sharded:
+            copies = dict(self.rollout.model.named_parameters())
+            with torch.no_grad():
+                for name, param in self.actor.model.named_parameters():
+                    copies[name].copy_(param.detach().to(self.device).full_tensor())
+        self.rollout.sync_weights(self.rollout.model)
 
     @contextmanager
     def _optimizer_state_on_device(self, optimizer, fsdp_cfg):
         """fsdp_config.optimizer_offload: Adam's two moments wait in CPU memory, away from the KV
-        cache and activations, and come back to the GPU only for the update."""
-        if fsdp_cfg.optimizer_offload:
+        cache and activations, and come back to the GPU only for the update. With param_offload
+        the update itself runs on CPU, where the state already is."""
+        moves = fsdp_cfg.optimizer_offload and not fsdp_cfg.param_offload and self.device.type == "cuda"
+        if moves:
             _move_optimizer_state(optimizer, self.device)
         try:
             yield
         finally:
-            if fsdp_cfg.optimizer_offload:
+            if moves:
                 _move_optimizer_state(optimizer, torch.device("cpu"))
 
     # --- checkpoints -----------------------------------------------------------------------------

@@ -56,7 +56,7 @@ class HFRolloutEngine:
         finally:
             self.model.train(was_training)
         response_ids, sampling_log_probs = _cat_right_padded(chunks, self.tokenizer.pad_token_id)
-        response_ids, response_mask, truncated = _mask_after_eos(
+        response_ids, response_mask, truncated = mask_after_eos(
             response_ids, [] if params.ignore_eos else self.eos_ids, self.tokenizer.pad_token_id,
             params.max_new_tokens)
         return RolloutBatch(
@@ -129,7 +129,7 @@ def _cat_right_padded(chunks: list[tuple[Tensor, Tensor]], pad_id: int) -> tuple
             torch.cat([pad_responses(lps, width) for _, lps in chunks]))
 
 
-def _mask_after_eos(response_ids: Tensor, eos_ids: list[int], pad_id: int,
+def mask_after_eos(response_ids: Tensor, eos_ids: list[int], pad_id: int,
                     max_new_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
     """Mask = tokens up to and including the first EOS; what follows becomes padding."""
     is_eos = torch.isin(response_ids, torch.tensor(eos_ids, dtype=response_ids.dtype))                     # [N, R]

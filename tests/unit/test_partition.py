@@ -75,3 +75,13 @@ def test_ray_missing_is_a_coded_error(tiny_config, monkeypatch):
     with pytest.raises(KeelError) as info:
         connect_ray(load_config(tiny_config, ["trainer.n_gpus_per_node=2"]))
     assert info.value.code == RAY_MISSING
+
+
+def test_large_parameters_left_unsharded_are_reported(caplog):
+    from keel.distributed.fsdp import REPLICATED_WARN_NUMEL, sharding_report
+
+    model = torch.nn.Sequential(torch.nn.Embedding(REPLICATED_WARN_NUMEL // 8, 8), torch.nn.Linear(8, 2))
+    with caplog.at_level("WARNING", logger="keel"):
+        report = sharding_report(model, "actor")
+    assert report["fsdp/actor_sharded_gb"] == 0 and report["fsdp/actor_replicated_gb"] > 0
+    assert "not sharded" in caplog.text and "0.weight" in caplog.text

@@ -84,3 +84,22 @@ def test_train_runs_the_check_first_and_stops_before_the_run_dir_exists(tiny_con
     assert main(["train", str(config), "data.max_prompt_length=1000", "data.max_response_length=100"]) == 2
     assert "error[KEEL-C013]" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_per_rank_memory_shrinks_with_sharding_and_offload(tiny_config):
+    one = run_checks(load_config(tiny_config, ["trainer.device=cpu"])).memory_gb
+    two = run_checks(load_config(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2"])).memory_gb
+    offload = run_checks(load_config(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2",
+                                                   "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"])).memory_gb
+    assert two["actor_states"] == pytest.approx(one["actor_states"] / 2, rel=0.01)  # 16 B/param over 2 ranks
+    assert offload["actor_states"] == pytest.approx(two["actor_states"] / 2, rel=0.01)  # Adam's 8 B/param leave
+    assert "rollout_copy" in two and "rollout_copy" not in one  # the engine's whole copy per rank
+
+
+def test_more_nodes_than_a_local_ray_instance_has_is_refused(tiny_config, monkeypatch):
+    from keel.diagnostics.codes import NOT_ENOUGH_DEVICES
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    report = run_checks(load_config(tiny_config, ["trainer.device=cpu", "trainer.nnodes=2"]))
+    assert NOT_ENOUGH_DEVICES in failure_codes(report)
+    assert any("RAY_ADDRESS" in f.fix for f in report.findings if f.code == NOT_ENOUGH_DEVICES)

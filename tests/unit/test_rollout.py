@@ -5,7 +5,7 @@ import torch
 
 from keel.data.prompts import build_prompt_dataset, collate_prompts
 from keel.models.load import load_causal_lm, load_tokenizer
-from keel.rollout.hf import HFRolloutEngine, _mask_after_eos
+from keel.rollout.hf import HFRolloutEngine, mask_after_eos
 from keel.training.forward import batched_log_probs
 from keel.types import SamplingParams
 
@@ -15,7 +15,7 @@ def test_mask_covers_tokens_up_to_first_eos():
     ids = torch.tensor([[5, 9, 7, 9],    # EOS at 1: keep [5, 9], the rest becomes padding
                         [5, 6, 7, 8],    # no EOS, hit the limit: truncated
                         [9, 0, 0, 0]])   # EOS first: a one-token response
-    masked, mask, truncated = _mask_after_eos(ids, [eos], pad, max_new_tokens=4)
+    masked, mask, truncated = mask_after_eos(ids, [eos], pad, max_new_tokens=4)
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
     assert masked.tolist() == [[5, 9, 0, 0], [5, 6, 7, 8], [9, 0, 0, 0]]
     assert truncated.tolist() == [False, True, False]

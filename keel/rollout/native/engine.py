@@ -1,0 +1,293 @@
+"""keel's rollout engine for Qwen2 and Llama: prefill once per prompt, a static KV cache, decode
+steps with fused projections, CUDA graphs on GPU, sampling on the device.
+
+Prefill runs through the policy's own Hugging Face modules (compute-bound; SDPA does it well),
+once per distinct prompt: the `n` samples of a group copy its KV instead of recomputing it.
+Decoding, the memory-bound part, runs keel's own step over fused QKV and gate-up weights cast to
+the compute dtype at `sync_weights`, attending over a static cache with a per-row mask. On a GPU
+each batch-size bucket's step is captured once as a CUDA graph and replayed: one launch per
+token instead of hundreds of kernel launches from Python.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from keel.rollout.hf import mask_after_eos, stop_token_ids
+from keel.rollout.native.sampling import sample
+from keel.types import RolloutBatch, SamplingParams
+
+log = logging.getLogger("keel")
+
+SUPPORTED_ARCHS = {"qwen2", "llama", "mistral"}
+STATIC_ROPE = {"default", "linear", "llama3"}  # inv_freq does not depend on the sequence length
+DONE_CHECK_EVERY = 16  # decode steps between checks that every sequence has finished (a host sync)
+
+
+def unsupported_reason(model, device: torch.device) -> str | None:
+    """Why the native engine cannot run this model, or None when it can."""
+    config = model.config
+    if config.model_type not in SUPPORTED_ARCHS:
+        return f"model_type {config.model_type!r} (native supports {sorted(SUPPORTED_ARCHS)})"
+    rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if rope.get("rope_type", rope.get("type", "default")) not in STATIC_ROPE:
+        return f"rope type {rope.get('rope_type')!r} (native supports {sorted(STATIC_ROPE)})"
+    if getattr(config, "use_sliding_window", False) or getattr(config, "sliding_window", None) and \
+            config.model_type == "mistral":
+        return "sliding-window attention"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    return None
+
+
+@dataclass
+class LayerWeights:
+    input_norm: Tensor
+    qkv: Tensor            # [(H + 2 KV) * D, hidden]
+    qkv_bias: Tensor | None
+    o: Tensor
+    post_norm: Tensor
+    gate_up: Tensor        # [2 * intermediate, hidden]
+    down: Tensor
+
+
+class NativeRolloutEngine:
+    def __init__(self, model, tokenizer, max_num_seqs: int, dtype: torch.dtype, use_cuda_graphs: bool = True,
+                 memory_utilization: float = 0.5):
+        self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs
+        self.memory_utilization = memory_utilization
+        self.dtype = dtype
+        self.eos_ids = stop_token_ids(tokenizer, model)
+        c = model.config
+        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.eps = c.rms_norm_eps
+        self.use_cuda_graphs = use_cuda_graphs
+        self.sync_weights(model)
+
+    # --- weights ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sync_weights(self, model) -> None:
+        """The decode weights, fused and cast once per update; the prefill uses the module itself."""
+        self.model = model
+        self.device = next(model.parameters()).device
+        cast = lambda t: t.detach().to(self.device, self.dtype)  # noqa: E731
+        self.layers = []
+        for layer in model.get_decoder().layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+            self.layers.append(LayerWeights(
+                input_norm=cast(layer.input_layernorm.weight),
+                qkv=cast(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
+                qkv_bias=cast(torch.cat(biases)) if biases[0] is not None else None,
+                o=cast(attn.o_proj.weight), post_norm=cast(layer.post_attention_layernorm.weight),
+                gate_up=cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])), down=cast(mlp.down_proj.weight)))
+        decoder = model.get_decoder()
+        self.embed = cast(decoder.embed_tokens.weight)
+        self.final_norm = cast(decoder.norm.weight)
+        self.lm_head = cast(model.get_output_embeddings().weight)
+        rotary = decoder.rotary_emb
+        self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        self.eos = torch.tensor(self.eos_ids, device=self.device)
+
+    # --- generation ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
+        size = self._sequences_at_once(prompts.input_ids.shape[1] + params.max_new_tokens)
+        parts = [self._generate_chunk(prompts.input_ids[i:i + size], prompts.attention_mask[i:i + size],
+                                      [r.index for r in prompts.records[i:i + size]], params)
+                 for i in range(0, len(prompts), size)]
+        width = max(ids.shape[1] for ids, _ in parts)
+        pad = self.tokenizer.pad_token_id
+        response_ids = torch.cat([F.pad(ids, (0, width - ids.shape[1]), value=pad) for ids, _ in parts])
+        log_probs = torch.cat([F.pad(lp, (0, width - lp.shape[1])) for _, lp in parts])
+        response_ids, response_mask, truncated = mask_after_eos(
+            response_ids, [] if params.ignore_eos else self.eos_ids, pad, params.max_new_tokens)
+        return RolloutBatch(
+            prompt_ids=prompts.input_ids, prompt_mask=prompts.attention_mask, response_ids=response_ids,
+            response_mask=response_mask, sampling_log_probs=log_probs * response_mask,
+            group_index=torch.tensor([r.index for r in prompts.records]), records=list(prompts.records),
+            response_texts=self.tokenizer.batch_decode(
+                [ids[m.bool()] for ids, m in zip(response_ids, response_mask)], skip_special_tokens=True),
+            truncated=truncated)
+
+    def _sequences_at_once(self, seq_len: int) -> int:
+        """rollout.max_num_seqs, fewer if their KV cache would pass gpu_memory_utilization of the
+        free memory."""
+        if self.device.type != "cuda":
+            return self.max_num_seqs
+        free, _ = torch.cuda.mem_get_info(self.device)
+        per_sequence = 2 * len(self.layers) * self.kv_heads * self.head_dim * seq_len * self.embed.element_size()
+        fits = max(1, int(free * self.memory_utilization // per_sequence))
+        if fits < self.max_num_seqs:
+            log.info("native rollout: %d sequences at once (KV cache within %.0f%% of %.1f GB free)", fits,
+                     100 * self.memory_utilization, free / 1e9)
+        return min(self.max_num_seqs, fits)
+
+    def _generate_chunk(self, input_ids: Tensor, attention_mask: Tensor, groups: list[int],
+                        params: SamplingParams) -> tuple[Tensor, Tensor]:
+        batch, prompt_len = input_ids.shape
+        steps = params.max_new_tokens
+        # One prefill per distinct prompt: consecutive rows of the same group share it.
+        groups_t = torch.tensor(groups)
+        first = torch.ones(batch, dtype=torch.bool)
+        first[1:] = groups_t[1:] != groups_t[:-1]
+        slot_to_prompt = (first.long().cumsum(0) - 1).to(self.device)                    # [B]
+        state = _DecodeState.allocate(self, batch, prompt_len, steps)
+        state.pad.copy_((attention_mask == 0).sum(-1).to(self.device))
+        prompt_logits = self._prefill(input_ids[first].to(self.device), attention_mask[first].to(self.device),
+                                      slot_to_prompt, state)
+        token, log_prob = sample(prompt_logits[slot_to_prompt], params)
+        state.record(token, log_prob, self.eos, params.ignore_eos)
+        step = self._decode_step_fn(state, params)
+        for t in range(1, steps):
+            step()
+            if t % DONE_CHECK_EVERY == 0 and bool(state.done.all()):
+                break
+        used = int(state.step.item())
+        return state.tokens[:, :used].cpu(), state.log_probs[:, :used].float().cpu()
+
+    def _prefill(self, input_ids: Tensor, attention_mask: Tensor, slot_to_prompt: Tensor,
+                 state: "_DecodeState") -> Tensor:
+        """The policy's own forward over the distinct prompts; their KV goes to every slot."""
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                           position_ids=positions, use_cache=True)
+        cache = out.get("cache") if "cache" in out else out.get("past_key_values")
+        prompt_len = input_ids.shape[1]
+        for i, layer in enumerate(cache.layers):
+            state.k[i][:, :, :prompt_len] = layer.keys[slot_to_prompt].to(self.dtype)
+            state.v[i][:, :, :prompt_len] = layer.values[slot_to_prompt].to(self.dtype)
+        return F.linear(out.last_hidden_state[:, -1].to(self.dtype), self.lm_head)     # [U, V], already normed
+
+    def _decode_step_fn(self, state: "_DecodeState", params: SamplingParams):
+        """One decode step as a callable: a CUDA graph replay on GPU, the eager step elsewhere."""
+        def eager() -> None:
+            token, log_prob = sample(self._decode_logits(state), params)
+            state.record(token, log_prob, self.eos, params.ignore_eos)
+
+        if not (self.use_cuda_graphs and self.device.type == "cuda"):
+            return eager
+        # Captured per chunk: the KV cache is freed after each generate call (verl's
+        # free_cache_engine), and a graph replays on the addresses it was captured with.
+        return _DecodeGraph(eager, state).replay
+
+    def _decode_logits(self, s: "_DecodeState") -> Tensor:
+        """Logits [B, V] for the last sampled token of every row, its K and V written to the cache."""
+        batch = s.pad.shape[0]
+        column = s.prompt_len + s.step - 1                                        # [1] cache column
+        positions = column - s.pad                                                # [B] skips left padding
+        cols = torch.arange(s.k[0].shape[2], device=self.device)
+        visible = (cols >= s.pad[:, None]) & (cols <= column)                      # [B, L]
+        mask = visible[:, None, None, :]
+        cos, sin = _rope(positions, self.inv_freq, self.rope_scale, self.dtype)   # [B, D]
+        x = F.embedding(s.last_token, self.embed)                                 # [B, hidden]
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        for i, w in enumerate(self.layers):
+            h = _rms_norm(x, w.input_norm, self.eps)
+            qkv = F.linear(h, w.qkv, w.qkv_bias)
+            q = qkv[:, :q_size].view(batch, self.heads, 1, self.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(batch, self.kv_heads, 1, self.head_dim)
+            v = qkv[:, q_size + kv_size:].view(batch, self.kv_heads, 1, self.head_dim)
+            q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+            s.k[i].index_copy_(2, column, k)
+            s.v[i].index_copy_(2, column, v)
+            attn = F.scaled_dot_product_attention(q, s.k[i], s.v[i], attn_mask=mask, enable_gqa=True)
+            x = x + F.linear(attn.reshape(batch, q_size), w.o)
+            h = _rms_norm(x, w.post_norm, self.eps)
+            gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w.down)
+        return F.linear(_rms_norm(x, self.final_norm, self.eps), self.lm_head)
+
+
+@dataclass
+class _DecodeState:
+    """Static buffers of one generation chunk (CUDA graphs replay on fixed addresses)."""
+    k: list[Tensor]            # per layer [B, KV, P + R, D]
+    v: list[Tensor]
+    tokens: Tensor             # [B, R] sampled tokens
+    log_probs: Tensor          # [B, R]
+    last_token: Tensor         # [B]
+    done: Tensor               # [B] bool
+    pad: Tensor                # [B] left-padding columns of each prompt
+    step: Tensor               # [1] tokens sampled so far
+    prompt_len: int
+
+    @classmethod
+    def allocate(cls, engine: NativeRolloutEngine, batch: int, prompt_len: int, steps: int) -> "_DecodeState":
+        dev = engine.device
+        shape = (batch, engine.kv_heads, prompt_len + steps, engine.head_dim)
+        return cls(k=[torch.zeros(shape, device=dev, dtype=engine.dtype) for _ in engine.layers],
+                   v=[torch.zeros(shape, device=dev, dtype=engine.dtype) for _ in engine.layers],
+                   tokens=torch.full((batch, steps), engine.tokenizer.pad_token_id, dtype=torch.long, device=dev),
+                   log_probs=torch.zeros((batch, steps), device=dev), last_token=torch.zeros(batch, dtype=torch.long,
+                                                                                          device=dev),
+                   done=torch.zeros(batch, dtype=torch.bool, device=dev), pad=torch.zeros(batch, dtype=torch.long,
+                                                                                         device=dev),
+                   step=torch.zeros(1, dtype=torch.long, device=dev), prompt_len=prompt_len)
+
+    def record(self, token: Tensor, log_prob: Tensor, eos: Tensor, ignore_eos: bool) -> None:
+        """Write this step's token and advance, on the device (what follows an EOS is masked later)."""
+        index = self.step.expand(token.shape[0]).unsqueeze(-1)
+        self.tokens.scatter_(1, index, token.unsqueeze(-1))
+        self.log_probs.scatter_(1, index, log_prob.unsqueeze(-1))
+        if not ignore_eos:
+            self.done |= torch.isin(token, eos)
+        self.last_token.copy_(token)
+        self.step += 1
+
+
+class _DecodeGraph:
+    """A decode step captured once and replayed; warm-up runs on a side stream first, as CUDA
+    graph capture requires."""
+
+    def __init__(self, step_fn, state: _DecodeState):
+        self.state = state
+        saved = (state.step.clone(), state.tokens.clone(), state.log_probs.clone(), state.last_token.clone(),
+                 state.done.clone(), [k.clone() for k in state.k], [v.clone() for v in state.v])
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step_fn()  # warm-up: allocator and kernel selection
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            step_fn()
+        # Warm-up and capture ran the step; put the state back as it was before them.
+        step, tokens, log_probs, last, done, ks, vs = saved
+        state.step.copy_(step), state.tokens.copy_(tokens), state.log_probs.copy_(log_probs)
+        state.last_token.copy_(last), state.done.copy_(done)
+        for dst, src in zip(state.k + state.v, ks + vs):
+            dst.copy_(src)
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """As Qwen2/Llama compute it: in float32, scaled by the weight in the input dtype."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def _rope(positions: Tensor, inv_freq: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    freqs = positions.float()[:, None] * inv_freq[None, :]                       # [B, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)                                      # [B, D]
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, heads, 1, D] rotated by its row's position (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, None, :] + rotated * sin[:, None, None, :]

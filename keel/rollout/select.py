@@ -1,0 +1,31 @@
+"""Which rollout engine a run uses: `rollout.name` auto | native | hf."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from keel.diagnostics.codes import INCOMPATIBLE_OPTIONS, KeelError
+from keel.rollout.hf import HFRolloutEngine
+from keel.rollout.native import NativeRolloutEngine, unsupported_reason
+
+log = logging.getLogger("keel")
+
+
+def make_rollout_engine(rollout_cfg, model, tokenizer, device: torch.device, dtype: torch.dtype, log_choice: bool):
+    """`auto` takes native where it supports the model and says why when it does not; an explicit
+    `native` that cannot run is an error rather than a silent switch."""
+    reason = unsupported_reason(model, device) if rollout_cfg.name != "hf" else None
+    if rollout_cfg.name == "native" and reason:
+        raise KeelError(INCOMPATIBLE_OPTIONS, f"actor_rollout_ref.rollout.name=native does not support this model: "
+                        f"{reason}", "set actor_rollout_ref.rollout.name=auto (falls back to hf) or hf")
+    if rollout_cfg.name == "hf" or reason:
+        if log_choice:
+            log.info("rollout engine: hf (%s)", f"native does not support {reason}" if reason else "rollout.name=hf")
+        return HFRolloutEngine(model, tokenizer, rollout_cfg.max_num_seqs)
+    if log_choice:
+        log.info("rollout engine: native (%s, %s)", model.config.model_type,
+                 "CUDA graphs" if device.type == "cuda" else "eager on CPU")
+    return NativeRolloutEngine(model, tokenizer, rollout_cfg.max_num_seqs, dtype,
+                               memory_utilization=rollout_cfg.gpu_memory_utilization)
