@@ -70,6 +70,7 @@ class NativeRolloutEngine:
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.eps = c.rms_norm_eps
         self.use_cuda_graphs = use_cuda_graphs
+        self.timing: dict[str, float] = {}  # seconds per part of the last chunk generated
         self.sync_weights(model)
 
     # --- weights ---------------------------------------------------------------------------------
@@ -141,17 +142,22 @@ class NativeRolloutEngine:
         first = torch.ones(batch, dtype=torch.bool)
         first[1:] = groups_t[1:] != groups_t[:-1]
         slot_to_prompt = (first.long().cumsum(0) - 1).to(self.device)                    # [B]
+        clock = _Clock(self.device)
         state = _DecodeState.allocate(self, batch, prompt_len, steps)
         state.pad.copy_((attention_mask == 0).sum(-1).to(self.device))
         prompt_logits = self._prefill(input_ids[first].to(self.device), attention_mask[first].to(self.device),
                                       slot_to_prompt, state)
         token, log_prob = sample(prompt_logits[slot_to_prompt], params)
         state.record(token, log_prob, self.eos, params.ignore_eos)
+        clock.lap("prefill")
         step = self._decode_step_fn(state, params)
+        clock.lap("capture")
         for t in range(1, steps):
             step()
             if t % DONE_CHECK_EVERY == 0 and bool(state.done.all()):
                 break
+        clock.lap("decode")
+        self.timing = clock.laps
         used = int(state.step.item())
         return state.tokens[:, :used].cpu(), state.log_probs[:, :used].float().cpu()
 
@@ -188,7 +194,7 @@ class NativeRolloutEngine:
         positions = column - s.pad                                                # [B] skips left padding
         cols = torch.arange(s.k[0].shape[2], device=self.device)
         visible = (cols >= s.pad[:, None]) & (cols <= column)                      # [B, L]
-        mask = visible[:, None, None, :]
+        bias = torch.zeros(visible.shape, device=self.device).masked_fill_(~visible, float("-inf"))[:, None, None]
         cos, sin = _rope(positions, self.inv_freq, self.rope_scale, self.dtype)   # [B, D]
         x = F.embedding(s.last_token, self.embed)                                 # [B, hidden]
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -201,12 +207,31 @@ class NativeRolloutEngine:
             q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
             s.k[i].index_copy_(2, column, k)
             s.v[i].index_copy_(2, column, v)
-            attn = F.scaled_dot_product_attention(q, s.k[i], s.v[i], attn_mask=mask, enable_gqa=True)
-            x = x + F.linear(attn.reshape(batch, q_size), w.o)
+            x = x + F.linear(_decode_attention(q, s.k[i], s.v[i], bias), w.o)
             h = _rms_norm(x, w.post_norm, self.eps)
             gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, w.down)
         return F.linear(_rms_norm(x, self.final_norm, self.eps), self.lm_head)
+
+
+class _Clock:
+    """Seconds per part of a generate call (synchronised on GPU), kept as engine.timing."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.laps: dict[str, float] = {}
+        self.last = self._now()
+
+    def _now(self) -> float:
+        import time
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = self._now()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self.last
+        self.last = now
 
 
 @dataclass
@@ -271,6 +296,18 @@ class _DecodeGraph:
 
     def replay(self) -> None:
         self.graph.replay()
+
+
+def _decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+    """One query per row against its cache, grouped-query: q [B, H, 1, D], k/v [B, KV, L, D],
+    bias [B, 1, 1, L] (0 or -inf) -> [B, H * D]. The query heads of a KV head share one batched
+    matmul, so K and V are read once and never repeated to H heads."""
+    batch, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.view(batch, kv_heads, heads // kv_heads, dim)                    # [B, KV, G, D]
+    scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * dim ** -0.5    # [B, KV, G, L]
+    weights = torch.softmax(scores + bias, dim=-1).to(v.dtype)
+    return torch.matmul(weights, v).reshape(batch, heads * dim)                  # [B, KV, G, D] -> [B, H*D]
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -1,0 +1,62 @@
+"""Where the native engine's generation time goes on a GPU (Qwen2.5-0.5B shapes, random weights):
+prefill, graph capture, decode per step (graph replay and eager), and an eager step's top kernels.
+
+    python benchmarks/profile_decode.py [--batch 128] [--prompt 256] [--steps 256] [--n 8]
+"""
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from keel.bench.run import make_model
+from keel.data.prompts import PromptBatch, PromptRecord
+from keel.models.load import load_causal_lm, load_tokenizer
+from keel.rollout.native import NativeRolloutEngine
+from keel.types import SamplingParams
+
+
+def prompts(batch: int, n: int, length: int) -> PromptBatch:
+    ids = torch.randint(10, 200, (batch // n, length)).repeat_interleave(n, 0)
+    records = [PromptRecord(prompt_ids=row.tolist(), prompt_text="", raw_prompt="", data_source="bench",
+                            ground_truth="", extra_info={}, index=i // n) for i, row in enumerate(ids)]
+    return PromptBatch(ids, torch.ones_like(ids), records)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--steps", type=int, default=256)
+    p.add_argument("--model", default="0.5b")
+    args = p.parse_args()
+    model_dir = make_model(args.model, Path(tempfile.gettempdir()) / f"keel_profile_{args.model}")
+    model = load_causal_lm(model_dir, torch.device("cuda"))
+    tokenizer = load_tokenizer(model_dir)
+    batch = prompts(args.batch, args.n, args.prompt)
+    params = SamplingParams(n=args.n, max_new_tokens=args.steps, ignore_eos=True)
+    report = {}
+    for graphs in (True, False):
+        engine = NativeRolloutEngine(model, tokenizer, 4096, torch.bfloat16, use_cuda_graphs=graphs)
+        engine.generate(batch, params)  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.generate(batch, params)
+        torch.cuda.synchronize()
+        total = time.perf_counter() - start
+        report["graphs" if graphs else "eager"] = {
+            "total_s": total, **engine.timing, "ms_per_step": 1e3 * engine.timing["decode"] / (args.steps - 1),
+            "tokens_per_s": args.batch * args.steps / total}
+    engine = NativeRolloutEngine(model, tokenizer, 4096, torch.bfloat16, use_cuda_graphs=False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        engine.generate(batch, SamplingParams(n=args.n, max_new_tokens=8, ignore_eos=True))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
