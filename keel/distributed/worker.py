@@ -108,15 +108,17 @@ class PolicyWorker:
         return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "threads": torch.get_num_threads(),
                 "visible": os.environ.get("CUDA_VISIBLE_DEVICES", "all"), **self.sharding}
 
-    def generate(self, prompts, sampling: SamplingParams, seed: int) -> RolloutBatch | None:
+    def generate(self, prompts, sampling: SamplingParams, seed: int) -> tuple[RolloutBatch | None, dict]:
+        """This rank's samples, and the engine's own timing of its parts (prefill, decode, ...)."""
         if prompts is None:  # fewer prompts than ranks
-            return None
+            return None, {}
         torch.manual_seed(seed)  # per step and rank: a resumed run samples what an uninterrupted one would
         start = time.perf_counter()
         with autocast(self.device, self.compute_dtype):
             batch = self.rollout.generate(prompts, sampling)
-        log.debug("rank %d generated %d samples in %.2f s", self.rank, len(batch), time.perf_counter() - start)
-        return batch
+        timing = {f"gen_{part}": seconds for part, seconds in getattr(self.rollout, "timing", {}).items()}
+        timing["gen_engine"] = time.perf_counter() - start
+        return batch, timing
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         with autocast(self.device, self.compute_dtype):

@@ -115,6 +115,7 @@ class RLTrainer:
             prompts = collate_prompts([c.train_data[i] for i in c.sampler.next_batch()], c.tokenizer.pad_token_id)
             with timer("gen"):
                 batch = workers.generate(prompts.repeat_interleave(self.sampling.n), self.sampling, self._seed())
+            gen_parts = dict(workers.gen_timing)
             baseline = None
             if needs_baseline_rollout(self.cfg):
                 with timer("gen_baseline"):
@@ -152,6 +153,7 @@ class RLTrainer:
         logger.log_samples(self.step, self._samples(batch))
         metrics.update(batch_metrics(batch))
         metrics.update(timer.metrics())
+        metrics.update(gen_parts)
         metrics.update(throughput_metrics(batch, timer.times["step"], workers.group.memory))
         metrics.update({"training/global_step": float(self.step), "training/epoch": float(c.sampler.epoch),
                         "guards/frac_reward_zero_std": frac_reward_zero_std(batch.scores, batch.group_index)})

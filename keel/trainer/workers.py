@@ -26,6 +26,7 @@ class WorkerRoles:
         self.cfg = cfg
         self.world = group.world_size
         self.pad_token_id = pad_token_id
+        self.gen_timing: dict[str, float] = {}  # the last generate call's parts, slowest rank
 
     # --- rollout -----------------------------------------------------------------------------------
     def generate(self, prompts: PromptBatch, sampling: SamplingParams, seed: int) -> RolloutBatch:
@@ -34,7 +35,9 @@ class WorkerRoles:
         bounds = [len(prompts) * r // self.world for r in range(self.world + 1)]
         parts = [_slice_prompts(prompts, bounds[r], bounds[r + 1]) for r in range(self.world)]
         results = self.group.call("generate", [(p, sampling, seed * 1009 + r) for r, p in enumerate(parts)])
-        return concat_rows([b for b in results if b is not None], self.pad_token_id)
+        # The slowest rank's parts: where the phase's time went.
+        self.gen_timing = {f"timing_s/{k}": max(t.get(k, 0.0) for _, t in results) for _, t in results for k in t}
+        return concat_rows([b for b, _ in results if b is not None], self.pad_token_id)
 
     # --- forward passes ------------------------------------------------------------------------------
     def actor_log_probs(self, batch: RolloutBatch) -> torch.Tensor:

@@ -21,7 +21,7 @@ def setup(model_dir, n, sharpen: float = 1.0):
     with torch.no_grad():  # peaked logits: near-ties would let kernel rounding flip greedy picks
         model.get_output_embeddings().weight.mul_(sharpen)
     rows = [{"prompt": f"Digits please: {i} " * (1 + i % 3)} for i in range(6)]
-    records, _ = build_prompt_dataset(rows, tokenizer, max_prompt_length=64)
+    records, _ = build_prompt_dataset(rows, tokenizer, max_prompt_length=128)
     return model, tokenizer, collate_prompts(records, tokenizer.pad_token_id).repeat_interleave(n)
 
 

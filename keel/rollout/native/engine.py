@@ -195,16 +195,16 @@ class NativeRolloutEngine:
         cols = torch.arange(s.k[0].shape[2], device=self.device)
         visible = (cols >= s.pad[:, None]) & (cols <= column)                      # [B, L]
         bias = torch.zeros(visible.shape, device=self.device).masked_fill_(~visible, float("-inf"))[:, None, None]
-        cos, sin = _rope(positions, self.inv_freq, self.rope_scale, self.dtype)   # [B, D]
+        cos, sin = _rope(positions, self.inv_freq, self.rope_scale, self.dtype)   # [B, 1, D]
         x = F.embedding(s.last_token, self.embed)                                 # [B, hidden]
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        rotated_heads, kv_size = self.heads + self.kv_heads, self.kv_heads * self.head_dim
         for i, w in enumerate(self.layers):
             h = _rms_norm(x, w.input_norm, self.eps)
             qkv = F.linear(h, w.qkv, w.qkv_bias)
-            q = qkv[:, :q_size].view(batch, self.heads, 1, self.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].view(batch, self.kv_heads, 1, self.head_dim)
-            v = qkv[:, q_size + kv_size:].view(batch, self.kv_heads, 1, self.head_dim)
-            q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+            qk = _apply_rope(qkv[:, :-kv_size].view(batch, rotated_heads, self.head_dim), cos, sin)
+            q = qk[:, :self.heads].unsqueeze(2)                                    # [B, H, 1, D]
+            k = qk[:, self.heads:].unsqueeze(2)                                    # [B, KV, 1, D]
+            v = qkv[:, -kv_size:].view(batch, self.kv_heads, 1, self.head_dim)
             s.k[i].index_copy_(2, column, k)
             s.v[i].index_copy_(2, column, v)
             x = x + F.linear(_decode_attention(q, s.k[i], s.v[i], bias), w.o)
@@ -312,19 +312,19 @@ def _decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """As Qwen2/Llama compute it: in float32, scaled by the weight in the input dtype."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def _rope(positions: Tensor, inv_freq: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos [B, 1, D] and sin [B, 1, D] with the rotate-half sign folded in (-sin on the first half)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]                       # [B, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)                                      # [B, D]
-    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+    cos = torch.cat([freqs, freqs], dim=-1).cos() * scale
+    sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1) * scale
+    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
 def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, heads, 1, D] rotated by its row's position (rotate-half convention)."""
+    """x [B, heads, D] rotated by its row's position: x cos + rotate_half(x) sin, where
+    rotate_half(x) = [-x2, x1] and the minus sign lives in `sin`."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, None, :] + rotated * sin[:, None, None, :]
+    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
