@@ -98,10 +98,12 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
         for _ in range(warmup + steps):
             trainer.step += 1
             per_step.append(trainer.guarded_step(logger))
+        engine = trainer.c.workers.group.call("info", [()] * cfg.world_size)[0]["rollout_engine"]
     finally:
         logger.close()
         trainer.c.workers.shutdown()
     record = summarize(name, workload, cfg, per_step[warmup:], trainer.c.workers.group.memory)
+    record["engine"] = engine
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         with out.open("a") as f:
@@ -183,8 +185,9 @@ def measured_peak_tflops() -> float:
 
 
 def _commit() -> str:
+    """The checkout's commit, marked +dirty when files differ from it."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        return subprocess.run(["git", "describe", "--always", "--dirty=+dirty"], capture_output=True, text=True,
                               cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"
     except OSError:
         return "unknown"

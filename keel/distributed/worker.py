@@ -106,6 +106,7 @@ class PolicyWorker:
 
     def info(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "threads": torch.get_num_threads(),
+                "rollout_engine": type(self.rollout).__name__,
                 "visible": os.environ.get("CUDA_VISIBLE_DEVICES", "all"), **self.sharding}
 
     def generate(self, prompts, sampling: SamplingParams, seed: int) -> tuple[RolloutBatch | None, dict]:
