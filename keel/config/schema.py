@@ -83,6 +83,8 @@ class FSDPConfig:
 class ActorConfig:
     ppo_mini_batch_size: int = opt(4, gt=0, help="prompts per mini-batch (x rollout.n samples)")
     ppo_micro_batch_size_per_gpu: int = opt(4, gt=0, help="samples per forward/backward")
+    use_dynamic_bsz: bool = opt(False, help="micro-batches by token budget instead of sample count")
+    ppo_max_token_len_per_gpu: int = opt(16384, gt=0, help="use_dynamic_bsz: padded tokens per forward/backward")
     ppo_epochs: int = opt(1, gt=0)
     shuffle: bool = opt(True, help="shuffle samples between mini-batches")
     clip_ratio: float = opt(0.2, gt=0)
@@ -123,12 +125,16 @@ class RolloutConfig:
     gpu_memory_utilization: float = opt(0.5, gt=0, le=1, help="native: share of the free GPU memory the KV "
                                                               "cache may take (fewer sequences at once if needed)")
     log_prob_micro_batch_size_per_gpu: int = opt(8, gt=0)
+    log_prob_use_dynamic_bsz: bool = opt(False, help="old log-prob micro-batches by token budget")
+    log_prob_max_token_len_per_gpu: int = opt(32768, gt=0, help="log_prob_use_dynamic_bsz: padded tokens per forward")
     val_kwargs: ValKwargs = opt(factory=ValKwargs)
 
 
 @dataclass
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = opt(8, gt=0)
+    log_prob_use_dynamic_bsz: bool = opt(False, help="reference log-prob micro-batches by token budget")
+    log_prob_max_token_len_per_gpu: int = opt(32768, gt=0, help="log_prob_use_dynamic_bsz: padded tokens per forward")
     fsdp_config: FSDPConfig = opt(factory=FSDPConfig)
 
 
@@ -158,6 +164,8 @@ class CriticConfig:
     optim: CriticOptimConfig = opt(factory=CriticOptimConfig)
     ppo_mini_batch_size: int | None = opt(None, gt=0, help="default: the actor's")
     ppo_micro_batch_size_per_gpu: int | None = opt(None, gt=0, help="default: the actor's")
+    use_dynamic_bsz: bool = opt(False, help="micro-batches by token budget (values and updates)")
+    ppo_max_token_len_per_gpu: int = opt(32768, gt=0, help="use_dynamic_bsz: padded tokens per forward")
     ppo_epochs: int | None = opt(None, gt=0, help="default: the actor's")
     cliprange_value: float = opt(0.5, gt=0)
     loss_agg_mode: str = opt("token-mean", choices=LOSS_AGG_MODES)
@@ -307,7 +315,12 @@ class KeelConfig:
                          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
                          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-                         "critic.ppo_micro_batch_size_per_gpu")
+                         "critic.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.use_dynamic_bsz",
+                         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "critic.use_dynamic_bsz",
+                         "critic.ppo_max_token_len_per_gpu", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+                         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                         "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+                         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu")
 
     # --- derived settings, so components never re-derive defaults on their own ---
     @property
@@ -348,10 +361,10 @@ def _check_batch_arithmetic(cfg: KeelConfig) -> None:
     n = cfg.actor_rollout_ref.rollout.n
     prompts = cfg.data.train_batch_size
     critic_mini, critic_micro, _ = cfg.critic_batching
-    roles = [("actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu)]
+    roles = [("actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz)]
     if cfg.critic_enabled:
-        roles.append(("critic", critic_mini, critic_micro))
-    for role, mini, micro in roles:
+        roles.append(("critic", critic_mini, critic_micro, cfg.critic.use_dynamic_bsz))
+    for role, mini, micro, dynamic in roles:
         key = "actor_rollout_ref.actor" if role == "actor" else "critic"
         if mini > prompts or prompts % mini:
             raise KeelError(
@@ -360,13 +373,31 @@ def _check_batch_arithmetic(cfg: KeelConfig) -> None:
                 f"{key}.ppo_mini_batch_size={mini} prompts",
                 f"set {key}.ppo_mini_batch_size to a divisor of {prompts} (e.g. "
                 f"{_largest_divisor_at_most(prompts, mini)})")
-        if (mini * n) % micro:
+        if (mini * n) % micro and not dynamic:  # a token budget ignores the micro-batch size
             raise KeelError(
                 BATCH_ARITHMETIC,
                 f"the {role} mini-batch of {mini} prompts x rollout.n={n} = {mini * n} samples does not "
                 f"split into micro-batches of {key}.ppo_micro_batch_size_per_gpu={micro}",
                 f"set {key}.ppo_micro_batch_size_per_gpu to a divisor of {mini * n} (e.g. "
                 f"{_largest_divisor_at_most(mini * n, micro)})")
+
+
+def _check_token_budgets(cfg: KeelConfig) -> None:
+    """A dynamic micro-batch must hold at least one sample of the longest possible length."""
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    arr = cfg.actor_rollout_ref
+    budgets = [("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", arr.actor.use_dynamic_bsz,
+                arr.actor.ppo_max_token_len_per_gpu),
+               ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", arr.rollout.log_prob_use_dynamic_bsz,
+                arr.rollout.log_prob_max_token_len_per_gpu),
+               ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", arr.ref.log_prob_use_dynamic_bsz,
+                arr.ref.log_prob_max_token_len_per_gpu),
+               ("critic.ppo_max_token_len_per_gpu", cfg.critic.use_dynamic_bsz, cfg.critic.ppo_max_token_len_per_gpu)]
+    for key, enabled, budget in budgets:
+        if enabled and budget < longest:
+            raise KeelError(BATCH_ARITHMETIC, f"{key}={budget} is smaller than one sample can be: "
+                            f"data.max_prompt_length + data.max_response_length = {longest} tokens",
+                            f"set {key} to at least {longest} (a few times more lets samples share a pass)")
 
 
 def _check_world(cfg: KeelConfig, incompatible) -> None:
@@ -445,6 +476,7 @@ def _check_options(cfg: KeelConfig) -> None:
             f"actor_rollout_ref.rollout.do_sample=false with rollout.n={rollout.n}: greedy samples "
             "of one prompt are identical", "set rollout.do_sample=true or rollout.n=1")
     _check_world(cfg, incompatible)
+    _check_token_budgets(cfg)
     if not cfg.data.train_files:
         raise incompatible("data.train_files is empty", "set data.train_files to parquet/jsonl files")
     if not cfg.actor_rollout_ref.model.path:

@@ -31,6 +31,7 @@ from keel.models.load import (autocast, load_causal_lm, load_critic, load_tokeni
 from keel.rollout.select import make_rollout_engine
 from keel.training.actor import ActorTrainer
 from keel.training.critic import CriticTrainer
+from keel.training.forward import MicroBatching
 from keel.training.reference import ReferencePolicy
 from keel.training.step import MiniBatch
 from keel.types import RolloutBatch, SamplingParams
@@ -61,14 +62,16 @@ class PolicyWorker:
         self.rollout = make_rollout_engine(arr.rollout, copy.deepcopy(model) if self.sharded else model,
                                            self.tokenizer, self.device, self.compute_dtype, log_choice=rank == 0)
         self.actor = ActorTrainer(self._shard(model, arr.actor.fsdp_config, "actor"), arr.actor,
-                                  arr.rollout.temperature, total_steps, arr.rollout.log_prob_micro_batch_size_per_gpu,
+                                  arr.rollout.temperature, total_steps,
+                                  _log_prob_batching(arr.rollout.log_prob_micro_batch_size_per_gpu, arr.rollout),
                                   cfg.data.max_response_length)
         self.actor.data_parallel_size = world_size
         self.ref = None
         if cfg.ref_enabled:  # the reference is always the starting policy, even on resume
             ref_model = load_causal_lm(arr.model.path, self.device, arr.model.trust_remote_code)
             self.ref = ReferencePolicy(self._shard(ref_model, arr.ref.fsdp_config, "ref"),
-                                       arr.ref.log_prob_micro_batch_size_per_gpu, arr.rollout.temperature)
+                                       _log_prob_batching(arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref),
+                                       arr.rollout.temperature)
         self.critic = self._build_critic(total_steps) if cfg.critic_enabled else None
 
     @property
@@ -212,6 +215,11 @@ class PolicyWorker:
                 in_collective = "torch/distributed" in stack
             text.append(f"--- thread {ident}{' (main)' if ident == main else ''} ---\n{stack}")
         return {"phase": self.phase, "in_collective": in_collective, "text": "\n".join(text)}
+
+
+def _log_prob_batching(micro_size: int, role_cfg) -> MicroBatching:
+    dynamic = role_cfg.log_prob_use_dynamic_bsz
+    return MicroBatching(micro_size, role_cfg.log_prob_max_token_len_per_gpu if dynamic else None)
 
 
 def _optimizer_state(trainer) -> dict:

@@ -8,7 +8,8 @@ from keel.algorithms.kl import kl_penalty
 from keel.algorithms.losses import PolicyLossParams, agg_loss, compute_policy_loss
 from keel.algorithms.utils import masked_mean
 from keel.diagnostics.codes import NO_GRADIENT, KeelError
-from keel.training.forward import compute_device, batched_log_probs, response_log_probs, split_micro
+from keel.training.forward import (MicroBatching, batched_log_probs, compute_device, micro_batches,
+                                   response_log_probs)
 from keel.training.optim import build_optimizer, build_scheduler
 from keel.training.step import LossScale, MetricSums, MiniBatch, apply_gradients, backward
 from keel.types import RolloutBatch
@@ -25,13 +26,15 @@ def check_gradient_flows(grad_norm: float, mini: MiniBatch) -> None:
 
 class ActorTrainer:
     def __init__(self, model, actor_cfg, temperature: float, total_steps: int,
-                 log_prob_micro_size: int, max_response_length: int):
+                 log_prob_batching: MicroBatching, max_response_length: int):
         self.model = model
         self.cfg = actor_cfg
         # Log-probs are recomputed at the sampling temperature, as verl does, so the PPO ratio
         # compares the same distribution the samples came from.
         self.temperature = temperature
-        self.log_prob_micro_size = log_prob_micro_size
+        self.log_prob_batching = log_prob_batching
+        self.update_batching = MicroBatching(actor_cfg.ppo_micro_batch_size_per_gpu,
+                                             actor_cfg.ppo_max_token_len_per_gpu if actor_cfg.use_dynamic_bsz else None)
         self.loss_params = PolicyLossParams(
             clip_ratio_low=actor_cfg.clip_ratio_low or actor_cfg.clip_ratio,
             clip_ratio_high=actor_cfg.clip_ratio_high or actor_cfg.clip_ratio,
@@ -43,7 +46,7 @@ class ActorTrainer:
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps)
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:       # [N, R]
-        return batched_log_probs(self.model, batch, self.log_prob_micro_size, self.temperature)
+        return batched_log_probs(self.model, batch, self.log_prob_batching, self.temperature)
 
     def update(self, minis: list[MiniBatch]) -> dict[str, float]:
         self.model.train()
@@ -58,7 +61,7 @@ class ActorTrainer:
     def _update_mini_batch(self, mini: MiniBatch, sums: MetricSums) -> float:
         scale = mini.scale
         totals: dict[str, float] = {"actor/pg_loss": 0.0}
-        for micro in split_micro(mini.samples, self.cfg.ppo_micro_batch_size_per_gpu):
+        for _, micro in micro_batches(mini.samples, self.update_batching):
             loss, pg_loss, metrics = self._micro_loss(micro, scale)
             backward(loss, "actor", self.data_parallel_size)
             totals["actor/pg_loss"] += pg_loss  # micro-batch losses add up to the mini-batch loss

@@ -6,7 +6,7 @@ import torch
 
 from keel.algorithms.losses import compute_value_loss
 from keel.algorithms.utils import masked_mean
-from keel.training.forward import compute_device, response_values, split_micro
+from keel.training.forward import MicroBatching, compute_device, micro_batches, response_values
 from keel.training.optim import build_optimizer, build_scheduler
 from keel.training.step import MetricSums, MiniBatch, apply_gradients, backward
 from keel.types import RolloutBatch, pad_responses
@@ -16,7 +16,8 @@ class CriticTrainer:
     def __init__(self, critic, critic_cfg, micro_size: int, total_steps: int):
         self.model = critic
         self.cfg = critic_cfg
-        self.micro_size = micro_size
+        self.batching = MicroBatching(micro_size, critic_cfg.ppo_max_token_len_per_gpu if critic_cfg.use_dynamic_bsz
+                                      else None)
         self.data_parallel_size = 1  # ranks whose gradients are averaged (set by the worker)
         self.optimizer = build_optimizer(critic.parameters(), critic_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, critic_cfg.optim, total_steps)
@@ -24,9 +25,11 @@ class CriticTrainer:
     @torch.no_grad()
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:          # [N, R]
         self.model.eval()
-        width = batch.response_ids.shape[1]
-        values = torch.cat([pad_responses(response_values(self.model, m).cpu(), width)
-                            for m in split_micro(batch, self.micro_size)])
+        values = torch.zeros(batch.response_ids.shape)
+        for rows, micro in micro_batches(batch, self.batching):
+            micro_values = response_values(self.model, micro).cpu()
+            if len(rows):
+                values[rows] = pad_responses(micro_values, values.shape[1])
         return values * batch.response_mask
 
     def update(self, minis: list[MiniBatch]) -> dict[str, float]:
@@ -42,7 +45,7 @@ class CriticTrainer:
         device = compute_device(self.model)
         scale = mini.scale
         totals = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0, "critic/vpred_mean": 0.0}
-        for micro in split_micro(mini.samples, self.micro_size):
+        for _, micro in micro_batches(mini.samples, self.batching):
             mask = micro.response_mask.to(device)
             vpreds = response_values(self.model, micro)                         # [b, R]
             vf_loss, clipfrac = compute_value_loss(

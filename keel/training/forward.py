@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -93,21 +94,88 @@ def response_values(critic, batch: RolloutBatch) -> Tensor:
     return values[:, -response_len - 1:-1].float()
 
 
-def split_micro(batch: RolloutBatch, micro_size: int) -> list[RolloutBatch]:
-    """Micro-batches of `micro_size` samples, each trimmed to its own longest prompt and response."""
-    return [trim_padding(batch.select(range(i, min(i + micro_size, len(batch)))))
-            for i in range(0, len(batch), micro_size)]
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a batch is cut into forward passes: `size` samples each or, with `max_tokens` (verl's
+    use_dynamic_bsz), as many samples as fit that many padded tokens."""
+    size: int
+    max_tokens: int | None = None
+
+
+def micro_batches(batch: RolloutBatch, how: MicroBatching) -> list[tuple[Tensor, RolloutBatch]]:
+    """(sample indices, micro-batch) pairs, each micro-batch trimmed to its own longest prompt and
+    response. Under data parallelism every rank must run the same number of forward passes (FSDP
+    gathers weights in each); dynamic batching agrees on the count with the other ranks, and a
+    rank with too few samples runs a filler whose response is masked (its index is empty)."""
+    if how.max_tokens is None:
+        index = list(torch.arange(len(batch)).split(how.size))
+    else:
+        index = token_budget_bins(batch.prompt_mask.sum(-1), batch.response_mask.sum(-1), how.max_tokens)
+        index = _split_to_count(index, _count_across_ranks(len(index)))
+    parts = []
+    for rows in index:
+        if len(rows):
+            parts.append((rows, trim_padding(batch.select(rows))))
+        else:
+            filler = batch.select([0])
+            filler.response_mask = torch.zeros_like(filler.response_mask)
+            parts.append((rows, trim_padding(filler)))
+    return parts
+
+
+def token_budget_bins(prompt_lengths: Tensor, response_lengths: Tensor, max_tokens: int) -> list[Tensor]:
+    """Samples packed longest first into micro-batches whose padded size (samples x (longest
+    prompt + longest response)) stays within `max_tokens`; a sample longer than that goes alone."""
+    order = torch.argsort(prompt_lengths + response_lengths, descending=True, stable=True).tolist()
+    bins: list[list[int]] = []
+    widest = (0, 0)
+    for i in order:
+        p, r = int(prompt_lengths[i]), int(response_lengths[i])
+        if bins:
+            wider = (max(widest[0], p), max(widest[1], r))
+            if (len(bins[-1]) + 1) * (wider[0] + wider[1]) <= max_tokens:
+                bins[-1].append(i)
+                widest = wider
+                continue
+        bins.append([i])
+        widest = (p, r)
+    return [torch.tensor(sorted(b), dtype=torch.long) for b in bins]
+
+
+def _count_across_ranks(count: int) -> int:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return count
+    agreed = torch.tensor([count])  # a CPU tensor: gloo carries it (keel's GPU groups have gloo too)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return int(agreed.item())
+
+
+def _split_to_count(index: list[Tensor], count: int) -> list[Tensor]:
+    """Halve the largest micro-batches until there are `count`; empty fillers if none can split."""
+    index = list(index)
+    while len(index) < count:
+        largest = max(range(len(index)), key=lambda i: len(index[i]))
+        if len(index[largest]) < 2:
+            index.append(torch.zeros(0, dtype=torch.long))
+            continue
+        rows = index.pop(largest)
+        index += list(rows.tensor_split(2))
+    return index
 
 
 @torch.no_grad()
-def batched_log_probs(model, batch: RolloutBatch, micro_size: int, temperature: float) -> Tensor:
+def batched_log_probs(model, batch: RolloutBatch, how: MicroBatching, temperature: float) -> Tensor:
     """Log-probs for a whole batch without gradients, micro-batch by micro-batch: [N, R]."""
     was_training = model.training
     model.eval()
+    out = torch.zeros(batch.response_ids.shape)
     try:
-        width = batch.response_ids.shape[1]
-        parts = [pad_responses(response_log_probs(model, micro, temperature)[0].cpu(), width)
-                 for micro in split_micro(batch, micro_size)]
+        for rows, micro in micro_batches(batch, how):
+            log_probs = response_log_probs(model, micro, temperature)[0].cpu()
+            if len(rows):
+                out[rows] = pad_responses(log_probs, out.shape[1])
     finally:
         model.train(was_training)
-    return torch.cat(parts) * batch.response_mask
+    return out * batch.response_mask

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from keel.training.forward import batched_log_probs
+from keel.training.forward import MicroBatching, batched_log_probs
 from keel.types import RolloutBatch
 
 
 class ReferencePolicy:
-    def __init__(self, model, micro_size: int, temperature: float):
+    def __init__(self, model, batching: MicroBatching, temperature: float):
         self.model = model.eval().requires_grad_(False)
-        self.micro_size = micro_size
+        self.batching = batching
         self.temperature = temperature  # the actor's, so KL compares the same distributions
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:      # [N, R]
-        return batched_log_probs(self.model, batch, self.micro_size, self.temperature)
+        return batched_log_probs(self.model, batch, self.batching, self.temperature)

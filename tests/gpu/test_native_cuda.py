@@ -8,7 +8,7 @@ from keel.data.prompts import build_prompt_dataset, collate_prompts
 from keel.models.load import load_causal_lm, load_tokenizer
 from keel.rollout.hf import HFRolloutEngine
 from keel.rollout.native import NativeRolloutEngine
-from keel.training.forward import batched_log_probs
+from keel.training.forward import MicroBatching, batched_log_probs
 from keel.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -45,6 +45,6 @@ def test_bf16_samples_agree_with_the_trainer(tiny_assets):
     torch.manual_seed(0)
     batch = engine.generate(prompts, SamplingParams(n=8, temperature=1.0, max_new_tokens=32))
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        trainer = batched_log_probs(model, batch, micro_size=64, temperature=1.0)
+        trainer = batched_log_probs(model, batch, MicroBatching(64), temperature=1.0)
     gap = ((trainer - batch.sampling_log_probs).abs() * batch.response_mask).sum() / batch.response_mask.sum()
     assert float(gap) < 0.02, float(gap)

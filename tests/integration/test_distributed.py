@@ -30,15 +30,26 @@ def ray_cluster():
     ray.shutdown()
 
 
-def ppo_config(tiny_config: dict, workers: int):
-    """Every role: actor, reference (KL loss), critic (GAE); two mini-batches of 8 samples."""
+def ppo_config(tiny_config: dict, workers: int, dynamic: bool = False):
+    """Every role: actor, reference (KL loss), critic (GAE); two mini-batches of 8 samples. With
+    `dynamic`, every forward pass is cut by a token budget (ranks then disagree on how many
+    passes they need, and must agree)."""
+    dynamic_keys = [f"{key}={value}" for key, value in [
+        ("actor_rollout_ref.actor.use_dynamic_bsz", "true"), ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", 64),
+        ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "true"),
+        ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", 64),
+        ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "true"),
+        ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", 64),
+        ("critic.use_dynamic_bsz", "true"), ("critic.ppo_max_token_len_per_gpu", 64)]] if dynamic else []
     return load_config(tiny_config, ["trainer.device=cpu", f"trainer.n_gpus_per_node={workers}",
                                      "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
-                                     "actor_rollout_ref.actor.kl_loss_coef=0.5"])
+                                     "actor_rollout_ref.actor.kl_loss_coef=0.5", *dynamic_keys])
 
 
 def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ray_cluster):
-    one_cfg, two_cfg = ppo_config(tiny_config, 1), ppo_config(tiny_config, 2)
+    """Two workers with token-budget micro-batches against one process with fixed ones: the
+    same numbers either way, since every loss is divided by the whole mini-batch's counts."""
+    one_cfg, two_cfg = ppo_config(tiny_config, 1), ppo_config(tiny_config, 2, dynamic=True)
     one = WorkerRoles(LocalGroup(PolicyWorker(one_cfg, total_steps=2)), one_cfg, pad_token_id=0)
     tokenizer = one.group.worker.tokenizer
     prompts = collate_prompts(load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4],

@@ -134,3 +134,14 @@ def test_config_reference_lists_every_key():
     assert doc.read_text() == render_reference(), "regenerate: python -m keel.config.docs > docs/config.md"
     assert all(f"`{key}`" in doc.read_text() for key in all_keys())
     assert "`model.partial_pretrain`" in doc.read_text()  # the SFT keys too
+
+
+def test_token_budget_smaller_than_one_sample_is_refused():
+    err = error_of(["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10"])
+    assert err.code == BATCH_ARITHMETIC and "ppo_max_token_len_per_gpu=10" in err.message
+    assert "at least" in err.fix
+
+
+def test_more_workers_than_samples_in_a_mini_batch_is_refused():
+    err = error_of(["trainer.n_gpus_per_node=8"])  # BASE: mini-batches of 4 prompts x n=1
+    assert err.code == BATCH_ARITHMETIC and "8 workers" in err.message

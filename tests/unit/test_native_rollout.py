@@ -8,7 +8,7 @@ from keel.data.prompts import build_prompt_dataset, collate_prompts
 from keel.models.load import load_causal_lm, load_tokenizer
 from keel.rollout.hf import HFRolloutEngine
 from keel.rollout.native import NativeRolloutEngine, unsupported_reason
-from keel.training.forward import batched_log_probs
+from keel.training.forward import MicroBatching, batched_log_probs
 from keel.types import SamplingParams
 
 PROMPTS = [{"prompt": "Digits please: 1"}, {"prompt": [{"role": "user", "content": "a longer prompt here, padded"}]},
@@ -47,7 +47,7 @@ def test_samples_follow_the_model_distribution_and_log_probs_match_the_trainer(t
     params = SamplingParams(n=400, temperature=0.8, max_new_tokens=4)
     batch = native.generate(prompts, params)
     assert len(set(map(tuple, batch.response_ids.tolist()))) > 50  # 400 samples of one prompt differ
-    recomputed = batched_log_probs(model, batch, micro_size=100, temperature=0.8)
+    recomputed = batched_log_probs(model, batch, MicroBatching(100), temperature=0.8)
     torch.testing.assert_close(batch.sampling_log_probs, recomputed, atol=1e-4, rtol=0)
     # The first token's frequencies against the model's probabilities (chi-square over the tokens
     # with an expected count of at least 5; the rest pooled).

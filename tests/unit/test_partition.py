@@ -7,17 +7,7 @@ from keel.distributed.group import _reserve
 from keel.diagnostics.codes import NOT_ENOUGH_DEVICES, RAY_MISSING, KeelError
 from keel.distributed.partition import balanced_partitions, shard_batch, unshard_rows
 from keel.trainer.workers import combine_metrics
-from keel.types import RolloutBatch
-
-
-def make_batch(response_lengths: list[int], width: int = 6) -> RolloutBatch:
-    n = len(response_lengths)
-    mask = torch.tensor([[1] * k + [0] * (width - k) for k in response_lengths])
-    return RolloutBatch(prompt_ids=torch.ones(n, 3, dtype=torch.long), prompt_mask=torch.ones(n, 3, dtype=torch.long),
-                        response_ids=torch.arange(n * width).view(n, width), response_mask=mask,
-                        sampling_log_probs=torch.zeros(n, width), group_index=torch.arange(n),
-                        records=list(range(n)), response_texts=[str(i) for i in range(n)],
-                        truncated=torch.zeros(n, dtype=torch.bool))
+from tests_helpers import make_batch
 
 
 def test_partitions_have_equal_counts_and_balanced_tokens():

@@ -6,7 +6,7 @@ import torch
 from keel.data.prompts import build_prompt_dataset, collate_prompts
 from keel.models.load import load_causal_lm, load_tokenizer
 from keel.rollout.hf import HFRolloutEngine, mask_after_eos
-from keel.training.forward import batched_log_probs
+from keel.training.forward import MicroBatching, batched_log_probs
 from keel.types import SamplingParams
 
 
@@ -41,7 +41,7 @@ def test_n_samples_per_prompt_and_sampler_log_probs_match_the_trainer(tiny_asset
     assert len(set(map(tuple, batch.response_ids[:4].tolist()))) > 1  # sampling differs within a group
     # The trainer recomputes log-probs at the same temperature over [prompt | response]; with left
     # padding and chunked generation (3 sequences at a time) they must still agree.
-    recomputed = batched_log_probs(model, batch, micro_size=5, temperature=0.7)
+    recomputed = batched_log_probs(model, batch, MicroBatching(5), temperature=0.7)
     assert torch.allclose(recomputed, batch.sampling_log_probs, atol=1e-4)
     assert (batch.sampling_log_probs[batch.response_mask == 0] == 0).all()
 
@@ -72,7 +72,7 @@ def test_checkpoint_generation_settings_do_not_leak_into_rollouts(tiny_assets, t
 
     torch.manual_seed(0)
     batch = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8))
-    recomputed = batched_log_probs(model, batch, micro_size=8, temperature=1.0)
+    recomputed = batched_log_probs(model, batch, MicroBatching(8), temperature=1.0)
     assert torch.allclose(recomputed, batch.sampling_log_probs, atol=1e-4)
     assert model.generation_config.repetition_penalty == 1.5  # the user's model is left as it was
 

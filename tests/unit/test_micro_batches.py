@@ -1,0 +1,31 @@
+"""Micro-batches by sample count or by token budget (use_dynamic_bsz)."""
+
+import torch
+
+from keel.training.forward import MicroBatching, _split_to_count, micro_batches, token_budget_bins
+from tests_helpers import make_batch
+
+
+def test_token_budget_bins_stay_within_budget_and_cover_every_sample_once():
+    prompts = torch.tensor([10, 3, 3, 7, 2, 9, 1, 4])
+    responses = torch.tensor([5, 1, 2, 6, 1, 7, 1, 2])
+    bins = token_budget_bins(prompts, responses, max_tokens=24)
+    assert sorted(torch.cat(bins).tolist()) == list(range(8))
+    for b in bins:
+        assert len(b) * (int(prompts[b].max()) + int(responses[b].max())) <= 24
+    assert len(bins) < 8  # short samples share a pass
+    assert [len(b) for b in token_budget_bins(prompts, responses, max_tokens=5)] == [1] * 8  # too long: alone
+
+
+def test_split_to_count_halves_the_largest_then_adds_fillers():
+    split = _split_to_count([torch.tensor([0, 1, 2, 3]), torch.tensor([4])], 3)
+    assert sorted(len(b) for b in split) == [1, 2, 2]
+    assert [len(b) for b in _split_to_count([torch.tensor([0])], 2)] == [1, 0]
+
+
+def test_dynamic_micro_batches_keep_every_sample_and_mask_fillers():
+    batch = make_batch([1, 5, 2, 6, 3])
+    parts = micro_batches(batch, MicroBatching(size=2, max_tokens=16))
+    assert sorted(torch.cat([rows for rows, _ in parts]).tolist()) == [0, 1, 2, 3, 4]
+    for rows, micro in parts:  # each trimmed to its own widest sample
+        assert micro.response_ids.shape[1] == int(batch.response_mask[rows].sum(-1).max())
