@@ -102,7 +102,7 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
     finally:
         logger.close()
         trainer.c.workers.shutdown()
-    record = summarize(name, workload, cfg, per_step[warmup:], trainer.c.workers.group.memory)
+    record = summarize(name, workload, cfg, per_step[warmup:])
     record["engine"] = engine
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +111,10 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
     return record
 
 
-def summarize(name: str, w: Workload, cfg, steps: list[dict], memory: dict[int, dict]) -> dict:
+def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
+    def highest(key: str) -> float:
+        return max((m.get(key, 0.0) for m in steps), default=0.0)
+
     def mean(key: str) -> float | None:
         values = [m[key] for m in steps if key in m]
         return statistics.fmean(values) if values else None
@@ -142,8 +145,9 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict], memory: dict[int, 
         "peak_tflops_measured": peak / 1e12 if peak else None,
         "logprob_tokens_per_s": samples * seq / mean("timing_s/old_log_prob"),
         "throughput_tokens_per_s_per_gpu": mean("perf/throughput"),
-        "peak_memory_gb": max((m.get("gpu_peak_gb", 0.0) for m in memory.values()), default=0.0),
-        "peak_memory_gb_per_gpu": [memory[r].get("gpu_peak_gb", 0.0) for r in sorted(memory)],
+        "peak_memory_gb": highest("perf/max_memory_allocated_gb"),  # the fullest GPU, over the whole step
+        "peak_memory_gb_per_phase": {k[len("perf/peak_memory_gb/"):]: highest(k) for k in steps[-1]
+                                     if k.startswith("perf/peak_memory_gb/")},
         "log_prob_gap": mean("rollout/log_prob_gap"),
         "timing_s": {k[len("timing_s/"):]: mean(k) for k in steps[-1] if k.startswith("timing_s/")},
     }

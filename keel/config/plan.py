@@ -16,8 +16,9 @@ class RolePlan:
     mini_batches: int            # per ppo epoch
     samples_per_mini_batch: int
     samples_per_worker: int      # each worker's share of a mini-batch
-    micro_batches_per_mini_batch: int  # on each worker
+    micro_batches_per_mini_batch: int  # on each worker; 0 with a token budget (use_dynamic_bsz)
     optimizer_steps_per_rollout: int
+    max_tokens_per_micro_batch: int | None = None  # use_dynamic_bsz
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ class BatchPlan:
                 (f"{name}: mini-batches per epoch", role.mini_batches),
                 (f"{name}: samples per mini-batch", role.samples_per_mini_batch),
                 (f"{name}: samples per mini-batch per worker", role.samples_per_worker),
-                (f"{name}: micro-batches per mini-batch per worker", role.micro_batches_per_mini_batch),
+                (f"{name}: micro-batches per mini-batch per worker",
+                 role.micro_batches_per_mini_batch or f"as many as fit {role.max_tokens_per_micro_batch} tokens"),
                 (f"{name}: optimiser steps per rollout", role.optimizer_steps_per_rollout),
             ]
         width = max(len(label) for label, _ in rows)
@@ -60,19 +62,22 @@ def make_plan(cfg: KeelConfig) -> BatchPlan:
 
     workers = cfg.world_size
 
-    def role(mini_prompts: int, micro: int, epochs: int) -> RolePlan:
+    def role(mini_prompts: int, micro: int, epochs: int, max_tokens: int | None) -> RolePlan:
         minis = prompts // mini_prompts
         per_worker = -(-mini_prompts * n // workers)  # a short share is padded to this size
-        return RolePlan(minis, mini_prompts * n, per_worker, -(-per_worker // micro), minis * epochs)
+        micros = 0 if max_tokens else -(-per_worker // micro)
+        return RolePlan(minis, mini_prompts * n, per_worker, micros, minis * epochs, max_tokens)
 
     critic = None
     if cfg.critic_enabled:
-        critic = role(*cfg.critic_batching)
+        critic = role(*cfg.critic_batching,
+                      cfg.critic.ppo_max_token_len_per_gpu if cfg.critic.use_dynamic_bsz else None)
     return BatchPlan(
         prompts_per_step=prompts,
         samples_per_step=prompts * n,
         workers=workers,
-        actor=role(actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, actor.ppo_epochs),
+        actor=role(actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, actor.ppo_epochs,
+                   actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None),
         critic=critic,
         max_tokens_per_step=prompts * n * (cfg.data.max_prompt_length + cfg.data.max_response_length),
     )

@@ -100,9 +100,12 @@ class PolicyWorker:
     # --- what the driver calls -----------------------------------------------------------------
     def run(self, method: str, *args):
         """Every call from the driver: the phase is recorded (for stack dumps), faults can be
-        injected for tests, and the result comes back with a memory reading."""
+        injected for tests, and the result comes back with a memory reading whose GPU peak is
+        this call's."""
         self.phase = method
         maybe_inject(method, self.rank)
+        if self.device.type == "cuda":  # the reading's peak is this call's
+            torch.cuda.reset_peak_memory_stats(self.device)
         result = getattr(self, method)(*args)
         self.phase = "idle"
         return result, memory_reading(self.device)

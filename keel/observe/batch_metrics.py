@@ -44,15 +44,7 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
     return metrics
 
 
-def throughput_metrics(batch: RolloutBatch, step_seconds: float, memory: dict[int, dict]) -> dict[str, float]:
-    """Prompt and response tokens per second per worker over the whole step (verl's
-    perf/throughput), and the workers' memory: `memory` maps rank -> its last reading (GB)."""
+def throughput_metrics(batch: RolloutBatch, step_seconds: float, workers: int) -> dict[str, float]:
+    """Prompt and response tokens per second per worker over the whole step (verl's perf/throughput)."""
     tokens = batch.attention_mask.sum().item()
-    metrics = {"perf/total_num_tokens": float(tokens),
-               "perf/throughput": tokens / max(step_seconds, 1e-9) / max(len(memory), 1)}
-    peaks = [m["gpu_peak_gb"] for m in memory.values() if "gpu_peak_gb" in m]
-    if peaks:
-        metrics["perf/max_memory_allocated_gb"] = max(peaks)  # the fullest GPU
-    if memory:
-        metrics["perf/max_rss_gb"] = max(m["rss_gb"] for m in memory.values())
-    return metrics
+    return {"perf/total_num_tokens": float(tokens), "perf/throughput": tokens / max(step_seconds, 1e-9) / workers}

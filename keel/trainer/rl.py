@@ -154,7 +154,8 @@ class RLTrainer:
         metrics.update(batch_metrics(batch))
         metrics.update(timer.metrics())
         metrics.update(gen_parts)
-        metrics.update(throughput_metrics(batch, timer.times["step"], workers.group.memory))
+        metrics.update(throughput_metrics(batch, timer.times["step"], self.cfg.world_size))
+        metrics.update(workers.memory_metrics())
         metrics.update({"training/global_step": float(self.step), "training/epoch": float(c.sampler.epoch),
                         "guards/frac_reward_zero_std": frac_reward_zero_std(batch.scores, batch.group_index)})
         return metrics, batch

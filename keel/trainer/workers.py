@@ -27,6 +27,8 @@ class WorkerRoles:
         self.world = group.world_size
         self.pad_token_id = pad_token_id
         self.gen_timing: dict[str, float] = {}  # the last generate call's parts, slowest rank
+        self.peak_gb: dict[str, float] = {}      # method -> the fullest GPU's peak during its last call
+        self.rss_gb = 0.0
 
     # --- rollout -----------------------------------------------------------------------------------
     def generate(self, prompts: PromptBatch, sampling: SamplingParams, seed: int) -> RolloutBatch:
@@ -34,7 +36,7 @@ class WorkerRoles:
         slices may differ in size or be empty)."""
         bounds = [len(prompts) * r // self.world for r in range(self.world + 1)]
         parts = [_slice_prompts(prompts, bounds[r], bounds[r + 1]) for r in range(self.world)]
-        results = self.group.call("generate", [(p, sampling, seed * 1009 + r) for r, p in enumerate(parts)])
+        results = self._call("generate", [(p, sampling, seed * 1009 + r) for r, p in enumerate(parts)])
         # The slowest rank's parts: where the phase's time went.
         self.gen_timing = {f"timing_s/{k}": max(t.get(k, 0.0) for _, t in results) for _, t in results for k in t}
         return concat_rows([b for b, _ in results if b is not None], self.pad_token_id)
@@ -51,7 +53,7 @@ class WorkerRoles:
 
     def _per_token(self, method: str, batch: RolloutBatch) -> torch.Tensor:       # [N, R]
         index, parts = shard_batch(batch, self.world)
-        return unshard_rows(index, self.group.call(method, [(p,) for p in parts]))
+        return unshard_rows(index, self._call(method, [(p,) for p in parts]))
 
     # --- updates -------------------------------------------------------------------------------------
     def update_actor(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
@@ -59,14 +61,14 @@ class WorkerRoles:
         plan = plan_minibatches(batch, actor.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n,
                                 actor.ppo_epochs, actor.shuffle, seed * 1000, self.cfg.data.max_response_length,
                                 self.world)
-        return combine_metrics(self.group.call("update_actor", [(p,) for p in plan]))
+        return combine_metrics(self._call("update_actor", [(p,) for p in plan]))
 
     def update_critic(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
         mini_prompts, _, epochs = self.cfg.critic_batching
         plan = plan_minibatches(batch, mini_prompts * self.cfg.actor_rollout_ref.rollout.n, epochs,
                                 self.cfg.actor_rollout_ref.actor.shuffle, seed * 1000 + 500,
                                 self.cfg.data.max_response_length, self.world)
-        return combine_metrics(self.group.call("update_critic", [(p,) for p in plan]))
+        return combine_metrics(self._call("update_critic", [(p,) for p in plan]))
 
     # --- checkpoints -----------------------------------------------------------------------------
     def save(self, directory: Path) -> None:
@@ -77,6 +79,22 @@ class WorkerRoles:
 
     def shutdown(self) -> None:
         self.group.shutdown()
+
+    def memory_metrics(self) -> dict[str, float]:
+        """Peak GPU memory per phase (the fullest GPU), the step's peak, and the largest worker RSS."""
+        metrics = {f"perf/peak_memory_gb/{method}": gb for method, gb in self.peak_gb.items()}
+        if self.peak_gb:
+            metrics["perf/max_memory_allocated_gb"] = max(self.peak_gb.values())
+        metrics["perf/max_rss_gb"] = self.rss_gb
+        return metrics
+
+    def _call(self, method: str, per_rank_args: list[tuple]) -> list:
+        results = self.group.call(method, per_rank_args)
+        readings = self.group.memory.values()
+        if any("gpu_peak_gb" in m for m in readings):
+            self.peak_gb[method] = max(m.get("gpu_peak_gb", 0.0) for m in readings)
+        self.rss_gb = max([self.rss_gb, *(m["rss_gb"] for m in readings)])
+        return results
 
 
 def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
