@@ -1,0 +1,70 @@
+"""Where the update's time goes on a GPU (Qwen2.5-0.5B shapes, random weights, float32 master
+weights under bf16 autocast, as keel trains): a no-grad log-prob forward and a forward+backward of
+one micro-batch, timed, then the top kernels of the backward step.
+
+    python benchmarks/profile_update.py [--samples 32] [--prompt 256] [--response 256]
+"""
+
+import argparse
+import json
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from keel.bench.workloads import QWEN25_COMMON, QWEN25_SHAPES
+from keel.training.forward import response_log_probs
+from keel.types import RolloutBatch
+
+
+def make_batch(samples: int, prompt: int, response: int) -> RolloutBatch:
+    ids = lambda n: torch.randint(10, 200, (samples, n))  # noqa: E731
+    ones = lambda n: torch.ones(samples, n, dtype=torch.long)  # noqa: E731
+    return RolloutBatch(ids(prompt), ones(prompt), ids(response), ones(response), torch.zeros(samples, response),
+                        torch.arange(samples), [None] * samples, [""] * samples, torch.zeros(samples, dtype=torch.bool))
+
+
+def timed(fn, reps: int = 3) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--samples", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--response", type=int, default=256)
+    args = p.parse_args()
+    config = Qwen2Config(**QWEN25_COMMON, **QWEN25_SHAPES["0.5b"])
+    model = AutoModelForCausalLM.from_config(config).cuda()
+    batch = make_batch(args.samples, args.prompt, args.response)
+    tokens = args.samples * (args.prompt + args.response)
+
+    def forward():
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            response_log_probs(model, batch, 1.0)
+
+    def train_step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            log_probs, entropy = response_log_probs(model, batch, 1.0, with_entropy=True)
+        (log_probs.mean() + 0 * entropy.mean()).backward()
+
+    report = {"tokens": tokens, "forward_s": timed(forward), "train_s": timed(train_step)}
+    params = sum(p.numel() for p in model.parameters())
+    report["train_tflops"] = 6 * params * tokens / report["train_s"] / 1e12
+    report["forward_tflops"] = 2 * params * tokens / report["forward_s"] / 1e12
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+        train_step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
