@@ -15,10 +15,17 @@ PROMPTS = [{"prompt": "Digits please: 1"}, {"prompt": [{"role": "user", "content
            {"prompt": "x"}]
 
 
-def engines(model_dir, n: int, max_num_seqs: int = 256, sharpen: float = 1.0):
+def engines(model_dir, n: int, max_num_seqs: int = 256, sharpen: float = 1.0, init_std: float | None = None):
+    """`sharpen` scales the output weights (a random tiny model is nearly uniform: a peaked one
+    tests sampling); `init_std` redraws every matrix (with the default small init, greedy decoding
+    repeats one token forever, which would make token-by-token comparisons trivial)."""
     tokenizer = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir, torch.device("cpu"))
-    with torch.no_grad():  # a random tiny model is nearly uniform; scaled output weights make it peaked
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if init_std and p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=generator) * init_std)
         model.get_output_embeddings().weight.mul_(sharpen)
     records, _ = build_prompt_dataset(PROMPTS, tokenizer, max_prompt_length=64)
     prompts = collate_prompts(records, tokenizer.pad_token_id).repeat_interleave(n)
@@ -31,9 +38,10 @@ def test_greedy_tokens_are_identical_to_the_hf_engine(tmp_path, arch):
     from keel.models.tiny import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / arch, arch=arch, hidden_size=64, num_layers=3, seed=3)
-    native, hf, _, prompts = engines(model_dir, n=2, max_num_seqs=4)  # chunks of 4: groups split too
-    greedy = SamplingParams(do_sample=False, max_new_tokens=24)
+    native, hf, _, prompts = engines(model_dir, n=2, max_num_seqs=4, init_std=0.2)  # chunks of 4: groups split
+    greedy = SamplingParams(do_sample=False, max_new_tokens=24, ignore_eos=True)
     ours, theirs = native.generate(prompts, greedy), hf.generate(prompts, greedy)
+    assert all(len(set(row)) > 10 for row in theirs.response_ids.tolist())  # a comparison that can fail
     assert ours.response_ids.tolist() == theirs.response_ids.tolist()
     assert torch.equal(ours.response_mask, theirs.response_mask)
     assert ours.response_texts == theirs.response_texts
@@ -85,3 +93,26 @@ def test_other_architectures_fall_back_with_a_reason(tiny_assets):
     assert unsupported_reason(model, torch.device("cpu")) is None
     model.config.model_type = "gemma2"
     assert "gemma2" in unsupported_reason(model, torch.device("cpu"))
+
+
+def test_finished_sequences_leave_the_batch_without_changing_the_rest(tiny_assets, monkeypatch):
+    """Variable lengths: rows that hit EOS are dropped from the decode batch (checked every 2
+    steps here); the tokens of the others are exactly the hf engine's."""
+    from keel.rollout.native import engine as native_engine
+
+    monkeypatch.setattr(native_engine, "DONE_CHECK_EVERY", 2)
+    native, hf, _, prompts = engines(tiny_assets["model"], n=2, init_std=0.2)
+    greedy = SamplingParams(do_sample=False, max_new_tokens=30)
+    free_run = hf.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=30, ignore_eos=True)).response_ids
+    # A stop token that really occurs, first at different depths in different rows: lengths vary.
+    def first_positions(token):
+        hits = (free_run == token).int()
+        return tuple(int(h.argmax()) if h.any() else 30 for h in hits)
+    stop = max(set(free_run[:, 1:].flatten().tolist()), key=lambda tok: len(set(first_positions(tok))))
+    for engine in (native, hf):
+        engine.eos_ids = sorted(set(engine.eos_ids) | {stop})
+    native.eos = torch.tensor(native.eos_ids)
+    ours, theirs = native.generate(prompts, greedy), hf.generate(prompts, greedy)
+    assert len(set(theirs.response_lengths.tolist())) > 1  # the test does exercise variable lengths
+    assert ours.response_ids.tolist() == theirs.response_ids.tolist()
+    torch.testing.assert_close(ours.sampling_log_probs, theirs.sampling_log_probs, atol=1e-4, rtol=0)

@@ -150,16 +150,26 @@ class NativeRolloutEngine:
         token, log_prob = sample(prompt_logits[slot_to_prompt], params)
         state.record(token, log_prob, self.eos, params.ignore_eos)
         clock.lap("prefill")
+        tokens, log_probs = state.tokens.clone(), state.log_probs.clone()  # every row's output
+        rows = torch.arange(batch, device=self.device)  # the output row of each state row
         step = self._decode_step_fn(state, params)
         clock.lap("capture")
         for t in range(1, steps):
             step()
-            if t % DONE_CHECK_EVERY == 0 and bool(state.done.all()):
-                break
+            if t % DONE_CHECK_EVERY or params.ignore_eos:
+                continue
+            active = (~state.done).nonzero().squeeze(-1)  # a host sync, every DONE_CHECK_EVERY steps
+            if len(active) <= len(rows) // 2:  # half finished (or all): they leave the batch
+                tokens[rows], log_probs[rows] = state.tokens, state.log_probs
+                if len(active) == 0:
+                    break
+                state, rows = state.keep(active), rows[active]
+                step = self._decode_step_fn(state, params)
+        tokens[rows], log_probs[rows] = state.tokens, state.log_probs
         clock.lap("decode")
         self.timing = clock.laps
         used = int(state.step.item())
-        return state.tokens[:, :used].cpu(), state.log_probs[:, :used].float().cpu()
+        return tokens[:, :used].cpu(), log_probs[:, :used].float().cpu()
 
     def _prefill(self, input_ids: Tensor, attention_mask: Tensor, slot_to_prompt: Tensor,
                  state: "_DecodeState") -> Tensor:
@@ -259,6 +269,12 @@ class _DecodeState:
                    done=torch.zeros(batch, dtype=torch.bool, device=dev), pad=torch.zeros(batch, dtype=torch.long,
                                                                                          device=dev),
                    step=torch.zeros(1, dtype=torch.long, device=dev), prompt_len=prompt_len)
+
+    def keep(self, rows: Tensor) -> "_DecodeState":
+        """A smaller state holding only `rows` (finished sequences leave the batch)."""
+        return _DecodeState(k=[k[rows] for k in self.k], v=[v[rows] for v in self.v], tokens=self.tokens[rows],
+                            log_probs=self.log_probs[rows], last_token=self.last_token[rows], done=self.done[rows],
+                            pad=self.pad[rows], step=self.step.clone(), prompt_len=self.prompt_len)
 
     def record(self, token: Tensor, log_prob: Tensor, eos: Tensor, ignore_eos: bool) -> None:
         """Write this step's token and advance, on the device (what follows an EOS is masked later)."""
