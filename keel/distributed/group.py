@@ -16,7 +16,6 @@ from pathlib import Path
 
 from keel.diagnostics.codes import (NOT_ENOUGH_DEVICES, PHASE_STALLED, RAY_MISSING, WORKER_DIED, WORKER_RAISED,
                                     KeelError)
-from keel.distributed.faults import ENV as FAULT_ENV
 
 log = logging.getLogger("keel")
 
@@ -57,7 +56,7 @@ class RayGroup:
         self.placement, cpus = _reserve(ray, cfg)
         actor_class = _worker_actor_class(ray)
         gpus = 1 if _wants_gpus(cfg) else 0
-        env = {k: v for k, v in os.environ.items() if k.startswith("KEEL_") or k == FAULT_ENV}
+        env = {k: v for k, v in os.environ.items() if k.startswith("KEEL_")}  # a cluster's workers lack our env
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.actors = [actor_class.options(
@@ -83,11 +82,15 @@ class RayGroup:
         return [result for result, _ in results]
 
     def shutdown(self) -> None:
+        """Kill the workers and free their devices; after a failure it has already run."""
         import ray
-        for actor in self.actors:
-            ray.kill(actor)
         from ray.util.placement_group import remove_placement_group
-        remove_placement_group(self.placement)
+
+        if self.actors:
+            for actor in self.actors:
+                ray.kill(actor)
+            remove_placement_group(self.placement)
+            self.actors = []
 
     # --- failures ------------------------------------------------------------------------------
     def _wait(self, refs: list, phase: str, ranks: list[int], timeout_s: float | None) -> list:
