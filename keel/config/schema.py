@@ -122,6 +122,7 @@ class RolloutConfig:
     do_sample: bool = opt(True)
     ignore_eos: bool = opt(False, help="generate max_response_length tokens whatever is sampled (benchmarks)")
     max_num_seqs: int = opt(256, gt=0, help="sequences generated at once")
+    max_num_batched_tokens: int = opt(8192, gt=0, help="native: prompt tokens per prefill pass")
     gpu_memory_utilization: float = opt(0.5, gt=0, le=1, help="native: share of the free GPU memory the KV "
                                                               "cache may take (fewer sequences at once if needed)")
     log_prob_micro_batch_size_per_gpu: int = opt(8, gt=0)
@@ -312,6 +313,7 @@ class KeelConfig:
                          "trainer.collective_timeout_s", "actor_rollout_ref.actor.fsdp_config.",
                          "actor_rollout_ref.ref.fsdp_config.", "critic.model.fsdp_config.", "data.val_files", "data.val_batch_size",
                          "actor_rollout_ref.rollout.val_kwargs.", "actor_rollout_ref.rollout.max_num_seqs",
+                         "actor_rollout_ref.rollout.max_num_batched_tokens", "actor_rollout_ref.rollout.gpu_memory_utilization",
                          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
                          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",

@@ -28,4 +28,5 @@ def make_rollout_engine(rollout_cfg, model, tokenizer, device: torch.device, dty
         log.info("rollout engine: native (%s, %s)", model.config.model_type,
                  "CUDA graphs" if device.type == "cuda" else "eager on CPU")
     return NativeRolloutEngine(model, tokenizer, rollout_cfg.max_num_seqs, dtype,
-                               memory_utilization=rollout_cfg.gpu_memory_utilization)
+                               memory_utilization=rollout_cfg.gpu_memory_utilization,
+                               max_num_batched_tokens=rollout_cfg.max_num_batched_tokens)

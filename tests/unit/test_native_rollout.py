@@ -116,3 +116,11 @@ def test_finished_sequences_leave_the_batch_without_changing_the_rest(tiny_asset
     assert len(set(theirs.response_lengths.tolist())) > 1  # the test does exercise variable lengths
     assert ours.response_ids.tolist() == theirs.response_ids.tolist()
     torch.testing.assert_close(ours.sampling_log_probs, theirs.sampling_log_probs, atol=1e-4, rtol=0)
+
+
+def test_prefill_in_passes_of_max_num_batched_tokens_gives_the_same_tokens(tiny_assets):
+    native, _, _, prompts = engines(tiny_assets["model"], n=2, init_std=0.2)
+    greedy = SamplingParams(do_sample=False, max_new_tokens=12)
+    whole = native.generate(prompts, greedy)
+    native.max_num_batched_tokens = 1  # one prompt per prefill pass
+    assert native.generate(prompts, greedy).response_ids.tolist() == whole.response_ids.tolist()

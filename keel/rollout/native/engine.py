@@ -59,9 +59,10 @@ class LayerWeights:
 
 class NativeRolloutEngine:
     def __init__(self, model, tokenizer, max_num_seqs: int, dtype: torch.dtype, use_cuda_graphs: bool = True,
-                 memory_utilization: float = 0.5):
+                 memory_utilization: float = 0.5, max_num_batched_tokens: int = 8192):
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.memory_utilization = memory_utilization
         self.dtype = dtype
         self.eos_ids = stop_token_ids(tokenizer, model)
@@ -173,17 +174,24 @@ class NativeRolloutEngine:
 
     def _prefill(self, input_ids: Tensor, attention_mask: Tensor, slot_to_prompt: Tensor,
                  state: "_DecodeState") -> Tensor:
-        """The policy's own forward over the distinct prompts; their KV goes to every slot."""
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                           position_ids=positions, use_cache=True)
-        cache = out.get("cache") if "cache" in out else out.get("past_key_values")
+        """The policy's own forward over the distinct prompts, at most max_num_batched_tokens
+        prompt tokens per pass; each prompt's KV goes to every slot of its group. -> [U, V] logits."""
         prompt_len = input_ids.shape[1]
-        for i, layer in enumerate(cache.layers):
-            state.k[i][:, :, :prompt_len] = layer.keys[slot_to_prompt].to(self.dtype)
-            state.v[i][:, :, :prompt_len] = layer.values[slot_to_prompt].to(self.dtype)
-        return F.linear(out.last_hidden_state[:, -1].to(self.dtype), self.lm_head)     # [U, V], already normed
+        per_pass = max(1, self.max_num_batched_tokens // prompt_len)
+        logits = []
+        for start in range(0, input_ids.shape[0], per_pass):
+            ids, mask = input_ids[start:start + per_pass], attention_mask[start:start + per_pass]
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+                out = self.model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                               use_cache=True)
+            cache = out.get("cache") if "cache" in out else out.get("past_key_values")
+            slots = ((slot_to_prompt >= start) & (slot_to_prompt < start + len(ids))).nonzero().squeeze(-1)
+            for i, layer in enumerate(cache.layers):
+                state.k[i][slots, :, :prompt_len] = layer.keys[slot_to_prompt[slots] - start].to(self.dtype)
+                state.v[i][slots, :, :prompt_len] = layer.values[slot_to_prompt[slots] - start].to(self.dtype)
+            logits.append(F.linear(out.last_hidden_state[:, -1].to(self.dtype), self.lm_head))  # already normed
+        return torch.cat(logits)
 
     def _decode_step_fn(self, state: "_DecodeState", params: SamplingParams):
         """One decode step as a callable: a CUDA graph replay on GPU, the eager step elsewhere."""
