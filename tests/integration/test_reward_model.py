@@ -1,6 +1,5 @@
 """A reward model scores whole responses in its own template; too long is not scored, never cut."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch

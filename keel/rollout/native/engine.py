@@ -12,7 +12,7 @@ token instead of hundreds of kernel launches from Python.
 from __future__ import annotations
 
 import logging
-import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +71,7 @@ class NativeRolloutEngine:
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.eps = c.rms_norm_eps
         self.use_cuda_graphs = use_cuda_graphs
-        self.timing: dict[str, float] = {}  # seconds per part of the last chunk generated
+        self.timing: dict[str, float] = {}  # seconds per part (prefill, capture, decode) of the last call
         self.sync_weights(model)
 
     # --- weights ---------------------------------------------------------------------------------
@@ -104,6 +104,7 @@ class NativeRolloutEngine:
     @torch.no_grad()
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
         size = self._sequences_at_once(prompts.input_ids.shape[1] + params.max_new_tokens)
+        self.timing = {}
         parts = [self._generate_chunk(prompts.input_ids[i:i + size], prompts.attention_mask[i:i + size],
                                       [r.index for r in prompts.records[i:i + size]], params)
                  for i in range(0, len(prompts), size)]
@@ -168,7 +169,8 @@ class NativeRolloutEngine:
                 step = self._decode_step_fn(state, params)
         tokens[rows], log_probs[rows] = state.tokens, state.log_probs
         clock.lap("decode")
-        self.timing = clock.laps
+        for part, seconds in clock.laps.items():
+            self.timing[part] = self.timing.get(part, 0.0) + seconds
         used = int(state.step.item())
         return tokens[:, :used].cpu(), log_probs[:, :used].float().cpu()
 
@@ -241,7 +243,6 @@ class _Clock:
         self.last = self._now()
 
     def _now(self) -> float:
-        import time
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
