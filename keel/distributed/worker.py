@@ -121,8 +121,7 @@ class PolicyWorker:
             return None, {}
         torch.manual_seed(seed)  # per step and rank: a resumed run samples what an uninterrupted one would
         start = time.perf_counter()
-        with autocast(self.device, self.compute_dtype):
-            batch = self.rollout.generate(prompts, sampling)
+        batch = self.rollout.generate(prompts, sampling)  # the engine applies the compute dtype itself
         timing = {f"gen_{part}": seconds for part, seconds in getattr(self.rollout, "timing", {}).items()}
         timing["gen_engine"] = time.perf_counter() - start
         return batch, timing

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig, LogitsProcessor
 
+from keel.models.load import autocast
 from keel.types import RolloutBatch, SamplingParams, pad_responses
 
 
@@ -36,10 +37,11 @@ def _neutral_generation_config(model):
 class HFRolloutEngine:
     """Generates with the actor module itself, so it always sees the latest weights."""
 
-    def __init__(self, model, tokenizer, max_num_seqs: int = 256):
+    def __init__(self, model, tokenizer, max_num_seqs: int = 256, dtype: torch.dtype = torch.float32):
         self.model = model
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
+        self.dtype = dtype  # compute dtype: bf16 runs under autocast over the float32 weights
         self.eos_ids = stop_token_ids(tokenizer, model)
 
     def sync_weights(self, model) -> None:
@@ -89,7 +91,7 @@ class HFRolloutEngine:
         # Raw logits scaled by temperature: the distribution the trainer recomputes, so the
         # sampler/trainer log-prob gap measures numerics, not top-p/top-k truncation.
         recorder = _SampledLogProbs(1.0 if greedy else params.temperature)
-        with _neutral_generation_config(self.model):
+        with _neutral_generation_config(self.model), autocast(device, self.dtype):
             sequences = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                             generation_config=gen_config, logits_processor=[recorder])
         return sequences[:, input_ids.shape[1]:].cpu(), recorder.finish(sequences).cpu()   # [B, R] x2

@@ -15,7 +15,8 @@ log = logging.getLogger("keel")
 
 def make_rollout_engine(rollout_cfg, model, tokenizer, device: torch.device, dtype: torch.dtype, log_choice: bool):
     """`auto` takes native where it supports the model and says why when it does not; an explicit
-    `native` that cannot run is an error rather than a silent switch."""
+    `native` that cannot run is an error rather than a silent switch. Each engine computes in
+    `dtype` on its own terms (hf under autocast, native with weights cast once per update)."""
     reason = unsupported_reason(model, device) if rollout_cfg.name != "hf" else None
     if rollout_cfg.name == "native" and reason:
         raise KeelError(INCOMPATIBLE_OPTIONS, f"actor_rollout_ref.rollout.name=native does not support this model: "
@@ -23,7 +24,7 @@ def make_rollout_engine(rollout_cfg, model, tokenizer, device: torch.device, dty
     if rollout_cfg.name == "hf" or reason:
         if log_choice:
             log.info("rollout engine: hf (%s)", f"native does not support {reason}" if reason else "rollout.name=hf")
-        return HFRolloutEngine(model, tokenizer, rollout_cfg.max_num_seqs)
+        return HFRolloutEngine(model, tokenizer, rollout_cfg.max_num_seqs, dtype)
     if log_choice:
         log.info("rollout engine: native (%s, %s)", model.config.model_type,
                  "CUDA graphs" if device.type == "cuda" else "eager on CPU")

@@ -99,7 +99,13 @@ def test_two_workers_train_and_the_checkpoint_resumes_on_one(tiny_config, tmp_pa
     proc = keel_train(config, "trainer.n_gpus_per_node=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = Path(tiny_config["trainer"]["default_local_dir"])
-    assert (run_dir / "global_step_2" / "actor" / "model.safetensors").exists()
+    from transformers import AutoModelForCausalLM
+
+    from keel.cli import main
+    assert main(["export", str(run_dir / "global_step_2"), str(tmp_path / "exported")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")  # a whole model, not shards
+    initial = AutoModelForCausalLM.from_pretrained(tiny_config["actor_rollout_ref"]["model"]["path"])
+    assert any(not torch.equal(a, b) for a, b in zip(exported.parameters(), initial.parameters()))
 
     proc = keel_train(config, "trainer.n_gpus_per_node=1", "trainer.total_training_steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
