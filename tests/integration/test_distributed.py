@@ -94,7 +94,7 @@ def keel_train(config: Path, *overrides: str, env: dict | None = None, timeout: 
                           capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
-def test_two_workers_train_and_the_checkpoint_resumes_on_one(tiny_config, tmp_path):
+def test_checkpoints_resume_on_a_different_number_of_workers(tiny_config, tmp_path):
     config = write_config(tiny_config, tmp_path / "cfg.yaml")
     proc = keel_train(config, "trainer.n_gpus_per_node=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -110,9 +110,12 @@ def test_two_workers_train_and_the_checkpoint_resumes_on_one(tiny_config, tmp_pa
     proc = keel_train(config, "trainer.n_gpus_per_node=1", "trainer.total_training_steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "global_step_2" in proc.stderr
+    proc = keel_train(config, "trainer.n_gpus_per_node=2", "trainer.total_training_steps=4")  # and back to 2
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr and "global_step_3" in proc.stderr
     import json
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [s for s in steps if s > 0] == [1, 2, 3]
+    assert [s for s in steps if s > 0] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("fault, code, expected", [
