@@ -213,8 +213,7 @@ class NativeRolloutEngine:
         column = s.prompt_len + s.step - 1                                        # [1] cache column
         positions = column - s.pad                                                # [B] skips left padding
         cols = torch.arange(s.k[0].shape[2], device=self.device)
-        visible = (cols >= s.pad[:, None]) & (cols <= column)                      # [B, L]
-        bias = torch.zeros(visible.shape, device=self.device).masked_fill_(~visible, float("-inf"))[:, None, None]
+        visible = ((cols >= s.pad[:, None]) & (cols <= column))[:, None, None]     # [B, 1, 1, L]
         cos, sin = _rope(positions, self.inv_freq, self.rope_scale, self.dtype)   # [B, 1, D]
         x = F.embedding(s.last_token, self.embed)                                 # [B, hidden]
         rotated_heads, kv_size = self.heads + self.kv_heads, self.kv_heads * self.head_dim
@@ -227,7 +226,7 @@ class NativeRolloutEngine:
             v = qkv[:, -kv_size:].view(batch, self.kv_heads, 1, self.head_dim)
             s.k[i].index_copy_(2, column, k)
             s.v[i].index_copy_(2, column, v)
-            x = x + F.linear(_decode_attention(q, s.k[i], s.v[i], bias), w.o)
+            x = x + F.linear(_decode_attention(q, s.k[i], s.v[i], visible), w.o)
             h = _rms_norm(x, w.post_norm, self.eps)
             gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, w.down)
@@ -323,16 +322,13 @@ class _DecodeGraph:
         self.graph.replay()
 
 
-def _decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+def _decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
     """One query per row against its cache, grouped-query: q [B, H, 1, D], k/v [B, KV, L, D],
-    bias [B, 1, 1, L] (0 or -inf) -> [B, H * D]. The query heads of a KV head share one batched
-    matmul, so K and V are read once and never repeated to H heads."""
+    visible [B, 1, 1, L] -> [B, H * D]. The G query heads of each KV head are passed to SDPA as G
+    query positions of one head, so one fused kernel reads K and V once, never repeated to H heads."""
     batch, heads, _, dim = q.shape
-    kv_heads = k.shape[1]
-    grouped = q.view(batch, kv_heads, heads // kv_heads, dim)                    # [B, KV, G, D]
-    scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * dim ** -0.5    # [B, KV, G, L]
-    weights = torch.softmax(scores + bias, dim=-1).to(v.dtype)
-    return torch.matmul(weights, v).reshape(batch, heads * dim)                  # [B, KV, G, D] -> [B, H*D]
+    grouped = q.view(batch, k.shape[1], heads // k.shape[1], dim)                # [B, KV, G, D]
+    return F.scaled_dot_product_attention(grouped, k, v, attn_mask=visible).reshape(batch, heads * dim)
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

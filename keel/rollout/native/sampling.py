@@ -13,18 +13,22 @@ def sample(logits: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
 
     The log-prob is taken from the full distribution, not the top-k/top-p truncated one: it is
     what the trainer recomputes, so the sampler/trainer gap measures numerics only (as the hf
-    engine does). Sampling is Gumbel-max: argmax(logits + Gumbel noise) is a draw from softmax.
+    engine does). Sampling is Gumbel-max, argmax(logits - log E) with E ~ Exp(1): a draw from the
+    softmax. Every step touches the [B, V] logits a handful of times, so each pass counts: the
+    log-prob comes from one logsumexp, not a full log_softmax.
     """
     greedy = not params.do_sample or params.temperature == 0
-    scaled = logits.float() / (1.0 if greedy else params.temperature)
-    log_probs = torch.log_softmax(scaled, dim=-1)
+    scaled = logits.float()
+    if not greedy and params.temperature != 1.0:
+        scaled = scaled / params.temperature
     if greedy:
         token = scaled.argmax(-1)
     else:
         filtered = top_k_top_p(scaled, params.top_k, params.top_p)
-        uniform = torch.rand_like(filtered).clamp_(min=1e-20, max=1.0 - 1e-7)
-        token = (filtered - torch.log(-torch.log(uniform))).argmax(-1)
-    return token, log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+        noise = torch.empty_like(filtered).exponential_().clamp_(min=1e-30).log_()
+        token = (filtered - noise).argmax(-1)
+    log_prob = scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+    return token, log_prob
 
 
 def top_k_top_p(logits: Tensor, top_k: int, top_p: float) -> Tensor:
