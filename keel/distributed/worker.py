@@ -122,7 +122,7 @@ class PolicyWorker:
         torch.manual_seed(seed)  # per step and rank: a resumed run samples what an uninterrupted one would
         start = time.perf_counter()
         batch = self.rollout.generate(prompts, sampling)  # the engine applies the compute dtype itself
-        timing = {f"gen_{part}": seconds for part, seconds in getattr(self.rollout, "timing", {}).items()}
+        timing = {f"gen_{part}": seconds for part, seconds in self.rollout.timing.items()}
         timing["gen_engine"] = time.perf_counter() - start
         return batch, timing
 

@@ -8,6 +8,9 @@ from keel.types import RolloutBatch, SamplingParams
 
 
 class RolloutEngine(Protocol):
+    model: object                  # the policy module generation reads (or a whole copy of it)
+    timing: dict[str, float]       # seconds per part of the last generate call, if the engine times them
+
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
         """Generate for a PromptBatch whose prompts are already repeated `n` times.
 

@@ -42,6 +42,7 @@ class HFRolloutEngine:
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.dtype = dtype  # compute dtype: bf16 runs under autocast over the float32 weights
+        self.timing: dict[str, float] = {}  # transformers' generate is not broken down
         self.eos_ids = stop_token_ids(tokenizer, model)
 
     def sync_weights(self, model) -> None:
