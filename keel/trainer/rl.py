@@ -115,7 +115,7 @@ class RLTrainer:
             prompts = collate_prompts([c.train_data[i] for i in c.sampler.next_batch()], c.tokenizer.pad_token_id)
             with timer("gen"):
                 batch = workers.generate(prompts.repeat_interleave(self.sampling.n), self.sampling, self._seed())
-            gen_parts = dict(workers.gen_timing)
+            gen_parts = dict(workers.gen_timing)  # before ReMax's baseline generate replaces it
             baseline = None
             if needs_baseline_rollout(self.cfg):
                 with timer("gen_baseline"):

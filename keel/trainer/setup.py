@@ -43,7 +43,6 @@ class Components:
     kl_ctrl: object
     normalizer: RunningNormalizer | None
     total_steps: int
-    device: torch.device
 
 
 def seed_everything(seed: int) -> None:
@@ -67,7 +66,7 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None, loaded:
     `loaded`: what `keel check` already loaded (tokenizer, datasets, reward), reused as it is."""
     quiet_transformers()
     seed_everything(cfg.trainer.seed)
-    device = resolve_device(cfg.trainer.device)
+    resolve_device(cfg.trainer.device)  # a missing device fails here, before any model loads
     loaded = loaded or {}
     model_cfg = cfg.actor_rollout_ref.model
     tokenizer = loaded.get("tokenizer") or load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
@@ -95,7 +94,7 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None, loaded:
         reward=reward, kl_ctrl=make_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                                   cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon),
         normalizer=RunningNormalizer(norm.window_size, norm.eps, norm.clip) if norm.enable else None,
-        total_steps=total_steps, device=device)
+        total_steps=total_steps)
 
 
 def build_workers(cfg: KeelConfig, total_steps: int, actor_weights: Path | None, tokenizer,

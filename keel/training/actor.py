@@ -93,10 +93,3 @@ class ActorTrainer:
             loss = loss + cfg.kl_loss_coef * agg_loss(kl, mask, cfg.loss_agg_mode, **scale.agg_kwargs())
             metrics["actor/kl_loss"] = masked_mean(kl.detach(), mask).item()
         return loss, pg_loss.item(), metrics
-
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])

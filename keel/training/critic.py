@@ -59,10 +59,3 @@ class CriticTrainer:
         totals["critic/grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "critic")
         for name, value in totals.items():
             sums.add(name, value)
-
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
