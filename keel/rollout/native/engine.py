@@ -43,6 +43,8 @@ def unsupported_reason(model, device: torch.device) -> str | None:
         return "sliding-window attention"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r}"
+    if getattr(config, "mlp_bias", False) or (config.model_type != "qwen2" and getattr(config, "attention_bias", False)):
+        return "biases on the MLP or the attention output (the fused decode step has none)"
     return None
 
 
