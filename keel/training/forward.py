@@ -104,11 +104,13 @@ class MicroBatching:
 
 def micro_batches(batch: RolloutBatch, how: MicroBatching) -> list[tuple[Tensor, RolloutBatch]]:
     """(sample indices, micro-batch) pairs, each micro-batch trimmed to its own longest prompt and
-    response. Under data parallelism every rank must run the same number of forward passes (FSDP
+    response; samples are grouped by length, so the order differs from the batch's (the losses
+    do not depend on it: their denominators are the whole mini-batch's). Under data parallelism every rank must run the same number of forward passes (FSDP
     gathers weights in each); dynamic batching agrees on the count with the other ranks, and a
     rank with too few samples runs a filler whose response is masked (its index is empty)."""
-    if how.max_tokens is None:
-        index = list(torch.arange(len(batch)).split(how.size))
+    if how.max_tokens is None:  # by count, shortest to longest: similar lengths share a pass, less padding
+        lengths = batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)
+        index = [rows.sort().values for rows in torch.argsort(lengths, stable=True).split(how.size)]
     else:
         index = token_budget_bins(batch.prompt_mask.sum(-1), batch.response_mask.sum(-1), how.max_tokens)
         index = _split_to_count(index, _count_across_ranks(len(index)))

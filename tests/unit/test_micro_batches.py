@@ -29,3 +29,16 @@ def test_dynamic_micro_batches_keep_every_sample_and_mask_fillers():
     assert sorted(torch.cat([rows for rows, _ in parts]).tolist()) == [0, 1, 2, 3, 4]
     for rows, micro in parts:  # each trimmed to its own widest sample
         assert micro.response_ids.shape[1] == int(batch.response_mask[rows].sum(-1).max())
+
+
+def padded_tokens(parts) -> int:
+    return sum(micro.prompt_ids.numel() + micro.response_ids.numel() for _, micro in parts)
+
+
+def test_fixed_size_micro_batches_group_similar_lengths():
+    batch = make_batch([1, 6, 1, 6, 1, 6, 1, 6])  # alternating: contiguous pairs would each pad to 6
+    parts = micro_batches(batch, MicroBatching(size=2))
+    assert [len(rows) for rows, _ in parts] == [2, 2, 2, 2]
+    assert sorted(torch.cat([rows for rows, _ in parts]).tolist()) == list(range(8))
+    contiguous = 4 * 2 * (3 + 6)  # every pair holds a 6-token response
+    assert padded_tokens(parts) == 2 * 2 * (3 + 1) + 2 * 2 * (3 + 6) < contiguous
