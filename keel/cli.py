@@ -100,12 +100,29 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_bench(args) -> int:
+    """Every workload on every worker count, one record each; models are built once per shape."""
+    import tempfile
+
     from keel.bench.run import run_bench
 
-    record = run_bench(args.workload, steps=args.steps, warmup=args.warmup, gpus=args.gpus,
-                       overrides=args.overrides, out=Path(args.out) if args.out else None)
-    print(json.dumps(record, indent=2))
+    workdir = Path(tempfile.mkdtemp(prefix="keel_bench_"))
+    for workload in args.workload:
+        for gpus in args.gpus:
+            record = run_bench(workload, steps=args.steps, warmup=args.warmup, gpus=gpus, overrides=args.overrides,
+                               out=Path(args.out) if args.out else None, workdir=workdir)
+            print(json.dumps(record, indent=2), flush=True)
     return 0
+
+
+def _list_of(parse, choices=None):
+    """argparse type for comma-separated values: `t1,w1` or `1,2`."""
+    def convert(text: str) -> list:
+        values = [parse(v) for v in text.split(",")]
+        bad = [v for v in values if choices is not None and v not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(sorted(choices))}")
+        return values
+    return convert
 
 
 def _cmd_explain(args) -> int:
@@ -185,11 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     from keel.bench.workloads import WORKLOADS
 
     bench = sub.add_parser("bench", help="time a GRPO workload on a random-weight model; prints a JSON record")
-    bench.add_argument("workload", choices=sorted(WORKLOADS))
+    bench.add_argument("workload", type=_list_of(str, WORKLOADS), help=f"one or more of {','.join(WORKLOADS)}, "
+                       "comma-separated")
     bench.add_argument("overrides", nargs="*", help="section.key=value overrides of the workload's config")
     bench.add_argument("--steps", type=int, default=5, help="measured steps")
     bench.add_argument("--warmup", type=int, default=2, help="steps run first and left out of the numbers")
-    bench.add_argument("--gpus", type=int, default=1, help="workers (trainer.n_gpus_per_node)")
+    bench.add_argument("--gpus", type=_list_of(int), default=[1], help="workers (trainer.n_gpus_per_node); "
+                       "several, comma-separated, run one after another")
     bench.add_argument("--out", help="append the record to this JSON-lines file")
     bench.set_defaults(func=_cmd_bench)
 

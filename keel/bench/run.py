@@ -56,7 +56,7 @@ def make_prompts(workload: Workload, path: Path, count: int) -> Path:
     return path
 
 
-def bench_config(workload: Workload, root: Path, steps: int, gpus: int) -> dict:
+def bench_config(name: str, workload: Workload, root: Path, steps: int, gpus: int) -> dict:
     samples_per_mini = max(1, workload.prompts // 4) * workload.n
     tokens = workload.prompt_length + workload.response_length
     micro = max(1, min(samples_per_mini // gpus, 16384 // tokens))  # about 16k tokens per forward
@@ -69,14 +69,16 @@ def bench_config(workload: Workload, root: Path, steps: int, gpus: int) -> dict:
         "ref": {"log_prob_micro_batch_size_per_gpu": 2 * micro},
     }
     return {
-        "data": {"train_files": [str(make_prompts(workload, root / "prompts.jsonl", workload.prompts * (steps + 1)))],
+        "data": {"train_files": [str(make_prompts(workload, root / f"prompts_{name}.jsonl",
+                                                  workload.prompts * (steps + 1)))],
                  "apply_chat_template": False, "max_prompt_length": workload.prompt_length,
                  "max_response_length": workload.response_length, "train_batch_size": workload.prompts},
         "actor_rollout_ref": arr,
         "algorithm": {"adv_estimator": "grpo"},
         "custom_reward_function": {"path": str(_write(root / "reward.py", REWARD))},
         "trainer": {"total_training_steps": steps, "logger": [], "test_freq": -1, "val_before_train": False,
-                    "n_gpus_per_node": gpus, "default_local_dir": str(root / "run"), "log_samples": 0},
+                    "n_gpus_per_node": gpus, "default_local_dir": str(root / f"run_{name}_{gpus}"),
+                    "log_samples": 0},
     }
 
 
@@ -89,7 +91,7 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
     workload = WORKLOADS[name]
     root = Path(workdir or tempfile.mkdtemp(prefix="keel_bench_"))
     root.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(bench_config(workload, root, warmup + steps, gpus), overrides or [])
+    cfg = load_config(bench_config(name, workload, root, warmup + steps, gpus), overrides or [])
     trainer = RLTrainer(cfg)
     trainer._open_run_dir()
     logger = MetricsLogger(trainer.run_dir, False, warmup + steps, 0)
