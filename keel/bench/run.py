@@ -8,6 +8,7 @@ steps (allocator growth, kernel selection) are left out of every number.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import logging
 import statistics
@@ -104,6 +105,10 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
     finally:
         logger.close()
         trainer.c.workers.shutdown()
+        del trainer  # a one-worker run holds its GPU memory in this process: free it for the next run
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     record = summarize(name, workload, cfg, per_step[warmup:])
     record["engine"] = engine
     if out is not None:
