@@ -49,11 +49,12 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
     return whitened if shift_mean else whitened + mean
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
+def entropy_from_logits(logits: Tensor, lse: Tensor | None = None) -> Tensor:
     """Entropy of the categorical distribution per position: [..., V] -> [...].
 
     H = logsumexp(z) - sum(softmax(z) * z), which avoids log(softmax) underflowing to -inf for
-    tokens of negligible probability.
+    tokens of negligible probability. `lse` (logsumexp(z), if the caller has it) saves a pass.
     """
-    probs = torch.softmax(logits, dim=-1)  # [..., V]
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+    lse = torch.logsumexp(logits, dim=-1) if lse is None else lse
+    probs = torch.exp(logits - lse.unsqueeze(-1))  # [..., V]
+    return lse - (probs * logits).sum(dim=-1)

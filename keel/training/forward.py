@@ -79,10 +79,19 @@ def _chunk_stats(lm_head, hidden: Tensor, targets: Tensor, temperature: float, w
 
 def _token_stats(logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
                  entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
-    """Log-prob of each target and the entropy, from logits [..., V] scaled by temperature."""
-    logits = logits.float() / temperature
-    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = entropy_from_logits(logits if entropy_grad else logits.detach()) if with_entropy else None
+    """Log-prob of each target and the entropy, from logits [..., V] scaled by temperature.
+
+    z[target] - logsumexp(z) rather than a full log_softmax: the [tokens, V] logits are the
+    largest tensors of the update, and every pass over them counts."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)                                      # [...]
+    log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = None
+    if with_entropy:
+        entropy = (entropy_from_logits(logits, lse) if entropy_grad
+                   else entropy_from_logits(logits.detach(), lse.detach()))
     return log_probs, entropy
 
 
