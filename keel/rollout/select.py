@@ -17,7 +17,7 @@ def make_rollout_engine(rollout_cfg, model, tokenizer, device: torch.device, dty
     """`auto` takes native where it supports the model and says why when it does not; an explicit
     `native` that cannot run is an error rather than a silent switch. Each engine computes in
     `dtype` on its own terms (hf under autocast, native with weights cast once per update)."""
-    reason = unsupported_reason(model, device) if rollout_cfg.name != "hf" else None
+    reason = unsupported_reason(model) if rollout_cfg.name != "hf" else None
     if rollout_cfg.name == "native" and reason:
         raise KeelError(INCOMPATIBLE_OPTIONS, f"actor_rollout_ref.rollout.name=native does not support this model: "
                         f"{reason}", "set actor_rollout_ref.rollout.name=auto (falls back to hf) or hf")

@@ -5,8 +5,8 @@ Prefill runs through the policy's own Hugging Face modules (compute-bound; SDPA 
 once per distinct prompt: the `n` samples of a group copy its KV instead of recomputing it.
 Decoding, the memory-bound part, runs keel's own step over fused QKV and gate-up weights cast to
 the compute dtype at `sync_weights`, attending over a static cache with a per-row mask. On a GPU
-each batch-size bucket's step is captured once as a CUDA graph and replayed: one launch per
-token instead of hundreds of kernel launches from Python.
+the step is captured as a CUDA graph for each batch it runs at (the chunk, then smaller as
+finished sequences leave) and replayed: one launch per token instead of hundreds from Python.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ STATIC_ROPE = {"default", "linear", "llama3"}  # inv_freq does not depend on the
 DONE_CHECK_EVERY = 16  # decode steps between checks that every sequence has finished (a host sync)
 
 
-def unsupported_reason(model, device: torch.device) -> str | None:
+def unsupported_reason(model) -> str | None:
     """Why the native engine cannot run this model, or None when it can."""
     config = model.config
     if config.model_type not in SUPPORTED_ARCHS:
@@ -38,8 +38,8 @@ def unsupported_reason(model, device: torch.device) -> str | None:
     rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     if rope.get("rope_type", rope.get("type", "default")) not in STATIC_ROPE:
         return f"rope type {rope.get('rope_type')!r} (native supports {sorted(STATIC_ROPE)})"
-    if getattr(config, "use_sliding_window", False) or getattr(config, "sliding_window", None) and \
-            config.model_type == "mistral":
+    mistral_window = config.model_type == "mistral" and getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", False) or mistral_window:
         return "sliding-window attention"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r}"
