@@ -109,7 +109,8 @@ def check_same_run(checkpoint: Path, cfg) -> None:
     saved = checkpoint / "config.yaml"
     if not saved.is_file():
         return
-    changes = changed_keys(yaml.safe_load(saved.read_text()), to_dict(cfg), cfg.RESUME_MAY_CHANGE)
+    changes = changed_keys(yaml.safe_load(saved.read_text()), to_dict(cfg), cfg.RESUME_MAY_CHANGE,
+                           defaults=to_dict(type(cfg)()))
     if changes:
         raise KeelError(RESUME_MISMATCH, f"resuming from {checkpoint} with different settings: "
                         + "; ".join(changes[:6]) + (" ..." if len(changes) > 6 else ""))

@@ -54,9 +54,12 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def changed_keys(saved: dict, current: dict, may_change: tuple[str, ...]) -> list[str]:
-    """`key: old -> new` for every key that differs, except keys starting with a `may_change` entry."""
+def changed_keys(saved: dict, current: dict, may_change: tuple[str, ...], defaults: dict | None = None) -> list[str]:
+    """`key: old -> new` for every key that differs, except keys starting with a `may_change` entry.
+    A key the saved config lacks (added by a newer keel) is unchanged if it holds its default."""
     old, new = flatten(saved), flatten(current)
+    for key, value in flatten(defaults or {}).items():
+        old.setdefault(key, value)
     return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new))
             if old.get(key) != new.get(key) and not key.startswith(may_change)]
 

@@ -313,6 +313,7 @@ class KeelConfig:
                          "trainer.collective_timeout_s", "actor_rollout_ref.actor.fsdp_config.",
                          "actor_rollout_ref.ref.fsdp_config.", "critic.model.fsdp_config.", "data.val_files", "data.val_batch_size",
                          "actor_rollout_ref.rollout.val_kwargs.", "actor_rollout_ref.rollout.max_num_seqs",
+                         "actor_rollout_ref.rollout.name",
                          "actor_rollout_ref.rollout.max_num_batched_tokens", "actor_rollout_ref.rollout.gpu_memory_utilization",
                          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
                          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",

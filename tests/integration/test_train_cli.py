@@ -194,6 +194,22 @@ def test_resume_with_different_settings_is_refused(change, tiny_config):
     assert {name: (run_dir / name).read_text() for name in before} == before  # the run directory is untouched
 
 
+def test_checkpoint_from_an_older_keel_resumes_and_may_switch_engine(tiny_config):
+    """A config saved before a key existed resumes when the key holds its default; the rollout
+    engine may change between runs (it does not change the algorithm)."""
+    import yaml
+
+    from keel.trainer.rl import train
+
+    train(tiny_config)
+    saved = Path(tiny_config["trainer"]["default_local_dir"]) / "global_step_2" / "config.yaml"
+    old = yaml.safe_load(saved.read_text())
+    del old["actor_rollout_ref"]["rollout"]["ignore_eos"]  # as a keel without that key wrote it
+    saved.write_text(yaml.safe_dump(old))
+    result = train(tiny_config, {"trainer.total_training_steps": 3, "actor_rollout_ref.rollout.name": "hf"})
+    assert result.last_step == 3
+
+
 def test_bf16_compute_keeps_float32_master_weights_that_move_at_small_lr(tiny_config, tiny_assets):
     """At RL learning rates an update is far below bf16's resolution; float32 master weights keep it."""
     from keel.trainer.rl import train
