@@ -61,6 +61,13 @@ class RolloutBatch:
     def response_lengths(self) -> Tensor:        # [N]
         return self.response_mask.sum(-1)
 
+    def masked_copies(self, count: int) -> "RolloutBatch":
+        """`count` copies of the first sample with the response masked out: fillers that add
+        nothing to any loss or count, for ranks or passes that must run in step with others."""
+        filler = self.select([0] * count)
+        filler.response_mask = torch.zeros_like(filler.response_mask)
+        return filler
+
     def select(self, index: Tensor | list[int]) -> "RolloutBatch":
         """A sub-batch (mini- or micro-batch) with every per-sample field indexed alike."""
         index = torch.as_tensor(index, dtype=torch.long)

@@ -11,6 +11,7 @@ import datetime
 import gc
 import json
 import logging
+import random
 import statistics
 import subprocess
 import tempfile
@@ -49,7 +50,6 @@ def make_model(shape: str, out_dir: Path) -> Path:
 
 def make_prompts(workload: Workload, path: Path, count: int) -> Path:
     """Prompts of exactly `prompt_length` tokens (one byte per token, no chat template)."""
-    import random
     rng = random.Random(0)
     rows = [{"prompt": "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(workload.prompt_length)),
              "data_source": "bench", "reward_model": {"ground_truth": ""}} for _ in range(count)]

@@ -303,27 +303,32 @@ class KeelConfig:
     reward_model: RewardModelConfig = opt(factory=RewardModelConfig)
     trainer: TrainerConfig = opt(factory=TrainerConfig)
 
-    # Keys a resumed run may change: when it stops, how often it logs, validates and saves, how big
-    # its micro-batches are. Anything else would make the resumed run a different run.
-    RESUME_MAY_CHANGE = ("trainer.guards.", "trainer.hooks", "trainer.hook_freq", "trainer.total_training_steps", "trainer.total_epochs", "trainer.test_freq",
-                         "trainer.save_freq", "trainer.max_actor_ckpt_to_keep", "trainer.resume_mode",
-                         "trainer.logger", "trainer.log_samples", "trainer.val_before_train",
-                         "trainer.default_local_dir", "trainer.project_name", "trainer.experiment_name",
-                         "trainer.device", "trainer.n_gpus_per_node", "trainer.nnodes",
-                         "trainer.collective_timeout_s", "actor_rollout_ref.actor.fsdp_config.",
-                         "actor_rollout_ref.ref.fsdp_config.", "critic.model.fsdp_config.", "data.val_files", "data.val_batch_size",
-                         "actor_rollout_ref.rollout.val_kwargs.", "actor_rollout_ref.rollout.max_num_seqs",
-                         "actor_rollout_ref.rollout.name",
-                         "actor_rollout_ref.rollout.max_num_batched_tokens", "actor_rollout_ref.rollout.gpu_memory_utilization",
-                         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-                         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-                         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-                         "critic.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.use_dynamic_bsz",
-                         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "critic.use_dynamic_bsz",
-                         "critic.ppo_max_token_len_per_gpu", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
-                         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-                         "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
-                         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu")
+    # Keys a resumed run may change: when it stops; how often it logs, validates and saves; how it
+    # cuts micro-batches; how many workers it has and how they shard; which engine generates.
+    # Anything else would make the resumed run a different run.
+    RESUME_MAY_CHANGE = (
+        # when it stops, what it logs and where
+        "trainer.total_training_steps", "trainer.total_epochs", "trainer.resume_mode", "trainer.logger",
+        "trainer.log_samples", "trainer.default_local_dir", "trainer.project_name", "trainer.experiment_name",
+        "trainer.guards.", "trainer.hooks", "trainer.hook_freq",
+        # validation and checkpoints
+        "trainer.test_freq", "trainer.val_before_train", "data.val_files", "data.val_batch_size",
+        "actor_rollout_ref.rollout.val_kwargs.", "trainer.save_freq", "trainer.max_actor_ckpt_to_keep",
+        # devices, workers, sharding
+        "trainer.device", "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.collective_timeout_s",
+        "actor_rollout_ref.actor.fsdp_config.", "actor_rollout_ref.ref.fsdp_config.", "critic.model.fsdp_config.",
+        # generation engine
+        "actor_rollout_ref.rollout.name", "actor_rollout_ref.rollout.max_num_seqs",
+        "actor_rollout_ref.rollout.max_num_batched_tokens", "actor_rollout_ref.rollout.gpu_memory_utilization",
+        # micro-batches (the numbers do not depend on them)
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.use_dynamic_bsz",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+        "critic.ppo_micro_batch_size_per_gpu", "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu",
+    )
 
     # --- derived settings, so components never re-derive defaults on their own ---
     @property

@@ -173,6 +173,8 @@ def _is_collective_timeout(error) -> bool:
 
 
 def _wants_gpus(cfg) -> bool:
+    """Like resolve_device, without refusing `cuda` when the driver's node has no GPU: on a
+    cluster the workers' nodes may have them."""
     import torch
     return cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
 

@@ -39,12 +39,10 @@ def shard_batch(batch: RolloutBatch, parts: int) -> tuple[list[Tensor], list[Rol
     return index, [pad_with_masked(batch.select(i), size) for i in index]
 
 
-def split_for_ranks(batch: RolloutBatch, parts: int) -> list[RolloutBatch]:
-    return shard_batch(batch, parts)[1]
-
-
 def unshard_rows(index: list[Tensor], results: list[Tensor]) -> Tensor:
     """Per-rank results [part, ...] back into batch order [N, ...]; padding rows are dropped."""
+    if len(results) == 1:  # one worker: already in order
+        return results[0]
     n = sum(len(i) for i in index)
     out = results[0].new_zeros((n, *results[0].shape[1:]))
     for rows, result in zip(index, results):
@@ -56,9 +54,7 @@ def pad_with_masked(batch: RolloutBatch, size: int) -> RolloutBatch:
     missing = size - len(batch)
     if missing == 0:
         return batch
-    filler = batch.select([0] * missing)
-    filler.response_mask = torch.zeros_like(filler.response_mask)
-    return concat_rows([batch, filler], pad_id=0)  # same widths: nothing is padded
+    return concat_rows([batch, batch.masked_copies(missing)], pad_id=0)  # same widths: nothing is padded
 
 
 def concat_rows(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:

@@ -133,9 +133,9 @@ def _cat_right_padded(chunks: list[tuple[Tensor, Tensor]], pad_id: int) -> tuple
 
 
 def mask_after_eos(response_ids: Tensor, eos_ids: list[int], pad_id: int,
-                    max_new_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
+                   max_new_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
     """Mask = tokens up to and including the first EOS; what follows becomes padding."""
-    is_eos = torch.isin(response_ids, torch.tensor(eos_ids, dtype=response_ids.dtype))                     # [N, R]
+    is_eos = torch.isin(response_ids, torch.tensor(eos_ids, dtype=response_ids.dtype))        # [N, R]
     seen_eos_before = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
     mask = (~seen_eos_before).long()
     has_eos = is_eos.any(-1)

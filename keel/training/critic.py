@@ -6,10 +6,10 @@ import torch
 
 from keel.algorithms.losses import compute_value_loss
 from keel.algorithms.utils import masked_mean
-from keel.training.forward import MicroBatching, compute_device, micro_batches, response_values
+from keel.training.forward import MicroBatching, compute_device, micro_batches, per_token_outputs, response_values
 from keel.training.optim import build_optimizer, build_scheduler
 from keel.training.step import MetricSums, MiniBatch, apply_gradients, backward
-from keel.types import RolloutBatch, pad_responses
+from keel.types import RolloutBatch
 
 
 class CriticTrainer:
@@ -25,12 +25,7 @@ class CriticTrainer:
     @torch.no_grad()
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:          # [N, R]
         self.model.eval()
-        values = torch.zeros(batch.response_ids.shape)
-        for rows, micro in micro_batches(batch, self.batching):
-            micro_values = response_values(self.model, micro).cpu()
-            if len(rows):
-                values[rows] = pad_responses(micro_values, values.shape[1])
-        return values * batch.response_mask
+        return per_token_outputs(batch, self.batching, lambda micro: response_values(self.model, micro))
 
     def update(self, minis: list[MiniBatch]) -> dict[str, float]:
         self.model.train()

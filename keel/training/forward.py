@@ -113,25 +113,19 @@ class MicroBatching:
 
 def micro_batches(batch: RolloutBatch, how: MicroBatching) -> list[tuple[Tensor, RolloutBatch]]:
     """(sample indices, micro-batch) pairs, each micro-batch trimmed to its own longest prompt and
-    response; samples are grouped by length, so the order differs from the batch's (the losses
-    do not depend on it: their denominators are the whole mini-batch's). Under data parallelism every rank must run the same number of forward passes (FSDP
-    gathers weights in each); dynamic batching agrees on the count with the other ranks, and a
-    rank with too few samples runs a filler whose response is masked (its index is empty)."""
+    response. Samples are grouped by length, so the order differs from the batch's (the losses do
+    not depend on it: their denominators are the whole mini-batch's).
+
+    Under data parallelism every rank must run the same number of forward passes (FSDP gathers
+    weights in each): dynamic batching agrees on the count with the other ranks, and a rank with
+    too few samples runs a masked filler (its index is empty)."""
     if how.max_tokens is None:  # by count, shortest to longest: similar lengths share a pass, less padding
         lengths = batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)
         index = [rows.sort().values for rows in torch.argsort(lengths, stable=True).split(how.size)]
     else:
         index = token_budget_bins(batch.prompt_mask.sum(-1), batch.response_mask.sum(-1), how.max_tokens)
         index = _split_to_count(index, _count_across_ranks(len(index)))
-    parts = []
-    for rows in index:
-        if len(rows):
-            parts.append((rows, trim_padding(batch.select(rows))))
-        else:
-            filler = batch.select([0])
-            filler.response_mask = torch.zeros_like(filler.response_mask)
-            parts.append((rows, trim_padding(filler)))
-    return parts
+    return [(rows, trim_padding(batch.select(rows) if len(rows) else batch.masked_copies(1))) for rows in index]
 
 
 def token_budget_bins(prompt_lengths: Tensor, response_lengths: Tensor, max_tokens: int) -> list[Tensor]:
@@ -176,17 +170,23 @@ def _split_to_count(index: list[Tensor], count: int) -> list[Tensor]:
     return index
 
 
+def per_token_outputs(batch: RolloutBatch, how: MicroBatching, compute) -> Tensor:
+    """`compute(micro)` -> [b, r] for every micro-batch, put back in batch order and width: [N, R]
+    (fillers' outputs dropped, padding zeroed)."""
+    out = torch.zeros(batch.response_ids.shape)
+    for rows, micro in micro_batches(batch, how):
+        values = compute(micro).cpu()
+        if len(rows):
+            out[rows] = pad_responses(values, out.shape[1])
+    return out * batch.response_mask
+
+
 @torch.no_grad()
 def batched_log_probs(model, batch: RolloutBatch, how: MicroBatching, temperature: float) -> Tensor:
     """Log-probs for a whole batch without gradients, micro-batch by micro-batch: [N, R]."""
     was_training = model.training
     model.eval()
-    out = torch.zeros(batch.response_ids.shape)
     try:
-        for rows, micro in micro_batches(batch, how):
-            log_probs = response_log_probs(model, micro, temperature)[0].cpu()
-            if len(rows):
-                out[rows] = pad_responses(log_probs, out.shape[1])
+        return per_token_outputs(batch, how, lambda micro: response_log_probs(model, micro, temperature)[0])
     finally:
         model.train(was_training)
-    return out * batch.response_mask

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from keel.diagnostics.codes import NO_GRADIENT, NONFINITE_LOSS, KeelError
-from keel.distributed.partition import split_for_ranks
+from keel.distributed.partition import shard_batch
 from keel.types import RolloutBatch
 
 
@@ -61,7 +61,7 @@ def plan_minibatches(batch: RolloutBatch, samples_per_mini: int, epochs: int, sh
             mini = batch.select(index)
             scale = LossScale(*mask_counts(mini.response_mask), norm_length)
             signal = epoch == 0 and i == 0 and bool((mini.advantages * mini.response_mask).abs().sum() > 0)
-            for rank, part in enumerate(split_for_ranks(mini, world_size)):
+            for rank, part in enumerate(shard_batch(mini, world_size)[1]):
                 per_rank[rank].append(MiniBatch(part, scale, signal))
     return per_rank
 

@@ -43,7 +43,8 @@ def unsupported_reason(model) -> str | None:
         return "sliding-window attention"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r}"
-    if getattr(config, "mlp_bias", False) or (config.model_type != "qwen2" and getattr(config, "attention_bias", False)):
+    output_bias = config.model_type != "qwen2" and getattr(config, "attention_bias", False)  # Qwen2: q, k, v only
+    if getattr(config, "mlp_bias", False) or output_bias:
         return "biases on the MLP or the attention output (the fused decode step has none)"
     return None
 
