@@ -40,18 +40,19 @@ def main() -> None:
     batch = prompts(args.batch, args.n, args.prompt)
     params = SamplingParams(n=args.n, max_new_tokens=args.steps, ignore_eos=True)
     report = {}
-    for graphs in (True, False):
-        engine = NativeRolloutEngine(model, tokenizer, 4096, torch.bfloat16, use_cuda_graphs=graphs)
-        engine.generate(batch, params)  # warm-up
+    variants = {"compiled_graphs": {}, "graphs": {"compile_step": False}, "eager": {"enforce_eager": True}}
+    for name, options in variants.items():
+        engine = NativeRolloutEngine(model, tokenizer, 4096, torch.bfloat16, **options)
+        engine.generate(batch, params)  # warm-up (and compilation)
         torch.cuda.synchronize()
         start = time.perf_counter()
         engine.generate(batch, params)
         torch.cuda.synchronize()
         total = time.perf_counter() - start
-        report["graphs" if graphs else "eager"] = {
-            "total_s": total, **engine.timing, "ms_per_step": 1e3 * engine.timing["decode"] / (args.steps - 1),
-            "tokens_per_s": args.batch * args.steps / total}
-    engine = NativeRolloutEngine(model, tokenizer, 4096, torch.bfloat16, use_cuda_graphs=False)
+        report[name] = {"total_s": total, **engine.timing, "ms_per_step": 1e3 * engine.timing["decode"] / (args.steps - 1),
+                        "tokens_per_s": args.batch * args.steps / total}
+        print(name, json.dumps(report[name]), flush=True)
+    engine = NativeRolloutEngine(model, tokenizer, 4096, torch.bfloat16, enforce_eager=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         engine.generate(batch, SamplingParams(n=args.n, max_new_tokens=8, ignore_eos=True))
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))

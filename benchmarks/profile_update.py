@@ -49,20 +49,27 @@ def main() -> None:
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
             response_log_probs(model, batch, 1.0)
 
+    def decoder_only():  # the decoder alone, no lm_head: is the time in the layers or the vocabulary?
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            model.get_decoder()(input_ids=batch.input_ids.cuda(), use_cache=False)
+
     def train_step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             log_probs, entropy = response_log_probs(model, batch, 1.0, with_entropy=True)
         (log_probs.mean() + 0 * entropy.mean()).backward()
 
-    report = {"tokens": tokens, "forward_s": timed(forward), "train_s": timed(train_step)}
     params = sum(p.numel() for p in model.parameters())
+    report = {"tokens": tokens, "attn_implementation": model.config._attn_implementation,
+              "forward_s": timed(forward), "decoder_only_s": timed(decoder_only), "train_s": timed(train_step)}
     report["train_tflops"] = 6 * params * tokens / report["train_s"] / 1e12
     report["forward_tflops"] = 2 * params * tokens / report["forward_s"] / 1e12
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
-                                            torch.profiler.ProfilerActivity.CPU]) as prof:
-        train_step()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    for name, fn in (("forward", forward), ("train", train_step)):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                                torch.profiler.ProfilerActivity.CPU]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        print(f"--- {name}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
     print(json.dumps(report, indent=2))
 
 

@@ -35,7 +35,7 @@ def test_graph_replay_equals_eager_and_greedy_equals_hf(tmp_path):
     model, tokenizer, prompts = setup(make_tiny_model(tmp_path / "m", hidden_size=128, num_layers=4), n=3, init_std=0.2)
     greedy = SamplingParams(do_sample=False, max_new_tokens=40, ignore_eos=True)
     graphs = NativeRolloutEngine(model, tokenizer, 256, torch.float32).generate(prompts, greedy)
-    eager = NativeRolloutEngine(model, tokenizer, 256, torch.float32, use_cuda_graphs=False).generate(prompts, greedy)
+    eager = NativeRolloutEngine(model, tokenizer, 256, torch.float32, enforce_eager=True).generate(prompts, greedy)
     hf = HFRolloutEngine(model, tokenizer).generate(prompts, greedy)
     assert all(len(set(row)) > 10 for row in hf.response_ids.tolist())  # varied text: a real comparison
     assert torch.equal(graphs.response_ids, eager.response_ids)

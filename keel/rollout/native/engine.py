@@ -61,8 +61,8 @@ class LayerWeights:
 
 
 class NativeRolloutEngine:
-    def __init__(self, model, tokenizer, max_num_seqs: int, dtype: torch.dtype, use_cuda_graphs: bool = True,
-                 memory_utilization: float = 0.5, max_num_batched_tokens: int = 8192):
+    def __init__(self, model, tokenizer, max_num_seqs: int, dtype: torch.dtype, enforce_eager: bool = False,
+                 memory_utilization: float = 0.5, max_num_batched_tokens: int = 8192, compile_step: bool = True):
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -73,9 +73,11 @@ class NativeRolloutEngine:
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.eps = c.rms_norm_eps
-        self.use_cuda_graphs = use_cuda_graphs
         self.timing: dict[str, float] = {}  # seconds per part (prefill, capture, decode) of the last call
         self.sync_weights(model)
+        # enforce_eager (verl's key): no CUDA graphs, no compilation; for debugging, and CPU's only way.
+        self.use_cuda_graphs = not enforce_eager and self.device.type == "cuda"
+        self.kernels = _StepFunctions(compiled=self.use_cuda_graphs and compile_step and can_compile(self.device))
 
     # --- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -204,36 +206,86 @@ class NativeRolloutEngine:
             token, log_prob = sample(self._decode_logits(state), params)
             state.record(token, log_prob, self.eos, params.ignore_eos)
 
-        if not (self.use_cuda_graphs and self.device.type == "cuda"):
+        if not self.use_cuda_graphs:
             return eager
         # Captured per chunk: the KV cache is freed after each generate call (verl's
         # free_cache_engine), and a graph replays on the addresses it was captured with.
         return _DecodeGraph(eager, state).replay
 
     def _decode_logits(self, s: "_DecodeState") -> Tensor:
-        """Logits [B, V] for the last sampled token of every row, its K and V written to the cache."""
-        batch = s.pad.shape[0]
+        """Logits [B, V] for the last sampled token of every row, its K and V written to the cache.
+
+        Between the cache writes and the attention, each layer is two pure functions that
+        torch.compile fuses on GPU (norms, RoPE, residual adds and the SiLU gate become a handful
+        of kernels around the matmuls): decoding a small model is bound by kernel count, not FLOPs."""
+        f = self.kernels
         column = s.prompt_len + s.step - 1                                        # [1] cache column
-        positions = column - s.pad                                                # [B] skips left padding
-        cols = torch.arange(s.k[0].shape[2], device=self.device)
-        visible = ((cols >= s.pad[:, None]) & (cols <= column))[:, None, None]     # [B, 1, 1, L]
-        cos, sin = _rope(positions, self.inv_freq, self.rope_scale, self.dtype)   # [B, 1, D]
-        x = F.embedding(s.last_token, self.embed)                                 # [B, hidden]
-        rotated_heads, kv_size = self.heads + self.kv_heads, self.kv_heads * self.head_dim
+        x, cos, sin, visible = f.step_inputs(s.last_token, s.pad, column, s.k[0].shape[2], self.embed,
+                                             self.inv_freq, self.rope_scale)
+        h = f.rms_norm(x, self.layers[0].input_norm, self.eps)
         for i, w in enumerate(self.layers):
-            h = _rms_norm(x, w.input_norm, self.eps)
-            qkv = F.linear(h, w.qkv, w.qkv_bias)
-            qk = _apply_rope(qkv[:, :-kv_size].view(batch, rotated_heads, self.head_dim), cos, sin)
-            q = qk[:, :self.heads].unsqueeze(2)                                    # [B, H, 1, D]
-            k = qk[:, self.heads:].unsqueeze(2)                                    # [B, KV, 1, D]
-            v = qkv[:, -kv_size:].view(batch, self.kv_heads, 1, self.head_dim)
+            q, k, v = f.attention_inputs(h, w.qkv, w.qkv_bias, cos, sin, self.heads, self.kv_heads)
             s.k[i].index_copy_(2, column, k)
             s.v[i].index_copy_(2, column, v)
-            x = x + F.linear(_decode_attention(q, s.k[i], s.v[i], visible), w.o)
-            h = _rms_norm(x, w.post_norm, self.eps)
-            gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w.down)
-        return F.linear(_rms_norm(x, self.final_norm, self.eps), self.lm_head)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            x, h = f.attention_output_and_mlp(x, _decode_attention(q, s.k[i], s.v[i], visible), w.o, w.post_norm,
+                                              w.gate_up, w.down, next_norm, self.eps)
+        return F.linear(h, self.lm_head)
+
+
+class _StepFunctions:
+    """The pure parts of a decode step, compiled by torch.compile where it can fuse them (CUDA
+    with Triton), plain functions elsewhere (CPU, or `rollout.enforce_eager`)."""
+
+    def __init__(self, compiled: bool):
+        functions = dict(step_inputs=_step_inputs, rms_norm=_rms_norm, attention_inputs=_attention_inputs,
+                         attention_output_and_mlp=_attention_output_and_mlp)
+        self.compiled = compiled
+        for name, fn in functions.items():
+            setattr(self, name, torch.compile(fn, fullgraph=True) if compiled else fn)
+
+
+def can_compile(device: torch.device) -> bool:
+    """torch.compile's GPU kernels are written in Triton."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _step_inputs(last_token: Tensor, pad: Tensor, column: Tensor, cache_len: int, embed: Tensor, inv_freq: Tensor,
+                 rope_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Embeddings [B, hidden], RoPE cos/sin [B, 1, D] at each row's position (left padding
+    skipped), and the visible cache columns [B, 1, 1, L]."""
+    positions = column - pad                                                    # [B]
+    cols = torch.arange(cache_len, device=pad.device)
+    visible = ((cols >= pad[:, None]) & (cols <= column))[:, None, None]        # [B, 1, 1, L]
+    cos, sin = _rope(positions, inv_freq, rope_scale, embed.dtype)
+    return F.embedding(last_token, embed), cos, sin, visible
+
+
+def _attention_inputs(h: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | None, cos: Tensor, sin: Tensor, heads: int,
+                      kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q [B, H, 1, D] and k [B, KV, 1, D] rotated, v [B, KV, 1, D], from the normed hidden state."""
+    batch, head_dim = h.shape[0], cos.shape[-1]
+    qkv = F.linear(h, qkv_weight, qkv_bias)
+    kv_size = kv_heads * head_dim
+    qk = _apply_rope(qkv[:, :-kv_size].view(batch, heads + kv_heads, head_dim), cos, sin)
+    v = qkv[:, -kv_size:].view(batch, kv_heads, 1, head_dim)
+    return qk[:, :heads].unsqueeze(2), qk[:, heads:].unsqueeze(2), v
+
+
+def _attention_output_and_mlp(x: Tensor, attention: Tensor, o: Tensor, post_norm: Tensor, gate_up: Tensor,
+                              down: Tensor, next_norm: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The rest of a decoder layer: output projection and residual, the gated MLP and residual;
+    also the next layer's normed input, so the residual stream is read once."""
+    x = x + F.linear(attention, o)
+    gate, up = F.linear(_rms_norm(x, post_norm, eps), gate_up).chunk(2, dim=-1)
+    x = x + F.linear(F.silu(gate) * up, down)
+    return x, _rms_norm(x, next_norm, eps)
 
 
 class _Clock:
