@@ -26,6 +26,37 @@ def prompts(batch: int, n: int, length: int) -> PromptBatch:
     return PromptBatch(ids, torch.ones_like(ids), records)
 
 
+def attention_alone(batch: int, config, cache_len: int) -> dict:
+    """One layer's decode attention over a full cache, by implementation: is it the bottleneck?"""
+    from keel.rollout.native.engine import _decode_attention
+
+    kv, heads, dim = config.num_key_value_heads, config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    q = torch.randn(batch, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, kv, cache_len, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    visible = torch.ones(batch, 1, 1, cache_len, dtype=torch.bool, device="cuda")
+    visible[:, ..., cache_len // 2:] = False  # half the cache written, as in the middle of a decode
+
+    def matmuls():
+        g = q.view(batch, kv, heads // kv, dim)
+        scores = (g @ k.transpose(-1, -2)) * dim ** -0.5
+        return (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).reshape(batch, -1)
+
+    out = {}
+    for name, fn in {"sdpa_grouped": lambda: _decode_attention(q, k, v, visible), "matmuls": matmuls,
+                     "matmuls_compiled": torch.compile(matmuls)}.items():
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        out[name] = 1e3 * (time.perf_counter() - start) / 50
+    out["bytes_gb"] = 2 * k.numel() * k.element_size() / 1e9
+    print("attention", json.dumps(out), flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=128)
@@ -52,10 +83,11 @@ def main() -> None:
         report[name] = {"total_s": total, **engine.timing, "ms_per_step": 1e3 * engine.timing["decode"] / (args.steps - 1),
                         "tokens_per_s": args.batch * args.steps / total}
         print(name, json.dumps(report[name]), flush=True)
-    engine = NativeRolloutEngine(model, tokenizer, 4096, torch.bfloat16, enforce_eager=True)
+    report["attention_ms_per_layer"] = attention_alone(args.batch, model.config, args.prompt + args.steps)
+    engine = NativeRolloutEngine(model, tokenizer, 4096, torch.bfloat16)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        engine.generate(batch, SamplingParams(n=args.n, max_new_tokens=8, ignore_eos=True))
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+        engine.generate(batch, SamplingParams(n=args.n, max_new_tokens=64, ignore_eos=True))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
     print(json.dumps(report, indent=2))
 
 

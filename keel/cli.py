@@ -109,7 +109,8 @@ def _cmd_bench(args) -> int:
     for workload in args.workload:
         for gpus in args.gpus:
             record = run_bench(workload, steps=args.steps, warmup=args.warmup, gpus=gpus, overrides=args.overrides,
-                               out=Path(args.out) if args.out else None, workdir=workdir)
+                               out=Path(args.out) if args.out else None, workdir=workdir,
+                               profile_dir=Path(args.profile) if args.profile else None)
             print(json.dumps(record, indent=2), flush=True)
     return 0
 
@@ -210,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--gpus", type=_list_of(int), default=[1], help="workers (trainer.n_gpus_per_node); "
                        "several, comma-separated, run one after another")
     bench.add_argument("--out", help="append the record to this JSON-lines file")
+    bench.add_argument("--profile", metavar="DIR", help="write a kernel and phase table of the first measured "
+                                                        "step to DIR (this process's work: one GPU)")
     bench.set_defaults(func=_cmd_bench)
 
     explain_cmd = sub.add_parser("explain", help="explain an error code (cause and fix)")

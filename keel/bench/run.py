@@ -15,6 +15,7 @@ import random
 import statistics
 import subprocess
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -84,7 +85,7 @@ def bench_config(name: str, workload: Workload, root: Path, steps: int, gpus: in
 
 
 def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrides: list[str] | None = None,
-              out: Path | None = None, workdir: Path | None = None) -> dict:
+              out: Path | None = None, workdir: Path | None = None, profile_dir: Path | None = None) -> dict:
     from keel.config.load import load_config
     from keel.observe.metrics import MetricsLogger
     from keel.trainer.rl import RLTrainer
@@ -98,9 +99,10 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
     logger = MetricsLogger(trainer.run_dir, False, warmup + steps, 0)
     per_step = []
     try:
-        for _ in range(warmup + steps):
+        for i in range(warmup + steps):
             trainer.step += 1
-            per_step.append(trainer.guarded_step(logger))
+            with _profiled(profile_dir if i == warmup else None, f"{name}_{gpus}gpu"):
+                per_step.append(trainer.guarded_step(logger))
         engine = trainer.c.workers.group.call("info", [()] * cfg.world_size)[0]["rollout_engine"]
     finally:
         logger.close()
@@ -116,6 +118,26 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
         with out.open("a") as f:
             f.write(json.dumps(record) + "\n")
     return record
+
+
+@contextmanager
+def _profiled(profile_dir: Path | None, label: str):
+    """`keel bench --profile DIR`: the first measured step under torch.profiler, its kernels and
+    phases (keel's timers are named ranges) written to DIR as a table. It sees this process only:
+    with several workers, rank 0's kernels run in a Ray actor and are not in it."""
+    if profile_dir is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        yield
+    profile_dir.mkdir(parents=True, exist_ok=True)
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90)
+    (profile_dir / f"profile_{label}.txt").write_text(table)
+    log.info("profile of one step: %s", profile_dir / f"profile_{label}.txt")
 
 
 def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:

@@ -10,6 +10,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from torch.profiler import record_function
+
 # Shown in the one-line summary after each step, in this order, when present.
 SUMMARY_KEYS = ("train/loss", "val/loss", "critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl",
                 "actor/grad_norm", "critic/vf_loss", "response_length/mean", "timing_s/step")
@@ -28,8 +30,8 @@ class Timer:
         from keel.diagnostics.guards import phase_deadline
 
         start = time.perf_counter()
-        try:
-            with phase_deadline(phase, self.deadline_s if phase != "step" else None):
+        try:  # record_function: the phase is a named range in profiles (`keel bench --profile`)
+            with phase_deadline(phase, self.deadline_s if phase != "step" else None), record_function(phase):
                 yield
         finally:
             self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
