@@ -48,8 +48,9 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     path: str = opt("", help="local Hugging Face model directory")
-    dtype: str = opt("float32", choices=DTYPES,
-                     help="compute dtype (auto: bfloat16 on GPU); weights and optimiser state stay float32")
+    dtype: str = opt("auto", choices=DTYPES,
+                     help="compute dtype; auto: bfloat16 on GPU, float32 on CPU. Weights and optimiser state stay "
+                          "float32")
     trust_remote_code: bool = opt(False)
     enable_gradient_checkpointing: bool = opt(False)
 

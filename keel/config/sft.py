@@ -26,8 +26,9 @@ class SFTDataConfig:
 @dataclass
 class SFTModelConfig:
     partial_pretrain: str = opt("", help="local Hugging Face model directory to fine-tune")
-    dtype: str = opt("float32", choices=DTYPES,
-                     help="compute dtype (auto: bfloat16 on GPU); weights and optimiser state stay float32")
+    dtype: str = opt("auto", choices=DTYPES,
+                     help="compute dtype; auto: bfloat16 on GPU, float32 on CPU. Weights and optimiser state stay "
+                          "float32")
     trust_remote_code: bool = opt(False)
     enable_gradient_checkpointing: bool = opt(False)
 
