@@ -28,23 +28,27 @@ def prompts(batch: int, n: int, length: int) -> PromptBatch:
 
 def attention_alone(batch: int, config, cache_len: int) -> dict:
     """One layer's decode attention over a full cache, by implementation: is it the bottleneck?"""
-    from keel.rollout.native.engine import _decode_attention
+    from keel.rollout.native.attention import sdpa_decode_attention, triton_decode_attention
 
     kv, heads, dim = config.num_key_value_heads, config.num_attention_heads, config.hidden_size // config.num_attention_heads
     q = torch.randn(batch, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, kv, cache_len, dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    visible = torch.ones(batch, 1, 1, cache_len, dtype=torch.bool, device="cuda")
-    visible[:, ..., cache_len // 2:] = False  # half the cache written, as in the middle of a decode
+    new_k, new_v = k[:, :, :1].clone(), v[:, :, :1].clone()
+    pad = torch.zeros(batch, dtype=torch.long, device="cuda")
+    column = torch.tensor([cache_len // 2], device="cuda")  # half the cache written: mid-decode
+    visible = (torch.arange(cache_len, device="cuda") <= column)[None, None, None].expand(batch, 1, 1, -1)
 
     def matmuls():
         g = q.view(batch, kv, heads // kv, dim)
         scores = (g @ k.transpose(-1, -2)) * dim ** -0.5
         return (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).reshape(batch, -1)
 
-    out = {}
-    for name, fn in {"sdpa_grouped": lambda: _decode_attention(q, k, v, visible), "matmuls": matmuls,
-                     "matmuls_compiled": torch.compile(matmuls)}.items():
+    variants = {"sdpa_grouped": lambda: sdpa_decode_attention(q, new_k, new_v, k, v, pad, column, visible),
+                "triton": lambda: triton_decode_attention(q, new_k, new_v, k, v, pad, column), "matmuls": matmuls}
+    reference = variants["sdpa_grouped"]().float()
+    out = {"triton_max_error": (variants["triton"]().float() - reference).abs().max().item()}
+    for name, fn in variants.items():
         fn()
         torch.cuda.synchronize()
         start = time.perf_counter()

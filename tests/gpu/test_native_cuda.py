@@ -52,3 +52,28 @@ def test_bf16_samples_agree_with_the_trainer(tiny_assets):
         trainer = batched_log_probs(model, batch, MicroBatching(64), temperature=1.0)
     gap = ((trainer - batch.sampling_log_probs).abs() * batch.response_mask).sum() / batch.response_mask.sum()
     assert float(gap) < 0.02, float(gap)
+
+
+@pytest.mark.parametrize("kv_heads, group, dim", [(2, 7, 64), (2, 6, 128), (8, 1, 64)])
+def test_triton_decode_attention_matches_sdpa(kv_heads, group, dim):
+    """The fused kernel (cache write + attention over the visible columns) against the cache write
+    and SDPA over a masked cache, on bf16 rows with different left padding."""
+    from keel.rollout.native.attention import (sdpa_decode_attention, triton_available,
+                                               triton_decode_attention)
+
+    if not triton_available(CUDA, torch.bfloat16, dim):
+        pytest.skip("no Triton")
+    torch.manual_seed(0)
+    batch, length = 9, 300
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, kv_heads * group, 1, dim, **bf16)
+    k, v = torch.randn(batch, kv_heads, 1, dim, **bf16), torch.randn(batch, kv_heads, 1, dim, **bf16)
+    k_cache, v_cache = torch.randn(batch, kv_heads, length, dim, **bf16), torch.randn(batch, kv_heads, length, dim, **bf16)
+    pad = torch.tensor([0, 1, 5, 63, 64, 65, 130, 200, 0], device="cuda")
+    column = torch.tensor([200], device="cuda")
+    visible = ((torch.arange(length, device="cuda") >= pad[:, None]) & (torch.arange(length, device="cuda") <= column))
+    caches = (k_cache.clone(), v_cache.clone())
+    expected = sdpa_decode_attention(q, k, v, k_cache, v_cache, pad, column, visible[:, None, None])
+    got = triton_decode_attention(q, k, v, *caches, pad, column)
+    assert (got.float() - expected.float()).abs().max().item() < 2e-2
+    assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)  # the new token written at 200

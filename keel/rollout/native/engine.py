@@ -4,9 +4,10 @@ steps with fused projections, CUDA graphs on GPU, sampling on the device.
 Prefill runs through the policy's own Hugging Face modules (compute-bound; SDPA does it well),
 once per distinct prompt: the `n` samples of a group copy its KV instead of recomputing it.
 Decoding, the memory-bound part, runs keel's own step over fused QKV and gate-up weights cast to
-the compute dtype at `sync_weights`, attending over a static cache with a per-row mask. On a GPU
-the step is captured as a CUDA graph for each batch it runs at (the chunk, then smaller as
-finished sequences leave) and replayed: one launch per token instead of hundreds from Python.
+the compute dtype at `sync_weights`, attending over a static cache (attention.py). On a GPU the
+step's elementwise work is fused by torch.compile, and the step is captured as a CUDA graph for
+each batch it runs at (the chunk, then smaller as finished sequences leave) and replayed: one
+launch per token instead of hundreds from Python.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from keel.rollout.hf import mask_after_eos, stop_token_ids
+from keel.rollout.native.attention import sdpa_decode_attention, triton_available, triton_decode_attention
 from keel.rollout.native.sampling import sample
 from keel.types import RolloutBatch, SamplingParams
 
@@ -78,6 +80,8 @@ class NativeRolloutEngine:
         # enforce_eager (verl's key): no CUDA graphs, no compilation; for debugging, and CPU's only way.
         self.use_cuda_graphs = not enforce_eager and self.device.type == "cuda"
         self.kernels = _StepFunctions(compiled=self.use_cuda_graphs and compile_step and can_compile(self.device))
+        use_triton = triton_available(self.device, dtype, self.head_dim)
+        self.attention = triton_decode_attention if use_triton else sdpa_decode_attention
 
     # --- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -215,9 +219,10 @@ class NativeRolloutEngine:
     def _decode_logits(self, s: "_DecodeState") -> Tensor:
         """Logits [B, V] for the last sampled token of every row, its K and V written to the cache.
 
-        Between the cache writes and the attention, each layer is two pure functions that
-        torch.compile fuses on GPU (norms, RoPE, residual adds and the SiLU gate become a handful
-        of kernels around the matmuls): decoding a small model is bound by kernel count, not FLOPs."""
+        Around the attention (one Triton kernel on GPU, which also writes the cache), each layer is
+        two pure functions that torch.compile fuses on GPU (norms, RoPE, residual adds and the SiLU
+        gate become a handful of kernels around the matmuls): decoding a small model is bound by
+        kernel launches and bytes read, not FLOPs."""
         f = self.kernels
         column = s.prompt_len + s.step - 1                                        # [1] cache column
         x, cos, sin, visible = f.step_inputs(s.last_token, s.pad, column, s.k[0].shape[2], self.embed,
@@ -225,11 +230,10 @@ class NativeRolloutEngine:
         h = f.rms_norm(x, self.layers[0].input_norm, self.eps)
         for i, w in enumerate(self.layers):
             q, k, v = f.attention_inputs(h, w.qkv, w.qkv_bias, cos, sin, self.heads, self.kv_heads)
-            s.k[i].index_copy_(2, column, k)
-            s.v[i].index_copy_(2, column, v)
+            attention = self.attention(q, k, v, s.k[i], s.v[i], s.pad, column, visible)  # writes k, v
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            x, h = f.attention_output_and_mlp(x, _decode_attention(q, s.k[i], s.v[i], visible), w.o, w.post_norm,
-                                              w.gate_up, w.down, next_norm, self.eps)
+            x, h = f.attention_output_and_mlp(x, attention, w.o, w.post_norm, w.gate_up, w.down, next_norm,
+                                              self.eps)
         return F.linear(h, self.lm_head)
 
 
@@ -375,15 +379,6 @@ class _DecodeGraph:
 
     def replay(self) -> None:
         self.graph.replay()
-
-
-def _decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
-    """One query per row against its cache, grouped-query: q [B, H, 1, D], k/v [B, KV, L, D],
-    visible [B, 1, 1, L] -> [B, H * D]. The G query heads of each KV head are passed to SDPA as G
-    query positions of one head, so one fused kernel reads K and V once, never repeated to H heads."""
-    batch, heads, _, dim = q.shape
-    grouped = q.view(batch, k.shape[1], heads // k.shape[1], dim)                # [B, KV, G, D]
-    return F.scaled_dot_product_attention(grouped, k, v, attn_mask=visible).reshape(batch, heads * dim)
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

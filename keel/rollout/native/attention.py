@@ -1,0 +1,105 @@
+"""Decode attention: one new query token per row against its KV cache, grouped-query.
+
+Two implementations with one signature. On a GPU with Triton, one kernel per layer writes the new
+token's K and V into the cache and attends in a single pass (flash-decoding): each program takes
+one row and one KV head, holds the G query heads that share it, and streams only the columns that
+row can see, so neither the unwritten tail of the static cache nor the left padding is read, and
+K/V are never repeated to H heads. Elsewhere (CPU, float32) the cache write and SDPA over a masked
+cache do the same.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs: the SDPA path below
+    triton = None
+
+BLOCK_COLUMNS = 64  # cache columns per inner step
+
+
+def sdpa_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor,
+                          column: Tensor, visible: Tensor) -> Tensor:
+    """q [B, H, 1, D], the new token's k/v [B, KV, 1, D] written at `column` of the caches
+    [B, KV, L, D]; visible [B, 1, 1, L] -> [B, H * D]. The G query heads of each KV head are given
+    to SDPA as G query positions of one head, so K and V are read once, never repeated."""
+    k_cache.index_copy_(2, column, k)
+    v_cache.index_copy_(2, column, v)
+    batch, heads, _, dim = q.shape
+    grouped = q.view(batch, k_cache.shape[1], heads // k_cache.shape[1], dim)    # [B, KV, G, D]
+    return F.scaled_dot_product_attention(grouped, k_cache, v_cache, attn_mask=visible).reshape(batch, heads * dim)
+
+
+def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor,
+                            column: Tensor, visible: Tensor | None = None) -> Tensor:
+    """The same as sdpa_decode_attention in one Triton kernel; `visible` is implied by `pad` (the
+    first column each row sees) and `column` (read on the device: no host sync)."""
+    batch, heads, _, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    out = torch.empty(batch, heads, dim, device=q.device, dtype=q.dtype)
+    _decode_attention_kernel[(batch, kv_heads)](
+        q, k, v, k_cache, v_cache, out, pad, column, dim ** -0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=BLOCK_COLUMNS)
+    return out.view(batch, heads * dim)
+
+
+def triton_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """The kernel runs on CUDA in 16-bit types (its dot products would round float32 to tf32) with
+    a power-of-two head size."""
+    return (triton is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+
+
+if triton is not None:
+    @triton.jit
+    def _decode_attention_kernel(Q, K, V, KCache, VCache, Out, Pad, Column, scale,
+                                 q_b, q_h, k_b, k_h, v_b, v_h, kc_b, kc_h, kc_l, vc_b, vc_h, vc_l,
+                                 GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr,
+                                 BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        g = tl.arange(0, BLOCK_GROUP)
+        d = tl.arange(0, DIM)
+        in_group = g[:, None] < GROUP
+        # The G query heads of this KV head: q is [B, H, 1, D], heads kv_head*G .. kv_head*G + G-1.
+        q_ptrs = Q + row * q_b + (kv_head * GROUP + g[:, None]) * q_h + d[None, :]
+        q = tl.load(q_ptrs, mask=in_group, other=0.0)                                   # [BG, D]
+        k_new = tl.load(K + row * k_b + kv_head * k_h + d)                              # [D]
+        v_new = tl.load(V + row * v_b + kv_head * v_h + d)
+        column = tl.load(Column)
+        first = tl.load(Pad + row)
+        # This step's K and V go to the cache for later steps; this step uses them from registers.
+        tl.store(KCache + row * kc_b + kv_head * kc_h + column * kc_l + d, k_new)
+        tl.store(VCache + row * vc_b + kv_head * vc_h + column * vc_l + d, v_new)
+
+        # The new token first: a finite running maximum from the start.
+        m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale     # [BG]
+        total = tl.full([BLOCK_GROUP], 1.0, tl.float32)
+        acc = tl.zeros([BLOCK_GROUP, DIM], tl.float32) + v_new.to(tl.float32)[None, :]
+        k_base = KCache + row * kc_b + kv_head * kc_h
+        v_base = VCache + row * vc_b + kv_head * vc_h
+        for start in range((first // BLOCK) * BLOCK, column, BLOCK):  # earlier columns this row sees
+            cols = start + tl.arange(0, BLOCK)
+            seen = (cols >= first) & (cols < column)
+            k = tl.load(k_base + cols[:, None] * kc_l + d[None, :], mask=seen[:, None], other=0.0)  # [BL, D]
+            scores = tl.dot(q, tl.trans(k)) * scale                                     # [BG, BL] fp32
+            scores = tl.where(seen[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            rescale = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            v = tl.load(v_base + cols[:, None] * vc_l + d[None, :], mask=seen[:, None], other=0.0)
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+            total = total * rescale + tl.sum(p, axis=1)
+            m = m_new
+        out = acc / total[:, None]
+        out_ptrs = Out + row * (GROUP * (tl.num_programs(1)) * DIM) + (kv_head * GROUP + g[:, None]) * DIM + d[None, :]
+        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=in_group)
