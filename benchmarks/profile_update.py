@@ -61,6 +61,8 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     report = {"tokens": tokens, "attn_implementation": model.config._attn_implementation,
               "forward_s": timed(forward), "decoder_only_s": timed(decoder_only), "train_s": timed(train_step)}
+    model.keel_compile = True  # actor.use_torch_compile
+    report["forward_compiled_s"], report["train_compiled_s"] = timed(forward), timed(train_step)
     report["train_tflops"] = 6 * params * tokens / report["train_s"] / 1e12
     report["forward_tflops"] = 2 * params * tokens / report["forward_s"] / 1e12
     for name, fn in (("forward", forward), ("train", train_step)):

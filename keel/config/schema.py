@@ -99,6 +99,8 @@ class ActorConfig:
     kl_loss_coef: float = opt(0.001, ge=0)
     kl_loss_type: str = opt("low_var_kl", choices=KL_TYPES)
     grad_clip: float = opt(1.0, gt=0)
+    use_torch_compile: bool = opt(True, help="GPU: fuse the log-prob and entropy arithmetic over the vocabulary "
+                                             "with torch.compile (actor and reference)")
     optim: OptimConfig = opt(factory=OptimConfig)
     fsdp_config: FSDPConfig = opt(factory=FSDPConfig)
 
@@ -124,6 +126,7 @@ class RolloutConfig:
     ignore_eos: bool = opt(False, help="generate max_response_length tokens whatever is sampled (benchmarks)")
     max_num_seqs: int = opt(256, gt=0, help="sequences generated at once")
     max_num_batched_tokens: int = opt(8192, gt=0, help="native: prompt tokens per prefill pass")
+    enforce_eager: bool = opt(False, help="native: no CUDA graphs and no torch.compile in decoding (debugging)")
     gpu_memory_utilization: float = opt(0.5, gt=0, le=1, help="native: share of the free GPU memory the KV "
                                                               "cache may take (fewer sequences at once if needed)")
     log_prob_micro_batch_size_per_gpu: int = opt(8, gt=0)

@@ -26,7 +26,7 @@ from keel.config.schema import KeelConfig
 from keel.distributed.dist import init_process_group, memory_reading
 from keel.distributed.faults import maybe_inject
 from keel.distributed.fsdp import make_mesh, shard_model, sharding_report
-from keel.models.load import (autocast, load_causal_lm, load_critic, load_tokenizer, quiet_transformers,
+from keel.models.load import (autocast, can_compile, load_causal_lm, load_critic, load_tokenizer, quiet_transformers,
                               resolve_device, resolve_dtype)
 from keel.rollout.select import make_rollout_engine
 from keel.training.actor import ActorTrainer
@@ -79,6 +79,8 @@ class PolicyWorker:
         return self.world_size > 1
 
     def _shard(self, model, fsdp_cfg, role: str):
+        # Read by keel.training.forward: fuse the vocabulary arithmetic of log-probs on GPU.
+        model.keel_compile = self.cfg.actor_rollout_ref.actor.use_torch_compile and can_compile(self.device)
         if not self.sharded:
             return model
         mesh = make_mesh(self.device.type, self.world_size, fsdp_cfg.fsdp_size)

@@ -64,6 +64,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def can_compile(device: torch.device) -> bool:
+    """Whether torch.compile can fuse kernels here: on CUDA, where its kernels are Triton's (on
+    CPU it would compile C++ for little gain, and slowly)."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def autocast(device: torch.device, dtype: torch.dtype):
     """Mixed precision: compute in `dtype` over float32 weights, so the optimiser's small updates
     are not rounded away (bf16 weights lose most updates at RL learning rates such as 1e-6)."""

@@ -27,7 +27,7 @@ def make_rollout_engine(rollout_cfg, model, tokenizer, device: torch.device, dty
         return HFRolloutEngine(model, tokenizer, rollout_cfg.max_num_seqs, dtype)
     if log_choice:
         log.info("rollout engine: native (%s, %s)", model.config.model_type,
-                 "CUDA graphs" if device.type == "cuda" else "eager on CPU")
-    return NativeRolloutEngine(model, tokenizer, rollout_cfg.max_num_seqs, dtype,
+                 "eager" if rollout_cfg.enforce_eager or device.type != "cuda" else "CUDA graphs")
+    return NativeRolloutEngine(model, tokenizer, rollout_cfg.max_num_seqs, dtype, enforce_eager=rollout_cfg.enforce_eager,
                                memory_utilization=rollout_cfg.gpu_memory_utilization,
                                max_num_batched_tokens=rollout_cfg.max_num_batched_tokens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+import functools
 from functools import partial
 
 import torch
@@ -57,10 +58,12 @@ def decoder_token_stats(model, inputs: dict[str, Tensor], targets: Tensor, tempe
     hidden = hidden[:, -response_len - 1:-1]                                # [B, R, H]
     lm_head = model.get_output_embeddings()
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)  # [B*R, H], [B*R]
+    token_stats = _compiled_token_stats() if getattr(model, "keel_compile", False) else _token_stats
     parts = []
     for start in range(0, flat_targets.shape[0], LOGITS_CHUNK_TOKENS):
         chunk = slice(start, start + LOGITS_CHUNK_TOKENS)
-        args = (lm_head, flat_hidden[chunk], flat_targets[chunk], temperature, with_entropy, entropy_grad)
+        args = (lm_head, token_stats, flat_hidden[chunk], flat_targets[chunk], temperature, with_entropy,
+                entropy_grad)
         if torch.is_grad_enabled():
             parts.append(torch.utils.checkpoint.checkpoint(_chunk_stats, *args, use_reentrant=False))
         else:
@@ -71,10 +74,18 @@ def decoder_token_stats(model, inputs: dict[str, Tensor], targets: Tensor, tempe
     return log_probs, entropy
 
 
-def _chunk_stats(lm_head, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
+def _chunk_stats(lm_head, token_stats, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
                  entropy_grad: bool) -> tuple[Tensor, Tensor]:
-    log_probs, entropy = _token_stats(lm_head(hidden), targets, temperature, with_entropy, entropy_grad)
+    log_probs, entropy = token_stats(lm_head(hidden), targets, temperature, with_entropy, entropy_grad)
     return log_probs, entropy if entropy is not None else torch.zeros_like(log_probs)
+
+
+@functools.cache
+def _compiled_token_stats():
+    """_token_stats fused by torch.compile (`actor.use_torch_compile`, GPU only): the float cast,
+    logsumexp, gather and entropy become a few passes over the [chunk, V] logits instead of one
+    each, forward and backward. Compiled once per process."""
+    return torch.compile(_token_stats, dynamic=None)
 
 
 def _token_stats(logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool,

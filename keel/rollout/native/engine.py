@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from keel.models.load import can_compile
 from keel.rollout.hf import mask_after_eos, stop_token_ids
 from keel.rollout.native.attention import sdpa_decode_attention, triton_available, triton_decode_attention
 from keel.rollout.native.sampling import sample
@@ -247,17 +248,6 @@ class _StepFunctions:
         self.compiled = compiled
         for name, fn in functions.items():
             setattr(self, name, torch.compile(fn, fullgraph=True) if compiled else fn)
-
-
-def can_compile(device: torch.device) -> bool:
-    """torch.compile's GPU kernels are written in Triton."""
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _step_inputs(last_token: Tensor, pad: Tensor, column: Tensor, cache_len: int, embed: Tensor, inv_freq: Tensor,
