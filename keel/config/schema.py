@@ -99,8 +99,8 @@ class ActorConfig:
     kl_loss_coef: float = opt(0.001, ge=0)
     kl_loss_type: str = opt("low_var_kl", choices=KL_TYPES)
     grad_clip: float = opt(1.0, gt=0)
-    use_torch_compile: bool = opt(True, help="GPU: fuse the log-prob and entropy arithmetic over the vocabulary "
-                                             "with torch.compile (actor and reference)")
+    use_torch_compile: bool = opt(True, help="GPU: torch.compile each decoder layer and the log-prob/entropy "
+                                             "arithmetic over the vocabulary (actor, reference, critic)")
     optim: OptimConfig = opt(factory=OptimConfig)
     fsdp_config: FSDPConfig = opt(factory=FSDPConfig)
 

@@ -25,9 +25,10 @@ from keel.checkpoint import write_policy
 from keel.config.schema import KeelConfig
 from keel.distributed.dist import init_process_group, memory_reading
 from keel.distributed.faults import maybe_inject
-from keel.distributed.fsdp import make_mesh, shard_model, sharding_report
+from keel.distributed.fsdp import compile_blocks, make_mesh, shard_model, sharding_report
 from keel.models.load import (autocast, can_compile, load_causal_lm, load_critic, load_tokenizer, quiet_transformers,
                               resolve_device, resolve_dtype)
+from keel.rollout.hf import HFRolloutEngine
 from keel.rollout.select import make_rollout_engine
 from keel.training.actor import ActorTrainer
 from keel.training.critic import CriticTrainer
@@ -79,8 +80,13 @@ class PolicyWorker:
         return self.world_size > 1
 
     def _shard(self, model, fsdp_cfg, role: str):
-        # Read by keel.training.forward: fuse the vocabulary arithmetic of log-probs on GPU.
-        model.keel_compile = self.cfg.actor_rollout_ref.actor.use_torch_compile and can_compile(self.device)
+        """The role's model made ready to train: compiled (GPU), then sharded (several workers)."""
+        compiled = self.cfg.actor_rollout_ref.actor.use_torch_compile and can_compile(self.device)
+        # The hf engine generates with this very module when unsharded; its growing KV cache would
+        # recompile the layers at every length, so they stay eager.
+        if compiled and not (self.rollout.model is model and isinstance(self.rollout, HFRolloutEngine)):
+            compile_blocks(model)
+        model.keel_compile = compiled  # read by keel.training.forward: fuse the vocabulary arithmetic
         if not self.sharded:
             return model
         mesh = make_mesh(self.device.type, self.world_size, fsdp_cfg.fsdp_size)

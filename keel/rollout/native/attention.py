@@ -21,6 +21,7 @@ except ImportError:  # CPU installs: the SDPA path below
     triton = None
 
 BLOCK_COLUMNS = 64  # cache columns per inner step
+NUM_WARPS = 4
 
 
 def sdpa_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor,
@@ -36,7 +37,8 @@ def sdpa_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_ca
 
 
 def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor,
-                            column: Tensor, visible: Tensor | None = None) -> Tensor:
+                            column: Tensor, visible: Tensor | None = None, block: int = BLOCK_COLUMNS,
+                            num_warps: int = NUM_WARPS) -> Tensor:
     """The same as sdpa_decode_attention in one Triton kernel; `visible` is implied by `pad` (the
     first column each row sees) and `column` (read on the device: no host sync)."""
     batch, heads, _, dim = q.shape
@@ -48,7 +50,7 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=BLOCK_COLUMNS)
+        GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=block, num_warps=num_warps)
     return out.view(batch, heads * dim)
 
 

@@ -8,25 +8,38 @@ from torch import Tensor
 from keel.types import SamplingParams
 
 
-def sample(logits: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
+def sample(logits: Tensor, params: SamplingParams, pick=None) -> tuple[Tensor, Tensor]:
     """(token [B], its log-prob under the temperature-scaled distribution [B]) from logits [B, V].
 
     The log-prob is taken from the full distribution, not the top-k/top-p truncated one: it is
     what the trainer recomputes, so the sampler/trainer gap measures numerics only (as the hf
     engine does). Sampling is Gumbel-max, argmax(logits - log E) with E ~ Exp(1): a draw from the
-    softmax. Every step touches the [B, V] logits a handful of times, so each pass counts: the
-    log-prob comes from one logsumexp, not a full log_softmax.
+    softmax. Every step touches the [B, V] logits a handful of times, so each pass counts: `pick`
+    (pick_token, or the engine's compiled copy of it, which fuses them) reads them twice.
     """
+    pick = pick or pick_token
     greedy = not params.do_sample or params.temperature == 0
-    scaled = logits.float()
-    if not greedy and params.temperature != 1.0:
-        scaled = scaled / params.temperature
+    temperature = 1.0 if greedy else params.temperature
     if greedy:
-        token = scaled.argmax(-1)
+        return pick(logits, None, None, temperature)
+    # The noise is drawn outside `pick`: eager RNG advances correctly under CUDA graph replay.
+    noise = torch.empty(logits.shape, device=logits.device, dtype=torch.float32).exponential_()
+    filtered = None
+    if (params.top_k > 0 and params.top_k < logits.shape[-1]) or params.top_p < 1.0:
+        filtered = top_k_top_p(logits.float() / temperature, params.top_k, params.top_p)
+    return pick(logits, filtered, noise, temperature)
+
+
+def pick_token(logits: Tensor, filtered: Tensor | None, noise: Tensor | None,
+               temperature: float) -> tuple[Tensor, Tensor]:
+    """Greedy (no noise) or Gumbel-max over `filtered` (default: all of the scaled logits), and
+    the token's log-prob under the full scaled distribution."""
+    scaled = logits.float() / temperature
+    candidates = scaled if filtered is None else filtered
+    if noise is None:
+        token = candidates.argmax(-1)
     else:
-        filtered = top_k_top_p(scaled, params.top_k, params.top_p)
-        noise = torch.empty_like(filtered).exponential_().clamp_(min=1e-30).log_()
-        token = (filtered - noise).argmax(-1)
+        token = (candidates - noise.clamp(min=1e-30).log()).argmax(-1)
     log_prob = scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
     return token, log_prob
 
