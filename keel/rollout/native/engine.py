@@ -194,7 +194,10 @@ class NativeRolloutEngine:
         for start in range(0, input_ids.shape[0], per_pass):
             ids, mask = input_ids[start:start + per_pass], attention_mask[start:start + per_pass]
             positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            # Eager even where training compiled the layers (actor.use_torch_compile): with a KV
+            # cache, each layer's index would recompile them, and prefill runs once per step.
+            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32), \
+                    torch.compiler.set_stance("force_eager"):
                 out = self.model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions,
                                                use_cache=True)
             cache = out.get("cache") if "cache" in out else out.get("past_key_values")
