@@ -101,7 +101,7 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
     try:
         for i in range(warmup + steps):
             trainer.step += 1
-            with _profiled(profile_dir if i == warmup else None, f"{name}_{gpus}gpu"):
+            with _profiled(trainer.c.workers, profile_dir if i == warmup else None, f"{name}_{gpus}gpu"):
                 per_step.append(trainer.guarded_step(logger))
         engine = trainer.c.workers.group.call("info", [()] * cfg.world_size)[0]["rollout_engine"]
     finally:
@@ -121,23 +121,21 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
 
 
 @contextmanager
-def _profiled(profile_dir: Path | None, label: str):
-    """`keel bench --profile DIR`: the first measured step under torch.profiler, its kernels and
-    phases (keel's timers are named ranges) written to DIR as a table. It sees this process only:
-    with several workers, rank 0's kernels run in a Ray actor and are not in it."""
+def _profiled(workers, profile_dir: Path | None, label: str):
+    """`keel bench --profile DIR`: the first measured step under torch.profiler on every worker;
+    rank 0's kernels and phases (keel's timers are named ranges) go to DIR as a table. With one
+    worker it runs in this process, so the table has the driver's phases too."""
     if profile_dir is None:
         yield
         return
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        yield
     profile_dir.mkdir(parents=True, exist_ok=True)
-    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-    table = prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90)
-    (profile_dir / f"profile_{label}.txt").write_text(table)
-    log.info("profile of one step: %s", profile_dir / f"profile_{label}.txt")
+    path = profile_dir / f"profile_{label}.txt"
+    workers.group.call("start_profile", [()] * workers.world)
+    try:
+        yield
+    finally:
+        workers.group.call("stop_profile", [(str(path),)] * workers.world)
+    log.info("profile of one step (rank 0): %s", path)
 
 
 def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:

@@ -118,6 +118,23 @@ class PolicyWorker:
         self.phase = "idle"
         return result, memory_reading(self.device)
 
+    def start_profile(self) -> None:
+        """`keel bench --profile`: this rank's work under torch.profiler until stop_profile."""
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = [ProfilerActivity.CUDA] if self.device.type == "cuda" else []
+        self._profiler = profile(activities=[ProfilerActivity.CPU] + cuda)
+        self._profiler.__enter__()
+
+    def stop_profile(self, path: str | None) -> None:
+        """Ends the profile; rank 0 writes its kernel and phase table to `path`."""
+        self._profiler.__exit__(None, None, None)
+        if path and self.rank == 0:
+            sort = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
+            Path(path).write_text(self._profiler.key_averages().table(sort_by=sort, row_limit=60,
+                                                                      max_name_column_width=90))
+        self._profiler = None
+
     def info(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "threads": torch.get_num_threads(),
                 "rollout_engine": type(self.rollout).__name__,
