@@ -61,7 +61,9 @@ def make_prompts(workload: Workload, path: Path, count: int) -> Path:
 def bench_config(name: str, workload: Workload, root: Path, steps: int, gpus: int) -> dict:
     samples_per_mini = max(1, workload.prompts // 4) * workload.n
     tokens = workload.prompt_length + workload.response_length
-    micro = max(1, min(samples_per_mini // gpus, 16384 // tokens))  # about 16k tokens per forward
+    per_gpu = max(1, samples_per_mini // gpus)
+    # About 16k tokens per forward, in micro-batches that split each GPU's share evenly (KEEL-C004).
+    micro = max(d for d in range(1, per_gpu + 1) if per_gpu % d == 0 and d <= max(1, 16384 // tokens))
     arr = {
         "model": {"path": str(make_model(workload.model, root / f"model_{workload.model}"))},
         "actor": {"ppo_mini_batch_size": max(1, workload.prompts // 4), "ppo_micro_batch_size_per_gpu": micro,

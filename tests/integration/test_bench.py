@@ -2,7 +2,12 @@
 
 import json
 
+import pytest
+
+from keel.bench import run
+from keel.bench.workloads import WORKLOADS
 from keel.cli import main
+from keel.config.load import load_config
 
 REQUIRED = ("workload", "date", "commit", "device", "step_time_s", "gen_tokens_per_s", "update_tokens_per_s",
             "update_mfu", "throughput_tokens_per_s_per_gpu", "peak_memory_gb", "log_prob_gap")
@@ -10,7 +15,8 @@ REQUIRED = ("workload", "date", "commit", "device", "step_time_s", "gen_tokens_p
 
 def test_bench_appends_a_record_with_the_required_fields(tmp_path, capsys):
     out = tmp_path / "results.jsonl"
-    assert main(["bench", "tiny,tiny", "trainer.device=cpu", "--steps", "1", "--warmup", "1", "--out", str(out)]) == 0
+    assert main(["bench", "tiny,tiny", "trainer.device=cpu", "--steps", "1", "--warmup", "1", "--out", str(out),
+                 "--profile", str(tmp_path / "profile")]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 2 and all(set(REQUIRED) <= set(r) for r in records)
     r = records[0]
@@ -20,3 +26,17 @@ def test_bench_appends_a_record_with_the_required_fields(tmp_path, capsys):
     assert r["gen_tokens_per_s"] == 4 * 4 * 16 / r["timing_s"]["gen"]
     assert 0 <= r["log_prob_gap"] < 1e-3  # float32 on CPU: sampler and trainer agree
     assert capsys.readouterr().out.count("\"workload\": \"tiny\"") == 2  # and printed
+    # --profile: the first measured step's operators, with keel's phases as named ranges
+    table = (tmp_path / "profile" / "profile_tiny_1gpu.txt").read_text()
+    assert "update_actor" in table and "aten::mm" in table
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_every_workload_config_is_valid(name, gpus, tmp_path, monkeypatch):
+    """Each workload's generated config passes keel's checks on 1 and 2 GPUs (w2's first version
+    asked for micro-batches of 7 samples in mini-batches of 64: KEEL-C004 on the GPU machine)."""
+    monkeypatch.setattr(run, "make_model", lambda shape, out_dir: out_dir)
+    cfg = load_config(run.bench_config(name, WORKLOADS[name], tmp_path, 2, gpus))
+    per_gpu = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n // gpus
+    assert per_gpu % cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 0
