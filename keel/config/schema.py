@@ -127,6 +127,8 @@ class RolloutConfig:
     max_num_seqs: int = opt(256, gt=0, help="sequences generated at once")
     max_num_batched_tokens: int = opt(8192, gt=0, help="native: prompt tokens per prefill pass")
     enforce_eager: bool = opt(False, help="native: no CUDA graphs and no torch.compile in decoding (debugging)")
+    free_cache_engine: bool = opt(True, help="native: free the KV cache after each generation; false keeps it, "
+                                             "and its CUDA graph, for the next batch of the same shape")
     gpu_memory_utilization: float = opt(0.5, gt=0, le=1, help="native: share of the free GPU memory the KV "
                                                               "cache may take (fewer sequences at once if needed)")
     log_prob_micro_batch_size_per_gpu: int = opt(8, gt=0)

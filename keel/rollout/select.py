@@ -29,5 +29,6 @@ def make_rollout_engine(rollout_cfg, model, tokenizer, device: torch.device, dty
         log.info("rollout engine: native (%s, %s)", model.config.model_type,
                  "eager" if rollout_cfg.enforce_eager or device.type != "cuda" else "CUDA graphs")
     return NativeRolloutEngine(model, tokenizer, rollout_cfg.max_num_seqs, dtype, enforce_eager=rollout_cfg.enforce_eager,
+                               free_cache_engine=rollout_cfg.free_cache_engine,
                                memory_utilization=rollout_cfg.gpu_memory_utilization,
                                max_num_batched_tokens=rollout_cfg.max_num_batched_tokens)

@@ -43,6 +43,29 @@ def test_graph_replay_equals_eager_and_greedy_equals_hf(tmp_path):
     assert same == 1.0, f"{same:.3f} of tokens equal"
 
 
+def test_a_kept_graph_replays_with_updated_weights(tmp_path):
+    """free_cache_engine=False on GPU: the second call replays the first call's CUDA graph, which
+    must read the weights synced in between (buffers filled in place), not the old ones."""
+    from keel.models.tiny import make_tiny_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, tokenizer, prompts = setup(make_tiny_model(tmp_path / "m", hidden_size=128, num_layers=4), n=3, init_std=0.2)
+    greedy = SamplingParams(do_sample=False, max_new_tokens=40, ignore_eos=True)
+    kept = NativeRolloutEngine(model, tokenizer, 256, torch.float32, free_cache_engine=False)
+    first = kept.generate(prompts, greedy)
+    graph = kept._kept.step
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn_like(p) * 0.2)
+    kept.sync_weights(model)
+    second = kept.generate(prompts, greedy)
+    fresh = NativeRolloutEngine(model, tokenizer, 256, torch.float32).generate(prompts, greedy)
+    assert kept._kept.step is graph  # replayed, not captured again
+    assert torch.equal(second.response_ids, fresh.response_ids)
+    assert not torch.equal(second.response_ids, first.response_ids)
+
+
 def test_bf16_samples_agree_with_the_trainer(tiny_assets):
     model, tokenizer, prompts = setup(tiny_assets["model"], n=8)
     engine = NativeRolloutEngine(model, tokenizer, 256, torch.bfloat16)

@@ -65,8 +65,12 @@ class LayerWeights:
 
 class NativeRolloutEngine:
     def __init__(self, model, tokenizer, max_num_seqs: int, dtype: torch.dtype, enforce_eager: bool = False,
-                 memory_utilization: float = 0.5, max_num_batched_tokens: int = 8192, compile_step: bool = True):
+                 memory_utilization: float = 0.5, max_num_batched_tokens: int = 8192, compile_step: bool = True,
+                 free_cache_engine: bool = True):
         self.tokenizer = tokenizer
+        # free_cache_engine=False (verl's key): the KV cache and its CUDA graph stay between calls
+        # and are reused when a chunk has the same shape, as fixed-length batches do.
+        self.keep_cache = not free_cache_engine
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.memory_utilization = memory_utilization
@@ -77,6 +81,8 @@ class NativeRolloutEngine:
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.eps = c.rms_norm_eps
         self.timing: dict[str, float] = {}  # seconds per part (prefill, capture, decode) of the last call
+        self.device = next(model.parameters()).device
+        self.eos = torch.tensor(self.eos_ids, device=self.device)
         self.sync_weights(model)
         # enforce_eager (verl's key): no CUDA graphs, no compilation; for debugging, and CPU's only way.
         self.use_cuda_graphs = not enforce_eager and self.device.type == "cuda"
@@ -87,28 +93,29 @@ class NativeRolloutEngine:
     # --- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
     def sync_weights(self, model) -> None:
-        """The decode weights, fused and cast once per update; the prefill uses the module itself."""
+        """The decode weights, fused and cast once per update into the engine's own buffers; the
+        prefill uses the module itself. After the first call the buffers are filled in place, so
+        CUDA graphs kept between calls (free_cache_engine=False) read the new weights."""
         self.model = model
         self.device = next(model.parameters()).device
-        cast = lambda t: t.detach().to(self.device, self.dtype)  # noqa: E731
-        self.layers = []
-        for layer in model.get_decoder().layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-            self.layers.append(LayerWeights(
-                input_norm=cast(layer.input_layernorm.weight),
-                qkv=cast(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
-                qkv_bias=cast(torch.cat(biases)) if biases[0] is not None else None,
-                o=cast(attn.o_proj.weight), post_norm=cast(layer.post_attention_layernorm.weight),
-                gate_up=cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])), down=cast(mlp.down_proj.weight)))
-        decoder = model.get_decoder()
-        self.embed = cast(decoder.embed_tokens.weight)
-        self.final_norm = cast(decoder.norm.weight)
-        self.lm_head = cast(model.get_output_embeddings().weight)
-        rotary = decoder.rotary_emb
-        self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
+        sources = _decode_weight_sources(model)
+        shapes = {name: _fused_shape(parts) for name, parts in sources.items()}
+        rotary = model.get_decoder().rotary_emb
+        if getattr(self, "_buffers", None) is None or shapes != {k: v.shape for k, v in self._buffers.items()}:
+            self._buffers = {name: torch.empty(shape, device=self.device, dtype=self.dtype)
+                             for name, shape in shapes.items()}
+            self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)  # fixed: not trained
+            self._kept = None  # graphs captured on the old buffers must not replay
+        for name, parts in sources.items():
+            _fill(self._buffers[name], parts)
+        b = self._buffers
+        self.layers = [LayerWeights(input_norm=b[f"{i}.input_norm"], qkv=b[f"{i}.qkv"], qkv_bias=b.get(f"{i}.qkv_bias"),
+                                    o=b[f"{i}.o"], post_norm=b[f"{i}.post_norm"], gate_up=b[f"{i}.gate_up"],
+                                    down=b[f"{i}.down"])
+                       for i in range(len(model.get_decoder().layers))]
+        self.embed, self.final_norm = b["embed"], b["final_norm"]
+        self.lm_head = b.get("lm_head", self.embed)  # tied embeddings: one buffer
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
-        self.eos = torch.tensor(self.eos_ids, device=self.device)
 
     # --- generation ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -155,7 +162,7 @@ class NativeRolloutEngine:
         first[1:] = groups_t[1:] != groups_t[:-1]
         slot_to_prompt = (first.long().cumsum(0) - 1).to(self.device)                    # [B]
         clock = _Clock(self.device)
-        state = _DecodeState.allocate(self, batch, prompt_len, steps)
+        state = self._chunk_state(batch, prompt_len, steps)
         state.pad.copy_((attention_mask == 0).sum(-1).to(self.device))
         prompt_logits = self._prefill(input_ids[first].to(self.device), attention_mask[first].to(self.device),
                                       slot_to_prompt, state)
@@ -164,7 +171,7 @@ class NativeRolloutEngine:
         clock.lap("prefill")
         tokens, log_probs = state.tokens.clone(), state.log_probs.clone()  # every row's output
         rows = torch.arange(batch, device=self.device)  # the output row of each state row
-        step = self._decode_step_fn(state, params)
+        step = self._chunk_step_fn(state, params)
         clock.lap("capture")
         for t in range(1, steps):
             step()
@@ -183,6 +190,27 @@ class NativeRolloutEngine:
             self.timing[part] = self.timing.get(part, 0.0) + seconds
         used = int(state.step.item())
         return tokens[:, :used].cpu(), log_probs[:, :used].float().cpu()
+
+    def _chunk_state(self, batch: int, prompt_len: int, steps: int) -> "_DecodeState":
+        """A new decode state for a chunk or, keeping the cache, the kept one when the shape matches
+        (no need to clear its KV: every column a step reads was written in this call)."""
+        shape = (batch, prompt_len, steps)
+        if self._kept is not None and self._kept.shape == shape:
+            self._kept.state.reset(self.tokenizer.pad_token_id)
+            return self._kept.state
+        state = _DecodeState.allocate(self, batch, prompt_len, steps)
+        if self.keep_cache:
+            self._kept = _KeptCache(shape, state)
+        return state
+
+    def _chunk_step_fn(self, state: "_DecodeState", params: SamplingParams):
+        """The decode step of a chunk: the kept graph when the state and sampling are the same."""
+        kept = self._kept
+        if kept is None or kept.state is not state:
+            return self._decode_step_fn(state, params)
+        if kept.params != params:  # sampling settings are constants in the captured graph
+            kept.params, kept.step = params, self._decode_step_fn(state, params)
+        return kept.step
 
     def _prefill(self, input_ids: Tensor, attention_mask: Tensor, slot_to_prompt: Tensor,
                  state: "_DecodeState") -> Tensor:
@@ -216,8 +244,8 @@ class NativeRolloutEngine:
 
         if not self.use_cuda_graphs:
             return eager
-        # Captured per chunk: the KV cache is freed after each generate call (verl's
-        # free_cache_engine), and a graph replays on the addresses it was captured with.
+        # A graph replays on the addresses it was captured with: captured per chunk, unless the
+        # cache is kept (free_cache_engine=False) and reused with the same state.
         return _DecodeGraph(eager, state).replay
 
     def _decode_logits(self, s: "_DecodeState") -> Tensor:
@@ -239,6 +267,36 @@ class NativeRolloutEngine:
             x, h = f.attention_output_and_mlp(x, attention, w.o, w.post_norm, w.gate_up, w.down, next_norm,
                                               self.eps)
         return F.linear(h, self.lm_head)
+
+
+def _decode_weight_sources(model) -> dict[str, list[Tensor]]:
+    """Each decode weight as the module tensors it is made of, stacked by rows (fused QKV and
+    gate-up projections)."""
+    decoder = model.get_decoder()
+    sources = {"embed": [decoder.embed_tokens.weight], "final_norm": [decoder.norm.weight]}
+    if model.get_output_embeddings().weight is not decoder.embed_tokens.weight:
+        sources["lm_head"] = [model.get_output_embeddings().weight]
+    for i, layer in enumerate(decoder.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        sources.update({f"{i}.input_norm": [layer.input_layernorm.weight],
+                        f"{i}.qkv": [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
+                        f"{i}.o": [attn.o_proj.weight], f"{i}.post_norm": [layer.post_attention_layernorm.weight],
+                        f"{i}.gate_up": [mlp.gate_proj.weight, mlp.up_proj.weight], f"{i}.down": [mlp.down_proj.weight]})
+        if attn.q_proj.bias is not None:
+            sources[f"{i}.qkv_bias"] = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+    return sources
+
+
+def _fused_shape(parts: list[Tensor]) -> torch.Size:
+    return torch.Size([sum(p.shape[0] for p in parts), *parts[0].shape[1:]])
+
+
+def _fill(buffer: Tensor, parts: list[Tensor]) -> None:
+    """Copy (and cast) the parts into consecutive rows of the buffer, without a fused temporary."""
+    row = 0
+    for part in parts:
+        buffer[row:row + part.shape[0]].copy_(part.detach())
+        row += part.shape[0]
 
 
 class _StepFunctions:
@@ -330,6 +388,14 @@ class _DecodeState:
                                                                                          device=dev),
                    step=torch.zeros(1, dtype=torch.long, device=dev), prompt_len=prompt_len)
 
+    def reset(self, pad_token_id: int) -> None:
+        """Ready for a new chunk of the same shape (the caller sets `pad`)."""
+        self.tokens.fill_(pad_token_id)
+        self.log_probs.zero_()
+        self.last_token.zero_()
+        self.done.zero_()
+        self.step.zero_()
+
     def keep(self, rows: Tensor) -> "_DecodeState":
         """A smaller state holding only `rows` (finished sequences leave the batch)."""
         return _DecodeState(k=[k[rows] for k in self.k], v=[v[rows] for v in self.v], tokens=self.tokens[rows],
@@ -345,6 +411,15 @@ class _DecodeState:
             self.done |= torch.isin(token, eos)
         self.last_token.copy_(token)
         self.step += 1
+
+
+@dataclass
+class _KeptCache:
+    """free_cache_engine=False: the last chunk's state (KV cache) and its captured step."""
+    shape: tuple[int, int, int]  # batch, prompt length, steps
+    state: _DecodeState
+    params: SamplingParams | None = None
+    step: object = None
 
 
 class _DecodeGraph:
