@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from keel.diagnostics.codes import BAD_VALUE, BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, KeelError
+from keel.diagnostics.codes import BAD_VALUE, BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, TOKEN_BUDGET, KeelError
 
 
 def opt(default: Any = None, *, choices: tuple | None = None, ge: float | None = None,
@@ -126,6 +126,10 @@ class RolloutConfig:
     ignore_eos: bool = opt(False, help="generate max_response_length tokens whatever is sampled (benchmarks)")
     max_num_seqs: int = opt(256, gt=0, help="sequences generated at once")
     max_num_batched_tokens: int = opt(8192, gt=0, help="native: prompt tokens per prefill pass")
+    enable_chunked_prefill: bool = opt(True, help="native: a prompt longer than max_num_batched_tokens is prefilled "
+                                                  "in pieces; false refuses such a config")
+    max_model_len: int | None = opt(None, gt=0, help="longest prompt + response the rollout holds; default: "
+                                                     "data.max_prompt_length + data.max_response_length")
     enforce_eager: bool = opt(False, help="native: no CUDA graphs and no torch.compile in decoding (debugging)")
     free_cache_engine: bool = opt(True, help="native: free the KV cache after each generation; false keeps it, "
                                              "and its CUDA graph, for the next batch of the same shape")
@@ -326,6 +330,10 @@ class KeelConfig:
         # generation engine
         "actor_rollout_ref.rollout.name", "actor_rollout_ref.rollout.max_num_seqs",
         "actor_rollout_ref.rollout.max_num_batched_tokens", "actor_rollout_ref.rollout.gpu_memory_utilization",
+        "actor_rollout_ref.rollout.enforce_eager", "actor_rollout_ref.rollout.free_cache_engine",
+        "actor_rollout_ref.rollout.enable_chunked_prefill", "actor_rollout_ref.rollout.max_model_len",
+        # kernels and compute precision (weights and optimiser state are float32 whatever they are)
+        "actor_rollout_ref.actor.use_torch_compile", "actor_rollout_ref.model.dtype",
         # micro-batches (the numbers do not depend on them)
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.use_dynamic_bsz",
         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
@@ -414,6 +422,22 @@ def _check_token_budgets(cfg: KeelConfig) -> None:
                             f"set {key} to at least {longest} (a few times more lets samples share a pass)")
 
 
+def _check_rollout_lengths(cfg: KeelConfig, incompatible) -> None:
+    """verl's rollout length keys, as vLLM reads them: a sequence must fit max_model_len, and
+    without chunked prefill a whole prompt must fit one prefill pass."""
+    rollout, longest = cfg.actor_rollout_ref.rollout, cfg.data.max_prompt_length + cfg.data.max_response_length
+    if rollout.max_model_len is not None and rollout.max_model_len < longest:
+        raise KeelError(TOKEN_BUDGET, f"actor_rollout_ref.rollout.max_model_len={rollout.max_model_len} is shorter "
+                        f"than data.max_prompt_length + data.max_response_length = {longest}: long samples "
+                        "would not fit", f"set rollout.max_model_len to at least {longest}, or lower the lengths")
+    if not rollout.enable_chunked_prefill and rollout.max_num_batched_tokens < cfg.data.max_prompt_length:
+        raise incompatible(f"actor_rollout_ref.rollout.max_num_batched_tokens={rollout.max_num_batched_tokens} is "
+                           f"below data.max_prompt_length={cfg.data.max_prompt_length} and "
+                           "enable_chunked_prefill=false: a long prompt fits no prefill pass",
+                           "set rollout.enable_chunked_prefill=true, or max_num_batched_tokens to at least "
+                           f"{cfg.data.max_prompt_length}")
+
+
 def _check_world(cfg: KeelConfig, incompatible) -> None:
     """Every rank needs at least one sample of every mini-batch, and FSDP groups must tile the world."""
     world = cfg.world_size
@@ -491,6 +515,7 @@ def _check_options(cfg: KeelConfig) -> None:
             "of one prompt are identical", "set rollout.do_sample=true or rollout.n=1")
     _check_world(cfg, incompatible)
     _check_token_budgets(cfg)
+    _check_rollout_lengths(cfg, incompatible)
     if not cfg.data.train_files:
         raise incompatible("data.train_files is empty", "set data.train_files to parquet/jsonl files")
     if not cfg.actor_rollout_ref.model.path:

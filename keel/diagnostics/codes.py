@@ -95,9 +95,11 @@ NO_METRICS = _code(
 TOKEN_BUDGET = _code(
     "KEEL-C013", "Prompt plus response longer than the model reads",
     "`data.max_prompt_length + data.max_response_length` is more than the policy's "
-    "`max_position_embeddings`: long rollouts would run past the positions the model was trained on.",
-    "Lower data.max_prompt_length or data.max_response_length, or use a model with a longer context.",
-    ("data.max_prompt_length", "data.max_response_length"))
+    "`max_position_embeddings` (long rollouts would run past the positions the model was trained on), "
+    "or more than `actor_rollout_ref.rollout.max_model_len`.",
+    "Lower data.max_prompt_length or data.max_response_length, or use a model with a longer context "
+    "(or raise rollout.max_model_len).",
+    ("data.max_prompt_length", "data.max_response_length", "actor_rollout_ref.rollout.max_model_len"))
 HOOK_LOAD = _code(
     "KEEL-C014", "A hook cannot be loaded",
     "An entry of trainer.hooks is not `module:function`, the module does not import, or it has no "

@@ -5,7 +5,7 @@ import pytest
 from keel.config.load import all_keys, load_config
 from keel.config.plan import make_plan
 from keel.diagnostics.codes import (BAD_OVERRIDE, BAD_VALUE, BATCH_ARITHMETIC, CONFIG_FILE,
-                                    INCOMPATIBLE_OPTIONS, UNKNOWN_KEY, KeelError)
+                                    INCOMPATIBLE_OPTIONS, TOKEN_BUDGET, UNKNOWN_KEY, KeelError)
 
 BASE = {"data": {"train_files": ["train.jsonl"]}, "actor_rollout_ref": {"model": {"path": "model"}}}
 
@@ -91,9 +91,21 @@ def test_batch_arithmetic_names_the_numbers():
     ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "algorithm.critic_warmup=3"],
     ["actor_rollout_ref.rollout.val_kwargs.n=4"],  # four identical greedy answers
     ["actor_rollout_ref.rollout.val_kwargs.do_sample=true"],  # with temperature 0
+    # a 1024-token prompt fits no 512-token prefill pass without chunked prefill
+    ["data.max_prompt_length=1024", "actor_rollout_ref.rollout.max_num_batched_tokens=512",
+     "actor_rollout_ref.rollout.enable_chunked_prefill=false"],
 ])
 def test_incompatible_options(overrides):
     assert error_of(overrides).code == INCOMPATIBLE_OPTIONS
+
+
+def test_max_model_len_shorter_than_prompt_plus_response_is_refused():
+    error = error_of(["data.max_prompt_length=512", "data.max_response_length=512",
+                      "actor_rollout_ref.rollout.max_model_len=1000"])
+    assert error.code == TOKEN_BUDGET and "1024" in str(error)
+    ok = load_config(BASE, ["data.max_prompt_length=512", "data.max_response_length=512",
+                            "actor_rollout_ref.rollout.max_model_len=1024"])
+    assert ok.actor_rollout_ref.rollout.max_model_len == 1024
 
 
 def test_batch_plan_counts():

@@ -121,11 +121,17 @@ def test_finished_sequences_leave_the_batch_without_changing_the_rest(tiny_asset
 
 
 def test_prefill_in_passes_of_max_num_batched_tokens_gives_the_same_tokens(tiny_assets):
+    """Prompts split across prefill passes, and (chunked prefill) a prompt longer than the budget
+    split into pieces that extend its KV cache: the tokens do not change."""
     native, _, _, prompts = engines(tiny_assets["model"], n=2, init_std=0.2)
     greedy = SamplingParams(do_sample=False, max_new_tokens=12)
     whole = native.generate(prompts, greedy)
-    native.max_num_batched_tokens = 1  # one prompt per prefill pass
-    assert native.generate(prompts, greedy).response_ids.tolist() == whole.response_ids.tolist()
+    prompt_len = prompts.input_ids.shape[1]
+    for budget in (prompt_len, 5, 1):  # one prompt per pass; then pieces of 5 tokens, of 1 token
+        native.max_num_batched_tokens = budget
+        ours = native.generate(prompts, greedy)
+        assert ours.response_ids.tolist() == whole.response_ids.tolist(), budget
+        torch.testing.assert_close(ours.sampling_log_probs, whole.sampling_log_probs, atol=1e-5, rtol=0)
 
 
 def test_a_kept_cache_is_reused_and_sees_updated_weights(tmp_path):

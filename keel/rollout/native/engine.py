@@ -12,6 +12,7 @@ launch per token instead of hundreds from Python.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -215,26 +216,39 @@ class NativeRolloutEngine:
     def _prefill(self, input_ids: Tensor, attention_mask: Tensor, slot_to_prompt: Tensor,
                  state: "_DecodeState") -> Tensor:
         """The policy's own forward over the distinct prompts, at most max_num_batched_tokens
-        prompt tokens per pass; each prompt's KV goes to every slot of its group. -> [U, V] logits."""
+        prompt tokens per pass (a longer prompt goes alone, in pieces that extend its KV cache:
+        chunked prefill); each prompt's KV goes to every slot of its group. -> [U, V] logits."""
         prompt_len = input_ids.shape[1]
         per_pass = max(1, self.max_num_batched_tokens // prompt_len)
         logits = []
         for start in range(0, input_ids.shape[0], per_pass):
             ids, mask = input_ids[start:start + per_pass], attention_mask[start:start + per_pass]
-            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-            # Eager even where training compiled the layers (actor.use_torch_compile): with a KV
-            # cache, each layer's index would recompile them, and prefill runs once per step.
-            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32), \
-                    torch.compiler.set_stance("force_eager"):
-                out = self.model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                               use_cache=True)
-            cache = out.get("cache") if "cache" in out else out.get("past_key_values")
+            hidden, cache = self._prompt_forward(ids, mask)
             slots = ((slot_to_prompt >= start) & (slot_to_prompt < start + len(ids))).nonzero().squeeze(-1)
             for i, layer in enumerate(cache.layers):
                 state.k[i][slots, :, :prompt_len] = layer.keys[slot_to_prompt[slots] - start].to(self.dtype)
                 state.v[i][slots, :, :prompt_len] = layer.values[slot_to_prompt[slots] - start].to(self.dtype)
-            logits.append(F.linear(out.last_hidden_state[:, -1].to(self.dtype), self.lm_head))  # already normed
+            logits.append(F.linear(hidden.to(self.dtype), self.lm_head))  # already normed
         return torch.cat(logits)
+
+    def _prompt_forward(self, ids: Tensor, mask: Tensor):
+        """(last position's hidden state [u, H], the KV cache) of left-padded prompts, in pieces of
+        at most max_num_batched_tokens tokens per pass, each attending to the cache of the last."""
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        piece = max(1, self.max_num_batched_tokens // len(ids))
+        decoder, cache = self.model.get_decoder(), None
+        # transformers renamed `past_key_values` to `cache` (5.x deprecates the old name)
+        cache_arg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+        # Eager even where training compiled the layers (actor.use_torch_compile): with a KV
+        # cache, each layer's index would recompile them, and prefill runs once per step.
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32), \
+                torch.compiler.set_stance("force_eager"):
+            for begin in range(0, ids.shape[1], piece):
+                end = min(begin + piece, ids.shape[1])
+                out = decoder(input_ids=ids[:, begin:end], attention_mask=mask[:, :end],
+                              position_ids=positions[:, begin:end], use_cache=True, **{cache_arg: cache})
+                cache = out.get("cache") if "cache" in out else out.get("past_key_values")
+        return out.last_hidden_state[:, -1], cache
 
     def _decode_step_fn(self, state: "_DecodeState", params: SamplingParams):
         """One decode step as a callable: a CUDA graph replay on GPU, the eager step elsewhere."""
