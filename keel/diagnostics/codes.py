@@ -291,6 +291,15 @@ RUN_DIR_NOT_WRITABLE = _code(
     "keel writes its config, metrics and checkpoints under trainer.default_local_dir; the nearest "
     "existing folder above it is not writable.",
     "Point trainer.default_local_dir at a writable location.", ("trainer.default_local_dir",))
+COMPILE_FAILED = _code(
+    "KEEL-E009", "torch.compile could not compile keel's kernels",
+    "On a GPU keel compiles the decoder layers and the log-prob arithmetic of training "
+    "(actor.use_torch_compile) and the decode step of the native engine. The compiler failed for "
+    "this model, torch or Triton release; the first lines of its error follow.",
+    "Set actor_rollout_ref.actor.use_torch_compile=false (training) or "
+    "actor_rollout_ref.rollout.enforce_eager=true (generation), as the message says; keel runs the "
+    "same numbers uncompiled, slower.",
+    ("actor_rollout_ref.actor.use_torch_compile", "actor_rollout_ref.rollout.enforce_eager"))
 
 
 # --- P: parallel / distributed ------------------------------------------------------------------

@@ -23,6 +23,7 @@ import torch
 
 from keel.checkpoint import write_policy
 from keel.config.schema import KeelConfig
+from keel.diagnostics.codes import COMPILE_FAILED, KeelError
 from keel.distributed.dist import init_process_group, memory_reading
 from keel.distributed.faults import maybe_inject
 from keel.distributed.fsdp import compile_blocks, make_mesh, shard_model, sharding_report
@@ -38,6 +39,27 @@ from keel.training.step import MiniBatch
 from keel.types import RolloutBatch, SamplingParams
 
 log = logging.getLogger("keel")
+
+
+def is_compile_error(error: BaseException) -> bool:
+    """An error raised by torch.compile (dynamo tracing or a backend such as inductor)."""
+    from torch._dynamo import exc
+
+    kinds = tuple(k for k in (getattr(exc, "TorchDynamoException", None), getattr(exc, "BackendCompilerFailed", None),
+                              _inductor_error()) if k is not None)
+    return isinstance(error, kinds)
+
+
+def _inductor_error():
+    try:
+        from torch._inductor.exc import InductorError
+    except ImportError:  # older torch: inductor failures arrive as BackendCompilerFailed
+        return None
+    return InductorError
+
+
+def _first_lines(text: str, count: int = 6) -> str:
+    return "\n".join(text.strip().splitlines()[:count])
 
 
 class PolicyWorker:
@@ -114,7 +136,13 @@ class PolicyWorker:
         maybe_inject(method, self.rank)
         if self.device.type == "cuda":  # the reading's peak is this call's
             torch.cuda.reset_peak_memory_stats(self.device)
-        result = getattr(self, method)(*args)
+        try:
+            result = getattr(self, method)(*args)
+        except Exception as error:
+            if is_compile_error(error):
+                raise KeelError(COMPILE_FAILED, f"torch.compile failed in {method}: "
+                                f"{_first_lines(str(error))}") from error
+            raise
         self.phase = "idle"
         return result, memory_reading(self.device)
 

@@ -311,3 +311,28 @@ def test_samples_the_scorer_fails_on_leave_the_update_and_are_counted(tiny_confi
     assert len(steps) == 2 and all(math.isfinite(m["actor/pg_loss"]) for m in steps)
     assert sum(m["reward/not_scored_ratio"] for m in steps) > 0
     assert sum(m.get("reward/not_scored/raised_ValueError", 0) for m in steps) > 0
+
+
+def test_a_torch_compile_failure_names_the_switch_that_avoids_it(tiny_config, tmp_path, monkeypatch, capsys):
+    """The layers compile (as on a GPU) with a backend that fails, as inductor can on an unusual
+    model or release: the run stops with KEEL-E009 and the key that turns compilation off, not
+    with a compiler traceback alone; with that key set the same run trains."""
+    from keel.distributed import worker
+    from keel.distributed.fsdp import block_modules
+
+    def failing_backend(graph_module, example_inputs):
+        raise RuntimeError("inductor: unsupported op in this release")
+
+    def compile_with_failing_backend(model):
+        for block in block_modules(model):
+            block.forward = torch.compile(block.forward, backend=failing_backend)
+
+    monkeypatch.setattr(worker, "can_compile", lambda device: True)
+    monkeypatch.setattr(worker, "compile_blocks", compile_with_failing_backend)
+    tiny_config["trainer"]["total_training_steps"] = 1
+    assert main(["train", str(write_config(tiny_config, tmp_path / "cfg.yaml"))]) != 0
+    err = capsys.readouterr().err
+    assert "KEEL-E009" in err and "unsupported op" in err and "use_torch_compile=false" in err
+    tiny_config["actor_rollout_ref"]["actor"]["use_torch_compile"] = False
+    tiny_config["trainer"]["default_local_dir"] = str(tmp_path / "second")
+    assert main(["train", str(write_config(tiny_config, tmp_path / "cfg2.yaml"))]) == 0
