@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -67,6 +68,68 @@ def shard_model(model: nn.Module, mesh, compute_dtype: torch.dtype, fsdp_cfg) ->
     model.keel_token_stats = functools.partial(decoder_token_stats, model)
     register_fsdp_forward_method(model, "keel_token_stats")
     return model
+
+
+def full_parameters(model: nn.Module, device: torch.device,
+                    bucket_bytes: int = 256 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole parameter) for every parameter of an FSDP2-sharded model, exactly as stored.
+
+    One collective gathers a bucket of parameters (FSDP2's own layout: each rank holds rows
+    [k*c, (k+1)*c) of a parameter, c = ceil(rows / ranks), so padded chunks laid side by side and
+    cut to length give the whole), not one collective per parameter: with ~300 parameters the
+    per-call cost dominated the rollout sync."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, param in model.named_parameters():
+        if _shard_group(param) is None:  # replicated, or a layout this does not cover
+            yield name, param.detach().to(device).full_tensor() if hasattr(param, "full_tensor") else param.detach()
+            continue
+        if bucket and (param.dtype != bucket[0][1].dtype or _shard_group(param) != _shard_group(bucket[0][1])):
+            yield from _gather_bucket(bucket, device)
+            bucket, size = [], 0
+        bucket.append((name, param))
+        size += param.numel() * param.element_size()
+        if size >= bucket_bytes:
+            yield from _gather_bucket(bucket, device)
+            bucket, size = [], 0
+    if bucket:
+        yield from _gather_bucket(bucket, device)
+
+
+def _shard_group(param):
+    """(mesh, mesh dim) along which a DTensor parameter is sharded on dim 0, replicated on any
+    other mesh dim (FSDP2 and HSDP); None for anything else."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = getattr(param, "placements", None)
+    if placements is None or param.dim() == 0:
+        return None
+    sharded = [i for i, p in enumerate(placements) if p == Shard(0)]
+    if len(sharded) != 1 or any(p != Replicate() for i, p in enumerate(placements) if i != sharded[0]):
+        return None
+    return param.device_mesh, sharded[0]
+
+
+def _gather_bucket(bucket: list[tuple[str, torch.Tensor]], device: torch.device):
+    import torch.distributed as dist
+
+    mesh, mesh_dim = _shard_group(bucket[0][1])
+    ranks = mesh.size(mesh_dim)
+    slots = [-(-p.shape[0] // ranks) * p[0].numel() for _, p in bucket]  # padded chunk, flattened
+    local = torch.zeros(sum(slots), dtype=bucket[0][1].dtype, device=device)
+    offset = 0
+    for (_, param), slot in zip(bucket, slots):
+        shard = param.to_local().detach().reshape(-1)
+        local[offset:offset + shard.numel()].copy_(shard)
+        offset += slot
+    gathered = torch.empty(ranks * local.numel(), dtype=local.dtype, device=device)  # flat: gloo wants 1-D
+    dist.all_gather_into_tensor(gathered, local, group=mesh.get_group(mesh_dim))
+    gathered = gathered.view(ranks, -1)
+    offset = 0
+    for (name, param), slot in zip(bucket, slots):
+        chunks = gathered[:, offset:offset + slot].reshape(-1, *param.shape[1:])
+        yield name, chunks[:param.shape[0]]
+        offset += slot
 
 
 def sharding_report(model: nn.Module, role: str) -> dict[str, float]:

@@ -26,7 +26,7 @@ from keel.config.schema import KeelConfig
 from keel.diagnostics.codes import COMPILE_FAILED, KeelError
 from keel.distributed.dist import init_process_group, memory_reading
 from keel.distributed.faults import maybe_inject
-from keel.distributed.fsdp import compile_blocks, make_mesh, shard_model, sharding_report
+from keel.distributed.fsdp import compile_blocks, full_parameters, make_mesh, shard_model, sharding_report
 from keel.models.load import (autocast, can_compile, load_causal_lm, load_critic, load_tokenizer, quiet_transformers,
                               resolve_device, resolve_dtype)
 from keel.rollout.hf import HFRolloutEngine
@@ -206,13 +206,13 @@ class PolicyWorker:
             return self.critic.update(minis)
 
     def _sync_rollout(self) -> None:
-        """The engine sees the updated weights: sharded, its whole copy takes them one gathered
-        parameter at a time; then the engine refreshes what it derives from them."""
+        """The engine sees the updated weights: sharded, its whole copy takes them gathered a bucket
+        of parameters per collective; then the engine refreshes what it derives from them."""
         if self.sharded:
             copies = dict(self.rollout.model.named_parameters())
             with torch.no_grad():
-                for name, param in self.actor.model.named_parameters():
-                    copies[name].copy_(param.detach().to(self.device).full_tensor())
+                for name, whole in full_parameters(self.actor.model, self.device):
+                    copies[name].copy_(whole)
         self.rollout.sync_weights(self.rollout.model)
 
     @contextmanager

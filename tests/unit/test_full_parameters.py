@@ -1,0 +1,61 @@
+"""Gathering a sharded model's parameters for the rollout copy, a bucket per collective: every
+parameter comes back exactly as FSDP2's own full_tensor() gives it, including row counts that do
+not divide the ranks (3 gloo processes on CPU)."""
+
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, results):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        _compare(rank, world, results)
+    except Exception as error:  # the test reads it at once instead of waiting for a result
+        results.put({"_error": repr(error)})
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _compare(rank: int, world: int, results):
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from keel.distributed.fsdp import full_parameters, make_mesh, shard_model
+
+    torch.manual_seed(0)  # rows of 301 (vocabulary) and 64 do not split evenly over 3 ranks
+    config = Qwen2Config(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config)
+    expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+    fsdp = SimpleNamespace(reshard_after_forward=True, param_offload=False, fsdp_size=-1)
+    model = shard_model(model, make_mesh("cpu", world, -1), torch.float32, fsdp)
+    gathered = dict(full_parameters(model, torch.device("cpu"), bucket_bytes=20_000))  # several buckets
+    if rank == 0:
+        results.put({name: bool(torch.equal(gathered[name], whole)) for name, whole in expected.items()}
+                    | {"_names": sorted(gathered) == sorted(expected)})
+
+
+def test_bucketed_gather_equals_the_unsharded_model():
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    procs = [context.Process(target=_rank, args=(r, 3, port, results)) for r in range(3)]
+    for p in procs:
+        p.start()
+    outcome = results.get(timeout=120)
+    assert "_error" not in outcome, outcome
+    for p in procs:
+        p.join(timeout=60)
+    assert all(p.exitcode == 0 for p in procs)
+    assert outcome.pop("_names") and outcome and all(outcome.values()), [k for k, ok in outcome.items() if not ok]
