@@ -17,6 +17,7 @@ import torch
 from keel import checkpoint as ckpt
 from keel.config.plan import make_plan
 from keel.config.schema import KeelConfig
+from keel.training.forward import LOGITS_CHUNK_TOKENS
 from keel.diagnostics.codes import (MEMORY_ESTIMATE, NOT_ENOUGH_DEVICES, RAY_MISSING, RUN_DIR_NOT_WRITABLE,
                                     TOKEN_BUDGET, VOCAB_MISMATCH, KeelError)
 
@@ -261,8 +262,8 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
     each trained model, divided among the ranks FSDP shards them over (and off the device when
     offloaded); 4 B per weight for the frozen reference; with more than one worker, the rollout
     engine's whole float32 copy of the policy; activations of one micro-batch (about 34 bytes x
-    hidden per token per layer, Korthikanti et al. arXiv 2205.05198, plus the float32 logits);
-    the KV cache of one generation batch."""
+    hidden per token per layer, Korthikanti et al. arXiv 2205.05198, plus one chunk's float32 logits);
+    the KV cache of one generation batch and, for the native engine, its decode weights."""
     gb = 2 ** 30
     params = count_parameters(model_cfg)
     arr = cfg.actor_rollout_ref
@@ -272,14 +273,19 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
     kv_heads = getattr(model_cfg, "num_key_value_heads", heads) or heads
     head_dim = getattr(model_cfg, "head_dim", None) or hidden // heads
     micro = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
-    bytes_act = 2 if cfg.actor_rollout_ref.model.dtype != "float32" else 4
+    bytes_act = _compute_dtype(cfg).itemsize
+    # Log-probs are computed over chunks of LOGITS_CHUNK_TOKENS positions: the float32 logits,
+    # and their gradient, of one chunk at a time.
+    logit_rows = min(micro * cfg.data.max_response_length, LOGITS_CHUNK_TOKENS)
     estimate = {
         "actor_states": _sharded_bytes(params, True, arr.actor.fsdp_config, cfg.world_size) / gb,
         "activations": (34 * hidden * layers * micro * seq * bytes_act / 2
-                        + micro * cfg.data.max_response_length * model_cfg.vocab_size * 4 * 2) / gb,
+                        + logit_rows * model_cfg.vocab_size * 4 * 2) / gb,
         "kv_cache": 2 * layers * kv_heads * head_dim * seq * cfg.actor_rollout_ref.rollout.max_num_seqs
                     * bytes_act / gb,
     }
+    if arr.rollout.name != "hf":  # the native engine's decode weights, in the compute dtype
+        estimate["rollout_weights"] = bytes_act * params / gb
     if cfg.world_size > 1:
         estimate["rollout_copy"] = 4 * params / gb
     if cfg.ref_enabled:
@@ -288,6 +294,16 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
         estimate["critic_states"] = _sharded_bytes(params, True, cfg.critic.model.fsdp_config, cfg.world_size) / gb
     estimate["total"] = sum(estimate.values())
     return {k: round(v, 3) for k, v in estimate.items()}
+
+
+def _compute_dtype(cfg: KeelConfig):
+    from keel.models.load import resolve_device, resolve_dtype
+
+    try:
+        device = resolve_device(cfg.trainer.device)
+    except KeelError:  # reported by the device check
+        device = torch.device("cpu")
+    return resolve_dtype(cfg.actor_rollout_ref.model.dtype, device)
 
 
 def _sharded_bytes(params: int, trained: bool, fsdp_cfg, world: int) -> float:

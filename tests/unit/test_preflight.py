@@ -96,6 +96,19 @@ def test_per_rank_memory_shrinks_with_sharding_and_offload(tiny_config):
     assert "rollout_copy" in two and "rollout_copy" not in one  # the engine's whole copy per rank
 
 
+def test_memory_estimate_follows_the_resolved_compute_dtype(tiny_config):
+    """dtype auto computes in float32 on CPU, so it is estimated as float32 there; bf16 halves the
+    activations and the KV cache."""
+    def estimate(dtype):
+        return run_checks(load_config(tiny_config, ["trainer.device=cpu",
+                                                    f"actor_rollout_ref.model.dtype={dtype}"])).memory_gb
+
+    auto, fp32, bf16 = estimate("auto"), estimate("float32"), estimate("bfloat16")
+    assert auto == fp32
+    assert bf16["kv_cache"] == pytest.approx(fp32["kv_cache"] / 2, rel=0.01)
+    assert bf16["rollout_weights"] == pytest.approx(fp32["rollout_weights"] / 2, rel=0.01)
+
+
 def test_more_nodes_than_a_local_ray_instance_has_is_refused(tiny_config, monkeypatch):
     from keel.diagnostics.codes import NOT_ENOUGH_DEVICES
 
