@@ -34,6 +34,12 @@ def compile_blocks(model: nn.Module) -> None:
     RoPE, gate and residual adds, which run in float32 as separate kernels in eager mode, fuse
     around the matmuls. Only `forward` is replaced, so FSDP's hooks, state-dict names and
     checkpoints are unchanged."""
+    # The actor's, the reference's and the critic's layers share one compiled code object, and
+    # grad/no-grad, train/eval and the first variable-length call each take one of its entries:
+    # past dynamo's default of 8 it would silently run the rest eagerly.
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), 32))
     for block in block_modules(model):
         block.forward = torch.compile(block.forward)
 
