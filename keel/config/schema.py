@@ -77,7 +77,8 @@ class FSDPConfig:
     optimizer_offload: bool = opt(False, help="optimiser state lives in CPU memory between steps")
     reshard_after_forward: bool = opt(True, help="free gathered layers after forward: less memory, one "
                                                  "more all-gather in backward")
-    fsdp_size: int = opt(-1, help="shard within groups of this many ranks, replicate across them; -1: all")
+    fsdp_size: int = opt(-1, help="shard within groups of this many ranks, replicate across them; -1: all; "
+                                   "1: no sharding, gradients all-reduced (DDP; for models that fit one GPU)")
 
 
 @dataclass
@@ -453,6 +454,10 @@ def _check_world(cfg: KeelConfig, incompatible) -> None:
         if fsdp.fsdp_size != -1 and (fsdp.fsdp_size < 1 or world % fsdp.fsdp_size):
             raise incompatible(f"{key}.fsdp_config.fsdp_size={fsdp.fsdp_size} does not divide the {world} workers",
                                f"set {key}.fsdp_config.fsdp_size to -1 or a divisor of {world}")
+        if fsdp.fsdp_size == 1 and fsdp.param_offload and world > 1:
+            raise incompatible(f"{key}.fsdp_config.fsdp_size=1 (no sharding) with param_offload=true: offloading "
+                               "parameters is FSDP's, and fsdp_size=1 does not use FSDP",
+                               f"set {key}.fsdp_config.fsdp_size=-1 to shard and offload, or param_offload=false")
 
 
 def _largest_divisor_at_most(total: int, limit: int) -> int:

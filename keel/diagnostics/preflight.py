@@ -286,7 +286,7 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
     }
     if arr.rollout.name != "hf":  # the native engine's decode weights, in the compute dtype
         estimate["rollout_weights"] = bytes_act * params / gb
-    if cfg.world_size > 1:
+    if cfg.world_size > 1 and arr.actor.fsdp_config.fsdp_size != 1:  # sharded: the engine's own whole copy
         estimate["rollout_copy"] = 4 * params / gb
     if cfg.ref_enabled:
         estimate["reference"] = _sharded_bytes(params, False, arr.ref.fsdp_config, cfg.world_size) / gb

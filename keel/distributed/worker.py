@@ -80,9 +80,9 @@ class PolicyWorker:
         torch.manual_seed(cfg.trainer.seed)  # every rank starts from identical weights
         model = load_causal_lm(actor_weights or arr.model.path, self.device, arr.model.trust_remote_code,
                                arr.model.enable_gradient_checkpointing)
-        # With one worker the engine generates with the actor module itself; sharded, it needs
-        # whole weights, so it gets its own copy, refreshed after each update (sync_rollout).
-        self.rollout = make_rollout_engine(arr.rollout, copy.deepcopy(model) if self.sharded else model,
+        # Unsharded (one worker, or fsdp_size=1) the engine generates with the actor module itself;
+        # sharded, it needs whole weights, so it gets its own copy, refreshed after each update.
+        self.rollout = make_rollout_engine(arr.rollout, copy.deepcopy(model) if self._actor_sharded else model,
                                            self.tokenizer, self.device, self.compute_dtype, log_choice=rank == 0)
         self.actor = ActorTrainer(self._shard(model, arr.actor.fsdp_config, "actor"), arr.actor,
                                   arr.rollout.temperature, total_steps,
@@ -98,8 +98,8 @@ class PolicyWorker:
         self.critic = self._build_critic(total_steps) if cfg.critic_enabled else None
 
     @property
-    def sharded(self) -> bool:
-        return self.world_size > 1
+    def _actor_sharded(self) -> bool:
+        return self.world_size > 1 and self.cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size != 1
 
     def _shard(self, model, fsdp_cfg, role: str):
         """The role's model made ready to train: compiled (GPU), then sharded (several workers)."""
@@ -109,7 +109,10 @@ class PolicyWorker:
         if compiled and not (self.rollout.model is model and isinstance(self.rollout, HFRolloutEngine)):
             compile_blocks(model)
         model.keel_compile = compiled  # read by keel.training.forward: fuse the vocabulary arithmetic
-        if not self.sharded:
+        if self.world_size == 1:
+            return model
+        if fsdp_cfg.fsdp_size == 1:  # replicated: every rank holds the whole model (DDP)
+            model.keel_replicated = True  # read by keel.training.step: average gradients over ranks
             return model
         mesh = make_mesh(self.device.type, self.world_size, fsdp_cfg.fsdp_size)
         model = shard_model(model, mesh, self.compute_dtype, fsdp_cfg)
@@ -208,7 +211,7 @@ class PolicyWorker:
     def _sync_rollout(self) -> None:
         """The engine sees the updated weights: sharded, its whole copy takes them gathered a bucket
         of parameters per collective; then the engine refreshes what it derives from them."""
-        if self.sharded:
+        if self._actor_sharded:
             copies = dict(self.rollout.model.named_parameters())
             with torch.no_grad():
                 for name, whole in full_parameters(self.actor.model, self.device):

@@ -86,6 +86,8 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_cli
         raise KeelError(NO_GRADIENT, f"{len(missing)} of {len(named)} trainable {role} parameters received no "
                         f"gradient, e.g. {missing[:3]}")
     params = [p for _, p in named]
+    if getattr(model, "keel_replicated", False):  # fsdp_size=1: whole models, gradients averaged here
+        average_gradients(params)
     grad_norm = full_value(torch.nn.utils.clip_grad_norm_(params, grad_clip))  # over every rank's shard
     if not torch.isfinite(grad_norm):
         bad = [name for name, p in named if not torch.isfinite(full_value(p.grad)).all()]
@@ -96,6 +98,28 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_cli
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm.item()
+
+
+def average_gradients(params: list[torch.Tensor], bucket_bytes: int = 256 << 20) -> None:
+    """Data parallelism without sharding (DDP): every rank's gradients replaced by their mean over
+    the ranks, one all-reduce per bucket of gradients."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params]
+    world = dist.get_world_size()
+    start = 0
+    while start < len(grads):
+        end, size = start, 0
+        while end < len(grads) and (end == start or size + grads[end].nbytes <= bucket_bytes):
+            size += grads[end].nbytes
+            end += 1
+        bucket = grads[start:end]
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat)  # a sum: gloo has no average
+        flat.div_(world)
+        for grad, reduced in zip(bucket, flat.split([g.numel() for g in bucket])):
+            grad.copy_(reduced.view_as(grad))
+        start = end
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:

@@ -30,10 +30,10 @@ def ray_cluster():
     ray.shutdown()
 
 
-def ppo_config(tiny_config: dict, workers: int, dynamic: bool = False):
+def ppo_config(tiny_config: dict, workers: int, dynamic: bool = False, replicated: bool = False):
     """Every role: actor, reference (KL loss), critic (GAE); two mini-batches of 8 samples. With
     `dynamic`, every forward pass is cut by a token budget (ranks then disagree on how many
-    passes they need, and must agree)."""
+    passes they need, and must agree). `replicated`: fsdp_size=1 for every role (DDP)."""
     dynamic_keys = [f"{key}={value}" for key, value in [
         ("actor_rollout_ref.actor.use_dynamic_bsz", "true"), ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", 64),
         ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "true"),
@@ -41,15 +41,20 @@ def ppo_config(tiny_config: dict, workers: int, dynamic: bool = False):
         ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "true"),
         ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", 64),
         ("critic.use_dynamic_bsz", "true"), ("critic.ppo_max_token_len_per_gpu", 64)]] if dynamic else []
+    replicated_keys = [f"{role}.fsdp_config.fsdp_size=1" for role in
+                       ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")] if replicated else []
     return load_config(tiny_config, ["trainer.device=cpu", f"trainer.n_gpus_per_node={workers}",
                                      "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
-                                     "actor_rollout_ref.actor.kl_loss_coef=0.5", *dynamic_keys])
+                                     "actor_rollout_ref.actor.kl_loss_coef=0.5", *dynamic_keys, *replicated_keys])
 
 
-def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ray_cluster):
+@pytest.mark.parametrize("replicated", [False, True], ids=["fsdp", "replicated"])
+def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ray_cluster, replicated):
     """Two workers with token-budget micro-batches against one process with fixed ones: the
-    same numbers either way, since every loss is divided by the whole mini-batch's counts."""
-    one_cfg, two_cfg = ppo_config(tiny_config, 1), ppo_config(tiny_config, 2, dynamic=True)
+    same numbers either way, since every loss is divided by the whole mini-batch's counts. The
+    workers shard with FSDP2, or (fsdp_size=1) hold whole models and average gradients. The
+    two-worker checkpoint loads into the one process with the same Adam moments."""
+    one_cfg, two_cfg = ppo_config(tiny_config, 1), ppo_config(tiny_config, 2, dynamic=True, replicated=replicated)
     one = WorkerRoles(LocalGroup(PolicyWorker(one_cfg, total_steps=2)), one_cfg, pad_token_id=0)
     tokenizer = one.group.worker.tokenizer
     prompts = collate_prompts(load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4],
@@ -62,6 +67,7 @@ def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ra
 
     two = WorkerRoles(RayGroup(two_cfg, 2, None, tmp_path / "stacks"), two_cfg, tokenizer.pad_token_id)
     try:
+        assert ("fsdp/actor_sharded_gb" in two.group.call("info", [()] * 2)[0]) != replicated
         for name in ("actor_log_probs", "ref_log_probs", "values"):  # forward passes split across ranks
             single, split = getattr(one, name)(batch), getattr(two, name)(batch)
             torch.testing.assert_close(split, single, atol=1e-5, rtol=1e-4, msg=name)
@@ -74,6 +80,11 @@ def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ra
         one.save(tmp_path / "one"), (tmp_path / "two").mkdir(), two.save(tmp_path / "two")
     finally:
         two.shutdown()
+    optimizer = one.group.worker.actor.optimizer
+    moments = [state["exp_avg"].clone() for state in optimizer.state.values()]
+    one.load(tmp_path / "two")  # saved by 2 ranks, loaded by 1
+    for mine, theirs in zip(moments, [state["exp_avg"] for state in optimizer.state.values()]):
+        torch.testing.assert_close(theirs, mine, atol=1e-7, rtol=1e-4)
     single = load_file(tmp_path / "one" / "actor" / "model.safetensors")
     split = load_file(tmp_path / "two" / "actor" / "model.safetensors")
     assert single.keys() == split.keys()

@@ -87,6 +87,8 @@ def test_batch_arithmetic_names_the_numbers():
     ["algorithm.adv_estimator=grpo"],  # n=1: every group advantage would be 0
     ["algorithm.adv_estimator=gae", "critic.enable=false"],
     ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.fsdp_size=3"],  # 3 does not divide 2
+    ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.fsdp_size=1",  # no FSDP to offload
+     "actor_rollout_ref.actor.fsdp_config.param_offload=true"],
     ["algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.do_sample=false"],
     ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "algorithm.critic_warmup=3"],
     ["actor_rollout_ref.rollout.val_kwargs.n=4"],  # four identical greedy answers
