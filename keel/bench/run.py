@@ -115,6 +115,7 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
             torch.cuda.empty_cache()
     record = summarize(name, workload, cfg, per_step[warmup:])
     record["engine"] = engine
+    record["overrides"] = list(overrides or [])
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         with out.open("a") as f:

@@ -21,6 +21,7 @@ def test_bench_appends_a_record_with_the_required_fields(tmp_path, capsys):
     assert len(records) == 2 and all(set(REQUIRED) <= set(r) for r in records)
     r = records[0]
     assert r["workload"] == "tiny" and r["engine"] == "NativeRolloutEngine" and r["n_gpus"] == 1
+    assert r["overrides"] == ["trainer.device=cpu"]  # what differed from the workload
     assert r["step_time_s"] > r["timing_s"]["gen"] > 0 and r["gen_tokens_per_s"] > 0 and r["update_tokens_per_s"] > 0
     # fixed-length responses: every sample generated 16 tokens
     assert r["gen_tokens_per_s"] == 4 * 4 * 16 / r["timing_s"]["gen"]
