@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import torch
+from profile_update import timed  # this folder's scripts run with it on sys.path
 
 from keel.bench.run import make_model
 from keel.data.prompts import PromptBatch, PromptRecord
@@ -49,23 +50,12 @@ def attention_alone(batch: int, config, cache_len: int) -> dict:
     reference = variants["sdpa_grouped"]().float()
     out = {"triton_max_error": (variants["triton"]().float() - reference).abs().max().item()}
     for name, fn in variants.items():
-        fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        out[name] = 1e3 * (time.perf_counter() - start) / 50
+        out[name] = 1e3 * timed(fn, reps=50)
     for block in (32, 64, 128):  # the kernel's tile: which is fastest here?
         for warps in (2, 4, 8):
-            fn = lambda: triton_decode_attention(q, new_k, new_v, k, v, pad, column, block=block, num_warps=warps)  # noqa: E731
-            fn()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(50):
-                fn()
-            torch.cuda.synchronize()
-            out[f"triton_b{block}_w{warps}"] = 1e3 * (time.perf_counter() - start) / 50
+            out[f"triton_b{block}_w{warps}"] = 1e3 * timed(
+                lambda: triton_decode_attention(q, new_k, new_v, k, v, pad, column, block=block, num_warps=warps),
+                reps=50)
     out["bytes_gb"] = 2 * k.numel() * k.element_size() / 1e9
     print("attention", json.dumps(out), flush=True)
     return out
