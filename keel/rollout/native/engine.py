@@ -442,22 +442,22 @@ class _DecodeGraph:
 
     def __init__(self, step_fn, state: _DecodeState):
         self.state = state
+        # The warm-up runs the step, so its outputs are put back afterwards. The KV cache is not:
+        # the step writes only the current column, from the current token, and the first replay
+        # writes the same values there again.
         saved = (state.step.clone(), state.tokens.clone(), state.log_probs.clone(), state.last_token.clone(),
-                 state.done.clone(), [k.clone() for k in state.k], [v.clone() for v in state.v])
+                 state.done.clone())
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             step_fn()  # warm-up: allocator and kernel selection
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph):  # recorded, not run
             step_fn()
-        # Warm-up and capture ran the step; put the state back as it was before them.
-        step, tokens, log_probs, last, done, ks, vs = saved
+        step, tokens, log_probs, last, done = saved
         state.step.copy_(step), state.tokens.copy_(tokens), state.log_probs.copy_(log_probs)
         state.last_token.copy_(last), state.done.copy_(done)
-        for dst, src in zip(state.k + state.v, ks + vs):
-            dst.copy_(src)
 
     def replay(self) -> None:
         self.graph.replay()
