@@ -142,10 +142,15 @@ class NativeRolloutEngine:
 
     def _sequences_at_once(self, seq_len: int) -> int:
         """rollout.max_num_seqs, fewer if their KV cache would pass gpu_memory_utilization of the
-        free memory."""
+        memory available: free on the device, cached by torch's allocator but unused (training
+        leaves much there), and the cache this engine keeps (free_cache_engine=False), which a
+        chunk of another shape replaces."""
         if self.device.type != "cuda":
             return self.max_num_seqs
         free, _ = torch.cuda.mem_get_info(self.device)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        if self._kept is not None:
+            free += sum(t.nbytes for t in self._kept.state.k + self._kept.state.v)
         per_sequence = 2 * len(self.layers) * self.kv_heads * self.head_dim * seq_len * self.embed.element_size()
         fits = max(1, int(free * self.memory_utilization // per_sequence))
         if fits < self.max_num_seqs:
@@ -199,6 +204,7 @@ class NativeRolloutEngine:
         if self._kept is not None and self._kept.shape == shape:
             self._kept.state.reset(self.tokenizer.pad_token_id)
             return self._kept.state
+        self._kept = None  # a kept cache of another shape goes before the new one is allocated
         state = _DecodeState.allocate(self, batch, prompt_len, steps)
         if self.keep_cache:
             self._kept = _KeptCache(shape, state)
