@@ -84,7 +84,7 @@ class PolicyWorker:
         # sharded, it needs whole weights, so it gets its own copy, refreshed after each update.
         self.rollout = make_rollout_engine(arr.rollout, copy.deepcopy(model) if self._actor_sharded else model,
                                            self.tokenizer, self.device, self.compute_dtype, log_choice=rank == 0)
-        self.actor = ActorTrainer(self._shard(model, arr.actor.fsdp_config, "actor"), arr.actor,
+        self.actor = ActorTrainer(self._prepare_model(model, arr.actor.fsdp_config, "actor"), arr.actor,
                                   arr.rollout.temperature, total_steps,
                                   _log_prob_batching(arr.rollout.log_prob_micro_batch_size_per_gpu, arr.rollout),
                                   cfg.data.max_response_length)
@@ -92,7 +92,7 @@ class PolicyWorker:
         self.ref = None
         if cfg.ref_enabled:  # the reference is always the starting policy, even on resume
             ref_model = load_causal_lm(arr.model.path, self.device, arr.model.trust_remote_code)
-            self.ref = ReferencePolicy(self._shard(ref_model, arr.ref.fsdp_config, "ref"),
+            self.ref = ReferencePolicy(self._prepare_model(ref_model, arr.ref.fsdp_config, "ref"),
                                        _log_prob_batching(arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref),
                                        arr.rollout.temperature)
         self.critic = self._build_critic(total_steps) if cfg.critic_enabled else None
@@ -101,7 +101,7 @@ class PolicyWorker:
     def _actor_sharded(self) -> bool:
         return self.world_size > 1 and self.cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size != 1
 
-    def _shard(self, model, fsdp_cfg, role: str):
+    def _prepare_model(self, model, fsdp_cfg, role: str):
         """The role's model made ready to train: compiled (GPU), then sharded (several workers)."""
         compiled = self.cfg.actor_rollout_ref.actor.use_torch_compile and can_compile(self.device)
         # The hf engine generates with this very module when unsharded; its growing KV cache would
@@ -126,7 +126,7 @@ class PolicyWorker:
         torch.manual_seed(cfg.trainer.seed)  # the value head's initialisation, identical on every rank
         model = load_critic(c.model.path or cfg.actor_rollout_ref.model.path, self.device,
                             cfg.actor_rollout_ref.model.trust_remote_code)
-        critic = CriticTrainer(self._shard(model, c.model.fsdp_config, "critic"), c, micro_size, total_steps)
+        critic = CriticTrainer(self._prepare_model(model, c.model.fsdp_config, "critic"), c, micro_size, total_steps)
         critic.data_parallel_size = self.world_size
         return critic
 

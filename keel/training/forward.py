@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-import functools
-from functools import partial
+from functools import cache, partial
 
 import torch
 from torch import Tensor
@@ -80,12 +79,12 @@ def _chunk_stats(lm_head, token_stats, hidden: Tensor, targets: Tensor, temperat
     return log_probs, entropy if entropy is not None else torch.zeros_like(log_probs)
 
 
-@functools.cache
+@cache
 def _compiled_token_stats():
     """_token_stats fused by torch.compile (`actor.use_torch_compile`, GPU only): the float cast,
     logsumexp, gather and entropy become a few passes over the [chunk, V] logits instead of one
     each, forward and backward. Compiled once per process."""
-    return torch.compile(_token_stats, dynamic=None)
+    return torch.compile(_token_stats)
 
 
 def _token_stats(logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
