@@ -2,6 +2,7 @@
 breaks or compile errors surface in CI rather than on the GPU machine: the native engine's decode
 step functions, and the training path's compiled decoder layers and vocabulary arithmetic."""
 
+import pytest
 import torch
 
 from keel.distributed.fsdp import compile_blocks
@@ -22,10 +23,13 @@ def test_compiled_decode_step_gives_the_eager_tokens(tiny_assets):
     torch.testing.assert_close(compiled.sampling_log_probs, eager.sampling_log_probs, atol=1e-5, rtol=0)
 
 
-def test_compiled_layers_and_token_stats_match_eager_with_gradients(tiny_assets):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_layers_and_token_stats_match_eager_with_gradients(tiny_assets, checkpointing):
+    """With and without activation checkpointing, which calls the compiled forward again in
+    backward."""
     def loss_and_grads(compiled: bool):
         torch.manual_seed(0)
-        model = load_causal_lm(tiny_assets["model"], torch.device("cpu"))
+        model = load_causal_lm(tiny_assets["model"], torch.device("cpu"), gradient_checkpointing=checkpointing)
         if compiled:
             compile_blocks(model)
         model.keel_compile = compiled
