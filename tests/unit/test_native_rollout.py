@@ -57,19 +57,40 @@ def test_samples_follow_the_model_distribution_and_log_probs_match_the_trainer(t
     assert len(set(map(tuple, batch.response_ids.tolist()))) > 50  # 400 samples of one prompt differ
     recomputed = batched_log_probs(model, batch, MicroBatching(100), temperature=0.8)
     torch.testing.assert_close(batch.sampling_log_probs, recomputed, atol=1e-4, rtol=0)
-    # The first token's frequencies against the model's probabilities (chi-square over the tokens
-    # with an expected count of at least 5; the rest pooled).
+    # The first token's frequencies against the model's probabilities.
     first_logits = model(input_ids=prompts.input_ids[:1], attention_mask=prompts.attention_mask[:1]).logits[0, -1]
-    probs = torch.softmax(first_logits.float() / 0.8, -1).detach()
-    counts = torch.bincount(batch.response_ids[:, 0], minlength=probs.shape[0]).float()
-    expected = probs * len(batch)
+    assert_drawn_from(batch.response_ids[:, 0], torch.softmax(first_logits.float() / 0.8, -1).detach())
+
+
+def assert_drawn_from(samples: torch.Tensor, probs: torch.Tensor) -> None:
+    """Chi-square of the sample counts against `probs`, over the tokens with an expected count of
+    at least 5 (the rest pooled), below about 5 sigma above its mean."""
+    counts = torch.bincount(samples, minlength=probs.shape[0]).double()
+    expected = probs.double() * len(samples)
     big = expected >= 5
     observed = torch.cat([counts[big], counts[~big].sum(0, keepdim=True)])
     expect = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
     chi2 = float(((observed - expect) ** 2 / expect.clamp(min=1e-9)).sum())
     dof = int(big.sum())
     assert dof >= 5  # enough well-populated tokens for the test to mean something
-    assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)  # about 5 sigma above the mean
+    assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_two_stage_sampling_draws_from_the_softmax(temperature):
+    """Plain sampling picks a block of the vocabulary by its mass, then a token in it: the draws
+    must still follow the softmax, with blocks of 64 over 1000 tokens (the last one partial)."""
+    from keel.rollout.native.sampling import sample
+
+    torch.manual_seed(0)
+    logits = torch.randn(1000) * 2.5
+    draws = 40_000
+    tokens, log_probs = sample(logits.expand(draws, -1).contiguous(), SamplingParams(temperature=temperature),
+                               block=64)
+    expected = torch.log_softmax(logits / temperature, -1)
+    torch.testing.assert_close(log_probs, expected[tokens], atol=1e-5, rtol=0)
+    assert int(tokens.max()) < 1000 and len(set(tokens.tolist())) > 100
+    assert_drawn_from(tokens, expected.exp())
 
 
 def test_top_k_keeps_samples_inside_the_top_k(tiny_assets):

@@ -24,7 +24,7 @@ from torch import Tensor
 from keel.models.load import can_compile
 from keel.rollout.hf import mask_after_eos, stop_token_ids
 from keel.rollout.native.attention import sdpa_decode_attention, triton_available, triton_decode_attention
-from keel.rollout.native.sampling import pick_token, sample
+from keel.rollout.native.sampling import Pickers, pick_blocked, pick_token, sample
 from keel.types import RolloutBatch, SamplingParams
 
 log = logging.getLogger("keel")
@@ -259,7 +259,7 @@ class NativeRolloutEngine:
     def _decode_step_fn(self, state: "_DecodeState", params: SamplingParams):
         """One decode step as a callable: a CUDA graph replay on GPU, the eager step elsewhere."""
         def eager() -> None:
-            token, log_prob = sample(self._decode_logits(state), params, self.kernels.pick_token)
+            token, log_prob = sample(self._decode_logits(state), params, self.kernels.pickers)
             state.record(token, log_prob, self.eos, params.ignore_eos)
 
         if not self.use_cuda_graphs:
@@ -325,10 +325,12 @@ class _StepFunctions:
 
     def __init__(self, compiled: bool):
         functions = dict(step_inputs=_step_inputs, rms_norm=_rms_norm, attention_inputs=_attention_inputs,
-                         attention_output_and_mlp=_attention_output_and_mlp, pick_token=pick_token)
+                         attention_output_and_mlp=_attention_output_and_mlp, pick_token=pick_token,
+                         pick_blocked=pick_blocked)
         self.compiled = compiled
         for name, fn in functions.items():
             setattr(self, name, torch.compile(fn, fullgraph=True) if compiled else fn)
+        self.pickers = Pickers(self.pick_token, self.pick_blocked)
 
 
 def _step_inputs(last_token: Tensor, pad: Tensor, column: Tensor, cache_len: int, embed: Tensor, inv_freq: Tensor,

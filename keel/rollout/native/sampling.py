@@ -2,32 +2,46 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from keel.types import SamplingParams
 
 
-def sample(logits: Tensor, params: SamplingParams, pick=None) -> tuple[Tensor, Tensor]:
+SAMPLE_BLOCK = 1024  # vocabulary entries per block of two-stage sampling
+
+
+class Pickers(NamedTuple):
+    """The functions that read the logits (the engine passes torch.compile'd copies on GPU)."""
+    token: Callable
+    blocked: Callable
+
+
+def sample(logits: Tensor, params: SamplingParams, pickers: Pickers | None = None,
+           block: int = SAMPLE_BLOCK) -> tuple[Tensor, Tensor]:
     """(token [B], its log-prob under the temperature-scaled distribution [B]) from logits [B, V].
 
     The log-prob is taken from the full distribution, not the top-k/top-p truncated one: it is
     what the trainer recomputes, so the sampler/trainer gap measures numerics only (as the hf
     engine does). Sampling is Gumbel-max, argmax(logits - log E) with E ~ Exp(1): a draw from the
-    softmax. Every step touches the [B, V] logits a handful of times, so each pass counts: `pick`
-    (pick_token, or the engine's compiled copy of it, which fuses them) reads them twice.
+    softmax. Noise for every vocabulary entry costs more than the rest of the step's sampling, so
+    plain sampling (no top-k/top-p) draws in two exact stages (pick_blocked). The noise is drawn
+    here, eagerly: eager RNG advances correctly under CUDA graph replay.
     """
-    pick = pick or pick_token
+    pickers = pickers or Pickers(pick_token, pick_blocked)
     greedy = not params.do_sample or params.temperature == 0
-    temperature = 1.0 if greedy else params.temperature
     if greedy:
-        return pick(logits, None, None, temperature)
-    # The noise is drawn outside `pick`: eager RNG advances correctly under CUDA graph replay.
-    noise = torch.empty(logits.shape, device=logits.device, dtype=torch.float32).exponential_()
-    filtered = None
-    if (params.top_k > 0 and params.top_k < logits.shape[-1]) or params.top_p < 1.0:
-        filtered = top_k_top_p(logits.float() / temperature, params.top_k, params.top_p)
-    return pick(logits, filtered, noise, temperature)
+        return pickers.token(logits, None, None, 1.0)
+    rows, vocab = logits.shape
+    noise = lambda *shape: torch.empty(shape, device=logits.device, dtype=torch.float32).exponential_()  # noqa: E731
+    if (params.top_k > 0 and params.top_k < vocab) or params.top_p < 1.0:
+        filtered = top_k_top_p(logits.float() / params.temperature, params.top_k, params.top_p)
+        return pickers.token(logits, filtered, noise(rows, vocab), params.temperature)
+    return pickers.blocked(logits, noise(rows, -(-vocab // block)), noise(rows, block), params.temperature)
 
 
 def pick_token(logits: Tensor, filtered: Tensor | None, noise: Tensor | None,
@@ -42,6 +56,24 @@ def pick_token(logits: Tensor, filtered: Tensor | None, noise: Tensor | None,
         token = (candidates - noise.clamp(min=1e-30).log()).argmax(-1)
     log_prob = scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
     return token, log_prob
+
+
+def pick_blocked(logits: Tensor, block_noise: Tensor, inner_noise: Tensor,
+                 temperature: float) -> tuple[Tensor, Tensor]:
+    """Gumbel-max in two stages: a block of the vocabulary, drawn by its mass (the logsumexp of
+    its logits), then a token of that block by its logit. P(block) x P(token | block) is the
+    softmax, exactly, with noise for the blocks and one block instead of for every token; the
+    per-block logsumexps also give the log-prob's normaliser. One pass over the logits."""
+    rows, vocab = logits.shape
+    blocks, size = block_noise.shape[1], inner_noise.shape[1]
+    scaled = F.pad(logits.float() / temperature, (0, blocks * size - vocab), value=float("-inf"))
+    scaled = scaled.view(rows, blocks, size)
+    block_mass = torch.logsumexp(scaled, dim=-1)                                  # [B, blocks]
+    chosen = (block_mass - block_noise.clamp(min=1e-30).log()).argmax(-1)         # [B]
+    inner = scaled.gather(1, chosen.view(rows, 1, 1).expand(rows, 1, size)).squeeze(1)  # [B, size]
+    offset = (inner - inner_noise.clamp(min=1e-30).log()).argmax(-1)
+    log_prob = inner.gather(-1, offset.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(block_mass, dim=-1)
+    return chosen * size + offset, log_prob
 
 
 def top_k_top_p(logits: Tensor, top_k: int, top_p: float) -> Tensor:
