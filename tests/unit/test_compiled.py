@@ -44,3 +44,15 @@ def test_compiled_layers_and_token_stats_match_eager_with_gradients(tiny_assets,
     torch.testing.assert_close(compiled_lp, eager_lp, atol=1e-5, rtol=1e-5)
     for name, grad in eager_grads.items():
         torch.testing.assert_close(compiled_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_compiled_two_stage_sampling_matches_eager():
+    from keel.rollout.native.sampling import pick_blocked
+
+    torch.manual_seed(0)
+    logits = torch.randn(8, 3000) * 3
+    block_noise, inner_noise = torch.empty(8, 3).exponential_(), torch.empty(8, 1024).exponential_()
+    eager = pick_blocked(logits, block_noise, inner_noise, 0.8)
+    compiled = torch.compile(pick_blocked, fullgraph=True)(logits, block_noise, inner_noise, 0.8)
+    assert torch.equal(compiled[0], eager[0])
+    torch.testing.assert_close(compiled[1], eager[1], atol=1e-5, rtol=0)
