@@ -89,9 +89,14 @@ def main() -> None:
         print(name, json.dumps(report[name]), flush=True)
     report["attention_ms_per_layer"] = attention_alone(args.batch, model.config, args.prompt + args.steps)
     engine = NativeRolloutEngine(model, tokenizer, 4096, torch.bfloat16)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    engine.generate(batch, SamplingParams(n=args.n, max_new_tokens=64, ignore_eos=True))  # compiled, warm
+    activities = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
         engine.generate(batch, SamplingParams(n=args.n, max_new_tokens=64, ignore_eos=True))
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
+    # Which Python line launches the costliest operators (kernels inside a graph replay have none):
+    print(prof.key_averages(group_by_stack_n=6).table(sort_by="self_cuda_time_total", row_limit=12,
+                                                      max_name_column_width=60))
     print(json.dumps(report, indent=2))
 
 
