@@ -359,10 +359,17 @@ def _attention_output_and_mlp(x: Tensor, attention: Tensor, o: Tensor, post_norm
                               down: Tensor, next_norm: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """The rest of a decoder layer: output projection and residual, the gated MLP and residual;
     also the next layer's normed input, so the residual stream is read once."""
-    x = x + F.linear(attention, o)
+    x = _residual_add(x, F.linear(attention, o))
     gate, up = F.linear(_rms_norm(x, post_norm, eps), gate_up).chunk(2, dim=-1)
-    x = x + F.linear(F.silu(gate) * up, down)
+    x = _residual_add(x, F.linear(F.silu(gate) * up, down))
     return x, _rms_norm(x, next_norm, eps)
+
+
+def _residual_add(x: Tensor, y: Tensor) -> Tensor:
+    """x + y, rounded as a 16-bit add rounds (both are exact in float32). Written in float32 so
+    that inductor fuses the add into the norm that reads it, rather than into the matmul as
+    `addmm`, whose beta-add first copies x into the output: one more kernel per residual."""
+    return (x.float() + y.float()).to(x.dtype)
 
 
 class _Clock:
