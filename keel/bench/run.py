@@ -108,6 +108,7 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
         engine = trainer.c.workers.group.call("info", [()] * cfg.world_size)[0]["rollout_engine"]
     finally:
         logger.close()
+        trainer.c.reward.shutdown()
         trainer.c.workers.shutdown()
         del trainer  # a one-worker run holds its GPU memory in this process: free it for the next run
         gc.collect()

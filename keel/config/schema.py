@@ -256,6 +256,10 @@ class RewardModelConfig:
     model: RewardModelPathConfig = opt(factory=RewardModelPathConfig)
     micro_batch_size_per_gpu: int = opt(16, gt=0)
     max_length: int | None = opt(None, gt=0, help="tokens it reads; default: its max_position_embeddings")
+    enable_resource_pool: bool = opt(False, help="run it on devices of its own (Ray actors, one replica per GPU) "
+                                                 "instead of in the driver, beside the policy's first rank")
+    n_gpus_per_node: int = opt(1, gt=0, help="enable_resource_pool: replicas per node")
+    nnodes: int = opt(1, gt=0, help="enable_resource_pool: nodes")
 
 
 @dataclass
@@ -492,6 +496,9 @@ def _check_options(cfg: KeelConfig) -> None:
     if cfg.reward_model.enable and not cfg.reward_model.model.path:
         raise incompatible("reward_model.enable=true without reward_model.model.path",
                            "set reward_model.model.path to a local sequence-classification model")
+    if cfg.reward_model.enable_resource_pool and not cfg.reward_model.enable:
+        raise incompatible("reward_model.enable_resource_pool=true with reward_model.enable=false: there is no "
+                           "reward model to place", "set reward_model.enable=true, or enable_resource_pool=false")
     overlong = cfg.reward.overlong_buffer
     if overlong.enable and overlong.len >= cfg.data.max_response_length:
         raise incompatible(f"reward.overlong_buffer.len={overlong.len} is not shorter than "

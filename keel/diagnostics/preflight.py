@@ -219,8 +219,11 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
     workers are placed), and Ray itself."""
     from keel.models.load import resolve_device
 
+    from keel.distributed.group import devices_needed
+
     world = cfg.world_size
-    if world == 1:
+    pool = devices_needed(cfg) - world  # reward model replicas on devices of their own
+    if world == 1 and not pool:
         return [Finding(PASS, "workers", "1 worker in this process")]
     try:
         import ray  # noqa: F401
@@ -235,10 +238,14 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
     device = resolve_device(cfg.trainer.device)
     have = torch.cuda.device_count() if device.type == "cuda" else (os.cpu_count() or 1)
     what = "GPUs" if device.type == "cuda" else "CPU cores"
-    if device.type == "cuda" and have < world:
-        raise KeelError(NOT_ENOUGH_DEVICES, f"trainer.n_gpus_per_node={world} but this machine has {have} {what}")
-    level = WARN if have < world else PASS
-    return [Finding(level, "workers", f"{world} workers on this machine ({have} {what}), Ray started by keel")]
+    needed = devices_needed(cfg)
+    besides = f" and {pool} reward model replicas" if pool else ""
+    if device.type == "cuda" and have < needed:
+        raise KeelError(NOT_ENOUGH_DEVICES, f"trainer.n_gpus_per_node={world} workers{besides} need {needed} "
+                        f"{what}, and this machine has {have}")
+    level = WARN if have < needed else PASS
+    return [Finding(level, "workers", f"{world} workers{besides} on this machine ({have} {what}), Ray started "
+                                      "by keel")]
 
 
 CHECKS = [("tokenizer", check_tokenizer), ("model", check_model), ("data", check_data),

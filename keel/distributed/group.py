@@ -55,7 +55,7 @@ class RayGroup:
         self.hosts: dict[int, str] = {}
         self.placement, cpus = _reserve(ray, cfg)
         actor_class = _worker_actor_class(ray)
-        gpus = 1 if _wants_gpus(cfg) else 0
+        gpus = 1 if wants_gpus(cfg) else 0
         env = {k: v for k, v in os.environ.items() if k.startswith("KEEL_")}  # a cluster's workers lack our env
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -172,11 +172,18 @@ def _is_collective_timeout(error) -> bool:
     return "timed out" in message or "timeout" in message
 
 
-def _wants_gpus(cfg) -> bool:
+def wants_gpus(cfg) -> bool:
     """Like resolve_device, without refusing `cuda` when the driver's node has no GPU: on a
     cluster the workers' nodes may have them."""
     import torch
     return cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+
+
+def devices_needed(cfg) -> int:
+    """GPUs (CPU processes with trainer.device=cpu) the run places: its workers, and the reward
+    model's replicas when it has a pool of its own."""
+    rm = cfg.reward_model
+    return cfg.world_size + (rm.n_gpus_per_node * rm.nnodes if rm.enable_resource_pool else 0)
 
 
 def connect_ray(cfg):
@@ -193,7 +200,7 @@ def connect_ray(cfg):
         if address:
             ray.init(address=address, log_to_driver=True)
         else:
-            ray.init(num_cpus=max(os.cpu_count() or 1, cfg.world_size), include_dashboard=False,
+            ray.init(num_cpus=max(os.cpu_count() or 1, devices_needed(cfg)), include_dashboard=False,
                      object_store_memory=512 * 1024**2, log_to_driver=True)
     except Exception as e:  # noqa: BLE001 - any start/connect failure has one fix
         raise KeelError(RAY_MISSING, f"could not {'join the Ray cluster at ' + address if address else 'start Ray'}: "
@@ -206,7 +213,7 @@ def _reserve(ray, cfg):
     refused up front when the cluster does not have the devices, instead of waiting forever."""
     from ray.util.placement_group import placement_group
 
-    gpus = _wants_gpus(cfg)
+    gpus = wants_gpus(cfg)
     resource = "GPU" if gpus else "CPU"
     available = ray.cluster_resources().get(resource, 0)
     if available < cfg.world_size:
@@ -244,7 +251,7 @@ def _worker_actor_class(ray):
             from keel.observe.log import ensure_console_logging
 
             ensure_console_logging()
-            if not _wants_gpus(cfg):  # CPU workers share the machine's cores
+            if not wants_gpus(cfg):  # CPU workers share the machine's cores
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
             self.worker = PolicyWorker(cfg, total_steps, actor_weights, rank, world_size, master)
 

@@ -12,21 +12,19 @@ import torch
 from keel.models.load import check_model_dir
 
 
-class RewardModel:
-    def __init__(self, path: str, device: torch.device, micro_batch_size: int, max_length: int | None,
-                 trust_remote_code: bool = False):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+class RewardTemplate:
+    """How the reward model reads a sample: its tokenizer, its chat template and how many tokens it
+    reads. No weights: `keel check` and a reward model pool's driver side need only this."""
 
-        path = check_model_dir(path, "reward_model.model.path")
-        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    def __init__(self, path: str, max_length: int | None, trust_remote_code: bool = False):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.path = check_model_dir(path, "reward_model.model.path")
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=trust_remote_code)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, trust_remote_code=trust_remote_code).to(device).eval()
-        self.model.config.pad_token_id = self.tokenizer.pad_token_id  # it finds each sequence's last token by it
-        self.device = device
-        self.micro_batch_size = micro_batch_size
-        self.max_length = max_length or getattr(self.model.config, "max_position_embeddings", None)
+        config = AutoConfig.from_pretrained(self.path, trust_remote_code=trust_remote_code)
+        self.max_length = max_length or getattr(config, "max_position_embeddings", None)
 
     def text(self, raw_prompt, response: str) -> str:
         """The conversation as the reward model was trained to read it."""
@@ -36,6 +34,19 @@ class RewardModel:
         chat = [{"role": "user", "content": raw_prompt}] if isinstance(raw_prompt, str) else list(raw_prompt)
         return self.tokenizer.apply_chat_template(chat + [{"role": "assistant", "content": response}],
                                                   tokenize=False)
+
+
+class RewardModel(RewardTemplate):
+    def __init__(self, path: str, device: torch.device, micro_batch_size: int, max_length: int | None,
+                 trust_remote_code: bool = False):
+        from transformers import AutoModelForSequenceClassification
+
+        super().__init__(path, max_length, trust_remote_code)
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            self.path, num_labels=1, trust_remote_code=trust_remote_code).to(device).eval()
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id  # it finds each sequence's last token by it
+        self.device = device
+        self.micro_batch_size = micro_batch_size
 
     @torch.no_grad()
     def score(self, raw_prompts: list, responses: list[str]) -> list[float | str]:

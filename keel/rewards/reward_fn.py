@@ -191,7 +191,14 @@ class RewardScorer:
         return metrics
 
     def close(self) -> None:
+        """Stops the scoring processes; the next batch starts them again."""
         self.pool.close()
+
+    def shutdown(self) -> None:
+        """For good, at the end of a run: the scoring processes and a reward model pool's replicas."""
+        self.close()
+        if hasattr(self.reward_model, "shutdown"):
+            self.reward_model.shutdown()
 
 
 def _scoring_error(record, reason: str, response: str) -> KeelError:

@@ -86,7 +86,7 @@ class RLTrainer:
                     self.save()
         finally:
             logger.close()
-            self.c.reward.close()
+            self.c.reward.shutdown()
             self.c.workers.shutdown()
         return RunResult(self.run_dir, self.step, metrics)
 

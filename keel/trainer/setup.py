@@ -24,6 +24,7 @@ from keel.distributed.group import LocalGroup, RayGroup
 from keel.distributed.worker import PolicyWorker
 from keel.models.load import load_tokenizer, quiet_transformers, resolve_device
 from keel.rewards.model import RewardModel
+from keel.rewards.pool import RewardModelPool
 from keel.rewards.normalize import RunningNormalizer
 from keel.rewards.service import RewardServiceClient
 from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
@@ -101,7 +102,8 @@ def build_workers(cfg: KeelConfig, total_steps: int, actor_weights: Path | None,
                   run_dir: str | Path) -> WorkerRoles:
     """One worker in this process, or `trainer.n_gpus_per_node x trainer.nnodes` Ray workers."""
     weights = str(actor_weights) if actor_weights else None
-    if cfg.world_size == 1:
+    # With a reward model pool, Ray places every device user, the single worker included.
+    if cfg.world_size == 1 and not cfg.reward_model.enable_resource_pool:
         group = LocalGroup(PolicyWorker(cfg, total_steps, weights, tokenizer=tokenizer))
     else:
         log.info("starting %d workers (trainer.n_gpus_per_node=%d x trainer.nnodes=%d)", cfg.world_size,
@@ -118,7 +120,9 @@ def build_reward(cfg: KeelConfig) -> RewardScorer:
         service = RewardServiceClient(s.url, s.timeout_s, s.retry_times, s.retry_delay_s, s.token)
         service.check_health()
     reward_model = None
-    if rm.enable:
+    if rm.enable and rm.enable_resource_pool:
+        reward_model = RewardModelPool(cfg)
+    elif rm.enable:
         reward_model = RewardModel(rm.model.path, resolve_device(cfg.trainer.device), rm.micro_batch_size_per_gpu,
                                    rm.max_length, rm.model.trust_remote_code)
     scorer = None

@@ -40,3 +40,44 @@ def test_check_measures_the_budget_in_the_reward_models_own_tokens(tiny_config, 
     report = run_checks(load_config(tiny_config, overrides))
     assert [f.code for f in report.failures] == [TOKEN_BUDGET]
     assert "reward model" in report.failures[0].message
+
+
+@pytest.fixture
+def fresh_ray():
+    """Ray started by keel in this process, stopped afterwards (other modules start their own)."""
+    ray = pytest.importorskip("ray")
+    assert not ray.is_initialized()
+    yield
+    ray.shutdown()
+
+
+def test_a_reward_model_pool_scores_as_the_model_in_process(tiny_config, reward_model_dir, fresh_ray):
+    """Two replicas in Ray actors, each scoring a share: the same scores, in order, as one model in
+    this process, the too-long sample still refused rather than cut."""
+    from keel.rewards.pool import RewardModelPool
+
+    cfg = load_config(tiny_config, {"reward_model.enable": True, "reward_model.model.path": str(reward_model_dir),
+                                    "reward_model.enable_resource_pool": True, "reward_model.n_gpus_per_node": 2,
+                                    "trainer.device": "cpu"})
+    chat = [{"role": "user", "content": "2+2?"}]
+    prompts, responses = [chat, chat, "plain prompt", chat, chat], ["4", "5", "x" * 200, "four", "22"]
+    pool = RewardModelPool(cfg)
+    try:
+        assert len(pool.replicas) == 2
+        pooled = pool.score(prompts, responses)
+    finally:
+        pool.shutdown()
+    local = RewardModel(str(reward_model_dir), torch.device("cpu"), micro_batch_size=2, max_length=None)
+    expected = local.score(prompts, responses)
+    assert pooled[2] == expected[2] and pooled[2].startswith("longer than")
+    assert pooled[:2] + pooled[3:] == pytest.approx(expected[:2] + expected[3:], abs=1e-5)
+
+
+def test_keel_train_with_a_reward_model_on_its_own_devices(tiny_config, reward_model_dir, fresh_ray):
+    from keel.trainer.rl import train
+
+    overrides = {"reward_model.enable": True, "reward_model.model.path": str(reward_model_dir),
+                 "reward_model.enable_resource_pool": True, "custom_reward_function.path": None,
+                 "trainer.device": "cpu", "trainer.total_training_steps": 1}
+    result = train(tiny_config, overrides)
+    assert result.last_step == 1 and result.last_metrics["reward/not_scored_ratio"] == 0.0

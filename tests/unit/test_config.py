@@ -93,6 +93,7 @@ def test_batch_arithmetic_names_the_numbers():
     ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "algorithm.critic_warmup=3"],
     ["actor_rollout_ref.rollout.val_kwargs.n=4"],  # four identical greedy answers
     ["actor_rollout_ref.rollout.val_kwargs.do_sample=true"],  # with temperature 0
+    ["reward_model.enable_resource_pool=true"],  # no reward model to place
     # a 1024-token prompt fits no 512-token prefill pass without chunked prefill
     ["data.max_prompt_length=1024", "actor_rollout_ref.rollout.max_num_batched_tokens=512",
      "actor_rollout_ref.rollout.enable_chunked_prefill=false"],
