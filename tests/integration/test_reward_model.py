@@ -81,3 +81,19 @@ def test_keel_train_with_a_reward_model_on_its_own_devices(tiny_config, reward_m
                  "trainer.device": "cpu", "trainer.total_training_steps": 1}
     result = train(tiny_config, overrides)
     assert result.last_step == 1 and result.last_metrics["reward/not_scored_ratio"] == 0.0
+
+
+def test_a_reward_model_pool_larger_than_the_cluster_is_refused_before_waiting(tiny_config, reward_model_dir,
+                                                                               fresh_ray):
+    import ray
+
+    from keel.diagnostics.codes import NOT_ENOUGH_DEVICES, KeelError
+    from keel.rewards.pool import RewardModelPool
+
+    ray.init(num_cpus=2, include_dashboard=False)  # a cluster already running, with 2 CPUs
+    cfg = load_config(tiny_config, {"reward_model.enable": True, "reward_model.model.path": str(reward_model_dir),
+                                    "reward_model.enable_resource_pool": True, "reward_model.n_gpus_per_node": 4,
+                                    "trainer.device": "cpu"})
+    with pytest.raises(KeelError) as error:
+        RewardModelPool(cfg)
+    assert error.value.code == NOT_ENOUGH_DEVICES and "needs 4 CPUs" in str(error.value)
