@@ -182,6 +182,10 @@ class CriticConfig:
     cliprange_value: float = opt(0.5, gt=0)
     loss_agg_mode: str = opt("token-mean", choices=LOSS_AGG_MODES)
     grad_clip: float = opt(1.0, gt=0)
+    enable_resource_pool: bool = opt(False, help="train it on GPUs of its own (its own Ray workers) instead of "
+                                                 "colocated with the actor")
+    n_gpus_per_node: int = opt(1, gt=0, help="enable_resource_pool: critic workers per node")
+    nnodes: int = opt(1, gt=0, help="enable_resource_pool: nodes")
 
 
 @dataclass
@@ -355,6 +359,13 @@ class KeelConfig:
         return self.trainer.n_gpus_per_node * self.trainer.nnodes
 
     @property
+    def critic_world_size(self) -> int:
+        """Ranks the critic trains on: its own pool's, or the actor's when colocated."""
+        if self.critic.enable_resource_pool:
+            return self.critic.n_gpus_per_node * self.critic.nnodes
+        return self.world_size
+
+    @property
     def critic_enabled(self) -> bool:
         if self.critic.enable is not None:
             return self.critic.enable
@@ -452,13 +463,22 @@ def _check_world(cfg: KeelConfig, incompatible) -> None:
         raise KeelError(BATCH_ARITHMETIC, f"an actor mini-batch of {mini} samples cannot be split across "
                         f"{world} workers (trainer.n_gpus_per_node x trainer.nnodes)",
                         f"raise actor_rollout_ref.actor.ppo_mini_batch_size to at least {-(-world // n)} prompts")
-    for key, fsdp in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.fsdp_config),
-                      ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.fsdp_config),
-                      ("critic.model", cfg.critic.model.fsdp_config)):
-        if fsdp.fsdp_size != -1 and (fsdp.fsdp_size < 1 or world % fsdp.fsdp_size):
-            raise incompatible(f"{key}.fsdp_config.fsdp_size={fsdp.fsdp_size} does not divide the {world} workers",
-                               f"set {key}.fsdp_config.fsdp_size to -1 or a divisor of {world}")
-        if fsdp.fsdp_size == 1 and fsdp.param_offload and world > 1:
+    if cfg.critic.enable_resource_pool and not cfg.critic_enabled:
+        raise incompatible("critic.enable_resource_pool=true without a critic (critic.enable, or "
+                           "algorithm.adv_estimator=gae): there is nothing to place",
+                           "set critic.enable_resource_pool=false")
+    critic_mini = cfg.critic_batching[0] * n
+    if cfg.critic_enabled and critic_mini < cfg.critic_world_size:
+        raise KeelError(BATCH_ARITHMETIC, f"a critic mini-batch of {critic_mini} samples cannot be split across "
+                        f"{cfg.critic_world_size} critic workers", "raise critic.ppo_mini_batch_size, or use "
+                        "fewer critic workers")
+    for key, fsdp, ranks in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.fsdp_config, world),
+                             ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.fsdp_config, world),
+                             ("critic.model", cfg.critic.model.fsdp_config, cfg.critic_world_size)):
+        if fsdp.fsdp_size != -1 and (fsdp.fsdp_size < 1 or ranks % fsdp.fsdp_size):
+            raise incompatible(f"{key}.fsdp_config.fsdp_size={fsdp.fsdp_size} does not divide the {ranks} workers",
+                               f"set {key}.fsdp_config.fsdp_size to -1 or a divisor of {ranks}")
+        if fsdp.fsdp_size == 1 and fsdp.param_offload and ranks > 1:
             raise incompatible(f"{key}.fsdp_config.fsdp_size=1 (no sharding) with param_offload=true: offloading "
                                "parameters is FSDP's, and fsdp_size=1 does not use FSDP",
                                f"set {key}.fsdp_config.fsdp_size=-1 to shard and offload, or param_offload=false")

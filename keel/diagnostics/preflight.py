@@ -297,7 +297,7 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
         estimate["rollout_copy"] = 4 * params / gb
     if cfg.ref_enabled:
         estimate["reference"] = _sharded_bytes(params, False, arr.ref.fsdp_config, cfg.world_size) / gb
-    if cfg.critic_enabled:
+    if cfg.critic_enabled and not cfg.critic.enable_resource_pool:  # colocated with the actor
         estimate["critic_states"] = _sharded_bytes(params, True, cfg.critic.model.fsdp_config, cfg.world_size) / gb
     estimate["total"] = sum(estimate.values())
     return {k: round(v, 3) for k, v in estimate.items()}

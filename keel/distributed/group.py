@@ -46,14 +46,17 @@ class RayGroup:
     torch.distributed rank. Ranks are placed with a PACK placement group, so ranks of a node are
     consecutive; rank 0's node hosts the rendezvous on a port it found free."""
 
-    def __init__(self, cfg, total_steps: int, actor_weights: str | None, stacks_dir: Path):
+    def __init__(self, cfg, total_steps: int, actor_weights: str | None, stacks_dir: Path,
+                 roles: frozenset[str] | None = None, world_size: int | None = None):
+        """`roles`: what each worker builds (PolicyWorker's default: the policy, and the critic when
+        colocated); a critic pool is a second group with roles {"critic"} and its own size."""
         ray = connect_ray(cfg)
-        self.world_size = cfg.world_size
+        self.world_size = world_size or cfg.world_size
         self.stacks_dir = stacks_dir
         self.phase_timeout_s = cfg.trainer.guards.phase_timeout_s
         self.memory: dict[int, dict] = {}
         self.hosts: dict[int, str] = {}
-        self.placement, cpus = _reserve(ray, cfg)
+        self.placement, cpus = _reserve(ray, cfg, self.world_size)
         actor_class = _worker_actor_class(ray)
         gpus = 1 if wants_gpus(cfg) else 0
         env = {k: v for k, v in os.environ.items() if k.startswith("KEEL_")}  # a cluster's workers lack our env
@@ -67,7 +70,7 @@ class RayGroup:
         self.hosts = dict(zip(ranks, self._wait([a.hostname.remote() for a in self.actors], "setup", ranks,
                                                 STARTUP_TIMEOUT_S)))
         master = self._wait([self.actors[0].rendezvous.remote()], "setup", [0], STARTUP_TIMEOUT_S)[0]
-        self._wait([a.setup.remote(cfg, total_steps, actor_weights, rank, self.world_size, master)
+        self._wait([a.setup.remote(cfg, total_steps, actor_weights, rank, self.world_size, master, roles)
                     for rank, a in enumerate(self.actors)], "setup", ranks, STARTUP_TIMEOUT_S)
         for info in self.call("info", [()] * self.world_size):  # what each rank holds of each model
             log.info("rank %d on %s (pid %d, %s, CUDA_VISIBLE_DEVICES=%s, %d threads)%s", info["rank"],
@@ -180,10 +183,11 @@ def wants_gpus(cfg) -> bool:
 
 
 def devices_needed(cfg) -> int:
-    """GPUs (CPU processes with trainer.device=cpu) the run places: its workers, and the reward
-    model's replicas when it has a pool of its own."""
+    """GPUs (CPU processes with trainer.device=cpu) the run places: the policy's workers, and the
+    critic's workers and the reward model's replicas when they have pools of their own."""
     rm = cfg.reward_model
-    return cfg.world_size + (rm.n_gpus_per_node * rm.nnodes if rm.enable_resource_pool else 0)
+    critic_pool = cfg.critic_world_size if cfg.critic_enabled and cfg.critic.enable_resource_pool else 0
+    return cfg.world_size + critic_pool + (rm.n_gpus_per_node * rm.nnodes if rm.enable_resource_pool else 0)
 
 
 def connect_ray(cfg):
@@ -208,24 +212,26 @@ def connect_ray(cfg):
     return ray
 
 
-def _reserve(ray, cfg):
+def _reserve(ray, cfg, count: int):
     """One bundle per rank, packed onto as few nodes as possible, and the CPUs each worker gets;
-    refused up front when the cluster does not have the devices, instead of waiting forever."""
+    refused up front when the cluster does not have the devices the whole run places (every
+    pool), instead of waiting forever."""
     from ray.util.placement_group import placement_group
 
     gpus = wants_gpus(cfg)
     resource = "GPU" if gpus else "CPU"
     available = ray.cluster_resources().get(resource, 0)
-    if available < cfg.world_size:
-        raise KeelError(NOT_ENOUGH_DEVICES, f"trainer.n_gpus_per_node x trainer.nnodes = {cfg.world_size} workers "
-                        f"need {cfg.world_size} {resource}s, and the Ray cluster has {available:g}")
+    if available < devices_needed(cfg):
+        raise KeelError(NOT_ENOUGH_DEVICES, f"the run places {devices_needed(cfg)} workers (trainer.n_gpus_per_node x "
+                        f"trainer.nnodes = {cfg.world_size}, plus any critic or reward model pool) and the Ray "
+                        f"cluster has {available:g} {resource}s")
     # A GPU worker gets a share of the node's cores: Ray limits a worker's threads to its CPUs,
     # and one core is not enough for a process that launches kernels, gathers and copies.
-    cpus = max(1, min(8, int(ray.cluster_resources().get("CPU", 1) // cfg.world_size) - 1)) if gpus else 1
+    cpus = max(1, min(8, int(ray.cluster_resources().get("CPU", 1) // devices_needed(cfg)) - 1)) if gpus else 1
     bundle = {"GPU": 1, "CPU": cpus} if gpus else {"CPU": 1}
-    group = placement_group([bundle] * cfg.world_size, strategy="PACK")
+    group = placement_group([bundle] * count, strategy="PACK")
     if not group.wait(timeout_seconds=60):
-        raise KeelError(NOT_ENOUGH_DEVICES, f"{cfg.world_size} {resource}s could not be reserved within 60 s "
+        raise KeelError(NOT_ENOUGH_DEVICES, f"{count} {resource}s could not be reserved within 60 s "
                         "(other jobs hold them)")
     return group, cpus
 
@@ -244,7 +250,7 @@ def _worker_actor_class(ray):
             from keel.distributed.dist import free_port
             return ray.util.get_node_ip_address(), free_port()
 
-        def setup(self, cfg, total_steps, actor_weights, rank, world_size, master) -> None:
+        def setup(self, cfg, total_steps, actor_weights, rank, world_size, master, roles=None) -> None:
             import torch
 
             from keel.distributed.worker import PolicyWorker
@@ -253,7 +259,7 @@ def _worker_actor_class(ray):
             ensure_console_logging()
             if not wants_gpus(cfg):  # CPU workers share the machine's cores
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-            self.worker = PolicyWorker(cfg, total_steps, actor_weights, rank, world_size, master)
+            self.worker = PolicyWorker(cfg, total_steps, actor_weights, rank, world_size, master, roles=roles)
 
         def run(self, method, *args):
             return self.worker.run(method, *args)

@@ -62,9 +62,17 @@ def _first_lines(text: str, count: int = 6) -> str:
     return "\n".join(text.strip().splitlines()[:count])
 
 
+def default_roles(cfg: KeelConfig) -> frozenset[str]:
+    """What a policy worker builds: the actor with its rollout engine and reference, and the
+    critic too unless it has a pool of its own."""
+    colocated_critic = cfg.critic_enabled and not cfg.critic.enable_resource_pool
+    return frozenset({"policy", "critic"} if colocated_critic else {"policy"})
+
+
 class PolicyWorker:
     def __init__(self, cfg: KeelConfig, total_steps: int, actor_weights: str | None = None, rank: int = 0,
-                 world_size: int = 1, master: tuple[str, int] | None = None, tokenizer=None):
+                 world_size: int = 1, master: tuple[str, int] | None = None, tokenizer=None,
+                 roles: frozenset[str] | None = None):
         quiet_transformers()
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.phase = "setup"
@@ -77,6 +85,15 @@ class PolicyWorker:
         self.sharding: dict[str, float] = {}
         arr = cfg.actor_rollout_ref
         self.tokenizer = tokenizer or load_tokenizer(arr.model.path, arr.model.trust_remote_code)
+        roles = roles or default_roles(cfg)
+        self.rollout = self.actor = self.ref = None
+        if "policy" in roles:
+            self._build_policy(actor_weights, total_steps)
+        self.critic = self._build_critic(total_steps) if "critic" in roles else None
+
+    def _build_policy(self, actor_weights: str | None, total_steps: int) -> None:
+        """The actor, its rollout engine and the reference (when a KL term needs one)."""
+        cfg, arr, rank, world_size = self.cfg, self.cfg.actor_rollout_ref, self.rank, self.world_size
         torch.manual_seed(cfg.trainer.seed)  # every rank starts from identical weights
         model = load_causal_lm(actor_weights or arr.model.path, self.device, arr.model.trust_remote_code,
                                arr.model.enable_gradient_checkpointing)
@@ -89,13 +106,11 @@ class PolicyWorker:
                                   _log_prob_batching(arr.rollout.log_prob_micro_batch_size_per_gpu, arr.rollout),
                                   cfg.data.max_response_length)
         self.actor.data_parallel_size = world_size
-        self.ref = None
         if cfg.ref_enabled:  # the reference is always the starting policy, even on resume
             ref_model = load_causal_lm(arr.model.path, self.device, arr.model.trust_remote_code)
             self.ref = ReferencePolicy(self._prepare_model(ref_model, arr.ref.fsdp_config, "ref"),
                                        _log_prob_batching(arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref),
                                        arr.rollout.temperature)
-        self.critic = self._build_critic(total_steps) if cfg.critic_enabled else None
 
     @property
     def _actor_sharded(self) -> bool:
@@ -106,7 +121,7 @@ class PolicyWorker:
         compiled = self.cfg.actor_rollout_ref.actor.use_torch_compile and can_compile(self.device)
         # The hf engine generates with this very module when unsharded; its growing KV cache would
         # recompile the layers at every length, so they stay eager.
-        if compiled and not (self.rollout.model is model and isinstance(self.rollout, HFRolloutEngine)):
+        if compiled and not (isinstance(self.rollout, HFRolloutEngine) and self.rollout.model is model):
             compile_blocks(model)
         model.keel_compile = compiled  # read by keel.training.forward: fuse the vocabulary arithmetic
         if self.world_size == 1:
@@ -168,7 +183,7 @@ class PolicyWorker:
 
     def info(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "threads": torch.get_num_threads(),
-                "rollout_engine": type(self.rollout).__name__,
+                "rollout_engine": type(self.rollout).__name__ if self.rollout else None,
                 "visible": os.environ.get("CUDA_VISIBLE_DEVICES", "all"), **self.sharding}
 
     def generate(self, prompts, sampling: SamplingParams, seed: int) -> tuple[RolloutBatch | None, dict]:
@@ -240,10 +255,11 @@ class PolicyWorker:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         out = Path(directory)
-        if self.rank == 0:
-            write_policy(out / "actor", self.rollout.model, self.tokenizer)
-            torch.save(self.actor.scheduler.state_dict(), out / "actor_scheduler.pt")
-        _save_sharded(out / "actor_optim", {"optimizer": _optimizer_state(self.actor)})
+        if self.actor is not None:
+            if self.rank == 0:
+                write_policy(out / "actor", self.rollout.model, self.tokenizer)
+                torch.save(self.actor.scheduler.state_dict(), out / "actor_scheduler.pt")
+            _save_sharded(out / "actor_optim", {"optimizer": _optimizer_state(self.actor)})
         if self.critic is not None:
             _save_sharded(out / "critic", {"model": get_model_state_dict(self.critic.model),
                                            "optimizer": _optimizer_state(self.critic)})
@@ -255,7 +271,8 @@ class PolicyWorker:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
         path = Path(directory)
-        _load_into(self.actor, path / "actor_optim", path / "actor_scheduler.pt")
+        if self.actor is not None:
+            _load_into(self.actor, path / "actor_optim", path / "actor_scheduler.pt")
         if self.critic is not None:
             state = {"model": get_model_state_dict(self.critic.model)}
             _load_sharded(path / "critic", state)

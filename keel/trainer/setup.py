@@ -102,14 +102,21 @@ def build_workers(cfg: KeelConfig, total_steps: int, actor_weights: Path | None,
                   run_dir: str | Path) -> WorkerRoles:
     """One worker in this process, or `trainer.n_gpus_per_node x trainer.nnodes` Ray workers."""
     weights = str(actor_weights) if actor_weights else None
-    # With a reward model pool, Ray places every device user, the single worker included.
-    if cfg.world_size == 1 and not cfg.reward_model.enable_resource_pool:
+    critic_pool = cfg.critic_enabled and cfg.critic.enable_resource_pool
+    # With a pool of its own for any role, Ray places every device user, a single worker included.
+    if cfg.world_size == 1 and not (critic_pool or cfg.reward_model.enable_resource_pool):
         group = LocalGroup(PolicyWorker(cfg, total_steps, weights, tokenizer=tokenizer))
     else:
         log.info("starting %d workers (trainer.n_gpus_per_node=%d x trainer.nnodes=%d)", cfg.world_size,
                  cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes)
         group = RayGroup(cfg, total_steps, weights, Path(run_dir))
-    return WorkerRoles(group, cfg, tokenizer.pad_token_id)
+    critic_group = None
+    if critic_pool:
+        log.info("starting %d critic workers (critic.n_gpus_per_node=%d x critic.nnodes=%d)", cfg.critic_world_size,
+                 cfg.critic.n_gpus_per_node, cfg.critic.nnodes)
+        critic_group = RayGroup(cfg, total_steps, None, Path(run_dir), roles=frozenset({"critic"}),
+                                world_size=cfg.critic_world_size)
+    return WorkerRoles(group, cfg, tokenizer.pad_token_id, critic_group)
 
 
 def build_reward(cfg: KeelConfig) -> RewardScorer:

@@ -21,8 +21,11 @@ REPLICATED_METRICS = ("actor/grad_norm", "actor/lr", "critic/grad_norm", "critic
 
 
 class WorkerRoles:
-    def __init__(self, group, cfg: KeelConfig, pad_token_id: int):
+    def __init__(self, group, cfg: KeelConfig, pad_token_id: int, critic_group=None):
+        """`critic_group`: the critic's own workers (critic.enable_resource_pool); by default the
+        critic is colocated in `group`."""
         self.group = group
+        self.critic_group = critic_group or group
         self.cfg = cfg
         self.world = group.world_size
         self.pad_token_id = pad_token_id
@@ -49,11 +52,12 @@ class WorkerRoles:
         return self._per_token("compute_ref_log_probs", batch)
 
     def values(self, batch: RolloutBatch) -> torch.Tensor:
-        return self._per_token("compute_values", batch)
+        return self._per_token("compute_values", batch, self.critic_group)
 
-    def _per_token(self, method: str, batch: RolloutBatch) -> torch.Tensor:       # [N, R]
-        index, parts = shard_batch(batch, self.world)
-        return unshard_rows(index, self._call(method, [(p,) for p in parts]))
+    def _per_token(self, method: str, batch: RolloutBatch, group=None) -> torch.Tensor:       # [N, R]
+        group = group or self.group
+        index, parts = shard_batch(batch, group.world_size)
+        return unshard_rows(index, self._call(method, [(p,) for p in parts], group))
 
     # --- updates -------------------------------------------------------------------------------------
     def update_actor(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
@@ -67,18 +71,26 @@ class WorkerRoles:
         mini_prompts, _, epochs = self.cfg.critic_batching
         plan = plan_minibatches(batch, mini_prompts * self.cfg.actor_rollout_ref.rollout.n, epochs,
                                 self.cfg.actor_rollout_ref.actor.shuffle, seed * 1000 + 500,
-                                self.cfg.data.max_response_length, self.world)
-        return combine_metrics(self._call("update_critic", [(p,) for p in plan]))
+                                self.cfg.data.max_response_length, self.critic_group.world_size)
+        return combine_metrics(self._call("update_critic", [(p,) for p in plan], self.critic_group))
 
     # --- checkpoints -----------------------------------------------------------------------------
     def save(self, directory: Path) -> None:
-        self.group.call("save", [(str(directory),)] * self.world)
+        """Every group writes its models' part of one checkpoint (the same files wherever the critic
+        trains, so a run may resume with or without a critic pool)."""
+        for group in self._groups():
+            group.call("save", [(str(directory),)] * group.world_size)
 
     def load(self, directory: Path) -> None:
-        self.group.call("load", [(str(directory),)] * self.world)
+        for group in self._groups():
+            group.call("load", [(str(directory),)] * group.world_size)
 
     def shutdown(self) -> None:
-        self.group.shutdown()
+        for group in self._groups():
+            group.shutdown()
+
+    def _groups(self) -> list:
+        return [self.group] + ([self.critic_group] if self.critic_group is not self.group else [])
 
     def memory_metrics(self) -> dict[str, float]:
         """Peak GPU memory per phase (the fullest GPU), the step's peak, and the largest worker RSS."""
@@ -88,9 +100,10 @@ class WorkerRoles:
         metrics["perf/max_rss_gb"] = self.rss_gb
         return metrics
 
-    def _call(self, method: str, per_rank_args: list[tuple]) -> list:
-        results = self.group.call(method, per_rank_args)
-        readings = self.group.memory.values()
+    def _call(self, method: str, per_rank_args: list[tuple], group=None) -> list:
+        group = group or self.group
+        results = group.call(method, per_rank_args)
+        readings = group.memory.values()
         if any("gpu_peak_gb" in m for m in readings):
             self.peak_gb[method] = max(m.get("gpu_peak_gb", 0.0) for m in readings)
         self.rss_gb = max([self.rss_gb, *(m["rss_gb"] for m in readings)])

@@ -30,7 +30,8 @@ def ray_cluster():
     ray.shutdown()
 
 
-def ppo_config(tiny_config: dict, workers: int, dynamic: bool = False, replicated: bool = False):
+def ppo_config(tiny_config: dict, workers: int, dynamic: bool = False, replicated: bool = False,
+               critic_pool: bool = False):
     """Every role: actor, reference (KL loss), critic (GAE); two mini-batches of 8 samples. With
     `dynamic`, every forward pass is cut by a token budget (ranks then disagree on how many
     passes they need, and must agree). `replicated`: fsdp_size=1 for every role (DDP)."""
@@ -45,7 +46,8 @@ def ppo_config(tiny_config: dict, workers: int, dynamic: bool = False, replicate
                        ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")] if replicated else []
     return load_config(tiny_config, ["trainer.device=cpu", f"trainer.n_gpus_per_node={workers}",
                                      "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
-                                     "actor_rollout_ref.actor.kl_loss_coef=0.5", *dynamic_keys, *replicated_keys])
+                                     "actor_rollout_ref.actor.kl_loss_coef=0.5", *dynamic_keys, *replicated_keys,
+                                     *(["critic.enable_resource_pool=true"] if critic_pool else [])])
 
 
 @pytest.mark.parametrize("replicated", [False, True], ids=["fsdp", "replicated"])
@@ -95,6 +97,40 @@ def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ra
         torch.testing.assert_close(split[key], single[key], atol=1e-5, rtol=0, msg=key)
 
 
+def test_a_critic_on_workers_of_its_own_takes_the_same_step(tiny_config, tmp_path, ray_cluster):
+    """critic.enable_resource_pool: the policy and the critic in different Ray workers. Values and
+    the critic update equal the colocated single process's, and the checkpoint is the same files:
+    the single process loads the pool's critic and computes the same values."""
+    one_cfg, pool_cfg = ppo_config(tiny_config, 1), ppo_config(tiny_config, 1, critic_pool=True)
+    one = WorkerRoles(LocalGroup(PolicyWorker(one_cfg, total_steps=2)), one_cfg, pad_token_id=0)
+    tokenizer = one.group.worker.tokenizer
+    prompts = collate_prompts(load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4],
+                              tokenizer.pad_token_id).repeat_interleave(4)
+    batch = one.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
+    torch.manual_seed(0)
+    batch.advantages = torch.randn(batch.response_mask.shape) * batch.response_mask
+    batch.returns = torch.randn(batch.response_mask.shape) * batch.response_mask
+    batch.values = one.values(batch)
+
+    policy = RayGroup(pool_cfg, 2, None, tmp_path / "stacks")
+    critic = RayGroup(pool_cfg, 2, None, tmp_path / "stacks", roles=frozenset({"critic"}), world_size=1)
+    pooled = WorkerRoles(policy, pool_cfg, tokenizer.pad_token_id, critic)
+    try:
+        assert policy.call("info", [()])[0]["rollout_engine"] and critic.call("info", [()])[0]["rollout_engine"] is None
+        torch.testing.assert_close(pooled.values(batch), batch.values, atol=1e-5, rtol=1e-4)
+        single, split = one.update_critic(batch, seed=3), pooled.update_critic(batch, seed=3)
+        for key in [k for k in single if not k.startswith("timing_s/")]:
+            assert split[key] == pytest.approx(single[key], rel=1e-4, abs=1e-6), key
+        (tmp_path / "pooled").mkdir()
+        pooled.save(tmp_path / "pooled")
+        after = pooled.values(batch)
+    finally:
+        pooled.shutdown()
+    assert (tmp_path / "pooled" / "critic").is_dir() and (tmp_path / "pooled" / "actor").is_dir()
+    one.load(tmp_path / "pooled")
+    torch.testing.assert_close(one.values(batch), after, atol=1e-5, rtol=1e-4)
+
+
 def write_config(cfg: dict, path: Path) -> Path:
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -127,6 +163,17 @@ def test_checkpoints_resume_on_a_different_number_of_workers(tiny_config, tmp_pa
     import json
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s for s in steps if s > 0] == [1, 2, 3, 4]
+
+
+def test_keel_train_with_the_critic_on_workers_of_its_own(tiny_config, tmp_path):
+    config = write_config(tiny_config, tmp_path / "cfg.yaml")
+    proc = keel_train(config, "algorithm.adv_estimator=gae", "critic.enable_resource_pool=true",
+                      "trainer.total_training_steps=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "starting 1 critic workers" in proc.stderr
+    import json
+    last = json.loads((Path(tiny_config["trainer"]["default_local_dir"]) / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 1 and "critic/vf_loss" in last
 
 
 @pytest.mark.parametrize("fault, code, expected", [

@@ -51,7 +51,7 @@ def test_more_workers_than_the_cluster_has_devices_is_refused(tiny_config):
 
     cfg = load_config(tiny_config, ["trainer.n_gpus_per_node=4", "trainer.device=cpu"])
     with pytest.raises(KeelError) as info:
-        _reserve(_Cluster({"CPU": 2.0}), cfg)
+        _reserve(_Cluster({"CPU": 2.0}), cfg, cfg.world_size)
     assert info.value.code == NOT_ENOUGH_DEVICES and "4 workers" in info.value.message and "has 2" in info.value.message
 
 
