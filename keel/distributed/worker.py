@@ -4,6 +4,8 @@ This is verl's ActorRolloutRefWorker with the critic sharing its GPUs. The drive
 this rank's part of each batch; with one worker it runs in the driver's own process. With more,
 each worker is a torch.distributed rank whose models are sharded with FSDP2, and its rollout
 engine generates from an unsharded copy of the policy that is refreshed after every update.
+With critic.enable_resource_pool the critic is a second group of these workers, built with
+roles={"critic"} and ranks of its own.
 """
 
 from __future__ import annotations
