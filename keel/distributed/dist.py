@@ -1,9 +1,11 @@
-"""torch.distributed set-up for one worker: rank, world, backend, timeout."""
+"""torch.distributed for one worker: set-up (rank, world, backend, timeout) and the bucketed
+collectives keel runs itself (gradient averaging without FSDP, gathering whole parameters)."""
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -47,3 +49,34 @@ def _rss_bytes() -> int:
     except OSError:  # not Linux
         import resource
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+BUCKET_BYTES = 256 << 20  # per collective: few calls, bounded extra memory
+
+
+def byte_buckets(items: list, nbytes: Callable, limit: int = BUCKET_BYTES,
+                 key: Callable = lambda item: None) -> Iterator[list]:
+    """Consecutive items in buckets of at most `limit` bytes (a larger item alone), and a new bucket
+    wherever `key` changes (dtype, process group): one collective per bucket, not per tensor,
+    since with a few hundred parameters the per-call cost dominates."""
+    bucket, size = [], 0
+    for item in items:
+        if bucket and (size + nbytes(item) > limit or key(item) != key(bucket[0])):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(item)
+        size += nbytes(item)
+    if bucket:
+        yield bucket
+
+
+def average_gradients(params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Data parallelism without sharding (DDP): every rank's gradients replaced by their mean over
+    the ranks, one all-reduce per bucket."""
+    world = dist.get_world_size()
+    for bucket in byte_buckets([p.grad for p in params], lambda g: g.nbytes, bucket_bytes, key=lambda g: g.dtype):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat)  # a sum: gloo has no average
+        flat.div_(world)
+        for grad, reduced in zip(bucket, flat.split([g.numel() for g in bucket])):
+            grad.copy_(reduced.view_as(grad))

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from keel.distributed.dist import BUCKET_BYTES, byte_buckets
+
 log = logging.getLogger("keel")
 
 # A parameter this large left unsharded costs every rank its full size.
@@ -77,28 +79,19 @@ def shard_model(model: nn.Module, mesh, compute_dtype: torch.dtype, fsdp_cfg) ->
 
 
 def full_parameters(model: nn.Module, device: torch.device,
-                    bucket_bytes: int = 256 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+                    bucket_bytes: int = BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole parameter) for every parameter of an FSDP2-sharded model, exactly as stored.
 
-    One collective gathers a bucket of parameters (FSDP2's own layout: each rank holds rows
+    One collective gathers a bucket of parameters, in FSDP2's own layout: each rank holds rows
     [k*c, (k+1)*c) of a parameter, c = ceil(rows / ranks), so padded chunks laid side by side and
-    cut to length give the whole), not one collective per parameter: with ~300 parameters the
-    per-call cost dominated the rollout sync."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, param in model.named_parameters():
+    cut to length give the whole."""
+    named = list(model.named_parameters())
+    for name, param in named:
         if _shard_group(param) is None:  # replicated, or a layout this does not cover
             yield name, param.detach().to(device).full_tensor() if hasattr(param, "full_tensor") else param.detach()
-            continue
-        if bucket and (param.dtype != bucket[0][1].dtype or _shard_group(param) != _shard_group(bucket[0][1])):
-            yield from _gather_bucket(bucket, device)
-            bucket, size = [], 0
-        bucket.append((name, param))
-        size += param.numel() * param.element_size()
-        if size >= bucket_bytes:
-            yield from _gather_bucket(bucket, device)
-            bucket, size = [], 0
-    if bucket:
+    sharded = [(name, param) for name, param in named if _shard_group(param) is not None]
+    for bucket in byte_buckets(sharded, lambda item: item[1].numel() * item[1].element_size(), bucket_bytes,
+                               key=lambda item: (item[1].dtype, _shard_group(item[1]))):
         yield from _gather_bucket(bucket, device)
 
 

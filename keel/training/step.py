@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from keel.diagnostics.codes import NO_GRADIENT, NONFINITE_LOSS, KeelError
+from keel.distributed.dist import average_gradients
 from keel.distributed.partition import shard_batch
 from keel.types import RolloutBatch
 
@@ -98,28 +99,6 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_cli
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm.item()
-
-
-def average_gradients(params: list[torch.Tensor], bucket_bytes: int = 256 << 20) -> None:
-    """Data parallelism without sharding (DDP): every rank's gradients replaced by their mean over
-    the ranks, one all-reduce per bucket of gradients."""
-    import torch.distributed as dist
-
-    grads = [p.grad for p in params]
-    world = dist.get_world_size()
-    start = 0
-    while start < len(grads):
-        end, size = start, 0
-        while end < len(grads) and (end == start or size + grads[end].nbytes <= bucket_bytes):
-            size += grads[end].nbytes
-            end += 1
-        bucket = grads[start:end]
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat)  # a sum: gloo has no average
-        flat.div_(world)
-        for grad, reduced in zip(bucket, flat.split([g.numel() for g in bucket])):
-            grad.copy_(reduced.view_as(grad))
-        start = end
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
