@@ -359,11 +359,19 @@ class KeelConfig:
         return self.trainer.n_gpus_per_node * self.trainer.nnodes
 
     @property
+    def pools(self) -> dict[str, int]:
+        """Devices of each role that has a resource pool of its own (besides the policy's workers)."""
+        pools = {}
+        if self.critic_enabled and self.critic.enable_resource_pool:
+            pools["critic"] = self.critic.n_gpus_per_node * self.critic.nnodes
+        if self.reward_model.enable_resource_pool:
+            pools["reward model"] = self.reward_model.n_gpus_per_node * self.reward_model.nnodes
+        return pools
+
+    @property
     def critic_world_size(self) -> int:
         """Ranks the critic trains on: its own pool's, or the actor's when colocated."""
-        if self.critic.enable_resource_pool:
-            return self.critic.n_gpus_per_node * self.critic.nnodes
-        return self.world_size
+        return self.pools.get("critic", self.world_size)
 
     @property
     def critic_enabled(self) -> bool:

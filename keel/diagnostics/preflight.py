@@ -17,9 +17,9 @@ import torch
 from keel import checkpoint as ckpt
 from keel.config.plan import make_plan
 from keel.config.schema import KeelConfig
-from keel.training.forward import LOGITS_CHUNK_TOKENS
 from keel.diagnostics.codes import (MEMORY_ESTIMATE, NOT_ENOUGH_DEVICES, RAY_MISSING, RUN_DIR_NOT_WRITABLE,
                                     TOKEN_BUDGET, VOCAB_MISMATCH, KeelError)
+from keel.training.forward import LOGITS_CHUNK_TOKENS
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 
@@ -217,13 +217,11 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
 def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
     """Workers against what this machine has (a Ray cluster in RAY_ADDRESS is checked when the
     workers are placed), and Ray itself."""
+    from keel.distributed.group import devices_needed
     from keel.models.load import resolve_device
 
-    from keel.distributed.group import devices_needed
-
     world = cfg.world_size
-    pool = devices_needed(cfg) - world  # reward model replicas on devices of their own
-    if world == 1 and not pool:
+    if world == 1 and not cfg.pools:
         return [Finding(PASS, "workers", "1 worker in this process")]
     try:
         import ray  # noqa: F401
@@ -239,13 +237,11 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
     have = torch.cuda.device_count() if device.type == "cuda" else (os.cpu_count() or 1)
     what = "GPUs" if device.type == "cuda" else "CPU cores"
     needed = devices_needed(cfg)
-    besides = f" and {pool} reward model replicas" if pool else ""
+    placed = f"{world} workers" + "".join(f" + {count} for the {role} pool" for role, count in cfg.pools.items())
     if device.type == "cuda" and have < needed:
-        raise KeelError(NOT_ENOUGH_DEVICES, f"trainer.n_gpus_per_node={world} workers{besides} need {needed} "
-                        f"{what}, and this machine has {have}")
+        raise KeelError(NOT_ENOUGH_DEVICES, f"{placed} need {needed} {what}, and this machine has {have}")
     level = WARN if have < needed else PASS
-    return [Finding(level, "workers", f"{world} workers{besides} on this machine ({have} {what}), Ray started "
-                                      "by keel")]
+    return [Finding(level, "workers", f"{placed} on this machine ({have} {what}), Ray started by keel")]
 
 
 CHECKS = [("tokenizer", check_tokenizer), ("model", check_model), ("data", check_data),
@@ -297,7 +293,7 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
         estimate["rollout_copy"] = 4 * params / gb
     if cfg.ref_enabled:
         estimate["reference"] = _sharded_bytes(params, False, arr.ref.fsdp_config, cfg.world_size) / gb
-    if cfg.critic_enabled and not cfg.critic.enable_resource_pool:  # colocated with the actor
+    if cfg.critic_enabled and "critic" not in cfg.pools:  # colocated with the actor
         estimate["critic_states"] = _sharded_bytes(params, True, cfg.critic.model.fsdp_config, cfg.world_size) / gb
     estimate["total"] = sum(estimate.values())
     return {k: round(v, 3) for k, v in estimate.items()}

@@ -185,9 +185,18 @@ def wants_gpus(cfg) -> bool:
 def devices_needed(cfg) -> int:
     """GPUs (CPU processes with trainer.device=cpu) the run places: the policy's workers, and the
     critic's workers and the reward model's replicas when they have pools of their own."""
-    rm = cfg.reward_model
-    critic_pool = cfg.critic_world_size if cfg.critic_enabled and cfg.critic.enable_resource_pool else 0
-    return cfg.world_size + critic_pool + (rm.n_gpus_per_node * rm.nnodes if rm.enable_resource_pool else 0)
+    return cfg.world_size + sum(cfg.pools.values())
+
+
+def require_devices(ray, cfg) -> None:
+    """Refuse up front a run whose workers and pools the cluster cannot hold, instead of waiting
+    forever for them to be placed."""
+    resource = "GPU" if wants_gpus(cfg) else "CPU"
+    available = ray.cluster_resources().get(resource, 0)
+    if available < devices_needed(cfg):
+        needs = [f"trainer.n_gpus_per_node x trainer.nnodes = {cfg.world_size} workers need {cfg.world_size} "
+                 f"{resource}s"] + [f"the {role} pool needs {count} {resource}s" for role, count in cfg.pools.items()]
+        raise KeelError(NOT_ENOUGH_DEVICES, "; ".join(needs) + f"; the Ray cluster has {available:g}")
 
 
 def connect_ray(cfg):
@@ -218,13 +227,9 @@ def _reserve(ray, cfg, count: int):
     pool), instead of waiting forever."""
     from ray.util.placement_group import placement_group
 
+    require_devices(ray, cfg)
     gpus = wants_gpus(cfg)
     resource = "GPU" if gpus else "CPU"
-    available = ray.cluster_resources().get(resource, 0)
-    if available < devices_needed(cfg):
-        raise KeelError(NOT_ENOUGH_DEVICES, f"the run places {devices_needed(cfg)} workers (trainer.n_gpus_per_node x "
-                        f"trainer.nnodes = {cfg.world_size}, plus any critic or reward model pool) and the Ray "
-                        f"cluster has {available:g} {resource}s")
     # A GPU worker gets a share of the node's cores: Ray limits a worker's threads to its CPUs,
     # and one core is not enough for a process that launches kernels, gathers and copies.
     cpus = max(1, min(8, int(ray.cluster_resources().get("CPU", 1) // devices_needed(cfg)) - 1)) if gpus else 1

@@ -67,7 +67,7 @@ def _first_lines(text: str, count: int = 6) -> str:
 def default_roles(cfg: KeelConfig) -> frozenset[str]:
     """What a policy worker builds: the actor with its rollout engine and reference, and the
     critic too unless it has a pool of its own."""
-    colocated_critic = cfg.critic_enabled and not cfg.critic.enable_resource_pool
+    colocated_critic = cfg.critic_enabled and "critic" not in cfg.pools
     return frozenset({"policy", "critic"} if colocated_critic else {"policy"})
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 
-from keel.diagnostics.codes import NOT_ENOUGH_DEVICES, WORKER_RAISED, KeelError
-from keel.distributed.group import connect_ray, devices_needed, wants_gpus
+from keel.diagnostics.codes import WORKER_RAISED, KeelError
+from keel.distributed.group import connect_ray, require_devices, wants_gpus
 from keel.rewards.model import RewardTemplate
 
 log = logging.getLogger("keel")
@@ -39,21 +39,13 @@ class RewardModelPool(RewardTemplate):
     def __init__(self, cfg):
         rm = cfg.reward_model
         super().__init__(rm.model.path, rm.max_length, rm.model.trust_remote_code)  # for `keel check`
-        ray = connect_ray(cfg)
-        self.ray = ray
-        count = rm.n_gpus_per_node * rm.nnodes
-        use_gpu = wants_gpus(cfg)
-        resource = "GPU" if use_gpu else "CPU"
-        needed = devices_needed(cfg)  # the policy's workers hold theirs
-        available = ray.cluster_resources().get(resource, 0)
-        if available < needed:
-            raise KeelError(NOT_ENOUGH_DEVICES, f"reward_model.enable_resource_pool needs {count} {resource}s for the "
-                            f"reward model besides the policy's {cfg.world_size}, and the Ray cluster has "
-                            f"{available:g}")
+        self.ray = ray = connect_ray(cfg)
+        require_devices(ray, cfg)
+        count, use_gpu = cfg.pools["reward model"], wants_gpus(cfg)
         replica = ray.remote(_Replica).options(num_gpus=1 if use_gpu else 0, num_cpus=1)
         self.replicas = [replica.remote(rm.model.path, use_gpu, rm.micro_batch_size_per_gpu, rm.max_length,
                                         rm.model.trust_remote_code) for _ in range(count)]
-        log.info("reward model: %d replicas on %ss of their own", count, resource)
+        log.info("reward model: %d replicas on %ss of their own", count, "GPU" if use_gpu else "CPU")
 
     def score(self, raw_prompts: list, responses: list[str]) -> list[float | str]:
         """Every replica scores a contiguous share; the scores come back in order."""

@@ -24,8 +24,8 @@ from keel.distributed.group import LocalGroup, RayGroup
 from keel.distributed.worker import PolicyWorker
 from keel.models.load import load_tokenizer, quiet_transformers, resolve_device
 from keel.rewards.model import RewardModel
-from keel.rewards.pool import RewardModelPool
 from keel.rewards.normalize import RunningNormalizer
+from keel.rewards.pool import RewardModelPool
 from keel.rewards.service import RewardServiceClient
 from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
 from keel.trainer.workers import WorkerRoles
@@ -102,16 +102,15 @@ def build_workers(cfg: KeelConfig, total_steps: int, actor_weights: Path | None,
                   run_dir: str | Path) -> WorkerRoles:
     """One worker in this process, or `trainer.n_gpus_per_node x trainer.nnodes` Ray workers."""
     weights = str(actor_weights) if actor_weights else None
-    critic_pool = cfg.critic_enabled and cfg.critic.enable_resource_pool
     # With a pool of its own for any role, Ray places every device user, a single worker included.
-    if cfg.world_size == 1 and not (critic_pool or cfg.reward_model.enable_resource_pool):
+    if cfg.world_size == 1 and not cfg.pools:
         group = LocalGroup(PolicyWorker(cfg, total_steps, weights, tokenizer=tokenizer))
     else:
         log.info("starting %d workers (trainer.n_gpus_per_node=%d x trainer.nnodes=%d)", cfg.world_size,
                  cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes)
         group = RayGroup(cfg, total_steps, weights, Path(run_dir))
     critic_group = None
-    if critic_pool:
+    if "critic" in cfg.pools:
         log.info("starting %d critic workers (critic.n_gpus_per_node=%d x critic.nnodes=%d)", cfg.critic_world_size,
                  cfg.critic.n_gpus_per_node, cfg.critic.nnodes)
         critic_group = RayGroup(cfg, total_steps, None, Path(run_dir), roles=frozenset({"critic"}),
