@@ -98,25 +98,31 @@ class NativeRolloutEngine:
         prefill uses the module itself. After the first call the buffers are filled in place, so
         CUDA graphs kept between calls (free_cache_engine=False) read the new weights."""
         self.model = model
-        self.device = next(model.parameters()).device
         sources = _decode_weight_sources(model)
         shapes = {name: _fused_shape(parts) for name, parts in sources.items()}
-        rotary = model.get_decoder().rotary_emb
         if getattr(self, "_buffers", None) is None or shapes != {k: v.shape for k, v in self._buffers.items()}:
-            self._buffers = {name: torch.empty(shape, device=self.device, dtype=self.dtype)
-                             for name, shape in shapes.items()}
-            self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)  # fixed: not trained
-            self._kept = None  # graphs captured on the old buffers must not replay
+            self._allocate(model, shapes)
         for name, parts in sources.items():
             _fill(self._buffers[name], parts)
-        b = self._buffers
+
+    def _allocate(self, model, shapes: dict[str, torch.Size]) -> None:
+        """The decode weight buffers, and everything read from the model that does not change with
+        training: done once, or again if the model's shapes change."""
+        b = self._buffers = {name: torch.empty(shape, device=self.device, dtype=self.dtype)
+                             for name, shape in shapes.items()}
         self.layers = [LayerWeights(input_norm=b[f"{i}.input_norm"], qkv=b[f"{i}.qkv"], qkv_bias=b.get(f"{i}.qkv_bias"),
                                     o=b[f"{i}.o"], post_norm=b[f"{i}.post_norm"], gate_up=b[f"{i}.gate_up"],
                                     down=b[f"{i}.down"])
                        for i in range(len(model.get_decoder().layers))]
         self.embed, self.final_norm = b["embed"], b["final_norm"]
         self.lm_head = b.get("lm_head", self.embed)  # tied embeddings: one buffer
+        rotary = model.get_decoder().rotary_emb
+        self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        # transformers renamed the decoder's `past_key_values` argument to `cache`
+        decoder_args = inspect.signature(model.get_decoder().forward).parameters
+        self._cache_arg = "cache" if "cache" in decoder_args else "past_key_values"
+        self._kept = None  # graphs captured on old buffers must not replay
 
     # --- generation ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -172,7 +178,7 @@ class NativeRolloutEngine:
         state.pad.copy_((attention_mask == 0).sum(-1).to(self.device))
         prompt_logits = self._prefill(input_ids[first].to(self.device), attention_mask[first].to(self.device),
                                       slot_to_prompt, state)
-        token, log_prob = sample(prompt_logits[slot_to_prompt], params)
+        token, log_prob = sample(prompt_logits[slot_to_prompt], params, self.kernels.pickers)
         state.record(token, log_prob, self.eos, params.ignore_eos)
         clock.lap("prefill")
         tokens, log_probs = state.tokens.clone(), state.log_probs.clone()  # every row's output
@@ -243,8 +249,6 @@ class NativeRolloutEngine:
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         piece = max(1, self.max_num_batched_tokens // len(ids))
         decoder, cache = self.model.get_decoder(), None
-        # transformers renamed `past_key_values` to `cache` (5.x deprecates the old name)
-        cache_arg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
         # Eager even where training compiled the layers (actor.use_torch_compile): with a KV
         # cache, each layer's index would recompile them, and prefill runs once per step.
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32), \
@@ -252,7 +256,7 @@ class NativeRolloutEngine:
             for begin in range(0, ids.shape[1], piece):
                 end = min(begin + piece, ids.shape[1])
                 out = decoder(input_ids=ids[:, begin:end], attention_mask=mask[:, :end],
-                              position_ids=positions[:, begin:end], use_cache=True, **{cache_arg: cache})
+                              position_ids=positions[:, begin:end], use_cache=True, **{self._cache_arg: cache})
                 cache = out.get("cache") if "cache" in out else out.get("past_key_values")
         return out.last_hidden_state[:, -1], cache
 
@@ -327,7 +331,6 @@ class _StepFunctions:
         functions = dict(step_inputs=_step_inputs, rms_norm=_rms_norm, attention_inputs=_attention_inputs,
                          attention_output_and_mlp=_attention_output_and_mlp, pick_token=pick_token,
                          pick_blocked=pick_blocked)
-        self.compiled = compiled
         for name, fn in functions.items():
             setattr(self, name, torch.compile(fn, fullgraph=True) if compiled else fn)
         self.pickers = Pickers(self.pick_token, self.pick_blocked)
@@ -456,7 +459,7 @@ class _DecodeGraph:
     graph capture requires."""
 
     def __init__(self, step_fn, state: _DecodeState):
-        self.state = state
+        self.state = state  # the graph reads and writes its buffers: they live as long as it does
         # The warm-up runs the step, so its outputs are put back afterwards. The KV cache is not:
         # the step writes only the current column, from the current token, and the first replay
         # writes the same values there again.
