@@ -154,6 +154,7 @@ def heldout_accuracy(run_dir: Path, step: int) -> float:
 
 def run_demo(out: str | Path = "keel_demo", settings: DemoSettings = DemoSettings(), fresh: bool = False,
              console: bool = True) -> DemoResult:
+    from keel.models.load import count_parameters
     from keel.models.tiny import make_tiny_model
     from keel.observe.report import write_report
     from keel.trainer.rl import train
@@ -169,7 +170,6 @@ def run_demo(out: str | Path = "keel_demo", settings: DemoSettings = DemoSetting
     logger = {"trainer.logger": ["console"] if console else []}
     sft_steps = sft_until_partly_competent(out, data, model, settings, logger)
     grpo = train(grpo_config(out, data, settings), logger)
-    from keel.models.load import count_parameters
     write_report(grpo.run_dir)
     write_report(out / "sft")
     return DemoResult(out, heldout_accuracy(grpo.run_dir, 0), heldout_accuracy(grpo.run_dir, grpo.last_step),

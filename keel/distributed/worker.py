@@ -44,20 +44,15 @@ log = logging.getLogger("keel")
 
 
 def is_compile_error(error: BaseException) -> bool:
-    """An error raised by torch.compile (dynamo tracing or a backend such as inductor)."""
-    from torch._dynamo import exc
+    """An error raised by torch.compile: dynamo's own (a backend failure among them) or, on
+    releases that raise it unwrapped, inductor's."""
+    from torch._dynamo.exc import TorchDynamoException
 
-    kinds = tuple(k for k in (getattr(exc, "TorchDynamoException", None), getattr(exc, "BackendCompilerFailed", None),
-                              _inductor_error()) if k is not None)
-    return isinstance(error, kinds)
-
-
-def _inductor_error():
     try:
         from torch._inductor.exc import InductorError
-    except ImportError:  # older torch: inductor failures arrive as BackendCompilerFailed
-        return None
-    return InductorError
+    except ImportError:  # older torch: inductor failures arrive wrapped in dynamo's
+        InductorError = TorchDynamoException
+    return isinstance(error, (TorchDynamoException, InductorError))
 
 
 def _first_lines(text: str, count: int = 6) -> str:
@@ -105,13 +100,13 @@ class PolicyWorker:
                                            self.tokenizer, self.device, self.compute_dtype, log_choice=rank == 0)
         self.actor = ActorTrainer(self._prepare_model(model, arr.actor.fsdp_config, "actor"), arr.actor,
                                   arr.rollout.temperature, total_steps,
-                                  _log_prob_batching(arr.rollout.log_prob_micro_batch_size_per_gpu, arr.rollout),
+                                  _log_prob_batching(arr.rollout),
                                   cfg.data.max_response_length)
         self.actor.data_parallel_size = world_size
         if cfg.ref_enabled:  # the reference is always the starting policy, even on resume
             ref_model = load_causal_lm(arr.model.path, self.device, arr.model.trust_remote_code)
             self.ref = ReferencePolicy(self._prepare_model(ref_model, arr.ref.fsdp_config, "ref"),
-                                       _log_prob_batching(arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref),
+                                       _log_prob_batching(arr.ref),
                                        arr.rollout.temperature)
 
     @property
@@ -294,9 +289,10 @@ class PolicyWorker:
         return {"phase": self.phase, "in_collective": in_collective, "text": "\n".join(text)}
 
 
-def _log_prob_batching(micro_size: int, role_cfg) -> MicroBatching:
-    dynamic = role_cfg.log_prob_use_dynamic_bsz
-    return MicroBatching(micro_size, role_cfg.log_prob_max_token_len_per_gpu if dynamic else None)
+def _log_prob_batching(role_cfg) -> MicroBatching:
+    """Forward-only log-prob passes of the rollout (old log-probs) or the reference."""
+    return MicroBatching.of(role_cfg.log_prob_micro_batch_size_per_gpu, role_cfg.log_prob_use_dynamic_bsz,
+                            role_cfg.log_prob_max_token_len_per_gpu)
 
 
 def _optimizer_state(trainer) -> dict:

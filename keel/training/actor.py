@@ -33,8 +33,8 @@ class ActorTrainer:
         # compares the same distribution the samples came from.
         self.temperature = temperature
         self.log_prob_batching = log_prob_batching
-        self.update_batching = MicroBatching(actor_cfg.ppo_micro_batch_size_per_gpu,
-                                             actor_cfg.ppo_max_token_len_per_gpu if actor_cfg.use_dynamic_bsz else None)
+        self.update_batching = MicroBatching.of(actor_cfg.ppo_micro_batch_size_per_gpu, actor_cfg.use_dynamic_bsz,
+                                                actor_cfg.ppo_max_token_len_per_gpu)
         self.loss_params = PolicyLossParams(
             clip_ratio_low=actor_cfg.clip_ratio_low or actor_cfg.clip_ratio,
             clip_ratio_high=actor_cfg.clip_ratio_high or actor_cfg.clip_ratio,

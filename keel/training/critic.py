@@ -16,8 +16,7 @@ class CriticTrainer:
     def __init__(self, critic, critic_cfg, micro_size: int, total_steps: int):
         self.model = critic
         self.cfg = critic_cfg
-        self.batching = MicroBatching(micro_size, critic_cfg.ppo_max_token_len_per_gpu if critic_cfg.use_dynamic_bsz
-                                      else None)
+        self.batching = MicroBatching.of(micro_size, critic_cfg.use_dynamic_bsz, critic_cfg.ppo_max_token_len_per_gpu)
         self.data_parallel_size = 1  # ranks whose gradients are averaged (set by the worker)
         self.optimizer = build_optimizer(critic.parameters(), critic_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, critic_cfg.optim, total_steps)

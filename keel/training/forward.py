@@ -120,6 +120,11 @@ class MicroBatching:
     size: int
     max_tokens: int | None = None
 
+    @classmethod
+    def of(cls, size: int, dynamic: bool, max_tokens: int) -> "MicroBatching":
+        """From a role's keys: its micro-batch size, use_dynamic_bsz and token budget."""
+        return cls(size, max_tokens if dynamic else None)
+
 
 def micro_batches(batch: RolloutBatch, how: MicroBatching) -> list[tuple[Tensor, RolloutBatch]]:
     """(sample indices, micro-batch) pairs, each micro-batch trimmed to its own longest prompt and
