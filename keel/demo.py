@@ -154,7 +154,7 @@ def heldout_accuracy(run_dir: Path, step: int) -> float:
 
 def run_demo(out: str | Path = "keel_demo", settings: DemoSettings = DemoSettings(), fresh: bool = False,
              console: bool = True) -> DemoResult:
-    from keel.models.load import count_parameters
+    from keel.models.load import stored_parameters
     from keel.models.tiny import make_tiny_model
     from keel.observe.report import write_report
     from keel.trainer.rl import train
@@ -174,7 +174,7 @@ def run_demo(out: str | Path = "keel_demo", settings: DemoSettings = DemoSetting
     write_report(out / "sft")
     return DemoResult(out, heldout_accuracy(grpo.run_dir, 0), heldout_accuracy(grpo.run_dir, grpo.last_step),
                       sft_steps, settings.grpo_steps, time.perf_counter() - start,
-                      count_parameters(grpo.run_dir / f"global_step_{grpo.last_step}" / "actor"))
+                      stored_parameters(grpo.run_dir / f"global_step_{grpo.last_step}" / "actor"))
 
 
 def sft_until_partly_competent(out: Path, data: dict[str, Path], model: Path, s: DemoSettings,

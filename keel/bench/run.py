@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from keel.bench.workloads import QWEN25_COMMON, QWEN25_SHAPES, WORKLOADS, Workload
-from keel.models.load import count_parameters
+from keel.models.load import stored_parameters
 
 log = logging.getLogger("keel")
 
@@ -153,7 +153,7 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
     gpus = cfg.world_size
     samples = w.prompts * w.n
     seq = w.prompt_length + w.response_length
-    params = count_parameters(cfg.actor_rollout_ref.model.path)
+    params = stored_parameters(cfg.actor_rollout_ref.model.path)
     update_tokens = samples * seq * cfg.actor_rollout_ref.actor.ppo_epochs
     update_s = mean("timing_s/update_actor")
     # Useful training FLOPs: 6 per parameter per token, plus causal attention (QK^T and AV).

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from keel.config.schema import KeelConfig
-from keel.diagnostics.codes import BAD_OVERRIDE, BAD_VALUE, CONFIG_FILE, UNKNOWN_KEY, KeelError
+from keel.diagnostics.codes import BAD_OVERRIDE, BAD_VALUE, CONFIG_FILE, REFERENCE_APART, UNKNOWN_KEY, KeelError
 
 
 
@@ -154,7 +154,16 @@ def _first_leaf(value: Any) -> str:
     return ""
 
 
+# Placement keys a user might expect for the reference model (the critic and the reward model
+# have them): refused with the reason instead of a spelling suggestion.
+REFERENCE_PLACEMENT = {f"actor_rollout_ref.ref.{key}" for key in ("enable_resource_pool", "n_gpus_per_node", "nnodes")}
+
+
 def _unknown_key(dotted: str, schema: type):
+    if dotted in REFERENCE_PLACEMENT:
+        raise KeelError(REFERENCE_APART, f"{dotted}: the reference model always shares the actor's workers, "
+                        "because their log-probs are compared token by token every step",
+                        f"remove {dotted}; to make room, set actor_rollout_ref.ref.fsdp_config.param_offload=true")
     valid = all_keys(schema)
     # A right key under a missing section (`actor.ppo_epochs`) is matched by its suffix first.
     close = [k for k in valid if k.endswith("." + dotted)][:1]

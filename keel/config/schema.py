@@ -282,7 +282,8 @@ class GuardsConfig:
     min_response_length: float = opt(1.5, ge=0, help="warn when responses average fewer tokens")
     min_entropy: float = opt(0.01, ge=0, help="warn below this entropy (collapse)")
     max_kl: float = opt(1.0, gt=0, help="warn above this ppo_kl or ref_kl (blow-up)")
-    phase_timeout_s: float | None = opt(None, gt=0, help="a phase running longer dumps stacks and exits")
+    phase_timeout_s: float | None = opt(3600.0, gt=0, help="a phase running longer dumps stacks and exits "
+                                        "(null: never; a hang outside a collective would wait forever)")
 
 
 @dataclass

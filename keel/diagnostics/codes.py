@@ -337,6 +337,15 @@ RAY_MISSING = _code(
     "or the cluster in RAY_ADDRESS cannot be reached.",
     "pip install 'ray[default]' (keel's install does this), or unset RAY_ADDRESS to start a local "
     "Ray instance.")
+REFERENCE_APART = _code(
+    "KEEL-P006", "The reference model cannot be placed apart from the actor",
+    "The reference model runs in the actor's workers, on the same ranks and the same data shard: "
+    "its log-probs are compared with the actor's token by token every step (the KL loss or "
+    "penalty). On a pool or nodes of its own, every step would ship both sets of log-probs across "
+    "the network and the two shards would have to match sample for sample.",
+    "Remove the reference's placement keys. To make room for it, offload its weights "
+    "(actor_rollout_ref.ref.fsdp_config.param_offload=true) or shard over more GPUs.",
+    ("actor_rollout_ref.ref.fsdp_config.param_offload",))
 
 
 class KeelError(Exception):

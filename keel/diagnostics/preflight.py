@@ -207,7 +207,7 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
     estimate = estimate_memory_gb(cfg, need(context, "model_config"))
     context["memory_gb"] = estimate
     total, available, where = device_memory_gb(cfg)
-    required = estimate["total"]
+    required = max(estimate["total"], estimate.get("critic_pool", 0.0))
     message = f"about {required:.2f} GB needed on {where}, {available:.1f} GB free of {total:.1f} GB"
     if required > available:
         raise KeelError(MEMORY_ESTIMATE, message)
@@ -251,7 +251,7 @@ CHECKS = [("tokenizer", check_tokenizer), ("model", check_model), ("data", check
 
 # --- memory ---------------------------------------------------------------------------------
 
-def count_parameters(model_cfg) -> int:
+def architecture_parameters(model_cfg) -> int:
     """Exact count from the architecture, built on the meta device (no memory, no weights)."""
     from transformers import AutoModelForCausalLM
 
@@ -266,9 +266,10 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
     offloaded); 4 B per weight for the frozen reference; with more than one worker, the rollout
     engine's whole float32 copy of the policy; activations of one micro-batch (about 34 bytes x
     hidden per token per layer, Korthikanti et al. arXiv 2205.05198, plus one chunk's float32 logits);
-    the KV cache of one generation batch and, for the native engine, its decode weights."""
+    the KV cache of one generation batch and, for the native engine, its decode weights. A critic
+    with a pool of its own is estimated for its own devices, as `critic_pool`, outside the total."""
     gb = 2 ** 30
-    params = count_parameters(model_cfg)
+    params = architecture_parameters(model_cfg)
     arr = cfg.actor_rollout_ref
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     layers, hidden = model_cfg.num_hidden_layers, model_cfg.hidden_size
@@ -277,13 +278,13 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
     head_dim = getattr(model_cfg, "head_dim", None) or hidden // heads
     micro = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
     bytes_act = _compute_dtype(cfg).itemsize
+    layer_activations = lambda samples: 34 * hidden * layers * samples * seq * bytes_act / 2  # noqa: E731
     # Log-probs are computed over chunks of LOGITS_CHUNK_TOKENS positions: the float32 logits,
     # and their gradient, of one chunk at a time.
     logit_rows = min(micro * cfg.data.max_response_length, LOGITS_CHUNK_TOKENS)
     estimate = {
         "actor_states": _sharded_bytes(params, True, arr.actor.fsdp_config, cfg.world_size) / gb,
-        "activations": (34 * hidden * layers * micro * seq * bytes_act / 2
-                        + logit_rows * model_cfg.vocab_size * 4 * 2) / gb,
+        "activations": (layer_activations(micro) + logit_rows * model_cfg.vocab_size * 4 * 2) / gb,
         "kv_cache": 2 * layers * kv_heads * head_dim * seq * cfg.actor_rollout_ref.rollout.max_num_seqs
                     * bytes_act / gb,
     }
@@ -296,7 +297,10 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
     if cfg.critic_enabled and "critic" not in cfg.pools:  # colocated with the actor
         estimate["critic_states"] = _sharded_bytes(params, True, cfg.critic.model.fsdp_config, cfg.world_size) / gb
     estimate["total"] = sum(estimate.values())
-    return {k: round(v, 3) for k, v in estimate.items()}
+    if cfg.critic_enabled and "critic" in cfg.pools:  # the critic pool's devices: states and activations
+        estimate["critic_pool"] = (_sharded_bytes(params, True, cfg.critic.model.fsdp_config, cfg.critic_world_size)
+                                   + layer_activations(cfg.critic_batching[1])) / gb
+    return {k: float(f"{v:.4g}") for k, v in estimate.items()}  # tiny models stay visible
 
 
 def _compute_dtype(cfg: KeelConfig):

@@ -52,6 +52,7 @@ class RayGroup:
         colocated); a critic pool is a second group with roles {"critic"} and its own size."""
         ray = connect_ray(cfg)
         self.world_size = world_size or cfg.world_size
+        self.role = ",".join(sorted(roles)) if roles else ROLE
         self.stacks_dir = stacks_dir
         self.phase_timeout_s = cfg.trainer.guards.phase_timeout_s
         self.memory: dict[int, dict] = {}
@@ -100,7 +101,7 @@ class RayGroup:
         """Results in rank order; the first failure ends the wait (the other ranks would only
         block in a collective until it times out)."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+        from ray.exceptions import RayError, RayTaskError
 
         pending = dict(zip(refs, ranks))
         results: dict[int, object] = {}
@@ -120,13 +121,13 @@ class RayGroup:
                     raise self._stalled(phase, sorted(pending.values()), f"rank {rank}'s collective timed out "
                                         f"after trainer.collective_timeout_s ({first_line})") from None
                 raise self._raised(rank, phase, e) from None
-            except (RayActorError, GetTimeoutError) as e:
+            except RayError as e:  # the actor died, was killed by Ray's memory monitor, or lost its node
                 raise self._died(rank, phase, e) from None
         return [results[r] for r in ranks]
 
     def _where(self, rank: int, phase: str) -> str:
         host = self.hosts.get(rank, "?")
-        return f"rank {rank} of {self.world_size} (host {host}, role {ROLE}, phase {phase})"
+        return f"rank {rank} of {self.world_size} (host {host}, role {self.role}, phase {phase})"
 
     def _raised(self, rank: int, phase: str, error) -> KeelError:
         self.shutdown()

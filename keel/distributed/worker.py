@@ -148,6 +148,7 @@ class PolicyWorker:
         injected for tests, and the result comes back with a memory reading whose GPU peak is
         this call's."""
         self.phase = method
+        self.phase_thread = threading.get_ident()  # Ray runs calls on a thread of its own, not main
         maybe_inject(method, self.rank)
         if self.device.type == "cuda":  # the reading's peak is this call's
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -277,15 +278,14 @@ class PolicyWorker:
             _load_into(self.critic, path / "critic", path / "critic_scheduler.pt")
 
     def stacks(self) -> dict:
-        """Every thread's stack, and whether the main thread waits in a collective."""
-        main = threading.main_thread().ident
-        frames = sys._current_frames()
+        """Every thread's stack, and whether the thread running the phase waits in a collective."""
+        busy = getattr(self, "phase_thread", threading.main_thread().ident)
         text, in_collective = [], False
-        for ident, frame in frames.items():
+        for ident, frame in sys._current_frames().items():
             stack = "".join(traceback.format_stack(frame))
-            if ident == main:
+            if ident == busy:
                 in_collective = "torch/distributed" in stack
-            text.append(f"--- thread {ident}{' (main)' if ident == main else ''} ---\n{stack}")
+            text.append(f"--- thread {ident}{' (phase ' + self.phase + ')' if ident == busy else ''} ---\n{stack}")
         return {"phase": self.phase, "in_collective": in_collective, "text": "\n".join(text)}
 
 

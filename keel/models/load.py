@@ -121,7 +121,7 @@ def load_critic(path: str | Path, device: torch.device, trust_remote_code: bool 
     return CriticModel(backbone, backbone.config.hidden_size).to(device)
 
 
-def count_parameters(model_dir: str | Path) -> int:
+def stored_parameters(model_dir: str | Path) -> int:
     """Parameters stored in a model directory's safetensors files (tied weights count once)."""
     import math
 

@@ -176,22 +176,29 @@ def test_keel_train_with_the_critic_on_workers_of_its_own(tiny_config, tmp_path)
     assert last["step"] == 1 and "critic/vf_loss" in last
 
 
-@pytest.mark.parametrize("fault, code, expected", [
-    ("raise", "KEEL-P001", ["rank 1 of 2", "phase update_actor", "InjectedFault", "worker traceback"]),
-    ("die", "KEEL-P002", ["rank 1 of 2", "phase update_actor", "Last memory reading: rss_gb="]),
-    ("hang", "KEEL-P003", ["Ranks that did not arrive: [1]", "collective timed out"]),
+@pytest.mark.parametrize("fault, overrides, code, expected", [
+    ("raise:update_actor:1", ["trainer.n_gpus_per_node=2", "trainer.collective_timeout_s=10"], "KEEL-P001",
+     ["rank 1 of 2", "role actor_rollout_ref", "phase update_actor", "InjectedFault", "worker traceback"]),
+    ("die:update_actor:1", ["trainer.n_gpus_per_node=2", "trainer.collective_timeout_s=10"], "KEEL-P002",
+     ["rank 1 of 2", "phase update_actor", "Last memory reading: rss_gb="]),
+    ("hang:update_actor:1", ["trainer.n_gpus_per_node=2", "trainer.collective_timeout_s=10"], "KEEL-P003",
+     ["Ranks that did not arrive: [1]", "collective timed out"]),
+    # The phase deadline first: rank 0 still waits in FSDP's all-gather, rank 1 never came.
+    ("hang:update_actor:1", ["trainer.n_gpus_per_node=2", "trainer.guards.phase_timeout_s=20"], "KEEL-P003",
+     ["ran past trainer.guards.phase_timeout_s", "Ranks that did not arrive: [1]; still running: [0, 1]"]),
+    ("raise:update_critic:0", ["algorithm.adv_estimator=gae", "critic.enable_resource_pool=true"], "KEEL-P001",
+     ["rank 0 of 1", "role critic", "phase update_critic"]),  # a pool's failure names its own role
 ])
-def test_a_failing_worker_ends_the_run_with_its_code_and_rank(tiny_config, tmp_path, fault, code, expected):
+def test_a_failing_worker_ends_the_run_with_its_code_and_rank(tiny_config, tmp_path, fault, overrides, code, expected):
     config = write_config(tiny_config, tmp_path / "cfg.yaml")
     start = time.monotonic()
-    proc = keel_train(config, "trainer.n_gpus_per_node=2", "trainer.collective_timeout_s=10",
-                      env={"KEEL_INJECT_FAULT": f"{fault}:update_actor:1"}, timeout=240)
+    proc = keel_train(config, *overrides, env={"KEEL_INJECT_FAULT": fault}, timeout=240)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     assert f"error[{code}]" in proc.stderr, proc.stderr[-3000:]
     for text in expected:
         assert text in proc.stderr, (text, proc.stderr[-3000:])
     assert elapsed < 180
-    if fault == "hang":  # every rank's stacks were saved; the hung rank's shows where it is
+    if fault.startswith("hang"):  # every rank's stacks were saved; the hung rank's shows where it is
         stacks = list(Path(tiny_config["trainer"]["default_local_dir"]).glob("stacks_update_actor_*.txt"))
         assert stacks and "faults.py" in stacks[0].read_text()

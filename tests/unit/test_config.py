@@ -41,6 +41,15 @@ def test_unknown_key_names_the_closest_valid_key(override, suggestion):
     assert f"did you mean {suggestion!r}" in err.message
 
 
+@pytest.mark.parametrize("override", ["actor_rollout_ref.ref.nnodes=2", "actor_rollout_ref.ref.enable_resource_pool=true"])
+def test_placing_the_reference_apart_from_the_actor_is_refused_with_the_reason(override):
+    from keel.diagnostics.codes import REFERENCE_APART
+
+    err = error_of([override])
+    assert err.code == REFERENCE_APART
+    assert "token by token" in err.message and "param_offload" in err.fix
+
+
 @pytest.mark.parametrize("override, needle", [
     ("data.max_prompt_length=abc", "must be an integer"),
     ("data.max_prompt_length=0", "must be > 0"),

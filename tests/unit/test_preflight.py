@@ -96,6 +96,19 @@ def test_per_rank_memory_shrinks_with_sharding_and_offload(tiny_config):
     assert "rollout_copy" in two and "rollout_copy" not in one  # the engine's whole copy per rank
 
 
+def test_a_critic_pool_is_estimated_on_its_own_devices(tiny_config):
+    """Colocated, the critic's states add to the policy's devices; in a pool of its own they leave
+    that total and are estimated, sharded over the pool, for the pool's devices."""
+    gae = ["trainer.device=cpu", "algorithm.adv_estimator=gae"]
+    colocated = run_checks(load_config(tiny_config, gae)).memory_gb
+    pooled = run_checks(load_config(tiny_config, gae + ["critic.enable_resource_pool=true",
+                                                        "critic.n_gpus_per_node=2"])).memory_gb
+    assert "critic_states" in colocated and "critic_pool" not in colocated
+    assert "critic_states" not in pooled
+    assert pooled["total"] == pytest.approx(colocated["total"] - colocated["critic_states"], rel=0.01)
+    assert 0 < pooled["critic_pool"] - colocated["critic_states"] / 2 < colocated["activations"]  # + activations
+
+
 def test_memory_estimate_follows_the_resolved_compute_dtype(tiny_config):
     """dtype auto computes in float32 on CPU, so it is estimated as float32 there; bf16 halves the
     activations and the KV cache."""
