@@ -25,8 +25,9 @@ from keel.models.load import stored_parameters
 
 log = logging.getLogger("keel")
 
-H200_BF16_DENSE_TFLOPS = 989.4      # datasheet, dense (no sparsity)
-H200_HBM_TB_PER_S = 4.8
+# Datasheet figures by GPU name: bf16 dense TFLOP/s (no sparsity), HBM TB/s. Another GPU gets no
+# datasheet numbers rather than an H200's.
+DATASHEETS = {"H200": (989.4, 4.8), "H100": (989.4, 3.35), "A100": (312.0, 2.0)}
 REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" \
          "    return (sum(map(ord, solution_str)) % 7) / 6\n"
 
@@ -161,18 +162,24 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
     attention = 6 * 2 * shape["num_hidden_layers"] * shape["hidden_size"] * seq  # per token, causal mean seq/2 x 2
     update_flops = update_tokens * (6 * params + attention) / update_s / gpus
     peak = measured_peak_tflops() * 1e12 if torch.cuda.is_available() else None
-    gen_s = mean("timing_s/gen")
-    gen_tokens_per_s = samples * w.response_length / gen_s
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    datasheet = next((figures for gpu, figures in DATASHEETS.items() if gpu in device), None)
+    gen_tokens_per_s = samples * w.response_length / mean("timing_s/gen")
+    # Decode steps alone (the native engine times them): every token but the first, which prefill samples.
+    decode_s = mean("timing_s/gen_decode")
+    decode_tokens_per_s = samples * (w.response_length - 1) / decode_s if decode_s else None
     return {
         "workload": name, "date": datetime.date.today().isoformat(), "commit": _commit(),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "n_gpus": gpus,
-        "rollout": cfg.actor_rollout_ref.rollout.name, "parameters": params,
+        "device": device, "n_gpus": gpus, "rollout": cfg.actor_rollout_ref.rollout.name, "parameters": params,
         "step_time_s": mean("timing_s/step"), "steps_per_s": 1 / mean("timing_s/step"),
         "gen_tokens_per_s": gen_tokens_per_s,
-        "decode_bandwidth_utilisation": decode_bandwidth_utilisation(w, shape, params, gen_tokens_per_s / gpus),
+        "decode_tokens_per_s": decode_tokens_per_s,
+        "decode_bandwidth_utilisation": decode_bandwidth_utilisation(
+            w, shape, params, (decode_tokens_per_s or gen_tokens_per_s) / gpus, datasheet),
         "update_tokens_per_s": update_tokens / update_s,
         "update_mfu": update_flops / peak if peak else None,  # None: no GPU to measure a peak on
-        "update_mfu_datasheet": update_flops / (H200_BF16_DENSE_TFLOPS * 1e12),
+        "update_mfu_datasheet": update_flops / (datasheet[0] * 1e12) if datasheet else None,
+        "datasheet": f"{device}: {datasheet[0]} TFLOP/s bf16 dense, {datasheet[1]} TB/s" if datasheet else None,
         "peak_tflops_measured": peak / 1e12 if peak else None,
         "logprob_tokens_per_s": samples * seq / mean("timing_s/old_log_prob"),
         "throughput_tokens_per_s_per_gpu": mean("perf/throughput"),
@@ -184,17 +191,18 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
     }
 
 
-def decode_bandwidth_utilisation(w: Workload, shape: dict, params: int, tokens_per_s_per_gpu: float) -> float | None:
+def decode_bandwidth_utilisation(w: Workload, shape: dict, params: int, tokens_per_s_per_gpu: float,
+                                 datasheet: tuple[float, float] | None) -> float | None:
     """Bytes a decode step must read (bf16 weights once, plus every sequence's KV cache at its
-    mean context) per generated token, times tokens/s, over the HBM bandwidth."""
-    if not torch.cuda.is_available():
+    mean context) per generated token, times tokens/s, over the datasheet's HBM bandwidth."""
+    if datasheet is None:
         return None
     batch = w.prompts * w.n
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
     kv_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2
     mean_context = w.prompt_length + w.response_length / 2
     bytes_per_token = (2 * params + batch * mean_context * kv_per_token) / batch
-    return bytes_per_token * tokens_per_s_per_gpu / (H200_HBM_TB_PER_S * 1e12)
+    return bytes_per_token * tokens_per_s_per_gpu / (datasheet[1] * 1e12)
 
 
 _PEAK: list[float] = []

@@ -10,7 +10,9 @@ from keel.cli import main
 from keel.config.load import load_config
 
 REQUIRED = ("workload", "date", "commit", "device", "step_time_s", "gen_tokens_per_s", "update_tokens_per_s",
-            "update_mfu", "throughput_tokens_per_s_per_gpu", "peak_memory_gb", "log_prob_gap")
+            "update_mfu", "throughput_tokens_per_s_per_gpu", "peak_memory_gb", "log_prob_gap",
+            "decode_tokens_per_s", "decode_bandwidth_utilisation", "update_mfu_datasheet", "datasheet",
+            "peak_tflops_measured", "logprob_tokens_per_s", "peak_memory_gb_per_phase")
 
 
 def test_bench_appends_a_record_with_the_required_fields(tmp_path, capsys):
@@ -25,6 +27,9 @@ def test_bench_appends_a_record_with_the_required_fields(tmp_path, capsys):
     assert r["step_time_s"] > r["timing_s"]["gen"] > 0 and r["gen_tokens_per_s"] > 0 and r["update_tokens_per_s"] > 0
     # fixed-length responses: every sample generated 16 tokens
     assert r["gen_tokens_per_s"] == 4 * 4 * 16 / r["timing_s"]["gen"]
+    assert r["decode_tokens_per_s"] == 4 * 4 * 15 / r["timing_s"]["gen_decode"] > r["gen_tokens_per_s"]
+    assert r["update_mfu"] is None and r["datasheet"] is None  # no GPU: no peak, no datasheet to read against
+    assert r["logprob_tokens_per_s"] > 0
     assert 0 <= r["log_prob_gap"] < 1e-3  # float32 on CPU: sampler and trainer agree
     assert capsys.readouterr().out.count("\"workload\": \"tiny\"") == 2  # and printed
     # --profile: the first measured step's operators, with keel's phases as named ranges
