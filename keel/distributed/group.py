@@ -212,14 +212,35 @@ def connect_ray(cfg):
     address = os.environ.get("RAY_ADDRESS")
     try:
         if address:
+            require_reachable(address)
             ray.init(address=address, log_to_driver=True)
         else:
             ray.init(num_cpus=max(os.cpu_count() or 1, devices_needed(cfg)), include_dashboard=False,
                      object_store_memory=512 * 1024**2, log_to_driver=True)
+    except KeelError:
+        raise
     except Exception as e:  # noqa: BLE001 - any start/connect failure has one fix
         raise KeelError(RAY_MISSING, f"could not {'join the Ray cluster at ' + address if address else 'start Ray'}: "
                         f"{e}") from None
     return ray
+
+
+def require_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Something must answer at RAY_ADDRESS's host and port: ray.init would otherwise retry for
+    minutes before saying why. `auto` and `local` name no port and are left to Ray."""
+    import socket
+
+    where = address.removeprefix("ray://")
+    if where in ("auto", "local") or ":" not in where:
+        return
+    host, port = where.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return
+    except (OSError, ValueError) as e:
+        raise KeelError(RAY_MISSING, f"nothing answers at RAY_ADDRESS={address} ({e})",
+                        "start the head node (`ray start --head`) and set RAY_ADDRESS to its host:6379, "
+                        "or unset RAY_ADDRESS to let keel start a local Ray instance") from None
 
 
 def _reserve(ray, cfg, count: int):

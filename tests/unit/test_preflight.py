@@ -122,6 +122,20 @@ def test_memory_estimate_follows_the_resolved_compute_dtype(tiny_config):
     assert "rollout_weights" in fp32  # the native engine's own decode weights count
 
 
+def test_a_ray_address_where_nothing_answers_is_refused_at_once(tiny_config, monkeypatch):
+    import socket
+
+    from keel.diagnostics.codes import RAY_MISSING
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    report = run_checks(load_config(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2"]))
+    assert RAY_MISSING in failure_codes(report)
+    assert any(f"RAY_ADDRESS=127.0.0.1:{port}" in f.message for f in report.findings if f.code == RAY_MISSING)
+
+
 def test_more_nodes_than_a_local_ray_instance_has_is_refused(tiny_config, monkeypatch):
     from keel.diagnostics.codes import NOT_ENOUGH_DEVICES
 
