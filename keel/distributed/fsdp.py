@@ -65,7 +65,9 @@ def shard_model(model: nn.Module, mesh, compute_dtype: torch.dtype, fsdp_cfg) ->
         mesh=mesh, reshard_after_forward=fsdp_cfg.reshard_after_forward,
         mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype if low_precision else None,
                                        reduce_dtype=torch.float32),
-        offload_policy=CPUOffloadPolicy() if fsdp_cfg.param_offload else OffloadPolicy())
+        # Pinned host memory needs an accelerator; CPU workers (gloo) still take FSDP's offload path.
+        offload_policy=(CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if fsdp_cfg.param_offload
+                        else OffloadPolicy()))
     for block in block_modules(model):
         fully_shard(block, **options)
     fully_shard(model, **options)

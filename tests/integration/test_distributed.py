@@ -30,11 +30,21 @@ def ray_cluster():
     ray.shutdown()
 
 
-def ppo_config(tiny_config: dict, workers: int, dynamic: bool = False, replicated: bool = False,
+SHARDING = {  # fsdp_config keys of each role, by test id
+    "fsdp": [],
+    "replicated": [f"{role}.fsdp_config.fsdp_size=1" for role in
+                   ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")],
+    "offload": ["actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
+                "actor_rollout_ref.ref.fsdp_config.param_offload=true", "critic.model.fsdp_config.param_offload=true"],
+}
+
+
+def ppo_config(tiny_config: dict, workers: int, dynamic: bool = False, sharding: str = "fsdp",
                critic_pool: bool = False):
     """Every role: actor, reference (KL loss), critic (GAE); two mini-batches of 8 samples. With
     `dynamic`, every forward pass is cut by a token budget (ranks then disagree on how many
-    passes they need, and must agree). `replicated`: fsdp_size=1 for every role (DDP)."""
+    passes they need, and must agree). `sharding`: a key of SHARDING (replicated: fsdp_size=1 for
+    every role, i.e. DDP)."""
     dynamic_keys = [f"{key}={value}" for key, value in [
         ("actor_rollout_ref.actor.use_dynamic_bsz", "true"), ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", 64),
         ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "true"),
@@ -42,21 +52,21 @@ def ppo_config(tiny_config: dict, workers: int, dynamic: bool = False, replicate
         ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "true"),
         ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", 64),
         ("critic.use_dynamic_bsz", "true"), ("critic.ppo_max_token_len_per_gpu", 64)]] if dynamic else []
-    replicated_keys = [f"{role}.fsdp_config.fsdp_size=1" for role in
-                       ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")] if replicated else []
     return load_config(tiny_config, ["trainer.device=cpu", f"trainer.n_gpus_per_node={workers}",
                                      "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
-                                     "actor_rollout_ref.actor.kl_loss_coef=0.5", *dynamic_keys, *replicated_keys,
+                                     "actor_rollout_ref.actor.kl_loss_coef=0.5", *dynamic_keys, *SHARDING[sharding],
                                      *(["critic.enable_resource_pool=true"] if critic_pool else [])])
 
 
-@pytest.mark.parametrize("replicated", [False, True], ids=["fsdp", "replicated"])
-def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ray_cluster, replicated):
+@pytest.mark.parametrize("sharding", list(SHARDING))
+def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ray_cluster, sharding):
     """Two workers with token-budget micro-batches against one process with fixed ones: the
     same numbers either way, since every loss is divided by the whole mini-batch's counts. The
-    workers shard with FSDP2, or (fsdp_size=1) hold whole models and average gradients. The
-    two-worker checkpoint loads into the one process with the same Adam moments."""
-    one_cfg, two_cfg = ppo_config(tiny_config, 1), ppo_config(tiny_config, 2, dynamic=True, replicated=replicated)
+    workers shard with FSDP2 (also keeping the actor's layers gathered after forward, and the
+    reference's and critic's weights offloaded), or (fsdp_size=1) hold whole models and average
+    gradients. The two-worker checkpoint loads into the one process with the same Adam moments."""
+    one_cfg, two_cfg = ppo_config(tiny_config, 1), ppo_config(tiny_config, 2, dynamic=True, sharding=sharding)
+    replicated = sharding == "replicated"
     one = WorkerRoles(LocalGroup(PolicyWorker(one_cfg, total_steps=2)), one_cfg, pad_token_id=0)
     tokenizer = one.group.worker.tokenizer
     prompts = collate_prompts(load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4],
