@@ -41,7 +41,9 @@ workloads() {
 }
 
 summary() {
-    python3 - "$OUT"/bench*.jsonl <<'PY'
+    local records=("$OUT"/bench*.jsonl)
+    [ -e "${records[0]}" ] || { echo "no records in $OUT yet"; return; }
+    python3 - "${records[@]}" <<'PY'
 import json, sys
 for line in (line for path in sys.argv[1:] for line in open(path)):
     r = json.loads(line)
