@@ -48,7 +48,7 @@ import json, sys
 for line in (line for path in sys.argv[1:] for line in open(path)):
     r = json.loads(line)
     t = r["timing_s"]
-    print(r["workload"], r["n_gpus"], r["overrides"], f"step {r['step_time_s']:.2f}s", f"gen {t['gen']:.2f}s",
+    print(r["workload"], r["n_gpus"], r.get("overrides", []), f"step {r['step_time_s']:.2f}s", f"gen {t['gen']:.2f}s",
           f"update {t['update_actor']:.2f}s", f"sync {t.get('sync_rollout_weights', 0):.3f}s",
           f"gen {r['gen_tokens_per_s']:.0f} tok/s", f"decode {r.get('decode_tokens_per_s') or 0:.0f} tok/s",
           f"mfu {r['update_mfu']:.3f}", f"peak {r['peak_memory_gb']:.1f} GB", f"gap {r['log_prob_gap']:.2g}")
