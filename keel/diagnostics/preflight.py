@@ -215,8 +215,8 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
 
 
 def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
-    """Workers against what this machine has (a Ray cluster in RAY_ADDRESS is checked when the
-    workers are placed), and Ray itself."""
+    """Workers against what this machine has, and Ray itself. A cluster in RAY_ADDRESS must
+    answer; its resources are checked when the workers are placed."""
     from keel.distributed.group import devices_needed, require_reachable
     from keel.models.load import resolve_device
 
@@ -228,7 +228,7 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
     except ImportError:
         raise KeelError(RAY_MISSING, f"{world} workers need Ray, which is not installed") from None
     if os.environ.get("RAY_ADDRESS"):
-        require_reachable(os.environ["RAY_ADDRESS"])  # its resources are checked when the workers are placed
+        require_reachable(os.environ["RAY_ADDRESS"])
         return [Finding(PASS, "workers", f"{world} workers on the Ray cluster at {os.environ['RAY_ADDRESS']}")]
     if cfg.trainer.nnodes > 1:
         raise KeelError(NOT_ENOUGH_DEVICES, f"trainer.nnodes={cfg.trainer.nnodes} but RAY_ADDRESS is not set: "
