@@ -163,7 +163,8 @@ def _unknown_key(dotted: str, schema: type):
     if dotted in REFERENCE_PLACEMENT:
         raise KeelError(REFERENCE_APART, f"{dotted}: the reference model always shares the actor's workers, "
                         "because their log-probs are compared token by token every step",
-                        f"remove {dotted}; to make room, set actor_rollout_ref.ref.fsdp_config.param_offload=true")
+                        f"remove {dotted}; to make room on 2 or more workers, set "
+                        "actor_rollout_ref.ref.fsdp_config.param_offload=true")
     valid = all_keys(schema)
     # A right key under a missing section (`actor.ppo_epochs`) is matched by its suffix first.
     close = [k for k in valid if k.endswith("." + dotted)][:1]

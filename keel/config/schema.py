@@ -337,6 +337,8 @@ class KeelConfig:
         # devices, workers, sharding
         "trainer.device", "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.collective_timeout_s",
         "actor_rollout_ref.actor.fsdp_config.", "actor_rollout_ref.ref.fsdp_config.", "critic.model.fsdp_config.",
+        "critic.enable_resource_pool", "critic.n_gpus_per_node", "critic.nnodes",  # its checkpoint is the same
+        "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes",
         # generation engine
         "actor_rollout_ref.rollout.name", "actor_rollout_ref.rollout.max_num_seqs",
         "actor_rollout_ref.rollout.max_num_batched_tokens", "actor_rollout_ref.rollout.gpu_memory_utilization",
@@ -481,9 +483,15 @@ def _check_world(cfg: KeelConfig, incompatible) -> None:
         raise KeelError(BATCH_ARITHMETIC, f"a critic mini-batch of {critic_mini} samples cannot be split across "
                         f"{cfg.critic_world_size} critic workers", "raise critic.ppo_mini_batch_size, or use "
                         "fewer critic workers")
-    for key, fsdp, ranks in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.fsdp_config, world),
-                             ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.fsdp_config, world),
-                             ("critic.model", cfg.critic.model.fsdp_config, cfg.critic_world_size)):
+    roles = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.fsdp_config, world)]
+    roles += [("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.fsdp_config, world)] if cfg.ref_enabled else []
+    roles += [("critic.model", cfg.critic.model.fsdp_config, cfg.critic_world_size)] if cfg.critic_enabled else []
+    for key, fsdp, ranks in roles:
+        if fsdp.param_offload and ranks == 1:  # else silently ignored, and keel check's estimate wrong
+            raise incompatible(f"{key}.fsdp_config.param_offload=true on one worker: offloading parameters is "
+                               "FSDP's, and keel shards (FSDP) only across 2 or more workers",
+                               f"set {key}.fsdp_config.param_offload=false (optimizer_offload works on one "
+                               "worker), or train on 2 or more GPUs")
         if fsdp.fsdp_size != -1 and (fsdp.fsdp_size < 1 or ranks % fsdp.fsdp_size):
             raise incompatible(f"{key}.fsdp_config.fsdp_size={fsdp.fsdp_size} does not divide the {ranks} workers",
                                f"set {key}.fsdp_config.fsdp_size to -1 or a divisor of {ranks}")

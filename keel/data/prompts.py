@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from keel.diagnostics.codes import (DATA_COLUMN, DATA_FILE, NO_CHAT_TEMPLATE, PROMPT_TOO_LONG,
+from keel.diagnostics.codes import (DATA_COLUMN, DATA_EMPTY, DATA_FILE, NO_CHAT_TEMPLATE, PROMPT_TOO_LONG,
                                     KeelError)
 
 PathLike = str | os.PathLike
@@ -30,6 +30,8 @@ def load_rows(paths: PathLike | list[PathLike]) -> list[dict]:
     rows: list[dict] = []
     for path in paths:
         rows.extend(_load_file(Path(path)))
+    if not rows:  # an empty dataset would otherwise fail deep inside the tokenizer
+        raise KeelError(DATA_EMPTY, f"the dataset files {[str(p) for p in paths]} hold no rows")
     return rows
 
 

@@ -152,8 +152,8 @@ PROMPT_TOO_LONG = _code(
     ("data.max_prompt_length", "data.truncation", "data.filter_overlong_prompts"))
 DATA_EMPTY = _code(
     "KEEL-D004", "Dataset empty or smaller than one batch",
-    "After filtering, the dataset has fewer prompts than `data.train_batch_size`, so not one "
-    "step could run.",
+    "The dataset files hold no rows at all, or after filtering the dataset has fewer prompts "
+    "than `data.train_batch_size`, so not one step could run.",
     "Add data, lower `data.train_batch_size`, or relax the overlong-prompt filter.",
     ("data.train_batch_size", "data.filter_overlong_prompts"))
 SFT_TOO_LONG = _code(

@@ -110,7 +110,9 @@ class CriticModel(nn.Module):
     def forward(self, input_ids, attention_mask, position_ids):     # [B, L] -> [B, L]
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                                position_ids=position_ids, use_cache=False).last_hidden_state
-        return self.value_head(hidden).squeeze(-1)
+        # A copy, not a view: FSDP2 hooks the root's backward onto its output, and drops that hook
+        # for a view of a tensor made inside the module (it warns so).
+        return self.value_head(hidden).squeeze(-1).clone()
 
 
 def load_critic(path: str | Path, device: torch.device, trust_remote_code: bool = False) -> CriticModel:

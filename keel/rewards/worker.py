@@ -135,17 +135,27 @@ async def score_samples_async(tasks: list[SampleTask]) -> list[SampleResult]:
     return list(await asyncio.gather(*(one(task) for task in tasks)))
 
 
+BATCHED_CONTRACT = ("custom_reward_function.batched=true calls the function once with four lists (data_sources, "
+                    "solution_strs, ground_truths, extra_infos) and expects a list of scores back")
+
+
 def score_batched(fn: Callable, tasks: list[SampleTask]) -> list[SampleResult]:
     """One call for the whole batch: fn(data_sources, solution_strs, ground_truths, extra_infos) -> list."""
     start = time.perf_counter()
     try:
         with deadline(tasks[0].timeout_s * len(tasks) if tasks and tasks[0].timeout_s else None):
-            results = list(fn([t.data_source for t in tasks], [t.response for t in tasks],
-                              [t.ground_truth for t in tasks], [t.extra_info for t in tasks]))
+            returned = fn([t.data_source for t in tasks], [t.response for t in tasks],
+                          [t.ground_truth for t in tasks], [t.extra_info for t in tasks])
+        if isinstance(returned, (str, bytes, dict)) or not hasattr(returned, "__len__"):  # a per-sample function
+            raise NotANumber(f"not a number: the scorer returned {type(returned).__name__}; {BATCHED_CONTRACT}")
+        results = list(returned)
         if len(results) != len(tasks):
             raise NotANumber(f"not a number: the batched scorer returned {len(results)} scores for {len(tasks)} samples")
     except Exception as e:  # the scorer is user code: the batch fails together, with the reason
-        return [SampleResult(None, failure_reason(e), time.perf_counter() - start)] * len(tasks)
+        reason = failure_reason(e)
+        if reason.startswith("raised"):  # often a per-sample function handed lists
+            reason = f"{reason} ({BATCHED_CONTRACT})"
+        return [SampleResult(None, reason, time.perf_counter() - start)] * len(tasks)
     seconds = (time.perf_counter() - start) / max(len(tasks), 1)
     out = []
     for task, result in zip(tasks, results):

@@ -176,14 +176,18 @@ def test_checkpoints_resume_on_a_different_number_of_workers(tiny_config, tmp_pa
 
 
 def test_keel_train_with_the_critic_on_workers_of_its_own(tiny_config, tmp_path):
+    """A run with a critic pool, then resumed with the critic colocated: the same checkpoint."""
     config = write_config(tiny_config, tmp_path / "cfg.yaml")
     proc = keel_train(config, "algorithm.adv_estimator=gae", "critic.enable_resource_pool=true",
-                      "trainer.total_training_steps=1")
+                      "trainer.total_training_steps=1", "trainer.save_freq=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "starting 1 critic workers" in proc.stderr
+    proc = keel_train(config, "algorithm.adv_estimator=gae", "trainer.total_training_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr and "global_step_1" in proc.stderr
     import json
-    last = json.loads((Path(tiny_config["trainer"]["default_local_dir"]) / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["step"] == 1 and "critic/vf_loss" in last
+    metrics = (Path(tiny_config["trainer"]["default_local_dir"]) / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in metrics][-2:] == [1, 2] and "critic/vf_loss" in json.loads(metrics[-1])
 
 
 @pytest.mark.parametrize("fault, overrides, code, expected", [

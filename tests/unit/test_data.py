@@ -11,7 +11,7 @@ import torch
 
 from keel.data.prompts import (PromptRecord, build_prompt_dataset, collate_prompts, load_rows)
 from keel.data.sampler import ResumableSampler
-from keel.diagnostics.codes import (DATA_COLUMN, DATA_FILE, NO_CHAT_TEMPLATE, PROMPT_TOO_LONG,
+from keel.diagnostics.codes import (DATA_COLUMN, DATA_EMPTY, DATA_FILE, NO_CHAT_TEMPLATE, PROMPT_TOO_LONG,
                                     KeelError)
 from keel.models.tiny import build_tokenizer
 
@@ -61,6 +61,18 @@ def test_missing_file_is_a_data_file_error(tmp_path):
     with pytest.raises(KeelError) as e:
         load_rows(str(tmp_path / "nope.parquet"))
     assert e.value.code == DATA_FILE and "nope.parquet" in e.value.message
+
+
+def test_files_without_rows_are_an_empty_dataset(tmp_path):
+    """An empty file or one of blank lines: refused by name, not an IndexError from the tokenizer;
+    an empty file beside a non-empty one is fine."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    (tmp_path / "one.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
+    with pytest.raises(KeelError) as e:
+        load_rows([tmp_path / "empty.jsonl", tmp_path / "blank.jsonl"])
+    assert e.value.code == DATA_EMPTY and "blank.jsonl" in e.value.message
+    assert load_rows([tmp_path / "empty.jsonl", tmp_path / "one.jsonl"]) == [{"prompt": "hi"}]
 
 
 def test_unknown_extension_is_a_data_file_error(tmp_path):

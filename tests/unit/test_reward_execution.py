@@ -107,3 +107,13 @@ def test_batched_scorer_scores_the_batch_in_one_call():
     wrong_length = RewardScorer(lambda *lists: [1.0], batched=True, max_not_scored_ratio=1.0)
     result = wrong_length.score_batch([record(), record()], ["1", "2"])
     assert not result.scored.any() and "returned 1 scores for 2 samples" in result.reasons[0]
+
+
+@pytest.mark.parametrize("per_sample", [
+    lambda data_source, solution_str, ground_truth, extra_info=None: 1.0,                      # returns a number
+    lambda data_source, solution_str, ground_truth, extra_info=None: float(solution_str.strip() == "1"),  # raises
+])
+def test_a_per_sample_function_marked_batched_is_told_what_batched_means(per_sample):
+    scorer = RewardScorer(per_sample, batched=True, max_not_scored_ratio=1.0)
+    result = scorer.score_batch([record(), record()], ["1", "2"])
+    assert not result.scored.any() and "once with four lists" in result.reasons[0]
