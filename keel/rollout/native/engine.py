@@ -272,9 +272,12 @@ class NativeRolloutEngine:
                 q, k, v = (t.view(u, end - begin, t.shape[1], t.shape[-1]).transpose(1, 2) for t in (q, k, v))
                 state.k[i][slots, :, begin:end] = k[prompt_of_slot]
                 state.v[i][slots, :, begin:end] = v[prompt_of_slot]
+                # K/V repeated to every query head, as transformers' SDPA path does with a mask: not
+                # every fused SDPA kernel that takes a mask also takes grouped heads (enable_gqa).
+                group = self.heads // self.kv_heads
                 attention = F.scaled_dot_product_attention(
-                    q, state.k[i][first_slots, :, :end], state.v[i][first_slots, :, :end], attn_mask=visible,
-                    enable_gqa=True)                                                          # [u, H, L, D]
+                    q, state.k[i][first_slots, :, :end].repeat_interleave(group, dim=1),
+                    state.v[i][first_slots, :, :end].repeat_interleave(group, dim=1), attn_mask=visible)  # [u, H, L, D]
                 next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
                 attention = attention.transpose(1, 2).reshape(x.shape[0], -1)                   # [N, H * D]
                 x, h = _attention_output_and_mlp(x, attention, w.o, w.post_norm, w.gate_up, w.down, next_norm,
