@@ -69,9 +69,10 @@ def existing_checkpoints(run_dir: Path) -> list[Path]:
     return _checkpoints(run_dir) if run_dir.is_dir() else []
 
 
-def write_policy(directory: Path, model, tokenizer) -> None:
-    """A Hugging Face model directory: weights, config and tokenizer."""
-    model.save_pretrained(directory)
+def write_policy(directory: Path, model, tokenizer, state_dict: dict | None = None) -> None:
+    """A Hugging Face model directory: weights (the module's, or `state_dict`'s when the module
+    holds only a shard), config and tokenizer."""
+    model.save_pretrained(directory, state_dict=state_dict)
     tokenizer.save_pretrained(directory)
 
 

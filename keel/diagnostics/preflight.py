@@ -265,10 +265,12 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
     """Per-device estimate. float32 master weights (4 B) + gradients (4 B) + AdamW moments (8 B) for
     each trained model, divided among the ranks FSDP shards them over (and off the device when
     offloaded); 4 B per weight for the frozen reference; with more than one worker, the rollout
-    engine's whole float32 copy of the policy; activations of one micro-batch (about 34 bytes x
+    hf engine's whole float32 copy of the policy; activations of one micro-batch (about 34 bytes x
     hidden per token per layer, Korthikanti et al. arXiv 2205.05198, plus one chunk's float32 logits);
     the KV cache of one generation batch and, for the native engine, its decode weights. A critic
     with a pool of its own is estimated for its own devices, as `critic_pool`, outside the total."""
+    from keel.rollout.native.engine import SUPPORTED_ARCHS
+
     gb = 2 ** 30
     params = architecture_parameters(model_cfg)
     arr = cfg.actor_rollout_ref
@@ -289,10 +291,11 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
         "kv_cache": 2 * layers * kv_heads * head_dim * seq * cfg.actor_rollout_ref.rollout.max_num_seqs
                     * bytes_act / gb,
     }
-    if arr.rollout.name != "hf":  # the native engine's decode weights, in the compute dtype
+    native = arr.rollout.name != "hf" and model_cfg.model_type in SUPPORTED_ARCHS
+    if native:  # the native engine's decode weights, in the compute dtype: its only copy
         estimate["rollout_weights"] = bytes_act * params / gb
-    if cfg.world_size > 1 and arr.actor.fsdp_config.fsdp_size != 1:  # sharded: the engine's own whole copy
-        estimate["rollout_copy"] = 4 * params / gb
+    if cfg.world_size > 1 and arr.actor.fsdp_config.fsdp_size != 1 and not native:
+        estimate["rollout_copy"] = 4 * params / gb  # sharded: the hf engine generates with a whole copy
     if cfg.ref_enabled:
         estimate["reference"] = _sharded_bytes(params, False, arr.ref.fsdp_config, cfg.world_size) / gb
     if cfg.critic_enabled and "critic" not in cfg.pools:  # colocated with the actor

@@ -10,7 +10,6 @@ roles={"critic"} and ranks of its own.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import sys
@@ -94,10 +93,10 @@ class PolicyWorker:
         torch.manual_seed(cfg.trainer.seed)  # every rank starts from identical weights
         model = load_causal_lm(actor_weights or arr.model.path, self.device, arr.model.trust_remote_code,
                                arr.model.enable_gradient_checkpointing)
-        # Unsharded (one worker, or fsdp_size=1) the engine generates with the actor module itself;
-        # sharded, it needs whole weights, so it gets its own copy, refreshed after each update.
-        self.rollout = make_rollout_engine(arr.rollout, copy.deepcopy(model) if self._actor_sharded else model,
-                                           self.tokenizer, self.device, self.compute_dtype, log_choice=rank == 0)
+        # Built before the actor is sharded: it reads the whole weights once. After each update it
+        # takes them from the actor module (unsharded) or gathered from the shards.
+        self.rollout = make_rollout_engine(arr.rollout, model, self.tokenizer, self.device, self.compute_dtype,
+                                           log_choice=rank == 0, will_be_sharded=self._actor_sharded)
         self.actor = ActorTrainer(self._prepare_model(model, arr.actor.fsdp_config, "actor"), arr.actor,
                                   arr.rollout.temperature, total_steps,
                                   _log_prob_batching(arr.rollout),
@@ -222,14 +221,12 @@ class PolicyWorker:
             return self.critic.update(minis)
 
     def _sync_rollout(self) -> None:
-        """The engine sees the updated weights: sharded, its whole copy takes them gathered a bucket
-        of parameters per collective; then the engine refreshes what it derives from them."""
+        """The engine sees the updated weights: sharded, gathered a bucket of parameters per
+        collective straight into the engine's own weights."""
         if self._actor_sharded:
-            copies = dict(self.rollout.model.named_parameters())
-            with torch.no_grad():
-                for name, whole in full_parameters(self.actor.model, self.device):
-                    copies[name].copy_(whole)
-        self.rollout.sync_weights(self.rollout.model)
+            self.rollout.load_weights(full_parameters(self.actor.model, self.device))
+        else:
+            self.rollout.sync_weights(self.actor.model)
 
     @contextmanager
     def _optimizer_state_on_device(self, optimizer, fsdp_cfg):
@@ -247,15 +244,19 @@ class PolicyWorker:
 
     # --- checkpoints -----------------------------------------------------------------------------
     def save(self, directory: str) -> None:
-        """The policy as a Hugging Face model (written by rank 0 from the engine's whole copy);
-        optimiser state and the critic sharded with torch.distributed.checkpoint, which can be
-        loaded back on any number of workers."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        """The policy as a Hugging Face model (written by rank 0; gathered from the shards when
+        sharded); optimiser state and the critic sharded with torch.distributed.checkpoint, which
+        can be loaded back on any number of workers."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         out = Path(directory)
         if self.actor is not None:
+            whole = None  # unsharded: the module's own state dict
+            if self._actor_sharded:  # every rank takes part; rank 0 receives it, in CPU memory
+                whole = _untied(self.actor.model, get_model_state_dict(
+                    self.actor.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
             if self.rank == 0:
-                write_policy(out / "actor", self.rollout.model, self.tokenizer)
+                write_policy(out / "actor", self.actor.model, self.tokenizer, whole)
                 torch.save(self.actor.scheduler.state_dict(), out / "actor_scheduler.pt")
             _save_sharded(out / "actor_optim", {"optimizer": _optimizer_state(self.actor)})
         if self.critic is not None:
@@ -287,6 +288,17 @@ class PolicyWorker:
                 in_collective = "torch/distributed" in stack
             text.append(f"--- thread {ident}{' (phase ' + self.phase + ')' if ident == busy else ''} ---\n{stack}")
         return {"phase": self.phase, "in_collective": in_collective, "text": "\n".join(text)}
+
+
+def _untied(model, state: dict) -> dict:
+    """The state dict without the second name of a tied parameter (lm_head of tied embeddings):
+    gathered, the two are separate tensors, and the checkpoint would store the matrix twice."""
+    seen, aliases = set(), set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            aliases.add(name)
+        seen.add(id(param))
+    return {name: value for name, value in state.items() if name not in aliases}
 
 
 def _log_prob_batching(role_cfg) -> MicroBatching:

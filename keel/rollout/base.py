@@ -8,7 +8,6 @@ from keel.types import RolloutBatch, SamplingParams
 
 
 class RolloutEngine(Protocol):
-    model: object                  # the policy module generation reads (or a whole copy of it)
     timing: dict[str, float]       # seconds per part of the last generate call, if the engine times them
 
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
@@ -19,4 +18,7 @@ class RolloutEngine(Protocol):
         """
 
     def sync_weights(self, model) -> None:
-        """Make the next `generate` use the policy's current weights."""
+        """Make the next `generate` use the current weights of an unsharded policy module."""
+
+    def load_weights(self, named) -> None:
+        """The same from (parameter name, whole tensor) pairs: a sharded policy's, gathered."""

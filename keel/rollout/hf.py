@@ -49,6 +49,13 @@ class HFRolloutEngine:
         self.model = model  # same object as the actor's: nothing to copy
 
     @torch.no_grad()
+    def load_weights(self, named) -> None:
+        """Whole parameters by name into this engine's own copy (the actor is sharded)."""
+        mine = dict(self.model.named_parameters())
+        for name, tensor in named:
+            mine[name].copy_(tensor)
+
+    @torch.no_grad()
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
         was_training = self.model.training
         self.model.eval()

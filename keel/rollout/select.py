@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -13,10 +14,14 @@ from keel.rollout.native import NativeRolloutEngine, unsupported_reason
 log = logging.getLogger("keel")
 
 
-def make_rollout_engine(rollout_cfg, model, tokenizer, device: torch.device, dtype: torch.dtype, log_choice: bool):
+def make_rollout_engine(rollout_cfg, model, tokenizer, device: torch.device, dtype: torch.dtype, log_choice: bool,
+                        will_be_sharded: bool = False):
     """`auto` takes native where it supports the model and says why when it does not; an explicit
     `native` that cannot run is an error rather than a silent switch. Each engine computes in
-    `dtype` on its own terms (hf under autocast, native with weights cast once per update)."""
+    `dtype` on its own terms (hf under autocast, native with weights cast once per update).
+
+    `will_be_sharded`: the policy module is about to be sharded. The native engine keeps only its
+    own decode weights; hf generates with a module, so it gets a whole copy of its own."""
     reason = unsupported_reason(model) if rollout_cfg.name != "hf" else None
     if rollout_cfg.name == "native" and reason:
         raise KeelError(INCOMPATIBLE_OPTIONS, f"actor_rollout_ref.rollout.name=native does not support this model: "
@@ -24,7 +29,8 @@ def make_rollout_engine(rollout_cfg, model, tokenizer, device: torch.device, dty
     if rollout_cfg.name == "hf" or reason:
         if log_choice:
             log.info("rollout engine: hf (%s)", f"native does not support {reason}" if reason else "rollout.name=hf")
-        return HFRolloutEngine(model, tokenizer, rollout_cfg.max_num_seqs, dtype)
+        return HFRolloutEngine(copy.deepcopy(model) if will_be_sharded else model, tokenizer,
+                               rollout_cfg.max_num_seqs, dtype)
     if log_choice:
         log.info("rollout engine: native (%s, %s)", model.config.model_type,
                  "eager" if rollout_cfg.enforce_eager or device.type != "cuda" else "CUDA graphs")

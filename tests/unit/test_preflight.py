@@ -93,7 +93,10 @@ def test_per_rank_memory_shrinks_with_sharding_and_offload(tiny_config):
                                                    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"])).memory_gb
     assert two["actor_states"] == pytest.approx(one["actor_states"] / 2, rel=0.01)  # 16 B/param over 2 ranks
     assert offload["actor_states"] == pytest.approx(two["actor_states"] / 2, rel=0.01)  # Adam's 8 B/param leave
-    assert "rollout_copy" in two and "rollout_copy" not in one  # the engine's whole copy per rank
+    hf = run_checks(load_config(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2",
+                                              "actor_rollout_ref.rollout.name=hf"])).memory_gb
+    assert "rollout_copy" in hf and "rollout_copy" not in two  # only hf needs a whole copy per rank
+    assert two["rollout_weights"] == one["rollout_weights"]  # native: its decode weights, sharded or not
 
 
 def test_a_critic_pool_is_estimated_on_its_own_devices(tiny_config):

@@ -1,20 +1,24 @@
 """keel's rollout engine for Qwen2 and Llama: prefill once per prompt, a static KV cache, decode
 steps with fused projections, CUDA graphs on GPU, sampling on the device.
 
-Prefill runs through the policy's own Hugging Face modules (compute-bound; SDPA does it well),
-once per distinct prompt: the `n` samples of a group copy its KV instead of recomputing it.
-Decoding, the memory-bound part, runs keel's own step over fused QKV and gate-up weights cast to
-the compute dtype at `sync_weights`, attending over a static cache (attention.py). On a GPU the
-step's elementwise work is fused by torch.compile, and the step is captured as a CUDA graph for
-each batch it runs at (the chunk, then smaller as finished sequences leave) and replayed: one
-launch per token instead of hundreds from Python.
+The engine holds one copy of the weights: fused QKV and gate-up projections in the compute dtype,
+filled by name from the policy's parameters (`load_weights`: a module's own, or whole parameters
+gathered from FSDP shards a bucket at a time). It never keeps the policy module, so a sharded
+actor needs no whole float32 copy per rank for generation.
+
+Prefill (compute-bound: plain matmuls and SDPA) runs eagerly over the same weights, once per
+distinct prompt, writing its KV into every slot of the prompt's group. Decoding, the memory-bound
+part, attends over the static cache (attention.py). On a GPU the step's elementwise work is fused
+by torch.compile, and the step is captured as a CUDA graph for each batch it runs at (the chunk,
+then smaller as finished sequences leave) and replayed: one launch per token instead of hundreds
+from Python.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +88,7 @@ class NativeRolloutEngine:
         self.timing: dict[str, float] = {}  # seconds per part (prefill, capture, decode) of the last call
         self.device = next(model.parameters()).device
         self.eos = torch.tensor(self.eos_ids, device=self.device)
+        self._allocate(model)
         self.sync_weights(model)
         # enforce_eager (verl's key): no CUDA graphs, no compilation; for debugging, and CPU's only way.
         self.use_cuda_graphs = not enforce_eager and self.device.type == "cuda"
@@ -92,24 +97,35 @@ class NativeRolloutEngine:
         self.attention = triton_decode_attention if use_triton else sdpa_decode_attention
 
     # --- weights ---------------------------------------------------------------------------------
-    @torch.no_grad()
     def sync_weights(self, model) -> None:
-        """The decode weights, fused and cast once per update into the engine's own buffers; the
-        prefill uses the module itself. After the first call the buffers are filled in place, so
-        CUDA graphs kept between calls (free_cache_engine=False) read the new weights."""
-        self.model = model
-        sources = _decode_weight_sources(model)
-        shapes = {name: _fused_shape(parts) for name, parts in sources.items()}
-        if getattr(self, "_buffers", None) is None or shapes != {k: v.shape for k, v in self._buffers.items()}:
-            self._allocate(model, shapes)
-        for name, parts in sources.items():
-            _fill(self._buffers[name], parts)
+        """The next generate uses the module's current weights (an unsharded policy's own)."""
+        self.load_weights(model.named_parameters())
 
-    def _allocate(self, model, shapes: dict[str, torch.Size]) -> None:
-        """The decode weight buffers, and everything read from the model that does not change with
-        training: done once, or again if the model's shapes change."""
-        b = self._buffers = {name: torch.empty(shape, device=self.device, dtype=self.dtype)
-                             for name, shape in shapes.items()}
+    @torch.no_grad()
+    def load_weights(self, named: Iterable[tuple[str, Tensor]]) -> None:
+        """Fill the decode weights in place, cast to the compute dtype, from (parameter name,
+        whole tensor) pairs: every parameter the engine uses, in any order. In place, so CUDA graphs
+        kept between calls (free_cache_engine=False) read the new weights."""
+        missing = set(self._targets)
+        for name, tensor in named:
+            if name in self._targets:
+                buffer, row = self._targets[name]
+                self._buffers[buffer][row:row + tensor.shape[0]].copy_(tensor.detach())
+                missing.discard(name)
+        if missing:  # a caller bug, not a user's: the engine would generate from stale weights
+            raise RuntimeError(f"native rollout: no weights given for {sorted(missing)[:3]}")
+
+    def _allocate(self, model) -> None:
+        """The decode weight buffers, where each parameter goes in them (`_targets`), and what is
+        read from the model that training never changes (the RoPE frequencies)."""
+        sources = _decode_weight_sources(model)
+        names = {id(p): name for name, p in model.named_parameters()}
+        b = self._buffers = {name: torch.empty(_fused_shape(parts), device=self.device, dtype=self.dtype)
+                             for name, parts in sources.items()}
+        self._targets: dict[str, tuple[str, int]] = {}  # parameter name -> (buffer, first row)
+        for buffer, parts in sources.items():
+            rows = [0, *torch.tensor([p.shape[0] for p in parts]).cumsum(0).tolist()]
+            self._targets.update({names[id(p)]: (buffer, row) for p, row in zip(parts, rows)})
         self.layers = [LayerWeights(input_norm=b[f"{i}.input_norm"], qkv=b[f"{i}.qkv"], qkv_bias=b.get(f"{i}.qkv_bias"),
                                     o=b[f"{i}.o"], post_norm=b[f"{i}.post_norm"], gate_up=b[f"{i}.gate_up"],
                                     down=b[f"{i}.down"])
@@ -119,10 +135,7 @@ class NativeRolloutEngine:
         rotary = model.get_decoder().rotary_emb
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
-        # transformers renamed the decoder's `past_key_values` argument to `cache`
-        decoder_args = inspect.signature(model.get_decoder().forward).parameters
-        self._cache_arg = "cache" if "cache" in decoder_args else "past_key_values"
-        self._kept = None  # graphs captured on old buffers must not replay
+        self._kept = None
 
     # --- generation ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -227,38 +240,49 @@ class NativeRolloutEngine:
 
     def _prefill(self, input_ids: Tensor, attention_mask: Tensor, slot_to_prompt: Tensor,
                  state: "_DecodeState") -> Tensor:
-        """The policy's own forward over the distinct prompts, at most max_num_batched_tokens
-        prompt tokens per pass (a longer prompt goes alone, in pieces that extend its KV cache:
-        chunked prefill); each prompt's KV goes to every slot of its group. -> [U, V] logits."""
-        prompt_len = input_ids.shape[1]
-        per_pass = max(1, self.max_num_batched_tokens // prompt_len)
+        """A forward over the distinct prompts, at most max_num_batched_tokens prompt tokens per
+        pass; each prompt's KV goes to every slot of its group. -> [U, V] logits."""
+        per_pass = max(1, self.max_num_batched_tokens // input_ids.shape[1])
         logits = []
         for start in range(0, input_ids.shape[0], per_pass):
             ids, mask = input_ids[start:start + per_pass], attention_mask[start:start + per_pass]
-            hidden, cache = self._prompt_forward(ids, mask)
             slots = ((slot_to_prompt >= start) & (slot_to_prompt < start + len(ids))).nonzero().squeeze(-1)
-            for i, layer in enumerate(cache.layers):
-                state.k[i][slots, :, :prompt_len] = layer.keys[slot_to_prompt[slots] - start].to(self.dtype)
-                state.v[i][slots, :, :prompt_len] = layer.values[slot_to_prompt[slots] - start].to(self.dtype)
-            logits.append(F.linear(hidden.to(self.dtype), self.lm_head))  # already normed
+            hidden = self._prompt_forward(ids, mask, state, slots, slot_to_prompt[slots] - start)
+            logits.append(F.linear(hidden, self.lm_head))  # already normed
         return torch.cat(logits)
 
-    def _prompt_forward(self, ids: Tensor, mask: Tensor):
-        """(last position's hidden state [u, H], the KV cache) of left-padded prompts, in pieces of
-        at most max_num_batched_tokens tokens per pass, each attending to the cache of the last."""
+    def _prompt_forward(self, ids: Tensor, mask: Tensor, state: "_DecodeState", slots: Tensor,
+                        prompt_of_slot: Tensor) -> Tensor:
+        """The last position's normed hidden state [u, H] of left-padded prompts [u, P], their K
+        and V written to the cache rows `slots` (prompt_of_slot: each slot's row of `ids`). A pass
+        takes at most max_num_batched_tokens tokens: a longer prompt goes in pieces, each
+        attending to the cache the earlier ones wrote (chunked prefill)."""
+        u, prompt_len = ids.shape
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        piece = max(1, self.max_num_batched_tokens // len(ids))
-        decoder, cache = self.model.get_decoder(), None
-        # Eager even where training compiled the layers (actor.use_torch_compile): with a KV
-        # cache, each layer's index would recompile them, and prefill runs once per step.
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32), \
-                torch.compiler.set_stance("force_eager"):
-            for begin in range(0, ids.shape[1], piece):
-                end = min(begin + piece, ids.shape[1])
-                out = decoder(input_ids=ids[:, begin:end], attention_mask=mask[:, :end],
-                              position_ids=positions[:, begin:end], use_cache=True, **{self._cache_arg: cache})
-                cache = out.get("cache") if "cache" in out else out.get("past_key_values")
-        return out.last_hidden_state[:, -1], cache
+        first_slots = slots[torch.searchsorted(prompt_of_slot, torch.arange(u, device=ids.device))]
+        piece = max(1, self.max_num_batched_tokens // u)
+        for begin in range(0, prompt_len, piece):
+            end = min(begin + piece, prompt_len)
+            x = F.embedding(ids[:, begin:end], self.embed).flatten(0, 1)                       # [N, H]
+            cos, sin = _rope(positions[:, begin:end].flatten(), self.inv_freq, self.rope_scale, self.dtype)
+            visible = _prompt_visibility(mask[:, :end].bool(), begin)                         # [u, 1, L, end]
+            h = _rms_norm(x, self.layers[0].input_norm, self.eps)
+            for i, w in enumerate(self.layers):
+                q, k, v = _attention_inputs(h, w.qkv, w.qkv_bias, cos, sin, self.heads, self.kv_heads)
+                q, k, v = (t.view(u, end - begin, t.shape[1], t.shape[-1]).transpose(1, 2) for t in (q, k, v))
+                state.k[i][slots, :, begin:end] = k[prompt_of_slot]
+                state.v[i][slots, :, begin:end] = v[prompt_of_slot]
+                # K/V repeated to every query head, as transformers' SDPA path does with a mask: not
+                # every fused SDPA kernel that takes a mask also takes grouped heads (enable_gqa).
+                group = self.heads // self.kv_heads
+                attention = F.scaled_dot_product_attention(
+                    q, state.k[i][first_slots, :, :end].repeat_interleave(group, dim=1),
+                    state.v[i][first_slots, :, :end].repeat_interleave(group, dim=1), attn_mask=visible)  # [u, H, L, D]
+                next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+                attention = attention.transpose(1, 2).reshape(x.shape[0], -1)                   # [N, H * D]
+                x, h = _attention_output_and_mlp(x, attention, w.o, w.post_norm, w.gate_up, w.down, next_norm,
+                                                 self.eps)
+        return h.view(u, end - begin, -1)[:, -1]
 
     def _decode_step_fn(self, state: "_DecodeState", params: SamplingParams):
         """One decode step as a callable: a CUDA graph replay on GPU, the eager step elsewhere."""
@@ -315,12 +339,14 @@ def _fused_shape(parts: list[Tensor]) -> torch.Size:
     return torch.Size([sum(p.shape[0] for p in parts), *parts[0].shape[1:]])
 
 
-def _fill(buffer: Tensor, parts: list[Tensor]) -> None:
-    """Copy (and cast) the parts into consecutive rows of the buffer, without a fused temporary."""
-    row = 0
-    for part in parts:
-        buffer[row:row + part.shape[0]].copy_(part.detach())
-        row += part.shape[0]
+def _prompt_visibility(key_mask: Tensor, begin: int) -> Tensor:
+    """[u, 1, L, end] bool: the query at absolute position begin + l sees key column j when j is
+    at or before it and not padding. A padding query sees itself, so no row is empty (SDPA would
+    give NaN; its output is never used: decoding starts after the padding)."""
+    end = key_mask.shape[1]
+    query = torch.arange(begin, end, device=key_mask.device)[:, None]                   # [L, 1]
+    key = torch.arange(end, device=key_mask.device)[None, :]                            # [1, end]
+    return (((key <= query) & key_mask[:, None, :]) | (key == query))[:, None]
 
 
 class _StepFunctions:
