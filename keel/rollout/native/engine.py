@@ -16,6 +16,7 @@ from Python.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Iterable
@@ -124,7 +125,7 @@ class NativeRolloutEngine:
                              for name, parts in sources.items()}
         self._targets: dict[str, tuple[str, int]] = {}  # parameter name -> (buffer, first row)
         for buffer, parts in sources.items():
-            rows = [0, *torch.tensor([p.shape[0] for p in parts]).cumsum(0).tolist()]
+            rows = itertools.accumulate((p.shape[0] for p in parts), initial=0)
             self._targets.update({names[id(p)]: (buffer, row) for p, row in zip(parts, rows)})
         self.layers = [LayerWeights(input_norm=b[f"{i}.input_norm"], qkv=b[f"{i}.qkv"], qkv_bias=b.get(f"{i}.qkv_bias"),
                                     o=b[f"{i}.o"], post_norm=b[f"{i}.post_norm"], gate_up=b[f"{i}.gate_up"],
