@@ -6,7 +6,9 @@
 #   bash benchmarks/gpu_session.sh decode         the rollout targets: decode profiler, 0.5B and 1.5B
 #   bash benchmarks/gpu_session.sh workloads [W]  w1,w2,w3 (or W) on one GPU
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
-# GPUS defaults to 1,2. Run from the repository root after installing carried wheels into .site
+# GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
+# KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
+# Run from the repository root after installing carried wheels into .site
 # (../shared/device/wheels.sh ray==2.60.0 jsonschema jsonschema-specifications referencing rpds-py);
 # Ray is needed for more than one GPU only. Each step has its own time limit, so a part cut short
 # still brings back what finished.

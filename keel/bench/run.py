@@ -11,6 +11,7 @@ import datetime
 import gc
 import json
 import logging
+import os
 import random
 import statistics
 import subprocess
@@ -228,7 +229,10 @@ def measured_peak_tflops() -> float:
 
 
 def _commit() -> str:
-    """The checkout's commit, marked +dirty when files differ from it."""
+    """KEEL_COMMIT if set (a copy of the tree without its own git history, as on a lent GPU
+    machine), else the checkout's commit, marked +dirty when files differ from it."""
+    if os.environ.get("KEEL_COMMIT"):
+        return os.environ["KEEL_COMMIT"]
     try:
         return subprocess.run(["git", "describe", "--always", "--dirty=+dirty"], capture_output=True, text=True,
                               cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"

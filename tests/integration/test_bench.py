@@ -15,7 +15,8 @@ REQUIRED = ("workload", "date", "commit", "device", "step_time_s", "gen_tokens_p
             "peak_tflops_measured", "logprob_tokens_per_s", "peak_memory_gb_per_phase")
 
 
-def test_bench_appends_a_record_with_the_required_fields(tmp_path, capsys):
+def test_bench_appends_a_record_with_the_required_fields(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KEEL_COMMIT", "abc1234")  # what a copy of the tree without git history reports
     out = tmp_path / "results.jsonl"
     assert main(["bench", "tiny,tiny", "trainer.device=cpu", "--steps", "1", "--warmup", "1", "--out", str(out),
                  "--profile", str(tmp_path / "profile")]) == 0
@@ -23,6 +24,7 @@ def test_bench_appends_a_record_with_the_required_fields(tmp_path, capsys):
     assert len(records) == 2 and all(set(REQUIRED) <= set(r) for r in records)
     r = records[0]
     assert r["workload"] == "tiny" and r["engine"] == "NativeRolloutEngine" and r["n_gpus"] == 1
+    assert r["commit"] == "abc1234"
     assert r["overrides"] == ["trainer.device=cpu"]  # what differed from the workload
     assert r["step_time_s"] > r["timing_s"]["gen"] > 0 and r["gen_tokens_per_s"] > 0 and r["update_tokens_per_s"] > 0
     # fixed-length responses: every sample generated 16 tokens
