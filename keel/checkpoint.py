@@ -73,6 +73,13 @@ def write_policy(directory: Path, model, tokenizer, state_dict: dict | None = No
     """A Hugging Face model directory: weights (the module's, or `state_dict`'s when the module
     holds only a shard), config and tokenizer."""
     model.save_pretrained(directory, state_dict=state_dict)
+    # FSDP2 renames the module's class (FSDPQwen2ForCausalLM), and older transformers write that
+    # name into config.json, which no loader (vLLM, transformers) then recognises.
+    config_file = Path(directory) / "config.json"
+    config = json.loads(config_file.read_text())
+    architecture = [next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))]
+    if config.get("architectures") != architecture:
+        config_file.write_text(json.dumps({**config, "architectures": architecture}, indent=2))
     tokenizer.save_pretrained(directory)
 
 

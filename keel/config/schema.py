@@ -372,6 +372,16 @@ class KeelConfig:
         return pools
 
     @property
+    def fsdp_roles(self) -> list[tuple[str, object, int]]:
+        """(config key, fsdp_config, ranks) of every model this run trains or runs a forward of."""
+        roles = [("actor_rollout_ref.actor", self.actor_rollout_ref.actor.fsdp_config, self.world_size)]
+        if self.ref_enabled:
+            roles.append(("actor_rollout_ref.ref", self.actor_rollout_ref.ref.fsdp_config, self.world_size))
+        if self.critic_enabled:
+            roles.append(("critic.model", self.critic.model.fsdp_config, self.critic_world_size))
+        return roles
+
+    @property
     def critic_world_size(self) -> int:
         """Ranks the critic trains on: its own pool's, or the actor's when colocated."""
         return self.pools.get("critic", self.world_size)
@@ -483,15 +493,7 @@ def _check_world(cfg: KeelConfig, incompatible) -> None:
         raise KeelError(BATCH_ARITHMETIC, f"a critic mini-batch of {critic_mini} samples cannot be split across "
                         f"{cfg.critic_world_size} critic workers", "raise critic.ppo_mini_batch_size, or use "
                         "fewer critic workers")
-    roles = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.fsdp_config, world)]
-    roles += [("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.fsdp_config, world)] if cfg.ref_enabled else []
-    roles += [("critic.model", cfg.critic.model.fsdp_config, cfg.critic_world_size)] if cfg.critic_enabled else []
-    for key, fsdp, ranks in roles:
-        if fsdp.param_offload and ranks == 1:  # else silently ignored, and keel check's estimate wrong
-            raise incompatible(f"{key}.fsdp_config.param_offload=true on one worker: offloading parameters is "
-                               "FSDP's, and keel shards (FSDP) only across 2 or more workers",
-                               f"set {key}.fsdp_config.param_offload=false (optimizer_offload works on one "
-                               "worker), or train on 2 or more GPUs")
+    for key, fsdp, ranks in cfg.fsdp_roles:
         if fsdp.fsdp_size != -1 and (fsdp.fsdp_size < 1 or ranks % fsdp.fsdp_size):
             raise incompatible(f"{key}.fsdp_config.fsdp_size={fsdp.fsdp_size} does not divide the {ranks} workers",
                                f"set {key}.fsdp_config.fsdp_size to -1 or a divisor of {ranks}")

@@ -211,7 +211,12 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
     message = f"about {required:.2f} GB needed on {where}, {available:.1f} GB free of {total:.1f} GB"
     if required > available:
         raise KeelError(MEMORY_ESTIMATE, message)
-    return [Finding(WARN if required > 0.9 * available else PASS, "memory", message)]
+    # verl honours param_offload on one GPU; keel uses FSDP (whose offload it is) only across ranks
+    idle = [f"{key}.fsdp_config.param_offload=true has no effect on one worker (FSDP shards and offloads "
+            "across 2 or more); the estimate counts those weights on the device"
+            for key, fsdp, ranks in cfg.fsdp_roles if fsdp.param_offload and ranks == 1]
+    return ([Finding(WARN if required > 0.9 * available else PASS, "memory", message)]
+            + [Finding(WARN, "memory", text) for text in idle])
 
 
 def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
@@ -269,7 +274,9 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
     hidden per token per layer, Korthikanti et al. arXiv 2205.05198, plus one chunk's float32 logits);
     the KV cache of one generation batch and, for the native engine, its decode weights. A critic
     with a pool of its own is estimated for its own devices, as `critic_pool`, outside the total."""
-    from keel.rollout.native.engine import SUPPORTED_ARCHS
+    from types import SimpleNamespace
+
+    from keel.rollout.native.engine import unsupported_reason
 
     gb = 2 ** 30
     params = architecture_parameters(model_cfg)
@@ -291,7 +298,7 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
         "kv_cache": 2 * layers * kv_heads * head_dim * seq * cfg.actor_rollout_ref.rollout.max_num_seqs
                     * bytes_act / gb,
     }
-    native = arr.rollout.name != "hf" and model_cfg.model_type in SUPPORTED_ARCHS
+    native = arr.rollout.name != "hf" and unsupported_reason(SimpleNamespace(config=model_cfg)) is None
     if native:  # the native engine's decode weights, in the compute dtype: its only copy
         estimate["rollout_weights"] = bytes_act * params / gb
     if cfg.world_size > 1 and arr.actor.fsdp_config.fsdp_size != 1 and not native:
@@ -321,8 +328,9 @@ def _sharded_bytes(params: int, trained: bool, fsdp_cfg, world: int) -> float:
     """Device bytes of one rank: float32 weights (and gradients, if trained) and AdamW's two
     moments, sharded over the fsdp group, minus what is offloaded to CPU."""
     shards = world if fsdp_cfg.fsdp_size == -1 else fsdp_cfg.fsdp_size
-    weights = 0 if fsdp_cfg.param_offload else (8 if trained else 4) * params
-    moments = 0 if (not trained or fsdp_cfg.param_offload or fsdp_cfg.optimizer_offload) else 8 * params
+    offloaded = fsdp_cfg.param_offload and shards > 1  # FSDP's: a single rank keeps its weights
+    weights = 0 if offloaded else (8 if trained else 4) * params
+    moments = 0 if (not trained or offloaded or fsdp_cfg.optimizer_offload) else 8 * params
     return (weights + moments) / shards
 
 

@@ -235,7 +235,7 @@ def require_reachable(address: str, timeout_s: float = 5.0) -> None:
         return
     host, port = where.rsplit(":", 1)
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):  # [::1]:6379
             return
     except (OSError, ValueError) as e:
         raise KeelError(RAY_MISSING, f"nothing answers at RAY_ADDRESS={address} ({e})",

@@ -232,8 +232,9 @@ class PolicyWorker:
     def _optimizer_state_on_device(self, optimizer, fsdp_cfg):
         """fsdp_config.optimizer_offload: Adam's two moments wait in CPU memory, away from the KV
         cache and activations, and come back to the GPU only for the update. With param_offload
-        the update itself runs on CPU, where the state already is."""
-        moves = fsdp_cfg.optimizer_offload and not fsdp_cfg.param_offload and self.device.type == "cuda"
+        (sharded: FSDP's, so not on one worker) the update itself runs on CPU, where the state is."""
+        params_on_cpu = fsdp_cfg.param_offload and self.world_size > 1
+        moves = fsdp_cfg.optimizer_offload and not params_on_cpu and self.device.type == "cuda"
         if moves:
             _move_optimizer_state(optimizer, self.device)
         try:

@@ -52,8 +52,12 @@ class HFRolloutEngine:
     def load_weights(self, named) -> None:
         """Whole parameters by name into this engine's own copy (the actor is sharded)."""
         mine = dict(self.model.named_parameters())
+        given = set()
         for name, tensor in named:
             mine[name].copy_(tensor)
+            given.add(name)
+        if given != set(mine):  # a caller bug: generation would mix stale weights with new
+            raise RuntimeError(f"hf rollout: no weights given for {sorted(set(mine) - given)[:3]}")
 
     @torch.no_grad()
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:

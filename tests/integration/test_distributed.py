@@ -89,6 +89,10 @@ def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ra
             single, split = getattr(one, update)(batch, seed=3), getattr(two, update)(batch, seed=3)
             for key in [k for k in single if not k.startswith("timing_s/")]:
                 assert split[key] == pytest.approx(single[key], rel=1e-4, abs=1e-6), key
+        # The workers' engines generate with the updated weights (gathered from the shards, or read
+        # from the replicated module): the one process's updated policy gives their log-probs.
+        after = two.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=1)
+        torch.testing.assert_close(after.sampling_log_probs, one.actor_log_probs(after), atol=1e-4, rtol=0)
         one.save(tmp_path / "one"), (tmp_path / "two").mkdir(), two.save(tmp_path / "two")
     finally:
         two.shutdown()
@@ -100,6 +104,8 @@ def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ra
     single = load_file(tmp_path / "one" / "actor" / "model.safetensors")
     split = load_file(tmp_path / "two" / "actor" / "model.safetensors")
     assert single.keys() == split.keys()
+    import json  # loaders find the model's class by this name, never FSDP's wrapper
+    assert json.loads((tmp_path / "two" / "actor" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     initial = load_file(Path(one_cfg.actor_rollout_ref.model.path) / "model.safetensors")
     moved = max(float((initial[k] - single[k]).abs().max()) for k in single)
     assert moved > 1e-3  # two Adam steps at lr 1e-3

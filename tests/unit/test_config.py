@@ -98,7 +98,6 @@ def test_batch_arithmetic_names_the_numbers():
     ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.fsdp_size=3"],  # 3 does not divide 2
     ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.fsdp_size=1",  # no FSDP to offload
      "actor_rollout_ref.actor.fsdp_config.param_offload=true"],
-    ["actor_rollout_ref.actor.fsdp_config.param_offload=true"],  # one worker: no FSDP either
     ["algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.do_sample=false"],
     ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "algorithm.critic_warmup=3"],
     ["actor_rollout_ref.rollout.val_kwargs.n=4"],  # four identical greedy answers
@@ -110,12 +109,6 @@ def test_batch_arithmetic_names_the_numbers():
 ])
 def test_incompatible_options(overrides):
     assert error_of(overrides).code == INCOMPATIBLE_OPTIONS
-
-
-def test_offload_keys_of_a_role_that_does_not_run_are_accepted():
-    """verl scripts set the reference's param_offload whether or not it runs: no reference, no refusal."""
-    cfg = load_config(BASE, ["actor_rollout_ref.ref.fsdp_config.param_offload=true"])
-    assert not cfg.ref_enabled
 
 
 def test_max_model_len_shorter_than_prompt_plus_response_is_refused():

@@ -33,11 +33,12 @@ def engines(model_dir, n: int, max_num_seqs: int = 256, sharpen: float = 1.0, in
             HFRolloutEngine(model, tokenizer, max_num_seqs), model, prompts)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_greedy_tokens_are_identical_to_the_hf_engine(tmp_path, arch):
+@pytest.mark.parametrize("arch, tied", [("qwen2", True), ("llama", True), ("qwen2", False)])
+def test_greedy_tokens_are_identical_to_the_hf_engine(tmp_path, arch, tied):
     from keel.models.tiny import make_tiny_model
 
-    model_dir = make_tiny_model(tmp_path / arch, arch=arch, hidden_size=64, num_layers=3, seed=3)
+    model_dir = make_tiny_model(tmp_path / arch, arch=arch, hidden_size=64, num_layers=3, seed=3,
+                                tie_word_embeddings=tied)
     native, hf, _, prompts = engines(model_dir, n=2, max_num_seqs=4, init_std=0.2)  # chunks of 4: groups split
     greedy = SamplingParams(do_sample=False, max_new_tokens=24, ignore_eos=True)
     ours, theirs = native.generate(prompts, greedy), hf.generate(prompts, greedy)

@@ -9,7 +9,7 @@ from keel.cli import main
 from keel.config.load import load_config
 from keel.diagnostics.codes import (MEMORY_ESTIMATE, NO_EOS, RUN_DIR_NOT_WRITABLE, SCORER_RAISED, TOKEN_BUDGET,
                                     VOCAB_MISMATCH)
-from keel.diagnostics.preflight import FAIL, SKIP, run_checks
+from keel.diagnostics.preflight import FAIL, SKIP, WARN, run_checks
 
 
 def failure_codes(report) -> list[str]:
@@ -110,6 +110,21 @@ def test_a_critic_pool_is_estimated_on_its_own_devices(tiny_config):
     assert "critic_states" not in pooled
     assert pooled["total"] == pytest.approx(colocated["total"] - colocated["critic_states"], rel=0.01)
     assert 0 < pooled["critic_pool"] - colocated["critic_states"] / 2 < colocated["activations"]  # + activations
+
+
+def test_param_offload_on_one_worker_is_a_warning_and_not_counted_as_offloaded(tiny_config):
+    """verl scripts set param_offload on one GPU; keel offloads only what FSDP shards (2+ workers),
+    so it says so, and estimates the weights on the device. A role that does not run is not named."""
+    def report(*overrides):
+        return run_checks(load_config(tiny_config, ["trainer.device=cpu", *overrides]))
+
+    plain = report()
+    offload = report("actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                     "actor_rollout_ref.ref.fsdp_config.param_offload=true")  # no KL term: no reference
+    warnings = [f.message for f in offload.findings if f.level == WARN]
+    assert [w.split("=")[0] for w in warnings if "no effect on one worker" in w] == \
+        ["actor_rollout_ref.actor.fsdp_config.param_offload"]
+    assert offload.memory_gb["actor_states"] == plain.memory_gb["actor_states"] > 0
 
 
 def test_memory_estimate_follows_the_resolved_compute_dtype(tiny_config):

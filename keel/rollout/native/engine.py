@@ -109,10 +109,13 @@ class NativeRolloutEngine:
         kept between calls (free_cache_engine=False) read the new weights."""
         missing = set(self._targets)
         for name, tensor in named:
-            if name in self._targets:
-                buffer, row = self._targets[name]
-                self._buffers[buffer][row:row + tensor.shape[0]].copy_(tensor.detach())
-                missing.discard(name)
+            if name not in self._targets:
+                continue
+            buffer, row, shape = self._targets[name]
+            if tensor.shape != shape:  # a part-filled buffer would mix old weights with new
+                raise RuntimeError(f"native rollout: {name} has shape {tuple(tensor.shape)}, not {tuple(shape)}")
+            self._buffers[buffer][row:row + shape[0]].copy_(tensor.detach())
+            missing.discard(name)
         if missing:  # a caller bug, not a user's: the engine would generate from stale weights
             raise RuntimeError(f"native rollout: no weights given for {sorted(missing)[:3]}")
 
@@ -123,10 +126,10 @@ class NativeRolloutEngine:
         names = {id(p): name for name, p in model.named_parameters()}
         b = self._buffers = {name: torch.empty(_fused_shape(parts), device=self.device, dtype=self.dtype)
                              for name, parts in sources.items()}
-        self._targets: dict[str, tuple[str, int]] = {}  # parameter name -> (buffer, first row)
+        self._targets: dict[str, tuple[str, int, torch.Size]] = {}  # parameter -> (buffer, first row, shape)
         for buffer, parts in sources.items():
             rows = itertools.accumulate((p.shape[0] for p in parts), initial=0)
-            self._targets.update({names[id(p)]: (buffer, row) for p, row in zip(parts, rows)})
+            self._targets.update({names[id(p)]: (buffer, row, p.shape) for p, row in zip(parts, rows)})
         self.layers = [LayerWeights(input_norm=b[f"{i}.input_norm"], qkv=b[f"{i}.qkv"], qkv_bias=b.get(f"{i}.qkv_bias"),
                                     o=b[f"{i}.o"], post_norm=b[f"{i}.post_norm"], gate_up=b[f"{i}.gate_up"],
                                     down=b[f"{i}.down"])
@@ -262,23 +265,23 @@ class NativeRolloutEngine:
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         first_slots = slots[torch.searchsorted(prompt_of_slot, torch.arange(u, device=ids.device))]
         piece = max(1, self.max_num_batched_tokens // u)
+        unpadded = bool(mask.all())  # one host sync per pass
         for begin in range(0, prompt_len, piece):
             end = min(begin + piece, prompt_len)
             x = F.embedding(ids[:, begin:end], self.embed).flatten(0, 1)                       # [N, H]
             cos, sin = _rope(positions[:, begin:end].flatten(), self.inv_freq, self.rope_scale, self.dtype)
-            visible = _prompt_visibility(mask[:, :end].bool(), begin)                         # [u, 1, L, end]
+            # No mask where plain causal attention is right: SDPA may then use its flash kernel,
+            # and no [u, L, end] mask is built.
+            visible = None if unpadded and begin == 0 else _prompt_visibility(mask[:, :end].bool(), begin)
             h = _rms_norm(x, self.layers[0].input_norm, self.eps)
             for i, w in enumerate(self.layers):
                 q, k, v = _attention_inputs(h, w.qkv, w.qkv_bias, cos, sin, self.heads, self.kv_heads)
                 q, k, v = (t.view(u, end - begin, t.shape[1], t.shape[-1]).transpose(1, 2) for t in (q, k, v))
                 state.k[i][slots, :, begin:end] = k[prompt_of_slot]
                 state.v[i][slots, :, begin:end] = v[prompt_of_slot]
-                # K/V repeated to every query head, as transformers' SDPA path does with a mask: not
-                # every fused SDPA kernel that takes a mask also takes grouped heads (enable_gqa).
-                group = self.heads // self.kv_heads
-                attention = F.scaled_dot_product_attention(
-                    q, state.k[i][first_slots, :, :end].repeat_interleave(group, dim=1),
-                    state.v[i][first_slots, :, :end].repeat_interleave(group, dim=1), attn_mask=visible)  # [u, H, L, D]
+                if begin > 0:  # earlier pieces' K/V too, as the cache holds them
+                    k, v = state.k[i][first_slots, :, :end], state.v[i][first_slots, :, :end]
+                attention = _grouped_attention(q, k, v, visible)                                 # [u, H, L, D]
                 next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
                 attention = attention.transpose(1, 2).reshape(x.shape[0], -1)                   # [N, H * D]
                 x, h = _attention_output_and_mlp(x, attention, w.o, w.post_norm, w.gate_up, w.down, next_norm,
@@ -338,6 +341,15 @@ def _decode_weight_sources(model) -> dict[str, list[Tensor]]:
 
 def _fused_shape(parts: list[Tensor]) -> torch.Size:
     return torch.Size([sum(p.shape[0] for p in parts), *parts[0].shape[1:]])
+
+
+def _grouped_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None) -> Tensor:
+    """SDPA of q [u, H, L, D] over k, v [u, KV, S, D]: causal when `visible` is None, else under
+    that mask. K/V are repeated to every query head, as transformers' SDPA path does: not every
+    fused SDPA kernel that takes a mask also takes grouped heads (enable_gqa)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=visible is None)
 
 
 def _prompt_visibility(key_mask: Tensor, begin: int) -> Tensor:
