@@ -181,6 +181,21 @@ def test_checkpoints_resume_on_a_different_number_of_workers(tiny_config, tmp_pa
     assert [s for s in steps if s > 0] == [1, 2, 3, 4]
 
 
+def test_sharding_in_pairs_on_four_workers_keeps_the_sampler_on_the_updated_policy(tiny_config, tmp_path):
+    """fsdp_size=2 on 4 workers: shards within pairs, replicated across them (HSDP). After each
+    update every engine takes whole weights gathered within its pair: in float32 the sampler's
+    log-probs of step 2 agree with the trainer's, which stale or mis-gathered weights would break."""
+    import json
+
+    config = write_config(tiny_config, tmp_path / "cfg.yaml")
+    proc = keel_train(config, "trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.fsdp_config.fsdp_size=2",
+                      "trainer.total_training_steps=2", timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (Path(tiny_config["trainer"]["default_local_dir"]) / "metrics.jsonl").read_text().splitlines()
+    second = [m for m in map(json.loads, lines) if m["step"] == 2][-1]
+    assert second["rollout/log_prob_gap"] < 1e-4 and second["actor/grad_norm"] > 0
+
+
 def test_keel_train_with_the_critic_on_workers_of_its_own(tiny_config, tmp_path):
     """A run with a critic pool, then resumed with the critic colocated: the same checkpoint."""
     config = write_config(tiny_config, tmp_path / "cfg.yaml")
