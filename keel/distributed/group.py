@@ -215,14 +215,30 @@ def connect_ray(cfg):
             require_reachable(address)
             ray.init(address=address, log_to_driver=True)
         else:
-            ray.init(num_cpus=max(os.cpu_count() or 1, devices_needed(cfg)), include_dashboard=False,
-                     object_store_memory=512 * 1024**2, log_to_driver=True)
+            _start_or_join_local(ray, cfg)
     except KeelError:
         raise
     except Exception as e:  # noqa: BLE001 - any start/connect failure has one fix
+        auth = ("; the address answers, so if the cluster uses Ray's token authentication (on by default "
+                "for clusters Ray starts itself since 2.59), set RAY_AUTH_MODE=token here too, with the "
+                "nodes' token (RAY_AUTH_TOKEN, or the same ~/.ray/auth_token)") if address else ""
         raise KeelError(RAY_MISSING, f"could not {'join the Ray cluster at ' + address if address else 'start Ray'}: "
-                        f"{e}") from None
+                        f"{e}{auth}") from None
     return ray
+
+
+def _start_or_join_local(ray, cfg) -> None:
+    """A Ray instance of keel's own, sized for this machine; or, when `ray start` runs a cluster on
+    this machine (the head node of the multi-node recipe, RAY_ADDRESS forgotten), that cluster,
+    which Ray joins unasked and which refuses sizes given by a joining driver."""
+    try:
+        ray.init(num_cpus=max(os.cpu_count() or 1, devices_needed(cfg)), include_dashboard=False,
+                 object_store_memory=512 * 1024**2, log_to_driver=True)
+    except ValueError as e:
+        if "existing cluster" not in str(e):
+            raise
+        log.info("joining the Ray cluster that `ray start` runs on this machine (RAY_ADDRESS is not set)")
+        ray.init(log_to_driver=True)
 
 
 def require_reachable(address: str, timeout_s: float = 5.0) -> None:
