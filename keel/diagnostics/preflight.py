@@ -274,8 +274,6 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
     hidden per token per layer, Korthikanti et al. arXiv 2205.05198, plus one chunk's float32 logits);
     the KV cache of one generation batch and, for the native engine, its decode weights. A critic
     with a pool of its own is estimated for its own devices, as `critic_pool`, outside the total."""
-    from types import SimpleNamespace
-
     from keel.rollout.native.engine import unsupported_reason
 
     gb = 2 ** 30
@@ -298,7 +296,7 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
         "kv_cache": 2 * layers * kv_heads * head_dim * seq * cfg.actor_rollout_ref.rollout.max_num_seqs
                     * bytes_act / gb,
     }
-    native = arr.rollout.name != "hf" and unsupported_reason(SimpleNamespace(config=model_cfg)) is None
+    native = arr.rollout.name != "hf" and unsupported_reason(model_cfg) is None
     if native:  # the native engine's decode weights, in the compute dtype: its only copy
         estimate["rollout_weights"] = bytes_act * params / gb
     if cfg.world_size > 1 and arr.actor.fsdp_config.fsdp_size != 1 and not native:

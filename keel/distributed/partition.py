@@ -10,6 +10,13 @@ from torch import Tensor
 from keel.types import RolloutBatch
 
 
+def contiguous_shares(total: int, parts: int) -> list[tuple[int, int]]:
+    """(start, end) of `parts` consecutive shares of `total` items, sizes differing by at most one
+    (some empty when there are fewer items than parts)."""
+    bounds = [total * r // parts for r in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 def balanced_partitions(lengths: Tensor, parts: int) -> list[Tensor]:
     """Indices for `parts` ranks with equal sample counts (to within one) and token totals as
     close as a greedy pass gets: longest sample first, each into the open rank with fewest tokens.

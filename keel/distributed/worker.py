@@ -2,8 +2,9 @@
 
 This is verl's ActorRolloutRefWorker with the critic sharing its GPUs. The driver calls it with
 this rank's part of each batch; with one worker it runs in the driver's own process. With more,
-each worker is a torch.distributed rank whose models are sharded with FSDP2, and its rollout
-engine generates from an unsharded copy of the policy that is refreshed after every update.
+each worker is a torch.distributed rank whose models are sharded with FSDP2 (or, fsdp_size=1,
+replicated), and its rollout engine generates from whole weights it takes after every update:
+read from the unsharded module, or gathered from the shards.
 With critic.enable_resource_pool the critic is a second group of these workers, built with
 roles={"critic"} and ranks of its own.
 """

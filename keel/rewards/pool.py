@@ -14,6 +14,7 @@ import logging
 
 from keel.diagnostics.codes import WORKER_RAISED, KeelError
 from keel.distributed.group import connect_ray, require_devices, wants_gpus
+from keel.distributed.partition import contiguous_shares
 from keel.rewards.model import RewardTemplate
 
 log = logging.getLogger("keel")
@@ -49,7 +50,7 @@ class RewardModelPool(RewardTemplate):
 
     def score(self, raw_prompts: list, responses: list[str]) -> list[float | str]:
         """Every replica scores a contiguous share; the scores come back in order."""
-        shares = _split(len(responses), len(self.replicas))
+        shares = contiguous_shares(len(responses), len(self.replicas))
         refs = [replica.score.remote(raw_prompts[start:end], responses[start:end])
                 for replica, (start, end) in zip(self.replicas, shares) if end > start]
         try:
@@ -62,14 +63,3 @@ class RewardModelPool(RewardTemplate):
         for replica in self.replicas:
             self.ray.kill(replica)
         self.replicas = []
-
-
-def _split(total: int, parts: int) -> list[tuple[int, int]]:
-    """(start, end) of `parts` contiguous shares of `total` items, sizes differing by at most one."""
-    size, extra = divmod(total, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        end = start + size + (i < extra)
-        bounds.append((start, end))
-        start = end
-    return bounds

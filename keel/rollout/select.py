@@ -22,7 +22,7 @@ def make_rollout_engine(rollout_cfg, model, tokenizer, device: torch.device, dty
 
     `will_be_sharded`: the policy module is about to be sharded. The native engine keeps only its
     own decode weights; hf generates with a module, so it gets a whole copy of its own."""
-    reason = unsupported_reason(model) if rollout_cfg.name != "hf" else None
+    reason = unsupported_reason(model.config) if rollout_cfg.name != "hf" else None
     if rollout_cfg.name == "native" and reason:
         raise KeelError(INCOMPATIBLE_OPTIONS, f"actor_rollout_ref.rollout.name=native does not support this model: "
                         f"{reason}", "set actor_rollout_ref.rollout.name=auto (falls back to hf) or hf")

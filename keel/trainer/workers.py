@@ -10,7 +10,7 @@ import torch
 
 from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptBatch
-from keel.distributed.partition import concat_rows, shard_batch, unshard_rows
+from keel.distributed.partition import concat_rows, contiguous_shares, shard_batch, unshard_rows
 from keel.training.step import plan_minibatches
 from keel.types import RolloutBatch, SamplingParams
 
@@ -37,8 +37,7 @@ class WorkerRoles:
     def generate(self, prompts: PromptBatch, sampling: SamplingParams, seed: int) -> RolloutBatch:
         """Contiguous slices of the prompts, one per rank (generation has no collectives, so the
         slices may differ in size or be empty)."""
-        bounds = [len(prompts) * r // self.world for r in range(self.world + 1)]
-        parts = [_slice_prompts(prompts, bounds[r], bounds[r + 1]) for r in range(self.world)]
+        parts = [_slice_prompts(prompts, start, end) for start, end in contiguous_shares(len(prompts), self.world)]
         results = self._call("generate", [(p, sampling, seed * 1009 + r) for r, p in enumerate(parts)])
         # The slowest rank's parts: where the phase's time went.
         self.gen_timing = {f"timing_s/{k}": max(t.get(k, 0.0) for _, t in results) for _, t in results for k in t}

@@ -112,11 +112,11 @@ def test_ignore_eos_gives_fixed_lengths(tiny_assets):
 
 def test_other_architectures_fall_back_with_a_reason(tiny_assets):
     model = load_causal_lm(tiny_assets["model"], torch.device("cpu"))
-    assert unsupported_reason(model) is None
+    assert unsupported_reason(model.config) is None
     model.config.mlp_bias = True
-    assert "biases" in unsupported_reason(model)
+    assert "biases" in unsupported_reason(model.config)
     model.config.model_type = "gemma2"
-    assert "gemma2" in unsupported_reason(model)
+    assert "gemma2" in unsupported_reason(model.config)
 
 
 def test_finished_sequences_leave_the_batch_without_changing_the_rest(tiny_assets, monkeypatch):

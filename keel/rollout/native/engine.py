@@ -39,9 +39,8 @@ STATIC_ROPE = {"default", "linear", "llama3"}  # inv_freq does not depend on the
 DONE_CHECK_EVERY = 16  # decode steps between checks that every sequence has finished (a host sync)
 
 
-def unsupported_reason(model) -> str | None:
-    """Why the native engine cannot run this model, or None when it can."""
-    config = model.config
+def unsupported_reason(config) -> str | None:
+    """Why the native engine cannot run a model of this (Hugging Face) config, or None when it can."""
     if config.model_type not in SUPPORTED_ARCHS:
         return f"model_type {config.model_type!r} (native supports {sorted(SUPPORTED_ARCHS)})"
     rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
