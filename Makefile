@@ -6,7 +6,11 @@ TORCH ?= torch==2.13.0
 
 .PHONY: install test demo
 
+# bubblewrap is the jail for model-written code (the code_exec scorer); `keel doctor` says what holds without it.
 install:
+	@command -v bwrap >/dev/null || { export DEBIAN_FRONTEND=noninteractive; apt-get install -y -qq bubblewrap \
+	  || { apt-get update -qq && apt-get install -y -qq bubblewrap; } \
+	  || echo "keel: could not install bubblewrap (apt-get install bubblewrap); code_exec runs without its jail"; }
 	$(PYTHON) -m pip install -q "$(TORCH)"
 	$(PYTHON) -m pip install -q -e ".[test]"
 

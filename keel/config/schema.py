@@ -234,6 +234,13 @@ class RewardServiceConfig:
 
 
 @dataclass
+class SandboxConfig:
+    require_jail: bool = opt(False, help="refuse to run model-written code (code_exec) unless every protection "
+                                         "of the jail holds here (keel doctor lists them); false: warn and run "
+                                         "with those there are")
+
+
+@dataclass
 class RewardConfig:
     scorers: dict[str, dict[str, float]] = opt(
         factory=dict, help="data_source -> {scorer: weight}, e.g. {gsm8k: {gsm8k: 0.9, think_answer_format: 0.1}}; "
@@ -241,6 +248,7 @@ class RewardConfig:
     overlong_buffer: OverlongBufferConfig = opt(factory=OverlongBufferConfig)
     normalize: RewardNormConfig = opt(factory=RewardNormConfig)
     service: RewardServiceConfig = opt(factory=RewardServiceConfig)
+    sandbox: SandboxConfig = opt(factory=SandboxConfig)
     on_error: str = opt("mask", choices=("mask", "zero", "raise"),
                         help="a sample the scorer fails on: left out of the update, scored 0, or stop")
     max_not_scored_ratio: float = opt(0.1, ge=0, le=1, help="stop when a batch has more not-scored samples")

@@ -16,8 +16,9 @@ from importlib import metadata
 from packaging.version import Version
 
 from keel.diagnostics.codes import (CUDA_DRIVER_TOO_OLD, GPU_ARCH_UNSUPPORTED, LOW_DISK, PACKAGE_VERSION,
-                                    TORCH_UNSUPPORTED)
+                                    SANDBOX_INCOMPLETE, TORCH_UNSUPPORTED)
 from keel.diagnostics.preflight import FAIL, PASS, WARN
+from keel.rewards.sandbox import jail
 
 # (minimum, maximum exclusive or None) of what keel is tested with
 SUPPORTED = {"transformers": ("4.51", None), "peft": ("0.13", None), "tokenizers": ("0.20", None)}
@@ -96,6 +97,14 @@ def check_distributed(nccl: bool, ray: str | None) -> Check:
     return Check("distributed", PASS if nccl and ray else WARN, "; ".join(parts))
 
 
+def check_sandbox(found) -> Check:
+    """The jail model-written code runs in: every protection, or the ones missing and why."""
+    if found.complete:
+        return Check("sandbox", PASS, f"{found.mode}; " + ", ".join(found.protections) + " in force")
+    return Check("sandbox", WARN, f"{found.mode}; missing: {', '.join(found.missing())} ({found.why_not})",
+                 SANDBOX_INCOMPLETE)
+
+
 def check_disk(path: str, free_gb: float) -> Check:
     if free_gb < MIN_FREE_DISK_GB:
         return Check("disk", WARN, f"{free_gb:.1f} GB free at {path}: checkpoints of a 7B model take ~28 GB "
@@ -135,6 +144,7 @@ def collect(path: str = ".") -> list[Check]:
         check_gpu_arch(capabilities, torch.cuda.get_arch_list() if gpus else []),
         check_distributed(torch.distributed.is_available() and torch.distributed.is_nccl_available(),
                           installed("ray")),
+        check_sandbox(jail()),
         check_disk(path, shutil.disk_usage(path).free / 2 ** 30),
     ]
 

@@ -18,7 +18,8 @@ from keel import checkpoint as ckpt
 from keel.config.plan import make_plan
 from keel.config.schema import KeelConfig
 from keel.diagnostics.codes import (MEMORY_ESTIMATE, NOT_ENOUGH_DEVICES, RAY_MISSING, RUN_DIR_NOT_WRITABLE,
-                                    TOKEN_BUDGET, VOCAB_MISMATCH, KeelError)
+                                    SANDBOX_INCOMPLETE, TOKEN_BUDGET, VOCAB_MISMATCH, KeelError)
+from keel.rewards.sandbox import jail
 from keel.training.forward import LOGITS_CHUNK_TOKENS
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
@@ -168,9 +169,20 @@ def check_reward(cfg: KeelConfig, context: dict) -> list[Finding]:
     scorer.close()  # its worker pool; the scorer starts a new one when the trainer reuses it
     context["reward"] = scorer
     found = [Finding(PASS, "reward", f"scorer ran on {len(sample)} rows (last scores {scores.tolist()})")]
+    if scorer.runs_model_code(records):
+        found.append(sandbox_finding(jail()))
     if cfg.reward_model.enable:
         found.append(check_reward_model_budget(cfg, scorer.reward_model, records))
     return found
+
+
+def sandbox_finding(found) -> Finding:
+    """Which of the jail's protections hold for model-written code (check_records has already
+    refused a partial jail when reward.sandbox.require_jail asks for all)."""
+    if found.complete:
+        return Finding(PASS, "sandbox", f"{found.mode}: every protection in force ({', '.join(found.protections)})")
+    return Finding(WARN, "sandbox", f"{found.mode}: model-written code runs without {', '.join(found.missing())} "
+                                    f"({found.why_not}); keel doctor lists them", SANDBOX_INCOMPLETE)
 
 
 def check_reward_model_budget(cfg: KeelConfig, reward_model, records: list) -> Finding:

@@ -11,6 +11,7 @@ import torch
 from keel.diagnostics.codes import (MISSING_GROUND_TRUTH, NO_SCORER, REWARD_FN_LOAD, REWARD_NOT_NUMBER, SCORER_RAISED,
                                     SCORER_TIMEOUT, TOO_MANY_NOT_SCORED, KeelError)
 from keel.rewards.executor import ScoringPool
+from keel.rewards.sandbox import require_jail
 from keel.rewards.scorers import DATA_SOURCE_SCORERS, NO_GROUND_TRUTH, SCORERS, RewardFn
 from keel.rewards.worker import SampleResult, SampleTask, Spec, load_module, resolve, score_batched
 
@@ -61,8 +62,9 @@ class RewardScorer:
     def __init__(self, custom: RewardFn | tuple | None = None, by_source: dict[str, dict[str, float]] | None = None,
                  overlong=None, max_response_length: int | None = None, on_error: str = "mask",
                  max_not_scored_ratio: float = 0.1, timeout_s: float | None = None, num_workers: int = 0,
-                 batched: bool = False, reward_model=None, service=None):
+                 batched: bool = False, reward_model=None, service=None, require_jail: bool = False):
         self.service = service
+        self.require_jail = require_jail
         self.custom = custom
         self.batched = batched
         self.reward_model = reward_model
@@ -113,6 +115,12 @@ class RewardScorer:
         if missing:
             raise KeelError(MISSING_GROUND_TRUTH, f"{len(missing)} rows (first: row {missing[0]}) have no "
                             "reward_model.ground_truth, which the built-in scorers compare against")
+        if self.runs_model_code(records):
+            require_jail(self.require_jail)
+
+    def runs_model_code(self, records: list) -> bool:
+        """Whether some row is scored by running the response (code_exec, in keel's sandbox)."""
+        return any("code_exec" in self.scorers_for(source) for source in {r.data_source for r in records})
 
     def score(self, records: list, response_texts: list[str]) -> torch.Tensor:      # -> [N]
         return self.score_batch(records, response_texts).scores

@@ -1,30 +1,48 @@
-"""Run untrusted Python (a model's solution) in a subprocess that cannot hurt the run.
+"""Run untrusted Python (a model's solution) in an operating-system jail.
 
-Layers, each for a different escape:
-- resource limits (CPU seconds, address space, file size) and a wall-clock kill of the whole
-  process group: infinite loops, memory bombs, huge outputs;
-- an audit hook installed before the solution runs (PEP 578; user code cannot remove it) that
-  refuses sockets, new processes (fork, exec, spawn, system), native code (ctypes), and any file
-  access outside the solution's temporary directory other than reading Python's own library;
-- a temporary working directory, removed afterwards, and an environment with nothing inherited.
-It is a strong fence for model-written code, not a security boundary against a determined
-attacker with a kernel exploit; run keel's reward workers in a container for that.
+The jail is bubblewrap (`bwrap`, Debian's `bubblewrap`), the sandbox Flatpak runs apps in:
+- its own pid, network, IPC and UTS namespaces: the solution cannot see or signal the trainer,
+  reaches no network (not even loopback), and everything it starts dies with it;
+- its own mount namespace holding only the system's programs and libraries and the interpreter,
+  read-only, plus a size-limited scratch directory in memory (`/sandbox`, its working directory):
+  no path on the host is writable, and no project file, dataset or home directory is visible;
+- an unprivileged user: uid 65534 (`nobody`) when the trainer is root, otherwise a user
+  namespace with no capabilities;
+- resource limits (CPU seconds, address space, processes, open files, file size);
+- output read as it comes and cut at the limit, and a wall-clock kill of the whole tree.
+A machine that cannot give some of these (no bubblewrap, or namespaces refused, as in some
+containers) runs solutions with limits only: `protections()` says which hold, `keel doctor` and
+`keel check` print them, and `reward.sandbox.require_jail: true` refuses to train without all.
+
+What the solution does inside is its own business: a refused write or connection is an error in
+the program, so the test case fails, as on a judge. Only limits keel enforces (time, CPU, output,
+memory) stop a program without a verdict: SandboxViolation, and the sample is not scored.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import resource
+import selectors
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+
+from keel.diagnostics.codes import SANDBOX_INCOMPLETE, KeelError
+
+log = logging.getLogger("keel")
 
 
 class SandboxViolation(Exception):
-    """The solution was stopped: a timeout, a limit, or a refused operation. Not scored."""
+    """The solution was stopped by a limit (time, CPU, memory, output). Not scored."""
 
 
 @dataclass(frozen=True)
@@ -33,83 +51,236 @@ class Limits:
     wall_s: float = 10.0
     memory_mb: int = 512
     output_bytes: int = 1 << 16
+    processes: int = 32         # for the sandbox's user, so a fork bomb stops (jailed as uid 65534 only)
+    open_files: int = 64
+    scratch_mb: int = 16        # the writable /sandbox, in memory
 
 
-# Runs first in the child, then executes the solution. Allowed reads: the solution's directory and
-# the interpreter's own files (imports); allowed writes: the solution's directory only.
-_PRELUDE = r'''
-import os, sys
-_HOME = os.path.realpath(os.getcwd())
-_LIBS = tuple(os.path.realpath(p) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix} | set(sys.path) if p)
-_DENY_PREFIXES = ("socket.", "subprocess.", "os.fork", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
-                  "os.kill", "ctypes.", "pty.", "_posixsubprocess")
-_PATH_EVENTS = {"open", "os.listdir", "os.scandir", "os.remove", "os.rename", "os.rmdir", "os.mkdir",
-                "os.chmod", "os.chown", "os.link", "os.symlink", "os.truncate", "shutil.rmtree", "os.chdir"}
-
-def _inside(path, roots):
-    real = os.path.realpath(path)
-    return any(real == r or real.startswith(r + os.sep) for r in roots)
-
-def _guard(event, args):
-    if event.startswith(_DENY_PREFIXES):
-        raise PermissionError(f"keel sandbox: {event} is not allowed")
-    if event == "import" and args[0] in ("ctypes", "_ctypes", "multiprocessing"):
-        raise PermissionError(f"keel sandbox: import {args[0]} is not allowed")
-    if event in _PATH_EVENTS and args and isinstance(args[0], (str, bytes, os.PathLike)):
-        path = os.fsdecode(args[0])
-        mode_writes = len(args) > 1 and isinstance(args[1], str) and set(args[1]) & set("wax+")
-        flags_write = len(args) > 2 and isinstance(args[2], int) and args[2] & (
-            os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC)
-        reading = event in ("os.listdir", "os.scandir") or (event == "open" and not (mode_writes or flags_write))
-        writing = not reading
-        roots = (_HOME,) if writing else (_HOME,) + _LIBS
-        if not _inside(path, roots):
-            raise PermissionError(f"keel sandbox: {event} {path!r} is outside the solution's directory")
-
-sys.addaudithook(_guard)
-sys.argv = ["solution.py"]
-with open("solution.py") as _f:
-    _code = compile(_f.read(), "solution.py", "exec")
-del _f
-exec(_code, {"__name__": "__main__"})
-'''
+# What each protection means, in the words `keel doctor` prints.
+PROTECTIONS = {
+    "filesystem": "read-only system directories only; writes go to a private in-memory scratch directory",
+    "network": "no network (a network namespace of its own)",
+    "processes": "cannot see or signal the trainer; every process it starts dies with it (a pid namespace)",
+    "user": "an unprivileged user (uid 65534, or a user namespace without capabilities)",
+    "limits": "CPU, memory, processes, open files and file size limited",
+    "output": "output read as it comes and cut at the limit; the whole tree killed at the wall-clock limit",
+}
+SANDBOX_UID = 65534  # nobody
+SCRATCH = "/sandbox"
+AS_NOBODY, IN_USER_NAMESPACE, NO_JAIL = (f"bubblewrap as uid {SANDBOX_UID}", "bubblewrap in a user namespace",
+                                         "none")
 
 
-def _limit_resources(limits: Limits):
+@dataclass(frozen=True)
+class Jail:
+    mode: str                       # AS_NOBODY | IN_USER_NAMESPACE | NO_JAIL
+    protections: dict[str, bool]    # PROTECTIONS -> in force here
+    why_not: str                    # when some are missing: what stopped them
+
+    @property
+    def complete(self) -> bool:
+        return all(self.protections.values())
+
+    def missing(self) -> list[str]:
+        return [name for name, held in self.protections.items() if not held]
+
+    def describe(self) -> list[str]:
+        return [f"[{'ok' if held else 'MISSING'}] {name}: {PROTECTIONS[name]}"
+                for name, held in self.protections.items()]
+
+
+def _interpreter() -> tuple[str, str]:
+    """(the interpreter the solution runs on, the directory it needs): the base Python, not a venv,
+    since -I -S never reads site-packages anyway."""
+    executable = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    prefix = os.path.realpath(sys.base_prefix)
+    return executable, prefix if executable.startswith(prefix + os.sep) else os.path.dirname(executable)
+
+
+def _bwrap_argv(as_root: bool, solution: str, limits: Limits) -> list[str]:
+    """bubblewrap's command line, up to the interpreter."""
+    python, python_dir = _interpreter()
+    argv = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv",
+            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", SCRATCH]
+    if not as_root:  # a user namespace: the solution keeps no capability, even over its own namespaces
+        argv += ["--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
+    argv += ["--ro-bind", "/usr", "/usr"]
+    for top in ("bin", "lib", "lib32", "lib64", "sbin"):  # merged /usr: links; otherwise directories
+        path = Path("/", top)
+        if path.is_symlink():
+            argv += ["--symlink", os.readlink(path), str(path)]
+        elif path.is_dir():
+            argv += ["--ro-bind", str(path), str(path)]
+    if not python_dir.startswith("/usr/"):
+        argv += ["--ro-bind", python_dir, python_dir]
+    argv += ["--dev", "/dev", "--proc", "/proc",
+             "--size", "65536", "--tmpfs", "/dev/shm", "--remount-ro", "/dev/shm",
+             "--perms", "1777", "--size", str(limits.scratch_mb << 20), "--tmpfs", SCRATCH,
+             "--ro-bind", solution, f"{SCRATCH}/solution.py", "--chdir", SCRATCH, "--remount-ro", "/", "--"]
+    if as_root:  # mounts need root; the solution does not: every uid becomes nobody, no capability left
+        argv += ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
+                 "--bounding-set=-all", "--no-new-privs"]
+    return argv + [python]
+
+
+def _command(mode: str, solution: str, limits: Limits, args: list[str]) -> list[str]:
+    if mode == NO_JAIL:
+        return [_interpreter()[0], "-I", "-S", solution, *args]
+    return _bwrap_argv(mode == AS_NOBODY, solution, limits) + ["-I", "-S", f"{SCRATCH}/solution.py", *args]
+
+
+def _limit_resources(limits: Limits, processes: bool):
     def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s))
-        memory = limits.memory_mb * 2 ** 20
+        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
+        memory = limits.memory_mb << 20
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.output_bytes, limits.output_bytes))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.scratch_mb << 20,) * 2)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if processes:  # counted per user: only the jail's own uid makes it the solution's count alone
+            resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
     return apply
 
 
-def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> str:
-    """The solution's stdout; SandboxViolation when it was stopped, with the reason."""
-    with tempfile.TemporaryDirectory(prefix="keel_sandbox_") as home:
-        Path(home, "solution.py").write_text(code)
-        process = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _PRELUDE], cwd=home, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "HOME": home},
-            preexec_fn=_limit_resources(limits), start_new_session=True)
+@dataclass
+class Finished:
+    returncode: int
+    stdout: bytes
+    stderr: bytes
+    stopped: str | None             # why keel stopped it (timeout, output), or None
+
+
+def _run(mode: str, code: str, stdin: str, limits: Limits, args: list[str] = ()) -> Finished:
+    with tempfile.TemporaryDirectory(prefix="keel_sandbox_") as host:
+        solution, stdin_file = Path(host, "solution.py"), Path(host, "stdin")
+        solution.write_text(code)
+        stdin_file.write_text(stdin)
+        solution.chmod(0o444)  # the jail's user reads it through a bind mount, never writes it
+        with open(stdin_file, "rb") as stdin_handle:
+            process = subprocess.Popen(
+                _command(mode, str(solution), limits, list(args)), cwd=host, stdin=stdin_handle,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "HOME": host},
+                preexec_fn=_limit_resources(limits, mode == AS_NOBODY), start_new_session=True)
         try:
-            stdout, stderr = process.communicate(stdin.encode(), timeout=limits.wall_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # the solution and anything it left behind
-            process.communicate()
-            raise SandboxViolation(f"timeout: ran past {limits.wall_s} s") from None
-    return _outcome(process.returncode, stdout, stderr, limits)
+            stdout, stderr, stopped = _collect(process, limits)
+        finally:
+            _kill_tree(process)
+            process.wait()
+            process.stdout.close()
+            process.stderr.close()
+    return Finished(process.returncode, stdout, stderr, stopped)
 
 
-def _outcome(returncode: int, stdout: bytes, stderr: bytes, limits: Limits) -> str:
-    err = stderr.decode(errors="replace")
-    if "keel sandbox:" in err:
-        raise SandboxViolation("blocked: " + err[err.index("keel sandbox:") + len("keel sandbox: "):].splitlines()[0])
-    if returncode == -signal.SIGXCPU or returncode == -signal.SIGKILL:
+def _collect(process: subprocess.Popen, limits: Limits) -> tuple[bytes, bytes, str | None]:
+    """Both pipes read as they fill, never more than the limit held: an endless print costs nothing."""
+    buffers = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
+    deadline = time.monotonic() + limits.wall_s
+    with selectors.DefaultSelector() as selector:
+        for fd in buffers:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return bytes(buffers[process.stdout.fileno()]), b"", f"timeout: ran past {limits.wall_s} s"
+            for key, _ in selector.select(left):
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:
+                    selector.unregister(key.fd)
+                    continue
+                buffers[key.fd] += chunk
+                if len(buffers[key.fd]) > limits.output_bytes:
+                    return b"", b"", f"output limit: over {limits.output_bytes} bytes"
+    return bytes(buffers[process.stdout.fileno()]), bytes(buffers[process.stderr.fileno()]), None
+
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    """bwrap leads its own session; its namespace's processes die with it (--die-with-parent, and
+    a pid namespace ends when its first process does). Without the jail, the session is the tree."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# The kernel ends a process over RLIMIT_CPU with SIGXCPU, then SIGKILL at the hard limit.
+_CPU_SIGNALS = {-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU, 128 + signal.SIGKILL}
+
+
+def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> str:
+    """The solution's stdout; SandboxViolation when a limit stopped it, with the reason."""
+    finished = _run(jail().mode, code, stdin, limits)
+    if finished.stopped:
+        raise SandboxViolation(finished.stopped)
+    # bwrap exits 128 + the signal that ended the solution. A program can fake these two (exit 152,
+    # print MemoryError) to be not scored rather than wrong: that only takes it out of the update,
+    # and counts towards reward.max_not_scored_ratio.
+    if finished.returncode in _CPU_SIGNALS:
         raise SandboxViolation(f"cpu limit: over {limits.cpu_s} s of CPU")
-    if "MemoryError" in err:
+    if finished.returncode != 0 and b"MemoryError" in finished.stderr:
         raise SandboxViolation(f"memory limit: over {limits.memory_mb} MB")
-    if returncode == -signal.SIGXFSZ or len(stdout) > limits.output_bytes:
-        raise SandboxViolation(f"output limit: over {limits.output_bytes} bytes")
-    return stdout.decode(errors="replace")
+    return finished.stdout.decode(errors="replace")
+
+
+# Run inside a candidate jail: each protection checked from where the solution stands.
+_PROBE = r'''
+import json, os, socket, sys
+trainer_pid, trainer_uid, trainer_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+def refused(action):
+    try:
+        action()
+    except OSError:
+        return True
+    return False
+def in_init_user_namespace():
+    return open("/proc/self/uid_map").read().split() == ["0", "0", "4294967295"]
+print(json.dumps({
+    "filesystem": not os.path.exists(trainer_dir) and refused(lambda: open("/keel_probe", "w")),
+    "network": [name for _, name in socket.if_nameindex()] == ["lo"],
+    "processes": refused(lambda: os.kill(trainer_pid, 0)),
+    "user": os.getuid() != 0 and (os.getuid() != trainer_uid or not in_init_user_namespace()),
+}))
+'''
+
+
+def _probe(mode: str) -> dict[str, bool] | str:
+    """The protections a mode gives here, or why it cannot run."""
+    try:
+        finished = _run(mode, _PROBE, "", Limits(wall_s=30.0, cpu_s=10),
+                        [str(os.getpid()), str(os.getuid()), os.path.realpath(os.getcwd())])
+        checks = json.loads(finished.stdout)
+    except (OSError, ValueError) as error:
+        return f"{mode}: {error}"
+    if finished.returncode != 0 or not isinstance(checks, dict):
+        return f"{mode}: " + (finished.stderr.decode(errors="replace").strip().splitlines() or ["failed"])[-1]
+    return {**checks, "limits": True, "output": True}
+
+
+@lru_cache(maxsize=1)
+def jail() -> Jail:
+    """The strongest jail this machine gives, probed once per process."""
+    if shutil.which("bwrap") is None:
+        failures = ["bubblewrap is not installed (apt-get install bubblewrap)"]
+    else:
+        mode = AS_NOBODY if os.getuid() == 0 else IN_USER_NAMESPACE
+        protections = _probe(mode)
+        if isinstance(protections, dict):
+            return Jail(mode, protections, "" if all(protections.values()) else "the probe found gaps")
+        failures = [protections]
+    protections = _probe(NO_JAIL)
+    if isinstance(protections, str):
+        protections = {name: name in ("limits", "output") for name in PROTECTIONS}
+    return Jail(NO_JAIL, protections, "; ".join(failures))
+
+
+def require_jail(required: bool) -> Jail:
+    """This machine's jail, before any model-written code runs: short of a protection, an error
+    when `reward.sandbox.require_jail` asks for all of them, else a warning naming what is missing."""
+    found = jail()
+    if found.complete:
+        return found
+    message = f"the code sandbox runs without: {', '.join(found.missing())} ({found.why_not})"
+    if required:
+        raise KeelError(SANDBOX_INCOMPLETE, message)
+    log.warning("%s; reward.sandbox.require_jail=true refuses to run like this", message)
+    return found

@@ -137,7 +137,8 @@ def build_reward(cfg: KeelConfig) -> RewardScorer:
         if r.num_workers > 0 and not custom.batched:
             scorer = ("file", str(Path(custom.path).resolve()), custom.name)  # workers import it themselves
     return RewardScorer(scorer, r.scorers, r.overlong_buffer, cfg.data.max_response_length, r.on_error,
-                        r.max_not_scored_ratio, r.timeout_s, r.num_workers, custom.batched, reward_model, service)
+                        r.max_not_scored_ratio, r.timeout_s, r.num_workers, custom.batched, reward_model, service,
+                        r.sandbox.require_jail)
 
 
 def needs_baseline_rollout(cfg: KeelConfig) -> bool:

@@ -1,18 +1,30 @@
-"""Model-written code runs fenced: loops, memory and fork bombs, network calls and reads outside its
-directory all end as not-scored with the reason, and the training process is unharmed."""
+"""Model-written code runs in an operating-system jail. Each attack below is one an RL-trained model
+finds; each test asserts that the attack's effect did not happen on the host, not only that the
+program failed: no file written or read outside, no connection made, no process left behind, the
+trainer alive, its memory unharmed by a flood of output."""
 
 import json
 import os
+import resource
+import socket
+import subprocess
+import sys
+import textwrap
 from types import SimpleNamespace
 
 import pytest
 
 from keel.rewards.reward_fn import RewardScorer
-from keel.rewards.sandbox import Limits, SandboxViolation, run_python
+from keel.rewards.sandbox import Limits, SandboxViolation, jail, run_python
 from keel.rewards.scorers import code_exec, extract_code
 
 TESTS = json.dumps([{"input": "2 3\n", "output": "5"}, {"input": "10 -4\n", "output": "6"}])
-LIMITS = Limits(cpu_s=2, wall_s=4, memory_mb=256)
+LIMITS = Limits(cpu_s=2, wall_s=20, memory_mb=256)
+
+
+def test_this_machine_gives_every_protection():
+    """make install puts bubblewrap on the machine; without it the attacks below would succeed."""
+    assert jail().complete, "\n".join(jail().describe()) + f"\n{jail().why_not}"
 
 
 def test_a_correct_program_passes_and_a_wrong_one_scores_zero():
@@ -23,22 +35,208 @@ def test_a_correct_program_passes_and_a_wrong_one_scores_zero():
     assert extract_code("no fences") == "no fences"
 
 
-@pytest.mark.parametrize("attack, reason", [
+def test_a_program_may_use_its_scratch_directory_and_threads():
+    program = textwrap.dedent("""
+        import threading, subprocess
+        open("notes.txt", "w").write("kept")
+        threading.Thread(target=print, args=("thread",)).start()
+        print(open("notes.txt").read(), subprocess.run(["echo", "child"], capture_output=True, text=True).stdout)
+    """)
+    assert run_python(program, "", LIMITS).split() == ["thread", "kept", "child"]
+
+
+@pytest.mark.parametrize("program, reason", [
     ("while True:\n    pass", "cpu limit"),
     ("x = bytearray(10 ** 10)", "memory limit"),
-    ("import os\nwhile True:\n    os.fork()", "blocked: os.fork"),
-    ("import socket\nsocket.create_connection(('127.0.0.1', 9))", "blocked: socket."),
-    ("print(open('/etc/hostname').read())", "blocked: open '/etc/hostname'"),
-    (f"open({os.getcwd()!r} + '/escaped.txt', 'w').write('x')", "is outside the solution's directory"),
-    ("import subprocess\nsubprocess.run(['sh', '-c', 'echo hi'])", "blocked: subprocess.Popen"),
-    ("import ctypes", "blocked: import ctypes"),
+    ("import time\ntime.sleep(600)", "timeout"),
     ("print('x' * 10 ** 6)", "output limit"),
+    ("import sys\nwhile True:\n    sys.stderr.write('y' * 4096)", "output limit"),
 ])
-def test_attacks_are_stopped_with_the_reason(attack, reason):
+def test_limits_stop_a_program_without_a_verdict(program, reason):
+    limits = Limits(cpu_s=2, wall_s=3 if "sleep" in program else 60, memory_mb=256)
     with pytest.raises(SandboxViolation) as info:
-        run_python(attack, "", LIMITS)
+        run_python(program, "", limits)
     assert reason in str(info.value)
-    assert not os.path.exists("escaped.txt")
+
+
+WRITES = [  # every call that takes a destination path; each aims at the host directory given
+    "open(T + '/w1', 'w').write('x')",
+    "os.close(os.open(T + '/w2', os.O_CREAT | os.O_WRONLY))",
+    "os.mkdir(T + '/w3')",
+    "os.makedirs(T + '/w4/deep')",
+    "os.symlink('/etc/passwd', T + '/w5')",
+    "os.link('solution.py', T + '/w6')",
+    "os.rename('notes', T + '/w7')",
+    "os.replace('notes', T + '/w8')",
+    "shutil.copy('solution.py', T + '/w9')",
+    "shutil.move('notes', T + '/w10')",
+    "pathlib.Path(T, 'w11').write_bytes(b'x')",
+    "os.mkfifo(T + '/w12')",
+    "os.truncate(T + '/data.parquet', 0)",
+    "open(T + '/data.parquet', 'a').write('tampered')",
+    "os.remove(T + '/data.parquet')",
+    "os.chmod(T + '/data.parquet', 0o777)",
+    "os.utime(T + '/data.parquet', (0, 0))",
+    "shutil.rmtree(T)",
+    "open('/usr/keel_escaped', 'w')",
+    "open('/keel_escaped', 'w')",
+    "os.mkdir('/proc/keel_escaped')",
+]
+
+
+def test_writes_outside_the_scratch_directory_fail_by_every_path(tmp_path):
+    data = tmp_path / "data.parquet"
+    data.write_text("the trainer's data")
+    stamp = data.stat()
+    attempts = "\n".join(f"try:\n    {w}\n    print('WROTE', {w!r})\nexcept OSError:\n    pass" for w in WRITES)
+    program = f"import os, shutil, pathlib\nT = {str(tmp_path)!r}\nopen('notes', 'w').write('n')\n{attempts}\n"
+    out = run_python(program, "", LIMITS)
+    assert "WROTE" not in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.parquet"]
+    assert data.read_text() == "the trainer's data" and data.stat().st_mtime == stamp.st_mtime
+    assert not os.path.exists("/usr/keel_escaped") and not os.path.exists("/keel_escaped")
+
+
+def test_nothing_outside_is_readable(tmp_path):
+    secret = tmp_path / "answers.jsonl"
+    secret.write_text("EXPECTED-OUTPUT-42")
+    program = textwrap.dedent(f"""
+        import os, glob
+        found = []
+        for path in [{str(secret)!r}, "/etc/hostname", "/etc/passwd", "/root/.bashrc", {os.getcwd()!r}]:
+            try:
+                found.append(open(path).read()[:40] if os.path.isfile(path) else str(os.listdir(path)))
+            except OSError:
+                pass
+        found += glob.glob("/*/*answers*") + glob.glob("/*/*/*answers*") + glob.glob("/home/*") + glob.glob("/tmp/*")
+        print(found)
+    """)
+    assert run_python(program, "", LIMITS).strip() == "[]"
+
+
+def test_no_network_not_even_the_trainers_loopback():
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    program = textwrap.dedent(f"""
+        import socket
+        for host in ["127.0.0.1", "1.1.1.1", "::1"]:
+            try:
+                socket.create_connection((host, {port}), timeout=2)
+                print("CONNECTED", host)
+            except OSError:
+                pass
+    """)
+    assert "CONNECTED" not in run_python(program, "", LIMITS)
+    listener.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        listener.accept()  # nobody called
+    listener.close()
+
+
+def _processes_with(marker: str) -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in cmdline:
+            found.append(cmdline)
+    return found
+
+
+def test_processes_it_starts_do_not_outlive_it():
+    program = textwrap.dedent("""
+        import os, subprocess
+        subprocess.Popen(["sleep", "4242.5"], start_new_session=True)
+        if os.fork() == 0:              # a daemon: double fork, own session, parent gone
+            os.setsid()
+            if os.fork() == 0:
+                os.execvp("sleep", ["sleep", "4242.6"])
+            os._exit(0)
+        print("started")
+    """)
+    assert run_python(program, "", LIMITS).strip() == "started"
+    assert _processes_with("4242.") == []
+
+
+def _as_trainer(attack_template: str, limits: str = "Limits(cpu_s=2, wall_s=20, memory_mb=256)") -> subprocess.CompletedProcess:
+    """Runs an attack from a sacrificial trainer process; the attack is told the trainer's pid."""
+    trainer = textwrap.dedent(f"""
+        import os, resource
+        from keel.rewards.sandbox import Limits, SandboxViolation, run_python
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        code = {attack_template!r}.replace("TRAINER", str(os.getpid()))
+        try:
+            run_python(code, "", {limits})
+        except SandboxViolation as stopped:
+            print("stopped:", stopped)
+        grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        print("trainer alive, grew", int(grown_mb), "MB")
+    """)
+    return subprocess.run([sys.executable, "-c", trainer], capture_output=True, text=True, timeout=600)
+
+
+def test_it_cannot_signal_the_trainer():
+    attack = textwrap.dedent("""
+        import os, signal
+        for target in (TRAINER, os.getppid(), 1, -1):
+            for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP):
+                try:
+                    os.kill(target, sig)
+                except OSError:
+                    pass
+        try:
+            os.killpg(TRAINER, signal.SIGKILL)
+        except OSError:
+            pass
+    """)
+    trainer = _as_trainer(attack)
+    assert trainer.returncode == 0, trainer.stderr
+    assert "trainer alive" in trainer.stdout
+
+
+def test_a_flood_of_output_costs_the_trainer_nothing():
+    trainer = _as_trainer("import sys\nwhile True:\n    sys.stdout.write('z' * 65536)",
+                          "Limits(cpu_s=30, wall_s=60, memory_mb=256, output_bytes=1 << 20)")
+    assert trainer.returncode == 0, trainer.stderr
+    assert "stopped: output limit" in trainer.stdout
+    assert int(trainer.stdout.split("grew")[1].split()[0]) < 50  # MB: the cap, not the flood
+
+
+def test_a_fork_bomb_ends_and_leaves_nothing_behind():
+    trainer = _as_trainer("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
+    assert trainer.returncode == 0, trainer.stderr
+    assert "trainer alive" in trainer.stdout
+    assert subprocess.run(["true"]).returncode == 0  # this machine can still start processes
+
+
+def test_it_cannot_become_root_or_remount():
+    program = textwrap.dedent("""
+        import os, subprocess
+        for attempt in (lambda: os.setuid(0), lambda: os.chroot("/")):
+            try:
+                attempt()
+                print("ESCALATED")
+            except OSError:
+                pass
+        for cmd in (["mount", "-o", "remount,rw", "/"], ["unshare", "-r", "touch", "/usr/keel_escaped"]):
+            try:
+                if subprocess.run(cmd, capture_output=True).returncode == 0:
+                    print("ESCALATED", cmd)
+            except OSError:
+                pass
+        print(os.getuid())
+    """)
+    out = run_python(program, "", LIMITS)
+    assert "ESCALATED" not in out and out.split()[-1] != "0"
+    assert not os.path.exists("/usr/keel_escaped")
+
+
+def test_scratch_space_is_bounded():
+    program = "try:\n    open('big', 'wb').write(b'x' * (64 << 20))\nexcept OSError as e:\n    print(type(e).__name__)"
+    assert run_python(program, "", Limits(cpu_s=5, wall_s=30, memory_mb=512, scratch_mb=8)).strip() in (
+        "OSError", "MemoryError")
 
 
 def test_stopped_programs_are_not_scored_and_the_trainer_carries_on():
@@ -47,5 +245,37 @@ def test_stopped_programs_are_not_scored_and_the_trainer_carries_on():
     result = scorer.score_batch([row, row], ["```python\nwhile True: pass\n```",
                                              "a, b = map(int, input().split())\nprint(a + b)"])
     assert result.scored.tolist() == [False, True] and result.scores[1] == 1.0
-    assert result.reasons[0].startswith("raised SandboxViolation")
-    assert os.getpid() > 0  # still here
+    assert result.reasons[0].startswith("raised SandboxViolation: cpu limit")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0
+
+
+@pytest.fixture
+def no_bubblewrap(monkeypatch):
+    """This machine as one without bubblewrap: the probe runs again and finds what holds."""
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable))
+    jail.cache_clear()
+    yield jail()
+    jail.cache_clear()
+
+
+def test_without_bubblewrap_the_missing_protections_are_named(no_bubblewrap):
+    from keel.diagnostics.doctor import check_sandbox
+
+    assert no_bubblewrap.mode == "none" and "bubblewrap is not installed" in no_bubblewrap.why_not
+    assert {"filesystem", "network", "processes"} <= set(no_bubblewrap.missing())
+    assert no_bubblewrap.protections["limits"] and no_bubblewrap.protections["output"]
+    doctor = check_sandbox(no_bubblewrap)
+    assert doctor.level == "warn" and doctor.code == "KEEL-E010" and "filesystem" in doctor.detail
+    assert check_sandbox(jail.__wrapped__()).level == "warn"
+
+
+def test_a_config_can_require_the_whole_jail(no_bubblewrap):
+    from keel.diagnostics.codes import SANDBOX_INCOMPLETE, KeelError
+
+    row = SimpleNamespace(data_source="code", ground_truth=TESTS, extra_info={}, index=0)
+    RewardScorer(by_source={"code": {"code_exec": 1.0}}).check_records([row])  # a warning only
+    with pytest.raises(KeelError) as info:
+        RewardScorer(by_source={"code": {"code_exec": 1.0}}, require_jail=True).check_records([row])
+    assert info.value.code == SANDBOX_INCOMPLETE and "network" in info.value.message
+    RewardScorer(by_source={"math": {"math": 1.0}}, require_jail=True).check_records(
+        [SimpleNamespace(data_source="math", ground_truth="1", extra_info={}, index=0)])  # runs no code
