@@ -10,10 +10,11 @@ import torch
 
 from keel.diagnostics.codes import (MISSING_GROUND_TRUTH, NO_SCORER, REWARD_FN_LOAD, REWARD_NOT_NUMBER, SCORER_RAISED,
                                     SCORER_TIMEOUT, TOO_MANY_NOT_SCORED, KeelError)
+from keel.diagnostics.guards import SkipStep
 from keel.rewards.executor import ScoringPool
 from keel.rewards.sandbox import require_jail
 from keel.rewards.scorers import DATA_SOURCE_SCORERS, NO_GROUND_TRUTH, SCORERS, RewardFn
-from keel.rewards.worker import SampleResult, SampleTask, Spec, load_module, resolve, score_batched
+from keel.rewards.worker import NOT_FINITE, SampleResult, SampleTask, Spec, load_module, resolve, score_batched
 
 log = logging.getLogger("keel")
 
@@ -62,8 +63,10 @@ class RewardScorer:
     def __init__(self, custom: RewardFn | tuple | None = None, by_source: dict[str, dict[str, float]] | None = None,
                  overlong=None, max_response_length: int | None = None, on_error: str = "mask",
                  max_not_scored_ratio: float = 0.1, timeout_s: float | None = None, num_workers: int = 0,
-                 batched: bool = False, reward_model=None, service=None, require_jail: bool = False):
+                 batched: bool = False, reward_model=None, service=None, require_jail: bool = False,
+                 nonfinite: str = "stop"):
         self.service = service
+        self.nonfinite = nonfinite
         self.require_jail = require_jail
         self.custom = custom
         self.batched = batched
@@ -126,9 +129,10 @@ class RewardScorer:
         return self.score_batch(records, response_texts).scores
 
     def score_batch(self, records: list, response_texts: list[str], response_lengths: torch.Tensor | None = None,
-                    on_error: str | None = None) -> ScoreResult:
+                    on_error: str | None = None, may_skip: bool = True) -> ScoreResult:
         """Scores, which samples were scored, and metrics: the per-scorer breakdown, not-scored
-        counts by reason, scoring latency and the overlong penalty."""
+        counts by reason, scoring latency and the overlong penalty. `may_skip`: a training step,
+        which trainer.guards.nonfinite=skip may drop (SkipStep) when NaN scores fill the batch."""
         on_error = on_error or self.on_error
         weights = [self.scorers_for(r.data_source) for r in records]
         results = self._run(records, response_texts, weights)
@@ -149,12 +153,22 @@ class RewardScorer:
             penalty = overlong_penalty(response_lengths, self.max_response_length, self.overlong)
             scores = scores + penalty * scored
             metrics["reward/overlong_penalty/mean"] = penalty.mean().item()
-        ratio = len(failed) / max(len(records), 1)
-        if ratio > self.max_not_scored_ratio:
+        if len(failed) / max(len(records), 1) > self.max_not_scored_ratio:
+            self._skip_if_nonfinite(failed, len(records), may_skip)
             raise KeelError(TOO_MANY_NOT_SCORED, f"{len(failed)} of {len(records)} samples could not be scored "
                             f"(over reward.max_not_scored_ratio={self.max_not_scored_ratio}); first reason: "
                             f"{failed[0][1]} (data_source={records[failed[0][0]].data_source!r})")
         return ScoreResult(scores, scored, [res.reason for res in results], metrics)
+
+    def _skip_if_nonfinite(self, failed: list[tuple[int, str]], total: int, may_skip: bool) -> None:
+        """trainer.guards.nonfinite=skip: a batch pushed over max_not_scored_ratio by NaN or infinite
+        scores is skipped like a step with NaN log-probs. Other failures past the ratio still stop."""
+        nonfinite = [reason for _, reason in failed if reason in NOT_FINITE]
+        if not (may_skip and self.nonfinite == "skip" and nonfinite):
+            return
+        if (len(failed) - len(nonfinite)) / total <= self.max_not_scored_ratio:
+            log.warning("skipping the step: %d of %d scores are NaN or infinite", len(nonfinite), total)
+            raise SkipStep("rewards")
 
     def _run(self, records: list, texts: list[str], weights: list[dict]) -> list[SampleResult]:
         """Each sample's per-scorer values, or the reason it has none."""

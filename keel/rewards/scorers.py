@@ -68,10 +68,11 @@ def math(data_source: str, solution_str: str, ground_truth: Any, extra_info: dic
     answer = extract_math_answer(solution_str)
     if answer is None:
         return 0.0
-    # math-verify bounds parsing and comparison with its own (signal-based, main-thread) timeouts
-    gold = parse(f"${ground_truth}$" if "$" not in str(ground_truth) else str(ground_truth))
-    predicted = parse(f"${answer}$")
-    return float(bool(gold) and bool(predicted) and verify(gold, predicted))
+    # math-verify's own timeouts use SIGALRM, which works on the main thread only (not on the reward
+    # server's) and cancels keel's alarm; keel's reward.timeout_s bounds the whole scorer instead.
+    gold = parse(f"${ground_truth}$" if "$" not in str(ground_truth) else str(ground_truth), parsing_timeout=None)
+    predicted = parse(f"${answer}$", parsing_timeout=None)
+    return float(bool(gold) and bool(predicted) and verify(gold, predicted, timeout_seconds=None))
 
 
 def regex_match(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:

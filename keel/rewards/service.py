@@ -9,6 +9,7 @@ is not scored with the reason, and the trainer's reward.on_error policy decides:
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import threading
@@ -21,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 from keel.diagnostics.codes import SERVICE_UNAVAILABLE, KeelError
-from keel.rewards.worker import SampleResult
+from keel.rewards.worker import NotANumber, SampleResult, as_number
 
 log = logging.getLogger("keel")
 
@@ -35,7 +36,7 @@ FAULTS = ("500", "malformed", "slow")
 
 def make_server(scorer, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
                 max_request_bytes: int = 8 << 20, max_concurrency: int = 8,
-                inject: list[str] | None = None) -> ThreadingHTTPServer:
+                inject: list[str] | None = None, queue_timeout_s: float = 60.0) -> ThreadingHTTPServer:
     """`inject`: faults answered to the first POST /score requests, in order (`500`, `malformed`
     JSON, `slow`: 60 s of silence), for testing a client's handling of a failing service."""
     busy = threading.BoundedSemaphore(max_concurrency)
@@ -64,6 +65,19 @@ def make_server(scorer, host: str = "127.0.0.1", port: int = 8000, token: str | 
                 return False
             return True
 
+        def body_length(self) -> int | None:
+            """Content-Length, checked before a byte is read: missing, negative, not a number or over
+            the limit is answered 4xx (a negative length once made the server read without end)."""
+            raw = self.headers.get("Content-Length")
+            if raw is None or not raw.strip().isdigit():
+                self.reply(HTTPStatus.LENGTH_REQUIRED, {"error": f"Content-Length must be a byte count, got {raw!r}"})
+                return None
+            if int(raw) > max_request_bytes:
+                self.reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                           {"error": f"request of {int(raw)} bytes is over {max_request_bytes}"})
+                return None
+            return int(raw)
+
         def do_GET(self) -> None:
             if not self.authorised():
                 return
@@ -76,20 +90,16 @@ def make_server(scorer, host: str = "127.0.0.1", port: int = 8000, token: str | 
                 return
             if self.path != "/score":
                 return self.reply(HTTPStatus.NOT_FOUND, {"error": "GET /health or POST /score"})
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > max_request_bytes:
-                return self.reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                                  {"error": f"request of {length} bytes is over {max_request_bytes}"})
+            length = self.body_length()
+            if length is None:
+                return
             try:
-                request = json.loads(self.rfile.read(length))
-                samples = request["samples"]
-                missing = [f for s in samples for f in FIELDS if f not in s]
-                if missing:
-                    raise KeyError(missing[0])
-            except (ValueError, KeyError, TypeError) as e:
-                return self.reply(HTTPStatus.BAD_REQUEST, {"error": f"malformed request: {type(e).__name__}: {e}"})
-            if not busy.acquire(blocking=False):
-                return self.reply(HTTPStatus.TOO_MANY_REQUESTS, {"error": f"over {max_concurrency} requests at once"})
+                request = parse_request(self.rfile.read(length))
+            except ValueError as e:
+                return self.reply(HTTPStatus.BAD_REQUEST, {"error": f"malformed request: {e}"})
+            if not busy.acquire(timeout=queue_timeout_s):  # a burst waits for a slot; a flood is told to back off
+                return self.reply(HTTPStatus.TOO_MANY_REQUESTS,
+                                  {"error": f"over {max_concurrency} requests at once for {queue_timeout_s} s"})
             try:
                 fault = next_fault()
                 if fault == "500":
@@ -106,7 +116,29 @@ def make_server(scorer, host: str = "127.0.0.1", port: int = 8000, token: str | 
             finally:
                 busy.release()
 
-    return ThreadingHTTPServer((host, port), Handler)
+    return _Server((host, port), Handler)
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 1024  # the listen backlog: socketserver's 5 reset connections under a burst
+    daemon_threads = True
+
+
+def parse_request(body: bytes) -> dict:
+    """A /score body: {"samples": [{data_source, response, ground_truth, ...}, ...]}, or ValueError."""
+    try:
+        request = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"not JSON: {e}") from None
+    samples = request.get("samples") if isinstance(request, dict) else None
+    if not isinstance(samples, list) or not all(isinstance(sample, dict) for sample in samples):
+        raise ValueError('the body must be {"samples": [{...}, ...]}')
+    missing = sorted({f for sample in samples for f in FIELDS if f not in sample})
+    if missing:
+        raise ValueError(f"samples lack {missing}")
+    if not all(isinstance(sample["response"], str) for sample in samples):
+        raise ValueError("every response must be a string")
+    return request
 
 
 def score_request(scorer, request: dict) -> dict:
@@ -119,6 +151,35 @@ def score_request(scorer, request: dict) -> dict:
 
 
 # --- client -----------------------------------------------------------------------------------
+
+MAX_REPLY_BYTES = 16 << 20
+
+
+class BadReply(ValueError):
+    """A /score answer that does not fit the request: another shape, length or request id."""
+
+
+def read_scores(body, request_id: str, count: int) -> tuple[list[float | None], list[str | None]]:
+    """The scores and reasons of a /score answer, checked: the server is not trusted to be right.
+    A score that is not a finite number is that sample's reason, never a number."""
+    if not isinstance(body, dict):
+        raise BadReply(f"a JSON {type(body).__name__}, not an object")
+    scores, reasons = body.get("scores"), body.get("reasons", [None] * count)
+    if body.get("request_id") != request_id:
+        raise BadReply("another request's id")
+    if not isinstance(scores, list) or not isinstance(reasons, list) or len(scores) != count or len(reasons) != count:
+        raise BadReply(f"{count} scores and reasons expected")
+    checked_scores, checked_reasons = [], []
+    for score, reason in zip(scores, reasons):
+        if reason is None:
+            try:
+                score, reason = as_number(score), None
+            except NotANumber as e:
+                score, reason = None, str(e)
+        checked_scores.append(score)
+        checked_reasons.append(None if reason is None else str(reason)[:200])
+    return checked_scores, checked_reasons
+
 
 class RewardServiceClient:
     """Scores batches on a keel reward service, with retries; failures become not-scored samples."""
@@ -138,8 +199,9 @@ class RewardServiceClient:
         except Exception as e:  # any failure to reach it: say where and why, before training starts
             raise KeelError(SERVICE_UNAVAILABLE, f"the reward service at {self.url} is not healthy: "
                                                  f"{type(e).__name__}: {e}") from e
-        if body.get("status") != "ok":
-            raise KeelError(SERVICE_UNAVAILABLE, f"{self.url}/health answered {body}")
+        if not isinstance(body, dict) or body.get("status") != "ok":
+            raise KeelError(SERVICE_UNAVAILABLE, f"{self.url}/health answered {str(body)[:200]}",
+                            'serve GET /health with {"status": "ok"} (keel reward-server does), or fix reward.service.url')
 
     def score(self, records: list, responses: list[str]) -> list[SampleResult]:
         request = {"request_id": uuid.uuid4().hex, "samples": [
@@ -157,18 +219,21 @@ class RewardServiceClient:
                 time.sleep(delay)
             try:
                 body = self._call("POST", "/score", request, timeout=self.timeout_s)
-                if body.get("request_id") != request["request_id"] or len(body["scores"]) != len(records):
-                    raise ValueError("answer does not match the request")
-                seconds = (time.perf_counter() - start) / max(len(records), 1)
-                return [SampleResult(None, f"service: {reason}", seconds) if reason else
-                        SampleResult({"service": float(score)}, None, seconds)
-                        for score, reason in zip(body["scores"], body["reasons"])]
+                scores, reasons = read_scores(body, request["request_id"], len(records))
             except urllib.error.HTTPError as e:
                 error = f"HTTP {e.code}"
                 if 400 <= e.code < 500 and e.code != HTTPStatus.TOO_MANY_REQUESTS:
                     break  # the request itself is wrong: retrying would not help
-            except (urllib.error.URLError, TimeoutError, ConnectionError, ValueError, KeyError) as e:
+            # Whatever the server or the network did: refused, reset, timed out, a broken status
+            # line, a truncated body, JSON of the wrong shape. Retried, then not scored, with why.
+            except (OSError, http.client.HTTPException, ValueError) as e:
                 error = "timeout" if "timed out" in str(e) else f"{type(e).__name__}"
+                if isinstance(e, BadReply):
+                    error = f"bad reply ({e})"
+            else:
+                seconds = (time.perf_counter() - start) / max(len(records), 1)
+                return [SampleResult(None, f"service: {reason}", seconds) if reason else
+                        SampleResult({"service": score}, None, seconds) for score, reason in zip(scores, reasons)]
         seconds = (time.perf_counter() - start) / max(len(records), 1)
         return [SampleResult(None, f"service {error} after {self.retry_times} retries", seconds)] * len(records)
 
@@ -179,4 +244,7 @@ class RewardServiceClient:
         data = json.dumps(payload).encode() if payload is not None else None
         request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
+            body = response.read(MAX_REPLY_BYTES + 1)  # a server that never stops sending costs no memory
+        if len(body) > MAX_REPLY_BYTES:
+            raise BadReply(f"over {MAX_REPLY_BYTES} bytes")
+        return json.loads(body)

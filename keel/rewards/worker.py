@@ -12,7 +12,6 @@ import numbers
 import signal
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -40,12 +39,16 @@ class SampleResult:
     seconds: float
 
 
-class ScoreTimeout(Exception):
-    pass
+class ScoreTimeout(BaseException):
+    """A scorer ran past reward.timeout_s. Not an Exception: a scorer's `except Exception` cannot
+    swallow it (and one that swallows everything is caught by the clock afterwards)."""
 
 
 class NotANumber(Exception):
     pass
+
+
+NOT_FINITE = ("not a number: nan", "not a number: inf", "not a number: -inf")  # reasons of a NaN or inf score
 
 
 def load_module(path: str):
@@ -81,27 +84,52 @@ def as_number(result: Any) -> float:
     if hasattr(result, "item") and getattr(result, "ndim", 1) == 0:  # numpy or torch scalar
         result = result.item()
     if not isinstance(result, numbers.Real) or not math.isfinite(result):  # bool is Real: True -> 1.0
-        raise NotANumber(f"not a number: {result!r}"[:120])
+        raise NotANumber(f"not a number: {float(result) if isinstance(result, numbers.Real) else result!r}"[:120])
     return float(result)
 
 
-@contextmanager
-def deadline(seconds: float | None):
-    """SIGALRM interrupts a scorer stuck in Python code (a worker's main thread runs it)."""
-    if not seconds or threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def call_with_deadline(call: Callable[[], Any], seconds: float | None) -> Any:
+    """call(), or ScoreTimeout once `seconds` have passed, enforced from outside the scorer. On the
+    main thread (the trainer, a scoring worker) a SIGALRM that repeats every `seconds` interrupts
+    it; on any other thread (the reward server's) it runs on a helper thread that is abandoned at
+    the deadline. A scorer that returns late anyway is still a timeout (`score_sample`)."""
+    if not seconds:
+        return call()
+    if threading.current_thread() is threading.main_thread():
+        return _with_alarm(call, seconds)
+    outcome: dict[str, Any] = {}
 
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as error:  # handed to the waiting thread as it is
+            outcome["error"] = error
+
+    helper = threading.Thread(target=run, name="keel-scorer", daemon=True)
+    helper.start()
+    helper.join(seconds)
+    if helper.is_alive():
+        raise ScoreTimeout()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _with_alarm(call: Callable[[], Any], seconds: float) -> Any:
     def expire(signum, frame):
         raise ScoreTimeout()
 
     previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds, seconds)  # again and again, if it is swallowed
     try:
-        yield
+        return call()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def _late(start: float, seconds: float | None) -> bool:
+    return bool(seconds) and time.perf_counter() - start > seconds
 
 
 def failure_reason(error: Exception) -> str:
@@ -128,9 +156,11 @@ async def score_samples_async(tasks: list[SampleTask]) -> list[SampleResult]:
                 if inspect.isawaitable(result):
                     result = await asyncio.wait_for(result, task.timeout_s)
                 values[name] = as_number(result)
-            return SampleResult(values, None, time.perf_counter() - start)
         except Exception as e:  # the scorer is user code: any failure is this sample's, with its reason
             return SampleResult(None, failure_reason(e), time.perf_counter() - start)
+        if _late(start, task.timeout_s):  # it swallowed the cancellation, or blocked the event loop
+            return SampleResult(None, "timeout", time.perf_counter() - start)
+        return SampleResult(values, None, time.perf_counter() - start)
 
     return list(await asyncio.gather(*(one(task) for task in tasks)))
 
@@ -142,16 +172,19 @@ BATCHED_CONTRACT = ("custom_reward_function.batched=true calls the function once
 def score_batched(fn: Callable, tasks: list[SampleTask]) -> list[SampleResult]:
     """One call for the whole batch: fn(data_sources, solution_strs, ground_truths, extra_infos) -> list."""
     start = time.perf_counter()
+    limit = tasks[0].timeout_s * len(tasks) if tasks and tasks[0].timeout_s else None
     try:
-        with deadline(tasks[0].timeout_s * len(tasks) if tasks and tasks[0].timeout_s else None):
-            returned = fn([t.data_source for t in tasks], [t.response for t in tasks],
-                          [t.ground_truth for t in tasks], [t.extra_info for t in tasks])
+        returned = call_with_deadline(lambda: fn([t.data_source for t in tasks], [t.response for t in tasks],
+                                                 [t.ground_truth for t in tasks], [t.extra_info for t in tasks]),
+                                      limit)
+        if _late(start, limit):
+            raise ScoreTimeout()
         if isinstance(returned, (str, bytes, dict)) or not hasattr(returned, "__len__"):  # a per-sample function
             raise NotANumber(f"not a number: the scorer returned {type(returned).__name__}; {BATCHED_CONTRACT}")
         results = list(returned)
         if len(results) != len(tasks):
             raise NotANumber(f"not a number: the batched scorer returned {len(results)} scores for {len(tasks)} samples")
-    except Exception as e:  # the scorer is user code: the batch fails together, with the reason
+    except (Exception, ScoreTimeout) as e:  # the scorer is user code: the batch fails together, with the reason
         reason = failure_reason(e)
         if reason.startswith("raised"):  # often a per-sample function handed lists
             reason = f"{reason} ({BATCHED_CONTRACT})"
@@ -169,10 +202,11 @@ def score_batched(fn: Callable, tasks: list[SampleTask]) -> list[SampleResult]:
 def score_sample(task: SampleTask) -> SampleResult:
     start = time.perf_counter()
     try:
-        with deadline(task.timeout_s):
-            values = {name: as_number(resolve(spec)(task.data_source, task.response, task.ground_truth,
-                                                    task.extra_info))
-                      for name, spec in task.scorers}
-        return SampleResult(values, None, time.perf_counter() - start)
-    except Exception as e:  # the scorer is user code: any failure is this sample's, with its reason
+        values = call_with_deadline(lambda: {name: as_number(resolve(spec)(task.data_source, task.response,
+                                                                            task.ground_truth, task.extra_info))
+                                             for name, spec in task.scorers}, task.timeout_s)
+    except (Exception, ScoreTimeout) as e:  # the scorer is user code: any failure is this sample's, with its reason
         return SampleResult(None, failure_reason(e), time.perf_counter() - start)
+    if _late(start, task.timeout_s):  # it caught the alarm, or sat in C code the signal cannot enter
+        return SampleResult(None, "timeout", time.perf_counter() - start)
+    return SampleResult(values, None, time.perf_counter() - start)

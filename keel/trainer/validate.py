@@ -22,7 +22,7 @@ def validate(generate, reward, records, pad_token_id: int, val_kwargs, data_cfg)
         prompts = collate_prompts(records[start:start + batch_size], pad_token_id).repeat_interleave(params.n)
         batch = generate(prompts, params)
         # a sample the scorer fails on counts as wrong here, and is counted
-        result = reward.score_batch(batch.records, batch.response_texts, on_error="zero")
+        result = reward.score_batch(batch.records, batch.response_texts, on_error="zero", may_skip=False)
         scores = result.scores
         not_scored += int(result.metrics["reward/not_scored_ratio"] * len(batch))
         for record, score in zip(batch.records, scores.tolist()):

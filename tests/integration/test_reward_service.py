@@ -88,7 +88,8 @@ def test_connection_refused_fails_the_health_check_and_marks_batches(tmp_path):
 
 
 def test_server_restarted_mid_run_is_recovered_by_retries(server):
-    client = RewardServiceClient(server.url, timeout_s=2, retry_times=4, retry_delay_s=0.5)
+    # Retries until about 2 minutes after the kill: a restart on a loaded machine fits in that.
+    client = RewardServiceClient(server.url, timeout_s=2, retry_times=8, retry_delay_s=0.5)
     server.process.kill()
     server.process.wait()
     restarted = {}
@@ -146,3 +147,123 @@ def test_keel_train_with_the_reward_service(server, tiny_config):
 
     result = train(tiny_config, {"reward.service.url": server.url, "custom_reward_function.path": None})
     assert result.last_step == 2 and result.last_metrics["reward/not_scored_ratio"] == 0.0
+
+
+def test_the_servers_timeout_answers_for_a_slow_scorer(tmp_path):
+    path = tmp_path / "scorer.py"
+    path.write_text(SCORER)
+    port = free_port()
+    process = start_server(path, port, "--timeout-s", "0.5")
+    try:
+        result = RewardServiceClient(f"http://127.0.0.1:{port}", timeout_s=60).score(rows(2), ["slow", "7"])
+        assert result[0].values is None and result[0].reason == "service: timeout"
+        assert result[1].values == {"service": 1.0}
+    finally:
+        process.kill()
+
+
+def raw_exchange(port: int, request: bytes) -> bytes:
+    """What the server answers to bytes sent as they are, with the connection left open."""
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as connection:
+        connection.sendall(request)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = connection.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+        return answer
+
+
+@pytest.mark.parametrize("length_header", ["Content-Length: -1\r\n", "", "Content-Length: 1e9\r\n"])
+def test_a_bad_content_length_is_refused_before_reading(server, length_header):
+    head = f"POST /score HTTP/1.1\r\nHost: x\r\n{length_header}\r\n".encode()
+    answer = raw_exchange(server.port, head + b'{"samples": [')  # then nothing: a reading server would hang
+    assert answer.split(b" ")[1] in (b"400", b"411")
+
+
+def test_a_burst_of_1000_requests_from_50_clients_is_held(server):
+    body = json.dumps({"request_id": "b", "samples": [{"data_source": "a", "response": "7", "ground_truth": 7}]})
+    statuses, errors = [], []
+
+    def client() -> None:
+        for _ in range(20):
+            request = urllib.request.Request(server.url + "/score", data=body.encode(), method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=120) as response:
+                    statuses.append(response.status)
+            except Exception as error:  # a reset or refusal is what this test looks for
+                errors.append(repr(error))
+
+    threads = [threading.Thread(target=client) for _ in range(50)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and statuses == [200] * 1000
+
+
+class HostileServer:
+    """Answers each connection with the next canned reply, bytes as they are, then closes."""
+
+    def __init__(self, replies: list[bytes]):
+        self.replies = list(replies)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        while self.replies:
+            connection, _ = self.listener.accept()
+            with connection:
+                connection.recv(1 << 16)
+                connection.sendall(self.replies.pop(0))
+
+
+def http_reply(body: bytes, length: int | None = None, status: bytes = b"HTTP/1.1 200 OK") -> bytes:
+    return (status + b"\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body) if length is None else length).encode() + b"\r\n\r\n" + body)
+
+
+ONE_ROW_OK = b'{"request_id": "%s", "scores": [1.0], "reasons": [null]}'
+BROKEN_REPLIES = {
+    "truncated body": http_reply(b'{"request_id": "x", "sco', length=500),
+    "broken status line": b"HTTP/1.1 twohundred OK\r\n\r\n{}",
+    "not http at all": b"\x00\x01garbage",
+    "a JSON list": http_reply(b"[1.0]"),
+    "not JSON": http_reply(b"{scores: [1.0]"),
+    "wrong length": http_reply(b'{"request_id": null, "scores": [1.0, 2.0], "reasons": [null, null]}'),
+    "closed without a word": b"",
+}
+
+
+@pytest.mark.parametrize("name", BROKEN_REPLIES)
+def test_every_broken_reply_is_retried_then_not_scored_never_raised(name):
+    reply = BROKEN_REPLIES[name]
+    hostile = HostileServer([reply] * 3)
+    client = RewardServiceClient(hostile.url, timeout_s=30, retry_times=2, retry_delay_s=0.01)
+    result = client.score(rows(1), ["7"])
+    assert result[0].values is None and result[0].reason.startswith("service ")
+    assert result[0].reason.endswith("after 2 retries") and client.retries == 2
+
+
+def test_a_broken_reply_then_a_good_one_recovers(monkeypatch):
+    monkeypatch.setattr("uuid.uuid4", lambda: SimpleNamespace(hex="fixed"))
+    hostile = HostileServer([BROKEN_REPLIES["truncated body"], http_reply(ONE_ROW_OK % b"fixed")])
+    client = RewardServiceClient(hostile.url, timeout_s=30, retry_times=2, retry_delay_s=0.01)
+    assert client.score(rows(1), ["7"])[0].values == {"service": 1.0} and client.retries == 1
+
+
+@pytest.mark.parametrize("score, reason", [("NaN", "not a number: nan"), ('"1.0"', "not a number: '1.0'"),
+                                           ("[1]", "not a number: [1]")])
+def test_a_score_that_is_not_a_number_is_that_samples_reason(monkeypatch, score, reason):
+    monkeypatch.setattr("uuid.uuid4", lambda: SimpleNamespace(hex="fixed"))
+    body = b'{"request_id": "fixed", "scores": [%s], "reasons": [null]}' % score.encode()
+    result = RewardServiceClient(HostileServer([http_reply(body)]).url, retry_times=0).score(rows(1), ["7"])
+    assert result[0].values is None and result[0].reason == f"service: {reason}"
+
+
+def test_a_health_answer_of_the_wrong_shape_is_a_coded_error():
+    with pytest.raises(KeelError) as info:
+        RewardServiceClient(HostileServer([http_reply(b'["ok"]')]).url).check_health()
+    assert info.value.code == SERVICE_UNAVAILABLE

@@ -271,6 +271,28 @@ def test_nonfinite_log_probs_stop_or_skip_the_step(tiny_config, monkeypatch):
     assert [m.get("guards/skipped_steps") for m in read_metrics(result.run_dir) if m["step"] > 0] == [1.0, 2.0]
 
 
+def test_nan_rewards_stop_or_skip_the_step(tiny_config, tmp_path):
+    """One NaN score is a not-scored sample (reward.on_error); a batch of them stops the run with
+    R006, or under trainer.guards.nonfinite=skip drops the step, counted."""
+    from keel.diagnostics.codes import TOO_MANY_NOT_SCORED, KeelError
+    from keel.trainer.rl import train
+
+    nan_scorer = tmp_path / "nan_reward.py"
+    nan_scorer.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                          "    # fine on the rows keel check tries (the answer, an empty response); NaN on rollouts\n"
+                          "    return 1.0 if solution_str in (str(ground_truth), '') else float('nan')\n")
+    overrides = {"custom_reward_function.path": str(nan_scorer), "trainer.val_before_train": False}
+    with pytest.raises(KeelError) as info:
+        train(tiny_config, overrides)
+    assert info.value.code == TOO_MANY_NOT_SCORED and "not a number: nan" in info.value.message
+
+    tiny_config["trainer"]["default_local_dir"] += "_skip"
+    result = train(tiny_config, {**overrides, "trainer.guards.nonfinite": "skip", "trainer.test_freq": -1})
+    steps = [m for m in read_metrics(result.run_dir) if m["step"] > 0]
+    assert [m.get("guards/skipped_steps") for m in steps] == [1.0, 2.0]
+    assert "actor/pg_loss" not in steps[0]  # no update
+
+
 def test_gradients_cut_from_the_weights_stop_the_run(tiny_config, monkeypatch):
     from keel.diagnostics.codes import NO_GRADIENT, KeelError
     from keel.distributed import worker
