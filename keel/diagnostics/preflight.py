@@ -47,6 +47,9 @@ class Finding:
     def failed(cls, check: str, error: KeelError) -> "Finding":
         return cls(FAIL, check, error.message, error.code, error.fix)
 
+    def error(self) -> KeelError:
+        return KeelError(self.code, self.message, self.fix)
+
 
 @dataclass
 class Report:
@@ -67,8 +70,7 @@ class Report:
                 "memory_gb": self.memory_gb, "ok": not self.failures}
 
     def first_error(self) -> KeelError:
-        f = self.failures[0]
-        return KeelError(f.code, f.message, f.fix)
+        return self.failures[0].error()
 
 
 def run_checks(cfg: KeelConfig) -> Report:
@@ -392,8 +394,12 @@ def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
 def render(report: Report) -> str:
     marks = {PASS: "ok  ", WARN: "warn", FAIL: "FAIL", SKIP: "skip"}
     lines = ["keel check"]
-    lines += [f"  [{marks[f.level]}] {f.check:<14} {f.message}" + (f"  ({f.code})" if f.code else "")
-              for f in report.findings]
+    for f in report.findings:
+        if f.level == FAIL:  # exactly what `keel train` prints for the same problem: the error, then the fix
+            lines.append(f"  [{marks[f.level]}] {f.check}")
+            lines += [f"         {line}" for line in f.error().render().splitlines()]
+        else:
+            lines.append(f"  [{marks[f.level]}] {f.check:<14} {f.message}" + (f"  ({f.code})" if f.code else ""))
     lines.append(report.plan_text)
     lines.append("decided for you")
     lines += [f"  {key:<26} {value}" for key, value in report.audit.items()]

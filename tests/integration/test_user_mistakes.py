@@ -65,6 +65,9 @@ MISTAKES = {
     "KEEL-R004": lambda a, t: ["custom_reward_function.path=null",
                                f"data.train_files={data_file(t, [{'prompt': chat('hi'), 'data_source': 'gsm8k'}] * 8)}",
                                "data.val_files=[]"],
+    "KEEL-R003": lambda a, t: [f"custom_reward_function.path={reward_file(t, 'def compute_score(d, s, g, e): return str(len(s))')}"],
+    "KEEL-C007": lambda a, t: [f"trainer.resume_mode={t / 'run' / 'global_step_9'}"],
+    "KEEL-P004": lambda a, t: ["trainer.nnodes=2"],
     "KEEL-R005": lambda a, t: [f"custom_reward_function.path={reward_file(t, 'def compute_score(d, s, g, e): return 1 / len(s)')}"],
 }
 
@@ -75,11 +78,19 @@ def test_mistake_gives_its_code_and_leaves_nothing(code, tiny_config, tiny_asset
     config.write_text(yaml.safe_dump(tiny_config))
     run_dir = Path(tiny_config["trainer"]["default_local_dir"])
 
-    assert main(["train", str(config), *MISTAKES[code](tiny_assets, tmp_path)]) == 2
+    overrides = MISTAKES[code](tiny_assets, tmp_path)
+    assert main(["train", str(config), *overrides]) == 2
 
     err = capsys.readouterr().err
     assert f"error[{code}]" in err and "\nfix: " in err and "Traceback" not in err
     assert not run_dir.exists(), f"{code} left {list(run_dir.iterdir())}"
+
+    # keel check says the same: the error and its fix, word for word
+    error = err[err.rindex(f"error[{code}]"):].strip()
+    assert main(["check", str(config), *overrides]) in (1, 2)
+    out = capsys.readouterr()
+    checked = "\n".join(line.strip() for line in (out.out + out.err).splitlines())
+    assert "\n".join(line.strip() for line in error.splitlines()) in checked
 
 
 def test_missing_config_file(tmp_path, capsys):
