@@ -133,6 +133,16 @@ VOCAB_MISMATCH = _code(
     "Use the tokenizer that was saved with the model, or resize the model's embeddings "
     "(model.resize_token_embeddings) and save it again.", ("actor_rollout_ref.model.path",))
 
+WEIGHTS_BROKEN = _code(
+    "KEEL-M005", "Model weight files are truncated or do not match the config",
+    "keel reads every safetensors file's header before training: a file shorter than its header "
+    "says (an interrupted download or copy), an index naming files that are missing, or tensors "
+    "whose shapes or names are not the ones config.json describes (weights from another model "
+    "size) would fail deep inside loading, or load with random values.",
+    "Download or copy the model directory again (compare file sizes with the source), or point the "
+    "model path at the directory whose config.json matches these weights.")
+
+
 # --- D: data ----------------------------------------------------------------------------------
 DATA_FILE = _code(
     "KEEL-D001", "Dataset file missing or unreadable",
@@ -347,6 +357,13 @@ RAY_MISSING = _code(
     "or the cluster in RAY_ADDRESS cannot be reached.",
     "pip install 'ray[default]' (keel's install does this), or unset RAY_ADDRESS to start a local "
     "Ray instance.")
+MASTER_PORT_UNUSABLE = _code(
+    "KEEL-P007", "MASTER_PORT is not a port keel can listen on",
+    "MASTER_PORT is set in the environment, so keel's rank 0 listens there for the other ranks "
+    "(instead of on a free port it picks), and the value is not a port number or the port is "
+    "taken on rank 0's node.",
+    "Set MASTER_PORT to a free port between 1 and 65535 that the nodes can reach, or unset it to "
+    "let keel choose one.")
 REFERENCE_APART = _code(
     "KEEL-P006", "The reference model cannot be placed apart from the actor",
     "The reference model runs in the actor's workers, on the same ranks and the same data shard: "

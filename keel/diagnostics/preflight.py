@@ -7,6 +7,7 @@ catalogue code that `keel train` exits with.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -128,8 +129,11 @@ def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
     if limit is not None and budget > limit:
         raise KeelError(TOKEN_BUDGET, f"data.max_prompt_length + data.max_response_length = {budget} tokens, "
                                       f"over the policy's max_position_embeddings={limit}")
+    from keel.models.load import check_weights_match
+
+    weights = check_weights_match(cfg.actor_rollout_ref.model.path, model_cfg)
     found = [Finding(PASS, "model", f"{model_cfg.model_type}, vocab {vocab}, "
-                                    f"{budget} of {limit or '?'} positions used")]
+                                    f"{budget} of {limit or '?'} positions used; weights: {weights}")]
     if tokenizer.model_max_length < budget:
         found.append(Finding(WARN, "model", f"tokenizer model_max_length={tokenizer.model_max_length} is below "
                                             f"the {budget}-token budget; transformers may warn or truncate"))
@@ -174,7 +178,7 @@ def check_reward(cfg: KeelConfig, context: dict) -> list[Finding]:
     if scorer.runs_model_code(records):
         found.append(sandbox_finding(jail()))
     if cfg.reward_model.enable:
-        found.append(check_reward_model_budget(cfg, scorer.reward_model, records))
+        found.append(check_reward_model_budget(cfg, scorer.reward_model, records, need(context, "tokenizer")))
     return found
 
 
@@ -187,19 +191,29 @@ def sandbox_finding(found) -> Finding:
                                     f"({found.why_not}); keel doctor lists them", SANDBOX_INCOMPLETE)
 
 
-def check_reward_model_budget(cfg: KeelConfig, reward_model, records: list) -> Finding:
+def check_reward_model_budget(cfg: KeelConfig, reward_model, records: list, policy_tokenizer) -> Finding:
     """The longest prompt, in the reward model's own template and tokens, plus a full-length
-    response must fit what it reads: a 4096-token rollout scored by a 512-token model is an error."""
-    longest = max(len(reward_model.tokenizer(reward_model.text(r.raw_prompt, ""), add_special_tokens=False)["input_ids"])
-                  for r in records)
-    need = longest + cfg.data.max_response_length
+    response in its tokens must fit what it reads: a 4096-token rollout scored by a 512-token model
+    is an error. The response budget is in the policy's tokens, so it is converted by the ratio of
+    the two tokenizers' counts on the prompts."""
+    def count(tokenizer, text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    longest = max(count(reward_model.tokenizer, reward_model.text(r.raw_prompt, "")) for r in records)
+    texts = [reward_model.text(r.raw_prompt, "") for r in records[:64]]
+    ratio = max(count(reward_model.tokenizer, t) / max(count(policy_tokenizer, t), 1) for t in texts)
+    response = math.ceil(cfg.data.max_response_length * ratio)
+    need = longest + response
+    budget = (f"the longest prompt is {longest} tokens in the reward model's own template, and a "
+              f"data.max_response_length={cfg.data.max_response_length} response about {response} of its tokens")
     if reward_model.max_length and need > reward_model.max_length:
-        raise KeelError(TOKEN_BUDGET, f"the longest prompt is {longest} tokens in the reward model's own template; "
-                                      f"with data.max_response_length={cfg.data.max_response_length} that is {need}, "
-                                      f"over the {reward_model.max_length} tokens the reward model reads",
+        raise KeelError(TOKEN_BUDGET, f"{budget}: {need}, over the {reward_model.max_length} tokens the reward model "
+                                      f"reads ({reward_model.limited_by if reward_model.max_length == reward_model.limit else 'reward_model.max_length'})",
                         "lower data.max_response_length or data.max_prompt_length, or use a reward model "
-                        "with a longer context (reward_model.max_length)")
-    return Finding(PASS, "reward model", f"reads {reward_model.max_length} tokens; the longest sample needs {need}")
+                        "with a longer context; if its tokenizer's model_max_length is wrong, correct it in "
+                        "tokenizer_config.json")
+    return Finding(PASS, "reward model", f"reads {reward_model.max_length} tokens "
+                                         f"({reward_model.limited_by}); {budget}: {need}")
 
 
 def check_run_dir(cfg: KeelConfig, context: dict) -> list[Finding]:
@@ -236,6 +250,7 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
 def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
     """Workers against what this machine has, and Ray itself. A cluster in RAY_ADDRESS must
     answer; its resources are checked when the workers are placed."""
+    from keel.distributed.dist import port_from_environment, rendezvous_port
     from keel.distributed.group import devices_needed, require_reachable
     from keel.models.load import resolve_device
 
@@ -246,6 +261,7 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
         import ray  # noqa: F401
     except ImportError:
         raise KeelError(RAY_MISSING, f"{world} workers need Ray, which is not installed") from None
+    port = port_from_environment()
     if os.environ.get("RAY_ADDRESS"):
         require_reachable(os.environ["RAY_ADDRESS"])
         return [Finding(PASS, "workers", f"{world} workers on the Ray cluster at {os.environ['RAY_ADDRESS']}")]
@@ -261,7 +277,8 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
     if device.type == "cuda" and have < needed:
         raise KeelError(NOT_ENOUGH_DEVICES, f"{placed} need {needed} {what}, and this machine has {have}")
     level = WARN if have < needed else PASS
-    return [Finding(level, "workers", f"{placed} on this machine ({have} {what}), Ray started by keel")]
+    meeting = f"; rank 0 listens on MASTER_PORT={rendezvous_port(port)}" if port else ""
+    return [Finding(level, "workers", f"{placed} on this machine ({have} {what}), Ray started by keel{meeting}")]
 
 
 CHECKS = [("tokenizer", check_tokenizer), ("model", check_model), ("data", check_data),

@@ -11,11 +11,36 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from keel.diagnostics.codes import MASTER_PORT_UNUSABLE, KeelError
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def port_from_environment() -> int | None:
+    """MASTER_PORT, as torchrun users set it (a firewall that opens one port, say): keel's rank 0
+    listens there instead of on a port it picks. Not a port number is an error, never ignored."""
+    raw = os.environ.get("MASTER_PORT")
+    if raw is None or raw == "":
+        return None
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        raise KeelError(MASTER_PORT_UNUSABLE, f"MASTER_PORT={raw!r} is not a port number")
+    return int(raw)
+
+
+def rendezvous_port(wanted: int | None) -> int:
+    """The port rank 0 listens on: MASTER_PORT when given (it must be free here), else a free one."""
+    if wanted is None:
+        return free_port()
+    with socket.socket() as s:
+        try:
+            s.bind(("", wanted))
+        except OSError as e:
+            raise KeelError(MASTER_PORT_UNUSABLE, f"MASTER_PORT={wanted} is taken on rank 0's node ({e.strerror})") from None
+    return wanted
 
 
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int,

@@ -14,6 +14,7 @@ import os
 import time
 from pathlib import Path
 
+from keel.distributed.dist import port_from_environment
 from keel.diagnostics.codes import (NOT_ENOUGH_DEVICES, PHASE_STALLED, RAY_MISSING, WORKER_DIED, WORKER_RAISED,
                                     KeelError)
 
@@ -70,7 +71,10 @@ class RayGroup:
         ranks = list(range(self.world_size))
         self.hosts = dict(zip(ranks, self._wait([a.hostname.remote() for a in self.actors], "setup", ranks,
                                                 STARTUP_TIMEOUT_S)))
-        master = self._wait([self.actors[0].rendezvous.remote()], "setup", [0], STARTUP_TIMEOUT_S)[0]
+        # MASTER_PORT is the policy group's; a critic pool's rank 0 picks a port of its own.
+        port = port_from_environment() if roles is None else None
+        master = self._wait([self.actors[0].rendezvous.remote(port)], "setup", [0], STARTUP_TIMEOUT_S)[0]
+        log.info("%s ranks meet at %s:%d%s", self.role, *master, " (MASTER_PORT)" if port else "")
         self._wait([a.setup.remote(cfg, total_steps, actor_weights, rank, self.world_size, master, roles)
                     for rank, a in enumerate(self.actors)], "setup", ranks, STARTUP_TIMEOUT_S)
         for info in self.call("info", [()] * self.world_size):  # what each rank holds of each model
@@ -289,9 +293,9 @@ def _worker_actor_class(ray):
             import socket
             return socket.gethostname()
 
-        def rendezvous(self) -> tuple[str, int]:
-            from keel.distributed.dist import free_port
-            return ray.util.get_node_ip_address(), free_port()
+        def rendezvous(self, port: int | None) -> tuple[str, int]:
+            from keel.distributed.dist import rendezvous_port
+            return ray.util.get_node_ip_address(), rendezvous_port(port)
 
         def setup(self, cfg, total_steps, actor_weights, rank, world_size, master, roles=None) -> None:
             import torch

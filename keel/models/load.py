@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from contextlib import nullcontext
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from keel.diagnostics.codes import DEVICE_UNAVAILABLE, MODEL_PATH, NO_EOS, KeelError
+from keel.diagnostics.codes import DEVICE_UNAVAILABLE, MODEL_PATH, NO_EOS, WEIGHTS_BROKEN, KeelError
 
 log = logging.getLogger("keel")
 
@@ -31,6 +32,98 @@ def check_model_dir(path: str | Path, key: str = "actor_rollout_ref.model.path")
         raise KeelError(MODEL_PATH, f"{key}={str(path)!r} {what}",
                         f"set {key} to a local directory saved with save_pretrained")
     return path
+
+
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+
+
+def weight_file_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from the safetensors headers (8 bytes of length, then JSON), each file
+    checked to be as long as its header says: a truncated download fails here with its name, not
+    later as a SafetensorError inside from_pretrained. Reads headers only, never the weights."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        listed = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        absent = [name for name in listed if not (path / name).is_file()]
+        if absent:
+            raise KeelError(WEIGHTS_BROKEN, f"{index.name} in {path} lists {absent[:3]}, which are missing "
+                                            f"({len(absent)} of {len(listed)} files)")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        shapes.update(_header_shapes(file))
+    return shapes
+
+
+def _header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    size = file.stat().st_size
+    with open(file, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little") if size >= 8 else -1
+        if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
+            raise KeelError(WEIGHTS_BROKEN, f"{file} ({size} bytes) has no safetensors header: truncated or "
+                                            "not a safetensors file")
+        try:
+            header = json.loads(handle.read(length))
+            tensors = {name: entry for name, entry in header.items() if name != "__metadata__"}
+            end = max((entry["data_offsets"][1] for entry in tensors.values()), default=0)
+            shapes = {name: tuple(entry["shape"]) for name, entry in tensors.items()}
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            raise KeelError(WEIGHTS_BROKEN, f"{file} has a broken safetensors header ({type(e).__name__})") from None
+    if 8 + length + end > size:
+        raise KeelError(WEIGHTS_BROKEN, f"{file} is {size} bytes but its header describes {8 + length + end}: "
+                                        "the file is truncated (an interrupted download or copy)")
+    return shapes
+
+
+def check_weights_match(path: str | Path, model_cfg) -> str:
+    """The weight files against the architecture the config describes (built on the meta device):
+    a tensor of another shape is an error; so is a directory whose tensors mostly have other
+    names (transformers would initialise the model at random). Returns a one-line summary."""
+    from transformers import AutoModelForCausalLM
+
+    found = weight_file_shapes(path)
+    if not found:
+        return "no safetensors files to check (weights in another format)"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_cfg)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if getattr(model_cfg, "tie_word_embeddings", False):  # saved once, as the embedding
+        expected.pop("lm_head.weight", None)
+    wrong = [f"{name} {list(found[name])} (the config says {list(shape)})"
+             for name, shape in expected.items() if name in found and found[name] != shape]
+    if wrong:
+        raise KeelError(WEIGHTS_BROKEN, f"{len(wrong)} tensors in {path} do not match config.json: {wrong[0]}"
+                                        + (f" and {len(wrong) - 1} more" if len(wrong) > 1 else ""))
+    missing = [name for name in expected if name not in found]
+    if len(missing) > len(expected) / 2:
+        raise KeelError(WEIGHTS_BROKEN, f"{len(missing)} of the {len(expected)} tensors the config's architecture "
+                                        f"has are not in {path}'s weight files (first: {missing[0]}): they "
+                                        "would start from random values")
+    return f"{len(found)} tensors, shapes match the config" + (f"; {len(missing)} not in the files "
+                                                                 f"(first: {missing[0]})" if missing else "")
+
+
+# transformers' model_max_length when a tokenizer does not say (int(1e30)): no limit known.
+_UNSET_MAX_LENGTH = 10 ** 12
+
+
+def context_limit(model_cfg, tokenizer) -> tuple[int | None, str]:
+    """(tokens a model reads, what sets that): the smaller of config.json's max_position_embeddings
+    and the tokenizer's model_max_length, which a fine-tuned model often lowers to what it was trained
+    on while its config keeps the base model's positions."""
+    limits = []
+    positions = getattr(model_cfg, "max_position_embeddings", None)
+    if positions:
+        limits.append((positions, f"max_position_embeddings={positions} in config.json"))
+    if tokenizer.model_max_length < _UNSET_MAX_LENGTH:
+        limits.append((tokenizer.model_max_length, f"model_max_length={tokenizer.model_max_length} in its "
+                                                   "tokenizer_config.json"))
+    if not limits:
+        return None, "no limit in config.json or the tokenizer"
+    limit, why = min(limits)
+    if max(limits)[0] != limit:
+        why += f" (while {max(limits)[1]})"
+    return limit, why
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
@@ -89,6 +182,7 @@ def load_causal_lm(path: str | Path, device: torch.device, trust_remote_code: bo
     """Weights in float32 (master weights); `autocast` chooses the compute dtype."""
     from transformers import AutoModelForCausalLM
 
+    weight_file_shapes(check_model_dir(path))  # a truncated file is a coded error, not a SafetensorError
     model = AutoModelForCausalLM.from_pretrained(check_model_dir(path), dtype=torch.float32,
                                                  trust_remote_code=trust_remote_code)
     if gradient_checkpointing:

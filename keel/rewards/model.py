@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from keel.models.load import check_model_dir
+from keel.diagnostics.codes import TOKEN_BUDGET, KeelError
+from keel.models.load import check_model_dir, context_limit, weight_file_shapes
 
 
 class RewardTemplate:
@@ -24,7 +25,12 @@ class RewardTemplate:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         config = AutoConfig.from_pretrained(self.path, trust_remote_code=trust_remote_code)
-        self.max_length = max_length or getattr(config, "max_position_embeddings", None)
+        self.limit, self.limited_by = context_limit(config, self.tokenizer)
+        if max_length and self.limit and max_length > self.limit:
+            raise KeelError(TOKEN_BUDGET, f"reward_model.max_length={max_length} is more than the reward model "
+                                          f"reads: {self.limited_by}",
+                            f"set reward_model.max_length to at most {self.limit}, or leave it unset")
+        self.max_length = max_length or self.limit
 
     def text(self, raw_prompt, response: str) -> str:
         """The conversation as the reward model was trained to read it."""
@@ -42,6 +48,7 @@ class RewardModel(RewardTemplate):
         from transformers import AutoModelForSequenceClassification
 
         super().__init__(path, max_length, trust_remote_code)
+        weight_file_shapes(self.path)  # a truncated file is a coded error, not a SafetensorError
         self.model = AutoModelForSequenceClassification.from_pretrained(
             self.path, num_labels=1, trust_remote_code=trust_remote_code).to(device).eval()
         self.model.config.pad_token_id = self.tokenizer.pad_token_id  # it finds each sequence's last token by it

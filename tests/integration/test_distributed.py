@@ -151,15 +151,19 @@ def write_config(cfg: dict, path: Path) -> Path:
     return path
 
 
-def keel_train(config: Path, *overrides: str, env: dict | None = None, timeout: int = 300):
+def keel_train(config: Path, *overrides: str, env: dict | None = None, timeout: int = 900):
     return subprocess.run([sys.executable, "-m", "keel", "train", str(config), "trainer.device=cpu", *overrides],
                           capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def test_checkpoints_resume_on_a_different_number_of_workers(tiny_config, tmp_path):
+    from keel.distributed.dist import free_port
+
     config = write_config(tiny_config, tmp_path / "cfg.yaml")
-    proc = keel_train(config, "trainer.n_gpus_per_node=2")
+    port = free_port()
+    proc = keel_train(config, "trainer.n_gpus_per_node=2", env={"MASTER_PORT": str(port)})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f":{port} (MASTER_PORT)" in proc.stderr  # the ranks met where the user said
     run_dir = Path(tiny_config["trainer"]["default_local_dir"])
     from transformers import AutoModelForCausalLM
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from keel.config.load import load_config
-from keel.diagnostics.codes import TOKEN_BUDGET
+from keel.diagnostics.codes import TOKEN_BUDGET, KeelError
 from keel.diagnostics.preflight import run_checks
 from keel.models.tiny import make_tiny_reward_model
 from keel.rewards.model import RewardModel
@@ -40,6 +40,39 @@ def test_check_measures_the_budget_in_the_reward_models_own_tokens(tiny_config, 
     report = run_checks(load_config(tiny_config, overrides))
     assert [f.code for f in report.failures] == [TOKEN_BUDGET]
     assert "reward model" in report.failures[0].message
+
+
+def test_the_tokenizers_model_max_length_is_the_limit_when_it_is_lower(tiny_config, tmp_path):
+    """The seed's trap: config.json says 1024 positions, the tokenizer was saved with
+    model_max_length=128. The reward model reads 128, and keel check says so."""
+    import json
+
+    rm_dir = make_tiny_reward_model(tmp_path / "rm", hidden_size=32, max_position_embeddings=1024)
+    settings = json.loads((rm_dir / "tokenizer_config.json").read_text())
+    (rm_dir / "tokenizer_config.json").write_text(json.dumps({**settings, "model_max_length": 128}))
+    overrides = {"reward_model.enable": True, "reward_model.model.path": str(rm_dir),
+                 "custom_reward_function.path": None, "data.max_response_length": 120}
+    report = run_checks(load_config(tiny_config, overrides))
+    assert [f.code for f in report.failures] == [TOKEN_BUDGET]
+    assert "over the 128 tokens" in report.failures[0].message
+    assert "model_max_length=128" in report.failures[0].message and "1024" in report.failures[0].message
+    fits = run_checks(load_config(tiny_config, {**overrides, "data.max_response_length": 32}))
+    assert not fits.failures
+    assert any("reads 128 tokens (model_max_length=128" in f.message for f in fits.findings)
+    with pytest.raises(KeelError) as info:
+        RewardModel(str(rm_dir), torch.device("cpu"), micro_batch_size=2, max_length=512)
+    assert info.value.code == TOKEN_BUDGET and "model_max_length=128" in info.value.message
+
+
+def test_a_truncated_reward_model_file_is_a_coded_error(tiny_config, tmp_path):
+    from keel.diagnostics.codes import WEIGHTS_BROKEN
+
+    rm_dir = make_tiny_reward_model(tmp_path / "rm", hidden_size=32, max_position_embeddings=96)
+    weights = rm_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(KeelError) as info:
+        RewardModel(str(rm_dir), torch.device("cpu"), micro_batch_size=2, max_length=None)
+    assert info.value.code == WEIGHTS_BROKEN and "truncated" in info.value.message
 
 
 @pytest.fixture

@@ -29,6 +29,25 @@ def small_vocab_model(assets: dict, tmp_path: Path) -> str:
     return str(model)
 
 
+def truncated_model(assets: dict, tmp_path: Path) -> str:
+    """An interrupted download: the weights file cut in half."""
+    model = tmp_path / "truncated_model"
+    shutil.copytree(assets["model"], model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return str(model)
+
+
+def resized_model(assets: dict, tmp_path: Path) -> str:
+    """config.json from another model size than the weights."""
+    model = tmp_path / "resized_model"
+    shutil.copytree(assets["model"], model)
+    config = json.loads((model / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (model / "config.json").write_text(json.dumps(config))
+    return str(model)
+
+
 def data_file(tmp_path: Path, rows: list[dict]) -> list[str]:
     path = tmp_path / "bad_data.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -56,6 +75,7 @@ MISTAKES = {
     "KEEL-M001": lambda a, t: [f"actor_rollout_ref.model.path={t / 'nowhere'}"],
     "KEEL-M002": lambda a, t: [f"actor_rollout_ref.model.path={broken_tokenizer(a, t)}"],
     "KEEL-M004": lambda a, t: [f"actor_rollout_ref.model.path={small_vocab_model(a, t)}"],
+    "KEEL-M005": lambda a, t: [f"actor_rollout_ref.model.path={truncated_model(a, t)}"],
     "KEEL-D001": lambda a, t: [f"data.train_files=[{t / 'missing.parquet'}]"],
     "KEEL-D002": lambda a, t: [f"data.train_files={data_file(t, [{'question': 'hi'}] * 8)}"],
     "KEEL-D003": lambda a, t: [f"data.train_files={data_file(t, [{'prompt': 'x' * 200}] * 8)}"],
@@ -91,6 +111,14 @@ def test_mistake_gives_its_code_and_leaves_nothing(code, tiny_config, tiny_asset
     out = capsys.readouterr()
     checked = "\n".join(line.strip() for line in (out.out + out.err).splitlines())
     assert "\n".join(line.strip() for line in error.splitlines()) in checked
+
+
+def test_weights_of_another_size_than_the_config_are_named(tiny_config, tiny_assets, tmp_path, capsys):
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(tiny_config))
+    assert main(["check", str(config), f"actor_rollout_ref.model.path={resized_model(tiny_assets, tmp_path)}"]) == 1
+    out = capsys.readouterr().out
+    assert "error[KEEL-M005]" in out and "mlp" in out and "(the config says" in out
 
 
 def test_missing_config_file(tmp_path, capsys):

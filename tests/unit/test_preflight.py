@@ -161,3 +161,31 @@ def test_more_nodes_than_a_local_ray_instance_has_is_refused(tiny_config, monkey
     report = run_checks(load_config(tiny_config, ["trainer.device=cpu", "trainer.nnodes=2"]))
     assert NOT_ENOUGH_DEVICES in failure_codes(report)
     assert any("RAY_ADDRESS" in f.fix for f in report.findings if f.code == NOT_ENOUGH_DEVICES)
+
+
+@pytest.mark.parametrize("value, said", [("http", "not a port number"), ("70000", "not a port number"),
+                                         ("TAKEN", "is taken on rank 0's node")])
+def test_a_master_port_keel_cannot_use_is_refused_not_ignored(tiny_config, monkeypatch, value, said):
+    import socket
+
+    from keel.diagnostics.codes import MASTER_PORT_UNUSABLE
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        monkeypatch.setenv("MASTER_PORT", str(taken.getsockname()[1]) if value == "TAKEN" else value)
+        report = run_checks(load_config(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2"]))
+    assert failure_codes(report) == [MASTER_PORT_UNUSABLE]
+    assert any(said in f.message for f in report.findings if f.code == MASTER_PORT_UNUSABLE)
+
+
+def test_a_free_master_port_is_where_rank_0_listens(tiny_config, monkeypatch):
+    from keel.distributed.dist import free_port
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    port = free_port()
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    report = run_checks(load_config(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2"]))
+    assert not report.failures
+    assert any(f"MASTER_PORT={port}" in f.message for f in report.findings if f.check == "workers")
