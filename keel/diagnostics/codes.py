@@ -133,6 +133,14 @@ VOCAB_MISMATCH = _code(
     "Use the tokenizer that was saved with the model, or resize the model's embeddings "
     "(model.resize_token_embeddings) and save it again.", ("actor_rollout_ref.model.path",))
 
+TOKENIZER_MISMATCH = _code(
+    "KEEL-M006", "Tokenizer and model disagree on special tokens",
+    "The tokenizer's EOS, pad or BOS id differs from the one in the model's config.json or "
+    "generation_config.json. transformers fills in defaults silently (a Qwen2 tokenizer without "
+    "an eos_token gets <|endoftext|>), and a tokenizer copied from another model loads without a "
+    "word: responses then end, or are padded, with tokens the model was not trained on.",
+    "Use the tokenizer saved with this model, or set the special tokens in tokenizer_config.json "
+    "(or the ids in config.json) so they agree; the message names the ids on each side.")
 WEIGHTS_BROKEN = _code(
     "KEEL-M005", "Model weight files are truncated or do not match the config",
     "keel reads every safetensors file's header before training: a file shorter than its header "

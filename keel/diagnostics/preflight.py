@@ -19,7 +19,8 @@ from keel import checkpoint as ckpt
 from keel.config.plan import make_plan
 from keel.config.schema import KeelConfig
 from keel.diagnostics.codes import (MEMORY_ESTIMATE, NOT_ENOUGH_DEVICES, RAY_MISSING, RUN_DIR_NOT_WRITABLE,
-                                    SANDBOX_INCOMPLETE, TOKEN_BUDGET, VOCAB_MISMATCH, KeelError)
+                                    SANDBOX_INCOMPLETE, TOKEN_BUDGET, TOKENIZER_MISMATCH, VOCAB_MISMATCH,
+                                    KeelError)
 from keel.rewards.sandbox import jail
 from keel.training.forward import LOGITS_CHUNK_TOKENS
 
@@ -128,16 +129,37 @@ def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
     limit = getattr(model_cfg, "max_position_embeddings", None)
     if limit is not None and budget > limit:
         raise KeelError(TOKEN_BUDGET, f"data.max_prompt_length + data.max_response_length = {budget} tokens, "
-                                      f"over the policy's max_position_embeddings={limit}")
+                                      f"over the policy's max_position_embeddings={limit}",
+                        f"lower data.max_prompt_length or data.max_response_length so they sum to at most {limit}, "
+                        "or use a model with a longer context (rollout.max_model_len cannot go past the "
+                        "model's positions)")
     from keel.models.load import check_weights_match
 
+    found = check_special_tokens(tokenizer, model_cfg, cfg.actor_rollout_ref.model.path)
     weights = check_weights_match(cfg.actor_rollout_ref.model.path, model_cfg)
-    found = [Finding(PASS, "model", f"{model_cfg.model_type}, vocab {vocab}, "
-                                    f"{budget} of {limit or '?'} positions used; weights: {weights}")]
+    found.insert(0, Finding(PASS, "model", f"{model_cfg.model_type}, vocab {vocab}, "
+                                           f"{budget} of {limit or '?'} positions used; weights: {weights}"))
     if tokenizer.model_max_length < budget:
         found.append(Finding(WARN, "model", f"tokenizer model_max_length={tokenizer.model_max_length} is below "
                                             f"the {budget}-token budget; transformers may warn or truncate"))
     return found
+
+
+def check_special_tokens(tokenizer, model_cfg, path: str) -> list[Finding]:
+    """EOS, pad and BOS of the tokenizer against the model's configs: warnings with the fix, or an
+    error when they disagree on two or more (a tokenizer from another model)."""
+    from transformers import GenerationConfig
+
+    from keel.models.load import special_token_mismatches
+
+    generation = Path(path, "generation_config.json")
+    generation_eos = GenerationConfig.from_pretrained(path).eos_token_id if generation.is_file() else None
+    mismatches = special_token_mismatches(tokenizer, model_cfg, generation_eos)
+    if len(mismatches) >= 2:
+        raise KeelError(TOKENIZER_MISMATCH, "; ".join(what for what, _ in mismatches) + ": the tokenizer looks "
+                        "like another model's", "use the tokenizer saved with this model (its directory's "
+                        "tokenizer files), or correct the special tokens as the lines above say")
+    return [Finding(WARN, "model", what, TOKENIZER_MISMATCH, fix) for what, fix in mismatches]
 
 
 def check_data(cfg: KeelConfig, context: dict) -> list[Finding]:

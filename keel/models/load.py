@@ -103,6 +103,34 @@ def check_weights_match(path: str | Path, model_cfg) -> str:
                                                                  f"(first: {missing[0]})" if missing else "")
 
 
+def special_token_mismatches(tokenizer, model_cfg, generation_eos) -> list[tuple[str, str]]:
+    """(what differs, the fix) for the tokenizer's EOS, pad and BOS ids against the model's
+    config.json and generation_config.json. keel stops rollouts at both EOS sets and masks padding,
+    so one difference is a warning; several mean the tokenizer is another model's."""
+    def ids(value) -> set[int]:
+        return set(value) if isinstance(value, (list, tuple)) else ({value} if value is not None else set())
+
+    def named(token_id) -> str:
+        return f"{token_id} ({tokenizer.convert_ids_to_tokens(token_id)!r})" if token_id < len(tokenizer) else str(token_id)
+
+    found = []
+    model_eos = ids(getattr(model_cfg, "eos_token_id", None)) | ids(generation_eos)
+    if model_eos and tokenizer.eos_token_id not in model_eos:
+        wanted = min(model_eos)
+        found.append((f"the tokenizer's EOS is {named(tokenizer.eos_token_id)} but the model's config ends "
+                      f"with {sorted(named(i) for i in model_eos)}",
+                      f"set eos_token to {tokenizer.convert_ids_to_tokens(wanted)!r} in tokenizer_config.json "
+                      "if the model was trained to end with it, or use the tokenizer saved with this model"
+                      if wanted < len(tokenizer) else "use the tokenizer saved with this model"))
+    for name in ("pad", "bos"):
+        model_id, tokenizer_id = getattr(model_cfg, f"{name}_token_id", None), getattr(tokenizer, f"{name}_token_id")
+        if model_id is not None and tokenizer_id is not None and model_id != tokenizer_id:
+            found.append((f"the tokenizer's {name.upper()} is {named(tokenizer_id)} but config.json says "
+                          f"{named(model_id)}", f"make {name}_token_id in config.json and the tokenizer's "
+                          f"{name}_token agree, or use the tokenizer saved with this model"))
+    return found
+
+
 # transformers' model_max_length when a tokenizer does not say (int(1e30)): no limit known.
 _UNSET_MAX_LENGTH = 10 ** 12
 

@@ -189,3 +189,40 @@ def test_a_free_master_port_is_where_rank_0_listens(tiny_config, monkeypatch):
     report = run_checks(load_config(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2"]))
     assert not report.failures
     assert any(f"MASTER_PORT={port}" in f.message for f in report.findings if f.check == "workers")
+
+
+def _retokenized(tiny_assets, tmp_path, **tokens) -> str:
+    """The tiny model with its tokenizer's special tokens changed, as another model's would be."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_assets["model"], model)
+    tok_config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**tok_config, **tokens}))
+    return str(model)
+
+
+def test_a_tokenizer_whose_eos_the_model_does_not_end_with_is_a_warning_with_the_fix(tiny_config, tiny_assets,
+                                                                                     tmp_path):
+    from keel.diagnostics.codes import TOKENIZER_MISMATCH
+
+    path = _retokenized(tiny_assets, tmp_path, eos_token="<|endoftext|>")  # what transformers fills in for Qwen2
+    report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": path}))
+    assert not report.failures
+    warned = [f for f in report.findings if f.code == TOKENIZER_MISMATCH]
+    assert len(warned) == 1 and "'<|endoftext|>'" in warned[0].message and "'<|im_end|>'" in warned[0].message
+    assert "set eos_token to '<|im_end|>'" in warned[0].fix
+
+
+def test_a_tokenizer_from_another_model_is_refused(tiny_config, tiny_assets, tmp_path):
+    from keel.diagnostics.codes import TOKENIZER_MISMATCH
+
+    path = _retokenized(tiny_assets, tmp_path, eos_token="<|endoftext|>", pad_token="<|im_start|>")
+    report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": path}))
+    assert failure_codes(report) == [TOKENIZER_MISMATCH]
+    assert "EOS" in report.failures[0].message and "PAD" in report.failures[0].message
+
+
+def test_a_budget_over_the_models_positions_is_not_fixed_by_max_model_len(tiny_config):
+    report = run_checks(load_config(tiny_config, {"data.max_prompt_length": 1000, "data.max_response_length": 100}))
+    failure = report.failures[0]
+    assert failure.code == TOKEN_BUDGET and "sum to at most 1024" in failure.fix
+    assert "cannot go past" in failure.fix and "raise rollout.max_model_len" not in failure.fix
