@@ -209,9 +209,10 @@ class RewardServiceClient:
              "extra_info": r.extra_info, "prompt": getattr(r, "raw_prompt", None)}
             for r, text in zip(records, responses)]}
         start = time.perf_counter()
-        error = "no attempt"
+        error, retried = "no attempt", 0
         for attempt in range(self.retry_times + 1):
             if attempt:
+                retried = attempt
                 self.retries += 1
                 delay = self.retry_delay_s * 2 ** (attempt - 1)  # exponential backoff
                 log.warning("reward service %s: %s; retry %d of %d in %.1f s", self.url, error, attempt,
@@ -223,7 +224,8 @@ class RewardServiceClient:
             except urllib.error.HTTPError as e:
                 error = f"HTTP {e.code}"
                 if 400 <= e.code < 500 and e.code != HTTPStatus.TOO_MANY_REQUESTS:
-                    break  # the request itself is wrong: retrying would not help
+                    error += " not retried"  # the request itself is wrong: retrying would not help
+                    break
             # Whatever the server or the network did: refused, reset, timed out, a broken status
             # line, a truncated body, JSON of the wrong shape. Retried, then not scored, with why.
             except (OSError, http.client.HTTPException, ValueError) as e:
@@ -235,7 +237,8 @@ class RewardServiceClient:
                 return [SampleResult(None, f"service: {reason}", seconds) if reason else
                         SampleResult({"service": score}, None, seconds) for score, reason in zip(scores, reasons)]
         seconds = (time.perf_counter() - start) / max(len(records), 1)
-        return [SampleResult(None, f"service {error} after {self.retry_times} retries", seconds)] * len(records)
+        failure = error if error.endswith("not retried") else f"{error} after {retried} retries"
+        return [SampleResult(None, f"service {failure} ({SERVICE_UNAVAILABLE})", seconds)] * len(records)
 
     def _call(self, method: str, path: str, payload: dict | None, timeout: float) -> dict:
         headers = {"Content-Type": "application/json"}

@@ -73,7 +73,8 @@ def test_slow_endpoint_past_the_timeout_is_retried_then_not_scored(server, caplo
     scorer = RewardScorer(service=client, max_not_scored_ratio=1.0)
     result = scorer.score_batch(rows(2), ["slow", "7"])
     assert not result.scored.any()  # the whole request timed out: both samples counted, none dropped
-    assert result.reasons[0] == "service timeout after 1 retries"
+    assert result.reasons[0] == "service timeout after 1 retries (KEEL-R008)"
+    assert result.metrics["reward/not_scored/service_timeout_after_1_retries"] == 2
     assert result.metrics["reward/not_scored_ratio"] == 1.0 and result.metrics["reward/service_retries"] == 1
     assert "retry 1 of 1" in caplog.text and "2 of 2 samples not scored" in caplog.text  # the log says so too
 
@@ -110,7 +111,7 @@ def test_bearer_token_bad_input_and_size_limits(tmp_path):
     process = start_server(path, port, "--token", "s3cret", "--max-request-bytes", "2000")
     url = f"http://127.0.0.1:{port}"
     try:
-        assert RewardServiceClient(url, retry_times=2).score(rows(1), ["7"])[0].reason == "service HTTP 401 after 2 retries"
+        assert RewardServiceClient(url, retry_times=2).score(rows(1), ["7"])[0].reason == "service HTTP 401 not retried (KEEL-R008)"
         assert RewardServiceClient(url, token="s3cret").score(rows(1), ["7"])[0].values == {"service": 1.0}
 
         def post(body: bytes) -> int:
@@ -244,7 +245,7 @@ def test_every_broken_reply_is_retried_then_not_scored_never_raised(name):
     client = RewardServiceClient(hostile.url, timeout_s=30, retry_times=2, retry_delay_s=0.01)
     result = client.score(rows(1), ["7"])
     assert result[0].values is None and result[0].reason.startswith("service ")
-    assert result[0].reason.endswith("after 2 retries") and client.retries == 2
+    assert result[0].reason.endswith("after 2 retries (KEEL-R008)") and client.retries == 2
 
 
 def test_a_broken_reply_then_a_good_one_recovers(monkeypatch):

@@ -264,9 +264,12 @@ def test_without_bubblewrap_the_missing_protections_are_named(no_bubblewrap):
     assert no_bubblewrap.mode == "none" and "bubblewrap is not installed" in no_bubblewrap.why_not
     assert {"filesystem", "network", "processes"} <= set(no_bubblewrap.missing())
     assert no_bubblewrap.protections["limits"] and no_bubblewrap.protections["output"]
+    from keel.diagnostics.preflight import sandbox_finding
+
     doctor = check_sandbox(no_bubblewrap)
     assert doctor.level == "warn" and doctor.code == "KEEL-E010" and "filesystem" in doctor.detail
-    assert check_sandbox(jail.__wrapped__()).level == "warn"
+    check = sandbox_finding(no_bubblewrap)
+    assert check.level == "warn" and check.code == "KEEL-E010" and "runs without filesystem" in check.message
 
 
 def test_a_config_can_require_the_whole_jail(no_bubblewrap):
