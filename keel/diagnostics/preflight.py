@@ -136,7 +136,8 @@ def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
     from keel.models.load import check_weights_match
 
     found = check_special_tokens(tokenizer, model_cfg, cfg.actor_rollout_ref.model.path)
-    weights = check_weights_match(cfg.actor_rollout_ref.model.path, model_cfg)
+    weights = check_weights_match(cfg.actor_rollout_ref.model.path, model_cfg,
+                                  cfg.actor_rollout_ref.model.trust_remote_code)
     found.insert(0, Finding(PASS, "model", f"{model_cfg.model_type}, vocab {vocab}, "
                                            f"{budget} of {limit or '?'} positions used; weights: {weights}"))
     if tokenizer.model_max_length < budget:
@@ -230,7 +231,7 @@ def check_reward_model_budget(cfg: KeelConfig, reward_model, records: list, poli
               f"data.max_response_length={cfg.data.max_response_length} response about {response} of its tokens")
     if reward_model.max_length and need > reward_model.max_length:
         raise KeelError(TOKEN_BUDGET, f"{budget}: {need}, over the {reward_model.max_length} tokens the reward model "
-                                      f"reads ({reward_model.limited_by if reward_model.max_length == reward_model.limit else 'reward_model.max_length'})",
+                                      f"reads ({reward_model.limited_by})",
                         "lower data.max_response_length or data.max_prompt_length, or use a reward model "
                         "with a longer context; if its tokenizer's model_max_length is wrong, correct it in "
                         "tokenizer_config.json")

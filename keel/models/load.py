@@ -44,7 +44,10 @@ def weight_file_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        listed = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        try:
+            listed = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise KeelError(WEIGHTS_BROKEN, f"{index} is not a safetensors index ({type(e).__name__})") from None
         absent = [name for name in listed if not (path / name).is_file()]
         if absent:
             raise KeelError(WEIGHTS_BROKEN, f"{index.name} in {path} lists {absent[:3]}, which are missing "
@@ -75,7 +78,7 @@ def _header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights_match(path: str | Path, model_cfg) -> str:
+def check_weights_match(path: str | Path, model_cfg, trust_remote_code: bool = False) -> str:
     """The weight files against the architecture the config describes (built on the meta device):
     a tensor of another shape is an error; so is a directory whose tensors mostly have other
     names (transformers would initialise the model at random). Returns a one-line summary."""
@@ -85,7 +88,7 @@ def check_weights_match(path: str | Path, model_cfg) -> str:
     if not found:
         return "no safetensors files to check (weights in another format)"
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_cfg)
+        model = AutoModelForCausalLM.from_config(model_cfg, trust_remote_code=trust_remote_code)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if getattr(model_cfg, "tie_word_embeddings", False):  # saved once, as the embedding
         expected.pop("lm_head.weight", None)

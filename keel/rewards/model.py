@@ -25,12 +25,14 @@ class RewardTemplate:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         config = AutoConfig.from_pretrained(self.path, trust_remote_code=trust_remote_code)
-        self.limit, self.limited_by = context_limit(config, self.tokenizer)
-        if max_length and self.limit and max_length > self.limit:
+        limit, self.limited_by = context_limit(config, self.tokenizer)  # what it reads, and what says so
+        if max_length and limit and max_length > limit:
             raise KeelError(TOKEN_BUDGET, f"reward_model.max_length={max_length} is more than the reward model "
                                           f"reads: {self.limited_by}",
-                            f"set reward_model.max_length to at most {self.limit}, or leave it unset")
-        self.max_length = max_length or self.limit
+                            f"set reward_model.max_length to at most {limit}, or leave it unset")
+        self.max_length = max_length or limit
+        if max_length:
+            self.limited_by = f"reward_model.max_length={max_length}"
 
     def text(self, raw_prompt, response: str) -> str:
         """The conversation as the reward model was trained to read it."""

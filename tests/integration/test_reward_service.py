@@ -3,6 +3,7 @@ retried-and-recovered or as counted not-scored samples, never as a silently drop
 
 import json
 import socket
+from contextlib import contextmanager
 import subprocess
 import sys
 import threading
@@ -46,6 +47,20 @@ def start_server(path, port, *extra) -> subprocess.Popen:
             time.sleep(0.2)
     process.kill()
     raise RuntimeError(process.stderr.read().decode())
+
+
+@contextmanager
+def serving(tmp_path, *extra):
+    """A keel reward-server with these flags, for one test: its URL."""
+    path = tmp_path / "scorer.py"
+    path.write_text(SCORER)
+    port = free_port()
+    process = start_server(path, port, *extra)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.kill()
+        process.wait()
 
 
 @pytest.fixture
@@ -131,16 +146,10 @@ def test_bearer_token_bad_input_and_size_limits(tmp_path):
 
 
 def test_http_500_and_malformed_json_are_retried(tmp_path):
-    path = tmp_path / "scorer.py"
-    path.write_text(SCORER)
-    port = free_port()
-    process = start_server(path, port, "--inject", "500,malformed")
-    try:
-        client = RewardServiceClient(f"http://127.0.0.1:{port}", retry_times=3, retry_delay_s=0.05)
+    with serving(tmp_path, "--inject", "500,malformed") as url:
+        client = RewardServiceClient(url, retry_times=3, retry_delay_s=0.05)
         result = client.score(rows(2), ["7", "8"])
         assert [r.values for r in result] == [{"service": 1.0}, {"service": 0.0}] and client.retries == 2
-    finally:
-        process.kill()
 
 
 def test_keel_train_with_the_reward_service(server, tiny_config):
@@ -151,16 +160,10 @@ def test_keel_train_with_the_reward_service(server, tiny_config):
 
 
 def test_the_servers_timeout_answers_for_a_slow_scorer(tmp_path):
-    path = tmp_path / "scorer.py"
-    path.write_text(SCORER)
-    port = free_port()
-    process = start_server(path, port, "--timeout-s", "0.5")
-    try:
-        result = RewardServiceClient(f"http://127.0.0.1:{port}", timeout_s=60).score(rows(2), ["slow", "7"])
+    with serving(tmp_path, "--timeout-s", "0.5") as url:
+        result = RewardServiceClient(url, timeout_s=60).score(rows(2), ["slow", "7"])
         assert result[0].values is None and result[0].reason == "service: timeout"
         assert result[1].values == {"service": 1.0}
-    finally:
-        process.kill()
 
 
 def raw_exchange(port: int, request: bytes) -> bytes:

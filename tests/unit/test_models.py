@@ -31,3 +31,30 @@ def test_critic_gives_one_value_per_token(tiny_assets):
     values.sum().backward()
     assert critic.value_head.weight.grad is not None
     assert any(p.grad is not None for p in critic.backbone.parameters())
+
+
+def test_weight_headers_catch_every_broken_file(tmp_path, tiny_assets):
+    """A truncated file, a header of garbage, an index naming a file that is not there: each a
+    coded error before anything loads, never a SafetensorError."""
+    import json
+    import shutil
+
+    from keel.diagnostics.codes import WEIGHTS_BROKEN, KeelError
+    from keel.models.load import weight_file_shapes
+
+    assert weight_file_shapes(tiny_assets["model"])  # the intact model: every tensor's shape
+    cases = {
+        "truncated": lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-100]),
+        "no header": lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64),
+        "empty": lambda d: (d / "model.safetensors").write_bytes(b""),
+        "missing shard": lambda d: (d / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"a": "model-00002-of-00002.safetensors"}})),
+        "broken index": lambda d: (d / "model.safetensors.index.json").write_text("{"),
+    }
+    for name, damage in cases.items():
+        model = tmp_path / name.replace(" ", "_")
+        shutil.copytree(tiny_assets["model"], model)
+        damage(model)
+        with pytest.raises(KeelError) as info:
+            weight_file_shapes(model)
+        assert info.value.code == WEIGHTS_BROKEN, name
