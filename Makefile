@@ -8,8 +8,8 @@ TORCH ?= torch==2.13.0
 
 # bubblewrap is the jail for model-written code (the code_exec scorer); `keel doctor` says what holds without it.
 install:
-	@command -v bwrap >/dev/null || { export DEBIAN_FRONTEND=noninteractive; apt-get install -y -qq bubblewrap \
-	  || { apt-get update -qq && apt-get install -y -qq bubblewrap; } \
+	@command -v bwrap >/dev/null || { export DEBIAN_FRONTEND=noninteractive; apt-get install -y -qq bubblewrap libseccomp2 \
+	  || { apt-get update -qq && apt-get install -y -qq bubblewrap libseccomp2; } \
 	  || echo "keel: could not install bubblewrap (apt-get install bubblewrap); code_exec runs without its jail"; }
 	$(PYTHON) -m pip install -q "$(TORCH)"
 	$(PYTHON) -m pip install -q -e ".[test]"

@@ -37,6 +37,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from keel.diagnostics.codes import SANDBOX_INCOMPLETE, KeelError
+from keel.rewards import cgroups
+from keel.rewards.cgroups import RunGroup
 
 log = logging.getLogger("keel")
 
@@ -62,7 +64,10 @@ PROTECTIONS = {
     "network": "no network (a network namespace of its own)",
     "processes": "cannot see or signal the trainer; every process it starts dies with it (a pid namespace)",
     "user": "an unprivileged user (uid 65534, or a user namespace without capabilities)",
+    "syscalls": "no new namespaces, keyrings or other kernel interfaces a judge never needs (seccomp)",
     "limits": "CPU, memory, processes, open files and file size limited",
+    "accounting": "memory (tmpfs, memfd and kernel memory too), processes and CPU time limited for the whole "
+                  "tree by a cgroup, whose books give the verdict (a program cannot fake a limit)",
     "output": "output read as it comes and cut at the limit; the whole tree killed at the wall-clock limit",
 }
 SANDBOX_UID = 65534  # nobody
@@ -97,10 +102,10 @@ def _interpreter() -> tuple[str, str]:
     return executable, prefix if executable.startswith(prefix + os.sep) else os.path.dirname(executable)
 
 
-def _bwrap_argv(as_root: bool, solution: str, limits: Limits) -> list[str]:
+def _bwrap_argv(as_root: bool, solution: str, limits: Limits, seccomp_fd: int) -> list[str]:
     """bubblewrap's command line, up to the interpreter."""
     python, python_dir = _interpreter()
-    argv = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+    argv = ["bwrap", *(["--seccomp", str(seccomp_fd)] if _seccomp_program() else []), "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv",
             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", SCRATCH]
     if not as_root:  # a user namespace: the solution keeps no capability, even over its own namespaces
@@ -124,21 +129,60 @@ def _bwrap_argv(as_root: bool, solution: str, limits: Limits) -> list[str]:
     return argv + [python]
 
 
-def _command(mode: str, solution: str, limits: Limits, args: list[str]) -> list[str]:
+def _command(mode: str, solution: str, limits: Limits, args: list[str], seccomp_fd: int) -> list[str]:
     if mode == NO_JAIL:
         return [_interpreter()[0], "-I", "-S", solution, *args]
-    return _bwrap_argv(mode == AS_NOBODY, solution, limits) + ["-I", "-S", f"{SCRATCH}/solution.py", *args]
+    return (_bwrap_argv(mode == AS_NOBODY, solution, limits, seccomp_fd)
+            + ["-I", "-S", f"{SCRATCH}/solution.py", *args])
 
 
-def _limit_resources(limits: Limits, processes: bool):
+# Refused inside the jail (EPERM), as Docker's default profile refuses them: new namespaces (a user
+# namespace would give the program every capability over mounts it makes, tmpfs of any size
+# included), keyrings (the user's keyring outlives every run: a channel between samples), and
+# kernel interfaces a judge never needs. clone3 passes its flags in memory a filter cannot read,
+# so it answers ENOSYS and glibc falls back to clone, whose flags are checked.
+_REFUSED_SYSCALLS = ("unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "add_key", "keyctl",
+                     "request_key", "io_uring_setup", "io_uring_enter", "io_uring_register", "userfaultfd",
+                     "perf_event_open", "bpf", "ptrace", "process_vm_readv", "process_vm_writev", "memfd_create",
+                     "name_to_handle_at", "open_by_handle_at", "kexec_load", "init_module", "finit_module",
+                     "delete_module", "fsopen", "fsmount", "move_mount", "open_tree")
+_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
+
+
+@lru_cache(maxsize=1)
+def _seccomp_program() -> bytes | None:
+    """The filter as BPF for bwrap --seccomp (libseccomp through pyseccomp), or None without it."""
+    try:
+        import pyseccomp as seccomp
+    except (ImportError, OSError):  # no libseccomp on this machine
+        return None
+    import errno
+
+    refuse = seccomp.ERRNO(errno.EPERM)
+    program = seccomp.SyscallFilter(seccomp.ALLOW)
+    for name in _REFUSED_SYSCALLS:
+        program.add_rule(refuse, name)
+    for flag in _NAMESPACE_FLAGS:
+        program.add_rule(refuse, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+    program.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    with tempfile.TemporaryFile() as out:
+        program.export_bpf(out)
+        out.seek(0)
+        return out.read()
+
+
+def _limit_resources(limits: Limits, processes: bool, group: RunGroup | None):
     def apply() -> None:
+        if group is not None:  # first: bwrap and everything under it start inside the group
+            group.join()
+        else:  # no group to bound the tree's memory: each process's address space, at least
+            memory = limits.memory_mb << 20
+            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
         resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
-        memory = limits.memory_mb << 20
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits.scratch_mb << 20,) * 2)
         resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if processes:  # counted per user: only the jail's own uid makes it the solution's count alone
+        if processes and group is None:  # counted per user, across every run: the group counts this one's
             resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
     return apply
 
@@ -148,32 +192,45 @@ class Finished:
     returncode: int
     stdout: bytes
     stderr: bytes
-    stopped: str | None             # why keel stopped it (timeout, output), or None
+    stopped: str | None             # why keel stopped it (timeout, output, CPU), or None
+    cpu_s: float | None = None      # the whole tree's CPU time, from its cgroup (None without one)
+    oom_killed: bool = False        # the kernel killed it for the group's memory limit
 
 
 def _run(mode: str, code: str, stdin: str, limits: Limits, args: list[str] = ()) -> Finished:
+    # The group also holds bwrap, the tmpfs scratch directory's pages and page tables: some slack.
+    group = cgroups.create(((limits.memory_mb + limits.scratch_mb) << 20) + (32 << 20), limits.processes + 4)
     with tempfile.TemporaryDirectory(prefix="keel_sandbox_") as host:
         solution, stdin_file = Path(host, "solution.py"), Path(host, "stdin")
         solution.write_text(code)
         stdin_file.write_text(stdin)
         solution.chmod(0o444)  # the jail's user reads it through a bind mount, never writes it
-        with open(stdin_file, "rb") as stdin_handle:
+        Path(host, "seccomp.bpf").write_bytes(_seccomp_program() or b"")
+        with open(stdin_file, "rb") as stdin_handle, open(Path(host, "seccomp.bpf"), "rb") as seccomp:
             process = subprocess.Popen(
-                _command(mode, str(solution), limits, list(args)), cwd=host, stdin=stdin_handle,
+                _command(mode, str(solution), limits, list(args), seccomp.fileno()), cwd=host, stdin=stdin_handle,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "HOME": host},
-                preexec_fn=_limit_resources(limits, mode == AS_NOBODY), start_new_session=True)
+                preexec_fn=_limit_resources(limits, mode == AS_NOBODY, group), start_new_session=True,
+                pass_fds=(seccomp.fileno(),))
         try:
-            stdout, stderr, stopped = _collect(process, limits)
+            stdout, stderr, stopped = _collect(process, limits, group)
         finally:
-            _kill_tree(process)
+            _kill_tree(process, group)
             process.wait()
             process.stdout.close()
             process.stderr.close()
-    return Finished(process.returncode, stdout, stderr, stopped)
+    if group is None:
+        return Finished(process.returncode, stdout, stderr, stopped)
+    try:
+        return Finished(process.returncode, stdout, stderr, stopped, group.cpu_seconds(), group.killed_for_memory())
+    finally:
+        group.remove()
 
 
-def _collect(process: subprocess.Popen, limits: Limits) -> tuple[bytes, bytes, str | None]:
-    """Both pipes read as they fill, never more than the limit held: an endless print costs nothing."""
+def _collect(process: subprocess.Popen, limits: Limits, group: RunGroup | None) -> tuple[bytes, bytes, str | None]:
+    """Both pipes read as they fill, never more than the limit held: an endless print costs nothing.
+    With a cgroup, the tree's CPU time and OOM kills are watched too: RLIMIT_CPU starts again in
+    every child, and a killed child may leave the rest of the tree waiting."""
     buffers = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
     deadline = time.monotonic() + limits.wall_s
     with selectors.DefaultSelector() as selector:
@@ -183,7 +240,11 @@ def _collect(process: subprocess.Popen, limits: Limits) -> tuple[bytes, bytes, s
             left = deadline - time.monotonic()
             if left <= 0:
                 return bytes(buffers[process.stdout.fileno()]), b"", f"timeout: ran past {limits.wall_s} s"
-            for key, _ in selector.select(left):
+            if group is not None and group.cpu_seconds() > limits.cpu_s:
+                return b"", b"", f"cpu limit: over {limits.cpu_s} s of CPU"
+            if group is not None and group.killed_for_memory():  # the verdict is in: no need to wait
+                return b"", b"", f"memory limit: over {limits.memory_mb} MB"
+            for key, _ in selector.select(min(left, CPU_POLL_S)):
                 chunk = os.read(key.fd, 1 << 16)
                 if not chunk:
                     selector.unregister(key.fd)
@@ -194,9 +255,15 @@ def _collect(process: subprocess.Popen, limits: Limits) -> tuple[bytes, bytes, s
     return bytes(buffers[process.stdout.fileno()]), bytes(buffers[process.stderr.fileno()]), None
 
 
-def _kill_tree(process: subprocess.Popen) -> None:
-    """bwrap leads its own session; its namespace's processes die with it (--die-with-parent, and
-    a pid namespace ends when its first process does). Without the jail, the session is the tree."""
+CPU_POLL_S = 0.1
+
+
+def _kill_tree(process: subprocess.Popen, group: RunGroup | None) -> None:
+    """The cgroup names every process of the run. Without one: bwrap leads its own session, and its
+    namespace's processes die with it (--die-with-parent; a pid namespace ends with its first
+    process); without the jail, the session is the tree."""
+    if group is not None:
+        group.kill()
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -212,19 +279,33 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> str:
     finished = _run(jail().mode, code, stdin, limits)
     if finished.stopped:
         raise SandboxViolation(finished.stopped)
-    # bwrap exits 128 + the signal that ended the solution. A program can fake these two (exit 152,
-    # print MemoryError) to be not scored rather than wrong: that only takes it out of the update,
-    # and counts towards reward.max_not_scored_ratio.
-    if finished.returncode in _CPU_SIGNALS:
-        raise SandboxViolation(f"cpu limit: over {limits.cpu_s} s of CPU")
-    if finished.returncode != 0 and b"MemoryError" in finished.stderr:
-        raise SandboxViolation(f"memory limit: over {limits.memory_mb} MB")
+    verdict = _limit_verdict(finished, limits)
+    if verdict:
+        raise SandboxViolation(verdict)
     return finished.stdout.decode(errors="replace")
+
+
+def _limit_verdict(finished: Finished, limits: Limits) -> str | None:
+    """Which limit ended the program, if one did. With a cgroup the kernel's own books say (its CPU
+    time, its OOM kills): a program cannot fake a verdict. Without one, keel goes by how it ended
+    (bwrap exits 128 + the signal), which a program can fake (exit 152, print MemoryError) to be
+    not scored rather than wrong: that only takes it out of the update, and counts towards
+    reward.max_not_scored_ratio."""
+    if finished.cpu_s is not None:
+        if finished.oom_killed:
+            return f"memory limit: over {limits.memory_mb} MB"
+        return f"cpu limit: over {limits.cpu_s} s of CPU" if finished.cpu_s >= 0.95 * limits.cpu_s else None
+    if finished.returncode in _CPU_SIGNALS:
+        return f"cpu limit: over {limits.cpu_s} s of CPU"
+    if finished.returncode != 0 and b"MemoryError" in finished.stderr:
+        return f"memory limit: over {limits.memory_mb} MB"
+    return None
 
 
 # Run inside a candidate jail: each protection checked from where the solution stands.
 _PROBE = r'''
-import json, os, socket, sys
+import ctypes, json, os, socket, sys
+libc = ctypes.CDLL(None, use_errno=True)
 trainer_pid, trainer_uid, trainer_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 def refused(action):
     try:
@@ -239,6 +320,7 @@ print(json.dumps({
     "network": [name for _, name in socket.if_nameindex()] == ["lo"],
     "processes": refused(lambda: os.kill(trainer_pid, 0)),
     "user": os.getuid() != 0 and (os.getuid() != trainer_uid or not in_init_user_namespace()),
+    "syscalls": libc.unshare(0x10000000) != 0,  # a user namespace; keyrings are refused by the same filter
 }))
 '''
 
@@ -253,7 +335,10 @@ def _probe(mode: str) -> dict[str, bool] | str:
         return f"{mode}: {error}"
     if finished.returncode != 0 or not isinstance(checks, dict):
         return f"{mode}: " + (finished.stderr.decode(errors="replace").strip().splitlines() or ["failed"])[-1]
-    return {**checks, "limits": True, "output": True}
+    group = cgroups.create(1 << 30, 64)
+    if group is not None:
+        group.remove()
+    return {**checks, "limits": True, "accounting": group is not None, "output": True}
 
 
 @lru_cache(maxsize=1)

@@ -282,3 +282,123 @@ def test_a_config_can_require_the_whole_jail(no_bubblewrap):
     assert info.value.code == SANDBOX_INCOMPLETE and "network" in info.value.message
     RewardScorer(by_source={"math": {"math": 1.0}}, require_jail=True).check_records(
         [SimpleNamespace(data_source="math", ground_truth="1", extra_info={}, index=0)])  # runs no code
+
+
+def test_no_namespaces_keyrings_or_memfds_inside():
+    """A user namespace would give the program every capability over mounts it makes (a tmpfs
+    the size of half the host's memory); the user keyring outlives each run (a channel between
+    samples); a memfd's pages are outside RLIMIT_AS."""
+    program = textwrap.dedent("""
+        import ctypes, os, subprocess
+        libc = ctypes.CDLL(None, use_errno=True)
+        escaped = []
+        if libc.unshare(0x10000000) == 0:
+            escaped.append("unshare")
+        if subprocess.run(["unshare", "-Urm", "true"], capture_output=True).returncode == 0:
+            escaped.append("unshare -Urm")
+        try:
+            os.memfd_create("big")
+            escaped.append("memfd")
+        except OSError:
+            pass
+        if libc.syscall(ADD_KEY, b"user", b"keel_probe", b"v", 1, -4) != -1:  # into the user keyring, @u
+            escaped.append("add_key")
+        import threading
+        threading.Thread(target=print, args=("threads still work",)).start()
+        print(escaped)
+    """)
+    import pyseccomp
+
+    program = program.replace("ADD_KEY", str(pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, "add_key")))
+    assert run_python(program, "", LIMITS).split("\n")[:2] == ["threads still work", "[]"]
+
+
+def test_memory_is_bounded_for_the_whole_tree_not_per_process():
+    """Four children of 200 MB each under a 256 MB limit: rlimits alone would allow all four."""
+    program = textwrap.dedent("""
+        import os, time
+        for _ in range(4):
+            if os.fork() == 0:
+                block = b"x" * (200 << 20)
+                time.sleep(30)
+                os._exit(0)
+        for _ in range(4):
+            os.wait()
+    """)
+    with pytest.raises(SandboxViolation) as info:
+        run_python(program, "", Limits(cpu_s=20, wall_s=60, memory_mb=256))
+    assert "memory limit" in str(info.value)
+
+
+def test_cpu_is_bounded_for_the_whole_tree_not_per_process():
+    """Each process spins just under the limit, forks and exits: RLIMIT_CPU starts again in every
+    child, the tree's CPU time does not."""
+    program = textwrap.dedent("""
+        import os, sys, time
+        for lane in range(2):
+            if os.fork() == 0:
+                break
+        else:
+            time.sleep(20)
+            print("main done")
+            sys.exit(0)
+        while True:
+            start = time.process_time()
+            while time.process_time() - start < 0.8:
+                pass
+            if os.fork() != 0:
+                os._exit(0)
+    """)
+    with pytest.raises(SandboxViolation) as info:
+        run_python(program, "", Limits(cpu_s=2, wall_s=120, memory_mb=256))
+    assert "cpu limit" in str(info.value)
+
+
+@pytest.mark.parametrize("fake", [
+    "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+    "raise SystemExit(152)",
+    "import sys\nsys.stderr.write('MemoryError')\nsys.exit(1)",
+])
+def test_a_program_cannot_fake_a_limit_to_dodge_a_wrong_answer(fake):
+    """Not scored would take a wrong answer out of the update: the verdict comes from the kernel's
+    books for the run (its cgroup), not from how the program ended."""
+    assert run_python(fake, "", LIMITS) == ""  # an ordinary failure: the test case is failed
+
+
+def _processes_of_uid(uid: int) -> int:
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            status = open(f"/proc/{pid}/status").read()
+        except OSError:
+            continue
+        count += f"\nUid:\t{uid}\t" in status
+    return count
+
+
+def test_one_run_cannot_starve_another_of_processes():
+    """Concurrent runs share uid 65534: a per-user process limit would let one sample fill it and
+    fail a correct program running beside it."""
+    import threading
+    import time
+
+    outcome = []
+
+    def attack() -> None:
+        try:
+            run_python("import os, time\nfor _ in range(40):\n    try:\n        os.fork() or time.sleep(30)\n"
+                       "    except OSError:\n        break\ntime.sleep(30)", "", Limits(cpu_s=5, wall_s=20, memory_mb=256))
+        except SandboxViolation as stopped:
+            outcome.append(str(stopped))
+
+    attacker = threading.Thread(target=attack)
+    attacker.start()
+    for _ in range(600):  # until the attacker holds its share of processes (polled, not timed)
+        if _processes_of_uid(65534) >= 20:
+            break
+        time.sleep(0.1)
+    assert _processes_of_uid(65534) >= 20
+    victim = "import threading\nthreading.Thread(target=print, args=(sum(map(int, input().split())),)).start()"
+    assert run_python(victim, "2 3\n", LIMITS).strip() == "5"
+    attacker.join()
+    assert outcome and outcome[0].startswith("timeout")
