@@ -8,15 +8,17 @@ The jail is bubblewrap (`bwrap`, Debian's `bubblewrap`), the sandbox Flatpak run
   no path on the host is writable, and no project file, dataset or home directory is visible;
 - an unprivileged user: uid 65534 (`nobody`) when the trainer is root, otherwise a user
   namespace with no capabilities;
-- resource limits (CPU seconds, address space, processes, open files, file size);
+- a seccomp filter refusing new namespaces, keyrings and kernel interfaces a judge never needs;
+- a cgroup per run (keel/rewards/cgroups.py) bounding the whole tree's memory, processes and CPU
+  time, whose books give the CPU and memory verdicts; rlimits on top (open files, file size);
 - output read as it comes and cut at the limit, and a wall-clock kill of the whole tree.
-A machine that cannot give some of these (no bubblewrap, or namespaces refused, as in some
-containers) runs solutions with limits only: `protections()` says which hold, `keel doctor` and
-`keel check` print them, and `reward.sandbox.require_jail: true` refuses to train without all.
+A machine that cannot give some of these (no bubblewrap, namespaces or cgroups refused, as in some
+containers) runs solutions with what it has: `jail()` says which protections hold, `keel doctor`
+and `keel check` print them, and `reward.sandbox.require_jail: true` refuses to train without all.
 
 What the solution does inside is its own business: a refused write or connection is an error in
-the program, so the test case fails, as on a judge. Only limits keel enforces (time, CPU, output,
-memory) stop a program without a verdict: SandboxViolation, and the sample is not scored.
+the program, so the test case fails, as on a judge. Only the limits (time, CPU, output, memory)
+stop a program without a verdict: SandboxViolation, and the sample is not scored.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class Limits:
     wall_s: float = 10.0
     memory_mb: int = 512
     output_bytes: int = 1 << 16
-    processes: int = 32         # for the sandbox's user, so a fork bomb stops (jailed as uid 65534 only)
+    processes: int = 32         # a fork bomb stops here (the run's cgroup; else uid 65534's rlimit)
     open_files: int = 64
     scratch_mb: int = 16        # the writable /sandbox, in memory
 
