@@ -79,6 +79,10 @@ def _cmd_reward_server(args) -> int:
         scorer_fn = load_custom_reward_fn(path, name or "compute_score")
     else:
         scorer_fn = ("builtin", args.scorer)
+    if args.scorer == "code_exec":  # the responses run here: this machine's jail is the one that counts
+        from keel.rewards.sandbox import require_jail
+
+        print("\n".join(require_jail(args.sandbox_require).describe()), flush=True)
     scorer = RewardScorer(scorer_fn, timeout_s=args.timeout_s, num_workers=args.num_workers, max_not_scored_ratio=1.0)
     server = make_server(scorer, args.host, args.port, args.token, args.max_request_bytes, args.max_concurrency,
                          args.inject.split(",") if args.inject else None)
@@ -190,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-bytes", type=int, default=8 << 20)
     serve.add_argument("--max-concurrency", type=int, default=8)
     serve.add_argument("--timeout-s", type=float, default=30.0, help="per-sample scoring limit")
+    serve.add_argument("--sandbox-require", choices=("isolation", "all", "none"), default="isolation",
+                       help="with --scorer code_exec: what the code jail must give (as reward.sandbox.require)")
     serve.add_argument("--num-workers", type=int, default=0, help="scoring processes")
     serve.add_argument("--inject", help="faults for the first /score requests, e.g. 500,malformed,slow "
                                         "(to test a client's retries)")

@@ -235,9 +235,10 @@ class RewardServiceConfig:
 
 @dataclass
 class SandboxConfig:
-    require_jail: bool = opt(False, help="refuse to run model-written code (code_exec) unless every protection "
-                                         "of the jail holds here (keel doctor lists them); false: warn and run "
-                                         "with those there are")
+    require: str = opt("isolation", choices=("isolation", "all", "none"),
+                       help="what model-written code (code_exec) needs of the jail: its isolation (own filesystem "
+                            "view, no network, own pid namespace, an unprivileged user), every protection keel doctor "
+                            "lists, or none (run with what there is, warned)")
 
 
 @dataclass

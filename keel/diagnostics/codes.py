@@ -309,11 +309,12 @@ SANDBOX_INCOMPLETE = _code(
     "Model-written code (the code_exec scorer) runs in a bubblewrap jail: namespaces of its own, a "
     "read-only view of the system, no network, an unprivileged user, resource limits. On this "
     "machine bubblewrap is missing, or the kernel or container refuses the namespaces it needs, so "
-    "some protections are not in force, and reward.sandbox.require_jail is true.",
+    "some protections are not in force, and reward.sandbox.require asks for them (by default the "
+    "isolation ones: model code never runs unfenced unless the config says so).",
     "Install bubblewrap (apt-get install bubblewrap; keel's `make install` does), or run where user "
     "and mount namespaces are allowed (a container started with --security-opt seccomp=unconfined "
-    "or a VM). `keel doctor` lists the protections in force. reward.sandbox.require_jail=false runs "
-    "with those there are.", ("reward.sandbox.require_jail",))
+    "or a VM). `keel doctor` lists the protections in force. reward.sandbox.require=none runs "
+    "with those there are, at your risk.", ("reward.sandbox.require",))
 RUN_DIR_NOT_WRITABLE = _code(
     "KEEL-E003", "The run directory cannot be written",
     "keel writes its config, metrics and checkpoints under trainer.default_local_dir; the nearest "

@@ -20,7 +20,7 @@ from keel.config.plan import make_plan
 from keel.config.schema import KeelConfig
 from keel.diagnostics.codes import (MEMORY_ESTIMATE, NOT_ENOUGH_DEVICES, RAY_MISSING, RUN_DIR_NOT_WRITABLE,
                                     SANDBOX_INCOMPLETE, TOKEN_BUDGET, TOKENIZER_MISMATCH, VOCAB_MISMATCH,
-                                    KeelError)
+                                    WEIGHTS_BROKEN, KeelError)
 from keel.rewards.sandbox import jail
 from keel.training.forward import LOGITS_CHUNK_TOKENS
 
@@ -135,9 +135,11 @@ def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
                         "model's positions)")
     from keel.models.load import check_weights_match
 
-    found = check_special_tokens(tokenizer, model_cfg, cfg.actor_rollout_ref.model.path)
-    weights = check_weights_match(cfg.actor_rollout_ref.model.path, model_cfg,
-                                  cfg.actor_rollout_ref.model.trust_remote_code)
+    found = check_special_tokens(tokenizer, model_cfg, cfg.actor_rollout_ref.model.path, context.get("pad_from_eos"))
+    weights, unmatched = check_weights_match(cfg.actor_rollout_ref.model.path, model_cfg,
+                                             cfg.actor_rollout_ref.model.trust_remote_code)
+    if unmatched:
+        found.append(Finding(WARN, "model", unmatched, WEIGHTS_BROKEN))
     found.insert(0, Finding(PASS, "model", f"{model_cfg.model_type}, vocab {vocab}, "
                                            f"{budget} of {limit or '?'} positions used; weights: {weights}"))
     if tokenizer.model_max_length < budget:
@@ -146,21 +148,27 @@ def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
     return found
 
 
-def check_special_tokens(tokenizer, model_cfg, path: str) -> list[Finding]:
+def check_special_tokens(tokenizer, model_cfg, path: str, pad_from_eos: bool) -> list[Finding]:
     """EOS, pad and BOS of the tokenizer against the model's configs: warnings with the fix, or an
-    error when they disagree on two or more (a tokenizer from another model)."""
+    error when they disagree on two or more (a tokenizer from another model). A pad keel chose
+    itself (EOS, the tokenizer having none) is not the tokenizer's to compare."""
     from transformers import GenerationConfig
 
     from keel.models.load import special_token_mismatches
 
-    generation = Path(path, "generation_config.json")
-    generation_eos = GenerationConfig.from_pretrained(path).eos_token_id if generation.is_file() else None
-    mismatches = special_token_mismatches(tokenizer, model_cfg, generation_eos)
+    found, generation_eos = [], None
+    if Path(path, "generation_config.json").is_file():
+        try:
+            generation_eos = GenerationConfig.from_pretrained(path).eos_token_id
+        except (OSError, ValueError) as e:
+            found.append(Finding(WARN, "model", f"generation_config.json in {path} cannot be read ({e}); its EOS "
+                                                "ids are not compared"))
+    mismatches = special_token_mismatches(tokenizer, model_cfg, generation_eos, compare_pad=not pad_from_eos)
     if len(mismatches) >= 2:
         raise KeelError(TOKENIZER_MISMATCH, "; ".join(what for what, _ in mismatches) + ": the tokenizer looks "
                         "like another model's", "use the tokenizer saved with this model (its directory's "
                         "tokenizer files), or correct the special tokens as the lines above say")
-    return [Finding(WARN, "model", what, TOKENIZER_MISMATCH, fix) for what, fix in mismatches]
+    return found + [Finding(WARN, "model", what, TOKENIZER_MISMATCH, fix) for what, fix in mismatches]
 
 
 def check_data(cfg: KeelConfig, context: dict) -> list[Finding]:
@@ -207,7 +215,7 @@ def check_reward(cfg: KeelConfig, context: dict) -> list[Finding]:
 
 def sandbox_finding(found) -> Finding:
     """Which of the jail's protections hold for model-written code (check_records has already
-    refused a partial jail when reward.sandbox.require_jail asks for all)."""
+    refused a jail short of what reward.sandbox.require asks for)."""
     if found.complete:
         return Finding(PASS, "sandbox", f"{found.mode}: every protection in force ({', '.join(found.protections)})")
     return Finding(WARN, "sandbox", f"{found.mode}: model-written code runs without {', '.join(found.missing())} "

@@ -36,6 +36,7 @@ def rendezvous_port(wanted: int | None) -> int:
     if wanted is None:
         return free_port()
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store binds: TIME_WAIT is free
         try:
             s.bind(("", wanted))
         except OSError as e:

@@ -13,6 +13,7 @@ protection missing.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path("/sys/fs/cgroup")
+log = logging.getLogger("keel")
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,10 @@ def layout(root: Path = ROOT, proc_cgroup: str | None = None) -> Layout | None:
     groups = {c: _own_group(c, proc_cgroup) for c in ("memory", "pids", "cpuacct")}
     if any(g is None or not (root / c).is_dir() for c, g in groups.items()):
         return None
-    return Layout(*(root / c / g.lstrip("/") for c, g in groups.items()), v2=False)
+    # Without a cgroup namespace a container sees the host's path for its group, while its mount
+    # shows that group as the root: there, the mount root is ours.
+    dirs = [root / c / g.lstrip("/") if (root / c / g.lstrip("/")).is_dir() else root / c for c, g in groups.items()]
+    return Layout(*dirs, v2=False)
 
 
 class RunGroup:
@@ -62,9 +67,16 @@ class RunGroup:
         name = f"keel-sandbox-{uuid.uuid4().hex[:12]}"
         self.memory, self.pids, self.cpu = (base / name for base in (where.memory, where.pids, where.cpu))
         self.dirs = sorted({self.memory, self.pids, self.cpu})  # one directory in v2
+        try:
+            self._make(memory_bytes, processes)
+        except OSError:
+            self.remove()  # what was made of it
+            raise
+
+    def _make(self, memory_bytes: int, processes: int) -> None:
         for directory in self.dirs:
             directory.mkdir()
-        if where.v2:
+        if self.where.v2:
             self._write(self.memory, "memory.max", memory_bytes)
             self._write(self.memory, "memory.swap.max", 0, optional=True)
         else:
@@ -98,6 +110,8 @@ class RunGroup:
 
     def kill(self) -> None:
         """SIGKILL to every process of the run, wherever it went: the group is the whole tree."""
+        if not (self.pids / "cgroup.procs").exists():
+            return
         for pid in (self.pids / "cgroup.procs").read_text().split():
             try:
                 os.kill(int(pid), signal.SIGKILL)
@@ -108,14 +122,15 @@ class RunGroup:
         """Once its processes are gone; a group with processes cannot be removed, and the kernel
         takes a moment to reap a killed tree."""
         for _ in range(200):
-            self.kill()
             try:
+                self.kill()
                 for directory in self.dirs:
                     if directory.exists():
                         directory.rmdir()
                 return
             except OSError:
                 time.sleep(0.01)
+        log.warning("could not remove the sandbox cgroup %s: a process of the run is still in it", self.dirs[0])
 
 
 def create(memory_bytes: int, processes: int) -> RunGroup | None:

@@ -7,10 +7,14 @@ whole is one of the quiet ways RL runs go wrong.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from keel.diagnostics.codes import TOKEN_BUDGET, KeelError
 from keel.models.load import check_model_dir, context_limit, weight_file_shapes
+
+log = logging.getLogger("keel")
 
 
 class RewardTemplate:
@@ -26,12 +30,17 @@ class RewardTemplate:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         config = AutoConfig.from_pretrained(self.path, trust_remote_code=trust_remote_code)
         limit, self.limited_by = context_limit(config, self.tokenizer)  # what it reads, and what says so
-        if max_length and limit and max_length > limit:
-            raise KeelError(TOKEN_BUDGET, f"reward_model.max_length={max_length} is more than the reward model "
-                                          f"reads: {self.limited_by}",
-                            f"set reward_model.max_length to at most {limit}, or leave it unset")
         self.max_length = max_length or limit
-        if max_length:
+        if max_length:  # the user's word over the tokenizer's, never past the positions the model has
+            positions = getattr(config, "max_position_embeddings", None)
+            if positions and max_length > positions:
+                raise KeelError(TOKEN_BUDGET, f"reward_model.max_length={max_length} is more than the reward model's "
+                                              f"max_position_embeddings={positions}",
+                                f"set reward_model.max_length to at most {positions}, or leave it unset")
+            if limit and max_length > limit:
+                log.warning("reward_model.max_length=%d is over what the reward model reads by default (%s): "
+                            "scores of longer samples are only as good as its training on them", max_length,
+                            self.limited_by)
             self.limited_by = f"reward_model.max_length={max_length}"
 
     def text(self, raw_prompt, response: str) -> str:

@@ -63,11 +63,11 @@ class RewardScorer:
     def __init__(self, custom: RewardFn | tuple | None = None, by_source: dict[str, dict[str, float]] | None = None,
                  overlong=None, max_response_length: int | None = None, on_error: str = "mask",
                  max_not_scored_ratio: float = 0.1, timeout_s: float | None = None, num_workers: int = 0,
-                 batched: bool = False, reward_model=None, service=None, require_jail: bool = False,
+                 batched: bool = False, reward_model=None, service=None, sandbox_require: str = "isolation",
                  nonfinite: str = "stop"):
         self.service = service
         self.nonfinite = nonfinite
-        self.require_jail = require_jail
+        self.sandbox_require = sandbox_require
         self.custom = custom
         self.batched = batched
         self.reward_model = reward_model
@@ -119,7 +119,7 @@ class RewardScorer:
             raise KeelError(MISSING_GROUND_TRUTH, f"{len(missing)} rows (first: row {missing[0]}) have no "
                             "reward_model.ground_truth, which the built-in scorers compare against")
         if self.runs_model_code(records):
-            require_jail(self.require_jail)
+            require_jail(self.sandbox_require)
 
     def runs_model_code(self, records: list) -> bool:
         """Whether some row is scored by running the response (code_exec, in keel's sandbox)."""
@@ -163,7 +163,7 @@ class RewardScorer:
     def _skip_if_nonfinite(self, failed: list[tuple[int, str]], total: int, may_skip: bool) -> None:
         """trainer.guards.nonfinite=skip: a batch pushed over max_not_scored_ratio by NaN or infinite
         scores is skipped like a step with NaN log-probs. Other failures past the ratio still stop."""
-        nonfinite = [reason for _, reason in failed if reason in NOT_FINITE]
+        nonfinite = [reason for _, reason in failed if reason.removeprefix("service: ") in NOT_FINITE]
         if not (may_skip and self.nonfinite == "skip" and nonfinite):
             return
         if (len(failed) - len(nonfinite)) / total <= self.max_not_scored_ratio:

@@ -14,7 +14,7 @@ The jail is bubblewrap (`bwrap`, Debian's `bubblewrap`), the sandbox Flatpak run
 - output read as it comes and cut at the limit, and a wall-clock kill of the whole tree.
 A machine that cannot give some of these (no bubblewrap, namespaces or cgroups refused, as in some
 containers) runs solutions with what it has: `jail()` says which protections hold, `keel doctor`
-and `keel check` print them, and `reward.sandbox.require_jail: true` refuses to train without all.
+and `keel check` print them, and `reward.sandbox.require` says what a run needs (isolation by default, or all, or none).
 
 What the solution does inside is its own business: a refused write or connection is an error in
 the program, so the test case fails, as on a judge. Only the limits (time, CPU, output, memory)
@@ -156,7 +156,7 @@ def _seccomp_program() -> bytes | None:
     """The filter as BPF for bwrap --seccomp (libseccomp through pyseccomp), or None without it."""
     try:
         import pyseccomp as seccomp
-    except (ImportError, OSError):  # no libseccomp on this machine
+    except Exception:  # not installed, or no libseccomp on this machine (pyseccomp raises RuntimeError)
         return None
     import errno
 
@@ -199,18 +199,29 @@ class Finished:
     oom_killed: bool = False        # the kernel killed it for the group's memory limit
 
 
-def _run(mode: str, code: str, stdin: str, limits: Limits, args: list[str] = ()) -> Finished:
+def _run(mode: str, code: str, stdin: str, limits: Limits, args: list[str] = (), accounted: bool = True) -> Finished:
+    """One run, in its own cgroup when `accounted` and this machine allows one; the group is
+    removed however the run ends (a scorer's timeout included)."""
     # The group also holds bwrap, the tmpfs scratch directory's pages and page tables: some slack.
-    group = cgroups.create(((limits.memory_mb + limits.scratch_mb) << 20) + (32 << 20), limits.processes + 4)
+    group = cgroups.create(((limits.memory_mb + limits.scratch_mb) << 20) + (32 << 20),
+                           limits.processes + 4) if accounted else None
+    try:
+        return _run_in(mode, code, stdin, limits, list(args), group)
+    finally:
+        if group is not None:
+            group.remove()
+
+
+def _run_in(mode: str, code: str, stdin: str, limits: Limits, args: list[str], group: RunGroup | None) -> Finished:
     with tempfile.TemporaryDirectory(prefix="keel_sandbox_") as host:
         solution, stdin_file = Path(host, "solution.py"), Path(host, "stdin")
         solution.write_text(code)
         stdin_file.write_text(stdin)
         solution.chmod(0o444)  # the jail's user reads it through a bind mount, never writes it
-        Path(host, "seccomp.bpf").write_bytes(_seccomp_program() or b"")
+        Path(host, "seccomp.bpf").write_bytes((mode != NO_JAIL and _seccomp_program()) or b"")
         with open(stdin_file, "rb") as stdin_handle, open(Path(host, "seccomp.bpf"), "rb") as seccomp:
             process = subprocess.Popen(
-                _command(mode, str(solution), limits, list(args), seccomp.fileno()), cwd=host, stdin=stdin_handle,
+                _command(mode, str(solution), limits, args, seccomp.fileno()), cwd=host, stdin=stdin_handle,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "HOME": host},
                 preexec_fn=_limit_resources(limits, mode == AS_NOBODY, group), start_new_session=True,
                 pass_fds=(seccomp.fileno(),))
@@ -223,10 +234,7 @@ def _run(mode: str, code: str, stdin: str, limits: Limits, args: list[str] = ())
             process.stderr.close()
     if group is None:
         return Finished(process.returncode, stdout, stderr, stopped)
-    try:
-        return Finished(process.returncode, stdout, stderr, stopped, group.cpu_seconds(), group.killed_for_memory())
-    finally:
-        group.remove()
+    return Finished(process.returncode, stdout, stderr, stopped, group.cpu_seconds(), group.killed_for_memory())
 
 
 def _collect(process: subprocess.Popen, limits: Limits, group: RunGroup | None) -> tuple[bytes, bytes, str | None]:
@@ -278,7 +286,8 @@ _CPU_SIGNALS = {-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU, 128 + si
 
 def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> str:
     """The solution's stdout; SandboxViolation when a limit stopped it, with the reason."""
-    finished = _run(jail().mode, code, stdin, limits)
+    found = jail()
+    finished = _run(found.mode, code, stdin, limits, accounted=found.protections["accounting"])
     if finished.stopped:
         raise SandboxViolation(finished.stopped)
     verdict = _limit_verdict(finished, limits)
@@ -306,8 +315,7 @@ def _limit_verdict(finished: Finished, limits: Limits) -> str | None:
 
 # Run inside a candidate jail: each protection checked from where the solution stands.
 _PROBE = r'''
-import ctypes, json, os, socket, sys
-libc = ctypes.CDLL(None, use_errno=True)
+import json, os, socket, sys
 trainer_pid, trainer_uid, trainer_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 def refused(action):
     try:
@@ -322,52 +330,79 @@ print(json.dumps({
     "network": [name for _, name in socket.if_nameindex()] == ["lo"],
     "processes": refused(lambda: os.kill(trainer_pid, 0)),
     "user": os.getuid() != 0 and (os.getuid() != trainer_uid or not in_init_user_namespace()),
-    "syscalls": libc.unshare(0x10000000) != 0,  # a user namespace; keyrings are refused by the same filter
+    "syscalls": refused(lambda: os.memfd_create("probe")),  # only the seccomp filter refuses it
 }))
 '''
+
+
+PROBE_LIMITS = Limits(wall_s=60.0, cpu_s=10)
 
 
 def _probe(mode: str) -> dict[str, bool] | str:
     """The protections a mode gives here, or why it cannot run."""
     try:
-        finished = _run(mode, _PROBE, "", Limits(wall_s=30.0, cpu_s=10),
-                        [str(os.getpid()), str(os.getuid()), os.path.realpath(os.getcwd())])
-        checks = json.loads(finished.stdout)
-    except (OSError, ValueError) as error:
+        finished = _run(mode, _PROBE, "", PROBE_LIMITS, [str(os.getpid()), str(os.getuid()),
+                                                         os.path.realpath(os.getcwd())], accounted=False)
+    except (OSError, ValueError, subprocess.SubprocessError) as error:
         return f"{mode}: {error}"
-    if finished.returncode != 0 or not isinstance(checks, dict):
-        return f"{mode}: " + (finished.stderr.decode(errors="replace").strip().splitlines() or ["failed"])[-1]
-    group = cgroups.create(1 << 30, 64)
-    if group is not None:
-        group.remove()
-    return {**checks, "limits": True, "accounting": group is not None, "output": True}
+    if finished.stopped or finished.returncode != 0:  # bwrap says why on stderr (an old release, a refusal)
+        said = finished.stderr.decode(errors="replace").strip().splitlines()
+        return f"{mode}: " + (said[-1] if said else finished.stopped or f"exit status {finished.returncode}")
+    try:
+        checks = json.loads(finished.stdout)
+    except ValueError:
+        return f"{mode}: the probe's answer was unreadable"
+    return {**checks, "limits": True, "accounting": _accounting_works(mode), "output": True}
+
+
+def _accounting_works(mode: str) -> bool:
+    """Whether a run can have a cgroup of its own here, tried end to end."""
+    try:
+        finished = _run(mode, "print(1)", "", PROBE_LIMITS, accounted=True)
+    except (OSError, ValueError, subprocess.SubprocessError):  # the child could not join the group
+        return False
+    return finished.cpu_s is not None and finished.returncode == 0
+
+
+NO_CGROUP = ("no cgroup keel may create for a run (cgroup v1 controllers it can write, or a cgroup v2 "
+             "subtree with memory and pids delegated): per-process rlimits instead")
 
 
 @lru_cache(maxsize=1)
 def jail() -> Jail:
-    """The strongest jail this machine gives, probed once per process."""
+    """The strongest jail this machine gives, probed once per process: as uid 65534 when root,
+    else (or when that is refused) in a user namespace, else no jail."""
+    failures = []
     if shutil.which("bwrap") is None:
-        failures = ["bubblewrap is not installed (apt-get install bubblewrap)"]
+        failures.append("bubblewrap is not installed (apt-get install bubblewrap)")
     else:
-        mode = AS_NOBODY if os.getuid() == 0 else IN_USER_NAMESPACE
-        protections = _probe(mode)
-        if isinstance(protections, dict):
-            return Jail(mode, protections, "" if all(protections.values()) else "the probe found gaps")
-        failures = [protections]
+        for mode in ([AS_NOBODY] if os.getuid() == 0 else []) + [IN_USER_NAMESPACE]:
+            protections = _probe(mode)
+            if isinstance(protections, dict):
+                return Jail(mode, protections, "; ".join(failures + ([] if protections["accounting"] else [NO_CGROUP])))
+            failures.append(protections)
     protections = _probe(NO_JAIL)
     if isinstance(protections, str):
+        failures.append(protections)
         protections = {name: name in ("limits", "output") for name in PROTECTIONS}
+    elif not protections["accounting"]:
+        failures.append(NO_CGROUP)
     return Jail(NO_JAIL, protections, "; ".join(failures))
 
 
-def require_jail(required: bool) -> Jail:
-    """This machine's jail, before any model-written code runs: short of a protection, an error
-    when `reward.sandbox.require_jail` asks for all of them, else a warning naming what is missing."""
+ISOLATION = ("filesystem", "network", "processes", "user")  # what reward.sandbox.require=isolation needs
+
+
+def require_jail(required: str) -> Jail:
+    """This machine's jail, before any model-written code runs. `reward.sandbox.require`: `all`
+    protections, the `isolation` ones (the default: model code never runs unfenced), or `none`.
+    Short of what is required, an error; short of the rest, a warning naming what is missing."""
     found = jail()
     if found.complete:
         return found
     message = f"the code sandbox runs without: {', '.join(found.missing())} ({found.why_not})"
-    if required:
-        raise KeelError(SANDBOX_INCOMPLETE, message)
-    log.warning("%s; reward.sandbox.require_jail=true refuses to run like this", message)
+    needed = {"all": list(PROTECTIONS), "isolation": ISOLATION, "none": ()}[required]
+    if any(not found.protections[name] for name in needed):
+        raise KeelError(SANDBOX_INCOMPLETE, f"{message}; reward.sandbox.require={required}")
+    log.warning("%s; reward.sandbox.require=all refuses to run like this", message)
     return found

@@ -69,7 +69,8 @@ def make_server(scorer, host: str = "127.0.0.1", port: int = 8000, token: str | 
             """Content-Length, checked before a byte is read: missing, negative, not a number or over
             the limit is answered 4xx (a negative length once made the server read without end)."""
             raw = self.headers.get("Content-Length")
-            if raw is None or not raw.strip().isdigit():
+            raw = raw.strip() if raw is not None else None
+            if raw is None or not (raw.isascii() and raw.isdigit() and len(raw) <= 18):
                 self.reply(HTTPStatus.LENGTH_REQUIRED, {"error": f"Content-Length must be a byte count, got {raw!r}"})
                 return None
             if int(raw) > max_request_bytes:

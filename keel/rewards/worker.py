@@ -83,9 +83,13 @@ def as_number(result: Any) -> float:
         result = result.get("score")
     if hasattr(result, "item") and getattr(result, "ndim", 1) == 0:  # numpy or torch scalar
         result = result.item()
-    if not isinstance(result, numbers.Real) or not math.isfinite(result):  # bool is Real: True -> 1.0
-        raise NotANumber(f"not a number: {float(result) if isinstance(result, numbers.Real) else result!r}"[:120])
-    return float(result)
+    try:
+        value = float(result) if isinstance(result, numbers.Real) else None  # bool is Real: True -> 1.0
+    except OverflowError:  # an integer past float's range, e.g. 10**400 from a service
+        value = math.inf
+    if value is None or not math.isfinite(value):
+        raise NotANumber(f"not a number: {result!r}"[:120] if value is None else f"not a number: {value}")
+    return value
 
 
 def call_with_deadline(call: Callable[[], Any], seconds: float | None) -> Any:
@@ -124,8 +128,13 @@ def _with_alarm(call: Callable[[], Any], seconds: float) -> Any:
     try:
         return call()
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        while True:  # an alarm landing here must not leave the timer running on the trainer's thread
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+                break
+            except ScoreTimeout:  # the scorer's time was up anyway: score_sample counts it late
+                continue
 
 
 def _late(start: float, seconds: float | None) -> bool:

@@ -138,7 +138,7 @@ def build_reward(cfg: KeelConfig) -> RewardScorer:
             scorer = ("file", str(Path(custom.path).resolve()), custom.name)  # workers import it themselves
     return RewardScorer(scorer, r.scorers, r.overlong_buffer, cfg.data.max_response_length, r.on_error,
                         r.max_not_scored_ratio, r.timeout_s, r.num_workers, custom.batched, reward_model, service,
-                        r.sandbox.require_jail, cfg.trainer.guards.nonfinite)
+                        r.sandbox.require, cfg.trainer.guards.nonfinite)
 
 
 def needs_baseline_rollout(cfg: KeelConfig) -> bool:

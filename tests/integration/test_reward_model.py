@@ -59,9 +59,11 @@ def test_the_tokenizers_model_max_length_is_the_limit_when_it_is_lower(tiny_conf
     fits = run_checks(load_config(tiny_config, {**overrides, "data.max_response_length": 32}))
     assert not fits.failures
     assert any("reads 128 tokens (model_max_length=128" in f.message for f in fits.findings)
+    # The user may overrule the tokenizer (said in the log), never the positions the model has
+    assert RewardModel(str(rm_dir), torch.device("cpu"), micro_batch_size=2, max_length=512).max_length == 512
     with pytest.raises(KeelError) as info:
-        RewardModel(str(rm_dir), torch.device("cpu"), micro_batch_size=2, max_length=512)
-    assert info.value.code == TOKEN_BUDGET and "model_max_length=128" in info.value.message
+        RewardModel(str(rm_dir), torch.device("cpu"), micro_batch_size=2, max_length=2048)
+    assert info.value.code == TOKEN_BUDGET and "max_position_embeddings=1024" in info.value.message
 
 
 def test_a_truncated_reward_model_file_is_a_coded_error(tiny_config, tmp_path):

@@ -35,10 +35,15 @@ def free_port() -> int:
 
 
 def start_server(path, port, *extra) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, "-m", "keel", "reward-server", "--custom", f"{path}:compute_score",
-                                "--port", str(port), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    token = extra[extra.index("--token") + 1] if "--token" in extra else None
-    deadline = time.monotonic() + 30
+    return launch(port, "--custom", f"{path}:compute_score", *extra)
+
+
+def launch(port, *flags) -> subprocess.Popen:
+    """`keel reward-server` with these flags, once /health answers."""
+    process = subprocess.Popen([sys.executable, "-m", "keel", "reward-server", "--port", str(port), *flags],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    token = flags[flags.index("--token") + 1] if "--token" in flags else None
+    deadline = time.monotonic() + 300  # a long limit: a loaded machine starts it slowly
     while time.monotonic() < deadline:
         try:
             RewardServiceClient(f"http://127.0.0.1:{port}", token=token).check_health()
@@ -179,9 +184,10 @@ def raw_exchange(port: int, request: bytes) -> bytes:
         return answer
 
 
-@pytest.mark.parametrize("length_header", ["Content-Length: -1\r\n", "", "Content-Length: 1e9\r\n"])
+@pytest.mark.parametrize("length_header", ["Content-Length: -1\r\n", "", "Content-Length: 1e9\r\n",
+                                           "Content-Length: \u00b2\r\n", "Content-Length: " + "9" * 5000 + "\r\n"])
 def test_a_bad_content_length_is_refused_before_reading(server, length_header):
-    head = f"POST /score HTTP/1.1\r\nHost: x\r\n{length_header}\r\n".encode()
+    head = f"POST /score HTTP/1.1\r\nHost: x\r\n{length_header}\r\n".encode("utf-8")
     answer = raw_exchange(server.port, head + b'{"samples": [')  # then nothing: a reading server would hang
     assert answer.split(b" ")[1] in (b"400", b"411")
 
@@ -259,7 +265,7 @@ def test_a_broken_reply_then_a_good_one_recovers(monkeypatch):
 
 
 @pytest.mark.parametrize("score, reason", [("NaN", "not a number: nan"), ('"1.0"', "not a number: '1.0'"),
-                                           ("[1]", "not a number: [1]")])
+                                           ("[1]", "not a number: [1]"), ("1" + "0" * 400, "not a number: inf")])
 def test_a_score_that_is_not_a_number_is_that_samples_reason(monkeypatch, score, reason):
     monkeypatch.setattr("uuid.uuid4", lambda: SimpleNamespace(hex="fixed"))
     body = b'{"request_id": "fixed", "scores": [%s], "reasons": [null]}' % score.encode()
@@ -271,3 +277,27 @@ def test_a_health_answer_of_the_wrong_shape_is_a_coded_error():
     with pytest.raises(KeelError) as info:
         RewardServiceClient(HostileServer([http_reply(b'["ok"]')]).url).check_health()
     assert info.value.code == SERVICE_UNAVAILABLE
+
+
+def test_a_code_exec_server_runs_code_in_its_own_jail_and_says_so():
+    port = free_port()
+    process = launch(port, "--scorer", "code_exec")
+    try:
+        tests = json.dumps([{"input": "2 3\n", "output": "5"}])
+        row = SimpleNamespace(data_source="code", ground_truth=tests, extra_info={}, raw_prompt="q", index=0)
+        result = RewardServiceClient(f"http://127.0.0.1:{port}").score([row], ["print(sum(map(int, input().split())))"])
+        assert result[0].values == {"service": 1.0}
+    finally:
+        process.kill()
+    said = process.communicate()[0].decode()
+    assert "[ok] filesystem" in said and "[ok] network" in said
+
+
+def test_nan_scores_from_a_service_skip_the_step_under_nonfinite_skip(monkeypatch):
+    from keel.diagnostics.guards import SkipStep
+
+    monkeypatch.setattr("uuid.uuid4", lambda: SimpleNamespace(hex="fixed"))
+    body = b'{"request_id": "fixed", "scores": [NaN, NaN], "reasons": [null, null]}'
+    client = RewardServiceClient(HostileServer([http_reply(body)]).url, retry_times=0)
+    with pytest.raises(SkipStep):
+        RewardScorer(service=client, nonfinite="skip").score_batch(rows(2), ["7", "7"])

@@ -226,3 +226,20 @@ def test_a_budget_over_the_models_positions_is_not_fixed_by_max_model_len(tiny_c
     failure = report.failures[0]
     assert failure.code == TOKEN_BUDGET and "sum to at most 1024" in failure.fix
     assert "cannot go past" in failure.fix and "raise rollout.max_model_len" not in failure.fix
+
+
+def test_weights_under_other_names_are_a_warning_that_says_what_would_start_random(tiny_config, tiny_assets,
+                                                                                   tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from keel.diagnostics.codes import WEIGHTS_BROKEN
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_assets["model"], model)
+    tensors = load_file(model / "model.safetensors")
+    save_file({name.replace("model.layers.0.", "decoder.block.0."): t for name, t in tensors.items()},
+              model / "model.safetensors", metadata={"format": "pt"})
+    report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": str(model)}))
+    assert not report.failures
+    warned = [f for f in report.findings if f.code == WEIGHTS_BROKEN]
+    assert len(warned) == 1 and "model.layers.0." in warned[0].message and "random" in warned[0].message

@@ -272,16 +272,37 @@ def test_without_bubblewrap_the_missing_protections_are_named(no_bubblewrap):
     assert check.level == "warn" and check.code == "KEEL-E010" and "runs without filesystem" in check.message
 
 
-def test_a_config_can_require_the_whole_jail(no_bubblewrap):
+CODE_ROW = SimpleNamespace(data_source="code", ground_truth=TESTS, extra_info={}, index=0)
+
+
+def scorer_requiring(require: str) -> RewardScorer:
+    return RewardScorer(by_source={"code": {"code_exec": 1.0}}, sandbox_require=require)
+
+
+def test_model_code_never_runs_unfenced_unless_the_config_says_so(no_bubblewrap, caplog):
     from keel.diagnostics.codes import SANDBOX_INCOMPLETE, KeelError
 
-    row = SimpleNamespace(data_source="code", ground_truth=TESTS, extra_info={}, index=0)
-    RewardScorer(by_source={"code": {"code_exec": 1.0}}).check_records([row])  # a warning only
-    with pytest.raises(KeelError) as info:
-        RewardScorer(by_source={"code": {"code_exec": 1.0}}, require_jail=True).check_records([row])
-    assert info.value.code == SANDBOX_INCOMPLETE and "network" in info.value.message
-    RewardScorer(by_source={"math": {"math": 1.0}}, require_jail=True).check_records(
+    for require in ("isolation", "all"):  # isolation is the default
+        with pytest.raises(KeelError) as info:
+            scorer_requiring(require).check_records([CODE_ROW])
+        assert info.value.code == SANDBOX_INCOMPLETE and "network" in info.value.message
+    scorer_requiring("none").check_records([CODE_ROW])  # at the user's risk, and said so
+    assert "runs without: filesystem, network" in caplog.text
+    RewardScorer(by_source={"math": {"math": 1.0}}, sandbox_require="all").check_records(
         [SimpleNamespace(data_source="math", ground_truth="1", extra_info={}, index=0)])  # runs no code
+
+
+def test_a_jail_without_accounting_is_isolation_enough_but_not_all(monkeypatch, caplog):
+    from keel.diagnostics.codes import SANDBOX_INCOMPLETE, KeelError
+    from keel.rewards import sandbox
+
+    partial = sandbox.Jail(jail().mode, {**jail().protections, "accounting": False}, sandbox.NO_CGROUP)
+    monkeypatch.setattr(sandbox, "jail", lambda: partial)
+    scorer_requiring("isolation").check_records([CODE_ROW])
+    assert "runs without: accounting" in caplog.text
+    with pytest.raises(KeelError) as info:
+        scorer_requiring("all").check_records([CODE_ROW])
+    assert info.value.code == SANDBOX_INCOMPLETE and "cgroup" in info.value.message
 
 
 def test_no_namespaces_keyrings_or_memfds_inside():
