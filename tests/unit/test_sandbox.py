@@ -423,3 +423,37 @@ def test_one_run_cannot_starve_another_of_processes():
     assert run_python(victim, "2 3\n", LIMITS).strip() == "5"
     attacker.join()
     assert outcome and outcome[0].startswith("timeout")
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
+                    reason="needs root to become another user, and a system Python that user can run")
+def test_a_trainer_that_is_not_root_gets_a_user_namespace_jail():
+    """Most users are not root: bubblewrap then runs unprivileged in a user namespace. Run as
+    uid 65534 with the system Python (keel from this tree, without pyseccomp), as such a user."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.NamedTemporaryFile("w", dir="/tmp", suffix=".jsonl") as secret:  # readable by that user
+        secret.write("the trainer's data")
+        secret.flush()
+        os.chmod(secret.name, 0o644)
+        probe = f"import os; print(os.path.exists({secret.name!r}))"
+        script = textwrap.dedent(f"""
+            import sys
+            sys.modules["pyseccomp"] = None
+            from keel.rewards.sandbox import jail, run_python
+            found = jail()
+            print(found.mode, sorted(found.missing()))
+            exec({probe!r})
+            print(run_python({probe!r}).strip())
+        """)
+        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "env", "-i",
+                               "PATH=/usr/bin:/bin", f"PYTHONPATH={Path(__file__).parents[2]}", SYSTEM_PYTHON,
+                               "-c", script], capture_output=True, text=True, timeout=600, cwd="/tmp")
+    assert done.returncode == 0, done.stderr
+    mode_line, outside, inside = done.stdout.split("\n")[:3]
+    assert mode_line == "bubblewrap in a user namespace ['accounting', 'syscalls']"
+    assert (outside, inside) == ("True", "False")  # the trainer's user sees the file; its jail does not
