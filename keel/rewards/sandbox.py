@@ -67,7 +67,8 @@ PROTECTIONS = {
     "processes": "cannot see or signal the trainer; every process it starts dies with it (a pid namespace)",
     "user": "an unprivileged user (uid 65534, or a user namespace without capabilities)",
     "syscalls": "no new namespaces, keyrings or other kernel interfaces a judge never needs (seccomp)",
-    "limits": "CPU, memory, processes, open files and file size limited",
+    "limits": "CPU time, open files and file size limited per process (rlimits; address space and process "
+              "count too where no cgroup bounds them)",
     "accounting": "memory (tmpfs, memfd and kernel memory too), processes and CPU time limited for the whole "
                   "tree by a cgroup, whose books give the verdict (a program cannot fake a limit)",
     "output": "output read as it comes and cut at the limit; the whole tree killed at the wall-clock limit",
@@ -107,7 +108,8 @@ def _interpreter() -> tuple[str, str]:
 def _bwrap_argv(as_root: bool, solution: str, limits: Limits, seccomp_fd: int) -> list[str]:
     """bubblewrap's command line, up to the interpreter."""
     python, python_dir = _interpreter()
-    argv = ["bwrap", *(["--seccomp", str(seccomp_fd)] if _seccomp_program() else []), "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+    argv = ["bwrap", *(["--seccomp", str(seccomp_fd)] if _seccomp_program() else []),
+            "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv",
             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", SCRATCH]
     if not as_root:  # a user namespace: the solution keeps no capability, even over its own namespaces
@@ -148,6 +150,7 @@ _REFUSED_SYSCALLS = ("unshare", "setns", "mount", "umount2", "pivot_root", "chro
                      "perf_event_open", "bpf", "ptrace", "process_vm_readv", "process_vm_writev", "memfd_create",
                      "name_to_handle_at", "open_by_handle_at", "kexec_load", "init_module", "finit_module",
                      "delete_module", "fsopen", "fsmount", "move_mount", "open_tree")
+# CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
 _NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
 
 
@@ -163,7 +166,10 @@ def _seccomp_program() -> bytes | None:
     refuse = seccomp.ERRNO(errno.EPERM)
     program = seccomp.SyscallFilter(seccomp.ALLOW)
     for name in _REFUSED_SYSCALLS:
-        program.add_rule(refuse, name)
+        try:
+            program.add_rule(refuse, name)
+        except (ValueError, OSError, RuntimeError):  # a call this libseccomp or architecture does not know
+            log.debug("seccomp: %s unknown here, not filtered", name)
     for flag in _NAMESPACE_FLAGS:
         program.add_rule(refuse, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
     program.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
