@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import yaml
 
-from keel.diagnostics.codes import EXPORT_TARGET, NOT_A_CHECKPOINT, RESUME_MISMATCH, RESUME_PATH, KeelError
+from keel.errors import EXPORT_TARGET, NOT_A_CHECKPOINT, RESUME_MISMATCH, RESUME_PATH, KeelError
 
 LATEST = "latest_checkpointed_iteration.txt"
 MARKER = "COMPLETE"

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from keel import __version__
-from keel.diagnostics.codes import CATALOGUE, KeelError, explain
+from keel.errors import CATALOGUE, KeelError, explain
 
 
 def _cmd_train(args) -> int:
@@ -29,7 +29,7 @@ def _cmd_check(args) -> int:
     import json
 
     from keel.config.load import load_config
-    from keel.diagnostics.preflight import render, run_checks
+    from keel.check.preflight import render, run_checks
 
     report = run_checks(load_config(args.config, args.overrides))
     print(json.dumps(report.as_dict(), indent=2) if args.json else render(report))
@@ -63,7 +63,7 @@ def _cmd_demo(args) -> int:
 def _cmd_doctor(args) -> int:
     import json
 
-    from keel.diagnostics.doctor import as_json, collect, render
+    from keel.check.doctor import as_json, collect, render
 
     checks = collect(args.path)
     print(json.dumps(as_json(checks), indent=2) if args.json else render(checks))

@@ -134,7 +134,7 @@ def prepare_out_dir(out: Path, s: DemoSettings, fresh: bool) -> None:
     """
     marker = out / MARKER
     if out.exists() and any(out.iterdir()) and not marker.exists():
-        from keel.diagnostics.codes import DEMO_DIR, KeelError
+        from keel.errors import DEMO_DIR, KeelError
 
         raise KeelError(DEMO_DIR, f"{out} exists and was not made by keel demo; not touching it")
     if marker.exists() and (fresh or json.loads(marker.read_text()) != asdict(s)):

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from keel.config.schema import KeelConfig
-from keel.diagnostics.codes import BAD_OVERRIDE, BAD_VALUE, CONFIG_FILE, REFERENCE_APART, UNKNOWN_KEY, KeelError
+from keel.errors import BAD_OVERRIDE, BAD_VALUE, CONFIG_FILE, REFERENCE_APART, UNKNOWN_KEY, KeelError
 
 
 

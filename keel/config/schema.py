@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from keel.diagnostics.codes import BAD_VALUE, BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, TOKEN_BUDGET, KeelError
+from keel.errors import BAD_VALUE, BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, TOKEN_BUDGET, KeelError
 
 
 def opt(default: Any = None, *, choices: tuple | None = None, ge: float | None = None,

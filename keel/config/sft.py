@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from keel.config.schema import DTYPES, OptimConfig, check_betas, opt
-from keel.diagnostics.codes import BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, KeelError
+from keel.errors import BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, KeelError
 
 
 @dataclass

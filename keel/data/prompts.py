@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from keel.diagnostics.codes import (DATA_COLUMN, DATA_EMPTY, DATA_FILE, NO_CHAT_TEMPLATE, PROMPT_TOO_LONG,
+from keel.errors import (DATA_COLUMN, DATA_EMPTY, DATA_FILE, NO_CHAT_TEMPLATE, PROMPT_TOO_LONG,
                                     KeelError)
 
 PathLike = str | os.PathLike

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from keel.diagnostics.codes import DATA_COLUMN, NO_ASSISTANT_TURN, NO_CHAT_TEMPLATE, SFT_TOO_LONG, KeelError
+from keel.errors import DATA_COLUMN, NO_ASSISTANT_TURN, NO_CHAT_TEMPLATE, SFT_TOO_LONG, KeelError
 
 
 @dataclass

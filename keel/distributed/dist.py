@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from keel.diagnostics.codes import MASTER_PORT_UNUSABLE, KeelError
+from keel.errors import MASTER_PORT_UNUSABLE, KeelError
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from keel.distributed.dist import port_from_environment
-from keel.diagnostics.codes import (NOT_ENOUGH_DEVICES, PHASE_STALLED, RAY_MISSING, WORKER_DIED, WORKER_RAISED,
+from keel.errors import (NOT_ENOUGH_DEVICES, PHASE_STALLED, RAY_MISSING, WORKER_DIED, WORKER_RAISED,
                                     KeelError)
 
 log = logging.getLogger("keel")

@@ -25,7 +25,7 @@ import torch
 
 from keel.checkpoint import write_policy
 from keel.config.schema import KeelConfig
-from keel.diagnostics.codes import COMPILE_FAILED, KeelError
+from keel.errors import COMPILE_FAILED, KeelError
 from keel.distributed.dist import init_process_group, memory_reading
 from keel.distributed.faults import maybe_inject
 from keel.distributed.fsdp import compile_blocks, full_parameters, make_mesh, shard_model, sharding_report

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from keel.diagnostics.codes import DEVICE_UNAVAILABLE, MODEL_PATH, NO_EOS, WEIGHTS_BROKEN, KeelError
+from keel.errors import DEVICE_UNAVAILABLE, MODEL_PATH, NO_EOS, WEIGHTS_BROKEN, KeelError
 
 log = logging.getLogger("keel")
 

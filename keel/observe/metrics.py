@@ -19,7 +19,7 @@ SUMMARY_KEYS = ("train/loss", "val/loss", "critic/score/mean", "actor/pg_loss", 
 
 class Timer:
     """Wall time per named phase, reported as `timing_s/<phase>`; a phase running past `deadline_s`
-    dumps every stack and exits (keel.diagnostics.guards.phase_deadline)."""
+    dumps every stack and exits (keel.observe.guards.phase_deadline)."""
 
     def __init__(self, deadline_s: float | None = None):
         self.times: dict[str, float] = {}
@@ -27,7 +27,7 @@ class Timer:
 
     @contextmanager
     def __call__(self, phase: str):
-        from keel.diagnostics.guards import phase_deadline
+        from keel.observe.guards import phase_deadline
 
         start = time.perf_counter()
         try:  # record_function: the phase is a named range in profiles (`keel bench --profile`)

@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from keel.diagnostics.codes import NO_METRICS, KeelError
+from keel.errors import NO_METRICS, KeelError
 
 # (panel title, metric names drawn in it); a panel with none of its metrics in the run is left out.
 PANELS = [

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from keel.diagnostics.codes import TOKEN_BUDGET, KeelError
+from keel.errors import TOKEN_BUDGET, KeelError
 from keel.models.load import check_model_dir, context_limit, weight_file_shapes
 
 log = logging.getLogger("keel")

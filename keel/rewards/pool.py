@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from keel.diagnostics.codes import WORKER_RAISED, KeelError
+from keel.errors import WORKER_RAISED, KeelError
 from keel.distributed.group import connect_ray, require_devices, wants_gpus
 from keel.distributed.partition import contiguous_shares
 from keel.rewards.model import RewardTemplate

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from keel.diagnostics.codes import SANDBOX_INCOMPLETE, KeelError
+from keel.errors import SANDBOX_INCOMPLETE, KeelError
 from keel.rewards import cgroups
 from keel.rewards.cgroups import RunGroup
 

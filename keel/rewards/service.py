@@ -21,7 +21,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
-from keel.diagnostics.codes import SERVICE_UNAVAILABLE, KeelError
+from keel.errors import SERVICE_UNAVAILABLE, KeelError
 from keel.rewards.worker import NotANumber, SampleResult, as_number
 
 log = logging.getLogger("keel")

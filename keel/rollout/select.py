@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from keel.diagnostics.codes import INCOMPATIBLE_OPTIONS, KeelError
+from keel.errors import INCOMPATIBLE_OPTIONS, KeelError
 from keel.rollout.hf import HFRolloutEngine
 from keel.rollout.native import NativeRolloutEngine, unsupported_reason
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from keel.diagnostics.codes import HOOK_LOAD, KeelError
+from keel.errors import HOOK_LOAD, KeelError
 
 Hook = Callable[[int, dict, object], "list[str] | None"]
 

@@ -22,10 +22,10 @@ from keel.config.load import load_config, to_yaml
 from keel.config.plan import make_plan
 from keel.config.schema import GROUP_ESTIMATORS, KeelConfig
 from keel.data.prompts import PromptBatch, collate_prompts
-from keel.diagnostics.guards import LearningSignalGuard, SkipStep, check_finite, frac_reward_zero_std
-from keel.diagnostics.preflight import render, run_checks
+from keel.observe.guards import LearningSignalGuard, SkipStep, check_finite, frac_reward_zero_std
+from keel.check.preflight import render, run_checks
 from keel.trainer.hooks import load_hook, run_hooks
-from keel.diagnostics.codes import RESUME_MISMATCH, KeelError
+from keel.errors import RESUME_MISMATCH, KeelError
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
 from keel.observe.log import ensure_console_logging
 from keel.observe.metrics import MetricsLogger, Timer

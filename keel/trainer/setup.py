@@ -19,7 +19,7 @@ from keel.algorithms.kl import make_kl_controller
 from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptRecord, build_prompt_dataset, load_rows
 from keel.data.sampler import ResumableSampler
-from keel.diagnostics.codes import DATA_EMPTY, KeelError
+from keel.errors import DATA_EMPTY, KeelError
 from keel.distributed.group import LocalGroup, RayGroup
 from keel.distributed.worker import PolicyWorker
 from keel.models.load import load_tokenizer, quiet_transformers, resolve_device

@@ -16,7 +16,7 @@ from keel.config.sft import SFTConfig
 from keel.data.prompts import load_rows
 from keel.data.sampler import ResumableSampler
 from keel.data.sft import SFTExample, build_sft_dataset, collate_sft
-from keel.diagnostics.codes import DATA_EMPTY, RESUME_MISMATCH, KeelError
+from keel.errors import DATA_EMPTY, RESUME_MISMATCH, KeelError
 from keel.models.load import autocast, load_causal_lm, load_tokenizer, quiet_transformers, resolve_dtype
 from keel.observe.log import ensure_console_logging
 from keel.observe.metrics import MetricsLogger, Timer

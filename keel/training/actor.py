@@ -7,7 +7,7 @@ import torch
 from keel.algorithms.kl import kl_penalty
 from keel.algorithms.losses import PolicyLossParams, agg_loss, compute_policy_loss
 from keel.algorithms.utils import masked_mean
-from keel.diagnostics.codes import NO_GRADIENT, KeelError
+from keel.errors import NO_GRADIENT, KeelError
 from keel.training.forward import (MicroBatching, batched_log_probs, compute_device, micro_batches,
                                    response_log_probs)
 from keel.training.optim import build_optimizer, build_scheduler

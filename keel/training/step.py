@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from keel.diagnostics.codes import NO_GRADIENT, NONFINITE_LOSS, KeelError
+from keel.errors import NO_GRADIENT, NONFINITE_LOSS, KeelError
 from keel.distributed.dist import average_gradients
 from keel.distributed.partition import shard_batch
 from keel.types import RolloutBatch

@@ -3,7 +3,7 @@
 import pytest
 
 from keel.demo import DemoSettings, run_demo
-from keel.diagnostics.codes import DEMO_DIR, KeelError
+from keel.errors import DEMO_DIR, KeelError
 
 # The full demo with a shorter GRPO stage (the SFT stage must reach partial competence as in the
 # real demo, or there is nothing for GRPO to amplify).

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from keel.config.load import load_config
-from keel.diagnostics.codes import TOKEN_BUDGET, KeelError
-from keel.diagnostics.preflight import run_checks
+from keel.errors import TOKEN_BUDGET, KeelError
+from keel.check.preflight import run_checks
 from keel.models.tiny import make_tiny_reward_model
 from keel.rewards.model import RewardModel
 
@@ -67,7 +67,7 @@ def test_the_tokenizers_model_max_length_is_the_limit_when_it_is_lower(tiny_conf
 
 
 def test_a_truncated_reward_model_file_is_a_coded_error(tiny_config, tmp_path):
-    from keel.diagnostics.codes import WEIGHTS_BROKEN
+    from keel.errors import WEIGHTS_BROKEN
 
     rm_dir = make_tiny_reward_model(tmp_path / "rm", hidden_size=32, max_position_embeddings=96)
     weights = rm_dir / "model.safetensors"
@@ -122,7 +122,7 @@ def test_a_reward_model_pool_larger_than_the_cluster_is_refused_before_waiting(t
                                                                                fresh_ray):
     import ray
 
-    from keel.diagnostics.codes import NOT_ENOUGH_DEVICES, KeelError
+    from keel.errors import NOT_ENOUGH_DEVICES, KeelError
     from keel.rewards.pool import RewardModelPool
 
     ray.init(num_cpus=2, include_dashboard=False)  # a cluster already running, with 2 CPUs

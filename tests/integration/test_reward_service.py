@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from keel.diagnostics.codes import SERVICE_UNAVAILABLE, KeelError
+from keel.errors import SERVICE_UNAVAILABLE, KeelError
 from keel.rewards.reward_fn import RewardScorer
 from keel.rewards.service import RewardServiceClient
 
@@ -294,7 +294,7 @@ def test_a_code_exec_server_runs_code_in_its_own_jail_and_says_so():
 
 
 def test_nan_scores_from_a_service_skip_the_step_under_nonfinite_skip(monkeypatch):
-    from keel.diagnostics.guards import SkipStep
+    from keel.observe.guards import SkipStep
 
     monkeypatch.setattr("uuid.uuid4", lambda: SimpleNamespace(hex="fixed"))
     body = b'{"request_id": "fixed", "scores": [NaN, NaN], "reasons": [null, null]}'

@@ -181,7 +181,7 @@ def test_exported_checkpoint_loads_and_generates(tiny_config, tmp_path):
     {"actor_rollout_ref.actor.optim.lr": 1e-6},  # the optimiser state would silently keep the old lr
 ])
 def test_resume_with_different_settings_is_refused(change, tiny_config):
-    from keel.diagnostics.codes import RESUME_MISMATCH, KeelError
+    from keel.errors import RESUME_MISMATCH, KeelError
     from keel.trainer.rl import train
 
     train(tiny_config)
@@ -226,7 +226,7 @@ def test_bf16_compute_keeps_float32_master_weights_that_move_at_small_lr(tiny_co
 
 
 def test_new_run_over_old_checkpoints_is_refused_and_extending_a_run_is_allowed(tiny_config):
-    from keel.diagnostics.codes import RESUME_MISMATCH, KeelError
+    from keel.errors import RESUME_MISMATCH, KeelError
     from keel.trainer.rl import train
 
     train(tiny_config)
@@ -256,7 +256,7 @@ def test_user_hook_adds_metrics_and_guards_are_logged(tiny_config, tmp_path, mon
 
 
 def test_nonfinite_log_probs_stop_or_skip_the_step(tiny_config, monkeypatch):
-    from keel.diagnostics.codes import NONFINITE_VALUES, KeelError
+    from keel.errors import NONFINITE_VALUES, KeelError
     from keel.trainer.rl import train
     from keel.training.actor import ActorTrainer
 
@@ -274,7 +274,7 @@ def test_nonfinite_log_probs_stop_or_skip_the_step(tiny_config, monkeypatch):
 def test_nan_rewards_stop_or_skip_the_step(tiny_config, tmp_path):
     """One NaN score is a not-scored sample (reward.on_error); a batch of them stops the run with
     R006, or under trainer.guards.nonfinite=skip drops the step, counted."""
-    from keel.diagnostics.codes import TOO_MANY_NOT_SCORED, KeelError
+    from keel.errors import TOO_MANY_NOT_SCORED, KeelError
     from keel.trainer.rl import train
 
     nan_scorer = tmp_path / "nan_reward.py"
@@ -294,7 +294,7 @@ def test_nan_rewards_stop_or_skip_the_step(tiny_config, tmp_path):
 
 
 def test_gradients_cut_from_the_weights_stop_the_run(tiny_config, monkeypatch):
-    from keel.diagnostics.codes import NO_GRADIENT, KeelError
+    from keel.errors import NO_GRADIENT, KeelError
     from keel.distributed import worker
     from keel.trainer.rl import train
 

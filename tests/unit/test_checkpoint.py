@@ -3,7 +3,7 @@
 import pytest
 
 from keel import checkpoint as ckpt
-from keel.diagnostics.codes import EXPORT_TARGET, NOT_A_CHECKPOINT, RESUME_PATH, KeelError
+from keel.errors import EXPORT_TARGET, NOT_A_CHECKPOINT, RESUME_PATH, KeelError
 
 
 def write_files(tmp):

@@ -4,7 +4,7 @@ import pytest
 
 from keel.config.load import all_keys, load_config
 from keel.config.plan import make_plan
-from keel.diagnostics.codes import (BAD_OVERRIDE, BAD_VALUE, BATCH_ARITHMETIC, CONFIG_FILE,
+from keel.errors import (BAD_OVERRIDE, BAD_VALUE, BATCH_ARITHMETIC, CONFIG_FILE,
                                     INCOMPATIBLE_OPTIONS, TOKEN_BUDGET, UNKNOWN_KEY, KeelError)
 
 BASE = {"data": {"train_files": ["train.jsonl"]}, "actor_rollout_ref": {"model": {"path": "model"}}}
@@ -43,7 +43,7 @@ def test_unknown_key_names_the_closest_valid_key(override, suggestion):
 
 @pytest.mark.parametrize("override", ["actor_rollout_ref.ref.nnodes=2", "actor_rollout_ref.ref.enable_resource_pool=true"])
 def test_placing_the_reference_apart_from_the_actor_is_refused_with_the_reason(override):
-    from keel.diagnostics.codes import REFERENCE_APART
+    from keel.errors import REFERENCE_APART
 
     err = error_of([override])
     assert err.code == REFERENCE_APART

@@ -11,7 +11,7 @@ import torch
 
 from keel.data.prompts import (PromptRecord, build_prompt_dataset, collate_prompts, load_rows)
 from keel.data.sampler import ResumableSampler
-from keel.diagnostics.codes import (DATA_COLUMN, DATA_EMPTY, DATA_FILE, NO_CHAT_TEMPLATE, PROMPT_TOO_LONG,
+from keel.errors import (DATA_COLUMN, DATA_EMPTY, DATA_FILE, NO_CHAT_TEMPLATE, PROMPT_TOO_LONG,
                                     KeelError)
 from keel.models.tiny import build_tokenizer
 

@@ -3,9 +3,9 @@
 import json
 
 from keel.cli import main
-from keel.diagnostics.codes import (CUDA_DRIVER_TOO_OLD, GPU_ARCH_UNSUPPORTED, LOW_DISK, PACKAGE_VERSION,
+from keel.errors import (CUDA_DRIVER_TOO_OLD, GPU_ARCH_UNSUPPORTED, LOW_DISK, PACKAGE_VERSION,
                                     TORCH_UNSUPPORTED)
-from keel.diagnostics.doctor import (check_cuda, check_disk, check_gpu_arch, check_package, check_python,
+from keel.check.doctor import (check_cuda, check_disk, check_gpu_arch, check_package, check_python,
                                      check_torch)
 
 

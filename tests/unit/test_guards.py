@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from keel.config.load import load_config
-from keel.diagnostics.codes import (DATA_EMPTY, DEVICE_UNAVAILABLE, MODEL_PATH, NO_EOS, NO_GRADIENT,
+from keel.errors import (DATA_EMPTY, DEVICE_UNAVAILABLE, MODEL_PATH, NO_EOS, NO_GRADIENT,
                                     NONFINITE_LOSS, KeelError)
 from keel.models.load import load_tokenizer
 from keel.models.tiny import build_tokenizer
@@ -72,8 +72,8 @@ def test_no_gradient_is_an_error():
 # --- run-time guards ----------------------------------------------------------------------------
 
 def test_nonfinite_values_stop_or_skip_with_the_stage_named():
-    from keel.diagnostics.codes import NONFINITE_VALUES
-    from keel.diagnostics.guards import SkipStep, check_finite
+    from keel.errors import NONFINITE_VALUES
+    from keel.observe.guards import SkipStep, check_finite
 
     values = torch.tensor([[0.5, float("nan")], [1.0, float("inf")]])
     mask = torch.tensor([[1, 1], [1, 0]])  # the inf sits on padding and does not count
@@ -88,7 +88,7 @@ def test_nonfinite_values_stop_or_skip_with_the_stage_named():
 
 def test_learning_signal_guard_warns_on_flat_rewards_collapse_and_blow_up():
     from keel.config.schema import GuardsConfig
-    from keel.diagnostics.guards import LearningSignalGuard, frac_reward_zero_std
+    from keel.observe.guards import LearningSignalGuard, frac_reward_zero_std
 
     # groups {0: [1, 1]} flat, {1: [0, 1]} not: half the prompts carry no signal
     assert frac_reward_zero_std(torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1])) == 0.5
@@ -105,7 +105,7 @@ def test_a_hung_phase_dumps_stacks_and_exits_with_its_code():
     import subprocess
     import sys
 
-    script = ("import time\nfrom keel.diagnostics.guards import phase_deadline\n"
+    script = ("import time\nfrom keel.observe.guards import phase_deadline\n"
               "with phase_deadline('gen', 0.5):\n    time.sleep(30)\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3
@@ -114,7 +114,7 @@ def test_a_hung_phase_dumps_stacks_and_exits_with_its_code():
 
 
 def test_hooks_load_by_name_and_report_bad_specs():
-    from keel.diagnostics.codes import HOOK_LOAD
+    from keel.errors import HOOK_LOAD
     from keel.trainer.hooks import load_hook, run_hooks
 
     hook = load_hook("json:dumps")  # any importable function

@@ -39,7 +39,7 @@ def test_weight_headers_catch_every_broken_file(tmp_path, tiny_assets):
     import json
     import shutil
 
-    from keel.diagnostics.codes import WEIGHTS_BROKEN, KeelError
+    from keel.errors import WEIGHTS_BROKEN, KeelError
     from keel.models.load import weight_file_shapes
 
     assert weight_file_shapes(tiny_assets["model"])  # the intact model: every tensor's shape

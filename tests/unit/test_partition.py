@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from keel.distributed.group import _reserve
-from keel.diagnostics.codes import NOT_ENOUGH_DEVICES, RAY_MISSING, KeelError
+from keel.errors import NOT_ENOUGH_DEVICES, RAY_MISSING, KeelError
 from keel.distributed.partition import balanced_partitions, shard_batch, unshard_rows
 from keel.trainer.workers import combine_metrics
 from tests_helpers import make_batch

@@ -7,9 +7,9 @@ import pytest
 
 from keel.cli import main
 from keel.config.load import load_config
-from keel.diagnostics.codes import (MEMORY_ESTIMATE, NO_EOS, RUN_DIR_NOT_WRITABLE, SCORER_RAISED, TOKEN_BUDGET,
+from keel.errors import (MEMORY_ESTIMATE, NO_EOS, RUN_DIR_NOT_WRITABLE, SCORER_RAISED, TOKEN_BUDGET,
                                     VOCAB_MISMATCH)
-from keel.diagnostics.preflight import FAIL, SKIP, WARN, run_checks
+from keel.check.preflight import FAIL, SKIP, WARN, run_checks
 
 
 def failure_codes(report) -> list[str]:
@@ -143,7 +143,7 @@ def test_memory_estimate_follows_the_resolved_compute_dtype(tiny_config):
 def test_a_ray_address_where_nothing_answers_is_refused_at_once(tiny_config, monkeypatch):
     import socket
 
-    from keel.diagnostics.codes import RAY_MISSING
+    from keel.errors import RAY_MISSING
 
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
         s.bind(("127.0.0.1", 0))
@@ -155,7 +155,7 @@ def test_a_ray_address_where_nothing_answers_is_refused_at_once(tiny_config, mon
 
 
 def test_more_nodes_than_a_local_ray_instance_has_is_refused(tiny_config, monkeypatch):
-    from keel.diagnostics.codes import NOT_ENOUGH_DEVICES
+    from keel.errors import NOT_ENOUGH_DEVICES
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     report = run_checks(load_config(tiny_config, ["trainer.device=cpu", "trainer.nnodes=2"]))
@@ -168,7 +168,7 @@ def test_more_nodes_than_a_local_ray_instance_has_is_refused(tiny_config, monkey
 def test_a_master_port_keel_cannot_use_is_refused_not_ignored(tiny_config, monkeypatch, value, said):
     import socket
 
-    from keel.diagnostics.codes import MASTER_PORT_UNUSABLE
+    from keel.errors import MASTER_PORT_UNUSABLE
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with socket.socket() as taken:
@@ -202,7 +202,7 @@ def _retokenized(tiny_assets, tmp_path, **tokens) -> str:
 
 def test_a_tokenizer_whose_eos_the_model_does_not_end_with_is_a_warning_with_the_fix(tiny_config, tiny_assets,
                                                                                      tmp_path):
-    from keel.diagnostics.codes import TOKENIZER_MISMATCH
+    from keel.errors import TOKENIZER_MISMATCH
 
     path = _retokenized(tiny_assets, tmp_path, eos_token="<|endoftext|>")  # what transformers fills in for Qwen2
     report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": path}))
@@ -213,7 +213,7 @@ def test_a_tokenizer_whose_eos_the_model_does_not_end_with_is_a_warning_with_the
 
 
 def test_a_tokenizer_from_another_model_is_refused(tiny_config, tiny_assets, tmp_path):
-    from keel.diagnostics.codes import TOKENIZER_MISMATCH
+    from keel.errors import TOKENIZER_MISMATCH
 
     path = _retokenized(tiny_assets, tmp_path, eos_token="<|endoftext|>", pad_token="<|im_start|>")
     report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": path}))
@@ -232,7 +232,7 @@ def test_weights_under_other_names_are_a_warning_that_says_what_would_start_rand
                                                                                    tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from keel.diagnostics.codes import WEIGHTS_BROKEN
+    from keel.errors import WEIGHTS_BROKEN
 
     model = tmp_path / "model"
     shutil.copytree(tiny_assets["model"], model)

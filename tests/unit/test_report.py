@@ -5,7 +5,7 @@ import json
 import pytest
 
 from keel.cli import main
-from keel.diagnostics.codes import NO_METRICS, KeelError
+from keel.errors import NO_METRICS, KeelError
 from keel.observe.report import series, write_report
 
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from keel.diagnostics.codes import SCORER_RAISED, SCORER_TIMEOUT, TOO_MANY_NOT_SCORED, KeelError
+from keel.errors import SCORER_RAISED, SCORER_TIMEOUT, TOO_MANY_NOT_SCORED, KeelError
 from keel.rewards.reward_fn import RewardScorer
 
 

@@ -259,12 +259,12 @@ def no_bubblewrap(monkeypatch):
 
 
 def test_without_bubblewrap_the_missing_protections_are_named(no_bubblewrap):
-    from keel.diagnostics.doctor import check_sandbox
+    from keel.check.doctor import check_sandbox
 
     assert no_bubblewrap.mode == "none" and "bubblewrap is not installed" in no_bubblewrap.why_not
     assert {"filesystem", "network", "processes"} <= set(no_bubblewrap.missing())
     assert no_bubblewrap.protections["limits"] and no_bubblewrap.protections["output"]
-    from keel.diagnostics.preflight import sandbox_finding
+    from keel.check.preflight import sandbox_finding
 
     doctor = check_sandbox(no_bubblewrap)
     assert doctor.level == "warn" and doctor.code == "KEEL-E010" and "filesystem" in doctor.detail
@@ -280,7 +280,7 @@ def scorer_requiring(require: str) -> RewardScorer:
 
 
 def test_model_code_never_runs_unfenced_unless_the_config_says_so(no_bubblewrap, caplog):
-    from keel.diagnostics.codes import SANDBOX_INCOMPLETE, KeelError
+    from keel.errors import SANDBOX_INCOMPLETE, KeelError
 
     for require in ("isolation", "all"):  # isolation is the default
         with pytest.raises(KeelError) as info:
@@ -293,7 +293,7 @@ def test_model_code_never_runs_unfenced_unless_the_config_says_so(no_bubblewrap,
 
 
 def test_a_jail_without_accounting_is_isolation_enough_but_not_all(monkeypatch, caplog):
-    from keel.diagnostics.codes import SANDBOX_INCOMPLETE, KeelError
+    from keel.errors import SANDBOX_INCOMPLETE, KeelError
     from keel.rewards import sandbox
 
     partial = sandbox.Jail(jail().mode, {**jail().protections, "accounting": False}, sandbox.NO_CGROUP)

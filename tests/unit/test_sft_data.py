@@ -3,7 +3,7 @@
 import pytest
 
 from keel.data.sft import build_sft_dataset, collate_sft, tokenize_conversation
-from keel.diagnostics.codes import DATA_COLUMN, NO_ASSISTANT_TURN, SFT_TOO_LONG, KeelError
+from keel.errors import DATA_COLUMN, NO_ASSISTANT_TURN, SFT_TOO_LONG, KeelError
 from keel.models.tiny import build_tokenizer
 
 

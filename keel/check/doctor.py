@@ -15,9 +15,9 @@ from importlib import metadata
 
 from packaging.version import Version
 
-from keel.diagnostics.codes import (CUDA_DRIVER_TOO_OLD, GPU_ARCH_UNSUPPORTED, LOW_DISK, PACKAGE_VERSION,
+from keel.errors import (CUDA_DRIVER_TOO_OLD, GPU_ARCH_UNSUPPORTED, LOW_DISK, PACKAGE_VERSION,
                                     SANDBOX_INCOMPLETE, TORCH_UNSUPPORTED)
-from keel.diagnostics.preflight import FAIL, PASS, WARN
+from keel.check.preflight import FAIL, PASS, WARN
 from keel.rewards.sandbox import jail
 
 # (minimum, maximum exclusive or None) of what keel is tested with

@@ -12,13 +12,9 @@ from contextlib import contextmanager
 
 import torch
 
-from keel.diagnostics.codes import NONFINITE_VALUES, PHASE_TIMEOUT, CATALOGUE, KeelError
+from keel.errors import NONFINITE_VALUES, PHASE_TIMEOUT, CATALOGUE, KeelError, SkipStep
 
 log = logging.getLogger("keel")
-
-
-class SkipStep(Exception):
-    """Raised instead of an error when `trainer.guards.nonfinite=skip`: the step is dropped, counted."""
 
 
 def check_finite(stage: str, values: torch.Tensor, mask: torch.Tensor | None, policy: str) -> None:

@@ -401,6 +401,10 @@ class KeelError(Exception):
         return f"error[{self.code}]: {self.message}\nfix: {self.fix}"
 
 
+class SkipStep(Exception):
+    """Raised instead of an error when `trainer.guards.nonfinite=skip`: the step is dropped, counted."""
+
+
 def explain(code: str) -> str:
     entry = CATALOGUE[code]
     lines = [f"{entry.code}: {entry.title}", "", f"cause: {entry.cause}", f"fix:   {entry.fix}"]

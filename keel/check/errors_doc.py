@@ -1,6 +1,6 @@
-"""Render docs/errors.md from the catalogue: `python -m keel.diagnostics.docs > docs/errors.md`."""
+"""Render docs/errors.md from the catalogue: `python -m keel.check.errors_doc > docs/errors.md`."""
 
-from keel.diagnostics.codes import CATALOGUE
+from keel.errors import CATALOGUE
 
 AREAS = {"E": "environment", "C": "configuration", "M": "model and tokenizer", "D": "data",
          "R": "reward", "T": "training numerics", "P": "parallel and distributed"}
@@ -10,7 +10,7 @@ def render_errors() -> str:
     lines = ["# Error codes", "",
              "Every error keel raises for something a user can fix. Each prints as `error[KEEL-...]`",
              "followed by a `fix:` line; `keel explain CODE` prints the entry below. Generated from",
-             "`keel/diagnostics/codes.py` by `python -m keel.diagnostics.docs > docs/errors.md`."]
+             "`keel/errors.py` by `python -m keel.check.errors_doc > docs/errors.md`."]
     for area, name in AREAS.items():
         entries = [e for e in CATALOGUE.values() if e.code[5] == area]
         if not entries:

@@ -18,7 +18,7 @@ import torch
 from keel import checkpoint as ckpt
 from keel.config.plan import make_plan
 from keel.config.schema import KeelConfig
-from keel.diagnostics.codes import (MEMORY_ESTIMATE, NOT_ENOUGH_DEVICES, RAY_MISSING, RUN_DIR_NOT_WRITABLE,
+from keel.errors import (MEMORY_ESTIMATE, NOT_ENOUGH_DEVICES, RAY_MISSING, RUN_DIR_NOT_WRITABLE,
                                     SANDBOX_INCOMPLETE, TOKEN_BUDGET, TOKENIZER_MISMATCH, VOCAB_MISMATCH,
                                     WEIGHTS_BROKEN, KeelError)
 from keel.rewards.sandbox import jail
@@ -173,7 +173,7 @@ def check_special_tokens(tokenizer, model_cfg, path: str, pad_from_eos: bool) ->
 
 def check_data(cfg: KeelConfig, context: dict) -> list[Finding]:
     from keel.data.prompts import build_prompt_dataset, load_rows
-    from keel.diagnostics.codes import DATA_EMPTY
+    from keel.errors import DATA_EMPTY
 
     d = cfg.data
     found = []

@@ -1,0 +1,69 @@
+"""Imports run one way, down the layers (docs/architecture.md, ../shared/DESIGN.md): a module never
+imports from a layer above its own, and no two folders import each other. Every import in keel/ is
+read, those inside functions too."""
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+KEEL = Path(__file__).parents[2] / "keel"
+
+# Bottom first. A name is a folder or a top-level module of keel/.
+LAYERS = [
+    {"errors", "types"},
+    {"config", "algorithms"},
+    {"data", "models", "rewards", "rollout", "training", "observe", "checkpoint"},
+    {"distributed"},
+    {"trainer"},
+    {"check"},
+    {"cli", "demo", "bench", "__main__", "__init__"},
+]
+LAYER = {name: level for level, names in enumerate(LAYERS) for name in names}
+
+# Imports that break the rule today, each with the change that removes it (issue 13). The test
+# fails when one of them is gone too, so the list only shrinks.
+KNOWN = {
+    ("rewards", "distributed"): "reward model pool: one Ray worker group for every pool",
+    ("training", "distributed"): "one module says how a batch is cut",
+    ("trainer", "check"): "one build_inputs that keel check judges and keel train reuses",
+}
+
+
+def imports() -> dict[tuple[str, str], set[str]]:
+    """(importing part, imported part) -> the files where it happens."""
+    found = defaultdict(set)
+    for file in KEEL.rglob("*.py"):
+        part = file.relative_to(KEEL).parts[0].removesuffix(".py")
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = ([f"keel.{a.name}" for a in node.names] if node.module == "keel" else [node.module])
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            else:
+                continue
+            for module in modules:
+                bits = module.split(".")
+                if bits[0] == "keel" and len(bits) > 1 and bits[1] != part and bits[1] in LAYER:
+                    found[(part, bits[1])].add(str(file.relative_to(KEEL.parent)))
+    return found
+
+
+def test_every_part_of_keel_has_a_layer():
+    parts = {p.name.removesuffix(".py") for p in KEEL.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    assert parts <= set(LAYER), f"give these a layer: {sorted(parts - set(LAYER))}"
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    found = imports()
+    upward = {edge: sorted(files) for edge, files in found.items() if LAYER[edge[1]] > LAYER[edge[0]]}
+    new = {edge: files for edge, files in upward.items() if edge not in KNOWN}
+    assert not new, f"imports from a layer above: {new}"
+    gone = sorted(set(KNOWN) - set(upward))
+    assert not gone, f"fixed, so remove from KNOWN: {gone}"
+
+
+def test_no_two_folders_import_each_other():
+    found = imports()
+    both_ways = sorted((a, b) for a, b in found if (b, a) in found and a < b
+                       and (a, b) not in KNOWN and (b, a) not in KNOWN)
+    assert not both_ways, f"two-way imports: {both_ways}"
