@@ -15,10 +15,14 @@ __version__ = _version()
 
 def __getattr__(name: str):
     """The Python API, imported on first use so `import keel` stays light."""
-    if name in ("train", "RLTrainer"):
-        from keel.trainer import rl
+    if name == "train":
+        from keel.api import train
 
-        return getattr(rl, name)
+        return train
+    if name == "RLTrainer":
+        from keel.trainer.rl import RLTrainer
+
+        return RLTrainer
     if name == "load_config":
         from keel.config.load import load_config
 

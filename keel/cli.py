@@ -18,7 +18,7 @@ from keel.errors import CATALOGUE, KeelError, explain
 
 
 def _cmd_train(args) -> int:
-    from keel.trainer.rl import train
+    from keel.api import train
 
     result = train(args.config, args.overrides, check=not args.skip_check)
     print(f"done: {result.last_step} steps; run directory {result.run_dir}")

@@ -157,7 +157,7 @@ def run_demo(out: str | Path = "keel_demo", settings: DemoSettings = DemoSetting
     from keel.models.load import stored_parameters
     from keel.models.tiny import make_tiny_model
     from keel.observe.report import write_report
-    from keel.trainer.rl import train
+    from keel.api import train
 
     start = time.perf_counter()
     out = Path(out)

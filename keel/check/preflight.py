@@ -12,6 +12,7 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from keel.errors import (MEMORY_ESTIMATE, NOT_ENOUGH_DEVICES, RAY_MISSING, RUN_D
                                     WEIGHTS_BROKEN, KeelError)
 from keel.rewards.sandbox import jail
 from keel.training.forward import LOGITS_CHUNK_TOKENS
+
+if TYPE_CHECKING:
+    from keel.trainer.setup import Inputs
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 
@@ -60,8 +64,7 @@ class Report:
     plan_text: str
     audit: dict[str, str]
     memory_gb: dict[str, float]
-    # What the checks loaded (tokenizer, datasets, reward), for `keel train` to reuse, not redo.
-    loaded: dict = field(default_factory=dict, repr=False)
+    inputs: Inputs | None = field(default=None, repr=False)  # for `keel train` to reuse, not load again
 
     @property
     def failures(self) -> list[Finding]:
@@ -90,7 +93,13 @@ def run_checks(cfg: KeelConfig) -> Report:
             findings.append(Finding(SKIP, name, f"skipped: needs the {missing} an earlier check could not load"))
     memory = context.get("memory_gb", {})
     plan = make_plan(cfg)
-    return Report(findings, plan.as_dict(), plan.render(), audit(cfg, context), memory, context)
+    from keel.trainer.setup import Inputs
+
+    inputs = None
+    if all(key in context for key in ("tokenizer", "train_records", "reward")):
+        inputs = Inputs(context["tokenizer"], context["train_records"], context.get("val_records", []),
+                        context["reward"])
+    return Report(findings, plan.as_dict(), plan.render(), audit(cfg, context), memory, inputs)
 
 
 # --- the checks, in the order a user would fix them ---------------------------------------------
@@ -172,24 +181,16 @@ def check_special_tokens(tokenizer, model_cfg, path: str, pad_from_eos: bool) ->
 
 
 def check_data(cfg: KeelConfig, context: dict) -> list[Finding]:
-    from keel.data.prompts import build_prompt_dataset, load_rows
-    from keel.errors import DATA_EMPTY
+    from keel.trainer.setup import read_prompts, require_enough_prompts
 
-    d = cfg.data
     found = []
-    for name, files in (("train", d.train_files), ("val", d.val_files)):
+    for name, files in (("train", cfg.data.train_files), ("val", cfg.data.val_files)):
         if not files:
             continue
-        records, stats = build_prompt_dataset(
-            load_rows(files), need(context, "tokenizer"), prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-            truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
-            apply_chat_template=d.apply_chat_template, name=name)
+        records, stats = read_prompts(files, need(context, "tokenizer"), cfg, name)
         context[f"{name}_records"] = records
-        level = WARN if stats.truncated or stats.dropped else PASS
-        found.append(Finding(level, "data", stats.summary()))
-    if len(context["train_records"]) < d.train_batch_size:
-        raise KeelError(DATA_EMPTY, f"{len(context['train_records'])} training prompts, fewer than "
-                                    f"data.train_batch_size={d.train_batch_size}")
+        found.append(Finding(WARN if stats.truncated or stats.dropped else PASS, "data", stats.summary()))
+    require_enough_prompts(len(context["train_records"]), cfg)
     return found
 
 
@@ -429,9 +430,10 @@ def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
     if cfg.critic_enabled:
         decided["critic batching"] = f"mini {mini} prompts, micro {micro} samples, {epochs} epochs"
     if "train_records" in context:
-        per_epoch = len(context["train_records"]) // cfg.data.train_batch_size
-        total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * per_epoch
-        decided["total training steps"] = f"{total} ({per_epoch} per epoch)"
+        from keel.trainer.setup import total_steps
+
+        per_epoch = len(context["train_records"]) // cfg.data.train_batch_size  # the sampler drops the rest
+        decided["total training steps"] = f"{total_steps(cfg, per_epoch)} ({per_epoch} per epoch)"
     if context.get("pad_from_eos"):
         decided["pad token"] = "EOS (the tokenizer has none)"
     if actor.policy_loss.loss_mode == "gspo":

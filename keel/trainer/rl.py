@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,18 +17,16 @@ import torch
 from keel import checkpoint as ckpt
 from keel.algorithms.advantages import AdvantageInputs, AdvantageParams, compute_advantage
 from keel.algorithms.kl import apply_kl_penalty
-from keel.config.load import load_config, to_yaml
+from keel.config.load import to_yaml
 from keel.config.plan import make_plan
 from keel.config.schema import GROUP_ESTIMATORS, KeelConfig
 from keel.data.prompts import PromptBatch, collate_prompts
 from keel.observe.guards import LearningSignalGuard, SkipStep, check_finite, frac_reward_zero_std
-from keel.check.preflight import render, run_checks
 from keel.trainer.hooks import load_hook, run_hooks
 from keel.errors import RESUME_MISMATCH, KeelError
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
-from keel.observe.log import ensure_console_logging
 from keel.observe.metrics import MetricsLogger, Timer
-from keel.trainer.setup import Components, build_components, needs_baseline_rollout
+from keel.trainer.setup import Components, Inputs, build_components, needs_baseline_rollout
 from keel.trainer.validate import validate
 from keel.types import RolloutBatch, SamplingParams
 
@@ -44,7 +41,7 @@ class RunResult:
 
 
 class RLTrainer:
-    def __init__(self, cfg: KeelConfig, loaded: dict | None = None):
+    def __init__(self, cfg: KeelConfig, inputs: Inputs | None = None):
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.resume_from = ckpt.resolve_resume(self.run_dir, cfg.trainer.resume_mode)
@@ -54,7 +51,7 @@ class RLTrainer:
         self.guard = LearningSignalGuard(cfg.trainer.guards, cfg.algorithm.adv_estimator in GROUP_ESTIMATORS,
                                          cfg.actor_rollout_ref.rollout.ignore_eos)
         self.skipped_steps = 0
-        self.c: Components = build_components(cfg, self.resume_from / "actor" if self.resume_from else None, loaded)
+        self.c: Components = build_components(cfg, self.resume_from / "actor" if self.resume_from else None, inputs)
         rollout = cfg.actor_rollout_ref.rollout
         self.sampling = SamplingParams(n=rollout.n, do_sample=rollout.do_sample, temperature=rollout.temperature,
                                        top_p=rollout.top_p, top_k=rollout.top_k,
@@ -250,28 +247,3 @@ class RLTrainer:
             raise KeelError(RESUME_MISMATCH, f"{path}: {e}") from e
         c.kl_ctrl.load_state_dict(state["kl_ctrl"])
         ckpt.set_rng_state(state["rng"])
-
-
-def train(config: str | Path | dict | KeelConfig | None = None,
-          overrides: list[str] | dict | None = None, check: bool = True) -> RunResult:
-    """Python API: load and validate a config (path, dict or object, plus overrides), run
-    `keel check` on it (unless `check=False`, which is logged), then train."""
-    ensure_console_logging()
-    cfg = load_config(config, overrides)
-    loaded = None
-    if check:
-        loaded = preflight(cfg)
-    else:
-        log.warning("keel check skipped: problems it would have caught will surface during the run")
-    return RLTrainer(cfg, loaded).fit()
-
-
-def preflight(cfg: KeelConfig) -> dict:
-    """Stop before any model weight is loaded if `keel check` finds a failure; returns what the
-    checks loaded, so the trainer does not load it again."""
-    report = run_checks(cfg)
-    if "console" in cfg.trainer.logger or report.failures:
-        print(render(report), file=sys.stderr)
-    if report.failures:
-        raise report.first_error()
-    return report.loaded

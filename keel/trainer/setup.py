@@ -52,50 +52,75 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def load_prompts(files: list[str], tokenizer, cfg: KeelConfig, name: str) -> list[PromptRecord]:
+@dataclass
+class Inputs:
+    """What `keel check` loaded and judged, handed to the trainer so it is not loaded again."""
+    tokenizer: object
+    train_records: list[PromptRecord]
+    val_records: list[PromptRecord]
+    reward: RewardScorer
+
+
+def read_prompts(files: list[str], tokenizer, cfg: KeelConfig, name: str):
+    """(records, stats): the prompts of `files` as the config says to cut or drop them."""
     d = cfg.data
-    records, stats = build_prompt_dataset(
+    return build_prompt_dataset(
         load_rows(files), tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
         truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
         apply_chat_template=d.apply_chat_template, name=name)
+
+
+def load_prompts(files: list[str], tokenizer, cfg: KeelConfig, name: str) -> list[PromptRecord]:
+    records, stats = read_prompts(files, tokenizer, cfg, name)
     log.info(stats.summary())
     return records
 
 
-def build_components(cfg: KeelConfig, actor_weights: Path | None = None, loaded: dict | None = None) -> Components:
+def require_enough_prompts(count: int, cfg: KeelConfig) -> None:
+    if count < cfg.data.train_batch_size:
+        raise KeelError(DATA_EMPTY, f"{count} training prompts remain after filtering, fewer than "
+                                    f"data.train_batch_size={cfg.data.train_batch_size}")
+
+
+def total_steps(cfg: KeelConfig, batches_per_epoch: int) -> int:
+    return cfg.trainer.total_training_steps or cfg.trainer.total_epochs * batches_per_epoch
+
+
+def build_inputs(cfg: KeelConfig) -> Inputs:
+    """Tokenizer, prompts and reward, each failing with its code on bad input."""
+    model_cfg = cfg.actor_rollout_ref.model
+    tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
+    reward = build_reward(cfg)
+    train = load_prompts(cfg.data.train_files, tokenizer, cfg, "train")
+    val = load_prompts(cfg.data.val_files, tokenizer, cfg, "val") if cfg.data.val_files else []
+    return Inputs(tokenizer, train, val, reward)
+
+
+def build_components(cfg: KeelConfig, actor_weights: Path | None = None, inputs: Inputs | None = None) -> Components:
     """`actor_weights`: a checkpoint's actor directory to start from instead of the model path.
-    `loaded`: what `keel check` already loaded (tokenizer, datasets, reward), reused as it is."""
+    `inputs`: what `keel check` already loaded (tokenizer, datasets, reward), reused as it is."""
     quiet_transformers()
     seed_everything(cfg.trainer.seed)
     resolve_device(cfg.trainer.device)  # a missing device fails here, before any model loads
-    loaded = loaded or {}
-    model_cfg = cfg.actor_rollout_ref.model
-    tokenizer = loaded.get("tokenizer") or load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
-
-    reward = loaded.get("reward") or build_reward(cfg)
-    if "train_records" in loaded:
-        train_data, val_data = loaded["train_records"], loaded.get("val_records", [])
-    else:
-        train_data = load_prompts(cfg.data.train_files, tokenizer, cfg, "train")
-        val_data = load_prompts(cfg.data.val_files, tokenizer, cfg, "val") if cfg.data.val_files else []
+    inputs = inputs or build_inputs(cfg)
+    tokenizer, reward = inputs.tokenizer, inputs.reward
+    train_data, val_data = inputs.train_records, inputs.val_records
     reward.check_records(train_data + val_data)
-    if len(train_data) < cfg.data.train_batch_size:
-        raise KeelError(DATA_EMPTY, f"{len(train_data)} training prompts remain after filtering, fewer "
-                        f"than data.train_batch_size={cfg.data.train_batch_size}")
+    require_enough_prompts(len(train_data), cfg)
     if cfg.critic.enable and not ADV_ESTIMATORS[cfg.algorithm.adv_estimator].needs_critic:
         log.warning("critic.enable=true with algorithm.adv_estimator=%s, which does not use values: the "
                     "critic is trained but nothing reads it", cfg.algorithm.adv_estimator)
     norm = cfg.reward.normalize
     sampler = ResumableSampler(len(train_data), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
-    total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.batches_per_epoch
+    steps = total_steps(cfg, sampler.batches_per_epoch)
 
-    workers = build_workers(cfg, total_steps, actor_weights, tokenizer, cfg.run_dir)
+    workers = build_workers(cfg, steps, actor_weights, tokenizer, cfg.run_dir)
     return Components(
         tokenizer=tokenizer, train_data=train_data, val_data=val_data, sampler=sampler, workers=workers,
         reward=reward, kl_ctrl=make_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                                   cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon),
         normalizer=RunningNormalizer(norm.window_size, norm.eps, norm.clip) if norm.enable else None,
-        total_steps=total_steps)
+        total_steps=steps)
 
 
 def build_workers(cfg: KeelConfig, total_steps: int, actor_weights: Path | None, tokenizer,

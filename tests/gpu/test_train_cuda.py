@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.mark.parametrize("estimator, dtype", [("grpo", "bfloat16"), ("gae", "float32")])
 def test_train_on_gpu(estimator, dtype, tiny_config, tiny_assets):
-    from keel.trainer.rl import train
+    from keel.api import train
 
     tiny_config["algorithm"]["adv_estimator"] = estimator
     tiny_config["actor_rollout_ref"]["model"]["dtype"] = dtype

@@ -26,7 +26,7 @@ def test_reward_model_scores_whole_responses_and_refuses_to_truncate(reward_mode
 
 
 def test_keel_train_with_a_reward_model(tiny_config, reward_model_dir):
-    from keel.trainer.rl import train
+    from keel.api import train
 
     overrides = {"reward_model.enable": True, "reward_model.model.path": str(reward_model_dir),
                  "custom_reward_function.path": None}
@@ -109,7 +109,7 @@ def test_a_reward_model_pool_scores_as_the_model_in_process(tiny_config, reward_
 
 
 def test_keel_train_with_a_reward_model_on_its_own_devices(tiny_config, reward_model_dir, fresh_ray):
-    from keel.trainer.rl import train
+    from keel.api import train
 
     overrides = {"reward_model.enable": True, "reward_model.model.path": str(reward_model_dir),
                  "reward_model.enable_resource_pool": True, "custom_reward_function.path": None,

@@ -158,7 +158,7 @@ def test_http_500_and_malformed_json_are_retried(tmp_path):
 
 
 def test_keel_train_with_the_reward_service(server, tiny_config):
-    from keel.trainer.rl import train
+    from keel.api import train
 
     result = train(tiny_config, {"reward.service.url": server.url, "custom_reward_function.path": None})
     assert result.last_step == 2 and result.last_metrics["reward/not_scored_ratio"] == 0.0

@@ -51,7 +51,7 @@ def test_sft_learns_and_its_output_is_a_policy_keel_train_takes(sft_config, tiny
 
     tiny_config["actor_rollout_ref"]["model"]["path"] = str(run_dir)
     tiny_config["trainer"]["default_local_dir"] = str(tmp_path / "rl_run")
-    from keel.trainer.rl import train
+    from keel.api import train
 
     assert train(tiny_config).last_step == 2
 

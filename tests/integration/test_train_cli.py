@@ -106,6 +106,7 @@ def test_algorithm_variants_train(overrides, tiny_config, monkeypatch):
      "actor_rollout_ref": {"actor": {"ppo_epochs": 2}}, "reward": {"normalize": {"enable": True}}},
 ], ids=["grpo", "ppo-adaptive-kl-norm"])
 def test_resume_after_stop_matches_uninterrupted_run(variant, tiny_config, tmp_path, monkeypatch):
+    from keel.api import train
     from keel.trainer import rl
 
     tiny_config = _merge(tiny_config, variant)
@@ -113,7 +114,7 @@ def test_resume_after_stop_matches_uninterrupted_run(variant, tiny_config, tmp_p
     tiny_config["actor_rollout_ref"]["actor"]["optim"]["warmup_style"] = "cosine"  # schedule state matters
     straight = dict(tiny_config, trainer={**tiny_config["trainer"], "default_local_dir": str(tmp_path / "a")})
     stopped = dict(tiny_config, trainer={**tiny_config["trainer"], "default_local_dir": str(tmp_path / "b")})
-    rl.train(straight)
+    train(straight)
 
     real_step = rl.RLTrainer.train_step
 
@@ -124,10 +125,10 @@ def test_resume_after_stop_matches_uninterrupted_run(variant, tiny_config, tmp_p
 
     monkeypatch.setattr(rl.RLTrainer, "train_step", stop_at_step_3)
     with pytest.raises(KeyboardInterrupt):
-        rl.train(stopped)
+        train(stopped)
     monkeypatch.setattr(rl.RLTrainer, "train_step", real_step)
     assert (tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text() == "2"
-    rl.train(stopped)  # resume_mode=auto picks up global_step_2
+    train(stopped)  # resume_mode=auto picks up global_step_2
 
     a, b = weights(tmp_path / "a" / "global_step_4" / "actor"), weights(tmp_path / "b" / "global_step_4" / "actor")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -182,7 +183,7 @@ def test_exported_checkpoint_loads_and_generates(tiny_config, tmp_path):
 ])
 def test_resume_with_different_settings_is_refused(change, tiny_config):
     from keel.errors import RESUME_MISMATCH, KeelError
-    from keel.trainer.rl import train
+    from keel.api import train
 
     train(tiny_config)
     run_dir = Path(tiny_config["trainer"]["default_local_dir"])
@@ -199,7 +200,7 @@ def test_checkpoint_from_an_older_keel_resumes_and_may_switch_engine(tiny_config
     engine may change between runs (it does not change the algorithm)."""
     import yaml
 
-    from keel.trainer.rl import train
+    from keel.api import train
 
     train(tiny_config)
     saved = Path(tiny_config["trainer"]["default_local_dir"]) / "global_step_2" / "config.yaml"
@@ -212,7 +213,7 @@ def test_checkpoint_from_an_older_keel_resumes_and_may_switch_engine(tiny_config
 
 def test_bf16_compute_keeps_float32_master_weights_that_move_at_small_lr(tiny_config, tiny_assets):
     """At RL learning rates an update is far below bf16's resolution; float32 master weights keep it."""
-    from keel.trainer.rl import train
+    from keel.api import train
 
     tiny_config["actor_rollout_ref"]["model"]["dtype"] = "bfloat16"
     tiny_config["actor_rollout_ref"]["actor"]["optim"]["lr"] = 1e-6
@@ -227,7 +228,7 @@ def test_bf16_compute_keeps_float32_master_weights_that_move_at_small_lr(tiny_co
 
 def test_new_run_over_old_checkpoints_is_refused_and_extending_a_run_is_allowed(tiny_config):
     from keel.errors import RESUME_MISMATCH, KeelError
-    from keel.trainer.rl import train
+    from keel.api import train
 
     train(tiny_config)
     with pytest.raises(KeelError) as info:
@@ -242,7 +243,7 @@ def test_new_run_over_old_checkpoints_is_refused_and_extending_a_run_is_allowed(
 
 
 def test_user_hook_adds_metrics_and_guards_are_logged(tiny_config, tmp_path, monkeypatch):
-    from keel.trainer.rl import train
+    from keel.api import train
 
     (tmp_path / "my_hooks.py").write_text(
         "def longest(step, metrics, batch):\n"
@@ -257,7 +258,7 @@ def test_user_hook_adds_metrics_and_guards_are_logged(tiny_config, tmp_path, mon
 
 def test_nonfinite_log_probs_stop_or_skip_the_step(tiny_config, monkeypatch):
     from keel.errors import NONFINITE_VALUES, KeelError
-    from keel.trainer.rl import train
+    from keel.api import train
     from keel.training.actor import ActorTrainer
 
     real = ActorTrainer.compute_log_probs
@@ -275,7 +276,7 @@ def test_nan_rewards_stop_or_skip_the_step(tiny_config, tmp_path):
     """One NaN score is a not-scored sample (reward.on_error); a batch of them stops the run with
     R006, or under trainer.guards.nonfinite=skip drops the step, counted."""
     from keel.errors import TOO_MANY_NOT_SCORED, KeelError
-    from keel.trainer.rl import train
+    from keel.api import train
 
     nan_scorer = tmp_path / "nan_reward.py"
     nan_scorer.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
@@ -296,7 +297,7 @@ def test_nan_rewards_stop_or_skip_the_step(tiny_config, tmp_path):
 def test_gradients_cut_from_the_weights_stop_the_run(tiny_config, monkeypatch):
     from keel.errors import NO_GRADIENT, KeelError
     from keel.distributed import worker
-    from keel.trainer.rl import train
+    from keel.api import train
 
     real = worker.load_causal_lm
 
@@ -310,7 +311,7 @@ def test_gradients_cut_from_the_weights_stop_the_run(tiny_config, monkeypatch):
 
 
 def test_weighted_scorers_and_overlong_penalty_in_a_run(tiny_config):
-    from keel.trainer.rl import train
+    from keel.api import train
 
     result = train(tiny_config, {"reward.scorers": {"digits": {"custom": 0.8, "think_answer_format": 0.2}},
                                  "reward.overlong_buffer.enable": True, "reward.overlong_buffer.len": 4})
@@ -320,7 +321,7 @@ def test_weighted_scorers_and_overlong_penalty_in_a_run(tiny_config):
 
 
 def test_samples_the_scorer_fails_on_leave_the_update_and_are_counted(tiny_config, tmp_path):
-    from keel.trainer.rl import train
+    from keel.api import train
 
     scorer = tmp_path / "flaky.py"
     scorer.write_text("def compute_score(ds, s, gt, ei=None):\n"

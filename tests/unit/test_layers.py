@@ -16,7 +16,7 @@ LAYERS = [
     {"distributed"},
     {"trainer"},
     {"check"},
-    {"cli", "demo", "bench", "__main__", "__init__"},
+    {"api", "cli", "demo", "bench", "__main__", "__init__"},
 ]
 LAYER = {name: level for level, names in enumerate(LAYERS) for name in names}
 
@@ -25,7 +25,6 @@ LAYER = {name: level for level, names in enumerate(LAYERS) for name in names}
 KNOWN = {
     ("rewards", "distributed"): "reward model pool: one Ray worker group for every pool",
     ("training", "distributed"): "one module says how a batch is cut",
-    ("trainer", "check"): "one build_inputs that keel check judges and keel train reuses",
 }
 
 

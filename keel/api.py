@@ -1,0 +1,45 @@
+"""keel's Python API: `train(config)` loads the config, runs `keel check` on it, then trains.
+
+It sits above both the trainer and the check, so neither imports the other: the check judges the
+inputs the trainer builds (`keel.trainer.setup.Inputs`) and hands them on.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from keel.check.preflight import render, run_checks
+from keel.config.load import load_config
+from keel.config.schema import KeelConfig
+from keel.observe.log import ensure_console_logging
+from keel.trainer.rl import RLTrainer, RunResult
+from keel.trainer.setup import Inputs
+
+log = logging.getLogger("keel")
+
+
+def train(config: str | Path | dict | KeelConfig | None = None,
+          overrides: list[str] | dict | None = None, check: bool = True) -> RunResult:
+    """Load and validate a config (path, dict or object, plus overrides), run `keel check` on it
+    (unless `check=False`, which is logged), then train."""
+    ensure_console_logging()
+    cfg = load_config(config, overrides)
+    inputs = None
+    if check:
+        inputs = preflight(cfg)
+    else:
+        log.warning("keel check skipped: problems it would have caught will surface during the run")
+    return RLTrainer(cfg, inputs).fit()
+
+
+def preflight(cfg: KeelConfig) -> Inputs | None:
+    """Stop before any model weight is loaded if `keel check` finds a failure; returns what the
+    checks loaded, so the trainer does not load it again."""
+    report = run_checks(cfg)
+    if "console" in cfg.trainer.logger or report.failures:
+        print(render(report), file=sys.stderr)
+    if report.failures:
+        raise report.first_error()
+    return report.inputs
