@@ -26,7 +26,7 @@ import torch
 from keel.checkpoint import write_policy
 from keel.config.schema import KeelConfig
 from keel.errors import COMPILE_FAILED, KeelError
-from keel.distributed.dist import init_process_group, memory_reading
+from keel.distributed.dist import average_gradients, init_process_group, memory_reading
 from keel.distributed.faults import maybe_inject
 from keel.distributed.fsdp import compile_blocks, full_parameters, make_mesh, shard_model, sharding_report
 from keel.models.load import (autocast, can_compile, load_causal_lm, load_critic, load_tokenizer, quiet_transformers,
@@ -35,9 +35,8 @@ from keel.rollout.hf import HFRolloutEngine
 from keel.rollout.select import make_rollout_engine
 from keel.training.actor import ActorTrainer
 from keel.training.critic import CriticTrainer
-from keel.training.forward import MicroBatching
+from keel.training.batching import MicroBatching, MiniBatch
 from keel.training.reference import ReferencePolicy
-from keel.training.step import MiniBatch
 from keel.types import RolloutBatch, SamplingParams
 
 log = logging.getLogger("keel")
@@ -103,6 +102,7 @@ class PolicyWorker:
                                   _log_prob_batching(arr.rollout),
                                   cfg.data.max_response_length)
         self.actor.data_parallel_size = world_size
+        self.actor.reduce_gradients = self._gradient_averaging(arr.actor.fsdp_config)
         if cfg.ref_enabled:  # the reference is always the starting policy, even on resume
             ref_model = load_causal_lm(arr.model.path, self.device, arr.model.trust_remote_code)
             self.ref = ReferencePolicy(self._prepare_model(ref_model, arr.ref.fsdp_config, "ref"),
@@ -124,7 +124,6 @@ class PolicyWorker:
         if self.world_size == 1:
             return model
         if fsdp_cfg.fsdp_size == 1:  # replicated: every rank holds the whole model (DDP)
-            model.keel_replicated = True  # read by keel.training.step: average gradients over ranks
             return model
         mesh = make_mesh(self.device.type, self.world_size, fsdp_cfg.fsdp_size)
         model = shard_model(model, mesh, self.compute_dtype, fsdp_cfg)
@@ -140,7 +139,13 @@ class PolicyWorker:
                             cfg.actor_rollout_ref.model.trust_remote_code)
         critic = CriticTrainer(self._prepare_model(model, c.model.fsdp_config, "critic"), c, micro_size, total_steps)
         critic.data_parallel_size = self.world_size
+        critic.reduce_gradients = self._gradient_averaging(c.model.fsdp_config)
         return critic
+
+    def _gradient_averaging(self, fsdp_cfg):
+        """Whole models on several ranks (fsdp_size=1) average their gradients with keel's bucketed
+        all-reduce; FSDP reduces its own, and one rank has nothing to average."""
+        return average_gradients if self.world_size > 1 and fsdp_cfg.fsdp_size == 1 else None
 
     # --- what the driver calls -----------------------------------------------------------------
     def run(self, method: str, *args):

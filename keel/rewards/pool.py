@@ -14,7 +14,7 @@ import logging
 
 from keel.errors import WORKER_RAISED, KeelError
 from keel.distributed.group import connect_ray, require_devices, wants_gpus
-from keel.distributed.partition import contiguous_shares
+from keel.training.batching import contiguous_shares
 from keel.rewards.model import RewardTemplate
 
 log = logging.getLogger("keel")

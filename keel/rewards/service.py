@@ -31,7 +31,6 @@ FIELDS = ("data_source", "response", "ground_truth")
 
 # --- server -----------------------------------------------------------------------------------
 
-FAULTS = ("500", "malformed", "slow")
 
 
 def make_server(scorer, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,

@@ -10,8 +10,7 @@ import torch
 
 from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptBatch
-from keel.distributed.partition import concat_rows, contiguous_shares, shard_batch, unshard_rows
-from keel.training.step import plan_minibatches
+from keel.training.batching import concat_rows, contiguous_shares, plan_minibatches, shard_batch, unshard_rows
 from keel.types import RolloutBatch, SamplingParams
 
 # Metrics every rank reports identically (computed after the gradients were summed); every other

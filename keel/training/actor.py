@@ -8,10 +8,10 @@ from keel.algorithms.kl import kl_penalty
 from keel.algorithms.losses import PolicyLossParams, agg_loss, compute_policy_loss
 from keel.algorithms.utils import masked_mean
 from keel.errors import NO_GRADIENT, KeelError
-from keel.training.forward import (MicroBatching, batched_log_probs, compute_device, micro_batches,
-                                   response_log_probs)
+from keel.training.batching import MicroBatching, MiniBatch, micro_batches
+from keel.training.forward import batched_log_probs, compute_device, response_log_probs
 from keel.training.optim import build_optimizer, build_scheduler
-from keel.training.step import LossScale, MetricSums, MiniBatch, apply_gradients, backward
+from keel.training.step import LossScale, MetricSums, apply_gradients, backward
 from keel.types import RolloutBatch
 
 
@@ -42,6 +42,7 @@ class ActorTrainer:
             loss_agg_mode=actor_cfg.loss_agg_mode,
             norm_length=max_response_length)
         self.data_parallel_size = 1  # ranks whose gradients are averaged (set by the worker)
+        self.reduce_gradients = None  # set by the worker where ranks hold whole models (DDP)
         self.optimizer = build_optimizer(model.parameters(), actor_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps)
 
@@ -68,7 +69,8 @@ class ActorTrainer:
             share = micro.response_mask.sum().item() / scale.tokens.item()  # token-weighted means
             for name, value in metrics.items():
                 totals[name] = totals.get(name, 0.0) + value * share
-        totals["actor/grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "actor")
+        totals["actor/grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "actor",
+                                                      self.reduce_gradients)
         for name, value in totals.items():
             sums.add(name, value)
         return totals["actor/grad_norm"]

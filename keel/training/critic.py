@@ -6,9 +6,10 @@ import torch
 
 from keel.algorithms.losses import compute_value_loss
 from keel.algorithms.utils import masked_mean
-from keel.training.forward import MicroBatching, compute_device, micro_batches, per_token_outputs, response_values
+from keel.training.batching import MicroBatching, MiniBatch, micro_batches
+from keel.training.forward import compute_device, per_token_outputs, response_values
 from keel.training.optim import build_optimizer, build_scheduler
-from keel.training.step import MetricSums, MiniBatch, apply_gradients, backward
+from keel.training.step import MetricSums, apply_gradients, backward
 from keel.types import RolloutBatch
 
 
@@ -18,6 +19,7 @@ class CriticTrainer:
         self.cfg = critic_cfg
         self.batching = MicroBatching.of(micro_size, critic_cfg.use_dynamic_bsz, critic_cfg.ppo_max_token_len_per_gpu)
         self.data_parallel_size = 1  # ranks whose gradients are averaged (set by the worker)
+        self.reduce_gradients = None  # set by the worker where ranks hold whole models (DDP)
         self.optimizer = build_optimizer(critic.parameters(), critic_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, critic_cfg.optim, total_steps)
 
@@ -50,6 +52,7 @@ class CriticTrainer:
             totals["critic/vf_loss"] += vf_loss.item()
             totals["critic/vf_clipfrac"] += float(clipfrac) * share
             totals["critic/vpred_mean"] += masked_mean(vpreds.detach(), mask).item() * share
-        totals["critic/grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "critic")
+        totals["critic/grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "critic",
+                                                      self.reduce_gradients)
         for name, value in totals.items():
             sums.add(name, value)

@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 
 from keel.algorithms.utils import entropy_from_logits
-from keel.types import RolloutBatch, pad_responses, position_ids_from_mask, trim_padding
+from keel.training.batching import MicroBatching, micro_batches
+from keel.types import RolloutBatch, pad_responses, position_ids_from_mask
 
 
 def _model_inputs(batch: RolloutBatch, device: torch.device) -> dict[str, Tensor]:
@@ -111,78 +112,6 @@ def response_values(critic, batch: RolloutBatch) -> Tensor:
     response_len = batch.response_ids.shape[1]
     values = critic(**_model_inputs(batch, device))                         # [B, P + R]
     return values[:, -response_len - 1:-1].float()
-
-
-@dataclass(frozen=True)
-class MicroBatching:
-    """How a batch is cut into forward passes: `size` samples each or, with `max_tokens` (verl's
-    use_dynamic_bsz), as many samples as fit that many padded tokens."""
-    size: int
-    max_tokens: int | None = None
-
-    @classmethod
-    def of(cls, size: int, dynamic: bool, max_tokens: int) -> "MicroBatching":
-        """From a role's keys: its micro-batch size, use_dynamic_bsz and token budget."""
-        return cls(size, max_tokens if dynamic else None)
-
-
-def micro_batches(batch: RolloutBatch, how: MicroBatching) -> list[tuple[Tensor, RolloutBatch]]:
-    """(sample indices, micro-batch) pairs, each micro-batch trimmed to its own longest prompt and
-    response. Samples are grouped by length, so the order differs from the batch's (the losses do
-    not depend on it: their denominators are the whole mini-batch's).
-
-    Under data parallelism every rank must run the same number of forward passes (FSDP gathers
-    weights in each): dynamic batching agrees on the count with the other ranks, and a rank with
-    too few samples runs a masked filler (its index is empty)."""
-    if how.max_tokens is None:  # by count, shortest to longest: similar lengths share a pass, less padding
-        lengths = batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)
-        index = [rows.sort().values for rows in torch.argsort(lengths, stable=True).split(how.size)]
-    else:
-        index = token_budget_bins(batch.prompt_mask.sum(-1), batch.response_mask.sum(-1), how.max_tokens)
-        index = _split_to_count(index, _count_across_ranks(len(index)))
-    return [(rows, trim_padding(batch.select(rows) if len(rows) else batch.masked_copies(1))) for rows in index]
-
-
-def token_budget_bins(prompt_lengths: Tensor, response_lengths: Tensor, max_tokens: int) -> list[Tensor]:
-    """Samples packed longest first into micro-batches whose padded size (samples x (longest
-    prompt + longest response)) stays within `max_tokens`; a sample longer than that goes alone."""
-    order = torch.argsort(prompt_lengths + response_lengths, descending=True, stable=True).tolist()
-    bins: list[list[int]] = []
-    widest = (0, 0)
-    for i in order:
-        p, r = int(prompt_lengths[i]), int(response_lengths[i])
-        if bins:
-            wider = (max(widest[0], p), max(widest[1], r))
-            if (len(bins[-1]) + 1) * (wider[0] + wider[1]) <= max_tokens:
-                bins[-1].append(i)
-                widest = wider
-                continue
-        bins.append([i])
-        widest = (p, r)
-    return [torch.tensor(sorted(b), dtype=torch.long) for b in bins]
-
-
-def _count_across_ranks(count: int) -> int:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return count
-    agreed = torch.tensor([count])  # a CPU tensor: gloo carries it (keel's GPU groups have gloo too)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    return int(agreed.item())
-
-
-def _split_to_count(index: list[Tensor], count: int) -> list[Tensor]:
-    """Halve the largest micro-batches until there are `count`; empty fillers if none can split."""
-    index = list(index)
-    while len(index) < count:
-        largest = max(range(len(index)), key=lambda i: len(index[i]))
-        if len(index[largest]) < 2:
-            index.append(torch.zeros(0, dtype=torch.long))
-            continue
-        rows = index.pop(largest)
-        index += list(rows.tensor_split(2))
-    return index
 
 
 def per_token_outputs(batch: RolloutBatch, how: MicroBatching, compute) -> Tensor:

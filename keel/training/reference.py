@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from keel.training.forward import MicroBatching, batched_log_probs
+from keel.training.batching import MicroBatching
+from keel.training.forward import batched_log_probs
 from keel.types import RolloutBatch
 
 

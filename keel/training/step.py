@@ -1,26 +1,14 @@
-"""What every optimiser step shares: mini-batch order, gradient checks, clipping, stepping."""
+"""What every optimiser step shares: the loss's denominators, gradient checks, clipping, stepping."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from keel.errors import NO_GRADIENT, NONFINITE_LOSS, KeelError
-from keel.distributed.dist import average_gradients
-from keel.distributed.partition import shard_batch
-from keel.types import RolloutBatch
-
-
-def minibatch_indices(n_samples: int, mini_size: int, shuffle: bool, seed: int) -> list[torch.Tensor]:
-    """Split sample indices into mini-batches; the shuffle depends only on `seed`, so a resumed
-    run takes the same mini-batches as an uninterrupted one."""
-    if shuffle:
-        order = torch.randperm(n_samples, generator=torch.Generator().manual_seed(seed))
-    else:
-        order = torch.arange(n_samples)
-    return list(order.split(mini_size))
 
 
 @dataclass
@@ -42,31 +30,6 @@ def mask_counts(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return response_mask.sum().clamp(min=1), (response_mask.sum(-1) > 0).sum().clamp(min=1)
 
 
-@dataclass
-class MiniBatch:
-    """One rank's part of a mini-batch, carrying the denominators of the whole mini-batch: the
-    parts' losses then add up, over micro-batches and over ranks, to the loss of the whole."""
-    samples: RolloutBatch
-    scale: LossScale
-    on_policy_signal: bool  # first mini-batch, non-zero advantages: its gradient must not be 0
-
-
-def plan_minibatches(batch: RolloutBatch, samples_per_mini: int, epochs: int, shuffle: bool, seed: int,
-                     norm_length: int | None, world_size: int = 1) -> list[list[MiniBatch]]:
-    """Every rank's mini-batches for one update, in order: the same mini-batches one process would
-    take, each split across ranks balancing tokens (equal sample counts, so every rank runs the
-    same number of forward passes, which sharded weights need)."""
-    per_rank: list[list[MiniBatch]] = [[] for _ in range(world_size)]
-    for epoch in range(epochs):
-        for i, index in enumerate(minibatch_indices(len(batch), samples_per_mini, shuffle, seed + epoch)):
-            mini = batch.select(index)
-            scale = LossScale(*mask_counts(mini.response_mask), norm_length)
-            signal = epoch == 0 and i == 0 and bool((mini.advantages * mini.response_mask).abs().sum() > 0)
-            for rank, part in enumerate(shard_batch(mini, world_size)[1]):
-                per_rank[rank].append(MiniBatch(part, scale, signal))
-    return per_rank
-
-
 def backward(loss: torch.Tensor, role: str, data_parallel_size: int = 1) -> None:
     """Back-propagate, refusing a loss that no trainable weight feeds (frozen or detached model).
 
@@ -79,16 +42,18 @@ def backward(loss: torch.Tensor, role: str, data_parallel_size: int = 1) -> None
 
 
 def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
-                    role: str) -> float:
-    """Clip, check and step; a non-finite or missing gradient stops the run before it is applied."""
+                    role: str, reduce_gradients: Callable[[list[torch.Tensor]], None] | None = None) -> float:
+    """Clip, check and step; a non-finite or missing gradient stops the run before it is applied.
+    `reduce_gradients`: averages the gradients over ranks that each hold the whole model (DDP,
+    fsdp_size=1); FSDP reduces its own."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     missing = [name for name, p in named if p.grad is None]
     if missing:
         raise KeelError(NO_GRADIENT, f"{len(missing)} of {len(named)} trainable {role} parameters received no "
                         f"gradient, e.g. {missing[:3]}")
     params = [p for _, p in named]
-    if getattr(model, "keel_replicated", False):  # fsdp_size=1: whole models, gradients averaged here
-        average_gradients(params)
+    if reduce_gradients is not None:
+        reduce_gradients(params)
     grad_norm = full_value(torch.nn.utils.clip_grad_norm_(params, grad_clip))  # over every rank's shard
     if not torch.isfinite(grad_norm):
         bad = [name for name, p in named if not torch.isfinite(full_value(p.grad)).all()]

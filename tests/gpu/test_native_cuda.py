@@ -8,7 +8,8 @@ from keel.data.prompts import build_prompt_dataset, collate_prompts
 from keel.models.load import load_causal_lm, load_tokenizer
 from keel.rollout.hf import HFRolloutEngine
 from keel.rollout.native import NativeRolloutEngine
-from keel.training.forward import MicroBatching, batched_log_probs
+from keel.training.batching import MicroBatching
+from keel.training.forward import batched_log_probs
 from keel.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

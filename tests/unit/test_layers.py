@@ -24,7 +24,6 @@ LAYER = {name: level for level, names in enumerate(LAYERS) for name in names}
 # fails when one of them is gone too, so the list only shrinks.
 KNOWN = {
     ("rewards", "distributed"): "reward model pool: one Ray worker group for every pool",
-    ("training", "distributed"): "one module says how a batch is cut",
 }
 
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from keel.training.forward import MicroBatching, _split_to_count, micro_batches, token_budget_bins
+from keel.training.batching import MicroBatching, _split_to_count, micro_batches, token_budget_bins
 from tests_helpers import make_batch
 
 

@@ -8,7 +8,8 @@ from keel.data.prompts import build_prompt_dataset, collate_prompts
 from keel.models.load import load_causal_lm, load_tokenizer
 from keel.rollout.hf import HFRolloutEngine
 from keel.rollout.native import NativeRolloutEngine, unsupported_reason
-from keel.training.forward import MicroBatching, batched_log_probs
+from keel.training.batching import MicroBatching
+from keel.training.forward import batched_log_probs
 from keel.types import SamplingParams
 
 PROMPTS = [{"prompt": "Digits please: 1"}, {"prompt": [{"role": "user", "content": "a longer prompt here, padded"}]},

@@ -5,7 +5,7 @@ import torch
 
 from keel.distributed.group import _reserve
 from keel.errors import NOT_ENOUGH_DEVICES, RAY_MISSING, KeelError
-from keel.distributed.partition import balanced_partitions, shard_batch, unshard_rows
+from keel.training.batching import balanced_partitions, shard_batch, unshard_rows
 from keel.trainer.workers import combine_metrics
 from tests_helpers import make_batch
 
