@@ -210,13 +210,13 @@ def greedy_accuracy(model_dir: Path, prompts_file: Path) -> float:
     from keel.models.load import load_causal_lm, load_tokenizer, resolve_device
     from keel.rewards.reward_fn import RewardScorer
     from keel.rollout.hf import HFRolloutEngine
-    from keel.trainer.validate import validate
+    from keel.trainer.evaluate import evaluate
 
     tokenizer = load_tokenizer(model_dir)
     records, _ = build_prompt_dataset(load_rows([prompts_file]), tokenizer, max_prompt_length=64)
     engine = HFRolloutEngine(load_causal_lm(model_dir, resolve_device("auto")), tokenizer)
     with torch.no_grad():
-        metrics = validate(engine.generate, RewardScorer(), records, tokenizer.pad_token_id, ValKwargs(),
+        metrics = evaluate(engine.generate, RewardScorer(), records, tokenizer.pad_token_id, ValKwargs(),
                            DataConfig(max_response_length=6))
     return metrics[f"val/{DATA_SOURCE}/acc"]
 

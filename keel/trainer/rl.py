@@ -27,7 +27,7 @@ from keel.errors import RESUME_MISMATCH, KeelError
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
 from keel.observe.metrics import MetricsLogger, Timer
 from keel.trainer.setup import Components, Inputs, build_components, needs_baseline_rollout
-from keel.trainer.validate import validate
+from keel.trainer.evaluate import evaluate
 from keel.types import RolloutBatch, SamplingParams
 
 log = logging.getLogger("keel")
@@ -69,7 +69,7 @@ class RLTrainer:
         metrics: dict[str, float] = {}
         try:
             if self.step == 0 and self.c.val_data and self.cfg.trainer.val_before_train:
-                logger.log(0, self._validate())
+                logger.log(0, self._evaluate())
             if self.step >= self.c.total_steps:
                 log.info("the run is already at step %d of %d: nothing to do (raise "
                          "trainer.total_training_steps to continue it)", self.step, self.c.total_steps)
@@ -77,7 +77,7 @@ class RLTrainer:
                 self.step += 1
                 metrics = self.guarded_step(logger)
                 if self._validation_due():
-                    metrics.update(self._validate())
+                    metrics.update(self._evaluate())
                 logger.log(self.step, metrics)
                 if self._due(self.cfg.trainer.save_freq) or self.step == self.c.total_steps:
                     self.save()
@@ -186,8 +186,8 @@ class RLTrainer:
                                            on_error="zero")
         return result.scores.repeat_interleave(self.sampling.n)
 
-    def _validate(self) -> dict[str, float]:
-        return validate(partial(self.c.workers.generate, seed=self._seed()), self.c.reward, self.c.val_data,
+    def _evaluate(self) -> dict[str, float]:
+        return evaluate(partial(self.c.workers.generate, seed=self._seed()), self.c.reward, self.c.val_data,
                         self.c.tokenizer.pad_token_id, self.cfg.actor_rollout_ref.rollout.val_kwargs, self.cfg.data)
 
     def _seed(self) -> int:

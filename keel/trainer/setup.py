@@ -28,7 +28,7 @@ from keel.rewards.normalize import RunningNormalizer
 from keel.rewards.pool import RewardModelPool
 from keel.rewards.service import RewardServiceClient
 from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
-from keel.trainer.workers import WorkerRoles
+from keel.trainer.roles import WorkerRoles
 
 log = logging.getLogger("keel")
 

@@ -94,7 +94,7 @@ class SFTTrainer:
                 self.step += 1
                 metrics = self.train_step()
                 if self._due(self.cfg.trainer.test_freq) or self.step == self.total_steps:
-                    metrics.update(self.validate())
+                    metrics.update(self.evaluate())
                 logger.log(self.step, metrics)
                 if self._due(self.cfg.trainer.save_freq) or self.step == self.total_steps:
                     self.save()
@@ -125,7 +125,7 @@ class SFTTrainer:
                 "perf/throughput": tokens / timer.times["step"]}
 
     @torch.no_grad()
-    def validate(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float]:
         if not self.val_data:
             return {}
         self.model.eval()

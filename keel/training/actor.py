@@ -11,7 +11,7 @@ from keel.errors import NO_GRADIENT, KeelError
 from keel.training.batching import MicroBatching, MiniBatch, micro_batches
 from keel.training.forward import batched_log_probs, compute_device, response_log_probs
 from keel.training.optim import build_optimizer, build_scheduler
-from keel.training.step import LossScale, MetricSums, apply_gradients, backward
+from keel.training.step import LossScale, MetricMeans, apply_gradients, backward
 from keel.types import RolloutBatch
 
 
@@ -51,7 +51,7 @@ class ActorTrainer:
 
     def update(self, minis: list[MiniBatch]) -> dict[str, float]:
         self.model.train()
-        sums = MetricSums()
+        sums = MetricMeans()
         for mini in minis:
             grad_norm = self._update_mini_batch(mini, sums)
             check_gradient_flows(grad_norm, mini)
@@ -59,7 +59,7 @@ class ActorTrainer:
         self.scheduler.step()
         return sums.means()
 
-    def _update_mini_batch(self, mini: MiniBatch, sums: MetricSums) -> float:
+    def _update_mini_batch(self, mini: MiniBatch, sums: MetricMeans) -> float:
         scale = mini.scale
         totals: dict[str, float] = {"actor/pg_loss": 0.0}
         for _, micro in micro_batches(mini.samples, self.update_batching):

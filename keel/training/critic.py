@@ -9,7 +9,7 @@ from keel.algorithms.utils import masked_mean
 from keel.training.batching import MicroBatching, MiniBatch, micro_batches
 from keel.training.forward import compute_device, per_token_outputs, response_values
 from keel.training.optim import build_optimizer, build_scheduler
-from keel.training.step import MetricSums, apply_gradients, backward
+from keel.training.step import MetricMeans, apply_gradients, backward
 from keel.types import RolloutBatch
 
 
@@ -30,14 +30,14 @@ class CriticTrainer:
 
     def update(self, minis: list[MiniBatch]) -> dict[str, float]:
         self.model.train()
-        sums = MetricSums()
+        sums = MetricMeans()
         for mini in minis:
             self._update_mini_batch(mini, sums)
         sums.add("critic/lr", self.scheduler.get_last_lr()[0])
         self.scheduler.step()
         return sums.means()
 
-    def _update_mini_batch(self, mini: MiniBatch, sums: MetricSums) -> None:
+    def _update_mini_batch(self, mini: MiniBatch, sums: MetricMeans) -> None:
         device = compute_device(self.model)
         scale = mini.scale
         totals = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0, "critic/vpred_mean": 0.0}

@@ -71,7 +71,7 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-class MetricSums:
+class MetricMeans:
     """Averages metrics over mini-batches (each weighted equally, like verl's logs)."""
 
     def __init__(self):

@@ -17,7 +17,7 @@ from keel.data.prompts import collate_prompts  # noqa: E402
 from keel.distributed.group import LocalGroup, RayGroup  # noqa: E402
 from keel.distributed.worker import PolicyWorker  # noqa: E402
 from keel.trainer.setup import load_prompts  # noqa: E402
-from keel.trainer.workers import WorkerRoles  # noqa: E402
+from keel.trainer.roles import WorkerRoles  # noqa: E402
 from keel.types import SamplingParams  # noqa: E402
 
 

@@ -6,7 +6,7 @@ import torch
 from keel.distributed.group import _reserve
 from keel.errors import NOT_ENOUGH_DEVICES, RAY_MISSING, KeelError
 from keel.training.batching import balanced_partitions, shard_batch, unshard_rows
-from keel.trainer.workers import combine_metrics
+from keel.trainer.roles import combine_metrics
 from tests_helpers import make_batch
 
 

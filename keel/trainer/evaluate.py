@@ -1,4 +1,5 @@
-"""Validation: generate on held-out prompts with `val_kwargs`, report accuracy per data_source."""
+"""Held-out evaluation: generate on held-out prompts with `val_kwargs`, report accuracy per data_source
+(`val/<data_source>/acc`, as verl logs validation)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from keel.data.prompts import collate_prompts
 from keel.types import SamplingParams
 
 
-def validate(generate, reward, records, pad_token_id: int, val_kwargs, data_cfg) -> dict[str, float]:
+def evaluate(generate, reward, records, pad_token_id: int, val_kwargs, data_cfg) -> dict[str, float]:
     """`val/<data_source>/acc`: the mean score over every sample (mean@n when val_kwargs.n > 1).
     `generate(prompts, params)` is a rollout engine's or the worker group's."""
     params = SamplingParams(n=val_kwargs.n, do_sample=val_kwargs.do_sample and val_kwargs.temperature > 0,
