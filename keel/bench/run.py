@@ -66,7 +66,7 @@ def bench_config(name: str, workload: Workload, root: Path, steps: int, gpus: in
     per_gpu = max(1, samples_per_mini // gpus)
     # About 16k tokens per forward, in micro-batches that split each GPU's share evenly (KEEL-C004).
     micro = max(d for d in range(1, per_gpu + 1) if per_gpu % d == 0 and d <= max(1, 16384 // tokens))
-    arr = {
+    policy = {
         "model": {"path": str(make_model(workload.model, root / f"model_{workload.model}"))},
         "actor": {"ppo_mini_batch_size": max(1, workload.prompts // 4), "ppo_micro_batch_size_per_gpu": micro,
                   "use_kl_loss": workload.kl_loss, "optim": {"lr": 1e-6}},
@@ -79,7 +79,7 @@ def bench_config(name: str, workload: Workload, root: Path, steps: int, gpus: in
                                                   workload.prompts * (steps + 1)))],
                  "apply_chat_template": False, "max_prompt_length": workload.prompt_length,
                  "max_response_length": workload.response_length, "train_batch_size": workload.prompts},
-        "actor_rollout_ref": arr,
+        "actor_rollout_ref": policy,
         "algorithm": {"adv_estimator": "grpo"},
         "custom_reward_function": {"path": str(_write(root / "reward.py", REWARD))},
         "trainer": {"total_training_steps": steps, "logger": [], "test_freq": -1, "val_before_train": False,
@@ -105,13 +105,13 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
     try:
         for i in range(warmup + steps):
             trainer.step += 1
-            with _profiled(trainer.c.workers, profile_dir if i == warmup else None, f"{name}_{gpus}gpu"):
+            with _profiled(trainer.components.workers, profile_dir if i == warmup else None, f"{name}_{gpus}gpu"):
                 per_step.append(trainer.guarded_step(logger))
-        engine = trainer.c.workers.group.call("info", [()] * cfg.world_size)[0]["rollout_engine"]
+        engine = trainer.components.workers.group.call("info", [()] * cfg.world_size)[0]["rollout_engine"]
     finally:
         logger.close()
-        trainer.c.reward.shutdown()
-        trainer.c.workers.shutdown()
+        trainer.components.reward.shutdown()
+        trainer.components.workers.shutdown()
         del trainer  # a one-worker run holds its GPU memory in this process: free it for the next run
         gc.collect()
         if torch.cuda.is_available():

@@ -341,7 +341,7 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
 
     gb = 2 ** 30
     params = architecture_parameters(model_cfg)
-    arr = cfg.actor_rollout_ref
+    policy = cfg.actor_rollout_ref
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     layers, hidden = model_cfg.num_hidden_layers, model_cfg.hidden_size
     heads = model_cfg.num_attention_heads
@@ -354,18 +354,18 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
     # and their gradient, of one chunk at a time.
     logit_rows = min(micro * cfg.data.max_response_length, LOGITS_CHUNK_TOKENS)
     estimate = {
-        "actor_states": _sharded_bytes(params, True, arr.actor.fsdp_config, cfg.world_size) / gb,
+        "actor_states": _sharded_bytes(params, True, policy.actor.fsdp_config, cfg.world_size) / gb,
         "activations": (layer_activations(micro) + logit_rows * model_cfg.vocab_size * 4 * 2) / gb,
         "kv_cache": 2 * layers * kv_heads * head_dim * seq * cfg.actor_rollout_ref.rollout.max_num_seqs
                     * bytes_act / gb,
     }
-    native = arr.rollout.name != "hf" and unsupported_reason(model_cfg) is None
+    native = policy.rollout.name != "hf" and unsupported_reason(model_cfg) is None
     if native:  # the native engine's decode weights, in the compute dtype: its only copy
         estimate["rollout_weights"] = bytes_act * params / gb
-    if cfg.world_size > 1 and arr.actor.fsdp_config.fsdp_size != 1 and not native:
+    if cfg.world_size > 1 and policy.actor.fsdp_config.fsdp_size != 1 and not native:
         estimate["rollout_copy"] = 4 * params / gb  # sharded: the hf engine generates with a whole copy
     if cfg.ref_enabled:
-        estimate["reference"] = _sharded_bytes(params, False, arr.ref.fsdp_config, cfg.world_size) / gb
+        estimate["reference"] = _sharded_bytes(params, False, policy.ref.fsdp_config, cfg.world_size) / gb
     if cfg.critic_enabled and "critic" not in cfg.pools:  # colocated with the actor
         estimate["critic_states"] = _sharded_bytes(params, True, cfg.critic.model.fsdp_config, cfg.world_size) / gb
     estimate["total"] = sum(estimate.values())

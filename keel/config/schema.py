@@ -453,13 +453,13 @@ def _check_batch_arithmetic(cfg: KeelConfig) -> None:
 def _check_token_budgets(cfg: KeelConfig) -> None:
     """A dynamic micro-batch must hold at least one sample of the longest possible length."""
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-    arr = cfg.actor_rollout_ref
-    budgets = [("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", arr.actor.use_dynamic_bsz,
-                arr.actor.ppo_max_token_len_per_gpu),
-               ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", arr.rollout.log_prob_use_dynamic_bsz,
-                arr.rollout.log_prob_max_token_len_per_gpu),
-               ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", arr.ref.log_prob_use_dynamic_bsz,
-                arr.ref.log_prob_max_token_len_per_gpu),
+    policy = cfg.actor_rollout_ref
+    budgets = [("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", policy.actor.use_dynamic_bsz,
+                policy.actor.ppo_max_token_len_per_gpu),
+               ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", policy.rollout.log_prob_use_dynamic_bsz,
+                policy.rollout.log_prob_max_token_len_per_gpu),
+               ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", policy.ref.log_prob_use_dynamic_bsz,
+                policy.ref.log_prob_max_token_len_per_gpu),
                ("critic.ppo_max_token_len_per_gpu", cfg.critic.use_dynamic_bsz, cfg.critic.ppo_max_token_len_per_gpu)]
     for key, enabled, budget in budgets:
         if enabled and budget < longest:

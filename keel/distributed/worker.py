@@ -79,8 +79,8 @@ class PolicyWorker:
         if world_size > 1:
             init_process_group(rank, world_size, *master, self.device, cfg.trainer.collective_timeout_s)
         self.sharding: dict[str, float] = {}
-        arr = cfg.actor_rollout_ref
-        self.tokenizer = tokenizer or load_tokenizer(arr.model.path, arr.model.trust_remote_code)
+        policy = cfg.actor_rollout_ref
+        self.tokenizer = tokenizer or load_tokenizer(policy.model.path, policy.model.trust_remote_code)
         roles = roles or default_roles(cfg)
         self.rollout = self.actor = self.ref = None
         if "policy" in roles:
@@ -89,25 +89,25 @@ class PolicyWorker:
 
     def _build_policy(self, actor_weights: str | None, total_steps: int) -> None:
         """The actor, its rollout engine and the reference (when a KL term needs one)."""
-        cfg, arr, rank, world_size = self.cfg, self.cfg.actor_rollout_ref, self.rank, self.world_size
+        cfg, policy, rank, world_size = self.cfg, self.cfg.actor_rollout_ref, self.rank, self.world_size
         torch.manual_seed(cfg.trainer.seed)  # every rank starts from identical weights
-        model = load_causal_lm(actor_weights or arr.model.path, self.device, arr.model.trust_remote_code,
-                               arr.model.enable_gradient_checkpointing)
+        model = load_causal_lm(actor_weights or policy.model.path, self.device, policy.model.trust_remote_code,
+                               policy.model.enable_gradient_checkpointing)
         # Built before the actor is sharded: it reads the whole weights once. After each update it
         # takes them from the actor module (unsharded) or gathered from the shards.
-        self.rollout = make_rollout_engine(arr.rollout, model, self.tokenizer, self.device, self.compute_dtype,
+        self.rollout = make_rollout_engine(policy.rollout, model, self.tokenizer, self.device, self.compute_dtype,
                                            log_choice=rank == 0, will_be_sharded=self._actor_sharded)
-        self.actor = ActorTrainer(self._prepare_model(model, arr.actor.fsdp_config, "actor"), arr.actor,
-                                  arr.rollout.temperature, total_steps,
-                                  _log_prob_batching(arr.rollout),
+        self.actor = ActorTrainer(self._prepare_model(model, policy.actor.fsdp_config, "actor"), policy.actor,
+                                  policy.rollout.temperature, total_steps,
+                                  _log_prob_batching(policy.rollout),
                                   cfg.data.max_response_length)
         self.actor.data_parallel_size = world_size
-        self.actor.reduce_gradients = self._gradient_averaging(arr.actor.fsdp_config)
+        self.actor.reduce_gradients = self._gradient_averaging(policy.actor.fsdp_config)
         if cfg.ref_enabled:  # the reference is always the starting policy, even on resume
-            ref_model = load_causal_lm(arr.model.path, self.device, arr.model.trust_remote_code)
-            self.ref = ReferencePolicy(self._prepare_model(ref_model, arr.ref.fsdp_config, "ref"),
-                                       _log_prob_batching(arr.ref),
-                                       arr.rollout.temperature)
+            ref_model = load_causal_lm(policy.model.path, self.device, policy.model.trust_remote_code)
+            self.ref = ReferencePolicy(self._prepare_model(ref_model, policy.ref.fsdp_config, "ref"),
+                                       _log_prob_batching(policy.ref),
+                                       policy.rollout.temperature)
 
     @property
     def _actor_sharded(self) -> bool:

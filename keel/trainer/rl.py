@@ -51,7 +51,8 @@ class RLTrainer:
         self.guard = LearningSignalGuard(cfg.trainer.guards, cfg.algorithm.adv_estimator in GROUP_ESTIMATORS,
                                          cfg.actor_rollout_ref.rollout.ignore_eos)
         self.skipped_steps = 0
-        self.c: Components = build_components(cfg, self.resume_from / "actor" if self.resume_from else None, inputs)
+        start_from = self.resume_from / "actor" if self.resume_from else None
+        self.components: Components = build_components(cfg, start_from, inputs)
         rollout = cfg.actor_rollout_ref.rollout
         self.sampling = SamplingParams(n=rollout.n, do_sample=rollout.do_sample, temperature=rollout.temperature,
                                        top_p=rollout.top_p, top_k=rollout.top_k,
@@ -63,28 +64,29 @@ class RLTrainer:
     # --- the loop ----------------------------------------------------------------------------
     def fit(self) -> RunResult:
         self._open_run_dir()
-        logger = MetricsLogger(self.run_dir, "console" in self.cfg.trainer.logger, self.c.total_steps, self.step)
+        logger = MetricsLogger(self.run_dir, "console" in self.cfg.trainer.logger, self.components.total_steps,
+                               self.step)
         logger.write(f"resolved config (saved to {self.run_dir / 'config.yaml'}):\n{to_yaml(self.cfg)}")
         logger.write(make_plan(self.cfg).render())
         metrics: dict[str, float] = {}
         try:
-            if self.step == 0 and self.c.val_data and self.cfg.trainer.val_before_train:
+            if self.step == 0 and self.components.val_data and self.cfg.trainer.val_before_train:
                 logger.log(0, self._evaluate())
-            if self.step >= self.c.total_steps:
+            if self.step >= self.components.total_steps:
                 log.info("the run is already at step %d of %d: nothing to do (raise "
-                         "trainer.total_training_steps to continue it)", self.step, self.c.total_steps)
-            while self.step < self.c.total_steps:
+                         "trainer.total_training_steps to continue it)", self.step, self.components.total_steps)
+            while self.step < self.components.total_steps:
                 self.step += 1
                 metrics = self.guarded_step(logger)
                 if self._validation_due():
                     metrics.update(self._evaluate())
                 logger.log(self.step, metrics)
-                if self._due(self.cfg.trainer.save_freq) or self.step == self.c.total_steps:
+                if self._due(self.cfg.trainer.save_freq) or self.step == self.components.total_steps:
                     self.save()
         finally:
             logger.close()
-            self.c.reward.shutdown()
-            self.c.workers.shutdown()
+            self.components.reward.shutdown()
+            self.components.workers.shutdown()
         return RunResult(self.run_dir, self.step, metrics)
 
     def guarded_step(self, logger: MetricsLogger) -> dict[str, float]:
@@ -106,10 +108,11 @@ class RLTrainer:
     def train_step(self, logger: MetricsLogger) -> tuple[dict[str, float], RolloutBatch]:
         # With Ray workers the group enforces phase_timeout_s itself, collecting every rank's stacks.
         timer = Timer(self.cfg.trainer.guards.phase_timeout_s if self.cfg.world_size == 1 else None)
-        c, workers = self.c, self.c.workers
+        parts, workers = self.components, self.components.workers
         finite = partial(check_finite, policy=self.cfg.trainer.guards.nonfinite)
         with timer("step"):
-            prompts = collate_prompts([c.train_data[i] for i in c.sampler.next_batch()], c.tokenizer.pad_token_id)
+            prompts = collate_prompts([parts.train_data[i] for i in parts.sampler.next_batch()],
+                                      parts.tokenizer.pad_token_id)
             with timer("gen"):
                 batch = workers.generate(prompts.repeat_interleave(self.sampling.n), self.sampling, self._seed())
             gen_parts = dict(workers.gen_timing)  # before ReMax's baseline generate replaces it
@@ -118,7 +121,7 @@ class RLTrainer:
                 with timer("gen_baseline"):
                     baseline = self._baseline_scores(prompts)
             with timer("reward"):
-                scored = c.reward.score_batch(batch.records, batch.response_texts, batch.response_lengths)
+                scored = parts.reward.score_batch(batch.records, batch.response_texts, batch.response_lengths)
                 batch.scores, metrics = scored.scores, scored.metrics
                 if not scored.scored.all():  # reward.on_error=mask: not-scored samples leave the update
                     batch = batch.select(scored.scored.nonzero().squeeze(-1))
@@ -153,7 +156,7 @@ class RLTrainer:
         metrics.update(gen_parts)
         metrics.update(throughput_metrics(batch, timer.times["step"], self.cfg.world_size))
         metrics.update(workers.memory_metrics())
-        metrics.update({"training/global_step": float(self.step), "training/epoch": float(c.sampler.epoch),
+        metrics.update({"training/global_step": float(self.step), "training/epoch": float(parts.sampler.epoch),
                         "guards/frac_reward_zero_std": frac_reward_zero_std(batch.scores, batch.group_index)})
         return metrics, batch
 
@@ -163,32 +166,33 @@ class RLTrainer:
         minus KL to the reference."""
         metrics = {}
         outcome = batch.scores                                                     # [N]
-        if self.c.normalizer is not None:
-            outcome, metrics = self.c.normalizer(batch.scores)
+        if self.components.normalizer is not None:
+            outcome, metrics = self.components.normalizer(batch.scores)
         last = (batch.response_lengths - 1).clamp(min=0)                          # [N]
         scores = torch.zeros_like(batch.response_mask, dtype=torch.float32)       # [N, R]
         scores[torch.arange(len(batch)), last] = outcome
         batch.token_level_rewards = scores * batch.response_mask
         if not self.cfg.algorithm.use_kl_in_reward:
             return metrics
-        kl_coef = self.c.kl_ctrl.value
+        kl_coef = self.components.kl_ctrl.value
         batch.token_level_rewards, current_kl = apply_kl_penalty(
             batch.token_level_rewards, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
             kl_coef, self.cfg.algorithm.kl_penalty)
-        self.c.kl_ctrl.update(current_kl, len(batch))
+        self.components.kl_ctrl.update(current_kl, len(batch))
         return {**metrics, "actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": kl_coef}
 
     def _baseline_scores(self, prompts: PromptBatch) -> torch.Tensor:
         """ReMax (arXiv 2310.10505): the greedy response's score is each prompt's baseline."""
         greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=self.sampling.max_new_tokens)
-        baseline = self.c.workers.generate(prompts, greedy, self._seed())
-        result = self.c.reward.score_batch(baseline.records, baseline.response_texts, baseline.response_lengths,
-                                           on_error="zero")
+        baseline = self.components.workers.generate(prompts, greedy, self._seed())
+        result = self.components.reward.score_batch(baseline.records, baseline.response_texts,
+                                                    baseline.response_lengths, on_error="zero")
         return result.scores.repeat_interleave(self.sampling.n)
 
     def _evaluate(self) -> dict[str, float]:
-        return evaluate(partial(self.c.workers.generate, seed=self._seed()), self.c.reward, self.c.val_data,
-                        self.c.tokenizer.pad_token_id, self.cfg.actor_rollout_ref.rollout.val_kwargs, self.cfg.data)
+        parts = self.components
+        return evaluate(partial(parts.workers.generate, seed=self._seed()), parts.reward, parts.val_data,
+                        parts.tokenizer.pad_token_id, self.cfg.actor_rollout_ref.rollout.val_kwargs, self.cfg.data)
 
     def _seed(self) -> int:
         """Per step: sampling and mini-batch order, so a resumed run repeats an uninterrupted one."""
@@ -206,8 +210,8 @@ class RLTrainer:
 
     def _validation_due(self) -> bool:
         """Every test_freq steps, and after the last step so a run always ends with a number."""
-        last = self.step == self.c.total_steps and self.cfg.trainer.test_freq > 0
-        return bool(self.c.val_data) and (self._due(self.cfg.trainer.test_freq) or last)
+        last = self.step == self.components.total_steps and self.cfg.trainer.test_freq > 0
+        return bool(self.components.val_data) and (self._due(self.cfg.trainer.test_freq) or last)
 
     # --- run directory and checkpoints ---------------------------------------------------------
     def _open_run_dir(self) -> None:
@@ -218,32 +222,33 @@ class RLTrainer:
         (self.run_dir / "batch_plan.json").write_text(json.dumps(make_plan(self.cfg).as_dict(), indent=2))
 
     def save(self) -> Path:
-        c = self.c
+        parts = self.components
 
         def write(tmp: Path) -> None:
-            c.workers.save(tmp)
-            torch.save({"step": self.step, "sampler": c.sampler.state_dict(), "kl_ctrl": c.kl_ctrl.state_dict(),
+            parts.workers.save(tmp)
+            torch.save({"step": self.step, "sampler": parts.sampler.state_dict(), "kl_ctrl": parts.kl_ctrl.state_dict(),
                         "skipped_steps": self.skipped_steps, "rng": ckpt.rng_state(),
-                        "normalizer": c.normalizer.state_dict() if c.normalizer else None}, tmp / "trainer_state.pt")
+                        "normalizer": parts.normalizer.state_dict() if parts.normalizer else None},
+                       tmp / "trainer_state.pt")
 
         return ckpt.save_checkpoint(self.run_dir, self.step, write, self.cfg.trainer.max_actor_ckpt_to_keep,
                                     to_yaml(self.cfg))
 
     def load(self, path: Path) -> None:
         """Restore everything but the actor weights, which `build_components` loaded from `path`."""
-        c, critic = self.c, self.cfg.critic_enabled
+        parts, critic = self.components, self.cfg.critic_enabled
         if critic != (path / "critic").is_dir():
             raise KeelError(RESUME_MISMATCH, f"{path} was saved {'without' if critic else 'with'} a critic, "
                             f"but this config {'has' if critic else 'has no'} critic")
-        c.workers.load(path)
+        parts.workers.load(path)
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         self.step = state["step"]
         self.skipped_steps = state.get("skipped_steps", 0)
-        if c.normalizer is not None and state.get("normalizer"):
-            c.normalizer.load_state_dict(state["normalizer"])
+        if parts.normalizer is not None and state.get("normalizer"):
+            parts.normalizer.load_state_dict(state["normalizer"])
         try:
-            c.sampler.load_state_dict(state["sampler"])
+            parts.sampler.load_state_dict(state["sampler"])
         except ValueError as e:  # the dataset or batch size changed since the checkpoint
             raise KeelError(RESUME_MISMATCH, f"{path}: {e}") from e
-        c.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        parts.kl_ctrl.load_state_dict(state["kl_ctrl"])
         ckpt.set_rng_state(state["rng"])
