@@ -7,11 +7,38 @@ R = longest response (right-padded). A full sequence is `[prompt | response]`, l
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
+
+
+@dataclass
+class PromptRecord:
+    index: int  # row index in the dataset, before filtering
+    prompt_ids: list[int]
+    prompt_text: str  # the templated text fed to the model (re-decoded if truncated)
+    data_source: str
+    ground_truth: Any
+    extra_info: dict = field(default_factory=dict)
+    raw_prompt: str | list[dict] | None = None  # as in the data: a reward model templates it its own way
+
+
+@dataclass
+class PromptBatch:
+    input_ids: torch.Tensor  # [B, P] left-padded with pad_token_id
+    attention_mask: torch.Tensor  # [B, P] 1 on prompt tokens, 0 on padding
+    records: list[PromptRecord]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def repeat_interleave(self, n: int) -> PromptBatch:
+        """Each prompt n times in a row ([p0, p0, p1, p1, ...]), for n samples per prompt."""
+        return PromptBatch(input_ids=self.input_ids.repeat_interleave(n, dim=0),  # [B*n, P]
+                           attention_mask=self.attention_mask.repeat_interleave(n, dim=0),
+                           records=[r for r in self.records for _ in range(n)])
 
 
 @dataclass
@@ -33,7 +60,7 @@ class RolloutBatch:
     response_mask: Tensor           # [N, R] 1 on response tokens, EOS included
     sampling_log_probs: Tensor      # [N, R] log-probs of the sampled tokens under the sampler
     group_index: Tensor             # [N] samples of the same prompt share a value
-    records: list[Any]              # [N] the prompt's record (data_source, ground_truth, ...)
+    records: list[PromptRecord]     # [N] the prompt's record (data_source, ground_truth, ...)
     response_texts: list[str]       # [N]
     truncated: Tensor               # [N] bool: hit max_response_length without EOS
 

@@ -16,7 +16,7 @@ from importlib import metadata
 from packaging.version import Version
 
 from keel.errors import (CUDA_DRIVER_TOO_OLD, GPU_ARCH_UNSUPPORTED, LOW_DISK, PACKAGE_VERSION,
-                                    SANDBOX_INCOMPLETE, TORCH_UNSUPPORTED)
+                         SANDBOX_INCOMPLETE, TORCH_UNSUPPORTED)
 from keel.check.preflight import FAIL, PASS, WARN
 from keel.rewards.sandbox import jail
 

@@ -20,8 +20,8 @@ from keel import checkpoint as ckpt
 from keel.config.plan import make_plan
 from keel.config.schema import KeelConfig
 from keel.errors import (MEMORY_ESTIMATE, NOT_ENOUGH_DEVICES, RAY_MISSING, RUN_DIR_NOT_WRITABLE,
-                                    SANDBOX_INCOMPLETE, TOKEN_BUDGET, TOKENIZER_MISMATCH, VOCAB_MISMATCH,
-                                    WEIGHTS_BROKEN, KeelError)
+                         SANDBOX_INCOMPLETE, TOKEN_BUDGET, TOKENIZER_MISMATCH, VOCAB_MISMATCH,
+                         WEIGHTS_BROKEN, KeelError)
 from keel.rewards.sandbox import jail
 from keel.training.forward import LOGITS_CHUNK_TOKENS
 

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from keel.errors import (DATA_COLUMN, DATA_EMPTY, DATA_FILE, NO_CHAT_TEMPLATE, PROMPT_TOO_LONG,
-                                    KeelError)
+                         KeelError)
+from keel.types import PromptBatch, PromptRecord  # the records this module makes, defined with the others
 
 PathLike = str | os.PathLike
 TRUNCATION_MODES = ("error", "left", "right")
@@ -99,17 +100,6 @@ def _check_object(row: Any, where: str) -> None:
 
 
 # --- records ----------------------------------------------------------------------------------
-
-@dataclass
-class PromptRecord:
-    index: int  # row index in the dataset, before filtering
-    prompt_ids: list[int]
-    prompt_text: str  # the templated text fed to the model (re-decoded if truncated)
-    data_source: str
-    ground_truth: Any
-    extra_info: dict = field(default_factory=dict)
-    raw_prompt: str | list[dict] | None = None  # as in the data: a reward model templates it its own way
-
 
 @dataclass
 class PromptStats:
@@ -217,22 +207,6 @@ def _make_record(i: int, row: dict, ids: list[int], text: str, raw_prompt) -> Pr
 
 
 # --- batching ---------------------------------------------------------------------------------
-
-@dataclass
-class PromptBatch:
-    input_ids: torch.Tensor  # [B, P] left-padded with pad_token_id
-    attention_mask: torch.Tensor  # [B, P] 1 on prompt tokens, 0 on padding
-    records: list[PromptRecord]
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def repeat_interleave(self, n: int) -> PromptBatch:
-        """Each prompt n times in a row ([p0, p0, p1, p1, ...]), for n samples per prompt."""
-        return PromptBatch(input_ids=self.input_ids.repeat_interleave(n, dim=0),  # [B*n, P]
-                           attention_mask=self.attention_mask.repeat_interleave(n, dim=0),
-                           records=[r for r in self.records for _ in range(n)])
-
 
 def collate_prompts(records: list[PromptRecord], pad_token_id: int) -> PromptBatch:
     """Left-pad to the longest prompt: generation appends on the right, so every prompt must end

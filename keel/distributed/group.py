@@ -16,7 +16,7 @@ from pathlib import Path
 
 from keel.distributed.dist import port_from_environment
 from keel.errors import (NOT_ENOUGH_DEVICES, PHASE_STALLED, RAY_MISSING, WORKER_DIED, WORKER_RAISED,
-                                    KeelError)
+                         KeelError)
 
 log = logging.getLogger("keel")
 

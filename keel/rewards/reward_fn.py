@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from keel.errors import (MISSING_GROUND_TRUTH, NO_SCORER, REWARD_FN_LOAD, REWARD_NOT_NUMBER, SCORER_RAISED,
-                                    SCORER_TIMEOUT, TOO_MANY_NOT_SCORED, KeelError, SkipStep)
+                         SCORER_TIMEOUT, TOO_MANY_NOT_SCORED, KeelError, SkipStep)
 from keel.rewards.executor import ScoringPool
 from keel.rewards.sandbox import require_jail
 from keel.rewards.scorers import DATA_SOURCE_SCORERS, NO_GROUND_TRUTH, SCORERS, RewardFn

@@ -5,7 +5,7 @@ import pytest
 from keel.config.load import all_keys, load_config
 from keel.config.plan import make_plan
 from keel.errors import (BAD_OVERRIDE, BAD_VALUE, BATCH_ARITHMETIC, CONFIG_FILE,
-                                    INCOMPATIBLE_OPTIONS, TOKEN_BUDGET, UNKNOWN_KEY, KeelError)
+                         INCOMPATIBLE_OPTIONS, TOKEN_BUDGET, UNKNOWN_KEY, KeelError)
 
 BASE = {"data": {"train_files": ["train.jsonl"]}, "actor_rollout_ref": {"model": {"path": "model"}}}
 

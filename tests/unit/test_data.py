@@ -12,7 +12,7 @@ import torch
 from keel.data.prompts import (PromptRecord, build_prompt_dataset, collate_prompts, load_rows)
 from keel.data.sampler import ResumableSampler
 from keel.errors import (DATA_COLUMN, DATA_EMPTY, DATA_FILE, NO_CHAT_TEMPLATE, PROMPT_TOO_LONG,
-                                    KeelError)
+                         KeelError)
 from keel.models.tiny import build_tokenizer
 
 GEN_PROMPT = "<|im_start|>assistant\n"

@@ -4,9 +4,9 @@ import json
 
 from keel.cli import main
 from keel.errors import (CUDA_DRIVER_TOO_OLD, GPU_ARCH_UNSUPPORTED, LOW_DISK, PACKAGE_VERSION,
-                                    TORCH_UNSUPPORTED)
+                         TORCH_UNSUPPORTED)
 from keel.check.doctor import (check_cuda, check_disk, check_gpu_arch, check_package, check_python,
-                                     check_torch)
+                               check_torch)
 
 
 def test_torch_with_the_fsdp_gradient_bug_is_rejected():

@@ -7,7 +7,7 @@ import torch
 
 from keel.config.load import load_config
 from keel.errors import (DATA_EMPTY, DEVICE_UNAVAILABLE, MODEL_PATH, NO_EOS, NO_GRADIENT,
-                                    NONFINITE_LOSS, KeelError)
+                         NONFINITE_LOSS, KeelError)
 from keel.models.load import load_tokenizer
 from keel.models.tiny import build_tokenizer
 from keel.trainer.rl import RLTrainer

@@ -8,7 +8,7 @@ import pytest
 from keel.cli import main
 from keel.config.load import load_config
 from keel.errors import (MEMORY_ESTIMATE, NO_EOS, RUN_DIR_NOT_WRITABLE, SCORER_RAISED, TOKEN_BUDGET,
-                                    VOCAB_MISMATCH)
+                         VOCAB_MISMATCH)
 from keel.check.preflight import FAIL, SKIP, WARN, run_checks
 
 
