@@ -99,10 +99,8 @@ def check_distributed(nccl: bool, ray: str | None) -> Check:
 
 def check_sandbox(found) -> Check:
     """The jail model-written code runs in: every protection, or the ones missing and why."""
-    if found.complete:
-        return Check("sandbox", PASS, f"{found.mode}; " + ", ".join(found.protections) + " in force")
-    return Check("sandbox", WARN, f"{found.mode}; missing: {', '.join(found.missing())} ({found.why_not})",
-                 SANDBOX_INCOMPLETE)
+    return Check("sandbox", PASS if found.complete else WARN, found.summary(),
+                 None if found.complete else SANDBOX_INCOMPLETE)
 
 
 def check_disk(path: str, free_gb: float) -> Check:

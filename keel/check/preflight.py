@@ -142,11 +142,15 @@ def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
                         f"lower data.max_prompt_length or data.max_response_length so they sum to at most {limit}, "
                         "or use a model with a longer context (rollout.max_model_len cannot go past the "
                         "model's positions)")
-    from keel.models.load import check_weights_match
+    from keel.models.load import check_weights_match, meta_model
 
     found = check_special_tokens(tokenizer, model_cfg, cfg.actor_rollout_ref.model.path, context.get("pad_from_eos"))
-    weights, unmatched = check_weights_match(cfg.actor_rollout_ref.model.path, model_cfg,
-                                             cfg.actor_rollout_ref.model.trust_remote_code)
+    try:  # built once: the weights check compares its shapes, the memory estimate counts its parameters
+        model = meta_model(model_cfg, cfg.actor_rollout_ref.model.trust_remote_code)
+        context["parameters"] = sum(p.numel() for p in model.parameters())
+    except Exception:  # an architecture that will not build on the meta device is checked when it loads
+        model = None
+    weights, unmatched = check_weights_match(cfg.actor_rollout_ref.model.path, model_cfg, model)
     if unmatched:
         found.append(Finding(WARN, "model", unmatched, WEIGHTS_BROKEN))
     found.insert(0, Finding(PASS, "model", f"{model_cfg.model_type}, vocab {vocab}, "
@@ -217,10 +221,8 @@ def check_reward(cfg: KeelConfig, context: dict) -> list[Finding]:
 def sandbox_finding(found) -> Finding:
     """Which of the jail's protections hold for model-written code (check_records has already
     refused a jail short of what reward.sandbox.require asks for)."""
-    if found.complete:
-        return Finding(PASS, "sandbox", f"{found.mode}: every protection in force ({', '.join(found.protections)})")
-    return Finding(WARN, "sandbox", f"{found.mode}: model-written code runs without {', '.join(found.missing())} "
-                                    f"({found.why_not}); keel doctor lists them", SANDBOX_INCOMPLETE)
+    return Finding(PASS if found.complete else WARN, "sandbox", found.summary(),
+                   None if found.complete else SANDBOX_INCOMPLETE)
 
 
 def check_reward_model_budget(cfg: KeelConfig, reward_model, records: list, policy_tokenizer) -> Finding:
@@ -264,7 +266,8 @@ def check_run_dir(cfg: KeelConfig, context: dict) -> list[Finding]:
 
 
 def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
-    estimate = estimate_memory_gb(cfg, need(context, "model_config"))
+    model_cfg = need(context, "model_config")
+    estimate = estimate_memory_gb(cfg, model_cfg, context.get("parameters") or architecture_parameters(model_cfg))
     context["memory_gb"] = estimate
     total, available, where = device_memory_gb(cfg)
     required = max(estimate["total"], estimate.get("critic_pool", 0.0))
@@ -322,15 +325,13 @@ CHECKS = [("tokenizer", check_tokenizer), ("model", check_model), ("data", check
 
 def architecture_parameters(model_cfg) -> int:
     """Exact count from the architecture, built on the meta device (no memory, no weights)."""
-    from transformers import AutoModelForCausalLM
+    from keel.models.load import meta_model
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_cfg)
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in meta_model(model_cfg).parameters())
 
 
-def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
-    """Per-device estimate. float32 master weights (4 B) + gradients (4 B) + AdamW moments (8 B) for
+def estimate_memory_gb(cfg: KeelConfig, model_cfg, params: int) -> dict[str, float]:
+    """Per-device estimate for a policy of `params` parameters. float32 master weights (4 B) + gradients (4 B) + AdamW moments (8 B) for
     each trained model, divided among the ranks FSDP shards them over (and off the device when
     offloaded); 4 B per weight for the frozen reference; with more than one worker, the rollout
     hf engine's whole float32 copy of the policy; activations of one micro-batch (about 34 bytes x
@@ -340,7 +341,6 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg) -> dict[str, float]:
     from keel.rollout.native.engine import unsupported_reason
 
     gb = 2 ** 30
-    params = architecture_parameters(model_cfg)
     policy = cfg.actor_rollout_ref
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     layers, hidden = model_cfg.num_hidden_layers, model_cfg.hidden_size

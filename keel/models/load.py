@@ -78,21 +78,24 @@ def _header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights_match(path: str | Path, model_cfg, trust_remote_code: bool = False) -> tuple[str, str | None]:
-    """The weight files against the architecture the config describes (built on the meta device):
-    a tensor of another shape is an error. Returns a summary, and a warning when tensors the
-    architecture has are not in the files under their names (transformers renames some keys on
-    load, so that alone is not an error; unmatched ones would start from random values)."""
+def meta_model(model_cfg, trust_remote_code: bool = False) -> nn.Module:
+    """The architecture a config describes, on the meta device: shapes and names, no memory."""
     from transformers import AutoModelForCausalLM
 
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_cfg, trust_remote_code=trust_remote_code)
+
+
+def check_weights_match(path: str | Path, model_cfg, model: nn.Module | None) -> tuple[str, str | None]:
+    """The weight files against `model`, the config's architecture on the meta device (None when it
+    would not build there): a tensor of another shape is an error. Returns a summary, and a warning
+    when tensors the architecture has are not in the files under their names (transformers renames
+    some keys on load, so that alone is not an error; unmatched ones would start from random values)."""
     found = weight_file_shapes(path)
     if not found:
         return "no safetensors files to check (weights in another format)", None
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(model_cfg, trust_remote_code=trust_remote_code)
-    except Exception as e:  # an architecture that will not build on the meta device: checked at load
-        return f"{len(found)} tensors; shapes not compared ({type(e).__name__} building the architecture)", None
+    if model is None:
+        return f"{len(found)} tensors; shapes not compared (the architecture does not build on the meta device)", None
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if getattr(model_cfg, "tie_word_embeddings", False):  # saved once, as the embedding
         expected.pop("lm_head.weight", None)

@@ -122,7 +122,8 @@ class RewardScorer:
 
     def runs_model_code(self, records: list) -> bool:
         """Whether some row is scored by running the response (code_exec, in keel's sandbox)."""
-        return any("code_exec" in self.scorers_for(source) for source in {r.data_source for r in records})
+        return any(spec == ("builtin", "code_exec") for source in {r.data_source for r in records}
+                   for spec, _ in self.scorers_for(source).values())
 
     def score(self, records: list, response_texts: list[str]) -> torch.Tensor:      # -> [N]
         return self.score_batch(records, response_texts).scores

@@ -92,6 +92,12 @@ class Jail:
     def missing(self) -> list[str]:
         return [name for name, held in self.protections.items() if not held]
 
+    def summary(self) -> str:
+        """One line for `keel doctor` and `keel check`."""
+        if self.complete:
+            return f"{self.mode}: every protection in force ({', '.join(self.protections)})"
+        return f"{self.mode}: model-written code runs without {', '.join(self.missing())} ({self.why_not})"
+
     def describe(self) -> list[str]:
         return [f"[{'ok' if held else 'MISSING'}] {name}: {PROTECTIONS[name]}"
                 for name, held in self.protections.items()]
@@ -255,7 +261,7 @@ def _collect(process: subprocess.Popen, limits: Limits, group: RunGroup | None) 
         while selector.get_map():
             left = deadline - time.monotonic()
             if left <= 0:
-                return bytes(buffers[process.stdout.fileno()]), b"", f"timeout: ran past {limits.wall_s} s"
+                return b"", b"", f"timeout: ran past {limits.wall_s} s"
             if group is not None and group.cpu_seconds() > limits.cpu_s:
                 return b"", b"", f"cpu limit: over {limits.cpu_s} s of CPU"
             if group is not None and group.killed_for_memory():  # the verdict is in: no need to wait

@@ -72,11 +72,12 @@ def make_server(scorer, host: str = "127.0.0.1", port: int = 8000, token: str | 
             if raw is None or not (raw.isascii() and raw.isdigit() and len(raw) <= 18):
                 self.reply(HTTPStatus.LENGTH_REQUIRED, {"error": f"Content-Length must be a byte count, got {raw!r}"})
                 return None
-            if int(raw) > max_request_bytes:
+            length = int(raw)
+            if length > max_request_bytes:
                 self.reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                           {"error": f"request of {int(raw)} bytes is over {max_request_bytes}"})
+                           {"error": f"request of {length} bytes is over {max_request_bytes}"})
                 return None
-            return int(raw)
+            return length
 
         def do_GET(self) -> None:
             if not self.authorised():

@@ -87,26 +87,27 @@ def total_steps(cfg: KeelConfig, batches_per_epoch: int) -> int:
 
 
 def build_inputs(cfg: KeelConfig) -> Inputs:
-    """Tokenizer, prompts and reward, each failing with its code on bad input."""
+    """Tokenizer, prompts and reward, each failing with its code on bad input, and checked against
+    each other as `keel check` checks them (enough prompts, a scorer for every row)."""
     model_cfg = cfg.actor_rollout_ref.model
     tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
     reward = build_reward(cfg)
     train = load_prompts(cfg.data.train_files, tokenizer, cfg, "train")
     val = load_prompts(cfg.data.val_files, tokenizer, cfg, "val") if cfg.data.val_files else []
+    reward.check_records(train + val)
+    require_enough_prompts(len(train), cfg)
     return Inputs(tokenizer, train, val, reward)
 
 
 def build_components(cfg: KeelConfig, actor_weights: Path | None = None, inputs: Inputs | None = None) -> Components:
     """`actor_weights`: a checkpoint's actor directory to start from instead of the model path.
-    `inputs`: what `keel check` already loaded (tokenizer, datasets, reward), reused as it is."""
+    `inputs`: what `keel check` already loaded and checked (tokenizer, datasets, reward), reused as it is."""
     quiet_transformers()
     seed_everything(cfg.trainer.seed)
     resolve_device(cfg.trainer.device)  # a missing device fails here, before any model loads
     inputs = inputs or build_inputs(cfg)
     tokenizer, reward = inputs.tokenizer, inputs.reward
     train_data, val_data = inputs.train_records, inputs.val_records
-    reward.check_records(train_data + val_data)
-    require_enough_prompts(len(train_data), cfg)
     if cfg.critic.enable and not ADV_ESTIMATORS[cfg.algorithm.adv_estimator].needs_critic:
         log.warning("critic.enable=true with algorithm.adv_estimator=%s, which does not use values: the "
                     "critic is trained but nothing reads it", cfg.algorithm.adv_estimator)
