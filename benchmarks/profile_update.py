@@ -12,9 +12,10 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from keel.distributed.fsdp import compile_blocks
+from keel.distributed.parallelize import compile_blocks
 from keel.bench.workloads import QWEN25_COMMON, QWEN25_SHAPES
 from keel.training.forward import response_log_probs
+from keel.training.placement import Placement
 from keel.types import RolloutBatch
 
 
@@ -46,9 +47,11 @@ def main() -> None:
     batch = make_batch(args.samples, args.prompt, args.response)
     tokens = args.samples * (args.prompt + args.response)
 
+    plan = Placement()  # actor.use_torch_compile's vocabulary part is plan.fused_vocab
+
     def forward():
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-            response_log_probs(model, batch, 1.0)
+            response_log_probs(model, batch, 1.0, plan=plan)
 
     def decoder_only():  # the decoder alone, no lm_head: is the time in the layers or the vocabulary?
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -56,18 +59,18 @@ def main() -> None:
 
     def train_step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            log_probs, entropy = response_log_probs(model, batch, 1.0, with_entropy=True)
+            log_probs, entropy = response_log_probs(model, batch, 1.0, with_entropy=True, plan=plan)
         (log_probs.mean() + 0 * entropy.mean()).backward()
 
     params = sum(p.numel() for p in model.parameters())
     report = {"tokens": tokens, "attn_implementation": model.config._attn_implementation,
               "forward_s": timed(forward), "decoder_only_s": timed(decoder_only), "train_s": timed(train_step)}
     # actor.use_torch_compile, in its two parts: the vocabulary arithmetic, then the layers too.
-    model.keel_compile = True
+    plan = Placement(fused_vocab=True)
     report["forward_vocab_compiled_s"], report["train_vocab_compiled_s"] = timed(forward), timed(train_step)
     compile_blocks(model)
     report["forward_all_compiled_s"], report["train_all_compiled_s"] = timed(forward), timed(train_step)
-    model.keel_compile = False
+    plan = Placement(fused_vocab=False)
     report["forward_layers_compiled_s"], report["train_layers_compiled_s"] = timed(forward), timed(train_step)
     report["train_tflops"] = 6 * params * tokens / report["train_s"] / 1e12
     report["forward_tflops"] = 2 * params * tokens / report["forward_s"] / 1e12

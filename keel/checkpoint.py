@@ -6,11 +6,14 @@ nothing mistakes for a checkpoint. `latest_checkpointed_iteration.txt` (verl's n
 atomically after the rename.
 
 Layout of a checkpoint:
-  actor/             Hugging Face model + tokenizer (loads with from_pretrained as it is)
-  actor_optim.pt     optimiser and LR-scheduler state
-  critic/            critic weights (safetensors) and critic_optim.pt, when there is a critic
-  trainer_state.pt   step, sampler position, KL controller, RNG states
-  COMPLETE           JSON: step and keel version
+  actor/                Hugging Face model + tokenizer (loads with from_pretrained as it is)
+  actor_optim/          optimiser state, sharded (torch.distributed.checkpoint: loads on any number
+                        of workers)
+  actor_scheduler.pt    LR-scheduler state
+  critic/               critic weights and optimiser state, sharded, when there is a critic
+  critic_scheduler.pt
+  trainer_state.pt      step, sampler position, KL controller, RNG states
+  COMPLETE              JSON: step and keel version
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -81,6 +85,80 @@ def write_policy(directory: Path, model, tokenizer, state_dict: dict | None = No
     if config.get("architectures") != architecture:
         config_file.write_text(json.dumps({**config, "architectures": architecture}, indent=2))
     tokenizer.save_pretrained(directory)
+
+
+def save_trainers(out: Path, actor, critic, rank: int, tokenizer, actor_sharded: bool) -> None:
+    """A rank's part of the models' checkpoint: the policy as a Hugging Face model (written by rank
+    0; gathered from the shards when sharded), optimiser state and the critic sharded. `actor`
+    and `critic` are trainers (model, optimizer, scheduler), or None where this rank has none."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if actor is not None:
+        whole = None  # unsharded: the module's own state dict
+        if actor_sharded:  # every rank takes part; rank 0 receives it, in CPU memory
+            whole = _untied(actor.model, get_model_state_dict(
+                actor.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+        if rank == 0:
+            write_policy(out / "actor", actor.model, tokenizer, whole)
+            torch.save(actor.scheduler.state_dict(), out / "actor_scheduler.pt")
+        _save_sharded(out / "actor_optim", {"optimizer": _optimizer_state(actor)})
+    if critic is not None:
+        _save_sharded(out / "critic", {"model": get_model_state_dict(critic.model),
+                                       "optimizer": _optimizer_state(critic)})
+        if rank == 0:
+            torch.save(critic.scheduler.state_dict(), out / "critic_scheduler.pt")
+
+
+def load_trainers(path: Path, actor, critic) -> None:
+    """Everything save_trainers wrote but the actor weights, loaded from the checkpoint at start-up."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    if actor is not None:
+        _load_optimizer(actor, path / "actor_optim", path / "actor_scheduler.pt")
+    if critic is not None:
+        state = {"model": get_model_state_dict(critic.model)}
+        _load_sharded(path / "critic", state)
+        set_model_state_dict(critic.model, state["model"])
+        _load_optimizer(critic, path / "critic", path / "critic_scheduler.pt")
+
+
+def _untied(model, state: dict) -> dict:
+    """The state dict without the second name of a tied parameter (lm_head of tied embeddings):
+    gathered, the two are separate tensors, and the checkpoint would store the matrix twice."""
+    seen, aliases = set(), set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            aliases.add(name)
+        seen.add(id(param))
+    return {name: value for name, value in state.items() if name not in aliases}
+
+
+def _optimizer_state(trainer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    return get_optimizer_state_dict(trainer.model, trainer.optimizer)
+
+
+def _load_optimizer(trainer, optim_dir: Path, scheduler_file: Path) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    state = {"optimizer": _optimizer_state(trainer)}
+    _load_sharded(optim_dir, state)
+    set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optimizer"])
+    trainer.scheduler.load_state_dict(torch.load(scheduler_file, weights_only=False))
+
+
+def _save_sharded(path: Path, state: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():  # one worker writes without a process group, on purpose
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(path))
+
+
+def _load_sharded(path: Path, state: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path))
 
 
 def init_run_dir(run_dir: Path, config_yaml: str, resumed_step: int | None) -> None:

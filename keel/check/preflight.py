@@ -286,7 +286,7 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
     """Workers against what this machine has, and Ray itself. A cluster in RAY_ADDRESS must
     answer; its resources are checked when the workers are placed."""
     from keel.distributed.dist import port_from_environment, rendezvous_port
-    from keel.distributed.group import devices_needed, require_reachable
+    from keel.distributed.group import Devices, require_reachable
     from keel.models.load import resolve_device
 
     world = cfg.world_size
@@ -307,7 +307,7 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
     device = resolve_device(cfg.trainer.device)
     have = torch.cuda.device_count() if device.type == "cuda" else (os.cpu_count() or 1)
     what = "GPUs" if device.type == "cuda" else "CPU cores"
-    needed = devices_needed(cfg)
+    needed = Devices.of(cfg).total
     placed = f"{world} workers" + "".join(f" + {count} for the {role} pool" for role, count in cfg.pools.items())
     if device.type == "cuda" and have < needed:
         raise KeelError(NOT_ENOUGH_DEVICES, f"{placed} need {needed} {what}, and this machine has {have}")

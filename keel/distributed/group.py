@@ -1,7 +1,7 @@
 """Worker groups: the driver's handle on its workers, in this process or as Ray actors.
 
-`call(method, per_rank_args, ...)` runs `method` on every rank with that rank's arguments and
-returns the results in rank order. A failure anywhere becomes a KeelError that names the rank,
+`call(method, per_rank_args)` runs `method` on every rank with that rank's arguments and returns
+the results in rank order, with each rank's time and memory reading. A failure anywhere becomes a KeelError that names the rank,
 host, role and phase: a worker's exception (with its traceback), a worker the system killed
 (with its last memory reading), or a phase that stalled (with every rank's stacks on disk and
 the ranks that never reached the collective named).
@@ -12,17 +12,47 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from keel.distributed.dist import port_from_environment
+from keel.distributed.serving import ServedWorker
 from keel.errors import (NOT_ENOUGH_DEVICES, PHASE_STALLED, RAY_MISSING, WORKER_DIED, WORKER_RAISED,
                          KeelError)
 
 log = logging.getLogger("keel")
 
-ROLE = "actor_rollout_ref"  # the colocated roles every worker of the group runs
 STACKS_TIMEOUT_S = 15.0
 STARTUP_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Devices:
+    """What the whole run places on the cluster, so any group refuses one too small up front
+    instead of waiting forever to be placed."""
+    gpus: bool                  # GPUs, or CPU processes (trainer.device=cpu)
+    workers: int                # the policy's workers
+    pools: dict[str, int]       # role -> devices, for each role with a pool of its own
+
+    @classmethod
+    def of(cls, cfg) -> Devices:
+        return cls(wants_gpus(cfg.trainer.device), cfg.world_size, dict(cfg.pools))
+
+    @property
+    def total(self) -> int:
+        return self.workers + sum(self.pools.values())
+
+    @property
+    def resource(self) -> str:
+        return "GPU" if self.gpus else "CPU"
+
+
+class Replies(list):
+    """The results of one call in rank order, with each rank's time and memory reading."""
+
+    def __init__(self, replies: list):
+        super().__init__(reply.result for reply in replies)
+        self.seconds = [reply.seconds for reply in replies]
+        self.memory = [reply.memory for reply in replies]
 
 
 class LocalGroup:
@@ -32,62 +62,56 @@ class LocalGroup:
 
     def __init__(self, worker):
         self.worker = worker
-        self.memory: dict[int, dict] = {}  # rank -> its reading after the last call
+        self.served = ServedWorker(worker)
 
-    def call(self, method: str, per_rank_args: list[tuple]) -> list:
-        result, self.memory[0] = self.worker.run(method, *per_rank_args[0])
-        return [result]
+    def call(self, method: str, per_rank_args: list[tuple]) -> Replies:
+        return Replies([self.served.run(method, *per_rank_args[0])])
 
     def shutdown(self) -> None:
         pass
 
 
 class RayGroup:
-    """`world_size` Ray actors, one per GPU (or CPU process with trainer.device=cpu), each a
-    torch.distributed rank. Ranks are placed with a PACK placement group, so ranks of a node are
-    consecutive; rank 0's node hosts the rendezvous on a port it found free."""
+    """`world_size` Ray actors, one per GPU (or CPU process with trainer.device=cpu), each serving
+    the worker `build(rank, world_size, master)` makes. Ranks are placed with a PACK placement
+    group, so ranks of a node are consecutive. With `rendezvous`, they form a torch.distributed
+    group: rank 0's node hosts it on `port` (MASTER_PORT), or on a port it found free."""
 
-    def __init__(self, cfg, total_steps: int, actor_weights: str | None, stacks_dir: Path,
-                 roles: frozenset[str] | None = None, world_size: int | None = None):
-        """`roles`: what each worker builds (PolicyWorker's default: the policy, and the critic when
-        colocated); a critic pool is a second group with roles {"critic"} and its own size."""
-        ray = connect_ray(cfg)
-        self.world_size = world_size or cfg.world_size
-        self.role = ",".join(sorted(roles)) if roles else ROLE
-        self.stacks_dir = stacks_dir
-        self.phase_timeout_s = cfg.trainer.guards.phase_timeout_s
-        self.memory: dict[int, dict] = {}
+    def __init__(self, build, world_size: int, devices: Devices, *, role: str, stacks_dir: Path,
+                 phase_timeout_s: float | None, rendezvous: bool = True, port: int | None = None):
+        ray = connect_ray(devices)
+        self.world_size, self.role, self.stacks_dir = world_size, role, stacks_dir
+        self.phase_timeout_s = phase_timeout_s
+        self.last_memory: dict[int, dict] = {}  # rank -> its reading after its last call: for _died
         self.hosts: dict[int, str] = {}
-        self.placement, cpus = _reserve(ray, cfg, self.world_size)
-        actor_class = _worker_actor_class(ray)
-        gpus = 1 if wants_gpus(cfg) else 0
+        self.placement, cpus = _reserve(ray, devices, world_size)
         env = {k: v for k, v in os.environ.items() if k.startswith("KEEL_")}  # a cluster's workers lack our env
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.actors = [actor_class.options(
-            num_cpus=cpus, num_gpus=gpus, runtime_env={"env_vars": env} if env else None,
+        self.actors = [_worker_actor_class(ray).options(
+            num_cpus=cpus, num_gpus=1 if devices.gpus else 0, runtime_env={"env_vars": env} if env else None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
-        ).remote() for rank in range(self.world_size)]
-        ranks = list(range(self.world_size))
+        ).remote() for rank in range(world_size)]
+        ranks = list(range(world_size))
         self.hosts = dict(zip(ranks, self._wait([a.hostname.remote() for a in self.actors], "setup", ranks,
                                                 STARTUP_TIMEOUT_S)))
-        # MASTER_PORT is the policy group's; a critic pool's rank 0 picks a port of its own.
-        port = port_from_environment() if roles is None else None
-        master = self._wait([self.actors[0].rendezvous.remote(port)], "setup", [0], STARTUP_TIMEOUT_S)[0]
-        log.info("%s ranks meet at %s:%d%s", self.role, *master, " (MASTER_PORT)" if port else "")
-        self._wait([a.setup.remote(cfg, total_steps, actor_weights, rank, self.world_size, master, roles)
-                    for rank, a in enumerate(self.actors)], "setup", ranks, STARTUP_TIMEOUT_S)
-        for info in self.call("info", [()] * self.world_size):  # what each rank holds of each model
-            log.info("rank %d on %s (pid %d, %s, CUDA_VISIBLE_DEVICES=%s, %d threads)%s", info["rank"],
+        master = None
+        if rendezvous:
+            master = self._wait([self.actors[0].rendezvous.remote(port)], "setup", [0], STARTUP_TIMEOUT_S)[0]
+            log.info("%s ranks meet at %s:%d%s", role, *master, " (MASTER_PORT)" if port else "")
+        threads = 0 if devices.gpus else max(1, (os.cpu_count() or 1) // world_size)  # CPU workers share the cores
+        self._wait([a.setup.remote(build, rank, world_size, master, threads) for rank, a in enumerate(self.actors)],
+                   "setup", ranks, STARTUP_TIMEOUT_S)
+        for info in self._wait([a.describe.remote() for a in self.actors], "setup", ranks, STARTUP_TIMEOUT_S):
+            log.info("%s rank %d on %s (pid %d, %s, CUDA_VISIBLE_DEVICES=%s, %d threads)%s", role, info["rank"],
                      self.hosts[info["rank"]], info["pid"], info["device"], info["visible"], info["threads"],
                      "".join(f", {k}={v:.3f}" for k, v in info.items() if k.startswith("fsdp/")))
 
-    def call(self, method: str, per_rank_args: list[tuple]) -> list:
+    def call(self, method: str, per_rank_args: list[tuple]) -> Replies:
         refs = [a.run.remote(method, *args) for a, args in zip(self.actors, per_rank_args)]
-        results = self._wait(refs, method, list(range(self.world_size)), self.phase_timeout_s)
-        for rank, (_, memory) in enumerate(results):
-            self.memory[rank] = memory
-        return [result for result, _ in results]
+        replies = self._wait(refs, method, list(range(self.world_size)), self.phase_timeout_s)
+        self.last_memory.update(enumerate(reply.memory for reply in replies))
+        return Replies(replies)
 
     def shutdown(self) -> None:
         """Kill the workers and free their devices; after a failure it has already run."""
@@ -145,7 +169,7 @@ class RayGroup:
 
     def _died(self, rank: int, phase: str, error) -> KeelError:
         self.shutdown()
-        memory = self.memory.get(rank)
+        memory = self.last_memory.get(rank)
         reading = (", ".join(f"{k}={v:.2f}" for k, v in memory.items()) if memory
                    else "none (it died before its first call returned)")
         return KeelError(WORKER_DIED, f"{self._where(rank, phase)} died without raising: killed by the "
@@ -180,37 +204,31 @@ def _is_collective_timeout(error) -> bool:
     return "timed out" in message or "timeout" in message
 
 
-def wants_gpus(cfg) -> bool:
+def wants_gpus(device: str) -> bool:
     """Like resolve_device, without refusing `cuda` when the driver's node has no GPU: on a
     cluster the workers' nodes may have them."""
     import torch
-    return cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
-def devices_needed(cfg) -> int:
-    """GPUs (CPU processes with trainer.device=cpu) the run places: the policy's workers, and the
-    critic's workers and the reward model's replicas when they have pools of their own."""
-    return cfg.world_size + sum(cfg.pools.values())
-
-
-def require_devices(ray, cfg) -> None:
+def require_devices(ray, devices: Devices) -> None:
     """Refuse up front a run whose workers and pools the cluster cannot hold, instead of waiting
     forever for them to be placed."""
-    resource = "GPU" if wants_gpus(cfg) else "CPU"
+    resource = devices.resource
     available = ray.cluster_resources().get(resource, 0)
-    if available < devices_needed(cfg):
-        needs = [f"trainer.n_gpus_per_node x trainer.nnodes = {cfg.world_size} workers need {cfg.world_size} "
-                 f"{resource}s"] + [f"the {role} pool needs {count} {resource}s" for role, count in cfg.pools.items()]
+    if available < devices.total:
+        needs = [f"trainer.n_gpus_per_node x trainer.nnodes = {devices.workers} workers need {devices.workers} "
+                 f"{resource}s"] + [f"the {role} pool needs {count} {resource}s" for role, count in devices.pools.items()]
         raise KeelError(NOT_ENOUGH_DEVICES, "; ".join(needs) + f"; the Ray cluster has {available:g}")
 
 
-def connect_ray(cfg):
+def connect_ray(devices: Devices):
     """Join the cluster in RAY_ADDRESS, or start a local instance sized for this machine."""
     try:
         import ray
     except ImportError:
-        raise KeelError(RAY_MISSING, f"trainer.n_gpus_per_node x trainer.nnodes = {cfg.world_size} workers "
-                        "need Ray, which is not installed") from None
+        raise KeelError(RAY_MISSING, f"{devices.total} workers (trainer.n_gpus_per_node x trainer.nnodes, and "
+                        "any pools) need Ray, which is not installed") from None
     if ray.is_initialized():
         return ray
     address = os.environ.get("RAY_ADDRESS")
@@ -219,7 +237,7 @@ def connect_ray(cfg):
             require_reachable(address)
             ray.init(address=address, log_to_driver=True)
         else:
-            _start_or_join_local(ray, cfg)
+            _start_or_join_local(ray, devices.total)
     except KeelError:
         raise
     except Exception as e:  # noqa: BLE001 - any start/connect failure has one fix
@@ -231,12 +249,12 @@ def connect_ray(cfg):
     return ray
 
 
-def _start_or_join_local(ray, cfg) -> None:
+def _start_or_join_local(ray, devices_needed: int) -> None:
     """A Ray instance of keel's own, sized for this machine; or, when `ray start` runs a cluster on
     this machine (the head node of the multi-node recipe, RAY_ADDRESS forgotten), that cluster,
     which Ray joins unasked and which refuses sizes given by a joining driver."""
     try:
-        ray.init(num_cpus=max(os.cpu_count() or 1, devices_needed(cfg)), include_dashboard=False,
+        ray.init(num_cpus=max(os.cpu_count() or 1, devices_needed), include_dashboard=False,
                  object_store_memory=512 * 1024**2, log_to_driver=True)
     except ValueError as e:
         if "existing cluster" not in str(e):
@@ -263,18 +281,17 @@ def require_reachable(address: str, timeout_s: float = 5.0) -> None:
                         "or unset RAY_ADDRESS to let keel start a local Ray instance") from None
 
 
-def _reserve(ray, cfg, count: int):
+def _reserve(ray, devices: Devices, count: int):
     """One bundle per rank, packed onto as few nodes as possible, and the CPUs each worker gets;
     refused up front when the cluster does not have the devices the whole run places (every
     pool), instead of waiting forever."""
     from ray.util.placement_group import placement_group
 
-    require_devices(ray, cfg)
-    gpus = wants_gpus(cfg)
-    resource = "GPU" if gpus else "CPU"
+    require_devices(ray, devices)
+    gpus, resource = devices.gpus, devices.resource
     # A GPU worker gets a share of the node's cores: Ray limits a worker's threads to its CPUs,
     # and one core is not enough for a process that launches kernels, gathers and copies.
-    cpus = max(1, min(8, int(ray.cluster_resources().get("CPU", 1) // devices_needed(cfg)) - 1)) if gpus else 1
+    cpus = max(1, min(8, int(ray.cluster_resources().get("CPU", 1) // devices.total) - 1)) if gpus else 1
     bundle = {"GPU": 1, "CPU": cpus} if gpus else {"CPU": 1}
     group = placement_group([bundle] * count, strategy="PACK")
     if not group.wait(timeout_seconds=60):
@@ -286,7 +303,7 @@ def _reserve(ray, cfg, count: int):
 def _worker_actor_class(ray):
     @ray.remote(concurrency_groups={"control": 1})
     class WorkerActor:
-        """A PolicyWorker in its own process; `stacks` answers on a second thread, so the driver
+        """A served worker in its own process; `stacks` answers on a second thread, so the driver
         can see where a rank is stuck while its main thread is blocked."""
 
         def hostname(self) -> str:
@@ -297,25 +314,27 @@ def _worker_actor_class(ray):
             from keel.distributed.dist import rendezvous_port
             return ray.util.get_node_ip_address(), rendezvous_port(port)
 
-        def setup(self, cfg, total_steps, actor_weights, rank, world_size, master, roles=None) -> None:
+        def setup(self, build, rank: int, world_size: int, master, threads: int) -> None:
             import torch
 
-            from keel.distributed.worker import PolicyWorker
             from keel.observe.log import ensure_console_logging
 
             ensure_console_logging()
-            if not wants_gpus(cfg):  # CPU workers share the machine's cores
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-            self.worker = PolicyWorker(cfg, total_steps, actor_weights, rank, world_size, master, roles=roles)
+            if threads:
+                torch.set_num_threads(threads)
+            self.served = ServedWorker(build(rank=rank, world_size=world_size, master=master), rank)
 
         def run(self, method, *args):
-            return self.worker.run(method, *args)
+            return self.served.run(method, *args)
+
+        def describe(self) -> dict:
+            return self.served.describe()
 
         @ray.method(concurrency_group="control")
         def stacks(self) -> dict:
-            worker = getattr(self, "worker", None)
-            if worker is None:
+            served = getattr(self, "served", None)
+            if served is None:
                 return {"phase": "setup", "in_collective": False, "text": "(still setting up)"}
-            return worker.stacks()
+            return served.stacks()
 
     return WorkerActor

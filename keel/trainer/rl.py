@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,17 +108,13 @@ class RLTrainer:
         # With Ray workers the group enforces phase_timeout_s itself, collecting every rank's stacks.
         timer = Timer(self.cfg.trainer.guards.phase_timeout_s if self.cfg.world_size == 1 else None)
         parts, workers = self.components, self.components.workers
-        finite = partial(check_finite, policy=self.cfg.trainer.guards.nonfinite)
+        finite = self._check_finite
         with timer("step"):
             prompts = collate_prompts([parts.train_data[i] for i in parts.sampler.next_batch()],
                                       parts.tokenizer.pad_token_id)
             with timer("gen"):
-                batch = workers.generate(prompts.repeat_interleave(self.sampling.n), self.sampling, self._seed())
-            gen_parts = dict(workers.gen_timing)  # before ReMax's baseline generate replaces it
-            baseline = None
-            if needs_baseline_rollout(self.cfg):
-                with timer("gen_baseline"):
-                    baseline = self._baseline_scores(prompts)
+                batch, gen_parts = workers.generate(prompts.repeat_interleave(self.sampling.n), self.sampling,
+                                                    self._seed())
             with timer("reward"):
                 scored = parts.reward.score_batch(batch.records, batch.response_texts, batch.response_lengths)
                 batch.scores, metrics = scored.scores, scored.metrics
@@ -136,14 +131,7 @@ class RLTrainer:
                 with timer("values"):
                     batch.values = workers.values(batch)
                     finite("critic values", batch.values, batch.response_mask)
-            with timer("adv"):
-                metrics.update(self._assign_rewards(batch))
-                finite("token-level rewards", batch.token_level_rewards, batch.response_mask)
-                batch.advantages, batch.returns = compute_advantage(
-                    self.cfg.algorithm.adv_estimator,
-                    AdvantageInputs(batch.token_level_rewards, batch.response_mask, batch.group_index,
-                                    batch.values, baseline), self.adv_params)
-                finite("advantages", batch.advantages, batch.response_mask)
+            metrics.update(self._advantages(batch, prompts, timer))
             if self.cfg.critic_enabled:
                 with timer("update_critic"):
                     metrics.update(workers.update_critic(batch, self._seed()))
@@ -181,18 +169,42 @@ class RLTrainer:
         self.components.kl_ctrl.update(current_kl, len(batch))
         return {**metrics, "actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": kl_coef}
 
+    def _advantages(self, batch: RolloutBatch, prompts: PromptBatch, timer: Timer) -> dict[str, float]:
+        """Token-level rewards, then advantages and returns, on the batch; ReMax first generates its
+        baseline (timed as gen_baseline)."""
+        finite = self._check_finite
+        baseline = None
+        if needs_baseline_rollout(self.cfg):
+            with timer("gen_baseline"):
+                baseline = self._baseline_scores(prompts)
+        with timer("adv"):
+            metrics = self._assign_rewards(batch)
+            finite("token-level rewards", batch.token_level_rewards, batch.response_mask)
+            batch.advantages, batch.returns = compute_advantage(
+                self.cfg.algorithm.adv_estimator,
+                AdvantageInputs(batch.token_level_rewards, batch.response_mask, batch.group_index,
+                                batch.values, baseline), self.adv_params)
+            finite("advantages", batch.advantages, batch.response_mask)
+        return metrics
+
     def _baseline_scores(self, prompts: PromptBatch) -> torch.Tensor:
         """ReMax (arXiv 2310.10505): the greedy response's score is each prompt's baseline."""
         greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=self.sampling.max_new_tokens)
-        baseline = self.components.workers.generate(prompts, greedy, self._seed())
+        baseline, _ = self.components.workers.generate(prompts, greedy, self._seed())
         result = self.components.reward.score_batch(baseline.records, baseline.response_texts,
                                                     baseline.response_lengths, on_error="zero")
         return result.scores.repeat_interleave(self.sampling.n)
 
     def _evaluate(self) -> dict[str, float]:
         parts = self.components
-        return evaluate(partial(parts.workers.generate, seed=self._seed()), parts.reward, parts.val_data,
+        def generate(prompts, params):
+            return parts.workers.generate(prompts, params, self._seed())[0]
+
+        return evaluate(generate, parts.reward, parts.val_data,
                         parts.tokenizer.pad_token_id, self.cfg.actor_rollout_ref.rollout.val_kwargs, self.cfg.data)
+
+    def _check_finite(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+        check_finite(name, values, mask, policy=self.cfg.trainer.guards.nonfinite)
 
     def _seed(self) -> int:
         """Per step: sampling and mini-batch order, so a resumed run repeats an uninterrupted one."""

@@ -28,19 +28,19 @@ class WorkerRoles:
         self.cfg = cfg
         self.world = group.world_size
         self.pad_token_id = pad_token_id
-        self.gen_timing: dict[str, float] = {}  # the last generate call's parts, slowest rank
         self.peak_gb: dict[str, float] = {}      # method -> the fullest GPU's peak during its last call
         self.rss_gb = 0.0
 
     # --- rollout -----------------------------------------------------------------------------------
-    def generate(self, prompts: PromptBatch, sampling: SamplingParams, seed: int) -> RolloutBatch:
-        """Contiguous slices of the prompts, one per rank (generation has no collectives, so the
-        slices may differ in size or be empty)."""
+    def generate(self, prompts: PromptBatch, sampling: SamplingParams,
+                 seed: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """The samples, and the engine's timing of its parts (`timing_s/gen_*`, the slowest rank's:
+        where the phase's time went). Contiguous slices of the prompts, one per rank (generation
+        has no collectives, so the slices may differ in size or be empty)."""
         parts = [_slice_prompts(prompts, start, end) for start, end in contiguous_shares(len(prompts), self.world)]
         results = self._call("generate", [(p, sampling, seed * 1009 + r) for r, p in enumerate(parts)])
-        # The slowest rank's parts: where the phase's time went.
-        self.gen_timing = {f"timing_s/{k}": max(t.get(k, 0.0) for _, t in results) for _, t in results for k in t}
-        return concat_rows([b for b, _ in results if b is not None], self.pad_token_id)
+        timing = {f"timing_s/{k}": max(t.get(k, 0.0) for _, t in results) for _, t in results for k in t}
+        return concat_rows([b for b, _ in results if b is not None], self.pad_token_id), timing
 
     # --- forward passes ------------------------------------------------------------------------------
     def actor_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
@@ -101,7 +101,7 @@ class WorkerRoles:
     def _call(self, method: str, per_rank_args: list[tuple], group=None) -> list:
         group = group or self.group
         results = group.call(method, per_rank_args)
-        readings = group.memory.values()
+        readings = results.memory
         if any("gpu_peak_gb" in m for m in readings):
             self.peak_gb[method] = max(m.get("gpu_peak_gb", 0.0) for m in readings)
         self.rss_gb = max([self.rss_gb, *(m["rss_gb"] for m in readings)])

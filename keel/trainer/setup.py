@@ -20,12 +20,12 @@ from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptRecord, build_prompt_dataset, load_rows
 from keel.data.sampler import ResumableSampler
 from keel.errors import DATA_EMPTY, KeelError
-from keel.distributed.group import LocalGroup, RayGroup
-from keel.distributed.worker import PolicyWorker
+from keel.distributed.group import LocalGroup
+from keel.distributed.pools import RewardModelPool, role_group
+from keel.distributed.worker import RoleWorker
 from keel.models.load import load_tokenizer, quiet_transformers, resolve_device
 from keel.rewards.model import RewardModel
 from keel.rewards.normalize import RunningNormalizer
-from keel.rewards.pool import RewardModelPool
 from keel.rewards.service import RewardServiceClient
 from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
 from keel.trainer.roles import WorkerRoles
@@ -130,16 +130,16 @@ def build_workers(cfg: KeelConfig, total_steps: int, actor_weights: Path | None,
     weights = str(actor_weights) if actor_weights else None
     # With a pool of its own for any role, Ray places every device user, a single worker included.
     if cfg.world_size == 1 and not cfg.pools:
-        group = LocalGroup(PolicyWorker(cfg, total_steps, weights, tokenizer=tokenizer))
+        group = LocalGroup(RoleWorker(cfg, total_steps, weights, tokenizer=tokenizer))
     else:
         log.info("starting %d workers (trainer.n_gpus_per_node=%d x trainer.nnodes=%d)", cfg.world_size,
                  cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes)
-        group = RayGroup(cfg, total_steps, weights, Path(run_dir))
+        group = role_group(cfg, total_steps, weights, Path(run_dir))
     critic_group = None
     if "critic" in cfg.pools:
         log.info("starting %d critic workers (critic.n_gpus_per_node=%d x critic.nnodes=%d)", cfg.critic_world_size,
                  cfg.critic.n_gpus_per_node, cfg.critic.nnodes)
-        critic_group = RayGroup(cfg, total_steps, None, Path(run_dir), roles=frozenset({"critic"}),
+        critic_group = role_group(cfg, total_steps, None, Path(run_dir), roles=frozenset({"critic"}),
                                 world_size=cfg.critic_world_size)
     return WorkerRoles(group, cfg, tokenizer.pad_token_id, critic_group)
 
@@ -153,7 +153,7 @@ def build_reward(cfg: KeelConfig) -> RewardScorer:
         service.check_health()
     reward_model = None
     if rm.enable and rm.enable_resource_pool:
-        reward_model = RewardModelPool(cfg)
+        reward_model = RewardModelPool.of(cfg)
     elif rm.enable:
         reward_model = RewardModel(rm.model.path, resolve_device(cfg.trainer.device), rm.micro_batch_size_per_gpu,
                                    rm.max_length, rm.model.trust_remote_code)

@@ -11,6 +11,7 @@ from keel.errors import NO_GRADIENT, KeelError
 from keel.training.batching import MicroBatching, MiniBatch, micro_batches
 from keel.training.forward import batched_log_probs, compute_device, response_log_probs
 from keel.training.optim import build_optimizer, build_scheduler
+from keel.training.placement import SINGLE, Placement
 from keel.training.step import LossScale, MetricMeans, apply_gradients, backward
 from keel.types import RolloutBatch
 
@@ -26,8 +27,9 @@ def check_gradient_flows(grad_norm: float, mini: MiniBatch) -> None:
 
 class ActorTrainer:
     def __init__(self, model, actor_cfg, temperature: float, total_steps: int,
-                 log_prob_batching: MicroBatching, max_response_length: int):
+                 log_prob_batching: MicroBatching, max_response_length: int, placement: Placement = SINGLE):
         self.model = model
+        self.placement = placement
         self.cfg = actor_cfg
         # Log-probs are recomputed at the sampling temperature, as verl does, so the PPO ratio
         # compares the same distribution the samples came from.
@@ -41,13 +43,11 @@ class ActorTrainer:
             clip_ratio_c=actor_cfg.clip_ratio_c,
             loss_agg_mode=actor_cfg.loss_agg_mode,
             norm_length=max_response_length)
-        self.data_parallel_size = 1  # ranks whose gradients are averaged (set by the worker)
-        self.reduce_gradients = None  # set by the worker where ranks hold whole models (DDP)
         self.optimizer = build_optimizer(model.parameters(), actor_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps)
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:       # [N, R]
-        return batched_log_probs(self.model, batch, self.log_prob_batching, self.temperature)
+        return batched_log_probs(self.model, batch, self.log_prob_batching, self.temperature, self.placement)
 
     def update(self, minis: list[MiniBatch]) -> dict[str, float]:
         self.model.train()
@@ -64,13 +64,13 @@ class ActorTrainer:
         totals: dict[str, float] = {"actor/pg_loss": 0.0}
         for _, micro in micro_batches(mini.samples, self.update_batching):
             loss, pg_loss, metrics = self._micro_loss(micro, scale)
-            backward(loss, "actor", self.data_parallel_size)
+            backward(loss, "actor", self.placement.data_parallel_size)
             totals["actor/pg_loss"] += pg_loss  # micro-batch losses add up to the mini-batch loss
             share = micro.response_mask.sum().item() / scale.tokens.item()  # token-weighted means
             for name, value in metrics.items():
                 totals[name] = totals.get(name, 0.0) + value * share
         totals["actor/grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "actor",
-                                                      self.reduce_gradients)
+                                                      self.placement.reduce_gradients)
         for name, value in totals.items():
             sums.add(name, value)
         return totals["actor/grad_norm"]
@@ -78,10 +78,10 @@ class ActorTrainer:
     def _micro_loss(self, micro: RolloutBatch, scale: LossScale) -> tuple[torch.Tensor, float, dict[str, float]]:
         """(loss to back-propagate, its policy-loss part, per-token metrics) of one micro-batch."""
         cfg = self.cfg
-        device = compute_device(self.model)
+        device = compute_device(self.model, self.placement)
         mask = micro.response_mask.to(device)                                   # [b, R]
         log_prob, entropy = response_log_probs(self.model, micro, self.temperature, with_entropy=True,
-                                               entropy_grad=cfg.entropy_coeff > 0)
+                                               entropy_grad=cfg.entropy_coeff > 0, plan=self.placement)
         pg_loss, pg_metrics = compute_policy_loss(
             cfg.policy_loss.loss_mode, micro.old_log_probs.to(device), log_prob,
             micro.advantages.to(device), mask, self.loss_params, **scale.policy_kwargs())

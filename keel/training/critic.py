@@ -9,24 +9,24 @@ from keel.algorithms.utils import masked_mean
 from keel.training.batching import MicroBatching, MiniBatch, micro_batches
 from keel.training.forward import compute_device, per_token_outputs, response_values
 from keel.training.optim import build_optimizer, build_scheduler
+from keel.training.placement import SINGLE, Placement
 from keel.training.step import MetricMeans, apply_gradients, backward
 from keel.types import RolloutBatch
 
 
 class CriticTrainer:
-    def __init__(self, critic, critic_cfg, micro_size: int, total_steps: int):
+    def __init__(self, critic, critic_cfg, micro_size: int, total_steps: int, placement: Placement = SINGLE):
         self.model = critic
+        self.placement = placement
         self.cfg = critic_cfg
         self.batching = MicroBatching.of(micro_size, critic_cfg.use_dynamic_bsz, critic_cfg.ppo_max_token_len_per_gpu)
-        self.data_parallel_size = 1  # ranks whose gradients are averaged (set by the worker)
-        self.reduce_gradients = None  # set by the worker where ranks hold whole models (DDP)
         self.optimizer = build_optimizer(critic.parameters(), critic_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, critic_cfg.optim, total_steps)
 
     @torch.no_grad()
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:          # [N, R]
         self.model.eval()
-        return per_token_outputs(batch, self.batching, lambda micro: response_values(self.model, micro))
+        return per_token_outputs(batch, self.batching, lambda micro: response_values(self.model, micro, self.placement))
 
     def update(self, minis: list[MiniBatch]) -> dict[str, float]:
         self.model.train()
@@ -38,21 +38,21 @@ class CriticTrainer:
         return sums.means()
 
     def _update_mini_batch(self, mini: MiniBatch, sums: MetricMeans) -> None:
-        device = compute_device(self.model)
+        device = compute_device(self.model, self.placement)
         scale = mini.scale
         totals = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0, "critic/vpred_mean": 0.0}
         for _, micro in micro_batches(mini.samples, self.batching):
             mask = micro.response_mask.to(device)
-            vpreds = response_values(self.model, micro)                         # [b, R]
+            vpreds = response_values(self.model, micro, self.placement)                   # [b, R]
             vf_loss, clipfrac = compute_value_loss(
                 vpreds, micro.returns.to(device), micro.values.to(device), mask,
                 self.cfg.cliprange_value, self.cfg.loss_agg_mode, **scale.agg_kwargs())
-            backward(vf_loss, "critic", self.data_parallel_size)
+            backward(vf_loss, "critic", self.placement.data_parallel_size)
             share = mask.sum().item() / scale.tokens.item()
             totals["critic/vf_loss"] += vf_loss.item()
             totals["critic/vf_clipfrac"] += float(clipfrac) * share
             totals["critic/vpred_mean"] += masked_mean(vpreds.detach(), mask).item() * share
         totals["critic/grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "critic",
-                                                      self.reduce_gradients)
+                                                      self.placement.reduce_gradients)
         for name, value in totals.items():
             sums.add(name, value)

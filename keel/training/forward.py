@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cache, partial
 
 import torch
@@ -10,6 +9,7 @@ from torch import Tensor
 
 from keel.algorithms.utils import entropy_from_logits
 from keel.training.batching import MicroBatching, micro_batches
+from keel.training.placement import SINGLE, Placement
 from keel.types import RolloutBatch, pad_responses, position_ids_from_mask
 
 
@@ -25,14 +25,15 @@ PLAIN_LM_HEAD = {"qwen2", "qwen3", "llama", "mistral"}
 LOGITS_CHUNK_TOKENS = 1024  # [chunk, V] float32 logits at a time: 0.6 GB for a 151k vocabulary
 
 
-def compute_device(model) -> torch.device:
-    """Where the model computes: its parameters' device, unless they are offloaded to CPU (FSDP's
-    param_offload), in which case the worker recorded its device on the model."""
-    return getattr(model, "keel_compute_device", None) or next(model.parameters()).device
 
 
-def response_log_probs(model, batch: RolloutBatch, temperature: float,
-                       with_entropy: bool = False, entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+def compute_device(model, plan: Placement = SINGLE) -> torch.device:
+    """Where the model computes: its parameters' device, unless they are offloaded to CPU."""
+    return plan.device or next(model.parameters()).device
+
+
+def response_log_probs(model, batch: RolloutBatch, temperature: float, with_entropy: bool = False,
+                       entropy_grad: bool = False, plan: Placement = SINGLE) -> tuple[Tensor, Tensor | None]:
     """Log-probs [B, R] of the response tokens, and their entropy [B, R] when asked.
 
     Position t predicts token t + 1, so positions P-1 .. P+R-2 predict the R response tokens. For
@@ -40,25 +41,24 @@ def response_log_probs(model, batch: RolloutBatch, temperature: float,
     of LOGITS_CHUNK_TOKENS positions, each recomputed in backward (activation checkpointing), so
     memory holds only the [B, R, H] hidden states. Other models go through `logits_to_keep`.
     """
-    device = compute_device(model)
+    device = compute_device(model, plan)
     inputs = _model_inputs(batch, device)
     targets = batch.response_ids.to(device)                                 # [B, R]
     if getattr(model.config, "model_type", None) not in PLAIN_LM_HEAD:
         out = model(**inputs, use_cache=False, logits_to_keep=targets.shape[1] + 1)
         return _token_stats(out.logits[:, :-1], targets, temperature, with_entropy, entropy_grad)
-    # Under FSDP2 `keel_token_stats` is decoder_token_stats registered as a forward method.
-    token_stats = getattr(model, "keel_token_stats", None) or partial(decoder_token_stats, model)
+    token_stats = plan.token_stats or partial(decoder_token_stats, model, fused_vocab=plan.fused_vocab)
     return token_stats(inputs, targets, temperature, with_entropy, entropy_grad)
 
 
 def decoder_token_stats(model, inputs: dict[str, Tensor], targets: Tensor, temperature: float, with_entropy: bool,
-                        entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+                        entropy_grad: bool, fused_vocab: bool = False) -> tuple[Tensor, Tensor | None]:
     response_len = targets.shape[1]
     hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
     hidden = hidden[:, -response_len - 1:-1]                                # [B, R, H]
     lm_head = model.get_output_embeddings()
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)  # [B*R, H], [B*R]
-    token_stats = _compiled_token_stats() if getattr(model, "keel_compile", False) else _token_stats
+    token_stats = _compiled_token_stats() if fused_vocab else _token_stats
     parts = []
     for start in range(0, flat_targets.shape[0], LOGITS_CHUNK_TOKENS):
         chunk = slice(start, start + LOGITS_CHUNK_TOKENS)
@@ -106,9 +106,9 @@ def _token_stats(logits: Tensor, targets: Tensor, temperature: float, with_entro
     return log_probs, entropy
 
 
-def response_values(critic, batch: RolloutBatch) -> Tensor:
+def response_values(critic, batch: RolloutBatch, plan: Placement = SINGLE) -> Tensor:
     """Critic values [B, R]: the value of the state before each response token."""
-    device = compute_device(critic)
+    device = compute_device(critic, plan)
     response_len = batch.response_ids.shape[1]
     values = critic(**_model_inputs(batch, device))                         # [B, P + R]
     return values[:, -response_len - 1:-1].float()
@@ -126,11 +126,13 @@ def per_token_outputs(batch: RolloutBatch, how: MicroBatching, compute) -> Tenso
 
 
 @torch.no_grad()
-def batched_log_probs(model, batch: RolloutBatch, how: MicroBatching, temperature: float) -> Tensor:
+def batched_log_probs(model, batch: RolloutBatch, how: MicroBatching, temperature: float,
+                      plan: Placement = SINGLE) -> Tensor:
     """Log-probs for a whole batch without gradients, micro-batch by micro-batch: [N, R]."""
     was_training = model.training
     model.eval()
     try:
-        return per_token_outputs(batch, how, lambda micro: response_log_probs(model, micro, temperature)[0])
+        return per_token_outputs(batch, how, lambda micro: response_log_probs(model, micro, temperature,
+                                                                              plan=plan)[0])
     finally:
         model.train(was_training)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 
@@ -37,3 +38,23 @@ def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_sc
         return optim_cfg.min_lr_ratio + (1.0 - optim_cfg.min_lr_ratio) * cosine
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@contextmanager
+def optimizer_state_on(optimizer: torch.optim.Optimizer, device: torch.device, offloaded: bool):
+    """fsdp_config.optimizer_offload: Adam's two moments wait in CPU memory, away from the KV cache
+    and activations, and come to `device` only for the update."""
+    if offloaded:
+        _move_optimizer_state(optimizer, device)
+    try:
+        yield
+    finally:
+        if offloaded:
+            _move_optimizer_state(optimizer, torch.device("cpu"))
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)

@@ -6,14 +6,16 @@ import torch
 
 from keel.training.batching import MicroBatching
 from keel.training.forward import batched_log_probs
+from keel.training.placement import SINGLE, Placement
 from keel.types import RolloutBatch
 
 
 class ReferencePolicy:
-    def __init__(self, model, batching: MicroBatching, temperature: float):
+    def __init__(self, model, batching: MicroBatching, temperature: float, placement: Placement = SINGLE):
         self.model = model.eval().requires_grad_(False)
+        self.placement = placement
         self.batching = batching
         self.temperature = temperature  # the actor's, so KL compares the same distributions
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:      # [N, R]
-        return batched_log_probs(self.model, batch, self.batching, self.temperature)
+        return batched_log_probs(self.model, batch, self.batching, self.temperature, self.placement)

@@ -89,14 +89,14 @@ def fresh_ray():
 def test_a_reward_model_pool_scores_as_the_model_in_process(tiny_config, reward_model_dir, fresh_ray):
     """Two replicas in Ray actors, each scoring a share: the same scores, in order, as one model in
     this process, the too-long sample still refused rather than cut."""
-    from keel.rewards.pool import RewardModelPool
+    from keel.distributed.pools import RewardModelPool
 
     cfg = load_config(tiny_config, {"reward_model.enable": True, "reward_model.model.path": str(reward_model_dir),
                                     "reward_model.enable_resource_pool": True, "reward_model.n_gpus_per_node": 2,
                                     "trainer.device": "cpu"})
     chat = [{"role": "user", "content": "2+2?"}]
     prompts, responses = [chat, chat, "plain prompt", chat, chat], ["4", "5", "x" * 200, "four", "22"]
-    pool = RewardModelPool(cfg)
+    pool = RewardModelPool.of(cfg)
     try:
         assert len(pool.replicas) == 2
         pooled = pool.score(prompts, responses)
@@ -123,12 +123,12 @@ def test_a_reward_model_pool_larger_than_the_cluster_is_refused_before_waiting(t
     import ray
 
     from keel.errors import NOT_ENOUGH_DEVICES, KeelError
-    from keel.rewards.pool import RewardModelPool
+    from keel.distributed.pools import RewardModelPool
 
     ray.init(num_cpus=2, include_dashboard=False)  # a cluster already running, with 2 CPUs
     cfg = load_config(tiny_config, {"reward_model.enable": True, "reward_model.model.path": str(reward_model_dir),
                                     "reward_model.enable_resource_pool": True, "reward_model.n_gpus_per_node": 4,
                                     "trainer.device": "cpu"})
     with pytest.raises(KeelError) as error:
-        RewardModelPool(cfg)
+        RewardModelPool.of(cfg)
     assert error.value.code == NOT_ENOUGH_DEVICES and "needs 4 CPUs" in str(error.value)

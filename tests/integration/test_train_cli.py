@@ -340,8 +340,8 @@ def test_a_torch_compile_failure_names_the_switch_that_avoids_it(tiny_config, tm
     """The layers compile (as on a GPU) with a backend that fails, as inductor can on an unusual
     model or release: the run stops with KEEL-E009 and the key that turns compilation off, not
     with a compiler traceback alone; with that key set the same run trains."""
-    from keel.distributed import worker
-    from keel.distributed.fsdp import block_modules
+    from keel.distributed import parallelize, worker
+    from keel.distributed.parallelize import block_modules
 
     def failing_backend(graph_module, example_inputs):
         raise RuntimeError("inductor: unsupported op in this release")
@@ -351,7 +351,7 @@ def test_a_torch_compile_failure_names_the_switch_that_avoids_it(tiny_config, tm
             block.forward = torch.compile(block.forward, backend=failing_backend)
 
     monkeypatch.setattr(worker, "can_compile", lambda device: True)
-    monkeypatch.setattr(worker, "compile_blocks", compile_with_failing_backend)
+    monkeypatch.setattr(parallelize, "compile_blocks", compile_with_failing_backend)
     tiny_config["trainer"]["total_training_steps"] = 1
     assert main(["train", str(write_config(tiny_config, tmp_path / "cfg.yaml"))]) != 0
     err = capsys.readouterr().err

@@ -5,10 +5,11 @@ step functions, and the training path's compiled decoder layers and vocabulary a
 import pytest
 import torch
 
-from keel.distributed.fsdp import compile_blocks
+from keel.distributed.parallelize import compile_blocks
 from keel.models.load import load_causal_lm
 from keel.rollout.native.engine import _StepFunctions
 from keel.training.forward import response_log_probs
+from keel.training.placement import Placement
 from keel.types import SamplingParams
 from tests.unit.test_native_rollout import engines
 
@@ -32,10 +33,10 @@ def test_compiled_layers_and_token_stats_match_eager_with_gradients(tiny_assets,
         model = load_causal_lm(tiny_assets["model"], torch.device("cpu"), gradient_checkpointing=checkpointing)
         if compiled:
             compile_blocks(model)
-        model.keel_compile = compiled
         native, _, _, prompts = engines(tiny_assets["model"], n=2)
         batch = native.generate(prompts, SamplingParams(max_new_tokens=6))
-        log_probs, entropy = response_log_probs(model, batch, 0.7, with_entropy=True, entropy_grad=True)
+        log_probs, entropy = response_log_probs(model, batch, 0.7, with_entropy=True, entropy_grad=True,
+                                               plan=Placement(fused_vocab=compiled))
         (log_probs.sum() + entropy.sum()).backward()
         return log_probs.detach(), {n: p.grad for n, p in model.named_parameters()}
 

@@ -34,7 +34,8 @@ def _compare(rank: int, world: int, results):
 
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from keel.distributed.fsdp import full_parameters, make_mesh, shard_model
+    from keel.distributed.fsdp import full_parameters
+    from keel.distributed.parallelize import make_mesh, shard_model
 
     torch.manual_seed(0)  # rows of 301 (vocabulary) and 64 do not split evenly over 3 ranks
     config = Qwen2Config(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -20,13 +20,6 @@ LAYERS = [
 ]
 LAYER = {name: level for level, names in enumerate(LAYERS) for name in names}
 
-# Imports that break the rule today, each with the change that removes it (issue 13). The test
-# fails when one of them is gone too, so the list only shrinks.
-KNOWN = {
-    ("rewards", "distributed"): "reward model pool: one Ray worker group for every pool",
-}
-
-
 def imports() -> dict[tuple[str, str], set[str]]:
     """(importing part, imported part) -> the files where it happens."""
     found = defaultdict(set)
@@ -54,14 +47,10 @@ def test_every_part_of_keel_has_a_layer():
 def test_no_module_imports_from_a_layer_above_its_own():
     found = imports()
     upward = {edge: sorted(files) for edge, files in found.items() if LAYER[edge[1]] > LAYER[edge[0]]}
-    new = {edge: files for edge, files in upward.items() if edge not in KNOWN}
-    assert not new, f"imports from a layer above: {new}"
-    gone = sorted(set(KNOWN) - set(upward))
-    assert not gone, f"fixed, so remove from KNOWN: {gone}"
+    assert not upward, f"imports from a layer above: {upward}"
 
 
 def test_no_two_folders_import_each_other():
     found = imports()
-    both_ways = sorted((a, b) for a, b in found if (b, a) in found and a < b
-                       and (a, b) not in KNOWN and (b, a) not in KNOWN)
+    both_ways = sorted((a, b) for a, b in found if (b, a) in found and a < b)
     assert not both_ways, f"two-way imports: {both_ways}"

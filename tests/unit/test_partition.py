@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from keel.distributed.group import _reserve
+from keel.distributed.group import Devices, _reserve
 from keel.errors import NOT_ENOUGH_DEVICES, RAY_MISSING, KeelError
 from keel.training.batching import balanced_partitions, shard_batch, unshard_rows
 from keel.trainer.roles import combine_metrics
@@ -51,7 +51,7 @@ def test_more_workers_than_the_cluster_has_devices_is_refused(tiny_config):
 
     cfg = load_config(tiny_config, ["trainer.n_gpus_per_node=4", "trainer.device=cpu"])
     with pytest.raises(KeelError) as info:
-        _reserve(_Cluster({"CPU": 2.0}), cfg, cfg.world_size)
+        _reserve(_Cluster({"CPU": 2.0}), Devices.of(cfg), cfg.world_size)
     assert info.value.code == NOT_ENOUGH_DEVICES and "4 workers" in info.value.message and "has 2" in info.value.message
 
 
@@ -63,7 +63,7 @@ def test_ray_missing_is_a_coded_error(tiny_config, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray looks like
     with pytest.raises(KeelError) as info:
-        connect_ray(load_config(tiny_config, ["trainer.n_gpus_per_node=2"]))
+        connect_ray(Devices.of(load_config(tiny_config, ["trainer.n_gpus_per_node=2"])))
     assert info.value.code == RAY_MISSING
 
 

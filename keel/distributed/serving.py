@@ -1,0 +1,85 @@
+"""A worker's side of every driver call, whatever the worker builds (policy and critic ranks,
+reward model replicas): the phase is recorded for stack dumps, faults can be injected for tests,
+and each result comes back with the call's time and a memory reading whose GPU peak is the call's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from keel.distributed.dist import memory_reading
+from keel.distributed.faults import maybe_inject
+from keel.errors import COMPILE_FAILED, KeelError
+
+
+@dataclass
+class Reply:
+    result: Any
+    memory: dict[str, float]   # memory_reading after the call: rss_gb, and gpu_*_gb on a GPU
+    seconds: float             # the call's own time on the worker
+
+
+class ServedWorker:
+    def __init__(self, worker, rank: int = 0, device: torch.device | None = None):
+        self.worker, self.rank = worker, rank
+        self.device = device or getattr(worker, "device", torch.device("cpu"))
+        self.phase = "idle"
+        self.phase_thread = threading.main_thread().ident
+
+    def run(self, method: str, *args) -> Reply:
+        self.phase = method
+        self.phase_thread = threading.get_ident()  # Ray runs calls on a thread of its own, not main
+        maybe_inject(method, self.rank)
+        if self.device.type == "cuda":  # the reading's peak is this call's
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        try:
+            result = getattr(self.worker, method)(*args)
+        except Exception as error:
+            if is_compile_error(error):
+                raise KeelError(COMPILE_FAILED, f"torch.compile failed in {method}: "
+                                f"{_first_lines(str(error))}") from error
+            raise
+        self.phase = "idle"
+        return Reply(result, memory_reading(self.device), time.perf_counter() - start)
+
+    def describe(self) -> dict:
+        """Where this rank runs, and what the worker says of itself (its `info`)."""
+        own = self.worker.info() if hasattr(self.worker, "info") else {}
+        return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "threads": torch.get_num_threads(),
+                "visible": os.environ.get("CUDA_VISIBLE_DEVICES", "all"), **own}
+
+    def stacks(self) -> dict:
+        """Every thread's stack, and whether the thread running the phase waits in a collective."""
+        text, in_collective = [], False
+        for ident, frame in sys._current_frames().items():
+            stack = "".join(traceback.format_stack(frame))
+            busy = ident == self.phase_thread
+            if busy:
+                in_collective = "torch/distributed" in stack
+            text.append(f"--- thread {ident}{' (phase ' + self.phase + ')' if busy else ''} ---\n{stack}")
+        return {"phase": self.phase, "in_collective": in_collective, "text": "\n".join(text)}
+
+
+def is_compile_error(error: BaseException) -> bool:
+    """An error raised by torch.compile: dynamo's own (a backend failure among them) or, on
+    releases that raise it unwrapped, inductor's."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    try:
+        from torch._inductor.exc import InductorError
+    except ImportError:  # older torch: inductor failures arrive wrapped in dynamo's
+        InductorError = TorchDynamoException
+    return isinstance(error, (TorchDynamoException, InductorError))
+
+
+def _first_lines(text: str, count: int = 6) -> str:
+    return "\n".join(text.strip().splitlines()[:count])
