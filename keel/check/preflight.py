@@ -338,7 +338,7 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg, params: int) -> dict[str, flo
     hidden per token per layer, Korthikanti et al. arXiv 2205.05198, plus one chunk's float32 logits);
     the KV cache of one generation batch and, for the native engine, its decode weights. A critic
     with a pool of its own is estimated for its own devices, as `critic_pool`, outside the total."""
-    from keel.rollout.native.engine import unsupported_reason
+    from keel.rollout.native.weights import unsupported_reason
 
     gb = 2 ** 30
     policy = cfg.actor_rollout_ref

@@ -25,6 +25,7 @@ from keel.distributed.parallelize import parallelize
 from keel.models.load import (autocast, can_compile, load_causal_lm, load_critic, load_tokenizer, quiet_transformers,
                               resolve_device, resolve_dtype)
 from keel.observe.profile import RankProfile
+from keel.rollout.base import RolloutEngine
 from keel.rollout.hf import HFRolloutEngine
 from keel.rollout.select import make_rollout_engine
 from keel.training.actor import ActorTrainer
@@ -60,7 +61,9 @@ class RoleWorker:
         policy = cfg.actor_rollout_ref
         self.tokenizer = tokenizer or load_tokenizer(policy.model.path, policy.model.trust_remote_code)
         roles = roles or default_roles(cfg)
-        self.rollout = self.actor = self.ref = None
+        self.rollout: RolloutEngine | None = None
+        self.actor: ActorTrainer | None = None
+        self.ref: ReferencePolicy | None = None
         if "policy" in roles:
             self._build_policy(actor_weights, total_steps)
         self.critic = self._build_critic(total_steps) if "critic" in roles else None

@@ -9,16 +9,8 @@ from torch import Tensor
 from transformers import GenerationConfig, LogitsProcessor
 
 from keel.models.load import autocast
-from keel.types import RolloutBatch, SamplingParams, pad_responses
-
-
-def stop_token_ids(tokenizer, model) -> list[int]:
-    """EOS ids from the tokenizer and the model's generation config (chat models often list their
-    end-of-turn token only there)."""
-    ids = {tokenizer.eos_token_id}
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
-    return sorted(i for i in ids if i is not None)
+from keel.rollout.assemble import assemble_batch, stop_token_ids
+from keel.types import RolloutBatch, SamplingParams
 
 
 @contextmanager
@@ -69,22 +61,7 @@ class HFRolloutEngine:
                       for i in range(0, len(prompts), self.max_num_seqs)]
         finally:
             self.model.train(was_training)
-        response_ids, sampling_log_probs = _cat_right_padded(chunks, self.tokenizer.pad_token_id)
-        response_ids, response_mask, truncated = mask_after_eos(
-            response_ids, [] if params.ignore_eos else self.eos_ids, self.tokenizer.pad_token_id,
-            params.max_new_tokens)
-        return RolloutBatch(
-            prompt_ids=prompts.input_ids,
-            prompt_mask=prompts.attention_mask,
-            response_ids=response_ids,
-            response_mask=response_mask,
-            sampling_log_probs=sampling_log_probs * response_mask,
-            group_index=torch.tensor([r.index for r in prompts.records]),
-            records=list(prompts.records),
-            response_texts=self.tokenizer.batch_decode(
-                [ids[m.bool()] for ids, m in zip(response_ids, response_mask)], skip_special_tokens=True),
-            truncated=truncated,
-        )
+        return assemble_batch(prompts, chunks, self.tokenizer, self.eos_ids, params)
 
     def _generate_chunk(self, input_ids: Tensor, attention_mask: Tensor,
                         params: SamplingParams) -> tuple[Tensor, Tensor]:
@@ -135,20 +112,3 @@ class _SampledLogProbs(LogitsProcessor):
         self._collect(sequences)  # the token sampled at the last step
         self.pending = None
         return torch.stack(self.picked, dim=1)
-
-
-def _cat_right_padded(chunks: list[tuple[Tensor, Tensor]], pad_id: int) -> tuple[Tensor, Tensor]:
-    width = max(ids.shape[1] for ids, _ in chunks)
-    return (torch.cat([pad_responses(ids, width, pad_id) for ids, _ in chunks]),
-            torch.cat([pad_responses(lps, width) for _, lps in chunks]))
-
-
-def mask_after_eos(response_ids: Tensor, eos_ids: list[int], pad_id: int,
-                   max_new_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Mask = tokens up to and including the first EOS; what follows becomes padding."""
-    is_eos = torch.isin(response_ids, torch.tensor(eos_ids, dtype=response_ids.dtype))        # [N, R]
-    seen_eos_before = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
-    mask = (~seen_eos_before).long()
-    has_eos = is_eos.any(-1)
-    truncated = ~has_eos & (mask.sum(-1) >= max_new_tokens)
-    return response_ids.masked_fill(mask == 0, pad_id), mask, truncated

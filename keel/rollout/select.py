@@ -8,6 +8,7 @@ import logging
 import torch
 
 from keel.errors import INCOMPATIBLE_OPTIONS, KeelError
+from keel.rollout.base import RolloutEngine
 from keel.rollout.hf import HFRolloutEngine
 from keel.rollout.native import NativeRolloutEngine, unsupported_reason
 
@@ -15,7 +16,7 @@ log = logging.getLogger("keel")
 
 
 def make_rollout_engine(rollout_cfg, model, tokenizer, device: torch.device, dtype: torch.dtype, log_choice: bool,
-                        will_be_sharded: bool = False):
+                        will_be_sharded: bool = False) -> RolloutEngine:
     """`auto` takes native where it supports the model and says why when it does not; an explicit
     `native` that cannot run is an error rather than a silent switch. Each engine computes in
     `dtype` on its own terms (hf under autocast, native with weights cast once per update).

@@ -7,7 +7,7 @@ import torch
 
 from keel.distributed.parallelize import compile_blocks
 from keel.models.load import load_causal_lm
-from keel.rollout.native.engine import _StepFunctions
+from keel.rollout.native.layers import StepFunctions
 from keel.training.forward import response_log_probs
 from keel.training.placement import Placement
 from keel.types import SamplingParams
@@ -18,7 +18,7 @@ def test_compiled_decode_step_gives_the_eager_tokens(tiny_assets):
     native, _, _, prompts = engines(tiny_assets["model"], n=2, init_std=0.2)
     greedy = SamplingParams(do_sample=False, max_new_tokens=10, ignore_eos=True)
     eager = native.generate(prompts, greedy)
-    native.kernels = _StepFunctions(compiled=True)  # fullgraph=True: a graph break is an error
+    native.kernels = StepFunctions(compiled=True)  # fullgraph=True: a graph break is an error
     compiled = native.generate(prompts, greedy)
     assert compiled.response_ids.tolist() == eager.response_ids.tolist()
     torch.testing.assert_close(compiled.sampling_log_probs, eager.sampling_log_probs, atol=1e-5, rtol=0)

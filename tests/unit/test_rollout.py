@@ -5,7 +5,8 @@ import torch
 
 from keel.data.prompts import build_prompt_dataset, collate_prompts
 from keel.models.load import load_causal_lm, load_tokenizer
-from keel.rollout.hf import HFRolloutEngine, mask_after_eos
+from keel.rollout.assemble import mask_after_eos
+from keel.rollout.hf import HFRolloutEngine
 from keel.training.batching import MicroBatching
 from keel.training.forward import batched_log_probs
 from keel.types import SamplingParams

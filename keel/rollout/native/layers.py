@@ -1,0 +1,114 @@
+"""The decoder layer's math for decoding, as pure functions over plain tensors (Qwen2 and Llama:
+RMSNorm, rotary embeddings, grouped-query attention, a gated SiLU MLP), and the decode step's
+functions compiled once by torch.compile where it can fuse them."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from keel.rollout.native.sampling import Pickers, pick_blocked, pick_token
+
+
+class StepFunctions:
+    """The pure parts of a decode step, compiled by torch.compile where it can fuse them (CUDA
+    with Triton; fullgraph, so a graph break is an error), plain functions elsewhere (CPU, or
+    `rollout.enforce_eager`)."""
+
+    def __init__(self, compiled: bool):
+        def prepared(fn):
+            return torch.compile(fn, fullgraph=True) if compiled else fn
+
+        self.step_inputs = prepared(step_inputs)
+        self.rms_norm = prepared(rms_norm)
+        self.attention_inputs = prepared(attention_inputs)
+        self.attention_output_and_mlp = prepared(attention_output_and_mlp)
+        self.pickers = Pickers(prepared(pick_token), prepared(pick_blocked))
+
+
+
+def step_inputs(last_token: Tensor, pad: Tensor, column: Tensor, cache_len: int, embed: Tensor, inv_freq: Tensor,
+                 rope_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Embeddings [B, hidden], RoPE cos/sin [B, 1, D] at each row's position (left padding
+    skipped), and the visible cache columns [B, 1, 1, L]."""
+    positions = column - pad                                                    # [B]
+    cols = torch.arange(cache_len, device=pad.device)
+    visible = ((cols >= pad[:, None]) & (cols <= column))[:, None, None]        # [B, 1, 1, L]
+    cos, sin = rope(positions, inv_freq, rope_scale, embed.dtype)
+    return F.embedding(last_token, embed), cos, sin, visible
+
+
+
+def attention_inputs(h: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | None, cos: Tensor, sin: Tensor, heads: int,
+                      kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q [B, H, 1, D] and k [B, KV, 1, D] rotated, v [B, KV, 1, D], from the normed hidden state."""
+    batch, head_dim = h.shape[0], cos.shape[-1]
+    qkv = F.linear(h, qkv_weight, qkv_bias)
+    kv_size = kv_heads * head_dim
+    qk = applyrope(qkv[:, :-kv_size].view(batch, heads + kv_heads, head_dim), cos, sin)
+    v = qkv[:, -kv_size:].view(batch, kv_heads, 1, head_dim)
+    return qk[:, :heads].unsqueeze(2), qk[:, heads:].unsqueeze(2), v
+
+
+
+def attention_output_and_mlp(x: Tensor, attention: Tensor, o: Tensor, post_norm: Tensor, gate_up: Tensor,
+                              down: Tensor, next_norm: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The rest of a decoder layer: output projection and residual, the gated MLP and residual;
+    also the next layer's normed input, so the residual stream is read once."""
+    x = residual_add(x, F.linear(attention, o))
+    gate, up = F.linear(rms_norm(x, post_norm, eps), gate_up).chunk(2, dim=-1)
+    x = residual_add(x, F.linear(F.silu(gate) * up, down))
+    return x, rms_norm(x, next_norm, eps)
+
+
+
+def residual_add(x: Tensor, y: Tensor) -> Tensor:
+    """x + y, rounded as a 16-bit add rounds (both are exact in float32). Written in float32 so
+    that inductor fuses the add into the norm that reads it, rather than into the matmul as
+    `addmm`, whose beta-add first copies x into the output: one more kernel per residual."""
+    return (x.float() + y.float()).to(x.dtype)
+
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """As Qwen2/Llama compute it: in float32, scaled by the weight in the input dtype."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+
+def rope(positions: Tensor, inv_freq: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos [B, 1, D] and sin [B, 1, D] with the rotate-half sign folded in (-sin on the first half)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]                       # [B, D/2]
+    cos = torch.cat([freqs, freqs], dim=-1).cos() * scale
+    sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1) * scale
+    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+
+
+def applyrope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, heads, D] rotated by its row's position: x cos + rotate_half(x) sin, where
+    rotate_half(x) = [-x2, x1] and the minus sign lives in `sin`."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None) -> Tensor:
+    """SDPA of q [u, H, L, D] over k, v [u, KV, S, D]: causal when `visible` is None, else under
+    that mask. K/V are repeated to every query head, as transformers' SDPA path does: not every
+    fused SDPA kernel that takes a mask also takes grouped heads (enable_gqa)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=visible is None)
+
+
+
+def prompt_visibility(key_mask: Tensor, begin: int) -> Tensor:
+    """[u, 1, L, end] bool: the query at absolute position begin + l sees key column j when j is
+    at or before it and not padding. A padding query sees itself, so no row is empty (SDPA would
+    give NaN; its output is never used: decoding starts after the padding)."""
+    end = key_mask.shape[1]
+    query = torch.arange(begin, end, device=key_mask.device)[:, None]                   # [L, 1]
+    key = torch.arange(end, device=key_mask.device)[None, :]                            # [1, end]
+    return (((key <= query) & key_mask[:, None, :]) | (key == query))[:, None]
