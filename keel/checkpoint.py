@@ -188,6 +188,15 @@ def resolve_resume(run_dir: Path, resume_mode: str) -> Path | None:
     return found
 
 
+def resume_point(run_dir: Path, cfg) -> Path | None:
+    """The checkpoint a run resumes from (trainer.resume_mode), once it is known to be this run's:
+    None to start fresh."""
+    found = resolve_resume(run_dir, cfg.trainer.resume_mode)
+    if found is not None:
+        check_same_run(found, cfg)
+    return found
+
+
 def check_same_run(checkpoint: Path, cfg) -> None:
     """Refuse to resume with settings that would make a different run (a new lr, dataset, model)."""
     from keel.config.load import changed_keys, to_dict

@@ -11,7 +11,7 @@ summed over ranks and scale the loss by the world size, since the gradient all-r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -71,18 +71,17 @@ class PolicyLossParams:
             raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; valid: {list(LOSS_AGG_MODES)}")
 
 
-class PolicyLossFn(Protocol):
-    def __call__(
-        self,
-        old_log_prob: Tensor,  # [B, T]
-        log_prob: Tensor,  # [B, T]
-        advantages: Tensor,  # [B, T]
-        response_mask: Tensor,  # [B, T]
-        p: PolicyLossParams,
-        *,
-        global_tokens: float | Tensor | None = None,
-        global_seqs: float | Tensor | None = None,
-    ) -> tuple[Tensor, dict[str, Tensor]]: ...
+@dataclass(frozen=True)
+class PolicyLossInputs:
+    old_log_prob: Tensor                            # [B, T] at rollout time
+    log_prob: Tensor                                # [B, T] current policy
+    advantages: Tensor                              # [B, T]
+    response_mask: Tensor                           # [B, T]
+    global_tokens: float | Tensor | None = None     # the whole mini-batch's counts (see the top)
+    global_seqs: float | Tensor | None = None
+
+
+PolicyLossFn = Callable[[PolicyLossInputs, PolicyLossParams], tuple[Tensor, dict[str, Tensor]]]
 
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
@@ -112,35 +111,27 @@ def compute_policy_loss(
     """Returns (scalar loss, metrics {pg_clipfrac, ppo_kl, pg_clipfrac_lower}, detached)."""
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; valid: {sorted(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name](
-        old_log_prob, log_prob, advantages, response_mask, p, global_tokens=global_tokens, global_seqs=global_seqs
-    )
+    return POLICY_LOSSES[name](PolicyLossInputs(old_log_prob, log_prob, advantages, response_mask, global_tokens,
+                                                global_seqs), p)
 
 
-def _metrics(clipped: Tensor, dual_clipped: Tensor, old_log_prob: Tensor, log_prob: Tensor, mask: Tensor):
+def _metrics(clipped: Tensor, dual_clipped: Tensor, x: PolicyLossInputs) -> dict[str, Tensor]:
     """Fractions over valid tokens (local to this micro-batch: they are logged, not optimised)."""
+    mask = x.response_mask
     return {
         "pg_clipfrac": masked_mean(clipped.float(), mask).detach(),
-        "ppo_kl": masked_mean(old_log_prob - log_prob, mask).detach(),
+        "ppo_kl": masked_mean(x.old_log_prob - x.log_prob, mask).detach(),
         "pg_clipfrac_lower": masked_mean(dual_clipped.float(), mask).detach(),
     }
 
 
 @register_policy_loss("vanilla")
-def vanilla(
-    old_log_prob: Tensor,
-    log_prob: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    p: PolicyLossParams,
-    *,
-    global_tokens: float | Tensor | None = None,
-    global_seqs: float | Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def vanilla(x: PolicyLossInputs, p: PolicyLossParams) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped surrogate (arXiv 1707.06347) with clip-higher and dual-clip."""
+    advantages = x.advantages
     # exp(20) is finite in bf16/fp32; an unclamped log-ratio from a stale or garbage position
     # would overflow to inf and turn the loss into nan even when masked.
-    ratio = torch.exp(torch.clamp(log_prob - old_log_prob, -20.0, 20.0))  # [B, T]
+    ratio = torch.exp(torch.clamp(x.log_prob - x.old_log_prob, -20.0, 20.0))  # [B, T]
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * torch.clamp(ratio, 1 - p.clip_ratio_low, 1 + p.clip_ratio_high)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)  # pessimistic bound
@@ -148,24 +139,13 @@ def vanilla(
     loss_cap = -advantages * p.clip_ratio_c
     negative = advantages < 0
     losses = torch.where(negative, torch.minimum(loss_ppo, loss_cap), loss_ppo)  # [B, T]
-    loss = agg_loss(losses, response_mask, p.loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,
-                    norm_length=p.norm_length)
-    clipped, dual_clipped = loss_clipped > loss_unclipped, negative & (loss_ppo > loss_cap)
-    metrics = _metrics(clipped, dual_clipped, old_log_prob, log_prob, response_mask)
-    return loss, metrics
+    loss = agg_loss(losses, x.response_mask, p.loss_agg_mode, global_tokens=x.global_tokens,
+                    global_seqs=x.global_seqs, norm_length=p.norm_length)
+    return loss, _metrics(loss_clipped > loss_unclipped, negative & (loss_ppo > loss_cap), x)
 
 
 @register_policy_loss("gspo")
-def gspo(
-    old_log_prob: Tensor,
-    log_prob: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    p: PolicyLossParams,
-    *,
-    global_tokens: float | Tensor | None = None,
-    global_seqs: float | Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def gspo(x: PolicyLossInputs, p: PolicyLossParams) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (arXiv 2507.18071): one length-normalised importance ratio per sequence.
 
     The ratio's value is the sequence's geometric-mean token ratio; the `log_prob -
@@ -173,16 +153,16 @@ def gspo(
     aggregated seq-mean-token-mean, as the paper's objective is a mean over sequences;
     `p.loss_agg_mode` is not used.
     """
-    seq_log_ratio = masked_mean(log_prob - old_log_prob, response_mask, dim=-1)  # [B]
-    log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach()[:, None]  # [B, T]
+    seq_log_ratio = masked_mean(x.log_prob - x.old_log_prob, x.response_mask, dim=-1)  # [B]
+    log_ratio = x.log_prob - x.log_prob.detach() + seq_log_ratio.detach()[:, None]  # [B, T]
     ratio = torch.exp(torch.clamp(log_ratio, max=10.0))
-    loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * torch.clamp(ratio, 1 - p.clip_ratio_low, 1 + p.clip_ratio_high)
+    loss_unclipped = -x.advantages * ratio
+    loss_clipped = -x.advantages * torch.clamp(ratio, 1 - p.clip_ratio_low, 1 + p.clip_ratio_high)
     losses = torch.maximum(loss_unclipped, loss_clipped)  # [B, T]
-    loss = agg_loss(losses, response_mask, "seq-mean-token-mean", global_tokens=global_tokens, global_seqs=global_seqs)
-    no_dual_clip = torch.zeros_like(response_mask, dtype=torch.bool)
-    metrics = _metrics(loss_clipped > loss_unclipped, no_dual_clip, old_log_prob, log_prob, response_mask)
-    return loss, metrics
+    loss = agg_loss(losses, x.response_mask, "seq-mean-token-mean", global_tokens=x.global_tokens,
+                    global_seqs=x.global_seqs)
+    no_dual_clip = torch.zeros_like(x.response_mask, dtype=torch.bool)
+    return loss, _metrics(loss_clipped > loss_unclipped, no_dual_clip, x)
 
 
 def compute_value_loss(

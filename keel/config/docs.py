@@ -15,6 +15,8 @@ def _rows(cls: type, prefix: str = ""):
         annotation = hints[f.name]
         dotted = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(annotation):
+            if f.metadata.get("help"):  # a section that says what it is for
+                yield dotted, "section", "", "", f.metadata["help"]
             yield from _rows(annotation, dotted + ".")
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -35,7 +37,8 @@ def render_reference() -> str:
     for title, schema in (("`keel train` (RL)", KeelConfig), ("`keel sft`", SFTConfig)):
         lines += ["", f"## {title}", "", "| key | type | default | allowed | meaning |", "| --- | --- | --- | --- | --- |"]
         for key, type_name, default, allowed, help_text in _rows(schema):
-            lines.append(f"| `{key}` | {type_name} | `{default}` | {allowed} | {help_text} |")
+            default = f"`{default}`" if default else ""
+            lines.append(f"| `{key}` | {type_name} | {default} | {allowed} | {help_text} |")
     return "\n".join(lines) + "\n"
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from keel.config.schema import DTYPES, OptimConfig, check_betas, opt
+from keel.config.fields import opt
+from keel.config.rules import check_betas
+from keel.config.schema import ModelOptions, OptimConfig, RunOptions
 from keel.errors import BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, KeelError
 
 
@@ -24,13 +26,8 @@ class SFTDataConfig:
 
 
 @dataclass
-class SFTModelConfig:
+class SFTModelConfig(ModelOptions):
     partial_pretrain: str = opt("", help="local Hugging Face model directory to fine-tune")
-    dtype: str = opt("auto", choices=DTYPES,
-                     help="compute dtype; auto: bfloat16 on GPU, float32 on CPU. Weights and optimiser state stay "
-                          "float32")
-    trust_remote_code: bool = opt(False)
-    enable_gradient_checkpointing: bool = opt(False)
 
 
 @dataclass
@@ -40,26 +37,17 @@ class SFTOptimConfig(OptimConfig):
 
 
 @dataclass
-class SFTTrainerConfig:
-    project_name: str = opt("keel")
+class SFTTrainerConfig(RunOptions):
     experiment_name: str = opt("sft")
-    default_local_dir: str | None = opt(None, help="default: checkpoints/<project>/<experiment>")
-    total_epochs: int = opt(1, gt=0)
-    total_training_steps: int | None = opt(None, gt=0, help="default: epochs x batches per epoch")
     test_freq: int = opt(-1, help="validation loss every N steps; -1: only at the end")
-    save_freq: int = opt(-1, help="checkpoint every N steps; -1: only at the end")
     max_ckpt_to_keep: int | None = opt(None, gt=0)
-    resume_mode: str = opt("auto", help="auto | disable | path of a global_step_<N> dir")
-    seed: int = opt(1, ge=0)
-    device: str = opt("auto", choices=("auto", "cpu", "cuda"))
-    logger: list[str] = opt(factory=lambda: ["console"], choices=("console",))
 
 
 @dataclass
 class SFTConfig:
     data: SFTDataConfig = opt(factory=SFTDataConfig)
-    model: SFTModelConfig = opt(factory=SFTModelConfig)
-    optim: SFTOptimConfig = opt(factory=SFTOptimConfig)
+    model: SFTModelConfig = opt(factory=SFTModelConfig, help="the model fine-tuned, and how it computes")
+    optim: SFTOptimConfig = opt(factory=SFTOptimConfig, help="AdamW and its schedule, stepped once per batch")
     trainer: SFTTrainerConfig = opt(factory=SFTTrainerConfig)
 
     RESUME_MAY_CHANGE = ("trainer.total_training_steps", "trainer.total_epochs", "trainer.test_freq",

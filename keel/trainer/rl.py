@@ -43,9 +43,7 @@ class RLTrainer:
     def __init__(self, cfg: KeelConfig, inputs: Inputs | None = None):
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
-        self.resume_from = ckpt.resolve_resume(self.run_dir, cfg.trainer.resume_mode)
-        if self.resume_from is not None:
-            ckpt.check_same_run(self.resume_from, cfg)
+        self.resume_from = ckpt.resume_point(self.run_dir, cfg)
         self.hooks = [load_hook(spec) for spec in cfg.trainer.hooks]
         self.guard = LearningSignalGuard(cfg.trainer.guards, cfg.algorithm.adv_estimator in GROUP_ESTIMATORS,
                                          cfg.actor_rollout_ref.rollout.ignore_eos)

@@ -52,9 +52,7 @@ class SFTTrainer:
         quiet_transformers()
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
-        self.resume_from = ckpt.resolve_resume(self.run_dir, cfg.trainer.resume_mode)
-        if self.resume_from is not None:
-            ckpt.check_same_run(self.resume_from, cfg)
+        self.resume_from = ckpt.resume_point(self.run_dir, cfg)
         seed_everything(cfg.trainer.seed)
         device = resolve_device(cfg.trainer.device)
         m, d = cfg.model, cfg.data

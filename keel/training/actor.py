@@ -12,7 +12,7 @@ from keel.training.batching import MicroBatching, MiniBatch, micro_batches
 from keel.training.forward import batched_log_probs, compute_device, response_log_probs
 from keel.training.optim import build_optimizer, build_scheduler
 from keel.training.placement import SINGLE, Placement
-from keel.training.step import LossScale, MetricMeans, apply_gradients, backward
+from keel.training.step import LossScale, apply_gradients, backward, update_role
 from keel.types import RolloutBatch
 
 
@@ -50,16 +50,9 @@ class ActorTrainer:
         return batched_log_probs(self.model, batch, self.log_prob_batching, self.temperature, self.placement)
 
     def update(self, minis: list[MiniBatch]) -> dict[str, float]:
-        self.model.train()
-        sums = MetricMeans()
-        for mini in minis:
-            grad_norm = self._update_mini_batch(mini, sums)
-            check_gradient_flows(grad_norm, mini)
-        sums.add("actor/lr", self.scheduler.get_last_lr()[0])
-        self.scheduler.step()
-        return sums.means()
+        return update_role("actor", self.model, self.scheduler, minis, self._update_mini_batch)
 
-    def _update_mini_batch(self, mini: MiniBatch, sums: MetricMeans) -> float:
+    def _update_mini_batch(self, mini: MiniBatch) -> dict[str, float]:
         scale = mini.scale
         totals: dict[str, float] = {"actor/pg_loss": 0.0}
         for _, micro in micro_batches(mini.samples, self.update_batching):
@@ -71,9 +64,8 @@ class ActorTrainer:
                 totals[name] = totals.get(name, 0.0) + value * share
         totals["actor/grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "actor",
                                                       self.placement.reduce_gradients)
-        for name, value in totals.items():
-            sums.add(name, value)
-        return totals["actor/grad_norm"]
+        check_gradient_flows(totals["actor/grad_norm"], mini)
+        return totals
 
     def _micro_loss(self, micro: RolloutBatch, scale: LossScale) -> tuple[torch.Tensor, float, dict[str, float]]:
         """(loss to back-propagate, its policy-loss part, per-token metrics) of one micro-batch."""

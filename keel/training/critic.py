@@ -10,7 +10,7 @@ from keel.training.batching import MicroBatching, MiniBatch, micro_batches
 from keel.training.forward import compute_device, per_token_outputs, response_values
 from keel.training.optim import build_optimizer, build_scheduler
 from keel.training.placement import SINGLE, Placement
-from keel.training.step import MetricMeans, apply_gradients, backward
+from keel.training.step import apply_gradients, backward, update_role
 from keel.types import RolloutBatch
 
 
@@ -29,15 +29,9 @@ class CriticTrainer:
         return per_token_outputs(batch, self.batching, lambda micro: response_values(self.model, micro, self.placement))
 
     def update(self, minis: list[MiniBatch]) -> dict[str, float]:
-        self.model.train()
-        sums = MetricMeans()
-        for mini in minis:
-            self._update_mini_batch(mini, sums)
-        sums.add("critic/lr", self.scheduler.get_last_lr()[0])
-        self.scheduler.step()
-        return sums.means()
+        return update_role("critic", self.model, self.scheduler, minis, self._update_mini_batch)
 
-    def _update_mini_batch(self, mini: MiniBatch, sums: MetricMeans) -> None:
+    def _update_mini_batch(self, mini: MiniBatch) -> dict[str, float]:
         device = compute_device(self.model, self.placement)
         scale = mini.scale
         totals = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0, "critic/vpred_mean": 0.0}
@@ -54,5 +48,4 @@ class CriticTrainer:
             totals["critic/vpred_mean"] += masked_mean(vpreds.detach(), mask).item() * share
         totals["critic/grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "critic",
                                                       self.placement.reduce_gradients)
-        for name, value in totals.items():
-            sums.add(name, value)
+        return totals

@@ -71,6 +71,20 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+def update_role(role: str, model: nn.Module, scheduler, minis: list,
+                update_mini_batch: Callable[[object], dict[str, float]]) -> dict[str, float]:
+    """One RL step's update of a role (actor or critic): an optimiser step per mini-batch, each
+    returning its metrics, averaged over the mini-batches; the LR schedule steps once per RL step."""
+    model.train()
+    means = MetricMeans()
+    for mini in minis:
+        for name, value in update_mini_batch(mini).items():
+            means.add(name, value)
+    means.add(f"{role}/lr", scheduler.get_last_lr()[0])
+    scheduler.step()
+    return means.means()
+
+
 class MetricMeans:
     """Averages metrics over mini-batches (each weighted equally, like verl's logs)."""
 

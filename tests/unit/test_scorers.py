@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from keel.config.schema import OverlongBufferConfig
+from keel.config.reward import OverlongBufferConfig
 from keel.errors import NO_SCORER, KeelError
 from keel.rewards.reward_fn import RewardScorer, overlong_penalty
 from keel.rewards.scorers import (extract_choice, gsm8k_flexible, last_boxed, math, multiple_choice, regex_match,

@@ -1,0 +1,172 @@
+"""The RL config's cross-field rules: batch divisibility, token budgets, rollout lengths, the
+workers' world, and options that need or exclude each other. Each raises a coded error with the
+numbers and the fix."""
+
+from __future__ import annotations
+
+from keel.config.schema import GROUP_ESTIMATORS, KeelConfig
+from keel.errors import BAD_VALUE, BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, TOKEN_BUDGET, KeelError
+
+
+def check_config(cfg: KeelConfig) -> None:
+    _check_batch_arithmetic(cfg)
+    _check_options(cfg)
+
+
+def _check_batch_arithmetic(cfg: KeelConfig) -> None:
+    actor = cfg.actor_rollout_ref.actor
+    n = cfg.actor_rollout_ref.rollout.n
+    prompts = cfg.data.train_batch_size
+    critic_mini, critic_micro, _ = cfg.critic_batching
+    roles = [("actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz)]
+    if cfg.critic_enabled:
+        roles.append(("critic", critic_mini, critic_micro, cfg.critic.use_dynamic_bsz))
+    for role, mini, micro, dynamic in roles:
+        key = "actor_rollout_ref.actor" if role == "actor" else "critic"
+        if mini > prompts or prompts % mini:
+            raise KeelError(
+                BATCH_ARITHMETIC,
+                f"data.train_batch_size={prompts} prompts do not split into {role} mini-batches of "
+                f"{key}.ppo_mini_batch_size={mini} prompts",
+                f"set {key}.ppo_mini_batch_size to a divisor of {prompts} (e.g. "
+                f"{_largest_divisor_at_most(prompts, mini)})")
+        if (mini * n) % micro and not dynamic:  # a token budget ignores the micro-batch size
+            raise KeelError(
+                BATCH_ARITHMETIC,
+                f"the {role} mini-batch of {mini} prompts x rollout.n={n} = {mini * n} samples does not "
+                f"split into micro-batches of {key}.ppo_micro_batch_size_per_gpu={micro}",
+                f"set {key}.ppo_micro_batch_size_per_gpu to a divisor of {mini * n} (e.g. "
+                f"{_largest_divisor_at_most(mini * n, micro)})")
+
+
+def _check_token_budgets(cfg: KeelConfig) -> None:
+    """A dynamic micro-batch must hold at least one sample of the longest possible length."""
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    policy = cfg.actor_rollout_ref
+    budgets = [("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", policy.actor.use_dynamic_bsz,
+                policy.actor.ppo_max_token_len_per_gpu),
+               ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", policy.rollout.log_prob_use_dynamic_bsz,
+                policy.rollout.log_prob_max_token_len_per_gpu),
+               ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", policy.ref.log_prob_use_dynamic_bsz,
+                policy.ref.log_prob_max_token_len_per_gpu),
+               ("critic.ppo_max_token_len_per_gpu", cfg.critic.use_dynamic_bsz, cfg.critic.ppo_max_token_len_per_gpu)]
+    for key, enabled, budget in budgets:
+        if enabled and budget < longest:
+            raise KeelError(BATCH_ARITHMETIC, f"{key}={budget} is smaller than one sample can be: "
+                            f"data.max_prompt_length + data.max_response_length = {longest} tokens",
+                            f"set {key} to at least {longest} (a few times more lets samples share a pass)")
+
+
+def _check_rollout_lengths(cfg: KeelConfig, incompatible) -> None:
+    """verl's rollout length keys, as vLLM reads them: a sequence must fit max_model_len, and
+    without chunked prefill a whole prompt must fit one prefill pass."""
+    rollout, longest = cfg.actor_rollout_ref.rollout, cfg.data.max_prompt_length + cfg.data.max_response_length
+    if rollout.max_model_len is not None and rollout.max_model_len < longest:
+        raise KeelError(TOKEN_BUDGET, f"actor_rollout_ref.rollout.max_model_len={rollout.max_model_len} is shorter "
+                        f"than data.max_prompt_length + data.max_response_length = {longest}: long samples "
+                        "would not fit", f"set rollout.max_model_len to at least {longest}, or lower the lengths")
+    if not rollout.enable_chunked_prefill and rollout.max_num_batched_tokens < cfg.data.max_prompt_length:
+        raise incompatible(f"actor_rollout_ref.rollout.max_num_batched_tokens={rollout.max_num_batched_tokens} is "
+                           f"below data.max_prompt_length={cfg.data.max_prompt_length} and "
+                           "enable_chunked_prefill=false: a long prompt fits no prefill pass",
+                           "set rollout.enable_chunked_prefill=true, or max_num_batched_tokens to at least "
+                           f"{cfg.data.max_prompt_length}")
+
+
+def _check_world(cfg: KeelConfig, incompatible) -> None:
+    """Every rank needs at least one sample of every mini-batch, and FSDP groups must tile the world."""
+    world = cfg.world_size
+    n = cfg.actor_rollout_ref.rollout.n
+    mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * n
+    if mini < world:
+        raise KeelError(BATCH_ARITHMETIC, f"an actor mini-batch of {mini} samples cannot be split across "
+                        f"{world} workers (trainer.n_gpus_per_node x trainer.nnodes)",
+                        f"raise actor_rollout_ref.actor.ppo_mini_batch_size to at least {-(-world // n)} prompts")
+    if cfg.critic.enable_resource_pool and not cfg.critic_enabled:
+        raise incompatible("critic.enable_resource_pool=true without a critic (critic.enable, or "
+                           "algorithm.adv_estimator=gae): there is nothing to place",
+                           "set critic.enable_resource_pool=false")
+    critic_mini = cfg.critic_batching[0] * n
+    if cfg.critic_enabled and critic_mini < cfg.critic_world_size:
+        raise KeelError(BATCH_ARITHMETIC, f"a critic mini-batch of {critic_mini} samples cannot be split across "
+                        f"{cfg.critic_world_size} critic workers", "raise critic.ppo_mini_batch_size, or use "
+                        "fewer critic workers")
+    for key, fsdp, ranks in cfg.fsdp_roles:
+        if fsdp.fsdp_size != -1 and (fsdp.fsdp_size < 1 or ranks % fsdp.fsdp_size):
+            raise incompatible(f"{key}.fsdp_config.fsdp_size={fsdp.fsdp_size} does not divide the {ranks} workers",
+                               f"set {key}.fsdp_config.fsdp_size to -1 or a divisor of {ranks}")
+        if fsdp.fsdp_size == 1 and fsdp.param_offload and ranks > 1:
+            raise incompatible(f"{key}.fsdp_config.fsdp_size=1 (no sharding) with param_offload=true: offloading "
+                               "parameters is FSDP's, and fsdp_size=1 does not use FSDP",
+                               f"set {key}.fsdp_config.fsdp_size=-1 to shard and offload, or param_offload=false")
+
+
+def _largest_divisor_at_most(total: int, limit: int) -> int:
+    return max(d for d in range(1, min(total, limit) + 1) if total % d == 0)
+
+
+def check_betas(key: str, betas: list[float]) -> None:
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise KeelError(BAD_VALUE, f"{key}.betas={betas} must be two numbers in [0, 1)",
+                        f"set {key}.betas, e.g. [0.9, 0.999]")
+
+
+def _check_options(cfg: KeelConfig) -> None:
+    est = cfg.algorithm.adv_estimator
+    rollout = cfg.actor_rollout_ref.rollout
+
+    def incompatible(message: str, fix: str) -> KeelError:
+        return KeelError(INCOMPATIBLE_OPTIONS, message, fix)
+
+    if est in GROUP_ESTIMATORS and rollout.n < 2:
+        raise incompatible(
+            f"algorithm.adv_estimator={est} compares samples of the same prompt, but "
+            f"actor_rollout_ref.rollout.n=1: every advantage would be 0 and nothing would learn",
+            "set actor_rollout_ref.rollout.n to 2 or more (GRPO typically uses 4-16)")
+    if est == "gae" and not cfg.critic_enabled:
+        raise incompatible("algorithm.adv_estimator=gae needs a critic but critic.enable=false",
+                           "set critic.enable=true, or choose grpo/rloo/reinforce_plus_plus")
+    if cfg.custom_reward_function.batched and (cfg.reward.scorers or not cfg.custom_reward_function.path):
+        raise incompatible("custom_reward_function.batched=true needs custom_reward_function.path and no "
+                           "reward.scorers mapping: a batched function scores every sample itself",
+                           "set custom_reward_function.path, or remove reward.scorers")
+    if cfg.reward_model.enable and not cfg.reward_model.model.path:
+        raise incompatible("reward_model.enable=true without reward_model.model.path",
+                           "set reward_model.model.path to a local sequence-classification model")
+    if cfg.reward_model.enable_resource_pool and not cfg.reward_model.enable:
+        raise incompatible("reward_model.enable_resource_pool=true with reward_model.enable=false: there is no "
+                           "reward model to place", "set reward_model.enable=true, or enable_resource_pool=false")
+    overlong = cfg.reward.overlong_buffer
+    if overlong.enable and overlong.len >= cfg.data.max_response_length:
+        raise incompatible(f"reward.overlong_buffer.len={overlong.len} is not shorter than "
+                           f"data.max_response_length={cfg.data.max_response_length}: every response would be "
+                           "penalised", "set reward.overlong_buffer.len to a fraction of max_response_length")
+    if est == "remax" and not rollout.do_sample:
+        raise incompatible("algorithm.adv_estimator=remax compares samples with a greedy baseline, but "
+                           "rollout.do_sample=false makes every sample the baseline: all advantages 0",
+                           "set actor_rollout_ref.rollout.do_sample=true")
+    if cfg.algorithm.critic_warmup > 0 and not cfg.critic_enabled:
+        raise incompatible(f"algorithm.critic_warmup={cfg.algorithm.critic_warmup} with no critic: the "
+                           "policy would not be updated for those steps", "set algorithm.critic_warmup=0")
+    val = rollout.val_kwargs
+    if val.n > 1 and not (val.do_sample and val.temperature > 0):
+        raise incompatible(f"rollout.val_kwargs.n={val.n} with greedy decoding gives {val.n} identical answers",
+                           "set val_kwargs.do_sample=true and val_kwargs.temperature > 0, or val_kwargs.n=1")
+    if val.do_sample and val.temperature == 0:
+        raise incompatible("rollout.val_kwargs.do_sample=true with temperature=0 is greedy decoding",
+                           "set val_kwargs.temperature > 0 to sample, or val_kwargs.do_sample=false")
+    for key, optim in (("actor_rollout_ref.actor.optim", cfg.actor_rollout_ref.actor.optim),
+                       ("critic.optim", cfg.critic.optim)):
+        check_betas(key, optim.betas)
+    if not rollout.do_sample and rollout.n > 1:
+        raise incompatible(
+            f"actor_rollout_ref.rollout.do_sample=false with rollout.n={rollout.n}: greedy samples "
+            "of one prompt are identical", "set rollout.do_sample=true or rollout.n=1")
+    _check_world(cfg, incompatible)
+    _check_token_budgets(cfg)
+    _check_rollout_lengths(cfg, incompatible)
+    if not cfg.data.train_files:
+        raise incompatible("data.train_files is empty", "set data.train_files to parquet/jsonl files")
+    if not cfg.actor_rollout_ref.model.path:
+        raise incompatible("actor_rollout_ref.model.path is empty",
+                           "set actor_rollout_ref.model.path to a local Hugging Face model directory")
