@@ -170,6 +170,18 @@ def build_parser() -> argparse.ArgumentParser:
                    _cmd_check).add_argument("--json", action="store_true", help="machine-readable output")
     config_command("sft", "supervised fine-tuning on chat data", _cmd_sft)
 
+    _add_machine_commands(sub)
+    _add_reward_server(sub)
+    _add_bench(sub)
+    explain_cmd = sub.add_parser("explain", help="explain an error code (cause and fix)")
+    explain_cmd.add_argument("code", nargs="?", help="e.g. KEEL-C001")
+    explain_cmd.add_argument("--list", action="store_true", help="list every code")
+    explain_cmd.set_defaults(func=_cmd_explain)
+    return parser
+
+
+def _add_machine_commands(sub) -> None:
+    """doctor, report, demo and export: commands about this machine, a run or a checkpoint."""
     doctor = sub.add_parser("doctor", help="check this machine: versions, GPU, driver, disk")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.add_argument("--path", default=".", help="where checkpoints will go (for the disk check)")
@@ -184,6 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--fresh", action="store_true", help="start over instead of resuming")
     demo.set_defaults(func=_cmd_demo)
 
+    export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face directory")
+    export.add_argument("checkpoint", help="a global_step_<N> directory")
+    export.add_argument("out", help="output directory")
+    export.set_defaults(func=_cmd_export)
+
+
+def _add_reward_server(sub) -> None:
     serve = sub.add_parser("reward-server", help="serve a scorer over HTTP (POST /score, GET /health)")
     source = serve.add_mutually_exclusive_group(required=True)
     source.add_argument("--scorer", help="a built-in scorer: " + ", ".join(sorted(_builtin_scorers())))
@@ -201,11 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(to test a client's retries)")
     serve.set_defaults(func=_cmd_reward_server)
 
-    export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face directory")
-    export.add_argument("checkpoint", help="a global_step_<N> directory")
-    export.add_argument("out", help="output directory")
-    export.set_defaults(func=_cmd_export)
 
+def _add_bench(sub) -> None:
     from keel.bench.workloads import WORKLOADS
 
     bench = sub.add_parser("bench", help="time a GRPO workload on a random-weight model; prints a JSON record")
@@ -220,12 +236,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--profile", metavar="DIR", help="write a kernel and phase table of the first measured "
                                                         "step to DIR (this process's work: one GPU)")
     bench.set_defaults(func=_cmd_bench)
-
-    explain_cmd = sub.add_parser("explain", help="explain an error code (cause and fix)")
-    explain_cmd.add_argument("code", nargs="?", help="e.g. KEEL-C001")
-    explain_cmd.add_argument("--list", action="store_true", help="list every code")
-    explain_cmd.set_defaults(func=_cmd_explain)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from packaging.version import Version
 
 from keel.errors import (CUDA_DRIVER_TOO_OLD, GPU_ARCH_UNSUPPORTED, LOW_DISK, PACKAGE_VERSION,
                          SANDBOX_INCOMPLETE, TORCH_UNSUPPORTED)
-from keel.check.preflight import FAIL, PASS, WARN
+from keel.check.findings import FAIL, PASS, WARN
 from keel.rewards.sandbox import jail
 
 # (minimum, maximum exclusive or None) of what keel is tested with

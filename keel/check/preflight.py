@@ -8,53 +8,22 @@ catalogue code that `keel train` exits with.
 from __future__ import annotations
 
 import math
-import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from keel import checkpoint as ckpt
+from keel.check.findings import FAIL, PASS, SKIP, WARN, Finding, Skipped, need
+from keel.check.resources import check_memory, check_workers
 from keel.config.plan import make_plan
 from keel.config.schema import KeelConfig
-from keel.errors import (MEMORY_ESTIMATE, NOT_ENOUGH_DEVICES, RAY_MISSING, RUN_DIR_NOT_WRITABLE,
-                         SANDBOX_INCOMPLETE, TOKEN_BUDGET, TOKENIZER_MISMATCH, VOCAB_MISMATCH,
+from keel.errors import (RUN_DIR_NOT_WRITABLE, SANDBOX_INCOMPLETE, TOKEN_BUDGET, TOKENIZER_MISMATCH, VOCAB_MISMATCH,
                          WEIGHTS_BROKEN, KeelError)
 from keel.rewards.sandbox import jail
-from keel.training.forward import LOGITS_CHUNK_TOKENS
 
 if TYPE_CHECKING:
     from keel.trainer.setup import Inputs
-
-PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
-
-
-class Skipped(Exception):
-    """A check that needs what an earlier, failed check would have loaded."""
-
-
-def need(context: dict, key: str):
-    if key not in context:
-        raise Skipped(key)
-    return context[key]
-
-
-@dataclass
-class Finding:
-    level: str
-    check: str
-    message: str
-    code: str | None = None
-    fix: str | None = None
-
-    @classmethod
-    def failed(cls, check: str, error: KeelError) -> "Finding":
-        return cls(FAIL, check, error.message, error.code, error.fix)
-
-    def error(self) -> KeelError:
-        return KeelError(self.code, self.message, self.fix)
 
 
 @dataclass
@@ -265,148 +234,12 @@ def check_run_dir(cfg: KeelConfig, context: dict) -> list[Finding]:
     return [Finding(PASS, "run directory", f"{run_dir}: writable; will {action}")]
 
 
-def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
-    model_cfg = need(context, "model_config")
-    estimate = estimate_memory_gb(cfg, model_cfg, context.get("parameters") or architecture_parameters(model_cfg))
-    context["memory_gb"] = estimate
-    total, available, where = device_memory_gb(cfg)
-    required = max(estimate["total"], estimate.get("critic_pool", 0.0))
-    message = f"about {required:.2f} GB needed on {where}, {available:.1f} GB free of {total:.1f} GB"
-    if required > available:
-        raise KeelError(MEMORY_ESTIMATE, message)
-    # verl honours param_offload on one GPU; keel uses FSDP (whose offload it is) only across ranks
-    idle = [f"{key}.fsdp_config.param_offload=true has no effect on one worker (FSDP shards and offloads "
-            "across 2 or more); the estimate counts those weights on the device"
-            for key, fsdp, ranks in cfg.fsdp_roles if fsdp.param_offload and ranks == 1]
-    return ([Finding(WARN if required > 0.9 * available else PASS, "memory", message)]
-            + [Finding(WARN, "memory", text) for text in idle])
-
-
-def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
-    """Workers against what this machine has, and Ray itself. A cluster in RAY_ADDRESS must
-    answer; its resources are checked when the workers are placed."""
-    from keel.distributed.dist import port_from_environment, rendezvous_port
-    from keel.distributed.group import Devices, require_reachable
-    from keel.models.load import resolve_device
-
-    world = cfg.world_size
-    if world == 1 and not cfg.pools:
-        return [Finding(PASS, "workers", "1 worker in this process")]
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        raise KeelError(RAY_MISSING, f"{world} workers need Ray, which is not installed") from None
-    port = port_from_environment()
-    if os.environ.get("RAY_ADDRESS"):
-        require_reachable(os.environ["RAY_ADDRESS"])
-        return [Finding(PASS, "workers", f"{world} workers on the Ray cluster at {os.environ['RAY_ADDRESS']}")]
-    if cfg.trainer.nnodes > 1:
-        raise KeelError(NOT_ENOUGH_DEVICES, f"trainer.nnodes={cfg.trainer.nnodes} but RAY_ADDRESS is not set: "
-                        "a local Ray instance has one node", "start the cluster (`ray start --head`, then "
-                        "`ray start --address=HEAD:6379` on each node) and set RAY_ADDRESS")
-    device = resolve_device(cfg.trainer.device)
-    have = torch.cuda.device_count() if device.type == "cuda" else (os.cpu_count() or 1)
-    what = "GPUs" if device.type == "cuda" else "CPU cores"
-    needed = Devices.of(cfg).total
-    placed = f"{world} workers" + "".join(f" + {count} for the {role} pool" for role, count in cfg.pools.items())
-    if device.type == "cuda" and have < needed:
-        raise KeelError(NOT_ENOUGH_DEVICES, f"{placed} need {needed} {what}, and this machine has {have}")
-    level = WARN if have < needed else PASS
-    meeting = f"; rank 0 listens on MASTER_PORT={rendezvous_port(port)}" if port else ""
-    return [Finding(level, "workers", f"{placed} on this machine ({have} {what}), Ray started by keel{meeting}")]
-
-
 CHECKS = [("tokenizer", check_tokenizer), ("model", check_model), ("data", check_data),
           ("reward", check_reward), ("run directory", check_run_dir), ("workers", check_workers),
           ("memory", check_memory)]
 
 
 # --- memory ---------------------------------------------------------------------------------
-
-def architecture_parameters(model_cfg) -> int:
-    """Exact count from the architecture, built on the meta device (no memory, no weights)."""
-    from keel.models.load import meta_model
-
-    return sum(p.numel() for p in meta_model(model_cfg).parameters())
-
-
-def estimate_memory_gb(cfg: KeelConfig, model_cfg, params: int) -> dict[str, float]:
-    """Per-device estimate for a policy of `params` parameters. float32 master weights (4 B) + gradients (4 B) + AdamW moments (8 B) for
-    each trained model, divided among the ranks FSDP shards them over (and off the device when
-    offloaded); 4 B per weight for the frozen reference; with more than one worker, the rollout
-    hf engine's whole float32 copy of the policy; activations of one micro-batch (about 34 bytes x
-    hidden per token per layer, Korthikanti et al. arXiv 2205.05198, plus one chunk's float32 logits);
-    the KV cache of one generation batch and, for the native engine, its decode weights. A critic
-    with a pool of its own is estimated for its own devices, as `critic_pool`, outside the total."""
-    from keel.rollout.native.weights import unsupported_reason
-
-    gb = 2 ** 30
-    policy = cfg.actor_rollout_ref
-    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
-    layers, hidden = model_cfg.num_hidden_layers, model_cfg.hidden_size
-    heads = model_cfg.num_attention_heads
-    kv_heads = getattr(model_cfg, "num_key_value_heads", heads) or heads
-    head_dim = getattr(model_cfg, "head_dim", None) or hidden // heads
-    micro = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
-    bytes_act = _compute_dtype(cfg).itemsize
-    layer_activations = lambda samples: 34 * hidden * layers * samples * seq * bytes_act / 2  # noqa: E731
-    # Log-probs are computed over chunks of LOGITS_CHUNK_TOKENS positions: the float32 logits,
-    # and their gradient, of one chunk at a time.
-    logit_rows = min(micro * cfg.data.max_response_length, LOGITS_CHUNK_TOKENS)
-    estimate = {
-        "actor_states": _sharded_bytes(params, True, policy.actor.fsdp_config, cfg.world_size) / gb,
-        "activations": (layer_activations(micro) + logit_rows * model_cfg.vocab_size * 4 * 2) / gb,
-        "kv_cache": 2 * layers * kv_heads * head_dim * seq * cfg.actor_rollout_ref.rollout.max_num_seqs
-                    * bytes_act / gb,
-    }
-    native = policy.rollout.name != "hf" and unsupported_reason(model_cfg) is None
-    if native:  # the native engine's decode weights, in the compute dtype: its only copy
-        estimate["rollout_weights"] = bytes_act * params / gb
-    if cfg.world_size > 1 and policy.actor.fsdp_config.fsdp_size != 1 and not native:
-        estimate["rollout_copy"] = 4 * params / gb  # sharded: the hf engine generates with a whole copy
-    if cfg.ref_enabled:
-        estimate["reference"] = _sharded_bytes(params, False, policy.ref.fsdp_config, cfg.world_size) / gb
-    if cfg.critic_enabled and "critic" not in cfg.pools:  # colocated with the actor
-        estimate["critic_states"] = _sharded_bytes(params, True, cfg.critic.model.fsdp_config, cfg.world_size) / gb
-    estimate["total"] = sum(estimate.values())
-    if cfg.critic_enabled and "critic" in cfg.pools:  # the critic pool's devices: states and activations
-        estimate["critic_pool"] = (_sharded_bytes(params, True, cfg.critic.model.fsdp_config, cfg.critic_world_size)
-                                   + layer_activations(cfg.critic_batching[1])) / gb
-    return {k: float(f"{v:.4g}") for k, v in estimate.items()}  # tiny models stay visible
-
-
-def _compute_dtype(cfg: KeelConfig):
-    from keel.models.load import resolve_device, resolve_dtype
-
-    try:
-        device = resolve_device(cfg.trainer.device)
-    except KeelError:  # reported by the device check
-        device = torch.device("cpu")
-    return resolve_dtype(cfg.actor_rollout_ref.model.dtype, device)
-
-
-def _sharded_bytes(params: int, trained: bool, fsdp_cfg, world: int) -> float:
-    """Device bytes of one rank: float32 weights (and gradients, if trained) and AdamW's two
-    moments, sharded over the fsdp group, minus what is offloaded to CPU."""
-    shards = world if fsdp_cfg.fsdp_size == -1 else fsdp_cfg.fsdp_size
-    offloaded = fsdp_cfg.param_offload and shards > 1  # FSDP's: a single rank keeps its weights
-    weights = 0 if offloaded else (8 if trained else 4) * params
-    moments = 0 if (not trained or offloaded or fsdp_cfg.optimizer_offload) else 8 * params
-    return (weights + moments) / shards
-
-
-def device_memory_gb(cfg: KeelConfig) -> tuple[float, float, str]:
-    """(total, free, device name) of the device the run will use."""
-    from keel.models.load import resolve_device
-
-    device = resolve_device(cfg.trainer.device)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return total / 2 ** 30, free / 2 ** 30, torch.cuda.get_device_name(device)
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = page * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-    available = page * os.sysconf("SC_AVPHYS_PAGES") / 2 ** 30
-    return total, available, "cpu"
 
 
 # --- what keel decided for you ----------------------------------------------------------------

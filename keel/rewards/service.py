@@ -38,91 +38,106 @@ def make_server(scorer, host: str = "127.0.0.1", port: int = 8000, token: str | 
                 inject: list[str] | None = None, queue_timeout_s: float = 60.0) -> ThreadingHTTPServer:
     """`inject`: faults answered to the first POST /score requests, in order (`500`, `malformed`
     JSON, `slow`: 60 s of silence), for testing a client's handling of a failing service."""
-    busy = threading.BoundedSemaphore(max_concurrency)
-    faults = list(inject or [])
-    faults_lock = threading.Lock()
+    return _Server((host, port), _ScoreHandler, scorer, token, max_request_bytes, max_concurrency, inject or [],
+                   queue_timeout_s)
 
-    def next_fault() -> str | None:
-        with faults_lock:
-            return faults.pop(0) if faults else None
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args) -> None:  # one line per request is noise in a training log
-            pass
+class _ScoreHandler(BaseHTTPRequestHandler):
+    """GET /health and POST /score; its settings are the server's (`self.server`)."""
 
-        def reply(self, status: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def log_message(self, *args) -> None:  # one line per request is noise in a training log
+        pass
 
-        def authorised(self) -> bool:
-            if token and self.headers.get("Authorization") != f"Bearer {token}":
-                self.reply(HTTPStatus.UNAUTHORIZED, {"error": "missing or wrong bearer token"})
-                return False
+    def reply(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def authorised(self) -> bool:
+        token = self.server.token
+        if token and self.headers.get("Authorization") != f"Bearer {token}":
+            self.reply(HTTPStatus.UNAUTHORIZED, {"error": "missing or wrong bearer token"})
+            return False
+        return True
+
+    def body_length(self) -> int | None:
+        """Content-Length, checked before a byte is read: missing, negative, not a number or over
+        the limit is answered 4xx (a negative length once made the server read without end)."""
+        raw = self.headers.get("Content-Length")
+        raw = raw.strip() if raw is not None else None
+        if raw is None or not (raw.isascii() and raw.isdigit() and len(raw) <= 18):
+            self.reply(HTTPStatus.LENGTH_REQUIRED, {"error": f"Content-Length must be a byte count, got {raw!r}"})
+            return None
+        length, limit = int(raw), self.server.max_request_bytes
+        if length > limit:
+            self.reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": f"request of {length} bytes is over {limit}"})
+            return None
+        return length
+
+    def do_GET(self) -> None:
+        if not self.authorised():
+            return
+        if self.path != "/health":
+            return self.reply(HTTPStatus.NOT_FOUND, {"error": "GET /health or POST /score"})
+        self.reply(HTTPStatus.OK, {"status": "ok"})
+
+    def do_POST(self) -> None:
+        if not self.authorised():
+            return
+        if self.path != "/score":
+            return self.reply(HTTPStatus.NOT_FOUND, {"error": "GET /health or POST /score"})
+        length = self.body_length()
+        if length is None:
+            return
+        try:
+            request = parse_request(self.rfile.read(length))
+        except ValueError as e:
+            return self.reply(HTTPStatus.BAD_REQUEST, {"error": f"malformed request: {e}"})
+        server = self.server
+        if not server.busy.acquire(timeout=server.queue_timeout_s):  # a burst waits; a flood is told to back off
+            return self.reply(HTTPStatus.TOO_MANY_REQUESTS, {"error": f"over {server.max_concurrency} requests at "
+                                                                      f"once for {server.queue_timeout_s} s"})
+        try:
+            if not self.answered_with_fault(server.next_fault()):
+                self.reply(HTTPStatus.OK, score_request(server.scorer, request))
+        except Exception as e:  # a bug on the server: the client retries a 500
+            self.reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(e).__name__}: {e}"})
+        finally:
+            server.busy.release()
+
+    def answered_with_fault(self, fault: str | None) -> bool:
+        """An injected fault: answered here (True), or (slow) a delay before the real answer."""
+        if fault == "500":
+            self.reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": "injected fault"})
             return True
-
-        def body_length(self) -> int | None:
-            """Content-Length, checked before a byte is read: missing, negative, not a number or over
-            the limit is answered 4xx (a negative length once made the server read without end)."""
-            raw = self.headers.get("Content-Length")
-            raw = raw.strip() if raw is not None else None
-            if raw is None or not (raw.isascii() and raw.isdigit() and len(raw) <= 18):
-                self.reply(HTTPStatus.LENGTH_REQUIRED, {"error": f"Content-Length must be a byte count, got {raw!r}"})
-                return None
-            length = int(raw)
-            if length > max_request_bytes:
-                self.reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                           {"error": f"request of {length} bytes is over {max_request_bytes}"})
-                return None
-            return length
-
-        def do_GET(self) -> None:
-            if not self.authorised():
-                return
-            if self.path != "/health":
-                return self.reply(HTTPStatus.NOT_FOUND, {"error": "GET /health or POST /score"})
-            self.reply(HTTPStatus.OK, {"status": "ok"})
-
-        def do_POST(self) -> None:
-            if not self.authorised():
-                return
-            if self.path != "/score":
-                return self.reply(HTTPStatus.NOT_FOUND, {"error": "GET /health or POST /score"})
-            length = self.body_length()
-            if length is None:
-                return
-            try:
-                request = parse_request(self.rfile.read(length))
-            except ValueError as e:
-                return self.reply(HTTPStatus.BAD_REQUEST, {"error": f"malformed request: {e}"})
-            if not busy.acquire(timeout=queue_timeout_s):  # a burst waits for a slot; a flood is told to back off
-                return self.reply(HTTPStatus.TOO_MANY_REQUESTS,
-                                  {"error": f"over {max_concurrency} requests at once for {queue_timeout_s} s"})
-            try:
-                fault = next_fault()
-                if fault == "500":
-                    return self.reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": "injected fault"})
-                if fault == "malformed":
-                    self.send_response(HTTPStatus.OK)
-                    self.end_headers()
-                    return self.wfile.write(b"{not json")
-                if fault == "slow":
-                    time.sleep(60)
-                self.reply(HTTPStatus.OK, score_request(scorer, request))
-            except Exception as e:  # a bug on the server: the client retries a 500
-                self.reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(e).__name__}: {e}"})
-            finally:
-                busy.release()
-
-    return _Server((host, port), Handler)
+        if fault == "malformed":
+            self.send_response(HTTPStatus.OK)
+            self.end_headers()
+            self.wfile.write(b"{not json")
+            return True
+        if fault == "slow":
+            time.sleep(60)
+        return False
 
 
 class _Server(ThreadingHTTPServer):
     request_queue_size = 1024  # the listen backlog: socketserver's 5 reset connections under a burst
     daemon_threads = True
+
+    def __init__(self, address, handler, scorer, token: str | None, max_request_bytes: int, max_concurrency: int,
+                 faults: list[str], queue_timeout_s: float):
+        self.scorer, self.token, self.max_request_bytes = scorer, token, max_request_bytes
+        self.max_concurrency, self.queue_timeout_s = max_concurrency, queue_timeout_s
+        self.busy = threading.BoundedSemaphore(max_concurrency)
+        self._faults, self._faults_lock = list(faults), threading.Lock()
+        super().__init__(address, handler)
+
+    def next_fault(self) -> str | None:
+        with self._faults_lock:
+            return self._faults.pop(0) if self._faults else None
 
 
 def parse_request(body: bytes) -> dict:

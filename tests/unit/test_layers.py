@@ -54,3 +54,23 @@ def test_no_two_folders_import_each_other():
     found = imports()
     both_ways = sorted((a, b) for a, b in found if (b, a) in found and a < b)
     assert not both_ways, f"two-way imports: {both_ways}"
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
+
+
+def test_no_file_over_400_lines_and_no_function_over_60():
+    """Small files and functions: one job each, read at a glance (docs/architecture.md)."""
+    long_files, long_functions = [], []
+    for file in KEEL.rglob("*.py"):
+        text = file.read_text()
+        name = str(file.relative_to(KEEL.parent))
+        if len(text.splitlines()) > MAX_FILE_LINES:
+            long_files.append(f"{name} ({len(text.splitlines())} lines)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{name}:{node.lineno} {node.name} ({length} lines)")
+    assert not long_files, f"files over {MAX_FILE_LINES} lines: {long_files}"
+    assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"

@@ -9,7 +9,8 @@ from keel.cli import main
 from keel.config.load import load_config
 from keel.errors import (MEMORY_ESTIMATE, NO_EOS, RUN_DIR_NOT_WRITABLE, SCORER_RAISED, TOKEN_BUDGET,
                          VOCAB_MISMATCH)
-from keel.check.preflight import FAIL, SKIP, WARN, run_checks
+from keel.check.findings import FAIL, SKIP, WARN
+from keel.check.preflight import run_checks
 
 
 def failure_codes(report) -> list[str]:

@@ -1,0 +1,101 @@
+"""`keel check` on what the run needs of the machine: memory on each device, and the workers (Ray,
+the devices they are placed on, the rendezvous port)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from keel.check.findings import PASS, WARN, Finding, need
+from keel.config.memory import estimate_memory_gb
+from keel.config.schema import KeelConfig
+from keel.errors import MEMORY_ESTIMATE, NOT_ENOUGH_DEVICES, RAY_MISSING, KeelError
+from keel.rollout.native.weights import unsupported_reason
+from keel.training.forward import LOGITS_CHUNK_TOKENS
+
+
+def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
+    model_cfg = need(context, "model_config")
+
+    estimate = estimate_memory_gb(cfg, model_cfg, context.get("parameters") or architecture_parameters(model_cfg),
+                                  compute_bytes=_compute_dtype(cfg).itemsize,
+                                  native_rollout=unsupported_reason(model_cfg) is None,
+                                  logits_chunk_tokens=LOGITS_CHUNK_TOKENS)
+    context["memory_gb"] = estimate
+    total, available, where = device_memory_gb(cfg)
+    required = max(estimate["total"], estimate.get("critic_pool", 0.0))
+    message = f"about {required:.2f} GB needed on {where}, {available:.1f} GB free of {total:.1f} GB"
+    if required > available:
+        raise KeelError(MEMORY_ESTIMATE, message)
+    # verl honours param_offload on one GPU; keel uses FSDP (whose offload it is) only across ranks
+    idle = [f"{key}.fsdp_config.param_offload=true has no effect on one worker (FSDP shards and offloads "
+            "across 2 or more); the estimate counts those weights on the device"
+            for key, fsdp, ranks in cfg.fsdp_roles if fsdp.param_offload and ranks == 1]
+    return ([Finding(WARN if required > 0.9 * available else PASS, "memory", message)]
+            + [Finding(WARN, "memory", text) for text in idle])
+
+
+def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
+    """Workers against what this machine has, and Ray itself. A cluster in RAY_ADDRESS must
+    answer; its resources are checked when the workers are placed."""
+    from keel.distributed.dist import port_from_environment, rendezvous_port
+    from keel.distributed.group import Devices, require_reachable
+    from keel.models.load import resolve_device
+
+    world = cfg.world_size
+    if world == 1 and not cfg.pools:
+        return [Finding(PASS, "workers", "1 worker in this process")]
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise KeelError(RAY_MISSING, f"{world} workers need Ray, which is not installed") from None
+    port = port_from_environment()
+    if os.environ.get("RAY_ADDRESS"):
+        require_reachable(os.environ["RAY_ADDRESS"])
+        return [Finding(PASS, "workers", f"{world} workers on the Ray cluster at {os.environ['RAY_ADDRESS']}")]
+    if cfg.trainer.nnodes > 1:
+        raise KeelError(NOT_ENOUGH_DEVICES, f"trainer.nnodes={cfg.trainer.nnodes} but RAY_ADDRESS is not set: "
+                        "a local Ray instance has one node", "start the cluster (`ray start --head`, then "
+                        "`ray start --address=HEAD:6379` on each node) and set RAY_ADDRESS")
+    device = resolve_device(cfg.trainer.device)
+    have = torch.cuda.device_count() if device.type == "cuda" else (os.cpu_count() or 1)
+    what = "GPUs" if device.type == "cuda" else "CPU cores"
+    needed = Devices.of(cfg).total
+    placed = f"{world} workers" + "".join(f" + {count} for the {role} pool" for role, count in cfg.pools.items())
+    if device.type == "cuda" and have < needed:
+        raise KeelError(NOT_ENOUGH_DEVICES, f"{placed} need {needed} {what}, and this machine has {have}")
+    level = WARN if have < needed else PASS
+    meeting = f"; rank 0 listens on MASTER_PORT={rendezvous_port(port)}" if port else ""
+    return [Finding(level, "workers", f"{placed} on this machine ({have} {what}), Ray started by keel{meeting}")]
+
+
+def architecture_parameters(model_cfg) -> int:
+    """Exact count from the architecture, built on the meta device (no memory, no weights)."""
+    from keel.models.load import meta_model
+
+    return sum(p.numel() for p in meta_model(model_cfg).parameters())
+
+
+def _compute_dtype(cfg: KeelConfig) -> torch.dtype:
+    from keel.models.load import resolve_device, resolve_dtype
+
+    try:
+        device = resolve_device(cfg.trainer.device)
+    except KeelError:  # reported by the device check
+        device = torch.device("cpu")
+    return resolve_dtype(cfg.actor_rollout_ref.model.dtype, device)
+
+
+def device_memory_gb(cfg: KeelConfig) -> tuple[float, float, str]:
+    """(total, free, device name) of the device the run will use."""
+    from keel.models.load import resolve_device
+
+    device = resolve_device(cfg.trainer.device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total / 2 ** 30, free / 2 ** 30, torch.cuda.get_device_name(device)
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = page * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    available = page * os.sysconf("SC_AVPHYS_PAGES") / 2 ** 30
+    return total, available, "cpu"

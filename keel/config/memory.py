@@ -1,0 +1,64 @@
+"""The memory a run needs on each device, estimated from its config and its model's architecture
+(`keel check` compares it with what the device has)."""
+
+from __future__ import annotations
+
+from keel.config.schema import KeelConfig
+
+
+def estimate_memory_gb(cfg: KeelConfig, model_cfg, params: int, *, compute_bytes: int, native_rollout: bool,
+                       logits_chunk_tokens: int) -> dict[str, float]:
+    """Per-device estimate for a policy of `params` parameters. float32 master weights (4 B) + gradients (4 B) + AdamW moments (8 B) for
+    each trained model, divided among the ranks FSDP shards them over (and off the device when
+    offloaded); 4 B per weight for the frozen reference; with more than one worker, the rollout
+    hf engine's whole float32 copy of the policy; activations of one micro-batch (about 34 bytes x
+    hidden per token per layer, Korthikanti et al. arXiv 2205.05198, plus one chunk's float32 logits);
+    the KV cache of one generation batch and, for the native engine, its decode weights. A critic
+    with a pool of its own is estimated for its own devices, as `critic_pool`, outside the total.
+
+    What the config alone does not say comes from the caller: the compute dtype's size on the
+    device the run resolves to, whether the native engine runs this architecture, and how many
+    positions' logits the log-prob pass holds at once."""
+    gb = 2 ** 30
+    policy = cfg.actor_rollout_ref
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    layers, hidden = model_cfg.num_hidden_layers, model_cfg.hidden_size
+    heads = model_cfg.num_attention_heads
+    kv_heads = getattr(model_cfg, "num_key_value_heads", heads) or heads
+    head_dim = getattr(model_cfg, "head_dim", None) or hidden // heads
+    micro = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+    bytes_act = compute_bytes
+    layer_activations = lambda samples: 34 * hidden * layers * samples * seq * bytes_act / 2  # noqa: E731
+    # Log-probs are computed over chunks of LOGITS_CHUNK_TOKENS positions: the float32 logits,
+    # and their gradient, of one chunk at a time.
+    logit_rows = min(micro * cfg.data.max_response_length, logits_chunk_tokens)
+    estimate = {
+        "actor_states": _sharded_bytes(params, True, policy.actor.fsdp_config, cfg.world_size) / gb,
+        "activations": (layer_activations(micro) + logit_rows * model_cfg.vocab_size * 4 * 2) / gb,
+        "kv_cache": 2 * layers * kv_heads * head_dim * seq * cfg.actor_rollout_ref.rollout.max_num_seqs
+                    * bytes_act / gb,
+    }
+    native = policy.rollout.name != "hf" and native_rollout
+    if native:  # the native engine's decode weights, in the compute dtype: its only copy
+        estimate["rollout_weights"] = bytes_act * params / gb
+    if cfg.world_size > 1 and policy.actor.fsdp_config.fsdp_size != 1 and not native:
+        estimate["rollout_copy"] = 4 * params / gb  # sharded: the hf engine generates with a whole copy
+    if cfg.ref_enabled:
+        estimate["reference"] = _sharded_bytes(params, False, policy.ref.fsdp_config, cfg.world_size) / gb
+    if cfg.critic_enabled and "critic" not in cfg.pools:  # colocated with the actor
+        estimate["critic_states"] = _sharded_bytes(params, True, cfg.critic.model.fsdp_config, cfg.world_size) / gb
+    estimate["total"] = sum(estimate.values())
+    if cfg.critic_enabled and "critic" in cfg.pools:  # the critic pool's devices: states and activations
+        estimate["critic_pool"] = (_sharded_bytes(params, True, cfg.critic.model.fsdp_config, cfg.critic_world_size)
+                                   + layer_activations(cfg.critic_batching[1])) / gb
+    return {k: float(f"{v:.4g}") for k, v in estimate.items()}  # tiny models stay visible
+
+
+def _sharded_bytes(params: int, trained: bool, fsdp_cfg, world: int) -> float:
+    """Device bytes of one rank: float32 weights (and gradients, if trained) and AdamW's two
+    moments, sharded over the fsdp group, minus what is offloaded to CPU."""
+    shards = world if fsdp_cfg.fsdp_size == -1 else fsdp_cfg.fsdp_size
+    offloaded = fsdp_cfg.param_offload and shards > 1  # FSDP's: a single rank keeps its weights
+    weights = 0 if offloaded else (8 if trained else 4) * params
+    moments = 0 if (not trained or offloaded or fsdp_cfg.optimizer_offload) else 8 * params
+    return (weights + moments) / shards

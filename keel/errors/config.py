@@ -1,0 +1,83 @@
+"""Error codes KEEL-C: configuration."""
+
+from keel.errors.base import register
+
+UNKNOWN_KEY = register(
+    "KEEL-C001", "Unknown configuration key",
+    "A key in the YAML file or a command-line override is not part of keel's configuration; "
+    "other frameworks ignore such keys silently, so a misspelt key would never take effect.",
+    "Correct the spelling to the suggested key, or remove it; docs/config.md lists every key.")
+BAD_VALUE = register(
+    "KEEL-C002", "Configuration value of the wrong type or out of range",
+    "A configuration value cannot be converted to the key's type, is outside its allowed range, "
+    "or is not one of the allowed choices.",
+    "Set the key to a value of the type and range the message names.")
+BAD_OVERRIDE = register(
+    "KEEL-C003", "Malformed command-line override",
+    "Overrides are written `section.key=value`; this one has no `=` or an empty key.",
+    "Write the override as `section.key=value`, e.g. `data.train_batch_size=16`.")
+BATCH_ARITHMETIC = register(
+    "KEEL-C004", "Batch sizes do not divide",
+    "The batch plan needs samples per step to split evenly into mini-batches and mini-batches "
+    "into micro-batches; otherwise some samples would be silently dropped or reused.",
+    "Change the batch sizes so each divides the one above it; the message gives the numbers.",
+    ("data.train_batch_size", "actor_rollout_ref.rollout.n",
+     "actor_rollout_ref.actor.ppo_mini_batch_size",
+     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"))
+CONFIG_FILE = register(
+    "KEEL-C005", "Configuration file missing or not valid YAML",
+    "The configuration path does not exist, cannot be read, or is not a YAML mapping.",
+    "Pass the path of a YAML file whose top level is a mapping of sections.")
+INCOMPATIBLE_OPTIONS = register(
+    "KEEL-C006", "Options that cannot be used together",
+    "Two settings contradict each other, e.g. an advantage estimator that needs a critic with "
+    "no critic configured, or a KL loss with no reference model.",
+    "Change one of the settings the message names.")
+RESUME_PATH = register(
+    "KEEL-C007", "Resume checkpoint not found or incomplete",
+    "`trainer.resume_mode` names a checkpoint directory that does not exist or has no "
+    "completion marker (it was being written when a run stopped).",
+    "Point `trainer.resume_mode` at a complete `global_step_<N>` directory, or use `auto`/`disable`.",
+    ("trainer.resume_mode",))
+RESUME_MISMATCH = register(
+    "KEEL-C008", "Checkpoint does not match the current config or data",
+    "The run directory holds a checkpoint from a run with a different dataset size, batch size or "
+    "set of models (e.g. a critic); continuing from it would not be the same run.",
+    "Resume with the config the checkpoint was made with, set `trainer.resume_mode=disable` to "
+    "start fresh in this directory, or choose another `trainer.experiment_name`.",
+    ("trainer.resume_mode", "trainer.default_local_dir"))
+DEMO_DIR = register(
+    "KEEL-C009", "Demo output directory holds something else",
+    "`keel demo` clears and reuses only directories it made itself (they contain keel_demo.json); "
+    "the directory given exists, is not empty and was not made by the demo.",
+    "Pass another directory with `keel demo --out DIR`, or empty this one.")
+EXPORT_TARGET = register(
+    "KEEL-C010", "Export target exists and is not an earlier export",
+    "`keel export` writes a new directory; it never deletes a directory it did not write itself "
+    "(one without keel_export.json), since that could be a run directory or your own files.",
+    "Pass a new or empty output directory.")
+NOT_A_CHECKPOINT = register(
+    "KEEL-C011", "Not a complete keel checkpoint",
+    "The path given to `keel export` is not a `global_step_<N>` directory with a COMPLETE marker "
+    "(it may be missing, or still being written when a run stopped).",
+    "Pass a complete checkpoint directory, e.g. checkpoints/<project>/<experiment>/global_step_<N>.")
+NO_METRICS = register(
+    "KEEL-C012", "No metrics to report",
+    "`keel report` reads RUN_DIR/metrics.jsonl, which is missing or empty: the path is not a run "
+    "directory, or the run has not finished a step yet.",
+    "Pass the run directory (trainer.default_local_dir) of a run that has logged at least one step.")
+TOKEN_BUDGET = register(
+    "KEEL-C013", "Prompt plus response longer than the model reads",
+    "`data.max_prompt_length + data.max_response_length` is more than the policy's "
+    "`max_position_embeddings` (long rollouts would run past the positions the model was trained on), "
+    "or more than `actor_rollout_ref.rollout.max_model_len`.",
+    "Lower data.max_prompt_length or data.max_response_length, or use a model with a longer context "
+    "(or raise rollout.max_model_len).",
+    ("data.max_prompt_length", "data.max_response_length", "actor_rollout_ref.rollout.max_model_len"))
+HOOK_LOAD = register(
+    "KEEL-C014", "A hook cannot be loaded",
+    "An entry of trainer.hooks is not `module:function`, the module does not import, or it has no "
+    "such function.",
+    "Write hooks as `package.module:function` importable from where keel runs.", ("trainer.hooks",))
+
+__all__ = [name for name in dir() if name.isupper()]

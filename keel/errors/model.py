@@ -1,0 +1,48 @@
+"""Error codes KEEL-M: model and tokenizer."""
+
+from keel.errors.base import register
+
+MODEL_PATH = register(
+    "KEEL-M001", "Model path not found or not a Hugging Face model",
+    "The model path does not exist or has no `config.json`; keel loads models from local "
+    "directories only.",
+    "Point `actor_rollout_ref.model.path` (or `critic.model.path`) at a directory saved by "
+    "`save_pretrained`, or build a tiny model with `keel.models.tiny.make_tiny_model`.",
+    ("actor_rollout_ref.model.path", "critic.model.path"))
+NO_EOS = register(
+    "KEEL-M002", "Tokenizer has no EOS token",
+    "Generation stops at the EOS token and response masks are built from it; without one every "
+    "response runs to the length limit.",
+    "Set `eos_token` in the tokenizer (tokenizer_config.json) to the model's end-of-turn token.")
+NO_CHAT_TEMPLATE = register(
+    "KEEL-M003", "Prompt is a chat but the tokenizer has no chat template",
+    "A dataset prompt is a list of chat messages, which needs the tokenizer's chat template to "
+    "become text; this tokenizer has none.",
+    "Use a tokenizer with a chat template, give prompts as plain strings, or set "
+    "`data.apply_chat_template=false` to join message contents as plain text.",
+    ("data.apply_chat_template",))
+VOCAB_MISMATCH = register(
+    "KEEL-M004", "Tokenizer and model disagree on the vocabulary",
+    "The tokenizer produces ids (or has special-token ids) that the model's embedding has no row "
+    "for; training would index out of range or read garbage rows.",
+    "Use the tokenizer that was saved with the model, or resize the model's embeddings "
+    "(model.resize_token_embeddings) and save it again.", ("actor_rollout_ref.model.path",))
+
+TOKENIZER_MISMATCH = register(
+    "KEEL-M006", "Tokenizer and model disagree on special tokens",
+    "The tokenizer's EOS, pad or BOS id differs from the one in the model's config.json or "
+    "generation_config.json. transformers fills in defaults silently (a Qwen2 tokenizer without "
+    "an eos_token gets <|endoftext|>), and a tokenizer copied from another model loads without a "
+    "word: responses then end, or are padded, with tokens the model was not trained on.",
+    "Use the tokenizer saved with this model, or set the special tokens in tokenizer_config.json "
+    "(or the ids in config.json) so they agree; the message names the ids on each side.")
+WEIGHTS_BROKEN = register(
+    "KEEL-M005", "Model weight files are truncated or do not match the config",
+    "keel reads every safetensors file's header before training: a file shorter than its header "
+    "says (an interrupted download or copy), an index naming files that are missing, or tensors "
+    "whose shapes or names are not the ones config.json describes (weights from another model "
+    "size) would fail deep inside loading, or load with random values.",
+    "Download or copy the model directory again (compare file sizes with the source), or point the "
+    "model path at the directory whose config.json matches these weights.")
+
+__all__ = [name for name in dir() if name.isupper()]

@@ -1,0 +1,31 @@
+"""Error codes KEEL-T: training numerics."""
+
+from keel.errors.base import register
+
+NONFINITE_LOSS = register(
+    "KEEL-T001", "Loss or gradient norm is not finite",
+    "A NaN or infinite loss or gradient norm would corrupt the weights; the update was refused "
+    "and the run stopped before any bad weights were saved.",
+    "Lower the learning rate, check rewards for extreme values, or enable gradient clipping "
+    "(`actor_rollout_ref.actor.grad_clip`).",
+    ("actor_rollout_ref.actor.optim.lr", "actor_rollout_ref.actor.grad_clip"))
+NO_GRADIENT = register(
+    "KEEL-T002", "No parameter received a gradient",
+    "After backward, every trainable parameter's gradient is None: the loss does not depend on "
+    "the weights being trained, so the run would move its loss and learn nothing.",
+    "Check that the model is trainable (not frozen) and that the loss uses the policy's log-probs.")
+NONFINITE_VALUES = register(
+    "KEEL-T003", "Non-finite values in a stage of the step",
+    "A reward, log-prob, value or advantage is NaN or infinite; one such number poisons the loss "
+    "and then every weight. The step was stopped before any update.",
+    "Look at the stage the message names: for rewards, the scorer on samples.jsonl; for log-probs, "
+    "the model's dtype and inputs. `trainer.guards.nonfinite=skip` drops such steps (counted as "
+    "guards/skipped_steps) instead of stopping.", ("trainer.guards.nonfinite",))
+PHASE_TIMEOUT = register(
+    "KEEL-T004", "A phase of the step ran past its time limit",
+    "Generation, scoring, a forward/backward or a save took longer than "
+    "trainer.guards.phase_timeout_s: something hangs (a reward service, a collective, a deadlock).",
+    "Read the stacks printed with the error to see where it hung; raise "
+    "trainer.guards.phase_timeout_s if the phase is just slow.", ("trainer.guards.phase_timeout_s",))
+
+__all__ = [name for name in dir() if name.isupper()]

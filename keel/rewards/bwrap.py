@@ -1,0 +1,233 @@
+"""How one program runs in the jail: the bubblewrap command line (namespaces, read-only mounts, an
+in-memory scratch directory, an unprivileged user), the seccomp filter, rlimits, the run's cgroup,
+output read as it comes, and the whole tree killed at the end. keel.rewards.sandbox decides what
+a run's end means and which jail this machine gives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from keel.rewards import cgroups
+from keel.rewards.cgroups import RunGroup
+
+log = logging.getLogger("keel")
+
+CPU_POLL_S = 0.1  # how often a run's CPU time and OOM kills are read from its cgroup
+
+
+@dataclass(frozen=True)
+class Limits:
+    cpu_s: int = 5
+    wall_s: float = 10.0
+    memory_mb: int = 512
+    output_bytes: int = 1 << 16
+    processes: int = 32         # a fork bomb stops here (the run's cgroup; else uid 65534's rlimit)
+    open_files: int = 64
+    scratch_mb: int = 16        # the writable /sandbox, in memory
+
+
+SANDBOX_UID = 65534  # nobody
+SCRATCH = "/sandbox"
+AS_NOBODY, IN_USER_NAMESPACE, NO_JAIL = (f"bubblewrap as uid {SANDBOX_UID}", "bubblewrap in a user namespace",
+                                         "none")
+
+
+def _interpreter() -> tuple[str, str]:
+    """(the interpreter the solution runs on, the directory it needs): the base Python, not a venv,
+    since -I -S never reads site-packages anyway."""
+    executable = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    prefix = os.path.realpath(sys.base_prefix)
+    return executable, prefix if executable.startswith(prefix + os.sep) else os.path.dirname(executable)
+
+
+def _bwrap_argv(as_root: bool, solution: str, limits: Limits, seccomp_fd: int) -> list[str]:
+    """bubblewrap's command line, up to the interpreter."""
+    python, python_dir = _interpreter()
+    argv = ["bwrap", *(["--seccomp", str(seccomp_fd)] if _seccomp_program() else []),
+            "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv",
+            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", SCRATCH]
+    if not as_root:  # a user namespace: the solution keeps no capability, even over its own namespaces
+        argv += ["--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
+    argv += ["--ro-bind", "/usr", "/usr"]
+    for top in ("bin", "lib", "lib32", "lib64", "sbin"):  # merged /usr: links; otherwise directories
+        path = Path("/", top)
+        if path.is_symlink():
+            argv += ["--symlink", os.readlink(path), str(path)]
+        elif path.is_dir():
+            argv += ["--ro-bind", str(path), str(path)]
+    if not python_dir.startswith("/usr/"):
+        argv += ["--ro-bind", python_dir, python_dir]
+    argv += ["--dev", "/dev", "--proc", "/proc",
+             "--size", "65536", "--tmpfs", "/dev/shm", "--remount-ro", "/dev/shm",
+             "--perms", "1777", "--size", str(limits.scratch_mb << 20), "--tmpfs", SCRATCH,
+             "--ro-bind", solution, f"{SCRATCH}/solution.py", "--chdir", SCRATCH, "--remount-ro", "/", "--"]
+    if as_root:  # mounts need root; the solution does not: every uid becomes nobody, no capability left
+        argv += ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
+                 "--bounding-set=-all", "--no-new-privs"]
+    return argv + [python]
+
+
+def _command(mode: str, solution: str, limits: Limits, args: list[str], seccomp_fd: int) -> list[str]:
+    if mode == NO_JAIL:
+        return [_interpreter()[0], "-I", "-S", solution, *args]
+    return (_bwrap_argv(mode == AS_NOBODY, solution, limits, seccomp_fd)
+            + ["-I", "-S", f"{SCRATCH}/solution.py", *args])
+
+
+# Refused inside the jail (EPERM), as Docker's default profile refuses them: new namespaces (a user
+# namespace would give the program every capability over mounts it makes, tmpfs of any size
+# included), keyrings (the user's keyring outlives every run: a channel between samples), and
+# kernel interfaces a judge never needs. clone3 passes its flags in memory a filter cannot read,
+# so it answers ENOSYS and glibc falls back to clone, whose flags are checked.
+_REFUSED_SYSCALLS = ("unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "add_key", "keyctl",
+                     "request_key", "io_uring_setup", "io_uring_enter", "io_uring_register", "userfaultfd",
+                     "perf_event_open", "bpf", "ptrace", "process_vm_readv", "process_vm_writev", "memfd_create",
+                     "name_to_handle_at", "open_by_handle_at", "kexec_load", "init_module", "finit_module",
+                     "delete_module", "fsopen", "fsmount", "move_mount", "open_tree")
+
+
+# CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
+_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
+
+
+@lru_cache(maxsize=1)
+def _seccomp_program() -> bytes | None:
+    """The filter as BPF for bwrap --seccomp (libseccomp through pyseccomp), or None without it."""
+    try:
+        import pyseccomp as seccomp
+    except Exception:  # not installed, or no libseccomp on this machine (pyseccomp raises RuntimeError)
+        return None
+    import errno
+
+    refuse = seccomp.ERRNO(errno.EPERM)
+    program = seccomp.SyscallFilter(seccomp.ALLOW)
+    for name in _REFUSED_SYSCALLS:
+        try:
+            program.add_rule(refuse, name)
+        except (ValueError, OSError, RuntimeError):  # a call this libseccomp or architecture does not know
+            log.debug("seccomp: %s unknown here, not filtered", name)
+    for flag in _NAMESPACE_FLAGS:
+        program.add_rule(refuse, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+    program.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    with tempfile.TemporaryFile() as out:
+        program.export_bpf(out)
+        out.seek(0)
+        return out.read()
+
+
+def _limit_resources(limits: Limits, processes: bool, group: RunGroup | None):
+    def apply() -> None:
+        if group is not None:  # first: bwrap and everything under it start inside the group
+            group.join()
+        else:  # no group to bound the tree's memory: each process's address space, at least
+            memory = limits.memory_mb << 20
+            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.scratch_mb << 20,) * 2)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if processes and group is None:  # counted per user, across every run: the group counts this one's
+            resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+    return apply
+
+
+@dataclass
+class Finished:
+    returncode: int
+    stdout: bytes
+    stderr: bytes
+    stopped: str | None             # why keel stopped it (timeout, output, CPU), or None
+    cpu_s: float | None = None      # the whole tree's CPU time, from its cgroup (None without one)
+    oom_killed: bool = False        # the kernel killed it for the group's memory limit
+
+
+def run_jailed(mode: str, code: str, stdin: str, limits: Limits, args: list[str] = (),
+               accounted: bool = True) -> Finished:
+    """One run, in its own cgroup when `accounted` and this machine allows one; the group is
+    removed however the run ends (a scorer's timeout included)."""
+    # The group also holds bwrap, the tmpfs scratch directory's pages and page tables: some slack.
+    group = cgroups.create(((limits.memory_mb + limits.scratch_mb) << 20) + (32 << 20),
+                           limits.processes + 4) if accounted else None
+    try:
+        return _run_in(mode, code, stdin, limits, list(args), group)
+    finally:
+        if group is not None:
+            group.remove()
+
+
+def _run_in(mode: str, code: str, stdin: str, limits: Limits, args: list[str], group: RunGroup | None) -> Finished:
+    with tempfile.TemporaryDirectory(prefix="keel_sandbox_") as host:
+        solution, stdin_file = Path(host, "solution.py"), Path(host, "stdin")
+        solution.write_text(code)
+        stdin_file.write_text(stdin)
+        solution.chmod(0o444)  # the jail's user reads it through a bind mount, never writes it
+        Path(host, "seccomp.bpf").write_bytes((mode != NO_JAIL and _seccomp_program()) or b"")
+        with open(stdin_file, "rb") as stdin_handle, open(Path(host, "seccomp.bpf"), "rb") as seccomp:
+            process = subprocess.Popen(
+                _command(mode, str(solution), limits, args, seccomp.fileno()), cwd=host, stdin=stdin_handle,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "HOME": host},
+                preexec_fn=_limit_resources(limits, mode == AS_NOBODY, group), start_new_session=True,
+                pass_fds=(seccomp.fileno(),))
+        try:
+            stdout, stderr, stopped = _collect(process, limits, group)
+        finally:
+            _kill_tree(process, group)
+            process.wait()
+            process.stdout.close()
+            process.stderr.close()
+    if group is None:
+        return Finished(process.returncode, stdout, stderr, stopped)
+    return Finished(process.returncode, stdout, stderr, stopped, group.cpu_seconds(), group.killed_for_memory())
+
+
+def _collect(process: subprocess.Popen, limits: Limits, group: RunGroup | None) -> tuple[bytes, bytes, str | None]:
+    """Both pipes read as they fill, never more than the limit held: an endless print costs nothing.
+    With a cgroup, the tree's CPU time and OOM kills are watched too: RLIMIT_CPU starts again in
+    every child, and a killed child may leave the rest of the tree waiting."""
+    buffers = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
+    deadline = time.monotonic() + limits.wall_s
+    with selectors.DefaultSelector() as selector:
+        for fd in buffers:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return b"", b"", f"timeout: ran past {limits.wall_s} s"
+            if group is not None and group.cpu_seconds() > limits.cpu_s:
+                return b"", b"", f"cpu limit: over {limits.cpu_s} s of CPU"
+            if group is not None and group.killed_for_memory():  # the verdict is in: no need to wait
+                return b"", b"", f"memory limit: over {limits.memory_mb} MB"
+            for key, _ in selector.select(min(left, CPU_POLL_S)):
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:
+                    selector.unregister(key.fd)
+                    continue
+                buffers[key.fd] += chunk
+                if len(buffers[key.fd]) > limits.output_bytes:
+                    return b"", b"", f"output limit: over {limits.output_bytes} bytes"
+    return bytes(buffers[process.stdout.fileno()]), bytes(buffers[process.stderr.fileno()]), None
+
+
+def _kill_tree(process: subprocess.Popen, group: RunGroup | None) -> None:
+    """The cgroup names every process of the run. Without one: bwrap leads its own session, and its
+    namespace's processes die with it (--die-with-parent; a pid namespace ends with its first
+    process); without the jail, the session is the tree."""
+    if group is not None:
+        group.kill()
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
