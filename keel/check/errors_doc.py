@@ -10,7 +10,7 @@ def render_errors() -> str:
     lines = ["# Error codes", "",
              "Every error keel raises for something a user can fix. Each prints as `error[KEEL-...]`",
              "followed by a `fix:` line; `keel explain CODE` prints the entry below. Generated from",
-             "`keel/errors.py` by `python -m keel.check.errors_doc > docs/errors.md`."]
+             "`keel/errors/` by `python -m keel.check.errors_doc > docs/errors.md`."]
     for area, name in AREAS.items():
         entries = [e for e in CATALOGUE.values() if e.code[5] == area]
         if not entries:

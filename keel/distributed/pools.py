@@ -12,7 +12,7 @@ import torch
 
 from keel.distributed.dist import port_from_environment
 from keel.distributed.group import Devices, RayGroup
-from keel.distributed.worker import RoleWorker
+from keel.distributed.worker import RoleWorker, WorkerSpec
 from keel.rewards.model import RewardModel, RewardTemplate
 from keel.training.batching import contiguous_shares
 
@@ -27,7 +27,7 @@ def role_group(cfg, total_steps: int, actor_weights: str | None, stacks_dir: Pat
     builds (RoleWorker's default: the policy, and the critic when colocated); a critic pool is a
     second group with roles {"critic"} and a size of its own, whose rank 0 finds a port of its own
     (MASTER_PORT is the policy group's)."""
-    build = functools.partial(RoleWorker, cfg, total_steps, actor_weights, roles=roles)
+    build = functools.partial(RoleWorker, WorkerSpec.of(cfg, total_steps, actor_weights, roles))
     return RayGroup(build, world_size or cfg.world_size, Devices.of(cfg),
                     role=",".join(sorted(roles)) if roles else POLICY_ROLE, stacks_dir=stacks_dir,
                     phase_timeout_s=cfg.trainer.guards.phase_timeout_s,

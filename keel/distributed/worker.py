@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from keel.checkpoint import load_trainers, save_trainers
-from keel.config.schema import KeelConfig
+from keel.config.schema import ActorRolloutRefConfig, CriticConfig, KeelConfig
 from keel.distributed.dist import init_process_group
 from keel.distributed.fsdp import full_parameters
 from keel.distributed.parallelize import parallelize
@@ -38,50 +39,70 @@ from keel.types import RolloutBatch, SamplingParams
 log = logging.getLogger("keel")
 
 
-def default_roles(cfg: KeelConfig) -> frozenset[str]:
-    """What a policy worker builds: the actor with its rollout engine and reference, and the
-    critic too unless it has a pool of its own."""
-    colocated_critic = cfg.critic_enabled and "critic" not in cfg.pools
-    return frozenset({"policy", "critic"} if colocated_critic else {"policy"})
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a rank builds, cut from the config once: the sections it reads, and the few numbers
+    the rest of the config decides."""
+    policy: ActorRolloutRefConfig   # the policy's model, actor, rollout and reference
+    critic: CriticConfig
+    roles: frozenset[str]           # "policy" (actor, rollout engine, reference), "critic"
+    total_steps: int                # the LR schedules' length
+    device: str                     # trainer.device
+    seed: int                       # trainer.seed: identical initial weights on every rank
+    collective_timeout_s: float
+    max_response_length: int        # seq-mean-token-sum-norm's constant
+    with_reference: bool            # a KL term needs the reference
+    critic_micro_batch: int         # critic.ppo_micro_batch_size_per_gpu, or the actor's
+    actor_weights: str | None       # a checkpoint's actor to start from instead of the model path
+
+    @classmethod
+    def of(cls, cfg: KeelConfig, total_steps: int, actor_weights: str | None = None,
+           roles: frozenset[str] | None = None) -> WorkerSpec:
+        """`roles` by default: the policy, and the critic too unless it has a pool of its own."""
+        colocated_critic = cfg.critic_enabled and "critic" not in cfg.pools
+        t = cfg.trainer
+        return cls(cfg.actor_rollout_ref, cfg.critic,
+                   roles or frozenset({"policy", "critic"} if colocated_critic else {"policy"}), total_steps,
+                   t.device, t.seed, t.collective_timeout_s, cfg.data.max_response_length, cfg.ref_enabled,
+                   cfg.critic_batching[1], actor_weights)
 
 
 class RoleWorker:
-    def __init__(self, cfg: KeelConfig, total_steps: int, actor_weights: str | None = None, rank: int = 0,
-                 world_size: int = 1, master: tuple[str, int] | None = None, tokenizer=None,
-                 roles: frozenset[str] | None = None):
+    def __init__(self, spec: WorkerSpec, rank: int = 0, world_size: int = 1, master: tuple[str, int] | None = None,
+                 tokenizer=None):
         quiet_transformers()
-        self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.device = resolve_device(cfg.trainer.device)
+        self.spec, self.rank, self.world_size = spec, rank, world_size
+        self.device = resolve_device(spec.device)
         if self.device.type == "cuda":  # NCCL wants an index; a Ray worker sees only its own GPU
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.compute_dtype = resolve_dtype(cfg.actor_rollout_ref.model.dtype, self.device)
+        self.compute_dtype = resolve_dtype(spec.policy.model.dtype, self.device)
         if world_size > 1:
-            init_process_group(rank, world_size, *master, self.device, cfg.trainer.collective_timeout_s)
+            init_process_group(rank, world_size, *master, self.device, spec.collective_timeout_s)
         self.sharding: dict[str, float] = {}
-        policy = cfg.actor_rollout_ref
+        policy = spec.policy
         self.tokenizer = tokenizer or load_tokenizer(policy.model.path, policy.model.trust_remote_code)
-        roles = roles or default_roles(cfg)
+        roles = spec.roles
         self.rollout: RolloutEngine | None = None
         self.actor: ActorTrainer | None = None
         self.ref: ReferencePolicy | None = None
         if "policy" in roles:
-            self._build_policy(actor_weights, total_steps)
-        self.critic = self._build_critic(total_steps) if "critic" in roles else None
+            self._build_policy()
+        self.critic = self._build_critic() if "critic" in roles else None
 
-    def _build_policy(self, actor_weights: str | None, total_steps: int) -> None:
+    def _build_policy(self) -> None:
         """The actor, its rollout engine and the reference (when a KL term needs one)."""
-        cfg, policy, rank = self.cfg, self.cfg.actor_rollout_ref, self.rank
-        torch.manual_seed(cfg.trainer.seed)  # every rank starts from identical weights
-        model = load_causal_lm(actor_weights or policy.model.path, self.device, policy.model.trust_remote_code,
+        spec, policy, rank = self.spec, self.spec.policy, self.rank
+        torch.manual_seed(spec.seed)  # every rank starts from identical weights
+        model = load_causal_lm(spec.actor_weights or policy.model.path, self.device, policy.model.trust_remote_code,
                                policy.model.enable_gradient_checkpointing)
         # Built before the actor is sharded: it reads the whole weights once. After each update it
         # takes them from the actor module (unsharded) or gathered from the shards.
         self.rollout = make_rollout_engine(policy.rollout, model, self.tokenizer, self.device, self.compute_dtype,
                                            log_choice=rank == 0, will_be_sharded=self._actor_sharded)
         model, placement = self._prepare_model(model, policy.actor.fsdp_config, "actor")
-        self.actor = ActorTrainer(model, policy.actor, policy.rollout.temperature, total_steps,
-                                  _log_prob_batching(policy.rollout), cfg.data.max_response_length, placement)
-        if cfg.ref_enabled:  # the reference is always the starting policy, even on resume
+        self.actor = ActorTrainer(model, policy.actor, policy.rollout.temperature, spec.total_steps,
+                                  _log_prob_batching(policy.rollout), spec.max_response_length, placement)
+        if spec.with_reference:  # the reference is always the starting policy, even on resume
             ref_model = load_causal_lm(policy.model.path, self.device, policy.model.trust_remote_code)
             ref_model, placement = self._prepare_model(ref_model, policy.ref.fsdp_config, "ref")
             self.ref = ReferencePolicy(ref_model, _log_prob_batching(policy.ref), policy.rollout.temperature,
@@ -89,12 +110,12 @@ class RoleWorker:
 
     @property
     def _actor_sharded(self) -> bool:
-        return self.world_size > 1 and self.cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size != 1
+        return self.world_size > 1 and self.spec.policy.actor.fsdp_config.fsdp_size != 1
 
     def _prepare_model(self, model, fsdp_cfg, role: str):
         """(the role's model made ready to train, its Placement): compiled (GPU), then sharded
         (several workers)."""
-        compiled = self.cfg.actor_rollout_ref.actor.use_torch_compile and can_compile(self.device)
+        compiled = self.spec.policy.actor.use_torch_compile and can_compile(self.device)
         # The hf engine generates with this very module when unsharded; its growing KV cache would
         # recompile the layers at every length, so they stay eager.
         generates_with_it = isinstance(self.rollout, HFRolloutEngine) and self.rollout.model is model
@@ -104,14 +125,12 @@ class RoleWorker:
         self.sharding.update(report)
         return model, placement
 
-    def _build_critic(self, total_steps: int) -> CriticTrainer:
-        cfg, c = self.cfg, self.cfg.critic
-        _, micro_size, _ = cfg.critic_batching
-        torch.manual_seed(cfg.trainer.seed)  # the value head's initialisation, identical on every rank
-        model = load_critic(c.model.path or cfg.actor_rollout_ref.model.path, self.device,
-                            cfg.actor_rollout_ref.model.trust_remote_code)
+    def _build_critic(self) -> CriticTrainer:
+        spec, c = self.spec, self.spec.critic
+        torch.manual_seed(spec.seed)  # the value head's initialisation, identical on every rank
+        model = load_critic(c.model.path or spec.policy.model.path, self.device, spec.policy.model.trust_remote_code)
         model, placement = self._prepare_model(model, c.model.fsdp_config, "critic")
-        return CriticTrainer(model, c, micro_size, total_steps, placement)
+        return CriticTrainer(model, c, spec.critic_micro_batch, spec.total_steps, placement)
 
     # --- what the driver calls ------------------------------------------------------------------
     def start_profile(self) -> None:
@@ -151,7 +170,7 @@ class RoleWorker:
 
     def update_actor(self, minis: list[MiniBatch]) -> dict[str, float]:
         with autocast(self.device, self.compute_dtype), self._optimizer_state_on_device(
-                self.actor.optimizer, self.cfg.actor_rollout_ref.actor.fsdp_config):
+                self.actor.optimizer, self.spec.policy.actor.fsdp_config):
             metrics = self.actor.update(minis)
         start = time.perf_counter()
         self._sync_rollout()
@@ -160,7 +179,7 @@ class RoleWorker:
 
     def update_critic(self, minis: list[MiniBatch]) -> dict[str, float]:
         with autocast(self.device, self.compute_dtype), self._optimizer_state_on_device(
-                self.critic.optimizer, self.cfg.critic.model.fsdp_config):
+                self.critic.optimizer, self.spec.critic.model.fsdp_config):
             return self.critic.update(minis)
 
     def _sync_rollout(self) -> None:

@@ -136,7 +136,9 @@ print(json.dumps({
 '''
 
 
-PROBE_LIMITS = Limits(wall_s=60.0, cpu_s=10)
+# The probe runs without a cgroup, so RLIMIT_NPROC would count every process uid 65534 has on the
+# machine (other runs, other trainers): a limit only a fork bomb reaches.
+PROBE_LIMITS = Limits(wall_s=60.0, cpu_s=10, processes=4096)
 
 
 def _probe(mode: str) -> dict[str, bool] | str:

@@ -4,6 +4,7 @@ the whole batch and nothing is copied."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,17 +20,36 @@ REPLICATED_METRICS = ("actor/grad_norm", "actor/lr", "critic/grad_norm", "critic
                       "timing_s/sync_rollout_weights")
 
 
+@dataclass(frozen=True)
+class UpdateSchedule:
+    """How one role's update cuts a step's batch into mini-batches."""
+    samples_per_mini_batch: int     # ppo_mini_batch_size prompts x rollout.n
+    epochs: int                     # passes over the batch
+    shuffle: bool                   # samples shuffled between mini-batches
+    max_response_length: int        # seq-mean-token-sum-norm's constant
+
+
 class WorkerRoles:
-    def __init__(self, group, cfg: KeelConfig, pad_token_id: int, critic_group=None):
+    def __init__(self, group, pad_token_id: int, actor: UpdateSchedule, critic: UpdateSchedule | None = None,
+                 critic_group=None):
         """`critic_group`: the critic's own workers (critic.enable_resource_pool); by default the
         critic is colocated in `group`."""
         self.group = group
         self.critic_group = critic_group or group
-        self.cfg = cfg
+        self.actor_schedule, self.critic_schedule = actor, critic
         self.world = group.world_size
         self.pad_token_id = pad_token_id
         self.peak_gb: dict[str, float] = {}      # method -> the fullest GPU's peak during its last call
         self.rss_gb = 0.0
+
+    @classmethod
+    def of(cls, group, cfg: KeelConfig, pad_token_id: int, critic_group=None) -> WorkerRoles:
+        policy = cfg.actor_rollout_ref
+        n, shuffle, length = policy.rollout.n, policy.actor.shuffle, cfg.data.max_response_length
+        actor = UpdateSchedule(policy.actor.ppo_mini_batch_size * n, policy.actor.ppo_epochs, shuffle, length)
+        critic_prompts, _, critic_epochs = cfg.critic_batching
+        critic = UpdateSchedule(critic_prompts * n, critic_epochs, shuffle, length) if cfg.critic_enabled else None
+        return cls(group, pad_token_id, actor, critic, critic_group)
 
     # --- rollout -----------------------------------------------------------------------------------
     def generate(self, prompts: PromptBatch, sampling: SamplingParams,
@@ -59,17 +79,11 @@ class WorkerRoles:
 
     # --- updates -------------------------------------------------------------------------------------
     def update_actor(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
-        actor = self.cfg.actor_rollout_ref.actor
-        plan = plan_minibatches(batch, actor.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n,
-                                actor.ppo_epochs, actor.shuffle, seed * 1000, self.cfg.data.max_response_length,
-                                self.world)
+        plan = _plan(batch, self.actor_schedule, seed * 1000, self.world)
         return combine_metrics(self._call("update_actor", [(p,) for p in plan]))
 
     def update_critic(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
-        mini_prompts, _, epochs = self.cfg.critic_batching
-        plan = plan_minibatches(batch, mini_prompts * self.cfg.actor_rollout_ref.rollout.n, epochs,
-                                self.cfg.actor_rollout_ref.actor.shuffle, seed * 1000 + 500,
-                                self.cfg.data.max_response_length, self.critic_group.world_size)
+        plan = _plan(batch, self.critic_schedule, seed * 1000 + 500, self.critic_group.world_size)
         return combine_metrics(self._call("update_critic", [(p,) for p in plan], self.critic_group))
 
     # --- checkpoints -----------------------------------------------------------------------------
@@ -106,6 +120,11 @@ class WorkerRoles:
             self.peak_gb[method] = max(m.get("gpu_peak_gb", 0.0) for m in readings)
         self.rss_gb = max([self.rss_gb, *(m["rss_gb"] for m in readings)])
         return results
+
+
+def _plan(batch: RolloutBatch, schedule: UpdateSchedule, seed: int, ranks: int) -> list:
+    return plan_minibatches(batch, schedule.samples_per_mini_batch, schedule.epochs, schedule.shuffle, seed,
+                            schedule.max_response_length, ranks)
 
 
 def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -22,7 +22,7 @@ from keel.data.sampler import ResumableSampler
 from keel.errors import DATA_EMPTY, KeelError
 from keel.distributed.group import LocalGroup
 from keel.distributed.pools import RewardModelPool, role_group
-from keel.distributed.worker import RoleWorker
+from keel.distributed.worker import RoleWorker, WorkerSpec
 from keel.models.load import load_tokenizer, quiet_transformers, resolve_device
 from keel.rewards.model import RewardModel
 from keel.rewards.normalize import RunningNormalizer
@@ -130,7 +130,7 @@ def build_workers(cfg: KeelConfig, total_steps: int, actor_weights: Path | None,
     weights = str(actor_weights) if actor_weights else None
     # With a pool of its own for any role, Ray places every device user, a single worker included.
     if cfg.world_size == 1 and not cfg.pools:
-        group = LocalGroup(RoleWorker(cfg, total_steps, weights, tokenizer=tokenizer))
+        group = LocalGroup(RoleWorker(WorkerSpec.of(cfg, total_steps, weights), tokenizer=tokenizer))
     else:
         log.info("starting %d workers (trainer.n_gpus_per_node=%d x trainer.nnodes=%d)", cfg.world_size,
                  cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes)
@@ -141,7 +141,7 @@ def build_workers(cfg: KeelConfig, total_steps: int, actor_weights: Path | None,
                  cfg.critic.n_gpus_per_node, cfg.critic.nnodes)
         critic_group = role_group(cfg, total_steps, None, Path(run_dir), roles=frozenset({"critic"}),
                                 world_size=cfg.critic_world_size)
-    return WorkerRoles(group, cfg, tokenizer.pad_token_id, critic_group)
+    return WorkerRoles.of(group, cfg, tokenizer.pad_token_id, critic_group)
 
 
 def build_reward(cfg: KeelConfig) -> RewardScorer:

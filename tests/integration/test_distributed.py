@@ -16,7 +16,7 @@ from keel.config.load import load_config  # noqa: E402
 from keel.data.prompts import collate_prompts  # noqa: E402
 from keel.distributed.group import LocalGroup  # noqa: E402
 from keel.distributed.pools import role_group  # noqa: E402
-from keel.distributed.worker import RoleWorker  # noqa: E402
+from keel.distributed.worker import RoleWorker, WorkerSpec  # noqa: E402
 from keel.trainer.setup import load_prompts  # noqa: E402
 from keel.trainer.roles import WorkerRoles  # noqa: E402
 from keel.types import SamplingParams  # noqa: E402
@@ -67,7 +67,7 @@ def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ra
     gradients. The two-worker checkpoint loads into the one process with the same Adam moments."""
     one_cfg, two_cfg = ppo_config(tiny_config, 1), ppo_config(tiny_config, 2, dynamic=True, sharding=sharding)
     replicated = sharding == "replicated"
-    one = WorkerRoles(LocalGroup(RoleWorker(one_cfg, total_steps=2)), one_cfg, pad_token_id=0)
+    one = WorkerRoles.of(LocalGroup(RoleWorker(WorkerSpec.of(one_cfg, total_steps=2))), one_cfg, pad_token_id=0)
     tokenizer = one.group.worker.tokenizer
     prompts = collate_prompts(load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4],
                               tokenizer.pad_token_id).repeat_interleave(4)
@@ -77,7 +77,7 @@ def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ra
     batch.advantages = torch.randn(batch.response_mask.shape) * batch.response_mask
     batch.returns = torch.randn(batch.response_mask.shape) * batch.response_mask
 
-    two = WorkerRoles(role_group(two_cfg, 2, None, tmp_path / "stacks"), two_cfg, tokenizer.pad_token_id)
+    two = WorkerRoles.of(role_group(two_cfg, 2, None, tmp_path / "stacks"), two_cfg, tokenizer.pad_token_id)
     try:
         assert ("fsdp/actor_sharded_gb" in two.group.call("info", [()] * 2)[0]) != replicated
         for name in ("actor_log_probs", "ref_log_probs", "values"):  # forward passes split across ranks
@@ -118,7 +118,7 @@ def test_a_critic_on_workers_of_its_own_takes_the_same_step(tiny_config, tmp_pat
     the critic update equal the colocated single process's, and the checkpoint is the same files:
     the single process loads the pool's critic and computes the same values."""
     one_cfg, pool_cfg = ppo_config(tiny_config, 1), ppo_config(tiny_config, 1, critic_pool=True)
-    one = WorkerRoles(LocalGroup(RoleWorker(one_cfg, total_steps=2)), one_cfg, pad_token_id=0)
+    one = WorkerRoles.of(LocalGroup(RoleWorker(WorkerSpec.of(one_cfg, total_steps=2))), one_cfg, pad_token_id=0)
     tokenizer = one.group.worker.tokenizer
     prompts = collate_prompts(load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4],
                               tokenizer.pad_token_id).repeat_interleave(4)
@@ -130,7 +130,7 @@ def test_a_critic_on_workers_of_its_own_takes_the_same_step(tiny_config, tmp_pat
 
     policy = role_group(pool_cfg, 2, None, tmp_path / "stacks")
     critic = role_group(pool_cfg, 2, None, tmp_path / "stacks", roles=frozenset({"critic"}), world_size=1)
-    pooled = WorkerRoles(policy, pool_cfg, tokenizer.pad_token_id, critic)
+    pooled = WorkerRoles.of(policy, pool_cfg, tokenizer.pad_token_id, critic)
     try:
         assert policy.call("info", [()])[0]["rollout_engine"] and critic.call("info", [()])[0]["rollout_engine"] is None
         torch.testing.assert_close(pooled.values(batch), batch.values, atol=1e-5, rtol=1e-4)
