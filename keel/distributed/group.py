@@ -88,7 +88,8 @@ class RayGroup:
         env = {k: v for k, v in os.environ.items() if k.startswith("KEEL_")}  # a cluster's workers lack our env
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.actors = [_worker_actor_class(ray).options(
+        actor_class = _worker_actor_class(ray)
+        self.actors = [actor_class.options(
             num_cpus=cpus, num_gpus=1 if devices.gpus else 0, runtime_env={"env_vars": env} if env else None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
         ).remote() for rank in range(world_size)]
@@ -99,10 +100,12 @@ class RayGroup:
         if rendezvous:
             master = self._wait([self.actors[0].rendezvous.remote(port)], "setup", [0], STARTUP_TIMEOUT_S)[0]
             log.info("%s ranks meet at %s:%d%s", role, *master, " (MASTER_PORT)" if port else "")
-        threads = 0 if devices.gpus else max(1, (os.cpu_count() or 1) // world_size)  # CPU workers share the cores
-        self._wait([a.setup.remote(build, rank, world_size, master, threads) for rank, a in enumerate(self.actors)],
+        split_cores = rendezvous and not devices.gpus  # CPU ranks share their node's cores
+        self._wait([a.setup.remote(build, rank, world_size, master, split_cores) for rank, a in enumerate(self.actors)],
                    "setup", ranks, STARTUP_TIMEOUT_S)
-        for info in self._wait([a.describe.remote() for a in self.actors], "setup", ranks, STARTUP_TIMEOUT_S):
+        described = self._wait([a.describe.remote() for a in self.actors], "setup", ranks, STARTUP_TIMEOUT_S)
+        self.last_memory.update(enumerate(reply.memory for reply in described))  # what a rank held before its first call
+        for info in (reply.result for reply in described):
             log.info("%s rank %d on %s (pid %d, %s, CUDA_VISIBLE_DEVICES=%s, %d threads)%s", role, info["rank"],
                      self.hosts[info["rank"]], info["pid"], info["device"], info["visible"], info["threads"],
                      "".join(f", {k}={v:.3f}" for k, v in info.items() if k.startswith("fsdp/")))
@@ -314,20 +317,20 @@ def _worker_actor_class(ray):
             from keel.distributed.dist import rendezvous_port
             return ray.util.get_node_ip_address(), rendezvous_port(port)
 
-        def setup(self, build, rank: int, world_size: int, master, threads: int) -> None:
+        def setup(self, build, rank: int, world_size: int, master, split_cores: bool) -> None:
             import torch
 
             from keel.observe.log import ensure_console_logging
 
             ensure_console_logging()
-            if threads:
-                torch.set_num_threads(threads)
+            if split_cores:
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
             self.served = ServedWorker(build(rank=rank, world_size=world_size, master=master), rank)
 
         def run(self, method, *args):
             return self.served.run(method, *args)
 
-        def describe(self) -> dict:
+        def describe(self):
             return self.served.describe()
 
         @ray.method(concurrency_group="control")

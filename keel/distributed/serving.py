@@ -51,11 +51,13 @@ class ServedWorker:
         self.phase = "idle"
         return Reply(result, memory_reading(self.device), time.perf_counter() - start)
 
-    def describe(self) -> dict:
-        """Where this rank runs, and what the worker says of itself (its `info`)."""
+    def describe(self) -> Reply:
+        """Where this rank runs and what the worker says of itself (its `info`), with the memory it
+        holds once built."""
         own = self.worker.info() if hasattr(self.worker, "info") else {}
-        return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "threads": torch.get_num_threads(),
-                "visible": os.environ.get("CUDA_VISIBLE_DEVICES", "all"), **own}
+        where = {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "threads": torch.get_num_threads(),
+                 "visible": os.environ.get("CUDA_VISIBLE_DEVICES", "all"), **own}
+        return Reply(where, memory_reading(self.device), 0.0)
 
     def stacks(self) -> dict:
         """Every thread's stack, and whether the thread running the phase waits in a collective."""
