@@ -182,24 +182,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_machine_commands(sub) -> None:
     """doctor, report, demo and export: commands about this machine, a run or a checkpoint."""
-    doctor = sub.add_parser("doctor", help="check this machine: versions, GPU, driver, disk")
-    doctor.add_argument("--json", action="store_true", help="machine-readable output")
-    doctor.add_argument("--path", default=".", help="where checkpoints will go (for the disk check)")
-    doctor.set_defaults(func=_cmd_doctor)
-
-    report = sub.add_parser("report", help="plot a run's metrics to report.png and report.html")
-    report.add_argument("run_dir", help="a run directory (holds metrics.jsonl)")
-    report.set_defaults(func=_cmd_report)
-
-    demo = sub.add_parser("demo", help="SFT then GRPO on a tiny model that learns addition (CPU, minutes)")
-    demo.add_argument("--out", default="keel_demo", help="output directory (default: keel_demo)")
-    demo.add_argument("--fresh", action="store_true", help="start over instead of resuming")
-    demo.set_defaults(func=_cmd_demo)
-
-    export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face directory")
-    export.add_argument("checkpoint", help="a global_step_<N> directory")
-    export.add_argument("out", help="output directory")
-    export.set_defaults(func=_cmd_export)
+    commands = {  # name: (help, handler, [(flags, options) of each argument])
+        "doctor": ("check this machine: versions, GPU, driver, disk", _cmd_doctor, [
+            (["--json"], {"action": "store_true", "help": "machine-readable output"}),
+            (["--path"], {"default": ".", "help": "where checkpoints will go (for the disk check)"})]),
+        "report": ("plot a run's metrics to report.png and report.html", _cmd_report, [
+            (["run_dir"], {"help": "a run directory (holds metrics.jsonl)"})]),
+        "demo": ("SFT then GRPO on a tiny model that learns addition (CPU, minutes)", _cmd_demo, [
+            (["--out"], {"default": "keel_demo", "help": "output directory (default: keel_demo)"}),
+            (["--fresh"], {"action": "store_true", "help": "start over instead of resuming"})]),
+        "export": ("write a checkpoint's policy as a Hugging Face directory", _cmd_export, [
+            (["checkpoint"], {"help": "a global_step_<N> directory"}), (["out"], {"help": "output directory"})]),
+    }
+    for name, (help_text, handler, arguments) in commands.items():
+        command = sub.add_parser(name, help=help_text)
+        for flags, options in arguments:
+            command.add_argument(*flags, **options)
+        command.set_defaults(func=handler)
 
 
 def _add_reward_server(sub) -> None:
