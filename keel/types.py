@@ -66,6 +66,7 @@ class RolloutBatch:
 
     # Filled in by later stages of the step.
     scores: Tensor | None = None                # [N] outcome reward from the reward function
+    reward_extras: list[dict] | None = None     # [N] other keys of dict results (verl's reward_extra_info)
     token_level_rewards: Tensor | None = None   # [N, R] score on the last token, minus KL if in reward
     old_log_probs: Tensor | None = None         # [N, R] actor log-probs before the update
     ref_log_probs: Tensor | None = None         # [N, R]

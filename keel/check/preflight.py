@@ -175,16 +175,39 @@ def check_reward(cfg: KeelConfig, context: dict) -> list[Finding]:
     records = need(context, "train_records") + context.get("val_records", [])
     scorer.check_records(records)
     sample = records[:4]
-    for responses in ([str(r.ground_truth) for r in sample], [""] * len(sample)):
-        scores = scorer.score_batch(sample, responses, on_error="raise").scores
+    best = max(scorer.score_batch(sample, answers, on_error="raise").scores.max().item()
+               for answers in _candidate_answers(sample))
+    scores = scorer.score_batch(sample, [""] * len(sample), on_error="raise").scores
     scorer.close()  # its worker pool; the scorer starts a new one when the trainer reuses it
     context["reward"] = scorer
-    found = [Finding(PASS, "reward", f"scorer ran on {len(sample)} rows (last scores {scores.tolist()})")]
+    found = [Finding(PASS, "reward", f"scorer ran on {len(sample)} rows (empty answers score {scores.tolist()})")]
+    if best <= 0 and _judged_by_user_code(scorer, sample):
+        found.append(Finding(WARN, "reward", f"the reward function gave no positive score to any of "
+                             f"{len(CANDIDATE_FORMS)} answers built from each row's ground truth "
+                             f"({', '.join(f.format('x') for f in CANDIDATE_FORMS)}): if it never rewards a right "
+                             "answer, training learns nothing (verl's contract: compute_score(data_source=, "
+                             "solution_str=, ground_truth=, extra_info=), called by keyword)"))
     if scorer.runs_model_code(records):
         found.append(sandbox_finding(jail()))
     if cfg.reward_model.enable:
         found.append(check_reward_model_budget(cfg, scorer.reward_model, records, need(context, "tokenizer")))
     return found
+
+
+# Answers a right response could take, written around the ground truth.
+CANDIDATE_FORMS = ("{}", "#### {}", "\\boxed{{{}}}", "The answer is {}.", "<answer>{}</answer>")
+
+
+def _candidate_answers(records: list) -> list[list[str]]:
+    return [[form.format(r.ground_truth) for r in records] for form in CANDIDATE_FORMS]
+
+
+def _judged_by_user_code(scorer, records: list) -> bool:
+    """Whether some row is scored by something keel did not write (a custom function, a service):
+    the built-in scorers have tests of their own, and some (code, regex) read no bare answer."""
+    return any(spec[0] != "builtin" if isinstance(spec, tuple) else True
+               for source in {r.data_source for r in records}
+               for spec, _ in scorer.scorers_for(source).values() if spec != ("reward_model",))
 
 
 def sandbox_finding(found) -> Finding:

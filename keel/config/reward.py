@@ -76,3 +76,4 @@ class CustomRewardConfig:
     name: str = opt("compute_score")
     batched: bool = opt(False, help="the function takes lists (data_sources, solution_strs, ground_truths, "
                                     "extra_infos) and returns a list of scores")
+    reward_kwargs: dict = opt(factory=dict, help="keyword arguments passed to the function on every call, as verl")

@@ -48,9 +48,15 @@ class LearningSignalGuard:
         self.group_based = group_based
         self.fixed_length = fixed_length  # rollout.ignore_eos: every response is cut off by design
         self.flat_steps = 0
+        self.saw_all_zero = False
 
     def __call__(self, step: int, metrics: dict[str, float]) -> list[str]:
         c, warnings = self.cfg, []
+        if self._first_all_zero(metrics):
+            warnings.append(f"every score of this batch is 0 although the model wrote answers (mean "
+                            f"{metrics['response_length/mean']:.1f} tokens): a task too hard for the model yet, or a "
+                            "reward function that never sees a right answer; compare samples.jsonl with the scorer "
+                            "(verl's contract: compute_score(data_source=, solution_str=, ground_truth=, extra_info=))")
         flat = metrics.get("critic/score/max", 1.0) == metrics.get("critic/score/min", 0.0)
         if self.group_based:
             flat = flat or metrics.get("guards/frac_reward_zero_std", 0.0) == 1.0
@@ -73,6 +79,14 @@ class LearningSignalGuard:
                 warnings.append(f"{key}={metrics[key]:.3g} > {c.max_kl}: the policy moved far in one step; "
                                 "lower the learning rate or the clip range")
         return warnings
+
+    def _first_all_zero(self, metrics: dict[str, float]) -> bool:
+        """The first batch whose every score is 0 while responses are not empty (said once a run)."""
+        all_zero = metrics.get("critic/score/max", 1.0) == 0.0 == metrics.get("critic/score/min", 1.0)
+        if self.saw_all_zero or not all_zero or metrics.get("response_length/mean", 0.0) <= 1.0:
+            return False
+        self.saw_all_zero = True
+        return True
 
 
 @contextmanager

@@ -35,11 +35,11 @@ class ScoringPool:
         # The per-sample limit runs inside each worker; this batch deadline catches what a signal
         # cannot interrupt (a scorer stuck in C code, a worker that died mid-task).
         waves = math.ceil(len(tasks) / self.num_workers)
-        deadline = time.monotonic() + (timeout_s * waves + START_SLACK_S if timeout_s else float("inf"))
+        deadline = time.monotonic() + timeout_s * waves + START_SLACK_S if timeout_s else None
         results, hung = [], False
         for future in pending:
-            try:
-                results.append(future.get(timeout=max(0.0, deadline - time.monotonic())))
+            try:  # no reward.timeout_s: wait as long as it takes (an infinite timeout overflows the clock)
+                results.append(future.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())))
             except multiprocessing.TimeoutError:
                 results.append(SampleResult(None, "timeout (worker killed)", timeout_s or 0.0))
                 hung = True

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from keel.errors import (MISSING_GROUND_TRUTH, NO_SCORER, REWARD_FN_LOAD, REWARD_NOT_NUMBER, SCORER_RAISED,
                          SCORER_TIMEOUT, TOO_MANY_NOT_SCORED, KeelError, SkipStep)
+from keel.rewards.contract import verl_extra_info
 from keel.rewards.executor import ScoringPool
 from keel.rewards.sandbox import require_jail
 from keel.rewards.scorers import DATA_SOURCE_SCORERS, NO_GROUND_TRUTH, SCORERS, RewardFn
@@ -18,8 +20,9 @@ from keel.rewards.worker import NOT_FINITE, SampleResult, SampleTask, Spec, load
 log = logging.getLogger("keel")
 
 
-def load_custom_reward_fn(path: str, name: str) -> RewardFn:
-    """Import `name` from the python file at `path` (verl's custom_reward_function)."""
+def load_custom_reward_fn(path: str, name: str, reward_kwargs: dict | None = None) -> RewardFn:
+    """Import `name` from the python file at `path` (verl's custom_reward_function), with
+    `reward_kwargs` bound to every call."""
     file = Path(path)
     if not file.is_file():
         raise KeelError(REWARD_FN_LOAD, f"custom_reward_function.path={path!r} does not exist")
@@ -32,7 +35,7 @@ def load_custom_reward_fn(path: str, name: str) -> RewardFn:
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         raise KeelError(REWARD_FN_LOAD, f"{path} has no function {name!r} (it defines: {found})",
                         f"set custom_reward_function.name to one of {found}")
-    return fn
+    return functools.partial(fn, **reward_kwargs) if reward_kwargs else fn
 
 
 REWARD_MODEL = ("reward_model",)  # the spec naming the reward model in a data_source's scorers
@@ -45,6 +48,7 @@ class ScoreResult:
     scored: torch.Tensor            # [N] bool
     reasons: list[str | None]       # [N] why a sample was not scored
     metrics: dict[str, float]
+    extras: list[dict] = field(default_factory=list)  # [N] dict results' other keys (verl's reward_extra_info)
 
 
 class RewardScorer:
@@ -158,7 +162,8 @@ class RewardScorer:
             raise KeelError(TOO_MANY_NOT_SCORED, f"{len(failed)} of {len(records)} samples could not be scored "
                             f"(over reward.max_not_scored_ratio={self.max_not_scored_ratio}); first reason: "
                             f"{failed[0][1]} (data_source={records[failed[0][0]].data_source!r})")
-        return ScoreResult(scores, scored, [res.reason for res in results], metrics)
+        return ScoreResult(scores, scored, [res.reason for res in results], metrics,
+                           [res.extras or {} for res in results])
 
     def _skip_if_nonfinite(self, failed: list[tuple[int, str]], total: int, may_skip: bool) -> None:
         """trainer.guards.nonfinite=skip: a batch pushed over max_not_scored_ratio by NaN or infinite
@@ -175,7 +180,7 @@ class RewardScorer:
         if self.service is not None:  # reward.service.url: the remote service scores every sample
             return self.service.score(records, texts)
         tasks = [SampleTask([(name, spec) for name, (spec, _) in w.items() if spec != REWARD_MODEL], r.data_source,
-                            text, r.ground_truth, r.extra_info, self.timeout_s)
+                            text, r.ground_truth, verl_extra_info(r.extra_info), self.timeout_s)
                  for r, w, text in zip(records, weights, texts)]
         if self.batched:  # custom_reward_function.batched: the custom function scores the whole batch
             results = score_batched(resolve(self.custom), tasks)
@@ -210,6 +215,12 @@ class RewardScorer:
                 parts.setdefault(name, []).append(value)
         if len(parts) > 1:
             metrics.update({f"reward/{name}/mean": sum(v) / len(v) for name, v in parts.items()})
+        extras: dict[str, list[float]] = {}
+        for res in results:
+            for key, value in (res.extras or {}).items():
+                if not isinstance(value, str):
+                    extras.setdefault(key, []).append(float(value))
+        metrics.update({f"reward_extra/{key}/mean": sum(v) / len(v) for key, v in extras.items()})
         return metrics
 
     def close(self) -> None:

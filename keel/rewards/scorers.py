@@ -22,8 +22,21 @@ def exact_match(data_source: str, solution_str: str, ground_truth: Any, extra_in
     return float(solution_str.strip() == str(ground_truth).strip())
 
 
+VERL_GSM8K_CLIP_CHARS = 300  # verl reads only the end of a response
+
+
 def gsm8k(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
-    """GSM8K's strict format: the last `#### <number>` in the response must equal the answer."""
+    """verl's GSM8K rule (verl/utils/reward_score/gsm8k.py, strict), so reward curves compare: in the
+    last 300 characters, the last `#### <number>` with `,` and `$` removed must equal the ground
+    truth as a string (`#### 72.` is not 72). One difference: a ground truth that is not a string
+    is compared as its text (verl compares the string with the number itself, and scores 0)."""
+    matches = _GSM8K_STRICT.findall(solution_str[-VERL_GSM8K_CLIP_CHARS:])
+    return float(bool(matches) and matches[-1].replace(",", "").replace("$", "") == str(ground_truth))
+
+
+def gsm8k_lenient(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """GSM8K's strict format read kindly: the last `#### <number>` anywhere in the response, with
+    thousands separators and a trailing full stop dropped on both sides, must equal the answer."""
     matches = _GSM8K_STRICT.findall(solution_str)
     return float(bool(matches) and _normalise_number(matches[-1]) == _normalise_number(str(ground_truth)))
 
@@ -142,7 +155,8 @@ def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_inf
 
 
 SCORERS: dict[str, RewardFn] = {
-    "exact_match": exact_match, "gsm8k": gsm8k, "gsm8k_flexible": gsm8k_flexible, "math": math,
+    "exact_match": exact_match, "gsm8k": gsm8k, "gsm8k_lenient": gsm8k_lenient, "gsm8k_flexible": gsm8k_flexible,
+    "math": math,
     "regex": regex_match, "multiple_choice": multiple_choice, "think_answer_format": think_answer_format,
     "arithmetic": arithmetic, "code_exec": code_exec,
 }

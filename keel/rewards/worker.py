@@ -5,8 +5,10 @@ Kept free of torch so worker processes start in a fraction of a second.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
+import json
 import math
 import numbers
 import signal
@@ -17,9 +19,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
-# A scorer is named by a spec that pickles: ("builtin", name) or ("file", path, function name). In
-# this process a plain callable works too (tests, notebooks).
+from keel.rewards.contract import BATCHED, PER_SAMPLE, call_reward_fn, split_result
+
+# A scorer is named by a spec that pickles: ("builtin", name) or ("file", path, function name,
+# reward_kwargs as JSON). In this process a plain callable works too (tests, notebooks).
 Spec = tuple | Callable
+
+
+def file_spec(path: str, name: str, reward_kwargs: dict | None = None) -> tuple:
+    return ("file", path, name, json.dumps(reward_kwargs or {}, sort_keys=True))
 
 
 @dataclass
@@ -37,6 +45,7 @@ class SampleResult:
     values: dict[str, float] | None    # per scorer; None when the sample was not scored
     reason: str | None                 # why not: "timeout", "raised ValueError: ...", "not a number: None"
     seconds: float
+    extras: dict | None = None         # the extra keys of dict results (verl's reward_extra_info)
 
 
 class ScoreTimeout(BaseException):
@@ -70,7 +79,9 @@ def _resolve_spec(spec: tuple) -> Callable:
         from keel.rewards.scorers import SCORERS
 
         return SCORERS[spec[1]]
-    return load_file_function(spec[1], spec[2])
+    fn = load_file_function(spec[1], spec[2])
+    kwargs = json.loads(spec[3]) if len(spec) > 3 else {}
+    return functools.partial(fn, **kwargs) if kwargs else fn
 
 
 def resolve(spec: Spec) -> Callable:
@@ -79,8 +90,7 @@ def resolve(spec: Spec) -> Callable:
 
 def as_number(result: Any) -> float:
     """A scorer's result as a finite float: verl's {"score": x} dicts and 0-d tensors included."""
-    if isinstance(result, dict):
-        result = result.get("score")
+    result, _ = split_result(result)
     if hasattr(result, "item") and getattr(result, "ndim", 1) == 0:  # numpy or torch scalar
         result = result.item()
     try:
@@ -159,23 +169,23 @@ async def score_samples_async(tasks: list[SampleTask]) -> list[SampleResult]:
     async def one(task: SampleTask) -> SampleResult:
         start = time.perf_counter()
         try:
-            values = {}
+            outcome = _Outcome()
             for name, spec in task.scorers:
-                result = resolve(spec)(task.data_source, task.response, task.ground_truth, task.extra_info)
+                result = _call(spec, task)
                 if inspect.isawaitable(result):
                     result = await asyncio.wait_for(result, task.timeout_s)
-                values[name] = as_number(result)
+                outcome.add(name, result)
         except Exception as e:  # the scorer is user code: any failure is this sample's, with its reason
             return SampleResult(None, failure_reason(e), time.perf_counter() - start)
         if _late(start, task.timeout_s):  # it swallowed the cancellation, or blocked the event loop
             return SampleResult(None, "timeout", time.perf_counter() - start)
-        return SampleResult(values, None, time.perf_counter() - start)
+        return SampleResult(outcome.values, None, time.perf_counter() - start, outcome.extras)
 
     return list(await asyncio.gather(*(one(task) for task in tasks)))
 
 
-BATCHED_CONTRACT = ("custom_reward_function.batched=true calls the function once with four lists (data_sources, "
-                    "solution_strs, ground_truths, extra_infos) and expects a list of scores back")
+BATCHED_CONTRACT = ("custom_reward_function.batched=true calls the function once with four lists (data_sources=, "
+                    "solution_strs=, ground_truths=, extra_infos=) and expects a list of scores back")
 
 
 def score_batched(fn: Callable, tasks: list[SampleTask]) -> list[SampleResult]:
@@ -183,9 +193,9 @@ def score_batched(fn: Callable, tasks: list[SampleTask]) -> list[SampleResult]:
     start = time.perf_counter()
     limit = tasks[0].timeout_s * len(tasks) if tasks and tasks[0].timeout_s else None
     try:
-        returned = call_with_deadline(lambda: fn([t.data_source for t in tasks], [t.response for t in tasks],
-                                                 [t.ground_truth for t in tasks], [t.extra_info for t in tasks]),
-                                      limit)
+        columns = ([t.data_source for t in tasks], [t.response for t in tasks], [t.ground_truth for t in tasks],
+                   [t.extra_info for t in tasks])
+        returned = call_with_deadline(lambda: call_reward_fn(fn, BATCHED, columns), limit)
         if _late(start, limit):
             raise ScoreTimeout()
         if isinstance(returned, (str, bytes, dict)) or not hasattr(returned, "__len__"):  # a per-sample function
@@ -202,7 +212,7 @@ def score_batched(fn: Callable, tasks: list[SampleTask]) -> list[SampleResult]:
     out = []
     for task, result in zip(tasks, results):
         try:
-            out.append(SampleResult({task.scorers[0][0]: as_number(result)}, None, seconds))
+            out.append(SampleResult({task.scorers[0][0]: as_number(result)}, None, seconds, split_result(result)[1]))
         except NotANumber as e:
             out.append(SampleResult(None, str(e), seconds))
     return out
@@ -210,12 +220,29 @@ def score_batched(fn: Callable, tasks: list[SampleTask]) -> list[SampleResult]:
 
 def score_sample(task: SampleTask) -> SampleResult:
     start = time.perf_counter()
+    outcome = _Outcome()
     try:
-        values = call_with_deadline(lambda: {name: as_number(resolve(spec)(task.data_source, task.response,
-                                                                            task.ground_truth, task.extra_info))
-                                             for name, spec in task.scorers}, task.timeout_s)
+        call_with_deadline(lambda: [outcome.add(name, _call(spec, task)) for name, spec in task.scorers],
+                           task.timeout_s)
     except (Exception, ScoreTimeout) as e:  # the scorer is user code: any failure is this sample's, with its reason
         return SampleResult(None, failure_reason(e), time.perf_counter() - start)
     if _late(start, task.timeout_s):  # it caught the alarm, or sat in C code the signal cannot enter
         return SampleResult(None, "timeout", time.perf_counter() - start)
-    return SampleResult(values, None, time.perf_counter() - start)
+    return SampleResult(outcome.values, None, time.perf_counter() - start, outcome.extras)
+
+
+def _call(spec: Spec, task: SampleTask) -> Any:
+    return call_reward_fn(resolve(spec), PER_SAMPLE, (task.data_source, task.response, task.ground_truth,
+                                                       task.extra_info))
+
+
+class _Outcome:
+    """One sample's scores by scorer, and the extra keys their dict results carried."""
+
+    def __init__(self):
+        self.values: dict[str, float] = {}
+        self.extras: dict = {}
+
+    def add(self, name: str, result: Any) -> None:
+        self.values[name] = as_number(result)
+        self.extras.update(split_result(result)[1])

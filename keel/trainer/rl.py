@@ -115,7 +115,7 @@ class RLTrainer:
                                                     self._seed())
             with timer("reward"):
                 scored = parts.reward.score_batch(batch.records, batch.response_texts, batch.response_lengths)
-                batch.scores, metrics = scored.scores, scored.metrics
+                batch.scores, batch.reward_extras, metrics = scored.scores, scored.extras, scored.metrics
                 if not scored.scored.all():  # reward.on_error=mask: not-scored samples leave the update
                     batch = batch.select(scored.scored.nonzero().squeeze(-1))
             with timer("old_log_prob"):
@@ -210,10 +210,11 @@ class RLTrainer:
 
     def _samples(self, batch: RolloutBatch) -> list[dict]:
         rewards = batch.token_level_rewards.sum(-1).tolist()  # the score, minus KL when it is in the reward
+        extras = batch.reward_extras or [{}] * len(batch)
         return [{"data_source": r.data_source, "prompt": r.prompt_text, "response": text,
-                 "ground_truth": r.ground_truth, "score": score, "reward": reward}
-                for r, text, score, reward in zip(batch.records, batch.response_texts, batch.scores.tolist(), rewards)
-                ][: self.cfg.trainer.log_samples]
+                 "ground_truth": r.ground_truth, "score": score, "reward": reward, **({"reward_extra": e} if e else {})}
+                for r, text, score, reward, e in zip(batch.records, batch.response_texts, batch.scores.tolist(),
+                                                     rewards, extras)][: self.cfg.trainer.log_samples]
 
     def _due(self, freq: int) -> bool:
         return freq > 0 and self.step % freq == 0

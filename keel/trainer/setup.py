@@ -28,6 +28,7 @@ from keel.rewards.model import RewardModel
 from keel.rewards.normalize import RunningNormalizer
 from keel.rewards.service import RewardServiceClient
 from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
+from keel.rewards.worker import file_spec
 from keel.trainer.roles import WorkerRoles
 
 log = logging.getLogger("keel")
@@ -159,9 +160,9 @@ def build_reward(cfg: KeelConfig) -> RewardScorer:
                                    rm.max_length, rm.model.trust_remote_code)
     scorer = None
     if custom.path:
-        scorer = load_custom_reward_fn(custom.path, custom.name)  # load here: a broken file fails now
-        if r.num_workers > 0 and not custom.batched:
-            scorer = ("file", str(Path(custom.path).resolve()), custom.name)  # workers import it themselves
+        scorer = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs)  # a broken file fails now
+        if r.num_workers > 0 and not custom.batched:  # workers import it themselves
+            scorer = file_spec(str(Path(custom.path).resolve()), custom.name, custom.reward_kwargs)
     return RewardScorer(scorer, r.scorers, r.overlong_buffer, cfg.data.max_response_length, r.on_error,
                         r.max_not_scored_ratio, r.timeout_s, r.num_workers, custom.batched, reward_model, service,
                         r.sandbox.require, cfg.trainer.guards.nonfinite)
