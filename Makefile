@@ -12,7 +12,7 @@ install:
 	  || { apt-get update -qq && apt-get install -y -qq bubblewrap libseccomp2; } \
 	  || echo "keel: could not install bubblewrap (apt-get install bubblewrap); code_exec runs without its jail"; }
 	$(PYTHON) -m pip install -q "$(TORCH)"
-	$(PYTHON) -m pip install -q -e ".[test]"
+	$(PYTHON) -m pip install -q -e ".[test,tracking]"
 
 test: install
 	$(PYTHON) -m pytest -q tests

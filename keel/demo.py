@@ -216,8 +216,8 @@ def greedy_accuracy(model_dir: Path, prompts_file: Path) -> float:
     records, _ = build_prompt_dataset(load_rows([prompts_file]), tokenizer, max_prompt_length=64)
     engine = HFRolloutEngine(load_causal_lm(model_dir, resolve_device("auto")), tokenizer)
     with torch.no_grad():
-        metrics = evaluate(engine.generate, RewardScorer(), records, tokenizer.pad_token_id, ValKwargs(),
-                           DataConfig(max_response_length=6))
+        metrics, _ = evaluate(engine.generate, RewardScorer(), records, tokenizer.pad_token_id, ValKwargs(),
+                              DataConfig(max_response_length=6))
     return metrics[f"val/{DATA_SOURCE}/acc"]
 
 

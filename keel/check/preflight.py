@@ -250,15 +250,24 @@ def check_run_dir(cfg: KeelConfig, context: dict) -> list[Finding]:
             pass
     except OSError as e:
         raise KeelError(RUN_DIR_NOT_WRITABLE, f"cannot write under {existing}: {e}") from e
-    resume = ckpt.resolve_resume(run_dir, cfg.trainer.resume_mode)
-    if resume is not None:
-        ckpt.check_same_run(resume, cfg)
+    resume = ckpt.resume_point(run_dir, cfg)
     action = f"resume from {resume}" if resume is not None else "start a new run"
     return [Finding(PASS, "run directory", f"{run_dir}: writable; will {action}")]
 
 
+def check_trackers(cfg: KeelConfig, context: dict) -> list[Finding]:
+    """Every tracker in trainer.logger can be started: its package is installed."""
+    from keel.observe.sinks import SINKS, describe_tracker, require_tracker
+
+    trackers = [name for name in cfg.trainer.logger if name in SINKS]
+    for name in trackers:
+        require_tracker(name)
+    return [Finding(PASS, "trackers", describe_tracker(name, Path(cfg.run_dir))) for name in trackers]
+
+
 CHECKS = [("tokenizer", check_tokenizer), ("model", check_model), ("data", check_data),
-          ("reward", check_reward), ("run directory", check_run_dir), ("workers", check_workers),
+          ("reward", check_reward), ("run directory", check_run_dir), ("trackers", check_trackers),
+          ("workers", check_workers),
           ("memory", check_memory)]
 
 

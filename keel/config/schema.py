@@ -231,8 +231,9 @@ class RunOptions:
     resume_mode: str = opt("auto", help="auto | disable | path of a global_step_<N> dir")
     seed: int = opt(1, ge=0)
     device: str = opt("auto", choices=("auto", "cpu", "cuda"))
-    logger: list[str] = opt(factory=lambda: ["console"], choices=("console",),
-                            help="console; metrics.jsonl is always written")
+    logger: list[str] = opt(factory=lambda: ["console"], choices=("console", "wandb", "tensorboard", "mlflow"),
+                            help="console and experiment trackers (pip install keel[tracking]); metrics.jsonl is "
+                                 "always written")
 
 
 @dataclass
@@ -241,6 +242,7 @@ class TrainerConfig(RunOptions):
     val_before_train: bool = opt(True)
     max_actor_ckpt_to_keep: int | None = opt(None, gt=0, help="older checkpoints are deleted")
     log_samples: int = opt(4, ge=0, help="samples per step written to samples.jsonl")
+    log_val_generations: int = opt(0, ge=0, help="validation samples logged as a table to the trackers")
     n_gpus_per_node: int = opt(1, gt=0, help="workers per node (CPU processes with device=cpu)")
     nnodes: int = opt(1, gt=0, help="nodes of the Ray cluster (RAY_ADDRESS) to train on")
     collective_timeout_s: float = opt(300.0, gt=0, help="a collective waiting longer fails (NCCL's "

@@ -65,5 +65,11 @@ COMPILE_FAILED = register(
     "actor_rollout_ref.rollout.enforce_eager=true (generation), as the message says; keel runs the "
     "same numbers uncompiled, slower.",
     ("actor_rollout_ref.actor.use_torch_compile", "actor_rollout_ref.rollout.enforce_eager"))
+TRACKER_UNAVAILABLE = register(
+    "KEEL-E011", "An experiment tracker in trainer.logger is not installed",
+    "trainer.logger names wandb, tensorboard or mlflow, whose Python package is missing here; the "
+    "run would otherwise train for days and log nowhere it was asked to.",
+    "pip install 'keel[tracking]' (wandb, tensorboard and mlflow-skinny), or remove the tracker from "
+    "trainer.logger.", ("trainer.logger",))
 
 __all__ = [name for name in dir() if name.isupper()]

@@ -71,10 +71,13 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, console: bool, total_steps: int, start_step: int, desc: str = "keel train"):
+    def __init__(self, run_dir: Path, console: bool, total_steps: int, start_step: int, desc: str = "keel train",
+                 trackers=None):
+        """`trackers`: keel.observe.sinks.Trackers, written after metrics.jsonl."""
         self.metrics_path = run_dir / "metrics.jsonl"
         self.samples_path = run_dir / "samples.jsonl"
         self.console = console
+        self.trackers = trackers
         self.bar = None
         if console:
             from tqdm import tqdm
@@ -83,8 +86,22 @@ class MetricsLogger:
             self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step",
                             file=sys.stderr, dynamic_ncols=True, disable=not sys.stderr.isatty())
 
+    @classmethod
+    def for_run(cls, cfg, run_dir: Path, total_steps: int, start_step: int, desc: str = "keel train") -> MetricsLogger:
+        """The logger a run's `trainer` section asks for: console, and the trackers it names."""
+        from keel.config.load import to_dict
+        from keel.observe.sinks import Trackers
+
+        t = cfg.trainer
+        trackers = Trackers(t.logger, t.project_name, t.experiment_name, to_dict(cfg), run_dir)
+        return cls(run_dir, "console" in t.logger, total_steps, start_step, desc, trackers if trackers.sinks else None)
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.trackers is not None:
+            metrics = {**metrics, "tracking/failed_writes": float(self.trackers.failed_writes)}
         append_jsonl(self.metrics_path, {"step": step, **metrics})
+        if self.trackers is not None:
+            self.trackers.log(step, metrics)
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
         self.write(summary_line(step, metrics))
@@ -98,9 +115,16 @@ class MetricsLogger:
         if self.bar is not None:
             self.bar.write(text, file=sys.stderr)
 
+    def log_table(self, step: int, name: str, rows: list[dict]) -> None:
+        """Rows (validation generations) to the trackers; samples.jsonl keeps training's own."""
+        if self.trackers is not None:
+            self.trackers.log_table(step, name, rows)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 def summary_line(step: int, metrics: dict[str, float]) -> str:

@@ -61,14 +61,13 @@ class RLTrainer:
     # --- the loop ----------------------------------------------------------------------------
     def fit(self) -> RunResult:
         self._open_run_dir()
-        logger = MetricsLogger(self.run_dir, "console" in self.cfg.trainer.logger, self.components.total_steps,
-                               self.step)
+        logger = MetricsLogger.for_run(self.cfg, self.run_dir, self.components.total_steps, self.step)
         logger.write(f"resolved config (saved to {self.run_dir / 'config.yaml'}):\n{to_yaml(self.cfg)}")
         logger.write(make_plan(self.cfg).render())
         metrics: dict[str, float] = {}
         try:
             if self.step == 0 and self.components.val_data and self.cfg.trainer.val_before_train:
-                logger.log(0, self._evaluate())
+                logger.log(0, self._evaluate(logger))
             if self.step >= self.components.total_steps:
                 log.info("the run is already at step %d of %d: nothing to do (raise "
                          "trainer.total_training_steps to continue it)", self.step, self.components.total_steps)
@@ -76,7 +75,7 @@ class RLTrainer:
                 self.step += 1
                 metrics = self.guarded_step(logger)
                 if self._validation_due():
-                    metrics.update(self._evaluate())
+                    metrics.update(self._evaluate(logger))
                 logger.log(self.step, metrics)
                 if self._due(self.cfg.trainer.save_freq) or self.step == self.components.total_steps:
                     self.save()
@@ -193,13 +192,18 @@ class RLTrainer:
                                                     baseline.response_lengths, on_error="zero")
         return result.scores.repeat_interleave(self.sampling.n)
 
-    def _evaluate(self) -> dict[str, float]:
+    def _evaluate(self, logger: MetricsLogger) -> dict[str, float]:
         parts = self.components
+
         def generate(prompts, params):
             return parts.workers.generate(prompts, params, self._seed())[0]
 
-        return evaluate(generate, parts.reward, parts.val_data,
-                        parts.tokenizer.pad_token_id, self.cfg.actor_rollout_ref.rollout.val_kwargs, self.cfg.data)
+        metrics, samples = evaluate(generate, parts.reward, parts.val_data, parts.tokenizer.pad_token_id,
+                                    self.cfg.actor_rollout_ref.rollout.val_kwargs, self.cfg.data,
+                                    keep_samples=self.cfg.trainer.log_val_generations)
+        if samples:  # trainer.log_val_generations, as verl logs them: a table per evaluation
+            logger.log_table(self.step, "val/generations", samples)
+        return metrics
 
     def _check_finite(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
         check_finite(name, values, mask, policy=self.cfg.trainer.guards.nonfinite)

@@ -84,8 +84,7 @@ class SFTTrainer:
         if self.resume_from is not None:
             self.load(self.resume_from)
         ckpt.init_run_dir(self.run_dir, to_yaml(self.cfg), self.step if self.resume_from else None)
-        logger = MetricsLogger(self.run_dir, "console" in self.cfg.trainer.logger, self.total_steps, self.step,
-                               desc="keel sft")
+        logger = MetricsLogger.for_run(self.cfg, self.run_dir, self.total_steps, self.step, desc="keel sft")
         metrics: dict[str, float] = {}
         try:
             while self.step < self.total_steps:
