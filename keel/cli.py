@@ -150,6 +150,10 @@ def _builtin_scorers() -> list[str]:
     return list(SCORERS)
 
 
+def _is_override(word: str) -> bool:
+    return "=" in word or word.startswith("~") and not word.startswith("~/")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keel", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"keel {__version__}")
@@ -159,8 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     def config_command(name: str, help: str, func) -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=help)
-        command.add_argument("config", help="YAML config file")
-        command.add_argument("overrides", nargs="*", help="section.key=value overrides")
+        command.add_argument("config", nargs="?", help="YAML config file (optional: a verl script passes "
+                                                       "overrides only)")
+        command.add_argument("overrides", nargs="*", help="section.key=value overrides (Hydra's +key=value, "
+                                                          "++key=value and ~key too)")
         command.set_defaults(func=func)
         return command
 
@@ -239,6 +245,8 @@ def _add_bench(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "config", None) and _is_override(args.config):  # `keel train key=value ...`, as verl's scripts
+        args.overrides, args.config = [args.config, *args.overrides], None
     if args.debug:
         # Synchronous kernels put a CUDA error's traceback at the op that caused it; DETAIL makes
         # collectives check their arguments. Set here, every process keel starts inherits them.

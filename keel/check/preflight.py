@@ -303,7 +303,18 @@ def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
         decided["pad token"] = "EOS (the tokenizer has none)"
     if actor.policy_loss.loss_mode == "gspo":
         decided["loss_agg_mode"] = "seq-mean-token-mean (GSPO's objective; actor.loss_agg_mode is not used)"
+    decided.update(_verl_decisions(getattr(cfg, "decided", [])))
     return decided
+
+
+def _verl_decisions(lines: list[str]) -> dict[str, str]:
+    """What keel took of verl's keys, one entry per reason (forty profiler keys are one line)."""
+    by_reason: dict[str, list[str]] = {}
+    for line in lines:  # "key: reason"
+        key, _, reason = line.partition(": ")
+        by_reason.setdefault(reason, []).append(key)
+    return {(keys[0] if len(keys) == 1 else f"{keys[0]} and {len(keys) - 1} more"): reason
+            for reason, keys in by_reason.items()}
 
 
 def render(report: Report) -> str:

@@ -39,7 +39,38 @@ def render_reference() -> str:
         for key, type_name, default, allowed, help_text in _rows(schema):
             default = f"`{default}`" if default else ""
             lines.append(f"| `{key}` | {type_name} | {default} | {allowed} | {help_text} |")
+    lines += verl_reference()
     return "\n".join(lines) + "\n"
+
+
+def verl_reference() -> list[str]:
+    """verl's keys that keel's schema does not have, by rule; and keel's deliberate defaults."""
+    from keel.config.verl import ACCEPT, DIFFERENT_DEFAULTS, REFUSE, RULES
+
+    lines = ["", "## verl's keys", "",
+             "Every key of verl's `ppo_trainer.yaml` is one of three things. **Honoured**: the tables above have",
+             "it, with verl's meaning. **Accepted**: keel already does what it asks, or it does not apply; what keel",
+             "does instead is below, and `keel check` lists it under \"decided for you\". **Refused**: the value",
+             "asks for something keel does not do, KEEL-C015 with what to use instead; verl's default value is",
+             "always accepted. verl's `${...}` references are resolved, `null` means keel's default, and every",
+             "problem of a config is reported at once. The first rule that matches a key applies.", "",
+             "| verl key | in keel | what keel does |", "| --- | --- | --- |"]
+    kinds = {ACCEPT: "accepted", REFUSE: "refused unless verl's default", "rename": "renamed"}
+    for rule in RULES:
+        what = f"`{rule.target}` ({rule.note})" if rule.target else rule.note
+        lines.append(f"| `{rule.pattern}` | {kinds[rule.kind]} | {what.replace('|', '/')} |")
+    lines += ["", "### Defaults keel chose differently", "",
+              "`keel check` shows each one a config leaves unset.", "",
+              "| key | keel | verl | why |", "| --- | --- | --- | --- |"]
+    defaults = dict(_rows_by_key(KeelConfig))
+    for key, (verl, why) in DIFFERENT_DEFAULTS.items():
+        lines.append(f"| `{key}` | `{defaults[key]}` | `{verl!r}` | {why} |")
+    return lines
+
+
+def _rows_by_key(schema):
+    for key, _type, default, _allowed, _help in _rows(schema):
+        yield key, default
 
 
 if __name__ == "__main__":

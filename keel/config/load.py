@@ -16,7 +16,9 @@ from typing import Any
 import yaml
 
 from keel.config.schema import KeelConfig
-from keel.errors import BAD_OVERRIDE, BAD_VALUE, CONFIG_FILE, REFERENCE_APART, UNKNOWN_KEY, KeelError
+from keel.config.verl import (ACCEPT, DERIVED, DIFFERENT_DEFAULTS, NO_VLLM, REFUSE, RENAME, UNSET_VALUES, quiet, resolve_references,
+                              rule_for)
+from keel.errors import BAD_OVERRIDE, BAD_VALUE, CONFIG_FILE, REFERENCE_APART, UNKNOWN_KEY, VERL_UNSUPPORTED, KeelError
 
 
 
@@ -25,14 +27,41 @@ def load_config(source: str | Path | dict | Any | None = None,
     """The one way to get a validated config: from a YAML path, a nested dict or a config object.
 
     `schema` is the root dataclass (KeelConfig for RL, SFTConfig for SFT); its `validate()` checks
-    the rules that span several keys.
+    the rules that span several keys. verl's keys and values are taken as keel.config.verl says;
+    every problem of the config is reported at once. `cfg.decided` lists what keel took for the
+    user (verl keys it does another way, verl's "unset" values).
     """
     tree = _as_tree(source)
     for key, value in _parse_overrides(overrides):
-        _set_dotted(tree, key, value)
-    cfg = _build(schema, tree, prefix="", schema=schema)
+        _delete_dotted(tree, key) if value is DELETE else _set_dotted(tree, key, value)
+    problems: list[KeelError] = []
+    decided: list[str] = []
+    given = set(flatten(tree))
+    tree = adapt_verl(tree, schema, problems, decided)
+    cfg = _build(schema, tree, prefix="", schema=schema, problems=problems, decided=decided)
+    if problems:
+        raise combined(problems)
     cfg.validate()
+    if schema is KeelConfig:
+        decided += [f"{key}: keel's {_value_at(cfg, key)!r}, verl's {verl!r}: {why}"
+                    for key, (verl, why) in DIFFERENT_DEFAULTS.items() if key not in given]
+    object.__setattr__(cfg, "decided", decided)  # not a field: it is not saved or compared on resume
     return cfg
+
+
+def _value_at(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def combined(problems: list[KeelError]) -> KeelError:
+    """One error for every problem of a config: the first's code; each listed with its own."""
+    if len(problems) == 1:
+        return problems[0]
+    lines = "\n".join(f"  error[{p.code}]: {p.message}\n    fix: {p.fix}" for p in problems)
+    return KeelError(problems[0].code, f"{len(problems)} problems in the config, all of them here:\n{lines}",
+                     "fix each as its line says")
 
 
 def to_dict(cfg: Any) -> dict:
@@ -106,12 +135,27 @@ def _parse_overrides(overrides) -> list[tuple[str, Any]]:
         return list(overrides.items())
     parsed = []
     for item in overrides:
+        if item.startswith("~") and "=" not in item:  # Hydra's `~key`: remove it (keel's default applies)
+            parsed.append((item[1:].strip(), DELETE))
+            continue
         key, sep, raw = item.partition("=")
-        key = key.strip().lstrip("+")  # Hydra's `+key=value` means "add"; every key exists here
+        key = key.strip().lstrip("+").lstrip("~")  # Hydra's `+key=value` / `++key=value` add or force
         if not sep or not key:
             raise KeelError(BAD_OVERRIDE, f"override {item!r} is not of the form section.key=value")
         parsed.append((key, yaml.safe_load(raw) if raw.strip() else None))
     return parsed
+
+
+DELETE = object()  # an override that removes its key
+
+
+def _delete_dotted(tree: dict, dotted: str) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, dict):
+        node.pop(leaf, None)
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -125,25 +169,98 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+# --- verl's keys ---------------------------------------------------------------------------------
+
+def adapt_verl(tree: dict, schema: type, problems: list, decided: list) -> dict:
+    """The tree with verl's references resolved, verl's keys taken as keel.config.verl says (kept,
+    renamed, accepted with a note, or refused into `problems`) and verl's "unset" values dropped."""
+    if schema is not KeelConfig:  # verl's SFT trainer has keys of its own; keel's SFT keys are checked as they are
+        return tree
+    known = set(all_keys(schema))
+    flat = _flat(tree, known)
+    for key, source in DERIVED.items():  # as verl's references derive them
+        if key not in flat and source in flat:
+            flat[key] = flat[source]
+    flat = resolve_references(flat)
+    if flat.get("trainer.resume_mode") == "resume_path":  # verl's way to name a checkpoint
+        flat["trainer.resume_mode"] = flat.pop("trainer.resume_from_path", None) or "auto"
+    kept: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key in known:
+            if any(value == unset and type(value) is type(unset) for unset in UNSET_VALUES.get(key, ())):
+                decided.append(f"{key}: {value!r} is verl's; " + (NO_VLLM if "rollout.name" in key else
+                                                                   "keel's default applies"))
+            else:
+                kept.setdefault(key, value)
+            continue
+        rule = rule_for(key)
+        if rule is None:
+            kept[key] = value  # not verl's either: the unknown-key error, with a spelling suggestion
+        elif rule.kind == RENAME:
+            if rule.target and value is not None:
+                kept[rule.target] = flat.get(rule.target, value)
+                decided.append(f"{key}: is {rule.target} in keel ({rule.note})")
+        elif rule.kind == REFUSE and not rule.allowed(value):
+            problems.append(KeelError(VERL_UNSUPPORTED, f"{key}={value!r} is a verl setting keel does not have: "
+                                      f"{rule.note}", f"remove {key} (or set verl's default)"))
+        elif rule.kind == ACCEPT and not quiet(key, value):
+            decided.append(f"{key}: {rule.note}")
+    return _unflat(kept)
+
+
+def _flat(tree: dict, known: set[str], prefix: str = "") -> dict[str, Any]:
+    """Dotted keys down to keel's leaves (a dict-valued leaf, like reward.scorers, stays whole)."""
+    flat = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value and dotted not in known:
+            flat.update(_flat(value, known, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def _unflat(flat: dict[str, Any]) -> dict:
+    tree: dict = {}
+    for key, value in flat.items():
+        _set_dotted(tree, key, value)
+    return tree
+
+
 # --- building the typed tree -------------------------------------------------------------------
 
-def _build(cls: type, tree: Any, prefix: str, schema: type):
+def _build(cls: type, tree: Any, prefix: str, schema: type, problems: list, decided: list):
+    """The typed tree; what is wrong is added to `problems` and its key left at the default."""
     if not isinstance(tree, dict):
-        raise KeelError(BAD_VALUE, f"{prefix.rstrip('.') or 'config'} must be a mapping, got {tree!r}")
+        problems.append(KeelError(BAD_VALUE, f"{prefix.rstrip('.') or 'config'} must be a mapping, got {tree!r}"))
+        return cls()
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key, value in tree.items():
-        if key not in fields:
-            _unknown_key(f"{prefix}{key}" + _first_leaf(value), schema)
     kwargs = {}
     for name, value in tree.items():
-        f = fields[name]
         dotted = f"{prefix}{name}"
-        sub = _dataclass_type(f.type, cls)
-        if sub is not None:
-            kwargs[name] = _build(sub, value if value is not None else {}, dotted + ".", schema)
-        else:
-            kwargs[name] = _check_field(f, _coerce(value, _resolve(f.type, cls), dotted), dotted)
+        try:
+            if name not in fields:
+                _unknown_key(dotted + _first_leaf(value), schema)
+            f = fields[name]
+            sub = _dataclass_type(f.type, cls)
+            if sub is not None:
+                kwargs[name] = _build(sub, value if value is not None else {}, dotted + ".", schema, problems,
+                                      decided)
+            elif value is None and not _optional(_resolve(f.type, cls)):  # verl's null: "not set"
+                decided.append(f"{dotted}: null, so keel's default {_default(f)!r}")
+            else:
+                kwargs[name] = _check_field(f, _coerce(value, _resolve(f.type, cls), dotted), dotted)
+        except KeelError as problem:
+            problems.append(problem)
     return cls(**kwargs)
+
+
+def _optional(annotation) -> bool:
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(annotation)
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def _first_leaf(value: Any) -> str:
@@ -166,16 +283,31 @@ def _unknown_key(dotted: str, schema: type):
                         f"remove {dotted}; to make room on 2 or more workers, set "
                         "actor_rollout_ref.ref.fsdp_config.param_offload=true")
     valid = all_keys(schema)
-    # A right key under a missing section (`actor.ppo_epochs`) is matched by its suffix first.
+    # A right key under a missing section (`actor.ppo_epochs`) is matched by its suffix first; else
+    # only a misspelling is suggested (a few letters off, in the same section): a near name that
+    # means another thing (use_remove_padding -> trust_remote_code) is worse than no suggestion.
     close = [k for k in valid if k.endswith("." + dotted)][:1]
-    close = close or difflib.get_close_matches(dotted, valid, n=1, cutoff=0.6)
-    if not close:  # the section may be wrong but the leaf right: match on the last part
-        leaf = dotted.rsplit(".", 1)[-1]
-        by_leaf = {k.rsplit(".", 1)[-1]: k for k in valid}
-        close = [by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.75)]
+    close = close or [k for k in difflib.get_close_matches(dotted, valid, n=3, cutoff=0.8) if _misspelt(dotted, k)][:1]
     hint = f"did you mean {close[0]!r}?" if close else "see the README for the list of keys"
     raise KeelError(UNKNOWN_KEY, f"unknown config key {dotted!r}; {hint}",
                     f"replace {dotted!r} with {close[0]!r}" if close else None)
+
+
+def _misspelt(typed: str, key: str) -> bool:
+    """`typed` is `key` with at most two letters changed, added, dropped or swapped, in its leaf."""
+    (section, leaf), (key_section, key_leaf) = typed.rpartition(".")[::2], key.rpartition(".")[::2]
+    return section == key_section and _edits(leaf, key_leaf) <= 2
+
+
+def _edits(a: str, b: str) -> int:
+    """Optimal string alignment distance (a swap of two neighbours is one edit)."""
+    d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[len(a)][len(b)]
 
 
 def _resolve(annotation, owner: type):

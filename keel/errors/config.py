@@ -79,5 +79,12 @@ HOOK_LOAD = register(
     "An entry of trainer.hooks is not `module:function`, the module does not import, or it has no "
     "such function.",
     "Write hooks as `package.module:function` importable from where keel runs.", ("trainer.hooks",))
+VERL_UNSUPPORTED = register(
+    "KEEL-C015", "A verl setting keel does not have",
+    "The key is verl's, and its value asks for something keel does not do (sequence parallelism, "
+    "Megatron, a remote sandbox, a feature a later keel adds). Silently ignoring it would train "
+    "another run than the one the script describes.",
+    "Remove the key or set verl's default for it; the message says what keel offers instead. Keys "
+    "keel does another way are accepted and listed by `keel check` under \"decided for you\".")
 
 __all__ = [name for name in dir() if name.isupper()]

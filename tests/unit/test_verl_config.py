@@ -1,0 +1,120 @@
+"""A verl user's config works on keel: every verl key is honoured, accepted (keel does it another
+way, and says so) or refused by name (KEEL-C015); verl's defaults, references and command-line
+forms are taken; every problem of a config is reported at once; no suggestion changes meaning."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from keel.config.load import all_keys, load_config
+from keel.errors import UNKNOWN_KEY, VERL_UNSUPPORTED, KeelError
+
+VERL_YAML = Path(__file__).parents[1] / "data" / "verl_ppo_trainer.yaml"
+REQUIRED = {"data.train_files": ["train.parquet"], "actor_rollout_ref.model.path": "model"}
+SMALL = {**REQUIRED, "data.train_batch_size": 8, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+         "trainer.n_gpus_per_node": 1}
+
+
+def verl_leaves() -> dict:
+    leaves = {}
+
+    def walk(node, prefix=""):
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                walk(value, f"{prefix}{key}.")
+            else:
+                leaves[f"{prefix}{key}"] = value
+    walk(yaml.safe_load(VERL_YAML.read_text()))
+    return leaves
+
+
+def error_of(overrides, base=None) -> KeelError:
+    with pytest.raises(KeelError) as info:
+        load_config(base or {}, {**SMALL, **overrides})
+    return info.value
+
+
+def test_verls_whole_generated_config_loads_with_its_own_defaults():
+    leaves = verl_leaves()
+    assert len(leaves) > 500
+    cfg = load_config(yaml.safe_load(VERL_YAML.read_text()), SMALL)
+    assert cfg.algorithm.critic_warmup == 0 and cfg.actor_rollout_ref.actor.grad_clip == 1.0
+    assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"  # its ${...} references resolved
+    assert cfg.critic.loss_agg_mode == cfg.actor_rollout_ref.actor.loss_agg_mode
+    assert cfg.trainer.logger == ["console", "wandb"] and cfg.data.seed == 1  # verl's null: keel's default
+    assert any("tensor_model_parallel_size" in line for line in cfg.decided)  # said, not silent
+
+
+def test_every_verl_leaf_is_known_by_name():
+    """Each leaf alone, with verl's default: never the generic unknown-key error."""
+    unknown = []
+    for key, value in verl_leaves().items():
+        try:
+            load_config({}, {**SMALL, key: value})
+        except KeelError as error:
+            if error.code == UNKNOWN_KEY or "unknown config key" in error.message:
+                unknown.append(key)
+    assert not unknown, f"verl keys keel does not know: {unknown}"
+    assert len(set(verl_leaves()) & set(all_keys())) > 100  # and many are keel's own
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", 2, "sequence parallelism"),
+    ("actor_rollout_ref.actor.strategy", "megatron", "Megatron"),
+    ("actor_rollout_ref.model.lora_rank", 8, "LoRA"),
+    ("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn"),
+    ("reward_model.sandbox_fusion.url", "http://sandbox:8080", "SandboxFusion"),
+    ("reward_model.reward_manager", "prime", "reward managers"),
+    ("actor_rollout_ref.actor.ppo_micro_batch_size", 32, "ppo_micro_batch_size_per_gpu"),
+])
+def test_what_keel_does_not_have_is_refused_by_name(key, value, needle):
+    error = error_of({key: value})
+    assert error.code == VERL_UNSUPPORTED and key in error.message and needle in error.message
+
+
+def test_every_problem_of_a_config_is_reported_at_once():
+    error = error_of({"actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2,
+                      "data.max_prompt_length": "long", "trainer.save_frequency": 5})
+    assert "3 problems" in error.message
+    for code in ("KEEL-C015", "KEEL-C002", "KEEL-C001"):
+        assert f"error[{code}]" in error.message
+
+
+def test_suggestions_are_misspellings_never_another_setting():
+    assert load_config({}, {**SMALL, "actor_rollout_ref.model.use_remove_padding": True})  # accepted: keel's way
+    error = error_of({"actor_rollout_ref.model.use_remove_paddin": True})
+    assert error.code == UNKNOWN_KEY and "did you mean" not in error.message  # not trust_remote_code
+    cfg = load_config({}, {**SMALL, "actor_rollout_ref.actor.optim.clip_grad": 0.5})
+    assert cfg.actor_rollout_ref.actor.grad_clip == 0.5 and cfg.actor_rollout_ref.actor.optim.lr == 1e-6  # not lr
+    assert "did you mean 'trainer.save_freq'" in error_of({"trainer.sav_freq": 2}).message
+
+
+def test_verls_command_line_forms(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None, ["data.train_files=~/data/train.parquet", "actor_rollout_ref.model.path=m",
+                             "+trainer.critic_warmup=3", "++data.seed=7", "trainer.logger=['console','wandb']",
+                             "actor_rollout_ref.rollout.name=vllm", "~trainer.val_before_train"])
+    assert cfg.data.train_files == [f"{tmp_path}/data/train.parquet"]
+    assert cfg.algorithm.critic_warmup == 3 and cfg.data.seed == 7 and cfg.trainer.logger == ["console", "wandb"]
+    assert cfg.actor_rollout_ref.rollout.name == "auto" and any("no vLLM" in line for line in cfg.decided)
+
+
+def test_values_verl_derives_from_the_actors_follow_them():
+    cfg = load_config({}, {**SMALL, "actor_rollout_ref.actor.use_dynamic_bsz": True,
+                           "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 4096,
+                           "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean"})
+    rollout, ref = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref
+    assert rollout.log_prob_use_dynamic_bsz and ref.log_prob_use_dynamic_bsz
+    assert rollout.log_prob_max_token_len_per_gpu == ref.log_prob_max_token_len_per_gpu == 4096
+    assert cfg.critic.loss_agg_mode == "seq-mean-token-mean"
+
+
+def test_keel_train_takes_a_verl_script_without_a_config_file(tiny_config, tmp_path):
+    from keel.cli import main
+    from keel.config.load import flatten
+
+    flat = {k: v for k, v in flatten(tiny_config).items() if v not in ([], None)}
+    overrides = [f"{k}={v}" if not isinstance(v, list) else f"{k}=[{','.join(map(str, v))}]" for k, v in flat.items()]
+    assert main(["check", *overrides, "actor_rollout_ref.model.use_remove_padding=True",
+                 "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]) == 0
