@@ -303,6 +303,9 @@ def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
         decided["pad token"] = "EOS (the tokenizer has none)"
     if actor.policy_loss.loss_mode == "gspo":
         decided["loss_agg_mode"] = "seq-mean-token-mean (GSPO's objective; actor.loss_agg_mode is not used)"
+    if actor.loss_agg_mode == "seq-mean-token-sum-norm":
+        decided["loss_agg_mode"] = ("seq-mean-token-sum-norm as Dr. GRPO writes it (a mean over sequences); verl's "
+                                    "loss is this times ppo_micro_batch_size_per_gpu (docs/config.md)")
     decided.update(_verl_decisions(getattr(cfg, "decided", [])))
     return decided
 

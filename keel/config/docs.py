@@ -45,7 +45,7 @@ def render_reference() -> str:
 
 def verl_reference() -> list[str]:
     """verl's keys that keel's schema does not have, by rule; and keel's deliberate defaults."""
-    from keel.config.verl import ACCEPT, DIFFERENT_DEFAULTS, REFUSE, RULES
+    from keel.config.verl_rules import ACCEPT, DIFFERENT_DEFAULTS, REFUSE, RULES
 
     lines = ["", "## verl's keys", "",
              "Every key of verl's `ppo_trainer.yaml` is one of three things. **Honoured**: the tables above have",
@@ -59,7 +59,18 @@ def verl_reference() -> list[str]:
     for rule in RULES:
         what = f"`{rule.target}` ({rule.note})" if rule.target else rule.note
         lines.append(f"| `{rule.pattern}` | {kinds[rule.kind]} | {what.replace('|', '/')} |")
-    lines += ["", "### Defaults keel chose differently", "",
+    lines += ["", "### Same name, checked against verl's arithmetic", "",
+              "- `algorithm.critic_warmup` (verl: `trainer.critic_warmup`): counted as verl counts, the actor is "
+              "updated from step N on.",
+              "- GSPO aggregates `seq-mean-token-mean` whatever `loss_agg_mode` says, as verl's `gspo` loss does.",
+              "- `seq-mean-token-sum-norm` (Dr. GRPO): keel takes the paper's mean over sequences of each "
+              "sequence's token sum / `data.max_response_length`. verl sums over the sequences of each micro-batch "
+              "and averages over micro-batches, so its loss (and gradient) is keel's times the micro-batch's "
+              "sequence count: the same direction, a scale that changes with `ppo_micro_batch_size_per_gpu`. "
+              "`keel check` says so when the mode is used.",
+              "- `token-mean`: keel divides by the whole mini-batch's token count, so micro-batch losses add up to "
+              "it exactly; verl averages micro-batch means, the same when micro-batches hold equal token counts.",
+              "", "### Defaults keel chose differently", "",
               "`keel check` shows each one a config leaves unset.", "",
               "| key | keel | verl | why |", "| --- | --- | --- | --- |"]
     defaults = dict(_rows_by_key(KeelConfig))

@@ -16,9 +16,9 @@ from typing import Any
 import yaml
 
 from keel.config.schema import KeelConfig
-from keel.config.verl import (ACCEPT, DERIVED, DIFFERENT_DEFAULTS, NO_VLLM, REFUSE, RENAME, UNSET_VALUES, quiet, resolve_references,
-                              rule_for)
-from keel.errors import BAD_OVERRIDE, BAD_VALUE, CONFIG_FILE, REFERENCE_APART, UNKNOWN_KEY, VERL_UNSUPPORTED, KeelError
+from keel.config.verl import adapt_verl
+from keel.config.verl_rules import DIFFERENT_DEFAULTS
+from keel.errors import BAD_OVERRIDE, BAD_VALUE, CONFIG_FILE, REFERENCE_APART, UNKNOWN_KEY, KeelError
 
 
 
@@ -37,7 +37,8 @@ def load_config(source: str | Path | dict | Any | None = None,
     problems: list[KeelError] = []
     decided: list[str] = []
     given = set(flatten(tree))
-    tree = adapt_verl(tree, schema, problems, decided)
+    if schema is KeelConfig:  # verl's SFT trainer has keys of its own; keel's SFT keys are checked as they are
+        tree = adapt_verl(tree, set(all_keys(schema)), problems, decided)
     cfg = _build(schema, tree, prefix="", schema=schema, problems=problems, decided=decided)
     if problems:
         raise combined(problems)
@@ -132,7 +133,7 @@ def _parse_overrides(overrides) -> list[tuple[str, Any]]:
     if not overrides:
         return []
     if isinstance(overrides, dict):
-        return list(overrides.items())
+        return [(key.lstrip("+"), value) for key, value in overrides.items()]
     parsed = []
     for item in overrides:
         if item.startswith("~") and "=" not in item:  # Hydra's `~key`: remove it (keel's default applies)
@@ -167,64 +168,6 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
             child = node[part] = {}
         node = child
     node[parts[-1]] = value
-
-
-# --- verl's keys ---------------------------------------------------------------------------------
-
-def adapt_verl(tree: dict, schema: type, problems: list, decided: list) -> dict:
-    """The tree with verl's references resolved, verl's keys taken as keel.config.verl says (kept,
-    renamed, accepted with a note, or refused into `problems`) and verl's "unset" values dropped."""
-    if schema is not KeelConfig:  # verl's SFT trainer has keys of its own; keel's SFT keys are checked as they are
-        return tree
-    known = set(all_keys(schema))
-    flat = _flat(tree, known)
-    for key, source in DERIVED.items():  # as verl's references derive them
-        if key not in flat and source in flat:
-            flat[key] = flat[source]
-    flat = resolve_references(flat)
-    if flat.get("trainer.resume_mode") == "resume_path":  # verl's way to name a checkpoint
-        flat["trainer.resume_mode"] = flat.pop("trainer.resume_from_path", None) or "auto"
-    kept: dict[str, Any] = {}
-    for key, value in flat.items():
-        if key in known:
-            if any(value == unset and type(value) is type(unset) for unset in UNSET_VALUES.get(key, ())):
-                decided.append(f"{key}: {value!r} is verl's; " + (NO_VLLM if "rollout.name" in key else
-                                                                   "keel's default applies"))
-            else:
-                kept.setdefault(key, value)
-            continue
-        rule = rule_for(key)
-        if rule is None:
-            kept[key] = value  # not verl's either: the unknown-key error, with a spelling suggestion
-        elif rule.kind == RENAME:
-            if rule.target and value is not None:
-                kept[rule.target] = flat.get(rule.target, value)
-                decided.append(f"{key}: is {rule.target} in keel ({rule.note})")
-        elif rule.kind == REFUSE and not rule.allowed(value):
-            problems.append(KeelError(VERL_UNSUPPORTED, f"{key}={value!r} is a verl setting keel does not have: "
-                                      f"{rule.note}", f"remove {key} (or set verl's default)"))
-        elif rule.kind == ACCEPT and not quiet(key, value):
-            decided.append(f"{key}: {rule.note}")
-    return _unflat(kept)
-
-
-def _flat(tree: dict, known: set[str], prefix: str = "") -> dict[str, Any]:
-    """Dotted keys down to keel's leaves (a dict-valued leaf, like reward.scorers, stays whole)."""
-    flat = {}
-    for key, value in tree.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and value and dotted not in known:
-            flat.update(_flat(value, known, dotted + "."))
-        else:
-            flat[dotted] = value
-    return flat
-
-
-def _unflat(flat: dict[str, Any]) -> dict:
-    tree: dict = {}
-    for key, value in flat.items():
-        _set_dotted(tree, key, value)
-    return tree
 
 
 # --- building the typed tree -------------------------------------------------------------------

@@ -202,8 +202,8 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = opt(False)
     kl_penalty: str = opt("kl", choices=KL_TYPES, help="KL estimator in the reward")
     kl_ctrl: KLControlConfig = opt(factory=KLControlConfig)
-    critic_warmup: int = opt(0, ge=0, help="steps that train only the critic (verl trains the actor one "
-                                            "step earlier than its name says; keel does not)")
+    critic_warmup: int = opt(0, ge=0, help="the actor is updated from this step on, as verl counts: N trains "
+                                            "the critic alone for N - 1 steps")
 
 
 @dataclass

@@ -132,7 +132,7 @@ class RLTrainer:
             if self.cfg.critic_enabled:
                 with timer("update_critic"):
                     metrics.update(workers.update_critic(batch, self._seed()))
-            if self.step > self.cfg.algorithm.critic_warmup:
+            if self.step >= self.cfg.algorithm.critic_warmup:  # verl's count: steps start at 1
                 with timer("update_actor"):
                     metrics.update(workers.update_actor(batch, self._seed()))
         logger.log_samples(self.step, self._samples(batch))

@@ -65,7 +65,7 @@ def test_every_verl_leaf_is_known_by_name():
     ("actor_rollout_ref.model.lora_rank", 8, "LoRA"),
     ("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn"),
     ("reward_model.sandbox_fusion.url", "http://sandbox:8080", "SandboxFusion"),
-    ("reward_model.reward_manager", "prime", "reward managers"),
+    ("reward_model.reward_manager", "limited", "reward manager"),
     ("actor_rollout_ref.actor.ppo_micro_batch_size", 32, "ppo_micro_batch_size_per_gpu"),
 ])
 def test_what_keel_does_not_have_is_refused_by_name(key, value, needle):
@@ -118,3 +118,31 @@ def test_keel_train_takes_a_verl_script_without_a_config_file(tiny_config, tmp_p
     overrides = [f"{k}={v}" if not isinstance(v, list) else f"{k}=[{','.join(map(str, v))}]" for k, v in flat.items()]
     assert main(["check", *overrides, "actor_rollout_ref.model.use_remove_padding=True",
                  "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]) == 0
+
+
+def test_verls_reward_managers_are_keels_settings():
+    dapo = load_config({}, {**SMALL, "reward_model.reward_manager": "dapo", "data.max_response_length": 512,
+                            "+reward_model.reward_kwargs.overlong_buffer_cfg.enable": True,
+                            "+reward_model.reward_kwargs.overlong_buffer_cfg.len": 128,
+                            "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": 0.5,
+                            "+reward_model.reward_kwargs.max_resp_len": 512})
+    assert dapo.reward.overlong_buffer.enable and dapo.reward.overlong_buffer.len == 128
+    assert dapo.reward.overlong_buffer.penalty_factor == 0.5
+    batch = load_config({}, {**SMALL, "reward_model.reward_manager": "batch", "custom_reward_function.path": "r.py"})
+    assert batch.custom_reward_function.batched
+    assert load_config({}, {**SMALL, "reward_model.reward_manager": "prime"}).reward.num_workers >= 1
+    error = error_of({"reward_model.reward_manager": "dapo", "reward_model.reward_kwargs.max_resp_len": 100})
+    assert error.code == VERL_UNSUPPORTED and "max_resp_len" in error.message
+
+
+def test_critic_warmup_counts_as_verls(tiny_config):
+    """verl updates the actor once `critic_warmup <= step` (steps count from 1): 2 means one step
+    of the critic alone."""
+    from keel.api import train
+
+    tiny_config["algorithm"]["adv_estimator"] = "gae"
+    tiny_config["trainer"].update({"critic_warmup": 2, "test_freq": -1, "val_before_train": False})
+    result = train(tiny_config)
+    import json
+    steps = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert ["actor/pg_loss" in m for m in steps] == [False, True] and all("critic/vf_loss" in m for m in steps)
