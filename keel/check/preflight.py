@@ -91,9 +91,11 @@ def check_tokenizer(cfg: KeelConfig, context: dict) -> list[Finding]:
 def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
     from transformers import AutoConfig
 
+    from keel.models.load import check_model_dir
+
     tokenizer = need(context, "tokenizer")
-    model_cfg = AutoConfig.from_pretrained(cfg.actor_rollout_ref.model.path,
-                                           trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+    path = check_model_dir(cfg.actor_rollout_ref.model.path)  # a Hub id: its snapshot in the local cache
+    model_cfg = AutoConfig.from_pretrained(path, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
     context["model_config"] = model_cfg
     vocab = model_cfg.vocab_size
     if len(tokenizer) > vocab:
@@ -113,13 +115,13 @@ def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
                         "model's positions)")
     from keel.models.load import check_weights_match, meta_model
 
-    found = check_special_tokens(tokenizer, model_cfg, cfg.actor_rollout_ref.model.path, context.get("pad_from_eos"))
+    found = check_special_tokens(tokenizer, model_cfg, path, context.get("pad_from_eos"))
     try:  # built once: the weights check compares its shapes, the memory estimate counts its parameters
         model = meta_model(model_cfg, cfg.actor_rollout_ref.model.trust_remote_code)
         context["parameters"] = sum(p.numel() for p in model.parameters())
     except Exception:  # an architecture that will not build on the meta device is checked when it loads
         model = None
-    weights, unmatched = check_weights_match(cfg.actor_rollout_ref.model.path, model_cfg, model)
+    weights, unmatched = check_weights_match(path, model_cfg, model)
     if unmatched:
         found.append(Finding(WARN, "model", unmatched, WEIGHTS_BROKEN))
     found.insert(0, Finding(PASS, "model", f"{model_cfg.model_type}, vocab {vocab}, "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -25,13 +27,38 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
 def check_model_dir(path: str | Path, key: str = "actor_rollout_ref.model.path") -> Path:
+    """The local model directory `path` names: a directory, or a Hugging Face Hub id (`Qwen/Qwen2-7B`)
+    found in this machine's Hub cache. keel never downloads."""
+    if not Path(path).exists() and HUB_ID.fullmatch(str(path)):
+        return cached_model(str(path), key)
     path = Path(path)
     if not (path / "config.json").is_file():
         what = "does not exist" if not path.exists() else "has no config.json"
         raise KeelError(MODEL_PATH, f"{key}={str(path)!r} {what}",
                         f"set {key} to a local directory saved with save_pretrained")
     return path
+
+
+def cached_model(repo_id: str, key: str) -> Path:
+    """A Hub id's snapshot in the local cache (HF_HUB_CACHE, or HF_HOME/hub), offline."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = os.environ.get("HF_HUB_CACHE") or (os.environ["HF_HOME"] + "/hub" if os.environ.get("HF_HOME") else None)
+    try:
+        snapshot = Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        snapshot = None
+    if snapshot is None or not (snapshot / "config.json").is_file():
+        where = cache or "the default Hugging Face cache (~/.cache/huggingface/hub)"
+        raise KeelError(MODEL_PATH, f"{key}={repo_id!r} is a Hugging Face Hub id that is not in {where}; keel "
+                        "downloads nothing", f"download it where there is network (`huggingface-cli download "
+                        f"{repo_id}`) into this machine's cache, or set {key} to a local directory")
+    return snapshot
 
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
