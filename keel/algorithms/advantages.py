@@ -189,3 +189,45 @@ def remax(inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
     returns = (inp.token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1)  # [B, T] reward-to-go
     adv = returns - inp.baseline_rewards[:, None] * mask
     return adv, returns
+
+
+@register_adv_est("opo", needs_group=True)
+def opo(inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
+    """OPO (arXiv 2505.23585), as verl: the baseline is the group's length-weighted mean score, the
+    optimal baseline for a sequence-level policy gradient; a group of one has baseline 0."""
+    scores = inp.token_level_rewards.sum(dim=-1)  # [B]
+    lengths = inp.response_mask.sum(dim=-1).to(scores.dtype)  # [B]
+    _, inverse, counts = torch.unique(inp.group_index, return_inverse=True, return_counts=True)
+    weighted = torch.zeros(len(counts), dtype=scores.dtype).index_add_(0, inverse, lengths * scores)
+    total = torch.zeros(len(counts), dtype=scores.dtype).index_add_(0, inverse, lengths)
+    baseline = torch.where(counts > 1, weighted / total.clamp(min=1), torch.zeros_like(total))[inverse]
+    adv = (scores - baseline)[:, None] * inp.response_mask
+    return adv, adv
+
+
+@register_adv_est("gpg", needs_group=True)
+def gpg(inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
+    """GPG (arXiv 2504.02546), as verl: the group mean as baseline, scaled by batch size over the
+    number of non-zero scores (so a batch of mostly-zero rewards is not drowned out)."""
+    scores = inp.token_level_rewards.sum(dim=-1)  # [B]
+    mean, _, _ = _group_mean_std(scores, inp.group_index)
+    alpha = len(scores) / torch.count_nonzero(scores).clamp(min=1)
+    adv = (alpha * (scores - mean))[:, None] * inp.response_mask
+    return adv, adv
+
+
+@register_adv_est("grpo_passk", needs_group=True)
+def grpo_passk(inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
+    """Pass@k training (arXiv 2503.19595), as verl: only each group's best sample gets an advantage,
+    its margin over the second best (divided by the group's std with norm_adv_by_std_in_grpo)."""
+    scores = inp.token_level_rewards.sum(dim=-1)  # [B]
+    advantages = torch.zeros_like(scores)
+    for group in torch.unique(inp.group_index):
+        rows = (inp.group_index == group).nonzero().squeeze(-1)
+        if len(rows) < 2:
+            raise ValueError(f"grpo_passk needs 2 or more samples per prompt; group {int(group)} has {len(rows)}")
+        top, where = torch.topk(scores[rows], 2)
+        margin = top[0] - top[1]
+        advantages[rows[where[0]]] = margin / (scores[rows].std() + p.epsilon) if p.norm_adv_by_std_in_grpo else margin
+    adv = advantages[:, None] * inp.response_mask
+    return adv, adv

@@ -165,6 +165,28 @@ def gspo(x: PolicyLossInputs, p: PolicyLossParams) -> tuple[Tensor, dict[str, Te
     return loss, _metrics(loss_clipped > loss_unclipped, no_dual_clip, x)
 
 
+@register_policy_loss("gpg")
+def gpg(x: PolicyLossInputs, p: PolicyLossParams) -> tuple[Tensor, dict[str, Tensor]]:
+    """GPG (arXiv 2504.02546): the plain policy gradient -A log pi, no ratio and no clipping."""
+    losses = -x.advantages * x.log_prob
+    loss = agg_loss(losses, x.response_mask, p.loss_agg_mode, global_tokens=x.global_tokens,
+                    global_seqs=x.global_seqs, norm_length=p.norm_length)
+    no_clip = torch.zeros_like(x.response_mask, dtype=torch.bool)
+    return loss, _metrics(no_clip, no_clip, x)
+
+
+@register_policy_loss("cispo")
+def cispo(x: PolicyLossInputs, p: PolicyLossParams) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (arXiv 2506.13585): the importance ratio is clipped and detached, and weights
+    -A log pi, so every token keeps a gradient (PPO's clip zeroes it)."""
+    ratio = torch.exp(torch.clamp(x.log_prob - x.old_log_prob, -20.0, 20.0))
+    clipped = torch.clamp(ratio, 1 - p.clip_ratio_low, 1 + p.clip_ratio_high)
+    losses = -clipped.detach() * x.advantages * x.log_prob
+    loss = agg_loss(losses, x.response_mask, p.loss_agg_mode, global_tokens=x.global_tokens,
+                    global_seqs=x.global_seqs, norm_length=p.norm_length)
+    return loss, _metrics(ratio != clipped, torch.zeros_like(x.response_mask, dtype=torch.bool), x)
+
+
 def compute_value_loss(
     vpreds: Tensor,  # [B, T] current critic
     returns: Tensor,  # [B, T] targets

@@ -111,13 +111,16 @@ def check_betas(key: str, betas: list[float]) -> None:
                         f"set {key}.betas, e.g. [0.9, 0.999]")
 
 
-def _check_options(cfg: KeelConfig) -> None:
-    est = cfg.algorithm.adv_estimator
-    rollout = cfg.actor_rollout_ref.rollout
+def incompatible(message: str, fix: str) -> KeelError:
+    return KeelError(INCOMPATIBLE_OPTIONS, message, fix)
 
-    def incompatible(message: str, fix: str) -> KeelError:
-        return KeelError(INCOMPATIBLE_OPTIONS, message, fix)
 
+def _check_algorithm(cfg: KeelConfig, incompatible) -> None:
+    est, rollout = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout
+    if cfg.algorithm.filter_groups.enable and rollout.n < 2:
+        raise incompatible(f"algorithm.filter_groups.enable=true with actor_rollout_ref.rollout.n={rollout.n}: a group "
+                           "of one sample always looks alike, so every prompt would be dropped",
+                           "set actor_rollout_ref.rollout.n to 2 or more")
     if est in GROUP_ESTIMATORS and rollout.n < 2:
         raise incompatible(
             f"algorithm.adv_estimator={est} compares samples of the same prompt, but "
@@ -126,6 +129,16 @@ def _check_options(cfg: KeelConfig) -> None:
     if est == "gae" and not cfg.critic_enabled:
         raise incompatible("algorithm.adv_estimator=gae needs a critic but critic.enable=false",
                            "set critic.enable=true, or choose grpo/rloo/reinforce_plus_plus")
+    if est == "remax" and not rollout.do_sample:
+        raise incompatible("algorithm.adv_estimator=remax compares samples with a greedy baseline, but "
+                           "rollout.do_sample=false makes every sample the baseline: all advantages 0",
+                           "set actor_rollout_ref.rollout.do_sample=true")
+    if cfg.algorithm.critic_warmup > 0 and not cfg.critic_enabled:
+        raise incompatible(f"algorithm.critic_warmup={cfg.algorithm.critic_warmup} with no critic: the "
+                           "policy would not be updated for those steps", "set algorithm.critic_warmup=0")
+
+
+def _check_reward(cfg: KeelConfig, incompatible) -> None:
     if cfg.custom_reward_function.batched and (cfg.reward.scorers or not cfg.custom_reward_function.path):
         raise incompatible("custom_reward_function.batched=true needs custom_reward_function.path and no "
                            "reward.scorers mapping: a batched function scores every sample itself",
@@ -141,13 +154,12 @@ def _check_options(cfg: KeelConfig) -> None:
         raise incompatible(f"reward.overlong_buffer.len={overlong.len} is not shorter than "
                            f"data.max_response_length={cfg.data.max_response_length}: every response would be "
                            "penalised", "set reward.overlong_buffer.len to a fraction of max_response_length")
-    if est == "remax" and not rollout.do_sample:
-        raise incompatible("algorithm.adv_estimator=remax compares samples with a greedy baseline, but "
-                           "rollout.do_sample=false makes every sample the baseline: all advantages 0",
-                           "set actor_rollout_ref.rollout.do_sample=true")
-    if cfg.algorithm.critic_warmup > 0 and not cfg.critic_enabled:
-        raise incompatible(f"algorithm.critic_warmup={cfg.algorithm.critic_warmup} with no critic: the "
-                           "policy would not be updated for those steps", "set algorithm.critic_warmup=0")
+
+
+def _check_options(cfg: KeelConfig) -> None:
+    rollout = cfg.actor_rollout_ref.rollout
+    _check_algorithm(cfg, incompatible)
+    _check_reward(cfg, incompatible)
     val = rollout.val_kwargs
     if val.n > 1 and not (val.do_sample and val.temperature > 0):
         raise incompatible(f"rollout.val_kwargs.n={val.n} with greedy decoding gives {val.n} identical answers",

@@ -194,6 +194,19 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (arXiv 2503.14476): prompts whose samples all scored alike carry no
+    group-relative signal; they are dropped and more prompts generated until the batch is full."""
+    enable: bool = opt(False)
+    metric: str = opt("acc", choices=("acc", "score", "seq_reward", "seq_final_reward"),
+                      help="what must differ within a group: acc (the reward function's `acc`, else the score), "
+                           "score / seq_reward (the score), seq_final_reward (the score; KL in the reward is "
+                           "not subtracted yet when groups are judged)")
+    max_num_gen_batches: int = opt(10, ge=0, help="generation batches per step at most (0: no limit); past it "
+                                                  "KEEL-T005")
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = opt("gae", choices=ADV_ESTIMATORS)
     gamma: float = opt(1.0, ge=0, le=1)
@@ -204,6 +217,7 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = opt(factory=KLControlConfig)
     critic_warmup: int = opt(0, ge=0, help="the actor is updated from this step on, as verl counts: N trains "
                                             "the critic alone for N - 1 steps")
+    filter_groups: FilterGroupsConfig = opt(factory=FilterGroupsConfig)
 
 
 @dataclass

@@ -9,7 +9,8 @@ import os
 import re
 from typing import Any
 
-from keel.config.verl_rules import (ACCEPT, DERIVED, NO_VLLM, REFUSE, RENAME, UNSET_VALUES, quiet, rule_for)
+from keel.config.verl_rules import (ACCEPT, DERIVED, NO_VLLM, REFUSE, RENAME, UNSET_VALUES, VALUE_ALIASES,
+                                    VALUE_REFUSALS, quiet, rule_for)
 from keel.errors import VERL_UNSUPPORTED, KeelError
 
 
@@ -28,6 +29,14 @@ def adapt_verl(tree: dict, known: set[str], problems: list, decided: list) -> di
     kept: dict[str, Any] = {}
     for key, value in flat.items():
         if key in known:
+            if isinstance(value, str) and value in VALUE_ALIASES.get(key, {}):
+                decided.append(f"{key}: {value} is {VALUE_ALIASES[key][value]} in keel (the same numbers)")
+                value = VALUE_ALIASES[key][value]
+            if isinstance(value, str) and value in VALUE_REFUSALS.get(key, {}):
+                problems.append(KeelError(VERL_UNSUPPORTED, f"{key}={value!r} is a verl setting keel does not have: "
+                                          f"{VALUE_REFUSALS[key][value]}", f"choose another {key.rsplit('.', 1)[-1]} "
+                                          "(docs/config.md lists keel's)"))
+                continue
             if any(value == unset and type(value) is type(unset) for unset in UNSET_VALUES.get(key, ())):
                 decided.append(f"{key}: {value!r} is verl's; " + (NO_VLLM if "rollout.name" in key else
                                                                    "keel's default applies"))

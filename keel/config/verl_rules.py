@@ -73,6 +73,24 @@ UNSET_VALUES = {
 }
 
 
+# verl's values for keys keel has that name the same thing differently, or something keel lacks.
+VALUE_ALIASES = {
+    "algorithm.adv_estimator": {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"},  # same numbers, faster
+}
+VALUE_REFUSALS = {
+    "actor_rollout_ref.actor.policy_loss.loss_mode": {
+        "clip_cov": "Clip-Cov (arXiv 2505.22617) clips the tokens of highest covariance",
+        "kl_cov": "KL-Cov (arXiv 2505.22617) penalises the tokens of highest covariance",
+        "geo_mean": "GMPO (arXiv 2507.20673) uses the geometric mean of token ratios",
+        "sapo": "SAPO replaces the clip with soft gates (tau_pos, tau_neg)",
+        "bypass_mode": "the rollout-correction loss that skips the old-log-prob pass",
+    },
+    "algorithm.adv_estimator": {
+        "optimal_token_baseline": "per-token optimal baselines",
+        "tir_optimal_token_baseline": "per-token optimal baselines for tool-integrated rollouts",
+    },
+}
+
 # verl derives these from another key when they are not set (OmegaConf references in its yaml).
 DERIVED = {
     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": "actor_rollout_ref.actor.use_dynamic_bsz",

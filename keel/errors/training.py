@@ -27,5 +27,13 @@ PHASE_TIMEOUT = register(
     "trainer.guards.phase_timeout_s: something hangs (a reward service, a collective, a deadlock).",
     "Read the stacks printed with the error to see where it hung; raise "
     "trainer.guards.phase_timeout_s if the phase is just slow.", ("trainer.guards.phase_timeout_s",))
+FILTER_GROUPS_EXHAUSTED = register(
+    "KEEL-T005", "Dynamic sampling found too few prompts with a learning signal",
+    "algorithm.filter_groups (DAPO's dynamic sampling) drops prompts whose samples all scored alike "
+    "and generates more until data.train_batch_size prompts remain; after max_num_gen_batches "
+    "generation batches there were still too few. The data is too easy or too hard for the model, or "
+    "the reward function scores everything alike.",
+    "Look at samples.jsonl and the scorer; raise algorithm.filter_groups.max_num_gen_batches, or use "
+    "data that the model solves sometimes.", ("algorithm.filter_groups.max_num_gen_batches",))
 
 __all__ = [name for name in dir() if name.isupper()]

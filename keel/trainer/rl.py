@@ -25,6 +25,7 @@ from keel.trainer.hooks import load_hook, run_hooks
 from keel.errors import RESUME_MISMATCH, KeelError
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
 from keel.observe.metrics import MetricsLogger, Timer
+from keel.trainer.dynamic_sampling import fill_with_signal
 from keel.trainer.setup import Components, Inputs, build_components, needs_baseline_rollout
 from keel.trainer.evaluate import evaluate
 from keel.types import RolloutBatch, SamplingParams
@@ -107,16 +108,7 @@ class RLTrainer:
         parts, workers = self.components, self.components.workers
         finite = self._check_finite
         with timer("step"):
-            prompts = collate_prompts([parts.train_data[i] for i in parts.sampler.next_batch()],
-                                      parts.tokenizer.pad_token_id)
-            with timer("gen"):
-                batch, gen_parts = workers.generate(prompts.repeat_interleave(self.sampling.n), self.sampling,
-                                                    self._seed())
-            with timer("reward"):
-                scored = parts.reward.score_batch(batch.records, batch.response_texts, batch.response_lengths)
-                batch.scores, batch.reward_extras, metrics = scored.scores, scored.extras, scored.metrics
-                if not scored.scored.all():  # reward.on_error=mask: not-scored samples leave the update
-                    batch = batch.select(scored.scored.nonzero().squeeze(-1))
+            batch, prompts, metrics, gen_parts = self._rollout(timer)
             with timer("old_log_prob"):
                 batch.old_log_probs = workers.actor_log_probs(batch)
                 finite("actor log-probs", batch.old_log_probs, batch.response_mask)
@@ -166,6 +158,32 @@ class RLTrainer:
         self.components.kl_ctrl.update(current_kl, len(batch))
         return {**metrics, "actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": kl_coef}
 
+    def _rollout(self, timer: Timer) -> tuple[RolloutBatch, PromptBatch, dict[str, float], dict[str, float]]:
+        """(the step's generated and scored samples, their prompts, reward metrics, generation
+        timing). With algorithm.filter_groups, DAPO's dynamic sampling: prompts whose samples all
+        scored alike are dropped and more generated until data.train_batch_size prompts remain."""
+        parts, filter_groups = self.components, self.cfg.algorithm.filter_groups
+        last: dict[str, dict] = {}
+
+        def next_scored_batch() -> RolloutBatch:
+            prompts = collate_prompts([parts.train_data[i] for i in parts.sampler.next_batch()],
+                                      parts.tokenizer.pad_token_id)
+            with timer("gen"):
+                batch, last["gen"] = parts.workers.generate(prompts.repeat_interleave(self.sampling.n),
+                                                            self.sampling, self._seed())
+            with timer("reward"):
+                scored = parts.reward.score_batch(batch.records, batch.response_texts, batch.response_lengths)
+                batch.scores, batch.reward_extras, last["reward"] = scored.scores, scored.extras, scored.metrics
+            # reward.on_error=mask: not-scored samples leave the update
+            return batch if scored.scored.all() else batch.select(scored.scored.nonzero().squeeze(-1))
+
+        if not filter_groups.enable:
+            batch = next_scored_batch()
+            return batch, _prompts_of(batch, parts.tokenizer.pad_token_id), last["reward"], last["gen"]
+        batch, counts = fill_with_signal(next_scored_batch, self.cfg.data.train_batch_size, filter_groups.metric,
+                                         filter_groups.max_num_gen_batches, parts.tokenizer.pad_token_id)
+        return batch, _prompts_of(batch, parts.tokenizer.pad_token_id), {**last["reward"], **counts}, last["gen"]
+
     def _advantages(self, batch: RolloutBatch, prompts: PromptBatch, timer: Timer) -> dict[str, float]:
         """Token-level rewards, then advantages and returns, on the batch; ReMax first generates its
         baseline (timed as gen_baseline)."""
@@ -173,7 +191,7 @@ class RLTrainer:
         baseline = None
         if needs_baseline_rollout(self.cfg):
             with timer("gen_baseline"):
-                baseline = self._baseline_scores(prompts)
+                baseline = self._baseline_scores(prompts, batch)
         with timer("adv"):
             metrics = self._assign_rewards(batch)
             finite("token-level rewards", batch.token_level_rewards, batch.response_mask)
@@ -184,13 +202,15 @@ class RLTrainer:
             finite("advantages", batch.advantages, batch.response_mask)
         return metrics
 
-    def _baseline_scores(self, prompts: PromptBatch) -> torch.Tensor:
-        """ReMax (arXiv 2310.10505): the greedy response's score is each prompt's baseline."""
+    def _baseline_scores(self, prompts: PromptBatch, batch: RolloutBatch) -> torch.Tensor:      # [N]
+        """ReMax (arXiv 2310.10505): the greedy response's score is each prompt's baseline, given
+        to each of the prompt's samples in the batch."""
         greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=self.sampling.max_new_tokens)
         baseline, _ = self.components.workers.generate(prompts, greedy, self._seed())
         result = self.components.reward.score_batch(baseline.records, baseline.response_texts,
                                                     baseline.response_lengths, on_error="zero")
-        return result.scores.repeat_interleave(self.sampling.n)
+        by_prompt = dict(zip((r.index for r in baseline.records), result.scores.tolist()))
+        return torch.tensor([by_prompt[r.index] for r in batch.records])
 
     def _evaluate(self, logger: MetricsLogger) -> dict[str, float]:
         parts = self.components
@@ -267,3 +287,11 @@ class RLTrainer:
             raise KeelError(RESUME_MISMATCH, f"{path}: {e}") from e
         parts.kl_ctrl.load_state_dict(state["kl_ctrl"])
         ckpt.set_rng_state(state["rng"])
+
+
+def _prompts_of(batch: RolloutBatch, pad_token_id: int) -> PromptBatch:
+    """The batch's prompts, each once (ReMax generates its baseline from them)."""
+    first = {}
+    for record in batch.records:
+        first.setdefault(record.index, record)
+    return collate_prompts(list(first.values()), pad_token_id)

@@ -113,8 +113,9 @@ def pad_with_masked(batch: RolloutBatch, size: int) -> RolloutBatch:
 
 
 def concat_rows(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
-    """Batches with the same prompt width stacked; responses right-padded to the widest."""
+    """Batches stacked: prompts left-padded to the widest, responses right-padded to the widest."""
     width = max(b.response_ids.shape[1] for b in batches)
+    prompt_width = max(b.prompt_ids.shape[1] for b in batches)
     fields = {}
     for f in dataclasses.fields(RolloutBatch):
         values = [getattr(b, f.name) for b in batches]
@@ -122,7 +123,11 @@ def concat_rows(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
             fields[f.name] = None
         elif isinstance(values[0], list):
             fields[f.name] = [v for value in values for v in value]
-        elif values[0].dim() == 2 and f.name not in ("prompt_ids", "prompt_mask"):
+        elif f.name in ("prompt_ids", "prompt_mask"):
+            fill = pad_id if f.name == "prompt_ids" else 0
+            fields[f.name] = torch.cat([torch.nn.functional.pad(v, (prompt_width - v.shape[1], 0), value=fill)
+                                        for v in values])
+        elif values[0].dim() == 2:
             fill = pad_id if f.name == "response_ids" else 0
             fields[f.name] = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[1]), value=fill)
                                         for v in values])
