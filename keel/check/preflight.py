@@ -177,8 +177,11 @@ def check_reward(cfg: KeelConfig, context: dict) -> list[Finding]:
     records = need(context, "train_records") + context.get("val_records", [])
     scorer.check_records(records)
     sample = records[:4]
-    best = max(scorer.score_batch(sample, answers, on_error="raise").scores.max().item()
-               for answers in _candidate_answers(sample))
+    # The bare ground truth and an empty answer must score; the other forms only probe for a
+    # function that rewards nothing (a scorer may refuse a form it does not expect).
+    bare, *forms = _candidate_answers(sample)
+    best = max([scorer.score_batch(sample, bare, on_error="raise").scores.max().item()]
+               + [_best_score(scorer, sample, answers) for answers in forms])
     scores = scorer.score_batch(sample, [""] * len(sample), on_error="raise").scores
     scorer.close()  # its worker pool; the scorer starts a new one when the trainer reuses it
     context["reward"] = scorer
@@ -198,6 +201,14 @@ def check_reward(cfg: KeelConfig, context: dict) -> list[Finding]:
 
 # Answers a right response could take, written around the ground truth.
 CANDIDATE_FORMS = ("{}", "#### {}", "\\boxed{{{}}}", "The answer is {}.", "<answer>{}</answer>")
+
+
+def _best_score(scorer, records: list, answers: list[str]) -> float:
+    """The highest score of these answers; a form the scorer refuses tells nothing (0)."""
+    try:
+        return scorer.score_batch(records, answers, on_error="zero", may_skip=False).scores.max().item()
+    except KeelError:
+        return 0.0
 
 
 def _candidate_answers(records: list) -> list[list[str]]:
