@@ -31,6 +31,8 @@ def train(config: str | Path | dict | KeelConfig | None = None,
         inputs = preflight(cfg)
     else:
         log.warning("keel check skipped: problems it would have caught will surface during the run")
+        for line in [line for line in cfg.decided if "vLLM" in line] or cfg.decided[:1]:
+            log.info("decided for you: %s (`keel check` lists all %d)", line, len(cfg.decided))
     return RLTrainer(cfg, inputs).fit()
 
 
