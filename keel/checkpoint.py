@@ -75,7 +75,12 @@ def existing_checkpoints(run_dir: Path) -> list[Path]:
 
 def write_policy(directory: Path, model, tokenizer, state_dict: dict | None = None) -> None:
     """A Hugging Face model directory: weights (the module's, or `state_dict`'s when the module
-    holds only a shard), config and tokenizer."""
+    holds only a shard), config and tokenizer. A LoRA model writes its PEFT adapter directory
+    (PeftModel.from_pretrained loads it over the base)."""
+    if hasattr(model, "peft_config"):
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        return
     model.save_pretrained(directory, state_dict=state_dict)
     # FSDP2 renames the module's class (FSDPQwen2ForCausalLM), and older transformers write that
     # name into config.json, which no loader (vLLM, transformers) then recognises.
@@ -246,8 +251,9 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Write the checkpoint's policy as a Hugging Face directory (from_pretrained loads it).
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merged: bool = False) -> Path:
+    """Write the checkpoint's policy as a Hugging Face directory (from_pretrained loads it); a
+    LoRA run's is its PEFT adapter directory, or with `merged` the base with the adapters merged in.
 
     `out_dir` must be new, empty, or an earlier export (it holds EXPORT_MARKER): nothing else is
     ever deleted.
@@ -261,12 +267,29 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    shutil.copytree(checkpoint / "actor", tmp)
+    if merged and (checkpoint / "actor" / "adapter_config.json").exists():
+        _write_merged(checkpoint, tmp)
+    else:
+        shutil.copytree(checkpoint / "actor", tmp)
     (tmp / EXPORT_MARKER).write_text(json.dumps({"source": str(checkpoint.resolve())}))
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
     return out_dir
+
+
+def _write_merged(checkpoint: Path, out: Path) -> None:
+    """The base model (the run's actor_rollout_ref.model.path) with the checkpoint's adapters merged."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from keel.models.load import check_model_dir
+
+    base_path = yaml.safe_load((checkpoint / "config.yaml").read_text())["actor_rollout_ref"]["model"]["path"]
+    base = AutoModelForCausalLM.from_pretrained(check_model_dir(base_path), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, checkpoint / "actor").merge_and_unload()
+    merged.save_pretrained(out)
+    AutoTokenizer.from_pretrained(checkpoint / "actor").save_pretrained(out)
 
 
 def _checkpoints(run_dir: Path) -> list[Path]:

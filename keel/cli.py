@@ -98,8 +98,10 @@ def _cmd_reward_server(args) -> int:
 def _cmd_export(args) -> int:
     from keel.checkpoint import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out)
-    print(f"exported {args.checkpoint} -> {out} (loads with AutoModelForCausalLM.from_pretrained)")
+    out = export_checkpoint(args.checkpoint, args.out, merged=args.merged)
+    how = ("a PEFT adapter: PeftModel.from_pretrained(base, path)" if (Path(out) / "adapter_config.json").exists()
+           else "AutoModelForCausalLM.from_pretrained")
+    print(f"exported {args.checkpoint} -> {out} (loads with {how})")
     return 0
 
 
@@ -198,7 +200,9 @@ def _add_machine_commands(sub) -> None:
             (["--out"], {"default": "keel_demo", "help": "output directory (default: keel_demo)"}),
             (["--fresh"], {"action": "store_true", "help": "start over instead of resuming"})]),
         "export": ("write a checkpoint's policy as a Hugging Face directory", _cmd_export, [
-            (["checkpoint"], {"help": "a global_step_<N> directory"}), (["out"], {"help": "output directory"})]),
+            (["checkpoint"], {"help": "a global_step_<N> directory"}), (["out"], {"help": "output directory"}),
+            (["--merged"], {"action": "store_true", "help": "LoRA: the base with the adapters merged in, a full "
+                                                            "Hugging Face model"})]),
     }
     for name, (help_text, handler, arguments) in commands.items():
         command = sub.add_parser(name, help=help_text)

@@ -124,6 +124,13 @@ def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
     weights, unmatched = check_weights_match(path, model_cfg, model)
     if unmatched:
         found.append(Finding(WARN, "model", unmatched, WEIGHTS_BROKEN))
+    m = cfg.actor_rollout_ref.model
+    if m.lora_rank and model is not None:  # trap 7 on the meta model: no weights loaded
+        from keel.models.lora import plan_lora
+
+        context["lora_plan"] = plan = plan_lora(model, m.lora_rank, m.target_modules, m.exclude_modules,
+                                                m.modules_to_save, "actor_rollout_ref.model")
+        found.append(Finding(PASS, "lora", plan.summary()))
     found.insert(0, Finding(PASS, "model", f"{model_cfg.model_type}, vocab {vocab}, "
                                            f"{budget} of {limit or '?'} positions used; weights: {weights}"))
     if tokenizer.model_max_length < budget:

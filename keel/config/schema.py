@@ -49,7 +49,20 @@ class ModelOptions:
 
 
 @dataclass
-class ModelConfig(ModelOptions):
+class LoraOptions:
+    """LoRA (peft) on a trained model; lora_rank 0 trains every parameter."""
+    lora_rank: int = opt(0, ge=0, help="LoRA rank; 0: full-parameter training")
+    lora_alpha: int = opt(16, gt=0, help="LoRA scale numerator (the update is scaled by alpha / rank)")
+    target_modules: list[str] = opt(factory=lambda: ["all-linear"], help="all-linear (every projection of every "
+                                    "decoder layer), or every projection's name")
+    exclude_modules: list[str] = opt(factory=list, help="linear layers (name patterns) to leave without adapters")
+    modules_to_save: list[str] = opt(factory=list, help="modules trained in full beside the adapters (e.g. "
+                                     "embed_tokens); nothing else may train")
+    lora_adapter_path: str | None = opt(None, help="start from a saved PEFT adapter directory")
+
+
+@dataclass
+class ModelConfig(ModelOptions, LoraOptions):
     path: str = opt("", help="local Hugging Face model directory")
 
 
@@ -228,6 +241,8 @@ class GuardsConfig:
     min_response_length: float = opt(1.5, ge=0, help="warn when responses average fewer tokens")
     min_entropy: float = opt(0.01, ge=0, help="warn below this entropy (collapse)")
     max_kl: float = opt(1.0, gt=0, help="warn above this ppo_kl or ref_kl (blow-up)")
+    max_log_prob_gap: float = opt(0.1, gt=0, help="mean |sampler - trainer| log-prob per token past which the "
+                                  "engine is out of sync with the trainer (KEEL-T006); bf16 numerics give about 0.01")
     phase_timeout_s: float | None = opt(3600.0, gt=0, help="a phase running longer dumps stacks and exits "
                                         "(null: never; a hang outside a collective would wait forever)")
 

@@ -26,6 +26,7 @@ from keel.distributed.parallelize import parallelize
 from keel.models.load import (autocast, can_compile, load_causal_lm, load_critic, load_tokenizer, quiet_transformers,
                               resolve_device, resolve_dtype)
 from keel.observe.profile import RankProfile
+from keel.models.lora import apply_lora, merged_weights, plan_lora
 from keel.rollout.base import RolloutEngine
 from keel.rollout.hf import HFRolloutEngine
 from keel.rollout.select import make_rollout_engine
@@ -33,7 +34,7 @@ from keel.training.actor import ActorTrainer
 from keel.training.batching import MicroBatching, MiniBatch
 from keel.training.critic import CriticTrainer
 from keel.training.optim import optimizer_state_on
-from keel.training.reference import ReferencePolicy
+from keel.training.reference import AdapterlessReference, ReferencePolicy
 from keel.types import RolloutBatch, SamplingParams
 
 log = logging.getLogger("keel")
@@ -93,20 +94,41 @@ class RoleWorker:
         """The actor, its rollout engine and the reference (when a KL term needs one)."""
         spec, policy, rank = self.spec, self.spec.policy, self.rank
         torch.manual_seed(spec.seed)  # every rank starts from identical weights
-        model = load_causal_lm(spec.actor_weights or policy.model.path, self.device, policy.model.trust_remote_code,
+        # With LoRA a checkpoint's actor is its adapters; the base is always model.path.
+        weights = policy.model.path if self.lora else (spec.actor_weights or policy.model.path)
+        model = load_causal_lm(weights, self.device, policy.model.trust_remote_code,
                                policy.model.enable_gradient_checkpointing)
-        # Built before the actor is sharded: it reads the whole weights once. After each update it
-        # takes them from the actor module (unsharded) or gathered from the shards.
+        # Built before the actor is sharded (and before LoRA): it reads the whole base weights once.
+        # After each update it takes the actor module's, gathered from shards, or LoRA's merged layers.
         self.rollout = make_rollout_engine(policy.rollout, model, self.tokenizer, self.device, self.compute_dtype,
                                            log_choice=rank == 0, will_be_sharded=self._actor_sharded)
+        if self.lora:
+            model = self._with_adapters(model)
         model, placement = self._prepare_model(model, policy.actor.fsdp_config, "actor")
         self.actor = ActorTrainer(model, policy.actor, policy.rollout.temperature, spec.total_steps,
                                   _log_prob_batching(policy.rollout), spec.max_response_length, placement)
-        if spec.with_reference:  # the reference is always the starting policy, even on resume
+        if self.lora:  # adapters loaded from a checkpoint or lora_adapter_path reach the engine now
+            self._sync_rollout()
+        if spec.with_reference and self.lora:  # the base itself, adapters off: no second model
+            self.ref = AdapterlessReference(model, _log_prob_batching(policy.ref), policy.rollout.temperature,
+                                            placement)
+        elif spec.with_reference:  # the reference is always the starting policy, even on resume
             ref_model = load_causal_lm(policy.model.path, self.device, policy.model.trust_remote_code)
             ref_model, placement = self._prepare_model(ref_model, policy.ref.fsdp_config, "ref")
             self.ref = ReferencePolicy(ref_model, _log_prob_batching(policy.ref), policy.rollout.temperature,
                                        placement)
+
+    @property
+    def lora(self) -> bool:
+        return self.spec.policy.model.lora_rank > 0
+
+    def _with_adapters(self, model):
+        """peft's LoRA on the policy (keel.models.lora: trap 7 is checked on the way)."""
+        m = self.spec.policy.model
+        plan = plan_lora(model, m.lora_rank, m.target_modules, m.exclude_modules, m.modules_to_save,
+                         "actor_rollout_ref.model")
+        adapters = self.spec.actor_weights or m.lora_adapter_path  # a checkpoint's, or a saved adapter
+        return apply_lora(model, plan, m.lora_rank, m.lora_alpha, m.modules_to_save, self.compute_dtype, adapters)
 
     @property
     def _actor_sharded(self) -> bool:
@@ -185,7 +207,9 @@ class RoleWorker:
     def _sync_rollout(self) -> None:
         """The engine sees the updated weights: sharded, gathered a bucket of parameters per
         collective straight into the engine's own weights."""
-        if self._actor_sharded:
+        if self.lora and not isinstance(self.rollout, HFRolloutEngine):  # hf generates with the module itself
+            self.rollout.load_weights(merged_weights(self.actor.model).items(), every=False)
+        elif self._actor_sharded:
             self.rollout.load_weights(full_parameters(self.actor.model, self.device))
         else:
             self.rollout.sync_weights(self.actor.model)

@@ -44,5 +44,14 @@ WEIGHTS_BROKEN = register(
     "size) would fail deep inside loading, or load with random values.",
     "Download or copy the model directory again (compare file sizes with the source), or point the "
     "model path at the directory whose config.json matches these weights.")
+LORA_TARGETS = register(
+    "KEEL-M007", "LoRA would not train what it should",
+    "model.target_modules matches nothing, or only some of each decoder layer's projections (the rest "
+    "would train nothing), or names lm_head or the embedding of a model with tied embeddings (an "
+    "adapter would untie them), or a parameter outside the adapters would train: the model learns "
+    "little, or drifts, while the run looks fine.",
+    "Use model.target_modules=all-linear (every projection of every decoder layer), list every "
+    "projection the message names, or name extra trainable modules in model.modules_to_save.",
+    ("actor_rollout_ref.model.target_modules", "actor_rollout_ref.model.exclude_modules"))
 
 __all__ = [name for name in dir() if name.isupper()]

@@ -35,5 +35,14 @@ FILTER_GROUPS_EXHAUSTED = register(
     "the reward function scores everything alike.",
     "Look at samples.jsonl and the scorer; raise algorithm.filter_groups.max_num_gen_batches, or use "
     "data that the model solves sometimes.", ("algorithm.filter_groups.max_num_gen_batches",))
+ENGINE_OUT_OF_SYNC = register(
+    "KEEL-T006", "The rollout engine generates from other weights than the trainer's",
+    "The log-probs the rollout engine sampled with differ from the trainer's on the same tokens by more "
+    "than numerics explain (trainer.guards.max_log_prob_gap): the weights the engine generated with "
+    "are not the ones being trained (a weight sync that did not happen, LoRA adapters that never "
+    "reached the engine). Training on such samples is off-policy without anyone knowing.",
+    "Report it with the step and the engine (rollout.name); rollout.name=hf generates with the trainer's "
+    "own module. If the gap is numerics (an unusual model in bf16), raise trainer.guards.max_log_prob_gap.",
+    ("trainer.guards.max_log_prob_gap", "actor_rollout_ref.rollout.name"))
 
 __all__ = [name for name in dir() if name.isupper()]

@@ -249,7 +249,9 @@ def load_causal_lm(path: str | Path, device: torch.device, trust_remote_code: bo
     model = AutoModelForCausalLM.from_pretrained(check_model_dir(path), dtype=torch.float32,
                                                  trust_remote_code=trust_remote_code)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        # Non-reentrant: with a frozen embedding (LoRA) the reentrant kind sees inputs that need no
+        # gradient and silently drops every adapter's gradient inside the checkpointed layers.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device)
 
 

@@ -20,7 +20,8 @@ from keel.config.load import to_yaml
 from keel.config.plan import make_plan
 from keel.config.schema import GROUP_ESTIMATORS, KeelConfig
 from keel.data.prompts import PromptBatch, collate_prompts
-from keel.observe.guards import LearningSignalGuard, SkipStep, check_finite, frac_reward_zero_std
+from keel.observe.guards import (LearningSignalGuard, SkipStep, check_engine_in_sync, check_finite,
+                                 frac_reward_zero_std)
 from keel.trainer.hooks import load_hook, run_hooks
 from keel.errors import RESUME_MISMATCH, KeelError
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
@@ -112,6 +113,8 @@ class RLTrainer:
             with timer("old_log_prob"):
                 batch.old_log_probs = workers.actor_log_probs(batch)
                 finite("actor log-probs", batch.old_log_probs, batch.response_mask)
+                check_engine_in_sync(batch.sampling_log_probs, batch.old_log_probs, batch.response_mask, self.step,
+                                     self.cfg.trainer.guards.max_log_prob_gap)
             if self.cfg.ref_enabled:
                 with timer("ref"):
                     batch.ref_log_probs = workers.ref_log_probs(batch)

@@ -12,7 +12,7 @@ def build_optimizer(params, optim_cfg) -> torch.optim.Optimizer:
     """AdamW. On GPU the fused kernel: one launch for every parameter, and under FSDP one DTensor
     dispatch instead of one per foreach op (a dozen per step, each costing CPU time per
     parameter). CPU keeps the default kernels, whose rounding the CPU tests compare exactly."""
-    params = list(params)
+    params = [p for p in params if p.requires_grad]  # a frozen base (LoRA) carries no optimiser state
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
                              weight_decay=optim_cfg.weight_decay, fused=fused or None)

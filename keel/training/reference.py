@@ -19,3 +19,15 @@ class ReferencePolicy:
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:      # [N, R]
         return batched_log_probs(self.model, batch, self.batching, self.temperature, self.placement)
+
+
+class AdapterlessReference:
+    """LoRA's reference: the actor's own base, its adapters switched off for the pass, so no
+    second model is held (the base never trains)."""
+
+    def __init__(self, peft_model, batching: MicroBatching, temperature: float, placement: Placement = SINGLE):
+        self.model, self.batching, self.temperature, self.placement = peft_model, batching, temperature, placement
+
+    def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:      # [N, R]
+        with self.model.disable_adapter():
+            return batched_log_probs(self.model, batch, self.batching, self.temperature, self.placement)

@@ -75,9 +75,10 @@ class NativeRolloutEngine:
         """The next generate uses the module's current weights (an unsharded policy's own)."""
         self.load_weights(model.named_parameters())
 
-    def load_weights(self, named: Iterable[tuple[str, Tensor]]) -> None:
-        """The same from (parameter name, whole tensor) pairs: every parameter the engine uses."""
-        self.weights.load(named)
+    def load_weights(self, named: Iterable[tuple[str, Tensor]], every: bool = True) -> None:
+        """The same from (parameter name, whole tensor) pairs: every parameter the engine uses, or
+        (every=False) only those that changed."""
+        self.weights.load(named, every)
 
     # --- generation ------------------------------------------------------------------------------
     @torch.no_grad()

@@ -75,11 +75,12 @@ class DecodeWeights:
         return self.layers[layer + 1].input_norm if layer + 1 < len(self.layers) else self.final_norm
 
     @torch.no_grad()
-    def load(self, named: Iterable[tuple[str, Tensor]]) -> None:
+    def load(self, named: Iterable[tuple[str, Tensor]], every: bool = True) -> None:
         """Fill the buffers in place, cast to the compute dtype, from (parameter name, whole tensor)
-        pairs: every parameter the engine uses, in any order. In place, so CUDA graphs kept between
-        calls (free_cache_engine=False) read the new weights."""
-        missing = set(self.targets)
+        pairs: every parameter the engine uses (or, `every=False`, those that changed: LoRA's
+        adapted layers), in any order. In place, so CUDA graphs kept between calls
+        (free_cache_engine=False) read the new weights."""
+        missing = set(self.targets) if every else set()
         for name, tensor in named:
             if name not in self.targets:
                 continue

@@ -1,0 +1,121 @@
+"""LoRA through peft, with its traps caught before any GPU time.
+
+Trap 7: `target_modules` that match nothing, or only some of a decoder layer's projections (the
+rest of the layer then trains nothing, and a model "with LoRA" learns little), or the tied
+embedding / `lm_head`, or a parameter left trainable outside the adapters (an embedding with
+requires_grad), are errors that list what the model has. The frozen base is cast to the compute
+dtype and carries no optimiser state; only the adapters (and `modules_to_save`) train, in float32.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from keel.errors import LORA_TARGETS, KeelError
+
+ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True)
+class LoraPlan:
+    """What LoRA will cover on a model, decided before it is applied (and printed by keel check)."""
+    targets: tuple[str, ...]         # leaf names of the linear layers that get adapters (q_proj, ...)
+    layer_linears: tuple[str, ...]   # the leaf names every decoder layer has
+    trainable: int                   # parameters that will train (adapters and modules_to_save)
+    total: int                       # parameters of the model with adapters
+
+    def summary(self) -> str:
+        share = self.trainable / max(self.total, 1)
+        return (f"LoRA on {', '.join(self.targets)} of every decoder layer (lm_head and embeddings frozen): "
+                f"{self.trainable:,} trainable parameters, {100 * share:.2f}% of {self.total:,}")
+
+
+def decoder_linears(model: nn.Module) -> dict[str, list[str]]:
+    """{leaf name: full names} of the linear layers inside the decoder's blocks (lm_head is not one)."""
+    found: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and ".layers." in f".{name}":
+            found.setdefault(name.rsplit(".", 1)[-1], []).append(name)
+    return found
+
+
+def plan_lora(model: nn.Module, rank: int, target_modules: list[str], exclude_modules: list[str],
+              modules_to_save: list[str], key: str) -> LoraPlan:
+    """The plan, or a KeelError (trap 7) saying what the model has."""
+    linears = decoder_linears(model)
+    wanted = set(linears) if target_modules == [ALL_LINEAR] else set(target_modules)
+    excluded = {leaf for leaf in linears for pattern in exclude_modules if fnmatch.fnmatchcase(leaf, pattern)}
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    outside = sorted(wanted - set(linears))
+    if set(outside) & {"lm_head", "embed_tokens"} and tied:
+        raise KeelError(LORA_TARGETS, f"{key}.target_modules names {outside}: with tied embeddings an adapter on "
+                        "lm_head or the embedding would untie them", f"remove {outside} from {key}.target_modules")
+    if outside:
+        raise KeelError(LORA_TARGETS, f"{key}.target_modules={target_modules} names {outside}, which this model's "
+                        f"decoder layers do not have; they have {sorted(linears)}",
+                        f"use {ALL_LINEAR}, or names from {sorted(linears)}")
+    targets = sorted(wanted - excluded)
+    if not targets:
+        raise KeelError(LORA_TARGETS, f"{key}.target_modules={target_modules} (exclude_modules={exclude_modules}) "
+                        f"matches none of this model's linear layers {sorted(linears)}: nothing would train",
+                        f"use {ALL_LINEAR}")
+    if len(targets) < len(linears):
+        raise KeelError(LORA_TARGETS, f"{key}: adapters on {targets} only; each decoder layer also has "
+                        f"{sorted(set(linears) - set(targets))}, which would train nothing",
+                        f"use {key}.target_modules={ALL_LINEAR} (every projection of every layer), or list them all")
+    per_target = sum(rank * (m.in_features + m.out_features) for leaf in targets for name in linears[leaf]
+                     for m in [model.get_submodule(name)])
+    saved = sum(p.numel() for name, p in model.named_parameters()
+                if any(fnmatch.fnmatchcase(name.rsplit(".", 1)[0].rsplit(".", 1)[-1], pattern)
+                       for pattern in modules_to_save))
+    total = sum(p.numel() for p in model.parameters()) + per_target
+    return LoraPlan(tuple(targets), tuple(sorted(linears)), per_target + saved, total)
+
+
+def apply_lora(model: nn.Module, plan: LoraPlan, rank: int, alpha: int, modules_to_save: list[str],
+               compute_dtype: torch.dtype, adapter_path: str | None = None):
+    """The model with peft adapters: the base frozen in the compute dtype, adapters in float32."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if adapter_path:
+        peft_model = PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
+    else:
+        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(plan.targets), lora_dropout=0.0,
+                            modules_to_save=modules_to_save or None, bias="none")
+        peft_model = get_peft_model(model, config)
+    for name, param in peft_model.named_parameters():
+        if not param.requires_grad and param.dtype.is_floating_point:
+            param.data = param.data.to(compute_dtype)  # frozen: never float32, no optimiser state
+        elif param.requires_grad:
+            param.data = param.data.float()
+    require_only_adapters_train(peft_model, modules_to_save)
+    return peft_model
+
+
+def require_only_adapters_train(model: nn.Module, modules_to_save: list[str]) -> None:
+    """Trap 7's last part: a parameter that trains outside the adapters (an embedding left with
+    requires_grad) changes the base behind LoRA's back."""
+    stray = [name for name, p in model.named_parameters() if p.requires_grad and "lora_" not in name
+             and not any(f".{m}." in f".{name}." or "modules_to_save" in name for m in modules_to_save)]
+    if stray:
+        raise KeelError(LORA_TARGETS, f"{len(stray)} parameters outside the LoRA adapters would train, e.g. "
+                        f"{stray[:3]}", "freeze them, or name their modules in model.modules_to_save")
+
+
+def merged_weights(peft_model) -> dict[str, torch.Tensor]:
+    """{Hugging Face parameter name: base + adapter delta} for every adapted linear layer: what the
+    rollout engine needs after an update (the rest of the base never changes)."""
+    from peft.tuners.lora import LoraLayer
+
+    merged = {}
+    for name, module in peft_model.named_modules():
+        if isinstance(module, LoraLayer) and module.active_adapters:
+            adapter = module.active_adapters[0]
+            delta = module.get_delta_weight(adapter)
+            hf_name = name.removeprefix("base_model.model.") + ".weight"
+            merged[hf_name] = (module.base_layer.weight.float() + delta.float()).detach()
+    return merged

@@ -1,0 +1,162 @@
+"""LoRA (peft) on the policy: adapters train and reach the rollout engine, the reference is the
+base with adapters off, the traps are refused before any step, checkpoints resume exactly and export
+round-trips through peft and transformers."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from keel.api import train
+from keel.errors import ENGINE_OUT_OF_SYNC, LORA_TARGETS, KeelError
+
+LORA = {"lora_rank": 8, "lora_alpha": 16, "target_modules": "all-linear"}
+
+
+def lora_config(tiny_config, **model):
+    tiny_config["actor_rollout_ref"]["model"].update({**LORA, **model})
+    tiny_config["actor_rollout_ref"]["actor"]["optim"]["lr"] = 2e-2
+    tiny_config["trainer"].update({"test_freq": -1, "val_before_train": False})
+    return tiny_config
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_adapters_train_reach_the_engine_and_leave_the_base_alone(tiny_config, tiny_assets):
+    cfg = lora_config(tiny_config)
+    cfg["actor_rollout_ref"]["actor"]["use_kl_loss"] = True  # the reference: the base, adapters off
+    cfg["trainer"]["total_training_steps"] = 3
+    result = train(cfg)
+    steps = metrics(result.run_dir)
+    assert result.last_step == 3 and all(math.isfinite(m["actor/pg_loss"]) for m in steps)
+    assert steps[-1]["rollout/log_prob_gap"] < 1e-4  # the engine generated with the trained adapters
+    assert steps[-1]["actor/ref_kl"] != 0.0  # the policy moved away from its base
+    actor = result.run_dir / "global_step_3" / "actor"
+    adapter = load_file(actor / "adapter_model.safetensors")
+    assert adapter and all("lora_" in name for name in adapter)  # the checkpoint holds adapters only
+    assert any(t.abs().sum() > 0 for name, t in adapter.items() if "lora_B" in name)  # B starts at 0, and trained
+
+
+def test_a_sync_that_never_reaches_the_engine_is_caught(tiny_config, monkeypatch):
+    """The failure peers' users find weeks later (verl #7495): rollouts from the base model."""
+    from keel.distributed.worker import RoleWorker
+
+    monkeypatch.setattr(RoleWorker, "_sync_rollout", lambda self: None)
+    cfg = lora_config(tiny_config)
+    cfg["actor_rollout_ref"]["actor"]["optim"]["lr"] = 0.2
+    cfg["trainer"]["guards"] = {"max_log_prob_gap": 0.01}
+    with pytest.raises(KeelError) as error:
+        train(cfg)
+    assert error.value.code == ENGINE_OUT_OF_SYNC and "after step 1's update" in error.value.message
+
+
+@pytest.mark.parametrize("model, needle", [
+    ({"target_modules": ["q_proj", "v_proj"]}, "would train nothing"),       # half a layer
+    ({"target_modules": ["query_key_value"]}, "do not have"),                # another architecture's name
+    ({"target_modules": ["lm_head"]}, "tied embeddings"),                    # would untie them
+    ({"exclude_modules": ["*"]}, "matches none"),
+])
+def test_lora_traps_are_refused_before_any_step(tiny_config, model, needle):
+    with pytest.raises(KeelError) as error:
+        train(lora_config(tiny_config, **model))
+    assert error.value.code == LORA_TARGETS and needle in error.value.message
+    assert not Path(tiny_config["trainer"]["default_local_dir"], "metrics.jsonl").exists()
+
+
+def test_a_parameter_training_outside_the_adapters_is_refused(tiny_assets):
+    from keel.models.load import load_causal_lm
+    from keel.models.lora import apply_lora, plan_lora, require_only_adapters_train
+
+    model = load_causal_lm(tiny_assets["model"], torch.device("cpu"))
+    peft_model = apply_lora(model, plan_lora(model, 4, ["all-linear"], [], [], "model"), 4, 8, [], torch.float32)
+    peft_model.get_input_embeddings().weight.requires_grad_(True)  # an embedding left trainable by mistake
+    with pytest.raises(KeelError) as error:
+        require_only_adapters_train(peft_model, [])
+    assert error.value.code == LORA_TARGETS and "embed_tokens" in error.value.message
+
+
+def test_keel_check_prints_what_lora_trains(tiny_config):
+    from keel.check.preflight import run_checks
+    from keel.config.load import load_config
+
+    report = run_checks(load_config(lora_config(tiny_config)))
+    [lora] = [f.message for f in report.findings if f.check == "lora"]
+    assert "q_proj" in lora and "down_proj" in lora and "lm_head and embeddings frozen" in lora
+    assert "trainable parameters" in lora and "%" in lora
+
+
+def test_gradient_checkpointing_gives_lora_the_same_gradients(tiny_assets):
+    """Trap 8: with frozen embeddings the reentrant checkpoint drops every adapter gradient; keel's
+    checkpointing (non-reentrant) gives the gradients of a run without it."""
+    from keel.models.load import load_causal_lm
+    from keel.models.lora import apply_lora, plan_lora
+
+    def adapter_grads(checkpointing: bool) -> dict:
+        torch.manual_seed(0)
+        model = load_causal_lm(tiny_assets["model"], torch.device("cpu"), gradient_checkpointing=checkpointing)
+        peft_model = apply_lora(model, plan_lora(model, 4, ["all-linear"], [], [], "m"), 4, 8, [], torch.float32)
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.1)  # B starts at 0: give A a gradient too
+        peft_model.train()
+        ids = torch.randint(0, 200, (2, 12))
+        peft_model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+
+    plain, checkpointed = adapter_grads(False), adapter_grads(True)
+    assert plain and set(plain) == set(checkpointed)
+    for name, grad in plain.items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(checkpointed[name], grad, msg=name)
+
+
+def test_lora_resumes_exactly(tiny_config, tmp_path, monkeypatch):
+    from keel.trainer import rl
+
+    cfg = lora_config(tiny_config)
+    cfg["trainer"].update({"total_training_steps": 4, "save_freq": 2})
+    straight = dict(cfg, trainer={**cfg["trainer"], "default_local_dir": str(tmp_path / "a")})
+    stopped = dict(cfg, trainer={**cfg["trainer"], "default_local_dir": str(tmp_path / "b")})
+    train(straight)
+    real_step = rl.RLTrainer.train_step
+
+    def stop_at_step_3(self, logger):
+        if self.step == 3:
+            raise KeyboardInterrupt
+        return real_step(self, logger)
+
+    monkeypatch.setattr(rl.RLTrainer, "train_step", stop_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        train(stopped)
+    monkeypatch.setattr(rl.RLTrainer, "train_step", real_step)
+    train(stopped)
+    a = load_file(tmp_path / "a" / "global_step_4" / "actor" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "b" / "global_step_4" / "actor" / "adapter_model.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_export_round_trips_through_peft_and_transformers(tiny_config, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from keel.cli import main
+
+    cfg = lora_config(tiny_config)
+    cfg["trainer"]["total_training_steps"] = 2
+    result = train(cfg)
+    checkpoint = result.run_dir / "global_step_2"
+    assert main(["export", str(checkpoint), str(tmp_path / "adapter")]) == 0
+    assert main(["export", str(checkpoint), str(tmp_path / "merged"), "--merged"]) == 0
+    base = cfg["actor_rollout_ref"]["model"]["path"]
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    ids = torch.tensor([[5, 17, 42, 9]])
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(with_adapter.generate(input_ids=ids, **kwargs), merged.generate(input_ids=ids, **kwargs))
+    plain = AutoModelForCausalLM.from_pretrained(base)
+    assert not all(torch.equal(p, q) for p, q in zip(plain.parameters(), merged.parameters()))  # adapters are in
