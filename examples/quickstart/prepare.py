@@ -37,7 +37,9 @@ def main(out: Path) -> None:
     rng = random.Random(0)
     write_jsonl(out / "train.jsonl", make_rows(256, rng))
     write_jsonl(out / "val.jsonl", make_rows(32, rng))
-    make_tiny_model(out / "model", arch="qwen2", hidden_size=64, num_layers=2)
+    # A wider initialisation than transformers' 0.02: the random output layer can then express a
+    # confident answer, as a pretrained model's can, so LoRA (which leaves it frozen) learns too.
+    make_tiny_model(out / "model", arch="qwen2", hidden_size=64, num_layers=2, initializer_range=0.2)
     print(f"wrote {out}/train.jsonl, {out}/val.jsonl and {out}/model")
 
 

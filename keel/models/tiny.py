@@ -62,7 +62,7 @@ def build_model_config(arch: str = "qwen2", vocab_size: int = 128, hidden_size: 
                        num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                        intermediate_size: int | None = None, max_position_embeddings: int = 1024,
                        eos_token_id: int | None = None, pad_token_id: int | None = None,
-                       tie_word_embeddings: bool = True):
+                       tie_word_embeddings: bool = True, initializer_range: float = 0.02):
     from transformers import LlamaConfig, Qwen2Config
 
     configs = {"qwen2": Qwen2Config, "llama": LlamaConfig}
@@ -79,6 +79,7 @@ def build_model_config(arch: str = "qwen2", vocab_size: int = 128, hidden_size: 
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
     )
 
 
