@@ -46,7 +46,10 @@ def make_model(shape: str, out_dir: Path) -> Path:
     config = Qwen2Config(**QWEN25_COMMON, **QWEN25_SHAPES[shape], eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(out_dir)
+    # Shapes of 3B and more are written in bf16: half the disk and load time (keel reads them as it
+    # reads any checkpoint).
+    big = QWEN25_SHAPES[shape]["hidden_size"] >= 2048
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if big else torch.float32).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
 
@@ -97,7 +100,8 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
     workload = WORKLOADS[name]
     root = Path(workdir or tempfile.mkdtemp(prefix="keel_bench_"))
     root.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(bench_config(name, workload, root, warmup + steps, gpus), overrides or [])
+    cfg = load_config(bench_config(name, workload, root, warmup + steps, gpus),
+                      [f"{k}={v}" for k, v in workload.overrides.items()] + list(overrides or []))
     trainer = RLTrainer(cfg)
     trainer._open_run_dir()
     logger = MetricsLogger(trainer.run_dir, False, warmup + steps, 0)

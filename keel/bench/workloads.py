@@ -11,6 +11,12 @@ QWEN25_SHAPES = {
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, tie_word_embeddings=True),
 }
+QWEN25_SHAPES.update({  # the LoRA workloads' shapes
+    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+               num_key_value_heads=2, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, tie_word_embeddings=False),
+})
 QWEN25_SHAPES["tiny"] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, tie_word_embeddings=True)  # CPU check of the harness
 QWEN25_COMMON = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
@@ -34,3 +40,11 @@ WORKLOADS = {
     "w3": Workload("1.5b", 64, 8, 512, 512, kl_loss=True),
     "tiny": Workload("tiny", 4, 4, 32, 16),
 }
+LORA_64 = {"actor_rollout_ref.model.lora_rank": 64, "actor_rollout_ref.model.lora_alpha": 128,
+           "actor_rollout_ref.model.target_modules": "all-linear",
+           "actor_rollout_ref.model.enable_gradient_checkpointing": True}
+WORKLOADS.update({
+    "w7": Workload("7b", 16, 8, 512, 512, overrides=LORA_64),       # LoRA on 7B shapes
+    "w3l": Workload("1.5b", 64, 8, 512, 512, kl_loss=True, overrides=LORA_64),  # w3 with LoRA
+    "tinyl": Workload("tiny", 4, 4, 32, 16, overrides={**LORA_64, "actor_rollout_ref.model.lora_rank": 8}),
+})

@@ -21,7 +21,8 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
     estimate = estimate_memory_gb(cfg, model_cfg, context.get("parameters") or architecture_parameters(model_cfg),
                                   compute_bytes=_compute_dtype(cfg).itemsize,
                                   native_rollout=unsupported_reason(model_cfg) is None,
-                                  logits_chunk_tokens=LOGITS_CHUNK_TOKENS)
+                                  logits_chunk_tokens=LOGITS_CHUNK_TOKENS,
+                                  lora_trainable=context["lora_plan"].trainable if "lora_plan" in context else None)
     context["memory_gb"] = estimate
     total, available, where = device_memory_gb(cfg)
     required = max(estimate["total"], estimate.get("critic_pool", 0.0))

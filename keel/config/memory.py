@@ -7,7 +7,7 @@ from keel.config.schema import KeelConfig
 
 
 def estimate_memory_gb(cfg: KeelConfig, model_cfg, params: int, *, compute_bytes: int, native_rollout: bool,
-                       logits_chunk_tokens: int) -> dict[str, float]:
+                       logits_chunk_tokens: int, lora_trainable: int | None = None) -> dict[str, float]:
     """Per-device estimate for a policy of `params` parameters. float32 master weights (4 B) + gradients (4 B) + AdamW moments (8 B) for
     each trained model, divided among the ranks FSDP shards them over (and off the device when
     offloaded); 4 B per weight for the frozen reference; with more than one worker, the rollout
@@ -18,7 +18,9 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg, params: int, *, compute_bytes
 
     What the config alone does not say comes from the caller: the compute dtype's size on the
     device the run resolves to, whether the native engine runs this architecture, and how many
-    positions' logits the log-prob pass holds at once."""
+    positions' logits the log-prob pass holds at once. With LoRA (`lora_trainable` parameters), the
+    frozen base is in the compute dtype with no gradients or optimiser state, and the reference is
+    that same base."""
     gb = 2 ** 30
     policy = cfg.actor_rollout_ref
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
@@ -43,7 +45,9 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg, params: int, *, compute_bytes
         estimate["rollout_weights"] = bytes_act * params / gb
     if cfg.world_size > 1 and policy.actor.fsdp_config.fsdp_size != 1 and not native:
         estimate["rollout_copy"] = 4 * params / gb  # sharded: the hf engine generates with a whole copy
-    if cfg.ref_enabled:
+    if lora_trainable is not None:  # the frozen base once, the adapters with gradients and AdamW
+        estimate["actor_states"] = (bytes_act * params + 16 * lora_trainable) / gb
+    elif cfg.ref_enabled:
         estimate["reference"] = _sharded_bytes(params, False, policy.ref.fsdp_config, cfg.world_size) / gb
     if cfg.critic_enabled and "critic" not in cfg.pools:  # colocated with the actor
         estimate["critic_states"] = _sharded_bytes(params, True, cfg.critic.model.fsdp_config, cfg.world_size) / gb

@@ -97,7 +97,8 @@ class RoleWorker:
         # With LoRA a checkpoint's actor is its adapters; the base is always model.path.
         weights = policy.model.path if self.lora else (spec.actor_weights or policy.model.path)
         model = load_causal_lm(weights, self.device, policy.model.trust_remote_code,
-                               policy.model.enable_gradient_checkpointing)
+                               policy.model.enable_gradient_checkpointing,
+                               dtype=self.compute_dtype if self.lora else torch.float32)  # a frozen base
         # Built before the actor is sharded (and before LoRA): it reads the whole base weights once.
         # After each update it takes the actor module's, gathered from shards, or LoRA's merged layers.
         self.rollout = make_rollout_engine(policy.rollout, model, self.tokenizer, self.device, self.compute_dtype,
@@ -208,7 +209,7 @@ class RoleWorker:
         """The engine sees the updated weights: sharded, gathered a bucket of parameters per
         collective straight into the engine's own weights."""
         if self.lora and not isinstance(self.rollout, HFRolloutEngine):  # hf generates with the module itself
-            self.rollout.load_weights(merged_weights(self.actor.model).items(), every=False)
+            self.rollout.load_weights(merged_weights(self.actor.model), every=False)
         elif self._actor_sharded:
             self.rollout.load_weights(full_parameters(self.actor.model, self.device))
         else:

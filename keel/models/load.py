@@ -241,12 +241,13 @@ def autocast(device: torch.device, dtype: torch.dtype):
 
 
 def load_causal_lm(path: str | Path, device: torch.device, trust_remote_code: bool = False,
-                   gradient_checkpointing: bool = False):
-    """Weights in float32 (master weights); `autocast` chooses the compute dtype."""
+                   gradient_checkpointing: bool = False, dtype: torch.dtype = torch.float32):
+    """Weights in float32 (master weights; a frozen LoRA base in the compute dtype); `autocast`
+    chooses the compute dtype."""
     from transformers import AutoModelForCausalLM
 
     weight_file_shapes(check_model_dir(path))  # a truncated file is a coded error, not a SafetensorError
-    model = AutoModelForCausalLM.from_pretrained(check_model_dir(path), dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(check_model_dir(path), dtype=dtype,
                                                  trust_remote_code=trust_remote_code)
     if gradient_checkpointing:
         # Non-reentrant: with a frozen embedding (LoRA) the reentrant kind sees inputs that need no

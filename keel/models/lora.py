@@ -106,16 +106,15 @@ def require_only_adapters_train(model: nn.Module, modules_to_save: list[str]) ->
                         f"{stray[:3]}", "freeze them, or name their modules in model.modules_to_save")
 
 
-def merged_weights(peft_model) -> dict[str, torch.Tensor]:
-    """{Hugging Face parameter name: base + adapter delta} for every adapted linear layer: what the
-    rollout engine needs after an update (the rest of the base never changes)."""
+@torch.no_grad()
+def merged_weights(peft_model):
+    """(Hugging Face parameter name, base + adapter delta) for each adapted linear layer, one at a
+    time (memory for one layer's weight, not the model's): what the rollout engine needs after an
+    update, since the rest of the base never changes."""
     from peft.tuners.lora import LoraLayer
 
-    merged = {}
     for name, module in peft_model.named_modules():
         if isinstance(module, LoraLayer) and module.active_adapters:
-            adapter = module.active_adapters[0]
-            delta = module.get_delta_weight(adapter)
-            hf_name = name.removeprefix("base_model.model.") + ".weight"
-            merged[hf_name] = (module.base_layer.weight.float() + delta.float()).detach()
-    return merged
+            base = module.base_layer.weight
+            delta = module.get_delta_weight(module.active_adapters[0])
+            yield name.removeprefix("base_model.model.") + ".weight", (base.float() + delta.float()).to(base.dtype)

@@ -160,3 +160,13 @@ def test_export_round_trips_through_peft_and_transformers(tiny_config, tmp_path)
     assert torch.equal(with_adapter.generate(input_ids=ids, **kwargs), merged.generate(input_ids=ids, **kwargs))
     plain = AutoModelForCausalLM.from_pretrained(base)
     assert not all(torch.equal(p, q) for p, q in zip(plain.parameters(), merged.parameters()))  # adapters are in
+
+
+def test_the_memory_estimate_knows_lora(tiny_config):
+    from keel.check.preflight import run_checks
+    from keel.config.load import load_config
+
+    full = run_checks(load_config(tiny_config, {"actor_rollout_ref.actor.use_kl_loss": True})).memory_gb
+    lora = run_checks(load_config(lora_config(tiny_config), {"actor_rollout_ref.actor.use_kl_loss": True})).memory_gb
+    assert "reference" in full and "reference" not in lora  # the base with adapters off: no second model
+    assert lora["actor_states"] < 0.6 * full["actor_states"]  # frozen base: no gradients or AdamW moments
