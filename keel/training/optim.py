@@ -7,12 +7,17 @@ from contextlib import contextmanager
 
 import torch
 
+from keel.errors import NO_GRADIENT, KeelError
+
 
 def build_optimizer(params, optim_cfg) -> torch.optim.Optimizer:
     """AdamW. On GPU the fused kernel: one launch for every parameter, and under FSDP one DTensor
     dispatch instead of one per foreach op (a dozen per step, each costing CPU time per
     parameter). CPU keeps the default kernels, whose rounding the CPU tests compare exactly."""
     params = [p for p in params if p.requires_grad]  # a frozen base (LoRA) carries no optimiser state
+    if not params:
+        raise KeelError(NO_GRADIENT, "every parameter of the model is frozen: nothing would train",
+                        "unfreeze the model (a wrapper that set requires_grad=False), or use LoRA (model.lora_rank)")
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
                              weight_decay=optim_cfg.weight_decay, fused=fused or None)
