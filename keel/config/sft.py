@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from keel.config.fields import opt
 from keel.config.rules import check_betas
-from keel.config.schema import ModelOptions, OptimConfig, RunOptions
+from keel.config.schema import LoraOptions, ModelOptions, OptimConfig, RunOptions
 from keel.errors import BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, KeelError
 
 
@@ -26,7 +26,7 @@ class SFTDataConfig:
 
 
 @dataclass
-class SFTModelConfig(ModelOptions):
+class SFTModelConfig(ModelOptions, LoraOptions):
     partial_pretrain: str = opt("", help="local Hugging Face model directory to fine-tune")
 
 

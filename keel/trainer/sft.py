@@ -18,6 +18,7 @@ from keel.data.sampler import ResumableSampler
 from keel.data.sft import SFTExample, build_sft_dataset, collate_sft
 from keel.errors import DATA_EMPTY, RESUME_MISMATCH, KeelError
 from keel.models.load import autocast, load_causal_lm, load_tokenizer, quiet_transformers, resolve_dtype
+from keel.models.lora import apply_lora, plan_lora
 from keel.observe.log import ensure_console_logging
 from keel.observe.metrics import MetricsLogger, Timer
 from keel.models.load import resolve_device
@@ -65,12 +66,25 @@ class SFTTrainer:
                                         f"data.train_batch_size={d.train_batch_size}")
         self.sampler = ResumableSampler(len(self.train_data), d.train_batch_size, d.seed, d.shuffle)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
-        start = self.resume_from / "actor" if self.resume_from else m.partial_pretrain
-        self.model = load_causal_lm(start, device, m.trust_remote_code, m.enable_gradient_checkpointing)
+        self.model = self._load_model(device)
         self.autocast = partial(autocast, device, resolve_dtype(m.dtype, device))
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
         self.step = 0
+
+    def _load_model(self, device: torch.device):
+        """The model to fine-tune: a checkpoint's when resuming; with LoRA (model.lora_rank) the base
+        from partial_pretrain, frozen in the compute dtype, under peft adapters."""
+        m, checkpoint = self.cfg.model, self.resume_from / "actor" if self.resume_from else None
+        if not m.lora_rank:
+            return load_causal_lm(checkpoint or m.partial_pretrain, device, m.trust_remote_code,
+                                  m.enable_gradient_checkpointing)
+        dtype = resolve_dtype(m.dtype, device)
+        base = load_causal_lm(m.partial_pretrain, device, m.trust_remote_code, m.enable_gradient_checkpointing, dtype)
+        plan = plan_lora(base, m.lora_rank, m.target_modules, m.exclude_modules, m.modules_to_save, "model")
+        log.info(plan.summary())
+        return apply_lora(base, plan, m.lora_rank, m.lora_alpha, m.modules_to_save, dtype,
+                          checkpoint or m.lora_adapter_path)
 
     def _load(self, files: list[str], name: str) -> list[SFTExample]:
         d = self.cfg.data
@@ -97,7 +111,7 @@ class SFTTrainer:
                     self.save()
         finally:
             logger.close()
-        ckpt.write_policy(self.run_dir, self.model, self.tokenizer)  # the run directory is the model
+        ckpt.write_policy(self.run_dir, self._finished_model(), self.tokenizer)  # the run directory is the model
         return SFTResult(self.run_dir, self.step, metrics)
 
     def train_step(self) -> dict[str, float]:
@@ -137,6 +151,14 @@ class SFTTrainer:
 
     def _due(self, freq: int) -> bool:
         return freq > 0 and self.step % freq == 0
+
+    def _finished_model(self):
+        """The model the run directory holds: with LoRA the base with the adapters merged (so `keel
+        train` can start from it), the adapters themselves kept in `adapter/`."""
+        if not hasattr(self.model, "peft_config"):
+            return self.model
+        self.model.save_pretrained(self.run_dir / "adapter")
+        return self.model.merge_and_unload()
 
     def save(self) -> Path:
         def write(tmp: Path) -> None:

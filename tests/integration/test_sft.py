@@ -80,3 +80,29 @@ def test_sft_resume_is_exact(sft_config, tmp_path, monkeypatch):
     assert all(torch.equal(a[k], b[k]) for k in a)
     strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/"))} for m in ms]
     assert strip(read_metrics(tmp_path / "a")) == strip(read_metrics(tmp_path / "b"))
+
+
+def test_sft_takes_the_lora_keys_and_its_output_is_still_a_model(sft_config, tiny_config, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from keel.errors import LORA_TARGETS, KeelError
+    from keel.trainer.sft import sft
+
+    sft_config["model"].update({"lora_rank": 8, "target_modules": "all-linear"})
+    sft_config["optim"]["lr"] = 3e-2
+    result = sft(sft_config)
+    metrics = read_metrics(result.run_dir)
+    # learns (slowly: this tiny random model's frozen output layer cannot be confident)
+    assert metrics[-1]["train/loss"] < metrics[0]["train/loss"] - 0.1
+    base = sft_config["model"]["partial_pretrain"]
+    merged = AutoModelForCausalLM.from_pretrained(result.run_dir)  # the run directory is the merged model
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), result.run_dir / "adapter")
+    ids = torch.tensor([[5, 17, 42, 9]])
+    torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+    sft_config["model"]["target_modules"] = ["q_proj"]
+    sft_config["trainer"]["default_local_dir"] = str(tmp_path / "half")
+    with pytest.raises(KeelError) as error:
+        sft(sft_config)
+    assert error.value.code == LORA_TARGETS
