@@ -1,6 +1,6 @@
 """LoRA (peft) on the policy: adapters train and reach the rollout engine, the reference is the
 base with adapters off, the traps are refused before any step, checkpoints resume exactly and export
-round-trips through peft and transformers."""
+round-trips through peft and transformers (resume: test_train_cli.py's resume test, lora variant)."""
 
 import json
 import math
@@ -113,31 +113,6 @@ def test_gradient_checkpointing_gives_lora_the_same_gradients(tiny_assets):
     for name, grad in plain.items():
         assert grad.abs().sum() > 0, name
         torch.testing.assert_close(checkpointed[name], grad, msg=name)
-
-
-def test_lora_resumes_exactly(tiny_config, tmp_path, monkeypatch):
-    from keel.trainer import rl
-
-    cfg = lora_config(tiny_config)
-    cfg["trainer"].update({"total_training_steps": 4, "save_freq": 2})
-    straight = dict(cfg, trainer={**cfg["trainer"], "default_local_dir": str(tmp_path / "a")})
-    stopped = dict(cfg, trainer={**cfg["trainer"], "default_local_dir": str(tmp_path / "b")})
-    train(straight)
-    real_step = rl.RLTrainer.train_step
-
-    def stop_at_step_3(self, logger):
-        if self.step == 3:
-            raise KeyboardInterrupt
-        return real_step(self, logger)
-
-    monkeypatch.setattr(rl.RLTrainer, "train_step", stop_at_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        train(stopped)
-    monkeypatch.setattr(rl.RLTrainer, "train_step", real_step)
-    train(stopped)
-    a = load_file(tmp_path / "a" / "global_step_4" / "actor" / "adapter_model.safetensors")
-    b = load_file(tmp_path / "b" / "global_step_4" / "actor" / "adapter_model.safetensors")
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_export_round_trips_through_peft_and_transformers(tiny_config, tmp_path):

@@ -30,7 +30,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(model_dir / "model.safetensors")
+    """A model directory's weights, or a LoRA checkpoint's adapters."""
+    adapter = model_dir / "adapter_model.safetensors"
+    return load_file(adapter if adapter.exists() else model_dir / "model.safetensors")
 
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
@@ -104,7 +106,9 @@ def test_algorithm_variants_train(overrides, tiny_config, monkeypatch):
     # ... and the reward normaliser's window
     {"algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True, "kl_ctrl": {"type": "adaptive"}},
      "actor_rollout_ref": {"actor": {"ppo_epochs": 2}}, "reward": {"normalize": {"enable": True}}},
-], ids=["grpo", "ppo-adaptive-kl-norm"])
+    # LoRA: the adapters and their optimiser state resume, the base is reloaded from model.path
+    {"actor_rollout_ref": {"model": {"lora_rank": 8}, "actor": {"use_kl_loss": True, "optim": {"lr": 2e-2}}}},
+], ids=["grpo", "ppo-adaptive-kl-norm", "lora"])
 def test_resume_after_stop_matches_uninterrupted_run(variant, tiny_config, tmp_path, monkeypatch):
     from keel.api import train
     from keel.trainer import rl
