@@ -29,7 +29,8 @@ def test_bench_appends_a_record_with_the_required_fields(tmp_path, capsys, monke
     assert r["step_time_s"] > r["timing_s"]["gen"] > 0 and r["gen_tokens_per_s"] > 0 and r["update_tokens_per_s"] > 0
     # fixed-length responses: every sample generated 16 tokens
     assert r["gen_tokens_per_s"] == 4 * 4 * 16 / r["timing_s"]["gen"]
-    assert r["decode_tokens_per_s"] == 4 * 4 * 15 / r["timing_s"]["gen_decode"] > r["gen_tokens_per_s"]
+    # (decode's rate against the whole generation's is a race on a busy machine: not asserted)
+    assert r["decode_tokens_per_s"] == 4 * 4 * 15 / r["timing_s"]["gen_decode"]
     assert r["update_mfu"] is None and r["datasheet"] is None  # no GPU: no peak, no datasheet to read against
     assert r["logprob_tokens_per_s"] > 0
     assert 0 <= r["log_prob_gap"] < 1e-3  # float32 on CPU: sampler and trainer agree
