@@ -38,7 +38,7 @@ def load_config(source: str | Path | dict | Any | None = None,
     decided: list[str] = []
     given = set(flatten(tree))
     if schema is KeelConfig:  # verl's SFT trainer has keys of its own; keel's SFT keys are checked as they are
-        tree = adapt_verl(tree, set(all_keys(schema)), problems, decided)
+        tree = adapt_verl(tree, set(all_keys(schema)), flatten(to_dict(schema())), problems, decided)
     cfg = _build(schema, tree, prefix="", schema=schema, problems=problems, decided=decided)
     if problems:
         raise combined(problems)
@@ -133,11 +133,12 @@ def _parse_overrides(overrides) -> list[tuple[str, Any]]:
     if not overrides:
         return []
     if isinstance(overrides, dict):
-        return [(key.lstrip("+"), value) for key, value in overrides.items()]
+        return [(key[1:], DELETE) if key.startswith("~") else (key.lstrip("+"), value)
+                for key, value in overrides.items()]
     parsed = []
     for item in overrides:
-        if item.startswith("~") and "=" not in item:  # Hydra's `~key`: remove it (keel's default applies)
-            parsed.append((item[1:].strip(), DELETE))
+        if item.startswith("~"):  # Hydra's `~key` (or `~key=value`): remove it, keel's default applies
+            parsed.append((item[1:].partition("=")[0].strip(), DELETE))
             continue
         key, sep, raw = item.partition("=")
         key = key.strip().lstrip("+").lstrip("~")  # Hydra's `+key=value` / `++key=value` add or force

@@ -14,16 +14,17 @@ from keel.config.verl_rules import (ACCEPT, DERIVED, NO_VLLM, REFUSE, RENAME, UN
 from keel.errors import VERL_UNSUPPORTED, KeelError
 
 
-def adapt_verl(tree: dict, known: set[str], problems: list, decided: list) -> dict:
+def adapt_verl(tree: dict, known: set[str], defaults: dict[str, Any], problems: list, decided: list) -> dict:
     """The tree with verl's references resolved, verl's keys taken as the rules say (kept, renamed,
     accepted with a note in `decided`, or refused into `problems`) and verl's "unset" values
-    dropped. `known`: keel's own keys."""
+    dropped. `known`: keel's own keys; `defaults`: their defaults (what a reference to a key the
+    config leaves unset resolves to)."""
     flat = _flat(tree, known)
     for key, source in DERIVED.items():  # as verl's references derive them
         if key not in flat and source in flat:
             flat[key] = flat[source]
-    flat = resolve_references(flat)
-    _reward_manager(flat, decided, problems)
+    flat = resolve_references(flat, defaults)
+    _reward_manager(flat, defaults, decided, problems)
     if flat.get("trainer.resume_mode") == "resume_path":  # verl's way to name a checkpoint
         flat["trainer.resume_mode"] = flat.pop("trainer.resume_from_path", None) or "auto"
     kept: dict[str, Any] = {}
@@ -58,12 +59,13 @@ def adapt_verl(tree: dict, known: set[str], problems: list, decided: list) -> di
     return _unflat(kept)
 
 
-def _reward_manager(flat: dict[str, Any], decided: list, problems: list) -> None:
+def _reward_manager(flat: dict[str, Any], defaults: dict[str, Any], decided: list, problems: list) -> None:
     """verl's reward_model.reward_manager (and its reward_kwargs) as keel's settings: naive is keel's
     way, batch is custom_reward_function.batched, dapo is reward.overlong_buffer, prime is scoring
     processes (reward.num_workers)."""
     named = [flat.pop(key, None) for key in ("reward_model.reward_manager", "reward_manager.name")]
     manager = next((name for name in named if name not in (None, "naive")), "naive")
+    flat.pop("reward_model.reward_kwargs", None)  # an empty mapping: nothing to pass
     kwargs = {key.removeprefix("reward_model.reward_kwargs."): flat.pop(key) for key in list(flat)
               if key.startswith("reward_model.reward_kwargs.")}
     if manager == "batch":
@@ -81,7 +83,8 @@ def _reward_manager(flat: dict[str, Any], decided: list, problems: list) -> None
         setting = key.removeprefix("overlong_buffer_cfg.")
         if key.startswith("overlong_buffer_cfg.") and setting in ("enable", "len", "penalty_factor"):
             flat[f"reward.overlong_buffer.{setting}"] = value
-        elif key == "max_resp_len" and value not in (None, flat.get("data.max_response_length")):
+        elif key == "max_resp_len" and value not in (None, flat.get("data.max_response_length",
+                                                                  defaults.get("data.max_response_length"))):
             problems.append(KeelError(VERL_UNSUPPORTED, f"reward_model.reward_kwargs.max_resp_len={value} differs "
                                       "from data.max_response_length; keel's overlong penalty measures against "
                                       "data.max_response_length", "remove max_resp_len or make the two equal"))
@@ -118,18 +121,26 @@ def _unflat(flat: dict[str, Any]) -> dict:
 _REFERENCE = re.compile(r"\$\{(oc\.select:)?\s*([^,}]+?)\s*(?:,\s*([^}]*))?\}")
 
 
-def resolve_references(flat: dict[str, Any]) -> dict[str, Any]:
-    """verl's OmegaConf references in values: `${a.b}`, `${oc.select:a.b,default}` and `${.x}`
-    (a sibling), within strings too (`checkpoints/${trainer.project_name}`); `~/` paths expanded.
-    A reference to a key nobody set takes its default, or stays unset (None)."""
+def resolve_references(flat: dict[str, Any], defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """verl's OmegaConf references in values: `${a.b}`, `${oc.select:a.b,default}`, `${.x}` (a
+    sibling) and `${..x}` (a parent's), within strings too (`checkpoints/${trainer.project_name}`);
+    `~/` paths expanded. A reference to a key the config leaves unset takes keel's default for it,
+    else the reference's own default, else stays unset (None)."""
+    defaults = defaults or {}
+
     def value_of(key: str, at: str, default: str | None, depth: int) -> Any:
         if key.startswith("."):
-            key = at.rsplit(".", 1)[0] + key
+            dots = len(key) - len(key.lstrip("."))
+            key = ".".join(at.split(".")[:-dots] + [key.lstrip(".")])
         if key in flat and depth < 8:
             return resolve(flat[key], key, depth + 1)
+        if key in defaults:
+            return defaults[key]
         return None if default is None or default.strip() == "null" else _scalar(default)
 
     def resolve(value: Any, at: str, depth: int = 0) -> Any:
+        if isinstance(value, list):
+            return [resolve(item, at, depth) for item in value]
         if not isinstance(value, str):
             return value
         whole = _REFERENCE.fullmatch(value.strip())

@@ -141,7 +141,8 @@ class RoleWorker:
         compiled = self.spec.policy.actor.use_torch_compile and can_compile(self.device)
         # The hf engine generates with this very module when unsharded; its growing KV cache would
         # recompile the layers at every length, so they stay eager.
-        generates_with_it = isinstance(self.rollout, HFRolloutEngine) and self.rollout.model is model
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA wraps it
+        generates_with_it = isinstance(self.rollout, HFRolloutEngine) and self.rollout.model is base
         model, placement, report = parallelize(
             model, role=role, device=self.device, world_size=self.world_size, compute_dtype=self.compute_dtype,
             fsdp_cfg=fsdp_cfg, compile_layers=compiled and not generates_with_it, fused_vocab=compiled)

@@ -109,8 +109,9 @@ def require_only_adapters_train(model: nn.Module, modules_to_save: list[str]) ->
 @torch.no_grad()
 def merged_weights(peft_model):
     """(Hugging Face parameter name, base + adapter delta) for each adapted linear layer, one at a
-    time (memory for one layer's weight, not the model's): what the rollout engine needs after an
-    update, since the rest of the base never changes."""
+    time (memory for one layer's weight, not the model's), and the modules trained in full
+    (modules_to_save): what the rollout engine needs after an update, since the rest of the base
+    never changes."""
     from peft.tuners.lora import LoraLayer
 
     for name, module in peft_model.named_modules():
@@ -118,3 +119,6 @@ def merged_weights(peft_model):
             base = module.base_layer.weight
             delta = module.get_delta_weight(module.active_adapters[0])
             yield name.removeprefix("base_model.model.") + ".weight", (base.float() + delta.float()).to(base.dtype)
+    for name, param in peft_model.named_parameters():  # modules_to_save train in full: their copies
+        if ".modules_to_save." in name:
+            yield name.removeprefix("base_model.model.").replace(".modules_to_save.default", ""), param.detach()

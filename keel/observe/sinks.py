@@ -27,7 +27,7 @@ class WandbSink:
     def __init__(self, project: str, name: str, config: dict, run_dir: Path):
         import wandb
 
-        offline = not (os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE"))
+        offline = not (os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") or _wandb_logged_in())
         if offline:
             log.info("wandb: no WANDB_API_KEY, so offline; `wandb sync %s/wandb/offline-run-*` uploads it",
                      run_dir)
@@ -87,7 +87,7 @@ class MlflowSink:
         experiment = self.client.get_experiment_by_name(project)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
         self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
-        params = [mlflow.entities.Param(key[:250], str(value)[:6000]) for key, value in _flatten(config).items()]
+        params = [mlflow.entities.Param(self.key(key)[:250], str(value)[:6000]) for key, value in _flatten(config).items()]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params a call
             self.client.log_batch(self.run_id, params=params[start:start + 100])
 
@@ -122,8 +122,10 @@ class Trackers:
 
     def __init__(self, names: list[str], project: str, name: str, config: dict, run_dir: Path):
         self.sinks, self.failed_writes, self._warned = {}, 0, set()
-        for tracker in (n for n in names if n in SINKS):
+        trackers = [n for n in names if n in SINKS]
+        for tracker in trackers:  # all of them before any starts: a refusal leaves no run open
             require_tracker(tracker)
+        for tracker in trackers:
             try:
                 self.sinks[tracker] = SINKS[tracker](project, name, config, run_dir)
             except Exception as error:  # noqa: BLE001 - a tracker is never worth a run
@@ -165,10 +167,21 @@ def require_tracker(name: str) -> None:
                         "trainer.logger")
 
 
+def _wandb_logged_in() -> bool:
+    """`wandb login` (its netrc entry) counts as a key, as it does for wandb itself."""
+    import netrc
+
+    try:
+        return netrc.netrc().authenticators(os.environ.get("WANDB_BASE_URL", "api.wandb.ai")
+                                            .removeprefix("https://")) is not None
+    except (OSError, netrc.NetrcParseError):  # no ~/.netrc
+        return False
+
+
 def describe_tracker(name: str, run_dir: Path) -> str:
     """Where a tracker will write, for `keel check`."""
     if name == "wandb":
-        online = os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE")
+        online = os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") or _wandb_logged_in()
         return f"wandb: {'online' if online else 'offline (no WANDB_API_KEY), files under ' + str(run_dir / 'wandb')}"
     if name == "tensorboard":
         return f"tensorboard: {os.environ.get('TENSORBOARD_DIR') or run_dir / 'tensorboard'}"

@@ -27,7 +27,10 @@ SINGLE_TURN = 2  # verl's num_turns for one prompt and one response (its single-
 def call_reward_fn(fn: Callable, names: tuple[str, ...], values: tuple) -> Any:
     """fn called as verl calls it: by keyword when its parameters are verl's names (or it takes
     **kwargs), else by position."""
-    accepted = _keywords(fn, names)
+    try:
+        accepted = _keywords(fn, names)
+    except TypeError:  # an unhashable callable (an instance used as a scorer): not cached
+        accepted = _keywords.__wrapped__(fn, names)
     if accepted is None:
         return fn(*values)
     return fn(**{name: value for name, value in zip(names, values) if name in accepted})
@@ -41,13 +44,14 @@ def _keywords(fn: Callable, names: tuple[str, ...]) -> frozenset[str] | None:
         parameters = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature
         return None
+    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    required = {p.name for p in parameters if p.default is p.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    if not required <= set(names):  # `(ds, s, gt, ei, **kw)`: positional names of its own
+        return None
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
         return frozenset(names)
-    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    required = {p.name for p in parameters if p.default is p.empty and p.kind is not p.VAR_POSITIONAL}
-    if named & set(names) and required <= set(names):
-        return frozenset(named & set(names))
-    return None
+    return frozenset(named & set(names)) if named & set(names) else None
 
 
 def verl_extra_info(extra_info: dict | None, num_turns: int = SINGLE_TURN) -> dict:

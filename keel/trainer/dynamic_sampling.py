@@ -19,9 +19,12 @@ def signal_values(batch: RolloutBatch, metric: str) -> torch.Tensor:
     return batch.scores
 
 
+GROUP_ID_STRIDE = 1 << 40  # past any dataset's row indices
+
+
 def fill_with_signal(next_scored_batch, prompts_wanted: int, metric: str, max_batches: int,
                      pad_token_id: int) -> tuple[RolloutBatch, dict[str, float]]:
-    """`next_scored_batch()` -> a generated, scored batch, called until `prompts_wanted` prompts
+    """`next_scored_batch(call)` -> a generated, scored batch, called until `prompts_wanted` prompts
     with a signal are kept (or `max_batches` calls, 0 for no limit). The batch holds exactly that
     many prompts, each with all its kept samples, in the order they came."""
     kept: list[RolloutBatch] = []
@@ -31,7 +34,9 @@ def fill_with_signal(next_scored_batch, prompts_wanted: int, metric: str, max_ba
             raise KeelError(FILTER_GROUPS_EXHAUSTED, f"{groups} of {prompts_wanted} prompts had samples that scored "
                             f"differently after {calls} generation batches (algorithm.filter_groups."
                             f"max_num_gen_batches={max_batches}, metric {metric})")
-        batch = next_scored_batch()
+        batch = next_scored_batch(calls)
+        # A prompt drawn again in a later generation batch (an epoch boundary) is another group.
+        batch.group_index = batch.group_index + calls * GROUP_ID_STRIDE
         calls += 1
         generated += int(torch.unique(batch.group_index).numel())
         keep = groups_with_signal(signal_values(batch, metric), batch.group_index)

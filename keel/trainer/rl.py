@@ -113,8 +113,9 @@ class RLTrainer:
             with timer("old_log_prob"):
                 batch.old_log_probs = workers.actor_log_probs(batch)
                 finite("actor log-probs", batch.old_log_probs, batch.response_mask)
-                check_engine_in_sync(batch.sampling_log_probs, batch.old_log_probs, batch.response_mask, self.step,
-                                     self.cfg.trainer.guards.max_log_prob_gap)
+                if self.sampling.do_sample:  # greedy engines record log-probs at temperature 1, not the trainer's
+                    check_engine_in_sync(batch.sampling_log_probs, batch.old_log_probs, batch.response_mask,
+                                         self.step, self.cfg.trainer.guards.max_log_prob_gap)
             if self.cfg.ref_enabled:
                 with timer("ref"):
                     batch.ref_log_probs = workers.ref_log_probs(batch)
@@ -168,12 +169,12 @@ class RLTrainer:
         parts, filter_groups = self.components, self.cfg.algorithm.filter_groups
         last: dict[str, dict] = {}
 
-        def next_scored_batch() -> RolloutBatch:
+        def next_scored_batch(call: int = 0) -> RolloutBatch:
             prompts = collate_prompts([parts.train_data[i] for i in parts.sampler.next_batch()],
                                       parts.tokenizer.pad_token_id)
-            with timer("gen"):
+            with timer("gen"):  # each generation batch of a step samples with a seed of its own
                 batch, last["gen"] = parts.workers.generate(prompts.repeat_interleave(self.sampling.n),
-                                                            self.sampling, self._seed())
+                                                            self.sampling, self._seed() + call * 7919)
             with timer("reward"):
                 scored = parts.reward.score_batch(batch.records, batch.response_texts, batch.response_lengths)
                 batch.scores, batch.reward_extras, last["reward"] = scored.scores, scored.extras, scored.metrics

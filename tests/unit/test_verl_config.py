@@ -146,3 +146,19 @@ def test_critic_warmup_counts_as_verls(tiny_config):
     import json
     steps = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert ["actor/pg_loss" in m for m in steps] == [False, True] and all("critic/vf_loss" in m for m in steps)
+
+
+def test_references_to_unset_keys_take_keels_defaults_and_parents_resolve(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    tree = {"trainer": {"default_local_dir": "ck/${trainer.project_name}"},
+            "actor_rollout_ref": {"rollout": {"max_model_len": "${..actor.ppo_max_token_len_per_gpu}"}},
+            "reward_model": {"reward_kwargs": {}}}
+    cfg = load_config(tree, {**SMALL, "data.val_files": ["~/val.parquet"], "~trainer.save_freq": None})
+    assert cfg.trainer.default_local_dir == "ck/keel"  # keel's default project name, not "None"
+    assert cfg.actor_rollout_ref.rollout.max_model_len == 16384  # a parent's key, and keel's default there
+    assert cfg.data.val_files == [f"{tmp_path}/val.parquet"]
+
+
+def test_a_custom_reward_manager_from_a_file_is_refused():
+    error = error_of({"reward_manager.source": "importlib", "reward_manager.module.path": "my_manager.py"})
+    assert error.code == VERL_UNSUPPORTED and "reward_manager.source" in error.message

@@ -113,6 +113,7 @@ def test_a_batched_function_is_called_with_verls_keywords(tmp_path):
 
 
 @pytest.mark.parametrize("source", ["def compute_score(ds, s, gt, ei=None):\n    return float(s == gt)\n",
+                                    "def compute_score(ds, s, gt, ei, **kwargs):\n    return float(s == gt)\n",
                                     "compute_score = lambda d, s, g, e: float(s == g)\n"])
 def test_positional_functions_with_other_names_are_called_in_verls_order(tmp_path, source):
     scorer = RewardScorer(load_custom_reward_fn(write(tmp_path, source), "compute_score"))
