@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from pathlib import Path
@@ -38,7 +39,7 @@ def load_config(source: str | Path | dict | Any | None = None,
     decided: list[str] = []
     given = set(flatten(tree))
     if schema is KeelConfig:  # verl's SFT trainer has keys of its own; keel's SFT keys are checked as they are
-        tree = adapt_verl(tree, set(all_keys(schema)), flatten(to_dict(schema())), problems, decided)
+        tree = adapt_verl(tree, _known_keys(schema), _defaults(schema), problems, decided)
     cfg = _build(schema, tree, prefix="", schema=schema, problems=problems, decided=decided)
     if problems:
         raise combined(problems)
@@ -92,6 +93,17 @@ def changed_keys(saved: dict, current: dict, may_change: tuple[str, ...], defaul
         old.setdefault(key, value)
     return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new))
             if old.get(key) != new.get(key) and not key.startswith(may_change)]
+
+
+@functools.cache
+def _known_keys(schema: type) -> frozenset[str]:
+    return frozenset(all_keys(schema))
+
+
+@functools.cache
+def _defaults(schema: type) -> dict[str, Any]:
+    """Every key's default (read only: shared between loads)."""
+    return flatten(to_dict(schema()))
 
 
 def all_keys(cls: type = KeelConfig, prefix: str = "") -> list[str]:
@@ -226,7 +238,7 @@ def _unknown_key(dotted: str, schema: type):
                         "because their log-probs are compared token by token every step",
                         f"remove {dotted}; to make room on 2 or more workers, set "
                         "actor_rollout_ref.ref.fsdp_config.param_offload=true")
-    valid = all_keys(schema)
+    valid = sorted(_known_keys(schema))
     # A right key under a missing section (`actor.ppo_epochs`) is matched by its suffix first; else
     # only a misspelling is suggested (a few letters off, in the same section): a near name that
     # means another thing (use_remove_padding -> trust_remote_code) is worse than no suggestion.

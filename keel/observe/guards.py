@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
+from keel.algorithms.utils import masked_mean
 from keel.errors import CATALOGUE, ENGINE_OUT_OF_SYNC, NONFINITE_VALUES, PHASE_TIMEOUT, KeelError, SkipStep
 
 log = logging.getLogger("keel")
@@ -93,7 +94,7 @@ def check_engine_in_sync(sampling_log_probs: torch.Tensor, trainer_log_probs: to
                          step: int, limit: float) -> float:
     """The mean per-token gap between what the engine sampled with and what the trainer computes on
     the same tokens; past `limit`, the engine's weights are not the trainer's (KEEL-T006)."""
-    gap = ((sampling_log_probs - trainer_log_probs).abs() * mask).sum().item() / max(mask.sum().item(), 1)
+    gap = masked_mean((sampling_log_probs - trainer_log_probs).abs(), mask).item()  # rollout/log_prob_gap's
     if gap > limit:
         stage = (f"the weight sync after step {step - 1}'s update did not reach the engine" if step > 1
                  else "before any update: the engine computes another distribution than the trainer")

@@ -13,6 +13,7 @@ import os
 import re
 from pathlib import Path
 
+from keel.config.load import flatten
 from keel.errors import TRACKER_UNAVAILABLE, KeelError
 
 log = logging.getLogger("keel")
@@ -87,7 +88,7 @@ class MlflowSink:
         experiment = self.client.get_experiment_by_name(project)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
         self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
-        params = [mlflow.entities.Param(self.key(key)[:250], str(value)[:6000]) for key, value in _flatten(config).items()]
+        params = [mlflow.entities.Param(self.key(key)[:250], str(value)[:6000]) for key, value in flatten(config).items()]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params a call
             self.client.log_batch(self.run_id, params=params[start:start + 100])
 
@@ -186,16 +187,6 @@ def describe_tracker(name: str, run_dir: Path) -> str:
     if name == "tensorboard":
         return f"tensorboard: {os.environ.get('TENSORBOARD_DIR') or run_dir / 'tensorboard'}"
     return f"mlflow: {os.environ.get('MLFLOW_TRACKING_URI') or (run_dir / 'mlruns')}"
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _yaml(config: dict) -> str:

@@ -212,7 +212,8 @@ def score_batched(fn: Callable, tasks: list[SampleTask]) -> list[SampleResult]:
     out = []
     for task, result in zip(tasks, results):
         try:
-            out.append(SampleResult({task.scorers[0][0]: as_number(result)}, None, seconds, split_result(result)[1]))
+            score, extras = split_result(result)
+            out.append(SampleResult({task.scorers[0][0]: as_number(score)}, None, seconds, extras))
         except NotANumber as e:
             out.append(SampleResult(None, str(e), seconds))
     return out
@@ -244,5 +245,6 @@ class _Outcome:
         self.extras: dict = {}
 
     def add(self, name: str, result: Any) -> None:
-        self.values[name] = as_number(result)
-        self.extras.update(split_result(result)[1])
+        score, extras = split_result(result)
+        self.values[name] = as_number(score)
+        self.extras.update(extras)

@@ -160,7 +160,7 @@ def micro_batches(batch: RolloutBatch, how: MicroBatching) -> list[tuple[Tensor,
     weights in each): dynamic batching agrees on the count with the other ranks, and a rank with
     too few samples runs a masked filler (its index is empty)."""
     if how.max_tokens is None:  # by count, shortest to longest: similar lengths share a pass, less padding
-        lengths = batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)
+        lengths = sample_tokens(batch)
         index = [rows.sort().values for rows in torch.argsort(lengths, stable=True).split(how.size)]
     else:
         index = token_budget_bins(batch.prompt_mask.sum(-1), batch.response_mask.sum(-1), how.max_tokens)
