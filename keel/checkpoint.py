@@ -78,7 +78,7 @@ def write_policy(directory: Path, model, tokenizer, state_dict: dict | None = No
     holds only a shard), config and tokenizer. A LoRA model writes its PEFT adapter directory
     (PeftModel.from_pretrained loads it over the base)."""
     if hasattr(model, "peft_config"):
-        model.save_pretrained(directory)
+        model.save_pretrained(directory, state_dict=state_dict)
         tokenizer.save_pretrained(directory)
         return
     model.save_pretrained(directory, state_dict=state_dict)
@@ -101,8 +101,10 @@ def save_trainers(out: Path, actor, critic, rank: int, tokenizer, actor_sharded:
     if actor is not None:
         whole = None  # unsharded: the module's own state dict
         if actor_sharded:  # every rank takes part; rank 0 receives it, in CPU memory
-            whole = _untied(actor.model, get_model_state_dict(
-                actor.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+            lora = hasattr(actor.model, "peft_config")  # the adapters only: the base never changes
+            whole = get_model_state_dict(actor.model, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora))
+            whole = whole if lora else _untied(actor.model, whole)
         if rank == 0:
             write_policy(out / "actor", actor.model, tokenizer, whole)
             torch.save(actor.scheduler.state_dict(), out / "actor_scheduler.pt")

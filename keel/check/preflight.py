@@ -124,18 +124,29 @@ def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
     weights, unmatched = check_weights_match(path, model_cfg, model)
     if unmatched:
         found.append(Finding(WARN, "model", unmatched, WEIGHTS_BROKEN))
-    m = cfg.actor_rollout_ref.model
-    if m.lora_rank and model is not None:  # trap 7 on the meta model: no weights loaded
-        from keel.models.lora import plan_lora
-
-        context["lora_plan"] = plan = plan_lora(model, m.lora_rank, m.target_modules, m.exclude_modules,
-                                                m.modules_to_save, "actor_rollout_ref.model")
-        found.append(Finding(PASS, "lora", plan.summary()))
+    found += _plan_lora(cfg, model, context)
     found.insert(0, Finding(PASS, "model", f"{model_cfg.model_type}, vocab {vocab}, "
                                            f"{budget} of {limit or '?'} positions used; weights: {weights}"))
     if tokenizer.model_max_length < budget:
         found.append(Finding(WARN, "model", f"tokenizer model_max_length={tokenizer.model_max_length} is below "
                                             f"the {budget}-token budget; transformers may warn or truncate"))
+    return found
+
+
+def _plan_lora(cfg: KeelConfig, model, context: dict) -> list[Finding]:
+    """Trap 7 on the meta model (no weights loaded), for the policy and a LoRA critic (whose
+    backbone is the same decoder); the plans go to the memory estimate."""
+    from keel.models.lora import plan_lora
+
+    sections = [("actor", "actor_rollout_ref.model", cfg.actor_rollout_ref.model)]
+    if cfg.critic_enabled and not cfg.critic.model.path:  # a critic of its own model is planned when it loads
+        sections.append(("critic", "critic.model", cfg.critic.model))
+    found, plans = [], context.setdefault("lora_trainable", {})
+    for role, key, m in sections:
+        if m.lora_rank and model is not None:
+            plan = plan_lora(model, m.lora_rank, m.target_modules, m.exclude_modules, m.modules_to_save, key)
+            plans[role] = plan.trainable
+            found.append(Finding(PASS, "lora", f"{role}: {plan.summary()}"))
     return found
 
 

@@ -22,7 +22,7 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
                                   compute_bytes=_compute_dtype(cfg).itemsize,
                                   native_rollout=unsupported_reason(model_cfg) is None,
                                   logits_chunk_tokens=LOGITS_CHUNK_TOKENS,
-                                  lora_trainable=context["lora_plan"].trainable if "lora_plan" in context else None)
+                                  lora_trainable=context.get("lora_trainable", {}))
     context["memory_gb"] = estimate
     total, available, where = device_memory_gb(cfg)
     required = max(estimate["total"], estimate.get("critic_pool", 0.0))

@@ -7,7 +7,7 @@ from keel.config.schema import KeelConfig
 
 
 def estimate_memory_gb(cfg: KeelConfig, model_cfg, params: int, *, compute_bytes: int, native_rollout: bool,
-                       logits_chunk_tokens: int, lora_trainable: int | None = None) -> dict[str, float]:
+                       logits_chunk_tokens: int, lora_trainable: dict[str, int] | None = None) -> dict[str, float]:
     """Per-device estimate for a policy of `params` parameters. float32 master weights (4 B) + gradients (4 B) + AdamW moments (8 B) for
     each trained model, divided among the ranks FSDP shards them over (and off the device when
     offloaded); 4 B per weight for the frozen reference; with more than one worker, the rollout
@@ -18,9 +18,10 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg, params: int, *, compute_bytes
 
     What the config alone does not say comes from the caller: the compute dtype's size on the
     device the run resolves to, whether the native engine runs this architecture, and how many
-    positions' logits the log-prob pass holds at once. With LoRA (`lora_trainable` parameters), the
-    frozen base is in the compute dtype with no gradients or optimiser state, and the reference is
-    that same base."""
+    positions' logits the log-prob pass holds at once. With LoRA (`lora_trainable`: the trainable
+    parameters of each role that has it, "actor" or "critic"), the frozen base is in the compute
+    dtype with no gradients or optimiser state, the reference is that same base, and on one worker
+    the native engine's decode weights are the policy's base itself."""
     gb = 2 ** 30
     policy = cfg.actor_rollout_ref
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
@@ -45,24 +46,37 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg, params: int, *, compute_bytes
         estimate["rollout_weights"] = bytes_act * params / gb
     if cfg.world_size > 1 and policy.actor.fsdp_config.fsdp_size != 1 and not native:
         estimate["rollout_copy"] = 4 * params / gb  # sharded: the hf engine generates with a whole copy
-    if lora_trainable is not None:  # the frozen base once, the adapters with gradients and AdamW
-        estimate["actor_states"] = (bytes_act * params + 16 * lora_trainable) / gb
+    lora = lora_trainable or {}
+    if "actor" in lora:  # the frozen base once (the engine's, when not sharded), the adapters with AdamW
+        shards = _shards(policy.actor.fsdp_config, cfg.world_size)
+        base = 0 if native and shards == 1 else bytes_act * params / shards
+        estimate["actor_states"] = (base + 16 * lora["actor"] / shards) / gb
     elif cfg.ref_enabled:
         estimate["reference"] = _sharded_bytes(params, False, policy.ref.fsdp_config, cfg.world_size) / gb
+
+    def critic_bytes(world: int) -> float:
+        if "critic" not in lora:
+            return _sharded_bytes(params, True, cfg.critic.model.fsdp_config, world)
+        return (bytes_act * params + 16 * lora["critic"]) / _shards(cfg.critic.model.fsdp_config, world)
+
     if cfg.critic_enabled and "critic" not in cfg.pools:  # colocated with the actor
-        estimate["critic_states"] = _sharded_bytes(params, True, cfg.critic.model.fsdp_config, cfg.world_size) / gb
+        estimate["critic_states"] = critic_bytes(cfg.world_size) / gb
     estimate["total"] = sum(estimate.values())
     if cfg.critic_enabled and "critic" in cfg.pools:  # the critic pool's devices: states and activations
-        estimate["critic_pool"] = (_sharded_bytes(params, True, cfg.critic.model.fsdp_config, cfg.critic_world_size)
-                                   + layer_activations(cfg.critic_batching[1])) / gb
+        estimate["critic_pool"] = (critic_bytes(cfg.critic_world_size) + layer_activations(cfg.critic_batching[1])) / gb
     return {k: float(f"{v:.4g}") for k, v in estimate.items()}  # tiny models stay visible
 
 
 def _sharded_bytes(params: int, trained: bool, fsdp_cfg, world: int) -> float:
     """Device bytes of one rank: float32 weights (and gradients, if trained) and AdamW's two
     moments, sharded over the fsdp group, minus what is offloaded to CPU."""
-    shards = world if fsdp_cfg.fsdp_size == -1 else fsdp_cfg.fsdp_size
+    shards = _shards(fsdp_cfg, world)
     offloaded = fsdp_cfg.param_offload and shards > 1  # FSDP's: a single rank keeps its weights
     weights = 0 if offloaded else (8 if trained else 4) * params
     moments = 0 if (not trained or offloaded or fsdp_cfg.optimizer_offload) else 8 * params
     return (weights + moments) / shards
+
+
+def _shards(fsdp_cfg, world: int) -> int:
+    """How many ranks FSDP divides a role's weights among (1: whole on every rank)."""
+    return world if fsdp_cfg.fsdp_size == -1 else fsdp_cfg.fsdp_size

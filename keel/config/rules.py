@@ -133,10 +133,6 @@ def _check_algorithm(cfg: KeelConfig, incompatible) -> None:
         raise incompatible("algorithm.adv_estimator=remax compares samples with a greedy baseline, but "
                            "rollout.do_sample=false makes every sample the baseline: all advantages 0",
                            "set actor_rollout_ref.rollout.do_sample=true")
-    if cfg.actor_rollout_ref.model.lora_rank and cfg.world_size > 1:
-        raise incompatible(f"actor_rollout_ref.model.lora_rank={cfg.actor_rollout_ref.model.lora_rank} with "
-                           f"{cfg.world_size} workers: keel's LoRA trains on one worker for now",
-                           "set trainer.n_gpus_per_node=1 and trainer.nnodes=1, or lora_rank=0")
     if cfg.algorithm.critic_warmup > 0 and not cfg.critic_enabled:
         raise incompatible(f"algorithm.critic_warmup={cfg.algorithm.critic_warmup} with no critic: the "
                            "policy would not be updated for those steps", "set algorithm.critic_warmup=0")

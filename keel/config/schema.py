@@ -173,7 +173,7 @@ class ActorRolloutRefConfig:
 
 
 @dataclass
-class CriticModelConfig:
+class CriticModelConfig(LoraOptions):
     path: str | None = opt(None, help="default: the actor's model path; computes in the actor's dtype")
     fsdp_config: FSDPConfig = opt(factory=FSDPConfig)
 

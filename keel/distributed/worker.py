@@ -26,7 +26,7 @@ from keel.distributed.parallelize import parallelize
 from keel.models.load import (autocast, can_compile, load_causal_lm, load_critic, load_tokenizer, quiet_transformers,
                               resolve_device, resolve_dtype)
 from keel.observe.profile import RankProfile
-from keel.models.lora import apply_lora, merged_weights, plan_lora
+from keel.models.lora import adapter_weights, apply_lora, frozen_base, plan_lora, trained_in_full
 from keel.rollout.base import RolloutEngine
 from keel.rollout.hf import HFRolloutEngine
 from keel.rollout.select import make_rollout_engine
@@ -100,11 +100,13 @@ class RoleWorker:
                                policy.model.enable_gradient_checkpointing,
                                dtype=self.compute_dtype if self.lora else torch.float32)  # a frozen base
         # Built before the actor is sharded (and before LoRA): it reads the whole base weights once.
-        # After each update it takes the actor module's, gathered from shards, or LoRA's merged layers.
+        # After each update it takes the actor module's, gathered from shards; under LoRA it holds the
+        # frozen base for the trainer too and takes only the adapters.
         self.rollout = make_rollout_engine(policy.rollout, model, self.tokenizer, self.device, self.compute_dtype,
-                                           log_choice=rank == 0, will_be_sharded=self._actor_sharded)
+                                           log_choice=rank == 0, will_be_sharded=self._actor_sharded, lora=self.lora)
         if self.lora:
-            model = self._with_adapters(model)
+            model = self._with_adapters(model, policy.model, "actor_rollout_ref.model", spec.actor_weights)
+            self._share_base(model)
         model, placement = self._prepare_model(model, policy.actor.fsdp_config, "actor")
         self.actor = ActorTrainer(model, policy.actor, policy.rollout.temperature, spec.total_steps,
                                   _log_prob_batching(policy.rollout), spec.max_response_length, placement)
@@ -123,13 +125,21 @@ class RoleWorker:
     def lora(self) -> bool:
         return self.spec.policy.model.lora_rank > 0
 
-    def _with_adapters(self, model):
-        """peft's LoRA on the policy (keel.models.lora: trap 7 is checked on the way)."""
-        m = self.spec.policy.model
-        plan = plan_lora(model, m.lora_rank, m.target_modules, m.exclude_modules, m.modules_to_save,
-                         "actor_rollout_ref.model")
-        adapters = self.spec.actor_weights or m.lora_adapter_path  # a checkpoint's, or a saved adapter
+    def _with_adapters(self, model, m, key: str, checkpoint: str | None = None):
+        """peft's LoRA on a model by its section `m` (keel.models.lora: trap 7 is checked on the way),
+        starting from a checkpoint's adapters, or a saved adapter (lora_adapter_path), or new ones."""
+        plan = plan_lora(model, m.lora_rank, m.target_modules, m.exclude_modules, m.modules_to_save, key)
+        adapters = checkpoint or m.lora_adapter_path
         return apply_lora(model, plan, m.lora_rank, m.lora_alpha, m.modules_to_save, self.compute_dtype, adapters)
+
+    def _share_base(self, model) -> None:
+        """One copy of the base: a whole (unsharded) LoRA policy's frozen weights become views of the
+        native engine's decode weights. A sharded policy keeps its shard; the engine, the whole."""
+        if self._actor_sharded or isinstance(self.rollout, HFRolloutEngine):  # hf generates with the module
+            return
+        freed = self.rollout.share_frozen_weights(frozen_base(model))
+        if self.rank == 0:
+            log.info("LoRA: the trainer's frozen base is the rollout engine's weights (%.2f GB not copied)", freed / 1e9)
 
     @property
     def _actor_sharded(self) -> bool:
@@ -152,7 +162,11 @@ class RoleWorker:
     def _build_critic(self) -> CriticTrainer:
         spec, c = self.spec, self.spec.critic
         torch.manual_seed(spec.seed)  # the value head's initialisation, identical on every rank
-        model = load_critic(c.model.path or spec.policy.model.path, self.device, spec.policy.model.trust_remote_code)
+        lora = c.model.lora_rank > 0  # on the backbone; the value head trains in full
+        model = load_critic(c.model.path or spec.policy.model.path, self.device, spec.policy.model.trust_remote_code,
+                            dtype=self.compute_dtype if lora else torch.float32)
+        if lora:
+            model.backbone = self._with_adapters(model.backbone, c.model, "critic.model")
         model, placement = self._prepare_model(model, c.model.fsdp_config, "critic")
         return CriticTrainer(model, c, spec.critic_micro_batch, spec.total_steps, placement)
 
@@ -210,7 +224,8 @@ class RoleWorker:
         """The engine sees the updated weights: sharded, gathered a bucket of parameters per
         collective straight into the engine's own weights."""
         if self.lora and not isinstance(self.rollout, HFRolloutEngine):  # hf generates with the module itself
-            self.rollout.load_weights(merged_weights(self.actor.model), every=False)
+            self.rollout.load_adapters(adapter_weights(self.actor.model))  # the base is shared, never synced
+            self.rollout.load_weights(trained_in_full(self.actor.model), every=False)
         elif self._actor_sharded:
             self.rollout.load_weights(full_parameters(self.actor.model, self.device))
         else:

@@ -275,10 +275,13 @@ class CriticModel(nn.Module):
         return self.value_head(hidden).squeeze(-1).clone()
 
 
-def load_critic(path: str | Path, device: torch.device, trust_remote_code: bool = False) -> CriticModel:
+def load_critic(path: str | Path, device: torch.device, trust_remote_code: bool = False,
+                dtype: torch.dtype = torch.float32) -> CriticModel:
+    """The critic; its value head is float32 whatever `dtype` the backbone is loaded in (a LoRA
+    critic's frozen backbone is in the compute dtype)."""
     from transformers import AutoModel
 
-    backbone = AutoModel.from_pretrained(check_model_dir(path, "critic.model.path"), dtype=torch.float32,
+    backbone = AutoModel.from_pretrained(check_model_dir(path, "critic.model.path"), dtype=dtype,
                                          trust_remote_code=trust_remote_code)
     return CriticModel(backbone, backbone.config.hidden_size).to(device)
 

@@ -106,19 +106,41 @@ def require_only_adapters_train(model: nn.Module, modules_to_save: list[str]) ->
                         f"{stray[:3]}", "freeze them, or name their modules in model.modules_to_save")
 
 
+def hf_name(peft_name: str) -> str:
+    """A peft parameter's name as the Hugging Face model names it (the base layer's own)."""
+    return peft_name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def frozen_base(peft_model):
+    """(Hugging Face name, parameter) of the frozen base: what the rollout engine can share rather
+    than copy. modules_to_save's originals are left out, so the engine holds their trained copies."""
+    for name, param in peft_model.named_parameters():
+        if not param.requires_grad and ".original_module." not in name and ".modules_to_save." not in name:
+            yield hf_name(name), param
+
+
 @torch.no_grad()
-def merged_weights(peft_model):
-    """(Hugging Face parameter name, base + adapter delta) for each adapted linear layer, one at a
-    time (memory for one layer's weight, not the model's), and the modules trained in full
-    (modules_to_save): what the rollout engine needs after an update, since the rest of the base
-    never changes."""
+def adapter_weights(peft_model):
+    """(the adapted layer's Hugging Face weight name, A, B times its scaling) for each LoRA layer:
+    what the rollout engine applies unmerged after an update (the base never changes)."""
     from peft.tuners.lora import LoraLayer
 
     for name, module in peft_model.named_modules():
         if isinstance(module, LoraLayer) and module.active_adapters:
-            base = module.base_layer.weight
-            delta = module.get_delta_weight(module.active_adapters[0])
-            yield name.removeprefix("base_model.model.") + ".weight", (base.float() + delta.float()).to(base.dtype)
-    for name, param in peft_model.named_parameters():  # modules_to_save train in full: their copies
+            adapter = module.active_adapters[0]
+            a, b = (_whole(m[adapter].weight) for m in (module.lora_A, module.lora_B))
+            yield hf_name(name + ".base_layer.weight"), a, b * module.scaling[adapter]
+
+
+def trained_in_full(peft_model):
+    """(Hugging Face name, tensor) of modules_to_save's trained copies: the engine loads them whole."""
+    for name, param in peft_model.named_parameters():
         if ".modules_to_save." in name:
-            yield name.removeprefix("base_model.model.").replace(".modules_to_save.default", ""), param.detach()
+            yield name.removeprefix("base_model.model.").replace(".modules_to_save.default", ""), _whole(param)
+
+
+def _whole(param) -> torch.Tensor:
+    """A parameter's whole tensor: gathered from every rank when FSDP2 shards it (a collective:
+    every rank walks the same parameters in the same order)."""
+    tensor = param.detach()
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

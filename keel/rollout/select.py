@@ -16,17 +16,23 @@ log = logging.getLogger("keel")
 
 
 def make_rollout_engine(rollout_cfg, model, tokenizer, device: torch.device, dtype: torch.dtype, log_choice: bool,
-                        will_be_sharded: bool = False) -> RolloutEngine:
+                        will_be_sharded: bool = False, lora: bool = False) -> RolloutEngine:
     """`auto` takes native where it supports the model and says why when it does not; an explicit
     `native` that cannot run is an error rather than a silent switch. Each engine computes in
     `dtype` on its own terms (hf under autocast, native with weights cast once per update).
 
     `will_be_sharded`: the policy module is about to be sharded. The native engine keeps only its
-    own decode weights; hf generates with a module, so it gets a whole copy of its own."""
+    own decode weights; hf generates with a module, so it gets a whole copy of its own. A sharded
+    LoRA policy needs native: only it applies adapters synced on their own to a base it holds."""
     reason = unsupported_reason(model.config) if rollout_cfg.name != "hf" else None
     if rollout_cfg.name == "native" and reason:
         raise KeelError(INCOMPATIBLE_OPTIONS, f"actor_rollout_ref.rollout.name=native does not support this model: "
                         f"{reason}", "set actor_rollout_ref.rollout.name=auto (falls back to hf) or hf")
+    if (rollout_cfg.name == "hf" or reason) and will_be_sharded and lora:
+        why = f"native does not support this model ({reason})" if reason else "rollout.name=hf"
+        raise KeelError(INCOMPATIBLE_OPTIONS, f"LoRA on a sharded policy needs the native rollout engine, and {why}",
+                        "train on one worker (trainer.n_gpus_per_node=1), replicate the policy instead of sharding "
+                        "it (actor_rollout_ref.actor.fsdp_config.fsdp_size=1), or set lora_rank=0")
     if rollout_cfg.name == "hf" or reason:
         if log_choice:
             log.info("rollout engine: hf (%s)", f"native does not support {reason}" if reason else "rollout.name=hf")

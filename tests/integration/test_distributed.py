@@ -36,11 +36,17 @@ SHARDING = {  # fsdp_config keys of each role, by test id
                    ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")],
     "offload": ["actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
                 "actor_rollout_ref.ref.fsdp_config.param_offload=true", "critic.model.fsdp_config.param_offload=true"],
+    # LoRA's adapters sharded with the frozen base, which is offloaded, and trap 8: gradient
+    # checkpointing on the workers only, and the same gradients as the one process without it.
+    "lora": ["actor_rollout_ref.actor.fsdp_config.param_offload=true",
+             "actor_rollout_ref.model.enable_gradient_checkpointing=true"],
 }
+LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+        "actor_rollout_ref.model.target_modules=all-linear", "actor_rollout_ref.actor.optim.lr=1e-2"]
 
 
 def ppo_config(tiny_config: dict, workers: int, dynamic: bool = False, sharding: str = "fsdp",
-               critic_pool: bool = False):
+               critic_pool: bool = False, lora: bool = False):
     """Every role: actor, reference (KL loss), critic (GAE); two mini-batches of 8 samples. With
     `dynamic`, every forward pass is cut by a token budget (ranks then disagree on how many
     passes they need, and must agree). `sharding`: a key of SHARDING (replicated: fsdp_size=1 for
@@ -55,7 +61,8 @@ def ppo_config(tiny_config: dict, workers: int, dynamic: bool = False, sharding:
     return load_config(tiny_config, ["trainer.device=cpu", f"trainer.n_gpus_per_node={workers}",
                                      "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
                                      "actor_rollout_ref.actor.kl_loss_coef=0.5", *dynamic_keys, *SHARDING[sharding],
-                                     *(["critic.enable_resource_pool=true"] if critic_pool else [])])
+                                     *(["critic.enable_resource_pool=true"] if critic_pool else []),
+                                     *(LORA if lora else [])])
 
 
 @pytest.mark.parametrize("sharding", list(SHARDING))
@@ -65,8 +72,9 @@ def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ra
     workers shard with FSDP2 (also keeping the actor's layers gathered after forward, and the
     reference's and critic's weights offloaded), or (fsdp_size=1) hold whole models and average
     gradients. The two-worker checkpoint loads into the one process with the same Adam moments."""
-    one_cfg, two_cfg = ppo_config(tiny_config, 1), ppo_config(tiny_config, 2, dynamic=True, sharding=sharding)
-    replicated = sharding == "replicated"
+    replicated, lora = sharding == "replicated", sharding == "lora"
+    one_cfg = ppo_config(tiny_config, 1, lora=lora)
+    two_cfg = ppo_config(tiny_config, 2, dynamic=True, sharding=sharding, lora=lora)
     one = WorkerRoles.of(LocalGroup(RoleWorker(WorkerSpec.of(one_cfg, total_steps=2))), one_cfg, pad_token_id=0)
     tokenizer = one.group.worker.tokenizer
     prompts = collate_prompts(load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4],
@@ -101,14 +109,19 @@ def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ra
     one.load(tmp_path / "two")  # saved by 2 ranks, loaded by 1
     for mine, theirs in zip(moments, [state["exp_avg"] for state in optimizer.state.values()]):
         torch.testing.assert_close(theirs, mine, atol=1e-7, rtol=1e-4)
-    single = load_file(tmp_path / "one" / "actor" / "model.safetensors")
-    split = load_file(tmp_path / "two" / "actor" / "model.safetensors")
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"  # LoRA saves its adapters only
+    single, split = (load_file(tmp_path / run / "actor" / weights) for run in ("one", "two"))
     assert single.keys() == split.keys()
-    import json  # loaders find the model's class by this name, never FSDP's wrapper
-    assert json.loads((tmp_path / "two" / "actor" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
-    initial = load_file(Path(one_cfg.actor_rollout_ref.model.path) / "model.safetensors")
-    moved = max(float((initial[k] - single[k]).abs().max()) for k in single)
-    assert moved > 1e-3  # two Adam steps at lr 1e-3
+    if lora:  # B starts at 0: it moved, and nothing of the base is in the checkpoint
+        assert all("lora_" in k for k in single) and max(float(single[k].abs().max()) for k in single
+                                                           if "lora_B" in k) > 1e-3
+    else:
+        import json  # loaders find the model's class by this name, never FSDP's wrapper
+        architectures = json.loads((tmp_path / "two" / "actor" / "config.json").read_text())["architectures"]
+        assert architectures == ["Qwen2ForCausalLM"]
+        initial = load_file(Path(one_cfg.actor_rollout_ref.model.path) / "model.safetensors")
+        moved = max(float((initial[k] - single[k]).abs().max()) for k in single)
+        assert moved > 1e-3  # two Adam steps at lr 1e-3
     for key in single:  # Adam amplifies rounding where a gradient is ~0: 1% of one step's size
         torch.testing.assert_close(split[key], single[key], atol=1e-5, rtol=0, msg=key)
 

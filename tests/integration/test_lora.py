@@ -141,7 +141,50 @@ def test_the_memory_estimate_knows_lora(tiny_config):
     from keel.check.preflight import run_checks
     from keel.config.load import load_config
 
-    full = run_checks(load_config(tiny_config, {"actor_rollout_ref.actor.use_kl_loss": True})).memory_gb
-    lora = run_checks(load_config(lora_config(tiny_config), {"actor_rollout_ref.actor.use_kl_loss": True})).memory_gb
+    ppo = {"actor_rollout_ref.actor.use_kl_loss": True, "algorithm.adv_estimator": "gae"}
+    full = run_checks(load_config(tiny_config, ppo)).memory_gb
+    lora = run_checks(load_config(lora_config(tiny_config), {**ppo, "critic.model.lora_rank": 8})).memory_gb
     assert "reference" in full and "reference" not in lora  # the base with adapters off: no second model
-    assert lora["actor_states"] < 0.6 * full["actor_states"]  # frozen base: no gradients or AdamW moments
+    # The frozen base has no gradients or AdamW moments, and on one worker it is the engine's weights.
+    assert lora["rollout_weights"] == full["rollout_weights"] and lora["actor_states"] < 0.6 * full["actor_states"]
+    assert lora["critic_states"] < 0.6 * full["critic_states"]
+
+
+def test_a_lora_critic_trains_its_adapters_and_value_head_only(tiny_config, tiny_assets):
+    """critic.model.lora_rank: adapters on the critic's backbone, its value head trained in full,
+    the backbone's base untouched; keel check plans it like the policy's."""
+    from safetensors.torch import load_file as load_weights
+
+    from keel.check.preflight import run_checks
+    from keel.config.load import load_config
+    from keel.distributed.group import LocalGroup
+    from keel.distributed.worker import RoleWorker, WorkerSpec
+
+    overrides = {"algorithm.adv_estimator": "gae", "critic.model.lora_rank": 4, "critic.model.lora_alpha": 8,
+                 "critic.optim.lr": 1e-2, "trainer.device": "cpu"}
+    cfg = load_config(tiny_config, overrides)
+    assert any(f.check == "lora" and f.message.startswith("critic: LoRA on") for f in run_checks(cfg).findings)
+    worker = LocalGroup(RoleWorker(WorkerSpec.of(cfg, total_steps=2))).worker
+    critic = worker.critic.model
+    trained = {name for name, p in critic.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in name or name.startswith("value_head.") for name in trained)
+    assert {id(p) for group in worker.critic.optimizer.param_groups for p in group["params"]} == {
+        id(p) for p in critic.parameters() if p.requires_grad}  # AdamW holds the adapters' state only
+    base = load_weights(Path(tiny_assets["model"]) / "model.safetensors")
+    q = critic.backbone.get_base_model().layers[0].self_attn.q_proj.base_layer.weight
+    torch.testing.assert_close(q.float(), base["model.layers.0.self_attn.q_proj.weight"].float())
+
+    bad = load_config(tiny_config, {**overrides, "critic.model.target_modules": ["q_proj"]})
+    with pytest.raises(KeelError) as error:
+        RoleWorker(WorkerSpec.of(bad, total_steps=2))
+    assert error.value.code == LORA_TARGETS and "critic.model" in error.value.message
+
+
+def test_a_ppo_run_with_lora_on_both_models_learns_values(tiny_config):
+    cfg = lora_config(tiny_config)
+    cfg["algorithm"] = {**cfg.get("algorithm", {}), "adv_estimator": "gae"}
+    cfg["critic"] = {**cfg.get("critic", {}), "model": {"lora_rank": 4, "lora_alpha": 8}, "optim": {"lr": 1e-2}}
+    cfg["trainer"]["total_training_steps"] = 3
+    steps = metrics(train(cfg).run_dir)
+    assert len(steps) == 3 and all(math.isfinite(m["critic/vf_loss"]) for m in steps)
+    assert steps[-1]["critic/vf_loss"] < steps[0]["critic/vf_loss"]  # the value head and adapters learn

@@ -120,6 +120,25 @@ def test_other_architectures_fall_back_with_a_reason(tiny_assets):
     assert "gemma2" in unsupported_reason(model.config)
 
 
+@pytest.mark.parametrize("name", ["hf", "auto"])  # chosen, or the fallback for a model native cannot run
+def test_a_sharded_lora_policy_without_the_native_engine_is_refused(tiny_assets, name):
+    """Only native applies adapters synced on their own; hf would generate from the bare base."""
+    from types import SimpleNamespace
+
+    from keel.errors import INCOMPATIBLE_OPTIONS, KeelError
+    from keel.rollout.select import make_rollout_engine
+
+    model = load_causal_lm(tiny_assets["model"], torch.device("cpu"))
+    model.config.model_type = "gemma2"  # auto falls back to hf
+    rollout = SimpleNamespace(name=name, max_num_seqs=4)
+    with pytest.raises(KeelError) as error:
+        make_rollout_engine(rollout, model, load_tokenizer(tiny_assets["model"]), torch.device("cpu"), torch.float32,
+                            log_choice=False, will_be_sharded=True, lora=True)
+    assert error.value.code == INCOMPATIBLE_OPTIONS and "needs the native rollout engine" in error.value.message
+    assert make_rollout_engine(rollout, model, load_tokenizer(tiny_assets["model"]), torch.device("cpu"),
+                               torch.float32, log_choice=False, will_be_sharded=False, lora=True).model is model
+
+
 def test_finished_sequences_leave_the_batch_without_changing_the_rest(tiny_assets, monkeypatch):
     """Variable lengths: rows that hit EOS are dropped from the decode batch (checked every 2
     steps here); the tokens of the others are exactly the hf engine's."""
@@ -180,3 +199,43 @@ def test_a_kept_cache_is_reused_and_sees_updated_weights(tmp_path):
     assert second.response_ids.tolist() == fresh.response_ids.tolist()
     assert second.response_ids.tolist() != first.response_ids.tolist()  # the update mattered
     torch.testing.assert_close(second.sampling_log_probs, fresh.sampling_log_probs, atol=1e-5, rtol=0)
+
+
+def test_lora_runs_unmerged_on_the_trainers_own_base(tmp_path):
+    """One copy of the base: the trainer's frozen weights are views of the engine's buffers, the
+    adapters are applied unmerged in the step, and the greedy tokens are the merged model's, after
+    the adapters change too (a sync moves only them)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from keel.models.lora import adapter_weights, frozen_base
+    from keel.models.tiny import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "m", arch="qwen2", hidden_size=64, num_layers=3, seed=3)
+    native, _, base, prompts = engines(model_dir, n=2, init_std=0.2)
+    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    greedy = SamplingParams(do_sample=False, max_new_tokens=24, ignore_eos=True)
+
+    def train_adapters(seed: int) -> list[list[int]]:
+        """Moves every B as an update would; -> the merged model's greedy tokens."""
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+        merged = copy.deepcopy(policy).merge_and_unload()
+        return HFRolloutEngine(merged, native.tokenizer).generate(prompts, greedy).response_ids.tolist()
+
+    expected = train_adapters(seed=1)
+    frozen = dict(frozen_base(policy))
+    freed = native.share_frozen_weights(frozen.items())
+    q = frozen["model.layers.0.self_attn.q_proj.weight"]
+    assert q.untyped_storage().data_ptr() == native.weights.buffers["0.qkv"].untyped_storage().data_ptr()
+    assert freed >= sum(p.nbytes for name, p in frozen.items() if "layers" in name and "proj" in name)
+    native.load_adapters(adapter_weights(policy))
+    first = native.generate(prompts, greedy).response_ids.tolist()
+    assert first == expected
+    expected = train_adapters(seed=2)
+    native.load_adapters(adapter_weights(policy))
+    assert native.generate(prompts, greedy).response_ids.tolist() == expected != first

@@ -62,7 +62,7 @@ def test_every_verl_leaf_is_known_by_name():
 @pytest.mark.parametrize("key, value, needle", [
     ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", 2, "sequence parallelism"),
     ("actor_rollout_ref.actor.strategy", "megatron", "Megatron"),
-    ("critic.model.lora_rank", 8, "LoRA on the critic"),
+    ("critic.model.enable_activation_offload", True, "activation"),
     ("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn"),
     ("reward_model.sandbox_fusion.url", "http://sandbox:8080", "SandboxFusion"),
     ("reward_model.reward_manager", "limited", "reward manager"),

@@ -80,6 +80,15 @@ class NativeRolloutEngine:
         (every=False) only those that changed."""
         self.weights.load(named, every)
 
+    def share_frozen_weights(self, named: Iterable[tuple[str, Tensor]]) -> int:
+        """LoRA: the trainer's frozen base parameters become views of the decode weights (one copy
+        of the base on the device). -> bytes freed."""
+        return self.weights.alias(named)
+
+    def load_adapters(self, adapters: Iterable[tuple[str, Tensor, Tensor]]) -> None:
+        """LoRA: the adapters, (weight name, A, B times scaling), applied unmerged in the step."""
+        self.weights.load_adapters(adapters)
+
     # --- generation ------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
@@ -206,7 +215,8 @@ class NativeRolloutEngine:
             visible = None if unpadded and begin == 0 else prompt_visibility(mask[:, :end].bool(), begin)
             h = rms_norm(x, w.layers[0].input_norm, self.eps)
             for i, layer in enumerate(w.layers):
-                q, k, v = attention_inputs(h, layer.qkv, layer.qkv_bias, cos, sin, self.heads, self.kv_heads)
+                q, k, v = attention_inputs(h, layer.qkv, layer.qkv_bias, layer.qkv_lora, cos, sin, self.heads,
+                                           self.kv_heads)
                 q, k, v = (t.view(u, end - begin, t.shape[1], t.shape[-1]).transpose(1, 2) for t in (q, k, v))
                 state.k[i][slots, :, begin:end] = k[prompt_of_slot]
                 state.v[i][slots, :, begin:end] = v[prompt_of_slot]
@@ -215,7 +225,7 @@ class NativeRolloutEngine:
                 attention = grouped_attention(q, k, v, visible)                                 # [u, H, L, D]
                 attention = attention.transpose(1, 2).reshape(x.shape[0], -1)                   # [N, H * D]
                 x, h = attention_output_and_mlp(x, attention, layer.o, layer.post_norm, layer.gate_up, layer.down,
-                                                w.norm_after(i), self.eps)
+                                                w.norm_after(i), self.eps, layer.adapters_after_attention)
         return h.view(u, end - begin, -1)[:, -1]
 
     def _decode_step_fn(self, state: DecodeState, params: SamplingParams):
@@ -244,8 +254,9 @@ class NativeRolloutEngine:
                                              w.rope_scale)
         h = f.rms_norm(x, w.layers[0].input_norm, self.eps)
         for i, layer in enumerate(w.layers):
-            q, k, v = f.attention_inputs(h, layer.qkv, layer.qkv_bias, cos, sin, self.heads, self.kv_heads)
+            q, k, v = f.attention_inputs(h, layer.qkv, layer.qkv_bias, layer.qkv_lora, cos, sin, self.heads,
+                                         self.kv_heads)
             attention = self.attention(q, k, v, s.k[i], s.v[i], s.pad, column, visible)  # writes k, v
             x, h = f.attention_output_and_mlp(x, attention, layer.o, layer.post_norm, layer.gate_up, layer.down,
-                                              w.norm_after(i), self.eps)
+                                              w.norm_after(i), self.eps, layer.adapters_after_attention)
         return F.linear(h, w.lm_head)

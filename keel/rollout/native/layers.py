@@ -40,11 +40,22 @@ def step_inputs(last_token: Tensor, pad: Tensor, column: Tensor, cache_len: int,
 
 
 
-def attention_inputs(h: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | None, cos: Tensor, sin: Tensor, heads: int,
-                      kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+def project(x: Tensor, weight: Tensor, low_rank: tuple[Tensor, Tensor] | None, bias: Tensor | None = None) -> Tensor:
+    """x W^T + b, plus LoRA's update x A^T B^T when adapters are on (B carries the scaling):
+    unmerged, as the trainer computes it, so the base stays the trainer's frozen weights."""
+    y = F.linear(x, weight, bias)
+    if low_rank is None:
+        return y
+    a, b = low_rank
+    return y + F.linear(F.linear(x, a), b)
+
+
+
+def attention_inputs(h: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | None, qkv_lora, cos: Tensor, sin: Tensor,
+                     heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
     """q [B, H, 1, D] and k [B, KV, 1, D] rotated, v [B, KV, 1, D], from the normed hidden state."""
     batch, head_dim = h.shape[0], cos.shape[-1]
-    qkv = F.linear(h, qkv_weight, qkv_bias)
+    qkv = project(h, qkv_weight, qkv_lora, qkv_bias)
     kv_size = kv_heads * head_dim
     qk = applyrope(qkv[:, :-kv_size].view(batch, heads + kv_heads, head_dim), cos, sin)
     v = qkv[:, -kv_size:].view(batch, kv_heads, 1, head_dim)
@@ -53,12 +64,16 @@ def attention_inputs(h: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | None, cos
 
 
 def attention_output_and_mlp(x: Tensor, attention: Tensor, o: Tensor, post_norm: Tensor, gate_up: Tensor,
-                              down: Tensor, next_norm: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+                             down: Tensor, next_norm: Tensor, eps: float, low_rank=(None, None, None)
+                             ) -> tuple[Tensor, Tensor]:
     """The rest of a decoder layer: output projection and residual, the gated MLP and residual;
-    also the next layer's normed input, so the residual stream is read once."""
-    x = residual_add(x, F.linear(attention, o))
-    gate, up = F.linear(rms_norm(x, post_norm, eps), gate_up).chunk(2, dim=-1)
-    x = residual_add(x, F.linear(F.silu(gate) * up, down))
+    also the next layer's normed input, so the residual stream is read once. `low_rank`: LoRA's
+    (o, gate_up, down) adapters, or Nones. Plain tensors, not the LayerWeights, so torch.compile
+    guards on shapes and every layer shares one compiled graph."""
+    o_lora, gate_up_lora, down_lora = low_rank
+    x = residual_add(x, project(attention, o, o_lora))
+    gate, up = project(rms_norm(x, post_norm, eps), gate_up, gate_up_lora).chunk(2, dim=-1)
+    x = residual_add(x, project(F.silu(gate) * up, down, down_lora))
     return x, rms_norm(x, next_norm, eps)
 
 

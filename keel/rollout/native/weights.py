@@ -1,6 +1,10 @@
 """The native engine's one copy of the weights: fused QKV and gate-up projections in the compute
 dtype, filled by name from the policy's parameters (a module's own, or whole parameters gathered
-from FSDP shards a bucket at a time), and which architectures it can run."""
+from FSDP shards a bucket at a time), and which architectures it can run.
+
+Under LoRA the trainer's frozen base is this same memory (`alias`: its parameters become views of
+the fused buffers) and the adapters are applied unmerged in the step (`load_adapters`), so one copy
+of the base is on the device and a sync moves only the adapters."""
 
 from __future__ import annotations
 
@@ -34,6 +38,11 @@ def unsupported_reason(config) -> str | None:
 
 
 
+LowRank = tuple[Tensor, Tensor]  # LoRA's (A [r, in], B [out, r] times its scaling) of one projection
+
+ADAPTED = {"qkv": "qkv_lora", "o": "o_lora", "gate_up": "gate_up_lora", "down": "down_lora"}
+
+
 @dataclass
 class LayerWeights:
     input_norm: Tensor
@@ -43,6 +52,16 @@ class LayerWeights:
     post_norm: Tensor
     gate_up: Tensor        # [2 * intermediate, hidden]
     down: Tensor
+    # LoRA, unmerged. A fused projection's adapters are one: its parts' A stacked by rows, their B
+    # block-diagonal, so a fused matmul stays one matmul (plus two thin ones).
+    qkv_lora: LowRank | None = None
+    o_lora: LowRank | None = None
+    gate_up_lora: LowRank | None = None
+    down_lora: LowRank | None = None
+
+    @property
+    def adapters_after_attention(self) -> tuple[LowRank | None, LowRank | None, LowRank | None]:
+        return self.o_lora, self.gate_up_lora, self.down_lora
 
 
 
@@ -92,6 +111,43 @@ class DecodeWeights:
         if missing:  # a caller bug, not a user's: the engine would generate from stale weights
             raise RuntimeError(f"native rollout: no weights given for {sorted(missing)[:3]}")
 
+    def alias(self, named: Iterable[tuple[str, Tensor]]) -> int:
+        """Point each given parameter (Hugging Face name, frozen, in the compute dtype) at its rows
+        of the decode buffers, after they were filled from it: the trainer's frozen base and the
+        engine's weights become one copy. -> bytes freed."""
+        freed = 0
+        for name, param in named:
+            target = self.targets.get(name)
+            if target is None:
+                continue
+            buffer, row, shape = target
+            view = self.buffers[buffer][row:row + shape[0]]
+            if param.shape != shape or param.dtype != view.dtype or param.device != view.device:
+                continue  # another dtype or device: it keeps its own memory
+            freed += param.nbytes
+            param.data = view
+        return freed
+
+    @torch.no_grad()
+    def load_adapters(self, adapters: Iterable[tuple[str, Tensor, Tensor]]) -> None:
+        """LoRA's adapters, (weight name, A, B times scaling), into the layers, applied unmerged in
+        the step. In place after the first call, so kept CUDA graphs read the new ones."""
+        by_buffer: dict[str, list[tuple[int, Tensor, Tensor]]] = {}
+        for name, a, b in adapters:
+            buffer, row, _ = self.targets[name]
+            by_buffer.setdefault(buffer, []).append((row, a, b))
+        for buffer, parts in by_buffer.items():
+            layer, kind = buffer.split(".")
+            a, b = _fused_low_rank(sorted(parts, key=lambda part: part[0]), self.buffers[buffer].shape[0])
+            field = ADAPTED[kind]
+            current = getattr(self.layers[int(layer)], field)
+            if current is not None and current[0].shape == a.shape and current[1].shape == b.shape:
+                current[0].copy_(a)
+                current[1].copy_(b)
+            else:
+                setattr(self.layers[int(layer)], field, (a.to(self.embed.device, self.embed.dtype),
+                                                         b.to(self.embed.device, self.embed.dtype)))
+
 
 
 def _decode_weight_sources(model) -> dict[str, list[Tensor]]:
@@ -110,6 +166,18 @@ def _decode_weight_sources(model) -> dict[str, list[Tensor]]:
         if attn.q_proj.bias is not None:
             sources[f"{i}.qkv_bias"] = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
     return sources
+
+
+
+def _fused_low_rank(parts: list[tuple[int, Tensor, Tensor]], rows: int) -> LowRank:
+    """(A stacked, B block-diagonal) of a fused projection from its parts' (first row, A, B)."""
+    a = torch.cat([part_a for _, part_a, _ in parts])
+    b = a.new_zeros(rows, a.shape[0], dtype=parts[0][2].dtype)
+    rank_at = 0
+    for row, part_a, part_b in parts:
+        b[row:row + part_b.shape[0], rank_at:rank_at + part_a.shape[0]] = part_b
+        rank_at += part_a.shape[0]
+    return a, b
 
 
 
