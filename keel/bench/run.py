@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from keel.bench.workloads import QWEN25_COMMON, QWEN25_SHAPES, WORKLOADS, Workload
-from keel.models.load import stored_parameters
+from keel.bench.workloads import QWEN25_COMMON, QWEN25_SHAPES, SAVED_TOO_LARGE, WORKLOADS, Workload
+from keel.models.load import RANDOM_WEIGHTS, meta_model, stored_parameters
 
 log = logging.getLogger("keel")
 
@@ -43,8 +43,13 @@ def make_model(shape: str, out_dir: Path) -> Path:
         return out_dir
     tokenizer = build_tokenizer()
     tokenizer.model_max_length = QWEN25_COMMON["max_position_embeddings"]
-    config = Qwen2Config(**QWEN25_COMMON, **QWEN25_SHAPES[shape], eos_token_id=tokenizer.eos_token_id,
+    config = Qwen2Config(**{**QWEN25_COMMON, **QWEN25_SHAPES[shape]}, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
+    if shape in SAVED_TOO_LARGE:  # config and tokenizer only: the weights are drawn on the device
+        config.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        (out_dir / RANDOM_WEIGHTS).write_text(json.dumps({"seed": 0}))
+        return out_dir
     torch.manual_seed(0)
     # Shapes of 3B and more are written in bf16: half the disk and load time (keel reads them as it
     # reads any checkpoint).
@@ -52,6 +57,13 @@ def make_model(shape: str, out_dir: Path) -> Path:
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if big else torch.float32).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def _architecture_parameters(shape: str) -> int:
+    """A shape's parameters counted on the meta device (one whose weights are never saved)."""
+    from transformers import Qwen2Config
+
+    return sum(p.numel() for p in meta_model(Qwen2Config(**{**QWEN25_COMMON, **QWEN25_SHAPES[shape]})).parameters())
 
 
 def make_prompts(workload: Workload, path: Path, count: int) -> Path:
@@ -159,7 +171,7 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
     gpus = cfg.world_size
     samples = w.prompts * w.n
     seq = w.prompt_length + w.response_length
-    params = stored_parameters(cfg.actor_rollout_ref.model.path)
+    params = stored_parameters(cfg.actor_rollout_ref.model.path) or _architecture_parameters(w.model)
     update_tokens = samples * seq * cfg.actor_rollout_ref.actor.ppo_epochs
     update_s = mean("timing_s/update_actor")
     # Useful training FLOPs: 6 per parameter per token, plus causal attention (QK^T and AV).

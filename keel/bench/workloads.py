@@ -16,7 +16,10 @@ QWEN25_SHAPES.update({  # the LoRA workloads' shapes
                num_key_value_heads=2, tie_word_embeddings=True),
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, tie_word_embeddings=False),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, tie_word_embeddings=False, vocab_size=152064),
 })
+SAVED_TOO_LARGE = {"32b"}  # built with random weights on the device at load (keel.models.load.RANDOM_WEIGHTS)
 QWEN25_SHAPES["tiny"] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, tie_word_embeddings=True)  # CPU check of the harness
 QWEN25_COMMON = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
@@ -47,4 +50,8 @@ WORKLOADS.update({
     "w7": Workload("7b", 16, 8, 512, 512, overrides=LORA_64),       # LoRA on 7B shapes
     "w3l": Workload("1.5b", 64, 8, 512, 512, kl_loss=True, overrides=LORA_64),  # w3 with LoRA
     "tinyl": Workload("tiny", 4, 4, 32, 16, overrides={**LORA_64, "actor_rollout_ref.model.lora_rank": 8}),
+    "w32": Workload("32b", 16, 8, 512, 512, overrides=LORA_64),     # LoRA on 32B shapes: one copy of the base
+    # 7B full-parameter, the optimiser offloaded a bucket at a time, micro-batches as w7's
+    "w7f": Workload("7b", 16, 8, 512, 512, overrides={"actor_rollout_ref.actor.fsdp_config.optimizer_offload": True,
+                                                     "actor_rollout_ref.model.enable_gradient_checkpointing": True}),
 })

@@ -32,14 +32,17 @@ def parallelize(model: nn.Module, *, role: str, device: torch.device, world_size
     """
     if compile_layers:
         compile_blocks(model)
+    sharded = world_size > 1 and fsdp_cfg.fsdp_size != 1
+    # Adam's moments in CPU memory on a GPU; with FSDP's param_offload the update runs on CPU anyway.
+    offload = fsdp_cfg.optimizer_offload and device.type == "cuda" and not (sharded and fsdp_cfg.param_offload)
     if world_size == 1:
-        return model, Placement(fused_vocab=fused_vocab), {}
-    if fsdp_cfg.fsdp_size == 1:
+        return model, Placement(fused_vocab=fused_vocab, optimizer_offload=offload), {}
+    if not sharded:
         return model, Placement(fused_vocab=fused_vocab, data_parallel_size=world_size,
-                                reduce_gradients=average_gradients), {}
+                                reduce_gradients=average_gradients, optimizer_offload=offload), {}
     model = shard_model(model, make_mesh(device.type, world_size, fsdp_cfg.fsdp_size), compute_dtype, fsdp_cfg)
     placement = Placement(device=device, fused_vocab=fused_vocab, token_stats=sharded_token_stats(model, fused_vocab),
-                          data_parallel_size=world_size)
+                          data_parallel_size=world_size, optimizer_offload=offload)
     return model, placement, sharding_report(model, role)
 
 

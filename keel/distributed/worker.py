@@ -33,7 +33,6 @@ from keel.rollout.select import make_rollout_engine
 from keel.training.actor import ActorTrainer
 from keel.training.batching import MicroBatching, MiniBatch
 from keel.training.critic import CriticTrainer
-from keel.training.optim import optimizer_state_on
 from keel.training.reference import AdapterlessReference, ReferencePolicy
 from keel.types import RolloutBatch, SamplingParams
 
@@ -207,8 +206,7 @@ class RoleWorker:
             return self.critic.compute_values(batch)
 
     def update_actor(self, minis: list[MiniBatch]) -> dict[str, float]:
-        with autocast(self.device, self.compute_dtype), self._optimizer_state_on_device(
-                self.actor.optimizer, self.spec.policy.actor.fsdp_config):
+        with autocast(self.device, self.compute_dtype):
             metrics = self.actor.update(minis)
         start = time.perf_counter()
         self._sync_rollout()
@@ -216,28 +214,19 @@ class RoleWorker:
         return metrics
 
     def update_critic(self, minis: list[MiniBatch]) -> dict[str, float]:
-        with autocast(self.device, self.compute_dtype), self._optimizer_state_on_device(
-                self.critic.optimizer, self.spec.critic.model.fsdp_config):
+        with autocast(self.device, self.compute_dtype):
             return self.critic.update(minis)
 
     def _sync_rollout(self) -> None:
         """The engine sees the updated weights: sharded, gathered a bucket of parameters per
         collective straight into the engine's own weights."""
         if self.lora and not isinstance(self.rollout, HFRolloutEngine):  # hf generates with the module itself
-            self.rollout.load_adapters(adapter_weights(self.actor.model))  # the base is shared, never synced
+            self.rollout.load_adapters(adapter_weights(self.actor.model))  # the base never changes: never synced
             self.rollout.load_weights(trained_in_full(self.actor.model), every=False)
         elif self._actor_sharded:
             self.rollout.load_weights(full_parameters(self.actor.model, self.device))
         else:
             self.rollout.sync_weights(self.actor.model)
-
-    def _optimizer_state_on_device(self, optimizer, fsdp_cfg):
-        """fsdp_config.optimizer_offload moves Adam's moments to the GPU for the update only. With
-        param_offload (sharded: FSDP's, so not on one worker) the update itself runs on CPU, where
-        the state is."""
-        params_on_cpu = fsdp_cfg.param_offload and self.world_size > 1
-        moves = fsdp_cfg.optimizer_offload and not params_on_cpu and self.device.type == "cuda"
-        return optimizer_state_on(optimizer, self.device, moves)
 
     # --- checkpoints -----------------------------------------------------------------------------
     def save(self, directory: str) -> None:

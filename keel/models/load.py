@@ -28,6 +28,9 @@ def quiet_transformers() -> None:
 
 
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+# A model directory holding this file (and config.json, no weights) is built with random weights on
+# the device: `keel bench` writes it for shapes too large to save (Qwen2.5-32B is 61 GiB in bf16).
+RANDOM_WEIGHTS = "keel_random_weights.json"
 
 
 def check_model_dir(path: str | Path, key: str = "actor_rollout_ref.model.path") -> Path:
@@ -246,14 +249,28 @@ def load_causal_lm(path: str | Path, device: torch.device, trust_remote_code: bo
     chooses the compute dtype."""
     from transformers import AutoModelForCausalLM
 
-    weight_file_shapes(check_model_dir(path))  # a truncated file is a coded error, not a SafetensorError
-    model = AutoModelForCausalLM.from_pretrained(check_model_dir(path), dtype=dtype,
-                                                 trust_remote_code=trust_remote_code)
+    path = check_model_dir(path)
+    if (path / RANDOM_WEIGHTS).is_file():
+        model = _random_causal_lm(path, device, dtype)
+    else:
+        weight_file_shapes(path)  # a truncated file is a coded error, not a SafetensorError
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     if gradient_checkpointing:
         # Non-reentrant: with a frozen embedding (LoRA) the reentrant kind sees inputs that need no
         # gradient and silently drops every adapter's gradient inside the checkpointed layers.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device)
+
+
+def _random_causal_lm(path: Path, device: torch.device, dtype: torch.dtype):
+    """The config's architecture with random weights drawn on the device, the same on every call
+    (the seed is in RANDOM_WEIGHTS): no host copy of a model too large to save."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    seed = json.loads((path / RANDOM_WEIGHTS).read_text()).get("seed", 0)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
 
 
 class CriticModel(nn.Module):

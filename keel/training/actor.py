@@ -43,7 +43,7 @@ class ActorTrainer:
             clip_ratio_c=actor_cfg.clip_ratio_c,
             loss_agg_mode=actor_cfg.loss_agg_mode,
             norm_length=max_response_length)
-        self.optimizer = build_optimizer(model.parameters(), actor_cfg.optim)
+        self.optimizer = build_optimizer(model.parameters(), actor_cfg.optim, placement.optimizer_offload)
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps)
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:       # [N, R]

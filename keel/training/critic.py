@@ -20,7 +20,7 @@ class CriticTrainer:
         self.placement = placement
         self.cfg = critic_cfg
         self.batching = MicroBatching.of(micro_size, critic_cfg.use_dynamic_bsz, critic_cfg.ppo_max_token_len_per_gpu)
-        self.optimizer = build_optimizer(critic.parameters(), critic_cfg.optim)
+        self.optimizer = build_optimizer(critic.parameters(), critic_cfg.optim, placement.optimizer_offload)
         self.scheduler = build_scheduler(self.optimizer, critic_cfg.optim, total_steps)
 
     @torch.no_grad()

@@ -22,6 +22,7 @@ class Placement:
     # Averages gradients over ranks that each hold the whole model (DDP, fsdp_size=1); FSDP
     # reduces its own, and one rank has nothing to average.
     reduce_gradients: Callable[[list[torch.Tensor]], None] | None = None
+    optimizer_offload: bool = False        # Adam's moments in CPU memory, on the device a bucket at a time
 
 
 SINGLE = Placement()

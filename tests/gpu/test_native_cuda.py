@@ -67,6 +67,38 @@ def test_a_kept_graph_replays_with_updated_weights(tmp_path):
     assert not torch.equal(second.response_ids, first.response_ids)
 
 
+def test_lora_adapters_unmerged_in_the_graph_equal_eager_and_the_merged_model(tmp_path):
+    """One copy of the base on the GPU: the compiled, graph-captured step applies the adapters
+    unmerged on the trainer's own base (views of the engine's buffers), and a kept graph reads
+    adapters synced in place."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from keel.models.lora import adapter_weights, frozen_base
+    from keel.models.tiny import make_tiny_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, tokenizer, prompts = setup(make_tiny_model(tmp_path / "m", hidden_size=128, num_layers=4), n=3, init_std=0.2)
+    greedy = SamplingParams(do_sample=False, max_new_tokens=32, ignore_eos=True)
+    kept = NativeRolloutEngine(model, tokenizer, 256, torch.float32, free_cache_engine=False)
+    eager = NativeRolloutEngine(model, tokenizer, 256, torch.float32, enforce_eager=True)
+    policy = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    assert kept.share_frozen_weights(frozen_base(policy)) > 0
+    for step in range(2):  # the second round replays the kept graph with the adapters copied in place
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn_like(p) * 0.3)
+        kept.load_adapters(adapter_weights(policy))
+        eager.load_adapters(adapter_weights(policy))
+        merged = copy.deepcopy(policy).merge_and_unload()
+        ours, theirs = kept.generate(prompts, greedy), HFRolloutEngine(merged, tokenizer).generate(prompts, greedy)
+        assert torch.equal(ours.response_ids, eager.generate(prompts, greedy).response_ids), step
+        same = (ours.response_ids == theirs.response_ids).float().mean().item()
+        assert same >= 0.97, f"round {step}: {same:.3f} of tokens equal the merged model's"  # fp32 reassociation
+
+
 def test_bf16_samples_agree_with_the_trainer(tiny_assets):
     model, tokenizer, prompts = setup(tiny_assets["model"], n=8)
     engine = NativeRolloutEngine(model, tokenizer, 256, torch.bfloat16)

@@ -58,3 +58,20 @@ def test_weight_headers_catch_every_broken_file(tmp_path, tiny_assets):
         with pytest.raises(KeelError) as info:
             weight_file_shapes(model)
         assert info.value.code == WEIGHTS_BROKEN, name
+
+
+def test_a_random_weights_directory_builds_the_same_model_every_time(tmp_path):
+    """keel bench's directories for shapes too large to save: config.json and a seed, weights drawn
+    on the device at load, identical on every load (the reference equals the policy)."""
+    import json
+
+    from transformers import Qwen2Config
+
+    from keel.models.load import RANDOM_WEIGHTS, load_causal_lm
+
+    Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=300).save_pretrained(tmp_path)
+    (tmp_path / RANDOM_WEIGHTS).write_text(json.dumps({"seed": 3}))
+    first, second = (load_causal_lm(tmp_path, torch.device("cpu")) for _ in range(2))
+    assert all(torch.equal(p, q) for p, q in zip(first.parameters(), second.parameters()))
+    assert first.model.layers[1].mlp.up_proj.weight.std() > 0 and next(first.parameters()).dtype == torch.float32
