@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from keel.bench.workloads import QWEN25_COMMON, QWEN25_SHAPES, SAVED_TOO_LARGE, WORKLOADS, Workload
+from keel.bench.workloads import DRAWN_ON_DEVICE, QWEN25_COMMON, QWEN25_SHAPES, WORKLOADS, Workload
 from keel.models.load import RANDOM_WEIGHTS, meta_model, stored_parameters
 
 log = logging.getLogger("keel")
@@ -45,17 +45,13 @@ def make_model(shape: str, out_dir: Path) -> Path:
     tokenizer.model_max_length = QWEN25_COMMON["max_position_embeddings"]
     config = Qwen2Config(**{**QWEN25_COMMON, **QWEN25_SHAPES[shape]}, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
-    if shape in SAVED_TOO_LARGE:  # config and tokenizer only: the weights are drawn on the device
+    tokenizer.save_pretrained(out_dir)
+    if shape in DRAWN_ON_DEVICE:  # config and tokenizer only: the weights are drawn on the device at load
         config.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
         (out_dir / RANDOM_WEIGHTS).write_text(json.dumps({"seed": 0}))
         return out_dir
     torch.manual_seed(0)
-    # Shapes of 3B and more are written in bf16: half the disk and load time (keel reads them as it
-    # reads any checkpoint).
-    big = QWEN25_SHAPES[shape]["hidden_size"] >= 2048
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if big else torch.float32).save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
     return out_dir
 
 

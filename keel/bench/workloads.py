@@ -19,7 +19,10 @@ QWEN25_SHAPES.update({  # the LoRA workloads' shapes
     "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
                 num_key_value_heads=8, tie_word_embeddings=False, vocab_size=152064),
 })
-SAVED_TOO_LARGE = {"32b"}  # built with random weights on the device at load (keel.models.load.RANDOM_WEIGHTS)
+# Shapes of 3B and more are never written: their random weights are drawn on the device at load
+# (keel.models.load.RANDOM_WEIGHTS), in seconds, where writing 7B took minutes and 32B would not
+# fit the disk.
+DRAWN_ON_DEVICE = {"3b", "7b", "32b"}
 QWEN25_SHAPES["tiny"] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, tie_word_embeddings=True)  # CPU check of the harness
 QWEN25_COMMON = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
