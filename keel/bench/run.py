@@ -170,10 +170,13 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
     params = stored_parameters(cfg.actor_rollout_ref.model.path) or _architecture_parameters(w.model)
     update_tokens = samples * seq * cfg.actor_rollout_ref.actor.ppo_epochs
     update_s = mean("timing_s/update_actor")
-    # Useful training FLOPs: 6 per parameter per token, plus causal attention (QK^T and AV).
+    # Useful training FLOPs: 6 per parameter per token (forward 2, input and weight gradients 2
+    # each), 4 for LoRA's frozen base, which has no weight gradients (the adapters' are a rounding
+    # error), plus causal attention (QK^T and AV). Gradient checkpointing's recompute is not useful.
     shape = {**QWEN25_COMMON, **QWEN25_SHAPES[w.model]}
     attention = 6 * 2 * shape["num_hidden_layers"] * shape["hidden_size"] * seq  # per token, causal mean seq/2 x 2
-    update_flops = update_tokens * (6 * params + attention) / update_s / gpus
+    per_parameter = 4 if cfg.actor_rollout_ref.model.lora_rank else 6
+    update_flops = update_tokens * (per_parameter * params + attention) / update_s / gpus
     peak = measured_peak_tflops() * 1e12 if torch.cuda.is_available() else None
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     datasheet = next((figures for gpu, figures in DATASHEETS.items() if gpu in device), None)

@@ -85,7 +85,8 @@ class PolicyLossConfig:
 @dataclass
 class FSDPConfig:
     param_offload: bool = opt(False, help="sharded parameters (and their gradients) live in CPU memory")
-    optimizer_offload: bool = opt(False, help="optimiser state lives in CPU memory between steps")
+    optimizer_offload: bool = opt(False, help="Adam's moments live in CPU memory; the step brings them to the GPU "
+                                              "a 1 GiB bucket at a time")
     reshard_after_forward: bool = opt(True, help="free gathered layers after forward: less memory, one "
                                                  "more all-gather in backward")
     fsdp_size: int = opt(-1, help="shard within groups of this many ranks, replicate across them; -1: all; "
