@@ -1,7 +1,10 @@
 """Advantage estimators: token-level rewards (plus values, groups or baselines) -> advantages.
 
 Every estimator has one signature, `fn(inp, p) -> (advantages [B, T], returns [B, T])`, both zero
-on padding, and lives in `ADV_ESTIMATORS` under verl's name (`algorithm.adv_estimator`). The
+where the mask is, and lives in `ADV_ESTIMATORS` under verl's name (`algorithm.adv_estimator`).
+A masked span inside a response (a tool's output or a user turn between assistant turns) is not
+the model's action: every estimator treats it as absent, so the turns before it get the credit
+they would get with the span cut out. The
 registry entry says which optional inputs it needs, so the trainer knows whether to run a
 critic (`needs_critic`) or a greedy baseline rollout (`needs_baseline`) before calling it.
 """
@@ -155,15 +158,17 @@ def rloo(inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
 
 @register_adv_est("reinforce_plus_plus")
 def reinforce_plus_plus(inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
-    """REINFORCE++ (arXiv 2501.03262): discounted return-to-go, whitened over the batch."""
+    """REINFORCE++ (arXiv 2501.03262): discounted return-to-go, whitened over the batch.
+
+    The return is carried across masked positions unchanged and undiscounted (as GAE's is): a
+    tool's output inside a response neither stops nor shrinks the credit of the turn before it, and
+    padding after the end, where the sum starts at 0, adds nothing."""
     rewards, mask = inp.token_level_rewards, inp.response_mask.to(inp.token_level_rewards.dtype)
     returns = torch.zeros_like(rewards)  # [B, T]
     running = torch.zeros_like(rewards[:, 0])  # [B]
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + p.gamma * running
+        running = torch.where(mask[:, t] > 0, rewards[:, t] + p.gamma * running, running)
         returns[:, t] = running
-        # A padded position stops the sum, so nothing after the end of a response leaks into it.
-        running = running * mask[:, t]
     return masked_whiten(returns, mask) * mask, returns * mask
 
 
@@ -186,7 +191,7 @@ def reinforce_plus_plus_baseline(inp: AdvantageInputs, p: AdvantageParams) -> tu
 def remax(inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
     """ReMax (arXiv 2310.10505): the greedy rollout's reward is the baseline."""
     mask = inp.response_mask.to(inp.token_level_rewards.dtype)
-    returns = (inp.token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1)  # [B, T] reward-to-go
+    returns = (inp.token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1) * mask  # [B, T] reward-to-go
     adv = returns - inp.baseline_rewards[:, None] * mask
     return adv, returns
 

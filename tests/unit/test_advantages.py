@@ -208,3 +208,39 @@ def test_missing_input_raises(name, missing):
     inp = AdvantageInputs(token_level_rewards=REWARDS, response_mask=MASK)
     with pytest.raises(ValueError, match=missing):
         compute_advantage(name, inp, AdvantageParams())
+
+
+def without_columns(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Each row's kept positions, left-aligned and right-padded with zeros: the span cut out."""
+    out = torch.zeros_like(x)
+    for row in range(x.shape[0]):
+        kept = x[row][keep[row]]
+        out[row, :len(kept)] = kept
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(ADV_ESTIMATORS))
+def test_a_masked_span_inside_a_response_counts_as_absent(name):
+    """Multi-turn: a tool's output between two assistant turns is masked. Every estimator gives
+    the turns around it the advantages they get with the span cut out, and 0 on the span: the
+    first turn is credited with the final reward (REINFORCE++ used to give it 0)."""
+    generator = torch.Generator().manual_seed(0)
+    mask = t([[1, 1, 0, 0, 0, 1, 1, 0], [1, 1, 1, 1, 1, 1, 0, 0], [1, 0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]])
+    lengths = mask.sum(-1).long()
+    last = torch.tensor([6, 5, 7, 7])  # the last generated token of each row
+    rewards = torch.zeros_like(mask)
+    rewards[torch.arange(4), last] = torch.randn(4, generator=generator)
+    values = torch.randn(mask.shape, generator=generator) * mask
+    groups = torch.tensor([0, 0, 1, 1])
+    spanned = AdvantageInputs(rewards, mask, groups, values, baseline_rewards=t([0.1, -0.2, 0.3, 0.0]))
+    keep = mask.bool()
+    cut_mask = (torch.arange(8)[None] < lengths[:, None]).float()
+    cut = AdvantageInputs(without_columns(rewards, keep), cut_mask, groups, without_columns(values, keep),
+                          baseline_rewards=spanned.baseline_rewards)
+    params = AdvantageParams(gamma=0.9, lam=0.95)
+    adv, ret = compute_advantage(name, spanned, params)
+    cut_adv, cut_ret = compute_advantage(name, cut, params)
+    assert_zero_on_padding(mask, adv, ret)
+    torch.testing.assert_close(without_columns(adv, keep), cut_adv, atol=ATOL, rtol=0)
+    torch.testing.assert_close(without_columns(ret, keep), cut_ret, atol=ATOL, rtol=0)
+    assert adv[0, :2].abs().sum() > 0  # the turn before the tool's output is credited
