@@ -63,6 +63,11 @@ class RolloutBatch:
     records: list[PromptRecord]     # [N] the prompt's record (data_source, ground_truth, ...)
     response_texts: list[str]       # [N]
     truncated: Tensor               # [N] bool: hit max_response_length without EOS
+    # Multi-turn: 1 on every real response token, the model's and the tools' and template's between
+    # its turns (attended to, never trained on); response_mask is then the model's tokens only.
+    # None: the response is the model's alone, response_mask both.
+    response_attention: Tensor | None = None
+    turn_rewards: Tensor | None = None          # [N] multi-turn: what tools and interactions gave, summed
 
     # Filled in by later stages of the step.
     scores: Tensor | None = None                # [N] outcome reward from the reward function
@@ -82,8 +87,17 @@ class RolloutBatch:
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)
 
     @property
+    def response_tokens(self) -> Tensor:         # [N, R] 1 on every real response token
+        return self.response_mask if self.response_attention is None else self.response_attention
+
+    @property
     def attention_mask(self) -> Tensor:          # [N, P + R]
-        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+        return torch.cat([self.prompt_mask, self.response_tokens], dim=1)
+
+    @property
+    def last_token_index(self) -> Tensor:        # [N] the model's last token (0 for an empty response)
+        positions = torch.arange(self.response_mask.shape[1])
+        return (self.response_mask.bool() * positions).max(-1).values
 
     @property
     def response_lengths(self) -> Tensor:        # [N]
@@ -116,7 +130,8 @@ def trim_padding(batch: RolloutBatch) -> RolloutBatch:
     left, response columns on the right. A micro-batch of short samples then costs what they cost,
     not what the longest sample of the whole batch does."""
     prompt_width = int(batch.prompt_mask.sum(-1).max())
-    response_width = max(int(batch.response_mask.sum(-1).max()), 1)
+    real = batch.response_tokens.bool()
+    response_width = max(int((real * torch.arange(1, real.shape[1] + 1)).max()), 1)  # past the last real token
     full_width = batch.response_ids.shape[1]
     trimmed = {}
     for f in dataclasses.fields(batch):

@@ -57,3 +57,32 @@ def tiny_config(tiny_assets, tmp_path) -> dict:
         "trainer": {"total_training_steps": 2, "default_local_dir": str(tmp_path / "run"),
                     "logger": [], "test_freq": 2},
     }
+
+
+LOG_PROB = -0.5  # what ScriptedEngine says it sampled each token with
+
+
+class ScriptedEngine:
+    """A rollout engine that writes what a test scripts: turn_for(context text, k) is the k-th
+    assistant turn of the conversation whose context it is given (k counted from the assistant
+    generation prompts in it). For agent-loop tests: the turns a trained model would write."""
+
+    def __init__(self, tokenizer, turn_for):
+        self.tokenizer, self.turn_for, self.timing = tokenizer, turn_for, {}
+        self.eos_ids = [tokenizer.eos_token_id]
+
+    def generate(self, prompts, params):
+        import torch
+
+        from keel.rollout.assemble import assemble_batch
+
+        rows = []
+        for ids in prompts.input_ids:
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            turn = self.turn_for(text, text.count("<|im_start|>assistant") - 1)
+            rows.append(self.tokenizer.encode(turn, add_special_tokens=False) + self.eos_ids)
+        width = min(max(map(len, rows)), params.max_new_tokens)
+        ids = torch.full((len(rows), width), self.tokenizer.pad_token_id)
+        for i, row in enumerate(rows):
+            ids[i, :min(len(row), width)] = torch.tensor(row[:width])
+        return assemble_batch(prompts, [(ids, torch.full(ids.shape, LOG_PROB))], self.tokenizer, self.eos_ids, params)

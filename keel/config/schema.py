@@ -13,6 +13,7 @@ from keel.algorithms.advantages import ADV_ESTIMATORS as ESTIMATOR_REGISTRY
 from keel.algorithms.kl import KL_ESTIMATORS as KL_TYPES
 from keel.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from keel.config.fields import ResourcePool, opt
+from keel.config.multi_turn import MultiTurnConfig
 from keel.config.reward import CustomRewardConfig, RewardConfig, RewardModelConfig
 
 
@@ -157,6 +158,7 @@ class RolloutConfig(LogProbBatching):
     gpu_memory_utilization: float = opt(0.5, gt=0, le=1, help="native: share of the free GPU memory the KV "
                                                               "cache may take (fewer sequences at once if needed)")
     val_kwargs: ValKwargs = opt(factory=ValKwargs)
+    multi_turn: MultiTurnConfig = opt(factory=MultiTurnConfig)
 
 
 @dataclass

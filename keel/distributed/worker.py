@@ -25,8 +25,9 @@ from keel.distributed.fsdp import full_parameters
 from keel.distributed.parallelize import parallelize
 from keel.models.load import (autocast, can_compile, load_causal_lm, load_critic, load_tokenizer, quiet_transformers,
                               resolve_device, resolve_dtype)
-from keel.observe.profile import RankProfile
 from keel.models.lora import adapter_weights, apply_lora, frozen_base, plan_lora, trained_in_full
+from keel.observe.profile import RankProfile
+from keel.rollout.agent import AgentLoop, build_agent_loop
 from keel.rollout.base import RolloutEngine
 from keel.rollout.hf import HFRolloutEngine
 from keel.rollout.select import make_rollout_engine
@@ -83,6 +84,7 @@ class RoleWorker:
         self.tokenizer = tokenizer or load_tokenizer(policy.model.path, policy.model.trust_remote_code)
         roles = spec.roles
         self.rollout: RolloutEngine | None = None
+        self.agent: AgentLoop | None = None  # multi-turn: the loop that calls tools around the engine
         self.actor: ActorTrainer | None = None
         self.ref: ReferencePolicy | None = None
         if "policy" in roles:
@@ -111,6 +113,9 @@ class RoleWorker:
                                   _log_prob_batching(policy.rollout), spec.max_response_length, placement)
         if self.lora:  # adapters loaded from a checkpoint or lora_adapter_path reach the engine now
             self._sync_rollout()
+        if policy.rollout.multi_turn.enable:
+            self.agent = build_agent_loop(policy.rollout.multi_turn, self.rollout, self.tokenizer,
+                                          spec.max_response_length)
         if spec.with_reference and self.lora:  # the base itself, adapters off: no second model
             self.ref = AdapterlessReference(model, _log_prob_batching(policy.ref), policy.rollout.temperature,
                                             placement)
@@ -188,8 +193,9 @@ class RoleWorker:
             return None, {}
         torch.manual_seed(seed)  # per step and rank: a resumed run samples what an uninterrupted one would
         start = time.perf_counter()
-        batch = self.rollout.generate(prompts, sampling)  # the engine applies the compute dtype itself
-        timing = {f"gen_{part}": seconds for part, seconds in self.rollout.timing.items()}
+        generator = self.agent or self.rollout
+        batch = generator.generate(prompts, sampling)  # the engine applies the compute dtype itself
+        timing = {f"gen_{part}": seconds for part, seconds in generator.timing.items()}
         timing["gen_engine"] = time.perf_counter() - start
         return batch, timing
 

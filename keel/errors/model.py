@@ -53,5 +53,13 @@ LORA_TARGETS = register(
     "Use model.target_modules=all-linear (every projection of every decoder layer), list every "
     "projection the message names, or name extra trainable modules in model.modules_to_save.",
     ("actor_rollout_ref.model.target_modules", "actor_rollout_ref.model.exclude_modules"))
+NO_TOOL_ROLE = register(
+    "KEEL-M008", "The chat template cannot render tool results",
+    "Multi-turn rollouts append each tool's output as a `tool` message through the tokenizer's chat "
+    "template; this template drops or rejects that role, so the model would never see what its tools "
+    "returned (or the turns would be joined by tokens the template never makes).",
+    "Use a model whose template has a tool role (Qwen2.5, Llama 3.1 and later, Hermes), or set the "
+    "tokenizer's chat_template to one that renders role `tool`.",
+    ("actor_rollout_ref.rollout.multi_turn.enable",))
 
 __all__ = [name for name in dir() if name.isupper()]

@@ -54,10 +54,10 @@ def _keywords(fn: Callable, names: tuple[str, ...]) -> frozenset[str] | None:
     return frozenset(named & set(names)) if named & set(names) else None
 
 
-def verl_extra_info(extra_info: dict | None, num_turns: int = SINGLE_TURN) -> dict:
-    """The sample's extra_info with the keys verl adds before scoring (a copy: the dataset's
-    record is not changed)."""
-    return {**(extra_info or {}), "num_turns": num_turns, "rollout_reward_scores": {}}
+def verl_extra_info(extra_info: dict | None) -> dict:
+    """The sample's extra_info with the keys verl adds before scoring, where the rollout has not set
+    them (a multi-turn rollout counts its turns), as a copy: the dataset's record is not changed."""
+    return {"num_turns": SINGLE_TURN, "rollout_reward_scores": {}, **(extra_info or {})}
 
 
 def split_result(result: Any) -> tuple[Any, dict]:

@@ -26,6 +26,7 @@ from keel.trainer.hooks import load_hook, run_hooks
 from keel.errors import RESUME_MISMATCH, KeelError
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
 from keel.observe.metrics import MetricsLogger, Timer
+from keel.rollout.agent.metrics import agent_metrics
 from keel.trainer.dynamic_sampling import fill_with_signal
 from keel.trainer.setup import Components, Inputs, build_components, needs_baseline_rollout
 from keel.trainer.evaluate import evaluate
@@ -133,6 +134,7 @@ class RLTrainer:
                     metrics.update(workers.update_actor(batch, self._seed()))
         logger.log_samples(self.step, self._samples(batch))
         metrics.update(batch_metrics(batch))
+        metrics.update(agent_metrics(batch.records))
         metrics.update(timer.metrics())
         metrics.update(gen_parts)
         metrics.update(throughput_metrics(batch, timer.times["step"], self.cfg.world_size))
@@ -149,7 +151,9 @@ class RLTrainer:
         outcome = batch.scores                                                     # [N]
         if self.components.normalizer is not None:
             outcome, metrics = self.components.normalizer(batch.scores)
-        last = (batch.response_lengths - 1).clamp(min=0)                          # [N]
+        if batch.turn_rewards is not None:  # multi-turn: what tools and interactions gave, on top
+            outcome = outcome + batch.turn_rewards
+        last = batch.last_token_index                                             # [N]
         scores = torch.zeros_like(batch.response_mask, dtype=torch.float32)       # [N, R]
         scores[torch.arange(len(batch)), last] = outcome
         batch.token_level_rewards = scores * batch.response_mask

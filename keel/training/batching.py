@@ -80,7 +80,7 @@ def balanced_partitions(lengths: Tensor, parts: int) -> list[Tensor]:
 
 
 def sample_tokens(batch: RolloutBatch) -> Tensor:                           # [N]
-    return batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)
+    return batch.prompt_mask.sum(-1) + batch.response_tokens.sum(-1)
 
 
 def shard_batch(batch: RolloutBatch, parts: int) -> tuple[list[Tensor], list[RolloutBatch]]:
@@ -163,7 +163,7 @@ def micro_batches(batch: RolloutBatch, how: MicroBatching) -> list[tuple[Tensor,
         lengths = sample_tokens(batch)
         index = [rows.sort().values for rows in torch.argsort(lengths, stable=True).split(how.size)]
     else:
-        index = token_budget_bins(batch.prompt_mask.sum(-1), batch.response_mask.sum(-1), how.max_tokens)
+        index = token_budget_bins(batch.prompt_mask.sum(-1), batch.response_tokens.sum(-1), how.max_tokens)
         index = _split_to_count(index, _count_across_ranks(len(index)))
     return [(rows, trim_padding(batch.select(rows) if len(rows) else batch.masked_copies(1))) for rows in index]
 

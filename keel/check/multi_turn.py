@@ -1,0 +1,35 @@
+"""`keel check` on multi-turn rollouts: the tools build, the chat template renders tool results, and
+the tokens the agent loop builds turn by turn equal the template's rendering of the same
+conversation (the first difference, by position, when they do not)."""
+
+from __future__ import annotations
+
+from keel.check.findings import PASS, WARN, Finding, need
+from keel.config.schema import KeelConfig
+from keel.rollout.agent.template import first_difference, round_trip
+from keel.rollout.agent.tools import load_tool_config
+
+
+def check_multi_turn(cfg: KeelConfig, context: dict) -> list[Finding]:
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    if not multi_turn.enable:
+        return []
+    tokenizer = need(context, "tokenizer")
+    tools = load_tool_config(multi_turn.tool_config_path) if multi_turn.tool_config_path else []
+    found = [Finding(PASS, "multi-turn", f"tools: {', '.join(t.name for t in tools)}") if tools else
+             Finding(WARN, "multi-turn", "multi_turn.enable with no tool_config_path: the model has no tools to "
+                                         "call, so every rollout is one turn")]
+    built, reference = round_trip(tokenizer, [t.schema for t in tools])
+    position = first_difference(built, reference)
+    if position is None:
+        found.append(Finding(PASS, "multi-turn", f"token-in/token-out: the {len(built)} tokens the loop builds for a "
+                                                 "tool call and its answer are the chat template's own"))
+    else:
+        def around(ids: list[int]) -> str:
+            return repr(tokenizer.decode(ids[max(0, position - 8):position + 8]))
+
+        found.append(Finding(WARN, "multi-turn", f"token-in/token-out: the loop's tokens differ from the chat "
+                             f"template's rendering at position {position}: {around(built)} against "
+                             f"{around(reference)}; the model is trained on the sampled tokens, which the template "
+                             "would render otherwise at inference"))
+    return found

@@ -1,0 +1,5 @@
+"""Multi-turn rollouts: the agent loop, tool calls and the tools themselves."""
+
+from keel.rollout.agent.loop import AgentLoop, AgentOptions, build_agent_loop  # noqa: F401
+from keel.rollout.agent.runner import ToolLimits  # noqa: F401
+from keel.rollout.agent.tools import Calculator, FunctionTool, Tool, ToolOutput, load_tool_config, tool  # noqa: F401

@@ -1,0 +1,177 @@
+"""The agent loop: multi-turn rollouts with tool calls on any rollout engine.
+
+Every sample alternates: the engine generates an assistant turn; tool calls in it are parsed and run
+(all samples' at once); their results go back through the chat template; until the model answers
+without a call, `max_assistant_turns` is reached, or the response budget (data.max_response_length,
+the whole trajectory's) runs out. The sequence trained is the sampled tokens exactly, plus the
+template's tokens between turns, which the loss, KL and entropy never see (response_mask 0) but the
+model attends to (response_attention 1).
+
+Each turn is one `generate` call over the samples still going, their whole context as the prompt:
+the engine prefills it again (the native engine's turn scheduler, which keeps KV across turns, is
+the next step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from keel.data.prompts import collate_prompts
+from keel.rollout.agent.parse import PARSERS
+from keel.rollout.agent.runner import ToolLimits, ToolRunner
+from keel.rollout.agent.template import TurnTemplate
+from keel.rollout.agent.tools import Tool, ToolOutput, load_tool_config
+from keel.types import PromptBatch, PromptRecord, RolloutBatch, SamplingParams
+
+
+@dataclass
+class AgentOptions:
+    max_assistant_turns: int = 5
+    budget: int = 512                 # response tokens of the whole trajectory
+    format: str = "hermes"
+    limits: ToolLimits = field(default_factory=ToolLimits)
+
+
+@dataclass(eq=False)  # compared by identity
+class Episode:
+    """One sample's trajectory so far."""
+    record: PromptRecord
+    context: list[int]                          # prompt and response so far: the next turn's prompt
+    ids: list[int] = field(default_factory=list)         # the response
+    trained: list[int] = field(default_factory=list)     # 1 where the model sampled the token
+    log_probs: list[float] = field(default_factory=list)
+    assistant_turns: int = 0
+    tool_turns: int = 0
+    tool_calls: int = 0
+    malformed_calls: int = 0
+    tools: dict = field(default_factory=dict)   # by tool name: calls, errors, timeouts, unknown, truncated, seconds
+    turn_reward: float = 0.0
+    cut: bool = False                           # the budget ended it
+    done: bool = False
+
+    def add(self, ids: list[int], log_probs: list[float] | None) -> None:
+        self.ids += ids
+        self.context += ids
+        self.trained += [1 if log_probs is not None else 0] * len(ids)
+        self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
+
+    def count(self, output: ToolOutput) -> None:
+        counts = self.tools.setdefault(output.name, {"calls": 0, "error": 0, "timeout": 0, "unknown": 0,
+                                                     "truncated": 0, "seconds": 0.0})
+        counts["calls"] += 1
+        counts["seconds"] += output.seconds
+        counts["truncated"] += int(output.truncated)
+        if output.status != "ok":
+            counts[output.status] += 1
+        self.tool_calls += 1
+        self.turn_reward += output.reward
+
+
+class AgentLoop:
+    def __init__(self, engine, tokenizer, tools: list[Tool], options: AgentOptions, eos_ids: list[int]):
+        self.engine, self.tokenizer, self.options = engine, tokenizer, options
+        self.eos_ids = set(eos_ids)
+        self.template = TurnTemplate(tokenizer, [t.schema for t in tools], tokenizer.decode([eos_ids[0]]))
+        self.parse = PARSERS[options.format]
+        self.runner = ToolRunner(tools, options.limits)
+        self.timing: dict[str, float] = {}
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams) -> RolloutBatch:
+        episodes = [Episode(r, list(r.prompt_ids)) for r in prompts.records]
+        self.timing = {}
+        while active := [e for e in episodes if not e.done]:
+            self._assistant_turn(active, params)
+            self._tool_turn([e for e in active if not e.done])
+        return self._batch(prompts, episodes)
+
+    def _assistant_turn(self, active: list[Episode], params: SamplingParams) -> None:
+        left = max(self.options.budget - len(e.ids) for e in active)
+        # Rows of their own: the engine shares a prefill between rows of one group index.
+        records = [dataclasses.replace(e.record, index=i, prompt_ids=e.context) for i, e in enumerate(active)]
+        batch = self.engine.generate(collate_prompts(records, self.tokenizer.pad_token_id),
+                                     dataclasses.replace(params, n=1, max_new_tokens=left))
+        for part, seconds in getattr(self.engine, "timing", {}).items():
+            self.timing[part] = self.timing.get(part, 0.0) + seconds
+        for row, episode in enumerate(active):
+            keep = batch.response_mask[row].bool()
+            ids = batch.response_ids[row][keep].tolist()[:self.options.budget - len(episode.ids)]
+            episode.add(ids, batch.sampling_log_probs[row][keep].tolist()[:len(ids)])
+            episode.assistant_turns += 1
+            ended = bool(ids) and ids[-1] in self.eos_ids
+            episode.cut = not ended and len(episode.ids) >= self.options.budget
+            episode.done = episode.cut or episode.assistant_turns >= self.options.max_assistant_turns
+
+    def _tool_turn(self, pending: list[Episode]) -> None:
+        """Parse every pending sample's last turn, run the calls, append the results."""
+        parsed = {id(e): self.parse(self.tokenizer.decode(_last_turn(e), skip_special_tokens=True)) for e in pending}
+        calling = [e for e in pending if parsed[id(e)].calls or parsed[id(e)].malformed]
+        for episode in pending:
+            episode.done = episode not in calling  # an answer without a call ends the episode
+        start = time.perf_counter()
+        outputs = self.runner.run([parsed[id(e)].calls for e in calling],
+                                  [e.record.extra_info.get("tools_kwargs", {}) for e in calling])
+        self.timing["tools"] = self.timing.get("tools", 0.0) + time.perf_counter() - start
+        for episode, results in zip(calling, outputs):
+            turn = parsed[id(episode)]
+            episode.malformed_calls += len(turn.malformed)
+            for output in results:
+                episode.count(output)
+            messages = [{"role": "tool", "content": r.text} for r in results]
+            messages += [{"role": "tool", "content": f"Error: {why}"} for why in turn.malformed]
+            suffix = self.template.suffix_ids(messages)
+            if len(episode.ids) + len(suffix) >= self.options.budget:  # no room for the model to answer
+                episode.cut = episode.done = True
+                continue
+            episode.add(suffix, None)
+            episode.tool_turns += 1
+
+    def _batch(self, prompts: PromptBatch, episodes: list[Episode]) -> RolloutBatch:
+        width = max(1, max(len(e.ids) for e in episodes))
+
+        def rows(values: list[list], fill=0, dtype=torch.long) -> Tensor:         # [N, width], right-padded
+            out = torch.full((len(values), width), fill, dtype=dtype)
+            for i, v in enumerate(values):
+                out[i, :len(v)] = torch.tensor(v, dtype=dtype)
+            return out
+
+        records = [dataclasses.replace(e.record, extra_info={
+            **e.record.extra_info, "num_turns": _turns(e), "tool_calls": e.tool_calls, "tools": e.tools,
+            "malformed_tool_calls": e.malformed_calls, "turn_reward": e.turn_reward, "cut_by_budget": e.cut})
+            for e in episodes]
+        trained = rows([e.trained for e in episodes])
+        return RolloutBatch(
+            prompt_ids=prompts.input_ids, prompt_mask=prompts.attention_mask,
+            response_ids=rows([e.ids for e in episodes], self.tokenizer.pad_token_id), response_mask=trained,
+            sampling_log_probs=rows([e.log_probs for e in episodes], dtype=torch.float32) * trained,
+            group_index=torch.tensor([e.record.index for e in episodes]), records=records,
+            response_texts=[self.tokenizer.decode(e.ids, skip_special_tokens=True) for e in episodes],
+            truncated=torch.tensor([e.cut for e in episodes]),
+            response_attention=rows([[1] * len(e.ids) for e in episodes]),
+            turn_rewards=torch.tensor([e.turn_reward for e in episodes]))
+
+
+def _turns(episode: Episode) -> int:
+    """The prompt, the assistant turns and the tool turns between them, as verl counts num_turns."""
+    return 1 + episode.assistant_turns + episode.tool_turns
+
+
+def _last_turn(episode: Episode) -> list[int]:
+    """The tokens of the assistant turn just generated: the trailing run of sampled tokens."""
+    start = len(episode.trained)
+    while start > 0 and episode.trained[start - 1]:
+        start -= 1
+    return episode.ids[start:]
+
+
+def build_agent_loop(multi_turn, engine, tokenizer, budget: int) -> AgentLoop:
+    """The loop of a rollout.multi_turn section around an engine; `budget`: data.max_response_length."""
+    tools = load_tool_config(multi_turn.tool_config_path) if multi_turn.tool_config_path else []
+    limits = ToolLimits(multi_turn.max_parallel_calls, multi_turn.tool_timeout_s, multi_turn.max_tool_response_length,
+                        multi_turn.tool_response_truncate_side)
+    options = AgentOptions(multi_turn.max_assistant_turns or budget, budget, multi_turn.format, limits)
+    return AgentLoop(engine, tokenizer, tools, options, engine.eos_ids)

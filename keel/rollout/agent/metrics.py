@@ -1,0 +1,33 @@
+"""What a user looks at after a multi-turn step, from each sample's record (extra_info, which the
+agent loop fills and every worker's samples carry to the driver)."""
+
+from __future__ import annotations
+
+import statistics
+
+from keel.types import PromptRecord
+
+
+def agent_metrics(records: list[PromptRecord]) -> dict[str, float]:
+    infos = [r.extra_info for r in records if "num_turns" in r.extra_info]
+    if not infos:
+        return {}
+    turns = [info["num_turns"] for info in infos]
+    metrics = {"num_turns/mean": statistics.fmean(turns), "num_turns/max": float(max(turns)),
+               "num_turns/min": float(min(turns)),
+               "tools/calls_per_sample": statistics.fmean(info["tool_calls"] for info in infos),
+               "tools/malformed_calls": float(sum(info["malformed_tool_calls"] for info in infos)),
+               "tools/cut_by_budget": statistics.fmean(float(info["cut_by_budget"]) for info in infos),
+               "tools/turn_reward/mean": statistics.fmean(info["turn_reward"] for info in infos)}
+    totals: dict[str, dict[str, float]] = {}
+    for info in infos:
+        for name, counts in info["tools"].items():
+            total = totals.setdefault(name, dict.fromkeys(counts, 0.0))
+            for key, value in counts.items():
+                total[key] += value
+    for name, total in totals.items():
+        for key in ("calls", "error", "timeout", "unknown", "truncated"):
+            if total.get(key) or key == "calls":
+                metrics[f"tools/{name}/{key if key == 'calls' else key + 's'}"] = total[key]
+        metrics[f"tools/{name}/latency_s"] = total["seconds"] / max(total["calls"], 1)
+    return metrics

@@ -1,0 +1,97 @@
+"""Running one turn's tool calls: in parallel across every sample of the batch (threads, since a
+tool is ordinary blocking code), at most `max_parallel_calls` per sample and turn, each with a
+timeout. Whatever a call does, raise, hang, return something that is not text or far too much, the
+model gets text back and the counters say what happened; the rollout never fails on a tool."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from keel.rollout.agent.parse import ToolCall
+from keel.rollout.agent.tools import Tool, ToolOutput
+
+TRUNCATED = "...(truncated)"
+UNKNOWN = "unknown_tool"
+
+
+@dataclass
+class ToolLimits:
+    max_parallel_calls: int = 1
+    timeout_s: float = 30.0
+    max_response_chars: int = 256
+    truncate_side: str = "middle"  # verl's tool_response_truncate_side: left | middle | right
+
+
+class ToolRunner:
+    def __init__(self, tools: list[Tool], limits: ToolLimits):
+        self.tools = {t.name: t for t in tools}
+        self.limits = limits
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="keel-tool")
+
+    def run(self, calls: list[list[ToolCall]], tools_kwargs: list[dict]) -> list[list[ToolOutput]]:
+        """Each sample's calls (past max_parallel_calls: dropped) -> each call's output, for every
+        sample at once."""
+        kept = [sample_calls[:self.limits.max_parallel_calls] for sample_calls in calls]
+
+        async def everything():
+            return await asyncio.gather(*[asyncio.gather(*[self._call(c, kwargs) for c in sample])
+                                          for sample, kwargs in zip(kept, tools_kwargs)])
+
+        return [list(outputs) for outputs in asyncio.run(everything())]
+
+    async def _call(self, call: ToolCall, tools_kwargs: dict) -> ToolOutput:
+        tool = self.tools.get(call.name)
+        if tool is None:
+            # Counted under one name: the model's names are hostile and would make a metric each.
+            return ToolOutput(f"Error: no tool named {call.name[:60]!r}; the tools are {sorted(self.tools)}",
+                              name=UNKNOWN, status="unknown")
+        start = time.perf_counter()
+        kwargs = (tools_kwargs or {}).get(call.name, {}).get("execute_kwargs", {})
+        try:
+            result = await asyncio.wait_for(self._execute(tool, call.arguments, kwargs), self.limits.timeout_s)
+            output = _as_output(result)
+        except asyncio.TimeoutError:
+            output = ToolOutput(f"Error: {call.name} took longer than {self.limits.timeout_s:g} s", status="timeout")
+        except Exception as error:  # noqa: BLE001 - a tool's failure is the model's feedback
+            output = ToolOutput(f"Error when executing tool: {type(error).__name__}: {str(error)[:200]}",
+                                status="error")
+        output.name, output.seconds = call.name, time.perf_counter() - start
+        if len(output.text) > self.limits.max_response_chars:
+            output.truncated = True
+            output.text = truncate(output.text, self.limits.max_response_chars, self.limits.truncate_side)
+        return output
+
+    async def _execute(self, tool: Tool, arguments: dict, kwargs: dict):
+        if inspect.iscoroutinefunction(tool.execute):  # an async tool
+            return await tool.execute(arguments, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: tool.execute(arguments, **kwargs))
+
+
+def _as_output(result) -> ToolOutput:
+    """text, or (text, reward[, metrics]) as verl's tools return; anything else is a tool bug."""
+    if isinstance(result, ToolOutput):
+        return result
+    parts = result if isinstance(result, tuple) else (result,)
+    text = getattr(parts[0], "text", parts[0])  # verl's ToolResponse carries .text
+    reward = float(parts[1]) if len(parts) > 1 else 0.0
+    metrics = parts[2] if len(parts) > 2 and isinstance(parts[2], dict) else {}
+    if not isinstance(text, str):
+        text = json.dumps(text) if isinstance(text, (dict, list, int, float)) else str(text)
+    if reward != reward or abs(reward) == float("inf"):
+        raise ValueError(f"the tool's reward is {reward}")
+    return ToolOutput(text, reward, dict(metrics))
+
+
+def truncate(text: str, limit: int, side: str) -> str:
+    """verl's tool_response_truncate_side: which end of an over-long output is kept."""
+    if side == "left":  # keep the beginning
+        return text[:limit] + TRUNCATED
+    if side == "right":  # keep the end
+        return TRUNCATED + text[-limit:]
+    half = limit // 2
+    return text[:half] + TRUNCATED + text[len(text) - half:]

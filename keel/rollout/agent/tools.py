@@ -1,0 +1,215 @@
+"""Tools the policy can call: a plain typed Python function (`@tool`, schema derived from its
+signature), a class named in verl's tool config file (`tool_config_path`), and keel's built-ins.
+
+A tool's output is hostile input: whatever it returns, raises or takes too long to do becomes text
+fed back to the model (and counted), never an exception out of the rollout.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import operator
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from keel.errors import TOOL_CONFIG, KeelError
+
+JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+
+
+@dataclass
+class ToolOutput:
+    """What a call gave back: text for the model, a reward to add to the episode's score, metrics;
+    and, filled in by the runner, how the call went."""
+    text: str
+    reward: float = 0.0
+    metrics: dict = field(default_factory=dict)
+    name: str = ""
+    status: str = "ok"          # ok | error (raised, or bad output) | timeout | unknown (no such tool)
+    seconds: float = 0.0
+    truncated: bool = False
+
+
+class Tool:
+    """verl's BaseTool contract, synchronously: `execute(parameters, **tools_kwargs)` returns text,
+    or (text, reward, metrics). Subclasses set `schema` (an OpenAI function schema)."""
+
+    def __init__(self, config: dict | None = None, tool_schema: dict | None = None):
+        self.config = config or {}
+        self.schema = tool_schema or getattr(type(self), "schema", None)
+
+    @property
+    def name(self) -> str:
+        return self.schema["function"]["name"]
+
+    def execute(self, parameters: dict, **tools_kwargs) -> str | tuple:
+        raise NotImplementedError(f"{type(self).__name__}.execute")
+
+
+class FunctionTool(Tool):
+    """A typed function as a tool: its name, docstring and parameters make the schema."""
+
+    def __init__(self, fn: Callable, name: str | None = None):
+        super().__init__(tool_schema=function_schema(fn, name))
+        self.fn = fn
+        self._accepts_extra = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+
+    def execute(self, parameters: dict, **tools_kwargs):
+        return self.fn(**parameters, **(tools_kwargs if self._accepts_extra else {}))
+
+
+def tool(fn: Callable | None = None, *, name: str | None = None):
+    """`@tool` on a type-hinted function makes it a Tool the policy can call by its name."""
+    if fn is None:
+        return lambda f: FunctionTool(f, name)
+    return FunctionTool(fn, name)
+
+
+def function_schema(fn: Callable, name: str | None = None) -> dict:
+    """The OpenAI function schema of a typed function: every named parameter must have a hint."""
+    hints = typing.get_type_hints(fn)
+    properties, required = {}, []
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
+            continue
+        hint = hints.get(param.name)
+        if hint not in JSON_TYPES:
+            raise KeelError(TOOL_CONFIG, f"tool {fn.__name__}: parameter {param.name!r} needs a type hint of "
+                            f"{', '.join(t.__name__ for t in JSON_TYPES)} (got {hint!r})",
+                            "annotate every parameter, e.g. def add(a: int, b: int) -> str")
+        properties[param.name] = {"type": JSON_TYPES[hint]}
+        if param.default is param.empty:
+            required.append(param.name)
+    description = inspect.getdoc(fn) or ""
+    return {"type": "function", "function": {"name": name or fn.__name__, "description": description,
+                                             "parameters": {"type": "object", "properties": properties,
+                                                            "required": required}}}
+
+
+# --- built-ins -------------------------------------------------------------------------------------
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos}
+MAX_EXPRESSION = 200
+MAX_MAGNITUDE = 10 ** 30
+
+
+class Calculator(Tool):
+    """Arithmetic on numbers (+ - * / // %, parentheses), parsed, never eval'd: an expression the
+    model wrote cannot reach Python. Powers are left out, so no call can take unbounded time."""
+
+    schema = {"type": "function", "function": {
+        "name": "calculator", "description": "Evaluate an arithmetic expression, e.g. 123 * 456",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                       "required": ["expression"]}}}
+
+    def execute(self, parameters: dict, **tools_kwargs) -> str:
+        expression = str(parameters.get("expression", ""))
+        if len(expression) > MAX_EXPRESSION:
+            raise ValueError(f"expression longer than {MAX_EXPRESSION} characters")
+        value = _evaluate(ast.parse(expression, mode="eval").body)
+        return str(int(value) if isinstance(value, float) and value.is_integer() else value)
+
+
+def _evaluate(node: ast.AST):
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        value = _OPERATORS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
+    elif isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
+        value = _OPERATORS[type(node.op)](_evaluate(node.operand))
+    else:
+        raise ValueError(f"not arithmetic: {ast.dump(node)[:60]}")
+    if abs(value) > MAX_MAGNITUDE:
+        raise ValueError("result too large")
+    return value
+
+
+BUILTIN = {"keel.tools.Calculator": Calculator}
+
+
+# --- verl's tool config file --------------------------------------------------------------------------
+def load_tool_config(path: str | Path) -> list[Tool]:
+    """The tools of `tool_config_path`: verl's YAML (`tools: [{class_name, config, tool_schema}]`,
+    a class one of keel's built-ins or `module.Class` importable here), or a Python file whose
+    `@tool` functions and Tool instances are the tools. Anything that resolves to nothing is an
+    error naming the entry, before any model loads."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise KeelError(TOOL_CONFIG, f"actor_rollout_ref.rollout.multi_turn.tool_config_path={str(path)!r} does not "
+                        "exist", "point it at verl's tool config YAML, or a Python file of @tool functions")
+    tools = _tools_of_file(path) if path.suffix == ".py" else _tools_of_yaml(path, yaml.safe_load(path.read_text()))
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise KeelError(TOOL_CONFIG, f"{path}: two tools share a name in {names}", "give every tool its own name")
+    return tools
+
+
+def _load_file(path: Path):
+    """A Python file of the user's as a module; its import error is a coded error naming it."""
+    import importlib.util
+
+    if not path.is_file():
+        raise KeelError(TOOL_CONFIG, f"tool file {str(path)!r} does not exist")
+    spec = importlib.util.spec_from_file_location(f"keel_tools_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001 - the user's file: its error, named
+        raise KeelError(TOOL_CONFIG, f"{path} raised on import: {type(error).__name__}: {error}") from None
+    return module
+
+
+def _tools_of_file(path: Path) -> list[Tool]:
+    tools = [value for value in vars(_load_file(path)).values() if isinstance(value, Tool)]
+    if not tools:
+        raise KeelError(TOOL_CONFIG, f"{path} defines no tools", "decorate a typed function with "
+                        "@keel.rollout.agent.tool, or make a Tool instance at module level")
+    return tools
+
+
+def _tools_of_yaml(path: Path, loaded) -> list[Tool]:
+    entries = (loaded or {}).get("tools") if isinstance(loaded, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise KeelError(TOOL_CONFIG, f"{path} has no `tools:` list", "list the tools as verl's tool config does")
+    return [_tool_from_entry(entry, f"{path} tools[{i}]", path.parent) for i, entry in enumerate(entries)]
+
+
+def _tool_from_entry(entry: Any, where: str, directory: Path) -> Tool:
+    if not isinstance(entry, dict) or "class_name" not in entry:
+        raise KeelError(TOOL_CONFIG, f"{where} has no class_name", "give each tool a class_name")
+    cls = _resolve_class(str(entry["class_name"]), where, directory)
+    schema = entry.get("tool_schema") or getattr(cls, "schema", None)
+    if not schema or "name" not in schema.get("function", {}):
+        raise KeelError(TOOL_CONFIG, f"{where} ({entry['class_name']}) has no tool_schema.function.name",
+                        "add the tool's OpenAI function schema under tool_schema")
+    return cls(entry.get("config") or {}, schema)
+
+
+def _resolve_class(class_name: str, where: str, directory: Path) -> type:
+    """A built-in, `file.py:Class` (beside the config file), or an importable `module.Class`."""
+    if class_name in BUILTIN:
+        return BUILTIN[class_name]
+    if ".py:" in class_name:
+        file, _, attr = class_name.partition(":")
+        module, reason = _load_file(directory / file), f"{file} has no class {attr!r}"
+    else:
+        module_name, _, attr = class_name.rpartition(".")
+        reason = f"{module_name!r} has no class {attr!r}" if module_name else "not a module.Class path"
+        try:
+            module = importlib.import_module(module_name) if module_name else None
+        except ImportError as error:
+            module, reason = None, f"module {module_name!r} cannot be imported ({error})"
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and callable(getattr(cls, "execute", None))):
+        verl = " (a verl tool: keel runs keel.tools.Calculator or your own classes)" if class_name.startswith(
+            "verl.") else ""
+        raise KeelError(TOOL_CONFIG, f"{where}: class_name {class_name!r} names no tool class: {reason}{verl}",
+                        f"use one of {sorted(BUILTIN)}, file.py:Class beside the config, or an importable "
+                        "module.Class with an execute method")
+    return cls

@@ -1,0 +1,83 @@
+"""Multi-turn GRPO end to end on CPU: keel check and keel train with verl's multi_turn keys and a tool
+config in verl's format; a policy that calls the calculator (scripted turns, the tiny model scoring
+them) trains on its own tokens only, with the tool's result in its context and its reward."""
+
+import json
+import math
+from pathlib import Path
+
+from conftest import ScriptedEngine
+
+from keel.api import train
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
+REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # the final answer, and the loop's record of the episode (verl's extra_info.num_turns)
+    return float("The answer is 408" in solution_str) + 0.01 * extra_info["num_turns"]
+"""
+
+
+def multi_turn_config(tiny_config, tmp_path: Path) -> dict:
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - class_name: keel.tools.Calculator\n    config: {type: native}\n")
+    tiny_config["actor_rollout_ref"]["rollout"]["multi_turn"] = {"enable": True, "tool_config_path": str(tools),
+                                                                 "max_assistant_turns": 3, "format": "hermes"}
+    tiny_config["data"]["max_response_length"] = 192
+    tiny_config["trainer"].update({"test_freq": -1, "val_before_train": False})
+    return tiny_config
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_keel_check_and_train_take_verls_multi_turn_keys(tiny_config, tmp_path):
+    from keel.check.preflight import run_checks
+    from keel.config.load import load_config
+
+    cfg = multi_turn_config(tiny_config, tmp_path)
+    found = [f for f in run_checks(load_config(cfg)).findings if f.check == "multi-turn"]
+    assert [f.level for f in found] == ["pass", "pass"] and "token-in/token-out" in found[1].message
+    steps = metrics(train(cfg).run_dir)
+    assert len(steps) == 2 and all(m["num_turns/min"] >= 2 for m in steps)  # the prompt and an answer at least
+
+
+def test_a_tool_calling_policy_trains_on_its_own_tokens(tiny_config, tmp_path, monkeypatch):
+    """The engine writes a calculator call, then the answer; the tiny model's log-probs of those
+    tokens are trained, the tool's output and the template's tokens are only context."""
+    import keel.distributed.worker as worker
+    from keel.rollout.agent.loop import build_agent_loop
+
+    def scripted_loop(multi_turn, engine, tokenizer, budget):
+        answers = {0: CALL, 1: "The answer is 408"}
+        return build_agent_loop(multi_turn, ScriptedEngine(tokenizer, lambda text, turn: answers[min(turn, 1)]),
+                                tokenizer, budget)
+
+    monkeypatch.setattr(worker, "build_agent_loop", scripted_loop)
+    cfg = multi_turn_config(tiny_config, tmp_path)
+    (tmp_path / "reward.py").write_text(REWARD)
+    cfg["custom_reward_function"] = {"path": str(tmp_path / "reward.py")}
+    cfg["trainer"]["guards"] = {"max_log_prob_gap": 100.0}  # the script's log-probs are not the model's
+    steps = metrics(train(cfg).run_dir)
+    last = steps[-1]
+    assert last["tools/calculator/calls"] == 16 and last["num_turns/mean"] == 4  # 4 prompts x 4 samples
+    assert "tools/calculator/errors" not in last and last["tools/malformed_calls"] == 0
+    assert math.isclose(last["critic/score/mean"], 1.04, abs_tol=1e-6)  # the answer after the tool, 4 turns
+    assert all(math.isfinite(m["actor/pg_loss"]) for m in steps)
+    answer_tokens = len(CALL) + len("The answer is 408")  # keel's tokenizer: a token per byte at most
+    assert last["response_length/mean"] <= answer_tokens + 2  # the model's tokens only, not the tool's
+
+
+def test_the_examples_tool_config_holds_a_builtin_and_a_custom_tool():
+    from keel.rollout.agent import load_tool_config
+    from keel.rollout.agent.parse import ToolCall
+    from keel.rollout.agent.runner import ToolLimits, ToolRunner
+
+    tools = load_tool_config(Path(__file__).parents[2] / "examples" / "tools" / "tools.yaml")
+    assert [t.name for t in tools] == ["calculator", "convert_units"]
+    runner = ToolRunner(tools, ToolLimits(max_parallel_calls=2))
+    [[converted, refused]] = runner.run([[ToolCall("convert_units", {"value": 10, "from": "km", "to": "mi"}),
+                                          ToolCall("convert_units", {"value": 1, "from": "km", "to": "kg"})]], [{}])
+    assert converted.text == "6.21 mi" and converted.status == "ok"
+    assert refused.status == "error" and "cannot convert km to kg" in refused.text

@@ -1,0 +1,218 @@
+"""The agent loop: tool calls parsed, run and answered through the chat template, token-in/token-out
+(the trained tokens are the sampled ones plus exactly the template's between turns, for Qwen2.5's,
+Llama 3's and keel's own templates), masks over tool output, and every bad tool counted, never raised.
+
+The engine here is a script (conftest.ScriptedEngine): it answers each context with the next turn
+written for its prompt, so the loop is tested on the turns a trained model would write."""
+
+import json
+import threading
+
+import pytest
+import torch
+from conftest import LOG_PROB, ScriptedEngine
+
+from keel.data.prompts import build_prompt_dataset, collate_prompts
+from keel.errors import NO_TOOL_ROLE, TOOL_CONFIG, KeelError
+from keel.models.tiny import build_tokenizer
+from keel.rollout.agent import AgentLoop, AgentOptions, Calculator, ToolLimits, load_tool_config, tool
+from keel.rollout.agent.metrics import agent_metrics
+from keel.rollout.agent.template import TurnTemplate, first_difference, round_trip
+from keel.types import SamplingParams
+
+CALC = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
+
+
+def rollout(script: dict[str, list[str]], tools, budget: int = 200, limits: ToolLimits | None = None, n: int = 1):
+    tokenizer = build_tokenizer()
+    records, _ = build_prompt_dataset([{"prompt": [{"role": "user", "content": p}]} for p in script], tokenizer,
+                                      max_prompt_length=64)
+
+    def turn_for(context: str, turn: int) -> str:
+        return script[next(p for p in script if p in context)][turn]
+
+    loop = AgentLoop(ScriptedEngine(tokenizer, turn_for), tokenizer, tools,
+                     AgentOptions(max_assistant_turns=4, budget=budget, limits=limits or ToolLimits()),
+                     [tokenizer.eos_token_id])
+    prompts = collate_prompts(records, tokenizer.pad_token_id).repeat_interleave(n)
+    return loop.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=budget)), tokenizer
+
+
+def test_a_tool_call_is_answered_and_the_trained_tokens_are_the_templates():
+    batch, tokenizer = rollout({"What is 12*34?": [CALC, "The answer is 408"]}, [Calculator()])
+    messages = [{"role": "user", "content": "What is 12*34?"}, {"role": "assistant", "content": CALC},
+                {"role": "tool", "content": "408"}, {"role": "assistant", "content": "The answer is 408"}]
+    whole = tokenizer.apply_chat_template(messages, tokenize=False)
+    expected = tokenizer.encode(whole, add_special_tokens=False)
+    built = batch.prompt_ids[0][batch.prompt_mask[0].bool()].tolist() + batch.response_ids[0][
+        batch.response_attention[0].bool()].tolist()
+    assert first_difference(built, expected) is None and len(built) == len(expected) - 1  # all but the final "\n"
+    trained = batch.response_ids[0][batch.response_mask[0].bool()]
+    turns = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in (CALC, messages[3]["content"])]
+    assert trained.tolist() == turns[0] + turns[1]  # the model's tokens exactly, and only them
+    suffix = batch.response_ids[0][(batch.response_attention[0] - batch.response_mask[0]).bool()]
+    assert "408" in tokenizer.decode(suffix) and "<|im_start|>assistant" in tokenizer.decode(suffix)
+    assert torch.all(batch.sampling_log_probs[0][batch.response_mask[0].bool()] == LOG_PROB)
+    assert torch.all(batch.sampling_log_probs[0][~batch.response_mask[0].bool()] == 0)
+    info = batch.records[0].extra_info
+    assert info["num_turns"] == 4 and info["tool_calls"] == 1 and not info["cut_by_budget"]
+    assert batch.last_token_index[0] == batch.response_attention[0].sum() - 1  # the reward's position
+    metrics = agent_metrics(batch.records)
+    assert metrics["tools/calculator/calls"] == 1 and metrics["num_turns/mean"] == 4
+
+
+def call(name: str, **arguments) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+def test_every_bad_tool_is_fed_back_and_counted():
+    release = threading.Event()
+
+    @tool
+    def explode(x: int) -> str:
+        """Raises."""
+        raise RuntimeError("boom")
+
+    @tool
+    def hang(x: int) -> str:
+        """Never answers in time."""
+        release.wait(60)
+        return "late"
+
+    @tool
+    def flood(x: int) -> str:
+        """Far too much output."""
+        return "A" * 1000 + "END"
+
+    script = {"p1": [call("explode", x=1), "done"], "p2": [call("hang", x=1), "done"],
+              "p3": [call("flood", x=1), "done"], "p4": [call("rm_rf", path="/"), "done"],
+              "p5": ['<tool_call>{"name": "flood", "arguments": {oops</tool_call>', "done"],
+              "p6": [call("flood", x=1) + call("flood", x=2) + call("flood", x=3), "done"]}
+    try:
+        batch, tokenizer = rollout(script, [explode, hang, flood], budget=1000,
+                                   limits=ToolLimits(max_parallel_calls=2, timeout_s=0.5, max_response_chars=40))
+    finally:
+        release.set()
+    fed_back = {p: tokenizer.decode(batch.response_ids[i][(batch.response_attention[i] - batch.response_mask[i]).bool()])
+                for i, p in enumerate(script)}
+    assert "RuntimeError: boom" in fed_back["p1"]
+    assert "took longer than 0.5 s" in fed_back["p2"]
+    assert "...(truncated)" in fed_back["p3"] and "END" in fed_back["p3"] and "A" * 100 not in fed_back["p3"]
+    assert "no tool named 'rm_rf'" in fed_back["p4"]
+    assert "not valid JSON" in fed_back["p5"]
+    assert fed_back["p6"].count("(truncated)") == 2  # max_parallel_calls=2 of the 3
+    assert all(batch.records[i].extra_info["num_turns"] == 4 for i in range(len(script)))  # each answered after
+    metrics = agent_metrics(batch.records)
+    assert metrics["tools/explode/errors"] == 1 and metrics["tools/hang/timeouts"] == 1
+    assert metrics["tools/flood/truncateds"] == 3 and metrics["tools/unknown_tool/unknowns"] == 1
+    assert metrics["tools/malformed_calls"] == 1
+
+
+def test_the_budget_ends_an_episode_and_says_so():
+    batch, _ = rollout({"q": [CALC, "The answer is 408"]}, [Calculator()], budget=len(CALC) // 2)
+    assert batch.truncated[0] and batch.records[0].extra_info["cut_by_budget"]
+    assert batch.response_mask[0].sum() <= len(CALC) // 2
+
+
+@pytest.mark.parametrize("expression, needle", [
+    ("__import__('os').system('id')", "not arithmetic"),
+    ("9**9**9", "not arithmetic"),                  # powers are not offered: no unbounded work
+    ("10000000000*10000000000*10000000000*10000000000", "too large"),
+    ("1+" * 200 + "1", "longer than"),
+    ("(lambda: 1)()", "not arithmetic"),
+])
+def test_the_calculator_refuses_what_is_not_arithmetic(expression, needle):
+    with pytest.raises(ValueError, match=needle):
+        Calculator().execute({"expression": expression})
+    assert Calculator().execute({"expression": "(12 + 3) * 4 - 6 / 3"}) == "58"
+
+
+QWEN25_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}{%- endif %}"
+    "{{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided "
+    "with function signatures within <tools></tools> XML tags:\\n<tools>\" }}{%- for tool in tools %}{{- \"\\n\" }}"
+    "{{- tool | tojson }}{%- endfor %}{{- \"\\n</tools>\\n\\nFor each function call, return a json object with function "
+    "name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
+    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}{%- else %}"
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    "<|im_end|>\\n' }}{%- endif %}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant' "
+    "and not message.tool_calls) %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'tool' %}{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}"
+    "{{- '<|im_start|>user' }}{%- endif %}{{- '\\n<tool_response>\\n' }}{{- message.content }}"
+    "{{- '\\n</tool_response>' }}{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{{- 'Cutting Knowledge Date: December 2023\\nToday Date: 26 Jul 2024\\n\\n' }}{{- '<|eot_id|>' }}"
+    "{%- for message in messages %}{%- if message.role == 'ipython' or message.role == 'tool' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}{{- message.content }}{{- '<|eot_id|>' }}"
+    "{%- else %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim "
+    "+ '<|eot_id|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+
+
+def tokenizer_with(template: str | None):
+    tokenizer = build_tokenizer()
+    if template == "llama3":
+        tokenizer.add_special_tokens({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+                                      "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>"]})
+        tokenizer.chat_template = LLAMA3_TEMPLATE
+    elif template == "qwen2.5":
+        tokenizer.chat_template = QWEN25_TEMPLATE
+    return tokenizer
+
+
+@pytest.mark.parametrize("template", ["qwen2.5", "llama3", "keel"])
+def test_turn_by_turn_tokens_equal_the_templates_rendering_of_the_conversation(template):
+    """What keel check runs on the run's tokenizer: the loop's sequence against apply_chat_template of
+    the same messages, and the first position where they differ (none here; a dropped separator is
+    found where it was dropped)."""
+    tokenizer = tokenizer_with(template)
+    built, reference = round_trip(tokenizer, [Calculator().schema])
+    assert first_difference(built, reference) is None and len(reference) - len(built) in (0, 1)
+    user = [{"role": "user", "content": "What is 12*34?"}]
+    prompt = tokenizer.apply_chat_template(user, tools=[Calculator().schema], tokenize=False, add_generation_prompt=True)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    separator = len(encode(prompt) + encode(CALC)) + 1  # the template's first token after the turn's end
+    dropped = built[:separator] + built[separator + 1:]  # verl #6921: the newline after the end token lost
+    if template != "llama3":  # Llama 3 puts no separator there
+        assert first_difference(dropped, reference) == separator
+
+
+def test_a_template_without_a_tool_role_is_refused_by_name():
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{% if m.role in ['user', 'assistant'] %}<|im_start|>{{ m.role }}"
+                               "\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+                               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(KeelError) as error:
+        TurnTemplate(tokenizer, None, tokenizer.eos_token)
+    assert error.value.code == NO_TOOL_ROLE and "drops tool messages" in error.value.message
+
+
+def test_tool_configs_in_verls_format_and_in_python(tmp_path):
+    good = tmp_path / "tools.yaml"
+    good.write_text("tools:\n  - class_name: keel.tools.Calculator\n    config: {}\n")
+    assert [t.name for t in load_tool_config(good)] == ["calculator"]
+    python = tmp_path / "my_tools.py"
+    python.write_text("from keel.rollout.agent import tool\n\n@tool\ndef add(a: int, b: int = 0) -> str:\n"
+                      "    '''Adds two numbers.'''\n    return str(a + b)\n")
+    [add] = load_tool_config(python)
+    assert add.schema["function"]["parameters"] == {"type": "object", "required": ["a"], "properties": {
+        "a": {"type": "integer"}, "b": {"type": "integer"}}}
+    assert add.execute({"a": 2, "b": 3}) == "5"
+    cases = {"verl.yaml": ("tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    tool_schema: "
+                           "{function: {name: calc}}\n", "a verl tool"),
+             "missing.yaml": ("tools:\n  - class_name: keel.tools.Nope\n", "names no tool class"),
+             "empty.yaml": ("tools: []\n", "no `tools:` list"),
+             "untyped.py": ("from keel.rollout.agent import tool\n@tool\ndef f(x):\n    return x\n", "type hint"),
+             "twice.yaml": ("tools:\n" + "  - class_name: keel.tools.Calculator\n" * 2, "share a name")}
+    for name, (text, needle) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(KeelError) as error:
+            load_tool_config(tmp_path / name)
+        assert error.value.code == TOOL_CONFIG and needle in error.value.message, name
