@@ -56,7 +56,12 @@ def _cmd_report(args) -> int:
 def _cmd_demo(args) -> int:
     from keel.demo import DemoSettings, print_summary, run_demo
 
-    print_summary(run_demo(args.out, DemoSettings(), fresh=args.fresh))
+    if args.task == "tools":
+        from keel.demo_tools import run_tools_demo
+
+        print_summary(run_tools_demo(args.out or "keel_demo_tools", fresh=args.fresh))
+    else:
+        print_summary(run_demo(args.out or "keel_demo", DemoSettings(), fresh=args.fresh))
     return 0
 
 
@@ -196,8 +201,11 @@ def _add_machine_commands(sub) -> None:
             (["--path"], {"default": ".", "help": "where checkpoints will go (for the disk check)"})]),
         "report": ("plot a run's metrics to report.png and report.html", _cmd_report, [
             (["run_dir"], {"help": "a run directory (holds metrics.jsonl)"})]),
-        "demo": ("SFT then GRPO on a tiny model that learns addition (CPU, minutes)", _cmd_demo, [
-            (["--out"], {"default": "keel_demo", "help": "output directory (default: keel_demo)"}),
+        "demo": ("SFT then GRPO on a tiny model that learns addition, or (--task tools) multiplication with a "
+                 "calculator tool (CPU, minutes)", _cmd_demo, [
+            (["--task"], {"choices": ["arithmetic", "tools"], "default": "arithmetic",
+                          "help": "arithmetic: 2-digit addition; tools: multi-turn GRPO calling a calculator"}),
+            (["--out"], {"help": "output directory (default: keel_demo, or keel_demo_tools for --task tools)"}),
             (["--fresh"], {"action": "store_true", "help": "start over instead of resuming"})]),
         "export": ("write a checkpoint's policy as a Hugging Face directory", _cmd_export, [
             (["checkpoint"], {"help": "a global_step_<N> directory"}), (["out"], {"help": "output directory"}),

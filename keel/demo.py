@@ -55,6 +55,8 @@ class DemoResult:
     grpo_steps: int
     seconds: float
     n_params: int
+    calls_before: float | None = None  # the tools demo: share of held-out calls that gave the right answer
+    calls_after: float | None = None
 
 
 def addition_problem(rng: random.Random, digits: int) -> tuple[str, int]:
@@ -229,7 +231,10 @@ def print_summary(r: DemoResult) -> None:
             ("wall time", f"{r.seconds / 60:.1f} min"),
             ("run directories", f"{r.out_dir / 'sft'}  {r.out_dir / 'grpo'}"),
             ("plots", f"{r.out_dir / 'grpo' / 'report.png'}  {r.out_dir / 'sft' / 'report.png'}")]
+    if r.calls_before is not None:
+        rows.insert(2, ("correct calculator calls", f"{100 * r.calls_before:.1f}% -> {100 * r.calls_after:.1f}%"))
     width = max(len(label) for label, _ in rows)
-    print(f"\nkeel demo: 2-digit addition, a {r.n_params / 1e6:.1f}M-parameter Qwen2 trained on CPU")
+    task = "3-digit multiplication with a calculator tool" if r.calls_before is not None else "2-digit addition"
+    print(f"\nkeel demo: {task}, a {r.n_params / 1e6:.1f}M-parameter Qwen2 trained on CPU")
     for label, value in rows:
         print(f"  {label:<{width}}  {value}")

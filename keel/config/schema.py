@@ -274,7 +274,8 @@ class TrainerConfig(RunOptions):
     val_before_train: bool = opt(True)
     max_actor_ckpt_to_keep: int | None = opt(None, gt=0, help="older checkpoints are deleted")
     log_samples: int = opt(4, ge=0, help="samples per step written to samples.jsonl")
-    log_val_generations: int = opt(0, ge=0, help="validation samples logged as a table to the trackers")
+    log_val_generations: int = opt(0, ge=0, help="validation samples per evaluation: a table to the trackers, and "
+                                                 "samples.jsonl (split: val), which keel report shows")
     n_gpus_per_node: int = opt(1, gt=0, help="workers per node (CPU processes with device=cpu)")
     nnodes: int = opt(1, gt=0, help="nodes of the Ray cluster (RAY_ADDRESS) to train on")
     collective_timeout_s: float = opt(300.0, gt=0, help="a collective waiting longer fails (NCCL's "

@@ -116,7 +116,7 @@ class MetricsLogger:
             self.bar.write(text, file=sys.stderr)
 
     def log_table(self, step: int, name: str, rows: list[dict]) -> None:
-        """Rows (validation generations) to the trackers; samples.jsonl keeps training's own."""
+        """Rows (validation generations) to the trackers."""
         if self.trackers is not None:
             self.trackers.log_table(step, name, rows)
 

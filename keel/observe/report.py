@@ -97,5 +97,29 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path]:
         f"<h1>keel report</h1><p>{html.escape(str(run_dir))}: {len(records)} records, "
         f"panels: {html.escape(', '.join(panels))}</p>"
         f"<img alt='training curves' style='max-width:100%' src='data:image/png;base64,{image}'>"
-        f"<h2>last record (step {last['step']})</h2><table>{rows}</table></body></html>")
+        f"<h2>last record (step {last['step']})</h2><table>{rows}</table>{samples_html(run_dir)}</body></html>")
     return png, page
+
+
+def samples_html(run_dir: Path, per_step: int = 3, steps: int = 3) -> str:
+    """A few samples of the last evaluations (training's when none were logged), multi-turn ones
+    turn by turn: what the model wrote, what its tools answered."""
+    path = run_dir / "samples.jsonl"
+    if not path.exists():
+        return ""
+    samples = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    chosen = [s for s in samples if s.get("split") == "val"] or samples
+    by_step: dict[int, list[dict]] = {}
+    for sample in chosen:
+        by_step.setdefault(sample["step"], []).append(sample)
+    parts = []
+    for step in sorted(by_step)[-steps:]:
+        parts.append(f"<h3>step {step}</h3>")
+        for sample in by_step[step][:per_step]:
+            turns = sample.get("conversation") or [{"role": "assistant", "content": sample.get("response", "")}]
+            body = "".join(f"<p><b>{html.escape(t['role'])}</b>: <code>{html.escape(str(t['content']))}</code></p>"
+                           for t in turns)
+            parts.append(f"<div style='border-left:3px solid #ccc;padding-left:1em;margin:1em 0'>"
+                         f"<p><b>prompt</b>: <code>{html.escape(str(sample.get('prompt', '')))}</code></p>{body}"
+                         f"<p>score {sample.get('score', float('nan')):.3g}</p></div>")
+    return f"<h2>samples{' (evaluation)' if chosen is not samples else ''}</h2>" + "".join(parts)

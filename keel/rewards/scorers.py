@@ -154,16 +154,25 @@ def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_inf
     return float(re.fullmatch(r"-?\d+", answer) is not None and int(answer) == int(ground_truth))
 
 
+def tool_arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict:
+    """keel's tools demo: the final answer (the last assistant turn of a multi-turn rollout) must be the
+    integer answer; `correct_call`: whether a tool's output was that answer (the right calculator call)."""
+    info = extra_info or {}
+    return {"score": arithmetic(data_source, info.get("last_turn", solution_str), ground_truth),
+            "correct_call": float(str(ground_truth) in info.get("tool_outputs", []))}
+
+
 SCORERS: dict[str, RewardFn] = {
     "exact_match": exact_match, "gsm8k": gsm8k, "gsm8k_lenient": gsm8k_lenient, "gsm8k_flexible": gsm8k_flexible,
     "math": math,
     "regex": regex_match, "multiple_choice": multiple_choice, "think_answer_format": think_answer_format,
-    "arithmetic": arithmetic, "code_exec": code_exec,
+    "arithmetic": arithmetic, "tool_arithmetic": tool_arithmetic, "code_exec": code_exec,
 }
 
 # data_source values (as verl's datasets write them) that pick a built-in scorer.
 DATA_SOURCE_SCORERS = {
     "openai/gsm8k": "gsm8k", "gsm8k": "gsm8k", "exact_match": "exact_match", "keel/arithmetic": "arithmetic",
+    "keel/tool_arithmetic": "tool_arithmetic",
     "lighteval/MATH": "math", "DigitalLearningGmbH/MATH-lighteval": "math", "HuggingFaceH4/MATH-500": "math",
     "math": "math", "codecontests": "code_exec", "apps": "code_exec", "taco": "code_exec", "code": "code_exec",
 }

@@ -37,7 +37,9 @@ def evaluate(generate, reward, records, pad_token_id: int, val_kwargs, data_cfg,
                     values[record.data_source][key].append(float(value))
             if len(samples) < keep_samples:
                 samples.append({"data_source": record.data_source, "prompt": record.prompt_text, "response": text,
-                                "ground_truth": str(record.ground_truth), "score": score})
+                                "ground_truth": str(record.ground_truth), "score": score,
+                                **({"conversation": record.extra_info["conversation"]}
+                                   if "conversation" in record.extra_info else {})})
         lengths += batch.response_lengths.float().tolist()
     metrics = {f"val/{source}/acc": _mean(by_var["reward"]) for source, by_var in sorted(values.items())}
     metrics.update(verl_validation_metrics(values, params.n))

@@ -231,6 +231,7 @@ class RLTrainer:
                                     keep_samples=self.cfg.trainer.log_val_generations)
         if samples:  # trainer.log_val_generations, as verl logs them: a table per evaluation
             logger.log_table(self.step, "val/generations", samples)
+            logger.log_samples(self.step, [{"split": "val", **sample} for sample in samples])  # keel report's
         return metrics
 
     def _check_finite(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
@@ -244,7 +245,8 @@ class RLTrainer:
         rewards = batch.token_level_rewards.sum(-1).tolist()  # the score, minus KL when it is in the reward
         extras = batch.reward_extras or [{}] * len(batch)
         return [{"data_source": r.data_source, "prompt": r.prompt_text, "response": text,
-                 "ground_truth": r.ground_truth, "score": score, "reward": reward, **({"reward_extra": e} if e else {})}
+                 "ground_truth": r.ground_truth, "score": score, "reward": reward, **({"reward_extra": e} if e else {}),
+                 **({"conversation": r.extra_info["conversation"]} if "conversation" in r.extra_info else {})}
                 for r, text, score, reward, e in zip(batch.records, batch.response_texts, batch.scores.tolist(),
                                                      rewards, extras)][: self.cfg.trainer.log_samples]
 

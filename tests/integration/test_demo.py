@@ -32,3 +32,16 @@ def test_demo_never_touches_a_directory_it_did_not_make(tmp_path):
         run_demo(tmp_path, SHORT, console=False)
     assert info.value.code == DEMO_DIR
     assert (tmp_path / "mine.txt").read_text() == "keep"
+
+
+def test_the_tools_demo_teaches_calculator_calls_and_grpo_raises_sampled_accuracy(tmp_path):
+    """keel demo --task tools, shortened: SFT on tool-use chats until greedy dev accuracy shows the
+    call is learnt; multi-turn GRPO (the calculator answering) then raises held-out accuracy."""
+    from keel.demo_tools import ToolDemoSettings, run_tools_demo
+
+    short = ToolDemoSettings(grpo_steps=20, test_freq=20, n_heldout=100)
+    result = run_tools_demo(tmp_path / "tools", short, console=False)
+    assert result.calls_before > 0.5  # SFT taught the calculator call
+    assert result.acc_after >= result.acc_before + 0.05, (result.acc_before, result.acc_after)
+    samples = (tmp_path / "tools" / "grpo" / "samples.jsonl").read_text()
+    assert "<tool_call>" in samples and "calculator" in samples

@@ -56,6 +56,7 @@ def test_a_tool_call_is_answered_and_the_trained_tokens_are_the_templates():
     assert torch.all(batch.sampling_log_probs[0][~batch.response_mask[0].bool()] == 0)
     info = batch.records[0].extra_info
     assert info["num_turns"] == 4 and info["tool_calls"] == 1 and not info["cut_by_budget"]
+    assert info["conversation"] == messages[1:] and info["last_turn"] == "The answer is 408"
     assert batch.last_token_index[0] == batch.response_attention[0].sum() - 1  # the reward's position
     metrics = agent_metrics(batch.records)
     assert metrics["tools/calculator/calls"] == 1 and metrics["num_turns/mean"] == 4
@@ -111,6 +112,7 @@ def test_every_bad_tool_is_fed_back_and_counted():
 def test_the_budget_ends_an_episode_and_says_so():
     batch, _ = rollout({"q": [CALC, "The answer is 408"]}, [Calculator()], budget=len(CALC) // 2)
     assert batch.truncated[0] and batch.records[0].extra_info["cut_by_budget"]
+    assert [m["role"] for m in batch.records[0].extra_info["conversation"]] == ["assistant"]
     assert batch.response_mask[0].sum() <= len(CALC) // 2
 
 
@@ -216,3 +218,18 @@ def test_tool_configs_in_verls_format_and_in_python(tmp_path):
         with pytest.raises(KeelError) as error:
             load_tool_config(tmp_path / name)
         assert error.value.code == TOOL_CONFIG and needle in error.value.message, name
+
+
+def test_an_async_tool_and_a_verl_style_result_are_taken():
+    from keel.rollout.agent import Tool
+    from keel.rollout.agent.parse import ToolCall
+    from keel.rollout.agent.runner import ToolRunner
+
+    class Echo(Tool):
+        schema = {"type": "function", "function": {"name": "echo", "parameters": {"type": "object"}}}
+
+        async def execute(self, parameters: dict, **kwargs):
+            return {"echoed": parameters["x"]}, 0.5, {"note": "verl's (response, reward, metrics)"}
+
+    [[output]] = ToolRunner([Echo()], ToolLimits()).run([[ToolCall("echo", {"x": 7})]], [{}])
+    assert (output.text, output.reward, output.status) == ('{"echoed": 7}', 0.5, "ok")

@@ -57,9 +57,9 @@ def test_bucketed_gather_equals_the_unsharded_model():
     procs = [context.Process(target=_rank, args=(r, 3, port, results)) for r in range(3)]
     for p in procs:
         p.start()
-    outcome = results.get(timeout=120)
+    outcome = results.get(timeout=600)  # long limits: a loaded machine is slow, not wrong
     assert "_error" not in outcome, outcome
     for p in procs:
-        p.join(timeout=60)
+        p.join(timeout=600)
     assert all(p.exitcode == 0 for p in procs)
     assert outcome.pop("_names") and outcome and all(outcome.values()), [k for k, ok in outcome.items() if not ok]

@@ -36,3 +36,17 @@ def test_missing_or_empty_metrics_is_a_clear_error(tmp_path):
     assert info.value.code == NO_METRICS
     (tmp_path / "metrics.jsonl").write_text("")
     assert main(["report", str(tmp_path)]) == 2
+
+
+def test_report_shows_the_last_evaluations_conversations_turn_by_turn(tmp_path):
+    write_metrics(tmp_path, [{"step": s, "critic/score/mean": 0.5} for s in range(1, 4)])
+    conversation = [{"role": "assistant", "content": '<tool_call>{"name": "calculator"}</tool_call>'},
+                    {"role": "tool", "content": "408 <script>alert(1)</script>"},
+                    {"role": "assistant", "content": "408"}]
+    rows = [{"step": 2, "prompt": "12*34=", "response": "ignored", "score": 0.0},  # training's sample
+            {"step": 3, "split": "val", "prompt": "12*34=", "response": "408", "score": 1.0,
+             "conversation": conversation}]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = write_report(tmp_path)[1].read_text()
+    assert "samples (evaluation)" in text and "<b>tool</b>" in text and "ignored" not in text
+    assert "&lt;tool_call&gt;" in text and "<script>" not in text  # the model's and the tool's text, escaped

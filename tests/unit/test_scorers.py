@@ -108,3 +108,14 @@ def test_running_normalizer_by_hand_and_its_state():
     assert restored(torch.tensor([6.0]))[0].tolist() == norm(torch.tensor([6.0]))[0].tolist()
     clipped = RunningNormalizer(8, 0.0, clip=0.5)(torch.tensor([0.0, 10.0]))[0]
     assert clipped.tolist() == pytest.approx([-0.5, 0.5])
+
+
+def test_the_tools_demo_scores_the_final_answer_not_the_tools_output():
+    from keel.rewards.scorers import tool_arithmetic
+
+    info = {"last_turn": "281764", "tool_outputs": ["281764"]}
+    assert tool_arithmetic("keel/tool_arithmetic", "...tool\n281764\nassistant\n281764", "281764", info) == {
+        "score": 1.0, "correct_call": 1.0}
+    copied_wrong = {"last_turn": "28176", "tool_outputs": ["281764"]}  # right call, final answer mangled
+    assert tool_arithmetic("keel/tool_arithmetic", "...281764...", "281764", copied_wrong) == {
+        "score": 0.0, "correct_call": 1.0}

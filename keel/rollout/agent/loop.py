@@ -50,6 +50,8 @@ class Episode:
     tool_calls: int = 0
     malformed_calls: int = 0
     tools: dict = field(default_factory=dict)   # by tool name: calls, errors, timeouts, unknown, truncated, seconds
+    tool_outputs: list[str] = field(default_factory=list)  # what the model was shown, in order
+    conversation: list[dict] = field(default_factory=list)  # the turns after the prompt, as messages
     turn_reward: float = 0.0
     cut: bool = False                           # the budget ended it
     done: bool = False
@@ -70,6 +72,7 @@ class Episode:
             counts[output.status] += 1
         self.tool_calls += 1
         self.turn_reward += output.reward
+        self.tool_outputs.append(output.text)
 
 
 class AgentLoop:
@@ -108,7 +111,9 @@ class AgentLoop:
 
     def _tool_turn(self, pending: list[Episode]) -> None:
         """Parse every pending sample's last turn, run the calls, append the results."""
-        parsed = {id(e): self.parse(self.tokenizer.decode(_last_turn(e), skip_special_tokens=True)) for e in pending}
+        for episode in pending:
+            episode.conversation.append({"role": "assistant", "content": self._last_text(episode)})
+        parsed = {id(e): self.parse(e.conversation[-1]["content"]) for e in pending}
         calling = [e for e in pending if parsed[id(e)].calls or parsed[id(e)].malformed]
         for episode in pending:
             episode.done = episode not in calling  # an answer without a call ends the episode
@@ -128,6 +133,7 @@ class AgentLoop:
                 episode.cut = episode.done = True
                 continue
             episode.add(suffix, None)
+            episode.conversation += messages
             episode.tool_turns += 1
 
     def _batch(self, prompts: PromptBatch, episodes: list[Episode]) -> RolloutBatch:
@@ -141,7 +147,9 @@ class AgentLoop:
 
         records = [dataclasses.replace(e.record, extra_info={
             **e.record.extra_info, "num_turns": _turns(e), "tool_calls": e.tool_calls, "tools": e.tools,
-            "malformed_tool_calls": e.malformed_calls, "turn_reward": e.turn_reward, "cut_by_budget": e.cut})
+            "tool_outputs": e.tool_outputs, "malformed_tool_calls": e.malformed_calls, "turn_reward": e.turn_reward,
+            "cut_by_budget": e.cut, "last_turn": self._last_text(e),  # the final answer, for rewards
+            "conversation": self._conversation(e)})
             for e in episodes]
         trained = rows([e.trained for e in episodes])
         return RolloutBatch(
@@ -153,6 +161,17 @@ class AgentLoop:
             truncated=torch.tensor([e.cut for e in episodes]),
             response_attention=rows([[1] * len(e.ids) for e in episodes]),
             turn_rewards=torch.tensor([e.turn_reward for e in episodes]))
+
+
+    def _conversation(self, episode: Episode) -> list[dict]:
+        """The episode's turns as messages, the last assistant turn included (samples.jsonl, reports)."""
+        last = {"role": "assistant", "content": self._last_text(episode)}
+        ended_on_tool = not episode.conversation or episode.conversation[-1]["role"] == "tool"
+        return episode.conversation + [last] if ended_on_tool else list(episode.conversation)
+
+    def _last_text(self, episode: Episode) -> str:
+        """The text of the assistant turn generated last (the final answer, once the episode ends)."""
+        return self.tokenizer.decode(_last_turn(episode), skip_special_tokens=True)
 
 
 def _turns(episode: Episode) -> int:

@@ -50,26 +50,33 @@ class ToolRunner:
             # Counted under one name: the model's names are hostile and would make a metric each.
             return ToolOutput(f"Error: no tool named {call.name[:60]!r}; the tools are {sorted(self.tools)}",
                               name=UNKNOWN, status="unknown")
-        start = time.perf_counter()
         kwargs = (tools_kwargs or {}).get(call.name, {}).get("execute_kwargs", {})
+        seconds = [self.limits.timeout_s]  # the tool's own time, set when it returns or raises
         try:
-            result = await asyncio.wait_for(self._execute(tool, call.arguments, kwargs), self.limits.timeout_s)
+            result = await asyncio.wait_for(self._execute(tool, call.arguments, kwargs, seconds), self.limits.timeout_s)
             output = _as_output(result)
         except asyncio.TimeoutError:
             output = ToolOutput(f"Error: {call.name} took longer than {self.limits.timeout_s:g} s", status="timeout")
         except Exception as error:  # noqa: BLE001 - a tool's failure is the model's feedback
             output = ToolOutput(f"Error when executing tool: {type(error).__name__}: {str(error)[:200]}",
                                 status="error")
-        output.name, output.seconds = call.name, time.perf_counter() - start
+        output.name, output.seconds = call.name, seconds[0]
         if len(output.text) > self.limits.max_response_chars:
             output.truncated = True
             output.text = truncate(output.text, self.limits.max_response_chars, self.limits.truncate_side)
         return output
 
-    async def _execute(self, tool: Tool, arguments: dict, kwargs: dict):
-        if inspect.iscoroutinefunction(tool.execute):  # an async tool
-            return await tool.execute(arguments, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: tool.execute(arguments, **kwargs))
+    async def _execute(self, tool: Tool, arguments: dict, kwargs: dict, seconds: list[float]):
+        """The call in a thread, timed from when it starts running (not from when it was queued)."""
+        def timed():
+            start = time.perf_counter()
+            try:
+                result = tool.execute(arguments, **kwargs)
+                return asyncio.run(result) if inspect.iscoroutine(result) else result  # an async tool: its own loop
+            finally:
+                seconds[0] = time.perf_counter() - start
+
+        return await asyncio.get_running_loop().run_in_executor(self._pool, timed)
 
 
 def _as_output(result) -> ToolOutput:
