@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 DATA_SOURCE = "keel/arithmetic"
 MARKER = "keel_demo.json"  # marks a directory as the demo's own, so a rerun may clear it
@@ -37,6 +38,7 @@ class DemoSettings:
     sft_max_steps: int = 1000
     sft_batch: int = 64
     sft_lr: float = 1e-3
+    sft_max_length: int = 64
     grpo_steps: int = 120
     grpo_prompts: int = 64
     grpo_n: int = 8
@@ -84,16 +86,19 @@ def make_data(out: Path, s: DemoSettings) -> dict[str, Path]:
         return {"prompt": [{"role": "user", "content": question}], "data_source": DATA_SOURCE,
                 "reward_model": {"ground_truth": str(answer)}, "extra_info": {}}
 
-    files = {
+    return write_data(out, {
         "sft": [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": str(a)}]}
                 for q, a in sft],
         "rl": [prompt_row(q, a) for q, a in rl],
         "heldout": [prompt_row(q, a) for q, a in heldout],
         "dev": [prompt_row(q, a) for q, a in dev],
-    }
-    paths = {}
+    })
+
+
+def write_data(out: Path, files: dict[str, list[dict]]) -> dict[str, Path]:
+    """Each named list of rows as out/data/<name>.jsonl; -> their paths."""
+    paths = {name: out / "data" / f"{name}.jsonl" for name in files}
     for name, rows in files.items():
-        paths[name] = out / "data" / f"{name}.jsonl"
         paths[name].parent.mkdir(parents=True, exist_ok=True)
         paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
     return paths
@@ -101,7 +106,7 @@ def make_data(out: Path, s: DemoSettings) -> dict[str, Path]:
 
 def sft_config(out: Path, data: dict[str, Path], model: Path, s: DemoSettings, steps: int) -> dict:
     return {
-        "data": {"train_files": [str(data["sft"])], "max_length": 64, "train_batch_size": s.sft_batch,
+        "data": {"train_files": [str(data["sft"])], "max_length": s.sft_max_length, "train_batch_size": s.sft_batch,
                  "micro_batch_size_per_gpu": s.sft_batch},
         "model": {"partial_pretrain": str(model)},
         # constant after warm-up, so extending the run by a chunk continues the same schedule
@@ -145,42 +150,58 @@ def prepare_out_dir(out: Path, s: DemoSettings, fresh: bool) -> None:
     marker.write_text(json.dumps(asdict(s)))
 
 
-def heldout_accuracy(run_dir: Path, step: int) -> float:
-    """The held-out accuracy logged at `step` (0: before any GRPO update)."""
+def val_metric(run_dir: Path, step: int, key: str) -> float:
+    """A held-out metric logged at `step` (0: before any GRPO update)."""
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        if record["step"] == step and f"val/{DATA_SOURCE}/acc" in record:
-            return record[f"val/{DATA_SOURCE}/acc"]
-    raise ValueError(f"no held-out accuracy at step {step} in {run_dir}")
+        if record["step"] == step and key in record:
+            return record[key]
+    raise ValueError(f"no {key} at step {step} in {run_dir}")
+
+
+@dataclass(frozen=True)
+class DemoTask:
+    """What a demo's task decides; the stages around it are the same for every task."""
+    make_data: Callable[[Path, DemoSettings], dict[str, Path]]
+    grpo_config: Callable[[Path, dict[str, Path], DemoSettings], dict]
+    dev_accuracy: Callable[[Path, dict[str, Path], DemoSettings], float]  # the SFT model's, greedy
+    accuracy_key: str                                                      # the held-out metric reported
+    calls_key: Callable[[DemoSettings], str] | None = None                 # the tools demo's correct calls
 
 
 def run_demo(out: str | Path = "keel_demo", settings: DemoSettings = DemoSettings(), fresh: bool = False,
-             console: bool = True) -> DemoResult:
+             console: bool = True, task: DemoTask | None = None) -> DemoResult:
+    from keel.api import train
     from keel.models.load import stored_parameters
     from keel.models.tiny import make_tiny_model
     from keel.observe.report import write_report
-    from keel.api import train
 
+    task = task or ADDITION
     start = time.perf_counter()
     out = Path(out)
     prepare_out_dir(out, settings, fresh)
-    data = make_data(out, settings)
+    data = task.make_data(out, settings)
     model = out / "init_model"
     if not (model / "config.json").exists():
         make_tiny_model(model, hidden_size=settings.hidden_size, num_layers=settings.num_layers,
                         num_heads=4, num_kv_heads=2, seed=settings.seed)
     logger = {"trainer.logger": ["console"] if console else []}
-    sft_steps = sft_until_partly_competent(out, data, model, settings, logger)
-    grpo = train(grpo_config(out, data, settings), logger)
+    sft_steps = sft_until_partly_competent(out, data, model, settings, logger,
+                                           lambda sft_dir: task.dev_accuracy(sft_dir, data, settings))
+    grpo = train(task.grpo_config(out, data, settings), logger)
     write_report(grpo.run_dir)
     write_report(out / "sft")
-    return DemoResult(out, heldout_accuracy(grpo.run_dir, 0), heldout_accuracy(grpo.run_dir, grpo.last_step),
-                      sft_steps, settings.grpo_steps, time.perf_counter() - start,
-                      stored_parameters(grpo.run_dir / f"global_step_{grpo.last_step}" / "actor"))
+    last = grpo.last_step
+    calls = task.calls_key(settings) if task.calls_key else None
+    return DemoResult(out, val_metric(grpo.run_dir, 0, task.accuracy_key),
+                      val_metric(grpo.run_dir, last, task.accuracy_key), sft_steps, settings.grpo_steps,
+                      time.perf_counter() - start, stored_parameters(grpo.run_dir / f"global_step_{last}" / "actor"),
+                      val_metric(grpo.run_dir, 0, calls) if calls else None,
+                      val_metric(grpo.run_dir, last, calls) if calls else None)
 
 
 def sft_until_partly_competent(out: Path, data: dict[str, Path], model: Path, s: DemoSettings,
-                               logger: dict) -> int:
+                               logger: dict, dev_accuracy: Callable[[Path], float]) -> int:
     """Extend the SFT run chunk by chunk until greedy dev accuracy reaches `sft_target`."""
     from keel.trainer.sft import sft
 
@@ -196,7 +217,7 @@ def sft_until_partly_competent(out: Path, data: dict[str, Path], model: Path, s:
             sft(sft_config(out, data, model, s, steps), logger)
         finally:
             keel_log.setLevel(level)
-        accuracy = greedy_accuracy(out / "sft", data["dev"])
+        accuracy = dev_accuracy(out / "sft")
         print(f"SFT step {steps}: dev accuracy {100 * accuracy:.1f}% (target {100 * s.sft_target:.0f}%)",
               file=sys.stderr)
         if accuracy >= s.sft_target or steps >= s.sft_max_steps:
@@ -204,7 +225,10 @@ def sft_until_partly_competent(out: Path, data: dict[str, Path], model: Path, s:
         steps += s.sft_chunk
 
 
-def greedy_accuracy(model_dir: Path, prompts_file: Path) -> float:
+def greedy_accuracy(model_dir: Path, prompts_file: Path, data_source: str = DATA_SOURCE,
+                    max_response_length: int = 6, agent: Callable | None = None) -> float:
+    """Greedy accuracy of a saved model on a prompts file; `agent(engine, tokenizer)`: the
+    multi-turn loop to generate through (the tools demo), else the engine itself."""
     import torch
 
     from keel.config.schema import DataConfig, ValKwargs
@@ -217,10 +241,11 @@ def greedy_accuracy(model_dir: Path, prompts_file: Path) -> float:
     tokenizer = load_tokenizer(model_dir)
     records, _ = build_prompt_dataset(load_rows([prompts_file]), tokenizer, max_prompt_length=64)
     engine = HFRolloutEngine(load_causal_lm(model_dir, resolve_device("auto")), tokenizer)
+    generate = agent(engine, tokenizer).generate if agent else engine.generate
     with torch.no_grad():
-        metrics, _ = evaluate(engine.generate, RewardScorer(), records, tokenizer.pad_token_id, ValKwargs(),
-                              DataConfig(max_response_length=6))
-    return metrics[f"val/{DATA_SOURCE}/acc"]
+        metrics, _ = evaluate(generate, RewardScorer(), records, tokenizer.pad_token_id, ValKwargs(),
+                              DataConfig(max_response_length=max_response_length))
+    return metrics[f"val/{data_source}/acc"]
 
 
 def print_summary(r: DemoResult) -> None:
@@ -238,3 +263,7 @@ def print_summary(r: DemoResult) -> None:
     print(f"\nkeel demo: {task}, a {r.n_params / 1e6:.1f}M-parameter Qwen2 trained on CPU")
     for label, value in rows:
         print(f"  {label:<{width}}  {value}")
+
+
+ADDITION = DemoTask(make_data, grpo_config, lambda sft_dir, data, s: greedy_accuracy(sft_dir, data["dev"]),
+                    f"val/{DATA_SOURCE}/acc")

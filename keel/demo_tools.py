@@ -10,39 +10,29 @@ from __future__ import annotations
 
 import json
 import random
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from keel.demo import DemoResult, prepare_out_dir, sft_config
+from keel.demo import DemoResult, DemoSettings, DemoTask, greedy_accuracy, run_demo, write_data
 
 DATA_SOURCE = "keel/tool_arithmetic"
 
 
 @dataclass(frozen=True)
-class ToolDemoSettings:
+class ToolDemoSettings(DemoSettings):
+    """The arithmetic demo's stages, sized for a longer task: a call, the tool's turn, the answer."""
     digits: int = 3
     n_sft: int = 3000
-    n_rl: int = 2000
     n_dev: int = 64
     n_heldout: int = 200
-    hidden_size: int = 128
-    num_layers: int = 4
-    sft_target: float = 0.2
-    sft_chunk: int = 25
-    sft_max_steps: int = 1000
     sft_batch: int = 32
-    sft_lr: float = 1e-3
-    max_response_length: int = 128  # the whole trajectory: call, the tool's turn, the answer
+    sft_max_length: int = 256
+    max_response_length: int = 128  # the whole trajectory
     grpo_steps: int = 40
     grpo_prompts: int = 32
-    grpo_n: int = 8
-    grpo_lr: float = 5e-5
     grpo_mini_batches: int = 2
     test_freq: int = 10
     val_n: int = 2                   # held-out samples per prompt
-    seed: int = 0
 
 
 def tool_call(question: str) -> str:
@@ -55,8 +45,9 @@ def make_data(out: Path, s: ToolDemoSettings) -> dict[str, Path]:
 
     def problems(n: int) -> list[tuple[str, int]]:
         picked = []
+        low, high = 10 ** (s.digits - 1), 10 ** s.digits
         while len(picked) < n:
-            a, b = rng.randrange(10 ** (s.digits - 1), 10 ** s.digits), rng.randrange(10 ** (s.digits - 1), 10 ** s.digits)
+            a, b = rng.randrange(low, high), rng.randrange(low, high)
             if f"{a}*{b}" not in seen:
                 seen.add(f"{a}*{b}")
                 picked.append((f"{a}*{b}", a * b))
@@ -69,15 +60,13 @@ def make_data(out: Path, s: ToolDemoSettings) -> dict[str, Path]:
                 "reward_model": {"ground_truth": str(answer)}, "extra_info": {}}
 
     def demonstration(question: str, answer: int) -> dict:
-        return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": tool_call(question)},
+        return {"messages": [{"role": "user", "content": question},
+                             {"role": "assistant", "content": tool_call(question)},
                              {"role": "tool", "content": str(answer)}, {"role": "assistant", "content": str(answer)}]}
 
-    files = {"sft": [demonstration(q, a) for q, a in sft], "rl": [prompt_row(q, a) for q, a in rl],
-             "heldout": [prompt_row(q, a) for q, a in heldout], "dev": [prompt_row(q, a) for q, a in dev]}
-    paths = {name: out / "data" / f"{name}.jsonl" for name in files}
-    for name, rows in files.items():
-        paths[name].parent.mkdir(parents=True, exist_ok=True)
-        paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paths = write_data(out, {"sft": [demonstration(q, a) for q, a in sft], "rl": [prompt_row(q, a) for q, a in rl],
+                             "heldout": [prompt_row(q, a) for q, a in heldout],
+                             "dev": [prompt_row(q, a) for q, a in dev]})
     paths["tools"] = out / "data" / "tools.yaml"
     paths["tools"].write_text("tools:\n  - class_name: keel.tools.Calculator\n    config: {type: native}\n")
     return paths
@@ -109,70 +98,21 @@ def grpo_config(out: Path, data: dict[str, Path], s: ToolDemoSettings) -> dict:
     }
 
 
-def greedy_accuracy(model_dir: Path, data: dict[str, Path], s: ToolDemoSettings) -> float:
+def dev_accuracy(model_dir: Path, data: dict[str, Path], s: ToolDemoSettings) -> float:
     """Greedy multi-turn accuracy on the dev set, the calculator answering the model's calls."""
-    import torch
-
-    from keel.config.schema import DataConfig, MultiTurnConfig, ValKwargs
-    from keel.data.prompts import build_prompt_dataset, load_rows
-    from keel.models.load import load_causal_lm, load_tokenizer, resolve_device
-    from keel.rewards.reward_fn import RewardScorer
+    from keel.config.schema import MultiTurnConfig
     from keel.rollout.agent import build_agent_loop
-    from keel.rollout.hf import HFRolloutEngine
-    from keel.trainer.evaluate import evaluate
 
-    tokenizer = load_tokenizer(model_dir)
-    records, _ = build_prompt_dataset(load_rows([data["dev"]]), tokenizer, max_prompt_length=32)
-    engine = HFRolloutEngine(load_causal_lm(model_dir, resolve_device("auto")), tokenizer)
-    loop = build_agent_loop(MultiTurnConfig(**multi_turn(data)), engine, tokenizer, s.max_response_length)
-    with torch.no_grad():
-        metrics, _ = evaluate(loop.generate, RewardScorer(), records, tokenizer.pad_token_id, ValKwargs(),
-                              DataConfig(max_response_length=s.max_response_length))
-    return metrics[f"val/{DATA_SOURCE}/acc"]
+    def agent(engine, tokenizer):
+        return build_agent_loop(MultiTurnConfig(**multi_turn(data)), engine, tokenizer, s.max_response_length)
+
+    return greedy_accuracy(model_dir, data["dev"], DATA_SOURCE, s.max_response_length, agent)
 
 
-def val_metric(run_dir: Path, step: int, key: str) -> float:
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record["step"] == step and key in record:
-            return record[key]
-    raise ValueError(f"no {key} at step {step} in {run_dir}")
+TOOLS = DemoTask(make_data, grpo_config, dev_accuracy, f"val/{DATA_SOURCE}/acc",
+                 lambda s: f"val-aux/{DATA_SOURCE}/correct_call/mean@{s.val_n}")
 
 
 def run_tools_demo(out: str | Path = "keel_demo_tools", settings: ToolDemoSettings = ToolDemoSettings(),
                    fresh: bool = False, console: bool = True) -> DemoResult:
-    from keel.api import train
-    from keel.models.load import stored_parameters
-    from keel.models.tiny import make_tiny_model
-    from keel.observe.report import write_report
-    from keel.trainer.sft import sft
-
-    start = time.perf_counter()
-    out = Path(out)
-    prepare_out_dir(out, settings, fresh)
-    data = make_data(out, settings)
-    model = out / "init_model"
-    if not (model / "config.json").exists():
-        make_tiny_model(model, hidden_size=settings.hidden_size, num_layers=settings.num_layers, num_heads=4,
-                        num_kv_heads=2, seed=settings.seed)
-    logger = {"trainer.logger": ["console"] if console else []}
-    steps = settings.sft_chunk
-    while True:  # SFT in chunks until the dev set's greedy accuracy shows partial competence
-        cfg = sft_config(out, data, model, settings, steps)
-        cfg["data"]["max_length"] = 256
-        sft(cfg, logger)
-        accuracy = greedy_accuracy(out / "sft", data, settings)
-        print(f"SFT step {steps}: dev accuracy {100 * accuracy:.1f}% (target {100 * settings.sft_target:.0f}%)",
-              file=sys.stderr)
-        if accuracy >= settings.sft_target or steps >= settings.sft_max_steps:
-            break
-        steps += settings.sft_chunk
-    grpo = train(grpo_config(out, data, settings), logger)
-    write_report(grpo.run_dir)
-    write_report(out / "sft")
-    acc = f"val/{DATA_SOURCE}/acc"
-    calls = f"val-aux/{DATA_SOURCE}/correct_call/mean@{settings.val_n}"
-    return DemoResult(out, val_metric(grpo.run_dir, 0, acc), val_metric(grpo.run_dir, grpo.last_step, acc), steps,
-                      settings.grpo_steps, time.perf_counter() - start,
-                      stored_parameters(grpo.run_dir / f"global_step_{grpo.last_step}" / "actor"),
-                      val_metric(grpo.run_dir, 0, calls), val_metric(grpo.run_dir, grpo.last_step, calls))
+    return run_demo(out, settings, fresh, console, TOOLS)

@@ -54,12 +54,14 @@ LORA_TARGETS = register(
     "projection the message names, or name extra trainable modules in model.modules_to_save.",
     ("actor_rollout_ref.model.target_modules", "actor_rollout_ref.model.exclude_modules"))
 NO_TOOL_ROLE = register(
-    "KEEL-M008", "The chat template cannot render tool results",
+    "KEEL-M008", "The chat template cannot carry a multi-turn conversation",
     "Multi-turn rollouts append each tool's output as a `tool` message through the tokenizer's chat "
-    "template; this template drops or rejects that role, so the model would never see what its tools "
-    "returned (or the turns would be joined by tokens the template never makes).",
-    "Use a model whose template has a tool role (Qwen2.5, Llama 3.1 and later, Hermes), or set the "
-    "tokenizer's chat_template to one that renders role `tool`.",
+    "template, right after the token the model ended its turn with. This template drops or rejects the "
+    "tool role (the model would never see what its tools returned), ends assistant turns with a token "
+    "generation does not stop at, or renders earlier turns differently once more follow: the turns "
+    "would be joined by tokens the template never makes.",
+    "Use a model whose template has a tool role and ends turns with its stop token (Qwen2.5, Llama 3.1 "
+    "and later, Hermes), or set the tokenizer's chat_template to one that does.",
     ("actor_rollout_ref.rollout.multi_turn.enable",))
 
 __all__ = [name for name in dir() if name.isupper()]

@@ -91,13 +91,13 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> str:
     finished = run_jailed(found.mode, code, stdin, limits, accounted=found.protections["accounting"])
     if finished.stopped:
         raise SandboxViolation(finished.stopped)
-    verdict = _limit_verdict(finished, limits)
+    verdict = limit_verdict(finished, limits)
     if verdict:
         raise SandboxViolation(verdict)
     return finished.stdout.decode(errors="replace")
 
 
-def _limit_verdict(finished: Finished, limits: Limits) -> str | None:
+def limit_verdict(finished: Finished, limits: Limits) -> str | None:
     """Which limit ended the program, if one did. With a cgroup the kernel's own books say (its CPU
     time, its OOM kills): a program cannot fake a verdict. Without one, keel goes by how it ended
     (bwrap exits 128 + the signal), which a program can fake (exit 152, print MemoryError) to be

@@ -192,8 +192,19 @@ def test_a_template_without_a_tool_role_is_refused_by_name():
                                "\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
                                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     with pytest.raises(KeelError) as error:
-        TurnTemplate(tokenizer, None, tokenizer.eos_token)
+        TurnTemplate(tokenizer, None, [tokenizer.eos_token_id])
     assert error.value.code == NO_TOOL_ROLE and "drops tool messages" in error.value.message
+
+
+def test_the_turn_end_is_whichever_stop_token_the_template_uses():
+    """Qwen2.5-Instruct stops at <|endoftext|> or <|im_end|>; its turns end with <|im_end|>. A model that
+    stops only at a token its template never ends a turn with cannot be joined turn to turn."""
+    tokenizer = build_tokenizer()
+    endoftext, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    assert TurnTemplate(tokenizer, None, [endoftext, im_end]).end_id == im_end
+    with pytest.raises(KeelError) as error:
+        TurnTemplate(tokenizer, None, [endoftext])
+    assert error.value.code == NO_TOOL_ROLE and "none of the stop tokens" in error.value.message
 
 
 def test_tool_configs_in_verls_format_and_in_python(tmp_path):
@@ -233,3 +244,26 @@ def test_an_async_tool_and_a_verl_style_result_are_taken():
 
     [[output]] = ToolRunner([Echo()], ToolLimits()).run([[ToolCall("echo", {"x": 7})]], [{}])
     assert (output.text, output.reward, output.status) == ('{"echoed": 7}', 0.5, "ok")
+
+
+@pytest.mark.parametrize("code, needle", [
+    ("print(sum(range(10)))", "45"),
+    ("print(open('/etc/shadow').read())", "Error"),                                    # the host's files
+    ("import socket; socket.create_connection(('1.1.1.1', 80), timeout=2)", "Error"),  # the network
+    ("import os\nwhile True: os.fork()", "Error"),                                     # a fork bomb
+    ("while True: pass", "stopped"),                                                   # CPU
+    ("print('x' * 10**8)", "stopped"),                                                 # output
+])
+def test_the_python_tool_runs_model_code_in_the_sandbox(code, needle):
+    """The attack, not just the happy path: what the model writes runs jailed, and every escape it
+    tries ends as text it reads back."""
+    from keel.rollout.agent import PythonCode
+    from keel.rollout.agent.parse import ToolCall
+    from keel.rollout.agent.runner import ToolRunner
+
+    tool = PythonCode({"cpu_s": 2, "wall_s": 5})
+    [[output]] = ToolRunner([tool], ToolLimits(timeout_s=60, max_response_chars=400)).run(
+        [[ToolCall("python", {"code": code})]], [{}])
+    assert needle in output.text, output.text
+    if needle != "45":
+        assert "root:" not in output.text

@@ -79,7 +79,7 @@ class AgentLoop:
     def __init__(self, engine, tokenizer, tools: list[Tool], options: AgentOptions, eos_ids: list[int]):
         self.engine, self.tokenizer, self.options = engine, tokenizer, options
         self.eos_ids = set(eos_ids)
-        self.template = TurnTemplate(tokenizer, [t.schema for t in tools], tokenizer.decode([eos_ids[0]]))
+        self.template = TurnTemplate(tokenizer, [t.schema for t in tools], eos_ids)
         self.parse = PARSERS[options.format]
         self.runner = ToolRunner(tools, options.limits)
         self.timing: dict[str, float] = {}

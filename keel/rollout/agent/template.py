@@ -17,16 +17,22 @@ class TurnTemplate:
     """The chat template's text around assistant turns, found once by rendering a placeholder
     conversation: where an assistant turn's end token (EOS) stops, and what follows it."""
 
-    def __init__(self, tokenizer, tools_schema: list[dict] | None, end_text: str):
-        self.tokenizer, self.tools, self.end_text = tokenizer, tools_schema or None, end_text
+    def __init__(self, tokenizer, tools_schema: list[dict] | None, stop_ids: list[int]):
+        """`stop_ids`: the tokens generation stops at; the template must end a turn with one of them
+        (Qwen2.5-Instruct stops at <|im_end|> or <|endoftext|>, and ends its turns with <|im_end|>)."""
+        self.tokenizer, self.tools = tokenizer, tools_schema or None
         self.context = [{"role": "user", "content": "keel-user-turn"}, {"role": "assistant", "content": PLACEHOLDER}]
         rendered = self._render(self.context, generation_prompt=False)
         after = rendered.index(PLACEHOLDER) + len(PLACEHOLDER)
-        if not rendered.startswith(end_text, after):
-            raise KeelError(NO_TOOL_ROLE, f"the chat template of {_name(tokenizer)} does not end an assistant turn with "
-                            f"its EOS token {end_text!r} (it renders {rendered[after:after + 30]!r}): the turns the "
-                            "model ends could not be joined to the template's next one",
-                            "use a chat template whose assistant turns end with the tokenizer's EOS token")
+        ends = [(i, tokenizer.decode([i])) for i in stop_ids if rendered.startswith(tokenizer.decode([i]), after)]
+        if not ends:
+            raise KeelError(NO_TOOL_ROLE, f"the chat template of {_name(tokenizer)} ends an assistant turn with "
+                            f"{rendered[after:after + 30]!r}, which starts with none of the stop tokens "
+                            f"{[tokenizer.decode([i]) for i in stop_ids]}: the turns the model ends could not be joined "
+                            "to the template's next one",
+                            "use a chat template whose assistant turns end with a stop token (the tokenizer's EOS "
+                            "or one in the model's generation_config.eos_token_id)")
+        self.end_id, end_text = ends[0]
         self.prefix = rendered[:after + len(end_text)]
         self.check_tool_role()
 
@@ -75,8 +81,8 @@ SAMPLE_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12
 def round_trip(tokenizer, tools: list[dict] | None) -> tuple[list[int], list[int]]:
     """(the loop's tokens, the template's) for one conversation, a question, a tool call, its result
     and an answer: turn by turn as the loop builds it, and apply_chat_template of the same messages."""
-    eos = tokenizer.eos_token_id
-    turns = TurnTemplate(tokenizer, tools, tokenizer.decode([eos]))
+    turns = TurnTemplate(tokenizer, tools, [tokenizer.eos_token_id])
+    eos = turns.end_id
     user = [{"role": "user", "content": "What is 12*34?"}]
     answer = "The answer is 408"
 

@@ -128,7 +128,42 @@ def _evaluate(node: ast.AST):
     return value
 
 
-BUILTIN = {"keel.tools.Calculator": Calculator}
+class PythonCode(Tool):
+    """The model's Python, run in keel's code sandbox (bubblewrap as an unprivileged user, seccomp, no
+    network, a small scratch directory, CPU, memory, process and output limits: keel.rewards.sandbox):
+    what it prints, and the last lines of its error when it fails. The machine's jail is required as
+    for code rewards (`isolation` by default): model-written code never runs unfenced."""
+
+    schema = {"type": "function", "function": {
+        "name": "python", "description": "Run a Python program and read what it prints",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+
+    def __init__(self, config: dict | None = None, tool_schema: dict | None = None):
+        from keel.rewards.bwrap import Limits
+        from keel.rewards.sandbox import require_jail
+
+        super().__init__(config, tool_schema)
+        self.jail = require_jail(self.config.get("require", "isolation"))
+        self.limits = Limits(cpu_s=int(self.config.get("cpu_s", 5)), wall_s=float(self.config.get("wall_s", 10)),
+                             memory_mb=int(self.config.get("memory_mb", 512)))
+
+    def execute(self, parameters: dict, **tools_kwargs) -> str:
+        from keel.rewards.bwrap import run_jailed
+        from keel.rewards.sandbox import limit_verdict
+
+        finished = run_jailed(self.jail.mode, str(parameters.get("code", "")), "", self.limits,
+                              accounted=self.jail.protections["accounting"])
+        output = finished.stdout.decode(errors="replace")
+        stopped = finished.stopped or limit_verdict(finished, self.limits)
+        if stopped:
+            return f"{output}\nError: the program was stopped: {stopped}"
+        if finished.returncode != 0:
+            error = finished.stderr.decode(errors="replace").strip().splitlines()[-3:]
+            return f"{output}\nError (exit {finished.returncode}): " + "\n".join(error)
+        return output
+
+
+BUILTIN = {"keel.tools.Calculator": Calculator, "keel.tools.PythonCode": PythonCode}
 
 
 # --- verl's tool config file --------------------------------------------------------------------------
