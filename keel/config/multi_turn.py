@@ -23,4 +23,11 @@ class MultiTurnConfig:
                                                 "middle (both ends), right (its end)")
     format: str = opt("hermes", choices=("hermes",), help="how tool calls are written: hermes, "
                                                           "<tool_call>{name, arguments}</tool_call>")
-    tool_timeout_s: float = opt(30.0, gt=0, help="seconds a tool call may take; then the model is told it timed out")
+    tool_timeout_s: float = opt(30.0, gt=0, help="seconds a tool call (or an environment's step) may take; then "
+                                                 "the model is told it timed out")
+    environment: str | None = opt(None, help="keel: a task that answers the model's turns, file.py:Class or "
+                                             "module.Class (keel.rollout.agent.Environment: reset, step -> "
+                                             "observation, reward, done)")
+    environment_config: dict = opt(factory=dict, help="given to the environment's class")
+    max_user_turns: int | None = opt(None, gt=0, help="an environment's observations per trajectory; null: until "
+                                                      "it says done")

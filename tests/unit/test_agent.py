@@ -220,7 +220,7 @@ def test_tool_configs_in_verls_format_and_in_python(tmp_path):
     assert add.execute({"a": 2, "b": 3}) == "5"
     cases = {"verl.yaml": ("tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    tool_schema: "
                            "{function: {name: calc}}\n", "a verl tool"),
-             "missing.yaml": ("tools:\n  - class_name: keel.tools.Nope\n", "names no tool class"),
+             "missing.yaml": ("tools:\n  - class_name: keel.tools.Nope\n", "names no class with the method execute()"),
              "empty.yaml": ("tools: []\n", "no `tools:` list"),
              "untyped.py": ("from keel.rollout.agent import tool\n@tool\ndef f(x):\n    return x\n", "type hint"),
              "twice.yaml": ("tools:\n" + "  - class_name: keel.tools.Calculator\n" * 2, "share a name")}
@@ -267,3 +267,43 @@ def test_the_python_tool_runs_model_code_in_the_sandbox(code, needle):
     assert needle in output.text, output.text
     if needle != "45":
         assert "root:" not in output.text
+
+
+class GuessTheNumber:
+    """An environment: the model guesses, it answers higher / lower, 1 for the right number."""
+
+    def __init__(self, config=None):
+        self.config = config or {}
+
+    def reset(self, extra_info: dict) -> None:
+        self.secret = extra_info["secret"]
+        if self.secret < 0:
+            raise ValueError("a broken row")
+
+    def step(self, text: str):
+        guess = int(text.strip())
+        if guess == self.secret:
+            return "correct", 1.0, True
+        return ("higher" if guess < self.secret else "lower"), 0.0, False
+
+
+def test_an_environment_answers_turns_without_tool_calls():
+    tokenizer = build_tokenizer()
+    guesses = {"game one": ["50", "75", "62"], "game two": ["50", "twenty"], "game three": ["1", "2", "3"]}
+    rows = [{"prompt": [{"role": "user", "content": p}], "extra_info": {"secret": secret}}
+            for p, secret in [("game one", 62), ("game two", 20), ("game three", 99)]]
+    records, _ = build_prompt_dataset(rows, tokenizer, max_prompt_length=64)
+    engine = ScriptedEngine(tokenizer, lambda text, turn: guesses[next(p for p in guesses if p in text)][turn])
+    loop = AgentLoop(engine, tokenizer, [], AgentOptions(max_assistant_turns=5, max_user_turns=2, budget=200),
+                     [tokenizer.eos_token_id], GuessTheNumber)
+    batch = loop.generate(collate_prompts(records, tokenizer.pad_token_id), SamplingParams(do_sample=False))
+    one, two, three = (r.extra_info for r in batch.records)
+    assert [m["content"] for m in one["conversation"]] == ["50", "higher", "75", "lower", "62"]
+    assert one["turn_reward"] == 1.0 and one["user_turns"] == 2 and one["num_turns"] == 6
+    assert batch.turn_rewards.tolist() == [1.0, 0.0, 0.0]  # added to the score on the last token
+    assert two["environment_errors"] == 1 and two["conversation"][-1]["content"] == "twenty"  # int("twenty") raised
+    assert three["user_turns"] == 2 and three["conversation"][-1]["content"] == "3"  # max_user_turns ended it
+    tokens = batch.response_ids[0][(batch.response_attention[0] - batch.response_mask[0]).bool()]
+    assert "user\nhigher" in tokenizer.decode(tokens)  # the observation is a user turn, not trained on
+    metrics = agent_metrics(batch.records)
+    assert metrics["environment/errors"] == 1 and metrics["environment/user_turns/mean"] == 5 / 3

@@ -1,9 +1,10 @@
-"""The agent loop: multi-turn rollouts with tool calls on any rollout engine.
+"""The agent loop: multi-turn rollouts with tool calls, and environments, on any rollout engine.
 
 Every sample alternates: the engine generates an assistant turn; tool calls in it are parsed and run
-(all samples' at once); their results go back through the chat template; until the model answers
-without a call, `max_assistant_turns` is reached, or the response budget (data.max_response_length,
-the whole trajectory's) runs out. The sequence trained is the sampled tokens exactly, plus the
+(all samples' at once); their results go back through the chat template. A turn without a call goes
+to the environment when there is one (its observation is the next user turn), else ends the
+episode; so do the environment saying done, `max_assistant_turns`, `max_user_turns`, and the
+response budget (data.max_response_length, the whole trajectory's). The sequence trained is the sampled tokens exactly, plus the
 template's tokens between turns, which the loss, KL and entropy never see (response_mask 0) but the
 model attends to (response_attention 1).
 
@@ -15,6 +16,7 @@ the next step).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +24,7 @@ import torch
 from torch import Tensor
 
 from keel.data.prompts import collate_prompts
+from keel.rollout.agent.environment import Environment, load_environment
 from keel.rollout.agent.parse import PARSERS
 from keel.rollout.agent.runner import ToolLimits, ToolRunner
 from keel.rollout.agent.template import TurnTemplate
@@ -32,6 +35,7 @@ from keel.types import PromptBatch, PromptRecord, RolloutBatch, SamplingParams
 @dataclass
 class AgentOptions:
     max_assistant_turns: int = 5
+    max_user_turns: int | None = None  # an environment's observations; None: until it says done
     budget: int = 512                 # response tokens of the whole trajectory
     format: str = "hermes"
     limits: ToolLimits = field(default_factory=ToolLimits)
@@ -47,6 +51,9 @@ class Episode:
     log_probs: list[float] = field(default_factory=list)
     assistant_turns: int = 0
     tool_turns: int = 0
+    user_turns: int = 0                         # an environment's observations
+    environment: Environment | None = None
+    environment_errors: int = 0                 # its reset or step raised, hung, or answered nonsense
     tool_calls: int = 0
     malformed_calls: int = 0
     tools: dict = field(default_factory=dict)   # by tool name: calls, errors, timeouts, unknown, truncated, seconds
@@ -76,8 +83,10 @@ class Episode:
 
 
 class AgentLoop:
-    def __init__(self, engine, tokenizer, tools: list[Tool], options: AgentOptions, eos_ids: list[int]):
+    def __init__(self, engine, tokenizer, tools: list[Tool], options: AgentOptions, eos_ids: list[int],
+                 environment: type[Environment] | None = None, environment_config: dict | None = None):
         self.engine, self.tokenizer, self.options = engine, tokenizer, options
+        self.environment, self.environment_config = environment, environment_config or {}
         self.eos_ids = set(eos_ids)
         self.template = TurnTemplate(tokenizer, [t.schema for t in tools], eos_ids)
         self.parse = PARSERS[options.format]
@@ -87,10 +96,20 @@ class AgentLoop:
     def generate(self, prompts: PromptBatch, params: SamplingParams) -> RolloutBatch:
         episodes = [Episode(r, list(r.prompt_ids)) for r in prompts.records]
         self.timing = {}
+        if self.environment is not None:
+            self._reset_environments(episodes)
         while active := [e for e in episodes if not e.done]:
             self._assistant_turn(active, params)
-            self._tool_turn([e for e in active if not e.done])
+            self._next_turn([e for e in active if not e.done])
         return self._batch(prompts, episodes)
+
+    def _reset_environments(self, episodes: list[Episode]) -> None:
+        environments = [self.environment(self.environment_config) for _ in episodes]
+        resets = self.runner.call_each([functools.partial(env.reset, dict(e.record.extra_info))
+                                        for env, e in zip(environments, episodes)])
+        for episode, environment, (_, status) in zip(episodes, environments, resets):
+            episode.environment = environment if status == "ok" else None
+            episode.environment_errors += status != "ok"
 
     def _assistant_turn(self, active: list[Episode], params: SamplingParams) -> None:
         left = max(self.options.budget - len(e.ids) for e in active)
@@ -109,14 +128,21 @@ class AgentLoop:
             episode.cut = not ended and len(episode.ids) >= self.options.budget
             episode.done = episode.cut or episode.assistant_turns >= self.options.max_assistant_turns
 
-    def _tool_turn(self, pending: list[Episode]) -> None:
-        """Parse every pending sample's last turn, run the calls, append the results."""
+    def _next_turn(self, pending: list[Episode]) -> None:
+        """Each pending sample's last turn: its tool calls run, or the environment answers it, or it
+        was the answer and the episode ends."""
         for episode in pending:
             episode.conversation.append({"role": "assistant", "content": self._last_text(episode)})
         parsed = {id(e): self.parse(e.conversation[-1]["content"]) for e in pending}
         calling = [e for e in pending if parsed[id(e)].calls or parsed[id(e)].malformed]
+        talking = [e for e in pending if e not in calling and e.environment is not None]
         for episode in pending:
-            episode.done = episode not in calling  # an answer without a call ends the episode
+            episode.done = episode not in calling and episode not in talking
+        self._tool_turn(calling, parsed)
+        self._environment_turn(talking)
+
+    def _tool_turn(self, calling: list[Episode], parsed: dict) -> None:
+        """Run the calls, append their results."""
         start = time.perf_counter()
         outputs = self.runner.run([parsed[id(e)].calls for e in calling],
                                   [e.record.extra_info.get("tools_kwargs", {}) for e in calling])
@@ -128,13 +154,36 @@ class AgentLoop:
                 episode.count(output)
             messages = [{"role": "tool", "content": r.text} for r in results]
             messages += [{"role": "tool", "content": f"Error: {why}"} for why in turn.malformed]
-            suffix = self.template.suffix_ids(messages)
-            if len(episode.ids) + len(suffix) >= self.options.budget:  # no room for the model to answer
-                episode.cut = episode.done = True
+            episode.tool_turns += self._append(episode, messages)
+
+    def _environment_turn(self, talking: list[Episode]) -> None:
+        """Each environment steps on its episode's last turn; its observation is the next user turn."""
+        steps = self.runner.call_each([functools.partial(e.environment.step, e.conversation[-1]["content"])
+                                       for e in talking])
+        limit = self.options.max_user_turns
+        for episode, (result, status) in zip(talking, steps):
+            step = _checked_step(result) if status == "ok" else None
+            if step is None:  # raised, hung or answered nonsense: the episode ends, counted
+                episode.environment_errors += 1
+                episode.done = True
                 continue
-            episode.add(suffix, None)
-            episode.conversation += messages
-            episode.tool_turns += 1
+            observation, reward, done = step
+            episode.turn_reward += reward
+            if done or (limit is not None and episode.user_turns >= limit):
+                episode.done = True
+                continue
+            episode.user_turns += self._append(episode, [{"role": "user", "content": observation}])
+
+    def _append(self, episode: Episode, messages: list[dict]) -> bool:
+        """The messages' turn and the next generation prompt, through the template; when they leave
+        no room for the model to answer, the budget ends the episode instead."""
+        suffix = self.template.suffix_ids(messages)
+        if len(episode.ids) + len(suffix) >= self.options.budget:
+            episode.cut = episode.done = True
+            return False
+        episode.add(suffix, None)
+        episode.conversation += messages
+        return True
 
     def _batch(self, prompts: PromptBatch, episodes: list[Episode]) -> RolloutBatch:
         width = max(1, max(len(e.ids) for e in episodes))
@@ -148,6 +197,7 @@ class AgentLoop:
         records = [dataclasses.replace(e.record, extra_info={
             **e.record.extra_info, "num_turns": _turns(e), "tool_calls": e.tool_calls, "tools": e.tools,
             "tool_outputs": e.tool_outputs, "malformed_tool_calls": e.malformed_calls, "turn_reward": e.turn_reward,
+            "user_turns": e.user_turns, "environment_errors": e.environment_errors,
             "cut_by_budget": e.cut, "last_turn": self._last_text(e),  # the final answer, for rewards
             "conversation": self._conversation(e)})
             for e in episodes]
@@ -175,8 +225,22 @@ class AgentLoop:
 
 
 def _turns(episode: Episode) -> int:
-    """The prompt, the assistant turns and the tool turns between them, as verl counts num_turns."""
-    return 1 + episode.assistant_turns + episode.tool_turns
+    """The prompt, the assistant turns and the tool and user turns between them, as verl counts num_turns."""
+    return 1 + episode.assistant_turns + episode.tool_turns + episode.user_turns
+
+
+def _checked_step(result) -> tuple[str, float, bool] | None:
+    """An environment's (observation, reward, done), or None when it is not one."""
+    if not (isinstance(result, tuple) and len(result) == 3):
+        return None
+    observation, reward, done = result
+    try:
+        reward = float(reward)
+    except (TypeError, ValueError):
+        return None
+    if reward != reward or abs(reward) == float("inf"):
+        return None
+    return str(observation), reward, bool(done)
 
 
 def _last_turn(episode: Episode) -> list[int]:
@@ -192,5 +256,8 @@ def build_agent_loop(multi_turn, engine, tokenizer, budget: int) -> AgentLoop:
     tools = load_tool_config(multi_turn.tool_config_path) if multi_turn.tool_config_path else []
     limits = ToolLimits(multi_turn.max_parallel_calls, multi_turn.tool_timeout_s, multi_turn.max_tool_response_length,
                         multi_turn.tool_response_truncate_side)
-    options = AgentOptions(multi_turn.max_assistant_turns or budget, budget, multi_turn.format, limits)
-    return AgentLoop(engine, tokenizer, tools, options, engine.eos_ids)
+    options = AgentOptions(max_assistant_turns=multi_turn.max_assistant_turns or budget,
+                           max_user_turns=multi_turn.max_user_turns, budget=budget, format=multi_turn.format,
+                           limits=limits)
+    environment = load_environment(multi_turn.environment) if multi_turn.environment else None
+    return AgentLoop(engine, tokenizer, tools, options, engine.eos_ids, environment, multi_turn.environment_config)

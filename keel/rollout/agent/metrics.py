@@ -19,6 +19,9 @@ def agent_metrics(records: list[PromptRecord]) -> dict[str, float]:
                "tools/malformed_calls": float(sum(info["malformed_tool_calls"] for info in infos)),
                "tools/cut_by_budget": statistics.fmean(float(info["cut_by_budget"]) for info in infos),
                "tools/turn_reward/mean": statistics.fmean(info["turn_reward"] for info in infos)}
+    if any(info["user_turns"] or info["environment_errors"] for info in infos):
+        metrics["environment/user_turns/mean"] = statistics.fmean(info["user_turns"] for info in infos)
+        metrics["environment/errors"] = float(sum(info["environment_errors"] for info in infos))
     totals: dict[str, dict[str, float]] = {}
     for info in infos:
         for name, counts in info["tools"].items():

@@ -44,6 +44,24 @@ class ToolRunner:
 
         return [list(outputs) for outputs in asyncio.run(everything())]
 
+    def call_each(self, functions: list) -> list[tuple[object, str]]:
+        """Each function in a thread, all at once, each within the timeout: (its result, "ok"), or
+        (what went wrong, "error" | "timeout"). For code of the user's that the model's turns drive
+        (an environment's step), which must not hang or end the rollout either."""
+        async def one(function):
+            try:
+                return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self._pool, function),
+                                              self.limits.timeout_s), "ok"
+            except asyncio.TimeoutError:
+                return f"took longer than {self.limits.timeout_s:g} s", "timeout"
+            except Exception as error:  # noqa: BLE001 - reported, never raised
+                return f"{type(error).__name__}: {str(error)[:200]}", "error"
+
+        async def everything():
+            return await asyncio.gather(*[one(f) for f in functions])
+
+        return list(asyncio.run(everything())) if functions else []
+
     async def _call(self, call: ToolCall, tools_kwargs: dict) -> ToolOutput:
         tool = self.tools.get(call.name)
         if tool is None:

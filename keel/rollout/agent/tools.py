@@ -218,7 +218,7 @@ def _tools_of_yaml(path: Path, loaded) -> list[Tool]:
 def _tool_from_entry(entry: Any, where: str, directory: Path) -> Tool:
     if not isinstance(entry, dict) or "class_name" not in entry:
         raise KeelError(TOOL_CONFIG, f"{where} has no class_name", "give each tool a class_name")
-    cls = _resolve_class(str(entry["class_name"]), where, directory)
+    cls = resolve_class(str(entry["class_name"]), where, directory)
     schema = entry.get("tool_schema") or getattr(cls, "schema", None)
     if not schema or "name" not in schema.get("function", {}):
         raise KeelError(TOOL_CONFIG, f"{where} ({entry['class_name']}) has no tool_schema.function.name",
@@ -226,25 +226,31 @@ def _tool_from_entry(entry: Any, where: str, directory: Path) -> Tool:
     return cls(entry.get("config") or {}, schema)
 
 
-def _resolve_class(class_name: str, where: str, directory: Path) -> type:
-    """A built-in, `file.py:Class` (beside the config file), or an importable `module.Class`."""
-    if class_name in BUILTIN:
-        return BUILTIN[class_name]
-    if ".py:" in class_name:
-        file, _, attr = class_name.partition(":")
-        module, reason = _load_file(directory / file), f"{file} has no class {attr!r}"
-    else:
-        module_name, _, attr = class_name.rpartition(".")
-        reason = f"{module_name!r} has no class {attr!r}" if module_name else "not a module.Class path"
-        try:
-            module = importlib.import_module(module_name) if module_name else None
-        except ImportError as error:
-            module, reason = None, f"module {module_name!r} cannot be imported ({error})"
-    cls = getattr(module, attr, None)
-    if not (isinstance(cls, type) and callable(getattr(cls, "execute", None))):
+def resolve_class(class_name: str, where: str, directory: Path, method: str = "execute") -> type:
+    """A built-in, `file.py:Class` (relative to `directory`), or an importable `module.Class`: a class
+    with `method` (a tool's execute, an environment's step)."""
+    cls, reason = _find_class(class_name, directory)
+    if not (isinstance(cls, type) and callable(getattr(cls, method, None))):
         verl = " (a verl tool: keel runs keel.tools.Calculator or your own classes)" if class_name.startswith(
             "verl.") else ""
-        raise KeelError(TOOL_CONFIG, f"{where}: class_name {class_name!r} names no tool class: {reason}{verl}",
-                        f"use one of {sorted(BUILTIN)}, file.py:Class beside the config, or an importable "
-                        "module.Class with an execute method")
+        raise KeelError(TOOL_CONFIG, f"{where}: {class_name!r} names no class with the method {method}(): {reason}{verl}",
+                        f"use one of {sorted(BUILTIN)}, file.py:Class, or an importable module.Class with a "
+                        f"{method} method")
     return cls
+
+
+def _find_class(class_name: str, directory: Path) -> tuple[object, str]:
+    """(what the name resolves to, or None; why it might not be a class)."""
+    if class_name in BUILTIN:
+        return BUILTIN[class_name], "a built-in tool"
+    if ".py:" in class_name:
+        file, _, attr = class_name.partition(":")
+        return getattr(_load_file(directory / file), attr, None), f"{file} has no class {attr!r}"
+    module_name, _, attr = class_name.rpartition(".")
+    if not module_name:
+        return None, "not a module.Class path"
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        return None, f"module {module_name!r} cannot be imported ({error})"
+    return getattr(module, attr, None), f"{module_name!r} has no class {attr!r}"

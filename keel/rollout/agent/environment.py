@@ -1,0 +1,32 @@
+"""Environments: tasks that answer the model's turns rather than its tool calls (a simulated user, a
+game, a checker that gives feedback). keel's protocol, as in gym: one instance per episode, `reset`
+before the first turn, `step(text)` after each assistant turn that calls no tool, returning the
+observation (the next user turn), a reward added to the episode's score, and whether it is over."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class Environment:
+    """Subclass and implement `step`; `config` is multi_turn.environment_config."""
+
+    def __init__(self, config: dict | None = None):
+        self.config = config or {}
+        self.extra_info: dict = {}
+
+    def reset(self, extra_info: dict) -> None:
+        """Before the episode's first turn: its data row's extra_info (the task's own settings,
+        its answer), kept as self.extra_info for step."""
+        self.extra_info = extra_info
+
+    def step(self, text: str) -> tuple[str, float, bool]:
+        """The model's turn (its text) -> (observation for the next user turn, reward, done)."""
+        raise NotImplementedError(f"{type(self).__name__}.step")
+
+
+def load_environment(class_name: str) -> type[Environment]:
+    """`file.py:Class` or `module.Class` (from the working directory), a class with a step method."""
+    from keel.rollout.agent.tools import resolve_class
+
+    return resolve_class(class_name, "actor_rollout_ref.rollout.multi_turn.environment", Path.cwd(), method="step")
