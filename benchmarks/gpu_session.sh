@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_session.sh workloads [W]  w1,w2,w3 (or W) on one GPU
 #   bash benchmarks/gpu_session.sh lora           the LoRA and 7B workloads on one GPU
 #   bash benchmarks/gpu_session.sh large          w32: LoRA on Qwen2.5-32B shapes
+#   bash benchmarks/gpu_session.sh multi          m1: multi-turn, 4 turns of 128 tokens
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -54,6 +55,10 @@ lora() {  # w7 as the issue defines it, then without checkpointing (its memory n
 
 large() {
     timeout 560 python3 -m keel bench w32 --gpus 1 --steps 1 --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/w32.log" 2>&1
+}
+
+multi() {
+    timeout 300 python3 -m keel bench m1 --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/m1.log" 2>&1
 }
 
 summary() {

@@ -180,10 +180,14 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
     peak = measured_peak_tflops() * 1e12 if torch.cuda.is_available() else None
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     datasheet = next((figures for gpu, figures in DATASHEETS.items() if gpu in device), None)
-    gen_tokens_per_s = samples * w.response_length / mean("timing_s/gen")
-    # Decode steps alone (the native engine times them): every token but the first, which prefill samples.
+    # The model's own tokens (multi-turn: not the tools' or the template's between its turns).
+    generated = mean("response_length/mean") or w.response_length
+    gen_tokens_per_s = samples * generated / mean("timing_s/gen")
+    # Decode steps alone (the native engine times them): every token but each turn's first, which
+    # prefill samples (multi-turn: an assistant turn and a user turn alternate after the prompt).
     decode_s = mean("timing_s/gen_decode")
-    decode_tokens_per_s = samples * (w.response_length - 1) / decode_s if decode_s else None
+    turns = (mean("num_turns/mean") or 2) / 2
+    decode_tokens_per_s = samples * (generated - turns) / decode_s if decode_s else None
     return {
         "workload": name, "date": datetime.date.today().isoformat(), "commit": _commit(),
         "device": device, "n_gpus": gpus, "rollout": cfg.actor_rollout_ref.rollout.name, "parameters": params,

@@ -58,3 +58,30 @@ WORKLOADS.update({
     "w7f": Workload("7b", 16, 8, 512, 512, overrides={"actor_rollout_ref.actor.fsdp_config.optimizer_offload": True,
                                                      "actor_rollout_ref.model.enable_gradient_checkpointing": True}),
 })
+
+
+class InstantEnvironment:
+    """m1's environment: answers every assistant turn at once with a short observation, so a random
+    model's rollouts have their turns (keel.rollout.agent.Environment's protocol)."""
+
+    def __init__(self, config: dict | None = None):
+        self.config = config or {}
+
+    def reset(self, extra_info: dict) -> None:
+        self.extra_info = extra_info
+
+    def step(self, text: str) -> tuple[str, float, bool]:
+        return "ok, go on", 0.0, False
+
+
+# m1: multi-turn, 0.5B shapes, 64 prompts x 8, 4 assistant turns of 128 tokens, the environment
+# answering in between (3 user turns); the budget holds the turns and the template's tokens.
+MULTI_TURN_4x128 = {"actor_rollout_ref.rollout.multi_turn.enable": True,
+                    "actor_rollout_ref.rollout.multi_turn.environment": "keel.bench.workloads.InstantEnvironment",
+                    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 4,
+                    "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn": 128}
+WORKLOADS.update({
+    "m1": Workload("0.5b", 64, 8, 256, 4 * 128 + 3 * 40, overrides=MULTI_TURN_4x128),
+    "tinym": Workload("tiny", 4, 4, 32, 4 * 8 + 3 * 40,
+                      overrides={**MULTI_TURN_4x128, "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn": 8}),
+})

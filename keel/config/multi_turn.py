@@ -31,3 +31,6 @@ class MultiTurnConfig:
     environment_config: dict = opt(factory=dict, help="given to the environment's class")
     max_user_turns: int | None = opt(None, gt=0, help="an environment's observations per trajectory; null: until "
                                                       "it says done")
+    max_tokens_per_turn: int | None = opt(None, gt=0, help="keel: tokens one assistant turn may take; a turn cut "
+                                                           "there goes on to the tools or environment; null: the "
+                                                           "budget left")

@@ -49,3 +49,13 @@ def test_every_workload_config_is_valid(name, gpus, tmp_path, monkeypatch):
     cfg = load_config(run.bench_config(name, WORKLOADS[name], tmp_path, 2, gpus))
     per_gpu = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n // gpus
     assert per_gpu % cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 0
+
+
+def test_the_multi_turn_workload_counts_the_models_tokens_only(tmp_path):
+    """tinym (m1's shape on the tiny model): 4 assistant turns of 8 tokens with an environment
+    answering between them; the record counts the 32 tokens the model generated, not the template's."""
+    out = tmp_path / "m.jsonl"
+    assert main(["bench", "tinym", "trainer.device=cpu", "--steps", "1", "--warmup", "0", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["gen_tokens_per_s"] == pytest.approx(4 * 4 * 32 / r["timing_s"]["gen"])
+    assert r["timing_s"]["gen_tools"] > 0  # the environment's steps

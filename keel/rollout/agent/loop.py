@@ -37,6 +37,7 @@ class AgentOptions:
     max_assistant_turns: int = 5
     max_user_turns: int | None = None  # an environment's observations; None: until it says done
     budget: int = 512                 # response tokens of the whole trajectory
+    turn_tokens: int | None = None    # tokens one assistant turn may take; None: the budget left
     format: str = "hermes"
     limits: ToolLimits = field(default_factory=ToolLimits)
 
@@ -112,7 +113,7 @@ class AgentLoop:
             episode.environment_errors += status != "ok"
 
     def _assistant_turn(self, active: list[Episode], params: SamplingParams) -> None:
-        left = max(self.options.budget - len(e.ids) for e in active)
+        left = min(max(self.options.budget - len(e.ids) for e in active), self.options.turn_tokens or self.options.budget)
         # Rows of their own: the engine shares a prefill between rows of one group index.
         records = [dataclasses.replace(e.record, index=i, prompt_ids=e.context) for i, e in enumerate(active)]
         batch = self.engine.generate(collate_prompts(records, self.tokenizer.pad_token_id),
@@ -121,7 +122,7 @@ class AgentLoop:
             self.timing[part] = self.timing.get(part, 0.0) + seconds
         for row, episode in enumerate(active):
             keep = batch.response_mask[row].bool()
-            ids = batch.response_ids[row][keep].tolist()[:self.options.budget - len(episode.ids)]
+            ids = batch.response_ids[row][keep].tolist()[:min(self.options.budget - len(episode.ids), left)]
             episode.add(ids, batch.sampling_log_probs[row][keep].tolist()[:len(ids)])
             episode.assistant_turns += 1
             ended = bool(ids) and ids[-1] in self.eos_ids
@@ -258,6 +259,6 @@ def build_agent_loop(multi_turn, engine, tokenizer, budget: int) -> AgentLoop:
                         multi_turn.tool_response_truncate_side)
     options = AgentOptions(max_assistant_turns=multi_turn.max_assistant_turns or budget,
                            max_user_turns=multi_turn.max_user_turns, budget=budget, format=multi_turn.format,
-                           limits=limits)
+                           limits=limits, turn_tokens=multi_turn.max_tokens_per_turn)
     environment = load_environment(multi_turn.environment) if multi_turn.environment else None
     return AgentLoop(engine, tokenizer, tools, options, engine.eos_ids, environment, multi_turn.environment_config)
