@@ -307,3 +307,20 @@ def test_an_environment_answers_turns_without_tool_calls():
     assert "user\nhigher" in tokenizer.decode(tokens)  # the observation is a user turn, not trained on
     metrics = agent_metrics(batch.records)
     assert metrics["environment/errors"] == 1 and metrics["environment/user_turns/mean"] == 5 / 3
+
+
+def test_a_turn_cut_by_its_token_cap_is_closed_as_the_template_closes_it():
+    """multi_turn.max_tokens_per_turn: the model's turn stops at the cap, the loop adds the turn's end
+    token (context, not trained) before the environment's user turn."""
+    tokenizer = build_tokenizer()
+    records, _ = build_prompt_dataset([{"prompt": [{"role": "user", "content": "go"}], "extra_info": {"secret": 7}}],
+                                      tokenizer, max_prompt_length=64)
+    engine = ScriptedEngine(tokenizer, lambda text, turn: "abcdefghij")
+    loop = AgentLoop(engine, tokenizer, [], AgentOptions(max_assistant_turns=2, budget=200, turn_tokens=4),
+                     [tokenizer.eos_token_id], GuessTheNumber)
+    loop.environment = type("Talk", (GuessTheNumber,), {"step": lambda self, text: ("more", 0.0, False)})
+    batch = loop.generate(collate_prompts(records, tokenizer.pad_token_id), SamplingParams(do_sample=False))
+    ids, trained = batch.response_ids[0].tolist(), batch.response_mask[0].tolist()
+    first = tokenizer.encode("abcdefghij", add_special_tokens=False)[:4]
+    assert ids[:4] == first and trained[:5] == [1, 1, 1, 1, 0] and ids[4] == tokenizer.eos_token_id
+    assert sum(trained) == 8  # two turns of 4

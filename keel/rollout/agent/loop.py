@@ -4,9 +4,10 @@ Every sample alternates: the engine generates an assistant turn; tool calls in i
 (all samples' at once); their results go back through the chat template. A turn without a call goes
 to the environment when there is one (its observation is the next user turn), else ends the
 episode; so do the environment saying done, `max_assistant_turns`, `max_user_turns`, and the
-response budget (data.max_response_length, the whole trajectory's). The sequence trained is the sampled tokens exactly, plus the
-template's tokens between turns, which the loss, KL and entropy never see (response_mask 0) but the
-model attends to (response_attention 1).
+response budget (data.max_response_length, the whole trajectory's).
+
+The sequence trained is the sampled tokens exactly, plus the template's tokens between turns, which
+the loss, KL and entropy never see (response_mask 0) but the model attends to (response_attention 1).
 
 Each turn is one `generate` call over the samples still going, their whole context as the prompt:
 the engine prefills it again (the native engine's turn scheduler, which keeps KV across turns, is
@@ -113,7 +114,8 @@ class AgentLoop:
             episode.environment_errors += status != "ok"
 
     def _assistant_turn(self, active: list[Episode], params: SamplingParams) -> None:
-        left = min(max(self.options.budget - len(e.ids) for e in active), self.options.turn_tokens or self.options.budget)
+        budget_left = max(self.options.budget - len(e.ids) for e in active)
+        left = min(budget_left, self.options.turn_tokens or budget_left)
         # Rows of their own: the engine shares a prefill between rows of one group index.
         records = [dataclasses.replace(e.record, index=i, prompt_ids=e.context) for i, e in enumerate(active)]
         batch = self.engine.generate(collate_prompts(records, self.tokenizer.pad_token_id),
@@ -159,8 +161,10 @@ class AgentLoop:
 
     def _environment_turn(self, talking: list[Episode]) -> None:
         """Each environment steps on its episode's last turn; its observation is the next user turn."""
+        start = time.perf_counter()
         steps = self.runner.call_each([functools.partial(e.environment.step, e.conversation[-1]["content"])
                                        for e in talking])
+        self.timing["tools"] = self.timing.get("tools", 0.0) + time.perf_counter() - start
         limit = self.options.max_user_turns
         for episode, (result, status) in zip(talking, steps):
             step = _checked_step(result) if status == "ok" else None
@@ -179,6 +183,8 @@ class AgentLoop:
         """The messages' turn and the next generation prompt, through the template; when they leave
         no room for the model to answer, the budget ends the episode instead."""
         suffix = self.template.suffix_ids(messages)
+        if not episode.ids or episode.ids[-1] not in self.eos_ids:  # a turn cut at max_tokens_per_turn:
+            suffix = [self.template.end_id] + suffix                   # closed as the template closes one
         if len(episode.ids) + len(suffix) >= self.options.budget:
             episode.cut = episode.done = True
             return False
