@@ -39,9 +39,10 @@ def test_the_tools_demo_teaches_calculator_calls_and_grpo_raises_sampled_accurac
     call is learnt; multi-turn GRPO (the calculator answering) then raises held-out accuracy."""
     from keel.demo_tools import ToolDemoSettings, run_tools_demo
 
-    short = ToolDemoSettings(grpo_steps=20, test_freq=20, n_heldout=100)
+    short = ToolDemoSettings(grpo_steps=20, test_freq=20)  # the demo's data and SFT, half its GRPO steps
     result = run_tools_demo(tmp_path / "tools", short, console=False)
-    assert result.calls_before > 0.3  # SFT taught the calculator call (47% on the full demo; 0 untrained)
+    # measured on 2 CPU cores, the full demo: 14.8% -> 29.7% at step 20, calls 47% -> 59%
     assert result.acc_after >= result.acc_before + 0.05, (result.acc_before, result.acc_after)
+    assert result.calls_after > result.calls_before, (result.calls_before, result.calls_after)
     samples = (tmp_path / "tools" / "grpo" / "samples.jsonl").read_text()
     assert "<tool_call>" in samples and "calculator" in samples
