@@ -87,13 +87,14 @@ VERL_UNSUPPORTED = register(
     "Remove the key or set verl's default for it; the message says what keel offers instead. Keys "
     "keel does another way are accepted and listed by `keel check` under \"decided for you\".")
 TOOL_CONFIG = register(
-    "KEEL-C016", "A tool the policy may call cannot be built",
+    "KEEL-C016", "A tool or environment the rollout calls cannot be built",
     "Multi-turn rollouts call the tools in actor_rollout_ref.rollout.multi_turn.tool_config_path (verl's "
-    "format: class_name, config, tool_schema) or given in Python: the file is missing or malformed, a "
-    "class_name resolves to no class with an execute method, two tools share a name, or a Python tool's "
-    "parameters lack type hints, so its schema cannot be derived.",
+    "format: class_name, config, tool_schema) or given in Python, and multi_turn.environment: the file is "
+    "missing or malformed, a class name resolves to no class with an execute (tool) or step (environment) "
+    "method, two tools share a name, or a Python tool's parameters lack type hints, so its schema cannot "
+    "be derived.",
     "Fix the entry the message names: class_name one of keel's built-ins (keel.tools.Calculator) or an "
     "importable module.Class, every tool with a tool_schema.function.name of its own.",
-    ("actor_rollout_ref.rollout.multi_turn.tool_config_path",))
+    ("actor_rollout_ref.rollout.multi_turn.tool_config_path", "actor_rollout_ref.rollout.multi_turn.environment"))
 
 __all__ = [name for name in dir() if name.isupper()]

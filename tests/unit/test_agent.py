@@ -324,3 +324,15 @@ def test_a_turn_cut_by_its_token_cap_is_closed_as_the_template_closes_it():
     first = tokenizer.encode("abcdefghij", add_special_tokens=False)[:4]
     assert ids[:4] == first and trained[:5] == [1, 1, 1, 1, 0] and ids[4] == tokenizer.eos_token_id
     assert sum(trained) == 8  # two turns of 4
+
+
+def test_an_environment_that_names_no_class_with_a_step_is_refused(tmp_path, monkeypatch):
+    from keel.rollout.agent.environment import load_environment
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "games.py").write_text("class Game:\n    def step(self, text):\n        return 'ok', 0.0, True\n")
+    assert load_environment("games.py:Game").__name__ == "Game"
+    for name in ("keel.tools.Calculator", "games.py:Nope", "nowhere.Game"):
+        with pytest.raises(KeelError) as error:
+            load_environment(name)
+        assert error.value.code == TOOL_CONFIG and "step()" in error.value.message, name
