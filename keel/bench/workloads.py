@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from keel.rollout.agent.environment import Environment
+
 # Qwen2.5 architectures (config.json of the released checkpoints), built with random weights.
 QWEN25_SHAPES = {
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -60,15 +62,9 @@ WORKLOADS.update({
 })
 
 
-class InstantEnvironment:
+class InstantEnvironment(Environment):
     """m1's environment: answers every assistant turn at once with a short observation, so a random
-    model's rollouts have their turns (keel.rollout.agent.Environment's protocol)."""
-
-    def __init__(self, config: dict | None = None):
-        self.config = config or {}
-
-    def reset(self, extra_info: dict) -> None:
-        self.extra_info = extra_info
+    model's rollouts have their turns."""
 
     def step(self, text: str) -> tuple[str, float, bool]:
         return "ok, go on", 0.0, False

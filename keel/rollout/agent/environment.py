@@ -5,10 +5,11 @@ observation (the next user turn), a reward added to the episode's score, and whe
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 
-class Environment:
+class Environment(ABC):
     """Subclass and implement `step`; `config` is multi_turn.environment_config."""
 
     def __init__(self, config: dict | None = None):
@@ -20,9 +21,9 @@ class Environment:
         its answer), kept as self.extra_info for step."""
         self.extra_info = extra_info
 
+    @abstractmethod
     def step(self, text: str) -> tuple[str, float, bool]:
         """The model's turn (its text) -> (observation for the next user turn, reward, done)."""
-        raise NotImplementedError(f"{type(self).__name__}.step")
 
 
 def load_environment(class_name: str) -> type[Environment]:

@@ -8,6 +8,7 @@ fed back to the model (and counted), never an exception out of the rollout.
 from __future__ import annotations
 
 import ast
+from abc import ABC, abstractmethod
 import importlib
 import inspect
 import operator
@@ -34,7 +35,7 @@ class ToolOutput:
     truncated: bool = False
 
 
-class Tool:
+class Tool(ABC):
     """verl's BaseTool contract, synchronously: `execute(parameters, **tools_kwargs)` returns text,
     or (text, reward, metrics). Subclasses set `schema` (an OpenAI function schema)."""
 
@@ -46,8 +47,9 @@ class Tool:
     def name(self) -> str:
         return self.schema["function"]["name"]
 
+    @abstractmethod
     def execute(self, parameters: dict, **tools_kwargs) -> str | tuple:
-        raise NotImplementedError(f"{type(self).__name__}.execute")
+        """The call's text for the model, or (text, reward, metrics)."""
 
 
 class FunctionTool(Tool):
