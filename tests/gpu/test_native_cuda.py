@@ -133,3 +133,72 @@ def test_triton_decode_attention_matches_sdpa(kv_heads, group, dim):
     got = triton_decode_attention(q, k, v, *caches, pad, column)
     assert (got.float() - expected.float()).abs().max().item() < 2e-2
     assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)  # the new token written at 200
+
+
+@pytest.mark.parametrize("kv_heads, group, dim", [(2, 7, 64), (8, 1, 128)])
+def test_triton_decode_attention_reads_rows_through_the_table_as_sdpa_does(kv_heads, group, dim):
+    """Continuous batching: query b is cache row rows[b] at its own column (the scratch row twice)."""
+    from keel.rollout.native.attention import (sdpa_decode_attention, triton_available,
+                                               triton_decode_attention)
+
+    if not triton_available(CUDA, torch.bfloat16, dim):
+        pytest.skip("no Triton")
+    torch.manual_seed(0)
+    cache_rows, length = 12, 300
+    rows = torch.tensor([7, 2, 11, 0, 5, 11], device="cuda")
+    column = torch.tensor([0, 63, 64, 130, 299, 1], device="cuda")
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(len(rows), kv_heads * group, 1, dim, **bf16)
+    k, v = torch.randn(len(rows), kv_heads, 1, dim, **bf16), torch.randn(len(rows), kv_heads, 1, dim, **bf16)
+    k_cache = torch.randn(cache_rows, kv_heads, length, dim, **bf16)
+    v_cache = torch.randn(cache_rows, kv_heads, length, dim, **bf16)
+    pad = torch.zeros_like(rows)
+    visible = (torch.arange(length, device="cuda") <= column[:, None])[:, None, None]
+    caches = (k_cache.clone(), v_cache.clone())
+    expected = sdpa_decode_attention(q[:5], k[:5], v[:5], k_cache, v_cache, pad[:5], column[:5], visible[:5],
+                                     rows[:5])
+    got = triton_decode_attention(q[:5], k[:5], v[:5], *caches, pad[:5], column[:5], rows=rows[:5])
+    assert (got.float() - expected.float()).abs().max().item() < 2e-2
+    assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
+
+
+def test_continuous_batching_graphs_equal_eager_and_hf(tmp_path, monkeypatch):
+    """EOS on (lengths vary) and fewer rows than sequences: rows are refilled, each batch bucket
+    replays its own graph; tokens equal eager's and the hf engine's. Then a multi-turn rollout whose
+    every turn calls a tool, on the same graphs, equals hf's turn-by-turn generation."""
+    from keel.models.tiny import make_tiny_model
+    from keel.rollout.agent import AgentLoop, AgentOptions, tool
+    from keel.rollout.agent.parse import PARSERS, ParsedTurn, ToolCall
+    from keel.rollout.native import batching
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(batching, "DONE_CHECK_EVERY", 4)
+    model, tokenizer, prompts = setup(make_tiny_model(tmp_path / "m", hidden_size=128, num_layers=4), n=3, init_std=0.2)
+    hf = HFRolloutEngine(model, tokenizer)
+    free_run = hf.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=40, ignore_eos=True)).response_ids
+    stop = int(free_run[:, 3:].flatten().mode().values)  # a stop token that really occurs, at varied depths
+    graphs = NativeRolloutEngine(model, tokenizer, 5, torch.float32, free_cache_engine=False)
+    eager = NativeRolloutEngine(model, tokenizer, 5, torch.float32, enforce_eager=True)
+    for engine in (graphs, eager, hf):
+        engine.eos_ids = sorted(set(engine.eos_ids) | {stop})
+    graphs.eos, eager.eos = torch.tensor(graphs.eos_ids, device="cuda"), torch.tensor(eager.eos_ids, device="cuda")
+    greedy = SamplingParams(do_sample=False, max_new_tokens=40)
+    ours, theirs = graphs.generate(prompts, greedy), hf.generate(prompts, greedy)
+    assert len(set(theirs.response_lengths.tolist())) > 3
+    assert len(graphs._kept_batcher.graphs) > 1  # buckets of several sizes
+    assert torch.equal(ours.response_ids, eager.generate(prompts, greedy).response_ids)
+    assert ours.response_ids.tolist() == theirs.response_ids.tolist()
+
+    monkeypatch.setitem(PARSERS, "every-turn", lambda text: ParsedTurn([ToolCall("echo", {"text": text[:12]})], []))
+
+    @tool
+    def echo(text: str) -> str:
+        """The text reversed."""
+        return text[::-1]
+
+    options = AgentOptions(max_assistant_turns=4, budget=200, turn_tokens=12, format="every-turn")
+    turns = [AgentLoop(engine, tokenizer, [echo], options, engine.eos_ids).generate(
+        prompts, SamplingParams(do_sample=False, max_new_tokens=200)) for engine in (graphs, hf)]
+    assert max(r.extra_info["num_turns"] for r in turns[1].records) >= 5
+    assert turns[0].response_ids.tolist() == turns[1].response_ids.tolist()
+    assert torch.equal(turns[0].response_mask, turns[1].response_mask)

@@ -139,13 +139,16 @@ def test_a_sharded_lora_policy_without_the_native_engine_is_refused(tiny_assets,
                                torch.float32, log_choice=False, will_be_sharded=False, lora=True).model is model
 
 
-def test_finished_sequences_leave_the_batch_without_changing_the_rest(tiny_assets, monkeypatch):
-    """Variable lengths: rows that hit EOS are dropped from the decode batch (checked every 2
-    steps here); the tokens of the others are exactly the hf engine's."""
-    from keel.rollout.native import engine as native_engine
+@pytest.mark.parametrize("rows", [256, 2])
+def test_finished_sequences_leave_the_batch_without_changing_the_rest(tiny_assets, monkeypatch, rows):
+    """Variable lengths: rows that hit EOS leave the decode batch (checked every 2 steps here) and,
+    with fewer rows than sequences, waiting sequences take their rows (continuous batching); the
+    tokens of every sequence are exactly the hf engine's."""
+    from keel.rollout.native import batching
 
-    monkeypatch.setattr(native_engine, "DONE_CHECK_EVERY", 2)
+    monkeypatch.setattr(batching, "DONE_CHECK_EVERY", 2)
     native, hf, _, prompts = engines(tiny_assets["model"], n=2, init_std=0.2)
+    native.max_num_seqs = rows
     greedy = SamplingParams(do_sample=False, max_new_tokens=30)
     free_run = hf.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=30, ignore_eos=True)).response_ids
     # A stop token that really occurs, first at different depths in different rows: lengths vary.
@@ -239,3 +242,44 @@ def test_lora_runs_unmerged_on_the_trainers_own_base(tmp_path):
     expected = train_adapters(seed=2)
     native.load_adapters(adapter_weights(policy))
     assert native.generate(prompts, greedy).response_ids.tolist() == expected != first
+
+
+@pytest.mark.parametrize("rows", [256, 3])  # every episode resident; or 3 rows for 6 episodes, refilled
+def test_multi_turn_greedy_rollouts_equal_the_hf_engines_and_prefill_only_new_tokens(tmp_path, monkeypatch, rows):
+    """The agent loop on the native engine (turns scheduled by continuous batching, KV kept across
+    turns, tools run while others decode) against the hf engine (each turn generated again from its
+    whole context): the same tokens, masks and log-probs for every episode. Native prefilled each
+    group's prompt once, then only what came after each turn: its last token and the tool turn."""
+    from keel.models.tiny import make_tiny_model
+    from keel.rollout.agent import AgentLoop, AgentOptions, tool
+    from keel.rollout.agent.parse import PARSERS, ParsedTurn, ToolCall
+    from keel.rollout.native import batching
+
+    monkeypatch.setattr(batching, "DONE_CHECK_EVERY", 2)  # turns end, and tools return, at different checks
+    monkeypatch.setitem(PARSERS, "every-turn", lambda text: ParsedTurn([ToolCall("echo", {"text": text[:12]})], []))
+
+    @tool
+    def echo(text: str) -> str:
+        """The text reversed."""
+        return text[::-1]
+
+    model_dir = make_tiny_model(tmp_path / "m", arch="qwen2", hidden_size=64, num_layers=3, seed=3)
+    native, hf, _, prompts = engines(model_dir, n=2, max_num_seqs=rows, init_std=0.2)
+    native.keep_cache = True  # the batcher stays, to be looked at
+
+    def rollout(engine):
+        options = AgentOptions(max_assistant_turns=4, budget=160, turn_tokens=8, format="every-turn")
+        return AgentLoop(engine, native.tokenizer, [echo], options, native.eos_ids).generate(
+            prompts, SamplingParams(do_sample=False, max_new_tokens=160))
+
+    ours, theirs = rollout(native), rollout(hf)
+    assert max(r.extra_info["num_turns"] for r in theirs.records) >= 5  # several tool turns: a real comparison
+    assert ours.response_ids.tolist() == theirs.response_ids.tolist()
+    assert torch.equal(ours.response_mask, theirs.response_mask)
+    torch.testing.assert_close(ours.sampling_log_probs, theirs.sampling_log_probs, atol=1e-4, rtol=0)
+    if rows == 256:
+        lengths = prompts.attention_mask.sum(-1)
+        once_per_group = int(lengths[::2].sum())
+        after_turns = int((ours.response_attention - ours.response_mask).sum())
+        returns = sum(r.extra_info["tool_calls"] for r in ours.records)  # each tool turn is followed by a turn
+        assert native._kept_batcher.prefilled == once_per_group + after_turns + returns

@@ -9,9 +9,10 @@ response budget (data.max_response_length, the whole trajectory's).
 The sequence trained is the sampled tokens exactly, plus the template's tokens between turns, which
 the loss, KL and entropy never see (response_mask 0) but the model attends to (response_attention 1).
 
-Each turn is one `generate` call over the samples still going, their whole context as the prompt:
-the engine prefills it again (the native engine's turn scheduler, which keeps KV across turns, is
-the next step).
+On the native engine the engine schedules the turns (continuous batching): an episode keeps its KV
+between turns, only the tokens after its last turn are prefilled, its tools run while the others
+decode, and waiting episodes take finished ones' rows. Other engines (hf) get one `generate` call
+per turn over the samples still going, their whole context as the prompt.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -100,9 +102,12 @@ class AgentLoop:
         self.timing = {}
         if self.environment is not None:
             self._reset_environments(episodes)
-        while active := [e for e in episodes if not e.done]:
-            self._assistant_turn(active, params)
-            self._next_turn([e for e in active if not e.done])
+        if hasattr(self.engine, "continuous_batcher"):
+            self._run_continuously(episodes, dataclasses.replace(params, n=1))
+        else:
+            while active := [e for e in episodes if not e.done]:
+                self._assistant_turn(active, params)
+                self._next_turn([e for e in active if not e.done])
         return self._batch(prompts, episodes)
 
     def _reset_environments(self, episodes: list[Episode]) -> None:
@@ -113,9 +118,42 @@ class AgentLoop:
             episode.environment = environment if status == "ok" else None
             episode.environment_errors += status != "ok"
 
+    def _run_continuously(self, episodes: list[Episode], params: SamplingParams) -> None:
+        """The engine schedules the turns (native's continuous batching): an episode's KV stays in
+        its row between turns, only the tokens after its last turn are prefilled, and its tools run
+        in the background while the other episodes decode."""
+        budget = self.options.budget
+        batcher = self.engine.continuous_batcher(len(episodes), max(len(e.context) for e in episodes) + budget,
+                                                 min(budget, self.options.turn_tokens or budget))
+        for episode in episodes:  # the samples of one prompt share its prefill
+            batcher.add(episode, episode.context, self._turn_limit(episode), group=episode.record.index)
+        acting: dict[Future, _Plan] = {}
+        with ThreadPoolExecutor(max_workers=4, thread_name_prefix="keel-turn") as pool:
+            while batcher.busy or acting:
+                if not batcher.busy:
+                    wait(acting, return_when=FIRST_COMPLETED)
+                ended = batcher.step(params) if batcher.busy else []
+                going = []
+                for turn in ended:
+                    self._took_turn(turn.key, turn.ids, turn.log_probs)
+                    (batcher.release(turn.key) if turn.key.done else going.append(turn.key))
+                if going:
+                    plan = self._plan(going)
+                    acting[pool.submit(self._act, plan)] = plan
+                for future in [f for f in acting if f.done()]:
+                    plan = acting.pop(future)
+                    self._apply(plan, *future.result())
+                    for episode in plan.pending:
+                        (batcher.release(episode) if episode.done else
+                         batcher.add(episode, episode.context, self._turn_limit(episode)))
+
+    def _turn_limit(self, episode: Episode) -> int:
+        left = self.options.budget - len(episode.ids)
+        return min(left, self.options.turn_tokens or left)
+
     def _assistant_turn(self, active: list[Episode], params: SamplingParams) -> None:
-        budget_left = max(self.options.budget - len(e.ids) for e in active)
-        left = min(budget_left, self.options.turn_tokens or budget_left)
+        """One generate call for every active episode's next turn (engines without a scheduler)."""
+        left = max(self._turn_limit(e) for e in active)
         # Rows of their own: the engine shares a prefill between rows of one group index.
         records = [dataclasses.replace(e.record, index=i, prompt_ids=e.context) for i, e in enumerate(active)]
         batch = self.engine.generate(collate_prompts(records, self.tokenizer.pad_token_id),
@@ -124,16 +162,23 @@ class AgentLoop:
             self.timing[part] = self.timing.get(part, 0.0) + seconds
         for row, episode in enumerate(active):
             keep = batch.response_mask[row].bool()
-            ids = batch.response_ids[row][keep].tolist()[:min(self.options.budget - len(episode.ids), left)]
-            episode.add(ids, batch.sampling_log_probs[row][keep].tolist()[:len(ids)])
-            episode.assistant_turns += 1
-            ended = bool(ids) and ids[-1] in self.eos_ids
-            episode.cut = not ended and len(episode.ids) >= self.options.budget
-            episode.done = episode.cut or episode.assistant_turns >= self.options.max_assistant_turns
+            ids = batch.response_ids[row][keep].tolist()[:self._turn_limit(episode)]
+            self._took_turn(episode, ids, batch.sampling_log_probs[row][keep].tolist()[:len(ids)])
+
+    def _took_turn(self, episode: Episode, ids: list[int], log_probs: list[float]) -> None:
+        episode.add(ids, log_probs)
+        episode.assistant_turns += 1
+        ended = bool(ids) and ids[-1] in self.eos_ids
+        episode.cut = not ended and len(episode.ids) >= self.options.budget
+        episode.done = episode.cut or episode.assistant_turns >= self.options.max_assistant_turns
 
     def _next_turn(self, pending: list[Episode]) -> None:
-        """Each pending sample's last turn: its tool calls run, or the environment answers it, or it
-        was the answer and the episode ends."""
+        plan = self._plan(pending)
+        self._apply(plan, *self._act(plan))
+
+    def _plan(self, pending: list[Episode]) -> "_Plan":
+        """What follows each pending sample's last turn: its tool calls, or the environment's
+        answer, or nothing (it was the answer: the episode ends)."""
         for episode in pending:
             episode.conversation.append({"role": "assistant", "content": self._last_text(episode)})
         parsed = {id(e): self.parse(e.conversation[-1]["content"]) for e in pending}
@@ -141,17 +186,27 @@ class AgentLoop:
         talking = [e for e in pending if e not in calling and e.environment is not None]
         for episode in pending:
             episode.done = episode not in calling and episode not in talking
-        self._tool_turn(calling, parsed)
-        self._environment_turn(talking)
+        return _Plan(pending, calling, talking, parsed)
 
-    def _tool_turn(self, calling: list[Episode], parsed: dict) -> None:
-        """Run the calls, append their results."""
+    def _act(self, plan: "_Plan") -> tuple[list, list, float]:
+        """The plan's tool calls and environment steps run (safe on a thread: the episodes are not
+        touched) -> (tool outputs, environment steps, seconds)."""
         start = time.perf_counter()
-        outputs = self.runner.run([parsed[id(e)].calls for e in calling],
-                                  [e.record.extra_info.get("tools_kwargs", {}) for e in calling])
-        self.timing["tools"] = self.timing.get("tools", 0.0) + time.perf_counter() - start
-        for episode, results in zip(calling, outputs):
-            turn = parsed[id(episode)]
+        outputs = self.runner.run([plan.parsed[id(e)].calls for e in plan.calling],
+                                  [e.record.extra_info.get("tools_kwargs", {}) for e in plan.calling])
+        steps = self.runner.call_each([functools.partial(e.environment.step, e.conversation[-1]["content"])
+                                       for e in plan.talking])
+        return outputs, steps, time.perf_counter() - start
+
+    def _apply(self, plan: "_Plan", outputs: list, steps: list, seconds: float) -> None:
+        self.timing["tools"] = self.timing.get("tools", 0.0) + seconds
+        self._tool_results(plan, outputs)
+        self._environment_results(plan.talking, steps)
+
+    def _tool_results(self, plan: "_Plan", outputs: list) -> None:
+        """The calls' results (and malformed calls' errors) appended as tool turns."""
+        for episode, results in zip(plan.calling, outputs):
+            turn = plan.parsed[id(episode)]
             episode.malformed_calls += len(turn.malformed)
             for output in results:
                 episode.count(output)
@@ -159,12 +214,8 @@ class AgentLoop:
             messages += [{"role": "tool", "content": f"Error: {why}"} for why in turn.malformed]
             episode.tool_turns += self._append(episode, messages)
 
-    def _environment_turn(self, talking: list[Episode]) -> None:
-        """Each environment steps on its episode's last turn; its observation is the next user turn."""
-        start = time.perf_counter()
-        steps = self.runner.call_each([functools.partial(e.environment.step, e.conversation[-1]["content"])
-                                       for e in talking])
-        self.timing["tools"] = self.timing.get("tools", 0.0) + time.perf_counter() - start
+    def _environment_results(self, talking: list[Episode], steps: list) -> None:
+        """Each environment's observation is its episode's next user turn."""
         limit = self.options.max_user_turns
         for episode, (result, status) in zip(talking, steps):
             step = _checked_step(result) if status == "ok" else None
@@ -229,6 +280,15 @@ class AgentLoop:
     def _last_text(self, episode: Episode) -> str:
         """The text of the assistant turn generated last (the final answer, once the episode ends)."""
         return self.tokenizer.decode(_last_turn(episode), skip_special_tokens=True)
+
+
+@dataclass
+class _Plan:
+    """What follows the last turn of each of `pending`."""
+    pending: list[Episode]
+    calling: list[Episode]    # its tool calls run
+    talking: list[Episode]    # its environment steps
+    parsed: dict              # id(episode) -> its parsed turn
 
 
 def _turns(episode: Episode) -> int:

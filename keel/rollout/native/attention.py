@@ -25,20 +25,27 @@ NUM_WARPS = 4
 
 
 def sdpa_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor,
-                          column: Tensor, visible: Tensor) -> Tensor:
+                          column: Tensor, visible: Tensor, rows: Tensor | None = None) -> Tensor:
     """q [B, H, 1, D], the new token's k/v [B, KV, 1, D] written at `column` of the caches
     [B, KV, L, D]; visible [B, 1, 1, L] -> [B, H * D]. The G query heads of each KV head are given
-    to SDPA as G query positions of one head, so K and V are read once, never repeated."""
-    k_cache.index_copy_(2, column, k)
-    v_cache.index_copy_(2, column, v)
+    to SDPA as G query positions of one head, so K and V are read once, never repeated.
+
+    With `rows` [B] (continuous batching) query b is cache row rows[b] of a larger cache, and
+    `column` [B] is each row's own."""
+    if rows is None:
+        k_cache.index_copy_(2, column, k)
+        v_cache.index_copy_(2, column, v)
+    else:
+        k_cache[rows, :, column], v_cache[rows, :, column] = k[:, :, 0], v[:, :, 0]
+        k_cache, v_cache = k_cache[rows], v_cache[rows]
     batch, heads, _, dim = q.shape
     grouped = q.view(batch, k_cache.shape[1], heads // k_cache.shape[1], dim)    # [B, KV, G, D]
     return F.scaled_dot_product_attention(grouped, k_cache, v_cache, attn_mask=visible).reshape(batch, heads * dim)
 
 
 def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor,
-                            column: Tensor, visible: Tensor | None = None, block: int = BLOCK_COLUMNS,
-                            num_warps: int = NUM_WARPS) -> Tensor:
+                            column: Tensor, visible: Tensor | None = None, rows: Tensor | None = None,
+                            block: int = BLOCK_COLUMNS, num_warps: int = NUM_WARPS) -> Tensor:
     """The same as sdpa_decode_attention in one Triton kernel; `visible` is implied by `pad` (the
     first column each row sees) and `column` (read on the device: no host sync)."""
     batch, heads, _, dim = q.shape
@@ -46,11 +53,12 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_
     group = heads // kv_heads
     out = torch.empty(batch, heads, dim, device=q.device, dtype=q.dtype)
     _decode_attention_kernel[(batch, kv_heads)](
-        q, k, v, k_cache, v_cache, out, pad, column, dim ** -0.5,
+        q, k, v, k_cache, v_cache, out, pad, column, pad if rows is None else rows, dim ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=block, num_warps=num_warps)
+        GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=block,
+        INDIRECT=rows is not None, COLUMN_STRIDE=int(column.numel() > 1), num_warps=num_warps)
     return out.view(batch, heads * dim)
 
 
@@ -63,22 +71,26 @@ def triton_available(device: torch.device, dtype: torch.dtype, head_dim: int) ->
 
 if triton is not None:
     @triton.jit
-    def _decode_attention_kernel(Q, K, V, KCache, VCache, Out, Pad, Column, scale,
+    def _decode_attention_kernel(Q, K, V, KCache, VCache, Out, Pad, Column, Rows, scale,
                                  q_b, q_h, k_b, k_h, v_b, v_h, kc_b, kc_h, kc_l, vc_b, vc_h, vc_l,
                                  GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr,
-                                 BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+                                 BLOCK: tl.constexpr, INDIRECT: tl.constexpr, COLUMN_STRIDE: tl.constexpr):
+        slot = tl.program_id(0)  # the query row; its cache row is Rows[slot] under continuous batching
         kv_head = tl.program_id(1)
+        if INDIRECT:
+            row = tl.load(Rows + slot).to(tl.int64)
+        else:
+            row = slot.to(tl.int64)
         g = tl.arange(0, BLOCK_GROUP)
         d = tl.arange(0, DIM)
         in_group = g[:, None] < GROUP
         # The G query heads of this KV head: q is [B, H, 1, D], heads kv_head*G .. kv_head*G + G-1.
-        q_ptrs = Q + row * q_b + (kv_head * GROUP + g[:, None]) * q_h + d[None, :]
+        q_ptrs = Q + slot * q_b + (kv_head * GROUP + g[:, None]) * q_h + d[None, :]
         q = tl.load(q_ptrs, mask=in_group, other=0.0)                                   # [BG, D]
-        k_new = tl.load(K + row * k_b + kv_head * k_h + d)                              # [D]
-        v_new = tl.load(V + row * v_b + kv_head * v_h + d)
-        column = tl.load(Column)
-        first = tl.load(Pad + row)
+        k_new = tl.load(K + slot * k_b + kv_head * k_h + d)                             # [D]
+        v_new = tl.load(V + slot * v_b + kv_head * v_h + d)
+        column = tl.load(Column + slot * COLUMN_STRIDE)
+        first = tl.load(Pad + slot)
         # This step's K and V go to the cache for later steps; this step uses them from registers.
         tl.store(KCache + row * kc_b + kv_head * kc_h + column * kc_l + d, k_new)
         tl.store(VCache + row * vc_b + kv_head * vc_h + column * vc_l + d, v_new)
@@ -103,5 +115,5 @@ if triton is not None:
             total = total * rescale + tl.sum(p, axis=1)
             m = m_new
         out = acc / total[:, None]
-        out_ptrs = Out + row * (GROUP * (tl.num_programs(1)) * DIM) + (kv_head * GROUP + g[:, None]) * DIM + d[None, :]
+        out_ptrs = Out + slot * (GROUP * (tl.num_programs(1)) * DIM) + (kv_head * GROUP + g[:, None]) * DIM + d[None, :]
         tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=in_group)

@@ -25,9 +25,21 @@ from torch import Tensor
 
 from keel.models.load import can_compile
 from keel.rollout.assemble import assemble_batch, stop_token_ids
-from keel.rollout.native.attention import sdpa_decode_attention, triton_available, triton_decode_attention
-from keel.rollout.native.layers import (StepFunctions, attention_inputs, attention_output_and_mlp, grouped_attention,
-                                        prompt_visibility, rms_norm, rope)
+from keel.rollout.native.attention import (
+    sdpa_decode_attention,
+    triton_available,
+    triton_decode_attention,
+)
+from keel.rollout.native.batching import ContinuousBatcher
+from keel.rollout.native.layers import (
+    StepFunctions,
+    attention_inputs,
+    attention_output_and_mlp,
+    grouped_attention,
+    prompt_visibility,
+    rms_norm,
+    rope,
+)
 from keel.rollout.native.sampling import sample
 from keel.rollout.native.state import Clock, DecodeGraph, DecodeState, KeptCache
 from keel.rollout.native.weights import DecodeWeights, unsupported_reason
@@ -63,6 +75,7 @@ class NativeRolloutEngine:
         self.weights = DecodeWeights(model, self.device, dtype)
         self.layers = self.weights.layers
         self._kept: KeptCache | None = None
+        self._kept_batcher: ContinuousBatcher | None = None
         self.sync_weights(model)
         # enforce_eager (verl's key): no CUDA graphs, no compilation; for debugging, and CPU's only way.
         self.use_cuda_graphs = not enforce_eager and self.device.type == "cuda"
@@ -92,12 +105,47 @@ class NativeRolloutEngine:
     # --- generation ------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
-        size = self._sequences_at_once(prompts.input_ids.shape[1] + params.max_new_tokens)
         self.timing = {}
+        if not params.ignore_eos:  # lengths vary: rows that finish are refilled
+            return self._generate_continuously(prompts, params)
+        size = self._sequences_at_once(prompts.input_ids.shape[1] + params.max_new_tokens)
         parts = [self._generate_chunk(prompts.input_ids[i:i + size], prompts.attention_mask[i:i + size],
                                       [r.index for r in prompts.records[i:i + size]], params)
                  for i in range(0, len(prompts), size)]
         return assemble_batch(prompts, parts, self.tokenizer, self.eos_ids, params)
+
+    def _generate_continuously(self, prompts, params: SamplingParams) -> RolloutBatch:
+        batcher = self.continuous_batcher(len(prompts), prompts.input_ids.shape[1] + params.max_new_tokens,
+                                          params.max_new_tokens)
+        for i, (ids, mask, record) in enumerate(zip(prompts.input_ids, prompts.attention_mask, prompts.records)):
+            batcher.add(i, ids[mask.bool()].tolist(), params.max_new_tokens, group=record.index)
+        turns = [None] * len(prompts)
+        while batcher.busy:
+            for turn in batcher.step(params):
+                turns[turn.key] = turn
+                batcher.release(turn.key)
+        width = max(len(t.ids) for t in turns)
+        ids = torch.full((len(turns), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        log_probs = torch.zeros((len(turns), width))
+        for row, turn in enumerate(turns):
+            ids[row, :len(turn.ids)], log_probs[row, :len(turn.ids)] = torch.tensor(turn.ids), torch.tensor(
+                turn.log_probs)
+        return assemble_batch(prompts, [(ids, log_probs)], self.tokenizer, self.eos_ids, params)
+
+    @torch.no_grad()
+    def continuous_batcher(self, sequences: int, max_len: int, turn_tokens: int) -> ContinuousBatcher:
+        """Rows for up to `sequences` sequences of at most `max_len` tokens (as many as fit memory),
+        a turn taking at most `turn_tokens`; kept between calls with free_cache_engine=False."""
+        rows = min(sequences, self._sequences_at_once(max_len))
+        kept = self._kept_batcher
+        if kept is not None and kept.shape == (rows, max_len, turn_tokens):
+            kept.reset()
+            return kept
+        self._kept = self._kept_batcher = None  # one kept cache: a new one's memory comes first
+        batcher = ContinuousBatcher(self, rows, max_len, turn_tokens)
+        if self.keep_cache:
+            self._kept_batcher = batcher
+        return batcher
 
     def _sequences_at_once(self, seq_len: int) -> int:
         """rollout.max_num_seqs, fewer if their KV cache would pass gpu_memory_utilization of the
@@ -108,8 +156,8 @@ class NativeRolloutEngine:
             return self.max_num_seqs
         free, _ = torch.cuda.mem_get_info(self.device)
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        if self._kept is not None:
-            free += sum(t.nbytes for t in self._kept.state.k + self._kept.state.v)
+        for kept in (self._kept and self._kept.state, self._kept_batcher and self._kept_batcher.state):
+            free += sum(t.nbytes for t in kept.k + kept.v) if kept else 0
         per_sequence = 2 * len(self.layers) * self.kv_heads * self.head_dim * seq_len * self.dtype.itemsize
         fits = max(1, int(free * self.memory_utilization // per_sequence))
         if fits < self.max_num_seqs:
@@ -163,7 +211,7 @@ class NativeRolloutEngine:
         if self._kept is not None and self._kept.shape == shape:
             self._kept.state.reset(self.tokenizer.pad_token_id)
             return self._kept.state
-        self._kept = None  # a kept cache of another shape goes before the new one is allocated
+        self._kept = self._kept_batcher = None  # a kept cache goes before the new one is allocated
         state = DecodeState.allocate(batch, prompt_len, steps, layers=len(self.layers), kv_heads=self.kv_heads,
                                      head_dim=self.head_dim, dtype=self.dtype, device=self.device,
                                      pad_token_id=self.tokenizer.pad_token_id)
@@ -231,7 +279,8 @@ class NativeRolloutEngine:
     def _decode_step_fn(self, state: DecodeState, params: SamplingParams):
         """One decode step as a callable: a CUDA graph replay on GPU, the eager step elsewhere."""
         def eager() -> None:
-            token, log_prob = sample(self._decode_logits(state), params, self.kernels.pickers)
+            logits = self.decode_logits(state.last_token, state.pad, state.prompt_len + state.step - 1, state.k, state.v)
+            token, log_prob = sample(logits, params, self.kernels.pickers)
             state.record(token, log_prob, self.eos, params.ignore_eos)
 
         if not self.use_cuda_graphs:
@@ -240,23 +289,25 @@ class NativeRolloutEngine:
         # cache is kept (free_cache_engine=False) and reused with the same state.
         return DecodeGraph(eager, state).replay
 
-    def _decode_logits(self, s: DecodeState) -> Tensor:
-        """Logits [B, V] for the last sampled token of every row, its K and V written to the cache.
+    def decode_logits(self, last_token: Tensor, pad: Tensor, column: Tensor, k_cache: list[Tensor],
+                      v_cache: list[Tensor], rows: Tensor | None = None) -> Tensor:
+        """Logits [B, V] for the last sampled token of every row, its K and V written to the cache
+        at `column` (one for the batch, or each row's own). `rows`: each query's row of the cache
+        (continuous batching), else query b is row b.
 
         Around the attention (one Triton kernel on GPU, which also writes the cache), each layer is
         two pure functions that torch.compile fuses on GPU (norms, RoPE, residual adds and the SiLU
         gate become a handful of kernels around the matmuls): decoding a small model is bound by
         kernel launches and bytes read, not FLOPs."""
         f = self.kernels
-        column = s.prompt_len + s.step - 1                                        # [1] cache column
         w = self.weights
-        x, cos, sin, visible = f.step_inputs(s.last_token, s.pad, column, s.k[0].shape[2], w.embed, w.inv_freq,
+        x, cos, sin, visible = f.step_inputs(last_token, pad, column, k_cache[0].shape[2], w.embed, w.inv_freq,
                                              w.rope_scale)
         h = f.rms_norm(x, w.layers[0].input_norm, self.eps)
         for i, layer in enumerate(w.layers):
             q, k, v = f.attention_inputs(h, layer.qkv, layer.qkv_bias, layer.qkv_lora, cos, sin, self.heads,
                                          self.kv_heads)
-            attention = self.attention(q, k, v, s.k[i], s.v[i], s.pad, column, visible)  # writes k, v
+            attention = self.attention(q, k, v, k_cache[i], v_cache[i], pad, column, visible, rows)  # writes k, v
             x, h = f.attention_output_and_mlp(x, attention, layer.o, layer.post_norm, layer.gate_up, layer.down,
                                               w.norm_after(i), self.eps, layer.adapters_after_attention)
         return F.linear(h, w.lm_head)

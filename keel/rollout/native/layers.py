@@ -31,10 +31,11 @@ class StepFunctions:
 def step_inputs(last_token: Tensor, pad: Tensor, column: Tensor, cache_len: int, embed: Tensor, inv_freq: Tensor,
                  rope_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Embeddings [B, hidden], RoPE cos/sin [B, 1, D] at each row's position (left padding
-    skipped), and the visible cache columns [B, 1, 1, L]."""
+    skipped), and the visible cache columns [B, 1, 1, L]. `column`: the cache column of this
+    step's token, one for the batch [1] or each row's own [B]."""
     positions = column - pad                                                    # [B]
     cols = torch.arange(cache_len, device=pad.device)
-    visible = ((cols >= pad[:, None]) & (cols <= column))[:, None, None]        # [B, 1, 1, L]
+    visible = ((cols >= pad[:, None]) & (cols <= column[:, None]))[:, None, None]  # [B, 1, 1, L]
     cos, sin = rope(positions, inv_freq, rope_scale, embed.dtype)
     return F.embedding(last_token, embed), cos, sin, visible
 

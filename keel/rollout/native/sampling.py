@@ -11,7 +11,6 @@ from torch import Tensor
 
 from keel.types import SamplingParams
 
-
 SAMPLE_BLOCK = 1024  # vocabulary entries per block of two-stage sampling
 
 

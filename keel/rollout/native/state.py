@@ -75,9 +75,22 @@ class KeptCache:
 
 
 
+def capture(step_fn, pool=None) -> torch.cuda.CUDAGraph:
+    """`step_fn` captured as a CUDA graph (run once on a side stream first, as capture requires:
+    allocator and kernel selection). The warm-up's effects are the caller's to undo."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step_fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):  # recorded, not run
+        step_fn()
+    return graph
+
+
 class DecodeGraph:
-    """A decode step captured once and replayed; warm-up runs on a side stream first, as CUDA
-    graph capture requires."""
+    """A decode step captured once and replayed."""
 
     def __init__(self, step_fn, state: DecodeState):
         self.state = state  # the graph reads and writes its buffers: they live as long as it does
@@ -86,14 +99,7 @@ class DecodeGraph:
         # writes the same values there again.
         saved = (state.step.clone(), state.tokens.clone(), state.log_probs.clone(), state.last_token.clone(),
                  state.done.clone())
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step_fn()  # warm-up: allocator and kernel selection
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):  # recorded, not run
-            step_fn()
+        self.graph = capture(step_fn)
         step, tokens, log_probs, last, done = saved
         state.step.copy_(step), state.tokens.copy_(tokens), state.log_probs.copy_(log_probs)
         state.last_token.copy_(last), state.done.copy_(done)

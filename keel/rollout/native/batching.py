@@ -1,0 +1,330 @@
+"""Continuous batching in the native engine: a sequence keeps a row of one KV cache for as long as
+it lasts (every turn of a multi-turn episode), and each decode step runs over the rows generating
+now, whatever each one's position.
+
+- A sequence that stops (a stop token, its turn's limit) leaves the decode batch and keeps its KV.
+  When it comes back with new tokens (a tool's output and the template's next prompt, a user turn),
+  only those are prefilled, after its cached columns.
+- Sequences waiting for a row take the rows of finished ones: the long tail of single-turn
+  rollouts with EOS decodes beside new prompts instead of alone.
+- The decode step reads a table of the rows it runs over. On GPU it is one CUDA graph per
+  power-of-two batch bucket, kept while the batcher lives; slots past the active rows point at a
+  scratch row that no sequence reads.
+
+Rows start at cache column 0 (no left padding): a row's positions are its columns.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from keel.rollout.native.layers import (
+    attention_inputs,
+    attention_output_and_mlp,
+    grouped_attention,
+    rms_norm,
+    rope,
+)
+from keel.rollout.native.sampling import sample
+from keel.rollout.native.state import Clock, capture
+from keel.types import SamplingParams
+
+DONE_CHECK_EVERY = 16     # decode steps between looks at which turns ended (a host sync)
+KEYS_PER_PASS = 8         # prefill keys gathered in one pass, in units of max_num_batched_tokens
+
+
+@dataclass
+class Finished:
+    """A turn that ended: its sampled tokens (the stop token included) and their log-probs."""
+    key: object
+    ids: list[int]
+    log_probs: list[float]
+
+
+@dataclass
+class Waiting:
+    key: object
+    context: list[int]    # the sequence's whole context: what is cached, then the new tokens
+    limit: int            # tokens this turn may take
+    group: object = None  # sequences of one group with the same first context share its prefill
+
+
+@dataclass
+class RowState:
+    """The device state of every row (the last one is the scratch row); static, as graphs need."""
+    k: list[Tensor]        # per layer [R + 1, KV, L, D]
+    v: list[Tensor]
+    length: Tensor         # [R + 1] cache columns written
+    last_token: Tensor     # [R + 1] the token the next step reads: sampled, not yet in the cache
+    count: Tensor          # [R + 1] tokens sampled this turn
+    limit: Tensor          # [R + 1] tokens this turn may take
+    done: Tensor           # [R + 1] bool: the turn ended
+    tokens: Tensor         # [R + 1, T + 1] this turn's tokens
+    log_probs: Tensor      # [R + 1, T + 1]
+
+    @classmethod
+    def allocate(cls, rows: int, max_len: int, turn_tokens: int, *, layers: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> "RowState":
+        def zeros(*shape, kind=torch.long):
+            return torch.zeros(shape, dtype=kind, device=device)
+
+        cache = (rows + 1, kv_heads, max_len, head_dim)
+        return cls(k=[zeros(*cache, kind=dtype) for _ in range(layers)],
+                   v=[zeros(*cache, kind=dtype) for _ in range(layers)],
+                   length=zeros(rows + 1), last_token=zeros(rows + 1), count=zeros(rows + 1), limit=zeros(rows + 1),
+                   done=torch.ones(rows + 1, dtype=torch.bool, device=device),
+                   tokens=zeros(rows + 1, turn_tokens + 1), log_probs=zeros(rows + 1, turn_tokens + 1,
+                                                                            kind=torch.float32))
+
+    def record(self, rows: Tensor, token: Tensor, log_prob: Tensor, eos: Tensor, ignore_eos: bool) -> Tensor:
+        """This step's token for each of `rows` whose turn goes on, on the device -> which did.
+        A row whose turn ended writes past its count, where nothing is read."""
+        live = ~self.done[rows]
+        at = self.count[rows].clamp(max=self.tokens.shape[1] - 1)
+        self.tokens[rows, at] = token
+        self.log_probs[rows, at] = log_prob.float()
+        count = self.count[rows] + live
+        self.count[rows] = count
+        self.last_token[rows] = torch.where(live, token, self.last_token[rows])
+        stop = count >= self.limit[rows]
+        if not ignore_eos:
+            stop |= torch.isin(token, eos)
+        self.done[rows] = self.done[rows] | (live & stop)
+        return live
+
+
+class ContinuousBatcher:
+    """Sequences added with `add` generate one turn each time they are added; `step` admits,
+    decodes a few steps and returns the turns that ended; `release` gives a sequence's row back."""
+
+    def __init__(self, engine, rows: int, max_len: int, turn_tokens: int):
+        self.engine, self.shape = engine, (rows, max_len, turn_tokens)
+        self.state = RowState.allocate(rows, max_len, turn_tokens, layers=len(engine.layers),
+                                       kv_heads=engine.kv_heads, head_dim=engine.head_dim, dtype=engine.dtype,
+                                       device=engine.device)
+        self.scratch = rows
+        self.graphs: dict[int, tuple[Tensor, object]] = {}  # bucket -> (its row table, its step)
+        self.pool = torch.cuda.graph_pool_handle() if engine.use_cuda_graphs else None
+        self.params: SamplingParams | None = None
+        self.prefilled = 0  # tokens prefilled over the batcher's life
+        self.reset()
+
+    def reset(self) -> None:
+        """Every row free (a kept batcher, reused by the next call)."""
+        self.free = list(range(self.scratch))[::-1]
+        self.row_of: dict[object, int] = {}
+        self.key_of: dict[int, object] = {}
+        self.contexts: dict[int, list[int]] = {}   # per row: the context so far (cached, then last_token)
+        self.waiting: list[Waiting] = []
+        self.active: list[int] = []
+        self.left: dict[int, int] = {}             # per active row: most tokens its turn may still take
+        self.state.done.fill_(True)
+        self.table: tuple | None = None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def add(self, key, context: list[int], limit: int, group=None) -> None:
+        """A turn for `key`: a new sequence, or one returning with its context extended."""
+        self.waiting.append(Waiting(key, list(context), limit, group))
+
+    def release(self, key) -> None:
+        row = self.row_of.pop(key)
+        del self.key_of[row], self.contexts[row]
+        self.free.append(row)
+
+    def step(self, params: SamplingParams) -> list[Finished]:
+        """Admit what has a row, decode up to DONE_CHECK_EVERY steps -> the turns that ended."""
+        if params != self.params:  # sampling settings are constants in the captured graphs
+            self.params, self.graphs, self.table = params, {}, None
+        clock = Clock(self.engine.device)
+        finished = self._admit(params)
+        clock.lap("prefill")
+        if self.active:
+            steps = min(DONE_CHECK_EVERY, max(self.left[row] for row in self.active))
+            run = self._bucket_step(params)
+            clock.lap("capture")
+            for _ in range(steps):
+                run()
+            for row in self.active:
+                self.left[row] -= steps
+            finished += self._collect()
+            clock.lap("decode")
+        timing = self.engine.timing
+        for part, seconds in clock.laps.items():
+            timing[part] = timing.get(part, 0.0) + seconds
+        return finished
+
+    # --- admission: prefill of the new tokens, the turn's first token ------------------------------
+    def _admit(self, params: SamplingParams) -> list[Finished]:
+        admitted, self.waiting = self._take_rows(self.waiting)
+        if not admitted:
+            return []
+        sources: dict[tuple, int] = {}   # a group's first context -> the row that prefills it
+        unique, copies = [], []          # (row, start, new tokens); (row, source row, length)
+        for row, item in admitted:
+            start = len(self.contexts[row]) - 1 if self.contexts[row] else 0
+            if item.context[:start] != self.contexts[row][:start]:
+                raise RuntimeError("a returning sequence's context must extend what it generated")
+            self.contexts[row] = item.context
+            new = item.context[start:]
+            shared = (item.group, tuple(new)) if start == 0 and item.group is not None else None
+            if shared in sources:
+                copies.append((row, sources[shared], len(new)))
+                continue
+            if shared is not None:
+                sources[shared] = row
+            unique.append((row, start, new))
+        logits = self._prefill(unique)
+        for row, source, length in copies:
+            for cache in self.state.k + self.state.v:
+                cache[row, :, :length] = cache[source, :, :length]
+        source_of = {row: i for i, (row, _, _) in enumerate(unique)}
+        source_of.update({row: source_of[source] for row, source, _ in copies})
+        rows = [row for row, _ in admitted]
+        self._first_token(rows, logits[[source_of[row] for row in rows]], [item.limit for _, item in admitted],
+                          params)
+        done = self.state.done[torch.tensor(rows, device=self.engine.device)].tolist()
+        for row, ended, (_, item) in zip(rows, done, admitted):
+            if not ended:
+                self.active.append(row)
+                self.left[row] = item.limit - 1
+        return self._read([row for row, ended in zip(rows, done) if ended])
+
+    def _take_rows(self, waiting: list[Waiting]) -> tuple[list[tuple[int, Waiting]], list[Waiting]]:
+        """(row, item) for each item with a row (its own, or a free one); the rest wait."""
+        admitted, still = [], []
+        for item in waiting:
+            row = self.row_of.get(item.key)
+            if row is None and self.free:
+                row = self.free.pop()
+                self.row_of[item.key], self.key_of[row], self.contexts[row] = row, item.key, []
+            if row is None:
+                still.append(item)
+            else:
+                admitted.append((row, item))
+        return admitted, still
+
+    def _first_token(self, rows: list[int], logits: Tensor, limits: list[int], params: SamplingParams) -> None:
+        s, device = self.state, self.engine.device
+        rows_t = torch.tensor(rows, device=device)
+        s.length[rows_t] = torch.tensor([len(self.contexts[row]) for row in rows], device=device)
+        s.limit[rows_t] = torch.tensor(limits, device=device)
+        s.count[rows_t], s.done[rows_t] = 0, False
+        token, log_prob = sample(logits, params, self.engine.kernels.pickers)
+        s.record(rows_t, token, log_prob, self.engine.eos, params.ignore_eos)
+
+    def _prefill(self, items: list[tuple[int, int, list[int]]]) -> Tensor:
+        """The new tokens of each (row, start column, tokens), in passes of at most
+        max_num_batched_tokens tokens (a longer extension's leading pieces go first, one pass each:
+        chunked prefill) -> logits [len(items), V] at each one's last token."""
+        budget = self.engine.max_num_batched_tokens
+        pieces = []
+        for row, start, new in items:
+            while len(new) > budget:
+                self._extend([(row, start, new[:budget])])
+                start, new = start + budget, new[budget:]
+            pieces.append((row, start, new))
+        order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i][2]))
+        logits: list[Tensor | None] = [None] * len(pieces)
+        batch: list[int] = []
+        for i in order + [None]:
+            if batch and (i is None or not self._fits([pieces[j] for j in batch + [i]], budget)):
+                for j, row_logits in zip(batch, self._extend([pieces[j] for j in batch])):
+                    logits[j] = row_logits
+                batch = []
+            if i is not None:
+                batch.append(i)
+        return torch.stack(logits)
+
+    @staticmethod
+    def _fits(pieces, budget: int) -> bool:
+        widest = max(len(new) for _, _, new in pieces)
+        furthest = max(start + len(new) for _, start, new in pieces)
+        return len(pieces) * widest <= budget and len(pieces) * furthest <= KEYS_PER_PASS * budget
+
+    def _extend(self, pieces: list[tuple[int, int, list[int]]]) -> Tensor:
+        """One prefill pass: each row's new tokens attend to its cached columns and to each other,
+        their K and V written after the cached ones -> logits [u, V] at each row's last new token."""
+        e, s, w, device = self.engine, self.state, self.engine.weights, self.engine.device
+        u, width = len(pieces), max(len(new) for _, _, new in pieces)
+        self.prefilled += sum(len(new) for _, _, new in pieces)
+        rows = torch.tensor([row for row, _, _ in pieces], device=device)
+        lengths = torch.tensor([len(new) for _, _, new in pieces], device=device)
+        ids = torch.full((u, width), e.tokenizer.pad_token_id, dtype=torch.long)
+        for i, (_, _, new) in enumerate(pieces):
+            ids[i, :len(new)] = torch.tensor(new)
+        positions = torch.tensor([start for _, start, _ in pieces], device=device)[:, None] + torch.arange(
+            width, device=device)                                                               # [u, m]
+        end = max(start + len(new) for _, start, new in pieces)
+        plain_causal = all(start == 0 and len(new) == width for _, start, new in pieces)
+        # A padding query sees every column up to its position: finite, and never used.
+        visible = None if plain_causal else (torch.arange(end, device=device) <= positions[:, :, None])[:, None]
+        real = torch.arange(width, device=device) < lengths[:, None]
+        piece_of, column_of = real.nonzero(as_tuple=True)
+        cache_rows, cache_columns = rows[piece_of], positions[piece_of, column_of]
+        x = F.embedding(ids.to(device), w.embed).flatten(0, 1)                                   # [u m, H]
+        cos, sin = rope(positions.flatten(), w.inv_freq, w.rope_scale, e.dtype)
+        h = rms_norm(x, w.layers[0].input_norm, e.eps)
+        for i, layer in enumerate(w.layers):
+            q, k, v = attention_inputs(h, layer.qkv, layer.qkv_bias, layer.qkv_lora, cos, sin, e.heads, e.kv_heads)
+            q, k, v = (t.view(u, width, t.shape[1], t.shape[-1]) for t in (q, k, v))          # [u, m, *, D]
+            s.k[i][cache_rows, :, cache_columns] = k[piece_of, column_of]
+            s.v[i][cache_rows, :, cache_columns] = v[piece_of, column_of]
+            attention = grouped_attention(q.transpose(1, 2), s.k[i][rows, :, :end], s.v[i][rows, :, :end], visible)
+            attention = attention.transpose(1, 2).reshape(x.shape[0], -1)
+            x, h = attention_output_and_mlp(x, attention, layer.o, layer.post_norm, layer.gate_up, layer.down,
+                                            w.norm_after(i), e.eps, layer.adapters_after_attention)
+        last = h.view(u, width, -1)[torch.arange(u, device=device), lengths - 1]
+        return F.linear(last, w.lm_head)
+
+    # --- decoding ----------------------------------------------------------------------------------
+    def _bucket_step(self, params: SamplingParams):
+        """The decode step over the active rows: the step of their bucket (the smallest power of
+        two holding them), its row table filled with them and the scratch row."""
+        bucket = 1 << (len(self.active) - 1).bit_length()
+        if bucket not in self.graphs:
+            table = torch.full((bucket,), self.scratch, dtype=torch.long, device=self.engine.device)
+            step = functools.partial(self._decode, table, torch.zeros_like(table), params)
+            if self.engine.use_cuda_graphs:  # captured on the scratch row: no sequence is touched
+                step = capture(step, self.pool).replay
+            self.graphs[bucket] = (table, step)
+        table, step = self.graphs[bucket]
+        if self.table != (bucket, *self.active):
+            rows = self.active + [self.scratch] * (bucket - len(self.active))
+            table.copy_(torch.tensor(rows))
+            self.table = (bucket, *self.active)
+        return step
+
+    def _decode(self, rows: Tensor, pad: Tensor, params: SamplingParams) -> None:
+        e, s = self.engine, self.state
+        column = s.length[rows]
+        logits = e.decode_logits(s.last_token[rows], pad, column, s.k, s.v, rows=rows)
+        token, log_prob = sample(logits, params, e.kernels.pickers)
+        s.length[rows] = column + s.record(rows, token, log_prob, e.eos, params.ignore_eos)
+
+    def _collect(self) -> list[Finished]:
+        done = self.state.done[torch.tensor(self.active, device=self.engine.device)].tolist()
+        ended = [row for row, d in zip(self.active, done) if d]
+        self.active = [row for row, d in zip(self.active, done) if not d]
+        return self._read(ended)
+
+    def _read(self, rows: list[int]) -> list[Finished]:
+        """The ended turns of `rows`, their tokens added to the rows' contexts."""
+        if not rows:
+            return []
+        index = torch.tensor(rows, device=self.engine.device)
+        s = self.state
+        finished = []
+        for row, count, ids, log_probs in zip(rows, s.count[index].tolist(), s.tokens[index].tolist(),
+                                              s.log_probs[index].tolist()):
+            self.contexts[row] = self.contexts[row] + ids[:count]
+            self.left.pop(row, None)
+            finished.append(Finished(self.key_of[row], ids[:count], log_probs[:count]))
+        return finished
