@@ -108,7 +108,7 @@ class ContinuousBatcher:
                                        kv_heads=engine.kv_heads, head_dim=engine.head_dim, dtype=engine.dtype,
                                        device=engine.device)
         self.scratch = rows
-        self.graphs: dict[int, tuple[Tensor, object]] = {}  # bucket -> (its row table, its step)
+        self.graphs: dict[int, tuple[Tensor, Tensor, object]] = {}  # bucket -> (row table, pad, its step)
         self.pool = torch.cuda.graph_pool_handle() if engine.use_cuda_graphs else None
         self.params: SamplingParams | None = None
         self.prefilled = 0  # tokens prefilled over the batcher's life
@@ -291,11 +291,13 @@ class ContinuousBatcher:
         bucket = 1 << (len(self.active) - 1).bit_length()
         if bucket not in self.graphs:
             table = torch.full((bucket,), self.scratch, dtype=torch.long, device=self.engine.device)
-            step = functools.partial(self._decode, table, torch.zeros_like(table), params)
+            pad = torch.zeros_like(table)  # rows start at column 0
+            step = functools.partial(self._decode, table, pad, params)
             if self.engine.use_cuda_graphs:  # captured on the scratch row: no sequence is touched
                 step = capture(step, self.pool).replay
-            self.graphs[bucket] = (table, step)
-        table, step = self.graphs[bucket]
+            # The graph reads table and pad at the addresses it was captured with: they live with it.
+            self.graphs[bucket] = (table, pad, step)
+        table, _, step = self.graphs[bucket]
         if self.table != (bucket, *self.active):
             rows = self.active + [self.scratch] * (bucket - len(self.active))
             table.copy_(torch.tensor(rows))

@@ -11,12 +11,20 @@ from torch import Tensor
 from keel.rollout.native.sampling import Pickers, pick_blocked, pick_token
 
 
+RECOMPILE_LIMIT = 64
+
+
 class StepFunctions:
     """The pure parts of a decode step, compiled by torch.compile where it can fuse them (CUDA
     with Triton; fullgraph, so a graph break is an error), plain functions elsewhere (CPU, or
     `rollout.enforce_eager`)."""
 
     def __init__(self, compiled: bool):
+        if compiled:
+            # Each batch bucket, cache length and dtype is a compiled variant of these few functions;
+            # past dynamo's default of 8, fullgraph=True would make a recompile a hard failure.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+
         def prepared(fn):
             return torch.compile(fn, fullgraph=True) if compiled else fn
 
