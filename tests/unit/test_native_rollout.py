@@ -267,12 +267,10 @@ def test_multi_turn_greedy_rollouts_equal_the_hf_engines_and_prefill_only_new_to
     native, hf, _, prompts = engines(model_dir, n=2, max_num_seqs=rows, init_std=0.2)
     native.keep_cache = True  # the batcher stays, to be looked at
 
-    def rollout(engine):
-        options = AgentOptions(max_assistant_turns=4, budget=160, turn_tokens=8, format="every-turn")
-        return AgentLoop(engine, native.tokenizer, [echo], options, native.eos_ids).generate(
-            prompts, SamplingParams(do_sample=False, max_new_tokens=160))
-
-    ours, theirs = rollout(native), rollout(hf)
+    loops = [AgentLoop(engine, native.tokenizer, [echo], AgentOptions(
+        max_assistant_turns=4, budget=160, turn_tokens=8, format="every-turn"), native.eos_ids) for engine in (native, hf)]
+    ours, theirs = (loop.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=160)) for loop in loops)
+    assert {"prefill", "decode", "tools"} <= set(loops[0].timing)  # timing_s/gen_* of the engine's parts
     assert max(r.extra_info["num_turns"] for r in theirs.records) >= 5  # several tool turns: a real comparison
     assert ours.response_ids.tolist() == theirs.response_ids.tolist()
     assert torch.equal(ours.response_mask, theirs.response_mask)

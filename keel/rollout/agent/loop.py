@@ -146,6 +146,7 @@ class AgentLoop:
                     for episode in plan.pending:
                         (batcher.release(episode) if episode.done else
                          batcher.add(episode, episode.context, self._turn_limit(episode)))
+        self.timing.update(self.engine.timing)
 
     def _turn_limit(self, episode: Episode) -> int:
         left = self.options.budget - len(episode.ids)

@@ -137,6 +137,7 @@ class NativeRolloutEngine:
         """Rows for up to `sequences` sequences of at most `max_len` tokens (as many as fit memory),
         a turn taking at most `turn_tokens`; kept between calls with free_cache_engine=False."""
         rows = min(sequences, self._sequences_at_once(max_len))
+        self.timing = {}  # the batcher's steps add theirs
         kept = self._kept_batcher
         if kept is not None and kept.shape == (rows, max_len, turn_tokens):
             kept.reset()
