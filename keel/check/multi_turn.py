@@ -8,6 +8,7 @@ from keel.check.findings import PASS, WARN, Finding, need
 from keel.config.schema import KeelConfig
 from keel.rollout.agent.template import first_difference, round_trip
 from keel.rollout.agent.environment import load_environment
+from keel.rollout.agent.interaction import load_interactions
 from keel.rollout.agent.tools import load_tool_config
 
 
@@ -17,12 +18,15 @@ def check_multi_turn(cfg: KeelConfig, context: dict) -> list[Finding]:
         return []
     tokenizer = need(context, "tokenizer")
     tools = load_tool_config(multi_turn.tool_config_path) if multi_turn.tool_config_path else []
-    environment = load_environment(multi_turn.environment) if multi_turn.environment else None
+    environment = load_environment(multi_turn.environment).__name__ if multi_turn.environment else None
+    if multi_turn.interaction_config_path:
+        environment = "verl interactions " + ", ".join(load_interactions(multi_turn.interaction_config_path))
     found = [Finding(PASS, "multi-turn", f"tools: {', '.join(t.name for t in tools) or 'none'}; environment: "
-                                         f"{environment.__name__ if environment else 'none'}")
+                                         f"{environment or 'none'}")
              if tools or environment else
-             Finding(WARN, "multi-turn", "multi_turn.enable with no tool_config_path and no environment: nothing "
-                                         "answers the model, so every rollout is one turn")]
+             Finding(WARN, "multi-turn", "multi_turn.enable with no tool_config_path, environment or "
+                                         "interaction_config_path: nothing answers the model, so every rollout "
+                                         "is one turn")]
     built, reference = round_trip(tokenizer, [t.schema for t in tools])
     position = first_difference(built, reference)
     if position is None:

@@ -29,6 +29,10 @@ class MultiTurnConfig:
                                              "module.Class (keel.rollout.agent.Environment: reset, step -> "
                                              "observation, reward, done)")
     environment_config: dict = opt(factory=dict, help="given to the environment's class")
+    interaction_config_path: str | None = opt(None, help="verl's interaction config YAML: interaction: [{name, "
+                                                         "class_name, config}], a simulated user answering turns "
+                                                         "without tool calls (one per episode by "
+                                                         "extra_info.interaction_kwargs.name)")
     max_user_turns: int | None = opt(None, gt=0, help="an environment's observations per trajectory; null: until "
                                                       "it says done")
     max_tokens_per_turn: int | None = opt(None, gt=0, help="keel: tokens one assistant turn may take; a turn cut "

@@ -174,6 +174,11 @@ def _check_options(cfg: KeelConfig) -> None:
         raise incompatible(
             f"actor_rollout_ref.rollout.do_sample=false with rollout.n={rollout.n}: greedy samples "
             "of one prompt are identical", "set rollout.do_sample=true or rollout.n=1")
+    multi_turn = rollout.multi_turn
+    if multi_turn.environment and multi_turn.interaction_config_path:
+        raise incompatible("rollout.multi_turn.environment and rollout.multi_turn.interaction_config_path both "
+                           "answer the turns without tool calls", "keep one: keel's environment or verl's "
+                           "interactions")
     _check_world(cfg, incompatible)
     _check_token_budgets(cfg)
     _check_rollout_lengths(cfg, incompatible)

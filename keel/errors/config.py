@@ -89,12 +89,14 @@ VERL_UNSUPPORTED = register(
 TOOL_CONFIG = register(
     "KEEL-C016", "A tool or environment the rollout calls cannot be built",
     "Multi-turn rollouts call the tools in actor_rollout_ref.rollout.multi_turn.tool_config_path (verl's "
-    "format: class_name, config, tool_schema) or given in Python, and multi_turn.environment: the file is "
-    "missing or malformed, a class name resolves to no class with an execute (tool) or step (environment) "
-    "method, two tools share a name, or a Python tool's parameters lack type hints, so its schema cannot "
-    "be derived.",
+    "format: class_name, config, tool_schema) or given in Python, multi_turn.environment, and verl's "
+    "interactions in multi_turn.interaction_config_path (name, class_name, config): the file is missing or "
+    "malformed, a class name resolves to no class with an execute (tool), step (environment) or "
+    "generate_response (interaction) method, two tools or interactions share a name, a class raises when "
+    "built, or a Python tool's parameters lack type hints, so its schema cannot be derived.",
     "Fix the entry the message names: class_name one of keel's built-ins (keel.tools.Calculator) or an "
     "importable module.Class, every tool with a tool_schema.function.name of its own.",
-    ("actor_rollout_ref.rollout.multi_turn.tool_config_path", "actor_rollout_ref.rollout.multi_turn.environment"))
+    ("actor_rollout_ref.rollout.multi_turn.tool_config_path", "actor_rollout_ref.rollout.multi_turn.environment",
+     "actor_rollout_ref.rollout.multi_turn.interaction_config_path"))
 
 __all__ = [name for name in dir() if name.isupper()]

@@ -336,3 +336,96 @@ def test_an_environment_that_names_no_class_with_a_step_is_refused(tmp_path, mon
         with pytest.raises(KeelError) as error:
             load_environment(name)
         assert error.value.code == TOOL_CONFIG and "step()" in error.value.message, name
+
+
+VERL_INTERACTION = '''
+from uuid import uuid4
+
+
+class BaseInteraction:  # verl.interactions.base, as verl writes it
+    def __init__(self, config):
+        self.config = config
+        self.name = config.get("name", "interaction_agent")
+
+    async def finalize_interaction(self) -> None:
+        pass
+
+
+class Gsm8kInteraction(BaseInteraction):  # verl's example, its scorer reduced to a string compare
+    def __init__(self, config):
+        super().__init__(config)
+        self._instance_dict = {}
+
+    async def start_interaction(self, instance_id=None, ground_truth=None, **kwargs):
+        instance_id = instance_id or str(uuid4())
+        self._instance_dict[instance_id] = {"response": "", "ground_truth": ground_truth}
+        return instance_id
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        content = next(m["content"] for m in reversed(messages) if m["role"] == "assistant")
+        assert messages[0]["role"] == "user" and "question" in messages[0]["content"]  # the prompt comes first
+        correct = content.strip() == self._instance_dict[instance_id]["ground_truth"]
+        if correct:
+            return True, "Your response is correct!", 1.0, {}
+        return False, "Your response is incorrect! Try again.", 0.0, {}
+
+    async def finalize_interaction(self, instance_id, **kwargs):
+        del self._instance_dict[instance_id]
+
+
+class Polite(BaseInteraction):  # the base class's finalize, which takes no instance id
+    async def start_interaction(self, instance_id=None, **kwargs):
+        return instance_id
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        return False, "go on", None, {}
+'''
+
+
+def test_verls_interactions_answer_turns_and_are_finalised(tmp_path):
+    """interaction_config_path in verl's format, the class from a file beside it: each episode takes
+    the interaction its interaction_kwargs name; the reply is the next user turn, the score adds to
+    the reward, termination ends the episode, and every instance is finalised at the end."""
+    from keel.rollout.agent.interaction import InteractionEnvironment, load_interactions
+
+    (tmp_path / "talk.py").write_text(VERL_INTERACTION)
+    config = tmp_path / "interactions.yaml"
+    config.write_text("interaction:\n  - name: gsm8k\n    class_name: talk.py:Gsm8kInteraction\n    config: {}\n"
+                      "  - class_name: talk.py:Polite\n    config: {}\n")
+    interactions = load_interactions(config)
+    assert sorted(interactions) == ["gsm8k", "polite"]  # verl's default name: the class's, less "Interaction"
+    tokenizer = build_tokenizer()
+    rows = [{"prompt": [{"role": "user", "content": f"question {i}"}],
+             "extra_info": {"interaction_kwargs": kwargs}} for i, kwargs in enumerate([
+                 {"name": "gsm8k", "ground_truth": "72"}, {"name": "polite"}, {"name": "nobody"}])]
+    records, _ = build_prompt_dataset(rows, tokenizer, max_prompt_length=64)
+    engine = ScriptedEngine(tokenizer, lambda text, turn: ["70", "72", "71"][turn])
+    loop = AgentLoop(engine, tokenizer, [], AgentOptions(max_assistant_turns=3, budget=200), [tokenizer.eos_token_id],
+                     InteractionEnvironment, {"interactions": interactions})
+    batch = loop.generate(collate_prompts(records, tokenizer.pad_token_id), SamplingParams(do_sample=False))
+    gsm8k, polite, nobody = (r.extra_info for r in batch.records)
+    assert [m["content"] for m in gsm8k["conversation"]] == ["70", "Your response is incorrect! Try again.", "72"]
+    assert gsm8k["turn_reward"] == 1.0 and gsm8k["user_turns"] == 1 and gsm8k["environment_errors"] == 0
+    assert polite["user_turns"] == 2 and polite["turn_reward"] == 0.0 and polite["environment_errors"] == 0
+    assert nobody["environment_errors"] == 1 and nobody["user_turns"] == 0  # no such interaction: counted
+    assert interactions["gsm8k"]._instance_dict == {}  # finalised
+
+
+@pytest.mark.parametrize("text, needle", [
+    (None, "does not exist"),
+    ("tools: []\n", "no `interaction:` list"),
+    ("interaction:\n  - name: x\n", "no class_name"),
+    ("interaction:\n  - class_name: nowhere.Interaction\n", "cannot be imported"),
+    ("interaction:\n  - {name: a, class_name: talk.py:Polite}\n  - {name: a, class_name: talk.py:Polite}\n",
+     "a second interaction named 'a'"),
+])
+def test_an_interaction_config_that_does_not_build_is_refused(tmp_path, text, needle):
+    from keel.rollout.agent.interaction import load_interactions
+
+    (tmp_path / "talk.py").write_text(VERL_INTERACTION)
+    config = tmp_path / "interactions.yaml"
+    if text is not None:
+        config.write_text(text)
+    with pytest.raises(KeelError) as error:
+        load_interactions(config)
+    assert error.value.code == TOOL_CONFIG and needle in error.value.message

@@ -106,6 +106,9 @@ def test_batch_arithmetic_names_the_numbers():
     # a 1024-token prompt fits no 512-token prefill pass without chunked prefill
     ["data.max_prompt_length=1024", "actor_rollout_ref.rollout.max_num_batched_tokens=512",
      "actor_rollout_ref.rollout.enable_chunked_prefill=false"],
+    # two things answering the same turns
+    ["actor_rollout_ref.rollout.multi_turn.environment=games.py:Game",
+     "actor_rollout_ref.rollout.multi_turn.interaction_config_path=users.yaml"],
 ])
 def test_incompatible_options(overrides):
     assert error_of(overrides).code == INCOMPATIBLE_OPTIONS

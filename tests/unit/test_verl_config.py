@@ -63,7 +63,6 @@ def test_every_verl_leaf_is_known_by_name():
     ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", 2, "sequence parallelism"),
     ("actor_rollout_ref.actor.strategy", "megatron", "Megatron"),
     ("critic.model.enable_activation_offload", True, "activation"),
-    ("actor_rollout_ref.rollout.multi_turn.interaction_config_path", "users.yaml", "simulated user"),
     ("reward_model.sandbox_fusion.url", "http://sandbox:8080", "SandboxFusion"),
     ("reward_model.reward_manager", "limited", "reward manager"),
     ("actor_rollout_ref.actor.ppo_micro_batch_size", 32, "ppo_micro_batch_size_per_gpu"),

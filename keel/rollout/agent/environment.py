@@ -1,7 +1,9 @@
 """Environments: tasks that answer the model's turns rather than its tool calls (a simulated user, a
 game, a checker that gives feedback). keel's protocol, as in gym: one instance per episode, `reset`
 before the first turn, `step(text)` after each assistant turn that calls no tool, returning the
-observation (the next user turn), a reward added to the episode's score, and whether it is over."""
+observation (the next user turn), a reward added to the episode's score, and whether it is over;
+`close` when the episode ends. verl's interaction classes run through this protocol too
+(interaction.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ class Environment(ABC):
     def __init__(self, config: dict | None = None):
         self.config = config or {}
         self.extra_info: dict = {}
+        self.prompt: str | list[dict] | None = None  # the episode's prompt as in the data, set before reset
 
     def reset(self, extra_info: dict) -> None:
         """Before the episode's first turn: its data row's extra_info (the task's own settings,
@@ -24,6 +27,9 @@ class Environment(ABC):
     @abstractmethod
     def step(self, text: str) -> tuple[str, float, bool]:
         """The model's turn (its text) -> (observation for the next user turn, reward, done)."""
+
+    def close(self) -> None:
+        """After the episode's last turn: release what the episode held."""
 
 
 def load_environment(class_name: str) -> type[Environment]:

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from keel.data.prompts import collate_prompts
 from keel.rollout.agent.environment import Environment, load_environment
+from keel.rollout.agent.interaction import InteractionEnvironment, load_interactions
 from keel.rollout.agent.parse import PARSERS
 from keel.rollout.agent.runner import ToolLimits, ToolRunner
 from keel.rollout.agent.template import TurnTemplate
@@ -108,14 +109,23 @@ class AgentLoop:
             while active := [e for e in episodes if not e.done]:
                 self._assistant_turn(active, params)
                 self._next_turn([e for e in active if not e.done])
+        self._close_environments(episodes)
         return self._batch(prompts, episodes)
 
     def _reset_environments(self, episodes: list[Episode]) -> None:
         environments = [self.environment(self.environment_config) for _ in episodes]
+        for environment, episode in zip(environments, episodes):
+            environment.prompt = episode.record.raw_prompt
         resets = self.runner.call_each([functools.partial(env.reset, dict(e.record.extra_info))
                                         for env, e in zip(environments, episodes)])
         for episode, environment, (_, status) in zip(episodes, environments, resets):
             episode.environment = environment if status == "ok" else None
+            episode.environment_errors += status != "ok"
+
+    def _close_environments(self, episodes: list[Episode]) -> None:
+        """Every environment closed (one that raises or hangs is counted, as a step would be)."""
+        having = [e for e in episodes if callable(getattr(e.environment, "close", None))]  # a class with step only
+        for episode, (_, status) in zip(having, self.runner.call_each([e.environment.close for e in having])):
             episode.environment_errors += status != "ok"
 
     def _run_continuously(self, episodes: list[Episode], params: SamplingParams) -> None:
@@ -327,5 +337,10 @@ def build_agent_loop(multi_turn, engine, tokenizer, budget: int) -> AgentLoop:
     options = AgentOptions(max_assistant_turns=multi_turn.max_assistant_turns or budget,
                            max_user_turns=multi_turn.max_user_turns, budget=budget, format=multi_turn.format,
                            limits=limits, turn_tokens=multi_turn.max_tokens_per_turn)
-    environment = load_environment(multi_turn.environment) if multi_turn.environment else None
-    return AgentLoop(engine, tokenizer, tools, options, engine.eos_ids, environment, multi_turn.environment_config)
+    environment, environment_config = None, multi_turn.environment_config
+    if multi_turn.environment:
+        environment = load_environment(multi_turn.environment)
+    elif multi_turn.interaction_config_path:
+        environment = InteractionEnvironment
+        environment_config = {"interactions": load_interactions(multi_turn.interaction_config_path)}
+    return AgentLoop(engine, tokenizer, tools, options, engine.eos_ids, environment, environment_config)
