@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_session.sh workloads [W]  w1,w2,w3 (or W) on one GPU
 #   bash benchmarks/gpu_session.sh lora           the LoRA and 7B workloads on one GPU
 #   bash benchmarks/gpu_session.sh large          w32: LoRA on Qwen2.5-32B shapes
-#   bash benchmarks/gpu_session.sh multi          m1: multi-turn, 4 turns of 128 tokens
+#   bash benchmarks/gpu_session.sh multi          m1: multi-turn, 4 turns of 128 tokens; w4: variable lengths
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -57,8 +57,9 @@ large() {
     timeout 560 python3 -m keel bench w32 --gpus 1 --steps 1 --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/w32.log" 2>&1
 }
 
-multi() {
+multi() {  # m1, then w4: variable lengths under continuous batching against fixed lengths and chunks
     timeout 300 python3 -m keel bench m1 --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/m1.log" 2>&1
+    timeout 240 python3 benchmarks/variable_lengths.py --out "$OUT/w4.jsonl" > "$OUT/w4.log" 2>&1; tail -1 "$OUT/w4.log"
 }
 
 summary() {
