@@ -153,8 +153,10 @@ class RolloutConfig(LogProbBatching):
     max_model_len: int | None = opt(None, gt=0, help="longest prompt + response the rollout holds; default: "
                                                      "data.max_prompt_length + data.max_response_length")
     enforce_eager: bool = opt(False, help="native: no CUDA graphs and no torch.compile in decoding (debugging)")
-    free_cache_engine: bool = opt(True, help="native: free the KV cache after each generation; false keeps it, "
-                                             "and its CUDA graph, for the next batch of the same shape")
+    free_cache_engine: bool | None = opt(None, help="native: true frees the KV cache after each generation; false "
+                                                    "keeps it, and its CUDA graphs, for the next batch of the same "
+                                                    "shape; null (keel's default): keeps it while it takes at most "
+                                                    "2% of the GPU's memory")
     gpu_memory_utilization: float = opt(0.5, gt=0, le=1, help="native: share of the free GPU memory the KV "
                                                               "cache may take (fewer sequences at once if needed)")
     val_kwargs: ValKwargs = opt(factory=ValKwargs)

@@ -265,7 +265,7 @@ def test_multi_turn_greedy_rollouts_equal_the_hf_engines_and_prefill_only_new_to
 
     model_dir = make_tiny_model(tmp_path / "m", arch="qwen2", hidden_size=64, num_layers=3, seed=3)
     native, hf, _, prompts = engines(model_dir, n=2, max_num_seqs=rows, init_std=0.2)
-    native.keep_cache = True  # the batcher stays, to be looked at
+    native.free_cache_engine = False  # the batcher stays, to be looked at
 
     loops = [AgentLoop(engine, native.tokenizer, [echo], AgentOptions(
         max_assistant_turns=4, budget=160, turn_tokens=8, format="every-turn"), native.eos_ids) for engine in (native, hf)]
@@ -281,3 +281,25 @@ def test_multi_turn_greedy_rollouts_equal_the_hf_engines_and_prefill_only_new_to
         after_turns = int((ours.response_attention - ours.response_mask).sum())
         returns = sum(r.extra_info["tool_calls"] for r in ours.records)  # each tool turn is followed by a turn
         assert native._kept_batcher.prefilled == once_per_group + after_turns + returns
+
+
+def test_free_cache_engine_unset_keeps_a_cache_of_at_most_two_percent_of_the_gpu():
+    from keel.rollout.native.engine import keeps_cache
+
+    gpu = 140 * 2 ** 30
+    assert keeps_cache(None, int(0.02 * gpu), gpu) and not keeps_cache(None, int(0.03 * gpu), gpu)
+    assert not keeps_cache(None, 1, 0)  # CPU: no graphs to keep
+    assert keeps_cache(False, gpu, gpu) and not keeps_cache(True, 1, gpu)  # as set, whatever the size
+
+
+def test_a_turn_that_does_not_fit_its_batcher_is_refused_before_it_writes(tiny_assets):
+    """Rows of 40 tokens, turns of 8: a longer turn, a context that would pass the row's end, and a
+    second turn for a sequence that has one under way are refused (each would write past a buffer)."""
+    native, _, _, _ = engines(tiny_assets["model"], n=1)
+    batcher = native.continuous_batcher(4, 40, 8)
+    for context, limit in (([5] * 10, 9), ([5] * 35, 8), ([5] * 10, 0)):
+        with pytest.raises(ValueError):
+            batcher.add("a", context, limit)
+    batcher.add("a", [5] * 10, 8)
+    with pytest.raises(ValueError, match="under way"):
+        batcher.add("a", [5] * 10, 8)

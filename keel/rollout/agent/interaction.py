@@ -7,14 +7,15 @@ class_name, config}]`) and shared by every episode, as verl shares them, each ep
 instance id. An episode takes the interaction named by its `extra_info.interaction_kwargs.name`
 (verl's rule), or the only one configured; the rest of interaction_kwargs goes to the calls, as
 in verl. The reply becomes the next user turn, the score adds to the episode's reward, and
-`finalize_interaction` runs when the episode ends (verl never calls it; keel does, so per-episode
-state does not pile up).
+`finalize_interaction` runs for every episode after the rollout (verl never calls it; keel does,
+so per-episode state does not pile up). Every call runs on one event loop, as in verl.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 from pathlib import Path
 from uuid import uuid4
 
@@ -73,21 +74,42 @@ class InteractionEnvironment(Environment):
             raise ValueError(f"extra_info.interaction_kwargs.name is {name!r}, not one of {sorted(interactions)}")
         self.interaction, self.instance_id = interactions[name], str(uuid4())
         _run(self.interaction.start_interaction(self.instance_id, **self.kwargs))
-        prompt = self.prompt if isinstance(self.prompt, list) else [{"role": "user", "content": str(self.prompt)}]
-        self.messages = [dict(m) for m in prompt]
 
     def step(self, text: str) -> tuple[str, float, bool]:
-        self.messages.append({"role": "assistant", "content": text})
-        done, reply, score, _ = _run(self.interaction.generate_response(self.instance_id, self.messages, **self.kwargs))
-        self.messages.append({"role": "user", "content": str(reply)})
+        """verl's messages: the prompt, then every turn so far (tool calls and results included),
+        the model's `text` last."""
+        prompt = self.prompt if isinstance(self.prompt, list) else [{"role": "user", "content": str(self.prompt)}]
+        messages = [dict(m) for m in prompt + self.conversation]
+        done, reply, score, _ = _run(self.interaction.generate_response(self.instance_id, messages, **self.kwargs))
         return str(reply), 0.0 if score is None else score, bool(done)
 
     def close(self) -> None:
-        finalize = self.interaction.finalize_interaction  # verl's base class takes no instance id
-        _run(finalize(self.instance_id) if inspect.signature(finalize).parameters else finalize())
+        finalize = self.interaction.finalize_interaction
+        try:  # verl's example takes the instance id; its base class takes nothing
+            inspect.signature(finalize).bind(self.instance_id)
+            _run(finalize(self.instance_id))
+        except TypeError:
+            _run(finalize())
+
+
+class _EventLoop:
+    """One event loop on a thread of its own for every interaction call, as verl has one loop: an
+    interaction's clients and locks belong to the loop they were made on."""
+    loop: asyncio.AbstractEventLoop | None = None
+    lock = threading.Lock()
+
+    @classmethod
+    def get(cls) -> asyncio.AbstractEventLoop:
+        with cls.lock:
+            if cls.loop is None:
+                cls.loop = asyncio.new_event_loop()
+                threading.Thread(target=cls.loop.run_forever, name="keel-interactions", daemon=True).start()
+            return cls.loop
 
 
 def _run(result):
-    """An async method's result (on this thread's own event loop: the loop calls environments from
-    worker threads), or a plain one's."""
-    return asyncio.run(result) if inspect.iscoroutine(result) else result
+    """An async method's result, run on the interactions' loop (the agent loop calls environments
+    from worker threads, which wait here), or a plain method's."""
+    if not inspect.iscoroutine(result):
+        return result
+    return asyncio.run_coroutine_threadsafe(result, _EventLoop.get()).result()

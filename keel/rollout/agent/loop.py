@@ -115,7 +115,7 @@ class AgentLoop:
     def _reset_environments(self, episodes: list[Episode]) -> None:
         environments = [self.environment(self.environment_config) for _ in episodes]
         for environment, episode in zip(environments, episodes):
-            environment.prompt = episode.record.raw_prompt
+            environment.prompt, environment.conversation = episode.record.raw_prompt, episode.conversation
         resets = self.runner.call_each([functools.partial(env.reset, dict(e.record.extra_info))
                                         for env, e in zip(environments, episodes)])
         for episode, environment, (_, status) in zip(episodes, environments, resets):
@@ -140,20 +140,21 @@ class AgentLoop:
         acting: dict[Future, _Plan] = {}
         with ThreadPoolExecutor(max_workers=4, thread_name_prefix="keel-turn") as pool:
             while batcher.busy or acting:
-                if not batcher.busy:
+                if acting and not batcher.runnable:  # every row's episode is in its tools
                     wait(acting, return_when=FIRST_COMPLETED)
-                ended = batcher.step(params) if batcher.busy else []
-                going = []
+                ended = batcher.step(params) if batcher.runnable else []
                 for turn in ended:
                     self._took_turn(turn.key, turn.ids, turn.log_probs)
-                    (batcher.release(turn.key) if turn.key.done else going.append(turn.key))
-                if going:
-                    plan = self._plan(going)
+                plan = self._plan([turn.key for turn in ended if not turn.key.done])
+                for turn in ended:
+                    if turn.key.done:  # its last turn: the row goes to a waiting episode
+                        batcher.release(turn.key)
+                if plan.calling or plan.talking:
                     acting[pool.submit(self._act, plan)] = plan
                 for future in [f for f in acting if f.done()]:
                     plan = acting.pop(future)
                     self._apply(plan, *future.result())
-                    for episode in plan.pending:
+                    for episode in plan.calling + plan.talking:
                         (batcher.release(episode) if episode.done else
                          batcher.add(episode, episode.context, self._turn_limit(episode)))
         self.timing.update(self.engine.timing)

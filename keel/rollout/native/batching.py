@@ -16,6 +16,7 @@ Rows start at cache column 0 (no left padding): a row's positions are its column
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -130,8 +131,19 @@ class ContinuousBatcher:
     def busy(self) -> bool:
         return bool(self.waiting or self.active)
 
+    @property
+    def runnable(self) -> bool:
+        """Whether `step` has work now: rows decoding, or a waiting turn with a row to take."""
+        return bool(self.active) or any(w.key in self.row_of or self.free for w in self.waiting)
+
     def add(self, key, context: list[int], limit: int, group=None) -> None:
         """A turn for `key`: a new sequence, or one returning with its context extended."""
+        rows, max_len, turn_tokens = self.shape
+        if not 0 < limit <= turn_tokens or len(context) + limit > max_len:
+            raise ValueError(f"a turn of {limit} tokens after {len(context)} does not fit rows of {max_len} tokens, "
+                             f"turns of {turn_tokens}")
+        if any(w.key == key for w in self.waiting) or self.row_of.get(key) in self.active:
+            raise ValueError(f"{key!r} already has a turn under way")
         self.waiting.append(Waiting(key, list(context), limit, group))
 
     def release(self, key) -> None:
@@ -139,10 +151,12 @@ class ContinuousBatcher:
         del self.key_of[row], self.contexts[row]
         self.free.append(row)
 
+    @torch.no_grad()
     def step(self, params: SamplingParams) -> list[Finished]:
         """Admit what has a row, decode up to DONE_CHECK_EVERY steps -> the turns that ended."""
-        if params != self.params:  # sampling settings are constants in the captured graphs
-            self.params, self.graphs, self.table = params, {}, None
+        sampling = dataclasses.replace(params, n=1, max_new_tokens=1)  # what the captured graphs hold constant
+        if sampling != self.params:
+            self.params, self.graphs, self.table = sampling, {}, None
         clock = Clock(self.engine.device)
         finished = self._admit(params)
         clock.lap("prefill")
@@ -174,6 +188,8 @@ class ContinuousBatcher:
                 raise RuntimeError("a returning sequence's context must extend what it generated")
             self.contexts[row] = item.context
             new = item.context[start:]
+            if not new:
+                raise ValueError(f"{item.key!r} came back with no new tokens")
             shared = (item.group, tuple(new)) if start == 0 and item.group is not None else None
             if shared in sources:
                 copies.append((row, sources[shared], len(new)))

@@ -52,14 +52,26 @@ __all__ = ["NativeRolloutEngine", "unsupported_reason"]
 DONE_CHECK_EVERY = 16  # decode steps between checks that every sequence has finished (a host sync)
 
 
+KEEP_CACHE_SHARE = 0.02  # free_cache_engine unset: a cache this small a share of the GPU stays
+
+
+def keeps_cache(free_cache_engine: bool | None, cache_bytes: int, device_bytes: int) -> bool:
+    """free_cache_engine as set, or unset: keep a cache within KEEP_CACHE_SHARE of the device's
+    memory (none on CPU, where there are no graphs to keep)."""
+    if free_cache_engine is not None:
+        return not free_cache_engine
+    return cache_bytes <= KEEP_CACHE_SHARE * device_bytes
+
+
 class NativeRolloutEngine:
     def __init__(self, model, tokenizer, max_num_seqs: int, dtype: torch.dtype, enforce_eager: bool = False,
                  memory_utilization: float = 0.5, max_num_batched_tokens: int = 8192, compile_step: bool = True,
-                 free_cache_engine: bool = True):
+                 free_cache_engine: bool | None = None):
         self.tokenizer = tokenizer
-        # free_cache_engine=False (verl's key): the KV cache and its CUDA graph stay between calls
-        # and are reused when a chunk has the same shape, as fixed-length batches do.
-        self.keep_cache = not free_cache_engine
+        # free_cache_engine=False (verl's key): the KV cache and its CUDA graphs stay between calls
+        # and are reused when a chunk has the same shape, as fixed-length batches do. None: kept
+        # when small (keeps_cache), since capturing the graphs again costs every step.
+        self.free_cache_engine = free_cache_engine
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.memory_utilization = memory_utilization
@@ -139,14 +151,19 @@ class NativeRolloutEngine:
         rows = min(sequences, self._sequences_at_once(max_len))
         self.timing = {}  # the batcher's steps add theirs
         kept = self._kept_batcher
-        if kept is not None and kept.shape == (rows, max_len, turn_tokens):
-            kept.reset()
+        if kept is not None and all(have >= want for have, want in zip(kept.shape, (rows, max_len, turn_tokens))):
+            kept.reset()  # big enough: its rows, graphs and all
             return kept
         self._kept = self._kept_batcher = None  # one kept cache: a new one's memory comes first
         batcher = ContinuousBatcher(self, rows, max_len, turn_tokens)
-        if self.keep_cache:
+        if self._keeps(batcher.state):
             self._kept_batcher = batcher
         return batcher
+
+    def _keeps(self, state) -> bool:
+        """Whether a new chunk's state is kept for the next call (free_cache_engine)."""
+        total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
+        return keeps_cache(self.free_cache_engine, sum(t.nbytes for t in state.k + state.v), total)
 
     def _sequences_at_once(self, seq_len: int) -> int:
         """rollout.max_num_seqs, fewer if their KV cache would pass gpu_memory_utilization of the
@@ -216,7 +233,7 @@ class NativeRolloutEngine:
         state = DecodeState.allocate(batch, prompt_len, steps, layers=len(self.layers), kv_heads=self.kv_heads,
                                      head_dim=self.head_dim, dtype=self.dtype, device=self.device,
                                      pad_token_id=self.tokenizer.pad_token_id)
-        if self.keep_cache:
+        if self._keeps(state):
             self._kept = KeptCache(shape, state)
         return state
 

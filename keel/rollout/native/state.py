@@ -84,7 +84,9 @@ def capture(step_fn, pool=None) -> torch.cuda.CUDAGraph:
         step_fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):  # recorded, not run
+    # thread_local: a tool or environment running on another thread (the agent loop overlaps them
+    # with decoding) may use CUDA while a bucket's graph is captured.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # recorded, not run
         step_fn()
     return graph
 
