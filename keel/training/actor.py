@@ -12,7 +12,7 @@ from keel.training.batching import MicroBatching, MiniBatch, micro_batches
 from keel.training.forward import batched_log_probs, compute_device, response_log_probs
 from keel.training.optim import build_optimizer, build_scheduler
 from keel.training.placement import SINGLE, Placement
-from keel.training.step import LossScale, apply_gradients, backward, update_role
+from keel.training.step import DeviceTotals, LossScale, apply_gradients, backward, update_role
 from keel.types import RolloutBatch
 
 
@@ -54,21 +54,24 @@ class ActorTrainer:
 
     def _update_mini_batch(self, mini: MiniBatch) -> dict[str, float]:
         scale = mini.scale
-        totals: dict[str, float] = {"actor/pg_loss": 0.0}
+        totals, tokens = DeviceTotals(), float(scale.tokens)
         for _, micro in micro_batches(mini.samples, self.update_batching):
             loss, pg_loss, metrics = self._micro_loss(micro, scale)
             backward(loss, "actor", self.placement.data_parallel_size)
-            totals["actor/pg_loss"] += pg_loss  # micro-batch losses add up to the mini-batch loss
-            share = micro.response_mask.sum().item() / scale.tokens.item()  # token-weighted means
+            totals.add("actor/pg_loss", pg_loss)  # micro-batch losses add up to the mini-batch loss
+            share = float(micro.response_mask.sum()) / tokens  # token-weighted means
             for name, value in metrics.items():
-                totals[name] = totals.get(name, 0.0) + value * share
-        totals["actor/grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "actor",
-                                                      self.placement.reduce_gradients)
-        check_gradient_flows(totals["actor/grad_norm"], mini)
-        return totals
+                totals.add(name, value, share)
+        metrics = totals.floats()
+        metrics["actor/grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "actor",
+                                                       self.placement.reduce_gradients)
+        check_gradient_flows(metrics["actor/grad_norm"], mini)
+        return metrics
 
-    def _micro_loss(self, micro: RolloutBatch, scale: LossScale) -> tuple[torch.Tensor, float, dict[str, float]]:
-        """(loss to back-propagate, its policy-loss part, per-token metrics) of one micro-batch."""
+    def _micro_loss(self, micro: RolloutBatch, scale: LossScale
+                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss to back-propagate, its policy-loss part, per-token metrics on the device) of one
+        micro-batch."""
         cfg = self.cfg
         device = compute_device(self.model, self.placement)
         mask = micro.response_mask.to(device)                                   # [b, R]
@@ -78,12 +81,12 @@ class ActorTrainer:
             cfg.policy_loss.loss_mode, micro.old_log_probs.to(device), log_prob,
             micro.advantages.to(device), mask, self.loss_params, **scale.policy_kwargs())
         loss = pg_loss
-        metrics = {f"actor/{k}": v.item() for k, v in pg_metrics.items()}
-        metrics["actor/entropy"] = masked_mean(entropy.detach(), mask).item()
+        metrics = {f"actor/{k}": v for k, v in pg_metrics.items()}
+        metrics["actor/entropy"] = masked_mean(entropy.detach(), mask)
         if cfg.entropy_coeff > 0:  # entropy and KL terms aggregate like the policy loss
             loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, **scale.agg_kwargs())
         if cfg.use_kl_loss:
             kl = kl_penalty(log_prob, micro.ref_log_probs.to(device), cfg.kl_loss_type)  # [b, R]
             loss = loss + cfg.kl_loss_coef * agg_loss(kl, mask, cfg.loss_agg_mode, **scale.agg_kwargs())
-            metrics["actor/kl_loss"] = masked_mean(kl.detach(), mask).item()
-        return loss, pg_loss.item(), metrics
+            metrics["actor/kl_loss"] = masked_mean(kl.detach(), mask)
+        return loss, pg_loss, metrics

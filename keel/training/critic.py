@@ -10,7 +10,7 @@ from keel.training.batching import MicroBatching, MiniBatch, micro_batches
 from keel.training.forward import compute_device, per_token_outputs, response_values
 from keel.training.optim import build_optimizer, build_scheduler
 from keel.training.placement import SINGLE, Placement
-from keel.training.step import apply_gradients, backward, update_role
+from keel.training.step import DeviceTotals, apply_gradients, backward, update_role
 from keel.types import RolloutBatch
 
 
@@ -34,7 +34,7 @@ class CriticTrainer:
     def _update_mini_batch(self, mini: MiniBatch) -> dict[str, float]:
         device = compute_device(self.model, self.placement)
         scale = mini.scale
-        totals = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0, "critic/vpred_mean": 0.0}
+        totals, tokens = DeviceTotals(), float(scale.tokens)
         for _, micro in micro_batches(mini.samples, self.batching):
             mask = micro.response_mask.to(device)
             vpreds = response_values(self.model, micro, self.placement)                   # [b, R]
@@ -42,10 +42,11 @@ class CriticTrainer:
                 vpreds, micro.returns.to(device), micro.values.to(device), mask,
                 self.cfg.cliprange_value, self.cfg.loss_agg_mode, **scale.agg_kwargs())
             backward(vf_loss, "critic", self.placement.data_parallel_size)
-            share = mask.sum().item() / scale.tokens.item()
-            totals["critic/vf_loss"] += vf_loss.item()
-            totals["critic/vf_clipfrac"] += float(clipfrac) * share
-            totals["critic/vpred_mean"] += masked_mean(vpreds.detach(), mask).item() * share
-        totals["critic/grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "critic",
-                                                      self.placement.reduce_gradients)
-        return totals
+            share = float(micro.response_mask.sum()) / tokens
+            totals.add("critic/vf_loss", vf_loss)
+            totals.add("critic/vf_clipfrac", clipfrac, share)
+            totals.add("critic/vpred_mean", masked_mean(vpreds.detach(), mask), share)
+        metrics = totals.floats()
+        metrics["critic/grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "critic",
+                                                       self.placement.reduce_gradients)
+        return metrics

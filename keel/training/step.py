@@ -25,6 +25,26 @@ class LossScale:
         return {**self.policy_kwargs(), "norm_length": self.norm_length}
 
 
+class DeviceTotals:
+    """A mini-batch's metrics summed on the device (in float64) and read back with one host sync at
+    its end: an .item() per metric and micro-batch would make the CPU wait for the GPU to drain its
+    queue before it could launch the next micro-batch's kernels."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor | float] = {}
+
+    def add(self, name: str, value: torch.Tensor | float, weight: float = 1.0) -> None:
+        value = value.detach().double() if torch.is_tensor(value) else float(value)
+        self.sums[name] = self.sums.get(name, 0.0) + value * weight
+
+    def floats(self) -> dict[str, float]:
+        devices = [v.device for v in self.sums.values() if torch.is_tensor(v)]
+        device = devices[0] if devices else torch.device("cpu")
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
+                              for v in self.sums.values()]).tolist() if self.sums else []
+        return dict(zip(self.sums, values))
+
+
 def mask_counts(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(valid tokens, sequences with a valid token) of a mini-batch: the loss denominators."""
     return response_mask.sum().clamp(min=1), (response_mask.sum(-1) > 0).sum().clamp(min=1)
