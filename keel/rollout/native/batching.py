@@ -180,38 +180,47 @@ class ContinuousBatcher:
         admitted, self.waiting = self._take_rows(self.waiting)
         if not admitted:
             return []
-        sources: dict[tuple, int] = {}   # a group's first context -> the row that prefills it
-        unique, copies = [], []          # (row, start, new tokens); (row, source row, length)
-        for row, item in admitted:
-            start = len(self.contexts[row]) - 1 if self.contexts[row] else 0
-            if item.context[:start] != self.contexts[row][:start]:
-                raise RuntimeError("a returning sequence's context must extend what it generated")
-            self.contexts[row] = item.context
-            new = item.context[start:]
-            if not new:
-                raise ValueError(f"{item.key!r} came back with no new tokens")
-            shared = (item.group, tuple(new)) if start == 0 and item.group is not None else None
-            if shared in sources:
-                copies.append((row, sources[shared], len(new)))
-                continue
-            if shared is not None:
-                sources[shared] = row
-            unique.append((row, start, new))
-        logits = self._prefill(unique)
-        for row, source, length in copies:
-            for cache in self.state.k + self.state.v:
-                cache[row, :, :length] = cache[source, :, :length]
-        source_of = {row: i for i, (row, _, _) in enumerate(unique)}
-        source_of.update({row: source_of[source] for row, source, _ in copies})
         rows = [row for row, _ in admitted]
-        self._first_token(rows, logits[[source_of[row] for row in rows]], [item.limit for _, item in admitted],
-                          params)
+        logits = self._prefill_shared([(row, *self._extension(row, item), item.group) for row, item in admitted])
+        self._first_token(rows, logits, [item.limit for _, item in admitted], params)
         done = self.state.done[torch.tensor(rows, device=self.engine.device)].tolist()
         for row, ended, (_, item) in zip(rows, done, admitted):
             if not ended:
                 self.active.append(row)
                 self.left[row] = item.limit - 1
         return self._read([row for row, ended in zip(rows, done) if ended])
+
+    def _extension(self, row: int, item: Waiting) -> tuple[int, list[int]]:
+        """(first column to prefill, the tokens from there): all of a new sequence's context, or
+        what follows a returning one's cached columns (its last sampled token first)."""
+        cached = max(len(self.contexts[row]) - 1, 0)
+        if item.context[:cached] != self.contexts[row][:cached]:
+            raise RuntimeError("a returning sequence's context must extend what it generated")
+        if len(item.context) <= cached:
+            raise ValueError(f"{item.key!r} came back with no new tokens")
+        self.contexts[row] = item.context
+        return cached, item.context[cached:]
+
+    def _prefill_shared(self, items: list[tuple[int, int, list[int], object]]) -> Tensor:
+        """The prefill of each (row, start, tokens, group): the rows that begin one group's same
+        context are prefilled once, the others get a copy of its KV -> logits [len(items), V]."""
+        first_of: dict[tuple, int] = {}  # (group, context) -> its index in `unique`
+        unique, source = [], []          # what is prefilled; each item's index in it
+        for row, start, new, group in items:
+            shared = (group, tuple(new)) if start == 0 and group is not None else None
+            if shared is None or shared not in first_of:
+                if shared is not None:
+                    first_of[shared] = len(unique)
+                unique.append((row, start, new))
+            source.append(first_of[shared] if shared is not None else len(unique) - 1)
+        logits = self._prefill(unique)
+        copies = [(row, unique[i][0]) for (row, *_), i in zip(items, source) if unique[i][0] != row]
+        if copies:  # one copy per cache for all of them: columns past a row's context are never read
+            to, of = (torch.tensor(rows, device=self.engine.device) for rows in zip(*copies))
+            width = max(len(new) for _, _, new, _ in items)
+            for cache in self.state.k + self.state.v:
+                cache[to, :, :width] = cache[of, :, :width]
+        return logits[source]
 
     def _take_rows(self, waiting: list[Waiting]) -> tuple[list[tuple[int, Waiting]], list[Waiting]]:
         """(row, item) for each item with a row (its own, or a free one); the rest wait."""
@@ -247,16 +256,18 @@ class ContinuousBatcher:
                 self._extend([(row, start, new[:budget])])
                 start, new = start + budget, new[budget:]
             pieces.append((row, start, new))
-        order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i][2]))
-        logits: list[Tensor | None] = [None] * len(pieces)
-        batch: list[int] = []
-        for i in order + [None]:
-            if batch and (i is None or not self._fits([pieces[j] for j in batch + [i]], budget)):
-                for j, row_logits in zip(batch, self._extend([pieces[j] for j in batch])):
-                    logits[j] = row_logits
-                batch = []
-            if i is not None:
-                batch.append(i)
+        order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i][2]))  # similar widths share a pass
+        passes, current = [], []
+        for i in order:
+            if current and not self._fits([pieces[j] for j in current + [i]], budget):
+                passes.append(current)
+                current = []
+            current.append(i)
+        passes.append(current)
+        logits: list[Tensor] = [None] * len(pieces)
+        for indices in passes:
+            for i, row_logits in zip(indices, self._extend([pieces[i] for i in indices])):
+                logits[i] = row_logits
         return torch.stack(logits)
 
     @staticmethod

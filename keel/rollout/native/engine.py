@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 from keel.models.load import can_compile
 from keel.rollout.assemble import assemble_batch, stop_token_ids
@@ -136,12 +137,9 @@ class NativeRolloutEngine:
             for turn in batcher.step(params):
                 turns[turn.key] = turn
                 batcher.release(turn.key)
-        width = max(len(t.ids) for t in turns)
-        ids = torch.full((len(turns), width), self.tokenizer.pad_token_id, dtype=torch.long)
-        log_probs = torch.zeros((len(turns), width))
-        for row, turn in enumerate(turns):
-            ids[row, :len(turn.ids)], log_probs[row, :len(turn.ids)] = torch.tensor(turn.ids), torch.tensor(
-                turn.log_probs)
+        ids = pad_sequence([torch.tensor(t.ids) for t in turns], batch_first=True,
+                           padding_value=self.tokenizer.pad_token_id)
+        log_probs = pad_sequence([torch.tensor(t.log_probs) for t in turns], batch_first=True)
         return assemble_batch(prompts, [(ids, log_probs)], self.tokenizer, self.eos_ids, params)
 
     @torch.no_grad()
