@@ -6,6 +6,7 @@ model gets text back and the counters say what happened; the rollout never fails
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import time
@@ -48,19 +49,10 @@ class ToolRunner:
         """Each function in a thread, all at once, each within the timeout: (its result, "ok"), or
         (what went wrong, "error" | "timeout"). For code of the user's that the model's turns drive
         (an environment's step), which must not hang or end the rollout either."""
-        async def one(function):
-            try:
-                return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self._pool, function),
-                                              self.limits.timeout_s), "ok"
-            except asyncio.TimeoutError:
-                return f"took longer than {self.limits.timeout_s:g} s", "timeout"
-            except Exception as error:  # noqa: BLE001 - reported, never raised
-                return f"{type(error).__name__}: {str(error)[:200]}", "error"
-
         async def everything():
-            return await asyncio.gather(*[one(f) for f in functions])
+            return await asyncio.gather(*[self._in_thread(f) for f in functions])
 
-        return list(asyncio.run(everything())) if functions else []
+        return [(result, status) for result, status, _ in asyncio.run(everything())] if functions else []
 
     async def _call(self, call: ToolCall, tools_kwargs: dict) -> ToolOutput:
         tool = self.tools.get(call.name)
@@ -69,32 +61,45 @@ class ToolRunner:
             return ToolOutput(f"Error: no tool named {call.name[:60]!r}; the tools are {sorted(self.tools)}",
                               name=UNKNOWN, status="unknown")
         kwargs = (tools_kwargs or {}).get(call.name, {}).get("execute_kwargs", {})
-        seconds = [self.limits.timeout_s]  # the tool's own time, set when it returns or raises
-        try:
-            result = await asyncio.wait_for(self._execute(tool, call.arguments, kwargs, seconds), self.limits.timeout_s)
-            output = _as_output(result)
-        except asyncio.TimeoutError:
-            output = ToolOutput(f"Error: {call.name} took longer than {self.limits.timeout_s:g} s", status="timeout")
-        except Exception as error:  # noqa: BLE001 - a tool's failure is the model's feedback
-            output = ToolOutput(f"Error when executing tool: {type(error).__name__}: {str(error)[:200]}",
-                                status="error")
-        output.name, output.seconds = call.name, seconds[0]
+        result, status, seconds = await self._in_thread(functools.partial(tool.execute, call.arguments, **kwargs))
+        if status == "ok":
+            try:
+                output = _as_output(result)
+            except Exception as error:  # noqa: BLE001 - a tool's bad result is the model's feedback too
+                output = ToolOutput(f"Error when executing tool: {type(error).__name__}: {str(error)[:200]}",
+                                    status="error")
+        elif status == "timeout":
+            output = ToolOutput(f"Error: {call.name} {result}", status="timeout")
+        else:
+            output = ToolOutput(f"Error when executing tool: {result}", status="error")
+        output.name, output.seconds = call.name, seconds
         if len(output.text) > self.limits.max_response_chars:
             output.truncated = True
             output.text = truncate(output.text, self.limits.max_response_chars, self.limits.truncate_side)
         return output
 
-    async def _execute(self, tool: Tool, arguments: dict, kwargs: dict, seconds: list[float]):
-        """The call in a thread, timed from when it starts running (not from when it was queued)."""
+    async def _in_thread(self, function) -> tuple[object, str, float]:
+        """function() on a worker thread within the timeout (an async function's coroutine runs on
+        a loop of its own there) -> (its result, or what went wrong; "ok" | "timeout" | "error"; the
+        seconds it ran, from when it started rather than when it was queued)."""
+        seconds = [self.limits.timeout_s]
+
         def timed():
             start = time.perf_counter()
             try:
-                result = tool.execute(arguments, **kwargs)
-                return asyncio.run(result) if inspect.iscoroutine(result) else result  # an async tool: its own loop
+                result = function()
+                return asyncio.run(result) if inspect.iscoroutine(result) else result
             finally:
                 seconds[0] = time.perf_counter() - start
 
-        return await asyncio.get_running_loop().run_in_executor(self._pool, timed)
+        try:
+            result = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self._pool, timed),
+                                            self.limits.timeout_s)
+            return result, "ok", seconds[0]
+        except asyncio.TimeoutError:
+            return f"took longer than {self.limits.timeout_s:g} s", "timeout", seconds[0]
+        except Exception as error:  # noqa: BLE001 - reported, never raised
+            return f"{type(error).__name__}: {str(error)[:200]}", "error", seconds[0]
 
 
 def _as_output(result) -> ToolOutput:
