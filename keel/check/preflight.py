@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from keel import checkpoint as ckpt
 from keel.check.findings import FAIL, PASS, SKIP, WARN, Finding, Skipped, need
 from keel.check.multi_turn import check_multi_turn
-from keel.check.resources import check_memory, check_workers
+from keel.check.resources import check_memory, check_sharding, check_workers
 from keel.config.plan import make_plan
 from keel.config.schema import KeelConfig
 from keel.errors import (RUN_DIR_NOT_WRITABLE, SANDBOX_INCOMPLETE, TOKEN_BUDGET, TOKENIZER_MISMATCH, VOCAB_MISMATCH,
@@ -300,7 +300,7 @@ def check_trackers(cfg: KeelConfig, context: dict) -> list[Finding]:
 CHECKS = [("tokenizer", check_tokenizer), ("model", check_model), ("data", check_data),
           ("reward", check_reward), ("multi-turn", check_multi_turn), ("run directory", check_run_dir),
           ("trackers", check_trackers),
-          ("workers", check_workers),
+          ("sharding", check_sharding), ("workers", check_workers),
           ("memory", check_memory)]
 
 

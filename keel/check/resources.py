@@ -37,6 +37,17 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
             + [Finding(WARN, "memory", text) for text in idle])
 
 
+def check_sharding(cfg: KeelConfig, context: dict) -> list[Finding]:
+    """DDP or FSDP for the policy, when the config leaves it to keel (before the memory estimate,
+    which depends on it)."""
+    from keel.trainer.sharding import choose_sharding, gpu_bytes
+
+    model_cfg = need(context, "model_config")
+    why = choose_sharding(cfg, model_cfg, context.get("parameters") or architecture_parameters(model_cfg),
+                          gpu_bytes(cfg), context.get("lora_trainable"))
+    return [Finding(PASS, "sharding", why)] if why else []
+
+
 def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
     """Workers against what this machine has, and Ray itself. A cluster in RAY_ADDRESS must
     answer; its resources are checked when the workers are placed."""

@@ -48,6 +48,7 @@ def load_config(source: str | Path | dict | Any | None = None,
         decided += [f"{key}: keel's {_value_at(cfg, key)!r}, verl's {verl!r}: {why}"
                     for key, (verl, why) in DIFFERENT_DEFAULTS.items() if key not in given]
     object.__setattr__(cfg, "decided", decided)  # not a field: it is not saved or compared on resume
+    object.__setattr__(cfg, "given", frozenset(given))  # the keys the config set (what keel may choose)
     return cfg
 
 

@@ -91,7 +91,9 @@ class FSDPConfig:
     reshard_after_forward: bool = opt(True, help="free gathered layers after forward: less memory, one "
                                                  "more all-gather in backward")
     fsdp_size: int = opt(-1, help="shard within groups of this many ranks, replicate across them; -1: all; "
-                                   "1: no sharding, gradients all-reduced (DDP; for models that fit one GPU)")
+                                   "1: no sharding, gradients all-reduced (DDP; for models that fit one GPU); "
+                                   "the actor's, left unset on several GPUs: keel picks 1 when a whole replica "
+                                   "takes at most half a GPU, else -1, logs why and keel check shows it")
 
 
 @dataclass

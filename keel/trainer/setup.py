@@ -30,6 +30,7 @@ from keel.rewards.service import RewardServiceClient
 from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
 from keel.rewards.worker import file_spec
 from keel.trainer.roles import WorkerRoles
+from keel.trainer.sharding import decide_sharding
 
 log = logging.getLogger("keel")
 
@@ -116,6 +117,9 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None, inputs:
     sampler = ResumableSampler(len(train_data), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
     steps = total_steps(cfg, sampler.batches_per_epoch)
 
+    sharding = decide_sharding(cfg)  # before any worker starts: they all build the same layout
+    if sharding:
+        log.info("sharding: %s", sharding)
     workers = build_workers(cfg, steps, actor_weights, tokenizer, cfg.run_dir)
     return Components(
         tokenizer=tokenizer, train_data=train_data, val_data=val_data, sampler=sampler, workers=workers,

@@ -172,3 +172,26 @@ def test_token_budget_smaller_than_one_sample_is_refused():
 def test_more_workers_than_samples_in_a_mini_batch_is_refused():
     err = error_of(["trainer.n_gpus_per_node=8"])  # BASE: mini-batches of 4 prompts x n=1
     assert err.code == BATCH_ARITHMETIC and "8 workers" in err.message
+
+
+@pytest.mark.parametrize("shape, gpu_gb, overrides, expected, size", [
+    ("0.5b", 140, [], "DDP", 1),                       # a replica fits an H200 with room: replicated
+    ("7b", 140, [], "would need about", -1),           # it does not: sharded over every worker
+    ("0.5b", None, [], "no GPU here", -1),             # nothing to size it against: sharded, as before
+    ("0.5b", 140, ["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"], "offloading is FSDP's", -1),
+    ("0.5b", 140, ["actor_rollout_ref.actor.fsdp_config.fsdp_size=-1"], None, -1),  # the config says: as it is
+    ("0.5b", 140, ["trainer.n_gpus_per_node=1"], None, -1),                          # one worker: nothing to pick
+])
+def test_keel_picks_ddp_or_fsdp_for_the_policy_when_the_config_does_not(shape, gpu_gb, overrides, expected, size):
+    from transformers import Qwen2Config
+
+    from keel.bench.workloads import QWEN25_COMMON, QWEN25_SHAPES
+    from keel.models.load import meta_model
+    from keel.trainer.sharding import choose_sharding
+
+    cfg = load_config(BASE, ["trainer.n_gpus_per_node=2"] + overrides)
+    model_cfg = Qwen2Config(**QWEN25_COMMON, **QWEN25_SHAPES[shape])
+    params = sum(p.numel() for p in meta_model(model_cfg).parameters())
+    why = choose_sharding(cfg, model_cfg, params, gpu_gb and gpu_gb * 2 ** 30)
+    assert (why is None) if expected is None else (expected in why and "fsdp_size" in why)
+    assert cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size == size
