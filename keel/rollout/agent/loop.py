@@ -140,7 +140,9 @@ class AgentLoop:
         acting: dict[Future, _Plan] = {}
         with ThreadPoolExecutor(max_workers=4, thread_name_prefix="keel-turn") as pool:
             while batcher.busy or acting:
-                if acting and not batcher.runnable:  # every row's episode is in its tools
+                if not batcher.runnable:  # every row's episode is in its tools
+                    if not acting:  # nothing would ever give a row back
+                        raise RuntimeError("the agent loop's episodes wait for rows that no episode holds")
                     wait(acting, return_when=FIRST_COMPLETED)
                 ended = batcher.step(params) if batcher.runnable else []
                 for turn in ended:
