@@ -81,3 +81,44 @@ def test_the_examples_tool_config_holds_a_builtin_and_a_custom_tool():
                                           ToolCall("convert_units", {"value": 1, "from": "km", "to": "kg"})]], [{}])
     assert converted.text == "6.21 mi" and converted.status == "ok"
     assert refused.status == "error" and "cannot convert km to kg" in refused.text
+
+
+NUDGE = '''
+class Nudge:  # verl's interaction protocol: async methods, one instance for every episode
+    def __init__(self, config):
+        self.config, self.turns = config, {}
+
+    async def start_interaction(self, instance_id=None, **kwargs):
+        self.turns[instance_id] = 0
+        return instance_id
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        self.turns[instance_id] += 1
+        return self.turns[instance_id] >= 2, "try once more", 0.5, {}
+
+    async def finalize_interaction(self, instance_id, **kwargs):
+        del self.turns[instance_id]
+'''
+
+
+def test_verls_interaction_config_gives_user_turns_in_check_and_train(tiny_config, tmp_path):
+    """interaction_config_path in verl's format, its class in a file beside it: keel check names it,
+    and training runs episodes of assistant turns answered by it (the native engine on CPU, its
+    turns scheduled by continuous batching), its scores in the reward."""
+    from keel.check.preflight import run_checks
+    from keel.config.load import load_config
+
+    (tmp_path / "nudge.py").write_text(NUDGE)
+    interactions = tmp_path / "interactions.yaml"
+    interactions.write_text("interaction:\n  - name: nudge\n    class_name: nudge.py:Nudge\n    config: {}\n")
+    cfg = multi_turn_config(tiny_config, tmp_path)
+    multi_turn = cfg["actor_rollout_ref"]["rollout"]["multi_turn"]
+    del multi_turn["tool_config_path"]
+    multi_turn.update({"interaction_config_path": str(interactions), "max_tokens_per_turn": 16})
+    found = [f for f in run_checks(load_config(cfg)).findings if f.check == "multi-turn"]
+    assert "verl interactions nudge" in found[0].message
+    steps = metrics(train(cfg).run_dir)
+    assert len(steps) == 2
+    for m in steps:  # each episode: a turn, "try once more", a turn, then the interaction ends it
+        assert m["environment/user_turns/mean"] == 1 and m["num_turns/max"] == 4 and m["environment/errors"] == 0
+        assert m["tools/turn_reward/mean"] == 1.0  # 0.5 for each of its two answers
