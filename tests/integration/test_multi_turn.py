@@ -122,3 +122,19 @@ def test_verls_interaction_config_gives_user_turns_in_check_and_train(tiny_confi
     for m in steps:  # each episode: a turn, "try once more", a turn, then the interaction ends it
         assert m["environment/user_turns/mean"] == 1 and m["num_turns/max"] == 4 and m["environment/errors"] == 0
         assert m["tools/turn_reward/mean"] == 1.0  # 0.5 for each of its two answers
+
+
+def test_the_examples_interaction_config_asks_for_a_second_look_once():
+    import asyncio
+
+    from keel.config.load import load_config
+    from keel.rollout.agent.interaction import load_interactions
+
+    root = Path(__file__).parents[2] / "examples" / "interaction"
+    cfg = load_config(root / "grpo.yaml")
+    assert cfg.actor_rollout_ref.rollout.multi_turn.interaction_config_path.endswith("interactions.yaml")
+    second_look = load_interactions(root / "interactions.yaml")["second_look"]
+    asyncio.run(second_look.start_interaction("a"))
+    replies = [asyncio.run(second_look.generate_response("a", [{"role": "assistant", "content": "4"}]))
+               for _ in range(2)]
+    assert [done for done, *_ in replies] == [False, True] and "once more" in replies[0][1]
