@@ -34,11 +34,13 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
         # responses cut at max_response_length without EOS: their reward may be for half an answer
         "response_length/clip_ratio": batch.truncated.float().mean().item(),
         **_stats("prompt_length", batch.prompt_mask.sum(-1).float()),
-        # How far the sampler's log-probs are from the trainer's: numerics, not learning.
-        "rollout/log_prob_gap": masked_mean((batch.sampling_log_probs - batch.old_log_probs).abs(), mask).item(),
     }
     if batch.values is not None:
         metrics.update(_masked_stats("critic/values", batch.values, mask))
+    if batch.old_log_probs is None:  # on-policy: the actor's update measured these on its own forward
+        return metrics
+    # How far the sampler's log-probs are from the trainer's: numerics, not learning.
+    metrics["rollout/log_prob_gap"] = masked_mean((batch.sampling_log_probs - batch.old_log_probs).abs(), mask).item()
     if batch.ref_log_probs is not None:
         metrics["actor/ref_kl"] = masked_mean(batch.old_log_probs - batch.ref_log_probs, mask).item()
     return metrics

@@ -12,7 +12,6 @@ from contextlib import contextmanager
 
 import torch
 
-from keel.algorithms.utils import masked_mean
 from keel.errors import CATALOGUE, ENGINE_OUT_OF_SYNC, NONFINITE_VALUES, PHASE_TIMEOUT, KeelError, SkipStep
 
 log = logging.getLogger("keel")
@@ -90,17 +89,15 @@ class LearningSignalGuard:
         return True
 
 
-def check_engine_in_sync(sampling_log_probs: torch.Tensor, trainer_log_probs: torch.Tensor, mask: torch.Tensor,
-                         step: int, limit: float) -> float:
-    """The mean per-token gap between what the engine sampled with and what the trainer computes on
-    the same tokens; past `limit`, the engine's weights are not the trainer's (KEEL-T006)."""
-    gap = masked_mean((sampling_log_probs - trainer_log_probs).abs(), mask).item()  # rollout/log_prob_gap's
+def check_log_prob_gap(gap: float, step: int, limit: float) -> None:
+    """`gap`: the mean per-token gap between what the engine sampled with and what the trainer
+    computes on the same tokens (rollout/log_prob_gap); past `limit`, the engine's weights are not
+    the trainer's (KEEL-T006)."""
     if gap > limit:
         stage = (f"the weight sync after step {step - 1}'s update did not reach the engine" if step > 1
                  else "before any update: the engine computes another distribution than the trainer")
         raise KeelError(ENGINE_OUT_OF_SYNC, f"step {step}: the rollout's log-probs differ from the trainer's by "
                         f"{gap:.3g} per token (trainer.guards.max_log_prob_gap={limit}): {stage}")
-    return gap
 
 
 @contextmanager

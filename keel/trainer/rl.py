@@ -16,11 +16,12 @@ import torch
 from keel import checkpoint as ckpt
 from keel.algorithms.advantages import AdvantageInputs, AdvantageParams, compute_advantage
 from keel.algorithms.kl import apply_kl_penalty
+from keel.algorithms.utils import masked_mean
 from keel.config.load import to_yaml
 from keel.config.plan import make_plan
 from keel.config.schema import GROUP_ESTIMATORS, KeelConfig
 from keel.data.prompts import PromptBatch, collate_prompts
-from keel.observe.guards import (LearningSignalGuard, SkipStep, check_engine_in_sync, check_finite,
+from keel.observe.guards import (LearningSignalGuard, SkipStep, check_log_prob_gap, check_finite,
                                  frac_reward_zero_std)
 from keel.trainer.hooks import load_hook, run_hooks
 from keel.errors import RESUME_MISMATCH, KeelError
@@ -111,12 +112,16 @@ class RLTrainer:
         finite = self._check_finite
         with timer("step"):
             batch, prompts, metrics, gen_parts = self._rollout(timer)
-            with timer("old_log_prob"):
-                batch.old_log_probs = workers.actor_log_probs(batch)
-                finite("actor log-probs", batch.old_log_probs, batch.response_mask)
-                if self.sampling.do_sample:  # greedy engines record log-probs at temperature 1, not the trainer's
-                    check_engine_in_sync(batch.sampling_log_probs, batch.old_log_probs, batch.response_mask,
-                                         self.step, self.cfg.trainer.guards.max_log_prob_gap)
+            updates_actor = self.step >= self.cfg.algorithm.critic_warmup  # verl's count: steps start at 1
+            # On-policy (one mini-batch, one epoch) the update's own forward is the old policy's: its
+            # log-probs, detached, are the old ones (ratio 1), and a pass over the batch is saved.
+            on_policy = updates_actor and workers.actor_on_policy(batch) and not self.cfg.algorithm.use_kl_in_reward
+            if not on_policy:
+                with timer("old_log_prob"):
+                    batch.old_log_probs = workers.actor_log_probs(batch)
+                    finite("actor log-probs", batch.old_log_probs, batch.response_mask)
+                    self._check_log_prob_gap(masked_mean((batch.sampling_log_probs - batch.old_log_probs).abs(),
+                                                         batch.response_mask).item())
             if self.cfg.ref_enabled:
                 with timer("ref"):
                     batch.ref_log_probs = workers.ref_log_probs(batch)
@@ -129,9 +134,11 @@ class RLTrainer:
             if self.cfg.critic_enabled:
                 with timer("update_critic"):
                     metrics.update(workers.update_critic(batch, self._seed()))
-            if self.step >= self.cfg.algorithm.critic_warmup:  # verl's count: steps start at 1
+            if updates_actor:
                 with timer("update_actor"):
                     metrics.update(workers.update_actor(batch, self._seed()))
+                if on_policy:  # the update measured the gap on its forward
+                    self._check_log_prob_gap(metrics["rollout/log_prob_gap"])
         logger.log_samples(self.step, self._samples(batch))
         metrics.update(batch_metrics(batch))
         metrics.update(agent_metrics(batch.records))
@@ -144,6 +151,10 @@ class RLTrainer:
         return metrics, batch
 
     # --- pieces of the step --------------------------------------------------------------------
+    def _check_log_prob_gap(self, gap: float) -> None:
+        if self.sampling.do_sample:  # greedy engines record log-probs at temperature 1, not the trainer's
+            check_log_prob_gap(gap, self.step, self.cfg.trainer.guards.max_log_prob_gap)
+
     def _assign_rewards(self, batch: RolloutBatch) -> dict[str, float]:
         """The outcome score (normalised, if asked) sits on each response's last token; optionally
         minus KL to the reference."""

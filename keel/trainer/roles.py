@@ -78,6 +78,12 @@ class WorkerRoles:
         return unshard_rows(index, self._call(method, [(p,) for p in parts], group))
 
     # --- updates -------------------------------------------------------------------------------------
+    def actor_on_policy(self, batch: RolloutBatch) -> bool:
+        """Whether the actor's update of `batch` is one optimiser step (one mini-batch, one epoch),
+        so its forward runs the policy that generated the batch."""
+        schedule = self.actor_schedule
+        return schedule.epochs == 1 and schedule.samples_per_mini_batch >= len(batch)
+
     def update_actor(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
         plan = _plan(batch, self.actor_schedule, seed * 1000, self.world)
         return combine_metrics(self._call("update_actor", [(p,) for p in plan]))

@@ -68,6 +68,22 @@ class ActorTrainer:
         check_gradient_flows(metrics["actor/grad_norm"], mini)
         return metrics
 
+    @staticmethod
+    def _old_log_probs(micro: RolloutBatch, log_prob: torch.Tensor) -> torch.Tensor:
+        """The batch's old log-probs, or (on-policy: the trainer skipped their pass) this forward's
+        own, detached: the same policy, so the ratio is 1 exactly."""
+        return log_prob.detach() if micro.old_log_probs is None else micro.old_log_probs.to(log_prob.device)
+
+    @staticmethod
+    def _policy_gaps(micro: RolloutBatch, log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """rollout/log_prob_gap (the engine against the trainer) and actor/ref_kl, from the old
+        policy's log-probs: token means, which add up over micro-batches and ranks as shares."""
+        gaps = {"rollout/log_prob_gap": masked_mean((micro.sampling_log_probs.to(mask.device) - log_prob).abs(),
+                                                    mask)}
+        if micro.ref_log_probs is not None:
+            gaps["actor/ref_kl"] = masked_mean(log_prob - micro.ref_log_probs.to(mask.device), mask)
+        return gaps
+
     def _micro_loss(self, micro: RolloutBatch, scale: LossScale
                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(loss to back-propagate, its policy-loss part, per-token metrics on the device) of one
@@ -78,11 +94,13 @@ class ActorTrainer:
         log_prob, entropy = response_log_probs(self.model, micro, self.temperature, with_entropy=True,
                                                entropy_grad=cfg.entropy_coeff > 0, plan=self.placement)
         pg_loss, pg_metrics = compute_policy_loss(
-            cfg.policy_loss.loss_mode, micro.old_log_probs.to(device), log_prob,
+            cfg.policy_loss.loss_mode, self._old_log_probs(micro, log_prob), log_prob,
             micro.advantages.to(device), mask, self.loss_params, **scale.policy_kwargs())
         loss = pg_loss
         metrics = {f"actor/{k}": v for k, v in pg_metrics.items()}
         metrics["actor/entropy"] = masked_mean(entropy.detach(), mask)
+        if micro.old_log_probs is None:  # on-policy: what the old-log-prob pass would have measured
+            metrics.update(self._policy_gaps(micro, log_prob.detach(), mask))
         if cfg.entropy_coeff > 0:  # entropy and KL terms aggregate like the policy loss
             loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, **scale.agg_kwargs())
         if cfg.use_kl_loss:

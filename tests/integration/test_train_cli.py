@@ -363,3 +363,28 @@ def test_a_torch_compile_failure_names_the_switch_that_avoids_it(tiny_config, tm
     tiny_config["actor_rollout_ref"]["actor"]["use_torch_compile"] = False
     tiny_config["trainer"]["default_local_dir"] = str(tmp_path / "second")
     assert main(["train", str(write_config(tiny_config, tmp_path / "cfg2.yaml"))]) == 0
+
+
+def test_an_on_policy_update_skips_the_old_log_prob_pass_and_trains_the_same(tiny_config, monkeypatch):
+    """One mini-batch and one epoch: the update's own forward is the old policy's, so the trainer
+    skips the pass that recomputes it. The run's numbers (losses, gradient norm, the engine's gap,
+    the reference KL) and its weights equal those of the same run with the pass."""
+    from keel.api import train
+    from keel.trainer.roles import WorkerRoles
+
+    tiny_config["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"] = 4  # the whole batch of 4 prompts
+    tiny_config["actor_rollout_ref"]["actor"].update({"use_kl_loss": True, "kl_loss_coef": 0.1})
+    skipped = train(tiny_config)
+    monkeypatch.setattr(WorkerRoles, "actor_on_policy", lambda self, batch: False)
+    tiny_config["trainer"]["default_local_dir"] += "_with_pass"
+    recomputed = train(tiny_config)
+    ours, theirs = ([m for m in read_metrics(r.run_dir) if m["step"] > 0] for r in (skipped, recomputed))
+    assert all("timing_s/old_log_prob" not in m for m in ours) and all("timing_s/old_log_prob" in m for m in theirs)
+    for a, b in zip(ours, theirs):
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/ref_kl", "rollout/log_prob_gap",
+                    "actor/entropy", "critic/score/mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    assert a["rollout/log_prob_gap"] > 0 and a["actor/grad_norm"] > 0  # numbers that could differ
+    final = lambda result: weights(sorted(Path(result.run_dir).glob("global_step_*"))[-1] / "actor")  # noqa: E731
+    for name, tensor in final(skipped).items():
+        torch.testing.assert_close(tensor, final(recomputed)[name], rtol=1e-5, atol=1e-6)
