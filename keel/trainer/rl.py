@@ -115,7 +115,9 @@ class RLTrainer:
             updates_actor = self.step >= self.cfg.algorithm.critic_warmup  # verl's count: steps start at 1
             # On-policy (one mini-batch, one epoch) the update's own forward is the old policy's: its
             # log-probs, detached, are the old ones (ratio 1), and a pass over the batch is saved.
-            on_policy = updates_actor and workers.actor_on_policy(batch) and not self.cfg.algorithm.use_kl_in_reward
+            # (guards.nonfinite=skip keeps the pass: it is where non-finite log-probs skip a step.)
+            on_policy = (updates_actor and workers.actor_on_policy(batch) and not self.cfg.algorithm.use_kl_in_reward
+                         and self.cfg.trainer.guards.nonfinite != "skip")
             if not on_policy:
                 with timer("old_log_prob"):
                     batch.old_log_probs = workers.actor_log_probs(batch)
@@ -138,7 +140,7 @@ class RLTrainer:
                 with timer("update_actor"):
                     metrics.update(workers.update_actor(batch, self._seed()))
                 if on_policy:  # the update measured the gap on its forward
-                    self._check_log_prob_gap(metrics["rollout/log_prob_gap"])
+                    self._check_log_prob_gap(metrics.get("rollout/log_prob_gap", 0.0))
         logger.log_samples(self.step, self._samples(batch))
         metrics.update(batch_metrics(batch))
         metrics.update(agent_metrics(batch.records))

@@ -178,8 +178,9 @@ def test_more_workers_than_samples_in_a_mini_batch_is_refused():
     ("0.5b", 140, [], "DDP", 1),                       # a replica fits an H200 with room: replicated
     ("7b", 140, [], "would need about", -1),           # it does not: sharded over every worker
     ("0.5b", None, [], "no GPU here", -1),             # nothing to size it against: sharded, as before
-    ("0.5b", 140, ["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"], "offloading is FSDP's", -1),
+    ("0.5b", 140, ["actor_rollout_ref.rollout.name=hf"], "rollout engine is hf", -1),  # it would generate
     ("0.5b", 140, ["actor_rollout_ref.actor.fsdp_config.fsdp_size=-1"], None, -1),  # the config says: as it is
+    ("0.5b", 140, ["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"], None, -1),  # FSDP's keys: FSDP
     ("0.5b", 140, ["trainer.n_gpus_per_node=1"], None, -1),                          # one worker: nothing to pick
 ])
 def test_keel_picks_ddp_or_fsdp_for_the_policy_when_the_config_does_not(shape, gpu_gb, overrides, expected, size):
@@ -195,3 +196,4 @@ def test_keel_picks_ddp_or_fsdp_for_the_policy_when_the_config_does_not(shape, g
     why = choose_sharding(cfg, model_cfg, params, gpu_gb and gpu_gb * 2 ** 30)
     assert (why is None) if expected is None else (expected in why and "fsdp_size" in why)
     assert cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size == size
+    assert choose_sharding(cfg, model_cfg, params, 1) == why  # chosen once: keel check's stands for the run
