@@ -17,7 +17,7 @@ class SecondLook:
         if self.nudges[instance_id] >= self.max_nudges:
             return True, "Thanks.", 0.0, {}
         self.nudges[instance_id] += 1
-        return False, "Check your answer once more and give it again.", 0.0, {}
+        return False, "Look again, then answer.", 0.0, {}
 
     async def finalize_interaction(self, instance_id: str, **interaction_kwargs) -> None:
         del self.nudges[instance_id]

@@ -137,4 +137,4 @@ def test_the_examples_interaction_config_asks_for_a_second_look_once():
     asyncio.run(second_look.start_interaction("a"))
     replies = [asyncio.run(second_look.generate_response("a", [{"role": "assistant", "content": "4"}]))
                for _ in range(2)]
-    assert [done for done, *_ in replies] == [False, True] and "once more" in replies[0][1]
+    assert [done for done, *_ in replies] == [False, True] and "Look again" in replies[0][1]
