@@ -37,11 +37,8 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
     }
     if batch.values is not None:
         metrics.update(_masked_stats("critic/values", batch.values, mask))
-    if batch.old_log_probs is None:  # on-policy: the actor's update measured these on its own forward
-        return metrics
-    # How far the sampler's log-probs are from the trainer's: numerics, not learning.
-    metrics["rollout/log_prob_gap"] = masked_mean((batch.sampling_log_probs - batch.old_log_probs).abs(), mask).item()
-    if batch.ref_log_probs is not None:
+    # (rollout/log_prob_gap is the trainer's, measured where the old log-probs are computed.)
+    if batch.ref_log_probs is not None and batch.old_log_probs is not None:  # on-policy: the update's
         metrics["actor/ref_kl"] = masked_mean(batch.old_log_probs - batch.ref_log_probs, mask).item()
     return metrics
 

@@ -122,8 +122,10 @@ class RLTrainer:
                 with timer("old_log_prob"):
                     batch.old_log_probs = workers.actor_log_probs(batch)
                     finite("actor log-probs", batch.old_log_probs, batch.response_mask)
-                    self._check_log_prob_gap(masked_mean((batch.sampling_log_probs - batch.old_log_probs).abs(),
-                                                         batch.response_mask).item())
+                    # How far the sampler's log-probs are from the trainer's: numerics, not learning.
+                    metrics["rollout/log_prob_gap"] = masked_mean(
+                        (batch.sampling_log_probs - batch.old_log_probs).abs(), batch.response_mask).item()
+                    self._check_log_prob_gap(metrics["rollout/log_prob_gap"])
             if self.cfg.ref_enabled:
                 with timer("ref"):
                     batch.ref_log_probs = workers.ref_log_probs(batch)
@@ -139,7 +141,7 @@ class RLTrainer:
             if updates_actor:
                 with timer("update_actor"):
                     metrics.update(workers.update_actor(batch, self._seed()))
-                if on_policy:  # the update measured the gap on its forward
+                if on_policy:  # the update measured the gap (and the reference KL) on its forward
                     self._check_log_prob_gap(metrics.get("rollout/log_prob_gap", 0.0))
         logger.log_samples(self.step, self._samples(batch))
         metrics.update(batch_metrics(batch))
