@@ -24,13 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from keel.rollout.native.layers import (
-    attention_inputs,
-    attention_output_and_mlp,
-    grouped_attention,
-    rms_norm,
-    rope,
-)
+from keel.rollout.native.layers import attention_inputs, attention_output_and_mlp, grouped_attention, rms_norm, rope
 from keel.rollout.native.sampling import sample
 from keel.rollout.native.state import Clock, capture
 from keel.types import SamplingParams

@@ -9,9 +9,11 @@ This module is the loop: cut the prompts into chunks that fit memory, prefill, d
 Prefill (compute-bound: plain matmuls and SDPA) runs eagerly over the same weights, once per
 distinct prompt, writing its KV into every slot of the prompt's group. Decoding, the memory-bound
 part, attends over the static cache. On a GPU the step's elementwise work is fused by
-torch.compile, and the step is captured as a CUDA graph for each batch it runs at (the chunk,
-then smaller as finished sequences leave) and replayed: one launch per token instead of hundreds
-from Python.
+torch.compile, and the step is captured as a CUDA graph and replayed: one launch per token instead
+of hundreds from Python.
+
+Fixed lengths (ignore_eos) decode a whole chunk to the end here. Lengths that vary (EOS on, and
+multi-turn) go through continuous batching (batching.py), where finished rows are refilled.
 """
 
 from __future__ import annotations
@@ -26,21 +28,10 @@ from torch.nn.utils.rnn import pad_sequence
 
 from keel.models.load import can_compile
 from keel.rollout.assemble import assemble_batch, stop_token_ids
-from keel.rollout.native.attention import (
-    sdpa_decode_attention,
-    triton_available,
-    triton_decode_attention,
-)
+from keel.rollout.native.attention import sdpa_decode_attention, triton_available, triton_decode_attention
 from keel.rollout.native.batching import ContinuousBatcher
-from keel.rollout.native.layers import (
-    StepFunctions,
-    attention_inputs,
-    attention_output_and_mlp,
-    grouped_attention,
-    prompt_visibility,
-    rms_norm,
-    rope,
-)
+from keel.rollout.native.layers import (StepFunctions, attention_inputs, attention_output_and_mlp, grouped_attention,
+                                        prompt_visibility, rms_norm, rope)
 from keel.rollout.native.sampling import sample
 from keel.rollout.native.state import Clock, DecodeGraph, DecodeState, KeptCache
 from keel.rollout.native.weights import DecodeWeights, unsupported_reason
@@ -49,9 +40,6 @@ from keel.types import RolloutBatch, SamplingParams
 log = logging.getLogger("keel")
 
 __all__ = ["NativeRolloutEngine", "unsupported_reason"]
-
-DONE_CHECK_EVERY = 16  # decode steps between checks that every sequence has finished (a host sync)
-
 
 KEEP_CACHE_SHARE = 0.02  # free_cache_engine unset: a cache this small a share of the GPU stays
 
@@ -198,27 +186,14 @@ class NativeRolloutEngine:
         token, log_prob = sample(prompt_logits[slot_to_prompt], params, self.kernels.pickers)
         state.record(token, log_prob, self.eos, params.ignore_eos)
         clock.lap("prefill")
-        tokens, log_probs = state.tokens.clone(), state.log_probs.clone()  # every row's output
-        rows = torch.arange(batch, device=self.device)  # the output row of each state row
         step = self._chunk_step_fn(state, params)
         clock.lap("capture")
-        for t in range(1, steps):
+        for _ in range(1, steps):  # fixed lengths (ignore_eos): every row decodes to the end
             step()
-            if t % DONE_CHECK_EVERY or params.ignore_eos:
-                continue
-            active = (~state.done).nonzero().squeeze(-1)  # a host sync, every DONE_CHECK_EVERY steps
-            if len(active) <= len(rows) // 2:  # half finished (or all): they leave the batch
-                tokens[rows], log_probs[rows] = state.tokens, state.log_probs
-                if len(active) == 0:
-                    break
-                state, rows = state.keep(active), rows[active]
-                step = self._decode_step_fn(state, params)
-        tokens[rows], log_probs[rows] = state.tokens, state.log_probs
         clock.lap("decode")
         for part, seconds in clock.laps.items():
             self.timing[part] = self.timing.get(part, 0.0) + seconds
-        used = int(state.step.item())
-        return tokens[:, :used].cpu(), log_probs[:, :used].float().cpu()
+        return state.tokens.cpu(), state.log_probs.float().cpu()
 
     def _chunk_state(self, batch: int, prompt_len: int, steps: int) -> DecodeState:
         """A new decode state for a chunk or, keeping the cache, the kept one when the shape matches

@@ -48,12 +48,6 @@ class DecodeState:
         self.done.zero_()
         self.step.zero_()
 
-    def keep(self, rows: Tensor) -> "DecodeState":
-        """A smaller state holding only `rows` (finished sequences leave the batch)."""
-        return DecodeState(k=[k[rows] for k in self.k], v=[v[rows] for v in self.v], tokens=self.tokens[rows],
-                            log_probs=self.log_probs[rows], last_token=self.last_token[rows], done=self.done[rows],
-                            pad=self.pad[rows], step=self.step.clone(), prompt_len=self.prompt_len)
-
     def record(self, token: Tensor, log_prob: Tensor, eos: Tensor, ignore_eos: bool) -> None:
         """Write this step's token and advance, on the device (what follows an EOS is masked later)."""
         index = self.step.expand(token.shape[0]).unsqueeze(-1)
