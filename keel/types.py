@@ -78,6 +78,10 @@ class RolloutBatch:
     values: Tensor | None = None                # [N, R] critic values
     advantages: Tensor | None = None            # [N, R]
     returns: Tensor | None = None               # [N, R]
+    # algorithm.rollout_correction (decoupled mode): truncated IS weights on the policy loss, and
+    # rejection sampling's mask (1: kept), which leaves rejected tokens out of every loss.
+    rollout_is_weights: Tensor | None = None    # [N, R]
+    rollout_keep: Tensor | None = None          # [N, R]
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -93,6 +97,10 @@ class RolloutBatch:
     @property
     def attention_mask(self) -> Tensor:          # [N, P + R]
         return torch.cat([self.prompt_mask, self.response_tokens], dim=1)
+
+    @property
+    def loss_mask(self) -> Tensor:               # [N, R] the tokens the losses train on
+        return self.response_mask if self.rollout_keep is None else self.response_mask * self.rollout_keep
 
     @property
     def last_token_index(self) -> Tensor:        # [N] the model's last token (0 for an empty response)

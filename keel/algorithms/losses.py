@@ -79,6 +79,15 @@ class PolicyLossInputs:
     response_mask: Tensor                           # [B, T]
     global_tokens: float | Tensor | None = None     # the whole mini-batch's counts (see the top)
     global_seqs: float | Tensor | None = None
+    is_weights: Tensor | None = None                # [B, T] rollout correction's, detached
+
+    def aggregate(self, losses: Tensor, p: "PolicyLossParams", mode: str | None = None) -> Tensor:
+        """The per-token losses [B, T], re-weighted by the rollout correction's IS weights when
+        there are any, reduced by `mode` (default: the configured loss_agg_mode)."""
+        if self.is_weights is not None:
+            losses = losses * self.is_weights
+        return agg_loss(losses, self.response_mask, mode or p.loss_agg_mode, global_tokens=self.global_tokens,
+                        global_seqs=self.global_seqs, norm_length=p.norm_length)
 
 
 PolicyLossFn = Callable[[PolicyLossInputs, PolicyLossParams], tuple[Tensor, dict[str, Tensor]]]
@@ -107,12 +116,13 @@ def compute_policy_loss(
     *,
     global_tokens: float | Tensor | None = None,
     global_seqs: float | Tensor | None = None,
+    is_weights: Tensor | None = None,  # [B, T] truncated IS weights (algorithm.rollout_correction)
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Returns (scalar loss, metrics {pg_clipfrac, ppo_kl, pg_clipfrac_lower}, detached)."""
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; valid: {sorted(POLICY_LOSSES)}")
     return POLICY_LOSSES[name](PolicyLossInputs(old_log_prob, log_prob, advantages, response_mask, global_tokens,
-                                                global_seqs), p)
+                                                global_seqs, is_weights), p)
 
 
 def _metrics(clipped: Tensor, dual_clipped: Tensor, x: PolicyLossInputs) -> dict[str, Tensor]:
@@ -139,8 +149,7 @@ def vanilla(x: PolicyLossInputs, p: PolicyLossParams) -> tuple[Tensor, dict[str,
     loss_cap = -advantages * p.clip_ratio_c
     negative = advantages < 0
     losses = torch.where(negative, torch.minimum(loss_ppo, loss_cap), loss_ppo)  # [B, T]
-    loss = agg_loss(losses, x.response_mask, p.loss_agg_mode, global_tokens=x.global_tokens,
-                    global_seqs=x.global_seqs, norm_length=p.norm_length)
+    loss = x.aggregate(losses, p)
     return loss, _metrics(loss_clipped > loss_unclipped, negative & (loss_ppo > loss_cap), x)
 
 
@@ -159,8 +168,7 @@ def gspo(x: PolicyLossInputs, p: PolicyLossParams) -> tuple[Tensor, dict[str, Te
     loss_unclipped = -x.advantages * ratio
     loss_clipped = -x.advantages * torch.clamp(ratio, 1 - p.clip_ratio_low, 1 + p.clip_ratio_high)
     losses = torch.maximum(loss_unclipped, loss_clipped)  # [B, T]
-    loss = agg_loss(losses, x.response_mask, "seq-mean-token-mean", global_tokens=x.global_tokens,
-                    global_seqs=x.global_seqs)
+    loss = x.aggregate(losses, p, "seq-mean-token-mean")
     no_dual_clip = torch.zeros_like(x.response_mask, dtype=torch.bool)
     return loss, _metrics(loss_clipped > loss_unclipped, no_dual_clip, x)
 
@@ -169,8 +177,7 @@ def gspo(x: PolicyLossInputs, p: PolicyLossParams) -> tuple[Tensor, dict[str, Te
 def gpg(x: PolicyLossInputs, p: PolicyLossParams) -> tuple[Tensor, dict[str, Tensor]]:
     """GPG (arXiv 2504.02546): the plain policy gradient -A log pi, no ratio and no clipping."""
     losses = -x.advantages * x.log_prob
-    loss = agg_loss(losses, x.response_mask, p.loss_agg_mode, global_tokens=x.global_tokens,
-                    global_seqs=x.global_seqs, norm_length=p.norm_length)
+    loss = x.aggregate(losses, p)
     no_clip = torch.zeros_like(x.response_mask, dtype=torch.bool)
     return loss, _metrics(no_clip, no_clip, x)
 
@@ -182,8 +189,7 @@ def cispo(x: PolicyLossInputs, p: PolicyLossParams) -> tuple[Tensor, dict[str, T
     ratio = torch.exp(torch.clamp(x.log_prob - x.old_log_prob, -20.0, 20.0))
     clipped = torch.clamp(ratio, 1 - p.clip_ratio_low, 1 + p.clip_ratio_high)
     losses = -clipped.detach() * x.advantages * x.log_prob
-    loss = agg_loss(losses, x.response_mask, p.loss_agg_mode, global_tokens=x.global_tokens,
-                    global_seqs=x.global_seqs, norm_length=p.norm_length)
+    loss = x.aggregate(losses, p)
     return loss, _metrics(ratio != clipped, torch.zeros_like(x.response_mask, dtype=torch.bool), x)
 
 

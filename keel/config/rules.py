@@ -138,6 +138,32 @@ def _check_algorithm(cfg: KeelConfig, incompatible) -> None:
                            "policy would not be updated for those steps", "set algorithm.critic_warmup=0")
 
 
+def _check_rollout_correction(cfg: KeelConfig, incompatible) -> None:
+    rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    try:
+        rc.params()
+    except ValueError as e:
+        raise KeelError(BAD_VALUE, f"{key}: {e}", f"set {key}.rollout_rs to filters among "
+                        "token_k1..seq_max_k3 and rollout_rs_threshold to one bound each (k1: lower_upper)") from None
+    if not (rc.bypass_mode or rc.decoupled):
+        if rc.loss_type != "ppo_clip":
+            raise incompatible(f"{key}.loss_type={rc.loss_type} without bypass_mode=true: the loss type is bypass "
+                               "mode's", f"set {key}.bypass_mode=true, or remove loss_type")
+        return
+    if not cfg.actor_rollout_ref.rollout.do_sample:
+        raise incompatible(f"{key} with rollout.do_sample=false: greedy engines record log-probs at temperature 1, "
+                           "not the distribution the trainer computes", "set rollout.do_sample=true, or remove "
+                           f"{key}")
+    if rc.loss_type == "reinforce" and cfg.actor_rollout_ref.actor.policy_loss.loss_mode != "vanilla":
+        raise incompatible(f"{key}.loss_type=reinforce replaces the policy loss, but policy_loss.loss_mode="
+                           f"{cfg.actor_rollout_ref.actor.policy_loss.loss_mode}", "keep one: loss_type=ppo_clip "
+                           "with your loss_mode, or loss_mode=vanilla")
+    if rc.bypass_mode and rc.loss_type == "ppo_clip" and rc.rollout_is is not None:
+        raise incompatible(f"{key}.rollout_is with bypass_mode and loss_type=ppo_clip: the PPO ratio is already "
+                           "pi / pi_rollout, so verl computes these weights and never applies them",
+                           f"remove {key}.rollout_is, or set loss_type=reinforce to weight -A log pi with them")
+
+
 def _check_reward(cfg: KeelConfig, incompatible) -> None:
     if cfg.custom_reward_function.batched and (cfg.reward.scorers or not cfg.custom_reward_function.path):
         raise incompatible("custom_reward_function.batched=true needs custom_reward_function.path and no "
@@ -159,6 +185,7 @@ def _check_reward(cfg: KeelConfig, incompatible) -> None:
 def _check_options(cfg: KeelConfig) -> None:
     rollout = cfg.actor_rollout_ref.rollout
     _check_algorithm(cfg, incompatible)
+    _check_rollout_correction(cfg, incompatible)
     _check_reward(cfg, incompatible)
     val = rollout.val_kwargs
     if val.n > 1 and not (val.do_sample and val.temperature > 0):

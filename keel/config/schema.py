@@ -9,18 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from keel.algorithms.advantages import ADV_ESTIMATORS as ESTIMATOR_REGISTRY
-from keel.algorithms.kl import KL_ESTIMATORS as KL_TYPES
 from keel.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
+from keel.config.algorithm import ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_TYPES, AlgorithmConfig  # noqa: F401
 from keel.config.fields import ResourcePool, opt
 from keel.config.multi_turn import MultiTurnConfig
 from keel.config.reward import CustomRewardConfig, RewardConfig, RewardModelConfig
 
 
 DTYPES = ("float32", "bfloat16", "auto")  # float16 would need loss scaling
-# The algorithms' registries are the one source of what a key may name.
-ADV_ESTIMATORS = tuple(ESTIMATOR_REGISTRY)
-GROUP_ESTIMATORS = tuple(name for name, estimator in ESTIMATOR_REGISTRY.items() if estimator.needs_group)
 
 
 @dataclass
@@ -203,41 +199,6 @@ class CriticConfig(ResourcePool):
     cliprange_value: float = opt(0.5, gt=0)
     loss_agg_mode: str = opt("token-mean", choices=LOSS_AGG_MODES)
     grad_clip: float = opt(1.0, gt=0)
-
-
-@dataclass
-class KLControlConfig:
-    type: str = opt("fixed", choices=("fixed", "adaptive"))
-    kl_coef: float = opt(0.001, ge=0)
-    target_kl: float = opt(0.1, gt=0)
-    horizon: int = opt(10000, gt=0)
-
-
-@dataclass
-class FilterGroupsConfig:
-    """DAPO's dynamic sampling (arXiv 2503.14476): prompts whose samples all scored alike carry no
-    group-relative signal; they are dropped and more prompts generated until the batch is full."""
-    enable: bool = opt(False)
-    metric: str = opt("acc", choices=("acc", "score", "seq_reward", "seq_final_reward"),
-                      help="what must differ within a group: acc (the reward function's `acc`, else the score), "
-                           "score / seq_reward (the score), seq_final_reward (the score; KL in the reward is "
-                           "not subtracted yet when groups are judged)")
-    max_num_gen_batches: int = opt(10, ge=0, help="generation batches per step at most (0: no limit); past it "
-                                                  "KEEL-T005")
-
-
-@dataclass
-class AlgorithmConfig:
-    adv_estimator: str = opt("gae", choices=ADV_ESTIMATORS)
-    gamma: float = opt(1.0, ge=0, le=1)
-    lam: float = opt(1.0, ge=0, le=1)
-    norm_adv_by_std_in_grpo: bool = opt(True, help="false gives Dr. GRPO")
-    use_kl_in_reward: bool = opt(False)
-    kl_penalty: str = opt("kl", choices=KL_TYPES, help="KL estimator in the reward")
-    kl_ctrl: KLControlConfig = opt(factory=KLControlConfig)
-    critic_warmup: int = opt(0, ge=0, help="the actor is updated from this step on, as verl counts: N trains "
-                                            "the critic alone for N - 1 steps")
-    filter_groups: FilterGroupsConfig = opt(factory=FilterGroupsConfig)
 
 
 @dataclass

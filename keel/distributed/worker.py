@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from keel.checkpoint import load_trainers, save_trainers
+from keel.config.algorithm import RolloutCorrectionConfig
 from keel.config.schema import ActorRolloutRefConfig, CriticConfig, KeelConfig
 from keel.distributed.dist import init_process_group
 from keel.distributed.fsdp import full_parameters
@@ -55,6 +56,7 @@ class WorkerSpec:
     with_reference: bool            # a KL term needs the reference
     critic_micro_batch: int         # critic.ppo_micro_batch_size_per_gpu, or the actor's
     actor_weights: str | None       # a checkpoint's actor to start from instead of the model path
+    rollout_correction: RolloutCorrectionConfig | None = None  # algorithm.rollout_correction
 
     @classmethod
     def of(cls, cfg: KeelConfig, total_steps: int, actor_weights: str | None = None,
@@ -65,7 +67,7 @@ class WorkerSpec:
         return cls(cfg.actor_rollout_ref, cfg.critic,
                    roles or frozenset({"policy", "critic"} if colocated_critic else {"policy"}), total_steps,
                    t.device, t.seed, t.collective_timeout_s, cfg.data.max_response_length, cfg.ref_enabled,
-                   cfg.critic_batching[1], actor_weights)
+                   cfg.critic_batching[1], actor_weights, cfg.algorithm.rollout_correction)
 
 
 class RoleWorker:
@@ -110,7 +112,8 @@ class RoleWorker:
             self._share_base(model)
         model, placement = self._prepare_model(model, policy.actor.fsdp_config, "actor")
         self.actor = ActorTrainer(model, policy.actor, policy.rollout.temperature, spec.total_steps,
-                                  _log_prob_batching(policy.rollout), spec.max_response_length, placement)
+                                  _log_prob_batching(policy.rollout), spec.max_response_length, placement,
+                                  spec.rollout_correction)
         if self.lora:  # adapters loaded from a checkpoint or lora_adapter_path reach the engine now
             self._sync_rollout()
         if policy.rollout.multi_turn.enable:

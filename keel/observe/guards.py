@@ -74,6 +74,11 @@ class LearningSignalGuard:
         if metrics.get("actor/entropy", c.min_entropy) < c.min_entropy:
             warnings.append(f"entropy {metrics['actor/entropy']:.3g} < {c.min_entropy}: the policy has "
                             "collapsed; samples of a prompt are nearly identical")
+        rejected = metrics.get("rollout_corr/rollout_rs_masked_fraction", 0.0)
+        if rejected > 0.5:
+            warnings.append(f"rollout correction's rejection dropped {100 * rejected:.0f}% of the tokens from the "
+                            "losses: the sampler and the trainer disagree (rollout_corr/kl), or "
+                            "algorithm.rollout_correction.rollout_rs_threshold is too tight")
         for key in ("actor/ppo_kl", "actor/ref_kl"):
             if abs(metrics.get(key, 0.0)) > c.max_kl:
                 warnings.append(f"{key}={metrics[key]:.3g} > {c.max_kl}: the policy moved far in one step; "

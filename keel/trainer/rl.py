@@ -16,6 +16,7 @@ import torch
 from keel import checkpoint as ckpt
 from keel.algorithms.advantages import AdvantageInputs, AdvantageParams, compute_advantage
 from keel.algorithms.kl import apply_kl_penalty
+from keel.algorithms.rollout_correction import compute_correction
 from keel.algorithms.utils import masked_mean
 from keel.config.load import to_yaml
 from keel.config.plan import make_plan
@@ -60,6 +61,7 @@ class RLTrainer:
                                        max_new_tokens=cfg.data.max_response_length, ignore_eos=rollout.ignore_eos)
         a = cfg.algorithm
         self.adv_params = AdvantageParams(gamma=a.gamma, lam=a.lam, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
+        self.correction = a.rollout_correction
         self.step = 0
 
     # --- the loop ----------------------------------------------------------------------------
@@ -117,8 +119,10 @@ class RLTrainer:
             # log-probs, detached, are the old ones (ratio 1), and a pass over the batch is saved.
             # (guards.nonfinite=skip keeps the pass: it is where non-finite log-probs skip a step.)
             on_policy = (updates_actor and workers.actor_on_policy(batch) and not self.cfg.algorithm.use_kl_in_reward
-                         and self.cfg.trainer.guards.nonfinite != "skip")
-            if not on_policy:
+                         and self.cfg.trainer.guards.nonfinite != "skip" and not self.correction.decoupled)
+            if self.correction.bypass_mode:  # verl's bypass mode: the sampler's policy is the old one
+                batch.old_log_probs = batch.sampling_log_probs
+            elif not on_policy:
                 with timer("old_log_prob"):
                     batch.old_log_probs = workers.actor_log_probs(batch)
                     finite("actor log-probs", batch.old_log_probs, batch.response_mask)
@@ -141,7 +145,7 @@ class RLTrainer:
             if updates_actor:
                 with timer("update_actor"):
                     metrics.update(workers.update_actor(batch, self._seed()))
-                if on_policy:  # the update measured the gap (and the reference KL) on its forward
+                if on_policy or self.correction.bypass_mode:  # the update measured the gap on its forward
                     self._check_log_prob_gap(metrics.get("rollout/log_prob_gap", 0.0))
         logger.log_samples(self.step, self._samples(batch))
         metrics.update(batch_metrics(batch))
@@ -218,12 +222,23 @@ class RLTrainer:
         with timer("adv"):
             metrics = self._assign_rewards(batch)
             finite("token-level rewards", batch.token_level_rewards, batch.response_mask)
+            if self.correction.decoupled:
+                metrics.update(self._correct_rollout(batch))
             batch.advantages, batch.returns = compute_advantage(
                 self.cfg.algorithm.adv_estimator,
                 AdvantageInputs(batch.token_level_rewards, batch.response_mask, batch.group_index,
                                 batch.values, baseline), self.adv_params)
             finite("advantages", batch.advantages, batch.response_mask)
         return metrics
+
+    def _correct_rollout(self, batch: RolloutBatch) -> dict[str, float]:
+        """Decoupled rollout correction, once per batch: the old policy's log-probs against the
+        sampler's give the policy loss its IS weights and rejection its mask."""
+        correction = compute_correction(batch.old_log_probs, batch.sampling_log_probs, batch.response_mask,
+                                        self.correction.params())
+        batch.rollout_is_weights = correction.weights
+        batch.rollout_keep = correction.keep if self.correction.rollout_rs else None
+        return {name: value.item() for name, value in correction.metrics.items()}
 
     def _baseline_scores(self, prompts: PromptBatch, batch: RolloutBatch) -> torch.Tensor:      # [N]
         """ReMax (arXiv 2310.10505): the greedy response's score is each prompt's baseline, given

@@ -6,6 +6,7 @@ import torch
 
 from keel.algorithms.kl import kl_penalty
 from keel.algorithms.losses import PolicyLossParams, agg_loss, compute_policy_loss
+from keel.algorithms.rollout_correction import compute_correction
 from keel.algorithms.utils import masked_mean
 from keel.errors import NO_GRADIENT, KeelError
 from keel.training.batching import MicroBatching, MiniBatch, micro_batches
@@ -27,7 +28,8 @@ def check_gradient_flows(grad_norm: float, mini: MiniBatch) -> None:
 
 class ActorTrainer:
     def __init__(self, model, actor_cfg, temperature: float, total_steps: int,
-                 log_prob_batching: MicroBatching, max_response_length: int, placement: Placement = SINGLE):
+                 log_prob_batching: MicroBatching, max_response_length: int, placement: Placement = SINGLE,
+                 rollout_correction=None):
         self.model = model
         self.placement = placement
         self.cfg = actor_cfg
@@ -43,6 +45,11 @@ class ActorTrainer:
             clip_ratio_c=actor_cfg.clip_ratio_c,
             loss_agg_mode=actor_cfg.loss_agg_mode,
             norm_length=max_response_length)
+        # verl's bypass mode: the old policy is the sampler's (the trainer set old_log_probs to its
+        # log-probs), and weights and rejection follow the policy as it is now, micro-batch by micro-batch.
+        bypass = rollout_correction is not None and rollout_correction.bypass_mode
+        self.bypass = rollout_correction.params() if bypass else None
+        self.reinforce = bypass and rollout_correction.loss_type == "reinforce"  # -A log pi, weighted
         self.optimizer = build_optimizer(model.parameters(), actor_cfg.optim, placement.optimizer_offload)
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps)
 
@@ -56,10 +63,10 @@ class ActorTrainer:
         scale = mini.scale
         totals, tokens = DeviceTotals(), float(scale.tokens)
         for _, micro in micro_batches(mini.samples, self.update_batching):
-            loss, pg_loss, metrics = self._micro_loss(micro, scale)
+            loss, pg_loss, metrics = self._micro_loss(micro, scale, measure_gaps=self._measures_gaps(micro, mini))
             backward(loss, "actor", self.placement.data_parallel_size)
             totals.add("actor/pg_loss", pg_loss)  # micro-batch losses add up to the mini-batch loss
-            share = float(micro.response_mask.sum()) / tokens  # token-weighted means
+            share = float(micro.loss_mask.sum()) / tokens  # token-weighted means
             for name, value in metrics.items():
                 totals.add(name, value, share)
         metrics = totals.floats()
@@ -67,6 +74,11 @@ class ActorTrainer:
                                                        self.placement.reduce_gradients)
         check_gradient_flows(metrics["actor/grad_norm"], mini)
         return metrics
+
+    def _measures_gaps(self, micro: RolloutBatch, mini: MiniBatch) -> bool:
+        """Whether this forward is where the engine's gap is measured: on-policy (the trainer skipped
+        the old-log-prob pass), or bypass mode's first mini-batch (the policy is still the sampler's)."""
+        return micro.old_log_probs is None or (self.bypass is not None and mini.first)
 
     @staticmethod
     def _old_log_probs(micro: RolloutBatch, log_prob: torch.Tensor) -> torch.Tensor:
@@ -84,22 +96,30 @@ class ActorTrainer:
             gaps["actor/ref_kl"] = masked_mean(log_prob - micro.ref_log_probs.to(mask.device), mask)
         return gaps
 
-    def _micro_loss(self, micro: RolloutBatch, scale: LossScale
+    def _micro_loss(self, micro: RolloutBatch, scale: LossScale, measure_gaps: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(loss to back-propagate, its policy-loss part, per-token metrics on the device) of one
         micro-batch."""
         cfg = self.cfg
         device = compute_device(self.model, self.placement)
-        mask = micro.response_mask.to(device)                                   # [b, R]
+        mask = micro.loss_mask.to(device)                                       # [b, R]
         log_prob, entropy = response_log_probs(self.model, micro, self.temperature, with_entropy=True,
                                                entropy_grad=cfg.entropy_coeff > 0, plan=self.placement)
+        old_log_prob = self._old_log_probs(micro, log_prob)
+        is_weights = None if micro.rollout_is_weights is None else micro.rollout_is_weights.to(device)
+        metrics = {}
+        if self.bypass is not None:
+            correction = compute_correction(log_prob.detach(), old_log_prob, mask, self.bypass)
+            mask = mask * correction.keep  # rejected tokens leave the losses; the denominators stay
+            is_weights = correction.weights if self.reinforce else None
+            metrics.update(correction.metrics)
         pg_loss, pg_metrics = compute_policy_loss(
-            cfg.policy_loss.loss_mode, self._old_log_probs(micro, log_prob), log_prob,
-            micro.advantages.to(device), mask, self.loss_params, **scale.policy_kwargs())
+            "gpg" if self.reinforce else cfg.policy_loss.loss_mode, old_log_prob, log_prob,
+            micro.advantages.to(device), mask, self.loss_params, **scale.policy_kwargs(), is_weights=is_weights)
         loss = pg_loss
-        metrics = {f"actor/{k}": v for k, v in pg_metrics.items()}
+        metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
         metrics["actor/entropy"] = masked_mean(entropy.detach(), mask)
-        if micro.old_log_probs is None:  # on-policy: what the old-log-prob pass would have measured
+        if measure_gaps:  # what the old-log-prob pass would have measured
             metrics.update(self._policy_gaps(micro, log_prob.detach(), mask))
         if cfg.entropy_coeff > 0:  # entropy and KL terms aggregate like the policy loss
             loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, **scale.agg_kwargs())

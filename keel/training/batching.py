@@ -36,6 +36,7 @@ class MiniBatch:
     samples: RolloutBatch
     scale: LossScale
     on_policy_signal: bool  # first mini-batch, non-zero advantages: its gradient must not be 0
+    first: bool = False     # the update's first mini-batch: the policy is still the sampler's
 
 
 def plan_minibatches(batch: RolloutBatch, samples_per_mini: int, epochs: int, shuffle: bool, seed: int,
@@ -47,10 +48,11 @@ def plan_minibatches(batch: RolloutBatch, samples_per_mini: int, epochs: int, sh
     for epoch in range(epochs):
         for i, index in enumerate(minibatch_indices(len(batch), samples_per_mini, shuffle, seed + epoch)):
             mini = batch.select(index)
-            scale = LossScale(*mask_counts(mini.response_mask), norm_length)
-            signal = epoch == 0 and i == 0 and bool((mini.advantages * mini.response_mask).abs().sum() > 0)
+            scale = LossScale(*mask_counts(mini.loss_mask), norm_length)
+            first = epoch == 0 and i == 0
+            signal = first and bool((mini.advantages * mini.loss_mask).abs().sum() > 0)
             for rank, part in enumerate(shard_batch(mini, world_size)[1]):
-                per_rank[rank].append(MiniBatch(part, scale, signal))
+                per_rank[rank].append(MiniBatch(part, scale, signal, first))
     return per_rank
 
 

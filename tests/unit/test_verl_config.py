@@ -161,3 +161,40 @@ def test_references_to_unset_keys_take_keels_defaults_and_parents_resolve(tmp_pa
 def test_a_custom_reward_manager_from_a_file_is_refused():
     error = error_of({"reward_manager.source": "importlib", "reward_manager.module.path": "my_manager.py"})
     assert error.code == VERL_UNSUPPORTED and "reward_manager.source" in error.message
+
+
+@pytest.mark.parametrize("preset", [  # verl's RolloutCorrectionConfig presets, as a script writes them
+    {"rollout_is": "token", "rollout_is_threshold": 2.0},                                  # decoupled_token_is
+    {"rollout_is": "sequence", "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": "0.5_2.0"},  # seq MIS
+    {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": 1.001, "rollout_is": "token"},   # geo RS + token TIS
+    {"bypass_mode": True},                                                                  # bypass_ppo_clip
+    {"bypass_mode": True, "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01},      # bypass + K3-RS
+    {"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "sequence"},             # bypass_pg_is
+])
+def test_verls_rollout_correction_presets_load(preset):
+    cfg = load_config({}, {**SMALL, **{f"algorithm.rollout_correction.{k}": v for k, v in preset.items()}})
+    rc = cfg.algorithm.rollout_correction
+    assert rc.params().enabled or rc.bypass_mode
+    assert rc.decoupled != rc.bypass_mode
+
+
+@pytest.mark.parametrize("overrides, code, needle", [
+    ({"rollout_rs": "seq_k1", "rollout_rs_threshold": 2}, "KEEL-C002", "not among"),
+    ({"rollout_rs": "token_k1"}, "KEEL-C002", "rollout_rs_threshold is not"),
+    ({"rollout_is": "tokens"}, "KEEL-C002", "one of"),
+    ({"rollout_is_threshold": 0}, "KEEL-C002", "> 0"),
+    ({"loss_type": "reinforce"}, "KEEL-C006", "bypass_mode"),
+    ({"bypass_mode": True, "rollout_is": "token"}, "KEEL-C006", "never applies them"),
+    ({"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "token",
+      "actor_rollout_ref.actor.policy_loss.loss_mode": "gspo"}, "KEEL-C006", "replaces the policy loss"),
+    ({"rollout_is": "token", "actor_rollout_ref.rollout.do_sample": False, "actor_rollout_ref.rollout.n": 1},
+     "KEEL-C006", "greedy"),
+])
+def test_a_rollout_correction_that_cannot_work_is_refused(overrides, code, needle):
+    keys = {k if "." in k else f"algorithm.rollout_correction.{k}": v for k, v in overrides.items()}
+    if keys.get("actor_rollout_ref.rollout.n") == 1:
+        keys["algorithm.adv_estimator"] = "gae"
+        keys["critic.enable"] = True
+    error = error_of(keys)
+    assert f"error[{code}]" in error.render()
+    assert needle in error.message, error.message

@@ -1,0 +1,70 @@
+"""verl's rollout correction through a whole run on CPU: bypass mode saves the old-log-prob pass,
+IS weights reach the policy loss, rejected tokens leave it, and a run that rejects most tokens
+says so. On CPU in float32 the native engine samples with the trainer's own log-probs (gap about
+1e-8), so bypass mode must train exactly like the recomputed pass."""
+
+import copy
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.test_train_cli import read_metrics, weights
+
+
+def run(tiny_config, name: str, **correction):
+    from keel.api import train
+
+    cfg = copy.deepcopy(tiny_config)
+    cfg["algorithm"]["rollout_correction"] = correction
+    cfg["trainer"]["default_local_dir"] += f"_{name}"
+    result = train(cfg)
+    return result, [m for m in read_metrics(result.run_dir) if m["step"] > 0]
+
+
+def final_weights(result) -> dict[str, torch.Tensor]:
+    return weights(sorted(Path(result.run_dir).glob("global_step_*"))[-1] / "actor")
+
+
+@pytest.fixture
+def baseline(tiny_config):
+    return run(tiny_config, "plain")
+
+
+def test_bypass_mode_skips_the_pass_and_trains_as_it_would(tiny_config, baseline):
+    plain, plain_metrics = baseline
+    bypass, ours = run(tiny_config, "bypass", bypass_mode=True)
+    assert all("timing_s/old_log_prob" not in m for m in ours)
+    assert all("timing_s/old_log_prob" in m for m in plain_metrics)
+    for a, b in zip(ours, plain_metrics):
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+        assert 0 < a["rollout/log_prob_gap"] < 1e-5  # measured on the first mini-batch's forward
+        assert "rollout_corr/kl" in a
+    for name, tensor in final_weights(bypass).items():
+        torch.testing.assert_close(tensor, final_weights(plain)[name], rtol=1e-5, atol=1e-6)
+
+
+def test_is_weights_reach_the_policy_loss(tiny_config, baseline):
+    """Ratios of 1 truncated at 0.001: every weight is 0.001, so the first mini-batch's loss and
+    gradient are the uncorrected ones times 0.001 (Adam's step barely notices the scale)."""
+    _, plain_metrics = baseline
+    _, ours = run(tiny_config, "tis", rollout_is="token", rollout_is_threshold=0.001)
+    first, plain_first = ours[0], plain_metrics[0]
+    assert first["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-4)  # before truncation
+    assert first["rollout_corr/rollout_is_ratio_fraction_high"] == 1.0
+    assert first["actor/grad_norm"] == pytest.approx(0.001 * plain_first["actor/grad_norm"], rel=0.05)
+    assert first["actor/pg_loss"] == pytest.approx(0.001 * plain_first["actor/pg_loss"], rel=0.05, abs=1e-7)
+
+
+def test_rejected_tokens_leave_the_losses_and_the_run_says_so(tiny_config, caplog):
+    """A band of ratios [1.5, 2] that ratios of 1 never reach: every token is rejected, the loss
+    is 0, the weights never move, and each step warns."""
+    caplog.set_level(logging.WARNING, logger="keel")
+    result, ours = run(tiny_config, "reject", rollout_rs="token_k1", rollout_rs_threshold="1.5_2.0")
+    assert all(m["rollout_corr/rollout_rs_masked_fraction"] == 1.0 and m["actor/pg_loss"] == 0.0 for m in ours)
+    start = weights(Path(tiny_config["actor_rollout_ref"]["model"]["path"]))
+    for name, tensor in final_weights(result).items():
+        torch.testing.assert_close(tensor, start[name])
+    assert sum("rejection dropped 100% of the tokens" in r.getMessage() for r in caplog.records) == len(ours)
