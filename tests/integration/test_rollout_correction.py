@@ -58,13 +58,28 @@ def test_is_weights_reach_the_policy_loss(tiny_config, baseline):
     assert first["actor/pg_loss"] == pytest.approx(0.001 * plain_first["actor/pg_loss"], rel=0.05, abs=1e-7)
 
 
-def test_rejected_tokens_leave_the_losses_and_the_run_says_so(tiny_config, caplog):
+@pytest.mark.parametrize("mode", [{}, {"bypass_mode": True}])
+def test_rejected_tokens_leave_the_losses_and_the_run_says_so(tiny_config, caplog, mode):
     """A band of ratios [1.5, 2] that ratios of 1 never reach: every token is rejected, the loss
-    is 0, the weights never move, and each step warns."""
+    is 0, the weights never move, and each step warns; once per batch (decoupled) or per
+    micro-batch against the current policy (bypass)."""
     caplog.set_level(logging.WARNING, logger="keel")
-    result, ours = run(tiny_config, "reject", rollout_rs="token_k1", rollout_rs_threshold="1.5_2.0")
+    result, ours = run(tiny_config, "reject", rollout_rs="token_k1", rollout_rs_threshold="1.5_2.0", **mode)
     assert all(m["rollout_corr/rollout_rs_masked_fraction"] == 1.0 and m["actor/pg_loss"] == 0.0 for m in ours)
     start = weights(Path(tiny_config["actor_rollout_ref"]["model"]["path"]))
     for name, tensor in final_weights(result).items():
         torch.testing.assert_close(tensor, start[name])
     assert sum("rejection dropped 100% of the tokens" in r.getMessage() for r in caplog.records) == len(ours)
+
+
+def test_bypass_reinforce_weights_minus_a_log_pi(tiny_config):
+    """bypass_pg_is: -A log pi with sequence weights pi / pi_rollout, truncated. Truncated at 0.001
+    the first mini-batch's gradient is REINFORCE's (gpg's) times 0.001."""
+    _, reinforce = run(tiny_config, "pg", bypass_mode=True, loss_type="reinforce")
+    _, weighted = run(tiny_config, "pg_is", bypass_mode=True, loss_type="reinforce", rollout_is="sequence",
+                      rollout_is_threshold=0.001)
+    tiny_config["actor_rollout_ref"]["actor"]["policy_loss"] = {"loss_mode": "gpg"}
+    _, gpg = run(tiny_config, "gpg")
+    assert reinforce[0]["actor/grad_norm"] == pytest.approx(gpg[0]["actor/grad_norm"], rel=1e-4)
+    assert weighted[0]["actor/grad_norm"] == pytest.approx(0.001 * gpg[0]["actor/grad_norm"], rel=0.05)
+    assert weighted[0]["rollout_corr/rollout_is_ratio_fraction_high"] > 0.5
