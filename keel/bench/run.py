@@ -113,11 +113,12 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
     trainer = RLTrainer(cfg)
     trainer._open_run_dir()
     logger = MetricsLogger(trainer.run_dir, False, warmup + steps, 0)
-    per_step = []
+    per_step, gpu_busy = [], {}
     try:
         for i in range(warmup + steps):
             trainer.step += 1
-            with _profiled(trainer.components.workers, profile_dir if i == warmup else None, f"{name}_{gpus}gpu"):
+            with _profiled(trainer.components.workers, profile_dir if i == warmup else None, f"{name}_{gpus}gpu",
+                           gpu_busy):
                 per_step.append(trainer.guarded_step(logger))
         engine = trainer.components.workers.group.call("info", [()] * cfg.world_size)[0]["rollout_engine"]
     finally:
@@ -131,6 +132,8 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
     record = summarize(name, workload, cfg, per_step[warmup:])
     record["engine"] = engine
     record["overrides"] = list(overrides or [])
+    if gpu_busy:  # --profile on a GPU: the profiled step's phases, rank 0's GPU
+        record["gpu_busy"] = gpu_busy
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         with out.open("a") as f:
@@ -139,10 +142,11 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
 
 
 @contextmanager
-def _profiled(workers, profile_dir: Path | None, label: str):
+def _profiled(workers, profile_dir: Path | None, label: str, gpu_busy: dict):
     """`keel bench --profile DIR`: the first measured step under torch.profiler on every worker;
-    rank 0's kernels and phases (keel's timers are named ranges) go to DIR as a table. With one
-    worker it runs in this process, so the table has the driver's phases too."""
+    rank 0's kernels and phases (keel's timers are named ranges) go to DIR as a table, and the
+    share of each phase its GPU was busy into `gpu_busy`. With one worker it runs in this process,
+    so the table has the driver's phases too."""
     if profile_dir is None:
         yield
         return
@@ -152,7 +156,7 @@ def _profiled(workers, profile_dir: Path | None, label: str):
     try:
         yield
     finally:
-        workers.group.call("stop_profile", [(str(path),)] * workers.world)
+        gpu_busy.update(workers.group.call("stop_profile", [(str(path),)] * workers.world)[0])
     log.info("profile of one step (rank 0): %s", path)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from keel.distributed.dist import memory_reading
 from keel.distributed.faults import maybe_inject
@@ -42,7 +43,8 @@ class ServedWorker:
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         try:
-            result = getattr(self.worker, method)(*args)
+            with record_function(f"worker/{method}"):  # a named range in a rank's profile (keel bench --profile)
+                result = getattr(self.worker, method)(*args)
         except Exception as error:
             if is_compile_error(error):
                 raise KeelError(COMPILE_FAILED, f"torch.compile failed in {method}: "

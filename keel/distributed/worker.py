@@ -182,10 +182,12 @@ class RoleWorker:
         """`keel bench --profile`: this rank's work under torch.profiler until stop_profile."""
         self._profile = RankProfile(self.device)
 
-    def stop_profile(self, path: str | None) -> None:
-        """Ends the profile; rank 0 writes its kernel and phase table to `path`."""
-        self._profile.stop(path if self.rank == 0 else None)
+    def stop_profile(self, path: str | None) -> dict[str, float]:
+        """Ends the profile; rank 0 writes its kernel and phase table to `path`. Returns how busy
+        this rank's GPU was in each phase."""
+        busy = self._profile.stop(path if self.rank == 0 else None)
         self._profile = None
+        return busy
 
     def info(self) -> dict:
         return {"rollout_engine": type(self.rollout).__name__ if self.rollout else None, **self.sharding}
