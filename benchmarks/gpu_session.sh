@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_session.sh lora           the LoRA and 7B workloads on one GPU
 #   bash benchmarks/gpu_session.sh large          w32: LoRA on Qwen2.5-32B shapes
 #   bash benchmarks/gpu_session.sh multi          m1: multi-turn, 4 turns of 128 tokens; w4: variable lengths
+#   bash benchmarks/gpu_session.sh levers         t1 as the bench runs it (profiled: GPU busy per phase), then
+#                                                 on-policy (one mini-batch) and in rollout correction's bypass mode
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -62,6 +64,16 @@ multi() {  # m1, then w4: variable lengths under continuous batching against fix
     timeout 240 python3 benchmarks/variable_lengths.py --out "$OUT/w4.jsonl" > "$OUT/w4.log" 2>&1; tail -1 "$OUT/w4.log"
 }
 
+levers() {  # what issue 17's CPU-built levers are worth, in one run of each against t1's four mini-batches
+    timeout 150 python3 -m keel bench t1 --gpus 1 --steps 3 --warmup 2 --profile "$OUT/profile" \
+        --out "$OUT/bench.jsonl" > "$OUT/levers_t1.log" 2>&1
+    timeout 120 python3 -m keel bench t1 actor_rollout_ref.actor.ppo_mini_batch_size=16 --gpus 1 --steps 3 \
+        --warmup 2 --out "$OUT/bench.jsonl" > "$OUT/levers_on_policy.log" 2>&1
+    timeout 120 python3 -m keel bench t1 algorithm.rollout_correction.bypass_mode=true --gpus 1 --steps 3 \
+        --warmup 2 --out "$OUT/bench.jsonl" > "$OUT/levers_bypass.log" 2>&1
+    grep -h -o '"gpu_busy": {[^}]*}' "$OUT/bench.jsonl" | tail -1
+}
+
 summary() {
     local records=("$OUT"/bench*.jsonl)
     [ -e "${records[0]}" ] || { echo "no records in $OUT yet"; return; }
@@ -71,7 +83,7 @@ for line in (line for path in sys.argv[1:] for line in open(path)):
     r = json.loads(line)
     t = r["timing_s"]
     print(r["workload"], r["n_gpus"], r.get("overrides", []), f"step {r['step_time_s']:.2f}s", f"gen {t['gen']:.2f}s",
-          f"update {t['update_actor']:.2f}s", f"sync {t.get('sync_rollout_weights', 0):.3f}s",
+          f"old {t.get('old_log_prob', 0):.3f}s", f"update {t['update_actor']:.2f}s", f"sync {t.get('sync_rollout_weights', 0):.3f}s",
           f"gen {r['gen_tokens_per_s']:.0f} tok/s", f"decode {r.get('decode_tokens_per_s') or 0:.0f} tok/s",
           f"mfu {r['update_mfu']:.3f}", f"peak {r['peak_memory_gb']:.1f} GB", f"gap {r['log_prob_gap']:.2g}")
 PY
