@@ -81,6 +81,17 @@ class ActorTrainer:
         the old-log-prob pass), or bypass mode's first mini-batch (the policy is still the sampler's)."""
         return micro.old_log_probs is None or (self.bypass is not None and mini.first)
 
+    def _bypass_weights(self, log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor
+                        ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """Bypass mode's weights on the policy loss, against the policy as it is now: reinforce's
+        truncated IS weights, times 0 where a filter rejects. Rejected tokens leave the policy loss
+        only, as in verl's bypass mode, and stay in its denominators and in the metrics' means."""
+        correction = compute_correction(log_prob, rollout_log_prob, mask, self.bypass)
+        weights = correction.weights if self.reinforce else None
+        if self.bypass.rejection:
+            weights = correction.keep if weights is None else weights * correction.keep
+        return weights, correction.metrics
+
     @staticmethod
     def _old_log_probs(micro: RolloutBatch, log_prob: torch.Tensor) -> torch.Tensor:
         """The batch's old log-probs, or (on-policy: the trainer skipped their pass) this forward's
@@ -110,10 +121,8 @@ class ActorTrainer:
         is_weights = None if micro.rollout_is_weights is None else micro.rollout_is_weights.to(device)
         metrics = {}
         if self.bypass is not None:
-            correction = compute_correction(log_prob.detach(), old_log_prob, mask, self.bypass)
-            mask = mask * correction.keep  # rejected tokens leave the losses; the denominators stay
-            is_weights = correction.weights if self.reinforce else None
-            metrics.update(correction.metrics)
+            is_weights, correction_metrics = self._bypass_weights(log_prob.detach(), old_log_prob, mask)
+            metrics.update(correction_metrics)
         pg_loss, pg_metrics = compute_policy_loss(
             "gpg" if self.reinforce else cfg.policy_loss.loss_mode, old_log_prob, log_prob,
             micro.advantages.to(device), mask, self.loss_params, **scale.policy_kwargs(), is_weights=is_weights)

@@ -65,6 +65,49 @@ def ppo_config(tiny_config: dict, workers: int, dynamic: bool = False, sharding:
                                      *(LORA if lora else [])])
 
 
+ROLLOUT_CORRECTION = {  # decoupled: the trainer's weights and mask travel; bypass: computed per micro-batch
+    "decoupled": ["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=token_k1",
+                  "algorithm.rollout_correction.rollout_rs_threshold=2"],
+    "bypass": ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=reinforce",
+               "algorithm.rollout_correction.rollout_is=sequence", "algorithm.rollout_correction.rollout_rs=token_k2",
+               "algorithm.rollout_correction.rollout_rs_threshold=1e-7"],
+}
+
+
+@pytest.mark.parametrize("mode", list(ROLLOUT_CORRECTION))
+def test_two_workers_correct_the_rollout_as_one_process(tiny_config, tmp_path, ray_cluster, mode):
+    """Rollout correction's weights and rejection (given per token by the trainer, or computed in
+    the update against the current policy) split across ranks, with token-budget micro-batches and
+    a masked filler: the update's numbers are one process's."""
+    extra = ROLLOUT_CORRECTION[mode]
+    one_cfg = load_config(tiny_config, ["trainer.device=cpu", *extra])
+    two_cfg = load_config(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2", *extra,
+                                        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64"])
+    one = WorkerRoles.of(LocalGroup(RoleWorker(WorkerSpec.of(one_cfg, total_steps=2))), one_cfg, pad_token_id=0)
+    tokenizer = one.group.worker.tokenizer
+    prompts = collate_prompts(load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4],
+                              tokenizer.pad_token_id).repeat_interleave(4)
+    batch, _ = one.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
+    batch = batch.select(list(range(15)))
+    torch.manual_seed(0)
+    batch.advantages = torch.randn(batch.response_mask.shape) * batch.response_mask
+    batch.old_log_probs = batch.sampling_log_probs if mode == "bypass" else one.actor_log_probs(batch)
+    if mode == "decoupled":  # what the trainer would compute, made to vary per token
+        batch.rollout_is_weights = (torch.rand(batch.response_mask.shape) * 2) * batch.response_mask
+        batch.rollout_keep = (torch.rand(batch.response_mask.shape) > 0.3).float()
+    two = WorkerRoles.of(role_group(two_cfg, 2, None, tmp_path / "stacks"), two_cfg, tokenizer.pad_token_id)
+    try:
+        single, split = one.update_actor(batch, seed=3), two.update_actor(batch, seed=3)
+    finally:
+        two.shutdown()
+    assert single["actor/grad_norm"] > 0
+    if mode == "bypass":  # the first mini-batch keeps what the second, after an update, rejects
+        assert 0 < single["rollout_corr/rollout_rs_masked_fraction"] < 1
+    for key in [k for k in single if not k.startswith("timing_s/")]:
+        assert split[key] == pytest.approx(single[key], rel=1e-4, abs=1e-6), key
+
+
 @pytest.mark.parametrize("sharding", list(SHARDING))
 def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ray_cluster, sharding):
     """Two workers with token-budget micro-batches against one process with fixed ones: the
