@@ -99,7 +99,8 @@ def compute_correction(train_log_probs: Tensor, rollout_log_probs: Tensor, mask:
     """IS weights, the rejection mask and mismatch metrics, from log-probs [B, T] of the sampled
     tokens under the trainer's policy and the sampler's."""
     mask = mask.to(train_log_probs.dtype)
-    log_ratio = (train_log_probs - rollout_log_probs) * mask
+    # where, not a product: padding may hold -inf or nan, and -inf * 0 is nan
+    log_ratio = torch.where(mask.bool(), train_log_probs - rollout_log_probs, 0.0)
     keep = torch.ones_like(mask)
     for rule in p.rejection:
         keep = keep * _kept_by(rule, log_ratio, mask)
@@ -108,6 +109,7 @@ def compute_correction(train_log_probs: Tensor, rollout_log_probs: Tensor, mask:
     weights = None
     if p.is_level is not None:
         weights, weight_metrics = _is_weights(log_ratio, mask, p)
+        weights = torch.where(keep.bool(), weights, 0.0)  # a rejected token's weight may be nan
         metrics.update(weight_metrics)
     return Correction(weights, keep, metrics)
 
@@ -156,5 +158,6 @@ def _is_weights(log_ratio: Tensor, mask: Tensor, p: CorrectionParams) -> tuple[T
         else:  # one weight per sequence with a valid token
             has_tokens = mask.sum(-1) > 0
             mean = weights.max(dim=-1).values[has_tokens].mean() if has_tokens.any() else weights.new_ones(())
-        weights = weights / mean.clamp(min=1e-8)
+        if mean > 1e-8:  # as verl: weights that all vanish are left as they are
+            weights = weights / mean
     return weights, metrics

@@ -154,10 +154,15 @@ def _check_rollout_correction(cfg: KeelConfig, incompatible) -> None:
         raise incompatible(f"{key} with rollout.do_sample=false: greedy engines record log-probs at temperature 1, "
                            "not the distribution the trainer computes", "set rollout.do_sample=true, or remove "
                            f"{key}")
-    if rc.loss_type == "reinforce" and cfg.actor_rollout_ref.actor.policy_loss.loss_mode != "vanilla":
-        raise incompatible(f"{key}.loss_type=reinforce replaces the policy loss, but policy_loss.loss_mode="
-                           f"{cfg.actor_rollout_ref.actor.policy_loss.loss_mode}", "keep one: loss_type=ppo_clip "
-                           "with your loss_mode, or loss_mode=vanilla")
+    loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    if rc.bypass_mode and loss_mode != "vanilla":
+        raise incompatible(f"{key}.bypass_mode=true sets the policy loss (loss_type: PPO's clip or reinforce, as "
+                           f"verl's bypass mode does), but actor.policy_loss.loss_mode={loss_mode}",
+                           f"keep one: policy_loss.loss_mode=vanilla with bypass_mode, or bypass_mode=false")
+    if rc.bypass_mode and rc.rollout_is_batch_normalize:
+        raise incompatible(f"{key}.rollout_is_batch_normalize with bypass_mode: bypass mode weighs each micro-batch "
+                           "as it trains, so the mean would be a micro-batch's and depend on how the batch is cut",
+                           f"set {key}.rollout_is_batch_normalize=false, or bypass_mode=false")
     if rc.bypass_mode and rc.loss_type == "ppo_clip" and rc.rollout_is is not None:
         raise incompatible(f"{key}.rollout_is with bypass_mode and loss_type=ppo_clip: the PPO ratio is already "
                            "pi / pi_rollout, so verl computes these weights and never applies them",

@@ -120,6 +120,8 @@ class RLTrainer:
             # (guards.nonfinite=skip keeps the pass: it is where non-finite log-probs skip a step.)
             on_policy = (updates_actor and workers.actor_on_policy(batch) and not self.cfg.algorithm.use_kl_in_reward
                          and self.cfg.trainer.guards.nonfinite != "skip" and not self.correction.decoupled)
+            if self.correction.bypass_mode or self.correction.decoupled:  # the sampler's log-probs enter the loss
+                finite("sampler log-probs", batch.sampling_log_probs, batch.response_mask)
             if self.correction.bypass_mode:  # verl's bypass mode: the sampler's policy is the old one
                 batch.old_log_probs = batch.sampling_log_probs
             elif not on_policy:

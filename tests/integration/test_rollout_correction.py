@@ -4,6 +4,7 @@ says so. On CPU in float32 the native engine samples with the trainer's own log-
 1e-8), so bypass mode must train exactly like the recomputed pass."""
 
 import copy
+import math
 import logging
 from pathlib import Path
 
@@ -83,3 +84,54 @@ def test_bypass_reinforce_weights_minus_a_log_pi(tiny_config):
     assert reinforce[0]["actor/grad_norm"] == pytest.approx(gpg[0]["actor/grad_norm"], rel=1e-4)
     assert weighted[0]["actor/grad_norm"] == pytest.approx(0.001 * gpg[0]["actor/grad_norm"], rel=0.05)
     assert weighted[0]["rollout_corr/rollout_is_ratio_fraction_high"] > 0.5
+
+
+def sampler_changed(monkeypatch, change) -> None:
+    """The engine's log-probs, changed by `change(batch)` after each generation: a sampler that
+    disagrees with the trainer on purpose."""
+    from keel.trainer.roles import WorkerRoles
+
+    generate = WorkerRoles.generate
+
+    def changed(self, prompts, params, seed):
+        batch, timing = generate(self, prompts, params, seed)
+        change(batch)
+        return batch, timing
+
+    monkeypatch.setattr(WorkerRoles, "generate", changed)
+
+
+@pytest.mark.parametrize("mode", [{"rollout_is": "token", "rollout_is_threshold": 10.0}, {"bypass_mode": True}])
+def test_the_ratio_is_the_trainers_over_the_samplers(tiny_config, monkeypatch, mode):
+    """A sampler 0.3 nats less sure of each token than the trainer: pi_train / pi_rollout = e^0.3,
+    KL(rollout || train) per token -0.3, whichever mode computes it."""
+    def less_sure(batch):
+        batch.sampling_log_probs = batch.sampling_log_probs - 0.3
+
+    sampler_changed(monkeypatch, less_sure)
+    tiny_config["trainer"]["guards"] = {"max_log_prob_gap": 1.0}  # a gap of 0.3 is this test's own doing
+    _, ours = run(tiny_config, "offset", **mode)
+    for m in ours:
+        assert m["rollout/log_prob_gap"] == pytest.approx(0.3, abs=1e-3)
+        assert m["rollout_corr/kl"] == pytest.approx(-0.3, abs=0.02 if "bypass_mode" in mode else 1e-4)
+    if "rollout_is" in mode:
+        assert ours[0]["rollout_corr/rollout_is_mean"] == pytest.approx(math.exp(0.3), rel=1e-3)
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_a_nan_from_the_sampler_stops_or_skips_the_step_by_name(tiny_config, monkeypatch, policy):
+    """Bypass mode trains on the sampler's log-probs: a nan among them is caught where they enter,
+    named, under trainer.guards.nonfinite."""
+    from keel.errors import KeelError
+
+    def one_nan(batch):
+        batch.sampling_log_probs[0, 0] = float("nan")
+
+    sampler_changed(monkeypatch, one_nan)
+    tiny_config["trainer"]["guards"] = {"nonfinite": policy}
+    if policy == "stop":
+        with pytest.raises(KeelError, match="sampler log-probs: 1 of"):
+            run(tiny_config, "nan", bypass_mode=True)
+    else:
+        _, ours = run(tiny_config, "nan", bypass_mode=True)
+        assert ours[-1]["guards/skipped_steps"] == 2

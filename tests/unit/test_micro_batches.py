@@ -42,3 +42,19 @@ def test_fixed_size_micro_batches_group_similar_lengths():
     assert sorted(torch.cat([rows for rows, _ in parts]).tolist()) == list(range(8))
     contiguous = 4 * 2 * (3 + 6)  # every pair holds a 6-token response
     assert padded_tokens(parts) == 2 * 2 * (3 + 1) + 2 * 2 * (3 + 6) < contiguous
+
+
+def test_rejected_tokens_leave_the_loss_denominators_and_the_fillers():
+    """Rollout correction's rejection (rollout_keep): a mini-batch's token count is of the kept
+    tokens, and a rank's masked filler keeps nothing."""
+    from keel.training.batching import plan_minibatches
+
+    batch = make_batch([3, 5, 2, 6, 4])
+    batch.advantages = torch.ones(5, 6)
+    batch.rollout_keep = torch.tensor([[1, 0, 1, 1, 1, 1]] * 5, dtype=torch.float)  # column 1 rejected
+    ranks = plan_minibatches(batch, samples_per_mini=5, epochs=1, shuffle=False, seed=0, norm_length=None,
+                             world_size=2)
+    assert int(ranks[0][0].scale.tokens) == (3 + 5 + 2 + 6 + 4) - 5  # every response is long enough to lose one
+    assert all(part.samples.loss_mask.sum() <= part.samples.response_mask.sum() for parts in ranks for part in parts)
+    filler = batch.masked_copies(1)
+    assert filler.loss_mask.sum() == 0

@@ -51,9 +51,9 @@ def test_token_k1_keeps_the_ratio_band():
     keep = correct(CorrectionParams(rejection=parse_rejection("token_k1", "2.0"))).keep
     # ratios e^0.5 (1.65), 1, e^-0.1 kept; e^1.5 (4.5) and e^-2 (0.14) outside [0.5, 2]
     assert (keep * MASK).tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
-    lopsided = correct(CorrectionParams(rejection=parse_rejection("token_k1", "0.9_1.2"))).keep
-    # k1 bounds pi_rollout / pi_train, as verl reads them: e^-0.5 = 0.61 < 0.9 is out, e^0.1 = 1.1 in
-    assert (lopsided * MASK)[0].tolist() == [0, 1, 1, 0]
+    lopsided = correct(CorrectionParams(rejection=parse_rejection("token_k1", "0.5_0.8"))).keep
+    # k1 bounds pi_rollout / pi_train, as verl reads them: only e^-0.5 = 0.61 is inside [0.5, 0.8]
+    assert (lopsided * MASK)[0].tolist() == [1, 0, 0, 0]
 
 
 def test_sequence_filters_drop_whole_sequences():
@@ -76,6 +76,20 @@ def test_garbage_log_probs_give_finite_weights_and_rejection():
     assert torch.isfinite(result.weights).all() and result.weights.max() <= 2.0
     assert (result.keep * MASK)[0].tolist() == [0, 0, 1, 0]
     assert all(torch.isfinite(v) for v in result.metrics.values())
+
+
+def test_nan_and_inf_log_probs_never_reach_a_weight():
+    """-inf or nan on padding (an engine's filler) changes nothing; nan on a real token is
+    rejected by any filter, and its weight is 0, not nan (a loss multiplies it by the mask)."""
+    train, rollout = torch.full((2, 4), -1.0), torch.full((2, 4), -1.0)
+    train[0, 3], rollout[1, 2], rollout[1, 3] = float("-inf"), float("nan"), float("-inf")
+    clean = compute_correction(train, rollout, MASK, CorrectionParams("sequence", 2.0))
+    torch.testing.assert_close(clean.weights, MASK)
+    assert all(torch.isfinite(v) for v in clean.metrics.values())
+    train[0, 1] = float("nan")
+    rejected = compute_correction(train, rollout, MASK, CorrectionParams("token", 2.0, rejection=parse_rejection(
+        "token_k3", "1")))
+    assert rejected.keep[0].tolist()[:3] == [1, 0, 1] and rejected.weights[0, 1] == 0
 
 
 @pytest.mark.parametrize("rs, threshold, words", [

@@ -186,7 +186,11 @@ def test_verls_rollout_correction_presets_load(preset):
     ({"loss_type": "reinforce"}, "KEEL-C006", "bypass_mode"),
     ({"bypass_mode": True, "rollout_is": "token"}, "KEEL-C006", "never applies them"),
     ({"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "token",
-      "actor_rollout_ref.actor.policy_loss.loss_mode": "gspo"}, "KEEL-C006", "replaces the policy loss"),
+      "actor_rollout_ref.actor.policy_loss.loss_mode": "gspo"}, "KEEL-C006", "sets the policy loss"),
+    ({"bypass_mode": True, "actor_rollout_ref.actor.policy_loss.loss_mode": "cispo"}, "KEEL-C006",
+     "sets the policy loss"),
+    ({"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "token", "rollout_is_batch_normalize": True},
+     "KEEL-C006", "depend on how the batch is cut"),
     ({"rollout_is": "token", "actor_rollout_ref.rollout.do_sample": False, "actor_rollout_ref.rollout.n": 1},
      "KEEL-C006", "greedy"),
 ])
