@@ -158,7 +158,7 @@ def _check_rollout_correction(cfg: KeelConfig, incompatible) -> None:
     if rc.bypass_mode and loss_mode != "vanilla":
         raise incompatible(f"{key}.bypass_mode=true sets the policy loss (loss_type: PPO's clip or reinforce, as "
                            f"verl's bypass mode does), but actor.policy_loss.loss_mode={loss_mode}",
-                           f"keep one: policy_loss.loss_mode=vanilla with bypass_mode, or bypass_mode=false")
+                           "keep one: policy_loss.loss_mode=vanilla with bypass_mode, or bypass_mode=false")
     if rc.bypass_mode and rc.rollout_is_batch_normalize:
         raise incompatible(f"{key}.rollout_is_batch_normalize with bypass_mode: bypass mode weighs each micro-batch "
                            "as it trains, so the mean would be a micro-batch's and depend on how the batch is cut",

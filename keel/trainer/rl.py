@@ -117,7 +117,8 @@ class RLTrainer:
             updates_actor = self.step >= self.cfg.algorithm.critic_warmup  # verl's count: steps start at 1
             # On-policy (one mini-batch, one epoch) the update's own forward is the old policy's: its
             # log-probs, detached, are the old ones (ratio 1), and a pass over the batch is saved.
-            # (guards.nonfinite=skip keeps the pass: it is where non-finite log-probs skip a step.)
+            # (guards.nonfinite=skip keeps the pass: it is where non-finite log-probs skip a step; so
+            # does decoupled rollout correction, which weighs the old policy against the sampler.)
             on_policy = (updates_actor and workers.actor_on_policy(batch) and not self.cfg.algorithm.use_kl_in_reward
                          and self.cfg.trainer.guards.nonfinite != "skip" and not self.correction.decoupled)
             if self.correction.bypass_mode or self.correction.decoupled:  # the sampler's log-probs enter the loss

@@ -8,6 +8,7 @@ from keel.algorithms.kl import kl_penalty
 from keel.algorithms.losses import PolicyLossParams, agg_loss, compute_policy_loss
 from keel.algorithms.rollout_correction import compute_correction
 from keel.algorithms.utils import masked_mean
+from keel.config.algorithm import RolloutCorrectionConfig
 from keel.errors import NO_GRADIENT, KeelError
 from keel.training.batching import MicroBatching, MiniBatch, micro_batches
 from keel.training.forward import batched_log_probs, compute_device, response_log_probs
@@ -29,7 +30,7 @@ def check_gradient_flows(grad_norm: float, mini: MiniBatch) -> None:
 class ActorTrainer:
     def __init__(self, model, actor_cfg, temperature: float, total_steps: int,
                  log_prob_batching: MicroBatching, max_response_length: int, placement: Placement = SINGLE,
-                 rollout_correction=None):
+                 rollout_correction: RolloutCorrectionConfig | None = None):
         self.model = model
         self.placement = placement
         self.cfg = actor_cfg
