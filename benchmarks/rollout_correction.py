@@ -3,7 +3,7 @@ the demo's SFT model as the start) in each mode of `algorithm.rollout_correction
 the same seed, computing in a chosen dtype so the sampler and the trainer disagree as they do in
 bf16 (the sampler's kernels against the trainer's).
 
-    python benchmarks/rollout_correction.py [--out DIR] [--dtype bfloat16] [--steps 120]
+    python benchmarks/rollout_correction.py [--out DIR] [--dtype bfloat16] [--steps 120] [--modes A,B] [--seed N]
 
 The first call runs the whole demo in DIR (its SFT stage is the start of every run here). Prints
 and appends to benchmarks/results/rollout_correction.jsonl one JSON line per mode: held-out
@@ -18,6 +18,7 @@ from pathlib import Path
 from statistics import mean
 
 from keel.api import train
+from keel.bench.run import _commit
 from keel.demo import ADDITION, DemoSettings, run_demo
 
 MODES = {
@@ -31,13 +32,13 @@ MODES = {
 ACCURACY = ADDITION.accuracy_key
 
 
-def run_mode(out: Path, name: str, correction: dict, dtype: str, steps: int) -> dict:
+def run_mode(out: Path, name: str, correction: dict, dtype: str, steps: int, seed: int) -> dict:
     settings = DemoSettings()
     cfg = ADDITION.grpo_config(out, ADDITION.make_data(out, settings), settings)
     cfg["algorithm"]["rollout_correction"] = correction
     cfg["actor_rollout_ref"]["model"]["dtype"] = dtype
-    cfg["trainer"].update({"default_local_dir": str(out / f"grpo_{name}_{dtype}"), "total_training_steps": steps,
-                           "logger": []})
+    cfg["trainer"].update({"default_local_dir": str(out / f"grpo_{name}_{dtype}_seed{seed}"),
+                           "total_training_steps": steps, "logger": [], "seed": seed})
     start = time.perf_counter()
     result = train(cfg)
     metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -48,7 +49,7 @@ def run_mode(out: Path, name: str, correction: dict, dtype: str, steps: int) -> 
         return mean(values) if values else None
 
     accuracy = [m for m in metrics if ACCURACY in m]
-    return {"mode": name, "dtype": dtype, "rollout_correction": correction, "steps": steps,
+    return {"mode": name, "commit": _commit(), "dtype": dtype, "seed": seed, "rollout_correction": correction, "steps": steps,
             "heldout_acc_start": accuracy[0][ACCURACY], "heldout_acc_end": accuracy[-1][ACCURACY],
             "log_prob_gap": average("rollout/log_prob_gap"), "rollout_corr_kl": average("rollout_corr/kl"),
             "rollout_corr_chi2_token": average("rollout_corr/chi2_token"),
@@ -64,13 +65,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--steps", type=int, default=DemoSettings().grpo_steps)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--seed", type=int, default=DemoSettings().seed, help="the GRPO stage's (trainer.seed)")
     parser.add_argument("--results", default=str(Path(__file__).parent / "results" / "rollout_correction.jsonl"))
     args = parser.parse_args()
     out = Path(args.out)
     if not (out / "sft").is_dir():
         run_demo(out, console=False)
     for name in args.modes.split(","):
-        record = run_mode(out, name, MODES[name], args.dtype, args.steps)
+        record = run_mode(out, name, MODES[name], args.dtype, args.steps, args.seed)
         print(json.dumps(record), flush=True)
         with open(args.results, "a") as f:
             f.write(json.dumps(record) + "\n")
