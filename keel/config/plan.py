@@ -29,6 +29,7 @@ class BatchPlan:
     actor: RolePlan
     critic: RolePlan | None
     max_tokens_per_step: int     # samples x (max prompt + max response)
+    old_log_probs: str = "recomputed each step"  # where the update's old log-probs come from
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -39,6 +40,7 @@ class BatchPlan:
             ("samples per step (x rollout.n)", self.samples_per_step),
             ("workers (n_gpus_per_node x nnodes)", self.workers),
             ("tokens per step, at most", self.max_tokens_per_step),
+            ("old log-probs", self.old_log_probs),
         ]
         for name, role in (("actor", self.actor), ("critic", self.critic)):
             if role is None:
@@ -80,4 +82,24 @@ def make_plan(cfg: KeelConfig) -> BatchPlan:
                    actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None),
         critic=critic,
         max_tokens_per_step=prompts * n * (cfg.data.max_prompt_length + cfg.data.max_response_length),
+        old_log_probs=old_log_probs_source(cfg),
     )
+
+
+def may_skip_old_log_probs(cfg: KeelConfig) -> bool:
+    """Whether an on-policy update (one mini-batch, one epoch) may take its own forward's log-probs
+    as the old ones. Not when the reward's KL needs them before the update, not under
+    guards.nonfinite=skip (the pass is where a non-finite log-prob skips a step), and not under
+    decoupled rollout correction (it weighs the old policy against the sampler)."""
+    return not (cfg.algorithm.use_kl_in_reward or cfg.trainer.guards.nonfinite == "skip"
+                or cfg.algorithm.rollout_correction.decoupled)
+
+
+def old_log_probs_source(cfg: KeelConfig) -> str:
+    actor = cfg.actor_rollout_ref.actor
+    if cfg.algorithm.rollout_correction.bypass_mode:
+        return "the sampler's (rollout_correction.bypass_mode): no pass"
+    if may_skip_old_log_probs(cfg) and actor.ppo_mini_batch_size == cfg.data.train_batch_size \
+            and actor.ppo_epochs == 1:
+        return "the update's own forward (on-policy): no pass"
+    return "recomputed each step"

@@ -19,7 +19,7 @@ from keel.algorithms.kl import apply_kl_penalty
 from keel.algorithms.rollout_correction import compute_correction
 from keel.algorithms.utils import masked_mean
 from keel.config.load import to_yaml
-from keel.config.plan import make_plan
+from keel.config.plan import make_plan, may_skip_old_log_probs
 from keel.config.schema import GROUP_ESTIMATORS, KeelConfig
 from keel.data.prompts import PromptBatch, collate_prompts
 from keel.observe.guards import (LearningSignalGuard, SkipStep, check_log_prob_gap, check_finite,
@@ -117,10 +117,7 @@ class RLTrainer:
             updates_actor = self.step >= self.cfg.algorithm.critic_warmup  # verl's count: steps start at 1
             # On-policy (one mini-batch, one epoch) the update's own forward is the old policy's: its
             # log-probs, detached, are the old ones (ratio 1), and a pass over the batch is saved.
-            # (guards.nonfinite=skip keeps the pass: it is where non-finite log-probs skip a step; so
-            # does decoupled rollout correction, which weighs the old policy against the sampler.)
-            on_policy = (updates_actor and workers.actor_on_policy(batch) and not self.cfg.algorithm.use_kl_in_reward
-                         and self.cfg.trainer.guards.nonfinite != "skip" and not self.correction.decoupled)
+            on_policy = updates_actor and workers.actor_on_policy(batch) and may_skip_old_log_probs(self.cfg)
             if self.correction.bypass_mode or self.correction.decoupled:  # the sampler's log-probs enter the loss
                 finite("sampler log-probs", batch.sampling_log_probs, batch.response_mask)
             if self.correction.bypass_mode:  # verl's bypass mode: the sampler's policy is the old one

@@ -143,6 +143,20 @@ def test_batch_plan_counts():
     assert plan.critic is not None                     # gae has a critic, with the actor's sizes
     assert plan.max_tokens_per_step == 32 * 16         # samples x (10 + 6)
     assert "samples per step (x rollout.n)" in plan.render()
+    assert plan.old_log_probs == "recomputed each step"  # 4 mini-batches
+
+
+@pytest.mark.parametrize("overrides, source", [
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=8"], "on-policy"),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=8", "algorithm.use_kl_in_reward=true"], "recomputed"),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.guards.nonfinite=skip"], "recomputed"),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=8", "algorithm.rollout_correction.rollout_is=token"],
+     "recomputed"),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=4", "algorithm.rollout_correction.bypass_mode=true"], "sampler's"),
+])
+def test_the_plan_says_where_the_old_log_probs_come_from(overrides, source):
+    plan = make_plan(load_config(BASE, ["data.train_batch_size=8", *overrides]))
+    assert source in plan.old_log_probs and source in plan.render()
 
 
 def test_every_key_is_reachable():
