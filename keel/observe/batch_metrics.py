@@ -37,9 +37,7 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
     }
     if batch.values is not None:
         metrics.update(_masked_stats("critic/values", batch.values, mask))
-    # (rollout/log_prob_gap is the trainer's, measured where the old log-probs are computed.)
-    if batch.ref_log_probs is not None and batch.old_log_probs is not None:  # on-policy: the update's
-        metrics["actor/ref_kl"] = masked_mean(batch.old_log_probs - batch.ref_log_probs, mask).item()
+    # (rollout/log_prob_gap and actor/ref_kl are the trainer's, measured where the old log-probs are.)
     return metrics
 
 

@@ -115,25 +115,14 @@ class RLTrainer:
         with timer("step"):
             batch, prompts, metrics, gen_parts = self._rollout(timer)
             updates_actor = self.step >= self.cfg.algorithm.critic_warmup  # verl's count: steps start at 1
-            # On-policy (one mini-batch, one epoch) the update's own forward is the old policy's: its
-            # log-probs, detached, are the old ones (ratio 1), and a pass over the batch is saved.
-            on_policy = updates_actor and workers.actor_on_policy(batch) and may_skip_old_log_probs(self.cfg)
-            if self.correction.bypass_mode or self.correction.decoupled:  # the sampler's log-probs enter the loss
-                finite("sampler log-probs", batch.sampling_log_probs, batch.response_mask)
-            if self.correction.bypass_mode:  # verl's bypass mode: the sampler's policy is the old one
-                batch.old_log_probs = batch.sampling_log_probs
-            elif not on_policy:
-                with timer("old_log_prob"):
-                    batch.old_log_probs = workers.actor_log_probs(batch)
-                    finite("actor log-probs", batch.old_log_probs, batch.response_mask)
-                    # How far the sampler's log-probs are from the trainer's: numerics, not learning.
-                    metrics["rollout/log_prob_gap"] = masked_mean(
-                        (batch.sampling_log_probs - batch.old_log_probs).abs(), batch.response_mask).item()
-                    self._check_log_prob_gap(metrics["rollout/log_prob_gap"])
+            in_update = self._old_log_probs(batch, metrics, timer, updates_actor)
             if self.cfg.ref_enabled:
                 with timer("ref"):
                     batch.ref_log_probs = workers.ref_log_probs(batch)
                     finite("reference log-probs", batch.ref_log_probs, batch.response_mask)
+                    if not in_update:  # else the update's forward measures it, with the gap
+                        metrics["actor/ref_kl"] = masked_mean(batch.old_log_probs - batch.ref_log_probs,
+                                                              batch.response_mask).item()
             if self.cfg.critic_enabled:
                 with timer("values"):
                     batch.values = workers.values(batch)
@@ -145,7 +134,7 @@ class RLTrainer:
             if updates_actor:
                 with timer("update_actor"):
                     metrics.update(workers.update_actor(batch, self._seed()))
-                if on_policy or self.correction.bypass_mode:  # the update measured the gap on its forward
+                if in_update:
                     self._check_log_prob_gap(metrics.get("rollout/log_prob_gap", 0.0))
         logger.log_samples(self.step, self._samples(batch))
         metrics.update(batch_metrics(batch))
@@ -159,6 +148,29 @@ class RLTrainer:
         return metrics, batch
 
     # --- pieces of the step --------------------------------------------------------------------
+    def _old_log_probs(self, batch: RolloutBatch, metrics: dict[str, float], timer: Timer,
+                       updates_actor: bool) -> bool:
+        """The old policy's log-probs on the batch, and the engine's gap to them -> whether the
+        update measures the gap (and the reference KL) on its own forward instead: on-policy (one
+        mini-batch, one epoch: its forward, detached, is the old policy's; the pass is saved), or
+        bypass mode (the sampler's log-probs are the old ones)."""
+        workers = self.components.workers
+        if self.correction.bypass_mode or self.correction.decoupled:  # the sampler's log-probs enter the loss
+            self._check_finite("sampler log-probs", batch.sampling_log_probs, batch.response_mask)
+        if self.correction.bypass_mode:  # verl's bypass mode: the sampler's policy is the old one
+            batch.old_log_probs = batch.sampling_log_probs
+            return True
+        if updates_actor and workers.actor_on_policy(batch) and may_skip_old_log_probs(self.cfg):
+            return True
+        with timer("old_log_prob"):
+            batch.old_log_probs = workers.actor_log_probs(batch)
+            self._check_finite("actor log-probs", batch.old_log_probs, batch.response_mask)
+            # How far the sampler's log-probs are from the trainer's: numerics, not learning.
+            metrics["rollout/log_prob_gap"] = masked_mean(
+                (batch.sampling_log_probs - batch.old_log_probs).abs(), batch.response_mask).item()
+            self._check_log_prob_gap(metrics["rollout/log_prob_gap"])
+        return False
+
     def _check_log_prob_gap(self, gap: float) -> None:
         if self.sampling.do_sample:  # greedy engines record log-probs at temperature 1, not the trainer's
             check_log_prob_gap(gap, self.step, self.cfg.trainer.guards.max_log_prob_gap)
