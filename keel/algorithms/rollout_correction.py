@@ -41,10 +41,6 @@ class CorrectionParams:
     is_batch_normalize: bool = False    # weights rescaled to mean 1 over the batch
     rejection: tuple[RejectionRule, ...] = ()
 
-    @property
-    def enabled(self) -> bool:
-        return self.is_level is not None or bool(self.rejection)
-
 
 @dataclass
 class Correction:
