@@ -18,7 +18,7 @@ from pathlib import Path
 from statistics import mean
 
 from keel.api import train
-from keel.bench.run import _commit
+from keel.bench.run import source_commit
 from keel.demo import ADDITION, DemoSettings, run_demo
 
 MODES = {
@@ -49,7 +49,8 @@ def run_mode(out: Path, name: str, correction: dict, dtype: str, steps: int, see
         return mean(values) if values else None
 
     accuracy = [m for m in metrics if ACCURACY in m]
-    return {"mode": name, "commit": _commit(), "dtype": dtype, "seed": seed, "rollout_correction": correction, "steps": steps,
+    return {"mode": name, "commit": source_commit(), "dtype": dtype, "seed": seed, "rollout_correction": correction,
+            "steps": steps,
             "heldout_acc_start": accuracy[0][ACCURACY], "heldout_acc_end": accuracy[-1][ACCURACY],
             "log_prob_gap": average("rollout/log_prob_gap"), "rollout_corr_kl": average("rollout_corr/kl"),
             "rollout_corr_chi2_token": average("rollout_corr/chi2_token"),

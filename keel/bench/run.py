@@ -193,7 +193,7 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
     turns = (mean("num_turns/mean") or 2) / 2
     decode_tokens_per_s = samples * (generated - turns) / decode_s if decode_s else None
     return {
-        "workload": name, "date": datetime.date.today().isoformat(), "commit": _commit(),
+        "workload": name, "date": datetime.date.today().isoformat(), "commit": source_commit(),
         "device": device, "n_gpus": gpus, "rollout": cfg.actor_rollout_ref.rollout.name, "parameters": params,
         "step_time_s": mean("timing_s/step"), "steps_per_s": 1 / mean("timing_s/step"),
         "gen_tokens_per_s": gen_tokens_per_s,
@@ -252,7 +252,7 @@ def measured_peak_tflops() -> float:
     return _PEAK[0]
 
 
-def _commit() -> str:
+def source_commit() -> str:
     """KEEL_COMMIT if set (a copy of the tree without its own git history, as on a lent GPU
     machine), else the checkout's commit, marked +dirty when files differ from it."""
     if os.environ.get("KEEL_COMMIT"):
