@@ -128,7 +128,7 @@ class SFTTrainer:
                 backward(nll / n_tokens, "SFT")  # micro-batch sums over the whole batch's token count
                 loss_sum += nll.item()
             lr = self.scheduler.get_last_lr()[0]
-            grad_norm = apply_gradients(self.model, self.optimizer, self.cfg.optim.clip_grad, "model")
+            grad_norm = apply_gradients(self.model, self.optimizer, self.cfg.optim.clip_grad, "model")["model/grad_norm"]
             self.scheduler.step()
         tokens = sum(len(e.input_ids) for e in batch)
         return {"train/loss": loss_sum / max(n_tokens, 1), "train/lr": lr, "train/grad_norm": grad_norm,

@@ -70,9 +70,8 @@ class ActorTrainer:
             share = float(micro.loss_mask.sum()) / tokens  # token-weighted means
             for name, value in metrics.items():
                 totals.add(name, value, share)
-        metrics = totals.floats()
-        metrics["actor/grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "actor",
-                                                       self.placement.reduce_gradients)
+        metrics = apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "actor",
+                                  self.placement.reduce_gradients, totals)
         if self.bypass is None or not self.bypass.rejection:  # bypass's filters may drop every token here
             check_gradient_flows(metrics["actor/grad_norm"], mini)
         return metrics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache, partial
 
 import torch
@@ -23,8 +24,30 @@ def _model_inputs(batch: RolloutBatch, device: torch.device) -> dict[str, Tensor
 # (Gemma 2, Cohere) that the chunked path below would skip.
 PLAIN_LM_HEAD = {"qwen2", "qwen3", "llama", "mistral"}
 LOGITS_CHUNK_TOKENS = 1024  # [chunk, V] float32 logits at a time: 0.6 GB for a 151k vocabulary
+# Where a micro-batch's logits fit this share of the GPU's memory (at 4 bytes a logit), backward
+# keeps them rather than running lm_head again, and chunks are wider: fewer, larger launches.
+KEPT_LOGITS_SHARE = 0.1
+KEPT_LOGITS_CHUNK_TOKENS = 4096
 
 
+@dataclass(frozen=True)
+class LogitsChunking:
+    """How lm_head and the vocabulary arithmetic go over a micro-batch's positions."""
+    tokens: int          # positions per chunk
+    recompute: bool      # checkpointed: backward runs the chunk's lm_head again instead of keeping its logits
+
+
+def logits_chunking(positions: int, vocab: int, device: torch.device, grad: bool) -> LogitsChunking:
+    """Chunked and recomputed (activation checkpointing) unless the whole micro-batch's logits fit
+    KEPT_LOGITS_SHARE of the GPU: at 0.5B lm_head is about a quarter of the model's matmul
+    parameters, so recomputing it adds about 9% to the update's FLOPs, and each checkpointed chunk
+    costs Python time the GPU waits on. On CPU memory is not measured: always the small chunks."""
+    if device.type != "cuda":
+        return LogitsChunking(LOGITS_CHUNK_TOKENS, grad)
+    budget = KEPT_LOGITS_SHARE * torch.cuda.get_device_properties(device).total_memory
+    if (positions if grad else KEPT_LOGITS_CHUNK_TOKENS) * vocab * 4 > budget:
+        return LogitsChunking(LOGITS_CHUNK_TOKENS, grad)
+    return LogitsChunking(KEPT_LOGITS_CHUNK_TOKENS, False)
 
 
 def compute_device(model, plan: Placement = SINGLE) -> torch.device:
@@ -38,8 +61,9 @@ def response_log_probs(model, batch: RolloutBatch, temperature: float, with_entr
 
     Position t predicts token t + 1, so positions P-1 .. P+R-2 predict the R response tokens. For
     plain architectures the [B, R, V] float32 logits never exist at once: `lm_head` runs on chunks
-    of LOGITS_CHUNK_TOKENS positions, each recomputed in backward (activation checkpointing), so
-    memory holds only the [B, R, H] hidden states. Other models go through `logits_to_keep`.
+    of positions, each recomputed in backward (activation checkpointing) unless the micro-batch's
+    logits are small beside the GPU's memory (logits_chunking), so memory holds only the [B, R, H]
+    hidden states. Other models go through `logits_to_keep`.
     """
     device = compute_device(model, plan)
     inputs = _model_inputs(batch, device)
@@ -59,12 +83,14 @@ def decoder_token_stats(model, inputs: dict[str, Tensor], targets: Tensor, tempe
     lm_head = model.get_output_embeddings()
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)  # [B*R, H], [B*R]
     token_stats = _compiled_token_stats() if fused_vocab else _token_stats
+    chunking = logits_chunking(flat_targets.shape[0], lm_head.weight.shape[0], flat_hidden.device,
+                               torch.is_grad_enabled())
     parts = []
-    for start in range(0, flat_targets.shape[0], LOGITS_CHUNK_TOKENS):
-        chunk = slice(start, start + LOGITS_CHUNK_TOKENS)
+    for start in range(0, flat_targets.shape[0], chunking.tokens):
+        chunk = slice(start, start + chunking.tokens)
         args = (lm_head, token_stats, flat_hidden[chunk], flat_targets[chunk], temperature, with_entropy,
                 entropy_grad)
-        if torch.is_grad_enabled():
+        if chunking.recompute:
             parts.append(torch.utils.checkpoint.checkpoint(_chunk_stats, *args, use_reentrant=False))
         else:
             parts.append(_chunk_stats(*args))
@@ -117,11 +143,12 @@ def response_values(critic, batch: RolloutBatch, plan: Placement = SINGLE) -> Te
 def per_token_outputs(batch: RolloutBatch, how: MicroBatching, compute) -> Tensor:
     """`compute(micro)` -> [b, r] for every micro-batch, put back in batch order and width: [N, R]
     (fillers' outputs dropped, padding zeroed)."""
+    # Every micro-batch is launched before any result is read: the host waits for the GPU once.
+    results = [(rows, compute(micro)) for rows, micro in micro_batches(batch, how)]
     out = torch.zeros(batch.response_ids.shape)
-    for rows, micro in micro_batches(batch, how):
-        values = compute(micro).cpu()
+    for rows, values in results:
         if len(rows):
-            out[rows] = pad_responses(values, out.shape[1])
+            out[rows] = pad_responses(values.cpu(), out.shape[1])
     return out * batch.response_mask
 
 

@@ -54,13 +54,37 @@ def test_cuda_requested_without_a_gpu(tiny_config):
     assert code_of(lambda: RLTrainer(cfg)) == DEVICE_UNAVAILABLE
 
 
-def test_nonfinite_gradient_is_refused_and_weights_unchanged():
+@pytest.mark.parametrize("fused", [False, True])  # fused: the step skips itself on the device (found_inf)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_gradient_is_refused_and_weights_unchanged(fused, bad):
     model = torch.nn.Linear(2, 1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+    (model(torch.tensor([[1.0, 1.0]])).sum()).backward()
+    apply_gradients(model, optimizer, 1.0, "actor")  # one good step first: Adam's state exists
     before = [p.detach().clone() for p in model.parameters()]
-    (model(torch.tensor([[float("nan"), 1.0]])).sum()).backward()
+    state_before = {k: v.clone() for k, v in optimizer.state[model.weight].items()}
+    (model(torch.tensor([[bad, 1.0]])).sum()).backward()
     assert code_of(lambda: apply_gradients(model, optimizer, 1.0, "actor")) == NONFINITE_LOSS
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert all(torch.equal(v, optimizer.state[model.weight][k]) for k, v in state_before.items())  # step count too
+    assert all(p.grad is None for p in model.parameters())  # the refused gradient does not leak into the next step
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_step_returns_its_metrics_and_the_clipped_norm(fused):
+    from keel.training.step import DeviceTotals
+
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0, fused=fused) if fused else torch.optim.SGD(
+        model.parameters(), lr=1.0)
+    (model(torch.tensor([[3.0, 4.0]])).sum()).backward()  # gradient (3, 4): norm 5
+    totals = DeviceTotals()
+    totals.add("actor/pg_loss", torch.tensor(0.25))
+    metrics = apply_gradients(model, optimizer, 1.0, "actor", totals=totals)
+    assert metrics == {"actor/pg_loss": 0.25, "actor/grad_norm": 5.0}
+    assert torch.allclose(model.weight, torch.tensor([[-0.6, -0.8]]))  # clipped to norm 1, then stepped
 
 
 def test_no_gradient_is_an_error():

@@ -79,8 +79,9 @@ def test_checkpoint_generation_settings_do_not_leak_into_rollouts(tiny_assets, t
     assert model.generation_config.repetition_penalty == 1.5  # the user's model is left as it was
 
 
+@pytest.mark.parametrize("recompute", [True, False])  # checkpointed chunks, or logits kept for backward
 @pytest.mark.parametrize("chunk", [3, 1024])
-def test_chunked_log_probs_match_full_logits_values_and_gradients(tiny_assets, chunk, monkeypatch):
+def test_chunked_log_probs_match_full_logits_values_and_gradients(tiny_assets, chunk, recompute, monkeypatch):
     """The chunked lm_head path (no [tokens, vocab] logits at once) gives the same numbers and
     gradients as the full-logits path, here forced for comparison."""
     import copy
@@ -90,7 +91,8 @@ def test_chunked_log_probs_match_full_logits_values_and_gradients(tiny_assets, c
     engine, model, prompts = _engine_and_prompts(tiny_assets, n=2)
     torch.manual_seed(0)
     batch = engine.generate(prompts, SamplingParams(temperature=0.9, max_new_tokens=6))
-    monkeypatch.setattr(forward, "LOGITS_CHUNK_TOKENS", chunk)
+    monkeypatch.setattr(forward, "logits_chunking",
+                        lambda positions, vocab, device, grad: forward.LogitsChunking(chunk, recompute and grad))
     results = []
     for plain in (forward.PLAIN_LM_HEAD, set()):  # chunked, then the logits_to_keep path
         monkeypatch.setattr(forward, "PLAIN_LM_HEAD", plain)
@@ -101,6 +103,22 @@ def test_chunked_log_probs_match_full_logits_values_and_gradients(tiny_assets, c
     (lp_a, ent_a, grads_a), (lp_b, ent_b, grads_b) = results
     assert torch.allclose(lp_a, lp_b, atol=1e-5) and torch.allclose(ent_a, ent_b, atol=1e-5)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads_a, grads_b))
+
+
+def test_logits_are_kept_for_backward_only_where_they_fit_a_tenth_of_the_gpu(monkeypatch):
+    from types import SimpleNamespace
+
+    from keel.training.forward import KEPT_LOGITS_CHUNK_TOKENS, LOGITS_CHUNK_TOKENS, LogitsChunking, logits_chunking
+
+    gpu, vocab, micro = torch.device("cuda"), 151936, 32 * 512  # t1's micro-batch: 10 GB of float32 logits
+    for total_gb, kept in ((141, True), (80, False)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(total_memory=total_gb << 30))
+        expected = (LogitsChunking(KEPT_LOGITS_CHUNK_TOKENS, False) if kept
+                    else LogitsChunking(LOGITS_CHUNK_TOKENS, True))
+        assert logits_chunking(micro, vocab, gpu, grad=True) == expected
+        assert logits_chunking(micro, vocab, gpu, grad=False) == LogitsChunking(KEPT_LOGITS_CHUNK_TOKENS, False)
+    assert logits_chunking(4 * micro, vocab, gpu, grad=True).recompute  # 40 GB on an 80 GB GPU: recomputed
+    assert logits_chunking(micro, vocab, torch.device("cpu"), grad=True) == LogitsChunking(LOGITS_CHUNK_TOKENS, True)
 
 
 def test_micro_batches_drop_columns_that_are_padding_in_all_their_samples():

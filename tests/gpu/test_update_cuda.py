@@ -1,0 +1,62 @@
+"""The update's GPU paths: logits kept for backward equal the recomputed ones under the compiled
+vocabulary arithmetic, and fused AdamW refuses a non-finite step on the device. Run on the GPU machine."""
+
+import pytest
+import torch
+
+from keel.errors import NONFINITE_LOSS, KeelError
+from keel.models.load import autocast, load_causal_lm
+from keel.training import forward
+from keel.training.optim import build_optimizer
+from keel.training.step import apply_gradients
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+CUDA = torch.device("cuda")
+
+
+def _log_probs_and_gradients(model, recompute: bool, monkeypatch):
+    monkeypatch.setattr(forward, "logits_chunking",
+                        lambda positions, vocab, device, grad: forward.LogitsChunking(16, recompute and grad))
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (4, 40), device=CUDA, generator=generator)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+              "position_ids": torch.arange(40, device=CUDA).expand(4, -1)}
+    model.zero_grad(set_to_none=True)
+    with autocast(CUDA, torch.bfloat16):
+        log_probs, entropy = forward.decoder_token_stats(model, inputs, ids[:, 20:], 0.9, with_entropy=True,
+                                                         entropy_grad=False, fused_vocab=True)
+    log_probs.sum().backward()
+    return log_probs.detach(), entropy, [p.grad.clone() for p in model.parameters()]
+
+
+def test_kept_logits_give_the_recomputed_log_probs_and_gradients(tiny_assets, monkeypatch):
+    model = load_causal_lm(tiny_assets["model"], CUDA)
+    recomputed = _log_probs_and_gradients(model, True, monkeypatch)
+    kept = _log_probs_and_gradients(model, False, monkeypatch)
+    assert torch.equal(recomputed[0], kept[0]) and torch.equal(recomputed[1], kept[1])
+    assert all(torch.allclose(a, b, rtol=1e-3, atol=1e-6) for a, b in zip(recomputed[2], kept[2]))
+    assert any(g.abs().sum() > 0 for g in kept[2])
+
+
+def test_fused_adamw_refuses_a_nonfinite_step_on_the_device():
+    model = torch.nn.Linear(64, 8).to(CUDA)
+    optimizer = build_optimizer(model.parameters(), _optim_cfg())
+    assert optimizer.defaults["fused"]
+    model(torch.randn(2, 64, device=CUDA)).sum().backward()
+    assert apply_gradients(model, optimizer, 1.0, "actor")["actor/grad_norm"] > 0
+    before = [p.detach().clone() for p in model.parameters()]
+    steps = optimizer.state[model.weight]["step"].clone()
+    x = torch.randn(2, 64, device=CUDA)
+    x[0, 3] = float("nan")
+    model(x).sum().backward()
+    with pytest.raises(KeelError) as error:
+        apply_gradients(model, optimizer, 1.0, "actor")
+    assert error.value.code == NONFINITE_LOSS
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert torch.equal(optimizer.state[model.weight]["step"], steps)
+
+
+def _optim_cfg():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)
