@@ -1,12 +1,16 @@
 """Where the update's time goes on a GPU (Qwen2.5-0.5B shapes, random weights, float32 master
 weights under bf16 autocast, as keel trains): a no-grad log-prob forward and a forward+backward of
-one micro-batch, timed, then the top kernels of the backward step.
+one micro-batch, timed, then the top kernels of the backward step, how much of the compiled
+training step the host needs just to issue its work (`train_issue_share`: 1.0 means the GPU waits on
+Python), and the Python functions that take that time (cProfile, by own time).
 
     python benchmarks/profile_update.py [--samples 32] [--prompt 256] [--response 256]
 """
 
 import argparse
+import cProfile
 import json
+import pstats
 import time
 
 import torch
@@ -34,6 +38,27 @@ def timed(fn, reps: int = 3) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / reps
+
+
+def issue_share(fn) -> float:
+    """Seconds the host takes to issue fn's work (until fn returns) over the seconds until the GPU
+    has done it: near 1, the GPU waits on Python."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    issued = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return issued / (time.perf_counter() - start)
+
+
+def python_profile(fn) -> None:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    torch.cuda.synchronize()
+    profiler.disable()
+    print("--- python, compiled training step (own time)")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
 def main() -> None:
@@ -72,6 +97,8 @@ def main() -> None:
     report["forward_all_compiled_s"], report["train_all_compiled_s"] = timed(forward), timed(train_step)
     plan = Placement(fused_vocab=False)
     report["forward_layers_compiled_s"], report["train_layers_compiled_s"] = timed(forward), timed(train_step)
+    report["train_issue_share"] = issue_share(train_step)
+    python_profile(train_step)
     report["train_tflops"] = 6 * params * tokens / report["train_s"] / 1e12
     report["forward_tflops"] = 2 * params * tokens / report["forward_s"] / 1e12
     for name, fn in (("forward", forward), ("train", train_step)):
