@@ -100,6 +100,10 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_cli
     if not steps_on_device:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    # An update's mini-batches run inside one autocast context, which caches each float32 weight's
+    # low-precision copy until the context exits: without this, the next mini-batch's eager matmuls
+    # (lm_head, LoRA's adapters, uncompiled layers) would use the weights from before this step.
+    torch.clear_autocast_cache()
     return metrics
 
 

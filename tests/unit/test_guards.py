@@ -70,6 +70,21 @@ def test_nonfinite_gradient_is_refused_and_weights_unchanged(fused, bad):
     assert all(p.grad is None for p in model.parameters())  # the refused gradient does not leak into the next step
 
 
+def test_the_next_forward_under_the_same_autocast_sees_the_stepped_weights():
+    """An update's mini-batches share one autocast context, whose cache of bf16 weight copies would
+    otherwise serve the weights from before the step."""
+    model = torch.nn.Linear(4, 4, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    x = torch.randn(2, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).sum().backward()
+        apply_gradients(model, optimizer, 10.0, "actor")
+        after = model(x)
+    with torch.no_grad():
+        expected = x.bfloat16() @ model.weight.bfloat16().t()
+    assert torch.equal(after.detach(), expected)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_step_returns_its_metrics_and_the_clipped_norm(fused):
     from keel.training.step import DeviceTotals
