@@ -74,6 +74,9 @@ class RolloutBatch:
     reward_extras: list[dict] | None = None     # [N] other keys of dict results (verl's reward_extra_info)
     token_level_rewards: Tensor | None = None   # [N, R] score on the last token, minus KL if in reward
     old_log_probs: Tensor | None = None         # [N, R] actor log-probs before the update
+    # [N] bool: the samples of the update's first mini-batch, whose old log-probs are that update's
+    # own forward (the policy has not moved yet), so the pass skipped them (0 in old_log_probs).
+    own_old_log_probs: Tensor | None = None
     ref_log_probs: Tensor | None = None         # [N, R]
     values: Tensor | None = None                # [N, R] critic values
     advantages: Tensor | None = None            # [N, R]

@@ -99,7 +99,8 @@ def old_log_probs_source(cfg: KeelConfig) -> str:
     actor = cfg.actor_rollout_ref.actor
     if cfg.algorithm.rollout_correction.bypass_mode:
         return "the sampler's (rollout_correction.bypass_mode): no pass"
-    if may_skip_old_log_probs(cfg) and actor.ppo_mini_batch_size == cfg.data.train_batch_size \
-            and actor.ppo_epochs == 1:
-        return "the update's own forward (on-policy): no pass"
+    if may_skip_old_log_probs(cfg) and actor.ppo_epochs == 1:
+        if actor.ppo_mini_batch_size == cfg.data.train_batch_size:
+            return "the update's own forward (on-policy): no pass"
+        return "recomputed each step, but the first mini-batch's (the update's own forward)"
     return "recomputed each step"

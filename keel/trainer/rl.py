@@ -122,7 +122,7 @@ class RLTrainer:
                     finite("reference log-probs", batch.ref_log_probs, batch.response_mask)
                     if not in_update:  # else the update's forward measures it, with the gap
                         metrics["actor/ref_kl"] = masked_mean(batch.old_log_probs - batch.ref_log_probs,
-                                                              batch.response_mask).item()
+                                                              recomputed_mask(batch)).item()
             if self.cfg.critic_enabled:
                 with timer("values"):
                     batch.values = workers.values(batch)
@@ -160,16 +160,30 @@ class RLTrainer:
         if self.correction.bypass_mode:  # verl's bypass mode: the sampler's policy is the old one
             batch.old_log_probs = batch.sampling_log_probs
             return True
-        if updates_actor and workers.actor_on_policy(batch) and may_skip_old_log_probs(self.cfg):
-            return True
+        if updates_actor and may_skip_old_log_probs(self.cfg):
+            if workers.actor_on_policy(batch):
+                return True
+            batch.own_old_log_probs = workers.first_mini_batch(batch, self._seed())
         with timer("old_log_prob"):
-            batch.old_log_probs = workers.actor_log_probs(batch)
-            self._check_finite("actor log-probs", batch.old_log_probs, batch.response_mask)
+            batch.old_log_probs = self._recomputed_log_probs(batch)
+            recomputed = recomputed_mask(batch)
+            self._check_finite("actor log-probs", batch.old_log_probs, recomputed)
             # How far the sampler's log-probs are from the trainer's: numerics, not learning.
             metrics["rollout/log_prob_gap"] = masked_mean(
-                (batch.sampling_log_probs - batch.old_log_probs).abs(), batch.response_mask).item()
+                (batch.sampling_log_probs - batch.old_log_probs).abs(), recomputed).item()
             self._check_log_prob_gap(metrics["rollout/log_prob_gap"])
         return False
+
+    def _recomputed_log_probs(self, batch: RolloutBatch) -> torch.Tensor:         # [N, R]
+        """The old-log-prob pass, over the samples whose old log-probs are not the update's own."""
+        own = batch.own_old_log_probs
+        if own is None:
+            return self.components.workers.actor_log_probs(batch)
+        rows = (~own).nonzero().squeeze(-1)
+        old = torch.zeros(batch.response_mask.shape)
+        if len(rows):
+            old[rows] = self.components.workers.actor_log_probs(batch.select(rows))
+        return old
 
     def _check_log_prob_gap(self, gap: float) -> None:
         if self.sampling.do_sample:  # greedy engines record log-probs at temperature 1, not the trainer's
@@ -339,6 +353,14 @@ class RLTrainer:
             raise KeelError(RESUME_MISMATCH, f"{path}: {e}") from e
         parts.kl_ctrl.load_state_dict(state["kl_ctrl"])
         ckpt.set_rng_state(state["rng"])
+
+
+def recomputed_mask(batch: RolloutBatch) -> torch.Tensor:                        # [N, R]
+    """The response tokens whose old log-probs the pass computed: where the trainer measures the
+    engine's gap and the reference KL (a sample of the batch when the first mini-batch is skipped)."""
+    if batch.own_old_log_probs is None:
+        return batch.response_mask
+    return batch.response_mask * (~batch.own_old_log_probs)[:, None]
 
 
 def _prompts_of(batch: RolloutBatch, pad_token_id: int) -> PromptBatch:

@@ -11,7 +11,8 @@ import torch
 
 from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptBatch
-from keel.training.batching import concat_rows, contiguous_shares, plan_minibatches, shard_batch, unshard_rows
+from keel.training.batching import (concat_rows, contiguous_shares, minibatch_indices, plan_minibatches, shard_batch,
+                                    unshard_rows)
 from keel.types import RolloutBatch, SamplingParams
 
 # Metrics every rank reports identically (computed after the gradients were summed); every other
@@ -84,8 +85,20 @@ class WorkerRoles:
         schedule = self.actor_schedule
         return schedule.epochs == 1 and schedule.samples_per_mini_batch >= len(batch)
 
+    def first_mini_batch(self, batch: RolloutBatch, seed: int) -> torch.Tensor | None:
+        """[N] bool: the samples that update_actor(batch, seed) takes first, while the policy is
+        still the one that generated them; None when the update runs several epochs (later epochs
+        take those samples again, with the policy moved)."""
+        schedule = self.actor_schedule
+        if schedule.epochs != 1:
+            return None
+        first = torch.zeros(len(batch), dtype=torch.bool)
+        first[minibatch_indices(len(batch), schedule.samples_per_mini_batch, schedule.shuffle,
+                                _actor_seed(seed))[0]] = True
+        return first
+
     def update_actor(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
-        plan = _plan(batch, self.actor_schedule, seed * 1000, self.world)
+        plan = _plan(batch, self.actor_schedule, _actor_seed(seed), self.world)
         return combine_metrics(self._call("update_actor", [(p,) for p in plan]))
 
     def update_critic(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
@@ -126,6 +139,11 @@ class WorkerRoles:
             self.peak_gb[method] = max(m.get("gpu_peak_gb", 0.0) for m in readings)
         self.rss_gb = max([self.rss_gb, *(m["rss_gb"] for m in readings)])
         return results
+
+
+def _actor_seed(step_seed: int) -> int:
+    """The actor's mini-batch order: first_mini_batch and update_actor must agree on it."""
+    return step_seed * 1000
 
 
 def _plan(batch: RolloutBatch, schedule: UpdateSchedule, seed: int, ranks: int) -> list:

@@ -94,9 +94,15 @@ class ActorTrainer:
 
     @staticmethod
     def _old_log_probs(micro: RolloutBatch, log_prob: torch.Tensor) -> torch.Tensor:
-        """The batch's old log-probs, or (on-policy: the trainer skipped their pass) this forward's
-        own, detached: the same policy, so the ratio is 1 exactly."""
-        return log_prob.detach() if micro.old_log_probs is None else micro.old_log_probs.to(log_prob.device)
+        """The batch's old log-probs, or where the trainer skipped their pass (on-policy, or the
+        first mini-batch's samples) this forward's own, detached: the same policy, so the ratio is 1
+        exactly."""
+        if micro.old_log_probs is None:
+            return log_prob.detach()
+        old = micro.old_log_probs.to(log_prob.device)
+        if micro.own_old_log_probs is None:
+            return old
+        return torch.where(micro.own_old_log_probs.to(log_prob.device)[:, None], log_prob.detach(), old)
 
     @staticmethod
     def _policy_gaps(micro: RolloutBatch, log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -365,6 +365,34 @@ def test_a_torch_compile_failure_names_the_switch_that_avoids_it(tiny_config, tm
     assert main(["train", str(write_config(tiny_config, tmp_path / "cfg2.yaml"))]) == 0
 
 
+def test_the_first_mini_batch_takes_its_own_forward_as_old_and_trains_the_same(tiny_config, monkeypatch):
+    """Several mini-batches: the first runs before any optimiser step, so the pass skips its samples
+    and the update's forward gives their old log-probs. Losses, gradients and weights equal the run
+    whose pass computes every sample; the gap and reference KL are measured on the rest."""
+    from keel.api import train
+    from keel.trainer.roles import WorkerRoles
+
+    computed = []
+    original = WorkerRoles.actor_log_probs
+    monkeypatch.setattr(WorkerRoles, "actor_log_probs",
+                        lambda self, batch: computed.append(len(batch)) or original(self, batch))
+    tiny_config["actor_rollout_ref"]["actor"].update({"use_kl_loss": True, "kl_loss_coef": 0.1})
+    skipped = train(tiny_config)  # 4 prompts x 4 samples, mini-batches of 2 prompts
+    assert computed == [8, 8]  # half of each step's 16 samples
+    monkeypatch.setattr(WorkerRoles, "first_mini_batch", lambda self, batch, seed: None)
+    tiny_config["trainer"]["default_local_dir"] += "_with_pass"
+    recomputed = train(tiny_config)
+    assert computed[2:] == [16, 16]
+    ours, theirs = ([m for m in read_metrics(r.run_dir) if m["step"] > 0] for r in (skipped, recomputed))
+    for a, b in zip(ours, theirs):
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy", "critic/score/mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+        assert a["rollout/log_prob_gap"] > 0 and a["actor/ref_kl"] != 0  # measured, on the recomputed half
+    final = lambda result: weights(sorted(Path(result.run_dir).glob("global_step_*"))[-1] / "actor")  # noqa: E731
+    for name, tensor in final(skipped).items():
+        torch.testing.assert_close(tensor, final(recomputed)[name], rtol=1e-5, atol=1e-6)
+
+
 def test_an_on_policy_update_skips_the_old_log_prob_pass_and_trains_the_same(tiny_config, monkeypatch):
     """One mini-batch and one epoch: the update's own forward is the old policy's, so the trainer
     skips the pass that recomputes it. The run's numbers (losses, gradient norm, the engine's gap,
@@ -376,6 +404,7 @@ def test_an_on_policy_update_skips_the_old_log_prob_pass_and_trains_the_same(tin
     tiny_config["actor_rollout_ref"]["actor"].update({"use_kl_loss": True, "kl_loss_coef": 0.1})
     skipped = train(tiny_config)
     monkeypatch.setattr(WorkerRoles, "actor_on_policy", lambda self, batch: False)
+    monkeypatch.setattr(WorkerRoles, "first_mini_batch", lambda self, batch, seed: None)
     tiny_config["trainer"]["default_local_dir"] += "_with_pass"
     recomputed = train(tiny_config)
     ours, theirs = ([m for m in read_metrics(r.run_dir) if m["step"] > 0] for r in (skipped, recomputed))
