@@ -22,12 +22,51 @@ class RankProfile:
         """Ends the profile; writes the table to `path` when given. Returns the GPU's busy share of
         each named phase (empty on CPU)."""
         self.profiler.__exit__(None, None, None)
-        busy = phase_busy(self.profiler.events()) if self.device.type == "cuda" else {}
+        gpu = self.device.type == "cuda"
+        busy = phase_busy(self.profiler.events()) if gpu else {}
         if path:
-            sort = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
+            sort = "cuda_time_total" if gpu else "cpu_time_total"
             table = self.profiler.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90)
-            Path(path).write_text(f"GPU busy per phase: {json.dumps(busy)}\n\n{table}")
+            gaps = "".join(f"{json.dumps(gap)}\n" for gap in idle_gaps(self.profiler.events())) if gpu else ""
+            Path(path).write_text(f"GPU busy per phase: {json.dumps(busy)}\n\n"
+                                  f"Longest GPU idle gaps (ms; the host's innermost op at the gap's middle):\n{gaps}\n"
+                                  f"{table}")
         return busy
+
+
+WORKER_PHASES = ("worker/generate", "worker/compute_log_probs", "worker/update_actor")  # named on every rank
+
+
+def idle_gaps(events, phases: tuple[str, ...] = WORKER_PHASES, top: int = 12, min_length: float = 100.0) -> list[dict]:
+    """The longest stretches of `phases` (at least `min_length`, in the profiler's microseconds) in
+    which the GPU ran nothing: where it waited on the host. Each says its phase, when it began (ms
+    into the phase), its length (ms), the device's last activity before and first after it, and
+    the host's innermost operator at its middle ("python" when none: the interpreter between
+    operators), which is what the GPU waited for."""
+    activity = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                      if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+    gaps = []
+    for phase in (e for e in events if e.device_type == DeviceType.CPU and e.is_user_annotation and e.name in phases):
+        start, end = phase.time_range.start, phase.time_range.end
+        reach, before = start, "(phase start)"
+        for lo, hi, name in activity + [(end, end, "(phase end)")]:
+            if hi <= reach:
+                continue
+            if min(lo, end) - reach >= min_length:
+                gaps.append((min(lo, end) - reach, phase.name, start, reach, before,
+                             name if lo < end else "(phase end)"))
+            if lo >= end:
+                break
+            reach, before = max(reach, hi), name
+    host_ops = [e for e in events if e.device_type == DeviceType.CPU and not e.is_user_annotation]
+    return [{"phase": phase, "at_ms": round((at - start) / 1e3, 3), "ms": round(length / 1e3, 3), "after": after,
+             "before": following, "host": _innermost(host_ops, at + length / 2)}
+            for length, phase, start, at, after, following in sorted(gaps, key=lambda gap: -gap[0])[:top]]
+
+
+def _innermost(ops, moment: float) -> str:
+    around = [e for e in ops if e.time_range.start <= moment < e.time_range.end]
+    return max(around, key=lambda e: e.time_range.start).name if around else "python"
 
 
 def phase_busy(events) -> dict[str, float]:

@@ -128,10 +128,10 @@ class SFTTrainer:
                 backward(nll / n_tokens, "SFT")  # micro-batch sums over the whole batch's token count
                 loss_sum += nll.item()
             lr = self.scheduler.get_last_lr()[0]
-            grad_norm = apply_gradients(self.model, self.optimizer, self.cfg.optim.clip_grad, "model")["model/grad_norm"]
+            stepped = apply_gradients(self.model, self.optimizer, self.cfg.optim.clip_grad, "model")
             self.scheduler.step()
         tokens = sum(len(e.input_ids) for e in batch)
-        return {"train/loss": loss_sum / max(n_tokens, 1), "train/lr": lr, "train/grad_norm": grad_norm,
+        return {"train/loss": loss_sum / max(n_tokens, 1), "train/lr": lr, "train/grad_norm": stepped["model/grad_norm"],
                 "train/epoch": float(self.sampler.epoch), **timer.metrics(),
                 "perf/throughput": tokens / timer.times["step"]}
 

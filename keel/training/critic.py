@@ -46,5 +46,5 @@ class CriticTrainer:
             totals.add("critic/vf_loss", vf_loss)
             totals.add("critic/vf_clipfrac", clipfrac, share)
             totals.add("critic/vpred_mean", masked_mean(vpreds.detach(), mask), share)
-        return apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "critic", self.placement.reduce_gradients,
-                               totals)
+        return apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "critic",
+                               self.placement.reduce_gradients, totals)

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from torch.autograd import DeviceType
 
-from keel.observe.profile import covered_time, phase_busy
+from keel.observe.profile import covered_time, idle_gaps, phase_busy
 
 
 def event(name, start, end, device=DeviceType.CUDA, annotation=False):
@@ -32,3 +32,23 @@ def test_each_phase_gets_the_share_of_its_wall_time_the_device_was_busy():
               event("aten::mm", 0, 300, DeviceType.CPU)]             # a CPU op: not a phase, not activity
     busy = phase_busy(events)
     assert busy == {"gen": (80 + 60) / 200, "update_actor": 0.6}
+
+
+def test_the_longest_idle_gaps_name_what_the_host_was_doing():
+    events = [phase("worker/update_actor", 0, 10_000), phase("reward", 10_000, 20_000),
+              event("fwd", 0, 3_000), event("copy", 2_000, 3_500),         # busy until 3.5 ms
+              event("bwd", 5_000, 9_000),                                  # 1.5 ms idle before it
+              event("aten::item", 3_400, 4_000, DeviceType.CPU),           # the host waited, then...
+              event("aten::index", 4_200, 4_900, DeviceType.CPU),          # ... indexed on the CPU
+              event("aten::_to_copy", 4_100, 4_950, DeviceType.CPU),       # (the outer op of the index)
+              event("opt", 9_000, 9_950),                                  # 0.05 ms: below the floor
+              event("kernel", 12_000, 13_000)]                             # in "reward": not asked for
+    assert idle_gaps(events) == [
+        {"phase": "worker/update_actor", "at_ms": 3.5, "ms": 1.5, "after": "copy", "before": "bwd",
+         "host": "aten::index"}]
+    tail = idle_gaps(events, phases=("worker/update_actor", "reward"), min_length=40)
+    assert {"phase": "reward", "at_ms": 0.0, "ms": 2.0, "after": "(phase start)", "before": "kernel",
+            "host": "python"} in tail
+    assert {"phase": "worker/update_actor", "at_ms": 9.95, "ms": 0.05, "after": "opt", "before": "(phase end)",
+            "host": "python"} in tail
+    assert [g["ms"] for g in tail] == sorted((g["ms"] for g in tail), reverse=True)
