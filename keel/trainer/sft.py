@@ -24,7 +24,7 @@ from keel.observe.metrics import MetricsLogger, Timer
 from keel.models.load import resolve_device
 from keel.trainer.setup import seed_everything
 from keel.training.optim import build_optimizer, build_scheduler
-from keel.training.step import apply_gradients, backward
+from keel.training.step import DeviceTotals, apply_gradients, backward
 
 log = logging.getLogger("keel")
 
@@ -120,18 +120,18 @@ class SFTTrainer:
             batch = [self.train_data[i] for i in self.sampler.next_batch()]
             n_tokens = sum(sum(e.loss_mask[1:]) for e in batch)  # the mini-batch's loss denominator
             self.model.train()
-            loss_sum = 0.0
+            losses = DeviceTotals()  # read with the gradient norm: no host sync per micro-batch
             for start in range(0, len(batch), self.cfg.data.micro_batch_size_per_gpu):
                 micro = collate_sft(batch[start:start + self.cfg.data.micro_batch_size_per_gpu],
                                     self.tokenizer.pad_token_id)
                 nll, _ = token_losses(self.model, micro)
                 backward(nll / n_tokens, "SFT")  # micro-batch sums over the whole batch's token count
-                loss_sum += nll.item()
+                losses.add("train/nll", nll)
             lr = self.scheduler.get_last_lr()[0]
-            stepped = apply_gradients(self.model, self.optimizer, self.cfg.optim.clip_grad, "model")
+            stepped = apply_gradients(self.model, self.optimizer, self.cfg.optim.clip_grad, "model", totals=losses)
             self.scheduler.step()
         tokens = sum(len(e.input_ids) for e in batch)
-        return {"train/loss": loss_sum / max(n_tokens, 1), "train/lr": lr, "train/grad_norm": stepped["model/grad_norm"],
+        return {"train/loss": stepped["train/nll"] / max(n_tokens, 1), "train/lr": lr, "train/grad_norm": stepped["model/grad_norm"],
                 "train/epoch": float(self.sampler.epoch), **timer.metrics(),
                 "perf/throughput": tokens / timer.times["step"]}
 
