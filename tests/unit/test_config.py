@@ -153,10 +153,17 @@ def test_batch_plan_counts():
     (["actor_rollout_ref.actor.ppo_mini_batch_size=8", "algorithm.rollout_correction.rollout_is=token"],
      "recomputed"),
     (["actor_rollout_ref.actor.ppo_mini_batch_size=4", "algorithm.rollout_correction.bypass_mode=true"], "sampler's"),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=4"], "but the first mini-batch's"),
 ])
 def test_the_plan_says_where_the_old_log_probs_come_from(overrides, source):
     plan = make_plan(load_config(BASE, ["data.train_batch_size=8", *overrides]))
     assert source in plan.old_log_probs and source in plan.render()
+
+
+def test_a_second_epoch_needs_every_old_log_prob():  # its first mini-batch runs after optimiser steps
+    plan = make_plan(load_config(BASE, ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                                        "actor_rollout_ref.actor.ppo_epochs=2"]))
+    assert plan.old_log_probs == "recomputed each step"
 
 
 def test_every_key_is_reachable():
