@@ -121,6 +121,17 @@ class RolloutBatch:
         filler.response_mask = torch.zeros_like(filler.response_mask)
         return filler
 
+    def to(self, device: torch.device) -> "RolloutBatch":
+        """Every tensor field on `device`. Host-to-device copies do not wait for the GPU
+        (non_blocking): a blocking copy waits until every kernel queued before it has run, and the
+        update made eight of them per micro-batch, each draining the GPU's queue mid-step. CUDA
+        stages a pageable source before the call returns, so the host tensor may change afterwards."""
+        moved = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            moved[f.name] = value.to(device, non_blocking=True) if isinstance(value, Tensor) else value
+        return RolloutBatch(**moved)
+
     def select(self, index: Tensor | list[int]) -> "RolloutBatch":
         """A sub-batch (mini- or micro-batch) with every per-sample field indexed alike."""
         index = torch.as_tensor(index, dtype=torch.long)

@@ -99,19 +99,17 @@ class ActorTrainer:
         exactly."""
         if micro.old_log_probs is None:
             return log_prob.detach()
-        old = micro.old_log_probs.to(log_prob.device)
         if micro.own_old_log_probs is None:
-            return old
-        return torch.where(micro.own_old_log_probs.to(log_prob.device)[:, None], log_prob.detach(), old)
+            return micro.old_log_probs
+        return torch.where(micro.own_old_log_probs[:, None], log_prob.detach(), micro.old_log_probs)
 
     @staticmethod
     def _policy_gaps(micro: RolloutBatch, log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """rollout/log_prob_gap (the engine against the trainer) and actor/ref_kl, from the old
         policy's log-probs: token means, which add up over micro-batches and ranks as shares."""
-        gaps = {"rollout/log_prob_gap": masked_mean((micro.sampling_log_probs.to(mask.device) - log_prob).abs(),
-                                                    mask)}
+        gaps = {"rollout/log_prob_gap": masked_mean((micro.sampling_log_probs - log_prob).abs(), mask)}
         if micro.ref_log_probs is not None:
-            gaps["actor/ref_kl"] = masked_mean(log_prob - micro.ref_log_probs.to(mask.device), mask)
+            gaps["actor/ref_kl"] = masked_mean(log_prob - micro.ref_log_probs, mask)
         return gaps
 
     def _micro_loss(self, micro: RolloutBatch, scale: LossScale, measure_gaps: bool
@@ -119,19 +117,19 @@ class ActorTrainer:
         """(loss to back-propagate, its policy-loss part, per-token metrics on the device) of one
         micro-batch."""
         cfg = self.cfg
-        device = compute_device(self.model, self.placement)
-        mask = micro.loss_mask.to(device)                                       # [b, R]
+        micro = micro.to(compute_device(self.model, self.placement))  # once, without waiting for the GPU
+        mask = micro.loss_mask                                                  # [b, R]
         log_prob, entropy = response_log_probs(self.model, micro, self.temperature, with_entropy=True,
                                                entropy_grad=cfg.entropy_coeff > 0, plan=self.placement)
         old_log_prob = self._old_log_probs(micro, log_prob)
-        is_weights = None if micro.rollout_is_weights is None else micro.rollout_is_weights.to(device)
+        is_weights = micro.rollout_is_weights
         metrics = {}
         if self.bypass is not None:
             is_weights, correction_metrics = self._bypass_weights(log_prob.detach(), old_log_prob, mask)
             metrics.update(correction_metrics)
         pg_loss, pg_metrics = compute_policy_loss(
             "gpg" if self.reinforce else cfg.policy_loss.loss_mode, old_log_prob, log_prob,
-            micro.advantages.to(device), mask, self.loss_params, **scale.policy_kwargs(), is_weights=is_weights)
+            micro.advantages, mask, self.loss_params, **scale.policy_kwargs(), is_weights=is_weights)
         loss = pg_loss
         metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
         metrics["actor/entropy"] = masked_mean(entropy.detach(), mask)
@@ -140,7 +138,7 @@ class ActorTrainer:
         if cfg.entropy_coeff > 0:  # entropy and KL terms aggregate like the policy loss
             loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, **scale.agg_kwargs())
         if cfg.use_kl_loss:
-            kl = kl_penalty(log_prob, micro.ref_log_probs.to(device), cfg.kl_loss_type)  # [b, R]
+            kl = kl_penalty(log_prob, micro.ref_log_probs, cfg.kl_loss_type)  # [b, R]
             loss = loss + cfg.kl_loss_coef * agg_loss(kl, mask, cfg.loss_agg_mode, **scale.agg_kwargs())
             metrics["actor/kl_loss"] = masked_mean(kl.detach(), mask)
         return loss, pg_loss, metrics

@@ -35,14 +35,15 @@ class CriticTrainer:
         device = compute_device(self.model, self.placement)
         scale = mini.scale
         totals, tokens = DeviceTotals(), float(scale.tokens)
-        for _, micro in micro_batches(mini.samples, self.batching):
-            mask = micro.loss_mask.to(device)
+        for _, host_micro in micro_batches(mini.samples, self.batching):
+            micro = host_micro.to(device)  # once, without waiting for the GPU
+            mask = micro.loss_mask
             vpreds = response_values(self.model, micro, self.placement)                   # [b, R]
             vf_loss, clipfrac = compute_value_loss(
-                vpreds, micro.returns.to(device), micro.values.to(device), mask,
+                vpreds, micro.returns, micro.values, mask,
                 self.cfg.cliprange_value, self.cfg.loss_agg_mode, **scale.agg_kwargs())
             backward(vf_loss, "critic", self.placement.data_parallel_size)
-            share = float(micro.loss_mask.sum()) / tokens
+            share = float(host_micro.loss_mask.sum()) / tokens
             totals.add("critic/vf_loss", vf_loss)
             totals.add("critic/vf_clipfrac", clipfrac, share)
             totals.add("critic/vpred_mean", masked_mean(vpreds.detach(), mask), share)

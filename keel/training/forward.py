@@ -14,9 +14,9 @@ from keel.training.placement import SINGLE, Placement
 from keel.types import RolloutBatch, pad_responses, position_ids_from_mask
 
 
-def _model_inputs(batch: RolloutBatch, device: torch.device) -> dict[str, Tensor]:
-    attention_mask = batch.attention_mask.to(device)                        # [B, P + R]
-    return {"input_ids": batch.input_ids.to(device), "attention_mask": attention_mask,
+def _model_inputs(batch: RolloutBatch) -> dict[str, Tensor]:
+    attention_mask = batch.attention_mask                                   # [B, P + R]
+    return {"input_ids": batch.input_ids, "attention_mask": attention_mask,
             "position_ids": position_ids_from_mask(attention_mask)}
 
 
@@ -65,9 +65,9 @@ def response_log_probs(model, batch: RolloutBatch, temperature: float, with_entr
     logits are small beside the GPU's memory (logits_chunking), so memory holds only the [B, R, H]
     hidden states. Other models go through `logits_to_keep`.
     """
-    device = compute_device(model, plan)
-    inputs = _model_inputs(batch, device)
-    targets = batch.response_ids.to(device)                                 # [B, R]
+    batch = batch.to(compute_device(model, plan))
+    inputs = _model_inputs(batch)
+    targets = batch.response_ids                                            # [B, R]
     if getattr(model.config, "model_type", None) not in PLAIN_LM_HEAD:
         out = model(**inputs, use_cache=False, logits_to_keep=targets.shape[1] + 1)
         return _token_stats(out.logits[:, :-1], targets, temperature, with_entropy, entropy_grad)
@@ -134,9 +134,9 @@ def _token_stats(logits: Tensor, targets: Tensor, temperature: float, with_entro
 
 def response_values(critic, batch: RolloutBatch, plan: Placement = SINGLE) -> Tensor:
     """Critic values [B, R]: the value of the state before each response token."""
-    device = compute_device(critic, plan)
+    batch = batch.to(compute_device(critic, plan))
     response_len = batch.response_ids.shape[1]
-    values = critic(**_model_inputs(batch, device))                         # [B, P + R]
+    values = critic(**_model_inputs(batch))                                 # [B, P + R]
     return values[:, -response_len - 1:-1].float()
 
 

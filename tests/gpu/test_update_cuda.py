@@ -60,3 +60,24 @@ def _optim_cfg():
     from types import SimpleNamespace
 
     return SimpleNamespace(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)
+
+
+def test_a_batch_moves_to_the_gpu_without_waiting_for_it():
+    """RolloutBatch.to copies without a stream synchronisation (a blocking copy would drain the
+    GPU's queue mid-update); torch's sync debug mode raises on any synchronising call."""
+    from keel.types import RolloutBatch
+
+    n, r = 4, 6
+    batch = RolloutBatch(torch.ones(n, 3, dtype=torch.long), torch.ones(n, 3, dtype=torch.long),
+                         torch.arange(n * r).view(n, r)[:, 1:], torch.ones(n, r - 1), torch.randn(n, r - 1),
+                         torch.arange(n), [None] * n, [""] * n, torch.zeros(n, dtype=torch.bool))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):
+            batch.response_ids.to(CUDA)  # the blocking copy the update used to make
+        moved = batch.to(CUDA)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert moved.response_ids.is_cuda and torch.equal(moved.response_ids.cpu(), batch.response_ids)
+    assert torch.equal(moved.sampling_log_probs.cpu(), batch.sampling_log_probs) and moved.records == batch.records
