@@ -205,8 +205,9 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
         "update_mfu_datasheet": update_flops / (datasheet[0] * 1e12) if datasheet else None,
         "datasheet": f"{device}: {datasheet[0]} TFLOP/s bf16 dense, {datasheet[1]} TB/s" if datasheet else None,
         "peak_tflops_measured": peak / 1e12 if peak else None,
-        "logprob_tokens_per_s": samples * seq / mean("timing_s/old_log_prob") if mean("timing_s/old_log_prob")
-        else None,  # an on-policy update has no pass of its own
+        # the samples the pass computed (not the first mini-batch's); an on-policy update has no pass
+        "logprob_tokens_per_s": (mean("perf/old_log_prob_samples") or samples) * seq / mean("timing_s/old_log_prob")
+        if mean("timing_s/old_log_prob") else None,
         "throughput_tokens_per_s_per_gpu": mean("perf/throughput"),
         "peak_memory_gb": highest("perf/max_memory_allocated_gb"),  # the fullest GPU, over the whole step
         "peak_memory_gb_per_phase": {k[len("perf/peak_memory_gb/"):]: highest(k) for k in steps[-1]

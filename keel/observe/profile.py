@@ -54,19 +54,22 @@ def idle_gaps(events, phases: tuple[str, ...] = WORKER_PHASES, top: int = 12, mi
                 continue
             if min(lo, end) - reach >= min_length:
                 gaps.append((min(lo, end) - reach, phase.name, start, reach, before,
-                             name if lo < end else "(phase end)"))
+                             name if lo < end else "(phase end)", phase.thread))
             if lo >= end:
                 break
             reach, before = max(reach, hi), name
     host_ops = [e for e in events if e.device_type == DeviceType.CPU and not e.is_user_annotation]
     return [{"phase": phase, "at_ms": round((at - start) / 1e3, 3), "ms": round(length / 1e3, 3), "after": after,
-             "before": following, "host": _innermost(host_ops, at + length / 2)}
-            for length, phase, start, at, after, following in sorted(gaps, key=lambda gap: -gap[0])[:top]]
+             "before": following, "host": _innermost(host_ops, thread, at + length / 2)}
+            for length, phase, start, at, after, following, thread in sorted(gaps, key=lambda gap: -gap[0])[:top]]
 
 
-def _innermost(ops, moment: float) -> str:
-    around = [e for e in ops if e.time_range.start <= moment < e.time_range.end]
-    return max(around, key=lambda e: e.time_range.start).name if around else "python"
+def _innermost(ops, thread: int, moment: float) -> str:
+    """The innermost operator the phase's thread was running at `moment` (autograd's own thread
+    runs backward beside it)."""
+    around = [e for e in ops if e.thread == thread and e.time_range.start <= moment < e.time_range.end]
+    innermost = max(around, key=lambda e: (e.time_range.start, -e.time_range.end), default=None)
+    return innermost.name if innermost else "python"
 
 
 def phase_busy(events) -> dict[str, float]:

@@ -166,6 +166,8 @@ class RLTrainer:
             batch.own_old_log_probs = workers.first_mini_batch(batch, self._seed())
         with timer("old_log_prob"):
             batch.old_log_probs = self._recomputed_log_probs(batch)
+            own = batch.own_old_log_probs
+            metrics["perf/old_log_prob_samples"] = float(len(batch) - (0 if own is None else int(own.sum())))
             recomputed = recomputed_mask(batch)
             self._check_finite("actor log-probs", batch.old_log_probs, recomputed)
             # How far the sampler's log-probs are from the trainer's: numerics, not learning.

@@ -24,10 +24,16 @@ def _model_inputs(batch: RolloutBatch) -> dict[str, Tensor]:
 # (Gemma 2, Cohere) that the chunked path below would skip.
 PLAIN_LM_HEAD = {"qwen2", "qwen3", "llama", "mistral"}
 LOGITS_CHUNK_TOKENS = 1024  # [chunk, V] float32 logits at a time: 0.6 GB for a 151k vocabulary
-# Where a micro-batch's logits fit this share of the GPU's memory (at 4 bytes a logit), backward
-# keeps them rather than running lm_head again, and chunks are wider: fewer, larger launches.
-KEPT_LOGITS_SHARE = 0.1
+# Where a micro-batch's logits fit the budget (logits_budget), backward keeps them rather than
+# running lm_head again, and chunks are wider: fewer, larger launches.
+KEPT_LOGITS_SHARE = 0.1  # of the GPU's memory, and at most half of what is free
 KEPT_LOGITS_CHUNK_TOKENS = 4096
+# Bytes per logit, measured under bf16 autocast. What backward keeps: the compiled vocabulary
+# arithmetic its bf16 input (t1's peak rose 4.7 GB for 2.4G logits), eager float32 logits, and
+# their softmax too when the entropy has a gradient. A chunk's working set while it is computed:
+# eager's float copies and exponentials, or the compiled kernels' bf16 logits and float gradient.
+KEPT_BYTES = {"compiled": 2, "eager": 4, "entropy_grad": 8}
+CHUNK_BYTES = {"compiled": 6, "eager": 16}
 
 
 @dataclass(frozen=True)
@@ -37,17 +43,29 @@ class LogitsChunking:
     recompute: bool      # checkpointed: backward runs the chunk's lm_head again instead of keeping its logits
 
 
-def logits_chunking(positions: int, vocab: int, device: torch.device, grad: bool) -> LogitsChunking:
-    """Chunked and recomputed (activation checkpointing) unless the whole micro-batch's logits fit
-    KEPT_LOGITS_SHARE of the GPU: at 0.5B lm_head is about a quarter of the model's matmul
-    parameters, so recomputing it adds about 9% to the update's FLOPs, and each checkpointed chunk
-    costs Python time the GPU waits on. On CPU memory is not measured: always the small chunks."""
+def logits_chunking(positions: int, vocab: int, device: torch.device, *, grad: bool, compiled: bool,
+                    entropy_grad: bool) -> LogitsChunking:
+    """Chunked and recomputed (activation checkpointing) unless the whole micro-batch's kept logits
+    and a wide chunk's working set fit logits_budget: at 0.5B lm_head is about a quarter of the
+    model's matmul parameters, so recomputing it adds about 9% to the update's FLOPs, and each
+    checkpointed chunk costs Python time. On CPU memory is not measured: always the small chunks."""
     if device.type != "cuda":
         return LogitsChunking(LOGITS_CHUNK_TOKENS, grad)
-    budget = KEPT_LOGITS_SHARE * torch.cuda.get_device_properties(device).total_memory
-    if (positions if grad else KEPT_LOGITS_CHUNK_TOKENS) * vocab * 4 > budget:
+    budget = logits_budget(device)
+    wide_chunk = KEPT_LOGITS_CHUNK_TOKENS * vocab * CHUNK_BYTES["compiled" if compiled else "eager"]
+    kept = positions * vocab * KEPT_BYTES["entropy_grad" if entropy_grad else "compiled" if compiled else "eager"]
+    if wide_chunk + (kept if grad else 0) > budget:
         return LogitsChunking(LOGITS_CHUNK_TOKENS, grad)
     return LogitsChunking(KEPT_LOGITS_CHUNK_TOKENS, False)
+
+
+def logits_budget(device: torch.device) -> float:
+    """Bytes that kept logits and wide chunks may take: KEPT_LOGITS_SHARE of the GPU, and at most
+    half of what is free now (on the device, or cached by torch's allocator and unused), so a run
+    near its memory keeps the small recomputed chunks."""
+    free, total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return min(KEPT_LOGITS_SHARE * total, free / 2)
 
 
 def compute_device(model, plan: Placement = SINGLE) -> torch.device:
@@ -84,7 +102,8 @@ def decoder_token_stats(model, inputs: dict[str, Tensor], targets: Tensor, tempe
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)  # [B*R, H], [B*R]
     token_stats = _compiled_token_stats() if fused_vocab else _token_stats
     chunking = logits_chunking(flat_targets.shape[0], lm_head.weight.shape[0], flat_hidden.device,
-                               torch.is_grad_enabled())
+                               grad=torch.is_grad_enabled(), compiled=fused_vocab,
+                               entropy_grad=with_entropy and entropy_grad)
     parts = []
     for start in range(0, flat_targets.shape[0], chunking.tokens):
         chunk = slice(start, start + chunking.tokens)

@@ -83,11 +83,14 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_cli
     params = [p for _, p in named]
     if reduce_gradients is not None:
         reduce_gradients(params)
-    grad_norm = full_value(torch.nn.utils.clip_grad_norm_(params, grad_clip))  # over every rank's shard
+    grad_norm = clip_gradients(params, grad_clip)
     steps_on_device = skips_nonfinite_on_device(optimizer, params)
     if steps_on_device:
         optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
-        optimizer.step()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf  # a later step must not find it
     totals = totals or DeviceTotals()
     totals.add(f"{role}/grad_norm", grad_norm)
     metrics = totals.floats()  # the host sync
@@ -109,8 +112,26 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_cli
 
 def skips_nonfinite_on_device(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
     """Whether the optimiser's step can skip itself on the device (found_inf): torch's fused Adam
-    kernels can; sharded parameters (DTensors) are left to the plain path."""
-    return bool(optimizer.defaults.get("fused")) and not any(hasattr(p, "to_local") for p in params)
+    and AdamW leave weights, moments and step count as they were; sharded parameters (DTensors)
+    are left to the plain path."""
+    return (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(optimizer.defaults.get("fused"))
+            and not _sharded(params))
+
+
+def clip_gradients(params: list[torch.Tensor], grad_clip: float) -> torch.Tensor:
+    """Scale the gradients to a norm of at most grad_clip -> their norm before. A non-finite norm
+    leaves them as they are, so a refused step names the parameters that hold the non-finite
+    values (torch's clip_grad_norm_ would multiply every gradient by nan). Sharded (FSDP):
+    torch's own, over every rank's shard."""
+    if _sharded(params):
+        return full_value(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    torch.nn.utils.clip_grads_with_norm_(params, grad_clip, torch.where(torch.isfinite(norm), norm, 0.0))
+    return norm
+
+
+def _sharded(params: list[torch.Tensor]) -> bool:
+    return any(hasattr(p, "to_local") for p in params)
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:

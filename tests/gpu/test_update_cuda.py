@@ -16,7 +16,7 @@ CUDA = torch.device("cuda")
 
 def _log_probs_and_gradients(model, recompute: bool, monkeypatch):
     monkeypatch.setattr(forward, "logits_chunking",
-                        lambda positions, vocab, device, grad: forward.LogitsChunking(16, recompute and grad))
+                        lambda positions, vocab, device, grad, **_: forward.LogitsChunking(16, recompute and grad))
     generator = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (4, 40), device=CUDA, generator=generator)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),

@@ -388,6 +388,7 @@ def test_the_first_mini_batch_takes_its_own_forward_as_old_and_trains_the_same(t
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy", "critic/score/mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
         assert a["rollout/log_prob_gap"] > 0 and a["actor/ref_kl"] != 0  # measured, on the recomputed half
+        assert (a["perf/old_log_prob_samples"], b["perf/old_log_prob_samples"]) == (8, 16)
     final = lambda result: weights(sorted(Path(result.run_dir).glob("global_step_*"))[-1] / "actor")  # noqa: E731
     for name, tensor in final(skipped).items():
         torch.testing.assert_close(tensor, final(recomputed)[name], rtol=1e-5, atol=1e-6)

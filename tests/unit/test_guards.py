@@ -86,6 +86,18 @@ def test_the_next_forward_under_the_same_autocast_sees_the_stepped_weights():
 
 
 @pytest.mark.parametrize("fused", [False, True])
+def test_a_refused_step_names_only_the_parameters_with_nonfinite_gradients(fused):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+    model(torch.ones(1, 2)).sum().backward()
+    model[1].bias.grad.fill_(float("nan"))
+    with pytest.raises(KeelError) as error:
+        apply_gradients(model, optimizer, 1.0, "actor")
+    assert "non-finite in 1 parameters, e.g. ['1.bias']" in error.value.message
+    assert not hasattr(optimizer, "found_inf")  # nothing left behind for a later step
+
+
+@pytest.mark.parametrize("fused", [False, True])
 def test_a_step_returns_its_metrics_and_the_clipped_norm(fused):
     from keel.training.step import DeviceTotals
 

@@ -8,8 +8,8 @@ from torch.autograd import DeviceType
 from keel.observe.profile import covered_time, idle_gaps, phase_busy
 
 
-def event(name, start, end, device=DeviceType.CUDA, annotation=False):
-    return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+def event(name, start, end, device=DeviceType.CUDA, annotation=False, thread=1):
+    return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation, thread=thread,
                            time_range=SimpleNamespace(start=start, end=end))
 
 
@@ -41,6 +41,7 @@ def test_the_longest_idle_gaps_name_what_the_host_was_doing():
               event("aten::item", 3_400, 4_000, DeviceType.CPU),           # the host waited, then...
               event("aten::index", 4_200, 4_900, DeviceType.CPU),          # ... indexed on the CPU
               event("aten::_to_copy", 4_100, 4_950, DeviceType.CPU),       # (the outer op of the index)
+              event("autograd::engine", 4_300, 4_800, DeviceType.CPU, thread=2),  # another thread's
               event("opt", 9_000, 9_950),                                  # 0.05 ms: below the floor
               event("kernel", 12_000, 13_000)]                             # in "reward": not asked for
     assert idle_gaps(events) == [

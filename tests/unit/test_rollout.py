@@ -92,7 +92,7 @@ def test_chunked_log_probs_match_full_logits_values_and_gradients(tiny_assets, c
     torch.manual_seed(0)
     batch = engine.generate(prompts, SamplingParams(temperature=0.9, max_new_tokens=6))
     monkeypatch.setattr(forward, "logits_chunking",
-                        lambda positions, vocab, device, grad: forward.LogitsChunking(chunk, recompute and grad))
+                        lambda positions, vocab, device, grad, **_: forward.LogitsChunking(chunk, recompute and grad))
     results = []
     for plain in (forward.PLAIN_LM_HEAD, set()):  # chunked, then the logits_to_keep path
         monkeypatch.setattr(forward, "PLAIN_LM_HEAD", plain)
@@ -105,20 +105,33 @@ def test_chunked_log_probs_match_full_logits_values_and_gradients(tiny_assets, c
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads_a, grads_b))
 
 
-def test_logits_are_kept_for_backward_only_where_they_fit_a_tenth_of_the_gpu(monkeypatch):
-    from types import SimpleNamespace
-
+def test_logits_are_kept_for_backward_only_where_they_fit_the_budget(monkeypatch):
     from keel.training.forward import KEPT_LOGITS_CHUNK_TOKENS, LOGITS_CHUNK_TOKENS, LogitsChunking, logits_chunking
 
-    gpu, vocab, micro = torch.device("cuda"), 151936, 32 * 512  # t1's micro-batch: 10 GB of float32 logits
-    for total_gb, kept in ((141, True), (80, False)):
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(total_memory=total_gb << 30))
-        expected = (LogitsChunking(KEPT_LOGITS_CHUNK_TOKENS, False) if kept
-                    else LogitsChunking(LOGITS_CHUNK_TOKENS, True))
-        assert logits_chunking(micro, vocab, gpu, grad=True) == expected
-        assert logits_chunking(micro, vocab, gpu, grad=False) == LogitsChunking(KEPT_LOGITS_CHUNK_TOKENS, False)
-    assert logits_chunking(4 * micro, vocab, gpu, grad=True).recompute  # 40 GB on an 80 GB GPU: recomputed
-    assert logits_chunking(micro, vocab, torch.device("cpu"), grad=True) == LogitsChunking(LOGITS_CHUNK_TOKENS, True)
+    gib = 1 << 30
+    gpu, vocab, micro = torch.device("cuda"), 151936, 32 * 512  # t1's micro-batch: 2.4G logits
+    kept, recomputed = LogitsChunking(KEPT_LOGITS_CHUNK_TOKENS, False), LogitsChunking(LOGITS_CHUNK_TOKENS, True)
+
+    def gpu_with(total_gb: float, free_gb: float, cached_unused_gb: float = 0.0):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _: (free_gb * gib, total_gb * gib))
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda _: cached_unused_gb * gib)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda _: 0)
+
+    compiled = dict(grad=True, compiled=True, entropy_grad=False)
+    gpu_with(141, 110)  # an H200 with t1's training state: 14.1 GiB of budget, 8.1 GiB asked
+    assert logits_chunking(micro, vocab, gpu, **compiled) == kept
+    assert logits_chunking(micro, vocab, gpu, **{**compiled, "entropy_grad": True}) == recomputed  # 8 B a logit
+    assert logits_chunking(micro, vocab, gpu, **{**compiled, "compiled": False}) == recomputed  # eager: 4 B + 16 B
+    assert logits_chunking(micro, vocab, gpu, grad=False, compiled=False, entropy_grad=False) == \
+        LogitsChunking(KEPT_LOGITS_CHUNK_TOKENS, False)  # no gradient: wider chunks, nothing kept
+    gpu_with(141, 10, cached_unused_gb=8)  # nearly full: half of the 18 GiB free or cached
+    assert logits_chunking(micro, vocab, gpu, **compiled) == kept
+    gpu_with(141, 10)
+    assert logits_chunking(micro, vocab, gpu, **compiled) == recomputed
+    gpu_with(80, 70)  # 8 GiB of budget
+    assert logits_chunking(micro, vocab, gpu, **compiled) == recomputed
+    assert logits_chunking(micro // 4, vocab, gpu, **compiled) == kept
+    assert logits_chunking(micro, vocab, torch.device("cpu"), **compiled) == LogitsChunking(LOGITS_CHUNK_TOKENS, True)
 
 
 def test_micro_batches_drop_columns_that_are_padding_in_all_their_samples():
