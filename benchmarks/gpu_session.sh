@@ -25,7 +25,7 @@ part=${1:-first}
 
 first() {
     local gpus=${1:-1,2}
-    timeout 150 python3 -m pytest -q tests/gpu > "$OUT/gpu_tests.txt" 2>&1; tail -1 "$OUT/gpu_tests.txt"
+    timeout 300 python3 -m pytest -q tests/gpu > "$OUT/gpu_tests.txt" 2>&1; tail -1 "$OUT/gpu_tests.txt"  # 2 min at 001026c, more since
     timeout 260 python3 -m keel bench t1 --gpus "$gpus" --steps 3 --warmup 2 --profile "$OUT/profile" \
         --out "$OUT/bench.jsonl" > "$OUT/bench_t1.log" 2>&1
     if [[ ",$gpus," == *",2,"* ]]; then  # a 0.5B model fits one GPU: DDP instead of FSDP

@@ -125,11 +125,13 @@ class RolloutBatch:
         """Every tensor field on `device`. Host-to-device copies do not wait for the GPU
         (non_blocking): a blocking copy waits until every kernel queued before it has run, and the
         update made eight of them per micro-batch, each draining the GPU's queue mid-step. CUDA
-        stages a pageable source before the call returns, so the host tensor may change afterwards."""
+        stages a pageable source before the call returns, so the host tensor may change afterwards.
+        (Towards the host a copy stays blocking: the values must be there when it returns.)"""
+        to_gpu = torch.device(device).type == "cuda"
         moved = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            moved[f.name] = value.to(device, non_blocking=True) if isinstance(value, Tensor) else value
+            moved[f.name] = value.to(device, non_blocking=to_gpu) if isinstance(value, Tensor) else value
         return RolloutBatch(**moved)
 
     def select(self, index: Tensor | list[int]) -> "RolloutBatch":

@@ -131,7 +131,8 @@ class SFTTrainer:
             stepped = apply_gradients(self.model, self.optimizer, self.cfg.optim.clip_grad, "model", totals=losses)
             self.scheduler.step()
         tokens = sum(len(e.input_ids) for e in batch)
-        return {"train/loss": stepped["train/nll"] / max(n_tokens, 1), "train/lr": lr, "train/grad_norm": stepped["model/grad_norm"],
+        return {"train/loss": stepped["train/nll"] / max(n_tokens, 1), "train/lr": lr,
+                "train/grad_norm": stepped["model/grad_norm"],
                 "train/epoch": float(self.sampler.epoch), **timer.metrics(),
                 "perf/throughput": tokens / timer.times["step"]}
 

@@ -70,8 +70,8 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_cli
 
     The host waits for the GPU once per optimiser step, where it used to wait three times (the
     metrics, the norm's check, the norm): each wait drains the GPU's queue, which then idles while
-    Python launches the next mini-batch. A fused optimiser steps before that read, skipping its own
-    update on the device when the norm is not finite (found_inf, as GradScaler does), so the
+    Python launches the next mini-batch. Fused Adam and AdamW step before that read, skipping their
+    own update on the device when the norm is not finite (found_inf, as GradScaler does), so the
     weights stay unchanged when the check then refuses the step; others are checked before they step.
     `reduce_gradients`: averages the gradients over ranks that each hold the whole model (DDP,
     fsdp_size=1); FSDP reduces its own."""
