@@ -32,10 +32,8 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg, params: int, *, compute_bytes
     micro = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
     bytes_act = compute_bytes
     layer_activations = lambda samples: 34 * hidden * layers * samples * seq * bytes_act / 2  # noqa: E731
-    # Log-probs are computed over chunks of LOGITS_CHUNK_TOKENS positions: the float32 logits,
-    # and their gradient, of one chunk at a time. (Where a micro-batch's logits fit a tenth of the
-    # GPU and half of its free memory, backward keeps them instead: forward.logits_chunking, which
-    # sizes itself against the memory a run leaves, so this estimate need not count them.)
+    # The float32 logits and their gradient of one LOGITS_CHUNK_TOKENS chunk at a time (kept logits
+    # size themselves to the memory a run leaves: forward.logits_chunking).
     logit_rows = min(micro * cfg.data.max_response_length, logits_chunk_tokens)
     estimate = {
         "actor_states": _sharded_bytes(params, True, policy.actor.fsdp_config, cfg.world_size) / gb,
