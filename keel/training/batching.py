@@ -93,7 +93,7 @@ def shard_batch(batch: RolloutBatch, parts: int) -> tuple[list[Tensor], list[Rol
         return [torch.arange(len(batch))], [batch]
     index = balanced_partitions(sample_tokens(batch), parts)
     size = max(len(i) for i in index)
-    return index, [pad_with_masked(batch.select(i), size) for i in index]
+    return index, [pad_with_masked(batch.select(i), size, batch) for i in index]
 
 
 def unshard_rows(index: list[Tensor], results: list[Tensor]) -> Tensor:
@@ -107,11 +107,13 @@ def unshard_rows(index: list[Tensor], results: list[Tensor]) -> Tensor:
     return out
 
 
-def pad_with_masked(batch: RolloutBatch, size: int) -> RolloutBatch:
-    missing = size - len(batch)
+def pad_with_masked(part: RolloutBatch, size: int, whole: RolloutBatch) -> RolloutBatch:
+    """`part` of `whole` filled to `size` samples with masked copies of whole's first: a part may
+    be empty (a mini-batch with fewer samples than ranks, as reward.on_error=mask can leave)."""
+    missing = size - len(part)
     if missing == 0:
-        return batch
-    return concat_rows([batch, batch.masked_copies(missing)], pad_id=0)  # same widths: nothing is padded
+        return part
+    return concat_rows([part, whole.masked_copies(missing)], pad_id=0)  # same widths: nothing is padded
 
 
 def concat_rows(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:

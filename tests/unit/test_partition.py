@@ -30,6 +30,21 @@ def test_uneven_batch_is_padded_with_masked_samples_and_unsharded_in_order():
     assert torch.equal(unshard_rows(index, per_rank), batch.response_ids.float())
 
 
+def test_a_mini_batch_smaller_than_the_ranks_gives_the_empty_ranks_masked_fillers():
+    from keel.training.batching import plan_minibatches
+
+    batch = make_batch([1, 2, 3])  # 3 samples left (reward.on_error=mask), mini-batches of 2, on 2 ranks
+    batch.advantages = torch.ones_like(batch.response_mask, dtype=torch.float32)
+    per_rank = plan_minibatches(batch, 2, epochs=1, shuffle=False, seed=0, norm_length=None, world_size=2)
+    last = [ranks[-1].samples for ranks in per_rank]  # the last mini-batch holds one sample
+    assert [len(part) for part in last] == [1, 1]
+    assert sorted(int(part.response_mask.sum()) for part in last) == [0, 3]  # one real, one masked filler
+    index, parts = shard_batch(batch.select([2]), 2)
+    assert [len(i) for i in index] == [1, 0]
+    rows = unshard_rows(index, [p.response_ids.float() for p in parts])
+    assert torch.equal(rows, batch.select([2]).response_ids.float())
+
+
 def test_metrics_from_ranks_add_up_except_replicated_ones():
     combined = combine_metrics([{"actor/pg_loss": 0.25, "actor/grad_norm": 2.0, "actor/lr": 1e-3},
                                 {"actor/pg_loss": 0.5, "actor/grad_norm": 2.0, "actor/lr": 1e-3}])
