@@ -153,7 +153,9 @@ class RLTrainer:
         """The old policy's log-probs on the batch, and the engine's gap to them -> whether the
         update measures the gap (and the reference KL) on its own forward instead: on-policy (one
         mini-batch, one epoch: its forward, detached, is the old policy's; the pass is saved), or
-        bypass mode (the sampler's log-probs are the old ones)."""
+        bypass mode (the sampler's log-probs are the old ones). With several mini-batches and one
+        epoch the pass skips the first mini-batch's samples (their forward comes before any
+        optimiser step) and measures the gap on the rest."""
         workers = self.components.workers
         if self.correction.bypass_mode or self.correction.decoupled:  # the sampler's log-probs enter the loss
             self._check_finite("sampler log-probs", batch.sampling_log_probs, batch.response_mask)
@@ -161,13 +163,12 @@ class RLTrainer:
             batch.old_log_probs = batch.sampling_log_probs
             return True
         if updates_actor and may_skip_old_log_probs(self.cfg):
-            if workers.actor_on_policy(batch):
+            own = workers.first_mini_batch(batch, self._seed())
+            if own is not None and bool(own.all()):  # on-policy: the update's forward is every old log-prob
                 return True
-            batch.own_old_log_probs = workers.first_mini_batch(batch, self._seed())
+            batch.own_old_log_probs = own
         with timer("old_log_prob"):
-            batch.old_log_probs = self._recomputed_log_probs(batch)
-            own = batch.own_old_log_probs
-            metrics["perf/old_log_prob_samples"] = float(len(batch) - (0 if own is None else int(own.sum())))
+            batch.old_log_probs, metrics["perf/old_log_prob_samples"] = self._recomputed_log_probs(batch)
             recomputed = recomputed_mask(batch)
             self._check_finite("actor log-probs", batch.old_log_probs, recomputed)
             # How far the sampler's log-probs are from the trainer's: numerics, not learning.
@@ -176,16 +177,16 @@ class RLTrainer:
             self._check_log_prob_gap(metrics["rollout/log_prob_gap"])
         return False
 
-    def _recomputed_log_probs(self, batch: RolloutBatch) -> torch.Tensor:         # [N, R]
-        """The old-log-prob pass, over the samples whose old log-probs are not the update's own."""
+    def _recomputed_log_probs(self, batch: RolloutBatch) -> tuple[torch.Tensor, float]:
+        """The old-log-prob pass [N, R] over the samples whose old log-probs are not the update's
+        own (0 for those), and how many samples it computed."""
         own = batch.own_old_log_probs
         if own is None:
-            return self.components.workers.actor_log_probs(batch)
+            return self.components.workers.actor_log_probs(batch), float(len(batch))
         rows = (~own).nonzero().squeeze(-1)
         old = torch.zeros(batch.response_mask.shape)
-        if len(rows):
-            old[rows] = self.components.workers.actor_log_probs(batch.select(rows))
-        return old
+        old[rows] = self.components.workers.actor_log_probs(batch.select(rows))  # some: on-policy returned earlier
+        return old, float(len(rows))
 
     def _check_log_prob_gap(self, gap: float) -> None:
         if self.sampling.do_sample:  # greedy engines record log-probs at temperature 1, not the trainer's

@@ -79,16 +79,11 @@ class WorkerRoles:
         return unshard_rows(index, self._call(method, [(p,) for p in parts], group))
 
     # --- updates -------------------------------------------------------------------------------------
-    def actor_on_policy(self, batch: RolloutBatch) -> bool:
-        """Whether the actor's update of `batch` is one optimiser step (one mini-batch, one epoch),
-        so its forward runs the policy that generated the batch."""
-        schedule = self.actor_schedule
-        return schedule.epochs == 1 and schedule.samples_per_mini_batch >= len(batch)
-
     def first_mini_batch(self, batch: RolloutBatch, seed: int) -> torch.Tensor | None:
         """[N] bool: the samples that update_actor(batch, seed) takes first, while the policy is
-        still the one that generated them; None when the update runs several epochs (later epochs
-        take those samples again, with the policy moved)."""
+        still the one that generated them (every sample when the update is one mini-batch: it is
+        on-policy); None when the update runs several epochs (later epochs take those samples
+        again, with the policy moved)."""
         schedule = self.actor_schedule
         if schedule.epochs != 1:
             return None

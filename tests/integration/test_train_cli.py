@@ -404,8 +404,7 @@ def test_an_on_policy_update_skips_the_old_log_prob_pass_and_trains_the_same(tin
     tiny_config["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"] = 4  # the whole batch of 4 prompts
     tiny_config["actor_rollout_ref"]["actor"].update({"use_kl_loss": True, "kl_loss_coef": 0.1})
     skipped = train(tiny_config)
-    monkeypatch.setattr(WorkerRoles, "actor_on_policy", lambda self, batch: False)
-    monkeypatch.setattr(WorkerRoles, "first_mini_batch", lambda self, batch, seed: None)
+    monkeypatch.setattr(WorkerRoles, "first_mini_batch", lambda self, batch, seed: None)  # the whole pass
     tiny_config["trainer"]["default_local_dir"] += "_with_pass"
     recomputed = train(tiny_config)
     ours, theirs = ([m for m in read_metrics(r.run_dir) if m["step"] > 0] for r in (skipped, recomputed))
