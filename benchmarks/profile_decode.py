@@ -5,18 +5,19 @@ prefill, graph capture, decode per step (graph replay and eager), and an eager s
 """
 
 import argparse
+import functools
 import json
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from profile_update import timed  # this folder's scripts run with it on sys.path
 
 from keel.bench.run import make_model
 from keel.data.prompts import PromptBatch, PromptRecord
 from keel.models.load import load_causal_lm, load_tokenizer
 from keel.rollout.native import NativeRolloutEngine
+from keel.rollout.native.attention import KernelConfig, triton_decode_attention
 from keel.types import SamplingParams
 
 
@@ -27,40 +28,6 @@ def prompts(batch: int, n: int, length: int) -> PromptBatch:
     return PromptBatch(ids, torch.ones_like(ids), records)
 
 
-def attention_alone(batch: int, config, cache_len: int) -> dict:
-    """One layer's decode attention over a full cache, by implementation: is it the bottleneck?"""
-    from keel.rollout.native.attention import sdpa_decode_attention, triton_decode_attention
-
-    kv, heads, dim = config.num_key_value_heads, config.num_attention_heads, config.hidden_size // config.num_attention_heads
-    q = torch.randn(batch, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(batch, kv, cache_len, dim, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    new_k, new_v = k[:, :, :1].clone(), v[:, :, :1].clone()
-    pad = torch.zeros(batch, dtype=torch.long, device="cuda")
-    column = torch.tensor([cache_len // 2], device="cuda")  # half the cache written: mid-decode
-    visible = (torch.arange(cache_len, device="cuda") <= column)[None, None, None].expand(batch, 1, 1, -1)
-
-    def matmuls():
-        g = q.view(batch, kv, heads // kv, dim)
-        scores = (g @ k.transpose(-1, -2)) * dim ** -0.5
-        return (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).reshape(batch, -1)
-
-    variants = {"sdpa_grouped": lambda: sdpa_decode_attention(q, new_k, new_v, k, v, pad, column, visible),
-                "triton": lambda: triton_decode_attention(q, new_k, new_v, k, v, pad, column), "matmuls": matmuls}
-    reference = variants["sdpa_grouped"]().float()
-    out = {"triton_max_error": (variants["triton"]().float() - reference).abs().max().item()}
-    for name, fn in variants.items():
-        out[name] = 1e3 * timed(fn, reps=50)
-    for block in (32, 64, 128):  # the kernel's tile: which is fastest here?
-        for warps in (2, 4, 8):
-            out[f"triton_b{block}_w{warps}"] = 1e3 * timed(
-                lambda: triton_decode_attention(q, new_k, new_v, k, v, pad, column, block=block, num_warps=warps),
-                reps=50)
-    out["bytes_gb"] = 2 * k.numel() * k.element_size() / 1e9
-    print("attention", json.dumps(out), flush=True)
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=128)
@@ -68,6 +35,9 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--model", default="0.5b")
+    p.add_argument("--variants", nargs="+", default=["compiled_graphs", "graphs", "eager"])
+    p.add_argument("--no-profile", action="store_true", help="the timings only")
+    p.add_argument("--attention", help="a JSON file of attention_sweep.py's fastest KernelConfig per shape and batch")
     args = p.parse_args()
     model_dir = make_model(args.model, Path(tempfile.gettempdir()) / f"keel_profile_{args.model}")
     model = load_causal_lm(model_dir, torch.device("cuda"))
@@ -75,19 +45,28 @@ def main() -> None:
     batch = prompts(args.batch, args.n, args.prompt)
     params = SamplingParams(n=args.n, max_new_tokens=args.steps, ignore_eos=True)
     report = {}
-    variants = {"compiled_graphs": {}, "graphs": {"compile_step": False}, "eager": {"enforce_eager": True}}
+    variants = {"compiled_graphs": {}, "autotuned": {"compile_mode": "max-autotune-no-cudagraphs"},
+                "graphs": {"compile_step": False}, "eager": {"enforce_eager": True}}
+    variants = {name: variants[name] for name in args.variants}
     for name, options in variants.items():
         engine = NativeRolloutEngine(model, tokenizer, 4096, torch.bfloat16, **options)
+        if args.attention and engine.attention is triton_decode_attention:
+            config = KernelConfig(**json.loads(Path(args.attention).read_text())[f"{args.model}_{args.batch}"])
+            engine.attention = functools.partial(triton_decode_attention, config=config)
+            report["attention_config"] = config.__dict__
+        start = time.perf_counter()
         engine.generate(batch, params)  # warm-up (and compilation)
         torch.cuda.synchronize()
+        warm_up = time.perf_counter() - start
         start = time.perf_counter()
         engine.generate(batch, params)
         torch.cuda.synchronize()
         total = time.perf_counter() - start
         report[name] = {"total_s": total, **engine.timing, "ms_per_step": 1e3 * engine.timing["decode"] / (args.steps - 1),
-                        "tokens_per_s": args.batch * args.steps / total}
+                        "tokens_per_s": args.batch * args.steps / total, "warm_up_s": warm_up}
         print(name, json.dumps(report[name]), flush=True)
-    report["attention_ms_per_layer"] = attention_alone(args.batch, model.config, args.prompt + args.steps)
+    if args.no_profile:
+        return
     engine = NativeRolloutEngine(model, tokenizer, 4096, torch.bfloat16)
     engine.generate(batch, SamplingParams(n=args.n, max_new_tokens=64, ignore_eos=True))  # compiled, warm
     activities = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]

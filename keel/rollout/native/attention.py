@@ -10,6 +10,8 @@ cache do the same.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -20,8 +22,20 @@ try:
 except ImportError:  # CPU installs: the SDPA path below
     triton = None
 
-BLOCK_COLUMNS = 64  # cache columns per inner step
-NUM_WARPS = 4
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """The Triton kernel's tiling: cache columns per split (0: the whole cache, one pass) and per
+    inner step, and its launch settings."""
+    split: int = 256
+    block: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    merge_warps: int = 4
+
+
+DEFAULT_CONFIG = KernelConfig()
 
 
 def sdpa_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor,
@@ -45,20 +59,38 @@ def sdpa_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_ca
 
 def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor,
                             column: Tensor, visible: Tensor | None = None, rows: Tensor | None = None,
-                            block: int = BLOCK_COLUMNS, num_warps: int = NUM_WARPS) -> Tensor:
-    """The same as sdpa_decode_attention in one Triton kernel; `visible` is implied by `pad` (the
-    first column each row sees) and `column` (read on the device: no host sync)."""
+                            config: KernelConfig = DEFAULT_CONFIG) -> Tensor:
+    """The same as sdpa_decode_attention in Triton; `visible` is implied by `pad` (the first column
+    each row sees) and `column` (read on the device: no host sync).
+
+    The cache's columns are cut into splits of `config.split` columns, one program per row, KV head
+    and split, so that a batch of a few hundred rows still keeps every SM streaming (one program
+    per row and head walks its columns one dependent block after another). Each split leaves its
+    partial softmax (output and log-sum-exp); a second kernel merges a row's splits. A split of
+    the whole cache is one pass, without the merge."""
     batch, heads, _, dim = q.shape
-    kv_heads = k_cache.shape[1]
+    kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
+    whole = triton.next_power_of_2(cache_len)
+    split = min(config.split, whole) if config.split else whole
+    splits = triton.cdiv(cache_len, split)
     out = torch.empty(batch, heads, dim, device=q.device, dtype=q.dtype)
-    _decode_attention_kernel[(batch, kv_heads)](
-        q, k, v, k_cache, v_cache, out, pad, column, pad if rows is None else rows, dim ** -0.5,
+    partial = out if splits == 1 else torch.empty(batch, kv_heads, splits, group, dim, device=q.device,
+                                                  dtype=torch.float32)
+    lse = out if splits == 1 else torch.empty(batch, kv_heads, splits, group, device=q.device, dtype=torch.float32)
+    block_group = max(16, triton.next_power_of_2(group))
+    _decode_attention_kernel[(batch, kv_heads, splits)](
+        q, k, v, k_cache, v_cache, out, partial, lse, pad, column, pad if rows is None else rows, dim ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=block,
-        INDIRECT=rows is not None, COLUMN_STRIDE=int(column.numel() > 1), num_warps=num_warps)
+        GROUP=group, BLOCK_GROUP=block_group, DIM=dim, BLOCK=min(config.block, split), SPLIT=split,
+        SPLITS=splits, INDIRECT=rows is not None, COLUMN_STRIDE=int(column.numel() > 1),
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    if splits > 1:
+        _merge_splits_kernel[(batch, kv_heads)](
+            partial, lse, out, pad, column, GROUP=group, BLOCK_GROUP=block_group, DIM=dim, SPLIT=split,
+            SPLITS=splits, COLUMN_STRIDE=int(column.numel() > 1), num_warps=config.merge_warps)
     return out.view(batch, heads * dim)
 
 
@@ -71,49 +103,94 @@ def triton_available(device: torch.device, dtype: torch.dtype, head_dim: int) ->
 
 if triton is not None:
     @triton.jit
-    def _decode_attention_kernel(Q, K, V, KCache, VCache, Out, Pad, Column, Rows, scale,
+    def _decode_attention_kernel(Q, K, V, KCache, VCache, Out, PartialOut, PartialLse, Pad, Column, Rows, scale,
                                  q_b, q_h, k_b, k_h, v_b, v_h, kc_b, kc_h, kc_l, vc_b, vc_h, vc_l,
                                  GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr,
-                                 BLOCK: tl.constexpr, INDIRECT: tl.constexpr, COLUMN_STRIDE: tl.constexpr):
+                                 BLOCK: tl.constexpr, SPLIT: tl.constexpr, SPLITS: tl.constexpr,
+                                 INDIRECT: tl.constexpr, COLUMN_STRIDE: tl.constexpr):
         slot = tl.program_id(0)  # the query row; its cache row is Rows[slot] under continuous batching
         kv_head = tl.program_id(1)
-        if INDIRECT:
-            row = tl.load(Rows + slot).to(tl.int64)
-        else:
-            row = slot.to(tl.int64)
-        g = tl.arange(0, BLOCK_GROUP)
-        d = tl.arange(0, DIM)
-        in_group = g[:, None] < GROUP
-        # The G query heads of this KV head: q is [B, H, 1, D], heads kv_head*G .. kv_head*G + G-1.
-        q_ptrs = Q + slot * q_b + (kv_head * GROUP + g[:, None]) * q_h + d[None, :]
-        q = tl.load(q_ptrs, mask=in_group, other=0.0)                                   # [BG, D]
-        k_new = tl.load(K + slot * k_b + kv_head * k_h + d)                             # [D]
-        v_new = tl.load(V + slot * v_b + kv_head * v_h + d)
+        split = tl.program_id(2)
         column = tl.load(Column + slot * COLUMN_STRIDE)
         first = tl.load(Pad + slot)
-        # This step's K and V go to the cache for later steps; this step uses them from registers.
-        tl.store(KCache + row * kc_b + kv_head * kc_h + column * kc_l + d, k_new)
-        tl.store(VCache + row * vc_b + kv_head * vc_h + column * vc_l + d, v_new)
+        # This split's columns: [lo, hi) of those the row sees before its new token, which the split
+        # holding `column` adds. Splits past it, or wholly before `first`, have nothing to do.
+        lo = tl.maximum(first, split * SPLIT)
+        hi = tl.minimum(column, split * SPLIT + SPLIT)
+        owns_new = split == column // SPLIT
+        if (lo < hi) | owns_new:
+            if INDIRECT:
+                row = tl.load(Rows + slot).to(tl.int64)
+            else:
+                row = slot.to(tl.int64)
+            g = tl.arange(0, BLOCK_GROUP)
+            d = tl.arange(0, DIM)
+            in_group = g[:, None] < GROUP
+            # The G query heads of this KV head: q is [B, H, 1, D], heads kv_head*G .. kv_head*G + G-1.
+            q = tl.load(Q + slot * q_b + (kv_head * GROUP + g[:, None]) * q_h + d[None, :], mask=in_group, other=0.0)
+            k_new = tl.load(K + slot * k_b + kv_head * k_h + d)                             # [D]
+            v_new = tl.load(V + slot * v_b + kv_head * v_h + d)
+            k_base = KCache + row * kc_b + kv_head * kc_h
+            v_base = VCache + row * vc_b + kv_head * vc_h
+            # The new token: written to the cache for later steps, used from registers in this one,
+            # and first in its split, so the running maximum is finite from the start.
+            if owns_new:
+                tl.store(k_base + column * kc_l + d, k_new)
+                tl.store(v_base + column * vc_l + d, v_new)
+            new_score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale  # [BG]
+            m = tl.where(owns_new, new_score, float("-inf"))
+            total = tl.zeros([BLOCK_GROUP], tl.float32) + owns_new.to(tl.float32)
+            acc = tl.zeros([BLOCK_GROUP, DIM], tl.float32) + (v_new.to(tl.float32) * owns_new.to(tl.float32))[None, :]
+            for start in range((lo // BLOCK) * BLOCK, hi, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                seen = (cols >= lo) & (cols < hi)
+                k = tl.load(k_base + cols[:, None] * kc_l + d[None, :], mask=seen[:, None], other=0.0)  # [BL, D]
+                scores = tl.dot(q, tl.trans(k)) * scale                                     # [BG, BL] fp32
+                scores = tl.where(seen[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m, tl.max(scores, axis=1))
+                rescale = tl.exp(m - m_new)
+                p = tl.exp(scores - m_new[:, None])
+                v = tl.load(v_base + cols[:, None] * vc_l + d[None, :], mask=seen[:, None], other=0.0)
+                acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+                total = total * rescale + tl.sum(p, axis=1)
+                m = m_new
+            heads = GROUP * tl.num_programs(1)
+            if SPLITS == 1:
+                out_ptrs = Out + slot * heads * DIM + (kv_head * GROUP + g[:, None]) * DIM + d[None, :]
+                tl.store(out_ptrs, (acc / total[:, None]).to(Out.dtype.element_ty), mask=in_group)
+            else:  # [B, KV, SPLITS, G, D] and [B, KV, SPLITS, G], fp32
+                part = (slot * tl.num_programs(1) + kv_head) * SPLITS + split
+                tl.store(PartialOut + (part * GROUP + g[:, None]) * DIM + d[None, :], acc / total[:, None],
+                         mask=in_group)
+                tl.store(PartialLse + part * GROUP + g, m + tl.log(total), mask=g < GROUP)
 
-        # The new token first: a finite running maximum from the start.
-        m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale     # [BG]
-        total = tl.full([BLOCK_GROUP], 1.0, tl.float32)
-        acc = tl.zeros([BLOCK_GROUP, DIM], tl.float32) + v_new.to(tl.float32)[None, :]
-        k_base = KCache + row * kc_b + kv_head * kc_h
-        v_base = VCache + row * vc_b + kv_head * vc_h
-        for start in range((first // BLOCK) * BLOCK, column, BLOCK):  # earlier columns this row sees
-            cols = start + tl.arange(0, BLOCK)
-            seen = (cols >= first) & (cols < column)
-            k = tl.load(k_base + cols[:, None] * kc_l + d[None, :], mask=seen[:, None], other=0.0)  # [BL, D]
-            scores = tl.dot(q, tl.trans(k)) * scale                                     # [BG, BL] fp32
-            scores = tl.where(seen[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
+    @triton.jit
+    def _merge_splits_kernel(PartialOut, PartialLse, Out, Pad, Column, GROUP: tl.constexpr,
+                             BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr, SPLIT: tl.constexpr,
+                             SPLITS: tl.constexpr, COLUMN_STRIDE: tl.constexpr):
+        """A row's splits merged by their log-sum-exps: those from its first visible column's split
+        to its new token's."""
+        slot = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        column = tl.load(Column + slot * COLUMN_STRIDE)
+        first = tl.load(Pad + slot)
+        g = tl.arange(0, BLOCK_GROUP)
+        d = tl.arange(0, DIM)
+        in_group = g < GROUP
+        m = tl.full([BLOCK_GROUP], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_GROUP], tl.float32)
+        acc = tl.zeros([BLOCK_GROUP, DIM], tl.float32)
+        for split in range(first // SPLIT, column // SPLIT + 1):
+            part = (slot * tl.num_programs(1) + kv_head) * SPLITS + split
+            lse = tl.load(PartialLse + part * GROUP + g, mask=in_group, other=0.0)
+            out = tl.load(PartialOut + (part * GROUP + g[:, None]) * DIM + d[None, :], mask=in_group[:, None],
+                          other=0.0)
+            m_new = tl.maximum(m, lse)
             rescale = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            v = tl.load(v_base + cols[:, None] * vc_l + d[None, :], mask=seen[:, None], other=0.0)
-            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
-            total = total * rescale + tl.sum(p, axis=1)
+            weight = tl.exp(lse - m_new)
+            acc = acc * rescale[:, None] + out * weight[:, None]
+            total = total * rescale + weight
             m = m_new
-        out = acc / total[:, None]
-        out_ptrs = Out + slot * (GROUP * (tl.num_programs(1)) * DIM) + (kv_head * GROUP + g[:, None]) * DIM + d[None, :]
-        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=in_group)
+        heads = GROUP * tl.num_programs(1)
+        out_ptrs = Out + slot * heads * DIM + (kv_head * GROUP + g[:, None]) * DIM + d[None, :]
+        tl.store(out_ptrs, (acc / total[:, None]).to(Out.dtype.element_ty), mask=in_group[:, None])

@@ -55,7 +55,7 @@ def keeps_cache(free_cache_engine: bool | None, cache_bytes: int, device_bytes: 
 class NativeRolloutEngine:
     def __init__(self, model, tokenizer, max_num_seqs: int, dtype: torch.dtype, enforce_eager: bool = False,
                  memory_utilization: float = 0.5, max_num_batched_tokens: int = 8192, compile_step: bool = True,
-                 free_cache_engine: bool | None = None):
+                 free_cache_engine: bool | None = None, compile_mode: str | None = None):
         self.tokenizer = tokenizer
         # free_cache_engine=False (verl's key): the KV cache and its CUDA graphs stay between calls
         # and are reused when a chunk has the same shape, as fixed-length batches do. None: kept
@@ -80,7 +80,7 @@ class NativeRolloutEngine:
         self.sync_weights(model)
         # enforce_eager (verl's key): no CUDA graphs, no compilation; for debugging, and CPU's only way.
         self.use_cuda_graphs = not enforce_eager and self.device.type == "cuda"
-        self.kernels = StepFunctions(compiled=self.use_cuda_graphs and compile_step and can_compile(self.device))
+        self.kernels = StepFunctions(self.use_cuda_graphs and compile_step and can_compile(self.device), compile_mode)
         use_triton = triton_available(self.device, dtype, self.head_dim)
         self.attention = triton_decode_attention if use_triton else sdpa_decode_attention
 

@@ -19,14 +19,14 @@ class StepFunctions:
     with Triton; fullgraph, so a graph break is an error), plain functions elsewhere (CPU, or
     `rollout.enforce_eager`)."""
 
-    def __init__(self, compiled: bool):
+    def __init__(self, compiled: bool, mode: str | None = None):
         if compiled:
             # Each batch bucket, cache length and dtype is a compiled variant of these few functions;
             # past dynamo's default of 8, fullgraph=True would make a recompile a hard failure.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
         def prepared(fn):
-            return torch.compile(fn, fullgraph=True) if compiled else fn
+            return torch.compile(fn, fullgraph=True, mode=mode) if compiled else fn
 
         self.step_inputs = prepared(step_inputs)
         self.rms_norm = prepared(rms_norm)

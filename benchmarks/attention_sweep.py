@@ -1,0 +1,107 @@
+"""Decode attention's tiling, measured as the engine runs it: one call per layer, each layer its own
+cache, captured in a CUDA graph and replayed (a kernel timed alone from Python measures its launch).
+
+    python benchmarks/attention_sweep.py [--batch 128 256] [--prompt 256] [--response 512]
+
+For each model shape and batch, every KernelConfig of the sweep at mid-response (the mean context
+of a fixed-length rollout); one JSON line each (us per layer and the KV bytes it streams per
+second), then the fastest."""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from keel.bench.workloads import QWEN25_SHAPES
+from keel.rollout.native.attention import KernelConfig, sdpa_decode_attention, triton_decode_attention
+
+SWEEP = ([KernelConfig(split=0, block=b, num_warps=w, num_stages=s) for b in (32, 64, 128) for w in (4, 8)
+          for s in (2, 3)]
+         + [KernelConfig(split=sp, block=b, num_warps=w, num_stages=s) for sp in (64, 128, 256) for b in (32, 64)
+            for w in (2, 4) for s in (2, 3)])
+
+
+class Layers:
+    """One layer's decode inputs per layer of a model shape, over a cache of `length` columns."""
+
+    def __init__(self, shape: str, batch: int, length: int):
+        c = QWEN25_SHAPES[shape]
+        self.heads, self.kv = c["num_attention_heads"], c["num_key_value_heads"]
+        self.dim, self.count = c["hidden_size"] // self.heads, c["num_hidden_layers"]
+        bf16 = dict(device="cuda", dtype=torch.bfloat16)
+        self.q = torch.randn(batch, self.heads, 1, self.dim, **bf16)
+        self.k, self.v = (torch.randn(batch, self.kv, 1, self.dim, **bf16) for _ in range(2))
+        self.caches = [(torch.randn(batch, self.kv, length, self.dim, **bf16),
+                        torch.randn(batch, self.kv, length, self.dim, **bf16)) for _ in range(self.count)]
+        self.pad = torch.zeros(batch, dtype=torch.long, device="cuda")
+        self.column = torch.zeros(1, dtype=torch.long, device="cuda")
+
+    def call(self, i: int, config: KernelConfig):
+        return triton_decode_attention(self.q, self.k, self.v, *self.caches[i], self.pad, self.column, config=config)
+
+    def error(self, config: KernelConfig) -> float:
+        length = self.caches[0][0].shape[2]
+        visible = (torch.arange(length, device="cuda") <= self.column)[None, None, None]
+        expected = sdpa_decode_attention(self.q, self.k, self.v, *(c.clone() for c in self.caches[0]), self.pad,
+                                         self.column, visible)
+        return (self.call(0, config).float() - expected.float()).abs().max().item()
+
+    def bytes_at(self, column: int) -> int:
+        return 2 * self.count * self.q.shape[0] * self.kv * (column + 1) * self.dim * 2
+
+
+def graph_seconds(fn, reps: int = 20) -> float:
+    """Seconds per replay of a CUDA graph of fn()."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compiles the kernels outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def sweep(shape: str, batch: int, prompt: int, response: int) -> dict:
+    layers = Layers(shape, batch, prompt + response)
+    layers.column.fill_(prompt + response // 2)
+    results = []
+    for config in SWEEP:
+        seconds = graph_seconds(lambda: [layers.call(i, config) for i in range(layers.count)])
+        row = {"shape": shape, "batch": batch, "column": prompt + response // 2, **config.__dict__,
+               "us_per_layer": 1e6 * seconds / layers.count,
+               "tb_per_s": layers.bytes_at(prompt + response // 2) / seconds / 1e12}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    best = min(results, key=lambda r: r["us_per_layer"])
+    best["max_error"] = layers.error(KernelConfig(**{k: best[k] for k in KernelConfig().__dict__}))
+    print("best", json.dumps(best), flush=True)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b"])
+    p.add_argument("--batch", type=int, nargs="+", default=[128, 256])
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--response", type=int, default=512)
+    p.add_argument("--best", help="write the fastest KernelConfig per shape and batch here (JSON)")
+    args = p.parse_args()
+    fields = KernelConfig().__dict__
+    best = {f"{shape}_{batch}": sweep(shape, batch, args.prompt, args.response)
+            for shape in args.shapes for batch in args.batch}
+    if args.best:
+        Path(args.best).write_text(json.dumps({key: {k: row[k] for k in fields} for key, row in best.items()}))
+
+
+if __name__ == "__main__":
+    main()
