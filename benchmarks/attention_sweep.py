@@ -1,9 +1,9 @@
 """Decode attention's tiling, measured as the engine runs it: one call per layer, each layer its own
 cache, captured in a CUDA graph and replayed (a kernel timed alone from Python measures its launch).
 
-    python benchmarks/attention_sweep.py [--batch 128 256] [--prompt 256] [--response 512]
+    python benchmarks/attention_sweep.py [--sweep tiling|splits] [--batch 128 256] [--prompt 256] [--response 512]
 
-For each model shape and batch, every KernelConfig of the sweep at mid-response (the mean context
+For each model shape and batch, every KernelConfig of the sweep (None: as `resolved` chooses) at mid-response (the mean context
 of a fixed-length rollout); one JSON line each (us per layer and the KV bytes it streams per
 second), then the fastest."""
 
@@ -16,10 +16,13 @@ import torch
 from keel.bench.workloads import QWEN25_SHAPES
 from keel.rollout.native.attention import KernelConfig, sdpa_decode_attention, triton_decode_attention
 
-SWEEP = ([KernelConfig(split=0, block=b, num_warps=w, num_stages=s) for b in (32, 64, 128) for w in (4, 8)
-          for s in (2, 3)]
-         + [KernelConfig(split=sp, block=b, num_warps=w, num_stages=s) for sp in (64, 128, 256) for b in (32, 64)
-            for w in (2, 4) for s in (2, 3)])
+SWEEPS = {  # tilings at the rollout target's batches; splits for a continuous batch's few long rows
+    "tiling": ([KernelConfig(split=0, block=b, num_warps=w, num_stages=s) for b in (32, 64, 128) for w in (4, 8)
+                for s in (2, 3)]
+               + [KernelConfig(split=sp, block=b, num_warps=w, num_stages=s) for sp in (64, 128, 256)
+                  for b in (32, 64) for w in (2, 4) for s in (2, 3)]),
+    "splits": [KernelConfig(split=0), KernelConfig()] + [KernelConfig(split=sp) for sp in (128, 256, 512, 1024)],
+}
 
 
 class Layers:
@@ -71,13 +74,16 @@ def graph_seconds(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
-def sweep(shape: str, batch: int, prompt: int, response: int) -> dict:
+def sweep(shape: str, batch: int, prompt: int, response: int, configs: list[KernelConfig]) -> dict:
     layers = Layers(shape, batch, prompt + response)
     layers.column.fill_(prompt + response // 2)
     results = []
-    for config in SWEEP:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for config in configs:
         seconds = graph_seconds(lambda: [layers.call(i, config) for i in range(layers.count)])
+        resolved = config.resolved(1 << (prompt + response - 1).bit_length(), batch * layers.kv, sms)
         row = {"shape": shape, "batch": batch, "column": prompt + response // 2, **config.__dict__,
+               "resolved": resolved.__dict__,
                "us_per_layer": 1e6 * seconds / layers.count,
                "tb_per_s": layers.bytes_at(prompt + response // 2) / seconds / 1e12}
         results.append(row)
@@ -94,10 +100,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[128, 256])
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--response", type=int, default=512)
+    p.add_argument("--sweep", choices=SWEEPS, default="tiling")
     p.add_argument("--best", help="write the fastest KernelConfig per shape and batch here (JSON)")
     args = p.parse_args()
     fields = KernelConfig().__dict__
-    best = {f"{shape}_{batch}": sweep(shape, batch, args.prompt, args.response)
+    best = {f"{shape}_{batch}": sweep(shape, batch, args.prompt, args.response, SWEEPS[args.sweep])
             for shape in args.shapes for batch in args.batch}
     if args.best:
         Path(args.best).write_text(json.dumps({key: {k: row[k] for k in fields} for key, row in best.items()}))

@@ -10,7 +10,7 @@ cache do the same.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -27,15 +27,38 @@ except ImportError:  # CPU installs: the SDPA path below
 @dataclass(frozen=True)
 class KernelConfig:
     """The Triton kernel's tiling: cache columns per split (0: the whole cache, one pass) and per
-    inner step, and its launch settings."""
-    split: int = 256
+    inner step, and its launch settings. None: chosen for the launch's shape by `resolved`."""
+    split: int | None = None
     block: int = 64
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int | None = None
     merge_warps: int = 4
+
+    def resolved(self, cache_len: int, programs: int, sms: int) -> KernelConfig:
+        """This config with split and num_stages chosen for `programs` rows x KV heads over a cache
+        of `cache_len` columns (a power of two) on `sms` SMs, as benchmarks/attention_sweep.py
+        measured them on an H200 (results in benchmarks/README.md):
+        - one pass when the programs give every SM one: at 128 and 256 rows of Qwen2.5's two KV
+          heads it streams 2.6-3.7 TB/s, and splits were slower; else splits for about two
+          programs per SM (split_columns), as a few long rows of a continuous batch's tail need;
+        - two pipeline stages from three programs per SM (1.5B at 256 rows: 36 us a layer against
+          41 with three), three below (21 against 23 at 128 rows)."""
+        split = split_columns(cache_len, programs, sms) if self.split is None else min(self.split or cache_len,
+                                                                                        cache_len)
+        stages = (2 if programs >= 3 * sms else 3) if self.num_stages is None else self.num_stages
+        return replace(self, split=split, block=min(self.block, split), num_stages=stages)
 
 
 DEFAULT_CONFIG = KernelConfig()
+
+
+def split_columns(cache_len: int, programs: int, sms: int, minimum: int = 64) -> int:
+    """Columns per split, a power of two: the whole cache when `programs` fill the SMs, else enough
+    splits for about two programs per SM, none shorter than `minimum`."""
+    if programs >= sms:
+        return cache_len
+    wanted = -(-cache_len * programs // (2 * sms))
+    return min(cache_len, max(minimum, 1 << (wanted - 1).bit_length()))
 
 
 def sdpa_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor,
@@ -71,8 +94,9 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_
     batch, heads, _, dim = q.shape
     kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
-    whole = triton.next_power_of_2(cache_len)
-    split = min(config.split, whole) if config.split else whole
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    config = config.resolved(triton.next_power_of_2(cache_len), batch * kv_heads, sms)
+    split = config.split
     splits = triton.cdiv(cache_len, split)
     out = torch.empty(batch, heads, dim, device=q.device, dtype=q.dtype)
     partial = out if splits == 1 else torch.empty(batch, kv_heads, splits, group, dim, device=q.device,
@@ -84,7 +108,7 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        GROUP=group, BLOCK_GROUP=block_group, DIM=dim, BLOCK=min(config.block, split), SPLIT=split,
+        GROUP=group, BLOCK_GROUP=block_group, DIM=dim, BLOCK=config.block, SPLIT=split,
         SPLITS=splits, INDIRECT=rows is not None, COLUMN_STRIDE=int(column.numel() > 1),
         num_warps=config.num_warps, num_stages=config.num_stages)
     if splits > 1:
