@@ -306,28 +306,29 @@ def test_a_turn_that_does_not_fit_its_batcher_is_refused_before_it_writes(tiny_a
 
 
 def test_decode_attention_splits_the_cache_only_when_rows_leave_sms_idle():
-    """Rows x KV heads that give every SM a program attend in one pass (split == the cache); a few
-    long rows are cut into power-of-two splits, about two programs per SM, none below the block."""
+    """Rows x KV heads that occupy half the SMs or more attend in one pass (0); fewer are cut into
+    power-of-two splits, about four programs per SM over the whole cache, none below a block."""
     from keel.rollout.native.attention import split_columns
 
     sms = 132
-    assert split_columns(4096, programs=256, sms=sms) == 4096      # 128 rows x 2 KV heads
-    assert split_columns(4096, programs=sms, sms=sms) == 4096
-    for programs in (1, 16, 64, 131):
-        split = split_columns(4096, programs, sms)
-        assert split & (split - 1) == 0 and 64 <= split < 4096
-        splits = -(-4096 // split)
-        assert sms <= programs * splits < 4 * sms or split == 64, (programs, split)
-    assert split_columns(256, programs=2, sms=sms) == 64             # never below one block of columns
+    assert split_columns(2304, programs=256, sms=sms) == 0       # 128 rows x 2 KV heads
+    assert split_columns(2304, programs=66, sms=sms) == 0
+    for programs in (1, 16, 32, 65):
+        split = split_columns(2304, programs, sms)
+        assert split & (split - 1) == 0 and split >= 64
+        splits = -(-2304 // split)
+        assert 2 * sms <= programs * splits <= 8 * sms or split == 64, (programs, split)
+    assert split_columns(2304, programs=16, sms=sms) == 128      # 8 rows: 18 splits each
+    assert split_columns(256, programs=2, sms=sms) == 64          # never below one block of columns
 
 
 def test_decode_attention_config_is_resolved_for_the_launch_and_keeps_what_is_set():
     from keel.rollout.native.attention import KernelConfig
 
-    wide = KernelConfig().resolved(1024, programs=512, sms=132)       # 256 rows x 2 KV heads
-    assert (wide.split, wide.num_stages, wide.block) == (1024, 2, 64)
-    narrow = KernelConfig().resolved(1024, programs=16, sms=132)
-    assert narrow.split < 1024 and narrow.num_stages == 3
-    one_pass = KernelConfig(split=0, num_stages=4, block=128).resolved(1024, programs=16, sms=132)
-    assert (one_pass.split, one_pass.num_stages, one_pass.block) == (1024, 4, 128)
-    assert KernelConfig(split=32).resolved(1024, programs=16, sms=132).block == 32  # a block within its split
+    wide = KernelConfig().resolved(768, programs=512, sms=132)        # 256 rows x 2 KV heads
+    assert (wide.split, wide.num_stages, wide.block) == (1024, 2, 64)  # one pass: the whole cache
+    narrow = KernelConfig().resolved(2304, programs=16, sms=132)
+    assert narrow.split == 128 and narrow.num_stages == 3
+    one_pass = KernelConfig(split=0, num_stages=4, block=128).resolved(2304, programs=16, sms=132)
+    assert (one_pass.split, one_pass.num_stages, one_pass.block) == (4096, 4, 128)
+    assert KernelConfig(split=32).resolved(2304, programs=16, sms=132).block == 32  # a block within its split

@@ -36,15 +36,16 @@ class KernelConfig:
 
     def resolved(self, cache_len: int, programs: int, sms: int) -> KernelConfig:
         """This config with split and num_stages chosen for `programs` rows x KV heads over a cache
-        of `cache_len` columns (a power of two) on `sms` SMs, as benchmarks/attention_sweep.py
-        measured them on an H200 (results in benchmarks/README.md):
-        - one pass when the programs give every SM one: at 128 and 256 rows of Qwen2.5's two KV
-          heads it streams 2.6-3.7 TB/s, and splits were slower; else splits for about two
-          programs per SM (split_columns), as a few long rows of a continuous batch's tail need;
+        of `cache_len` columns on `sms` SMs, as benchmarks/attention_sweep.py measured them on an
+        H200 (benchmarks/README.md):
+        - splits only where the programs leave half the SMs idle (split_columns): at 128 and 256
+          rows of Qwen2.5's two KV heads one pass streams 2.6-3.7 TB/s and every split was slower;
+          at 8 rows over 2,304 columns splits of 256 take 9.9 us a layer against 16.9;
         - two pipeline stages from three programs per SM (1.5B at 256 rows: 36 us a layer against
           41 with three), three below (21 against 23 at 128 rows)."""
-        split = split_columns(cache_len, programs, sms) if self.split is None else min(self.split or cache_len,
-                                                                                        cache_len)
+        whole = 1 << (cache_len - 1).bit_length()
+        split = split_columns(cache_len, programs, sms) if self.split is None else self.split
+        split = min(split or whole, whole)
         stages = (2 if programs >= 3 * sms else 3) if self.num_stages is None else self.num_stages
         return replace(self, split=split, block=min(self.block, split), num_stages=stages)
 
@@ -53,12 +54,12 @@ DEFAULT_CONFIG = KernelConfig()
 
 
 def split_columns(cache_len: int, programs: int, sms: int, minimum: int = 64) -> int:
-    """Columns per split, a power of two: the whole cache when `programs` fill the SMs, else enough
-    splits for about two programs per SM, none shorter than `minimum`."""
-    if programs >= sms:
-        return cache_len
-    wanted = -(-cache_len * programs // (2 * sms))
-    return min(cache_len, max(minimum, 1 << (wanted - 1).bit_length()))
+    """Columns per split, a power of two, or 0 (one pass) when the programs occupy half the SMs or
+    more: else splits for about four programs per SM over the whole cache, two at mid-response."""
+    if 2 * programs >= sms:
+        return 0
+    wanted = -(-cache_len * programs // (4 * sms))
+    return max(minimum, 1 << (wanted - 1).bit_length())
 
 
 def sdpa_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor,
@@ -86,16 +87,16 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_
     """The same as sdpa_decode_attention in Triton; `visible` is implied by `pad` (the first column
     each row sees) and `column` (read on the device: no host sync).
 
-    The cache's columns are cut into splits of `config.split` columns, one program per row, KV head
-    and split, so that a batch of a few hundred rows still keeps every SM streaming (one program
-    per row and head walks its columns one dependent block after another). Each split leaves its
-    partial softmax (output and log-sum-exp); a second kernel merges a row's splits. A split of
-    the whole cache is one pass, without the merge."""
+    One program per row, KV head and split of the cache's columns: a program walks its columns one
+    dependent block after another, so a few rows over a long cache (a continuous batch's tail)
+    would leave most SMs idle without splits. Each split leaves its partial softmax (output and
+    log-sum-exp) and a second kernel merges a row's splits; a split of the whole cache is one pass,
+    without the merge. KernelConfig.resolved chooses the split."""
     batch, heads, _, dim = q.shape
     kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    config = config.resolved(triton.next_power_of_2(cache_len), batch * kv_heads, sms)
+    config = config.resolved(cache_len, batch * kv_heads, sms)
     split = config.split
     splits = triton.cdiv(cache_len, split)
     out = torch.empty(batch, heads, dim, device=q.device, dtype=q.dtype)
