@@ -1,11 +1,12 @@
 """Decode attention's tiling, measured as the engine runs it: one call per layer, each layer its own
 cache, captured in a CUDA graph and replayed (a kernel timed alone from Python measures its launch).
 
-    python benchmarks/attention_sweep.py [--sweep tiling|splits] [--batch 128 256] [--prompt 256] [--response 512]
+    python benchmarks/attention_sweep.py [--sweep tiling|splits] [--batch 128 256] [--prompt 256]
+        [--response 512] [--best FILE]
 
-For each model shape and batch, every KernelConfig of the sweep (None: as `resolved` chooses) at mid-response (the mean context
-of a fixed-length rollout); one JSON line each (us per layer and the KV bytes it streams per
-second), then the fastest."""
+For each model shape and batch, every KernelConfig of the sweep (None: as `resolved` chooses) at
+mid-response (the mean context of a fixed-length rollout); one JSON line each (us per layer and the
+KV bytes it streams per second), then the fastest."""
 
 import argparse
 import json

@@ -1,11 +1,12 @@
 """Decode attention: one new query token per row against its KV cache, grouped-query.
 
-Two implementations with one signature. On a GPU with Triton, one kernel per layer writes the new
-token's K and V into the cache and attends in a single pass (flash-decoding): each program takes
-one row and one KV head, holds the G query heads that share it, and streams only the columns that
-row can see, so neither the unwritten tail of the static cache nor the left padding is read, and
-K/V are never repeated to H heads. Elsewhere (CPU, float32) the cache write and SDPA over a masked
-cache do the same.
+Two implementations with one signature. On a GPU with Triton, a kernel writes the new token's K
+and V into the cache and attends (flash-decoding): each program takes one row, one KV head and one
+split of the columns (the whole cache unless few rows would leave SMs idle), holds the G query
+heads that share the KV head, and streams only the columns that row can see, so neither the
+unwritten tail of the static cache nor the left padding is read, and K/V are never repeated to H
+heads; a second kernel merges the splits. Elsewhere (CPU, float32) the cache write and SDPA over a
+masked cache do the same.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ try:
     import triton.language as tl
 except ImportError:  # CPU installs: the SDPA path below
     triton = None
-
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,8 @@ if triton is not None:
             d = tl.arange(0, DIM)
             in_group = g[:, None] < GROUP
             # The G query heads of this KV head: q is [B, H, 1, D], heads kv_head*G .. kv_head*G + G-1.
-            q = tl.load(Q + slot * q_b + (kv_head * GROUP + g[:, None]) * q_h + d[None, :], mask=in_group, other=0.0)
+            q = tl.load(Q + slot * q_b + (kv_head * GROUP + g[:, None]) * q_h + d[None, :], mask=in_group,
+                        other=0.0)                                                          # [BG, D]
             k_new = tl.load(K + slot * k_b + kv_head * k_h + d)                             # [D]
             v_new = tl.load(V + slot * v_b + kv_head * v_h + d)
             k_base = KCache + row * kc_b + kv_head * kc_h

@@ -79,6 +79,7 @@ class NativeRolloutEngine:
         self._kept_batcher: ContinuousBatcher | None = None
         self.sync_weights(model)
         # enforce_eager (verl's key): no CUDA graphs, no compilation; for debugging, and CPU's only way.
+        # compile_mode: torch.compile's, for benchmarks/profile_decode.py (max-autotune was slower here).
         self.use_cuda_graphs = not enforce_eager and self.device.type == "cuda"
         self.kernels = StepFunctions(self.use_cuda_graphs and compile_step and can_compile(self.device), compile_mode)
         use_triton = triton_available(self.device, dtype, self.head_dim)
