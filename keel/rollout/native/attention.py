@@ -167,19 +167,7 @@ if triton is not None:
             m = tl.where(owns_new, new_score, float("-inf"))
             total = tl.zeros([BLOCK_GROUP], tl.float32) + owns_new.to(tl.float32)
             acc = tl.zeros([BLOCK_GROUP, DIM], tl.float32) + (v_new.to(tl.float32) * owns_new.to(tl.float32))[None, :]
-            for start in range((lo // BLOCK) * BLOCK, hi, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                seen = (cols >= lo) & (cols < hi)
-                k = tl.load(k_base + cols[:, None] * kc_l + d[None, :], mask=seen[:, None], other=0.0)  # [BL, D]
-                scores = tl.dot(q, tl.trans(k)) * scale                                     # [BG, BL] fp32
-                scores = tl.where(seen[None, :], scores, float("-inf"))
-                m_new = tl.maximum(m, tl.max(scores, axis=1))
-                rescale = tl.exp(m - m_new)
-                p = tl.exp(scores - m_new[:, None])
-                v = tl.load(v_base + cols[:, None] * vc_l + d[None, :], mask=seen[:, None], other=0.0)
-                acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
-                total = total * rescale + tl.sum(p, axis=1)
-                m = m_new
+            m, total, acc = _attend_columns(q, k_base, v_base, kc_l, vc_l, lo, hi, m, total, acc, scale, DIM, BLOCK)
             heads = GROUP * tl.num_programs(1)
             if SPLITS == 1:
                 out_ptrs = Out + slot * heads * DIM + (kv_head * GROUP + g[:, None]) * DIM + d[None, :]
@@ -189,6 +177,27 @@ if triton is not None:
                 tl.store(PartialOut + (part * GROUP + g[:, None]) * DIM + d[None, :], acc / total[:, None],
                          mask=in_group)
                 tl.store(PartialLse + part * GROUP + g, m + tl.log(total), mask=g < GROUP)
+
+    @triton.jit
+    def _attend_columns(q, k_base, v_base, kc_l, vc_l, lo, hi, m, total, acc, scale, DIM: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        """Online softmax of q [BG, D] over the cache columns [lo, hi), BLOCK at a time, continuing
+        from the running maximum m, normaliser total and weighted sum acc."""
+        d = tl.arange(0, DIM)
+        for start in range((lo // BLOCK) * BLOCK, hi, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            seen = (cols >= lo) & (cols < hi)
+            k = tl.load(k_base + cols[:, None] * kc_l + d[None, :], mask=seen[:, None], other=0.0)  # [BL, D]
+            scores = tl.dot(q, tl.trans(k)) * scale                                         # [BG, BL] fp32
+            scores = tl.where(seen[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            rescale = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            v = tl.load(v_base + cols[:, None] * vc_l + d[None, :], mask=seen[:, None], other=0.0)
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+            total = total * rescale + tl.sum(p, axis=1)
+            m = m_new
+        return m, total, acc
 
     @triton.jit
     def _merge_splits_kernel(PartialOut, PartialLse, Out, Pad, Column, GROUP: tl.constexpr,
