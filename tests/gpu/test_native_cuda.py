@@ -113,9 +113,10 @@ def test_bf16_samples_agree_with_the_trainer(tiny_assets):
 SPLITS = {"one_pass": dict(split=0), "splits_of_64": dict(split=64, block=32), "default": {}}
 
 
+@pytest.mark.parametrize("column", [200, 256])
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("kv_heads, group, dim", [(2, 7, 64), (2, 6, 128), (8, 1, 64)])
-def test_triton_decode_attention_matches_sdpa(kv_heads, group, dim, splits):
+def test_triton_decode_attention_matches_sdpa(kv_heads, group, dim, splits, column):
     """The fused kernel (cache write + attention over the visible columns) against the cache write
     and SDPA over a masked cache, on bf16 rows with different left padding; in one pass and in
     splits (rows whose first column falls in a later split, and a new token at a split's start)."""
@@ -131,19 +132,19 @@ def test_triton_decode_attention_matches_sdpa(kv_heads, group, dim, splits):
     k, v = torch.randn(batch, kv_heads, 1, dim, **bf16), torch.randn(batch, kv_heads, 1, dim, **bf16)
     k_cache, v_cache = torch.randn(batch, kv_heads, length, dim, **bf16), torch.randn(batch, kv_heads, length, dim, **bf16)
     pad = torch.tensor([0, 1, 5, 63, 64, 65, 130, 200, 0], device="cuda")
-    column = torch.tensor([256], device="cuda")
+    column = torch.tensor([column], device="cuda")
     visible = ((torch.arange(length, device="cuda") >= pad[:, None]) & (torch.arange(length, device="cuda") <= column))
     caches = (k_cache.clone(), v_cache.clone())
     expected = sdpa_decode_attention(q, k, v, k_cache, v_cache, pad, column, visible[:, None, None])
     got = triton_decode_attention(q, k, v, *caches, pad, column, config=KernelConfig(**SPLITS[splits]))
     assert (got.float() - expected.float()).abs().max().item() < 2e-2
-    assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)  # the new token written at 256
+    assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)  # the new token written
 
 
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("kv_heads, group, dim", [(2, 7, 64), (8, 1, 128)])
 def test_triton_decode_attention_reads_rows_through_the_table_as_sdpa_does(kv_heads, group, dim, splits):
-    """Continuous batching: query b is cache row rows[b] at its own column (the scratch row twice)."""
+    """Continuous batching: query b is cache row rows[b] at its own column."""
     from keel.rollout.native.attention import (KernelConfig, sdpa_decode_attention, triton_available,
                                                triton_decode_attention)
 

@@ -1,6 +1,10 @@
 """keel's native engine against the hf engine on a tiny model (CPU, float32): the same greedy
 tokens, samples from the same distribution, and log-probs the trainer agrees with."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -332,3 +336,47 @@ def test_decode_attention_config_is_resolved_for_the_launch_and_keeps_what_is_se
     one_pass = KernelConfig(split=0, num_stages=4, block=128).resolved(2304, programs=16, sms=132)
     assert (one_pass.split, one_pass.num_stages, one_pass.block) == (4096, 4, 128)
     assert KernelConfig(split=32).resolved(2304, programs=16, sms=132).block == 32  # a block within its split
+    tiny = KernelConfig().resolved(8, programs=4, sms=132)            # a prompt and response of 8 tokens
+    assert tiny.block == tiny.split == 16                              # tl.dot needs 16
+    assert KernelConfig(split=48).resolved(2304, programs=16, sms=132).block == 32  # a power of two
+
+
+INTERPRETED_ATTENTION = """
+import types, torch
+torch.cuda.get_device_properties = lambda device: types.SimpleNamespace(multi_processor_count=132)
+from keel.rollout.native.attention import KernelConfig, sdpa_decode_attention, triton_decode_attention
+
+def check(pad, column, length=300, rows=None, cache_rows=None, heads=14, kv=2, dim=64, **config):
+    torch.manual_seed(0)
+    batch = len(pad)
+    pad, column = torch.tensor(pad), torch.tensor(column)
+    q = torch.randn(batch, heads, 1, dim)
+    k, v = torch.randn(batch, kv, 1, dim), torch.randn(batch, kv, 1, dim)
+    caches = [torch.randn(cache_rows or batch, kv, length, dim) for _ in range(2)]
+    cols = torch.arange(length)
+    visible = ((cols >= pad[:, None]) & (cols <= column.expand(batch)[:, None]))[:, None, None]
+    expected_caches = [c.clone() for c in caches]
+    expected = sdpa_decode_attention(q, k, v, *expected_caches, pad, column, visible, rows)
+    got = triton_decode_attention(q, k, v, *caches, pad, column, rows=rows, config=KernelConfig(**config))
+    assert (got - expected).abs().max() < 1e-4, (pad, column, config)
+    assert all(torch.equal(c, e) for c, e in zip(caches, expected_caches)), (pad, column, config)
+
+for config in (dict(split=0), dict(split=64, block=32), dict()):
+    check([0, 1, 63, 64, 65, 130, 200, 256], [256], **config)        # first columns in later splits; a split's start
+    check([0, 10, 64, 129, 200], [0, 63, 64, 130, 299], rows=torch.tensor([7, 2, 11, 0, 5]), cache_rows=12,
+          heads=12, dim=128, **config)                                 # continuous batching: rows, own columns
+check([0, 3], [6], length=8)                                           # a cache shorter than tl.dot's 16
+check([0] * 4, [1000], length=2304)                                    # few rows, long cache: splits by default
+print("ok")
+"""
+
+
+def test_triton_decode_attention_matches_sdpa_under_the_interpreter():
+    """Where Triton is installed (not in keel's CPU install), its interpreter runs the decode
+    kernel on the CPU in float32: one pass, splits, the default's choice, continuous batching's
+    row table and per-row columns, a tiny cache; against the cache write and SDPA."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED_ATTENTION], env=env, capture_output=True, text=True,
+                          timeout=1800)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -24,6 +24,9 @@ except ImportError:  # CPU installs: the SDPA path below
     triton = None
 
 
+MIN_BLOCK = 16  # tl.dot's least inner size for 16-bit inputs
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """The Triton kernel's tiling: cache columns per split (0: the whole cache, one pass) and per
@@ -40,14 +43,16 @@ class KernelConfig:
         H200 (benchmarks/README.md):
         - splits only where the programs leave half the SMs idle (split_columns): at 128 and 256
           rows of Qwen2.5's two KV heads one pass streams 2.6-3.7 TB/s and every split was slower;
-          at 8 rows over 2,304 columns splits of 256 take 9.9 us a layer against 16.9;
+          at 8 rows over 2,304 columns the chosen splits of 128 take 10.9 us a layer against 16.9;
         - two pipeline stages from three programs per SM (1.5B at 256 rows: 36 us a layer against
           41 with three), three below (21 against 23 at 128 rows)."""
-        whole = 1 << (cache_len - 1).bit_length()
+        whole = max(MIN_BLOCK, 1 << (cache_len - 1).bit_length())
         split = split_columns(cache_len, programs, sms) if self.split is None else self.split
         split = min(split or whole, whole)
         stages = (2 if programs >= 3 * sms else 3) if self.num_stages is None else self.num_stages
-        return replace(self, split=split, block=min(self.block, split), num_stages=stages)
+        # A power of two within its split, but not below tl.dot's 16 (a block past its split is masked).
+        block = max(MIN_BLOCK, 1 << (min(self.block, split).bit_length() - 1))
+        return replace(self, split=split, block=block, num_stages=stages)
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -55,7 +60,8 @@ DEFAULT_CONFIG = KernelConfig()
 
 def split_columns(cache_len: int, programs: int, sms: int, minimum: int = 64) -> int:
     """Columns per split, a power of two, or 0 (one pass) when the programs occupy half the SMs or
-    more: else splits for about four programs per SM over the whole cache, two at mid-response."""
+    more: else the split that gives four programs per SM over the whole cache, rounded up to a power
+    of two (two to four per SM)."""
     if 2 * programs >= sms:
         return 0
     wanted = -(-cache_len * programs // (4 * sms))
@@ -91,7 +97,11 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_
     dependent block after another, so a few rows over a long cache (a continuous batch's tail)
     would leave most SMs idle without splits. Each split leaves its partial softmax (output and
     log-sum-exp) and a second kernel merges a row's splits; a split of the whole cache is one pass,
-    without the merge. KernelConfig.resolved chooses the split."""
+    without the merge. KernelConfig.resolved chooses the split; the split's length and count are
+    runtime arguments, so a new cache length does not compile the kernels again.
+
+    Two slots may share a cache row only at the same column (the batcher's scratch row): a slot's
+    write at its column would race another's read of it."""
     batch, heads, _, dim = q.shape
     kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
@@ -108,14 +118,14 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_
         q, k, v, k_cache, v_cache, out, partial, lse, pad, column, pad if rows is None else rows, dim ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        GROUP=group, BLOCK_GROUP=block_group, DIM=dim, BLOCK=config.block, SPLIT=split,
-        SPLITS=splits, INDIRECT=rows is not None, COLUMN_STRIDE=int(column.numel() > 1),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), split, splits,
+        GROUP=group, BLOCK_GROUP=block_group, DIM=dim, BLOCK=config.block, ONE_PASS=splits == 1,
+        INDIRECT=rows is not None, COLUMN_STRIDE=int(column.numel() > 1),
         num_warps=config.num_warps, num_stages=config.num_stages)
     if splits > 1:
         _merge_splits_kernel[(batch, kv_heads)](
-            partial, lse, out, pad, column, GROUP=group, BLOCK_GROUP=block_group, DIM=dim, SPLIT=split,
-            SPLITS=splits, COLUMN_STRIDE=int(column.numel() > 1), num_warps=config.merge_warps)
+            partial, lse, out, pad, column, split, splits, GROUP=group, BLOCK_GROUP=block_group, DIM=dim,
+            COLUMN_STRIDE=int(column.numel() > 1), num_warps=config.merge_warps)
     return out.view(batch, heads * dim)
 
 
@@ -129,10 +139,10 @@ def triton_available(device: torch.device, dtype: torch.dtype, head_dim: int) ->
 if triton is not None:
     @triton.jit
     def _decode_attention_kernel(Q, K, V, KCache, VCache, Out, PartialOut, PartialLse, Pad, Column, Rows, scale,
-                                 q_b, q_h, k_b, k_h, v_b, v_h, kc_b, kc_h, kc_l, vc_b, vc_h, vc_l,
+                                 q_b, q_h, k_b, k_h, v_b, v_h, kc_b, kc_h, kc_l, vc_b, vc_h, vc_l, split_len, splits,
                                  GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr,
-                                 BLOCK: tl.constexpr, SPLIT: tl.constexpr, SPLITS: tl.constexpr,
-                                 INDIRECT: tl.constexpr, COLUMN_STRIDE: tl.constexpr):
+                                 BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, INDIRECT: tl.constexpr,
+                                 COLUMN_STRIDE: tl.constexpr):
         slot = tl.program_id(0)  # the query row; its cache row is Rows[slot] under continuous batching
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -140,9 +150,9 @@ if triton is not None:
         first = tl.load(Pad + slot)
         # This split's columns: [lo, hi) of those the row sees before its new token, which the split
         # holding `column` adds. Splits past it, or wholly before `first`, have nothing to do.
-        lo = tl.maximum(first, split * SPLIT)
-        hi = tl.minimum(column, split * SPLIT + SPLIT)
-        owns_new = split == column // SPLIT
+        lo = tl.maximum(first, split * split_len)
+        hi = tl.minimum(column, split * split_len + split_len)
+        owns_new = split == column // split_len
         if (lo < hi) | owns_new:
             if INDIRECT:
                 row = tl.load(Rows + slot).to(tl.int64)
@@ -169,11 +179,11 @@ if triton is not None:
             acc = tl.zeros([BLOCK_GROUP, DIM], tl.float32) + (v_new.to(tl.float32) * owns_new.to(tl.float32))[None, :]
             m, total, acc = _attend_columns(q, k_base, v_base, kc_l, vc_l, lo, hi, m, total, acc, scale, DIM, BLOCK)
             heads = GROUP * tl.num_programs(1)
-            if SPLITS == 1:
+            if ONE_PASS:
                 out_ptrs = Out + slot * heads * DIM + (kv_head * GROUP + g[:, None]) * DIM + d[None, :]
                 tl.store(out_ptrs, (acc / total[:, None]).to(Out.dtype.element_ty), mask=in_group)
-            else:  # [B, KV, SPLITS, G, D] and [B, KV, SPLITS, G], fp32
-                part = (slot * tl.num_programs(1) + kv_head) * SPLITS + split
+            else:  # [B, KV, splits, G, D] and [B, KV, splits, G], fp32
+                part = (slot * tl.num_programs(1) + kv_head) * splits + split
                 tl.store(PartialOut + (part * GROUP + g[:, None]) * DIM + d[None, :], acc / total[:, None],
                          mask=in_group)
                 tl.store(PartialLse + part * GROUP + g, m + tl.log(total), mask=g < GROUP)
@@ -200,9 +210,8 @@ if triton is not None:
         return m, total, acc
 
     @triton.jit
-    def _merge_splits_kernel(PartialOut, PartialLse, Out, Pad, Column, GROUP: tl.constexpr,
-                             BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr, SPLIT: tl.constexpr,
-                             SPLITS: tl.constexpr, COLUMN_STRIDE: tl.constexpr):
+    def _merge_splits_kernel(PartialOut, PartialLse, Out, Pad, Column, split_len, splits, GROUP: tl.constexpr,
+                             BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr, COLUMN_STRIDE: tl.constexpr):
         """A row's splits merged by their log-sum-exps: those from its first visible column's split
         to its new token's."""
         slot = tl.program_id(0)
@@ -215,8 +224,8 @@ if triton is not None:
         m = tl.full([BLOCK_GROUP], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_GROUP], tl.float32)
         acc = tl.zeros([BLOCK_GROUP, DIM], tl.float32)
-        for split in range(first // SPLIT, column // SPLIT + 1):
-            part = (slot * tl.num_programs(1) + kv_head) * SPLITS + split
+        for split in range(tl.minimum(first, column) // split_len, column // split_len + 1):
+            part = (slot * tl.num_programs(1) + kv_head) * splits + split
             lse = tl.load(PartialLse + part * GROUP + g, mask=in_group, other=0.0)
             out = tl.load(PartialOut + (part * GROUP + g[:, None]) * DIM + d[None, :], mask=in_group[:, None],
                           other=0.0)
