@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session.sh first [GPUS]   GPU tests, t1 on each GPU count (rank 0 profiled),
 #                                                 t1 on 2 GPUs without sharding (DDP) when GPUS has 2
 #   bash benchmarks/gpu_session.sh decode         the rollout targets: decode profiler, 0.5B and 1.5B
+#   bash benchmarks/gpu_session.sh attention      the decode attention's tilings and splits (attention_sweep.py)
 #   bash benchmarks/gpu_session.sh workloads [W]  w1,w2,w3 (or W) on one GPU
 #   bash benchmarks/gpu_session.sh lora           the LoRA and 7B workloads on one GPU
 #   bash benchmarks/gpu_session.sh large          w32: LoRA on Qwen2.5-32B shapes
@@ -34,12 +35,19 @@ first() {
     fi
 }
 
-decode() {  # batch 256, prompt 256, response 512
+decode() {  # batch 256, prompt 256, response 512: the compiled graphs (the engine's default) and their kernels
     for shape in 0.5b 1.5b; do
-        timeout 240 python3 benchmarks/profile_decode.py --model "$shape" --batch 256 --prompt 256 --steps 512 \
-            > "$OUT/profile_decode_$shape.txt" 2>&1
-        grep -E "^(compiled_graphs|attention) " "$OUT/profile_decode_$shape.txt"
+        timeout 200 python3 benchmarks/profile_decode.py --model "$shape" --batch 256 --prompt 256 --steps 512 \
+            --variants compiled_graphs > "$OUT/profile_decode_$shape.txt" 2>&1
+        grep -E "^compiled_graphs " "$OUT/profile_decode_$shape.txt"
     done
+}
+
+attention() {  # the decode attention's tilings at the rollout target, then splits for few rows over a long cache
+    timeout 240 python3 benchmarks/attention_sweep.py --best "$OUT/attention_best.json" > "$OUT/attention_sweep.txt" 2>&1
+    timeout 120 python3 benchmarks/attention_sweep.py --sweep splits --shapes 0.5b --batch 8 16 32 64 128 --prompt 256 \
+        --response 2048 > "$OUT/attention_splits.txt" 2>&1
+    grep -h "^best" "$OUT/attention_sweep.txt" "$OUT/attention_splits.txt" | cut -c1-200
 }
 
 workloads() {
