@@ -1,7 +1,10 @@
-"""Where the native engine's generation time goes on a GPU (Qwen2.5-0.5B shapes, random weights):
-prefill, graph capture, decode per step (graph replay and eager), and an eager step's top kernels.
+"""Where the native engine's generation time goes on a GPU (Qwen2.5 shapes, random weights):
+prefill, graph capture and decode per step for each variant (compiled graphs, the engine's default;
+max-autotune compilation; graphs without compilation; eager), then the top kernels of 64 compiled
+steps.
 
-    python benchmarks/profile_decode.py [--batch 128] [--prompt 256] [--steps 256] [--n 8]
+    python benchmarks/profile_decode.py [--model 0.5b] [--batch 128] [--prompt 256] [--steps 256] [--n 8]
+        [--variants compiled_graphs autotuned graphs eager] [--attention BEST.json] [--no-profile]
 """
 
 import argparse
