@@ -5,6 +5,7 @@
 #                                                 t1 on 2 GPUs without sharding (DDP) when GPUS has 2
 #   bash benchmarks/gpu_session.sh decode         the rollout targets: decode profiler, 0.5B and 1.5B
 #   bash benchmarks/gpu_session.sh attention      the decode attention's tilings and splits (attention_sweep.py)
+#   bash benchmarks/gpu_session.sh gemm           the decode GEMMs: cuBLAS against Triton tilings (gemm_sweep.py)
 #   bash benchmarks/gpu_session.sh workloads [W]  w1,w2,w3 (or W) on one GPU
 #   bash benchmarks/gpu_session.sh lora           the LoRA and 7B workloads on one GPU
 #   bash benchmarks/gpu_session.sh large          w32: LoRA on Qwen2.5-32B shapes
@@ -48,6 +49,11 @@ attention() {  # the decode attention's tilings at the rollout target, then spli
     timeout 120 python3 benchmarks/attention_sweep.py --sweep splits --shapes 0.5b --batch 8 16 32 64 128 --prompt 256 \
         --response 2048 > "$OUT/attention_splits.txt" 2>&1
     grep -h "^best" "$OUT/attention_sweep.txt" "$OUT/attention_splits.txt" | cut -c1-200
+}
+
+gemm() {  # are the decode step's GEMMs (1 TB/s of weights at 256 rows) worth a kernel of keel's own?
+    timeout 400 python3 benchmarks/gemm_sweep.py --check > "$OUT/gemm_sweep.txt" 2>&1
+    grep -h "^best\|^check" "$OUT/gemm_sweep.txt" | cut -c1-220
 }
 
 workloads() {
