@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from graph_timing import graph_seconds  # this folder's scripts run with it on sys.path
+
 from keel.bench.workloads import QWEN25_SHAPES
 from keel.rollout.native.attention import KernelConfig, sdpa_decode_attention, triton_decode_attention
 
@@ -53,26 +55,6 @@ class Layers:
 
     def bytes_at(self, column: int) -> int:
         return 2 * self.count * self.q.shape[0] * self.kv * (column + 1) * self.dim * 2
-
-
-def graph_seconds(fn, reps: int = 20) -> float:
-    """Seconds per replay of a CUDA graph of fn()."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compiles the kernels outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
 
 
 def sweep(shape: str, batch: int, prompt: int, response: int, configs: list[KernelConfig]) -> dict:

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from graph_timing import graph_seconds  # this folder's scripts run with it on sys.path
+
 from keel.bench.workloads import QWEN25_SHAPES
 
 TILINGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
@@ -63,26 +65,6 @@ def gemms(shape: str) -> dict[str, tuple[int, int]]:
     dim = hidden // heads
     return {"qkv": (hidden, (heads + 2 * kv) * dim), "o": (hidden, hidden),
             "gate_up": (hidden, 2 * c["intermediate_size"]), "down": (c["intermediate_size"], hidden)}
-
-
-def graph_seconds(fn, reps: int = 20) -> float:
-    """Seconds per replay of a CUDA graph of fn()."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compiles outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
 
 
 def check(device: str, dtype: torch.dtype) -> None:

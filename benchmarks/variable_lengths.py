@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--median", type=float, default=512)
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--rows", type=int, default=256)
-X
+    parser.add_argument("--w2-rows", type=int, default=256)  # w2's batch (32 x 8): its fixed path, in this run
     parser.add_argument("--model", default="0.5b")  # tiny: a CPU check of the script
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
