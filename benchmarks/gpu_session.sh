@@ -85,7 +85,7 @@ levers() {  # what issue 17's CPU-built levers are worth, in one run of each aga
         --warmup 2 --out "$OUT/bench.jsonl" > "$OUT/levers_on_policy.log" 2>&1
     timeout 120 python3 -m keel bench t1 algorithm.rollout_correction.bypass_mode=true --gpus 1 --steps 3 \
         --warmup 2 --out "$OUT/bench.jsonl" > "$OUT/levers_bypass.log" 2>&1
-    grep -h -o '"gpu_busy": {[^}]*}' "$OUT/bench.jsonl" | tail -1
+    grep -h -o '"gpu_busy[a-z_]*": {[^}]*}' "$OUT/bench.jsonl" | tail -2
 }
 
 summary() {

@@ -250,8 +250,9 @@ def _add_bench(sub) -> None:
     bench.add_argument("--gpus", type=_list_of(int), default=[1], help="workers (trainer.n_gpus_per_node); "
                        "several, comma-separated, run one after another")
     bench.add_argument("--out", help="append the record to this JSON-lines file")
-    bench.add_argument("--profile", metavar="DIR", help="write a kernel and phase table of the first measured "
-                                                        "step to DIR (this process's work: one GPU)")
+    bench.add_argument("--profile", metavar="DIR", help="profile one more step after the measured ones (left "
+                       "out of their timings): its kernel and phase table to DIR, how busy the GPU was per phase "
+                       "to the record")
     bench.set_defaults(func=_cmd_bench)
 
 

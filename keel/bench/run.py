@@ -108,17 +108,20 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
     workload = WORKLOADS[name]
     root = Path(workdir or tempfile.mkdtemp(prefix="keel_bench_"))
     root.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(bench_config(name, workload, root, warmup + steps, gpus),
+    # The profiled step (--profile) is one more after the measured ones: the profiler slows the
+    # host, so its time is left out of the record's timings.
+    total = warmup + steps + (profile_dir is not None)
+    cfg = load_config(bench_config(name, workload, root, total, gpus),
                       [f"{k}={v}" for k, v in workload.overrides.items()] + list(overrides or []))
     trainer = RLTrainer(cfg)
     trainer._open_run_dir()
-    logger = MetricsLogger(trainer.run_dir, False, warmup + steps, 0)
+    logger = MetricsLogger(trainer.run_dir, False, total, 0)
     per_step, gpu_busy = [], {}
     try:
-        for i in range(warmup + steps):
+        for i in range(total):
             trainer.step += 1
-            with _profiled(trainer.components.workers, profile_dir if i == warmup else None, f"{name}_{gpus}gpu",
-                           gpu_busy):
+            with _profiled(trainer.components.workers, profile_dir if i == warmup + steps else None,
+                           f"{name}_{gpus}gpu", gpu_busy):
                 per_step.append(trainer.guarded_step(logger))
         engine = trainer.components.workers.group.call("info", [()] * cfg.world_size)[0]["rollout_engine"]
     finally:
@@ -129,11 +132,13 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    record = summarize(name, workload, cfg, per_step[warmup:])
+    measured = per_step[warmup:warmup + steps]
+    record = summarize(name, workload, cfg, measured)
     record["engine"] = engine
     record["overrides"] = list(overrides or [])
-    if gpu_busy:  # --profile on a GPU: the profiled step's phases, rank 0's GPU
-        record["gpu_busy"] = gpu_busy
+    if gpu_busy.get("busy"):  # --profile on a GPU: the profiled step's phases, rank 0's GPU
+        record["gpu_busy"] = gpu_busy["busy"]
+        record["gpu_busy_unprofiled"] = busy_unprofiled(gpu_busy["gpu_s"], measured)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         with out.open("a") as f:
@@ -141,9 +146,20 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
     return record
 
 
+def busy_unprofiled(gpu_seconds: dict[str, float], steps: list[dict]) -> dict[str, float]:
+    """Each timed phase's GPU-busy seconds (from the profiled step) over its mean wall time in the
+    unprofiled steps: how busy the GPU is when no profiler slows the host (capped at 1)."""
+    shares = {}
+    for phase, busy_s in gpu_seconds.items():
+        walls = [m[f"timing_s/{phase}"] for m in steps if f"timing_s/{phase}" in m]
+        if walls and busy_s > 0:
+            shares[phase] = round(min(1.0, busy_s / statistics.fmean(walls)), 4)
+    return shares
+
+
 @contextmanager
 def _profiled(workers, profile_dir: Path | None, label: str, gpu_busy: dict):
-    """`keel bench --profile DIR`: the first measured step under torch.profiler on every worker;
+    """`keel bench --profile DIR`: a step under torch.profiler on every worker;
     rank 0's kernels and phases (keel's timers are named ranges) go to DIR as a table, and the
     share of each phase its GPU was busy into `gpu_busy`. With one worker it runs in this process,
     so the table has the driver's phases too."""

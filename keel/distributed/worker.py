@@ -182,9 +182,9 @@ class RoleWorker:
         """`keel bench --profile`: this rank's work under torch.profiler until stop_profile."""
         self._profile = RankProfile(self.device)
 
-    def stop_profile(self, path: str | None) -> dict[str, float]:
+    def stop_profile(self, path: str | None) -> dict[str, dict[str, float]]:
         """Ends the profile; rank 0 writes its kernel and phase table to `path`. Returns how busy
-        this rank's GPU was in each phase."""
+        this rank's GPU was in each phase (RankProfile.stop)."""
         busy = self._profile.stop(path if self.rank == 0 else None)
         self._profile = None
         return busy

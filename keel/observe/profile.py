@@ -18,11 +18,13 @@ class RankProfile:
         self.profiler = profile(activities=[ProfilerActivity.CPU] + cuda)
         self.profiler.__enter__()
 
-    def stop(self, path: str | None) -> dict[str, float]:
-        """Ends the profile; writes the table to `path` when given. Returns the GPU's busy share of
-        each named phase (empty on CPU)."""
+    def stop(self, path: str | None) -> dict[str, dict[str, float]]:
+        """Ends the profile; writes the table to `path` when given. Returns, per named phase, the
+        GPU's busy share of its profiled wall time ("busy") and the seconds the GPU was busy in it
+        ("gpu_s"); both empty on CPU."""
         self.profiler.__exit__(None, None, None)
         gpu = self.device.type == "cuda"
+        gpu_s = phase_gpu_seconds(self.profiler.events()) if gpu else {}
         busy = phase_busy(self.profiler.events()) if gpu else {}
         if path:
             sort = "cuda_time_total" if gpu else "cpu_time_total"
@@ -31,7 +33,7 @@ class RankProfile:
             Path(path).write_text(f"GPU busy per phase: {json.dumps(busy)}\n\n"
                                   f"Longest GPU idle gaps (ms; the host's innermost op at the gap's middle):\n{gaps}\n"
                                   f"{table}")
-        return busy
+        return {"busy": busy, "gpu_s": gpu_s}
 
 
 WORKER_PHASES = ("worker/generate", "worker/compute_log_probs", "worker/update_actor")  # named on every rank
@@ -77,6 +79,20 @@ def phase_busy(events) -> dict[str, float]:
     time in which the GPU was running something (a kernel, a copy, a fill), i.e. the union of the
     device's activity intervals inside the range over the range's length. A phase that occurs
     more than once is pooled. The device's own annotation spans are not activity."""
+    covered, wall = _phase_times(events)
+    return {name: round(covered[name] / wall[name], 4) for name in covered if wall[name] > 0}
+
+
+def phase_gpu_seconds(events) -> dict[str, float]:
+    """Seconds the GPU was busy in each named range (pooled like phase_busy). The profiler slows
+    the host, not the GPU's work, so these over a phase's unprofiled wall time say how busy the GPU
+    is in a run as it normally goes."""
+    covered, _ = _phase_times(events)
+    return {name: seconds / 1e6 for name, seconds in covered.items()}  # the profiler counts microseconds
+
+
+def _phase_times(events) -> tuple[dict[str, float], dict[str, float]]:
+    """(device-busy time, wall time) per named range, in the profiler's microseconds."""
     activity = sorted((e.time_range.start, e.time_range.end) for e in events
                       if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
     covered: dict[str, float] = {}
@@ -86,7 +102,7 @@ def phase_busy(events) -> dict[str, float]:
             start, end = e.time_range.start, e.time_range.end
             covered[e.name] = covered.get(e.name, 0.0) + covered_time(activity, start, end)
             wall[e.name] = wall.get(e.name, 0.0) + (end - start)
-    return {name: round(covered[name] / wall[name], 4) for name in covered if wall[name] > 0}
+    return covered, wall
 
 
 def covered_time(intervals: list[tuple[float, float]], start: float, end: float) -> float:

@@ -35,7 +35,7 @@ def test_bench_appends_a_record_with_the_required_fields(tmp_path, capsys, monke
     assert r["logprob_tokens_per_s"] > 0
     assert 0 <= r["log_prob_gap"] < 1e-3  # float32 on CPU: sampler and trainer agree
     assert capsys.readouterr().out.count("\"workload\": \"tiny\"") == 2  # and printed
-    # --profile: the first measured step's operators, with keel's phases as named ranges
+    # --profile: one more step's operators, with keel's phases as named ranges
     table = (tmp_path / "profile" / "profile_tiny_1gpu.txt").read_text()
     assert "update_actor" in table and "aten::mm" in table
 
@@ -59,3 +59,11 @@ def test_the_multi_turn_workload_counts_the_models_tokens_only(tmp_path):
     r = json.loads(out.read_text())
     assert r["gen_tokens_per_s"] == pytest.approx(4 * 4 * 32 / r["timing_s"]["gen"])
     assert r["timing_s"]["gen_tools"] > 0  # the environment's steps
+
+
+def test_gpu_busy_without_the_profiler_is_the_profiled_gpu_time_over_the_measured_wall_time():
+    """The profiler slows the host, not the GPU: a phase's GPU seconds from the profiled step over
+    its mean unprofiled wall time, capped at 1; phases without a timer are left out."""
+    steps = [{"timing_s/gen": 0.4, "timing_s/update_actor": 0.5}, {"timing_s/gen": 0.5, "timing_s/update_actor": 0.5}]
+    shares = run.busy_unprofiled({"gen": 0.36, "update_actor": 0.6, "worker/generate": 0.3}, steps)
+    assert shares == {"gen": 0.8, "update_actor": 1.0}

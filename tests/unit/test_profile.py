@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from torch.autograd import DeviceType
 
-from keel.observe.profile import covered_time, idle_gaps, phase_busy
+from keel.observe.profile import covered_time, idle_gaps, phase_busy, phase_gpu_seconds
 
 
 def event(name, start, end, device=DeviceType.CUDA, annotation=False, thread=1):
@@ -32,6 +32,7 @@ def test_each_phase_gets_the_share_of_its_wall_time_the_device_was_busy():
               event("aten::mm", 0, 300, DeviceType.CPU)]             # a CPU op: not a phase, not activity
     busy = phase_busy(events)
     assert busy == {"gen": (80 + 60) / 200, "update_actor": 0.6}
+    assert phase_gpu_seconds(events) == {"gen": 140e-6, "update_actor": 60e-6}  # the profiler's microseconds
 
 
 def test_the_longest_idle_gaps_name_what_the_host_was_doing():
