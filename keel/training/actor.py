@@ -11,7 +11,7 @@ from keel.algorithms.utils import masked_mean
 from keel.config.algorithm import RolloutCorrectionConfig
 from keel.errors import NO_GRADIENT, KeelError
 from keel.training.batching import MicroBatching, MiniBatch, micro_batches
-from keel.training.forward import batched_log_probs, compute_device, host_unpadded, response_log_probs
+from keel.training.forward import batched_log_probs, compute_device, response_log_probs
 from keel.training.optim import build_optimizer, build_scheduler
 from keel.training.placement import SINGLE, Placement
 from keel.training.step import DeviceTotals, LossScale, apply_gradients, backward, update_role
@@ -117,12 +117,10 @@ class ActorTrainer:
         """(loss to back-propagate, its policy-loss part, per-token metrics on the device) of one
         micro-batch."""
         cfg = self.cfg
-        unpadded = host_unpadded(micro)
         micro = micro.to(compute_device(self.model, self.placement))  # once, without waiting for the GPU
         mask = micro.loss_mask                                                  # [b, R]
         log_prob, entropy = response_log_probs(self.model, micro, self.temperature, with_entropy=True,
-                                               entropy_grad=cfg.entropy_coeff > 0, plan=self.placement,
-                                               unpadded=unpadded)
+                                               entropy_grad=cfg.entropy_coeff > 0, plan=self.placement)
         old_log_prob = self._old_log_probs(micro, log_prob)
         is_weights = micro.rollout_is_weights
         metrics = {}

@@ -14,21 +14,10 @@ from keel.training.placement import SINGLE, Placement
 from keel.types import RolloutBatch, pad_responses, position_ids_from_mask
 
 
-def _model_inputs(batch: RolloutBatch, unpadded: bool = False) -> dict[str, Tensor]:
-    """The model's inputs. Without padding (`unpadded`, known on the host), no mask and no
-    positions: attending causally from position 0 is what they would say, and transformers then
-    does not ask the GPU whether the mask is all ones (a host sync at every forward)."""
-    if unpadded:
-        return {"input_ids": batch.input_ids}
+def _model_inputs(batch: RolloutBatch) -> dict[str, Tensor]:
     attention_mask = batch.attention_mask                                   # [B, P + R]
     return {"input_ids": batch.input_ids, "attention_mask": attention_mask,
             "position_ids": position_ids_from_mask(attention_mask)}
-
-
-def host_unpadded(batch: RolloutBatch) -> bool:
-    """Whether every column of every sample is a real token, read while the masks are on the host
-    (on a GPU, reading it would be the very sync it avoids): False when they are not."""
-    return batch.prompt_mask.device.type == "cpu" and bool(batch.attention_mask.all())
 
 
 # Architectures whose logits are exactly lm_head(final hidden state): no soft-capping or scaling
@@ -85,20 +74,17 @@ def compute_device(model, plan: Placement = SINGLE) -> torch.device:
 
 
 def response_log_probs(model, batch: RolloutBatch, temperature: float, with_entropy: bool = False,
-                       entropy_grad: bool = False, plan: Placement = SINGLE,
-                       unpadded: bool | None = None) -> tuple[Tensor, Tensor | None]:
+                       entropy_grad: bool = False, plan: Placement = SINGLE) -> tuple[Tensor, Tensor | None]:
     """Log-probs [B, R] of the response tokens, and their entropy [B, R] when asked.
 
     Position t predicts token t + 1, so positions P-1 .. P+R-2 predict the R response tokens. For
     plain architectures the [B, R, V] float32 logits never exist at once: `lm_head` runs on chunks
     of positions, each recomputed in backward (activation checkpointing) unless the micro-batch's
     logits are small beside the GPU's memory (logits_chunking), so memory holds only the [B, R, H]
-    hidden states. Other models go through `logits_to_keep`. `unpadded`: whether the batch has no
-    padding, when the caller moved it to the GPU already (host_unpadded before the move).
+    hidden states. Other models go through `logits_to_keep`.
     """
-    unpadded = host_unpadded(batch) if unpadded is None else unpadded
     batch = batch.to(compute_device(model, plan))
-    inputs = _model_inputs(batch, unpadded)
+    inputs = _model_inputs(batch)
     targets = batch.response_ids                                            # [B, R]
     if getattr(model.config, "model_type", None) not in PLAIN_LM_HEAD:
         out = model(**inputs, use_cache=False, logits_to_keep=targets.shape[1] + 1)

@@ -105,36 +105,6 @@ def test_chunked_log_probs_match_full_logits_values_and_gradients(tiny_assets, c
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads_a, grads_b))
 
 
-def test_an_unpadded_batch_runs_without_a_mask_and_gives_the_same_log_probs_and_gradients(tiny_assets):
-    """A micro-batch with no padding goes to the model without a mask or positions (transformers
-    would otherwise ask the GPU whether the mask is all ones, a host sync per forward); attending
-    causally from position 0 gives the same numbers. A padded one keeps its mask."""
-    import copy
-
-    from keel.training.forward import host_unpadded, response_log_probs
-
-    engine, model, prompts = _engine_and_prompts(tiny_assets, n=2)
-    torch.manual_seed(0)
-    padded = engine.generate(prompts, SamplingParams(temperature=0.9, max_new_tokens=6))
-    unpadded = padded.select([2, 3])  # the longer prompt, alone: no left padding
-    unpadded.prompt_ids, unpadded.prompt_mask = unpadded.prompt_ids[:, -5:], unpadded.prompt_mask[:, -5:]
-    unpadded.response_mask = torch.ones_like(unpadded.response_mask)
-    assert host_unpadded(unpadded) and not host_unpadded(padded)
-
-    def run(batch, **kwargs):
-        m, seen = copy.deepcopy(model), []
-        m.get_decoder().register_forward_pre_hook(lambda _, args, kw: seen.append(set(kw)), with_kwargs=True)
-        log_probs, _ = response_log_probs(m, batch, 0.9, **kwargs)
-        log_probs.sum().backward()
-        return log_probs.detach(), [p.grad for p in m.parameters()], seen[0]
-
-    maskless, with_mask = run(unpadded), run(unpadded, unpadded=False)
-    assert "attention_mask" not in maskless[2] and "attention_mask" in with_mask[2]
-    assert torch.allclose(maskless[0], with_mask[0], atol=1e-6)
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(maskless[1], with_mask[1]))
-    assert "attention_mask" in run(padded)[2]
-
-
 def test_logits_are_kept_for_backward_only_where_they_fit_the_budget(monkeypatch):
     from keel.training.forward import KEPT_LOGITS_CHUNK_TOKENS, LOGITS_CHUNK_TOKENS, LogitsChunking, logits_chunking
 
