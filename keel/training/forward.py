@@ -162,12 +162,15 @@ def response_values(critic, batch: RolloutBatch, plan: Placement = SINGLE) -> Te
 def per_token_outputs(batch: RolloutBatch, how: MicroBatching, compute) -> Tensor:
     """`compute(micro)` -> [b, r] for every micro-batch, put back in batch order and width: [N, R]
     (fillers' outputs dropped, padding zeroed)."""
-    # Every micro-batch is launched before any result is read: the host waits for the GPU once.
-    results = [(rows, compute(micro)) for rows, micro in micro_batches(batch, how)]
+    # Every micro-batch is launched before any result is read, and the results come to the host in
+    # one copy: the host waits for the GPU once, and has little left to do once it has waited.
+    # Fillers (no rows) run too: every rank makes the same forward passes.
+    width = batch.response_ids.shape[1]
+    results = [(rows, pad_responses(compute(micro), width)) for rows, micro in micro_batches(batch, how)]
+    results = [(rows, values) for rows, values in results if len(rows)]
     out = torch.zeros(batch.response_ids.shape)
-    for rows, values in results:
-        if len(rows):
-            out[rows] = pad_responses(values.cpu(), out.shape[1])
+    if results:  # a rank may hold fillers only
+        out[torch.cat([rows for rows, _ in results])] = torch.cat([values for _, values in results]).float().cpu()
     return out * batch.response_mask
 
 
