@@ -24,12 +24,13 @@ class RankProfile:
         ("gpu_s"); both empty on CPU."""
         self.profiler.__exit__(None, None, None)
         gpu = self.device.type == "cuda"
-        gpu_s = phase_gpu_seconds(self.profiler.events()) if gpu else {}
-        busy = phase_busy(self.profiler.events()) if gpu else {}
+        events = self.profiler.events()
+        gpu_s = phase_gpu_seconds(events) if gpu else {}
+        busy = phase_busy(events) if gpu else {}
         if path:
             sort = "cuda_time_total" if gpu else "cpu_time_total"
             table = self.profiler.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90)
-            gaps = "".join(f"{json.dumps(gap)}\n" for gap in idle_gaps(self.profiler.events())) if gpu else ""
+            gaps = "".join(f"{json.dumps(gap)}\n" for gap in idle_gaps(events)) if gpu else ""
             Path(path).write_text(f"GPU busy per phase: {json.dumps(busy)}\n\n"
                                   f"Longest GPU idle gaps (ms; the host's innermost op at the gap's middle):\n{gaps}\n"
                                   f"{table}")

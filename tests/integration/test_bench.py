@@ -67,3 +67,22 @@ def test_gpu_busy_without_the_profiler_is_the_profiled_gpu_time_over_the_measure
     steps = [{"timing_s/gen": 0.4, "timing_s/update_actor": 0.5}, {"timing_s/gen": 0.5, "timing_s/update_actor": 0.5}]
     shares = run.busy_unprofiled({"gen": 0.36, "update_actor": 0.6, "worker/generate": 0.3}, steps)
     assert shares == {"gen": 0.8, "update_actor": 1.0}
+
+
+def test_the_profiled_step_is_one_more_and_left_out_of_the_timings(tmp_path, monkeypatch):
+    """--profile runs under torch.profiler, which slows the host: it profiles a step after the
+    measured ones, and the record's timings are the measured steps' alone."""
+    from keel.trainer.rl import RLTrainer
+
+    steps, guarded_step = [], RLTrainer.guarded_step
+
+    def recorded_step(trainer, logger):  # each step's metrics, as the bench sees them
+        steps.append(guarded_step(trainer, logger))
+        return steps[-1]
+
+    monkeypatch.setattr(RLTrainer, "guarded_step", recorded_step)
+    record = run.run_bench("tiny", steps=1, warmup=1, overrides=["trainer.device=cpu"], workdir=tmp_path,
+                           profile_dir=tmp_path / "profile")
+    assert len(steps) == 3  # warm-up, measured, profiled
+    assert record["step_time_s"] == steps[1]["timing_s/step"]
+    assert (tmp_path / "profile" / "profile_tiny_1gpu.txt").exists()
