@@ -12,6 +12,7 @@ masked cache do the same.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,13 @@ class KernelConfig:
 
 
 DEFAULT_CONFIG = KernelConfig()
+
+
+@cache
+def _multiprocessors(device: torch.device) -> int:
+    """The device's SM count, read once: an eager decode (no CUDA graphs) calls the kernel per layer
+    and step."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def split_columns(cache_len: int, programs: int, sms: int, minimum: int = 64) -> int:
@@ -105,7 +113,7 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_
     batch, heads, _, dim = q.shape
     kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = _multiprocessors(q.device)
     config = config.resolved(cache_len, batch * kv_heads, sms)
     split = config.split
     splits = triton.cdiv(cache_len, split)
