@@ -19,7 +19,8 @@ import yaml
 from keel.config.schema import KeelConfig
 from keel.config.verl import adapt_verl
 from keel.config.verl_rules import DIFFERENT_DEFAULTS
-from keel.errors import BAD_OVERRIDE, BAD_VALUE, CONFIG_FILE, REFERENCE_APART, UNKNOWN_KEY, KeelError
+from keel.errors import BAD_OVERRIDE, BAD_VALUE, CATALOGUE, CONFIG_FILE, REFERENCE_APART, UNKNOWN_KEY, KeelError
+from keel.errors.fixes import closest, nearby_file, setting, value_text
 
 
 
@@ -33,7 +34,7 @@ def load_config(source: str | Path | dict | Any | None = None,
     user (verl keys it does another way, verl's "unset" values).
     """
     tree = _as_tree(source)
-    for key, value in _parse_overrides(overrides):
+    for key, value in _parse_overrides(overrides, _value_now(tree, schema)):
         _delete_dotted(tree, key) if value is DELETE else _set_dotted(tree, key, value)
     problems: list[KeelError] = []
     decided: list[str] = []
@@ -63,8 +64,10 @@ def combined(problems: list[KeelError]) -> KeelError:
     if len(problems) == 1:
         return problems[0]
     lines = "\n".join(f"  error[{p.code}]: {p.message}\n    fix: {p.fix}" for p in problems)
-    return KeelError(problems[0].code, f"{len(problems)} problems in the config, all of them here:\n{lines}",
-                     "fix each as its line says")
+    options = [p.fix.split("`")[1] if p.fix.startswith("set `") else None for p in problems]
+    fix = (f"set `{' '.join(options)}` (every line's fix)" if all(options) and len(set(options)) == len(options)
+           else "fix each as its line says")
+    return KeelError(problems[0].code, f"{len(problems)} problems in the config, all of them here:\n{lines}", fix)
 
 
 def to_dict(cfg: Any) -> dict:
@@ -128,7 +131,7 @@ def _as_tree(source) -> dict:
         return _deep_copy(source)
     path = Path(source)
     if not path.is_file():
-        raise KeelError(CONFIG_FILE, f"config file {str(path)!r} does not exist")
+        raise KeelError(CONFIG_FILE, f"config file {str(path)!r} does not exist", _config_file_fix(str(path)))
     try:
         tree = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
@@ -138,11 +141,26 @@ def _as_tree(source) -> dict:
     return tree
 
 
+def _config_file_fix(missing: str) -> str | None:
+    found = nearby_file(missing, (".yaml", ".yml"))
+    if found:
+        return f"pass `{found}` in place of `{missing}` (the YAML file there named most like it)"
+    folder = next((p for p in [Path(missing).parent, *Path(missing).parent.parents] if p.is_dir()), Path("."))
+    present = sorted(p.name for p in folder.glob("*.y*ml"))
+    return f"pass the path of an existing YAML file ({folder} holds {present or 'none'})"
+
+
+def _value_now(tree: dict, schema: type):
+    """key -> the value a key holds before the overrides (the file's, else the default), or None."""
+    flat = flatten(tree)
+    return lambda key: flat[key] if key in flat else _defaults(schema).get(key, DELETE)
+
+
 def _deep_copy(tree: dict) -> dict:
     return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in tree.items()}
 
 
-def _parse_overrides(overrides) -> list[tuple[str, Any]]:
+def _parse_overrides(overrides, value_now=lambda key: DELETE) -> list[tuple[str, Any]]:
     if not overrides:
         return []
     if isinstance(overrides, dict):
@@ -156,7 +174,10 @@ def _parse_overrides(overrides) -> list[tuple[str, Any]]:
         key, sep, raw = item.partition("=")
         key = key.strip().lstrip("+").lstrip("~")  # Hydra's `+key=value` / `++key=value` add or force
         if not sep or not key:
-            raise KeelError(BAD_OVERRIDE, f"override {item!r} is not of the form section.key=value")
+            now = value_now(key) if key else DELETE
+            fix = (f"write it as key=value: `{key}={value_text(now)}` (its value now) in place of `{item}`" if now is not DELETE
+                   else f"remove `{item}` (no key is named so); write overrides as `section.key=value`")
+            raise KeelError(BAD_OVERRIDE, f"override {item!r} is not of the form section.key=value", fix)
         parsed.append((key, yaml.safe_load(raw) if raw.strip() else None))
     return parsed
 
@@ -197,7 +218,7 @@ def _build(cls: type, tree: Any, prefix: str, schema: type, problems: list, deci
         dotted = f"{prefix}{name}"
         try:
             if name not in fields:
-                _unknown_key(dotted + _first_leaf(value), schema)
+                _unknown_key(dotted + _first_leaf(value), schema, _leaf_value(value))
             f = fields[name]
             sub = _dataclass_type(f.type, cls)
             if sub is not None:
@@ -208,6 +229,9 @@ def _build(cls: type, tree: Any, prefix: str, schema: type, problems: list, deci
             else:
                 kwargs[name] = _check_field(f, _coerce(value, _resolve(f.type, cls), dotted), dotted)
         except KeelError as problem:
+            if problem.code == BAD_VALUE and problem.fix == CATALOGUE[BAD_VALUE].fix:  # a value of the wrong type
+                problem = KeelError(BAD_VALUE, problem.message, f"set {setting(dotted, _default(fields[name]))} "
+                                                                "(the default)")
             problems.append(problem)
     return cls(**kwargs)
 
@@ -218,6 +242,11 @@ def _optional(annotation) -> bool:
 
 def _default(f: dataclasses.Field):
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _leaf_value(value: Any) -> Any:
+    """The value at _first_leaf's key."""
+    return _leaf_value(next(iter(value.values()))) if isinstance(value, dict) and value else value
 
 
 def _first_leaf(value: Any) -> str:
@@ -233,12 +262,12 @@ def _first_leaf(value: Any) -> str:
 REFERENCE_PLACEMENT = {f"actor_rollout_ref.ref.{key}" for key in ("enable_resource_pool", "n_gpus_per_node", "nnodes")}
 
 
-def _unknown_key(dotted: str, schema: type):
+def _unknown_key(dotted: str, schema: type, value: Any):
     if dotted in REFERENCE_PLACEMENT:
         raise KeelError(REFERENCE_APART, f"{dotted}: the reference model always shares the actor's workers, "
                         "because their log-probs are compared token by token every step",
-                        f"remove {dotted}; to make room on 2 or more workers, set "
-                        "actor_rollout_ref.ref.fsdp_config.param_offload=true")
+                        f"remove `{dotted}`; to make room on 2 or more workers, set "
+                        "`actor_rollout_ref.ref.fsdp_config.param_offload=true`")
     valid = sorted(_known_keys(schema))
     # A right key under a missing section (`actor.ppo_epochs`) is matched by its suffix first; else
     # only a misspelling is suggested (a few letters off, in the same section): a near name that
@@ -247,7 +276,8 @@ def _unknown_key(dotted: str, schema: type):
     close = close or [k for k in difflib.get_close_matches(dotted, valid, n=3, cutoff=0.8) if _misspelt(dotted, k)][:1]
     hint = f"did you mean {close[0]!r}?" if close else "see the README for the list of keys"
     raise KeelError(UNKNOWN_KEY, f"unknown config key {dotted!r}; {hint}",
-                    f"replace {dotted!r} with {close[0]!r}" if close else None)
+                    f"write `{close[0]}={value_text(value)}` in place of `{dotted}={value_text(value)}`" if close
+                    else f"remove `{dotted}` (no key is spelt like it; docs/config.md lists every key)")
 
 
 def _misspelt(typed: str, key: str) -> bool:
@@ -325,7 +355,8 @@ def _coerce(value: Any, target, dotted: str):
 
 
 def _bad_type(dotted: str, value: Any, expected: str):
-    raise KeelError(BAD_VALUE, f"{dotted}={value!r} must be {expected}", f"set {dotted} to {expected}")
+    """The fix (the key's default) is added by _build, which knows the field."""
+    raise KeelError(BAD_VALUE, f"{dotted}={value!r} must be {expected}")
 
 
 def _check_field(f: dataclasses.Field, value: Any, dotted: str):
@@ -336,11 +367,23 @@ def _check_field(f: dataclasses.Field, value: Any, dotted: str):
     for item in value if isinstance(value, list) else [value]:
         if choices and item not in choices:
             raise KeelError(BAD_VALUE, f"{dotted}: {item!r} is not one of {list(choices)}",
-                            f"set {dotted} to one of {', '.join(map(str, choices))}")
+                            _choice_fix(dotted, value, item, choices, _default(f)))
     for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
                             ("le", lambda v, b: v <= b, "<=")):
         b = meta.get(bound)
         if b is not None and isinstance(value, (int, float)) and not ok(value, b):
-            raise KeelError(BAD_VALUE, f"{dotted}={value} must be {word} {b}",
-                            f"set {dotted} to a value {word} {b}")
+            near = b if bound != "gt" else b + 1 if isinstance(value, int) else _default(f)  # the nearest allowed
+            raise KeelError(BAD_VALUE, f"{dotted}={value} must be {word} {b}", f"set {setting(dotted, near)} (the "
+                            + ("default)" if near == _default(f) else "nearest value allowed)"))
     return value
+
+
+def _choice_fix(dotted: str, value: Any, item: Any, choices, default: Any) -> str:
+    """The choice `item` is a misspelling of, else the default (for a list: without the item)."""
+    near = closest(str(item), choices)
+    if isinstance(value, list):
+        fixed = [near if v == item else v for v in value] if near else [v for v in value if v != item]
+        why = f"{item!r} spelt as the choice" if near else f"without {item!r}"
+        return f"set {setting(dotted, fixed)} ({why}; the choices are {', '.join(map(str, choices))})"
+    why = "the choice spelt like it" if near else "the default"
+    return f"set {setting(dotted, near or default)} ({why}; the choices are {', '.join(map(str, choices))})"

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from keel.config.schema import GROUP_ESTIMATORS, KeelConfig
 from keel.errors import BAD_VALUE, BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, TOKEN_BUDGET, KeelError
+from keel.errors.fixes import overrides, setting
+
+ROLLOUT, RC = "actor_rollout_ref.rollout", "algorithm.rollout_correction"
 
 
 def check_config(cfg: KeelConfig) -> None:
@@ -28,15 +31,15 @@ def _check_batch_arithmetic(cfg: KeelConfig) -> None:
                 BATCH_ARITHMETIC,
                 f"data.train_batch_size={prompts} prompts do not split into {role} mini-batches of "
                 f"{key}.ppo_mini_batch_size={mini} prompts",
-                f"set {key}.ppo_mini_batch_size to a divisor of {prompts} (e.g. "
-                f"{_largest_divisor_at_most(prompts, mini)})")
+                f"set {setting(f'{key}.ppo_mini_batch_size', _largest_divisor_at_most(prompts, mini))} (the "
+                f"nearest divisor of {prompts}), or `data.train_batch_size={-(-prompts // mini) * mini}`")
         if (mini * n) % micro and not dynamic:  # a token budget ignores the micro-batch size
             raise KeelError(
                 BATCH_ARITHMETIC,
                 f"the {role} mini-batch of {mini} prompts x rollout.n={n} = {mini * n} samples does not "
                 f"split into micro-batches of {key}.ppo_micro_batch_size_per_gpu={micro}",
-                f"set {key}.ppo_micro_batch_size_per_gpu to a divisor of {mini * n} (e.g. "
-                f"{_largest_divisor_at_most(mini * n, micro)})")
+                f"set {setting(f'{key}.ppo_micro_batch_size_per_gpu', _largest_divisor_at_most(mini * n, micro))} "
+                f"(the largest divisor of {mini * n} up to {micro})")
 
 
 def _check_token_budgets(cfg: KeelConfig) -> None:
@@ -54,7 +57,7 @@ def _check_token_budgets(cfg: KeelConfig) -> None:
         if enabled and budget < longest:
             raise KeelError(BATCH_ARITHMETIC, f"{key}={budget} is smaller than one sample can be: "
                             f"data.max_prompt_length + data.max_response_length = {longest} tokens",
-                            f"set {key} to at least {longest} (a few times more lets samples share a pass)")
+                            f"set {setting(key, 2 * longest)} (at least {longest}; more lets samples share a pass)")
 
 
 def _check_rollout_lengths(cfg: KeelConfig, incompatible) -> None:
@@ -64,13 +67,13 @@ def _check_rollout_lengths(cfg: KeelConfig, incompatible) -> None:
     if rollout.max_model_len is not None and rollout.max_model_len < longest:
         raise KeelError(TOKEN_BUDGET, f"actor_rollout_ref.rollout.max_model_len={rollout.max_model_len} is shorter "
                         f"than data.max_prompt_length + data.max_response_length = {longest}: long samples "
-                        "would not fit", f"set rollout.max_model_len to at least {longest}, or lower the lengths")
+                        "would not fit", f"set {setting(ROLLOUT + '.max_model_len', longest)}, or lower the lengths")
     if not rollout.enable_chunked_prefill and rollout.max_num_batched_tokens < cfg.data.max_prompt_length:
         raise incompatible(f"actor_rollout_ref.rollout.max_num_batched_tokens={rollout.max_num_batched_tokens} is "
                            f"below data.max_prompt_length={cfg.data.max_prompt_length} and "
                            "enable_chunked_prefill=false: a long prompt fits no prefill pass",
-                           "set rollout.enable_chunked_prefill=true, or max_num_batched_tokens to at least "
-                           f"{cfg.data.max_prompt_length}")
+                           f"set {setting(ROLLOUT + '.enable_chunked_prefill', True)}, or "
+                           f"{setting(ROLLOUT + '.max_num_batched_tokens', cfg.data.max_prompt_length)}")
 
 
 def _check_world(cfg: KeelConfig, incompatible) -> None:
@@ -81,34 +84,52 @@ def _check_world(cfg: KeelConfig, incompatible) -> None:
     if mini < world:
         raise KeelError(BATCH_ARITHMETIC, f"an actor mini-batch of {mini} samples cannot be split across "
                         f"{world} workers (trainer.n_gpus_per_node x trainer.nnodes)",
-                        f"raise actor_rollout_ref.actor.ppo_mini_batch_size to at least {-(-world // n)} prompts")
+                        f"set {setting('actor_rollout_ref.actor.ppo_mini_batch_size', _mini_for(cfg, world))} (the "
+                        f"smallest mini-batch of prompts that reaches every worker and divides data.train_batch_size)")
     if cfg.critic.enable_resource_pool and not cfg.critic_enabled:
         raise incompatible("critic.enable_resource_pool=true without a critic (critic.enable, or "
                            "algorithm.adv_estimator=gae): there is nothing to place",
-                           "set critic.enable_resource_pool=false")
+                           f"set {setting('critic.enable_resource_pool', False)}")
     critic_mini = cfg.critic_batching[0] * n
     if cfg.critic_enabled and critic_mini < cfg.critic_world_size:
         raise KeelError(BATCH_ARITHMETIC, f"a critic mini-batch of {critic_mini} samples cannot be split across "
-                        f"{cfg.critic_world_size} critic workers", "raise critic.ppo_mini_batch_size, or use "
+                        f"{cfg.critic_world_size} critic workers",
+                        f"set {setting('critic.ppo_mini_batch_size', _mini_for(cfg, cfg.critic_world_size))}, or use "
                         "fewer critic workers")
     for key, fsdp, ranks in cfg.fsdp_roles:
         if fsdp.fsdp_size != -1 and (fsdp.fsdp_size < 1 or ranks % fsdp.fsdp_size):
             raise incompatible(f"{key}.fsdp_config.fsdp_size={fsdp.fsdp_size} does not divide the {ranks} workers",
-                               f"set {key}.fsdp_config.fsdp_size to -1 or a divisor of {ranks}")
+                               f"set {setting(key + '.fsdp_config.fsdp_size', -1)} (shard over all {ranks}), or a "
+                               f"divisor of {ranks}")
         if fsdp.fsdp_size == 1 and fsdp.param_offload and ranks > 1:
             raise incompatible(f"{key}.fsdp_config.fsdp_size=1 (no sharding) with param_offload=true: offloading "
                                "parameters is FSDP's, and fsdp_size=1 does not use FSDP",
-                               f"set {key}.fsdp_config.fsdp_size=-1 to shard and offload, or param_offload=false")
+                               f"set {setting(key + '.fsdp_config.fsdp_size', -1)} to shard and offload, or "
+                               f"{setting(key + '.fsdp_config.param_offload', False)}")
 
 
 def _largest_divisor_at_most(total: int, limit: int) -> int:
     return max(d for d in range(1, min(total, limit) + 1) if total % d == 0)
 
 
+def _mini_for(cfg: KeelConfig, workers: int) -> int:
+    """The smallest mini-batch of prompts that gives each of `workers` a sample and divides the batch."""
+    prompts, least = cfg.data.train_batch_size, -(-workers // cfg.actor_rollout_ref.rollout.n)
+    return next((m for m in range(least, prompts + 1) if prompts % m == 0), least)
+
+
+def _group_size(cfg: KeelConfig) -> int:
+    """The smallest rollout.n of 2 or more whose mini-batches still split into micro-batches."""
+    actor = cfg.actor_rollout_ref.actor
+    fits = [n for n in range(2, 17)
+            if actor.use_dynamic_bsz or actor.ppo_mini_batch_size * n % actor.ppo_micro_batch_size_per_gpu == 0]
+    return fits[0] if fits else 2
+
+
 def check_betas(key: str, betas: list[float]) -> None:
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         raise KeelError(BAD_VALUE, f"{key}.betas={betas} must be two numbers in [0, 1)",
-                        f"set {key}.betas, e.g. [0.9, 0.999]")
+                        f"set {setting(key + '.betas', [0.9, 0.999])} (AdamW's usual betas)")
 
 
 def incompatible(message: str, fix: str) -> KeelError:
@@ -120,22 +141,22 @@ def _check_algorithm(cfg: KeelConfig, incompatible) -> None:
     if cfg.algorithm.filter_groups.enable and rollout.n < 2:
         raise incompatible(f"algorithm.filter_groups.enable=true with actor_rollout_ref.rollout.n={rollout.n}: a group "
                            "of one sample always looks alike, so every prompt would be dropped",
-                           "set actor_rollout_ref.rollout.n to 2 or more")
+                           f"set {setting(ROLLOUT + '.n', _group_size(cfg))}")
     if est in GROUP_ESTIMATORS and rollout.n < 2:
         raise incompatible(
             f"algorithm.adv_estimator={est} compares samples of the same prompt, but "
             f"actor_rollout_ref.rollout.n=1: every advantage would be 0 and nothing would learn",
-            "set actor_rollout_ref.rollout.n to 2 or more (GRPO typically uses 4-16)")
+            f"set {setting(ROLLOUT + '.n', _group_size(cfg))} (GRPO typically uses 4-16)")
     if est == "gae" and not cfg.critic_enabled:
         raise incompatible("algorithm.adv_estimator=gae needs a critic but critic.enable=false",
-                           "set critic.enable=true, or choose grpo/rloo/reinforce_plus_plus")
+                           f"set {setting('critic.enable', True)}, or `algorithm.adv_estimator=grpo`")
     if est == "remax" and not rollout.do_sample:
         raise incompatible("algorithm.adv_estimator=remax compares samples with a greedy baseline, but "
                            "rollout.do_sample=false makes every sample the baseline: all advantages 0",
-                           "set actor_rollout_ref.rollout.do_sample=true")
+                           f"set {setting(ROLLOUT + '.do_sample', True)}")
     if cfg.algorithm.critic_warmup > 0 and not cfg.critic_enabled:
         raise incompatible(f"algorithm.critic_warmup={cfg.algorithm.critic_warmup} with no critic: the "
-                           "policy would not be updated for those steps", "set algorithm.critic_warmup=0")
+                           "policy would not be updated for those steps", f"set {setting('algorithm.critic_warmup', 0)}")
 
 
 def _check_rollout_correction(cfg: KeelConfig, incompatible) -> None:
@@ -143,48 +164,61 @@ def _check_rollout_correction(cfg: KeelConfig, incompatible) -> None:
     try:
         rc.params()
     except ValueError as e:
-        raise KeelError(BAD_VALUE, f"{key}: {e}", f"set {key}.rollout_rs to filters among "
-                        "token_k1..seq_max_k3 and rollout_rs_threshold to one bound each (k1: lower_upper)") from None
+        raise KeelError(BAD_VALUE, f"{key}: {e}", f"set {key}.rollout_rs to filters among token_k1..seq_max_k3 "
+                        "and rollout_rs_threshold to one bound each (k1: lower_upper), or "
+                        f"{overrides({key + '.rollout_rs': None, key + '.rollout_rs_threshold': None})} to reject "
+                        "nothing") from None
     if not (rc.bypass_mode or rc.decoupled):
         if rc.loss_type != "ppo_clip":
             raise incompatible(f"{key}.loss_type={rc.loss_type} without bypass_mode=true: the loss type is bypass "
-                               "mode's", f"set {key}.bypass_mode=true, or remove loss_type")
+                               "mode's", f"set {setting(key + '.bypass_mode', True)}, or "
+                               f"{setting(key + '.loss_type', 'ppo_clip')}")
         return
     if not cfg.actor_rollout_ref.rollout.do_sample:
         raise incompatible(f"{key} with rollout.do_sample=false: greedy engines record log-probs at temperature 1, "
-                           "not the distribution the trainer computes", "set rollout.do_sample=true, or remove "
-                           f"{key}")
+                           "not the distribution the trainer computes", f"set {setting(ROLLOUT + '.do_sample', True)}")
     loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
     if rc.bypass_mode and loss_mode != "vanilla":
         raise incompatible(f"{key}.bypass_mode=true sets the policy loss (loss_type: PPO's clip or reinforce, as "
                            f"verl's bypass mode does), but actor.policy_loss.loss_mode={loss_mode}",
-                           "keep one: policy_loss.loss_mode=vanilla with bypass_mode, or bypass_mode=false")
+                           f"set {setting('actor_rollout_ref.actor.policy_loss.loss_mode', 'vanilla')}, or "
+                           f"{setting(key + '.bypass_mode', False)}")
     if rc.bypass_mode and rc.rollout_is_batch_normalize:
         raise incompatible(f"{key}.rollout_is_batch_normalize with bypass_mode: bypass mode weighs each micro-batch "
                            "as it trains, so the mean would be a micro-batch's and depend on how the batch is cut",
-                           f"set {key}.rollout_is_batch_normalize=false, or bypass_mode=false")
+                           f"set {setting(key + '.rollout_is_batch_normalize', False)}, or "
+                           f"{setting(key + '.bypass_mode', False)}")
     if rc.bypass_mode and rc.loss_type == "ppo_clip" and rc.rollout_is is not None:
         raise incompatible(f"{key}.rollout_is with bypass_mode and loss_type=ppo_clip: the PPO ratio is already "
                            "pi / pi_rollout, so verl computes these weights and never applies them",
-                           f"remove {key}.rollout_is, or set loss_type=reinforce to weight -A log pi with them")
+                           f"set {setting(key + '.rollout_is', None)}, or {setting(key + '.loss_type', 'reinforce')} "
+                           "to weight -A log pi with them")
 
 
 def _check_reward(cfg: KeelConfig, incompatible) -> None:
     if cfg.custom_reward_function.batched and (cfg.reward.scorers or not cfg.custom_reward_function.path):
         raise incompatible("custom_reward_function.batched=true needs custom_reward_function.path and no "
                            "reward.scorers mapping: a batched function scores every sample itself",
-                           "set custom_reward_function.path, or remove reward.scorers")
+                           f"set {setting('custom_reward_function.batched', False)} (the function scores one sample "
+                           "a call), or set custom_reward_function.path and remove reward.scorers")
     if cfg.reward_model.enable and not cfg.reward_model.model.path:
         raise incompatible("reward_model.enable=true without reward_model.model.path",
-                           "set reward_model.model.path to a local sequence-classification model")
+                           f"set {setting('reward_model.enable', False)} to score without a reward model, or set "
+                           "reward_model.model.path to a local sequence-classification model")
     if cfg.reward_model.enable_resource_pool and not cfg.reward_model.enable:
         raise incompatible("reward_model.enable_resource_pool=true with reward_model.enable=false: there is no "
-                           "reward model to place", "set reward_model.enable=true, or enable_resource_pool=false")
+                           "reward model to place", f"set {setting('reward_model.enable_resource_pool', False)}")
     overlong = cfg.reward.overlong_buffer
     if overlong.enable and overlong.len >= cfg.data.max_response_length:
         raise incompatible(f"reward.overlong_buffer.len={overlong.len} is not shorter than "
                            f"data.max_response_length={cfg.data.max_response_length}: every response would be "
-                           "penalised", "set reward.overlong_buffer.len to a fraction of max_response_length")
+                           "penalised", f"set {setting('reward.overlong_buffer.len', cfg.data.max_response_length // 4)} "
+                           "(a quarter of data.max_response_length)")
+
+
+def _sampling(val) -> dict:
+    """val_kwargs that sample: do_sample on, and a temperature above 0."""
+    return {ROLLOUT + ".val_kwargs.do_sample": True, ROLLOUT + ".val_kwargs.temperature": val.temperature or 1.0}
 
 
 def _check_options(cfg: KeelConfig) -> None:
@@ -195,22 +229,23 @@ def _check_options(cfg: KeelConfig) -> None:
     val = rollout.val_kwargs
     if val.n > 1 and not (val.do_sample and val.temperature > 0):
         raise incompatible(f"rollout.val_kwargs.n={val.n} with greedy decoding gives {val.n} identical answers",
-                           "set val_kwargs.do_sample=true and val_kwargs.temperature > 0, or val_kwargs.n=1")
+                           f"set {overrides(_sampling(val))}, or {setting(ROLLOUT + '.val_kwargs.n', 1)}")
     if val.do_sample and val.temperature == 0:
         raise incompatible("rollout.val_kwargs.do_sample=true with temperature=0 is greedy decoding",
-                           "set val_kwargs.temperature > 0 to sample, or val_kwargs.do_sample=false")
+                           f"set {overrides(_sampling(val))}, or {setting(ROLLOUT + '.val_kwargs.do_sample', False)}")
     for key, optim in (("actor_rollout_ref.actor.optim", cfg.actor_rollout_ref.actor.optim),
                        ("critic.optim", cfg.critic.optim)):
         check_betas(key, optim.betas)
     if not rollout.do_sample and rollout.n > 1:
         raise incompatible(
             f"actor_rollout_ref.rollout.do_sample=false with rollout.n={rollout.n}: greedy samples "
-            "of one prompt are identical", "set rollout.do_sample=true or rollout.n=1")
+            "of one prompt are identical", f"set {setting(ROLLOUT + '.do_sample', True)}, or {setting(ROLLOUT + '.n', 1)}")
     multi_turn = rollout.multi_turn
     if multi_turn.environment and multi_turn.interaction_config_path:
         raise incompatible("rollout.multi_turn.environment and rollout.multi_turn.interaction_config_path both "
-                           "answer the turns without tool calls", "keep one: keel's environment or verl's "
-                           "interactions")
+                           "answer the turns without tool calls", "keep one: "
+                           f"{setting(ROLLOUT + '.multi_turn.interaction_config_path', None)} (keel's environment), or "
+                           f"{setting(ROLLOUT + '.multi_turn.environment', None)} (verl's interactions)")
     _check_world(cfg, incompatible)
     _check_token_budgets(cfg)
     _check_rollout_lengths(cfg, incompatible)

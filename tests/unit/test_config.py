@@ -83,7 +83,7 @@ def test_batch_arithmetic_names_the_numbers():
     err = error_of(["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
     assert err.code == BATCH_ARITHMETIC
     assert "data.train_batch_size=6" in err.message and "ppo_mini_batch_size=4" in err.message
-    assert "e.g. 3" in err.fix  # the largest divisor of 6 not above 4
+    assert "`actor_rollout_ref.actor.ppo_mini_batch_size=3`" in err.fix  # the largest divisor of 6 not above 4
 
     err = error_of(["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                     "actor_rollout_ref.rollout.n=3", "algorithm.adv_estimator=grpo",
