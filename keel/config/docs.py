@@ -24,10 +24,15 @@ def _rows(cls: type, prefix: str = ""):
         limits = [f"{word} {meta[key]}" for key, word in (("ge", ">="), ("gt", ">"), ("le", "<="))
                   if meta.get(key) is not None]
         if meta.get("choices"):
-            limits.append(" \\| ".join(map(str, meta["choices"])))
+            limits.append(" | ".join(map(str, meta["choices"])))
         type_name = annotation.__name__ if isinstance(annotation, type) else str(annotation)
         type_name = type_name.replace("typing.", "").replace(" | ", " or ")  # a pipe would split the cell
         yield dotted, type_name, repr(default), ", ".join(limits), meta.get("help", "")
+
+
+def _cell(text: str) -> str:
+    """A table cell's text: a bare `|` would end the cell and shift the row's columns."""
+    return text.replace("|", "\\|")
 
 
 def render_reference() -> str:
@@ -37,8 +42,8 @@ def render_reference() -> str:
     for title, schema in (("`keel train` (RL)", KeelConfig), ("`keel sft`", SFTConfig)):
         lines += ["", f"## {title}", "", "| key | type | default | allowed | meaning |", "| --- | --- | --- | --- | --- |"]
         for key, type_name, default, allowed, help_text in _rows(schema):
-            default = f"`{default}`" if default else ""
-            lines.append(f"| `{key}` | {type_name} | {default} | {allowed} | {help_text} |")
+            default = f"`{_cell(default)}`" if default else ""
+            lines.append(f"| `{key}` | {type_name} | {default} | {_cell(allowed)} | {_cell(help_text)} |")
     lines += verl_reference()
     return "\n".join(lines) + "\n"
 
@@ -75,7 +80,7 @@ def verl_reference() -> list[str]:
               "| key | keel | verl | why |", "| --- | --- | --- | --- |"]
     defaults = dict(_rows_by_key(KeelConfig))
     for key, (verl, why) in DIFFERENT_DEFAULTS.items():
-        lines.append(f"| `{key}` | `{defaults[key]}` | `{verl!r}` | {why} |")
+        lines.append(f"| `{key}` | `{defaults[key]}` | `{verl!r}` | {_cell(why)} |")
     return lines
 
 
