@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import fnmatch
 import html
 import json
 import math
@@ -14,9 +15,14 @@ from keel.errors import NO_METRICS, KeelError
 PANELS = [
     ("reward", ["critic/score/mean", "critic/rewards/mean"]),
     ("held-out accuracy", ["val/*/acc"]),
+    # the tools demo's scorer says whether a calculator call returned the right product
+    ("correct tool calls (held-out)", ["val-aux/*/correct_call/mean@*"]),
     ("response length", ["response_length/mean", "response_length/max"]),
     ("entropy", ["actor/entropy"]),
-    ("KL", ["actor/ppo_kl", "actor/ref_kl", "actor/kl_loss", "actor/reward_kl_penalty"]),
+    # how far each update moved the policy from the one that sampled the batch (PPO's ratio)
+    ("PPO KL (update vs rollout policy)", ["actor/ppo_kl"]),
+    # the drift the KL loss or KL reward holds back; only runs with a reference log these
+    ("KL to the reference model", ["actor/ref_kl", "actor/kl_loss", "actor/reward_kl_penalty"]),
     ("policy loss", ["actor/pg_loss"]),
     ("value loss", ["critic/vf_loss"]),
     ("SFT loss", ["train/loss", "val/loss"]),
@@ -42,16 +48,32 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def series(records: list[dict], pattern: str) -> dict[str, tuple[list[int], list[float]]]:
     """{metric name: (steps, values)} for a name or a `val/*/acc` pattern, finite values only."""
-    head, _, tail = pattern.partition("*")
     found: dict[str, tuple[list[int], list[float]]] = {}
     for record in records:
         for name, value in record.items():
-            matches = name == pattern if not tail else name.startswith(head) and name.endswith(tail)
-            if matches and isinstance(value, (int, float)) and math.isfinite(value):
+            if fnmatch.fnmatchcase(name, pattern) and isinstance(value, (int, float)) and math.isfinite(value):
                 steps, values = found.setdefault(name, ([], []))
                 steps.append(record["step"])
                 values.append(value)
     return found
+
+
+def panel_lines(records: list[dict]) -> list[tuple[str, list[tuple[str, list[int], list[float], str]]]]:
+    """[(panel title, [(legend label, steps, values, line style)])], the panels the run has metrics for.
+    A curve equal to one drawn before it in its panel (critic/rewards/mean is critic/score/mean
+    without a KL penalty) would hide under it: it is dashed, and its label says which it equals."""
+    panels = []
+    for title, keys in PANELS:
+        drawn: dict[tuple, str] = {}
+        lines = []
+        for key in keys:
+            for label, (steps, values) in series(records, key).items():
+                same = drawn.setdefault((tuple(steps), tuple(f"{v:.6g}" for v in values)), label)
+                lines.append((label, steps, values, "-") if same == label else
+                             (f"{label} (= {same})", steps, values, "--"))
+        if lines:
+            panels.append((title, lines))
+    return panels
 
 
 def plot(records: list[dict], title: str, out_png: Path) -> list[str]:
@@ -60,14 +82,13 @@ def plot(records: list[dict], title: str, out_png: Path) -> list[str]:
     matplotlib.use("Agg")  # no display on servers
     import matplotlib.pyplot as plt
 
-    panels = [(name, lines) for name, keys in PANELS
-              if (lines := {k: v for key in keys for k, v in series(records, key).items()})]
+    panels = panel_lines(records)
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.3 * rows), squeeze=False)
     for ax, (name, lines) in zip(axes.flat, panels):
-        for label, (steps, values) in lines.items():
-            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=label)
+        for label, steps, values, style in lines:
+            ax.plot(steps, values, style, marker="o" if len(steps) < 30 else None, markersize=3, label=label)
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -81,20 +102,33 @@ def plot(records: list[dict], title: str, out_png: Path) -> list[str]:
     return [name for name, _ in panels]
 
 
+def display_name(run_dir: Path) -> str:
+    """The run directory as the user named it: a relative path as given, an absolute one relative
+    to the working directory when inside it, else its last two parts (a temporary or home
+    directory's prefix says nothing about the run)."""
+    if not run_dir.is_absolute():
+        return str(run_dir)
+    try:
+        return str(run_dir.relative_to(Path.cwd()))
+    except ValueError:
+        return str(Path("...", *run_dir.parts[-2:]))
+
+
 def write_report(run_dir: str | Path) -> tuple[Path, Path]:
     """Write report.png and report.html into the run directory; returns their paths."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
     png, page = run_dir / "report.png", run_dir / "report.html"
-    panels = plot(records, str(run_dir), png)
+    name = display_name(run_dir)
+    panels = plot(records, name, png)
     image = base64.b64encode(png.read_bytes()).decode()
     last = records[-1]
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.5g}</td></tr>" for k, v in last.items()
                    if isinstance(v, (int, float)))
     page.write_text(
-        f"<!doctype html><html><head><meta charset='utf-8'><title>keel report: {html.escape(str(run_dir))}</title>"
+        f"<!doctype html><html><head><meta charset='utf-8'><title>keel report: {html.escape(name)}</title>"
         "<style>body{font-family:sans-serif;margin:2em}td{padding:0 1em}</style></head><body>"
-        f"<h1>keel report</h1><p>{html.escape(str(run_dir))}: {len(records)} records, "
+        f"<h1>keel report</h1><p>{html.escape(name)}: {len(records)} records, "
         f"panels: {html.escape(', '.join(panels))}</p>"
         f"<img alt='training curves' style='max-width:100%' src='data:image/png;base64,{image}'>"
         f"<h2>last record (step {last['step']})</h2><table>{rows}</table>{samples_html(run_dir)}</body></html>")

@@ -6,7 +6,7 @@ import pytest
 
 from keel.cli import main
 from keel.errors import NO_METRICS, KeelError
-from keel.observe.report import series, write_report
+from keel.observe.report import panel_lines, series, write_report
 
 
 def write_metrics(run_dir, records):
@@ -24,7 +24,7 @@ def test_report_draws_the_panels_a_user_looks_at_first(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     text = page.read_text()
     assert "data:image/png;base64," in text  # self-contained
-    for panel in ("reward", "held-out accuracy", "response length", "entropy", "KL", "policy loss",
+    for panel in ("reward", "held-out accuracy", "response length", "entropy", "PPO KL", "policy loss",
                   "gradient norm", "step time"):
         assert panel in text
     assert series(records, "val/*/acc")["val/gsm8k/acc"][0] == [0, 1, 2, 3, 4, 5]
@@ -50,3 +50,43 @@ def test_report_shows_the_last_evaluations_conversations_turn_by_turn(tmp_path):
     text = write_report(tmp_path)[1].read_text()
     assert "samples (evaluation)" in text and "<b>tool</b>" in text and "ignored" not in text
     assert "&lt;tool_call&gt;" in text and "<script>" not in text  # the model's and the tool's text, escaped
+
+
+def test_a_curve_equal_to_another_is_dashed_and_named_not_hidden():
+    records = [{"step": s, "critic/score/mean": s / 10, "critic/rewards/mean": s / 10} for s in range(1, 4)]
+    (title, lines), = panel_lines(records)
+    assert title == "reward"
+    assert [(label, style) for label, _, _, style in lines] == [
+        ("critic/score/mean", "-"), ("critic/rewards/mean (= critic/score/mean)", "--")]
+    records[1]["critic/rewards/mean"] = 0.1  # a KL penalty: two curves, both solid
+    assert [style for *_, style in panel_lines(records)[0][1]] == ["-", "-"]
+
+
+def test_the_ppo_kl_and_the_reference_kl_are_separate_panels_each_named_for_what_it_is():
+    records = [{"step": s, "actor/ppo_kl": 0.01, "actor/entropy": 1.0} for s in range(1, 4)]
+    titles = [title for title, _ in panel_lines(records)]
+    assert "PPO KL (update vs rollout policy)" in titles and not any("reference" in t for t in titles)
+    for record in records:  # a run with a reference model (use_kl_loss)
+        record.update({"actor/ref_kl": 0.02, "actor/kl_loss": 0.02})
+    panels = dict(panel_lines(records))
+    assert [line[0] for line in panels["KL to the reference model"]] == [
+        "actor/ref_kl", "actor/kl_loss (= actor/ref_kl)"]
+    assert [line[0] for line in panels["PPO KL (update vs rollout policy)"]] == ["actor/ppo_kl"]
+
+
+def test_the_tools_demos_correct_calculator_calls_get_a_panel():
+    from keel.demo_tools import TOOLS, ToolDemoSettings
+
+    key = TOOLS.calls_key(ToolDemoSettings())  # the metric the demo's table reports
+    panels = dict(panel_lines([{"step": 0, key: 0.47}, {"step": 10, key: 0.57}]))
+    assert [line[0] for line in panels["correct tool calls (held-out)"]] == [key]
+
+
+def test_the_report_names_the_run_as_the_user_did_never_by_a_temporary_path(tmp_path, monkeypatch):
+    run = tmp_path / "demo" / "grpo"
+    write_metrics(run, [{"step": 1, "critic/score/mean": 0.5}])
+    page = write_report(run)[1].read_text()
+    assert "<title>keel report: .../demo/grpo</title>" in page and str(tmp_path) not in page
+    monkeypatch.chdir(tmp_path)
+    assert "<title>keel report: demo/grpo</title>" in write_report("demo/grpo")[1].read_text()
+    assert "<title>keel report: demo/grpo</title>" in write_report(run)[1].read_text()  # inside the cwd
