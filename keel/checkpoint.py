@@ -31,6 +31,7 @@ import torch
 import yaml
 
 from keel.errors import EXPORT_TARGET, NOT_A_CHECKPOINT, RESUME_MISMATCH, RESUME_PATH, KeelError
+from keel.errors.fixes import free_directory, overrides, setting
 
 LATEST = "latest_checkpointed_iteration.txt"
 MARKER = "COMPLETE"
@@ -182,23 +183,37 @@ def init_run_dir(run_dir: Path, config_yaml: str, resumed_step: int | None) -> N
         truncate_jsonl(run_dir / name, -1 if resumed_step is None else resumed_step)
 
 
-def resolve_resume(run_dir: Path, resume_mode: str) -> Path | None:
+def resolve_resume(run_dir: Path, resume_mode: str, cfg=None) -> Path | None:
     """The checkpoint to resume from; refuses to start a fresh run over an old run's checkpoints."""
     found = find_resume_checkpoint(run_dir, resume_mode)
     old = existing_checkpoints(run_dir)
     if found is None and old:
         raise KeelError(RESUME_MISMATCH, f"{run_dir} already holds checkpoints ({old[0].name} .. {old[-1].name}) "
                         f"and trainer.resume_mode={resume_mode} starts a new run: the two runs' checkpoints "
-                        "and logs would mix",
-                        "use a new trainer.experiment_name (or trainer.default_local_dir), delete the old "
-                        "run directory, or continue it with trainer.resume_mode=auto")
+                        "and logs would mix", f"{new_run_fix(run_dir, cfg)}, or {setting('trainer.resume_mode', 'auto')} "
+                        "to continue the run there")
     return found
+
+
+def new_run_fix(run_dir: Path, cfg) -> str:
+    """The fix that always works for a run directory holding another run: one that does not exist yet."""
+    new = free_directory(run_dir)
+    if cfg is None or cfg.trainer.default_local_dir:  # the directory is given outright, not made of the names
+        return f"set {setting('trainer.default_local_dir', str(new))} (a run directory that does not exist yet)"
+    return f"set {setting('trainer.experiment_name', new.name)} (a new run directory, {new})"
+
+
+def mismatch_error(checkpoint: Path, cfg, message: str, old: dict | None = None) -> KeelError:
+    """C008 for a checkpoint another run made: a new run directory first, then (when the settings
+    that differ are known, `old`: key -> the checkpoint's value) resuming with the checkpoint's settings."""
+    back = f", or resume with the checkpoint's settings: {overrides(old)}" if old else ""
+    return KeelError(RESUME_MISMATCH, message, new_run_fix(Path(cfg.run_dir), cfg) + back)
 
 
 def resume_point(run_dir: Path, cfg) -> Path | None:
     """The checkpoint a run resumes from (trainer.resume_mode), once it is known to be this run's:
     None to start fresh."""
-    found = resolve_resume(run_dir, cfg.trainer.resume_mode)
+    found = resolve_resume(run_dir, cfg.trainer.resume_mode, cfg)
     if found is not None:
         check_same_run(found, cfg)
     return found
@@ -206,16 +221,18 @@ def resume_point(run_dir: Path, cfg) -> Path | None:
 
 def check_same_run(checkpoint: Path, cfg) -> None:
     """Refuse to resume with settings that would make a different run (a new lr, dataset, model)."""
-    from keel.config.load import changed_keys, to_dict
+    from keel.config.load import changed_keys, flatten, to_dict
 
     saved = checkpoint / "config.yaml"
     if not saved.is_file():
         return
-    changes = changed_keys(yaml.safe_load(saved.read_text()), to_dict(cfg), cfg.RESUME_MAY_CHANGE,
-                           defaults=to_dict(type(cfg)()))
+    old = yaml.safe_load(saved.read_text())
+    changes = changed_keys(old, to_dict(cfg), cfg.RESUME_MAY_CHANGE, defaults=to_dict(type(cfg)()))
     if changes:
-        raise KeelError(RESUME_MISMATCH, f"resuming from {checkpoint} with different settings: "
-                        + "; ".join(changes[:6]) + (" ..." if len(changes) > 6 else ""))
+        old_values = {**flatten(to_dict(type(cfg)())), **flatten(old)}
+        raise mismatch_error(checkpoint, cfg, f"resuming from {checkpoint} with different settings: "
+                             + "; ".join(changes[:6]) + (" ..." if len(changes) > 6 else ""),
+                             {key: old_values.get(key) for key in (c.split(":")[0] for c in changes)})
 
 
 def find_resume_checkpoint(run_dir: Path, resume_mode: str) -> Path | None:
@@ -230,7 +247,11 @@ def find_resume_checkpoint(run_dir: Path, resume_mode: str) -> Path | None:
     path = Path(resume_mode)
     if not is_complete(path):
         state = "does not exist" if not path.exists() else "is incomplete (no COMPLETE marker)"
-        raise KeelError(RESUME_PATH, f"trainer.resume_mode={resume_mode!r}: the checkpoint {state}")
+        found = _newest_complete(path.parent) or _newest_complete(run_dir)
+        fix = (f"set {setting('trainer.resume_mode', str(found))} (the newest complete checkpoint there)" if found
+               else f"set {setting('trainer.resume_mode', 'auto')} (the newest complete checkpoint of the run, or "
+                    "a fresh start when there is none)")
+        raise KeelError(RESUME_PATH, f"trainer.resume_mode={resume_mode!r}: the checkpoint {state}", fix)
     return path
 
 
@@ -261,11 +282,16 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merged: bool 
     ever deleted.
     """
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    command = f"keel export {{}} {{}}{' --merged' if merged else ''}"
     if not is_complete(checkpoint):
         state = "does not exist" if not checkpoint.exists() else "has no COMPLETE marker"
-        raise KeelError(NOT_A_CHECKPOINT, f"{checkpoint} {state}")
+        found = _newest_complete(checkpoint) or _newest_complete(checkpoint.parent)
+        raise KeelError(NOT_A_CHECKPOINT, f"{checkpoint} {state}", f"run `{command.format(found, out_dir)}` (the "
+                        "newest complete checkpoint there)" if found else None)
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / EXPORT_MARKER).exists():
-        raise KeelError(EXPORT_TARGET, f"{out_dir} exists, is not empty and is not an earlier keel export")
+        raise KeelError(EXPORT_TARGET, f"{out_dir} exists, is not empty and is not an earlier keel export",
+                        f"run `{command.format(checkpoint, free_directory(out_dir))}` (a directory that does not "
+                        "exist yet)")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)

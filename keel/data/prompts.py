@@ -16,6 +16,7 @@ import torch
 
 from keel.errors import (DATA_COLUMN, DATA_EMPTY, DATA_FILE, NO_CHAT_TEMPLATE, PROMPT_TOO_LONG,
                          KeelError)
+from keel.errors.fixes import maker_of, nearby_file, setting
 from keel.types import PromptBatch, PromptRecord  # the records this module makes, defined with the others
 
 PathLike = str | os.PathLike
@@ -24,16 +25,38 @@ TRUNCATION_MODES = ("error", "left", "right")
 
 # --- loading ----------------------------------------------------------------------------------
 
-def load_rows(paths: PathLike | list[PathLike]) -> list[dict]:
-    """Read every file in order and concatenate their rows."""
+def load_rows(paths: PathLike | list[PathLike], key: str | None = None) -> list[dict]:
+    """Read every file in order and concatenate their rows; `key` is the config key that names them."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
+    missing = next((str(p) for p in paths if not Path(p).is_file()), None)
+    if missing is not None:
+        raise KeelError(DATA_FILE, f"dataset file {missing!r} ({key or 'given'}) does not exist or is not a file",
+                        missing_file_fix(missing, [str(p) for p in paths], key))
     rows: list[dict] = []
     for path in paths:
         rows.extend(_load_file(Path(path)))
     if not rows:  # an empty dataset would otherwise fail deep inside the tokenizer
         raise KeelError(DATA_EMPTY, f"the dataset files {[str(p) for p in paths]} hold no rows")
     return rows
+
+
+def missing_file_fix(missing: str, paths: list[str], key: str | None) -> str | None:
+    """A file there is, named like the missing one; else the script that writes it; else what is there."""
+    found, maker = nearby_file(missing), maker_of(missing)
+    options = [f"run `{maker}`, which writes {Path(missing).parent}"] if maker else []
+    if found:
+        fixed = [found if p == missing else p for p in paths]
+        given = setting(key, fixed[0] if len(fixed) == 1 else fixed) if key else f"`{found}`"
+        # the script's own folder missing, running it is the fix; else the file there is the one meant
+        at = len(options) if maker and not Path(missing).parent.is_dir() else 0
+        options.insert(at, f"set {given} (the file in {Path(found).parent} closest to the name given)")
+    if options:
+        return ", or ".join(options)
+    folder = next((p for p in [Path(missing).parent, *Path(missing).parent.parents] if p.is_dir()), Path("."))
+    present = sorted(p.name for p in folder.iterdir() if p.suffix in (".jsonl", ".parquet", ".json"))
+    return (f"set {key or 'the path'} to existing .parquet, .jsonl or .json files; the nearest existing folder, "
+            f"{folder}, holds {present or 'none'}")
 
 
 def _load_file(path: Path) -> list[dict]:
@@ -150,8 +173,10 @@ def build_prompt_dataset(rows: list[dict], tokenizer, *, prompt_key: str = "prom
 def _get_prompt(row: dict, i: int, prompt_key: str, name: str) -> str | list[dict]:
     prompt = row.get(prompt_key)
     if prompt is None:
+        column = _prompt_column(row)
         raise KeelError(DATA_COLUMN, f"{name} data row {i} has no {prompt_key!r} column (or it is "
-                                     f"null); the row's columns are {sorted(row)}")
+                                     f"null); the row's columns are {sorted(row)}",
+                        f"set {setting('data.prompt_key', column)} (the row's prompt-like column)" if column else None)
     is_chat = isinstance(prompt, list) and len(prompt) > 0 and all(
         isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
     if not (isinstance(prompt, str) or is_chat):
@@ -161,6 +186,17 @@ def _get_prompt(row: dict, i: int, prompt_key: str, name: str) -> str | list[dic
                         fix="Store each prompt as a string or as chat messages with 'role' and "
                             "'content' keys, as verl's schema does.")
     return prompt
+
+
+PROMPT_NAMES = ("prompt", "question", "problem", "query", "instruction", "input", "messages", "text")
+
+
+def _prompt_column(row: dict) -> str | None:
+    """The column that holds the row's prompt: its only text or chat column, or one so named."""
+    texts = [k for k, v in row.items() if isinstance(v, str) or (isinstance(v, list) and v and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in v))]
+    named = [k for k in texts if k.lower() in PROMPT_NAMES]
+    return texts[0] if len(texts) == 1 else named[0] if len(named) == 1 else None
 
 
 def _render_prompts(prompts: list[str | list[dict]], tokenizer, apply_chat_template: bool,
@@ -177,7 +213,9 @@ def _render_prompts(prompts: list[str | list[dict]], tokenizer, apply_chat_templ
     if apply_chat_template and chat_rows:
         raise KeelError(NO_CHAT_TEMPLATE, f"{name} data row {chat_rows[0]} (and "
                                           f"{len(chat_rows) - 1} more) is a chat, but the "
-                                          "tokenizer has no chat template")
+                                          "tokenizer has no chat template",
+                        f"set {setting('data.apply_chat_template', False)} to join the messages' contents as "
+                        "plain text, or use a tokenizer with a chat template")
     return [p if isinstance(p, str) else "\n".join(m["content"] for m in p) for p in prompts]
 
 
@@ -189,7 +227,10 @@ def _too_long_error(overlong: list[int], all_ids: list[list[int]], limit: int,
     return KeelError(PROMPT_TOO_LONG,
                      f"{name} data row {first} is {len(all_ids[first])} tokens, over "
                      f"data.max_prompt_length={limit}; {len(overlong)} of {len(all_ids)} prompts "
-                     f"are over the limit, the longest {longest} tokens")
+                     f"are over the limit, the longest {longest} tokens",
+                     f"set {setting('data.max_prompt_length', longest)} (the longest prompt), or "
+                     f"{setting('data.filter_overlong_prompts', True)} to drop the {len(overlong)}, or "
+                     f"{setting('data.truncation', 'left')} to keep each prompt's end")
 
 
 def _truncate(ids: list[int], limit: int, truncation: str) -> list[int]:

@@ -16,9 +16,9 @@ from typing import Any, Iterable
 import yaml
 
 DATA_SUFFIXES = (".jsonl", ".parquet", ".json")
-# Directories a script of the repository fills (the README's first steps): a file missing there is
-# made by running the script, not found elsewhere.
-MAKERS = {"examples/data": "examples/quickstart/prepare.py"}
+# Directories a script of the repository fills (the README's first steps), and what it writes there:
+# a file of these missing there is made by running the script.
+MAKERS = {"examples/data": ("examples/quickstart/prepare.py", ("train.jsonl", "val.jsonl", "model"))}
 
 
 def value_text(value: Any) -> str:
@@ -83,6 +83,21 @@ def nearby_file(missing: str, suffixes: Iterable[str] = DATA_SUFFIXES) -> str | 
     return shown(best, missing)
 
 
+def nearby_model(missing: str, marker: str = "config.json") -> str | None:
+    """A model directory (one holding config.json) to give instead of `missing`, only a plausible one:
+    the only one below `missing` (a checkpoint's actor/), a sibling named a few letters off, or, under
+    the nearest existing parent, one of the very same name."""
+    wanted = Path(missing)
+    if wanted.is_dir():
+        found = [p.parent for p in [*wanted.glob(f"*/{marker}"), *wanted.glob(f"*/*/{marker}")]]
+    else:
+        folder = next((p for p in wanted.parents if p.is_dir()), Path("."))
+        found = ([p for p in folder.iterdir() if (p / marker).is_file() and _likeness(p.name, wanted.name) >= 0.8]
+                 if folder == wanted.parent else
+                 [p.parent for p in _files_below(folder, marker, depth=4) if p.parent.name == wanted.name])
+    return shown(found[0], missing) if len(found) == 1 else None
+
+
 def _likeness(a: str, b: str) -> float:
     return difflib.SequenceMatcher(None, a.lower(), b.lower()).ratio()
 
@@ -99,10 +114,10 @@ def _files_below(folder: Path, name: str, depth: int, budget: int = 2000) -> lis
 
 
 def maker_of(missing: str) -> str | None:
-    """The command that makes `missing`, when it lies in a directory a script of this checkout fills."""
+    """The command that makes `missing`, when it is a file a script of this checkout writes."""
     wanted = Path(missing).absolute()
-    for folder, script in MAKERS.items():
-        if Path(script).is_file() and wanted.is_relative_to(Path(folder).absolute()):
+    for folder, (script, names) in MAKERS.items():
+        if Path(script).is_file() and wanted.parent == Path(folder).absolute() and wanted.name in names:
             return f"python {script}"
     return None
 
@@ -114,6 +129,17 @@ def free_directory(path: Path | str) -> Path:
     while candidate.exists():
         candidate, number = path.with_name(f"{path.name}_{number}"), number + 1
     return candidate
+
+
+def whole_batches(count: int, part_key: str, part: int) -> str | None:
+    """A data.train_batch_size the `count` examples there are can fill, in whole parts (mini- or
+    micro-batches of `part`); None when there is nothing to batch."""
+    if count <= 0:
+        return None
+    if count >= part:
+        return f"set {setting('data.train_batch_size', count // part * part)} (the examples there are, in whole " \
+               f"batches of {part_key}={part})"
+    return f"set {overrides({'data.train_batch_size': count, part_key: count})} (one batch of the {count} there are)"
 
 
 def closest(wrong: str, choices: Iterable[str], cutoff: float = 0.75) -> str | None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from keel.errors import DEVICE_UNAVAILABLE, MODEL_PATH, NO_EOS, WEIGHTS_BROKEN, KeelError
+from keel.errors.fixes import maker_of, nearby_model, setting
 
 log = logging.getLogger("keel")
 
@@ -41,9 +42,15 @@ def check_model_dir(path: str | Path, key: str = "actor_rollout_ref.model.path")
     path = Path(path)
     if not (path / "config.json").is_file():
         what = "does not exist" if not path.exists() else "has no config.json"
-        raise KeelError(MODEL_PATH, f"{key}={str(path)!r} {what}",
-                        f"set {key} to a local directory saved with save_pretrained")
+        raise KeelError(MODEL_PATH, f"{key}={str(path)!r} {what}", _model_path_fix(str(path), key))
     return path
+
+
+def _model_path_fix(missing: str, key: str) -> str:
+    found, maker = nearby_model(missing), maker_of(missing)
+    options = [f"set {setting(key, found)} (the model directory there named like it)"] if found else []
+    options += [f"run `{maker}`, which writes it"] if maker else []
+    return ", or ".join(options) or f"set {key} to a local directory saved with save_pretrained (one holding config.json)"
 
 
 def cached_model(repo_id: str, key: str) -> Path:
@@ -129,16 +136,33 @@ def check_weights_match(path: str | Path, model_cfg, model: nn.Module | None) ->
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if getattr(model_cfg, "tie_word_embeddings", False):  # saved once, as the embedding
         expected.pop("lm_head.weight", None)
-    wrong = [f"{name} {list(found[name])} (the config says {list(shape)})"
-             for name, shape in expected.items() if name in found and found[name] != shape]
+    pairs = [(name, found[name], shape) for name, shape in expected.items() if name in found and found[name] != shape]
+    wrong = [f"{name} {list(have)} (the config says {list(shape)})" for name, have, shape in pairs]
     if wrong:
         raise KeelError(WEIGHTS_BROKEN, f"{len(wrong)} tensors in {path} do not match config.json: {wrong[0]}"
-                                        + (f" and {len(wrong) - 1} more" if len(wrong) > 1 else ""))
+                                        + (f" and {len(wrong) - 1} more" if len(wrong) > 1 else ""),
+                        _config_size_fix(Path(path), [(have, shape) for _, have, shape in pairs]))
     missing = [name for name in expected if name not in found]
     warning = (f"{len(missing)} of the {len(expected)} tensors the config's architecture has are not in {path}'s "
                f"weight files under their names (first: {missing[0]}): unless transformers maps them on load, they "
                "start from random values" if missing else None)
     return f"{len(found)} tensors, shapes match the config", warning
+
+
+def _config_size_fix(path: Path, shapes: list[tuple[tuple, tuple]]) -> str | None:
+    """The config.json field every wrong shape points at, set to the size the weights have: when one
+    field's value is the size the config expects in each, and the weights agree on one other size."""
+    config = json.loads((path / "config.json").read_text())
+    fields, sizes = None, set()
+    for have, want in shapes:
+        for h, w in zip(have, want):
+            if h != w:
+                named = {k for k, v in config.items() if type(v) is int and v == w}
+                fields, sizes = (named if fields is None else fields & named), sizes | {h}
+    if not fields or len(fields) != 1 or len(sizes) != 1:
+        return None
+    return (f'set `"{fields.pop()}": {sizes.pop()}` in `{path / "config.json"}` (the size the weights have), '
+            "or point the model path at the directory whose config.json matches these weights")
 
 
 def special_token_mismatches(tokenizer, model_cfg, generation_eos, compare_pad: bool = True) -> list[tuple[str, str]]:
@@ -198,7 +222,7 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     path = check_model_dir(path)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.eos_token_id is None:
-        raise KeelError(NO_EOS, f"the tokenizer in {path} has no eos_token")
+        raise KeelError(NO_EOS, f"the tokenizer in {path} has no eos_token", _eos_fix(tokenizer, path))
     if tokenizer.pad_token_id is None:
         log.warning("tokenizer in %s has no pad token; using its EOS token %r as pad",
                     path, tokenizer.eos_token)
@@ -208,11 +232,30 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     return tokenizer
 
 
+END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>", "<eos>", "<|end|>")
+
+
+def _eos_fix(tokenizer, path: Path) -> str | None:
+    """The token config.json's eos_token_id names, else the one end-of-text token the vocabulary has."""
+    config = json.loads((path / "config.json").read_text())
+    ids = config.get("eos_token_id")
+    ids = [i for i in (ids if isinstance(ids, list) else [ids]) if isinstance(i, int) and i < len(tokenizer)]
+    vocab = tokenizer.get_vocab()
+    known = [t for t in END_TOKENS if t in vocab]
+    token, why = ((tokenizer.convert_ids_to_tokens(ids[0]), f"config.json's eos_token_id={ids[0]}") if ids else
+                  (known[0], "the end-of-text token its vocabulary has") if len(known) == 1 else (None, ""))
+    if token is None:
+        return None
+    return f'set `"eos_token": "{token}"` in `{path / "tokenizer_config.json"}` ({why})'
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise KeelError(DEVICE_UNAVAILABLE, "trainer.device=cuda but torch sees no CUDA device")
+        raise KeelError(DEVICE_UNAVAILABLE, "trainer.device=cuda but torch sees no CUDA device",
+                        f"set {setting('trainer.device', 'cpu')} to run on the CPU (slow for real models), or run "
+                        f"where torch sees a GPU (a CUDA build of torch: torch.version.cuda is {torch.version.cuda})")
     return torch.device(name)
 
 

@@ -20,6 +20,7 @@ from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptRecord, build_prompt_dataset, load_rows
 from keel.data.sampler import ResumableSampler
 from keel.errors import DATA_EMPTY, KeelError
+from keel.errors.fixes import whole_batches
 from keel.distributed.group import LocalGroup
 from keel.distributed.pools import RewardModelPool, role_group
 from keel.distributed.worker import RoleWorker, WorkerSpec
@@ -67,7 +68,7 @@ def read_prompts(files: list[str], tokenizer, cfg: KeelConfig, name: str):
     """(records, stats): the prompts of `files` as the config says to cut or drop them."""
     d = cfg.data
     return build_prompt_dataset(
-        load_rows(files), tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+        load_rows(files, f"data.{name}_files"), tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
         truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
         apply_chat_template=d.apply_chat_template, name=name)
 
@@ -81,7 +82,9 @@ def load_prompts(files: list[str], tokenizer, cfg: KeelConfig, name: str) -> lis
 def require_enough_prompts(count: int, cfg: KeelConfig) -> None:
     if count < cfg.data.train_batch_size:
         raise KeelError(DATA_EMPTY, f"{count} training prompts remain after filtering, fewer than "
-                                    f"data.train_batch_size={cfg.data.train_batch_size}")
+                                    f"data.train_batch_size={cfg.data.train_batch_size}",
+                        whole_batches(count, "actor_rollout_ref.actor.ppo_mini_batch_size",
+                                      cfg.actor_rollout_ref.actor.ppo_mini_batch_size))
 
 
 def total_steps(cfg: KeelConfig, batches_per_epoch: int) -> int:
@@ -127,6 +130,11 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None, inputs:
                                                   cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon),
         normalizer=RunningNormalizer(norm.window_size, norm.eps, norm.clip) if norm.enable else None,
         total_steps=steps)
+
+
+def trains_in_this_process_on_cpu(cfg: KeelConfig) -> bool:
+    """One worker, in the driver's process, on the CPU: torch's threads there are the driver's to set."""
+    return cfg.world_size == 1 and not cfg.pools and resolve_device(cfg.trainer.device).type == "cpu"
 
 
 def build_workers(cfg: KeelConfig, total_steps: int, actor_weights: Path | None, tokenizer,

@@ -16,11 +16,13 @@ from keel.config.sft import SFTConfig
 from keel.data.prompts import load_rows
 from keel.data.sampler import ResumableSampler
 from keel.data.sft import SFTExample, build_sft_dataset, collate_sft
-from keel.errors import DATA_EMPTY, RESUME_MISMATCH, KeelError
+from keel.errors import DATA_EMPTY, KeelError
+from keel.errors.fixes import whole_batches
 from keel.models.load import autocast, load_causal_lm, load_tokenizer, quiet_transformers, resolve_dtype
 from keel.models.lora import apply_lora, plan_lora
 from keel.observe.log import ensure_console_logging
 from keel.observe.metrics import MetricsLogger, Timer
+from keel.training.threads import CpuThreads
 from keel.models.load import resolve_device
 from keel.trainer.setup import seed_everything
 from keel.training.optim import build_optimizer, build_scheduler
@@ -55,7 +57,7 @@ class SFTTrainer:
         self.run_dir = Path(cfg.run_dir)
         self.resume_from = ckpt.resume_point(self.run_dir, cfg)
         seed_everything(cfg.trainer.seed)
-        device = resolve_device(cfg.trainer.device)
+        self.device = device = resolve_device(cfg.trainer.device)
         m, d = cfg.model, cfg.data
         self.tokenizer = load_tokenizer(m.partial_pretrain, m.trust_remote_code)
         self.tokenizer.padding_side = "right"
@@ -63,7 +65,8 @@ class SFTTrainer:
         self.val_data = self._load(d.val_files, "val") if d.val_files else []
         if len(self.train_data) < d.train_batch_size:
             raise KeelError(DATA_EMPTY, f"{len(self.train_data)} SFT examples, fewer than "
-                                        f"data.train_batch_size={d.train_batch_size}")
+                                        f"data.train_batch_size={d.train_batch_size}",
+                            whole_batches(len(self.train_data), "data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu))
         self.sampler = ResumableSampler(len(self.train_data), d.train_batch_size, d.seed, d.shuffle)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
         self.model = self._load_model(device)
@@ -88,7 +91,7 @@ class SFTTrainer:
 
     def _load(self, files: list[str], name: str) -> list[SFTExample]:
         d = self.cfg.data
-        examples, stats = build_sft_dataset(load_rows(files), self.tokenizer, messages_key=d.messages_key,
+        examples, stats = build_sft_dataset(load_rows(files, f"data.{name}_files"), self.tokenizer, messages_key=d.messages_key,
                                             prompt_key=d.prompt_key, response_key=d.response_key,
                                             max_length=d.max_length, truncation=d.truncation, name=name)
         log.info(stats.summary())
@@ -100,16 +103,22 @@ class SFTTrainer:
         ckpt.init_run_dir(self.run_dir, to_yaml(self.cfg), self.step if self.resume_from else None)
         logger = MetricsLogger.for_run(self.cfg, self.run_dir, self.total_steps, self.step, desc="keel sft")
         metrics: dict[str, float] = {}
+        threads = CpuThreads() if self.device.type == "cpu" else None
         try:
             while self.step < self.total_steps:
                 self.step += 1
+                cpu_threads = threads.adjust() if threads else None  # for the cores left free
                 metrics = self.train_step()
+                if cpu_threads:
+                    metrics["perf/cpu_threads"] = float(cpu_threads)
                 if self._due(self.cfg.trainer.test_freq) or self.step == self.total_steps:
                     metrics.update(self.evaluate())
                 logger.log(self.step, metrics)
                 if self._due(self.cfg.trainer.save_freq) or self.step == self.total_steps:
                     self.save()
         finally:
+            if threads:
+                threads.close()
             logger.close()
         ckpt.write_policy(self.run_dir, self._finished_model(), self.tokenizer)  # the run directory is the model
         return SFTResult(self.run_dir, self.step, metrics)
@@ -182,7 +191,7 @@ class SFTTrainer:
         try:
             self.sampler.load_state_dict(state["sampler"])
         except ValueError as e:
-            raise KeelError(RESUME_MISMATCH, f"{path}: {e}") from e
+            raise ckpt.mismatch_error(path, self.cfg, f"{path}: {e}") from e
         ckpt.set_rng_state(state["rng"])
         log.info("resumed from %s at step %d", path, self.step)
 
