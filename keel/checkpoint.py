@@ -190,8 +190,8 @@ def resolve_resume(run_dir: Path, resume_mode: str, cfg=None) -> Path | None:
     if found is None and old:
         raise KeelError(RESUME_MISMATCH, f"{run_dir} already holds checkpoints ({old[0].name} .. {old[-1].name}) "
                         f"and trainer.resume_mode={resume_mode} starts a new run: the two runs' checkpoints "
-                        "and logs would mix", f"{new_run_fix(run_dir, cfg)}, or {setting('trainer.resume_mode', 'auto')} "
-                        "to continue the run there")
+                        "and logs would mix",
+                        f"{new_run_fix(run_dir, cfg)}, or {setting('trainer.resume_mode', 'auto')} to continue the run there")
     return found
 
 

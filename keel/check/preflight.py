@@ -18,9 +18,11 @@ from keel.check.findings import FAIL, PASS, SKIP, WARN, Finding, Skipped, need
 from keel.check.multi_turn import check_multi_turn
 from keel.check.resources import check_memory, check_sharding, check_workers
 from keel.config.plan import make_plan
+from keel.config.rules import lengths_within
 from keel.config.schema import KeelConfig
 from keel.errors import (RUN_DIR_NOT_WRITABLE, SANDBOX_INCOMPLETE, TOKEN_BUDGET, TOKENIZER_MISMATCH, VOCAB_MISMATCH,
                          WEIGHTS_BROKEN, KeelError)
+from keel.errors.fixes import writable_run_dir
 from keel.rewards.sandbox import jail
 
 if TYPE_CHECKING:
@@ -92,7 +94,7 @@ def check_tokenizer(cfg: KeelConfig, context: dict) -> list[Finding]:
 def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
     from transformers import AutoConfig
 
-    from keel.models.load import check_model_dir
+    from keel.models.load import check_model_dir, vocab_fix
 
     tokenizer = need(context, "tokenizer")
     path = check_model_dir(cfg.actor_rollout_ref.model.path)  # a Hub id: its snapshot in the local cache
@@ -101,19 +103,19 @@ def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
     vocab = model_cfg.vocab_size
     if len(tokenizer) > vocab:
         raise KeelError(VOCAB_MISMATCH, f"the tokenizer has {len(tokenizer)} tokens but the model's embedding "
-                                        f"has {vocab} rows: ids >= {vocab} would index out of range")
+                        f"has {vocab} rows: ids >= {vocab} would index out of range", vocab_fix(path, len(tokenizer)))
     special = {name: getattr(tokenizer, f"{name}_token_id") for name in ("eos", "pad", "bos")}
     bad = {k: v for k, v in special.items() if v is not None and v >= vocab}
     if bad:
-        raise KeelError(VOCAB_MISMATCH, f"special token ids {bad} are outside the model's vocabulary of {vocab}")
+        raise KeelError(VOCAB_MISMATCH, f"special token ids {bad} are outside the model's vocabulary of {vocab}",
+                        vocab_fix(path, max(bad.values()) + 1))
     budget = cfg.data.max_prompt_length + cfg.data.max_response_length
     limit = getattr(model_cfg, "max_position_embeddings", None)
     if limit is not None and budget > limit:
         raise KeelError(TOKEN_BUDGET, f"data.max_prompt_length + data.max_response_length = {budget} tokens, "
                                       f"over the policy's max_position_embeddings={limit}",
-                        f"lower data.max_prompt_length or data.max_response_length so they sum to at most {limit}, "
-                        "or use a model with a longer context (rollout.max_model_len cannot go past the "
-                        "model's positions)")
+                        lengths_within(cfg, limit, "the policy's max_position_embeddings") + ", or use a model with "
+                        "a longer context (rollout.max_model_len cannot go past the model's positions)")
     from keel.models.load import check_weights_match, meta_model
 
     found = check_special_tokens(tokenizer, model_cfg, path, context.get("pad_from_eos"))
@@ -157,7 +159,7 @@ def check_special_tokens(tokenizer, model_cfg, path: str, pad_from_eos: bool) ->
     itself (EOS, the tokenizer having none) is not the tokenizer's to compare."""
     from transformers import GenerationConfig
 
-    from keel.models.load import special_token_mismatches
+    from keel.models.load import agree_fix, special_token_mismatches
 
     found, generation_eos = [], None
     if Path(path, "generation_config.json").is_file():
@@ -166,11 +168,10 @@ def check_special_tokens(tokenizer, model_cfg, path: str, pad_from_eos: bool) ->
         except (OSError, ValueError) as e:
             found.append(Finding(WARN, "model", f"generation_config.json in {path} cannot be read ({e}); its EOS "
                                                 "ids are not compared"))
-    mismatches = special_token_mismatches(tokenizer, model_cfg, generation_eos, compare_pad=not pad_from_eos)
+    mismatches = special_token_mismatches(tokenizer, model_cfg, generation_eos, compare_pad=not pad_from_eos, path=path)
     if len(mismatches) >= 2:
         raise KeelError(TOKENIZER_MISMATCH, "; ".join(what for what, _ in mismatches) + ": the tokenizer looks "
-                        "like another model's", "use the tokenizer saved with this model (its directory's "
-                        "tokenizer files), or correct the special tokens as the lines above say")
+                        "like another model's", agree_fix(mismatches))
     return found + [Finding(WARN, "model", what, TOKENIZER_MISMATCH, fix) for what, fix in mismatches]
 
 
@@ -267,9 +268,8 @@ def check_reward_model_budget(cfg: KeelConfig, reward_model, records: list, poli
     if reward_model.max_length and need > reward_model.max_length:
         raise KeelError(TOKEN_BUDGET, f"{budget}: {need}, over the {reward_model.max_length} tokens the reward model "
                                       f"reads ({reward_model.limited_by})",
-                        "lower data.max_response_length or data.max_prompt_length, or use a reward model "
-                        "with a longer context; if its tokenizer's model_max_length is wrong, correct it in "
-                        "tokenizer_config.json")
+                        lengths_within(cfg, reward_model.max_length, "the reward model") + ", or use a reward "
+                        "model with a longer context (if its tokenizer's model_max_length is wrong, correct it)")
     return Finding(PASS, "reward model", f"reads {reward_model.max_length} tokens "
                                          f"({reward_model.limited_by}); {budget}: {need}")
 
@@ -281,7 +281,7 @@ def check_run_dir(cfg: KeelConfig, context: dict) -> list[Finding]:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
-        raise KeelError(RUN_DIR_NOT_WRITABLE, f"cannot write under {existing}: {e}") from e
+        raise KeelError(RUN_DIR_NOT_WRITABLE, f"cannot write under {existing}: {e}", writable_run_dir(run_dir)) from e
     resume = ckpt.resume_point(run_dir, cfg)
     action = f"resume from {resume}" if resume is not None else "start a new run"
     return [Finding(PASS, "run directory", f"{run_dir}: writable; will {action}")]

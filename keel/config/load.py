@@ -175,8 +175,8 @@ def _parse_overrides(overrides, value_now=lambda key: DELETE) -> list[tuple[str,
         key = key.strip().lstrip("+").lstrip("~")  # Hydra's `+key=value` / `++key=value` add or force
         if not sep or not key:
             now = value_now(key) if key else DELETE
-            fix = (f"write it as key=value: `{key}={value_text(now)}` (its value now) in place of `{item}`" if now is not DELETE
-                   else f"remove `{item}` (no key is named so); write overrides as `section.key=value`")
+            fix = (f"write it as key=value: `{key}={value_text(now)}` (its value now) in place of `{item}`"
+                   if now is not DELETE else f"remove `{item}` (no key is named so); write overrides as `section.key=value`")
             raise KeelError(BAD_OVERRIDE, f"override {item!r} is not of the form section.key=value", fix)
         parsed.append((key, yaml.safe_load(raw) if raw.strip() else None))
     return parsed

@@ -67,7 +67,8 @@ def _check_rollout_lengths(cfg: KeelConfig, incompatible) -> None:
     if rollout.max_model_len is not None and rollout.max_model_len < longest:
         raise KeelError(TOKEN_BUDGET, f"actor_rollout_ref.rollout.max_model_len={rollout.max_model_len} is shorter "
                         f"than data.max_prompt_length + data.max_response_length = {longest}: long samples "
-                        "would not fit", f"set {setting(ROLLOUT + '.max_model_len', longest)}, or lower the lengths")
+                        "would not fit", f"set {setting(ROLLOUT + '.max_model_len', longest)}, or "
+                        + lengths_within(cfg, rollout.max_model_len, "rollout.max_model_len").removeprefix("set "))
     if not rollout.enable_chunked_prefill and rollout.max_num_batched_tokens < cfg.data.max_prompt_length:
         raise incompatible(f"actor_rollout_ref.rollout.max_num_batched_tokens={rollout.max_num_batched_tokens} is "
                            f"below data.max_prompt_length={cfg.data.max_prompt_length} and "
@@ -110,6 +111,14 @@ def _check_world(cfg: KeelConfig, incompatible) -> None:
 
 def _largest_divisor_at_most(total: int, limit: int) -> int:
     return max(d for d in range(1, min(total, limit) + 1) if total % d == 0)
+
+
+def lengths_within(cfg: KeelConfig, limit: int, read_by: str) -> str:
+    """The fix for prompt plus response over `limit` tokens: the response shortened to fit, else both."""
+    prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
+    fit = ({"data.max_response_length": limit - prompt} if limit - prompt >= min(response, 16) else
+           {"data.max_prompt_length": limit - limit // 4, "data.max_response_length": limit // 4})
+    return f"set {overrides(fit)} (together {limit} tokens, what {read_by} reads)"
 
 
 def _mini_for(cfg: KeelConfig, workers: int) -> int:
@@ -156,7 +165,8 @@ def _check_algorithm(cfg: KeelConfig, incompatible) -> None:
                            f"set {setting(ROLLOUT + '.do_sample', True)}")
     if cfg.algorithm.critic_warmup > 0 and not cfg.critic_enabled:
         raise incompatible(f"algorithm.critic_warmup={cfg.algorithm.critic_warmup} with no critic: the "
-                           "policy would not be updated for those steps", f"set {setting('algorithm.critic_warmup', 0)}")
+                           "policy would not be updated for those steps",
+                           f"set {setting('algorithm.critic_warmup', 0)}")
 
 
 def _check_rollout_correction(cfg: KeelConfig, incompatible) -> None:
@@ -212,8 +222,8 @@ def _check_reward(cfg: KeelConfig, incompatible) -> None:
     if overlong.enable and overlong.len >= cfg.data.max_response_length:
         raise incompatible(f"reward.overlong_buffer.len={overlong.len} is not shorter than "
                            f"data.max_response_length={cfg.data.max_response_length}: every response would be "
-                           "penalised", f"set {setting('reward.overlong_buffer.len', cfg.data.max_response_length // 4)} "
-                           "(a quarter of data.max_response_length)")
+                           "penalised", f"set {setting('reward.overlong_buffer.len', cfg.data.max_response_length // 4)}"
+                           " (a quarter of data.max_response_length)")
 
 
 def _sampling(val) -> dict:
@@ -239,7 +249,8 @@ def _check_options(cfg: KeelConfig) -> None:
     if not rollout.do_sample and rollout.n > 1:
         raise incompatible(
             f"actor_rollout_ref.rollout.do_sample=false with rollout.n={rollout.n}: greedy samples "
-            "of one prompt are identical", f"set {setting(ROLLOUT + '.do_sample', True)}, or {setting(ROLLOUT + '.n', 1)}")
+            "of one prompt are identical",
+            f"set {setting(ROLLOUT + '.do_sample', True)}, or {setting(ROLLOUT + '.n', 1)}")
     multi_turn = rollout.multi_turn
     if multi_turn.environment and multi_turn.interaction_config_path:
         raise incompatible("rollout.multi_turn.environment and rollout.multi_turn.interaction_config_path both "

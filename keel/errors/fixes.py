@@ -122,6 +122,17 @@ def maker_of(missing: str) -> str | None:
     return None
 
 
+def writable_run_dir(run_dir: Path | str) -> str:
+    """The fix for a run directory that cannot be written: one of the same name under the working
+    directory, the home directory or the temporary one, whichever can be written."""
+    import tempfile
+
+    base = next((b for b in (Path.cwd(), Path.home(), Path(tempfile.gettempdir())) if os.access(b, os.W_OK)
+                 and not (b / "checkpoints").is_file()), Path(tempfile.gettempdir()))
+    new = free_directory(base / "checkpoints" / Path(run_dir).name)
+    return f"set {setting('trainer.default_local_dir', shown(new, 'relative'))} (a folder that can be written)"
+
+
 def free_directory(path: Path | str) -> Path:
     """`path` itself if nothing is there yet, else the first of `path_2`, `path_3`, ... that is free."""
     path = Path(path)

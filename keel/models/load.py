@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from keel.errors import DEVICE_UNAVAILABLE, MODEL_PATH, NO_EOS, WEIGHTS_BROKEN, KeelError
-from keel.errors.fixes import maker_of, nearby_model, setting
+from keel.errors.fixes import free_directory, maker_of, nearby_model, setting
 
 log = logging.getLogger("keel")
 
@@ -50,7 +50,8 @@ def _model_path_fix(missing: str, key: str) -> str:
     found, maker = nearby_model(missing), maker_of(missing)
     options = [f"set {setting(key, found)} (the model directory there named like it)"] if found else []
     options += [f"run `{maker}`, which writes it"] if maker else []
-    return ", or ".join(options) or f"set {key} to a local directory saved with save_pretrained (one holding config.json)"
+    return (", or ".join(options)
+            or f"set {key} to a local directory saved with save_pretrained (one holding config.json)")
 
 
 def cached_model(repo_id: str, key: str) -> Path:
@@ -165,10 +166,16 @@ def _config_size_fix(path: Path, shapes: list[tuple[tuple, tuple]]) -> str | Non
             "or point the model path at the directory whose config.json matches these weights")
 
 
-def special_token_mismatches(tokenizer, model_cfg, generation_eos, compare_pad: bool = True) -> list[tuple[str, str]]:
+def special_token_mismatches(tokenizer, model_cfg, generation_eos, compare_pad: bool = True,
+                             path: str | Path = "") -> list[tuple[str, str]]:
     """(what differs, the fix) for the tokenizer's EOS, pad and BOS ids against the model's
-    config.json and generation_config.json. keel stops rollouts at both EOS sets and masks padding,
-    so one difference is a warning; several mean the tokenizer is another model's."""
+    config.json and generation_config.json (in `path`). keel stops rollouts at both EOS sets and
+    masks padding, so one difference is a warning; several mean the tokenizer is another model's.
+    The fix sets the tokenizer's token to the model's: the model was trained with its ids."""
+    def retoken(name: str, token_id: int) -> str:
+        return (f'set `"{name}_token": "{tokenizer.convert_ids_to_tokens(token_id)}"` in '
+                f'`{Path(path, "tokenizer_config.json")}`')
+
     def ids(value) -> set[int]:
         return set(value) if isinstance(value, (list, tuple)) else ({value} if value is not None else set())
 
@@ -181,15 +188,14 @@ def special_token_mismatches(tokenizer, model_cfg, generation_eos, compare_pad: 
         wanted = min(model_eos)
         found.append((f"the tokenizer's EOS is {named(tokenizer.eos_token_id)} but the model's config ends "
                       f"with {sorted(named(i) for i in model_eos)}",
-                      f"set eos_token to {tokenizer.convert_ids_to_tokens(wanted)!r} in tokenizer_config.json "
-                      "if the model was trained to end with it, or use the tokenizer saved with this model"
-                      if wanted < len(tokenizer) else "use the tokenizer saved with this model"))
+                      f"{retoken('eos', wanted)} if the model was trained to end with it, or use the tokenizer saved "
+                      "with this model" if wanted < len(tokenizer) else "use the tokenizer saved with this model"))
     for name in ("pad", "bos") if compare_pad else ("bos",):
         model_id, tokenizer_id = getattr(model_cfg, f"{name}_token_id", None), getattr(tokenizer, f"{name}_token_id")
         if model_id is not None and tokenizer_id is not None and model_id != tokenizer_id:
             found.append((f"the tokenizer's {name.upper()} is {named(tokenizer_id)} but config.json says "
-                          f"{named(model_id)}", f"make {name}_token_id in config.json and the tokenizer's "
-                          f"{name}_token agree, or use the tokenizer saved with this model"))
+                          f"{named(model_id)}", f"{retoken(name, model_id)}, or use the tokenizer saved with this "
+                          "model" if model_id < len(tokenizer) else "use the tokenizer saved with this model"))
     return found
 
 
@@ -247,6 +253,23 @@ def _eos_fix(tokenizer, path: Path) -> str | None:
     if token is None:
         return None
     return f'set `"eos_token": "{token}"` in `{path / "tokenizer_config.json"}` ({why})'
+
+
+def agree_fix(mismatches: list[tuple[str, str]]) -> str:
+    """One fix for several special tokens that differ: every file change at once."""
+    changes = [fix.split(", or ")[0].removeprefix("set ") for _, fix in mismatches if fix.startswith("set ")]
+    return (f"set {' and '.join(changes)}, or " if changes else "") + "use the tokenizer saved with this model"
+
+
+def vocab_fix(path: str | Path, size: int, key: str = "actor_rollout_ref.model.path") -> str:
+    """The fix for a tokenizer with ids past the embedding: the model with `size` embedding rows (the
+    new rows random, trained from there), saved beside it, then used."""
+    out = free_directory(Path(f"{path}_resized"))
+    code = (f"from transformers import AutoModelForCausalLM as M, AutoTokenizer as T; m = M.from_pretrained('{path}'); "
+            f"m.resize_token_embeddings({size}); m.save_pretrained('{out}'); "
+            f"T.from_pretrained('{path}').save_pretrained('{out}')")
+    return (f'run `python -c "{code}"`, then set {setting(key, str(out))} (the model with an embedding row for '
+            "every token), or use the tokenizer saved with this model")
 
 
 def resolve_device(name: str) -> torch.device:

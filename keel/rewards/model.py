@@ -12,6 +12,7 @@ import logging
 import torch
 
 from keel.errors import TOKEN_BUDGET, KeelError
+from keel.errors.fixes import setting
 from keel.models.load import check_model_dir, context_limit, weight_file_shapes
 
 log = logging.getLogger("keel")
@@ -36,7 +37,7 @@ class RewardTemplate:
             if positions and max_length > positions:
                 raise KeelError(TOKEN_BUDGET, f"reward_model.max_length={max_length} is more than the reward model's "
                                               f"max_position_embeddings={positions}",
-                                f"set reward_model.max_length to at most {positions}, or leave it unset")
+                                f"set {setting('reward_model.max_length', positions)} (its positions), or leave it unset")
             if limit and max_length > limit:
                 log.warning("reward_model.max_length=%d is over what the reward model reads by default (%s): "
                             "scores of longer samples are only as good as its training on them", max_length,

@@ -68,7 +68,8 @@ def read_prompts(files: list[str], tokenizer, cfg: KeelConfig, name: str):
     """(records, stats): the prompts of `files` as the config says to cut or drop them."""
     d = cfg.data
     return build_prompt_dataset(
-        load_rows(files, f"data.{name}_files"), tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+        load_rows(files, f"data.{name}_files"), tokenizer, prompt_key=d.prompt_key,
+        max_prompt_length=d.max_prompt_length,
         truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
         apply_chat_template=d.apply_chat_template, name=name)
 

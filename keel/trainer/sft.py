@@ -66,7 +66,8 @@ class SFTTrainer:
         if len(self.train_data) < d.train_batch_size:
             raise KeelError(DATA_EMPTY, f"{len(self.train_data)} SFT examples, fewer than "
                                         f"data.train_batch_size={d.train_batch_size}",
-                            whole_batches(len(self.train_data), "data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu))
+                            whole_batches(len(self.train_data), "data.micro_batch_size_per_gpu",
+                                          d.micro_batch_size_per_gpu))
         self.sampler = ResumableSampler(len(self.train_data), d.train_batch_size, d.seed, d.shuffle)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
         self.model = self._load_model(device)
@@ -91,7 +92,8 @@ class SFTTrainer:
 
     def _load(self, files: list[str], name: str) -> list[SFTExample]:
         d = self.cfg.data
-        examples, stats = build_sft_dataset(load_rows(files, f"data.{name}_files"), self.tokenizer, messages_key=d.messages_key,
+        rows = load_rows(files, f"data.{name}_files")
+        examples, stats = build_sft_dataset(rows, self.tokenizer, messages_key=d.messages_key,
                                             prompt_key=d.prompt_key, response_key=d.response_key,
                                             max_length=d.max_length, truncation=d.truncation, name=name)
         log.info(stats.summary())

@@ -210,7 +210,7 @@ def test_a_tokenizer_whose_eos_the_model_does_not_end_with_is_a_warning_with_the
     assert not report.failures
     warned = [f for f in report.findings if f.code == TOKENIZER_MISMATCH]
     assert len(warned) == 1 and "'<|endoftext|>'" in warned[0].message and "'<|im_end|>'" in warned[0].message
-    assert "set eos_token to '<|im_end|>'" in warned[0].fix
+    assert f'set `"eos_token": "<|im_end|>"` in `{path}/tokenizer_config.json`' in warned[0].fix
 
 
 def test_a_tokenizer_from_another_model_is_refused(tiny_config, tiny_assets, tmp_path):
@@ -225,7 +225,7 @@ def test_a_tokenizer_from_another_model_is_refused(tiny_config, tiny_assets, tmp
 def test_a_budget_over_the_models_positions_is_not_fixed_by_max_model_len(tiny_config):
     report = run_checks(load_config(tiny_config, {"data.max_prompt_length": 1000, "data.max_response_length": 100}))
     failure = report.failures[0]
-    assert failure.code == TOKEN_BUDGET and "sum to at most 1024" in failure.fix
+    assert failure.code == TOKEN_BUDGET and "`data.max_response_length=24`" in failure.fix  # 1000 + 24 = 1024
     assert "cannot go past" in failure.fix and "raise rollout.max_model_len" not in failure.fix
 
 
