@@ -11,6 +11,7 @@ from keel.check.findings import PASS, WARN, Finding, need
 from keel.config.memory import estimate_memory_gb
 from keel.config.schema import KeelConfig
 from keel.errors import MEMORY_ESTIMATE, NOT_ENOUGH_DEVICES, RAY_MISSING, KeelError
+from keel.errors.fixes import overrides, setting
 from keel.rollout.native.weights import unsupported_reason
 from keel.training.forward import LOGITS_CHUNK_TOKENS
 
@@ -18,23 +19,48 @@ from keel.training.forward import LOGITS_CHUNK_TOKENS
 def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
     model_cfg = need(context, "model_config")
 
-    estimate = estimate_memory_gb(cfg, model_cfg, context.get("parameters") or architecture_parameters(model_cfg),
-                                  compute_bytes=_compute_dtype(cfg).itemsize,
+    def estimate_for(config: KeelConfig) -> dict[str, float]:
+        return estimate_memory_gb(config, model_cfg, context.get("parameters") or architecture_parameters(model_cfg),
+                                  compute_bytes=_compute_dtype(config).itemsize,
                                   native_rollout=unsupported_reason(model_cfg) is None,
                                   logits_chunk_tokens=LOGITS_CHUNK_TOKENS,
                                   lora_trainable=context.get("lora_trainable", {}))
-    context["memory_gb"] = estimate
+
+    context["memory_gb"] = estimate = estimate_for(cfg)
     total, available, where = device_memory_gb(cfg)
     required = max(estimate["total"], estimate.get("critic_pool", 0.0))
     message = f"about {required:.2f} GB needed on {where}, {available:.1f} GB free of {total:.1f} GB"
     if required > available:
-        raise KeelError(MEMORY_ESTIMATE, message)
+        raise KeelError(MEMORY_ESTIMATE, message, _memory_fix(cfg, estimate, available, estimate_for))
     # verl honours param_offload on one GPU; keel uses FSDP (whose offload it is) only across ranks
     idle = [f"{key}.fsdp_config.param_offload=true has no effect on one worker (FSDP shards and offloads "
             "across 2 or more); the estimate counts those weights on the device"
             for key, fsdp, ranks in cfg.fsdp_roles if fsdp.param_offload and ranks == 1]
     return ([Finding(WARN if required > 0.9 * available else PASS, "memory", message)]
             + [Finding(WARN, "memory", text) for text in idle])
+
+
+def _memory_fix(cfg: KeelConfig, estimate: dict, available: float, estimate_for) -> str | None:
+    """One setting that brings the estimate under what is free, for the larger of the two terms a
+    setting scales: the KV cache (sequences generated at once) and one micro-batch's activations."""
+    from keel.config.load import load_config, to_dict
+    from keel.config.rules import largest_divisor_at_most
+
+    policy = cfg.actor_rollout_ref
+    samples = policy.actor.ppo_mini_batch_size * policy.rollout.n
+    terms = {"actor_rollout_ref.rollout.max_num_seqs": ("kv_cache", policy.rollout.max_num_seqs),
+             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu":
+                 ("activations", policy.actor.ppo_micro_batch_size_per_gpu)}
+    for key, (term, value) in sorted(terms.items(), key=lambda item: -estimate.get(item[1][0], 0.0)):
+        rest = estimate["total"] - estimate.get(term, 0.0)
+        if value <= 1 or rest >= 0.9 * available or not estimate.get(term):
+            continue
+        new = max(1, int(value * (0.9 * available - rest) / estimate[term]))  # both terms grow linearly
+        new = largest_divisor_at_most(samples, new) if term == "activations" else new
+        after = estimate_for(load_config(to_dict(cfg), {key: new}))["total"]
+        if new < value and after <= available:
+            return f"set {setting(key, new)} (about {after:.2f} GB then)"
+    return None
 
 
 def check_sharding(cfg: KeelConfig, context: dict) -> list[Finding]:
@@ -61,22 +87,28 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
     try:
         import ray  # noqa: F401
     except ImportError:
-        raise KeelError(RAY_MISSING, f"{world} workers need Ray, which is not installed") from None
+        raise KeelError(RAY_MISSING, f"{world} workers need Ray, which is not installed",
+                        "run `pip install 'ray[default]'` (keel's install does this), or "
+                        f"{setting('trainer.n_gpus_per_node', 1)} to train in this process") from None
     port = port_from_environment()
     if os.environ.get("RAY_ADDRESS"):
         require_reachable(os.environ["RAY_ADDRESS"])
         return [Finding(PASS, "workers", f"{world} workers on the Ray cluster at {os.environ['RAY_ADDRESS']}")]
     if cfg.trainer.nnodes > 1:
+        one_node = overrides({"trainer.nnodes": 1, "trainer.n_gpus_per_node": world})
         raise KeelError(NOT_ENOUGH_DEVICES, f"trainer.nnodes={cfg.trainer.nnodes} but RAY_ADDRESS is not set: "
-                        "a local Ray instance has one node", "start the cluster (`ray start --head`, then "
-                        "`ray start --address=HEAD:6379` on each node) and set RAY_ADDRESS")
+                        "a local Ray instance has one node", f"set {one_node} (the same {world} workers on this "
+                        "machine), or start the cluster (`ray start --head`, then `ray start --address=HEAD:6379` "
+                        "on each node) and set RAY_ADDRESS")
     device = resolve_device(cfg.trainer.device)
     have = torch.cuda.device_count() if device.type == "cuda" else (os.cpu_count() or 1)
     what = "GPUs" if device.type == "cuda" else "CPU cores"
     needed = Devices.of(cfg).total
     placed = f"{world} workers" + "".join(f" + {count} for the {role} pool" for role, count in cfg.pools.items())
     if device.type == "cuda" and have < needed:
-        raise KeelError(NOT_ENOUGH_DEVICES, f"{placed} need {needed} {what}, and this machine has {have}")
+        raise KeelError(NOT_ENOUGH_DEVICES, f"{placed} need {needed} {what}, and this machine has {have}",
+                        f"set {setting('trainer.n_gpus_per_node', have)} (this machine's {what})" if not cfg.pools
+                        and cfg.trainer.nnodes == 1 and have else None)
     level = WARN if have < needed else PASS
     meeting = f"; rank 0 listens on MASTER_PORT={rendezvous_port(port)}" if port else ""
     return [Finding(level, "workers", f"{placed} on this machine ({have} {what}), Ray started by keel{meeting}")]

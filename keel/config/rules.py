@@ -31,14 +31,14 @@ def _check_batch_arithmetic(cfg: KeelConfig) -> None:
                 BATCH_ARITHMETIC,
                 f"data.train_batch_size={prompts} prompts do not split into {role} mini-batches of "
                 f"{key}.ppo_mini_batch_size={mini} prompts",
-                f"set {setting(f'{key}.ppo_mini_batch_size', _largest_divisor_at_most(prompts, mini))} (the "
+                f"set {setting(f'{key}.ppo_mini_batch_size', largest_divisor_at_most(prompts, mini))} (the "
                 f"nearest divisor of {prompts}), or `data.train_batch_size={-(-prompts // mini) * mini}`")
         if (mini * n) % micro and not dynamic:  # a token budget ignores the micro-batch size
             raise KeelError(
                 BATCH_ARITHMETIC,
                 f"the {role} mini-batch of {mini} prompts x rollout.n={n} = {mini * n} samples does not "
                 f"split into micro-batches of {key}.ppo_micro_batch_size_per_gpu={micro}",
-                f"set {setting(f'{key}.ppo_micro_batch_size_per_gpu', _largest_divisor_at_most(mini * n, micro))} "
+                f"set {setting(f'{key}.ppo_micro_batch_size_per_gpu', largest_divisor_at_most(mini * n, micro))} "
                 f"(the largest divisor of {mini * n} up to {micro})")
 
 
@@ -109,7 +109,7 @@ def _check_world(cfg: KeelConfig, incompatible) -> None:
                                f"{setting(key + '.fsdp_config.param_offload', False)}")
 
 
-def _largest_divisor_at_most(total: int, limit: int) -> int:
+def largest_divisor_at_most(total: int, limit: int) -> int:
     return max(d for d in range(1, min(total, limit) + 1) if total % d == 0)
 
 
@@ -222,8 +222,9 @@ def _check_reward(cfg: KeelConfig, incompatible) -> None:
     if overlong.enable and overlong.len >= cfg.data.max_response_length:
         raise incompatible(f"reward.overlong_buffer.len={overlong.len} is not shorter than "
                            f"data.max_response_length={cfg.data.max_response_length}: every response would be "
-                           "penalised", f"set {setting('reward.overlong_buffer.len', cfg.data.max_response_length // 4)}"
-                           " (a quarter of data.max_response_length)")
+                           "penalised",
+                           f"set {setting('reward.overlong_buffer.len', cfg.data.max_response_length // 4)} (a quarter "
+                           "of data.max_response_length)")
 
 
 def _sampling(val) -> dict:

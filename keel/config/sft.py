@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from keel.config.fields import opt
-from keel.config.rules import check_betas
+from keel.config.rules import largest_divisor_at_most, check_betas
 from keel.config.schema import LoraOptions, ModelOptions, OptimConfig, RunOptions
 from keel.errors import BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, KeelError
+from keel.errors.fixes import setting
 
 
 @dataclass
@@ -63,10 +64,12 @@ class SFTConfig:
     def validate(self) -> None:
         d = self.data
         if d.train_batch_size % d.micro_batch_size_per_gpu:
+            divisor = largest_divisor_at_most(d.train_batch_size, d.micro_batch_size_per_gpu)
             raise KeelError(BATCH_ARITHMETIC,
                             f"data.train_batch_size={d.train_batch_size} does not split into micro-batches of "
                             f"data.micro_batch_size_per_gpu={d.micro_batch_size_per_gpu}",
-                            "set data.micro_batch_size_per_gpu to a divisor of data.train_batch_size")
+                            f"set {setting('data.micro_batch_size_per_gpu', divisor)} (the largest divisor of "
+                            f"{d.train_batch_size} up to {d.micro_batch_size_per_gpu})")
         if not d.train_files:
             raise KeelError(INCOMPATIBLE_OPTIONS, "data.train_files is empty",
                             "set data.train_files to parquet/jsonl files")

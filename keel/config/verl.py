@@ -12,6 +12,7 @@ from typing import Any
 from keel.config.verl_rules import (ACCEPT, DERIVED, NO_VLLM, REFUSE, RENAME, UNSET_VALUES, VALUE_ALIASES,
                                     VALUE_REFUSALS, quiet, rule_for)
 from keel.errors import VERL_UNSUPPORTED, KeelError
+from keel.errors.fixes import setting
 
 
 def adapt_verl(tree: dict, known: set[str], defaults: dict[str, Any], problems: list, decided: list) -> dict:
@@ -35,8 +36,8 @@ def adapt_verl(tree: dict, known: set[str], defaults: dict[str, Any], problems: 
                 value = VALUE_ALIASES[key][value]
             if isinstance(value, str) and value in VALUE_REFUSALS.get(key, {}):
                 problems.append(KeelError(VERL_UNSUPPORTED, f"{key}={value!r} is a verl setting keel does not have: "
-                                          f"{VALUE_REFUSALS[key][value]}", f"choose another {key.rsplit('.', 1)[-1]} "
-                                          "(docs/config.md lists keel's)"))
+                                          f"{VALUE_REFUSALS[key][value]}", f"set {setting(key, defaults[key])} "
+                                          "(keel's default; docs/config.md lists the others)"))
                 continue
             if any(value == unset and type(value) is type(unset) for unset in UNSET_VALUES.get(key, ())):
                 decided.append(f"{key}: {value!r} is verl's; " + (NO_VLLM if "rollout.name" in key else
@@ -53,7 +54,7 @@ def adapt_verl(tree: dict, known: set[str], defaults: dict[str, Any], problems: 
                 decided.append(f"{key}: is {rule.target} in keel ({rule.note})")
         elif rule.kind == REFUSE and not rule.allowed(value):
             problems.append(KeelError(VERL_UNSUPPORTED, f"{key}={value!r} is a verl setting keel does not have: "
-                                      f"{rule.note}", f"remove {key} (or set verl's default)"))
+                                      f"{rule.note}", f"remove `{key}` (verl's default then applies)"))
         elif rule.kind == ACCEPT and not quiet(key, value):
             decided.append(f"{key}: {rule.note}")
     return _unflat(kept)
@@ -74,24 +75,29 @@ def _reward_manager(flat: dict[str, Any], defaults: dict[str, Any], decided: lis
         flat.setdefault("reward.num_workers", min(8, os.cpu_count() or 1))
     elif manager != "naive" and manager != "dapo":
         problems.append(KeelError(VERL_UNSUPPORTED, f"reward_model.reward_manager={manager!r} is a verl reward "
-                                  "manager keel does not have", "use naive (keel's default), batch, dapo or prime"))
+                                  "manager keel does not have",
+                                  f"set {setting('reward_model.reward_manager', 'naive')} (keel's default), or batch, "
+                                  "dapo or prime"))
     if manager != "naive":
         decided.append(f"reward_model.reward_manager: {manager}, as keel's " + {
             "batch": "custom_reward_function.batched=true", "prime": "reward.num_workers scoring processes",
             "dapo": "reward.overlong_buffer (reward_kwargs.overlong_buffer_cfg)"}.get(manager, manager))
     for key, value in kwargs.items():
-        setting = key.removeprefix("overlong_buffer_cfg.")
-        if key.startswith("overlong_buffer_cfg.") and setting in ("enable", "len", "penalty_factor"):
-            flat[f"reward.overlong_buffer.{setting}"] = value
+        option = key.removeprefix("overlong_buffer_cfg.")
+        if key.startswith("overlong_buffer_cfg.") and option in ("enable", "len", "penalty_factor"):
+            flat[f"reward.overlong_buffer.{option}"] = value
         elif key == "max_resp_len" and value not in (None, flat.get("data.max_response_length",
                                                                   defaults.get("data.max_response_length"))):
             problems.append(KeelError(VERL_UNSUPPORTED, f"reward_model.reward_kwargs.max_resp_len={value} differs "
                                       "from data.max_response_length; keel's overlong penalty measures against "
-                                      "data.max_response_length", "remove max_resp_len or make the two equal"))
+                                      "data.max_response_length",
+                                      f"remove `reward_model.reward_kwargs.max_resp_len` (the penalty measures against "
+                                      "data.max_response_length)"))
         elif key not in ("max_resp_len", "overlong_buffer_cfg.log"):  # keel logs the penalty always
             problems.append(KeelError(VERL_UNSUPPORTED, f"reward_model.reward_kwargs.{key} is not an argument of "
                                       f"verl's {manager} reward manager that keel has",
-                                      "remove it; custom_reward_function.reward_kwargs reach your function"))
+                                      f"remove `reward_model.reward_kwargs.{key}`; "
+                                      "custom_reward_function.reward_kwargs reach your function"))
 
 
 def _flat(tree: dict, known: set[str], prefix: str = "") -> dict[str, Any]:

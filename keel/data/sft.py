@@ -7,6 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from keel.errors import DATA_COLUMN, NO_ASSISTANT_TURN, NO_CHAT_TEMPLATE, SFT_TOO_LONG, KeelError
+from keel.errors.fixes import overrides, setting
+
+RESPONSE_NAMES = ("response", "answer", "output", "completion", "solution", "target")
+PROMPT_NAMES = ("prompt", "question", "instruction", "input", "query", "problem")
 
 
 @dataclass
@@ -34,8 +38,20 @@ def row_messages(row: dict, messages_key: str, prompt_key: str, response_key: st
         turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         return turns + [{"role": "assistant", "content": row[response_key]}]
     raise KeelError(DATA_COLUMN, f"SFT row {i} has neither {messages_key!r} nor both {prompt_key!r} and "
-                                 f"{response_key!r}; its columns are {sorted(row)}",
-                    "set data.messages_key, or data.prompt_key and data.response_key, to your columns")
+                                 f"{response_key!r}; its columns are {sorted(row)}", _columns_fix(row))
+
+
+def _columns_fix(row: dict) -> str:
+    """The row's chat column as data.messages_key, else its prompt- and response-named columns."""
+    chats = [k for k, v in row.items() if isinstance(v, list) and v and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in v)]
+    prompts = [k for k in row if k.lower() in PROMPT_NAMES]
+    responses = [k for k in row if k.lower() in RESPONSE_NAMES]
+    if len(chats) == 1:
+        return f"set {setting('data.messages_key', chats[0])} (the row's chat column)"
+    if len(prompts) == 1 and len(responses) == 1:
+        return f"set {overrides({'data.prompt_key': prompts[0], 'data.response_key': responses[0]})}"
+    return "set data.messages_key, or data.prompt_key and data.response_key, to your columns"
 
 
 def tokenize_conversation(messages: list[dict], tokenizer) -> SFTExample:
@@ -65,28 +81,34 @@ def build_sft_dataset(rows: list[dict], tokenizer, *, messages_key: str = "messa
                       name: str = "train") -> tuple[list[SFTExample], SFTStats]:
     if tokenizer.chat_template is None:
         raise KeelError(NO_CHAT_TEMPLATE, "SFT data is chat messages, but the tokenizer has no chat template")
-    examples, truncated = [], 0
+    examples = []
     for i, row in enumerate(rows):
-        example = tokenize_conversation(row_messages(row, messages_key, prompt_key, response_key, i), tokenizer)
-        if not any(example.loss_mask):
-            raise KeelError(NO_ASSISTANT_TURN, f"{name} SFT row {i} has no assistant tokens to learn from")
-        if len(example.input_ids) > max_length:
-            example = _truncate(example, max_length, truncation, i, name)
-            truncated += 1
-        examples.append(example)
-    return examples, SFTStats(len(examples), truncated, name)
+        examples.append(tokenize_conversation(row_messages(row, messages_key, prompt_key, response_key, i), tokenizer))
+        if not any(examples[-1].loss_mask):
+            raise KeelError(NO_ASSISTANT_TURN, f"{name} SFT row {i} has no assistant tokens to learn from",
+                            f"give row {i} of the {name} files an assistant message with content")
+    over = [i for i, example in enumerate(examples) if len(example.input_ids) > max_length]
+    longest = max((len(examples[i].input_ids) for i in over), default=0)
+    if over and truncation == "error":
+        raise KeelError(SFT_TOO_LONG, f"{name} SFT row {over[0]} is {len(examples[over[0]].input_ids)} tokens, over "
+                                      f"data.max_length={max_length}; {len(over)} of {len(examples)} examples are "
+                                      f"over, the longest {longest} tokens",
+                        f"set {setting('data.max_length', longest)} (the longest example), or "
+                        f"{setting('data.truncation', 'right')} to keep each example's start")
+    for i in over:
+        examples[i] = _truncate(examples[i], max_length, truncation, i, name, longest)
+    return examples, SFTStats(len(examples), len(over), name)
 
 
-def _truncate(example: SFTExample, limit: int, truncation: str, i: int, name: str) -> SFTExample:
-    if truncation == "error":
-        raise KeelError(SFT_TOO_LONG, f"{name} SFT row {i} is {len(example.input_ids)} tokens, over "
-                                      f"data.max_length={limit}")
+def _truncate(example: SFTExample, limit: int, truncation: str, i: int, name: str, longest: int) -> SFTExample:
     cut = slice(-limit, None) if truncation == "left" else slice(0, limit)
     kept = SFTExample(example.input_ids[cut], example.loss_mask[cut])
     if not any(kept.loss_mask):
+        other = "right" if truncation == "left" else "left"
         raise KeelError(NO_ASSISTANT_TURN, f"{name} SFT row {i}: truncation={truncation} to {limit} tokens "
                                            "removes every assistant token",
-                        "raise data.max_length or truncate from the other side")
+                        f"set {setting('data.max_length', longest)} (the longest example, whole), or "
+                        f"{setting('data.truncation', other)}")
     return kept
 
 

@@ -27,7 +27,9 @@ def port_from_environment() -> int | None:
     if raw is None or raw == "":
         return None
     if not raw.isdigit() or not 0 < int(raw) < 65536:
-        raise KeelError(MASTER_PORT_UNUSABLE, f"MASTER_PORT={raw!r} is not a port number")
+        raise KeelError(MASTER_PORT_UNUSABLE, f"MASTER_PORT={raw!r} is not a port number",
+                        f"run `export MASTER_PORT={free_port()}` (a port free here now), or `unset MASTER_PORT` to let "
+                        "keel choose one")
     return int(raw)
 
 
@@ -40,7 +42,9 @@ def rendezvous_port(wanted: int | None) -> int:
         try:
             s.bind(("", wanted))
         except OSError as e:
-            raise KeelError(MASTER_PORT_UNUSABLE, f"MASTER_PORT={wanted} is taken on rank 0's node ({e.strerror})") from None
+            raise KeelError(MASTER_PORT_UNUSABLE, f"MASTER_PORT={wanted} is taken on rank 0's node ({e.strerror})",
+                            f"run `export MASTER_PORT={free_port()}` (a port free here now), or `unset MASTER_PORT` "
+                            "to let keel choose one") from None
     return wanted
 
 

@@ -280,8 +280,8 @@ def require_reachable(address: str, timeout_s: float = 5.0) -> None:
             return
     except (OSError, ValueError) as e:
         raise KeelError(RAY_MISSING, f"nothing answers at RAY_ADDRESS={address} ({e})",
-                        "start the head node (`ray start --head`) and set RAY_ADDRESS to its host:6379, "
-                        "or unset RAY_ADDRESS to let keel start a local Ray instance") from None
+                        "run `unset RAY_ADDRESS` to let keel start a Ray instance on this machine, or start the "
+                        "head node there (`ray start --head`) and set RAY_ADDRESS to its host:6379") from None
 
 
 def _reserve(ray, devices: Devices, count: int):

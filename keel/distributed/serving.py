@@ -19,6 +19,7 @@ from torch.profiler import record_function
 from keel.distributed.dist import memory_reading
 from keel.distributed.faults import maybe_inject
 from keel.errors import COMPILE_FAILED, KeelError
+from keel.errors.fixes import overrides
 
 
 @dataclass
@@ -26,6 +27,15 @@ class Reply:
     result: Any
     memory: dict[str, float]   # memory_reading after the call: rss_gb, and gpu_*_gb on a GPU
     seconds: float             # the call's own time on the worker
+
+
+def _eager_fix(method: str) -> str:
+    """Training compiles the decoder layers (actor.use_torch_compile); generation may run them, or the
+    native engine's own compiled decode step (rollout.enforce_eager)."""
+    keys = {"actor_rollout_ref.actor.use_torch_compile": False}
+    if method == "generate":
+        keys["actor_rollout_ref.rollout.enforce_eager"] = True
+    return f"set {overrides(keys)} (the same numbers uncompiled, slower)"
 
 
 class ServedWorker:
@@ -48,7 +58,7 @@ class ServedWorker:
         except Exception as error:
             if is_compile_error(error):
                 raise KeelError(COMPILE_FAILED, f"torch.compile failed in {method}: "
-                                f"{_first_lines(str(error))}") from error
+                                f"{_first_lines(str(error))}", _eager_fix(method)) from error
             raise
         self.phase = "idle"
         return Reply(result, memory_reading(self.device), time.perf_counter() - start)

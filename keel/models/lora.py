@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from keel.errors import LORA_TARGETS, KeelError
+from keel.errors.fixes import overrides, setting
 
 ALL_LINEAR = "all-linear"
 
@@ -52,21 +53,23 @@ def plan_lora(model: nn.Module, rank: int, target_modules: list[str], exclude_mo
     tied = getattr(model.config, "tie_word_embeddings", False)
     outside = sorted(wanted - set(linears))
     if set(outside) & {"lm_head", "embed_tokens"} and tied:
+        kept = [t for t in target_modules if t not in outside] or [ALL_LINEAR]
         raise KeelError(LORA_TARGETS, f"{key}.target_modules names {outside}: with tied embeddings an adapter on "
-                        "lm_head or the embedding would untie them", f"remove {outside} from {key}.target_modules")
+                        "lm_head or the embedding would untie them", f"set {setting(key + '.target_modules', kept)}")
     if outside:
         raise KeelError(LORA_TARGETS, f"{key}.target_modules={target_modules} names {outside}, which this model's "
                         f"decoder layers do not have; they have {sorted(linears)}",
-                        f"use {ALL_LINEAR}, or names from {sorted(linears)}")
+                        f"set {setting(key + '.target_modules', ALL_LINEAR)}, or names from {sorted(linears)}")
     targets = sorted(wanted - excluded)
     if not targets:
         raise KeelError(LORA_TARGETS, f"{key}.target_modules={target_modules} (exclude_modules={exclude_modules}) "
                         f"matches none of this model's linear layers {sorted(linears)}: nothing would train",
-                        f"use {ALL_LINEAR}")
+                        f"set {overrides({key + '.target_modules': ALL_LINEAR, key + '.exclude_modules': []})}")
     if len(targets) < len(linears):
         raise KeelError(LORA_TARGETS, f"{key}: adapters on {targets} only; each decoder layer also has "
                         f"{sorted(set(linears) - set(targets))}, which would train nothing",
-                        f"use {key}.target_modules={ALL_LINEAR} (every projection of every layer), or list them all")
+                        f"set {overrides({key + '.target_modules': ALL_LINEAR, key + '.exclude_modules': []})} (every "
+                        "projection of every layer), or list them all")
     per_target = sum(rank * (m.in_features + m.out_features) for leaf in targets for name in linears[leaf]
                      for m in [model.get_submodule(name)])
     saved = sum(p.numel() for name, p in model.named_parameters()

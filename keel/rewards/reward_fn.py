@@ -11,6 +11,7 @@ import torch
 
 from keel.errors import (MISSING_GROUND_TRUTH, NO_SCORER, REWARD_FN_LOAD, REWARD_NOT_NUMBER, SCORER_RAISED,
                          SCORER_TIMEOUT, TOO_MANY_NOT_SCORED, KeelError, SkipStep)
+from keel.errors.fixes import closest, nearby_file, setting
 from keel.rewards.contract import verl_extra_info
 from keel.rewards.executor import ScoringPool
 from keel.rewards.sandbox import require_jail
@@ -25,16 +26,22 @@ def load_custom_reward_fn(path: str, name: str, reward_kwargs: dict | None = Non
     `reward_kwargs` bound to every call."""
     file = Path(path)
     if not file.is_file():
-        raise KeelError(REWARD_FN_LOAD, f"custom_reward_function.path={path!r} does not exist")
+        found = nearby_file(path, (".py",))
+        raise KeelError(REWARD_FN_LOAD, f"custom_reward_function.path={path!r} does not exist",
+                        f"set {setting('custom_reward_function.path', found)} (the file there named most like it)"
+                        if found else None)
     try:
         module = load_module(path)
     except Exception as e:  # the user's file: any import-time error is theirs to fix
         raise KeelError(REWARD_FN_LOAD, f"importing {path} failed: {type(e).__name__}: {e}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
-        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)  # its own, not what it imported
+        near = closest(name, found) or (found[0] if len(found) == 1 else None)
         raise KeelError(REWARD_FN_LOAD, f"{path} has no function {name!r} (it defines: {found})",
-                        f"set custom_reward_function.name to one of {found}")
+                        f"set {setting('custom_reward_function.name', near)}" if near
+                        else f"set custom_reward_function.name to one of {found}")
     return functools.partial(fn, **reward_kwargs) if reward_kwargs else fn
 
 
@@ -106,8 +113,9 @@ class RewardScorer:
             raise KeelError(
                 NO_SCORER,
                 f"no scorer for data_source={data_source!r}; built-in ones serve {sorted(DATA_SOURCE_SCORERS)}",
-                "set custom_reward_function.path to a file with compute_score(data_source, solution_str, "
-                "ground_truth, extra_info), map the source in reward.scorers, or set data_source to a built-in one")
+                f"set {setting(f'reward.scorers.{data_source}.exact_match', 1.0)} (1 when the response is the row's "
+                "ground truth, else 0), or set custom_reward_function.path to a file with compute_score(data_source, "
+                "solution_str, ground_truth, extra_info)")
         return {name: (("builtin", name), 1.0)}
 
     def check_records(self, records: list) -> None:
@@ -119,8 +127,11 @@ class RewardScorer:
                 needs_truth.add(source)
         missing = [r.index for r in records if r.data_source in needs_truth and r.ground_truth is None]
         if missing:
+            sources = sorted(needs_truth & {r.data_source for r in records if r.ground_truth is None})
             raise KeelError(MISSING_GROUND_TRUTH, f"{len(missing)} rows (first: row {missing[0]}) have no "
-                            "reward_model.ground_truth, which the built-in scorers compare against")
+                            "reward_model.ground_truth, which the built-in scorers compare against",
+                            f"add \"reward_model\": {{\"ground_truth\": ...}} to the rows of data_source {sources} "
+                            "(each row's right answer), or score them with your own custom_reward_function")
         if self.runs_model_code(records):
             require_jail(self.sandbox_require)
 
@@ -145,7 +156,7 @@ class RewardScorer:
             log.warning("%d of %d samples not scored (first: %s); reward.on_error=%s", len(failed), len(records),
                         failed[0][1], on_error)
         if failed and on_error == "raise":
-            raise _scoring_error(records[failed[0][0]], failed[0][1], response_texts[failed[0][0]])
+            raise _scoring_error(records[failed[0][0]], failed[0][1], response_texts[failed[0][0]], self.timeout_s)
         totals = [sum(weight * res.values[name] for name, (_, weight) in w.items()) if res.values else 0.0
                   for res, w in zip(results, weights)]
         scores = torch.tensor(totals, dtype=torch.float32)
@@ -161,7 +172,10 @@ class RewardScorer:
             self._skip_if_nonfinite(failed, len(records), may_skip)
             raise KeelError(TOO_MANY_NOT_SCORED, f"{len(failed)} of {len(records)} samples could not be scored "
                             f"(over reward.max_not_scored_ratio={self.max_not_scored_ratio}); first reason: "
-                            f"{failed[0][1]} (data_source={records[failed[0][0]].data_source!r})")
+                            f"{failed[0][1]} (data_source={records[failed[0][0]].data_source!r})",
+                            "fix the scorer for the reason named; if such failures are expected, set "
+                            + setting("reward.max_not_scored_ratio", min(1.0, round(2 * len(failed) / len(records), 1)))
+                            + " (twice this batch's share)")
         return ScoreResult(scores, scored, [res.reason for res in results], metrics,
                            [res.extras or {} for res in results])
 
@@ -234,12 +248,14 @@ class RewardScorer:
             self.reward_model.shutdown()
 
 
-def _scoring_error(record, reason: str, response: str) -> KeelError:
+def _scoring_error(record, reason: str, response: str, timeout_s: float | None = None) -> KeelError:
     where = f"data_source={record.data_source!r}, response {response[:60]!r}"
     if reason.startswith("not a number"):
         return KeelError(REWARD_NOT_NUMBER, f"the reward function returned {reason[len('not a number: '):]} ({where})")
     if reason.startswith("timeout"):
-        return KeelError(SCORER_TIMEOUT, f"scoring took longer than reward.timeout_s ({where})")
+        return KeelError(SCORER_TIMEOUT, f"scoring took longer than reward.timeout_s={timeout_s} ({where})",
+                         f"set {setting('reward.timeout_s', 10 * timeout_s)} if the scorer is just slow, or make "
+                         "it faster" if timeout_s else None)
     return KeelError(SCORER_RAISED, f"the scorer {reason} ({where})")
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from keel.errors import SANDBOX_INCOMPLETE, KeelError
+from keel.errors.fixes import setting
 from keel.rewards.bwrap import AS_NOBODY, IN_USER_NAMESPACE, NO_JAIL, Finished, Limits, run_jailed
 
 log = logging.getLogger("keel")
@@ -196,6 +197,17 @@ def jail() -> Jail:
 ISOLATION = ("filesystem", "network", "processes", "user")  # what reward.sandbox.require=isolation needs
 
 
+def _jail_fix(found: Jail) -> str:
+    """What this machine can give: the isolation level when it has that; else bubblewrap, else namespaces."""
+    if all(found.protections[name] for name in ISOLATION):
+        return (f"set {setting('reward.sandbox.require', 'isolation')} (every isolation protection holds here; "
+                f"missing: {', '.join(found.missing())})")
+    how = ("install bubblewrap: `apt-get install bubblewrap`" if shutil.which("bwrap") is None else
+           "run where user and mount namespaces are allowed (a VM, or a container with --security-opt "
+           "seccomp=unconfined)")
+    return f"{how}; or {setting('reward.sandbox.require', 'none')} runs model code unfenced, at your risk"
+
+
 def require_jail(required: str) -> Jail:
     """This machine's jail, before any model-written code runs. `reward.sandbox.require`: `all`
     protections, the `isolation` ones (the default: model code never runs unfenced), or `none`.
@@ -206,6 +218,6 @@ def require_jail(required: str) -> Jail:
     message = f"the code sandbox runs without: {', '.join(found.missing())} ({found.why_not})"
     needed = {"all": list(PROTECTIONS), "isolation": ISOLATION, "none": ()}[required]
     if any(not found.protections[name] for name in needed):
-        raise KeelError(SANDBOX_INCOMPLETE, f"{message}; reward.sandbox.require={required}")
+        raise KeelError(SANDBOX_INCOMPLETE, f"{message}; reward.sandbox.require={required}", _jail_fix(found))
     log.warning("%s; reward.sandbox.require=all refuses to run like this", message)
     return found

@@ -27,12 +27,13 @@ def make_rollout_engine(rollout_cfg, model, tokenizer, device: torch.device, dty
     reason = unsupported_reason(model.config) if rollout_cfg.name != "hf" else None
     if rollout_cfg.name == "native" and reason:
         raise KeelError(INCOMPATIBLE_OPTIONS, f"actor_rollout_ref.rollout.name=native does not support this model: "
-                        f"{reason}", "set actor_rollout_ref.rollout.name=auto (falls back to hf) or hf")
+                        f"{reason}", "set `actor_rollout_ref.rollout.name=hf`, or auto (which falls back to hf)")
     if (rollout_cfg.name == "hf" or reason) and will_be_sharded and lora:
         why = f"native does not support this model ({reason})" if reason else "rollout.name=hf"
         raise KeelError(INCOMPATIBLE_OPTIONS, f"LoRA on a sharded policy needs the native rollout engine, and {why}",
-                        "train on one worker (trainer.n_gpus_per_node=1), replicate the policy instead of sharding "
-                        "it (actor_rollout_ref.actor.fsdp_config.fsdp_size=1), or set lora_rank=0")
+                        "replicate the policy instead of sharding it: "
+                        "`actor_rollout_ref.actor.fsdp_config.fsdp_size=1`, or train on one worker "
+                        "(`trainer.n_gpus_per_node=1`), or `actor_rollout_ref.model.lora_rank=0`")
     if rollout_cfg.name == "hf" or reason:
         if log_choice:
             log.info("rollout engine: hf (%s)", f"native does not support {reason}" if reason else "rollout.name=hf")

@@ -7,6 +7,7 @@ import torch
 
 from keel.algorithms.groups import groups_with_signal
 from keel.errors import FILTER_GROUPS_EXHAUSTED, KeelError
+from keel.errors.fixes import setting
 from keel.training.batching import concat_rows
 from keel.types import RolloutBatch
 
@@ -22,6 +23,16 @@ def signal_values(batch: RolloutBatch, metric: str) -> torch.Tensor:
 GROUP_ID_STRIDE = 1 << 40  # past any dataset's row indices
 
 
+def _more_batches_fix(groups: int, calls: int, prompts_wanted: int) -> str | None:
+    """Twice the generation batches this share of prompts with a signal needs; None when no prompt had
+    one (more batches of the same would not either: the scorer or the data is the fix)."""
+    if not groups:
+        return None
+    needed = -(-prompts_wanted * calls // groups)
+    return (f"set {setting('algorithm.filter_groups.max_num_gen_batches', 2 * needed)} (twice the {needed} batches "
+            f"{groups} prompts with a signal in {calls} suggest)")
+
+
 def fill_with_signal(next_scored_batch, prompts_wanted: int, metric: str, max_batches: int,
                      pad_token_id: int) -> tuple[RolloutBatch, dict[str, float]]:
     """`next_scored_batch(call)` -> a generated, scored batch, called until `prompts_wanted` prompts
@@ -33,7 +44,8 @@ def fill_with_signal(next_scored_batch, prompts_wanted: int, metric: str, max_ba
         if max_batches and calls >= max_batches:
             raise KeelError(FILTER_GROUPS_EXHAUSTED, f"{groups} of {prompts_wanted} prompts had samples that scored "
                             f"differently after {calls} generation batches (algorithm.filter_groups."
-                            f"max_num_gen_batches={max_batches}, metric {metric})")
+                            f"max_num_gen_batches={max_batches}, metric {metric})",
+                            _more_batches_fix(groups, calls, prompts_wanted))
         batch = next_scored_batch(calls)
         # A prompt drawn again in a later generation batch (an epoch boundary) is another group.
         batch.group_index = batch.group_index + calls * GROUP_ID_STRIDE

@@ -20,7 +20,7 @@ from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptRecord, build_prompt_dataset, load_rows
 from keel.data.sampler import ResumableSampler
 from keel.errors import DATA_EMPTY, KeelError
-from keel.errors.fixes import whole_batches
+from keel.errors.fixes import setting, whole_batches
 from keel.distributed.group import LocalGroup
 from keel.distributed.pools import RewardModelPool, role_group
 from keel.distributed.worker import RoleWorker, WorkerSpec
@@ -164,7 +164,10 @@ def build_reward(cfg: KeelConfig) -> RewardScorer:
     if r.service.url:
         s = r.service
         service = RewardServiceClient(s.url, s.timeout_s, s.retry_times, s.retry_delay_s, s.token)
-        service.check_health()
+        try:
+            service.check_health()
+        except KeelError as e:  # the client does not know the scorer; the config names the one to serve
+            raise KeelError(e.code, e.message, serve_fix(cfg)) from None
     reward_model = None
     if rm.enable and rm.enable_resource_pool:
         reward_model = RewardModelPool.of(cfg)
@@ -179,6 +182,17 @@ def build_reward(cfg: KeelConfig) -> RewardScorer:
     return RewardScorer(scorer, r.scorers, r.overlong_buffer, cfg.data.max_response_length, r.on_error,
                         r.max_not_scored_ratio, r.timeout_s, r.num_workers, custom.batched, reward_model, service,
                         r.sandbox.require, cfg.trainer.guards.nonfinite)
+
+
+def serve_fix(cfg: KeelConfig) -> str:
+    """The command that serves the config's scorer where reward.service.url points."""
+    from urllib.parse import urlparse
+
+    url, custom = urlparse(cfg.reward.service.url), cfg.custom_reward_function
+    scorer = f"--custom {custom.path}:{custom.name}" if custom.path else "--scorer exact_match"
+    token = " --token TOKEN (reward.service.token's)" if cfg.reward.service.token else ""
+    start = f"keel reward-server {scorer} --host {url.hostname} --port {url.port or 80}"
+    return (f"start the service: `{start}`{token}, or {setting('reward.service.url', None)} to score in this process")
 
 
 def needs_baseline_rollout(cfg: KeelConfig) -> bool:

@@ -30,11 +30,12 @@ def load_interactions(path: str | Path) -> dict[str, object]:
     build is an error naming its entry, before any model loads."""
     import yaml
 
-    from keel.rollout.agent.tools import resolve_class
+    from keel.rollout.agent.tools import missing_config_fix, resolve_class
 
     path = Path(path)
     if not path.is_file():
-        raise KeelError(TOOL_CONFIG, f"{KEY}={str(path)!r} does not exist", "point it at verl's interaction config YAML")
+        raise KeelError(TOOL_CONFIG, f"{KEY}={str(path)!r} does not exist",
+                        missing_config_fix(str(path), KEY, "verl's interaction config YAML"))
     loaded = yaml.safe_load(path.read_text())
     entries = loaded.get("interaction") if isinstance(loaded, dict) else None
     if not isinstance(entries, list) or not entries:

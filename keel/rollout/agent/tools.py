@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from keel.errors import TOOL_CONFIG, KeelError
+from keel.errors.fixes import closest, nearby_file, setting
 
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 
@@ -179,12 +180,20 @@ def load_tool_config(path: str | Path) -> list[Tool]:
     path = Path(path)
     if not path.is_file():
         raise KeelError(TOOL_CONFIG, f"actor_rollout_ref.rollout.multi_turn.tool_config_path={str(path)!r} does not "
-                        "exist", "point it at verl's tool config YAML, or a Python file of @tool functions")
+                        "exist", missing_config_fix(str(path), "actor_rollout_ref.rollout.multi_turn.tool_config_path",
+                                                    "verl's tool config YAML, or a Python file of @tool functions"))
     tools = _tools_of_file(path) if path.suffix == ".py" else _tools_of_yaml(path, yaml.safe_load(path.read_text()))
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise KeelError(TOOL_CONFIG, f"{path}: two tools share a name in {names}", "give every tool its own name")
     return tools
+
+
+def missing_config_fix(missing: str, key: str, what: str) -> str:
+    """A file there is, named like the missing one; else what the key takes."""
+    found = nearby_file(missing, (".yaml", ".yml", ".py"))
+    return (f"set {setting(key, found)} (the file there named most like it)" if found
+            else f"point {key} at {what}")
 
 
 def _load_file(path: Path):
@@ -235,9 +244,11 @@ def resolve_class(class_name: str, where: str, directory: Path, method: str = "e
     if not (isinstance(cls, type) and callable(getattr(cls, method, None))):
         verl = " (a verl tool: keel runs keel.tools.Calculator or your own classes)" if class_name.startswith(
             "verl.") else ""
-        raise KeelError(TOOL_CONFIG, f"{where}: {class_name!r} names no class with the method {method}(): {reason}{verl}",
-                        f"use one of {sorted(BUILTIN)}, file.py:Class, or an importable module.Class with a "
-                        f"{method} method")
+        near = closest(class_name, BUILTIN) if method == "execute" else None
+        raise KeelError(TOOL_CONFIG, f"{where}: {class_name!r} names no class with the method {method}(): "
+                        f"{reason}{verl}", (f"write class_name: {near} in {where.split(' ')[0]} (the built-in tool spelt like it)"
+                         if near else f"use one of {sorted(BUILTIN)}, file.py:Class, or an importable module.Class "
+                         f"with a {method} method"))
     return cls
 
 
