@@ -10,12 +10,11 @@ import logging
 import sys
 from pathlib import Path
 
-from keel.check.preflight import render, run_checks
+from keel.check.preflight import Report, render, render_brief, run_checks
 from keel.config.load import load_config
 from keel.config.schema import KeelConfig
 from keel.observe.log import ensure_console_logging
 from keel.trainer.rl import RLTrainer, RunResult
-from keel.trainer.setup import Inputs
 
 log = logging.getLogger("keel")
 
@@ -26,22 +25,24 @@ def train(config: str | Path | dict | KeelConfig | None = None,
     (unless `check=False`, which is logged), then train."""
     ensure_console_logging()
     cfg = load_config(config, overrides)
-    inputs = None
+    report = None
     if check:
-        inputs = preflight(cfg)
+        report = preflight(cfg)
     else:
         log.warning("keel check skipped: problems it would have caught will surface during the run")
         for line in [line for line in cfg.decided if "vLLM" in line] or cfg.decided[:1]:
             log.info("decided for you: %s (`keel check` lists all %d)", line, len(cfg.decided))
-    return RLTrainer(cfg, inputs).fit()
+    return RLTrainer(cfg, report.inputs if report else None, render(report) if report else None).fit()
 
 
-def preflight(cfg: KeelConfig) -> Inputs | None:
-    """Stop before any model weight is loaded if `keel check` finds a failure; returns what the
-    checks loaded, so the trainer does not load it again."""
+def preflight(cfg: KeelConfig) -> Report:
+    """Stop before any model weight is loaded if `keel check` finds a failure; returns its report,
+    whose inputs (what the checks loaded) the trainer does not load again. Prints the report in
+    brief: the whole of it goes to the run directory (check.txt)."""
     report = run_checks(cfg)
-    if "console" in cfg.trainer.logger or report.failures:
-        print(render(report), file=sys.stderr)
     if report.failures:
+        print(render(report), file=sys.stderr)
         raise report.first_error()
-    return report.inputs
+    if "console" in cfg.trainer.logger:
+        print(render_brief(report), file=sys.stderr)
+    return report

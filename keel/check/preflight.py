@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -309,6 +310,11 @@ CHECKS = [("tokenizer", check_tokenizer), ("model", check_model), ("data", check
 
 # --- what keel decided for you ----------------------------------------------------------------
 
+# The decisions that are not a verl key's (those follow them in `audit`), in the order printed.
+_GENERAL_DECISIONS = ("trainer.default_local_dir", "device", "compute dtype", "critic", "reference model",
+                      "clip range", "critic batching", "total training steps", "pad token", "loss_agg_mode")
+
+
 def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
     """Every value keel derived or overrode, so no change is silent."""
     from keel.models.load import resolve_device, resolve_dtype
@@ -351,6 +357,26 @@ def _verl_decisions(lines: list[str]) -> dict[str, str]:
         by_reason.setdefault(reason, []).append(key)
     return {(keys[0] if len(keys) == 1 else f"{keys[0]} and {len(keys) - 1} more"): reason
             for reason, keys in by_reason.items()}
+
+
+def render_brief(report: Report) -> str:
+    """What `keel train` prints before step 1: the verdict, every finding that is not ok, and what keel
+    decided in a few lines; `render` (saved as check.txt in the run directory) has the rest."""
+    marks = {WARN: "warn", FAIL: "FAIL", SKIP: "skip"}
+    counts = {level: sum(f.level == level for f in report.findings) for level in (PASS, WARN, FAIL)}
+    lines = [f"keel check: {counts[PASS]} passed, {counts[WARN]} warnings, {counts[FAIL]} failed"]
+    for f in report.findings:
+        if f.level != PASS:
+            lines.append(f"  [{marks[f.level]}] {f.check:<14} {f.message}" + (f"  ({f.code})" if f.code else ""))
+    general = {key: value for key, value in report.audit.items() if key in _GENERAL_DECISIONS}
+    verl = [key for key in report.audit if key not in _GENERAL_DECISIONS]
+    shown = [general[key].split(" (")[0] if key == "device" else f"{key} {general[key].split(';')[0]}"
+             for key in _GENERAL_DECISIONS if key in general and key != "trainer.default_local_dir"]
+    lines.append("decided for you: " + "; ".join(shown))
+    if verl:
+        lines += textwrap.wrap(f"{len(verl)} of verl's defaults or keys taken otherwise (check.txt says how and "
+                               f"why): {', '.join(verl)}", 110, initial_indent="  ", subsequent_indent="    ")
+    return "\n".join(lines)
 
 
 def render(report: Report) -> str:

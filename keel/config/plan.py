@@ -56,6 +56,21 @@ class BatchPlan:
         width = max(len(label) for label, _ in rows)
         return "batch plan\n" + "\n".join(f"  {label:<{width}}  {value}" for label, value in rows)
 
+    def summary(self) -> str:
+        """The plan in a few lines, as `keel train` prints it before step 1 (`render` is the table)."""
+        workers = f"{self.workers} worker{'s' if self.workers > 1 else ''}"
+        lines = [f"batch plan: {self.prompts_per_step} prompts x {self.samples_per_step // self.prompts_per_step} "
+                 f"samples = {self.samples_per_step} a step on {workers}, at most {self.max_tokens_per_step} tokens"]
+        for name, role in (("actor", self.actor), ("critic", self.critic)):
+            if role is None:
+                continue
+            micro = (f"{role.micro_batches_per_mini_batch} micro-batches" if role.micro_batches_per_mini_batch
+                     else f"micro-batches of at most {role.max_tokens_per_micro_batch} tokens")
+            lines.append(f"  {name}: {role.mini_batches} mini-batches of {role.samples_per_mini_batch} samples "
+                         f"({micro} each per worker), {role.optimizer_steps_per_rollout} optimiser steps a rollout")
+        lines.append(f"  old log-probs: {self.old_log_probs}")
+        return "\n".join(lines)
+
 
 def make_plan(cfg: KeelConfig) -> BatchPlan:
     n = cfg.actor_rollout_ref.rollout.n

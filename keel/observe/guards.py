@@ -40,6 +40,17 @@ def frac_reward_zero_std(scores: torch.Tensor, group_index: torch.Tensor) -> flo
     return flat / len(groups)
 
 
+class GuardWarning(str):
+    """A warning's text, and the kind it is counted as (`guards/warned_steps/<kind>`)."""
+
+    kind: str
+
+    def __new__(cls, kind: str, text: str) -> GuardWarning:
+        warning = super().__new__(cls, text)
+        warning.kind = kind
+        return warning
+
+
 class LearningSignalGuard:
     """Warns when a run is burning compute without a signal to learn from."""
 
@@ -50,39 +61,43 @@ class LearningSignalGuard:
         self.flat_steps = 0
         self.saw_all_zero = False
 
-    def __call__(self, step: int, metrics: dict[str, float]) -> list[str]:
+    def __call__(self, step: int, metrics: dict[str, float]) -> list[GuardWarning]:
         c, warnings = self.cfg, []
+
+        def warn(kind: str, text: str) -> None:
+            warnings.append(GuardWarning(kind, text))
+
         if self._first_all_zero(metrics):
-            warnings.append(f"every score of this batch is 0 although the model wrote answers (mean "
-                            f"{metrics['response_length/mean']:.1f} tokens): a task too hard for the model yet, or a "
-                            "reward function that never sees a right answer; compare samples.jsonl with the scorer "
-                            "(verl's contract: compute_score(data_source=, solution_str=, ground_truth=, extra_info=))")
+            warn("all_scores_zero", f"every score of this batch is 0 although the model wrote answers (mean "
+                 f"{metrics['response_length/mean']:.1f} tokens): a task too hard for the model yet, or a reward "
+                 "function that never sees a right answer; compare samples.jsonl with the scorer (verl's "
+                 "contract: compute_score(data_source=, solution_str=, ground_truth=, extra_info=))")
         flat = metrics.get("critic/score/max", 1.0) == metrics.get("critic/score/min", 0.0)
         if self.group_based:
             flat = flat or metrics.get("guards/frac_reward_zero_std", 0.0) == 1.0
         self.flat_steps = self.flat_steps + 1 if flat else 0
         if self.flat_steps >= c.zero_signal_steps:
-            warnings.append(f"no learning signal for {self.flat_steps} steps: every reward "
-                            f"{'in each group ' if self.group_based else ''}is the same "
-                            f"(score {metrics.get('critic/score/mean', 0):.3g}); check the scorer on samples.jsonl")
+            warn("no_signal", f"no learning signal for {self.flat_steps} steps: every reward "
+                 f"{'in each group ' if self.group_based else ''}is the same "
+                 f"(score {metrics.get('critic/score/mean', 0):.3g}); check the scorer on samples.jsonl")
         if not self.fixed_length and metrics.get("response_length/clip_ratio", 0.0) > c.max_clip_ratio:
-            warnings.append(f"{100 * metrics['response_length/clip_ratio']:.0f}% of responses hit "
-                            "data.max_response_length: their rewards score cut-off answers")
+            warn("responses_cut_off", f"{100 * metrics['response_length/clip_ratio']:.0f}% of responses hit "
+                 "data.max_response_length: their rewards score cut-off answers")
         if metrics.get("response_length/mean", c.min_response_length) < c.min_response_length:
-            warnings.append(f"responses average {metrics['response_length/mean']:.2f} tokens: the policy may "
-                            "have collapsed to emitting EOS")
+            warn("short_responses", f"responses average {metrics['response_length/mean']:.2f} tokens: the policy "
+                 "may have collapsed to emitting EOS")
         if metrics.get("actor/entropy", c.min_entropy) < c.min_entropy:
-            warnings.append(f"entropy {metrics['actor/entropy']:.3g} < {c.min_entropy}: the policy has "
-                            "collapsed; samples of a prompt are nearly identical")
+            warn("entropy_collapse", f"entropy {metrics['actor/entropy']:.3g} < {c.min_entropy}: the policy has "
+                 "collapsed; samples of a prompt are nearly identical")
         rejected = metrics.get("rollout_corr/rollout_rs_masked_fraction", 0.0)
         if rejected > 0.5:
-            warnings.append(f"rollout correction's rejection dropped {100 * rejected:.0f}% of the tokens from the "
-                            "losses: the sampler and the trainer disagree (rollout_corr/kl), or "
-                            "algorithm.rollout_correction.rollout_rs_threshold is too tight")
+            warn("rollout_rejection", f"rollout correction's rejection dropped {100 * rejected:.0f}% of the tokens "
+                 "from the losses: the sampler and the trainer disagree (rollout_corr/kl), or "
+                 "algorithm.rollout_correction.rollout_rs_threshold is too tight")
         for key in ("actor/ppo_kl", "actor/ref_kl"):
             if abs(metrics.get(key, 0.0)) > c.max_kl:
-                warnings.append(f"{key}={metrics[key]:.3g} > {c.max_kl}: the policy moved far in one step; "
-                                "lower the learning rate or the clip range")
+                warn(key.split("/")[1], f"{key}={metrics[key]:.3g} > {c.max_kl}: the policy moved far in one "
+                     "step; lower the learning rate or the clip range")
         return warnings
 
     def _first_all_zero(self, metrics: dict[str, float]) -> bool:

@@ -2,6 +2,7 @@
 
 import logging
 import sys
+from contextlib import contextmanager
 
 
 def ensure_console_logging() -> None:
@@ -13,3 +14,45 @@ def ensure_console_logging() -> None:
     handler.setFormatter(logging.Formatter("keel: %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+
+
+class SaidOnce(logging.Filter):
+    """A warning that repeats is printed once, saying so, then counted: a run's 30th "responses hit
+    max_response_length" buries the lines around it and tells nothing the first did not.
+
+    Warnings are the same when their format string is (`log.warning("%d of %d ...", ...)`), or
+    their `kind` (`extra={"kind": ...}`) when one format string carries many warnings."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+        self.first: dict[str, str] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        key = getattr(record, "kind", None) or str(record.msg)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        if self.counts[key] > 1:
+            return False
+        self.first[key] = record.getMessage()
+        record.msg, record.args = f"{self.first[key]} (said once; repeats are counted)", ()
+        return True
+
+    def summary(self) -> list[str]:
+        """A line per warning that repeated."""
+        return [f"said once, {n} times in all: {self.first[key]}" for key, n in self.counts.items() if n > 1]
+
+
+@contextmanager
+def warnings_said_once(logger: logging.Logger = logging.getLogger("keel")):
+    """Within the block, `logger`'s repeated warnings are counted instead of printed; at its end, a
+    line per warning that repeated."""
+    said_once = SaidOnce()
+    logger.addFilter(said_once)
+    try:
+        yield said_once
+    finally:
+        logger.removeFilter(said_once)
+        for line in said_once.summary():
+            logger.info(line)

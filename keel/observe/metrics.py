@@ -70,6 +70,21 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+def last_logged_metrics(path: Path, step: int) -> dict[str, float]:
+    """What metrics.jsonl holds for `step` (its training record and its validation): a finished run
+    asked to run again returns its last numbers, not an empty dict."""
+    metrics: dict[str, float] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line half-written when a process was killed
+                continue
+            if record.get("step") == step:
+                metrics.update({k: v for k, v in record.items() if k != "step"})
+    return metrics
+
+
 class MetricsLogger:
     def __init__(self, run_dir: Path, console: bool, total_steps: int, start_step: int, desc: str = "keel train",
                  trackers=None):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,12 +26,15 @@ from keel.data.prompts import PromptBatch, collate_prompts
 from keel.observe.guards import (LearningSignalGuard, SkipStep, check_log_prob_gap, check_finite,
                                  frac_reward_zero_std)
 from keel.trainer.hooks import load_hook, run_hooks
+from keel.training.threads import CpuThreads
 from keel.errors import RESUME_MISMATCH, KeelError
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
-from keel.observe.metrics import MetricsLogger, Timer
+from keel.observe.log import warnings_said_once
+from keel.observe.metrics import MetricsLogger, Timer, last_logged_metrics
 from keel.rollout.agent.metrics import agent_metrics
 from keel.trainer.dynamic_sampling import fill_with_signal
-from keel.trainer.setup import Components, Inputs, build_components, needs_baseline_rollout
+from keel.trainer.setup import (Components, Inputs, build_components, needs_baseline_rollout,
+                                trains_in_this_process_on_cpu)
 from keel.trainer.evaluate import evaluate
 from keel.types import RolloutBatch, SamplingParams
 
@@ -45,14 +49,17 @@ class RunResult:
 
 
 class RLTrainer:
-    def __init__(self, cfg: KeelConfig, inputs: Inputs | None = None):
+    def __init__(self, cfg: KeelConfig, inputs: Inputs | None = None, check_report: str | None = None):
+        """`check_report`: `keel check`'s whole report on this config, kept in the run directory."""
         self.cfg = cfg
+        self.check_report = check_report
         self.run_dir = Path(cfg.run_dir)
         self.resume_from = ckpt.resume_point(self.run_dir, cfg)
         self.hooks = [load_hook(spec) for spec in cfg.trainer.hooks]
         self.guard = LearningSignalGuard(cfg.trainer.guards, cfg.algorithm.adv_estimator in GROUP_ESTIMATORS,
                                          cfg.actor_rollout_ref.rollout.ignore_eos)
         self.skipped_steps = 0
+        self.warned_steps: dict[str, int] = {}  # kind -> steps that warned of it
         start_from = self.resume_from / "actor" if self.resume_from else None
         self.components: Components = build_components(cfg, start_from, inputs)
         rollout = cfg.actor_rollout_ref.rollout
@@ -68,31 +75,41 @@ class RLTrainer:
     def fit(self) -> RunResult:
         self._open_run_dir()
         logger = MetricsLogger.for_run(self.cfg, self.run_dir, self.components.total_steps, self.step)
-        logger.write(f"resolved config (saved to {self.run_dir / 'config.yaml'}):\n{to_yaml(self.cfg)}")
-        logger.write(make_plan(self.cfg).render())
+        logger.write(make_plan(self.cfg).summary())
+        logger.write(f"run directory: {self.run_dir} (config.yaml: the resolved config; batch_plan.json"
+                     f"{'; check.txt: the whole of keel check' if self.check_report else ''})")
         metrics: dict[str, float] = {}
+        threads = CpuThreads() if trains_in_this_process_on_cpu(self.cfg) else None
         try:
-            if self.step == 0 and self.components.val_data and self.cfg.trainer.val_before_train:
-                logger.log(0, self._evaluate(logger))
-            if self.step >= self.components.total_steps:
-                log.info("the run is already at step %d of %d: nothing to do (raise "
-                         "trainer.total_training_steps to continue it)", self.step, self.components.total_steps)
-            while self.step < self.components.total_steps:
-                self.step += 1
-                metrics = self.guarded_step(logger)
-                if self._validation_due():
-                    metrics.update(self._evaluate(logger))
-                logger.log(self.step, metrics)
-                if self._due(self.cfg.trainer.save_freq) or self.step == self.components.total_steps:
-                    self.save()
+            with warnings_said_once():
+                if self.step == 0 and self.components.val_data and self.cfg.trainer.val_before_train:
+                    logger.log(0, self._evaluate(logger))
+                if self.step >= self.components.total_steps:
+                    log.info("the run is already at step %d of %d: nothing to do (raise "
+                             "trainer.total_training_steps to continue it)", self.step, self.components.total_steps)
+                    metrics = last_logged_metrics(self.run_dir / "metrics.jsonl", self.step)
+                while self.step < self.components.total_steps:
+                    self.step += 1
+                    cpu_threads = threads.adjust() if threads else None  # for the cores left free
+                    metrics = self.guarded_step(logger)
+                    if cpu_threads:
+                        metrics["perf/cpu_threads"] = float(cpu_threads)
+                    if self._validation_due():
+                        metrics.update(self._evaluate(logger))
+                    logger.log(self.step, metrics)
+                    if self._due(self.cfg.trainer.save_freq) or self.step == self.components.total_steps:
+                        self.save()
         finally:
+            if threads:
+                threads.close()
             logger.close()
             self.components.reward.shutdown()
             self.components.workers.shutdown()
         return RunResult(self.run_dir, self.step, metrics)
 
     def guarded_step(self, logger: MetricsLogger) -> dict[str, float]:
-        """One step, then keel's guards (every step) and the user's hooks (every hook_freq steps)."""
+        """One step, then keel's guards (every step) and the user's hooks (every hook_freq steps).
+        A warning that repeats is printed once and counted (`guards/warned_steps/<kind>`)."""
         try:
             metrics, batch = self.train_step(logger)
         except SkipStep:  # trainer.guards.nonfinite=skip: the step is dropped, counted, never silent
@@ -102,9 +119,13 @@ class RLTrainer:
         if self.hooks and self._due(self.cfg.trainer.hook_freq):
             warnings += run_hooks(self.hooks, self.step, metrics, batch)
         for warning in warnings:
-            log.warning("step %d: %s", self.step, warning)
+            kind = getattr(warning, "kind", "hook")  # a hook's warnings are told apart by their words
+            self.warned_steps[kind] = self.warned_steps.get(kind, 0) + 1
+            log.warning("step %d: %s", self.step, warning,
+                        extra={"kind": kind if kind != "hook" else re.sub(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?", "#", warning)})
         metrics["guards/warnings"] = float(len(warnings))
         metrics["guards/skipped_steps"] = float(self.skipped_steps)
+        metrics.update({f"guards/warned_steps/{kind}": float(n) for kind, n in self.warned_steps.items()})
         return metrics
 
     def train_step(self, logger: MetricsLogger) -> tuple[dict[str, float], RolloutBatch]:
@@ -324,6 +345,8 @@ class RLTrainer:
             log.info("resumed from %s at step %d", self.resume_from, self.step)
         ckpt.init_run_dir(self.run_dir, to_yaml(self.cfg), self.step if self.resume_from else None)
         (self.run_dir / "batch_plan.json").write_text(json.dumps(make_plan(self.cfg).as_dict(), indent=2))
+        if self.check_report:
+            (self.run_dir / "check.txt").write_text(self.check_report + "\n")
 
     def save(self) -> Path:
         parts = self.components
