@@ -15,7 +15,7 @@ from importlib import metadata
 
 from packaging.version import Version
 
-from keel.errors import (CUDA_DRIVER_TOO_OLD, GPU_ARCH_UNSUPPORTED, LOW_DISK, PACKAGE_VERSION,
+from keel.errors import (CUDA_DRIVER_TOO_OLD, GPU_ARCH_UNSUPPORTED, LOW_DISK, MIN_TORCH, PACKAGE_VERSION,
                          SANDBOX_INCOMPLETE, TORCH_UNSUPPORTED)
 from keel.check.findings import FAIL, PASS, WARN
 from keel.rewards.sandbox import jail
@@ -31,6 +31,7 @@ class Check:
     level: str
     detail: str
     code: str | None = None
+    fix: str | None = None  # what to run, for a failure
 
 
 def check_python(version: tuple[int, int]) -> Check:
@@ -41,24 +42,25 @@ def check_python(version: tuple[int, int]) -> Check:
 
 def check_torch(version: str) -> Check:
     v = Version(version.split("+")[0])
-    if (v.major, v.minor) == (2, 3):
-        # FSDP in torch 2.3 can leave gradients None after backward: the loss moves, nothing learns.
-        return Check("torch", FAIL, f"{version}: 2.3.x has the FSDP gradient bug; use >= 2.4", TORCH_UNSUPPORTED)
-    if v < Version("2.4"):
-        return Check("torch", FAIL, f"{version}: keel needs >= 2.4", TORCH_UNSUPPORTED)
+    if v < Version(MIN_TORCH):
+        # FSDP2's fully_shard; torch 2.3's FSDP could also leave gradients None: the loss moves, nothing learns
+        bug = "; 2.3.x has the FSDP gradient bug" if (v.major, v.minor) == (2, 3) else ""
+        return Check("torch", FAIL, f"{version}: keel needs >= {MIN_TORCH}{bug}", TORCH_UNSUPPORTED,
+                     f"`pip install 'torch>={MIN_TORCH}'` (a build for the CUDA the driver supports)")
     return Check("torch", PASS, version)
 
 
 def check_package(name: str, version: str | None) -> Check:
     low, high = SUPPORTED[name]
+    install = f"`pip install '{name}>={low}" + (f",<{high}" if high else "") + "'`"
     if version is None:
         level = WARN if name == "peft" else FAIL
         return Check(name, level, "not installed" + (" (needed for LoRA only)" if name == "peft" else ""),
-                     None if level == WARN else PACKAGE_VERSION)
+                     None if level == WARN else PACKAGE_VERSION, install)
     v = Version(version)
     if v < Version(low) or (high and v >= Version(high)):
         return Check(name, FAIL, f"{version}: keel supports >= {low}" + (f", < {high}" if high else ""),
-                     PACKAGE_VERSION)
+                     PACKAGE_VERSION, install)
     return Check(name, PASS, version)
 
 
@@ -150,7 +152,9 @@ def collect(path: str = ".") -> list[Check]:
 def render(checks: list[Check]) -> str:
     marks = {PASS: "ok  ", WARN: "warn", FAIL: "FAIL"}
     lines = [f"keel doctor ({platform.node()}, {platform.platform()})"]
-    lines += [f"  [{marks[c.level]}] {c.name:<12} {c.detail}" + (f"  ({c.code})" if c.code else "") for c in checks]
+    for c in checks:
+        lines.append(f"  [{marks[c.level]}] {c.name:<12} {c.detail}" + (f"  ({c.code})" if c.code else ""))
+        lines += [f"         fix: {c.fix}"] if c.fix and c.level != PASS else []
     fails = sum(c.level == FAIL for c in checks)
     warns = sum(c.level == WARN for c in checks)
     lines.append(f"{len(checks) - fails - warns} passed, {warns} warnings, {fails} failed")

@@ -6,12 +6,14 @@ UNKNOWN_KEY = register(
     "KEEL-C001", "Unknown configuration key",
     "A key in the YAML file or a command-line override is not part of keel's configuration; "
     "other frameworks ignore such keys silently, so a misspelt key would never take effect.",
-    "Correct the spelling to the suggested key, or remove it; docs/config.md lists every key.")
+    "Write the suggested key in place of the misspelt one (the fix line gives `right.key=value`), or remove "
+    "the key; docs/config.md lists every key.")
 BAD_VALUE = register(
     "KEEL-C002", "Configuration value of the wrong type or out of range",
     "A configuration value cannot be converted to the key's type, is outside its allowed range, "
     "or is not one of the allowed choices.",
-    "Set the key to a value of the type and range the message names.")
+    "Set the value the fix line names: the nearest value allowed, the choice spelt like the one given, or the "
+    "key's default; docs/config.md gives each key's type and range.")
 BAD_OVERRIDE = register(
     "KEEL-C003", "Malformed command-line override",
     "Overrides are written `section.key=value`; this one has no `=` or an empty key.",
@@ -20,47 +22,55 @@ BATCH_ARITHMETIC = register(
     "KEEL-C004", "Batch sizes do not divide",
     "The batch plan needs samples per step to split evenly into mini-batches and mini-batches "
     "into micro-batches; otherwise some samples would be silently dropped or reused.",
-    "Change the batch sizes so each divides the one above it; the message gives the numbers.",
+    "Set the size the fix line names (the nearest divisor: `actor_rollout_ref.actor.ppo_mini_batch_size=2` for "
+    "data.train_batch_size=4 and a mini-batch of 3), so each size divides the one above it.",
     ("data.train_batch_size", "actor_rollout_ref.rollout.n",
      "actor_rollout_ref.actor.ppo_mini_batch_size",
      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"))
 CONFIG_FILE = register(
     "KEEL-C005", "Configuration file missing or not valid YAML",
     "The configuration path does not exist, cannot be read, or is not a YAML mapping.",
-    "Pass the path of a YAML file whose top level is a mapping of sections.")
+    "Pass the path of an existing YAML file whose top level is a mapping of sections; for a missing file the "
+    "fix line names the YAML file beside it spelt most like it.")
 INCOMPATIBLE_OPTIONS = register(
     "KEEL-C006", "Options that cannot be used together",
     "Two settings contradict each other, e.g. an advantage estimator that needs a critic with "
     "no critic configured, or a KL loss with no reference model.",
-    "Change one of the settings the message names.")
+    "Set the value the fix line names for one of the two settings (e.g. `algorithm.critic_warmup=0` when "
+    "there is no critic).")
 RESUME_PATH = register(
     "KEEL-C007", "Resume checkpoint not found or incomplete",
     "`trainer.resume_mode` names a checkpoint directory that does not exist or has no "
     "completion marker (it was being written when a run stopped).",
-    "Point `trainer.resume_mode` at a complete `global_step_<N>` directory, or use `auto`/`disable`.",
+    "Set `trainer.resume_mode` to a complete `global_step_<N>` directory (the fix line names the newest there "
+    "is), or `trainer.resume_mode=auto` (the run's newest complete checkpoint, or a fresh start).",
     ("trainer.resume_mode",))
 RESUME_MISMATCH = register(
     "KEEL-C008", "Checkpoint does not match the current config or data",
-    "The run directory holds a checkpoint from a run with a different dataset size, batch size or "
-    "set of models (e.g. a critic); continuing from it would not be the same run.",
-    "Resume with the config the checkpoint was made with, set `trainer.resume_mode=disable` to "
-    "start fresh in this directory, or choose another `trainer.experiment_name`.",
-    ("trainer.resume_mode", "trainer.default_local_dir"))
+    "The run directory (trainer.default_local_dir, by default checkpoints/<project>/<experiment>) holds a "
+    "checkpoint of a run with other settings (a learning rate, LoRA, the dataset, a critic), which "
+    "`trainer.resume_mode=auto` would resume; continuing it with these settings would not be the same run.",
+    "Start the new run in a directory that does not exist yet: `trainer.experiment_name=<a new name>` (or "
+    "`trainer.default_local_dir=<a new directory>` when the config sets it); the fix line names a free one. Or "
+    "resume with the checkpoint's settings: set back the keys the message lists as changed (the fix line gives "
+    "their old values). `trainer.resume_mode=disable` does not help: a fresh run is refused where checkpoints are.",
+    ("trainer.experiment_name", "trainer.default_local_dir", "trainer.resume_mode"))
 DEMO_DIR = register(
     "KEEL-C009", "Demo output directory holds something else",
     "`keel demo` clears and reuses only directories it made itself (they contain keel_demo.json); "
     "the directory given exists, is not empty and was not made by the demo.",
-    "Pass another directory with `keel demo --out DIR`, or empty this one.")
+    "Pass a directory that does not exist yet with `keel demo --out DIR`, or empty this one.")
 EXPORT_TARGET = register(
     "KEEL-C010", "Export target exists and is not an earlier export",
     "`keel export` writes a new directory; it never deletes a directory it did not write itself "
     "(one without keel_export.json), since that could be a run directory or your own files.",
-    "Pass a new or empty output directory.")
+    "Pass an output directory that does not exist yet: the fix line gives `keel export CHECKPOINT NEW_DIR`.")
 NOT_A_CHECKPOINT = register(
     "KEEL-C011", "Not a complete keel checkpoint",
     "The path given to `keel export` is not a `global_step_<N>` directory with a COMPLETE marker "
     "(it may be missing, or still being written when a run stopped).",
-    "Pass a complete checkpoint directory, e.g. checkpoints/<project>/<experiment>/global_step_<N>.")
+    "Pass a complete checkpoint directory, e.g. checkpoints/<project>/<experiment>/global_step_<N>; the fix "
+    "line gives `keel export` with the newest one under the path given.")
 NO_METRICS = register(
     "KEEL-C012", "No metrics to report",
     "`keel report` reads RUN_DIR/metrics.jsonl, which is missing or empty: the path is not a run "
@@ -71,20 +81,24 @@ TOKEN_BUDGET = register(
     "`data.max_prompt_length + data.max_response_length` is more than the policy's "
     "`max_position_embeddings` (long rollouts would run past the positions the model was trained on), "
     "or more than `actor_rollout_ref.rollout.max_model_len`.",
-    "Lower data.max_prompt_length or data.max_response_length, or use a model with a longer context "
-    "(or raise rollout.max_model_len).",
+    "Set data.max_response_length (or data.max_prompt_length) so the two fit what the model reads (the fix "
+    "line gives values that fit), or use a model with a longer context; rollout.max_model_len may be raised up "
+    "to the model's positions, not past them.",
     ("data.max_prompt_length", "data.max_response_length", "actor_rollout_ref.rollout.max_model_len"))
 HOOK_LOAD = register(
     "KEEL-C014", "A hook cannot be loaded",
     "An entry of trainer.hooks is not `module:function`, the module does not import, or it has no "
     "such function.",
-    "Write hooks as `package.module:function` importable from where keel runs.", ("trainer.hooks",))
+    "Write hooks as `package.module:function` importable where keel runs (the keel command imports from the "
+    "working directory only with `export PYTHONPATH=$PWD`); the fix line names the function spelt like the "
+    "one given.", ("trainer.hooks",))
 VERL_UNSUPPORTED = register(
     "KEEL-C015", "A verl setting keel does not have",
     "The key is verl's, and its value asks for something keel does not do (sequence parallelism, "
     "Megatron, a remote sandbox, a feature a later keel adds). Silently ignoring it would train "
     "another run than the one the script describes.",
-    "Remove the key or set verl's default for it; the message says what keel offers instead. Keys "
+    "Remove the key (verl's default then applies) or, for a key keel has, set keel's default (the fix line "
+    "says which); the message says what keel offers instead. Keys "
     "keel does another way are accepted and listed by `keel check` under \"decided for you\".")
 TOOL_CONFIG = register(
     "KEEL-C016", "A tool or environment the rollout calls cannot be built",
@@ -94,7 +108,8 @@ TOOL_CONFIG = register(
     "malformed, a class name resolves to no class with an execute (tool), step (environment) or "
     "generate_response (interaction) method, two tools or interactions share a name, a class raises when "
     "built, or a Python tool's parameters lack type hints, so its schema cannot be derived.",
-    "Fix the entry the message names: class_name one of keel's built-ins (keel.tools.Calculator) or an "
+    "Fix the entry the message names: a path that exists (for a missing file the fix line names the one "
+    "beside it spelt most like it), class_name one of keel's built-ins (keel.tools.Calculator) or an "
     "importable module.Class, every tool with a tool_schema.function.name of its own.",
     ("actor_rollout_ref.rollout.multi_turn.tool_config_path", "actor_rollout_ref.rollout.multi_turn.environment",
      "actor_rollout_ref.rollout.multi_turn.interaction_config_path"))

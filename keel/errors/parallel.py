@@ -28,21 +28,22 @@ NOT_ENOUGH_DEVICES = register(
     "KEEL-P004", "More workers asked for than devices or Ray resources available",
     "trainer.n_gpus_per_node x trainer.nnodes workers need that many GPUs (or CPUs with "
     "trainer.device=cpu), and the machine or the Ray cluster has fewer.",
-    "Lower trainer.n_gpus_per_node / trainer.nnodes, or add nodes to the Ray cluster "
-    "(`ray start --address=...` on each).", ("trainer.n_gpus_per_node", "trainer.nnodes"))
+    "Set `trainer.nnodes=1` and trainer.n_gpus_per_node to the devices this machine has (the fix line gives "
+    "the values), or add nodes to the Ray cluster (`ray start --address=...` on each).",
+    ("trainer.n_gpus_per_node", "trainer.nnodes"))
 RAY_MISSING = register(
     "KEEL-P005", "Ray is needed for more than one worker and is not usable",
     "Training on more than one GPU or node runs its workers as Ray actors; Ray is not installed, "
     "or the cluster in RAY_ADDRESS cannot be reached.",
-    "pip install 'ray[default]' (keel's install does this), or unset RAY_ADDRESS to start a local "
-    "Ray instance.")
+    "`unset RAY_ADDRESS` to let keel start a local Ray instance when it names a cluster that does not "
+    "answer; `pip install 'ray[default]'` when Ray is missing (keel's install does this).")
 MASTER_PORT_UNUSABLE = register(
     "KEEL-P007", "MASTER_PORT is not a port keel can listen on",
     "MASTER_PORT is set in the environment, so keel's rank 0 listens there for the other ranks "
     "(instead of on a free port it picks), and the value is not a port number or the port is "
     "taken on rank 0's node.",
-    "Set MASTER_PORT to a free port between 1 and 65535 that the nodes can reach, or unset it to "
-    "let keel choose one.")
+    "Set MASTER_PORT to a free port the nodes can reach (`export MASTER_PORT=PORT`; the fix line names one "
+    "free now), or `unset MASTER_PORT` to let keel choose one.")
 REFERENCE_APART = register(
     "KEEL-P006", "The reference model cannot be placed apart from the actor",
     "The reference model runs in the actor's workers, on the same ranks and the same data shard: "
@@ -50,7 +51,7 @@ REFERENCE_APART = register(
     "penalty). On a pool or nodes of its own, every step would ship both sets of log-probs across "
     "the network and the two shards would have to match sample for sample.",
     "Remove the reference's placement keys. To make room for it, offload its weights "
-    "(actor_rollout_ref.ref.fsdp_config.param_offload=true) or shard over more GPUs.",
+    "(`actor_rollout_ref.ref.fsdp_config.param_offload=true`) or shard over more GPUs.",
     ("actor_rollout_ref.ref.fsdp_config.param_offload",))
 
 __all__ = [name for name in dir() if name.isupper()]

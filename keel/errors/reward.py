@@ -6,15 +6,16 @@ REWARD_FN_LOAD = register(
     "KEEL-R001", "Custom reward function cannot be loaded",
     "`custom_reward_function.path` does not exist, does not import, or has no function named "
     "`custom_reward_function.name`.",
-    "Fix the path or the name; the function takes (data_source, solution_str, ground_truth, "
-    "extra_info) and returns a float.",
+    "Set the path and the name the fix line gives (the file or function spelt like the one given); the "
+    "function takes (data_source, solution_str, ground_truth, extra_info) and returns a float.",
     ("custom_reward_function.path", "custom_reward_function.name"))
 NO_SCORER = register(
     "KEEL-R002", "No scorer for a data_source",
     "A row's `data_source` matches no built-in scorer and no custom reward function is set; "
     "scoring it as 0 would look like a model that never learns.",
-    "Set `custom_reward_function.path` to a file with your scorer, or set the rows' data_source to "
-    "one a built-in scorer serves (gsm8k, openai/gsm8k, exact_match).",
+    "Set `reward.scorers.<data_source>.exact_match=1.0` to score each response against the row's ground "
+    "truth, set `custom_reward_function.path` to a file with your scorer, or set the rows' data_source to one "
+    "a built-in scorer serves (gsm8k, openai/gsm8k, exact_match).",
     ("custom_reward_function.path", "custom_reward_function.name"))
 REWARD_NOT_NUMBER = register(
     "KEEL-R003", "Reward function returned a non-finite number or a non-number",
@@ -37,19 +38,22 @@ TOO_MANY_NOT_SCORED = register(
     "More than reward.max_not_scored_ratio of a batch's samples raised, hung or returned a "
     "non-number in the scorer; a scorer failing that often is broken, and training on the rest "
     "would quietly follow a different reward than the one you wrote.",
-    "Read the reason in the message (and reward/not_scored/* in the metrics), fix the scorer, or "
-    "raise reward.max_not_scored_ratio / reward.timeout_s if the failures are expected.",
+    "Read the reason in the message (and reward/not_scored/* in the metrics) and fix the scorer; if the "
+    "failures are expected, raise reward.max_not_scored_ratio (the fix line gives twice the batch's share) "
+    "or reward.timeout_s.",
     ("reward.max_not_scored_ratio", "reward.on_error", "reward.timeout_s"))
 SCORER_TIMEOUT = register(
     "KEEL-R007", "A scorer took longer than reward.timeout_s",
     "With reward.on_error=raise, one sample whose scoring runs past the limit stops the run.",
-    "Make the scorer faster, raise reward.timeout_s, or let reward.on_error=mask leave such samples "
-    "out of the update (counted as reward/not_scored/timeout).", ("reward.timeout_s", "reward.on_error"))
+    "Raise reward.timeout_s if the scorer is just slow (the fix line gives ten times the limit), or make it "
+    "faster; during training reward.on_error=mask leaves such samples out of the update (counted as "
+    "reward/not_scored/timeout).", ("reward.timeout_s", "reward.on_error"))
 SERVICE_UNAVAILABLE = register(
     "KEEL-R008", "The reward service is not reachable or not healthy",
     "reward.service.url is set, but GET /health did not answer {\"status\": \"ok\"} before training "
     "started: every batch would end up not scored.",
-    "Start the service (`keel reward-server ...`), check the URL, port and token, or unset "
-    "reward.service.url.", ("reward.service.url", "reward.service.token"))
+    "Start the service where the config points (the fix line gives `keel reward-server ... --host H --port "
+    "P` for the config's scorer), check the URL, port and token, or set `reward.service.url=null` to score in "
+    "this process.", ("reward.service.url", "reward.service.token"))
 
 __all__ = [name for name in dir() if name.isupper()]

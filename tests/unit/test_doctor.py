@@ -15,6 +15,25 @@ def test_torch_with_the_fsdp_gradient_bug_is_rejected():
     assert check_torch("2.11.0+cu130").level == "pass"
 
 
+def test_the_torch_keel_needs_is_the_one_pyproject_requires(capsys):
+    """One number: keel doctor, KEEL-E004's text and pyproject.toml's requirement."""
+    import re
+    from pathlib import Path
+
+    from keel.errors import CATALOGUE, MIN_TORCH
+    from keel.check.doctor import SUPPORTED
+
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    assert re.search(r'"torch>=([\d.]+)"', pyproject).group(1) == MIN_TORCH
+    for name, (low, _) in SUPPORTED.items():
+        assert f'"{name}>={low}"' in pyproject, name
+    older = f"2.{int(MIN_TORCH.split('.')[1]) - 1}.0"
+    assert check_torch(older).code == TORCH_UNSUPPORTED and check_torch(MIN_TORCH + ".0").level == "pass"
+    assert f">= {MIN_TORCH}" in check_torch(older).detail and f"torch>={MIN_TORCH}" in check_torch(older).fix
+    assert f"torch >= {MIN_TORCH}" in CATALOGUE[TORCH_UNSUPPORTED].cause
+    assert f"torch>={MIN_TORCH}" in CATALOGUE[TORCH_UNSUPPORTED].fix
+
+
 def test_package_ranges():
     assert check_package("transformers", "4.40.0").code == PACKAGE_VERSION
     assert check_package("transformers", None).code == PACKAGE_VERSION
