@@ -19,4 +19,4 @@ test: install
 
 # SFT then GRPO on a tiny model that learns addition: about 4 minutes on 2 CPU cores.
 demo: install
-	$(PYTHON) -m keel demo
+	$(PYTHON) -m keel demo $(DEMO_FLAGS)

@@ -54,14 +54,13 @@ def _cmd_report(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from keel.demo import DemoSettings, print_summary, run_demo
+    from keel.demo import DemoSettings, print_summary, run_demo, smoke_settings
+    from keel.demo_tools import TOOLS, ToolDemoSettings
 
-    if args.task == "tools":
-        from keel.demo_tools import run_tools_demo
-
-        print_summary(run_tools_demo(args.out or "keel_demo_tools", fresh=args.fresh))
-    else:
-        print_summary(run_demo(args.out or "keel_demo", DemoSettings(), fresh=args.fresh))
+    settings, task, out = ((ToolDemoSettings(), TOOLS, "keel_demo_tools") if args.task == "tools"
+                           else (DemoSettings(), None, "keel_demo"))
+    settings = smoke_settings(settings) if args.smoke else settings
+    print_summary(run_demo(args.out or out, settings, fresh=args.fresh, task=task))
     return 0
 
 
@@ -206,7 +205,10 @@ def _add_machine_commands(sub) -> None:
             (["--task"], {"choices": ["arithmetic", "tools"], "default": "arithmetic",
                           "help": "arithmetic: 2-digit addition; tools: multi-turn GRPO calling a calculator"}),
             (["--out"], {"help": "output directory (default: keel_demo, or keel_demo_tools for --task tools)"}),
-            (["--fresh"], {"action": "store_true", "help": "start over instead of resuming"})]),
+            (["--fresh"], {"action": "store_true", "help": "start over instead of resuming (a finished demo: "
+                                                           "instead of showing its table again)"}),
+            (["--smoke"], {"action": "store_true", "help": "a few SFT and GRPO steps, in seconds: checks a setup, "
+                                                           "learns nothing (make demo DEMO_FLAGS=--smoke)"})]),
         "export": ("write a checkpoint's policy as a Hugging Face directory", _cmd_export, [
             (["checkpoint"], {"help": "a global_step_<N> directory"}), (["out"], {"help": "output directory"}),
             (["--merged"], {"action": "store_true", "help": "LoRA: the base with the adapters merged in, a full "

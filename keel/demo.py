@@ -1,7 +1,9 @@
 """`keel demo`: a tiny model learns addition by SFT, then GRPO raises its held-out accuracy.
 
 Everything is made here, with a seed: the task's data, a Qwen2-architecture model with random
-weights and keel's byte-level tokenizer. It runs on 2 CPU cores in a few minutes.
+weights and keel's byte-level tokenizer. It runs on 2 CPU cores in minutes (the README says how
+many on which machine); `--smoke` runs a few steps of each stage in seconds, to check a setup.
+A finished demo's table is kept (RESULT); running it again shows that table.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable
 
 DATA_SOURCE = "keel/arithmetic"
 MARKER = "keel_demo.json"  # marks a directory as the demo's own, so a rerun may clear it
+RESULT = "result.json"     # a finished demo's table: a rerun shows it again instead of training
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,16 @@ class DemoSettings:
     grpo_mini_batches: int = 4       # optimiser steps per rollout
     test_freq: int = 20
     seed: int = 0
+    smoke: bool = False              # `--smoke`: a few steps of each stage, to check a setup
+
+
+# `keel demo --smoke`: every stage runs and writes what it writes, in seconds; nothing is learnt.
+SMOKE = {"smoke": True, "n_sft": 80, "n_rl": 32, "n_dev": 8, "n_heldout": 16, "sft_batch": 16, "sft_chunk": 5,
+         "sft_max_steps": 5, "grpo_steps": 2, "grpo_prompts": 8, "grpo_n": 4, "grpo_mini_batches": 2, "test_freq": 2}
+
+
+def smoke_settings(settings: DemoSettings) -> DemoSettings:
+    return replace(settings, **SMOKE)
 
 
 @dataclass
@@ -59,6 +72,8 @@ class DemoResult:
     n_params: int
     calls_before: float | None = None  # the tools demo: share of held-out calls that gave the right answer
     calls_after: float | None = None
+    smoke: bool = False
+    earlier: bool = False              # read back from RESULT: the demo had finished before this run
 
 
 def addition_problem(rng: random.Random, digits: int) -> tuple[str, int]:
@@ -180,6 +195,8 @@ def run_demo(out: str | Path = "keel_demo", settings: DemoSettings = DemoSetting
     start = time.perf_counter()
     out = Path(out)
     prepare_out_dir(out, settings, fresh)
+    if (earlier := stored_result(out)) is not None:
+        return earlier
     data = task.make_data(out, settings)
     model = out / "init_model"
     if not (model / "config.json").exists():
@@ -193,11 +210,28 @@ def run_demo(out: str | Path = "keel_demo", settings: DemoSettings = DemoSetting
     write_report(out / "sft")
     last = grpo.last_step
     calls = task.calls_key(settings) if task.calls_key else None
-    return DemoResult(out, val_metric(grpo.run_dir, 0, task.accuracy_key),
-                      val_metric(grpo.run_dir, last, task.accuracy_key), sft_steps, settings.grpo_steps,
-                      time.perf_counter() - start, stored_parameters(grpo.run_dir / f"global_step_{last}" / "actor"),
-                      val_metric(grpo.run_dir, 0, calls) if calls else None,
-                      val_metric(grpo.run_dir, last, calls) if calls else None)
+    result = DemoResult(out, val_metric(grpo.run_dir, 0, task.accuracy_key),
+                        val_metric(grpo.run_dir, last, task.accuracy_key), sft_steps, settings.grpo_steps,
+                        time.perf_counter() - start,
+                        stored_parameters(grpo.run_dir / f"global_step_{last}" / "actor"),
+                        val_metric(grpo.run_dir, 0, calls) if calls else None,
+                        val_metric(grpo.run_dir, last, calls) if calls else None, settings.smoke)
+    (out / RESULT).write_text(json.dumps({**asdict(result), "out_dir": str(out)}))
+    return result
+
+
+def stored_result(out: Path) -> DemoResult | None:
+    """The table of a demo that finished in `out` (same settings: prepare_out_dir cleared any other)."""
+    try:
+        stored = json.loads((out / RESULT).read_text())
+    except (OSError, ValueError):  # none yet (or cut short by a killed run): run the demo
+        return None
+    values = {f.name: stored[f.name] for f in fields(DemoResult) if f.name in stored}
+    values.update(out_dir=out, earlier=True)
+    try:
+        return DemoResult(**values)
+    except TypeError:  # written by a keel whose table had other fields: run the demo
+        return None
 
 
 def sft_until_partly_competent(out: Path, data: dict[str, Path], model: Path, s: DemoSettings,
@@ -253,7 +287,7 @@ def print_summary(r: DemoResult) -> None:
     rows = [("held-out accuracy after SFT", f"{100 * r.acc_before:.1f}%"),
             ("held-out accuracy after GRPO", f"{100 * r.acc_after:.1f}%  ({gain:+.1f} points)"),
             ("steps", f"SFT {r.sft_steps}, GRPO {r.grpo_steps}"),
-            ("wall time", f"{r.seconds / 60:.1f} min"),
+            ("wall time", f"{r.seconds / 60:.1f} min" + (" (when it ran)" if r.earlier else "")),
             ("run directories", f"{r.out_dir / 'sft'}  {r.out_dir / 'grpo'}"),
             ("plots", f"{r.out_dir / 'grpo' / 'report.png'}  {r.out_dir / 'sft' / 'report.png'}")]
     if r.calls_before is not None:
@@ -261,6 +295,10 @@ def print_summary(r: DemoResult) -> None:
     width = max(len(label) for label, _ in rows)
     task = "3-digit multiplication with a calculator tool" if r.calls_before is not None else "2-digit addition"
     print(f"\nkeel demo: {task}, a {r.n_params / 1e6:.1f}M-parameter Qwen2 trained on CPU")
+    if r.smoke:
+        print("  smoke run (--smoke): a few steps of each stage to check the setup; the numbers mean nothing")
+    if r.earlier:
+        print(f"  finished earlier in {r.out_dir}; `keel demo --fresh` runs it again")
     for label, value in rows:
         print(f"  {label:<{width}}  {value}")
 

@@ -2,6 +2,7 @@
 
 import pytest
 
+from keel.cli import main
 from keel.demo import DemoSettings, run_demo
 from keel.errors import DEMO_DIR, KeelError
 
@@ -17,13 +18,33 @@ def test_shortened_demo_raises_heldout_accuracy_and_reruns_cleanly(tmp_path):
     assert first.acc_after >= first.acc_before + 0.05, (first.acc_before, first.acc_after)
     assert (out / "grpo" / "report.png").stat().st_size > 10_000
 
-    again = run_demo(out, SHORT, console=False)  # resumes the finished run: same numbers, no crash
-    assert (again.acc_before, again.acc_after, again.sft_steps) == (first.acc_before, first.acc_after, first.sft_steps)
+    metrics = (out / "grpo" / "metrics.jsonl").read_text()
+    again = run_demo(out, SHORT, console=False)  # the finished demo's table, read back, nothing trained again
+    assert again.earlier and not first.earlier
+    assert (again.acc_before, again.acc_after, again.sft_steps, again.seconds) == (
+        first.acc_before, first.acc_after, first.sft_steps, first.seconds)  # the wall time is the first run's
+    assert (out / "grpo" / "metrics.jsonl").read_text() == metrics
 
     other = run_demo(out, DemoSettings(sft_chunk=5, sft_max_steps=5, grpo_steps=1, grpo_prompts=8,
                                        grpo_mini_batches=1, n_sft=64, n_rl=16, n_dev=8, n_heldout=8, test_freq=1),
                      console=False)
     assert other.sft_steps == 5  # other settings: the old demo was cleared, not mixed in
+
+
+def test_a_smoke_demo_runs_every_stage_and_a_rerun_prints_its_stored_table(tmp_path, capsys):
+    """`keel demo --smoke` (what `DEMO_FLAGS=--smoke make demo` runs): the demo's stages, a few
+    steps each; run again, the table it printed, says so, and trains nothing."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--smoke", "--out", str(out)]) == 0
+    first = capsys.readouterr().out
+    assert "smoke run (--smoke)" in first and "SFT 5, GRPO 2" in first
+    assert (out / "grpo" / "report.png").exists() and (out / "sft" / "report.png").exists()
+    assert main(["demo", "--smoke", "--out", str(out)]) == 0
+    again = capsys.readouterr()
+    assert "finished earlier" in again.out and "--fresh" in again.out
+    wall_time = next(line for line in first.splitlines() if "wall time" in line)
+    assert wall_time + " (when it ran)" in again.out.splitlines()
+    assert len((again.out + again.err).splitlines()) <= 12  # the table, not a resumed run's logs
 
 
 def test_demo_never_touches_a_directory_it_did_not_make(tmp_path):
