@@ -196,7 +196,7 @@ def check_reward(cfg: KeelConfig, context: dict) -> list[Finding]:
 
     scorer = build_reward(cfg)
     records = need(context, "train_records") + context.get("val_records", [])
-    scorer.check_records(records)
+    scorer.check_records(records, [*cfg.data.train_files, *cfg.data.val_files])
     sample = records[:4]
     # The bare ground truth and an empty answer must score; the other forms only probe for a
     # function that rewards nothing (a scorer may refuse a form it does not expect).

@@ -43,7 +43,7 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
 def _memory_fix(cfg: KeelConfig, estimate: dict, available: float, estimate_for) -> str | None:
     """One setting that brings the estimate under what is free, for the larger of the two terms a
     setting scales: the KV cache (sequences generated at once) and one micro-batch's activations."""
-    from keel.config.load import load_config, to_dict
+    from keel.config.load import load_config, to_dict, value_at
     from keel.config.rules import largest_divisor_at_most
 
     policy = cfg.actor_rollout_ref
@@ -56,7 +56,8 @@ def _memory_fix(cfg: KeelConfig, estimate: dict, available: float, estimate_for)
         if value <= 1 or rest >= 0.9 * available or not estimate.get(term):
             continue
         new = max(1, int(value * (0.9 * available - rest) / estimate[term]))  # both terms grow linearly
-        new = largest_divisor_at_most(samples, new) if term == "activations" else new
+        default = value_at(type(cfg)(), key)
+        new = largest_divisor_at_most(samples, new) if term == "activations" else min(new, max(default, 1))
         after = estimate_for(load_config(to_dict(cfg), {key: new}))["total"]
         if new < value and after <= available:
             return f"set {setting(key, new)} (about {after:.2f} GB then)"

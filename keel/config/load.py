@@ -46,14 +46,14 @@ def load_config(source: str | Path | dict | Any | None = None,
         raise combined(problems)
     cfg.validate()
     if schema is KeelConfig:
-        decided += [f"{key}: keel's {_value_at(cfg, key)!r}, verl's {verl!r}: {why}"
+        decided += [f"{key}: keel's {value_at(cfg, key)!r}, verl's {verl!r}: {why}"
                     for key, (verl, why) in DIFFERENT_DEFAULTS.items() if key not in given]
     object.__setattr__(cfg, "decided", decided)  # not a field: it is not saved or compared on resume
     object.__setattr__(cfg, "given", frozenset(given))  # the keys the config set (what keel may choose)
     return cfg
 
 
-def _value_at(cfg, dotted: str):
+def value_at(cfg, dotted: str):
     for part in dotted.split("."):
         cfg = getattr(cfg, part)
     return cfg
@@ -175,8 +175,9 @@ def _parse_overrides(overrides, value_now=lambda key: DELETE) -> list[tuple[str,
         key = key.strip().lstrip("+").lstrip("~")  # Hydra's `+key=value` / `++key=value` add or force
         if not sep or not key:
             now = value_now(key) if key else DELETE
-            fix = (f"write it as key=value: `{key}={value_text(now)}` (its value now) in place of `{item}`"
-                   if now is not DELETE else f"remove `{item}` (no key is named so); write overrides as `section.key=value`")
+            fix = (f"write it as key=value: `{key}={value_text(now)}` in place of `{item}` (the value it has now)"
+                   if now is not DELETE
+                   else f"remove `{item}` (no key is named so); write overrides as `section.key=value`")
             raise KeelError(BAD_OVERRIDE, f"override {item!r} is not of the form section.key=value", fix)
         parsed.append((key, yaml.safe_load(raw) if raw.strip() else None))
     return parsed

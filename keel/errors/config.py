@@ -75,7 +75,8 @@ NO_METRICS = register(
     "KEEL-C012", "No metrics to report",
     "`keel report` reads RUN_DIR/metrics.jsonl, which is missing or empty: the path is not a run "
     "directory, or the run has not finished a step yet.",
-    "Pass the run directory (trainer.default_local_dir) of a run that has logged at least one step.")
+    "Pass the run directory (trainer.default_local_dir) of a run that has logged at least one step.",
+    ("trainer.default_local_dir",))
 TOKEN_BUDGET = register(
     "KEEL-C013", "Prompt plus response longer than the model reads",
     "`data.max_prompt_length + data.max_response_length` is more than the policy's "

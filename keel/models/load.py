@@ -188,8 +188,8 @@ def special_token_mismatches(tokenizer, model_cfg, generation_eos, compare_pad: 
         wanted = min(model_eos)
         found.append((f"the tokenizer's EOS is {named(tokenizer.eos_token_id)} but the model's config ends "
                       f"with {sorted(named(i) for i in model_eos)}",
-                      f"{retoken('eos', wanted)} if the model was trained to end with it, or use the tokenizer saved "
-                      "with this model" if wanted < len(tokenizer) else "use the tokenizer saved with this model"))
+                      f"{retoken('eos', wanted)} (the end config.json names), or use the tokenizer saved with this "
+                      "model" if wanted < len(tokenizer) else "use the tokenizer saved with this model"))
     for name in ("pad", "bos") if compare_pad else ("bos",):
         model_id, tokenizer_id = getattr(model_cfg, f"{name}_token_id", None), getattr(tokenizer, f"{name}_token_id")
         if model_id is not None and tokenizer_id is not None and model_id != tokenizer_id:

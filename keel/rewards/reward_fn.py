@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,9 +119,21 @@ class RewardScorer:
                 "solution_str, ground_truth, extra_info)")
         return {name: (("builtin", name), 1.0)}
 
-    def check_records(self, records: list) -> None:
+    def user_code(self, data_source: str) -> str | None:
+        """"`function` in `file`" of the custom function that scores `data_source`, when one does."""
+        spec = self.scorers_for(data_source).get("custom", (None,))[0]
+        if isinstance(spec, tuple):
+            return f"`{spec[2]}` in `{spec[1]}`" if spec[:1] == ("file",) else None
+        function = getattr(spec, "func", spec)  # a functools.partial when reward_kwargs are bound
+        try:
+            return f"`{function.__name__}` in `{inspect.getsourcefile(function)}`"
+        except (TypeError, AttributeError):
+            return None
+
+    def check_records(self, records: list, files: list[str] = ()) -> None:
         """Fail before any generation if some row could not be scored: no scorer for its
-        data_source, or no ground truth for a built-in scorer (which would score it 0 forever)."""
+        data_source, or no ground truth for a built-in scorer (which would score it 0 forever).
+        `files`: the data files the records come from, for the fix line."""
         needs_truth = set()
         for source in sorted({r.data_source for r in records}):
             if any(name in SCORERS and name not in NO_GROUND_TRUTH for name in self.scorers_for(source)):
@@ -130,8 +143,10 @@ class RewardScorer:
             sources = sorted(needs_truth & {r.data_source for r in records if r.ground_truth is None})
             raise KeelError(MISSING_GROUND_TRUTH, f"{len(missing)} rows (first: row {missing[0]}) have no "
                             "reward_model.ground_truth, which the built-in scorers compare against",
-                            f"add \"reward_model\": {{\"ground_truth\": ...}} to the rows of data_source {sources} "
-                            "(each row's right answer), or score them with your own custom_reward_function")
+                            f"add \"reward_model\": {{\"ground_truth\": ...}} (each row's right answer) to the rows of "
+                            f"data_source {sources}" + "".join(f" in `{f}`" for f in files[:1])
+                            + "".join(f" or `{f}`" for f in files[1:])
+                            + ", or score them with your own custom_reward_function")
         if self.runs_model_code(records):
             require_jail(self.sandbox_require)
 
@@ -156,7 +171,9 @@ class RewardScorer:
             log.warning("%d of %d samples not scored (first: %s); reward.on_error=%s", len(failed), len(records),
                         failed[0][1], on_error)
         if failed and on_error == "raise":
-            raise _scoring_error(records[failed[0][0]], failed[0][1], response_texts[failed[0][0]], self.timeout_s)
+            first = records[failed[0][0]]
+            raise _scoring_error(first, failed[0][1], response_texts[failed[0][0]], self.timeout_s,
+                                 self.user_code(first.data_source))
         totals = [sum(weight * res.values[name] for name, (_, weight) in w.items()) if res.values else 0.0
                   for res, w in zip(results, weights)]
         scores = torch.tensor(totals, dtype=torch.float32)
@@ -248,15 +265,21 @@ class RewardScorer:
             self.reward_model.shutdown()
 
 
-def _scoring_error(record, reason: str, response: str, timeout_s: float | None = None) -> KeelError:
+def _scoring_error(record, reason: str, response: str, timeout_s: float | None = None,
+                   code: str | None = None) -> KeelError:
+    """`code`: "`function` in `file`" of the user's scorer, where the fix is to be made."""
     where = f"data_source={record.data_source!r}, response {response[:60]!r}"
     if reason.startswith("not a number"):
-        return KeelError(REWARD_NOT_NUMBER, f"the reward function returned {reason[len('not a number: '):]} ({where})")
+        return KeelError(REWARD_NOT_NUMBER, f"the reward function returned {reason[len('not a number: '):]} ({where})",
+                         f"make {code} return a finite float for every sample (e.g. return float(score))"
+                         if code else None)
     if reason.startswith("timeout"):
         return KeelError(SCORER_TIMEOUT, f"scoring took longer than reward.timeout_s={timeout_s} ({where})",
                          f"set {setting('reward.timeout_s', 10 * timeout_s)} if the scorer is just slow, or make "
                          "it faster" if timeout_s else None)
-    return KeelError(SCORER_RAISED, f"the scorer {reason} ({where})")
+    return KeelError(SCORER_RAISED, f"the scorer {reason} ({where})",
+                     f"make {code} score this input without raising (an empty response must score, e.g. 0.0)"
+                     if code else None)
 
 
 def overlong_penalty(lengths: torch.Tensor, max_response_length: int, cfg) -> torch.Tensor:

@@ -100,7 +100,7 @@ def build_inputs(cfg: KeelConfig) -> Inputs:
     reward = build_reward(cfg)
     train = load_prompts(cfg.data.train_files, tokenizer, cfg, "train")
     val = load_prompts(cfg.data.val_files, tokenizer, cfg, "val") if cfg.data.val_files else []
-    reward.check_records(train + val)
+    reward.check_records(train + val, [*cfg.data.train_files, *cfg.data.val_files])
     require_enough_prompts(len(train), cfg)
     return Inputs(tokenizer, train, val, reward)
 

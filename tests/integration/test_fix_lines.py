@@ -1,0 +1,164 @@
+"""Every fix line in keel's catalogue is tested by applying it: the test makes the mistake through
+the command a user runs, applies the printed fix as printed (fix_apply.py says how), runs the
+command again, and that error is gone (the command may pass, or stop at another code).
+
+This module: the mistakes `keel check` finds before any training. test_fix_lines_runs.py: those of
+training, SFT, export and the machine. NOT_HERE: the codes whose fix this machine cannot apply.
+"""
+
+import json
+import re
+
+import pytest
+import torch
+from fix_apply import apply_and_rerun, attempt, ctx  # noqa: F401 - ctx is a fixture
+from test_fix_lines_runs import RUN_CASES
+
+from keel.errors import CATALOGUE
+
+CHAT = [{"role": "user", "content": "Digits please"}]
+MODEL = "actor_rollout_ref.model.path="
+
+
+def digit_rows(n: int, **columns) -> list[dict]:
+    return [{"prompt": CHAT, "data_source": "digits", "reward_model": {"ground_truth": str(i)}, **columns}
+            for i in range(n)]
+
+
+def more_tokens(c) -> str:
+    """A tokenizer with tokens added after the model was saved: ids past the embedding."""
+    from transformers import AutoTokenizer
+
+    model = c.model_copy("grown")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(8)])
+    tokenizer.save_pretrained(model)
+    return f"actor_rollout_ref.model.path={model}"
+
+
+def reward(c, body: str, corrected: str | None = None) -> str:
+    return f"custom_reward_function.path={c.mistaken('my_reward.py', body, corrected or body)}"
+
+
+def gsm8k_rows(c) -> str:
+    """Rows for the built-in gsm8k scorer without the ground truth it compares with; the user adds it."""
+    row = {"prompt": CHAT, "data_source": "gsm8k"}
+    lines = [json.dumps(row), json.dumps({**row, "reward_model": {"ground_truth": "4"}})]
+    return "data.train_files=" + c.mistaken("gsm.jsonl", (lines[0] + "\n") * 8, (lines[1] + "\n") * 8)
+
+
+# 0.2 s on an empty response (one keel check tries), over a limit of 0.05 s
+SLOW_ON_EMPTY = "import time\n\ndef compute_score(d, s, g, e=None):\n    time.sleep(0.2 if not s else 0)\n    return 0.0\n"
+SCORE = "def compute_score(d, s, g, e=None):\n    return {}\n"
+
+
+# code -> the mistake: a function of the context giving the command (keel ARGV) that makes it.
+CHECK_CASES = {
+    "KEEL-C001": lambda c: c.check("trainer.sav_freq=2"),
+    "KEEL-C002": lambda c: c.check("data.train_batch_size=-4"),
+    "KEEL-C003": lambda c: c.check("data.train_batch_size"),
+    "KEEL-C004": lambda c: c.check("actor_rollout_ref.actor.ppo_mini_batch_size=3"),
+    "KEEL-C005": lambda c: ["check", c.config.replace(".yaml", ".yml")],
+    "KEEL-C006": lambda c: c.check("algorithm.critic_warmup=2"),
+    "KEEL-C007": lambda c: c.check(f"trainer.resume_mode={c.tmp / 'run' / 'global_step_9'}"),
+    "KEEL-C013": lambda c: c.check("data.max_response_length=1000"),
+    "KEEL-C015": lambda c: c.check("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"),
+    "KEEL-C016": lambda c: (c.write("tools.yaml", "tools:\n  - class_name: keel.tools.Calculator\n"), c.check(
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={c.tmp / 'tool.yaml'}"))[1],
+    "KEEL-M001": lambda c: c.check(f"actor_rollout_ref.model.path={c.assets['model'].parent / 'modle'}"),
+    "KEEL-M002": lambda c: c.check(MODEL + str(c.model_copy("m", tokenizer_config={"eos_token": None}))),
+    "KEEL-M003": lambda c: c.check(MODEL + str(c.model_copy("m", drop_template=True))),
+    "KEEL-M004": lambda c: c.check(more_tokens(c)),
+    "KEEL-M005": lambda c: c.check(MODEL + str(c.model_copy("m", config={"intermediate_size": 128}))),  # weights: 64
+    "KEEL-M006": lambda c: c.check(MODEL + str(c.model_copy(
+        "m", tokenizer_config={"eos_token": "<|endoftext|>", "pad_token": "<|im_start|>"}))),
+    "KEEL-M007": lambda c: c.check("actor_rollout_ref.model.lora_rank=8",
+                                   "actor_rollout_ref.model.target_modules=[q_proj,v_proj]"),
+    "KEEL-D001": lambda c: c.check(f"data.train_files={c.assets['train'].parent / 'trian.jsonl'}"),
+    "KEEL-D002": lambda c: c.check(f"data.train_files={c.rows('q.jsonl', [{'question': 'hi'}] * 8)}",
+                                   f"data.val_files={c.rows('q_val.jsonl', [{'question': 'ho'}] * 2)}"),
+    "KEEL-D003": lambda c: c.check(f"data.train_files={c.rows('long.jsonl', digit_rows(8, prompt='x' * 200))}"),
+    "KEEL-D004": lambda c: c.check(f"data.train_files={c.rows('two.jsonl', digit_rows(2))}"),
+    "KEEL-R001": lambda c: c.check("custom_reward_function.name=compute_scor"),
+    "KEEL-R002": lambda c: c.check("custom_reward_function.path=null"),
+    "KEEL-R003": lambda c: c.check(reward(c, SCORE.format("str(len(s))"), SCORE.format("float(len(s))"))),
+    "KEEL-R004": lambda c: c.check("custom_reward_function.path=null", "data.val_files=[]", gsm8k_rows(c)),
+    "KEEL-R005": lambda c: c.check(reward(c, SCORE.format("1 / len(s)"), SCORE.format("1 / len(s) if s else 0.0"))),
+    "KEEL-R007": lambda c: c.check("reward.timeout_s=0.05", reward(c, SLOW_ON_EMPTY)),
+    "KEEL-E002": lambda c: c.check("actor_rollout_ref.rollout.max_num_seqs=100000000"),
+    "KEEL-E003": lambda c: c.check(f"trainer.default_local_dir={c.write('a_file', '')}/run"),
+    "KEEL-P004": lambda c: c.check("trainer.nnodes=2"),
+    "KEEL-P006": lambda c: c.check("actor_rollout_ref.ref.nnodes=2"),
+}
+if not torch.cuda.is_available():  # the mistake is asking for a GPU this machine does not have
+    CHECK_CASES["KEEL-E001"] = lambda c: c.check("trainer.device=cuda")
+
+# Codes whose fix cannot be applied here, and why; test_what_can_be_tested_of_the_rest checks them.
+NOT_HERE = {
+    "KEEL-C009": "raised in keel/demo.py, whose fix line is the catalogue's (`keel demo --out DIR` names no "
+                 "directory); and a demo trains for minutes",
+    "KEEL-C012": "raised in keel/observe/report.py with the catalogue's fix, which names no run directory",
+    "KEEL-M008": "the fix is a chat template with a tool role in the model's own turn format, which only the "
+                 "model's makers can write",
+    "KEEL-T001": "a non-finite gradient from finite log-probs needs low-precision overflow, which a float32 "
+                 "CPU run does not give (a diverging one stops at KEEL-T003 first)",
+    "KEEL-T002": "caused by code that freezes the model or detaches the loss; the fix is that code",
+    "KEEL-T004": "a hung phase: the process exits with the stacks, and the limit to raise depends on the hang",
+    "KEEL-E004": "installing another torch",
+    "KEEL-E005": "an NVIDIA driver",
+    "KEEL-E006": "a GPU",
+    "KEEL-E007": "installing other package versions",
+    "KEEL-E008": "a full disk",
+    "KEEL-E011": "raised in keel/observe/sinks.py, whose fix line has no backticked option; and every "
+                 "tracker is installed here",
+    "KEEL-P001": "an exception in a Ray worker: the fix is the worker's own traceback",
+    "KEEL-P002": "a Ray worker killed by the system (out of memory)",
+    "KEEL-P003": "ranks stalled in a collective across Ray workers",
+}
+if torch.cuda.is_available():
+    NOT_HERE["KEEL-E001"] = "a machine without the GPU asked for"
+
+
+def test_every_code_has_a_case_or_a_reason():
+    cases = set(CHECK_CASES) | set(RUN_CASES)
+    assert not cases & set(NOT_HERE), cases & set(NOT_HERE)
+    assert cases | set(NOT_HERE) == set(CATALOGUE), set(CATALOGUE) ^ (cases | set(NOT_HERE))
+
+
+@pytest.mark.parametrize("code", sorted(CHECK_CASES))
+def test_the_printed_fix_fixes(code, ctx):  # noqa: F811 - ctx, the fixture
+    apply_and_rerun(CHECK_CASES[code](ctx), code, ctx.applier)
+
+
+def checkable(code: str) -> bool:
+    """Whether the catalogue's entry names something this machine can check: keys, or backticked
+    overrides, keys and commands (the driver, GPU and worker-traceback entries name none)."""
+    return bool(CATALOGUE[code].keys) or "`" in CATALOGUE[code].fix
+
+
+@pytest.mark.parametrize("code", sorted(code for code in NOT_HERE if checkable(code)))
+def test_what_can_be_tested_of_the_rest(code):
+    """For a code this machine cannot fix: the keys its entry names are keel's, its backticked
+    overrides set keel's keys, its keel commands parse, its pip requirements are pyproject's."""
+    import shlex
+    from pathlib import Path
+
+    from keel.cli import build_parser
+    from keel.config.load import all_keys
+
+    keys, entry = set(all_keys()), CATALOGUE[code]
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    assert set(entry.keys) <= keys
+    for group in re.findall(r"`([^`]*)`", entry.fix):
+        words = shlex.split(group)
+        if words[0] == "keel":
+            build_parser().parse_args(words[1:])  # exits on a command keel does not have
+        elif words[0] == "pip":
+            for requirement in (w for w in words[2:] if not w.startswith("-")):
+                name, _, floor = requirement.partition(">=")
+                extra = re.fullmatch(r"keel\[(\w+)\]", requirement)
+                assert (f"\n{extra.group(1)} = [" in pyproject if extra else
+                        requirement == "." or f'"{name}>={floor}"' in pyproject), requirement
+        else:
+            assert all(word.split("=")[0] in keys for word in words), group
