@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,14 +24,18 @@ class Timer:
     """Wall time per named phase, reported as `timing_s/<phase>`; a phase running past `deadline_s`
     dumps every stack and exits (keel.observe.guards.phase_deadline)."""
 
-    def __init__(self, deadline_s: float | None = None):
+    def __init__(self, deadline_s: float | None = None, on_phase=None):
+        """`on_phase(name)`: told as each phase but the whole step starts (the progress bar shows it)."""
         self.times: dict[str, float] = {}
         self.deadline_s = deadline_s
+        self.on_phase = on_phase
 
     @contextmanager
     def __call__(self, phase: str):
         from keel.observe.guards import phase_deadline
 
+        if self.on_phase is not None and phase != "step":
+            self.on_phase(phase)
         start = time.perf_counter()
         try:  # record_function: the phase is a named range in profiles (`keel bench --profile`)
             with phase_deadline(phase, self.deadline_s if phase != "step" else None), record_function(phase):
@@ -100,6 +107,23 @@ class MetricsLogger:
             # No bar when stderr is a log file: carriage returns would bury the summary lines.
             self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step",
                             file=sys.stderr, dynamic_ncols=True, disable=not sys.stderr.isatty())
+        self._ticking = threading.Event()
+        self._log_above_bar = contextlib.ExitStack()
+        if self.bar is not None and not self.bar.disable:  # a terminal: the bar's clock runs within a step too
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            keel_log = logging.getLogger("keel")  # its own handler (keel.train), or the root's (the CLI)
+            self._log_above_bar.enter_context(logging_redirect_tqdm([keel_log if keel_log.handlers else logging.root]))
+            threading.Thread(target=self._tick, name="keel-progress", daemon=True).start()
+
+    def _tick(self) -> None:
+        while not self._ticking.wait(1.0):
+            self.bar.refresh()
+
+    def phase(self, name: str) -> None:
+        """Show the phase a step is in (gen, reward, update_actor, validate, ...) beside the bar."""
+        if self.bar is not None and not self.bar.disable:
+            self.bar.set_postfix_str(name)
 
     @classmethod
     def for_run(cls, cfg, run_dir: Path, total_steps: int, start_step: int, desc: str = "keel train") -> MetricsLogger:
@@ -136,6 +160,8 @@ class MetricsLogger:
             self.trackers.log_table(step, name, rows)
 
     def close(self) -> None:
+        self._ticking.set()
+        self._log_above_bar.close()
         if self.bar is not None:
             self.bar.close()
         if self.trackers is not None:

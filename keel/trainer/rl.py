@@ -130,7 +130,7 @@ class RLTrainer:
 
     def train_step(self, logger: MetricsLogger) -> tuple[dict[str, float], RolloutBatch]:
         # With Ray workers the group enforces phase_timeout_s itself, collecting every rank's stacks.
-        timer = Timer(self.cfg.trainer.guards.phase_timeout_s if self.cfg.world_size == 1 else None)
+        timer = Timer(self.cfg.trainer.guards.phase_timeout_s if self.cfg.world_size == 1 else None, logger.phase)
         parts, workers = self.components, self.components.workers
         finite = self._check_finite
         with timer("step"):
@@ -302,6 +302,7 @@ class RLTrainer:
 
     def _evaluate(self, logger: MetricsLogger) -> dict[str, float]:
         parts = self.components
+        logger.phase("validate")
 
         def generate(prompts, params):
             return parts.workers.generate(prompts, params, self._seed())[0]

@@ -72,7 +72,7 @@ class CpuThreads:
     def others(self) -> float | None:
         """Cores' worth of CPU that other processes used since the last reading."""
         now = self._reading()
-        if now is None or self.last is None or now[0] <= self.last[0]:
+        if now is None or self.last is None or now[0] - self.last[0] < FIRST_LOOK_S:  # /proc/stat counts 10 ms ticks
             return None
         (t0, busy0, own0), (t1, busy1, own1) = self.last, now
         self.last = now

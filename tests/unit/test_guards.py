@@ -187,3 +187,26 @@ def test_debug_shows_tracebacks_and_sets_the_debug_environment(tmp_path, monkeyp
     import os
 
     assert os.environ["CUDA_LAUNCH_BLOCKING"] == "1" and os.environ["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
+
+
+def test_a_repeated_warning_is_printed_once_counted_and_summed_up(caplog):
+    import logging
+
+    from keel.observe.log import warnings_said_once
+
+    log = logging.getLogger("keel")
+    with caplog.at_level(logging.INFO, logger="keel"), warnings_said_once(log) as said:
+        for step in (1, 2, 3):
+            log.warning("step %d: %d%% of responses hit max_response_length", step, 90 + step)
+            log.warning("step %d: %s", step, f"entropy {step / 100} is low", extra={"kind": "entropy_collapse"})
+        log.warning("%d of %d samples not scored", 1, 8)
+        log.info("resumed at step %d", 3)  # not a warning: never held back
+    printed = [r.getMessage() for r in caplog.records]
+    assert printed[:3] == ["step 1: 91% of responses hit max_response_length (said once; repeats are counted)",
+                           "step 1: entropy 0.01 is low (said once; repeats are counted)",
+                           "1 of 8 samples not scored (said once; repeats are counted)"]
+    assert printed[3] == "resumed at step 3"
+    assert printed[4:] == ["this warning came 3 times, printed once: step 1: 91% of responses hit max_response_length",
+                           "this warning came 3 times, printed once: step 1: entropy 0.01 is low"]
+    assert said.counts == {"step %d: %d%% of responses hit max_response_length": 3, "entropy_collapse": 3,
+                           "%d of %d samples not scored": 1}
