@@ -49,7 +49,9 @@ def check_model_dir(path: str | Path, key: str = "actor_rollout_ref.model.path")
 def _model_path_fix(missing: str, key: str) -> str:
     found, maker = nearby_model(missing), maker_of(missing)
     options = [f"set {setting(key, found)} (the model directory there named like it)"] if found else []
-    options += [f"run `{maker}`, which writes it"] if maker else []
+    made = [f"run `{maker}`, which writes it"] if maker else []
+    # the script's own folder missing, running it is the fix; else the directory there is the one meant
+    options = made + options if maker and not Path(missing).parent.is_dir() else options + made
     return (", or ".join(options)
             or f"set {key} to a local directory saved with save_pretrained (one holding config.json)")
 

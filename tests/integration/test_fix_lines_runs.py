@@ -145,14 +145,19 @@ def test_the_readme_lora_line_after_the_quickstart(ctx):  # noqa: F811
     assert disable.fix_of("KEEL-C008").startswith("set `trainer.experiment_name=grpo_digits_2`")
 
 
-def test_a_missing_quickstart_file_names_the_script_that_writes_it(ctx):  # noqa: F811
-    """Before `python examples/quickstart/prepare.py` has run, the fix is to run it."""
-    script = ctx.write("examples/quickstart/prepare.py", "import pathlib, shutil\n"
-                       f"pathlib.Path('examples/data').mkdir()\nshutil.copy({str(ctx.assets['train'])!r}, "
-                       "'examples/data/train.jsonl')\n")
-    assert script.is_file()
-    fix, second = apply_and_rerun(ctx.check("data.train_files=examples/data/train.jsonl"), "KEEL-D001", ctx.applier)
-    assert fix == "run `python examples/quickstart/prepare.py`, which writes examples/data" and second.status == 0
+def test_the_quickstart_before_its_prepare_script_ran(ctx):  # noqa: F811
+    """Before `python examples/quickstart/prepare.py` has run, the fix of the missing model and of the
+    missing data is to run it (here a stand-in that writes the tiny model and data)."""
+    ctx.write("examples/quickstart/prepare.py", "import shutil\n"
+              f"shutil.copytree({str(ctx.assets['model'])!r}, 'examples/data/model', dirs_exist_ok=True)\n"
+              f"shutil.copy({str(ctx.assets['train'])!r}, 'examples/data/train.jsonl')\n")
+    mistake = ctx.check("actor_rollout_ref.model.path=examples/data/model",
+                        "data.train_files=examples/data/train.jsonl")
+    fix, second = apply_and_rerun(mistake, "KEEL-M001", ctx.applier)
+    assert fix == "run `python examples/quickstart/prepare.py`, which writes it" and second.status == 0
+    (ctx.tmp / "examples/data/train.jsonl").unlink()
+    fix, second = apply_and_rerun(mistake, "KEEL-D001", ctx.applier)
+    assert fix == "run `python examples/quickstart/prepare.py`, which writes examples/data"
 
 
 def test_several_problems_at_once_have_one_fix_for_all(ctx):  # noqa: F811
