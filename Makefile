@@ -17,6 +17,7 @@ install:
 test: install
 	$(PYTHON) -m pytest -q tests
 
-# SFT then GRPO on a tiny model that learns addition: about 4 minutes on 2 CPU cores.
+# SFT then GRPO on a tiny model that learns addition: minutes on 2 CPU cores (the README says how many
+# where). `make demo DEMO_FLAGS=--smoke`: a few steps of each stage, to check a setup.
 demo: install
 	$(PYTHON) -m keel demo $(DEMO_FLAGS)
