@@ -209,12 +209,13 @@ class RewardServiceClient:
         self.token = token
         self.retries = 0  # over the run, for the metrics
 
-    def check_health(self) -> None:
+    def check_health(self, start: str | None = None) -> None:
+        """`start`: the fix when nothing answers (the command that serves the config's scorer there)."""
         try:
             body = self._call("GET", "/health", None, timeout=min(self.timeout_s, 10.0))
         except Exception as e:  # any failure to reach it: say where and why, before training starts
             raise KeelError(SERVICE_UNAVAILABLE, f"the reward service at {self.url} is not healthy: "
-                                                 f"{type(e).__name__}: {e}") from e
+                                                 f"{type(e).__name__}: {e}", start) from e
         if not isinstance(body, dict) or body.get("status") != "ok":
             raise KeelError(SERVICE_UNAVAILABLE, f"{self.url}/health answered {str(body)[:200]}",
                             'serve GET /health with {"status": "ok"} (keel reward-server does), or fix reward.service.url')

@@ -164,10 +164,7 @@ def build_reward(cfg: KeelConfig) -> RewardScorer:
     if r.service.url:
         s = r.service
         service = RewardServiceClient(s.url, s.timeout_s, s.retry_times, s.retry_delay_s, s.token)
-        try:
-            service.check_health()
-        except KeelError as e:  # the client does not know the scorer; the config names the one to serve
-            raise KeelError(e.code, e.message, serve_fix(cfg)) from None
+        service.check_health(serve_fix(cfg))  # the client does not know the scorer; the config names it
     reward_model = None
     if rm.enable and rm.enable_resource_pool:
         reward_model = RewardModelPool.of(cfg)
