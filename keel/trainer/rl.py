@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +23,9 @@ from keel.config.plan import make_plan, may_skip_old_log_probs
 from keel.config.schema import GROUP_ESTIMATORS, KeelConfig
 from keel.data.prompts import PromptBatch, collate_prompts
 from keel.observe.guards import (LearningSignalGuard, SkipStep, check_log_prob_gap, check_finite,
-                                 frac_reward_zero_std)
+                                 frac_reward_zero_std, report_warnings)
 from keel.trainer.hooks import load_hook, run_hooks
 from keel.training.threads import CpuThreads
-from keel.errors import RESUME_MISMATCH, KeelError
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
 from keel.observe.log import warnings_said_once
 from keel.observe.metrics import MetricsLogger, Timer, last_logged_metrics
@@ -55,7 +53,7 @@ class RLTrainer:
         self.check_report = check_report
         self.run_dir = Path(cfg.run_dir)
         self.resume_from = ckpt.resume_point(self.run_dir, cfg)
-        self.hooks = [load_hook(spec) for spec in cfg.trainer.hooks]
+        self.hooks = [load_hook(spec, cfg.trainer.hooks) for spec in cfg.trainer.hooks]
         self.guard = LearningSignalGuard(cfg.trainer.guards, cfg.algorithm.adv_estimator in GROUP_ESTIMATORS,
                                          cfg.actor_rollout_ref.rollout.ignore_eos)
         self.skipped_steps = 0
@@ -118,14 +116,8 @@ class RLTrainer:
         warnings = self.guard(self.step, metrics)
         if self.hooks and self._due(self.cfg.trainer.hook_freq):
             warnings += run_hooks(self.hooks, self.step, metrics, batch)
-        for warning in warnings:
-            kind = getattr(warning, "kind", "hook")  # a hook's warnings are told apart by their words
-            self.warned_steps[kind] = self.warned_steps.get(kind, 0) + 1
-            log.warning("step %d: %s", self.step, warning,
-                        extra={"kind": kind if kind != "hook" else re.sub(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?", "#", warning)})
-        metrics["guards/warnings"] = float(len(warnings))
+        metrics.update(report_warnings(self.step, warnings, self.warned_steps))
         metrics["guards/skipped_steps"] = float(self.skipped_steps)
-        metrics.update({f"guards/warned_steps/{kind}": float(n) for kind, n in self.warned_steps.items()})
         return metrics
 
     def train_step(self, logger: MetricsLogger) -> tuple[dict[str, float], RolloutBatch]:
@@ -355,7 +347,7 @@ class RLTrainer:
         def write(tmp: Path) -> None:
             parts.workers.save(tmp)
             torch.save({"step": self.step, "sampler": parts.sampler.state_dict(), "kl_ctrl": parts.kl_ctrl.state_dict(),
-                        "skipped_steps": self.skipped_steps, "rng": ckpt.rng_state(),
+                        "skipped_steps": self.skipped_steps, "warned_steps": self.warned_steps, "rng": ckpt.rng_state(),
                         "normalizer": parts.normalizer.state_dict() if parts.normalizer else None},
                        tmp / "trainer_state.pt")
 
@@ -366,18 +358,19 @@ class RLTrainer:
         """Restore everything but the actor weights, which `build_components` loaded from `path`."""
         parts, critic = self.components, self.cfg.critic_enabled
         if critic != (path / "critic").is_dir():
-            raise KeelError(RESUME_MISMATCH, f"{path} was saved {'without' if critic else 'with'} a critic, "
-                            f"but this config {'has' if critic else 'has no'} critic")
+            raise ckpt.mismatch_error(path, self.cfg, f"{path} was saved {'without' if critic else 'with'} a "
+                                      f"critic, but this config {'has' if critic else 'has no'} critic")
         parts.workers.load(path)
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         self.step = state["step"]
         self.skipped_steps = state.get("skipped_steps", 0)
+        self.warned_steps = state.get("warned_steps", {})
         if parts.normalizer is not None and state.get("normalizer"):
             parts.normalizer.load_state_dict(state["normalizer"])
         try:
             parts.sampler.load_state_dict(state["sampler"])
         except ValueError as e:  # the dataset or batch size changed since the checkpoint
-            raise KeelError(RESUME_MISMATCH, f"{path}: {e}") from e
+            raise ckpt.mismatch_error(path, self.cfg, f"{path}: {e}") from e
         parts.kl_ctrl.load_state_dict(state["kl_ctrl"])
         ckpt.set_rng_state(state["rng"])
 

@@ -210,3 +210,19 @@ def test_a_repeated_warning_is_printed_once_counted_and_summed_up(caplog):
                            "this warning came 3 times, printed once: step 1: entropy 0.01 is low"]
     assert said.counts == {"step %d: %d%% of responses hit max_response_length": 3, "entropy_collapse": 3,
                            "%d of %d samples not scored": 1}
+
+
+def test_warnings_are_counted_by_kind_and_a_hooks_by_their_words(caplog):
+    import logging
+
+    from keel.observe.guards import GuardWarning, report_warnings
+    from keel.observe.log import warnings_said_once
+
+    warned: dict[str, int] = {}
+    with caplog.at_level(logging.INFO, logger="keel"), warnings_said_once():
+        for step in (1, 2):
+            metrics = report_warnings(step, [GuardWarning("ppo_kl", f"actor/ppo_kl={step}.5 > 1.0"),
+                                             f"my hook: reward {step * 0.25} too low", "my hook: slow tool"], warned)
+    assert metrics == {"guards/warnings": 3.0, "guards/warned_steps/ppo_kl": 2.0, "guards/warned_steps/hook": 4.0}
+    shown = [r.getMessage() for r in caplog.records if "said once" in r.getMessage()]
+    assert len(shown) == 3  # the hook's two warnings differ in words: each is printed once
