@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from keel.errors import CATALOGUE, ENGINE_OUT_OF_SYNC, NONFINITE_VALUES, PHASE_TIMEOUT, KeelError, SkipStep
+from keel.errors import ENGINE_OUT_OF_SYNC, NONFINITE_VALUES, PHASE_TIMEOUT, KeelError, SkipStep
 
 log = logging.getLogger("keel")
 
@@ -147,7 +147,8 @@ def phase_deadline(phase: str, seconds: float | None):
     def expire() -> None:
         print(f"error[{PHASE_TIMEOUT}]: phase {phase!r} ran past trainer.guards.phase_timeout_s={seconds}; "
               "stacks of every thread follow", file=sys.stderr, flush=True)
-        print(f"fix: {CATALOGUE[PHASE_TIMEOUT].fix}", file=sys.stderr, flush=True)
+        print(f"fix: if the stacks below show {phase!r} working, not waiting, it is slow, not stuck: set "
+              f"`trainer.guards.phase_timeout_s={2 * seconds:g}`", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         os._exit(3)  # the main thread may be stuck in C code: a normal exit would wait forever
 
