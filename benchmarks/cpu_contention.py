@@ -3,16 +3,16 @@
 Each run is a fresh process training the demo's GRPO stage (its data, model shape and batch) for a
 few steps from the random initial model; SFT is left out, since it changes what is learnt, not
 what a step costs. A competing load is K processes spinning on the same cores. The record is the
-median step time over the steps after the first (which compiles and warms caches), and the ratio
-of each loaded run to the same policy alone, measured in the same invocation:
+median step time over the steps after the first (which warms caches), and the ratio of each loaded
+run to the same variant alone, measured in the same invocation:
 
-    python benchmarks/cpu_contention.py --steps 8 --loads 0,2 --policies auto,fixed \
+    python benchmarks/cpu_contention.py --steps 10 --loads 0,2 --variants keel,spin \
         --out benchmarks/results/cpu_contention.jsonl
 
-`--policies` are values of KEEL_CPU_THREADS (keel/training/threads.py): `auto` (threads for the
-cores other processes leave free), `fixed` (torch's own: one thread per core, whatever else runs),
-or a number; `+passive` adds OMP_WAIT_POLICY=PASSIVE (OpenMP's waiting threads sleep, not spin). `--cores 0,1` pins everything to those cores (taskset), to stand for a 2-core
-machine on a bigger one.
+Variants: `keel` (keel's default: torch's OpenMP threads sleep while they wait, keel/openmp.py),
+`spin` (libgomp's own default, GOMP_SPINCOUNT=300000: a waiting thread spins first, as before
+keel set it), `one-thread` (OMP_NUM_THREADS=1). `--cores 0,1` pins everything to those cores
+(taskset), to stand for a 2-core machine on a bigger one.
 """
 
 from __future__ import annotations
@@ -53,17 +53,18 @@ def prepare(out: Path) -> None:
                     num_kv_heads=2, seed=s.seed)
 
 
+VARIANTS = {"keel": {}, "spin": {"GOMP_SPINCOUNT": "300000"}, "one-thread": {"OMP_NUM_THREADS": "1"}}
+
+
 def busy(n: int, cores: str | None) -> list[subprocess.Popen]:
     cmd = [sys.executable, "-c", "while True: pass"]
     return [subprocess.Popen(["taskset", "-c", cores, *cmd] if cores else cmd) for _ in range(n)]
 
 
-def one_run(out: Path, steps: int, policy: str, load: int, cores: str | None, timeout_s: float) -> dict:
+def one_run(out: Path, steps: int, variant: str, load: int, cores: str | None, timeout_s: float) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="run_", dir=out))
-    threads, _, wait = policy.partition("+")  # e.g. fixed+passive: torch's threads, OpenMP's passive waits
-    env = {**os.environ, "KEEL_CPU_THREADS": threads, "CUDA_VISIBLE_DEVICES": ""}
-    if wait:
-        env["OMP_WAIT_POLICY"] = wait.upper()
+    env = {**{k: v for k, v in os.environ.items() if k not in VARIANTS["spin"] and k != "OMP_WAIT_POLICY"},
+           **VARIANTS[variant], "CUDA_VISIBLE_DEVICES": ""}
     competitors = busy(load, cores)
     start = time.perf_counter()
     try:
@@ -79,9 +80,9 @@ def one_run(out: Path, steps: int, policy: str, load: int, cores: str | None, ti
     metrics = run_dir / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     times = [r["timing_s/step"] for r in records if r["step"] >= 2]
-    return {"policy": policy, "load": load, "steps": len(times),
+    return {"variant": variant, "load": load, "steps": len(times),
             "step_s_median": statistics.median(times) if times else None, "timed_out": len(times) < steps - 1,
-            "step_s": times, "threads": [r.get("perf/cpu_threads") for r in records],
+            "step_s": times,
             "wall_s": time.perf_counter() - start}
 
 
@@ -89,21 +90,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--loads", default="0,2")
-    parser.add_argument("--policies", default="auto,fixed")
+    parser.add_argument("--variants", default="keel,spin")
     parser.add_argument("--cores", default=None, help="pin the run and its load to these cores (taskset -c)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds a run may take (its steps so far count)")
     parser.add_argument("--out", default=None, help="append the records to this JSONL file")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="keel_contention_"))
     prepare(work)
-    alone: dict[str, float] = {}
-    for policy in args.policies.split(","):
+    alone: dict[str, float] = {}  # variant -> its step alone, the last measured
+    for variant in args.variants.split(","):
         for load in (int(x) for x in args.loads.split(",")):
-            record = one_run(work, args.steps, policy, load, args.cores, args.timeout)
+            record = one_run(work, args.steps, variant, load, args.cores, args.timeout)
             if load == 0:
-                alone[policy] = record["step_s_median"]
-            if alone.get(policy) and record["step_s_median"]:
-                record["over_alone"] = record["step_s_median"] / alone[policy]
+                alone[variant] = record["step_s_median"]
+            if alone.get(variant) and record["step_s_median"]:
+                record["over_alone"] = record["step_s_median"] / alone[variant]
             record.update(commit=os.environ.get("KEEL_COMMIT"), machine=platform.processor() or platform.machine(),
                           cpus=len(os.sched_getaffinity(0)) if not args.cores else len(args.cores.split(",")))
             print(json.dumps({k: v for k, v in record.items() if k != "step_s"}), flush=True)

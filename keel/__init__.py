@@ -2,6 +2,8 @@
 
 from importlib import metadata as _metadata
 
+from keel import openmp as _openmp  # noqa: F401 - first, before anything loads torch (the module says why)
+
 
 def _version() -> str:
     try:

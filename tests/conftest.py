@@ -4,16 +4,11 @@ Nothing is downloaded: the model and tokenizer are built by keel (keel.models.ti
 """
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-# One torch thread in keel's runs: a run's numbers then do not depend on how busy the machine is
-# (keel's `auto` policy changes the thread count with the load, and with it the last bits of some
-# sums, which exact-resume tests compare), and one thread is also what `auto` picks on a shared
-# 2-core machine.
-os.environ.setdefault("KEEL_CPU_THREADS", "1")
+import keel  # noqa: F401 - before any test module loads torch: OpenMP's sleeping waits (keel/openmp.py)
 
 REWARD_FILE = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):

@@ -18,6 +18,7 @@ from packaging.version import Version
 from keel.errors import (CUDA_DRIVER_TOO_OLD, GPU_ARCH_UNSUPPORTED, LOW_DISK, MIN_TORCH, PACKAGE_VERSION,
                          SANDBOX_INCOMPLETE, TORCH_UNSUPPORTED)
 from keel.check.findings import FAIL, PASS, WARN
+from keel.openmp import how_threads_wait
 from keel.rewards.sandbox import jail
 
 # (minimum, maximum exclusive or None) of what keel is tested with
@@ -105,6 +106,11 @@ def check_sandbox(found) -> Check:
                  None if found.complete else SANDBOX_INCOMPLETE)
 
 
+def check_cpu_threads(as_meant: bool, how: str) -> Check:
+    """How torch's OpenMP threads wait (keel/openmp.py): spinning slows a CPU run beside busy processes."""
+    return Check("cpu threads", PASS if as_meant else WARN, how)
+
+
 def check_disk(path: str, free_gb: float) -> Check:
     if free_gb < MIN_FREE_DISK_GB:
         return Check("disk", WARN, f"{free_gb:.1f} GB free at {path}: checkpoints of a 7B model take ~28 GB "
@@ -145,6 +151,7 @@ def collect(path: str = ".") -> list[Check]:
         check_distributed(torch.distributed.is_available() and torch.distributed.is_nccl_available(),
                           installed("ray")),
         check_sandbox(jail()),
+        check_cpu_threads(*how_threads_wait()),
         check_disk(path, shutil.disk_usage(path).free / 2 ** 30),
     ]
 

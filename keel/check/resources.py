@@ -12,6 +12,7 @@ from keel.config.memory import estimate_memory_gb
 from keel.config.schema import KeelConfig
 from keel.errors import MEMORY_ESTIMATE, NOT_ENOUGH_DEVICES, RAY_MISSING, KeelError
 from keel.errors.fixes import overrides, setting
+from keel.openmp import how_threads_wait
 from keel.rollout.native.weights import unsupported_reason
 from keel.training.forward import LOGITS_CHUNK_TOKENS
 
@@ -84,7 +85,10 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
 
     world = cfg.world_size
     if world == 1 and not cfg.pools:
-        return [Finding(PASS, "workers", "1 worker in this process")]
+        as_meant, how = how_threads_wait()
+        on_cpu_spinning = not as_meant and resolve_device(cfg.trainer.device).type == "cpu"
+        return [Finding(PASS, "workers", "1 worker in this process")] + (
+            [Finding(WARN, "workers", f"torch's CPU threads: {how}")] if on_cpu_spinning else [])
     try:
         import ray  # noqa: F401
     except ImportError:

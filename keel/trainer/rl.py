@@ -25,14 +25,12 @@ from keel.data.prompts import PromptBatch, collate_prompts
 from keel.observe.guards import (LearningSignalGuard, SkipStep, check_log_prob_gap, check_finite,
                                  frac_reward_zero_std, report_warnings)
 from keel.trainer.hooks import load_hook, run_hooks
-from keel.training.threads import CpuThreads
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
 from keel.observe.log import warnings_said_once
 from keel.observe.metrics import MetricsLogger, Timer, last_logged_metrics
 from keel.rollout.agent.metrics import agent_metrics
 from keel.trainer.dynamic_sampling import fill_with_signal
-from keel.trainer.setup import (Components, Inputs, build_components, needs_baseline_rollout,
-                                trains_in_this_process_on_cpu)
+from keel.trainer.setup import Components, Inputs, build_components, needs_baseline_rollout
 from keel.trainer.evaluate import evaluate
 from keel.types import RolloutBatch, SamplingParams
 
@@ -77,7 +75,6 @@ class RLTrainer:
         logger.write(f"run directory: {self.run_dir} (config.yaml: the resolved config; batch_plan.json"
                      f"{'; check.txt: the whole of keel check' if self.check_report else ''})")
         metrics: dict[str, float] = {}
-        threads = CpuThreads() if trains_in_this_process_on_cpu(self.cfg) else None
         try:
             with warnings_said_once():
                 if self.step == 0 and self.components.val_data and self.cfg.trainer.val_before_train:
@@ -88,18 +85,13 @@ class RLTrainer:
                     metrics = last_logged_metrics(self.run_dir / "metrics.jsonl", self.step)
                 while self.step < self.components.total_steps:
                     self.step += 1
-                    cpu_threads = threads.adjust() if threads else None  # for the cores left free
                     metrics = self.guarded_step(logger)
-                    if cpu_threads:
-                        metrics["perf/cpu_threads"] = float(cpu_threads)
                     if self._validation_due():
                         metrics.update(self._evaluate(logger))
                     logger.log(self.step, metrics)
                     if self._due(self.cfg.trainer.save_freq) or self.step == self.components.total_steps:
                         self.save()
         finally:
-            if threads:
-                threads.close()
             logger.close()
             self.components.reward.shutdown()
             self.components.workers.shutdown()

@@ -133,11 +133,6 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None, inputs:
         total_steps=steps)
 
 
-def trains_in_this_process_on_cpu(cfg: KeelConfig) -> bool:
-    """One worker, in the driver's process, on the CPU: torch's threads there are the driver's to set."""
-    return cfg.world_size == 1 and not cfg.pools and resolve_device(cfg.trainer.device).type == "cpu"
-
-
 def build_workers(cfg: KeelConfig, total_steps: int, actor_weights: Path | None, tokenizer,
                   run_dir: str | Path) -> WorkerRoles:
     """One worker in this process, or `trainer.n_gpus_per_node x trainer.nnodes` Ray workers."""

@@ -22,7 +22,6 @@ from keel.models.load import autocast, load_causal_lm, load_tokenizer, quiet_tra
 from keel.models.lora import apply_lora, plan_lora
 from keel.observe.log import ensure_console_logging
 from keel.observe.metrics import MetricsLogger, Timer
-from keel.training.threads import CpuThreads
 from keel.models.load import resolve_device
 from keel.trainer.setup import seed_everything
 from keel.training.optim import build_optimizer, build_scheduler
@@ -57,7 +56,7 @@ class SFTTrainer:
         self.run_dir = Path(cfg.run_dir)
         self.resume_from = ckpt.resume_point(self.run_dir, cfg)
         seed_everything(cfg.trainer.seed)
-        self.device = device = resolve_device(cfg.trainer.device)
+        device = resolve_device(cfg.trainer.device)
         m, d = cfg.model, cfg.data
         self.tokenizer = load_tokenizer(m.partial_pretrain, m.trust_remote_code)
         self.tokenizer.padding_side = "right"
@@ -105,22 +104,16 @@ class SFTTrainer:
         ckpt.init_run_dir(self.run_dir, to_yaml(self.cfg), self.step if self.resume_from else None)
         logger = MetricsLogger.for_run(self.cfg, self.run_dir, self.total_steps, self.step, desc="keel sft")
         metrics: dict[str, float] = {}
-        threads = CpuThreads() if self.device.type == "cpu" else None
         try:
             while self.step < self.total_steps:
                 self.step += 1
-                cpu_threads = threads.adjust() if threads else None  # for the cores left free
                 metrics = self.train_step()
-                if cpu_threads:
-                    metrics["perf/cpu_threads"] = float(cpu_threads)
                 if self._due(self.cfg.trainer.test_freq) or self.step == self.total_steps:
                     metrics.update(self.evaluate())
                 logger.log(self.step, metrics)
                 if self._due(self.cfg.trainer.save_freq) or self.step == self.total_steps:
                     self.save()
         finally:
-            if threads:
-                threads.close()
             logger.close()
         ckpt.write_policy(self.run_dir, self._finished_model(), self.tokenizer)  # the run directory is the model
         return SFTResult(self.run_dir, self.step, metrics)

@@ -10,7 +10,7 @@ KEEL = Path(__file__).parents[2] / "keel"
 
 # Bottom first. A name is a folder or a top-level module of keel/.
 LAYERS = [
-    {"errors", "types"},
+    {"errors", "types", "openmp"},
     {"config", "algorithms"},
     {"data", "models", "rewards", "rollout", "training", "observe", "checkpoint"},
     {"distributed"},
