@@ -158,8 +158,10 @@ def prepare_out_dir(out: Path, s: DemoSettings, fresh: bool) -> None:
     marker = out / MARKER
     if out.exists() and any(out.iterdir()) and not marker.exists():
         from keel.errors import DEMO_DIR, KeelError
+        from keel.errors.fixes import free_directory
 
-        raise KeelError(DEMO_DIR, f"{out} exists and was not made by keel demo; not touching it")
+        raise KeelError(DEMO_DIR, f"{out} exists and was not made by keel demo; not touching it",
+                        f"run `keel demo --out {free_directory(out)}` (a directory of its own), or empty {out}")
     if marker.exists() and (fresh or json.loads(marker.read_text()) != asdict(s)):
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)

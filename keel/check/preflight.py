@@ -294,7 +294,7 @@ def check_trackers(cfg: KeelConfig, context: dict) -> list[Finding]:
 
     trackers = [name for name in cfg.trainer.logger if name in SINKS]
     for name in trackers:
-        require_tracker(name)
+        require_tracker(name, cfg.trainer.logger)
     return [Finding(PASS, "trackers", describe_tracker(name, Path(cfg.run_dir))) for name in trackers]
 
 

@@ -34,7 +34,7 @@ PANELS = [
 def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise KeelError(NO_METRICS, f"{path} does not exist")
+        raise KeelError(NO_METRICS, f"{path} does not exist", _run_dir_below(run_dir))
     records = []
     for line in path.read_text().splitlines():
         try:
@@ -44,6 +44,15 @@ def read_metrics(run_dir: Path) -> list[dict]:
     if not records:
         raise KeelError(NO_METRICS, f"{path} has no metrics yet")
     return records
+
+
+def _run_dir_below(path: Path) -> str | None:
+    """The fix for a directory that is not a run's: the one run directory below it (checkpoints/ or a
+    project's folder), as a command; None (the catalogue's fix) when there are none or several."""
+    found = sorted(p.parent for p in path.glob("**/metrics.jsonl") if len(p.relative_to(path).parts) <= 4)
+    if len(found) != 1:
+        return None
+    return f"run `keel report {found[0]}` (the run directory below {path})"
 
 
 def series(records: list[dict], pattern: str) -> dict[str, tuple[list[int], list[float]]]:

@@ -125,7 +125,7 @@ class Trackers:
         self.sinks, self.failed_writes, self._warned = {}, 0, set()
         trackers = [n for n in names if n in SINKS]
         for tracker in trackers:  # all of them before any starts: a refusal leaves no run open
-            require_tracker(tracker)
+            require_tracker(tracker, names)
         for tracker in trackers:
             try:
                 self.sinks[tracker] = SINKS[tracker](project, name, config, run_dir)
@@ -157,15 +157,18 @@ class Trackers:
                         "and tracking/failed_writes counts the losses", tracker, what, type(error).__name__, error)
 
 
-def require_tracker(name: str) -> None:
+def require_tracker(name: str, logger: list[str] | None = None) -> None:
     """The tracker's library must be installed: a run that was asked to log there and silently
-    did not would be found out days later."""
+    did not would be found out days later. `logger`: all of trainer.logger, for the fix without it."""
     import importlib.util
 
+    from keel.errors.fixes import setting
+
     if importlib.util.find_spec(PACKAGES[name]) is None:
+        rest = [entry for entry in (logger or [name]) if entry != name]
         raise KeelError(TRACKER_UNAVAILABLE, f"trainer.logger names {name}, whose package is not installed",
-                        f"pip install 'keel[tracking]' (or pip install {PACKAGES[name]}), or remove {name} from "
-                        "trainer.logger")
+                        f"set {setting('trainer.logger', rest)} to train without it, or run `pip install "
+                        f"{PACKAGES[name]}` (all of keel's trackers: pip install 'keel[tracking]')")
 
 
 def _wandb_logged_in() -> bool:

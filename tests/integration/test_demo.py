@@ -1,5 +1,7 @@
 """The demo a new user runs first: GRPO must visibly raise held-out accuracy, and reruns are safe."""
 
+from pathlib import Path
+
 import pytest
 
 from keel.cli import main
@@ -53,6 +55,8 @@ def test_demo_never_touches_a_directory_it_did_not_make(tmp_path):
         run_demo(tmp_path, SHORT, console=False)
     assert info.value.code == DEMO_DIR
     assert (tmp_path / "mine.txt").read_text() == "keep"
+    free = f"{tmp_path}_2"  # the fix's directory: one that does not exist yet, so the demo may make it
+    assert f"`keel demo --out {free}`" in info.value.fix and not Path(free).exists()
 
 
 def test_the_tools_demo_teaches_calculator_calls_and_grpo_raises_sampled_accuracy(tmp_path):

@@ -96,9 +96,8 @@ if not torch.cuda.is_available():  # the mistake is asking for a GPU this machin
 
 # Codes whose fix cannot be applied here, and why; test_what_can_be_tested_of_the_rest checks them.
 NOT_HERE = {
-    "KEEL-C009": "raised in keel/demo.py, whose fix line is the catalogue's (`keel demo --out DIR` names no "
-                 "directory); and a demo trains for minutes",
-    "KEEL-C012": "raised in keel/observe/report.py with the catalogue's fix, which names no run directory",
+    "KEEL-C009": "the printed fix is a `keel demo --out` command, which runs the whole demo (minutes); "
+                 "tests/integration/test_demo.py checks that it names a directory that is free",
     "KEEL-M008": "the fix is a chat template with a tool role in the model's own turn format, which only the "
                  "model's makers can write",
     "KEEL-T001": "a non-finite gradient from finite log-probs needs low-precision overflow, which a float32 "
@@ -111,8 +110,6 @@ NOT_HERE = {
     "KEEL-E006": "a GPU",
     "KEEL-E007": "installing other package versions",
     "KEEL-E008": "a full disk",
-    "KEEL-E011": "raised in keel/observe/sinks.py, whose fix line has no backticked option; and every "
-                 "tracker is installed here",
     "KEEL-P001": "an exception in a Ray worker: the fix is the worker's own traceback",
     "KEEL-P002": "a Ray worker killed by the system (out of memory)",
     "KEEL-P003": "ranks stalled in a collective across Ray workers",

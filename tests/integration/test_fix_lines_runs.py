@@ -90,6 +90,15 @@ def with_env(c, name: str, value: str) -> list[str]:
     return c.check("trainer.n_gpus_per_node=2")  # two workers: Ray, and a port for rank 0
 
 
+def tracker_not_installed(c) -> list[str]:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    c.applier.monkeypatch.setattr(importlib.util, "find_spec",  # a machine without wandb
+                                  lambda name, *a, **k: None if name == "wandb" else real(name, *a, **k))
+    return c.check("trainer.logger=[console,wandb]")
+
+
 def hook_file(c) -> list[str]:
     c.write("my_hooks.py", "def longest(step, metrics, batch):\n    return []\n")
     c.applier.monkeypatch.syspath_prepend(str(c.tmp))  # importable, as with `export PYTHONPATH=$PWD`
@@ -101,6 +110,8 @@ RUN_CASES = {
     "KEEL-C010": lambda c: (c.write("out/notes.txt", "mine"), ["export", str(checkpoint(c, actor=True)),
                                                                  str(c.tmp / "out")])[1],
     "KEEL-C011": lambda c: (checkpoint(c, actor=True), ["export", str(c.tmp / "run"), str(c.tmp / "out")])[1],
+    "KEEL-C012": lambda c: (c.write("runs/digits/grpo/metrics.jsonl", '{"step": 1, "critic/score/mean": 0.5}\n'),
+                            ["report", str(c.tmp / "runs")])[1],  # the folder above the run directory
     "KEEL-C014": hook_file,
     "KEEL-D005": lambda c: sft(c, "data.max_length=8"),
     "KEEL-D006": lambda c: sft(c, "data.max_length=12", "data.truncation=right"),
@@ -114,6 +125,7 @@ RUN_CASES = {
     "KEEL-T006": unsynced_engine,
     "KEEL-E009": failing_compiler,
     "KEEL-E010": partial_jail,
+    "KEEL-E011": tracker_not_installed,
     "KEEL-P005": lambda c: with_env(c, "RAY_ADDRESS", f"127.0.0.1:{free_port()}"),  # nothing listens there
     "KEEL-P007": lambda c: with_env(c, "MASTER_PORT", "29500x"),
 }
