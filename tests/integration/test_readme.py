@@ -96,6 +96,8 @@ def check_your_own_run(clone: Path, snippet_output: str) -> None:
     scores = [m["critic/score/mean"] for m in quickstart if "critic/score/mean" in m]
     assert quickstart[-1]["step"] == 30 and scores[-1] > scores[0] + 0.5, scores  # "lifts the mean score"
     assert (runs / "grpo_digits" / "report.png").is_file() and (runs / "grpo_digits" / "report.html").is_file()
+    lora = metrics(runs / "grpo_digits_lora")  # a run of its own, not a refused resume of the quickstart's
+    assert lora[-1]["step"] == 30 and (runs / "grpo_digits_lora" / "global_step_30" / "actor").is_dir()
     assert (runs / "sft_digits" / "config.json").is_file()  # the SFT run directory is a Hugging Face model
     from_sft = yaml.safe_load((runs / "grpo_from_sft" / "config.yaml").read_text())
     assert Path(from_sft["actor_rollout_ref"]["model"]["path"]).name == "sft_digits"
