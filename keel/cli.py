@@ -59,7 +59,8 @@ def _cmd_demo(args) -> int:
 
     settings, task, out = ((ToolDemoSettings(), TOOLS, "keel_demo_tools") if args.task == "tools"
                            else (DemoSettings(), None, "keel_demo"))
-    settings = smoke_settings(settings) if args.smoke else settings
+    if args.smoke:  # a directory of its own: a smoke run never clears a finished demo (other settings)
+        settings, out = smoke_settings(settings), f"{out}_smoke"
     print_summary(run_demo(args.out or out, settings, fresh=args.fresh, task=task))
     return 0
 

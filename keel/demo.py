@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shlex
 import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ClassVar
 
 DATA_SOURCE = "keel/arithmetic"
 MARKER = "keel_demo.json"  # marks a directory as the demo's own, so a rerun may clear it
@@ -30,6 +31,7 @@ class DemoSettings:
     amplify. Stopping on accuracy rather than a step count keeps that starting point alike on
     machines whose numerics differ; the climb is steep, so a chunk may overshoot the target (one
     2-core run's dev accuracy: 6% at step 150, 14% at 275, 38% at 300)."""
+    TASK: ClassVar[str] = "addition"  # keel demo --task
     digits: int = 2                  # operands have up to this many digits
     n_sft: int = 4000
     n_rl: int = 2000
@@ -150,6 +152,12 @@ def grpo_config(out: Path, data: dict[str, Path], s: DemoSettings) -> dict:
     }
 
 
+def demo_command(s: DemoSettings, out: Path) -> str:
+    """The `keel demo` command line that runs these settings' demo in `out`."""
+    task = f" --task {s.TASK}" if s.TASK != DemoSettings.TASK else ""
+    return f"keel demo{task} --out {shlex.quote(str(out))}{' --smoke' if s.smoke else ''}"
+
+
 def prepare_out_dir(out: Path, s: DemoSettings, fresh: bool) -> None:
     """Resume a demo with the same settings; clear one with other settings or when asked.
 
@@ -161,7 +169,7 @@ def prepare_out_dir(out: Path, s: DemoSettings, fresh: bool) -> None:
         from keel.errors.fixes import free_directory
 
         raise KeelError(DEMO_DIR, f"{out} exists and was not made by keel demo; not touching it",
-                        f"run `keel demo --out {free_directory(out)}` (a directory of its own), or empty {out}")
+                        f"run `{demo_command(s, free_directory(out))}` (a directory of its own), or empty {out}")
     if marker.exists() and (fresh or json.loads(marker.read_text()) != asdict(s)):
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)

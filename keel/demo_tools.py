@@ -12,6 +12,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from keel.demo import DemoResult, DemoSettings, DemoTask, greedy_accuracy, run_demo, write_data
 
@@ -21,6 +22,7 @@ DATA_SOURCE = "keel/tool_arithmetic"
 @dataclass(frozen=True)
 class ToolDemoSettings(DemoSettings):
     """The arithmetic demo's stages, sized for a longer task: a call, the tool's turn, the answer."""
+    TASK: ClassVar[str] = "tools"
     digits: int = 3
     n_sft: int = 3000
     n_dev: int = 64

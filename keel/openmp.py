@@ -3,9 +3,9 @@
 At the end of every parallel region torch's CPU threads wait for their siblings, and by libgomp's
 default a waiting thread spins first. On a machine other processes share, the sibling is often
 the one preempted, and the spinning burns the time slice it needs: beside two busy processes the
-CPU demo's GRPO step took 3.6-4.1 times as long as alone on 2 cores (10-25 times was reported
-beside other torch jobs, which spin too); with sleeping waits it took 1.6-2.2 times, for about a
-tenth more alone (benchmarks/cpu_contention.py; the runs in benchmarks/README.md). The thread count
+CPU demo's GRPO step took 3.4 and 11.8 times as long as alone on 2 cores; with sleeping waits 1.35
+and 2.0 times, for up to a tenth more alone (benchmarks/cpu_contention.py, two runs of each; the
+table in benchmarks/README.md). The thread count
 stays torch's, so a run's numbers do not depend on the load. libgomp reads the policy once, when
 torch loads it, so keel sets it on import: unless the user chose one (OMP_WAIT_POLICY or
 GOMP_SPINCOUNT set), or torch was imported first (`keel doctor` and `keel train` on the CPU say so).

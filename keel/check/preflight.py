@@ -305,9 +305,6 @@ CHECKS = [("tokenizer", check_tokenizer), ("model", check_model), ("data", check
           ("memory", check_memory)]
 
 
-# --- memory ---------------------------------------------------------------------------------
-
-
 # --- what keel decided for you ----------------------------------------------------------------
 
 # The decisions that are not a verl key's (those follow them in `audit`), in the order printed.
@@ -362,12 +359,10 @@ def _verl_decisions(lines: list[str]) -> dict[str, str]:
 def render_brief(report: Report) -> str:
     """What `keel train` prints before step 1: the verdict, every finding that is not ok, and what keel
     decided in a few lines; `render` (saved as check.txt in the run directory) has the rest."""
-    marks = {WARN: "warn", FAIL: "FAIL", SKIP: "skip"}
     counts = {level: sum(f.level == level for f in report.findings) for level in (PASS, WARN, FAIL)}
     lines = [f"keel check: {counts[PASS]} passed, {counts[WARN]} warnings, {counts[FAIL]} failed"]
     for f in report.findings:
-        if f.level != PASS:
-            lines.append(f"  [{marks[f.level]}] {f.check:<14} {f.message}" + (f"  ({f.code})" if f.code else ""))
+        lines += _finding_lines(f) if f.level != PASS else []
     general = {key: value for key, value in report.audit.items() if key in _GENERAL_DECISIONS}
     verl = [key for key in report.audit if key not in _GENERAL_DECISIONS]
     shown = [general[key].split(" (")[0] if key == "device" else f"{key} {general[key].split(';')[0]}"
@@ -379,15 +374,20 @@ def render_brief(report: Report) -> str:
     return "\n".join(lines)
 
 
+def _finding_lines(f: Finding) -> list[str]:
+    """A failure as `keel train` prints the same problem (the error, then the fix); a warning with its
+    fix when it has one."""
+    mark = {PASS: "ok  ", WARN: "warn", FAIL: "FAIL", SKIP: "skip"}[f.level]
+    if f.level == FAIL:
+        return [f"  [{mark}] {f.check}"] + [f"         {line}" for line in f.error().render().splitlines()]
+    return ([f"  [{mark}] {f.check:<14} {f.message}" + (f"  ({f.code})" if f.code else "")]
+            + ([f"         fix: {f.fix}"] if f.fix and f.level == WARN else []))
+
+
 def render(report: Report) -> str:
-    marks = {PASS: "ok  ", WARN: "warn", FAIL: "FAIL", SKIP: "skip"}
     lines = ["keel check"]
     for f in report.findings:
-        if f.level == FAIL:  # exactly what `keel train` prints for the same problem: the error, then the fix
-            lines.append(f"  [{marks[f.level]}] {f.check}")
-            lines += [f"         {line}" for line in f.error().render().splitlines()]
-        else:
-            lines.append(f"  [{marks[f.level]}] {f.check:<14} {f.message}" + (f"  ({f.code})" if f.code else ""))
+        lines += _finding_lines(f)
     lines.append(report.plan_text)
     lines.append("decided for you")
     lines += [f"  {key:<26} {value}" for key, value in report.audit.items()]

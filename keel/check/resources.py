@@ -93,7 +93,7 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
         import ray  # noqa: F401
     except ImportError:
         raise KeelError(RAY_MISSING, f"{world} workers need Ray, which is not installed",
-                        "run `pip install 'ray[default]'` (keel's install does this), or "
+                        "run `pip install ray` (keel's install has it), or "
                         f"{setting('trainer.n_gpus_per_node', 1)} to train in this process") from None
     port = port_from_environment()
     if os.environ.get("RAY_ADDRESS"):

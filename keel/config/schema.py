@@ -229,7 +229,7 @@ class RunOptions:
     seed: int = opt(1, ge=0)
     device: str = opt("auto", choices=("auto", "cpu", "cuda"))
     logger: list[str] = opt(factory=lambda: ["console"], choices=("console", "wandb", "tensorboard", "mlflow"),
-                            help="console and experiment trackers (pip install keel[tracking]); metrics.jsonl is "
+                            help="console and experiment trackers (pip install -e '.[tracking]' in keel's checkout); metrics.jsonl is "
                                  "always written")
 
 

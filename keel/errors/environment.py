@@ -79,6 +79,6 @@ TRACKER_UNAVAILABLE = register(
     "trainer.logger names wandb, tensorboard or mlflow, whose Python package is missing here; the "
     "run would otherwise train for days and log nowhere it was asked to.",
     "Remove the tracker from trainer.logger (`trainer.logger=[console]` logs to the console only), or "
-    "`pip install 'keel[tracking]'` (wandb, tensorboard and mlflow-skinny).", ("trainer.logger",))
+    "`pip install -e '.[tracking]'` in keel's checkout (wandb, tensorboard and mlflow-skinny).", ("trainer.logger",))
 
 __all__ = [name for name in dir() if name.isupper()]

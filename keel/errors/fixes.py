@@ -18,7 +18,7 @@ import yaml
 DATA_SUFFIXES = (".jsonl", ".parquet", ".json")
 # Directories a script of the repository fills (the README's first steps), and what it writes there:
 # a file of these missing there is made by running the script.
-MAKERS = {"examples/data": ("examples/quickstart/prepare.py", ("train.jsonl", "val.jsonl", "model"))}
+MAKERS = {"examples/data": ("examples/quickstart/prepare.py", ("train.jsonl", "val.jsonl", "sft.jsonl", "model"))}
 
 
 def value_text(value: Any) -> str:

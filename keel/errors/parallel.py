@@ -36,7 +36,7 @@ RAY_MISSING = register(
     "Training on more than one GPU or node runs its workers as Ray actors; Ray is not installed, "
     "or the cluster in RAY_ADDRESS cannot be reached.",
     "`unset RAY_ADDRESS` to let keel start a local Ray instance when it names a cluster that does not "
-    "answer; `pip install 'ray[default]'` when Ray is missing (keel's install does this).")
+    "answer; `pip install ray` when Ray is missing (keel's install has it).")
 MASTER_PORT_UNUSABLE = register(
     "KEEL-P007", "MASTER_PORT is not a port keel can listen on",
     "MASTER_PORT is set in the environment, so keel's rank 0 listens there for the other ranks "

@@ -6,7 +6,6 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
-import re
 import sys
 import threading
 from contextlib import contextmanager
@@ -110,17 +109,13 @@ class LearningSignalGuard:
         return True
 
 
-NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
-
-
 def report_warnings(step: int, warnings: list[str], warned_steps: dict[str, int]) -> dict[str, float]:
     """Log a step's warnings (a repeat is printed once, keel.observe.log.warnings_said_once) and
     count them by kind in `warned_steps` -> the step's metrics of them."""
     for warning in warnings:
-        kind = getattr(warning, "kind", "hook")  # GuardWarning's, or a user hook's
-        warned_steps[kind] = warned_steps.get(kind, 0) + 1
-        said_once_as = kind if kind != "hook" else NUMBER.sub("#", warning)  # a hook's told apart by its words
-        log.warning("step %d: %s", step, warning, extra={"kind": said_once_as})
+        kind = getattr(warning, "kind", None)  # a GuardWarning's; a user hook's are told apart by their words
+        warned_steps[kind or "hook"] = warned_steps.get(kind or "hook", 0) + 1
+        log.warning("step %d: %s", step, warning, extra={"kind": kind})
     return {"guards/warnings": float(len(warnings)),
             **{f"guards/warned_steps/{kind}": float(n) for kind, n in warned_steps.items()}}
 

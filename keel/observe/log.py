@@ -1,8 +1,12 @@
 """keel's log lines (dataset counts, warnings, resume notices) reach the user from Python too."""
 
 import logging
+import re
 import sys
+import threading
 from contextlib import contextmanager
+
+NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")  # what differs between repeats of a warning
 
 
 def ensure_console_logging() -> None:
@@ -20,23 +24,26 @@ class SaidOnce(logging.Filter):
     """A warning that repeats is printed once, saying so, then counted: a run's 30th "responses hit
     max_response_length" buries the lines around it and tells nothing the first did not.
 
-    Warnings are the same when their format string is (`log.warning("%d of %d ...", ...)`), or
-    their `kind` (`extra={"kind": ...}`) when one format string carries many warnings."""
+    Warnings are the same when their `kind` is (`extra={"kind": ...}`), else when their words are,
+    numbers aside ("step 3: 97% of ..." repeats "step 1: 92% of ...")."""
 
     def __init__(self):
         super().__init__()
         self.counts: dict[str, int] = {}
         self.first: dict[str, str] = {}
+        self._lock = threading.Lock()  # scorer and tool threads warn too
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:
             return True
-        key = getattr(record, "kind", None) or str(record.msg)
-        self.counts[key] = self.counts.get(key, 0) + 1
-        if self.counts[key] > 1:
-            return False
-        self.first[key] = record.getMessage()
-        record.msg, record.args = f"{self.first[key]} (said once; repeats are counted)", ()
+        message = record.getMessage()
+        key = getattr(record, "kind", None) or NUMBER.sub("#", message)
+        with self._lock:
+            self.counts[key] = self.counts.get(key, 0) + 1
+            if self.counts[key] > 1:
+                return False
+            self.first[key] = message
+        record.msg, record.args = f"{message} (said once; repeats are counted)", ()
         return True
 
     def summary(self) -> list[str]:

@@ -107,14 +107,15 @@ class MetricsLogger:
             # No bar when stderr is a log file: carriage returns would bury the summary lines.
             self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step",
                             file=sys.stderr, dynamic_ncols=True, disable=not sys.stderr.isatty())
-        self._ticking = threading.Event()
+        self._ticking, self._ticker = threading.Event(), None
         self._log_above_bar = contextlib.ExitStack()
         if self.bar is not None and not self.bar.disable:  # a terminal: the bar's clock runs within a step too
             from tqdm.contrib.logging import logging_redirect_tqdm
 
             keel_log = logging.getLogger("keel")  # its own handler (keel.train), or the root's (the CLI)
             self._log_above_bar.enter_context(logging_redirect_tqdm([keel_log if keel_log.handlers else logging.root]))
-            threading.Thread(target=self._tick, name="keel-progress", daemon=True).start()
+            self._ticker = threading.Thread(target=self._tick, name="keel-progress", daemon=True)
+            self._ticker.start()
 
     def _tick(self) -> None:
         while not self._ticking.wait(1.0):
@@ -161,6 +162,8 @@ class MetricsLogger:
 
     def close(self) -> None:
         self._ticking.set()
+        if self._ticker is not None:
+            self._ticker.join()  # no refresh after the bar's last draw
         self._log_above_bar.close()
         if self.bar is not None:
             self.bar.close()

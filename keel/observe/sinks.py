@@ -1,7 +1,7 @@
 """Experiment trackers, by verl's `trainer.logger` names: `wandb`, `tensorboard`, `mlflow` (console
 and metrics.jsonl are keel's own, in keel.observe.metrics).
 
-Each is the library itself (`pip install keel[tracking]`). A tracker that fails, at start or in the
+Each is the library itself (`pip install -e '.[tracking]'` in keel's checkout). A tracker that fails, at start or in the
 middle of a run (network, disk, a revoked key), is logged once and counted in
 `tracking/failed_writes`; training goes on, and metrics.jsonl, written first, keeps every record.
 """
@@ -168,7 +168,7 @@ def require_tracker(name: str, logger: list[str] | None = None) -> None:
         rest = [entry for entry in (logger or [name]) if entry != name]
         raise KeelError(TRACKER_UNAVAILABLE, f"trainer.logger names {name}, whose package is not installed",
                         f"set {setting('trainer.logger', rest)} to train without it, or run `pip install "
-                        f"{PACKAGES[name]}` (all of keel's trackers: pip install 'keel[tracking]')")
+                        f"{PACKAGES[name]}` (all of keel's trackers: pip install -e '.[tracking]' in keel's checkout)")
 
 
 def _wandb_logged_in() -> bool:

@@ -71,11 +71,11 @@ class RLTrainer:
     def fit(self) -> RunResult:
         self._open_run_dir()
         logger = MetricsLogger.for_run(self.cfg, self.run_dir, self.components.total_steps, self.step)
-        logger.write(make_plan(self.cfg).summary())
-        logger.write(f"run directory: {self.run_dir} (config.yaml: the resolved config; batch_plan.json"
-                     f"{'; check.txt: the whole of keel check' if self.check_report else ''})")
         metrics: dict[str, float] = {}
         try:
+            logger.write(make_plan(self.cfg).summary())
+            logger.write(f"run directory: {self.run_dir} (config.yaml: the resolved config; batch_plan.json"
+                         f"{'; check.txt: the whole of keel check' if self.check_report else ''})")
             with warnings_said_once():
                 if self.step == 0 and self.components.val_data and self.cfg.trainer.val_before_train:
                     logger.log(0, self._evaluate(logger))

@@ -47,8 +47,8 @@ def gsm8k_rows(c) -> str:
     return "data.train_files=" + c.mistaken("gsm.jsonl", (lines[0] + "\n") * 8, (lines[1] + "\n") * 8)
 
 
-# 0.2 s on an empty response (one keel check tries), over a limit of 0.05 s
-SLOW_ON_EMPTY = "import time\n\ndef compute_score(d, s, g, e=None):\n    time.sleep(0.2 if not s else 0)\n    return 0.0\n"
+# 0.3 s on an empty response (one keel check tries), over a limit of 0.1 s; the fix's 1 s leaves room on a busy machine
+SLOW_ON_EMPTY = "import time\n\ndef compute_score(d, s, g, e=None):\n    time.sleep(0.3 if not s else 0)\n    return 0.0\n"
 SCORE = "def compute_score(d, s, g, e=None):\n    return {}\n"
 
 
@@ -85,7 +85,7 @@ CHECK_CASES = {
     "KEEL-R003": lambda c: c.check(reward(c, SCORE.format("str(len(s))"), SCORE.format("float(len(s))"))),
     "KEEL-R004": lambda c: c.check("custom_reward_function.path=null", "data.val_files=[]", gsm8k_rows(c)),
     "KEEL-R005": lambda c: c.check(reward(c, SCORE.format("1 / len(s)"), SCORE.format("1 / len(s) if s else 0.0"))),
-    "KEEL-R007": lambda c: c.check("reward.timeout_s=0.05", reward(c, SLOW_ON_EMPTY)),
+    "KEEL-R007": lambda c: c.check("reward.timeout_s=0.1", reward(c, SLOW_ON_EMPTY)),
     "KEEL-E002": lambda c: c.check("actor_rollout_ref.rollout.max_num_seqs=100000000"),
     "KEEL-E003": lambda c: c.check(f"trainer.default_local_dir={c.write('a_file', '')}/run"),
     "KEEL-P004": lambda c: c.check("trainer.nnodes=2"),

@@ -131,9 +131,14 @@ RUN_CASES = {
 }
 
 
+# The case's own setup meets these after the fix: code_exec on the digits rows, whose ground truth
+# is not test cases (the jail the fix allows is then used; what it scores is the case's problem).
+THEN = {"KEEL-E010": ("KEEL-R005",)}
+
+
 @pytest.mark.parametrize("code", sorted(RUN_CASES))
 def test_the_printed_fix_fixes(code, ctx):  # noqa: F811 - ctx, the fixture
-    apply_and_rerun(RUN_CASES[code](ctx), code, ctx.applier)
+    apply_and_rerun(RUN_CASES[code](ctx), code, ctx.applier, THEN.get(code, ()))
 
 
 def test_the_readme_lora_line_after_the_quickstart(ctx):  # noqa: F811

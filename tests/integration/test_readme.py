@@ -79,7 +79,7 @@ def test_a_new_user_runs_the_readme_in_order(tmp_path):
                  if line.startswith("make demo")]
     assert make_demo and "DEMO_FLAGS=--smoke make demo" in section(readme, "Two commands")
     out = run_block("bash", make_demo[0], clone, env)
-    assert "smoke run" in out and (clone / "keel_demo" / "grpo" / "report.png").is_file()
+    assert "smoke run" in out and (clone / "keel_demo_smoke" / "grpo" / "report.png").is_file()
     where = run_block("python", "import keel; print(keel.__file__)", tmp_path / "venv", env)  # not beside a keel/
     assert Path(where.strip()).is_relative_to(clone), where  # the copy's keel, not this checkout's
 

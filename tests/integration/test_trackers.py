@@ -106,5 +106,5 @@ def test_a_tracker_that_is_not_installed_is_refused_before_training(tiny_config,
     tiny_config["trainer"]["logger"] = ["mlflow"]
     with pytest.raises(KeelError) as error:
         train(tiny_config)
-    assert error.value.code == TRACKER_UNAVAILABLE and "keel[tracking]" in error.value.fix
+    assert error.value.code == TRACKER_UNAVAILABLE and ".[tracking]" in error.value.fix
     assert not Path(tiny_config["trainer"]["default_local_dir"], "metrics.jsonl").exists()

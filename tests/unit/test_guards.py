@@ -165,20 +165,20 @@ def test_a_hung_phase_dumps_stacks_and_exits_with_its_code():
 
 
 def test_a_slow_phase_gets_past_its_limit_with_the_limit_the_fix_names():
-    """A phase that takes 1 s under a 0.8 s limit stops; the fix's limit (twice the old one) lets it finish."""
+    """A phase that takes 3 s under a 2 s limit stops; the fix's limit (twice the old one) lets it finish."""
     import re
     import subprocess
     import sys
 
     def run(limit: float) -> subprocess.CompletedProcess:
         script = ("import time\nfrom keel.observe.guards import phase_deadline\n"
-                  f"with phase_deadline('reward', {limit}):\n    time.sleep(1.0)\nprint('done')\n")
+                  f"with phase_deadline('reward', {limit}):\n    time.sleep(3.0)\nprint('done')\n")
         return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
 
-    stopped = run(0.8)
+    stopped = run(2.0)
     assert stopped.returncode == 3 and "error[KEEL-T004]" in stopped.stderr
     limit = float(re.search(r"`trainer\.guards\.phase_timeout_s=([\d.]+)`", stopped.stderr).group(1))
-    assert limit == 1.6
+    assert limit == 4.0
     finished = run(limit)
     assert finished.returncode == 0 and "done" in finished.stdout
 
@@ -227,8 +227,8 @@ def test_a_repeated_warning_is_printed_once_counted_and_summed_up(caplog):
     assert printed[3] == "resumed at step 3"
     assert printed[4:] == ["this warning came 3 times, printed once: step 1: 91% of responses hit max_response_length",
                            "this warning came 3 times, printed once: step 1: entropy 0.01 is low"]
-    assert said.counts == {"step %d: %d%% of responses hit max_response_length": 3, "entropy_collapse": 3,
-                           "%d of %d samples not scored": 1}
+    assert said.counts == {"step #: #% of responses hit max_response_length": 3, "entropy_collapse": 3,
+                           "# of # samples not scored": 1}
 
 
 def test_warnings_are_counted_by_kind_and_a_hooks_by_their_words(caplog):

@@ -34,6 +34,7 @@ def test_a_users_own_choice_is_kept():
     assert "as set: OMP_WAIT_POLICY=ACTIVE" in said
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="keel check warns for a run on the CPU")
 def test_torch_imported_first_spins_and_keel_check_says_so_on_the_cpu(tiny_config, tmp_path):
     import yaml
 
