@@ -50,7 +50,10 @@ def new_venv(path: Path) -> dict[str, str]:
     """A venv whose bin comes first on PATH, so `python3`, `pip` and `keel` are its own; the
     environment a shell in it would have, without anything pointing at this checkout's keel."""
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(path)], check=True, timeout=300)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTEST_ADDOPTS")}
+    # An outer `make test PYTHON=...` passes its variables to every make below it (MAKEFLAGS): the
+    # README's `make demo` must install into the venv, never into the environment running the tests.
+    left_out = ("PYTHONPATH", "PYTHONHOME", "PYTEST_ADDOPTS", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTHON", "TORCH")
+    env = {k: v for k, v in os.environ.items() if k not in left_out}
     env.update(PATH=f"{path / 'bin'}{os.pathsep}{os.environ['PATH']}", VIRTUAL_ENV=str(path),
                PIP_DISABLE_PIP_VERSION_CHECK="1", DEMO_FLAGS="--smoke")
     return env
