@@ -62,15 +62,16 @@ def test_is_weights_reach_the_policy_loss(tiny_config, baseline):
 @pytest.mark.parametrize("mode", [{}, {"bypass_mode": True}])
 def test_rejected_tokens_leave_the_losses_and_the_run_says_so(tiny_config, caplog, mode):
     """A band of ratios [1.5, 2] that ratios of 1 never reach: every token is rejected, the loss
-    is 0, the weights never move, and each step warns; once per batch (decoupled) or per
-    micro-batch against the current policy (bypass)."""
+    is 0, the weights never move, and each step warns (printed once, then counted); once per batch
+    (decoupled) or per micro-batch against the current policy (bypass)."""
     caplog.set_level(logging.WARNING, logger="keel")
     result, ours = run(tiny_config, "reject", rollout_rs="token_k1", rollout_rs_threshold="1.5_2.0", **mode)
     assert all(m["rollout_corr/rollout_rs_masked_fraction"] == 1.0 and m["actor/pg_loss"] == 0.0 for m in ours)
     start = weights(Path(tiny_config["actor_rollout_ref"]["model"]["path"]))
     for name, tensor in final_weights(result).items():
         torch.testing.assert_close(tensor, start[name])
-    assert sum("rejection dropped 100% of the tokens" in r.getMessage() for r in caplog.records) == len(ours)
+    assert sum("rejection dropped 100% of the tokens" in r.getMessage() for r in caplog.records) == 1
+    assert [m["guards/warned_steps/rollout_rejection"] for m in ours] == [float(i + 1) for i in range(len(ours))]
 
 
 def test_bypass_reinforce_weights_minus_a_log_pi(tiny_config):
