@@ -14,7 +14,12 @@ install:
 	$(PYTHON) -m pip install -q "$(TORCH)"
 	$(PYTHON) -m pip install -q -e ".[test,tracking]"
 
+# verl without its dependencies: tests compare keel with verl's own reward, tool and config code
+# (tests/verl_shim.py imports those modules without Ray or torch extras).
+VERL ?= verl==0.9.1
+
 test: install
+	$(PYTHON) -m pip install -q --no-deps "$(VERL)"
 	$(PYTHON) -m pytest -q tests
 
 # SFT then GRPO on a tiny model that learns addition: minutes on 2 CPU cores (the README says how many
