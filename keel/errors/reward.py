@@ -55,5 +55,15 @@ SERVICE_UNAVAILABLE = register(
     "Start the service where the config points (the fix line gives `keel reward-server ... --host H --port "
     "P` for the config's scorer), check the URL, port and token, or set `reward.service.url=null` to score in "
     "this process.", ("reward.service.url", "reward.service.token"))
+REWARD_SIGNATURE = register(
+    "KEEL-R010", "A reward function needs a parameter verl's call does not supply",
+    "verl calls a reward function by keyword: compute_score(data_source=, solution_str=, ground_truth=, "
+    "extra_info=, **reward_kwargs) (batched: data_sources=, solution_strs=, ground_truths=, extra_infos=). "
+    "A required parameter with another name (`(ds, s, gt, ei)`, a typo such as `solution`) would get no "
+    "value; binding parameters by position instead can hand one the value meant for another, which scores "
+    "right answers wrong without an error.",
+    "Name the parameters as verl does (leave out those you do not use, or take **kwargs), or give the "
+    "named ones a default or a value in custom_reward_function.reward_kwargs.",
+    ("custom_reward_function.path", "custom_reward_function.name", "custom_reward_function.reward_kwargs"))
 
 __all__ = [name for name in dir() if name.isupper()]

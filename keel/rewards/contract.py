@@ -2,11 +2,12 @@
 
 verl calls `compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...,
 **custom_reward_function.reward_kwargs)` by keyword, and a batched function (`reward_manager:
-batch`) with `data_sources=, solution_strs=, ground_truths=, extra_infos=`. keel does the same, so
-`compute_score(solution_str, ground_truth, data_source=None, extra_info=None)` and
-`compute_score(solution_str, ground_truth, **kwargs)` get what their names ask for. A function
-whose parameters carry none of those names (keel's first contract: four positional parameters,
-`(ds, s, gt, ei)`) is called by position, in verl's order.
+batch`) with `data_sources=, solution_strs=, ground_truths=, extra_infos=`. keel calls by keyword
+too, always, passing the names a function declares (all of them to one that takes **kwargs), so
+`compute_score(solution_str, ground_truth, data_source=None, extra_info=None)` gets what its names
+ask for. A function that needs a parameter verl does not supply (`(ds, s, gt, ei)`, or a typo such
+as `solution`) is refused before training (`check_signature`): binding it by position would hand
+one parameter another's value.
 
 A result is a number, or a dict with `score` and any other keys (verl's reward_extra_info): those
 are logged and saved with the samples.
@@ -19,39 +20,67 @@ import numbers
 from functools import lru_cache
 from typing import Any, Callable
 
+from keel.errors import REWARD_SIGNATURE, KeelError
+
 PER_SAMPLE = ("data_source", "solution_str", "ground_truth", "extra_info")
 BATCHED = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
 SINGLE_TURN = 2  # verl's num_turns for one prompt and one response (its single-turn agent loop)
 
 
 def call_reward_fn(fn: Callable, names: tuple[str, ...], values: tuple) -> Any:
-    """fn called as verl calls it: by keyword when its parameters are verl's names (or it takes
-    **kwargs), else by position."""
+    """fn called as verl calls it: by keyword, with the names among `names` it declares."""
     try:
         accepted = _keywords(fn, names)
     except TypeError:  # an unhashable callable (an instance used as a scorer): not cached
         accepted = _keywords.__wrapped__(fn, names)
-    if accepted is None:
-        return fn(*values)
     return fn(**{name: value for name, value in zip(names, values) if name in accepted})
 
 
 @lru_cache(maxsize=256)
-def _keywords(fn: Callable, names: tuple[str, ...]) -> frozenset[str] | None:
-    """The names to pass by keyword, or None to call by position: a function whose required
-    parameters are all among `names` (one at least), or that takes **kwargs."""
+def _keywords(fn: Callable, names: tuple[str, ...]) -> frozenset[str]:
+    """The names to pass: those fn declares, or all of them when it takes **kwargs (or has no
+    signature to read, as some builtins)."""
+    parameters = _parameters(fn)
+    if parameters is None or any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return frozenset(names)
+    return frozenset(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) & set(names)
+
+
+def _parameters(fn: Callable) -> list[inspect.Parameter] | None:
     try:
-        parameters = list(inspect.signature(fn).parameters.values())
+        return list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature
         return None
-    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    required = {p.name for p in parameters if p.default is p.empty
-                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-    if not required <= set(names):  # `(ds, s, gt, ei, **kw)`: positional names of its own
-        return None
-    if any(p.kind is p.VAR_KEYWORD for p in parameters):
-        return frozenset(names)
-    return frozenset(named & set(names)) if named & set(names) else None
+
+
+def unsupplied(fn: Callable, names: tuple[str, ...]) -> list[str]:
+    """fn's required parameters that a call by keyword with `names` leaves without a value: names of
+    its own, and positional-only ones (which no keyword reaches)."""
+    required = [p for p in _parameters(fn) or [] if p.default is p.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return [p.name for p in required if p.name not in names or p.kind is p.POSITIONAL_ONLY]
+
+
+def check_signature(fn: Callable, names: tuple[str, ...], where: str) -> None:
+    """Refuse, before any sample is scored, a function verl's keyword call could not bind."""
+    missing = unsupplied(fn, names)
+    if not missing:
+        return
+    function = getattr(fn, "func", fn)  # a functools.partial when reward_kwargs are bound
+    call = ", ".join(f"{name}=..." for name in names)
+    raise KeelError(REWARD_SIGNATURE, f"{where}: {getattr(function, '__name__', 'the function')}"
+                    f"{_shown(fn)} needs {missing}, which verl's call does not supply: verl (and keel) call it "
+                    f"by keyword, as fn({call}, **custom_reward_function.reward_kwargs)",
+                    f"name the parameters {list(names)} (any you do not use may be left out, or taken as "
+                    "**kwargs), or give " + ", ".join(missing) + " a default or a value in "
+                    "custom_reward_function.reward_kwargs")
+
+
+def _shown(fn: Callable) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return ""
 
 
 def verl_extra_info(extra_info: dict | None) -> dict:

@@ -13,28 +13,21 @@ import torch
 from keel.errors import (MISSING_GROUND_TRUTH, NO_SCORER, REWARD_FN_LOAD, REWARD_NOT_NUMBER, SCORER_RAISED,
                          SCORER_TIMEOUT, TOO_MANY_NOT_SCORED, KeelError, SkipStep)
 from keel.errors.fixes import closest, nearby_file, setting
-from keel.rewards.contract import verl_extra_info
+from keel.rewards.contract import BATCHED, PER_SAMPLE, check_signature, verl_extra_info
 from keel.rewards.executor import ScoringPool
 from keel.rewards.sandbox import require_jail
 from keel.rewards.scorers import DATA_SOURCE_SCORERS, NO_GROUND_TRUTH, SCORERS, RewardFn
-from keel.rewards.worker import NOT_FINITE, SampleResult, SampleTask, Spec, load_module, resolve, score_batched
+from keel.rewards.worker import (FILE_PREFIX, NOT_FINITE, PKG_PREFIX, SampleResult, SampleTask, Spec, load_module,
+                                 resolve, score_batched)
 
 log = logging.getLogger("keel")
 
 
-def load_custom_reward_fn(path: str, name: str, reward_kwargs: dict | None = None) -> RewardFn:
-    """Import `name` from the python file at `path` (verl's custom_reward_function), with
-    `reward_kwargs` bound to every call."""
-    file = Path(path)
-    if not file.is_file():
-        found = nearby_file(path, (".py",))
-        raise KeelError(REWARD_FN_LOAD, f"custom_reward_function.path={path!r} does not exist",
-                        f"set {setting('custom_reward_function.path', found)} (the file there named most like it)"
-                        if found else None)
-    try:
-        module = load_module(path)
-    except Exception as e:  # the user's file: any import-time error is theirs to fix
-        raise KeelError(REWARD_FN_LOAD, f"importing {path} failed: {type(e).__name__}: {e}") from e
+def load_custom_reward_fn(path: str, name: str, reward_kwargs: dict | None = None, batched: bool = False) -> RewardFn:
+    """Import `name` from `path` (verl's custom_reward_function: a python file, `file://FILE` or
+    `pkg://package.module`), with `reward_kwargs` bound to every call; refuse a function verl's
+    keyword call could not bind."""
+    module = _import_reward_module(path)
     fn = getattr(module, name, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
@@ -43,7 +36,36 @@ def load_custom_reward_fn(path: str, name: str, reward_kwargs: dict | None = Non
         raise KeelError(REWARD_FN_LOAD, f"{path} has no function {name!r} (it defines: {found})",
                         f"set {setting('custom_reward_function.name', near)}" if near
                         else f"set custom_reward_function.name to one of {found}")
-    return functools.partial(fn, **reward_kwargs) if reward_kwargs else fn
+    fn = functools.partial(fn, **reward_kwargs) if reward_kwargs else fn
+    check_signature(fn, BATCHED if batched else PER_SAMPLE, f"custom_reward_function {path}:{name}")
+    return fn
+
+
+def _import_reward_module(path: str):
+    if path.startswith(PKG_PREFIX):
+        return _import_package_module(path)
+    file = Path(path.removeprefix(FILE_PREFIX))
+    if not file.is_file():
+        found = nearby_file(str(file), (".py",))
+        raise KeelError(REWARD_FN_LOAD, f"custom_reward_function.path={path!r} does not exist",
+                        f"set {setting('custom_reward_function.path', found)} (the file there named most like it)"
+                        if found else None)
+    try:
+        return load_module(str(file))
+    except Exception as e:  # the user's file: any import-time error is theirs to fix
+        raise KeelError(REWARD_FN_LOAD, f"importing {path} failed: {type(e).__name__}: {e}") from e
+
+
+def _import_package_module(path: str):
+    try:
+        return load_module(path)
+    except ModuleNotFoundError as e:
+        raise KeelError(REWARD_FN_LOAD, f"custom_reward_function.path={path!r}: no module named {e.name!r} "
+                        "is importable here", "install the package that holds it (pip install -e <its checkout>), "
+                        "add its directory to PYTHONPATH, or set custom_reward_function.path to the module's "
+                        "file") from e
+    except Exception as e:  # the user's module: any import-time error is theirs to fix
+        raise KeelError(REWARD_FN_LOAD, f"importing {path} failed: {type(e).__name__}: {e}") from e
 
 
 REWARD_MODEL = ("reward_model",)  # the spec naming the reward model in a data_source's scorers

@@ -6,6 +6,7 @@ Kept free of torch so worker processes start in a fraction of a second.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import inspect
 import json
@@ -60,13 +61,25 @@ class NotANumber(Exception):
 NOT_FINITE = ("not a number: nan", "not a number: inf", "not a number: -inf")  # reasons of a NaN or inf score
 
 
+PKG_PREFIX, FILE_PREFIX = "pkg://", "file://"  # verl's two forms of custom_reward_function.path
+
+
 def load_module(path: str):
-    """Import a python file by path (a custom reward function's module)."""
-    file = Path(path)
+    """Import a custom reward function's module: a python file by path (`file://` before it allowed),
+    or `pkg://package.module` (also `pkg://package/module`), as verl's load_module reads them."""
+    if path.startswith(PKG_PREFIX):
+        return importlib.import_module(path.removeprefix(PKG_PREFIX).replace("/", ".").removesuffix(".py"))
+    file = Path(path.removeprefix(FILE_PREFIX))
     spec = importlib.util.spec_from_file_location(f"keel_custom_reward_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def module_location(path: str) -> str:
+    """What a worker process imports the function from: a file as an absolute path (workers may run
+    elsewhere in the tree), a package module as it is."""
+    return path if path.startswith(PKG_PREFIX) else str(Path(path.removeprefix(FILE_PREFIX)).resolve())
 
 
 def load_file_function(path: str, name: str) -> Callable:

@@ -29,7 +29,7 @@ from keel.rewards.model import RewardModel
 from keel.rewards.normalize import RunningNormalizer
 from keel.rewards.service import RewardServiceClient
 from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
-from keel.rewards.worker import file_spec
+from keel.rewards.worker import file_spec, module_location
 from keel.trainer.roles import WorkerRoles
 from keel.trainer.sharding import decide_sharding
 
@@ -168,9 +168,10 @@ def build_reward(cfg: KeelConfig) -> RewardScorer:
                                    rm.max_length, rm.model.trust_remote_code)
     scorer = None
     if custom.path:
-        scorer = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs)  # a broken file fails now
+        # a broken file, or a function verl's keyword call cannot bind, fails now
+        scorer = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs, custom.batched)
         if r.num_workers > 0 and not custom.batched:  # workers import it themselves
-            scorer = file_spec(str(Path(custom.path).resolve()), custom.name, custom.reward_kwargs)
+            scorer = file_spec(module_location(custom.path), custom.name, custom.reward_kwargs)
     return RewardScorer(scorer, r.scorers, r.overlong_buffer, cfg.data.max_response_length, r.on_error,
                         r.max_not_scored_ratio, r.timeout_s, r.num_workers, custom.batched, reward_model, service,
                         r.sandbox.require, cfg.trainer.guards.nonfinite)

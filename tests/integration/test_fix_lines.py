@@ -48,8 +48,8 @@ def gsm8k_rows(c) -> str:
 
 
 # 0.3 s on an empty response (one keel check tries), over a limit of 0.1 s; the fix's 1 s leaves room on a busy machine
-SLOW_ON_EMPTY = "import time\n\ndef compute_score(d, s, g, e=None):\n    time.sleep(0.3 if not s else 0)\n    return 0.0\n"
-SCORE = "def compute_score(d, s, g, e=None):\n    return {}\n"
+SLOW_ON_EMPTY = "import time\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    time.sleep(0.3 if not solution_str else 0)\n    return 0.0\n"
+SCORE = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return {}\n"
 
 
 # code -> the mistake: a function of the context giving the command (keel ARGV) that makes it.

@@ -328,7 +328,8 @@ def test_samples_the_scorer_fails_on_leave_the_update_and_are_counted(tiny_confi
     from keel.api import train
 
     scorer = tmp_path / "flaky.py"
-    scorer.write_text("def compute_score(ds, s, gt, ei=None):\n"
+    scorer.write_text("def compute_score(solution_str, **kwargs):\n"
+                      "    s = solution_str\n"
                       "    if len(s) > 3 and sum(map(ord, s)) % 4 == 0:  # real rows and '' score fine\n"
                       "        raise ValueError('cannot parse')\n"
                       "    return (sum(map(ord, s)) % 7) / 6\n")

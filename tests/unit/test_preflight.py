@@ -43,7 +43,7 @@ def test_failures_before_any_weight_is_loaded(tiny_config, overrides, code):
 
 def test_scorer_that_raises_on_an_empty_answer(tiny_config, tmp_path):
     reward = tmp_path / "bad_reward.py"
-    reward.write_text("def compute_score(ds, s, gt, ei=None):\n    return 1.0 / len(s)\n")
+    reward.write_text("def compute_score(solution_str, ground_truth, **kwargs):\n    return 1.0 / len(solution_str)\n")
     report = run_checks(load_config(tiny_config, {"custom_reward_function.path": str(reward)}))
     assert failure_codes(report) == [SCORER_RAISED]
     assert "ZeroDivisionError" in report.failures[0].message

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from keel.errors import KeelError
 from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
 from keel.rewards.scorers import gsm8k, gsm8k_lenient
 from keel.rewards.worker import file_spec
@@ -108,16 +109,60 @@ def test_extra_keys_of_dict_results_are_logged_and_kept_per_sample(tmp_path):
 def test_a_batched_function_is_called_with_verls_keywords(tmp_path):
     path = write(tmp_path, "def compute_score(data_sources, solution_strs, ground_truths, extra_infos, scale=1):\n"
                            "    return [scale * float(s == g) for s, g in zip(solution_strs, ground_truths)]\n")
-    scorer = RewardScorer(load_custom_reward_fn(path, "compute_score", {"scale": 2}), batched=True)
+    scorer = RewardScorer(load_custom_reward_fn(path, "compute_score", {"scale": 2}, batched=True), batched=True)
     assert scorer.score_batch([record(), record()], ["72", "0"], on_error="raise").scores.tolist() == [2.0, 0.0]
 
 
-@pytest.mark.parametrize("source", ["def compute_score(ds, s, gt, ei=None):\n    return float(s == gt)\n",
-                                    "def compute_score(ds, s, gt, ei, **kwargs):\n    return float(s == gt)\n",
-                                    "compute_score = lambda d, s, g, e: float(s == g)\n"])
-def test_positional_functions_with_other_names_are_called_in_verls_order(tmp_path, source):
-    scorer = RewardScorer(load_custom_reward_fn(write(tmp_path, source), "compute_score"))
-    assert scorer.score_batch([record(), record()], ["72", "7"], on_error="raise").scores.tolist() == [1.0, 0.0]
+@pytest.mark.parametrize("source, needs", [
+    ("def compute_score(ds, s, gt, ei=None):\n    return float(s == gt)\n", "['ds', 's', 'gt']"),
+    ("def compute_score(ds, s, gt, ei, **kwargs):\n    return float(s == gt)\n", "['ds', 's', 'gt', 'ei']"),
+    ("compute_score = lambda d, s, g, e: float(s == g)\n", "['d', 's', 'g', 'e']"),
+    ("def compute_score(solution, ground_truth, extra_info=None):\n    return 1.0\n", "['solution']"),
+    ("def compute_score(data_source, solution_str, ground_truth, /):\n    return 1.0\n",
+     "['data_source', 'solution_str', 'ground_truth']"),
+])
+def test_functions_verl_could_not_call_by_keyword_are_refused_naming_the_parameters(tmp_path, source, needs):
+    """verl's call binds by keyword: a parameter of another name would get nothing, and binding by
+    position instead (keel's old fallback) handed `ei` the ground truth of a `(s, gt, ei)` function."""
+    with pytest.raises(KeelError) as caught:
+        load_custom_reward_fn(write(tmp_path, source), "compute_score")
+    assert caught.value.code == "KEEL-R010"
+    assert needs in caught.value.message and "solution_str=..." in caught.value.message
+
+
+def test_reward_kwargs_can_supply_a_parameter_verl_does_not(tmp_path):
+    path = write(tmp_path, "def compute_score(solution_str, ground_truth, scale):\n"
+                           "    return scale * float(solution_str == ground_truth)\n")
+    scorer = RewardScorer(load_custom_reward_fn(path, "compute_score", {"scale": 3.0}))
+    assert scorer.score_batch([record(), record()], ["72", "7"], on_error="raise").scores.tolist() == [3.0, 0.0]
+
+
+def test_a_function_taking_only_some_of_verls_names_gets_each_by_its_name(tmp_path):
+    """`(ground_truth, solution_str)`: by position the response would be compared as the truth."""
+    path = write(tmp_path, "def compute_score(ground_truth, solution_str):\n"
+                           "    return float(solution_str.startswith('answer') and ground_truth == '72')\n")
+    scorer = RewardScorer(load_custom_reward_fn(path, "compute_score"))
+    assert scorer.score_batch([record(), record()], ["answer 72", "72"], on_error="raise").scores.tolist() == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("form", ["pkg://{module}", "pkg://{module_path}", "file://{file}"])
+def test_verls_pkg_and_file_forms_of_the_reward_path_load(tmp_path, monkeypatch, form):
+    package = tmp_path / "my_rewards"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "gsm8k_score.py").write_text(KEYWORD_ONLY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = form.format(module="my_rewards.gsm8k_score", module_path="my_rewards/gsm8k_score",
+                       file=package / "gsm8k_score.py")
+    scorer = RewardScorer(load_custom_reward_fn(path, "compute_score"))
+    assert scorer.score_batch([record(), record()], ["72", "71"], on_error="raise").scores.tolist() == [1.0, 0.0]
+
+
+def test_a_pkg_path_that_does_not_import_says_so():
+    with pytest.raises(KeelError) as caught:
+        load_custom_reward_fn("pkg://no_such_package.rewards", "compute_score")
+    assert caught.value.code == "KEEL-R001" and "no_such_package" in caught.value.message
+    assert "PYTHONPATH" in caught.value.fix
 
 
 def test_keel_check_warns_when_no_right_answer_is_ever_rewarded(tiny_config, tmp_path):
