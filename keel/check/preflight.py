@@ -7,7 +7,6 @@ catalogue code that `keel train` exits with.
 
 from __future__ import annotations
 
-import math
 import tempfile
 import textwrap
 from dataclasses import asdict, dataclass, field
@@ -17,14 +16,14 @@ from typing import TYPE_CHECKING
 from keel import checkpoint as ckpt
 from keel.check.findings import FAIL, PASS, SKIP, WARN, Finding, Skipped, need
 from keel.check.multi_turn import check_multi_turn
+from keel.check.reward import check_reward, sandbox_finding  # noqa: F401 (sandbox_finding: tests)
 from keel.check.resources import check_memory, check_sharding, check_workers
 from keel.config.plan import make_plan
 from keel.config.rules import lengths_within
 from keel.config.schema import KeelConfig
-from keel.errors import (RUN_DIR_NOT_WRITABLE, SANDBOX_INCOMPLETE, TOKEN_BUDGET, TOKENIZER_MISMATCH, VOCAB_MISMATCH,
+from keel.errors import (RUN_DIR_NOT_WRITABLE, TOKEN_BUDGET, TOKENIZER_MISMATCH, VOCAB_MISMATCH,
                          WEIGHTS_BROKEN, KeelError)
 from keel.errors.fixes import writable_run_dir
-from keel.rewards.sandbox import jail
 
 if TYPE_CHECKING:
     from keel.trainer.setup import Inputs
@@ -188,91 +187,6 @@ def check_data(cfg: KeelConfig, context: dict) -> list[Finding]:
         found.append(Finding(WARN if stats.truncated or stats.dropped else PASS, "data", stats.summary()))
     require_enough_prompts(len(context["train_records"]), cfg)
     return found
-
-
-def check_reward(cfg: KeelConfig, context: dict) -> list[Finding]:
-    """The scorer must run on real rows: the ground truth as the answer, and an empty answer."""
-    from keel.trainer.setup import build_reward
-
-    scorer = build_reward(cfg)
-    records = need(context, "train_records") + context.get("val_records", [])
-    scorer.check_records(records, [*cfg.data.train_files, *cfg.data.val_files])
-    sample = records[:4]
-    # The bare ground truth and an empty answer must score; the other forms only probe for a
-    # function that rewards nothing (a scorer may refuse a form it does not expect).
-    bare, *forms = _candidate_answers(sample)
-    best = max([scorer.score_batch(sample, bare, on_error="raise").scores.max().item()]
-               + [_best_score(scorer, sample, answers) for answers in forms])
-    scores = scorer.score_batch(sample, [""] * len(sample), on_error="raise").scores
-    scorer.close()  # its worker pool; the scorer starts a new one when the trainer reuses it
-    context["reward"] = scorer
-    found = [Finding(PASS, "reward", f"scorer ran on {len(sample)} rows (empty answers score {scores.tolist()})")]
-    if best <= 0 and _judged_by_user_code(scorer, sample):
-        found.append(Finding(WARN, "reward", f"the reward function gave no positive score to any of "
-                             f"{len(CANDIDATE_FORMS)} answers built from each row's ground truth "
-                             f"({', '.join(f.format('x') for f in CANDIDATE_FORMS)}): if it never rewards a right "
-                             "answer, training learns nothing (verl's contract: compute_score(data_source=, "
-                             "solution_str=, ground_truth=, extra_info=), called by keyword)"))
-    if scorer.runs_model_code(records):
-        found.append(sandbox_finding(jail()))
-    if cfg.reward_model.enable:
-        found.append(check_reward_model_budget(cfg, scorer.reward_model, records, need(context, "tokenizer")))
-    return found
-
-
-# Answers a right response could take, written around the ground truth.
-CANDIDATE_FORMS = ("{}", "#### {}", "\\boxed{{{}}}", "The answer is {}.", "<answer>{}</answer>")
-
-
-def _best_score(scorer, records: list, answers: list[str]) -> float:
-    """The highest score of these answers; a form the scorer refuses tells nothing (0)."""
-    try:
-        return scorer.score_batch(records, answers, on_error="zero", may_skip=False).scores.max().item()
-    except KeelError:
-        return 0.0
-
-
-def _candidate_answers(records: list) -> list[list[str]]:
-    return [[form.format(r.ground_truth) for r in records] for form in CANDIDATE_FORMS]
-
-
-def _judged_by_user_code(scorer, records: list) -> bool:
-    """Whether some row is scored by something keel did not write (a custom function, a service):
-    the built-in scorers have tests of their own, and some (code, regex) read no bare answer."""
-    return any(spec[0] != "builtin" if isinstance(spec, tuple) else True
-               for source in {r.data_source for r in records}
-               for spec, _ in scorer.scorers_for(source).values() if spec != ("reward_model",))
-
-
-def sandbox_finding(found) -> Finding:
-    """Which of the jail's protections hold for model-written code (check_records has already
-    refused a jail short of what reward.sandbox.require asks for)."""
-    return Finding(PASS if found.complete else WARN, "sandbox", found.summary(),
-                   None if found.complete else SANDBOX_INCOMPLETE)
-
-
-def check_reward_model_budget(cfg: KeelConfig, reward_model, records: list, policy_tokenizer) -> Finding:
-    """The longest prompt, in the reward model's own template and tokens, plus a full-length
-    response in its tokens must fit what it reads: a 4096-token rollout scored by a 512-token model
-    is an error. The response budget is in the policy's tokens, so it is converted by the ratio of
-    the two tokenizers' counts on the prompts."""
-    def count(tokenizer, text: str) -> int:
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    longest = max(count(reward_model.tokenizer, reward_model.text(r.raw_prompt, "")) for r in records)
-    texts = [reward_model.text(r.raw_prompt, "") for r in records[:64]]
-    ratio = max(count(reward_model.tokenizer, t) / max(count(policy_tokenizer, t), 1) for t in texts)
-    response = math.ceil(cfg.data.max_response_length * ratio)
-    need = longest + response
-    budget = (f"the longest prompt is {longest} tokens in the reward model's own template, and a "
-              f"data.max_response_length={cfg.data.max_response_length} response about {response} of its tokens")
-    if reward_model.max_length and need > reward_model.max_length:
-        raise KeelError(TOKEN_BUDGET, f"{budget}: {need}, over the {reward_model.max_length} tokens the reward model "
-                                      f"reads ({reward_model.limited_by})",
-                        lengths_within(cfg, reward_model.max_length, "the reward model") + ", or use a reward "
-                        "model with a longer context (if its tokenizer's model_max_length is wrong, correct it)")
-    return Finding(PASS, "reward model", f"reads {reward_model.max_length} tokens "
-                                         f"({reward_model.limited_by}); {budget}: {need}")
 
 
 def check_run_dir(cfg: KeelConfig, context: dict) -> list[Finding]:

@@ -141,6 +141,24 @@ class RewardScorer:
                 "solution_str, ground_truth, extra_info)")
         return {name: (("builtin", name), 1.0)}
 
+    def describe(self, data_source: str) -> str:
+        """Who scores `data_source`, in words, for `keel check`: verl users see which rule replaces
+        their default_compute_score."""
+        def one(name: str) -> str:
+            if name == "service":
+                return f"the reward service at {self.service.url}"
+            if name == "reward_model":
+                return "the reward model"
+            if name == "custom":
+                return f"your function {self.user_code(data_source) or ''}".rstrip()
+            chosen = "" if data_source in self.by_source else " (chosen by data_source, as verl's default_compute_score)"
+            return f"built-in `{name}`{chosen}"
+
+        parts = self.scorers_for(data_source)
+        if len(parts) == 1:
+            return one(next(iter(parts)))
+        return " + ".join(f"{weight} x {one(name)}" for name, (_, weight) in parts.items())
+
     def user_code(self, data_source: str) -> str | None:
         """"`function` in `file`" of the custom function that scores `data_source`, when one does."""
         spec = self.scorers_for(data_source).get("custom", (None,))[0]
