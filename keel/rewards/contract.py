@@ -61,19 +61,19 @@ def unsupplied(fn: Callable, names: tuple[str, ...]) -> list[str]:
     return [p.name for p in required if p.name not in names or p.kind is p.POSITIONAL_ONLY]
 
 
-def check_signature(fn: Callable, names: tuple[str, ...], where: str) -> None:
-    """Refuse, before any sample is scored, a function verl's keyword call could not bind."""
+def check_signature(fn: Callable, names: tuple[str, ...], path: str, name: str) -> None:
+    """Refuse, before any sample is scored, a function verl's keyword call could not bind
+    (`path`, `name`: custom_reward_function's)."""
     missing = unsupplied(fn, names)
     if not missing:
         return
-    function = getattr(fn, "func", fn)  # a functools.partial when reward_kwargs are bound
-    call = ", ".join(f"{name}=..." for name in names)
-    raise KeelError(REWARD_SIGNATURE, f"{where}: {getattr(function, '__name__', 'the function')}"
-                    f"{_shown(fn)} needs {missing}, which verl's call does not supply: verl (and keel) call it "
-                    f"by keyword, as fn({call}, **custom_reward_function.reward_kwargs)",
-                    f"name the parameters {list(names)} (any you do not use may be left out, or taken as "
-                    "**kwargs), or give " + ", ".join(missing) + " a default or a value in "
-                    "custom_reward_function.reward_kwargs")
+    call = ", ".join(f"{n}=..." for n in names)
+    raise KeelError(REWARD_SIGNATURE, f"custom_reward_function {name}{_shown(fn)} in {path} needs {missing}, which "
+                    f"verl's call does not supply: verl (and keel) call it by keyword, as {name}({call}, "
+                    "**custom_reward_function.reward_kwargs)",
+                    f"in `{name}` in `{path}`, name the parameters as verl does ({', '.join(names)}; leave out "
+                    "those you do not use, or take **kwargs), or give " + ", ".join(missing) + " a default or a "
+                    "value in custom_reward_function.reward_kwargs")
 
 
 def _shown(fn: Callable) -> str:

@@ -37,7 +37,7 @@ def load_custom_reward_fn(path: str, name: str, reward_kwargs: dict | None = Non
                         f"set {setting('custom_reward_function.name', near)}" if near
                         else f"set custom_reward_function.name to one of {found}")
     fn = functools.partial(fn, **reward_kwargs) if reward_kwargs else fn
-    check_signature(fn, BATCHED if batched else PER_SAMPLE, f"custom_reward_function {path}:{name}")
+    check_signature(fn, BATCHED if batched else PER_SAMPLE, path, name)
     return fn
 
 

@@ -49,7 +49,7 @@ def gsm8k_rows(c) -> str:
 
 # 0.3 s on an empty response (one keel check tries), over a limit of 0.1 s; the fix's 1 s leaves room on a busy machine
 SLOW_ON_EMPTY = "import time\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    time.sleep(0.3 if not solution_str else 0)\n    return 0.0\n"
-SCORE = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return {}\n"
+SCORE = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    s = solution_str\n    return {}\n"
 
 
 # code -> the mistake: a function of the context giving the command (keel ARGV) that makes it.
@@ -85,6 +85,8 @@ CHECK_CASES = {
     "KEEL-R003": lambda c: c.check(reward(c, SCORE.format("str(len(s))"), SCORE.format("float(len(s))"))),
     "KEEL-R004": lambda c: c.check("custom_reward_function.path=null", "data.val_files=[]", gsm8k_rows(c)),
     "KEEL-R005": lambda c: c.check(reward(c, SCORE.format("1 / len(s)"), SCORE.format("1 / len(s) if s else 0.0"))),
+    "KEEL-R010": lambda c: c.check(reward(c, "def compute_score(ds, s, gt, ei=None):\n    return float(s == gt)\n",
+                                          SCORE.format("float(s == ground_truth)"))),
     "KEEL-R007": lambda c: c.check("reward.timeout_s=0.1", reward(c, SLOW_ON_EMPTY)),
     "KEEL-E002": lambda c: c.check("actor_rollout_ref.rollout.max_num_seqs=100000000"),
     "KEEL-E003": lambda c: c.check(f"trainer.default_local_dir={c.write('a_file', '')}/run"),
