@@ -17,10 +17,24 @@ from keel import __version__
 from keel.errors import CATALOGUE, KeelError, explain
 
 
+def _config_source(args):
+    """The positional YAML file, or verl's launch form (`--config-path DIR --config-name NAME`)."""
+    if args.config_path is None and args.config_name is None:
+        return args.config
+    from keel.config.hydra_compose import VerlLaunch
+    from keel.errors import LAUNCH_CONFIG_PATH
+
+    if args.config:
+        raise KeelError(LAUNCH_CONFIG_PATH, f"a config file ({args.config}) and --config-path/--config-name were "
+                        "both given; keel reads one config", f"remove `{args.config}` (the command names its config "
+                        "with --config-path and --config-name)")
+    return VerlLaunch(args.config_path, args.config_name)
+
+
 def _cmd_train(args) -> int:
     from keel.api import train
 
-    result = train(args.config, args.overrides, check=not args.skip_check)
+    result = train(_config_source(args), args.overrides, check=not args.skip_check)
     print(f"done: {result.last_step} steps; run directory {result.run_dir}")
     return 0
 
@@ -31,7 +45,7 @@ def _cmd_check(args) -> int:
     from keel.config.load import load_config
     from keel.check.preflight import render, run_checks
 
-    report = run_checks(load_config(args.config, args.overrides))
+    report = run_checks(load_config(_config_source(args), args.overrides))
     print(json.dumps(report.as_dict(), indent=2) if args.json else render(report))
     return 1 if report.failures else 0
 
@@ -177,10 +191,19 @@ def build_parser() -> argparse.ArgumentParser:
         command.set_defaults(func=func)
         return command
 
-    config_command("train", "RL-train a policy (PPO, GRPO and relatives)", _cmd_train).add_argument(
+    def verl_launch(command: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Hydra's options, as verl's scripts pass them to verl's main_ppo (a missing value is keel's
+        coded error, not argparse's)."""
+        command.add_argument("--config-path", "-cp", nargs="?", const="", help="verl's launch form: the directory "
+                             "of the YAML --config-name names (composed with its defaults: list and hydra.searchpath)")
+        command.add_argument("--config-name", "-cn", nargs="?", const="", help="verl's launch form: the YAML's name "
+                             "without .yaml (default ppo_trainer: verl's trainer config)")
+        return command
+
+    verl_launch(config_command("train", "RL-train a policy (PPO, GRPO and relatives)", _cmd_train)).add_argument(
         "--skip-check", action="store_true", help="do not run `keel check` first (logged)")
-    config_command("check", "check a config, its model, data, reward and memory without training",
-                   _cmd_check).add_argument("--json", action="store_true", help="machine-readable output")
+    verl_launch(config_command("check", "check a config, its model, data, reward and memory without training",
+                               _cmd_check)).add_argument("--json", action="store_true", help="machine-readable output")
     config_command("sft", "supervised fine-tuning on chat data", _cmd_sft)
 
     _add_machine_commands(sub)
@@ -260,7 +283,12 @@ def _add_bench(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and hasattr(args, "overrides") and all(_is_override(word) for word in rest):
+        args.overrides = [*args.overrides, *rest]  # overrides after an option, as verl's `... $@` gives them
+    elif rest:
+        parser.parse_args(argv)  # argparse's own message for what it does not know
     if getattr(args, "config", None) and _is_override(args.config):  # `keel train key=value ...`, as verl's scripts
         args.overrides, args.config = [args.config, *args.overrides], None
     if args.debug:

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from keel.config.hydra_compose import VerlLaunch, compose_launch
 from keel.config.schema import KeelConfig
 from keel.config.verl import adapt_verl
 from keel.config.verl_rules import DIFFERENT_DEFAULTS
@@ -31,13 +32,13 @@ def load_config(source: str | Path | dict | Any | None = None,
     `schema` is the root dataclass (KeelConfig for RL, SFTConfig for SFT); its `validate()` checks
     the rules that span several keys. verl's keys and values are taken as keel.config.verl says;
     every problem of the config is reported at once. `cfg.decided` lists what keel took for the
-    user (verl keys it does another way, verl's "unset" values).
+    user (verl keys it does another way, verl's "unset" values). `VerlLaunch` is verl's
+    `--config-path/--config-name` form; a YAML file with a `defaults:` list is composed the same way.
     """
-    tree = _as_tree(source)
+    tree, decided = _as_tree(source)
     for key, value in _parse_overrides(overrides, _value_now(tree, schema)):
         _delete_dotted(tree, key) if value is DELETE else _set_dotted(tree, key, value)
     problems: list[KeelError] = []
-    decided: list[str] = []
     given = set(flatten(tree))
     if schema is KeelConfig:  # verl's SFT trainer has keys of its own; keel's SFT keys are checked as they are
         tree = adapt_verl(tree, _known_keys(schema), _defaults(schema), problems, decided)
@@ -122,14 +123,23 @@ def all_keys(cls: type = KeelConfig, prefix: str = "") -> list[str]:
 
 # --- sources and overrides ---------------------------------------------------------------------
 
-def _as_tree(source) -> dict:
+def _as_tree(source) -> tuple[dict, list[str]]:
+    """The source's tree, and what keel decided while reading it (for `keel check`'s list)."""
     if source is None:
-        return {}
+        return {}, []
+    if isinstance(source, VerlLaunch):
+        return compose_launch(source)
     if dataclasses.is_dataclass(source):
-        return to_dict(source)
+        return to_dict(source), []
     if isinstance(source, dict):
-        return _deep_copy(source)
-    path = Path(source)
+        return _deep_copy(source), []
+    tree = _yaml_file(Path(source))
+    if isinstance(tree.get("defaults"), list):  # a Hydra config (verl's examples): composed as Hydra would
+        return compose_launch(VerlLaunch(str(Path(source).parent), Path(source).stem))
+    return tree, []
+
+
+def _yaml_file(path: Path) -> dict:
     if not path.is_file():
         raise KeelError(CONFIG_FILE, f"config file {str(path)!r} does not exist", _config_file_fix(str(path)))
     try:

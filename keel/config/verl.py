@@ -9,8 +9,9 @@ import os
 import re
 from typing import Any
 
+from keel.config.verl_releases import earlier_releases
 from keel.config.verl_rules import (ACCEPT, DERIVED, NO_VLLM, REFUSE, RENAME, UNSET_VALUES, VALUE_ALIASES,
-                                    VALUE_REFUSALS, quiet, rule_for)
+                                    VALUE_REFUSALS, VERL_LOGGERS, quiet, rule_for)
 from keel.errors import VERL_UNSUPPORTED, KeelError
 from keel.errors.fixes import setting
 
@@ -21,6 +22,8 @@ def adapt_verl(tree: dict, known: set[str], defaults: dict[str, Any], problems: 
     dropped. `known`: keel's own keys; `defaults`: their defaults (what a reference to a key the
     config leaves unset resolves to)."""
     flat = _flat(tree, known)
+    earlier_releases(flat, decided, problems)
+    flat = _renamed(flat, known, decided)
     for key, source in DERIVED.items():  # as verl's references derive them
         if key not in flat and source in flat:
             flat[key] = flat[source]
@@ -30,6 +33,8 @@ def adapt_verl(tree: dict, known: set[str], defaults: dict[str, Any], problems: 
         flat["trainer.resume_mode"] = flat.pop("trainer.resume_from_path", None) or "auto"
     kept: dict[str, Any] = {}
     for key, value in flat.items():
+        if key == "trainer.logger":
+            value = _loggers(value, decided, problems)
         if key in known:
             if isinstance(value, str) and value in VALUE_ALIASES.get(key, {}):
                 decided.append(f"{key}: {value} is {VALUE_ALIASES[key][value]} in keel (the same numbers)")
@@ -48,16 +53,67 @@ def adapt_verl(tree: dict, known: set[str], defaults: dict[str, Any], problems: 
         rule = rule_for(key)
         if rule is None:
             kept[key] = value  # not verl's either: the unknown-key error, with a spelling suggestion
-        elif rule.kind == RENAME:
-            if rule.target and value is not None:
-                kept[rule.target] = flat.get(rule.target, value)
-                decided.append(f"{key}: is {rule.target} in keel ({rule.note})")
+        elif rule.kind == RENAME:  # only those without a new name are left (_renamed took the rest)
+            pass
         elif rule.kind == REFUSE and not rule.allowed(value):
             problems.append(KeelError(VERL_UNSUPPORTED, f"{key}={value!r} is a verl setting keel does not have: "
                                       f"{rule.note}", f"remove `{key}` (verl's default then applies)"))
         elif rule.kind == ACCEPT and not quiet(key, value):
             decided.append(f"{key}: {rule.note}")
     return _unflat(kept)
+
+
+def _renamed(flat: dict[str, Any], known: set[str], decided: list) -> dict[str, Any]:
+    """Keys renamed between verl releases under their new names (a key may have been renamed twice).
+    A value under the new name wins unless it is unset (null): the user's, or verl's default where the
+    composed config holds both names."""
+    renamed: dict[str, Any] = {}
+    for key, value in flat.items():
+        target, notes = key, []
+        for _ in range(3):
+            rule = rule_for(target) if target not in known else None
+            if rule is None or rule.kind != RENAME or not rule.renamed(target):
+                break
+            target = rule.renamed(target)
+            notes.append(rule.note)
+        if target == key:
+            renamed.setdefault(key, value)
+            continue
+        if renamed.get(target, flat.get(target)) is None:
+            renamed[target] = value
+            if target in known and not quiet(key, value):  # else the new name's own rule says what keel does
+                decided.append(f"{key}: is {target} ({'; '.join(notes)})")
+    return renamed
+
+
+def _loggers(value: Any, decided: list, problems: list) -> Any:
+    """trainer.logger without verl's trackers keel has no sink for, each refused by name; verl's
+    `tracking` is wandb, and `file` is keel's metrics.jsonl."""
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list):
+        return value
+    kept = []
+    for name in names:
+        if name == "tracking":
+            decided.append("trainer.logger: tracking is verl's older name of wandb")
+            kept.append("wandb")
+        elif name == "file":
+            decided.append("trainer.logger: file, verl's JSON-lines metrics, is keel's metrics.jsonl in the run "
+                           "directory, written always")
+        elif name in VERL_LOGGERS:
+            problems.append(KeelError(VERL_UNSUPPORTED, f"trainer.logger: {name!r} is a verl tracker keel has no sink "
+                                      f"for ({VERL_LOGGERS[name]}); keel logs to console, wandb, tensorboard and "
+                                      "mlflow, and writes metrics.jsonl in the run directory always",
+                                      f"set {setting('trainer.logger', _without(names, name))} (without {name}; "
+                                      "wandb, tensorboard or mlflow in its place if you want a tracker)"))
+        else:
+            kept.append(name)
+    return list(dict.fromkeys(kept))
+
+
+def _without(names: list, refused: str) -> list:
+    rest = [n for n in names if n != refused and n not in VERL_LOGGERS and n != "file"]
+    return [n if n != "tracking" else "wandb" for n in rest] or ["console"]
 
 
 def _reward_manager(flat: dict[str, Any], defaults: dict[str, Any], decided: list, problems: list) -> None:

@@ -27,7 +27,13 @@ class Rule:
     kind: str                                   # ACCEPT | RENAME | REFUSE
     note: str                                   # what keel does instead / what verl does, and what to use
     allowed: Callable[[Any], bool] | None = None  # REFUSE only for values this does not allow
-    target: str | None = None                   # RENAME: keel's key
+    target: str | None = None                   # RENAME: the key's name now (`a.*` -> `b.*` keeps the rest)
+
+    def renamed(self, key: str) -> str | None:
+        """`key`'s new name under this RENAME rule (None: no key of keel's)."""
+        if self.target and self.target.endswith(".*") and self.pattern.endswith(".*"):
+            return self.target[:-1] + key[len(self.pattern) - 1:]
+        return self.target
 
 
 def quiet(key: str, value) -> bool:
@@ -76,6 +82,7 @@ UNSET_VALUES = {
 # verl's values for keys keel has that name the same thing differently, or something keel lacks.
 VALUE_ALIASES = {
     "algorithm.adv_estimator": {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"},  # same numbers, faster
+    "algorithm.filter_groups.metric": {"reward": "seq_reward"},  # verl 0.9.1's name for the score before KL
 }
 VALUE_REFUSALS = {
     "actor_rollout_ref.actor.policy_loss.loss_mode": {
@@ -90,6 +97,12 @@ VALUE_REFUSALS = {
         "optimal_token_baseline": "per-token optimal baselines",
         "tir_optimal_token_baseline": "per-token optimal baselines for tool-integrated rollouts",
     },
+}
+
+# verl's trackers (trainer.logger, verl/utils/tracking.py of verl 0.9.1) that keel has no sink for.
+VERL_LOGGERS = {
+    "swanlab": "SwanLab", "vemlp_wandb": "Volcano Engine's hosted wandb", "clearml": "ClearML",
+    "trackio": "Hugging Face's trackio", "rl_insight": "verl's RL-Insight",
 }
 
 # verl derives these from another key when they are not set (OmegaConf references in its yaml).

@@ -115,4 +115,35 @@ TOOL_CONFIG = register(
     ("actor_rollout_ref.rollout.multi_turn.tool_config_path", "actor_rollout_ref.rollout.multi_turn.environment",
      "actor_rollout_ref.rollout.multi_turn.interaction_config_path"))
 
+LAUNCH_CONFIG_PATH = register(
+    "KEEL-C018", "--config-path is not a directory of configs",
+    "verl's launch form `keel train --config-path DIR --config-name NAME` names a directory of YAML configs (as "
+    "Hydra does; a relative `config` is verl's own trainer config, as verl's main_ppo reads it): the directory "
+    "does not exist, is a file, the option has no value, or a config file was given as well.",
+    "Pass the directory that holds NAME.yaml with --config-path (the fix line names the directory beside the one "
+    "given spelt most like it), and its file's name without .yaml with --config-name; or pass one YAML file as "
+    "`keel train FILE`, not both.")
+LAUNCH_CONFIG_NAME = register(
+    "KEEL-C019", "--config-name names no config in the directory",
+    "`--config-name NAME` must name NAME.yaml in the --config-path directory (or in verl's trainer config "
+    "without --config-path); that file is not there, or the option has no value.",
+    "Pass the name of a YAML file of that directory, without .yaml (the fix line names the one spelt most like "
+    "the name given).")
+LAUNCH_DEFAULTS = register(
+    "KEEL-C020", "A config's defaults list cannot be composed",
+    "A verl-style YAML composes other configs through its `defaults:` list (verl's trainer config: "
+    "`defaults: [ppo_trainer, _self_]`); an entry names a config found in no directory of the search path "
+    "(the config's own directory and its hydra.searchpath), or the list is malformed, so Hydra cannot compose it.",
+    "Name, in the defaults list, a config of the search path (the fix line names the one spelt most like it); "
+    "for verl's trainer config keep `hydra: searchpath: [file://verl/trainer/config]` in the YAML, which keel "
+    "resolves to the installed verl or its own copy of verl's trainer config.")
+LAUNCH_SEARCHPATH = register(
+    "KEEL-C021", "A hydra.searchpath entry is not there",
+    "An entry of the YAML's `hydra: searchpath:` list names a directory (file://, relative to the working "
+    "directory as Hydra reads it) or a package (pkg://) that does not exist, so configs its defaults list "
+    "names would not be found. verl's own trainer config (file://verl/trainer/config, pkg://verl.trainer.config) "
+    "is always found: from the installed verl, else keel's copy.",
+    "Make the entry a directory that exists (an absolute path, or one relative to where keel runs), or remove "
+    "it from the YAML's hydra.searchpath.")
+
 __all__ = [name for name in dir() if name.isupper()]
