@@ -158,9 +158,9 @@ def gspo(x: PolicyLossInputs, p: PolicyLossParams) -> tuple[Tensor, dict[str, Te
     """GSPO (arXiv 2507.18071): one length-normalised importance ratio per sequence.
 
     The ratio's value is the sequence's geometric-mean token ratio; the `log_prob -
-    log_prob.detach()` term is 0 in value but routes its gradient to every token. Always
-    aggregated seq-mean-token-mean, as the paper's objective is a mean over sequences;
-    `p.loss_agg_mode` is not used.
+    log_prob.detach()` term is 0 in value but routes its gradient to every token. Reduced by
+    `p.loss_agg_mode`, as verl 0.9.1's compute_policy_loss_gspo does: the paper's objective is
+    seq-mean-token-mean (verl's GSPO examples set it), verl's and keel's default token-mean.
     """
     seq_log_ratio = masked_mean(x.log_prob - x.old_log_prob, x.response_mask, dim=-1)  # [B]
     log_ratio = x.log_prob - x.log_prob.detach() + seq_log_ratio.detach()[:, None]  # [B, T]
@@ -168,7 +168,7 @@ def gspo(x: PolicyLossInputs, p: PolicyLossParams) -> tuple[Tensor, dict[str, Te
     loss_unclipped = -x.advantages * ratio
     loss_clipped = -x.advantages * torch.clamp(ratio, 1 - p.clip_ratio_low, 1 + p.clip_ratio_high)
     losses = torch.maximum(loss_unclipped, loss_clipped)  # [B, T]
-    loss = x.aggregate(losses, p, "seq-mean-token-mean")
+    loss = x.aggregate(losses, p)
     no_dual_clip = torch.zeros_like(x.response_mask, dtype=torch.bool)
     return loss, _metrics(loss_clipped > loss_unclipped, no_dual_clip, x)
 

@@ -251,8 +251,9 @@ def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
         decided["total training steps"] = f"{total_steps(cfg, per_epoch)} ({per_epoch} per epoch)"
     if context.get("pad_from_eos"):
         decided["pad token"] = "EOS (the tokenizer has none)"
-    if actor.policy_loss.loss_mode == "gspo":
-        decided["loss_agg_mode"] = "seq-mean-token-mean (GSPO's objective; actor.loss_agg_mode is not used)"
+    if actor.policy_loss.loss_mode == "gspo" and actor.loss_agg_mode != "seq-mean-token-mean":
+        decided["loss_agg_mode"] = (f"{actor.loss_agg_mode} for GSPO, as verl 0.9.1 takes it (the paper's objective "
+                                    "is seq-mean-token-mean, which verl's GSPO examples set)")
     if actor.loss_agg_mode == "seq-mean-token-sum-norm":
         decided["loss_agg_mode"] = ("seq-mean-token-sum-norm as Dr. GRPO writes it (a mean over sequences); verl's "
                                     "loss is this times ppo_micro_batch_size_per_gpu (docs/config.md)")

@@ -67,7 +67,8 @@ def verl_reference() -> list[str]:
     lines += ["", "### Same name, checked against verl's arithmetic", "",
               "- `algorithm.critic_warmup` (verl: `trainer.critic_warmup`): counted as verl counts, the actor is "
               "updated from step N on.",
-              "- GSPO aggregates `seq-mean-token-mean` whatever `loss_agg_mode` says, as verl's `gspo` loss does.",
+              "- GSPO reduces its loss by `loss_agg_mode`, as verl 0.9.1's `gspo` loss does (the paper's "
+              "objective is `seq-mean-token-mean`, which verl's GSPO examples set; the default is `token-mean`).",
               "- `seq-mean-token-sum-norm` (Dr. GRPO): keel takes the paper's mean over sequences of each "
               "sequence's token sum / `data.max_response_length`. verl sums over the sequences of each micro-batch "
               "and averages over micro-batches, so its loss (and gradient) is keel's times the micro-batch's "

@@ -176,11 +176,11 @@ def test_gspo_sequence_level_ratio():
     log_prob = t([[0.2, 0.4, 100.0], [-0.1, 0.0, -0.2]]).requires_grad_()
     old = torch.zeros_like(log_prob)
     adv = t([[1, 1, 0], [-1, -1, -1]])
-    # token-mean is asked for, but GSPO always reduces seq-mean-token-mean
-    loss, m = compute_policy_loss("gspo", old, log_prob, adv, mask, PolicyLossParams(loss_agg_mode="token-mean"))
+    p = PolicyLossParams(loss_agg_mode="seq-mean-token-mean")  # the paper's objective
+    loss, m = compute_policy_loss("gspo", old, log_prob, adv, mask, p)
     # row 0: seq ratio exp((0.2 + 0.4) / 2) = exp(0.3) = 1.34986 > 1.2 -> clipped, A=+1: -1.2 per token
     # row 1: seq ratio exp((-0.1 + 0 - 0.2) / 3) = exp(-0.1) = 0.90484 in [0.8, 1.2], A=-1: 0.90484
-    # seq-mean-token-mean: (-1.2 + 0.90484) / 2 = -0.14758 (token-mean would be 0.06290)
+    # seq-mean-token-mean: (-1.2 + 0.90484) / 2 = -0.14758
     assert loss.item() == approx(-0.14758)
     assert m["pg_clipfrac"].item() == approx(2 / 5)  # both valid tokens of row 0
     assert m["pg_clipfrac_lower"].item() == 0.0
@@ -189,6 +189,70 @@ def test_gspo_sequence_level_ratio():
     # row 1, each token: d(-A * ratio)/d lp_t = ratio = 0.90484 (the detached seq ratio times
     # exp(lp - sg(lp)) = 1), / 3 tokens / 2 seqs = 0.15081; row 0 is clipped -> 0
     torch.testing.assert_close(log_prob.grad, t([[0, 0, 0], [0.15081] * 3]), atol=ATOL, rtol=0)
+
+
+def test_gspo_honours_loss_agg_mode_as_verl_0_9_1_does():
+    mask = t([[1, 1, 0], [1, 1, 1]])
+    log_prob = t([[0.2, 0.4, 100.0], [-0.1, 0.0, -0.2]])
+    adv = t([[1, 1, 0], [-1, -1, -1]])
+    token_mean = compute_policy_loss("gspo", torch.zeros_like(log_prob), log_prob, adv, mask, PolicyLossParams())[0]
+    # token-mean (the default): (2 * -1.2 + 3 * 0.90484) / 5 tokens = 0.06290
+    assert token_mean.item() == approx(0.06290)
+
+
+def _verl_functions(module: str, names: tuple[str, ...], namespace: dict) -> dict:
+    """verl's own functions `names`, from the installed verl's source file of `module`, executed in
+    `namespace` (their module imports Ray-era packages the test does not need)."""
+    import ast
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from verl_shim import verl_root
+
+    root = verl_root()
+    if root is None:
+        pytest.skip("verl is not installed (make test installs it)")
+    source = (root / (module.replace(".", "/") + ".py")).read_text()
+    tree = ast.parse(source)
+    chosen = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
+    for node in chosen:
+        node.decorator_list = []
+    exec(compile(ast.Module(body=chosen, type_ignores=[]), module, "exec"), namespace)
+    return {name: namespace[name] for name in names}
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_gspo_gives_verls_loss_and_gradient_in_every_loss_agg_mode(mode):
+    """verl 0.9.1's compute_policy_loss_gspo and agg_loss, run beside keel's on the same inputs."""
+    from types import SimpleNamespace
+    from typing import Any, Optional
+
+    torch_functional = _verl_functions("utils.torch_functional", ("masked_sum", "masked_mean"), {"torch": torch})
+
+    class ActorConfig(SimpleNamespace):
+        pass
+
+    verl = _verl_functions("trainer.ppo.core_algos", ("agg_loss", "compute_policy_loss_gspo"),
+                           {"torch": torch, "Optional": Optional, "Any": Any, "ActorConfig": ActorConfig,
+                            "verl_F": SimpleNamespace(**torch_functional)})
+    generator = torch.Generator().manual_seed(7)
+    mask = (torch.rand(4, 6, generator=generator) > 0.3).float()
+    mask[:, 0] = 1.0
+    old = -torch.rand(4, 6, generator=generator)
+    advantages = torch.randn(4, 1, generator=generator).expand(4, 6).contiguous()
+    base = old + 0.3 * torch.randn(4, 6, generator=generator)
+    keel_lp, verl_lp = base.clone().requires_grad_(), base.clone().requires_grad_()
+    config = ActorConfig(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, global_batch_info={})
+    verl_loss, verl_metrics = verl["compute_policy_loss_gspo"](old, verl_lp, advantages, mask, loss_agg_mode=mode,
+                                                               config=config)
+    p = PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=mode)
+    keel_loss, keel_metrics = compute_policy_loss("gspo", old, keel_lp, advantages, mask, p)
+    (verl_loss + 0).backward()
+    keel_loss.backward()
+    assert keel_loss.item() == approx(verl_loss.item())
+    torch.testing.assert_close(keel_lp.grad, verl_lp.grad, atol=ATOL, rtol=0)
+    assert keel_metrics["pg_clipfrac"].item() == approx(verl_metrics["actor/pg_clipfrac"])
 
 
 def test_policy_loss_registry_and_unknown_name():
