@@ -72,3 +72,20 @@ def verl_module(name: str):
     """verl's module `name` (e.g. "verl.utils.reward_score.math_dapo"), imported through the shim."""
     install()
     return importlib.import_module(name)
+
+
+VERL_0_5_0_FILES = Path(__file__).parent / "data" / "verl_0_5_0"
+
+
+def install_verl_0_5_0_files() -> Path:
+    """verl 0.5.0's gsm8k tool and interactions (tests/data/verl_0_5_0, files 0.9.1 no longer ships)
+    importable as `verl.tools.gsm8k_tool` and `verl.interactions.*`, beside the installed verl's own
+    modules: the tool's `from .base_tool import BaseTool` is 0.9.1's."""
+    root = install()
+    for package in ("tools", "interactions"):
+        if f"verl.{package}" not in sys.modules:
+            _package(f"verl.{package}", VERL_0_5_0_FILES / package)
+        path = sys.modules[f"verl.{package}"].__path__
+        if str(VERL_0_5_0_FILES / package) not in path:
+            path.append(str(VERL_0_5_0_FILES / package))
+    return root

@@ -9,7 +9,7 @@ from keel.config.schema import KeelConfig
 from keel.rollout.agent.template import first_difference, round_trip
 from keel.rollout.agent.environment import load_environment
 from keel.rollout.agent.interaction import load_interactions
-from keel.rollout.agent.tools import load_tool_config
+from keel.rollout.agent.tools import load_tools
 
 
 def check_multi_turn(cfg: KeelConfig, context: dict) -> list[Finding]:
@@ -17,12 +17,11 @@ def check_multi_turn(cfg: KeelConfig, context: dict) -> list[Finding]:
     if not multi_turn.enable:
         return []
     tokenizer = need(context, "tokenizer")
-    tools = load_tool_config(multi_turn.tool_config_path) if multi_turn.tool_config_path else []
+    tools = load_tools(multi_turn)
     environment = load_environment(multi_turn.environment).__name__ if multi_turn.environment else None
     if multi_turn.interaction_config_path:
         environment = "verl interactions " + ", ".join(load_interactions(multi_turn.interaction_config_path))
-    found = [Finding(PASS, "multi-turn", f"tools: {', '.join(t.name for t in tools) or 'none'}; environment: "
-                                         f"{environment or 'none'}")
+    found = [Finding(PASS, "multi-turn", f"tools: {_named(tools)}; environment: {environment or 'none'}")
              if tools or environment else
              Finding(WARN, "multi-turn", "multi_turn.enable with no tool_config_path, environment or "
                                          "interaction_config_path: nothing answers the model, so every rollout "
@@ -41,3 +40,21 @@ def check_multi_turn(cfg: KeelConfig, context: dict) -> list[Finding]:
                              f"{around(reference)}; the model is trained on the sampled tokens, which the template "
                              "would render otherwise at inference"))
     return found
+
+
+def _named(tools: list) -> str:
+    """The tools by name, verl's marked with how keel runs them and what their rewards do."""
+    from keel.rollout.agent.verl_tools import VerlFunctionTool, VerlTool
+
+    def kind(tool) -> str:
+        if isinstance(tool, VerlTool):
+            return f"{tool.name} (verl {type(tool.tool).__name__}: create, execute, calc_reward, release per sample)"
+        if isinstance(tool, VerlFunctionTool):
+            return f"{tool.name} (verl function tool)"
+        return tool.name
+
+    named = ", ".join(kind(t) for t in tools) or "none"
+    if any(isinstance(t, (VerlTool, VerlFunctionTool)) for t in tools):
+        named += ("; as in verl, verl's tools' rewards are not added to the score: the reward function reads them "
+                  "in extra_info.tool_rewards and extra_info.rollout_reward_scores")
+    return named

@@ -16,6 +16,9 @@ class MultiTurnConfig:
                                                            "model answers without a call or the budget ends")
     tool_config_path: str | None = opt(None, help="verl's tool config YAML: tools: [{class_name, config, "
                                                   "tool_schema}]; class_name keel.tools.Calculator or module.Class")
+    function_tool_path: str | None = opt(None, help="verl's function tools: a Python file whose functions carry "
+                                                    "verl's @function_tool (verl.tools.function_tool), each a tool "
+                                                    "beside those of tool_config_path; needs verl importable")
     max_parallel_calls: int = opt(1, gt=0, help="tool calls run per sample and turn; more are dropped")
     max_tool_response_length: int = opt(256, gt=0, help="characters of a tool's output the model sees")
     tool_response_truncate_side: str = opt("middle", choices=("left", "middle", "right"),

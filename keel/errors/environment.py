@@ -81,4 +81,15 @@ TRACKER_UNAVAILABLE = register(
     "Remove the tracker from trainer.logger (`trainer.logger=[console]` logs to the console only), or "
     "`pip install -e '.[tracking]'` in keel's checkout (wandb, tensorboard and mlflow-skinny).", ("trainer.logger",))
 
+VERL_UNAVAILABLE = register(
+    "KEEL-E012", "verl is not installed, or cannot be imported",
+    "A tool, interaction or function-tool file in rollout.multi_turn names one of verl's classes (a "
+    "verl.tools.base_tool.BaseTool subclass, verl's interactions, verl's @function_tool), so keel runs it through "
+    "verl's own modules; here verl is not installed, or importing it fails on a package it needs (the message "
+    "names the missing module).",
+    "`pip install --no-deps 'verl==0.9.1'` and then what verl's package and its tool modules import: "
+    "`pip install pydantic tensordict`; or name a class of keel's (keel.tools.Calculator, file.py:Class) instead.",
+    ("actor_rollout_ref.rollout.multi_turn.tool_config_path", "actor_rollout_ref.rollout.multi_turn.function_tool_path",
+     "actor_rollout_ref.rollout.multi_turn.interaction_config_path"))
+
 __all__ = [name for name in dir() if name.isupper()]

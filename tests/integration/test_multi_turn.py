@@ -101,10 +101,17 @@ class Nudge:  # verl's interaction protocol: async methods, one instance for eve
 '''
 
 
+NUDGE_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return sum(extra_info["rollout_reward_scores"].get("user_turn_rewards", []))
+"""
+
+
 def test_verls_interaction_config_gives_user_turns_in_check_and_train(tiny_config, tmp_path):
     """interaction_config_path in verl's format, its class in a file beside it: keel check names it,
     and training runs episodes of assistant turns answered by it (the native engine on CPU, its
-    turns scheduled by continuous batching), its scores in the reward."""
+    turns scheduled by continuous batching); its scores reach the reward function where verl puts
+    them (extra_info.rollout_reward_scores) and are not added to the score, as in verl."""
     from keel.check.preflight import run_checks
     from keel.config.load import load_config
 
@@ -115,13 +122,16 @@ def test_verls_interaction_config_gives_user_turns_in_check_and_train(tiny_confi
     multi_turn = cfg["actor_rollout_ref"]["rollout"]["multi_turn"]
     del multi_turn["tool_config_path"]
     multi_turn.update({"interaction_config_path": str(interactions), "max_tokens_per_turn": 16})
+    (tmp_path / "reward.py").write_text(NUDGE_REWARD)
+    cfg["custom_reward_function"] = {"path": str(tmp_path / "reward.py")}
     found = [f for f in run_checks(load_config(cfg)).findings if f.check == "multi-turn"]
     assert "verl interactions nudge" in found[0].message
     steps = metrics(train(cfg).run_dir)
     assert len(steps) == 2
     for m in steps:  # each episode: a turn, "try once more", a turn, then the interaction ends it
         assert m["environment/user_turns/mean"] == 1 and m["num_turns/max"] == 4 and m["environment/errors"] == 0
-        assert m["tools/turn_reward/mean"] == 1.0  # 0.5 for each of its two answers
+        assert m["tools/turn_reward/mean"] == 0.0  # nothing added to the score, as in verl
+        assert m["critic/score/mean"] == 1.0  # the reward function's sum of the two answers' 0.5
 
 
 def test_the_examples_interaction_config_asks_for_a_second_look_once():

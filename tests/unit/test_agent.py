@@ -218,9 +218,7 @@ def test_tool_configs_in_verls_format_and_in_python(tmp_path):
     assert add.schema["function"]["parameters"] == {"type": "object", "required": ["a"], "properties": {
         "a": {"type": "integer"}, "b": {"type": "integer"}}}
     assert add.execute({"a": 2, "b": 3}) == "5"
-    cases = {"verl.yaml": ("tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    tool_schema: "
-                           "{function: {name: calc}}\n", "a verl tool"),
-             "missing.yaml": ("tools:\n  - class_name: keel.tools.Nope\n", "names no class with the method execute()"),
+    cases = {"missing.yaml": ("tools:\n  - class_name: keel.tools.Nope\n", "names no class with the method execute()"),
              "empty.yaml": ("tools: []\n", "no `tools:` list"),
              "untyped.py": ("from keel.rollout.agent import tool\n@tool\ndef f(x):\n    return x\n", "type hint"),
              "twice.yaml": ("tools:\n" + "  - class_name: keel.tools.Calculator\n" * 2, "share a name")}
@@ -384,8 +382,9 @@ class Polite(BaseInteraction):  # the base class's finalize, which takes no inst
 
 def test_verls_interactions_answer_turns_and_are_finalised(tmp_path):
     """interaction_config_path in verl's format, the class from a file beside it: each episode takes
-    the interaction its interaction_kwargs name; the reply is the next user turn, the score adds to
-    the reward, termination ends the episode, and every instance is finalised at the end."""
+    the interaction its interaction_kwargs name; the reply is the next user turn, the score is
+    recorded where verl puts it and not added (verl's agent loop adds none), termination ends the
+    episode, and every instance is finalised at the end."""
     from keel.rollout.agent.interaction import InteractionEnvironment, load_interactions
 
     (tmp_path / "talk.py").write_text(VERL_INTERACTION)
@@ -405,8 +404,10 @@ def test_verls_interactions_answer_turns_and_are_finalised(tmp_path):
     batch = loop.generate(collate_prompts(records, tokenizer.pad_token_id), SamplingParams(do_sample=False))
     gsm8k, polite, nobody = (r.extra_info for r in batch.records)
     assert [m["content"] for m in gsm8k["conversation"]] == ["70", "Your response is incorrect! Try again.", "72"]
-    assert gsm8k["turn_reward"] == 1.0 and gsm8k["user_turns"] == 1 and gsm8k["environment_errors"] == 0
+    assert gsm8k["turn_reward"] == 0.0 and gsm8k["user_turns"] == 1 and gsm8k["environment_errors"] == 0
+    assert gsm8k["rollout_reward_scores"] == {"user_turn_rewards": [0.0, 1.0]} and gsm8k["turn_scores"] == [0.0, 1.0]
     assert polite["user_turns"] == 2 and polite["turn_reward"] == 0.0 and polite["environment_errors"] == 0
+    assert polite["rollout_reward_scores"] == {"user_turn_rewards": []}  # None scores are not kept, as in verl
     assert nobody["environment_errors"] == 1 and nobody["user_turns"] == 0  # no such interaction: counted
     assert interactions["gsm8k"]._instance_dict == {}  # finalised
 

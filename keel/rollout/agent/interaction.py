@@ -6,21 +6,30 @@ verl's interaction classes (verl.interactions.base.BaseInteraction: async `start
 class_name, config}]`) and shared by every episode, as verl shares them, each episode being one
 instance id. An episode takes the interaction named by its `extra_info.interaction_kwargs.name`
 (verl's rule), or the only one configured; the rest of interaction_kwargs goes to the calls, as
-in verl. The reply becomes the next user turn, the score adds to the episode's reward, and
-`finalize_interaction` runs for every episode after the rollout (verl never calls it; keel does,
-so per-episode state does not pile up). Every call runs on one event loop, as in verl.
+in verl. The reply becomes the next user turn; `finalize_interaction` runs for every episode after
+the rollout (verl never calls it; keel does, so per-episode state does not pile up). Every call
+runs on one event loop, as in verl (runner.on_shared_loop). `calculate_score` is the
+interaction's own business: verl's loop never calls it (verl's gsm8k interaction calls it inside
+generate_response), and neither does keel.
+
+Scores, as verl takes them: verl's agent loop keeps each turn's score in `turn_scores` and adds
+none to the score (the reward function's); its SGLang rollout gave them to the reward function as
+`extra_info["rollout_reward_scores"]["user_turn_rewards"]`. keel does both (`extra_info.turn_scores`
+and that key) and adds nothing, so a verl run scores exactly as in verl. keel's own environments
+(environment.py) add their rewards, as keel documents them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-import threading
+import math
+import numbers
 from pathlib import Path
 from uuid import uuid4
 
 from keel.errors import TOOL_CONFIG, KeelError
 from keel.rollout.agent.environment import Environment
+from keel.rollout.agent.runner import on_shared_loop
 
 KEY = "actor_rollout_ref.rollout.multi_turn.interaction_config_path"
 
@@ -74,43 +83,39 @@ class InteractionEnvironment(Environment):
         if name not in interactions:
             raise ValueError(f"extra_info.interaction_kwargs.name is {name!r}, not one of {sorted(interactions)}")
         self.interaction, self.instance_id = interactions[name], str(uuid4())
-        _run(self.interaction.start_interaction(self.instance_id, **self.kwargs))
+        self.timeout_s = self.config.get("timeout_s")  # the loop's tool_timeout_s
+        self.turn_scores: list[float] = []
+        _run(self.interaction.start_interaction(self.instance_id, **self.kwargs), self.timeout_s)
+
+    @property
+    def reward_scores(self) -> dict[str, list[float]]:
+        """What verl's SGLang rollout gave the reward function (extra_info.rollout_reward_scores)."""
+        return {"user_turn_rewards": list(getattr(self, "turn_scores", []))}
 
     def step(self, text: str) -> tuple[str, float, bool]:
         """verl's messages: the prompt, then every turn so far (tool calls and results included),
-        the model's `text` last."""
+        the model's `text` last. The turn's score is recorded, not added (as in verl)."""
         prompt = self.prompt if isinstance(self.prompt, list) else [{"role": "user", "content": str(self.prompt)}]
         messages = [dict(m) for m in prompt + self.conversation]
-        done, reply, score, _ = _run(self.interaction.generate_response(self.instance_id, messages, **self.kwargs))
-        return str(reply), 0.0 if score is None else score, bool(done)
+        done, reply, score, _ = _run(self.interaction.generate_response(self.instance_id, messages, **self.kwargs),
+                                     self.timeout_s)
+        if score is not None:  # verl keeps a score that is there
+            if isinstance(score, bool) or not isinstance(score, numbers.Real) or not math.isfinite(score):
+                raise ValueError(f"generate_response's score is {score!r}, not a finite number")
+            self.turn_scores.append(float(score))
+        return str(reply), 0.0, bool(done)
 
     def close(self) -> None:
         finalize = self.interaction.finalize_interaction
         try:  # verl's example takes the instance id; its base class takes nothing
             inspect.signature(finalize).bind(self.instance_id)
-            _run(finalize(self.instance_id))
         except TypeError:
-            _run(finalize())
+            _run(finalize(), self.timeout_s)
+            return
+        _run(finalize(self.instance_id), self.timeout_s)
 
 
-class _EventLoop:
-    """One event loop on a thread of its own for every interaction call, as verl has one loop: an
-    interaction's clients and locks belong to the loop they were made on."""
-    loop: asyncio.AbstractEventLoop | None = None
-    lock = threading.Lock()
-
-    @classmethod
-    def get(cls) -> asyncio.AbstractEventLoop:
-        with cls.lock:
-            if cls.loop is None:
-                cls.loop = asyncio.new_event_loop()
-                threading.Thread(target=cls.loop.run_forever, name="keel-interactions", daemon=True).start()
-            return cls.loop
-
-
-def _run(result):
-    """An async method's result, run on the interactions' loop (the agent loop calls environments
-    from worker threads, which wait here), or a plain method's."""
-    if not inspect.iscoroutine(result):
-        return result
-    return asyncio.run_coroutine_threadsafe(result, _EventLoop.get()).result()
+def _run(result, timeout_s: float | None = None):
+    """An async method's result, run on the shared loop (the agent loop calls environments from
+    worker threads, which wait here), cancelled past the tool timeout; or a plain method's."""
+    return on_shared_loop(result, timeout_s) if inspect.iscoroutine(result) else result

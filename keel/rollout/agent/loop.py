@@ -30,9 +30,9 @@ from keel.data.prompts import collate_prompts
 from keel.rollout.agent.environment import Environment, load_environment
 from keel.rollout.agent.interaction import InteractionEnvironment, load_interactions
 from keel.rollout.agent.parse import PARSERS
-from keel.rollout.agent.runner import ToolLimits, ToolRunner
+from keel.rollout.agent.runner import ToolLimits, ToolRunner, ToolSession
 from keel.rollout.agent.template import TurnTemplate
-from keel.rollout.agent.tools import Tool, ToolOutput, load_tool_config
+from keel.rollout.agent.tools import Tool, ToolOutput, load_tools
 from keel.types import PromptBatch, PromptRecord, RolloutBatch, SamplingParams
 
 
@@ -65,6 +65,8 @@ class Episode:
     tool_outputs: list[str] = field(default_factory=list)  # what the model was shown, in order
     conversation: list[dict] = field(default_factory=list)  # the turns after the prompt, as messages
     turn_reward: float = 0.0
+    session: ToolSession | None = None          # its tools' instances (verl's tools) and what they gave
+    reward_scores: dict = field(default_factory=dict)  # verl's rollout_reward_scores: calc_reward, interactions'
     cut: bool = False                           # the budget ended it
     done: bool = False
 
@@ -74,9 +76,12 @@ class Episode:
         self.trained += [1 if log_probs is not None else 0] * len(ids)
         self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
 
+    def counts(self, name: str) -> dict:
+        return self.tools.setdefault(name, {"calls": 0, "error": 0, "timeout": 0, "unknown": 0, "truncated": 0,
+                                            "seconds": 0.0})
+
     def count(self, output: ToolOutput) -> None:
-        counts = self.tools.setdefault(output.name, {"calls": 0, "error": 0, "timeout": 0, "unknown": 0,
-                                                     "truncated": 0, "seconds": 0.0})
+        counts = self.counts(output.name)
         counts["calls"] += 1
         counts["seconds"] += output.seconds
         counts["truncated"] += int(output.truncated)
@@ -101,15 +106,21 @@ class AgentLoop:
     def generate(self, prompts: PromptBatch, params: SamplingParams) -> RolloutBatch:
         episodes = [Episode(r, list(r.prompt_ids)) for r in prompts.records]
         self.timing = {}
-        if self.environment is not None:
-            self._reset_environments(episodes)
-        if hasattr(self.engine, "continuous_batcher"):
-            self._run_continuously(episodes, dataclasses.replace(params, n=1))
-        else:
-            while active := [e for e in episodes if not e.done]:
-                self._assistant_turn(active, params)
-                self._next_turn([e for e in active if not e.done])
-        self._close_environments(episodes)
+        sessions = self.runner.open([e.record.extra_info.get("tools_kwargs") for e in episodes])
+        for episode, session in zip(episodes, sessions):
+            episode.session = session
+        try:
+            if self.environment is not None:
+                self._reset_environments(episodes)
+            if hasattr(self.engine, "continuous_batcher"):
+                self._run_continuously(episodes, dataclasses.replace(params, n=1))
+            else:
+                while active := [e for e in episodes if not e.done]:
+                    self._assistant_turn(active, params)
+                    self._next_turn([e for e in active if not e.done])
+            self._close_environments(episodes)
+        finally:  # verl's tools' instances are released whatever happened
+            self.runner.close(sessions)
         return self._batch(prompts, episodes)
 
     def _reset_environments(self, episodes: list[Episode]) -> None:
@@ -127,6 +138,8 @@ class AgentLoop:
         having = [e for e in episodes if callable(getattr(e.environment, "close", None))]  # a class with step only
         for episode, (_, status) in zip(having, self.runner.call_each([e.environment.close for e in having])):
             episode.environment_errors += status != "ok"
+        for episode in episodes:  # what a verl interaction scored: recorded, not added (interaction.py)
+            episode.reward_scores.update(getattr(episode.environment, "reward_scores", None) or {})
 
     def _run_continuously(self, episodes: list[Episode], params: SamplingParams) -> None:
         """The engine schedules the turns (native's continuous batching): an episode's KV stays in
@@ -206,8 +219,7 @@ class AgentLoop:
         """The plan's tool calls and environment steps run (safe on a thread: the episodes are not
         touched) -> (tool outputs, environment steps, seconds)."""
         start = time.perf_counter()
-        outputs = self.runner.run([plan.parsed[id(e)].calls for e in plan.calling],
-                                  [e.record.extra_info.get("tools_kwargs", {}) for e in plan.calling])
+        outputs = self.runner.run([plan.parsed[id(e)].calls for e in plan.calling], [e.session for e in plan.calling])
         steps = self.runner.call_each([functools.partial(e.environment.step, e.conversation[-1]["content"])
                                        for e in plan.talking])
         return outputs, steps, time.perf_counter() - start
@@ -271,7 +283,7 @@ class AgentLoop:
             "tool_outputs": e.tool_outputs, "malformed_tool_calls": e.malformed_calls, "turn_reward": e.turn_reward,
             "user_turns": e.user_turns, "environment_errors": e.environment_errors,
             "cut_by_budget": e.cut, "last_turn": self._last_text(e),  # the final answer, for rewards
-            "conversation": self._conversation(e)})
+            "conversation": self._conversation(e), **_verl_rewards(e)})
             for e in episodes]
         trained = rows([e.trained for e in episodes])
         return RolloutBatch(
@@ -324,6 +336,19 @@ def _checked_step(result) -> tuple[str, float, bool] | None:
     return str(observation), reward, bool(done)
 
 
+def _verl_rewards(episode: Episode) -> dict:
+    """What verl's tools and interactions gave, where verl puts it (verl_tools.py): recorded for the
+    reward function, never added to the score; their lifecycle failures counted per tool."""
+    session = episode.session or ToolSession()
+    for name, status in session.failures:
+        episode.counts(name)[status] += 1
+    scores = {**session.reward_scores, **episode.reward_scores}
+    turn_scores = episode.reward_scores.get("user_turn_rewards", [])
+    return {**({"rollout_reward_scores": scores} if scores else {}),
+            **({"tool_rewards": session.tool_rewards} if session.tool_rewards else {}),
+            **({"turn_scores": turn_scores} if turn_scores else {})}
+
+
 def _last_turn(episode: Episode) -> list[int]:
     """The tokens of the assistant turn just generated: the trailing run of sampled tokens."""
     start = len(episode.trained)
@@ -334,7 +359,7 @@ def _last_turn(episode: Episode) -> list[int]:
 
 def build_agent_loop(multi_turn, engine, tokenizer, budget: int) -> AgentLoop:
     """The loop of a rollout.multi_turn section around an engine; `budget`: data.max_response_length."""
-    tools = load_tool_config(multi_turn.tool_config_path) if multi_turn.tool_config_path else []
+    tools = load_tools(multi_turn)
     limits = ToolLimits(multi_turn.max_parallel_calls, multi_turn.tool_timeout_s, multi_turn.max_tool_response_length,
                         multi_turn.tool_response_truncate_side)
     options = AgentOptions(max_assistant_turns=multi_turn.max_assistant_turns or budget,
@@ -345,5 +370,6 @@ def build_agent_loop(multi_turn, engine, tokenizer, budget: int) -> AgentLoop:
         environment = load_environment(multi_turn.environment)
     elif multi_turn.interaction_config_path:
         environment = InteractionEnvironment
-        environment_config = {"interactions": load_interactions(multi_turn.interaction_config_path)}
+        environment_config = {"interactions": load_interactions(multi_turn.interaction_config_path),
+                              "timeout_s": multi_turn.tool_timeout_s}
     return AgentLoop(engine, tokenizer, tools, options, engine.eos_ids, environment, environment_config)

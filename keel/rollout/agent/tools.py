@@ -1,5 +1,7 @@
 """Tools the policy can call: a plain typed Python function (`@tool`, schema derived from its
-signature), a class named in verl's tool config file (`tool_config_path`), and keel's built-ins.
+signature), a class named in verl's tool config file (`tool_config_path`: keel's Tool, or verl's
+own BaseTool subclasses, run through their lifecycle by verl_tools.py), verl's function tools
+(`function_tool_path`), and keel's built-ins.
 
 A tool's output is hostile input: whatever it returns, raises or takes too long to do becomes text
 fed back to the model (and counted), never an exception out of the rollout.
@@ -28,8 +30,9 @@ class ToolOutput:
     """What a call gave back: text for the model, a reward to add to the episode's score, metrics;
     and, filled in by the runner, how the call went."""
     text: str
-    reward: float = 0.0
+    reward: float = 0.0         # added to the episode's score (keel's tools)
     metrics: dict = field(default_factory=dict)
+    step_reward: float | None = None  # verl's tools' step reward: recorded (tool_rewards), not scored, as in verl
     name: str = ""
     status: str = "ok"          # ok | error (raised, or bad output) | timeout | unknown (no such tool)
     seconds: float = 0.0
@@ -37,8 +40,10 @@ class ToolOutput:
 
 
 class Tool(ABC):
-    """verl's BaseTool contract, synchronously: `execute(parameters, **tools_kwargs)` returns text,
-    or (text, reward, metrics). Subclasses set `schema` (an OpenAI function schema)."""
+    """keel's tool: `execute(parameters, **execute_kwargs)` returns text, or (text, reward, metrics),
+    plain or async. Subclasses set `schema` (an OpenAI function schema)."""
+
+    lifecycle = False  # True: an instance per episode (create, calc_reward, release: verl_tools.VerlTool)
 
     def __init__(self, config: dict | None = None, tool_schema: dict | None = None):
         self.config = config or {}
@@ -183,10 +188,26 @@ def load_tool_config(path: str | Path) -> list[Tool]:
                         "exist", missing_config_fix(str(path), "actor_rollout_ref.rollout.multi_turn.tool_config_path",
                                                     "verl's tool config YAML, or a Python file of @tool functions"))
     tools = _tools_of_file(path) if path.suffix == ".py" else _tools_of_yaml(path, yaml.safe_load(path.read_text()))
+    _check_names(tools, str(path))
+    return tools
+
+
+def load_tools(multi_turn) -> list[Tool]:
+    """Every tool of a rollout.multi_turn section: tool_config_path's, then function_tool_path's
+    (verl's function tools), each name once across both, as verl requires."""
+    tools = load_tool_config(multi_turn.tool_config_path) if multi_turn.tool_config_path else []
+    if getattr(multi_turn, "function_tool_path", None):
+        from keel.rollout.agent.verl_tools import load_function_tools
+
+        tools += load_function_tools(multi_turn.function_tool_path)
+        _check_names(tools, "tool_config_path and function_tool_path")
+    return tools
+
+
+def _check_names(tools: list[Tool], where: str) -> None:
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
-        raise KeelError(TOOL_CONFIG, f"{path}: two tools share a name in {names}", "give every tool its own name")
-    return tools
+        raise KeelError(TOOL_CONFIG, f"{where}: two tools share a name in {names}", "give every tool its own name")
 
 
 def missing_config_fix(missing: str, key: str, what: str) -> str:
@@ -207,7 +228,10 @@ def _load_file(path: Path):
     try:
         spec.loader.exec_module(module)
     except Exception as error:  # noqa: BLE001 - the user's file: its error, named
-        raise KeelError(TOOL_CONFIG, f"{path} raised on import: {type(error).__name__}: {error}") from None
+        from keel.rollout.agent.verl_tools import verl_unavailable
+
+        raise verl_unavailable(error, str(path), path.name) or KeelError(
+            TOOL_CONFIG, f"{path} raised on import: {type(error).__name__}: {error}") from None
     return module
 
 
@@ -230,6 +254,10 @@ def _tool_from_entry(entry: Any, where: str, directory: Path) -> Tool:
     if not isinstance(entry, dict) or "class_name" not in entry:
         raise KeelError(TOOL_CONFIG, f"{where} has no class_name", "give each tool a class_name")
     cls = resolve_class(str(entry["class_name"]), where, directory)
+    from keel.rollout.agent.verl_tools import build_verl_tool, is_verl_tool
+
+    if is_verl_tool(cls):
+        return build_verl_tool(cls, entry, where)
     schema = entry.get("tool_schema") or getattr(cls, "schema", None)
     if not schema or "name" not in schema.get("function", {}):
         raise KeelError(TOOL_CONFIG, f"{where} ({entry['class_name']}) has no tool_schema.function.name",
@@ -240,20 +268,19 @@ def _tool_from_entry(entry: Any, where: str, directory: Path) -> Tool:
 def resolve_class(class_name: str, where: str, directory: Path, method: str = "execute") -> type:
     """A built-in, `file.py:Class` (relative to `directory`), or an importable `module.Class`: a class
     with `method` (a tool's execute, an environment's step)."""
-    cls, reason = _find_class(class_name, directory)
+    cls, reason = _find_class(class_name, where, directory)
     if not (isinstance(cls, type) and callable(getattr(cls, method, None))):
-        verl = " (a verl tool: keel runs keel.tools.Calculator or your own classes)" if class_name.startswith(
-            "verl.") else ""
         near = closest(class_name, BUILTIN) if method == "execute" else None
         raise KeelError(TOOL_CONFIG, f"{where}: {class_name!r} names no class with the method {method}(): "
-                        f"{reason}{verl}", (f"write class_name: {near} in {where.split(' ')[0]} (the built-in tool spelt like it)"
+                        f"{reason}", (f"write class_name: {near} in {where.split(' ')[0]} (the built-in tool spelt like it)"
                          if near else f"use one of {sorted(BUILTIN)}, file.py:Class, or an importable module.Class "
                          f"with a {method} method"))
     return cls
 
 
-def _find_class(class_name: str, directory: Path) -> tuple[object, str]:
-    """(what the name resolves to, or None; why it might not be a class)."""
+def _find_class(class_name: str, where: str, directory: Path) -> tuple[object, str]:
+    """(what the name resolves to, or None; why it might not be a class). A module that cannot be
+    imported because verl cannot be is KEEL-E012."""
     if class_name in BUILTIN:
         return BUILTIN[class_name], "a built-in tool"
     if ".py:" in class_name:
@@ -265,5 +292,12 @@ def _find_class(class_name: str, directory: Path) -> tuple[object, str]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
+        from keel.rollout.agent.verl_tools import verl_unavailable
+
+        unavailable = verl_unavailable(error, where, class_name)
+        if unavailable is not None:
+            raise unavailable from None
         return None, f"module {module_name!r} cannot be imported ({error})"
+    except Exception as error:  # noqa: BLE001 - the user's module raised while importing: named
+        return None, f"module {module_name!r} raised on import: {type(error).__name__}: {error}"
     return getattr(module, attr, None), f"{module_name!r} has no class {attr!r}"
