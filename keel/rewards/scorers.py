@@ -1,11 +1,19 @@
 """Built-in rule scorers. Each follows verl's reward contract:
-`(data_source, solution_str, ground_truth, extra_info) -> float`.
+`(data_source, solution_str, ground_truth, extra_info) -> float` (or a dict with `score`).
+
+The data sources verl 0.9.1's default_compute_score routes go to the scorers that reproduce verl's
+rules (keel/rewards/verl_math.py, verl_qa.py, verl_routing.py); keel's own scorers serve keel's own
+data sources, or any data source that names them in `reward.scorers`.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any, Callable
+
+from keel.rewards.verl_math import geo3k, math_dapo, math_reward
+from keel.rewards.verl_qa import search_r1
+from keel.rewards.verl_routing import VERL_DATA_SOURCES, VERL_PREFIX_ROUTE, prime_code, prime_math
 
 RewardFn = Callable[[str, str, Any, dict], float]
 
@@ -73,9 +81,10 @@ def extract_math_answer(text: str) -> str | None:
     return matches[-1].strip() if matches else None
 
 
-def math(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
-    """Mathematical equivalence of the extracted answer and the ground truth (math-verify):
-    `1/2`, `0.5` and `\\frac{1}{2}` are the same answer."""
+def math_equivalent(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """Mathematical equivalence of the extracted answer and the ground truth (math-verify): `1/2`, `0.5`
+    and `\\frac{1}{2}` are the same answer, boxed or after "the answer is". More lenient than verl's
+    rules, so no data source picks it: name it in reward.scorers.<data_source>.math_equivalent."""
     from math_verify import parse, verify
 
     answer = extract_math_answer(solution_str)
@@ -164,18 +173,32 @@ def tool_arithmetic(data_source: str, solution_str: str, ground_truth: Any, extr
 
 SCORERS: dict[str, RewardFn] = {
     "exact_match": exact_match, "gsm8k": gsm8k, "gsm8k_lenient": gsm8k_lenient, "gsm8k_flexible": gsm8k_flexible,
-    "math": math,
+    "math_equivalent": math_equivalent,
     "regex": regex_match, "multiple_choice": multiple_choice, "think_answer_format": think_answer_format,
     "arithmetic": arithmetic, "tool_arithmetic": tool_arithmetic, "code_exec": code_exec,
+    # verl's rules, under verl's names (the module each reproduces: verl_routing.VERL_MODULES)
+    "math_reward": math_reward, "math_dapo": math_dapo, "prime_math": prime_math, "prime_code": prime_code,
+    "geo3k": geo3k, "search_r1": search_r1,
 }
 
-# data_source values (as verl's datasets write them) that pick a built-in scorer.
+# data_source values that pick a built-in scorer: every one verl 0.9.1 routes, to the scorer giving
+# verl's score, and keel's own. Data sources starting with "aime" go to math_dapo too (scorer_for_source).
 DATA_SOURCE_SCORERS = {
-    "openai/gsm8k": "gsm8k", "gsm8k": "gsm8k", "exact_match": "exact_match", "keel/arithmetic": "arithmetic",
-    "keel/tool_arithmetic": "tool_arithmetic",
-    "lighteval/MATH": "math", "DigitalLearningGmbH/MATH-lighteval": "math", "HuggingFaceH4/MATH-500": "math",
-    "math": "math", "codecontests": "code_exec", "apps": "code_exec", "taco": "code_exec", "code": "code_exec",
+    **VERL_DATA_SOURCES, "aime2024": "math_dapo", "aime2025": "math_dapo",
+    "gsm8k": "gsm8k", "exact_match": "exact_match", "keel/arithmetic": "arithmetic",
+    "keel/tool_arithmetic": "tool_arithmetic", "code": "code_exec",
 }
+
+
+def scorer_for_source(data_source: str) -> str | None:
+    """The built-in scorer a data_source picks: DATA_SOURCE_SCORERS, verl's `aime*` prefix, then keel's
+    rule that a name containing "gsm8k" is GSM8K; None when none does."""
+    if data_source in DATA_SOURCE_SCORERS:
+        return DATA_SOURCE_SCORERS[data_source]
+    prefix, scorer = VERL_PREFIX_ROUTE
+    if data_source.startswith(prefix):
+        return scorer
+    return "gsm8k" if "gsm8k" in data_source else None
 
 # Scorers that do not compare against a ground truth.
 NO_GROUND_TRUTH = {"think_answer_format"}

@@ -288,7 +288,7 @@ def test_model_code_never_runs_unfenced_unless_the_config_says_so(no_bubblewrap,
         assert info.value.code == SANDBOX_INCOMPLETE and "network" in info.value.message
     scorer_requiring("none").check_records([CODE_ROW])  # at the user's risk, and said so
     assert "runs without: filesystem, network" in caplog.text
-    RewardScorer(by_source={"math": {"math": 1.0}}, sandbox_require="all").check_records(
+    RewardScorer(by_source={"math": {"math_equivalent": 1.0}}, sandbox_require="all").check_records(
         [SimpleNamespace(data_source="math", ground_truth="1", extra_info={}, index=0)])  # runs no code
 
 

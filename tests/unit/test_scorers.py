@@ -9,8 +9,8 @@ import torch
 from keel.config.reward import OverlongBufferConfig
 from keel.errors import NO_SCORER, KeelError
 from keel.rewards.reward_fn import RewardScorer, overlong_penalty
-from keel.rewards.scorers import (extract_choice, gsm8k_flexible, last_boxed, math, multiple_choice, regex_match,
-                                  think_answer_format)
+from keel.rewards.scorers import (extract_choice, gsm8k_flexible, last_boxed, math_equivalent, multiple_choice,
+                                  regex_match, think_answer_format)
 
 
 @pytest.mark.parametrize("response, truth, expected", [
@@ -24,8 +24,23 @@ from keel.rewards.scorers import (extract_choice, gsm8k_flexible, last_boxed, ma
     ("\\boxed{\\frac{1}{2", "0.5", 0.0),                    # cut off mid-box: malformed
     ("", "4", 0.0),
 ])
-def test_math(response, truth, expected):
-    assert math("lighteval/MATH", response, truth) == expected
+def test_math_equivalent(response, truth, expected):
+    assert math_equivalent("lighteval/MATH", response, truth) == expected
+
+
+def test_verls_math_data_sources_score_as_verl_not_as_math_equivalent():
+    """The issue's responses: verl's math_dapo rule for `math` (an `Answer:` line, +1 or -1), verl's
+    boxed-only MATH rule for the MATH sets; keel's lenient scorer only where a config names it."""
+    responses = ["Answer: 72", "Answer: 73", "the answer is 72", "so \\boxed{72}", "the answer is 1/2"]
+    truths = ["72", "72", "72", "72", "\\frac{1}{2}"]
+    dapo = RewardScorer().score_batch([record("math", t) for t in truths], responses)
+    assert dapo.scores.tolist() == [1.0, -1.0, -1.0, 1.0, -1.0]
+    assert [extra["pred"] for extra in dapo.extras] == ["72", "73", "[INVALID]", "72", "[INVALID]"]
+    boxed_only = RewardScorer().score([record("HuggingFaceH4/MATH-500", t) for t in truths], responses)
+    assert boxed_only.tolist() == [0.0, 0.0, 0.0, 1.0, 0.0]
+    lenient = RewardScorer(by_source={"math": {"math_equivalent": 1.0}})
+    # it reads boxed answers and "the answer is" (not `Answer:` lines), judged by math-verify: 1/2 = \\frac{1}{2}
+    assert lenient.score([record("math", t) for t in truths], responses).tolist() == [0.0, 0.0, 1.0, 1.0, 1.0]
 
 
 def test_last_boxed_balances_braces():
