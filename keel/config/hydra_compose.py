@@ -42,8 +42,26 @@ def compose_launch(launch: VerlLaunch) -> tuple[dict, list[str]]:
     notes: list[str] = []
     directory = config_directory(launch.config_path, notes)
     name = config_name(directory, launch.config_name)
-    searchpath = search_path(directory / f"{name}.yaml", notes)
-    return _compose(directory, name, searchpath), notes
+    head = _primary(directory / f"{name}.yaml")
+    searchpath = search_path(head, directory / f"{name}.yaml", notes)
+    tree = _compose(directory, name, searchpath)
+    for dotted, why in NOT_FROM_VERLS_DEFAULTS.items():
+        *parents, leaf = dotted.split(".")
+        node, mine = tree, head
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+            mine = mine.get(part) if isinstance(mine, dict) else None
+        if isinstance(node, dict) and leaf in node and not (isinstance(mine, dict) and leaf in mine):
+            notes.append(f"{dotted}: verl's default {node.pop(leaf)!r} left out: {why}")
+    return tree, notes
+
+
+# Defaults of verl's trainer config that mean another thing in keel, left out unless the YAML or an
+# override sets them (keel's default applies, and `keel check` says so).
+NOT_FROM_VERLS_DEFAULTS = {
+    "reward.num_workers": "verl's reward-loop workers are Ray actors; keel's reward.num_workers are scoring "
+                          "processes, 0 (the trainer's process) unless asked",
+}
 
 
 def verl_trainer_config() -> tuple[Path, str]:
@@ -110,15 +128,19 @@ def config_name(directory: Path, given: str | None) -> str:
                     f"{shown})", fix)
 
 
-def search_path(primary: Path, notes: list[str]) -> list[str]:
-    """The YAML's hydra.searchpath, each entry a directory that exists (verl's trainer config found
-    where keel can find it)."""
+def _primary(primary: Path) -> dict:
     try:
         head = yaml.safe_load(primary.read_text()) or {}
     except yaml.YAMLError as e:
         raise KeelError(CONFIG_FILE, f"{primary} is not valid YAML: {e}") from e
     if not isinstance(head, dict):
         raise KeelError(CONFIG_FILE, f"{primary} must hold a mapping of sections, got {type(head).__name__}")
+    return head
+
+
+def search_path(head: dict, primary: Path, notes: list[str]) -> list[str]:
+    """The YAML's hydra.searchpath, each entry a directory that exists (verl's trainer config found
+    where keel can find it)."""
     hydra = head.get("hydra") if isinstance(head.get("hydra"), dict) else {}
     entries = hydra.get("searchpath") or []
     if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):

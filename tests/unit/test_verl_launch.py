@@ -95,6 +95,16 @@ def test_overrides_apply_after_composing_with_keels_errors(without_verl, tmp_pat
     assert error_of(VerlLaunch(str(tmp_path), path.stem), {"trainer.sav_freq": 2}).code == "KEEL-C001"
 
 
+def test_verls_reward_workers_default_is_not_keels_scoring_processes(without_verl, tmp_path):
+    verl_style(tmp_path)
+    cfg = load_config(VerlLaunch(str(tmp_path), "mine"), REQUIRED)
+    assert cfg.reward.num_workers == 0 and any("reward.num_workers: verl's default 8" in d for d in cfg.decided)
+    verl_style(tmp_path, reward={"num_workers": 2})
+    assert load_config(VerlLaunch(str(tmp_path), "mine"), REQUIRED).reward.num_workers == 2  # the YAML's own
+    cfg = load_config(VerlLaunch(str(tmp_path), "mine"), {**REQUIRED, "reward.num_workers": 3})
+    assert cfg.reward.num_workers == 3  # an override's
+
+
 # --- each coded error ------------------------------------------------------------------------------
 
 def test_a_config_path_that_is_not_a_directory(tmp_path):
