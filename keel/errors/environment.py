@@ -87,8 +87,9 @@ VERL_UNAVAILABLE = register(
     "verl.tools.base_tool.BaseTool subclass, verl's interactions, verl's @function_tool), so keel runs it through "
     "verl's own modules; here verl is not installed, or importing it fails on a package it needs (the message "
     "names the missing module).",
-    "`pip install --no-deps 'verl==0.9.1'` and then what verl's package and its tool modules import: "
-    "`pip install pydantic tensordict`; or name a class of keel's (keel.tools.Calculator, file.py:Class) instead.",
+    "Install verl without its training stack, then what verl's package and its tool modules import: pip install "
+    "--no-deps verl==0.9.1, then pip install pydantic tensordict (the message names the module that was missing); "
+    "or name a class of keel's (keel.tools.Calculator, file.py:Class) instead.",
     ("actor_rollout_ref.rollout.multi_turn.tool_config_path", "actor_rollout_ref.rollout.multi_turn.function_tool_path",
      "actor_rollout_ref.rollout.multi_turn.interaction_config_path"))
 

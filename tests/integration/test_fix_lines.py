@@ -52,6 +52,13 @@ SLOW_ON_EMPTY = "import time\n\ndef compute_score(data_source, solution_str, gro
 SCORE = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    s = solution_str\n    return {}\n"
 
 
+def launch(c, directory: str, name: str) -> list[str]:
+    """verl's launch form, `keel check --config-path DIR --config-name NAME`, over a folder holding the
+    tiny config as tiny_base.yaml (`name` may be a YAML written there: its stem is the name)."""
+    c.write("tiny_configs/tiny_base.yaml", open(c.config).read())
+    return ["check", "--config-path", str(c.tmp / directory), "--config-name", name.rsplit("/", 1)[-1].split(".")[0]]
+
+
 # code -> the mistake: a function of the context giving the command (keel ARGV) that makes it.
 CHECK_CASES = {
     "KEEL-C001": lambda c: c.check("trainer.sav_freq=2"),
@@ -66,6 +73,13 @@ CHECK_CASES = {
     "KEEL-C016": lambda c: (c.write("tools.yaml", "tools:\n  - class_name: keel.tools.Calculator\n"), c.check(
         "actor_rollout_ref.rollout.multi_turn.enable=true",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={c.tmp / 'tool.yaml'}"))[1],
+    "KEEL-C018": lambda c: launch(c, "tiny_confs", "tiny_base"),
+    "KEEL-C019": lambda c: launch(c, "tiny_configs", "tiyn_base"),
+    "KEEL-C020": lambda c: launch(c, "tiny_configs", c.mistaken("tiny_configs/run.yaml", "defaults: [tiyn_base, _self_]\n",
+                                                               "defaults: [tiny_base, _self_]\n")),
+    "KEEL-C021": lambda c: launch(c, "tiny_configs", c.mistaken(
+        "tiny_configs/run.yaml", f"hydra:\n  searchpath: [file://{c.tmp}/nowhere]\ndefaults: [tiny_base, _self_]\n",
+        "defaults: [tiny_base, _self_]\n")),
     "KEEL-M001": lambda c: c.check(f"actor_rollout_ref.model.path={c.assets['model'].parent / 'modle'}"),
     "KEEL-M002": lambda c: c.check(MODEL + str(c.model_copy("m", tokenizer_config={"eos_token": None}))),
     "KEEL-M003": lambda c: c.check(MODEL + str(c.model_copy("m", drop_template=True))),
@@ -112,6 +126,8 @@ NOT_HERE = {
     "KEEL-E006": "a GPU",
     "KEEL-E007": "installing other package versions",
     "KEEL-E008": "a full disk",
+    "KEEL-E012": "installing verl and the packages it imports (tests/unit/test_verl_tools.py checks the fix line "
+                 "names them)",
     "KEEL-P001": "an exception in a Ray worker: the fix is the worker's own traceback",
     "KEEL-P002": "a Ray worker killed by the system (out of memory)",
     "KEEL-P003": "ranks stalled in a collective across Ray workers",

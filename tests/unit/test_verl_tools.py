@@ -34,7 +34,8 @@ def verl():
 
 def gsm8k_row(index: int, solution: str) -> dict:
     """A row as verl's examples/data_preprocess/gsm8k_multiturn_w_tool.py writes it."""
-    question = f"Question {index}: what is 8 times 9? Let's think step by step and output the final answer after `####`."
+    question = (f"Question {index}: what is 8 times 9? Let's think step by step and output the final answer after "
+                "`####`.")
     return {"data_source": "openai/gsm8k", "ability": "math",
             "prompt": [{"role": "system", "content": "You are a math expert. Use the `calc_gsm8k_reward` tool."},
                        {"role": "user", "content": question}],

@@ -98,13 +98,14 @@ class ToolRunner:
         sessions = [ToolSession(dict(kwargs) if isinstance(kwargs, dict) else {}) for kwargs in tools_kwargs]
         jobs = [(session, tool, str(uuid4())) for session in sessions for tool in self.tools.values()
                 if tool.lifecycle]
-        created = self.call_each([functools.partial(tool.create, instance_id, session.kwargs(tool.name, "create_kwargs"))
+        created = self.call_each([functools.partial(tool.create, instance_id,
+                                                    session.kwargs(tool.name, "create_kwargs"))
                                   for session, tool, instance_id in jobs])
         for (session, tool, instance_id), (result, status) in zip(jobs, created):
             if status == "ok":
                 session.instances[tool.name] = session.unreleased[tool.name] = result
                 continue
-            session.broken[tool.name] = f"its create {'took longer than the timeout' if status == 'timeout' else result}"
+            session.broken[tool.name] = f"its create {'took too long' if status == 'timeout' else result}"
             session.failures.append((tool.name, status))
             if status == "timeout":  # it may have registered the instance before it was cut
                 session.unreleased[tool.name] = instance_id
@@ -163,7 +164,7 @@ class ToolRunner:
 
     async def _in_thread(self, function) -> tuple[object, str, float]:
         """function() on a worker thread within the timeout (an async function's coroutine runs on
-        a loop of its own there) -> (its result, or what went wrong; "ok" | "timeout" | "error"; the
+        the shared loop, the thread waiting for it) -> (its result, or what went wrong; "ok" | "timeout" | "error"; the
         seconds it ran, from when it started rather than when it was queued)."""
         seconds = [self.limits.timeout_s]
 

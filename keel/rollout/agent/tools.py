@@ -271,10 +271,10 @@ def resolve_class(class_name: str, where: str, directory: Path, method: str = "e
     cls, reason = _find_class(class_name, where, directory)
     if not (isinstance(cls, type) and callable(getattr(cls, method, None))):
         near = closest(class_name, BUILTIN) if method == "execute" else None
-        raise KeelError(TOOL_CONFIG, f"{where}: {class_name!r} names no class with the method {method}(): "
-                        f"{reason}", (f"write class_name: {near} in {where.split(' ')[0]} (the built-in tool spelt like it)"
-                         if near else f"use one of {sorted(BUILTIN)}, file.py:Class, or an importable module.Class "
-                         f"with a {method} method"))
+        fix = (f"write class_name: {near} in {where.split(' ')[0]} (the built-in tool spelt like it)" if near else
+               f"use one of {sorted(BUILTIN)}, file.py:Class, or an importable module.Class with a {method} method")
+        raise KeelError(TOOL_CONFIG, f"{where}: {class_name!r} names no class with the method {method}(): {reason}",
+                        fix)
     return cls
 
 
