@@ -200,6 +200,11 @@ def test_function_tool_paths_functions_become_tools(verl, tmp_path):
                                  function_tool_path=str(tmp_path / "functions.py"))
     tools = load_tools(multi_turn)
     assert [t.name for t in tools] == ["calc_gsm8k_reward", "keel_test_lookup", "keel_test_multiply"]
+    from keel.rollout.agent import build_agent_loop
+
+    tokenizer = build_tokenizer()  # the loop a training run builds from the config takes them too
+    built = build_agent_loop(multi_turn, ScriptedEngine(tokenizer, lambda text, turn: ""), tokenizer, 64)
+    assert sorted(built.runner.tools) == ["calc_gsm8k_reward", "keel_test_lookup", "keel_test_multiply"]
     assert tools[2].schema["function"]["parameters"]["properties"]["a"] == {"type": "integer",
                                                                            "description": "the first number"}
     infos, _ = rollout([gsm8k_row(0, "72")], {0: [call("keel_test_multiply", a=8, b=9) +
