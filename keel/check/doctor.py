@@ -106,6 +106,24 @@ def check_sandbox(found) -> Check:
                  None if found.complete else SANDBOX_INCOMPLETE)
 
 
+def check_sandbox_user(found) -> Check:
+    """Who model-written code runs as: an unprivileged user without capabilities, or what it holds."""
+    if found.protections["user"]:
+        return Check("sandbox user", PASS, found.runs_as())
+    return Check("sandbox user", WARN, f"model-written code runs as {found.runs_as()}: it could raise its own "
+                 "limits", SANDBOX_INCOMPLETE, "install bubblewrap (`apt-get install bubblewrap`) and setpriv "
+                 "(util-linux), or make the interpreter readable by uid 65534 so root can drop to it")
+
+
+def check_sandbox_processes(found) -> Check:
+    """What caps the process count of model-written code (a fork bomb), or that nothing does."""
+    if found.protections["process count"]:
+        return Check("sandbox pids", PASS, found.caps_processes())
+    return Check("sandbox pids", WARN, f"{found.caps_processes()}: a fork bomb runs until the wall-clock limit",
+                 SANDBOX_INCOMPLETE, "give keel a cgroup it can write (cgroup v1 pids, or a v2 subtree with memory "
+                 "and pids delegated), or allow user namespaces (sysctl user.max_user_namespaces > 0)")
+
+
 def check_cpu_threads(as_meant: bool, how: str) -> Check:
     """How torch's OpenMP threads wait (keel/openmp.py): spinning slows a CPU run beside busy processes."""
     return Check("cpu threads", PASS if as_meant else WARN, how)
@@ -151,6 +169,8 @@ def collect(path: str = ".") -> list[Check]:
         check_distributed(torch.distributed.is_available() and torch.distributed.is_nccl_available(),
                           installed("ray")),
         check_sandbox(jail()),
+        check_sandbox_user(jail()),
+        check_sandbox_processes(jail()),
         check_cpu_threads(*how_threads_wait()),
         check_disk(path, shutil.disk_usage(path).free / 2 ** 30),
     ]

@@ -6,6 +6,7 @@ a run's end means and which jail this machine gives.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import resource
@@ -19,12 +20,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from keel.rewards import cgroups
+from keel.rewards import cgroups, userns
 from keel.rewards.cgroups import RunGroup
 
 log = logging.getLogger("keel")
 
 CPU_POLL_S = 0.1  # how often a run's CPU time and OOM kills are read from its cgroup
+PR_SET_NO_NEW_PRIVS = 38
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class Limits:
     wall_s: float = 10.0
     memory_mb: int = 512
     output_bytes: int = 1 << 16
-    processes: int = 32         # a fork bomb stops here (the run's cgroup; else uid 65534's rlimit)
+    processes: int = 32         # the program's processes and threads: a fork bomb stops here
     open_files: int = 64
     scratch_mb: int = 16        # the writable /sandbox, in memory
 
@@ -42,6 +45,8 @@ SANDBOX_UID = 65534  # nobody
 SCRATCH = "/sandbox"
 AS_NOBODY, IN_USER_NAMESPACE, NO_JAIL = (f"bubblewrap as uid {SANDBOX_UID}", "bubblewrap in a user namespace",
                                          "none")
+NO_JAIL_AS_NOBODY = f"none, as uid {SANDBOX_UID}"  # no bubblewrap, but root need not run the program as root
+BWRAP_PROCESSES = 2  # bubblewrap's own processes in a run: its monitor and the namespace's first process
 
 
 def _interpreter() -> tuple[str, str]:
@@ -60,7 +65,8 @@ def _bwrap_argv(as_root: bool, solution: str, limits: Limits, seccomp_fd: int) -
             "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv",
             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", SCRATCH]
     if not as_root:  # a user namespace: the solution keeps no capability, even over its own namespaces
-        argv += ["--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
+        argv += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--disable-userns",
+                 "--cap-drop", "ALL"]
     argv += ["--ro-bind", "/usr", "/usr"]
     for top in ("bin", "lib", "lib32", "lib64", "sbin"):  # merged /usr: links; otherwise directories
         path = Path("/", top)
@@ -76,12 +82,12 @@ def _bwrap_argv(as_root: bool, solution: str, limits: Limits, seccomp_fd: int) -
              "--ro-bind", solution, f"{SCRATCH}/solution.py", "--chdir", SCRATCH, "--remount-ro", "/", "--"]
     if as_root:  # mounts need root; the solution does not: every uid becomes nobody, no capability left
         argv += ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
-                 "--bounding-set=-all", "--no-new-privs"]
+                 "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
     return argv + [python]
 
 
 def _command(mode: str, solution: str, limits: Limits, args: list[str], seccomp_fd: int) -> list[str]:
-    if mode == NO_JAIL:
+    if mode in (NO_JAIL, NO_JAIL_AS_NOBODY):
         return [_interpreter()[0], "-I", "-S", solution, *args]
     return (_bwrap_argv(mode == AS_NOBODY, solution, limits, seccomp_fd)
             + ["-I", "-S", f"{SCRATCH}/solution.py", *args])
@@ -128,7 +134,10 @@ def _seccomp_program() -> bytes | None:
         return out.read()
 
 
-def _limit_resources(limits: Limits, processes: bool, group: RunGroup | None):
+def _limit_resources(limits: Limits, mode: str, group: RunGroup | None, own_namespace: bool):
+    """What the run's first process does before it execs bubblewrap (or the interpreter). Every rlimit
+    is set soft and hard: a process without CAP_SYS_RESOURCE in the initial user namespace, which
+    the program never has, cannot raise a hard limit."""
     def apply() -> None:
         if group is not None:  # first: bwrap and everything under it start inside the group
             group.join()
@@ -139,9 +148,32 @@ def _limit_resources(limits: Limits, processes: bool, group: RunGroup | None):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits.scratch_mb << 20,) * 2)
         resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if processes and group is None:  # counted per user, across every run: the group counts this one's
-            resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+        if group is None and (own_namespace or mode in (AS_NOBODY, NO_JAIL_AS_NOBODY)):
+            if own_namespace:  # counted apart from every other run; else uid 65534's count, all runs together
+                userns.enter()
+            # In a user namespace of bubblewrap's own, bubblewrap's processes count as the program's user.
+            processes = limits.processes + (BWRAP_PROCESSES if mode == IN_USER_NAMESPACE else 0)
+            resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
+        if _drops_to_nobody(mode):
+            _become_nobody()
     return apply
+
+
+def _drops_to_nobody(mode: str) -> bool:
+    """Where root becomes uid 65534 before the exec: without bubblewrap, and before an unprivileged
+    bubblewrap (which would otherwise map the program's user to root outside its namespace)."""
+    return os.getuid() == 0 and mode in (IN_USER_NAMESPACE, NO_JAIL_AS_NOBODY)
+
+
+def _become_nobody() -> None:
+    """Root's last step before the interpreter, where no bubblewrap does it: uid and gid 65534, no
+    supplementary groups, no capabilities (the kernel clears them when root's uids all change), and
+    no way back through a set-user-ID program."""
+    os.setgroups([])
+    os.setresgid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
+    os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
+    if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
 
 
 @dataclass
@@ -156,11 +188,13 @@ class Finished:
 
 def run_jailed(mode: str, code: str, stdin: str, limits: Limits, args: list[str] = (),
                accounted: bool = True) -> Finished:
-    """One run, in its own cgroup when `accounted` and this machine allows one; the group is
-    removed however the run ends (a scorer's timeout included)."""
+    """One run, in its own cgroup when `accounted` and this machine allows one, else in a user
+    namespace of its own where RLIMIT_NPROC counts its processes; the group is removed however
+    the run ends (a scorer's timeout included)."""
     # The group also holds bwrap, the tmpfs scratch directory's pages and page tables: some slack.
     group = cgroups.create(((limits.memory_mb + limits.scratch_mb) << 20) + (32 << 20),
-                           limits.processes + 4) if accounted else None
+                           limits.processes + (BWRAP_PROCESSES if mode in (AS_NOBODY, IN_USER_NAMESPACE) else 0)
+                           ) if accounted else None
     try:
         return _run_in(mode, code, stdin, limits, list(args), group)
     finally:
@@ -174,12 +208,15 @@ def _run_in(mode: str, code: str, stdin: str, limits: Limits, args: list[str], g
         solution.write_text(code)
         stdin_file.write_text(stdin)
         solution.chmod(0o444)  # the jail's user reads it through a bind mount, never writes it
-        Path(host, "seccomp.bpf").write_bytes((mode != NO_JAIL and _seccomp_program()) or b"")
+        if _drops_to_nobody(mode):  # its user reaches the solution; without a jail, this is its scratch directory
+            os.chown(host, SANDBOX_UID, SANDBOX_UID)
+        Path(host, "seccomp.bpf").write_bytes((mode not in (NO_JAIL, NO_JAIL_AS_NOBODY) and _seccomp_program()) or b"")
         with open(stdin_file, "rb") as stdin_handle, open(Path(host, "seccomp.bpf"), "rb") as seccomp:
             process = subprocess.Popen(
                 _command(mode, str(solution), limits, args, seccomp.fileno()), cwd=host, stdin=stdin_handle,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "HOME": host},
-                preexec_fn=_limit_resources(limits, mode == AS_NOBODY, group), start_new_session=True,
+                preexec_fn=_limit_resources(limits, mode, group, group is None and userns.available()),
+                start_new_session=True,
                 pass_fds=(seccomp.fileno(),))
         try:
             stdout, stderr, stopped = _collect(process, limits, group)

@@ -6,11 +6,13 @@ The jail is bubblewrap (`bwrap`, Debian's `bubblewrap`), the sandbox Flatpak run
 - its own mount namespace holding only the system's programs and libraries and the interpreter,
   read-only, plus a size-limited scratch directory in memory (`/sandbox`, its working directory):
   no path on the host is writable, and no project file, dataset or home directory is visible;
-- an unprivileged user: uid 65534 (`nobody`) when the trainer is root, otherwise a user
-  namespace with no capabilities;
+- an unprivileged user without capabilities: uid 65534 (`nobody`), dropped to by root inside the jail,
+  or mapped in a user namespace for any other user; every rlimit set hard, so it cannot raise one;
 - a seccomp filter refusing new namespaces, keyrings and kernel interfaces a judge never needs;
 - a cgroup per run (keel/rewards/cgroups.py) bounding the whole tree's memory, processes and CPU
   time, whose books give the CPU and memory verdicts; rlimits on top (open files, file size);
+- its process count capped: the cgroup's pids.max, or where no cgroup can be had RLIMIT_NPROC in a
+  user namespace of the run's own (keel/rewards/userns.py), which counts that run's processes only;
 - output read as it comes and cut at the limit, and a wall-clock kill of the whole tree.
 A machine that cannot give some of these (no bubblewrap, namespaces or cgroups refused, as in some
 containers) runs solutions with what it has: `jail()` says which protections hold, `keel doctor`
@@ -34,7 +36,9 @@ from functools import lru_cache
 
 from keel.errors import SANDBOX_INCOMPLETE, KeelError
 from keel.errors.fixes import setting
-from keel.rewards.bwrap import AS_NOBODY, IN_USER_NAMESPACE, NO_JAIL, Finished, Limits, run_jailed
+from keel.rewards import userns
+from keel.rewards.bwrap import (AS_NOBODY, IN_USER_NAMESPACE, NO_JAIL, NO_JAIL_AS_NOBODY, SANDBOX_UID, Finished,
+                                Limits, run_jailed)
 
 log = logging.getLogger("keel")
 
@@ -48,21 +52,33 @@ PROTECTIONS = {
     "filesystem": "read-only system directories only; writes go to a private in-memory scratch directory",
     "network": "no network (a network namespace of its own)",
     "processes": "cannot see or signal the trainer; every process it starts dies with it (a pid namespace)",
-    "user": "an unprivileged user (uid 65534, or a user namespace without capabilities)",
+    "user": f"an unprivileged user without capabilities (uid {SANDBOX_UID}; checked inside: uid, CapEff, CapPrm)",
     "syscalls": "no new namespaces, keyrings or other kernel interfaces a judge never needs (seccomp)",
-    "limits": "CPU time, open files and file size limited per process (rlimits; address space and process "
-              "count too where no cgroup bounds them)",
+    "limits": "CPU time, open files and file size limited per process by hard rlimits the program cannot raise "
+              "(address space too where no cgroup bounds memory)",
+    "process count": "its processes and threads capped, so a fork bomb stops (cgroup pids.max, or RLIMIT_NPROC "
+                     "in a user namespace of the run's own)",
     "accounting": "memory (tmpfs, memfd and kernel memory too), processes and CPU time limited for the whole "
                   "tree by a cgroup, whose books give the verdict (a program cannot fake a limit)",
     "output": "output read as it comes and cut at the limit; the whole tree killed at the wall-clock limit",
 }
 
 
+# Who the program runs as in each mode, where the "user" protection holds.
+RUNS_AS = {AS_NOBODY: f"uid {SANDBOX_UID} without capabilities (bubblewrap as root, setpriv inside)",
+           IN_USER_NAMESPACE: f"uid {SANDBOX_UID} without capabilities, in a user namespace",
+           NO_JAIL_AS_NOBODY: f"uid {SANDBOX_UID} without capabilities", NO_JAIL: "the trainer's own user"}
+BY_CGROUP = "cgroup pids.max"
+BY_OWN_NAMESPACE = "RLIMIT_NPROC in a user namespace of the run's own"
+BY_SHARED_UID = f"RLIMIT_NPROC of uid {SANDBOX_UID}, shared by every run on this machine"
+
+
 @dataclass(frozen=True)
 class Jail:
-    mode: str                       # AS_NOBODY | IN_USER_NAMESPACE | NO_JAIL
+    mode: str                       # AS_NOBODY | IN_USER_NAMESPACE | NO_JAIL_AS_NOBODY | NO_JAIL
     protections: dict[str, bool]    # PROTECTIONS -> in force here
     why_not: str                    # when some are missing: what stopped them
+    process_cap: str = ""           # what caps the process count here (BY_*), empty when nothing does
 
     @property
     def complete(self) -> bool:
@@ -71,14 +87,29 @@ class Jail:
     def missing(self) -> list[str]:
         return [name for name, held in self.protections.items() if not held]
 
+    def runs_as(self) -> str:
+        """Who model-written code runs as here, in the words of the summary."""
+        if self.protections.get("user"):
+            return RUNS_AS.get(self.mode, f"uid {SANDBOX_UID} without capabilities")
+        return "a user that holds capabilities or is the trainer's own (no unprivileged user)"
+
+    def caps_processes(self) -> str:
+        if self.protections.get("process count") and self.process_cap:
+            return f"process count capped by {self.process_cap} (at most {Limits().processes} processes and threads a run)"
+        return "process count not capped"
+
     def summary(self) -> str:
-        """One line for `keel doctor` and `keel check`."""
+        """One line for `keel doctor` and `keel check`: what is missing, who the program runs as and
+        what caps its processes."""
+        facts = f"runs as {self.runs_as()}; {self.caps_processes()}"
         if self.complete:
-            return f"{self.mode}: every protection in force ({', '.join(self.protections)})"
-        return f"{self.mode}: model-written code runs without {', '.join(self.missing())} ({self.why_not})"
+            return f"{self.mode}: every protection in force ({', '.join(self.protections)}); {facts}"
+        return f"{self.mode}: model-written code runs without {', '.join(self.missing())} ({self.why_not}); {facts}"
 
     def describe(self) -> list[str]:
+        how = {"user": self.runs_as(), "process count": self.caps_processes()}
         return [f"[{'ok' if held else 'MISSING'}] {name}: {PROTECTIONS[name]}"
+                + (f" -- here: {how[name]}" if name in how else "")
                 for name, held in self.protections.items()]
 
 
@@ -116,37 +147,61 @@ def limit_verdict(finished: Finished, limits: Limits) -> str | None:
 
 
 # Run inside a candidate jail: each protection checked from where the solution stands.
-_PROBE = r'''
-import json, os, socket, sys
-trainer_pid, trainer_uid, trainer_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+_PROBE_TOOLS = r'''
+import json, os, resource, socket, sys
+trainer_pid, trainer_uid, trainer_dir, cap = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 def refused(action):
     try:
         action()
-    except OSError:
+    except (OSError, ValueError):  # setrlimit says ValueError for EPERM
         return True
     return False
-def in_init_user_namespace():
-    return open("/proc/self/uid_map").read().split() == ["0", "0", "4294967295"]
+def status(field):
+    return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith(field + ":")), 16)
+def processes_started():
+    gate, release = os.pipe()
+    started = 0
+    for _ in range(cap + 8):
+        try:
+            if os.fork() == 0:
+                os.close(release)
+                os.read(gate, 1)
+                os._exit(0)
+        except OSError:
+            break
+        started += 1
+    os.close(release)
+    for _ in range(started):
+        os.wait()
+    return started
+'''
+_PROBE = _PROBE_TOOLS + r'''
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 print(json.dumps({
     "filesystem": not os.path.exists(trainer_dir) and refused(lambda: open("/keel_probe", "w")),
     "network": [name for _, name in socket.if_nameindex()] == ["lo"],
     "processes": refused(lambda: os.kill(trainer_pid, 0)),
-    "user": os.getuid() != 0 and (os.getuid() != trainer_uid or not in_init_user_namespace()),
+    # Owning root's files (its uid mapped to root outside a user namespace) is root's power over them:
+    # changing /dev/null's mode to what it is already tells, and changes nothing.
+    "user": (os.getuid() != 0 and status("CapEff") == status("CapPrm") == 0
+             and refused(lambda: os.chmod("/dev/null", 0o666))
+             and not (os.getuid() == trainer_uid and os.path.exists(trainer_dir))),
     "syscalls": refused(lambda: os.memfd_create("probe")),  # only the seccomp filter refuses it
+    "limits": refused(lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard + 1))),
+    "process count": processes_started() < cap,  # the probe itself is one of the cap
 }))
 '''
 
 
-# The probe runs without a cgroup, so RLIMIT_NPROC would count every process uid 65534 has on the
-# machine (other runs, other trainers): a limit only a fork bomb reaches.
-PROBE_LIMITS = Limits(wall_s=60.0, cpu_s=10, processes=4096)
+PROBE_LIMITS = Limits(wall_s=60.0, cpu_s=10, processes=12)
 
 
 def _probe(mode: str) -> dict[str, bool] | str:
-    """The protections a mode gives here, or why it cannot run."""
+    """The protections a mode gives here, or why it cannot run. The probe runs without a cgroup:
+    what caps its processes is what a run has where no cgroup can be had."""
+    args = [str(os.getpid()), str(os.getuid()), os.path.realpath(os.getcwd()), str(PROBE_LIMITS.processes)]
     try:
-        finished = run_jailed(mode, _PROBE, "", PROBE_LIMITS, [str(os.getpid()), str(os.getuid()),
-                                                         os.path.realpath(os.getcwd())], accounted=False)
+        finished = run_jailed(mode, _PROBE, "", PROBE_LIMITS, args, accounted=False)
     except (OSError, ValueError, subprocess.SubprocessError) as error:
         return f"{mode}: {error}"
     if finished.stopped or finished.returncode != 0:  # bwrap says why on stderr (an old release, a refusal)
@@ -156,45 +211,69 @@ def _probe(mode: str) -> dict[str, bool] | str:
         checks = json.loads(finished.stdout)
     except ValueError:
         return f"{mode}: the probe's answer was unreadable"
-    return {**checks, "limits": True, "accounting": _accounting_works(mode), "output": True}
+    accounting = _accounting_works(mode)
+    return {**checks, "process count": checks["process count"] or accounting, "accounting": accounting,
+            "output": True}
+
+
+_COUNT_PROCESSES = _PROBE_TOOLS + "print(processes_started())\n"  # how many children got through
 
 
 def _accounting_works(mode: str) -> bool:
-    """Whether a run can have a cgroup of its own here, tried end to end."""
+    """Whether a run can have a cgroup of its own here, tried end to end: the kernel's books read,
+    and its pids.max holding."""
     try:
-        finished = run_jailed(mode, "print(1)", "", PROBE_LIMITS, accounted=True)
+        finished = run_jailed(mode, _COUNT_PROCESSES, "", PROBE_LIMITS, ["0", "0", "", str(PROBE_LIMITS.processes)])
     except (OSError, ValueError, subprocess.SubprocessError):  # the child could not join the group
         return False
-    return finished.cpu_s is not None and finished.returncode == 0
+    return (finished.cpu_s is not None and finished.returncode == 0
+            and int(finished.stdout or b"-1") < PROBE_LIMITS.processes)
 
 
 NO_CGROUP = ("no cgroup keel may create for a run (cgroup v1 controllers it can write, or a cgroup v2 "
              "subtree with memory and pids delegated): per-process rlimits instead")
 
 
+def _process_cap(found: dict[str, bool]) -> str:
+    """What caps a run's processes here, as `run_jailed` will choose it."""
+    if found["accounting"]:
+        return BY_CGROUP
+    if not found["process count"]:
+        return ""
+    return BY_OWN_NAMESPACE if userns.available() else BY_SHARED_UID
+
+
+NO_PROCESS_CAP = ("nothing caps a run's process count: no cgroup, and no user namespace of its own in which "
+                  "RLIMIT_NPROC would count only its processes")
+
+
+NO_SECCOMP = "no seccomp filter inside the jail (it needs pyseccomp and libseccomp: pip install pyseccomp)"
+
+
+def _shortfalls(protections: dict[str, bool]) -> list[str]:
+    return [why for name, why in (("accounting", NO_CGROUP), ("process count", NO_PROCESS_CAP), ("syscalls", NO_SECCOMP))
+            if not protections[name]]
+
+
 @lru_cache(maxsize=1)
 def jail() -> Jail:
-    """The strongest jail this machine gives, probed once per process: as uid 65534 when root,
-    else (or when that is refused) in a user namespace, else no jail."""
-    failures = []
+    """The strongest jail this machine gives, probed once per process: bubblewrap as root, dropping
+    to uid 65534 inside; else bubblewrap in a user namespace; else no jail, as uid 65534 where root
+    can drop to it (the interpreter must be readable by that user), else as the trainer's user."""
+    root = os.getuid() == 0
+    failures, modes = [], ([AS_NOBODY] if root else []) + [IN_USER_NAMESPACE]
     if shutil.which("bwrap") is None:
-        failures.append("bubblewrap is not installed (apt-get install bubblewrap)")
-    else:
-        for mode in ([AS_NOBODY] if os.getuid() == 0 else []) + [IN_USER_NAMESPACE]:
-            protections = _probe(mode)
-            if isinstance(protections, dict):
-                return Jail(mode, protections, "; ".join(failures + ([] if protections["accounting"] else [NO_CGROUP])))
-            failures.append(protections)
-    protections = _probe(NO_JAIL)
-    if isinstance(protections, str):
+        failures, modes = ["bubblewrap is not installed (apt-get install bubblewrap)"], []
+    for mode in modes + ([NO_JAIL_AS_NOBODY] if root else []) + [NO_JAIL]:
+        protections = _probe(mode)
+        if isinstance(protections, dict):
+            return Jail(mode, protections, "; ".join(failures + _shortfalls(protections)),
+                        _process_cap(protections))
         failures.append(protections)
-        protections = {name: name in ("limits", "output") for name in PROTECTIONS}
-    elif not protections["accounting"]:
-        failures.append(NO_CGROUP)
-    return Jail(NO_JAIL, protections, "; ".join(failures))
+    return Jail(NO_JAIL, {name: name == "output" for name in PROTECTIONS}, "; ".join(failures))
 
 
-ISOLATION = ("filesystem", "network", "processes", "user")  # what reward.sandbox.require=isolation needs
+ISOLATION = ("filesystem", "network", "processes", "user", "process count")  # reward.sandbox.require=isolation
 
 
 def _jail_fix(found: Jail) -> str:

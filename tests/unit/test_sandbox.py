@@ -245,7 +245,8 @@ def test_stopped_programs_are_not_scored_and_the_trainer_carries_on():
     result = scorer.score_batch([row, row], ["```python\nwhile True: pass\n```",
                                              "a, b = map(int, input().split())\nprint(a + b)"])
     assert result.scored.tolist() == [False, True] and result.scores[1] == 1.0
-    assert result.reasons[0].startswith("raised SandboxViolation: cpu limit")
+    assert result.reasons[0].startswith(("raised SandboxViolation: cpu limit",  # or, on a loaded machine,
+                                          "raised SandboxViolation: timeout"))   # the wall clock first
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0
 
 
@@ -261,13 +262,14 @@ def no_bubblewrap(monkeypatch):
 def test_without_bubblewrap_the_missing_protections_are_named(no_bubblewrap):
     from keel.check.doctor import check_sandbox
 
-    assert no_bubblewrap.mode == "none" and "bubblewrap is not installed" in no_bubblewrap.why_not
-    assert {"filesystem", "network", "processes"} <= set(no_bubblewrap.missing())
+    assert no_bubblewrap.mode.startswith("none") and "bubblewrap is not installed" in no_bubblewrap.why_not
+    assert {"filesystem", "network", "syscalls"} <= set(no_bubblewrap.missing())
     assert no_bubblewrap.protections["limits"] and no_bubblewrap.protections["output"]
     from keel.check.preflight import sandbox_finding
 
     doctor = check_sandbox(no_bubblewrap)
     assert doctor.level == "warn" and doctor.code == "KEEL-E010" and "filesystem" in doctor.detail
+    assert "runs as " in doctor.detail and "process count" in doctor.detail  # who, and what caps its processes
     check = sandbox_finding(no_bubblewrap)
     assert check.level == "warn" and check.code == "KEEL-E010" and "runs without filesystem" in check.message
 
@@ -457,3 +459,30 @@ def test_a_trainer_that_is_not_root_gets_a_user_namespace_jail():
     mode_line, outside, inside = done.stdout.split("\n")[:3]
     assert mode_line == "bubblewrap in a user namespace ['accounting', 'syscalls']"
     assert (outside, inside) == ("True", "False")  # the trainer's user sees the file; its jail does not
+
+
+def test_doctor_names_the_user_and_the_process_cap_and_what_is_missing():
+    from keel.check.doctor import check_sandbox_processes, check_sandbox_user
+    from keel.rewards import sandbox
+
+    found = jail()
+    assert check_sandbox_user(found).level == "pass" and "uid 65534 without capabilities" in check_sandbox_user(found).detail
+    assert check_sandbox_processes(found).level == "pass" and found.process_cap in check_sandbox_processes(found).detail
+    as_root = sandbox.Jail("none", {**found.protections, "user": False, "process count": False}, "", "")
+    user, processes = check_sandbox_user(as_root), check_sandbox_processes(as_root)
+    assert (user.level, user.code, processes.level, processes.code) == ("warn", "KEEL-E010", "warn", "KEEL-E010")
+    assert "raise its own limits" in user.detail and "not capped" in processes.detail and processes.fix
+
+
+def test_an_uncapped_process_count_is_not_isolation(monkeypatch):
+    """A fork bomb fills the machine's process table: the default reward.sandbox.require refuses a
+    jail that cannot cap it, and says so."""
+    from keel.errors import SANDBOX_INCOMPLETE, KeelError
+    from keel.rewards import sandbox
+
+    uncapped = sandbox.Jail(jail().mode, {**jail().protections, "process count": False}, sandbox.NO_PROCESS_CAP)
+    monkeypatch.setattr(sandbox, "jail", lambda: uncapped)
+    with pytest.raises(KeelError) as info:
+        scorer_requiring("isolation").check_records([CODE_ROW])
+    assert info.value.code == SANDBOX_INCOMPLETE and "process count" in info.value.message
+    scorer_requiring("none").check_records([CODE_ROW])
