@@ -143,18 +143,11 @@ def extract_code(text: str) -> str:
 
 
 def code_exec(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
-    """Share of test cases the program passes, run in keel's sandbox. `ground_truth` is a list (or
-    its JSON) of {"input": stdin, "output": expected stdout}. A program the sandbox had to stop
-    (time, memory, a refused operation) raises SandboxViolation: the sample is not scored, with that
-    reason, rather than counted as a wrong answer."""
-    import json
+    """Share of test cases the program passes, in keel's sandbox: keel's [{"input", "output"}] form or
+    verl's {"inputs", "outputs"} (keel/rewards/code_tests.py)."""
+    from keel.rewards.code_tests import code_exec as score_tests
 
-    from keel.rewards.sandbox import run_python
-
-    tests = json.loads(ground_truth) if isinstance(ground_truth, str) else ground_truth
-    code = extract_code(solution_str)
-    passed = sum(run_python(code, case["input"]).rstrip() == str(case["output"]).rstrip() for case in tests)
-    return passed / len(tests)
+    return score_tests(data_source, solution_str, ground_truth, extra_info)
 
 
 def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
