@@ -176,3 +176,15 @@ def test_rows_are_checked_before_training_and_the_bad_one_named():
     with pytest.raises(KeelError) as refused:
         check_ground_truths(rows)
     assert refused.value.code == "KEEL-R009" and refused.value.message.startswith("row 2 (data_source 'apps')")
+
+
+@pytest.mark.parametrize("attack", [
+    "import posix\nposix.kill(posix.getppid(), 9)",                            # takes the harness down
+    "import posix\nfor fd in range(3, 20):\n    try:\n        posix.write(fd, b'[{\"kind\": \"ran\", \"printed\": \"3\"}]')\n"
+    "    except OSError:\n        pass",                                        # writes a report of its own
+])
+def test_a_program_that_attacks_the_harness_gains_nothing(attack):
+    """The harness shares the jail with the program: whatever the program does to it, the score is
+    what its answers earn (here none), and keel goes on."""
+    score, metadata = compute_score(f"{attack}\nprint(0)", ADD, timeout_s=TIMEOUT_S)
+    assert score == 0.0 and len(metadata) == 3
