@@ -137,7 +137,7 @@ def grade_answer(given: str | None, expected: str) -> bool:
         return False  # (a, b) against [a, b]
     if len(expected_items) != len(given_items):
         return False
-    return all(_items_equal(expected_item, given_item) for expected_item, given_item in zip(expected_items, given_items))
+    return all(_items_equal(truth_item, answer_item) for truth_item, answer_item in zip(expected_items, given_items))
 
 
 def _items_equal(expected: str, given: str) -> bool:

@@ -100,7 +100,7 @@ MALFORMED = [
 ]
 
 
-def generated_cases(wrappings_per_answer: int = 6) -> list[tuple[str, str]]:
+def generated_cases(wrappings_per_answer: int = 4) -> list[tuple[str, str]]:
     """Each answer in `wrappings_per_answer` of the wrappings, rotating, so every wrapping meets every
     kind of answer without the full product's cost (verl forks a process per sympy comparison)."""
     pairs = [(answer, truth) for truth, answers in ANSWERS_BY_TRUTH.items() for answer in answers]
