@@ -94,8 +94,9 @@ class Jail:
         return "a user that holds capabilities or is the trainer's own (no unprivileged user)"
 
     def caps_processes(self) -> str:
-        if self.protections.get("process count") and self.process_cap:
-            return f"process count capped by {self.process_cap} (at most {Limits().processes} processes and threads a run)"
+        if self.protections.get("process count"):
+            how = f" by {self.process_cap}" if self.process_cap else ""
+            return f"process count capped{how} (at most {Limits().processes} processes and threads a run)"
         return "process count not capped"
 
     def summary(self) -> str:
