@@ -94,11 +94,12 @@ def _cmd_reward_server(args) -> int:
     from keel.rewards.service import make_server
 
     if args.custom:
-        path, _, name = args.custom.partition(":")
+        path, _, name = args.custom.rpartition(":") if ":" in args.custom.removeprefix("pkg:").removeprefix(
+            "file:") else (args.custom, "", "")  # FILE:NAME, or pkg://module:NAME
         scorer_fn = load_custom_reward_fn(path, name or "compute_score")
     else:
         scorer_fn = ("builtin", args.scorer)
-    if args.scorer == "code_exec":  # the responses run here: this machine's jail is the one that counts
+    if args.scorer in ("code_exec", "prime_code"):  # the responses run here: this machine's jail is the one that counts
         from keel.rewards.sandbox import require_jail
 
         print("\n".join(require_jail(args.sandbox_require).describe()), flush=True)

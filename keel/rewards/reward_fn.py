@@ -13,10 +13,11 @@ import torch
 from keel.errors import (MISSING_GROUND_TRUTH, NO_SCORER, REWARD_FN_LOAD, REWARD_NOT_NUMBER, SCORER_RAISED,
                          SCORER_TIMEOUT, TOO_MANY_NOT_SCORED, KeelError, SkipStep)
 from keel.errors.fixes import closest, nearby_file, setting
+from keel.rewards.code_tests import check_ground_truths
 from keel.rewards.contract import BATCHED, PER_SAMPLE, check_signature, verl_extra_info
 from keel.rewards.executor import ScoringPool
 from keel.rewards.sandbox import require_jail
-from keel.rewards.scorers import DATA_SOURCE_SCORERS, NO_GROUND_TRUTH, SCORERS, RewardFn
+from keel.rewards.scorers import DATA_SOURCE_SCORERS, NO_GROUND_TRUTH, SCORERS, RewardFn, scorer_for_source
 from keel.rewards.worker import (FILE_PREFIX, NOT_FINITE, PKG_PREFIX, SampleResult, SampleTask, Spec, load_module,
                                  resolve, score_batched)
 
@@ -68,6 +69,7 @@ def _import_package_module(path: str):
         raise KeelError(REWARD_FN_LOAD, f"importing {path} failed: {type(e).__name__}: {e}") from e
 
 
+RUN_CODE = (("builtin", "code_exec"), ("builtin", "prime_code"))  # scorers that run the response
 REWARD_MODEL = ("reward_model",)  # the spec naming the reward model in a data_source's scorers
 SERVICE = ("service",)
 
@@ -131,11 +133,12 @@ class RewardScorer:
             return {"reward_model": (REWARD_MODEL, 1.0)}
         if self.custom is not None:
             return {"custom": (self.custom, 1.0)}
-        name = DATA_SOURCE_SCORERS.get(data_source) or ("gsm8k" if "gsm8k" in data_source else None)
+        name = scorer_for_source(data_source)
         if name is None:
             raise KeelError(
                 NO_SCORER,
-                f"no scorer for data_source={data_source!r}; built-in ones serve {sorted(DATA_SOURCE_SCORERS)}",
+                f"no scorer for data_source={data_source!r}; built-in ones serve {sorted(DATA_SOURCE_SCORERS)} and "
+                "every data_source starting with 'aime' (verl's routing)",
                 f"set {setting(f'reward.scorers.{data_source}.exact_match', 1.0)} (1 when the response is the row's "
                 "ground truth, else 0), or set custom_reward_function.path to a file with compute_score(data_source, "
                 "solution_str, ground_truth, extra_info)")
@@ -184,16 +187,23 @@ class RewardScorer:
             raise KeelError(MISSING_GROUND_TRUTH, f"{len(missing)} rows (first: row {missing[0]}) have no "
                             "reward_model.ground_truth, which the built-in scorers compare against",
                             f"add \"reward_model\": {{\"ground_truth\": ...}} (each row's right answer) to the rows of "
-                            f"data_source {sources}" + "".join(f" in `{f}`" for f in files[:1])
-                            + "".join(f" or `{f}`" for f in files[1:])
-                            + ", or score them with your own custom_reward_function")
-        if self.runs_model_code(records):
+                            f"data_source {sources}{_in_files(files)}, or score them with your own "
+                            "custom_reward_function")
+        code_rows = [r for r in records if self._runs_code(r.data_source)]
+        if code_rows:
+            try:  # every row: test cases in neither form would never score
+                check_ground_truths(code_rows)
+            except KeelError as refused:
+                where = f"{_in_files(files).strip()}: " if files else ""
+                raise KeelError(refused.code, refused.message, where + refused.fix) from None
             require_jail(self.sandbox_require)
 
     def runs_model_code(self, records: list) -> bool:
         """Whether some row is scored by running the response (code_exec, in keel's sandbox)."""
-        return any(spec == ("builtin", "code_exec") for source in {r.data_source for r in records}
-                   for spec, _ in self.scorers_for(source).values())
+        return any(self._runs_code(source) for source in {r.data_source for r in records})
+
+    def _runs_code(self, data_source: str) -> bool:
+        return any(spec in RUN_CODE for spec, _ in self.scorers_for(data_source).values())
 
     def score(self, records: list, response_texts: list[str]) -> torch.Tensor:      # -> [N]
         return self.score_batch(records, response_texts).scores
@@ -303,6 +313,11 @@ class RewardScorer:
         self.close()
         if hasattr(self.reward_model, "shutdown"):
             self.reward_model.shutdown()
+
+
+def _in_files(files: list[str]) -> str:
+    """" in `a.jsonl` or `b.jsonl`": where the rows a fix names are."""
+    return "".join(f" in `{f}`" for f in files[:1]) + "".join(f" or `{f}`" for f in files[1:])
 
 
 def _scoring_error(record, reason: str, response: str, timeout_s: float | None = None,

@@ -40,6 +40,15 @@ def reward(c, body: str, corrected: str | None = None) -> str:
     return f"custom_reward_function.path={c.mistaken('my_reward.py', body, corrected or body)}"
 
 
+def code_rows(c) -> str:
+    """verl's apps rows whose tests are in a form of their own (a "tests" list); the user rewrites them."""
+    row = {"prompt": CHAT, "data_source": "apps"}
+    wrong = {**row, "reward_model": {"ground_truth": json.dumps({"tests": [["1", "1"]]})}}
+    right = {**row, "reward_model": {"ground_truth": json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})}}
+    return "data.train_files=" + c.mistaken("apps.jsonl", (json.dumps(wrong) + "\n") * 8,
+                                            (json.dumps(right) + "\n") * 8)
+
+
 def gsm8k_rows(c) -> str:
     """Rows for the built-in gsm8k scorer without the ground truth it compares with; the user adds it."""
     row = {"prompt": CHAT, "data_source": "gsm8k"}
@@ -99,6 +108,7 @@ CHECK_CASES = {
     "KEEL-R003": lambda c: c.check(reward(c, SCORE.format("str(len(s))"), SCORE.format("float(len(s))"))),
     "KEEL-R004": lambda c: c.check("custom_reward_function.path=null", "data.val_files=[]", gsm8k_rows(c)),
     "KEEL-R005": lambda c: c.check(reward(c, SCORE.format("1 / len(s)"), SCORE.format("1 / len(s) if s else 0.0"))),
+    "KEEL-R009": lambda c: c.check("custom_reward_function.path=null", "data.val_files=[]", code_rows(c)),
     "KEEL-R010": lambda c: c.check(reward(c, "def compute_score(ds, s, gt, ei=None):\n    return float(s == gt)\n",
                                           SCORE.format("float(s == ground_truth)"))),
     "KEEL-R007": lambda c: c.check("reward.timeout_s=0.1", reward(c, SLOW_ON_EMPTY)),

@@ -2,6 +2,7 @@
 in SFT, in `keel export`, and in this machine's environment; and the resume mismatch of the README's
 LoRA line in full."""
 
+import json
 import shutil
 
 import pytest
@@ -82,7 +83,10 @@ def partial_jail(c) -> list[str]:
     found = sandbox.jail()
     partial = sandbox.Jail(found.mode, {**found.protections, "accounting": False}, sandbox.NO_CGROUP)
     c.applier.monkeypatch.setattr(sandbox, "jail", lambda: partial)  # a machine without cgroups for the jail
-    return c.check("reward.sandbox.require=all", "reward.scorers.digits.code_exec=1.0")
+    tests = json.dumps([{"input": "", "output": "4"}])
+    code = c.rows("code.jsonl", [{"prompt": "Print 4.", "data_source": "code", "reward_model": {"ground_truth": tests}}] * 8)
+    return c.check("reward.sandbox.require=all", f"data.train_files={code}", "data.val_files=[]",
+                   "custom_reward_function.path=null")
 
 
 def with_env(c, name: str, value: str) -> list[str]:
@@ -132,9 +136,8 @@ RUN_CASES = {
 }
 
 
-# The case's own setup meets these after the fix: code_exec on the digits rows, whose ground truth
-# is not test cases (the jail the fix allows is then used; what it scores is the case's problem).
-THEN = {"KEEL-E010": ("KEEL-R005",)}
+# Codes a case's own setup meets after the fix, which are not the fix's doing (none at present).
+THEN: dict[str, tuple[str, ...]] = {}
 
 
 @pytest.mark.parametrize("code", sorted(RUN_CASES))
