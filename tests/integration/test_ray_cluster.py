@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from tests.integration.test_distributed import keel_train, write_config  # noqa: E402
+from test_distributed import keel_train, write_config  # noqa: E402
 
 
 def _ray(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.test_train_cli import read_metrics, weights
+from test_train_cli import read_metrics, weights
 
 
 def run(tiny_config, name: str, **correction):

@@ -17,7 +17,7 @@ def sft_rows(n: int) -> list[dict]:
 
 @pytest.fixture
 def sft_config(tiny_assets, tmp_path) -> dict:
-    from tests.conftest import write_jsonl
+    from conftest import write_jsonl
 
     return {
         "data": {"train_files": [str(write_jsonl(tmp_path / "sft.jsonl", sft_rows(32)))],

@@ -11,7 +11,7 @@ from keel.rollout.native.layers import StepFunctions
 from keel.training.forward import response_log_probs
 from keel.training.placement import Placement
 from keel.types import SamplingParams
-from tests.unit.test_native_rollout import engines
+from test_native_rollout import engines
 
 
 def test_compiled_decode_step_gives_the_eager_tokens(tiny_assets):
