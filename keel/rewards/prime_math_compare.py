@@ -19,6 +19,9 @@ import re
 import warnings
 from math import isclose
 
+# The MATH set's brace and slash rules, shared with verl's math_reward rule (the same in both of verl's copies).
+from keel.rewards.verl_math import braced_frac_arguments, braced_sqrt_arguments, slash_as_frac
+
 TEXT_WRAPPED = re.compile(r"^\\text\{(?P<text>.+?)\}$")  # an answer that is all `\text{...}`
 
 # ---------------------------------------------------------------- MATH (Hendrycks) normalisation
@@ -55,11 +58,11 @@ def _strip_latex_noise(text: str) -> str:
     sides = text.split("=")
     if len(sides) == 2 and len(sides[0]) <= 2:  # "k = 3" -> "3"
         text = sides[1]
-    text = _brace_sqrt_arguments(text).replace(" ", "")
-    text = _brace_frac_arguments(text)
+    text = braced_sqrt_arguments(text).replace(" ", "")
+    text = braced_frac_arguments(text)
     if text == "0.5":
         text = "\\frac{1}{2}"
-    return _slash_to_frac(text)
+    return slash_as_frac(text)
 
 
 def _drop_trailing_units(text: str) -> str:
@@ -70,42 +73,6 @@ def _drop_trailing_units(text: str) -> str:
     if len(parts) != 2:
         raise ValueError("more than one unit")  # verl asserts here: the whole normalisation is dropped
     return parts[0]
-
-
-def _brace_sqrt_arguments(text: str) -> str:
-    """`\\sqrt3` -> `\\sqrt{3}` (one character)."""
-    if "\\sqrt" not in text:
-        return text
-    first, *rest = text.split("\\sqrt")
-    for part in rest:  # an empty part (`\\sqrt` at the end) raises IndexError, as in verl
-        first += "\\sqrt" + (part if part[0] == "{" else "{" + part[0] + "}" + part[1:])
-    return first
-
-
-def _brace_frac_arguments(text: str) -> str:
-    """`\\frac12` -> `\\frac{1}{2}`, `\\frac1{72}` -> `\\frac{1}{72}`."""
-    first, *rest = text.split("\\frac")
-    for part in rest:
-        first += "\\frac"
-        if part[0] == "{":  # IndexError on `\\frac` at the end, as in verl
-            first += part
-            continue
-        if len(part) < 2:
-            return text
-        first += "{" + part[0] + "}" + (part[1:] if part[1] == "{" else "{" + part[1] + "}" + part[2:])
-    return first
-
-
-def _slash_to_frac(text: str) -> str:
-    """`3/4` -> `\\frac{3}{4}` when both sides are plain integers written canonically."""
-    parts = text.split("/")
-    if len(parts) != 2:
-        return text
-    try:
-        top, bottom = int(parts[0]), int(parts[1])
-    except ValueError:
-        return text
-    return "\\frac{" + str(top) + "}{" + str(bottom) + "}" if text == f"{top}/{bottom}" else text
 
 
 # ---------------------------------------------------------------- ToRA's math_equal

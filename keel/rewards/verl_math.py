@@ -55,7 +55,7 @@ def _last_boxed_for_math_reward(text: str) -> str | None:
     return None
 
 
-def _braced_sqrt_arguments(text: str) -> str:
+def braced_sqrt_arguments(text: str) -> str:
     """`\\sqrt3` -> `\\sqrt{3}`: a one-character argument gets its braces."""
     head, *rest = text.split("\\sqrt")
     pieces = [head]
@@ -66,7 +66,7 @@ def _braced_sqrt_arguments(text: str) -> str:
     return "".join(pieces)
 
 
-def _braced_frac_arguments(text: str) -> str:
+def braced_frac_arguments(text: str) -> str:
     """`\\frac12` -> `\\frac{1}{2}`, `\\frac1{72}` -> `\\frac{1}{72}`; a `\\frac` followed by fewer than two
     characters leaves the whole text as it was."""
     head, *rest = text.split("\\frac")
@@ -85,7 +85,7 @@ def _braced_frac_arguments(text: str) -> str:
     return "".join(pieces)
 
 
-def _slash_as_frac(text: str) -> str:
+def slash_as_frac(text: str) -> str:
     """`3/4` -> `\\frac{3}{4}` when both sides are plain integers written as Python writes them."""
     parts = text.split("/")
     if len(parts) != 2:
@@ -128,11 +128,11 @@ def _normalise_math_answer(text: str) -> str:
     sides = text.split("=")
     if len(sides) == 2 and len(sides[0]) <= 2:  # "x = 3", "k=3": the value
         text = sides[1]
-    text = _braced_sqrt_arguments(text).replace(" ", "")
-    text = _braced_frac_arguments(text)
+    text = braced_sqrt_arguments(text).replace(" ", "")
+    text = braced_frac_arguments(text)
     if text == "0.5":
         text = "\\frac{1}{2}"
-    return _slash_as_frac(text)
+    return slash_as_frac(text)
 
 
 def math_answers_equal(answer: str, ground_truth: Any) -> bool:
