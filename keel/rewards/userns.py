@@ -39,7 +39,11 @@ def _write(path: str, text: str) -> None:
 def _map_from_helper() -> None:
     """Root's namespace, mapped identically by a helper left outside it."""
     made_r, made_w = os.pipe()
-    helper = os.fork()
+    # libc's fork, not os.fork: os.fork runs Python's at-fork hooks, and a library's hook that starts
+    # a thread (OpenTelemetry's, imported with mlflow) waits forever in this single-threaded child.
+    helper = _libc.fork()
+    if helper < 0:
+        raise OSError(ctypes.get_errno(), "fork for the id-map helper failed")
     if helper == 0:
         status = 1
         try:

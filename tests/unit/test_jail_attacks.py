@@ -230,3 +230,29 @@ def test_bubblewrap_in_a_user_namespace_never_maps_the_program_to_root():
     seen = json.loads(as_root_trainer(IN_USER_NAMESPACE, WHO_AM_I)["stdout"])
     assert seen["uid"] == 65534 and seen["cap_eff"] == 0 and seen["escalated"] == []
     assert 0 < int(as_root_trainer(IN_USER_NAMESPACE, count_forks(200))["stdout"]) < 16
+
+
+AT_FORK_THREAD = textwrap.dedent("""
+    import os, threading, time
+    script = os.getpid()
+    def hang_in_a_grandchild():  # as a hook that starts a thread (OpenTelemetry's, with mlflow) can
+        if os.getppid() != script:
+            time.sleep(3600)
+    os.register_at_fork(after_in_child=hang_in_a_grandchild)
+    threading.Thread(target=threading.Event().wait, daemon=True).start()  # a trainer has threads
+    from keel.rewards.bwrap import Limits, run_jailed
+    from keel.rewards.sandbox import jail
+    finished = run_jailed(jail().mode, "print(6 * 7)", "", Limits(cpu_s=3, wall_s=30, memory_mb=128, processes=16),
+                          accounted=False)
+    print(finished.stdout.decode().strip())
+""")
+
+
+def test_a_library_hook_that_starts_a_thread_after_fork_does_not_hang_a_run():
+    """The id-map helper is forked between fork and exec; os.fork would run Python's at-fork hooks
+    there, and a hook that starts a thread can wait forever in that child (seen in this suite once
+    mlflow had loaded OpenTelemetry). The hook here hangs in any fork of a fork, as such a hook may."""
+    if not userns.available():
+        pytest.skip("this machine gives no user namespace of a run's own")
+    done = subprocess.run([sys.executable, "-c", AT_FORK_THREAD], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "42", done.stderr
