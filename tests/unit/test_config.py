@@ -57,7 +57,7 @@ def test_placing_the_reference_apart_from_the_actor_is_refused_with_the_reason(o
     ("data.truncation=middle", "not one of"),
     ("actor_rollout_ref.actor.optim.lr=fast", "must be a number"),
     ("data.shuffle=maybe", "true or false"),
-    ("trainer.logger=[console,swanlab]", "'swanlab' is not one of"),  # never silently dropped
+    ("trainer.logger=[console,neptune]", "'neptune' is not one of"),  # never silently dropped (verl's swanlab: KEEL-C015)
     ("trainer.seed=-1", "must be >= 0"),
     ("actor_rollout_ref.actor.optim.betas=[0.9]", "two numbers in [0, 1)"),
 ])
