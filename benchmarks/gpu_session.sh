@@ -12,6 +12,8 @@
 #   bash benchmarks/gpu_session.sh multi          m1: multi-turn, 4 turns of 128 tokens; w4: variable lengths
 #   bash benchmarks/gpu_session.sh levers         t1 as the bench runs it (profiled: GPU busy per phase), then
 #                                                 on-policy (one mini-batch) and in rollout correction's bypass mode
+#   bash benchmarks/gpu_session.sh families [W]   issue 29: the native engine's GPU tests for every family, then
+#                                                 t1's work on each family's shapes (q1,e1,l1,t1 or W)
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -76,6 +78,15 @@ large() {
 multi() {  # m1, then w4: variable lengths under continuous batching against fixed lengths and chunks
     timeout 300 python3 -m keel bench m1 --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/m1.log" 2>&1
     timeout 240 python3 benchmarks/variable_lengths.py --rows 512 --out "$OUT/w4.jsonl" > "$OUT/w4.log" 2>&1; tail -1 "$OUT/w4.log"
+}
+
+families() {
+    timeout 240 python3 -m pytest -q tests/gpu/test_native_cuda.py > "$OUT/gpu_native_tests.txt" 2>&1
+    tail -1 "$OUT/gpu_native_tests.txt"
+    for w in ${1//,/ }; do
+        timeout 170 python3 -m keel bench "$w" --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/$w.log" 2>&1
+        tail -1 "$OUT/$w.log" | cut -c1-300
+    done
 }
 
 levers() {  # what issue 17's CPU-built levers are worth, in one run of each against t1's four mini-batches

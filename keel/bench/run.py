@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from keel.bench.workloads import DRAWN_ON_DEVICE, QWEN25_COMMON, QWEN25_SHAPES, WORKLOADS, Workload
+from keel.bench.workloads import DRAWN_ON_DEVICE, WORKLOADS, Workload, shape_config
 from keel.models.load import RANDOM_WEIGHTS, meta_model, stored_parameters
 
 log = logging.getLogger("keel")
@@ -34,17 +34,17 @@ REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=
 
 
 def make_model(shape: str, out_dir: Path) -> Path:
-    """Qwen2.5 shapes with random weights and keel's byte-level tokenizer (ids < 300)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    """A family's released shapes with random weights and keel's byte-level tokenizer (ids < 300)."""
+    from transformers import AutoModelForCausalLM
 
     from keel.models.tiny import build_tokenizer
 
     if (out_dir / "config.json").exists():
         return out_dir
     tokenizer = build_tokenizer()
-    tokenizer.model_max_length = QWEN25_COMMON["max_position_embeddings"]
-    config = Qwen2Config(**{**QWEN25_COMMON, **QWEN25_SHAPES[shape]}, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = shape_config(shape)
+    tokenizer.model_max_length = config.max_position_embeddings
+    config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     tokenizer.save_pretrained(out_dir)
     if shape in DRAWN_ON_DEVICE:  # config and tokenizer only: the weights are drawn on the device at load
         config.save_pretrained(out_dir)
@@ -57,9 +57,7 @@ def make_model(shape: str, out_dir: Path) -> Path:
 
 def _architecture_parameters(shape: str) -> int:
     """A shape's parameters counted on the meta device (one whose weights are never saved)."""
-    from transformers import Qwen2Config
-
-    return sum(p.numel() for p in meta_model(Qwen2Config(**{**QWEN25_COMMON, **QWEN25_SHAPES[shape]})).parameters())
+    return sum(p.numel() for p in meta_model(shape_config(shape)).parameters())
 
 
 def make_prompts(workload: Workload, path: Path, count: int) -> Path:
@@ -193,10 +191,11 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
     # Useful training FLOPs: 6 per parameter per token (forward 2, input and weight gradients 2
     # each), 4 for LoRA's frozen base, which has no weight gradients (the adapters' are a rounding
     # error), plus causal attention (QK^T and AV). Gradient checkpointing's recompute is not useful.
-    shape = {**QWEN25_COMMON, **QWEN25_SHAPES[w.model]}
-    attention = 6 * 2 * shape["num_hidden_layers"] * shape["hidden_size"] * seq  # per token, causal mean seq/2 x 2
+    shape = shape_config(w.model)
+    active = active_parameters(shape, params)
+    attention = 6 * 2 * shape.num_hidden_layers * shape.num_attention_heads * _head_dim(shape) * seq  # per token, causal mean seq/2 x 2
     per_parameter = 4 if cfg.actor_rollout_ref.model.lora_rank else 6
-    update_flops = update_tokens * (per_parameter * params + attention) / update_s / gpus
+    update_flops = update_tokens * (per_parameter * active + attention) / update_s / gpus
     peak = measured_peak_tflops() * 1e12 if torch.cuda.is_available() else None
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     datasheet = next((figures for gpu, figures in DATASHEETS.items() if gpu in device), None)
@@ -211,6 +210,7 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
     return {
         "workload": name, "date": datetime.date.today().isoformat(), "commit": source_commit(),
         "device": device, "n_gpus": gpus, "rollout": cfg.actor_rollout_ref.rollout.name, "parameters": params,
+        "active_parameters": active, "model_type": shape.model_type,
         "step_time_s": mean("timing_s/step"), "steps_per_s": 1 / mean("timing_s/step"),
         "gen_tokens_per_s": gen_tokens_per_s,
         "decode_tokens_per_s": decode_tokens_per_s,
@@ -233,15 +233,29 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
     }
 
 
-def decode_bandwidth_utilisation(w: Workload, shape: dict, params: int, tokens_per_s_per_gpu: float,
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def active_parameters(config, params: int) -> int:
+    """Parameters a token passes through: a mixture of experts' unrouted experts left out."""
+    experts = getattr(config, "num_experts", 0) or 0
+    if not experts:
+        return params
+    per_expert = 3 * config.hidden_size * config.moe_intermediate_size
+    sparse = [i for i in range(config.num_hidden_layers) if i not in (config.mlp_only_layers or [])
+              and (i + 1) % config.decoder_sparse_step == 0]
+    return params - len(sparse) * (experts - config.num_experts_per_tok) * per_expert
+
+
+def decode_bandwidth_utilisation(w: Workload, shape, params: int, tokens_per_s_per_gpu: float,
                                  datasheet: tuple[float, float] | None) -> float | None:
-    """Bytes a decode step must read (bf16 weights once, plus every sequence's KV cache at its
-    mean context) per generated token, times tokens/s, over the datasheet's HBM bandwidth."""
+    """Bytes a decode step must read (bf16 weights once, every expert of a mixture included, plus
+    every sequence's KV cache at its mean context) per generated token, times tokens/s, over the datasheet's HBM bandwidth."""
     if datasheet is None:
         return None
     batch = w.prompts * w.n
-    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
-    kv_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2
+    kv_per_token = 2 * shape.num_hidden_layers * shape.num_key_value_heads * _head_dim(shape) * 2
     mean_context = w.prompt_length + w.response_length / 2
     bytes_per_token = (2 * params + batch * mean_context * kv_per_token) / batch
     return bytes_per_token * tokens_per_s_per_gpu / (datasheet[1] * 1e12)

@@ -1,4 +1,5 @@
-"""Named benchmark workloads: Qwen2.5 shapes with random weights, fixed response lengths."""
+"""Named benchmark workloads: the released shapes of each model family (Qwen2.5 first, then Qwen3,
+Qwen3-MoE, Llama 3.2, Gemma 3) with random weights, fixed response lengths."""
 
 from __future__ import annotations
 
@@ -29,10 +30,49 @@ QWEN25_SHAPES["tiny"] = dict(hidden_size=64, intermediate_size=128, num_hidden_l
                              num_key_value_heads=2, tie_word_embeddings=True)  # CPU check of the harness
 QWEN25_COMMON = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
 
+# Other families' released shapes (config.json of each checkpoint), as (model_type, config).
+QWEN3_COMMON = dict(vocab_size=151936, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                    head_dim=128)
+FAMILY_SHAPES = {
+    "qwen3-0.6b": ("qwen3", dict(QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True)),
+    "qwen3-8b": ("qwen3", dict(QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)),
+    "qwen3-30b-a3b": ("qwen3_moe", dict(QWEN3_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                                        num_attention_heads=32, num_key_value_heads=4, moe_intermediate_size=768,
+                                        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                        tie_word_embeddings=False)),
+    # the MoE of issue 29's first measurement: Qwen3-30B-A3B's layers, 12 of them, 64 experts, 8 active
+    "qwen3-moe-12l": ("qwen3_moe", dict(QWEN3_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=12,
+                                        num_attention_heads=32, num_key_value_heads=4, moe_intermediate_size=768,
+                                        num_experts=64, num_experts_per_tok=8, norm_topk_prob=True,
+                                        tie_word_embeddings=False)),
+    "llama-3.2-1b": ("llama", dict(vocab_size=128256, max_position_embeddings=131072, rope_theta=500_000.0,
+                                   rms_norm_eps=1e-5, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                   num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                                   tie_word_embeddings=True,
+                                   rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                                     high_freq_factor=4.0, original_max_position_embeddings=8192))),
+    "gemma-3-1b": ("gemma3_text", dict(vocab_size=262144, max_position_embeddings=32768, hidden_size=1152,
+                                       intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                                       num_key_value_heads=1, head_dim=256, sliding_window=512,
+                                       rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                                       query_pre_attn_scalar=256, rms_norm_eps=1e-6)),
+}
+DRAWN_ON_DEVICE |= {"qwen3-8b", "qwen3-30b-a3b", "qwen3-moe-12l"}
+
+
+def shape_config(shape: str):
+    """The transformers config of a shape (any key of QWEN25_SHAPES or FAMILY_SHAPES)."""
+    from transformers import AutoConfig
+
+    model_type, fields = FAMILY_SHAPES.get(shape) or ("qwen2", {**QWEN25_COMMON, **QWEN25_SHAPES[shape]})
+    return AutoConfig.for_model(model_type, **fields)
+
 
 @dataclass(frozen=True)
 class Workload:
-    model: str                 # a key of QWEN25_SHAPES
+    model: str                 # a key of QWEN25_SHAPES or FAMILY_SHAPES
     prompts: int               # prompts per step
     n: int                     # samples per prompt
     prompt_length: int
@@ -47,6 +87,11 @@ WORKLOADS = {
     "w2": Workload("0.5b", 32, 8, 256, 2048),
     "w3": Workload("1.5b", 64, 8, 512, 512, kl_loss=True),
     "tiny": Workload("tiny", 4, 4, 32, 16),
+    # t1 on the other families' shapes (issue 29's table)
+    "q1": Workload("qwen3-0.6b", 16, 8, 256, 256),
+    "l1": Workload("llama-3.2-1b", 16, 8, 256, 256),
+    "g1": Workload("gemma-3-1b", 16, 8, 256, 256),
+    "e1": Workload("qwen3-moe-12l", 16, 8, 256, 256),
 }
 LORA_64 = {"actor_rollout_ref.model.lora_rank": 64, "actor_rollout_ref.model.lora_alpha": 128,
            "actor_rollout_ref.model.target_modules": "all-linear",
@@ -56,6 +101,8 @@ WORKLOADS.update({
     "w3l": Workload("1.5b", 64, 8, 512, 512, kl_loss=True, overrides=LORA_64),  # w3 with LoRA
     "tinyl": Workload("tiny", 4, 4, 32, 16, overrides={**LORA_64, "actor_rollout_ref.model.lora_rank": 8}),
     "w32": Workload("32b", 16, 8, 512, 512, overrides=LORA_64),     # LoRA on 32B shapes: one copy of the base
+    "q8l": Workload("qwen3-8b", 16, 8, 512, 512, overrides=LORA_64),       # w7 on Qwen3-8B
+    "e30l": Workload("qwen3-30b-a3b", 16, 8, 512, 512, overrides=LORA_64),  # w7 on Qwen3-30B-A3B
     # 7B full-parameter, the optimiser offloaded a bucket at a time, micro-batches as w7's
     "w7f": Workload("7b", 16, 8, 512, 512, overrides={"actor_rollout_ref.actor.fsdp_config.optimizer_offload": True,
                                                      "actor_rollout_ref.model.enable_gradient_checkpointing": True}),

@@ -13,7 +13,7 @@ from keel.config.schema import KeelConfig
 from keel.errors import MEMORY_ESTIMATE, NOT_ENOUGH_DEVICES, RAY_MISSING, KeelError
 from keel.errors.fixes import overrides, setting
 from keel.openmp import how_threads_wait
-from keel.rollout.native.weights import unsupported_reason
+from keel.rollout.native.models import unsupported_reason
 from keel.training.forward import LOGITS_CHUNK_TOKENS
 
 

@@ -15,7 +15,7 @@ import torch
 from keel.config.memory import estimate_memory_gb
 from keel.config.schema import KeelConfig
 from keel.models.load import resolve_device, resolve_dtype
-from keel.rollout.native.weights import unsupported_reason
+from keel.rollout.native.models import unsupported_reason
 from keel.training.forward import LOGITS_CHUNK_TOKENS
 
 KEY = "actor_rollout_ref.actor.fsdp_config.fsdp_size"

@@ -22,7 +22,7 @@ def _model_inputs(batch: RolloutBatch) -> dict[str, Tensor]:
 
 # Architectures whose logits are exactly lm_head(final hidden state): no soft-capping or scaling
 # (Gemma 2, Cohere) that the chunked path below would skip.
-PLAIN_LM_HEAD = {"qwen2", "qwen3", "llama", "mistral"}
+PLAIN_LM_HEAD = {"qwen2", "qwen3", "qwen3_moe", "llama", "mistral"}
 LOGITS_CHUNK_TOKENS = 1024  # [chunk, V] float32 logits at a time: 0.6 GB for a 151k vocabulary
 # Where a micro-batch's logits fit the budget (logits_budget), backward keeps them rather than
 # running lm_head again, and chunks are wider: fewer, larger launches.

@@ -22,18 +22,23 @@ def setup(model_dir, n, init_std: float | None = None):
     generator = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():  # redrawn: the default small init makes greedy decoding repeat one token
         for p in model.parameters():
-            if init_std and p.dim() == 2:
+            if init_std and p.dim() >= 2:  # matrices, and the experts' stacks
                 p.copy_(torch.randn(p.shape, generator=generator, device="cuda") * init_std)
     rows = [{"prompt": f"Digits please: {i} " * (1 + i % 3)} for i in range(6)]
     records, _ = build_prompt_dataset(rows, tokenizer, max_prompt_length=128)
     return model, tokenizer, collate_prompts(records, tokenizer.pad_token_id).repeat_interleave(n)
 
 
-def test_graph_replay_equals_eager_and_greedy_equals_hf(tmp_path):
+FAMILIES = [("qwen2", 0.2), ("qwen3", 0.2), ("qwen3_moe", 0.5)]  # (tiny model's architecture, weights' std)
+
+
+@pytest.mark.parametrize("arch, init_std", FAMILIES)
+def test_graph_replay_equals_eager_and_greedy_equals_hf(tmp_path, arch, init_std):
     from keel.models.tiny import make_tiny_model
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    model, tokenizer, prompts = setup(make_tiny_model(tmp_path / "m", hidden_size=128, num_layers=4), n=3, init_std=0.2)
+    model, tokenizer, prompts = setup(make_tiny_model(tmp_path / "m", arch=arch, hidden_size=128, num_layers=4), n=3,
+                                      init_std=init_std)
     greedy = SamplingParams(do_sample=False, max_new_tokens=40, ignore_eos=True)
     graphs = NativeRolloutEngine(model, tokenizer, 256, torch.float32).generate(prompts, greedy)
     eager = NativeRolloutEngine(model, tokenizer, 256, torch.float32, enforce_eager=True).generate(prompts, greedy)
@@ -170,7 +175,8 @@ def test_triton_decode_attention_reads_rows_through_the_table_as_sdpa_does(kv_he
     assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
 
 
-def test_continuous_batching_graphs_equal_eager_and_hf(tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch, init_std", FAMILIES)
+def test_continuous_batching_graphs_equal_eager_and_hf(tmp_path, monkeypatch, arch, init_std):
     """EOS on (lengths vary) and fewer rows than sequences: rows are refilled, each batch bucket
     replays its own graph; tokens equal eager's and the hf engine's. Then a multi-turn rollout whose
     every turn calls a tool, on the same graphs, equals hf's turn-by-turn generation."""
@@ -181,7 +187,8 @@ def test_continuous_batching_graphs_equal_eager_and_hf(tmp_path, monkeypatch):
 
     torch.backends.cuda.matmul.allow_tf32 = False
     monkeypatch.setattr(batching, "DONE_CHECK_EVERY", 4)
-    model, tokenizer, prompts = setup(make_tiny_model(tmp_path / "m", hidden_size=128, num_layers=4), n=3, init_std=0.2)
+    model, tokenizer, prompts = setup(make_tiny_model(tmp_path / "m", arch=arch, hidden_size=128, num_layers=4), n=3,
+                                      init_std=init_std)
     hf = HFRolloutEngine(model, tokenizer)
     free_run = hf.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=40, ignore_eos=True)).response_ids
     stop = int(free_run[:, 3:].flatten().mode().values)  # a stop token that really occurs, at varied depths

@@ -29,7 +29,7 @@ def engines(model_dir, n: int, max_num_seqs: int = 256, sharpen: float = 1.0, in
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
-            if init_std and p.dim() == 2:
+            if init_std and p.dim() >= 2:  # matrices, and the experts' stacks
                 p.copy_(torch.randn(p.shape, generator=generator) * init_std)
         model.get_output_embeddings().weight.mul_(sharpen)
     records, _ = build_prompt_dataset(PROMPTS, tokenizer, max_prompt_length=64)
@@ -38,13 +38,14 @@ def engines(model_dir, n: int, max_num_seqs: int = 256, sharpen: float = 1.0, in
             HFRolloutEngine(model, tokenizer, max_num_seqs), model, prompts)
 
 
-@pytest.mark.parametrize("arch, tied", [("qwen2", True), ("llama", True), ("qwen2", False)])
-def test_greedy_tokens_are_identical_to_the_hf_engine(tmp_path, arch, tied):
+@pytest.mark.parametrize("arch, tied, init_std", [("qwen2", True, 0.2), ("llama", True, 0.2), ("qwen2", False, 0.2),
+                                                  ("qwen3", True, 0.2), ("qwen3_moe", True, 0.5)])
+def test_greedy_tokens_are_identical_to_the_hf_engine(tmp_path, arch, tied, init_std):
     from keel.models.tiny import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / arch, arch=arch, hidden_size=64, num_layers=3, seed=3,
                                 tie_word_embeddings=tied)
-    native, hf, _, prompts = engines(model_dir, n=2, max_num_seqs=4, init_std=0.2)  # chunks of 4: groups split
+    native, hf, _, prompts = engines(model_dir, n=2, max_num_seqs=4, init_std=init_std)  # chunks of 4: groups split
     greedy = SamplingParams(do_sample=False, max_new_tokens=24, ignore_eos=True)
     ours, theirs = native.generate(prompts, greedy), hf.generate(prompts, greedy)
     assert all(len(set(row)) > 10 for row in theirs.response_ids.tolist())  # a comparison that can fail
@@ -248,8 +249,11 @@ def test_lora_runs_unmerged_on_the_trainers_own_base(tmp_path):
     assert native.generate(prompts, greedy).response_ids.tolist() == expected != first
 
 
-@pytest.mark.parametrize("rows", [256, 3])  # every episode resident; or 3 rows for 6 episodes, refilled
-def test_multi_turn_greedy_rollouts_equal_the_hf_engines_and_prefill_only_new_tokens(tmp_path, monkeypatch, rows):
+# Every episode resident, or 3 rows for 6 episodes, refilled; each family on the second.
+@pytest.mark.parametrize("arch, rows, init_std", [("qwen2", 256, 0.2), ("qwen2", 3, 0.2), ("qwen3", 3, 0.2),
+                                                  ("qwen3_moe", 3, 0.5)])
+def test_multi_turn_greedy_rollouts_equal_the_hf_engines_and_prefill_only_new_tokens(tmp_path, monkeypatch, arch, rows,
+                                                                                     init_std):
     """The agent loop on the native engine (turns scheduled by continuous batching, KV kept across
     turns, tools run while others decode) against the hf engine (each turn generated again from its
     whole context): the same tokens, masks and log-probs for every episode. Native prefilled each
@@ -267,8 +271,8 @@ def test_multi_turn_greedy_rollouts_equal_the_hf_engines_and_prefill_only_new_to
         """The text reversed."""
         return text[::-1]
 
-    model_dir = make_tiny_model(tmp_path / "m", arch="qwen2", hidden_size=64, num_layers=3, seed=3)
-    native, hf, _, prompts = engines(model_dir, n=2, max_num_seqs=rows, init_std=0.2)
+    model_dir = make_tiny_model(tmp_path / "m", arch=arch, hidden_size=64, num_layers=3, seed=3)
+    native, hf, _, prompts = engines(model_dir, n=2, max_num_seqs=rows, init_std=init_std)
     native.free_cache_engine = False  # the batcher stays, to be looked at
 
     loops = [AgentLoop(engine, native.tokenizer, [echo], AgentOptions(

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from keel.rollout.native.layers import attention_inputs, attention_output_and_mlp, grouped_attention, rms_norm, rope
+from keel.rollout.native.layers import grouped_attention, rope
 from keel.rollout.native.sampling import sample
 from keel.rollout.native.state import Clock, capture
 from keel.types import SamplingParams
@@ -99,7 +99,7 @@ class ContinuousBatcher:
 
     def __init__(self, engine, rows: int, max_len: int, turn_tokens: int):
         self.engine, self.shape = engine, (rows, max_len, turn_tokens)
-        self.state = RowState.allocate(rows, max_len, turn_tokens, layers=len(engine.layers),
+        self.state = RowState.allocate(rows, max_len, turn_tokens, layers=len(engine.weights.layers),
                                        kv_heads=engine.kv_heads, head_dim=engine.head_dim, dtype=engine.dtype,
                                        device=engine.device)
         self.scratch = rows
@@ -292,16 +292,15 @@ class ContinuousBatcher:
         cache_rows, cache_columns = rows[piece_of], positions[piece_of, column_of]
         x = F.embedding(ids.to(device), w.embed).flatten(0, 1)                                   # [u m, H]
         cos, sin = rope(positions.flatten(), w.inv_freq, w.rope_scale, e.dtype)
-        h = rms_norm(x, w.layers[0].input_norm, e.eps)
-        for i, layer in enumerate(w.layers):
-            q, k, v = attention_inputs(h, layer.qkv, layer.qkv_bias, layer.qkv_lora, cos, sin, e.heads, e.kv_heads)
+
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             q, k, v = (t.view(u, width, t.shape[1], t.shape[-1]) for t in (q, k, v))          # [u, m, *, D]
             s.k[i][cache_rows, :, cache_columns] = k[piece_of, column_of]
             s.v[i][cache_rows, :, cache_columns] = v[piece_of, column_of]
             attention = grouped_attention(q.transpose(1, 2), s.k[i][rows, :, :end], s.v[i][rows, :, :end], visible)
-            attention = attention.transpose(1, 2).reshape(x.shape[0], -1)
-            x, h = attention_output_and_mlp(x, attention, layer.o, layer.post_norm, layer.gate_up, layer.down,
-                                            w.norm_after(i), e.eps, layer.adapters_after_attention)
+            return attention.transpose(1, 2).reshape(x.shape[0], -1)
+
+        h = e.family.layers(e.eager, w, x, cos, sin, attend)
         last = h.view(u, width, -1)[torch.arange(u, device=device), lengths - 1]
         return F.linear(last, w.lm_head)
 

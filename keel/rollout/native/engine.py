@@ -30,11 +30,12 @@ from keel.models.load import can_compile
 from keel.rollout.assemble import assemble_batch, stop_token_ids
 from keel.rollout.native.attention import sdpa_decode_attention, triton_available, triton_decode_attention
 from keel.rollout.native.batching import ContinuousBatcher
-from keel.rollout.native.layers import (StepFunctions, attention_inputs, attention_output_and_mlp, grouped_attention,
-                                        prompt_visibility, rms_norm, rope)
+from keel.rollout.native.layers import StepFunctions, grouped_attention, prompt_visibility, rope
+from keel.rollout.native.models import family_for
 from keel.rollout.native.sampling import sample
 from keel.rollout.native.state import Clock, DecodeGraph, DecodeState, KeptCache
-from keel.rollout.native.weights import DecodeWeights, unsupported_reason
+from keel.rollout.native.models import unsupported_reason
+from keel.rollout.native.weights import DecodeWeights
 from keel.types import RolloutBatch, SamplingParams
 
 log = logging.getLogger("keel")
@@ -66,14 +67,12 @@ class NativeRolloutEngine:
         self.memory_utilization = memory_utilization
         self.dtype = dtype
         self.eos_ids = stop_token_ids(tokenizer, model)
-        c = model.config
-        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        self.eps = c.rms_norm_eps
+        self.family = family_for(model.config)  # the model's definition: its weights and layer math
+        self.kv_heads, self.head_dim = self.family.kv_heads, self.family.head_dim
         self.timing: dict[str, float] = {}  # seconds per part (prefill, capture, decode) of the last call
         self.device = next(model.parameters()).device
         self.eos = torch.tensor(self.eos_ids, device=self.device)
-        self.weights = DecodeWeights(model, self.device, dtype)
+        self.weights = DecodeWeights(model, self.family, self.device, dtype)
         self.layers = self.weights.layers
         self._kept: KeptCache | None = None
         self._kept_batcher: ContinuousBatcher | None = None
@@ -81,7 +80,9 @@ class NativeRolloutEngine:
         # enforce_eager (verl's key): no CUDA graphs, no compilation; for debugging, and CPU's only way.
         # compile_mode: torch.compile's, for benchmarks/profile_decode.py (max-autotune was slower here).
         self.use_cuda_graphs = not enforce_eager and self.device.type == "cuda"
-        self.kernels = StepFunctions(self.use_cuda_graphs and compile_step and can_compile(self.device), compile_mode)
+        self.kernels = StepFunctions(self.family, self.use_cuda_graphs and compile_step and can_compile(self.device),
+                                     compile_mode)
+        self.eager = StepFunctions(self.family, compiled=False)  # prefill: compute-bound, run eagerly
         use_triton = triton_available(self.device, dtype, self.head_dim)
         self.attention = triton_decode_attention if use_triton else sdpa_decode_attention
 
@@ -253,19 +254,17 @@ class NativeRolloutEngine:
             # No mask where plain causal attention is right: SDPA may then use its flash kernel,
             # and no [u, L, end] mask is built.
             visible = None if unpadded and begin == 0 else prompt_visibility(mask[:, :end].bool(), begin)
-            h = rms_norm(x, w.layers[0].input_norm, self.eps)
-            for i, layer in enumerate(w.layers):
-                q, k, v = attention_inputs(h, layer.qkv, layer.qkv_bias, layer.qkv_lora, cos, sin, self.heads,
-                                           self.kv_heads)
+
+            def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
                 q, k, v = (t.view(u, end - begin, t.shape[1], t.shape[-1]).transpose(1, 2) for t in (q, k, v))
                 state.k[i][slots, :, begin:end] = k[prompt_of_slot]
                 state.v[i][slots, :, begin:end] = v[prompt_of_slot]
                 if begin > 0:  # earlier pieces' K/V too, as the cache holds them
                     k, v = state.k[i][first_slots, :, :end], state.v[i][first_slots, :, :end]
                 attention = grouped_attention(q, k, v, visible)                                 # [u, H, L, D]
-                attention = attention.transpose(1, 2).reshape(x.shape[0], -1)                   # [N, H * D]
-                x, h = attention_output_and_mlp(x, attention, layer.o, layer.post_norm, layer.gate_up, layer.down,
-                                                w.norm_after(i), self.eps, layer.adapters_after_attention)
+                return attention.transpose(1, 2).reshape(x.shape[0], -1)                        # [N, H * D]
+
+            h = self.family.layers(self.eager, w, x, cos, sin, attend)
         return h.view(u, end - begin, -1)[:, -1]
 
     def _decode_step_fn(self, state: DecodeState, params: SamplingParams):
@@ -295,11 +294,9 @@ class NativeRolloutEngine:
         w = self.weights
         x, cos, sin, visible = f.step_inputs(last_token, pad, column, k_cache[0].shape[2], w.embed, w.inv_freq,
                                              w.rope_scale)
-        h = f.rms_norm(x, w.layers[0].input_norm, self.eps)
-        for i, layer in enumerate(w.layers):
-            q, k, v = f.attention_inputs(h, layer.qkv, layer.qkv_bias, layer.qkv_lora, cos, sin, self.heads,
-                                         self.kv_heads)
-            attention = self.attention(q, k, v, k_cache[i], v_cache[i], pad, column, visible, rows)  # writes k, v
-            x, h = f.attention_output_and_mlp(x, attention, layer.o, layer.post_norm, layer.gate_up, layer.down,
-                                              w.norm_after(i), self.eps, layer.adapters_after_attention)
+
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # also writes k, v to the cache
+            return self.attention(q, k, v, k_cache[i], v_cache[i], pad, column, visible, rows)
+
+        h = self.family.layers(f, w, x, cos, sin, attend)
         return F.linear(h, w.lm_head)

@@ -1,6 +1,6 @@
-"""The decoder layer's math for decoding, as pure functions over plain tensors (Qwen2 and Llama:
-RMSNorm, rotary embeddings, grouped-query attention, a gated SiLU MLP), and the decode step's
-functions compiled once by torch.compile where it can fuse them."""
+"""The decoder layer's shared math, as pure functions over plain tensors (RMSNorm, rotary
+embeddings, grouped-query attention, a gated SiLU MLP; a family in models/ picks and adds to them),
+and the decode step's functions compiled once by torch.compile where it can fuse them."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ RECOMPILE_LIMIT = 64
 class StepFunctions:
     """The pure parts of a decode step, compiled by torch.compile where it can fuse them (CUDA
     with Triton; fullgraph, so a graph break is an error), plain functions elsewhere (CPU, or
-    `rollout.enforce_eager`)."""
+    `rollout.enforce_eager`, and prefill). A family's layer functions (models/) are among them."""
 
-    def __init__(self, compiled: bool, mode: str | None = None):
+    def __init__(self, family, compiled: bool, mode: str | None = None):
         if compiled:
             # Each batch bucket, cache length and dtype is a compiled variant of these few functions;
             # past dynamo's default of 8, fullgraph=True would make a recompile a hard failure.
@@ -30,10 +30,9 @@ class StepFunctions:
 
         self.step_inputs = prepared(step_inputs)
         self.rms_norm = prepared(rms_norm)
-        self.attention_inputs = prepared(attention_inputs)
-        self.attention_output_and_mlp = prepared(attention_output_and_mlp)
+        self.attention_inputs = prepared(family.attention_inputs)
+        self.after_attention = {kind: prepared(fn) for kind, fn in family.after_attention.items()}
         self.pickers = Pickers(prepared(pick_token), prepared(pick_blocked))
-
 
 
 def step_inputs(last_token: Tensor, pad: Tensor, column: Tensor, cache_len: int, embed: Tensor, inv_freq: Tensor,
@@ -60,21 +59,25 @@ def project(x: Tensor, weight: Tensor, low_rank: tuple[Tensor, Tensor] | None, b
 
 
 
-def attention_inputs(h: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | None, qkv_lora, cos: Tensor, sin: Tensor,
-                     heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """q [B, H, 1, D] and k [B, KV, 1, D] rotated, v [B, KV, 1, D], from the normed hidden state."""
+def attention_inputs(h: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | None, qkv_lora, q_norm: Tensor | None,
+                     k_norm: Tensor | None, cos: Tensor, sin: Tensor, heads: int, kv_heads: int, eps: float
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """q [B, H, 1, D] and k [B, KV, 1, D] rotated, v [B, KV, 1, D], from the normed hidden state;
+    each head's query and key RMS-normed first where the layer has those norms (Qwen3)."""
     batch, head_dim = h.shape[0], cos.shape[-1]
     qkv = project(h, qkv_weight, qkv_lora, qkv_bias)
     kv_size = kv_heads * head_dim
-    qk = applyrope(qkv[:, :-kv_size].view(batch, heads + kv_heads, head_dim), cos, sin)
+    qk = qkv[:, :-kv_size].view(batch, heads + kv_heads, head_dim)
+    if q_norm is not None:
+        qk = torch.cat([rms_norm(qk[:, :heads], q_norm, eps), rms_norm(qk[:, heads:], k_norm, eps)], dim=1)
+    qk = applyrope(qk, cos, sin)
     v = qkv[:, -kv_size:].view(batch, kv_heads, 1, head_dim)
     return qk[:, :heads].unsqueeze(2), qk[:, heads:].unsqueeze(2), v
 
 
 
 def attention_output_and_mlp(x: Tensor, attention: Tensor, o: Tensor, post_norm: Tensor, gate_up: Tensor,
-                             down: Tensor, next_norm: Tensor, eps: float, low_rank=(None, None, None)
-                             ) -> tuple[Tensor, Tensor]:
+                             down: Tensor, low_rank, next_norm: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """The rest of a decoder layer: output projection and residual, the gated MLP and residual;
     also the next layer's normed input, so the residual stream is read once. `low_rank`: LoRA's
     (o, gate_up, down) adapters, or Nones. Plain tensors, not the LayerWeights, so torch.compile

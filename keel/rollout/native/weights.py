@@ -1,6 +1,6 @@
 """The native engine's one copy of the weights: fused QKV and gate-up projections in the compute
 dtype, filled by name from the policy's parameters (a module's own, or whole parameters gathered
-from FSDP shards a bucket at a time), and which architectures it can run.
+from FSDP shards a bucket at a time), laid out as the model's family (models/) names them.
 
 Under LoRA the trainer's frozen base is this same memory (`alias`: its parameters become views of
 the fused buffers) and the adapters are applied unmerged in the step (`load_adapters`), so one copy
@@ -10,59 +10,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-SUPPORTED_ARCHS = {"qwen2", "llama", "mistral"}
-STATIC_ROPE = {"default", "linear", "llama3"}  # inv_freq does not depend on the sequence length
+from keel.rollout.native.models import Family, LayerWeights
+from keel.rollout.native.models.base import ADAPTED, LowRank
 
-
-def unsupported_reason(config) -> str | None:
-    """Why the native engine cannot run a model of this (Hugging Face) config, or None when it can."""
-    if config.model_type not in SUPPORTED_ARCHS:
-        return f"model_type {config.model_type!r} (native supports {sorted(SUPPORTED_ARCHS)})"
-    rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    if rope.get("rope_type", rope.get("type", "default")) not in STATIC_ROPE:
-        return f"rope type {rope.get('rope_type')!r} (native supports {sorted(STATIC_ROPE)})"
-    mistral_window = config.model_type == "mistral" and getattr(config, "sliding_window", None)
-    if getattr(config, "use_sliding_window", False) or mistral_window:
-        return "sliding-window attention"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r}"
-    output_bias = config.model_type != "qwen2" and getattr(config, "attention_bias", False)  # Qwen2: q, k, v only
-    if getattr(config, "mlp_bias", False) or output_bias:
-        return "biases on the MLP or the attention output (the fused decode step has none)"
-    return None
-
-
-
-LowRank = tuple[Tensor, Tensor]  # LoRA's (A [r, in], B [out, r] times its scaling) of one projection
-
-ADAPTED = {"qkv": "qkv_lora", "o": "o_lora", "gate_up": "gate_up_lora", "down": "down_lora"}
-
-
-@dataclass
-class LayerWeights:
-    input_norm: Tensor
-    qkv: Tensor            # [(H + 2 KV) * D, hidden]
-    qkv_bias: Tensor | None
-    o: Tensor
-    post_norm: Tensor
-    gate_up: Tensor        # [2 * intermediate, hidden]
-    down: Tensor
-    # LoRA, unmerged. A fused projection's adapters are one: its parts' A stacked by rows, their B
-    # block-diagonal, so a fused matmul stays one matmul (plus two thin ones).
-    qkv_lora: LowRank | None = None
-    o_lora: LowRank | None = None
-    gate_up_lora: LowRank | None = None
-    down_lora: LowRank | None = None
-
-    @property
-    def adapters_after_attention(self) -> tuple[LowRank | None, LowRank | None, LowRank | None]:
-        return self.o_lora, self.gate_up_lora, self.down_lora
-
+__all__ = ["DecodeWeights", "LayerWeights"]
 
 
 class DecodeWeights:
@@ -70,8 +25,8 @@ class DecodeWeights:
     from the model that training never changes (the RoPE frequencies). It never keeps the policy
     module, so a sharded actor needs no whole float32 copy per rank for generation."""
 
-    def __init__(self, model, device: torch.device, dtype: torch.dtype):
-        sources = _decode_weight_sources(model)
+    def __init__(self, model, family: Family, device: torch.device, dtype: torch.dtype):
+        sources = _decode_weight_sources(model, family)
         names = {id(p): name for name, p in model.named_parameters()}
         b = self.buffers = {name: torch.empty(_fused_shape(parts), device=device, dtype=dtype)
                             for name, parts in sources.items()}
@@ -79,10 +34,7 @@ class DecodeWeights:
         for buffer, parts in sources.items():
             rows = itertools.accumulate((p.shape[0] for p in parts), initial=0)
             self.targets.update({names[id(p)]: (buffer, row, p.shape) for p, row in zip(parts, rows)})
-        self.layers = [LayerWeights(input_norm=b[f"{i}.input_norm"], qkv=b[f"{i}.qkv"], qkv_bias=b.get(f"{i}.qkv_bias"),
-                                    o=b[f"{i}.o"], post_norm=b[f"{i}.post_norm"], gate_up=b[f"{i}.gate_up"],
-                                    down=b[f"{i}.down"])
-                       for i in range(len(model.get_decoder().layers))]
+        self.layers = [LayerWeights.from_buffers(b, i) for i in range(len(model.get_decoder().layers))]
         self.embed, self.final_norm = b["embed"], b["final_norm"]
         self.lm_head = b.get("lm_head", self.embed)  # tied embeddings: one buffer
         rotary = model.get_decoder().rotary_emb
@@ -150,21 +102,16 @@ class DecodeWeights:
 
 
 
-def _decode_weight_sources(model) -> dict[str, list[Tensor]]:
+def _decode_weight_sources(model, family: Family) -> dict[str, list[Tensor]]:
     """Each decode weight as the module tensors it is made of, stacked by rows (fused QKV and
-    gate-up projections)."""
+    gate-up projections): the embedding, final norm and output head, and each layer's as its family
+    names them."""
     decoder = model.get_decoder()
     sources = {"embed": [decoder.embed_tokens.weight], "final_norm": [decoder.norm.weight]}
     if model.get_output_embeddings().weight is not decoder.embed_tokens.weight:
         sources["lm_head"] = [model.get_output_embeddings().weight]
     for i, layer in enumerate(decoder.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        sources.update({f"{i}.input_norm": [layer.input_layernorm.weight],
-                        f"{i}.qkv": [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
-                        f"{i}.o": [attn.o_proj.weight], f"{i}.post_norm": [layer.post_attention_layernorm.weight],
-                        f"{i}.gate_up": [mlp.gate_proj.weight, mlp.up_proj.weight], f"{i}.down": [mlp.down_proj.weight]})
-        if attn.q_proj.bias is not None:
-            sources[f"{i}.qkv_bias"] = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        sources.update({f"{i}.{name}": parts for name, parts in family.layer_sources(layer).items()})
     return sources
 
 

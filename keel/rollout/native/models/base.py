@@ -1,0 +1,107 @@
+"""What a family of decoders gives the native engine, and the weights of one decoder layer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+from torch import Tensor
+
+LowRank = tuple[Tensor, Tensor]  # LoRA's (A [r, in], B [out, r] times its scaling) of one projection
+
+STATIC_ROPE = {"default", "linear", "llama3"}  # inv_freq does not depend on the sequence length
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's decode buffers (a family fills the ones it has; the rest stay None)."""
+    input_norm: Tensor
+    qkv: Tensor                            # [(H + 2 KV) * D, hidden]
+    o: Tensor
+    post_norm: Tensor
+    qkv_bias: Tensor | None = None
+    q_norm: Tensor | None = None           # [D]: RMSNorm of each head's query and key (Qwen3)
+    k_norm: Tensor | None = None
+    gate_up: Tensor | None = None          # [2 * intermediate, hidden]: a dense gated MLP
+    down: Tensor | None = None
+    router: Tensor | None = None           # [E, hidden]: a mixture of experts instead
+    experts_gate_up: Tensor | None = None  # [E, 2 * intermediate, hidden]
+    experts_down: Tensor | None = None     # [E, hidden, intermediate]
+    # LoRA, unmerged. A fused projection's adapters are one: its parts' A stacked by rows, their B
+    # block-diagonal, so a fused matmul stays one matmul (plus two thin ones).
+    qkv_lora: LowRank | None = None
+    o_lora: LowRank | None = None
+    gate_up_lora: LowRank | None = None
+    down_lora: LowRank | None = None
+
+    @classmethod
+    def from_buffers(cls, buffers: dict[str, Tensor], layer: int) -> LayerWeights:
+        return cls(**{f.name: buffers[f"{layer}.{f.name}"] for f in fields(cls) if f"{layer}.{f.name}" in buffers})
+
+    @property
+    def adapters_after_attention(self) -> tuple[LowRank | None, LowRank | None, LowRank | None]:
+        return self.o_lora, self.gate_up_lora, self.down_lora
+
+
+ADAPTED = {"qkv": "qkv_lora", "o": "o_lora", "gate_up": "gate_up_lora", "down": "down_lora"}
+
+
+class Family(ABC):
+    """A family of decoders the engine runs: its model types, the weights of a layer (each decode
+    buffer as the module tensors it is made of, stacked by rows), and the layer's math as pure
+    functions of plain tensors around the attention kernel, which the engine compiles once for
+    every layer (torch.compile guards on shapes, not on which layer's tensors they are):
+
+    - `attention_inputs(h, *attention_args(layer), cos, sin, heads, kv_heads, eps)` -> q, k, v
+      rotated, from the layer's normed input;
+    - `after_attention[kind](x, attention, *after_attention_args(layer), next_norm, eps)` -> the
+      residual stream and the next layer's normed input, for each kind of layer the family has
+      (`layer_kind`)."""
+
+    model_types: frozenset[str] = frozenset()
+    attention_inputs: Callable
+    after_attention: dict[str, Callable]
+
+    def __init__(self, config):
+        self.config = config
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.eps = config.rms_norm_eps
+
+    def layers(self, fns, weights, x: Tensor, cos: Tensor, sin: Tensor, attend: Callable) -> Tensor:
+        """The decoder's layers over the residual stream x [N, hidden] at rotary cos/sin [N, 1, D]
+        -> the final normed hidden state [N, hidden]. The one layer loop: decoding and both prefills
+        differ only in `attend(layer index, q, k, v)`, which writes K and V to the cache and attends
+        as each needs. `fns`: the step functions, compiled or not (layers.StepFunctions)."""
+        h = fns.rms_norm(x, weights.layers[0].input_norm, self.eps)
+        for i, layer in enumerate(weights.layers):
+            q, k, v = fns.attention_inputs(h, *self.attention_args(layer), cos, sin, self.heads, self.kv_heads, self.eps)
+            attention = attend(i, q, k, v)
+            x, h = fns.after_attention[self.layer_kind(layer)](x, attention, *self.after_attention_args(layer),
+                                                               weights.norm_after(i), self.eps)
+        return h
+
+    @classmethod
+    def unsupported_reason(cls, config) -> str | None:
+        """Why this family cannot run a model of this config (one of its model types), or None."""
+        rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        if rope.get("rope_type", rope.get("type", "default")) not in STATIC_ROPE:
+            return f"rope type {rope.get('rope_type')!r} (native supports {sorted(STATIC_ROPE)})"
+        return None
+
+    @abstractmethod
+    def layer_sources(self, layer) -> dict[str, list[Tensor]]:
+        """A Hugging Face decoder layer's tensors, by LayerWeights field."""
+
+    @abstractmethod
+    def layer_kind(self, layer: LayerWeights) -> str:
+        """Which of `after_attention` the layer runs."""
+
+    @abstractmethod
+    def attention_args(self, layer: LayerWeights) -> tuple:
+        """The layer's tensors `attention_inputs` takes."""
+
+    @abstractmethod
+    def after_attention_args(self, layer: LayerWeights) -> tuple:
+        """The layer's tensors its `after_attention` function takes."""

@@ -1,0 +1,74 @@
+"""Qwen3-MoE: Qwen3's attention, and in most layers a mixture of experts in place of the MLP (a
+softmax router picks the top k of E gated SiLU experts per token; `mlp_only_layers` and
+`decoder_sparse_step` keep some layers dense).
+
+The experts run as two grouped matmuls over the (token, expert) pairs sorted by expert, with the
+group offsets computed on the device: no host synchronisation, so the step is captured in a CUDA
+graph like a dense one, and each expert's weights are read once per step whatever the batch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from keel.rollout.native.layers import attention_output_and_mlp, project, residual_add, rms_norm
+from keel.rollout.native.models.base import LayerWeights
+from keel.rollout.native.models.llama import LlamaFamily
+
+
+def routed_experts(h: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k: int, normalize: bool) -> Tensor:
+    """The mixture's output [N, hidden] for normed inputs h [N, hidden], as transformers' Qwen3-MoE
+    computes it: routing weights in float32 from the softmax over all experts, the top k
+    renormalised (`norm_topk_prob`), each expert's output scaled in the input dtype and summed."""
+    probs = F.softmax(F.linear(h, router).float(), dim=-1)                              # [N, E]
+    weights, experts = torch.topk(probs, top_k, dim=-1)                                 # [N, k]
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(h.dtype)
+    pair_expert = experts.flatten()                                                     # [N k]
+    order = torch.argsort(pair_expert, stable=True)
+    token = order // top_k
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=h.device)
+    counts.scatter_add_(0, pair_expert.int(), torch.ones_like(pair_expert, dtype=torch.int32))
+    offsets = counts.cumsum(0, dtype=torch.int32)  # where each expert's pairs end, on the device
+    gate, up = torch._grouped_mm(h[token], gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    out = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)       # [N k, hidden]
+    out = out * weights.flatten()[order, None]
+    return torch.zeros_like(h).index_add_(0, token, out)
+
+
+def attention_output_and_experts(x: Tensor, attention: Tensor, o: Tensor, post_norm: Tensor, router: Tensor,
+                                 gate_up: Tensor, down: Tensor, o_lora, top_k: int, normalize: bool,
+                                 next_norm: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """attention_output_and_mlp with the mixture of experts in place of the MLP."""
+    x = residual_add(x, project(attention, o, o_lora))
+    x = residual_add(x, routed_experts(rms_norm(x, post_norm, eps), router, gate_up, down, top_k, normalize))
+    return x, rms_norm(x, next_norm, eps)
+
+
+class Qwen3MoeFamily(LlamaFamily):
+    model_types = frozenset({"qwen3_moe"})
+    after_attention = {"mlp": attention_output_and_mlp, "experts": attention_output_and_experts}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.top_k, self.normalize = config.num_experts_per_tok, bool(config.norm_topk_prob)
+
+    def layer_sources(self, layer) -> dict[str, list[Tensor]]:
+        mlp = layer.mlp
+        if not hasattr(mlp, "experts"):  # mlp_only_layers, or off decoder_sparse_step
+            return super().layer_sources(layer)
+        sources = self.attention_sources(layer)
+        sources.update(router=[mlp.gate.weight], experts_gate_up=[mlp.experts.gate_up_proj],
+                       experts_down=[mlp.experts.down_proj])
+        return sources
+
+    def layer_kind(self, layer: LayerWeights) -> str:
+        return "mlp" if layer.router is None else "experts"
+
+    def after_attention_args(self, layer: LayerWeights) -> tuple:
+        if layer.router is None:
+            return super().after_attention_args(layer)
+        return (layer.o, layer.post_norm, layer.router, layer.experts_gate_up, layer.experts_down, layer.o_lora,
+                self.top_k, self.normalize)
