@@ -17,6 +17,7 @@ from keel import checkpoint as ckpt
 from keel.check.findings import FAIL, PASS, SKIP, WARN, Finding, Skipped, need
 from keel.check.multi_turn import check_multi_turn
 from keel.check.reward import check_reward, sandbox_finding  # noqa: F401 (sandbox_finding: tests)
+from keel.check.engine import check_rollout_engine
 from keel.check.resources import check_memory, check_sharding, check_workers
 from keel.config.plan import make_plan
 from keel.config.rules import lengths_within
@@ -212,7 +213,8 @@ def check_trackers(cfg: KeelConfig, context: dict) -> list[Finding]:
     return [Finding(PASS, "trackers", describe_tracker(name, Path(cfg.run_dir))) for name in trackers]
 
 
-CHECKS = [("tokenizer", check_tokenizer), ("model", check_model), ("data", check_data),
+CHECKS = [("tokenizer", check_tokenizer), ("model", check_model), ("rollout engine", check_rollout_engine),
+          ("data", check_data),
           ("reward", check_reward), ("multi-turn", check_multi_turn), ("run directory", check_run_dir),
           ("trackers", check_trackers),
           ("sharding", check_sharding), ("workers", check_workers),

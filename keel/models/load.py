@@ -145,11 +145,33 @@ def check_weights_match(path: str | Path, model_cfg, model: nn.Module | None) ->
         raise KeelError(WEIGHTS_BROKEN, f"{len(wrong)} tensors in {path} do not match config.json: {wrong[0]}"
                                         + (f" and {len(wrong) - 1} more" if len(wrong) > 1 else ""),
                         _config_size_fix(Path(path), [(have, shape) for _, have, shape in pairs]))
-    missing = [name for name in expected if name not in found]
+    missing = [name for name in expected if name not in found and not _built_on_load(name, found, model)]
     warning = (f"{len(missing)} of the {len(expected)} tensors the config's architecture has are not in {path}'s "
                f"weight files under their names (first: {missing[0]}): unless transformers maps them on load, they "
                "start from random values" if missing else None)
     return f"{len(found)} tensors, shapes match the config", warning
+
+
+def _built_on_load(name: str, found: dict, model: nn.Module) -> bool:
+    """Whether transformers builds tensor `name` on load from others in the files: a mixture's
+    experts are saved one by one (`mlp.experts.3.gate_proj.weight`) and stacked on load into
+    `mlp.experts.gate_up_proj`, as its conversion mapping for the architecture says."""
+    try:
+        from transformers.conversion_mapping import WeightConverter, get_model_conversion_mapping
+
+        converters = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightConverter)]
+    except ImportError:  # transformers 4: no conversions, every tensor is saved as the model holds it
+        return False
+    for converter in converters:
+        for target in converter.target_patterns:
+            if not name.endswith(target):
+                continue
+            prefix = name[:-len(target)]
+            sources = [re.compile(re.escape(prefix + source).replace(r"\*", r"\d+"))
+                       for source in converter.source_patterns]
+            if all(any(pattern.fullmatch(key) for key in found) for pattern in sources):
+                return True
+    return False
 
 
 def _config_size_fix(path: Path, shapes: list[tuple[tuple, tuple]]) -> str | None:
