@@ -28,10 +28,13 @@ class LoraPlan:
     layer_linears: tuple[str, ...]   # the leaf names every decoder layer has
     trainable: int                   # parameters that will train (adapters and modules_to_save)
     total: int                       # parameters of the model with adapters
+    frozen_other: tuple[str, ...] = ()  # a mixture's layer modules that get no adapters (experts, router, MLPs)
 
     def summary(self) -> str:
         share = self.trainable / max(self.total, 1)
-        return (f"LoRA on {', '.join(self.targets)} of every decoder layer (lm_head and embeddings frozen): "
+        frozen = (f"; {', '.join(self.frozen_other)} frozen: a mixture's experts, router and dense MLPs get no "
+                  "adapters" if self.frozen_other else "")
+        return (f"LoRA on {', '.join(self.targets)} of every decoder layer (lm_head and embeddings frozen{frozen}): "
                 f"{self.trainable:,} trainable parameters, {100 * share:.2f}% of {self.total:,}")
 
 
@@ -44,10 +47,37 @@ def decoder_linears(model: nn.Module) -> dict[str, list[str]]:
     return found
 
 
+def other_layer_weights(model: nn.Module) -> set[str]:
+    """Leaf names of modules inside the decoder's blocks that hold matrices of their own but are not
+    linear layers: a mixture's stacked experts (`experts`) and its router (`gate`)."""
+    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+            if ".layers." in f".{name}" and not isinstance(module, nn.Linear)
+            and any(p.dim() >= 2 for p in module.parameters(recurse=False))}
+
+
+MLP_NAMES = {"gate_proj", "up_proj", "down_proj"}
+
+
+def _refuse_expert_names(target_modules: list[str], key: str, linears: dict) -> None:
+    """peft (0.18 and later, on transformers 5) puts adapters named after an MLP's projections on a
+    mixture's stacked experts, which the native engine does not run; keel adapts the attention."""
+    named = sorted(MLP_NAMES & set(target_modules))
+    if named:
+        raise KeelError(LORA_TARGETS, f"{key}.target_modules names {named}: on a mixture of experts peft puts those "
+                        "adapters on the stacked experts, which keel's LoRA does not adapt (the experts and any dense "
+                        f"MLP stay frozen; the attention's projections {sorted(set(linears) - MLP_NAMES)} train)",
+                        f"set {setting(key + '.target_modules', ALL_LINEAR)}")
+
+
 def plan_lora(model: nn.Module, rank: int, target_modules: list[str], exclude_modules: list[str],
               modules_to_save: list[str], key: str) -> LoraPlan:
     """The plan, or a KeelError (trap 7) saying what the model has."""
     linears = decoder_linears(model)
+    others = other_layer_weights(model)
+    if "experts" in others:  # a mixture: its dense MLPs' names are the experts' names to peft
+        _refuse_expert_names(target_modules, key, linears)
+        others |= MLP_NAMES & set(linears)
+        linears = {leaf: names for leaf, names in linears.items() if leaf not in MLP_NAMES}
     wanted = set(linears) if target_modules == [ALL_LINEAR] else set(target_modules)
     excluded = {leaf for leaf in linears for pattern in exclude_modules if fnmatch.fnmatchcase(leaf, pattern)}
     tied = getattr(model.config, "tie_word_embeddings", False)
@@ -56,6 +86,12 @@ def plan_lora(model: nn.Module, rank: int, target_modules: list[str], exclude_mo
         kept = [t for t in target_modules if t not in outside] or [ALL_LINEAR]
         raise KeelError(LORA_TARGETS, f"{key}.target_modules names {outside}: with tied embeddings an adapter on "
                         "lm_head or the embedding would untie them", f"set {setting(key + '.target_modules', kept)}")
+    if set(outside) & others:
+        raise KeelError(LORA_TARGETS, f"{key}.target_modules names {sorted(set(outside) & others)}: a mixture's "
+                        "stacked experts and router are not linear layers, and keel's LoRA adapts linear layers only "
+                        f"(this model's are {sorted(linears)})",
+                        f"set {setting(key + '.target_modules', ALL_LINEAR)} (the attention's projections; the experts "
+                        "stay frozen)")
     if outside:
         raise KeelError(LORA_TARGETS, f"{key}.target_modules={target_modules} names {outside}, which this model's "
                         f"decoder layers do not have; they have {sorted(linears)}",
@@ -76,7 +112,7 @@ def plan_lora(model: nn.Module, rank: int, target_modules: list[str], exclude_mo
                 if any(fnmatch.fnmatchcase(name.rsplit(".", 1)[0].rsplit(".", 1)[-1], pattern)
                        for pattern in modules_to_save))
     total = sum(p.numel() for p in model.parameters()) + per_target
-    return LoraPlan(tuple(targets), tuple(sorted(linears)), per_target + saved, total)
+    return LoraPlan(tuple(targets), tuple(sorted(linears)), per_target + saved, total, tuple(sorted(others)))
 
 
 def apply_lora(model: nn.Module, plan: LoraPlan, rank: int, alpha: int, modules_to_save: list[str],

@@ -188,3 +188,18 @@ def test_a_ppo_run_with_lora_on_both_models_learns_values(tiny_config):
     steps = metrics(train(cfg).run_dir)
     assert len(steps) == 3 and all(math.isfinite(m["critic/vf_loss"]) for m in steps)
     assert steps[-1]["critic/vf_loss"] < steps[0]["critic/vf_loss"]  # the value head and adapters learn
+
+
+@pytest.mark.parametrize("arch, lora", [("qwen3", True), ("qwen3_moe", True), ("qwen3_moe", False)])
+def test_each_native_family_trains_and_its_engine_samples_what_the_trainer_computes(tiny_config, tmp_path, arch, lora):
+    """Qwen3 and Qwen3-MoE on the native engine through `keel.train`: after every update (adapters
+    only, or every weight, experts included) the engine's sampled log-probs are the trainer's."""
+    from keel.models.tiny import make_tiny_model
+
+    cfg = lora_config(tiny_config) if lora else tiny_config
+    cfg["actor_rollout_ref"]["model"]["path"] = str(make_tiny_model(tmp_path / arch, arch=arch, hidden_size=32))
+    cfg["actor_rollout_ref"]["rollout"]["name"] = "native"
+    cfg["trainer"]["total_training_steps"] = 3
+    steps = [m for m in metrics(train(cfg).run_dir) if "actor/pg_loss" in m]  # not the validation's
+    assert len(steps) == 3 and all(math.isfinite(m["actor/pg_loss"]) for m in steps)
+    assert all(m["rollout/log_prob_gap"] < 1e-4 for m in steps)

@@ -8,7 +8,9 @@ from keel.models.load import load_critic
 from keel.models.tiny import make_tiny_model
 
 
-@pytest.mark.parametrize("arch, expected_class", [("qwen2", "Qwen2ForCausalLM"), ("llama", "LlamaForCausalLM")])
+@pytest.mark.parametrize("arch, expected_class", [("qwen2", "Qwen2ForCausalLM"), ("llama", "LlamaForCausalLM"),
+                                                 ("qwen3", "Qwen3ForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM"),
+                                                 ("gemma3_text", "Gemma3ForCausalLM")])
 def test_tiny_model_loads_like_any_hugging_face_checkpoint(arch, expected_class, tmp_path):
     path = make_tiny_model(tmp_path / arch, arch=arch, hidden_size=32)
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -75,3 +77,24 @@ def test_a_random_weights_directory_builds_the_same_model_every_time(tmp_path):
     first, second = (load_causal_lm(tmp_path, torch.device("cpu")) for _ in range(2))
     assert all(torch.equal(p, q) for p, q in zip(first.parameters(), second.parameters()))
     assert first.model.layers[1].mlp.up_proj.weight.std() > 0 and next(first.parameters()).dtype == torch.float32
+
+
+def test_lora_on_a_mixture_of_experts_names_what_stays_frozen_and_refuses_experts_as_targets():
+    """On a mixture keel adapts the attention: all-linear says the experts, router and dense MLPs
+    stay frozen; naming them is refused with the fix, not 'not found'."""
+    from keel.errors import LORA_TARGETS, KeelError
+    from keel.models.load import meta_model
+    from keel.models.lora import plan_lora
+    from keel.models.tiny import build_model_config
+
+    model = meta_model(build_model_config("qwen3_moe"))
+    plan = plan_lora(model, 8, ["all-linear"], [], [], "actor_rollout_ref.model")
+    assert plan.targets == ("k_proj", "o_proj", "q_proj", "v_proj")
+    assert {"experts", "gate", "gate_proj"} <= set(plan.frozen_other) and "experts" in plan.summary()
+    # the router and experts are not linear layers; peft would put gate_proj's adapters on the experts
+    for named, why in ((["experts"], "not linear layers"), (["q_proj", "gate"], "not linear layers"),
+                       (["q_proj", "gate_proj"], "stacked experts")):
+        with pytest.raises(KeelError) as refused:
+            plan_lora(model, 8, named, [], [], "actor_rollout_ref.model")
+        assert refused.value.code == LORA_TARGETS and why in refused.value.message
+        assert "target_modules=all-linear" in refused.value.fix

@@ -384,3 +384,24 @@ def test_triton_decode_attention_matches_sdpa_under_the_interpreter():
     done = subprocess.run([sys.executable, "-c", INTERPRETED_ATTENTION], env=env, capture_output=True, text=True,
                           timeout=1800)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("grouped", [True, False])  # grouped matmuls, or every expert masked (float32 on a GPU)
+def test_routed_experts_equal_transformers_mixture_block(grouped):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from keel.models.tiny import build_model_config
+    from keel.rollout.native.models.qwen3_moe import routed_experts
+
+    config = build_model_config("qwen3_moe", hidden_size=64)
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(std=0.3)
+    h = torch.randn(37, 64)
+    expected = block(h[None])[0]
+    ours = routed_experts(h, block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj,
+                          config.num_experts_per_tok, config.norm_topk_prob, grouped)
+    assert expected.abs().mean() > 0.1  # the experts contribute: a comparison that can fail
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)

@@ -8,6 +8,8 @@ graph like a dense one, and each expert's weights are read once per step whateve
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -17,7 +19,33 @@ from keel.rollout.native.models.base import LayerWeights
 from keel.rollout.native.models.llama import LlamaFamily
 
 
-def routed_experts(h: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k: int, normalize: bool) -> Tensor:
+@cache
+def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped matmul takes this device and dtype (CUDA's wants bf16 on recent
+    GPUs; CPU takes any), tried once on a small problem."""
+    try:
+        x = torch.ones(16, 16, device=device_type, dtype=dtype)
+        torch._grouped_mm(x, torch.ones(2, 16, 16, device=device_type, dtype=dtype),
+                          offs=torch.tensor([8, 16], dtype=torch.int32, device=device_type))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor, expert_of_row: Tensor, grouped: bool) -> Tensor:
+    """Rows of x [M, in], sorted by expert, each times its expert's weight [E, out, in]^T. Where the
+    grouped matmul does not run (float32 on a GPU: tests), every expert over every row, each row
+    keeping its own expert's result: E times the work, still without a host sync."""
+    if grouped:
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    out = x.new_zeros(x.shape[0], weight.shape[1])
+    for expert in range(weight.shape[0]):
+        out = torch.where((expert_of_row == expert)[:, None], F.linear(x, weight[expert]), out)
+    return out
+
+
+def routed_experts(h: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k: int, normalize: bool,
+                   grouped: bool = True) -> Tensor:
     """The mixture's output [N, hidden] for normed inputs h [N, hidden], as transformers' Qwen3-MoE
     computes it: routing weights in float32 from the softmax over all experts, the top k
     renormalised (`norm_topk_prob`), each expert's output scaled in the input dtype and summed."""
@@ -32,18 +60,20 @@ def routed_experts(h: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top
     counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=h.device)
     counts.scatter_add_(0, pair_expert.int(), torch.ones_like(pair_expert, dtype=torch.int32))
     offsets = counts.cumsum(0, dtype=torch.int32)  # where each expert's pairs end, on the device
-    gate, up = torch._grouped_mm(h[token], gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-    out = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)       # [N k, hidden]
+    expert_of_row = pair_expert[order]
+    gate, up = grouped_linear(h[token], gate_up, offsets, expert_of_row, grouped).chunk(2, dim=-1)
+    out = grouped_linear(F.silu(gate) * up, down, offsets, expert_of_row, grouped)        # [N k, hidden]
     out = out * weights.flatten()[order, None]
     return torch.zeros_like(h).index_add_(0, token, out)
 
 
 def attention_output_and_experts(x: Tensor, attention: Tensor, o: Tensor, post_norm: Tensor, router: Tensor,
-                                 gate_up: Tensor, down: Tensor, o_lora, top_k: int, normalize: bool,
+                                 gate_up: Tensor, down: Tensor, o_lora, top_k: int, normalize: bool, grouped: bool,
                                  next_norm: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """attention_output_and_mlp with the mixture of experts in place of the MLP."""
     x = residual_add(x, project(attention, o, o_lora))
-    x = residual_add(x, routed_experts(rms_norm(x, post_norm, eps), router, gate_up, down, top_k, normalize))
+    x = residual_add(x, routed_experts(rms_norm(x, post_norm, eps), router, gate_up, down, top_k, normalize,
+                                       grouped))
     return x, rms_norm(x, next_norm, eps)
 
 
@@ -70,5 +100,6 @@ class Qwen3MoeFamily(LlamaFamily):
     def after_attention_args(self, layer: LayerWeights) -> tuple:
         if layer.router is None:
             return super().after_attention_args(layer)
-        return (layer.o, layer.post_norm, layer.router, layer.experts_gate_up, layer.experts_down, layer.o_lora,
-                self.top_k, self.normalize)
+        experts = layer.experts_gate_up
+        return (layer.o, layer.post_norm, layer.router, experts, layer.experts_down, layer.o_lora, self.top_k,
+                self.normalize, grouped_mm_runs(experts.device.type, experts.dtype))
