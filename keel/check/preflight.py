@@ -117,7 +117,8 @@ def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
                                       f"over the policy's max_position_embeddings={limit}",
                         lengths_within(cfg, limit, "the policy's max_position_embeddings") + ", or use a model with "
                         "a longer context (rollout.max_model_len cannot go past the model's positions)")
-    from keel.models.load import check_weights_match, meta_model
+    from keel.models.load import meta_model
+    from keel.models.weight_check import check_weights_match
 
     found = check_special_tokens(tokenizer, model_cfg, path, context.get("pad_from_eos"))
     try:  # built once: the weights check compares its shapes, the memory estimate counts its parameters
