@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from keel.rollout.native.layers import grouped_attention, rope
+from keel.rollout.native.layers import grouped_attention, within_window
 from keel.rollout.native.sampling import sample
 from keel.rollout.native.state import Clock, capture
 from keel.types import SamplingParams
@@ -290,17 +290,17 @@ class ContinuousBatcher:
         real = torch.arange(width, device=device) < lengths[:, None]
         piece_of, column_of = real.nonzero(as_tuple=True)
         cache_rows, cache_columns = rows[piece_of], positions[piece_of, column_of]
-        x = F.embedding(ids.to(device), w.embed).flatten(0, 1)                                   # [u m, H]
-        cos, sin = rope(positions.flatten(), w.inv_freq, w.rope_scale, e.dtype)
+        x = F.embedding(ids.to(device), w.embed).flatten(0, 1) * e.family.embed_scale              # [u m, H]
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             q, k, v = (t.view(u, width, t.shape[1], t.shape[-1]) for t in (q, k, v))          # [u, m, *, D]
             s.k[i][cache_rows, :, cache_columns] = k[piece_of, column_of]
             s.v[i][cache_rows, :, cache_columns] = v[piece_of, column_of]
-            attention = grouped_attention(q.transpose(1, 2), s.k[i][rows, :, :end], s.v[i][rows, :, :end], visible)
+            seen = within_window(visible, positions, end, e.family.window(i))
+            attention = grouped_attention(q.transpose(1, 2), s.k[i][rows, :, :end], s.v[i][rows, :, :end], seen)
             return attention.transpose(1, 2).reshape(x.shape[0], -1)
 
-        h = e.family.layers(e.eager, w, x, cos, sin, attend)
+        h = e.family.layers(e.eager, w, x, positions.flatten(), attend)
         last = h.view(u, width, -1)[torch.arange(u, device=device), lengths - 1]
         return F.linear(last, w.lm_head)
 

@@ -30,7 +30,7 @@ from keel.models.load import can_compile
 from keel.rollout.assemble import assemble_batch, stop_token_ids
 from keel.rollout.native.attention import sdpa_decode_attention, triton_available, triton_decode_attention
 from keel.rollout.native.batching import ContinuousBatcher
-from keel.rollout.native.layers import StepFunctions, grouped_attention, prompt_visibility, rope
+from keel.rollout.native.layers import StepFunctions, grouped_attention, prompt_visibility, window_start, within_window
 from keel.rollout.native.models import family_for
 from keel.rollout.native.sampling import sample
 from keel.rollout.native.state import Clock, DecodeGraph, DecodeState, KeptCache
@@ -249,11 +249,11 @@ class NativeRolloutEngine:
         unpadded = bool(mask.all())  # one host sync per pass
         for begin in range(0, prompt_len, piece):
             end = min(begin + piece, prompt_len)
-            x = F.embedding(ids[:, begin:end], w.embed).flatten(0, 1)                       # [N, H]
-            cos, sin = rope(positions[:, begin:end].flatten(), w.inv_freq, w.rope_scale, self.dtype)
+            x = F.embedding(ids[:, begin:end], w.embed).flatten(0, 1) * self.family.embed_scale  # [N, H]
             # No mask where plain causal attention is right: SDPA may then use its flash kernel,
             # and no [u, L, end] mask is built.
             visible = None if unpadded and begin == 0 else prompt_visibility(mask[:, :end].bool(), begin)
+            queries = torch.arange(begin, end, device=ids.device)
 
             def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
                 q, k, v = (t.view(u, end - begin, t.shape[1], t.shape[-1]).transpose(1, 2) for t in (q, k, v))
@@ -261,10 +261,11 @@ class NativeRolloutEngine:
                 state.v[i][slots, :, begin:end] = v[prompt_of_slot]
                 if begin > 0:  # earlier pieces' K/V too, as the cache holds them
                     k, v = state.k[i][first_slots, :, :end], state.v[i][first_slots, :, :end]
-                attention = grouped_attention(q, k, v, visible)                                 # [u, H, L, D]
+                seen = within_window(visible, queries, end, self.family.window(i))
+                attention = grouped_attention(q, k, v, seen)                                    # [u, H, L, D]
                 return attention.transpose(1, 2).reshape(x.shape[0], -1)                        # [N, H * D]
 
-            h = self.family.layers(self.eager, w, x, cos, sin, attend)
+            h = self.family.layers(self.eager, w, x, positions[:, begin:end].flatten(), attend)
         return h.view(u, end - begin, -1)[:, -1]
 
     def _decode_step_fn(self, state: DecodeState, params: SamplingParams):
@@ -292,11 +293,15 @@ class NativeRolloutEngine:
         kernel launches and bytes read, not FLOPs."""
         f = self.kernels
         w = self.weights
-        x, cos, sin, visible = f.step_inputs(last_token, pad, column, k_cache[0].shape[2], w.embed, w.inv_freq,
-                                             w.rope_scale)
+        x, positions, visible = f.step_inputs(last_token, pad, column, k_cache[0].shape[2], w.embed,
+                                              self.family.embed_scale)
+        columns = torch.arange(k_cache[0].shape[2], device=pad.device)
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # also writes k, v to the cache
-            return self.attention(q, k, v, k_cache[i], v_cache[i], pad, column, visible, rows)
+            window = self.family.window(i)
+            first = window_start(pad, column, window)  # the Triton kernel's; SDPA's is in its mask
+            seen = visible if window is None else visible & (columns >= first[:, None])[:, None, None]
+            return self.attention(q, k, v, k_cache[i], v_cache[i], first, column, seen, rows)
 
-        h = self.family.layers(f, w, x, cos, sin, attend)
+        h = self.family.layers(f, w, x, positions, attend)
         return F.linear(h, w.lm_head)

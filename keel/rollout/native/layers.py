@@ -29,22 +29,22 @@ class StepFunctions:
             return torch.compile(fn, fullgraph=True, mode=mode) if compiled else fn
 
         self.step_inputs = prepared(step_inputs)
-        self.rms_norm = prepared(rms_norm)
+        self.rope = prepared(rope)
+        self.norm = prepared(family.norm)
         self.attention_inputs = prepared(family.attention_inputs)
         self.after_attention = {kind: prepared(fn) for kind, fn in family.after_attention.items()}
         self.pickers = Pickers(prepared(pick_token), prepared(pick_blocked))
 
 
-def step_inputs(last_token: Tensor, pad: Tensor, column: Tensor, cache_len: int, embed: Tensor, inv_freq: Tensor,
-                 rope_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Embeddings [B, hidden], RoPE cos/sin [B, 1, D] at each row's position (left padding
-    skipped), and the visible cache columns [B, 1, 1, L]. `column`: the cache column of this
-    step's token, one for the batch [1] or each row's own [B]."""
+def step_inputs(last_token: Tensor, pad: Tensor, column: Tensor, cache_len: int, embed: Tensor, embed_scale: float
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """Embeddings [B, hidden] (times the family's scale), each row's position [B] (left padding
+    skipped) and the visible cache columns [B, 1, 1, L]. `column`: the cache column of this step's
+    token, one for the batch [1] or each row's own [B]."""
     positions = column - pad                                                    # [B]
     cols = torch.arange(cache_len, device=pad.device)
     visible = ((cols >= pad[:, None]) & (cols <= column[:, None]))[:, None, None]  # [B, 1, 1, L]
-    cos, sin = rope(positions, inv_freq, rope_scale, embed.dtype)
-    return F.embedding(last_token, embed), cos, sin, visible
+    return F.embedding(last_token, embed) * embed_scale, positions, visible
 
 
 
@@ -59,8 +59,8 @@ def project(x: Tensor, weight: Tensor, low_rank: tuple[Tensor, Tensor] | None, b
 
 
 
-def attention_inputs(h: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | None, qkv_lora, q_norm: Tensor | None,
-                     k_norm: Tensor | None, cos: Tensor, sin: Tensor, heads: int, kv_heads: int, eps: float
+def attention_inputs(h: Tensor, cos: Tensor, sin: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | None, qkv_lora,
+                     q_norm: Tensor | None, k_norm: Tensor | None, heads: int, kv_heads: int, eps: float
                      ) -> tuple[Tensor, Tensor, Tensor]:
     """q [B, H, 1, D] and k [B, KV, 1, D] rotated, v [B, KV, 1, D], from the normed hidden state;
     each head's query and key RMS-normed first where the layer has those norms (Qwen3)."""
@@ -76,8 +76,8 @@ def attention_inputs(h: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | None, qkv
 
 
 
-def attention_output_and_mlp(x: Tensor, attention: Tensor, o: Tensor, post_norm: Tensor, gate_up: Tensor,
-                             down: Tensor, low_rank, next_norm: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def attention_output_and_mlp(x: Tensor, attention: Tensor, next_norm: Tensor, o: Tensor, post_norm: Tensor,
+                             gate_up: Tensor, down: Tensor, low_rank, eps: float) -> tuple[Tensor, Tensor]:
     """The rest of a decoder layer: output projection and residual, the gated MLP and residual;
     also the next layer's normed input, so the residual stream is read once. `low_rank`: LoRA's
     (o, gate_up, down) adapters, or Nones. Plain tensors, not the LayerWeights, so torch.compile
@@ -129,6 +129,23 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None) -
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=visible is None)
 
+
+
+def within_window(visible: Tensor | None, query_columns: Tensor, end: int, window: int | None) -> Tensor | None:
+    """A prefill's mask narrowed to a sliding window: queries at cache columns `query_columns`
+    ([L], or [u, L] each row's own) see keys no more than `window` - 1 columns back. `visible`:
+    the mask without the window ([u, 1, L, end], or None for plain causal attention)."""
+    if window is None or end <= window:
+        return visible
+    keys = torch.arange(end, device=query_columns.device)
+    near = (keys > query_columns[..., None] - window) & (keys <= query_columns[..., None])   # [(u,) L, end]
+    near = near[:, None] if near.dim() == 3 else near
+    return near if visible is None else visible & near
+
+
+def window_start(pad: Tensor, column: Tensor, window: int | None) -> Tensor:
+    """The first cache column a decoding row sees: past its padding, and within a sliding window."""
+    return pad if window is None else torch.maximum(pad, column - window + 1)
 
 
 def prompt_visibility(key_mask: Tensor, begin: int) -> Tensor:

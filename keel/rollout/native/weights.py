@@ -37,9 +37,8 @@ class DecodeWeights:
         self.layers = [LayerWeights.from_buffers(b, i) for i in range(len(model.get_decoder().layers))]
         self.embed, self.final_norm = b["embed"], b["final_norm"]
         self.lm_head = b.get("lm_head", self.embed)  # tied embeddings: one buffer
-        rotary = model.get_decoder().rotary_emb
-        self.inv_freq = rotary.inv_freq.detach().to(device, torch.float32)
-        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        self.rotary = {kind: (inv_freq.detach().to(device, torch.float32), scale)
+                       for kind, (inv_freq, scale) in family.rotary_frequencies(model).items()}
 
     def norm_after(self, layer: int) -> Tensor:
         """The norm applied to layer `layer`'s output: the next layer's input norm, or the final one."""

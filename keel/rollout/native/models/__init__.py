@@ -6,12 +6,13 @@ a line in FAMILIES."""
 from __future__ import annotations
 
 from keel.rollout.native.models.base import Family, LayerWeights
+from keel.rollout.native.models.gemma3 import Gemma3Family
 from keel.rollout.native.models.llama import LlamaFamily
 from keel.rollout.native.models.qwen3_moe import Qwen3MoeFamily
 
 __all__ = ["FAMILIES", "Family", "LayerWeights", "family_for", "unsupported_reason"]
 
-FAMILIES: dict[str, type[Family]] = {model_type: family for family in (LlamaFamily, Qwen3MoeFamily)
+FAMILIES: dict[str, type[Family]] = {model_type: family for family in (LlamaFamily, Qwen3MoeFamily, Gemma3Family)
                                      for model_type in family.model_types}
 
 

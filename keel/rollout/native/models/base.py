@@ -8,6 +8,8 @@ from dataclasses import dataclass, fields
 
 from torch import Tensor
 
+from keel.rollout.native.layers import rms_norm
+
 LowRank = tuple[Tensor, Tensor]  # LoRA's (A [r, in], B [out, r] times its scaling) of one projection
 
 STATIC_ROPE = {"default", "linear", "llama3"}  # inv_freq does not depend on the sequence length
@@ -25,6 +27,8 @@ class LayerWeights:
     k_norm: Tensor | None = None
     gate_up: Tensor | None = None          # [2 * intermediate, hidden]: a dense gated MLP
     down: Tensor | None = None
+    pre_mlp_norm: Tensor | None = None     # Gemma 3: norms before the MLP and after it
+    post_mlp_norm: Tensor | None = None
     router: Tensor | None = None           # [E, hidden]: a mixture of experts instead
     experts_gate_up: Tensor | None = None  # [E, 2 * intermediate, hidden]
     experts_down: Tensor | None = None     # [E, hidden, intermediate]
@@ -53,15 +57,21 @@ class Family(ABC):
     functions of plain tensors around the attention kernel, which the engine compiles once for
     every layer (torch.compile guards on shapes, not on which layer's tensors they are):
 
-    - `attention_inputs(h, *attention_args(layer), cos, sin, heads, kv_heads, eps)` -> q, k, v
-      rotated, from the layer's normed input;
-    - `after_attention[kind](x, attention, *after_attention_args(layer), next_norm, eps)` -> the
+    - `attention_inputs(h, cos, sin, *attention_args(layer))` -> q, k, v rotated, from the
+      layer's normed input;
+    - `after_attention[kind](x, attention, next_norm, *after_attention_args(layer))` -> the
       residual stream and the next layer's normed input, for each kind of layer the family has
-      (`layer_kind`)."""
+      (`layer_kind`);
+    - `norm(x, weight, eps)`: its RMSNorm (the first layer's input norm is applied with it).
+
+    Where layers differ in their rotary frequencies or see a sliding window of the cache (Gemma 3),
+    `rope_kind(i)` and `window(i)` say so."""
 
     model_types: frozenset[str] = frozenset()
     attention_inputs: Callable
     after_attention: dict[str, Callable]
+    norm: Callable = staticmethod(rms_norm)
+    embed_scale: float = 1.0  # the embedding's output times this (exact for 1.0)
 
     def __init__(self, config):
         self.config = config
@@ -69,18 +79,33 @@ class Family(ABC):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.eps = config.rms_norm_eps
 
-    def layers(self, fns, weights, x: Tensor, cos: Tensor, sin: Tensor, attend: Callable) -> Tensor:
-        """The decoder's layers over the residual stream x [N, hidden] at rotary cos/sin [N, 1, D]
+    def layers(self, fns, weights, x: Tensor, positions: Tensor, attend: Callable) -> Tensor:
+        """The decoder's layers over the residual stream x [N, hidden] of tokens at `positions` [N]
         -> the final normed hidden state [N, hidden]. The one layer loop: decoding and both prefills
         differ only in `attend(layer index, q, k, v)`, which writes K and V to the cache and attends
         as each needs. `fns`: the step functions, compiled or not (layers.StepFunctions)."""
-        h = fns.rms_norm(x, weights.layers[0].input_norm, self.eps)
+        rotary = {kind: fns.rope(positions, inv_freq, scale, x.dtype)
+                  for kind, (inv_freq, scale) in weights.rotary.items()}  # [N, 1, D] cos and sin of each kind
+        h = fns.norm(x, weights.layers[0].input_norm, self.eps)
         for i, layer in enumerate(weights.layers):
-            q, k, v = fns.attention_inputs(h, *self.attention_args(layer), cos, sin, self.heads, self.kv_heads, self.eps)
+            q, k, v = fns.attention_inputs(h, *rotary[self.rope_kind(i)], *self.attention_args(layer))
             attention = attend(i, q, k, v)
-            x, h = fns.after_attention[self.layer_kind(layer)](x, attention, *self.after_attention_args(layer),
-                                                               weights.norm_after(i), self.eps)
+            x, h = fns.after_attention[self.layer_kind(layer)](x, attention, weights.norm_after(i),
+                                                               *self.after_attention_args(layer))
         return h
+
+    def rotary_frequencies(self, model) -> dict[str, tuple[Tensor, float]]:
+        """RoPE's inverse frequencies and output scale of each kind of layer, read once from the
+        model (training never changes them)."""
+        rotary = model.get_decoder().rotary_emb
+        return {"default": (rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)))}
+
+    def rope_kind(self, layer: int) -> str:
+        return "default"
+
+    def window(self, layer: int) -> int | None:
+        """The cache columns a query of this layer sees back from its own (sliding window), or None: all."""
+        return None
 
     @classmethod
     def unsupported_reason(cls, config) -> str | None:
@@ -100,8 +125,8 @@ class Family(ABC):
 
     @abstractmethod
     def attention_args(self, layer: LayerWeights) -> tuple:
-        """The layer's tensors `attention_inputs` takes."""
+        """What `attention_inputs` takes after h, cos and sin: the layer's tensors, then constants."""
 
     @abstractmethod
     def after_attention_args(self, layer: LayerWeights) -> tuple:
-        """The layer's tensors its `after_attention` function takes."""
+        """What its `after_attention` function takes after x, attention and the next norm."""

@@ -48,8 +48,8 @@ class LlamaFamily(Family):
         return "mlp"
 
     def attention_args(self, layer: LayerWeights) -> tuple:
-        return layer.qkv, layer.qkv_bias, layer.qkv_lora, layer.q_norm, layer.k_norm
+        return layer.qkv, layer.qkv_bias, layer.qkv_lora, layer.q_norm, layer.k_norm, self.heads, self.kv_heads, self.eps
 
     def after_attention_args(self, layer: LayerWeights) -> tuple:
-        return layer.o, layer.post_norm, layer.gate_up, layer.down, layer.adapters_after_attention
+        return layer.o, layer.post_norm, layer.gate_up, layer.down, layer.adapters_after_attention, self.eps
 

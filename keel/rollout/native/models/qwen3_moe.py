@@ -67,9 +67,9 @@ def routed_experts(h: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top
     return torch.zeros_like(h).index_add_(0, token, out)
 
 
-def attention_output_and_experts(x: Tensor, attention: Tensor, o: Tensor, post_norm: Tensor, router: Tensor,
-                                 gate_up: Tensor, down: Tensor, o_lora, top_k: int, normalize: bool, grouped: bool,
-                                 next_norm: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def attention_output_and_experts(x: Tensor, attention: Tensor, next_norm: Tensor, o: Tensor, post_norm: Tensor,
+                                 router: Tensor, gate_up: Tensor, down: Tensor, o_lora, top_k: int, normalize: bool,
+                                 grouped: bool, eps: float) -> tuple[Tensor, Tensor]:
     """attention_output_and_mlp with the mixture of experts in place of the MLP."""
     x = residual_add(x, project(attention, o, o_lora))
     x = residual_add(x, routed_experts(rms_norm(x, post_norm, eps), router, gate_up, down, top_k, normalize,
@@ -102,4 +102,4 @@ class Qwen3MoeFamily(LlamaFamily):
             return super().after_attention_args(layer)
         experts = layer.experts_gate_up
         return (layer.o, layer.post_norm, layer.router, experts, layer.experts_down, layer.o_lora, self.top_k,
-                self.normalize, grouped_mm_runs(experts.device.type, experts.dtype))
+                self.normalize, grouped_mm_runs(experts.device.type, experts.dtype), self.eps)

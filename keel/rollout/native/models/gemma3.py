@@ -1,0 +1,105 @@
+"""Gemma 3 (text): sliding-window and global attention layers in turn (each kind with its own RoPE
+base), RMSNorm on each head's query and key, four norms a layer (before and after the attention
+and the MLP), Gemma's RMSNorm (x times 1 + w, in float32), the embedding scaled by sqrt(hidden),
+a GELU-tanh gated MLP, and queries scaled by query_pre_attn_scalar."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from keel.rollout.native.layers import applyrope, project, residual_add
+from keel.rollout.native.models.base import STATIC_ROPE, Family, LayerWeights
+
+
+def gemma_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Gemma's RMSNorm: scaled by 1 + w, all in float32, then cast (Llama casts before scaling)."""
+    return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def gemma_attention_inputs(h: Tensor, cos: Tensor, sin: Tensor, qkv_weight: Tensor, qkv_lora, q_norm: Tensor,
+                           k_norm: Tensor, heads: int, kv_heads: int, eps: float, query_scale: float
+                           ) -> tuple[Tensor, Tensor, Tensor]:
+    """q [B, H, 1, D], k and v [B, KV, 1, D]: each head's query and key normed, then rotated; the
+    query scaled so that the kernels' 1/sqrt(D) makes query_pre_attn_scalar's scale."""
+    batch, head_dim = h.shape[0], cos.shape[-1]
+    qkv = project(h, qkv_weight, qkv_lora)
+    kv_size = kv_heads * head_dim
+    qk = qkv[:, :-kv_size].view(batch, heads + kv_heads, head_dim)
+    qk = torch.cat([gemma_norm(qk[:, :heads], q_norm, eps), gemma_norm(qk[:, heads:], k_norm, eps)], dim=1)
+    qk = applyrope(qk, cos, sin)
+    q = qk[:, :heads] if query_scale == 1.0 else qk[:, :heads] * query_scale
+    return q.unsqueeze(2), qk[:, heads:].unsqueeze(2), qkv[:, -kv_size:].view(batch, kv_heads, 1, head_dim)
+
+
+def gemma_attention_output_and_mlp(x: Tensor, attention: Tensor, next_norm: Tensor, o: Tensor, post_norm: Tensor,
+                                   pre_mlp_norm: Tensor, gate_up: Tensor, down: Tensor, post_mlp_norm: Tensor,
+                                   low_rank, eps: float) -> tuple[Tensor, Tensor]:
+    """The rest of a Gemma 3 layer: the attention's output normed before its residual add, the MLP
+    between its two norms, and the next layer's normed input."""
+    o_lora, gate_up_lora, down_lora = low_rank
+    x = residual_add(x, gemma_norm(project(attention, o, o_lora), post_norm, eps))
+    gate, up = project(gemma_norm(x, pre_mlp_norm, eps), gate_up, gate_up_lora).chunk(2, dim=-1)
+    mlp = project(F.gelu(gate, approximate="tanh") * up, down, down_lora)
+    x = residual_add(x, gemma_norm(mlp, post_mlp_norm, eps))
+    return x, gemma_norm(x, next_norm, eps)
+
+
+class Gemma3Family(Family):
+    model_types = frozenset({"gemma3_text"})
+    attention_inputs = staticmethod(gemma_attention_inputs)
+    after_attention = {"mlp": gemma_attention_output_and_mlp}
+    norm = staticmethod(gemma_norm)
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed_scale = config.hidden_size ** 0.5
+        self.query_scale = config.query_pre_attn_scalar ** -0.5 / self.head_dim ** -0.5
+
+    @classmethod
+    def unsupported_reason(cls, config) -> str | None:
+        if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
+            return "soft-capped logits"
+        if getattr(config, "use_bidirectional_attention", False):
+            return "bidirectional attention"
+        if getattr(config, "hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            return f"activation {config.hidden_activation!r}"
+        if getattr(config, "attention_bias", False):
+            return "biases on the attention's projections"
+        kinds = (getattr(config, "rope_parameters", None) or {}).values()
+        rope_types = {(kind or {}).get("rope_type", "default") for kind in kinds}
+        if not rope_types <= STATIC_ROPE:
+            return f"rope types {sorted(rope_types)} (native supports {sorted(STATIC_ROPE)})"
+        return None
+
+    def rotary_frequencies(self, model) -> dict[str, tuple[Tensor, float]]:
+        rotary = model.get_decoder().rotary_emb
+        return {kind: (getattr(rotary, f"{kind}_inv_freq"), float(getattr(rotary, f"{kind}_attention_scaling", 1.0)))
+                for kind in set(self.config.layer_types)}
+
+    def rope_kind(self, layer: int) -> str:
+        return self.config.layer_types[layer]
+
+    def window(self, layer: int) -> int | None:
+        return self.config.sliding_window if self.config.layer_types[layer] == "sliding_attention" else None
+
+    def layer_sources(self, layer) -> dict[str, list[Tensor]]:
+        attn, mlp = layer.self_attn, layer.mlp
+        return {"input_norm": [layer.input_layernorm.weight], "post_norm": [layer.post_attention_layernorm.weight],
+                "pre_mlp_norm": [layer.pre_feedforward_layernorm.weight],
+                "post_mlp_norm": [layer.post_feedforward_layernorm.weight],
+                "qkv": [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], "o": [attn.o_proj.weight],
+                "q_norm": [attn.q_norm.weight], "k_norm": [attn.k_norm.weight],
+                "gate_up": [mlp.gate_proj.weight, mlp.up_proj.weight], "down": [mlp.down_proj.weight]}
+
+    def layer_kind(self, layer: LayerWeights) -> str:
+        return "mlp"
+
+    def attention_args(self, layer: LayerWeights) -> tuple:
+        return (layer.qkv, layer.qkv_lora, layer.q_norm, layer.k_norm, self.heads, self.kv_heads, self.eps,
+                self.query_scale)
+
+    def after_attention_args(self, layer: LayerWeights) -> tuple:
+        return (layer.o, layer.post_norm, layer.pre_mlp_norm, layer.gate_up, layer.down, layer.post_mlp_norm,
+                layer.adapters_after_attention, self.eps)
