@@ -6,10 +6,8 @@ a run's end means and which jail this machine gives.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import resource
 import selectors
 import signal
 import subprocess
@@ -22,12 +20,11 @@ from pathlib import Path
 
 from keel.rewards import cgroups, userns
 from keel.rewards.cgroups import RunGroup
+from keel.rewards.launcher import launched
 
 log = logging.getLogger("keel")
 
 CPU_POLL_S = 0.1  # how often a run's CPU time and OOM kills are read from its cgroup
-PR_SET_NO_NEW_PRIVS = 38
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 @dataclass(frozen=True)
@@ -134,29 +131,20 @@ def _seccomp_program() -> bytes | None:
         return out.read()
 
 
-def _limit_resources(limits: Limits, mode: str, group: RunGroup | None, own_namespace: bool):
-    """What the run's first process does before it execs bubblewrap (or the interpreter). Every rlimit
-    is set soft and hard: a process without CAP_SYS_RESOURCE in the initial user namespace, which
-    the program never has, cannot raise a hard limit."""
-    def apply() -> None:
-        if group is not None:  # first: bwrap and everything under it start inside the group
-            group.join()
-        else:  # no group to bound the tree's memory: each process's address space, at least
-            memory = limits.memory_mb << 20
-            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.scratch_mb << 20,) * 2)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if group is None and (own_namespace or mode in (AS_NOBODY, NO_JAIL_AS_NOBODY)):
-            if own_namespace:  # counted apart from every other run; else uid 65534's count, all runs together
-                userns.enter()
-            # In a user namespace of bubblewrap's own, bubblewrap's processes count as the program's user.
-            processes = limits.processes + (BWRAP_PROCESSES if mode == IN_USER_NAMESPACE else 0)
-            resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
-        if _drops_to_nobody(mode):
-            _become_nobody()
-    return apply
+def _launch_spec(limits: Limits, mode: str, group: RunGroup | None, own_namespace: bool, report_fd: int) -> dict:
+    """What the launcher sets on the run's first process before it execs bubblewrap (or the
+    interpreter): launcher.py says how and why there rather than in a preexec_fn."""
+    rlimits = {"RLIMIT_CPU": limits.cpu_s, "RLIMIT_FSIZE": limits.scratch_mb << 20,
+               "RLIMIT_NOFILE": limits.open_files, "RLIMIT_CORE": 0}
+    if group is None:  # no group to bound the tree's memory: each process's address space, at least
+        rlimits["RLIMIT_AS"] = limits.memory_mb << 20
+    nproc = None
+    if group is None and (own_namespace or mode in (AS_NOBODY, NO_JAIL_AS_NOBODY)):
+        # In a user namespace of bubblewrap's own, bubblewrap's processes count as the program's user.
+        nproc = limits.processes + (BWRAP_PROCESSES if mode == IN_USER_NAMESPACE else 0)
+    return {"report_fd": report_fd, "cgroup_procs": [str(d / "cgroup.procs") for d in group.dirs] if group else [],
+            "rlimits": rlimits, "own_namespace": group is None and own_namespace, "nproc": nproc,
+            "as_nobody": _drops_to_nobody(mode)}
 
 
 def _drops_to_nobody(mode: str) -> bool:
@@ -164,16 +152,6 @@ def _drops_to_nobody(mode: str) -> bool:
     bubblewrap (which would otherwise map the program's user to root outside its namespace)."""
     return os.getuid() == 0 and mode in (IN_USER_NAMESPACE, NO_JAIL_AS_NOBODY)
 
-
-def _become_nobody() -> None:
-    """Root's last step before the interpreter, where no bubblewrap does it: uid and gid 65534, no
-    supplementary groups, no capabilities (the kernel clears them when root's uids all change), and
-    no way back through a set-user-ID program."""
-    os.setgroups([])
-    os.setresgid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
-    os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
-    if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
 
 
 @dataclass
@@ -212,12 +190,8 @@ def _run_in(mode: str, code: str, stdin: str, limits: Limits, args: list[str], g
             os.chown(host, SANDBOX_UID, SANDBOX_UID)
         Path(host, "seccomp.bpf").write_bytes((mode not in (NO_JAIL, NO_JAIL_AS_NOBODY) and _seccomp_program()) or b"")
         with open(stdin_file, "rb") as stdin_handle, open(Path(host, "seccomp.bpf"), "rb") as seccomp:
-            process = subprocess.Popen(
-                _command(mode, str(solution), limits, args, seccomp.fileno()), cwd=host, stdin=stdin_handle,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "HOME": host},
-                preexec_fn=_limit_resources(limits, mode, group, group is None and userns.available()),
-                start_new_session=True,
-                pass_fds=(seccomp.fileno(),))
+            process = _launch(_command(mode, str(solution), limits, args, seccomp.fileno()), limits, mode, group,
+                              host, stdin_handle, seccomp.fileno())
         try:
             stdout, stderr, stopped = _collect(process, limits, group)
         finally:
@@ -228,6 +202,32 @@ def _run_in(mode: str, code: str, stdin: str, limits: Limits, args: list[str], g
     if group is None:
         return Finished(process.returncode, stdout, stderr, stopped)
     return Finished(process.returncode, stdout, stderr, stopped, group.cpu_seconds(), group.killed_for_memory())
+
+
+def _launch(command: list[str], limits: Limits, mode: str, group: RunGroup | None, host: str, stdin,
+            seccomp_fd: int) -> subprocess.Popen:
+    """The run's first process, through the launcher; OSError when it could not set the jail up
+    (read from a pipe the exec closes, so nothing the program does can look like it)."""
+    report_r, report_w = os.pipe()
+    try:
+        spec = _launch_spec(limits, mode, group, group is None and userns.available(), report_w)
+        process = subprocess.Popen(launched(_interpreter()[0], spec, command), cwd=host, stdin=stdin, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "HOME": host},
+                                   start_new_session=True, pass_fds=(seccomp_fd, report_w))
+        os.close(report_w)
+        report_w = -1
+        with os.fdopen(report_r, "rb") as report:
+            report_r = -1
+            refused = report.read()  # EOF at the exec, or the launcher's reason before it exits
+    finally:
+        for fd in (report_r, report_w):
+            if fd >= 0:
+                os.close(fd)
+    if refused:
+        process.wait()
+        process.stdout.close(), process.stderr.close()
+        raise OSError(f"the code jail could not be set up: {refused.decode(errors='replace')}")
+    return process
 
 
 def _collect(process: subprocess.Popen, limits: Limits, group: RunGroup | None) -> tuple[bytes, bytes, str | None]:

@@ -12,7 +12,7 @@ The jail is bubblewrap (`bwrap`, Debian's `bubblewrap`), the sandbox Flatpak run
 - a cgroup per run (keel/rewards/cgroups.py) bounding the whole tree's memory, processes and CPU
   time, whose books give the CPU and memory verdicts; rlimits on top (open files, file size);
 - its process count capped: the cgroup's pids.max, or where no cgroup can be had RLIMIT_NPROC in a
-  user namespace of the run's own (keel/rewards/userns.py), which counts that run's processes only;
+  user namespace of the run's own (keel/rewards/launcher.py), which counts that run's processes only;
 - output read as it comes and cut at the limit, and a wall-clock kill of the whole tree.
 A machine that cannot give some of these (no bubblewrap, namespaces or cgroups refused, as in some
 containers) runs solutions with what it has: `jail()` says which protections hold, `keel doctor`

@@ -235,24 +235,43 @@ def test_bubblewrap_in_a_user_namespace_never_maps_the_program_to_root():
 AT_FORK_THREAD = textwrap.dedent("""
     import os, threading, time
     script = os.getpid()
-    def hang_in_a_grandchild():  # as a hook that starts a thread (OpenTelemetry's, with mlflow) can
+    def start_a_thread_or_hang():  # as a library's hook may (OpenTelemetry's, imported with mlflow)
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
         if os.getppid() != script:
             time.sleep(3600)
-    os.register_at_fork(after_in_child=hang_in_a_grandchild)
+    os.register_at_fork(after_in_child=start_a_thread_or_hang)
     threading.Thread(target=threading.Event().wait, daemon=True).start()  # a trainer has threads
+    from keel.rewards import userns
     from keel.rewards.bwrap import Limits, run_jailed
     from keel.rewards.sandbox import jail
-    finished = run_jailed(jail().mode, "print(6 * 7)", "", Limits(cpu_s=3, wall_s=30, memory_mb=128, processes=16),
-                          accounted=False)
-    print(finished.stdout.decode().strip())
+    print(userns.available())  # the run's own namespace, with the hook's thread in every fork
+    for accounted in (True, False):
+        finished = run_jailed(jail().mode, "print(6 * 7)", "", Limits(cpu_s=3, wall_s=30, memory_mb=128,
+                                                                        processes=16), accounted=accounted)
+        print(finished.stdout.decode().strip())
 """)
 
 
-def test_a_library_hook_that_starts_a_thread_after_fork_does_not_hang_a_run():
-    """The id-map helper is forked between fork and exec; os.fork would run Python's at-fork hooks
-    there, and a hook that starts a thread can wait forever in that child (seen in this suite once
-    mlflow had loaded OpenTelemetry). The hook here hangs in any fork of a fork, as such a hook may."""
-    if not userns.available():
-        pytest.skip("this machine gives no user namespace of a run's own")
+def test_a_library_hook_that_starts_a_thread_after_fork_does_not_break_a_run():
+    """Python runs every at-fork hook in a child it forks before a preexec_fn; a hook that starts a
+    thread there (seen in this suite once mlflow had loaded OpenTelemetry) leaves the child
+    multithreaded, where the kernel refuses a user namespace, and one that waits can hang. The jail
+    is set up by a launcher of its own (a fresh interpreter), so no hook of the trainer's runs."""
+    clean = subprocess.run([sys.executable, "-c", "from keel.rewards import userns; print(userns.available())"],
+                           capture_output=True, text=True, timeout=300)
     done = subprocess.run([sys.executable, "-c", AT_FORK_THREAD], capture_output=True, text=True, timeout=300)
-    assert done.stdout.strip() == "42", done.stderr
+    assert done.stdout.split() == [clean.stdout.strip(), "42", "42"], done.stderr
+
+
+def test_a_jail_that_cannot_be_set_up_is_an_error_not_a_program_that_failed(monkeypatch):
+    """The launcher's failure comes back as an error the scorer reports, never as a run whose
+    program printed nothing (a silent score of 0); a program exiting with the launcher's code is
+    only a program that failed."""
+    from keel.rewards import bwrap, launcher
+
+    program = run_jailed(jail().mode, f"import sys\nsys.exit({launcher.LAUNCH_FAILED})", "", LIMITS, accounted=False)
+    assert program.returncode == launcher.LAUNCH_FAILED and program.stopped is None
+    spec = bwrap._launch_spec
+    monkeypatch.setattr(bwrap, "_launch_spec", lambda *args: {**spec(*args), "cgroup_procs": ["/nonexistent/procs"]})
+    with pytest.raises(OSError, match="could not be set up"):
+        run_jailed(jail().mode, "print(1)", "", LIMITS, accounted=False)
