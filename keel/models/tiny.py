@@ -63,10 +63,12 @@ def build_model_config(arch: str = "qwen2", vocab_size: int = 128, hidden_size: 
                        intermediate_size: int | None = None, max_position_embeddings: int = 1024,
                        eos_token_id: int | None = None, pad_token_id: int | None = None,
                        tie_word_embeddings: bool = True, initializer_range: float = 0.02):
-    from transformers import Gemma3TextConfig, LlamaConfig, Olmo2Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (Gemma3TextConfig, GptOssConfig, LlamaConfig, Olmo2Config, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig, SmolLM3Config)
 
     configs = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig,
-               "gemma3_text": Gemma3TextConfig, "olmo2": Olmo2Config}
+               "gemma3_text": Gemma3TextConfig, "olmo2": Olmo2Config, "smollm3": SmolLM3Config,
+               "gpt_oss": GptOssConfig}
     if arch not in configs:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(configs)}")
     # Qwen3-MoE: 8 experts of which 2 route each token, the last layer dense (mlp_only_layers), as
@@ -74,6 +76,9 @@ def build_model_config(arch: str = "qwen2", vocab_size: int = 128, hidden_size: 
     family = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2,
                                 mlp_only_layers=[num_layers - 1], norm_topk_prob=True),
               "qwen3": dict(head_dim=hidden_size // num_heads),
+              "smollm3": dict(no_rope_layers=[int((i + 1) % 4 != 0) for i in range(num_layers)]),
+              "gpt_oss": dict(head_dim=hidden_size // num_heads, num_local_experts=4, num_experts_per_tok=2,
+                              sliding_window=16),
               # sliding-window and global layers in turn; a window shorter than the tests' prompts
               "gemma3_text": dict(head_dim=hidden_size // num_heads, query_pre_attn_scalar=hidden_size // num_heads,
                                   sliding_window=16, layer_types=[("sliding_attention", "full_attention")[i % 2]

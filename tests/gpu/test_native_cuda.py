@@ -30,7 +30,8 @@ def setup(model_dir, n, init_std: float | None = None):
 
 
 # (tiny model's architecture, weights' std)
-FAMILIES = [("qwen2", 0.2), ("qwen3", 0.2), ("qwen3_moe", 0.5), ("gemma3_text", 0.02)]
+FAMILIES = [("qwen2", 0.2), ("qwen3", 0.2), ("qwen3_moe", 0.5), ("gemma3_text", 0.02), ("olmo2", 0.1),
+            ("smollm3", 0.2)]
 
 
 @pytest.mark.parametrize("arch, init_std", FAMILIES)

@@ -38,19 +38,25 @@ def engines(model_dir, n: int, max_num_seqs: int = 256, sharpen: float = 1.0, in
             HFRolloutEngine(model, tokenizer, max_num_seqs), model, prompts)
 
 
-# Gemma 3's tiny model: sliding-window layers (16 columns, shorter than the prompts) between global ones.
-@pytest.mark.parametrize("arch, tied, init_std", [("qwen2", True, 0.2), ("llama", True, 0.2), ("qwen2", False, 0.2),
-                                                  ("qwen3", True, 0.2), ("qwen3_moe", True, 0.5),
-                                                  ("gemma3_text", True, 0.02)])
-def test_greedy_tokens_are_identical_to_the_hf_engine(tmp_path, arch, tied, init_std):
+# (architecture, tied embeddings, weights' std, layers, fewest distinct greedy tokens a row shows).
+# Gemma 3: sliding-window layers (16 columns, shorter than the prompts) between global ones;
+# SmolLM3: its fourth layer has no rotary embedding. Random weights of some families repeat
+# themselves more: the floor keeps every comparison one that can fail.
+FAMILIES = [("qwen2", True, 0.2, 3, 10), ("llama", True, 0.2, 3, 10), ("qwen2", False, 0.2, 3, 10),
+            ("qwen3", True, 0.2, 3, 10), ("qwen3_moe", True, 0.5, 3, 10), ("gemma3_text", True, 0.02, 3, 8),
+            ("olmo2", True, 0.1, 4, 7), ("smollm3", True, 0.2, 4, 10)]
+
+
+@pytest.mark.parametrize("arch, tied, init_std, layers, distinct", FAMILIES)
+def test_greedy_tokens_are_identical_to_the_hf_engine(tmp_path, arch, tied, init_std, layers, distinct):
     from keel.models.tiny import make_tiny_model
 
-    model_dir = make_tiny_model(tmp_path / arch, arch=arch, hidden_size=64, num_layers=3, seed=3,
+    model_dir = make_tiny_model(tmp_path / arch, arch=arch, hidden_size=64, num_layers=layers, seed=3,
                                 tie_word_embeddings=tied)
     native, hf, _, prompts = engines(model_dir, n=2, max_num_seqs=4, init_std=init_std)  # chunks of 4: groups split
     greedy = SamplingParams(do_sample=False, max_new_tokens=24, ignore_eos=True)
     ours, theirs = native.generate(prompts, greedy), hf.generate(prompts, greedy)
-    assert all(len(set(row)) >= 8 for row in theirs.response_ids.tolist())  # a comparison that can fail
+    assert all(len(set(row)) >= distinct for row in theirs.response_ids.tolist())  # a comparison that can fail
     assert ours.response_ids.tolist() == theirs.response_ids.tolist()
     assert torch.equal(ours.response_mask, theirs.response_mask)
     assert ours.response_texts == theirs.response_texts
@@ -252,10 +258,10 @@ def test_lora_runs_unmerged_on_the_trainers_own_base(tmp_path):
 
 
 # Every episode resident, or 3 rows for 6 episodes, refilled; each family on the second.
-@pytest.mark.parametrize("arch, rows, init_std", [("qwen2", 256, 0.2), ("qwen2", 3, 0.2), ("qwen3", 3, 0.2),
-                                                  ("qwen3_moe", 3, 0.5), ("gemma3_text", 3, 0.02)])
+@pytest.mark.parametrize("arch, rows, init_std, layers", [("qwen2", 256, 0.2, 3)] + [
+    (arch, 3, init_std, layers) for arch, tied, init_std, layers, _ in FAMILIES if tied])
 def test_multi_turn_greedy_rollouts_equal_the_hf_engines_and_prefill_only_new_tokens(tmp_path, monkeypatch, arch, rows,
-                                                                                     init_std):
+                                                                                     init_std, layers):
     """The agent loop on the native engine (turns scheduled by continuous batching, KV kept across
     turns, tools run while others decode) against the hf engine (each turn generated again from its
     whole context): the same tokens, masks and log-probs for every episode. Native prefilled each
@@ -273,7 +279,7 @@ def test_multi_turn_greedy_rollouts_equal_the_hf_engines_and_prefill_only_new_to
         """The text reversed."""
         return text[::-1]
 
-    model_dir = make_tiny_model(tmp_path / "m", arch=arch, hidden_size=64, num_layers=3, seed=3)
+    model_dir = make_tiny_model(tmp_path / "m", arch=arch, hidden_size=64, num_layers=layers, seed=3)
     native, hf, _, prompts = engines(model_dir, n=2, max_num_seqs=rows, init_std=init_std)
     native.free_cache_engine = False  # the batcher stays, to be looked at
 

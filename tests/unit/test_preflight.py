@@ -246,9 +246,9 @@ def test_weights_under_other_names_are_a_warning_that_says_what_would_start_rand
     assert len(warned) == 1 and "model.layers.0." in warned[0].message and "random" in warned[0].message
 
 
-# OLMo 2 is not among the native engine's families: its config (a tiny Llama's, renamed) falls back.
+# GPT-OSS is not among the native engine's families yet: it falls back.
 @pytest.mark.parametrize("arch, engine", [("qwen3", "native"), ("qwen3_moe", "native"), ("gemma3_text", "native"),
-                                          ("olmo2", "hf")])
+                                          ("olmo2", "native"), ("smollm3", "native"), ("gpt_oss", "hf")])
 def test_the_rollout_engine_is_named_and_a_fallback_to_hf_says_what_it_costs(tiny_config, tmp_path, arch, engine):
     """Checkpoints transformers writes itself pass the weights check (a qwen3_moe's stacked experts
     are not 'missing tensors'); a family the native engine cannot run is a warning with its cost."""
@@ -269,7 +269,7 @@ def test_native_named_for_a_family_it_cannot_run_is_refused_by_keel_check(tiny_c
     from keel.errors import INCOMPATIBLE_OPTIONS
     from keel.models.tiny import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "olmo2", arch="olmo2")
+    model = make_tiny_model(tmp_path / "gpt_oss", arch="gpt_oss")
     report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": str(model),
                                                   "actor_rollout_ref.rollout.name": "native"}))
     assert failure_codes(report) == [INCOMPATIBLE_OPTIONS]

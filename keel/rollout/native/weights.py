@@ -41,7 +41,8 @@ class DecodeWeights:
                        for kind, (inv_freq, scale) in family.rotary_frequencies(model).items()}
 
     def norm_after(self, layer: int) -> Tensor:
-        """The norm applied to layer `layer`'s output: the next layer's input norm, or the final one."""
+        """The norm applied to layer `layer`'s output: the next layer's input norm (None where layers
+        have none), or the final one."""
         return self.layers[layer + 1].input_norm if layer + 1 < len(self.layers) else self.final_norm
 
     @torch.no_grad()

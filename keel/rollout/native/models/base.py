@@ -18,10 +18,10 @@ STATIC_ROPE = {"default", "linear", "llama3"}  # inv_freq does not depend on the
 @dataclass
 class LayerWeights:
     """One decoder layer's decode buffers (a family fills the ones it has; the rest stay None)."""
-    input_norm: Tensor
     qkv: Tensor                            # [(H + 2 KV) * D, hidden]
     o: Tensor
-    post_norm: Tensor
+    input_norm: Tensor | None = None       # None: the layer's input is not normed (OLMo 2)
+    post_norm: Tensor | None = None        # after the attention: before the MLP, or on its output
     qkv_bias: Tensor | None = None
     q_norm: Tensor | None = None           # [D]: RMSNorm of each head's query and key (Qwen3)
     k_norm: Tensor | None = None
@@ -86,7 +86,8 @@ class Family(ABC):
         as each needs. `fns`: the step functions, compiled or not (layers.StepFunctions)."""
         rotary = {kind: fns.rope(positions, inv_freq, scale, x.dtype)
                   for kind, (inv_freq, scale) in weights.rotary.items()}  # [N, 1, D] cos and sin of each kind
-        h = fns.norm(x, weights.layers[0].input_norm, self.eps)
+        first_norm = weights.layers[0].input_norm
+        h = x if first_norm is None else fns.norm(x, first_norm, self.eps)
         for i, layer in enumerate(weights.layers):
             q, k, v = fns.attention_inputs(h, *rotary[self.rope_kind(i)], *self.attention_args(layer))
             attention = attend(i, q, k, v)

@@ -1,9 +1,10 @@
-"""Llama-shaped decoders: Qwen2/2.5, Qwen3 (RMSNorm on each head's query and key), Llama 3.x and
-Mistral. RMSNorm, rotary embeddings, grouped-query attention (biases on q, k, v for Qwen2) and a
-gated SiLU MLP."""
+"""Llama-shaped decoders: Qwen2/2.5, Qwen3 (RMSNorm on each head's query and key), Llama 3.x,
+Mistral and SmolLM3 (rotary embeddings left out of every fourth layer: `no_rope_layers`). RMSNorm,
+rotary embeddings, grouped-query attention (biases on q, k, v for Qwen2) and a gated SiLU MLP."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from keel.rollout.native.layers import attention_inputs, attention_output_and_mlp
@@ -11,7 +12,7 @@ from keel.rollout.native.models.base import Family, LayerWeights
 
 
 class LlamaFamily(Family):
-    model_types = frozenset({"qwen2", "qwen3", "llama", "mistral"})
+    model_types = frozenset({"qwen2", "qwen3", "llama", "mistral", "smollm3"})
     attention_inputs = staticmethod(attention_inputs)
     after_attention = {"mlp": attention_output_and_mlp}
 
@@ -32,6 +33,20 @@ class LlamaFamily(Family):
         mlp = layer.mlp
         sources.update(gate_up=[mlp.gate_proj.weight, mlp.up_proj.weight], down=[mlp.down_proj.weight])
         return sources
+
+    def rotary_frequencies(self, model) -> dict[str, tuple[Tensor, float]]:
+        """Rotary frequencies, and for SmolLM3's NoPE layers none: frequency 0 rotates by nothing
+        (cos 1, sin 0: q and k unchanged, exactly)."""
+        rotary = super().rotary_frequencies(model)
+        inv_freq, _ = rotary["default"]
+        return {**rotary, "none": (torch.zeros_like(inv_freq), 1.0)} if self._no_rope else rotary
+
+    @property
+    def _no_rope(self) -> list[int]:
+        return [i for i, uses in enumerate(getattr(self.config, "no_rope_layers", None) or []) if not uses]
+
+    def rope_kind(self, layer: int) -> str:
+        return "none" if layer in self._no_rope else "default"
 
     @staticmethod
     def attention_sources(layer) -> dict[str, list[Tensor]]:
