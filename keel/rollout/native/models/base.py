@@ -48,6 +48,20 @@ class LayerWeights:
         return self.o_lora, self.gate_up_lora, self.down_lora
 
 
+def projection_sources(layer) -> dict[str, list[Tensor]]:
+    """A Hugging Face layer's attention projections (fused q, k, v; their biases and q/k norms where
+    it has them) and, where its MLP is a dense gated one, its projections (fused gate and up)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    sources = {"qkv": [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], "o": [attn.o_proj.weight]}
+    if attn.q_proj.bias is not None:
+        sources["qkv_bias"] = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+    if getattr(attn, "q_norm", None) is not None:
+        sources.update(q_norm=[attn.q_norm.weight], k_norm=[attn.k_norm.weight])
+    if hasattr(mlp, "gate_proj"):
+        sources.update(gate_up=[mlp.gate_proj.weight, mlp.up_proj.weight], down=[mlp.down_proj.weight])
+    return sources
+
+
 ADAPTED = {"qkv": "qkv_lora", "o": "o_lora", "gate_up": "gate_up_lora", "down": "down_lora"}
 
 
@@ -120,9 +134,9 @@ class Family(ABC):
     def layer_sources(self, layer) -> dict[str, list[Tensor]]:
         """A Hugging Face decoder layer's tensors, by LayerWeights field."""
 
-    @abstractmethod
     def layer_kind(self, layer: LayerWeights) -> str:
         """Which of `after_attention` the layer runs."""
+        return "mlp"
 
     @abstractmethod
     def attention_args(self, layer: LayerWeights) -> tuple:

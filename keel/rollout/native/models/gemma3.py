@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from keel.rollout.native.layers import applyrope, project, residual_add
-from keel.rollout.native.models.base import STATIC_ROPE, Family, LayerWeights
+from keel.rollout.native.models.base import STATIC_ROPE, Family, LayerWeights, projection_sources
 
 
 def gemma_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -85,16 +85,10 @@ class Gemma3Family(Family):
         return self.config.sliding_window if self.config.layer_types[layer] == "sliding_attention" else None
 
     def layer_sources(self, layer) -> dict[str, list[Tensor]]:
-        attn, mlp = layer.self_attn, layer.mlp
-        return {"input_norm": [layer.input_layernorm.weight], "post_norm": [layer.post_attention_layernorm.weight],
+        return {**projection_sources(layer), "input_norm": [layer.input_layernorm.weight],
+                "post_norm": [layer.post_attention_layernorm.weight],
                 "pre_mlp_norm": [layer.pre_feedforward_layernorm.weight],
-                "post_mlp_norm": [layer.post_feedforward_layernorm.weight],
-                "qkv": [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], "o": [attn.o_proj.weight],
-                "q_norm": [attn.q_norm.weight], "k_norm": [attn.k_norm.weight],
-                "gate_up": [mlp.gate_proj.weight, mlp.up_proj.weight], "down": [mlp.down_proj.weight]}
-
-    def layer_kind(self, layer: LayerWeights) -> str:
-        return "mlp"
+                "post_mlp_norm": [layer.post_feedforward_layernorm.weight]}
 
     def attention_args(self, layer: LayerWeights) -> tuple:
         return (layer.qkv, layer.qkv_lora, layer.q_norm, layer.k_norm, self.heads, self.kv_heads, self.eps,

@@ -8,13 +8,18 @@ import torch
 from torch import Tensor
 
 from keel.rollout.native.layers import attention_inputs, attention_output_and_mlp
-from keel.rollout.native.models.base import Family, LayerWeights
+from keel.rollout.native.models.base import Family, LayerWeights, projection_sources
 
 
 class LlamaFamily(Family):
     model_types = frozenset({"qwen2", "qwen3", "llama", "mistral", "smollm3"})
     attention_inputs = staticmethod(attention_inputs)
     after_attention = {"mlp": attention_output_and_mlp}
+
+    def __init__(self, config):
+        super().__init__(config)
+        # SmolLM3: layers whose no_rope_layers entry is 0 have no rotary embedding
+        self.no_rope = {i for i, uses in enumerate(getattr(config, "no_rope_layers", None) or []) if not uses}
 
     @classmethod
     def unsupported_reason(cls, config) -> str | None:
@@ -29,38 +34,18 @@ class LlamaFamily(Family):
         return super().unsupported_reason(config)
 
     def layer_sources(self, layer) -> dict[str, list[Tensor]]:
-        sources = self.attention_sources(layer)
-        mlp = layer.mlp
-        sources.update(gate_up=[mlp.gate_proj.weight, mlp.up_proj.weight], down=[mlp.down_proj.weight])
-        return sources
+        return {**projection_sources(layer), "input_norm": [layer.input_layernorm.weight],
+                "post_norm": [layer.post_attention_layernorm.weight]}
 
     def rotary_frequencies(self, model) -> dict[str, tuple[Tensor, float]]:
         """Rotary frequencies, and for SmolLM3's NoPE layers none: frequency 0 rotates by nothing
         (cos 1, sin 0: q and k unchanged, exactly)."""
         rotary = super().rotary_frequencies(model)
         inv_freq, _ = rotary["default"]
-        return {**rotary, "none": (torch.zeros_like(inv_freq), 1.0)} if self._no_rope else rotary
-
-    @property
-    def _no_rope(self) -> list[int]:
-        return [i for i, uses in enumerate(getattr(self.config, "no_rope_layers", None) or []) if not uses]
+        return {**rotary, "none": (torch.zeros_like(inv_freq), 1.0)} if self.no_rope else rotary
 
     def rope_kind(self, layer: int) -> str:
-        return "none" if layer in self._no_rope else "default"
-
-    @staticmethod
-    def attention_sources(layer) -> dict[str, list[Tensor]]:
-        attn = layer.self_attn
-        sources = {"input_norm": [layer.input_layernorm.weight], "post_norm": [layer.post_attention_layernorm.weight],
-                   "qkv": [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], "o": [attn.o_proj.weight]}
-        if attn.q_proj.bias is not None:
-            sources["qkv_bias"] = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        if getattr(attn, "q_norm", None) is not None:
-            sources.update(q_norm=[attn.q_norm.weight], k_norm=[attn.k_norm.weight])
-        return sources
-
-    def layer_kind(self, layer: LayerWeights) -> str:
-        return "mlp"
+        return "none" if layer in self.no_rope else "default"
 
     def attention_args(self, layer: LayerWeights) -> tuple:
         return layer.qkv, layer.qkv_bias, layer.qkv_lora, layer.q_norm, layer.k_norm, self.heads, self.kv_heads, self.eps

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from keel.rollout.native.layers import applyrope, project, residual_add
-from keel.rollout.native.models.base import Family, LayerWeights
+from keel.rollout.native.models.base import Family, LayerWeights, projection_sources
 
 
 def olmo_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -56,15 +56,8 @@ class Olmo2Family(Family):
         return super().unsupported_reason(config)
 
     def layer_sources(self, layer) -> dict[str, list[Tensor]]:
-        attn, mlp = layer.self_attn, layer.mlp
-        return {"post_norm": [layer.post_attention_layernorm.weight],
-                "post_mlp_norm": [layer.post_feedforward_layernorm.weight],
-                "qkv": [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], "o": [attn.o_proj.weight],
-                "q_norm": [attn.q_norm.weight], "k_norm": [attn.k_norm.weight],
-                "gate_up": [mlp.gate_proj.weight, mlp.up_proj.weight], "down": [mlp.down_proj.weight]}
-
-    def layer_kind(self, layer: LayerWeights) -> str:
-        return "mlp"
+        return {**projection_sources(layer), "post_norm": [layer.post_attention_layernorm.weight],
+                "post_mlp_norm": [layer.post_feedforward_layernorm.weight]}
 
     def attention_args(self, layer: LayerWeights) -> tuple:
         return layer.qkv, layer.qkv_lora, layer.q_norm, layer.k_norm, self.heads, self.kv_heads, self.eps

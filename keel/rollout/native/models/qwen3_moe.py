@@ -86,12 +86,11 @@ class Qwen3MoeFamily(LlamaFamily):
         self.top_k, self.normalize = config.num_experts_per_tok, bool(config.norm_topk_prob)
 
     def layer_sources(self, layer) -> dict[str, list[Tensor]]:
+        sources = super().layer_sources(layer)  # a dense MLP's too: mlp_only_layers, or off decoder_sparse_step
         mlp = layer.mlp
-        if not hasattr(mlp, "experts"):  # mlp_only_layers, or off decoder_sparse_step
-            return super().layer_sources(layer)
-        sources = self.attention_sources(layer)
-        sources.update(router=[mlp.gate.weight], experts_gate_up=[mlp.experts.gate_up_proj],
-                       experts_down=[mlp.experts.down_proj])
+        if hasattr(mlp, "experts"):
+            sources.update(router=[mlp.gate.weight], experts_gate_up=[mlp.experts.gate_up_proj],
+                           experts_down=[mlp.experts.down_proj])
         return sources
 
     def layer_kind(self, layer: LayerWeights) -> str:
