@@ -29,7 +29,7 @@ def test_quickstart_prints_a_page_before_step_1_and_each_warning_once(quickstart
     first_step = next(i for i, line in enumerate(lines) if line.startswith("step 1 |"))
     assert first_step <= 40, "\n".join(lines[:first_step])
     before = "\n".join(lines[:first_step])
-    for part in ("keel check: 8 passed", "batch plan: 8 prompts x 8 samples = 64", "run directory: "):
+    for part in ("keel check: 9 passed", "batch plan: 8 prompts x 8 samples = 64", "run directory: "):
         assert part in before
     assert "data:\n  train_files" not in before  # the resolved config is in the run directory, not the console
 
