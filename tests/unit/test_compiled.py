@@ -14,11 +14,18 @@ from keel.types import SamplingParams
 from test_native_rollout import engines
 
 
-def test_compiled_decode_step_gives_the_eager_tokens(tiny_assets):
-    native, _, _, prompts = engines(tiny_assets["model"], n=2, init_std=0.2)
+# Each family's layer functions compile whole (Qwen3's per-head norms, Qwen3-MoE's routing and
+# grouped matmuls, Gemma 3's windows and norms, OLMo 2's output norms, SmolLM3's NoPE layers).
+@pytest.mark.parametrize("arch, init_std, layers", [("qwen2", 0.2, 2), ("qwen3_moe", 0.5, 2), ("gemma3_text", 0.02, 2),
+                                                    ("olmo2", 0.1, 2), ("smollm3", 0.2, 4)])
+def test_compiled_decode_step_gives_the_eager_tokens(tmp_path, arch, init_std, layers):
+    from keel.models.tiny import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / arch, arch=arch, hidden_size=64, num_layers=layers, seed=3)
+    native, _, _, prompts = engines(model_dir, n=2, init_std=init_std)
     greedy = SamplingParams(do_sample=False, max_new_tokens=10, ignore_eos=True)
     eager = native.generate(prompts, greedy)
-    native.kernels = StepFunctions(compiled=True)  # fullgraph=True: a graph break is an error
+    native.kernels = StepFunctions(native.family, compiled=True)  # fullgraph=True: a graph break is an error
     compiled = native.generate(prompts, greedy)
     assert compiled.response_ids.tolist() == eager.response_ids.tolist()
     torch.testing.assert_close(compiled.sampling_log_probs, eager.sampling_log_probs, atol=1e-5, rtol=0)

@@ -21,8 +21,10 @@ from keel.rollout.native.models.llama import LlamaFamily
 
 @cache
 def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether torch's grouped matmul takes this device and dtype (CUDA's wants bf16 on recent
-    GPUs; CPU takes any), tried once on a small problem."""
+    """Whether the experts run as torch's grouped matmul: in bfloat16 (what torch.compile's shape
+    rules accept, and all CUDA's kernel takes), where it runs here, tried once on a small problem."""
+    if dtype != torch.bfloat16:
+        return False
     try:
         x = torch.ones(16, 16, device=device_type, dtype=dtype)
         torch._grouped_mm(x, torch.ones(2, 16, 16, device=device_type, dtype=dtype),
@@ -34,8 +36,8 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
 
 def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor, expert_of_row: Tensor, grouped: bool) -> Tensor:
     """Rows of x [M, in], sorted by expert, each times its expert's weight [E, out, in]^T. Where the
-    grouped matmul does not run (float32 on a GPU: tests), every expert over every row, each row
-    keeping its own expert's result: E times the work, still without a host sync."""
+    grouped matmul does not run (float32: tests), every expert over every row, each row keeping its
+    own expert's result: E times the work, still without a host sync."""
     if grouped:
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
     out = x.new_zeros(x.shape[0], weight.shape[1])

@@ -1,0 +1,114 @@
+"""The native engine's model runner: the weights (one copy, in the compute dtype), the model's
+family (its layer math), the step functions compiled where they fuse, the decode attention kernel,
+and the two forwards every generation is made of: a prefill pass over new tokens of some cache rows,
+and a decode step over the rows generating now. It knows nothing of sequences, turns or budgets:
+the scheduler (batching.py) decides which rows do what."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from keel.models.load import can_compile
+from keel.rollout.native.attention import sdpa_decode_attention, triton_available, triton_decode_attention
+from keel.rollout.native.layers import StepFunctions, grouped_attention, window_start, within_window
+from keel.rollout.native.models import family_for
+from keel.rollout.native.sampling import sample
+from keel.rollout.native.weights import DecodeWeights
+from keel.types import SamplingParams
+
+Piece = tuple[int, int, list[int]]  # (cache row, first column, the tokens written from there)
+
+
+class ModelRunner:
+    def __init__(self, model, dtype: torch.dtype, pad_token_id: int, enforce_eager: bool = False,
+                 compile_step: bool = True, compile_mode: str | None = None):
+        self.dtype, self.pad_token_id = dtype, pad_token_id
+        self.family = family_for(model.config)  # the model's definition: its weights and layer math
+        self.kv_heads, self.head_dim = self.family.kv_heads, self.family.head_dim
+        self.device = next(model.parameters()).device
+        self.weights = DecodeWeights(model, self.family, self.device, dtype)
+        self.weights.load(model.named_parameters())
+        # enforce_eager (verl's key): no CUDA graphs, no compilation; for debugging, and CPU's only way.
+        # compile_mode: torch.compile's, for benchmarks/profile_decode.py (max-autotune was slower here).
+        self.use_cuda_graphs = not enforce_eager and self.device.type == "cuda"
+        self.kernels = StepFunctions(self.family, self.use_cuda_graphs and compile_step and can_compile(self.device),
+                                     compile_mode)
+        self.eager = StepFunctions(self.family, compiled=False)  # prefill: compute-bound, run eagerly
+        use_triton = triton_available(self.device, dtype, self.head_dim)
+        self.attention = triton_decode_attention if use_triton else sdpa_decode_attention
+
+    @property
+    def layers(self) -> int:
+        return len(self.weights.layers)
+
+    def cache_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+    def load_weights(self, named: Iterable[tuple[str, Tensor]], every: bool = True) -> None:
+        self.weights.load(named, every)
+
+    def sample(self, logits: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
+        return sample(logits, params, self.kernels.pickers)
+
+    def prefill(self, k_cache: list[Tensor], v_cache: list[Tensor], pieces: list[Piece]) -> Tensor:
+        """One prefill pass: each row's new tokens attend to its cached columns and to each other,
+        their K and V written after the cached ones -> logits [u, V] at each row's last new token.
+        Rows start at cache column 0 (no left padding): a row's positions are its columns."""
+        w, device = self.weights, self.device
+        u, width = len(pieces), max(len(new) for _, _, new in pieces)
+        rows = torch.tensor([row for row, _, _ in pieces], device=device)
+        lengths = torch.tensor([len(new) for _, _, new in pieces], device=device)
+        ids = torch.full((u, width), self.pad_token_id, dtype=torch.long)
+        for i, (_, _, new) in enumerate(pieces):
+            ids[i, :len(new)] = torch.tensor(new)
+        positions = torch.tensor([start for _, start, _ in pieces], device=device)[:, None] + torch.arange(
+            width, device=device)                                                               # [u, m]
+        end = max(start + len(new) for _, start, new in pieces)
+        plain_causal = all(start == 0 and len(new) == width for _, start, new in pieces)
+        # A padding query sees every column up to its position: finite, and never used.
+        visible = None if plain_causal else (torch.arange(end, device=device) <= positions[:, :, None])[:, None]
+        real = torch.arange(width, device=device) < lengths[:, None]
+        piece_of, column_of = real.nonzero(as_tuple=True)
+        cache_rows, cache_columns = rows[piece_of], positions[piece_of, column_of]
+        x = F.embedding(ids.to(device), w.embed).flatten(0, 1) * self.family.embed_scale       # [u m, H]
+
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            q, k, v = (t.view(u, width, t.shape[1], t.shape[-1]) for t in (q, k, v))          # [u, m, *, D]
+            k_cache[i][cache_rows, :, cache_columns] = k[piece_of, column_of]
+            v_cache[i][cache_rows, :, cache_columns] = v[piece_of, column_of]
+            seen = within_window(visible, positions, end, self.family.window(i))
+            attention = grouped_attention(q.transpose(1, 2), k_cache[i][rows, :, :end], v_cache[i][rows, :, :end],
+                                          seen)
+            return attention.transpose(1, 2).reshape(x.shape[0], -1)
+
+        h = self.family.layers(self.eager, w, x, positions.flatten(), attend)
+        last = h.view(u, width, -1)[torch.arange(u, device=device), lengths - 1]
+        return F.linear(last, w.lm_head)
+
+    def decode_logits(self, last_token: Tensor, pad: Tensor, column: Tensor, k_cache: list[Tensor],
+                      v_cache: list[Tensor], rows: Tensor | None = None) -> Tensor:
+        """Logits [B, V] for the last sampled token of every row, its K and V written to the cache
+        at `column` (one for the batch, or each row's own). `rows`: each query's row of the cache
+        (continuous batching), else query b is row b.
+
+        Around the attention (one Triton kernel on GPU, which also writes the cache), each layer is
+        two pure functions that torch.compile fuses on GPU (norms, RoPE, residual adds and the SiLU
+        gate become a handful of kernels around the matmuls): decoding a small model is bound by
+        kernel launches and bytes read, not FLOPs."""
+        f, w = self.kernels, self.weights
+        x, positions, visible = f.step_inputs(last_token, pad, column, k_cache[0].shape[2], w.embed,
+                                              self.family.embed_scale)
+        columns = torch.arange(k_cache[0].shape[2], device=pad.device)
+
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # also writes k, v to the cache
+            window = self.family.window(i)
+            first = window_start(pad, column, window)  # the Triton kernel's; SDPA's is in its mask
+            seen = visible if window is None else visible & (columns >= first[:, None])[:, None, None]
+            return self.attention(q, k, v, k_cache[i], v_cache[i], first, column, seen, rows)
+
+        h = self.family.layers(f, w, x, positions, attend)
+        return F.linear(h, w.lm_head)
