@@ -21,11 +21,9 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from keel.rollout.native.layers import grouped_attention, within_window
-from keel.rollout.native.sampling import sample
+from keel.rollout.native.runner import ModelRunner
 from keel.rollout.native.state import Clock, capture
 from keel.types import SamplingParams
 
@@ -97,14 +95,18 @@ class ContinuousBatcher:
     """Sequences added with `add` generate one turn each time they are added; `step` admits,
     decodes a few steps and returns the turns that ended; `release` gives a sequence's row back."""
 
-    def __init__(self, engine, rows: int, max_len: int, turn_tokens: int):
-        self.engine, self.shape = engine, (rows, max_len, turn_tokens)
-        self.state = RowState.allocate(rows, max_len, turn_tokens, layers=len(engine.weights.layers),
-                                       kv_heads=engine.kv_heads, head_dim=engine.head_dim, dtype=engine.dtype,
-                                       device=engine.device)
+    def __init__(self, runner: ModelRunner, eos: Tensor, shape: tuple[int, int, int], prefill_budget: int,
+                 timing: dict[str, float]):
+        """`shape`: rows, tokens a row holds, tokens a turn may take; `prefill_budget`: tokens one
+        prefill pass takes (max_num_batched_tokens); `timing`: where seconds per part add up."""
+        rows, max_len, turn_tokens = self.shape = shape
+        self.runner, self.eos, self.prefill_budget, self.timing = runner, eos, prefill_budget, timing
+        self.device = runner.device
+        self.state = RowState.allocate(rows, max_len, turn_tokens, layers=runner.layers, kv_heads=runner.kv_heads,
+                                       head_dim=runner.head_dim, dtype=runner.dtype, device=runner.device)
         self.scratch = rows
         self.graphs: dict[int, tuple[Tensor, Tensor, object]] = {}  # bucket -> (row table, pad, its step)
-        self.pool = torch.cuda.graph_pool_handle() if engine.use_cuda_graphs else None
+        self.pool = torch.cuda.graph_pool_handle() if runner.use_cuda_graphs else None
         self.params: SamplingParams | None = None
         self.prefilled = 0  # tokens prefilled over the batcher's life
         self.reset()
@@ -151,7 +153,7 @@ class ContinuousBatcher:
         sampling = dataclasses.replace(params, n=1, max_new_tokens=1)  # what the captured graphs hold constant
         if sampling != self.params:
             self.params, self.graphs, self.table = sampling, {}, None
-        clock = Clock(self.engine.device)
+        clock = Clock(self.device)
         finished = self._admit(params)
         clock.lap("prefill")
         if self.active:
@@ -164,9 +166,8 @@ class ContinuousBatcher:
                 self.left[row] -= steps
             finished += self._collect()
             clock.lap("decode")
-        timing = self.engine.timing
         for part, seconds in clock.laps.items():
-            timing[part] = timing.get(part, 0.0) + seconds
+            self.timing[part] = self.timing.get(part, 0.0) + seconds
         return finished
 
     # --- admission: prefill of the new tokens, the turn's first token ------------------------------
@@ -177,7 +178,7 @@ class ContinuousBatcher:
         rows = [row for row, _ in admitted]
         logits = self._prefill_shared([(row, *self._extension(row, item), item.group) for row, item in admitted])
         self._first_token(rows, logits, [item.limit for _, item in admitted], params)
-        done = self.state.done[torch.tensor(rows, device=self.engine.device)].tolist()
+        done = self.state.done[torch.tensor(rows, device=self.device)].tolist()
         for row, ended, (_, item) in zip(rows, done, admitted):
             if not ended:
                 self.active.append(row)
@@ -210,7 +211,7 @@ class ContinuousBatcher:
         logits = self._prefill(unique)
         copies = [(row, unique[i][0]) for (row, *_), i in zip(items, source) if unique[i][0] != row]
         if copies:  # one copy per cache for all of them: columns past a row's context are never read
-            to, of = (torch.tensor(rows, device=self.engine.device) for rows in zip(*copies))
+            to, of = (torch.tensor(rows, device=self.device) for rows in zip(*copies))
             width = max(len(new) for _, _, new, _ in items)
             for cache in self.state.k + self.state.v:
                 cache[to, :, :width] = cache[of, :, :width]
@@ -231,19 +232,19 @@ class ContinuousBatcher:
         return admitted, still
 
     def _first_token(self, rows: list[int], logits: Tensor, limits: list[int], params: SamplingParams) -> None:
-        s, device = self.state, self.engine.device
+        s, device = self.state, self.device
         rows_t = torch.tensor(rows, device=device)
         s.length[rows_t] = torch.tensor([len(self.contexts[row]) for row in rows], device=device)
         s.limit[rows_t] = torch.tensor(limits, device=device)
         s.count[rows_t], s.done[rows_t] = 0, False
-        token, log_prob = sample(logits, params, self.engine.kernels.pickers)
-        s.record(rows_t, token, log_prob, self.engine.eos, params.ignore_eos)
+        token, log_prob = self.runner.sample(logits, params)
+        s.record(rows_t, token, log_prob, self.eos, params.ignore_eos)
 
     def _prefill(self, items: list[tuple[int, int, list[int]]]) -> Tensor:
         """The new tokens of each (row, start column, tokens), in passes of at most
         max_num_batched_tokens tokens (a longer extension's leading pieces go first, one pass each:
         chunked prefill) -> logits [len(items), V] at each one's last token."""
-        budget = self.engine.max_num_batched_tokens
+        budget = self.prefill_budget
         pieces = []
         for row, start, new in items:
             while len(new) > budget:
@@ -271,38 +272,9 @@ class ContinuousBatcher:
         return len(pieces) * widest <= budget and len(pieces) * furthest <= KEYS_PER_PASS * budget
 
     def _extend(self, pieces: list[tuple[int, int, list[int]]]) -> Tensor:
-        """One prefill pass: each row's new tokens attend to its cached columns and to each other,
-        their K and V written after the cached ones -> logits [u, V] at each row's last new token."""
-        e, s, w, device = self.engine, self.state, self.engine.weights, self.engine.device
-        u, width = len(pieces), max(len(new) for _, _, new in pieces)
+        """One prefill pass (the runner's) -> logits [u, V] at each row's last new token."""
         self.prefilled += sum(len(new) for _, _, new in pieces)
-        rows = torch.tensor([row for row, _, _ in pieces], device=device)
-        lengths = torch.tensor([len(new) for _, _, new in pieces], device=device)
-        ids = torch.full((u, width), e.tokenizer.pad_token_id, dtype=torch.long)
-        for i, (_, _, new) in enumerate(pieces):
-            ids[i, :len(new)] = torch.tensor(new)
-        positions = torch.tensor([start for _, start, _ in pieces], device=device)[:, None] + torch.arange(
-            width, device=device)                                                               # [u, m]
-        end = max(start + len(new) for _, start, new in pieces)
-        plain_causal = all(start == 0 and len(new) == width for _, start, new in pieces)
-        # A padding query sees every column up to its position: finite, and never used.
-        visible = None if plain_causal else (torch.arange(end, device=device) <= positions[:, :, None])[:, None]
-        real = torch.arange(width, device=device) < lengths[:, None]
-        piece_of, column_of = real.nonzero(as_tuple=True)
-        cache_rows, cache_columns = rows[piece_of], positions[piece_of, column_of]
-        x = F.embedding(ids.to(device), w.embed).flatten(0, 1) * e.family.embed_scale              # [u m, H]
-
-        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            q, k, v = (t.view(u, width, t.shape[1], t.shape[-1]) for t in (q, k, v))          # [u, m, *, D]
-            s.k[i][cache_rows, :, cache_columns] = k[piece_of, column_of]
-            s.v[i][cache_rows, :, cache_columns] = v[piece_of, column_of]
-            seen = within_window(visible, positions, end, e.family.window(i))
-            attention = grouped_attention(q.transpose(1, 2), s.k[i][rows, :, :end], s.v[i][rows, :, :end], seen)
-            return attention.transpose(1, 2).reshape(x.shape[0], -1)
-
-        h = e.family.layers(e.eager, w, x, positions.flatten(), attend)
-        last = h.view(u, width, -1)[torch.arange(u, device=device), lengths - 1]
-        return F.linear(last, w.lm_head)
+        return self.runner.prefill(self.state.k, self.state.v, pieces)
 
     # --- decoding ----------------------------------------------------------------------------------
     def _bucket_step(self, params: SamplingParams):
@@ -310,10 +282,10 @@ class ContinuousBatcher:
         two holding them), its row table filled with them and the scratch row."""
         bucket = 1 << (len(self.active) - 1).bit_length()
         if bucket not in self.graphs:
-            table = torch.full((bucket,), self.scratch, dtype=torch.long, device=self.engine.device)
+            table = torch.full((bucket,), self.scratch, dtype=torch.long, device=self.device)
             pad = torch.zeros_like(table)  # rows start at column 0
             step = functools.partial(self._decode, table, pad, params)
-            if self.engine.use_cuda_graphs:  # captured on the scratch row: no sequence is touched
+            if self.runner.use_cuda_graphs:  # captured on the scratch row: no sequence is touched
                 step = capture(step, self.pool).replay
             # The graph reads table and pad at the addresses it was captured with: they live with it.
             self.graphs[bucket] = (table, pad, step)
@@ -325,14 +297,14 @@ class ContinuousBatcher:
         return step
 
     def _decode(self, rows: Tensor, pad: Tensor, params: SamplingParams) -> None:
-        e, s = self.engine, self.state
+        s = self.state
         column = s.length[rows]
-        logits = e.decode_logits(s.last_token[rows], pad, column, s.k, s.v, rows=rows)
-        token, log_prob = sample(logits, params, e.kernels.pickers)
-        s.length[rows] = column + s.record(rows, token, log_prob, e.eos, params.ignore_eos)
+        logits = self.runner.decode_logits(s.last_token[rows], pad, column, s.k, s.v, rows=rows)
+        token, log_prob = self.runner.sample(logits, params)
+        s.length[rows] = column + s.record(rows, token, log_prob, self.eos, params.ignore_eos)
 
     def _collect(self) -> list[Finished]:
-        done = self.state.done[torch.tensor(self.active, device=self.engine.device)].tolist()
+        done = self.state.done[torch.tensor(self.active, device=self.device)].tolist()
         ended = [row for row, d in zip(self.active, done) if d]
         self.active = [row for row, d in zip(self.active, done) if not d]
         return self._read(ended)
@@ -341,7 +313,7 @@ class ContinuousBatcher:
         """The ended turns of `rows`, their tokens added to the rows' contexts."""
         if not rows:
             return []
-        index = torch.tensor(rows, device=self.engine.device)
+        index = torch.tensor(rows, device=self.device)
         s = self.state
         finished = []
         for row, count, ids, log_probs in zip(rows, s.count[index].tolist(), s.tokens[index].tolist(),

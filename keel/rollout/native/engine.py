@@ -26,16 +26,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from keel.models.load import can_compile
 from keel.rollout.assemble import assemble_batch, stop_token_ids
-from keel.rollout.native.attention import sdpa_decode_attention, triton_available, triton_decode_attention
 from keel.rollout.native.batching import ContinuousBatcher
-from keel.rollout.native.layers import StepFunctions, grouped_attention, prompt_visibility, window_start, within_window
-from keel.rollout.native.models import family_for
-from keel.rollout.native.sampling import sample
-from keel.rollout.native.state import Clock, DecodeGraph, DecodeState, KeptCache
+from keel.rollout.native.layers import StepFunctions, grouped_attention, prompt_visibility, within_window
 from keel.rollout.native.models import unsupported_reason
-from keel.rollout.native.weights import DecodeWeights
+from keel.rollout.native.runner import ModelRunner
+from keel.rollout.native.state import Clock, DecodeGraph, DecodeState, KeptCache
 from keel.types import RolloutBatch, SamplingParams
 
 log = logging.getLogger("keel")
@@ -67,24 +63,30 @@ class NativeRolloutEngine:
         self.memory_utilization = memory_utilization
         self.dtype = dtype
         self.eos_ids = stop_token_ids(tokenizer, model)
-        self.family = family_for(model.config)  # the model's definition: its weights and layer math
-        self.kv_heads, self.head_dim = self.family.kv_heads, self.family.head_dim
         self.timing: dict[str, float] = {}  # seconds per part (prefill, capture, decode) of the last call
-        self.device = next(model.parameters()).device
+        self.runner = ModelRunner(model, dtype, tokenizer.pad_token_id, enforce_eager, compile_step, compile_mode)
+        self.family, self.weights, self.device = self.runner.family, self.runner.weights, self.runner.device
+        self.layers, self.use_cuda_graphs = self.weights.layers, self.runner.use_cuda_graphs
         self.eos = torch.tensor(self.eos_ids, device=self.device)
-        self.weights = DecodeWeights(model, self.family, self.device, dtype)
-        self.layers = self.weights.layers
         self._kept: KeptCache | None = None
         self._kept_batcher: ContinuousBatcher | None = None
-        self.sync_weights(model)
-        # enforce_eager (verl's key): no CUDA graphs, no compilation; for debugging, and CPU's only way.
-        # compile_mode: torch.compile's, for benchmarks/profile_decode.py (max-autotune was slower here).
-        self.use_cuda_graphs = not enforce_eager and self.device.type == "cuda"
-        self.kernels = StepFunctions(self.family, self.use_cuda_graphs and compile_step and can_compile(self.device),
-                                     compile_mode)
-        self.eager = StepFunctions(self.family, compiled=False)  # prefill: compute-bound, run eagerly
-        use_triton = triton_available(self.device, dtype, self.head_dim)
-        self.attention = triton_decode_attention if use_triton else sdpa_decode_attention
+
+    @property
+    def kernels(self) -> StepFunctions:
+        """The decode step's functions (the runner's; a test or benchmark may swap them)."""
+        return self.runner.kernels
+
+    @kernels.setter
+    def kernels(self, functions: StepFunctions) -> None:
+        self.runner.kernels = functions
+
+    @property
+    def attention(self):
+        return self.runner.attention
+
+    @attention.setter
+    def attention(self, kernel) -> None:
+        self.runner.attention = kernel
 
     # --- weights ---------------------------------------------------------------------------------
     def sync_weights(self, model) -> None:
@@ -94,7 +96,7 @@ class NativeRolloutEngine:
     def load_weights(self, named: Iterable[tuple[str, Tensor]], every: bool = True) -> None:
         """The same from (parameter name, whole tensor) pairs: every parameter the engine uses, or
         (every=False) only those that changed."""
-        self.weights.load(named, every)
+        self.runner.load_weights(named, every)
 
     def share_frozen_weights(self, named: Iterable[tuple[str, Tensor]]) -> int:
         """LoRA: the trainer's frozen base parameters become views of the decode weights (one copy
@@ -108,7 +110,7 @@ class NativeRolloutEngine:
     # --- generation ------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
-        self.timing = {}
+        self.timing.clear()
         if not params.ignore_eos:  # lengths vary: rows that finish are refilled
             return self._generate_continuously(prompts, params)
         size = self._sequences_at_once(prompts.input_ids.shape[1] + params.max_new_tokens)
@@ -137,13 +139,14 @@ class NativeRolloutEngine:
         """Rows for up to `sequences` sequences of at most `max_len` tokens (as many as fit memory),
         a turn taking at most `turn_tokens`; kept between calls with free_cache_engine=False."""
         rows = min(sequences, self._sequences_at_once(max_len))
-        self.timing = {}  # the batcher's steps add theirs
+        self.timing.clear()  # the batcher's steps add theirs
         kept = self._kept_batcher
         if kept is not None and all(have >= want for have, want in zip(kept.shape, (rows, max_len, turn_tokens))):
             kept.reset()  # big enough: its rows, graphs and all
             return kept
         self._kept = self._kept_batcher = None  # one kept cache: a new one's memory comes first
-        batcher = ContinuousBatcher(self, rows, max_len, turn_tokens)
+        batcher = ContinuousBatcher(self.runner, self.eos, (rows, max_len, turn_tokens), self.max_num_batched_tokens,
+                                    self.timing)
         if self._keeps(batcher.state):
             self._kept_batcher = batcher
         return batcher
@@ -164,7 +167,7 @@ class NativeRolloutEngine:
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         for kept in (self._kept and self._kept.state, self._kept_batcher and self._kept_batcher.state):
             free += sum(t.nbytes for t in kept.k + kept.v) if kept else 0
-        per_sequence = 2 * len(self.layers) * self.kv_heads * self.head_dim * seq_len * self.dtype.itemsize
+        per_sequence = self.runner.cache_bytes_per_token() * seq_len
         fits = max(1, int(free * self.memory_utilization // per_sequence))
         if fits < self.max_num_seqs:
             log.info("native rollout: %d sequences at once (KV cache within %.0f%% of %.1f GB free)", fits,
@@ -185,7 +188,7 @@ class NativeRolloutEngine:
         state.pad.copy_((attention_mask == 0).sum(-1).to(self.device))
         prompt_logits = self._prefill(input_ids[first].to(self.device), attention_mask[first].to(self.device),
                                       slot_to_prompt, state)
-        token, log_prob = sample(prompt_logits[slot_to_prompt], params, self.kernels.pickers)
+        token, log_prob = self.runner.sample(prompt_logits[slot_to_prompt], params)
         state.record(token, log_prob, self.eos, params.ignore_eos)
         clock.lap("prefill")
         step = self._chunk_step_fn(state, params)
@@ -205,8 +208,8 @@ class NativeRolloutEngine:
             self._kept.state.reset(self.tokenizer.pad_token_id)
             return self._kept.state
         self._kept = self._kept_batcher = None  # a kept cache goes before the new one is allocated
-        state = DecodeState.allocate(batch, prompt_len, steps, layers=len(self.layers), kv_heads=self.kv_heads,
-                                     head_dim=self.head_dim, dtype=self.dtype, device=self.device,
+        state = DecodeState.allocate(batch, prompt_len, steps, layers=len(self.layers), kv_heads=self.runner.kv_heads,
+                                     head_dim=self.runner.head_dim, dtype=self.dtype, device=self.device,
                                      pad_token_id=self.tokenizer.pad_token_id)
         if self._keeps(state):
             self._kept = KeptCache(shape, state)
@@ -265,14 +268,15 @@ class NativeRolloutEngine:
                 attention = grouped_attention(q, k, v, seen)                                    # [u, H, L, D]
                 return attention.transpose(1, 2).reshape(x.shape[0], -1)                        # [N, H * D]
 
-            h = self.family.layers(self.eager, w, x, positions[:, begin:end].flatten(), attend)
+            h = self.family.layers(self.runner.eager, w, x, positions[:, begin:end].flatten(), attend)
         return h.view(u, end - begin, -1)[:, -1]
 
     def _decode_step_fn(self, state: DecodeState, params: SamplingParams):
         """One decode step as a callable: a CUDA graph replay on GPU, the eager step elsewhere."""
         def eager() -> None:
-            logits = self.decode_logits(state.last_token, state.pad, state.prompt_len + state.step - 1, state.k, state.v)
-            token, log_prob = sample(logits, params, self.kernels.pickers)
+            logits = self.runner.decode_logits(state.last_token, state.pad, state.prompt_len + state.step - 1, state.k,
+                                               state.v)
+            token, log_prob = self.runner.sample(logits, params)
             state.record(token, log_prob, self.eos, params.ignore_eos)
 
         if not self.use_cuda_graphs:
@@ -280,28 +284,3 @@ class NativeRolloutEngine:
         # A graph replays on the addresses it was captured with: captured per chunk, unless the
         # cache is kept (free_cache_engine=False) and reused with the same state.
         return DecodeGraph(eager, state).replay
-
-    def decode_logits(self, last_token: Tensor, pad: Tensor, column: Tensor, k_cache: list[Tensor],
-                      v_cache: list[Tensor], rows: Tensor | None = None) -> Tensor:
-        """Logits [B, V] for the last sampled token of every row, its K and V written to the cache
-        at `column` (one for the batch, or each row's own). `rows`: each query's row of the cache
-        (continuous batching), else query b is row b.
-
-        Around the attention (one Triton kernel on GPU, which also writes the cache), each layer is
-        two pure functions that torch.compile fuses on GPU (norms, RoPE, residual adds and the SiLU
-        gate become a handful of kernels around the matmuls): decoding a small model is bound by
-        kernel launches and bytes read, not FLOPs."""
-        f = self.kernels
-        w = self.weights
-        x, positions, visible = f.step_inputs(last_token, pad, column, k_cache[0].shape[2], w.embed,
-                                              self.family.embed_scale)
-        columns = torch.arange(k_cache[0].shape[2], device=pad.device)
-
-        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # also writes k, v to the cache
-            window = self.family.window(i)
-            first = window_start(pad, column, window)  # the Triton kernel's; SDPA's is in its mask
-            seen = visible if window is None else visible & (columns >= first[:, None])[:, None, None]
-            return self.attention(q, k, v, k_cache[i], v_cache[i], first, column, seen, rows)
-
-        h = self.family.layers(f, w, x, positions, attend)
-        return F.linear(h, w.lm_head)
