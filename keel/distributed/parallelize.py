@@ -67,7 +67,15 @@ def compile_blocks(model: nn.Module) -> None:
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), 32))
     for block in block_modules(model):
-        block.forward = torch.compile(block.forward)
+        if not _holds_float32_experts(block):
+            block.forward = torch.compile(block.forward)
+
+
+def _holds_float32_experts(block: nn.Module) -> bool:
+    """A mixture's stacked experts ([E, out, in]) not in bfloat16: under torch.compile transformers
+    cannot run them as grouped matmuls (compiled, those take bfloat16 only) and loops over the
+    experts one by one; eagerly the grouped matmul runs in float32."""
+    return any(p.dim() == 3 and p.dtype != torch.bfloat16 for p in block.parameters())
 
 
 def make_mesh(device_type: str, world_size: int, fsdp_size: int):

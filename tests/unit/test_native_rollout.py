@@ -299,11 +299,13 @@ def test_multi_turn_greedy_rollouts_equal_the_hf_engines_and_prefill_only_new_to
         assert native._kept_batcher.prefilled == once_per_group + after_turns + returns
 
 
-def test_free_cache_engine_unset_keeps_a_cache_of_at_most_two_percent_of_the_gpu():
+def test_free_cache_engine_unset_keeps_a_cache_of_at_most_eight_percent_of_the_gpu():
+    """Qwen3-0.6B's t1 cache (7.5 GB, 5.3% of an H200) is kept: capturing again cost 0.30 s a step."""
     from keel.rollout.native.engine import keeps_cache
 
     gpu = 140 * 2 ** 30
-    assert keeps_cache(None, int(0.02 * gpu), gpu) and not keeps_cache(None, int(0.03 * gpu), gpu)
+    assert keeps_cache(None, int(0.053 * gpu), gpu) and keeps_cache(None, int(0.08 * gpu), gpu)
+    assert not keeps_cache(None, int(0.09 * gpu), gpu)
     assert not keeps_cache(None, 1, 0)  # CPU: no graphs to keep
     assert keeps_cache(False, gpu, gpu) and not keeps_cache(True, 1, gpu)  # as set, whatever the size
 
