@@ -57,6 +57,13 @@ LORA_TARGETS = register(
     "Set `actor_rollout_ref.model.target_modules=all-linear` (every projection of every decoder layer), list "
     "every projection the message names, or name extra trainable modules in model.modules_to_save.",
     ("actor_rollout_ref.model.target_modules", "actor_rollout_ref.model.exclude_modules"))
+EOS_ADDED_ON_LOAD = register(
+    "KEEL-M009", "The tokenizer's EOS token is not one of its tokens",
+    "tokenizer_config.json names an eos_token that none of the tokenizer's files holds. transformers adds "
+    "such a token silently as a new id when it loads the tokenizer: a row of the embedding the model never "
+    "trained, which it never samples, so no response would end before the length limit.",
+    "Set \"eos_token\" in tokenizer_config.json to the model's end-of-turn token (the fix line gives the line "
+    "to write: the token config.json's eos_token_id names).")
 NO_TOOL_ROLE = register(
     "KEEL-M008", "The chat template cannot carry a multi-turn conversation",
     "Multi-turn rollouts append each tool's output as a `tool` message through the tokenizer's chat "

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from keel.errors import DEVICE_UNAVAILABLE, MODEL_PATH, NO_EOS, WEIGHTS_BROKEN, KeelError
+from keel.errors import DEVICE_UNAVAILABLE, EOS_ADDED_ON_LOAD, MODEL_PATH, NO_EOS, WEIGHTS_BROKEN, KeelError
 from keel.errors.fixes import free_directory, maker_of, nearby_model, setting
 
 log = logging.getLogger("keel")
@@ -189,6 +189,10 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.eos_token_id is None:
         raise KeelError(NO_EOS, f"the tokenizer in {path} has no eos_token", _eos_fix(tokenizer, path))
+    if not _in_tokenizer_files(path, tokenizer.eos_token):
+        raise KeelError(EOS_ADDED_ON_LOAD, f"the eos_token {tokenizer.eos_token!r} of the tokenizer in {path} is in "
+                        f"none of its files: transformers added it on load as a new id ({tokenizer.eos_token_id}), "
+                        "which the model never trained on and never samples", _eos_fix(tokenizer, path))
     if tokenizer.pad_token_id is None:
         log.warning("tokenizer in %s has no pad token; using its EOS token %r as pad",
                     path, tokenizer.eos_token)
@@ -196,6 +200,21 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     # Generation appends on the right, so prompts are padded on the left.
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def _in_tokenizer_files(path: Path, token: str) -> bool:
+    """Whether tokenizer.json holds `token` (in its vocabulary or its added tokens); True where there
+    is no tokenizer.json to tell (a slow tokenizer's files)."""
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        return True
+    try:
+        saved = json.loads(file.read_text())
+        vocab = saved["model"].get("vocab") or {}
+        tokens = set(vocab) if isinstance(vocab, dict) else {entry[0] for entry in vocab}  # BPE, or Unigram's list
+        return token in tokens | {added["content"] for added in saved.get("added_tokens", [])}
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):  # a format not known here: no verdict
+        return True
 
 
 END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>", "<eos>", "<|end|>")

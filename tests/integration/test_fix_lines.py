@@ -91,6 +91,7 @@ CHECK_CASES = {
         "defaults: [tiny_base, _self_]\n")),
     "KEEL-M001": lambda c: c.check(f"actor_rollout_ref.model.path={c.assets['model'].parent / 'modle'}"),
     "KEEL-M002": lambda c: c.check(MODEL + str(c.model_copy("m", tokenizer_config={"eos_token": None}))),
+    "KEEL-M009": lambda c: c.check(MODEL + str(c.model_copy("m9", tokenizer_config={"eos_token": "<|end_of_turn|>"}))),
     "KEEL-M003": lambda c: c.check(MODEL + str(c.model_copy("m", drop_template=True))),
     "KEEL-M004": lambda c: c.check(more_tokens(c)),
     "KEEL-M005": lambda c: c.check(MODEL + str(c.model_copy("m", config={"intermediate_size": 128}))),  # weights: 64

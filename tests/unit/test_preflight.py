@@ -274,3 +274,18 @@ def test_native_named_for_a_family_it_cannot_run_is_refused_by_keel_check(tiny_c
                                                   "actor_rollout_ref.rollout.name": "native"}))
     assert failure_codes(report) == [INCOMPATIBLE_OPTIONS]
     assert "rollout.name=hf" in report.failures[0].fix
+
+
+def test_an_eos_token_transformers_adds_on_load_is_refused(tiny_config, tiny_assets, tmp_path):
+    """tokenizer_config.json names an eos_token the vocabulary lacks: transformers gives it a new id
+    without a word, a row the model never trained. keel check stops with the token to write."""
+    from keel.errors import EOS_ADDED_ON_LOAD
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_assets["model"], model)
+    tok_config = json.loads((model / "tokenizer_config.json").read_text())
+    tok_config["eos_token"] = "<|end_of_turn|>"
+    (model / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": str(model)}))
+    assert failure_codes(report) == [EOS_ADDED_ON_LOAD]
+    assert "<|end_of_turn|>" in report.failures[0].message and "<|im_end|>" in report.failures[0].fix
