@@ -193,9 +193,10 @@ def test_prefill_in_passes_of_max_num_batched_tokens_gives_the_same_tokens(tiny_
 
 
 def test_a_kept_cache_is_reused_and_sees_updated_weights(tmp_path):
-    """free_cache_engine=False: the second call of the same shape reuses the first call's state
-    (on GPU, its captured graph), and weights synced in between are used: the output equals a
-    fresh engine's on the updated model. Weight buffers keep their addresses (graphs read them)."""
+    """free_cache_engine=False: the second call of the same shape reuses the first call's scheduler
+    and cache (on GPU, its captured graphs), and weights synced in between are used: the output
+    equals a fresh engine's on the updated model. Weight buffers keep their addresses (graphs read
+    them)."""
     from keel.models.tiny import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "m", arch="qwen2", hidden_size=64, num_layers=2, seed=5)
@@ -203,7 +204,7 @@ def test_a_kept_cache_is_reused_and_sees_updated_weights(tmp_path):
     kept = NativeRolloutEngine(model, load_tokenizer(model_dir), 256, torch.float32, free_cache_engine=False)
     greedy = SamplingParams(do_sample=False, max_new_tokens=12, ignore_eos=True)
     first = kept.generate(prompts, greedy)
-    state, qkv_address = kept._kept.state, kept.layers[0].qkv.data_ptr()
+    batcher, qkv_address = kept._kept_batcher, kept.layers[0].qkv.data_ptr()
     with torch.no_grad():  # an "update": every matrix changes
         for p in model.parameters():
             if p.dim() == 2:
@@ -211,7 +212,7 @@ def test_a_kept_cache_is_reused_and_sees_updated_weights(tmp_path):
     kept.sync_weights(model)
     second = kept.generate(prompts, greedy)
     fresh = NativeRolloutEngine(model, load_tokenizer(model_dir), 256, torch.float32).generate(prompts, greedy)
-    assert kept._kept.state is state and kept.layers[0].qkv.data_ptr() == qkv_address
+    assert kept._kept_batcher is batcher and kept.layers[0].qkv.data_ptr() == qkv_address
     assert second.response_ids.tolist() == fresh.response_ids.tolist()
     assert second.response_ids.tolist() != first.response_ids.tolist()  # the update mattered
     torch.testing.assert_close(second.sampling_log_probs, fresh.sampling_log_probs, atol=1e-5, rtol=0)

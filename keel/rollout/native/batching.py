@@ -157,7 +157,9 @@ class ContinuousBatcher:
         finished = self._admit(params)
         clock.lap("prefill")
         if self.active:
-            steps = min(DONE_CHECK_EVERY, max(self.left[row] for row in self.active))
+            left = [self.left[row] for row in self.active]
+            # Without stop tokens no turn ends before its limit: decode to the first that ends, no look between.
+            steps = min(left) if params.ignore_eos else min(DONE_CHECK_EVERY, max(left))
             run = self._bucket_step(params)
             clock.lap("capture")
             for _ in range(steps):

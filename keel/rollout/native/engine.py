@@ -1,19 +1,18 @@
-"""keel's rollout engine for Qwen2 and Llama: prefill once per prompt, a static KV cache, decode
-steps with fused projections, CUDA graphs on GPU, sampling on the device.
+"""keel's rollout engine: one engine for every family in models/, in nano-vllm's shape.
 
-Its parts: the weights (weights.py: one copy, fused projections in the compute dtype, filled from
-the policy's parameters after every update), the layer math (layers.py), the decode state, kept
-cache and captured graphs (state.py), decode attention (attention.py) and sampling (sampling.py).
-This module is the loop: cut the prompts into chunks that fit memory, prefill, decode, assemble.
+Its parts: the model runner (runner.py: the weights, one copy with fused projections in the
+compute dtype, filled from the policy's parameters after every update; the family's layer math;
+the compiled step functions; the decode attention kernel; one prefill pass and one decode step),
+the scheduler (batching.py: which sequence holds which row of the KV cache, refills, turns,
+budgets, a CUDA graph per batch bucket) and this module: the engine's public face (generate, the
+scheduler the agent loop drives, weight sync and LoRA), and how much of the GPU its cache may take
+and keep.
 
-Prefill (compute-bound: plain matmuls and SDPA) runs eagerly over the same weights, once per
-distinct prompt, writing its KV into every slot of the prompt's group. Decoding, the memory-bound
-part, attends over the static cache. On a GPU the step's elementwise work is fused by
-torch.compile, and the step is captured as a CUDA graph and replayed: one launch per token instead
-of hundreds from Python.
-
-Fixed lengths (ignore_eos) decode a whole chunk to the end here. Lengths that vary (EOS on, and
-multi-turn) go through continuous batching (batching.py), where finished rows are refilled.
+Every generation goes through the scheduler: fixed lengths (ignore_eos) and varying ones, single
+turns and multi-turn episodes. Prefill (compute-bound: plain matmuls and SDPA) runs eagerly over
+the same weights, once per distinct prompt of a group. Decoding, the memory-bound part, attends
+over the static cache; on a GPU the step's elementwise work is fused by torch.compile, and the
+step is captured as a CUDA graph and replayed: one launch per token instead of hundreds.
 """
 
 from __future__ import annotations
@@ -22,16 +21,14 @@ import logging
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from keel.rollout.assemble import assemble_batch, stop_token_ids
 from keel.rollout.native.batching import ContinuousBatcher
-from keel.rollout.native.layers import StepFunctions, grouped_attention, prompt_visibility, within_window
+from keel.rollout.native.layers import StepFunctions
 from keel.rollout.native.models import unsupported_reason
 from keel.rollout.native.runner import ModelRunner
-from keel.rollout.native.state import Clock, DecodeGraph, DecodeState, KeptCache
 from keel.types import RolloutBatch, SamplingParams
 
 log = logging.getLogger("keel")
@@ -57,7 +54,7 @@ class NativeRolloutEngine:
                  free_cache_engine: bool | None = None, compile_mode: str | None = None):
         self.tokenizer = tokenizer
         # free_cache_engine=False (verl's key): the KV cache and its CUDA graphs stay between calls
-        # and are reused when a chunk has the same shape, as fixed-length batches do. None: kept
+        # and are reused when the next call fits them, as fixed-length batches do. None: kept
         # when small (keeps_cache), since capturing the graphs again costs every step.
         self.free_cache_engine = free_cache_engine
         self.max_num_seqs = max_num_seqs
@@ -70,7 +67,6 @@ class NativeRolloutEngine:
         self.family, self.weights, self.device = self.runner.family, self.runner.weights, self.runner.device
         self.layers, self.use_cuda_graphs = self.weights.layers, self.runner.use_cuda_graphs
         self.eos = torch.tensor(self.eos_ids, device=self.device)
-        self._kept: KeptCache | None = None
         self._kept_batcher: ContinuousBatcher | None = None
 
     @property
@@ -112,16 +108,7 @@ class NativeRolloutEngine:
     # --- generation ------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
-        self.timing.clear()
-        if not params.ignore_eos:  # lengths vary: rows that finish are refilled
-            return self._generate_continuously(prompts, params)
-        size = self._sequences_at_once(prompts.input_ids.shape[1] + params.max_new_tokens)
-        parts = [self._generate_chunk(prompts.input_ids[i:i + size], prompts.attention_mask[i:i + size],
-                                      [r.index for r in prompts.records[i:i + size]], params)
-                 for i in range(0, len(prompts), size)]
-        return assemble_batch(prompts, parts, self.tokenizer, self.eos_ids, params)
-
-    def _generate_continuously(self, prompts, params: SamplingParams) -> RolloutBatch:
+        """Every prompt's samples, through the scheduler: rows that finish are refilled."""
         batcher = self.continuous_batcher(len(prompts), prompts.input_ids.shape[1] + params.max_new_tokens,
                                           params.max_new_tokens)
         for i, (ids, mask, record) in enumerate(zip(prompts.input_ids, prompts.attention_mask, prompts.records)):
@@ -146,7 +133,7 @@ class NativeRolloutEngine:
         if kept is not None and all(have >= want for have, want in zip(kept.shape, (rows, max_len, turn_tokens))):
             kept.reset()  # big enough: its rows, graphs and all
             return kept
-        self._kept = self._kept_batcher = None  # one kept cache: a new one's memory comes first
+        self._kept_batcher = None  # one kept cache: a new one's memory comes first
         batcher = ContinuousBatcher(self.runner, self.eos, (rows, max_len, turn_tokens), self.max_num_batched_tokens,
                                     self.timing)
         if self._keeps(batcher.state):
@@ -154,7 +141,7 @@ class NativeRolloutEngine:
         return batcher
 
     def _keeps(self, state) -> bool:
-        """Whether a new chunk's state is kept for the next call (free_cache_engine)."""
+        """Whether a new scheduler's cache is kept for the next call (free_cache_engine)."""
         total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
         return keeps_cache(self.free_cache_engine, sum(t.nbytes for t in state.k + state.v), total)
 
@@ -167,122 +154,11 @@ class NativeRolloutEngine:
             return self.max_num_seqs
         free, _ = torch.cuda.mem_get_info(self.device)
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        for kept in (self._kept and self._kept.state, self._kept_batcher and self._kept_batcher.state):
-            free += sum(t.nbytes for t in kept.k + kept.v) if kept else 0
+        if self._kept_batcher is not None:
+            free += sum(t.nbytes for t in self._kept_batcher.state.k + self._kept_batcher.state.v)
         per_sequence = self.runner.cache_bytes_per_token() * seq_len
         fits = max(1, int(free * self.memory_utilization // per_sequence))
         if fits < self.max_num_seqs:
             log.info("native rollout: %d sequences at once (KV cache within %.0f%% of %.1f GB free)", fits,
                      100 * self.memory_utilization, free / 1e9)
         return min(self.max_num_seqs, fits)
-
-    def _generate_chunk(self, input_ids: Tensor, attention_mask: Tensor, groups: list[int],
-                        params: SamplingParams) -> tuple[Tensor, Tensor]:
-        batch, prompt_len = input_ids.shape
-        steps = params.max_new_tokens
-        # One prefill per distinct prompt: consecutive rows of the same group share it.
-        groups_t = torch.tensor(groups)
-        first = torch.ones(batch, dtype=torch.bool)
-        first[1:] = groups_t[1:] != groups_t[:-1]
-        slot_to_prompt = (first.long().cumsum(0) - 1).to(self.device)                    # [B]
-        clock = Clock(self.device)
-        state = self._chunk_state(batch, prompt_len, steps)
-        state.pad.copy_((attention_mask == 0).sum(-1).to(self.device))
-        prompt_logits = self._prefill(input_ids[first].to(self.device), attention_mask[first].to(self.device),
-                                      slot_to_prompt, state)
-        token, log_prob = self.runner.sample(prompt_logits[slot_to_prompt], params)
-        state.record(token, log_prob, self.eos, params.ignore_eos)
-        clock.lap("prefill")
-        step = self._chunk_step_fn(state, params)
-        clock.lap("capture")
-        for _ in range(1, steps):  # fixed lengths (ignore_eos): every row decodes to the end
-            step()
-        clock.lap("decode")
-        for part, seconds in clock.laps.items():
-            self.timing[part] = self.timing.get(part, 0.0) + seconds
-        return state.tokens.cpu(), state.log_probs.float().cpu()
-
-    def _chunk_state(self, batch: int, prompt_len: int, steps: int) -> DecodeState:
-        """A new decode state for a chunk or, keeping the cache, the kept one when the shape matches
-        (no need to clear its KV: every column a step reads was written in this call)."""
-        shape = (batch, prompt_len, steps)
-        if self._kept is not None and self._kept.shape == shape:
-            self._kept.state.reset(self.tokenizer.pad_token_id)
-            return self._kept.state
-        self._kept = self._kept_batcher = None  # a kept cache goes before the new one is allocated
-        state = DecodeState.allocate(batch, prompt_len, steps, layers=len(self.layers), kv_heads=self.runner.kv_heads,
-                                     head_dim=self.runner.head_dim, dtype=self.dtype, device=self.device,
-                                     pad_token_id=self.tokenizer.pad_token_id)
-        if self._keeps(state):
-            self._kept = KeptCache(shape, state)
-        return state
-
-    def _chunk_step_fn(self, state: DecodeState, params: SamplingParams):
-        """The decode step of a chunk: the kept graph when the state and sampling are the same."""
-        kept = self._kept
-        if kept is None or kept.state is not state:
-            return self._decode_step_fn(state, params)
-        if kept.params != params:  # sampling settings are constants in the captured graph
-            kept.params, kept.step = params, self._decode_step_fn(state, params)
-        return kept.step
-
-    def _prefill(self, input_ids: Tensor, attention_mask: Tensor, slot_to_prompt: Tensor,
-                 state: DecodeState) -> Tensor:
-        """A forward over the distinct prompts, at most max_num_batched_tokens prompt tokens per
-        pass; each prompt's KV goes to every slot of its group. -> [U, V] logits."""
-        per_pass = max(1, self.max_num_batched_tokens // input_ids.shape[1])
-        w = self.weights
-        logits = []
-        for start in range(0, input_ids.shape[0], per_pass):
-            ids, mask = input_ids[start:start + per_pass], attention_mask[start:start + per_pass]
-            slots = ((slot_to_prompt >= start) & (slot_to_prompt < start + len(ids))).nonzero().squeeze(-1)
-            hidden = self._prompt_forward(ids, mask, state, slots, slot_to_prompt[slots] - start)
-            logits.append(F.linear(hidden, w.lm_head))  # already normed
-        return torch.cat(logits)
-
-    def _prompt_forward(self, ids: Tensor, mask: Tensor, state: DecodeState, slots: Tensor,
-                        prompt_of_slot: Tensor) -> Tensor:
-        """The last position's normed hidden state [u, H] of left-padded prompts [u, P], their K
-        and V written to the cache rows `slots` (prompt_of_slot: each slot's row of `ids`). A pass
-        takes at most max_num_batched_tokens tokens: a longer prompt goes in pieces, each
-        attending to the cache the earlier ones wrote (chunked prefill)."""
-        u, prompt_len = ids.shape
-        w = self.weights
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        first_slots = slots[torch.searchsorted(prompt_of_slot, torch.arange(u, device=ids.device))]
-        piece = max(1, self.max_num_batched_tokens // u)
-        unpadded = bool(mask.all())  # one host sync per pass
-        for begin in range(0, prompt_len, piece):
-            end = min(begin + piece, prompt_len)
-            x = F.embedding(ids[:, begin:end], w.embed).flatten(0, 1) * self.family.embed_scale  # [N, H]
-            # No mask where plain causal attention is right: SDPA may then use its flash kernel,
-            # and no [u, L, end] mask is built.
-            visible = None if unpadded and begin == 0 else prompt_visibility(mask[:, :end].bool(), begin)
-            queries = torch.arange(begin, end, device=ids.device)
-
-            def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-                q, k, v = (t.view(u, end - begin, t.shape[1], t.shape[-1]).transpose(1, 2) for t in (q, k, v))
-                state.k[i][slots, :, begin:end] = k[prompt_of_slot]
-                state.v[i][slots, :, begin:end] = v[prompt_of_slot]
-                if begin > 0:  # earlier pieces' K/V too, as the cache holds them
-                    k, v = state.k[i][first_slots, :, :end], state.v[i][first_slots, :, :end]
-                seen = within_window(visible, queries, end, self.family.window(i))
-                attention = grouped_attention(q, k, v, seen)                                    # [u, H, L, D]
-                return attention.transpose(1, 2).reshape(x.shape[0], -1)                        # [N, H * D]
-
-            h = self.family.layers(self.runner.eager, w, x, positions[:, begin:end].flatten(), attend)
-        return h.view(u, end - begin, -1)[:, -1]
-
-    def _decode_step_fn(self, state: DecodeState, params: SamplingParams):
-        """One decode step as a callable: a CUDA graph replay on GPU, the eager step elsewhere."""
-        def eager() -> None:
-            logits = self.runner.decode_logits(state.last_token, state.pad, state.prompt_len + state.step - 1, state.k,
-                                               state.v)
-            token, log_prob = self.runner.sample(logits, params)
-            state.record(token, log_prob, self.eos, params.ignore_eos)
-
-        if not self.use_cuda_graphs:
-            return eager
-        # A graph replays on the addresses it was captured with: captured per chunk, unless the
-        # cache is kept (free_cache_engine=False) and reused with the same state.
-        return DecodeGraph(eager, state).replay

@@ -146,13 +146,3 @@ def within_window(visible: Tensor | None, query_columns: Tensor, end: int, windo
 def window_start(pad: Tensor, column: Tensor, window: int | None) -> Tensor:
     """The first cache column a decoding row sees: past its padding, and within a sliding window."""
     return pad if window is None else torch.maximum(pad, column - window + 1)
-
-
-def prompt_visibility(key_mask: Tensor, begin: int) -> Tensor:
-    """[u, 1, L, end] bool: the query at absolute position begin + l sees key column j when j is
-    at or before it and not padding. A padding query sees itself, so no row is empty (SDPA would
-    give NaN; its output is never used: decoding starts after the padding)."""
-    end = key_mask.shape[1]
-    query = torch.arange(begin, end, device=key_mask.device)[:, None]                   # [L, 1]
-    key = torch.arange(end, device=key_mask.device)[None, :]                            # [1, end]
-    return (((key <= query) & key_mask[:, None, :]) | (key == query))[:, None]
