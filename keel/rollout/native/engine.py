@@ -149,7 +149,7 @@ class NativeRolloutEngine:
         """rollout.max_num_seqs, fewer if their KV cache would pass gpu_memory_utilization of the
         memory available: free on the device, cached by torch's allocator but unused (training
         leaves much there), and the cache this engine keeps (free_cache_engine=False), which a
-        chunk of another shape replaces."""
+        scheduler too small for the next call replaces."""
         if self.device.type != "cuda":
             return self.max_num_seqs
         free, _ = torch.cuda.mem_get_info(self.device)
