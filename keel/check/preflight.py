@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from keel import checkpoint as ckpt
+from keel.check.engine import check_rollout_engine
 from keel.check.findings import FAIL, PASS, SKIP, WARN, Finding, Skipped, need
 from keel.check.multi_turn import check_multi_turn
 from keel.check.reward import check_reward, sandbox_finding  # noqa: F401 (sandbox_finding: tests)
-from keel.check.engine import check_rollout_engine
 from keel.check.resources import check_memory, check_sharding, check_workers
 from keel.config.plan import make_plan
 from keel.config.rules import lengths_within

@@ -142,7 +142,7 @@ def _launch_spec(limits: Limits, mode: str, group: RunGroup | None, own_namespac
     if group is None and (own_namespace or mode in (AS_NOBODY, NO_JAIL_AS_NOBODY)):
         # In a user namespace of bubblewrap's own, bubblewrap's processes count as the program's user.
         nproc = limits.processes + (BWRAP_PROCESSES if mode == IN_USER_NAMESPACE else 0)
-    return {"report_fd": report_fd, "cgroup_procs": [str(d / "cgroup.procs") for d in group.dirs] if group else [],
+    return {"report_fd": report_fd, "cgroup_procs": group.procs_files() if group else [],
             "rlimits": rlimits, "own_namespace": group is None and own_namespace, "nproc": nproc,
             "as_nobody": _drops_to_nobody(mode)}
 
@@ -211,9 +211,10 @@ def _launch(command: list[str], limits: Limits, mode: str, group: RunGroup | Non
     report_r, report_w = os.pipe()
     try:
         spec = _launch_spec(limits, mode, group, group is None and userns.available(), report_w)
-        process = subprocess.Popen(launched(_interpreter()[0], spec, command), cwd=host, stdin=stdin, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "HOME": host},
-                                   start_new_session=True, pass_fds=(seccomp_fd, report_w))
+        process = subprocess.Popen(launched(_interpreter()[0], spec, command), cwd=host, stdin=stdin,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   env={"PATH": "/usr/bin:/bin", "HOME": host}, start_new_session=True,
+                                   pass_fds=(seccomp_fd, report_w))
         os.close(report_w)
         report_w = -1
         with os.fdopen(report_r, "rb") as report:

@@ -92,10 +92,10 @@ class RunGroup:
             if not optional:
                 raise
 
-    def join(self) -> None:
-        """Called in the child between fork and exec: everything it starts is in the group."""
-        for directory in self.dirs:
-            (directory / "cgroup.procs").write_text(str(os.getpid()))
+    def procs_files(self) -> list[str]:
+        """Where the run's first process writes its pid to join the group (launcher.py does, before
+        it execs: everything it starts is in the group)."""
+        return [str(directory / "cgroup.procs") for directory in self.dirs]
 
     def cpu_seconds(self) -> float:
         if self.where.v2:

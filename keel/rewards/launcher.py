@@ -5,11 +5,12 @@ library's at-fork hooks before the preexec_fn, and one that starts a thread (Ope
 mlflow is imported) leaves the child multithreaded, where the kernel refuses unshare(CLONE_NEWUSER).
 
 SPEC is JSON: `report_fd` (where a failure to set up is written; closed on exec, so the trainer
-reads nothing there once the command runs, and a program cannot write there), `cgroup_procs` (files to write this process's pid to: the run's cgroup), `rlimits`
-({name: value}, set soft and hard: without CAP_SYS_RESOURCE in the initial user namespace, which
-the program never has, a hard limit cannot be raised), `own_namespace` (enter a user namespace of
-the run's own first, where RLIMIT_NPROC counts this run's processes only), `nproc`, `as_nobody`
-(root becomes uid 65534 with no capabilities before the exec).
+reads nothing there once the command runs, and a program cannot write there), `cgroup_procs`
+(files to write this process's pid to: the run's cgroup), `rlimits` ({name: value}, set soft and
+hard: without CAP_SYS_RESOURCE in the initial user namespace, which the program never has, a hard
+limit cannot be raised), `own_namespace` (enter a user namespace of the run's own first, where
+RLIMIT_NPROC counts this run's processes only), `nproc`, `as_nobody` (root becomes uid 65534 with
+no capabilities before the exec).
 
 In a user namespace of its own, RLIMIT_NPROC caps the run's tree as a pids cgroup would: since
 Linux 5.14 the kernel counts processes per user in each user namespace and checks every namespace
@@ -29,6 +30,7 @@ CLONE_NEWUSER = 0x10000000
 PR_SET_NO_NEW_PRIVS = 38
 EVERY_ID = "0 0 4294967295"  # the initial namespace's own map
 NOBODY = 65534
+LAUNCH_FAILED = 125  # as env(1) and timeout(1) say they failed before running the command
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -121,8 +123,6 @@ def main(argv: list[str]) -> None:
         os.write(report, str(refused).encode()[:4096])
         os._exit(LAUNCH_FAILED)
 
-
-LAUNCH_FAILED = 125  # as env(1) and timeout(1) say they failed before running the command
 
 if __name__ == "__main__":
     main(sys.argv[1:])

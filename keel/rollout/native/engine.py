@@ -65,7 +65,7 @@ class NativeRolloutEngine:
         self.timing: dict[str, float] = {}  # seconds per part (prefill, capture, decode) of the last call
         self.runner = ModelRunner(model, dtype, tokenizer.pad_token_id, enforce_eager, compile_step, compile_mode)
         self.family, self.weights, self.device = self.runner.family, self.runner.weights, self.runner.device
-        self.layers, self.use_cuda_graphs = self.weights.layers, self.runner.use_cuda_graphs
+        self.layers = self.weights.layers
         self.eos = torch.tensor(self.eos_ids, device=self.device)
         self._kept_batcher: ContinuousBatcher | None = None
 

@@ -102,13 +102,15 @@ class ModelRunner:
         f, w = self.kernels, self.weights
         x, positions, visible = f.step_inputs(last_token, pad, column, k_cache[0].shape[2], w.embed,
                                               self.family.embed_scale)
-        columns = torch.arange(k_cache[0].shape[2], device=pad.device)
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # also writes k, v to the cache
             window = self.family.window(i)
             first = window_start(pad, column, window)  # the Triton kernel's; SDPA's is in its mask
-            seen = visible if window is None else visible & (columns >= first[:, None])[:, None, None]
-            return self.attention(q, k, v, k_cache[i], v_cache[i], first, column, seen, rows)
+            if window is not None:
+                columns = torch.arange(visible.shape[-1], device=pad.device)
+                return self.attention(q, k, v, k_cache[i], v_cache[i], first, column,
+                                      visible & (columns >= first[:, None])[:, None, None], rows)
+            return self.attention(q, k, v, k_cache[i], v_cache[i], first, column, visible, rows)
 
         h = self.family.layers(f, w, x, positions, attend)
         return F.linear(h, w.lm_head)
