@@ -239,6 +239,10 @@ def _head_dim(config) -> int:
 
 def active_parameters(config, params: int) -> int:
     """Parameters a token passes through: a mixture of experts' unrouted experts left out."""
+    if config.model_type == "gpt_oss":  # every layer a mixture; experts with biases
+        hidden, inner = config.hidden_size, config.intermediate_size
+        per_expert, sparse = 3 * hidden * inner + 2 * inner + hidden, config.num_hidden_layers
+        return params - sparse * (config.num_local_experts - config.num_experts_per_tok) * per_expert
     experts = getattr(config, "num_experts", 0) or 0
     if not experts:
         return params

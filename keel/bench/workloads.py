@@ -58,8 +58,15 @@ FAMILY_SHAPES = {
                                        num_key_value_heads=1, head_dim=256, sliding_window=512,
                                        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
                                        query_pre_attn_scalar=256, rms_norm_eps=1e-6)),
+    "gpt-oss-20b": ("gpt_oss", dict(vocab_size=201088, max_position_embeddings=131072, hidden_size=2880,
+                                    intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                                    num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                                    sliding_window=128, rope_theta=150_000.0, rms_norm_eps=1e-5, swiglu_limit=7.0,
+                                    attention_bias=True, tie_word_embeddings=False,
+                                    rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                                      truncate=False, original_max_position_embeddings=4096))),
 }
-DRAWN_ON_DEVICE |= {"qwen3-8b", "qwen3-30b-a3b", "qwen3-moe-12l"}
+DRAWN_ON_DEVICE |= {"qwen3-8b", "qwen3-30b-a3b", "qwen3-moe-12l", "gpt-oss-20b"}
 
 
 def shape_config(shape: str):
@@ -103,6 +110,7 @@ WORKLOADS.update({
     "w32": Workload("32b", 16, 8, 512, 512, overrides=LORA_64),     # LoRA on 32B shapes: one copy of the base
     "q8l": Workload("qwen3-8b", 16, 8, 512, 512, overrides=LORA_64),       # w7 on Qwen3-8B
     "e30l": Workload("qwen3-30b-a3b", 16, 8, 512, 512, overrides=LORA_64),  # w7 on Qwen3-30B-A3B
+    "o20l": Workload("gpt-oss-20b", 16, 8, 256, 256, overrides=LORA_64),     # t1's work on GPT-OSS-20B, LoRA
     # 7B full-parameter, the optimiser offloaded a bucket at a time, micro-batches as w7's
     "w7f": Workload("7b", 16, 8, 512, 512, overrides={"actor_rollout_ref.actor.fsdp_config.optimizer_offload": True,
                                                      "actor_rollout_ref.model.enable_gradient_checkpointing": True}),

@@ -21,9 +21,11 @@ def setup(model_dir, n, init_std: float | None = None):
     model = load_causal_lm(model_dir, CUDA)
     generator = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():  # redrawn: the default small init makes greedy decoding repeat one token
-        for p in model.parameters():
-            if init_std and p.dim() >= 2:  # matrices, and the experts' stacks
+        for name, p in model.named_parameters():
+            if init_std and (p.dim() >= 2 or name.endswith("bias")):  # matrices, the experts' stacks, biases
                 p.copy_(torch.randn(p.shape, generator=generator, device="cuda") * init_std)
+            elif init_std and name.endswith("sinks"):  # GPT-OSS: sinks that take a real share of the softmax
+                p.copy_(torch.randn(p.shape, generator=generator, device="cuda"))
     rows = [{"prompt": f"Digits please: {i} " * (1 + i % 3)} for i in range(6)]
     records, _ = build_prompt_dataset(rows, tokenizer, max_prompt_length=128)
     return model, tokenizer, collate_prompts(records, tokenizer.pad_token_id).repeat_interleave(n)
@@ -31,7 +33,7 @@ def setup(model_dir, n, init_std: float | None = None):
 
 # (tiny model's architecture, weights' std)
 FAMILIES = [("qwen2", 0.2), ("qwen3", 0.2), ("qwen3_moe", 0.5), ("gemma3_text", 0.02), ("olmo2", 0.1),
-            ("smollm3", 0.2)]
+            ("smollm3", 0.2), ("gpt_oss", 0.2)]
 
 
 @pytest.mark.parametrize("arch, init_std", FAMILIES)
@@ -120,13 +122,15 @@ def test_bf16_samples_agree_with_the_trainer(tiny_assets):
 SPLITS = {"one_pass": dict(split=0), "splits_of_64": dict(split=64, block=32), "default": {}}
 
 
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("column", [200, 256])
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("kv_heads, group, dim", [(2, 7, 64), (2, 6, 128), (8, 1, 64)])
-def test_triton_decode_attention_matches_sdpa(kv_heads, group, dim, splits, column):
+def test_triton_decode_attention_matches_sdpa(kv_heads, group, dim, splits, column, sinks):
     """The fused kernel (cache write + attention over the visible columns) against the cache write
     and SDPA over a masked cache, on bf16 rows with different left padding; in one pass and in
-    splits (rows whose first column falls in a later split, and a new token at a split's start)."""
+    splits (rows whose first column falls in a later split, and a new token at a split's start);
+    with attention sinks (GPT-OSS) against the sinks' softmax in float32."""
     from keel.rollout.native.attention import (KernelConfig, sdpa_decode_attention, triton_available,
                                                triton_decode_attention)
 
@@ -142,8 +146,9 @@ def test_triton_decode_attention_matches_sdpa(kv_heads, group, dim, splits, colu
     column = torch.tensor([column], device="cuda")
     visible = ((torch.arange(length, device="cuda") >= pad[:, None]) & (torch.arange(length, device="cuda") <= column))
     caches = (k_cache.clone(), v_cache.clone())
-    expected = sdpa_decode_attention(q, k, v, k_cache, v_cache, pad, column, visible[:, None, None])
-    got = triton_decode_attention(q, k, v, *caches, pad, column, config=KernelConfig(**SPLITS[splits]))
+    sink = torch.randn(kv_heads * group, **bf16) * 3 if sinks else None
+    expected = sdpa_decode_attention(q, k, v, k_cache, v_cache, pad, column, visible[:, None, None], sinks=sink)
+    got = triton_decode_attention(q, k, v, *caches, pad, column, sinks=sink, config=KernelConfig(**SPLITS[splits]))
     assert (got.float() - expected.float()).abs().max().item() < 2e-2
     assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)  # the new token written
 

@@ -28,9 +28,11 @@ def engines(model_dir, n: int, max_num_seqs: int = 256, sharpen: float = 1.0, in
     model = load_causal_lm(model_dir, torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for p in model.parameters():
-            if init_std and p.dim() >= 2:  # matrices, and the experts' stacks
+        for name, p in model.named_parameters():
+            if init_std and (p.dim() >= 2 or name.endswith("bias")):  # matrices, the experts' stacks, biases
                 p.copy_(torch.randn(p.shape, generator=generator) * init_std)
+            elif init_std and name.endswith("sinks"):  # GPT-OSS: sinks that take a real share of the softmax
+                p.copy_(torch.randn(p.shape, generator=generator))
         model.get_output_embeddings().weight.mul_(sharpen)
     records, _ = build_prompt_dataset(PROMPTS, tokenizer, max_prompt_length=64)
     prompts = collate_prompts(records, tokenizer.pad_token_id).repeat_interleave(n)
@@ -40,11 +42,12 @@ def engines(model_dir, n: int, max_num_seqs: int = 256, sharpen: float = 1.0, in
 
 # (architecture, tied embeddings, weights' std, layers, fewest distinct greedy tokens a row shows).
 # Gemma 3: sliding-window layers (16 columns, shorter than the prompts) between global ones;
-# SmolLM3: its fourth layer has no rotary embedding. Random weights of some families repeat
-# themselves more: the floor keeps every comparison one that can fail.
+# SmolLM3: its fourth layer has no rotary embedding; GPT-OSS: attention sinks, biases, sliding
+# windows and experts. Random weights of some families repeat themselves more: the floor keeps
+# every comparison one that can fail.
 FAMILIES = [("qwen2", True, 0.2, 3, 10), ("llama", True, 0.2, 3, 10), ("qwen2", False, 0.2, 3, 10),
             ("qwen3", True, 0.2, 3, 10), ("qwen3_moe", True, 0.5, 3, 10), ("gemma3_text", True, 0.02, 3, 8),
-            ("olmo2", True, 0.1, 4, 7), ("smollm3", True, 0.2, 4, 10)]
+            ("olmo2", True, 0.1, 4, 7), ("smollm3", True, 0.2, 4, 10), ("gpt_oss", False, 0.2, 3, 10)]
 
 
 @pytest.mark.parametrize("arch, tied, init_std, layers, distinct", FAMILIES)
@@ -259,8 +262,8 @@ def test_lora_runs_unmerged_on_the_trainers_own_base(tmp_path):
 
 
 # Every episode resident, or 3 rows for 6 episodes, refilled; each family on the second.
-@pytest.mark.parametrize("arch, rows, init_std, layers", [("qwen2", 256, 0.2, 3)] + [
-    (arch, 3, init_std, layers) for arch, tied, init_std, layers, _ in FAMILIES if tied])
+@pytest.mark.parametrize("arch, rows, init_std, layers", [("qwen2", 256, 0.2, 3)] + list({
+    arch: (arch, 3, init_std, layers) for arch, _, init_std, layers, _ in FAMILIES}.values()))
 def test_multi_turn_greedy_rollouts_equal_the_hf_engines_and_prefill_only_new_tokens(tmp_path, monkeypatch, arch, rows,
                                                                                      init_std, layers):
     """The agent loop on the native engine (turns scheduled by continuous batching, KV kept across
@@ -361,18 +364,19 @@ import types, torch
 torch.cuda.get_device_properties = lambda device: types.SimpleNamespace(multi_processor_count=132)
 from keel.rollout.native.attention import KernelConfig, sdpa_decode_attention, triton_decode_attention
 
-def check(pad, column, length=300, rows=None, cache_rows=None, heads=14, kv=2, dim=64, **config):
+def check(pad, column, length=300, rows=None, cache_rows=None, heads=14, kv=2, dim=64, sinks=False, **config):
     torch.manual_seed(0)
     batch = len(pad)
     pad, column = torch.tensor(pad), torch.tensor(column)
     q = torch.randn(batch, heads, 1, dim)
     k, v = torch.randn(batch, kv, 1, dim), torch.randn(batch, kv, 1, dim)
     caches = [torch.randn(cache_rows or batch, kv, length, dim) for _ in range(2)]
+    sinks = torch.randn(heads) * 3 if sinks else None  # some above every score: a real share
     cols = torch.arange(length)
     visible = ((cols >= pad[:, None]) & (cols <= column.expand(batch)[:, None]))[:, None, None]
     expected_caches = [c.clone() for c in caches]
-    expected = sdpa_decode_attention(q, k, v, *expected_caches, pad, column, visible, rows)
-    got = triton_decode_attention(q, k, v, *caches, pad, column, rows=rows, config=KernelConfig(**config))
+    expected = sdpa_decode_attention(q, k, v, *expected_caches, pad, column, visible, rows, sinks)
+    got = triton_decode_attention(q, k, v, *caches, pad, column, rows=rows, sinks=sinks, config=KernelConfig(**config))
     assert (got - expected).abs().max() < 1e-4, (pad, column, config)
     assert all(torch.equal(c, e) for c, e in zip(caches, expected_caches)), (pad, column, config)
 
@@ -382,6 +386,8 @@ for config in (dict(split=0), dict(split=64, block=32), dict()):
           heads=12, dim=128, **config)                                 # continuous batching: rows, own columns
 check([0, 3], [6], length=8)                                           # a cache shorter than tl.dot's 16
 check([0] * 4, [1000], length=2304)                                    # few rows, long cache: splits by default
+for config in (dict(split=0), dict(split=64, block=32)):                # attention sinks (GPT-OSS), with and
+    check([0, 1, 64, 130, 256], [256], heads=8, kv=2, sinks=True, **config)  # without splits to merge
 print("ok")
 """
 

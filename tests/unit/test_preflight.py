@@ -246,30 +246,40 @@ def test_weights_under_other_names_are_a_warning_that_says_what_would_start_rand
     assert len(warned) == 1 and "model.layers.0." in warned[0].message and "random" in warned[0].message
 
 
-# GPT-OSS is not among the native engine's families yet: it falls back.
-@pytest.mark.parametrize("arch, engine", [("qwen3", "native"), ("qwen3_moe", "native"), ("gemma3_text", "native"),
-                                          ("olmo2", "native"), ("smollm3", "native"), ("gpt_oss", "hf")])
-def test_the_rollout_engine_is_named_and_a_fallback_to_hf_says_what_it_costs(tiny_config, tmp_path, arch, engine):
-    """Checkpoints transformers writes itself pass the weights check (a qwen3_moe's stacked experts
-    are not 'missing tensors'); a family the native engine cannot run is a warning with its cost."""
+def sliding_window_qwen2(path):
+    """A model the native engine cannot run: Qwen2 with its sliding window on (the fused decode step
+    of Llama-shaped families has no window)."""
     from keel.models.tiny import make_tiny_model
 
-    model = make_tiny_model(tmp_path / arch, arch=arch)
+    model = make_tiny_model(path)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "use_sliding_window": True, "sliding_window": 16}))
+    return model
+
+
+@pytest.mark.parametrize("arch, engine", [("qwen3", "native"), ("qwen3_moe", "native"), ("gemma3_text", "native"),
+                                          ("olmo2", "native"), ("smollm3", "native"), ("gpt_oss", "native"),
+                                          ("qwen2 with a sliding window", "hf")])
+def test_the_rollout_engine_is_named_and_a_fallback_to_hf_says_what_it_costs(tiny_config, tmp_path, arch, engine):
+    """Checkpoints transformers writes itself pass the weights check (a mixture's stacked experts
+    are not 'missing tensors'); a model the native engine cannot run is a warning with its cost."""
+    from keel.models.tiny import make_tiny_model
+
+    model = sliding_window_qwen2(tmp_path / "m") if engine == "hf" else make_tiny_model(tmp_path / arch, arch=arch)
     report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": str(model)}))
     assert failure_codes(report) == []
     [finding] = [f for f in report.findings if f.check == "rollout engine"]
     assert finding.message.startswith(engine)
     assert (finding.level == WARN) == (engine == "hf")
     if engine == "hf":
-        assert "slower" in finding.message and "H200" in finding.message
+        assert "sliding-window" in finding.message and "slower" in finding.message and "H200" in finding.message
     assert not [f for f in report.findings if f.check == "model" and f.level == WARN]
 
 
 def test_native_named_for_a_family_it_cannot_run_is_refused_by_keel_check(tiny_config, tmp_path):
     from keel.errors import INCOMPATIBLE_OPTIONS
-    from keel.models.tiny import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "gpt_oss", arch="gpt_oss")
+    model = sliding_window_qwen2(tmp_path / "m")
     report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": str(model),
                                                   "actor_rollout_ref.rollout.name": "native"}))
     assert failure_codes(report) == [INCOMPATIBLE_OPTIONS]

@@ -77,13 +77,15 @@ def split_columns(cache_len: int, programs: int, sms: int, minimum: int = 64) ->
 
 
 def sdpa_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor,
-                          column: Tensor, visible: Tensor, rows: Tensor | None = None) -> Tensor:
+                          column: Tensor, visible: Tensor, rows: Tensor | None = None,
+                          sinks: Tensor | None = None) -> Tensor:
     """q [B, H, 1, D], the new token's k/v [B, KV, 1, D] written at `column` of the caches
     [B, KV, L, D]; visible [B, 1, 1, L] -> [B, H * D]. The G query heads of each KV head are given
     to SDPA as G query positions of one head, so K and V are read once, never repeated.
 
     With `rows` [B] (continuous batching) query b is cache row rows[b] of a larger cache, and
-    `column` [B] is each row's own."""
+    `column` [B] is each row's own. `sinks` [H]: each head's attention sink (GPT-OSS), a logit in
+    the softmax's normaliser that attends to nothing."""
     if rows is None:
         k_cache.index_copy_(2, column, k)
         v_cache.index_copy_(2, column, v)
@@ -92,12 +94,28 @@ def sdpa_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_ca
         k_cache, v_cache = k_cache[rows], v_cache[rows]
     batch, heads, _, dim = q.shape
     grouped = q.view(batch, k_cache.shape[1], heads // k_cache.shape[1], dim)    # [B, KV, G, D]
+    if sinks is not None:
+        grouped_sinks = sinks.view(1, k_cache.shape[1], heads // k_cache.shape[1], 1)
+        return attention_with_sinks(grouped, k_cache, v_cache, visible, grouped_sinks).reshape(batch, heads * dim)
     return F.scaled_dot_product_attention(grouped, k_cache, v_cache, attn_mask=visible).reshape(batch, heads * dim)
+
+
+def attention_with_sinks(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None, sinks: Tensor) -> Tensor:
+    """Softmax attention of q [..., L, D] over k, v [..., S, D] (heads matched) whose normaliser also
+    holds each head's sink logit (`sinks`, broadcast to [..., L, 1]), as GPT-OSS computes it: in
+    float32, the sink's share dropped. `visible` [..., L, S] (None: causal). SDPA has no sinks."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if visible is None:
+        visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(scores.shape[-1] - scores.shape[-2])
+    scores = scores.masked_fill(~visible, float("-inf"))
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return (probs @ v.float()).to(q.dtype)
 
 
 def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor,
                             column: Tensor, visible: Tensor | None = None, rows: Tensor | None = None,
-                            config: KernelConfig = DEFAULT_CONFIG) -> Tensor:
+                            sinks: Tensor | None = None, config: KernelConfig = DEFAULT_CONFIG) -> Tensor:
     """The same as sdpa_decode_attention in Triton; `visible` is implied by `pad` (the first column
     each row sees) and `column` (read on the device: no host sync).
 
@@ -106,7 +124,8 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_
     would leave most SMs idle without splits. Each split leaves its partial softmax (output and
     log-sum-exp) and a second kernel merges a row's splits; a split of the whole cache is one pass,
     without the merge. KernelConfig.resolved chooses the split; the split's length and count are
-    runtime arguments, so a new cache length does not compile the kernels again.
+    runtime arguments, so a new cache length does not compile the kernels again. A head's sink
+    joins the normaliser in the split that holds the new token, so the merge needs nothing of it.
 
     Two slots may share a cache row only at the same column (the batcher's scratch row): a slot's
     write at its column would race another's read of it."""
@@ -123,12 +142,13 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_
     lse = out if splits == 1 else torch.empty(batch, kv_heads, splits, group, device=q.device, dtype=torch.float32)
     block_group = max(16, triton.next_power_of_2(group))
     _decode_attention_kernel[(batch, kv_heads, splits)](
-        q, k, v, k_cache, v_cache, out, partial, lse, pad, column, pad if rows is None else rows, dim ** -0.5,
+        q, k, v, k_cache, v_cache, out, partial, lse, pad, column, pad if rows is None else rows,
+        pad if sinks is None else sinks, dim ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), split, splits,
         GROUP=group, BLOCK_GROUP=block_group, DIM=dim, BLOCK=config.block, ONE_PASS=splits == 1,
-        INDIRECT=rows is not None, COLUMN_STRIDE=int(column.numel() > 1),
+        INDIRECT=rows is not None, COLUMN_STRIDE=int(column.numel() > 1), SINKS=sinks is not None,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if splits > 1:
         _merge_splits_kernel[(batch, kv_heads)](
@@ -146,11 +166,12 @@ def triton_available(device: torch.device, dtype: torch.dtype, head_dim: int) ->
 
 if triton is not None:
     @triton.jit
-    def _decode_attention_kernel(Q, K, V, KCache, VCache, Out, PartialOut, PartialLse, Pad, Column, Rows, scale,
+    def _decode_attention_kernel(Q, K, V, KCache, VCache, Out, PartialOut, PartialLse, Pad, Column, Rows, Sinks,
+                                 scale,
                                  q_b, q_h, k_b, k_h, v_b, v_h, kc_b, kc_h, kc_l, vc_b, vc_h, vc_l, split_len, splits,
                                  GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr,
                                  BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, INDIRECT: tl.constexpr,
-                                 COLUMN_STRIDE: tl.constexpr):
+                                 COLUMN_STRIDE: tl.constexpr, SINKS: tl.constexpr):
         slot = tl.program_id(0)  # the query row; its cache row is Rows[slot] under continuous batching
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -186,6 +207,14 @@ if triton is not None:
             total = tl.zeros([BLOCK_GROUP], tl.float32) + owns_new.to(tl.float32)
             acc = tl.zeros([BLOCK_GROUP, DIM], tl.float32) + (v_new.to(tl.float32) * owns_new.to(tl.float32))[None, :]
             m, total, acc = _attend_columns(q, k_base, v_base, kc_l, vc_l, lo, hi, m, total, acc, scale, DIM, BLOCK)
+            if SINKS:  # each head's sink logit joins the normaliser once: in the split with the new token
+                sink = tl.load(Sinks + kv_head * GROUP + g, mask=g < GROUP, other=float("-inf")).to(tl.float32)
+                sink = tl.where(owns_new, sink, float("-inf"))
+                m_new = tl.maximum(m, sink)
+                rescale = tl.exp(m - m_new)
+                acc = acc * rescale[:, None]
+                total = total * rescale + tl.exp(sink - m_new)
+                m = m_new
             heads = GROUP * tl.num_programs(1)
             if ONE_PASS:
                 out_ptrs = Out + slot * heads * DIM + (kv_head * GROUP + g[:, None]) * DIM + d[None, :]

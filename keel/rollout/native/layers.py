@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from keel.rollout.native.attention import attention_with_sinks
 from keel.rollout.native.sampling import Pickers, pick_blocked, pick_token
 
 
@@ -121,12 +122,15 @@ def applyrope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 
-def grouped_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None) -> Tensor:
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None, sinks: Tensor | None = None) -> Tensor:
     """SDPA of q [u, H, L, D] over k, v [u, KV, S, D]: causal when `visible` is None, else under
     that mask. K/V are repeated to every query head, as transformers' SDPA path does: not every
-    fused SDPA kernel that takes a mask also takes grouped heads (enable_gqa)."""
+    fused SDPA kernel that takes a mask also takes grouped heads (enable_gqa). With `sinks` [H]
+    (GPT-OSS), each head's sink joins the softmax's normaliser, which SDPA cannot do."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if sinks is not None:
+        return attention_with_sinks(q, k, v, visible, sinks.view(1, -1, 1, 1))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=visible is None)
 
 

@@ -82,7 +82,7 @@ class ModelRunner:
             v_cache[i][cache_rows, :, cache_columns] = v[piece_of, column_of]
             seen = within_window(visible, positions, end, self.family.window(i))
             attention = grouped_attention(q.transpose(1, 2), k_cache[i][rows, :, :end], v_cache[i][rows, :, :end],
-                                          seen)
+                                          seen, w.layers[i].sinks)
             return attention.transpose(1, 2).reshape(x.shape[0], -1)
 
         h = self.family.layers(self.eager, w, x, positions.flatten(), attend)
@@ -104,13 +104,13 @@ class ModelRunner:
                                               self.family.embed_scale)
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # also writes k, v to the cache
-            window = self.family.window(i)
+            window, sinks = self.family.window(i), w.layers[i].sinks
             first = window_start(pad, column, window)  # the Triton kernel's; SDPA's is in its mask
             if window is not None:
                 columns = torch.arange(visible.shape[-1], device=pad.device)
                 return self.attention(q, k, v, k_cache[i], v_cache[i], first, column,
-                                      visible & (columns >= first[:, None])[:, None, None], rows)
-            return self.attention(q, k, v, k_cache[i], v_cache[i], first, column, visible, rows)
+                                      visible & (columns >= first[:, None])[:, None, None], rows, sinks)
+            return self.attention(q, k, v, k_cache[i], v_cache[i], first, column, visible, rows, sinks)
 
         h = self.family.layers(f, w, x, positions, attend)
         return F.linear(h, w.lm_head)

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 from keel.rollout.native.models.base import Family, LayerWeights
 from keel.rollout.native.models.gemma3 import Gemma3Family
+from keel.rollout.native.models.gpt_oss import GptOssFamily
 from keel.rollout.native.models.llama import LlamaFamily
 from keel.rollout.native.models.olmo2 import Olmo2Family
 from keel.rollout.native.models.qwen3_moe import Qwen3MoeFamily
 
 __all__ = ["FAMILIES", "Family", "LayerWeights", "family_for", "unsupported_reason"]
 
-FAMILIES: dict[str, type[Family]] = {model_type: family for family in (LlamaFamily, Qwen3MoeFamily, Gemma3Family, Olmo2Family)
-                                     for model_type in family.model_types}
+FAMILIES: dict[str, type[Family]] = {
+    model_type: family for family in (LlamaFamily, Qwen3MoeFamily, Gemma3Family, Olmo2Family, GptOssFamily)
+    for model_type in family.model_types}
 
 
 def family_for(config) -> Family:

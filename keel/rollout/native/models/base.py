@@ -12,7 +12,7 @@ from keel.rollout.native.layers import rms_norm
 
 LowRank = tuple[Tensor, Tensor]  # LoRA's (A [r, in], B [out, r] times its scaling) of one projection
 
-STATIC_ROPE = {"default", "linear", "llama3"}  # inv_freq does not depend on the sequence length
+STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq does not depend on the sequence length
 
 
 @dataclass
@@ -23,6 +23,8 @@ class LayerWeights:
     input_norm: Tensor | None = None       # None: the layer's input is not normed (OLMo 2)
     post_norm: Tensor | None = None        # after the attention: before the MLP, or on its output
     qkv_bias: Tensor | None = None
+    o_bias: Tensor | None = None           # GPT-OSS: biases on every attention projection
+    sinks: Tensor | None = None            # [H]: each head's attention sink logit (GPT-OSS)
     q_norm: Tensor | None = None           # [D]: RMSNorm of each head's query and key (Qwen3)
     k_norm: Tensor | None = None
     gate_up: Tensor | None = None          # [2 * intermediate, hidden]: a dense gated MLP
@@ -32,6 +34,9 @@ class LayerWeights:
     router: Tensor | None = None           # [E, hidden]: a mixture of experts instead
     experts_gate_up: Tensor | None = None  # [E, 2 * intermediate, hidden]
     experts_down: Tensor | None = None     # [E, hidden, intermediate]
+    router_bias: Tensor | None = None      # GPT-OSS: [E]; its experts' weights [E, in, out] and biases [E, out]
+    experts_gate_up_bias: Tensor | None = None
+    experts_down_bias: Tensor | None = None
     # LoRA, unmerged. A fused projection's adapters are one: its parts' A stacked by rows, their B
     # block-diagonal, so a fused matmul stays one matmul (plus two thin ones).
     qkv_lora: LowRank | None = None

@@ -46,6 +46,17 @@ def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor, expert_of_row: Te
     return out
 
 
+def expert_pairs(experts: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The (token, expert) pairs of a routing's chosen experts [N, k], sorted by expert: each pair's
+    token, the sort order (to gather the pairs' routing weights), where each expert's pairs end
+    (the grouped matmul's offsets) and each pair's expert. All on the device: no host sync."""
+    pair_expert = experts.flatten()                                                     # [N k]
+    order = torch.argsort(pair_expert, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=experts.device)
+    counts.scatter_add_(0, pair_expert.int(), torch.ones_like(pair_expert, dtype=torch.int32))
+    return order // experts.shape[1], order, counts.cumsum(0, dtype=torch.int32), pair_expert[order]
+
+
 def routed_experts(h: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k: int, normalize: bool,
                    grouped: bool = True) -> Tensor:
     """The mixture's output [N, hidden] for normed inputs h [N, hidden], as transformers' Qwen3-MoE
@@ -56,13 +67,7 @@ def routed_experts(h: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     weights = weights.to(h.dtype)
-    pair_expert = experts.flatten()                                                     # [N k]
-    order = torch.argsort(pair_expert, stable=True)
-    token = order // top_k
-    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=h.device)
-    counts.scatter_add_(0, pair_expert.int(), torch.ones_like(pair_expert, dtype=torch.int32))
-    offsets = counts.cumsum(0, dtype=torch.int32)  # where each expert's pairs end, on the device
-    expert_of_row = pair_expert[order]
+    token, order, offsets, expert_of_row = expert_pairs(experts, gate_up.shape[0])
     gate, up = grouped_linear(h[token], gate_up, offsets, expert_of_row, grouped).chunk(2, dim=-1)
     out = grouped_linear(F.silu(gate) * up, down, offsets, expert_of_row, grouped)        # [N k, hidden]
     out = out * weights.flatten()[order, None]

@@ -1,0 +1,112 @@
+"""GPT-OSS: sliding-window (128) and global attention layers in turn, biases on every attention
+projection, a learned attention sink per head (a logit in the softmax's normaliser that attends to
+nothing: the attention kernels take it), YaRN rotary embeddings, RMSNorm that scales in float32
+before the cast, and in every layer a mixture of experts: a router with a bias picks the top k
+experts by logit and softmaxes those k, each expert a clamped SwiGLU (gate and up interleaved,
+`(up + 1) * gate * sigmoid(alpha * gate)`) with biases.
+
+The experts run as grouped matmuls over the (token, expert) pairs sorted by expert, as Qwen3-MoE's
+do: no host synchronisation, so the step is captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from keel.rollout.native.layers import attention_inputs, project, residual_add
+from keel.rollout.native.models.base import Family, LayerWeights, projection_sources
+from keel.rollout.native.models.olmo2 import olmo_norm as gpt_oss_norm  # the same RMSNorm: scaled, then cast
+from keel.rollout.native.models.qwen3_moe import expert_pairs, grouped_mm_runs
+
+
+def grouped_linear_in_out(x: Tensor, weight: Tensor, bias: Tensor, offsets: Tensor, expert_of_row: Tensor,
+                          grouped: bool) -> Tensor:
+    """Rows of x [M, in], sorted by expert, each times its expert's weight [E, in, out] plus its
+    bias [E, out] (GPT-OSS stores its experts input-major). Where the grouped matmul does not run
+    (float32: tests), every expert over every row, each row keeping its own expert's result."""
+    if grouped:
+        out = torch._grouped_mm(x, weight, offs=offsets)
+    else:
+        out = x.new_zeros(x.shape[0], weight.shape[2])
+        for expert in range(weight.shape[0]):
+            out = torch.where((expert_of_row == expert)[:, None], x @ weight[expert], out)
+    return out + bias[expert_of_row]
+
+
+def clamped_swiglu(gate_up: Tensor, alpha: float, limit: float) -> Tensor:
+    """GPT-OSS's activation over its interleaved gate and up columns."""
+    gate, up = gate_up[:, ::2].clamp(max=limit), gate_up[:, 1::2].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def gpt_oss_experts(h: Tensor, router: Tensor, router_bias: Tensor, gate_up: Tensor, gate_up_bias: Tensor,
+                    down: Tensor, down_bias: Tensor, top_k: int, alpha: float, limit: float, grouped: bool) -> Tensor:
+    """The mixture's output [N, hidden] for normed inputs h [N, hidden], as transformers computes
+    it: the top k router logits softmaxed in the input dtype, each expert's output scaled and summed."""
+    top_logits, experts = torch.topk(F.linear(h, router, router_bias), top_k, dim=-1)   # [N, k]
+    weights = torch.softmax(top_logits, dim=-1)
+    token, order, offsets, expert_of_row = expert_pairs(experts, gate_up.shape[0])
+    hidden = clamped_swiglu(grouped_linear_in_out(h[token], gate_up, gate_up_bias, offsets, expert_of_row, grouped),
+                            alpha, limit)
+    out = grouped_linear_in_out(hidden, down, down_bias, offsets, expert_of_row, grouped)   # [N k, hidden]
+    out = out * weights.flatten()[order, None]
+    return torch.zeros_like(h).index_add_(0, token, out)
+
+
+def gpt_oss_attention_inputs(h: Tensor, cos: Tensor, sin: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | None,
+                             qkv_lora, heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q [B, H, 1, D] and k [B, KV, 1, D] rotated, v [B, KV, 1, D]: Llama's without q/k norms."""
+    return attention_inputs(h, cos, sin, qkv_weight, qkv_bias, qkv_lora, None, None, heads, kv_heads, 0.0)
+
+
+def gpt_oss_attention_output_and_experts(x: Tensor, attention: Tensor, next_norm: Tensor, o: Tensor,
+                                         o_bias: Tensor | None, post_norm: Tensor, router: Tensor,
+                                         router_bias: Tensor, gate_up: Tensor, gate_up_bias: Tensor, down: Tensor,
+                                         down_bias: Tensor, o_lora, top_k: int, alpha: float, limit: float,
+                                         grouped: bool, eps: float) -> tuple[Tensor, Tensor]:
+    """The rest of a GPT-OSS layer: output projection and residual, the experts and residual, and
+    the next layer's normed input."""
+    x = residual_add(x, project(attention, o, o_lora, o_bias))
+    experts = gpt_oss_experts(gpt_oss_norm(x, post_norm, eps), router, router_bias, gate_up, gate_up_bias, down,
+                              down_bias, top_k, alpha, limit, grouped)
+    x = residual_add(x, experts)
+    return x, gpt_oss_norm(x, next_norm, eps)
+
+
+class GptOssFamily(Family):
+    model_types = frozenset({"gpt_oss"})
+    attention_inputs = staticmethod(gpt_oss_attention_inputs)
+    after_attention = {"experts": gpt_oss_attention_output_and_experts}
+    norm = staticmethod(gpt_oss_norm)
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.top_k = config.num_experts_per_tok
+        self.alpha, self.limit = float(config.swiglu_alpha), float(config.swiglu_limit)
+
+    def layer_sources(self, layer) -> dict[str, list[Tensor]]:
+        attn, mlp = layer.self_attn, layer.mlp
+        sources = {**projection_sources(layer), "input_norm": [layer.input_layernorm.weight],
+                   "post_norm": [layer.post_attention_layernorm.weight], "sinks": [attn.sinks],
+                   "router": [mlp.router.weight], "router_bias": [mlp.router.bias],
+                   "experts_gate_up": [mlp.experts.gate_up_proj], "experts_gate_up_bias": [mlp.experts.gate_up_proj_bias],
+                   "experts_down": [mlp.experts.down_proj], "experts_down_bias": [mlp.experts.down_proj_bias]}
+        if attn.o_proj.bias is not None:
+            sources["o_bias"] = [attn.o_proj.bias]
+        return sources
+
+    def layer_kind(self, layer: LayerWeights) -> str:
+        return "experts"
+
+    def window(self, layer: int) -> int | None:
+        return self.config.sliding_window if self.config.layer_types[layer] == "sliding_attention" else None
+
+    def attention_args(self, layer: LayerWeights) -> tuple:
+        return layer.qkv, layer.qkv_bias, layer.qkv_lora, self.heads, self.kv_heads
+
+    def after_attention_args(self, layer: LayerWeights) -> tuple:
+        experts = layer.experts_gate_up
+        return (layer.o, layer.o_bias, layer.post_norm, layer.router, layer.router_bias, experts,
+                layer.experts_gate_up_bias, layer.experts_down, layer.experts_down_bias, layer.o_lora, self.top_k,
+                self.alpha, self.limit, grouped_mm_runs(experts.device.type, experts.dtype), self.eps)
