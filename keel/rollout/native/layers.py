@@ -37,21 +37,28 @@ class StepFunctions:
         self.pickers = Pickers(prepared(pick_token), prepared(pick_blocked))
 
 
-def step_inputs(last_token: Tensor, pad: Tensor, column: Tensor, cache_len: int, embed: Tensor, embed_scale: float
-                ) -> tuple[Tensor, Tensor, Tensor]:
-    """Embeddings [B, hidden] (times the family's scale), each row's position [B] (left padding
-    skipped) and the visible cache columns [B, 1, 1, L]. `column`: the cache column of this step's
-    token, one for the batch [1] or each row's own [B]."""
+def step_inputs(last_token: Tensor, pad: Tensor, column: Tensor, cache_len: int, embed: Tensor, embed_scale: float,
+                stream_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """Embeddings [B, hidden] in the residual stream's dtype (times the family's scale), each row's
+    position [B] (left padding skipped) and the visible cache columns [B, 1, 1, L]. `column`: the
+    cache column of this step's token, one for the batch [1] or each row's own [B]."""
     positions = column - pad                                                    # [B]
     cols = torch.arange(cache_len, device=pad.device)
     visible = ((cols >= pad[:, None]) & (cols <= column[:, None]))[:, None, None]  # [B, 1, 1, L]
-    return F.embedding(last_token, embed) * embed_scale, positions, visible
+    return embeddings(last_token, embed, embed_scale, stream_dtype), positions, visible
+
+
+def embeddings(ids: Tensor, embed: Tensor, embed_scale: float, stream_dtype: torch.dtype) -> Tensor:
+    """The residual stream's start: the tokens' embeddings in its dtype, times the family's scale."""
+    return F.embedding(ids, embed).to(stream_dtype) * embed_scale
 
 
 
 def project(x: Tensor, weight: Tensor, low_rank: tuple[Tensor, Tensor] | None, bias: Tensor | None = None) -> Tensor:
     """x W^T + b, plus LoRA's update x A^T B^T when adapters are on (B carries the scaling):
-    unmerged, as the trainer computes it, so the base stays the trainer's frozen weights."""
+    unmerged, as the trainer computes it, so the base stays the trainer's frozen weights. x is
+    cast to the weight's dtype first, as autocast casts a float32 stream's matmul inputs."""
+    x = x.to(weight.dtype)
     y = F.linear(x, weight, bias)
     if low_rank is None:
         return y
@@ -73,6 +80,7 @@ def attention_inputs(h: Tensor, cos: Tensor, sin: Tensor, qkv_weight: Tensor, qk
         qk = torch.cat([rms_norm(qk[:, :heads], q_norm, eps), rms_norm(qk[:, heads:], k_norm, eps)], dim=1)
     qk = applyrope(qk, cos, sin)
     v = qkv[:, -kv_size:].view(batch, kv_heads, 1, head_dim)
+    qk = qk.to(qkv.dtype)  # rotated in float32 where the stream is (its cos and sin are): rounded once
     return qk[:, :heads].unsqueeze(2), qk[:, heads:].unsqueeze(2), v
 
 

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from keel.models.load import can_compile
 from keel.rollout.native.attention import sdpa_decode_attention, triton_available, triton_decode_attention
-from keel.rollout.native.layers import StepFunctions, grouped_attention, window_start, within_window
+from keel.rollout.native.layers import StepFunctions, embeddings, grouped_attention, window_start, within_window
 from keel.rollout.native.models import family_for
 from keel.rollout.native.sampling import sample
 from keel.rollout.native.weights import DecodeWeights
@@ -74,7 +74,7 @@ class ModelRunner:
         real = torch.arange(width, device=device) < lengths[:, None]
         piece_of, column_of = real.nonzero(as_tuple=True)
         cache_rows, cache_columns = rows[piece_of], positions[piece_of, column_of]
-        x = F.embedding(ids.to(device), w.embed).flatten(0, 1) * self.family.embed_scale       # [u m, H]
+        x = embeddings(ids.to(device), w.embed, self.family.embed_scale, w.stream_dtype).flatten(0, 1)  # [u m, H]
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             q, k, v = (t.view(u, width, t.shape[1], t.shape[-1]) for t in (q, k, v))          # [u, m, *, D]
@@ -87,7 +87,7 @@ class ModelRunner:
 
         h = self.family.layers(self.eager, w, x, positions.flatten(), attend)
         last = h.view(u, width, -1)[torch.arange(u, device=device), lengths - 1]
-        return F.linear(last, w.lm_head)
+        return F.linear(last.to(w.lm_head.dtype), w.lm_head)
 
     def decode_logits(self, last_token: Tensor, pad: Tensor, column: Tensor, k_cache: list[Tensor],
                       v_cache: list[Tensor], rows: Tensor | None = None) -> Tensor:
@@ -101,7 +101,7 @@ class ModelRunner:
         kernel launches and bytes read, not FLOPs."""
         f, w = self.kernels, self.weights
         x, positions, visible = f.step_inputs(last_token, pad, column, k_cache[0].shape[2], w.embed,
-                                              self.family.embed_scale)
+                                              self.family.embed_scale, w.stream_dtype)
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # also writes k, v to the cache
             window, sinks = self.family.window(i), w.layers[i].sinks
@@ -113,4 +113,4 @@ class ModelRunner:
             return self.attention(q, k, v, k_cache[i], v_cache[i], first, column, visible, rows, sinks)
 
         h = self.family.layers(f, w, x, positions, attend)
-        return F.linear(h, w.lm_head)
+        return F.linear(h.to(w.lm_head.dtype), w.lm_head)

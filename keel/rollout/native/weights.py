@@ -19,6 +19,8 @@ from keel.rollout.native.models.base import ADAPTED, LowRank
 
 __all__ = ["DecodeWeights", "LayerWeights"]
 
+STREAM_BUFFERS = ("embed", "norm")  # kept in the residual stream's dtype, not the compute dtype
+
 
 class DecodeWeights:
     """The decode weight buffers, where each policy parameter goes in them, and what is read once
@@ -28,7 +30,13 @@ class DecodeWeights:
     def __init__(self, model, family: Family, device: torch.device, dtype: torch.dtype):
         sources = _decode_weight_sources(model, family)
         names = {id(p): name for name, p in model.named_parameters()}
-        b = self.buffers = {name: torch.empty(_fused_shape(parts), device=device, dtype=dtype)
+        # The residual stream's dtype is the trainer's: float32 master weights under autocast keep
+        # it, the embeddings it starts from and the norms' weights in float32, rounding only a
+        # matmul's inputs; a LoRA base in the compute dtype keeps it there. The embeddings rounded
+        # to bf16 were most of the sampler/trainer log-prob gap (0.0072 -> 0.0026 on CPU).
+        self.stream_dtype = torch.promote_types(dtype, model.get_input_embeddings().weight.dtype)
+        b = self.buffers = {name: torch.empty(_fused_shape(parts), device=device,
+                                              dtype=self.stream_dtype if name.endswith(STREAM_BUFFERS) else dtype)
                             for name, parts in sources.items()}
         self.targets: dict[str, tuple[str, int, torch.Size]] = {}  # parameter -> (buffer, first row, shape)
         for buffer, parts in sources.items():
@@ -36,7 +44,9 @@ class DecodeWeights:
             self.targets.update({names[id(p)]: (buffer, row, p.shape) for p, row in zip(parts, rows)})
         self.layers = [LayerWeights.from_buffers(b, i) for i in range(len(model.get_decoder().layers))]
         self.embed, self.final_norm = b["embed"], b["final_norm"]
-        self.lm_head = b.get("lm_head", self.embed)  # tied embeddings: one buffer
+        # Tied embeddings: one buffer, or where the embeddings are float32 the head's own copy in
+        # the compute dtype, refreshed from them on every load (its matmul rounds its inputs).
+        self.lm_head = b.get("lm_head", self.embed if self.embed.dtype == dtype else self.embed.to(dtype))
         self.rotary = {kind: (inv_freq.detach().to(device, torch.float32), scale)
                        for kind, (inv_freq, scale) in family.rotary_frequencies(model).items()}
 
@@ -59,6 +69,8 @@ class DecodeWeights:
             if tensor.shape != shape:  # a part-filled buffer would mix old weights with new
                 raise RuntimeError(f"native rollout: {name} has shape {tuple(tensor.shape)}, not {tuple(shape)}")
             self.buffers[buffer][row:row + shape[0]].copy_(tensor.detach())
+            if buffer == "embed" and self.lm_head.data_ptr() != self.embed.data_ptr() and "lm_head" not in self.buffers:
+                self.lm_head.copy_(tensor.detach())
             missing.discard(name)
         if missing:  # a caller bug, not a user's: the engine would generate from stale weights
             raise RuntimeError(f"native rollout: no weights given for {sorted(missing)[:3]}")

@@ -30,7 +30,8 @@ def gemma_attention_inputs(h: Tensor, cos: Tensor, sin: Tensor, qkv_weight: Tens
     qk = torch.cat([gemma_norm(qk[:, :heads], q_norm, eps), gemma_norm(qk[:, heads:], k_norm, eps)], dim=1)
     qk = applyrope(qk, cos, sin)
     q = qk[:, :heads] if query_scale == 1.0 else qk[:, :heads] * query_scale
-    return q.unsqueeze(2), qk[:, heads:].unsqueeze(2), qkv[:, -kv_size:].view(batch, kv_heads, 1, head_dim)
+    q, k = q.to(qkv.dtype), qk[:, heads:].to(qkv.dtype)  # rotated in the stream's dtype: rounded once
+    return q.unsqueeze(2), k.unsqueeze(2), qkv[:, -kv_size:].view(batch, kv_heads, 1, head_dim)
 
 
 def gemma_attention_output_and_mlp(x: Tensor, attention: Tensor, next_norm: Tensor, o: Tensor, post_norm: Tensor,

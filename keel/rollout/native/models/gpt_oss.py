@@ -44,6 +44,7 @@ def gpt_oss_experts(h: Tensor, router: Tensor, router_bias: Tensor, gate_up: Ten
                     down: Tensor, down_bias: Tensor, top_k: int, alpha: float, limit: float, grouped: bool) -> Tensor:
     """The mixture's output [N, hidden] for normed inputs h [N, hidden], as transformers computes
     it: the top k router logits softmaxed in the input dtype, each expert's output scaled and summed."""
+    h = h.to(gate_up.dtype)  # a float32 stream's normed input, cast as autocast casts a matmul's
     top_logits, experts = torch.topk(F.linear(h, router, router_bias), top_k, dim=-1)   # [N, k]
     weights = torch.softmax(top_logits, dim=-1)
     token, order, offsets, expert_of_row = expert_pairs(experts, gate_up.shape[0])

@@ -25,7 +25,7 @@ def olmo_attention_inputs(h: Tensor, cos: Tensor, sin: Tensor, qkv_weight: Tenso
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     q = olmo_norm(qkv[:, :q_size], q_norm, eps)
     k = olmo_norm(qkv[:, q_size:q_size + kv_size], k_norm, eps)
-    qk = applyrope(torch.cat([q, k], dim=-1).view(batch, heads + kv_heads, head_dim), cos, sin)
+    qk = applyrope(torch.cat([q, k], dim=-1).view(batch, heads + kv_heads, head_dim), cos, sin).to(qkv.dtype)
     return qk[:, :heads].unsqueeze(2), qk[:, heads:].unsqueeze(2), qkv[:, -kv_size:].view(batch, kv_heads, 1, head_dim)
 
 

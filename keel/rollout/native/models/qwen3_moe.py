@@ -62,6 +62,7 @@ def routed_experts(h: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top
     """The mixture's output [N, hidden] for normed inputs h [N, hidden], as transformers' Qwen3-MoE
     computes it: routing weights in float32 from the softmax over all experts, the top k
     renormalised (`norm_topk_prob`), each expert's output scaled in the input dtype and summed."""
+    h = h.to(gate_up.dtype)  # a float32 stream's normed input, cast as autocast casts a matmul's
     probs = F.softmax(F.linear(h, router).float(), dim=-1)                              # [N, E]
     weights, experts = torch.topk(probs, top_k, dim=-1)                                 # [N, k]
     if normalize:
