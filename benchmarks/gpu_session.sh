@@ -14,6 +14,8 @@
 #                                                 on-policy (one mini-batch) and in rollout correction's bypass mode
 #   bash benchmarks/gpu_session.sh families [W]   issue 29: the native engine's GPU tests for every family, then
 #                                                 t1's work on each family's shapes (q1,e1,l1,t1 or W)
+#   bash benchmarks/gpu_session.sh large_families [W]  issue 29: GPT-OSS-20B, Qwen3-30B-A3B and Qwen3-8B with
+#                                                 LoRA (o20l,e30l,q8l or W)
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -85,6 +87,13 @@ families() {
     tail -1 "$OUT/gpu_native_tests.txt"
     for w in ${1//,/ }; do
         timeout 170 python3 -m keel bench "$w" --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/$w.log" 2>&1
+        tail -1 "$OUT/$w.log" | cut -c1-300
+    done
+}
+
+large_families() {  # issue 29: the large shapes with LoRA, one after another (o20l,e30l,q8l or W)
+    for w in ${1//,/ }; do
+        timeout 190 python3 -m keel bench "$w" --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/$w.log" 2>&1
         tail -1 "$OUT/$w.log" | cut -c1-300
     done
 }
