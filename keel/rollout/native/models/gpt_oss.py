@@ -84,7 +84,9 @@ class GptOssFamily(Family):
     def __init__(self, config):
         super().__init__(config)
         self.top_k = config.num_experts_per_tok
-        self.alpha, self.limit = float(config.swiglu_alpha), float(config.swiglu_limit)
+        # transformers before 5.2x fixed alpha at 1.702 in the experts module, not in the config
+        self.alpha = float(getattr(config, "swiglu_alpha", 1.702))
+        self.limit = float(getattr(config, "swiglu_limit", 7.0))
 
     def layer_sources(self, layer) -> dict[str, list[Tensor]]:
         attn, mlp = layer.self_attn, layer.mlp
