@@ -10,7 +10,7 @@ import torch
 from keel.errors import INCOMPATIBLE_OPTIONS, KeelError
 from keel.rollout.base import RolloutEngine
 from keel.rollout.hf import HFRolloutEngine
-from keel.rollout.native import NativeRolloutEngine, unsupported_reason
+from keel.rollout.native import NativeRolloutEngine, not_by_default, unsupported_reason
 
 log = logging.getLogger("keel")
 
@@ -24,6 +24,8 @@ def engine_for(name: str, model_config) -> tuple[str, str | None]:
     native where it supports the model; an explicit `native` that cannot run is an error rather
     than a silent switch."""
     reason = unsupported_reason(model_config) if name != "hf" else None
+    if name == "auto" and not reason:
+        reason = not_by_default(model_config)
     if name == "native" and reason:
         raise KeelError(INCOMPATIBLE_OPTIONS, f"actor_rollout_ref.rollout.name=native does not support this model: "
                         f"{reason}", "set `actor_rollout_ref.rollout.name=hf`, or auto (which falls back to hf)")

@@ -12,7 +12,7 @@ from keel.rollout.native.models.llama import LlamaFamily
 from keel.rollout.native.models.olmo2 import Olmo2Family
 from keel.rollout.native.models.qwen3_moe import Qwen3MoeFamily
 
-__all__ = ["FAMILIES", "Family", "LayerWeights", "family_for", "unsupported_reason"]
+__all__ = ["FAMILIES", "Family", "LayerWeights", "family_for", "not_by_default", "unsupported_reason"]
 
 FAMILIES: dict[str, type[Family]] = {
     model_type: family for family in (LlamaFamily, Qwen3MoeFamily, Gemma3Family, Olmo2Family, GptOssFamily)
@@ -30,3 +30,9 @@ def unsupported_reason(config) -> str | None:
     if family is None:
         return f"model_type {config.model_type!r} (native supports {sorted(FAMILIES)})"
     return family.unsupported_reason(config)
+
+
+def not_by_default(config) -> str | None:
+    """Why `rollout.name=auto` does not pick the native engine for a model it can run, or None."""
+    family = FAMILIES.get(config.model_type)
+    return family.not_by_default if family else None

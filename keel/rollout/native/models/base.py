@@ -91,6 +91,8 @@ class Family(ABC):
     after_attention: dict[str, Callable]
     norm: Callable = staticmethod(rms_norm)
     embed_scale: float = 1.0  # the embedding's output times this (exact for 1.0)
+    # Why `rollout.name=auto` does not pick native for this family yet (`native` still runs it), or None.
+    not_by_default: str | None = None
 
     def __init__(self, config):
         self.config = config

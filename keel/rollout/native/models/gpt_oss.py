@@ -80,6 +80,8 @@ class GptOssFamily(Family):
     attention_inputs = staticmethod(gpt_oss_attention_inputs)
     after_attention = {"experts": gpt_oss_attention_output_and_experts}
     norm = staticmethod(gpt_oss_norm)
+    not_by_default = ("GPT-OSS by default: at GPT-OSS-20B's shapes (random weights, bf16, LoRA) its log-probs were 0.25 "
+                      "a token from the trainer's before any update (benchmarks/README.md); rollout.name=native runs it")
 
     def __init__(self, config):
         super().__init__(config)
