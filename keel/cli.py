@@ -25,9 +25,11 @@ def _config_source(args):
     from keel.errors import LAUNCH_CONFIG_PATH
 
     if args.config:
-        raise KeelError(LAUNCH_CONFIG_PATH, f"a config file ({args.config}) and --config-path/--config-name were "
-                        "both given; keel reads one config", f"remove `{args.config}` (the command names its config "
-                        "with --config-path and --config-name)")
+        raise KeelError(
+            LAUNCH_CONFIG_PATH,
+            f"a config file ({args.config}) and --config-path/--config-name were both given; keel reads one config",
+            f"remove `{args.config}` (the command names its config with --config-path and --config-name)",
+        )
     return VerlLaunch(args.config_path, args.config_name)
 
 
@@ -42,8 +44,8 @@ def _cmd_train(args) -> int:
 def _cmd_check(args) -> int:
     import json
 
-    from keel.config.load import load_config
     from keel.check.preflight import render, run_checks
+    from keel.config.load import load_config
 
     report = run_checks(load_config(_config_source(args), args.overrides))
     print(json.dumps(report.as_dict(), indent=2) if args.json else render(report))
@@ -54,8 +56,10 @@ def _cmd_sft(args) -> int:
     from keel.trainer.sft import sft
 
     result = sft(args.config, args.overrides)
-    print(f"done: {result.last_step} steps; the fine-tuned model is {result.run_dir} "
-          "(use it as actor_rollout_ref.model.path)")
+    print(
+        f"done: {result.last_step} steps; the fine-tuned model is {result.run_dir} "
+        "(use it as actor_rollout_ref.model.path)"
+    )
     return 0
 
 
@@ -71,8 +75,9 @@ def _cmd_demo(args) -> int:
     from keel.demo import DemoSettings, print_summary, run_demo, smoke_settings
     from keel.demo_tools import TOOLS, ToolDemoSettings
 
-    settings, task, out = ((ToolDemoSettings(), TOOLS, "keel_demo_tools") if args.task == "tools"
-                           else (DemoSettings(), None, "keel_demo"))
+    settings, task, out = (
+        (ToolDemoSettings(), TOOLS, "keel_demo_tools") if args.task == "tools" else (DemoSettings(), None, "keel_demo")
+    )
     if args.smoke:  # a directory of its own: a smoke run never clears a finished demo (other settings)
         settings, out = smoke_settings(settings), f"{out}_smoke"
     print_summary(run_demo(args.out or out, settings, fresh=args.fresh, task=task))
@@ -94,8 +99,11 @@ def _cmd_reward_server(args) -> int:
     from keel.rewards.service import make_server
 
     if args.custom:
-        path, _, name = args.custom.rpartition(":") if ":" in args.custom.removeprefix("pkg:").removeprefix(
-            "file:") else (args.custom, "", "")  # FILE:NAME, or pkg://module:NAME
+        path, _, name = (
+            args.custom.rpartition(":")
+            if ":" in args.custom.removeprefix("pkg:").removeprefix("file:")
+            else (args.custom, "", "")
+        )  # FILE:NAME, or pkg://module:NAME
         scorer_fn = load_custom_reward_fn(path, name or "compute_score")
     else:
         scorer_fn = ("builtin", args.scorer)
@@ -104,10 +112,16 @@ def _cmd_reward_server(args) -> int:
 
         print("\n".join(require_jail(args.sandbox_require).describe()), flush=True)
     scorer = RewardScorer(scorer_fn, timeout_s=args.timeout_s, num_workers=args.num_workers, max_not_scored_ratio=1.0)
-    server = make_server(scorer, args.host, args.port, args.token, args.max_request_bytes, args.max_concurrency,
-                         args.inject.split(",") if args.inject else None)
-    print(f"keel reward-server on http://{args.host}:{server.server_address[1]} (POST /score, GET /health)",
-          flush=True)
+    server = make_server(
+        scorer,
+        args.host,
+        args.port,
+        args.token,
+        args.max_request_bytes,
+        args.max_concurrency,
+        args.inject.split(",") if args.inject else None,
+    )
+    print(f"keel reward-server on http://{args.host}:{server.server_address[1]} (POST /score, GET /health)", flush=True)
     try:
         server.serve_forever()
     finally:
@@ -119,8 +133,11 @@ def _cmd_export(args) -> int:
     from keel.checkpoint import export_checkpoint
 
     out = export_checkpoint(args.checkpoint, args.out, merged=args.merged)
-    how = ("a PEFT adapter: PeftModel.from_pretrained(base, path)" if (Path(out) / "adapter_config.json").exists()
-           else "AutoModelForCausalLM.from_pretrained")
+    how = (
+        "a PEFT adapter: PeftModel.from_pretrained(base, path)"
+        if (Path(out) / "adapter_config.json").exists()
+        else "AutoModelForCausalLM.from_pretrained"
+    )
     print(f"exported {args.checkpoint} -> {out} (loads with {how})")
     return 0
 
@@ -134,21 +151,30 @@ def _cmd_bench(args) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="keel_bench_"))
     for workload in args.workload:
         for gpus in args.gpus:
-            record = run_bench(workload, steps=args.steps, warmup=args.warmup, gpus=gpus, overrides=args.overrides,
-                               out=Path(args.out) if args.out else None, workdir=workdir,
-                               profile_dir=Path(args.profile) if args.profile else None)
+            record = run_bench(
+                workload,
+                steps=args.steps,
+                warmup=args.warmup,
+                gpus=gpus,
+                overrides=args.overrides,
+                out=Path(args.out) if args.out else None,
+                workdir=workdir,
+                profile_dir=Path(args.profile) if args.profile else None,
+            )
             print(json.dumps(record, indent=2), flush=True)
     return 0
 
 
 def _list_of(parse, choices=None):
     """argparse type for comma-separated values: `t1,w1` or `1,2`."""
+
     def convert(text: str) -> list:
         values = [parse(v) for v in text.split(",")]
         bad = [v for v in values if choices is not None and v not in choices]
         if bad:
             raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(sorted(choices))}")
         return values
+
     return convert
 
 
@@ -179,32 +205,50 @@ def _is_override(word: str) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keel", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"keel {__version__}")
-    parser.add_argument("--debug", action="store_true",
-                        help="full tracebacks; CUDA_LAUNCH_BLOCKING=1 and TORCH_DISTRIBUTED_DEBUG=DETAIL")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="full tracebacks; CUDA_LAUNCH_BLOCKING=1 and TORCH_DISTRIBUTED_DEBUG=DETAIL",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def config_command(name: str, help: str, func) -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=help)
-        command.add_argument("config", nargs="?", help="YAML config file (optional: a verl script passes "
-                                                       "overrides only)")
-        command.add_argument("overrides", nargs="*", help="section.key=value overrides (Hydra's +key=value, "
-                                                          "++key=value and ~key too)")
+        command.add_argument(
+            "config", nargs="?", help="YAML config file (optional: a verl script passes overrides only)"
+        )
+        command.add_argument(
+            "overrides", nargs="*", help="section.key=value overrides (Hydra's +key=value, ++key=value and ~key too)"
+        )
         command.set_defaults(func=func)
         return command
 
     def verl_launch(command: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """Hydra's options, as verl's scripts pass them to verl's main_ppo (a missing value is keel's
         coded error, not argparse's)."""
-        command.add_argument("--config-path", "-cp", nargs="?", const="", help="verl's launch form: the directory "
-                             "of the YAML --config-name names (composed with its defaults: list and hydra.searchpath)")
-        command.add_argument("--config-name", "-cn", nargs="?", const="", help="verl's launch form: the YAML's name "
-                             "without .yaml (default ppo_trainer: verl's trainer config)")
+        command.add_argument(
+            "--config-path",
+            "-cp",
+            nargs="?",
+            const="",
+            help="verl's launch form: the directory "
+            "of the YAML --config-name names (composed with its defaults: list and hydra.searchpath)",
+        )
+        command.add_argument(
+            "--config-name",
+            "-cn",
+            nargs="?",
+            const="",
+            help="verl's launch form: the YAML's name without .yaml (default ppo_trainer: verl's trainer config)",
+        )
         return command
 
     verl_launch(config_command("train", "RL-train a policy (PPO, GRPO and relatives)", _cmd_train)).add_argument(
-        "--skip-check", action="store_true", help="do not run `keel check` first (logged)")
-    verl_launch(config_command("check", "check a config, its model, data, reward and memory without training",
-                               _cmd_check)).add_argument("--json", action="store_true", help="machine-readable output")
+        "--skip-check", action="store_true", help="do not run `keel check` first (logged)"
+    )
+    verl_launch(
+        config_command("check", "check a config, its model, data, reward and memory without training", _cmd_check)
+    ).add_argument("--json", action="store_true", help="machine-readable output")
     config_command("sft", "supervised fine-tuning on chat data", _cmd_sft)
 
     _add_machine_commands(sub)
@@ -220,24 +264,65 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_machine_commands(sub) -> None:
     """doctor, report, demo and export: commands about this machine, a run or a checkpoint."""
     commands = {  # name: (help, handler, [(flags, options) of each argument])
-        "doctor": ("check this machine: versions, GPU, driver, disk", _cmd_doctor, [
-            (["--json"], {"action": "store_true", "help": "machine-readable output"}),
-            (["--path"], {"default": ".", "help": "where checkpoints will go (for the disk check)"})]),
-        "report": ("plot a run's metrics to report.png and report.html", _cmd_report, [
-            (["run_dir"], {"help": "a run directory (holds metrics.jsonl)"})]),
-        "demo": ("SFT then GRPO on a tiny model that learns addition, or (--task tools) multiplication with a "
-                 "calculator tool (CPU, minutes)", _cmd_demo, [
-            (["--task"], {"choices": ["arithmetic", "tools"], "default": "arithmetic",
-                          "help": "arithmetic: 2-digit addition; tools: multi-turn GRPO calling a calculator"}),
-            (["--out"], {"help": "output directory (default: keel_demo, or keel_demo_tools for --task tools)"}),
-            (["--fresh"], {"action": "store_true", "help": "start over instead of resuming (a finished demo: "
-                                                           "instead of showing its table again)"}),
-            (["--smoke"], {"action": "store_true", "help": "a few SFT and GRPO steps, in seconds: checks a setup, "
-                                                           "learns nothing (make demo DEMO_FLAGS=--smoke)"})]),
-        "export": ("write a checkpoint's policy as a Hugging Face directory", _cmd_export, [
-            (["checkpoint"], {"help": "a global_step_<N> directory"}), (["out"], {"help": "output directory"}),
-            (["--merged"], {"action": "store_true", "help": "LoRA: the base with the adapters merged in, a full "
-                                                            "Hugging Face model"})]),
+        "doctor": (
+            "check this machine: versions, GPU, driver, disk",
+            _cmd_doctor,
+            [
+                (["--json"], {"action": "store_true", "help": "machine-readable output"}),
+                (["--path"], {"default": ".", "help": "where checkpoints will go (for the disk check)"}),
+            ],
+        ),
+        "report": (
+            "plot a run's metrics to report.png and report.html",
+            _cmd_report,
+            [(["run_dir"], {"help": "a run directory (holds metrics.jsonl)"})],
+        ),
+        "demo": (
+            "SFT then GRPO on a tiny model that learns addition, or (--task tools) multiplication with a "
+            "calculator tool (CPU, minutes)",
+            _cmd_demo,
+            [
+                (
+                    ["--task"],
+                    {
+                        "choices": ["arithmetic", "tools"],
+                        "default": "arithmetic",
+                        "help": "arithmetic: 2-digit addition; tools: multi-turn GRPO calling a calculator",
+                    },
+                ),
+                (["--out"], {"help": "output directory (default: keel_demo, or keel_demo_tools for --task tools)"}),
+                (
+                    ["--fresh"],
+                    {
+                        "action": "store_true",
+                        "help": "start over instead of resuming (a finished demo: instead of showing its table again)",
+                    },
+                ),
+                (
+                    ["--smoke"],
+                    {
+                        "action": "store_true",
+                        "help": "a few SFT and GRPO steps, in seconds: checks a setup, "
+                        "learns nothing (make demo DEMO_FLAGS=--smoke)",
+                    },
+                ),
+            ],
+        ),
+        "export": (
+            "write a checkpoint's policy as a Hugging Face directory",
+            _cmd_export,
+            [
+                (["checkpoint"], {"help": "a global_step_<N> directory"}),
+                (["out"], {"help": "output directory"}),
+                (
+                    ["--merged"],
+                    {
+                        "action": "store_true",
+                        "help": "LoRA: the base with the adapters merged in, a full Hugging Face model",
+                    },
+                ),
+            ],
+        ),
     }
     for name, (help_text, handler, arguments) in commands.items():
         command = sub.add_parser(name, help=help_text)
@@ -257,11 +342,16 @@ def _add_reward_server(sub) -> None:
     serve.add_argument("--max-request-bytes", type=int, default=8 << 20)
     serve.add_argument("--max-concurrency", type=int, default=8)
     serve.add_argument("--timeout-s", type=float, default=30.0, help="per-sample scoring limit")
-    serve.add_argument("--sandbox-require", choices=("isolation", "all", "none"), default="isolation",
-                       help="with --scorer code_exec: what the code jail must give (as reward.sandbox.require)")
+    serve.add_argument(
+        "--sandbox-require",
+        choices=("isolation", "all", "none"),
+        default="isolation",
+        help="with --scorer code_exec: what the code jail must give (as reward.sandbox.require)",
+    )
     serve.add_argument("--num-workers", type=int, default=0, help="scoring processes")
-    serve.add_argument("--inject", help="faults for the first /score requests, e.g. 500,malformed,slow "
-                                        "(to test a client's retries)")
+    serve.add_argument(
+        "--inject", help="faults for the first /score requests, e.g. 500,malformed,slow (to test a client's retries)"
+    )
     serve.set_defaults(func=_cmd_reward_server)
 
 
@@ -269,17 +359,26 @@ def _add_bench(sub) -> None:
     from keel.bench.workloads import WORKLOADS
 
     bench = sub.add_parser("bench", help="time a GRPO workload on a random-weight model; prints a JSON record")
-    bench.add_argument("workload", type=_list_of(str, WORKLOADS), help=f"one or more of {','.join(WORKLOADS)}, "
-                       "comma-separated")
+    bench.add_argument(
+        "workload", type=_list_of(str, WORKLOADS), help=f"one or more of {','.join(WORKLOADS)}, comma-separated"
+    )
     bench.add_argument("overrides", nargs="*", help="section.key=value overrides of the workload's config")
     bench.add_argument("--steps", type=int, default=5, help="measured steps")
     bench.add_argument("--warmup", type=int, default=2, help="steps run first and left out of the numbers")
-    bench.add_argument("--gpus", type=_list_of(int), default=[1], help="workers (trainer.n_gpus_per_node); "
-                       "several, comma-separated, run one after another")
+    bench.add_argument(
+        "--gpus",
+        type=_list_of(int),
+        default=[1],
+        help="workers (trainer.n_gpus_per_node); several, comma-separated, run one after another",
+    )
     bench.add_argument("--out", help="append the record to this JSON-lines file")
-    bench.add_argument("--profile", metavar="DIR", help="profile one more step after the measured ones (left "
-                       "out of their timings): its kernel and phase table to DIR, how busy the GPU was per phase "
-                       "to the record")
+    bench.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="profile one more step after the measured ones (left "
+        "out of their timings): its kernel and phase table to DIR, how busy the GPU was per phase "
+        "to the record",
+    )
     bench.set_defaults(func=_cmd_bench)
 
 
@@ -306,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
         print(e.render(), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: checkpoints already written are complete; run the same command to resume "
-              "(trainer.resume_mode=auto)", file=sys.stderr)
+        print(
+            "interrupted: checkpoints already written are complete; run the same command to resume "
+            "(trainer.resume_mode=auto)",
+            file=sys.stderr,
+        )
         return 130

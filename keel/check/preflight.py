@@ -17,13 +17,19 @@ from keel import checkpoint as ckpt
 from keel.check.engine import check_rollout_engine
 from keel.check.findings import FAIL, PASS, SKIP, WARN, Finding, Skipped, need
 from keel.check.multi_turn import check_multi_turn
-from keel.check.reward import check_reward, sandbox_finding  # noqa: F401 (sandbox_finding: tests)
 from keel.check.resources import check_memory, check_sharding, check_workers
+from keel.check.reward import check_reward, sandbox_finding  # noqa: F401 (sandbox_finding: tests)
 from keel.config.plan import make_plan
 from keel.config.rules import lengths_within
 from keel.config.schema import KeelConfig
-from keel.errors import (RUN_DIR_NOT_WRITABLE, TOKEN_BUDGET, TOKENIZER_MISMATCH, VOCAB_MISMATCH,
-                         WEIGHTS_BROKEN, KeelError)
+from keel.errors import (
+    RUN_DIR_NOT_WRITABLE,
+    TOKEN_BUDGET,
+    TOKENIZER_MISMATCH,
+    VOCAB_MISMATCH,
+    WEIGHTS_BROKEN,
+    KeelError,
+)
 from keel.errors.fixes import writable_run_dir
 
 if TYPE_CHECKING:
@@ -44,8 +50,13 @@ class Report:
         return [f for f in self.findings if f.level == FAIL]
 
     def as_dict(self) -> dict:
-        return {"findings": [asdict(f) for f in self.findings], "plan": self.plan, "audit": self.audit,
-                "memory_gb": self.memory_gb, "ok": not self.failures}
+        return {
+            "findings": [asdict(f) for f in self.findings],
+            "plan": self.plan,
+            "audit": self.audit,
+            "memory_gb": self.memory_gb,
+            "ok": not self.failures,
+        }
 
     def first_error(self) -> KeelError:
         return self.failures[0].error()
@@ -70,12 +81,14 @@ def run_checks(cfg: KeelConfig) -> Report:
 
     inputs = None
     if all(key in context for key in ("tokenizer", "train_records", "reward")):
-        inputs = Inputs(context["tokenizer"], context["train_records"], context.get("val_records", []),
-                        context["reward"])
+        inputs = Inputs(
+            context["tokenizer"], context["train_records"], context.get("val_records", []), context["reward"]
+        )
     return Report(findings, plan.as_dict(), plan.render(), audit(cfg, context), memory, inputs)
 
 
 # --- the checks, in the order a user would fix them ---------------------------------------------
+
 
 def check_tokenizer(cfg: KeelConfig, context: dict) -> list[Finding]:
     from transformers import AutoTokenizer
@@ -103,20 +116,30 @@ def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
     context["model_config"] = model_cfg
     vocab = model_cfg.vocab_size
     if len(tokenizer) > vocab:
-        raise KeelError(VOCAB_MISMATCH, f"the tokenizer has {len(tokenizer)} tokens but the model's embedding "
-                        f"has {vocab} rows: ids >= {vocab} would index out of range", vocab_fix(path, len(tokenizer)))
+        raise KeelError(
+            VOCAB_MISMATCH,
+            f"the tokenizer has {len(tokenizer)} tokens but the model's embedding "
+            f"has {vocab} rows: ids >= {vocab} would index out of range",
+            vocab_fix(path, len(tokenizer)),
+        )
     special = {name: getattr(tokenizer, f"{name}_token_id") for name in ("eos", "pad", "bos")}
     bad = {k: v for k, v in special.items() if v is not None and v >= vocab}
     if bad:
-        raise KeelError(VOCAB_MISMATCH, f"special token ids {bad} are outside the model's vocabulary of {vocab}",
-                        vocab_fix(path, max(bad.values()) + 1))
+        raise KeelError(
+            VOCAB_MISMATCH,
+            f"special token ids {bad} are outside the model's vocabulary of {vocab}",
+            vocab_fix(path, max(bad.values()) + 1),
+        )
     budget = cfg.data.max_prompt_length + cfg.data.max_response_length
     limit = getattr(model_cfg, "max_position_embeddings", None)
     if limit is not None and budget > limit:
-        raise KeelError(TOKEN_BUDGET, f"data.max_prompt_length + data.max_response_length = {budget} tokens, "
-                                      f"over the policy's max_position_embeddings={limit}",
-                        lengths_within(cfg, limit, "the policy's max_position_embeddings") + ", or use a model with "
-                        "a longer context (rollout.max_model_len cannot go past the model's positions)")
+        raise KeelError(
+            TOKEN_BUDGET,
+            f"data.max_prompt_length + data.max_response_length = {budget} tokens, "
+            f"over the policy's max_position_embeddings={limit}",
+            lengths_within(cfg, limit, "the policy's max_position_embeddings") + ", or use a model with "
+            "a longer context (rollout.max_model_len cannot go past the model's positions)",
+        )
     from keel.models.load import meta_model
     from keel.models.weight_check import check_weights_match
 
@@ -130,11 +153,23 @@ def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
     if unmatched:
         found.append(Finding(WARN, "model", unmatched, WEIGHTS_BROKEN))
     found += _plan_lora(cfg, model, context)
-    found.insert(0, Finding(PASS, "model", f"{model_cfg.model_type}, vocab {vocab}, "
-                                           f"{budget} of {limit or '?'} positions used; weights: {weights}"))
+    found.insert(
+        0,
+        Finding(
+            PASS,
+            "model",
+            f"{model_cfg.model_type}, vocab {vocab}, {budget} of {limit or '?'} positions used; weights: {weights}",
+        ),
+    )
     if tokenizer.model_max_length < budget:
-        found.append(Finding(WARN, "model", f"tokenizer model_max_length={tokenizer.model_max_length} is below "
-                                            f"the {budget}-token budget; transformers may warn or truncate"))
+        found.append(
+            Finding(
+                WARN,
+                "model",
+                f"tokenizer model_max_length={tokenizer.model_max_length} is below "
+                f"the {budget}-token budget; transformers may warn or truncate",
+            )
+        )
     return found
 
 
@@ -168,12 +203,20 @@ def check_special_tokens(tokenizer, model_cfg, path: str, pad_from_eos: bool) ->
         try:
             generation_eos = GenerationConfig.from_pretrained(path).eos_token_id
         except (OSError, ValueError) as e:
-            found.append(Finding(WARN, "model", f"generation_config.json in {path} cannot be read ({e}); its EOS "
-                                                "ids are not compared"))
+            found.append(
+                Finding(
+                    WARN,
+                    "model",
+                    f"generation_config.json in {path} cannot be read ({e}); its EOS ids are not compared",
+                )
+            )
     mismatches = special_token_mismatches(tokenizer, model_cfg, generation_eos, compare_pad=not pad_from_eos, path=path)
     if len(mismatches) >= 2:
-        raise KeelError(TOKENIZER_MISMATCH, "; ".join(what for what, _ in mismatches) + ": the tokenizer looks "
-                        "like another model's", agree_fix(mismatches))
+        raise KeelError(
+            TOKENIZER_MISMATCH,
+            "; ".join(what for what, _ in mismatches) + ": the tokenizer looks like another model's",
+            agree_fix(mismatches),
+        )
     return found + [Finding(WARN, "model", what, TOKENIZER_MISMATCH, fix) for what, fix in mismatches]
 
 
@@ -214,19 +257,36 @@ def check_trackers(cfg: KeelConfig, context: dict) -> list[Finding]:
     return [Finding(PASS, "trackers", describe_tracker(name, Path(cfg.run_dir))) for name in trackers]
 
 
-CHECKS = [("tokenizer", check_tokenizer), ("model", check_model), ("rollout engine", check_rollout_engine),
-          ("data", check_data),
-          ("reward", check_reward), ("multi-turn", check_multi_turn), ("run directory", check_run_dir),
-          ("trackers", check_trackers),
-          ("sharding", check_sharding), ("workers", check_workers),
-          ("memory", check_memory)]
+CHECKS = [
+    ("tokenizer", check_tokenizer),
+    ("model", check_model),
+    ("rollout engine", check_rollout_engine),
+    ("data", check_data),
+    ("reward", check_reward),
+    ("multi-turn", check_multi_turn),
+    ("run directory", check_run_dir),
+    ("trackers", check_trackers),
+    ("sharding", check_sharding),
+    ("workers", check_workers),
+    ("memory", check_memory),
+]
 
 
 # --- what keel decided for you ----------------------------------------------------------------
 
 # The decisions that are not a verl key's (those follow them in `audit`), in the order printed.
-_GENERAL_DECISIONS = ("trainer.default_local_dir", "device", "compute dtype", "critic", "reference model",
-                      "clip range", "critic batching", "total training steps", "pad token", "loss_agg_mode")
+_GENERAL_DECISIONS = (
+    "trainer.default_local_dir",
+    "device",
+    "compute dtype",
+    "critic",
+    "reference model",
+    "clip range",
+    "critic batching",
+    "total training steps",
+    "pad token",
+    "loss_agg_mode",
+)
 
 
 def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
@@ -240,7 +300,7 @@ def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
         "trainer.default_local_dir": cfg.run_dir,
         "device": f"{device} (trainer.device={cfg.trainer.device})",
         "compute dtype": f"{resolve_dtype(cfg.actor_rollout_ref.model.dtype, device)}; weights and optimiser "
-                         "state float32",
+        "state float32",
         "critic": "on" if cfg.critic_enabled else "off",
         "reference model": "on" if cfg.ref_enabled else "off",
         "clip range": f"[1 - {actor.clip_ratio_low or actor.clip_ratio}, 1 + {actor.clip_ratio_high or actor.clip_ratio}]",
@@ -255,11 +315,15 @@ def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
     if context.get("pad_from_eos"):
         decided["pad token"] = "EOS (the tokenizer has none)"
     if actor.policy_loss.loss_mode == "gspo" and actor.loss_agg_mode != "seq-mean-token-mean":
-        decided["loss_agg_mode"] = (f"{actor.loss_agg_mode} for GSPO, as verl 0.9.1 takes it (the paper's objective "
-                                    "is seq-mean-token-mean, which verl's GSPO examples set)")
+        decided["loss_agg_mode"] = (
+            f"{actor.loss_agg_mode} for GSPO, as verl 0.9.1 takes it (the paper's objective "
+            "is seq-mean-token-mean, which verl's GSPO examples set)"
+        )
     if actor.loss_agg_mode == "seq-mean-token-sum-norm":
-        decided["loss_agg_mode"] = ("seq-mean-token-sum-norm as Dr. GRPO writes it (a mean over sequences); verl's "
-                                    "loss is this times ppo_micro_batch_size_per_gpu (docs/config.md)")
+        decided["loss_agg_mode"] = (
+            "seq-mean-token-sum-norm as Dr. GRPO writes it (a mean over sequences); verl's "
+            "loss is this times ppo_micro_batch_size_per_gpu (docs/config.md)"
+        )
     decided.update(_verl_decisions(getattr(cfg, "decided", [])))
     return decided
 
@@ -270,8 +334,10 @@ def _verl_decisions(lines: list[str]) -> dict[str, str]:
     for line in lines:  # "key: reason"
         key, _, reason = line.partition(": ")
         by_reason.setdefault(reason, []).append(key)
-    return {(keys[0] if len(keys) == 1 else f"{keys[0]} and {len(keys) - 1} more"): reason
-            for reason, keys in by_reason.items()}
+    return {
+        (keys[0] if len(keys) == 1 else f"{keys[0]} and {len(keys) - 1} more"): reason
+        for reason, keys in by_reason.items()
+    }
 
 
 def render_brief(report: Report) -> str:
@@ -283,12 +349,19 @@ def render_brief(report: Report) -> str:
         lines += _finding_lines(f) if f.level != PASS else []
     general = {key: value for key, value in report.audit.items() if key in _GENERAL_DECISIONS}
     verl = [key for key in report.audit if key not in _GENERAL_DECISIONS]
-    shown = [general[key].split(" (")[0] if key == "device" else f"{key} {general[key].split(';')[0]}"
-             for key in _GENERAL_DECISIONS if key in general and key != "trainer.default_local_dir"]
+    shown = [
+        general[key].split(" (")[0] if key == "device" else f"{key} {general[key].split(';')[0]}"
+        for key in _GENERAL_DECISIONS
+        if key in general and key != "trainer.default_local_dir"
+    ]
     lines.append("decided for you: " + "; ".join(shown))
     if verl:
-        lines += textwrap.wrap(f"{len(verl)} of verl's defaults or keys taken otherwise (check.txt says how and "
-                               f"why): {', '.join(verl)}", 110, initial_indent="  ", subsequent_indent="    ")
+        lines += textwrap.wrap(
+            f"{len(verl)} of verl's defaults or keys taken otherwise (check.txt says how and why): {', '.join(verl)}",
+            110,
+            initial_indent="  ",
+            subsequent_indent="    ",
+        )
     return "\n".join(lines)
 
 
@@ -298,8 +371,9 @@ def _finding_lines(f: Finding) -> list[str]:
     mark = {PASS: "ok  ", WARN: "warn", FAIL: "FAIL", SKIP: "skip"}[f.level]
     if f.level == FAIL:
         return [f"  [{mark}] {f.check}"] + [f"         {line}" for line in f.error().render().splitlines()]
-    return ([f"  [{mark}] {f.check:<14} {f.message}" + (f"  ({f.code})" if f.code else "")]
-            + ([f"         fix: {f.fix}"] if f.fix and f.level == WARN else []))
+    return [f"  [{mark}] {f.check:<14} {f.message}" + (f"  ({f.code})" if f.code else "")] + (
+        [f"         fix: {f.fix}"] if f.fix and f.level == WARN else []
+    )
 
 
 def render(report: Report) -> str:

@@ -24,9 +24,11 @@ from keel.errors import BAD_OVERRIDE, BAD_VALUE, CATALOGUE, CONFIG_FILE, REFEREN
 from keel.errors.fixes import closest, nearby_file, setting, value_text
 
 
-
-def load_config(source: str | Path | dict | Any | None = None,
-                overrides: list[str] | dict[str, Any] | None = None, schema: type = KeelConfig):
+def load_config(
+    source: str | Path | dict | Any | None = None,
+    overrides: list[str] | dict[str, Any] | None = None,
+    schema: type = KeelConfig,
+):
     """The one way to get a validated config: from a YAML path, a nested dict or a config object.
 
     `schema` is the root dataclass (KeelConfig for RL, SFTConfig for SFT); its `validate()` checks
@@ -47,8 +49,11 @@ def load_config(source: str | Path | dict | Any | None = None,
         raise combined(problems)
     cfg.validate()
     if schema is KeelConfig:
-        decided += [f"{key}: keel's {value_at(cfg, key)!r}, verl's {verl!r}: {why}"
-                    for key, (verl, why) in DIFFERENT_DEFAULTS.items() if key not in given]
+        decided += [
+            f"{key}: keel's {value_at(cfg, key)!r}, verl's {verl!r}: {why}"
+            for key, (verl, why) in DIFFERENT_DEFAULTS.items()
+            if key not in given
+        ]
     object.__setattr__(cfg, "decided", decided)  # not a field: it is not saved or compared on resume
     object.__setattr__(cfg, "given", frozenset(given))  # the keys the config set (what keel may choose)
     return cfg
@@ -66,8 +71,11 @@ def combined(problems: list[KeelError]) -> KeelError:
         return problems[0]
     lines = "\n".join(f"  error[{p.code}]: {p.message}\n    fix: {p.fix}" for p in problems)
     options = [p.fix.split("`")[1] if p.fix.startswith("set `") else None for p in problems]
-    fix = (f"set `{' '.join(options)}` (every line's fix)" if all(options) and len(set(options)) == len(options)
-           else "fix each as its line says")
+    fix = (
+        f"set `{' '.join(options)}` (every line's fix)"
+        if all(options) and len(set(options)) == len(options)
+        else "fix each as its line says"
+    )
     return KeelError(problems[0].code, f"{len(problems)} problems in the config, all of them here:\n{lines}", fix)
 
 
@@ -96,8 +104,11 @@ def changed_keys(saved: dict, current: dict, may_change: tuple[str, ...], defaul
     old, new = flatten(saved), flatten(current)
     for key, value in flatten(defaults or {}).items():
         old.setdefault(key, value)
-    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new))
-            if old.get(key) != new.get(key) and not key.startswith(may_change)]
+    return [
+        f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+        for key in sorted(set(old) | set(new))
+        if old.get(key) != new.get(key) and not key.startswith(may_change)
+    ]
 
 
 @functools.cache
@@ -122,6 +133,7 @@ def all_keys(cls: type = KeelConfig, prefix: str = "") -> list[str]:
 
 
 # --- sources and overrides ---------------------------------------------------------------------
+
 
 def _as_tree(source) -> tuple[dict, list[str]]:
     """The source's tree, and what keel decided while reading it (for `keel check`'s list)."""
@@ -174,8 +186,9 @@ def _parse_overrides(overrides, value_now=lambda key: DELETE) -> list[tuple[str,
     if not overrides:
         return []
     if isinstance(overrides, dict):
-        return [(key[1:], DELETE) if key.startswith("~") else (key.lstrip("+"), value)
-                for key, value in overrides.items()]
+        return [
+            (key[1:], DELETE) if key.startswith("~") else (key.lstrip("+"), value) for key, value in overrides.items()
+        ]
     parsed = []
     for item in overrides:
         if item.startswith("~"):  # Hydra's `~key` (or `~key=value`): remove it, keel's default applies
@@ -185,9 +198,11 @@ def _parse_overrides(overrides, value_now=lambda key: DELETE) -> list[tuple[str,
         key = key.strip().lstrip("+").lstrip("~")  # Hydra's `+key=value` / `++key=value` add or force
         if not sep or not key:
             now = value_now(key) if key else DELETE
-            fix = (f"write it as key=value: `{key}={value_text(now)}` in place of `{item}` (the value it has now)"
-                   if now is not DELETE
-                   else f"remove `{item}` (no key is named so); write overrides as `section.key=value`")
+            fix = (
+                f"write it as key=value: `{key}={value_text(now)}` in place of `{item}` (the value it has now)"
+                if now is not DELETE
+                else f"remove `{item}` (no key is named so); write overrides as `section.key=value`"
+            )
             raise KeelError(BAD_OVERRIDE, f"override {item!r} is not of the form section.key=value", fix)
         parsed.append((key, yaml.safe_load(raw) if raw.strip() else None))
     return parsed
@@ -218,6 +233,7 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 # --- building the typed tree -------------------------------------------------------------------
 
+
 def _build(cls: type, tree: Any, prefix: str, schema: type, problems: list, decided: list):
     """The typed tree; what is wrong is added to `problems` and its key left at the default."""
     if not isinstance(tree, dict):
@@ -233,22 +249,24 @@ def _build(cls: type, tree: Any, prefix: str, schema: type, problems: list, deci
             f = fields[name]
             sub = _dataclass_type(f.type, cls)
             if sub is not None:
-                kwargs[name] = _build(sub, value if value is not None else {}, dotted + ".", schema, problems,
-                                      decided)
+                kwargs[name] = _build(sub, value if value is not None else {}, dotted + ".", schema, problems, decided)
             elif value is None and not _optional(_resolve(f.type, cls)):  # verl's null: "not set"
                 decided.append(f"{dotted}: null, so keel's default {_default(f)!r}")
             else:
                 kwargs[name] = _check_field(f, _coerce(value, _resolve(f.type, cls), dotted), dotted)
         except KeelError as problem:
             if problem.code == BAD_VALUE and problem.fix == CATALOGUE[BAD_VALUE].fix:  # a value of the wrong type
-                problem = KeelError(BAD_VALUE, problem.message, f"set {setting(dotted, _default(fields[name]))} "
-                                                                "(the default)")
+                problem = KeelError(
+                    BAD_VALUE, problem.message, f"set {setting(dotted, _default(fields[name]))} (the default)"
+                )
             problems.append(problem)
     return cls(**kwargs)
 
 
 def _optional(annotation) -> bool:
-    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(annotation)
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(
+        annotation
+    )
 
 
 def _default(f: dataclasses.Field):
@@ -275,10 +293,13 @@ REFERENCE_PLACEMENT = {f"actor_rollout_ref.ref.{key}" for key in ("enable_resour
 
 def _unknown_key(dotted: str, schema: type, value: Any):
     if dotted in REFERENCE_PLACEMENT:
-        raise KeelError(REFERENCE_APART, f"{dotted}: the reference model always shares the actor's workers, "
-                        "because their log-probs are compared token by token every step",
-                        f"remove `{dotted}`; to make room on 2 or more workers, set "
-                        "`actor_rollout_ref.ref.fsdp_config.param_offload=true`")
+        raise KeelError(
+            REFERENCE_APART,
+            f"{dotted}: the reference model always shares the actor's workers, "
+            "because their log-probs are compared token by token every step",
+            f"remove `{dotted}`; to make room on 2 or more workers, set "
+            "`actor_rollout_ref.ref.fsdp_config.param_offload=true`",
+        )
     valid = sorted(_known_keys(schema))
     # A right key under a missing section (`actor.ppo_epochs`) is matched by its suffix first; else
     # only a misspelling is suggested (a few letters off, in the same section): a near name that
@@ -286,9 +307,13 @@ def _unknown_key(dotted: str, schema: type, value: Any):
     close = [k for k in valid if k.endswith("." + dotted)][:1]
     close = close or [k for k in difflib.get_close_matches(dotted, valid, n=3, cutoff=0.8) if _misspelt(dotted, k)][:1]
     hint = f"did you mean {close[0]!r}?" if close else "see the README for the list of keys"
-    raise KeelError(UNKNOWN_KEY, f"unknown config key {dotted!r}; {hint}",
-                    f"write `{close[0]}={value_text(value)}` in place of `{dotted}={value_text(value)}`" if close
-                    else f"remove `{dotted}` (no key is spelt like it; docs/config.md lists every key)")
+    raise KeelError(
+        UNKNOWN_KEY,
+        f"unknown config key {dotted!r}; {hint}",
+        f"write `{close[0]}={value_text(value)}` in place of `{dotted}={value_text(value)}`"
+        if close
+        else f"remove `{dotted}` (no key is spelt like it; docs/config.md lists every key)",
+    )
 
 
 def _misspelt(typed: str, key: str) -> bool:
@@ -377,15 +402,25 @@ def _check_field(f: dataclasses.Field, value: Any, dotted: str):
     choices = meta.get("choices")
     for item in value if isinstance(value, list) else [value]:
         if choices and item not in choices:
-            raise KeelError(BAD_VALUE, f"{dotted}: {item!r} is not one of {list(choices)}",
-                            _choice_fix(dotted, value, item, choices, _default(f)))
-    for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
-                            ("le", lambda v, b: v <= b, "<=")):
+            raise KeelError(
+                BAD_VALUE,
+                f"{dotted}: {item!r} is not one of {list(choices)}",
+                _choice_fix(dotted, value, item, choices, _default(f)),
+            )
+    for bound, ok, word in (
+        ("ge", lambda v, b: v >= b, ">="),
+        ("gt", lambda v, b: v > b, ">"),
+        ("le", lambda v, b: v <= b, "<="),
+    ):
         b = meta.get(bound)
         if b is not None and isinstance(value, (int, float)) and not ok(value, b):
             near = b if bound != "gt" else b + 1 if isinstance(value, int) else _default(f)  # the nearest allowed
-            raise KeelError(BAD_VALUE, f"{dotted}={value} must be {word} {b}", f"set {setting(dotted, near)} (the "
-                            + ("default)" if near == _default(f) else "nearest value allowed)"))
+            raise KeelError(
+                BAD_VALUE,
+                f"{dotted}={value} must be {word} {b}",
+                f"set {setting(dotted, near)} (the "
+                + ("default)" if near == _default(f) else "nearest value allowed)"),
+            )
     return value
 
 

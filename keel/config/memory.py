@@ -6,8 +6,16 @@ from __future__ import annotations
 from keel.config.schema import KeelConfig
 
 
-def estimate_memory_gb(cfg: KeelConfig, model_cfg, params: int, *, compute_bytes: int, native_rollout: bool,
-                       logits_chunk_tokens: int, lora_trainable: dict[str, int] | None = None) -> dict[str, float]:
+def estimate_memory_gb(
+    cfg: KeelConfig,
+    model_cfg,
+    params: int,
+    *,
+    compute_bytes: int,
+    native_rollout: bool,
+    logits_chunk_tokens: int,
+    lora_trainable: dict[str, int] | None = None,
+) -> dict[str, float]:
     """Per-device estimate for a policy of `params` parameters. float32 master weights (4 B) + gradients (4 B) + AdamW moments (8 B) for
     each trained model, divided among the ranks FSDP shards them over (and off the device when
     offloaded); 4 B per weight for the frozen reference; with more than one worker, the rollout
@@ -22,7 +30,7 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg, params: int, *, compute_bytes
     parameters of each role that has it, "actor" or "critic"), the frozen base is in the compute
     dtype with no gradients or optimiser state, the reference is that same base, and on one worker
     the native engine's decode weights are the policy's base itself."""
-    gb = 2 ** 30
+    gb = 2**30
     policy = cfg.actor_rollout_ref
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     layers, hidden = model_cfg.num_hidden_layers, model_cfg.hidden_size
@@ -38,8 +46,14 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg, params: int, *, compute_bytes
     estimate = {
         "actor_states": _sharded_bytes(params, True, policy.actor.fsdp_config, cfg.world_size) / gb,
         "activations": (layer_activations(micro) + logit_rows * model_cfg.vocab_size * 4 * 2) / gb,
-        "kv_cache": 2 * layers * kv_heads * head_dim * seq * cfg.actor_rollout_ref.rollout.max_num_seqs
-                    * bytes_act / gb,
+        "kv_cache": 2
+        * layers
+        * kv_heads
+        * head_dim
+        * seq
+        * cfg.actor_rollout_ref.rollout.max_num_seqs
+        * bytes_act
+        / gb,
     }
     native = policy.rollout.name != "hf" and native_rollout
     if native:  # the native engine's decode weights, in the compute dtype: its only copy

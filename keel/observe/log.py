@@ -48,8 +48,9 @@ class SaidOnce(logging.Filter):
 
     def summary(self) -> list[str]:
         """A line per warning that repeated."""
-        return [f"this warning came {n} times, printed once: {self.first[key]}"
-                for key, n in self.counts.items() if n > 1]
+        return [
+            f"this warning came {n} times, printed once: {self.first[key]}" for key, n in self.counts.items() if n > 1
+        ]
 
 
 @contextmanager

@@ -20,6 +20,7 @@ LAYERS = [
 ]
 LAYER = {name: level for level, names in enumerate(LAYERS) for name in names}
 
+
 def imports() -> dict[tuple[str, str], set[str]]:
     """(importing part, imported part) -> the files where it happens."""
     found = defaultdict(set)
@@ -27,7 +28,7 @@ def imports() -> dict[tuple[str, str], set[str]]:
         part = file.relative_to(KEEL).parts[0].removesuffix(".py")
         for node in ast.walk(ast.parse(file.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:
-                modules = ([f"keel.{a.name}" for a in node.names] if node.module == "keel" else [node.module])
+                modules = [f"keel.{a.name}" for a in node.names] if node.module == "keel" else [node.module]
             elif isinstance(node, ast.Import):
                 modules = [a.name for a in node.names]
             else:

@@ -5,8 +5,9 @@ import torch
 
 from keel.distributed.group import Devices, _reserve
 from keel.errors import NOT_ENOUGH_DEVICES, RAY_MISSING, KeelError
-from keel.training.batching import balanced_partitions, shard_batch, unshard_rows
 from keel.trainer.roles import combine_metrics
+from keel.training.batching import balanced_partitions, shard_batch, unshard_rows
+
 from tests_helpers import make_batch
 
 
@@ -46,8 +47,12 @@ def test_a_mini_batch_smaller_than_the_ranks_gives_the_empty_ranks_masked_filler
 
 
 def test_metrics_from_ranks_add_up_except_replicated_ones():
-    combined = combine_metrics([{"actor/pg_loss": 0.25, "actor/grad_norm": 2.0, "actor/lr": 1e-3},
-                                {"actor/pg_loss": 0.5, "actor/grad_norm": 2.0, "actor/lr": 1e-3}])
+    combined = combine_metrics(
+        [
+            {"actor/pg_loss": 0.25, "actor/grad_norm": 2.0, "actor/lr": 1e-3},
+            {"actor/pg_loss": 0.5, "actor/grad_norm": 2.0, "actor/lr": 1e-3},
+        ]
+    )
     assert combined == {"actor/pg_loss": 0.75, "actor/grad_norm": 2.0, "actor/lr": 1e-3}
 
 

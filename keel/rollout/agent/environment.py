@@ -18,7 +18,7 @@ class Environment(ABC):
         self.config = config or {}
         self.extra_info: dict = {}
         self.prompt: str | list[dict] | None = None  # the episode's prompt as in the data, set before reset
-        self.conversation: list[dict] = []            # its turns so far as messages, kept by the loop (read only)
+        self.conversation: list[dict] = []  # its turns so far as messages, kept by the loop (read only)
 
     def reset(self, extra_info: dict) -> None:
         """Before the episode's first turn: its data row's extra_info (the task's own settings,
