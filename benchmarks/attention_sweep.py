@@ -80,7 +80,7 @@ def sweep(shape: str, batch: int, prompt: int, response: int, configs: list[Kern
     results = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for config in configs:
-        seconds = graph_seconds(lambda: [layers.call(i, config) for i in range(layers.count)])
+        seconds = graph_seconds(lambda config=config: [layers.call(i, config) for i in range(layers.count)])
         resolved = config.resolved(prompt + response, batch * layers.kv, sms)  # as the kernel resolves it
         row = {
             "shape": shape,

@@ -132,13 +132,13 @@ def sweep(shape: str, rows: int) -> None:
     for name, (k, n) in gemms(shape).items():
         x = torch.randn(rows, k, **bf16)
         weights = [torch.randn(n, k, **bf16) * 0.02 for _ in range(layers)]
-        variants = {"cublas": lambda w: F.linear(x, w), "cublaslt": lambda w: F.linear(x, w)}
-        variants.update({json.dumps(t): (lambda w, t=t: triton_linear(x, w, t)) for t in TILINGS})
+        variants = {"cublas": lambda w, x=x: F.linear(x, w), "cublaslt": lambda w, x=x: F.linear(x, w)}
+        variants.update({json.dumps(t): (lambda w, t=t, x=x: triton_linear(x, w, t)) for t in TILINGS})
         results = {}
         for variant, fn in variants.items():
             torch.backends.cuda.preferred_blas_library("cublaslt" if variant == "cublaslt" else "cublas")
             try:
-                seconds = graph_seconds(lambda fn=fn: [fn(w) for w in weights]) / layers
+                seconds = graph_seconds(lambda fn=fn, weights=weights: [fn(w) for w in weights]) / layers
             except triton.runtime.errors.OutOfResources:  # the tiling's buffers exceed shared memory
                 continue
             results[variant] = seconds

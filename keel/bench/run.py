@@ -305,7 +305,8 @@ def decode_bandwidth_utilisation(
     w: Workload, shape, params: int, tokens_per_s_per_gpu: float, datasheet: tuple[float, float] | None
 ) -> float | None:
     """Bytes a decode step must read (bf16 weights once, every expert of a mixture included, plus
-    every sequence's KV cache at its mean context) per generated token, times tokens/s, over the datasheet's HBM bandwidth."""
+    every sequence's KV cache at its mean context) per generated token, times tokens/s, over the
+    datasheet's HBM bandwidth."""
     if datasheet is None:
         return None
     batch = w.prompts * w.n

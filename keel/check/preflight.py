@@ -303,7 +303,8 @@ def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
         "state float32",
         "critic": "on" if cfg.critic_enabled else "off",
         "reference model": "on" if cfg.ref_enabled else "off",
-        "clip range": f"[1 - {actor.clip_ratio_low or actor.clip_ratio}, 1 + {actor.clip_ratio_high or actor.clip_ratio}]",
+        "clip range": f"[1 - {actor.clip_ratio_low or actor.clip_ratio}, "
+        f"1 + {actor.clip_ratio_high or actor.clip_ratio}]",
     }
     if cfg.critic_enabled:
         decided["critic batching"] = f"mini {mini} prompts, micro {micro} samples, {epochs} epochs"

@@ -16,13 +16,14 @@ def estimate_memory_gb(
     logits_chunk_tokens: int,
     lora_trainable: dict[str, int] | None = None,
 ) -> dict[str, float]:
-    """Per-device estimate for a policy of `params` parameters. float32 master weights (4 B) + gradients (4 B) + AdamW moments (8 B) for
-    each trained model, divided among the ranks FSDP shards them over (and off the device when
-    offloaded); 4 B per weight for the frozen reference; with more than one worker, the rollout
-    hf engine's whole float32 copy of the policy; activations of one micro-batch (about 34 bytes x
-    hidden per token per layer, Korthikanti et al. arXiv 2205.05198, plus one chunk's float32 logits);
-    the KV cache of one generation batch and, for the native engine, its decode weights. A critic
-    with a pool of its own is estimated for its own devices, as `critic_pool`, outside the total.
+    """Per-device estimate for a policy of `params` parameters. float32 master weights (4 B) +
+    gradients (4 B) + AdamW moments (8 B) for each trained model, divided among the ranks FSDP
+    shards them over (and off the device when offloaded); 4 B per weight for the frozen reference;
+    with more than one worker, the rollout hf engine's whole float32 copy of the policy; activations
+    of one micro-batch (about 34 bytes x hidden per token per layer, Korthikanti et al. arXiv
+    2205.05198, plus one chunk's float32 logits); the KV cache of one generation batch and, for the
+    native engine, its decode weights. A critic with a pool of its own is estimated for its own
+    devices, as `critic_pool`, outside the total.
 
     What the config alone does not say comes from the caller: the compute dtype's size on the
     device the run resolves to, whether the native engine runs this architecture, and how many

@@ -1,10 +1,10 @@
 """Worker groups: the driver's handle on its workers, in this process or as Ray actors.
 
-`call(method, per_rank_args)` runs `method` on every rank with that rank's arguments and returns
-the results in rank order, with each rank's time and memory reading. A failure anywhere becomes a KeelError that names the rank,
-host, role and phase: a worker's exception (with its traceback), a worker the system killed
-(with its last memory reading), or a phase that stalled (with every rank's stacks on disk and
-the ranks that never reached the collective named).
+`call(method, per_rank_args)` runs `method` on every rank with that rank's arguments and returns the
+results in rank order, with each rank's time and memory reading. A failure anywhere becomes a
+KeelError that names the rank, host, role and phase: a worker's exception (with its traceback), a
+worker the system killed (with its last memory reading), or a phase that stalled (with every rank's
+stacks on disk and the ranks that never reached the collective named).
 """
 
 from __future__ import annotations

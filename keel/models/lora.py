@@ -180,7 +180,7 @@ def apply_lora(
             bias="none",
         )
         peft_model = get_peft_model(model, config)
-    for name, param in peft_model.named_parameters():
+    for param in peft_model.parameters():
         if not param.requires_grad and param.dtype.is_floating_point:
             param.data = param.data.to(compute_dtype)  # frozen: never float32, no optimiser state
         elif param.requires_grad:

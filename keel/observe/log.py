@@ -54,7 +54,7 @@ class SaidOnce(logging.Filter):
 
 
 @contextmanager
-def warnings_said_once(logger: logging.Logger = logging.getLogger("keel")):
+def warnings_said_once(logger: logging.Logger = logging.getLogger("keel")):  # noqa: B008 - one logger per name
     """Within the block, `logger`'s repeated warnings are counted instead of printed; at its end, a
     line per warning that repeated."""
     said_once = SaidOnce()

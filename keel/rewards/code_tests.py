@@ -214,7 +214,10 @@ def printed_matches(printed: str, expected: str) -> bool:
     import numpy as np
 
     lines = printed.splitlines()
-    if "\n".join(lines).strip() == expected.strip() or "\n".join(l.strip() for l in lines).strip() == expected.strip():
+    if (
+        "\n".join(lines).strip() == expected.strip()
+        or "\n".join(line.strip() for line in lines).strip() == expected.strip()
+    ):
         return True
     wanted = [line.strip() for line in expected.split("\n") if line]
     kept = [line for line in lines if line]

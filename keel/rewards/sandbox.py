@@ -131,7 +131,7 @@ class Jail:
 _CPU_SIGNALS = {-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU, 128 + signal.SIGKILL}
 
 
-def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> str:
+def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> str:  # noqa: B008 - frozen, safe to share
     """The solution's stdout; SandboxViolation when a limit stopped it, with the reason."""
     found = jail()
     finished = run_jailed(found.mode, code, stdin, limits, accounted=found.protections["accounting"])

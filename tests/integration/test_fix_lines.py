@@ -60,8 +60,17 @@ def gsm8k_rows(c) -> str:
 
 
 # 0.3 s on an empty response (one keel check tries), over a limit of 0.1 s; the fix's 1 s leaves room on a busy machine
-SLOW_ON_EMPTY = "import time\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    time.sleep(0.3 if not solution_str else 0)\n    return 0.0\n"
-SCORE = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    s = solution_str\n    return {}\n"
+SLOW_ON_EMPTY = (
+    "import time\n\n"
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    time.sleep(0.3 if not solution_str else 0)\n"
+    "    return 0.0\n"
+)
+SCORE = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    s = solution_str\n"
+    "    return {}\n"
+)
 
 
 def launch(c, directory: str, name: str) -> list[str]:

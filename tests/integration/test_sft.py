@@ -88,7 +88,10 @@ def test_sft_resume_is_exact(sft_config, tmp_path, monkeypatch):
 
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/"))} for m in ms]
+
+    def strip(ms):
+        return [{k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/"))} for m in ms]
+
     assert strip(read_metrics(tmp_path / "a")) == strip(read_metrics(tmp_path / "b"))
 
 

@@ -88,12 +88,14 @@ MISTAKES = {
         "data.val_files=[]",
     ],
     "KEEL-R003": lambda a, t: [
-        f"custom_reward_function.path={reward_file(t, 'def compute_score(solution_str, **kw): return str(len(solution_str))')}"
+        "custom_reward_function.path="
+        + reward_file(t, "def compute_score(solution_str, **kw): return str(len(solution_str))")
     ],
     "KEEL-C007": lambda a, t: [f"trainer.resume_mode={t / 'run' / 'global_step_9'}"],
     "KEEL-P004": lambda a, t: ["trainer.nnodes=2"],
     "KEEL-R005": lambda a, t: [
-        f"custom_reward_function.path={reward_file(t, 'def compute_score(solution_str, **kw): return 1 / len(solution_str)')}"
+        "custom_reward_function.path="
+        + reward_file(t, "def compute_score(solution_str, **kw): return 1 / len(solution_str)")
     ],
 }
 

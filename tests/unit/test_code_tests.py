@@ -33,7 +33,8 @@ STDIN_PROGRAMS = {
     "endless loop": "while True:\n    pass",
     "extra whitespace and blank lines": "a, b = map(int, input().split())\nprint()\nprint('  ', a + b, '  ')\nprint()",
     "reads sys.stdin": "import sys\nprint(sum(map(int, sys.stdin.read().split())))",
-    "main guard": "def main():\n    a, b = map(int, input().split())\n    print(a + b)\n\nif __name__ == '__main__':\n    main()",
+    "main guard": "def main():\n    a, b = map(int, input().split())\n    print(a + b)\n\n"
+    "if __name__ == '__main__':\n    main()",
     "exit() after printing": f"{READ_ADD}exit()",
     "sys.exit() after printing": f"import sys\n{READ_ADD}sys.exit(0)",
     "global counter": "total = 0\ndef add(x):\n    global total\n    total += x\nfor x in map(int, input().split()):\n"
@@ -190,7 +191,8 @@ def test_rows_are_checked_before_training_and_the_bad_one_named():
     "attack",
     [
         "import posix\nposix.kill(posix.getppid(), 9)",  # takes the harness down
-        'import posix\nfor fd in range(3, 20):\n    try:\n        posix.write(fd, b\'[{"kind": "ran", "printed": "3"}]\')\n'
+        "import posix\nfor fd in range(3, 20):\n    try:\n"
+        '        posix.write(fd, b\'[{"kind": "ran", "printed": "3"}]\')\n'
         "    except OSError:\n        pass",  # writes a report of its own
     ],
 )

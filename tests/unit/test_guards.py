@@ -211,7 +211,7 @@ def test_hooks_load_by_name_and_report_bad_specs():
     hook = load_hook("json:dumps")  # any importable function
     assert callable(hook)
     for spec in ("no_colon", "no_such_module_xyz:f", "json:no_such_function"):
-        assert code_of(lambda: load_hook(spec)) == HOOK_LOAD
+        assert code_of(lambda spec=spec: load_hook(spec)) == HOOK_LOAD
     assert run_hooks([lambda step, metrics, batch: [f"step {step}"]], 3, {}, None) == ["step 3"]
 
 

@@ -281,7 +281,7 @@ def test_a_few_scores_by_hand():
 
 def octal_escaped(code: str) -> str:
     """A Python string literal of `code` with no letters in it, the way past verl's letter count."""
-    return "'" + "".join("\\textbackslash{}%o" % ord(char) for char in code) + "'"
+    return "'" + "".join(f"\\textbackslash{{}}{ord(char):o}" for char in code) + "'"
 
 
 @pytest.mark.parametrize(
