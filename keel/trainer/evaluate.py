@@ -6,8 +6,46 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from keel.config.schema import KeelConfig
 from keel.data.prompts import collate_prompts
+from keel.observe.metrics import MetricsLogger
+from keel.trainer.setup import Components
 from keel.types import SamplingParams
+
+
+class Validation:
+    """Held-out evaluation within an RL run: when it is due, and its generations logged."""
+
+    def __init__(self, cfg: KeelConfig, components: Components):
+        self.cfg = cfg
+        self.components = components
+
+    def due(self, step: int) -> bool:
+        """Every test_freq steps, and after the last step so a run always ends with a number."""
+        freq = self.cfg.trainer.test_freq
+        last = step == self.components.total_steps and freq > 0
+        return bool(self.components.val_data) and ((freq > 0 and step % freq == 0) or last)
+
+    def __call__(self, step: int, seed: int, logger: MetricsLogger) -> dict[str, float]:
+        parts = self.components
+        logger.phase("validate")
+
+        def generate(prompts, params):
+            return parts.workers.generate(prompts, params, seed)[0]
+
+        metrics, samples = evaluate(
+            generate,
+            parts.reward,
+            parts.val_data,
+            parts.tokenizer.pad_token_id,
+            self.cfg.actor_rollout_ref.rollout.val_kwargs,
+            self.cfg.data,
+            keep_samples=self.cfg.trainer.log_val_generations,
+        )
+        if samples:  # trainer.log_val_generations, as verl logs them: a table per evaluation
+            logger.log_table(step, "val/generations", samples)
+            logger.log_samples(step, [{"split": "val", **sample} for sample in samples])  # keel report's
+        return metrics
 
 
 def evaluate(
