@@ -95,7 +95,8 @@ def _cmd_doctor(args) -> int:
 
 
 def _cmd_reward_server(args) -> int:
-    from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
+    from keel.rewards.custom_fn import load_custom_reward_fn
+    from keel.rewards.reward_fn import RewardScorer
     from keel.rewards.service import make_server
 
     if args.custom:

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from keel.errors import (
     MISSING_GROUND_TRUTH,
     NO_SCORER,
-    REWARD_FN_LOAD,
     REWARD_NOT_NUMBER,
     SCORER_RAISED,
     SCORER_TIMEOUT,
@@ -21,84 +18,22 @@ from keel.errors import (
     KeelError,
     SkipStep,
 )
-from keel.errors.fixes import closest, nearby_file, setting
+from keel.errors.fixes import setting
 from keel.rewards.code_tests import check_ground_truths
-from keel.rewards.contract import BATCHED, PER_SAMPLE, check_signature, verl_extra_info
+from keel.rewards.contract import verl_extra_info
 from keel.rewards.executor import ScoringPool
 from keel.rewards.sandbox import require_jail
 from keel.rewards.scorers import DATA_SOURCE_SCORERS, NO_GROUND_TRUTH, SCORERS, RewardFn, scorer_for_source
 from keel.rewards.worker import (
-    FILE_PREFIX,
     NOT_FINITE,
-    PKG_PREFIX,
     SampleResult,
     SampleTask,
     Spec,
-    load_module,
     resolve,
     score_batched,
 )
 
 log = logging.getLogger("keel")
-
-
-def load_custom_reward_fn(path: str, name: str, reward_kwargs: dict | None = None, batched: bool = False) -> RewardFn:
-    """Import `name` from `path` (verl's custom_reward_function: a python file, `file://FILE` or
-    `pkg://package.module`), with `reward_kwargs` bound to every call; refuse a function verl's
-    keyword call could not bind."""
-    module = _import_reward_module(path)
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        found = sorted(
-            k
-            for k, v in vars(module).items()
-            if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == module.__name__
-        )  # its own, not what it imported
-        near = closest(name, found) or (found[0] if len(found) == 1 else None)
-        raise KeelError(
-            REWARD_FN_LOAD,
-            f"{path} has no function {name!r} (it defines: {found})",
-            f"set {setting('custom_reward_function.name', near)}"
-            if near
-            else f"set custom_reward_function.name to one of {found}",
-        )
-    fn = functools.partial(fn, **reward_kwargs) if reward_kwargs else fn
-    check_signature(fn, BATCHED if batched else PER_SAMPLE, path, name)
-    return fn
-
-
-def _import_reward_module(path: str):
-    if path.startswith(PKG_PREFIX):
-        return _import_package_module(path)
-    file = Path(path.removeprefix(FILE_PREFIX))
-    if not file.is_file():
-        found = nearby_file(str(file), (".py",))
-        raise KeelError(
-            REWARD_FN_LOAD,
-            f"custom_reward_function.path={path!r} does not exist",
-            f"set {setting('custom_reward_function.path', found)} (the file there named most like it)"
-            if found
-            else None,
-        )
-    try:
-        return load_module(str(file))
-    except Exception as e:  # the user's file: any import-time error is theirs to fix
-        raise KeelError(REWARD_FN_LOAD, f"importing {path} failed: {type(e).__name__}: {e}") from e
-
-
-def _import_package_module(path: str):
-    try:
-        return load_module(path)
-    except ModuleNotFoundError as e:
-        raise KeelError(
-            REWARD_FN_LOAD,
-            f"custom_reward_function.path={path!r}: no module named {e.name!r} is importable here",
-            "install the package that holds it (pip install -e <its checkout>), "
-            "add its directory to PYTHONPATH, or set custom_reward_function.path to the module's "
-            "file",
-        ) from e
-    except Exception as e:  # the user's module: any import-time error is theirs to fix
-        raise KeelError(REWARD_FN_LOAD, f"importing {path} failed: {type(e).__name__}: {e}") from e
 
 
 RUN_CODE = (("builtin", "code_exec"), ("builtin", "prime_code"))  # scorers that run the response
@@ -156,16 +91,7 @@ class RewardScorer:
         self.max_not_scored_ratio = max_not_scored_ratio
         self.timeout_s = timeout_s
         self.pool = ScoringPool(num_workers)
-        known = set(SCORERS) | ({"custom"} if custom else set()) | ({"reward_model"} if reward_model else set())
-        for source, weights in self.by_source.items():
-            unknown = sorted(set(weights) - known)
-            if unknown:
-                raise KeelError(
-                    NO_SCORER,
-                    f"reward.scorers.{source} names {unknown}, which are not scorers",
-                    f"use built-in scorers {sorted(SCORERS)}"
-                    + (" or custom" if custom else " (set custom_reward_function.path to use `custom`)"),
-                )
+        _check_scorer_names(self.by_source, bool(custom), bool(reward_model))
 
     def scorers_for(self, data_source: str) -> dict[str, tuple[Spec, float]]:
         """{name: (scorer spec, weight)} for one data_source."""
@@ -297,7 +223,7 @@ class RewardScorer:
         ]
         scores = torch.tensor(totals, dtype=torch.float32)
         scored = torch.tensor([res.values is not None or on_error == "zero" for res in results])
-        metrics = self._metrics(results, failed)
+        metrics = _score_metrics(results, failed)
         if self.service is not None:
             metrics["reward/service_retries"] = float(self.service.retries)
         if self.overlong is not None and response_lengths is not None:
@@ -306,15 +232,7 @@ class RewardScorer:
             metrics["reward/overlong_penalty/mean"] = penalty.mean().item()
         if len(failed) / max(len(records), 1) > self.max_not_scored_ratio:
             self._skip_if_nonfinite(failed, len(records), may_skip)
-            raise KeelError(
-                TOO_MANY_NOT_SCORED,
-                f"{len(failed)} of {len(records)} samples could not be scored "
-                f"(over reward.max_not_scored_ratio={self.max_not_scored_ratio}); first reason: "
-                f"{failed[0][1]} (data_source={records[failed[0][0]].data_source!r})",
-                "fix the scorer for the reason named; if such failures are expected, set "
-                + setting("reward.max_not_scored_ratio", min(1.0, round(2 * len(failed) / len(records), 1)))
-                + " (twice this batch's share)",
-            )
+            raise _too_many_not_scored(failed, records, self.max_not_scored_ratio)
         return ScoreResult(
             scores, scored, [res.reason for res in results], metrics, [res.extras or {} for res in results]
         )
@@ -364,30 +282,6 @@ class RewardScorer:
             else:
                 results[i].values["reward_model"] = value
 
-    @staticmethod
-    def _metrics(results: list[SampleResult], failed: list[tuple[int, str]]) -> dict[str, float]:
-        metrics = {
-            "reward/not_scored_ratio": len(failed) / max(len(results), 1),
-            "timing_s/score_sample/mean": sum(r.seconds for r in results) / max(len(results), 1),
-            "timing_s/score_sample/max": max((r.seconds for r in results), default=0.0),
-        }
-        for _, reason in failed:
-            key = f"reward/not_scored/{reason.split(':')[0].split(' (')[0].replace(' ', '_')}"
-            metrics[key] = metrics.get(key, 0.0) + 1
-        parts: dict[str, list[float]] = {}
-        for res in results:
-            for name, value in (res.values or {}).items():
-                parts.setdefault(name, []).append(value)
-        if len(parts) > 1:
-            metrics.update({f"reward/{name}/mean": sum(v) / len(v) for name, v in parts.items()})
-        extras: dict[str, list[float]] = {}
-        for res in results:
-            for key, value in (res.extras or {}).items():
-                if not isinstance(value, str):
-                    extras.setdefault(key, []).append(float(value))
-        metrics.update({f"reward_extra/{key}/mean": sum(v) / len(v) for key, v in extras.items()})
-        return metrics
-
     def close(self) -> None:
         """Stops the scoring processes; the next batch starts them again."""
         self.pool.close()
@@ -399,9 +293,62 @@ class RewardScorer:
             self.reward_model.shutdown()
 
 
+def _score_metrics(results: list[SampleResult], failed: list[tuple[int, str]]) -> dict[str, float]:
+    """Not-scored share and reasons, scoring latency, each scorer's mean when there are several, and
+    the mean of each numeric extra a dict result gave."""
+    metrics = {
+        "reward/not_scored_ratio": len(failed) / max(len(results), 1),
+        "timing_s/score_sample/mean": sum(r.seconds for r in results) / max(len(results), 1),
+        "timing_s/score_sample/max": max((r.seconds for r in results), default=0.0),
+    }
+    for _, reason in failed:
+        key = f"reward/not_scored/{reason.split(':')[0].split(' (')[0].replace(' ', '_')}"
+        metrics[key] = metrics.get(key, 0.0) + 1
+    parts: dict[str, list[float]] = {}
+    for res in results:
+        for name, value in (res.values or {}).items():
+            parts.setdefault(name, []).append(value)
+    if len(parts) > 1:
+        metrics.update({f"reward/{name}/mean": sum(v) / len(v) for name, v in parts.items()})
+    extras: dict[str, list[float]] = {}
+    for res in results:
+        for key, value in (res.extras or {}).items():
+            if not isinstance(value, str):
+                extras.setdefault(key, []).append(float(value))
+    metrics.update({f"reward_extra/{key}/mean": sum(v) / len(v) for key, v in extras.items()})
+    return metrics
+
+
+def _check_scorer_names(by_source: dict[str, dict[str, float]], custom: bool, reward_model: bool) -> None:
+    """reward.scorers names only built-in scorers, `custom` with a custom function and
+    `reward_model` with a reward model."""
+    known = set(SCORERS) | ({"custom"} if custom else set()) | ({"reward_model"} if reward_model else set())
+    for source, weights in by_source.items():
+        unknown = sorted(set(weights) - known)
+        if unknown:
+            raise KeelError(
+                NO_SCORER,
+                f"reward.scorers.{source} names {unknown}, which are not scorers",
+                f"use built-in scorers {sorted(SCORERS)}"
+                + (" or custom" if custom else " (set custom_reward_function.path to use `custom`)"),
+            )
+
+
 def _in_files(files: list[str]) -> str:
     """ " in `a.jsonl` or `b.jsonl`": where the rows a fix names are."""
     return "".join(f" in `{f}`" for f in files[:1]) + "".join(f" or `{f}`" for f in files[1:])
+
+
+def _too_many_not_scored(failed: list[tuple[int, str]], records: list, max_ratio: float) -> KeelError:
+    return KeelError(
+        TOO_MANY_NOT_SCORED,
+        f"{len(failed)} of {len(records)} samples could not be scored "
+        f"(over reward.max_not_scored_ratio={max_ratio}); first reason: "
+        f"{failed[0][1]} (data_source={records[failed[0][0]].data_source!r})",
+        "fix the scorer for the reason named; if such failures are expected, set "
+        + setting("reward.max_not_scored_ratio", min(1.0, round(2 * len(failed) / len(records), 1)))
+        + " (twice this batch's share)",
+    )
 
 
 def _scoring_error(

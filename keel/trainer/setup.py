@@ -25,9 +25,10 @@ from keel.distributed.worker import RoleWorker, WorkerSpec
 from keel.errors import DATA_EMPTY, KeelError
 from keel.errors.fixes import setting, whole_batches
 from keel.models.load import load_tokenizer, quiet_transformers, resolve_device
+from keel.rewards.custom_fn import load_custom_reward_fn
 from keel.rewards.model import RewardModel
 from keel.rewards.normalize import RunningNormalizer
-from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
+from keel.rewards.reward_fn import RewardScorer
 from keel.rewards.service import RewardServiceClient
 from keel.rewards.worker import file_spec, module_location
 from keel.trainer.roles import WorkerRoles

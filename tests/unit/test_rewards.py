@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import pytest
 
 from keel.errors import MISSING_GROUND_TRUTH, NO_SCORER, REWARD_FN_LOAD, REWARD_NOT_NUMBER, KeelError
-from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
+from keel.rewards.custom_fn import load_custom_reward_fn
+from keel.rewards.reward_fn import RewardScorer
 from keel.rewards.scorers import arithmetic, exact_match, gsm8k
 
 

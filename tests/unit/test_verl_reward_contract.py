@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from keel.errors import KeelError
-from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
+from keel.rewards.custom_fn import load_custom_reward_fn
+from keel.rewards.reward_fn import RewardScorer
 from keel.rewards.scorers import gsm8k, gsm8k_lenient
 from keel.rewards.worker import file_spec
 
