@@ -18,10 +18,11 @@ import yaml
 
 from keel.config.hydra_compose import VerlLaunch, compose_launch
 from keel.config.schema import KeelConfig
+from keel.config.values import check_field, coerce, field_default
 from keel.config.verl import adapt_verl
 from keel.config.verl_rules import DIFFERENT_DEFAULTS
 from keel.errors import BAD_OVERRIDE, BAD_VALUE, CATALOGUE, CONFIG_FILE, REFERENCE_APART, UNKNOWN_KEY, KeelError
-from keel.errors.fixes import closest, nearby_file, setting, value_text
+from keel.errors.fixes import nearby_file, setting, value_text
 
 
 def load_config(
@@ -251,13 +252,13 @@ def _build(cls: type, tree: Any, prefix: str, schema: type, problems: list, deci
             if sub is not None:
                 kwargs[name] = _build(sub, value if value is not None else {}, dotted + ".", schema, problems, decided)
             elif value is None and not _optional(_resolve(f.type, cls)):  # verl's null: "not set"
-                decided.append(f"{dotted}: null, so keel's default {_default(f)!r}")
+                decided.append(f"{dotted}: null, so keel's default {field_default(f)!r}")
             else:
-                kwargs[name] = _check_field(f, _coerce(value, _resolve(f.type, cls), dotted), dotted)
+                kwargs[name] = check_field(f, coerce(value, _resolve(f.type, cls), dotted), dotted)
         except KeelError as problem:
             if problem.code == BAD_VALUE and problem.fix == CATALOGUE[BAD_VALUE].fix:  # a value of the wrong type
                 problem = KeelError(
-                    BAD_VALUE, problem.message, f"set {setting(dotted, _default(fields[name]))} (the default)"
+                    BAD_VALUE, problem.message, f"set {setting(dotted, field_default(fields[name]))} (the default)"
                 )
             problems.append(problem)
     return cls(**kwargs)
@@ -267,10 +268,6 @@ def _optional(annotation) -> bool:
     return typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(
         annotation
     )
-
-
-def _default(f: dataclasses.Field):
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def _leaf_value(value: Any) -> Any:
@@ -343,93 +340,3 @@ def _resolve(annotation, owner: type):
 def _dataclass_type(annotation, owner: type):
     resolved = _resolve(annotation, owner)
     return resolved if dataclasses.is_dataclass(resolved) else None
-
-
-def _coerce(value: Any, target, dotted: str):
-    """Convert a YAML value to the field's type; reject what cannot be converted."""
-    origin = typing.get_origin(target)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(target) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(value, args[0], dotted)
-    if origin is dict:  # free-form keys (e.g. data_source -> scorer weights); values are typed
-        key_type, value_type = typing.get_args(target)
-        if not isinstance(value, dict):
-            _bad_type(dotted, value, "a mapping")
-        return {_coerce(k, key_type, dotted): _coerce(v, value_type, f"{dotted}.{k}") for k, v in value.items()}
-    if origin is list:
-        (item_type,) = typing.get_args(target)
-        items = [value] if isinstance(value, (str, int, float)) else value
-        if not isinstance(items, (list, tuple)):
-            _bad_type(dotted, value, "a list")
-        return [_coerce(v, item_type, f"{dotted}[{i}]") for i, v in enumerate(items)]
-    if target is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        _bad_type(dotted, value, "true or false")
-    if target is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-            _bad_type(dotted, value, "an integer")
-        return int(value)
-    if target is float:
-        if isinstance(value, str):
-            try:
-                return float(value)  # YAML reads `1e-6` (no dot) as a string
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            _bad_type(dotted, value, "a number")
-        return float(value)
-    if target is str:
-        if value is None or isinstance(value, (dict, list)):
-            _bad_type(dotted, value, "a string")
-        return str(value)
-    return value
-
-
-def _bad_type(dotted: str, value: Any, expected: str):
-    """The fix (the key's default) is added by _build, which knows the field."""
-    raise KeelError(BAD_VALUE, f"{dotted}={value!r} must be {expected}")
-
-
-def _check_field(f: dataclasses.Field, value: Any, dotted: str):
-    meta = f.metadata
-    if value is None:
-        return value
-    choices = meta.get("choices")
-    for item in value if isinstance(value, list) else [value]:
-        if choices and item not in choices:
-            raise KeelError(
-                BAD_VALUE,
-                f"{dotted}: {item!r} is not one of {list(choices)}",
-                _choice_fix(dotted, value, item, choices, _default(f)),
-            )
-    for bound, ok, word in (
-        ("ge", lambda v, b: v >= b, ">="),
-        ("gt", lambda v, b: v > b, ">"),
-        ("le", lambda v, b: v <= b, "<="),
-    ):
-        b = meta.get(bound)
-        if b is not None and isinstance(value, (int, float)) and not ok(value, b):
-            near = b if bound != "gt" else b + 1 if isinstance(value, int) else _default(f)  # the nearest allowed
-            raise KeelError(
-                BAD_VALUE,
-                f"{dotted}={value} must be {word} {b}",
-                f"set {setting(dotted, near)} (the "
-                + ("default)" if near == _default(f) else "nearest value allowed)"),
-            )
-    return value
-
-
-def _choice_fix(dotted: str, value: Any, item: Any, choices, default: Any) -> str:
-    """The choice `item` is a misspelling of, else the default (for a list: without the item)."""
-    near = closest(str(item), choices)
-    if isinstance(value, list):
-        fixed = [near if v == item else v for v in value] if near else [v for v in value if v != item]
-        why = f"{item!r} spelt as the choice" if near else f"without {item!r}"
-        return f"set {setting(dotted, fixed)} ({why}; the choices are {', '.join(map(str, choices))})"
-    why = "the choice spelt like it" if near else "the default"
-    return f"set {setting(dotted, near or default)} ({why}; the choices are {', '.join(map(str, choices))})"

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from keel.config.fields import opt
 from keel.config.rules import check_betas, largest_divisor_at_most
-from keel.config.schema import LoraOptions, ModelOptions, OptimConfig, RunOptions
+from keel.config.schema import LoraOptions, ModelOptions, OptimConfig
+from keel.config.trainer import RunOptions
 from keel.errors import BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, KeelError
 from keel.errors.fixes import setting
 

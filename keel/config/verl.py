@@ -177,6 +177,12 @@ def _reward_manager(flat: dict[str, Any], defaults: dict[str, Any], decided: lis
                 "dapo": "reward.overlong_buffer (reward_kwargs.overlong_buffer_cfg)",
             }.get(manager, manager)
         )
+    _reward_kwargs(kwargs, manager, flat, defaults, problems)
+
+
+def _reward_kwargs(kwargs: dict[str, Any], manager: str, flat: dict[str, Any], defaults: dict, problems: list) -> None:
+    """The reward manager's reward_kwargs: DAPO's overlong_buffer_cfg as reward.overlong_buffer;
+    max_resp_len only as data.max_response_length; any other refused by name."""
     for key, value in kwargs.items():
         option = key.removeprefix("overlong_buffer_cfg.")
         if key.startswith("overlong_buffer_cfg.") and option in ("enable", "len", "penalty_factor"):

@@ -147,7 +147,7 @@ def test_nonfinite_values_stop_or_skip_with_the_stage_named():
 
 
 def test_learning_signal_guard_warns_on_flat_rewards_collapse_and_blow_up():
-    from keel.config.schema import GuardsConfig
+    from keel.config.trainer import GuardsConfig
     from keel.observe.guards import LearningSignalGuard, frac_reward_zero_std
 
     # groups {0: [1, 1]} flat, {1: [0, 1]} not: half the prompts carry no signal

@@ -237,7 +237,7 @@ def test_keel_check_warns_when_no_right_answer_is_ever_rewarded(tiny_config, tmp
 
 
 def test_the_first_batch_scored_all_zero_with_real_answers_is_a_warning():
-    from keel.config.schema import GuardsConfig
+    from keel.config.trainer import GuardsConfig
     from keel.observe.guards import LearningSignalGuard
 
     guard = LearningSignalGuard(GuardsConfig(), group_based=True)
