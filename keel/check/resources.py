@@ -97,7 +97,7 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
     """Workers against what this machine has, and Ray itself. A cluster in RAY_ADDRESS must
     answer; its resources are checked when the workers are placed."""
     from keel.distributed.dist import port_from_environment, rendezvous_port
-    from keel.distributed.group import Devices, require_reachable
+    from keel.distributed.ray_cluster import Devices, require_reachable
     from keel.models.load import resolve_device
 
     world = cfg.world_size

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from keel.distributed.dist import port_from_environment
-from keel.distributed.group import Devices, RayGroup
+from keel.distributed.group import RayGroup
+from keel.distributed.ray_cluster import Devices
 from keel.distributed.worker import RoleWorker, WorkerSpec
 from keel.rewards.model import RewardModel, RewardTemplate
 from keel.training.batching import contiguous_shares
