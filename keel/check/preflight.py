@@ -108,7 +108,8 @@ def check_tokenizer(cfg: KeelConfig, context: dict) -> list[Finding]:
 def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
     from transformers import AutoConfig
 
-    from keel.models.load import check_model_dir, vocab_fix
+    from keel.models.load import check_model_dir
+    from keel.models.tokenizer_match import vocab_fix
 
     tokenizer = need(context, "tokenizer")
     path = check_model_dir(cfg.actor_rollout_ref.model.path)  # a Hub id: its snapshot in the local cache
@@ -196,7 +197,7 @@ def check_special_tokens(tokenizer, model_cfg, path: str, pad_from_eos: bool) ->
     itself (EOS, the tokenizer having none) is not the tokenizer's to compare."""
     from transformers import GenerationConfig
 
-    from keel.models.load import agree_fix, special_token_mismatches
+    from keel.models.tokenizer_match import agree_fix, special_token_mismatches
 
     found, generation_eos = [], None
     if Path(path, "generation_config.json").is_file():

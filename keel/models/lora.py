@@ -82,25 +82,12 @@ def _refuse_expert_names(target_modules: list[str], key: str, linears: dict) -> 
         )
 
 
-def plan_lora(
-    model: nn.Module,
-    rank: int,
-    target_modules: list[str],
-    exclude_modules: list[str],
-    modules_to_save: list[str],
-    key: str,
-) -> LoraPlan:
-    """The plan, or a KeelError (trap 7) saying what the model has."""
-    linears = decoder_linears(model)
-    others = other_layer_weights(model)
-    if "experts" in others:  # a mixture: its dense MLPs' names are the experts' names to peft
-        _refuse_expert_names(target_modules, key, linears)
-        others |= MLP_NAMES & set(linears)
-        linears = {leaf: names for leaf, names in linears.items() if leaf not in MLP_NAMES}
-    wanted = set(linears) if target_modules == [ALL_LINEAR] else set(target_modules)
-    excluded = {leaf for leaf in linears for pattern in exclude_modules if fnmatch.fnmatchcase(leaf, pattern)}
+def _refuse_names_outside(
+    outside: list[str], target_modules: list[str], linears: dict, others: set[str], model: nn.Module, key: str
+) -> None:
+    """target_modules names that are no decoder layer's linear layer: a tied embedding, a mixture's
+    experts or router, or nothing this model has."""
     tied = getattr(model.config, "tie_word_embeddings", False)
-    outside = sorted(wanted - set(linears))
     if set(outside) & {"lm_head", "embed_tokens"} and tied:
         kept = [t for t in target_modules if t not in outside] or [ALL_LINEAR]
         raise KeelError(
@@ -125,6 +112,26 @@ def plan_lora(
             f"decoder layers do not have; they have {sorted(linears)}",
             f"set {setting(key + '.target_modules', ALL_LINEAR)}, or names from {sorted(linears)}",
         )
+
+
+def plan_lora(
+    model: nn.Module,
+    rank: int,
+    target_modules: list[str],
+    exclude_modules: list[str],
+    modules_to_save: list[str],
+    key: str,
+) -> LoraPlan:
+    """The plan, or a KeelError (trap 7) saying what the model has."""
+    linears = decoder_linears(model)
+    others = other_layer_weights(model)
+    if "experts" in others:  # a mixture: its dense MLPs' names are the experts' names to peft
+        _refuse_expert_names(target_modules, key, linears)
+        others |= MLP_NAMES & set(linears)
+        linears = {leaf: names for leaf, names in linears.items() if leaf not in MLP_NAMES}
+    wanted = set(linears) if target_modules == [ALL_LINEAR] else set(target_modules)
+    excluded = {leaf for leaf in linears for pattern in exclude_modules if fnmatch.fnmatchcase(leaf, pattern)}
+    _refuse_names_outside(sorted(wanted - set(linears)), target_modules, linears, others, model, key)
     targets = sorted(wanted - excluded)
     if not targets:
         raise KeelError(

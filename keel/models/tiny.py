@@ -99,9 +99,28 @@ def build_model_config(
     }
     if arch not in configs:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(configs)}")
-    # Qwen3-MoE: 8 experts of which 2 route each token, the last layer dense (mlp_only_layers), as
-    # the released checkpoints' shapes scaled down.
-    family = {
+    family = _family_settings(arch, hidden_size, num_heads, num_layers)
+    return configs[arch](
+        **family,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
+    )
+
+
+def _family_settings(arch: str, hidden_size: int, num_heads: int, num_layers: int) -> dict:
+    """What a family's config needs beside the common sizes, scaled down with them."""
+    return {
+        # Qwen3-MoE: 8 experts of which 2 route each token, the last layer dense (mlp_only_layers), as
+        # the released checkpoints' shapes scaled down.
         "qwen3_moe": dict(
             num_experts=8,
             num_experts_per_tok=2,
@@ -122,20 +141,6 @@ def build_model_config(
             layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)],
         ),
     }.get(arch, {})
-    return configs[arch](
-        **family,
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        tie_word_embeddings=tie_word_embeddings,
-        initializer_range=initializer_range,
-    )
 
 
 def make_tiny_reward_model(out_dir: str | Path, seed: int = 0, **config_overrides) -> Path:

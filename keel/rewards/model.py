@@ -13,7 +13,8 @@ import torch
 
 from keel.errors import TOKEN_BUDGET, KeelError
 from keel.errors.fixes import setting
-from keel.models.load import check_model_dir, context_limit, weight_file_shapes
+from keel.models.load import check_model_dir, weight_file_shapes
+from keel.models.tokenizer_match import context_limit
 
 log = logging.getLogger("keel")
 
