@@ -226,27 +226,13 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
     params = stored_parameters(cfg.actor_rollout_ref.model.path) or _architecture_parameters(w.model)
     update_tokens = samples * seq * cfg.actor_rollout_ref.actor.ppo_epochs
     update_s = mean("timing_s/update_actor")
-    # Useful training FLOPs: 6 per parameter per token (forward 2, input and weight gradients 2
-    # each), 4 for LoRA's frozen base, which has no weight gradients (the adapters' are a rounding
-    # error), plus causal attention (QK^T and AV). Gradient checkpointing's recompute is not useful.
     shape = shape_config(w.model)
     active = active_parameters(shape, params)
-    attention = (
-        6 * 2 * shape.num_hidden_layers * shape.num_attention_heads * _head_dim(shape) * seq
-    )  # per token, causal mean seq/2 x 2
-    per_parameter = 4 if cfg.actor_rollout_ref.model.lora_rank else 6
-    update_flops = update_tokens * (per_parameter * active + attention) / update_s / gpus
+    update_flops = useful_update_flops(cfg, shape, active, update_tokens, seq) / update_s / gpus
     peak = measured_peak_tflops() * 1e12 if torch.cuda.is_available() else None
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     datasheet = next((figures for gpu, figures in DATASHEETS.items() if gpu in device), None)
-    # The model's own tokens (multi-turn: not the tools' or the template's between its turns).
-    generated = mean("response_length/mean") or w.response_length
-    gen_tokens_per_s = samples * generated / mean("timing_s/gen")
-    # Decode steps alone (the native engine times them): every token but each turn's first, which
-    # prefill samples (multi-turn: an assistant turn and a user turn alternate after the prompt).
-    decode_s = mean("timing_s/gen_decode")
-    turns = (mean("num_turns/mean") or 2) / 2
-    decode_tokens_per_s = samples * (generated - turns) / decode_s if decode_s else None
+    gen_tokens_per_s, decode_tokens_per_s = _generation_rates(w, samples, mean)
     return {
         "workload": name,
         "date": datetime.date.today().isoformat(),
@@ -281,6 +267,30 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
         "log_prob_gap": mean("rollout/log_prob_gap"),
         "timing_s": {k[len("timing_s/") :]: mean(k) for k in steps[-1] if k.startswith("timing_s/")},
     }
+
+
+def useful_update_flops(cfg, shape, active: int, update_tokens: int, seq: int) -> float:
+    """Useful training FLOPs of the update: 6 per parameter per token (forward 2, input and weight
+    gradients 2 each), 4 for LoRA's frozen base, which has no weight gradients (the adapters' are a
+    rounding error), plus causal attention (QK^T and AV). Gradient checkpointing's recompute is not
+    useful."""
+    # per token, causal mean seq/2 x 2
+    attention = 6 * 2 * shape.num_hidden_layers * shape.num_attention_heads * _head_dim(shape) * seq
+    per_parameter = 4 if cfg.actor_rollout_ref.model.lora_rank else 6
+    return update_tokens * (per_parameter * active + attention)
+
+
+def _generation_rates(w: Workload, samples: int, mean) -> tuple[float, float | None]:
+    """(tokens/s of generation, tokens/s of its decode steps alone); `mean(key)`: a metric's mean
+    over the measured steps."""
+    # The model's own tokens (multi-turn: not the tools' or the template's between its turns).
+    generated = mean("response_length/mean") or w.response_length
+    gen_tokens_per_s = samples * generated / mean("timing_s/gen")
+    # Decode steps alone (the native engine times them): every token but each turn's first, which
+    # prefill samples (multi-turn: an assistant turn and a user turn alternate after the prompt).
+    decode_s = mean("timing_s/gen_decode")
+    turns = (mean("num_turns/mean") or 2) / 2
+    return gen_tokens_per_s, (samples * (generated - turns) / decode_s if decode_s else None)
 
 
 def _head_dim(config) -> int:

@@ -87,7 +87,25 @@ def _bwrap_argv(as_root: bool, solution: str, limits: Limits, seccomp_fd: int) -
             "--cap-drop",
             "ALL",
         ]
-    argv += ["--ro-bind", "/usr", "/usr"]
+    argv += [*_filesystem(python_dir, solution, limits), "--"]
+    if as_root:  # mounts need root; the solution does not: every uid becomes nobody, no capability left
+        argv += [
+            "setpriv",
+            f"--reuid={SANDBOX_UID}",
+            f"--regid={SANDBOX_UID}",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--no-new-privs",
+        ]
+    return argv + [python]
+
+
+def _filesystem(python_dir: str, solution: str, limits: Limits) -> list[str]:
+    """The filesystem the solution sees: /usr and the interpreter read-only, a /dev, /proc and
+    /dev/shm of its own, a small writable scratch directory to start in with its file (read-only)
+    there, everything else read-only."""
+    argv = ["--ro-bind", "/usr", "/usr"]
     for top in ("bin", "lib", "lib32", "lib64", "sbin"):  # merged /usr: links; otherwise directories
         path = Path("/", top)
         if path.is_symlink():
@@ -120,19 +138,8 @@ def _bwrap_argv(as_root: bool, solution: str, limits: Limits, seccomp_fd: int) -
         SCRATCH,
         "--remount-ro",
         "/",
-        "--",
     ]
-    if as_root:  # mounts need root; the solution does not: every uid becomes nobody, no capability left
-        argv += [
-            "setpriv",
-            f"--reuid={SANDBOX_UID}",
-            f"--regid={SANDBOX_UID}",
-            "--clear-groups",
-            "--inh-caps=-all",
-            "--bounding-set=-all",
-            "--no-new-privs",
-        ]
-    return argv + [python]
+    return argv
 
 
 def _command(mode: str, solution: str, limits: Limits, args: list[str], seccomp_fd: int) -> list[str]:
