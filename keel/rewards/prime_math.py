@@ -20,7 +20,7 @@ on, and the sample scores what sympy finds or is "not scored (timeout)" past rew
 Model-written text is hostile. verl 0.9.1 runs the answer through `eval` (after substituting
 `\\pi`, and on `[...]` answers to pmatrix references) and through sympy's `parse_expr` (also
 eval underneath), so a response such as `\\boxed{re('\\textbackslash{}137...')}` runs arbitrary
-code in verl's trainer. keel evaluates literal arithmetic only (`prime_math_compare.literal_value`),
+code in verl's trainer. keel evaluates literal arithmetic only (`literals.literal_value`),
 hands sympy no expression with a quote (a string is the only way to code through it) or with an
 integer power too large to build, and hands `parse_expr` only literal `Matrix(...)` answers. Those
 answers (and the rare ones only Python code evaluates, like `abs(-2)*\\pi`) are where keel's
@@ -32,7 +32,8 @@ from __future__ import annotations
 import math
 import re
 
-from keel.rewards.prime_math_compare import TEXT_WRAPPED, math_equal, normalize_answer, power_too_large
+from keel.rewards.literals import power_too_large
+from keel.rewards.prime_math_compare import TEXT_WRAPPED, math_equal, normalize_answer
 
 _UNITS = [
     re.compile(f"{unit}(es)?(s)? *(\\^[0-9]+)?")

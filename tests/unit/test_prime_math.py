@@ -6,8 +6,8 @@ few places keel departs from verl on purpose are listed in KNOWN_DIFFERENCES wit
 
 import pytest
 
+from keel.rewards.literals import NotALiteral, literal_value
 from keel.rewards.prime_math import compute_score
-from keel.rewards.prime_math_compare import NotALiteral, literal_value
 
 # ground truth -> answers a model might give: the same value written otherwise, and wrong ones
 ANSWERS_BY_TRUTH = {
