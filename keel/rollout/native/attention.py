@@ -142,58 +142,24 @@ def triton_decode_attention(
     )
     lse = out if splits == 1 else torch.empty(batch, kv_heads, splits, group, device=q.device, dtype=torch.float32)
     block_group = max(16, triton.next_power_of_2(group))
+    # Laid out as the kernel's signature groups them (tensors, strides, split, constants): one
+    # argument a line would hide which stride is whose.
     _decode_attention_kernel[(batch, kv_heads, splits)](
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        out,
-        partial,
-        lse,
-        pad,
-        column,
-        pad if rows is None else rows,
-        dim**-0.5,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        split,
-        splits,
-        GROUP=group,
-        BLOCK_GROUP=block_group,
-        DIM=dim,
-        BLOCK=config.block,
-        ONE_PASS=splits == 1,
-        INDIRECT=rows is not None,
-        COLUMN_STRIDE=int(column.numel() > 1),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+        q, k, v, k_cache, v_cache, out, partial, lse, pad, column, pad if rows is None else rows, dim**-0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        split, splits,
+        GROUP=group, BLOCK_GROUP=block_group, DIM=dim, BLOCK=config.block, ONE_PASS=splits == 1,
+        INDIRECT=rows is not None, COLUMN_STRIDE=int(column.numel() > 1),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(batch, kv_heads)](
-            partial,
-            lse,
-            out,
-            pad,
-            column,
-            split,
-            splits,
-            GROUP=group,
-            BLOCK_GROUP=block_group,
-            DIM=dim,
-            COLUMN_STRIDE=int(column.numel() > 1),
+            partial, lse, out, pad, column, split, splits,
+            GROUP=group, BLOCK_GROUP=block_group, DIM=dim, COLUMN_STRIDE=int(column.numel() > 1),
             num_warps=config.merge_warps,
-        )
+        )  # fmt: skip
     return out.view(batch, heads * dim)
 
 
@@ -213,40 +179,12 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_kernel(
-        Q,
-        K,
-        V,
-        KCache,
-        VCache,
-        Out,
-        PartialOut,
-        PartialLse,
-        Pad,
-        Column,
-        Rows,
-        scale,
-        q_b,
-        q_h,
-        k_b,
-        k_h,
-        v_b,
-        v_h,
-        kc_b,
-        kc_h,
-        kc_l,
-        vc_b,
-        vc_h,
-        vc_l,
-        split_len,
-        splits,
-        GROUP: tl.constexpr,
-        BLOCK_GROUP: tl.constexpr,
-        DIM: tl.constexpr,
-        BLOCK: tl.constexpr,
-        ONE_PASS: tl.constexpr,
-        INDIRECT: tl.constexpr,
-        COLUMN_STRIDE: tl.constexpr,
-    ):
+        Q, K, V, KCache, VCache, Out, PartialOut, PartialLse, Pad, Column, Rows, scale,
+        q_b, q_h, k_b, k_h, v_b, v_h, kc_b, kc_h, kc_l, vc_b, vc_h, vc_l,  # strides: batch, head, column
+        split_len, splits,
+        GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
+        ONE_PASS: tl.constexpr, INDIRECT: tl.constexpr, COLUMN_STRIDE: tl.constexpr,
+    ):  # fmt: skip
         slot = tl.program_id(0)  # the query row; its cache row is Rows[slot] under continuous batching
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
