@@ -5,12 +5,15 @@ as keel logs it (`val/<data_source>/acc`) and as verl does (`val-core/<data_sour
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
-from keel.config.schema import KeelConfig
 from keel.data.prompts import collate_prompts
-from keel.observe.metrics import MetricsLogger
-from keel.trainer.setup import Components
 from keel.types import SamplingParams
+
+if TYPE_CHECKING:  # `evaluate` alone (keel demo's) stays a light import
+    from keel.config.schema import KeelConfig
+    from keel.observe.metrics import MetricsLogger
+    from keel.trainer.setup import Components
 
 
 class Validation:
