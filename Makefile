@@ -18,8 +18,13 @@ install:
 # (tests/verl_shim.py imports those modules without Ray or torch extras).
 VERL ?= verl==0.9.1
 
+# Lint and format are checked first: they take seconds, the tests minutes.
+PY_DIRS = keel tests benchmarks examples
+
 test: install
 	$(PYTHON) -m pip install -q --no-deps "$(VERL)"
+	$(PYTHON) -m ruff check $(PY_DIRS)
+	$(PYTHON) -m ruff format --check $(PY_DIRS)
 	$(PYTHON) -m pytest -q tests
 
 # SFT then GRPO on a tiny model that learns addition: minutes on 2 CPU cores (the README says how many

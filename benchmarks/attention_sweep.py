@@ -14,16 +14,27 @@ from pathlib import Path
 
 import torch
 
-from graph_timing import graph_seconds  # this folder's scripts run with it on sys.path
-
 from keel.bench.workloads import QWEN25_SHAPES
 from keel.rollout.native.attention import KernelConfig, sdpa_decode_attention, triton_decode_attention
 
+from graph_timing import graph_seconds  # this folder's scripts run with it on sys.path
+
 SWEEPS = {  # tilings at the rollout target's batches; splits for a continuous batch's few long rows
-    "tiling": ([KernelConfig(split=0, block=b, num_warps=w, num_stages=s) for b in (32, 64, 128) for w in (4, 8)
-                for s in (2, 3)]
-               + [KernelConfig(split=sp, block=b, num_warps=w, num_stages=s) for sp in (64, 128, 256)
-                  for b in (32, 64) for w in (2, 4) for s in (2, 3)]),
+    "tiling": (
+        [
+            KernelConfig(split=0, block=b, num_warps=w, num_stages=s)
+            for b in (32, 64, 128)
+            for w in (4, 8)
+            for s in (2, 3)
+        ]
+        + [
+            KernelConfig(split=sp, block=b, num_warps=w, num_stages=s)
+            for sp in (64, 128, 256)
+            for b in (32, 64)
+            for w in (2, 4)
+            for s in (2, 3)
+        ]
+    ),
     "splits": [KernelConfig(split=0), KernelConfig()] + [KernelConfig(split=sp) for sp in (128, 256, 512, 1024)],
 }
 
@@ -38,8 +49,13 @@ class Layers:
         bf16 = dict(device="cuda", dtype=torch.bfloat16)
         self.q = torch.randn(batch, self.heads, 1, self.dim, **bf16)
         self.k, self.v = (torch.randn(batch, self.kv, 1, self.dim, **bf16) for _ in range(2))
-        self.caches = [(torch.randn(batch, self.kv, length, self.dim, **bf16),
-                        torch.randn(batch, self.kv, length, self.dim, **bf16)) for _ in range(self.count)]
+        self.caches = [
+            (
+                torch.randn(batch, self.kv, length, self.dim, **bf16),
+                torch.randn(batch, self.kv, length, self.dim, **bf16),
+            )
+            for _ in range(self.count)
+        ]
         self.pad = torch.zeros(batch, dtype=torch.long, device="cuda")
         self.column = torch.zeros(1, dtype=torch.long, device="cuda")
 
@@ -49,8 +65,9 @@ class Layers:
     def error(self, config: KernelConfig) -> float:
         length = self.caches[0][0].shape[2]
         visible = (torch.arange(length, device="cuda") <= self.column)[None, None, None]
-        expected = sdpa_decode_attention(self.q, self.k, self.v, *(c.clone() for c in self.caches[0]), self.pad,
-                                         self.column, visible)
+        expected = sdpa_decode_attention(
+            self.q, self.k, self.v, *(c.clone() for c in self.caches[0]), self.pad, self.column, visible
+        )
         return (self.call(0, config).float() - expected.float()).abs().max().item()
 
     def bytes_at(self, column: int) -> int:
@@ -63,12 +80,17 @@ def sweep(shape: str, batch: int, prompt: int, response: int, configs: list[Kern
     results = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for config in configs:
-        seconds = graph_seconds(lambda: [layers.call(i, config) for i in range(layers.count)])
+        seconds = graph_seconds(lambda config=config: [layers.call(i, config) for i in range(layers.count)])
         resolved = config.resolved(prompt + response, batch * layers.kv, sms)  # as the kernel resolves it
-        row = {"shape": shape, "batch": batch, "column": prompt + response // 2, **config.__dict__,
-               "resolved": resolved.__dict__,
-               "us_per_layer": 1e6 * seconds / layers.count,
-               "tb_per_s": layers.bytes_at(prompt + response // 2) / seconds / 1e12}
+        row = {
+            "shape": shape,
+            "batch": batch,
+            "column": prompt + response // 2,
+            **config.__dict__,
+            "resolved": resolved.__dict__,
+            "us_per_layer": 1e6 * seconds / layers.count,
+            "tb_per_s": layers.bytes_at(prompt + response // 2) / seconds / 1e12,
+        }
         results.append(row)
         print(json.dumps(row), flush=True)
     best = min(results, key=lambda r: r["us_per_layer"])
@@ -87,8 +109,11 @@ def main() -> None:
     p.add_argument("--best", help="write the fastest KernelConfig per shape and batch here (JSON)")
     args = p.parse_args()
     fields = KernelConfig().__dict__
-    best = {f"{shape}_{batch}": sweep(shape, batch, args.prompt, args.response, SWEEPS[args.sweep])
-            for shape in args.shapes for batch in args.batch}
+    best = {
+        f"{shape}_{batch}": sweep(shape, batch, args.prompt, args.response, SWEEPS[args.sweep])
+        for shape in args.shapes
+        for batch in args.batch
+    }
     if args.best:
         Path(args.best).write_text(json.dumps({key: {k: row[k] for k in fields} for key, row in best.items()}))
 

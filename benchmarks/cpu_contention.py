@@ -49,8 +49,9 @@ def prepare(out: Path) -> None:
 
     s = DemoSettings()
     make_data(out, s)
-    make_tiny_model(out / "init_model", hidden_size=s.hidden_size, num_layers=s.num_layers, num_heads=4,
-                    num_kv_heads=2, seed=s.seed)
+    make_tiny_model(
+        out / "init_model", hidden_size=s.hidden_size, num_layers=s.num_layers, num_heads=4, num_kv_heads=2, seed=s.seed
+    )
 
 
 VARIANTS = {"keel": {}, "spin": {"GOMP_SPINCOUNT": "300000"}, "one-thread": {"OMP_NUM_THREADS": "1"}}
@@ -63,14 +64,23 @@ def busy(n: int, cores: str | None) -> list[subprocess.Popen]:
 
 def one_run(out: Path, steps: int, variant: str, load: int, cores: str | None, timeout_s: float) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="run_", dir=out))
-    env = {**{k: v for k, v in os.environ.items() if k not in VARIANTS["spin"] and k != "OMP_WAIT_POLICY"},
-           **VARIANTS[variant], "CUDA_VISIBLE_DEVICES": ""}
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in VARIANTS["spin"] and k != "OMP_WAIT_POLICY"},
+        **VARIANTS[variant],
+        "CUDA_VISIBLE_DEVICES": "",
+    }
     competitors = busy(load, cores)
     start = time.perf_counter()
     try:
         cmd = [sys.executable, "-c", CHILD, str(out), str(steps), str(run_dir)]
-        subprocess.run(["taskset", "-c", cores, *cmd] if cores else cmd, env=env, check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout_s)
+        subprocess.run(
+            ["taskset", "-c", cores, *cmd] if cores else cmd,
+            env=env,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired:  # what finished is still a record: the steps in metrics.jsonl
         pass
     finally:
@@ -80,10 +90,15 @@ def one_run(out: Path, steps: int, variant: str, load: int, cores: str | None, t
     metrics = run_dir / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     times = [r["timing_s/step"] for r in records if r["step"] >= 2]
-    return {"variant": variant, "load": load, "steps": len(times),
-            "step_s_median": statistics.median(times) if times else None, "timed_out": len(times) < steps - 1,
-            "step_s": times,
-            "wall_s": time.perf_counter() - start}
+    return {
+        "variant": variant,
+        "load": load,
+        "steps": len(times),
+        "step_s_median": statistics.median(times) if times else None,
+        "timed_out": len(times) < steps - 1,
+        "step_s": times,
+        "wall_s": time.perf_counter() - start,
+    }
 
 
 def main() -> None:
@@ -105,8 +120,11 @@ def main() -> None:
                 alone[variant] = record["step_s_median"]
             if alone.get(variant) and record["step_s_median"]:
                 record["over_alone"] = record["step_s_median"] / alone[variant]
-            record.update(commit=os.environ.get("KEEL_COMMIT"), machine=platform.processor() or platform.machine(),
-                          cpus=len(os.sched_getaffinity(0)) if not args.cores else len(args.cores.split(",")))
+            record.update(
+                commit=os.environ.get("KEEL_COMMIT"),
+                machine=platform.processor() or platform.machine(),
+                cpus=len(os.sched_getaffinity(0)) if not args.cores else len(args.cores.split(",")),
+            )
             print(json.dumps({k: v for k, v in record.items() if k != "step_s"}), flush=True)
             if args.out:
                 with open(args.out, "a") as f:

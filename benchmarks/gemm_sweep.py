@@ -18,22 +18,46 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from graph_timing import graph_seconds  # this folder's scripts run with it on sys.path
-
 from keel.bench.workloads import QWEN25_SHAPES
 
-TILINGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=w, num_stages=s)
-           for bm in (64, 128, 256) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8) for s in (3, 4)
-           if bm * bn <= 128 * 128]
+from graph_timing import graph_seconds  # this folder's scripts run with it on sys.path
+
+TILINGS = [
+    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=w, num_stages=s)
+    for bm in (64, 128, 256)
+    for bn in (32, 64, 128)
+    for bk in (64, 128)
+    for w in (4, 8)
+    for s in (3, 4)
+    if bm * bn <= 128 * 128
+]
 # Split-K for the GEMMs of few output columns (O and down: 896 at 0.5B), whose tiles alone leave SMs idle:
 # each split adds its partial product into a float32 output with atomics.
-TILINGS += [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, SPLIT_K=split, num_warps=4, num_stages=s)
-            for bm in (64, 128) for bn in (32, 64) for split in (2, 4, 8) for s in (3, 4)]
+TILINGS += [
+    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, SPLIT_K=split, num_warps=4, num_stages=s)
+    for bm in (64, 128)
+    for bn in (32, 64)
+    for split in (2, 4, 8)
+    for s in (3, 4)
+]
 
 
 @triton.jit
-def _linear_kernel(X, W, Y, M, N, K, x_m, w_n, y_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+def _linear_kernel(
+    X,
+    W,
+    Y,
+    M,
+    N,
+    K,
+    x_m,
+    w_n,
+    y_m,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
     """Y [M, N] = X [M, K] @ W[N, K]^T, fp32 accumulation; one program per BLOCK_M x BLOCK_N tile
     (and K split), the N tiles of one M tile next to each other so a weight tile is read by few
     programs. With SPLIT_K > 1, Y is float32 and zeroed, and each split adds its part."""
@@ -46,10 +70,12 @@ def _linear_kernel(X, W, Y, M, N, K, x_m, w_n, y_m, BLOCK_M: tl.constexpr, BLOCK
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     for k in range(pid_k * k_len, min(K, (pid_k + 1) * k_len), BLOCK_K):
-        x = tl.load(X + rows[:, None] * x_m + (k + ks)[None, :], mask=(rows[:, None] < M) & (k + ks < K)[None, :],
-                    other=0.0)
-        w = tl.load(W + cols[:, None] * w_n + (k + ks)[None, :], mask=(cols[:, None] < N) & (k + ks < K)[None, :],
-                    other=0.0)
+        x = tl.load(
+            X + rows[:, None] * x_m + (k + ks)[None, :], mask=(rows[:, None] < M) & (k + ks < K)[None, :], other=0.0
+        )
+        w = tl.load(
+            W + cols[:, None] * w_n + (k + ks)[None, :], mask=(cols[:, None] < N) & (k + ks < K)[None, :], other=0.0
+        )
         acc += tl.dot(x, tl.trans(w))
     out = Y + rows[:, None] * y_m + cols[None, :]
     inside = (rows[:, None] < M) & (cols[None, :] < N)
@@ -63,8 +89,11 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, tiling: dict) -> torch.Tenso
     m, k = x.shape
     n = w.shape[0]
     split = tiling["SPLIT_K"]
-    y = (torch.empty(m, n, device=x.device, dtype=x.dtype) if split == 1
-         else torch.zeros(m, n, device=x.device, dtype=torch.float32))
+    y = (
+        torch.empty(m, n, device=x.device, dtype=x.dtype)
+        if split == 1
+        else torch.zeros(m, n, device=x.device, dtype=torch.float32)
+    )
     blocks = {key: tiling[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")}
     grid = (triton.cdiv(n, tiling["BLOCK_N"]), triton.cdiv(m, tiling["BLOCK_M"]), split)
     launch = {} if x.device.type == "cpu" else dict(num_warps=tiling["num_warps"], num_stages=tiling["num_stages"])
@@ -77,8 +106,12 @@ def gemms(shape: str) -> dict[str, tuple[int, int]]:
     c = QWEN25_SHAPES[shape]
     hidden, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     dim = hidden // heads
-    return {"qkv": (hidden, (heads + 2 * kv) * dim), "o": (hidden, hidden),
-            "gate_up": (hidden, 2 * c["intermediate_size"]), "down": (c["intermediate_size"], hidden)}
+    return {
+        "qkv": (hidden, (heads + 2 * kv) * dim),
+        "o": (hidden, hidden),
+        "gate_up": (hidden, 2 * c["intermediate_size"]),
+        "down": (c["intermediate_size"], hidden),
+    }
 
 
 def check(device: str, dtype: torch.dtype) -> None:
@@ -99,23 +132,46 @@ def sweep(shape: str, rows: int) -> None:
     for name, (k, n) in gemms(shape).items():
         x = torch.randn(rows, k, **bf16)
         weights = [torch.randn(n, k, **bf16) * 0.02 for _ in range(layers)]
-        variants = {"cublas": lambda w: F.linear(x, w), "cublaslt": lambda w: F.linear(x, w)}
-        variants.update({json.dumps(t): (lambda w, t=t: triton_linear(x, w, t)) for t in TILINGS})
+        variants = {"cublas": lambda w, x=x: F.linear(x, w), "cublaslt": lambda w, x=x: F.linear(x, w)}
+        variants.update({json.dumps(t): (lambda w, t=t, x=x: triton_linear(x, w, t)) for t in TILINGS})
         results = {}
         for variant, fn in variants.items():
             torch.backends.cuda.preferred_blas_library("cublaslt" if variant == "cublaslt" else "cublas")
             try:
-                seconds = graph_seconds(lambda fn=fn: [fn(w) for w in weights]) / layers
+                seconds = graph_seconds(lambda fn=fn, weights=weights: [fn(w) for w in weights]) / layers
             except triton.runtime.errors.OutOfResources:  # the tiling's buffers exceed shared memory
                 continue
             results[variant] = seconds
-            print(json.dumps({"shape": shape, "rows": rows, "gemm": name, "variant": variant, "us": 1e6 * seconds,
-                              "weight_tb_per_s": n * k * 2 / seconds / 1e12}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "shape": shape,
+                        "rows": rows,
+                        "gemm": name,
+                        "variant": variant,
+                        "us": 1e6 * seconds,
+                        "weight_tb_per_s": n * k * 2 / seconds / 1e12,
+                    }
+                ),
+                flush=True,
+            )
         torch.backends.cuda.preferred_blas_library("cublas")
         best = min((v for v in results if not v.startswith("cublas")), key=results.get)
-        print("best", json.dumps({"shape": shape, "rows": rows, "gemm": name, "cublas_us": 1e6 * results["cublas"],
-                                  "cublaslt_us": 1e6 * results["cublaslt"],
-                                  "triton_us": 1e6 * results[best], "tiling": json.loads(best)}), flush=True)
+        print(
+            "best",
+            json.dumps(
+                {
+                    "shape": shape,
+                    "rows": rows,
+                    "gemm": name,
+                    "cublas_us": 1e6 * results["cublas"],
+                    "cublaslt_us": 1e6 * results["cublaslt"],
+                    "triton_us": 1e6 * results[best],
+                    "tiling": json.loads(best),
+                }
+            ),
+            flush=True,
+        )
 
 
 def main() -> None:

@@ -26,8 +26,18 @@ from keel.types import SamplingParams
 
 def prompts(batch: int, n: int, length: int) -> PromptBatch:
     ids = torch.randint(10, 200, (batch // n, length)).repeat_interleave(n, 0)
-    records = [PromptRecord(prompt_ids=row.tolist(), prompt_text="", raw_prompt="", data_source="bench",
-                            ground_truth="", extra_info={}, index=i // n) for i, row in enumerate(ids)]
+    records = [
+        PromptRecord(
+            prompt_ids=row.tolist(),
+            prompt_text="",
+            raw_prompt="",
+            data_source="bench",
+            ground_truth="",
+            extra_info={},
+            index=i // n,
+        )
+        for i, row in enumerate(ids)
+    ]
     return PromptBatch(ids, torch.ones_like(ids), records)
 
 
@@ -48,8 +58,12 @@ def main() -> None:
     batch = prompts(args.batch, args.n, args.prompt)
     params = SamplingParams(n=args.n, max_new_tokens=args.steps, ignore_eos=True)
     report = {}
-    variants = {"compiled_graphs": {}, "autotuned": {"compile_mode": "max-autotune-no-cudagraphs"},
-                "graphs": {"compile_step": False}, "eager": {"enforce_eager": True}}
+    variants = {
+        "compiled_graphs": {},
+        "autotuned": {"compile_mode": "max-autotune-no-cudagraphs"},
+        "graphs": {"compile_step": False},
+        "eager": {"enforce_eager": True},
+    }
     variants = {name: variants[name] for name in args.variants}
     for name, options in variants.items():
         engine = NativeRolloutEngine(model, tokenizer, 4096, torch.bfloat16, **options)
@@ -65,8 +79,13 @@ def main() -> None:
         engine.generate(batch, params)
         torch.cuda.synchronize()
         total = time.perf_counter() - start
-        report[name] = {"total_s": total, **engine.timing, "ms_per_step": 1e3 * engine.timing["decode"] / (args.steps - 1),
-                        "tokens_per_s": args.batch * args.steps / total, "warm_up_s": warm_up}
+        report[name] = {
+            "total_s": total,
+            **engine.timing,
+            "ms_per_step": 1e3 * engine.timing["decode"] / (args.steps - 1),
+            "tokens_per_s": args.batch * args.steps / total,
+            "warm_up_s": warm_up,
+        }
         print(name, json.dumps(report[name]), flush=True)
     if args.no_profile:
         return
@@ -77,8 +96,11 @@ def main() -> None:
         engine.generate(batch, SamplingParams(n=args.n, max_new_tokens=64, ignore_eos=True))
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
     # Which Python line launches the costliest operators (kernels inside a graph replay have none):
-    print(prof.key_averages(group_by_stack_n=6).table(sort_by="self_cuda_time_total", row_limit=12,
-                                                      max_name_column_width=60))
+    print(
+        prof.key_averages(group_by_stack_n=6).table(
+            sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60
+        )
+    )
     print(json.dumps(report, indent=2))
 
 

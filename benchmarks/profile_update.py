@@ -16,8 +16,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from keel.distributed.parallelize import compile_blocks
 from keel.bench.workloads import QWEN25_COMMON, QWEN25_SHAPES
+from keel.distributed.parallelize import compile_blocks
 from keel.training.forward import response_log_probs
 from keel.training.placement import Placement
 from keel.types import RolloutBatch
@@ -26,8 +26,17 @@ from keel.types import RolloutBatch
 def make_batch(samples: int, prompt: int, response: int) -> RolloutBatch:
     ids = lambda n: torch.randint(10, 200, (samples, n))  # noqa: E731
     ones = lambda n: torch.ones(samples, n, dtype=torch.long)  # noqa: E731
-    return RolloutBatch(ids(prompt), ones(prompt), ids(response), ones(response), torch.zeros(samples, response),
-                        torch.arange(samples), [None] * samples, [""] * samples, torch.zeros(samples, dtype=torch.bool))
+    return RolloutBatch(
+        ids(prompt),
+        ones(prompt),
+        ids(response),
+        ones(response),
+        torch.zeros(samples, response),
+        torch.arange(samples),
+        [None] * samples,
+        [""] * samples,
+        torch.zeros(samples, dtype=torch.bool),
+    )
 
 
 def timed(fn, reps: int = 3) -> float:
@@ -88,8 +97,13 @@ def main() -> None:
         (log_probs.mean() + 0 * entropy.mean()).backward()
 
     params = sum(p.numel() for p in model.parameters())
-    report = {"tokens": tokens, "attn_implementation": model.config._attn_implementation,
-              "forward_s": timed(forward), "decoder_only_s": timed(decoder_only), "train_s": timed(train_step)}
+    report = {
+        "tokens": tokens,
+        "attn_implementation": model.config._attn_implementation,
+        "forward_s": timed(forward),
+        "decoder_only_s": timed(decoder_only),
+        "train_s": timed(train_step),
+    }
     # actor.use_torch_compile, in its two parts: the vocabulary arithmetic, then the layers too.
     plan = Placement(fused_vocab=True)
     report["forward_vocab_compiled_s"], report["train_vocab_compiled_s"] = timed(forward), timed(train_step)
@@ -103,8 +117,9 @@ def main() -> None:
     report["train_tflops"] = 6 * params * tokens / report["train_s"] / 1e12
     report["forward_tflops"] = 2 * params * tokens / report["forward_s"] / 1e12
     for name, fn in (("forward", forward), ("train", train_step)):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
-                                                torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+        ) as prof:
             fn()
             torch.cuda.synchronize()
         print(f"--- {name}")

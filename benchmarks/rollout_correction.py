@@ -25,8 +25,12 @@ MODES = {
     "recompute": {},
     "bypass": {"bypass_mode": True},
     "token_tis": {"rollout_is": "token", "rollout_is_threshold": 2.0},
-    "seq_mis": {"rollout_is": "sequence", "rollout_is_threshold": 2.0, "rollout_rs": "seq_sum_k1",
-                "rollout_rs_threshold": "0.5_2.0"},
+    "seq_mis": {
+        "rollout_is": "sequence",
+        "rollout_is_threshold": 2.0,
+        "rollout_rs": "seq_sum_k1",
+        "rollout_rs_threshold": "0.5_2.0",
+    },
     "bypass_k3_rs": {"bypass_mode": True, "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01},
 }
 ACCURACY = ADDITION.accuracy_key
@@ -37,8 +41,14 @@ def run_mode(out: Path, name: str, correction: dict, dtype: str, steps: int, see
     cfg = ADDITION.grpo_config(out, ADDITION.make_data(out, settings), settings)
     cfg["algorithm"]["rollout_correction"] = correction
     cfg["actor_rollout_ref"]["model"]["dtype"] = dtype
-    cfg["trainer"].update({"default_local_dir": str(out / f"grpo_{name}_{dtype}_seed{seed}"),
-                           "total_training_steps": steps, "logger": [], "seed": seed})
+    cfg["trainer"].update(
+        {
+            "default_local_dir": str(out / f"grpo_{name}_{dtype}_seed{seed}"),
+            "total_training_steps": steps,
+            "logger": [],
+            "seed": seed,
+        }
+    )
     start = time.perf_counter()
     result = train(cfg)
     metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -49,15 +59,24 @@ def run_mode(out: Path, name: str, correction: dict, dtype: str, steps: int, see
         return mean(values) if values else None
 
     accuracy = [m for m in metrics if ACCURACY in m]
-    return {"mode": name, "commit": source_commit(), "dtype": dtype, "seed": seed, "rollout_correction": correction,
-            "steps": steps,
-            "heldout_acc_start": accuracy[0][ACCURACY], "heldout_acc_end": accuracy[-1][ACCURACY],
-            "log_prob_gap": average("rollout/log_prob_gap"), "rollout_corr_kl": average("rollout_corr/kl"),
-            "rollout_corr_chi2_token": average("rollout_corr/chi2_token"),
-            "rollout_is_ratio_fraction_high": average("rollout_corr/rollout_is_ratio_fraction_high"),
-            "rollout_rs_masked_fraction": average("rollout_corr/rollout_rs_masked_fraction"),
-            "old_log_prob_s": average("timing_s/old_log_prob") or 0.0, "step_s": average("timing_s/step"),
-            "wall_s": round(time.perf_counter() - start, 1)}
+    return {
+        "mode": name,
+        "commit": source_commit(),
+        "dtype": dtype,
+        "seed": seed,
+        "rollout_correction": correction,
+        "steps": steps,
+        "heldout_acc_start": accuracy[0][ACCURACY],
+        "heldout_acc_end": accuracy[-1][ACCURACY],
+        "log_prob_gap": average("rollout/log_prob_gap"),
+        "rollout_corr_kl": average("rollout_corr/kl"),
+        "rollout_corr_chi2_token": average("rollout_corr/chi2_token"),
+        "rollout_is_ratio_fraction_high": average("rollout_corr/rollout_is_ratio_fraction_high"),
+        "rollout_rs_masked_fraction": average("rollout_corr/rollout_rs_masked_fraction"),
+        "old_log_prob_s": average("timing_s/old_log_prob") or 0.0,
+        "step_s": average("timing_s/step"),
+        "wall_s": round(time.perf_counter() - start, 1),
+    }
 
 
 def main() -> None:

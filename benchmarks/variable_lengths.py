@@ -65,8 +65,18 @@ def fixed_chunk(engine, prompts: list[list[int]], group: int, longest: int) -> f
     """The engine's fixed-length path (ignore_eos, one chunk decoded to the end) -> seconds of the
     second of two calls."""
     ids = torch.tensor(prompts)
-    records = [PromptRecord(prompt_ids=row, prompt_text="", raw_prompt="", data_source="bench", ground_truth="",
-                            extra_info={}, index=i // group) for i, row in enumerate(prompts)]
+    records = [
+        PromptRecord(
+            prompt_ids=row,
+            prompt_text="",
+            raw_prompt="",
+            data_source="bench",
+            ground_truth="",
+            extra_info={},
+            index=i // group,
+        )
+        for i, row in enumerate(prompts)
+    ]
     batch = PromptBatch(ids, torch.ones_like(ids), records)
     params = SamplingParams(do_sample=True, temperature=1.0, max_new_tokens=longest, ignore_eos=True)
     engine.generate(batch, params)
@@ -91,8 +101,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     model_dir = make_model(args.model, Path(tempfile.mkdtemp(prefix="keel_w4_")) / "model")
-    device, dtype = (torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available() else (torch.device("cpu"),
-                                                                                                torch.float32)
+    device, dtype = (
+        (torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available() else (torch.device("cpu"), torch.float32)
+    )
     model = load_causal_lm(model_dir, device).to(dtype)
     engine = NativeRolloutEngine(model, load_tokenizer(model_dir), args.rows, dtype, free_cache_engine=False)
     count = args.prompts * args.n
@@ -102,28 +113,42 @@ def main() -> None:
             prompts[p * args.n + s] = prompts[p * args.n]
     lengths = drawn_lengths(count, args.median, args.sigma, args.longest)
     tokens = sum(lengths)
+
     def run(prompts_, lengths_):
         return decode_all(engine, prompts_, lengths_, args.n, args.rows, args.longest)
 
     run(prompts, lengths)  # compilation and graph capture, for every bucket
     refilled = run(prompts, lengths)
-    chunked = sum(run(prompts[i:i + args.rows], lengths[i:i + args.rows]) for i in range(0, count, args.rows))
-    fixed_rows = run(prompts[:args.rows], [args.longest] * args.rows)
+    chunked = sum(run(prompts[i : i + args.rows], lengths[i : i + args.rows]) for i in range(0, count, args.rows))
+    fixed_rows = run(prompts[: args.rows], [args.longest] * args.rows)
     rows_used = engine._kept_batcher.shape[0]  # before the fixed-length path's own cache replaces it
-    fixed_s = fixed_chunk(engine, prompts[:args.rows], args.n, args.longest)  # the fixed-length path, as w2's
-    w2_s = fixed_chunk(engine, prompts[:args.w2_rows], args.n, args.longest)  # w2's own rollout: its rows, 2048 each
+    fixed_s = fixed_chunk(engine, prompts[: args.rows], args.n, args.longest)  # the fixed-length path, as w2's
+    w2_s = fixed_chunk(engine, prompts[: args.w2_rows], args.n, args.longest)  # w2's own rollout: its rows, 2048 each
     ordered = sorted(lengths)
     record = {
-        "workload": "w4", "sequences": count, "rows": args.rows, "prompt_length": args.prompt,
-        "lengths": {"distribution": f"lognormal(median {args.median:g}, sigma {args.sigma:g}) cut at {args.longest}",
-                    "mean": tokens / count, "p50": ordered[count // 2], "p90": ordered[int(count * 0.9)],
-                    "p99": ordered[int(count * 0.99)], "max": ordered[-1]},
-        "refilled_tokens_per_s": tokens / refilled, "chunked_tokens_per_s": tokens / chunked,
+        "workload": "w4",
+        "sequences": count,
+        "rows": args.rows,
+        "prompt_length": args.prompt,
+        "lengths": {
+            "distribution": f"lognormal(median {args.median:g}, sigma {args.sigma:g}) cut at {args.longest}",
+            "mean": tokens / count,
+            "p50": ordered[count // 2],
+            "p90": ordered[int(count * 0.9)],
+            "p99": ordered[int(count * 0.99)],
+            "max": ordered[-1],
+        },
+        "refilled_tokens_per_s": tokens / refilled,
+        "chunked_tokens_per_s": tokens / chunked,
         "fixed_tokens_per_s": args.rows * args.longest / fixed_s,
         "fixed_through_rows_tokens_per_s": args.rows * args.longest / fixed_rows,
         "w2_tokens_per_s": args.w2_rows * args.longest / w2_s,
-        "refilled_s": refilled, "chunked_s": chunked, "fixed_s": fixed_s, "fixed_through_rows_s": fixed_rows,
-        "rows_used": rows_used, "commit": os.environ.get("KEEL_COMMIT", "unknown"),
+        "refilled_s": refilled,
+        "chunked_s": chunked,
+        "fixed_s": fixed_s,
+        "fixed_through_rows_s": fixed_rows,
+        "rows_used": rows_used,
+        "commit": os.environ.get("KEEL_COMMIT", "unknown"),
     }
     record["refilled_over_fixed"] = record["refilled_tokens_per_s"] / record["fixed_tokens_per_s"]
     record["refilled_over_chunked"] = record["refilled_tokens_per_s"] / record["chunked_tokens_per_s"]

@@ -19,8 +19,9 @@ from keel.trainer.rl import RLTrainer, RunResult
 log = logging.getLogger("keel")
 
 
-def train(config: str | Path | dict | KeelConfig | None = None,
-          overrides: list[str] | dict | None = None, check: bool = True) -> RunResult:
+def train(
+    config: str | Path | dict | KeelConfig | None = None, overrides: list[str] | dict | None = None, check: bool = True
+) -> RunResult:
     """Load and validate a config (path, dict or object, plus overrides), run `keel check` on it
     (unless `check=False`, which is logged), then train."""
     ensure_console_logging()

@@ -23,8 +23,8 @@ import os
 import random
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -46,8 +46,13 @@ def is_complete(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
-def save_checkpoint(run_dir: Path, step: int, write: Callable[[Path], None],
-                    max_to_keep: int | None = None, config_yaml: str | None = None) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    write: Callable[[Path], None],
+    max_to_keep: int | None = None,
+    config_yaml: str | None = None,
+) -> Path:
     """Call `write(tmp_dir)` to fill a checkpoint, then publish it atomically."""
     from keel import __version__
 
@@ -103,16 +108,18 @@ def save_trainers(out: Path, actor, critic, rank: int, tokenizer, actor_sharded:
         whole = None  # unsharded: the module's own state dict
         if actor_sharded:  # every rank takes part; rank 0 receives it, in CPU memory
             lora = hasattr(actor.model, "peft_config")  # the adapters only: the base never changes
-            whole = get_model_state_dict(actor.model, options=StateDictOptions(
-                full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora))
+            whole = get_model_state_dict(
+                actor.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora)
+            )
             whole = whole if lora else _untied(actor.model, whole)
         if rank == 0:
             write_policy(out / "actor", actor.model, tokenizer, whole)
             torch.save(actor.scheduler.state_dict(), out / "actor_scheduler.pt")
         _save_sharded(out / "actor_optim", {"optimizer": _optimizer_state(actor)})
     if critic is not None:
-        _save_sharded(out / "critic", {"model": get_model_state_dict(critic.model),
-                                       "optimizer": _optimizer_state(critic)})
+        _save_sharded(
+            out / "critic", {"model": get_model_state_dict(critic.model), "optimizer": _optimizer_state(critic)}
+        )
         if rank == 0:
             torch.save(critic.scheduler.state_dict(), out / "critic_scheduler.pt")
 
@@ -143,6 +150,7 @@ def _untied(model, state: dict) -> dict:
 
 def _optimizer_state(trainer) -> dict:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     return get_optimizer_state_dict(trainer.model, trainer.optimizer)
 
 
@@ -157,6 +165,7 @@ def _load_optimizer(trainer, optim_dir: Path, scheduler_file: Path) -> None:
 
 def _save_sharded(path: Path, state: dict) -> None:
     import torch.distributed.checkpoint as dcp
+
     with warnings.catch_warnings():  # one worker writes without a process group, on purpose
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, checkpoint_id=str(path))
@@ -164,6 +173,7 @@ def _save_sharded(path: Path, state: dict) -> None:
 
 def _load_sharded(path: Path, state: dict) -> None:
     import torch.distributed.checkpoint as dcp
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(path))
@@ -188,10 +198,13 @@ def resolve_resume(run_dir: Path, resume_mode: str, cfg=None) -> Path | None:
     found = find_resume_checkpoint(run_dir, resume_mode)
     old = existing_checkpoints(run_dir)
     if found is None and old:
-        raise KeelError(RESUME_MISMATCH, f"{run_dir} already holds checkpoints ({old[0].name} .. {old[-1].name}) "
-                        f"and trainer.resume_mode={resume_mode} starts a new run: the two runs' checkpoints "
-                        "and logs would mix",
-                        f"{new_run_fix(run_dir, cfg)}, or {setting('trainer.resume_mode', 'auto')} to continue the run there")
+        raise KeelError(
+            RESUME_MISMATCH,
+            f"{run_dir} already holds checkpoints ({old[0].name} .. {old[-1].name}) "
+            f"and trainer.resume_mode={resume_mode} starts a new run: the two runs' checkpoints "
+            "and logs would mix",
+            f"{new_run_fix(run_dir, cfg)}, or {setting('trainer.resume_mode', 'auto')} to continue the run there",
+        )
     return found
 
 
@@ -230,9 +243,14 @@ def check_same_run(checkpoint: Path, cfg) -> None:
     changes = changed_keys(old, to_dict(cfg), cfg.RESUME_MAY_CHANGE, defaults=to_dict(type(cfg)()))
     if changes:
         old_values = {**flatten(to_dict(type(cfg)())), **flatten(old)}
-        raise mismatch_error(checkpoint, cfg, f"resuming from {checkpoint} with different settings: "
-                             + "; ".join(changes[:6]) + (" ..." if len(changes) > 6 else ""),
-                             {key: old_values.get(key) for key in (c.split(":")[0] for c in changes)})
+        raise mismatch_error(
+            checkpoint,
+            cfg,
+            f"resuming from {checkpoint} with different settings: "
+            + "; ".join(changes[:6])
+            + (" ..." if len(changes) > 6 else ""),
+            {key: old_values.get(key) for key in (c.split(":")[0] for c in changes)},
+        )
 
 
 def find_resume_checkpoint(run_dir: Path, resume_mode: str) -> Path | None:
@@ -248,9 +266,12 @@ def find_resume_checkpoint(run_dir: Path, resume_mode: str) -> Path | None:
     if not is_complete(path):
         state = "does not exist" if not path.exists() else "is incomplete (no COMPLETE marker)"
         found = _newest_complete(path.parent) or _newest_complete(run_dir)
-        fix = (f"set {setting('trainer.resume_mode', str(found))} (the newest complete checkpoint there)" if found
-               else f"set {setting('trainer.resume_mode', 'auto')} (the newest complete checkpoint of the run, or "
-                    "a fresh start when there is none)")
+        fix = (
+            f"set {setting('trainer.resume_mode', str(found))} (the newest complete checkpoint there)"
+            if found
+            else f"set {setting('trainer.resume_mode', 'auto')} (the newest complete checkpoint of the run, or "
+            "a fresh start when there is none)"
+        )
         raise KeelError(RESUME_PATH, f"trainer.resume_mode={resume_mode!r}: the checkpoint {state}", fix)
     return path
 
@@ -286,12 +307,17 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merged: bool 
     if not is_complete(checkpoint):
         state = "does not exist" if not checkpoint.exists() else "has no COMPLETE marker"
         found = _newest_complete(checkpoint) or _newest_complete(checkpoint.parent)
-        raise KeelError(NOT_A_CHECKPOINT, f"{checkpoint} {state}", f"run `{command.format(found, out_dir)}` (the "
-                        "newest complete checkpoint there)" if found else None)
+        raise KeelError(
+            NOT_A_CHECKPOINT,
+            f"{checkpoint} {state}",
+            f"run `{command.format(found, out_dir)}` (the newest complete checkpoint there)" if found else None,
+        )
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / EXPORT_MARKER).exists():
-        raise KeelError(EXPORT_TARGET, f"{out_dir} exists, is not empty and is not an earlier keel export",
-                        f"run `{command.format(checkpoint, free_directory(out_dir))}` (a directory that does not "
-                        "exist yet)")
+        raise KeelError(
+            EXPORT_TARGET,
+            f"{out_dir} exists, is not empty and is not an earlier keel export",
+            f"run `{command.format(checkpoint, free_directory(out_dir))}` (a directory that does not exist yet)",
+        )
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)

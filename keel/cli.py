@@ -7,163 +7,25 @@ traceback instead.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
-from pathlib import Path
 
-from keel import __version__
-from keel.errors import CATALOGUE, KeelError, explain
-
-
-def _config_source(args):
-    """The positional YAML file, or verl's launch form (`--config-path DIR --config-name NAME`)."""
-    if args.config_path is None and args.config_name is None:
-        return args.config
-    from keel.config.hydra_compose import VerlLaunch
-    from keel.errors import LAUNCH_CONFIG_PATH
-
-    if args.config:
-        raise KeelError(LAUNCH_CONFIG_PATH, f"a config file ({args.config}) and --config-path/--config-name were "
-                        "both given; keel reads one config", f"remove `{args.config}` (the command names its config "
-                        "with --config-path and --config-name)")
-    return VerlLaunch(args.config_path, args.config_name)
-
-
-def _cmd_train(args) -> int:
-    from keel.api import train
-
-    result = train(_config_source(args), args.overrides, check=not args.skip_check)
-    print(f"done: {result.last_step} steps; run directory {result.run_dir}")
-    return 0
-
-
-def _cmd_check(args) -> int:
-    import json
-
-    from keel.config.load import load_config
-    from keel.check.preflight import render, run_checks
-
-    report = run_checks(load_config(_config_source(args), args.overrides))
-    print(json.dumps(report.as_dict(), indent=2) if args.json else render(report))
-    return 1 if report.failures else 0
-
-
-def _cmd_sft(args) -> int:
-    from keel.trainer.sft import sft
-
-    result = sft(args.config, args.overrides)
-    print(f"done: {result.last_step} steps; the fine-tuned model is {result.run_dir} "
-          "(use it as actor_rollout_ref.model.path)")
-    return 0
-
-
-def _cmd_report(args) -> int:
-    from keel.observe.report import write_report
-
-    png, page = write_report(args.run_dir)
-    print(f"wrote {png} and {page}")
-    return 0
-
-
-def _cmd_demo(args) -> int:
-    from keel.demo import DemoSettings, print_summary, run_demo, smoke_settings
-    from keel.demo_tools import TOOLS, ToolDemoSettings
-
-    settings, task, out = ((ToolDemoSettings(), TOOLS, "keel_demo_tools") if args.task == "tools"
-                           else (DemoSettings(), None, "keel_demo"))
-    if args.smoke:  # a directory of its own: a smoke run never clears a finished demo (other settings)
-        settings, out = smoke_settings(settings), f"{out}_smoke"
-    print_summary(run_demo(args.out or out, settings, fresh=args.fresh, task=task))
-    return 0
-
-
-def _cmd_doctor(args) -> int:
-    import json
-
-    from keel.check.doctor import as_json, collect, render
-
-    checks = collect(args.path)
-    print(json.dumps(as_json(checks), indent=2) if args.json else render(checks))
-    return 1 if any(c.level == "fail" for c in checks) else 0
-
-
-def _cmd_reward_server(args) -> int:
-    from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
-    from keel.rewards.service import make_server
-
-    if args.custom:
-        path, _, name = args.custom.rpartition(":") if ":" in args.custom.removeprefix("pkg:").removeprefix(
-            "file:") else (args.custom, "", "")  # FILE:NAME, or pkg://module:NAME
-        scorer_fn = load_custom_reward_fn(path, name or "compute_score")
-    else:
-        scorer_fn = ("builtin", args.scorer)
-    if args.scorer in ("code_exec", "prime_code"):  # the responses run here: this machine's jail is the one that counts
-        from keel.rewards.sandbox import require_jail
-
-        print("\n".join(require_jail(args.sandbox_require).describe()), flush=True)
-    scorer = RewardScorer(scorer_fn, timeout_s=args.timeout_s, num_workers=args.num_workers, max_not_scored_ratio=1.0)
-    server = make_server(scorer, args.host, args.port, args.token, args.max_request_bytes, args.max_concurrency,
-                         args.inject.split(",") if args.inject else None)
-    print(f"keel reward-server on http://{args.host}:{server.server_address[1]} (POST /score, GET /health)",
-          flush=True)
-    try:
-        server.serve_forever()
-    finally:
-        scorer.close()
-    return 0
-
-
-def _cmd_export(args) -> int:
-    from keel.checkpoint import export_checkpoint
-
-    out = export_checkpoint(args.checkpoint, args.out, merged=args.merged)
-    how = ("a PEFT adapter: PeftModel.from_pretrained(base, path)" if (Path(out) / "adapter_config.json").exists()
-           else "AutoModelForCausalLM.from_pretrained")
-    print(f"exported {args.checkpoint} -> {out} (loads with {how})")
-    return 0
-
-
-def _cmd_bench(args) -> int:
-    """Every workload on every worker count, one record each; models are built once per shape."""
-    import tempfile
-
-    from keel.bench.run import run_bench
-
-    workdir = Path(tempfile.mkdtemp(prefix="keel_bench_"))
-    for workload in args.workload:
-        for gpus in args.gpus:
-            record = run_bench(workload, steps=args.steps, warmup=args.warmup, gpus=gpus, overrides=args.overrides,
-                               out=Path(args.out) if args.out else None, workdir=workdir,
-                               profile_dir=Path(args.profile) if args.profile else None)
-            print(json.dumps(record, indent=2), flush=True)
-    return 0
+from keel import __version__, commands
+from keel.errors import KeelError
 
 
 def _list_of(parse, choices=None):
     """argparse type for comma-separated values: `t1,w1` or `1,2`."""
+
     def convert(text: str) -> list:
         values = [parse(v) for v in text.split(",")]
         bad = [v for v in values if choices is not None and v not in choices]
         if bad:
             raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(sorted(choices))}")
         return values
+
     return convert
-
-
-def _cmd_explain(args) -> int:
-    if args.list or not args.code:
-        for entry in CATALOGUE.values():
-            print(f"{entry.code}  {entry.title}")
-        return 0
-    code = args.code.upper()
-    code = code if code.startswith("KEEL-") else f"KEEL-{code}"
-    if code not in CATALOGUE:
-        print(f"unknown code {args.code!r}; `keel explain --list` shows every code", file=sys.stderr)
-        return 2
-    print(explain(code))
-    return 0
 
 
 def _builtin_scorers() -> list[str]:
@@ -179,33 +41,53 @@ def _is_override(word: str) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keel", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"keel {__version__}")
-    parser.add_argument("--debug", action="store_true",
-                        help="full tracebacks; CUDA_LAUNCH_BLOCKING=1 and TORCH_DISTRIBUTED_DEBUG=DETAIL")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="full tracebacks; CUDA_LAUNCH_BLOCKING=1 and TORCH_DISTRIBUTED_DEBUG=DETAIL",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def config_command(name: str, help: str, func) -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=help)
-        command.add_argument("config", nargs="?", help="YAML config file (optional: a verl script passes "
-                                                       "overrides only)")
-        command.add_argument("overrides", nargs="*", help="section.key=value overrides (Hydra's +key=value, "
-                                                          "++key=value and ~key too)")
+        command.add_argument(
+            "config", nargs="?", help="YAML config file (optional: a verl script passes overrides only)"
+        )
+        command.add_argument(
+            "overrides", nargs="*", help="section.key=value overrides (Hydra's +key=value, ++key=value and ~key too)"
+        )
         command.set_defaults(func=func)
         return command
 
     def verl_launch(command: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """Hydra's options, as verl's scripts pass them to verl's main_ppo (a missing value is keel's
         coded error, not argparse's)."""
-        command.add_argument("--config-path", "-cp", nargs="?", const="", help="verl's launch form: the directory "
-                             "of the YAML --config-name names (composed with its defaults: list and hydra.searchpath)")
-        command.add_argument("--config-name", "-cn", nargs="?", const="", help="verl's launch form: the YAML's name "
-                             "without .yaml (default ppo_trainer: verl's trainer config)")
+        command.add_argument(
+            "--config-path",
+            "-cp",
+            nargs="?",
+            const="",
+            help="verl's launch form: the directory "
+            "of the YAML --config-name names (composed with its defaults: list and hydra.searchpath)",
+        )
+        command.add_argument(
+            "--config-name",
+            "-cn",
+            nargs="?",
+            const="",
+            help="verl's launch form: the YAML's name without .yaml (default ppo_trainer: verl's trainer config)",
+        )
         return command
 
-    verl_launch(config_command("train", "RL-train a policy (PPO, GRPO and relatives)", _cmd_train)).add_argument(
-        "--skip-check", action="store_true", help="do not run `keel check` first (logged)")
-    verl_launch(config_command("check", "check a config, its model, data, reward and memory without training",
-                               _cmd_check)).add_argument("--json", action="store_true", help="machine-readable output")
-    config_command("sft", "supervised fine-tuning on chat data", _cmd_sft)
+    verl_launch(
+        config_command("train", "RL-train a policy (PPO, GRPO and relatives)", commands.cmd_train)
+    ).add_argument("--skip-check", action="store_true", help="do not run `keel check` first (logged)")
+    verl_launch(
+        config_command(
+            "check", "check a config, its model, data, reward and memory without training", commands.cmd_check
+        )
+    ).add_argument("--json", action="store_true", help="machine-readable output")
+    config_command("sft", "supervised fine-tuning on chat data", commands.cmd_sft)
 
     _add_machine_commands(sub)
     _add_reward_server(sub)
@@ -213,33 +95,78 @@ def build_parser() -> argparse.ArgumentParser:
     explain_cmd = sub.add_parser("explain", help="explain an error code (cause and fix)")
     explain_cmd.add_argument("code", nargs="?", help="e.g. KEEL-C001")
     explain_cmd.add_argument("--list", action="store_true", help="list every code")
-    explain_cmd.set_defaults(func=_cmd_explain)
+    explain_cmd.set_defaults(func=commands.cmd_explain)
     return parser
 
 
-def _add_machine_commands(sub) -> None:
-    """doctor, report, demo and export: commands about this machine, a run or a checkpoint."""
-    commands = {  # name: (help, handler, [(flags, options) of each argument])
-        "doctor": ("check this machine: versions, GPU, driver, disk", _cmd_doctor, [
+# doctor, report, demo and export: commands about this machine, a run or a checkpoint.
+# name: (help, handler, [(flags, options) of each argument])
+MACHINE_COMMANDS = {
+    "doctor": (
+        "check this machine: versions, GPU, driver, disk",
+        commands.cmd_doctor,
+        [
             (["--json"], {"action": "store_true", "help": "machine-readable output"}),
-            (["--path"], {"default": ".", "help": "where checkpoints will go (for the disk check)"})]),
-        "report": ("plot a run's metrics to report.png and report.html", _cmd_report, [
-            (["run_dir"], {"help": "a run directory (holds metrics.jsonl)"})]),
-        "demo": ("SFT then GRPO on a tiny model that learns addition, or (--task tools) multiplication with a "
-                 "calculator tool (CPU, minutes)", _cmd_demo, [
-            (["--task"], {"choices": ["arithmetic", "tools"], "default": "arithmetic",
-                          "help": "arithmetic: 2-digit addition; tools: multi-turn GRPO calling a calculator"}),
+            (["--path"], {"default": ".", "help": "where checkpoints will go (for the disk check)"}),
+        ],
+    ),
+    "report": (
+        "plot a run's metrics to report.png and report.html",
+        commands.cmd_report,
+        [(["run_dir"], {"help": "a run directory (holds metrics.jsonl)"})],
+    ),
+    "demo": (
+        "SFT then GRPO on a tiny model that learns addition, or (--task tools) multiplication with a "
+        "calculator tool (CPU, minutes)",
+        commands.cmd_demo,
+        [
+            (
+                ["--task"],
+                {
+                    "choices": ["arithmetic", "tools"],
+                    "default": "arithmetic",
+                    "help": "arithmetic: 2-digit addition; tools: multi-turn GRPO calling a calculator",
+                },
+            ),
             (["--out"], {"help": "output directory (default: keel_demo, or keel_demo_tools for --task tools)"}),
-            (["--fresh"], {"action": "store_true", "help": "start over instead of resuming (a finished demo: "
-                                                           "instead of showing its table again)"}),
-            (["--smoke"], {"action": "store_true", "help": "a few SFT and GRPO steps, in seconds: checks a setup, "
-                                                           "learns nothing (make demo DEMO_FLAGS=--smoke)"})]),
-        "export": ("write a checkpoint's policy as a Hugging Face directory", _cmd_export, [
-            (["checkpoint"], {"help": "a global_step_<N> directory"}), (["out"], {"help": "output directory"}),
-            (["--merged"], {"action": "store_true", "help": "LoRA: the base with the adapters merged in, a full "
-                                                            "Hugging Face model"})]),
-    }
-    for name, (help_text, handler, arguments) in commands.items():
+            (
+                ["--fresh"],
+                {
+                    "action": "store_true",
+                    "help": "start over instead of resuming (a finished demo: instead of showing its table again)",
+                },
+            ),
+            (
+                ["--smoke"],
+                {
+                    "action": "store_true",
+                    "help": "a few SFT and GRPO steps, in seconds: checks a setup, "
+                    "learns nothing (make demo DEMO_FLAGS=--smoke)",
+                },
+            ),
+        ],
+    ),
+    "export": (
+        "write a checkpoint's policy as a Hugging Face directory",
+        commands.cmd_export,
+        [
+            (["checkpoint"], {"help": "a global_step_<N> directory"}),
+            (["out"], {"help": "output directory"}),
+            (
+                ["--merged"],
+                {
+                    "action": "store_true",
+                    "help": "LoRA: the base with the adapters merged in, a full Hugging Face model",
+                },
+            ),
+        ],
+    ),
+}
+
+
+def _add_machine_commands(sub) -> None:
+    """The commands of MACHINE_COMMANDS, each with its arguments and handler."""
+    for name, (help_text, handler, arguments) in MACHINE_COMMANDS.items():
         command = sub.add_parser(name, help=help_text)
         for flags, options in arguments:
             command.add_argument(*flags, **options)
@@ -257,30 +184,44 @@ def _add_reward_server(sub) -> None:
     serve.add_argument("--max-request-bytes", type=int, default=8 << 20)
     serve.add_argument("--max-concurrency", type=int, default=8)
     serve.add_argument("--timeout-s", type=float, default=30.0, help="per-sample scoring limit")
-    serve.add_argument("--sandbox-require", choices=("isolation", "all", "none"), default="isolation",
-                       help="with --scorer code_exec: what the code jail must give (as reward.sandbox.require)")
+    serve.add_argument(
+        "--sandbox-require",
+        choices=("isolation", "all", "none"),
+        default="isolation",
+        help="with --scorer code_exec: what the code jail must give (as reward.sandbox.require)",
+    )
     serve.add_argument("--num-workers", type=int, default=0, help="scoring processes")
-    serve.add_argument("--inject", help="faults for the first /score requests, e.g. 500,malformed,slow "
-                                        "(to test a client's retries)")
-    serve.set_defaults(func=_cmd_reward_server)
+    serve.add_argument(
+        "--inject", help="faults for the first /score requests, e.g. 500,malformed,slow (to test a client's retries)"
+    )
+    serve.set_defaults(func=commands.cmd_reward_server)
 
 
 def _add_bench(sub) -> None:
     from keel.bench.workloads import WORKLOADS
 
     bench = sub.add_parser("bench", help="time a GRPO workload on a random-weight model; prints a JSON record")
-    bench.add_argument("workload", type=_list_of(str, WORKLOADS), help=f"one or more of {','.join(WORKLOADS)}, "
-                       "comma-separated")
+    bench.add_argument(
+        "workload", type=_list_of(str, WORKLOADS), help=f"one or more of {','.join(WORKLOADS)}, comma-separated"
+    )
     bench.add_argument("overrides", nargs="*", help="section.key=value overrides of the workload's config")
     bench.add_argument("--steps", type=int, default=5, help="measured steps")
     bench.add_argument("--warmup", type=int, default=2, help="steps run first and left out of the numbers")
-    bench.add_argument("--gpus", type=_list_of(int), default=[1], help="workers (trainer.n_gpus_per_node); "
-                       "several, comma-separated, run one after another")
+    bench.add_argument(
+        "--gpus",
+        type=_list_of(int),
+        default=[1],
+        help="workers (trainer.n_gpus_per_node); several, comma-separated, run one after another",
+    )
     bench.add_argument("--out", help="append the record to this JSON-lines file")
-    bench.add_argument("--profile", metavar="DIR", help="profile one more step after the measured ones (left "
-                       "out of their timings): its kernel and phase table to DIR, how busy the GPU was per phase "
-                       "to the record")
-    bench.set_defaults(func=_cmd_bench)
+    bench.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="profile one more step after the measured ones (left "
+        "out of their timings): its kernel and phase table to DIR, how busy the GPU was per phase "
+        "to the record",
+    )
+    bench.set_defaults(func=commands.cmd_bench)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         print(e.render(), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: checkpoints already written are complete; run the same command to resume "
-              "(trainer.resume_mode=auto)", file=sys.stderr)
+        print(
+            "interrupted: checkpoints already written are complete; run the same command to resume "
+            "(trainer.resume_mode=auto)",
+            file=sys.stderr,
+        )
         return 130

@@ -15,13 +15,14 @@ import shlex
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 DATA_SOURCE = "keel/arithmetic"
 MARKER = "keel_demo.json"  # marks a directory as the demo's own, so a rerun may clear it
-RESULT = "result.json"     # a finished demo's table: a rerun shows it again instead of training
+RESULT = "result.json"  # a finished demo's table: a rerun shows it again instead of training
 
 
 @dataclass(frozen=True)
@@ -31,11 +32,12 @@ class DemoSettings:
     amplify. Stopping on accuracy rather than a step count keeps that starting point alike on
     machines whose numerics differ; the climb is steep, so a chunk may overshoot the target (one
     2-core run's dev accuracy: 6% at step 150, 14% at 275, 38% at 300)."""
+
     TASK: ClassVar[str] = "addition"  # keel demo --task
-    digits: int = 2                  # operands have up to this many digits
+    digits: int = 2  # operands have up to this many digits
     n_sft: int = 4000
     n_rl: int = 2000
-    n_dev: int = 200                 # decides when SFT stops; disjoint from the held-out set
+    n_dev: int = 200  # decides when SFT stops; disjoint from the held-out set
     n_heldout: int = 400
     hidden_size: int = 128
     num_layers: int = 4
@@ -49,15 +51,28 @@ class DemoSettings:
     grpo_prompts: int = 64
     grpo_n: int = 8
     grpo_lr: float = 5e-5
-    grpo_mini_batches: int = 4       # optimiser steps per rollout
+    grpo_mini_batches: int = 4  # optimiser steps per rollout
     test_freq: int = 20
     seed: int = 0
-    smoke: bool = False              # `--smoke`: a few steps of each stage, to check a setup
+    smoke: bool = False  # `--smoke`: a few steps of each stage, to check a setup
 
 
 # `keel demo --smoke`: every stage runs and writes what it writes, in seconds; nothing is learnt.
-SMOKE = {"smoke": True, "n_sft": 80, "n_rl": 32, "n_dev": 8, "n_heldout": 16, "sft_batch": 16, "sft_chunk": 5,
-         "sft_max_steps": 5, "grpo_steps": 2, "grpo_prompts": 8, "grpo_n": 4, "grpo_mini_batches": 2, "test_freq": 2}
+SMOKE = {
+    "smoke": True,
+    "n_sft": 80,
+    "n_rl": 32,
+    "n_dev": 8,
+    "n_heldout": 16,
+    "sft_batch": 16,
+    "sft_chunk": 5,
+    "sft_max_steps": 5,
+    "grpo_steps": 2,
+    "grpo_prompts": 8,
+    "grpo_n": 4,
+    "grpo_mini_batches": 2,
+    "test_freq": 2,
+}
 
 
 def smoke_settings(settings: DemoSettings) -> DemoSettings:
@@ -67,8 +82,8 @@ def smoke_settings(settings: DemoSettings) -> DemoSettings:
 @dataclass
 class DemoResult:
     out_dir: Path
-    acc_before: float              # held-out accuracy of the SFT model (greedy)
-    acc_after: float               # after GRPO
+    acc_before: float  # held-out accuracy of the SFT model (greedy)
+    acc_after: float  # after GRPO
     sft_steps: int
     grpo_steps: int
     seconds: float
@@ -76,11 +91,11 @@ class DemoResult:
     calls_before: float | None = None  # the tools demo: share of held-out calls that gave the right answer
     calls_after: float | None = None
     smoke: bool = False
-    earlier: bool = False              # read back from RESULT: the demo had finished before this run
+    earlier: bool = False  # read back from RESULT: the demo had finished before this run
 
 
 def addition_problem(rng: random.Random, digits: int) -> tuple[str, int]:
-    a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
+    a, b = rng.randrange(10**digits), rng.randrange(10**digits)
     return f"{a}+{b}=", a + b
 
 
@@ -101,16 +116,24 @@ def make_data(out: Path, s: DemoSettings) -> dict[str, Path]:
     heldout, dev, sft, rl = problems(s.n_heldout), problems(s.n_dev), problems(s.n_sft), problems(s.n_rl)
 
     def prompt_row(question: str, answer: int) -> dict:
-        return {"prompt": [{"role": "user", "content": question}], "data_source": DATA_SOURCE,
-                "reward_model": {"ground_truth": str(answer)}, "extra_info": {}}
+        return {
+            "prompt": [{"role": "user", "content": question}],
+            "data_source": DATA_SOURCE,
+            "reward_model": {"ground_truth": str(answer)},
+            "extra_info": {},
+        }
 
-    return write_data(out, {
-        "sft": [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": str(a)}]}
-                for q, a in sft],
-        "rl": [prompt_row(q, a) for q, a in rl],
-        "heldout": [prompt_row(q, a) for q, a in heldout],
-        "dev": [prompt_row(q, a) for q, a in dev],
-    })
+    return write_data(
+        out,
+        {
+            "sft": [
+                {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": str(a)}]} for q, a in sft
+            ],
+            "rl": [prompt_row(q, a) for q, a in rl],
+            "heldout": [prompt_row(q, a) for q, a in heldout],
+            "dev": [prompt_row(q, a) for q, a in dev],
+        },
+    )
 
 
 def write_data(out: Path, files: dict[str, list[dict]]) -> dict[str, Path]:
@@ -124,31 +147,52 @@ def write_data(out: Path, files: dict[str, list[dict]]) -> dict[str, Path]:
 
 def sft_config(out: Path, data: dict[str, Path], model: Path, s: DemoSettings, steps: int) -> dict:
     return {
-        "data": {"train_files": [str(data["sft"])], "max_length": s.sft_max_length, "train_batch_size": s.sft_batch,
-                 "micro_batch_size_per_gpu": s.sft_batch},
+        "data": {
+            "train_files": [str(data["sft"])],
+            "max_length": s.sft_max_length,
+            "train_batch_size": s.sft_batch,
+            "micro_batch_size_per_gpu": s.sft_batch,
+        },
         "model": {"partial_pretrain": str(model)},
         # constant after warm-up, so extending the run by a chunk continues the same schedule
         "optim": {"lr": s.sft_lr, "weight_decay": 0.0, "lr_warmup_steps": 5, "warmup_style": "constant"},
-        "trainer": {"default_local_dir": str(out / "sft"), "total_training_steps": steps,
-                    "save_freq": s.sft_chunk, "max_ckpt_to_keep": 1, "seed": s.seed},
+        "trainer": {
+            "default_local_dir": str(out / "sft"),
+            "total_training_steps": steps,
+            "save_freq": s.sft_chunk,
+            "max_ckpt_to_keep": 1,
+            "seed": s.seed,
+        },
     }
 
 
 def grpo_config(out: Path, data: dict[str, Path], s: DemoSettings) -> dict:
     return {
-        "data": {"train_files": [str(data["rl"])], "val_files": [str(data["heldout"])],
-                 "max_prompt_length": 64, "max_response_length": s.digits + 3,
-                 "train_batch_size": s.grpo_prompts},
+        "data": {
+            "train_files": [str(data["rl"])],
+            "val_files": [str(data["heldout"])],
+            "max_prompt_length": 64,
+            "max_response_length": s.digits + 3,
+            "train_batch_size": s.grpo_prompts,
+        },
         "actor_rollout_ref": {
             "model": {"path": str(out / "sft")},
-            "actor": {"ppo_mini_batch_size": s.grpo_prompts // s.grpo_mini_batches,
-                      "ppo_micro_batch_size_per_gpu": s.grpo_prompts // s.grpo_mini_batches * s.grpo_n,
-                      "optim": {"lr": s.grpo_lr, "weight_decay": 0.0}},
+            "actor": {
+                "ppo_mini_batch_size": s.grpo_prompts // s.grpo_mini_batches,
+                "ppo_micro_batch_size_per_gpu": s.grpo_prompts // s.grpo_mini_batches * s.grpo_n,
+                "optim": {"lr": s.grpo_lr, "weight_decay": 0.0},
+            },
             "rollout": {"n": s.grpo_n, "temperature": 1.0, "log_prob_micro_batch_size_per_gpu": 256},
         },
         "algorithm": {"adv_estimator": "grpo"},
-        "trainer": {"default_local_dir": str(out / "grpo"), "total_training_steps": s.grpo_steps,
-                    "test_freq": s.test_freq, "save_freq": s.grpo_steps, "seed": s.seed, "log_samples": 8},
+        "trainer": {
+            "default_local_dir": str(out / "grpo"),
+            "total_training_steps": s.grpo_steps,
+            "test_freq": s.test_freq,
+            "save_freq": s.grpo_steps,
+            "seed": s.seed,
+            "log_samples": 8,
+        },
     }
 
 
@@ -168,8 +212,11 @@ def prepare_out_dir(out: Path, s: DemoSettings, fresh: bool) -> None:
         from keel.errors import DEMO_DIR, KeelError
         from keel.errors.fixes import free_directory
 
-        raise KeelError(DEMO_DIR, f"{out} exists and was not made by keel demo; not touching it",
-                        f"run `{demo_command(s, free_directory(out))}` (a directory of its own), or empty {out}")
+        raise KeelError(
+            DEMO_DIR,
+            f"{out} exists and was not made by keel demo; not touching it",
+            f"run `{demo_command(s, free_directory(out))}` (a directory of its own), or empty {out}",
+        )
     if marker.exists() and (fresh or json.loads(marker.read_text()) != asdict(s)):
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -188,15 +235,21 @@ def val_metric(run_dir: Path, step: int, key: str) -> float:
 @dataclass(frozen=True)
 class DemoTask:
     """What a demo's task decides; the stages around it are the same for every task."""
+
     make_data: Callable[[Path, DemoSettings], dict[str, Path]]
     grpo_config: Callable[[Path, dict[str, Path], DemoSettings], dict]
     dev_accuracy: Callable[[Path, dict[str, Path], DemoSettings], float]  # the SFT model's, greedy
-    accuracy_key: str                                                      # the held-out metric reported
-    calls_key: Callable[[DemoSettings], str] | None = None                 # the tools demo's correct calls
+    accuracy_key: str  # the held-out metric reported
+    calls_key: Callable[[DemoSettings], str] | None = None  # the tools demo's correct calls
 
 
-def run_demo(out: str | Path = "keel_demo", settings: DemoSettings = DemoSettings(), fresh: bool = False,
-             console: bool = True, task: DemoTask | None = None) -> DemoResult:
+def run_demo(
+    out: str | Path = "keel_demo",
+    settings: DemoSettings = DemoSettings(),
+    fresh: bool = False,
+    console: bool = True,
+    task: DemoTask | None = None,
+) -> DemoResult:
     from keel.api import train
     from keel.models.load import stored_parameters
     from keel.models.tiny import make_tiny_model
@@ -211,22 +264,35 @@ def run_demo(out: str | Path = "keel_demo", settings: DemoSettings = DemoSetting
     data = task.make_data(out, settings)
     model = out / "init_model"
     if not (model / "config.json").exists():
-        make_tiny_model(model, hidden_size=settings.hidden_size, num_layers=settings.num_layers,
-                        num_heads=4, num_kv_heads=2, seed=settings.seed)
+        make_tiny_model(
+            model,
+            hidden_size=settings.hidden_size,
+            num_layers=settings.num_layers,
+            num_heads=4,
+            num_kv_heads=2,
+            seed=settings.seed,
+        )
     logger = {"trainer.logger": ["console"] if console else []}
-    sft_steps = sft_until_partly_competent(out, data, model, settings, logger,
-                                           lambda sft_dir: task.dev_accuracy(sft_dir, data, settings))
+    sft_steps = sft_until_partly_competent(
+        out, data, model, settings, logger, lambda sft_dir: task.dev_accuracy(sft_dir, data, settings)
+    )
     grpo = train(task.grpo_config(out, data, settings), logger)
     write_report(grpo.run_dir)
     write_report(out / "sft")
     last = grpo.last_step
     calls = task.calls_key(settings) if task.calls_key else None
-    result = DemoResult(out, val_metric(grpo.run_dir, 0, task.accuracy_key),
-                        val_metric(grpo.run_dir, last, task.accuracy_key), sft_steps, settings.grpo_steps,
-                        time.perf_counter() - start,
-                        stored_parameters(grpo.run_dir / f"global_step_{last}" / "actor"),
-                        val_metric(grpo.run_dir, 0, calls) if calls else None,
-                        val_metric(grpo.run_dir, last, calls) if calls else None, settings.smoke)
+    result = DemoResult(
+        out,
+        val_metric(grpo.run_dir, 0, task.accuracy_key),
+        val_metric(grpo.run_dir, last, task.accuracy_key),
+        sft_steps,
+        settings.grpo_steps,
+        time.perf_counter() - start,
+        stored_parameters(grpo.run_dir / f"global_step_{last}" / "actor"),
+        val_metric(grpo.run_dir, 0, calls) if calls else None,
+        val_metric(grpo.run_dir, last, calls) if calls else None,
+        settings.smoke,
+    )
     (out / RESULT).write_text(json.dumps({**asdict(result), "out_dir": str(out)}))
     return result
 
@@ -245,12 +311,12 @@ def stored_result(out: Path) -> DemoResult | None:
         return None
 
 
-def sft_until_partly_competent(out: Path, data: dict[str, Path], model: Path, s: DemoSettings,
-                               logger: dict, dev_accuracy: Callable[[Path], float]) -> int:
+def sft_until_partly_competent(
+    out: Path, data: dict[str, Path], model: Path, s: DemoSettings, logger: dict, dev_accuracy: Callable[[Path], float]
+) -> int:
     """Extend the SFT run chunk by chunk until greedy dev accuracy reaches `sft_target`."""
-    from keel.trainer.sft import sft
-
     from keel.checkpoint import find_resume_checkpoint
+    from keel.trainer.sft import sft
 
     done = find_resume_checkpoint(out / "sft", "auto")  # a rerun continues where the last one stopped
     steps = max(s.sft_chunk, int(done.name.rsplit("_", 1)[1]) if done else 0)
@@ -263,15 +329,21 @@ def sft_until_partly_competent(out: Path, data: dict[str, Path], model: Path, s:
         finally:
             keel_log.setLevel(level)
         accuracy = dev_accuracy(out / "sft")
-        print(f"SFT step {steps}: dev accuracy {100 * accuracy:.1f}% (target {100 * s.sft_target:.0f}%)",
-              file=sys.stderr)
+        print(
+            f"SFT step {steps}: dev accuracy {100 * accuracy:.1f}% (target {100 * s.sft_target:.0f}%)", file=sys.stderr
+        )
         if accuracy >= s.sft_target or steps >= s.sft_max_steps:
             return steps
         steps += s.sft_chunk
 
 
-def greedy_accuracy(model_dir: Path, prompts_file: Path, data_source: str = DATA_SOURCE,
-                    max_response_length: int = 6, agent: Callable | None = None) -> float:
+def greedy_accuracy(
+    model_dir: Path,
+    prompts_file: Path,
+    data_source: str = DATA_SOURCE,
+    max_response_length: int = 6,
+    agent: Callable | None = None,
+) -> float:
     """Greedy accuracy of a saved model on a prompts file; `agent(engine, tokenizer)`: the
     multi-turn loop to generate through (the tools demo), else the engine itself."""
     import torch
@@ -288,19 +360,27 @@ def greedy_accuracy(model_dir: Path, prompts_file: Path, data_source: str = DATA
     engine = HFRolloutEngine(load_causal_lm(model_dir, resolve_device("auto")), tokenizer)
     generate = agent(engine, tokenizer).generate if agent else engine.generate
     with torch.no_grad():
-        metrics, _ = evaluate(generate, RewardScorer(), records, tokenizer.pad_token_id, ValKwargs(),
-                              DataConfig(max_response_length=max_response_length))
+        metrics, _ = evaluate(
+            generate,
+            RewardScorer(),
+            records,
+            tokenizer.pad_token_id,
+            ValKwargs(),
+            DataConfig(max_response_length=max_response_length),
+        )
     return metrics[f"val/{data_source}/acc"]
 
 
 def print_summary(r: DemoResult) -> None:
     gain = 100 * (r.acc_after - r.acc_before)
-    rows = [("held-out accuracy after SFT", f"{100 * r.acc_before:.1f}%"),
-            ("held-out accuracy after GRPO", f"{100 * r.acc_after:.1f}%  ({gain:+.1f} points)"),
-            ("steps", f"SFT {r.sft_steps}, GRPO {r.grpo_steps}"),
-            ("wall time", f"{r.seconds / 60:.1f} min" + (" (when it ran)" if r.earlier else "")),
-            ("run directories", f"{r.out_dir / 'sft'}  {r.out_dir / 'grpo'}"),
-            ("plots", f"{r.out_dir / 'grpo' / 'report.png'}  {r.out_dir / 'sft' / 'report.png'}")]
+    rows = [
+        ("held-out accuracy after SFT", f"{100 * r.acc_before:.1f}%"),
+        ("held-out accuracy after GRPO", f"{100 * r.acc_after:.1f}%  ({gain:+.1f} points)"),
+        ("steps", f"SFT {r.sft_steps}, GRPO {r.grpo_steps}"),
+        ("wall time", f"{r.seconds / 60:.1f} min" + (" (when it ran)" if r.earlier else "")),
+        ("run directories", f"{r.out_dir / 'sft'}  {r.out_dir / 'grpo'}"),
+        ("plots", f"{r.out_dir / 'grpo' / 'report.png'}  {r.out_dir / 'sft' / 'report.png'}"),
+    ]
     if r.calls_before is not None:
         rows.insert(2, ("correct calculator calls", f"{100 * r.calls_before:.1f}% -> {100 * r.calls_after:.1f}%"))
     width = max(len(label) for label, _ in rows)
@@ -314,5 +394,6 @@ def print_summary(r: DemoResult) -> None:
         print(f"  {label:<{width}}  {value}")
 
 
-ADDITION = DemoTask(make_data, grpo_config, lambda sft_dir, data, s: greedy_accuracy(sft_dir, data["dev"]),
-                    f"val/{DATA_SOURCE}/acc")
+ADDITION = DemoTask(
+    make_data, grpo_config, lambda sft_dir, data, s: greedy_accuracy(sft_dir, data["dev"]), f"val/{DATA_SOURCE}/acc"
+)

@@ -22,6 +22,7 @@ DATA_SOURCE = "keel/tool_arithmetic"
 @dataclass(frozen=True)
 class ToolDemoSettings(DemoSettings):
     """The arithmetic demo's stages, sized for a longer task: a call, the tool's turn, the answer."""
+
     TASK: ClassVar[str] = "tools"
     digits: int = 3
     n_sft: int = 3000
@@ -34,7 +35,7 @@ class ToolDemoSettings(DemoSettings):
     grpo_prompts: int = 32
     grpo_mini_batches: int = 2
     test_freq: int = 10
-    val_n: int = 2                   # held-out samples per prompt
+    val_n: int = 2  # held-out samples per prompt
 
 
 def tool_call(question: str) -> str:
@@ -47,7 +48,7 @@ def make_data(out: Path, s: ToolDemoSettings) -> dict[str, Path]:
 
     def problems(n: int) -> list[tuple[str, int]]:
         picked = []
-        low, high = 10 ** (s.digits - 1), 10 ** s.digits
+        low, high = 10 ** (s.digits - 1), 10**s.digits
         while len(picked) < n:
             a, b = rng.randrange(low, high), rng.randrange(low, high)
             if f"{a}*{b}" not in seen:
@@ -58,17 +59,32 @@ def make_data(out: Path, s: ToolDemoSettings) -> dict[str, Path]:
     heldout, dev, sft, rl = problems(s.n_heldout), problems(s.n_dev), problems(s.n_sft), problems(s.n_rl)
 
     def prompt_row(question: str, answer: int) -> dict:
-        return {"prompt": [{"role": "user", "content": question}], "data_source": DATA_SOURCE,
-                "reward_model": {"ground_truth": str(answer)}, "extra_info": {}}
+        return {
+            "prompt": [{"role": "user", "content": question}],
+            "data_source": DATA_SOURCE,
+            "reward_model": {"ground_truth": str(answer)},
+            "extra_info": {},
+        }
 
     def demonstration(question: str, answer: int) -> dict:
-        return {"messages": [{"role": "user", "content": question},
-                             {"role": "assistant", "content": tool_call(question)},
-                             {"role": "tool", "content": str(answer)}, {"role": "assistant", "content": str(answer)}]}
+        return {
+            "messages": [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": tool_call(question)},
+                {"role": "tool", "content": str(answer)},
+                {"role": "assistant", "content": str(answer)},
+            ]
+        }
 
-    paths = write_data(out, {"sft": [demonstration(q, a) for q, a in sft], "rl": [prompt_row(q, a) for q, a in rl],
-                             "heldout": [prompt_row(q, a) for q, a in heldout],
-                             "dev": [prompt_row(q, a) for q, a in dev]})
+    paths = write_data(
+        out,
+        {
+            "sft": [demonstration(q, a) for q, a in sft],
+            "rl": [prompt_row(q, a) for q, a in rl],
+            "heldout": [prompt_row(q, a) for q, a in heldout],
+            "dev": [prompt_row(q, a) for q, a in dev],
+        },
+    )
     paths["tools"] = out / "data" / "tools.yaml"
     paths["tools"].write_text("tools:\n  - class_name: keel.tools.Calculator\n    config: {type: native}\n")
     return paths
@@ -81,22 +97,40 @@ def multi_turn(data: dict[str, Path]) -> dict:
 def grpo_config(out: Path, data: dict[str, Path], s: ToolDemoSettings) -> dict:
     mini = s.grpo_prompts // s.grpo_mini_batches
     return {
-        "data": {"train_files": [str(data["rl"])], "val_files": [str(data["heldout"])], "max_prompt_length": 32,
-                 "max_response_length": s.max_response_length, "train_batch_size": s.grpo_prompts},
+        "data": {
+            "train_files": [str(data["rl"])],
+            "val_files": [str(data["heldout"])],
+            "max_prompt_length": 32,
+            "max_response_length": s.max_response_length,
+            "train_batch_size": s.grpo_prompts,
+        },
         "actor_rollout_ref": {
             "model": {"path": str(out / "sft")},
-            "actor": {"ppo_mini_batch_size": mini, "ppo_micro_batch_size_per_gpu": mini * s.grpo_n,
-                      "optim": {"lr": s.grpo_lr, "weight_decay": 0.0}},
+            "actor": {
+                "ppo_mini_batch_size": mini,
+                "ppo_micro_batch_size_per_gpu": mini * s.grpo_n,
+                "optim": {"lr": s.grpo_lr, "weight_decay": 0.0},
+            },
             # Held-out accuracy as the policy samples (temperature 1): once SFT has taught the call,
             # greedy decoding copies the tool's answer well; what GRPO raises is how often a sample does.
-            "rollout": {"n": s.grpo_n, "temperature": 1.0, "log_prob_micro_batch_size_per_gpu": 256,
-                        "multi_turn": multi_turn(data),
-                        "val_kwargs": {"do_sample": True, "temperature": 1.0, "n": s.val_n}},
+            "rollout": {
+                "n": s.grpo_n,
+                "temperature": 1.0,
+                "log_prob_micro_batch_size_per_gpu": 256,
+                "multi_turn": multi_turn(data),
+                "val_kwargs": {"do_sample": True, "temperature": 1.0, "n": s.val_n},
+            },
         },
         "algorithm": {"adv_estimator": "grpo"},
-        "trainer": {"default_local_dir": str(out / "grpo"), "total_training_steps": s.grpo_steps,
-                    "test_freq": s.test_freq, "save_freq": s.grpo_steps, "seed": s.seed, "log_samples": 8,
-                    "log_val_generations": 4},
+        "trainer": {
+            "default_local_dir": str(out / "grpo"),
+            "total_training_steps": s.grpo_steps,
+            "test_freq": s.test_freq,
+            "save_freq": s.grpo_steps,
+            "seed": s.seed,
+            "log_samples": 8,
+            "log_val_generations": 4,
+        },
     }
 
 
@@ -111,10 +145,19 @@ def dev_accuracy(model_dir: Path, data: dict[str, Path], s: ToolDemoSettings) ->
     return greedy_accuracy(model_dir, data["dev"], DATA_SOURCE, s.max_response_length, agent)
 
 
-TOOLS = DemoTask(make_data, grpo_config, dev_accuracy, f"val/{DATA_SOURCE}/acc",
-                 lambda s: f"val-aux/{DATA_SOURCE}/correct_call/mean@{s.val_n}")
+TOOLS = DemoTask(
+    make_data,
+    grpo_config,
+    dev_accuracy,
+    f"val/{DATA_SOURCE}/acc",
+    lambda s: f"val-aux/{DATA_SOURCE}/correct_call/mean@{s.val_n}",
+)
 
 
-def run_tools_demo(out: str | Path = "keel_demo_tools", settings: ToolDemoSettings = ToolDemoSettings(),
-                   fresh: bool = False, console: bool = True) -> DemoResult:
+def run_tools_demo(
+    out: str | Path = "keel_demo_tools",
+    settings: ToolDemoSettings = ToolDemoSettings(),
+    fresh: bool = False,
+    console: bool = True,
+) -> DemoResult:
     return run_demo(out, settings, fresh, console, TOOLS)

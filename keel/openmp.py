@@ -14,8 +14,9 @@ GOMP_SPINCOUNT set), or torch was imported first (`keel doctor` and `keel train`
 import os
 import sys
 
-USER_CHOICE = next((f"{name}={os.environ[name]}" for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-                    if name in os.environ), None)
+USER_CHOICE = next(
+    (f"{name}={os.environ[name]}" for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if name in os.environ), None
+)
 TORCH_CAME_FIRST = "torch" in sys.modules
 if USER_CHOICE is None and not TORCH_CAME_FIRST:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
@@ -26,6 +27,8 @@ def how_threads_wait() -> tuple[bool, str]:
     if USER_CHOICE is not None:
         return True, f"as set: {USER_CHOICE}"
     if TORCH_CAME_FIRST:
-        return False, ("spinning: torch was imported before keel; on a shared machine a CPU run slows several "
-                       "times over, so `export OMP_WAIT_POLICY=PASSIVE` before Python starts, or import keel first")
+        return False, (
+            "spinning: torch was imported before keel; on a shared machine a CPU run slows several "
+            "times over, so `export OMP_WAIT_POLICY=PASSIVE` before Python starts, or import keel first"
+        )
     return True, "sleeping (OMP_WAIT_POLICY=PASSIVE, set by keel): a CPU run keeps its pace beside busy processes"

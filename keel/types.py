@@ -36,9 +36,11 @@ class PromptBatch:
 
     def repeat_interleave(self, n: int) -> PromptBatch:
         """Each prompt n times in a row ([p0, p0, p1, p1, ...]), for n samples per prompt."""
-        return PromptBatch(input_ids=self.input_ids.repeat_interleave(n, dim=0),  # [B*n, P]
-                           attention_mask=self.attention_mask.repeat_interleave(n, dim=0),
-                           records=[r for r in self.records for _ in range(n)])
+        return PromptBatch(
+            input_ids=self.input_ids.repeat_interleave(n, dim=0),  # [B*n, P]
+            attention_mask=self.attention_mask.repeat_interleave(n, dim=0),
+            records=[r for r in self.records for _ in range(n)],
+        )
 
 
 @dataclass
@@ -47,81 +49,81 @@ class SamplingParams:
     do_sample: bool = True
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1                 # -1: off
+    top_k: int = -1  # -1: off
     max_new_tokens: int = 512
-    ignore_eos: bool = False        # every response is max_new_tokens long (benchmarks)
+    ignore_eos: bool = False  # every response is max_new_tokens long (benchmarks)
 
 
 @dataclass
 class RolloutBatch:
-    prompt_ids: Tensor              # [N, P] left-padded
-    prompt_mask: Tensor             # [N, P] 1 on prompt tokens
-    response_ids: Tensor            # [N, R] right-padded after EOS
-    response_mask: Tensor           # [N, R] 1 on response tokens, EOS included
-    sampling_log_probs: Tensor      # [N, R] log-probs of the sampled tokens under the sampler
-    group_index: Tensor             # [N] samples of the same prompt share a value
-    records: list[PromptRecord]     # [N] the prompt's record (data_source, ground_truth, ...)
-    response_texts: list[str]       # [N]
-    truncated: Tensor               # [N] bool: hit max_response_length without EOS
+    prompt_ids: Tensor  # [N, P] left-padded
+    prompt_mask: Tensor  # [N, P] 1 on prompt tokens
+    response_ids: Tensor  # [N, R] right-padded after EOS
+    response_mask: Tensor  # [N, R] 1 on response tokens, EOS included
+    sampling_log_probs: Tensor  # [N, R] log-probs of the sampled tokens under the sampler
+    group_index: Tensor  # [N] samples of the same prompt share a value
+    records: list[PromptRecord]  # [N] the prompt's record (data_source, ground_truth, ...)
+    response_texts: list[str]  # [N]
+    truncated: Tensor  # [N] bool: hit max_response_length without EOS
     # Multi-turn: 1 on every real response token, the model's and the tools' and template's between
     # its turns (attended to, never trained on); response_mask is then the model's tokens only.
     # None: the response is the model's alone, response_mask both.
     response_attention: Tensor | None = None
-    turn_rewards: Tensor | None = None          # [N] multi-turn: what tools and interactions gave, summed
+    turn_rewards: Tensor | None = None  # [N] multi-turn: what tools and interactions gave, summed
 
     # Filled in by later stages of the step.
-    scores: Tensor | None = None                # [N] outcome reward from the reward function
-    reward_extras: list[dict] | None = None     # [N] other keys of dict results (verl's reward_extra_info)
-    token_level_rewards: Tensor | None = None   # [N, R] score on the last token, minus KL if in reward
-    old_log_probs: Tensor | None = None         # [N, R] actor log-probs before the update
+    scores: Tensor | None = None  # [N] outcome reward from the reward function
+    reward_extras: list[dict] | None = None  # [N] other keys of dict results (verl's reward_extra_info)
+    token_level_rewards: Tensor | None = None  # [N, R] score on the last token, minus KL if in reward
+    old_log_probs: Tensor | None = None  # [N, R] actor log-probs before the update
     # [N] bool: the samples of the update's first mini-batch, whose old log-probs are that update's
     # own forward (the policy has not moved yet), so the pass skipped them (0 in old_log_probs).
     own_old_log_probs: Tensor | None = None
-    ref_log_probs: Tensor | None = None         # [N, R]
-    values: Tensor | None = None                # [N, R] critic values
-    advantages: Tensor | None = None            # [N, R]
-    returns: Tensor | None = None               # [N, R]
+    ref_log_probs: Tensor | None = None  # [N, R]
+    values: Tensor | None = None  # [N, R] critic values
+    advantages: Tensor | None = None  # [N, R]
+    returns: Tensor | None = None  # [N, R]
     # algorithm.rollout_correction (decoupled mode): truncated IS weights on the policy loss, and
     # rejection sampling's mask (1: kept), which leaves rejected tokens out of every loss.
-    rollout_is_weights: Tensor | None = None    # [N, R]
-    rollout_keep: Tensor | None = None          # [N, R]
+    rollout_is_weights: Tensor | None = None  # [N, R]
+    rollout_keep: Tensor | None = None  # [N, R]
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
 
     @property
-    def input_ids(self) -> Tensor:               # [N, P + R]
+    def input_ids(self) -> Tensor:  # [N, P + R]
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)
 
     @property
-    def response_tokens(self) -> Tensor:         # [N, R] 1 on every real response token
+    def response_tokens(self) -> Tensor:  # [N, R] 1 on every real response token
         return self.response_mask if self.response_attention is None else self.response_attention
 
     @property
-    def attention_mask(self) -> Tensor:          # [N, P + R]
+    def attention_mask(self) -> Tensor:  # [N, P + R]
         return torch.cat([self.prompt_mask, self.response_tokens], dim=1)
 
     @property
-    def loss_mask(self) -> Tensor:               # [N, R] the tokens the losses train on
+    def loss_mask(self) -> Tensor:  # [N, R] the tokens the losses train on
         return self.response_mask if self.rollout_keep is None else self.response_mask * self.rollout_keep
 
     @property
-    def last_token_index(self) -> Tensor:        # [N] the model's last token (0 for an empty response)
+    def last_token_index(self) -> Tensor:  # [N] the model's last token (0 for an empty response)
         positions = torch.arange(self.response_mask.shape[1])
         return (self.response_mask.bool() * positions).max(-1).values
 
     @property
-    def response_lengths(self) -> Tensor:        # [N]
+    def response_lengths(self) -> Tensor:  # [N]
         return self.response_mask.sum(-1)
 
-    def masked_copies(self, count: int) -> "RolloutBatch":
+    def masked_copies(self, count: int) -> RolloutBatch:
         """`count` copies of the first sample with the response masked out: fillers that add
         nothing to any loss or count, for ranks or passes that must run in step with others."""
         filler = self.select([0] * count)
         filler.response_mask = torch.zeros_like(filler.response_mask)
         return filler
 
-    def to(self, device: torch.device) -> "RolloutBatch":
+    def to(self, device: torch.device) -> RolloutBatch:
         """Every tensor field on `device`. Host-to-device copies do not wait for the GPU
         (non_blocking): a blocking copy waits until every kernel queued before it has run, and the
         update made eight of them per micro-batch, each draining the GPU's queue mid-step. CUDA
@@ -134,7 +136,7 @@ class RolloutBatch:
             moved[f.name] = value.to(device, non_blocking=to_gpu) if isinstance(value, Tensor) else value
         return RolloutBatch(**moved)
 
-    def select(self, index: Tensor | list[int]) -> "RolloutBatch":
+    def select(self, index: Tensor | list[int]) -> RolloutBatch:
         """A sub-batch (mini- or micro-batch) with every per-sample field indexed alike."""
         index = torch.as_tensor(index, dtype=torch.long)
         picked = {}
@@ -161,9 +163,9 @@ def trim_padding(batch: RolloutBatch) -> RolloutBatch:
     for f in dataclasses.fields(batch):
         value = getattr(batch, f.name)
         if f.name in ("prompt_ids", "prompt_mask"):
-            value = value[:, value.shape[1] - prompt_width:]
+            value = value[:, value.shape[1] - prompt_width :]
         elif isinstance(value, Tensor) and value.dim() == 2 and value.shape[1] == full_width:
-            value = value[:, :response_width]                                # [n, R] fields
+            value = value[:, :response_width]  # [n, R] fields
         trimmed[f.name] = value
     return RolloutBatch(**trimmed)
 

@@ -24,9 +24,15 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def digit_rows(n: int, start: int = 0) -> list[dict]:
-    return [{"prompt": [{"role": "user", "content": f"Digits please: {i}"}], "data_source": "digits",
-             "reward_model": {"ground_truth": str(i)}, "extra_info": {"index": i}}
-            for i in range(start, start + n)]
+    return [
+        {
+            "prompt": [{"role": "user", "content": f"Digits please: {i}"}],
+            "data_source": "digits",
+            "reward_model": {"ground_truth": str(i)},
+            "extra_info": {"index": i},
+        }
+        for i in range(start, start + n)
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -46,18 +52,30 @@ def tiny_assets(tmp_path_factory) -> dict[str, Path]:
 def tiny_config(tiny_assets, tmp_path) -> dict:
     """A 2-step GRPO config small enough to run in a few seconds on CPU."""
     return {
-        "data": {"train_files": [str(tiny_assets["train"])], "val_files": [str(tiny_assets["val"])],
-                 "max_prompt_length": 48, "max_response_length": 8, "train_batch_size": 4},
+        "data": {
+            "train_files": [str(tiny_assets["train"])],
+            "val_files": [str(tiny_assets["val"])],
+            "max_prompt_length": 48,
+            "max_response_length": 8,
+            "train_batch_size": 4,
+        },
         "actor_rollout_ref": {
             "model": {"path": str(tiny_assets["model"])},
-            "actor": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 4,
-                      "optim": {"lr": 1e-3, "weight_decay": 0.0}},
+            "actor": {
+                "ppo_mini_batch_size": 2,
+                "ppo_micro_batch_size_per_gpu": 4,
+                "optim": {"lr": 1e-3, "weight_decay": 0.0},
+            },
             "rollout": {"n": 4},
         },
         "algorithm": {"adv_estimator": "grpo"},
         "custom_reward_function": {"path": str(tiny_assets["reward"])},
-        "trainer": {"total_training_steps": 2, "default_local_dir": str(tmp_path / "run"),
-                    "logger": [], "test_freq": 2},
+        "trainer": {
+            "total_training_steps": 2,
+            "default_local_dir": str(tmp_path / "run"),
+            "logger": [],
+            "test_freq": 2,
+        },
     }
 
 
@@ -86,5 +104,5 @@ class ScriptedEngine:
         width = min(max(map(len, rows)), params.max_new_tokens)
         ids = torch.full((len(rows), width), self.tokenizer.pad_token_id)
         for i, row in enumerate(rows):
-            ids[i, :min(len(row), width)] = torch.tensor(row[:width])
+            ids[i, : min(len(row), width)] = torch.tensor(row[:width])
         return assemble_batch(prompts, [(ids, torch.full(ids.shape, LOG_PROB))], self.tokenizer, self.eos_ids, params)

@@ -24,19 +24,23 @@ def make_rows(n: int, rng: random.Random) -> list[dict]:
     rows = []
     for _ in range(n):
         a, b = rng.randint(0, 99), rng.randint(0, 99)
-        rows.append({
-            "prompt": [{"role": "user", "content": f"Reply with digits only: {a} {b}"}],
-            "data_source": "digits",
-            "reward_model": {"ground_truth": f"{a}{b}"},
-            "extra_info": {},
-        })
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": f"Reply with digits only: {a} {b}"}],
+                "data_source": "digits",
+                "reward_model": {"ground_truth": f"{a}{b}"},
+                "extra_info": {},
+            }
+        )
     return rows
 
 
 def make_chats(n: int, rng: random.Random) -> list[dict]:
     """SFT demonstrations: the prompt's question, answered with its digits."""
-    return [{"messages": [row["prompt"][0], {"role": "assistant", "content": row["reward_model"]["ground_truth"]}]}
-            for row in make_rows(n, rng)]
+    return [
+        {"messages": [row["prompt"][0], {"role": "assistant", "content": row["reward_model"]["ground_truth"]}]}
+        for row in make_rows(n, rng)
+    ]
 
 
 def main(out: Path) -> None:

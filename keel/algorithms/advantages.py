@@ -11,8 +11,8 @@ critic (`needs_critic`) or a greedy baseline rollout (`needs_baseline`) before c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor

@@ -7,7 +7,7 @@ and k3 = q/p - 1 - log(q/p) are low-variance (k3 unbiased and always >= 0).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

@@ -10,8 +10,8 @@ summed over ranks and scale the loss by the world size, since the gradient all-r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -73,21 +73,27 @@ class PolicyLossParams:
 
 @dataclass(frozen=True)
 class PolicyLossInputs:
-    old_log_prob: Tensor                            # [B, T] at rollout time
-    log_prob: Tensor                                # [B, T] current policy
-    advantages: Tensor                              # [B, T]
-    response_mask: Tensor                           # [B, T]
-    global_tokens: float | Tensor | None = None     # the whole mini-batch's counts (see the top)
+    old_log_prob: Tensor  # [B, T] at rollout time
+    log_prob: Tensor  # [B, T] current policy
+    advantages: Tensor  # [B, T]
+    response_mask: Tensor  # [B, T]
+    global_tokens: float | Tensor | None = None  # the whole mini-batch's counts (see the top)
     global_seqs: float | Tensor | None = None
-    is_weights: Tensor | None = None                # [B, T] rollout correction's, detached
+    is_weights: Tensor | None = None  # [B, T] rollout correction's, detached
 
-    def aggregate(self, losses: Tensor, p: "PolicyLossParams", mode: str | None = None) -> Tensor:
+    def aggregate(self, losses: Tensor, p: PolicyLossParams, mode: str | None = None) -> Tensor:
         """The per-token losses [B, T], re-weighted by the rollout correction's IS weights when
         there are any, reduced by `mode` (default: the configured loss_agg_mode)."""
         if self.is_weights is not None:
             losses = losses * self.is_weights
-        return agg_loss(losses, self.response_mask, mode or p.loss_agg_mode, global_tokens=self.global_tokens,
-                        global_seqs=self.global_seqs, norm_length=p.norm_length)
+        return agg_loss(
+            losses,
+            self.response_mask,
+            mode or p.loss_agg_mode,
+            global_tokens=self.global_tokens,
+            global_seqs=self.global_seqs,
+            norm_length=p.norm_length,
+        )
 
 
 PolicyLossFn = Callable[[PolicyLossInputs, PolicyLossParams], tuple[Tensor, dict[str, Tensor]]]
@@ -121,8 +127,9 @@ def compute_policy_loss(
     """Returns (scalar loss, metrics {pg_clipfrac, ppo_kl, pg_clipfrac_lower}, detached)."""
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; valid: {sorted(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name](PolicyLossInputs(old_log_prob, log_prob, advantages, response_mask, global_tokens,
-                                                global_seqs, is_weights), p)
+    return POLICY_LOSSES[name](
+        PolicyLossInputs(old_log_prob, log_prob, advantages, response_mask, global_tokens, global_seqs, is_weights), p
+    )
 
 
 def _metrics(clipped: Tensor, dual_clipped: Tensor, x: PolicyLossInputs) -> dict[str, Tensor]:
@@ -210,7 +217,13 @@ def compute_value_loss(
     loss_unclipped = (vpreds - returns) ** 2
     loss_clipped = (vpred_clipped - returns) ** 2
     losses = torch.maximum(loss_unclipped, loss_clipped)  # [B, T]
-    vf_loss = 0.5 * agg_loss(losses, response_mask, loss_agg_mode, global_tokens=global_tokens,
-                             global_seqs=global_seqs, norm_length=norm_length)
+    vf_loss = 0.5 * agg_loss(
+        losses,
+        response_mask,
+        loss_agg_mode,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        norm_length=norm_length,
+    )
     vf_clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), response_mask).detach()
     return vf_loss, vf_clipfrac

@@ -23,29 +23,40 @@ SAFETY_BOUND = 20.0  # log-ratios are clamped to +-20 before exp: exp(20) is fin
 IS_LEVELS = ("token", "sequence")
 # verl's rejection statistics: k1 = -log_ratio (a ratio band), k2 = log_ratio^2 / 2,
 # k3 = exp(log_ratio) - 1 - log_ratio, per token or summed / averaged / maxed over a sequence.
-RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-              "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+RS_OPTIONS = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
 
 
 @dataclass(frozen=True)
 class RejectionRule:
-    option: str                 # one of RS_OPTIONS
-    upper: float                # k1: log of the ratio band's top; k2/k3: the statistic's ceiling
+    option: str  # one of RS_OPTIONS
+    upper: float  # k1: log of the ratio band's top; k2/k3: the statistic's ceiling
     lower: float | None = None  # k1 only: log of the band's bottom
 
 
 @dataclass(frozen=True)
 class CorrectionParams:
-    is_level: str | None = None         # "token" | "sequence" | None: no weights
-    is_threshold: float = 2.0           # weights are truncated at this value
-    is_batch_normalize: bool = False    # weights rescaled to mean 1 over the batch
+    is_level: str | None = None  # "token" | "sequence" | None: no weights
+    is_threshold: float = 2.0  # weights are truncated at this value
+    is_batch_normalize: bool = False  # weights rescaled to mean 1 over the batch
     rejection: tuple[RejectionRule, ...] = ()
 
 
 @dataclass
 class Correction:
-    weights: Tensor | None      # [B, T] truncated IS weights, 0 on padding; None when is_level is None
-    keep: Tensor                # [B, T] 1 where rejection sampling keeps the token
+    weights: Tensor | None  # [B, T] truncated IS weights, 0 on padding; None when is_level is None
+    keep: Tensor  # [B, T] 1 where rejection sampling keeps the token
     metrics: dict[str, Tensor]  # token means (0-d tensors), verl's names under rollout_corr/
 
 
@@ -65,8 +76,10 @@ def parse_rejection(rollout_rs: str | None, threshold: str | None) -> tuple[Reje
     if len(specs) == 1:
         specs = specs * len(options)
     if len(specs) != len(options):
-        raise ValueError(f"rollout_rs_threshold={threshold!r} gives {len(specs)} thresholds for "
-                         f"{len(options)} rollout_rs options: give one, or one per option")
+        raise ValueError(
+            f"rollout_rs_threshold={threshold!r} gives {len(specs)} thresholds for "
+            f"{len(options)} rollout_rs options: give one, or one per option"
+        )
     return tuple(_rule(option, spec) for option, spec in zip(options, specs))
 
 
@@ -76,11 +89,13 @@ def _rule(option: str, spec: str) -> RejectionRule:
     try:
         bounds = [float(p) for p in parts]
     except ValueError:
-        raise ValueError(f"rollout_rs_threshold {spec!r} for {option} is not a number"
-                         + (" or 'lower_upper'" if k1 else "")) from None
+        raise ValueError(
+            f"rollout_rs_threshold {spec!r} for {option} is not a number" + (" or 'lower_upper'" if k1 else "")
+        ) from None
     if len(bounds) > 2 or not all(b > 0 and math.isfinite(b) for b in bounds):
-        raise ValueError(f"rollout_rs_threshold {spec!r} for {option} must be positive"
-                         + ("" if k1 else ", one upper bound"))
+        raise ValueError(
+            f"rollout_rs_threshold {spec!r} for {option} must be positive" + ("" if k1 else ", one upper bound")
+        )
     if not k1:
         return RejectionRule(option, bounds[0])
     lower, upper = bounds if len(bounds) == 2 else (1.0 / bounds[0], bounds[0])
@@ -90,8 +105,9 @@ def _rule(option: str, spec: str) -> RejectionRule:
 
 
 @torch.no_grad()
-def compute_correction(train_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor,
-                       p: CorrectionParams) -> Correction:
+def compute_correction(
+    train_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor, p: CorrectionParams
+) -> Correction:
     """IS weights, the rejection mask and mismatch metrics, from log-probs [B, T] of the sampled
     tokens under the trainer's policy and the sampler's."""
     mask = mask.to(train_log_probs.dtype)
@@ -114,16 +130,18 @@ def mismatch_metrics(log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """How far pi_rollout is from pi_train, per token: KL(rollout || train) by the direct and the
     k3 estimator, and the chi-square divergence E[rho^2] - 1 (the IS weights' variance)."""
     safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    return {"rollout_corr/kl": masked_mean(-log_ratio, mask),
-            "rollout_corr/k3_kl": masked_mean(torch.exp(safe) - 1.0 - safe, mask),
-            "rollout_corr/chi2_token": masked_mean(torch.exp(2.0 * safe), mask) - 1.0}
+    return {
+        "rollout_corr/kl": masked_mean(-log_ratio, mask),
+        "rollout_corr/k3_kl": masked_mean(torch.exp(safe) - 1.0 - safe, mask),
+        "rollout_corr/chi2_token": masked_mean(torch.exp(2.0 * safe), mask) - 1.0,
+    }
 
 
 def _kept_by(rule: RejectionRule, log_ratio: Tensor, mask: Tensor) -> Tensor:
     """1 where `rule` keeps the token (a sequence rule keeps or drops every token of a sequence)."""
     level, _, estimator = rule.option.rpartition("_")
     safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    token_stat = {"k1": -safe, "k2": 0.5 * safe ** 2, "k3": torch.exp(safe) - 1.0 - safe}[estimator] * mask
+    token_stat = {"k1": -safe, "k2": 0.5 * safe**2, "k3": torch.exp(safe) - 1.0 - safe}[estimator] * mask
     if level == "token":
         stat = token_stat
     elif level == "seq_sum":
@@ -144,9 +162,10 @@ def _is_weights(log_ratio: Tensor, mask: Tensor, p: CorrectionParams) -> tuple[T
     else:  # sequence: the product of the token ratios, on every token of the sequence
         seq_log_ratio = masked_sum(log_ratio, mask, dim=-1)[:, None]
         raw = torch.exp(seq_log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)) * mask
-    metrics = {"rollout_corr/rollout_is_mean": masked_mean(raw, mask),  # before truncation, as verl logs it
-               "rollout_corr/rollout_is_ratio_fraction_high": masked_mean((raw > p.is_threshold).to(mask.dtype),
-                                                                          mask)}
+    metrics = {
+        "rollout_corr/rollout_is_mean": masked_mean(raw, mask),  # before truncation, as verl logs it
+        "rollout_corr/rollout_is_ratio_fraction_high": masked_mean((raw > p.is_threshold).to(mask.dtype), mask),
+    }
     weights = raw.clamp(max=p.is_threshold)
     if p.is_batch_normalize:
         if p.is_level == "token":

@@ -29,8 +29,10 @@ log = logging.getLogger("keel")
 # Datasheet figures by GPU name: bf16 dense TFLOP/s (no sparsity), HBM TB/s. Another GPU gets no
 # datasheet numbers rather than an H200's.
 DATASHEETS = {"H200": (989.4, 4.8), "H100": (989.4, 3.35), "A100": (312.0, 2.0)}
-REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" \
-         "    return (sum(map(ord, solution_str)) % 7) / 6\n"
+REWARD = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return (sum(map(ord, solution_str)) % 7) / 6\n"
+)
 
 
 def make_model(shape: str, out_dir: Path) -> Path:
@@ -63,8 +65,14 @@ def _architecture_parameters(shape: str) -> int:
 def make_prompts(workload: Workload, path: Path, count: int) -> Path:
     """Prompts of exactly `prompt_length` tokens (one byte per token, no chat template)."""
     rng = random.Random(0)
-    rows = [{"prompt": "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(workload.prompt_length)),
-             "data_source": "bench", "reward_model": {"ground_truth": ""}} for _ in range(count)]
+    rows = [
+        {
+            "prompt": "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(workload.prompt_length)),
+            "data_source": "bench",
+            "reward_model": {"ground_truth": ""},
+        }
+        for _ in range(count)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -77,28 +85,55 @@ def bench_config(name: str, workload: Workload, root: Path, steps: int, gpus: in
     micro = max(d for d in range(1, per_gpu + 1) if per_gpu % d == 0 and d <= max(1, 16384 // tokens))
     policy = {
         "model": {"path": str(make_model(workload.model, root / f"model_{workload.model}"))},
-        "actor": {"ppo_mini_batch_size": max(1, workload.prompts // 4), "ppo_micro_batch_size_per_gpu": micro,
-                  "use_kl_loss": workload.kl_loss, "optim": {"lr": 1e-6}},
-        "rollout": {"n": workload.n, "ignore_eos": True, "log_prob_micro_batch_size_per_gpu": 2 * micro,
-                    "max_num_seqs": workload.prompts * workload.n},
+        "actor": {
+            "ppo_mini_batch_size": max(1, workload.prompts // 4),
+            "ppo_micro_batch_size_per_gpu": micro,
+            "use_kl_loss": workload.kl_loss,
+            "optim": {"lr": 1e-6},
+        },
+        "rollout": {
+            "n": workload.n,
+            "ignore_eos": True,
+            "log_prob_micro_batch_size_per_gpu": 2 * micro,
+            "max_num_seqs": workload.prompts * workload.n,
+        },
         "ref": {"log_prob_micro_batch_size_per_gpu": 2 * micro},
     }
     return {
-        "data": {"train_files": [str(make_prompts(workload, root / f"prompts_{name}.jsonl",
-                                                  workload.prompts * (steps + 1)))],
-                 "apply_chat_template": False, "max_prompt_length": workload.prompt_length,
-                 "max_response_length": workload.response_length, "train_batch_size": workload.prompts},
+        "data": {
+            "train_files": [
+                str(make_prompts(workload, root / f"prompts_{name}.jsonl", workload.prompts * (steps + 1)))
+            ],
+            "apply_chat_template": False,
+            "max_prompt_length": workload.prompt_length,
+            "max_response_length": workload.response_length,
+            "train_batch_size": workload.prompts,
+        },
         "actor_rollout_ref": policy,
         "algorithm": {"adv_estimator": "grpo"},
         "custom_reward_function": {"path": str(_write(root / "reward.py", REWARD))},
-        "trainer": {"total_training_steps": steps, "logger": [], "test_freq": -1, "val_before_train": False,
-                    "n_gpus_per_node": gpus, "default_local_dir": str(root / f"run_{name}_{gpus}"),
-                    "log_samples": 0},
+        "trainer": {
+            "total_training_steps": steps,
+            "logger": [],
+            "test_freq": -1,
+            "val_before_train": False,
+            "n_gpus_per_node": gpus,
+            "default_local_dir": str(root / f"run_{name}_{gpus}"),
+            "log_samples": 0,
+        },
     }
 
 
-def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrides: list[str] | None = None,
-              out: Path | None = None, workdir: Path | None = None, profile_dir: Path | None = None) -> dict:
+def run_bench(
+    name: str,
+    steps: int = 5,
+    warmup: int = 2,
+    gpus: int = 1,
+    overrides: list[str] | None = None,
+    out: Path | None = None,
+    workdir: Path | None = None,
+    profile_dir: Path | None = None,
+) -> dict:
     from keel.config.load import load_config
     from keel.observe.metrics import MetricsLogger
     from keel.trainer.rl import RLTrainer
@@ -109,8 +144,10 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
     # The profiled step (--profile) is one more after the measured ones: the profiler slows the
     # host, so its time is left out of the record's timings.
     total = warmup + steps + (profile_dir is not None)
-    cfg = load_config(bench_config(name, workload, root, total, gpus),
-                      [f"{k}={v}" for k, v in workload.overrides.items()] + list(overrides or []))
+    cfg = load_config(
+        bench_config(name, workload, root, total, gpus),
+        [f"{k}={v}" for k, v in workload.overrides.items()] + list(overrides or []),
+    )
     trainer = RLTrainer(cfg)
     trainer._open_run_dir()
     logger = MetricsLogger(trainer.run_dir, False, total, 0)
@@ -118,8 +155,9 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
     try:
         for i in range(total):
             trainer.step += 1
-            with _profiled(trainer.components.workers, profile_dir if i == warmup + steps else None,
-                           f"{name}_{gpus}gpu", gpu_busy):
+            with _profiled(
+                trainer.components.workers, profile_dir if i == warmup + steps else None, f"{name}_{gpus}gpu", gpu_busy
+            ):
                 per_step.append(trainer.guarded_step(logger))
         engine = trainer.components.workers.group.call("info", [()] * cfg.world_size)[0]["rollout_engine"]
     finally:
@@ -130,7 +168,7 @@ def run_bench(name: str, steps: int = 5, warmup: int = 2, gpus: int = 1, overrid
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    measured = per_step[warmup:warmup + steps]
+    measured = per_step[warmup : warmup + steps]
     record = summarize(name, workload, cfg, measured)
     record["engine"] = engine
     record["overrides"] = list(overrides or [])
@@ -188,34 +226,30 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
     params = stored_parameters(cfg.actor_rollout_ref.model.path) or _architecture_parameters(w.model)
     update_tokens = samples * seq * cfg.actor_rollout_ref.actor.ppo_epochs
     update_s = mean("timing_s/update_actor")
-    # Useful training FLOPs: 6 per parameter per token (forward 2, input and weight gradients 2
-    # each), 4 for LoRA's frozen base, which has no weight gradients (the adapters' are a rounding
-    # error), plus causal attention (QK^T and AV). Gradient checkpointing's recompute is not useful.
     shape = shape_config(w.model)
     active = active_parameters(shape, params)
-    attention = 6 * 2 * shape.num_hidden_layers * shape.num_attention_heads * _head_dim(shape) * seq  # per token, causal mean seq/2 x 2
-    per_parameter = 4 if cfg.actor_rollout_ref.model.lora_rank else 6
-    update_flops = update_tokens * (per_parameter * active + attention) / update_s / gpus
+    update_flops = useful_update_flops(cfg, shape, active, update_tokens, seq) / update_s / gpus
     peak = measured_peak_tflops() * 1e12 if torch.cuda.is_available() else None
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     datasheet = next((figures for gpu, figures in DATASHEETS.items() if gpu in device), None)
-    # The model's own tokens (multi-turn: not the tools' or the template's between its turns).
-    generated = mean("response_length/mean") or w.response_length
-    gen_tokens_per_s = samples * generated / mean("timing_s/gen")
-    # Decode steps alone (the native engine times them): every token but each turn's first, which
-    # prefill samples (multi-turn: an assistant turn and a user turn alternate after the prompt).
-    decode_s = mean("timing_s/gen_decode")
-    turns = (mean("num_turns/mean") or 2) / 2
-    decode_tokens_per_s = samples * (generated - turns) / decode_s if decode_s else None
+    gen_tokens_per_s, decode_tokens_per_s = _generation_rates(w, samples, mean)
     return {
-        "workload": name, "date": datetime.date.today().isoformat(), "commit": source_commit(),
-        "device": device, "n_gpus": gpus, "rollout": cfg.actor_rollout_ref.rollout.name, "parameters": params,
-        "active_parameters": active, "model_type": shape.model_type,
-        "step_time_s": mean("timing_s/step"), "steps_per_s": 1 / mean("timing_s/step"),
+        "workload": name,
+        "date": datetime.date.today().isoformat(),
+        "commit": source_commit(),
+        "device": device,
+        "n_gpus": gpus,
+        "rollout": cfg.actor_rollout_ref.rollout.name,
+        "parameters": params,
+        "active_parameters": active,
+        "model_type": shape.model_type,
+        "step_time_s": mean("timing_s/step"),
+        "steps_per_s": 1 / mean("timing_s/step"),
         "gen_tokens_per_s": gen_tokens_per_s,
         "decode_tokens_per_s": decode_tokens_per_s,
         "decode_bandwidth_utilisation": decode_bandwidth_utilisation(
-            w, shape, params, (decode_tokens_per_s or gen_tokens_per_s) / gpus, datasheet),
+            w, shape, params, (decode_tokens_per_s or gen_tokens_per_s) / gpus, datasheet
+        ),
         "update_tokens_per_s": update_tokens / update_s,
         "update_mfu": update_flops / peak if peak else None,  # None: no GPU to measure a peak on
         "update_mfu_datasheet": update_flops / (datasheet[0] * 1e12) if datasheet else None,
@@ -223,14 +257,40 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
         "peak_tflops_measured": peak / 1e12 if peak else None,
         # the samples the pass computed (not the first mini-batch's); an on-policy update has no pass
         "logprob_tokens_per_s": (mean("perf/old_log_prob_samples") or samples) * seq / mean("timing_s/old_log_prob")
-        if mean("timing_s/old_log_prob") else None,
+        if mean("timing_s/old_log_prob")
+        else None,
         "throughput_tokens_per_s_per_gpu": mean("perf/throughput"),
         "peak_memory_gb": highest("perf/max_memory_allocated_gb"),  # the fullest GPU, over the whole step
-        "peak_memory_gb_per_phase": {k[len("perf/peak_memory_gb/"):]: highest(k) for k in steps[-1]
-                                     if k.startswith("perf/peak_memory_gb/")},
+        "peak_memory_gb_per_phase": {
+            k[len("perf/peak_memory_gb/") :]: highest(k) for k in steps[-1] if k.startswith("perf/peak_memory_gb/")
+        },
         "log_prob_gap": mean("rollout/log_prob_gap"),
-        "timing_s": {k[len("timing_s/"):]: mean(k) for k in steps[-1] if k.startswith("timing_s/")},
+        "timing_s": {k[len("timing_s/") :]: mean(k) for k in steps[-1] if k.startswith("timing_s/")},
     }
+
+
+def useful_update_flops(cfg, shape, active: int, update_tokens: int, seq: int) -> float:
+    """Useful training FLOPs of the update: 6 per parameter per token (forward 2, input and weight
+    gradients 2 each), 4 for LoRA's frozen base, which has no weight gradients (the adapters' are a
+    rounding error), plus causal attention (QK^T and AV). Gradient checkpointing's recompute is not
+    useful."""
+    # per token, causal mean seq/2 x 2
+    attention = 6 * 2 * shape.num_hidden_layers * shape.num_attention_heads * _head_dim(shape) * seq
+    per_parameter = 4 if cfg.actor_rollout_ref.model.lora_rank else 6
+    return update_tokens * (per_parameter * active + attention)
+
+
+def _generation_rates(w: Workload, samples: int, mean) -> tuple[float, float | None]:
+    """(tokens/s of generation, tokens/s of its decode steps alone); `mean(key)`: a metric's mean
+    over the measured steps."""
+    # The model's own tokens (multi-turn: not the tools' or the template's between its turns).
+    generated = mean("response_length/mean") or w.response_length
+    gen_tokens_per_s = samples * generated / mean("timing_s/gen")
+    # Decode steps alone (the native engine times them): every token but each turn's first, which
+    # prefill samples (multi-turn: an assistant turn and a user turn alternate after the prompt).
+    decode_s = mean("timing_s/gen_decode")
+    turns = (mean("num_turns/mean") or 2) / 2
+    return gen_tokens_per_s, (samples * (generated - turns) / decode_s if decode_s else None)
 
 
 def _head_dim(config) -> int:
@@ -247,15 +307,20 @@ def active_parameters(config, params: int) -> int:
     if not experts:
         return params
     per_expert = 3 * config.hidden_size * config.moe_intermediate_size
-    sparse = [i for i in range(config.num_hidden_layers) if i not in (config.mlp_only_layers or [])
-              and (i + 1) % config.decoder_sparse_step == 0]
+    sparse = [
+        i
+        for i in range(config.num_hidden_layers)
+        if i not in (config.mlp_only_layers or []) and (i + 1) % config.decoder_sparse_step == 0
+    ]
     return params - len(sparse) * (experts - config.num_experts_per_tok) * per_expert
 
 
-def decode_bandwidth_utilisation(w: Workload, shape, params: int, tokens_per_s_per_gpu: float,
-                                 datasheet: tuple[float, float] | None) -> float | None:
+def decode_bandwidth_utilisation(
+    w: Workload, shape, params: int, tokens_per_s_per_gpu: float, datasheet: tuple[float, float] | None
+) -> float | None:
     """Bytes a decode step must read (bf16 weights once, every expert of a mixture included, plus
-    every sequence's KV cache at its mean context) per generated token, times tokens/s, over the datasheet's HBM bandwidth."""
+    every sequence's KV cache at its mean context) per generated token, times tokens/s, over the
+    datasheet's HBM bandwidth."""
     if datasheet is None:
         return None
     batch = w.prompts * w.n
@@ -293,8 +358,16 @@ def source_commit() -> str:
     if os.environ.get("KEEL_COMMIT"):
         return os.environ["KEEL_COMMIT"]
     try:
-        return subprocess.run(["git", "describe", "--always", "--dirty=+dirty"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "describe", "--always", "--dirty=+dirty"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+                timeout=10,
+            ).stdout.strip()
+            or "unknown"
+        )
     except OSError:
         return "unknown"
 

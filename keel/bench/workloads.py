@@ -9,62 +9,198 @@ from keel.rollout.agent.environment import Environment
 
 # Qwen2.5 architectures (config.json of the released checkpoints), built with random weights.
 QWEN25_SHAPES = {
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, tie_word_embeddings=True),
+    "0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
 }
-QWEN25_SHAPES.update({  # the LoRA workloads' shapes
-    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-               num_key_value_heads=2, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, tie_word_embeddings=False),
-    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
-                num_key_value_heads=8, tie_word_embeddings=False, vocab_size=152064),
-})
+QWEN25_SHAPES.update(
+    {  # the LoRA workloads' shapes
+        "3b": dict(
+            hidden_size=2048,
+            intermediate_size=11008,
+            num_hidden_layers=36,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        ),
+        "7b": dict(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            tie_word_embeddings=False,
+        ),
+        "32b": dict(
+            hidden_size=5120,
+            intermediate_size=27648,
+            num_hidden_layers=64,
+            num_attention_heads=40,
+            num_key_value_heads=8,
+            tie_word_embeddings=False,
+            vocab_size=152064,
+        ),
+    }
+)
 # Shapes of 3B and more are never written: their random weights are drawn on the device at load
 # (keel.models.load.RANDOM_WEIGHTS), in seconds, where writing 7B took minutes and 32B would not
 # fit the disk.
 DRAWN_ON_DEVICE = {"3b", "7b", "32b"}
-QWEN25_SHAPES["tiny"] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, tie_word_embeddings=True)  # CPU check of the harness
+QWEN25_SHAPES["tiny"] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)  # CPU check of the harness
 QWEN25_COMMON = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
 
 # Other families' released shapes (config.json of each checkpoint), as (model_type, config).
-QWEN3_COMMON = dict(vocab_size=151936, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                    head_dim=128)
+QWEN3_COMMON = dict(
+    vocab_size=151936, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6, head_dim=128
+)
 FAMILY_SHAPES = {
-    "qwen3-0.6b": ("qwen3", dict(QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                                 num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True)),
-    "qwen3-8b": ("qwen3", dict(QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)),
-    "qwen3-30b-a3b": ("qwen3_moe", dict(QWEN3_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
-                                        num_attention_heads=32, num_key_value_heads=4, moe_intermediate_size=768,
-                                        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-                                        tie_word_embeddings=False)),
+    "qwen3-0.6b": (
+        "qwen3",
+        dict(
+            QWEN3_COMMON,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-8b": (
+        "qwen3",
+        dict(
+            QWEN3_COMMON,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3-30b-a3b": (
+        "qwen3_moe",
+        dict(
+            QWEN3_COMMON,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+    ),
     # the MoE of issue 29's first measurement: Qwen3-30B-A3B's layers, 12 of them, 64 experts, 8 active
-    "qwen3-moe-12l": ("qwen3_moe", dict(QWEN3_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=12,
-                                        num_attention_heads=32, num_key_value_heads=4, moe_intermediate_size=768,
-                                        num_experts=64, num_experts_per_tok=8, norm_topk_prob=True,
-                                        tie_word_embeddings=False)),
-    "llama-3.2-1b": ("llama", dict(vocab_size=128256, max_position_embeddings=131072, rope_theta=500_000.0,
-                                   rms_norm_eps=1e-5, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                   num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                                   tie_word_embeddings=True,
-                                   rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
-                                                     high_freq_factor=4.0, original_max_position_embeddings=8192))),
-    "gemma-3-1b": ("gemma3_text", dict(vocab_size=262144, max_position_embeddings=32768, hidden_size=1152,
-                                       intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
-                                       num_key_value_heads=1, head_dim=256, sliding_window=512,
-                                       rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
-                                       query_pre_attn_scalar=256, rms_norm_eps=1e-6)),
-    "gpt-oss-20b": ("gpt_oss", dict(vocab_size=201088, max_position_embeddings=131072, hidden_size=2880,
-                                    intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
-                                    num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
-                                    sliding_window=128, rope_theta=150_000.0, rms_norm_eps=1e-5, swiglu_limit=7.0,
-                                    attention_bias=True, tie_word_embeddings=False,
-                                    rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
-                                                      truncate=False, original_max_position_embeddings=4096))),
+    "qwen3-moe-12l": (
+        "qwen3_moe",
+        dict(
+            QWEN3_COMMON,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=12,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            moe_intermediate_size=768,
+            num_experts=64,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "llama-3.2-1b": (
+        "llama",
+        dict(
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rope_theta=500_000.0,
+            rms_norm_eps=1e-5,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            tie_word_embeddings=True,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=32.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+        ),
+    ),
+    "gemma-3-1b": (
+        "gemma3_text",
+        dict(
+            vocab_size=262144,
+            max_position_embeddings=32768,
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            sliding_window=512,
+            rope_theta=1_000_000.0,
+            rope_local_base_freq=10_000.0,
+            query_pre_attn_scalar=256,
+            rms_norm_eps=1e-6,
+        ),
+    ),
+    "gpt-oss-20b": (
+        "gpt_oss",
+        dict(
+            vocab_size=201088,
+            max_position_embeddings=131072,
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_hidden_layers=24,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            sliding_window=128,
+            rope_theta=150_000.0,
+            rms_norm_eps=1e-5,
+            swiglu_limit=7.0,
+            attention_bias=True,
+            tie_word_embeddings=False,
+            rope_scaling=dict(
+                rope_type="yarn",
+                factor=32.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=4096,
+            ),
+        ),
+    ),
 }
 DRAWN_ON_DEVICE |= {"qwen3-8b", "qwen3-30b-a3b", "qwen3-moe-12l", "gpt-oss-20b"}
 
@@ -79,12 +215,12 @@ def shape_config(shape: str):
 
 @dataclass(frozen=True)
 class Workload:
-    model: str                 # a key of QWEN25_SHAPES or FAMILY_SHAPES
-    prompts: int               # prompts per step
-    n: int                     # samples per prompt
+    model: str  # a key of QWEN25_SHAPES or FAMILY_SHAPES
+    prompts: int  # prompts per step
+    n: int  # samples per prompt
     prompt_length: int
     response_length: int
-    kl_loss: bool = False      # GRPO with a KL loss to the reference model
+    kl_loss: bool = False  # GRPO with a KL loss to the reference model
     overrides: dict = field(default_factory=dict)
 
 
@@ -100,21 +236,35 @@ WORKLOADS = {
     "g1": Workload("gemma-3-1b", 16, 8, 256, 256),
     "e1": Workload("qwen3-moe-12l", 16, 8, 256, 256),
 }
-LORA_64 = {"actor_rollout_ref.model.lora_rank": 64, "actor_rollout_ref.model.lora_alpha": 128,
-           "actor_rollout_ref.model.target_modules": "all-linear",
-           "actor_rollout_ref.model.enable_gradient_checkpointing": True}
-WORKLOADS.update({
-    "w7": Workload("7b", 16, 8, 512, 512, overrides=LORA_64),       # LoRA on 7B shapes
-    "w3l": Workload("1.5b", 64, 8, 512, 512, kl_loss=True, overrides=LORA_64),  # w3 with LoRA
-    "tinyl": Workload("tiny", 4, 4, 32, 16, overrides={**LORA_64, "actor_rollout_ref.model.lora_rank": 8}),
-    "w32": Workload("32b", 16, 8, 512, 512, overrides=LORA_64),     # LoRA on 32B shapes: one copy of the base
-    "q8l": Workload("qwen3-8b", 16, 8, 512, 512, overrides=LORA_64),       # w7 on Qwen3-8B
-    "e30l": Workload("qwen3-30b-a3b", 16, 8, 512, 512, overrides=LORA_64),  # w7 on Qwen3-30B-A3B
-    "o20l": Workload("gpt-oss-20b", 16, 8, 256, 256, overrides=LORA_64),     # t1's work on GPT-OSS-20B, LoRA
-    # 7B full-parameter, the optimiser offloaded a bucket at a time, micro-batches as w7's
-    "w7f": Workload("7b", 16, 8, 512, 512, overrides={"actor_rollout_ref.actor.fsdp_config.optimizer_offload": True,
-                                                     "actor_rollout_ref.model.enable_gradient_checkpointing": True}),
-})
+LORA_64 = {
+    "actor_rollout_ref.model.lora_rank": 64,
+    "actor_rollout_ref.model.lora_alpha": 128,
+    "actor_rollout_ref.model.target_modules": "all-linear",
+    "actor_rollout_ref.model.enable_gradient_checkpointing": True,
+}
+WORKLOADS.update(
+    {
+        "w7": Workload("7b", 16, 8, 512, 512, overrides=LORA_64),  # LoRA on 7B shapes
+        "w3l": Workload("1.5b", 64, 8, 512, 512, kl_loss=True, overrides=LORA_64),  # w3 with LoRA
+        "tinyl": Workload("tiny", 4, 4, 32, 16, overrides={**LORA_64, "actor_rollout_ref.model.lora_rank": 8}),
+        "w32": Workload("32b", 16, 8, 512, 512, overrides=LORA_64),  # LoRA on 32B shapes: one copy of the base
+        "q8l": Workload("qwen3-8b", 16, 8, 512, 512, overrides=LORA_64),  # w7 on Qwen3-8B
+        "e30l": Workload("qwen3-30b-a3b", 16, 8, 512, 512, overrides=LORA_64),  # w7 on Qwen3-30B-A3B
+        "o20l": Workload("gpt-oss-20b", 16, 8, 256, 256, overrides=LORA_64),  # t1's work on GPT-OSS-20B, LoRA
+        # 7B full-parameter, the optimiser offloaded a bucket at a time, micro-batches as w7's
+        "w7f": Workload(
+            "7b",
+            16,
+            8,
+            512,
+            512,
+            overrides={
+                "actor_rollout_ref.actor.fsdp_config.optimizer_offload": True,
+                "actor_rollout_ref.model.enable_gradient_checkpointing": True,
+            },
+        ),
+    }
+)
 
 
 class InstantEnvironment(Environment):
@@ -127,12 +277,22 @@ class InstantEnvironment(Environment):
 
 # m1: multi-turn, 0.5B shapes, 64 prompts x 8, 4 assistant turns of 128 tokens, the environment
 # answering in between (3 user turns); the budget holds the turns and the template's tokens.
-MULTI_TURN_4x128 = {"actor_rollout_ref.rollout.multi_turn.enable": True,
-                    "actor_rollout_ref.rollout.multi_turn.environment": "keel.bench.workloads.InstantEnvironment",
-                    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 4,
-                    "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn": 128}
-WORKLOADS.update({
-    "m1": Workload("0.5b", 64, 8, 256, 4 * 128 + 3 * 40, overrides=MULTI_TURN_4x128),
-    "tinym": Workload("tiny", 4, 4, 32, 4 * 8 + 3 * 40,
-                      overrides={**MULTI_TURN_4x128, "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn": 8}),
-})
+MULTI_TURN_4x128 = {
+    "actor_rollout_ref.rollout.multi_turn.enable": True,
+    "actor_rollout_ref.rollout.multi_turn.environment": "keel.bench.workloads.InstantEnvironment",
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 4,
+    "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn": 128,
+}
+WORKLOADS.update(
+    {
+        "m1": Workload("0.5b", 64, 8, 256, 4 * 128 + 3 * 40, overrides=MULTI_TURN_4x128),
+        "tinym": Workload(
+            "tiny",
+            4,
+            4,
+            32,
+            4 * 8 + 3 * 40,
+            overrides={**MULTI_TURN_4x128, "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn": 8},
+        ),
+    }
+)

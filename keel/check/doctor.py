@@ -15,9 +15,16 @@ from importlib import metadata
 
 from packaging.version import Version
 
-from keel.errors import (CUDA_DRIVER_TOO_OLD, GPU_ARCH_UNSUPPORTED, LOW_DISK, MIN_TORCH, PACKAGE_VERSION,
-                         SANDBOX_INCOMPLETE, TORCH_UNSUPPORTED)
 from keel.check.findings import FAIL, PASS, WARN
+from keel.errors import (
+    CUDA_DRIVER_TOO_OLD,
+    GPU_ARCH_UNSUPPORTED,
+    LOW_DISK,
+    MIN_TORCH,
+    PACKAGE_VERSION,
+    SANDBOX_INCOMPLETE,
+    TORCH_UNSUPPORTED,
+)
 from keel.openmp import how_threads_wait
 from keel.rewards.sandbox import jail
 
@@ -37,8 +44,7 @@ class Check:
 
 def check_python(version: tuple[int, int]) -> Check:
     ok = version >= (3, 10)
-    return Check("python", PASS if ok else FAIL, f"{version[0]}.{version[1]}",
-                 None if ok else PACKAGE_VERSION)
+    return Check("python", PASS if ok else FAIL, f"{version[0]}.{version[1]}", None if ok else PACKAGE_VERSION)
 
 
 def check_torch(version: str) -> Check:
@@ -46,8 +52,13 @@ def check_torch(version: str) -> Check:
     if v < Version(MIN_TORCH):
         # FSDP2's fully_shard; torch 2.3's FSDP could also leave gradients None: the loss moves, nothing learns
         bug = "; 2.3.x has the FSDP gradient bug" if (v.major, v.minor) == (2, 3) else ""
-        return Check("torch", FAIL, f"{version}: keel needs >= {MIN_TORCH}{bug}", TORCH_UNSUPPORTED,
-                     f"`pip install 'torch>={MIN_TORCH}'` (a build for the CUDA the driver supports)")
+        return Check(
+            "torch",
+            FAIL,
+            f"{version}: keel needs >= {MIN_TORCH}{bug}",
+            TORCH_UNSUPPORTED,
+            f"`pip install 'torch>={MIN_TORCH}'` (a build for the CUDA the driver supports)",
+        )
     return Check("torch", PASS, version)
 
 
@@ -56,12 +67,18 @@ def check_package(name: str, version: str | None) -> Check:
     install = f"`pip install '{name}>={low}" + (f",<{high}" if high else "") + "'`"
     if version is None:
         level = WARN if name == "peft" else FAIL
-        return Check(name, level, "not installed" + (" (needed for LoRA only)" if name == "peft" else ""),
-                     None if level == WARN else PACKAGE_VERSION, install)
+        return Check(
+            name,
+            level,
+            "not installed" + (" (needed for LoRA only)" if name == "peft" else ""),
+            None if level == WARN else PACKAGE_VERSION,
+            install,
+        )
     v = Version(version)
     if v < Version(low) or (high and v >= Version(high)):
-        return Check(name, FAIL, f"{version}: keel supports >= {low}" + (f", < {high}" if high else ""),
-                     PACKAGE_VERSION, install)
+        return Check(
+            name, FAIL, f"{version}: keel supports >= {low}" + (f", < {high}" if high else ""), PACKAGE_VERSION, install
+        )
     return Check(name, PASS, version)
 
 
@@ -74,13 +91,22 @@ def check_cuda(torch_cuda: str | None, driver: int | None, gpus: list[str]) -> C
     driver_version = (driver // 1000, driver % 1000 // 10)
     needed = tuple(int(x) for x in torch_cuda.split(".")[:2])
     if driver_version[0] < needed[0]:  # minor versions are compatible within a major release
-        return Check("cuda", FAIL, f"torch is built for CUDA {torch_cuda} but the driver supports up to "
-                                   f"{driver_version[0]}.{driver_version[1]}: update the driver or install a "
-                                   "torch build for an older CUDA", CUDA_DRIVER_TOO_OLD)
+        return Check(
+            "cuda",
+            FAIL,
+            f"torch is built for CUDA {torch_cuda} but the driver supports up to "
+            f"{driver_version[0]}.{driver_version[1]}: update the driver or install a "
+            "torch build for an older CUDA",
+            CUDA_DRIVER_TOO_OLD,
+        )
     if not gpus:
         return Check("cuda", WARN, "driver present but no GPU visible (CUDA_VISIBLE_DEVICES?)")
-    return Check("cuda", PASS, f"CUDA {torch_cuda}, driver supports {driver_version[0]}.{driver_version[1]}; "
-                               f"{len(gpus)} GPU(s): {', '.join(sorted(set(gpus)))}")
+    return Check(
+        "cuda",
+        PASS,
+        f"CUDA {torch_cuda}, driver supports {driver_version[0]}.{driver_version[1]}; "
+        f"{len(gpus)} GPU(s): {', '.join(sorted(set(gpus)))}",
+    )
 
 
 def check_gpu_arch(capabilities: list[tuple[int, int]], arch_list: list[str]) -> Check:
@@ -89,39 +115,56 @@ def check_gpu_arch(capabilities: list[tuple[int, int]], arch_list: list[str]) ->
         return Check("gpu arch", WARN, "no GPU to check")
     missing = sorted({f"sm_{a}{b}" for a, b in capabilities} - set(arch_list))
     if missing:
-        return Check("gpu arch", FAIL, f"this torch build has no kernels for {missing} (it has {arch_list})",
-                     GPU_ARCH_UNSUPPORTED)
+        return Check(
+            "gpu arch",
+            FAIL,
+            f"this torch build has no kernels for {missing} (it has {arch_list})",
+            GPU_ARCH_UNSUPPORTED,
+        )
     return Check("gpu arch", PASS, ", ".join(f"sm_{a}{b}" for a, b in sorted(set(capabilities))))
 
 
 def check_distributed(nccl: bool, ray: str | None) -> Check:
-    parts = [f"NCCL {'available' if nccl else 'not available'}",
-             f"Ray {ray}" if ray else "Ray not installed (needed for multi-node runs)"]
+    parts = [
+        f"NCCL {'available' if nccl else 'not available'}",
+        f"Ray {ray}" if ray else "Ray not installed (needed for multi-node runs)",
+    ]
     return Check("distributed", PASS if nccl and ray else WARN, "; ".join(parts))
 
 
 def check_sandbox(found) -> Check:
     """The jail model-written code runs in: every protection, or the ones missing and why."""
-    return Check("sandbox", PASS if found.complete else WARN, found.summary(),
-                 None if found.complete else SANDBOX_INCOMPLETE)
+    return Check(
+        "sandbox", PASS if found.complete else WARN, found.summary(), None if found.complete else SANDBOX_INCOMPLETE
+    )
 
 
 def check_sandbox_user(found) -> Check:
     """Who model-written code runs as: an unprivileged user without capabilities, or what it holds."""
     if found.protections["user"]:
         return Check("sandbox user", PASS, found.runs_as())
-    return Check("sandbox user", WARN, f"model-written code runs as {found.runs_as()}: it could raise its own "
-                 "limits", SANDBOX_INCOMPLETE, "install bubblewrap (`apt-get install bubblewrap`) and setpriv "
-                 "(util-linux), or make the interpreter readable by uid 65534 so root can drop to it")
+    return Check(
+        "sandbox user",
+        WARN,
+        f"model-written code runs as {found.runs_as()}: it could raise its own limits",
+        SANDBOX_INCOMPLETE,
+        "install bubblewrap (`apt-get install bubblewrap`) and setpriv "
+        "(util-linux), or make the interpreter readable by uid 65534 so root can drop to it",
+    )
 
 
 def check_sandbox_processes(found) -> Check:
     """What caps the process count of model-written code (a fork bomb), or that nothing does."""
     if found.protections["process count"]:
         return Check("sandbox pids", PASS, found.caps_processes())
-    return Check("sandbox pids", WARN, f"{found.caps_processes()}: a fork bomb runs until the wall-clock limit",
-                 SANDBOX_INCOMPLETE, "give keel a cgroup it can write (cgroup v1 pids, or a v2 subtree with memory "
-                 "and pids delegated), or allow user namespaces (sysctl user.max_user_namespaces > 0)")
+    return Check(
+        "sandbox pids",
+        WARN,
+        f"{found.caps_processes()}: a fork bomb runs until the wall-clock limit",
+        SANDBOX_INCOMPLETE,
+        "give keel a cgroup it can write (cgroup v1 pids, or a v2 subtree with memory "
+        "and pids delegated), or allow user namespaces (sysctl user.max_user_namespaces > 0)",
+    )
 
 
 def check_cpu_threads(as_meant: bool, how: str) -> Check:
@@ -131,12 +174,14 @@ def check_cpu_threads(as_meant: bool, how: str) -> Check:
 
 def check_disk(path: str, free_gb: float) -> Check:
     if free_gb < MIN_FREE_DISK_GB:
-        return Check("disk", WARN, f"{free_gb:.1f} GB free at {path}: checkpoints of a 7B model take ~28 GB "
-                                   "each", LOW_DISK)
+        return Check(
+            "disk", WARN, f"{free_gb:.1f} GB free at {path}: checkpoints of a 7B model take ~28 GB each", LOW_DISK
+        )
     return Check("disk", PASS, f"{free_gb:.0f} GB free at {path}")
 
 
 # --- this machine's facts -------------------------------------------------------------------
+
 
 def installed(name: str) -> str | None:
     try:
@@ -157,7 +202,9 @@ def cuda_driver_version() -> int | None:
 def collect(path: str = ".") -> list[Check]:
     import torch
 
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
     capabilities = [torch.cuda.get_device_capability(i) for i in range(len(gpus))]
     return [
         check_python(sys.version_info[:2]),
@@ -166,13 +213,12 @@ def collect(path: str = ".") -> list[Check]:
         Check("keel", PASS, installed("keel") or "source tree (not installed)"),
         check_cuda(torch.version.cuda, cuda_driver_version(), gpus),
         check_gpu_arch(capabilities, torch.cuda.get_arch_list() if gpus else []),
-        check_distributed(torch.distributed.is_available() and torch.distributed.is_nccl_available(),
-                          installed("ray")),
+        check_distributed(torch.distributed.is_available() and torch.distributed.is_nccl_available(), installed("ray")),
         check_sandbox(jail()),
         check_sandbox_user(jail()),
         check_sandbox_processes(jail()),
         check_cpu_threads(*how_threads_wait()),
-        check_disk(path, shutil.disk_usage(path).free / 2 ** 30),
+        check_disk(path, shutil.disk_usage(path).free / 2**30),
     ]
 
 

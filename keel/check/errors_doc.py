@@ -2,15 +2,25 @@
 
 from keel.errors import CATALOGUE
 
-AREAS = {"E": "environment", "C": "configuration", "M": "model and tokenizer", "D": "data",
-         "R": "reward", "T": "training numerics", "P": "parallel and distributed"}
+AREAS = {
+    "E": "environment",
+    "C": "configuration",
+    "M": "model and tokenizer",
+    "D": "data",
+    "R": "reward",
+    "T": "training numerics",
+    "P": "parallel and distributed",
+}
 
 
 def render_errors() -> str:
-    lines = ["# Error codes", "",
-             "Every error keel raises for something a user can fix. Each prints as `error[KEEL-...]`",
-             "followed by a `fix:` line; `keel explain CODE` prints the entry below. Generated from",
-             "`keel/errors/` by `python -m keel.check.errors_doc > docs/errors.md`."]
+    lines = [
+        "# Error codes",
+        "",
+        "Every error keel raises for something a user can fix. Each prints as `error[KEEL-...]`",
+        "followed by a `fix:` line; `keel explain CODE` prints the entry below. Generated from",
+        "`keel/errors/` by `python -m keel.check.errors_doc > docs/errors.md`.",
+    ]
     for area, name in AREAS.items():
         entries = [e for e in CATALOGUE.values() if e.code[5] == area]
         if not entries:

@@ -28,7 +28,7 @@ class Finding:
     fix: str | None = None
 
     @classmethod
-    def failed(cls, check: str, error: KeelError) -> "Finding":
+    def failed(cls, check: str, error: KeelError) -> Finding:
         return cls(FAIL, check, error.message, error.code, error.fix)
 
     def error(self) -> KeelError:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from keel.check.findings import PASS, WARN, Finding, need
 from keel.config.schema import KeelConfig
-from keel.rollout.agent.template import first_difference, round_trip
 from keel.rollout.agent.environment import load_environment
 from keel.rollout.agent.interaction import load_interactions
+from keel.rollout.agent.template import first_difference, round_trip
 from keel.rollout.agent.tools import load_tools
 
 
@@ -21,24 +21,43 @@ def check_multi_turn(cfg: KeelConfig, context: dict) -> list[Finding]:
     environment = load_environment(multi_turn.environment).__name__ if multi_turn.environment else None
     if multi_turn.interaction_config_path:
         environment = "verl interactions " + ", ".join(load_interactions(multi_turn.interaction_config_path))
-    found = [Finding(PASS, "multi-turn", f"tools: {_named(tools)}; environment: {environment or 'none'}")
-             if tools or environment else
-             Finding(WARN, "multi-turn", "multi_turn.enable with no tool_config_path, environment or "
-                                         "interaction_config_path: nothing answers the model, so every rollout "
-                                         "is one turn")]
+    found = [
+        Finding(PASS, "multi-turn", f"tools: {_named(tools)}; environment: {environment or 'none'}")
+        if tools or environment
+        else Finding(
+            WARN,
+            "multi-turn",
+            "multi_turn.enable with no tool_config_path, environment or "
+            "interaction_config_path: nothing answers the model, so every rollout "
+            "is one turn",
+        )
+    ]
     built, reference = round_trip(tokenizer, [t.schema for t in tools])
     position = first_difference(built, reference)
     if position is None:
-        found.append(Finding(PASS, "multi-turn", f"token-in/token-out: the {len(built)} tokens the loop builds for a "
-                                                 "tool call and its answer are the chat template's own"))
+        found.append(
+            Finding(
+                PASS,
+                "multi-turn",
+                f"token-in/token-out: the {len(built)} tokens the loop builds for a "
+                "tool call and its answer are the chat template's own",
+            )
+        )
     else:
-        def around(ids: list[int]) -> str:
-            return repr(tokenizer.decode(ids[max(0, position - 8):position + 8]))
 
-        found.append(Finding(WARN, "multi-turn", f"token-in/token-out: the loop's tokens differ from the chat "
-                             f"template's rendering at position {position}: {around(built)} against "
-                             f"{around(reference)}; the model is trained on the sampled tokens, which the template "
-                             "would render otherwise at inference"))
+        def around(ids: list[int]) -> str:
+            return repr(tokenizer.decode(ids[max(0, position - 8) : position + 8]))
+
+        found.append(
+            Finding(
+                WARN,
+                "multi-turn",
+                f"token-in/token-out: the loop's tokens differ from the chat "
+                f"template's rendering at position {position}: {around(built)} against "
+                f"{around(reference)}; the model is trained on the sampled tokens, which the template "
+                "would render otherwise at inference",
+            )
+        )
     return found
 
 
@@ -55,6 +74,8 @@ def _named(tools: list) -> str:
 
     named = ", ".join(kind(t) for t in tools) or "none"
     if any(isinstance(t, (VerlTool, VerlFunctionTool)) for t in tools):
-        named += ("; as in verl, verl's tools' rewards are not added to the score: the reward function reads them "
-                  "in extra_info.tool_rewards and extra_info.rollout_reward_scores")
+        named += (
+            "; as in verl, verl's tools' rewards are not added to the score: the reward function reads them "
+            "in extra_info.tool_rewards and extra_info.rollout_reward_scores"
+        )
     return named

@@ -16,14 +16,16 @@ from typing import TYPE_CHECKING
 from keel import checkpoint as ckpt
 from keel.check.engine import check_rollout_engine
 from keel.check.findings import FAIL, PASS, SKIP, WARN, Finding, Skipped, need
+from keel.check.model import check_model, check_tokenizer
 from keel.check.multi_turn import check_multi_turn
-from keel.check.reward import check_reward, sandbox_finding  # noqa: F401 (sandbox_finding: tests)
 from keel.check.resources import check_memory, check_sharding, check_workers
+from keel.check.reward import check_reward, sandbox_finding  # noqa: F401 (sandbox_finding: tests)
 from keel.config.plan import make_plan
-from keel.config.rules import lengths_within
 from keel.config.schema import KeelConfig
-from keel.errors import (RUN_DIR_NOT_WRITABLE, TOKEN_BUDGET, TOKENIZER_MISMATCH, VOCAB_MISMATCH,
-                         WEIGHTS_BROKEN, KeelError)
+from keel.errors import (
+    RUN_DIR_NOT_WRITABLE,
+    KeelError,
+)
 from keel.errors.fixes import writable_run_dir
 
 if TYPE_CHECKING:
@@ -44,8 +46,13 @@ class Report:
         return [f for f in self.findings if f.level == FAIL]
 
     def as_dict(self) -> dict:
-        return {"findings": [asdict(f) for f in self.findings], "plan": self.plan, "audit": self.audit,
-                "memory_gb": self.memory_gb, "ok": not self.failures}
+        return {
+            "findings": [asdict(f) for f in self.findings],
+            "plan": self.plan,
+            "audit": self.audit,
+            "memory_gb": self.memory_gb,
+            "ok": not self.failures,
+        }
 
     def first_error(self) -> KeelError:
         return self.failures[0].error()
@@ -70,111 +77,13 @@ def run_checks(cfg: KeelConfig) -> Report:
 
     inputs = None
     if all(key in context for key in ("tokenizer", "train_records", "reward")):
-        inputs = Inputs(context["tokenizer"], context["train_records"], context.get("val_records", []),
-                        context["reward"])
+        inputs = Inputs(
+            context["tokenizer"], context["train_records"], context.get("val_records", []), context["reward"]
+        )
     return Report(findings, plan.as_dict(), plan.render(), audit(cfg, context), memory, inputs)
 
 
 # --- the checks, in the order a user would fix them ---------------------------------------------
-
-def check_tokenizer(cfg: KeelConfig, context: dict) -> list[Finding]:
-    from transformers import AutoTokenizer
-
-    from keel.models.load import check_model_dir, load_tokenizer
-
-    path = check_model_dir(cfg.actor_rollout_ref.model.path)
-    raw = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
-    context["tokenizer"] = tokenizer = load_tokenizer(path, cfg.actor_rollout_ref.model.trust_remote_code)
-    found = [Finding(PASS, "tokenizer", f"EOS {tokenizer.eos_token!r}, {len(tokenizer)} tokens")]
-    if raw.pad_token_id is None:
-        context["pad_from_eos"] = True
-        found.append(Finding(WARN, "tokenizer", f"no pad token: keel pads with EOS {tokenizer.eos_token!r}"))
-    return found
-
-
-def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
-    from transformers import AutoConfig
-
-    from keel.models.load import check_model_dir, vocab_fix
-
-    tokenizer = need(context, "tokenizer")
-    path = check_model_dir(cfg.actor_rollout_ref.model.path)  # a Hub id: its snapshot in the local cache
-    model_cfg = AutoConfig.from_pretrained(path, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
-    context["model_config"] = model_cfg
-    vocab = model_cfg.vocab_size
-    if len(tokenizer) > vocab:
-        raise KeelError(VOCAB_MISMATCH, f"the tokenizer has {len(tokenizer)} tokens but the model's embedding "
-                        f"has {vocab} rows: ids >= {vocab} would index out of range", vocab_fix(path, len(tokenizer)))
-    special = {name: getattr(tokenizer, f"{name}_token_id") for name in ("eos", "pad", "bos")}
-    bad = {k: v for k, v in special.items() if v is not None and v >= vocab}
-    if bad:
-        raise KeelError(VOCAB_MISMATCH, f"special token ids {bad} are outside the model's vocabulary of {vocab}",
-                        vocab_fix(path, max(bad.values()) + 1))
-    budget = cfg.data.max_prompt_length + cfg.data.max_response_length
-    limit = getattr(model_cfg, "max_position_embeddings", None)
-    if limit is not None and budget > limit:
-        raise KeelError(TOKEN_BUDGET, f"data.max_prompt_length + data.max_response_length = {budget} tokens, "
-                                      f"over the policy's max_position_embeddings={limit}",
-                        lengths_within(cfg, limit, "the policy's max_position_embeddings") + ", or use a model with "
-                        "a longer context (rollout.max_model_len cannot go past the model's positions)")
-    from keel.models.load import meta_model
-    from keel.models.weight_check import check_weights_match
-
-    found = check_special_tokens(tokenizer, model_cfg, path, context.get("pad_from_eos"))
-    try:  # built once: the weights check compares its shapes, the memory estimate counts its parameters
-        model = meta_model(model_cfg, cfg.actor_rollout_ref.model.trust_remote_code)
-        context["parameters"] = sum(p.numel() for p in model.parameters())
-    except Exception:  # an architecture that will not build on the meta device is checked when it loads
-        model = None
-    weights, unmatched = check_weights_match(path, model_cfg, model)
-    if unmatched:
-        found.append(Finding(WARN, "model", unmatched, WEIGHTS_BROKEN))
-    found += _plan_lora(cfg, model, context)
-    found.insert(0, Finding(PASS, "model", f"{model_cfg.model_type}, vocab {vocab}, "
-                                           f"{budget} of {limit or '?'} positions used; weights: {weights}"))
-    if tokenizer.model_max_length < budget:
-        found.append(Finding(WARN, "model", f"tokenizer model_max_length={tokenizer.model_max_length} is below "
-                                            f"the {budget}-token budget; transformers may warn or truncate"))
-    return found
-
-
-def _plan_lora(cfg: KeelConfig, model, context: dict) -> list[Finding]:
-    """Trap 7 on the meta model (no weights loaded), for the policy and a LoRA critic (whose
-    backbone is the same decoder); the plans go to the memory estimate."""
-    from keel.models.lora import plan_lora
-
-    sections = [("actor", "actor_rollout_ref.model", cfg.actor_rollout_ref.model)]
-    if cfg.critic_enabled and not cfg.critic.model.path:  # a critic of its own model is planned when it loads
-        sections.append(("critic", "critic.model", cfg.critic.model))
-    found, plans = [], context.setdefault("lora_trainable", {})
-    for role, key, m in sections:
-        if m.lora_rank and model is not None:
-            plan = plan_lora(model, m.lora_rank, m.target_modules, m.exclude_modules, m.modules_to_save, key)
-            plans[role] = plan.trainable
-            found.append(Finding(PASS, "lora", f"{role}: {plan.summary()}"))
-    return found
-
-
-def check_special_tokens(tokenizer, model_cfg, path: str, pad_from_eos: bool) -> list[Finding]:
-    """EOS, pad and BOS of the tokenizer against the model's configs: warnings with the fix, or an
-    error when they disagree on two or more (a tokenizer from another model). A pad keel chose
-    itself (EOS, the tokenizer having none) is not the tokenizer's to compare."""
-    from transformers import GenerationConfig
-
-    from keel.models.load import agree_fix, special_token_mismatches
-
-    found, generation_eos = [], None
-    if Path(path, "generation_config.json").is_file():
-        try:
-            generation_eos = GenerationConfig.from_pretrained(path).eos_token_id
-        except (OSError, ValueError) as e:
-            found.append(Finding(WARN, "model", f"generation_config.json in {path} cannot be read ({e}); its EOS "
-                                                "ids are not compared"))
-    mismatches = special_token_mismatches(tokenizer, model_cfg, generation_eos, compare_pad=not pad_from_eos, path=path)
-    if len(mismatches) >= 2:
-        raise KeelError(TOKENIZER_MISMATCH, "; ".join(what for what, _ in mismatches) + ": the tokenizer looks "
-                        "like another model's", agree_fix(mismatches))
-    return found + [Finding(WARN, "model", what, TOKENIZER_MISMATCH, fix) for what, fix in mismatches]
 
 
 def check_data(cfg: KeelConfig, context: dict) -> list[Finding]:
@@ -214,19 +123,36 @@ def check_trackers(cfg: KeelConfig, context: dict) -> list[Finding]:
     return [Finding(PASS, "trackers", describe_tracker(name, Path(cfg.run_dir))) for name in trackers]
 
 
-CHECKS = [("tokenizer", check_tokenizer), ("model", check_model), ("rollout engine", check_rollout_engine),
-          ("data", check_data),
-          ("reward", check_reward), ("multi-turn", check_multi_turn), ("run directory", check_run_dir),
-          ("trackers", check_trackers),
-          ("sharding", check_sharding), ("workers", check_workers),
-          ("memory", check_memory)]
+CHECKS = [
+    ("tokenizer", check_tokenizer),
+    ("model", check_model),
+    ("rollout engine", check_rollout_engine),
+    ("data", check_data),
+    ("reward", check_reward),
+    ("multi-turn", check_multi_turn),
+    ("run directory", check_run_dir),
+    ("trackers", check_trackers),
+    ("sharding", check_sharding),
+    ("workers", check_workers),
+    ("memory", check_memory),
+]
 
 
 # --- what keel decided for you ----------------------------------------------------------------
 
 # The decisions that are not a verl key's (those follow them in `audit`), in the order printed.
-_GENERAL_DECISIONS = ("trainer.default_local_dir", "device", "compute dtype", "critic", "reference model",
-                      "clip range", "critic batching", "total training steps", "pad token", "loss_agg_mode")
+_GENERAL_DECISIONS = (
+    "trainer.default_local_dir",
+    "device",
+    "compute dtype",
+    "critic",
+    "reference model",
+    "clip range",
+    "critic batching",
+    "total training steps",
+    "pad token",
+    "loss_agg_mode",
+)
 
 
 def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
@@ -240,10 +166,11 @@ def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
         "trainer.default_local_dir": cfg.run_dir,
         "device": f"{device} (trainer.device={cfg.trainer.device})",
         "compute dtype": f"{resolve_dtype(cfg.actor_rollout_ref.model.dtype, device)}; weights and optimiser "
-                         "state float32",
+        "state float32",
         "critic": "on" if cfg.critic_enabled else "off",
         "reference model": "on" if cfg.ref_enabled else "off",
-        "clip range": f"[1 - {actor.clip_ratio_low or actor.clip_ratio}, 1 + {actor.clip_ratio_high or actor.clip_ratio}]",
+        "clip range": f"[1 - {actor.clip_ratio_low or actor.clip_ratio}, "
+        f"1 + {actor.clip_ratio_high or actor.clip_ratio}]",
     }
     if cfg.critic_enabled:
         decided["critic batching"] = f"mini {mini} prompts, micro {micro} samples, {epochs} epochs"
@@ -255,11 +182,15 @@ def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
     if context.get("pad_from_eos"):
         decided["pad token"] = "EOS (the tokenizer has none)"
     if actor.policy_loss.loss_mode == "gspo" and actor.loss_agg_mode != "seq-mean-token-mean":
-        decided["loss_agg_mode"] = (f"{actor.loss_agg_mode} for GSPO, as verl 0.9.1 takes it (the paper's objective "
-                                    "is seq-mean-token-mean, which verl's GSPO examples set)")
+        decided["loss_agg_mode"] = (
+            f"{actor.loss_agg_mode} for GSPO, as verl 0.9.1 takes it (the paper's objective "
+            "is seq-mean-token-mean, which verl's GSPO examples set)"
+        )
     if actor.loss_agg_mode == "seq-mean-token-sum-norm":
-        decided["loss_agg_mode"] = ("seq-mean-token-sum-norm as Dr. GRPO writes it (a mean over sequences); verl's "
-                                    "loss is this times ppo_micro_batch_size_per_gpu (docs/config.md)")
+        decided["loss_agg_mode"] = (
+            "seq-mean-token-sum-norm as Dr. GRPO writes it (a mean over sequences); verl's "
+            "loss is this times ppo_micro_batch_size_per_gpu (docs/config.md)"
+        )
     decided.update(_verl_decisions(getattr(cfg, "decided", [])))
     return decided
 
@@ -270,8 +201,10 @@ def _verl_decisions(lines: list[str]) -> dict[str, str]:
     for line in lines:  # "key: reason"
         key, _, reason = line.partition(": ")
         by_reason.setdefault(reason, []).append(key)
-    return {(keys[0] if len(keys) == 1 else f"{keys[0]} and {len(keys) - 1} more"): reason
-            for reason, keys in by_reason.items()}
+    return {
+        (keys[0] if len(keys) == 1 else f"{keys[0]} and {len(keys) - 1} more"): reason
+        for reason, keys in by_reason.items()
+    }
 
 
 def render_brief(report: Report) -> str:
@@ -283,12 +216,19 @@ def render_brief(report: Report) -> str:
         lines += _finding_lines(f) if f.level != PASS else []
     general = {key: value for key, value in report.audit.items() if key in _GENERAL_DECISIONS}
     verl = [key for key in report.audit if key not in _GENERAL_DECISIONS]
-    shown = [general[key].split(" (")[0] if key == "device" else f"{key} {general[key].split(';')[0]}"
-             for key in _GENERAL_DECISIONS if key in general and key != "trainer.default_local_dir"]
+    shown = [
+        general[key].split(" (")[0] if key == "device" else f"{key} {general[key].split(';')[0]}"
+        for key in _GENERAL_DECISIONS
+        if key in general and key != "trainer.default_local_dir"
+    ]
     lines.append("decided for you: " + "; ".join(shown))
     if verl:
-        lines += textwrap.wrap(f"{len(verl)} of verl's defaults or keys taken otherwise (check.txt says how and "
-                               f"why): {', '.join(verl)}", 110, initial_indent="  ", subsequent_indent="    ")
+        lines += textwrap.wrap(
+            f"{len(verl)} of verl's defaults or keys taken otherwise (check.txt says how and why): {', '.join(verl)}",
+            110,
+            initial_indent="  ",
+            subsequent_indent="    ",
+        )
     return "\n".join(lines)
 
 
@@ -298,8 +238,9 @@ def _finding_lines(f: Finding) -> list[str]:
     mark = {PASS: "ok  ", WARN: "warn", FAIL: "FAIL", SKIP: "skip"}[f.level]
     if f.level == FAIL:
         return [f"  [{mark}] {f.check}"] + [f"         {line}" for line in f.error().render().splitlines()]
-    return ([f"  [{mark}] {f.check:<14} {f.message}" + (f"  ({f.code})" if f.code else "")]
-            + ([f"         fix: {f.fix}"] if f.fix and f.level == WARN else []))
+    return [f"  [{mark}] {f.check:<14} {f.message}" + (f"  ({f.code})" if f.code else "")] + (
+        [f"         fix: {f.fix}"] if f.fix and f.level == WARN else []
+    )
 
 
 def render(report: Report) -> str:

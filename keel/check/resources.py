@@ -21,11 +21,15 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
     model_cfg = need(context, "model_config")
 
     def estimate_for(config: KeelConfig) -> dict[str, float]:
-        return estimate_memory_gb(config, model_cfg, context.get("parameters") or architecture_parameters(model_cfg),
-                                  compute_bytes=_compute_dtype(config).itemsize,
-                                  native_rollout=unsupported_reason(model_cfg) is None,
-                                  logits_chunk_tokens=LOGITS_CHUNK_TOKENS,
-                                  lora_trainable=context.get("lora_trainable", {}))
+        return estimate_memory_gb(
+            config,
+            model_cfg,
+            context.get("parameters") or architecture_parameters(model_cfg),
+            compute_bytes=_compute_dtype(config).itemsize,
+            native_rollout=unsupported_reason(model_cfg) is None,
+            logits_chunk_tokens=LOGITS_CHUNK_TOKENS,
+            lora_trainable=context.get("lora_trainable", {}),
+        )
 
     context["memory_gb"] = estimate = estimate_for(cfg)
     total, available, where = device_memory_gb(cfg)
@@ -34,11 +38,15 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
     if required > available:
         raise KeelError(MEMORY_ESTIMATE, message, _memory_fix(cfg, estimate, available, estimate_for))
     # verl honours param_offload on one GPU; keel uses FSDP (whose offload it is) only across ranks
-    idle = [f"{key}.fsdp_config.param_offload=true has no effect on one worker (FSDP shards and offloads "
-            "across 2 or more); the estimate counts those weights on the device"
-            for key, fsdp, ranks in cfg.fsdp_roles if fsdp.param_offload and ranks == 1]
-    return ([Finding(WARN if required > 0.9 * available else PASS, "memory", message)]
-            + [Finding(WARN, "memory", text) for text in idle])
+    idle = [
+        f"{key}.fsdp_config.param_offload=true has no effect on one worker (FSDP shards and offloads "
+        "across 2 or more); the estimate counts those weights on the device"
+        for key, fsdp, ranks in cfg.fsdp_roles
+        if fsdp.param_offload and ranks == 1
+    ]
+    return [Finding(WARN if required > 0.9 * available else PASS, "memory", message)] + [
+        Finding(WARN, "memory", text) for text in idle
+    ]
 
 
 def _memory_fix(cfg: KeelConfig, estimate: dict, available: float, estimate_for) -> str | None:
@@ -49,9 +57,13 @@ def _memory_fix(cfg: KeelConfig, estimate: dict, available: float, estimate_for)
 
     policy = cfg.actor_rollout_ref
     samples = policy.actor.ppo_mini_batch_size * policy.rollout.n
-    terms = {"actor_rollout_ref.rollout.max_num_seqs": ("kv_cache", policy.rollout.max_num_seqs),
-             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu":
-                 ("activations", policy.actor.ppo_micro_batch_size_per_gpu)}
+    terms = {
+        "actor_rollout_ref.rollout.max_num_seqs": ("kv_cache", policy.rollout.max_num_seqs),
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": (
+            "activations",
+            policy.actor.ppo_micro_batch_size_per_gpu,
+        ),
+    }
     for key, (term, value) in sorted(terms.items(), key=lambda item: -estimate.get(item[1][0], 0.0)):
         rest = estimate["total"] - estimate.get(term, 0.0)
         if value <= 1 or rest >= 0.9 * available or not estimate.get(term):
@@ -71,8 +83,13 @@ def check_sharding(cfg: KeelConfig, context: dict) -> list[Finding]:
     from keel.trainer.sharding import choose_sharding, gpu_bytes
 
     model_cfg = need(context, "model_config")
-    why = choose_sharding(cfg, model_cfg, context.get("parameters") or architecture_parameters(model_cfg),
-                          gpu_bytes(cfg), context.get("lora_trainable"))
+    why = choose_sharding(
+        cfg,
+        model_cfg,
+        context.get("parameters") or architecture_parameters(model_cfg),
+        gpu_bytes(cfg),
+        context.get("lora_trainable"),
+    )
     return [Finding(PASS, "sharding", why)] if why else []
 
 
@@ -80,7 +97,7 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
     """Workers against what this machine has, and Ray itself. A cluster in RAY_ADDRESS must
     answer; its resources are checked when the workers are placed."""
     from keel.distributed.dist import port_from_environment, rendezvous_port
-    from keel.distributed.group import Devices, require_reachable
+    from keel.distributed.ray_cluster import Devices, require_reachable
     from keel.models.load import resolve_device
 
     world = cfg.world_size
@@ -88,32 +105,43 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
         as_meant, how = how_threads_wait()
         on_cpu_spinning = not as_meant and resolve_device(cfg.trainer.device).type == "cpu"
         return [Finding(PASS, "workers", "1 worker in this process")] + (
-            [Finding(WARN, "workers", f"torch's CPU threads: {how}")] if on_cpu_spinning else [])
+            [Finding(WARN, "workers", f"torch's CPU threads: {how}")] if on_cpu_spinning else []
+        )
     try:
         import ray  # noqa: F401
     except ImportError:
-        raise KeelError(RAY_MISSING, f"{world} workers need Ray, which is not installed",
-                        "run `pip install ray` (keel's install has it), or "
-                        f"{setting('trainer.n_gpus_per_node', 1)} to train in this process") from None
+        raise KeelError(
+            RAY_MISSING,
+            f"{world} workers need Ray, which is not installed",
+            "run `pip install ray` (keel's install has it), or "
+            f"{setting('trainer.n_gpus_per_node', 1)} to train in this process",
+        ) from None
     port = port_from_environment()
     if os.environ.get("RAY_ADDRESS"):
         require_reachable(os.environ["RAY_ADDRESS"])
         return [Finding(PASS, "workers", f"{world} workers on the Ray cluster at {os.environ['RAY_ADDRESS']}")]
     if cfg.trainer.nnodes > 1:
         one_node = overrides({"trainer.nnodes": 1, "trainer.n_gpus_per_node": world})
-        raise KeelError(NOT_ENOUGH_DEVICES, f"trainer.nnodes={cfg.trainer.nnodes} but RAY_ADDRESS is not set: "
-                        "a local Ray instance has one node", f"set {one_node} (the same {world} workers on this "
-                        "machine), or start the cluster (`ray start --head`, then `ray start --address=HEAD:6379` "
-                        "on each node) and set RAY_ADDRESS")
+        raise KeelError(
+            NOT_ENOUGH_DEVICES,
+            f"trainer.nnodes={cfg.trainer.nnodes} but RAY_ADDRESS is not set: a local Ray instance has one node",
+            f"set {one_node} (the same {world} workers on this "
+            "machine), or start the cluster (`ray start --head`, then `ray start --address=HEAD:6379` "
+            "on each node) and set RAY_ADDRESS",
+        )
     device = resolve_device(cfg.trainer.device)
     have = torch.cuda.device_count() if device.type == "cuda" else (os.cpu_count() or 1)
     what = "GPUs" if device.type == "cuda" else "CPU cores"
     needed = Devices.of(cfg).total
     placed = f"{world} workers" + "".join(f" + {count} for the {role} pool" for role, count in cfg.pools.items())
     if device.type == "cuda" and have < needed:
-        raise KeelError(NOT_ENOUGH_DEVICES, f"{placed} need {needed} {what}, and this machine has {have}",
-                        f"set {setting('trainer.n_gpus_per_node', have)} (this machine's {what})" if not cfg.pools
-                        and cfg.trainer.nnodes == 1 and have else None)
+        raise KeelError(
+            NOT_ENOUGH_DEVICES,
+            f"{placed} need {needed} {what}, and this machine has {have}",
+            f"set {setting('trainer.n_gpus_per_node', have)} (this machine's {what})"
+            if not cfg.pools and cfg.trainer.nnodes == 1 and have
+            else None,
+        )
     level = WARN if have < needed else PASS
     meeting = f"; rank 0 listens on MASTER_PORT={rendezvous_port(port)}" if port else ""
     return [Finding(level, "workers", f"{placed} on this machine ({have} {what}), Ray started by keel{meeting}")]
@@ -143,8 +171,8 @@ def device_memory_gb(cfg: KeelConfig) -> tuple[float, float, str]:
     device = resolve_device(cfg.trainer.device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return total / 2 ** 30, free / 2 ** 30, torch.cuda.get_device_name(device)
+        return total / 2**30, free / 2**30, torch.cuda.get_device_name(device)
     page = os.sysconf("SC_PAGE_SIZE")
-    total = page * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-    available = page * os.sysconf("SC_AVPHYS_PAGES") / 2 ** 30
+    total = page * os.sysconf("SC_PHYS_PAGES") / 2**30
+    available = page * os.sysconf("SC_AVPHYS_PAGES") / 2**30
     return total, available, "cpu"

@@ -61,13 +61,25 @@ def probe_source(scorer, source: str, rows: list) -> list[Finding]:
     bare = [_as_text(r.ground_truth) for r in rows]
     scorer.score_batch(rows, bare, on_error="raise", may_skip=False)
     empty = scorer.score_batch(rows, [""] * len(rows), on_error="raise", may_skip=False).scores.tolist()
-    found = [Finding(PASS, "reward", f"data_source {source!r}: scored by {scorer.describe(source)}; ran on "
-                                     f"{len(rows)} rows (empty answers score {empty})")]
+    found = [
+        Finding(
+            PASS,
+            "reward",
+            f"data_source {source!r}: scored by {scorer.describe(source)}; ran on "
+            f"{len(rows)} rows (empty answers score {empty})",
+        )
+    ]
     if _judged_by_user_code(scorer, source) and _best_score(scorer, rows) <= 0:
-        found.append(Finding(WARN, "reward", f"data_source {source!r}: the reward function gave no positive score "
-                             f"to any answer built from the rows' ground truths: {_tried()}. If it never rewards "
-                             "a right answer, training learns nothing (verl's contract: compute_score(data_source=, "
-                             "solution_str=, ground_truth=, extra_info=), called by keyword)"))
+        found.append(
+            Finding(
+                WARN,
+                "reward",
+                f"data_source {source!r}: the reward function gave no positive score "
+                f"to any answer built from the rows' ground truths: {_tried()}. If it never rewards "
+                "a right answer, training learns nothing (verl's contract: compute_score(data_source=, "
+                "solution_str=, ground_truth=, extra_info=), called by keyword)",
+            )
+        )
     return found
 
 
@@ -90,9 +102,11 @@ def truth_texts(ground_truth) -> list[str]:
 
 
 def _tried() -> str:
-    return (f"{len(CANDIDATE_FORMS)} forms of each ({', '.join(f.format('x') for f in CANDIDATE_FORMS)}), each "
-            "also after a <think>...</think> block, x being the ground truth or, for a dict or list, each of its "
-            "values")
+    return (
+        f"{len(CANDIDATE_FORMS)} forms of each ({', '.join(f.format('x') for f in CANDIDATE_FORMS)}), each "
+        "also after a <think>...</think> block, x being the ground truth or, for a dict or list, each of its "
+        "values"
+    )
 
 
 def _as_text(value) -> str:
@@ -116,15 +130,19 @@ def _best_score(scorer, rows: list) -> float:
 def _judged_by_user_code(scorer, source: str) -> bool:
     """Whether the data_source is scored by something keel did not write (a custom function, a
     service): the built-in scorers have tests of their own, and some (code, regex) read no bare answer."""
-    return any(spec[0] != "builtin" if isinstance(spec, tuple) else True
-               for spec, _ in scorer.scorers_for(source).values() if spec != ("reward_model",))
+    return any(
+        spec[0] != "builtin" if isinstance(spec, tuple) else True
+        for spec, _ in scorer.scorers_for(source).values()
+        if spec != ("reward_model",)
+    )
 
 
 def sandbox_finding(found) -> Finding:
     """Which of the jail's protections hold for model-written code (check_records has already
     refused a jail short of what reward.sandbox.require asks for)."""
-    return Finding(PASS if found.complete else WARN, "sandbox", found.summary(),
-                   None if found.complete else SANDBOX_INCOMPLETE)
+    return Finding(
+        PASS if found.complete else WARN, "sandbox", found.summary(), None if found.complete else SANDBOX_INCOMPLETE
+    )
 
 
 def check_reward_model_budget(cfg: KeelConfig, reward_model, records: list, policy_tokenizer) -> Finding:
@@ -132,6 +150,7 @@ def check_reward_model_budget(cfg: KeelConfig, reward_model, records: list, poli
     response in its tokens must fit what it reads: a 4096-token rollout scored by a 512-token model
     is an error. The response budget is in the policy's tokens, so it is converted by the ratio of
     the two tokenizers' counts on the prompts."""
+
     def count(tokenizer, text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -140,12 +159,18 @@ def check_reward_model_budget(cfg: KeelConfig, reward_model, records: list, poli
     ratio = max(count(reward_model.tokenizer, t) / max(count(policy_tokenizer, t), 1) for t in texts)
     response = math.ceil(cfg.data.max_response_length * ratio)
     total = longest + response
-    budget = (f"the longest prompt is {longest} tokens in the reward model's own template, and a "
-              f"data.max_response_length={cfg.data.max_response_length} response about {response} of its tokens")
+    budget = (
+        f"the longest prompt is {longest} tokens in the reward model's own template, and a "
+        f"data.max_response_length={cfg.data.max_response_length} response about {response} of its tokens"
+    )
     if reward_model.max_length and total > reward_model.max_length:
-        raise KeelError(TOKEN_BUDGET, f"{budget}: {total}, over the {reward_model.max_length} tokens the reward model "
-                                      f"reads ({reward_model.limited_by})",
-                        lengths_within(cfg, reward_model.max_length, "the reward model") + ", or use a reward "
-                        "model with a longer context (if its tokenizer's model_max_length is wrong, correct it)")
-    return Finding(PASS, "reward model", f"reads {reward_model.max_length} tokens "
-                                         f"({reward_model.limited_by}); {budget}: {total}")
+        raise KeelError(
+            TOKEN_BUDGET,
+            f"{budget}: {total}, over the {reward_model.max_length} tokens the reward model "
+            f"reads ({reward_model.limited_by})",
+            lengths_within(cfg, reward_model.max_length, "the reward model") + ", or use a reward "
+            "model with a longer context (if its tokenizer's model_max_length is wrong, correct it)",
+        )
+    return Finding(
+        PASS, "reward model", f"reads {reward_model.max_length} tokens ({reward_model.limited_by}); {budget}: {total}"
+    )

@@ -7,8 +7,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def opt(default: Any = None, *, choices: tuple | None = None, ge: float | None = None,
-        gt: float | None = None, le: float | None = None, help: str = "", factory=None):
+def opt(
+    default: Any = None,
+    *,
+    choices: tuple | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    help: str = "",
+    factory=None,
+):
     """A config field with its constraints and a one-line help."""
     meta = {"choices": choices, "ge": ge, "gt": gt, "le": le, "help": help}
     if factory is not None:
@@ -20,7 +28,9 @@ def opt(default: Any = None, *, choices: tuple | None = None, ge: float | None =
 class ResourcePool:
     """A role on devices of its own (Ray workers placed after the policy's) instead of beside the
     policy: the critic trains there, the reward model scores there (one replica per device)."""
-    enable_resource_pool: bool = opt(False, help="run it on devices of its own (its own Ray workers) instead of "
-                                                 "beside the policy")
+
+    enable_resource_pool: bool = opt(
+        False, help="run it on devices of its own (its own Ray workers) instead of beside the policy"
+    )
     n_gpus_per_node: int = opt(1, gt=0, help="enable_resource_pool: its workers per node")
     nnodes: int = opt(1, gt=0, help="enable_resource_pool: nodes")

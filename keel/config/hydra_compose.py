@@ -20,8 +20,14 @@ from pathlib import Path
 
 import yaml
 
-from keel.errors import (CONFIG_FILE, LAUNCH_CONFIG_NAME, LAUNCH_CONFIG_PATH, LAUNCH_DEFAULTS, LAUNCH_SEARCHPATH,
-                         KeelError)
+from keel.errors import (
+    CONFIG_FILE,
+    LAUNCH_CONFIG_NAME,
+    LAUNCH_CONFIG_PATH,
+    LAUNCH_DEFAULTS,
+    LAUNCH_SEARCHPATH,
+    KeelError,
+)
 
 KEEL_COPY = Path(__file__).parent / "verl_trainer"  # verl 0.9.1's _generated_ppo_trainer.yaml as ppo_trainer.yaml
 KEEL_COPY_VERSION = "0.9.1"
@@ -32,6 +38,7 @@ DEFAULT_NAME = "ppo_trainer"  # verl's main_ppo: @hydra.main(config_path="config
 @dataclass(frozen=True)
 class VerlLaunch:
     """`--config-path` and `--config-name` as given (None: not given; "": given without a value)."""
+
     config_path: str | None = None
     config_name: str | None = None
 
@@ -60,7 +67,7 @@ def compose_launch(launch: VerlLaunch) -> tuple[dict, list[str]]:
 # override sets them (keel's default applies, and `keel check` says so).
 NOT_FROM_VERLS_DEFAULTS = {
     "reward.num_workers": "verl's reward-loop workers are Ray actors; keel's reward.num_workers are scoring "
-                          "processes, 0 (the trainer's process) unless asked",
+    "processes, 0 (the trainer's process) unless asked",
 }
 
 
@@ -71,6 +78,7 @@ def verl_trainer_config() -> tuple[Path, str]:
         found = Path(location, *VERL_TRAINER_CONFIG[1:])
         if (found / f"{DEFAULT_NAME}.yaml").is_file():
             from importlib.metadata import PackageNotFoundError, version
+
             try:
                 release = version("verl")
             except PackageNotFoundError:
@@ -91,8 +99,11 @@ def config_directory(given: str | None, notes: list[str]) -> Path:
         notes.append(f"--config-path: not given, so verl's trainer config, {which}")
         return found
     if not given.strip():
-        raise KeelError(LAUNCH_CONFIG_PATH, "--config-path was given without a directory",
-                        "pass `--config-path DIR` with the directory that holds the YAML --config-name names")
+        raise KeelError(
+            LAUNCH_CONFIG_PATH,
+            "--config-path was given without a directory",
+            "pass `--config-path DIR` with the directory that holds the YAML --config-name names",
+        )
     path = Path(given).expanduser()
     if path.is_dir():
         return path.resolve()
@@ -101,19 +112,28 @@ def config_directory(given: str | None, notes: list[str]) -> Path:
         notes.append(f"--config-path={given}: verl's trainer config as verl's main_ppo reads it, {which}")
         return found
     if path.is_file():
-        raise KeelError(LAUNCH_CONFIG_PATH, f"--config-path {given!r} is a file; it names a directory",
-                        f"pass `{path.parent}` in place of `{given}` (the directory; --config-name {path.stem})")
+        raise KeelError(
+            LAUNCH_CONFIG_PATH,
+            f"--config-path {given!r} is a file; it names a directory",
+            f"pass `{path.parent}` in place of `{given}` (the directory; --config-name {path.stem})",
+        )
     near = _near_directory(path)
-    raise KeelError(LAUNCH_CONFIG_PATH, f"--config-path {given!r} is not a directory",
-                    f"pass `{near}` in place of `{given}` (the directory beside it spelt most like it)" if near
-                    else f"pass a directory that exists with --config-path (the nearest that does is "
-                         f"{_existing_parent(path)})")
+    raise KeelError(
+        LAUNCH_CONFIG_PATH,
+        f"--config-path {given!r} is not a directory",
+        f"pass `{near}` in place of `{given}` (the directory beside it spelt most like it)"
+        if near
+        else f"pass a directory that exists with --config-path (the nearest that does is {_existing_parent(path)})",
+    )
 
 
 def config_name(directory: Path, given: str | None) -> str:
     if given is not None and not given.strip():
-        raise KeelError(LAUNCH_CONFIG_NAME, "--config-name was given without a name",
-                        f"pass `--config-name NAME` naming a YAML file of {directory} (without .yaml)")
+        raise KeelError(
+            LAUNCH_CONFIG_NAME,
+            "--config-name was given without a name",
+            f"pass `--config-name NAME` naming a YAML file of {directory} (without .yaml)",
+        )
     name = given or DEFAULT_NAME
     for suffix in (".yaml", ".yml"):
         name = name.removesuffix(suffix)
@@ -122,10 +142,14 @@ def config_name(directory: Path, given: str | None) -> str:
     present = sorted(p.stem for p in directory.glob("*.yaml"))
     near = difflib.get_close_matches(name, present, n=1, cutoff=0.6)
     shown = ", ".join(present[:12]) + (", ..." if len(present) > 12 else "") if present else "no YAML file"
-    fix = (f"pass `{near[0]}` in place of `{given}` (the config there spelt most like it)" if near and given
-           else f"pass one of the configs of {directory} with --config-name: {shown}")
-    raise KeelError(LAUNCH_CONFIG_NAME, f"--config-name {name!r}: {directory} has no {name}.yaml (it holds "
-                    f"{shown})", fix)
+    fix = (
+        f"pass `{near[0]}` in place of `{given}` (the config there spelt most like it)"
+        if near and given
+        else f"pass one of the configs of {directory} with --config-name: {shown}"
+    )
+    raise KeelError(
+        LAUNCH_CONFIG_NAME, f"--config-name {name!r}: {directory} has no {name}.yaml (it holds {shown})", fix
+    )
 
 
 def _primary(primary: Path) -> dict:
@@ -144,9 +168,12 @@ def search_path(head: dict, primary: Path, notes: list[str]) -> list[str]:
     hydra = head.get("hydra") if isinstance(head.get("hydra"), dict) else {}
     entries = hydra.get("searchpath") or []
     if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
-        raise KeelError(LAUNCH_SEARCHPATH, f"{primary}: hydra.searchpath must be a list of file:// or pkg:// "
-                        f"entries, got {entries!r}", f"in `{primary}`, write hydra.searchpath as a list of "
-                        "directories (file://verl/trainer/config for verl's trainer config)")
+        raise KeelError(
+            LAUNCH_SEARCHPATH,
+            f"{primary}: hydra.searchpath must be a list of file:// or pkg:// entries, got {entries!r}",
+            f"in `{primary}`, write hydra.searchpath as a list of "
+            "directories (file://verl/trainer/config for verl's trainer config)",
+        )
     return [_search_entry(entry, primary, notes) for entry in entries]
 
 
@@ -170,11 +197,19 @@ def _search_entry(entry: str, primary: Path, notes: list[str]) -> str:
             found, which = verl_trainer_config()
             notes.append(f"hydra.searchpath {entry}: not under {Path.cwd()}, so verl's trainer config, {which}")
             return str(found)
-    raise KeelError(LAUNCH_SEARCHPATH, f"{primary}: hydra.searchpath entry {entry!r} is not there ("
-                    + (f"no directory {Path(where).expanduser().absolute()}" if scheme == "file"
-                       else f"no package {where!r}" if scheme == "pkg" else f"Hydra reads file:// and pkg://, "
-                                                                            f"not {scheme}://") + ")",
-                    f"in `{primary}`, make hydra.searchpath's entry {entry!r} a directory that exists, or remove it")
+    raise KeelError(
+        LAUNCH_SEARCHPATH,
+        f"{primary}: hydra.searchpath entry {entry!r} is not there ("
+        + (
+            f"no directory {Path(where).expanduser().absolute()}"
+            if scheme == "file"
+            else f"no package {where!r}"
+            if scheme == "pkg"
+            else f"Hydra reads file:// and pkg://, not {scheme}://"
+        )
+        + ")",
+        f"in `{primary}`, make hydra.searchpath's entry {entry!r} a directory that exists, or remove it",
+    )
 
 
 def _package_directory(module: str) -> Path | None:
@@ -204,9 +239,12 @@ def _compose(directory: Path, name: str, searchpath: list[str]) -> dict:
     except MissingConfigException as e:
         raise _missing_default(e, primary, [str(directory), *searchpath]) from None
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as e:
-        raise KeelError(LAUNCH_DEFAULTS, f"{primary}: Hydra cannot compose it: {_first_line(e)}",
-                        f"in `{primary}`, write its defaults list as Hydra reads it (a list of config names, "
-                        "`_self_` last; verl's: `- ppo_trainer` then `- _self_`)") from None
+        raise KeelError(
+            LAUNCH_DEFAULTS,
+            f"{primary}: Hydra cannot compose it: {_first_line(e)}",
+            f"in `{primary}`, write its defaults list as Hydra reads it (a list of config names, "
+            "`_self_` last; verl's: `- ppo_trainer` then `- _self_`)",
+        ) from None
     finally:
         GlobalHydra.instance().clear()
     return tree if isinstance(tree, dict) else {}
@@ -218,11 +256,17 @@ def _missing_default(error: Exception, primary: Path, directories: list[str]) ->
     found = sorted({p.stem for d in directories for p in Path(d).glob("*.yaml")} - {primary.stem})
     near = difflib.get_close_matches(missing, found, n=1, cutoff=0.6)
     searched = ", ".join(directories)
-    fix = (f"in `{primary}`, write `{near[0]}` for {missing!r} in its defaults list (the config spelt most like it)"
-           if near else f"in `{primary}`, name a config of {searched} in its defaults list, or add the directory "
-                        "that holds it to hydra.searchpath (file://verl/trainer/config for verl's ppo_trainer)")
-    return KeelError(LAUNCH_DEFAULTS, f"{primary}: its defaults list names {missing!r}, which no directory of the "
-                     f"search path holds ({searched})", fix)
+    fix = (
+        f"in `{primary}`, write `{near[0]}` for {missing!r} in its defaults list (the config spelt most like it)"
+        if near
+        else f"in `{primary}`, name a config of {searched} in its defaults list, or add the directory "
+        "that holds it to hydra.searchpath (file://verl/trainer/config for verl's ppo_trainer)"
+    )
+    return KeelError(
+        LAUNCH_DEFAULTS,
+        f"{primary}: its defaults list names {missing!r}, which no directory of the search path holds ({searched})",
+        fix,
+    )
 
 
 def _first_line(error: Exception) -> str:

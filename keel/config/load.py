@@ -18,15 +18,18 @@ import yaml
 
 from keel.config.hydra_compose import VerlLaunch, compose_launch
 from keel.config.schema import KeelConfig
+from keel.config.values import check_field, coerce, field_default
 from keel.config.verl import adapt_verl
 from keel.config.verl_rules import DIFFERENT_DEFAULTS
 from keel.errors import BAD_OVERRIDE, BAD_VALUE, CATALOGUE, CONFIG_FILE, REFERENCE_APART, UNKNOWN_KEY, KeelError
-from keel.errors.fixes import closest, nearby_file, setting, value_text
+from keel.errors.fixes import nearby_file, setting, value_text
 
 
-
-def load_config(source: str | Path | dict | Any | None = None,
-                overrides: list[str] | dict[str, Any] | None = None, schema: type = KeelConfig):
+def load_config(
+    source: str | Path | dict | Any | None = None,
+    overrides: list[str] | dict[str, Any] | None = None,
+    schema: type = KeelConfig,
+):
     """The one way to get a validated config: from a YAML path, a nested dict or a config object.
 
     `schema` is the root dataclass (KeelConfig for RL, SFTConfig for SFT); its `validate()` checks
@@ -47,8 +50,11 @@ def load_config(source: str | Path | dict | Any | None = None,
         raise combined(problems)
     cfg.validate()
     if schema is KeelConfig:
-        decided += [f"{key}: keel's {value_at(cfg, key)!r}, verl's {verl!r}: {why}"
-                    for key, (verl, why) in DIFFERENT_DEFAULTS.items() if key not in given]
+        decided += [
+            f"{key}: keel's {value_at(cfg, key)!r}, verl's {verl!r}: {why}"
+            for key, (verl, why) in DIFFERENT_DEFAULTS.items()
+            if key not in given
+        ]
     object.__setattr__(cfg, "decided", decided)  # not a field: it is not saved or compared on resume
     object.__setattr__(cfg, "given", frozenset(given))  # the keys the config set (what keel may choose)
     return cfg
@@ -66,8 +72,11 @@ def combined(problems: list[KeelError]) -> KeelError:
         return problems[0]
     lines = "\n".join(f"  error[{p.code}]: {p.message}\n    fix: {p.fix}" for p in problems)
     options = [p.fix.split("`")[1] if p.fix.startswith("set `") else None for p in problems]
-    fix = (f"set `{' '.join(options)}` (every line's fix)" if all(options) and len(set(options)) == len(options)
-           else "fix each as its line says")
+    fix = (
+        f"set `{' '.join(options)}` (every line's fix)"
+        if all(options) and len(set(options)) == len(options)
+        else "fix each as its line says"
+    )
     return KeelError(problems[0].code, f"{len(problems)} problems in the config, all of them here:\n{lines}", fix)
 
 
@@ -96,8 +105,11 @@ def changed_keys(saved: dict, current: dict, may_change: tuple[str, ...], defaul
     old, new = flatten(saved), flatten(current)
     for key, value in flatten(defaults or {}).items():
         old.setdefault(key, value)
-    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new))
-            if old.get(key) != new.get(key) and not key.startswith(may_change)]
+    return [
+        f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+        for key in sorted(set(old) | set(new))
+        if old.get(key) != new.get(key) and not key.startswith(may_change)
+    ]
 
 
 @functools.cache
@@ -122,6 +134,7 @@ def all_keys(cls: type = KeelConfig, prefix: str = "") -> list[str]:
 
 
 # --- sources and overrides ---------------------------------------------------------------------
+
 
 def _as_tree(source) -> tuple[dict, list[str]]:
     """The source's tree, and what keel decided while reading it (for `keel check`'s list)."""
@@ -174,8 +187,9 @@ def _parse_overrides(overrides, value_now=lambda key: DELETE) -> list[tuple[str,
     if not overrides:
         return []
     if isinstance(overrides, dict):
-        return [(key[1:], DELETE) if key.startswith("~") else (key.lstrip("+"), value)
-                for key, value in overrides.items()]
+        return [
+            (key[1:], DELETE) if key.startswith("~") else (key.lstrip("+"), value) for key, value in overrides.items()
+        ]
     parsed = []
     for item in overrides:
         if item.startswith("~"):  # Hydra's `~key` (or `~key=value`): remove it, keel's default applies
@@ -185,9 +199,11 @@ def _parse_overrides(overrides, value_now=lambda key: DELETE) -> list[tuple[str,
         key = key.strip().lstrip("+").lstrip("~")  # Hydra's `+key=value` / `++key=value` add or force
         if not sep or not key:
             now = value_now(key) if key else DELETE
-            fix = (f"write it as key=value: `{key}={value_text(now)}` in place of `{item}` (the value it has now)"
-                   if now is not DELETE
-                   else f"remove `{item}` (no key is named so); write overrides as `section.key=value`")
+            fix = (
+                f"write it as key=value: `{key}={value_text(now)}` in place of `{item}` (the value it has now)"
+                if now is not DELETE
+                else f"remove `{item}` (no key is named so); write overrides as `section.key=value`"
+            )
             raise KeelError(BAD_OVERRIDE, f"override {item!r} is not of the form section.key=value", fix)
         parsed.append((key, yaml.safe_load(raw) if raw.strip() else None))
     return parsed
@@ -218,6 +234,7 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 # --- building the typed tree -------------------------------------------------------------------
 
+
 def _build(cls: type, tree: Any, prefix: str, schema: type, problems: list, decided: list):
     """The typed tree; what is wrong is added to `problems` and its key left at the default."""
     if not isinstance(tree, dict):
@@ -233,26 +250,24 @@ def _build(cls: type, tree: Any, prefix: str, schema: type, problems: list, deci
             f = fields[name]
             sub = _dataclass_type(f.type, cls)
             if sub is not None:
-                kwargs[name] = _build(sub, value if value is not None else {}, dotted + ".", schema, problems,
-                                      decided)
+                kwargs[name] = _build(sub, value if value is not None else {}, dotted + ".", schema, problems, decided)
             elif value is None and not _optional(_resolve(f.type, cls)):  # verl's null: "not set"
-                decided.append(f"{dotted}: null, so keel's default {_default(f)!r}")
+                decided.append(f"{dotted}: null, so keel's default {field_default(f)!r}")
             else:
-                kwargs[name] = _check_field(f, _coerce(value, _resolve(f.type, cls), dotted), dotted)
+                kwargs[name] = check_field(f, coerce(value, _resolve(f.type, cls), dotted), dotted)
         except KeelError as problem:
             if problem.code == BAD_VALUE and problem.fix == CATALOGUE[BAD_VALUE].fix:  # a value of the wrong type
-                problem = KeelError(BAD_VALUE, problem.message, f"set {setting(dotted, _default(fields[name]))} "
-                                                                "(the default)")
+                problem = KeelError(
+                    BAD_VALUE, problem.message, f"set {setting(dotted, field_default(fields[name]))} (the default)"
+                )
             problems.append(problem)
     return cls(**kwargs)
 
 
 def _optional(annotation) -> bool:
-    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(annotation)
-
-
-def _default(f: dataclasses.Field):
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(
+        annotation
+    )
 
 
 def _leaf_value(value: Any) -> Any:
@@ -275,10 +290,13 @@ REFERENCE_PLACEMENT = {f"actor_rollout_ref.ref.{key}" for key in ("enable_resour
 
 def _unknown_key(dotted: str, schema: type, value: Any):
     if dotted in REFERENCE_PLACEMENT:
-        raise KeelError(REFERENCE_APART, f"{dotted}: the reference model always shares the actor's workers, "
-                        "because their log-probs are compared token by token every step",
-                        f"remove `{dotted}`; to make room on 2 or more workers, set "
-                        "`actor_rollout_ref.ref.fsdp_config.param_offload=true`")
+        raise KeelError(
+            REFERENCE_APART,
+            f"{dotted}: the reference model always shares the actor's workers, "
+            "because their log-probs are compared token by token every step",
+            f"remove `{dotted}`; to make room on 2 or more workers, set "
+            "`actor_rollout_ref.ref.fsdp_config.param_offload=true`",
+        )
     valid = sorted(_known_keys(schema))
     # A right key under a missing section (`actor.ppo_epochs`) is matched by its suffix first; else
     # only a misspelling is suggested (a few letters off, in the same section): a near name that
@@ -286,9 +304,13 @@ def _unknown_key(dotted: str, schema: type, value: Any):
     close = [k for k in valid if k.endswith("." + dotted)][:1]
     close = close or [k for k in difflib.get_close_matches(dotted, valid, n=3, cutoff=0.8) if _misspelt(dotted, k)][:1]
     hint = f"did you mean {close[0]!r}?" if close else "see the README for the list of keys"
-    raise KeelError(UNKNOWN_KEY, f"unknown config key {dotted!r}; {hint}",
-                    f"write `{close[0]}={value_text(value)}` in place of `{dotted}={value_text(value)}`" if close
-                    else f"remove `{dotted}` (no key is spelt like it; docs/config.md lists every key)")
+    raise KeelError(
+        UNKNOWN_KEY,
+        f"unknown config key {dotted!r}; {hint}",
+        f"write `{close[0]}={value_text(value)}` in place of `{dotted}={value_text(value)}`"
+        if close
+        else f"remove `{dotted}` (no key is spelt like it; docs/config.md lists every key)",
+    )
 
 
 def _misspelt(typed: str, key: str) -> bool:
@@ -318,83 +340,3 @@ def _resolve(annotation, owner: type):
 def _dataclass_type(annotation, owner: type):
     resolved = _resolve(annotation, owner)
     return resolved if dataclasses.is_dataclass(resolved) else None
-
-
-def _coerce(value: Any, target, dotted: str):
-    """Convert a YAML value to the field's type; reject what cannot be converted."""
-    origin = typing.get_origin(target)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(target) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(value, args[0], dotted)
-    if origin is dict:  # free-form keys (e.g. data_source -> scorer weights); values are typed
-        key_type, value_type = typing.get_args(target)
-        if not isinstance(value, dict):
-            _bad_type(dotted, value, "a mapping")
-        return {_coerce(k, key_type, dotted): _coerce(v, value_type, f"{dotted}.{k}") for k, v in value.items()}
-    if origin is list:
-        (item_type,) = typing.get_args(target)
-        items = [value] if isinstance(value, (str, int, float)) else value
-        if not isinstance(items, (list, tuple)):
-            _bad_type(dotted, value, "a list")
-        return [_coerce(v, item_type, f"{dotted}[{i}]") for i, v in enumerate(items)]
-    if target is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        _bad_type(dotted, value, "true or false")
-    if target is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-            _bad_type(dotted, value, "an integer")
-        return int(value)
-    if target is float:
-        if isinstance(value, str):
-            try:
-                return float(value)  # YAML reads `1e-6` (no dot) as a string
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            _bad_type(dotted, value, "a number")
-        return float(value)
-    if target is str:
-        if value is None or isinstance(value, (dict, list)):
-            _bad_type(dotted, value, "a string")
-        return str(value)
-    return value
-
-
-def _bad_type(dotted: str, value: Any, expected: str):
-    """The fix (the key's default) is added by _build, which knows the field."""
-    raise KeelError(BAD_VALUE, f"{dotted}={value!r} must be {expected}")
-
-
-def _check_field(f: dataclasses.Field, value: Any, dotted: str):
-    meta = f.metadata
-    if value is None:
-        return value
-    choices = meta.get("choices")
-    for item in value if isinstance(value, list) else [value]:
-        if choices and item not in choices:
-            raise KeelError(BAD_VALUE, f"{dotted}: {item!r} is not one of {list(choices)}",
-                            _choice_fix(dotted, value, item, choices, _default(f)))
-    for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
-                            ("le", lambda v, b: v <= b, "<=")):
-        b = meta.get(bound)
-        if b is not None and isinstance(value, (int, float)) and not ok(value, b):
-            near = b if bound != "gt" else b + 1 if isinstance(value, int) else _default(f)  # the nearest allowed
-            raise KeelError(BAD_VALUE, f"{dotted}={value} must be {word} {b}", f"set {setting(dotted, near)} (the "
-                            + ("default)" if near == _default(f) else "nearest value allowed)"))
-    return value
-
-
-def _choice_fix(dotted: str, value: Any, item: Any, choices, default: Any) -> str:
-    """The choice `item` is a misspelling of, else the default (for a list: without the item)."""
-    near = closest(str(item), choices)
-    if isinstance(value, list):
-        fixed = [near if v == item else v for v in value] if near else [v for v in value if v != item]
-        why = f"{item!r} spelt as the choice" if near else f"without {item!r}"
-        return f"set {setting(dotted, fixed)} ({why}; the choices are {', '.join(map(str, choices))})"
-    why = "the choice spelt like it" if near else "the default"
-    return f"set {setting(dotted, near or default)} ({why}; the choices are {', '.join(map(str, choices))})"

@@ -6,15 +6,24 @@ from __future__ import annotations
 from keel.config.schema import KeelConfig
 
 
-def estimate_memory_gb(cfg: KeelConfig, model_cfg, params: int, *, compute_bytes: int, native_rollout: bool,
-                       logits_chunk_tokens: int, lora_trainable: dict[str, int] | None = None) -> dict[str, float]:
-    """Per-device estimate for a policy of `params` parameters. float32 master weights (4 B) + gradients (4 B) + AdamW moments (8 B) for
-    each trained model, divided among the ranks FSDP shards them over (and off the device when
-    offloaded); 4 B per weight for the frozen reference; with more than one worker, the rollout
-    hf engine's whole float32 copy of the policy; activations of one micro-batch (about 34 bytes x
-    hidden per token per layer, Korthikanti et al. arXiv 2205.05198, plus one chunk's float32 logits);
-    the KV cache of one generation batch and, for the native engine, its decode weights. A critic
-    with a pool of its own is estimated for its own devices, as `critic_pool`, outside the total.
+def estimate_memory_gb(
+    cfg: KeelConfig,
+    model_cfg,
+    params: int,
+    *,
+    compute_bytes: int,
+    native_rollout: bool,
+    logits_chunk_tokens: int,
+    lora_trainable: dict[str, int] | None = None,
+) -> dict[str, float]:
+    """Per-device estimate for a policy of `params` parameters. float32 master weights (4 B) +
+    gradients (4 B) + AdamW moments (8 B) for each trained model, divided among the ranks FSDP
+    shards them over (and off the device when offloaded); 4 B per weight for the frozen reference;
+    with more than one worker, the rollout hf engine's whole float32 copy of the policy; activations
+    of one micro-batch (about 34 bytes x hidden per token per layer, Korthikanti et al. arXiv
+    2205.05198, plus one chunk's float32 logits); the KV cache of one generation batch and, for the
+    native engine, its decode weights. A critic with a pool of its own is estimated for its own
+    devices, as `critic_pool`, outside the total.
 
     What the config alone does not say comes from the caller: the compute dtype's size on the
     device the run resolves to, whether the native engine runs this architecture, and how many
@@ -22,49 +31,65 @@ def estimate_memory_gb(cfg: KeelConfig, model_cfg, params: int, *, compute_bytes
     parameters of each role that has it, "actor" or "critic"), the frozen base is in the compute
     dtype with no gradients or optimiser state, the reference is that same base, and on one worker
     the native engine's decode weights are the policy's base itself."""
-    gb = 2 ** 30
+    gb = 2**30
     policy = cfg.actor_rollout_ref
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
-    layers, hidden = model_cfg.num_hidden_layers, model_cfg.hidden_size
-    heads = model_cfg.num_attention_heads
-    kv_heads = getattr(model_cfg, "num_key_value_heads", heads) or heads
-    head_dim = getattr(model_cfg, "head_dim", None) or hidden // heads
     micro = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
-    bytes_act = compute_bytes
-    layer_activations = lambda samples: 34 * hidden * layers * samples * seq * bytes_act / 2  # noqa: E731
     # The float32 logits and their gradient of one LOGITS_CHUNK_TOKENS chunk at a time (kept logits
     # size themselves to the memory a run leaves: forward.logits_chunking).
     logit_rows = min(micro * cfg.data.max_response_length, logits_chunk_tokens)
+    logits = logit_rows * model_cfg.vocab_size * 4 * 2
     estimate = {
         "actor_states": _sharded_bytes(params, True, policy.actor.fsdp_config, cfg.world_size) / gb,
-        "activations": (layer_activations(micro) + logit_rows * model_cfg.vocab_size * 4 * 2) / gb,
-        "kv_cache": 2 * layers * kv_heads * head_dim * seq * cfg.actor_rollout_ref.rollout.max_num_seqs
-                    * bytes_act / gb,
+        "activations": (_activation_bytes(model_cfg, micro * seq, compute_bytes) + logits) / gb,
+        "kv_cache": _kv_cache_bytes(model_cfg, seq * policy.rollout.max_num_seqs, compute_bytes) / gb,
     }
     native = policy.rollout.name != "hf" and native_rollout
     if native:  # the native engine's decode weights, in the compute dtype: its only copy
-        estimate["rollout_weights"] = bytes_act * params / gb
+        estimate["rollout_weights"] = compute_bytes * params / gb
     if cfg.world_size > 1 and policy.actor.fsdp_config.fsdp_size != 1 and not native:
         estimate["rollout_copy"] = 4 * params / gb  # sharded: the hf engine generates with a whole copy
     lora = lora_trainable or {}
     if "actor" in lora:  # the frozen base once (the engine's, when not sharded), the adapters with AdamW
         shards = _shards(policy.actor.fsdp_config, cfg.world_size)
-        base = 0 if native and shards == 1 else bytes_act * params / shards
+        base = 0 if native and shards == 1 else compute_bytes * params / shards
         estimate["actor_states"] = (base + 16 * lora["actor"] / shards) / gb
     elif cfg.ref_enabled:
         estimate["reference"] = _sharded_bytes(params, False, policy.ref.fsdp_config, cfg.world_size) / gb
-
-    def critic_bytes(world: int) -> float:
-        if "critic" not in lora:
-            return _sharded_bytes(params, True, cfg.critic.model.fsdp_config, world)
-        return (bytes_act * params + 16 * lora["critic"]) / _shards(cfg.critic.model.fsdp_config, world)
-
+    critic_lora = lora.get("critic")
     if cfg.critic_enabled and "critic" not in cfg.pools:  # colocated with the actor
-        estimate["critic_states"] = critic_bytes(cfg.world_size) / gb
+        estimate["critic_states"] = _critic_bytes(cfg, params, critic_lora, compute_bytes, cfg.world_size) / gb
     estimate["total"] = sum(estimate.values())
     if cfg.critic_enabled and "critic" in cfg.pools:  # the critic pool's devices: states and activations
-        estimate["critic_pool"] = (critic_bytes(cfg.critic_world_size) + layer_activations(cfg.critic_batching[1])) / gb
+        states = _critic_bytes(cfg, params, critic_lora, compute_bytes, cfg.critic_world_size)
+        estimate["critic_pool"] = (
+            states + _activation_bytes(model_cfg, cfg.critic_batching[1] * seq, compute_bytes)
+        ) / gb
     return {k: float(f"{v:.4g}") for k, v in estimate.items()}  # tiny models stay visible
+
+
+def _activation_bytes(model_cfg, tokens: int, compute_bytes: int) -> float:
+    """Activations kept for the backward pass over `tokens` tokens (a micro-batch's samples x their
+    length): about 34 bytes x hidden per token per layer in 16 bits (Korthikanti et al.)."""
+    return 34 * model_cfg.hidden_size * model_cfg.num_hidden_layers * tokens * compute_bytes / 2
+
+
+def _critic_bytes(cfg: KeelConfig, params: int, lora_params: int | None, compute_bytes: int, world: int) -> float:
+    """The critic's states on one of `world` ranks; with LoRA (`lora_params` trainable), the frozen
+    base in the compute dtype and AdamW for the adapters alone."""
+    fsdp_cfg = cfg.critic.model.fsdp_config
+    if lora_params is None:
+        return _sharded_bytes(params, True, fsdp_cfg, world)
+    return (compute_bytes * params + 16 * lora_params) / _shards(fsdp_cfg, world)
+
+
+def _kv_cache_bytes(model_cfg, tokens: int, compute_bytes: int) -> int:
+    """Keys and values of every layer for `tokens` tokens (a generation batch: max_num_seqs whole
+    sequences)."""
+    heads = model_cfg.num_attention_heads
+    kv_heads = getattr(model_cfg, "num_key_value_heads", heads) or heads
+    head_dim = getattr(model_cfg, "head_dim", None) or model_cfg.hidden_size // heads
+    return 2 * model_cfg.num_hidden_layers * kv_heads * head_dim * tokens * compute_bytes
 
 
 def _sharded_bytes(params: int, trained: bool, fsdp_cfg, world: int) -> float:

@@ -13,9 +13,9 @@ from keel.config.schema import KeelConfig
 
 @dataclass(frozen=True)
 class RolePlan:
-    mini_batches: int            # per ppo epoch
+    mini_batches: int  # per ppo epoch
     samples_per_mini_batch: int
-    samples_per_worker: int      # each worker's share of a mini-batch
+    samples_per_worker: int  # each worker's share of a mini-batch
     micro_batches_per_mini_batch: int  # on each worker; 0 with a token budget (use_dynamic_bsz)
     optimizer_steps_per_rollout: int
     max_tokens_per_micro_batch: int | None = None  # use_dynamic_bsz
@@ -28,7 +28,7 @@ class BatchPlan:
     workers: int
     actor: RolePlan
     critic: RolePlan | None
-    max_tokens_per_step: int     # samples x (max prompt + max response)
+    max_tokens_per_step: int  # samples x (max prompt + max response)
     old_log_probs: str = "recomputed each step"  # where the update's old log-probs come from
 
     def as_dict(self) -> dict:
@@ -49,8 +49,10 @@ class BatchPlan:
                 (f"{name}: mini-batches per epoch", role.mini_batches),
                 (f"{name}: samples per mini-batch", role.samples_per_mini_batch),
                 (f"{name}: samples per mini-batch per worker", role.samples_per_worker),
-                (f"{name}: micro-batches per mini-batch per worker",
-                 role.micro_batches_per_mini_batch or f"as many as fit {role.max_tokens_per_micro_batch} tokens"),
+                (
+                    f"{name}: micro-batches per mini-batch per worker",
+                    role.micro_batches_per_mini_batch or f"as many as fit {role.max_tokens_per_micro_batch} tokens",
+                ),
                 (f"{name}: optimiser steps per rollout", role.optimizer_steps_per_rollout),
             ]
         width = max(len(label) for label, _ in rows)
@@ -59,15 +61,22 @@ class BatchPlan:
     def summary(self) -> str:
         """The plan in a few lines, as `keel train` prints it before step 1 (`render` is the table)."""
         workers = f"{self.workers} worker{'s' if self.workers > 1 else ''}"
-        lines = [f"batch plan: {self.prompts_per_step} prompts x {self.samples_per_step // self.prompts_per_step} "
-                 f"samples = {self.samples_per_step} a step on {workers}, at most {self.max_tokens_per_step} tokens"]
+        lines = [
+            f"batch plan: {self.prompts_per_step} prompts x {self.samples_per_step // self.prompts_per_step} "
+            f"samples = {self.samples_per_step} a step on {workers}, at most {self.max_tokens_per_step} tokens"
+        ]
         for name, role in (("actor", self.actor), ("critic", self.critic)):
             if role is None:
                 continue
-            micro = (f"{role.micro_batches_per_mini_batch} micro-batches" if role.micro_batches_per_mini_batch
-                     else f"micro-batches of at most {role.max_tokens_per_micro_batch} tokens")
-            lines.append(f"  {name}: {role.mini_batches} mini-batches of {role.samples_per_mini_batch} samples "
-                         f"({micro} each per worker), {role.optimizer_steps_per_rollout} optimiser steps a rollout")
+            micro = (
+                f"{role.micro_batches_per_mini_batch} micro-batches"
+                if role.micro_batches_per_mini_batch
+                else f"micro-batches of at most {role.max_tokens_per_micro_batch} tokens"
+            )
+            lines.append(
+                f"  {name}: {role.mini_batches} mini-batches of {role.samples_per_mini_batch} samples "
+                f"({micro} each per worker), {role.optimizer_steps_per_rollout} optimiser steps a rollout"
+            )
         lines.append(f"  old log-probs: {self.old_log_probs}")
         return "\n".join(lines)
 
@@ -87,14 +96,19 @@ def make_plan(cfg: KeelConfig) -> BatchPlan:
 
     critic = None
     if cfg.critic_enabled:
-        critic = role(*cfg.critic_batching,
-                      cfg.critic.ppo_max_token_len_per_gpu if cfg.critic.use_dynamic_bsz else None)
+        critic = role(
+            *cfg.critic_batching, cfg.critic.ppo_max_token_len_per_gpu if cfg.critic.use_dynamic_bsz else None
+        )
     return BatchPlan(
         prompts_per_step=prompts,
         samples_per_step=prompts * n,
         workers=workers,
-        actor=role(actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, actor.ppo_epochs,
-                   actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None),
+        actor=role(
+            actor.ppo_mini_batch_size,
+            actor.ppo_micro_batch_size_per_gpu,
+            actor.ppo_epochs,
+            actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+        ),
         critic=critic,
         max_tokens_per_step=prompts * n * (cfg.data.max_prompt_length + cfg.data.max_response_length),
         old_log_probs=old_log_probs_source(cfg),
@@ -106,8 +120,11 @@ def may_skip_old_log_probs(cfg: KeelConfig) -> bool:
     as the old ones. Not when the reward's KL needs them before the update, not under
     guards.nonfinite=skip (the pass is where a non-finite log-prob skips a step), and not under
     decoupled rollout correction (it weighs the old policy against the sampler)."""
-    return not (cfg.algorithm.use_kl_in_reward or cfg.trainer.guards.nonfinite == "skip"
-                or cfg.algorithm.rollout_correction.decoupled)
+    return not (
+        cfg.algorithm.use_kl_in_reward
+        or cfg.trainer.guards.nonfinite == "skip"
+        or cfg.algorithm.rollout_correction.decoupled
+    )
 
 
 def old_log_probs_source(cfg: KeelConfig) -> str:

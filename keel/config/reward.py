@@ -34,23 +34,31 @@ class RewardServiceConfig:
 
 @dataclass
 class SandboxConfig:
-    require: str = opt("isolation", choices=("isolation", "all", "none"),
-                       help="what model-written code (code_exec) needs of the jail: its isolation (own filesystem "
-                            "view, no network, own pid namespace, an unprivileged user), every protection keel doctor "
-                            "lists, or none (run with what there is, warned)")
+    require: str = opt(
+        "isolation",
+        choices=("isolation", "all", "none"),
+        help="what model-written code (code_exec) needs of the jail: its isolation (own filesystem "
+        "view, no network, own pid namespace, an unprivileged user), every protection keel doctor "
+        "lists, or none (run with what there is, warned)",
+    )
 
 
 @dataclass
 class RewardConfig:
     scorers: dict[str, dict[str, float]] = opt(
-        factory=dict, help="data_source -> {scorer: weight}, e.g. {gsm8k: {gsm8k: 0.9, think_answer_format: 0.1}}; "
-                           "sources not listed use the built-in dispatch")
+        factory=dict,
+        help="data_source -> {scorer: weight}, e.g. {gsm8k: {gsm8k: 0.9, think_answer_format: 0.1}}; "
+        "sources not listed use the built-in dispatch",
+    )
     overlong_buffer: OverlongBufferConfig = opt(factory=OverlongBufferConfig)
     normalize: RewardNormConfig = opt(factory=RewardNormConfig)
     service: RewardServiceConfig = opt(factory=RewardServiceConfig)
     sandbox: SandboxConfig = opt(factory=SandboxConfig)
-    on_error: str = opt("mask", choices=("mask", "zero", "raise"),
-                        help="a sample the scorer fails on: left out of the update, scored 0, or stop")
+    on_error: str = opt(
+        "mask",
+        choices=("mask", "zero", "raise"),
+        help="a sample the scorer fails on: left out of the update, scored 0, or stop",
+    )
     max_not_scored_ratio: float = opt(0.1, ge=0, le=1, help="stop when a batch has more not-scored samples")
     timeout_s: float | None = opt(30.0, gt=0, help="per-sample scoring time limit")
     num_workers: int = opt(0, ge=0, help="scoring processes; 0 scores in the trainer's process")
@@ -74,6 +82,9 @@ class RewardModelConfig(ResourcePool):
 class CustomRewardConfig:
     path: str | None = opt(None, help="python file defining the reward function")
     name: str = opt("compute_score")
-    batched: bool = opt(False, help="the function takes lists (data_sources, solution_strs, ground_truths, "
-                                    "extra_infos) and returns a list of scores")
+    batched: bool = opt(
+        False,
+        help="the function takes lists (data_sources, solution_strs, ground_truths, "
+        "extra_infos) and returns a list of scores",
+    )
     reward_kwargs: dict = opt(factory=dict, help="keyword arguments passed to the function on every call, as verl")

@@ -32,32 +32,48 @@ def _check_batch_arithmetic(cfg: KeelConfig) -> None:
                 f"data.train_batch_size={prompts} prompts do not split into {role} mini-batches of "
                 f"{key}.ppo_mini_batch_size={mini} prompts",
                 f"set {setting(f'{key}.ppo_mini_batch_size', largest_divisor_at_most(prompts, mini))} (the "
-                f"nearest divisor of {prompts}), or `data.train_batch_size={-(-prompts // mini) * mini}`")
+                f"nearest divisor of {prompts}), or `data.train_batch_size={-(-prompts // mini) * mini}`",
+            )
         if (mini * n) % micro and not dynamic:  # a token budget ignores the micro-batch size
             raise KeelError(
                 BATCH_ARITHMETIC,
                 f"the {role} mini-batch of {mini} prompts x rollout.n={n} = {mini * n} samples does not "
                 f"split into micro-batches of {key}.ppo_micro_batch_size_per_gpu={micro}",
                 f"set {setting(f'{key}.ppo_micro_batch_size_per_gpu', largest_divisor_at_most(mini * n, micro))} "
-                f"(the largest divisor of {mini * n} up to {micro})")
+                f"(the largest divisor of {mini * n} up to {micro})",
+            )
 
 
 def _check_token_budgets(cfg: KeelConfig) -> None:
     """A dynamic micro-batch must hold at least one sample of the longest possible length."""
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     policy = cfg.actor_rollout_ref
-    budgets = [("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", policy.actor.use_dynamic_bsz,
-                policy.actor.ppo_max_token_len_per_gpu),
-               ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", policy.rollout.log_prob_use_dynamic_bsz,
-                policy.rollout.log_prob_max_token_len_per_gpu),
-               ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", policy.ref.log_prob_use_dynamic_bsz,
-                policy.ref.log_prob_max_token_len_per_gpu),
-               ("critic.ppo_max_token_len_per_gpu", cfg.critic.use_dynamic_bsz, cfg.critic.ppo_max_token_len_per_gpu)]
+    budgets = [
+        (
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+            policy.actor.use_dynamic_bsz,
+            policy.actor.ppo_max_token_len_per_gpu,
+        ),
+        (
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+            policy.rollout.log_prob_use_dynamic_bsz,
+            policy.rollout.log_prob_max_token_len_per_gpu,
+        ),
+        (
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+            policy.ref.log_prob_use_dynamic_bsz,
+            policy.ref.log_prob_max_token_len_per_gpu,
+        ),
+        ("critic.ppo_max_token_len_per_gpu", cfg.critic.use_dynamic_bsz, cfg.critic.ppo_max_token_len_per_gpu),
+    ]
     for key, enabled, budget in budgets:
         if enabled and budget < longest:
-            raise KeelError(BATCH_ARITHMETIC, f"{key}={budget} is smaller than one sample can be: "
-                            f"data.max_prompt_length + data.max_response_length = {longest} tokens",
-                            f"set {setting(key, 2 * longest)} (at least {longest}; more lets samples share a pass)")
+            raise KeelError(
+                BATCH_ARITHMETIC,
+                f"{key}={budget} is smaller than one sample can be: "
+                f"data.max_prompt_length + data.max_response_length = {longest} tokens",
+                f"set {setting(key, 2 * longest)} (at least {longest}; more lets samples share a pass)",
+            )
 
 
 def _check_rollout_lengths(cfg: KeelConfig, incompatible) -> None:
@@ -65,16 +81,22 @@ def _check_rollout_lengths(cfg: KeelConfig, incompatible) -> None:
     without chunked prefill a whole prompt must fit one prefill pass."""
     rollout, longest = cfg.actor_rollout_ref.rollout, cfg.data.max_prompt_length + cfg.data.max_response_length
     if rollout.max_model_len is not None and rollout.max_model_len < longest:
-        raise KeelError(TOKEN_BUDGET, f"actor_rollout_ref.rollout.max_model_len={rollout.max_model_len} is shorter "
-                        f"than data.max_prompt_length + data.max_response_length = {longest}: long samples "
-                        "would not fit", f"set {setting(ROLLOUT + '.max_model_len', longest)}, or "
-                        + lengths_within(cfg, rollout.max_model_len, "rollout.max_model_len").removeprefix("set "))
+        raise KeelError(
+            TOKEN_BUDGET,
+            f"actor_rollout_ref.rollout.max_model_len={rollout.max_model_len} is shorter "
+            f"than data.max_prompt_length + data.max_response_length = {longest}: long samples "
+            "would not fit",
+            f"set {setting(ROLLOUT + '.max_model_len', longest)}, or "
+            + lengths_within(cfg, rollout.max_model_len, "rollout.max_model_len").removeprefix("set "),
+        )
     if not rollout.enable_chunked_prefill and rollout.max_num_batched_tokens < cfg.data.max_prompt_length:
-        raise incompatible(f"actor_rollout_ref.rollout.max_num_batched_tokens={rollout.max_num_batched_tokens} is "
-                           f"below data.max_prompt_length={cfg.data.max_prompt_length} and "
-                           "enable_chunked_prefill=false: a long prompt fits no prefill pass",
-                           f"set {setting(ROLLOUT + '.enable_chunked_prefill', True)}, or "
-                           f"{setting(ROLLOUT + '.max_num_batched_tokens', cfg.data.max_prompt_length)}")
+        raise incompatible(
+            f"actor_rollout_ref.rollout.max_num_batched_tokens={rollout.max_num_batched_tokens} is "
+            f"below data.max_prompt_length={cfg.data.max_prompt_length} and "
+            "enable_chunked_prefill=false: a long prompt fits no prefill pass",
+            f"set {setting(ROLLOUT + '.enable_chunked_prefill', True)}, or "
+            f"{setting(ROLLOUT + '.max_num_batched_tokens', cfg.data.max_prompt_length)}",
+        )
 
 
 def _check_world(cfg: KeelConfig, incompatible) -> None:
@@ -83,30 +105,41 @@ def _check_world(cfg: KeelConfig, incompatible) -> None:
     n = cfg.actor_rollout_ref.rollout.n
     mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * n
     if mini < world:
-        raise KeelError(BATCH_ARITHMETIC, f"an actor mini-batch of {mini} samples cannot be split across "
-                        f"{world} workers (trainer.n_gpus_per_node x trainer.nnodes)",
-                        f"set {setting('actor_rollout_ref.actor.ppo_mini_batch_size', _mini_for(cfg, world))} (the "
-                        f"smallest mini-batch of prompts that reaches every worker and divides data.train_batch_size)")
+        raise KeelError(
+            BATCH_ARITHMETIC,
+            f"an actor mini-batch of {mini} samples cannot be split across "
+            f"{world} workers (trainer.n_gpus_per_node x trainer.nnodes)",
+            f"set {setting('actor_rollout_ref.actor.ppo_mini_batch_size', _mini_for(cfg, world))} (the "
+            f"smallest mini-batch of prompts that reaches every worker and divides data.train_batch_size)",
+        )
     if cfg.critic.enable_resource_pool and not cfg.critic_enabled:
-        raise incompatible("critic.enable_resource_pool=true without a critic (critic.enable, or "
-                           "algorithm.adv_estimator=gae): there is nothing to place",
-                           f"set {setting('critic.enable_resource_pool', False)}")
+        raise incompatible(
+            "critic.enable_resource_pool=true without a critic (critic.enable, or "
+            "algorithm.adv_estimator=gae): there is nothing to place",
+            f"set {setting('critic.enable_resource_pool', False)}",
+        )
     critic_mini = cfg.critic_batching[0] * n
     if cfg.critic_enabled and critic_mini < cfg.critic_world_size:
-        raise KeelError(BATCH_ARITHMETIC, f"a critic mini-batch of {critic_mini} samples cannot be split across "
-                        f"{cfg.critic_world_size} critic workers",
-                        f"set {setting('critic.ppo_mini_batch_size', _mini_for(cfg, cfg.critic_world_size))}, or use "
-                        "fewer critic workers")
+        raise KeelError(
+            BATCH_ARITHMETIC,
+            f"a critic mini-batch of {critic_mini} samples cannot be split across "
+            f"{cfg.critic_world_size} critic workers",
+            f"set {setting('critic.ppo_mini_batch_size', _mini_for(cfg, cfg.critic_world_size))}, or use "
+            "fewer critic workers",
+        )
     for key, fsdp, ranks in cfg.fsdp_roles:
         if fsdp.fsdp_size != -1 and (fsdp.fsdp_size < 1 or ranks % fsdp.fsdp_size):
-            raise incompatible(f"{key}.fsdp_config.fsdp_size={fsdp.fsdp_size} does not divide the {ranks} workers",
-                               f"set {setting(key + '.fsdp_config.fsdp_size', -1)} (shard over all {ranks}), or a "
-                               f"divisor of {ranks}")
+            raise incompatible(
+                f"{key}.fsdp_config.fsdp_size={fsdp.fsdp_size} does not divide the {ranks} workers",
+                f"set {setting(key + '.fsdp_config.fsdp_size', -1)} (shard over all {ranks}), or a divisor of {ranks}",
+            )
         if fsdp.fsdp_size == 1 and fsdp.param_offload and ranks > 1:
-            raise incompatible(f"{key}.fsdp_config.fsdp_size=1 (no sharding) with param_offload=true: offloading "
-                               "parameters is FSDP's, and fsdp_size=1 does not use FSDP",
-                               f"set {setting(key + '.fsdp_config.fsdp_size', -1)} to shard and offload, or "
-                               f"{setting(key + '.fsdp_config.param_offload', False)}")
+            raise incompatible(
+                f"{key}.fsdp_config.fsdp_size=1 (no sharding) with param_offload=true: offloading "
+                "parameters is FSDP's, and fsdp_size=1 does not use FSDP",
+                f"set {setting(key + '.fsdp_config.fsdp_size', -1)} to shard and offload, or "
+                f"{setting(key + '.fsdp_config.param_offload', False)}",
+            )
 
 
 def largest_divisor_at_most(total: int, limit: int) -> int:
@@ -116,8 +149,11 @@ def largest_divisor_at_most(total: int, limit: int) -> int:
 def lengths_within(cfg: KeelConfig, limit: int, read_by: str) -> str:
     """The fix for prompt plus response over `limit` tokens: the response shortened to fit, else both."""
     prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
-    fit = ({"data.max_response_length": limit - prompt} if limit - prompt >= min(response, 16) else
-           {"data.max_prompt_length": limit - limit // 4, "data.max_response_length": limit // 4})
+    fit = (
+        {"data.max_response_length": limit - prompt}
+        if limit - prompt >= min(response, 16)
+        else {"data.max_prompt_length": limit - limit // 4, "data.max_response_length": limit // 4}
+    )
     return f"set {overrides(fit)} (together {limit} tokens, what {read_by} reads)"
 
 
@@ -130,15 +166,21 @@ def _mini_for(cfg: KeelConfig, workers: int) -> int:
 def _group_size(cfg: KeelConfig) -> int:
     """The smallest rollout.n of 2 or more whose mini-batches still split into micro-batches."""
     actor = cfg.actor_rollout_ref.actor
-    fits = [n for n in range(2, 17)
-            if actor.use_dynamic_bsz or actor.ppo_mini_batch_size * n % actor.ppo_micro_batch_size_per_gpu == 0]
+    fits = [
+        n
+        for n in range(2, 17)
+        if actor.use_dynamic_bsz or actor.ppo_mini_batch_size * n % actor.ppo_micro_batch_size_per_gpu == 0
+    ]
     return fits[0] if fits else 2
 
 
 def check_betas(key: str, betas: list[float]) -> None:
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-        raise KeelError(BAD_VALUE, f"{key}.betas={betas} must be two numbers in [0, 1)",
-                        f"set {setting(key + '.betas', [0.9, 0.999])} (AdamW's usual betas)")
+        raise KeelError(
+            BAD_VALUE,
+            f"{key}.betas={betas} must be two numbers in [0, 1)",
+            f"set {setting(key + '.betas', [0.9, 0.999])} (AdamW's usual betas)",
+        )
 
 
 def incompatible(message: str, fix: str) -> KeelError:
@@ -148,25 +190,34 @@ def incompatible(message: str, fix: str) -> KeelError:
 def _check_algorithm(cfg: KeelConfig, incompatible) -> None:
     est, rollout = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout
     if cfg.algorithm.filter_groups.enable and rollout.n < 2:
-        raise incompatible(f"algorithm.filter_groups.enable=true with actor_rollout_ref.rollout.n={rollout.n}: a group "
-                           "of one sample always looks alike, so every prompt would be dropped",
-                           f"set {setting(ROLLOUT + '.n', _group_size(cfg))}")
+        raise incompatible(
+            f"algorithm.filter_groups.enable=true with actor_rollout_ref.rollout.n={rollout.n}: a group "
+            "of one sample always looks alike, so every prompt would be dropped",
+            f"set {setting(ROLLOUT + '.n', _group_size(cfg))}",
+        )
     if est in GROUP_ESTIMATORS and rollout.n < 2:
         raise incompatible(
             f"algorithm.adv_estimator={est} compares samples of the same prompt, but "
             f"actor_rollout_ref.rollout.n=1: every advantage would be 0 and nothing would learn",
-            f"set {setting(ROLLOUT + '.n', _group_size(cfg))} (GRPO typically uses 4-16)")
+            f"set {setting(ROLLOUT + '.n', _group_size(cfg))} (GRPO typically uses 4-16)",
+        )
     if est == "gae" and not cfg.critic_enabled:
-        raise incompatible("algorithm.adv_estimator=gae needs a critic but critic.enable=false",
-                           f"set {setting('critic.enable', True)}, or `algorithm.adv_estimator=grpo`")
+        raise incompatible(
+            "algorithm.adv_estimator=gae needs a critic but critic.enable=false",
+            f"set {setting('critic.enable', True)}, or `algorithm.adv_estimator=grpo`",
+        )
     if est == "remax" and not rollout.do_sample:
-        raise incompatible("algorithm.adv_estimator=remax compares samples with a greedy baseline, but "
-                           "rollout.do_sample=false makes every sample the baseline: all advantages 0",
-                           f"set {setting(ROLLOUT + '.do_sample', True)}")
+        raise incompatible(
+            "algorithm.adv_estimator=remax compares samples with a greedy baseline, but "
+            "rollout.do_sample=false makes every sample the baseline: all advantages 0",
+            f"set {setting(ROLLOUT + '.do_sample', True)}",
+        )
     if cfg.algorithm.critic_warmup > 0 and not cfg.critic_enabled:
-        raise incompatible(f"algorithm.critic_warmup={cfg.algorithm.critic_warmup} with no critic: the "
-                           "policy would not be updated for those steps",
-                           f"set {setting('algorithm.critic_warmup', 0)}")
+        raise incompatible(
+            f"algorithm.critic_warmup={cfg.algorithm.critic_warmup} with no critic: the "
+            "policy would not be updated for those steps",
+            f"set {setting('algorithm.critic_warmup', 0)}",
+        )
 
 
 def _check_rollout_correction(cfg: KeelConfig, incompatible) -> None:
@@ -174,57 +225,78 @@ def _check_rollout_correction(cfg: KeelConfig, incompatible) -> None:
     try:
         rc.params()
     except ValueError as e:
-        raise KeelError(BAD_VALUE, f"{key}: {e}", f"set {key}.rollout_rs to filters among token_k1..seq_max_k3 "
-                        "and rollout_rs_threshold to one bound each (k1: lower_upper), or "
-                        f"{overrides({key + '.rollout_rs': None, key + '.rollout_rs_threshold': None})} to reject "
-                        "nothing") from None
+        raise KeelError(
+            BAD_VALUE,
+            f"{key}: {e}",
+            f"set {key}.rollout_rs to filters among token_k1..seq_max_k3 "
+            "and rollout_rs_threshold to one bound each (k1: lower_upper), or "
+            f"{overrides({key + '.rollout_rs': None, key + '.rollout_rs_threshold': None})} to reject "
+            "nothing",
+        ) from None
     if not (rc.bypass_mode or rc.decoupled):
         if rc.loss_type != "ppo_clip":
-            raise incompatible(f"{key}.loss_type={rc.loss_type} without bypass_mode=true: the loss type is bypass "
-                               "mode's", f"set {setting(key + '.bypass_mode', True)}, or "
-                               f"{setting(key + '.loss_type', 'ppo_clip')}")
+            raise incompatible(
+                f"{key}.loss_type={rc.loss_type} without bypass_mode=true: the loss type is bypass mode's",
+                f"set {setting(key + '.bypass_mode', True)}, or {setting(key + '.loss_type', 'ppo_clip')}",
+            )
         return
     if not cfg.actor_rollout_ref.rollout.do_sample:
-        raise incompatible(f"{key} with rollout.do_sample=false: greedy engines record log-probs at temperature 1, "
-                           "not the distribution the trainer computes", f"set {setting(ROLLOUT + '.do_sample', True)}")
+        raise incompatible(
+            f"{key} with rollout.do_sample=false: greedy engines record log-probs at temperature 1, "
+            "not the distribution the trainer computes",
+            f"set {setting(ROLLOUT + '.do_sample', True)}",
+        )
     loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
     if rc.bypass_mode and loss_mode != "vanilla":
-        raise incompatible(f"{key}.bypass_mode=true sets the policy loss (loss_type: PPO's clip or reinforce, as "
-                           f"verl's bypass mode does), but actor.policy_loss.loss_mode={loss_mode}",
-                           f"set {setting('actor_rollout_ref.actor.policy_loss.loss_mode', 'vanilla')}, or "
-                           f"{setting(key + '.bypass_mode', False)}")
+        raise incompatible(
+            f"{key}.bypass_mode=true sets the policy loss (loss_type: PPO's clip or reinforce, as "
+            f"verl's bypass mode does), but actor.policy_loss.loss_mode={loss_mode}",
+            f"set {setting('actor_rollout_ref.actor.policy_loss.loss_mode', 'vanilla')}, or "
+            f"{setting(key + '.bypass_mode', False)}",
+        )
     if rc.bypass_mode and rc.rollout_is_batch_normalize:
-        raise incompatible(f"{key}.rollout_is_batch_normalize with bypass_mode: bypass mode weighs each micro-batch "
-                           "as it trains, so the mean would be a micro-batch's and depend on how the batch is cut",
-                           f"set {setting(key + '.rollout_is_batch_normalize', False)}, or "
-                           f"{setting(key + '.bypass_mode', False)}")
+        raise incompatible(
+            f"{key}.rollout_is_batch_normalize with bypass_mode: bypass mode weighs each micro-batch "
+            "as it trains, so the mean would be a micro-batch's and depend on how the batch is cut",
+            f"set {setting(key + '.rollout_is_batch_normalize', False)}, or {setting(key + '.bypass_mode', False)}",
+        )
     if rc.bypass_mode and rc.loss_type == "ppo_clip" and rc.rollout_is is not None:
-        raise incompatible(f"{key}.rollout_is with bypass_mode and loss_type=ppo_clip: the PPO ratio is already "
-                           "pi / pi_rollout, so verl computes these weights and never applies them",
-                           f"set {setting(key + '.rollout_is', None)}, or {setting(key + '.loss_type', 'reinforce')} "
-                           "to weight -A log pi with them")
+        raise incompatible(
+            f"{key}.rollout_is with bypass_mode and loss_type=ppo_clip: the PPO ratio is already "
+            "pi / pi_rollout, so verl computes these weights and never applies them",
+            f"set {setting(key + '.rollout_is', None)}, or {setting(key + '.loss_type', 'reinforce')} "
+            "to weight -A log pi with them",
+        )
 
 
 def _check_reward(cfg: KeelConfig, incompatible) -> None:
     if cfg.custom_reward_function.batched and (cfg.reward.scorers or not cfg.custom_reward_function.path):
-        raise incompatible("custom_reward_function.batched=true needs custom_reward_function.path and no "
-                           "reward.scorers mapping: a batched function scores every sample itself",
-                           f"set {setting('custom_reward_function.batched', False)} (the function scores one sample "
-                           "a call), or set custom_reward_function.path and remove reward.scorers")
+        raise incompatible(
+            "custom_reward_function.batched=true needs custom_reward_function.path and no "
+            "reward.scorers mapping: a batched function scores every sample itself",
+            f"set {setting('custom_reward_function.batched', False)} (the function scores one sample "
+            "a call), or set custom_reward_function.path and remove reward.scorers",
+        )
     if cfg.reward_model.enable and not cfg.reward_model.model.path:
-        raise incompatible("reward_model.enable=true without reward_model.model.path",
-                           f"set {setting('reward_model.enable', False)} to score without a reward model, or set "
-                           "reward_model.model.path to a local sequence-classification model")
+        raise incompatible(
+            "reward_model.enable=true without reward_model.model.path",
+            f"set {setting('reward_model.enable', False)} to score without a reward model, or set "
+            "reward_model.model.path to a local sequence-classification model",
+        )
     if cfg.reward_model.enable_resource_pool and not cfg.reward_model.enable:
-        raise incompatible("reward_model.enable_resource_pool=true with reward_model.enable=false: there is no "
-                           "reward model to place", f"set {setting('reward_model.enable_resource_pool', False)}")
+        raise incompatible(
+            "reward_model.enable_resource_pool=true with reward_model.enable=false: there is no reward model to place",
+            f"set {setting('reward_model.enable_resource_pool', False)}",
+        )
     overlong = cfg.reward.overlong_buffer
     if overlong.enable and overlong.len >= cfg.data.max_response_length:
-        raise incompatible(f"reward.overlong_buffer.len={overlong.len} is not shorter than "
-                           f"data.max_response_length={cfg.data.max_response_length}: every response would be "
-                           "penalised",
-                           f"set {setting('reward.overlong_buffer.len', cfg.data.max_response_length // 4)} (a quarter "
-                           "of data.max_response_length)")
+        raise incompatible(
+            f"reward.overlong_buffer.len={overlong.len} is not shorter than "
+            f"data.max_response_length={cfg.data.max_response_length}: every response would be "
+            "penalised",
+            f"set {setting('reward.overlong_buffer.len', cfg.data.max_response_length // 4)} (a quarter "
+            "of data.max_response_length)",
+        )
 
 
 def _sampling(val) -> dict:
@@ -239,30 +311,42 @@ def _check_options(cfg: KeelConfig) -> None:
     _check_reward(cfg, incompatible)
     val = rollout.val_kwargs
     if val.n > 1 and not (val.do_sample and val.temperature > 0):
-        raise incompatible(f"rollout.val_kwargs.n={val.n} with greedy decoding gives {val.n} identical answers",
-                           f"set {overrides(_sampling(val))}, or {setting(ROLLOUT + '.val_kwargs.n', 1)}")
+        raise incompatible(
+            f"rollout.val_kwargs.n={val.n} with greedy decoding gives {val.n} identical answers",
+            f"set {overrides(_sampling(val))}, or {setting(ROLLOUT + '.val_kwargs.n', 1)}",
+        )
     if val.do_sample and val.temperature == 0:
-        raise incompatible("rollout.val_kwargs.do_sample=true with temperature=0 is greedy decoding",
-                           f"set {overrides(_sampling(val))}, or {setting(ROLLOUT + '.val_kwargs.do_sample', False)}")
-    for key, optim in (("actor_rollout_ref.actor.optim", cfg.actor_rollout_ref.actor.optim),
-                       ("critic.optim", cfg.critic.optim)):
+        raise incompatible(
+            "rollout.val_kwargs.do_sample=true with temperature=0 is greedy decoding",
+            f"set {overrides(_sampling(val))}, or {setting(ROLLOUT + '.val_kwargs.do_sample', False)}",
+        )
+    for key, optim in (
+        ("actor_rollout_ref.actor.optim", cfg.actor_rollout_ref.actor.optim),
+        ("critic.optim", cfg.critic.optim),
+    ):
         check_betas(key, optim.betas)
     if not rollout.do_sample and rollout.n > 1:
         raise incompatible(
             f"actor_rollout_ref.rollout.do_sample=false with rollout.n={rollout.n}: greedy samples "
             "of one prompt are identical",
-            f"set {setting(ROLLOUT + '.do_sample', True)}, or {setting(ROLLOUT + '.n', 1)}")
+            f"set {setting(ROLLOUT + '.do_sample', True)}, or {setting(ROLLOUT + '.n', 1)}",
+        )
     multi_turn = rollout.multi_turn
     if multi_turn.environment and multi_turn.interaction_config_path:
-        raise incompatible("rollout.multi_turn.environment and rollout.multi_turn.interaction_config_path both "
-                           "answer the turns without tool calls", "keep one: "
-                           f"{setting(ROLLOUT + '.multi_turn.interaction_config_path', None)} (keel's environment), or "
-                           f"{setting(ROLLOUT + '.multi_turn.environment', None)} (verl's interactions)")
+        raise incompatible(
+            "rollout.multi_turn.environment and rollout.multi_turn.interaction_config_path both "
+            "answer the turns without tool calls",
+            "keep one: "
+            f"{setting(ROLLOUT + '.multi_turn.interaction_config_path', None)} (keel's environment), or "
+            f"{setting(ROLLOUT + '.multi_turn.environment', None)} (verl's interactions)",
+        )
     _check_world(cfg, incompatible)
     _check_token_budgets(cfg)
     _check_rollout_lengths(cfg, incompatible)
     if not cfg.data.train_files:
         raise incompatible("data.train_files is empty", "set data.train_files to parquet/jsonl files")
     if not cfg.actor_rollout_ref.model.path:
-        raise incompatible("actor_rollout_ref.model.path is empty",
-                           "set actor_rollout_ref.model.path to a local Hugging Face model directory")
+        raise incompatible(
+            "actor_rollout_ref.model.path is empty",
+            "set actor_rollout_ref.model.path to a local Hugging Face model directory",
+        )

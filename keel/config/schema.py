@@ -14,7 +14,7 @@ from keel.config.algorithm import ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_TYPES, Al
 from keel.config.fields import ResourcePool, opt
 from keel.config.multi_turn import MultiTurnConfig
 from keel.config.reward import CustomRewardConfig, RewardConfig, RewardModelConfig
-
+from keel.config.trainer import TrainerConfig
 
 DTYPES = ("float32", "bfloat16", "auto")  # float16 would need loss scaling
 
@@ -38,9 +38,12 @@ class DataConfig:
 @dataclass
 class ModelOptions:
     """What every trained model's section holds besides where the model is (RL's and SFT's)."""
-    dtype: str = opt("auto", choices=DTYPES,
-                     help="compute dtype; auto: bfloat16 on GPU, float32 on CPU. Weights and optimiser state stay "
-                          "float32")
+
+    dtype: str = opt(
+        "auto",
+        choices=DTYPES,
+        help="compute dtype; auto: bfloat16 on GPU, float32 on CPU. Weights and optimiser state stay float32",
+    )
     trust_remote_code: bool = opt(False)
     enable_gradient_checkpointing: bool = opt(False)
 
@@ -48,13 +51,17 @@ class ModelOptions:
 @dataclass
 class LoraOptions:
     """LoRA (peft) on a trained model; lora_rank 0 trains every parameter."""
+
     lora_rank: int = opt(0, ge=0, help="LoRA rank; 0: full-parameter training")
     lora_alpha: int = opt(16, gt=0, help="LoRA scale numerator (the update is scaled by alpha / rank)")
-    target_modules: list[str] = opt(factory=lambda: ["all-linear"], help="all-linear (every projection of every "
-                                    "decoder layer), or every projection's name")
+    target_modules: list[str] = opt(
+        factory=lambda: ["all-linear"],
+        help="all-linear (every projection of every decoder layer), or every projection's name",
+    )
     exclude_modules: list[str] = opt(factory=list, help="linear layers (name patterns) to leave without adapters")
-    modules_to_save: list[str] = opt(factory=list, help="modules trained in full beside the adapters (e.g. "
-                                     "embed_tokens); nothing else may train")
+    modules_to_save: list[str] = opt(
+        factory=list, help="modules trained in full beside the adapters (e.g. embed_tokens); nothing else may train"
+    )
     lora_adapter_path: str | None = opt(None, help="start from a saved PEFT adapter directory")
 
 
@@ -82,14 +89,19 @@ class PolicyLossConfig:
 @dataclass
 class FSDPConfig:
     param_offload: bool = opt(False, help="sharded parameters (and their gradients) live in CPU memory")
-    optimizer_offload: bool = opt(False, help="Adam's moments live in CPU memory; the step brings them to the GPU "
-                                              "a 1 GiB bucket at a time")
-    reshard_after_forward: bool = opt(True, help="free gathered layers after forward: less memory, one "
-                                                 "more all-gather in backward")
-    fsdp_size: int = opt(-1, help="shard within groups of this many ranks, replicate across them; -1: all; "
-                                   "1: no sharding, gradients all-reduced (DDP; for models that fit one GPU); "
-                                   "the actor's, left unset on several GPUs: keel picks 1 when a whole replica "
-                                   "takes at most half a GPU, else -1, logs why and keel check shows it")
+    optimizer_offload: bool = opt(
+        False, help="Adam's moments live in CPU memory; the step brings them to the GPU a 1 GiB bucket at a time"
+    )
+    reshard_after_forward: bool = opt(
+        True, help="free gathered layers after forward: less memory, one more all-gather in backward"
+    )
+    fsdp_size: int = opt(
+        -1,
+        help="shard within groups of this many ranks, replicate across them; -1: all; "
+        "1: no sharding, gradients all-reduced (DDP; for models that fit one GPU); "
+        "the actor's, left unset on several GPUs: keel picks 1 when a whole replica "
+        "takes at most half a GPU, else -1, logs why and keel check shows it",
+    )
 
 
 @dataclass
@@ -111,8 +123,11 @@ class ActorConfig:
     kl_loss_coef: float = opt(0.001, ge=0)
     kl_loss_type: str = opt("low_var_kl", choices=KL_TYPES)
     grad_clip: float = opt(1.0, gt=0)
-    use_torch_compile: bool = opt(True, help="GPU: torch.compile each decoder layer and the log-prob/entropy "
-                                             "arithmetic over the vocabulary (actor, reference, critic)")
+    use_torch_compile: bool = opt(
+        True,
+        help="GPU: torch.compile each decoder layer and the log-prob/entropy "
+        "arithmetic over the vocabulary (actor, reference, critic)",
+    )
     optim: OptimConfig = opt(factory=OptimConfig)
     fsdp_config: FSDPConfig = opt(factory=FSDPConfig)
 
@@ -129,6 +144,7 @@ class ValKwargs:
 @dataclass
 class LogProbBatching:
     """Micro-batches of a forward-only log-prob pass: the rollout's (old log-probs) or the reference's."""
+
     log_prob_micro_batch_size_per_gpu: int = opt(8, gt=0)
     log_prob_use_dynamic_bsz: bool = opt(False, help="log-prob micro-batches by token budget")
     log_prob_max_token_len_per_gpu: int = opt(32768, gt=0, help="log_prob_use_dynamic_bsz: padded tokens per forward")
@@ -136,8 +152,11 @@ class LogProbBatching:
 
 @dataclass
 class RolloutConfig(LogProbBatching):
-    name: str = opt("auto", choices=("auto", "native", "hf"),
-                    help="generation engine; auto: native where it supports the model, else hf")
+    name: str = opt(
+        "auto",
+        choices=("auto", "native", "hf"),
+        help="generation engine; auto: native where it supports the model, else hf",
+    )
     n: int = opt(1, gt=0, help="samples per prompt")
     temperature: float = opt(1.0, gt=0)
     top_p: float = opt(1.0, gt=0, le=1)
@@ -146,17 +165,29 @@ class RolloutConfig(LogProbBatching):
     ignore_eos: bool = opt(False, help="generate max_response_length tokens whatever is sampled (benchmarks)")
     max_num_seqs: int = opt(256, gt=0, help="sequences generated at once")
     max_num_batched_tokens: int = opt(8192, gt=0, help="native: prompt tokens per prefill pass")
-    enable_chunked_prefill: bool = opt(True, help="native: a prompt longer than max_num_batched_tokens is prefilled "
-                                                  "in pieces; false refuses such a config")
-    max_model_len: int | None = opt(None, gt=0, help="longest prompt + response the rollout holds; default: "
-                                                     "data.max_prompt_length + data.max_response_length")
+    enable_chunked_prefill: bool = opt(
+        True,
+        help="native: a prompt longer than max_num_batched_tokens is prefilled in pieces; false refuses such a config",
+    )
+    max_model_len: int | None = opt(
+        None,
+        gt=0,
+        help="longest prompt + response the rollout holds; default: data.max_prompt_length + data.max_response_length",
+    )
     enforce_eager: bool = opt(False, help="native: no CUDA graphs and no torch.compile in decoding (debugging)")
-    free_cache_engine: bool | None = opt(None, help="native: true frees the KV cache after each generation; false "
-                                                    "keeps it, and its CUDA graphs, for the next batch of the same "
-                                                    "shape; null (keel's default): keeps it while it takes at most "
-                                                    "2% of the GPU's memory")
-    gpu_memory_utilization: float = opt(0.5, gt=0, le=1, help="native: share of the free GPU memory the KV "
-                                                              "cache may take (fewer sequences at once if needed)")
+    free_cache_engine: bool | None = opt(
+        None,
+        help="native: true frees the KV cache after each generation; false "
+        "keeps it, and its CUDA graphs, for the next batch of the same "
+        "shape; null (keel's default): keeps it while it takes at most "
+        "2% of the GPU's memory",
+    )
+    gpu_memory_utilization: float = opt(
+        0.5,
+        gt=0,
+        le=1,
+        help="native: share of the free GPU memory the KV cache may take (fewer sequences at once if needed)",
+    )
     val_kwargs: ValKwargs = opt(factory=ValKwargs)
     multi_turn: MultiTurnConfig = opt(factory=MultiTurnConfig)
 
@@ -169,6 +200,7 @@ class RefConfig(LogProbBatching):
 @dataclass
 class ActorRolloutRefConfig:
     """verl's actor_rollout_ref: the policy's model, its training, its generation, and the reference."""
+
     model: ModelConfig = opt(factory=ModelConfig)
     actor: ActorConfig = opt(factory=ActorConfig)
     rollout: RolloutConfig = opt(factory=RolloutConfig, help="generation: the rollout engine and sampling")
@@ -202,55 +234,6 @@ class CriticConfig(ResourcePool):
 
 
 @dataclass
-class GuardsConfig:
-    nonfinite: str = opt("stop", choices=("stop", "skip"), help="NaN/inf in a stage: stop, or skip the step")
-    zero_signal_steps: int = opt(5, gt=0, help="warn after this many steps with no reward variance")
-    max_clip_ratio: float = opt(0.9, ge=0, le=1, help="warn when more responses hit max_response_length")
-    min_response_length: float = opt(1.5, ge=0, help="warn when responses average fewer tokens")
-    min_entropy: float = opt(0.01, ge=0, help="warn below this entropy (collapse)")
-    max_kl: float = opt(1.0, gt=0, help="warn above this ppo_kl or ref_kl (blow-up)")
-    max_log_prob_gap: float = opt(0.1, gt=0, help="mean |sampler - trainer| log-prob per token past which the "
-                                  "engine is out of sync with the trainer (KEEL-T006); bf16 numerics give about 0.01")
-    phase_timeout_s: float | None = opt(3600.0, gt=0, help="a phase running longer dumps stacks and exits "
-                                        "(null: never; a hang outside a collective would wait forever)")
-
-
-@dataclass
-class RunOptions:
-    """What every run's trainer section holds (RL's and SFT's): its name, where it writes, how long
-    it runs, where it computes and logs."""
-    project_name: str = opt("keel")
-    experiment_name: str = opt("run")
-    default_local_dir: str | None = opt(None, help="default: checkpoints/<project>/<experiment>")
-    total_epochs: int = opt(1, gt=0)
-    total_training_steps: int | None = opt(None, gt=0, help="default: epochs x batches per epoch")
-    save_freq: int = opt(-1, help="checkpoint every N steps; -1: only at the end")
-    resume_mode: str = opt("auto", help="auto | disable | path of a global_step_<N> dir")
-    seed: int = opt(1, ge=0)
-    device: str = opt("auto", choices=("auto", "cpu", "cuda"))
-    logger: list[str] = opt(factory=lambda: ["console"], choices=("console", "wandb", "tensorboard", "mlflow"),
-                            help="console and experiment trackers (pip install -e '.[tracking]' in keel's checkout); metrics.jsonl is "
-                                 "always written")
-
-
-@dataclass
-class TrainerConfig(RunOptions):
-    test_freq: int = opt(-1, help="validate every N steps; -1: never")
-    val_before_train: bool = opt(True)
-    max_actor_ckpt_to_keep: int | None = opt(None, gt=0, help="older checkpoints are deleted")
-    log_samples: int = opt(4, ge=0, help="samples per step written to samples.jsonl")
-    log_val_generations: int = opt(0, ge=0, help="validation samples per evaluation: a table to the trackers, and "
-                                                 "samples.jsonl (split: val), which keel report shows")
-    n_gpus_per_node: int = opt(1, gt=0, help="workers per node (CPU processes with device=cpu)")
-    nnodes: int = opt(1, gt=0, help="nodes of the Ray cluster (RAY_ADDRESS) to train on")
-    collective_timeout_s: float = opt(300.0, gt=0, help="a collective waiting longer fails (NCCL's "
-                                                        "default is 600 s)")
-    guards: GuardsConfig = opt(factory=GuardsConfig)
-    hooks: list[str] = opt(factory=list, help="`module:function` called as fn(step, metrics, batch)")
-    hook_freq: int = opt(1, gt=0, help="call hooks every N steps")
-
-
-@dataclass
 class KeelConfig:
     data: DataConfig = opt(factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = opt(factory=ActorRolloutRefConfig)
@@ -266,32 +249,64 @@ class KeelConfig:
     # Anything else would make the resumed run a different run.
     RESUME_MAY_CHANGE = (
         # when it stops, what it logs and where
-        "trainer.total_training_steps", "trainer.total_epochs", "trainer.resume_mode", "trainer.logger",
-        "trainer.log_samples", "trainer.default_local_dir", "trainer.project_name", "trainer.experiment_name",
-        "trainer.guards.", "trainer.hooks", "trainer.hook_freq",
+        "trainer.total_training_steps",
+        "trainer.total_epochs",
+        "trainer.resume_mode",
+        "trainer.logger",
+        "trainer.log_samples",
+        "trainer.default_local_dir",
+        "trainer.project_name",
+        "trainer.experiment_name",
+        "trainer.guards.",
+        "trainer.hooks",
+        "trainer.hook_freq",
         # validation and checkpoints
-        "trainer.test_freq", "trainer.val_before_train", "data.val_files", "data.val_batch_size",
-        "actor_rollout_ref.rollout.val_kwargs.", "trainer.save_freq", "trainer.max_actor_ckpt_to_keep",
+        "trainer.test_freq",
+        "trainer.val_before_train",
+        "data.val_files",
+        "data.val_batch_size",
+        "actor_rollout_ref.rollout.val_kwargs.",
+        "trainer.save_freq",
+        "trainer.max_actor_ckpt_to_keep",
         # devices, workers, sharding
-        "trainer.device", "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.collective_timeout_s",
-        "actor_rollout_ref.actor.fsdp_config.", "actor_rollout_ref.ref.fsdp_config.", "critic.model.fsdp_config.",
-        "critic.enable_resource_pool", "critic.n_gpus_per_node", "critic.nnodes",  # its checkpoint is the same
-        "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes",
+        "trainer.device",
+        "trainer.n_gpus_per_node",
+        "trainer.nnodes",
+        "trainer.collective_timeout_s",
+        "actor_rollout_ref.actor.fsdp_config.",
+        "actor_rollout_ref.ref.fsdp_config.",
+        "critic.model.fsdp_config.",
+        "critic.enable_resource_pool",
+        "critic.n_gpus_per_node",
+        "critic.nnodes",  # its checkpoint is the same
+        "reward_model.enable_resource_pool",
+        "reward_model.n_gpus_per_node",
+        "reward_model.nnodes",
         # generation engine
-        "actor_rollout_ref.rollout.name", "actor_rollout_ref.rollout.max_num_seqs",
-        "actor_rollout_ref.rollout.max_num_batched_tokens", "actor_rollout_ref.rollout.gpu_memory_utilization",
-        "actor_rollout_ref.rollout.enforce_eager", "actor_rollout_ref.rollout.free_cache_engine",
-        "actor_rollout_ref.rollout.enable_chunked_prefill", "actor_rollout_ref.rollout.max_model_len",
+        "actor_rollout_ref.rollout.name",
+        "actor_rollout_ref.rollout.max_num_seqs",
+        "actor_rollout_ref.rollout.max_num_batched_tokens",
+        "actor_rollout_ref.rollout.gpu_memory_utilization",
+        "actor_rollout_ref.rollout.enforce_eager",
+        "actor_rollout_ref.rollout.free_cache_engine",
+        "actor_rollout_ref.rollout.enable_chunked_prefill",
+        "actor_rollout_ref.rollout.max_model_len",
         # kernels and compute precision (weights and optimiser state are float32 whatever they are)
-        "actor_rollout_ref.actor.use_torch_compile", "actor_rollout_ref.model.dtype",
+        "actor_rollout_ref.actor.use_torch_compile",
+        "actor_rollout_ref.model.dtype",
         # micro-batches (the numbers do not depend on them)
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.use_dynamic_bsz",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        "actor_rollout_ref.actor.use_dynamic_bsz",
         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-        "critic.ppo_micro_batch_size_per_gpu", "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu",
+        "critic.ppo_micro_batch_size_per_gpu",
+        "critic.use_dynamic_bsz",
+        "critic.ppo_max_token_len_per_gpu",
     )
 
     # --- derived settings, so components never re-derive defaults on their own ---
@@ -334,9 +349,11 @@ class KeelConfig:
     def critic_batching(self) -> tuple[int, int, int]:
         """(mini-batch prompts, micro-batch samples, epochs) of the critic: the actor's unless set."""
         c, actor = self.critic, self.actor_rollout_ref.actor
-        return (c.ppo_mini_batch_size or actor.ppo_mini_batch_size,
-                c.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu,
-                c.ppo_epochs or actor.ppo_epochs)
+        return (
+            c.ppo_mini_batch_size or actor.ppo_mini_batch_size,
+            c.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu,
+            c.ppo_epochs or actor.ppo_epochs,
+        )
 
     @property
     def ref_enabled(self) -> bool:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from keel.config.fields import opt
-from keel.config.rules import largest_divisor_at_most, check_betas
-from keel.config.schema import LoraOptions, ModelOptions, OptimConfig, RunOptions
+from keel.config.rules import check_betas, largest_divisor_at_most
+from keel.config.schema import LoraOptions, ModelOptions, OptimConfig
+from keel.config.trainer import RunOptions
 from keel.errors import BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, KeelError
 from keel.errors.fixes import setting
 
@@ -51,10 +52,21 @@ class SFTConfig:
     optim: SFTOptimConfig = opt(factory=SFTOptimConfig, help="AdamW and its schedule, stepped once per batch")
     trainer: SFTTrainerConfig = opt(factory=SFTTrainerConfig)
 
-    RESUME_MAY_CHANGE = ("trainer.total_training_steps", "trainer.total_epochs", "trainer.test_freq",
-                         "trainer.save_freq", "trainer.max_ckpt_to_keep", "trainer.resume_mode", "trainer.logger",
-                         "trainer.default_local_dir", "trainer.project_name", "trainer.experiment_name",
-                         "trainer.device", "data.val_files", "data.micro_batch_size_per_gpu")
+    RESUME_MAY_CHANGE = (
+        "trainer.total_training_steps",
+        "trainer.total_epochs",
+        "trainer.test_freq",
+        "trainer.save_freq",
+        "trainer.max_ckpt_to_keep",
+        "trainer.resume_mode",
+        "trainer.logger",
+        "trainer.default_local_dir",
+        "trainer.project_name",
+        "trainer.experiment_name",
+        "trainer.device",
+        "data.val_files",
+        "data.micro_batch_size_per_gpu",
+    )
 
     @property
     def run_dir(self) -> str:
@@ -65,15 +77,21 @@ class SFTConfig:
         d = self.data
         if d.train_batch_size % d.micro_batch_size_per_gpu:
             divisor = largest_divisor_at_most(d.train_batch_size, d.micro_batch_size_per_gpu)
-            raise KeelError(BATCH_ARITHMETIC,
-                            f"data.train_batch_size={d.train_batch_size} does not split into micro-batches of "
-                            f"data.micro_batch_size_per_gpu={d.micro_batch_size_per_gpu}",
-                            f"set {setting('data.micro_batch_size_per_gpu', divisor)} (the largest divisor of "
-                            f"{d.train_batch_size} up to {d.micro_batch_size_per_gpu})")
+            raise KeelError(
+                BATCH_ARITHMETIC,
+                f"data.train_batch_size={d.train_batch_size} does not split into micro-batches of "
+                f"data.micro_batch_size_per_gpu={d.micro_batch_size_per_gpu}",
+                f"set {setting('data.micro_batch_size_per_gpu', divisor)} (the largest divisor of "
+                f"{d.train_batch_size} up to {d.micro_batch_size_per_gpu})",
+            )
         if not d.train_files:
-            raise KeelError(INCOMPATIBLE_OPTIONS, "data.train_files is empty",
-                            "set data.train_files to parquet/jsonl files")
+            raise KeelError(
+                INCOMPATIBLE_OPTIONS, "data.train_files is empty", "set data.train_files to parquet/jsonl files"
+            )
         check_betas("optim", self.optim.betas)
         if not self.model.partial_pretrain:
-            raise KeelError(INCOMPATIBLE_OPTIONS, "model.partial_pretrain is empty",
-                            "set model.partial_pretrain to a local Hugging Face model directory")
+            raise KeelError(
+                INCOMPATIBLE_OPTIONS,
+                "model.partial_pretrain is empty",
+                "set model.partial_pretrain to a local Hugging Face model directory",
+            )

@@ -10,8 +10,19 @@ import re
 from typing import Any
 
 from keel.config.verl_releases import earlier_releases
-from keel.config.verl_rules import (ACCEPT, DERIVED, NO_VLLM, REFUSE, RENAME, UNSET_VALUES, VALUE_ALIASES,
-                                    VALUE_REFUSALS, VERL_LOGGERS, quiet, rule_for)
+from keel.config.verl_rules import (
+    ACCEPT,
+    DERIVED,
+    NO_VLLM,
+    REFUSE,
+    RENAME,
+    UNSET_VALUES,
+    VALUE_ALIASES,
+    VALUE_REFUSALS,
+    VERL_LOGGERS,
+    quiet,
+    rule_for,
+)
 from keel.errors import VERL_UNSUPPORTED, KeelError
 from keel.errors.fixes import setting
 
@@ -40,13 +51,18 @@ def adapt_verl(tree: dict, known: set[str], defaults: dict[str, Any], problems: 
                 decided.append(f"{key}: {value} is {VALUE_ALIASES[key][value]} in keel (the same numbers)")
                 value = VALUE_ALIASES[key][value]
             if isinstance(value, str) and value in VALUE_REFUSALS.get(key, {}):
-                problems.append(KeelError(VERL_UNSUPPORTED, f"{key}={value!r} is a verl setting keel does not have: "
-                                          f"{VALUE_REFUSALS[key][value]}", f"set {setting(key, defaults[key])} "
-                                          "(keel's default; docs/config.md lists the others)"))
+                problems.append(
+                    KeelError(
+                        VERL_UNSUPPORTED,
+                        f"{key}={value!r} is a verl setting keel does not have: {VALUE_REFUSALS[key][value]}",
+                        f"set {setting(key, defaults[key])} (keel's default; docs/config.md lists the others)",
+                    )
+                )
                 continue
             if any(value == unset and type(value) is type(unset) for unset in UNSET_VALUES.get(key, ())):
-                decided.append(f"{key}: {value!r} is verl's; " + (NO_VLLM if "rollout.name" in key else
-                                                                   "keel's default applies"))
+                decided.append(
+                    f"{key}: {value!r} is verl's; " + (NO_VLLM if "rollout.name" in key else "keel's default applies")
+                )
             else:
                 kept.setdefault(key, value)
             continue
@@ -56,8 +72,13 @@ def adapt_verl(tree: dict, known: set[str], defaults: dict[str, Any], problems: 
         elif rule.kind == RENAME:  # only those without a new name are left (_renamed took the rest)
             pass
         elif rule.kind == REFUSE and not rule.allowed(value):
-            problems.append(KeelError(VERL_UNSUPPORTED, f"{key}={value!r} is a verl setting keel does not have: "
-                                      f"{rule.note}", f"remove `{key}` (verl's default then applies)"))
+            problems.append(
+                KeelError(
+                    VERL_UNSUPPORTED,
+                    f"{key}={value!r} is a verl setting keel does not have: {rule.note}",
+                    f"remove `{key}` (verl's default then applies)",
+                )
+            )
         elif rule.kind == ACCEPT and not quiet(key, value):
             decided.append(f"{key}: {rule.note}")
     return _unflat(kept)
@@ -98,14 +119,21 @@ def _loggers(value: Any, decided: list, problems: list) -> Any:
             decided.append("trainer.logger: tracking is verl's older name of wandb")
             kept.append("wandb")
         elif name == "file":
-            decided.append("trainer.logger: file, verl's JSON-lines metrics, is keel's metrics.jsonl in the run "
-                           "directory, written always")
+            decided.append(
+                "trainer.logger: file, verl's JSON-lines metrics, is keel's metrics.jsonl in the run "
+                "directory, written always"
+            )
         elif name in VERL_LOGGERS:
-            problems.append(KeelError(VERL_UNSUPPORTED, f"trainer.logger: {name!r} is a verl tracker keel has no sink "
-                                      f"for ({VERL_LOGGERS[name]}); keel logs to console, wandb, tensorboard and "
-                                      "mlflow, and writes metrics.jsonl in the run directory always",
-                                      f"set {setting('trainer.logger', _without(names, name))} (without {name}; "
-                                      "wandb, tensorboard or mlflow in its place if you want a tracker)"))
+            problems.append(
+                KeelError(
+                    VERL_UNSUPPORTED,
+                    f"trainer.logger: {name!r} is a verl tracker keel has no sink "
+                    f"for ({VERL_LOGGERS[name]}); keel logs to console, wandb, tensorboard and "
+                    "mlflow, and writes metrics.jsonl in the run directory always",
+                    f"set {setting('trainer.logger', _without(names, name))} (without {name}; "
+                    "wandb, tensorboard or mlflow in its place if you want a tracker)",
+                )
+            )
         else:
             kept.append(name)
     return list(dict.fromkeys(kept))
@@ -123,37 +151,66 @@ def _reward_manager(flat: dict[str, Any], defaults: dict[str, Any], decided: lis
     named = [flat.pop(key, None) for key in ("reward_model.reward_manager", "reward_manager.name")]
     manager = next((name for name in named if name not in (None, "naive")), "naive")
     flat.pop("reward_model.reward_kwargs", None)  # an empty mapping: nothing to pass
-    kwargs = {key.removeprefix("reward_model.reward_kwargs."): flat.pop(key) for key in list(flat)
-              if key.startswith("reward_model.reward_kwargs.")}
+    kwargs = {
+        key.removeprefix("reward_model.reward_kwargs."): flat.pop(key)
+        for key in list(flat)
+        if key.startswith("reward_model.reward_kwargs.")
+    }
     if manager == "batch":
         flat.setdefault("custom_reward_function.batched", True)
     elif manager == "prime":
         flat.setdefault("reward.num_workers", min(8, os.cpu_count() or 1))
     elif manager != "naive" and manager != "dapo":
-        problems.append(KeelError(VERL_UNSUPPORTED, f"reward_model.reward_manager={manager!r} is a verl reward "
-                                  "manager keel does not have",
-                                  f"set {setting('reward_model.reward_manager', 'naive')} (keel's default), or batch, "
-                                  "dapo or prime"))
+        problems.append(
+            KeelError(
+                VERL_UNSUPPORTED,
+                f"reward_model.reward_manager={manager!r} is a verl reward manager keel does not have",
+                f"set {setting('reward_model.reward_manager', 'naive')} (keel's default), or batch, dapo or prime",
+            )
+        )
     if manager != "naive":
-        decided.append(f"reward_model.reward_manager: {manager}, as keel's " + {
-            "batch": "custom_reward_function.batched=true", "prime": "reward.num_workers scoring processes",
-            "dapo": "reward.overlong_buffer (reward_kwargs.overlong_buffer_cfg)"}.get(manager, manager))
+        decided.append(
+            f"reward_model.reward_manager: {manager}, as keel's "
+            + {
+                "batch": "custom_reward_function.batched=true",
+                "prime": "reward.num_workers scoring processes",
+                "dapo": "reward.overlong_buffer (reward_kwargs.overlong_buffer_cfg)",
+            }.get(manager, manager)
+        )
+    _reward_kwargs(kwargs, manager, flat, defaults, problems)
+
+
+def _reward_kwargs(kwargs: dict[str, Any], manager: str, flat: dict[str, Any], defaults: dict, problems: list) -> None:
+    """The reward manager's reward_kwargs: DAPO's overlong_buffer_cfg as reward.overlong_buffer;
+    max_resp_len only as data.max_response_length; any other refused by name."""
     for key, value in kwargs.items():
         option = key.removeprefix("overlong_buffer_cfg.")
         if key.startswith("overlong_buffer_cfg.") and option in ("enable", "len", "penalty_factor"):
             flat[f"reward.overlong_buffer.{option}"] = value
-        elif key == "max_resp_len" and value not in (None, flat.get("data.max_response_length",
-                                                                  defaults.get("data.max_response_length"))):
-            problems.append(KeelError(VERL_UNSUPPORTED, f"reward_model.reward_kwargs.max_resp_len={value} differs "
-                                      "from data.max_response_length; keel's overlong penalty measures against "
-                                      "data.max_response_length",
-                                      f"remove `reward_model.reward_kwargs.max_resp_len` (the penalty measures against "
-                                      "data.max_response_length)"))
+        elif key == "max_resp_len" and value not in (
+            None,
+            flat.get("data.max_response_length", defaults.get("data.max_response_length")),
+        ):
+            problems.append(
+                KeelError(
+                    VERL_UNSUPPORTED,
+                    f"reward_model.reward_kwargs.max_resp_len={value} differs "
+                    "from data.max_response_length; keel's overlong penalty measures against "
+                    "data.max_response_length",
+                    "remove `reward_model.reward_kwargs.max_resp_len` (the penalty measures against "
+                    "data.max_response_length)",
+                )
+            )
         elif key not in ("max_resp_len", "overlong_buffer_cfg.log"):  # keel logs the penalty always
-            problems.append(KeelError(VERL_UNSUPPORTED, f"reward_model.reward_kwargs.{key} is not an argument of "
-                                      f"verl's {manager} reward manager that keel has",
-                                      f"remove `reward_model.reward_kwargs.{key}`; "
-                                      "custom_reward_function.reward_kwargs reach your function"))
+            problems.append(
+                KeelError(
+                    VERL_UNSUPPORTED,
+                    f"reward_model.reward_kwargs.{key} is not an argument of "
+                    f"verl's {manager} reward manager that keel has",
+                    f"remove `reward_model.reward_kwargs.{key}`; "
+                    "custom_reward_function.reward_kwargs reach your function",
+                )
+            )
 
 
 def _flat(tree: dict, known: set[str], prefix: str = "") -> dict[str, Any]:
@@ -177,7 +234,6 @@ def _unflat(flat: dict[str, Any]) -> dict:
             node = node.setdefault(part, {})
         node[leaf] = value
     return tree
-
 
 
 _REFERENCE = re.compile(r"\$\{(oc\.select:)?\s*([^,}]+?)\s*(?:,\s*([^}]*))?\}")

@@ -13,8 +13,14 @@ from typing import Any
 from keel.errors import VERL_UNSUPPORTED, KeelError
 
 NEW = "algorithm.rollout_correction."
-OLD_IS = ("algorithm.rollout_is", "algorithm.rollout_is_threshold", "algorithm.rollout_is_threshold_lower",
-          "algorithm.rollout_is_level", "algorithm.rollout_is_mode", "algorithm.rollout_is_veto_threshold")
+OLD_IS = (
+    "algorithm.rollout_is",
+    "algorithm.rollout_is_threshold",
+    "algorithm.rollout_is_threshold_lower",
+    "algorithm.rollout_is_level",
+    "algorithm.rollout_is_mode",
+    "algorithm.rollout_is_veto_threshold",
+)
 # verl 0.7.0's rejection levels on the ratio band [lower, upper], as 0.9.1's k1 options (whose bounds
 # are on -log ratio: a band [l, u] of 0.9.1 keeps ratios in [1/u, 1/l]).
 RS_LEVELS = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
@@ -28,13 +34,20 @@ def earlier_releases(flat: dict[str, Any], decided: list, problems: list) -> Non
     if NEW + "use_policy_gradient" in flat:
         if flat.pop(NEW + "use_policy_gradient"):
             flat[NEW + "loss_type"] = "reinforce"
-            decided.append(f"{NEW}use_policy_gradient=true (verl 0.6.1): {NEW}loss_type=reinforce in verl's later "
-                           "releases and keel (the same loss)")
+            decided.append(
+                f"{NEW}use_policy_gradient=true (verl 0.6.1): {NEW}loss_type=reinforce in verl's later "
+                "releases and keel (the same loss)"
+            )
 
 
 def _refuse(problems: list, key: str, value: Any, what: str, fix: str) -> None:
-    problems.append(KeelError(VERL_UNSUPPORTED, f"{key}={value!r} is a setting of an earlier verl release that "
-                              f"keel does not have: {what}", fix))
+    problems.append(
+        KeelError(
+            VERL_UNSUPPORTED,
+            f"{key}={value!r} is a setting of an earlier verl release that keel does not have: {what}",
+            fix,
+        )
+    )
 
 
 def _rollout_is_family(old: dict[str, Any], flat: dict[str, Any], decided: list, problems: list) -> None:
@@ -46,31 +59,52 @@ def _rollout_is_family(old: dict[str, Any], flat: dict[str, Any], decided: list,
     veto = old.get("algorithm.rollout_is_veto_threshold")
     refused = len(problems)
     if mode not in (None, "truncate"):
-        _refuse(problems, "algorithm.rollout_is_mode", mode, "the weights zeroed outside [lower, upper]; verl's later "
-                "releases and keel truncate the weights and reject tokens with "
-                f"{NEW}rollout_rs (token_k1 is a band on the token's ratio) and {NEW}rollout_rs_threshold",
-                "remove `algorithm.rollout_is_mode` (truncated weights), and set "
-                f"{NEW}rollout_rs=token_k1 with {NEW}rollout_rs_threshold for a band")
+        _refuse(
+            problems,
+            "algorithm.rollout_is_mode",
+            mode,
+            "the weights zeroed outside [lower, upper]; verl's later "
+            "releases and keel truncate the weights and reject tokens with "
+            f"{NEW}rollout_rs (token_k1 is a band on the token's ratio) and {NEW}rollout_rs_threshold",
+            "remove `algorithm.rollout_is_mode` (truncated weights), and set "
+            f"{NEW}rollout_rs=token_k1 with {NEW}rollout_rs_threshold for a band",
+        )
     if level not in ("token", "sequence"):
-        _refuse(problems, "algorithm.rollout_is_level", level, "weights from the geometric mean of a sequence's "
-                f"ratios, which later releases dropped ({NEW}rollout_is is token or sequence; {NEW}rollout_rs="
-                "seq_mean_k1 rejects on the geometric mean)", "remove `algorithm.rollout_is_level` (per-token weights)")
+        _refuse(
+            problems,
+            "algorithm.rollout_is_level",
+            level,
+            "weights from the geometric mean of a sequence's "
+            f"ratios, which later releases dropped ({NEW}rollout_is is token or sequence; {NEW}rollout_rs="
+            "seq_mean_k1 rejects on the geometric mean)",
+            "remove `algorithm.rollout_is_level` (per-token weights)",
+        )
     if veto is not None and apply and threshold is not None:
-        _refuse(problems, "algorithm.rollout_is_veto_threshold", veto, "a sequence dropped when one of its tokens' "
-                f"ratios is below it; later releases dropped the veto ({NEW}rollout_rs=token_k1 rejects tokens "
-                "outside a ratio band)", "remove `algorithm.rollout_is_veto_threshold`")
+        _refuse(
+            problems,
+            "algorithm.rollout_is_veto_threshold",
+            veto,
+            "a sequence dropped when one of its tokens' "
+            f"ratios is below it; later releases dropped the veto ({NEW}rollout_rs=token_k1 rejects tokens "
+            "outside a ratio band)",
+            "remove `algorithm.rollout_is_veto_threshold`",
+        )
     if len(problems) > refused:
         return
     given = ", ".join(f"{key.removeprefix('algorithm.')}={value}" for key, value in old.items())
     if apply and threshold is not None:
         flat[NEW + "rollout_is"], flat[NEW + "rollout_is_threshold"] = level, threshold
-        decided.append(f"{given} (verl 0.6.0): {NEW}rollout_is={level} and rollout_is_threshold={threshold} in verl's "
-                       "later releases and keel (the same truncated weights; 0.6.0 also dropped sequences with a "
-                       "token ratio below rollout_is_veto_threshold, 1e-4 unless set to null, which later releases "
-                       "and keel do not)")
+        decided.append(
+            f"{given} (verl 0.6.0): {NEW}rollout_is={level} and rollout_is_threshold={threshold} in verl's "
+            "later releases and keel (the same truncated weights; 0.6.0 also dropped sequences with a "
+            "token ratio below rollout_is_veto_threshold, 1e-4 unless set to null, which later releases "
+            "and keel do not)"
+        )
     elif any(value not in (None, False) for value in old.values()):
-        decided.append(f"{given} (verl 0.6.0): no weights applied (rollout_is is false, or rollout_is_threshold "
-                       f"null), as {NEW}rollout_is=null in verl's later releases and keel")
+        decided.append(
+            f"{given} (verl 0.6.0): no weights applied (rollout_is is false, or rollout_is_threshold "
+            f"null), as {NEW}rollout_is=null in verl's later releases and keel"
+        )
 
 
 def _rejection_levels(flat: dict[str, Any], decided: list, problems: list) -> None:
@@ -81,19 +115,32 @@ def _rejection_levels(flat: dict[str, Any], decided: list, problems: list) -> No
     lower = flat.pop(NEW + "rollout_rs_threshold_lower", None)
     veto = flat.pop(NEW + "rollout_token_veto_threshold", None)
     if veto is not None:
-        _refuse(problems, NEW + "rollout_token_veto_threshold", veto, "a sequence dropped when one of its tokens' "
-                f"ratios is below it; later releases dropped the veto: {NEW}rollout_rs=seq_max_k2 (or seq_max_k3) "
-                "drops a sequence by its worst token", f"remove `{NEW}rollout_token_veto_threshold`")
+        _refuse(
+            problems,
+            NEW + "rollout_token_veto_threshold",
+            veto,
+            "a sequence dropped when one of its tokens' "
+            f"ratios is below it; later releases dropped the veto: {NEW}rollout_rs=seq_max_k2 (or seq_max_k3) "
+            "drops a sequence by its worst token",
+            f"remove `{NEW}rollout_token_veto_threshold`",
+        )
     level = flat.get(NEW + "rollout_rs")
     if level not in RS_LEVELS:
         if lower is not None:
-            _refuse(problems, NEW + "rollout_rs_threshold_lower", lower, "later releases write a k1 option's band "
-                    f"as {NEW}rollout_rs_threshold=lower_upper", f"remove `{NEW}rollout_rs_threshold_lower`")
+            _refuse(
+                problems,
+                NEW + "rollout_rs_threshold_lower",
+                lower,
+                f"later releases write a k1 option's band as {NEW}rollout_rs_threshold=lower_upper",
+                f"remove `{NEW}rollout_rs_threshold_lower`",
+            )
         return
     upper = flat.get(NEW + "rollout_rs_threshold") or flat.get(NEW + "rollout_is_threshold") or 2.0
     upper = float(upper)
     threshold = f"{upper}" if lower is None else f"{1.0 / upper!r}_{1.0 / float(lower)!r}"
     flat[NEW + "rollout_rs"], flat[NEW + "rollout_rs_threshold"] = RS_LEVELS[level], threshold
-    decided.append(f"{NEW}rollout_rs={level} (ratios in [{lower or 1.0 / upper:g}, {upper:g}], verl 0.7.0): "
-                   f"rollout_rs={RS_LEVELS[level]} with rollout_rs_threshold={threshold} in verl's later releases "
-                   "and keel (the same band: k1 bounds -log ratio)")
+    decided.append(
+        f"{NEW}rollout_rs={level} (ratios in [{lower or 1.0 / upper:g}, {upper:g}], verl 0.7.0): "
+        f"rollout_rs={RS_LEVELS[level]} with rollout_rs_threshold={threshold} in verl's later releases "
+        "and keel (the same band: k1 bounds -log ratio)"
+    )

@@ -12,9 +12,10 @@ verl derives from others, and the defaults keel chose differently.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -24,15 +25,15 @@ ACCEPT, RENAME, REFUSE = "accept", "rename", "refuse"
 @dataclass(frozen=True)
 class Rule:
     pattern: str
-    kind: str                                   # ACCEPT | RENAME | REFUSE
-    note: str                                   # what keel does instead / what verl does, and what to use
+    kind: str  # ACCEPT | RENAME | REFUSE
+    note: str  # what keel does instead / what verl does, and what to use
     allowed: Callable[[Any], bool] | None = None  # REFUSE only for values this does not allow
-    target: str | None = None                   # RENAME: the key's name now (`a.*` -> `b.*` keeps the rest)
+    target: str | None = None  # RENAME: the key's name now (`a.*` -> `b.*` keeps the rest)
 
     def renamed(self, key: str) -> str | None:
         """`key`'s new name under this RENAME rule (None: no key of keel's)."""
         if self.target and self.target.endswith(".*") and self.pattern.endswith(".*"):
-            return self.target[:-1] + key[len(self.pattern) - 1:]
+            return self.target[:-1] + key[len(self.pattern) - 1 :]
         return self.target
 
 
@@ -74,7 +75,8 @@ RULES = _load_rules()
 
 # Values verl writes for a key keel has, meaning "not set": keel uses its own default (said once).
 UNSET_VALUES = {
-    "reward_model.nnodes": (0,), "reward_model.n_gpus_per_node": (0,),
+    "reward_model.nnodes": (0,),
+    "reward_model.n_gpus_per_node": (0,),
     "actor_rollout_ref.rollout.name": ("???", "vllm", "sglang", "trtllm"),
 }
 
@@ -91,7 +93,7 @@ VALUE_REFUSALS = {
         "geo_mean": "GMPO (arXiv 2507.20673) uses the geometric mean of token ratios",
         "sapo": "SAPO replaces the clip with soft gates (tau_pos, tau_neg)",
         "bypass_mode": "the loss verl sets itself for algorithm.rollout_correction.bypass_mode=true, which keel reads: "
-                       "set that key instead",
+        "set that key instead",
     },
     "algorithm.adv_estimator": {
         "optimal_token_baseline": "per-token optimal baselines",
@@ -101,8 +103,11 @@ VALUE_REFUSALS = {
 
 # verl's trackers (trainer.logger, verl/utils/tracking.py of verl 0.9.1) that keel has no sink for.
 VERL_LOGGERS = {
-    "swanlab": "SwanLab", "vemlp_wandb": "Volcano Engine's hosted wandb", "clearml": "ClearML",
-    "trackio": "Hugging Face's trackio", "rl_insight": "verl's RL-Insight",
+    "swanlab": "SwanLab",
+    "vemlp_wandb": "Volcano Engine's hosted wandb",
+    "clearml": "ClearML",
+    "trackio": "Hugging Face's trackio",
+    "rl_insight": "verl's RL-Insight",
 }
 
 # verl derives these from another key when they are not set (OmegaConf references in its yaml).
@@ -119,10 +124,14 @@ DERIVED = {
 # Keys whose keel default is deliberately not verl's: (verl's default, why keel's). `keel check`
 # shows each one a config leaves unset, so the same script never trains differently in silence.
 DIFFERENT_DEFAULTS = {
-    "actor_rollout_ref.actor.shuffle": (False, "samples are shuffled between mini-batches, so a mini-batch is "
-                                        "not one prompt's group"),
-    "actor_rollout_ref.model.enable_gradient_checkpointing": (True, "off: faster for the models that fit; turn it "
-                                                              "on for long sequences or large models"),
+    "actor_rollout_ref.actor.shuffle": (
+        False,
+        "samples are shuffled between mini-batches, so a mini-batch is not one prompt's group",
+    ),
+    "actor_rollout_ref.model.enable_gradient_checkpointing": (
+        True,
+        "off: faster for the models that fit; turn it on for long sequences or large models",
+    ),
     "trainer.total_epochs": (30, "one pass over the data unless asked"),
     "data.train_batch_size": (1024, "small defaults that run on one GPU or a CPU"),
     "actor_rollout_ref.actor.ppo_mini_batch_size": (256, "small defaults that run on one GPU or a CPU"),

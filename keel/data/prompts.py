@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from keel.errors import (DATA_COLUMN, DATA_EMPTY, DATA_FILE, NO_CHAT_TEMPLATE, PROMPT_TOO_LONG,
-                         KeelError)
+from keel.errors import DATA_COLUMN, DATA_EMPTY, DATA_FILE, NO_CHAT_TEMPLATE, PROMPT_TOO_LONG, KeelError
 from keel.errors.fixes import maker_of, nearby_file, setting
 from keel.types import PromptBatch, PromptRecord  # the records this module makes, defined with the others
 
@@ -25,14 +24,18 @@ TRUNCATION_MODES = ("error", "left", "right")
 
 # --- loading ----------------------------------------------------------------------------------
 
+
 def load_rows(paths: PathLike | list[PathLike], key: str | None = None) -> list[dict]:
     """Read every file in order and concatenate their rows; `key` is the config key that names them."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     missing = next((str(p) for p in paths if not Path(p).is_file()), None)
     if missing is not None:
-        raise KeelError(DATA_FILE, f"dataset file {missing!r} ({key or 'given'}) does not exist or is not a file",
-                        missing_file_fix(missing, [str(p) for p in paths], key))
+        raise KeelError(
+            DATA_FILE,
+            f"dataset file {missing!r} ({key or 'given'}) does not exist or is not a file",
+            missing_file_fix(missing, [str(p) for p in paths], key),
+        )
     rows: list[dict] = []
     for path in paths:
         rows.extend(_load_file(Path(path)))
@@ -55,8 +58,10 @@ def missing_file_fix(missing: str, paths: list[str], key: str | None) -> str | N
         return ", or ".join(options)
     folder = next((p for p in [Path(missing).parent, *Path(missing).parent.parents] if p.is_dir()), Path("."))
     present = sorted(p.name for p in folder.iterdir() if p.suffix in (".jsonl", ".parquet", ".json"))
-    return (f"set {key or 'the path'} to existing .parquet, .jsonl or .json files; the nearest existing folder, "
-            f"{folder}, holds {present or 'none'}")
+    return (
+        f"set {key or 'the path'} to existing .parquet, .jsonl or .json files; the nearest existing folder, "
+        f"{folder}, holds {present or 'none'}"
+    )
 
 
 def _load_file(path: Path) -> list[dict]:
@@ -67,8 +72,10 @@ def _load_file(path: Path) -> list[dict]:
         return _load_parquet(path)
     if suffix in (".jsonl", ".json"):
         return _load_json(path)
-    raise KeelError(DATA_FILE, f"dataset file {str(path)!r} has extension {suffix or '(none)'!r}; "
-                               "keel reads .parquet, .jsonl and .json")
+    raise KeelError(
+        DATA_FILE,
+        f"dataset file {str(path)!r} has extension {suffix or '(none)'!r}; keel reads .parquet, .jsonl and .json",
+    )
 
 
 def _load_parquet(path: Path) -> list[dict]:
@@ -93,8 +100,7 @@ def _load_json(path: Path) -> list[dict]:
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as e:
-            raise KeelError(DATA_FILE,
-                            f"{str(path)!r} line {e.lineno}: invalid JSON: {e.msg}") from e
+            raise KeelError(DATA_FILE, f"{str(path)!r} line {e.lineno}: invalid JSON: {e.msg}") from e
         for i, row in enumerate(rows):
             _check_object(row, f"{str(path)!r} item {i}")
         return rows
@@ -118,11 +124,11 @@ def _parse_json_lines(path: Path, text: str) -> list[dict]:
 
 def _check_object(row: Any, where: str) -> None:
     if not isinstance(row, dict):
-        raise KeelError(DATA_FILE, f"{where}: expected a JSON object (one row), got "
-                                   f"{type(row).__name__}")
+        raise KeelError(DATA_FILE, f"{where}: expected a JSON object (one row), got {type(row).__name__}")
 
 
 # --- records ----------------------------------------------------------------------------------
+
 
 @dataclass
 class PromptStats:
@@ -133,14 +139,23 @@ class PromptStats:
     name: str = "train"
 
     def summary(self) -> str:
-        return (f"{self.name} data: {self.total} prompts, {self.kept} kept, "
-                f"{self.truncated} truncated, {self.dropped} dropped as overlong")
+        return (
+            f"{self.name} data: {self.total} prompts, {self.kept} kept, "
+            f"{self.truncated} truncated, {self.dropped} dropped as overlong"
+        )
 
 
-def build_prompt_dataset(rows: list[dict], tokenizer, *, prompt_key: str = "prompt",
-                         max_prompt_length: int = 512, truncation: str = "error",
-                         filter_overlong_prompts: bool = False, apply_chat_template: bool = True,
-                         name: str = "train") -> tuple[list[PromptRecord], PromptStats]:
+def build_prompt_dataset(
+    rows: list[dict],
+    tokenizer,
+    *,
+    prompt_key: str = "prompt",
+    max_prompt_length: int = 512,
+    truncation: str = "error",
+    filter_overlong_prompts: bool = False,
+    apply_chat_template: bool = True,
+    name: str = "train",
+) -> tuple[list[PromptRecord], PromptStats]:
     """Template and tokenize every row; drop, truncate or reject prompts over the limit."""
     if truncation not in TRUNCATION_MODES:
         raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
@@ -164,9 +179,13 @@ def build_prompt_dataset(rows: list[dict], tokenizer, *, prompt_key: str = "prom
             text = tokenizer.decode(ids, skip_special_tokens=False)
         records.append(_make_record(i, row, ids, text, prompts[i]))
 
-    stats = PromptStats(total=len(rows), kept=len(records),
-                        truncated=0 if filter_overlong_prompts else len(overlong),
-                        dropped=len(skip), name=name)
+    stats = PromptStats(
+        total=len(rows),
+        kept=len(records),
+        truncated=0 if filter_overlong_prompts else len(overlong),
+        dropped=len(skip),
+        name=name,
+    )
     return records, stats
 
 
@@ -174,17 +193,24 @@ def _get_prompt(row: dict, i: int, prompt_key: str, name: str) -> str | list[dic
     prompt = row.get(prompt_key)
     if prompt is None:
         column = _prompt_column(row)
-        raise KeelError(DATA_COLUMN, f"{name} data row {i} has no {prompt_key!r} column (or it is "
-                                     f"null); the row's columns are {sorted(row)}",
-                        f"set {setting('data.prompt_key', column)} (the row's prompt-like column)" if column else None)
-    is_chat = isinstance(prompt, list) and len(prompt) > 0 and all(
-        isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+        raise KeelError(
+            DATA_COLUMN,
+            f"{name} data row {i} has no {prompt_key!r} column (or it is null); the row's columns are {sorted(row)}",
+            f"set {setting('data.prompt_key', column)} (the row's prompt-like column)" if column else None,
+        )
+    is_chat = (
+        isinstance(prompt, list)
+        and len(prompt) > 0
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+    )
     if not (isinstance(prompt, str) or is_chat):
-        raise KeelError(DATA_COLUMN,
-                        f"{name} data row {i}: {prompt_key!r} must be a string or a non-empty list "
-                        f"of {{'role', 'content'}} messages, got {str(prompt)[:80]!r}",
-                        fix="Store each prompt as a string or as chat messages with 'role' and "
-                            "'content' keys, as verl's schema does.")
+        raise KeelError(
+            DATA_COLUMN,
+            f"{name} data row {i}: {prompt_key!r} must be a string or a non-empty list "
+            f"of {{'role', 'content'}} messages, got {str(prompt)[:80]!r}",
+            fix="Store each prompt as a string or as chat messages with 'role' and "
+            "'content' keys, as verl's schema does.",
+        )
     return prompt
 
 
@@ -193,14 +219,17 @@ PROMPT_NAMES = ("prompt", "question", "problem", "query", "instruction", "input"
 
 def _prompt_column(row: dict) -> str | None:
     """The column that holds the row's prompt: its only text or chat column, or one so named."""
-    texts = [k for k, v in row.items() if isinstance(v, str) or (isinstance(v, list) and v and all(
-        isinstance(m, dict) and "role" in m and "content" in m for m in v))]
+    texts = [
+        k
+        for k, v in row.items()
+        if isinstance(v, str)
+        or (isinstance(v, list) and v and all(isinstance(m, dict) and "role" in m and "content" in m for m in v))
+    ]
     named = [k for k in texts if k.lower() in PROMPT_NAMES]
     return texts[0] if len(texts) == 1 else named[0] if len(named) == 1 else None
 
 
-def _render_prompts(prompts: list[str | list[dict]], tokenizer, apply_chat_template: bool,
-                    name: str) -> list[str]:
+def _render_prompts(prompts: list[str | list[dict]], tokenizer, apply_chat_template: bool, name: str) -> list[str]:
     """The text the model sees for each prompt."""
     has_template = tokenizer.chat_template is not None
     if apply_chat_template and has_template:
@@ -211,26 +240,30 @@ def _render_prompts(prompts: list[str | list[dict]], tokenizer, apply_chat_templ
         return tokenizer.apply_chat_template(chats, add_generation_prompt=True, tokenize=False)
     chat_rows = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
     if apply_chat_template and chat_rows:
-        raise KeelError(NO_CHAT_TEMPLATE, f"{name} data row {chat_rows[0]} (and "
-                                          f"{len(chat_rows) - 1} more) is a chat, but the "
-                                          "tokenizer has no chat template",
-                        f"set {setting('data.apply_chat_template', False)} to join the messages' contents as "
-                        "plain text, or use a tokenizer with a chat template")
+        raise KeelError(
+            NO_CHAT_TEMPLATE,
+            f"{name} data row {chat_rows[0]} (and "
+            f"{len(chat_rows) - 1} more) is a chat, but the "
+            "tokenizer has no chat template",
+            f"set {setting('data.apply_chat_template', False)} to join the messages' contents as "
+            "plain text, or use a tokenizer with a chat template",
+        )
     return [p if isinstance(p, str) else "\n".join(m["content"] for m in p) for p in prompts]
 
 
-def _too_long_error(overlong: list[int], all_ids: list[list[int]], limit: int,
-                    name: str) -> KeelError:
+def _too_long_error(overlong: list[int], all_ids: list[list[int]], limit: int, name: str) -> KeelError:
     first = overlong[0]
     longest = max(len(all_ids[i]) for i in overlong)
     # Say how many rows are affected, so the user can choose between filtering and a higher limit.
-    return KeelError(PROMPT_TOO_LONG,
-                     f"{name} data row {first} is {len(all_ids[first])} tokens, over "
-                     f"data.max_prompt_length={limit}; {len(overlong)} of {len(all_ids)} prompts "
-                     f"are over the limit, the longest {longest} tokens",
-                     f"set {setting('data.max_prompt_length', longest)} (the longest prompt), or "
-                     f"{setting('data.filter_overlong_prompts', True)} to drop the {len(overlong)}, or "
-                     f"{setting('data.truncation', 'left')} to keep each prompt's end")
+    return KeelError(
+        PROMPT_TOO_LONG,
+        f"{name} data row {first} is {len(all_ids[first])} tokens, over "
+        f"data.max_prompt_length={limit}; {len(overlong)} of {len(all_ids)} prompts "
+        f"are over the limit, the longest {longest} tokens",
+        f"set {setting('data.max_prompt_length', longest)} (the longest prompt), or "
+        f"{setting('data.filter_overlong_prompts', True)} to drop the {len(overlong)}, or "
+        f"{setting('data.truncation', 'left')} to keep each prompt's end",
+    )
 
 
 def _truncate(ids: list[int], limit: int, truncation: str) -> list[int]:
@@ -242,12 +275,19 @@ def _truncate(ids: list[int], limit: int, truncation: str) -> list[int]:
 def _make_record(i: int, row: dict, ids: list[int], text: str, raw_prompt) -> PromptRecord:
     reward_model = row.get("reward_model")
     ground_truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
-    return PromptRecord(index=i, prompt_ids=ids, prompt_text=text,
-                        data_source=row.get("data_source") or "unknown",
-                        ground_truth=ground_truth, extra_info=row.get("extra_info") or {}, raw_prompt=raw_prompt)
+    return PromptRecord(
+        index=i,
+        prompt_ids=ids,
+        prompt_text=text,
+        data_source=row.get("data_source") or "unknown",
+        ground_truth=ground_truth,
+        extra_info=row.get("extra_info") or {},
+        raw_prompt=raw_prompt,
+    )
 
 
 # --- batching ---------------------------------------------------------------------------------
+
 
 def collate_prompts(records: list[PromptRecord], pad_token_id: int) -> PromptBatch:
     """Left-pad to the longest prompt: generation appends on the right, so every prompt must end
@@ -260,6 +300,6 @@ def collate_prompts(records: list[PromptRecord], pad_token_id: int) -> PromptBat
     for row, record in enumerate(records):
         length = len(record.prompt_ids)
         if length:
-            input_ids[row, width - length:] = torch.tensor(record.prompt_ids, dtype=torch.long)
-            attention_mask[row, width - length:] = 1
+            input_ids[row, width - length :] = torch.tensor(record.prompt_ids, dtype=torch.long)
+            attention_mask[row, width - length :] = 1
     return PromptBatch(input_ids=input_ids, attention_mask=attention_mask, records=list(records))

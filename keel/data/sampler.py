@@ -10,14 +10,14 @@ import numpy as np
 
 
 class ResumableSampler:
-    def __init__(self, dataset_size: int, batch_size: int, seed: int, shuffle: bool = True,
-                 drop_last: bool = True):
+    def __init__(self, dataset_size: int, batch_size: int, seed: int, shuffle: bool = True, drop_last: bool = True):
         if dataset_size < 1 or batch_size < 1:
-            raise ValueError(f"dataset_size ({dataset_size}) and batch_size ({batch_size}) must be "
-                             "at least 1")
+            raise ValueError(f"dataset_size ({dataset_size}) and batch_size ({batch_size}) must be at least 1")
         if drop_last and batch_size > dataset_size:
-            raise ValueError(f"batch_size {batch_size} is larger than the dataset "
-                             f"({dataset_size} prompts), so not one full batch fits")
+            raise ValueError(
+                f"batch_size {batch_size} is larger than the dataset "
+                f"({dataset_size} prompts), so not one full batch fits"
+            )
         if seed < 0:
             raise ValueError(f"seed must be non-negative, got {seed}")
         self.dataset_size = dataset_size
@@ -48,21 +48,29 @@ class ResumableSampler:
             self._start_epoch(self._epoch + 1, position=0)
         start = self._position * self.batch_size
         self._position += 1
-        return self._order[start:start + self.batch_size].tolist()
+        return self._order[start : start + self.batch_size].tolist()
 
     def state_dict(self) -> dict:
-        return {"epoch": self._epoch, "position": self._position, "seed": self.seed,
-                "dataset_size": self.dataset_size, "batch_size": self.batch_size}
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "seed": self.seed,
+            "dataset_size": self.dataset_size,
+            "batch_size": self.batch_size,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for key, what in (("dataset_size", "dataset size"), ("batch_size", "batch size")):
             if state[key] != getattr(self, key):
-                raise ValueError(f"the {what} changed since the checkpoint "
-                                 f"({state[key]} then, {getattr(self, key)} now); resuming would "
-                                 "not see the same batches")
+                raise ValueError(
+                    f"the {what} changed since the checkpoint "
+                    f"({state[key]} then, {getattr(self, key)} now); resuming would "
+                    "not see the same batches"
+                )
         if not 0 <= state["position"] <= self.batches_per_epoch:
-            raise ValueError(f"checkpoint position {state['position']} is outside an epoch of "
-                             f"{self.batches_per_epoch} batches")
+            raise ValueError(
+                f"checkpoint position {state['position']} is outside an epoch of {self.batches_per_epoch} batches"
+            )
         # The checkpoint's seed wins: the batches already trained on came from its order.
         self.seed = state["seed"]
         self._start_epoch(state["epoch"], state["position"])

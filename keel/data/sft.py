@@ -37,14 +37,21 @@ def row_messages(row: dict, messages_key: str, prompt_key: str, response_key: st
         prompt = row[prompt_key]
         turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         return turns + [{"role": "assistant", "content": row[response_key]}]
-    raise KeelError(DATA_COLUMN, f"SFT row {i} has neither {messages_key!r} nor both {prompt_key!r} and "
-                                 f"{response_key!r}; its columns are {sorted(row)}", _columns_fix(row))
+    raise KeelError(
+        DATA_COLUMN,
+        f"SFT row {i} has neither {messages_key!r} nor both {prompt_key!r} and "
+        f"{response_key!r}; its columns are {sorted(row)}",
+        _columns_fix(row),
+    )
 
 
 def _columns_fix(row: dict) -> str:
     """The row's chat column as data.messages_key, else its prompt- and response-named columns."""
-    chats = [k for k, v in row.items() if isinstance(v, list) and v and all(
-        isinstance(m, dict) and "role" in m and "content" in m for m in v)]
+    chats = [
+        k
+        for k, v in row.items()
+        if isinstance(v, list) and v and all(isinstance(m, dict) and "role" in m and "content" in m for m in v)
+    ]
     prompts = [k for k in row if k.lower() in PROMPT_NAMES]
     responses = [k for k in row if k.lower() in RESPONSE_NAMES]
     if len(chats) == 1:
@@ -61,6 +68,7 @@ def tokenize_conversation(messages: list[dict], tokenizer) -> SFTExample:
     (`add_generation_prompt=True`) and the chat rendered through the turn, so whatever the template
     puts around a turn (role headers, end-of-turn token) is handled without knowing its format.
     """
+
     def ids_of(turns: list[dict], open_assistant: bool) -> list[int]:
         text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=open_assistant)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -71,30 +79,44 @@ def tokenize_conversation(messages: list[dict], tokenizer) -> SFTExample:
         if message["role"] != "assistant":
             continue
         start = len(ids_of(messages[:turn], open_assistant=True))
-        end = len(ids_of(messages[:turn + 1], open_assistant=False))
+        end = len(ids_of(messages[: turn + 1], open_assistant=False))
         loss_mask[start:end] = [1] * (end - start)
     return SFTExample(input_ids, loss_mask)
 
 
-def build_sft_dataset(rows: list[dict], tokenizer, *, messages_key: str = "messages", prompt_key: str = "prompt",
-                      response_key: str = "response", max_length: int = 1024, truncation: str = "error",
-                      name: str = "train") -> tuple[list[SFTExample], SFTStats]:
+def build_sft_dataset(
+    rows: list[dict],
+    tokenizer,
+    *,
+    messages_key: str = "messages",
+    prompt_key: str = "prompt",
+    response_key: str = "response",
+    max_length: int = 1024,
+    truncation: str = "error",
+    name: str = "train",
+) -> tuple[list[SFTExample], SFTStats]:
     if tokenizer.chat_template is None:
         raise KeelError(NO_CHAT_TEMPLATE, "SFT data is chat messages, but the tokenizer has no chat template")
     examples = []
     for i, row in enumerate(rows):
         examples.append(tokenize_conversation(row_messages(row, messages_key, prompt_key, response_key, i), tokenizer))
         if not any(examples[-1].loss_mask):
-            raise KeelError(NO_ASSISTANT_TURN, f"{name} SFT row {i} has no assistant tokens to learn from",
-                            f"give row {i} of the {name} files an assistant message with content")
+            raise KeelError(
+                NO_ASSISTANT_TURN,
+                f"{name} SFT row {i} has no assistant tokens to learn from",
+                f"give row {i} of the {name} files an assistant message with content",
+            )
     over = [i for i, example in enumerate(examples) if len(example.input_ids) > max_length]
     longest = max((len(examples[i].input_ids) for i in over), default=0)
     if over and truncation == "error":
-        raise KeelError(SFT_TOO_LONG, f"{name} SFT row {over[0]} is {len(examples[over[0]].input_ids)} tokens, over "
-                                      f"data.max_length={max_length}; {len(over)} of {len(examples)} examples are "
-                                      f"over, the longest {longest} tokens",
-                        f"set {setting('data.max_length', longest)} (the longest example), or "
-                        f"{setting('data.truncation', 'right')} to keep each example's start")
+        raise KeelError(
+            SFT_TOO_LONG,
+            f"{name} SFT row {over[0]} is {len(examples[over[0]].input_ids)} tokens, over "
+            f"data.max_length={max_length}; {len(over)} of {len(examples)} examples are "
+            f"over, the longest {longest} tokens",
+            f"set {setting('data.max_length', longest)} (the longest example), or "
+            f"{setting('data.truncation', 'right')} to keep each example's start",
+        )
     for i in over:
         examples[i] = _truncate(examples[i], max_length, truncation, i, name, longest)
     return examples, SFTStats(len(examples), len(over), name)
@@ -105,10 +127,12 @@ def _truncate(example: SFTExample, limit: int, truncation: str, i: int, name: st
     kept = SFTExample(example.input_ids[cut], example.loss_mask[cut])
     if not any(kept.loss_mask):
         other = "right" if truncation == "left" else "left"
-        raise KeelError(NO_ASSISTANT_TURN, f"{name} SFT row {i}: truncation={truncation} to {limit} tokens "
-                                           "removes every assistant token",
-                        f"set {setting('data.max_length', longest)} (the longest example, whole), or "
-                        f"{setting('data.truncation', other)}")
+        raise KeelError(
+            NO_ASSISTANT_TURN,
+            f"{name} SFT row {i}: truncation={truncation} to {limit} tokens removes every assistant token",
+            f"set {setting('data.max_length', longest)} (the longest example, whole), or "
+            f"{setting('data.truncation', other)}",
+        )
     return kept
 
 

@@ -27,9 +27,12 @@ def port_from_environment() -> int | None:
     if raw is None or raw == "":
         return None
     if not raw.isdigit() or not 0 < int(raw) < 65536:
-        raise KeelError(MASTER_PORT_UNUSABLE, f"MASTER_PORT={raw!r} is not a port number",
-                        f"run `export MASTER_PORT={free_port()}` (a port free here now), or `unset MASTER_PORT` to let "
-                        "keel choose one")
+        raise KeelError(
+            MASTER_PORT_UNUSABLE,
+            f"MASTER_PORT={raw!r} is not a port number",
+            f"run `export MASTER_PORT={free_port()}` (a port free here now), or `unset MASTER_PORT` to let "
+            "keel choose one",
+        )
     return int(raw)
 
 
@@ -42,25 +45,39 @@ def rendezvous_port(wanted: int | None) -> int:
         try:
             s.bind(("", wanted))
         except OSError as e:
-            raise KeelError(MASTER_PORT_UNUSABLE, f"MASTER_PORT={wanted} is taken on rank 0's node ({e.strerror})",
-                            f"run `export MASTER_PORT={free_port()}` (a port free here now), or `unset MASTER_PORT` "
-                            "to let keel choose one") from None
+            raise KeelError(
+                MASTER_PORT_UNUSABLE,
+                f"MASTER_PORT={wanted} is taken on rank 0's node ({e.strerror})",
+                f"run `export MASTER_PORT={free_port()}` (a port free here now), or `unset MASTER_PORT` "
+                "to let keel choose one",
+            ) from None
     return wanted
 
 
-def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int,
-                       device: torch.device, timeout_s: float) -> None:
+def init_process_group(
+    rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device, timeout_s: float
+) -> None:
     """NCCL for GPU tensors, gloo for CPU ones (CPU-offloaded parameters and gradients need it).
     The timeout bounds every collective: a rank that never arrives makes the others fail after
     `timeout_s` instead of NCCL's default of ten minutes."""
-    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK="0",
+    )
     kwargs = {}
     if device.type == "cuda":
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
-    dist.init_process_group("cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s), **kwargs)
+    dist.init_process_group(
+        "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **kwargs,
+    )
 
 
 def memory_reading(device: torch.device) -> dict[str, float]:
@@ -78,14 +95,16 @@ def _rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:  # not Linux
         import resource
+
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 BUCKET_BYTES = 256 << 20  # per collective: few calls, bounded extra memory
 
 
-def byte_buckets(items: list, nbytes: Callable, limit: int = BUCKET_BYTES,
-                 key: Callable = lambda item: None) -> Iterator[list]:
+def byte_buckets(
+    items: list, nbytes: Callable, limit: int = BUCKET_BYTES, key: Callable = lambda item: None
+) -> Iterator[list]:
     """Consecutive items in buckets of at most `limit` bytes (a larger item alone), and a new bucket
     wherever `key` changes (dtype, process group): one collective per bucket, not per tensor,
     since with a few hundred parameters the per-call cost dominates."""

@@ -17,8 +17,9 @@ log = logging.getLogger("keel")
 REPLICATED_WARN_NUMEL = 1_000_000
 
 
-def full_parameters(model: nn.Module, device: torch.device,
-                    bucket_bytes: int = BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+def full_parameters(
+    model: nn.Module, device: torch.device, bucket_bytes: int = BUCKET_BYTES
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole parameter) for every parameter of an FSDP2-sharded model, exactly as stored.
 
     One collective gathers a bucket of parameters, in FSDP2's own layout: each rank holds rows
@@ -29,8 +30,12 @@ def full_parameters(model: nn.Module, device: torch.device,
         if _shard_group(param) is None:  # replicated, or a layout this does not cover
             yield name, param.detach().to(device).full_tensor() if hasattr(param, "full_tensor") else param.detach()
     sharded = [(name, param) for name, param in named if _shard_group(param) is not None]
-    for bucket in byte_buckets(sharded, lambda item: item[1].numel() * item[1].element_size(), bucket_bytes,
-                               key=lambda item: (item[1].dtype, _shard_group(item[1]))):
+    for bucket in byte_buckets(
+        sharded,
+        lambda item: item[1].numel() * item[1].element_size(),
+        bucket_bytes,
+        key=lambda item: (item[1].dtype, _shard_group(item[1])),
+    ):
         yield from _gather_bucket(bucket, device)
 
 
@@ -58,15 +63,15 @@ def _gather_bucket(bucket: list[tuple[str, torch.Tensor]], device: torch.device)
     offset = 0
     for (_, param), slot in zip(bucket, slots):
         shard = param.to_local().detach().reshape(-1)
-        local[offset:offset + shard.numel()].copy_(shard)
+        local[offset : offset + shard.numel()].copy_(shard)
         offset += slot
     gathered = torch.empty(ranks * local.numel(), dtype=local.dtype, device=device)  # flat: gloo wants 1-D
     dist.all_gather_into_tensor(gathered, local, group=mesh.get_group(mesh_dim))
     gathered = gathered.view(ranks, -1)
     offset = 0
     for (name, param), slot in zip(bucket, slots):
-        chunks = gathered[:, offset:offset + slot].reshape(-1, *param.shape[1:])
-        yield name, chunks[:param.shape[0]]
+        chunks = gathered[:, offset : offset + slot].reshape(-1, *param.shape[1:])
+        yield name, chunks[: param.shape[0]]
         offset += slot
 
 
@@ -85,6 +90,10 @@ def sharding_report(model: nn.Module, role: str) -> dict[str, float]:
             if p.numel() >= REPLICATED_WARN_NUMEL:
                 large.append(name)
     if large:
-        log.warning("%s: %d large parameters are not sharded and every rank holds them whole, e.g. %s",
-                    role, len(large), large[:3])
+        log.warning(
+            "%s: %d large parameters are not sharded and every rank holds them whole, e.g. %s",
+            role,
+            len(large),
+            large[:3],
+        )
     return {f"fsdp/{role}_sharded_gb": sharded / 1e9, f"fsdp/{role}_replicated_gb": replicated / 1e9}

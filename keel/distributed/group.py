@@ -1,10 +1,10 @@
 """Worker groups: the driver's handle on its workers, in this process or as Ray actors.
 
-`call(method, per_rank_args)` runs `method` on every rank with that rank's arguments and returns
-the results in rank order, with each rank's time and memory reading. A failure anywhere becomes a KeelError that names the rank,
-host, role and phase: a worker's exception (with its traceback), a worker the system killed
-(with its last memory reading), or a phase that stalled (with every rank's stacks on disk and
-the ranks that never reached the collective named).
+`call(method, per_rank_args)` runs `method` on every rank with that rank's arguments and returns the
+results in rank order, with each rank's time and memory reading. A failure anywhere becomes a
+KeelError that names the rank, host, role and phase: a worker's exception (with its traceback), a
+worker the system killed (with its last memory reading), or a phase that stalled (with every rank's
+stacks on disk and the ranks that never reached the collective named).
 """
 
 from __future__ import annotations
@@ -12,38 +12,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from keel.distributed.ray_cluster import Devices, connect_ray, reserve
 from keel.distributed.serving import ServedWorker
-from keel.errors import (NOT_ENOUGH_DEVICES, PHASE_STALLED, RAY_MISSING, WORKER_DIED, WORKER_RAISED,
-                         KeelError)
+from keel.errors import PHASE_STALLED, WORKER_DIED, WORKER_RAISED, KeelError
 
 log = logging.getLogger("keel")
 
 STACKS_TIMEOUT_S = 15.0
 STARTUP_TIMEOUT_S = 600.0
-
-
-@dataclass(frozen=True)
-class Devices:
-    """What the whole run places on the cluster, so any group refuses one too small up front
-    instead of waiting forever to be placed."""
-    gpus: bool                  # GPUs, or CPU processes (trainer.device=cpu)
-    workers: int                # the policy's workers
-    pools: dict[str, int]       # role -> devices, for each role with a pool of its own
-
-    @classmethod
-    def of(cls, cfg) -> Devices:
-        return cls(wants_gpus(cfg.trainer.device), cfg.world_size, dict(cfg.pools))
-
-    @property
-    def total(self) -> int:
-        return self.workers + sum(self.pools.values())
-
-    @property
-    def resource(self) -> str:
-        return "GPU" if self.gpus else "CPU"
 
 
 class Replies(list):
@@ -77,38 +55,71 @@ class RayGroup:
     group, so ranks of a node are consecutive. With `rendezvous`, they form a torch.distributed
     group: rank 0's node hosts it on `port` (MASTER_PORT), or on a port it found free."""
 
-    def __init__(self, build, world_size: int, devices: Devices, *, role: str, stacks_dir: Path,
-                 phase_timeout_s: float | None, rendezvous: bool = True, port: int | None = None):
+    def __init__(
+        self,
+        build,
+        world_size: int,
+        devices: Devices,
+        *,
+        role: str,
+        stacks_dir: Path,
+        phase_timeout_s: float | None,
+        rendezvous: bool = True,
+        port: int | None = None,
+    ):
         ray = connect_ray(devices)
         self.world_size, self.role, self.stacks_dir = world_size, role, stacks_dir
         self.phase_timeout_s = phase_timeout_s
         self.last_memory: dict[int, dict] = {}  # rank -> its reading after its last call: for _died
         self.hosts: dict[int, str] = {}
-        self.placement, cpus = _reserve(ray, devices, world_size)
+        self.placement, cpus = reserve(ray, devices, world_size)
         env = {k: v for k, v in os.environ.items() if k.startswith("KEEL_")}  # a cluster's workers lack our env
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         actor_class = _worker_actor_class(ray)
-        self.actors = [actor_class.options(
-            num_cpus=cpus, num_gpus=1 if devices.gpus else 0, runtime_env={"env_vars": env} if env else None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
-        ).remote() for rank in range(world_size)]
+        self.actors = [
+            actor_class.options(
+                num_cpus=cpus,
+                num_gpus=1 if devices.gpus else 0,
+                runtime_env={"env_vars": env} if env else None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
+            ).remote()
+            for rank in range(world_size)
+        ]
         ranks = list(range(world_size))
-        self.hosts = dict(zip(ranks, self._wait([a.hostname.remote() for a in self.actors], "setup", ranks,
-                                                STARTUP_TIMEOUT_S)))
+        self.hosts = dict(
+            zip(ranks, self._wait([a.hostname.remote() for a in self.actors], "setup", ranks, STARTUP_TIMEOUT_S))
+        )
         master = None
         if rendezvous:
             master = self._wait([self.actors[0].rendezvous.remote(port)], "setup", [0], STARTUP_TIMEOUT_S)[0]
             log.info("%s ranks meet at %s:%d%s", role, *master, " (MASTER_PORT)" if port else "")
         split_cores = rendezvous and not devices.gpus  # CPU ranks share their node's cores
-        self._wait([a.setup.remote(build, rank, world_size, master, split_cores) for rank, a in enumerate(self.actors)],
-                   "setup", ranks, STARTUP_TIMEOUT_S)
+        self._wait(
+            [a.setup.remote(build, rank, world_size, master, split_cores) for rank, a in enumerate(self.actors)],
+            "setup",
+            ranks,
+            STARTUP_TIMEOUT_S,
+        )
         described = self._wait([a.describe.remote() for a in self.actors], "setup", ranks, STARTUP_TIMEOUT_S)
-        self.last_memory.update(enumerate(reply.memory for reply in described))  # what a rank held before its first call
-        for info in (reply.result for reply in described):
-            log.info("%s rank %d on %s (pid %d, %s, CUDA_VISIBLE_DEVICES=%s, %d threads)%s", role, info["rank"],
-                     self.hosts[info["rank"]], info["pid"], info["device"], info["visible"], info["threads"],
-                     "".join(f", {k}={v:.3f}" for k, v in info.items() if k.startswith("fsdp/")))
+        # what a rank held before its first call
+        self.last_memory.update(enumerate(reply.memory for reply in described))
+        self._log_ranks([reply.result for reply in described])
+
+    def _log_ranks(self, described: list[dict]) -> None:
+        """Where each rank runs, as it describes itself once set up."""
+        for info in described:
+            log.info(
+                "%s rank %d on %s (pid %d, %s, CUDA_VISIBLE_DEVICES=%s, %d threads)%s",
+                self.role,
+                info["rank"],
+                self.hosts[info["rank"]],
+                info["pid"],
+                info["device"],
+                info["visible"],
+                info["threads"],
+                "".join(f", {k}={v:.3f}" for k, v in info.items() if k.startswith("fsdp/")),
+            )
 
     def call(self, method: str, per_rank_args: list[tuple]) -> Replies:
         refs = [a.run.remote(method, *args) for a, args in zip(self.actors, per_rank_args)]
@@ -141,16 +152,22 @@ class RayGroup:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=remaining)
             if not ready:
-                raise self._stalled(phase, sorted(pending.values()), f"phase {phase!r} ran past "
-                                    f"trainer.guards.phase_timeout_s={timeout_s}")
+                raise self._stalled(
+                    phase,
+                    sorted(pending.values()),
+                    f"phase {phase!r} ran past trainer.guards.phase_timeout_s={timeout_s}",
+                )
             rank = pending.pop(ready[0])
             try:
                 results[rank] = ray.get(ready[0])
             except RayTaskError as e:
                 if _is_collective_timeout(e):
                     first_line = str(e.cause).strip().splitlines()[0][:300]
-                    raise self._stalled(phase, sorted(pending.values()), f"rank {rank}'s collective timed out "
-                                        f"after trainer.collective_timeout_s ({first_line})") from None
+                    raise self._stalled(
+                        phase,
+                        sorted(pending.values()),
+                        f"rank {rank}'s collective timed out after trainer.collective_timeout_s ({first_line})",
+                    ) from None
                 raise self._raised(rank, phase, e) from None
             except RayError as e:  # the actor died, was killed by Ray's memory monitor, or lost its node
                 raise self._died(rank, phase, e) from None
@@ -166,18 +183,27 @@ class RayGroup:
         if isinstance(cause, KeelError):  # the worker's own diagnosis keeps its code
             return KeelError(cause.code, f"{self._where(rank, phase)}: {cause.message}", cause.fix)
         remote = str(error).strip()
-        return KeelError(WORKER_RAISED, f"{self._where(rank, phase)} raised "
-                         f"{type(cause).__name__ if cause else 'an exception'}: {cause}\n"
-                         f"--- worker traceback ---\n{remote}")
+        return KeelError(
+            WORKER_RAISED,
+            f"{self._where(rank, phase)} raised "
+            f"{type(cause).__name__ if cause else 'an exception'}: {cause}\n"
+            f"--- worker traceback ---\n{remote}",
+        )
 
     def _died(self, rank: int, phase: str, error) -> KeelError:
         self.shutdown()
         memory = self.last_memory.get(rank)
-        reading = (", ".join(f"{k}={v:.2f}" for k, v in memory.items()) if memory
-                   else "none (it died before its first call returned)")
-        return KeelError(WORKER_DIED, f"{self._where(rank, phase)} died without raising: killed by the "
-                         f"system (e.g. out of memory) or crashed in native code. Last memory reading: "
-                         f"{reading}. Ray said: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
+        reading = (
+            ", ".join(f"{k}={v:.2f}" for k, v in memory.items())
+            if memory
+            else "none (it died before its first call returned)"
+        )
+        return KeelError(
+            WORKER_DIED,
+            f"{self._where(rank, phase)} died without raising: killed by the "
+            f"system (e.g. out of memory) or crashed in native code. Last memory reading: "
+            f"{reading}. Ray said: {str(error).splitlines()[0] if str(error) else type(error).__name__}",
+        )
 
     def _stalled(self, phase: str, waiting: list[int], why: str) -> KeelError:
         """Every rank's stacks to disk; ranks whose main thread is not inside torch.distributed
@@ -192,12 +218,16 @@ class RayGroup:
                 stacks[rank] = {"phase": "?", "in_collective": False, "text": f"(no stacks: {e})"}
         self.stacks_dir.mkdir(parents=True, exist_ok=True)
         path = self.stacks_dir / f"stacks_{phase}_{int(time.time())}.txt"
-        path.write_text("\n\n".join(f"===== {self._where(r, s['phase'])} =====\n{s['text']}"
-                                    for r, s in stacks.items()))
+        path.write_text(
+            "\n\n".join(f"===== {self._where(r, s['phase'])} =====\n{s['text']}" for r, s in stacks.items())
+        )
         absent = [r for r in waiting if not stacks[r]["in_collective"]]
         self.shutdown()
-        return KeelError(PHASE_STALLED, f"{why}. Ranks that did not arrive: {absent or 'none identified'}; "
-                         f"still running: {waiting}; every rank's stacks: {path}")
+        return KeelError(
+            PHASE_STALLED,
+            f"{why}. Ranks that did not arrive: {absent or 'none identified'}; "
+            f"still running: {waiting}; every rank's stacks: {path}",
+        )
 
 
 def _is_collective_timeout(error) -> bool:
@@ -205,102 +235,6 @@ def _is_collective_timeout(error) -> bool:
     own message: the traceback always mentions torch.distributed and timeouts."""
     message = str(getattr(error, "cause", None) or "").lower()
     return "timed out" in message or "timeout" in message
-
-
-def wants_gpus(device: str) -> bool:
-    """Like resolve_device, without refusing `cuda` when the driver's node has no GPU: on a
-    cluster the workers' nodes may have them."""
-    import torch
-    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
-
-
-def require_devices(ray, devices: Devices) -> None:
-    """Refuse up front a run whose workers and pools the cluster cannot hold, instead of waiting
-    forever for them to be placed."""
-    resource = devices.resource
-    available = ray.cluster_resources().get(resource, 0)
-    if available < devices.total:
-        needs = [f"trainer.n_gpus_per_node x trainer.nnodes = {devices.workers} workers need {devices.workers} "
-                 f"{resource}s"] + [f"the {role} pool needs {count} {resource}s" for role, count in devices.pools.items()]
-        raise KeelError(NOT_ENOUGH_DEVICES, "; ".join(needs) + f"; the Ray cluster has {available:g}")
-
-
-def connect_ray(devices: Devices):
-    """Join the cluster in RAY_ADDRESS, or start a local instance sized for this machine."""
-    try:
-        import ray
-    except ImportError:
-        raise KeelError(RAY_MISSING, f"{devices.total} workers (trainer.n_gpus_per_node x trainer.nnodes, and "
-                        "any pools) need Ray, which is not installed") from None
-    if ray.is_initialized():
-        return ray
-    address = os.environ.get("RAY_ADDRESS")
-    try:
-        if address:
-            require_reachable(address)
-            ray.init(address=address, log_to_driver=True)
-        else:
-            _start_or_join_local(ray, devices.total)
-    except KeelError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any start/connect failure has one fix
-        auth = ("; the address answers, so if the cluster uses Ray's token authentication (on by default "
-                "for clusters Ray starts itself since 2.59), set RAY_AUTH_MODE=token here too, with the "
-                "nodes' token (RAY_AUTH_TOKEN, or the same ~/.ray/auth_token)") if address else ""
-        raise KeelError(RAY_MISSING, f"could not {'join the Ray cluster at ' + address if address else 'start Ray'}: "
-                        f"{e}{auth}") from None
-    return ray
-
-
-def _start_or_join_local(ray, devices_needed: int) -> None:
-    """A Ray instance of keel's own, sized for this machine; or, when `ray start` runs a cluster on
-    this machine (the head node of the multi-node recipe, RAY_ADDRESS forgotten), that cluster,
-    which Ray joins unasked and which refuses sizes given by a joining driver."""
-    try:
-        ray.init(num_cpus=max(os.cpu_count() or 1, devices_needed), include_dashboard=False,
-                 object_store_memory=512 * 1024**2, log_to_driver=True)
-    except ValueError as e:
-        if "existing cluster" not in str(e):
-            raise
-        log.info("joining the Ray cluster that `ray start` runs on this machine (RAY_ADDRESS is not set)")
-        ray.init(log_to_driver=True)
-
-
-def require_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """Something must answer at RAY_ADDRESS's host and port: ray.init would otherwise retry for
-    minutes before saying why. `auto` and `local` name no port and are left to Ray."""
-    import socket
-
-    where = address.removeprefix("ray://")
-    if where in ("auto", "local") or ":" not in where:
-        return
-    host, port = where.rsplit(":", 1)
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):  # [::1]:6379
-            return
-    except (OSError, ValueError) as e:
-        raise KeelError(RAY_MISSING, f"nothing answers at RAY_ADDRESS={address} ({e})",
-                        "run `unset RAY_ADDRESS` to let keel start a Ray instance on this machine, or start the "
-                        "head node there (`ray start --head`) and set RAY_ADDRESS to its host:6379") from None
-
-
-def _reserve(ray, devices: Devices, count: int):
-    """One bundle per rank, packed onto as few nodes as possible, and the CPUs each worker gets;
-    refused up front when the cluster does not have the devices the whole run places (every
-    pool), instead of waiting forever."""
-    from ray.util.placement_group import placement_group
-
-    require_devices(ray, devices)
-    gpus, resource = devices.gpus, devices.resource
-    # A GPU worker gets a share of the node's cores: Ray limits a worker's threads to its CPUs,
-    # and one core is not enough for a process that launches kernels, gathers and copies.
-    cpus = max(1, min(8, int(ray.cluster_resources().get("CPU", 1) // devices.total) - 1)) if gpus else 1
-    bundle = {"GPU": 1, "CPU": cpus} if gpus else {"CPU": 1}
-    group = placement_group([bundle] * count, strategy="PACK")
-    if not group.wait(timeout_seconds=60):
-        raise KeelError(NOT_ENOUGH_DEVICES, f"{count} {resource}s could not be reserved within 60 s "
-                        "(other jobs hold them)")
-    return group, cpus
 
 
 def _worker_actor_class(ray):
@@ -311,10 +245,12 @@ def _worker_actor_class(ray):
 
         def hostname(self) -> str:
             import socket
+
             return socket.gethostname()
 
         def rendezvous(self, port: int | None) -> tuple[str, int]:
             from keel.distributed.dist import rendezvous_port
+
             return ray.util.get_node_ip_address(), rendezvous_port(port)
 
         def setup(self, build, rank: int, world_size: int, master, split_cores: bool) -> None:

@@ -21,9 +21,17 @@ from keel.training.forward import decoder_token_stats
 from keel.training.placement import Placement
 
 
-def parallelize(model: nn.Module, *, role: str, device: torch.device, world_size: int,
-                compute_dtype: torch.dtype, fsdp_cfg, compile_layers: bool,
-                fused_vocab: bool) -> tuple[nn.Module, Placement, dict[str, float]]:
+def parallelize(
+    model: nn.Module,
+    *,
+    role: str,
+    device: torch.device,
+    world_size: int,
+    compute_dtype: torch.dtype,
+    fsdp_cfg,
+    compile_layers: bool,
+    fused_vocab: bool,
+) -> tuple[nn.Module, Placement, dict[str, float]]:
     """(the model, its Placement, what this rank holds of it). In this order:
     1. compile each decoder layer, before FSDP wraps it, so its hooks stay outside the graph;
     2. with several ranks: leave the model whole (fsdp_size=1, gradients averaged by keel's
@@ -38,11 +46,24 @@ def parallelize(model: nn.Module, *, role: str, device: torch.device, world_size
     if world_size == 1:
         return model, Placement(fused_vocab=fused_vocab, optimizer_offload=offload), {}
     if not sharded:
-        return model, Placement(fused_vocab=fused_vocab, data_parallel_size=world_size,
-                                reduce_gradients=average_gradients, optimizer_offload=offload), {}
+        return (
+            model,
+            Placement(
+                fused_vocab=fused_vocab,
+                data_parallel_size=world_size,
+                reduce_gradients=average_gradients,
+                optimizer_offload=offload,
+            ),
+            {},
+        )
     model = shard_model(model, make_mesh(device.type, world_size, fsdp_cfg.fsdp_size), compute_dtype, fsdp_cfg)
-    placement = Placement(device=device, fused_vocab=fused_vocab, token_stats=sharded_token_stats(model, fused_vocab),
-                          data_parallel_size=world_size, optimizer_offload=offload)
+    placement = Placement(
+        device=device,
+        fused_vocab=fused_vocab,
+        token_stats=sharded_token_stats(model, fused_vocab),
+        data_parallel_size=world_size,
+        optimizer_offload=offload,
+    )
     return model, placement, sharding_report(model, role)
 
 
@@ -84,8 +105,7 @@ def make_mesh(device_type: str, world_size: int, fsdp_size: int):
 
     if fsdp_size in (-1, world_size):
         return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
-    return init_device_mesh(device_type, (world_size // fsdp_size, fsdp_size),
-                            mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (world_size // fsdp_size, fsdp_size), mesh_dim_names=("replicate", "shard"))
 
 
 def shard_model(model: nn.Module, mesh, compute_dtype: torch.dtype, fsdp_cfg) -> nn.Module:
@@ -93,12 +113,16 @@ def shard_model(model: nn.Module, mesh, compute_dtype: torch.dtype, fsdp_cfg) ->
 
     low_precision = compute_dtype != torch.float32
     options = dict(
-        mesh=mesh, reshard_after_forward=fsdp_cfg.reshard_after_forward,
-        mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype if low_precision else None,
-                                       reduce_dtype=torch.float32),
+        mesh=mesh,
+        reshard_after_forward=fsdp_cfg.reshard_after_forward,
+        mp_policy=MixedPrecisionPolicy(
+            param_dtype=compute_dtype if low_precision else None, reduce_dtype=torch.float32
+        ),
         # Pinned host memory needs an accelerator; CPU workers (gloo) still take FSDP's offload path.
-        offload_policy=(CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if fsdp_cfg.param_offload
-                        else OffloadPolicy()))
+        offload_policy=(
+            CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if fsdp_cfg.param_offload else OffloadPolicy()
+        ),
+    )
     for block in block_modules(model):
         fully_shard(block, **options)
     fully_shard(model, **options)

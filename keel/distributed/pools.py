@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from keel.distributed.dist import port_from_environment
-from keel.distributed.group import Devices, RayGroup
+from keel.distributed.group import RayGroup
+from keel.distributed.ray_cluster import Devices
 from keel.distributed.worker import RoleWorker, WorkerSpec
 from keel.rewards.model import RewardModel, RewardTemplate
 from keel.training.batching import contiguous_shares
@@ -21,17 +22,28 @@ log = logging.getLogger("keel")
 POLICY_ROLE = "actor_rollout_ref"  # the colocated roles every worker of the policy's group runs
 
 
-def role_group(cfg, total_steps: int, actor_weights: str | None, stacks_dir: Path,
-               roles: frozenset[str] | None = None, world_size: int | None = None) -> RayGroup:
+def role_group(
+    cfg,
+    total_steps: int,
+    actor_weights: str | None,
+    stacks_dir: Path,
+    roles: frozenset[str] | None = None,
+    world_size: int | None = None,
+) -> RayGroup:
     """RoleWorkers on `world_size` ranks (the policy's workers by default). `roles`: what each
     builds (RoleWorker's default: the policy, and the critic when colocated); a critic pool is a
     second group with roles {"critic"} and a size of its own, whose rank 0 finds a port of its own
     (MASTER_PORT is the policy group's)."""
     build = functools.partial(RoleWorker, WorkerSpec.of(cfg, total_steps, actor_weights, roles))
-    return RayGroup(build, world_size or cfg.world_size, Devices.of(cfg),
-                    role=",".join(sorted(roles)) if roles else POLICY_ROLE, stacks_dir=stacks_dir,
-                    phase_timeout_s=cfg.trainer.guards.phase_timeout_s,
-                    port=port_from_environment() if roles is None else None)
+    return RayGroup(
+        build,
+        world_size or cfg.world_size,
+        Devices.of(cfg),
+        role=",".join(sorted(roles)) if roles else POLICY_ROLE,
+        stacks_dir=stacks_dir,
+        phase_timeout_s=cfg.trainer.guards.phase_timeout_s,
+        port=port_from_environment() if roles is None else None,
+    )
 
 
 class RewardModelReplica:
@@ -39,8 +51,13 @@ class RewardModelReplica:
 
     def __init__(self, rm_cfg, use_gpu: bool, rank: int = 0, world_size: int = 1, master=None):
         self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
-        self.model = RewardModel(rm_cfg.model.path, self.device, rm_cfg.micro_batch_size_per_gpu,
-                                 rm_cfg.max_length, rm_cfg.model.trust_remote_code)
+        self.model = RewardModel(
+            rm_cfg.model.path,
+            self.device,
+            rm_cfg.micro_batch_size_per_gpu,
+            rm_cfg.max_length,
+            rm_cfg.model.trust_remote_code,
+        )
 
     def score(self, raw_prompts: list, responses: list[str]) -> list[float | str]:
         return self.model.score(raw_prompts, responses)
@@ -57,8 +74,15 @@ class RewardModelPool(RewardTemplate):
         super().__init__(rm_cfg.model.path, rm_cfg.max_length, rm_cfg.model.trust_remote_code)  # for `keel check`
         count = devices.pools["reward model"]
         build = functools.partial(RewardModelReplica, rm_cfg, devices.gpus)
-        self.group = RayGroup(build, count, devices, role="reward_model", stacks_dir=stacks_dir,
-                              phase_timeout_s=phase_timeout_s, rendezvous=False)
+        self.group = RayGroup(
+            build,
+            count,
+            devices,
+            role="reward_model",
+            stacks_dir=stacks_dir,
+            phase_timeout_s=phase_timeout_s,
+            rendezvous=False,
+        )
         log.info("reward model: %d replicas on %ss of their own", count, devices.resource)
 
     @classmethod

@@ -25,8 +25,8 @@ from keel.errors.fixes import overrides
 @dataclass
 class Reply:
     result: Any
-    memory: dict[str, float]   # memory_reading after the call: rss_gb, and gpu_*_gb on a GPU
-    seconds: float             # the call's own time on the worker
+    memory: dict[str, float]  # memory_reading after the call: rss_gb, and gpu_*_gb on a GPU
+    seconds: float  # the call's own time on the worker
 
 
 def _eager_fix(method: str) -> str:
@@ -57,8 +57,9 @@ class ServedWorker:
                 result = getattr(self.worker, method)(*args)
         except Exception as error:
             if is_compile_error(error):
-                raise KeelError(COMPILE_FAILED, f"torch.compile failed in {method}: "
-                                f"{_first_lines(str(error))}", _eager_fix(method)) from error
+                raise KeelError(
+                    COMPILE_FAILED, f"torch.compile failed in {method}: {_first_lines(str(error))}", _eager_fix(method)
+                ) from error
             raise
         self.phase = "idle"
         return Reply(result, memory_reading(self.device), time.perf_counter() - start)
@@ -67,8 +68,14 @@ class ServedWorker:
         """Where this rank runs and what the worker says of itself (its `info`), with the memory it
         holds once built."""
         own = self.worker.info() if hasattr(self.worker, "info") else {}
-        where = {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "threads": torch.get_num_threads(),
-                 "visible": os.environ.get("CUDA_VISIBLE_DEVICES", "all"), **own}
+        where = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "device": str(self.device),
+            "threads": torch.get_num_threads(),
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES", "all"),
+            **own,
+        }
         return Reply(where, memory_reading(self.device), 0.0)
 
     def stacks(self) -> dict:

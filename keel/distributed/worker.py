@@ -24,8 +24,16 @@ from keel.config.schema import ActorRolloutRefConfig, CriticConfig, KeelConfig
 from keel.distributed.dist import init_process_group
 from keel.distributed.fsdp import full_parameters
 from keel.distributed.parallelize import parallelize
-from keel.models.load import (autocast, can_compile, load_causal_lm, load_critic, load_tokenizer, quiet_transformers,
-                              resolve_device, resolve_dtype)
+from keel.models.load import (
+    autocast,
+    can_compile,
+    load_causal_lm,
+    load_critic,
+    load_tokenizer,
+    quiet_transformers,
+    resolve_device,
+    resolve_dtype,
+)
 from keel.models.lora import adapter_weights, apply_lora, frozen_base, plan_lora, trained_in_full
 from keel.observe.profile import RankProfile
 from keel.rollout.agent import AgentLoop, build_agent_loop
@@ -45,34 +53,52 @@ log = logging.getLogger("keel")
 class WorkerSpec:
     """What a rank builds, cut from the config once: the sections it reads, and the few numbers
     the rest of the config decides."""
-    policy: ActorRolloutRefConfig   # the policy's model, actor, rollout and reference
+
+    policy: ActorRolloutRefConfig  # the policy's model, actor, rollout and reference
     critic: CriticConfig
-    roles: frozenset[str]           # "policy" (actor, rollout engine, reference), "critic"
-    total_steps: int                # the LR schedules' length
-    device: str                     # trainer.device
-    seed: int                       # trainer.seed: identical initial weights on every rank
+    roles: frozenset[str]  # "policy" (actor, rollout engine, reference), "critic"
+    total_steps: int  # the LR schedules' length
+    device: str  # trainer.device
+    seed: int  # trainer.seed: identical initial weights on every rank
     collective_timeout_s: float
-    max_response_length: int        # seq-mean-token-sum-norm's constant
-    with_reference: bool            # a KL term needs the reference
-    critic_micro_batch: int         # critic.ppo_micro_batch_size_per_gpu, or the actor's
-    actor_weights: str | None       # a checkpoint's actor to start from instead of the model path
+    max_response_length: int  # seq-mean-token-sum-norm's constant
+    with_reference: bool  # a KL term needs the reference
+    critic_micro_batch: int  # critic.ppo_micro_batch_size_per_gpu, or the actor's
+    actor_weights: str | None  # a checkpoint's actor to start from instead of the model path
     rollout_correction: RolloutCorrectionConfig | None = None  # algorithm.rollout_correction
 
     @classmethod
-    def of(cls, cfg: KeelConfig, total_steps: int, actor_weights: str | None = None,
-           roles: frozenset[str] | None = None) -> WorkerSpec:
+    def of(
+        cls, cfg: KeelConfig, total_steps: int, actor_weights: str | None = None, roles: frozenset[str] | None = None
+    ) -> WorkerSpec:
         """`roles` by default: the policy, and the critic too unless it has a pool of its own."""
         colocated_critic = cfg.critic_enabled and "critic" not in cfg.pools
         t = cfg.trainer
-        return cls(cfg.actor_rollout_ref, cfg.critic,
-                   roles or frozenset({"policy", "critic"} if colocated_critic else {"policy"}), total_steps,
-                   t.device, t.seed, t.collective_timeout_s, cfg.data.max_response_length, cfg.ref_enabled,
-                   cfg.critic_batching[1], actor_weights, cfg.algorithm.rollout_correction)
+        return cls(
+            cfg.actor_rollout_ref,
+            cfg.critic,
+            roles or frozenset({"policy", "critic"} if colocated_critic else {"policy"}),
+            total_steps,
+            t.device,
+            t.seed,
+            t.collective_timeout_s,
+            cfg.data.max_response_length,
+            cfg.ref_enabled,
+            cfg.critic_batching[1],
+            actor_weights,
+            cfg.algorithm.rollout_correction,
+        )
 
 
 class RoleWorker:
-    def __init__(self, spec: WorkerSpec, rank: int = 0, world_size: int = 1, master: tuple[str, int] | None = None,
-                 tokenizer=None):
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        rank: int = 0,
+        world_size: int = 1,
+        master: tuple[str, int] | None = None,
+        tokenizer=None,
+    ):
         quiet_transformers()
         self.spec, self.rank, self.world_size = spec, rank, world_size
         self.device = resolve_device(spec.device)
@@ -99,34 +125,54 @@ class RoleWorker:
         torch.manual_seed(spec.seed)  # every rank starts from identical weights
         # With LoRA a checkpoint's actor is its adapters; the base is always model.path.
         weights = policy.model.path if self.lora else (spec.actor_weights or policy.model.path)
-        model = load_causal_lm(weights, self.device, policy.model.trust_remote_code,
-                               policy.model.enable_gradient_checkpointing,
-                               dtype=self.compute_dtype if self.lora else torch.float32)  # a frozen base
+        model = load_causal_lm(
+            weights,
+            self.device,
+            policy.model.trust_remote_code,
+            policy.model.enable_gradient_checkpointing,
+            dtype=self.compute_dtype if self.lora else torch.float32,
+        )  # a frozen base
         # Built before the actor is sharded (and before LoRA): it reads the whole base weights once.
         # After each update it takes the actor module's, gathered from shards; under LoRA it holds the
         # frozen base for the trainer too and takes only the adapters.
-        self.rollout = make_rollout_engine(policy.rollout, model, self.tokenizer, self.device, self.compute_dtype,
-                                           log_choice=rank == 0, will_be_sharded=self._actor_sharded, lora=self.lora)
+        self.rollout = make_rollout_engine(
+            policy.rollout,
+            model,
+            self.tokenizer,
+            self.device,
+            self.compute_dtype,
+            log_choice=rank == 0,
+            will_be_sharded=self._actor_sharded,
+            lora=self.lora,
+        )
         if self.lora:
             model = self._with_adapters(model, policy.model, "actor_rollout_ref.model", spec.actor_weights)
             self._share_base(model)
         model, placement = self._prepare_model(model, policy.actor.fsdp_config, "actor")
-        self.actor = ActorTrainer(model, policy.actor, policy.rollout.temperature, spec.total_steps,
-                                  _log_prob_batching(policy.rollout), spec.max_response_length, placement,
-                                  spec.rollout_correction)
+        self.actor = ActorTrainer(
+            model,
+            policy.actor,
+            policy.rollout.temperature,
+            spec.total_steps,
+            _log_prob_batching(policy.rollout),
+            spec.max_response_length,
+            placement,
+            spec.rollout_correction,
+        )
         if self.lora:  # adapters loaded from a checkpoint or lora_adapter_path reach the engine now
             self._sync_rollout()
         if policy.rollout.multi_turn.enable:
-            self.agent = build_agent_loop(policy.rollout.multi_turn, self.rollout, self.tokenizer,
-                                          spec.max_response_length)
+            self.agent = build_agent_loop(
+                policy.rollout.multi_turn, self.rollout, self.tokenizer, spec.max_response_length
+            )
         if spec.with_reference and self.lora:  # the base itself, adapters off: no second model
-            self.ref = AdapterlessReference(model, _log_prob_batching(policy.ref), policy.rollout.temperature,
-                                            placement)
+            self.ref = AdapterlessReference(
+                model, _log_prob_batching(policy.ref), policy.rollout.temperature, placement
+            )
         elif spec.with_reference:  # the reference is always the starting policy, even on resume
             ref_model = load_causal_lm(policy.model.path, self.device, policy.model.trust_remote_code)
             ref_model, placement = self._prepare_model(ref_model, policy.ref.fsdp_config, "ref")
-            self.ref = ReferencePolicy(ref_model, _log_prob_batching(policy.ref), policy.rollout.temperature,
-                                       placement)
+            self.ref = ReferencePolicy(ref_model, _log_prob_batching(policy.ref), policy.rollout.temperature, placement)
 
     @property
     def lora(self) -> bool:
@@ -146,7 +192,9 @@ class RoleWorker:
             return
         freed = self.rollout.share_frozen_weights(frozen_base(model))
         if self.rank == 0:
-            log.info("LoRA: the trainer's frozen base is the rollout engine's weights (%.2f GB not copied)", freed / 1e9)
+            log.info(
+                "LoRA: the trainer's frozen base is the rollout engine's weights (%.2f GB not copied)", freed / 1e9
+            )
 
     @property
     def _actor_sharded(self) -> bool:
@@ -161,8 +209,15 @@ class RoleWorker:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA wraps it
         generates_with_it = isinstance(self.rollout, HFRolloutEngine) and self.rollout.model is base
         model, placement, report = parallelize(
-            model, role=role, device=self.device, world_size=self.world_size, compute_dtype=self.compute_dtype,
-            fsdp_cfg=fsdp_cfg, compile_layers=compiled and not generates_with_it, fused_vocab=compiled)
+            model,
+            role=role,
+            device=self.device,
+            world_size=self.world_size,
+            compute_dtype=self.compute_dtype,
+            fsdp_cfg=fsdp_cfg,
+            compile_layers=compiled and not generates_with_it,
+            fused_vocab=compiled,
+        )
         self.sharding.update(report)
         return model, placement
 
@@ -170,8 +225,12 @@ class RoleWorker:
         spec, c = self.spec, self.spec.critic
         torch.manual_seed(spec.seed)  # the value head's initialisation, identical on every rank
         lora = c.model.lora_rank > 0  # on the backbone; the value head trains in full
-        model = load_critic(c.model.path or spec.policy.model.path, self.device, spec.policy.model.trust_remote_code,
-                            dtype=self.compute_dtype if lora else torch.float32)
+        model = load_critic(
+            c.model.path or spec.policy.model.path,
+            self.device,
+            spec.policy.model.trust_remote_code,
+            dtype=self.compute_dtype if lora else torch.float32,
+        )
         if lora:
             model.backbone = self._with_adapters(model.backbone, c.model, "critic.model")
         model, placement = self._prepare_model(model, c.model.fsdp_config, "critic")
@@ -249,5 +308,8 @@ class RoleWorker:
 
 def _log_prob_batching(role_cfg) -> MicroBatching:
     """Forward-only log-prob passes of the rollout (old log-probs) or the reference."""
-    return MicroBatching.of(role_cfg.log_prob_micro_batch_size_per_gpu, role_cfg.log_prob_use_dynamic_bsz,
-                            role_cfg.log_prob_max_token_len_per_gpu)
+    return MicroBatching.of(
+        role_cfg.log_prob_micro_batch_size_per_gpu,
+        role_cfg.log_prob_use_dynamic_bsz,
+        role_cfg.log_prob_max_token_len_per_gpu,
+    )

@@ -8,7 +8,8 @@ entry.
 
 from keel.errors.base import CATALOGUE, Code, KeelError, SkipStep, explain, register  # noqa: F401
 
-# Each area's code constants, registered in catalogue order.
+# Each area's code constants, registered in catalogue order: the order is meant, not sorted.
+# isort: off
 from keel.errors.config import *  # noqa: E402, F401, F403
 from keel.errors.model import *  # noqa: E402, F401, F403
 from keel.errors.data import *  # noqa: E402, F401, F403
@@ -16,3 +17,4 @@ from keel.errors.reward import *  # noqa: E402, F401, F403
 from keel.errors.training import *  # noqa: E402, F401, F403
 from keel.errors.environment import *  # noqa: E402, F401, F403
 from keel.errors.parallel import *  # noqa: E402, F401, F403
+# isort: on

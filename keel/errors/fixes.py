@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import difflib
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 
@@ -72,9 +73,13 @@ def nearby_file(missing: str, suffixes: Iterable[str] = DATA_SUFFIXES) -> str | 
         return None
     suffixes = tuple(s.lower() for s in suffixes)
     if folder == wanted.parent:
-        scored = [(_likeness(wanted.name, p.name), p) for p in folder.iterdir()
-                  if p.is_file() and p.suffix.lower() in suffixes and (p.stem == wanted.stem
-                                                                      or _likeness(wanted.name, p.name) >= 0.8)]
+        scored = [
+            (_likeness(wanted.name, p.name), p)
+            for p in folder.iterdir()
+            if p.is_file()
+            and p.suffix.lower() in suffixes
+            and (p.stem == wanted.stem or _likeness(wanted.name, p.name) >= 0.8)
+        ]
     else:
         scored = [(1.0, p) for p in _files_below(folder, wanted.name, depth=3)]
     if not scored:
@@ -92,9 +97,11 @@ def nearby_model(missing: str, marker: str = "config.json") -> str | None:
         found = [p.parent for p in [*wanted.glob(f"*/{marker}"), *wanted.glob(f"*/*/{marker}")]]
     else:
         folder = next((p for p in wanted.parents if p.is_dir()), Path("."))
-        found = ([p for p in folder.iterdir() if (p / marker).is_file() and _likeness(p.name, wanted.name) >= 0.8]
-                 if folder == wanted.parent else
-                 [p.parent for p in _files_below(folder, marker, depth=4) if p.parent.name == wanted.name])
+        found = (
+            [p for p in folder.iterdir() if (p / marker).is_file() and _likeness(p.name, wanted.name) >= 0.8]
+            if folder == wanted.parent
+            else [p.parent for p in _files_below(folder, marker, depth=4) if p.parent.name == wanted.name]
+        )
     return shown(found[0], missing) if len(found) == 1 else None
 
 
@@ -127,8 +134,14 @@ def writable_run_dir(run_dir: Path | str) -> str:
     directory, the home directory or the temporary one, whichever can be written."""
     import tempfile
 
-    base = next((b for b in (Path.cwd(), Path.home(), Path(tempfile.gettempdir())) if os.access(b, os.W_OK)
-                 and not (b / "checkpoints").is_file()), Path(tempfile.gettempdir()))
+    base = next(
+        (
+            b
+            for b in (Path.cwd(), Path.home(), Path(tempfile.gettempdir()))
+            if os.access(b, os.W_OK) and not (b / "checkpoints").is_file()
+        ),
+        Path(tempfile.gettempdir()),
+    )
     new = free_directory(base / "checkpoints" / Path(run_dir).name)
     return f"set {setting('trainer.default_local_dir', shown(new, 'relative'))} (a folder that can be written)"
 
@@ -148,8 +161,10 @@ def whole_batches(count: int, part_key: str, part: int) -> str | None:
     if count <= 0:
         return None
     if count >= part:
-        return f"set {setting('data.train_batch_size', count // part * part)} (the examples there are, in whole " \
-               f"batches of {part_key}={part})"
+        return (
+            f"set {setting('data.train_batch_size', count // part * part)} (the examples there are, in whole "
+            f"batches of {part_key}={part})"
+        )
     return f"set {overrides({'data.train_batch_size': count, part_key: count})} (one batch of the {count} there are)"
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from keel.errors import DEVICE_UNAVAILABLE, EOS_ADDED_ON_LOAD, MODEL_PATH, NO_EOS, WEIGHTS_BROKEN, KeelError
-from keel.errors.fixes import free_directory, maker_of, nearby_model, setting
+from keel.errors.fixes import maker_of, nearby_model, setting
 
 log = logging.getLogger("keel")
 
@@ -52,8 +52,9 @@ def _model_path_fix(missing: str, key: str) -> str:
     made = [f"run `{maker}`, which writes it"] if maker else []
     # the script's own folder missing, running it is the fix; else the directory there is the one meant
     options = made + options if maker and not Path(missing).parent.is_dir() else options + made
-    return (", or ".join(options)
-            or f"set {key} to a local directory saved with save_pretrained (one holding config.json)")
+    return (
+        ", or ".join(options) or f"set {key} to a local directory saved with save_pretrained (one holding config.json)"
+    )
 
 
 def cached_model(repo_id: str, key: str) -> Path:
@@ -68,9 +69,12 @@ def cached_model(repo_id: str, key: str) -> Path:
         snapshot = None
     if snapshot is None or not (snapshot / "config.json").is_file():
         where = cache or "the default Hugging Face cache (~/.cache/huggingface/hub)"
-        raise KeelError(MODEL_PATH, f"{key}={repo_id!r} is a Hugging Face Hub id that is not in {where}; keel "
-                        "downloads nothing", f"download it where there is network (`huggingface-cli download "
-                        f"{repo_id}`) into this machine's cache, or set {key} to a local directory")
+        raise KeelError(
+            MODEL_PATH,
+            f"{key}={repo_id!r} is a Hugging Face Hub id that is not in {where}; keel downloads nothing",
+            f"download it where there is network (`huggingface-cli download "
+            f"{repo_id}`) into this machine's cache, or set {key} to a local directory",
+        )
     return snapshot
 
 
@@ -90,8 +94,10 @@ def weight_file_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
             raise KeelError(WEIGHTS_BROKEN, f"{index} is not a safetensors index ({type(e).__name__})") from None
         absent = [name for name in listed if not (path / name).is_file()]
         if absent:
-            raise KeelError(WEIGHTS_BROKEN, f"{index.name} in {path} lists {absent[:3]}, which are missing "
-                                            f"({len(absent)} of {len(listed)} files)")
+            raise KeelError(
+                WEIGHTS_BROKEN,
+                f"{index.name} in {path} lists {absent[:3]}, which are missing ({len(absent)} of {len(listed)} files)",
+            )
     shapes: dict[str, tuple[int, ...]] = {}
     for file in sorted(path.glob("*.safetensors")):
         shapes.update(_header_shapes(file))
@@ -103,8 +109,9 @@ def _header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
     with open(file, "rb") as handle:
         length = int.from_bytes(handle.read(8), "little") if size >= 8 else -1
         if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
-            raise KeelError(WEIGHTS_BROKEN, f"{file} ({size} bytes) has no safetensors header: truncated or "
-                                            "not a safetensors file")
+            raise KeelError(
+                WEIGHTS_BROKEN, f"{file} ({size} bytes) has no safetensors header: truncated or not a safetensors file"
+            )
         try:
             header = json.loads(handle.read(length))
             tensors = {name: entry for name, entry in header.items() if name != "__metadata__"}
@@ -113,8 +120,11 @@ def _header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
             raise KeelError(WEIGHTS_BROKEN, f"{file} has a broken safetensors header ({type(e).__name__})") from None
     if 8 + length + end > size:
-        raise KeelError(WEIGHTS_BROKEN, f"{file} is {size} bytes but its header describes {8 + length + end}: "
-                                        "the file is truncated (an interrupted download or copy)")
+        raise KeelError(
+            WEIGHTS_BROKEN,
+            f"{file} is {size} bytes but its header describes {8 + length + end}: "
+            "the file is truncated (an interrupted download or copy)",
+        )
     return shapes
 
 
@@ -126,62 +136,6 @@ def meta_model(model_cfg, trust_remote_code: bool = False) -> nn.Module:
         return AutoModelForCausalLM.from_config(model_cfg, trust_remote_code=trust_remote_code)
 
 
-def special_token_mismatches(tokenizer, model_cfg, generation_eos, compare_pad: bool = True,
-                             path: str | Path = "") -> list[tuple[str, str]]:
-    """(what differs, the fix) for the tokenizer's EOS, pad and BOS ids against the model's
-    config.json and generation_config.json (in `path`). keel stops rollouts at both EOS sets and
-    masks padding, so one difference is a warning; several mean the tokenizer is another model's.
-    The fix sets the tokenizer's token to the model's: the model was trained with its ids."""
-    def retoken(name: str, token_id: int) -> str:
-        return (f'set `"{name}_token": "{tokenizer.convert_ids_to_tokens(token_id)}"` in '
-                f'`{Path(path, "tokenizer_config.json")}`')
-
-    def ids(value) -> set[int]:
-        return set(value) if isinstance(value, (list, tuple)) else ({value} if value is not None else set())
-
-    def named(token_id) -> str:
-        return f"{token_id} ({tokenizer.convert_ids_to_tokens(token_id)!r})" if token_id < len(tokenizer) else str(token_id)
-
-    found = []
-    model_eos = ids(getattr(model_cfg, "eos_token_id", None)) | ids(generation_eos)
-    if model_eos and tokenizer.eos_token_id not in model_eos:
-        wanted = min(model_eos)
-        found.append((f"the tokenizer's EOS is {named(tokenizer.eos_token_id)} but the model's config ends "
-                      f"with {sorted(named(i) for i in model_eos)}",
-                      f"{retoken('eos', wanted)} (the end config.json names), or use the tokenizer saved with this "
-                      "model" if wanted < len(tokenizer) else "use the tokenizer saved with this model"))
-    for name in ("pad", "bos") if compare_pad else ("bos",):
-        model_id, tokenizer_id = getattr(model_cfg, f"{name}_token_id", None), getattr(tokenizer, f"{name}_token_id")
-        if model_id is not None and tokenizer_id is not None and model_id != tokenizer_id:
-            found.append((f"the tokenizer's {name.upper()} is {named(tokenizer_id)} but config.json says "
-                          f"{named(model_id)}", f"{retoken(name, model_id)}, or use the tokenizer saved with this "
-                          "model" if model_id < len(tokenizer) else "use the tokenizer saved with this model"))
-    return found
-
-
-# transformers' model_max_length when a tokenizer does not say (int(1e30)): no limit known.
-_UNSET_MAX_LENGTH = 10 ** 12
-
-
-def context_limit(model_cfg, tokenizer) -> tuple[int | None, str]:
-    """(tokens a model reads, what sets that): the smaller of config.json's max_position_embeddings
-    and the tokenizer's model_max_length, which a fine-tuned model often lowers to what it was trained
-    on while its config keeps the base model's positions."""
-    limits = []
-    positions = getattr(model_cfg, "max_position_embeddings", None)
-    if positions:
-        limits.append((positions, f"max_position_embeddings={positions} in config.json"))
-    if tokenizer.model_max_length < _UNSET_MAX_LENGTH:
-        limits.append((tokenizer.model_max_length, f"model_max_length={tokenizer.model_max_length} in its "
-                                                   "tokenizer_config.json"))
-    if not limits:
-        return None, "no limit in config.json or the tokenizer"
-    limit, why = min(limits)
-    if max(limits)[0] != limit:
-        why += f" (while {max(limits)[1]})"
-    return limit, why
-
-
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
@@ -190,12 +144,15 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     if tokenizer.eos_token_id is None:
         raise KeelError(NO_EOS, f"the tokenizer in {path} has no eos_token", _eos_fix(tokenizer, path))
     if not _in_tokenizer_files(path, tokenizer.eos_token):
-        raise KeelError(EOS_ADDED_ON_LOAD, f"the eos_token {tokenizer.eos_token!r} of the tokenizer in {path} is in "
-                        f"none of its files: transformers added it on load as a new id ({tokenizer.eos_token_id}), "
-                        "which the model never trained on and never samples", _eos_fix(tokenizer, path))
+        raise KeelError(
+            EOS_ADDED_ON_LOAD,
+            f"the eos_token {tokenizer.eos_token!r} of the tokenizer in {path} is in "
+            f"none of its files: transformers added it on load as a new id ({tokenizer.eos_token_id}), "
+            "which the model never trained on and never samples",
+            _eos_fix(tokenizer, path),
+        )
     if tokenizer.pad_token_id is None:
-        log.warning("tokenizer in %s has no pad token; using its EOS token %r as pad",
-                    path, tokenizer.eos_token)
+        log.warning("tokenizer in %s has no pad token; using its EOS token %r as pad", path, tokenizer.eos_token)
         tokenizer.pad_token = tokenizer.eos_token
     # Generation appends on the right, so prompts are padded on the left.
     tokenizer.padding_side = "left"
@@ -227,37 +184,28 @@ def _eos_fix(tokenizer, path: Path) -> str | None:
     ids = [i for i in (ids if isinstance(ids, list) else [ids]) if isinstance(i, int) and i < len(tokenizer)]
     vocab = tokenizer.get_vocab()
     known = [t for t in END_TOKENS if t in vocab]
-    token, why = ((tokenizer.convert_ids_to_tokens(ids[0]), f"config.json's eos_token_id={ids[0]}") if ids else
-                  (known[0], "the end-of-text token its vocabulary has") if len(known) == 1 else (None, ""))
+    token, why = (
+        (tokenizer.convert_ids_to_tokens(ids[0]), f"config.json's eos_token_id={ids[0]}")
+        if ids
+        else (known[0], "the end-of-text token its vocabulary has")
+        if len(known) == 1
+        else (None, "")
+    )
     if token is None:
         return None
     return f'set `"eos_token": "{token}"` in `{path / "tokenizer_config.json"}` ({why})'
-
-
-def agree_fix(mismatches: list[tuple[str, str]]) -> str:
-    """One fix for several special tokens that differ: every file change at once."""
-    changes = [fix.split(", or ")[0].removeprefix("set ") for _, fix in mismatches if fix.startswith("set ")]
-    return (f"set {' and '.join(changes)}, or " if changes else "") + "use the tokenizer saved with this model"
-
-
-def vocab_fix(path: str | Path, size: int, key: str = "actor_rollout_ref.model.path") -> str:
-    """The fix for a tokenizer with ids past the embedding: the model with `size` embedding rows (the
-    new rows random, trained from there), saved beside it, then used."""
-    out = free_directory(Path(f"{path}_resized"))
-    code = (f"from transformers import AutoModelForCausalLM as M, AutoTokenizer as T; m = M.from_pretrained('{path}'); "
-            f"m.resize_token_embeddings({size}); m.save_pretrained('{out}'); "
-            f"T.from_pretrained('{path}').save_pretrained('{out}')")
-    return (f'run `python -c "{code}"`, then set {setting(key, str(out))} (the model with an embedding row for '
-            "every token), or use the tokenizer saved with this model")
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise KeelError(DEVICE_UNAVAILABLE, "trainer.device=cuda but torch sees no CUDA device",
-                        f"set {setting('trainer.device', 'cpu')} to run on the CPU (slow for real models), or run "
-                        f"where torch sees a GPU (a CUDA build of torch: torch.version.cuda is {torch.version.cuda})")
+        raise KeelError(
+            DEVICE_UNAVAILABLE,
+            "trainer.device=cuda but torch sees no CUDA device",
+            f"set {setting('trainer.device', 'cpu')} to run on the CPU (slow for real models), or run "
+            f"where torch sees a GPU (a CUDA build of torch: torch.version.cuda is {torch.version.cuda})",
+        )
     return torch.device(name)
 
 
@@ -288,8 +236,13 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def load_causal_lm(path: str | Path, device: torch.device, trust_remote_code: bool = False,
-                   gradient_checkpointing: bool = False, dtype: torch.dtype = torch.float32):
+def load_causal_lm(
+    path: str | Path,
+    device: torch.device,
+    trust_remote_code: bool = False,
+    gradient_checkpointing: bool = False,
+    dtype: torch.dtype = torch.float32,
+):
     """Weights in float32 (master weights; a frozen LoRA base in the compute dtype); `autocast`
     chooses the compute dtype."""
     from transformers import AutoModelForCausalLM
@@ -329,22 +282,25 @@ class CriticModel(nn.Module):
         nn.init.normal_(self.value_head.weight, std=1.0 / (hidden_size + 1))
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask, position_ids):     # [B, L] -> [B, L]
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids, use_cache=False).last_hidden_state
+    def forward(self, input_ids, attention_mask, position_ids):  # [B, L] -> [B, L]
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         # A copy, not a view: FSDP2 hooks the root's backward onto its output, and drops that hook
         # for a view of a tensor made inside the module (it warns so).
         return self.value_head(hidden).squeeze(-1).clone()
 
 
-def load_critic(path: str | Path, device: torch.device, trust_remote_code: bool = False,
-                dtype: torch.dtype = torch.float32) -> CriticModel:
+def load_critic(
+    path: str | Path, device: torch.device, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32
+) -> CriticModel:
     """The critic; its value head is float32 whatever `dtype` the backbone is loaded in (a LoRA
     critic's frozen backbone is in the compute dtype)."""
     from transformers import AutoModel
 
-    backbone = AutoModel.from_pretrained(check_model_dir(path, "critic.model.path"), dtype=dtype,
-                                         trust_remote_code=trust_remote_code)
+    backbone = AutoModel.from_pretrained(
+        check_model_dir(path, "critic.model.path"), dtype=dtype, trust_remote_code=trust_remote_code
+    )
     return CriticModel(backbone, backbone.config.hidden_size).to(device)
 
 

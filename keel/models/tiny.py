@@ -23,8 +23,10 @@ CHAT_TEMPLATE = (
 
 
 # Qwen2's pre-tokenizer split: contractions, words, single digits, punctuation runs, newlines.
-_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def build_tokenizer(with_pad: bool = True):
@@ -41,10 +43,12 @@ def build_tokenizer(with_pad: bool = True):
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # 256 printable stand-ins for the bytes
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + alphabet)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
     hf_tok = PreTrainedTokenizerFast(
@@ -58,31 +62,44 @@ def build_tokenizer(with_pad: bool = True):
     return hf_tok
 
 
-def build_model_config(arch: str = "qwen2", vocab_size: int = 128, hidden_size: int = 64,
-                       num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-                       intermediate_size: int | None = None, max_position_embeddings: int = 1024,
-                       eos_token_id: int | None = None, pad_token_id: int | None = None,
-                       tie_word_embeddings: bool = True, initializer_range: float = 0.02):
-    from transformers import (Gemma3TextConfig, GptOssConfig, LlamaConfig, Olmo2Config, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig, SmolLM3Config)
+def build_model_config(
+    arch: str = "qwen2",
+    vocab_size: int = 128,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 1024,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    tie_word_embeddings: bool = True,
+    initializer_range: float = 0.02,
+):
+    from transformers import (
+        Gemma3TextConfig,
+        GptOssConfig,
+        LlamaConfig,
+        Olmo2Config,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+        SmolLM3Config,
+    )
 
-    configs = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig,
-               "gemma3_text": Gemma3TextConfig, "olmo2": Olmo2Config, "smollm3": SmolLM3Config,
-               "gpt_oss": GptOssConfig}
+    configs = {
+        "qwen2": Qwen2Config,
+        "llama": LlamaConfig,
+        "qwen3": Qwen3Config,
+        "qwen3_moe": Qwen3MoeConfig,
+        "gemma3_text": Gemma3TextConfig,
+        "olmo2": Olmo2Config,
+        "smollm3": SmolLM3Config,
+        "gpt_oss": GptOssConfig,
+    }
     if arch not in configs:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(configs)}")
-    # Qwen3-MoE: 8 experts of which 2 route each token, the last layer dense (mlp_only_layers), as
-    # the released checkpoints' shapes scaled down.
-    family = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2,
-                                mlp_only_layers=[num_layers - 1], norm_topk_prob=True),
-              "qwen3": dict(head_dim=hidden_size // num_heads),
-              "smollm3": dict(no_rope_layers=[int((i + 1) % 4 != 0) for i in range(num_layers)]),
-              "gpt_oss": dict(head_dim=hidden_size // num_heads, num_local_experts=4, num_experts_per_tok=2,
-                              sliding_window=16),
-              # sliding-window and global layers in turn; a window shorter than the tests' prompts
-              "gemma3_text": dict(head_dim=hidden_size // num_heads, query_pre_attn_scalar=hidden_size // num_heads,
-                                  sliding_window=16, layer_types=[("sliding_attention", "full_attention")[i % 2]
-                                                                  for i in range(num_layers)])}.get(arch, {})
+    family = _family_settings(arch, hidden_size, num_heads, num_layers)
     return configs[arch](
         **family,
         vocab_size=vocab_size,
@@ -99,6 +116,33 @@ def build_model_config(arch: str = "qwen2", vocab_size: int = 128, hidden_size: 
     )
 
 
+def _family_settings(arch: str, hidden_size: int, num_heads: int, num_layers: int) -> dict:
+    """What a family's config needs beside the common sizes, scaled down with them."""
+    return {
+        # Qwen3-MoE: 8 experts of which 2 route each token, the last layer dense (mlp_only_layers), as
+        # the released checkpoints' shapes scaled down.
+        "qwen3_moe": dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden_size // 2,
+            mlp_only_layers=[num_layers - 1],
+            norm_topk_prob=True,
+        ),
+        "qwen3": dict(head_dim=hidden_size // num_heads),
+        "smollm3": dict(no_rope_layers=[int((i + 1) % 4 != 0) for i in range(num_layers)]),
+        "gpt_oss": dict(
+            head_dim=hidden_size // num_heads, num_local_experts=4, num_experts_per_tok=2, sliding_window=16
+        ),
+        # sliding-window and global layers in turn; a window shorter than the tests' prompts
+        "gemma3_text": dict(
+            head_dim=hidden_size // num_heads,
+            query_pre_attn_scalar=hidden_size // num_heads,
+            sliding_window=16,
+            layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)],
+        ),
+    }.get(arch, {})
+
+
 def make_tiny_reward_model(out_dir: str | Path, seed: int = 0, **config_overrides) -> Path:
     """A random-weight Qwen2 sequence classifier (one score) with keel's tokenizer."""
     import torch
@@ -106,8 +150,13 @@ def make_tiny_reward_model(out_dir: str | Path, seed: int = 0, **config_override
 
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer()
-    config = build_model_config("qwen2", vocab_size=(len(tokenizer) + 7) // 8 * 8, eos_token_id=tokenizer.eos_token_id,
-                                pad_token_id=tokenizer.pad_token_id, **config_overrides)
+    config = build_model_config(
+        "qwen2",
+        vocab_size=(len(tokenizer) + 7) // 8 * 8,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **config_overrides,
+    )
     config.num_labels = 1
     torch.manual_seed(seed)
     AutoModelForSequenceClassification.from_config(config).save_pretrained(out_dir)
@@ -115,8 +164,9 @@ def make_tiny_reward_model(out_dir: str | Path, seed: int = 0, **config_override
     return out_dir
 
 
-def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", seed: int = 0, with_pad: bool = True,
-                    **config_overrides) -> Path:
+def make_tiny_model(
+    out_dir: str | Path, arch: str = "qwen2", seed: int = 0, with_pad: bool = True, **config_overrides
+) -> Path:
     """Write a random-weight model and keel's tokenizer to `out_dir`; returns the path."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -128,8 +178,13 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", seed: int = 0, wit
     tokenizer = build_tokenizer(with_pad=with_pad)
     # Round the vocabulary up to a multiple of 8, as real checkpoints do (embedding rows > tokens).
     vocab_size = (len(tokenizer) + 7) // 8 * 8
-    config = build_model_config(arch, vocab_size=vocab_size, eos_token_id=tokenizer.eos_token_id,
-                                pad_token_id=tokenizer.pad_token_id, **config_overrides)
+    config = build_model_config(
+        arch,
+        vocab_size=vocab_size,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **config_overrides,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -30,13 +30,20 @@ def check_weights_match(path: str | Path, model_cfg, model: nn.Module | None) ->
     pairs = [(name, found[name], shape) for name, shape in expected.items() if name in found and found[name] != shape]
     wrong = [f"{name} {list(have)} (the config says {list(shape)})" for name, have, shape in pairs]
     if wrong:
-        raise KeelError(WEIGHTS_BROKEN, f"{len(wrong)} tensors in {path} do not match config.json: {wrong[0]}"
-                                        + (f" and {len(wrong) - 1} more" if len(wrong) > 1 else ""),
-                        _config_size_fix(Path(path), [(have, shape) for _, have, shape in pairs]))
+        raise KeelError(
+            WEIGHTS_BROKEN,
+            f"{len(wrong)} tensors in {path} do not match config.json: {wrong[0]}"
+            + (f" and {len(wrong) - 1} more" if len(wrong) > 1 else ""),
+            _config_size_fix(Path(path), [(have, shape) for _, have, shape in pairs]),
+        )
     missing = [name for name in expected if name not in found and not _built_on_load(name, found, model)]
-    warning = (f"{len(missing)} of the {len(expected)} tensors the config's architecture has are not in {path}'s "
-               f"weight files under their names (first: {missing[0]}): unless transformers maps them on load, they "
-               "start from random values" if missing else None)
+    warning = (
+        f"{len(missing)} of the {len(expected)} tensors the config's architecture has are not in {path}'s "
+        f"weight files under their names (first: {missing[0]}): unless transformers maps them on load, they "
+        "start from random values"
+        if missing
+        else None
+    )
     return f"{len(found)} tensors, shapes match the config", warning
 
 
@@ -54,9 +61,10 @@ def _built_on_load(name: str, found: dict, model: nn.Module) -> bool:
         for target in converter.target_patterns:
             if not name.endswith(target):
                 continue
-            prefix = name[:-len(target)]
-            sources = [re.compile(re.escape(prefix + source).replace(r"\*", r"\d+"))
-                       for source in converter.source_patterns]
+            prefix = name[: -len(target)]
+            sources = [
+                re.compile(re.escape(prefix + source).replace(r"\*", r"\d+")) for source in converter.source_patterns
+            ]
             if all(any(pattern.fullmatch(key) for key in found) for pattern in sources):
                 return True
     return False
@@ -74,5 +82,7 @@ def _config_size_fix(path: Path, shapes: list[tuple[tuple, tuple]]) -> str | Non
                 fields, sizes = (named if fields is None else fields & named), sizes | {h}
     if not fields or len(fields) != 1 or len(sizes) != 1:
         return None
-    return (f'set `"{fields.pop()}": {sizes.pop()}` in `{path / "config.json"}` (the size the weights have), '
-            "or point the model path at the directory whose config.json matches these weights")
+    return (
+        f'set `"{fields.pop()}": {sizes.pop()}` in `{path / "config.json"}` (the size the weights have), '
+        "or point the model path at the directory whose config.json matches these weights"
+    )

@@ -10,16 +10,22 @@ from keel.types import RolloutBatch
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     values = values.float()
-    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(),
-            f"{prefix}/min": values.min().item()}
+    return {
+        f"{prefix}/mean": values.mean().item(),
+        f"{prefix}/max": values.max().item(),
+        f"{prefix}/min": values.min().item(),
+    }
 
 
 def _masked_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     valid = values[mask.bool()]
     if valid.numel() == 0:
         return {}
-    return {f"{prefix}/mean": masked_mean(values, mask).item(), f"{prefix}/max": valid.max().item(),
-            f"{prefix}/min": valid.min().item()}
+    return {
+        f"{prefix}/mean": masked_mean(values, mask).item(),
+        f"{prefix}/max": valid.max().item(),
+        f"{prefix}/min": valid.min().item(),
+    }
 
 
 def batch_metrics(batch: RolloutBatch) -> dict[str, float]:

@@ -24,9 +24,13 @@ def check_finite(stage: str, values: torch.Tensor, mask: torch.Tensor | None, po
     if not bad.any():
         return
     finite = valid[~bad]
-    stats = (f"{int(bad.sum())} of {valid.numel()} values non-finite "
-             f"({int(torch.isnan(valid).sum())} NaN); finite ones in "
-             f"[{finite.min().item():.4g}, {finite.max().item():.4g}]" if finite.numel() else "all non-finite")
+    stats = (
+        f"{int(bad.sum())} of {valid.numel()} values non-finite "
+        f"({int(torch.isnan(valid).sum())} NaN); finite ones in "
+        f"[{finite.min().item():.4g}, {finite.max().item():.4g}]"
+        if finite.numel()
+        else "all non-finite"
+    )
     if policy == "skip":
         log.warning("skipping the step: %s in %s", stats, stage)
         raise SkipStep(stage)
@@ -68,36 +72,57 @@ class LearningSignalGuard:
             warnings.append(GuardWarning(kind, text))
 
         if self._first_all_zero(metrics):
-            warn("all_scores_zero", f"every score of this batch is 0 although the model wrote answers (mean "
-                 f"{metrics['response_length/mean']:.1f} tokens): a task too hard for the model yet, or a reward "
-                 "function that never sees a right answer; compare samples.jsonl with the scorer (verl's "
-                 "contract: compute_score(data_source=, solution_str=, ground_truth=, extra_info=))")
+            warn(
+                "all_scores_zero",
+                f"every score of this batch is 0 although the model wrote answers (mean "
+                f"{metrics['response_length/mean']:.1f} tokens): a task too hard for the model yet, or a reward "
+                "function that never sees a right answer; compare samples.jsonl with the scorer (verl's "
+                "contract: compute_score(data_source=, solution_str=, ground_truth=, extra_info=))",
+            )
         flat = metrics.get("critic/score/max", 1.0) == metrics.get("critic/score/min", 0.0)
         if self.group_based:
             flat = flat or metrics.get("guards/frac_reward_zero_std", 0.0) == 1.0
         self.flat_steps = self.flat_steps + 1 if flat else 0
         if self.flat_steps >= c.zero_signal_steps:
-            warn("no_signal", f"no learning signal for {self.flat_steps} steps: every reward "
-                 f"{'in each group ' if self.group_based else ''}is the same "
-                 f"(score {metrics.get('critic/score/mean', 0):.3g}); check the scorer on samples.jsonl")
+            warn(
+                "no_signal",
+                f"no learning signal for {self.flat_steps} steps: every reward "
+                f"{'in each group ' if self.group_based else ''}is the same "
+                f"(score {metrics.get('critic/score/mean', 0):.3g}); check the scorer on samples.jsonl",
+            )
         if not self.fixed_length and metrics.get("response_length/clip_ratio", 0.0) > c.max_clip_ratio:
-            warn("responses_cut_off", f"{100 * metrics['response_length/clip_ratio']:.0f}% of responses hit "
-                 "data.max_response_length: their rewards score cut-off answers")
+            warn(
+                "responses_cut_off",
+                f"{100 * metrics['response_length/clip_ratio']:.0f}% of responses hit "
+                "data.max_response_length: their rewards score cut-off answers",
+            )
         if metrics.get("response_length/mean", c.min_response_length) < c.min_response_length:
-            warn("short_responses", f"responses average {metrics['response_length/mean']:.2f} tokens: the policy "
-                 "may have collapsed to emitting EOS")
+            warn(
+                "short_responses",
+                f"responses average {metrics['response_length/mean']:.2f} tokens: the policy "
+                "may have collapsed to emitting EOS",
+            )
         if metrics.get("actor/entropy", c.min_entropy) < c.min_entropy:
-            warn("entropy_collapse", f"entropy {metrics['actor/entropy']:.3g} < {c.min_entropy}: the policy has "
-                 "collapsed; samples of a prompt are nearly identical")
+            warn(
+                "entropy_collapse",
+                f"entropy {metrics['actor/entropy']:.3g} < {c.min_entropy}: the policy has "
+                "collapsed; samples of a prompt are nearly identical",
+            )
         rejected = metrics.get("rollout_corr/rollout_rs_masked_fraction", 0.0)
         if rejected > 0.5:
-            warn("rollout_rejection", f"rollout correction's rejection dropped {100 * rejected:.0f}% of the tokens "
-                 "from the losses: the sampler and the trainer disagree (rollout_corr/kl), or "
-                 "algorithm.rollout_correction.rollout_rs_threshold is too tight")
+            warn(
+                "rollout_rejection",
+                f"rollout correction's rejection dropped {100 * rejected:.0f}% of the tokens "
+                "from the losses: the sampler and the trainer disagree (rollout_corr/kl), or "
+                "algorithm.rollout_correction.rollout_rs_threshold is too tight",
+            )
         for key in ("actor/ppo_kl", "actor/ref_kl"):
             if abs(metrics.get(key, 0.0)) > c.max_kl:
-                warn(key.split("/")[1], f"{key}={metrics[key]:.3g} > {c.max_kl}: the policy moved far in one "
-                     "step; lower the learning rate or the clip range")
+                warn(
+                    key.split("/")[1],
+                    f"{key}={metrics[key]:.3g} > {c.max_kl}: the policy moved far in one "
+                    "step; lower the learning rate or the clip range",
+                )
         return warnings
 
     def _first_all_zero(self, metrics: dict[str, float]) -> bool:
@@ -116,8 +141,10 @@ def report_warnings(step: int, warnings: list[str], warned_steps: dict[str, int]
         kind = getattr(warning, "kind", None)  # a GuardWarning's; a user hook's are told apart by their words
         warned_steps[kind or "hook"] = warned_steps.get(kind or "hook", 0) + 1
         log.warning("step %d: %s", step, warning, extra={"kind": kind})
-    return {"guards/warnings": float(len(warnings)),
-            **{f"guards/warned_steps/{kind}": float(n) for kind, n in warned_steps.items()}}
+    return {
+        "guards/warnings": float(len(warnings)),
+        **{f"guards/warned_steps/{kind}": float(n) for kind, n in warned_steps.items()},
+    }
 
 
 def check_log_prob_gap(gap: float, step: int, limit: float) -> None:
@@ -125,10 +152,16 @@ def check_log_prob_gap(gap: float, step: int, limit: float) -> None:
     computes on the same tokens (rollout/log_prob_gap); past `limit`, the engine's weights are not
     the trainer's (KEEL-T006)."""
     if gap > limit:
-        stage = (f"the weight sync after step {step - 1}'s update did not reach the engine" if step > 1
-                 else "before any update: the engine computes another distribution than the trainer")
-        raise KeelError(ENGINE_OUT_OF_SYNC, f"step {step}: the rollout's log-probs differ from the trainer's by "
-                        f"{gap:.3g} per token (trainer.guards.max_log_prob_gap={limit}): {stage}")
+        stage = (
+            f"the weight sync after step {step - 1}'s update did not reach the engine"
+            if step > 1
+            else "before any update: the engine computes another distribution than the trainer"
+        )
+        raise KeelError(
+            ENGINE_OUT_OF_SYNC,
+            f"step {step}: the rollout's log-probs differ from the trainer's by "
+            f"{gap:.3g} per token (trainer.guards.max_log_prob_gap={limit}): {stage}",
+        )
 
 
 @contextmanager
@@ -140,10 +173,18 @@ def phase_deadline(phase: str, seconds: float | None):
         return
 
     def expire() -> None:
-        print(f"error[{PHASE_TIMEOUT}]: phase {phase!r} ran past trainer.guards.phase_timeout_s={seconds}; "
-              "stacks of every thread follow", file=sys.stderr, flush=True)
-        print(f"fix: if the stacks below show {phase!r} working, not waiting, it is slow, not stuck: set "
-              f"`trainer.guards.phase_timeout_s={2 * seconds:g}`", file=sys.stderr, flush=True)
+        print(
+            f"error[{PHASE_TIMEOUT}]: phase {phase!r} ran past trainer.guards.phase_timeout_s={seconds}; "
+            "stacks of every thread follow",
+            file=sys.stderr,
+            flush=True,
+        )
+        print(
+            f"fix: if the stacks below show {phase!r} working, not waiting, it is slow, not stuck: set "
+            f"`trainer.guards.phase_timeout_s={2 * seconds:g}`",
+            file=sys.stderr,
+            flush=True,
+        )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         os._exit(3)  # the main thread may be stuck in C code: a normal exit would wait forever
 

@@ -48,12 +48,13 @@ class SaidOnce(logging.Filter):
 
     def summary(self) -> list[str]:
         """A line per warning that repeated."""
-        return [f"this warning came {n} times, printed once: {self.first[key]}"
-                for key, n in self.counts.items() if n > 1]
+        return [
+            f"this warning came {n} times, printed once: {self.first[key]}" for key, n in self.counts.items() if n > 1
+        ]
 
 
 @contextmanager
-def warnings_said_once(logger: logging.Logger = logging.getLogger("keel")):
+def warnings_said_once(logger: logging.Logger = logging.getLogger("keel")):  # noqa: B008 - one logger per name
     """Within the block, `logger`'s repeated warnings are counted instead of printed; at its end, a
     line per warning that repeated."""
     said_once = SaidOnce()

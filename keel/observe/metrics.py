@@ -16,8 +16,18 @@ from pathlib import Path
 from torch.profiler import record_function
 
 # Shown in the one-line summary after each step, in this order, when present.
-SUMMARY_KEYS = ("train/loss", "val/loss", "critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl",
-                "actor/grad_norm", "critic/vf_loss", "response_length/mean", "timing_s/step")
+SUMMARY_KEYS = (
+    "train/loss",
+    "val/loss",
+    "critic/score/mean",
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/ppo_kl",
+    "actor/grad_norm",
+    "critic/vf_loss",
+    "response_length/mean",
+    "timing_s/step",
+)
 
 
 class Timer:
@@ -93,8 +103,9 @@ def last_logged_metrics(path: Path, step: int) -> dict[str, float]:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, console: bool, total_steps: int, start_step: int, desc: str = "keel train",
-                 trackers=None):
+    def __init__(
+        self, run_dir: Path, console: bool, total_steps: int, start_step: int, desc: str = "keel train", trackers=None
+    ):
         """`trackers`: keel.observe.sinks.Trackers, written after metrics.jsonl."""
         self.metrics_path = run_dir / "metrics.jsonl"
         self.samples_path = run_dir / "samples.jsonl"
@@ -105,8 +116,15 @@ class MetricsLogger:
             from tqdm import tqdm
 
             # No bar when stderr is a log file: carriage returns would bury the summary lines.
-            self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step",
-                            file=sys.stderr, dynamic_ncols=True, disable=not sys.stderr.isatty())
+            self.bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                desc=desc,
+                unit="step",
+                file=sys.stderr,
+                dynamic_ncols=True,
+                disable=not sys.stderr.isatty(),
+            )
         self._ticking, self._ticker = threading.Event(), None
         self._log_above_bar = contextlib.ExitStack()
         if self.bar is not None and not self.bar.disable:  # a terminal: the bar's clock runs within a step too
@@ -173,7 +191,8 @@ class MetricsLogger:
 
 def summary_line(step: int, metrics: dict[str, float]) -> str:
     parts = [f"step {step}"]
-    parts += [f"{k.split('/', 1)[-1] if k.startswith('actor/') else k}={metrics[k]:.4g}"
-              for k in SUMMARY_KEYS if k in metrics]
+    parts += [
+        f"{k.split('/', 1)[-1] if k.startswith('actor/') else k}={metrics[k]:.4g}" for k in SUMMARY_KEYS if k in metrics
+    ]
     parts += [f"{k}={v:.3f}" for k, v in metrics.items() if k.startswith("val/") and k.endswith("/acc")]
     return " | ".join(parts)

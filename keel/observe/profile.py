@@ -31,9 +31,11 @@ class RankProfile:
             sort = "cuda_time_total" if gpu else "cpu_time_total"
             table = self.profiler.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90)
             gaps = "".join(f"{json.dumps(gap)}\n" for gap in idle_gaps(events)) if gpu else ""
-            Path(path).write_text(f"GPU busy per phase: {json.dumps(busy)}\n\n"
-                                  f"Longest GPU idle gaps (ms; the host's innermost op at the gap's middle):\n{gaps}\n"
-                                  f"{table}")
+            Path(path).write_text(
+                f"GPU busy per phase: {json.dumps(busy)}\n\n"
+                f"Longest GPU idle gaps (ms; the host's innermost op at the gap's middle):\n{gaps}\n"
+                f"{table}"
+            )
         return {"busy": busy, "gpu_s": gpu_s}
 
 
@@ -46,8 +48,11 @@ def idle_gaps(events, phases: tuple[str, ...] = WORKER_PHASES, top: int = 12, mi
     into the phase), its length (ms), the device's last activity before and first after it, and
     the host's innermost operator at its middle ("python" when none: the interpreter between
     operators), which is what the GPU waited for."""
-    activity = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                      if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+    activity = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+    )
     gaps = []
     for phase in (e for e in events if e.device_type == DeviceType.CPU and e.is_user_annotation and e.name in phases):
         start, end = phase.time_range.start, phase.time_range.end
@@ -56,15 +61,32 @@ def idle_gaps(events, phases: tuple[str, ...] = WORKER_PHASES, top: int = 12, mi
             if hi <= reach:
                 continue
             if min(lo, end) - reach >= min_length:
-                gaps.append((min(lo, end) - reach, phase.name, start, reach, before,
-                             name if lo < end else "(phase end)", phase.thread))
+                gaps.append(
+                    (
+                        min(lo, end) - reach,
+                        phase.name,
+                        start,
+                        reach,
+                        before,
+                        name if lo < end else "(phase end)",
+                        phase.thread,
+                    )
+                )
             if lo >= end:
                 break
             reach, before = max(reach, hi), name
     host_ops = [e for e in events if e.device_type == DeviceType.CPU and not e.is_user_annotation]
-    return [{"phase": phase, "at_ms": round((at - start) / 1e3, 3), "ms": round(length / 1e3, 3), "after": after,
-             "before": following, "host": _innermost(host_ops, thread, at + length / 2)}
-            for length, phase, start, at, after, following, thread in sorted(gaps, key=lambda gap: -gap[0])[:top]]
+    return [
+        {
+            "phase": phase,
+            "at_ms": round((at - start) / 1e3, 3),
+            "ms": round(length / 1e3, 3),
+            "after": after,
+            "before": following,
+            "host": _innermost(host_ops, thread, at + length / 2),
+        }
+        for length, phase, start, at, after, following, thread in sorted(gaps, key=lambda gap: -gap[0])[:top]
+    ]
 
 
 def _innermost(ops, thread: int, moment: float) -> str:
@@ -94,8 +116,11 @@ def phase_gpu_seconds(events) -> dict[str, float]:
 
 def _phase_times(events) -> tuple[dict[str, float], dict[str, float]]:
     """(device-busy time, wall time) per named range, in the profiler's microseconds."""
-    activity = sorted((e.time_range.start, e.time_range.end) for e in events
-                      if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+    activity = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+    )
     covered: dict[str, float] = {}
     wall: dict[str, float] = {}
     for e in events:

@@ -78,8 +78,9 @@ def panel_lines(records: list[dict]) -> list[tuple[str, list[tuple[str, list[int
         for key in keys:
             for label, (steps, values) in series(records, key).items():
                 same = drawn.setdefault((tuple(steps), tuple(f"{v:.6g}" for v in values)), label)
-                lines.append((label, steps, values, "-") if same == label else
-                             (f"{label} (= {same})", steps, values, "--"))
+                lines.append(
+                    (label, steps, values, "-") if same == label else (f"{label} (= {same})", steps, values, "--")
+                )
         if lines:
             panels.append((title, lines))
     return panels
@@ -102,7 +103,7 @@ def plot(records: list[dict], title: str, out_png: Path) -> list[str]:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(title)
     fig.tight_layout()
@@ -132,15 +133,17 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path]:
     panels = plot(records, name, png)
     image = base64.b64encode(png.read_bytes()).decode()
     last = records[-1]
-    rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.5g}</td></tr>" for k, v in last.items()
-                   if isinstance(v, (int, float)))
+    rows = "".join(
+        f"<tr><td>{html.escape(k)}</td><td>{v:.5g}</td></tr>" for k, v in last.items() if isinstance(v, (int, float))
+    )
     page.write_text(
         f"<!doctype html><html><head><meta charset='utf-8'><title>keel report: {html.escape(name)}</title>"
         "<style>body{font-family:sans-serif;margin:2em}td{padding:0 1em}</style></head><body>"
         f"<h1>keel report</h1><p>{html.escape(name)}: {len(records)} records, "
         f"panels: {html.escape(', '.join(panels))}</p>"
         f"<img alt='training curves' style='max-width:100%' src='data:image/png;base64,{image}'>"
-        f"<h2>last record (step {last['step']})</h2><table>{rows}</table>{samples_html(run_dir)}</body></html>")
+        f"<h2>last record (step {last['step']})</h2><table>{rows}</table>{samples_html(run_dir)}</body></html>"
+    )
     return png, page
 
 
@@ -160,9 +163,12 @@ def samples_html(run_dir: Path, per_step: int = 3, steps: int = 3) -> str:
         parts.append(f"<h3>step {step}</h3>")
         for sample in by_step[step][:per_step]:
             turns = sample.get("conversation") or [{"role": "assistant", "content": sample.get("response", "")}]
-            body = "".join(f"<p><b>{html.escape(t['role'])}</b>: <code>{html.escape(str(t['content']))}</code></p>"
-                           for t in turns)
-            parts.append(f"<div style='border-left:3px solid #ccc;padding-left:1em;margin:1em 0'>"
-                         f"<p><b>prompt</b>: <code>{html.escape(str(sample.get('prompt', '')))}</code></p>{body}"
-                         f"<p>score {sample.get('score', float('nan')):.3g}</p></div>")
+            body = "".join(
+                f"<p><b>{html.escape(t['role'])}</b>: <code>{html.escape(str(t['content']))}</code></p>" for t in turns
+            )
+            parts.append(
+                f"<div style='border-left:3px solid #ccc;padding-left:1em;margin:1em 0'>"
+                f"<p><b>prompt</b>: <code>{html.escape(str(sample.get('prompt', '')))}</code></p>{body}"
+                f"<p>score {sample.get('score', float('nan')):.3g}</p></div>"
+            )
     return f"<h2>samples{' (evaluation)' if chosen is not samples else ''}</h2>" + "".join(parts)

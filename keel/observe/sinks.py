@@ -30,10 +30,15 @@ class WandbSink:
 
         offline = not (os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") or _wandb_logged_in())
         if offline:
-            log.info("wandb: no WANDB_API_KEY, so offline; `wandb sync %s/wandb/offline-run-*` uploads it",
-                     run_dir)
-        self.run = wandb.init(project=project, name=name, config=config, dir=str(run_dir),
-                              mode="offline" if offline else None, reinit="finish_previous")
+            log.info("wandb: no WANDB_API_KEY, so offline; `wandb sync %s/wandb/offline-run-*` uploads it", run_dir)
+        self.run = wandb.init(
+            project=project,
+            name=name,
+            config=config,
+            dir=str(run_dir),
+            mode="offline" if offline else None,
+            reinit="finish_previous",
+        )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
@@ -42,8 +47,10 @@ class WandbSink:
         import wandb
 
         columns = sorted({key for row in rows for key in row})
-        self.run.log({name: wandb.Table(columns=columns, data=[[str(row.get(c, "")) for c in columns]
-                                                                for row in rows])}, step=step)
+        self.run.log(
+            {name: wandb.Table(columns=columns, data=[[str(row.get(c, "")) for c in columns] for row in rows])},
+            step=step,
+        )
 
     def close(self) -> None:
         self.run.finish()
@@ -88,9 +95,11 @@ class MlflowSink:
         experiment = self.client.get_experiment_by_name(project)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
         self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
-        params = [mlflow.entities.Param(self.key(key)[:250], str(value)[:6000]) for key, value in flatten(config).items()]
+        params = [
+            mlflow.entities.Param(self.key(key)[:250], str(value)[:6000]) for key, value in flatten(config).items()
+        ]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params a call
-            self.client.log_batch(self.run_id, params=params[start:start + 100])
+            self.client.log_batch(self.run_id, params=params[start : start + 100])
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         import time
@@ -100,7 +109,7 @@ class MlflowSink:
         now = int(time.time() * 1000)
         entries = [Metric(self.key(k), float(v), now, step) for k, v in metrics.items()]
         for start in range(0, len(entries), 1000):
-            self.client.log_batch(self.run_id, metrics=entries[start:start + 1000])
+            self.client.log_batch(self.run_id, metrics=entries[start : start + 1000])
 
     def log_table(self, step: int, name: str, rows: list[dict]) -> None:
         self.client.log_dict(self.run_id, {"step": step, "rows": rows}, f"{self.key(name)}/step_{step}.json")
@@ -153,8 +162,14 @@ class Trackers:
         self.failed_writes += 1
         if tracker not in self._warned:  # once per tracker: a dead network would flood the log
             self._warned.add(tracker)
-            log.warning("tracker %s failed (%s: %s: %s); training goes on, metrics.jsonl has every record, "
-                        "and tracking/failed_writes counts the losses", tracker, what, type(error).__name__, error)
+            log.warning(
+                "tracker %s failed (%s: %s: %s); training goes on, metrics.jsonl has every record, "
+                "and tracking/failed_writes counts the losses",
+                tracker,
+                what,
+                type(error).__name__,
+                error,
+            )
 
 
 def require_tracker(name: str, logger: list[str] | None = None) -> None:
@@ -166,9 +181,12 @@ def require_tracker(name: str, logger: list[str] | None = None) -> None:
 
     if importlib.util.find_spec(PACKAGES[name]) is None:
         rest = [entry for entry in (logger or [name]) if entry != name]
-        raise KeelError(TRACKER_UNAVAILABLE, f"trainer.logger names {name}, whose package is not installed",
-                        f"set {setting('trainer.logger', rest)} to train without it, or run `pip install "
-                        f"{PACKAGES[name]}` (all of keel's trackers: pip install -e '.[tracking]' in keel's checkout)")
+        raise KeelError(
+            TRACKER_UNAVAILABLE,
+            f"trainer.logger names {name}, whose package is not installed",
+            f"set {setting('trainer.logger', rest)} to train without it, or run `pip install "
+            f"{PACKAGES[name]}` (all of keel's trackers: pip install -e '.[tracking]' in keel's checkout)",
+        )
 
 
 def _wandb_logged_in() -> bool:
@@ -176,8 +194,10 @@ def _wandb_logged_in() -> bool:
     import netrc
 
     try:
-        return netrc.netrc().authenticators(os.environ.get("WANDB_BASE_URL", "api.wandb.ai")
-                                            .removeprefix("https://")) is not None
+        return (
+            netrc.netrc().authenticators(os.environ.get("WANDB_BASE_URL", "api.wandb.ai").removeprefix("https://"))
+            is not None
+        )
     except (OSError, netrc.NetrcParseError):  # no ~/.netrc
         return False
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 
-def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
-                          **kwargs) -> float | dict:
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs
+) -> float | dict:
     """The score verl 0.9.1's `default_compute_score` gives (a float, or math_dapo's dict {score, acc,
     pred}); a data source verl routes nowhere raises KEEL-R002. See keel/rewards/verl_routing.py."""
     from keel.rewards.verl_routing import default_compute_score as route

@@ -33,15 +33,14 @@ class Limits:
     wall_s: float = 10.0
     memory_mb: int = 512
     output_bytes: int = 1 << 16
-    processes: int = 32         # the program's processes and threads: a fork bomb stops here
+    processes: int = 32  # the program's processes and threads: a fork bomb stops here
     open_files: int = 64
-    scratch_mb: int = 16        # the writable /sandbox, in memory
+    scratch_mb: int = 16  # the writable /sandbox, in memory
 
 
 SANDBOX_UID = 65534  # nobody
 SCRATCH = "/sandbox"
-AS_NOBODY, IN_USER_NAMESPACE, NO_JAIL = (f"bubblewrap as uid {SANDBOX_UID}", "bubblewrap in a user namespace",
-                                         "none")
+AS_NOBODY, IN_USER_NAMESPACE, NO_JAIL = (f"bubblewrap as uid {SANDBOX_UID}", "bubblewrap in a user namespace", "none")
 NO_JAIL_AS_NOBODY = f"none, as uid {SANDBOX_UID}"  # no bubblewrap, but root need not run the program as root
 BWRAP_PROCESSES = 2  # bubblewrap's own processes in a run: its monitor and the namespace's first process
 
@@ -57,14 +56,56 @@ def _interpreter() -> tuple[str, str]:
 def _bwrap_argv(as_root: bool, solution: str, limits: Limits, seccomp_fd: int) -> list[str]:
     """bubblewrap's command line, up to the interpreter."""
     python, python_dir = _interpreter()
-    argv = ["bwrap", *(["--seccomp", str(seccomp_fd)] if _seccomp_program() else []),
-            "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-            "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv",
-            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", SCRATCH]
+    argv = [
+        "bwrap",
+        *(["--seccomp", str(seccomp_fd)] if _seccomp_program() else []),
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--die-with-parent",
+        "--new-session",
+        "--hostname",
+        "sandbox",
+        "--clearenv",
+        "--setenv",
+        "PATH",
+        "/usr/bin:/bin",
+        "--setenv",
+        "HOME",
+        SCRATCH,
+    ]
     if not as_root:  # a user namespace: the solution keeps no capability, even over its own namespaces
-        argv += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--disable-userns",
-                 "--cap-drop", "ALL"]
-    argv += ["--ro-bind", "/usr", "/usr"]
+        argv += [
+            "--unshare-user",
+            "--uid",
+            str(SANDBOX_UID),
+            "--gid",
+            str(SANDBOX_UID),
+            "--disable-userns",
+            "--cap-drop",
+            "ALL",
+        ]
+    argv += [*_filesystem(python_dir, solution, limits), "--"]
+    if as_root:  # mounts need root; the solution does not: every uid becomes nobody, no capability left
+        argv += [
+            "setpriv",
+            f"--reuid={SANDBOX_UID}",
+            f"--regid={SANDBOX_UID}",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--no-new-privs",
+        ]
+    return argv + [python]
+
+
+def _filesystem(python_dir: str, solution: str, limits: Limits) -> list[str]:
+    """The filesystem the solution sees: /usr and the interpreter read-only, a /dev, /proc and
+    /dev/shm of its own, a small writable scratch directory to start in with its file (read-only)
+    there, everything else read-only."""
+    argv = ["--ro-bind", "/usr", "/usr"]
     for top in ("bin", "lib", "lib32", "lib64", "sbin"):  # merged /usr: links; otherwise directories
         path = Path("/", top)
         if path.is_symlink():
@@ -73,21 +114,38 @@ def _bwrap_argv(as_root: bool, solution: str, limits: Limits, seccomp_fd: int) -
             argv += ["--ro-bind", str(path), str(path)]
     if not python_dir.startswith("/usr/"):
         argv += ["--ro-bind", python_dir, python_dir]
-    argv += ["--dev", "/dev", "--proc", "/proc",
-             "--size", "65536", "--tmpfs", "/dev/shm", "--remount-ro", "/dev/shm",
-             "--perms", "1777", "--size", str(limits.scratch_mb << 20), "--tmpfs", SCRATCH,
-             "--ro-bind", solution, f"{SCRATCH}/solution.py", "--chdir", SCRATCH, "--remount-ro", "/", "--"]
-    if as_root:  # mounts need root; the solution does not: every uid becomes nobody, no capability left
-        argv += ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
-                 "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
-    return argv + [python]
+    argv += [
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        "--size",
+        "65536",
+        "--tmpfs",
+        "/dev/shm",
+        "--remount-ro",
+        "/dev/shm",
+        "--perms",
+        "1777",
+        "--size",
+        str(limits.scratch_mb << 20),
+        "--tmpfs",
+        SCRATCH,
+        "--ro-bind",
+        solution,
+        f"{SCRATCH}/solution.py",
+        "--chdir",
+        SCRATCH,
+        "--remount-ro",
+        "/",
+    ]
+    return argv
 
 
 def _command(mode: str, solution: str, limits: Limits, args: list[str], seccomp_fd: int) -> list[str]:
     if mode in (NO_JAIL, NO_JAIL_AS_NOBODY):
         return [_interpreter()[0], "-I", "-S", solution, *args]
-    return (_bwrap_argv(mode == AS_NOBODY, solution, limits, seccomp_fd)
-            + ["-I", "-S", f"{SCRATCH}/solution.py", *args])
+    return _bwrap_argv(mode == AS_NOBODY, solution, limits, seccomp_fd) + ["-I", "-S", f"{SCRATCH}/solution.py", *args]
 
 
 # Refused inside the jail (EPERM), as Docker's default profile refuses them: new namespaces (a user
@@ -95,11 +153,37 @@ def _command(mode: str, solution: str, limits: Limits, args: list[str], seccomp_
 # included), keyrings (the user's keyring outlives every run: a channel between samples), and
 # kernel interfaces a judge never needs. clone3 passes its flags in memory a filter cannot read,
 # so it answers ENOSYS and glibc falls back to clone, whose flags are checked.
-_REFUSED_SYSCALLS = ("unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "add_key", "keyctl",
-                     "request_key", "io_uring_setup", "io_uring_enter", "io_uring_register", "userfaultfd",
-                     "perf_event_open", "bpf", "ptrace", "process_vm_readv", "process_vm_writev", "memfd_create",
-                     "name_to_handle_at", "open_by_handle_at", "kexec_load", "init_module", "finit_module",
-                     "delete_module", "fsopen", "fsmount", "move_mount", "open_tree")
+_REFUSED_SYSCALLS = (
+    "unshare",
+    "setns",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "add_key",
+    "keyctl",
+    "request_key",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "userfaultfd",
+    "perf_event_open",
+    "bpf",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "memfd_create",
+    "name_to_handle_at",
+    "open_by_handle_at",
+    "kexec_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "fsopen",
+    "fsmount",
+    "move_mount",
+    "open_tree",
+)
 
 
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
@@ -134,17 +218,26 @@ def _seccomp_program() -> bytes | None:
 def _launch_spec(limits: Limits, mode: str, group: RunGroup | None, own_namespace: bool, report_fd: int) -> dict:
     """What the launcher sets on the run's first process before it execs bubblewrap (or the
     interpreter): launcher.py says how and why there rather than in a preexec_fn."""
-    rlimits = {"RLIMIT_CPU": limits.cpu_s, "RLIMIT_FSIZE": limits.scratch_mb << 20,
-               "RLIMIT_NOFILE": limits.open_files, "RLIMIT_CORE": 0}
+    rlimits = {
+        "RLIMIT_CPU": limits.cpu_s,
+        "RLIMIT_FSIZE": limits.scratch_mb << 20,
+        "RLIMIT_NOFILE": limits.open_files,
+        "RLIMIT_CORE": 0,
+    }
     if group is None:  # no group to bound the tree's memory: each process's address space, at least
         rlimits["RLIMIT_AS"] = limits.memory_mb << 20
     nproc = None
     if group is None and (own_namespace or mode in (AS_NOBODY, NO_JAIL_AS_NOBODY)):
         # In a user namespace of bubblewrap's own, bubblewrap's processes count as the program's user.
         nproc = limits.processes + (BWRAP_PROCESSES if mode == IN_USER_NAMESPACE else 0)
-    return {"report_fd": report_fd, "cgroup_procs": group.procs_files() if group else [],
-            "rlimits": rlimits, "own_namespace": group is None and own_namespace, "nproc": nproc,
-            "as_nobody": _drops_to_nobody(mode)}
+    return {
+        "report_fd": report_fd,
+        "cgroup_procs": group.procs_files() if group else [],
+        "rlimits": rlimits,
+        "own_namespace": group is None and own_namespace,
+        "nproc": nproc,
+        "as_nobody": _drops_to_nobody(mode),
+    }
 
 
 def _drops_to_nobody(mode: str) -> bool:
@@ -153,26 +246,31 @@ def _drops_to_nobody(mode: str) -> bool:
     return os.getuid() == 0 and mode in (IN_USER_NAMESPACE, NO_JAIL_AS_NOBODY)
 
 
-
 @dataclass
 class Finished:
     returncode: int
     stdout: bytes
     stderr: bytes
-    stopped: str | None             # why keel stopped it (timeout, output, CPU), or None
-    cpu_s: float | None = None      # the whole tree's CPU time, from its cgroup (None without one)
-    oom_killed: bool = False        # the kernel killed it for the group's memory limit
+    stopped: str | None  # why keel stopped it (timeout, output, CPU), or None
+    cpu_s: float | None = None  # the whole tree's CPU time, from its cgroup (None without one)
+    oom_killed: bool = False  # the kernel killed it for the group's memory limit
 
 
-def run_jailed(mode: str, code: str, stdin: str, limits: Limits, args: list[str] = (),
-               accounted: bool = True) -> Finished:
+def run_jailed(
+    mode: str, code: str, stdin: str, limits: Limits, args: list[str] = (), accounted: bool = True
+) -> Finished:
     """One run, in its own cgroup when `accounted` and this machine allows one, else in a user
     namespace of its own where RLIMIT_NPROC counts its processes; the group is removed however
     the run ends (a scorer's timeout included)."""
     # The group also holds bwrap, the tmpfs scratch directory's pages and page tables: some slack.
-    group = cgroups.create(((limits.memory_mb + limits.scratch_mb) << 20) + (32 << 20),
-                           limits.processes + (BWRAP_PROCESSES if mode in (AS_NOBODY, IN_USER_NAMESPACE) else 0)
-                           ) if accounted else None
+    group = (
+        cgroups.create(
+            ((limits.memory_mb + limits.scratch_mb) << 20) + (32 << 20),
+            limits.processes + (BWRAP_PROCESSES if mode in (AS_NOBODY, IN_USER_NAMESPACE) else 0),
+        )
+        if accounted
+        else None
+    )
     try:
         return _run_in(mode, code, stdin, limits, list(args), group)
     finally:
@@ -190,8 +288,15 @@ def _run_in(mode: str, code: str, stdin: str, limits: Limits, args: list[str], g
             os.chown(host, SANDBOX_UID, SANDBOX_UID)
         Path(host, "seccomp.bpf").write_bytes((mode not in (NO_JAIL, NO_JAIL_AS_NOBODY) and _seccomp_program()) or b"")
         with open(stdin_file, "rb") as stdin_handle, open(Path(host, "seccomp.bpf"), "rb") as seccomp:
-            process = _launch(_command(mode, str(solution), limits, args, seccomp.fileno()), limits, mode, group,
-                              host, stdin_handle, seccomp.fileno())
+            process = _launch(
+                _command(mode, str(solution), limits, args, seccomp.fileno()),
+                limits,
+                mode,
+                group,
+                host,
+                stdin_handle,
+                seccomp.fileno(),
+            )
         try:
             stdout, stderr, stopped = _collect(process, limits, group)
         finally:
@@ -204,17 +309,24 @@ def _run_in(mode: str, code: str, stdin: str, limits: Limits, args: list[str], g
     return Finished(process.returncode, stdout, stderr, stopped, group.cpu_seconds(), group.killed_for_memory())
 
 
-def _launch(command: list[str], limits: Limits, mode: str, group: RunGroup | None, host: str, stdin,
-            seccomp_fd: int) -> subprocess.Popen:
+def _launch(
+    command: list[str], limits: Limits, mode: str, group: RunGroup | None, host: str, stdin, seccomp_fd: int
+) -> subprocess.Popen:
     """The run's first process, through the launcher; OSError when it could not set the jail up
     (read from a pipe the exec closes, so nothing the program does can look like it)."""
     report_r, report_w = os.pipe()
     try:
         spec = _launch_spec(limits, mode, group, group is None and userns.available(), report_w)
-        process = subprocess.Popen(launched(_interpreter()[0], spec, command), cwd=host, stdin=stdin,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   env={"PATH": "/usr/bin:/bin", "HOME": host}, start_new_session=True,
-                                   pass_fds=(seccomp_fd, report_w))
+        process = subprocess.Popen(
+            launched(_interpreter()[0], spec, command),
+            cwd=host,
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={"PATH": "/usr/bin:/bin", "HOME": host},
+            start_new_session=True,
+            pass_fds=(seccomp_fd, report_w),
+        )
         os.close(report_w)
         report_w = -1
         with os.fdopen(report_r, "rb") as report:

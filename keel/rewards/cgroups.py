@@ -27,7 +27,7 @@ log = logging.getLogger("keel")
 
 @dataclass(frozen=True)
 class Layout:
-    memory: Path        # the directory of each controller's group (one directory in v2)
+    memory: Path  # the directory of each controller's group (one directory in v2)
     pids: Path
     cpu: Path
     v2: bool
@@ -47,7 +47,9 @@ def layout(root: Path = ROOT, proc_cgroup: str | None = None) -> Layout | None:
     proc_cgroup = proc_cgroup if proc_cgroup is not None else Path("/proc/self/cgroup").read_text()
     if (root / "cgroup.controllers").is_file():  # v2
         own = root / (_own_group("", proc_cgroup) or "/").lstrip("/")
-        enabled = (own / "cgroup.subtree_control").read_text().split() if (own / "cgroup.subtree_control").is_file() else []
+        enabled = (
+            (own / "cgroup.subtree_control").read_text().split() if (own / "cgroup.subtree_control").is_file() else []
+        )
         return Layout(own, own, own, True) if {"memory", "pids"} <= set(enabled) else None
     groups = {c: _own_group(c, proc_cgroup) for c in ("memory", "pids", "cpuacct")}
     if any(g is None or not (root / c).is_dir() for c, g in groups.items()):

@@ -33,17 +33,61 @@ import time
 import traceback
 import types
 
-PRELUDE_MODULES = ("string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math", "random",
-                   "statistics", "itertools", "functools", "operator", "io", "sys", "json")
+PRELUDE_MODULES = (
+    "string",
+    "re",
+    "datetime",
+    "collections",
+    "heapq",
+    "bisect",
+    "copy",
+    "math",
+    "random",
+    "statistics",
+    "itertools",
+    "functools",
+    "operator",
+    "io",
+    "sys",
+    "json",
+)
 # What verl's prelude defines, in its order: later star imports shadow earlier ones, and the plain
 # imports rebind `datetime` and the rest to the modules.
-PRELUDE = ("".join(f"from {name} import *\n" for name in (*PRELUDE_MODULES, "builtins", "typing"))
-           + "".join(f"import {name}\n" for name in PRELUDE_MODULES) + "sys.setrecursionlimit(6*10**5)\n")
+PRELUDE = (
+    "".join(f"from {name} import *\n" for name in (*PRELUDE_MODULES, "builtins", "typing"))
+    + "".join(f"import {name}\n" for name in PRELUDE_MODULES)
+    + "sys.setrecursionlimit(6*10**5)\n"
+)
 
 # Set to None before the solution loads, as verl's reliability_guard does: a program calling them fails.
-GUARDED_OS = ("kill", "system", "putenv", "remove", "removedirs", "rmdir", "fchdir", "setuid", "fork", "forkpty",
-              "killpg", "rename", "renames", "truncate", "replace", "unlink", "fchmod", "fchown", "chmod", "chown",
-              "chroot", "lchflags", "lchmod", "lchown", "getcwd", "chdir")
+GUARDED_OS = (
+    "kill",
+    "system",
+    "putenv",
+    "remove",
+    "removedirs",
+    "rmdir",
+    "fchdir",
+    "setuid",
+    "fork",
+    "forkpty",
+    "killpg",
+    "rename",
+    "renames",
+    "truncate",
+    "replace",
+    "unlink",
+    "fchmod",
+    "fchown",
+    "chmod",
+    "chown",
+    "chroot",
+    "lchflags",
+    "lchmod",
+    "lchown",
+    "getcwd",
+    "chdir",
+)
 GUARDED_MODULES = ("ipdb", "joblib", "resource", "psutil", "tkinter", "subprocess", "ctypes")
 
 
@@ -92,13 +136,16 @@ def load(source: str) -> types.ModuleType:
 
 def failure(kind: str, error: BaseException) -> dict:
     said = traceback.format_exc()
-    return {"kind": kind, "error": repr(error),
-            "traceback": "Traceback (most recent call last):\n  " + said[said.find('File "<string>"'):]}
+    return {
+        "kind": kind,
+        "error": repr(error),
+        "traceback": "Traceback (most recent call last):\n  " + said[said.find('File "<string>"') :],
+    }
 
 
 def run_stdin(code: str, test_input: str) -> dict:
     try:
-        method = getattr(load(PRELUDE + as_function(code)), "code")
+        method = load(PRELUDE + as_function(code)).code
     except Exception as error:
         return failure("compile", error)
     lines = iter(test_input.split("\n"))
@@ -177,7 +224,7 @@ def child(job: dict, index: int, out: int, harness_out: int) -> None:
         report = '{"kind": "broken"}'
     data = report.encode("utf-8", "surrogatepass")
     while data:
-        data = data[write(out, data):]
+        data = data[write(out, data) :]
     leave(0)
 
 

@@ -34,10 +34,10 @@ from typing import Any
 from keel.errors import CODE_TESTS_FORM, KeelError
 from keel.rewards.sandbox import Limits, SandboxViolation, run_python
 
-VERL_TESTS_SCORED = 10      # continuous scores count the first 10 tests (verl: "some problems have enormous test cases")
-VERL_TEST_TIMEOUT_S = 10    # per test, in the continuous pass
+VERL_TESTS_SCORED = 10  # continuous scores count the first 10 tests (verl: "some problems have enormous test cases")
+VERL_TEST_TIMEOUT_S = 10  # per test, in the continuous pass
 VERL_ALL_TESTS_TIMEOUT_S = 5  # per test, in the pass over all tests (continuous=False)
-REPORT_BYTES = 1 << 20      # what one test may print, at least: more stops the program (not scored)
+REPORT_BYTES = 1 << 20  # what one test may print, at least: more stops the program (not scored)
 HARNESS = Path(__file__).with_name("code_harness.py")
 
 STDIN, CALL = "stdin", "call"
@@ -47,17 +47,19 @@ KEEL_FORM = '[{"input": "1 2\\n", "output": "3"}]'
 
 @dataclass(frozen=True)
 class CodeTests:
-    form: str                   # "verl" | "keel"
+    form: str  # "verl" | "keel"
     inputs: list
     outputs: list
     fn_name: str | None = None  # verl's call-style tests
 
 
 def _refuse(what: str) -> KeelError:
-    return KeelError(CODE_TESTS_FORM, f"the code test cases {what}; keel's code scorers read verl's form "
-                     f"{VERL_FORM} or keel's {KEEL_FORM}",
-                     f"write each row's reward_model.ground_truth (or its JSON text) as {VERL_FORM}, or as "
-                     f"{KEEL_FORM}: every input with its expected output, at least one test")
+    return KeelError(
+        CODE_TESTS_FORM,
+        f"the code test cases {what}; keel's code scorers read verl's form {VERL_FORM} or keel's {KEEL_FORM}",
+        f"write each row's reward_model.ground_truth (or its JSON text) as {VERL_FORM}, or as "
+        f"{KEEL_FORM}: every input with its expected output, at least one test",
+    )
 
 
 def _items(value: Any) -> list | None:
@@ -77,8 +79,9 @@ def parse_tests(ground_truth: Any) -> CodeTests:
     if isinstance(ground_truth, dict):
         inputs, outputs = _items(ground_truth.get("inputs")), _items(ground_truth.get("outputs"))
         if inputs is None or outputs is None:
-            raise _refuse(f"are a dict with keys {sorted(map(str, ground_truth))}, without the lists "
-                          "\"inputs\" and \"outputs\"")
+            raise _refuse(
+                f'are a dict with keys {sorted(map(str, ground_truth))}, without the lists "inputs" and "outputs"'
+            )
         if len(inputs) != len(outputs) or not inputs:
             raise _refuse(f"have {len(inputs)} inputs and {len(outputs)} outputs")
         return CodeTests("verl", inputs, outputs, ground_truth.get("fn_name"))
@@ -88,7 +91,7 @@ def parse_tests(ground_truth: Any) -> CodeTests:
     if cases:
         first = cases[0]
         shown = f"keys {sorted(map(str, first))}" if isinstance(first, dict) else f"a {type(first).__name__}"
-        raise _refuse(f"are a list whose first item has {shown}, not \"input\" and \"output\"")
+        raise _refuse(f'are a list whose first item has {shown}, not "input" and "output"')
     raise _refuse("are empty" if cases == [] else f"are a {type(ground_truth).__name__}")
 
 
@@ -100,8 +103,9 @@ def check_ground_truths(rows: list) -> None:
         try:
             parse_tests(row.ground_truth)
         except KeelError as refused:
-            raise KeelError(CODE_TESTS_FORM, f"row {row.index} (data_source {row.data_source!r}): {refused.message}",
-                            refused.fix) from None
+            raise KeelError(
+                CODE_TESTS_FORM, f"row {row.index} (data_source {row.data_source!r}): {refused.message}", refused.fix
+            ) from None
 
 
 def verl_program(response: str) -> str:
@@ -111,24 +115,35 @@ def verl_program(response: str) -> str:
 
 def _clip(text: str, length: int) -> str:
     """verl's metadata shortening: the two ends of a long text."""
-    return text if len(text) <= length else text[: length // 2] + "...(truncated) ..." + text[-length // 2:]
+    return text if len(text) <= length else text[: length // 2] + "...(truncated) ..." + text[-length // 2 :]
 
 
-def run_tests(program: str, inputs: list, outputs: list, fn_name: str | None, timeout_s: float,
-              total_s: float | None = None) -> list[dict]:
+def run_tests(
+    program: str, inputs: list, outputs: list, fn_name: str | None, timeout_s: float, total_s: float | None = None
+) -> list[dict]:
     """Each test's report from the jail: what the program printed or returned, or how it failed.
     A test the data cannot express (verl fails it before running anything) is reported broken."""
-    runnable = [i for i, (given, wanted) in enumerate(zip(inputs, outputs))
-                if isinstance(given, str) and (fn_name is not None or isinstance(wanted, str))]
+    runnable = [
+        i
+        for i, (given, wanted) in enumerate(zip(inputs, outputs))
+        if isinstance(given, str) and (fn_name is not None or isinstance(wanted, str))
+    ]
     reports = [{"kind": "broken"} for _ in inputs]
     if not runnable:
         return reports
     report_bytes = max(REPORT_BYTES, 4 * max(len(str(outputs[i])) for i in runnable))
-    job = {"code": program, "fn_name": fn_name, "inputs": [inputs[i] for i in runnable], "timeout_s": timeout_s,
-           "total_s": total_s, "report_bytes": report_bytes}
+    job = {
+        "code": program,
+        "fn_name": fn_name,
+        "inputs": [inputs[i] for i in runnable],
+        "timeout_s": timeout_s,
+        "total_s": total_s,
+        "report_bytes": report_bytes,
+    }
     seconds = min(total_s or math.inf, (timeout_s + 2) * len(runnable))  # + a second a test for the fork, the report
-    limits = Limits(cpu_s=math.ceil(seconds) + 5, wall_s=seconds + 10,
-                    output_bytes=report_bytes * len(runnable) + (1 << 16))
+    limits = Limits(
+        cpu_s=math.ceil(seconds) + 5, wall_s=seconds + 10, output_bytes=report_bytes * len(runnable) + (1 << 16)
+    )
     try:
         printed = run_python(HARNESS.read_text(), json.dumps(job), limits)
     except SandboxViolation as stopped:
@@ -152,7 +167,7 @@ def _decoded(value: Any) -> Any:
     """The harness's encoding of a returned value back to Python: tuples, lists, dicts with their keys."""
     if not isinstance(value, dict):
         return value
-    (kind, items), = value.items()
+    ((kind, items),) = value.items()
     if kind == "dict":
         return {_decoded(key): _decoded(item) for key, item in items}
     return (tuple if kind == "tuple" else list)(_decoded(item) for item in items)
@@ -199,7 +214,10 @@ def printed_matches(printed: str, expected: str) -> bool:
     import numpy as np
 
     lines = printed.splitlines()
-    if "\n".join(lines).strip() == expected.strip() or "\n".join(l.strip() for l in lines).strip() == expected.strip():
+    if (
+        "\n".join(lines).strip() == expected.strip()
+        or "\n".join(line.strip() for line in lines).strip() == expected.strip()
+    ):
         return True
     wanted = [line.strip() for line in expected.split("\n") if line]
     kept = [line for line in lines if line]
@@ -236,12 +254,17 @@ def judge(report: dict, given: Any, wanted: Any, fn_name: str | None) -> tuple[b
         return -1, {}
     if passed:
         return True, {}
-    return False, {"output": shown, "expected": _clip(str(wanted), 200), "inputs": inputs,
-                   "error_message": "Wrong Answer"}
+    return False, {
+        "output": shown,
+        "expected": _clip(str(wanted), 200),
+        "inputs": inputs,
+        "error_message": "Wrong Answer",
+    }
 
 
-def compute_score(solution_str: str, ground_truth: Any, continuous: bool = True,
-                  timeout_s: float | None = None) -> tuple[float | bool, list[dict] | dict]:
+def compute_score(
+    solution_str: str, ground_truth: Any, continuous: bool = True, timeout_s: float | None = None
+) -> tuple[float | bool, list[dict] | dict]:
     """verl's prime_code.compute_score, run in keel's jail: (True, {}) when every test passes,
     else (score, one metadata dict per test run). continuous=True: the share of the first 10 tests
     that pass; continuous=False: False (verl 0.9.1 raises UnboundLocalError there). `timeout_s`
@@ -250,8 +273,9 @@ def compute_score(solution_str: str, ground_truth: Any, continuous: bool = True,
     return _score_verl(solution_str, parse_tests(ground_truth), continuous, timeout_s)
 
 
-def _judged(program: str, tests: CodeTests, fn_name: str | None, timeout_s: float,
-            total_s: float | None = None) -> tuple[list, list[dict]]:
+def _judged(
+    program: str, tests: CodeTests, fn_name: str | None, timeout_s: float, total_s: float | None = None
+) -> tuple[list, list[dict]]:
     """verl's result for each test (True, False, -1, -2) and its metadata."""
     results, metadata = [], []
     reports = run_tests(program, tests.inputs, tests.outputs, fn_name, timeout_s, total_s)
@@ -263,8 +287,9 @@ def _judged(program: str, tests: CodeTests, fn_name: str | None, timeout_s: floa
     return results, metadata
 
 
-def _score_verl(solution_str: str, tests: CodeTests, continuous: bool,
-                timeout_s: float | None) -> tuple[float | bool, list[dict] | dict]:
+def _score_verl(
+    solution_str: str, tests: CodeTests, continuous: bool, timeout_s: float | None
+) -> tuple[float | bool, list[dict] | dict]:
     """verl's two passes. The first runs every test (5 s each, 6 s in all) and returns (True, {}) when
     all pass. Otherwise the first 10 run one by one (10 s each) and score their share: as stdin
     programs, since verl's per-test cases leave fn_name out (a call-style program that fails one test
@@ -299,6 +324,8 @@ def code_exec(data_source: str, solution_str: str, ground_truth: Any, extra_info
     if tests.form == "verl":
         return float(_score_verl(solution_str, tests, True, None)[0])
     code = extract_code(solution_str)
-    passed = sum(run_python(code, str(given)).rstrip() == str(wanted).rstrip()
-                 for given, wanted in zip(tests.inputs, tests.outputs))
+    passed = sum(
+        run_python(code, str(given)).rstrip() == str(wanted).rstrip()
+        for given, wanted in zip(tests.inputs, tests.outputs)
+    )
     return passed / len(tests.inputs)

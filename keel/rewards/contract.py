@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import inspect
 import numbers
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any
 
 from keel.errors import REWARD_SIGNATURE, KeelError
 
@@ -56,8 +57,9 @@ def _parameters(fn: Callable) -> list[inspect.Parameter] | None:
 def unsupplied(fn: Callable, names: tuple[str, ...]) -> list[str]:
     """fn's required parameters that a call by keyword with `names` leaves without a value: names of
     its own, and positional-only ones (which no keyword reaches)."""
-    required = [p for p in _parameters(fn) or [] if p.default is p.empty
-                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    required = [
+        p for p in _parameters(fn) or [] if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
     return [p.name for p in required if p.name not in names or p.kind is p.POSITIONAL_ONLY]
 
 
@@ -68,12 +70,15 @@ def check_signature(fn: Callable, names: tuple[str, ...], path: str, name: str) 
     if not missing:
         return
     call = ", ".join(f"{n}=..." for n in names)
-    raise KeelError(REWARD_SIGNATURE, f"custom_reward_function {name}{_shown(fn)} in {path} needs {missing}, which "
-                    f"verl's call does not supply: verl (and keel) call it by keyword, as {name}({call}, "
-                    "**custom_reward_function.reward_kwargs)",
-                    f"in `{name}` in `{path}`, name the parameters as verl does ({', '.join(names)}; leave out "
-                    "those you do not use, or take **kwargs), or give " + ", ".join(missing) + " a default or a "
-                    "value in custom_reward_function.reward_kwargs")
+    raise KeelError(
+        REWARD_SIGNATURE,
+        f"custom_reward_function {name}{_shown(fn)} in {path} needs {missing}, which "
+        f"verl's call does not supply: verl (and keel) call it by keyword, as {name}({call}, "
+        "**custom_reward_function.reward_kwargs)",
+        f"in `{name}` in `{path}`, name the parameters as verl does ({', '.join(names)}; leave out "
+        "those you do not use, or take **kwargs), or give " + ", ".join(missing) + " a default or a "
+        "value in custom_reward_function.reward_kwargs",
+    )
 
 
 def _shown(fn: Callable) -> str:

@@ -14,6 +14,7 @@ from keel.rewards.worker import SampleResult, SampleTask, resolve, score_sample,
 def is_async(spec) -> bool:
     return inspect.iscoroutinefunction(resolve(spec))
 
+
 # Spawned workers start in about a second (they import no torch); this covers it.
 START_SLACK_S = 5.0
 

@@ -20,7 +20,7 @@ on, and the sample scores what sympy finds or is "not scored (timeout)" past rew
 Model-written text is hostile. verl 0.9.1 runs the answer through `eval` (after substituting
 `\\pi`, and on `[...]` answers to pmatrix references) and through sympy's `parse_expr` (also
 eval underneath), so a response such as `\\boxed{re('\\textbackslash{}137...')}` runs arbitrary
-code in verl's trainer. keel evaluates literal arithmetic only (`prime_math_compare.literal_value`),
+code in verl's trainer. keel evaluates literal arithmetic only (`literals.literal_value`),
 hands sympy no expression with a quote (a string is the only way to code through it) or with an
 integer power too large to build, and hands `parse_expr` only literal `Matrix(...)` answers. Those
 answers (and the rare ones only Python code evaluates, like `abs(-2)*\\pi`) are where keel's
@@ -32,11 +32,31 @@ from __future__ import annotations
 import math
 import re
 
-from keel.rewards.prime_math_compare import TEXT_WRAPPED, math_equal, normalize_answer, power_too_large
+from keel.rewards.literals import power_too_large
+from keel.rewards.prime_math_compare import TEXT_WRAPPED, math_equal, normalize_answer
 
-_UNITS = [re.compile(f"{unit}(es)?(s)? *(\\^[0-9]+)?") for unit in (
-    "degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week", "month", "year",
-    "foot", "feet", "inch", "yard", "liter")]
+_UNITS = [
+    re.compile(f"{unit}(es)?(s)? *(\\^[0-9]+)?")
+    for unit in (
+        "degree",
+        "cm",
+        "centimeter",
+        "meter",
+        "mile",
+        "second",
+        "minute",
+        "hour",
+        "day",
+        "week",
+        "month",
+        "year",
+        "foot",
+        "feet",
+        "inch",
+        "yard",
+        "liter",
+    )
+]
 _LATEX_SYMBOLS = (("√", "sqrt"), ("π", "pi"), ("∞", "inf"), ("∪", "U"), ("·", "*"), ("×", "*"))
 _THOUSANDS_COMMA = re.compile(r"(\d)(,)(\d\d\d)($|\D)")
 _FRACTION = re.compile(r"^-?[0-9]+.?/0*[1-9][0-9]*.?$")
@@ -78,7 +98,7 @@ def extract_answer(response: str) -> str:
     for marker in ("answer:", "answer is", "answers are"):
         at = response.lower().rfind(marker)
         if at != -1:
-            response = response[at + len(marker):].strip()
+            response = response[at + len(marker) :].strip()
     for marker in ("is answer", "is the answer", "are answers", "are the answers"):
         at = response.lower().rfind(marker)
         if at != -1:
@@ -93,7 +113,7 @@ def extract_answer(response: str) -> str:
     for marker in ("be ", "is ", "are ", "=", ": ", "get ", "be\n", "is\n", "are\n", ":\n", "get\n"):
         at = response.lower().rfind(marker)
         if at != -1:
-            response = response[at + len(marker):].strip()
+            response = response[at + len(marker) :].strip()
     return response
 
 
@@ -113,7 +133,7 @@ def last_boxed(text: str) -> str | None:
         elif text[at] == "}":
             depth -= 1
             if depth == 0:
-                return text[opened + 1:at].strip()
+                return text[opened + 1 : at].strip()
     return None
 
 
@@ -223,8 +243,12 @@ def _tuple_items(expr: str) -> list[str]:
     expr = strip_thousands_commas(expr)
     if len(expr) == 0:
         return []
-    if (len(expr) > 2 and expr[0] in _TUPLE_BRACKETS and expr[-1] in _TUPLE_BRACKETS
-            and all(bracket not in expr[1:-1] for bracket in _TUPLE_BRACKETS)):
+    if (
+        len(expr) > 2
+        and expr[0] in _TUPLE_BRACKETS
+        and expr[-1] in _TUPLE_BRACKETS
+        and all(bracket not in expr[1:-1] for bracket in _TUPLE_BRACKETS)
+    ):
         return [item.strip() for item in expr[1:-1].split(",")]
     return [expr]
 
@@ -265,5 +289,5 @@ def _could_run_code_or_explode(expr: str) -> bool:
         for base in reversed(bases):  # a**b**c is a**(b**c)
             if power_too_large(base, exponent):
                 return True
-            exponent = base ** exponent
+            exponent = base**exponent
     return False

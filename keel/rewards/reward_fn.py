@@ -2,71 +2,38 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from keel.errors import (MISSING_GROUND_TRUTH, NO_SCORER, REWARD_FN_LOAD, REWARD_NOT_NUMBER, SCORER_RAISED,
-                         SCORER_TIMEOUT, TOO_MANY_NOT_SCORED, KeelError, SkipStep)
-from keel.errors.fixes import closest, nearby_file, setting
+from keel.errors import (
+    MISSING_GROUND_TRUTH,
+    NO_SCORER,
+    REWARD_NOT_NUMBER,
+    SCORER_RAISED,
+    SCORER_TIMEOUT,
+    TOO_MANY_NOT_SCORED,
+    KeelError,
+    SkipStep,
+)
+from keel.errors.fixes import setting
 from keel.rewards.code_tests import check_ground_truths
-from keel.rewards.contract import BATCHED, PER_SAMPLE, check_signature, verl_extra_info
+from keel.rewards.contract import verl_extra_info
 from keel.rewards.executor import ScoringPool
 from keel.rewards.sandbox import require_jail
 from keel.rewards.scorers import DATA_SOURCE_SCORERS, NO_GROUND_TRUTH, SCORERS, RewardFn, scorer_for_source
-from keel.rewards.worker import (FILE_PREFIX, NOT_FINITE, PKG_PREFIX, SampleResult, SampleTask, Spec, load_module,
-                                 resolve, score_batched)
+from keel.rewards.worker import (
+    NOT_FINITE,
+    SampleResult,
+    SampleTask,
+    Spec,
+    resolve,
+    score_batched,
+)
 
 log = logging.getLogger("keel")
-
-
-def load_custom_reward_fn(path: str, name: str, reward_kwargs: dict | None = None, batched: bool = False) -> RewardFn:
-    """Import `name` from `path` (verl's custom_reward_function: a python file, `file://FILE` or
-    `pkg://package.module`), with `reward_kwargs` bound to every call; refuse a function verl's
-    keyword call could not bind."""
-    module = _import_reward_module(path)
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
-                       and getattr(v, "__module__", None) == module.__name__)  # its own, not what it imported
-        near = closest(name, found) or (found[0] if len(found) == 1 else None)
-        raise KeelError(REWARD_FN_LOAD, f"{path} has no function {name!r} (it defines: {found})",
-                        f"set {setting('custom_reward_function.name', near)}" if near
-                        else f"set custom_reward_function.name to one of {found}")
-    fn = functools.partial(fn, **reward_kwargs) if reward_kwargs else fn
-    check_signature(fn, BATCHED if batched else PER_SAMPLE, path, name)
-    return fn
-
-
-def _import_reward_module(path: str):
-    if path.startswith(PKG_PREFIX):
-        return _import_package_module(path)
-    file = Path(path.removeprefix(FILE_PREFIX))
-    if not file.is_file():
-        found = nearby_file(str(file), (".py",))
-        raise KeelError(REWARD_FN_LOAD, f"custom_reward_function.path={path!r} does not exist",
-                        f"set {setting('custom_reward_function.path', found)} (the file there named most like it)"
-                        if found else None)
-    try:
-        return load_module(str(file))
-    except Exception as e:  # the user's file: any import-time error is theirs to fix
-        raise KeelError(REWARD_FN_LOAD, f"importing {path} failed: {type(e).__name__}: {e}") from e
-
-
-def _import_package_module(path: str):
-    try:
-        return load_module(path)
-    except ModuleNotFoundError as e:
-        raise KeelError(REWARD_FN_LOAD, f"custom_reward_function.path={path!r}: no module named {e.name!r} "
-                        "is importable here", "install the package that holds it (pip install -e <its checkout>), "
-                        "add its directory to PYTHONPATH, or set custom_reward_function.path to the module's "
-                        "file") from e
-    except Exception as e:  # the user's module: any import-time error is theirs to fix
-        raise KeelError(REWARD_FN_LOAD, f"importing {path} failed: {type(e).__name__}: {e}") from e
 
 
 RUN_CODE = (("builtin", "code_exec"), ("builtin", "prime_code"))  # scorers that run the response
@@ -76,9 +43,9 @@ SERVICE = ("service",)
 
 @dataclass
 class ScoreResult:
-    scores: torch.Tensor            # [N]; 0 where not scored
-    scored: torch.Tensor            # [N] bool
-    reasons: list[str | None]       # [N] why a sample was not scored
+    scores: torch.Tensor  # [N]; 0 where not scored
+    scored: torch.Tensor  # [N] bool
+    reasons: list[str | None]  # [N] why a sample was not scored
     metrics: dict[str, float]
     extras: list[dict] = field(default_factory=list)  # [N] dict results' other keys (verl's reward_extra_info)
 
@@ -95,11 +62,22 @@ class RewardScorer:
     `max_not_scored_ratio` stops the run: a scorer failing that often is broken, not unlucky.
     """
 
-    def __init__(self, custom: RewardFn | tuple | None = None, by_source: dict[str, dict[str, float]] | None = None,
-                 overlong=None, max_response_length: int | None = None, on_error: str = "mask",
-                 max_not_scored_ratio: float = 0.1, timeout_s: float | None = None, num_workers: int = 0,
-                 batched: bool = False, reward_model=None, service=None, sandbox_require: str = "isolation",
-                 nonfinite: str = "stop"):
+    def __init__(
+        self,
+        custom: RewardFn | tuple | None = None,
+        by_source: dict[str, dict[str, float]] | None = None,
+        overlong=None,
+        max_response_length: int | None = None,
+        on_error: str = "mask",
+        max_not_scored_ratio: float = 0.1,
+        timeout_s: float | None = None,
+        num_workers: int = 0,
+        batched: bool = False,
+        reward_model=None,
+        service=None,
+        sandbox_require: str = "isolation",
+        nonfinite: str = "stop",
+    ):
         self.service = service
         self.nonfinite = nonfinite
         self.sandbox_require = sandbox_require
@@ -113,13 +91,7 @@ class RewardScorer:
         self.max_not_scored_ratio = max_not_scored_ratio
         self.timeout_s = timeout_s
         self.pool = ScoringPool(num_workers)
-        known = set(SCORERS) | ({"custom"} if custom else set()) | ({"reward_model"} if reward_model else set())
-        for source, weights in self.by_source.items():
-            unknown = sorted(set(weights) - known)
-            if unknown:
-                raise KeelError(NO_SCORER, f"reward.scorers.{source} names {unknown}, which are not scorers",
-                                f"use built-in scorers {sorted(SCORERS)}" + (" or custom" if custom else
-                                " (set custom_reward_function.path to use `custom`)"))
+        _check_scorer_names(self.by_source, bool(custom), bool(reward_model))
 
     def scorers_for(self, data_source: str) -> dict[str, tuple[Spec, float]]:
         """{name: (scorer spec, weight)} for one data_source."""
@@ -127,8 +99,10 @@ class RewardScorer:
             return {"service": (SERVICE, 1.0)}
         if data_source in self.by_source:
             named = {"custom": self.custom, "reward_model": REWARD_MODEL}
-            return {name: (named.get(name, ("builtin", name)), weight)
-                    for name, weight in self.by_source[data_source].items()}
+            return {
+                name: (named.get(name, ("builtin", name)), weight)
+                for name, weight in self.by_source[data_source].items()
+            }
         if self.reward_model is not None:
             return {"reward_model": (REWARD_MODEL, 1.0)}
         if self.custom is not None:
@@ -141,12 +115,14 @@ class RewardScorer:
                 "every data_source starting with 'aime' (verl's routing)",
                 f"set {setting(f'reward.scorers.{data_source}.exact_match', 1.0)} (1 when the response is the row's "
                 "ground truth, else 0), or set custom_reward_function.path to a file with compute_score(data_source, "
-                "solution_str, ground_truth, extra_info)")
+                "solution_str, ground_truth, extra_info)",
+            )
         return {name: (("builtin", name), 1.0)}
 
     def describe(self, data_source: str) -> str:
         """Who scores `data_source`, in words, for `keel check`: verl users see which rule replaces
         their default_compute_score."""
+
         def one(name: str) -> str:
             if name == "service":
                 return f"the reward service at {self.service.url}"
@@ -154,7 +130,9 @@ class RewardScorer:
                 return "the reward model"
             if name == "custom":
                 return f"your function {self.user_code(data_source) or ''}".rstrip()
-            chosen = "" if data_source in self.by_source else " (chosen by data_source, as verl's default_compute_score)"
+            chosen = (
+                "" if data_source in self.by_source else " (chosen by data_source, as verl's default_compute_score)"
+            )
             return f"built-in `{name}`{chosen}"
 
         parts = self.scorers_for(data_source)
@@ -163,7 +141,7 @@ class RewardScorer:
         return " + ".join(f"{weight} x {one(name)}" for name, (_, weight) in parts.items())
 
     def user_code(self, data_source: str) -> str | None:
-        """"`function` in `file`" of the custom function that scores `data_source`, when one does."""
+        """ "`function` in `file`" of the custom function that scores `data_source`, when one does."""
         spec = self.scorers_for(data_source).get("custom", (None,))[0]
         if isinstance(spec, tuple):
             return f"`{spec[2]}` in `{spec[1]}`" if spec[:1] == ("file",) else None
@@ -184,11 +162,14 @@ class RewardScorer:
         missing = [r.index for r in records if r.data_source in needs_truth and r.ground_truth is None]
         if missing:
             sources = sorted(needs_truth & {r.data_source for r in records if r.ground_truth is None})
-            raise KeelError(MISSING_GROUND_TRUTH, f"{len(missing)} rows (first: row {missing[0]}) have no "
-                            "reward_model.ground_truth, which the built-in scorers compare against",
-                            f"add \"reward_model\": {{\"ground_truth\": ...}} (each row's right answer) to the rows of "
-                            f"data_source {sources}{_in_files(files)}, or score them with your own "
-                            "custom_reward_function")
+            raise KeelError(
+                MISSING_GROUND_TRUTH,
+                f"{len(missing)} rows (first: row {missing[0]}) have no "
+                "reward_model.ground_truth, which the built-in scorers compare against",
+                f'add "reward_model": {{"ground_truth": ...}} (each row\'s right answer) to the rows of '
+                f"data_source {sources}{_in_files(files)}, or score them with your own "
+                "custom_reward_function",
+            )
         code_rows = [r for r in records if self._runs_code(r.data_source)]
         if code_rows:
             try:  # every row: test cases in neither form would never score
@@ -205,11 +186,17 @@ class RewardScorer:
     def _runs_code(self, data_source: str) -> bool:
         return any(spec in RUN_CODE for spec, _ in self.scorers_for(data_source).values())
 
-    def score(self, records: list, response_texts: list[str]) -> torch.Tensor:      # -> [N]
+    def score(self, records: list, response_texts: list[str]) -> torch.Tensor:  # -> [N]
         return self.score_batch(records, response_texts).scores
 
-    def score_batch(self, records: list, response_texts: list[str], response_lengths: torch.Tensor | None = None,
-                    on_error: str | None = None, may_skip: bool = True) -> ScoreResult:
+    def score_batch(
+        self,
+        records: list,
+        response_texts: list[str],
+        response_lengths: torch.Tensor | None = None,
+        on_error: str | None = None,
+        may_skip: bool = True,
+    ) -> ScoreResult:
         """Scores, which samples were scored, and metrics: the per-scorer breakdown, not-scored
         counts by reason, scoring latency and the overlong penalty. `may_skip`: a training step,
         which trainer.guards.nonfinite=skip may drop (SkipStep) when NaN scores fill the batch."""
@@ -218,17 +205,25 @@ class RewardScorer:
         results = self._run(records, response_texts, weights)
         failed = [(i, res.reason) for i, res in enumerate(results) if res.values is None]
         if failed:
-            log.warning("%d of %d samples not scored (first: %s); reward.on_error=%s", len(failed), len(records),
-                        failed[0][1], on_error)
+            log.warning(
+                "%d of %d samples not scored (first: %s); reward.on_error=%s",
+                len(failed),
+                len(records),
+                failed[0][1],
+                on_error,
+            )
         if failed and on_error == "raise":
             first = records[failed[0][0]]
-            raise _scoring_error(first, failed[0][1], response_texts[failed[0][0]], self.timeout_s,
-                                 self.user_code(first.data_source))
-        totals = [sum(weight * res.values[name] for name, (_, weight) in w.items()) if res.values else 0.0
-                  for res, w in zip(results, weights)]
+            raise _scoring_error(
+                first, failed[0][1], response_texts[failed[0][0]], self.timeout_s, self.user_code(first.data_source)
+            )
+        totals = [
+            sum(weight * res.values[name] for name, (_, weight) in w.items()) if res.values else 0.0
+            for res, w in zip(results, weights)
+        ]
         scores = torch.tensor(totals, dtype=torch.float32)
         scored = torch.tensor([res.values is not None or on_error == "zero" for res in results])
-        metrics = self._metrics(results, failed)
+        metrics = _score_metrics(results, failed)
         if self.service is not None:
             metrics["reward/service_retries"] = float(self.service.retries)
         if self.overlong is not None and response_lengths is not None:
@@ -237,14 +232,10 @@ class RewardScorer:
             metrics["reward/overlong_penalty/mean"] = penalty.mean().item()
         if len(failed) / max(len(records), 1) > self.max_not_scored_ratio:
             self._skip_if_nonfinite(failed, len(records), may_skip)
-            raise KeelError(TOO_MANY_NOT_SCORED, f"{len(failed)} of {len(records)} samples could not be scored "
-                            f"(over reward.max_not_scored_ratio={self.max_not_scored_ratio}); first reason: "
-                            f"{failed[0][1]} (data_source={records[failed[0][0]].data_source!r})",
-                            "fix the scorer for the reason named; if such failures are expected, set "
-                            + setting("reward.max_not_scored_ratio", min(1.0, round(2 * len(failed) / len(records), 1)))
-                            + " (twice this batch's share)")
-        return ScoreResult(scores, scored, [res.reason for res in results], metrics,
-                           [res.extras or {} for res in results])
+            raise _too_many_not_scored(failed, records, self.max_not_scored_ratio)
+        return ScoreResult(
+            scores, scored, [res.reason for res in results], metrics, [res.extras or {} for res in results]
+        )
 
     def _skip_if_nonfinite(self, failed: list[tuple[int, str]], total: int, may_skip: bool) -> None:
         """trainer.guards.nonfinite=skip: a batch pushed over max_not_scored_ratio by NaN or infinite
@@ -260,9 +251,17 @@ class RewardScorer:
         """Each sample's per-scorer values, or the reason it has none."""
         if self.service is not None:  # reward.service.url: the remote service scores every sample
             return self.service.score(records, texts)
-        tasks = [SampleTask([(name, spec) for name, (spec, _) in w.items() if spec != REWARD_MODEL], r.data_source,
-                            text, r.ground_truth, verl_extra_info(r.extra_info), self.timeout_s)
-                 for r, w, text in zip(records, weights, texts)]
+        tasks = [
+            SampleTask(
+                [(name, spec) for name, (spec, _) in w.items() if spec != REWARD_MODEL],
+                r.data_source,
+                text,
+                r.ground_truth,
+                verl_extra_info(r.extra_info),
+                self.timeout_s,
+            )
+            for r, w, text in zip(records, weights, texts)
+        ]
         if self.batched:  # custom_reward_function.batched: the custom function scores the whole batch
             results = score_batched(resolve(self.custom), tasks)
         else:
@@ -275,34 +274,13 @@ class RewardScorer:
         rows = [i for i, w in enumerate(weights) if "reward_model" in w and results[i].values is not None]
         if not rows:
             return
-        for i, value in zip(rows, self.reward_model.score([records[i].raw_prompt for i in rows],
-                                                          [texts[i] for i in rows])):
+        for i, value in zip(
+            rows, self.reward_model.score([records[i].raw_prompt for i in rows], [texts[i] for i in rows])
+        ):
             if isinstance(value, str):  # too long to read whole: not scored, never truncated
                 results[i] = SampleResult(None, value, results[i].seconds)
             else:
                 results[i].values["reward_model"] = value
-
-    @staticmethod
-    def _metrics(results: list[SampleResult], failed: list[tuple[int, str]]) -> dict[str, float]:
-        metrics = {"reward/not_scored_ratio": len(failed) / max(len(results), 1),
-                   "timing_s/score_sample/mean": sum(r.seconds for r in results) / max(len(results), 1),
-                   "timing_s/score_sample/max": max((r.seconds for r in results), default=0.0)}
-        for _, reason in failed:
-            key = f"reward/not_scored/{reason.split(':')[0].split(' (')[0].replace(' ', '_')}"
-            metrics[key] = metrics.get(key, 0.0) + 1
-        parts: dict[str, list[float]] = {}
-        for res in results:
-            for name, value in (res.values or {}).items():
-                parts.setdefault(name, []).append(value)
-        if len(parts) > 1:
-            metrics.update({f"reward/{name}/mean": sum(v) / len(v) for name, v in parts.items()})
-        extras: dict[str, list[float]] = {}
-        for res in results:
-            for key, value in (res.extras or {}).items():
-                if not isinstance(value, str):
-                    extras.setdefault(key, []).append(float(value))
-        metrics.update({f"reward_extra/{key}/mean": sum(v) / len(v) for key, v in extras.items()})
-        return metrics
 
     def close(self) -> None:
         """Stops the scoring processes; the next batch starts them again."""
@@ -315,30 +293,92 @@ class RewardScorer:
             self.reward_model.shutdown()
 
 
+def _score_metrics(results: list[SampleResult], failed: list[tuple[int, str]]) -> dict[str, float]:
+    """Not-scored share and reasons, scoring latency, each scorer's mean when there are several, and
+    the mean of each numeric extra a dict result gave."""
+    metrics = {
+        "reward/not_scored_ratio": len(failed) / max(len(results), 1),
+        "timing_s/score_sample/mean": sum(r.seconds for r in results) / max(len(results), 1),
+        "timing_s/score_sample/max": max((r.seconds for r in results), default=0.0),
+    }
+    for _, reason in failed:
+        key = f"reward/not_scored/{reason.split(':')[0].split(' (')[0].replace(' ', '_')}"
+        metrics[key] = metrics.get(key, 0.0) + 1
+    parts: dict[str, list[float]] = {}
+    for res in results:
+        for name, value in (res.values or {}).items():
+            parts.setdefault(name, []).append(value)
+    if len(parts) > 1:
+        metrics.update({f"reward/{name}/mean": sum(v) / len(v) for name, v in parts.items()})
+    extras: dict[str, list[float]] = {}
+    for res in results:
+        for key, value in (res.extras or {}).items():
+            if not isinstance(value, str):
+                extras.setdefault(key, []).append(float(value))
+    metrics.update({f"reward_extra/{key}/mean": sum(v) / len(v) for key, v in extras.items()})
+    return metrics
+
+
+def _check_scorer_names(by_source: dict[str, dict[str, float]], custom: bool, reward_model: bool) -> None:
+    """reward.scorers names only built-in scorers, `custom` with a custom function and
+    `reward_model` with a reward model."""
+    known = set(SCORERS) | ({"custom"} if custom else set()) | ({"reward_model"} if reward_model else set())
+    for source, weights in by_source.items():
+        unknown = sorted(set(weights) - known)
+        if unknown:
+            raise KeelError(
+                NO_SCORER,
+                f"reward.scorers.{source} names {unknown}, which are not scorers",
+                f"use built-in scorers {sorted(SCORERS)}"
+                + (" or custom" if custom else " (set custom_reward_function.path to use `custom`)"),
+            )
+
+
 def _in_files(files: list[str]) -> str:
-    """" in `a.jsonl` or `b.jsonl`": where the rows a fix names are."""
+    """ " in `a.jsonl` or `b.jsonl`": where the rows a fix names are."""
     return "".join(f" in `{f}`" for f in files[:1]) + "".join(f" or `{f}`" for f in files[1:])
 
 
-def _scoring_error(record, reason: str, response: str, timeout_s: float | None = None,
-                   code: str | None = None) -> KeelError:
+def _too_many_not_scored(failed: list[tuple[int, str]], records: list, max_ratio: float) -> KeelError:
+    return KeelError(
+        TOO_MANY_NOT_SCORED,
+        f"{len(failed)} of {len(records)} samples could not be scored "
+        f"(over reward.max_not_scored_ratio={max_ratio}); first reason: "
+        f"{failed[0][1]} (data_source={records[failed[0][0]].data_source!r})",
+        "fix the scorer for the reason named; if such failures are expected, set "
+        + setting("reward.max_not_scored_ratio", min(1.0, round(2 * len(failed) / len(records), 1)))
+        + " (twice this batch's share)",
+    )
+
+
+def _scoring_error(
+    record, reason: str, response: str, timeout_s: float | None = None, code: str | None = None
+) -> KeelError:
     """`code`: "`function` in `file`" of the user's scorer, where the fix is to be made."""
     where = f"data_source={record.data_source!r}, response {response[:60]!r}"
     if reason.startswith("not a number"):
-        return KeelError(REWARD_NOT_NUMBER, f"the reward function returned {reason[len('not a number: '):]} ({where})",
-                         f"make {code} return a finite float for every sample (e.g. return float(score))"
-                         if code else None)
+        return KeelError(
+            REWARD_NOT_NUMBER,
+            f"the reward function returned {reason[len('not a number: ') :]} ({where})",
+            f"make {code} return a finite float for every sample (e.g. return float(score))" if code else None,
+        )
     if reason.startswith("timeout"):
-        return KeelError(SCORER_TIMEOUT, f"scoring took longer than reward.timeout_s={timeout_s} ({where})",
-                         f"set {setting('reward.timeout_s', 10 * timeout_s)} if the scorer is just slow, or make "
-                         "it faster" if timeout_s else None)
-    return KeelError(SCORER_RAISED, f"the scorer {reason} ({where})",
-                     f"make {code} score this input without raising (an empty response must score, e.g. 0.0)"
-                     if code else None)
+        return KeelError(
+            SCORER_TIMEOUT,
+            f"scoring took longer than reward.timeout_s={timeout_s} ({where})",
+            f"set {setting('reward.timeout_s', 10 * timeout_s)} if the scorer is just slow, or make it faster"
+            if timeout_s
+            else None,
+        )
+    return KeelError(
+        SCORER_RAISED,
+        f"the scorer {reason} ({where})",
+        f"make {code} score this input without raising (an empty response must score, e.g. 0.0)" if code else None,
+    )
 
 
 def overlong_penalty(lengths: torch.Tensor, max_response_length: int, cfg) -> torch.Tensor:
     """DAPO's soft overlong punishment (arXiv 2503.14476): 0 up to max_response_length - len, then
     falling linearly to -penalty_factor at max_response_length."""
-    exceed = lengths.float() - (max_response_length - cfg.len)                   # [N]
+    exceed = lengths.float() - (max_response_length - cfg.len)  # [N]
     return torch.clamp(-exceed / cfg.len * cfg.penalty_factor, max=0.0)

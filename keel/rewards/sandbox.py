@@ -37,8 +37,16 @@ from functools import lru_cache
 from keel.errors import SANDBOX_INCOMPLETE, KeelError
 from keel.errors.fixes import setting
 from keel.rewards import userns
-from keel.rewards.bwrap import (AS_NOBODY, IN_USER_NAMESPACE, NO_JAIL, NO_JAIL_AS_NOBODY, SANDBOX_UID, Finished,
-                                Limits, run_jailed)
+from keel.rewards.bwrap import (
+    AS_NOBODY,
+    IN_USER_NAMESPACE,
+    NO_JAIL,
+    NO_JAIL_AS_NOBODY,
+    SANDBOX_UID,
+    Finished,
+    Limits,
+    run_jailed,
+)
 
 log = logging.getLogger("keel")
 
@@ -55,19 +63,22 @@ PROTECTIONS = {
     "user": f"an unprivileged user without capabilities (uid {SANDBOX_UID}; checked inside: uid, CapEff, CapPrm)",
     "syscalls": "no new namespaces, keyrings or other kernel interfaces a judge never needs (seccomp)",
     "limits": "CPU time, open files and file size limited per process by hard rlimits the program cannot raise "
-              "(address space too where no cgroup bounds memory)",
+    "(address space too where no cgroup bounds memory)",
     "process count": "its processes and threads capped, so a fork bomb stops (cgroup pids.max, or RLIMIT_NPROC "
-                     "in a user namespace of the run's own)",
+    "in a user namespace of the run's own)",
     "accounting": "memory (tmpfs, memfd and kernel memory too), processes and CPU time limited for the whole "
-                  "tree by a cgroup, whose books give the verdict (a program cannot fake a limit)",
+    "tree by a cgroup, whose books give the verdict (a program cannot fake a limit)",
     "output": "output read as it comes and cut at the limit; the whole tree killed at the wall-clock limit",
 }
 
 
 # Who the program runs as in each mode, where the "user" protection holds.
-RUNS_AS = {AS_NOBODY: f"uid {SANDBOX_UID} without capabilities (bubblewrap as root, setpriv inside)",
-           IN_USER_NAMESPACE: f"uid {SANDBOX_UID} without capabilities, in a user namespace",
-           NO_JAIL_AS_NOBODY: f"uid {SANDBOX_UID} without capabilities", NO_JAIL: "the trainer's own user"}
+RUNS_AS = {
+    AS_NOBODY: f"uid {SANDBOX_UID} without capabilities (bubblewrap as root, setpriv inside)",
+    IN_USER_NAMESPACE: f"uid {SANDBOX_UID} without capabilities, in a user namespace",
+    NO_JAIL_AS_NOBODY: f"uid {SANDBOX_UID} without capabilities",
+    NO_JAIL: "the trainer's own user",
+}
 BY_CGROUP = "cgroup pids.max"
 BY_OWN_NAMESPACE = "RLIMIT_NPROC in a user namespace of the run's own"
 BY_SHARED_UID = f"RLIMIT_NPROC of uid {SANDBOX_UID}, shared by every run on this machine"
@@ -75,10 +86,10 @@ BY_SHARED_UID = f"RLIMIT_NPROC of uid {SANDBOX_UID}, shared by every run on this
 
 @dataclass(frozen=True)
 class Jail:
-    mode: str                       # AS_NOBODY | IN_USER_NAMESPACE | NO_JAIL_AS_NOBODY | NO_JAIL
-    protections: dict[str, bool]    # PROTECTIONS -> in force here
-    why_not: str                    # when some are missing: what stopped them
-    process_cap: str = ""           # what caps the process count here (BY_*), empty when nothing does
+    mode: str  # AS_NOBODY | IN_USER_NAMESPACE | NO_JAIL_AS_NOBODY | NO_JAIL
+    protections: dict[str, bool]  # PROTECTIONS -> in force here
+    why_not: str  # when some are missing: what stopped them
+    process_cap: str = ""  # what caps the process count here (BY_*), empty when nothing does
 
     @property
     def complete(self) -> bool:
@@ -109,16 +120,18 @@ class Jail:
 
     def describe(self) -> list[str]:
         how = {"user": self.runs_as(), "process count": self.caps_processes()}
-        return [f"[{'ok' if held else 'MISSING'}] {name}: {PROTECTIONS[name]}"
-                + (f" -- here: {how[name]}" if name in how else "")
-                for name, held in self.protections.items()]
+        return [
+            f"[{'ok' if held else 'MISSING'}] {name}: {PROTECTIONS[name]}"
+            + (f" -- here: {how[name]}" if name in how else "")
+            for name, held in self.protections.items()
+        ]
 
 
 # The kernel ends a process over RLIMIT_CPU with SIGXCPU, then SIGKILL at the hard limit.
 _CPU_SIGNALS = {-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU, 128 + signal.SIGKILL}
 
 
-def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> str:
+def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> str:  # noqa: B008 - frozen, safe to share
     """The solution's stdout; SandboxViolation when a limit stopped it, with the reason."""
     found = jail()
     finished = run_jailed(found.mode, code, stdin, limits, accounted=found.protections["accounting"])
@@ -148,7 +161,7 @@ def limit_verdict(finished: Finished, limits: Limits) -> str | None:
 
 
 # Run inside a candidate jail: each protection checked from where the solution stands.
-_PROBE_TOOLS = r'''
+_PROBE_TOOLS = r"""
 import json, os, resource, socket, sys
 trainer_pid, trainer_uid, trainer_dir, cap = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 def refused(action):
@@ -175,8 +188,10 @@ def processes_started():
     for _ in range(started):
         os.wait()
     return started
-'''
-_PROBE = _PROBE_TOOLS + r'''
+"""
+_PROBE = (
+    _PROBE_TOOLS
+    + r"""
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 print(json.dumps({
     "filesystem": not os.path.exists(trainer_dir) and refused(lambda: open("/keel_probe", "w")),
@@ -191,7 +206,8 @@ print(json.dumps({
     "limits": refused(lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard + 1))),
     "process count": processes_started() < cap,  # the probe itself is one of the cap
 }))
-'''
+"""
+)
 
 
 PROBE_LIMITS = Limits(wall_s=60.0, cpu_s=10, processes=12)
@@ -213,8 +229,7 @@ def _probe(mode: str) -> dict[str, bool] | str:
     except ValueError:
         return f"{mode}: the probe's answer was unreadable"
     accounting = _accounting_works(mode)
-    return {**checks, "process count": checks["process count"] or accounting, "accounting": accounting,
-            "output": True}
+    return {**checks, "process count": checks["process count"] or accounting, "accounting": accounting, "output": True}
 
 
 _COUNT_PROCESSES = _PROBE_TOOLS + "print(processes_started())\n"  # how many children got through
@@ -227,12 +242,17 @@ def _accounting_works(mode: str) -> bool:
         finished = run_jailed(mode, _COUNT_PROCESSES, "", PROBE_LIMITS, ["0", "0", "", str(PROBE_LIMITS.processes)])
     except (OSError, ValueError, subprocess.SubprocessError):  # the child could not join the group
         return False
-    return (finished.cpu_s is not None and finished.returncode == 0
-            and int(finished.stdout or b"-1") < PROBE_LIMITS.processes)
+    return (
+        finished.cpu_s is not None
+        and finished.returncode == 0
+        and int(finished.stdout or b"-1") < PROBE_LIMITS.processes
+    )
 
 
-NO_CGROUP = ("no cgroup keel may create for a run (cgroup v1 controllers it can write, or a cgroup v2 "
-             "subtree with memory and pids delegated): per-process rlimits instead")
+NO_CGROUP = (
+    "no cgroup keel may create for a run (cgroup v1 controllers it can write, or a cgroup v2 "
+    "subtree with memory and pids delegated): per-process rlimits instead"
+)
 
 
 def _process_cap(found: dict[str, bool]) -> str:
@@ -244,16 +264,21 @@ def _process_cap(found: dict[str, bool]) -> str:
     return BY_OWN_NAMESPACE if userns.available() else BY_SHARED_UID
 
 
-NO_PROCESS_CAP = ("nothing caps a run's process count: no cgroup, and no user namespace of its own in which "
-                  "RLIMIT_NPROC would count only its processes")
+NO_PROCESS_CAP = (
+    "nothing caps a run's process count: no cgroup, and no user namespace of its own in which "
+    "RLIMIT_NPROC would count only its processes"
+)
 
 
 NO_SECCOMP = "no seccomp filter inside the jail (it needs pyseccomp and libseccomp: pip install pyseccomp)"
 
 
 def _shortfalls(protections: dict[str, bool]) -> list[str]:
-    return [why for name, why in (("accounting", NO_CGROUP), ("process count", NO_PROCESS_CAP), ("syscalls", NO_SECCOMP))
-            if not protections[name]]
+    return [
+        why
+        for name, why in (("accounting", NO_CGROUP), ("process count", NO_PROCESS_CAP), ("syscalls", NO_SECCOMP))
+        if not protections[name]
+    ]
 
 
 @lru_cache(maxsize=1)
@@ -268,8 +293,7 @@ def jail() -> Jail:
     for mode in modes + ([NO_JAIL_AS_NOBODY] if root else []) + [NO_JAIL]:
         protections = _probe(mode)
         if isinstance(protections, dict):
-            return Jail(mode, protections, "; ".join(failures + _shortfalls(protections)),
-                        _process_cap(protections))
+            return Jail(mode, protections, "; ".join(failures + _shortfalls(protections)), _process_cap(protections))
         failures.append(protections)
     return Jail(NO_JAIL, {name: name == "output" for name in PROTECTIONS}, "; ".join(failures))
 
@@ -280,11 +304,16 @@ ISOLATION = ("filesystem", "network", "processes", "user", "process count")  # r
 def _jail_fix(found: Jail) -> str:
     """What this machine can give: the isolation level when it has that; else bubblewrap, else namespaces."""
     if all(found.protections[name] for name in ISOLATION):
-        return (f"set {setting('reward.sandbox.require', 'isolation')} (every isolation protection holds here; "
-                f"missing: {', '.join(found.missing())})")
-    how = ("install bubblewrap: `apt-get install bubblewrap`" if shutil.which("bwrap") is None else
-           "run where user and mount namespaces are allowed (a VM, or a container with --security-opt "
-           "seccomp=unconfined)")
+        return (
+            f"set {setting('reward.sandbox.require', 'isolation')} (every isolation protection holds here; "
+            f"missing: {', '.join(found.missing())})"
+        )
+    how = (
+        "install bubblewrap: `apt-get install bubblewrap`"
+        if shutil.which("bwrap") is None
+        else "run where user and mount namespaces are allowed (a VM, or a container with --security-opt "
+        "seccomp=unconfined)"
+    )
     return f"{how}; or {setting('reward.sandbox.require', 'none')} runs model code unfenced, at your risk"
 
 

@@ -9,7 +9,8 @@ data sources, or any data source that names them in `reward.scorers`.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from keel.rewards.verl_math import geo3k, math_dapo, math_reward
 from keel.rewards.verl_qa import search_r1
@@ -69,7 +70,9 @@ def last_boxed(text: str) -> str | None:
     return None  # unbalanced: the response was cut off
 
 
-_FINAL_ANSWER = re.compile(r"(?:final answer|answer is)\s*:?\s*\$?([^\n$]+?)\$?\s*\.?\s*$", re.IGNORECASE | re.MULTILINE)
+_FINAL_ANSWER = re.compile(
+    r"(?:final answer|answer is)\s*:?\s*\$?([^\n$]+?)\$?\s*\.?\s*$", re.IGNORECASE | re.MULTILINE
+)
 
 
 def extract_math_answer(text: str) -> str | None:
@@ -105,8 +108,8 @@ def regex_match(data_source: str, solution_str: str, ground_truth: Any, extra_in
 _CHOICE_PATTERNS = [
     re.compile(r"\\boxed\{\s*\(?([A-J])\)?\s*\}"),
     re.compile(r"answer is\s*:?\s*\(?([A-J])\)?(?![A-Za-z])", re.IGNORECASE),
-    re.compile(r"^\s*\(?([A-J])\)?[.)]?\s*$", re.IGNORECASE),   # the response is just the letter
-    re.compile(r"\(([A-J])\)"),                 # a parenthesised letter anywhere (the last one counts)
+    re.compile(r"^\s*\(?([A-J])\)?[.)]?\s*$", re.IGNORECASE),  # the response is just the letter
+    re.compile(r"\(([A-J])\)"),  # a parenthesised letter anywhere (the last one counts)
 ]
 
 
@@ -127,8 +130,9 @@ def multiple_choice(data_source: str, solution_str: str, ground_truth: Any, extr
 _THINK_ANSWER = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
 
 
-def think_answer_format(data_source: str, solution_str: str, ground_truth: Any = None,
-                        extra_info: dict | None = None) -> float:
+def think_answer_format(
+    data_source: str, solution_str: str, ground_truth: Any = None, extra_info: dict | None = None
+) -> float:
     """1.0 when the response is `<think>...</think><answer>...</answer>` and nothing else."""
     return float(_THINK_ANSWER.fullmatch(solution_str) is not None)
 
@@ -160,26 +164,44 @@ def tool_arithmetic(data_source: str, solution_str: str, ground_truth: Any, extr
     """keel's tools demo: the final answer (the last assistant turn of a multi-turn rollout) must be the
     integer answer; `correct_call`: whether a tool's output was that answer (the right calculator call)."""
     info = extra_info or {}
-    return {"score": arithmetic(data_source, info.get("last_turn", solution_str), ground_truth),
-            "correct_call": float(str(ground_truth) in info.get("tool_outputs", []))}
+    return {
+        "score": arithmetic(data_source, info.get("last_turn", solution_str), ground_truth),
+        "correct_call": float(str(ground_truth) in info.get("tool_outputs", [])),
+    }
 
 
 SCORERS: dict[str, RewardFn] = {
-    "exact_match": exact_match, "gsm8k": gsm8k, "gsm8k_lenient": gsm8k_lenient, "gsm8k_flexible": gsm8k_flexible,
+    "exact_match": exact_match,
+    "gsm8k": gsm8k,
+    "gsm8k_lenient": gsm8k_lenient,
+    "gsm8k_flexible": gsm8k_flexible,
     "math_equivalent": math_equivalent,
-    "regex": regex_match, "multiple_choice": multiple_choice, "think_answer_format": think_answer_format,
-    "arithmetic": arithmetic, "tool_arithmetic": tool_arithmetic, "code_exec": code_exec,
+    "regex": regex_match,
+    "multiple_choice": multiple_choice,
+    "think_answer_format": think_answer_format,
+    "arithmetic": arithmetic,
+    "tool_arithmetic": tool_arithmetic,
+    "code_exec": code_exec,
     # verl's rules, under verl's names (the module each reproduces: verl_routing.VERL_MODULES)
-    "math_reward": math_reward, "math_dapo": math_dapo, "prime_math": prime_math, "prime_code": prime_code,
-    "geo3k": geo3k, "search_r1": search_r1,
+    "math_reward": math_reward,
+    "math_dapo": math_dapo,
+    "prime_math": prime_math,
+    "prime_code": prime_code,
+    "geo3k": geo3k,
+    "search_r1": search_r1,
 }
 
 # data_source values that pick a built-in scorer: every one verl 0.9.1 routes, to the scorer giving
 # verl's score, and keel's own. Data sources starting with "aime" go to math_dapo too (scorer_for_source).
 DATA_SOURCE_SCORERS = {
-    **VERL_DATA_SOURCES, "aime2024": "math_dapo", "aime2025": "math_dapo",
-    "gsm8k": "gsm8k", "exact_match": "exact_match", "keel/arithmetic": "arithmetic",
-    "keel/tool_arithmetic": "tool_arithmetic", "code": "code_exec",
+    **VERL_DATA_SOURCES,
+    "aime2024": "math_dapo",
+    "aime2025": "math_dapo",
+    "gsm8k": "gsm8k",
+    "exact_match": "exact_match",
+    "keel/arithmetic": "arithmetic",
+    "keel/tool_arithmetic": "tool_arithmetic",
+    "code": "code_exec",
 }
 
 
@@ -192,6 +214,7 @@ def scorer_for_source(data_source: str) -> str | None:
     if data_source.startswith(prefix):
         return scorer
     return "gsm8k" if "gsm8k" in data_source else None
+
 
 # Scorers that do not compare against a ground truth.
 NO_GROUND_TRUTH = {"think_answer_format"}

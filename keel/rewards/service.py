@@ -32,14 +32,21 @@ FIELDS = ("data_source", "response", "ground_truth")
 # --- server -----------------------------------------------------------------------------------
 
 
-
-def make_server(scorer, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
-                max_request_bytes: int = 8 << 20, max_concurrency: int = 8,
-                inject: list[str] | None = None, queue_timeout_s: float = 60.0) -> ThreadingHTTPServer:
+def make_server(
+    scorer,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    token: str | None = None,
+    max_request_bytes: int = 8 << 20,
+    max_concurrency: int = 8,
+    inject: list[str] | None = None,
+    queue_timeout_s: float = 60.0,
+) -> ThreadingHTTPServer:
     """`inject`: faults answered to the first POST /score requests, in order (`500`, `malformed`
     JSON, `slow`: 60 s of silence), for testing a client's handling of a failing service."""
-    return _Server((host, port), _ScoreHandler, scorer, token, max_request_bytes, max_concurrency, inject or [],
-                   queue_timeout_s)
+    return _Server(
+        (host, port), _ScoreHandler, scorer, token, max_request_bytes, max_concurrency, inject or [], queue_timeout_s
+    )
 
 
 class _ScoreHandler(BaseHTTPRequestHandler):
@@ -98,8 +105,10 @@ class _ScoreHandler(BaseHTTPRequestHandler):
             return self.reply(HTTPStatus.BAD_REQUEST, {"error": f"malformed request: {e}"})
         server = self.server
         if not server.busy.acquire(timeout=server.queue_timeout_s):  # a burst waits; a flood is told to back off
-            return self.reply(HTTPStatus.TOO_MANY_REQUESTS, {"error": f"over {server.max_concurrency} requests at "
-                                                                      f"once for {server.queue_timeout_s} s"})
+            return self.reply(
+                HTTPStatus.TOO_MANY_REQUESTS,
+                {"error": f"over {server.max_concurrency} requests at once for {server.queue_timeout_s} s"},
+            )
         try:
             if not self.answered_with_fault(server.next_fault()):
                 self.reply(HTTPStatus.OK, score_request(server.scorer, request))
@@ -127,8 +136,17 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 1024  # the listen backlog: socketserver's 5 reset connections under a burst
     daemon_threads = True
 
-    def __init__(self, address, handler, scorer, token: str | None, max_request_bytes: int, max_concurrency: int,
-                 faults: list[str], queue_timeout_s: float):
+    def __init__(
+        self,
+        address,
+        handler,
+        scorer,
+        token: str | None,
+        max_request_bytes: int,
+        max_concurrency: int,
+        faults: list[str],
+        queue_timeout_s: float,
+    ):
         self.scorer, self.token, self.max_request_bytes = scorer, token, max_request_bytes
         self.max_concurrency, self.queue_timeout_s = max_concurrency, queue_timeout_s
         self.busy = threading.BoundedSemaphore(max_concurrency)
@@ -158,9 +176,16 @@ def parse_request(body: bytes) -> dict:
 
 
 def score_request(scorer, request: dict) -> dict:
-    records = [SimpleNamespace(data_source=s["data_source"], ground_truth=s["ground_truth"],
-                               extra_info=s.get("extra_info") or {}, raw_prompt=s.get("prompt"), index=i)
-               for i, s in enumerate(request["samples"])]
+    records = [
+        SimpleNamespace(
+            data_source=s["data_source"],
+            ground_truth=s["ground_truth"],
+            extra_info=s.get("extra_info") or {},
+            raw_prompt=s.get("prompt"),
+            index=i,
+        )
+        for i, s in enumerate(request["samples"])
+    ]
     result = scorer.score_batch(records, [s["response"] for s in request["samples"]], on_error="zero")
     reasons = result.reasons
     return {"request_id": request.get("request_id"), "scores": result.scores.tolist(), "reasons": reasons}
@@ -200,8 +225,14 @@ def read_scores(body, request_id: str, count: int) -> tuple[list[float | None], 
 class RewardServiceClient:
     """Scores batches on a keel reward service, with retries; failures become not-scored samples."""
 
-    def __init__(self, url: str, timeout_s: float = 30.0, retry_times: int = 3, retry_delay_s: float = 1.0,
-                 token: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 30.0,
+        retry_times: int = 3,
+        retry_delay_s: float = 1.0,
+        token: str | None = None,
+    ):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.retry_times = retry_times
@@ -214,17 +245,30 @@ class RewardServiceClient:
         try:
             body = self._call("GET", "/health", None, timeout=min(self.timeout_s, 10.0))
         except Exception as e:  # any failure to reach it: say where and why, before training starts
-            raise KeelError(SERVICE_UNAVAILABLE, f"the reward service at {self.url} is not healthy: "
-                                                 f"{type(e).__name__}: {e}", start) from e
+            raise KeelError(
+                SERVICE_UNAVAILABLE, f"the reward service at {self.url} is not healthy: {type(e).__name__}: {e}", start
+            ) from e
         if not isinstance(body, dict) or body.get("status") != "ok":
-            raise KeelError(SERVICE_UNAVAILABLE, f"{self.url}/health answered {str(body)[:200]}",
-                            'serve GET /health with {"status": "ok"} (keel reward-server does), or fix reward.service.url')
+            raise KeelError(
+                SERVICE_UNAVAILABLE,
+                f"{self.url}/health answered {str(body)[:200]}",
+                'serve GET /health with {"status": "ok"} (keel reward-server does), or fix reward.service.url',
+            )
 
     def score(self, records: list, responses: list[str]) -> list[SampleResult]:
-        request = {"request_id": uuid.uuid4().hex, "samples": [
-            {"data_source": r.data_source, "response": text, "ground_truth": r.ground_truth,
-             "extra_info": r.extra_info, "prompt": getattr(r, "raw_prompt", None)}
-            for r, text in zip(records, responses)]}
+        request = {
+            "request_id": uuid.uuid4().hex,
+            "samples": [
+                {
+                    "data_source": r.data_source,
+                    "response": text,
+                    "ground_truth": r.ground_truth,
+                    "extra_info": r.extra_info,
+                    "prompt": getattr(r, "raw_prompt", None),
+                }
+                for r, text in zip(records, responses)
+            ],
+        }
         start = time.perf_counter()
         error, retried = "no attempt", 0
         for attempt in range(self.retry_times + 1):
@@ -232,8 +276,9 @@ class RewardServiceClient:
                 retried = attempt
                 self.retries += 1
                 delay = self.retry_delay_s * 2 ** (attempt - 1)  # exponential backoff
-                log.warning("reward service %s: %s; retry %d of %d in %.1f s", self.url, error, attempt,
-                            self.retry_times, delay)
+                log.warning(
+                    "reward service %s: %s; retry %d of %d in %.1f s", self.url, error, attempt, self.retry_times, delay
+                )
                 time.sleep(delay)
             try:
                 body = self._call("POST", "/score", request, timeout=self.timeout_s)
@@ -251,8 +296,12 @@ class RewardServiceClient:
                     error = f"bad reply ({e})"
             else:
                 seconds = (time.perf_counter() - start) / max(len(records), 1)
-                return [SampleResult(None, f"service: {reason}", seconds) if reason else
-                        SampleResult({"service": score}, None, seconds) for score, reason in zip(scores, reasons)]
+                return [
+                    SampleResult(None, f"service: {reason}", seconds)
+                    if reason
+                    else SampleResult({"service": score}, None, seconds)
+                    for score, reason in zip(scores, reasons)
+                ]
         seconds = (time.perf_counter() - start) / max(len(records), 1)
         failure = error if error.endswith("not retried") else f"{error} after {retried} retries"
         return [SampleResult(None, f"service {failure} ({SERVICE_UNAVAILABLE})", seconds)] * len(records)

@@ -17,10 +17,10 @@ def available() -> bool:
     user.max_user_namespaces = 0)."""
     report_r, report_w = os.pipe()
     try:
-        command = launched(sys.executable, {"report_fd": report_w, "own_namespace": True},
-                           [sys.executable, "-I", "-S", "-c", ""])
-        done = subprocess.run(command, pass_fds=(report_w,), timeout=60, stdin=subprocess.DEVNULL,
-                              capture_output=True)
+        command = launched(
+            sys.executable, {"report_fd": report_w, "own_namespace": True}, [sys.executable, "-I", "-S", "-c", ""]
+        )
+        done = subprocess.run(command, pass_fds=(report_w,), timeout=60, stdin=subprocess.DEVNULL, capture_output=True)
         return done.returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False

@@ -50,8 +50,8 @@ def _last_boxed_for_math_reward(text: str) -> str | None:
         elif text[end] == "}":
             depth -= 1
             if depth == 0:
-                box = text[start:end + 1]
-                return box[len("\\boxed{"):-1] if box.startswith("\\boxed{") else None
+                box = text[start : end + 1]
+                return box[len("\\boxed{") : -1] if box.startswith("\\boxed{") else None
     return None
 
 
@@ -161,16 +161,43 @@ DAPO_CLIP_CHARS = 300  # verl reads only the end of a response...
 DAPO_BOX_CLIP_CHARS = 100  # ...and looks for a box in the end of that
 
 # Minerva's replacements, in order: spaces and articles go first, then units and TeX decorations.
-_MINERVA_REPLACED = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), (r"\ ", ""), (" ", ""), ("mbox", "text"),
-                     (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))
+_MINERVA_REPLACED = (
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    (r"\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
+)
 _MINERVA_UNITS_AND_DECORATIONS = (
     "square ways integers dollars mph inches hours km units \\ldots sue points feet minutes digits cents "
-    "degrees cm gm pounds meters meals edges students childrentickets multiples \\text{s} \\text{.}").split() + [
-    "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", r"\mathrm{th}", r"^\circ", r"^{\circ}",
-    r"\;", r",\!", "{,}", '"', "\\dots"]
+    "degrees cm gm pounds meters meals edges students childrentickets multiples \\text{s} \\text{.}"
+).split() + [
+    "\\text{\ns}",
+    "\\text{}^2",
+    "\\text{}^3",
+    "\\text{\n}",
+    "\\text{}",
+    r"\mathrm{th}",
+    r"^\circ",
+    r"^{\circ}",
+    r"\;",
+    r",\!",
+    "{,}",
+    '"',
+    "\\dots",
+]
 _FIRST_DOLLAR_PAIR = re.compile(r"(.*?)(\$)(.*?)(\$)(.*)")
-_UNWRAPPED = [re.compile(r"(\\text\{)(.*?)(\})"), re.compile(r"(\\textbf\{)(.*?)(\})"),
-              re.compile(r"(\\overline\{)(.*?)(\})"), re.compile(r"(\\boxed\{)(.*)(\})")]
+_UNWRAPPED = [
+    re.compile(r"(\\text\{)(.*?)(\})"),
+    re.compile(r"(\\textbf\{)(.*?)(\})"),
+    re.compile(r"(\\overline\{)(.*?)(\})"),
+    re.compile(r"(\\boxed\{)(.*)(\})"),
+]
 _SHORT_FRAC = re.compile(r"(frac)([^{])(.)")
 _SHORT_SQRT = re.compile(r"(sqrt)([^{])")
 
@@ -203,7 +230,7 @@ def _last_boxed_for_dapo(text: str) -> str | None:
     for end in range(start, len(text)):
         depth += {"{": 1, "}": -1}.get(text[end], 0)
         if text[end] == "}" and depth == 0:
-            return text[start + len("\\boxed{"):end]
+            return text[start + len("\\boxed{") : end]
     return None
 
 
@@ -224,8 +251,10 @@ def dapo_judgement(solution_str: str, ground_truth: str) -> tuple[bool, str | No
 def math_dapo(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict:
     """verl's `math_dapo` rule: {"score": 1.0 or -1.0, "acc": bool, "pred": the answer read}."""
     if not isinstance(ground_truth, str):
-        raise TypeError(f"math_dapo compares with a string ground truth; got {type(ground_truth).__name__} "
-                        f"{ground_truth!r} (write reward_model.ground_truth as a string, e.g. \"72\")")
+        raise TypeError(
+            f"math_dapo compares with a string ground truth; got {type(ground_truth).__name__} "
+            f'{ground_truth!r} (write reward_model.ground_truth as a string, e.g. "72")'
+        )
     correct, predicted = dapo_judgement(solution_str, ground_truth)
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": predicted}
 

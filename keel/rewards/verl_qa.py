@@ -45,8 +45,10 @@ def targets(ground_truth: Any) -> Any:
     try:
         return ground_truth["target"]
     except (TypeError, KeyError, IndexError) as e:
-        raise TypeError(f"search_r1 reads the ground truth as {{\"target\": [answers]}} (verl's Search-R1 data); "
-                        f"got {type(ground_truth).__name__} {str(ground_truth)[:80]!r}") from e
+        raise TypeError(
+            f'search_r1 reads the ground truth as {{"target": [answers]}} (verl\'s Search-R1 data); '
+            f"got {type(ground_truth).__name__} {str(ground_truth)[:80]!r}"
+        ) from e
 
 
 def search_r1(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
@@ -56,6 +58,5 @@ def search_r1(data_source: str, solution_str: str, ground_truth: Any, extra_info
         return 0.0
     if not matches_any(answer, targets(ground_truth)):
         return 0.0
-    tags_spammed = (solution_str.count("<answer>") > TAG_SPAM_LIMIT
-                    or solution_str.count("</answer>") > TAG_SPAM_LIMIT)
+    tags_spammed = solution_str.count("<answer>") > TAG_SPAM_LIMIT or solution_str.count("</answer>") > TAG_SPAM_LIMIT
     return TAG_SPAM_SHARE if tags_spammed else 1.0

@@ -17,12 +17,33 @@ VERL_ROUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("gsm8k", "gsm8k", ("openai/gsm8k",)),
     ("math_reward", "math_reward", ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")),
     ("math_dapo", "math_dapo", ("math_dapo", "math", "math_dapo_reasoning")),
-    ("prime_math", "prime_math", ("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime",
-                                  "numina_synthetic_amc", "numina_cn_k12", "numina_olympiads")),
+    (
+        "prime_math",
+        "prime_math",
+        (
+            "numina_aops_forum",
+            "numina_synthetic_math",
+            "numina_amc_aime",
+            "numina_synthetic_amc",
+            "numina_cn_k12",
+            "numina_olympiads",
+        ),
+    ),
     ("prime_code", "prime_code", ("codecontests", "apps", "codeforces", "taco")),
     ("geo3k", "geo3k", ("hiyouga/geometry3k",)),
-    ("search_r1", "search_r1_like_qa_em", ("searchR1_nq", "searchR1_triviaqa", "searchR1_popqa", "searchR1_hotpotqa",
-                                           "searchR1_2wikimultihopqa", "searchR1_musique", "searchR1_bamboogle")),
+    (
+        "search_r1",
+        "search_r1_like_qa_em",
+        (
+            "searchR1_nq",
+            "searchR1_triviaqa",
+            "searchR1_popqa",
+            "searchR1_hotpotqa",
+            "searchR1_2wikimultihopqa",
+            "searchR1_musique",
+            "searchR1_bamboogle",
+        ),
+    ),
 )
 # Every data source starting with this goes to math_dapo (verl tests it right after math_dapo's list, so
 # a name in a later list that starts with it, had there been one, would go to math_dapo too).
@@ -85,8 +106,9 @@ def _verl_rule(scorer: str, data_source: str, solution_str: str, ground_truth: A
     return SCORERS[scorer](data_source, solution_str, ground_truth, extra_info)
 
 
-def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
-                          **kwargs) -> float | dict:
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs
+) -> float | dict:
     """verl's `default_compute_score`: the score of `solution_str` by the rule verl 0.9.1 uses for
     `data_source`, a float or (math_dapo) the dict {score, acc, pred}. verl's other keywords
     (sandbox_fusion_url, concurrent_semaphore, memory_limit_mb) are accepted and not used: code runs in
@@ -95,9 +117,11 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: Any
     if scorer is None:
         routed = sorted(VERL_DATA_SOURCES) + [f"{VERL_PREFIX_ROUTE[0]}*"]
         raise KeelError(
-            NO_SCORER, f"default_compute_score has no rule for data_source={data_source!r}: verl 0.9.1 routes "
+            NO_SCORER,
+            f"default_compute_score has no rule for data_source={data_source!r}: verl 0.9.1 routes "
             f"only {', '.join(routed)}",
             f"score data_source={data_source!r} in your own function before falling back to "
             "keel.rewards.default_compute_score, or set the rows' data_source to one of those it routes "
-            "(keel's own scorers are named in reward.scorers.<data_source>.<scorer>)")
+            "(keel's own scorers are named in reward.scorers.<data_source>.<scorer>)",
+        )
     return verl_result(_verl_rule(scorer, data_source, solution_str, ground_truth, extra_info))

@@ -15,10 +15,10 @@ import numbers
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from keel.rewards.contract import BATCHED, PER_SAMPLE, call_reward_fn, split_result
 
@@ -33,7 +33,7 @@ def file_spec(path: str, name: str, reward_kwargs: dict | None = None) -> tuple:
 
 @dataclass
 class SampleTask:
-    scorers: list[tuple[str, Spec]]     # (name in the breakdown, scorer)
+    scorers: list[tuple[str, Spec]]  # (name in the breakdown, scorer)
     data_source: str
     response: str
     ground_truth: Any
@@ -43,10 +43,10 @@ class SampleTask:
 
 @dataclass
 class SampleResult:
-    values: dict[str, float] | None    # per scorer; None when the sample was not scored
-    reason: str | None                 # why not: "timeout", "raised ValueError: ...", "not a number: None"
+    values: dict[str, float] | None  # per scorer; None when the sample was not scored
+    reason: str | None  # why not: "timeout", "raised ValueError: ...", "not a number: None"
     seconds: float
-    extras: dict | None = None         # the extra keys of dict results (verl's reward_extra_info)
+    extras: dict | None = None  # the extra keys of dict results (verl's reward_extra_info)
 
 
 class ScoreTimeout(BaseException):
@@ -86,7 +86,7 @@ def load_file_function(path: str, name: str) -> Callable:
     return getattr(load_module(path), name)
 
 
-@lru_cache(maxsize=None)
+@functools.cache
 def _resolve_spec(spec: tuple) -> Callable:
     if spec[0] == "builtin":
         from keel.rewards.scorers import SCORERS
@@ -197,8 +197,10 @@ async def score_samples_async(tasks: list[SampleTask]) -> list[SampleResult]:
     return list(await asyncio.gather(*(one(task) for task in tasks)))
 
 
-BATCHED_CONTRACT = ("custom_reward_function.batched=true calls the function once with four lists (data_sources=, "
-                    "solution_strs=, ground_truths=, extra_infos=) and expects a list of scores back")
+BATCHED_CONTRACT = (
+    "custom_reward_function.batched=true calls the function once with four lists (data_sources=, "
+    "solution_strs=, ground_truths=, extra_infos=) and expects a list of scores back"
+)
 
 
 def score_batched(fn: Callable, tasks: list[SampleTask]) -> list[SampleResult]:
@@ -206,8 +208,12 @@ def score_batched(fn: Callable, tasks: list[SampleTask]) -> list[SampleResult]:
     start = time.perf_counter()
     limit = tasks[0].timeout_s * len(tasks) if tasks and tasks[0].timeout_s else None
     try:
-        columns = ([t.data_source for t in tasks], [t.response for t in tasks], [t.ground_truth for t in tasks],
-                   [t.extra_info for t in tasks])
+        columns = (
+            [t.data_source for t in tasks],
+            [t.response for t in tasks],
+            [t.ground_truth for t in tasks],
+            [t.extra_info for t in tasks],
+        )
         returned = call_with_deadline(lambda: call_reward_fn(fn, BATCHED, columns), limit)
         if _late(start, limit):
             raise ScoreTimeout()
@@ -215,7 +221,9 @@ def score_batched(fn: Callable, tasks: list[SampleTask]) -> list[SampleResult]:
             raise NotANumber(f"not a number: the scorer returned {type(returned).__name__}; {BATCHED_CONTRACT}")
         results = list(returned)
         if len(results) != len(tasks):
-            raise NotANumber(f"not a number: the batched scorer returned {len(results)} scores for {len(tasks)} samples")
+            raise NotANumber(
+                f"not a number: the batched scorer returned {len(results)} scores for {len(tasks)} samples"
+            )
     except (Exception, ScoreTimeout) as e:  # the scorer is user code: the batch fails together, with the reason
         reason = failure_reason(e)
         if reason.startswith("raised"):  # often a per-sample function handed lists
@@ -236,8 +244,9 @@ def score_sample(task: SampleTask) -> SampleResult:
     start = time.perf_counter()
     outcome = _Outcome()
     try:
-        call_with_deadline(lambda: [outcome.add(name, _call(spec, task)) for name, spec in task.scorers],
-                           task.timeout_s)
+        call_with_deadline(
+            lambda: [outcome.add(name, _call(spec, task)) for name, spec in task.scorers], task.timeout_s
+        )
     except (Exception, ScoreTimeout) as e:  # the scorer is user code: any failure is this sample's, with its reason
         return SampleResult(None, failure_reason(e), time.perf_counter() - start)
     if _late(start, task.timeout_s):  # it caught the alarm, or sat in C code the signal cannot enter
@@ -246,8 +255,9 @@ def score_sample(task: SampleTask) -> SampleResult:
 
 
 def _call(spec: Spec, task: SampleTask) -> Any:
-    return call_reward_fn(resolve(spec), PER_SAMPLE, (task.data_source, task.response, task.ground_truth,
-                                                       task.extra_info))
+    return call_reward_fn(
+        resolve(spec), PER_SAMPLE, (task.data_source, task.response, task.ground_truth, task.extra_info)
+    )
 
 
 class _Outcome:

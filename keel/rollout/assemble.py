@@ -18,28 +18,37 @@ def stop_token_ids(tokenizer, model) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def assemble_batch(prompts, chunks: list[tuple[Tensor, Tensor]], tokenizer, eos_ids: list[int],
-                   params: SamplingParams) -> RolloutBatch:
+def assemble_batch(
+    prompts, chunks: list[tuple[Tensor, Tensor]], tokenizer, eos_ids: list[int], params: SamplingParams
+) -> RolloutBatch:
     """`chunks`: (response ids [b, r], sampled log-probs [b, r]) per chunk of `prompts`, in order."""
     pad = tokenizer.pad_token_id
     width = max(ids.shape[1] for ids, _ in chunks)
     response_ids = torch.cat([pad_responses(ids, width, pad) for ids, _ in chunks])
     log_probs = torch.cat([pad_responses(lps, width) for _, lps in chunks])
     response_ids, response_mask, truncated = mask_after_eos(
-        response_ids, [] if params.ignore_eos else eos_ids, pad, params.max_new_tokens)
+        response_ids, [] if params.ignore_eos else eos_ids, pad, params.max_new_tokens
+    )
     return RolloutBatch(
-        prompt_ids=prompts.input_ids, prompt_mask=prompts.attention_mask, response_ids=response_ids,
-        response_mask=response_mask, sampling_log_probs=log_probs * response_mask,
-        group_index=torch.tensor([r.index for r in prompts.records]), records=list(prompts.records),
-        response_texts=tokenizer.batch_decode([ids[m.bool()] for ids, m in zip(response_ids, response_mask)],
-                                              skip_special_tokens=True),
-        truncated=truncated)
+        prompt_ids=prompts.input_ids,
+        prompt_mask=prompts.attention_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        sampling_log_probs=log_probs * response_mask,
+        group_index=torch.tensor([r.index for r in prompts.records]),
+        records=list(prompts.records),
+        response_texts=tokenizer.batch_decode(
+            [ids[m.bool()] for ids, m in zip(response_ids, response_mask)], skip_special_tokens=True
+        ),
+        truncated=truncated,
+    )
 
 
-def mask_after_eos(response_ids: Tensor, eos_ids: list[int], pad_id: int,
-                   max_new_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
+def mask_after_eos(
+    response_ids: Tensor, eos_ids: list[int], pad_id: int, max_new_tokens: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """Mask = tokens up to and including the first EOS; what follows becomes padding."""
-    is_eos = torch.isin(response_ids, torch.tensor(eos_ids, dtype=response_ids.dtype))        # [N, R]
+    is_eos = torch.isin(response_ids, torch.tensor(eos_ids, dtype=response_ids.dtype))  # [N, R]
     seen_eos_before = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
     mask = (~seen_eos_before).long()
     has_eos = is_eos.any(-1)

@@ -8,7 +8,7 @@ from keel.types import RolloutBatch, SamplingParams
 
 
 class RolloutEngine(Protocol):
-    timing: dict[str, float]       # seconds per part of the last generate call, if the engine times them
+    timing: dict[str, float]  # seconds per part of the last generate call, if the engine times them
 
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
         """Generate for a PromptBatch whose prompts are already repeated `n` times.

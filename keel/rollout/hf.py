@@ -56,15 +56,21 @@ class HFRolloutEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            chunks = [self._generate_chunk(prompts.input_ids[i:i + self.max_num_seqs],
-                                           prompts.attention_mask[i:i + self.max_num_seqs], params)
-                      for i in range(0, len(prompts), self.max_num_seqs)]
+            chunks = [
+                self._generate_chunk(
+                    prompts.input_ids[i : i + self.max_num_seqs],
+                    prompts.attention_mask[i : i + self.max_num_seqs],
+                    params,
+                )
+                for i in range(0, len(prompts), self.max_num_seqs)
+            ]
         finally:
             self.model.train(was_training)
         return assemble_batch(prompts, chunks, self.tokenizer, self.eos_ids, params)
 
-    def _generate_chunk(self, input_ids: Tensor, attention_mask: Tensor,
-                        params: SamplingParams) -> tuple[Tensor, Tensor]:
+    def _generate_chunk(
+        self, input_ids: Tensor, attention_mask: Tensor, params: SamplingParams
+    ) -> tuple[Tensor, Tensor]:
         device = next(self.model.parameters()).device
         greedy = not params.do_sample or params.temperature == 0  # temperature 0 means greedy
         gen_config = GenerationConfig(
@@ -81,9 +87,13 @@ class HFRolloutEngine:
         # sampler/trainer log-prob gap measures numerics, not top-p/top-k truncation.
         recorder = _SampledLogProbs(1.0 if greedy else params.temperature)
         with _neutral_generation_config(self.model), autocast(device, self.dtype):
-            sequences = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                            generation_config=gen_config, logits_processor=[recorder])
-        return sequences[:, input_ids.shape[1]:].cpu(), recorder.finish(sequences).cpu()   # [B, R] x2
+            sequences = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=gen_config,
+                logits_processor=[recorder],
+            )
+        return sequences[:, input_ids.shape[1] :].cpu(), recorder.finish(sequences).cpu()  # [B, R] x2
 
 
 class _SampledLogProbs(LogitsProcessor):
@@ -96,8 +106,8 @@ class _SampledLogProbs(LogitsProcessor):
 
     def __init__(self, temperature: float):
         self.temperature = temperature
-        self.pending: Tensor | None = None                                         # [B, V]
-        self.picked: list[Tensor] = []                                             # R x [B]
+        self.pending: Tensor | None = None  # [B, V]
+        self.picked: list[Tensor] = []  # R x [B]
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         self._collect(input_ids)
@@ -108,7 +118,7 @@ class _SampledLogProbs(LogitsProcessor):
         if self.pending is not None:
             self.picked.append(self.pending.gather(-1, input_ids[:, -1:]).squeeze(-1))
 
-    def finish(self, sequences: Tensor) -> Tensor:                                 # -> [B, R]
+    def finish(self, sequences: Tensor) -> Tensor:  # -> [B, R]
         self._collect(sequences)  # the token sampled at the last step
         self.pending = None
         return torch.stack(self.picked, dim=1)

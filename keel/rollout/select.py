@@ -15,8 +15,10 @@ from keel.rollout.native import NativeRolloutEngine, not_by_default, unsupported
 log = logging.getLogger("keel")
 
 # What falling back costs, as measured (issue 29, one H200, t1's work: 128 samples of 256 tokens).
-HF_COST = ("hf generates about 30x slower: t1's 128 samples of 256 tokens took 12.8 s on hf for Qwen3-0.6B's "
-           "shapes, 0.39 s on native for Qwen2.5-0.5B's, on one H200")
+HF_COST = (
+    "hf generates about 30x slower: t1's 128 samples of 256 tokens took 12.8 s on hf for Qwen3-0.6B's "
+    "shapes, 0.39 s on native for Qwen2.5-0.5B's, on one H200"
+)
 
 
 def engine_for(name: str, model_config) -> tuple[str, str | None]:
@@ -27,13 +29,24 @@ def engine_for(name: str, model_config) -> tuple[str, str | None]:
     if name == "auto" and not reason:
         reason = not_by_default(model_config)
     if name == "native" and reason:
-        raise KeelError(INCOMPATIBLE_OPTIONS, f"actor_rollout_ref.rollout.name=native does not support this model: "
-                        f"{reason}", "set `actor_rollout_ref.rollout.name=hf`, or auto (which falls back to hf)")
+        raise KeelError(
+            INCOMPATIBLE_OPTIONS,
+            f"actor_rollout_ref.rollout.name=native does not support this model: {reason}",
+            "set `actor_rollout_ref.rollout.name=hf`, or auto (which falls back to hf)",
+        )
     return ("hf" if name == "hf" or reason else "native"), reason
 
 
-def make_rollout_engine(rollout_cfg, model, tokenizer, device: torch.device, dtype: torch.dtype, log_choice: bool,
-                        will_be_sharded: bool = False, lora: bool = False) -> RolloutEngine:
+def make_rollout_engine(
+    rollout_cfg,
+    model,
+    tokenizer,
+    device: torch.device,
+    dtype: torch.dtype,
+    log_choice: bool,
+    will_be_sharded: bool = False,
+    lora: bool = False,
+) -> RolloutEngine:
     """The engine `engine_for` picks, logged with why. Each engine computes in `dtype` on its own
     terms (hf under autocast, native with weights cast once per update).
 
@@ -43,20 +56,35 @@ def make_rollout_engine(rollout_cfg, model, tokenizer, device: torch.device, dty
     engine, reason = engine_for(rollout_cfg.name, model.config)
     if engine == "hf" and will_be_sharded and lora:
         why = f"native does not support this model ({reason})" if reason else "rollout.name=hf"
-        raise KeelError(INCOMPATIBLE_OPTIONS, f"LoRA on a sharded policy needs the native rollout engine, and {why}",
-                        "replicate the policy instead of sharding it: "
-                        "`actor_rollout_ref.actor.fsdp_config.fsdp_size=1`, or train on one worker "
-                        "(`trainer.n_gpus_per_node=1`), or `actor_rollout_ref.model.lora_rank=0`")
+        raise KeelError(
+            INCOMPATIBLE_OPTIONS,
+            f"LoRA on a sharded policy needs the native rollout engine, and {why}",
+            "replicate the policy instead of sharding it: "
+            "`actor_rollout_ref.actor.fsdp_config.fsdp_size=1`, or train on one worker "
+            "(`trainer.n_gpus_per_node=1`), or `actor_rollout_ref.model.lora_rank=0`",
+        )
     if engine == "hf":
         if log_choice:
-            log.info("rollout engine: hf (%s)", f"native does not support {reason}; {HF_COST}" if reason
-                     else "rollout.name=hf")
-        return HFRolloutEngine(copy.deepcopy(model) if will_be_sharded else model, tokenizer,
-                               rollout_cfg.max_num_seqs, dtype)
+            log.info(
+                "rollout engine: hf (%s)",
+                f"native does not support {reason}; {HF_COST}" if reason else "rollout.name=hf",
+            )
+        return HFRolloutEngine(
+            copy.deepcopy(model) if will_be_sharded else model, tokenizer, rollout_cfg.max_num_seqs, dtype
+        )
     if log_choice:
-        log.info("rollout engine: native (%s, %s)", model.config.model_type,
-                 "eager" if rollout_cfg.enforce_eager or device.type != "cuda" else "CUDA graphs")
-    return NativeRolloutEngine(model, tokenizer, rollout_cfg.max_num_seqs, dtype, enforce_eager=rollout_cfg.enforce_eager,
-                               free_cache_engine=rollout_cfg.free_cache_engine,
-                               memory_utilization=rollout_cfg.gpu_memory_utilization,
-                               max_num_batched_tokens=rollout_cfg.max_num_batched_tokens)
+        log.info(
+            "rollout engine: native (%s, %s)",
+            model.config.model_type,
+            "eager" if rollout_cfg.enforce_eager or device.type != "cuda" else "CUDA graphs",
+        )
+    return NativeRolloutEngine(
+        model,
+        tokenizer,
+        rollout_cfg.max_num_seqs,
+        dtype,
+        enforce_eager=rollout_cfg.enforce_eager,
+        free_cache_engine=rollout_cfg.free_cache_engine,
+        memory_utilization=rollout_cfg.gpu_memory_utilization,
+        max_num_batched_tokens=rollout_cfg.max_num_batched_tokens,
+    )

@@ -29,12 +29,15 @@ def _more_batches_fix(groups: int, calls: int, prompts_wanted: int) -> str | Non
     if not groups:
         return None
     needed = -(-prompts_wanted * calls // groups)
-    return (f"set {setting('algorithm.filter_groups.max_num_gen_batches', 2 * needed)} (twice the {needed} batches "
-            f"{groups} prompts with a signal in {calls} suggest)")
+    return (
+        f"set {setting('algorithm.filter_groups.max_num_gen_batches', 2 * needed)} (twice the {needed} batches "
+        f"{groups} prompts with a signal in {calls} suggest)"
+    )
 
 
-def fill_with_signal(next_scored_batch, prompts_wanted: int, metric: str, max_batches: int,
-                     pad_token_id: int) -> tuple[RolloutBatch, dict[str, float]]:
+def fill_with_signal(
+    next_scored_batch, prompts_wanted: int, metric: str, max_batches: int, pad_token_id: int
+) -> tuple[RolloutBatch, dict[str, float]]:
     """`next_scored_batch(call)` -> a generated, scored batch, called until `prompts_wanted` prompts
     with a signal are kept (or `max_batches` calls, 0 for no limit). The batch holds exactly that
     many prompts, each with all its kept samples, in the order they came."""
@@ -42,10 +45,13 @@ def fill_with_signal(next_scored_batch, prompts_wanted: int, metric: str, max_ba
     groups = generated = calls = 0
     while groups < prompts_wanted:
         if max_batches and calls >= max_batches:
-            raise KeelError(FILTER_GROUPS_EXHAUSTED, f"{groups} of {prompts_wanted} prompts had samples that scored "
-                            f"differently after {calls} generation batches (algorithm.filter_groups."
-                            f"max_num_gen_batches={max_batches}, metric {metric})",
-                            _more_batches_fix(groups, calls, prompts_wanted))
+            raise KeelError(
+                FILTER_GROUPS_EXHAUSTED,
+                f"{groups} of {prompts_wanted} prompts had samples that scored "
+                f"differently after {calls} generation batches (algorithm.filter_groups."
+                f"max_num_gen_batches={max_batches}, metric {metric})",
+                _more_batches_fix(groups, calls, prompts_wanted),
+            )
         batch = next_scored_batch(calls)
         # A prompt drawn again in a later generation batch (an epoch boundary) is another group.
         batch.group_index = batch.group_index + calls * GROUP_ID_STRIDE
@@ -58,5 +64,7 @@ def fill_with_signal(next_scored_batch, prompts_wanted: int, metric: str, max_ba
     batch = concat_rows(kept, pad_token_id)
     first = list(dict.fromkeys(batch.group_index.tolist()))[:prompts_wanted]  # whole groups, in order
     batch = batch.select(torch.isin(batch.group_index, torch.tensor(first)).nonzero().squeeze(-1))
-    return batch, {"dynamic_sampling/gen_batches": float(calls),
-                   "dynamic_sampling/kept_prompt_ratio": groups / max(generated, 1)}
+    return batch, {
+        "dynamic_sampling/gen_batches": float(calls),
+        "dynamic_sampling/kept_prompt_ratio": groups / max(generated, 1),
+    }

@@ -5,8 +5,8 @@ return warnings (strings) to print; keel's own guards are hooks of the same shap
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from keel.errors import HOOK_LOAD, KeelError
 from keel.errors.fixes import closest, setting
@@ -30,15 +30,23 @@ def load_hook(spec: str, hooks: list[str] | None = None) -> Hook:
         module = importlib.import_module(module_name)
     except Exception as e:  # the user's module: whatever it raises on import is theirs to fix
         found = Path(module_name.replace(".", "/") + ".py")
-        fix = (f"run with `export PYTHONPATH={Path.cwd()}` ({found} is here, and the keel command does not import "
-               "from the working directory)" if isinstance(e, ModuleNotFoundError) and found.is_file() else None)
-        raise KeelError(HOOK_LOAD, f"importing {module_name!r} for hook {spec!r} failed: {type(e).__name__}: {e}",
-                        fix) from e
+        fix = (
+            f"run with `export PYTHONPATH={Path.cwd()}` ({found} is here, and the keel command does not import "
+            "from the working directory)"
+            if isinstance(e, ModuleNotFoundError) and found.is_file()
+            else None
+        )
+        raise KeelError(
+            HOOK_LOAD, f"importing {module_name!r} for hook {spec!r} failed: {type(e).__name__}: {e}", fix
+        ) from e
     hook = getattr(module, function_name, None)
     if not callable(hook):
         near = closest(function_name, [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")])
-        raise KeelError(HOOK_LOAD, f"{module_name!r} has no function {function_name!r}",
-                        f"set {replaced(f'{module_name}:{near}')}" if near else None)
+        raise KeelError(
+            HOOK_LOAD,
+            f"{module_name!r} has no function {function_name!r}",
+            f"set {replaced(f'{module_name}:{near}')}" if near else None,
+        )
     return hook
 
 

@@ -6,7 +6,6 @@ ones worker groups will wrap when keel runs on many GPUs.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,21 +17,27 @@ from keel.algorithms.advantages import AdvantageInputs, AdvantageParams, compute
 from keel.algorithms.kl import apply_kl_penalty
 from keel.algorithms.rollout_correction import compute_correction
 from keel.algorithms.utils import masked_mean
-from keel.config.load import to_yaml
 from keel.config.plan import make_plan, may_skip_old_log_probs
 from keel.config.schema import GROUP_ESTIMATORS, KeelConfig
-from keel.data.prompts import PromptBatch, collate_prompts
-from keel.observe.guards import (LearningSignalGuard, SkipStep, check_log_prob_gap, check_finite,
-                                 frac_reward_zero_std, report_warnings)
-from keel.trainer.hooks import load_hook, run_hooks
+from keel.data.prompts import PromptBatch
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
+from keel.observe.guards import (
+    LearningSignalGuard,
+    SkipStep,
+    check_finite,
+    check_log_prob_gap,
+    frac_reward_zero_std,
+    report_warnings,
+)
 from keel.observe.log import warnings_said_once
 from keel.observe.metrics import MetricsLogger, Timer, last_logged_metrics
 from keel.rollout.agent.metrics import agent_metrics
-from keel.trainer.dynamic_sampling import fill_with_signal
+from keel.trainer.evaluate import Validation
+from keel.trainer.hooks import load_hook, run_hooks
+from keel.trainer.run_directory import RunDirectory
+from keel.trainer.scored_rollout import ScoredRollout, training_sampling
 from keel.trainer.setup import Components, Inputs, build_components, needs_baseline_rollout
-from keel.trainer.evaluate import evaluate
-from keel.types import RolloutBatch, SamplingParams
+from keel.types import RolloutBatch
 
 log = logging.getLogger("keel")
 
@@ -48,20 +53,22 @@ class RLTrainer:
     def __init__(self, cfg: KeelConfig, inputs: Inputs | None = None, check_report: str | None = None):
         """`check_report`: `keel check`'s whole report on this config, kept in the run directory."""
         self.cfg = cfg
-        self.check_report = check_report
         self.run_dir = Path(cfg.run_dir)
         self.resume_from = ckpt.resume_point(self.run_dir, cfg)
         self.hooks = [load_hook(spec, cfg.trainer.hooks) for spec in cfg.trainer.hooks]
-        self.guard = LearningSignalGuard(cfg.trainer.guards, cfg.algorithm.adv_estimator in GROUP_ESTIMATORS,
-                                         cfg.actor_rollout_ref.rollout.ignore_eos)
+        self.guard = LearningSignalGuard(
+            cfg.trainer.guards,
+            cfg.algorithm.adv_estimator in GROUP_ESTIMATORS,
+            cfg.actor_rollout_ref.rollout.ignore_eos,
+        )
         self.skipped_steps = 0
         self.warned_steps: dict[str, int] = {}  # kind -> steps that warned of it
         start_from = self.resume_from / "actor" if self.resume_from else None
         self.components: Components = build_components(cfg, start_from, inputs)
-        rollout = cfg.actor_rollout_ref.rollout
-        self.sampling = SamplingParams(n=rollout.n, do_sample=rollout.do_sample, temperature=rollout.temperature,
-                                       top_p=rollout.top_p, top_k=rollout.top_k,
-                                       max_new_tokens=cfg.data.max_response_length, ignore_eos=rollout.ignore_eos)
+        self.sampling = training_sampling(cfg)
+        self.rollout = ScoredRollout(cfg, self.components, self.sampling)
+        self.run_files = RunDirectory(cfg, self.components, check_report)
+        self.validation = Validation(cfg, self.components)
         a = cfg.algorithm
         self.adv_params = AdvantageParams(gamma=a.gamma, lam=a.lam, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
         self.correction = a.rollout_correction
@@ -74,20 +81,23 @@ class RLTrainer:
         metrics: dict[str, float] = {}
         try:
             logger.write(make_plan(self.cfg).summary())
-            logger.write(f"run directory: {self.run_dir} (config.yaml: the resolved config; batch_plan.json"
-                         f"{'; check.txt: the whole of keel check' if self.check_report else ''})")
+            logger.write(self.run_files.description())
             with warnings_said_once():
                 if self.step == 0 and self.components.val_data and self.cfg.trainer.val_before_train:
-                    logger.log(0, self._evaluate(logger))
+                    logger.log(0, self.validation(self.step, self._seed(), logger))
                 if self.step >= self.components.total_steps:
-                    log.info("the run is already at step %d of %d: nothing to do (raise "
-                             "trainer.total_training_steps to continue it)", self.step, self.components.total_steps)
+                    log.info(
+                        "the run is already at step %d of %d: nothing to do (raise "
+                        "trainer.total_training_steps to continue it)",
+                        self.step,
+                        self.components.total_steps,
+                    )
                     metrics = last_logged_metrics(self.run_dir / "metrics.jsonl", self.step)
                 while self.step < self.components.total_steps:
                     self.step += 1
                     metrics = self.guarded_step(logger)
-                    if self._validation_due():
-                        metrics.update(self._evaluate(logger))
+                    if self.validation.due(self.step):
+                        metrics.update(self.validation(self.step, self._seed(), logger))
                     logger.log(self.step, metrics)
                     if self._due(self.cfg.trainer.save_freq) or self.step == self.components.total_steps:
                         self.save()
@@ -118,7 +128,7 @@ class RLTrainer:
         parts, workers = self.components, self.components.workers
         finite = self._check_finite
         with timer("step"):
-            batch, prompts, metrics, gen_parts = self._rollout(timer)
+            batch, prompts, metrics, gen_parts = self.rollout(timer, self._seed())
             updates_actor = self.step >= self.cfg.algorithm.critic_warmup  # verl's count: steps start at 1
             in_update = self._old_log_probs(batch, metrics, timer, updates_actor)
             if self.cfg.ref_enabled:
@@ -126,8 +136,9 @@ class RLTrainer:
                     batch.ref_log_probs = workers.ref_log_probs(batch)
                     finite("reference log-probs", batch.ref_log_probs, batch.response_mask)
                     if not in_update:  # else the update's forward measures it, with the gap
-                        metrics["actor/ref_kl"] = masked_mean(batch.old_log_probs - batch.ref_log_probs,
-                                                              recomputed_mask(batch)).item()
+                        metrics["actor/ref_kl"] = masked_mean(
+                            batch.old_log_probs - batch.ref_log_probs, recomputed_mask(batch)
+                        ).item()
             if self.cfg.critic_enabled:
                 with timer("values"):
                     batch.values = workers.values(batch)
@@ -141,20 +152,19 @@ class RLTrainer:
                     metrics.update(workers.update_actor(batch, self._seed()))
                 if in_update:
                     self._check_log_prob_gap(metrics.get("rollout/log_prob_gap", 0.0))
-        logger.log_samples(self.step, self._samples(batch))
-        metrics.update(batch_metrics(batch))
-        metrics.update(agent_metrics(batch.records))
-        metrics.update(timer.metrics())
-        metrics.update(gen_parts)
-        metrics.update(throughput_metrics(batch, timer.times["step"], self.cfg.world_size))
-        metrics.update(workers.memory_metrics())
-        metrics.update({"training/global_step": float(self.step), "training/epoch": float(parts.sampler.epoch),
-                        "guards/frac_reward_zero_std": frac_reward_zero_std(batch.scores, batch.group_index)})
+        logger.log_samples(self.step, _logged_samples(batch, self.cfg.trainer.log_samples))
+        metrics.update(_step_report(batch, timer, gen_parts, workers, self.cfg.world_size))
+        metrics.update(
+            {
+                "training/global_step": float(self.step),
+                "training/epoch": float(parts.sampler.epoch),
+                "guards/frac_reward_zero_std": frac_reward_zero_std(batch.scores, batch.group_index),
+            }
+        )
         return metrics, batch
 
     # --- pieces of the step --------------------------------------------------------------------
-    def _old_log_probs(self, batch: RolloutBatch, metrics: dict[str, float], timer: Timer,
-                       updates_actor: bool) -> bool:
+    def _old_log_probs(self, batch: RolloutBatch, metrics: dict[str, float], timer: Timer, updates_actor: bool) -> bool:
         """The old policy's log-probs on the batch, and the engine's gap to them -> whether the
         update measures the gap (and the reference KL) on its own forward instead: on-policy (one
         mini-batch, one epoch: its forward, detached, is the old policy's; the pass is saved), or
@@ -178,7 +188,8 @@ class RLTrainer:
             self._check_finite("actor log-probs", batch.old_log_probs, recomputed)
             # How far the sampler's log-probs are from the trainer's: numerics, not learning.
             metrics["rollout/log_prob_gap"] = masked_mean(
-                (batch.sampling_log_probs - batch.old_log_probs).abs(), recomputed).item()
+                (batch.sampling_log_probs - batch.old_log_probs).abs(), recomputed
+            ).item()
             self._check_log_prob_gap(metrics["rollout/log_prob_gap"])
         return False
 
@@ -201,49 +212,28 @@ class RLTrainer:
         """The outcome score (normalised, if asked) sits on each response's last token; optionally
         minus KL to the reference."""
         metrics = {}
-        outcome = batch.scores                                                     # [N]
+        outcome = batch.scores  # [N]
         if self.components.normalizer is not None:
             outcome, metrics = self.components.normalizer(batch.scores)
         if batch.turn_rewards is not None:  # multi-turn: what tools and interactions gave, on top
             outcome = outcome + batch.turn_rewards
-        last = batch.last_token_index                                             # [N]
-        scores = torch.zeros_like(batch.response_mask, dtype=torch.float32)       # [N, R]
+        last = batch.last_token_index  # [N]
+        scores = torch.zeros_like(batch.response_mask, dtype=torch.float32)  # [N, R]
         scores[torch.arange(len(batch)), last] = outcome
         batch.token_level_rewards = scores * batch.response_mask
         if not self.cfg.algorithm.use_kl_in_reward:
             return metrics
         kl_coef = self.components.kl_ctrl.value
         batch.token_level_rewards, current_kl = apply_kl_penalty(
-            batch.token_level_rewards, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
-            kl_coef, self.cfg.algorithm.kl_penalty)
+            batch.token_level_rewards,
+            batch.old_log_probs,
+            batch.ref_log_probs,
+            batch.response_mask,
+            kl_coef,
+            self.cfg.algorithm.kl_penalty,
+        )
         self.components.kl_ctrl.update(current_kl, len(batch))
         return {**metrics, "actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": kl_coef}
-
-    def _rollout(self, timer: Timer) -> tuple[RolloutBatch, PromptBatch, dict[str, float], dict[str, float]]:
-        """(the step's generated and scored samples, their prompts, reward metrics, generation
-        timing). With algorithm.filter_groups, DAPO's dynamic sampling: prompts whose samples all
-        scored alike are dropped and more generated until data.train_batch_size prompts remain."""
-        parts, filter_groups = self.components, self.cfg.algorithm.filter_groups
-        last: dict[str, dict] = {}
-
-        def next_scored_batch(call: int = 0) -> RolloutBatch:
-            prompts = collate_prompts([parts.train_data[i] for i in parts.sampler.next_batch()],
-                                      parts.tokenizer.pad_token_id)
-            with timer("gen"):  # each generation batch of a step samples with a seed of its own
-                batch, last["gen"] = parts.workers.generate(prompts.repeat_interleave(self.sampling.n),
-                                                            self.sampling, self._seed() + call * 7919)
-            with timer("reward"):
-                scored = parts.reward.score_batch(batch.records, batch.response_texts, batch.response_lengths)
-                batch.scores, batch.reward_extras, last["reward"] = scored.scores, scored.extras, scored.metrics
-            # reward.on_error=mask: not-scored samples leave the update
-            return batch if scored.scored.all() else batch.select(scored.scored.nonzero().squeeze(-1))
-
-        if not filter_groups.enable:
-            batch = next_scored_batch()
-            return batch, _prompts_of(batch, parts.tokenizer.pad_token_id), last["reward"], last["gen"]
-        batch, counts = fill_with_signal(next_scored_batch, self.cfg.data.train_batch_size, filter_groups.metric,
-                                         filter_groups.max_num_gen_batches, parts.tokenizer.pad_token_id)
-        return batch, _prompts_of(batch, parts.tokenizer.pad_token_id), {**last["reward"], **counts}, last["gen"]
 
     def _advantages(self, batch: RolloutBatch, prompts: PromptBatch, timer: Timer) -> dict[str, float]:
         """Token-level rewards, then advantages and returns, on the batch; ReMax first generates its
@@ -252,7 +242,7 @@ class RLTrainer:
         baseline = None
         if needs_baseline_rollout(self.cfg):
             with timer("gen_baseline"):
-                baseline = self._baseline_scores(prompts, batch)
+                baseline = self.rollout.baseline_scores(prompts, batch, self._seed())
         with timer("adv"):
             metrics = self._assign_rewards(batch)
             finite("token-level rewards", batch.token_level_rewards, batch.response_mask)
@@ -260,44 +250,23 @@ class RLTrainer:
                 metrics.update(self._correct_rollout(batch))
             batch.advantages, batch.returns = compute_advantage(
                 self.cfg.algorithm.adv_estimator,
-                AdvantageInputs(batch.token_level_rewards, batch.response_mask, batch.group_index,
-                                batch.values, baseline), self.adv_params)
+                AdvantageInputs(
+                    batch.token_level_rewards, batch.response_mask, batch.group_index, batch.values, baseline
+                ),
+                self.adv_params,
+            )
             finite("advantages", batch.advantages, batch.response_mask)
         return metrics
 
     def _correct_rollout(self, batch: RolloutBatch) -> dict[str, float]:
         """Decoupled rollout correction, once per batch: the old policy's log-probs against the
         sampler's give the policy loss its IS weights and rejection its mask."""
-        correction = compute_correction(batch.old_log_probs, batch.sampling_log_probs, batch.response_mask,
-                                        self.correction.params())
+        correction = compute_correction(
+            batch.old_log_probs, batch.sampling_log_probs, batch.response_mask, self.correction.params()
+        )
         batch.rollout_is_weights = correction.weights
         batch.rollout_keep = correction.keep if self.correction.rollout_rs else None
         return {name: value.item() for name, value in correction.metrics.items()}
-
-    def _baseline_scores(self, prompts: PromptBatch, batch: RolloutBatch) -> torch.Tensor:      # [N]
-        """ReMax (arXiv 2310.10505): the greedy response's score is each prompt's baseline, given
-        to each of the prompt's samples in the batch."""
-        greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=self.sampling.max_new_tokens)
-        baseline, _ = self.components.workers.generate(prompts, greedy, self._seed())
-        result = self.components.reward.score_batch(baseline.records, baseline.response_texts,
-                                                    baseline.response_lengths, on_error="zero")
-        by_prompt = dict(zip((r.index for r in baseline.records), result.scores.tolist()))
-        return torch.tensor([by_prompt[r.index] for r in batch.records])
-
-    def _evaluate(self, logger: MetricsLogger) -> dict[str, float]:
-        parts = self.components
-        logger.phase("validate")
-
-        def generate(prompts, params):
-            return parts.workers.generate(prompts, params, self._seed())[0]
-
-        metrics, samples = evaluate(generate, parts.reward, parts.val_data, parts.tokenizer.pad_token_id,
-                                    self.cfg.actor_rollout_ref.rollout.val_kwargs, self.cfg.data,
-                                    keep_samples=self.cfg.trainer.log_val_generations)
-        if samples:  # trainer.log_val_generations, as verl logs them: a table per evaluation
-            logger.log_table(self.step, "val/generations", samples)
-            logger.log_samples(self.step, [{"split": "val", **sample} for sample in samples])  # keel report's
-        return metrics
 
     def _check_finite(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
         check_finite(name, values, mask, policy=self.cfg.trainer.guards.nonfinite)
@@ -306,68 +275,28 @@ class RLTrainer:
         """Per step: sampling and mini-batch order, so a resumed run repeats an uninterrupted one."""
         return self.cfg.trainer.seed * 100_003 + self.step
 
-    def _samples(self, batch: RolloutBatch) -> list[dict]:
-        rewards = batch.token_level_rewards.sum(-1).tolist()  # the score, minus KL when it is in the reward
-        extras = batch.reward_extras or [{}] * len(batch)
-        return [{"data_source": r.data_source, "prompt": r.prompt_text, "response": text,
-                 "ground_truth": r.ground_truth, "score": score, "reward": reward, **({"reward_extra": e} if e else {}),
-                 **({"conversation": r.extra_info["conversation"]} if "conversation" in r.extra_info else {})}
-                for r, text, score, reward, e in zip(batch.records, batch.response_texts, batch.scores.tolist(),
-                                                     rewards, extras)][: self.cfg.trainer.log_samples]
-
     def _due(self, freq: int) -> bool:
         return freq > 0 and self.step % freq == 0
-
-    def _validation_due(self) -> bool:
-        """Every test_freq steps, and after the last step so a run always ends with a number."""
-        last = self.step == self.components.total_steps and self.cfg.trainer.test_freq > 0
-        return bool(self.components.val_data) and (self._due(self.cfg.trainer.test_freq) or last)
 
     # --- run directory and checkpoints ---------------------------------------------------------
     def _open_run_dir(self) -> None:
         if self.resume_from is not None:  # loaded first: a mismatch must leave the directory as it was
             self.load(self.resume_from)
             log.info("resumed from %s at step %d", self.resume_from, self.step)
-        ckpt.init_run_dir(self.run_dir, to_yaml(self.cfg), self.step if self.resume_from else None)
-        (self.run_dir / "batch_plan.json").write_text(json.dumps(make_plan(self.cfg).as_dict(), indent=2))
-        if self.check_report:
-            (self.run_dir / "check.txt").write_text(self.check_report + "\n")
+        self.run_files.open(self.step if self.resume_from else None)
 
     def save(self) -> Path:
-        parts = self.components
-
-        def write(tmp: Path) -> None:
-            parts.workers.save(tmp)
-            torch.save({"step": self.step, "sampler": parts.sampler.state_dict(), "kl_ctrl": parts.kl_ctrl.state_dict(),
-                        "skipped_steps": self.skipped_steps, "warned_steps": self.warned_steps, "rng": ckpt.rng_state(),
-                        "normalizer": parts.normalizer.state_dict() if parts.normalizer else None},
-                       tmp / "trainer_state.pt")
-
-        return ckpt.save_checkpoint(self.run_dir, self.step, write, self.cfg.trainer.max_actor_ckpt_to_keep,
-                                    to_yaml(self.cfg))
+        return self.run_files.save(self.step, {"skipped_steps": self.skipped_steps, "warned_steps": self.warned_steps})
 
     def load(self, path: Path) -> None:
         """Restore everything but the actor weights, which `build_components` loaded from `path`."""
-        parts, critic = self.components, self.cfg.critic_enabled
-        if critic != (path / "critic").is_dir():
-            raise ckpt.mismatch_error(path, self.cfg, f"{path} was saved {'without' if critic else 'with'} a "
-                                      f"critic, but this config {'has' if critic else 'has no'} critic")
-        parts.workers.load(path)
-        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        state = self.run_files.load(path)
         self.step = state["step"]
         self.skipped_steps = state.get("skipped_steps", 0)
         self.warned_steps = state.get("warned_steps", {})
-        if parts.normalizer is not None and state.get("normalizer"):
-            parts.normalizer.load_state_dict(state["normalizer"])
-        try:
-            parts.sampler.load_state_dict(state["sampler"])
-        except ValueError as e:  # the dataset or batch size changed since the checkpoint
-            raise ckpt.mismatch_error(path, self.cfg, f"{path}: {e}") from e
-        parts.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        ckpt.set_rng_state(state["rng"])
 
 
-def recomputed_mask(batch: RolloutBatch) -> torch.Tensor:                        # [N, R]
+def recomputed_mask(batch: RolloutBatch) -> torch.Tensor:  # [N, R]
     """The response tokens whose old log-probs the pass computed: where the trainer measures the
     engine's gap and the reference KL (a sample of the batch when the first mini-batch is skipped)."""
     if batch.own_old_log_probs is None:
@@ -375,9 +304,35 @@ def recomputed_mask(batch: RolloutBatch) -> torch.Tensor:                       
     return batch.response_mask * (~batch.own_old_log_probs)[:, None]
 
 
-def _prompts_of(batch: RolloutBatch, pad_token_id: int) -> PromptBatch:
-    """The batch's prompts, each once (ReMax generates its baseline from them)."""
-    first = {}
-    for record in batch.records:
-        first.setdefault(record.index, record)
-    return collate_prompts(list(first.values()), pad_token_id)
+def _step_report(batch: RolloutBatch, timer: Timer, gen_parts: dict, workers, world_size: int) -> dict[str, float]:
+    """What a step measures beside its losses: the batch's and the agent loop's statistics, each
+    phase's time, generation's parts, throughput and memory."""
+    return {
+        **batch_metrics(batch),
+        **agent_metrics(batch.records),
+        **timer.metrics(),
+        **gen_parts,
+        **throughput_metrics(batch, timer.times["step"], world_size),
+        **workers.memory_metrics(),
+    }
+
+
+def _logged_samples(batch: RolloutBatch, limit: int) -> list[dict]:
+    """The first `limit` samples of a step as samples.jsonl keeps them (`keel report` reads them)."""
+    rewards = batch.token_level_rewards.sum(-1).tolist()  # the score, minus KL when it is in the reward
+    extras = batch.reward_extras or [{}] * len(batch)
+    return [
+        {
+            "data_source": r.data_source,
+            "prompt": r.prompt_text,
+            "response": text,
+            "ground_truth": r.ground_truth,
+            "score": score,
+            "reward": reward,
+            **({"reward_extra": e} if e else {}),
+            **({"conversation": r.extra_info["conversation"]} if "conversation" in r.extra_info else {}),
+        }
+        for r, text, score, reward, e in zip(
+            batch.records, batch.response_texts, batch.scores.tolist(), rewards, extras
+        )
+    ][:limit]

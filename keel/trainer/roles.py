@@ -11,28 +11,35 @@ import torch
 
 from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptBatch
-from keel.training.batching import (concat_rows, contiguous_shares, minibatch_indices, plan_minibatches, shard_batch,
-                                    unshard_rows)
+from keel.training.batching import (
+    concat_rows,
+    contiguous_shares,
+    minibatch_indices,
+    plan_minibatches,
+    shard_batch,
+    unshard_rows,
+)
 from keel.types import RolloutBatch, SamplingParams
 
 # Metrics every rank reports identically (computed after the gradients were summed); every other
 # update metric is a rank's share of the whole mini-batch, so the ranks' values add up.
-REPLICATED_METRICS = ("actor/grad_norm", "actor/lr", "critic/grad_norm", "critic/lr",
-                      "timing_s/sync_rollout_weights")
+REPLICATED_METRICS = ("actor/grad_norm", "actor/lr", "critic/grad_norm", "critic/lr", "timing_s/sync_rollout_weights")
 
 
 @dataclass(frozen=True)
 class UpdateSchedule:
     """How one role's update cuts a step's batch into mini-batches."""
-    samples_per_mini_batch: int     # ppo_mini_batch_size prompts x rollout.n
-    epochs: int                     # passes over the batch
-    shuffle: bool                   # samples shuffled between mini-batches
-    max_response_length: int        # seq-mean-token-sum-norm's constant
+
+    samples_per_mini_batch: int  # ppo_mini_batch_size prompts x rollout.n
+    epochs: int  # passes over the batch
+    shuffle: bool  # samples shuffled between mini-batches
+    max_response_length: int  # seq-mean-token-sum-norm's constant
 
 
 class WorkerRoles:
-    def __init__(self, group, pad_token_id: int, actor: UpdateSchedule, critic: UpdateSchedule | None = None,
-                 critic_group=None):
+    def __init__(
+        self, group, pad_token_id: int, actor: UpdateSchedule, critic: UpdateSchedule | None = None, critic_group=None
+    ):
         """`critic_group`: the critic's own workers (critic.enable_resource_pool); by default the
         critic is colocated in `group`."""
         self.group = group
@@ -40,7 +47,7 @@ class WorkerRoles:
         self.actor_schedule, self.critic_schedule = actor, critic
         self.world = group.world_size
         self.pad_token_id = pad_token_id
-        self.peak_gb: dict[str, float] = {}      # method -> the fullest GPU's peak during its last call
+        self.peak_gb: dict[str, float] = {}  # method -> the fullest GPU's peak during its last call
         self.rss_gb = 0.0
 
     @classmethod
@@ -53,8 +60,9 @@ class WorkerRoles:
         return cls(group, pad_token_id, actor, critic, critic_group)
 
     # --- rollout -----------------------------------------------------------------------------------
-    def generate(self, prompts: PromptBatch, sampling: SamplingParams,
-                 seed: int) -> tuple[RolloutBatch, dict[str, float]]:
+    def generate(
+        self, prompts: PromptBatch, sampling: SamplingParams, seed: int
+    ) -> tuple[RolloutBatch, dict[str, float]]:
         """The samples, and the engine's timing of its parts (`timing_s/gen_*`, the slowest rank's:
         where the phase's time went). Contiguous slices of the prompts, one per rank (generation
         has no collectives, so the slices may differ in size or be empty)."""
@@ -73,7 +81,7 @@ class WorkerRoles:
     def values(self, batch: RolloutBatch) -> torch.Tensor:
         return self._per_token("compute_values", batch, self.critic_group)
 
-    def _per_token(self, method: str, batch: RolloutBatch, group=None) -> torch.Tensor:       # [N, R]
+    def _per_token(self, method: str, batch: RolloutBatch, group=None) -> torch.Tensor:  # [N, R]
         group = group or self.group
         index, parts = shard_batch(batch, group.world_size)
         return unshard_rows(index, self._call(method, [(p,) for p in parts], group))
@@ -88,8 +96,9 @@ class WorkerRoles:
         if schedule.epochs != 1:
             return None
         first = torch.zeros(len(batch), dtype=torch.bool)
-        first[minibatch_indices(len(batch), schedule.samples_per_mini_batch, schedule.shuffle,
-                                _actor_seed(seed))[0]] = True
+        first[
+            minibatch_indices(len(batch), schedule.samples_per_mini_batch, schedule.shuffle, _actor_seed(seed))[0]
+        ] = True
         return first
 
     def update_actor(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
@@ -142,8 +151,15 @@ def _actor_seed(step_seed: int) -> int:
 
 
 def _plan(batch: RolloutBatch, schedule: UpdateSchedule, seed: int, ranks: int) -> list:
-    return plan_minibatches(batch, schedule.samples_per_mini_batch, schedule.epochs, schedule.shuffle, seed,
-                            schedule.max_response_length, ranks)
+    return plan_minibatches(
+        batch,
+        schedule.samples_per_mini_batch,
+        schedule.epochs,
+        schedule.shuffle,
+        seed,
+        schedule.max_response_length,
+        ranks,
+    )
 
 
 def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -19,16 +19,17 @@ from keel.algorithms.kl import make_kl_controller
 from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptRecord, build_prompt_dataset, load_rows
 from keel.data.sampler import ResumableSampler
-from keel.errors import DATA_EMPTY, KeelError
-from keel.errors.fixes import setting, whole_batches
 from keel.distributed.group import LocalGroup
 from keel.distributed.pools import RewardModelPool, role_group
 from keel.distributed.worker import RoleWorker, WorkerSpec
+from keel.errors import DATA_EMPTY, KeelError
+from keel.errors.fixes import setting, whole_batches
 from keel.models.load import load_tokenizer, quiet_transformers, resolve_device
+from keel.rewards.custom_fn import load_custom_reward_fn
 from keel.rewards.model import RewardModel
 from keel.rewards.normalize import RunningNormalizer
+from keel.rewards.reward_fn import RewardScorer
 from keel.rewards.service import RewardServiceClient
-from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
 from keel.rewards.worker import file_spec, module_location
 from keel.trainer.roles import WorkerRoles
 from keel.trainer.sharding import decide_sharding
@@ -58,6 +59,7 @@ def seed_everything(seed: int) -> None:
 @dataclass
 class Inputs:
     """What `keel check` loaded and judged, handed to the trainer so it is not loaded again."""
+
     tokenizer: object
     train_records: list[PromptRecord]
     val_records: list[PromptRecord]
@@ -68,10 +70,15 @@ def read_prompts(files: list[str], tokenizer, cfg: KeelConfig, name: str):
     """(records, stats): the prompts of `files` as the config says to cut or drop them."""
     d = cfg.data
     return build_prompt_dataset(
-        load_rows(files, f"data.{name}_files"), tokenizer, prompt_key=d.prompt_key,
+        load_rows(files, f"data.{name}_files"),
+        tokenizer,
+        prompt_key=d.prompt_key,
         max_prompt_length=d.max_prompt_length,
-        truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
-        apply_chat_template=d.apply_chat_template, name=name)
+        truncation=d.truncation,
+        filter_overlong_prompts=d.filter_overlong_prompts,
+        apply_chat_template=d.apply_chat_template,
+        name=name,
+    )
 
 
 def load_prompts(files: list[str], tokenizer, cfg: KeelConfig, name: str) -> list[PromptRecord]:
@@ -82,10 +89,14 @@ def load_prompts(files: list[str], tokenizer, cfg: KeelConfig, name: str) -> lis
 
 def require_enough_prompts(count: int, cfg: KeelConfig) -> None:
     if count < cfg.data.train_batch_size:
-        raise KeelError(DATA_EMPTY, f"{count} training prompts remain after filtering, fewer than "
-                                    f"data.train_batch_size={cfg.data.train_batch_size}",
-                        whole_batches(count, "actor_rollout_ref.actor.ppo_mini_batch_size",
-                                      cfg.actor_rollout_ref.actor.ppo_mini_batch_size))
+        raise KeelError(
+            DATA_EMPTY,
+            f"{count} training prompts remain after filtering, fewer than "
+            f"data.train_batch_size={cfg.data.train_batch_size}",
+            whole_batches(
+                count, "actor_rollout_ref.actor.ppo_mini_batch_size", cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+            ),
+        )
 
 
 def total_steps(cfg: KeelConfig, batches_per_epoch: int) -> int:
@@ -115,8 +126,11 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None, inputs:
     tokenizer, reward = inputs.tokenizer, inputs.reward
     train_data, val_data = inputs.train_records, inputs.val_records
     if cfg.critic.enable and not ADV_ESTIMATORS[cfg.algorithm.adv_estimator].needs_critic:
-        log.warning("critic.enable=true with algorithm.adv_estimator=%s, which does not use values: the "
-                    "critic is trained but nothing reads it", cfg.algorithm.adv_estimator)
+        log.warning(
+            "critic.enable=true with algorithm.adv_estimator=%s, which does not use values: the "
+            "critic is trained but nothing reads it",
+            cfg.algorithm.adv_estimator,
+        )
     norm = cfg.reward.normalize
     sampler = ResumableSampler(len(train_data), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
     steps = total_steps(cfg, sampler.batches_per_epoch)
@@ -126,30 +140,50 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None, inputs:
         log.info("sharding: %s", sharding)
     workers = build_workers(cfg, steps, actor_weights, tokenizer, cfg.run_dir)
     return Components(
-        tokenizer=tokenizer, train_data=train_data, val_data=val_data, sampler=sampler, workers=workers,
-        reward=reward, kl_ctrl=make_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
-                                                  cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon),
+        tokenizer=tokenizer,
+        train_data=train_data,
+        val_data=val_data,
+        sampler=sampler,
+        workers=workers,
+        reward=reward,
+        kl_ctrl=make_kl_controller(
+            cfg.algorithm.kl_ctrl.type,
+            cfg.algorithm.kl_ctrl.kl_coef,
+            cfg.algorithm.kl_ctrl.target_kl,
+            cfg.algorithm.kl_ctrl.horizon,
+        ),
         normalizer=RunningNormalizer(norm.window_size, norm.eps, norm.clip) if norm.enable else None,
-        total_steps=steps)
+        total_steps=steps,
+    )
 
 
-def build_workers(cfg: KeelConfig, total_steps: int, actor_weights: Path | None, tokenizer,
-                  run_dir: str | Path) -> WorkerRoles:
+def build_workers(
+    cfg: KeelConfig, total_steps: int, actor_weights: Path | None, tokenizer, run_dir: str | Path
+) -> WorkerRoles:
     """One worker in this process, or `trainer.n_gpus_per_node x trainer.nnodes` Ray workers."""
     weights = str(actor_weights) if actor_weights else None
     # With a pool of its own for any role, Ray places every device user, a single worker included.
     if cfg.world_size == 1 and not cfg.pools:
         group = LocalGroup(RoleWorker(WorkerSpec.of(cfg, total_steps, weights), tokenizer=tokenizer))
     else:
-        log.info("starting %d workers (trainer.n_gpus_per_node=%d x trainer.nnodes=%d)", cfg.world_size,
-                 cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes)
+        log.info(
+            "starting %d workers (trainer.n_gpus_per_node=%d x trainer.nnodes=%d)",
+            cfg.world_size,
+            cfg.trainer.n_gpus_per_node,
+            cfg.trainer.nnodes,
+        )
         group = role_group(cfg, total_steps, weights, Path(run_dir))
     critic_group = None
     if "critic" in cfg.pools:
-        log.info("starting %d critic workers (critic.n_gpus_per_node=%d x critic.nnodes=%d)", cfg.critic_world_size,
-                 cfg.critic.n_gpus_per_node, cfg.critic.nnodes)
-        critic_group = role_group(cfg, total_steps, None, Path(run_dir), roles=frozenset({"critic"}),
-                                world_size=cfg.critic_world_size)
+        log.info(
+            "starting %d critic workers (critic.n_gpus_per_node=%d x critic.nnodes=%d)",
+            cfg.critic_world_size,
+            cfg.critic.n_gpus_per_node,
+            cfg.critic.nnodes,
+        )
+        critic_group = role_group(
+            cfg, total_steps, None, Path(run_dir), roles=frozenset({"critic"}), world_size=cfg.critic_world_size
+        )
     return WorkerRoles.of(group, cfg, tokenizer.pad_token_id, critic_group)
 
 
@@ -164,17 +198,34 @@ def build_reward(cfg: KeelConfig) -> RewardScorer:
     if rm.enable and rm.enable_resource_pool:
         reward_model = RewardModelPool.of(cfg)
     elif rm.enable:
-        reward_model = RewardModel(rm.model.path, resolve_device(cfg.trainer.device), rm.micro_batch_size_per_gpu,
-                                   rm.max_length, rm.model.trust_remote_code)
+        reward_model = RewardModel(
+            rm.model.path,
+            resolve_device(cfg.trainer.device),
+            rm.micro_batch_size_per_gpu,
+            rm.max_length,
+            rm.model.trust_remote_code,
+        )
     scorer = None
     if custom.path:
         # a broken file, or a function verl's keyword call cannot bind, fails now
         scorer = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs, custom.batched)
         if r.num_workers > 0 and not custom.batched:  # workers import it themselves
             scorer = file_spec(module_location(custom.path), custom.name, custom.reward_kwargs)
-    return RewardScorer(scorer, r.scorers, r.overlong_buffer, cfg.data.max_response_length, r.on_error,
-                        r.max_not_scored_ratio, r.timeout_s, r.num_workers, custom.batched, reward_model, service,
-                        r.sandbox.require, cfg.trainer.guards.nonfinite)
+    return RewardScorer(
+        scorer,
+        r.scorers,
+        r.overlong_buffer,
+        cfg.data.max_response_length,
+        r.on_error,
+        r.max_not_scored_ratio,
+        r.timeout_s,
+        r.num_workers,
+        custom.batched,
+        reward_model,
+        service,
+        r.sandbox.require,
+        cfg.trainer.guards.nonfinite,
+    )
 
 
 def serve_fix(cfg: KeelConfig) -> str:
@@ -185,7 +236,7 @@ def serve_fix(cfg: KeelConfig) -> str:
     scorer = f"--custom {custom.path}:{custom.name}" if custom.path else "--scorer exact_match"
     token = " --token TOKEN (reward.service.token's)" if cfg.reward.service.token else ""
     start = f"keel reward-server {scorer} --host {url.hostname} --port {url.port or 80}"
-    return (f"start the service: `{start}`{token}, or {setting('reward.service.url', None)} to score in this process")
+    return f"start the service: `{start}`{token}, or {setting('reward.service.url', None)} to score in this process"
 
 
 def needs_baseline_rollout(cfg: KeelConfig) -> bool:

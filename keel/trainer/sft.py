@@ -18,11 +18,10 @@ from keel.data.sampler import ResumableSampler
 from keel.data.sft import SFTExample, build_sft_dataset, collate_sft
 from keel.errors import DATA_EMPTY, KeelError
 from keel.errors.fixes import whole_batches
-from keel.models.load import autocast, load_causal_lm, load_tokenizer, quiet_transformers, resolve_dtype
+from keel.models.load import autocast, load_causal_lm, load_tokenizer, quiet_transformers, resolve_device, resolve_dtype
 from keel.models.lora import apply_lora, plan_lora
 from keel.observe.log import ensure_console_logging
 from keel.observe.metrics import MetricsLogger, Timer
-from keel.models.load import resolve_device
 from keel.trainer.setup import seed_everything
 from keel.training.optim import build_optimizer, build_scheduler
 from keel.training.step import DeviceTotals, apply_gradients, backward
@@ -32,7 +31,7 @@ log = logging.getLogger("keel")
 
 @dataclass
 class SFTResult:
-    run_dir: Path          # a Hugging Face model directory once the run finishes
+    run_dir: Path  # a Hugging Face model directory once the run finishes
     last_step: int
     last_metrics: dict[str, float]
 
@@ -40,11 +39,14 @@ class SFTResult:
 def token_losses(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token loss over the loss mask, and the number of tokens it covers."""
     device = next(model.parameters()).device
-    input_ids = batch["input_ids"].to(device)                                   # [B, L]
-    logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"].to(device),
-                   use_cache=False).logits[:, :-1].float()                      # [B, L-1, V]
-    targets = input_ids[:, 1:]                                                  # [B, L-1]
-    mask = batch["loss_mask"][:, 1:].to(device).float()                         # a token is learnt where it is predicted
+    input_ids = batch["input_ids"].to(device)  # [B, L]
+    logits = (
+        model(input_ids=input_ids, attention_mask=batch["attention_mask"].to(device), use_cache=False)
+        .logits[:, :-1]
+        .float()
+    )  # [B, L-1, V]
+    targets = input_ids[:, 1:]  # [B, L-1]
+    mask = batch["loss_mask"][:, 1:].to(device).float()  # a token is learnt where it is predicted
     nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
     return (nll * mask).sum(), mask.sum()
 
@@ -63,10 +65,11 @@ class SFTTrainer:
         self.train_data = self._load(d.train_files, "train")
         self.val_data = self._load(d.val_files, "val") if d.val_files else []
         if len(self.train_data) < d.train_batch_size:
-            raise KeelError(DATA_EMPTY, f"{len(self.train_data)} SFT examples, fewer than "
-                                        f"data.train_batch_size={d.train_batch_size}",
-                            whole_batches(len(self.train_data), "data.micro_batch_size_per_gpu",
-                                          d.micro_batch_size_per_gpu))
+            raise KeelError(
+                DATA_EMPTY,
+                f"{len(self.train_data)} SFT examples, fewer than data.train_batch_size={d.train_batch_size}",
+                whole_batches(len(self.train_data), "data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu),
+            )
         self.sampler = ResumableSampler(len(self.train_data), d.train_batch_size, d.seed, d.shuffle)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
         self.model = self._load_model(device)
@@ -80,21 +83,30 @@ class SFTTrainer:
         from partial_pretrain, frozen in the compute dtype, under peft adapters."""
         m, checkpoint = self.cfg.model, self.resume_from / "actor" if self.resume_from else None
         if not m.lora_rank:
-            return load_causal_lm(checkpoint or m.partial_pretrain, device, m.trust_remote_code,
-                                  m.enable_gradient_checkpointing)
+            return load_causal_lm(
+                checkpoint or m.partial_pretrain, device, m.trust_remote_code, m.enable_gradient_checkpointing
+            )
         dtype = resolve_dtype(m.dtype, device)
         base = load_causal_lm(m.partial_pretrain, device, m.trust_remote_code, m.enable_gradient_checkpointing, dtype)
         plan = plan_lora(base, m.lora_rank, m.target_modules, m.exclude_modules, m.modules_to_save, "model")
         log.info(plan.summary())
-        return apply_lora(base, plan, m.lora_rank, m.lora_alpha, m.modules_to_save, dtype,
-                          checkpoint or m.lora_adapter_path)
+        return apply_lora(
+            base, plan, m.lora_rank, m.lora_alpha, m.modules_to_save, dtype, checkpoint or m.lora_adapter_path
+        )
 
     def _load(self, files: list[str], name: str) -> list[SFTExample]:
         d = self.cfg.data
         rows = load_rows(files, f"data.{name}_files")
-        examples, stats = build_sft_dataset(rows, self.tokenizer, messages_key=d.messages_key,
-                                            prompt_key=d.prompt_key, response_key=d.response_key,
-                                            max_length=d.max_length, truncation=d.truncation, name=name)
+        examples, stats = build_sft_dataset(
+            rows,
+            self.tokenizer,
+            messages_key=d.messages_key,
+            prompt_key=d.prompt_key,
+            response_key=d.response_key,
+            max_length=d.max_length,
+            truncation=d.truncation,
+            name=name,
+        )
         log.info(stats.summary())
         return examples
 
@@ -126,8 +138,9 @@ class SFTTrainer:
             self.model.train()
             losses = DeviceTotals()  # read with the gradient norm: no host sync per micro-batch
             for start in range(0, len(batch), self.cfg.data.micro_batch_size_per_gpu):
-                micro = collate_sft(batch[start:start + self.cfg.data.micro_batch_size_per_gpu],
-                                    self.tokenizer.pad_token_id)
+                micro = collate_sft(
+                    batch[start : start + self.cfg.data.micro_batch_size_per_gpu], self.tokenizer.pad_token_id
+                )
                 nll, _ = token_losses(self.model, micro)
                 backward(nll / n_tokens, "SFT")  # micro-batch sums over the whole batch's token count
                 losses.add("train/nll", nll)
@@ -135,10 +148,14 @@ class SFTTrainer:
             stepped = apply_gradients(self.model, self.optimizer, self.cfg.optim.clip_grad, "model", totals=losses)
             self.scheduler.step()
         tokens = sum(len(e.input_ids) for e in batch)
-        return {"train/loss": stepped["train/nll"] / max(n_tokens, 1), "train/lr": lr,
-                "train/grad_norm": stepped["model/grad_norm"],
-                "train/epoch": float(self.sampler.epoch), **timer.metrics(),
-                "perf/throughput": tokens / timer.times["step"]}
+        return {
+            "train/loss": stepped["train/nll"] / max(n_tokens, 1),
+            "train/lr": lr,
+            "train/grad_norm": stepped["model/grad_norm"],
+            "train/epoch": float(self.sampler.epoch),
+            **timer.metrics(),
+            "perf/throughput": tokens / timer.times["step"],
+        }
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -149,8 +166,9 @@ class SFTTrainer:
         size = self.cfg.data.micro_batch_size_per_gpu
         with self.autocast():
             for start in range(0, len(self.val_data), size):
-                nll, count = token_losses(self.model, collate_sft(self.val_data[start:start + size],
-                                                                  self.tokenizer.pad_token_id))
+                nll, count = token_losses(
+                    self.model, collate_sft(self.val_data[start : start + size], self.tokenizer.pad_token_id)
+                )
                 nll_sum, n_tokens = nll_sum + nll.item(), n_tokens + count.item()
         return {"val/loss": nll_sum / max(n_tokens, 1)}
 
@@ -168,13 +186,18 @@ class SFTTrainer:
     def save(self) -> Path:
         def write(tmp: Path) -> None:
             ckpt.write_policy(tmp / "actor", self.model, self.tokenizer)
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                       tmp / "actor_optim.pt")
-            torch.save({"step": self.step, "sampler": self.sampler.state_dict(), "rng": ckpt.rng_state()},
-                       tmp / "trainer_state.pt")
+            torch.save(
+                {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                tmp / "actor_optim.pt",
+            )
+            torch.save(
+                {"step": self.step, "sampler": self.sampler.state_dict(), "rng": ckpt.rng_state()},
+                tmp / "trainer_state.pt",
+            )
 
-        return ckpt.save_checkpoint(self.run_dir, self.step, write, self.cfg.trainer.max_ckpt_to_keep,
-                                    to_yaml(self.cfg))
+        return ckpt.save_checkpoint(
+            self.run_dir, self.step, write, self.cfg.trainer.max_ckpt_to_keep, to_yaml(self.cfg)
+        )
 
     def load(self, path: Path) -> None:
         """Everything but the weights, which __init__ loaded from `path`."""

@@ -22,8 +22,9 @@ KEY = "actor_rollout_ref.actor.fsdp_config.fsdp_size"
 REPLICA_SHARE = 0.5  # a whole replica's estimate within this share of a GPU's memory: replicate
 
 
-def choose_sharding(cfg: KeelConfig, model_cfg, params: int, device_bytes: int | None,
-                    lora_trainable: dict[str, int] | None = None) -> str | None:
+def choose_sharding(
+    cfg: KeelConfig, model_cfg, params: int, device_bytes: int | None, lora_trainable: dict[str, int] | None = None
+) -> str | None:
     """Sets the actor's fsdp_size on `cfg` when the config left it unset -> why, or None when there
     was nothing to choose (one worker, or the config says). `device_bytes`: one GPU's memory, None
     where the driver has none to measure (FSDP then, as before)."""
@@ -38,12 +39,16 @@ def _left_to_keel(cfg: KeelConfig) -> bool:
     """Several workers, and a config that sets none of the actor's FSDP keys (one built in code, with
     no record of what it set, is taken as it is)."""
     given = getattr(cfg, "given", None)
-    return (cfg.world_size > 1 and given is not None
-            and not any(key.startswith("actor_rollout_ref.actor.fsdp_config.") for key in given))
+    return (
+        cfg.world_size > 1
+        and given is not None
+        and not any(key.startswith("actor_rollout_ref.actor.fsdp_config.") for key in given)
+    )
 
 
-def _reason(cfg: KeelConfig, model_cfg, params: int, device_bytes: int | None,
-            lora_trainable: dict[str, int] | None) -> str:
+def _reason(
+    cfg: KeelConfig, model_cfg, params: int, device_bytes: int | None, lora_trainable: dict[str, int] | None
+) -> str:
     """Sets fsdp_size (1 or -1) -> why."""
     fsdp, world = cfg.actor_rollout_ref.actor.fsdp_config, cfg.world_size
     fsdp.fsdp_size = -1
@@ -55,16 +60,23 @@ def _reason(cfg: KeelConfig, model_cfg, params: int, device_bytes: int | None,
     replica = copy.deepcopy(cfg)
     replica.actor_rollout_ref.actor.fsdp_config.fsdp_size = 1
     device = resolve_device(cfg.trainer.device)
-    need = estimate_memory_gb(replica, model_cfg, params,
-                              compute_bytes=resolve_dtype(cfg.actor_rollout_ref.model.dtype, device).itemsize,
-                              native_rollout=True,
-                              logits_chunk_tokens=LOGITS_CHUNK_TOKENS, lora_trainable=lora_trainable)["total"]
-    gpu = device_bytes / 2 ** 30
+    need = estimate_memory_gb(
+        replica,
+        model_cfg,
+        params,
+        compute_bytes=resolve_dtype(cfg.actor_rollout_ref.model.dtype, device).itemsize,
+        native_rollout=True,
+        logits_chunk_tokens=LOGITS_CHUNK_TOKENS,
+        lora_trainable=lora_trainable,
+    )["total"]
+    gpu = device_bytes / 2**30
     if need > REPLICA_SHARE * gpu:
         return f"{sharded}: a whole replica would need about {need:.1f} GB of each GPU's {gpu:.0f} GB"
     fsdp.fsdp_size = 1
-    return (f"DDP ({KEY}=1): a whole replica needs about {need:.1f} GB of each GPU's {gpu:.0f} GB, so every "
-            "worker keeps the whole model and gradients are all-reduced once per mini-batch")
+    return (
+        f"DDP ({KEY}=1): a whole replica needs about {need:.1f} GB of each GPU's {gpu:.0f} GB, so every "
+        "worker keeps the whole model and gradients are all-reduced once per mini-batch"
+    )
 
 
 def decide_sharding(cfg: KeelConfig) -> str | None:
@@ -81,12 +93,28 @@ def decide_sharding(cfg: KeelConfig) -> str | None:
     try:  # an architecture that does not build on the meta device is sharded, as before
         model_cfg = AutoConfig.from_pretrained(check_model_dir(model.path), trust_remote_code=model.trust_remote_code)
         meta = meta_model(model_cfg, model.trust_remote_code)
-        lora = {"actor": plan_lora(meta, model.lora_rank, model.target_modules, model.exclude_modules,
-                                   model.modules_to_save, "actor_rollout_ref.model").trainable} if model.lora_rank else {}
+        lora = (
+            {
+                "actor": plan_lora(
+                    meta,
+                    model.lora_rank,
+                    model.target_modules,
+                    model.exclude_modules,
+                    model.modules_to_save,
+                    "actor_rollout_ref.model",
+                ).trainable
+            }
+            if model.lora_rank
+            else {}
+        )
         return choose_sharding(cfg, model_cfg, sum(p.numel() for p in meta.parameters()), gpu_bytes(cfg), lora)
     except Exception as error:  # noqa: BLE001 - sizing is advice; the run goes on sharded
-        object.__setattr__(cfg, "sharding", f"FSDP over all {cfg.world_size} workers ({KEY}=-1): the model could "
-                                            f"not be sized ({type(error).__name__}: {str(error)[:120]})")
+        object.__setattr__(
+            cfg,
+            "sharding",
+            f"FSDP over all {cfg.world_size} workers ({KEY}=-1): the model could "
+            f"not be sized ({type(error).__name__}: {str(error)[:120]})",
+        )
         return cfg.sharding
 
 

@@ -23,14 +23,25 @@ def check_gradient_flows(grad_norm: float, mini: MiniBatch) -> None:
     non-zero gradient, or the loss is cut from the weights (a frozen module, a detached tensor, a
     sharding bug) and the run would move its loss and learn nothing."""
     if grad_norm == 0.0 and mini.on_policy_signal:
-        raise KeelError(NO_GRADIENT, "the actor's gradient norm is exactly 0 although advantages are not: "
-                                     "the policy loss does not reach the weights")
+        raise KeelError(
+            NO_GRADIENT,
+            "the actor's gradient norm is exactly 0 although advantages are not: "
+            "the policy loss does not reach the weights",
+        )
 
 
 class ActorTrainer:
-    def __init__(self, model, actor_cfg, temperature: float, total_steps: int,
-                 log_prob_batching: MicroBatching, max_response_length: int, placement: Placement = SINGLE,
-                 rollout_correction: RolloutCorrectionConfig | None = None):
+    def __init__(
+        self,
+        model,
+        actor_cfg,
+        temperature: float,
+        total_steps: int,
+        log_prob_batching: MicroBatching,
+        max_response_length: int,
+        placement: Placement = SINGLE,
+        rollout_correction: RolloutCorrectionConfig | None = None,
+    ):
         self.model = model
         self.placement = placement
         self.cfg = actor_cfg
@@ -38,14 +49,16 @@ class ActorTrainer:
         # compares the same distribution the samples came from.
         self.temperature = temperature
         self.log_prob_batching = log_prob_batching
-        self.update_batching = MicroBatching.of(actor_cfg.ppo_micro_batch_size_per_gpu, actor_cfg.use_dynamic_bsz,
-                                                actor_cfg.ppo_max_token_len_per_gpu)
+        self.update_batching = MicroBatching.of(
+            actor_cfg.ppo_micro_batch_size_per_gpu, actor_cfg.use_dynamic_bsz, actor_cfg.ppo_max_token_len_per_gpu
+        )
         self.loss_params = PolicyLossParams(
             clip_ratio_low=actor_cfg.clip_ratio_low or actor_cfg.clip_ratio,
             clip_ratio_high=actor_cfg.clip_ratio_high or actor_cfg.clip_ratio,
             clip_ratio_c=actor_cfg.clip_ratio_c,
             loss_agg_mode=actor_cfg.loss_agg_mode,
-            norm_length=max_response_length)
+            norm_length=max_response_length,
+        )
         # verl's bypass mode: the old policy is the sampler's (the trainer set old_log_probs to its
         # log-probs), and weights and rejection follow the policy as it is now, micro-batch by micro-batch.
         bypass = rollout_correction is not None and rollout_correction.bypass_mode
@@ -54,7 +67,7 @@ class ActorTrainer:
         self.optimizer = build_optimizer(model.parameters(), actor_cfg.optim, placement.optimizer_offload)
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps)
 
-    def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:       # [N, R]
+    def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:  # [N, R]
         return batched_log_probs(self.model, batch, self.log_prob_batching, self.temperature, self.placement)
 
     def update(self, minis: list[MiniBatch]) -> dict[str, float]:
@@ -70,8 +83,9 @@ class ActorTrainer:
             share = float(micro.loss_mask.sum()) / tokens  # token-weighted means
             for name, value in metrics.items():
                 totals.add(name, value, share)
-        metrics = apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "actor",
-                                  self.placement.reduce_gradients, totals)
+        metrics = apply_gradients(
+            self.model, self.optimizer, self.cfg.grad_clip, "actor", self.placement.reduce_gradients, totals
+        )
         if self.bypass is None or not self.bypass.rejection:  # bypass's filters may drop every token here
             check_gradient_flows(metrics["actor/grad_norm"], mini)
         return metrics
@@ -81,8 +95,9 @@ class ActorTrainer:
         the old-log-prob pass), or bypass mode's first mini-batch (the policy is still the sampler's)."""
         return micro.old_log_probs is None or (self.bypass is not None and mini.first)
 
-    def _bypass_weights(self, log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor
-                        ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    def _bypass_weights(
+        self, log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """Bypass mode's weights on the policy loss, against the policy as it is now: reinforce's
         truncated IS weights, times 0 where a filter rejects. Rejected tokens leave the policy loss
         only, as in verl's bypass mode, and stay in its denominators and in the metrics' means."""
@@ -112,15 +127,22 @@ class ActorTrainer:
             gaps["actor/ref_kl"] = masked_mean(log_prob - micro.ref_log_probs, mask)
         return gaps
 
-    def _micro_loss(self, micro: RolloutBatch, scale: LossScale, measure_gaps: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def _micro_loss(
+        self, micro: RolloutBatch, scale: LossScale, measure_gaps: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(loss to back-propagate, its policy-loss part, per-token metrics on the device) of one
         micro-batch."""
         cfg = self.cfg
         micro = micro.to(compute_device(self.model, self.placement))  # once, without waiting for the GPU
-        mask = micro.loss_mask                                                  # [b, R]
-        log_prob, entropy = response_log_probs(self.model, micro, self.temperature, with_entropy=True,
-                                               entropy_grad=cfg.entropy_coeff > 0, plan=self.placement)
+        mask = micro.loss_mask  # [b, R]
+        log_prob, entropy = response_log_probs(
+            self.model,
+            micro,
+            self.temperature,
+            with_entropy=True,
+            entropy_grad=cfg.entropy_coeff > 0,
+            plan=self.placement,
+        )
         old_log_prob = self._old_log_probs(micro, log_prob)
         is_weights = micro.rollout_is_weights
         metrics = {}
@@ -128,8 +150,15 @@ class ActorTrainer:
             is_weights, correction_metrics = self._bypass_weights(log_prob.detach(), old_log_prob, mask)
             metrics.update(correction_metrics)
         pg_loss, pg_metrics = compute_policy_loss(
-            "gpg" if self.reinforce else cfg.policy_loss.loss_mode, old_log_prob, log_prob,
-            micro.advantages, mask, self.loss_params, **scale.policy_kwargs(), is_weights=is_weights)
+            "gpg" if self.reinforce else cfg.policy_loss.loss_mode,
+            old_log_prob,
+            log_prob,
+            micro.advantages,
+            mask,
+            self.loss_params,
+            **scale.policy_kwargs(),
+            is_weights=is_weights,
+        )
         loss = pg_loss
         metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
         metrics["actor/entropy"] = masked_mean(entropy.detach(), mask)

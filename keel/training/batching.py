@@ -16,8 +16,8 @@ from torch import Tensor
 from keel.training.step import LossScale, mask_counts
 from keel.types import RolloutBatch, trim_padding
 
-
 # --- mini-batches ----------------------------------------------------------------------------
+
 
 def minibatch_indices(n_samples: int, mini_size: int, shuffle: bool, seed: int) -> list[torch.Tensor]:
     """Split sample indices into mini-batches; the shuffle depends only on `seed`, so a resumed
@@ -33,14 +33,22 @@ def minibatch_indices(n_samples: int, mini_size: int, shuffle: bool, seed: int) 
 class MiniBatch:
     """One rank's part of a mini-batch, carrying the denominators of the whole mini-batch: the
     parts' losses then add up, over micro-batches and over ranks, to the loss of the whole."""
+
     samples: RolloutBatch
     scale: LossScale
     on_policy_signal: bool  # first mini-batch, non-zero advantages: its gradient must not be 0
-    first: bool = False     # the update's first mini-batch: the policy is still the sampler's
+    first: bool = False  # the update's first mini-batch: the policy is still the sampler's
 
 
-def plan_minibatches(batch: RolloutBatch, samples_per_mini: int, epochs: int, shuffle: bool, seed: int,
-                     norm_length: int | None, world_size: int = 1) -> list[list[MiniBatch]]:
+def plan_minibatches(
+    batch: RolloutBatch,
+    samples_per_mini: int,
+    epochs: int,
+    shuffle: bool,
+    seed: int,
+    norm_length: int | None,
+    world_size: int = 1,
+) -> list[list[MiniBatch]]:
     """Every rank's mini-batches for one update, in order: the same mini-batches one process would
     take, each split across ranks balancing tokens (equal sample counts, so every rank runs the
     same number of forward passes, which sharded weights need)."""
@@ -56,9 +64,8 @@ def plan_minibatches(batch: RolloutBatch, samples_per_mini: int, epochs: int, sh
     return per_rank
 
 
-
-
 # --- across ranks ----------------------------------------------------------------------------
+
 
 def contiguous_shares(total: int, parts: int) -> list[tuple[int, int]]:
     """(start, end) of `parts` consecutive shares of `total` items, sizes differing by at most one
@@ -81,7 +88,7 @@ def balanced_partitions(lengths: Tensor, parts: int) -> list[Tensor]:
     return [torch.tensor(sorted(c), dtype=torch.long) for c in chosen]
 
 
-def sample_tokens(batch: RolloutBatch) -> Tensor:                           # [N]
+def sample_tokens(batch: RolloutBatch) -> Tensor:  # [N]
     return batch.prompt_mask.sum(-1) + batch.response_tokens.sum(-1)
 
 
@@ -103,7 +110,7 @@ def unshard_rows(index: list[Tensor], results: list[Tensor]) -> Tensor:
     n = sum(len(i) for i in index)
     out = results[0].new_zeros((n, *results[0].shape[1:]))
     for rows, result in zip(index, results):
-        out[rows] = result[:len(rows)]
+        out[rows] = result[: len(rows)]
     return out
 
 
@@ -129,12 +136,14 @@ def concat_rows(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
             fields[f.name] = [v for value in values for v in value]
         elif f.name in ("prompt_ids", "prompt_mask"):
             fill = pad_id if f.name == "prompt_ids" else 0
-            fields[f.name] = torch.cat([torch.nn.functional.pad(v, (prompt_width - v.shape[1], 0), value=fill)
-                                        for v in values])
+            fields[f.name] = torch.cat(
+                [torch.nn.functional.pad(v, (prompt_width - v.shape[1], 0), value=fill) for v in values]
+            )
         elif values[0].dim() == 2:
             fill = pad_id if f.name == "response_ids" else 0
-            fields[f.name] = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[1]), value=fill)
-                                        for v in values])
+            fields[f.name] = torch.cat(
+                [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=fill) for v in values]
+            )
         else:
             fields[f.name] = torch.cat(values)
     return RolloutBatch(**fields)
@@ -142,15 +151,17 @@ def concat_rows(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
 
 # --- micro-batches ---------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class MicroBatching:
     """How a batch is cut into forward passes: `size` samples each or, with `max_tokens` (verl's
     use_dynamic_bsz), as many samples as fit that many padded tokens."""
+
     size: int
     max_tokens: int | None = None
 
     @classmethod
-    def of(cls, size: int, dynamic: bool, max_tokens: int) -> "MicroBatching":
+    def of(cls, size: int, dynamic: bool, max_tokens: int) -> MicroBatching:
         """From a role's keys: its micro-batch size, use_dynamic_bsz and token budget."""
         return cls(size, max_tokens if dynamic else None)
 

@@ -24,7 +24,7 @@ class CriticTrainer:
         self.scheduler = build_scheduler(self.optimizer, critic_cfg.optim, total_steps)
 
     @torch.no_grad()
-    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:          # [N, R]
+    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:  # [N, R]
         self.model.eval()
         return per_token_outputs(batch, self.batching, lambda micro: response_values(self.model, micro, self.placement))
 
@@ -38,14 +38,21 @@ class CriticTrainer:
         for _, host_micro in micro_batches(mini.samples, self.batching):
             micro = host_micro.to(device)  # once, without waiting for the GPU
             mask = micro.loss_mask
-            vpreds = response_values(self.model, micro, self.placement)                   # [b, R]
+            vpreds = response_values(self.model, micro, self.placement)  # [b, R]
             vf_loss, clipfrac = compute_value_loss(
-                vpreds, micro.returns, micro.values, mask,
-                self.cfg.cliprange_value, self.cfg.loss_agg_mode, **scale.agg_kwargs())
+                vpreds,
+                micro.returns,
+                micro.values,
+                mask,
+                self.cfg.cliprange_value,
+                self.cfg.loss_agg_mode,
+                **scale.agg_kwargs(),
+            )
             backward(vf_loss, "critic", self.placement.data_parallel_size)
             share = float(host_micro.loss_mask.sum()) / tokens
             totals.add("critic/vf_loss", vf_loss)
             totals.add("critic/vf_clipfrac", clipfrac, share)
             totals.add("critic/vpred_mean", masked_mean(vpreds.detach(), mask), share)
-        return apply_gradients(self.model, self.optimizer, self.cfg.grad_clip, "critic",
-                               self.placement.reduce_gradients, totals)
+        return apply_gradients(
+            self.model, self.optimizer, self.cfg.grad_clip, "critic", self.placement.reduce_gradients, totals
+        )

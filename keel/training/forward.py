@@ -15,9 +15,12 @@ from keel.types import RolloutBatch, pad_responses, position_ids_from_mask
 
 
 def _model_inputs(batch: RolloutBatch) -> dict[str, Tensor]:
-    attention_mask = batch.attention_mask                                   # [B, P + R]
-    return {"input_ids": batch.input_ids, "attention_mask": attention_mask,
-            "position_ids": position_ids_from_mask(attention_mask)}
+    attention_mask = batch.attention_mask  # [B, P + R]
+    return {
+        "input_ids": batch.input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids_from_mask(attention_mask),
+    }
 
 
 # Architectures whose logits are exactly lm_head(final hidden state): no soft-capping or scaling
@@ -39,12 +42,14 @@ CHUNK_BYTES = {"compiled": 6, "eager": 16}
 @dataclass(frozen=True)
 class LogitsChunking:
     """How lm_head and the vocabulary arithmetic go over a micro-batch's positions."""
-    tokens: int          # positions per chunk
-    recompute: bool      # checkpointed: backward runs the chunk's lm_head again instead of keeping its logits
+
+    tokens: int  # positions per chunk
+    recompute: bool  # checkpointed: backward runs the chunk's lm_head again instead of keeping its logits
 
 
-def logits_chunking(positions: int, vocab: int, device: torch.device, *, grad: bool, compiled: bool,
-                    entropy_grad: bool) -> LogitsChunking:
+def logits_chunking(
+    positions: int, vocab: int, device: torch.device, *, grad: bool, compiled: bool, entropy_grad: bool
+) -> LogitsChunking:
     """Chunked and recomputed (activation checkpointing) unless the whole micro-batch's kept logits
     and a wide chunk's working set fit logits_budget: at 0.5B lm_head is about a quarter of the
     model's matmul parameters, so recomputing it adds about 9% to the update's FLOPs, and each
@@ -73,8 +78,14 @@ def compute_device(model, plan: Placement = SINGLE) -> torch.device:
     return plan.device or next(model.parameters()).device
 
 
-def response_log_probs(model, batch: RolloutBatch, temperature: float, with_entropy: bool = False,
-                       entropy_grad: bool = False, plan: Placement = SINGLE) -> tuple[Tensor, Tensor | None]:
+def response_log_probs(
+    model,
+    batch: RolloutBatch,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    plan: Placement = SINGLE,
+) -> tuple[Tensor, Tensor | None]:
     """Log-probs [B, R] of the response tokens, and their entropy [B, R] when asked.
 
     Position t predicts token t + 1, so positions P-1 .. P+R-2 predict the R response tokens. For
@@ -85,7 +96,7 @@ def response_log_probs(model, batch: RolloutBatch, temperature: float, with_entr
     """
     batch = batch.to(compute_device(model, plan))
     inputs = _model_inputs(batch)
-    targets = batch.response_ids                                            # [B, R]
+    targets = batch.response_ids  # [B, R]
     if getattr(model.config, "model_type", None) not in PLAIN_LM_HEAD:
         out = model(**inputs, use_cache=False, logits_to_keep=targets.shape[1] + 1)
         return _token_stats(out.logits[:, :-1], targets, temperature, with_entropy, entropy_grad)
@@ -93,22 +104,33 @@ def response_log_probs(model, batch: RolloutBatch, temperature: float, with_entr
     return token_stats(inputs, targets, temperature, with_entropy, entropy_grad)
 
 
-def decoder_token_stats(model, inputs: dict[str, Tensor], targets: Tensor, temperature: float, with_entropy: bool,
-                        entropy_grad: bool, fused_vocab: bool = False) -> tuple[Tensor, Tensor | None]:
+def decoder_token_stats(
+    model,
+    inputs: dict[str, Tensor],
+    targets: Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+    fused_vocab: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     response_len = targets.shape[1]
     hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
-    hidden = hidden[:, -response_len - 1:-1]                                # [B, R, H]
+    hidden = hidden[:, -response_len - 1 : -1]  # [B, R, H]
     lm_head = model.get_output_embeddings()
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)  # [B*R, H], [B*R]
     token_stats = _compiled_token_stats() if fused_vocab else _token_stats
-    chunking = logits_chunking(flat_targets.shape[0], lm_head.weight.shape[0], flat_hidden.device,
-                               grad=torch.is_grad_enabled(), compiled=fused_vocab,
-                               entropy_grad=with_entropy and entropy_grad)
+    chunking = logits_chunking(
+        flat_targets.shape[0],
+        lm_head.weight.shape[0],
+        flat_hidden.device,
+        grad=torch.is_grad_enabled(),
+        compiled=fused_vocab,
+        entropy_grad=with_entropy and entropy_grad,
+    )
     parts = []
     for start in range(0, flat_targets.shape[0], chunking.tokens):
         chunk = slice(start, start + chunking.tokens)
-        args = (lm_head, token_stats, flat_hidden[chunk], flat_targets[chunk], temperature, with_entropy,
-                entropy_grad)
+        args = (lm_head, token_stats, flat_hidden[chunk], flat_targets[chunk], temperature, with_entropy, entropy_grad)
         if chunking.recompute:
             parts.append(torch.utils.checkpoint.checkpoint(_chunk_stats, *args, use_reentrant=False))
         else:
@@ -119,8 +141,9 @@ def decoder_token_stats(model, inputs: dict[str, Tensor], targets: Tensor, tempe
     return log_probs, entropy
 
 
-def _chunk_stats(lm_head, token_stats, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
-                 entropy_grad: bool) -> tuple[Tensor, Tensor]:
+def _chunk_stats(
+    lm_head, token_stats, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool, entropy_grad: bool
+) -> tuple[Tensor, Tensor]:
     log_probs, entropy = token_stats(lm_head(hidden), targets, temperature, with_entropy, entropy_grad)
     return log_probs, entropy if entropy is not None else torch.zeros_like(log_probs)
 
@@ -133,8 +156,9 @@ def _compiled_token_stats():
     return torch.compile(_token_stats)
 
 
-def _token_stats(logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
-                 entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+def _token_stats(
+    logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool, entropy_grad: bool
+) -> tuple[Tensor, Tensor | None]:
     """Log-prob of each target and the entropy, from logits [..., V] scaled by temperature.
 
     z[target] - logsumexp(z) rather than a full log_softmax: the [tokens, V] logits are the
@@ -142,12 +166,13 @@ def _token_stats(logits: Tensor, targets: Tensor, temperature: float, with_entro
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)                                      # [...]
+    lse = torch.logsumexp(logits, dim=-1)  # [...]
     log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     entropy = None
     if with_entropy:
-        entropy = (entropy_from_logits(logits, lse) if entropy_grad
-                   else entropy_from_logits(logits.detach(), lse.detach()))
+        entropy = (
+            entropy_from_logits(logits, lse) if entropy_grad else entropy_from_logits(logits.detach(), lse.detach())
+        )
     return log_probs, entropy
 
 
@@ -155,8 +180,8 @@ def response_values(critic, batch: RolloutBatch, plan: Placement = SINGLE) -> Te
     """Critic values [B, R]: the value of the state before each response token."""
     batch = batch.to(compute_device(critic, plan))
     response_len = batch.response_ids.shape[1]
-    values = critic(**_model_inputs(batch))                                 # [B, P + R]
-    return values[:, -response_len - 1:-1].float()
+    values = critic(**_model_inputs(batch))  # [B, P + R]
+    return values[:, -response_len - 1 : -1].float()
 
 
 def per_token_outputs(batch: RolloutBatch, how: MicroBatching, compute) -> Tensor:
@@ -175,13 +200,13 @@ def per_token_outputs(batch: RolloutBatch, how: MicroBatching, compute) -> Tenso
 
 
 @torch.no_grad()
-def batched_log_probs(model, batch: RolloutBatch, how: MicroBatching, temperature: float,
-                      plan: Placement = SINGLE) -> Tensor:
+def batched_log_probs(
+    model, batch: RolloutBatch, how: MicroBatching, temperature: float, plan: Placement = SINGLE
+) -> Tensor:
     """Log-probs for a whole batch without gradients, micro-batch by micro-batch: [N, R]."""
     was_training = model.training
     model.eval()
     try:
-        return per_token_outputs(batch, how, lambda micro: response_log_probs(model, micro, temperature,
-                                                                              plan=plan)[0])
+        return per_token_outputs(batch, how, lambda micro: response_log_probs(model, micro, temperature, plan=plan)[0])
     finally:
         model.train(was_training)

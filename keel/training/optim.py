@@ -16,12 +16,16 @@ def build_optimizer(params, optim_cfg, offload: bool = False) -> torch.optim.Opt
     `offload` (fsdp_config.optimizer_offload): the moments live in CPU memory (OffloadedAdamW)."""
     params = [p for p in params if p.requires_grad]  # a frozen base (LoRA) carries no optimiser state
     if not params:
-        raise KeelError(NO_GRADIENT, "every parameter of the model is frozen: nothing would train",
-                        "unfreeze the model (a wrapper that set requires_grad=False), or use LoRA (model.lora_rank)")
+        raise KeelError(
+            NO_GRADIENT,
+            "every parameter of the model is frozen: nothing would train",
+            "unfreeze the model (a wrapper that set requires_grad=False), or use LoRA (model.lora_rank)",
+        )
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
     kind = OffloadedAdamW if offload else torch.optim.AdamW
-    return kind(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay,
-                fused=fused or None)
+    return kind(
+        params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay, fused=fused or None
+    )
 
 
 def warmup_steps(optim_cfg, total_steps: int) -> int:

@@ -14,15 +14,15 @@ import torch
 
 @dataclass(frozen=True)
 class Placement:
-    device: torch.device | None = None     # where it computes, when not its parameters' (FSDP param_offload)
-    fused_vocab: bool = False              # the vocabulary arithmetic through torch.compile (GPU)
-    token_stats: Callable | None = None    # decoder_token_stats registered with FSDP, which then gathers
-                                           # the root's parameters (embeddings, lm_head) around it
-    data_parallel_size: int = 1            # ranks whose gradients are averaged
+    device: torch.device | None = None  # where it computes, when not its parameters' (FSDP param_offload)
+    fused_vocab: bool = False  # the vocabulary arithmetic through torch.compile (GPU)
+    token_stats: Callable | None = None  # decoder_token_stats registered with FSDP, which then gathers
+    # the root's parameters (embeddings, lm_head) around it
+    data_parallel_size: int = 1  # ranks whose gradients are averaged
     # Averages gradients over ranks that each hold the whole model (DDP, fsdp_size=1); FSDP
     # reduces its own, and one rank has nothing to average.
     reduce_gradients: Callable[[list[torch.Tensor]], None] | None = None
-    optimizer_offload: bool = False        # Adam's moments in CPU memory, on the device a bucket at a time
+    optimizer_offload: bool = False  # Adam's moments in CPU memory, on the device a bucket at a time
 
 
 SINGLE = Placement()

@@ -17,7 +17,7 @@ class ReferencePolicy:
         self.batching = batching
         self.temperature = temperature  # the actor's, so KL compares the same distributions
 
-    def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:      # [N, R]
+    def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:  # [N, R]
         return batched_log_probs(self.model, batch, self.batching, self.temperature, self.placement)
 
 
@@ -28,6 +28,6 @@ class AdapterlessReference:
     def __init__(self, peft_model, batching: MicroBatching, temperature: float, placement: Placement = SINGLE):
         self.model, self.batching, self.temperature, self.placement = peft_model, batching, temperature, placement
 
-    def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:      # [N, R]
+    def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:  # [N, R]
         with self.model.disable_adapter():
             return batched_log_probs(self.model, batch, self.batching, self.temperature, self.placement)

@@ -15,9 +15,10 @@ from keel.errors import NO_GRADIENT, NONFINITE_LOSS, KeelError
 @dataclass
 class LossScale:
     """The denominators of a mini-batch's loss, so micro-batch losses add up to it exactly."""
-    tokens: torch.Tensor           # valid tokens in the mini-batch
-    seqs: torch.Tensor             # sequences with a valid token
-    norm_length: int | None        # seq-mean-token-sum-norm's constant
+
+    tokens: torch.Tensor  # valid tokens in the mini-batch
+    seqs: torch.Tensor  # sequences with a valid token
+    norm_length: int | None  # seq-mean-token-sum-norm's constant
 
     def policy_kwargs(self) -> dict:
         return {"global_tokens": self.tokens, "global_seqs": self.seqs}
@@ -41,8 +42,13 @@ class DeviceTotals:
     def floats(self) -> dict[str, float]:
         devices = [v.device for v in self.sums.values() if torch.is_tensor(v)]
         device = devices[0] if devices else torch.device("cpu")
-        values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
-                              for v in self.sums.values()]).tolist() if self.sums else []
+        values = (
+            torch.stack(
+                [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in self.sums.values()]
+            ).tolist()
+            if self.sums
+            else []
+        )
         return dict(zip(self.sums, values))
 
 
@@ -57,14 +63,22 @@ def backward(loss: torch.Tensor, role: str, data_parallel_size: int = 1) -> None
     Each rank's loss is its share of the whole mini-batch's loss (global denominators), so the
     ranks' gradients must add up; FSDP averages them, hence the multiplication."""
     if not loss.requires_grad:
-        raise KeelError(NO_GRADIENT, f"the {role} loss does not depend on any trainable parameter: every "
-                        "weight is frozen or the graph was detached before the loss")
+        raise KeelError(
+            NO_GRADIENT,
+            f"the {role} loss does not depend on any trainable parameter: every "
+            "weight is frozen or the graph was detached before the loss",
+        )
     (loss * data_parallel_size if data_parallel_size > 1 else loss).backward()
 
 
-def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, role: str,
-                    reduce_gradients: Callable[[list[torch.Tensor]], None] | None = None,
-                    totals: DeviceTotals | None = None) -> dict[str, float]:
+def apply_gradients(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    grad_clip: float,
+    role: str,
+    reduce_gradients: Callable[[list[torch.Tensor]], None] | None = None,
+    totals: DeviceTotals | None = None,
+) -> dict[str, float]:
     """Clip, check and step -> `totals`' metrics and f"{role}/grad_norm", read back with one host
     sync. A non-finite or missing gradient stops the run before it is applied.
 
@@ -78,8 +92,10 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_cli
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     missing = [name for name, p in named if p.grad is None]
     if missing:
-        raise KeelError(NO_GRADIENT, f"{len(missing)} of {len(named)} trainable {role} parameters received no "
-                        f"gradient, e.g. {missing[:3]}")
+        raise KeelError(
+            NO_GRADIENT,
+            f"{len(missing)} of {len(named)} trainable {role} parameters received no gradient, e.g. {missing[:3]}",
+        )
     params = [p for _, p in named]
     if reduce_gradients is not None:
         reduce_gradients(params)
@@ -97,9 +113,12 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_cli
     if not math.isfinite(metrics[f"{role}/grad_norm"]):
         bad = [name for name, p in named if not torch.isfinite(full_value(p.grad)).all()]
         optimizer.zero_grad(set_to_none=True)
-        raise KeelError(NONFINITE_LOSS, f"{role} gradient norm is {metrics[f'{role}/grad_norm']} (non-finite in "
-                        f"{len(bad)} parameters, e.g. {bad[:3]}); the update was refused and the weights "
-                        "are unchanged")
+        raise KeelError(
+            NONFINITE_LOSS,
+            f"{role} gradient norm is {metrics[f'{role}/grad_norm']} (non-finite in "
+            f"{len(bad)} parameters, e.g. {bad[:3]}); the update was refused and the weights "
+            "are unchanged",
+        )
     if not steps_on_device:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -114,8 +133,11 @@ def skips_nonfinite_on_device(optimizer: torch.optim.Optimizer, params: list[tor
     """Whether the optimiser's step can skip itself on the device (found_inf): torch's fused Adam
     and AdamW leave weights, moments and step count as they were; sharded parameters (DTensors)
     are left to the plain path."""
-    return (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(optimizer.defaults.get("fused"))
-            and not _sharded(params))
+    return (
+        isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+        and bool(optimizer.defaults.get("fused"))
+        and not _sharded(params)
+    )
 
 
 def clip_gradients(params: list[torch.Tensor], grad_clip: float) -> torch.Tensor:
@@ -139,8 +161,9 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def update_role(role: str, model: nn.Module, scheduler, minis: list,
-                update_mini_batch: Callable[[object], dict[str, float]]) -> dict[str, float]:
+def update_role(
+    role: str, model: nn.Module, scheduler, minis: list, update_mini_batch: Callable[[object], dict[str, float]]
+) -> dict[str, float]:
     """One RL step's update of a role (actor or critic): an optimiser step per mini-batch, each
     returning its metrics, averaged over the mini-batches; the LR schedule steps once per RL step."""
     model.train()

@@ -32,8 +32,15 @@ def setup(model_dir, n, init_std: float | None = None):
 
 
 # (tiny model's architecture, weights' std)
-FAMILIES = [("qwen2", 0.2), ("qwen3", 0.2), ("qwen3_moe", 0.5), ("gemma3_text", 0.02), ("olmo2", 0.1),
-            ("smollm3", 0.2), ("gpt_oss", 0.2)]
+FAMILIES = [
+    ("qwen2", 0.2),
+    ("qwen3", 0.2),
+    ("qwen3_moe", 0.5),
+    ("gemma3_text", 0.02),
+    ("olmo2", 0.1),
+    ("smollm3", 0.2),
+    ("gpt_oss", 0.2),
+]
 
 
 @pytest.mark.parametrize("arch, init_std", FAMILIES)
@@ -41,8 +48,9 @@ def test_graph_replay_equals_eager_and_greedy_equals_hf(tmp_path, arch, init_std
     from keel.models.tiny import make_tiny_model
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    model, tokenizer, prompts = setup(make_tiny_model(tmp_path / "m", arch=arch, hidden_size=128, num_layers=4), n=3,
-                                      init_std=init_std)
+    model, tokenizer, prompts = setup(
+        make_tiny_model(tmp_path / "m", arch=arch, hidden_size=128, num_layers=4), n=3, init_std=init_std
+    )
     greedy = SamplingParams(do_sample=False, max_new_tokens=40, ignore_eos=True)
     graphs = NativeRolloutEngine(model, tokenizer, 256, torch.float32).generate(prompts, greedy)
     eager = NativeRolloutEngine(model, tokenizer, 256, torch.float32, enforce_eager=True).generate(prompts, greedy)
@@ -131,8 +139,12 @@ def test_triton_decode_attention_matches_sdpa(kv_heads, group, dim, splits, colu
     and SDPA over a masked cache, on bf16 rows with different left padding; in one pass and in
     splits (rows whose first column falls in a later split, and a new token at a split's start);
     with attention sinks (GPT-OSS) against the sinks' softmax in float32."""
-    from keel.rollout.native.attention import (KernelConfig, sdpa_decode_attention, triton_available,
-                                               triton_decode_attention)
+    from keel.rollout.native.attention import (
+        KernelConfig,
+        sdpa_decode_attention,
+        triton_available,
+        triton_decode_attention,
+    )
 
     if not triton_available(CUDA, torch.bfloat16, dim):
         pytest.skip("no Triton")
@@ -141,10 +153,13 @@ def test_triton_decode_attention_matches_sdpa(kv_heads, group, dim, splits, colu
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     q = torch.randn(batch, kv_heads * group, 1, dim, **bf16)
     k, v = torch.randn(batch, kv_heads, 1, dim, **bf16), torch.randn(batch, kv_heads, 1, dim, **bf16)
-    k_cache, v_cache = torch.randn(batch, kv_heads, length, dim, **bf16), torch.randn(batch, kv_heads, length, dim, **bf16)
+    k_cache, v_cache = (
+        torch.randn(batch, kv_heads, length, dim, **bf16),
+        torch.randn(batch, kv_heads, length, dim, **bf16),
+    )
     pad = torch.tensor([0, 1, 5, 63, 64, 65, 130, 200, 0], device="cuda")
     column = torch.tensor([column], device="cuda")
-    visible = ((torch.arange(length, device="cuda") >= pad[:, None]) & (torch.arange(length, device="cuda") <= column))
+    visible = (torch.arange(length, device="cuda") >= pad[:, None]) & (torch.arange(length, device="cuda") <= column)
     caches = (k_cache.clone(), v_cache.clone())
     sink = torch.randn(kv_heads * group, **bf16) * 3 if sinks else None
     expected = sdpa_decode_attention(q, k, v, k_cache, v_cache, pad, column, visible[:, None, None], sinks=sink)
@@ -157,8 +172,12 @@ def test_triton_decode_attention_matches_sdpa(kv_heads, group, dim, splits, colu
 @pytest.mark.parametrize("kv_heads, group, dim", [(2, 7, 64), (8, 1, 128)])
 def test_triton_decode_attention_reads_rows_through_the_table_as_sdpa_does(kv_heads, group, dim, splits):
     """Continuous batching: query b is cache row rows[b] at its own column."""
-    from keel.rollout.native.attention import (KernelConfig, sdpa_decode_attention, triton_available,
-                                               triton_decode_attention)
+    from keel.rollout.native.attention import (
+        KernelConfig,
+        sdpa_decode_attention,
+        triton_available,
+        triton_decode_attention,
+    )
 
     if not triton_available(CUDA, torch.bfloat16, dim):
         pytest.skip("no Triton")
@@ -174,10 +193,10 @@ def test_triton_decode_attention_reads_rows_through_the_table_as_sdpa_does(kv_he
     pad = torch.zeros_like(rows)
     visible = (torch.arange(length, device="cuda") <= column[:, None])[:, None, None]
     caches = (k_cache.clone(), v_cache.clone())
-    expected = sdpa_decode_attention(q[:5], k[:5], v[:5], k_cache, v_cache, pad[:5], column[:5], visible[:5],
-                                     rows[:5])
-    got = triton_decode_attention(q[:5], k[:5], v[:5], *caches, pad[:5], column[:5], rows=rows[:5],
-                                  config=KernelConfig(**SPLITS[splits]))
+    expected = sdpa_decode_attention(q[:5], k[:5], v[:5], k_cache, v_cache, pad[:5], column[:5], visible[:5], rows[:5])
+    got = triton_decode_attention(
+        q[:5], k[:5], v[:5], *caches, pad[:5], column[:5], rows=rows[:5], config=KernelConfig(**SPLITS[splits])
+    )
     assert (got.float() - expected.float()).abs().max().item() < 2e-2
     assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
 
@@ -194,8 +213,9 @@ def test_continuous_batching_graphs_equal_eager_and_hf(tmp_path, monkeypatch, ar
 
     torch.backends.cuda.matmul.allow_tf32 = False
     monkeypatch.setattr(batching, "DONE_CHECK_EVERY", 4)
-    model, tokenizer, prompts = setup(make_tiny_model(tmp_path / "m", arch=arch, hidden_size=128, num_layers=4), n=3,
-                                      init_std=init_std)
+    model, tokenizer, prompts = setup(
+        make_tiny_model(tmp_path / "m", arch=arch, hidden_size=128, num_layers=4), n=3, init_std=init_std
+    )
     hf = HFRolloutEngine(model, tokenizer)
     free_run = hf.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=40, ignore_eos=True)).response_ids
     stop = int(free_run[:, 3:].flatten().mode().values)  # a stop token that really occurs, at varied depths
@@ -219,8 +239,12 @@ def test_continuous_batching_graphs_equal_eager_and_hf(tmp_path, monkeypatch, ar
         return text[::-1]
 
     options = AgentOptions(max_assistant_turns=4, budget=200, turn_tokens=12, format="every-turn")
-    turns = [AgentLoop(engine, tokenizer, [echo], options, engine.eos_ids).generate(
-        prompts, SamplingParams(do_sample=False, max_new_tokens=200)) for engine in (graphs, hf)]
+    turns = [
+        AgentLoop(engine, tokenizer, [echo], options, engine.eos_ids).generate(
+            prompts, SamplingParams(do_sample=False, max_new_tokens=200)
+        )
+        for engine in (graphs, hf)
+    ]
     assert max(r.extra_info["num_turns"] for r in turns[1].records) >= 5
     assert turns[0].response_ids.tolist() == turns[1].response_ids.tolist()
     assert torch.equal(turns[0].response_mask, turns[1].response_mask)

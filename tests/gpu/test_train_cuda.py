@@ -22,7 +22,7 @@ def test_train_on_gpu(estimator, dtype, tiny_config, tiny_assets):
     result = train(tiny_config)
 
     assert result.last_step == 2
-    records = [json.loads(l) for l in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(v) for r in records for v in r.values())
     before = load_file(tiny_assets["model"] / "model.safetensors")
     after = load_file(Path(result.run_dir) / "global_step_2" / "actor" / "model.safetensors")

@@ -15,16 +15,23 @@ CUDA = torch.device("cuda")
 
 
 def _log_probs_and_gradients(model, recompute: bool, monkeypatch):
-    monkeypatch.setattr(forward, "logits_chunking",
-                        lambda positions, vocab, device, grad, **_: forward.LogitsChunking(16, recompute and grad))
+    monkeypatch.setattr(
+        forward,
+        "logits_chunking",
+        lambda positions, vocab, device, grad, **_: forward.LogitsChunking(16, recompute and grad),
+    )
     generator = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (4, 40), device=CUDA, generator=generator)
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-              "position_ids": torch.arange(40, device=CUDA).expand(4, -1)}
+    inputs = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": torch.arange(40, device=CUDA).expand(4, -1),
+    }
     model.zero_grad(set_to_none=True)
     with autocast(CUDA, torch.bfloat16):
-        log_probs, entropy = forward.decoder_token_stats(model, inputs, ids[:, 20:], 0.9, with_entropy=True,
-                                                         entropy_grad=False, fused_vocab=True)
+        log_probs, entropy = forward.decoder_token_stats(
+            model, inputs, ids[:, 20:], 0.9, with_entropy=True, entropy_grad=False, fused_vocab=True
+        )
     log_probs.sum().backward()
     return log_probs.detach(), entropy, [p.grad.clone() for p in model.parameters()]
 
@@ -68,9 +75,17 @@ def test_a_batch_moves_to_the_gpu_without_waiting_for_it():
     from keel.types import RolloutBatch
 
     n, r = 4, 6
-    batch = RolloutBatch(torch.ones(n, 3, dtype=torch.long), torch.ones(n, 3, dtype=torch.long),
-                         torch.arange(n * r).view(n, r)[:, 1:], torch.ones(n, r - 1), torch.randn(n, r - 1),
-                         torch.arange(n), [None] * n, [""] * n, torch.zeros(n, dtype=torch.bool))
+    batch = RolloutBatch(
+        torch.ones(n, 3, dtype=torch.long),
+        torch.ones(n, 3, dtype=torch.long),
+        torch.arange(n * r).view(n, r)[:, 1:],
+        torch.ones(n, r - 1),
+        torch.randn(n, r - 1),
+        torch.arange(n),
+        [None] * n,
+        [""] * n,
+        torch.zeros(n, dtype=torch.bool),
+    )
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

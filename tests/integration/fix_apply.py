@@ -52,9 +52,9 @@ class Attempt:
         error's own indentation (a list of several problems has its own, indented deeper)."""
         match = next(m for m in ERROR.finditer(self.output) if m.group(2) == code)
         indent = match.group(1)
-        for line in self.output[match.end():].splitlines():
+        for line in self.output[match.end() :].splitlines():
             if line.startswith(f"{indent}fix: "):
-                return line[len(indent) + len("fix: "):]
+                return line[len(indent) + len("fix: ") :]
         raise AssertionError(f"no fix line for {code} in:\n{self.output}")
 
 
@@ -79,7 +79,8 @@ class Applier:
         argv = list(argv)
         for new, old in IN_PLACE.findall(option):  # not on the command line: written in the config file
             argv = [w for a in argv for w in (shlex.split(new) if a == old else [a])] + (
-                [] if old in argv else shlex.split(new))
+                [] if old in argv else shlex.split(new)
+            )
             option = option.replace(f"`{new}` in place of `{old}`", "")
         for field, path in JSON_EDIT.findall(option):
             key, _, value = field.partition(": ")
@@ -119,8 +120,9 @@ class Applier:
 
     def _serve(self, args: list[str]) -> None:
         """Start `keel reward-server ...` and wait for its /health, as a user's second terminal would."""
-        service = subprocess.Popen([sys.executable, "-m", "keel", *args], stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL)
+        service = subprocess.Popen(
+            [sys.executable, "-m", "keel", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         self.services.append(service)
         port = args[args.index("--port") + 1]
         for _ in range(600):  # it imports keel first: tens of seconds on a busy machine
@@ -137,8 +139,7 @@ class Applier:
             service.wait(timeout=30)
 
 
-def apply_and_rerun(argv: list[str], code: str, applier: Applier,
-                    then: tuple[str, ...] = ()) -> tuple[str, Attempt]:
+def apply_and_rerun(argv: list[str], code: str, applier: Applier, then: tuple[str, ...] = ()) -> tuple[str, Attempt]:
     """Make the mistake, apply its fix line as printed, run again: (the fix line, the second run).
     The error must be gone, and the command must then work: where the fixed command stops at another
     check, that check's printed fix is applied too (twice at most), as a user would follow them.
@@ -157,8 +158,9 @@ def apply_and_rerun(argv: list[str], code: str, applier: Applier,
         fixed = applier.apply(followed[-1], fixed)
         last = attempt(fixed)
         assert f"error[{code}]" not in last.output, f"fixes: {followed}\nand then:\n{last.output}"
-    assert last.status == 0 or (last.codes and set(last.codes) <= set(then)), \
+    assert last.status == 0 or (last.codes and set(last.codes) <= set(then)), (
         f"fixes followed: {followed}\nand then:\n{last.output[-3000:]}"
+    )
     return fix, second
 
 
@@ -166,6 +168,7 @@ def apply_and_rerun(argv: list[str], code: str, applier: Applier,
 class Context:
     """A mistake's surroundings: the tiny config as a file, its assets, a scratch folder (the working
     directory, so relative paths a fix names land there)."""
+
     cfg: dict
     assets: dict
     tmp: Path

@@ -9,17 +9,49 @@ from keel.bench.workloads import WORKLOADS
 from keel.cli import main
 from keel.config.load import load_config
 
-REQUIRED = ("workload", "date", "commit", "device", "step_time_s", "gen_tokens_per_s", "update_tokens_per_s",
-            "update_mfu", "throughput_tokens_per_s_per_gpu", "peak_memory_gb", "log_prob_gap",
-            "decode_tokens_per_s", "decode_bandwidth_utilisation", "update_mfu_datasheet", "datasheet",
-            "peak_tflops_measured", "logprob_tokens_per_s", "peak_memory_gb_per_phase")
+REQUIRED = (
+    "workload",
+    "date",
+    "commit",
+    "device",
+    "step_time_s",
+    "gen_tokens_per_s",
+    "update_tokens_per_s",
+    "update_mfu",
+    "throughput_tokens_per_s_per_gpu",
+    "peak_memory_gb",
+    "log_prob_gap",
+    "decode_tokens_per_s",
+    "decode_bandwidth_utilisation",
+    "update_mfu_datasheet",
+    "datasheet",
+    "peak_tflops_measured",
+    "logprob_tokens_per_s",
+    "peak_memory_gb_per_phase",
+)
 
 
 def test_bench_appends_a_record_with_the_required_fields(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("KEEL_COMMIT", "abc1234")  # what a copy of the tree without git history reports
     out = tmp_path / "results.jsonl"
-    assert main(["bench", "tiny,tiny", "trainer.device=cpu", "--steps", "1", "--warmup", "1", "--out", str(out),
-                 "--profile", str(tmp_path / "profile")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "tiny,tiny",
+                "trainer.device=cpu",
+                "--steps",
+                "1",
+                "--warmup",
+                "1",
+                "--out",
+                str(out),
+                "--profile",
+                str(tmp_path / "profile"),
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 2 and all(set(REQUIRED) <= set(r) for r in records)
     r = records[0]
@@ -34,7 +66,7 @@ def test_bench_appends_a_record_with_the_required_fields(tmp_path, capsys, monke
     assert r["update_mfu"] is None and r["datasheet"] is None  # no GPU: no peak, no datasheet to read against
     assert r["logprob_tokens_per_s"] > 0
     assert 0 <= r["log_prob_gap"] < 1e-3  # float32 on CPU: sampler and trainer agree
-    assert capsys.readouterr().out.count("\"workload\": \"tiny\"") == 2  # and printed
+    assert capsys.readouterr().out.count('"workload": "tiny"') == 2  # and printed
     # --profile: one more step's operators, with keel's phases as named ranges
     table = (tmp_path / "profile" / "profile_tiny_1gpu.txt").read_text()
     assert "update_actor" in table and "aten::mm" in table
@@ -81,8 +113,9 @@ def test_the_profiled_step_is_one_more_and_left_out_of_the_timings(tmp_path, mon
         return steps[-1]
 
     monkeypatch.setattr(RLTrainer, "guarded_step", recorded_step)
-    record = run.run_bench("tiny", steps=1, warmup=1, overrides=["trainer.device=cpu"], workdir=tmp_path,
-                           profile_dir=tmp_path / "profile")
+    record = run.run_bench(
+        "tiny", steps=1, warmup=1, overrides=["trainer.device=cpu"], workdir=tmp_path, profile_dir=tmp_path / "profile"
+    )
     assert len(steps) == 3  # warm-up, measured, profiled
     assert record["step_time_s"] == steps[1]["timing_s/step"]
     assert (tmp_path / "profile" / "profile_tiny_1gpu.txt").exists()

@@ -22,8 +22,12 @@ def quickstart(tmp_path_factory) -> Path:
 
 
 def test_quickstart_prints_a_page_before_step_1_and_each_warning_once(quickstart):
-    run = subprocess.run([sys.executable, "-m", "keel", "train", "examples/quickstart/grpo.yaml",
-                          "trainer.total_training_steps=6"], cwd=quickstart, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "keel", "train", "examples/quickstart/grpo.yaml", "trainer.total_training_steps=6"],
+        cwd=quickstart,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     lines = (run.stderr + run.stdout).splitlines()
     first_step = next(i for i, line in enumerate(lines) if line.startswith("step 1 |"))
@@ -55,11 +59,14 @@ def test_quickstart_prints_a_page_before_step_1_and_each_warning_once(quickstart
 def test_a_finished_run_asked_again_returns_its_last_metrics(quickstart, tmp_path):
     import keel
 
-    overrides = ["trainer.total_training_steps=2", f"trainer.default_local_dir={tmp_path / 'run'}",
-                 "data.train_files=[" + str(quickstart / "examples/data/train.jsonl") + "]",
-                 "data.val_files=[" + str(quickstart / "examples/data/val.jsonl") + "]",
-                 f"actor_rollout_ref.model.path={quickstart / 'examples/data/model'}",
-                 f"custom_reward_function.path={quickstart / 'examples/quickstart/reward.py'}"]
+    overrides = [
+        "trainer.total_training_steps=2",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        "data.train_files=[" + str(quickstart / "examples/data/train.jsonl") + "]",
+        "data.val_files=[" + str(quickstart / "examples/data/val.jsonl") + "]",
+        f"actor_rollout_ref.model.path={quickstart / 'examples/data/model'}",
+        f"custom_reward_function.path={quickstart / 'examples/quickstart/reward.py'}",
+    ]
     config = str(quickstart / "examples/quickstart/grpo.yaml")
     first = keel.train(config, overrides)
     again = keel.train(config, overrides)  # "nothing to do": the run is at its last step

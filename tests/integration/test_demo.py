@@ -24,12 +24,29 @@ def test_shortened_demo_raises_heldout_accuracy_and_reruns_cleanly(tmp_path):
     again = run_demo(out, SHORT, console=False)  # the finished demo's table, read back, nothing trained again
     assert again.earlier and not first.earlier
     assert (again.acc_before, again.acc_after, again.sft_steps, again.seconds) == (
-        first.acc_before, first.acc_after, first.sft_steps, first.seconds)  # the wall time is the first run's
+        first.acc_before,
+        first.acc_after,
+        first.sft_steps,
+        first.seconds,
+    )  # the wall time is the first run's
     assert (out / "grpo" / "metrics.jsonl").read_text() == metrics
 
-    other = run_demo(out, DemoSettings(sft_chunk=5, sft_max_steps=5, grpo_steps=1, grpo_prompts=8,
-                                       grpo_mini_batches=1, n_sft=64, n_rl=16, n_dev=8, n_heldout=8, test_freq=1),
-                     console=False)
+    other = run_demo(
+        out,
+        DemoSettings(
+            sft_chunk=5,
+            sft_max_steps=5,
+            grpo_steps=1,
+            grpo_prompts=8,
+            grpo_mini_batches=1,
+            n_sft=64,
+            n_rl=16,
+            n_dev=8,
+            n_heldout=8,
+            test_freq=1,
+        ),
+        console=False,
+    )
     assert other.sft_steps == 5  # other settings: the old demo was cleared, not mixed in
 
 

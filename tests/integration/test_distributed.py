@@ -17,14 +17,15 @@ from keel.data.prompts import collate_prompts  # noqa: E402
 from keel.distributed.group import LocalGroup  # noqa: E402
 from keel.distributed.pools import role_group  # noqa: E402
 from keel.distributed.worker import RoleWorker, WorkerSpec  # noqa: E402
-from keel.trainer.setup import load_prompts  # noqa: E402
 from keel.trainer.roles import WorkerRoles  # noqa: E402
+from keel.trainer.setup import load_prompts  # noqa: E402
 from keel.types import SamplingParams  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
     import ray
+
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2, log_to_driver=False)
     yield ray
     ray.shutdown()
@@ -32,45 +33,88 @@ def ray_cluster():
 
 SHARDING = {  # fsdp_config keys of each role, by test id
     "fsdp": [],
-    "replicated": [f"{role}.fsdp_config.fsdp_size=1" for role in
-                   ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")],
-    "offload": ["actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
-                "actor_rollout_ref.ref.fsdp_config.param_offload=true", "critic.model.fsdp_config.param_offload=true"],
+    "replicated": [
+        f"{role}.fsdp_config.fsdp_size=1"
+        for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")
+    ],
+    "offload": [
+        "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
+        "actor_rollout_ref.ref.fsdp_config.param_offload=true",
+        "critic.model.fsdp_config.param_offload=true",
+    ],
     # LoRA's adapters sharded with the frozen base, which is offloaded, and trap 8: gradient
     # checkpointing on the workers only, and the same gradients as the one process without it.
-    "lora": ["actor_rollout_ref.actor.fsdp_config.param_offload=true",
-             "actor_rollout_ref.model.enable_gradient_checkpointing=true"],
+    "lora": [
+        "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+    ],
 }
-LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
-        "actor_rollout_ref.model.target_modules=all-linear", "actor_rollout_ref.actor.optim.lr=1e-2"]
+LORA = [
+    "actor_rollout_ref.model.lora_rank=4",
+    "actor_rollout_ref.model.lora_alpha=8",
+    "actor_rollout_ref.model.target_modules=all-linear",
+    "actor_rollout_ref.actor.optim.lr=1e-2",
+]
 
 
-def ppo_config(tiny_config: dict, workers: int, dynamic: bool = False, sharding: str = "fsdp",
-               critic_pool: bool = False, lora: bool = False):
+def ppo_config(
+    tiny_config: dict,
+    workers: int,
+    dynamic: bool = False,
+    sharding: str = "fsdp",
+    critic_pool: bool = False,
+    lora: bool = False,
+):
     """Every role: actor, reference (KL loss), critic (GAE); two mini-batches of 8 samples. With
     `dynamic`, every forward pass is cut by a token budget (ranks then disagree on how many
     passes they need, and must agree). `sharding`: a key of SHARDING (replicated: fsdp_size=1 for
     every role, i.e. DDP)."""
-    dynamic_keys = [f"{key}={value}" for key, value in [
-        ("actor_rollout_ref.actor.use_dynamic_bsz", "true"), ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", 64),
-        ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "true"),
-        ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", 64),
-        ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "true"),
-        ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", 64),
-        ("critic.use_dynamic_bsz", "true"), ("critic.ppo_max_token_len_per_gpu", 64)]] if dynamic else []
-    return load_config(tiny_config, ["trainer.device=cpu", f"trainer.n_gpus_per_node={workers}",
-                                     "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
-                                     "actor_rollout_ref.actor.kl_loss_coef=0.5", *dynamic_keys, *SHARDING[sharding],
-                                     *(["critic.enable_resource_pool=true"] if critic_pool else []),
-                                     *(LORA if lora else [])])
+    dynamic_keys = (
+        [
+            f"{key}={value}"
+            for key, value in [
+                ("actor_rollout_ref.actor.use_dynamic_bsz", "true"),
+                ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", 64),
+                ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "true"),
+                ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", 64),
+                ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "true"),
+                ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", 64),
+                ("critic.use_dynamic_bsz", "true"),
+                ("critic.ppo_max_token_len_per_gpu", 64),
+            ]
+        ]
+        if dynamic
+        else []
+    )
+    return load_config(
+        tiny_config,
+        [
+            "trainer.device=cpu",
+            f"trainer.n_gpus_per_node={workers}",
+            "algorithm.adv_estimator=gae",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.actor.kl_loss_coef=0.5",
+            *dynamic_keys,
+            *SHARDING[sharding],
+            *(["critic.enable_resource_pool=true"] if critic_pool else []),
+            *(LORA if lora else []),
+        ],
+    )
 
 
 ROLLOUT_CORRECTION = {  # decoupled: the trainer's weights and mask travel; bypass: computed per micro-batch
-    "decoupled": ["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=token_k1",
-                  "algorithm.rollout_correction.rollout_rs_threshold=2"],
-    "bypass": ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=reinforce",
-               "algorithm.rollout_correction.rollout_is=sequence", "algorithm.rollout_correction.rollout_rs=token_k2",
-               "algorithm.rollout_correction.rollout_rs_threshold=1e-7"],
+    "decoupled": [
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_rs=token_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold=2",
+    ],
+    "bypass": [
+        "algorithm.rollout_correction.bypass_mode=true",
+        "algorithm.rollout_correction.loss_type=reinforce",
+        "algorithm.rollout_correction.rollout_is=sequence",
+        "algorithm.rollout_correction.rollout_rs=token_k2",
+        "algorithm.rollout_correction.rollout_rs_threshold=1e-7",
+    ],
 }
 
 
@@ -81,13 +125,21 @@ def test_two_workers_correct_the_rollout_as_one_process(tiny_config, tmp_path, r
     a masked filler: the update's numbers are one process's."""
     extra = ROLLOUT_CORRECTION[mode]
     one_cfg = load_config(tiny_config, ["trainer.device=cpu", *extra])
-    two_cfg = load_config(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2", *extra,
-                                        "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                                        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64"])
+    two_cfg = load_config(
+        tiny_config,
+        [
+            "trainer.device=cpu",
+            "trainer.n_gpus_per_node=2",
+            *extra,
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
+        ],
+    )
     one = WorkerRoles.of(LocalGroup(RoleWorker(WorkerSpec.of(one_cfg, total_steps=2))), one_cfg, pad_token_id=0)
     tokenizer = one.group.worker.tokenizer
-    prompts = collate_prompts(load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4],
-                              tokenizer.pad_token_id).repeat_interleave(4)
+    prompts = collate_prompts(
+        load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4], tokenizer.pad_token_id
+    ).repeat_interleave(4)
     batch, _ = one.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
     batch = batch.select(list(range(15)))
     torch.manual_seed(0)
@@ -120,8 +172,9 @@ def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ra
     two_cfg = ppo_config(tiny_config, 2, dynamic=True, sharding=sharding, lora=lora)
     one = WorkerRoles.of(LocalGroup(RoleWorker(WorkerSpec.of(one_cfg, total_steps=2))), one_cfg, pad_token_id=0)
     tokenizer = one.group.worker.tokenizer
-    prompts = collate_prompts(load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4],
-                              tokenizer.pad_token_id).repeat_interleave(4)
+    prompts = collate_prompts(
+        load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4], tokenizer.pad_token_id
+    ).repeat_interleave(4)
     batch, _ = one.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
     batch = batch.select(list(range(15)))  # odd: one rank's part is padded with a masked sample
     torch.manual_seed(0)
@@ -156,10 +209,13 @@ def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ra
     single, split = (load_file(tmp_path / run / "actor" / weights) for run in ("one", "two"))
     assert single.keys() == split.keys()
     if lora:  # B starts at 0: it moved, and nothing of the base is in the checkpoint
-        assert all("lora_" in k for k in single) and max(float(single[k].abs().max()) for k in single
-                                                           if "lora_B" in k) > 1e-3
+        assert (
+            all("lora_" in k for k in single)
+            and max(float(single[k].abs().max()) for k in single if "lora_B" in k) > 1e-3
+        )
     else:
         import json  # loaders find the model's class by this name, never FSDP's wrapper
+
         architectures = json.loads((tmp_path / "two" / "actor" / "config.json").read_text())["architectures"]
         assert architectures == ["Qwen2ForCausalLM"]
         initial = load_file(Path(one_cfg.actor_rollout_ref.model.path) / "model.safetensors")
@@ -176,8 +232,9 @@ def test_a_critic_on_workers_of_its_own_takes_the_same_step(tiny_config, tmp_pat
     one_cfg, pool_cfg = ppo_config(tiny_config, 1), ppo_config(tiny_config, 1, critic_pool=True)
     one = WorkerRoles.of(LocalGroup(RoleWorker(WorkerSpec.of(one_cfg, total_steps=2))), one_cfg, pad_token_id=0)
     tokenizer = one.group.worker.tokenizer
-    prompts = collate_prompts(load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4],
-                              tokenizer.pad_token_id).repeat_interleave(4)
+    prompts = collate_prompts(
+        load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4], tokenizer.pad_token_id
+    ).repeat_interleave(4)
     batch, _ = one.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
     torch.manual_seed(0)
     batch.advantages = torch.randn(batch.response_mask.shape) * batch.response_mask
@@ -209,8 +266,13 @@ def write_config(cfg: dict, path: Path) -> Path:
 
 
 def keel_train(config: Path, *overrides: str, env: dict | None = None, timeout: int = 900):
-    return subprocess.run([sys.executable, "-m", "keel", "train", str(config), "trainer.device=cpu", *overrides],
-                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "keel", "train", str(config), "trainer.device=cpu", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_checkpoints_resume_on_a_different_number_of_workers(tiny_config, tmp_path):
@@ -225,6 +287,7 @@ def test_checkpoints_resume_on_a_different_number_of_workers(tiny_config, tmp_pa
     from transformers import AutoModelForCausalLM
 
     from keel.cli import main
+
     assert main(["export", str(run_dir / "global_step_2"), str(tmp_path / "exported")]) == 0
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")  # a whole model, not shards
     initial = AutoModelForCausalLM.from_pretrained(tiny_config["actor_rollout_ref"]["model"]["path"])
@@ -237,6 +300,7 @@ def test_checkpoints_resume_on_a_different_number_of_workers(tiny_config, tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "global_step_3" in proc.stderr
     import json
+
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s for s in steps if s > 0] == [1, 2, 3, 4]
 
@@ -248,8 +312,13 @@ def test_sharding_in_pairs_on_four_workers_keeps_the_sampler_on_the_updated_poli
     import json
 
     config = write_config(tiny_config, tmp_path / "cfg.yaml")
-    proc = keel_train(config, "trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.fsdp_config.fsdp_size=2",
-                      "trainer.total_training_steps=2", timeout=400)
+    proc = keel_train(
+        config,
+        "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.actor.fsdp_config.fsdp_size=2",
+        "trainer.total_training_steps=2",
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = (Path(tiny_config["trainer"]["default_local_dir"]) / "metrics.jsonl").read_text().splitlines()
     second = [m for m in map(json.loads, lines) if m["step"] == 2][-1]
@@ -259,31 +328,60 @@ def test_sharding_in_pairs_on_four_workers_keeps_the_sampler_on_the_updated_poli
 def test_keel_train_with_the_critic_on_workers_of_its_own(tiny_config, tmp_path):
     """A run with a critic pool, then resumed with the critic colocated: the same checkpoint."""
     config = write_config(tiny_config, tmp_path / "cfg.yaml")
-    proc = keel_train(config, "algorithm.adv_estimator=gae", "critic.enable_resource_pool=true",
-                      "trainer.total_training_steps=1", "trainer.save_freq=1")
+    proc = keel_train(
+        config,
+        "algorithm.adv_estimator=gae",
+        "critic.enable_resource_pool=true",
+        "trainer.total_training_steps=1",
+        "trainer.save_freq=1",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "starting 1 critic workers" in proc.stderr
     proc = keel_train(config, "algorithm.adv_estimator=gae", "trainer.total_training_steps=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "global_step_1" in proc.stderr
     import json
+
     metrics = (Path(tiny_config["trainer"]["default_local_dir"]) / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in metrics][-2:] == [1, 2] and "critic/vf_loss" in json.loads(metrics[-1])
 
 
-@pytest.mark.parametrize("fault, overrides, code, expected", [
-    ("raise:update_actor:1", ["trainer.n_gpus_per_node=2", "trainer.collective_timeout_s=10"], "KEEL-P001",
-     ["rank 1 of 2", "role actor_rollout_ref", "phase update_actor", "InjectedFault", "worker traceback"]),
-    ("die:update_actor:1", ["trainer.n_gpus_per_node=2", "trainer.collective_timeout_s=10"], "KEEL-P002",
-     ["rank 1 of 2", "phase update_actor", "Last memory reading: rss_gb="]),
-    ("hang:update_actor:1", ["trainer.n_gpus_per_node=2", "trainer.collective_timeout_s=10"], "KEEL-P003",
-     ["Ranks that did not arrive: [1]", "collective timed out"]),
-    # The phase deadline first: rank 0 still waits in FSDP's all-gather, rank 1 never came.
-    ("hang:update_actor:1", ["trainer.n_gpus_per_node=2", "trainer.guards.phase_timeout_s=20"], "KEEL-P003",
-     ["ran past trainer.guards.phase_timeout_s", "Ranks that did not arrive: [1]; still running: [0, 1]"]),
-    ("raise:update_critic:0", ["algorithm.adv_estimator=gae", "critic.enable_resource_pool=true"], "KEEL-P001",
-     ["rank 0 of 1", "role critic", "phase update_critic"]),  # a pool's failure names its own role
-])
+@pytest.mark.parametrize(
+    "fault, overrides, code, expected",
+    [
+        (
+            "raise:update_actor:1",
+            ["trainer.n_gpus_per_node=2", "trainer.collective_timeout_s=10"],
+            "KEEL-P001",
+            ["rank 1 of 2", "role actor_rollout_ref", "phase update_actor", "InjectedFault", "worker traceback"],
+        ),
+        (
+            "die:update_actor:1",
+            ["trainer.n_gpus_per_node=2", "trainer.collective_timeout_s=10"],
+            "KEEL-P002",
+            ["rank 1 of 2", "phase update_actor", "Last memory reading: rss_gb="],
+        ),
+        (
+            "hang:update_actor:1",
+            ["trainer.n_gpus_per_node=2", "trainer.collective_timeout_s=10"],
+            "KEEL-P003",
+            ["Ranks that did not arrive: [1]", "collective timed out"],
+        ),
+        # The phase deadline first: rank 0 still waits in FSDP's all-gather, rank 1 never came.
+        (
+            "hang:update_actor:1",
+            ["trainer.n_gpus_per_node=2", "trainer.guards.phase_timeout_s=20"],
+            "KEEL-P003",
+            ["ran past trainer.guards.phase_timeout_s", "Ranks that did not arrive: [1]; still running: [0, 1]"],
+        ),
+        (
+            "raise:update_critic:0",
+            ["algorithm.adv_estimator=gae", "critic.enable_resource_pool=true"],
+            "KEEL-P001",
+            ["rank 0 of 1", "role critic", "phase update_critic"],
+        ),  # a pool's failure names its own role
+    ],
+)
 def test_a_failing_worker_ends_the_run_with_its_code_and_rank(tiny_config, tmp_path, fault, overrides, code, expected):
     config = write_config(tiny_config, tmp_path / "cfg.yaml")
     proc = keel_train(config, *overrides, env={"KEEL_INJECT_FAULT": fault}, timeout=900)

@@ -11,11 +11,13 @@ from keel.api import train
 from keel.errors import FILTER_GROUPS_EXHAUSTED, KeelError
 
 # Even rows score 1 whatever is written (no signal); odd rows score by the response (a signal).
-HALF_FLAT = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-             "    if extra_info['index'] % 2 == 0:\n"
-             "        return {'score': 1.0, 'acc': 1.0}\n"
-             "    value = (sum(map(ord, solution_str)) % 7) / 6\n"
-             "    return {'score': value, 'acc': float(value > 0.5)}\n")
+HALF_FLAT = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    if extra_info['index'] % 2 == 0:\n"
+    "        return {'score': 1.0, 'acc': 1.0}\n"
+    "    value = (sum(map(ord, solution_str)) % 7) / 6\n"
+    "    return {'score': value, 'acc': float(value > 0.5)}\n"
+)
 
 
 def test_groups_whose_samples_scored_alike_are_found():

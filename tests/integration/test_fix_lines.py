@@ -11,18 +11,20 @@ import re
 
 import pytest
 import torch
-from fix_apply import apply_and_rerun, attempt, ctx  # noqa: F401 - ctx is a fixture
-from test_fix_lines_runs import RUN_CASES
 
 from keel.errors import CATALOGUE
+
+from fix_apply import apply_and_rerun, attempt, ctx  # noqa: F401 - ctx is a fixture
+from test_fix_lines_runs import RUN_CASES
 
 CHAT = [{"role": "user", "content": "Digits please"}]
 MODEL = "actor_rollout_ref.model.path="
 
 
 def digit_rows(n: int, **columns) -> list[dict]:
-    return [{"prompt": CHAT, "data_source": "digits", "reward_model": {"ground_truth": str(i)}, **columns}
-            for i in range(n)]
+    return [
+        {"prompt": CHAT, "data_source": "digits", "reward_model": {"ground_truth": str(i)}, **columns} for i in range(n)
+    ]
 
 
 def more_tokens(c) -> str:
@@ -45,8 +47,9 @@ def code_rows(c) -> str:
     row = {"prompt": CHAT, "data_source": "apps"}
     wrong = {**row, "reward_model": {"ground_truth": json.dumps({"tests": [["1", "1"]]})}}
     right = {**row, "reward_model": {"ground_truth": json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})}}
-    return "data.train_files=" + c.mistaken("apps.jsonl", (json.dumps(wrong) + "\n") * 8,
-                                            (json.dumps(right) + "\n") * 8)
+    return "data.train_files=" + c.mistaken(
+        "apps.jsonl", (json.dumps(wrong) + "\n") * 8, (json.dumps(right) + "\n") * 8
+    )
 
 
 def gsm8k_rows(c) -> str:
@@ -57,8 +60,17 @@ def gsm8k_rows(c) -> str:
 
 
 # 0.3 s on an empty response (one keel check tries), over a limit of 0.1 s; the fix's 1 s leaves room on a busy machine
-SLOW_ON_EMPTY = "import time\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    time.sleep(0.3 if not solution_str else 0)\n    return 0.0\n"
-SCORE = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    s = solution_str\n    return {}\n"
+SLOW_ON_EMPTY = (
+    "import time\n\n"
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    time.sleep(0.3 if not solution_str else 0)\n"
+    "    return 0.0\n"
+)
+SCORE = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    s = solution_str\n"
+    "    return {}\n"
+)
 
 
 def launch(c, directory: str, name: str) -> list[str]:
@@ -79,29 +91,46 @@ CHECK_CASES = {
     "KEEL-C007": lambda c: c.check(f"trainer.resume_mode={c.tmp / 'run' / 'global_step_9'}"),
     "KEEL-C013": lambda c: c.check("data.max_response_length=1000"),
     "KEEL-C015": lambda c: c.check("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"),
-    "KEEL-C016": lambda c: (c.write("tools.yaml", "tools:\n  - class_name: keel.tools.Calculator\n"), c.check(
-        "actor_rollout_ref.rollout.multi_turn.enable=true",
-        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={c.tmp / 'tool.yaml'}"))[1],
+    "KEEL-C016": lambda c: (
+        c.write("tools.yaml", "tools:\n  - class_name: keel.tools.Calculator\n"),
+        c.check(
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={c.tmp / 'tool.yaml'}",
+        ),
+    )[1],
     "KEEL-C018": lambda c: launch(c, "tiny_confs", "tiny_base"),
     "KEEL-C019": lambda c: launch(c, "tiny_configs", "tiyn_base"),
-    "KEEL-C020": lambda c: launch(c, "tiny_configs", c.mistaken("tiny_configs/run.yaml", "defaults: [tiyn_base, _self_]\n",
-                                                               "defaults: [tiny_base, _self_]\n")),
-    "KEEL-C021": lambda c: launch(c, "tiny_configs", c.mistaken(
-        "tiny_configs/run.yaml", f"hydra:\n  searchpath: [file://{c.tmp}/nowhere]\ndefaults: [tiny_base, _self_]\n",
-        "defaults: [tiny_base, _self_]\n")),
+    "KEEL-C020": lambda c: launch(
+        c,
+        "tiny_configs",
+        c.mistaken("tiny_configs/run.yaml", "defaults: [tiyn_base, _self_]\n", "defaults: [tiny_base, _self_]\n"),
+    ),
+    "KEEL-C021": lambda c: launch(
+        c,
+        "tiny_configs",
+        c.mistaken(
+            "tiny_configs/run.yaml",
+            f"hydra:\n  searchpath: [file://{c.tmp}/nowhere]\ndefaults: [tiny_base, _self_]\n",
+            "defaults: [tiny_base, _self_]\n",
+        ),
+    ),
     "KEEL-M001": lambda c: c.check(f"actor_rollout_ref.model.path={c.assets['model'].parent / 'modle'}"),
     "KEEL-M002": lambda c: c.check(MODEL + str(c.model_copy("m", tokenizer_config={"eos_token": None}))),
     "KEEL-M009": lambda c: c.check(MODEL + str(c.model_copy("m9", tokenizer_config={"eos_token": "<|end_of_turn|>"}))),
     "KEEL-M003": lambda c: c.check(MODEL + str(c.model_copy("m", drop_template=True))),
     "KEEL-M004": lambda c: c.check(more_tokens(c)),
     "KEEL-M005": lambda c: c.check(MODEL + str(c.model_copy("m", config={"intermediate_size": 128}))),  # weights: 64
-    "KEEL-M006": lambda c: c.check(MODEL + str(c.model_copy(
-        "m", tokenizer_config={"eos_token": "<|endoftext|>", "pad_token": "<|im_start|>"}))),
-    "KEEL-M007": lambda c: c.check("actor_rollout_ref.model.lora_rank=8",
-                                   "actor_rollout_ref.model.target_modules=[q_proj,v_proj]"),
+    "KEEL-M006": lambda c: c.check(
+        MODEL + str(c.model_copy("m", tokenizer_config={"eos_token": "<|endoftext|>", "pad_token": "<|im_start|>"}))
+    ),
+    "KEEL-M007": lambda c: c.check(
+        "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,v_proj]"
+    ),
     "KEEL-D001": lambda c: c.check(f"data.train_files={c.assets['train'].parent / 'trian.jsonl'}"),
-    "KEEL-D002": lambda c: c.check(f"data.train_files={c.rows('q.jsonl', [{'question': 'hi'}] * 8)}",
-                                   f"data.val_files={c.rows('q_val.jsonl', [{'question': 'ho'}] * 2)}"),
+    "KEEL-D002": lambda c: c.check(
+        f"data.train_files={c.rows('q.jsonl', [{'question': 'hi'}] * 8)}",
+        f"data.val_files={c.rows('q_val.jsonl', [{'question': 'ho'}] * 2)}",
+    ),
     "KEEL-D003": lambda c: c.check(f"data.train_files={c.rows('long.jsonl', digit_rows(8, prompt='x' * 200))}"),
     "KEEL-D004": lambda c: c.check(f"data.train_files={c.rows('two.jsonl', digit_rows(2))}"),
     "KEEL-R001": lambda c: c.check("custom_reward_function.name=compute_scor"),
@@ -110,8 +139,13 @@ CHECK_CASES = {
     "KEEL-R004": lambda c: c.check("custom_reward_function.path=null", "data.val_files=[]", gsm8k_rows(c)),
     "KEEL-R005": lambda c: c.check(reward(c, SCORE.format("1 / len(s)"), SCORE.format("1 / len(s) if s else 0.0"))),
     "KEEL-R009": lambda c: c.check("custom_reward_function.path=null", "data.val_files=[]", code_rows(c)),
-    "KEEL-R010": lambda c: c.check(reward(c, "def compute_score(ds, s, gt, ei=None):\n    return float(s == gt)\n",
-                                          SCORE.format("float(s == ground_truth)"))),
+    "KEEL-R010": lambda c: c.check(
+        reward(
+            c,
+            "def compute_score(ds, s, gt, ei=None):\n    return float(s == gt)\n",
+            SCORE.format("float(s == ground_truth)"),
+        )
+    ),
     "KEEL-R007": lambda c: c.check("reward.timeout_s=0.1", reward(c, SLOW_ON_EMPTY)),
     "KEEL-E002": lambda c: c.check("actor_rollout_ref.rollout.max_num_seqs=100000000"),
     "KEEL-E003": lambda c: c.check(f"trainer.default_local_dir={c.write('a_file', '')}/run"),
@@ -124,21 +158,21 @@ if not torch.cuda.is_available():  # the mistake is asking for a GPU this machin
 # Codes whose fix cannot be applied here, and why; test_what_can_be_tested_of_the_rest checks them.
 NOT_HERE = {
     "KEEL-C009": "the printed fix is a `keel demo --out` command, which runs the whole demo (minutes); "
-                 "tests/integration/test_demo.py checks that it names a directory that is free",
+    "tests/integration/test_demo.py checks that it names a directory that is free",
     "KEEL-M008": "the fix is a chat template with a tool role in the model's own turn format, which only the "
-                 "model's makers can write",
+    "model's makers can write",
     "KEEL-T001": "a non-finite gradient from finite log-probs needs low-precision overflow, which a float32 "
-                 "CPU run does not give (a diverging one stops at KEEL-T003 first)",
+    "CPU run does not give (a diverging one stops at KEEL-T003 first)",
     "KEEL-T002": "caused by code that freezes the model or detaches the loss; the fix is that code",
     "KEEL-T004": "the process exits (os._exit, from a timer thread) where this test runs keel in-process; "
-                 "tests/unit/test_guards.py applies its fix in a subprocess",
+    "tests/unit/test_guards.py applies its fix in a subprocess",
     "KEEL-E004": "installing another torch",
     "KEEL-E005": "an NVIDIA driver",
     "KEEL-E006": "a GPU",
     "KEEL-E007": "installing other package versions",
     "KEEL-E008": "a full disk",
     "KEEL-E012": "installing verl and the packages it imports (tests/unit/test_verl_tools.py checks the fix line "
-                 "names them)",
+    "names them)",
     "KEEL-P001": "an exception in a Ray worker: the fix is the worker's own traceback",
     "KEEL-P002": "a Ray worker killed by the system (out of memory)",
     "KEEL-P003": "ranks stalled in a collective across Ray workers",
@@ -185,7 +219,10 @@ def test_what_can_be_tested_of_the_rest(code):
             for requirement in (w for w in words[2:] if not w.startswith("-")):
                 name, _, floor = requirement.partition(">=")
                 extra = re.fullmatch(r"keel\[(\w+)\]", requirement)
-                assert (f"\n{extra.group(1)} = [" in pyproject if extra else
-                        requirement == "." or f'"{name}>={floor}"' in pyproject), requirement
+                assert (
+                    f"\n{extra.group(1)} = [" in pyproject
+                    if extra
+                    else requirement == "." or f'"{name}>={floor}"' in pyproject
+                ), requirement
         else:
             assert all(word.split("=")[0] in keys for word in words), group

@@ -55,12 +55,15 @@ def test_a_sync_that_never_reaches_the_engine_is_caught(tiny_config, monkeypatch
     assert error.value.code == ENGINE_OUT_OF_SYNC and "after step 1's update" in error.value.message
 
 
-@pytest.mark.parametrize("model, needle", [
-    ({"target_modules": ["q_proj", "v_proj"]}, "would train nothing"),       # half a layer
-    ({"target_modules": ["query_key_value"]}, "do not have"),                # another architecture's name
-    ({"target_modules": ["lm_head"]}, "tied embeddings"),                    # would untie them
-    ({"exclude_modules": ["*"]}, "matches none"),
-])
+@pytest.mark.parametrize(
+    "model, needle",
+    [
+        ({"target_modules": ["q_proj", "v_proj"]}, "would train nothing"),  # half a layer
+        ({"target_modules": ["query_key_value"]}, "do not have"),  # another architecture's name
+        ({"target_modules": ["lm_head"]}, "tied embeddings"),  # would untie them
+        ({"exclude_modules": ["*"]}, "matches none"),
+    ],
+)
 def test_lora_traps_are_refused_before_any_step(tiny_config, model, needle):
     with pytest.raises(KeelError) as error:
         train(lora_config(tiny_config, **model))
@@ -160,8 +163,13 @@ def test_a_lora_critic_trains_its_adapters_and_value_head_only(tiny_config, tiny
     from keel.distributed.group import LocalGroup
     from keel.distributed.worker import RoleWorker, WorkerSpec
 
-    overrides = {"algorithm.adv_estimator": "gae", "critic.model.lora_rank": 4, "critic.model.lora_alpha": 8,
-                 "critic.optim.lr": 1e-2, "trainer.device": "cpu"}
+    overrides = {
+        "algorithm.adv_estimator": "gae",
+        "critic.model.lora_rank": 4,
+        "critic.model.lora_alpha": 8,
+        "critic.optim.lr": 1e-2,
+        "trainer.device": "cpu",
+    }
     cfg = load_config(tiny_config, overrides)
     assert any(f.check == "lora" and f.message.startswith("critic: LoRA on") for f in run_checks(cfg).findings)
     worker = LocalGroup(RoleWorker(WorkerSpec.of(cfg, total_steps=2))).worker
@@ -169,7 +177,8 @@ def test_a_lora_critic_trains_its_adapters_and_value_head_only(tiny_config, tiny
     trained = {name for name, p in critic.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in name or name.startswith("value_head.") for name in trained)
     assert {id(p) for group in worker.critic.optimizer.param_groups for p in group["params"]} == {
-        id(p) for p in critic.parameters() if p.requires_grad}  # AdamW holds the adapters' state only
+        id(p) for p in critic.parameters() if p.requires_grad
+    }  # AdamW holds the adapters' state only
     base = load_weights(Path(tiny_assets["model"]) / "model.safetensors")
     q = critic.backbone.get_base_model().layers[0].self_attn.q_proj.base_layer.weight
     torch.testing.assert_close(q.float(), base["model.layers.0.self_attn.q_proj.weight"].float())
@@ -190,13 +199,24 @@ def test_a_ppo_run_with_lora_on_both_models_learns_values(tiny_config):
     assert steps[-1]["critic/vf_loss"] < steps[0]["critic/vf_loss"]  # the value head and adapters learn
 
 
-@pytest.mark.parametrize("arch, lora", [("qwen3", True), ("qwen3_moe", True), ("qwen3_moe", False),
-                                        ("gemma3_text", True), ("gemma3_text", False), ("olmo2", True),
-                                        ("smollm3", False), ("gpt_oss", True), ("gpt_oss", False)])
+@pytest.mark.parametrize(
+    "arch, lora",
+    [
+        ("qwen3", True),
+        ("qwen3_moe", True),
+        ("qwen3_moe", False),
+        ("gemma3_text", True),
+        ("gemma3_text", False),
+        ("olmo2", True),
+        ("smollm3", False),
+        ("gpt_oss", True),
+        ("gpt_oss", False),
+    ],
+)
 def test_each_native_family_trains_and_its_engine_samples_what_the_trainer_computes(tiny_config, tmp_path, arch, lora):
-    """Qwen3, Qwen3-MoE, Gemma 3, OLMo 2, SmolLM3 and GPT-OSS on the native engine through `keel.train`: after every update
-    (adapters only, or every weight, experts included) the engine's sampled log-probs are the
-    trainer's."""
+    """Qwen3, Qwen3-MoE, Gemma 3, OLMo 2, SmolLM3 and GPT-OSS on the native engine through
+    `keel.train`: after every update (adapters only, or every weight, experts included) the engine's
+    sampled log-probs are the trainer's."""
     from keel.models.tiny import make_tiny_model
 
     cfg = lora_config(tiny_config) if lora else tiny_config

@@ -6,9 +6,9 @@ import json
 import math
 from pathlib import Path
 
-from conftest import ScriptedEngine
-
 from keel.api import train
+
+from conftest import ScriptedEngine
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
 REWARD = """
@@ -21,8 +21,12 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def multi_turn_config(tiny_config, tmp_path: Path) -> dict:
     tools = tmp_path / "tools.yaml"
     tools.write_text("tools:\n  - class_name: keel.tools.Calculator\n    config: {type: native}\n")
-    tiny_config["actor_rollout_ref"]["rollout"]["multi_turn"] = {"enable": True, "tool_config_path": str(tools),
-                                                                 "max_assistant_turns": 3, "format": "hermes"}
+    tiny_config["actor_rollout_ref"]["rollout"]["multi_turn"] = {
+        "enable": True,
+        "tool_config_path": str(tools),
+        "max_assistant_turns": 3,
+        "format": "hermes",
+    }
     tiny_config["data"]["max_response_length"] = 192
     tiny_config["trainer"].update({"test_freq": -1, "val_before_train": False})
     return tiny_config
@@ -51,8 +55,9 @@ def test_a_tool_calling_policy_trains_on_its_own_tokens(tiny_config, tmp_path, m
 
     def scripted_loop(multi_turn, engine, tokenizer, budget):
         answers = {0: CALL, 1: "The answer is 408"}
-        return build_agent_loop(multi_turn, ScriptedEngine(tokenizer, lambda text, turn: answers[min(turn, 1)]),
-                                tokenizer, budget)
+        return build_agent_loop(
+            multi_turn, ScriptedEngine(tokenizer, lambda text, turn: answers[min(turn, 1)]), tokenizer, budget
+        )
 
     monkeypatch.setattr(worker, "build_agent_loop", scripted_loop)
     cfg = multi_turn_config(tiny_config, tmp_path)
@@ -77,13 +82,20 @@ def test_the_examples_tool_config_holds_a_builtin_and_a_custom_tool():
     tools = load_tool_config(Path(__file__).parents[2] / "examples" / "tools" / "tools.yaml")
     assert [t.name for t in tools] == ["calculator", "convert_units"]
     runner = ToolRunner(tools, ToolLimits(max_parallel_calls=2))
-    [[converted, refused]] = runner.run([[ToolCall("convert_units", {"value": 10, "from": "km", "to": "mi"}),
-                                          ToolCall("convert_units", {"value": 1, "from": "km", "to": "kg"})]], [{}])
+    [[converted, refused]] = runner.run(
+        [
+            [
+                ToolCall("convert_units", {"value": 10, "from": "km", "to": "mi"}),
+                ToolCall("convert_units", {"value": 1, "from": "km", "to": "kg"}),
+            ]
+        ],
+        [{}],
+    )
     assert converted.text == "6.21 mi" and converted.status == "ok"
     assert refused.status == "error" and "cannot convert km to kg" in refused.text
 
 
-NUDGE = '''
+NUDGE = """
 class Nudge:  # verl's interaction protocol: async methods, one instance for every episode
     def __init__(self, config):
         self.config, self.turns = config, {}
@@ -98,7 +110,7 @@ class Nudge:  # verl's interaction protocol: async methods, one instance for eve
 
     async def finalize_interaction(self, instance_id, **kwargs):
         del self.turns[instance_id]
-'''
+"""
 
 
 NUDGE_REWARD = """
@@ -145,6 +157,7 @@ def test_the_examples_interaction_config_asks_for_a_second_look_once():
     assert cfg.actor_rollout_ref.rollout.multi_turn.interaction_config_path.endswith("interactions.yaml")
     second_look = load_interactions(root / "interactions.yaml")["second_look"]
     asyncio.run(second_look.start_interaction("a"))
-    replies = [asyncio.run(second_look.generate_response("a", [{"role": "assistant", "content": "4"}]))
-               for _ in range(2)]
+    replies = [
+        asyncio.run(second_look.generate_response("a", [{"role": "assistant", "content": "4"}])) for _ in range(2)
+    ]
     assert [done for done, *_ in replies] == [False, True] and "Look again" in replies[0][1]

@@ -27,9 +27,14 @@ def test_the_quickstart_learns_with_lora_as_it_does_in_full(tmp_path):
     cfg["custom_reward_function"]["path"] = str(QUICKSTART / "reward.py")
     cfg["trainer"].update(test_freq=-1, save_freq=-1, logger=[])
     full = train({**cfg, "trainer": {**cfg["trainer"], "default_local_dir": str(tmp_path / "full")}})
-    lora = train({**cfg, "trainer": {**cfg["trainer"], "default_local_dir": str(tmp_path / "lora")}},
-                 ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=all-linear",
-                  "actor_rollout_ref.actor.optim.lr=1e-2"])  # adapters take a larger step, as usual for LoRA
+    lora = train(
+        {**cfg, "trainer": {**cfg["trainer"], "default_local_dir": str(tmp_path / "lora")}},
+        [
+            "actor_rollout_ref.model.lora_rank=8",
+            "actor_rollout_ref.model.target_modules=all-linear",
+            "actor_rollout_ref.actor.optim.lr=1e-2",
+        ],
+    )  # adapters take a larger step, as usual for LoRA
     (full_end, full_start), (lora_end, lora_start) = last_scores(full.run_dir), last_scores(lora.run_dir)
     assert full_end > full_start + 0.3  # the full-parameter run learns the task ...
     assert lora_end > lora_start + 0.3 and lora_end > 0.7 * full_end  # ... and so does LoRA

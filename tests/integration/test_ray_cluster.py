@@ -18,8 +18,13 @@ from test_distributed import keel_train, write_config  # noqa: E402
 
 
 def _ray(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ray.scripts.scripts", *args], capture_output=True, text=True,
-                          timeout=180, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "ray.scripts.scripts", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.fixture
@@ -31,8 +36,15 @@ def head_node():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-    started = _ray("start", "--head", f"--port={port}", "--num-cpus=3", "--include-dashboard=false",
-                   "--disable-usage-stats", env=auth)
+    started = _ray(
+        "start",
+        "--head",
+        f"--port={port}",
+        "--num-cpus=3",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+        env=auth,
+    )
     assert started.returncode == 0, started.stderr[-2000:]
     try:
         yield f"127.0.0.1:{port}", auth
@@ -41,13 +53,18 @@ def head_node():
 
 
 @pytest.mark.parametrize("with_address", [True, False], ids=["RAY_ADDRESS", "found"])
-def test_keel_train_runs_its_workers_on_a_cluster_started_with_ray_start(tiny_config, tmp_path, head_node,
-                                                                         with_address, monkeypatch):
+def test_keel_train_runs_its_workers_on_a_cluster_started_with_ray_start(
+    tiny_config, tmp_path, head_node, with_address, monkeypatch
+):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     address, auth = head_node
     config = write_config(tiny_config, tmp_path / "cfg.yaml")
-    proc = keel_train(config, "trainer.n_gpus_per_node=2", "trainer.total_training_steps=1",
-                      env={**auth, "RAY_ADDRESS": address} if with_address else auth)
+    proc = keel_train(
+        config,
+        "trainer.n_gpus_per_node=2",
+        "trainer.total_training_steps=1",
+        env={**auth, "RAY_ADDRESS": address} if with_address else auth,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Connecting to existing Ray cluster" in proc.stderr  # not a Ray instance of its own
     assert with_address or "joining the Ray cluster that `ray start` runs on this machine" in proc.stderr

@@ -37,8 +37,16 @@ def fresh_copy(dest: Path) -> Path:
     """What a clone of this working tree would hold: its tracked files and the new ones git does
     not ignore, as they are now (on CI, a clean clone of main: the same as `git clone`). No build
     outputs, run directories or data a local run left behind come along."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         if (ROOT / name).is_file():  # a tracked file deleted in the working tree is not there
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
@@ -54,8 +62,12 @@ def new_venv(path: Path) -> dict[str, str]:
     # README's `make demo` must install into the venv, never into the environment running the tests.
     left_out = ("PYTHONPATH", "PYTHONHOME", "PYTEST_ADDOPTS", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTHON", "TORCH")
     env = {k: v for k, v in os.environ.items() if k not in left_out}
-    env.update(PATH=f"{path / 'bin'}{os.pathsep}{os.environ['PATH']}", VIRTUAL_ENV=str(path),
-               PIP_DISABLE_PIP_VERSION_CHECK="1", DEMO_FLAGS="--smoke")
+    env.update(
+        PATH=f"{path / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        VIRTUAL_ENV=str(path),
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+        DEMO_FLAGS="--smoke",
+    )
     return env
 
 
@@ -78,8 +90,12 @@ def test_a_new_user_runs_the_readme_in_order(tmp_path):
     readme = README.read_text()
     clone, env = fresh_copy(tmp_path / "keel"), new_venv(tmp_path / "venv")
 
-    make_demo = [line for _, code in code_blocks(section(readme, "Two commands")) for line in code.splitlines()
-                 if line.startswith("make demo")]
+    make_demo = [
+        line
+        for _, code in code_blocks(section(readme, "Two commands"))
+        for line in code.splitlines()
+        if line.startswith("make demo")
+    ]
     assert make_demo and "DEMO_FLAGS=--smoke make demo" in section(readme, "Two commands")
     out = run_block("bash", make_demo[0], clone, env)
     assert "smoke run" in out and (clone / "keel_demo_smoke" / "grpo" / "report.png").is_file()

@@ -1,12 +1,11 @@
 """A reward model scores whole responses in its own template; too long is not scored, never cut."""
 
-
 import pytest
 import torch
 
+from keel.check.preflight import run_checks
 from keel.config.load import load_config
 from keel.errors import TOKEN_BUDGET, KeelError
-from keel.check.preflight import run_checks
 from keel.models.tiny import make_tiny_reward_model
 from keel.rewards.model import RewardModel
 
@@ -28,15 +27,22 @@ def test_reward_model_scores_whole_responses_and_refuses_to_truncate(reward_mode
 def test_keel_train_with_a_reward_model(tiny_config, reward_model_dir):
     from keel.api import train
 
-    overrides = {"reward_model.enable": True, "reward_model.model.path": str(reward_model_dir),
-                 "custom_reward_function.path": None}
+    overrides = {
+        "reward_model.enable": True,
+        "reward_model.model.path": str(reward_model_dir),
+        "custom_reward_function.path": None,
+    }
     result = train(tiny_config, overrides)
     assert result.last_step == 2 and result.last_metrics["reward/not_scored_ratio"] == 0.0
 
 
 def test_check_measures_the_budget_in_the_reward_models_own_tokens(tiny_config, reward_model_dir):
-    overrides = {"reward_model.enable": True, "reward_model.model.path": str(reward_model_dir),
-                 "custom_reward_function.path": None, "data.max_response_length": 80}
+    overrides = {
+        "reward_model.enable": True,
+        "reward_model.model.path": str(reward_model_dir),
+        "custom_reward_function.path": None,
+        "data.max_response_length": 80,
+    }
     report = run_checks(load_config(tiny_config, overrides))
     assert [f.code for f in report.failures] == [TOKEN_BUDGET]
     assert "reward model" in report.failures[0].message
@@ -50,8 +56,12 @@ def test_the_tokenizers_model_max_length_is_the_limit_when_it_is_lower(tiny_conf
     rm_dir = make_tiny_reward_model(tmp_path / "rm", hidden_size=32, max_position_embeddings=1024)
     settings = json.loads((rm_dir / "tokenizer_config.json").read_text())
     (rm_dir / "tokenizer_config.json").write_text(json.dumps({**settings, "model_max_length": 128}))
-    overrides = {"reward_model.enable": True, "reward_model.model.path": str(rm_dir),
-                 "custom_reward_function.path": None, "data.max_response_length": 120}
+    overrides = {
+        "reward_model.enable": True,
+        "reward_model.model.path": str(rm_dir),
+        "custom_reward_function.path": None,
+        "data.max_response_length": 120,
+    }
     report = run_checks(load_config(tiny_config, overrides))
     assert [f.code for f in report.failures] == [TOKEN_BUDGET]
     assert "over the 128 tokens" in report.failures[0].message
@@ -91,9 +101,16 @@ def test_a_reward_model_pool_scores_as_the_model_in_process(tiny_config, reward_
     this process, the too-long sample still refused rather than cut."""
     from keel.distributed.pools import RewardModelPool
 
-    cfg = load_config(tiny_config, {"reward_model.enable": True, "reward_model.model.path": str(reward_model_dir),
-                                    "reward_model.enable_resource_pool": True, "reward_model.n_gpus_per_node": 2,
-                                    "trainer.device": "cpu"})
+    cfg = load_config(
+        tiny_config,
+        {
+            "reward_model.enable": True,
+            "reward_model.model.path": str(reward_model_dir),
+            "reward_model.enable_resource_pool": True,
+            "reward_model.n_gpus_per_node": 2,
+            "trainer.device": "cpu",
+        },
+    )
     chat = [{"role": "user", "content": "2+2?"}]
     prompts, responses = [chat, chat, "plain prompt", chat, chat], ["4", "5", "x" * 200, "four", "22"]
     pool = RewardModelPool.of(cfg)
@@ -111,24 +128,37 @@ def test_a_reward_model_pool_scores_as_the_model_in_process(tiny_config, reward_
 def test_keel_train_with_a_reward_model_on_its_own_devices(tiny_config, reward_model_dir, fresh_ray):
     from keel.api import train
 
-    overrides = {"reward_model.enable": True, "reward_model.model.path": str(reward_model_dir),
-                 "reward_model.enable_resource_pool": True, "custom_reward_function.path": None,
-                 "trainer.device": "cpu", "trainer.total_training_steps": 1}
+    overrides = {
+        "reward_model.enable": True,
+        "reward_model.model.path": str(reward_model_dir),
+        "reward_model.enable_resource_pool": True,
+        "custom_reward_function.path": None,
+        "trainer.device": "cpu",
+        "trainer.total_training_steps": 1,
+    }
     result = train(tiny_config, overrides)
     assert result.last_step == 1 and result.last_metrics["reward/not_scored_ratio"] == 0.0
 
 
-def test_a_reward_model_pool_larger_than_the_cluster_is_refused_before_waiting(tiny_config, reward_model_dir,
-                                                                               fresh_ray):
+def test_a_reward_model_pool_larger_than_the_cluster_is_refused_before_waiting(
+    tiny_config, reward_model_dir, fresh_ray
+):
     import ray
 
-    from keel.errors import NOT_ENOUGH_DEVICES, KeelError
     from keel.distributed.pools import RewardModelPool
+    from keel.errors import NOT_ENOUGH_DEVICES, KeelError
 
     ray.init(num_cpus=2, include_dashboard=False)  # a cluster already running, with 2 CPUs
-    cfg = load_config(tiny_config, {"reward_model.enable": True, "reward_model.model.path": str(reward_model_dir),
-                                    "reward_model.enable_resource_pool": True, "reward_model.n_gpus_per_node": 4,
-                                    "trainer.device": "cpu"})
+    cfg = load_config(
+        tiny_config,
+        {
+            "reward_model.enable": True,
+            "reward_model.model.path": str(reward_model_dir),
+            "reward_model.enable_resource_pool": True,
+            "reward_model.n_gpus_per_node": 4,
+            "trainer.device": "cpu",
+        },
+    )
     with pytest.raises(KeelError) as error:
         RewardModelPool.of(cfg)
     assert error.value.code == NOT_ENOUGH_DEVICES and "needs 4 CPUs" in str(error.value)

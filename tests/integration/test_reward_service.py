@@ -3,13 +3,13 @@ retried-and-recovered or as counted not-scored samples, never as a silently drop
 
 import json
 import socket
-from contextlib import contextmanager
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -18,14 +18,14 @@ from keel.errors import SERVICE_UNAVAILABLE, KeelError
 from keel.rewards.reward_fn import RewardScorer
 from keel.rewards.service import RewardServiceClient
 
-SCORER = '''
+SCORER = """
 import time
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     if solution_str == "slow":
         time.sleep(3)
     return float(solution_str == str(ground_truth))
-'''
+"""
 
 
 def free_port() -> int:
@@ -40,8 +40,11 @@ def start_server(path, port, *extra) -> subprocess.Popen:
 
 def launch(port, *flags) -> subprocess.Popen:
     """`keel reward-server` with these flags, once /health answers."""
-    process = subprocess.Popen([sys.executable, "-m", "keel", "reward-server", "--port", str(port), *flags],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "keel", "reward-server", "--port", str(port), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     token = flags[flags.index("--token") + 1] if "--token" in flags else None
     deadline = time.monotonic() + 300  # a long limit: a loaded machine starts it slowly
     while time.monotonic() < deadline:
@@ -80,7 +83,9 @@ def server(tmp_path):
 
 
 def rows(n):
-    return [SimpleNamespace(data_source="any", ground_truth="7", extra_info={}, raw_prompt="q", index=i) for i in range(n)]
+    return [
+        SimpleNamespace(data_source="any", ground_truth="7", extra_info={}, raw_prompt="q", index=i) for i in range(n)
+    ]
 
 
 def test_scores_come_back_in_order(server):
@@ -131,12 +136,16 @@ def test_bearer_token_bad_input_and_size_limits(tmp_path):
     process = start_server(path, port, "--token", "s3cret", "--max-request-bytes", "2000")
     url = f"http://127.0.0.1:{port}"
     try:
-        assert RewardServiceClient(url, retry_times=2).score(rows(1), ["7"])[0].reason == "service HTTP 401 not retried (KEEL-R008)"
+        assert (
+            RewardServiceClient(url, retry_times=2).score(rows(1), ["7"])[0].reason
+            == "service HTTP 401 not retried (KEEL-R008)"
+        )
         assert RewardServiceClient(url, token="s3cret").score(rows(1), ["7"])[0].values == {"service": 1.0}
 
         def post(body: bytes) -> int:
-            request = urllib.request.Request(url + "/score", data=body, method="POST",
-                                             headers={"Authorization": "Bearer s3cret"})
+            request = urllib.request.Request(
+                url + "/score", data=body, method="POST", headers={"Authorization": "Bearer s3cret"}
+            )
             try:
                 urllib.request.urlopen(request, timeout=5)
             except urllib.error.HTTPError as e:
@@ -145,7 +154,10 @@ def test_bearer_token_bad_input_and_size_limits(tmp_path):
 
         assert post(b"{not json") == 400
         assert post(json.dumps({"samples": [{"response": "7"}]}).encode()) == 400  # missing fields
-        assert post(json.dumps({"samples": [{"data_source": "a", "response": "x" * 3000, "ground_truth": 1}]}).encode()) == 413
+        assert (
+            post(json.dumps({"samples": [{"data_source": "a", "response": "x" * 3000, "ground_truth": 1}]}).encode())
+            == 413
+        )
     finally:
         process.kill()
 
@@ -184,10 +196,18 @@ def raw_exchange(port: int, request: bytes) -> bytes:
         return answer
 
 
-@pytest.mark.parametrize("length_header", ["Content-Length: -1\r\n", "", "Content-Length: 1e9\r\n",
-                                           "Content-Length: \u00b2\r\n", "Content-Length: " + "9" * 5000 + "\r\n"])
+@pytest.mark.parametrize(
+    "length_header",
+    [
+        "Content-Length: -1\r\n",
+        "",
+        "Content-Length: 1e9\r\n",
+        "Content-Length: \u00b2\r\n",
+        "Content-Length: " + "9" * 5000 + "\r\n",
+    ],
+)
 def test_a_bad_content_length_is_refused_before_reading(server, length_header):
-    head = f"POST /score HTTP/1.1\r\nHost: x\r\n{length_header}\r\n".encode("utf-8")
+    head = f"POST /score HTTP/1.1\r\nHost: x\r\n{length_header}\r\n".encode()
     answer = raw_exchange(server.port, head + b'{"samples": [')  # then nothing: a reading server would hang
     assert answer.split(b" ")[1] in (b"400", b"411")
 
@@ -231,8 +251,13 @@ class HostileServer:
 
 
 def http_reply(body: bytes, length: int | None = None, status: bytes = b"HTTP/1.1 200 OK") -> bytes:
-    return (status + b"\r\nContent-Type: application/json\r\nContent-Length: "
-            + str(len(body) if length is None else length).encode() + b"\r\n\r\n" + body)
+    return (
+        status
+        + b"\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body) if length is None else length).encode()
+        + b"\r\n\r\n"
+        + body
+    )
 
 
 ONE_ROW_OK = b'{"request_id": "%s", "scores": [1.0], "reasons": [null]}'
@@ -264,8 +289,15 @@ def test_a_broken_reply_then_a_good_one_recovers(monkeypatch):
     assert client.score(rows(1), ["7"])[0].values == {"service": 1.0} and client.retries == 1
 
 
-@pytest.mark.parametrize("score, reason", [("NaN", "not a number: nan"), ('"1.0"', "not a number: '1.0'"),
-                                           ("[1]", "not a number: [1]"), ("1" + "0" * 400, "not a number: inf")])
+@pytest.mark.parametrize(
+    "score, reason",
+    [
+        ("NaN", "not a number: nan"),
+        ('"1.0"', "not a number: '1.0'"),
+        ("[1]", "not a number: [1]"),
+        ("1" + "0" * 400, "not a number: inf"),
+    ],
+)
 def test_a_score_that_is_not_a_number_is_that_samples_reason(monkeypatch, score, reason):
     monkeypatch.setattr("uuid.uuid4", lambda: SimpleNamespace(hex="fixed"))
     body = b'{"request_id": "fixed", "scores": [%s], "reasons": [null]}' % score.encode()

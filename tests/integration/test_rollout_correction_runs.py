@@ -4,8 +4,8 @@ says so. On CPU in float32 the native engine samples with the trainer's own log-
 1e-8), so bypass mode must train exactly like the recomputed pass."""
 
 import copy
-import math
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -78,8 +78,9 @@ def test_bypass_reinforce_weights_minus_a_log_pi(tiny_config):
     """bypass_pg_is: -A log pi with sequence weights pi / pi_rollout, truncated. Truncated at 0.001
     the first mini-batch's gradient is REINFORCE's (gpg's) times 0.001."""
     _, reinforce = run(tiny_config, "pg", bypass_mode=True, loss_type="reinforce")
-    _, weighted = run(tiny_config, "pg_is", bypass_mode=True, loss_type="reinforce", rollout_is="sequence",
-                      rollout_is_threshold=0.001)
+    _, weighted = run(
+        tiny_config, "pg_is", bypass_mode=True, loss_type="reinforce", rollout_is="sequence", rollout_is_threshold=0.001
+    )
     tiny_config["actor_rollout_ref"]["actor"]["policy_loss"] = {"loss_mode": "gpg"}
     _, gpg = run(tiny_config, "gpg")
     assert reinforce[0]["actor/grad_norm"] == pytest.approx(gpg[0]["actor/grad_norm"], rel=1e-4)
@@ -106,6 +107,7 @@ def sampler_changed(monkeypatch, change) -> None:
 def test_the_ratio_is_the_trainers_over_the_samplers(tiny_config, monkeypatch, mode):
     """A sampler 0.3 nats less sure of each token than the trainer: pi_train / pi_rollout = e^0.3,
     KL(rollout || train) per token -0.3, whichever mode computes it."""
+
     def less_sure(batch):
         batch.sampling_log_probs = batch.sampling_log_probs - 0.3
 

@@ -11,8 +11,10 @@ from keel.cli import main
 
 
 def sft_rows(n: int) -> list[dict]:
-    return [{"messages": [{"role": "user", "content": f"{i}+{i}"}, {"role": "assistant", "content": str(2 * i)}]}
-            for i in range(n)]
+    return [
+        {"messages": [{"role": "user", "content": f"{i}+{i}"}, {"role": "assistant", "content": str(2 * i)}]}
+        for i in range(n)
+    ]
 
 
 @pytest.fixture
@@ -20,13 +22,21 @@ def sft_config(tiny_assets, tmp_path) -> dict:
     from conftest import write_jsonl
 
     return {
-        "data": {"train_files": [str(write_jsonl(tmp_path / "sft.jsonl", sft_rows(32)))],
-                 "val_files": [str(write_jsonl(tmp_path / "sft_val.jsonl", sft_rows(4)))],
-                 "max_length": 32, "train_batch_size": 8, "micro_batch_size_per_gpu": 4},
+        "data": {
+            "train_files": [str(write_jsonl(tmp_path / "sft.jsonl", sft_rows(32)))],
+            "val_files": [str(write_jsonl(tmp_path / "sft_val.jsonl", sft_rows(4)))],
+            "max_length": 32,
+            "train_batch_size": 8,
+            "micro_batch_size_per_gpu": 4,
+        },
         "model": {"partial_pretrain": str(tiny_assets["model"])},
         "optim": {"lr": 3e-3, "weight_decay": 0.0},
-        "trainer": {"default_local_dir": str(tmp_path / "sft_run"), "total_training_steps": 8,
-                    "save_freq": 4, "logger": []},
+        "trainer": {
+            "default_local_dir": str(tmp_path / "sft_run"),
+            "total_training_steps": 8,
+            "save_freq": 4,
+            "logger": [],
+        },
     }
 
 
@@ -78,7 +88,10 @@ def test_sft_resume_is_exact(sft_config, tmp_path, monkeypatch):
 
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/"))} for m in ms]
+
+    def strip(ms):
+        return [{k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/"))} for m in ms]
+
     assert strip(read_metrics(tmp_path / "a")) == strip(read_metrics(tmp_path / "b"))
 
 

@@ -25,8 +25,13 @@ def metrics_jsonl(run_dir: Path) -> dict[int, dict]:
 def wandb_records(run_dir: Path) -> list[dict]:
     """The offline run's transaction log, read by wandb's own reader."""
     [log_file] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log_file)],
-                         capture_output=True, text=True, timeout=300, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log_file)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
@@ -34,8 +39,14 @@ def wandb_records(run_dir: Path) -> list[dict]:
 def tracked_run(tiny_config, monkeypatch):
     for variable in ("WANDB_API_KEY", "WANDB_MODE", "MLFLOW_TRACKING_URI", "TENSORBOARD_DIR"):
         monkeypatch.delenv(variable, raising=False)
-    tiny_config["trainer"].update({"logger": ["console", "wandb", "tensorboard", "mlflow"], "project_name": "keel_t",
-                                   "experiment_name": "trackers", "log_val_generations": 2})
+    tiny_config["trainer"].update(
+        {
+            "logger": ["console", "wandb", "tensorboard", "mlflow"],
+            "project_name": "keel_t",
+            "experiment_name": "trackers",
+            "log_val_generations": 2,
+        }
+    )
     result = train(tiny_config)
     return result.run_dir, metrics_jsonl(result.run_dir)
 
@@ -86,8 +97,9 @@ def test_a_tracker_failing_mid_run_costs_no_step_and_no_record(tiny_config, monk
 
     monkeypatch.setattr(sinks.TensorBoardSink, "log", flaky)
     monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
-    tiny_config["trainer"].update({"logger": ["tensorboard"], "total_training_steps": 3, "test_freq": -1,
-                                   "val_before_train": False})
+    tiny_config["trainer"].update(
+        {"logger": ["tensorboard"], "total_training_steps": 3, "test_freq": -1, "val_before_train": False}
+    )
     with caplog.at_level(logging.WARNING, logger="keel"):
         result = train(tiny_config)
     records = metrics_jsonl(result.run_dir)

@@ -14,10 +14,22 @@ from safetensors.torch import load_file
 from keel.cli import main
 
 ESTIMATORS = ["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"]
-EXPECTED_KEYS = ["actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm",
-                 "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
-                 "response_length/mean", "response_length/clip_ratio", "timing_s/gen",
-                 "timing_s/update_actor", "timing_s/step", "perf/throughput"]
+EXPECTED_KEYS = [
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/ppo_kl",
+    "actor/pg_clipfrac",
+    "actor/grad_norm",
+    "critic/score/mean",
+    "critic/rewards/mean",
+    "critic/advantages/mean",
+    "response_length/mean",
+    "response_length/clip_ratio",
+    "timing_s/gen",
+    "timing_s/update_actor",
+    "timing_s/step",
+    "perf/throughput",
+]
 
 
 def write_config(cfg: dict, path: Path) -> Path:
@@ -60,27 +72,52 @@ def test_each_estimator_trains_two_steps(estimator, tiny_config, tiny_assets, tm
     assert changed, f"{estimator}: no parameter changed after 2 steps"
 
 
-@pytest.mark.parametrize("overrides", [
-    # PPO with KL in the reward (adaptive controller), dual-clip and clip-higher (DAPO)
-    {"algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True, "kl_ctrl": {"type": "adaptive"}},
-     "actor_rollout_ref": {"actor": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "ppo_epochs": 2}}},
-    # GRPO with a KL loss and an entropy bonus; Dr. GRPO's unnormalised advantages and aggregation
-    {"algorithm": {"norm_adv_by_std_in_grpo": False},
-     "actor_rollout_ref": {"actor": {"use_kl_loss": True, "kl_loss_type": "low_var_kl", "entropy_coeff": 0.01,
-                                     "loss_agg_mode": "seq-mean-token-sum-norm"}}},
-    # GSPO's sequence-level ratio
-    {"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "gspo"}, "clip_ratio_low": 3e-4,
-                                     "clip_ratio_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"}}},
-], ids=["ppo-kl-in-reward", "dr-grpo-kl-loss", "gspo"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # PPO with KL in the reward (adaptive controller), dual-clip and clip-higher (DAPO)
+        {
+            "algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True, "kl_ctrl": {"type": "adaptive"}},
+            "actor_rollout_ref": {"actor": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "ppo_epochs": 2}},
+        },
+        # GRPO with a KL loss and an entropy bonus; Dr. GRPO's unnormalised advantages and aggregation
+        {
+            "algorithm": {"norm_adv_by_std_in_grpo": False},
+            "actor_rollout_ref": {
+                "actor": {
+                    "use_kl_loss": True,
+                    "kl_loss_type": "low_var_kl",
+                    "entropy_coeff": 0.01,
+                    "loss_agg_mode": "seq-mean-token-sum-norm",
+                }
+            },
+        },
+        # GSPO's sequence-level ratio
+        {
+            "actor_rollout_ref": {
+                "actor": {
+                    "policy_loss": {"loss_mode": "gspo"},
+                    "clip_ratio_low": 3e-4,
+                    "clip_ratio_high": 4e-4,
+                    "loss_agg_mode": "seq-mean-token-mean",
+                }
+            }
+        },
+    ],
+    ids=["ppo-kl-in-reward", "dr-grpo-kl-loss", "gspo"],
+)
 def test_algorithm_variants_train(overrides, tiny_config, monkeypatch):
     from keel.config.load import flatten, load_config
-    from keel.training import actor
     from keel.trainer.rl import RLTrainer
+    from keel.training import actor
 
     used = []  # the policy loss and its parameters, as the actor really calls them
     real_loss = actor.compute_policy_loss
-    monkeypatch.setattr(actor, "compute_policy_loss",
-                        lambda name, *args, **kw: used.append((name, args[-1])) or real_loss(name, *args, **kw))
+    monkeypatch.setattr(
+        actor,
+        "compute_policy_loss",
+        lambda name, *args, **kw: used.append((name, args[-1])) or real_loss(name, *args, **kw),
+    )
     cfg = load_config(tiny_config, flatten(overrides))
     result = RLTrainer(cfg).fit()
 
@@ -89,8 +126,10 @@ def test_algorithm_variants_train(overrides, tiny_config, monkeypatch):
     name, params = used[-1]
     a = cfg.actor_rollout_ref.actor
     assert name == a.policy_loss.loss_mode
-    assert (params.clip_ratio_low, params.clip_ratio_high) == (a.clip_ratio_low or a.clip_ratio,
-                                                               a.clip_ratio_high or a.clip_ratio)
+    assert (params.clip_ratio_low, params.clip_ratio_high) == (
+        a.clip_ratio_low or a.clip_ratio,
+        a.clip_ratio_high or a.clip_ratio,
+    )
     assert params.loss_agg_mode == a.loss_agg_mode and params.norm_length == cfg.data.max_response_length
     if cfg.ref_enabled:
         assert "actor/ref_kl" in result.last_metrics
@@ -100,15 +139,22 @@ def test_algorithm_variants_train(overrides, tiny_config, monkeypatch):
         assert "actor/reward_kl_penalty_coeff" in result.last_metrics
 
 
-@pytest.mark.parametrize("variant", [
-    {},  # GRPO
-    # PPO: critic weights and optimiser, the adaptive KL controller and two epochs must all resume
-    # ... and the reward normaliser's window
-    {"algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True, "kl_ctrl": {"type": "adaptive"}},
-     "actor_rollout_ref": {"actor": {"ppo_epochs": 2}}, "reward": {"normalize": {"enable": True}}},
-    # LoRA: the adapters and their optimiser state resume, the base is reloaded from model.path
-    {"actor_rollout_ref": {"model": {"lora_rank": 8}, "actor": {"use_kl_loss": True, "optim": {"lr": 2e-2}}}},
-], ids=["grpo", "ppo-adaptive-kl-norm", "lora"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},  # GRPO
+        # PPO: critic weights and optimiser, the adaptive KL controller and two epochs must all resume
+        # ... and the reward normaliser's window
+        {
+            "algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True, "kl_ctrl": {"type": "adaptive"}},
+            "actor_rollout_ref": {"actor": {"ppo_epochs": 2}},
+            "reward": {"normalize": {"enable": True}},
+        },
+        # LoRA: the adapters and their optimiser state resume, the base is reloaded from model.path
+        {"actor_rollout_ref": {"model": {"lora_rank": 8}, "actor": {"use_kl_loss": True, "optim": {"lr": 2e-2}}}},
+    ],
+    ids=["grpo", "ppo-adaptive-kl-norm", "lora"],
+)
 def test_resume_after_stop_matches_uninterrupted_run(variant, tiny_config, tmp_path, monkeypatch):
     from keel.api import train
     from keel.trainer import rl
@@ -156,9 +202,12 @@ def _numerics(record: dict) -> dict:
 
 def test_misspelt_key_fails_fast_and_creates_no_run_dir(tiny_config, tmp_path):
     config = write_config(tiny_config, tmp_path / "cfg.yaml")
-    proc = subprocess.run([sys.executable, "-m", "keel", "train", str(config),
-                           "actor_rollout_ref.actor.ppo_mini_batch_szie=4"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "keel", "train", str(config), "actor_rollout_ref.actor.ppo_mini_batch_szie=4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "error[KEEL-C001]" in proc.stderr
     assert "ppo_mini_batch_size" in proc.stderr
@@ -181,13 +230,16 @@ def test_exported_checkpoint_loads_and_generates(tiny_config, tmp_path):
     assert generated.shape[1] > inputs["input_ids"].shape[1]
 
 
-@pytest.mark.parametrize("change", [
-    {"data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 1},
-    {"actor_rollout_ref.actor.optim.lr": 1e-6},  # the optimiser state would silently keep the old lr
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 1},
+        {"actor_rollout_ref.actor.optim.lr": 1e-6},  # the optimiser state would silently keep the old lr
+    ],
+)
 def test_resume_with_different_settings_is_refused(change, tiny_config):
-    from keel.errors import RESUME_MISMATCH, KeelError
     from keel.api import train
+    from keel.errors import RESUME_MISMATCH, KeelError
 
     train(tiny_config)
     run_dir = Path(tiny_config["trainer"]["default_local_dir"])
@@ -231,8 +283,8 @@ def test_bf16_compute_keeps_float32_master_weights_that_move_at_small_lr(tiny_co
 
 
 def test_new_run_over_old_checkpoints_is_refused_and_extending_a_run_is_allowed(tiny_config):
-    from keel.errors import RESUME_MISMATCH, KeelError
     from keel.api import train
+    from keel.errors import RESUME_MISMATCH, KeelError
 
     train(tiny_config)
     with pytest.raises(KeelError) as info:
@@ -240,8 +292,9 @@ def test_new_run_over_old_checkpoints_is_refused_and_extending_a_run_is_allowed(
     assert info.value.code == RESUME_MISMATCH and "global_step_2" in info.value.message
 
     # more steps, a new save frequency and pruning are fine: the same run, continued
-    result = train(tiny_config, {"trainer.total_training_steps": 4, "trainer.save_freq": 1,
-                                 "trainer.max_actor_ckpt_to_keep": 1})
+    result = train(
+        tiny_config, {"trainer.total_training_steps": 4, "trainer.save_freq": 1, "trainer.max_actor_ckpt_to_keep": 1}
+    )
     assert result.last_step == 4
     assert [p.name for p in result.run_dir.glob("global_step_*")] == ["global_step_4"]
 
@@ -252,7 +305,8 @@ def test_user_hook_adds_metrics_and_guards_are_logged(tiny_config, tmp_path, mon
     (tmp_path / "my_hooks.py").write_text(
         "def longest(step, metrics, batch):\n"
         "    metrics['custom/longest_response'] = float(batch.response_lengths.max())\n"
-        "    return [f'hook saw step {step}']\n")
+        "    return [f'hook saw step {step}']\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     result = train(tiny_config, {"trainer.hooks": ["my_hooks:longest"]})
     steps = [m for m in read_metrics(result.run_dir) if m["step"] > 0]
@@ -261,8 +315,8 @@ def test_user_hook_adds_metrics_and_guards_are_logged(tiny_config, tmp_path, mon
 
 
 def test_nonfinite_log_probs_stop_or_skip_the_step(tiny_config, monkeypatch):
-    from keel.errors import NONFINITE_VALUES, KeelError
     from keel.api import train
+    from keel.errors import NONFINITE_VALUES, KeelError
     from keel.training.actor import ActorTrainer
 
     real = ActorTrainer.compute_log_probs
@@ -279,13 +333,15 @@ def test_nonfinite_log_probs_stop_or_skip_the_step(tiny_config, monkeypatch):
 def test_nan_rewards_stop_or_skip_the_step(tiny_config, tmp_path):
     """One NaN score is a not-scored sample (reward.on_error); a batch of them stops the run with
     R006, or under trainer.guards.nonfinite=skip drops the step, counted."""
-    from keel.errors import TOO_MANY_NOT_SCORED, KeelError
     from keel.api import train
+    from keel.errors import TOO_MANY_NOT_SCORED, KeelError
 
     nan_scorer = tmp_path / "nan_reward.py"
-    nan_scorer.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
-                          "    # fine on the rows keel check tries (the answer, an empty response); NaN on rollouts\n"
-                          "    return 1.0 if solution_str in (str(ground_truth), '') else float('nan')\n")
+    nan_scorer.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    # fine on the rows keel check tries (the answer, an empty response); NaN on rollouts\n"
+        "    return 1.0 if solution_str in (str(ground_truth), '') else float('nan')\n"
+    )
     overrides = {"custom_reward_function.path": str(nan_scorer), "trainer.val_before_train": False}
     with pytest.raises(KeelError) as info:
         train(tiny_config, overrides)
@@ -299,9 +355,9 @@ def test_nan_rewards_stop_or_skip_the_step(tiny_config, tmp_path):
 
 
 def test_gradients_cut_from_the_weights_stop_the_run(tiny_config, monkeypatch):
-    from keel.errors import NO_GRADIENT, KeelError
-    from keel.distributed import worker
     from keel.api import train
+    from keel.distributed import worker
+    from keel.errors import NO_GRADIENT, KeelError
 
     real = worker.load_causal_lm
 
@@ -317,8 +373,14 @@ def test_gradients_cut_from_the_weights_stop_the_run(tiny_config, monkeypatch):
 def test_weighted_scorers_and_overlong_penalty_in_a_run(tiny_config):
     from keel.api import train
 
-    result = train(tiny_config, {"reward.scorers": {"digits": {"custom": 0.8, "think_answer_format": 0.2}},
-                                 "reward.overlong_buffer.enable": True, "reward.overlong_buffer.len": 4})
+    result = train(
+        tiny_config,
+        {
+            "reward.scorers": {"digits": {"custom": 0.8, "think_answer_format": 0.2}},
+            "reward.overlong_buffer.enable": True,
+            "reward.overlong_buffer.len": 4,
+        },
+    )
     last = result.last_metrics
     assert {"reward/custom/mean", "reward/think_answer_format/mean", "reward/overlong_penalty/mean"} <= set(last)
     assert last["reward/overlong_penalty/mean"] <= 0.0
@@ -328,13 +390,22 @@ def test_samples_the_scorer_fails_on_leave_the_update_and_are_counted(tiny_confi
     from keel.api import train
 
     scorer = tmp_path / "flaky.py"
-    scorer.write_text("def compute_score(solution_str, **kwargs):\n"
-                      "    s = solution_str\n"
-                      "    if len(s) > 3 and sum(map(ord, s)) % 4 == 0:  # real rows and '' score fine\n"
-                      "        raise ValueError('cannot parse')\n"
-                      "    return (sum(map(ord, s)) % 7) / 6\n")
-    result = train(tiny_config, {"custom_reward_function.path": str(scorer), "reward.max_not_scored_ratio": 0.9,
-                                 "trainer.val_before_train": False, "trainer.test_freq": -1})
+    scorer.write_text(
+        "def compute_score(solution_str, **kwargs):\n"
+        "    s = solution_str\n"
+        "    if len(s) > 3 and sum(map(ord, s)) % 4 == 0:  # real rows and '' score fine\n"
+        "        raise ValueError('cannot parse')\n"
+        "    return (sum(map(ord, s)) % 7) / 6\n"
+    )
+    result = train(
+        tiny_config,
+        {
+            "custom_reward_function.path": str(scorer),
+            "reward.max_not_scored_ratio": 0.9,
+            "trainer.val_before_train": False,
+            "trainer.test_freq": -1,
+        },
+    )
     steps = [m for m in read_metrics(result.run_dir) if m["step"] > 0]
     assert len(steps) == 2 and all(math.isfinite(m["actor/pg_loss"]) for m in steps)
     assert sum(m["reward/not_scored_ratio"] for m in steps) > 0
@@ -375,8 +446,9 @@ def test_the_first_mini_batch_takes_its_own_forward_as_old_and_trains_the_same(t
 
     computed = []
     original = WorkerRoles.actor_log_probs
-    monkeypatch.setattr(WorkerRoles, "actor_log_probs",
-                        lambda self, batch: computed.append(len(batch)) or original(self, batch))
+    monkeypatch.setattr(
+        WorkerRoles, "actor_log_probs", lambda self, batch: computed.append(len(batch)) or original(self, batch)
+    )
     tiny_config["actor_rollout_ref"]["actor"].update({"use_kl_loss": True, "kl_loss_coef": 0.1})
     skipped = train(tiny_config)  # 4 prompts x 4 samples, mini-batches of 2 prompts
     assert computed == [8, 8]  # half of each step's 16 samples
@@ -411,8 +483,15 @@ def test_an_on_policy_update_skips_the_old_log_prob_pass_and_trains_the_same(tin
     ours, theirs = ([m for m in read_metrics(r.run_dir) if m["step"] > 0] for r in (skipped, recomputed))
     assert all("timing_s/old_log_prob" not in m for m in ours) and all("timing_s/old_log_prob" in m for m in theirs)
     for a, b in zip(ours, theirs):
-        for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/ref_kl", "rollout/log_prob_gap",
-                    "actor/entropy", "critic/score/mean"):
+        for key in (
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "actor/kl_loss",
+            "actor/ref_kl",
+            "rollout/log_prob_gap",
+            "actor/entropy",
+            "critic/score/mean",
+        ):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     assert a["rollout/log_prob_gap"] > 0 and a["actor/grad_norm"] > 0  # numbers that could differ
     final = lambda result: weights(sorted(Path(result.run_dir).glob("global_step_*"))[-1] / "actor")  # noqa: E731

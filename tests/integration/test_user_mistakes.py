@@ -82,13 +82,21 @@ MISTAKES = {
     "KEEL-D004": lambda a, t: [f"data.train_files={data_file(t, [{'prompt': chat('hi')}] * 2)}"],
     "KEEL-R001": lambda a, t: [f"custom_reward_function.path={reward_file(t, 'def other(*a): return 0')}"],
     "KEEL-R002": lambda a, t: ["custom_reward_function.path=null"],  # data_source 'digits' has no built-in
-    "KEEL-R004": lambda a, t: ["custom_reward_function.path=null",
-                               f"data.train_files={data_file(t, [{'prompt': chat('hi'), 'data_source': 'gsm8k'}] * 8)}",
-                               "data.val_files=[]"],
-    "KEEL-R003": lambda a, t: [f"custom_reward_function.path={reward_file(t, 'def compute_score(solution_str, **kw): return str(len(solution_str))')}"],
+    "KEEL-R004": lambda a, t: [
+        "custom_reward_function.path=null",
+        f"data.train_files={data_file(t, [{'prompt': chat('hi'), 'data_source': 'gsm8k'}] * 8)}",
+        "data.val_files=[]",
+    ],
+    "KEEL-R003": lambda a, t: [
+        "custom_reward_function.path="
+        + reward_file(t, "def compute_score(solution_str, **kw): return str(len(solution_str))")
+    ],
     "KEEL-C007": lambda a, t: [f"trainer.resume_mode={t / 'run' / 'global_step_9'}"],
     "KEEL-P004": lambda a, t: ["trainer.nnodes=2"],
-    "KEEL-R005": lambda a, t: [f"custom_reward_function.path={reward_file(t, 'def compute_score(solution_str, **kw): return 1 / len(solution_str)')}"],
+    "KEEL-R005": lambda a, t: [
+        "custom_reward_function.path="
+        + reward_file(t, "def compute_score(solution_str, **kw): return 1 / len(solution_str)")
+    ],
 }
 
 
@@ -106,7 +114,7 @@ def test_mistake_gives_its_code_and_leaves_nothing(code, tiny_config, tiny_asset
     assert not run_dir.exists(), f"{code} left {list(run_dir.iterdir())}"
 
     # keel check says the same: the error and its fix, word for word
-    error = err[err.rindex(f"error[{code}]"):].strip()
+    error = err[err.rindex(f"error[{code}]") :].strip()
     assert main(["check", str(config), *overrides]) in (1, 2)
     out = capsys.readouterr()
     checked = "\n".join(line.strip() for line in (out.out + out.err).splitlines())

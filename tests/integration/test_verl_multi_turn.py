@@ -10,22 +10,27 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ScriptedEngine, write_jsonl
-from verl_shim import install_verl_0_5_0_files
 
 from keel.api import train
 from keel.check.preflight import run_checks
 from keel.config.load import load_config
 from keel.errors import VERL_UNAVAILABLE, KeelError
 
+from conftest import ScriptedEngine, write_jsonl
+from verl_shim import install_verl_0_5_0_files
+
 CONFIGS = Path(__file__).parents[1] / "data" / "verl_multi_turn"
-SYSTEM_TOOL = ("You are a math expert. You are given a question and you need to solve it step by step. Reasoning step "
-               "by step before any tool call. You should use the `calc_gsm8k_reward` tool after step by step solving "
-               "the question, before generate final answer at least once and refine your answer if necessary. Put "
-               "your final answer in the format of `#### <answer>`.")
-SYSTEM_INTERACTION = ("You are a math expert. You are given a question and you need to solve it step by step. You "
-                      "should rethinking carefully if user point out your answer is wrong. Put your final answer in "
-                      "the format of `#### <answer>`.")
+SYSTEM_TOOL = (
+    "You are a math expert. You are given a question and you need to solve it step by step. Reasoning step "
+    "by step before any tool call. You should use the `calc_gsm8k_reward` tool after step by step solving "
+    "the question, before generate final answer at least once and refine your answer if necessary. Put "
+    "your final answer in the format of `#### <answer>`."
+)
+SYSTEM_INTERACTION = (
+    "You are a math expert. You are given a question and you need to solve it step by step. You "
+    "should rethinking carefully if user point out your answer is wrong. Put your final answer in "
+    "the format of `#### <answer>`."
+)
 TOOL_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     # a reward function of verl's SGLang rollout: the tool's calc_reward, where verl gave it
@@ -49,26 +54,41 @@ def gsm8k_row(index: int, interaction: bool) -> dict:
     if interaction:
         extra_info["interaction_kwargs"] = {"name": "gsm8k", "query": prompt, "ground_truth": solution(index)}
     else:
-        extra_info.update({"need_tools_kwargs": True, "tools_kwargs": {"calc_gsm8k_reward": {
-            "create_kwargs": {"ground_truth": solution(index)}}},
-            "interaction_kwargs": {"query": prompt, "ground_truth": solution(index)}})
-    return {"data_source": "openai/gsm8k", "ability": "math",
-            "prompt": [{"role": "system", "content": SYSTEM_INTERACTION if interaction else SYSTEM_TOOL},
-                       {"role": "user", "content": prompt}],
-            "reward_model": {"style": "rule", "ground_truth": solution(index)}, "extra_info": extra_info}
+        extra_info.update(
+            {
+                "need_tools_kwargs": True,
+                "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": solution(index)}}},
+                "interaction_kwargs": {"query": prompt, "ground_truth": solution(index)},
+            }
+        )
+    return {
+        "data_source": "openai/gsm8k",
+        "ability": "math",
+        "prompt": [
+            {"role": "system", "content": SYSTEM_INTERACTION if interaction else SYSTEM_TOOL},
+            {"role": "user", "content": prompt},
+        ],
+        "reward_model": {"style": "rule", "ground_truth": solution(index)},
+        "extra_info": extra_info,
+    }
 
 
 def verl_config(tiny_config, tmp_path: Path, interaction: bool, reward: str) -> dict:
     rows = write_jsonl(tmp_path / "gsm8k.jsonl", [gsm8k_row(i, interaction) for i in range(8)])
     (tmp_path / "reward.py").write_text(reward)
     multi_turn = {"enable": True, "max_assistant_turns": 3, "format": "hermes"}
-    multi_turn.update({"interaction_config_path": str(CONFIGS / "gsm8k_interaction_config.yaml")} if interaction
-                      else {"tool_config_path": str(CONFIGS / "gsm8k_tool_config.yaml")})
+    multi_turn.update(
+        {"interaction_config_path": str(CONFIGS / "gsm8k_interaction_config.yaml")}
+        if interaction
+        else {"tool_config_path": str(CONFIGS / "gsm8k_tool_config.yaml")}
+    )
     tiny_config["actor_rollout_ref"]["rollout"]["multi_turn"] = multi_turn
-    tiny_config["data"].update({"train_files": [str(rows)], "val_files": [str(rows)], "max_prompt_length": 512,
-                                "max_response_length": 160})
-    tiny_config["trainer"].update({"test_freq": -1, "val_before_train": False,
-                                   "guards": {"max_log_prob_gap": 100.0}})  # the script's log-probs are not the model's
+    tiny_config["data"].update(
+        {"train_files": [str(rows)], "val_files": [str(rows)], "max_prompt_length": 512, "max_response_length": 160}
+    )
+    tiny_config["trainer"].update(
+        {"test_freq": -1, "val_before_train": False, "guards": {"max_log_prob_gap": 100.0}}
+    )  # the script's log-probs are not the model's
     tiny_config["custom_reward_function"] = {"path": str(tmp_path / "reward.py")}
     return tiny_config
 
@@ -82,8 +102,13 @@ def scripted(monkeypatch, turns):
         index = int(context.split("Question ")[1].split(":")[0])
         return turns(index, turn)
 
-    monkeypatch.setattr(worker, "build_agent_loop", lambda multi_turn, engine, tokenizer, budget: build_agent_loop(
-        multi_turn, ScriptedEngine(tokenizer, turn_for), tokenizer, budget))
+    monkeypatch.setattr(
+        worker,
+        "build_agent_loop",
+        lambda multi_turn, engine, tokenizer, budget: build_agent_loop(
+            multi_turn, ScriptedEngine(tokenizer, turn_for), tokenizer, budget
+        ),
+    )
 
 
 def spy(monkeypatch, cls, name: str, seen: list, record):
@@ -110,9 +135,14 @@ def test_verls_gsm8k_tool_and_tool_config_train_two_steps(tiny_config, tmp_path,
     spy(monkeypatch, Gsm8kTool, "create", created, lambda args, kwargs, result: (result, kwargs.get("ground_truth")))
     spy(monkeypatch, Gsm8kTool, "execute", executed, lambda args, kwargs, result: (args[0], args[1]["answer"]))
     spy(monkeypatch, Gsm8kTool, "release", released, lambda args, kwargs, result: args[0])
-    scripted(monkeypatch, lambda index, turn: ('<tool_call>{"name": "calc_gsm8k_reward", "arguments": {"answer": "'
-                                               f'{solution(index)}"}}}}</tool_call>' if turn == 0
-                                               else f"#### {solution(index)}"))
+    scripted(
+        monkeypatch,
+        lambda index, turn: (
+            f'<tool_call>{{"name": "calc_gsm8k_reward", "arguments": {{"answer": "{solution(index)}"}}}}</tool_call>'
+            if turn == 0
+            else f"#### {solution(index)}"
+        ),
+    )
     cfg = verl_config(tiny_config, tmp_path, interaction=False, reward=TOOL_REWARD)
     [tools, _] = [f for f in run_checks(load_config(cfg)).findings if f.check == "multi-turn"]
     assert "calc_gsm8k_reward (verl Gsm8kTool: create, execute, calc_reward, release per sample)" in tools.message
@@ -134,8 +164,13 @@ def test_verls_gsm8k_interaction_and_interaction_config_train_two_steps(tiny_con
     from verl.interactions.gsm8k_interaction import Gsm8kInteraction
 
     started, finalized = [], []
-    spy(monkeypatch, Gsm8kInteraction, "start_interaction", started,
-        lambda args, kwargs, result: (result, kwargs["ground_truth"], kwargs["query"]))
+    spy(
+        monkeypatch,
+        Gsm8kInteraction,
+        "start_interaction",
+        started,
+        lambda args, kwargs, result: (result, kwargs["ground_truth"], kwargs["query"]),
+    )
     spy(monkeypatch, Gsm8kInteraction, "finalize_interaction", finalized, lambda args, kwargs, result: args[0])
     scripted(monkeypatch, lambda index, turn: "#### 0" if turn == 0 else f"#### {solution(index)}")
     steps = metrics(train(verl_config(tiny_config, tmp_path, interaction=True, reward=INTERACTION_REWARD)).run_dir)

@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from test_verl_scripts import MICRO, SMALL
 
 try:  # verl's gsm8k tool class, which verl 0.9.1 no longer ships (tests/data/verl_0_5_0)
@@ -27,17 +28,32 @@ from keel.cli import main
 CHECKOUT = Path(__file__).parents[1] / "data" / "verl_launch"
 SCRIPTS = CHECKOUT / "examples" / "sglang_multiturn"
 # Each script, and the settings keel refuses in it by name (nothing else may be refused).
-REFUSED = {"run_qwen2.5-3b_gsm8k_multiturn.sh": {"actor_rollout_ref.rollout.over_sample_rate"},
-           "run_qwen2.5-3b_gsm8k_multiturn_vllm_fsdp.sh": set()}
-CPU = {**SMALL, "trainer.device": "cpu", "data.max_response_length": 64, "data.max_prompt_length": 160,
-       "actor_rollout_ref.rollout.n": 2, "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 2}
+REFUSED = {
+    "run_qwen2.5-3b_gsm8k_multiturn.sh": {"actor_rollout_ref.rollout.over_sample_rate"},
+    "run_qwen2.5-3b_gsm8k_multiturn_vllm_fsdp.sh": set(),
+}
+CPU = {
+    **SMALL,
+    "trainer.device": "cpu",
+    "data.max_response_length": 64,
+    "data.max_prompt_length": 160,
+    "actor_rollout_ref.rollout.n": 2,
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 2,
+}
 ECHO = 'python3() { printf "%s\\0" "$@"; }\n'  # the script's python3 -m verl.trainer.main_ppo, its arguments
 
 
 def script_argv(script: Path, home: Path) -> list[str]:
     """The arguments the script passes to verl's main_ppo, as bash builds them (variables, quoting)."""
-    done = subprocess.run(["bash", "-c", ECHO + "source \"$0\"", str(script)], cwd=CHECKOUT, capture_output=True,
-                          text=True, env={"HOME": str(home), "PATH": "/usr/bin:/bin"}, timeout=60, check=True)
+    done = subprocess.run(
+        ["bash", "-c", ECHO + 'source "$0"', str(script)],
+        cwd=CHECKOUT,
+        capture_output=True,
+        text=True,
+        env={"HOME": str(home), "PATH": "/usr/bin:/bin"},
+        timeout=60,
+        check=True,
+    )
     argv = done.stdout.split("\0")[:-1]
     assert argv[:2] == ["-m", "verl.trainer.main_ppo"], argv[:4]
     return argv[2:]
@@ -48,14 +64,23 @@ def gsm8k_rows(n: int, start: int = 0) -> list[dict]:
     rows = []
     for i in range(start, start + n):
         answer = str(3 * i + 4)
-        rows.append({
-            "data_source": "openai/gsm8k", "ability": "math",
-            "prompt": [{"role": "system", "content": "You are a math expert. Call calc_gsm8k_reward to check."},
-                       {"role": "user", "content": f"What is {i} times 3 plus 4? Put the answer after ####."}],
-            "reward_model": {"style": "rule", "ground_truth": answer},
-            "extra_info": {"split": "train", "index": i, "need_tools_kwargs": True,
-                           "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": answer}}}},
-        })
+        rows.append(
+            {
+                "data_source": "openai/gsm8k",
+                "ability": "math",
+                "prompt": [
+                    {"role": "system", "content": "You are a math expert. Call calc_gsm8k_reward to check."},
+                    {"role": "user", "content": f"What is {i} times 3 plus 4? Put the answer after ####."},
+                ],
+                "reward_model": {"style": "rule", "ground_truth": answer},
+                "extra_info": {
+                    "split": "train",
+                    "index": i,
+                    "need_tools_kwargs": True,
+                    "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": answer}}},
+                },
+            }
+        )
     return rows
 
 
@@ -71,8 +96,13 @@ def as_keel(argv: list[str], assets: dict, tmp_path: Path) -> list[str]:
         if key in paths or key in CPU:
             continue
         out.append(f"{key}={2 if 'micro' in key else 512}" if MICRO.match(key) else item)
-    return ["train", *out, *(f"{k}={v}" for k, v in {**paths, **CPU}.items()),
-            f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.total_training_steps=2"]
+    return [
+        "train",
+        *out,
+        *(f"{k}={v}" for k, v in {**paths, **CPU}.items()),
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        "trainer.total_training_steps=2",
+    ]
 
 
 def test_the_scripts_name_their_config_as_verls_main_ppo_reads_it(tmp_path):
@@ -94,8 +124,11 @@ def test_a_verl_multi_turn_script_trains_through_keel_train(script, tiny_assets,
     output = out.getvalue()
     if REFUSED[script]:
         assert status == 2 and "KEEL-C001" not in output, output[-3000:]
-        refused = {line.split("]: ")[1].split("=")[0] for line in output.splitlines() if "error[KEEL-" in line
-                   and "problems in the config" not in line}
+        refused = {
+            line.split("]: ")[1].split("=")[0]
+            for line in output.splitlines()
+            if "error[KEEL-" in line and "problems in the config" not in line
+        }
         assert refused == REFUSED[script], output[-3000:]
         assert not (tmp_path / "run" / "metrics.jsonl").exists()
         return

@@ -13,17 +13,31 @@ from keel.errors import KeelError
 
 SCRIPTS = yaml.safe_load((Path(__file__).parents[1] / "data" / "verl_example_overrides.yaml").read_text())
 # What a CPU test cannot run as the script has it: data and models, sizes, devices, how long.
-SMALL = {"data.train_batch_size": 4, "data.max_prompt_length": 48, "data.max_response_length": 8,
-         "actor_rollout_ref.actor.ppo_mini_batch_size": 2, "critic.ppo_mini_batch_size": 2,
-         "actor_rollout_ref.rollout.n": 2, "trainer.n_gpus_per_node": 1, "trainer.nnodes": 1,
-         "trainer.total_epochs": 1, "trainer.save_freq": -1, "trainer.test_freq": -1, "trainer.logger": "console",
-         "trainer.val_before_train": False}
+SMALL = {
+    "data.train_batch_size": 4,
+    "data.max_prompt_length": 48,
+    "data.max_response_length": 8,
+    "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+    "critic.ppo_mini_batch_size": 2,
+    "actor_rollout_ref.rollout.n": 2,
+    "trainer.n_gpus_per_node": 1,
+    "trainer.nnodes": 1,
+    "trainer.total_epochs": 1,
+    "trainer.save_freq": -1,
+    "trainer.test_freq": -1,
+    "trainer.logger": "console",
+    "trainer.val_before_train": False,
+}
 MICRO = re.compile(r".*(micro_batch_size_per_gpu|max_token_len_per_gpu)$")
 
 
 def shrunk(overrides: list[str], assets: dict, run_dir: Path) -> list[str]:
-    paths = {"data.train_files": assets["train"], "data.val_files": assets["val"],
-             "actor_rollout_ref.model.path": assets["model"], "critic.model.path": assets["model"]}
+    paths = {
+        "data.train_files": assets["train"],
+        "data.val_files": assets["val"],
+        "actor_rollout_ref.model.path": assets["model"],
+        "critic.model.path": assets["model"],
+    }
     out = []
     for item in overrides:
         key = item.split("=", 1)[0].lstrip("+")
@@ -33,8 +47,11 @@ def shrunk(overrides: list[str], assets: dict, run_dir: Path) -> list[str]:
             item = f"{key}={2 if 'micro' in key else 512}"
         out.append(item)
     out += [f"{k}={v}" for k, v in {**paths, **SMALL}.items()]
-    return out + [f"trainer.default_local_dir={run_dir}", f"custom_reward_function.path={assets['reward']}",
-                  "trainer.total_training_steps=2"]
+    return out + [
+        f"trainer.default_local_dir={run_dir}",
+        f"custom_reward_function.path={assets['reward']}",
+        "trainer.total_training_steps=2",
+    ]
 
 
 def test_there_are_enough_scripts():

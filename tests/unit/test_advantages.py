@@ -215,7 +215,7 @@ def without_columns(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(x)
     for row in range(x.shape[0]):
         kept = x[row][keep[row]]
-        out[row, :len(kept)] = kept
+        out[row, : len(kept)] = kept
     return out
 
 
@@ -235,8 +235,13 @@ def test_a_masked_span_inside_a_response_counts_as_absent(name):
     spanned = AdvantageInputs(rewards, mask, groups, values, baseline_rewards=t([0.1, -0.2, 0.3, 0.0]))
     keep = mask.bool()
     cut_mask = (torch.arange(8)[None] < lengths[:, None]).float()
-    cut = AdvantageInputs(without_columns(rewards, keep), cut_mask, groups, without_columns(values, keep),
-                          baseline_rewards=spanned.baseline_rewards)
+    cut = AdvantageInputs(
+        without_columns(rewards, keep),
+        cut_mask,
+        groups,
+        without_columns(values, keep),
+        baseline_rewards=spanned.baseline_rewards,
+    )
     params = AdvantageParams(gamma=0.9, lam=0.95)
     adv, ret = compute_advantage(name, spanned, params)
     cut_adv, cut_ret = compute_advantage(name, cut, params)

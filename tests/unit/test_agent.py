@@ -10,7 +10,6 @@ import threading
 
 import pytest
 import torch
-from conftest import LOG_PROB, ScriptedEngine
 
 from keel.data.prompts import build_prompt_dataset, collate_prompts
 from keel.errors import NO_TOOL_ROLE, TOOL_CONFIG, KeelError
@@ -20,35 +19,50 @@ from keel.rollout.agent.metrics import agent_metrics
 from keel.rollout.agent.template import TurnTemplate, first_difference, round_trip
 from keel.types import SamplingParams
 
+from conftest import LOG_PROB, ScriptedEngine
+
 CALC = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
 
 
 def rollout(script: dict[str, list[str]], tools, budget: int = 200, limits: ToolLimits | None = None, n: int = 1):
     tokenizer = build_tokenizer()
-    records, _ = build_prompt_dataset([{"prompt": [{"role": "user", "content": p}]} for p in script], tokenizer,
-                                      max_prompt_length=64)
+    records, _ = build_prompt_dataset(
+        [{"prompt": [{"role": "user", "content": p}]} for p in script], tokenizer, max_prompt_length=64
+    )
 
     def turn_for(context: str, turn: int) -> str:
         return script[next(p for p in script if p in context)][turn]
 
-    loop = AgentLoop(ScriptedEngine(tokenizer, turn_for), tokenizer, tools,
-                     AgentOptions(max_assistant_turns=4, budget=budget, limits=limits or ToolLimits()),
-                     [tokenizer.eos_token_id])
+    loop = AgentLoop(
+        ScriptedEngine(tokenizer, turn_for),
+        tokenizer,
+        tools,
+        AgentOptions(max_assistant_turns=4, budget=budget, limits=limits or ToolLimits()),
+        [tokenizer.eos_token_id],
+    )
     prompts = collate_prompts(records, tokenizer.pad_token_id).repeat_interleave(n)
     return loop.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=budget)), tokenizer
 
 
 def test_a_tool_call_is_answered_and_the_trained_tokens_are_the_templates():
     batch, tokenizer = rollout({"What is 12*34?": [CALC, "The answer is 408"]}, [Calculator()])
-    messages = [{"role": "user", "content": "What is 12*34?"}, {"role": "assistant", "content": CALC},
-                {"role": "tool", "content": "408"}, {"role": "assistant", "content": "The answer is 408"}]
+    messages = [
+        {"role": "user", "content": "What is 12*34?"},
+        {"role": "assistant", "content": CALC},
+        {"role": "tool", "content": "408"},
+        {"role": "assistant", "content": "The answer is 408"},
+    ]
     whole = tokenizer.apply_chat_template(messages, tokenize=False)
     expected = tokenizer.encode(whole, add_special_tokens=False)
-    built = batch.prompt_ids[0][batch.prompt_mask[0].bool()].tolist() + batch.response_ids[0][
-        batch.response_attention[0].bool()].tolist()
+    built = (
+        batch.prompt_ids[0][batch.prompt_mask[0].bool()].tolist()
+        + batch.response_ids[0][batch.response_attention[0].bool()].tolist()
+    )
     assert first_difference(built, expected) is None and len(built) == len(expected) - 1  # all but the final "\n"
     trained = batch.response_ids[0][batch.response_mask[0].bool()]
-    turns = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in (CALC, messages[3]["content"])]
+    turns = [
+        tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in (CALC, messages[3]["content"])
+    ]
     assert trained.tolist() == turns[0] + turns[1]  # the model's tokens exactly, and only them
     suffix = batch.response_ids[0][(batch.response_attention[0] - batch.response_mask[0]).bool()]
     assert "408" in tokenizer.decode(suffix) and "<|im_start|>assistant" in tokenizer.decode(suffix)
@@ -85,17 +99,27 @@ def test_every_bad_tool_is_fed_back_and_counted():
         """Far too much output."""
         return "A" * 1000 + "END"
 
-    script = {"p1": [call("explode", x=1), "done"], "p2": [call("hang", x=1), "done"],
-              "p3": [call("flood", x=1), "done"], "p4": [call("rm_rf", path="/"), "done"],
-              "p5": ['<tool_call>{"name": "flood", "arguments": {oops</tool_call>', "done"],
-              "p6": [call("flood", x=1) + call("flood", x=2) + call("flood", x=3), "done"]}
+    script = {
+        "p1": [call("explode", x=1), "done"],
+        "p2": [call("hang", x=1), "done"],
+        "p3": [call("flood", x=1), "done"],
+        "p4": [call("rm_rf", path="/"), "done"],
+        "p5": ['<tool_call>{"name": "flood", "arguments": {oops</tool_call>', "done"],
+        "p6": [call("flood", x=1) + call("flood", x=2) + call("flood", x=3), "done"],
+    }
     try:
-        batch, tokenizer = rollout(script, [explode, hang, flood], budget=1000,
-                                   limits=ToolLimits(max_parallel_calls=2, timeout_s=0.5, max_response_chars=40))
+        batch, tokenizer = rollout(
+            script,
+            [explode, hang, flood],
+            budget=1000,
+            limits=ToolLimits(max_parallel_calls=2, timeout_s=0.5, max_response_chars=40),
+        )
     finally:
         release.set()
-    fed_back = {p: tokenizer.decode(batch.response_ids[i][(batch.response_attention[i] - batch.response_mask[i]).bool()])
-                for i, p in enumerate(script)}
+    fed_back = {
+        p: tokenizer.decode(batch.response_ids[i][(batch.response_attention[i] - batch.response_mask[i]).bool()])
+        for i, p in enumerate(script)
+    }
     assert "RuntimeError: boom" in fed_back["p1"]
     assert "took longer than 0.5 s" in fed_back["p2"]
     assert "...(truncated)" in fed_back["p3"] and "END" in fed_back["p3"] and "A" * 100 not in fed_back["p3"]
@@ -116,13 +140,16 @@ def test_the_budget_ends_an_episode_and_says_so():
     assert batch.response_mask[0].sum() <= len(CALC) // 2
 
 
-@pytest.mark.parametrize("expression, needle", [
-    ("__import__('os').system('id')", "not arithmetic"),
-    ("9**9**9", "not arithmetic"),                  # powers are not offered: no unbounded work
-    ("10000000000*10000000000*10000000000*10000000000", "too large"),
-    ("1+" * 200 + "1", "longer than"),
-    ("(lambda: 1)()", "not arithmetic"),
-])
+@pytest.mark.parametrize(
+    "expression, needle",
+    [
+        ("__import__('os').system('id')", "not arithmetic"),
+        ("9**9**9", "not arithmetic"),  # powers are not offered: no unbounded work
+        ("10000000000*10000000000*10000000000*10000000000", "too large"),
+        ("1+" * 200 + "1", "longer than"),
+        ("(lambda: 1)()", "not arithmetic"),
+    ],
+)
 def test_the_calculator_refuses_what_is_not_arithmetic(expression, needle):
     with pytest.raises(ValueError, match=needle):
         Calculator().execute({"expression": expression})
@@ -130,24 +157,27 @@ def test_the_calculator_refuses_what_is_not_arithmetic(expression, needle):
 
 
 QWEN25_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}"
+    "{{- messages[0]['content'] }}"
     "{%- else %}{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}{%- endif %}"
-    "{{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided "
-    "with function signatures within <tools></tools> XML tags:\\n<tools>\" }}{%- for tool in tools %}{{- \"\\n\" }}"
-    "{{- tool | tojson }}{%- endfor %}{{- \"\\n</tools>\\n\\nFor each function call, return a json object with function "
-    "name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
-    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}{%- else %}"
+    '{{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided '
+    'with function signatures within <tools></tools> XML tags:\\n<tools>" }}{%- for tool in tools %}{{- "\\n" }}'
+    '{{- tool | tojson }}{%- endfor %}{{- "\\n</tools>\\n\\nFor each function call, return a json object with function '
+    'name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, '
+    '\\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}{%- else %}'
     "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
     "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
     "<|im_end|>\\n' }}{%- endif %}{%- endif %}"
     "{%- for message in messages %}"
     "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant' "
-    "and not message.tool_calls) %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
     "{%- elif message.role == 'tool' %}{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}"
     "{{- '<|im_start|>user' }}{%- endif %}{{- '\\n<tool_response>\\n' }}{{- message.content }}"
     "{{- '\\n</tool_response>' }}{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}"
     "{{- '<|im_end|>\\n' }}{%- endif %}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 LLAMA3_TEMPLATE = (
     "{{- bos_token }}{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
     "{{- 'Cutting Knowledge Date: December 2023\\nToday Date: 26 Jul 2024\\n\\n' }}{{- '<|eot_id|>' }}"
@@ -155,14 +185,20 @@ LLAMA3_TEMPLATE = (
     "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}{{- message.content }}{{- '<|eot_id|>' }}"
     "{%- else %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim "
     "+ '<|eot_id|>' }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
 
 
 def tokenizer_with(template: str | None):
     tokenizer = build_tokenizer()
     if template == "llama3":
-        tokenizer.add_special_tokens({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
-                                      "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>"]})
+        tokenizer.add_special_tokens(
+            {
+                "bos_token": "<|begin_of_text|>",
+                "eos_token": "<|eot_id|>",
+                "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>"],
+            }
+        )
         tokenizer.chat_template = LLAMA3_TEMPLATE
     elif template == "qwen2.5":
         tokenizer.chat_template = QWEN25_TEMPLATE
@@ -178,19 +214,23 @@ def test_turn_by_turn_tokens_equal_the_templates_rendering_of_the_conversation(t
     built, reference = round_trip(tokenizer, [Calculator().schema])
     assert first_difference(built, reference) is None and len(reference) - len(built) in (0, 1)
     user = [{"role": "user", "content": "What is 12*34?"}]
-    prompt = tokenizer.apply_chat_template(user, tools=[Calculator().schema], tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        user, tools=[Calculator().schema], tokenize=False, add_generation_prompt=True
+    )
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     separator = len(encode(prompt) + encode(CALC)) + 1  # the template's first token after the turn's end
-    dropped = built[:separator] + built[separator + 1:]  # verl #6921: the newline after the end token lost
+    dropped = built[:separator] + built[separator + 1 :]  # verl #6921: the newline after the end token lost
     if template != "llama3":  # Llama 3 puts no separator there
         assert first_difference(dropped, reference) == separator
 
 
 def test_a_template_without_a_tool_role_is_refused_by_name():
     tokenizer = build_tokenizer()
-    tokenizer.chat_template = ("{% for m in messages %}{% if m.role in ['user', 'assistant'] %}<|im_start|>{{ m.role }}"
-                               "\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
-                               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.role in ['user', 'assistant'] %}<|im_start|>{{ m.role }}"
+        "\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     with pytest.raises(KeelError) as error:
         TurnTemplate(tokenizer, None, [tokenizer.eos_token_id])
     assert error.value.code == NO_TOOL_ROLE and "drops tool messages" in error.value.message
@@ -212,16 +252,23 @@ def test_tool_configs_in_verls_format_and_in_python(tmp_path):
     good.write_text("tools:\n  - class_name: keel.tools.Calculator\n    config: {}\n")
     assert [t.name for t in load_tool_config(good)] == ["calculator"]
     python = tmp_path / "my_tools.py"
-    python.write_text("from keel.rollout.agent import tool\n\n@tool\ndef add(a: int, b: int = 0) -> str:\n"
-                      "    '''Adds two numbers.'''\n    return str(a + b)\n")
+    python.write_text(
+        "from keel.rollout.agent import tool\n\n@tool\ndef add(a: int, b: int = 0) -> str:\n"
+        "    '''Adds two numbers.'''\n    return str(a + b)\n"
+    )
     [add] = load_tool_config(python)
-    assert add.schema["function"]["parameters"] == {"type": "object", "required": ["a"], "properties": {
-        "a": {"type": "integer"}, "b": {"type": "integer"}}}
+    assert add.schema["function"]["parameters"] == {
+        "type": "object",
+        "required": ["a"],
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    }
     assert add.execute({"a": 2, "b": 3}) == "5"
-    cases = {"missing.yaml": ("tools:\n  - class_name: keel.tools.Nope\n", "names no class with the method execute()"),
-             "empty.yaml": ("tools: []\n", "no `tools:` list"),
-             "untyped.py": ("from keel.rollout.agent import tool\n@tool\ndef f(x):\n    return x\n", "type hint"),
-             "twice.yaml": ("tools:\n" + "  - class_name: keel.tools.Calculator\n" * 2, "share a name")}
+    cases = {
+        "missing.yaml": ("tools:\n  - class_name: keel.tools.Nope\n", "names no class with the method execute()"),
+        "empty.yaml": ("tools: []\n", "no `tools:` list"),
+        "untyped.py": ("from keel.rollout.agent import tool\n@tool\ndef f(x):\n    return x\n", "type hint"),
+        "twice.yaml": ("tools:\n" + "  - class_name: keel.tools.Calculator\n" * 2, "share a name"),
+    }
     for name, (text, needle) in cases.items():
         (tmp_path / name).write_text(text)
         with pytest.raises(KeelError) as error:
@@ -244,14 +291,17 @@ def test_an_async_tool_and_a_verl_style_result_are_taken():
     assert (output.text, output.reward, output.status) == ('{"echoed": 7}', 0.5, "ok")
 
 
-@pytest.mark.parametrize("code, needle", [
-    ("print(sum(range(10)))", "45"),
-    ("print(open('/etc/shadow').read())", "Error"),                                    # the host's files
-    ("import socket; socket.create_connection(('1.1.1.1', 80), timeout=2)", "Error"),  # the network
-    ("import os\nwhile True: os.fork()", "Error"),                                     # a fork bomb
-    ("while True: pass", "stopped"),                                                   # CPU
-    ("print('x' * 10**8)", "stopped"),                                                 # output
-])
+@pytest.mark.parametrize(
+    "code, needle",
+    [
+        ("print(sum(range(10)))", "45"),
+        ("print(open('/etc/shadow').read())", "Error"),  # the host's files
+        ("import socket; socket.create_connection(('1.1.1.1', 80), timeout=2)", "Error"),  # the network
+        ("import os\nwhile True: os.fork()", "Error"),  # a fork bomb
+        ("while True: pass", "stopped"),  # CPU
+        ("print('x' * 10**8)", "stopped"),  # output
+    ],
+)
 def test_the_python_tool_runs_model_code_in_the_sandbox(code, needle):
     """The attack, not just the happy path: what the model writes runs jailed, and every escape it
     tries ends as text it reads back."""
@@ -261,7 +311,8 @@ def test_the_python_tool_runs_model_code_in_the_sandbox(code, needle):
 
     tool = PythonCode({"cpu_s": 2, "wall_s": 5})
     [[output]] = ToolRunner([tool], ToolLimits(timeout_s=60, max_response_chars=400)).run(
-        [[ToolCall("python", {"code": code})]], [{}])
+        [[ToolCall("python", {"code": code})]], [{}]
+    )
     assert needle in output.text, output.text
     if needle != "45":
         assert "root:" not in output.text
@@ -288,12 +339,20 @@ class GuessTheNumber:
 def test_an_environment_answers_turns_without_tool_calls():
     tokenizer = build_tokenizer()
     guesses = {"game one": ["50", "75", "62"], "game two": ["50", "twenty"], "game three": ["1", "2", "3"]}
-    rows = [{"prompt": [{"role": "user", "content": p}], "extra_info": {"secret": secret}}
-            for p, secret in [("game one", 62), ("game two", 20), ("game three", 99)]]
+    rows = [
+        {"prompt": [{"role": "user", "content": p}], "extra_info": {"secret": secret}}
+        for p, secret in [("game one", 62), ("game two", 20), ("game three", 99)]
+    ]
     records, _ = build_prompt_dataset(rows, tokenizer, max_prompt_length=64)
     engine = ScriptedEngine(tokenizer, lambda text, turn: guesses[next(p for p in guesses if p in text)][turn])
-    loop = AgentLoop(engine, tokenizer, [], AgentOptions(max_assistant_turns=5, max_user_turns=2, budget=200),
-                     [tokenizer.eos_token_id], GuessTheNumber)
+    loop = AgentLoop(
+        engine,
+        tokenizer,
+        [],
+        AgentOptions(max_assistant_turns=5, max_user_turns=2, budget=200),
+        [tokenizer.eos_token_id],
+        GuessTheNumber,
+    )
     batch = loop.generate(collate_prompts(records, tokenizer.pad_token_id), SamplingParams(do_sample=False))
     one, two, three = (r.extra_info for r in batch.records)
     assert [m["content"] for m in one["conversation"]] == ["50", "higher", "75", "lower", "62"]
@@ -311,11 +370,18 @@ def test_a_turn_cut_by_its_token_cap_is_closed_as_the_template_closes_it():
     """multi_turn.max_tokens_per_turn: the model's turn stops at the cap, the loop adds the turn's end
     token (context, not trained) before the environment's user turn."""
     tokenizer = build_tokenizer()
-    records, _ = build_prompt_dataset([{"prompt": [{"role": "user", "content": "go"}], "extra_info": {"secret": 7}}],
-                                      tokenizer, max_prompt_length=64)
+    records, _ = build_prompt_dataset(
+        [{"prompt": [{"role": "user", "content": "go"}], "extra_info": {"secret": 7}}], tokenizer, max_prompt_length=64
+    )
     engine = ScriptedEngine(tokenizer, lambda text, turn: "abcdefghij")
-    loop = AgentLoop(engine, tokenizer, [], AgentOptions(max_assistant_turns=2, budget=200, turn_tokens=4),
-                     [tokenizer.eos_token_id], GuessTheNumber)
+    loop = AgentLoop(
+        engine,
+        tokenizer,
+        [],
+        AgentOptions(max_assistant_turns=2, budget=200, turn_tokens=4),
+        [tokenizer.eos_token_id],
+        GuessTheNumber,
+    )
     loop.environment = type("Talk", (GuessTheNumber,), {"step": lambda self, text: ("more", 0.0, False)})
     batch = loop.generate(collate_prompts(records, tokenizer.pad_token_id), SamplingParams(do_sample=False))
     ids, trained = batch.response_ids[0].tolist(), batch.response_mask[0].tolist()
@@ -336,7 +402,7 @@ def test_an_environment_that_names_no_class_with_a_step_is_refused(tmp_path, mon
         assert error.value.code == TOOL_CONFIG and "step()" in error.value.message, name
 
 
-VERL_INTERACTION = '''
+VERL_INTERACTION = """
 from uuid import uuid4
 
 
@@ -377,7 +443,7 @@ class Polite(BaseInteraction):  # the base class's finalize, which takes no inst
 
     async def generate_response(self, instance_id, messages, **kwargs):
         return False, "go on", None, {}
-'''
+"""
 
 
 def test_verls_interactions_answer_turns_and_are_finalised(tmp_path):
@@ -389,18 +455,28 @@ def test_verls_interactions_answer_turns_and_are_finalised(tmp_path):
 
     (tmp_path / "talk.py").write_text(VERL_INTERACTION)
     config = tmp_path / "interactions.yaml"
-    config.write_text("interaction:\n  - name: gsm8k\n    class_name: talk.py:Gsm8kInteraction\n    config: {}\n"
-                      "  - class_name: talk.py:Polite\n    config: {}\n")
+    config.write_text(
+        "interaction:\n  - name: gsm8k\n    class_name: talk.py:Gsm8kInteraction\n    config: {}\n"
+        "  - class_name: talk.py:Polite\n    config: {}\n"
+    )
     interactions = load_interactions(config)
     assert sorted(interactions) == ["gsm8k", "polite"]  # verl's default name: the class's, less "Interaction"
     tokenizer = build_tokenizer()
-    rows = [{"prompt": [{"role": "user", "content": f"question {i}"}],
-             "extra_info": {"interaction_kwargs": kwargs}} for i, kwargs in enumerate([
-                 {"name": "gsm8k", "ground_truth": "72"}, {"name": "polite"}, {"name": "nobody"}])]
+    rows = [
+        {"prompt": [{"role": "user", "content": f"question {i}"}], "extra_info": {"interaction_kwargs": kwargs}}
+        for i, kwargs in enumerate([{"name": "gsm8k", "ground_truth": "72"}, {"name": "polite"}, {"name": "nobody"}])
+    ]
     records, _ = build_prompt_dataset(rows, tokenizer, max_prompt_length=64)
     engine = ScriptedEngine(tokenizer, lambda text, turn: ["70", "72", "71"][turn])
-    loop = AgentLoop(engine, tokenizer, [], AgentOptions(max_assistant_turns=3, budget=200), [tokenizer.eos_token_id],
-                     InteractionEnvironment, {"interactions": interactions})
+    loop = AgentLoop(
+        engine,
+        tokenizer,
+        [],
+        AgentOptions(max_assistant_turns=3, budget=200),
+        [tokenizer.eos_token_id],
+        InteractionEnvironment,
+        {"interactions": interactions},
+    )
     batch = loop.generate(collate_prompts(records, tokenizer.pad_token_id), SamplingParams(do_sample=False))
     gsm8k, polite, nobody = (r.extra_info for r in batch.records)
     assert [m["content"] for m in gsm8k["conversation"]] == ["70", "Your response is incorrect! Try again.", "72"]
@@ -412,14 +488,19 @@ def test_verls_interactions_answer_turns_and_are_finalised(tmp_path):
     assert interactions["gsm8k"]._instance_dict == {}  # finalised
 
 
-@pytest.mark.parametrize("text, needle", [
-    (None, "does not exist"),
-    ("tools: []\n", "no `interaction:` list"),
-    ("interaction:\n  - name: x\n", "no class_name"),
-    ("interaction:\n  - class_name: nowhere.Interaction\n", "cannot be imported"),
-    ("interaction:\n  - {name: a, class_name: talk.py:Polite}\n  - {name: a, class_name: talk.py:Polite}\n",
-     "a second interaction named 'a'"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        (None, "does not exist"),
+        ("tools: []\n", "no `interaction:` list"),
+        ("interaction:\n  - name: x\n", "no class_name"),
+        ("interaction:\n  - class_name: nowhere.Interaction\n", "cannot be imported"),
+        (
+            "interaction:\n  - {name: a, class_name: talk.py:Polite}\n  - {name: a, class_name: talk.py:Polite}\n",
+            "a second interaction named 'a'",
+        ),
+    ],
+)
 def test_an_interaction_config_that_does_not_build_is_refused(tmp_path, text, needle):
     from keel.rollout.agent.interaction import load_interactions
 

@@ -2,11 +2,11 @@
 
 from pathlib import Path
 
+from keel import errors as codes
 from keel.algorithms.advantages import ADV_ESTIMATORS
 from keel.algorithms.kl import KL_ESTIMATORS
 from keel.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from keel.config import schema
-from keel import errors as codes
 
 TESTS = Path(__file__).parents[1]
 
@@ -36,8 +36,8 @@ def test_config_choices_match_the_algorithm_registries():
 
 
 def test_errors_doc_and_explain_list_every_code(capsys):
-    from keel.cli import main
     from keel.check.errors_doc import render_errors
+    from keel.cli import main
 
     doc = (TESTS.parent / "docs" / "errors.md").read_text()
     assert doc == render_errors(), "regenerate: python -m keel.check.errors_doc > docs/errors.md"

@@ -6,16 +6,19 @@ import json
 
 import pytest
 
-from conftest import digit_rows, write_jsonl
 from keel.check.findings import FAIL, PASS, WARN
 from keel.check.preflight import run_checks
 from keel.check.reward import candidate_answers, truth_texts
 from keel.config.load import load_config
 
+from conftest import digit_rows, write_jsonl
+
 
 def rows(source: str, n: int, truth=lambda i: str(i), start: int = 0) -> list[dict]:
-    return [{**row, "data_source": source, "reward_model": {"ground_truth": truth(i)}}
-            for i, row in enumerate(digit_rows(n, start))]
+    return [
+        {**row, "data_source": source, "reward_model": {"ground_truth": truth(i)}}
+        for i, row in enumerate(digit_rows(n, start))
+    ]
 
 
 def check(tiny_config, tmp_path, train_rows: list[dict], reward_source: str | None = None, **overrides):
@@ -43,10 +46,12 @@ def test_a_mixed_file_whose_second_data_source_has_no_scorer_fails_naming_it(tin
 
 def test_a_function_that_breaks_on_one_data_source_fails_naming_it(tiny_config, tmp_path):
     """Only the first rows were probed before: a second data_source deep in the file crashed at step 40."""
-    source = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-              "    if data_source == 'geometry':\n"
-              "        return float(solution_str.split('=')[1] == ground_truth)  # an IndexError on 'x'\n"
-              "    return float(solution_str.strip() == ground_truth)\n")
+    source = (
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if data_source == 'geometry':\n"
+        "        return float(solution_str.split('=')[1] == ground_truth)  # an IndexError on 'x'\n"
+        "    return float(solution_str.strip() == ground_truth)\n"
+    )
     data = rows("digits", 30) + rows("geometry", 2, start=40)
     report = check(tiny_config, tmp_path, data, source)
     failures = reward_findings(report, FAIL)
@@ -56,8 +61,12 @@ def test_a_function_that_breaks_on_one_data_source_fails_naming_it(tiny_config, 
 
 def test_the_report_names_the_scorer_of_each_data_source_in_train_and_val(tiny_config, tmp_path):
     val = write_jsonl(tmp_path / "val.jsonl", rows("openai/gsm8k", 4))
-    report = check(tiny_config, tmp_path, rows("keel/arithmetic", 32),
-                   **{"custom_reward_function.path": None, "data.val_files": [str(val)]})
+    report = check(
+        tiny_config,
+        tmp_path,
+        rows("keel/arithmetic", 32),
+        **{"custom_reward_function.path": None, "data.val_files": [str(val)]},
+    )
     lines = [f.message for f in reward_findings(report, PASS)]
     assert any(m.startswith("data_source 'keel/arithmetic': scored by built-in `arithmetic`") for m in lines)
     assert any(m.startswith("data_source 'openai/gsm8k': scored by built-in `gsm8k`") for m in lines)
@@ -65,30 +74,41 @@ def test_the_report_names_the_scorer_of_each_data_source_in_train_and_val(tiny_c
 
 
 def test_a_function_that_never_rewards_is_named_per_data_source(tiny_config, tmp_path):
-    source = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-              "    return 1.0 if data_source == 'digits' and solution_str == ground_truth else 0.0\n")
+    source = (
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 1.0 if data_source == 'digits' and solution_str == ground_truth else 0.0\n"
+    )
     report = check(tiny_config, tmp_path, rows("digits", 30) + rows("words", 2, start=40), source)
     warnings = [f.message for f in reward_findings(report, WARN)]
     assert len(warnings) == 1 and warnings[0].startswith("data_source 'words': the reward function gave no positive")
     assert "#### x" in warnings[0] and "<think>" in warnings[0]  # it says what it tried
 
 
-@pytest.mark.parametrize("truth, source", [
-    # searchR1's dict ground truth, read as verl's search function reads it
-    (lambda i: {"target": [f"city {i}"]},
-     "def compute_score(solution_str, ground_truth, **kw):\n"
-     "    return float(any(t in solution_str for t in ground_truth['target']))\n"),
-    # a reasoning model's function: no think block, no reward
-    (lambda i: str(i),
-     "def compute_score(solution_str, ground_truth, **kw):\n"
-     "    return float(solution_str.startswith('<think>') and solution_str.rstrip().endswith(ground_truth))\n"),
-    # DAPO's `Answer:` line
-    (lambda i: str(i),
-     "import re\n"
-     "def compute_score(solution_str, ground_truth, **kw):\n"
-     "    found = re.findall(r'Answer:\\s*(\\S+)', solution_str)\n"
-     "    return 1.0 if found and found[-1] == ground_truth else -1.0\n"),
-])
+@pytest.mark.parametrize(
+    "truth, source",
+    [
+        # searchR1's dict ground truth, read as verl's search function reads it
+        (
+            lambda i: {"target": [f"city {i}"]},
+            "def compute_score(solution_str, ground_truth, **kw):\n"
+            "    return float(any(t in solution_str for t in ground_truth['target']))\n",
+        ),
+        # a reasoning model's function: no think block, no reward
+        (
+            lambda i: str(i),
+            "def compute_score(solution_str, ground_truth, **kw):\n"
+            "    return float(solution_str.startswith('<think>') and solution_str.rstrip().endswith(ground_truth))\n",
+        ),
+        # DAPO's `Answer:` line
+        (
+            lambda i: str(i),
+            "import re\n"
+            "def compute_score(solution_str, ground_truth, **kw):\n"
+            "    found = re.findall(r'Answer:\\s*(\\S+)', solution_str)\n"
+            "    return 1.0 if found and found[-1] == ground_truth else -1.0\n",
+        ),
+    ],
+)
 def test_no_warning_for_functions_that_reward_right_answers(tiny_config, tmp_path, truth, source):
     report = check(tiny_config, tmp_path, rows("qa", 32, truth), source)
     assert reward_findings(report, WARN) == [] and not report.failures

@@ -5,18 +5,20 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from verl_shim import verl_module
 
 from keel.errors import KeelError
 from keel.rewards.code_tests import check_ground_truths, code_exec, compute_score, prime_code
 from keel.rewards.sandbox import Limits, run_python
 
+from verl_shim import verl_module
+
 TIMEOUT_S = 2  # verl's 5 s and 10 s per test, shortened on both sides so an endless loop ends soon
 ADD = json.dumps({"inputs": ["1 2\n", "3 4\n", "10 -4\n"], "outputs": ["3\n", "7\n", "6\n"]})
 THIRD = json.dumps({"inputs": ["1\n", "2\n"], "outputs": ["0.3333333\n", "0.6666667\n"]})
 ELEVEN = json.dumps({"inputs": [f"{i}\n" for i in range(11)], "outputs": [f"{i}\n" for i in range(10)] + ["wrong"]})
-CALL = json.dumps({"fn_name": "pair", "inputs": ["1\n2", "[3]\n4", "5\n6"],
-                   "outputs": ["[1, 2]", "[[3], 4]", "[[5, 6]]"]})
+CALL = json.dumps(
+    {"fn_name": "pair", "inputs": ["1\n2", "[3]\n4", "5\n6"], "outputs": ["[1, 2]", "[[3], 4]", "[[5, 6]]"]}
+)
 
 READ_ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
 STDIN_PROGRAMS = {
@@ -31,11 +33,12 @@ STDIN_PROGRAMS = {
     "endless loop": "while True:\n    pass",
     "extra whitespace and blank lines": "a, b = map(int, input().split())\nprint()\nprint('  ', a + b, '  ')\nprint()",
     "reads sys.stdin": "import sys\nprint(sum(map(int, sys.stdin.read().split())))",
-    "main guard": f"def main():\n    a, b = map(int, input().split())\n    print(a + b)\n\nif __name__ == '__main__':\n    main()",
+    "main guard": "def main():\n    a, b = map(int, input().split())\n    print(a + b)\n\n"
+    "if __name__ == '__main__':\n    main()",
     "exit() after printing": f"{READ_ADD}exit()",
     "sys.exit() after printing": f"import sys\n{READ_ADD}sys.exit(0)",
     "global counter": "total = 0\ndef add(x):\n    global total\n    total += x\nfor x in map(int, input().split()):\n"
-                      "    add(x)\nprint(total)",
+    "    add(x)\nprint(total)",
     "sys.stdin.buffer": "import sys\nprint(sum(map(int, sys.stdin.buffer.read().split())))",
     "writes to fd 1 itself": "import os\nos.write(1, b'3\\n')",
     "bare stdin.readline": "a, b = map(int, stdin.readline().split())\nprint(a + b)",
@@ -82,8 +85,9 @@ def test_the_programs_span_every_score():
     assert got["endless loop"] == got["syntax error"] == got["exit() after printing"] == 0.0
 
 
-@pytest.mark.parametrize("program", ["print(round(int(input()) / 3, 7))", "print(round(int(input()) / 3, 2))",
-                                     "print(int(input()) / 3, 0)"])
+@pytest.mark.parametrize(
+    "program", ["print(round(int(input()) / 3, 7))", "print(round(int(input()) / 3, 2))", "print(int(input()) / 3, 0)"]
+)
 def test_floats_are_compared_as_in_verl(verl_prime_code, program):
     keel_score, verl_score = scores(verl_prime_code, program, THIRD)
     assert keel_score == pytest.approx(verl_score)
@@ -100,7 +104,7 @@ CALL_PROGRAMS = {
     "wrong": "def pair(a, b):\n    return [b, a]",
     "right on two of three": "def pair(a, b):\n    return [a, b] if a != 5 else [b, a]",
     "right on two, with an example printed": "def pair(a, b):\n    return [a, b] if a != 5 else [b, a]\n"
-                                              "print(pair(1, 2))",
+    "print(pair(1, 2))",
     "missing function": "def other(a, b):\n    return [a, b]",
     "crashes": "def pair(a, b):\n    return [a + b, None][5]",
     "returns a set": "def pair(a, b):\n    return {1}",
@@ -152,13 +156,16 @@ def test_keels_own_form_keeps_its_rule():
     assert run_python("print(input()[::-1])", "abc\n", Limits()) == "cba\n"
 
 
-@pytest.mark.parametrize("ground_truth, shown", [
-    ({"input": ["1"], "output": ["1"]}, "['input', 'output']"),
-    ([{"stdin": "1", "stdout": "1"}], "['stdin', 'stdout']"),
-    ("print(1)", "not JSON"),
-    ({"inputs": ["1", "2"], "outputs": ["1"]}, "2 inputs and 1 outputs"),
-    ([], "empty"),
-])
+@pytest.mark.parametrize(
+    "ground_truth, shown",
+    [
+        ({"input": ["1"], "output": ["1"]}, "['input', 'output']"),
+        ([{"stdin": "1", "stdout": "1"}], "['stdin', 'stdout']"),
+        ("print(1)", "not JSON"),
+        ({"inputs": ["1", "2"], "outputs": ["1"]}, "2 inputs and 1 outputs"),
+        ([], "empty"),
+    ],
+)
 def test_test_cases_in_another_form_are_refused_with_both_forms(ground_truth, shown):
     for scorer in (code_exec, prime_code):
         with pytest.raises(KeelError) as refused:
@@ -170,19 +177,25 @@ def test_test_cases_in_another_form_are_refused_with_both_forms(ground_truth, sh
 
 
 def test_rows_are_checked_before_training_and_the_bad_one_named():
-    rows = [SimpleNamespace(index=i, data_source="apps", ground_truth=truth)
-            for i, truth in enumerate([ADD, CALL, json.dumps({"input": "1", "output": "1"})])]
+    rows = [
+        SimpleNamespace(index=i, data_source="apps", ground_truth=truth)
+        for i, truth in enumerate([ADD, CALL, json.dumps({"input": "1", "output": "1"})])
+    ]
     check_ground_truths(rows[:2])
     with pytest.raises(KeelError) as refused:
         check_ground_truths(rows)
     assert refused.value.code == "KEEL-R009" and refused.value.message.startswith("row 2 (data_source 'apps')")
 
 
-@pytest.mark.parametrize("attack", [
-    "import posix\nposix.kill(posix.getppid(), 9)",                            # takes the harness down
-    "import posix\nfor fd in range(3, 20):\n    try:\n        posix.write(fd, b'[{\"kind\": \"ran\", \"printed\": \"3\"}]')\n"
-    "    except OSError:\n        pass",                                        # writes a report of its own
-])
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "import posix\nposix.kill(posix.getppid(), 9)",  # takes the harness down
+        "import posix\nfor fd in range(3, 20):\n    try:\n"
+        '        posix.write(fd, b\'[{"kind": "ran", "printed": "3"}]\')\n'
+        "    except OSError:\n        pass",  # writes a report of its own
+    ],
+)
 def test_a_program_that_attacks_the_harness_gains_nothing(attack):
     """The harness shares the jail with the program: whatever the program does to it, the score is
     what its answers earn (here none), and keel goes on."""

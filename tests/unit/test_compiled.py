@@ -11,13 +11,16 @@ from keel.rollout.native.layers import StepFunctions
 from keel.training.forward import response_log_probs
 from keel.training.placement import Placement
 from keel.types import SamplingParams
+
 from test_native_rollout import engines
 
 
 # Each family's layer functions compile whole (Qwen3's per-head norms, Qwen3-MoE's routing and
 # grouped matmuls, Gemma 3's windows and norms, OLMo 2's output norms, SmolLM3's NoPE layers).
-@pytest.mark.parametrize("arch, init_std, layers", [("qwen2", 0.2, 2), ("qwen3_moe", 0.5, 2), ("gemma3_text", 0.02, 2),
-                                                    ("olmo2", 0.1, 2), ("smollm3", 0.2, 4)])
+@pytest.mark.parametrize(
+    "arch, init_std, layers",
+    [("qwen2", 0.2, 2), ("qwen3_moe", 0.5, 2), ("gemma3_text", 0.02, 2), ("olmo2", 0.1, 2), ("smollm3", 0.2, 4)],
+)
 def test_compiled_decode_step_gives_the_eager_tokens(tmp_path, arch, init_std, layers):
     from keel.models.tiny import make_tiny_model
 
@@ -35,6 +38,7 @@ def test_compiled_decode_step_gives_the_eager_tokens(tmp_path, arch, init_std, l
 def test_compiled_layers_and_token_stats_match_eager_with_gradients(tiny_assets, checkpointing):
     """With and without activation checkpointing, which calls the compiled forward again in
     backward."""
+
     def loss_and_grads(compiled: bool):
         torch.manual_seed(0)
         model = load_causal_lm(tiny_assets["model"], torch.device("cpu"), gradient_checkpointing=checkpointing)
@@ -42,8 +46,9 @@ def test_compiled_layers_and_token_stats_match_eager_with_gradients(tiny_assets,
             compile_blocks(model)
         native, _, _, prompts = engines(tiny_assets["model"], n=2)
         batch = native.generate(prompts, SamplingParams(max_new_tokens=6))
-        log_probs, entropy = response_log_probs(model, batch, 0.7, with_entropy=True, entropy_grad=True,
-                                               plan=Placement(fused_vocab=compiled))
+        log_probs, entropy = response_log_probs(
+            model, batch, 0.7, with_entropy=True, entropy_grad=True, plan=Placement(fused_vocab=compiled)
+        )
         (log_probs.sum() + entropy.sum()).backward()
         return log_probs.detach(), {n: p.grad for n, p in model.named_parameters()}
 

@@ -4,8 +4,16 @@ import pytest
 
 from keel.config.load import all_keys, load_config
 from keel.config.plan import make_plan
-from keel.errors import (BAD_OVERRIDE, BAD_VALUE, BATCH_ARITHMETIC, CONFIG_FILE,
-                         INCOMPATIBLE_OPTIONS, TOKEN_BUDGET, UNKNOWN_KEY, KeelError)
+from keel.errors import (
+    BAD_OVERRIDE,
+    BAD_VALUE,
+    BATCH_ARITHMETIC,
+    CONFIG_FILE,
+    INCOMPATIBLE_OPTIONS,
+    TOKEN_BUDGET,
+    UNKNOWN_KEY,
+    KeelError,
+)
 
 BASE = {"data": {"train_files": ["train.jsonl"]}, "actor_rollout_ref": {"model": {"path": "model"}}}
 
@@ -18,10 +26,18 @@ def error_of(overrides, base=BASE) -> KeelError:
 
 def test_yaml_file_and_overrides_use_verl_names(tmp_path):
     path = tmp_path / "cfg.yaml"
-    path.write_text("data:\n  train_files: [a.parquet]\n  train_batch_size: 16\n"
-                    "actor_rollout_ref:\n  model: {path: m}\n")
-    cfg = load_config(path, ["actor_rollout_ref.rollout.n=4", "algorithm.adv_estimator=grpo",
-                             "actor_rollout_ref.actor.optim.lr=1e-5", "trainer.logger=[console]"])
+    path.write_text(
+        "data:\n  train_files: [a.parquet]\n  train_batch_size: 16\nactor_rollout_ref:\n  model: {path: m}\n"
+    )
+    cfg = load_config(
+        path,
+        [
+            "actor_rollout_ref.rollout.n=4",
+            "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.actor.optim.lr=1e-5",
+            "trainer.logger=[console]",
+        ],
+    )
     assert cfg.data.train_batch_size == 16
     assert cfg.actor_rollout_ref.rollout.n == 4
     assert cfg.algorithm.adv_estimator == "grpo"
@@ -30,18 +46,23 @@ def test_yaml_file_and_overrides_use_verl_names(tmp_path):
     assert not cfg.critic_enabled  # grpo needs no critic
 
 
-@pytest.mark.parametrize("override, suggestion", [
-    ("actor_rollout_ref.actor.ppo_mini_batch_szie=4", "actor_rollout_ref.actor.ppo_mini_batch_size"),
-    ("trainer.sav_freq=2", "trainer.save_freq"),
-    ("actor.ppo_epochs=2", "actor_rollout_ref.actor.ppo_epochs"),  # section left out
-])
+@pytest.mark.parametrize(
+    "override, suggestion",
+    [
+        ("actor_rollout_ref.actor.ppo_mini_batch_szie=4", "actor_rollout_ref.actor.ppo_mini_batch_size"),
+        ("trainer.sav_freq=2", "trainer.save_freq"),
+        ("actor.ppo_epochs=2", "actor_rollout_ref.actor.ppo_epochs"),  # section left out
+    ],
+)
 def test_unknown_key_names_the_closest_valid_key(override, suggestion):
     err = error_of([override])
     assert err.code == UNKNOWN_KEY
     assert f"did you mean {suggestion!r}" in err.message
 
 
-@pytest.mark.parametrize("override", ["actor_rollout_ref.ref.nnodes=2", "actor_rollout_ref.ref.enable_resource_pool=true"])
+@pytest.mark.parametrize(
+    "override", ["actor_rollout_ref.ref.nnodes=2", "actor_rollout_ref.ref.enable_resource_pool=true"]
+)
 def test_placing_the_reference_apart_from_the_actor_is_refused_with_the_reason(override):
     from keel.errors import REFERENCE_APART
 
@@ -50,17 +71,23 @@ def test_placing_the_reference_apart_from_the_actor_is_refused_with_the_reason(o
     assert "token by token" in err.message and "param_offload" in err.fix
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("data.max_prompt_length=abc", "must be an integer"),
-    ("data.max_prompt_length=0", "must be > 0"),
-    ("trainer.device=tpu", "not one of"),
-    ("data.truncation=middle", "not one of"),
-    ("actor_rollout_ref.actor.optim.lr=fast", "must be a number"),
-    ("data.shuffle=maybe", "true or false"),
-    ("trainer.logger=[console,neptune]", "'neptune' is not one of"),  # never silently dropped (verl's swanlab: KEEL-C015)
-    ("trainer.seed=-1", "must be >= 0"),
-    ("actor_rollout_ref.actor.optim.betas=[0.9]", "two numbers in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("data.max_prompt_length=abc", "must be an integer"),
+        ("data.max_prompt_length=0", "must be > 0"),
+        ("trainer.device=tpu", "not one of"),
+        ("data.truncation=middle", "not one of"),
+        ("actor_rollout_ref.actor.optim.lr=fast", "must be a number"),
+        ("data.shuffle=maybe", "true or false"),
+        (
+            "trainer.logger=[console,neptune]",
+            "'neptune' is not one of",
+        ),  # never silently dropped (verl's swanlab: KEEL-C015)
+        ("trainer.seed=-1", "must be >= 0"),
+        ("actor_rollout_ref.actor.optim.betas=[0.9]", "two numbers in [0, 1)"),
+    ],
+)
 def test_bad_values_are_rejected_with_what_to_set(override, needle):
     err = error_of([override])
     assert err.code == BAD_VALUE
@@ -85,84 +112,137 @@ def test_batch_arithmetic_names_the_numbers():
     assert "data.train_batch_size=6" in err.message and "ppo_mini_batch_size=4" in err.message
     assert "`actor_rollout_ref.actor.ppo_mini_batch_size=3`" in err.fix  # the largest divisor of 6 not above 4
 
-    err = error_of(["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-                    "actor_rollout_ref.rollout.n=3", "algorithm.adv_estimator=grpo",
-                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"])
+    err = error_of(
+        [
+            "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.rollout.n=3",
+            "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        ]
+    )
     # 2 prompts x n=3 = 6 samples per mini-batch, not a multiple of 4
     assert err.code == BATCH_ARITHMETIC and "6 samples" in err.message
 
 
-@pytest.mark.parametrize("overrides", [
-    ["algorithm.adv_estimator=grpo"],  # n=1: every group advantage would be 0
-    ["algorithm.adv_estimator=gae", "critic.enable=false"],
-    ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.fsdp_size=3"],  # 3 does not divide 2
-    ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.fsdp_size=1",  # no FSDP to offload
-     "actor_rollout_ref.actor.fsdp_config.param_offload=true"],
-    ["algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.do_sample=false"],
-    ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "algorithm.critic_warmup=3"],
-    ["actor_rollout_ref.rollout.val_kwargs.n=4"],  # four identical greedy answers
-    ["actor_rollout_ref.rollout.val_kwargs.do_sample=true"],  # with temperature 0
-    ["reward_model.enable_resource_pool=true"],  # no reward model to place
-    # a 1024-token prompt fits no 512-token prefill pass without chunked prefill
-    ["data.max_prompt_length=1024", "actor_rollout_ref.rollout.max_num_batched_tokens=512",
-     "actor_rollout_ref.rollout.enable_chunked_prefill=false"],
-    # two things answering the same turns
-    ["actor_rollout_ref.rollout.multi_turn.environment=games.py:Game",
-     "actor_rollout_ref.rollout.multi_turn.interaction_config_path=users.yaml"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algorithm.adv_estimator=grpo"],  # n=1: every group advantage would be 0
+        ["algorithm.adv_estimator=gae", "critic.enable=false"],
+        ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.fsdp_size=3"],  # 3 does not divide 2
+        [
+            "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.actor.fsdp_config.fsdp_size=1",  # no FSDP to offload
+            "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+        ],
+        ["algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.do_sample=false"],
+        ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "algorithm.critic_warmup=3"],
+        ["actor_rollout_ref.rollout.val_kwargs.n=4"],  # four identical greedy answers
+        ["actor_rollout_ref.rollout.val_kwargs.do_sample=true"],  # with temperature 0
+        ["reward_model.enable_resource_pool=true"],  # no reward model to place
+        # a 1024-token prompt fits no 512-token prefill pass without chunked prefill
+        [
+            "data.max_prompt_length=1024",
+            "actor_rollout_ref.rollout.max_num_batched_tokens=512",
+            "actor_rollout_ref.rollout.enable_chunked_prefill=false",
+        ],
+        # two things answering the same turns
+        [
+            "actor_rollout_ref.rollout.multi_turn.environment=games.py:Game",
+            "actor_rollout_ref.rollout.multi_turn.interaction_config_path=users.yaml",
+        ],
+    ],
+)
 def test_incompatible_options(overrides):
     assert error_of(overrides).code == INCOMPATIBLE_OPTIONS
 
 
 def test_max_model_len_shorter_than_prompt_plus_response_is_refused():
-    error = error_of(["data.max_prompt_length=512", "data.max_response_length=512",
-                      "actor_rollout_ref.rollout.max_model_len=1000"])
+    error = error_of(
+        ["data.max_prompt_length=512", "data.max_response_length=512", "actor_rollout_ref.rollout.max_model_len=1000"]
+    )
     assert error.code == TOKEN_BUDGET and "1024" in str(error)
-    ok = load_config(BASE, ["data.max_prompt_length=512", "data.max_response_length=512",
-                            "actor_rollout_ref.rollout.max_model_len=1024"])
+    ok = load_config(
+        BASE,
+        ["data.max_prompt_length=512", "data.max_response_length=512", "actor_rollout_ref.rollout.max_model_len=1024"],
+    )
     assert ok.actor_rollout_ref.rollout.max_model_len == 1024
 
 
 def test_batch_plan_counts():
-    cfg = load_config(BASE, ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
-                             "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-                             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-                             "actor_rollout_ref.actor.ppo_epochs=2", "data.max_prompt_length=10",
-                             "data.max_response_length=6"])
+    cfg = load_config(
+        BASE,
+        [
+            "data.train_batch_size=8",
+            "actor_rollout_ref.rollout.n=4",
+            "algorithm.adv_estimator=gae",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.actor.ppo_epochs=2",
+            "data.max_prompt_length=10",
+            "data.max_response_length=6",
+        ],
+    )
     plan = make_plan(cfg)
     assert plan.prompts_per_step == 8
-    assert plan.samples_per_step == 32                 # 8 prompts x n=4
-    assert plan.actor.mini_batches == 4                # 8 / 2 prompts
-    assert plan.actor.samples_per_mini_batch == 8      # 2 prompts x 4
+    assert plan.samples_per_step == 32  # 8 prompts x n=4
+    assert plan.actor.mini_batches == 4  # 8 / 2 prompts
+    assert plan.actor.samples_per_mini_batch == 8  # 2 prompts x 4
     assert plan.actor.micro_batches_per_mini_batch == 2  # 8 / 4
-    two = make_plan(load_config(BASE, ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
-                                       "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.n_gpus_per_node=2",
-                                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]))
+    two = make_plan(
+        load_config(
+            BASE,
+            [
+                "data.train_batch_size=8",
+                "actor_rollout_ref.rollout.n=4",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                "trainer.n_gpus_per_node=2",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            ],
+        )
+    )
     assert (two.workers, two.actor.samples_per_worker, two.actor.micro_batches_per_mini_batch) == (2, 4, 1)
-    assert plan.actor.optimizer_steps_per_rollout == 8   # 4 mini-batches x 2 epochs
-    assert plan.critic is not None                     # gae has a critic, with the actor's sizes
-    assert plan.max_tokens_per_step == 32 * 16         # samples x (10 + 6)
+    assert plan.actor.optimizer_steps_per_rollout == 8  # 4 mini-batches x 2 epochs
+    assert plan.critic is not None  # gae has a critic, with the actor's sizes
+    assert plan.max_tokens_per_step == 32 * 16  # samples x (10 + 6)
     assert "samples per step (x rollout.n)" in plan.render()
     assert plan.old_log_probs == "recomputed each step"  # 4 mini-batches
 
 
-@pytest.mark.parametrize("overrides, source", [
-    (["actor_rollout_ref.actor.ppo_mini_batch_size=8"], "on-policy"),
-    (["actor_rollout_ref.actor.ppo_mini_batch_size=8", "algorithm.use_kl_in_reward=true"], "recomputed"),
-    (["actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.guards.nonfinite=skip"], "recomputed"),
-    (["actor_rollout_ref.actor.ppo_mini_batch_size=8", "algorithm.rollout_correction.rollout_is=token"],
-     "recomputed"),
-    (["actor_rollout_ref.actor.ppo_mini_batch_size=4", "algorithm.rollout_correction.bypass_mode=true"], "sampler's"),
-    (["actor_rollout_ref.actor.ppo_mini_batch_size=4"], "but the first mini-batch's"),
-])
+@pytest.mark.parametrize(
+    "overrides, source",
+    [
+        (["actor_rollout_ref.actor.ppo_mini_batch_size=8"], "on-policy"),
+        (["actor_rollout_ref.actor.ppo_mini_batch_size=8", "algorithm.use_kl_in_reward=true"], "recomputed"),
+        (["actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.guards.nonfinite=skip"], "recomputed"),
+        (
+            ["actor_rollout_ref.actor.ppo_mini_batch_size=8", "algorithm.rollout_correction.rollout_is=token"],
+            "recomputed",
+        ),
+        (
+            ["actor_rollout_ref.actor.ppo_mini_batch_size=4", "algorithm.rollout_correction.bypass_mode=true"],
+            "sampler's",
+        ),
+        (["actor_rollout_ref.actor.ppo_mini_batch_size=4"], "but the first mini-batch's"),
+    ],
+)
 def test_the_plan_says_where_the_old_log_probs_come_from(overrides, source):
     plan = make_plan(load_config(BASE, ["data.train_batch_size=8", *overrides]))
     assert source in plan.old_log_probs and source in plan.render()
 
 
 def test_a_second_epoch_needs_every_old_log_prob():  # its first mini-batch runs after optimiser steps
-    plan = make_plan(load_config(BASE, ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                                        "actor_rollout_ref.actor.ppo_epochs=2"]))
+    plan = make_plan(
+        load_config(
+            BASE,
+            [
+                "data.train_batch_size=8",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "actor_rollout_ref.actor.ppo_epochs=2",
+            ],
+        )
+    )
     assert plan.old_log_probs == "recomputed each step"
 
 
@@ -185,7 +265,9 @@ def test_config_reference_lists_every_key():
 
 
 def test_token_budget_smaller_than_one_sample_is_refused():
-    err = error_of(["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10"])
+    err = error_of(
+        ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10"]
+    )
     assert err.code == BATCH_ARITHMETIC and "ppo_max_token_len_per_gpu=10" in err.message
     assert "at least" in err.fix
 
@@ -195,15 +277,18 @@ def test_more_workers_than_samples_in_a_mini_batch_is_refused():
     assert err.code == BATCH_ARITHMETIC and "8 workers" in err.message
 
 
-@pytest.mark.parametrize("shape, gpu_gb, overrides, expected, size", [
-    ("0.5b", 140, [], "DDP", 1),                       # a replica fits an H200 with room: replicated
-    ("7b", 140, [], "would need about", -1),           # it does not: sharded over every worker
-    ("0.5b", None, [], "no GPU here", -1),             # nothing to size it against: sharded, as before
-    ("0.5b", 140, ["actor_rollout_ref.rollout.name=hf"], "rollout engine is hf", -1),  # it would generate
-    ("0.5b", 140, ["actor_rollout_ref.actor.fsdp_config.fsdp_size=-1"], None, -1),  # the config says: as it is
-    ("0.5b", 140, ["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"], None, -1),  # FSDP's keys: FSDP
-    ("0.5b", 140, ["trainer.n_gpus_per_node=1"], None, -1),                          # one worker: nothing to pick
-])
+@pytest.mark.parametrize(
+    "shape, gpu_gb, overrides, expected, size",
+    [
+        ("0.5b", 140, [], "DDP", 1),  # a replica fits an H200 with room: replicated
+        ("7b", 140, [], "would need about", -1),  # it does not: sharded over every worker
+        ("0.5b", None, [], "no GPU here", -1),  # nothing to size it against: sharded, as before
+        ("0.5b", 140, ["actor_rollout_ref.rollout.name=hf"], "rollout engine is hf", -1),  # it would generate
+        ("0.5b", 140, ["actor_rollout_ref.actor.fsdp_config.fsdp_size=-1"], None, -1),  # the config says: as it is
+        ("0.5b", 140, ["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"], None, -1),  # FSDP's keys: FSDP
+        ("0.5b", 140, ["trainer.n_gpus_per_node=1"], None, -1),  # one worker: nothing to pick
+    ],
+)
 def test_keel_picks_ddp_or_fsdp_for_the_policy_when_the_config_does_not(shape, gpu_gb, overrides, expected, size):
     from transformers import Qwen2Config
 
@@ -214,7 +299,7 @@ def test_keel_picks_ddp_or_fsdp_for_the_policy_when_the_config_does_not(shape, g
     cfg = load_config(BASE, ["trainer.n_gpus_per_node=2"] + overrides)
     model_cfg = Qwen2Config(**QWEN25_COMMON, **QWEN25_SHAPES[shape])
     params = sum(p.numel() for p in meta_model(model_cfg).parameters())
-    why = choose_sharding(cfg, model_cfg, params, gpu_gb and gpu_gb * 2 ** 30)
+    why = choose_sharding(cfg, model_cfg, params, gpu_gb and gpu_gb * 2**30)
     assert (why is None) if expected is None else (expected in why and "fsdp_size" in why)
     assert cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size == size
     assert choose_sharding(cfg, model_cfg, params, 1) == why  # chosen once: keel check's stands for the run

@@ -9,10 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from keel.data.prompts import (PromptRecord, build_prompt_dataset, collate_prompts, load_rows)
+from keel.data.prompts import PromptRecord, build_prompt_dataset, collate_prompts, load_rows
 from keel.data.sampler import ResumableSampler
-from keel.errors import (DATA_COLUMN, DATA_EMPTY, DATA_FILE, NO_CHAT_TEMPLATE, PROMPT_TOO_LONG,
-                         KeelError)
+from keel.errors import DATA_COLUMN, DATA_EMPTY, DATA_FILE, NO_CHAT_TEMPLATE, PROMPT_TOO_LONG, KeelError
 from keel.models.tiny import build_tokenizer
 
 GEN_PROMPT = "<|im_start|>assistant\n"
@@ -24,9 +23,13 @@ def tokenizer():
 
 
 def chat_row(question: str, answer: str = "4", **extra) -> dict:
-    return {"prompt": [{"role": "user", "content": question}], "data_source": "math",
-            "reward_model": {"ground_truth": answer, "style": "rule"},
-            "extra_info": {"split": "train"}, **extra}
+    return {
+        "prompt": [{"role": "user", "content": question}],
+        "data_source": "math",
+        "reward_model": {"ground_truth": answer, "style": "rule"},
+        "extra_info": {"split": "train"},
+        **extra,
+    }
 
 
 def write_jsonl(path, rows) -> str:
@@ -41,12 +44,16 @@ def write_parquet(path, rows) -> str:
 
 # --- loading ------------------------------------------------------------------------------------
 
+
 def test_parquet_and_jsonl_load_in_order_with_nested_columns(tmp_path):
     first = write_parquet(tmp_path / "a.parquet", [chat_row("2+2?"), chat_row("3+3?", "6")])
     second = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "1+1?"}])
     rows = load_rows([first, second])
-    assert [r["prompt"] for r in rows] == [[{"role": "user", "content": "2+2?"}],
-                                          [{"role": "user", "content": "3+3?"}], "1+1?"]
+    assert [r["prompt"] for r in rows] == [
+        [{"role": "user", "content": "2+2?"}],
+        [{"role": "user", "content": "3+3?"}],
+        "1+1?",
+    ]
     assert rows[1]["reward_model"] == {"ground_truth": "6", "style": "rule"}
 
 
@@ -102,6 +109,7 @@ def test_corrupt_parquet_is_a_data_file_error(tmp_path):
 
 # --- templating and fields ----------------------------------------------------------------------
 
+
 def test_chat_prompt_is_templated_with_generation_prompt(tokenizer):
     records, stats = build_prompt_dataset([chat_row("2+2?")], tokenizer)
     (record,) = records
@@ -131,13 +139,11 @@ def test_parquet_rows_with_null_fields_get_defaults(tmp_path, tokenizer):
     rows = load_rows(write_parquet(tmp_path / "d.parquet", [full, {"prompt": "hi"}]))
     records, _ = build_prompt_dataset(rows, tokenizer)
     assert records[0].ground_truth == "4"
-    assert (records[1].data_source, records[1].ground_truth, records[1].extra_info) == \
-        ("unknown", None, {})
+    assert (records[1].data_source, records[1].ground_truth, records[1].extra_info) == ("unknown", None, {})
 
 
 def test_without_chat_template_flag_messages_are_joined(tokenizer):
-    row = {"prompt": [{"role": "system", "content": "be brief"},
-                      {"role": "user", "content": "2+2?"}]}
+    row = {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]}
     (chat,), _ = build_prompt_dataset([row], tokenizer, apply_chat_template=False)
     (plain,), _ = build_prompt_dataset([{"prompt": "raw"}], tokenizer, apply_chat_template=False)
     assert chat.prompt_text == "be brief\n2+2?"
@@ -176,6 +182,7 @@ def test_malformed_prompt_is_a_data_column_error(tokenizer, bad):
 
 # --- over-length prompts ------------------------------------------------------------------------
 
+
 def long_and_short_rows() -> list[dict]:
     # Templated lengths: 11 + 11 characters of overhead plus one token per content character.
     return [chat_row("SYSTEM-START " + "x" * 40 + " QUESTION-END"), chat_row("short")]
@@ -184,16 +191,14 @@ def long_and_short_rows() -> list[dict]:
 def test_overlong_prompt_with_error_names_row_length_and_limit(tokenizer):
     with pytest.raises(KeelError) as e:
         build_prompt_dataset(long_and_short_rows(), tokenizer, max_prompt_length=30)
-    full = len(build_prompt_dataset(long_and_short_rows()[:1], tokenizer,
-                                    max_prompt_length=1000)[0][0].prompt_ids)
+    full = len(build_prompt_dataset(long_and_short_rows()[:1], tokenizer, max_prompt_length=1000)[0][0].prompt_ids)
     assert e.value.code == PROMPT_TOO_LONG
     assert "row 0" in e.value.message and str(full) in e.value.message and "30" in e.value.message
 
 
 def test_left_truncation_keeps_the_tail_with_generation_prompt(tokenizer):
     (full,), _ = build_prompt_dataset(long_and_short_rows()[:1], tokenizer, max_prompt_length=1000)
-    records, stats = build_prompt_dataset(long_and_short_rows(), tokenizer, max_prompt_length=30,
-                                          truncation="left")
+    records, stats = build_prompt_dataset(long_and_short_rows(), tokenizer, max_prompt_length=30, truncation="left")
     assert records[0].prompt_ids == full.prompt_ids[-30:]
     assert records[0].prompt_text.endswith("QUESTION-END<|im_end|>\n" + GEN_PROMPT)
     assert records[0].prompt_text == tokenizer.decode(full.prompt_ids[-30:])
@@ -203,8 +208,7 @@ def test_left_truncation_keeps_the_tail_with_generation_prompt(tokenizer):
 
 def test_right_truncation_keeps_the_head(tokenizer):
     (full,), _ = build_prompt_dataset(long_and_short_rows()[:1], tokenizer, max_prompt_length=1000)
-    records, stats = build_prompt_dataset(long_and_short_rows(), tokenizer, max_prompt_length=30,
-                                          truncation="right")
+    records, stats = build_prompt_dataset(long_and_short_rows(), tokenizer, max_prompt_length=30, truncation="right")
     assert records[0].prompt_ids == full.prompt_ids[:30]
     assert records[0].prompt_text.startswith("<|im_start|>user\nSYSTEM-START")
     assert GEN_PROMPT not in records[0].prompt_text
@@ -212,8 +216,9 @@ def test_right_truncation_keeps_the_head(tokenizer):
 
 
 def test_filter_drops_overlong_prompts_and_counts_them(tokenizer):
-    records, stats = build_prompt_dataset(long_and_short_rows() * 3, tokenizer,
-                                          max_prompt_length=30, filter_overlong_prompts=True)
+    records, stats = build_prompt_dataset(
+        long_and_short_rows() * 3, tokenizer, max_prompt_length=30, filter_overlong_prompts=True
+    )
     # Kept records remember their row in the file, so scores can be traced back.
     assert [r.index for r in records] == [1, 3, 5]
     assert all(len(r.prompt_ids) <= 30 for r in records)
@@ -237,9 +242,9 @@ def test_ten_thousand_rows_load_in_one_batched_pass(tmp_path, tokenizer):
 
 # --- collation ----------------------------------------------------------------------------------
 
+
 def record(ids: list[int]) -> PromptRecord:
-    return PromptRecord(index=0, prompt_ids=ids, prompt_text="", data_source="s",
-                        ground_truth=None, extra_info={})
+    return PromptRecord(index=0, prompt_ids=ids, prompt_text="", data_source="s", ground_truth=None, extra_info={})
 
 
 def test_collate_left_pads_to_the_longest_prompt():
@@ -250,8 +255,7 @@ def test_collate_left_pads_to_the_longest_prompt():
 
 
 def test_collate_real_prompts_end_at_the_same_column(tokenizer):
-    records, _ = build_prompt_dataset([chat_row("a much longer question"), chat_row("hi")],
-                                      tokenizer)
+    records, _ = build_prompt_dataset([chat_row("a much longer question"), chat_row("hi")], tokenizer)
     batch = collate_prompts(records, tokenizer.pad_token_id)
     assert batch.input_ids.shape == (2, len(records[0].prompt_ids))
     # Generation appends at the right edge, so every row ends with the generation prompt.
@@ -272,6 +276,7 @@ def test_repeat_interleave_repeats_each_prompt_consecutively():
 
 
 # --- sampler ------------------------------------------------------------------------------------
+
 
 def take_epoch(sampler: ResumableSampler) -> list[list[int]]:
     return [sampler.next_batch() for _ in range(sampler.batches_per_epoch)]
@@ -318,8 +323,7 @@ def test_sampler_restored_from_state_dict_continues_identically(k):
     resumed = ResumableSampler(dataset_size=10, batch_size=3, seed=123)
     resumed.load_state_dict(state)
     assert (resumed.epoch, resumed.position) == (uninterrupted.epoch, uninterrupted.position)
-    assert [resumed.next_batch() for _ in range(8)] == \
-        [uninterrupted.next_batch() for _ in range(8)]
+    assert [resumed.next_batch() for _ in range(8)] == [uninterrupted.next_batch() for _ in range(8)]
 
 
 def test_sampler_state_from_other_dataset_or_batch_size_is_rejected():
@@ -334,5 +338,11 @@ def test_sampler_state_from_other_dataset_or_batch_size_is_rejected():
 def test_sampler_batch_larger_than_dataset_is_rejected():
     with pytest.raises(ValueError, match="larger than the dataset"):
         ResumableSampler(dataset_size=3, batch_size=4, seed=0)
-    assert ResumableSampler(dataset_size=3, batch_size=4, seed=0, drop_last=False).next_batch() \
-        in ([0, 1, 2], [0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0])
+    assert ResumableSampler(dataset_size=3, batch_size=4, seed=0, drop_last=False).next_batch() in (
+        [0, 1, 2],
+        [0, 2, 1],
+        [1, 0, 2],
+        [1, 2, 0],
+        [2, 0, 1],
+        [2, 1, 0],
+    )

@@ -2,11 +2,9 @@
 
 import json
 
+from keel.check.doctor import check_cuda, check_disk, check_gpu_arch, check_package, check_python, check_torch
 from keel.cli import main
-from keel.errors import (CUDA_DRIVER_TOO_OLD, GPU_ARCH_UNSUPPORTED, LOW_DISK, PACKAGE_VERSION,
-                         TORCH_UNSUPPORTED)
-from keel.check.doctor import (check_cuda, check_disk, check_gpu_arch, check_package, check_python,
-                               check_torch)
+from keel.errors import CUDA_DRIVER_TOO_OLD, GPU_ARCH_UNSUPPORTED, LOW_DISK, PACKAGE_VERSION, TORCH_UNSUPPORTED
 
 
 def test_torch_with_the_fsdp_gradient_bug_is_rejected():
@@ -20,8 +18,8 @@ def test_the_torch_keel_needs_is_the_one_pyproject_requires(capsys):
     import re
     from pathlib import Path
 
-    from keel.errors import CATALOGUE, MIN_TORCH
     from keel.check.doctor import SUPPORTED
+    from keel.errors import CATALOGUE, MIN_TORCH
 
     pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
     assert re.search(r'"torch>=([\d.]+)"', pyproject).group(1) == MIN_TORCH

@@ -39,16 +39,25 @@ def _compare(rank: int, world: int, results):
     from keel.distributed.parallelize import make_mesh, shard_model
 
     torch.manual_seed(0)  # rows of 301 (vocabulary) and 64 do not split evenly over 3 ranks
-    config = Qwen2Config(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    config = Qwen2Config(
+        vocab_size=301,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     model = AutoModelForCausalLM.from_config(config)
     expected = {name: p.detach().clone() for name, p in model.named_parameters()}
     fsdp = SimpleNamespace(reshard_after_forward=True, param_offload=False, fsdp_size=-1)
     model = shard_model(model, make_mesh("cpu", world, -1), torch.float32, fsdp)
     gathered = dict(full_parameters(model, torch.device("cpu"), bucket_bytes=20_000))  # several buckets
     if rank == 0:
-        results.put({name: bool(torch.equal(gathered[name], whole)) for name, whole in expected.items()}
-                    | {"_names": sorted(gathered) == sorted(expected)})
+        results.put(
+            {name: bool(torch.equal(gathered[name], whole)) for name, whole in expected.items()}
+            | {"_names": sorted(gathered) == sorted(expected)}
+        )
 
 
 def test_bucketed_gather_equals_the_unsharded_model():

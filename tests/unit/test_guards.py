@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from keel.config.load import load_config
-from keel.errors import (DATA_EMPTY, DEVICE_UNAVAILABLE, MODEL_PATH, NO_EOS, NO_GRADIENT,
-                         NONFINITE_LOSS, KeelError)
+from keel.errors import DATA_EMPTY, DEVICE_UNAVAILABLE, MODEL_PATH, NO_EOS, NO_GRADIENT, NONFINITE_LOSS, KeelError
 from keel.models.load import load_tokenizer
 from keel.models.tiny import build_tokenizer
 from keel.trainer.rl import RLTrainer
@@ -42,8 +41,14 @@ def test_tokenizer_without_eos_is_an_error(tmp_path):
 
 
 def test_dataset_smaller_than_a_batch(tiny_config, tmp_path):
-    cfg = load_config(tiny_config, {"data.train_batch_size": 64, "actor_rollout_ref.actor.ppo_mini_batch_size": 64,
-                                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 64})
+    cfg = load_config(
+        tiny_config,
+        {
+            "data.train_batch_size": 64,
+            "actor_rollout_ref.actor.ppo_mini_batch_size": 64,
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 64,
+        },
+    )
     assert code_of(lambda: RLTrainer(cfg)) == DATA_EMPTY
     assert not (tmp_path / "run").exists()
 
@@ -104,8 +109,11 @@ def test_a_step_returns_its_metrics_and_the_clipped_norm(fused):
     model = torch.nn.Linear(2, 1, bias=False)
     with torch.no_grad():
         model.weight.zero_()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0, fused=fused) if fused else torch.optim.SGD(
-        model.parameters(), lr=1.0)
+    optimizer = (
+        torch.optim.SGD(model.parameters(), lr=1.0, fused=fused)
+        if fused
+        else torch.optim.SGD(model.parameters(), lr=1.0)
+    )
     (model(torch.tensor([[3.0, 4.0]])).sum()).backward()  # gradient (3, 4): norm 5
     totals = DeviceTotals()
     totals.add("actor/pg_loss", torch.tensor(0.25))
@@ -121,6 +129,7 @@ def test_no_gradient_is_an_error():
 
 
 # --- run-time guards ----------------------------------------------------------------------------
+
 
 def test_nonfinite_values_stop_or_skip_with_the_stage_named():
     from keel.errors import NONFINITE_VALUES
@@ -138,7 +147,7 @@ def test_nonfinite_values_stop_or_skip_with_the_stage_named():
 
 
 def test_learning_signal_guard_warns_on_flat_rewards_collapse_and_blow_up():
-    from keel.config.schema import GuardsConfig
+    from keel.config.trainer import GuardsConfig
     from keel.observe.guards import LearningSignalGuard, frac_reward_zero_std
 
     # groups {0: [1, 1]} flat, {1: [0, 1]} not: half the prompts carry no signal
@@ -147,8 +156,16 @@ def test_learning_signal_guard_warns_on_flat_rewards_collapse_and_blow_up():
     flat = {"critic/score/mean": 0.0, "critic/score/max": 0.0, "critic/score/min": 0.0}
     assert guard(1, flat) == []
     assert any("no learning signal for 2 steps" in w for w in guard(2, flat))
-    warnings = guard(3, {"actor/entropy": 0.001, "actor/ppo_kl": 5.0, "response_length/clip_ratio": 0.95,
-                         "critic/score/max": 1.0, "critic/score/min": 0.0})
+    warnings = guard(
+        3,
+        {
+            "actor/entropy": 0.001,
+            "actor/ppo_kl": 5.0,
+            "response_length/clip_ratio": 0.95,
+            "critic/score/max": 1.0,
+            "critic/score/min": 0.0,
+        },
+    )
     assert len(warnings) == 3 and guard.flat_steps == 0
 
 
@@ -156,8 +173,10 @@ def test_a_hung_phase_dumps_stacks_and_exits_with_its_code():
     import subprocess
     import sys
 
-    script = ("import time\nfrom keel.observe.guards import phase_deadline\n"
-              "with phase_deadline('gen', 0.5):\n    time.sleep(30)\n")
+    script = (
+        "import time\nfrom keel.observe.guards import phase_deadline\n"
+        "with phase_deadline('gen', 0.5):\n    time.sleep(30)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3
     assert "error[KEEL-T004]: phase 'gen'" in proc.stderr
@@ -171,8 +190,10 @@ def test_a_slow_phase_gets_past_its_limit_with_the_limit_the_fix_names():
     import sys
 
     def run(limit: float) -> subprocess.CompletedProcess:
-        script = ("import time\nfrom keel.observe.guards import phase_deadline\n"
-                  f"with phase_deadline('reward', {limit}):\n    time.sleep(3.0)\nprint('done')\n")
+        script = (
+            "import time\nfrom keel.observe.guards import phase_deadline\n"
+            f"with phase_deadline('reward', {limit}):\n    time.sleep(3.0)\nprint('done')\n"
+        )
         return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
 
     stopped = run(2.0)
@@ -190,7 +211,7 @@ def test_hooks_load_by_name_and_report_bad_specs():
     hook = load_hook("json:dumps")  # any importable function
     assert callable(hook)
     for spec in ("no_colon", "no_such_module_xyz:f", "json:no_such_function"):
-        assert code_of(lambda: load_hook(spec)) == HOOK_LOAD
+        assert code_of(lambda spec=spec: load_hook(spec)) == HOOK_LOAD
     assert run_hooks([lambda step, metrics, batch: [f"step {step}"]], 3, {}, None) == ["step 3"]
 
 
@@ -221,14 +242,21 @@ def test_a_repeated_warning_is_printed_once_counted_and_summed_up(caplog):
         log.warning("%d of %d samples not scored", 1, 8)
         log.info("resumed at step %d", 3)  # not a warning: never held back
     printed = [r.getMessage() for r in caplog.records]
-    assert printed[:3] == ["step 1: 91% of responses hit max_response_length (said once; repeats are counted)",
-                           "step 1: entropy 0.01 is low (said once; repeats are counted)",
-                           "1 of 8 samples not scored (said once; repeats are counted)"]
+    assert printed[:3] == [
+        "step 1: 91% of responses hit max_response_length (said once; repeats are counted)",
+        "step 1: entropy 0.01 is low (said once; repeats are counted)",
+        "1 of 8 samples not scored (said once; repeats are counted)",
+    ]
     assert printed[3] == "resumed at step 3"
-    assert printed[4:] == ["this warning came 3 times, printed once: step 1: 91% of responses hit max_response_length",
-                           "this warning came 3 times, printed once: step 1: entropy 0.01 is low"]
-    assert said.counts == {"step #: #% of responses hit max_response_length": 3, "entropy_collapse": 3,
-                           "# of # samples not scored": 1}
+    assert printed[4:] == [
+        "this warning came 3 times, printed once: step 1: 91% of responses hit max_response_length",
+        "this warning came 3 times, printed once: step 1: entropy 0.01 is low",
+    ]
+    assert said.counts == {
+        "step #: #% of responses hit max_response_length": 3,
+        "entropy_collapse": 3,
+        "# of # samples not scored": 1,
+    }
 
 
 def test_warnings_are_counted_by_kind_and_a_hooks_by_their_words(caplog):
@@ -240,8 +268,15 @@ def test_warnings_are_counted_by_kind_and_a_hooks_by_their_words(caplog):
     warned: dict[str, int] = {}
     with caplog.at_level(logging.INFO, logger="keel"), warnings_said_once():
         for step in (1, 2):
-            metrics = report_warnings(step, [GuardWarning("ppo_kl", f"actor/ppo_kl={step}.5 > 1.0"),
-                                             f"my hook: reward {step * 0.25} too low", "my hook: slow tool"], warned)
+            metrics = report_warnings(
+                step,
+                [
+                    GuardWarning("ppo_kl", f"actor/ppo_kl={step}.5 > 1.0"),
+                    f"my hook: reward {step * 0.25} too low",
+                    "my hook: slow tool",
+                ],
+                warned,
+            )
     assert metrics == {"guards/warnings": 3.0, "guards/warned_steps/ppo_kl": 2.0, "guards/warned_steps/hook": 4.0}
     shown = [r.getMessage() for r in caplog.records if "said once" in r.getMessage()]
     assert len(shown) == 3  # the hook's two warnings differ in words: each is printed once

@@ -38,5 +38,9 @@ def test_a_hub_id_that_is_not_cached_says_nothing_is_downloaded(tmp_path, monkey
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
     with pytest.raises(KeelError) as error:
         check_model_dir("Qwen/Qwen2-7B-Instruct")
-    assert error.value.code == MODEL_PATH and "not in" in error.value.message and "downloads nothing" in error.value.message
+    assert (
+        error.value.code == MODEL_PATH
+        and "not in" in error.value.message
+        and "downloads nothing" in error.value.message
+    )
     assert "huggingface-cli download Qwen/Qwen2-7B-Instruct" in error.value.fix

@@ -193,15 +193,22 @@ AS_A_ROOT_TRAINER = textwrap.dedent("""
 
 def as_root_trainer(mode: str, code: str = "", path: str = "/usr/bin:/bin") -> dict:
     """A root trainer on a Python that uid 65534 can run."""
-    done = subprocess.run([TRAINER_PYTHON, "-c", AS_A_ROOT_TRAINER, mode, code], capture_output=True, text=True,
-                          timeout=300, cwd="/tmp", env={"PATH": path, "PYTHONPATH": str(Path(__file__).parents[2])})
+    done = subprocess.run(
+        [TRAINER_PYTHON, "-c", AS_A_ROOT_TRAINER, mode, code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/tmp",
+        env={"PATH": path, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
 
 needs_root_and_system_python = pytest.mark.skipif(
     os.getuid() != 0 or TRAINER_PYTHON is None or not userns.available(),
-    reason="needs root, a Python with keel's requirements that uid 65534 can run, and user namespaces")
+    reason="needs root, a Python with keel's requirements that uid 65534 can run, and user namespaces",
+)
 
 
 @needs_root_and_system_python
@@ -213,7 +220,10 @@ def test_without_bubblewrap_root_still_runs_the_program_as_nobody(tmp_path):
     assert {"filesystem", "network"} <= set(probe["missing"]) and "user" not in probe["missing"]
     assert "process count" not in probe["missing"] and "limits" not in probe["missing"]
     os.chmod(tmp_path, 0o700)  # the trainer's own directory
-    attack = WHO_AM_I + f"\ntry:\n    open({str(tmp_path)!r} + '/escaped', 'w')\n    print('WROTE')\nexcept OSError:\n    pass\n"
+    attack = (
+        WHO_AM_I
+        + f"\ntry:\n    open({str(tmp_path)!r} + '/escaped', 'w')\n    print('WROTE')\nexcept OSError:\n    pass\n"
+    )
     seen = json.loads(as_root_trainer(NO_JAIL_AS_NOBODY, attack)["stdout"].splitlines()[0])
     assert seen["uid"] == 65534 and seen["cap_eff"] == 0 and seen["escalated"] == []
     assert list(tmp_path.iterdir()) == []
@@ -257,8 +267,12 @@ def test_a_library_hook_that_starts_a_thread_after_fork_does_not_break_a_run():
     thread there (seen in this suite once mlflow had loaded OpenTelemetry) leaves the child
     multithreaded, where the kernel refuses a user namespace, and one that waits can hang. The jail
     is set up by a launcher of its own (a fresh interpreter), so no hook of the trainer's runs."""
-    clean = subprocess.run([sys.executable, "-c", "from keel.rewards import userns; print(userns.available())"],
-                           capture_output=True, text=True, timeout=300)
+    clean = subprocess.run(
+        [sys.executable, "-c", "from keel.rewards import userns; print(userns.available())"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     done = subprocess.run([sys.executable, "-c", AT_FORK_THREAD], capture_output=True, text=True, timeout=300)
     assert done.stdout.split() == [clean.stdout.strip(), "42", "42"], done.stderr
 

@@ -120,9 +120,7 @@ def test_vanilla_symmetric_with_dual_clip():
     # d(-A r)/d lp = -A r on unclipped tokens, / 6 tokens; clipped and dual-clipped tokens get 0
     # A=+1: r=0.5 -> -0.5/6 = -0.08333; r=1.1 -> -1.1/6 = -0.18333
     # A=-1: r=1.5 -> 1.5/6 = 0.25
-    torch.testing.assert_close(
-        lp.grad, t([[0, -0.08333, -0.18333, 0], [0.25, 0, 0, 0]]), atol=ATOL, rtol=0
-    )
+    torch.testing.assert_close(lp.grad, t([[0, -0.08333, -0.18333, 0], [0.25, 0, 0, 0]]), atol=ATOL, rtol=0)
 
 
 def test_vanilla_clip_higher_is_asymmetric():
@@ -233,9 +231,17 @@ def test_gspo_gives_verls_loss_and_gradient_in_every_loss_agg_mode(mode):
     class ActorConfig(SimpleNamespace):
         pass
 
-    verl = _verl_functions("trainer.ppo.core_algos", ("agg_loss", "compute_policy_loss_gspo"),
-                           {"torch": torch, "Optional": Optional, "Any": Any, "ActorConfig": ActorConfig,
-                            "verl_F": SimpleNamespace(**torch_functional)})
+    verl = _verl_functions(
+        "trainer.ppo.core_algos",
+        ("agg_loss", "compute_policy_loss_gspo"),
+        {
+            "torch": torch,
+            "Optional": Optional,
+            "Any": Any,
+            "ActorConfig": ActorConfig,
+            "verl_F": SimpleNamespace(**torch_functional),
+        },
+    )
     generator = torch.Generator().manual_seed(7)
     mask = (torch.rand(4, 6, generator=generator) > 0.3).float()
     mask[:, 0] = 1.0
@@ -244,8 +250,9 @@ def test_gspo_gives_verls_loss_and_gradient_in_every_loss_agg_mode(mode):
     base = old + 0.3 * torch.randn(4, 6, generator=generator)
     keel_lp, verl_lp = base.clone().requires_grad_(), base.clone().requires_grad_()
     config = ActorConfig(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, global_batch_info={})
-    verl_loss, verl_metrics = verl["compute_policy_loss_gspo"](old, verl_lp, advantages, mask, loss_agg_mode=mode,
-                                                               config=config)
+    verl_loss, verl_metrics = verl["compute_policy_loss_gspo"](
+        old, verl_lp, advantages, mask, loss_agg_mode=mode, config=config
+    )
     p = PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=mode)
     keel_loss, keel_metrics = compute_policy_loss("gspo", old, keel_lp, advantages, mask, p)
     (verl_loss + 0).backward()

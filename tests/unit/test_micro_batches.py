@@ -3,6 +3,7 @@
 import torch
 
 from keel.training.batching import MicroBatching, _split_to_count, micro_batches, token_budget_bins
+
 from tests_helpers import make_batch
 
 
@@ -52,8 +53,7 @@ def test_rejected_tokens_leave_the_loss_denominators_and_the_fillers():
     batch = make_batch([3, 5, 2, 6, 4])
     batch.advantages = torch.ones(5, 6)
     batch.rollout_keep = torch.tensor([[1, 0, 1, 1, 1, 1]] * 5, dtype=torch.float)  # column 1 rejected
-    ranks = plan_minibatches(batch, samples_per_mini=5, epochs=1, shuffle=False, seed=0, norm_length=None,
-                             world_size=2)
+    ranks = plan_minibatches(batch, samples_per_mini=5, epochs=1, shuffle=False, seed=0, norm_length=None, world_size=2)
     assert int(ranks[0][0].scale.tokens) == (3 + 5 + 2 + 6 + 4) - 5  # every response is long enough to lose one
     assert all(part.samples.loss_mask.sum() <= part.samples.response_mask.sum() for parts in ranks for part in parts)
     filler = batch.masked_copies(1)

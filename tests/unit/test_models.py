@@ -8,17 +8,25 @@ from keel.models.load import load_critic
 from keel.models.tiny import make_tiny_model
 
 
-@pytest.mark.parametrize("arch, expected_class", [("qwen2", "Qwen2ForCausalLM"), ("llama", "LlamaForCausalLM"),
-                                                 ("qwen3", "Qwen3ForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM"),
-                                                 ("gemma3_text", "Gemma3ForCausalLM")])
+@pytest.mark.parametrize(
+    "arch, expected_class",
+    [
+        ("qwen2", "Qwen2ForCausalLM"),
+        ("llama", "LlamaForCausalLM"),
+        ("qwen3", "Qwen3ForCausalLM"),
+        ("qwen3_moe", "Qwen3MoeForCausalLM"),
+        ("gemma3_text", "Gemma3ForCausalLM"),
+    ],
+)
 def test_tiny_model_loads_like_any_hugging_face_checkpoint(arch, expected_class, tmp_path):
     path = make_tiny_model(tmp_path / arch, arch=arch, hidden_size=32)
     model = AutoModelForCausalLM.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert type(model).__name__ == expected_class
     assert model.get_input_embeddings().num_embeddings >= len(tokenizer)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "12+5"}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "12+5"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.endswith("<|im_start|>assistant\n")
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text  # lossless round trip
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token_id is not None
@@ -50,7 +58,8 @@ def test_weight_headers_catch_every_broken_file(tmp_path, tiny_assets):
         "no header": lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64),
         "empty": lambda d: (d / "model.safetensors").write_bytes(b""),
         "missing shard": lambda d: (d / "model.safetensors.index.json").write_text(
-            json.dumps({"weight_map": {"a": "model-00002-of-00002.safetensors"}})),
+            json.dumps({"weight_map": {"a": "model-00002-of-00002.safetensors"}})
+        ),
         "broken index": lambda d: (d / "model.safetensors.index.json").write_text("{"),
     }
     for name, damage in cases.items():
@@ -71,8 +80,14 @@ def test_a_random_weights_directory_builds_the_same_model_every_time(tmp_path):
 
     from keel.models.load import RANDOM_WEIGHTS, load_causal_lm
 
-    Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=300).save_pretrained(tmp_path)
+    Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+    ).save_pretrained(tmp_path)
     (tmp_path / RANDOM_WEIGHTS).write_text(json.dumps({"seed": 3}))
     first, second = (load_causal_lm(tmp_path, torch.device("cpu")) for _ in range(2))
     assert all(torch.equal(p, q) for p, q in zip(first.parameters(), second.parameters()))
@@ -92,8 +107,11 @@ def test_lora_on_a_mixture_of_experts_names_what_stays_frozen_and_refuses_expert
     assert plan.targets == ("k_proj", "o_proj", "q_proj", "v_proj")
     assert {"experts", "gate", "gate_proj"} <= set(plan.frozen_other) and "experts" in plan.summary()
     # the router and experts are not linear layers; peft would put gate_proj's adapters on the experts
-    for named, why in ((["experts"], "not linear layers"), (["q_proj", "gate"], "not linear layers"),
-                       (["q_proj", "gate_proj"], "stacked experts")):
+    for named, why in (
+        (["experts"], "not linear layers"),
+        (["q_proj", "gate"], "not linear layers"),
+        (["q_proj", "gate_proj"], "stacked experts"),
+    ):
         with pytest.raises(KeelError) as refused:
             plan_lora(model, 8, named, [], [], "actor_rollout_ref.model")
         assert refused.value.code == LORA_TARGETS and why in refused.value.message

@@ -16,8 +16,11 @@ from keel.training.batching import MicroBatching
 from keel.training.forward import batched_log_probs
 from keel.types import SamplingParams
 
-PROMPTS = [{"prompt": "Digits please: 1"}, {"prompt": [{"role": "user", "content": "a longer prompt here, padded"}]},
-           {"prompt": "x"}]
+PROMPTS = [
+    {"prompt": "Digits please: 1"},
+    {"prompt": [{"role": "user", "content": "a longer prompt here, padded"}]},
+    {"prompt": "x"},
+]
 
 
 def engines(model_dir, n: int, max_num_seqs: int = 256, sharpen: float = 1.0, init_std: float | None = None):
@@ -36,8 +39,12 @@ def engines(model_dir, n: int, max_num_seqs: int = 256, sharpen: float = 1.0, in
         model.get_output_embeddings().weight.mul_(sharpen)
     records, _ = build_prompt_dataset(PROMPTS, tokenizer, max_prompt_length=64)
     prompts = collate_prompts(records, tokenizer.pad_token_id).repeat_interleave(n)
-    return (NativeRolloutEngine(model, tokenizer, max_num_seqs, torch.float32),
-            HFRolloutEngine(model, tokenizer, max_num_seqs), model, prompts)
+    return (
+        NativeRolloutEngine(model, tokenizer, max_num_seqs, torch.float32),
+        HFRolloutEngine(model, tokenizer, max_num_seqs),
+        model,
+        prompts,
+    )
 
 
 # (architecture, tied embeddings, weights' std, layers, fewest distinct greedy tokens a row shows).
@@ -45,17 +52,26 @@ def engines(model_dir, n: int, max_num_seqs: int = 256, sharpen: float = 1.0, in
 # SmolLM3: its fourth layer has no rotary embedding; GPT-OSS: attention sinks, biases, sliding
 # windows and experts. Random weights of some families repeat themselves more: the floor keeps
 # every comparison one that can fail.
-FAMILIES = [("qwen2", True, 0.2, 3, 10), ("llama", True, 0.2, 3, 10), ("qwen2", False, 0.2, 3, 10),
-            ("qwen3", True, 0.2, 3, 10), ("qwen3_moe", True, 0.5, 3, 10), ("gemma3_text", True, 0.02, 3, 8),
-            ("olmo2", True, 0.1, 4, 7), ("smollm3", True, 0.2, 4, 10), ("gpt_oss", False, 0.2, 3, 10)]
+FAMILIES = [
+    ("qwen2", True, 0.2, 3, 10),
+    ("llama", True, 0.2, 3, 10),
+    ("qwen2", False, 0.2, 3, 10),
+    ("qwen3", True, 0.2, 3, 10),
+    ("qwen3_moe", True, 0.5, 3, 10),
+    ("gemma3_text", True, 0.02, 3, 8),
+    ("olmo2", True, 0.1, 4, 7),
+    ("smollm3", True, 0.2, 4, 10),
+    ("gpt_oss", False, 0.2, 3, 10),
+]
 
 
 @pytest.mark.parametrize("arch, tied, init_std, layers, distinct", FAMILIES)
 def test_greedy_tokens_are_identical_to_the_hf_engine(tmp_path, arch, tied, init_std, layers, distinct):
     from keel.models.tiny import make_tiny_model
 
-    model_dir = make_tiny_model(tmp_path / arch, arch=arch, hidden_size=64, num_layers=layers, seed=3,
-                                tie_word_embeddings=tied)
+    model_dir = make_tiny_model(
+        tmp_path / arch, arch=arch, hidden_size=64, num_layers=layers, seed=3, tie_word_embeddings=tied
+    )
     native, hf, _, prompts = engines(model_dir, n=2, max_num_seqs=4, init_std=init_std)  # chunks of 4: groups split
     greedy = SamplingParams(do_sample=False, max_new_tokens=24, ignore_eos=True)
     ours, theirs = native.generate(prompts, greedy), hf.generate(prompts, greedy)
@@ -112,7 +128,8 @@ def test_bf16_sampling_log_probs_are_within_0_005_of_the_float32_master_trainer(
     prompts = collate_prompts(records, tokenizer.pad_token_id).repeat_interleave(4)
     torch.manual_seed(0)
     batch = NativeRolloutEngine(model, tokenizer, 256, torch.bfloat16).generate(
-        prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=48, ignore_eos=True))
+        prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=48, ignore_eos=True)
+    )
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         trainer = batched_log_probs(model, batch, MicroBatching(64), temperature=1.0)
     mask = batch.response_mask
@@ -129,8 +146,7 @@ def test_two_stage_sampling_draws_from_the_softmax(temperature):
     torch.manual_seed(0)
     logits = torch.randn(1000) * 2.5
     draws = 40_000
-    tokens, log_probs = sample(logits.expand(draws, -1).contiguous(), SamplingParams(temperature=temperature),
-                               block=64)
+    tokens, log_probs = sample(logits.expand(draws, -1).contiguous(), SamplingParams(temperature=temperature), block=64)
     expected = torch.log_softmax(logits / temperature, -1)
     torch.testing.assert_close(log_probs, expected[tokens], atol=1e-5, rtol=0)
     assert int(tokens.max()) < 1000 and len(set(tokens.tolist())) > 100
@@ -174,11 +190,30 @@ def test_a_sharded_lora_policy_without_the_native_engine_is_refused(tiny_assets,
     model.config.model_type = "gemma2"  # auto falls back to hf
     rollout = SimpleNamespace(name=name, max_num_seqs=4)
     with pytest.raises(KeelError) as error:
-        make_rollout_engine(rollout, model, load_tokenizer(tiny_assets["model"]), torch.device("cpu"), torch.float32,
-                            log_choice=False, will_be_sharded=True, lora=True)
+        make_rollout_engine(
+            rollout,
+            model,
+            load_tokenizer(tiny_assets["model"]),
+            torch.device("cpu"),
+            torch.float32,
+            log_choice=False,
+            will_be_sharded=True,
+            lora=True,
+        )
     assert error.value.code == INCOMPATIBLE_OPTIONS and "needs the native rollout engine" in error.value.message
-    assert make_rollout_engine(rollout, model, load_tokenizer(tiny_assets["model"]), torch.device("cpu"),
-                               torch.float32, log_choice=False, will_be_sharded=False, lora=True).model is model
+    assert (
+        make_rollout_engine(
+            rollout,
+            model,
+            load_tokenizer(tiny_assets["model"]),
+            torch.device("cpu"),
+            torch.float32,
+            log_choice=False,
+            will_be_sharded=False,
+            lora=True,
+        ).model
+        is model
+    )
 
 
 @pytest.mark.parametrize("rows", [256, 2])
@@ -193,10 +228,12 @@ def test_finished_sequences_leave_the_batch_without_changing_the_rest(tiny_asset
     native.max_num_seqs = rows
     greedy = SamplingParams(do_sample=False, max_new_tokens=30)
     free_run = hf.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=30, ignore_eos=True)).response_ids
+
     # A stop token that really occurs, first at different depths in different rows: lengths vary.
     def first_positions(token):
         hits = (free_run == token).int()
         return tuple(int(h.argmax()) if h.any() else 30 for h in hits)
+
     stop = max(set(free_run[:, 1:].flatten().tolist()), key=lambda tok: len(set(first_positions(tok))))
     for engine in (native, hf):
         engine.eos_ids = sorted(set(engine.eos_ids) | {stop})
@@ -288,10 +325,14 @@ def test_lora_runs_unmerged_on_the_trainers_own_base(tmp_path):
 
 
 # Every episode resident, or 3 rows for 6 episodes, refilled; each family on the second.
-@pytest.mark.parametrize("arch, rows, init_std, layers", [("qwen2", 256, 0.2, 3)] + list({
-    arch: (arch, 3, init_std, layers) for arch, _, init_std, layers, _ in FAMILIES}.values()))
-def test_multi_turn_greedy_rollouts_equal_the_hf_engines_and_prefill_only_new_tokens(tmp_path, monkeypatch, arch, rows,
-                                                                                     init_std, layers):
+@pytest.mark.parametrize(
+    "arch, rows, init_std, layers",
+    [("qwen2", 256, 0.2, 3)]
+    + list({arch: (arch, 3, init_std, layers) for arch, _, init_std, layers, _ in FAMILIES}.values()),
+)
+def test_multi_turn_greedy_rollouts_equal_the_hf_engines_and_prefill_only_new_tokens(
+    tmp_path, monkeypatch, arch, rows, init_std, layers
+):
     """The agent loop on the native engine (turns scheduled by continuous batching, KV kept across
     turns, tools run while others decode) against the hf engine (each turn generated again from its
     whole context): the same tokens, masks and log-probs for every episode. Native prefilled each
@@ -313,8 +354,16 @@ def test_multi_turn_greedy_rollouts_equal_the_hf_engines_and_prefill_only_new_to
     native, hf, _, prompts = engines(model_dir, n=2, max_num_seqs=rows, init_std=init_std)
     native.free_cache_engine = False  # the batcher stays, to be looked at
 
-    loops = [AgentLoop(engine, native.tokenizer, [echo], AgentOptions(
-        max_assistant_turns=4, budget=160, turn_tokens=8, format="every-turn"), native.eos_ids) for engine in (native, hf)]
+    loops = [
+        AgentLoop(
+            engine,
+            native.tokenizer,
+            [echo],
+            AgentOptions(max_assistant_turns=4, budget=160, turn_tokens=8, format="every-turn"),
+            native.eos_ids,
+        )
+        for engine in (native, hf)
+    ]
     ours, theirs = (loop.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=160)) for loop in loops)
     assert {"prefill", "decode", "tools"} <= set(loops[0].timing)  # timing_s/gen_* of the engine's parts
     assert max(r.extra_info["num_turns"] for r in theirs.records) >= 5  # several tool turns: a real comparison
@@ -333,7 +382,7 @@ def test_free_cache_engine_unset_keeps_a_cache_of_at_most_eight_percent_of_the_g
     """Qwen3-0.6B's t1 cache (7.5 GB, 5.3% of an H200) is kept: capturing again cost 0.30 s a step."""
     from keel.rollout.native.engine import keeps_cache
 
-    gpu = 140 * 2 ** 30
+    gpu = 140 * 2**30
     assert keeps_cache(None, int(0.053 * gpu), gpu) and keeps_cache(None, int(0.08 * gpu), gpu)
     assert not keeps_cache(None, int(0.09 * gpu), gpu)
     assert not keeps_cache(None, 1, 0)  # CPU: no graphs to keep
@@ -359,29 +408,29 @@ def test_decode_attention_splits_the_cache_only_when_rows_leave_sms_idle():
     from keel.rollout.native.attention import split_columns
 
     sms = 132
-    assert split_columns(2304, programs=256, sms=sms) == 0       # 128 rows x 2 KV heads
+    assert split_columns(2304, programs=256, sms=sms) == 0  # 128 rows x 2 KV heads
     assert split_columns(2304, programs=66, sms=sms) == 0
     for programs in (1, 16, 32, 65):
         split = split_columns(2304, programs, sms)
         assert split & (split - 1) == 0 and split >= 64
         splits = -(-2304 // split)
         assert 2 * sms <= programs * splits <= 8 * sms or split == 64, (programs, split)
-    assert split_columns(2304, programs=16, sms=sms) == 128      # 8 rows: 18 splits each
-    assert split_columns(256, programs=2, sms=sms) == 64          # never below one block of columns
+    assert split_columns(2304, programs=16, sms=sms) == 128  # 8 rows: 18 splits each
+    assert split_columns(256, programs=2, sms=sms) == 64  # never below one block of columns
 
 
 def test_decode_attention_config_is_resolved_for_the_launch_and_keeps_what_is_set():
     from keel.rollout.native.attention import KernelConfig
 
-    wide = KernelConfig().resolved(768, programs=512, sms=132)        # 256 rows x 2 KV heads
+    wide = KernelConfig().resolved(768, programs=512, sms=132)  # 256 rows x 2 KV heads
     assert (wide.split, wide.num_stages, wide.block) == (1024, 2, 64)  # one pass: the whole cache
     narrow = KernelConfig().resolved(2304, programs=16, sms=132)
     assert narrow.split == 128 and narrow.num_stages == 3
     one_pass = KernelConfig(split=0, num_stages=4, block=128).resolved(2304, programs=16, sms=132)
     assert (one_pass.split, one_pass.num_stages, one_pass.block) == (4096, 4, 128)
     assert KernelConfig(split=32).resolved(2304, programs=16, sms=132).block == 32  # a block within its split
-    tiny = KernelConfig().resolved(8, programs=4, sms=132)            # a prompt and response of 8 tokens
-    assert tiny.block == tiny.split == 16                              # tl.dot needs 16
+    tiny = KernelConfig().resolved(8, programs=4, sms=132)  # a prompt and response of 8 tokens
+    assert tiny.block == tiny.split == 16  # tl.dot needs 16
     assert KernelConfig(split=48).resolved(2304, programs=16, sms=132).block == 32  # a power of two
 
 
@@ -424,8 +473,9 @@ def test_triton_decode_attention_matches_sdpa_under_the_interpreter():
     row table and per-row columns, a tiny cache; against the cache write and SDPA."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", INTERPRETED_ATTENTION], env=env, capture_output=True, text=True,
-                          timeout=1800)
+    done = subprocess.run(
+        [sys.executable, "-c", INTERPRETED_ATTENTION], env=env, capture_output=True, text=True, timeout=1800
+    )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
@@ -444,7 +494,14 @@ def test_routed_experts_equal_transformers_mixture_block(grouped):
             p.normal_(std=0.3)
     h = torch.randn(37, 64)
     expected = block(h[None])[0]
-    ours = routed_experts(h, block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj,
-                          config.num_experts_per_tok, config.norm_topk_prob, grouped)
+    ours = routed_experts(
+        h,
+        block.gate.weight,
+        block.experts.gate_up_proj,
+        block.experts.down_proj,
+        config.num_experts_per_tok,
+        config.norm_topk_prob,
+        grouped,
+    )
     assert expected.abs().mean() > 0.1  # the experts contribute: a comparison that can fail
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)

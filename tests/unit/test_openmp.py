@@ -14,22 +14,28 @@ import pytest
 
 def spin_count(code: str, **env: str) -> tuple[str, str]:
     environ = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**environ, "OMP_DISPLAY_ENV": "verbose", **env})
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**environ, "OMP_DISPLAY_ENV": "verbose", **env},
+    )
     assert run.returncode == 0, run.stderr
     return re.search(r"GOMP_SPINCOUNT = '(\d+)'", run.stderr).group(1), run.stdout
 
 
 def test_importing_keel_first_makes_torchs_threads_sleep_while_they_wait():
-    count, said = spin_count("import keel, torch\nfrom keel.openmp import how_threads_wait\n"
-                             "print(how_threads_wait())")
+    count, said = spin_count("import keel, torch\nfrom keel.openmp import how_threads_wait\nprint(how_threads_wait())")
     assert count == "0"
     assert said.startswith("(True, 'sleeping")
 
 
 def test_a_users_own_choice_is_kept():
-    count, said = spin_count("import keel, torch\nfrom keel.openmp import how_threads_wait\n"
-                             "print(how_threads_wait())", OMP_WAIT_POLICY="ACTIVE")
+    count, said = spin_count(
+        "import keel, torch\nfrom keel.openmp import how_threads_wait\nprint(how_threads_wait())",
+        OMP_WAIT_POLICY="ACTIVE",
+    )
     assert int(count) > 300000  # libgomp's spin for an active policy
     assert "as set: OMP_WAIT_POLICY=ACTIVE" in said
 

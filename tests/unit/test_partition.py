@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from keel.distributed.group import Devices, _reserve
+from keel.distributed.ray_cluster import Devices, reserve
 from keel.errors import NOT_ENOUGH_DEVICES, RAY_MISSING, KeelError
-from keel.training.batching import balanced_partitions, shard_batch, unshard_rows
 from keel.trainer.roles import combine_metrics
+from keel.training.batching import balanced_partitions, shard_batch, unshard_rows
+
 from tests_helpers import make_batch
 
 
@@ -46,13 +47,17 @@ def test_a_mini_batch_smaller_than_the_ranks_gives_the_empty_ranks_masked_filler
 
 
 def test_metrics_from_ranks_add_up_except_replicated_ones():
-    combined = combine_metrics([{"actor/pg_loss": 0.25, "actor/grad_norm": 2.0, "actor/lr": 1e-3},
-                                {"actor/pg_loss": 0.5, "actor/grad_norm": 2.0, "actor/lr": 1e-3}])
+    combined = combine_metrics(
+        [
+            {"actor/pg_loss": 0.25, "actor/grad_norm": 2.0, "actor/lr": 1e-3},
+            {"actor/pg_loss": 0.5, "actor/grad_norm": 2.0, "actor/lr": 1e-3},
+        ]
+    )
     assert combined == {"actor/pg_loss": 0.75, "actor/grad_norm": 2.0, "actor/lr": 1e-3}
 
 
 class _Cluster:
-    """What `_reserve` asks a Ray cluster: its resources."""
+    """What `reserve` asks a Ray cluster: its resources."""
 
     def __init__(self, resources):
         self.resources = resources
@@ -66,7 +71,7 @@ def test_more_workers_than_the_cluster_has_devices_is_refused(tiny_config):
 
     cfg = load_config(tiny_config, ["trainer.n_gpus_per_node=4", "trainer.device=cpu"])
     with pytest.raises(KeelError) as info:
-        _reserve(_Cluster({"CPU": 2.0}), Devices.of(cfg), cfg.world_size)
+        reserve(_Cluster({"CPU": 2.0}), Devices.of(cfg), cfg.world_size)
     assert info.value.code == NOT_ENOUGH_DEVICES and "4 workers" in info.value.message and "has 2" in info.value.message
 
 
@@ -74,7 +79,7 @@ def test_ray_missing_is_a_coded_error(tiny_config, monkeypatch):
     import sys
 
     from keel.config.load import load_config
-    from keel.distributed.group import connect_ray
+    from keel.distributed.ray_cluster import connect_ray
 
     monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray looks like
     with pytest.raises(KeelError) as info:

@@ -5,12 +5,11 @@ import shutil
 
 import pytest
 
-from keel.cli import main
-from keel.config.load import load_config
-from keel.errors import (MEMORY_ESTIMATE, NO_EOS, RUN_DIR_NOT_WRITABLE, SCORER_RAISED, TOKEN_BUDGET,
-                         VOCAB_MISMATCH)
 from keel.check.findings import FAIL, SKIP, WARN
 from keel.check.preflight import run_checks
+from keel.cli import main
+from keel.config.load import load_config
+from keel.errors import MEMORY_ESTIMATE, NO_EOS, RUN_DIR_NOT_WRITABLE, SCORER_RAISED, TOKEN_BUDGET, VOCAB_MISMATCH
 
 
 def failure_codes(report) -> list[str]:
@@ -33,10 +32,13 @@ def test_good_config_passes_with_plan_audit_and_memory(tiny_config, tmp_path, ca
     assert not (tmp_path / "run").exists()  # checking creates nothing
 
 
-@pytest.mark.parametrize("overrides, code", [
-    ({"data.max_prompt_length": 1000, "data.max_response_length": 100}, TOKEN_BUDGET),  # model reads 1024
-    ({"actor_rollout_ref.rollout.max_num_seqs": 10**8}, MEMORY_ESTIMATE),  # a KV cache of petabytes
-])
+@pytest.mark.parametrize(
+    "overrides, code",
+    [
+        ({"data.max_prompt_length": 1000, "data.max_response_length": 100}, TOKEN_BUDGET),  # model reads 1024
+        ({"actor_rollout_ref.rollout.max_num_seqs": 10**8}, MEMORY_ESTIMATE),  # a KV cache of petabytes
+    ],
+)
 def test_failures_before_any_weight_is_loaded(tiny_config, overrides, code):
     assert code in failure_codes(run_checks(load_config(tiny_config, overrides)))
 
@@ -90,12 +92,23 @@ def test_train_runs_the_check_first_and_stops_before_the_run_dir_exists(tiny_con
 def test_per_rank_memory_shrinks_with_sharding_and_offload(tiny_config):
     one = run_checks(load_config(tiny_config, ["trainer.device=cpu"])).memory_gb
     two = run_checks(load_config(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2"])).memory_gb
-    offload = run_checks(load_config(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2",
-                                                   "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"])).memory_gb
+    offload = run_checks(
+        load_config(
+            tiny_config,
+            [
+                "trainer.device=cpu",
+                "trainer.n_gpus_per_node=2",
+                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+            ],
+        )
+    ).memory_gb
     assert two["actor_states"] == pytest.approx(one["actor_states"] / 2, rel=0.01)  # 16 B/param over 2 ranks
     assert offload["actor_states"] == pytest.approx(two["actor_states"] / 2, rel=0.01)  # Adam's 8 B/param leave
-    hf = run_checks(load_config(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2",
-                                              "actor_rollout_ref.rollout.name=hf"])).memory_gb
+    hf = run_checks(
+        load_config(
+            tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.name=hf"]
+        )
+    ).memory_gb
     assert "rollout_copy" in hf and "rollout_copy" not in two  # only hf needs a whole copy per rank
     assert two["rollout_weights"] == one["rollout_weights"]  # native: its decode weights, sharded or not
 
@@ -105,8 +118,9 @@ def test_a_critic_pool_is_estimated_on_its_own_devices(tiny_config):
     that total and are estimated, sharded over the pool, for the pool's devices."""
     gae = ["trainer.device=cpu", "algorithm.adv_estimator=gae"]
     colocated = run_checks(load_config(tiny_config, gae)).memory_gb
-    pooled = run_checks(load_config(tiny_config, gae + ["critic.enable_resource_pool=true",
-                                                        "critic.n_gpus_per_node=2"])).memory_gb
+    pooled = run_checks(
+        load_config(tiny_config, gae + ["critic.enable_resource_pool=true", "critic.n_gpus_per_node=2"])
+    ).memory_gb
     assert "critic_states" in colocated and "critic_pool" not in colocated
     assert "critic_states" not in pooled
     assert pooled["total"] == pytest.approx(colocated["total"] - colocated["critic_states"], rel=0.01)
@@ -116,24 +130,36 @@ def test_a_critic_pool_is_estimated_on_its_own_devices(tiny_config):
 def test_param_offload_on_one_worker_is_a_warning_and_not_counted_as_offloaded(tiny_config):
     """verl scripts set param_offload on one GPU; keel offloads only what FSDP shards (2+ workers),
     so it says so, and estimates the weights on the device. A role that does not run is not named."""
+
     def report(*overrides):
         return run_checks(load_config(tiny_config, ["trainer.device=cpu", *overrides]))
 
     plain = report()
-    offload = report("actor_rollout_ref.actor.fsdp_config.param_offload=true",
-                     "actor_rollout_ref.ref.fsdp_config.param_offload=true")  # no KL term: no reference
+    offload = report(
+        "actor_rollout_ref.actor.fsdp_config.param_offload=true", "actor_rollout_ref.ref.fsdp_config.param_offload=true"
+    )  # no KL term: no reference
     warnings = [f.message for f in offload.findings if f.level == WARN]
-    assert [w.split("=")[0] for w in warnings if "no effect on one worker" in w] == \
-        ["actor_rollout_ref.actor.fsdp_config.param_offload"]
+    assert [w.split("=")[0] for w in warnings if "no effect on one worker" in w] == [
+        "actor_rollout_ref.actor.fsdp_config.param_offload"
+    ]
     assert offload.memory_gb["actor_states"] == plain.memory_gb["actor_states"] > 0
 
 
 def test_memory_estimate_follows_the_resolved_compute_dtype(tiny_config):
     """dtype auto computes in float32 on CPU, so it is estimated as float32 there; bf16 halves the
     activations and the KV cache."""
+
     def estimate(dtype):
-        return run_checks(load_config(tiny_config, ["trainer.device=cpu", f"actor_rollout_ref.model.dtype={dtype}",
-                                                    "actor_rollout_ref.rollout.max_num_seqs=100000"])).memory_gb
+        return run_checks(
+            load_config(
+                tiny_config,
+                [
+                    "trainer.device=cpu",
+                    f"actor_rollout_ref.model.dtype={dtype}",
+                    "actor_rollout_ref.rollout.max_num_seqs=100000",
+                ],
+            )
+        ).memory_gb
 
     auto, fp32, bf16 = estimate("auto"), estimate("float32"), estimate("bfloat16")
     assert auto == fp32
@@ -164,8 +190,10 @@ def test_more_nodes_than_a_local_ray_instance_has_is_refused(tiny_config, monkey
     assert any("RAY_ADDRESS" in f.fix for f in report.findings if f.code == NOT_ENOUGH_DEVICES)
 
 
-@pytest.mark.parametrize("value, said", [("http", "not a port number"), ("70000", "not a port number"),
-                                         ("TAKEN", "is taken on rank 0's node")])
+@pytest.mark.parametrize(
+    "value, said",
+    [("http", "not a port number"), ("70000", "not a port number"), ("TAKEN", "is taken on rank 0's node")],
+)
 def test_a_master_port_keel_cannot_use_is_refused_not_ignored(tiny_config, monkeypatch, value, said):
     import socket
 
@@ -201,8 +229,9 @@ def _retokenized(tiny_assets, tmp_path, **tokens) -> str:
     return str(model)
 
 
-def test_a_tokenizer_whose_eos_the_model_does_not_end_with_is_a_warning_with_the_fix(tiny_config, tiny_assets,
-                                                                                     tmp_path):
+def test_a_tokenizer_whose_eos_the_model_does_not_end_with_is_a_warning_with_the_fix(
+    tiny_config, tiny_assets, tmp_path
+):
     from keel.errors import TOKENIZER_MISMATCH
 
     path = _retokenized(tiny_assets, tmp_path, eos_token="<|endoftext|>")  # what transformers fills in for Qwen2
@@ -229,8 +258,7 @@ def test_a_budget_over_the_models_positions_is_not_fixed_by_max_model_len(tiny_c
     assert "cannot go past" in failure.fix and "raise rollout.max_model_len" not in failure.fix
 
 
-def test_weights_under_other_names_are_a_warning_that_says_what_would_start_random(tiny_config, tiny_assets,
-                                                                                   tmp_path):
+def test_weights_under_other_names_are_a_warning_that_says_what_would_start_random(tiny_config, tiny_assets, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from keel.errors import WEIGHTS_BROKEN
@@ -238,8 +266,11 @@ def test_weights_under_other_names_are_a_warning_that_says_what_would_start_rand
     model = tmp_path / "model"
     shutil.copytree(tiny_assets["model"], model)
     tensors = load_file(model / "model.safetensors")
-    save_file({name.replace("model.layers.0.", "decoder.block.0."): t for name, t in tensors.items()},
-              model / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {name.replace("model.layers.0.", "decoder.block.0."): t for name, t in tensors.items()},
+        model / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": str(model)}))
     assert not report.failures
     warned = [f for f in report.findings if f.code == WEIGHTS_BROKEN]
@@ -257,9 +288,18 @@ def sliding_window_qwen2(path):
     return model
 
 
-@pytest.mark.parametrize("arch, engine", [("qwen3", "native"), ("qwen3_moe", "native"), ("gemma3_text", "native"),
-                                          ("olmo2", "native"), ("smollm3", "native"), ("gpt_oss", "hf"),
-                                          ("qwen2 with a sliding window", "hf")])
+@pytest.mark.parametrize(
+    "arch, engine",
+    [
+        ("qwen3", "native"),
+        ("qwen3_moe", "native"),
+        ("gemma3_text", "native"),
+        ("olmo2", "native"),
+        ("smollm3", "native"),
+        ("gpt_oss", "hf"),
+        ("qwen2 with a sliding window", "hf"),
+    ],
+)
 def test_the_rollout_engine_is_named_and_a_fallback_to_hf_says_what_it_costs(tiny_config, tmp_path, arch, engine):
     """Checkpoints transformers writes itself pass the weights check (a mixture's stacked experts
     are not 'missing tensors'); a model the native engine cannot run is a warning with its cost."""
@@ -282,8 +322,11 @@ def test_native_named_for_a_family_it_cannot_run_is_refused_by_keel_check(tiny_c
     from keel.errors import INCOMPATIBLE_OPTIONS
 
     model = sliding_window_qwen2(tmp_path / "m")
-    report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": str(model),
-                                                  "actor_rollout_ref.rollout.name": "native"}))
+    report = run_checks(
+        load_config(
+            tiny_config, {"actor_rollout_ref.model.path": str(model), "actor_rollout_ref.rollout.name": "native"}
+        )
+    )
     assert failure_codes(report) == [INCOMPATIBLE_OPTIONS]
     assert "rollout.name=hf" in report.failures[0].fix
 

@@ -9,8 +9,13 @@ from keel.observe.profile import covered_time, idle_gaps, phase_busy, phase_gpu_
 
 
 def event(name, start, end, device=DeviceType.CUDA, annotation=False, thread=1):
-    return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation, thread=thread,
-                           time_range=SimpleNamespace(start=start, end=end))
+    return SimpleNamespace(
+        name=name,
+        device_type=device,
+        is_user_annotation=annotation,
+        thread=thread,
+        time_range=SimpleNamespace(start=start, end=end),
+    )
 
 
 def phase(name, start, end):
@@ -24,33 +29,62 @@ def test_overlapping_activity_counts_once_and_only_inside_the_range():
 
 
 def test_each_phase_gets_the_share_of_its_wall_time_the_device_was_busy():
-    events = [phase("gen", 0, 100), phase("update_actor", 100, 200), phase("gen", 200, 300),
-              event("kernel", 10, 60), event("kernel", 50, 90),      # gen: 80 of 100
-              event("memcpy", 100, 110), event("kernel", 150, 250),  # update: 10 + 50 of 100
-              event("kernel", 290, 300),                             # second gen: 10 + 50 spill-over
-              event("gpu annotation", 0, 300, annotation=True),      # the device's own span: not activity
-              event("aten::mm", 0, 300, DeviceType.CPU)]             # a CPU op: not a phase, not activity
+    events = [
+        phase("gen", 0, 100),
+        phase("update_actor", 100, 200),
+        phase("gen", 200, 300),
+        event("kernel", 10, 60),
+        event("kernel", 50, 90),  # gen: 80 of 100
+        event("memcpy", 100, 110),
+        event("kernel", 150, 250),  # update: 10 + 50 of 100
+        event("kernel", 290, 300),  # second gen: 10 + 50 spill-over
+        event("gpu annotation", 0, 300, annotation=True),  # the device's own span: not activity
+        event("aten::mm", 0, 300, DeviceType.CPU),
+    ]  # a CPU op: not a phase, not activity
     busy = phase_busy(events)
     assert busy == {"gen": (80 + 60) / 200, "update_actor": 0.6}
     assert phase_gpu_seconds(events) == {"gen": 140e-6, "update_actor": 60e-6}  # the profiler's microseconds
 
 
 def test_the_longest_idle_gaps_name_what_the_host_was_doing():
-    events = [phase("worker/update_actor", 0, 10_000), phase("reward", 10_000, 20_000),
-              event("fwd", 0, 3_000), event("copy", 2_000, 3_500),         # busy until 3.5 ms
-              event("bwd", 5_000, 9_000),                                  # 1.5 ms idle before it
-              event("aten::item", 3_400, 4_000, DeviceType.CPU),           # the host waited, then...
-              event("aten::index", 4_200, 4_900, DeviceType.CPU),          # ... indexed on the CPU
-              event("aten::_to_copy", 4_100, 4_950, DeviceType.CPU),       # (the outer op of the index)
-              event("autograd::engine", 4_300, 4_800, DeviceType.CPU, thread=2),  # another thread's
-              event("opt", 9_000, 9_950),                                  # 0.05 ms: below the floor
-              event("kernel", 12_000, 13_000)]                             # in "reward": not asked for
+    events = [
+        phase("worker/update_actor", 0, 10_000),
+        phase("reward", 10_000, 20_000),
+        event("fwd", 0, 3_000),
+        event("copy", 2_000, 3_500),  # busy until 3.5 ms
+        event("bwd", 5_000, 9_000),  # 1.5 ms idle before it
+        event("aten::item", 3_400, 4_000, DeviceType.CPU),  # the host waited, then...
+        event("aten::index", 4_200, 4_900, DeviceType.CPU),  # ... indexed on the CPU
+        event("aten::_to_copy", 4_100, 4_950, DeviceType.CPU),  # (the outer op of the index)
+        event("autograd::engine", 4_300, 4_800, DeviceType.CPU, thread=2),  # another thread's
+        event("opt", 9_000, 9_950),  # 0.05 ms: below the floor
+        event("kernel", 12_000, 13_000),
+    ]  # in "reward": not asked for
     assert idle_gaps(events) == [
-        {"phase": "worker/update_actor", "at_ms": 3.5, "ms": 1.5, "after": "copy", "before": "bwd",
-         "host": "aten::index"}]
+        {
+            "phase": "worker/update_actor",
+            "at_ms": 3.5,
+            "ms": 1.5,
+            "after": "copy",
+            "before": "bwd",
+            "host": "aten::index",
+        }
+    ]
     tail = idle_gaps(events, phases=("worker/update_actor", "reward"), min_length=40)
-    assert {"phase": "reward", "at_ms": 0.0, "ms": 2.0, "after": "(phase start)", "before": "kernel",
-            "host": "python"} in tail
-    assert {"phase": "worker/update_actor", "at_ms": 9.95, "ms": 0.05, "after": "opt", "before": "(phase end)",
-            "host": "python"} in tail
+    assert {
+        "phase": "reward",
+        "at_ms": 0.0,
+        "ms": 2.0,
+        "after": "(phase start)",
+        "before": "kernel",
+        "host": "python",
+    } in tail
+    assert {
+        "phase": "worker/update_actor",
+        "at_ms": 9.95,
+        "ms": 0.05,
+        "after": "opt",
+        "before": "(phase end)",
+        "host": "python",
+    } in tail
     assert [g["ms"] for g in tail] == sorted((g["ms"] for g in tail), reverse=True)

@@ -16,16 +16,34 @@ def write_metrics(run_dir, records):
 
 def test_report_draws_the_panels_a_user_looks_at_first(tmp_path):
     records = [{"step": 0, "val/gsm8k/acc": 0.1}] + [
-        {"step": s, "critic/score/mean": s / 10, "actor/entropy": 2 - s / 10, "actor/pg_loss": 0.01,
-         "actor/ppo_kl": 0.001, "actor/grad_norm": 1.0, "response_length/mean": 20 + s,
-         "timing_s/step": 1.5, "val/gsm8k/acc": 0.1 + s / 20} for s in range(1, 6)]
+        {
+            "step": s,
+            "critic/score/mean": s / 10,
+            "actor/entropy": 2 - s / 10,
+            "actor/pg_loss": 0.01,
+            "actor/ppo_kl": 0.001,
+            "actor/grad_norm": 1.0,
+            "response_length/mean": 20 + s,
+            "timing_s/step": 1.5,
+            "val/gsm8k/acc": 0.1 + s / 20,
+        }
+        for s in range(1, 6)
+    ]
     write_metrics(tmp_path, records)
     png, page = write_report(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     text = page.read_text()
     assert "data:image/png;base64," in text  # self-contained
-    for panel in ("reward", "held-out accuracy", "response length", "entropy", "PPO KL", "policy loss",
-                  "gradient norm", "step time"):
+    for panel in (
+        "reward",
+        "held-out accuracy",
+        "response length",
+        "entropy",
+        "PPO KL",
+        "policy loss",
+        "gradient norm",
+        "step time",
+    ):
         assert panel in text
     assert series(records, "val/*/acc")["val/gsm8k/acc"][0] == [0, 1, 2, 3, 4, 5]
 
@@ -40,12 +58,15 @@ def test_missing_or_empty_metrics_is_a_clear_error(tmp_path):
 
 def test_report_shows_the_last_evaluations_conversations_turn_by_turn(tmp_path):
     write_metrics(tmp_path, [{"step": s, "critic/score/mean": 0.5} for s in range(1, 4)])
-    conversation = [{"role": "assistant", "content": '<tool_call>{"name": "calculator"}</tool_call>'},
-                    {"role": "tool", "content": "408 <script>alert(1)</script>"},
-                    {"role": "assistant", "content": "408"}]
-    rows = [{"step": 2, "prompt": "12*34=", "response": "ignored", "score": 0.0},  # training's sample
-            {"step": 3, "split": "val", "prompt": "12*34=", "response": "408", "score": 1.0,
-             "conversation": conversation}]
+    conversation = [
+        {"role": "assistant", "content": '<tool_call>{"name": "calculator"}</tool_call>'},
+        {"role": "tool", "content": "408 <script>alert(1)</script>"},
+        {"role": "assistant", "content": "408"},
+    ]
+    rows = [
+        {"step": 2, "prompt": "12*34=", "response": "ignored", "score": 0.0},  # training's sample
+        {"step": 3, "split": "val", "prompt": "12*34=", "response": "408", "score": 1.0, "conversation": conversation},
+    ]
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = write_report(tmp_path)[1].read_text()
     assert "samples (evaluation)" in text and "<b>tool</b>" in text and "ignored" not in text
@@ -54,10 +75,12 @@ def test_report_shows_the_last_evaluations_conversations_turn_by_turn(tmp_path):
 
 def test_a_curve_equal_to_another_is_dashed_and_named_not_hidden():
     records = [{"step": s, "critic/score/mean": s / 10, "critic/rewards/mean": s / 10} for s in range(1, 4)]
-    (title, lines), = panel_lines(records)
+    ((title, lines),) = panel_lines(records)
     assert title == "reward"
     assert [(label, style) for label, _, _, style in lines] == [
-        ("critic/score/mean", "-"), ("critic/rewards/mean (= critic/score/mean)", "--")]
+        ("critic/score/mean", "-"),
+        ("critic/rewards/mean (= critic/score/mean)", "--"),
+    ]
     records[1]["critic/rewards/mean"] = 0.1  # a KL penalty: two curves, both solid
     assert [style for *_, style in panel_lines(records)[0][1]] == ["-", "-"]
 
@@ -70,7 +93,9 @@ def test_the_ppo_kl_and_the_reference_kl_are_separate_panels_each_named_for_what
         record.update({"actor/ref_kl": 0.02, "actor/kl_loss": 0.02})
     panels = dict(panel_lines(records))
     assert [line[0] for line in panels["KL to the reference model"]] == [
-        "actor/ref_kl", "actor/kl_loss (= actor/ref_kl)"]
+        "actor/ref_kl",
+        "actor/kl_loss (= actor/ref_kl)",
+    ]
     assert [line[0] for line in panels["PPO KL (update vs rollout policy)"]] == ["actor/ppo_kl"]
 
 

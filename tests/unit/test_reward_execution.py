@@ -33,7 +33,8 @@ def test_failures_are_masked_counted_and_bounded():
     assert result.metrics["reward/not_scored/timeout"] == 1
     with pytest.raises(KeelError) as info:  # 2 of 4 is over a 0.25 limit
         RewardScorer(flaky, max_not_scored_ratio=0.25, timeout_s=0.5).score_batch(
-            [record(i) for i in range(4)], ["ok", "boom", "ok", "hang"])
+            [record(i) for i in range(4)], ["ok", "boom", "ok", "hang"]
+        )
     assert info.value.code == TOO_MANY_NOT_SCORED and "raised ZeroDivisionError" in info.value.message
 
 
@@ -50,7 +51,7 @@ def test_zero_and_raise_policies():
     assert info.value.code == SCORER_TIMEOUT
 
 
-UNTRUSTED = '''
+UNTRUSTED = """
 import os, time
 
 def compute_score(data_source, solution_str, ground_truth, extra_info):
@@ -60,14 +61,13 @@ def compute_score(data_source, solution_str, ground_truth, extra_info):
     if solution_str == "die":
         os._exit(1)  # the worker process vanishes mid-task
     return float(solution_str == ground_truth)
-'''
+"""
 
 
 def test_worker_processes_survive_hangs_and_crashes(tmp_path):
     path = tmp_path / "scorer.py"
     path.write_text(UNTRUSTED)
-    scorer = RewardScorer(("file", str(path), "compute_score"), timeout_s=1.0, num_workers=2,
-                          max_not_scored_ratio=1.0)
+    scorer = RewardScorer(("file", str(path), "compute_score"), timeout_s=1.0, num_workers=2, max_not_scored_ratio=1.0)
     try:
         result = scorer.score_batch([record(i) for i in range(4)], ["1", "loop", "0", "die"])
         assert result.scores[0] == 1.0 and result.scored.tolist() == [True, False, True, False]
@@ -109,10 +109,13 @@ SWALLOWING = [  # scorers that catch keel's timeout and return 0 as if they had 
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_a_swallowed_timeout_is_still_a_timeout(tmp_path, body, num_workers):
     path = tmp_path / "swallow.py"
-    path.write_text(f"import time\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info):\n"
-                    f"    if solution_str != 'hang':\n        return 1.0\n    {body}\n")
-    scorer = RewardScorer(("file", str(path), "compute_score"), timeout_s=0.5, num_workers=num_workers,
-                          max_not_scored_ratio=1.0)
+    path.write_text(
+        f"import time\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+        f"    if solution_str != 'hang':\n        return 1.0\n    {body}\n"
+    )
+    scorer = RewardScorer(
+        ("file", str(path), "compute_score"), timeout_s=0.5, num_workers=num_workers, max_not_scored_ratio=1.0
+    )
     try:
         result = scorer.score_batch([record(0), record(1)], ["hang", "ok"])
     finally:
@@ -153,10 +156,13 @@ def test_batched_scorer_scores_the_batch_in_one_call():
     assert not result.scored.any() and "returned 1 scores for 2 samples" in result.reasons[0]
 
 
-@pytest.mark.parametrize("per_sample", [
-    lambda data_source, solution_str, ground_truth, extra_info=None: 1.0,                      # returns a number
-    lambda data_source, solution_str, ground_truth, extra_info=None: float(solution_str.strip() == "1"),  # raises
-])
+@pytest.mark.parametrize(
+    "per_sample",
+    [
+        lambda data_source, solution_str, ground_truth, extra_info=None: 1.0,  # returns a number
+        lambda data_source, solution_str, ground_truth, extra_info=None: float(solution_str.strip() == "1"),  # raises
+    ],
+)
 def test_a_per_sample_function_marked_batched_is_told_what_batched_means(per_sample):
     scorer = RewardScorer(per_sample, batched=True, max_not_scored_ratio=1.0)
     result = scorer.score_batch([record(), record()], ["1", "2"])

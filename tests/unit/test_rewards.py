@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import pytest
 
 from keel.errors import MISSING_GROUND_TRUTH, NO_SCORER, REWARD_FN_LOAD, REWARD_NOT_NUMBER, KeelError
-from keel.rewards.reward_fn import RewardScorer, load_custom_reward_fn
+from keel.rewards.custom_fn import load_custom_reward_fn
+from keel.rewards.reward_fn import RewardScorer
 from keel.rewards.scorers import arithmetic, exact_match, gsm8k
 
 
@@ -13,13 +14,16 @@ def record(data_source="gsm8k", ground_truth="72"):
     return SimpleNamespace(data_source=data_source, ground_truth=ground_truth, extra_info={})
 
 
-@pytest.mark.parametrize("response, expected", [
-    ("She sold 48 + 24 = 72 clips.\n#### 72", 1.0),
-    ("#### 1,000 then #### 72", 1.0),      # the last answer counts
-    ("#### 71", 0.0),
-    ("The answer is 72", 0.0),            # strict: no #### marker
-    ("", 0.0),
-])
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("She sold 48 + 24 = 72 clips.\n#### 72", 1.0),
+        ("#### 1,000 then #### 72", 1.0),  # the last answer counts
+        ("#### 71", 0.0),
+        ("The answer is 72", 0.0),  # strict: no #### marker
+        ("", 0.0),
+    ],
+)
 def test_gsm8k(response, expected):
     assert gsm8k("openai/gsm8k", response, "72") == expected
 
@@ -28,8 +32,9 @@ def test_gsm8k_strips_thousands_separators():
     assert gsm8k("openai/gsm8k", "#### 1,234", "1234") == 1.0
 
 
-@pytest.mark.parametrize("response, truth, expected", [
-    (" Paris\n", "Paris", 1.0), ("paris", "Paris", 0.0), ("7", 7, 1.0)])
+@pytest.mark.parametrize(
+    "response, truth, expected", [(" Paris\n", "Paris", 1.0), ("paris", "Paris", 0.0), ("7", 7, 1.0)]
+)
 def test_exact_match(response, truth, expected):
     assert exact_match("x", response, truth) == expected
 
@@ -51,8 +56,9 @@ def test_rows_without_ground_truth_are_refused_for_built_in_scorers():
     RewardScorer(lambda *a: 1.0).check_records(rows)  # a custom scorer may not need one
 
 
-@pytest.mark.parametrize("response, expected", [("57", 1.0), (" 57\n", 1.0), ("57.0", 0.0), ("--57", 0.0),
-                                                ("5 7", 0.0), ("", 0.0)])
+@pytest.mark.parametrize(
+    "response, expected", [("57", 1.0), (" 57\n", 1.0), ("57.0", 0.0), ("--57", 0.0), ("5 7", 0.0), ("", 0.0)]
+)
 def test_arithmetic_scorer(response, expected):
     assert arithmetic("keel/arithmetic", response, "57") == expected
 
@@ -67,8 +73,10 @@ def test_numpy_and_tensor_rewards_are_numbers():
 
 def test_custom_reward_function_from_file(tmp_path):
     path = tmp_path / "reward.py"
-    path.write_text("def score(data_source, solution_str, ground_truth, extra_info):\n"
-                    "    return {'score': float(solution_str == ground_truth), 'acc': 1}\n")
+    path.write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    return {'score': float(solution_str == ground_truth), 'acc': 1}\n"
+    )
     scorer = RewardScorer(load_custom_reward_fn(str(path), "score"))
     assert scorer.score([record("anything", "a"), record("other", "a")], ["a", "b"]).tolist() == [1.0, 0.0]
 

@@ -14,9 +14,13 @@ from keel.types import SamplingParams
 
 def test_mask_covers_tokens_up_to_first_eos():
     eos, pad = 9, 0
-    ids = torch.tensor([[5, 9, 7, 9],    # EOS at 1: keep [5, 9], the rest becomes padding
-                        [5, 6, 7, 8],    # no EOS, hit the limit: truncated
-                        [9, 0, 0, 0]])   # EOS first: a one-token response
+    ids = torch.tensor(
+        [
+            [5, 9, 7, 9],  # EOS at 1: keep [5, 9], the rest becomes padding
+            [5, 6, 7, 8],  # no EOS, hit the limit: truncated
+            [9, 0, 0, 0],
+        ]
+    )  # EOS first: a one-token response
     masked, mask, truncated = mask_after_eos(ids, [eos], pad, max_new_tokens=4)
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
     assert masked.tolist() == [[5, 9, 0, 0], [5, 6, 7, 8], [9, 0, 0, 0]]
@@ -67,8 +71,9 @@ def test_checkpoint_generation_settings_do_not_leak_into_rollouts(tiny_assets, t
     shutil.copytree(tiny_assets["model"], path)
     tokenizer = load_tokenizer(path)
     stop_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    GenerationConfig(repetition_penalty=1.5, no_repeat_ngram_size=2,
-                     eos_token_id=[tokenizer.eos_token_id, stop_id]).save_pretrained(path)
+    GenerationConfig(
+        repetition_penalty=1.5, no_repeat_ngram_size=2, eos_token_id=[tokenizer.eos_token_id, stop_id]
+    ).save_pretrained(path)
     engine, model, prompts = _engine_and_prompts({"model": path}, n=4)
     assert stop_id in engine.eos_ids
 
@@ -91,8 +96,11 @@ def test_chunked_log_probs_match_full_logits_values_and_gradients(tiny_assets, c
     engine, model, prompts = _engine_and_prompts(tiny_assets, n=2)
     torch.manual_seed(0)
     batch = engine.generate(prompts, SamplingParams(temperature=0.9, max_new_tokens=6))
-    monkeypatch.setattr(forward, "logits_chunking",
-                        lambda positions, vocab, device, grad, **_: forward.LogitsChunking(chunk, recompute and grad))
+    monkeypatch.setattr(
+        forward,
+        "logits_chunking",
+        lambda positions, vocab, device, grad, **_: forward.LogitsChunking(chunk, recompute and grad),
+    )
     results = []
     for plain in (forward.PLAIN_LM_HEAD, set()):  # chunked, then the logits_to_keep path
         monkeypatch.setattr(forward, "PLAIN_LM_HEAD", plain)
@@ -122,8 +130,9 @@ def test_logits_are_kept_for_backward_only_where_they_fit_the_budget(monkeypatch
     assert logits_chunking(micro, vocab, gpu, **compiled) == kept
     assert logits_chunking(micro, vocab, gpu, **{**compiled, "entropy_grad": True}) == recomputed  # 8 B a logit
     assert logits_chunking(micro, vocab, gpu, **{**compiled, "compiled": False}) == recomputed  # eager: 4 B + 16 B
-    assert logits_chunking(micro, vocab, gpu, grad=False, compiled=False, entropy_grad=False) == \
-        LogitsChunking(KEPT_LOGITS_CHUNK_TOKENS, False)  # no gradient: wider chunks, nothing kept
+    assert logits_chunking(micro, vocab, gpu, grad=False, compiled=False, entropy_grad=False) == LogitsChunking(
+        KEPT_LOGITS_CHUNK_TOKENS, False
+    )  # no gradient: wider chunks, nothing kept
     gpu_with(141, 10, cached_unused_gb=8)  # nearly full: half of the 18 GiB free or cached
     assert logits_chunking(micro, vocab, gpu, **compiled) == kept
     gpu_with(141, 10)
@@ -138,13 +147,18 @@ def test_micro_batches_drop_columns_that_are_padding_in_all_their_samples():
     from keel.types import RolloutBatch, pad_responses, trim_padding
 
     batch = RolloutBatch(
-        prompt_ids=torch.tensor([[0, 0, 5, 6], [0, 7, 8, 9]]), prompt_mask=torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]]),
-        response_ids=torch.tensor([[1, 2, 0, 0], [3, 0, 0, 0]]), response_mask=torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]]),
+        prompt_ids=torch.tensor([[0, 0, 5, 6], [0, 7, 8, 9]]),
+        prompt_mask=torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]]),
+        response_ids=torch.tensor([[1, 2, 0, 0], [3, 0, 0, 0]]),
+        response_mask=torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]]),
         sampling_log_probs=torch.tensor([[-1.0, -2.0, 0.0, 0.0], [-3.0, 0.0, 0.0, 0.0]]),
-        group_index=torch.tensor([0, 1]), records=["a", "b"], response_texts=["x", "y"],
-        truncated=torch.tensor([False, False]))
+        group_index=torch.tensor([0, 1]),
+        records=["a", "b"],
+        response_texts=["x", "y"],
+        truncated=torch.tensor([False, False]),
+    )
     small = trim_padding(batch)
-    assert small.prompt_ids.tolist() == [[0, 5, 6], [7, 8, 9]]          # longest prompt: 3
-    assert small.response_ids.tolist() == [[1, 2], [3, 0]]              # longest response: 2
+    assert small.prompt_ids.tolist() == [[0, 5, 6], [7, 8, 9]]  # longest prompt: 3
+    assert small.response_ids.tolist() == [[1, 2], [3, 0]]  # longest response: 2
     assert small.sampling_log_probs.shape == (2, 2) and small.records == ["a", "b"]
     assert torch.equal(pad_responses(small.sampling_log_probs, 4), batch.sampling_log_probs)

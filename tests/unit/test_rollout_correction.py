@@ -87,16 +87,24 @@ def test_nan_and_inf_log_probs_never_reach_a_weight():
     torch.testing.assert_close(clean.weights, MASK)
     assert all(torch.isfinite(v) for v in clean.metrics.values())
     train[0, 1] = float("nan")
-    rejected = compute_correction(train, rollout, MASK, CorrectionParams("token", 2.0, rejection=parse_rejection(
-        "token_k3", "1")))
+    rejected = compute_correction(
+        train, rollout, MASK, CorrectionParams("token", 2.0, rejection=parse_rejection("token_k3", "1"))
+    )
     assert rejected.keep[0].tolist()[:3] == [1, 0, 1] and rejected.weights[0, 1] == 0
 
 
-@pytest.mark.parametrize("rs, threshold, words", [
-    ("token_k4", "1", "not among"), ("token_k1", None, "rollout_rs_threshold is not"),
-    ("token_k1,seq_mean_k3", "1,2,3", "3 thresholds for 2"), ("token_k1", "2_0.5", "lower bound exceeds"),
-    ("seq_mean_k3", "0.1_0.2", "not a number"), ("token_k2", "-1", "must be positive"), (" , ", "1", "no option"),
-])
+@pytest.mark.parametrize(
+    "rs, threshold, words",
+    [
+        ("token_k4", "1", "not among"),
+        ("token_k1", None, "rollout_rs_threshold is not"),
+        ("token_k1,seq_mean_k3", "1,2,3", "3 thresholds for 2"),
+        ("token_k1", "2_0.5", "lower bound exceeds"),
+        ("seq_mean_k3", "0.1_0.2", "not a number"),
+        ("token_k2", "-1", "must be positive"),
+        (" , ", "1", "no option"),
+    ],
+)
 def test_malformed_rejection_is_refused(rs, threshold, words):
     with pytest.raises(ValueError, match=words):
         parse_rejection(rs, threshold)

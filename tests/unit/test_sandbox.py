@@ -31,7 +31,7 @@ def test_a_correct_program_passes_and_a_wrong_one_scores_zero():
     good = "Here you go:\n```python\na, b = map(int, input().split())\nprint(a + b)\n```"
     assert code_exec("codecontests", good, TESTS) == 1.0
     assert code_exec("codecontests", "```python\nprint(5)\n```", TESTS) == 0.5  # passes one of two
-    assert code_exec("codecontests", "raise SystemExit(1)", TESTS) == 0.0     # a crash is a wrong answer
+    assert code_exec("codecontests", "raise SystemExit(1)", TESTS) == 0.0  # a crash is a wrong answer
     assert extract_code("no fences") == "no fences"
 
 
@@ -45,13 +45,16 @@ def test_a_program_may_use_its_scratch_directory_and_threads():
     assert run_python(program, "", LIMITS).split() == ["thread", "kept", "child"]
 
 
-@pytest.mark.parametrize("program, reason", [
-    ("while True:\n    pass", "cpu limit"),
-    ("x = bytearray(10 ** 10)", "memory limit"),
-    ("import time\ntime.sleep(600)", "timeout"),
-    ("print('x' * 10 ** 6)", "output limit"),
-    ("import sys\nwhile True:\n    sys.stderr.write('y' * 4096)", "output limit"),
-])
+@pytest.mark.parametrize(
+    "program, reason",
+    [
+        ("while True:\n    pass", "cpu limit"),
+        ("x = bytearray(10 ** 10)", "memory limit"),
+        ("import time\ntime.sleep(600)", "timeout"),
+        ("print('x' * 10 ** 6)", "output limit"),
+        ("import sys\nwhile True:\n    sys.stderr.write('y' * 4096)", "output limit"),
+    ],
+)
 def test_limits_stop_a_program_without_a_verdict(program, reason):
     limits = Limits(cpu_s=2, wall_s=3 if "sleep" in program else 60, memory_mb=256)
     with pytest.raises(SandboxViolation) as info:
@@ -160,7 +163,9 @@ def test_processes_it_starts_do_not_outlive_it():
     assert _processes_with("4242.") == []
 
 
-def _as_trainer(attack_template: str, limits: str = "Limits(cpu_s=2, wall_s=20, memory_mb=256)") -> subprocess.CompletedProcess:
+def _as_trainer(
+    attack_template: str, limits: str = "Limits(cpu_s=2, wall_s=20, memory_mb=256)"
+) -> subprocess.CompletedProcess:
     """Runs an attack from a sacrificial trainer process; the attack is told the trainer's pid."""
     trainer = textwrap.dedent(f"""
         import os, resource
@@ -197,8 +202,10 @@ def test_it_cannot_signal_the_trainer():
 
 
 def test_a_flood_of_output_costs_the_trainer_nothing():
-    trainer = _as_trainer("import sys\nwhile True:\n    sys.stdout.write('z' * 65536)",
-                          "Limits(cpu_s=30, wall_s=60, memory_mb=256, output_bytes=1 << 20)")
+    trainer = _as_trainer(
+        "import sys\nwhile True:\n    sys.stdout.write('z' * 65536)",
+        "Limits(cpu_s=30, wall_s=60, memory_mb=256, output_bytes=1 << 20)",
+    )
     assert trainer.returncode == 0, trainer.stderr
     assert "stopped: output limit" in trainer.stdout
     assert int(trainer.stdout.split("grew")[1].split()[0]) < 50  # MB: the cap, not the flood
@@ -236,17 +243,24 @@ def test_it_cannot_become_root_or_remount():
 def test_scratch_space_is_bounded():
     program = "try:\n    open('big', 'wb').write(b'x' * (64 << 20))\nexcept OSError as e:\n    print(type(e).__name__)"
     assert run_python(program, "", Limits(cpu_s=5, wall_s=30, memory_mb=512, scratch_mb=8)).strip() in (
-        "OSError", "MemoryError")
+        "OSError",
+        "MemoryError",
+    )
 
 
 def test_stopped_programs_are_not_scored_and_the_trainer_carries_on():
     scorer = RewardScorer(by_source={"code": {"code_exec": 1.0}}, max_not_scored_ratio=1.0)
     row = SimpleNamespace(data_source="code", ground_truth=TESTS, extra_info={}, index=0)
-    result = scorer.score_batch([row, row], ["```python\nwhile True: pass\n```",
-                                             "a, b = map(int, input().split())\nprint(a + b)"])
+    result = scorer.score_batch(
+        [row, row], ["```python\nwhile True: pass\n```", "a, b = map(int, input().split())\nprint(a + b)"]
+    )
     assert result.scored.tolist() == [False, True] and result.scores[1] == 1.0
-    assert result.reasons[0].startswith(("raised SandboxViolation: cpu limit",  # or, on a loaded machine,
-                                          "raised SandboxViolation: timeout"))   # the wall clock first
+    assert result.reasons[0].startswith(
+        (
+            "raised SandboxViolation: cpu limit",  # or, on a loaded machine,
+            "raised SandboxViolation: timeout",
+        )
+    )  # the wall clock first
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0
 
 
@@ -291,7 +305,8 @@ def test_model_code_never_runs_unfenced_unless_the_config_says_so(no_bubblewrap,
     scorer_requiring("none").check_records([CODE_ROW])  # at the user's risk, and said so
     assert "runs without: filesystem, network" in caplog.text
     RewardScorer(by_source={"math": {"math_equivalent": 1.0}}, sandbox_require="all").check_records(
-        [SimpleNamespace(data_source="math", ground_truth="1", extra_info={}, index=0)])  # runs no code
+        [SimpleNamespace(data_source="math", ground_truth="1", extra_info={}, index=0)]
+    )  # runs no code
 
 
 def test_a_jail_without_accounting_is_isolation_enough_but_not_all(monkeypatch, caplog):
@@ -377,11 +392,14 @@ def test_cpu_is_bounded_for_the_whole_tree_not_per_process():
     assert "cpu limit" in str(info.value)
 
 
-@pytest.mark.parametrize("fake", [
-    "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
-    "raise SystemExit(152)",
-    "import sys\nsys.stderr.write('MemoryError')\nsys.exit(1)",
-])
+@pytest.mark.parametrize(
+    "fake",
+    [
+        "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+        "raise SystemExit(152)",
+        "import sys\nsys.stderr.write('MemoryError')\nsys.exit(1)",
+    ],
+)
 def test_a_program_cannot_fake_a_limit_to_dodge_a_wrong_answer(fake):
     """Not scored would take a wrong answer out of the update: the verdict comes from the kernel's
     books for the run (its cgroup), not from how the program ended."""
@@ -409,8 +427,12 @@ def test_one_run_cannot_starve_another_of_processes():
 
     def attack() -> None:
         try:
-            run_python("import os, time\nfor _ in range(40):\n    try:\n        os.fork() or time.sleep(30)\n"
-                       "    except OSError:\n        break\ntime.sleep(30)", "", Limits(cpu_s=5, wall_s=20, memory_mb=256))
+            run_python(
+                "import os, time\nfor _ in range(40):\n    try:\n        os.fork() or time.sleep(30)\n"
+                "    except OSError:\n        break\ntime.sleep(30)",
+                "",
+                Limits(cpu_s=5, wall_s=20, memory_mb=256),
+            )
         except SandboxViolation as stopped:
             outcome.append(str(stopped))
 
@@ -430,8 +452,10 @@ def test_one_run_cannot_starve_another_of_processes():
 SYSTEM_PYTHON = "/usr/bin/python3"
 
 
-@pytest.mark.skipif(os.getuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
-                    reason="needs root to become another user, and a system Python that user can run")
+@pytest.mark.skipif(
+    os.getuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
+    reason="needs root to become another user, and a system Python that user can run",
+)
 def test_a_trainer_that_is_not_root_gets_a_user_namespace_jail():
     """Most users are not root: bubblewrap then runs unprivileged in a user namespace. Run as
     uid 65534 with the system Python (keel from this tree, without pyseccomp), as such a user."""
@@ -452,9 +476,25 @@ def test_a_trainer_that_is_not_root_gets_a_user_namespace_jail():
             exec({probe!r})
             print(run_python({probe!r}).strip())
         """)
-        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "env", "-i",
-                               "PATH=/usr/bin:/bin", f"PYTHONPATH={Path(__file__).parents[2]}", SYSTEM_PYTHON,
-                               "-c", script], capture_output=True, text=True, timeout=600, cwd="/tmp")
+        done = subprocess.run(
+            [
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "env",
+                "-i",
+                "PATH=/usr/bin:/bin",
+                f"PYTHONPATH={Path(__file__).parents[2]}",
+                SYSTEM_PYTHON,
+                "-c",
+                script,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd="/tmp",
+        )
     assert done.returncode == 0, done.stderr
     mode_line, outside, inside = done.stdout.split("\n")[:3]
     assert mode_line == "bubblewrap in a user namespace ['accounting', 'syscalls']"
@@ -466,7 +506,10 @@ def test_doctor_names_the_user_and_the_process_cap_and_what_is_missing():
     from keel.rewards import sandbox
 
     found = jail()
-    assert check_sandbox_user(found).level == "pass" and "uid 65534 without capabilities" in check_sandbox_user(found).detail
+    assert (
+        check_sandbox_user(found).level == "pass"
+        and "uid 65534 without capabilities" in check_sandbox_user(found).detail
+    )
     assert check_sandbox_processes(found).level == "pass" and found.process_cap in check_sandbox_processes(found).detail
     as_root = sandbox.Jail("none", {**found.protections, "user": False, "process count": False}, "", "")
     user, processes = check_sandbox_user(as_root), check_sandbox_processes(as_root)

@@ -9,21 +9,31 @@ import torch
 from keel.config.reward import OverlongBufferConfig
 from keel.errors import NO_SCORER, KeelError
 from keel.rewards.reward_fn import RewardScorer, overlong_penalty
-from keel.rewards.scorers import (extract_choice, gsm8k_flexible, last_boxed, math_equivalent, multiple_choice,
-                                  regex_match, think_answer_format)
+from keel.rewards.scorers import (
+    extract_choice,
+    gsm8k_flexible,
+    last_boxed,
+    math_equivalent,
+    multiple_choice,
+    regex_match,
+    think_answer_format,
+)
 
 
-@pytest.mark.parametrize("response, truth, expected", [
-    ("so x = \\boxed{\\frac{1}{2}}", "0.5", 1.0),          # boxed fraction vs decimal
-    ("The answer is 1/2.", "\\frac{1}{2}", 1.0),             # unboxed, 'the answer is'
-    ("\\boxed{0.5}", "1/2", 1.0),
-    ("Final answer: 6", "6", 1.0),
-    ("\\boxed{\\sqrt{4}}", "2", 1.0),                       # equal after simplification
-    ("\\boxed{3}", "4", 0.0),                               # wrong
-    ("I think it is 4", "4", 0.0),                          # no extractable final answer
-    ("\\boxed{\\frac{1}{2", "0.5", 0.0),                    # cut off mid-box: malformed
-    ("", "4", 0.0),
-])
+@pytest.mark.parametrize(
+    "response, truth, expected",
+    [
+        ("so x = \\boxed{\\frac{1}{2}}", "0.5", 1.0),  # boxed fraction vs decimal
+        ("The answer is 1/2.", "\\frac{1}{2}", 1.0),  # unboxed, 'the answer is'
+        ("\\boxed{0.5}", "1/2", 1.0),
+        ("Final answer: 6", "6", 1.0),
+        ("\\boxed{\\sqrt{4}}", "2", 1.0),  # equal after simplification
+        ("\\boxed{3}", "4", 0.0),  # wrong
+        ("I think it is 4", "4", 0.0),  # no extractable final answer
+        ("\\boxed{\\frac{1}{2", "0.5", 0.0),  # cut off mid-box: malformed
+        ("", "4", 0.0),
+    ],
+)
 def test_math_equivalent(response, truth, expected):
     assert math_equivalent("lighteval/MATH", response, truth) == expected
 
@@ -48,15 +58,24 @@ def test_last_boxed_balances_braces():
     assert last_boxed("no box") is None
 
 
-@pytest.mark.parametrize("response, expected", [
-    ("she pays 1,200 dollars.", 1.0), ("#### 1200", 1.0), ("1200 then 1201", 0.0), ("no number", 0.0)])
+@pytest.mark.parametrize(
+    "response, expected",
+    [("she pays 1,200 dollars.", 1.0), ("#### 1200", 1.0), ("1200 then 1201", 0.0), ("no number", 0.0)],
+)
 def test_gsm8k_flexible_takes_the_last_number(response, expected):
     assert gsm8k_flexible("gsm8k", response, "1200") == expected
 
 
-@pytest.mark.parametrize("response, expected", [
-    ("The answer is (B).", "B"), ("\\boxed{D}", "D"), ("c", "C"), ("(A) looks wrong, so (C)", "C"),
-    ("I am not sure", None)])
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("The answer is (B).", "B"),
+        ("\\boxed{D}", "D"),
+        ("c", "C"),
+        ("(A) looks wrong, so (C)", "C"),
+        ("I am not sure", None),
+    ],
+)
 def test_extract_choice(response, expected):
     assert extract_choice(response) == expected
 
@@ -130,7 +149,11 @@ def test_the_tools_demo_scores_the_final_answer_not_the_tools_output():
 
     info = {"last_turn": "281764", "tool_outputs": ["281764"]}
     assert tool_arithmetic("keel/tool_arithmetic", "...tool\n281764\nassistant\n281764", "281764", info) == {
-        "score": 1.0, "correct_call": 1.0}
+        "score": 1.0,
+        "correct_call": 1.0,
+    }
     copied_wrong = {"last_turn": "28176", "tool_outputs": ["281764"]}  # right call, final answer mangled
     assert tool_arithmetic("keel/tool_arithmetic", "...281764...", "281764", copied_wrong) == {
-        "score": 0.0, "correct_call": 1.0}
+        "score": 0.0,
+        "correct_call": 1.0,
+    }

@@ -17,9 +17,13 @@ def learnt_text(example, tokenizer) -> str:
 
 
 def test_loss_covers_every_assistant_turn_and_nothing_else(tokenizer):
-    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1"},
-            {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+2"},
-            {"role": "assistant", "content": "4"}]
+    chat = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "1+1"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "2+2"},
+        {"role": "assistant", "content": "4"},
+    ]
     example = tokenize_conversation(chat, tokenizer)
     # each answer and its end-of-turn token (the model must learn to stop), nothing of the prompts
     assert learnt_text(example, tokenizer) == "2<|im_end|>\n4<|im_end|>\n"
@@ -27,8 +31,7 @@ def test_loss_covers_every_assistant_turn_and_nothing_else(tokenizer):
 
 
 def test_prompt_response_columns_and_chat_prompts(tokenizer):
-    rows = [{"prompt": "3+4", "response": "7"},
-            {"prompt": [{"role": "user", "content": "5+5"}], "response": "10"}]
+    rows = [{"prompt": "3+4", "response": "7"}, {"prompt": [{"role": "user", "content": "5+5"}], "response": "10"}]
     examples, stats = build_sft_dataset(rows, tokenizer)
     assert [learnt_text(e, tokenizer) for e in examples] == ["7<|im_end|>\n", "10<|im_end|>\n"]
     assert stats.total == 2 and stats.truncated == 0
@@ -57,8 +60,9 @@ def test_rows_that_cannot_teach_anything(tokenizer):
 
 
 def test_collate_right_pads_with_masks(tokenizer):
-    examples, _ = build_sft_dataset([{"prompt": "a", "response": "b"}, {"prompt": "long prompt", "response": "c"}],
-                                    tokenizer)
+    examples, _ = build_sft_dataset(
+        [{"prompt": "a", "response": "b"}, {"prompt": "long prompt", "response": "c"}], tokenizer
+    )
     batch = collate_sft(examples, tokenizer.pad_token_id)
     short, long_ = (len(e.input_ids) for e in examples)
     assert batch["input_ids"].shape == (2, long_)

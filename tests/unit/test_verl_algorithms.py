@@ -52,8 +52,9 @@ def test_grpo_passk_rewards_only_the_best_by_its_margin():
 
 def test_gpg_loss_is_the_plain_policy_gradient():
     log_prob = torch.tensor([[math.log(0.5), math.log(0.25)]], requires_grad=True)
-    loss, _ = compute_policy_loss("gpg", torch.zeros(1, 2), log_prob, torch.tensor([[2.0, 2.0]]),
-                                  torch.ones(1, 2), PolicyLossParams())
+    loss, _ = compute_policy_loss(
+        "gpg", torch.zeros(1, 2), log_prob, torch.tensor([[2.0, 2.0]]), torch.ones(1, 2), PolicyLossParams()
+    )
     assert loss.item() == pytest.approx(-(2 * math.log(0.5) + 2 * math.log(0.25)) / 2)
     loss.backward()
     assert log_prob.grad.tolist() == [[-1.0, -1.0]]  # -A / tokens
@@ -63,8 +64,14 @@ def test_cispo_clips_and_detaches_the_ratio_and_keeps_every_tokens_gradient():
     # ratios 2 and 0.5 clip to 1.2 and 0.8; the loss is -sg(clip(r)) A log pi, A = 1
     old = torch.zeros(1, 2)
     log_prob = torch.tensor([[math.log(2.0), math.log(0.5)]], requires_grad=True)
-    loss, metrics = compute_policy_loss("cispo", old, log_prob, torch.ones(1, 2), torch.ones(1, 2),
-                                        PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.2))
+    loss, metrics = compute_policy_loss(
+        "cispo",
+        old,
+        log_prob,
+        torch.ones(1, 2),
+        torch.ones(1, 2),
+        PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.2),
+    )
     assert loss.item() == pytest.approx(-(1.2 * math.log(2.0) + 0.8 * math.log(0.5)) / 2)
     loss.backward()
     assert log_prob.grad[0].tolist() == pytest.approx([-0.6, -0.4])  # both clipped, both still learn
@@ -74,9 +81,14 @@ def test_cispo_clips_and_detaches_the_ratio_and_keeps_every_tokens_gradient():
 BASE = {"data.train_files": ["a.parquet"], "actor_rollout_ref.model.path": "m", "actor_rollout_ref.rollout.n": 2}
 
 
-@pytest.mark.parametrize("key, value", [("actor_rollout_ref.actor.policy_loss.loss_mode", "clip_cov"),
-                                        ("actor_rollout_ref.actor.policy_loss.loss_mode", "sapo"),
-                                        ("algorithm.adv_estimator", "optimal_token_baseline")])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("actor_rollout_ref.actor.policy_loss.loss_mode", "clip_cov"),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode", "sapo"),
+        ("algorithm.adv_estimator", "optimal_token_baseline"),
+    ],
+)
 def test_verls_other_algorithms_are_refused_by_name(key, value):
     with pytest.raises(KeelError) as error:
         load_config({}, {**BASE, key: value})

@@ -11,13 +11,24 @@ from keel.cli import main
 from keel.config import hydra_compose
 from keel.config.hydra_compose import KEEL_COPY, VerlLaunch, compose_launch
 from keel.config.load import flatten, load_config
-from keel.errors import (CONFIG_FILE, LAUNCH_CONFIG_NAME, LAUNCH_CONFIG_PATH, LAUNCH_DEFAULTS, LAUNCH_SEARCHPATH,
-                         KeelError)
+from keel.errors import (
+    CONFIG_FILE,
+    LAUNCH_CONFIG_NAME,
+    LAUNCH_CONFIG_PATH,
+    LAUNCH_DEFAULTS,
+    LAUNCH_SEARCHPATH,
+    KeelError,
+)
 
 EXAMPLE = Path(__file__).parents[1] / "data" / "verl_launch" / "examples" / "sglang_multiturn" / "config"
-REQUIRED = {"data.train_files": ["train.parquet"], "actor_rollout_ref.model.path": "model",
-            "data.train_batch_size": 8, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
-            "trainer.n_gpus_per_node": 1, "trainer.logger": ["console"]}
+REQUIRED = {
+    "data.train_files": ["train.parquet"],
+    "actor_rollout_ref.model.path": "model",
+    "data.train_batch_size": 8,
+    "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+    "trainer.n_gpus_per_node": 1,
+    "trainer.logger": ["console"],
+}
 
 
 @pytest.fixture
@@ -32,8 +43,13 @@ def write(folder: Path, name: str, tree: dict) -> Path:
     return folder / name
 
 
-def verl_style(folder: Path, name: str = "mine.yaml", defaults=("ppo_trainer", "_self_"),
-               searchpath=("file://verl/trainer/config",), **sections) -> Path:
+def verl_style(
+    folder: Path,
+    name: str = "mine.yaml",
+    defaults=("ppo_trainer", "_self_"),
+    searchpath=("file://verl/trainer/config",),
+    **sections,
+) -> Path:
     return write(folder, name, {"hydra": {"searchpath": list(searchpath)}, "defaults": list(defaults), **sections})
 
 
@@ -107,6 +123,7 @@ def test_verls_reward_workers_default_is_not_keels_scoring_processes(without_ver
 
 # --- each coded error ------------------------------------------------------------------------------
 
+
 def test_a_config_path_that_is_not_a_directory(tmp_path):
     verl_style(tmp_path / "config_dir")
     error = error_of(VerlLaunch(str(tmp_path / "config_dri"), "mine"))
@@ -150,19 +167,32 @@ def test_a_primary_yaml_that_does_not_parse(tmp_path):
 
 def test_the_command_line_gives_coded_errors_never_argparses(tmp_path, capsys):
     verl_style(tmp_path / "conf")
-    for argv, code in ((["check", "--config-path"], LAUNCH_CONFIG_PATH),
-                       (["check", "--config-path", str(tmp_path / "cnof"), "--config-name", "mine"],
-                        LAUNCH_CONFIG_PATH),
-                       (["train", "--config-path", str(tmp_path / "conf"), "--config-name"], LAUNCH_CONFIG_NAME),
-                       (["check", "mine.yaml", "--config-name", "mine"], LAUNCH_CONFIG_PATH)):
+    for argv, code in (
+        (["check", "--config-path"], LAUNCH_CONFIG_PATH),
+        (["check", "--config-path", str(tmp_path / "cnof"), "--config-name", "mine"], LAUNCH_CONFIG_PATH),
+        (["train", "--config-path", str(tmp_path / "conf"), "--config-name"], LAUNCH_CONFIG_NAME),
+        (["check", "mine.yaml", "--config-name", "mine"], LAUNCH_CONFIG_PATH),
+    ):
         assert main(argv) == 2
         assert f"error[{code}]" in capsys.readouterr().err, argv
 
 
 def test_overrides_after_an_option_are_overrides(without_verl, tmp_path, capsys):
     verl_style(tmp_path)
-    assert main(["check", "trainer.sav_freq=2", "--config-path", str(tmp_path), "--config-name", "mine",
-                 "trainer.test_fre=3"]) == 2
+    assert (
+        main(
+            [
+                "check",
+                "trainer.sav_freq=2",
+                "--config-path",
+                str(tmp_path),
+                "--config-name",
+                "mine",
+                "trainer.test_fre=3",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "trainer.sav_freq" in err and "trainer.test_fre" in err  # both read as overrides, both misspelt
 

@@ -9,8 +9,13 @@ from keel.config.hydra_compose import KEEL_COPY
 from keel.config.load import load_config
 from keel.errors import UNKNOWN_KEY, VERL_UNSUPPORTED, KeelError
 
-SMALL = {"data.train_files": ["train.parquet"], "actor_rollout_ref.model.path": "model", "data.train_batch_size": 8,
-         "actor_rollout_ref.actor.ppo_mini_batch_size": 4, "trainer.n_gpus_per_node": 1}
+SMALL = {
+    "data.train_files": ["train.parquet"],
+    "actor_rollout_ref.model.path": "model",
+    "data.train_batch_size": 8,
+    "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+    "trainer.n_gpus_per_node": 1,
+}
 NEW = "algorithm.rollout_correction."
 
 
@@ -29,44 +34,62 @@ def said(cfg, *words: str) -> bool:
 
 
 def test_verl_0_6_0s_rollout_is_family_is_rollout_correction():
-    cfg = loaded({"algorithm.rollout_is": True, "algorithm.rollout_is_threshold": 3.0,
-                  "algorithm.rollout_is_level": "sequence", "algorithm.rollout_is_mode": "truncate"})
+    cfg = loaded(
+        {
+            "algorithm.rollout_is": True,
+            "algorithm.rollout_is_threshold": 3.0,
+            "algorithm.rollout_is_level": "sequence",
+            "algorithm.rollout_is_mode": "truncate",
+        }
+    )
     correction = cfg.algorithm.rollout_correction
     assert (correction.rollout_is, correction.rollout_is_threshold) == ("sequence", 3.0)
     assert said(cfg, "verl 0.6.0", f"{NEW}rollout_is=sequence", "veto")
-    cfg = loaded({"algorithm.rollout_is": True, "algorithm.rollout_is_threshold": 2.0,
-                  "algorithm.rollout_is_veto_threshold": None})  # the level's default: token
+    cfg = loaded(
+        {
+            "algorithm.rollout_is": True,
+            "algorithm.rollout_is_threshold": 2.0,
+            "algorithm.rollout_is_veto_threshold": None,
+        }
+    )  # the level's default: token
     assert cfg.algorithm.rollout_correction.rollout_is == "token"
 
 
 def test_rollout_is_false_or_no_threshold_applies_no_weights_as_in_verl_0_6_0():
-    for overrides in ({"algorithm.rollout_is": False, "algorithm.rollout_is_threshold": 2.0},
-                      {"algorithm.rollout_is": True, "algorithm.rollout_is_threshold": None}):
+    for overrides in (
+        {"algorithm.rollout_is": False, "algorithm.rollout_is_threshold": 2.0},
+        {"algorithm.rollout_is": True, "algorithm.rollout_is_threshold": None},
+    ):
         cfg = loaded(overrides)
         assert cfg.algorithm.rollout_correction.rollout_is is None
         assert said(cfg, "no weights applied")
 
 
-@pytest.mark.parametrize("key, value, new", [
-    ("algorithm.rollout_is_mode", "mask", f"{NEW}rollout_rs"),
-    ("algorithm.rollout_is_level", "geometric", f"{NEW}rollout_rs=seq_mean_k1"),
-    ("algorithm.rollout_is_veto_threshold", 1e-4, f"{NEW}rollout_rs=token_k1"),
-])
+@pytest.mark.parametrize(
+    "key, value, new",
+    [
+        ("algorithm.rollout_is_mode", "mask", f"{NEW}rollout_rs"),
+        ("algorithm.rollout_is_level", "geometric", f"{NEW}rollout_rs=seq_mean_k1"),
+        ("algorithm.rollout_is_veto_threshold", 1e-4, f"{NEW}rollout_rs=token_k1"),
+    ],
+)
 def test_a_rollout_is_setting_with_other_numbers_now_is_refused_with_the_new_key(key, value, new):
     error = refused({"algorithm.rollout_is": True, "algorithm.rollout_is_threshold": 2.0, key: value})
     assert error.code == VERL_UNSUPPORTED and key in error.message and new in error.message
     assert error.fix.startswith(f"remove `{key}`")
 
 
-@pytest.mark.parametrize("level, option", [("token", "token_k1"), ("sequence", "seq_sum_k1"),
-                                           ("geometric", "seq_mean_k1")])
+@pytest.mark.parametrize(
+    "level, option", [("token", "token_k1"), ("sequence", "seq_sum_k1"), ("geometric", "seq_mean_k1")]
+)
 def test_verl_0_7_0s_rejection_levels_are_k1_options_with_the_same_band(level, option):
     import torch
 
     from keel.algorithms.rollout_correction import _kept_by
 
-    cfg = loaded({f"{NEW}rollout_rs": level, f"{NEW}rollout_rs_threshold": 1.5,
-                  f"{NEW}rollout_rs_threshold_lower": 0.8})
+    cfg = loaded(
+        {f"{NEW}rollout_rs": level, f"{NEW}rollout_rs_threshold": 1.5, f"{NEW}rollout_rs_threshold_lower": 0.8}
+    )
     correction = cfg.algorithm.rollout_correction
     assert correction.rollout_rs == option and said(cfg, "verl 0.7.0", option)
     (rule,) = correction.params().rejection
@@ -82,27 +105,47 @@ def test_later_rollout_correction_keys_of_0_6_1_and_0_7_0():
     assert cfg.algorithm.rollout_correction.loss_type == "reinforce" and said(cfg, "use_policy_gradient")
     error = refused({f"{NEW}rollout_token_veto_threshold": 1e-4})
     assert error.code == VERL_UNSUPPORTED and "seq_max_k2" in error.message
-    error = refused({f"{NEW}rollout_rs": "token_k1", f"{NEW}rollout_rs_threshold": "0.5_2.0",
-                     f"{NEW}rollout_rs_threshold_lower": 0.5})
+    error = refused(
+        {
+            f"{NEW}rollout_rs": "token_k1",
+            f"{NEW}rollout_rs_threshold": "0.5_2.0",
+            f"{NEW}rollout_rs_threshold_lower": 0.5,
+        }
+    )
     assert "rollout_rs_threshold=lower_upper" in error.message
     assert loaded({f"{NEW}rollout_token_veto_threshold": None, f"{NEW}use_policy_gradient": False})
 
 
-@pytest.mark.parametrize("old, new, value", [
-    ("actor_rollout_ref.rollout.update_weights_bucket_megabytes",
-     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes", 512),
-    ("ray_init.num_cpus", "ray_kwargs.ray_init.num_cpus", 4),
-    ("trainer.profile_steps", "global_profiler.steps", [1, 2]),
-    ("trainer.worker_nsight_options.trace", "global_profiler.global_tool_config.nsys.worker_nsight_options.trace",
-     "cuda"),
-])
+@pytest.mark.parametrize(
+    "old, new, value",
+    [
+        (
+            "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
+            "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes",
+            512,
+        ),
+        ("ray_init.num_cpus", "ray_kwargs.ray_init.num_cpus", 4),
+        ("trainer.profile_steps", "global_profiler.steps", [1, 2]),
+        (
+            "trainer.worker_nsight_options.trace",
+            "global_profiler.global_tool_config.nsys.worker_nsight_options.trace",
+            "cuda",
+        ),
+    ],
+)
 def test_a_renamed_key_is_taken_under_its_new_name(old, new, value):
     assert loaded({old: value})  # accepted as its new name is; never the unknown-key error
 
 
 def test_verl_0_9s_reward_section_is_read_under_the_names_keel_reads():
-    cfg = loaded({"reward.custom_reward_function.path": "my_reward.py", "reward.custom_reward_function.name": "f",
-                  "reward.reward_model.enable": False, "reward.reward_manager.name": "batch"})
+    cfg = loaded(
+        {
+            "reward.custom_reward_function.path": "my_reward.py",
+            "reward.custom_reward_function.name": "f",
+            "reward.reward_model.enable": False,
+            "reward.reward_manager.name": "batch",
+        }
+    )
     assert cfg.custom_reward_function.path == "my_reward.py" and cfg.custom_reward_function.name == "f"
     assert cfg.custom_reward_function.batched  # verl's batch reward manager
     assert said(cfg, "reward.custom_reward_function.path: is custom_reward_function.path")
@@ -123,7 +166,10 @@ def test_verl_0_9_1s_whole_trainer_config_loads():
 
     def walk(node, prefix=""):
         for key, value in node.items():
-            walk(value, f"{prefix}{key}.") if isinstance(value, dict) and value else leaves.append((prefix + key, value))
+            walk(value, f"{prefix}{key}.") if isinstance(value, dict) and value else leaves.append(
+                (prefix + key, value)
+            )
+
     walk(tree)
     unknown = []
     for key, value in leaves:

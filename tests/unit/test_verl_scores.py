@@ -19,6 +19,7 @@ from keel.errors import NO_SCORER, KeelError
 from keel.rewards import default_compute_score, verl_scorer_name
 from keel.rewards.scorers import DATA_SOURCE_SCORERS, SCORERS, scorer_for_source
 from keel.rewards.verl_routing import VERL_DATA_SOURCES, VERL_PREFIX_ROUTE
+
 from verl_shim import verl_module
 
 
@@ -49,10 +50,32 @@ def verl_routed_literals() -> tuple[set[str], set[str]]:
 
 # (ground truth, the same answer written otherwise, wrong answers)
 MATH_ANSWERS = [
-    ("72", ["72", "72.0", "72.00", "\\$72", "72 dollars", "\\text{72}", "72 \\text{ cm}", "72^\\circ", "x = 72",
-            "7\\!2", "72^{\\circ}", "72\\\\%", "72\\%", "7\\\\2", "72\\\\\\%"],
-     ["73", "-72"]),
-    ("\\frac{1}{2}", ["\\frac{1}{2}", "\\\\frac{1}{2}", "1/2", "0.5", "\\dfrac{1}{2}", "\\frac12", "\\tfrac{1}{2}", ".5"], ["\\frac{1}{3}"]),
+    (
+        "72",
+        [
+            "72",
+            "72.0",
+            "72.00",
+            "\\$72",
+            "72 dollars",
+            "\\text{72}",
+            "72 \\text{ cm}",
+            "72^\\circ",
+            "x = 72",
+            "7\\!2",
+            "72^{\\circ}",
+            "72\\\\%",
+            "72\\%",
+            "7\\\\2",
+            "72\\\\\\%",
+        ],
+        ["73", "-72"],
+    ),
+    (
+        "\\frac{1}{2}",
+        ["\\frac{1}{2}", "\\\\frac{1}{2}", "1/2", "0.5", "\\dfrac{1}{2}", "\\frac12", "\\tfrac{1}{2}", ".5"],
+        ["\\frac{1}{3}"],
+    ),
     ("0.5", ["0.5", "1/2", "\\frac{1}{2}", "\\frac12", ".5", "0.50"], ["0.25"]),
     ("1000", ["1000", "1,000", "1{,}000", "1\\,000", "1000.0"], ["100"]),
     ("3\\sqrt{2}", ["3\\sqrt{2}", "3\\sqrt2", "\\sqrt{18}", "3 \\sqrt{2}"], ["2\\sqrt{3}"]),
@@ -63,8 +86,16 @@ MATH_ANSWERS = [
     ("x^2+1", ["x^2+1", "1+x^2", "x^{2}+1"], ["x^2-1"]),
     ("\\text{(B)}", ["B", "(B)", "\\text{(B)}"], ["(C)"]),
     ("10", ["10", "10 \\text{ cm}", "\\mbox{10}", "ten"], ["11"]),
-    ("\\text{an ellipse}", ["an ellipse", "ellipse", "\\text{ellipse}", "a ellipse", "\\textbf{ellipse}"], ["a circle"]),
-    ("4 \\text{ square units}", ["4", "4 square units", "4\\text{ units}^2", "4 \\; \\text{cm}^2", "\\overline{4}"], ["2"]),
+    (
+        "\\text{an ellipse}",
+        ["an ellipse", "ellipse", "\\text{ellipse}", "a ellipse", "\\textbf{ellipse}"],
+        ["a circle"],
+    ),
+    (
+        "4 \\text{ square units}",
+        ["4", "4 square units", "4\\text{ units}^2", "4 \\; \\text{cm}^2", "\\overline{4}"],
+        ["2"],
+    ),
 ]
 MATH_WRAPPINGS = [
     "So the final result is $\\boxed{ANS}$.",
@@ -79,12 +110,35 @@ MATH_WRAPPINGS = [
     "ANS",
 ]
 MALFORMED = [
-    "", "\\boxed{ANS", "\\boxed{{ANS}", "}}{{\\boxed}", "Answer:", "Answer: \n", "\\boxed{}", "<think>ANS</think>",
-    "x" * 5000 + " Answer: ANS", "Answer: ANS " + "y" * 5000, "x" * 5000 + "\\boxed{ANS}", "\u7b54\u6848\uff1aANS",
-    "Answer\uff1aANS", "\\boxed{\\frac}", "\\boxed{\\sqrt}", "\\boxed{\\frac\\frac}", "\\boxed{ANS \\text{ cm} \\text{ m}}",
-    "\\fbox{ANS}", "Answer: ANS\nAnswer: 999", "\\boxed{ANS} and then \\boxed{999}", "\\boxed{a=b=ANS}",
-    "\U0001f642 ANS \U0001f642", "\x00ANS", "answer : ANS", "ANSWER: ANS", "\\boxed\\frac{1}{2}",
-    "Answer: [INVALID]", "\\boxed{ANS}" + "}" * 3, "<think>" + "thinking " * 200,
+    "",
+    "\\boxed{ANS",
+    "\\boxed{{ANS}",
+    "}}{{\\boxed}",
+    "Answer:",
+    "Answer: \n",
+    "\\boxed{}",
+    "<think>ANS</think>",
+    "x" * 5000 + " Answer: ANS",
+    "Answer: ANS " + "y" * 5000,
+    "x" * 5000 + "\\boxed{ANS}",
+    "\u7b54\u6848\uff1aANS",
+    "Answer\uff1aANS",
+    "\\boxed{\\frac}",
+    "\\boxed{\\sqrt}",
+    "\\boxed{\\frac\\frac}",
+    "\\boxed{ANS \\text{ cm} \\text{ m}}",
+    "\\fbox{ANS}",
+    "Answer: ANS\nAnswer: 999",
+    "\\boxed{ANS} and then \\boxed{999}",
+    "\\boxed{a=b=ANS}",
+    "\U0001f642 ANS \U0001f642",
+    "\x00ANS",
+    "answer : ANS",
+    "ANSWER: ANS",
+    "\\boxed\\frac{1}{2}",
+    "Answer: [INVALID]",
+    "\\boxed{ANS}" + "}" * 3,
+    "<think>" + "thinking " * 200,
 ]
 
 
@@ -97,18 +151,37 @@ def math_cases() -> list[tuple[str, object]]:
     # every replacement and removal of Minerva's normalisation (verl's own lists), inside an answer
     dapo = verl_module("verl.utils.reward_score.math_dapo")
     for decoration in [before for before, _ in dapo.SUBSTITUTIONS] + dapo.REMOVED_EXPRESSIONS:
-        cases += [(f"Answer: 7{decoration}2", "72"), (f"\\boxed{{7{decoration}2}}", "72"), (f"Answer: ${decoration}$", ""),
-                  ("Answer: 72", f"7{decoration}2")]
+        cases += [
+            (f"Answer: 7{decoration}2", "72"),
+            (f"\\boxed{{7{decoration}2}}", "72"),
+            (f"Answer: ${decoration}$", ""),
+            ("Answer: 72", f"7{decoration}2"),
+        ]
     cases += [("\\boxed{7\n2}", "72"), ("\\boxed{72}", "7\n2")]
     # ground truths that are not strings, as a careless preprocessor writes them
     cases += [("Answer: 72", 72), ("\\boxed{72}", 72), ("\\boxed{72}", None), ("", 72)]
     return cases
 
 
-GSM8K_ANSWERS = [("72", ["72", "72.0", "$72", "72.", "072"], ["73"]), ("1200", ["1200", "1,200", "1,2,0,0"], ["120"]),
-                 ("-3", ["-3", "- 3"], ["3"]), ("0.5", ["0.5", ".5"], ["1/2"]), ("18", ["18", "18 dollars"], ["8"])]
-GSM8K_WRAPPINGS = ["Janet makes #### ANS", "####ANS", "#### $ANS", "The answer is ANS", "\\boxed{ANS}", "Answer: ANS",
-                   "x" * 400 + "#### ANS", "#### ANS" + " y" * 200, "#### ANS\n#### 5", "<answer>#### ANS</answer>"]
+GSM8K_ANSWERS = [
+    ("72", ["72", "72.0", "$72", "72.", "072"], ["73"]),
+    ("1200", ["1200", "1,200", "1,2,0,0"], ["120"]),
+    ("-3", ["-3", "- 3"], ["3"]),
+    ("0.5", ["0.5", ".5"], ["1/2"]),
+    ("18", ["18", "18 dollars"], ["8"]),
+]
+GSM8K_WRAPPINGS = [
+    "Janet makes #### ANS",
+    "####ANS",
+    "#### $ANS",
+    "The answer is ANS",
+    "\\boxed{ANS}",
+    "Answer: ANS",
+    "x" * 400 + "#### ANS",
+    "#### ANS" + " y" * 200,
+    "#### ANS\n#### 5",
+    "<answer>#### ANS</answer>",
+]
 
 
 def gsm8k_cases() -> list[tuple[str, object]]:
@@ -120,21 +193,52 @@ def gsm8k_cases() -> list[tuple[str, object]]:
     return cases
 
 
-QA_TARGETS = [["Paris"], ["The Beatles", "Beatles"], ["Barack Obama", "Obama"], ["1969"], ["New York City", "NYC"],
-              ["Ludwig van Beethoven"]]
-QA_WRAPPINGS = [
-    "<answer>ANS</answer>", "<think>I should search.</think>\n<answer>ANS</answer>",
-    "<answer>London</answer> then, having searched again, <answer>ANS</answer>", "<answer>ANS</answer><answer>London</answer>",
-    "<answer>ANS</answer>" * 11, "<answer>ANS", "Answer: ANS", "\\boxed{ANS}", "<answer>\nANS\n</answer>",
-    "<ANSWER>ANS</ANSWER>", "<answer>ANS</answer>" * 10 + "</answer>",
+QA_TARGETS = [
+    ["Paris"],
+    ["The Beatles", "Beatles"],
+    ["Barack Obama", "Obama"],
+    ["1969"],
+    ["New York City", "NYC"],
+    ["Ludwig van Beethoven"],
 ]
-QA_MALFORMED = ["", "<think>ANS</think>", "x" * 5000 + "<answer>ANS</answer>", "<answer></answer>", "</answer><answer>",
-                "<answer><answer>ANS</answer></answer>", "<answer>\u00e9\u00e8 ANS \U0001f642</answer>"]
+QA_WRAPPINGS = [
+    "<answer>ANS</answer>",
+    "<think>I should search.</think>\n<answer>ANS</answer>",
+    "<answer>London</answer> then, having searched again, <answer>ANS</answer>",
+    "<answer>ANS</answer><answer>London</answer>",
+    "<answer>ANS</answer>" * 11,
+    "<answer>ANS",
+    "Answer: ANS",
+    "\\boxed{ANS}",
+    "<answer>\nANS\n</answer>",
+    "<ANSWER>ANS</ANSWER>",
+    "<answer>ANS</answer>" * 10 + "</answer>",
+]
+QA_MALFORMED = [
+    "",
+    "<think>ANS</think>",
+    "x" * 5000 + "<answer>ANS</answer>",
+    "<answer></answer>",
+    "</answer><answer>",
+    "<answer><answer>ANS</answer></answer>",
+    "<answer>\u00e9\u00e8 ANS \U0001f642</answer>",
+]
 
 
 def qa_forms(answer: str) -> list[str]:
-    return [answer, answer.lower(), answer.upper(), f"the {answer}", f"{answer}.", f"  {answer}  ", f"{answer}!",
-            "London", f"{answer}, France", f"a {answer}", ""]
+    return [
+        answer,
+        answer.lower(),
+        answer.upper(),
+        f"the {answer}",
+        f"{answer}.",
+        f"  {answer}  ",
+        f"{answer}!",
+        "London",
+        f"{answer}, France",
+        f"a {answer}",
+        "",
+    ]
 
 
 def qa_cases() -> list[tuple[str, object]]:
@@ -151,9 +255,14 @@ def qa_cases() -> list[tuple[str, object]]:
     return cases
 
 
-CODE_PROBLEMS = [({"inputs": ["1 2\n", "3 4\n", "10 -2\n"], "outputs": ["3\n", "7\n", "8\n"]},
-                  "a, b = map(int, input().split())\nprint(a + b)", "a, b = map(int, input().split())\nprint(a * b)"),
-                 ({"inputs": ["abc\n", "x\n"], "outputs": ["cba\n", "x\n"]}, "print(input()[::-1])", "print(input())")]
+CODE_PROBLEMS = [
+    (
+        {"inputs": ["1 2\n", "3 4\n", "10 -2\n"], "outputs": ["3\n", "7\n", "8\n"]},
+        "a, b = map(int, input().split())\nprint(a + b)",
+        "a, b = map(int, input().split())\nprint(a * b)",
+    ),
+    ({"inputs": ["abc\n", "x\n"], "outputs": ["cba\n", "x\n"]}, "print(input()[::-1])", "print(input())"),
+]
 
 
 def code_cases() -> list[tuple[str, object]]:
@@ -161,7 +270,10 @@ def code_cases() -> list[tuple[str, object]]:
     for tests, right, wrong in CODE_PROBLEMS:
         for program in (right, wrong, "raise SystemExit(3)", "print(", "import sys\nsys.stdout.write('3\\n')"):
             for wrapping in ("```python\nANS\n```", "Here is my code:\n```python\nANS\n```\nDone.", "ANS"):
-                cases += [(wrapping.replace("ANS", program), tests), (wrapping.replace("ANS", program), json.dumps(tests))]
+                cases += [
+                    (wrapping.replace("ANS", program), tests),
+                    (wrapping.replace("ANS", program), json.dumps(tests)),
+                ]
     return cases + [("", CODE_PROBLEMS[0][0])]
 
 
@@ -170,8 +282,13 @@ def code_cases() -> list[tuple[str, object]]:
 
 # (data source, response, ground truth, why keel's score differs from verl's on it)
 KNOWN_DIFFERENCES = [
-    ("openai/gsm8k", "#### 72", 72, "a ground truth that is not a string: keel's gsm8k compares its text (1.0); "
-     "verl compares the string with the number itself and scores 0.0"),
+    (
+        "openai/gsm8k",
+        "#### 72",
+        72,
+        "a ground truth that is not a string: keel's gsm8k compares its text (1.0); "
+        "verl compares the string with the number itself and scores 0.0",
+    ),
 ]
 
 
@@ -185,8 +302,11 @@ def outcome(function, data_source: str, response: str, truth: object):
 
 def same(keel_result, verl_result) -> bool:
     if isinstance(verl_result, dict):
-        return (isinstance(keel_result, dict) and keel_result.keys() == verl_result.keys()
-                and all(same(keel_result[k], verl_result[k]) for k in verl_result))
+        return (
+            isinstance(keel_result, dict)
+            and keel_result.keys() == verl_result.keys()
+            and all(same(keel_result[k], verl_result[k]) for k in verl_result)
+        )
     return type(keel_result) is type(verl_result) and keel_result == verl_result
 
 
@@ -207,8 +327,13 @@ def sampled(cases: list, every: int) -> list:
 
 
 FAMILIES = {  # scorer -> (the cases, how many to skip between two for the slower rules)
-    "gsm8k": (gsm8k_cases, 1), "math_reward": (math_cases, 1), "math_dapo": (math_cases, 1),
-    "geo3k": (math_cases, 2), "prime_math": (math_cases, 2), "search_r1": (qa_cases, 1), "prime_code": (code_cases, 1),
+    "gsm8k": (gsm8k_cases, 1),
+    "math_reward": (math_cases, 1),
+    "math_dapo": (math_cases, 1),
+    "geo3k": (math_cases, 2),
+    "prime_math": (math_cases, 2),
+    "search_r1": (qa_cases, 1),
+    "prime_code": (code_cases, 1),
 }
 ALL_SOURCES = sorted(VERL_DATA_SOURCES) + ["aime2024", "aime2025"]
 
@@ -233,10 +358,17 @@ def test_minerva_normalisation_lists_are_verls():
 
 
 def test_keels_own_sources_keep_their_scorers_and_math_equivalent_is_picked_by_name():
-    assert {s: scorer_for_source(s) for s in ("gsm8k", "exact_match", "keel/arithmetic", "keel/tool_arithmetic",
-                                              "code", "my_gsm8k_copy")} == {
-        "gsm8k": "gsm8k", "exact_match": "exact_match", "keel/arithmetic": "arithmetic",
-        "keel/tool_arithmetic": "tool_arithmetic", "code": "code_exec", "my_gsm8k_copy": "gsm8k"}
+    assert {
+        s: scorer_for_source(s)
+        for s in ("gsm8k", "exact_match", "keel/arithmetic", "keel/tool_arithmetic", "code", "my_gsm8k_copy")
+    } == {
+        "gsm8k": "gsm8k",
+        "exact_match": "exact_match",
+        "keel/arithmetic": "arithmetic",
+        "keel/tool_arithmetic": "tool_arithmetic",
+        "code": "code_exec",
+        "my_gsm8k_copy": "gsm8k",
+    }
     assert "math" not in SCORERS and "math_equivalent" not in DATA_SOURCE_SCORERS.values()
     assert SCORERS["math_equivalent"]("x", "the answer is 0.5", "\\frac{1}{2}") == 1.0
 
@@ -254,8 +386,11 @@ def skip_or_xfail(scorer: str):
     if scorer == "prime_code" and not has_module("keel.rewards.code_tests"):
         return [pytest.mark.skip(reason="keel/rewards/code_tests.py (verl's prime_code rule) is not there yet")]
     if scorer == "prime_math" and not has_module("keel.rewards.prime_math"):
-        return [pytest.mark.xfail(reason="keel/rewards/prime_math.py (verl's prime_math rule) is not there yet",
-                                  strict=False)]
+        return [
+            pytest.mark.xfail(
+                reason="keel/rewards/prime_math.py (verl's prime_math rule) is not there yet", strict=False
+            )
+        ]
     return []
 
 
@@ -292,6 +427,10 @@ def test_results_are_normalised_as_verl_does():
     assert default_compute_score("openai/gsm8k", "#### 72", "72") == 1.0  # verl's rule returns an int 0 or a float
     assert type(default_compute_score("openai/gsm8k", "no", "72")) is float
     assert default_compute_score("math", "Answer: 72", "72") == {"score": 1.0, "acc": True, "pred": "72"}
-    assert default_compute_score("searchR1_nq", "<answer>x</answer>", {"target": ["x"]}, None,
-                                 sandbox_fusion_url="http://unused") == 1.0
+    assert (
+        default_compute_score(
+            "searchR1_nq", "<answer>x</answer>", {"target": ["x"]}, None, sandbox_fusion_url="http://unused"
+        )
+        == 1.0
+    )
     assert default_compute_score("searchR1_nq", "no tags", "Paris") == 0.0  # never reads the ground truth then

@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ScriptedEngine
-from verl_shim import install_verl_0_5_0_files
 
 from keel.config.multi_turn import MultiTurnConfig
 from keel.data.prompts import build_prompt_dataset, collate_prompts
@@ -21,6 +19,9 @@ from keel.rollout.agent import AgentLoop, AgentOptions, ToolLimits, load_tool_co
 from keel.rollout.agent.metrics import agent_metrics
 from keel.rollout.agent.tools import load_tools
 from keel.types import SamplingParams
+
+from conftest import ScriptedEngine
+from verl_shim import install_verl_0_5_0_files
 
 VERL_CONFIGS = Path(__file__).parents[1] / "data" / "verl_multi_turn"
 TOOL_CONFIG_YAML = VERL_CONFIGS / "gsm8k_tool_config.yaml"
@@ -34,24 +35,34 @@ def verl():
 
 def gsm8k_row(index: int, solution: str) -> dict:
     """A row as verl's examples/data_preprocess/gsm8k_multiturn_w_tool.py writes it."""
-    question = (f"Question {index}: what is 8 times 9? Let's think step by step and output the final answer after "
-                "`####`.")
-    return {"data_source": "openai/gsm8k", "ability": "math",
-            "prompt": [{"role": "system", "content": "You are a math expert. Use the `calc_gsm8k_reward` tool."},
-                       {"role": "user", "content": question}],
-            "reward_model": {"style": "rule", "ground_truth": solution},
-            "extra_info": {"split": "train", "index": index, "answer": f"8*9=72\n#### {solution}",
-                           "question": question, "need_tools_kwargs": True,
-                           "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": solution}}},
-                           "interaction_kwargs": {"query": question, "ground_truth": solution}}}
+    question = (
+        f"Question {index}: what is 8 times 9? Let's think step by step and output the final answer after `####`."
+    )
+    return {
+        "data_source": "openai/gsm8k",
+        "ability": "math",
+        "prompt": [
+            {"role": "system", "content": "You are a math expert. Use the `calc_gsm8k_reward` tool."},
+            {"role": "user", "content": question},
+        ],
+        "reward_model": {"style": "rule", "ground_truth": solution},
+        "extra_info": {
+            "split": "train",
+            "index": index,
+            "answer": f"8*9=72\n#### {solution}",
+            "question": question,
+            "need_tools_kwargs": True,
+            "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": solution}}},
+            "interaction_kwargs": {"query": question, "ground_truth": solution},
+        },
+    }
 
 
 def call(name: str, **arguments) -> str:
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
 
 
-def rollout(rows: list[dict], turns: dict[int, list[str]], tools, limits: ToolLimits | None = None,
-            budget: int = 400):
+def rollout(rows: list[dict], turns: dict[int, list[str]], tools, limits: ToolLimits | None = None, budget: int = 400):
     """Episode i writes turns[i] in order (its prompt names its index)."""
     tokenizer = build_tokenizer()
     records, _ = build_prompt_dataset(rows, tokenizer, max_prompt_length=400)
@@ -60,9 +71,13 @@ def rollout(rows: list[dict], turns: dict[int, list[str]], tools, limits: ToolLi
         index = next(i for i in turns if f"Question {i}:" in context)
         return turns[index][min(turn, len(turns[index]) - 1)]
 
-    loop = AgentLoop(ScriptedEngine(tokenizer, turn_for), tokenizer, tools,
-                     AgentOptions(max_assistant_turns=4, budget=budget, limits=limits or ToolLimits()),
-                     [tokenizer.eos_token_id])
+    loop = AgentLoop(
+        ScriptedEngine(tokenizer, turn_for),
+        tokenizer,
+        tools,
+        AgentOptions(max_assistant_turns=4, budget=budget, limits=limits or ToolLimits()),
+        [tokenizer.eos_token_id],
+    )
     batch = loop.generate(collate_prompts(records, tokenizer.pad_token_id), SamplingParams(do_sample=False))
     return [r.extra_info for r in batch.records], batch
 
@@ -77,9 +92,14 @@ def test_verls_gsm8k_tool_from_verls_config_runs_its_lifecycle_and_rewards_as_ve
 
     assert isinstance(tool.tool, Gsm8kTool) and isinstance(tool.tool.tool_schema, OpenAIFunctionToolSchema)
     assert tool.schema["function"]["parameters"]["required"] == ["answer"]
-    infos, _ = rollout([gsm8k_row(0, "72"), gsm8k_row(1, "18")],
-                       {0: [call("calc_gsm8k_reward", answer="70"), call("calc_gsm8k_reward", answer="72"), "#### 72"],
-                        1: [call("calc_gsm8k_reward", answer="18"), "#### 18"]}, [tool])
+    infos, _ = rollout(
+        [gsm8k_row(0, "72"), gsm8k_row(1, "18")],
+        {
+            0: [call("calc_gsm8k_reward", answer="70"), call("calc_gsm8k_reward", answer="72"), "#### 72"],
+            1: [call("calc_gsm8k_reward", answer="18"), "#### 18"],
+        },
+        [tool],
+    )
     first, second = infos
     assert first["tool_outputs"] == ["Current parsed answer='70' reward=0.0", "Current parsed answer='72' reward=1.0"]
     assert first["tool_rewards"] == [-0.05, 0.0]  # verl's gsm8k: -0.05 for an answer that is no better
@@ -100,12 +120,25 @@ def test_verls_gsm8k_interaction_from_verls_config_is_scored_as_verl(verl):
     rows[0]["extra_info"]["interaction_kwargs"]["name"] = "gsm8k"  # gsm8k_multiturn_w_interaction.py's row
     records, _ = build_prompt_dataset(rows, tokenizer, max_prompt_length=400)
     engine = ScriptedEngine(tokenizer, lambda text, turn: ["#### 70", "#### 72"][min(turn, 1)])
-    loop = AgentLoop(engine, tokenizer, [], AgentOptions(max_assistant_turns=4, budget=300), [tokenizer.eos_token_id],
-                     InteractionEnvironment, {"interactions": interactions, "timeout_s": 5.0})
-    [info] = [r.extra_info for r in loop.generate(collate_prompts(records, tokenizer.pad_token_id),
-                                                  SamplingParams(do_sample=False)).records]
+    loop = AgentLoop(
+        engine,
+        tokenizer,
+        [],
+        AgentOptions(max_assistant_turns=4, budget=300),
+        [tokenizer.eos_token_id],
+        InteractionEnvironment,
+        {"interactions": interactions, "timeout_s": 5.0},
+    )
+    [info] = [
+        r.extra_info
+        for r in loop.generate(
+            collate_prompts(records, tokenizer.pad_token_id), SamplingParams(do_sample=False)
+        ).records
+    ]
     assert [m["content"] for m in info["conversation"]][:2] == [
-        "#### 70", "Your response is incorrect! You need to reflect on your answer and try again."]
+        "#### 70",
+        "Your response is incorrect! You need to reflect on your answer and try again.",
+    ]
     assert info["rollout_reward_scores"] == {"user_turn_rewards": [0.0, 1.0]} and info["turn_reward"] == 0.0
     assert interactions["gsm8k"]._instance_dict == {}  # finalised
 
@@ -196,8 +229,9 @@ def test_function_tool_paths_functions_become_tools(verl, tmp_path):
     """verl 0.9.1's @function_tool functions, loaded by verl's own loader, are tools beside the tool
     config's, called as verl calls them; their step rewards are recorded, not scored."""
     (tmp_path / "functions.py").write_text(FUNCTIONS)
-    multi_turn = MultiTurnConfig(tool_config_path=str(TOOL_CONFIG_YAML),
-                                 function_tool_path=str(tmp_path / "functions.py"))
+    multi_turn = MultiTurnConfig(
+        tool_config_path=str(TOOL_CONFIG_YAML), function_tool_path=str(tmp_path / "functions.py")
+    )
     tools = load_tools(multi_turn)
     assert [t.name for t in tools] == ["calc_gsm8k_reward", "keel_test_lookup", "keel_test_multiply"]
     from keel.rollout.agent import build_agent_loop
@@ -205,21 +239,32 @@ def test_function_tool_paths_functions_become_tools(verl, tmp_path):
     tokenizer = build_tokenizer()  # the loop a training run builds from the config takes them too
     built = build_agent_loop(multi_turn, ScriptedEngine(tokenizer, lambda text, turn: ""), tokenizer, 64)
     assert sorted(built.runner.tools) == ["calc_gsm8k_reward", "keel_test_lookup", "keel_test_multiply"]
-    assert tools[2].schema["function"]["parameters"]["properties"]["a"] == {"type": "integer",
-                                                                           "description": "the first number"}
-    infos, _ = rollout([gsm8k_row(0, "72")], {0: [call("keel_test_multiply", a=8, b=9) +
-                                                 call("keel_test_lookup", key="x"), "#### 72"]}, tools,
-                       ToolLimits(max_parallel_calls=2))
+    assert tools[2].schema["function"]["parameters"]["properties"]["a"] == {
+        "type": "integer",
+        "description": "the first number",
+    }
+    infos, _ = rollout(
+        [gsm8k_row(0, "72")],
+        {0: [call("keel_test_multiply", a=8, b=9) + call("keel_test_lookup", key="x"), "#### 72"]},
+        tools,
+        ToolLimits(max_parallel_calls=2),
+    )
     assert infos[0]["tool_outputs"] == ["72", "x=1"] and infos[0]["tool_rewards"] == [0.0, 0.5]
     assert infos[0]["turn_reward"] == 0.0
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("def f(x: int) -> int:\n    return x\n", "registers no function tools"),
-    ("from verl.tools.function_tool import function_tool\n@function_tool\ndef keel_test_bare(x: int) -> int:\n"
-     "    return x\n", "could not be loaded as verl's function tools"),  # no docstring: transformers refuses
-    ("raise RuntimeError('broken file')\n", "RuntimeError: broken file"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("def f(x: int) -> int:\n    return x\n", "registers no function tools"),
+        (
+            "from verl.tools.function_tool import function_tool\n@function_tool\ndef keel_test_bare(x: int) -> int:\n"
+            "    return x\n",
+            "could not be loaded as verl's function tools",
+        ),  # no docstring: transformers refuses
+        ("raise RuntimeError('broken file')\n", "RuntimeError: broken file"),
+    ],
+)
 def test_a_function_tool_file_that_gives_no_tools_is_refused_by_name(verl, tmp_path, text, needle):
     (tmp_path / "functions.py").write_text(text)
     with pytest.raises(KeelError) as error:
@@ -229,15 +274,19 @@ def test_a_function_tool_file_that_gives_no_tools_is_refused_by_name(verl, tmp_p
 
 def test_a_function_tool_named_like_a_config_tool_is_refused(verl, tmp_path):
     # verl's registry is one per process: these functions are named apart from the other tests'.
-    (tmp_path / "functions.py").write_text(FUNCTIONS.replace("keel_test_multiply", "keel_test_twice_multiply")
-                                           .replace('"keel_test_lookup"', '"calc_gsm8k_reward"'))
+    (tmp_path / "functions.py").write_text(
+        FUNCTIONS.replace("keel_test_multiply", "keel_test_twice_multiply").replace(
+            '"keel_test_lookup"', '"calc_gsm8k_reward"'
+        )
+    )
     with pytest.raises(KeelError) as error:
-        load_tools(MultiTurnConfig(tool_config_path=str(TOOL_CONFIG_YAML),
-                                   function_tool_path=str(tmp_path / "functions.py")))
+        load_tools(
+            MultiTurnConfig(tool_config_path=str(TOOL_CONFIG_YAML), function_tool_path=str(tmp_path / "functions.py"))
+        )
     assert error.value.code == TOOL_CONFIG and "share a name" in error.value.message
 
 
-HOSTILE = '''
+HOSTILE = """
 import asyncio
 
 from verl.tools.base_tool import BaseTool
@@ -282,21 +331,37 @@ class ReleaseHangs(BaseTool):
 class RewardIsNaN(Recording):
     async def calc_reward(self, instance_id, **kwargs):
         return float("nan")
-'''
-HOSTILE_TOOLS = ["CreateRaises", "CreateHangs", "ExecuteHangs", "ExecuteAnswersNonsense", "ReleaseRaises",
-                 "ReleaseHangs", "RewardIsNaN"]
+"""
+HOSTILE_TOOLS = [
+    "CreateRaises",
+    "CreateHangs",
+    "ExecuteHangs",
+    "ExecuteAnswersNonsense",
+    "ReleaseRaises",
+    "ReleaseHangs",
+    "RewardIsNaN",
+]
 
 
 def test_a_verl_tool_that_raises_or_hangs_anywhere_in_its_lifecycle_is_counted_not_fatal(verl, tmp_path):
     (tmp_path / "hostile.py").write_text(HOSTILE)
-    (tmp_path / "tools.yaml").write_text("tools:\n" + "".join(
-        f"  - class_name: hostile.py:{name}\n    config: {{type: native}}\n    tool_schema: {{type: function, "
-        f"function: {{name: {name.lower()}, description: x, parameters: {{type: object, properties: {{}}}}}}}}\n"
-        for name in HOSTILE_TOOLS))
+    (tmp_path / "tools.yaml").write_text(
+        "tools:\n"
+        + "".join(
+            f"  - class_name: hostile.py:{name}\n    config: {{type: native}}\n    tool_schema: {{type: function, "
+            f"function: {{name: {name.lower()}, description: x, parameters: {{type: object, properties: {{}}}}}}}}\n"
+            for name in HOSTILE_TOOLS
+        )
+    )
     tools = load_tool_config(tmp_path / "tools.yaml")
     every_call = "".join(call(name.lower()) for name in HOSTILE_TOOLS)
-    infos, batch = rollout([gsm8k_row(0, "72"), gsm8k_row(1, "72")], {0: [every_call, "#### 72"], 1: ["#### 72"]},
-                           tools, ToolLimits(max_parallel_calls=len(HOSTILE_TOOLS), timeout_s=0.5), budget=1500)
+    infos, batch = rollout(
+        [gsm8k_row(0, "72"), gsm8k_row(1, "72")],
+        {0: [every_call, "#### 72"], 1: ["#### 72"]},
+        tools,
+        ToolLimits(max_parallel_calls=len(HOSTILE_TOOLS), timeout_s=0.5),
+        budget=1500,
+    )
     released = {t.tool.name: getattr(t.tool, "released", []) for t in tools}
     outputs = dict(zip([n.lower() for n in HOSTILE_TOOLS], infos[0]["tool_outputs"]))
     assert "could not start" in outputs["createraises"] and "no room for another instance" in outputs["createraises"]

@@ -2,5 +2,4 @@
 
 from keel.rollout.agent.loop import AgentLoop, AgentOptions, build_agent_loop  # noqa: F401
 from keel.rollout.agent.runner import ToolLimits  # noqa: F401
-from keel.rollout.agent.tools import (Calculator, FunctionTool, PythonCode, Tool, ToolOutput,  # noqa: F401
-                                      load_tool_config, tool)
+from keel.rollout.agent.tools import Calculator, FunctionTool, PythonCode, Tool, ToolOutput, load_tool_config, tool  # noqa: F401

@@ -18,7 +18,7 @@ class Environment(ABC):
         self.config = config or {}
         self.extra_info: dict = {}
         self.prompt: str | list[dict] | None = None  # the episode's prompt as in the data, set before reset
-        self.conversation: list[dict] = []            # its turns so far as messages, kept by the loop (read only)
+        self.conversation: list[dict] = []  # its turns so far as messages, kept by the loop (read only)
 
     def reset(self, extra_info: dict) -> None:
         """Before the episode's first turn: its data row's extra_info (the task's own settings,
@@ -29,7 +29,7 @@ class Environment(ABC):
     def step(self, text: str) -> tuple[str, float, bool]:
         """The model's turn (its text) -> (observation for the next user turn, reward, done)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: a no-op unless the environment holds something
         """After the episode's last turn: release what the episode held."""
 
 

@@ -43,13 +43,19 @@ def load_interactions(path: str | Path) -> dict[str, object]:
 
     path = Path(path)
     if not path.is_file():
-        raise KeelError(TOOL_CONFIG, f"{KEY}={str(path)!r} does not exist",
-                        missing_config_fix(str(path), KEY, "verl's interaction config YAML"))
+        raise KeelError(
+            TOOL_CONFIG,
+            f"{KEY}={str(path)!r} does not exist",
+            missing_config_fix(str(path), KEY, "verl's interaction config YAML"),
+        )
     loaded = yaml.safe_load(path.read_text())
     entries = loaded.get("interaction") if isinstance(loaded, dict) else None
     if not isinstance(entries, list) or not entries:
-        raise KeelError(TOOL_CONFIG, f"{path} has no `interaction:` list",
-                        "list them as verl does: interaction: [{name, class_name, config}]")
+        raise KeelError(
+            TOOL_CONFIG,
+            f"{path} has no `interaction:` list",
+            "list them as verl does: interaction: [{name, class_name, config}]",
+        )
     interactions = {}
     for i, entry in enumerate(entries):
         where = f"{path} interaction[{i}]"
@@ -62,14 +68,15 @@ def load_interactions(path: str | Path) -> dict[str, object]:
         try:
             interactions[name] = cls(config={**(entry.get("config") or {}), "name": name})
         except Exception as error:  # noqa: BLE001 - the user's class: its error, named
-            raise KeelError(TOOL_CONFIG, f"{where} ({entry['class_name']}) raised when built: "
-                            f"{type(error).__name__}: {error}") from None
+            raise KeelError(
+                TOOL_CONFIG, f"{where} ({entry['class_name']}) raised when built: {type(error).__name__}: {error}"
+            ) from None
     return interactions
 
 
 def _default_name(class_name: str) -> str:
     """verl's: the class name without its "Interaction" suffix, lower-cased."""
-    return (class_name[:-len("Interaction")] if class_name.endswith("Interaction") else class_name).lower()
+    return (class_name[: -len("Interaction")] if class_name.endswith("Interaction") else class_name).lower()
 
 
 class InteractionEnvironment(Environment):
@@ -97,8 +104,9 @@ class InteractionEnvironment(Environment):
         the model's `text` last. The turn's score is recorded, not added (as in verl)."""
         prompt = self.prompt if isinstance(self.prompt, list) else [{"role": "user", "content": str(self.prompt)}]
         messages = [dict(m) for m in prompt + self.conversation]
-        done, reply, score, _ = _run(self.interaction.generate_response(self.instance_id, messages, **self.kwargs),
-                                     self.timeout_s)
+        done, reply, score, _ = _run(
+            self.interaction.generate_response(self.instance_id, messages, **self.kwargs), self.timeout_s
+        )
         if score is not None:  # verl keeps a score that is there
             if isinstance(score, bool) or not isinstance(score, numbers.Real) or not math.isfinite(score):
                 raise ValueError(f"generate_response's score is {score!r}, not a finite number")

@@ -23,78 +23,38 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-import torch
-from torch import Tensor
-
 from keel.data.prompts import collate_prompts
 from keel.rollout.agent.environment import Environment, load_environment
+from keel.rollout.agent.episode import Episode, episodes_batch, last_text
 from keel.rollout.agent.interaction import InteractionEnvironment, load_interactions
 from keel.rollout.agent.parse import PARSERS
-from keel.rollout.agent.runner import ToolLimits, ToolRunner, ToolSession
+from keel.rollout.agent.runner import ToolLimits, ToolRunner
 from keel.rollout.agent.template import TurnTemplate
-from keel.rollout.agent.tools import Tool, ToolOutput, load_tools
-from keel.types import PromptBatch, PromptRecord, RolloutBatch, SamplingParams
+from keel.rollout.agent.tools import Tool, load_tools
+from keel.types import PromptBatch, RolloutBatch, SamplingParams
 
 
 @dataclass
 class AgentOptions:
     max_assistant_turns: int = 5
     max_user_turns: int | None = None  # an environment's observations; None: until it says done
-    budget: int = 512                 # response tokens of the whole trajectory
-    turn_tokens: int | None = None    # tokens one assistant turn may take; None: the budget left
+    budget: int = 512  # response tokens of the whole trajectory
+    turn_tokens: int | None = None  # tokens one assistant turn may take; None: the budget left
     format: str = "hermes"
     limits: ToolLimits = field(default_factory=ToolLimits)
 
 
-@dataclass(eq=False)  # compared by identity
-class Episode:
-    """One sample's trajectory so far."""
-    record: PromptRecord
-    context: list[int]                          # prompt and response so far: the next turn's prompt
-    ids: list[int] = field(default_factory=list)         # the response
-    trained: list[int] = field(default_factory=list)     # 1 where the model sampled the token
-    log_probs: list[float] = field(default_factory=list)
-    assistant_turns: int = 0
-    tool_turns: int = 0
-    user_turns: int = 0                         # an environment's observations
-    environment: Environment | None = None
-    environment_errors: int = 0                 # its reset or step raised, hung, or answered nonsense
-    tool_calls: int = 0
-    malformed_calls: int = 0
-    tools: dict = field(default_factory=dict)   # by tool name: calls, errors, timeouts, unknown, truncated, seconds
-    tool_outputs: list[str] = field(default_factory=list)  # what the model was shown, in order
-    conversation: list[dict] = field(default_factory=list)  # the turns after the prompt, as messages
-    turn_reward: float = 0.0
-    session: ToolSession | None = None          # its tools' instances (verl's tools) and what they gave
-    reward_scores: dict = field(default_factory=dict)  # verl's rollout_reward_scores: calc_reward, interactions'
-    cut: bool = False                           # the budget ended it
-    done: bool = False
-
-    def add(self, ids: list[int], log_probs: list[float] | None) -> None:
-        self.ids += ids
-        self.context += ids
-        self.trained += [1 if log_probs is not None else 0] * len(ids)
-        self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
-
-    def counts(self, name: str) -> dict:
-        return self.tools.setdefault(name, {"calls": 0, "error": 0, "timeout": 0, "unknown": 0, "truncated": 0,
-                                            "seconds": 0.0})
-
-    def count(self, output: ToolOutput) -> None:
-        counts = self.counts(output.name)
-        counts["calls"] += 1
-        counts["seconds"] += output.seconds
-        counts["truncated"] += int(output.truncated)
-        if output.status != "ok":
-            counts[output.status] += 1
-        self.tool_calls += 1
-        self.turn_reward += output.reward
-        self.tool_outputs.append(output.text)
-
-
 class AgentLoop:
-    def __init__(self, engine, tokenizer, tools: list[Tool], options: AgentOptions, eos_ids: list[int],
-                 environment: type[Environment] | None = None, environment_config: dict | None = None):
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        tools: list[Tool],
+        options: AgentOptions,
+        eos_ids: list[int],
+        environment: type[Environment] | None = None,
+        environment_config: dict | None = None,
+    ):
         self.engine, self.tokenizer, self.options = engine, tokenizer, options
         self.environment, self.environment_config = environment, environment_config or {}
         self.eos_ids = set(eos_ids)
@@ -121,14 +81,15 @@ class AgentLoop:
             self._close_environments(episodes)
         finally:  # verl's tools' instances are released whatever happened
             self.runner.close(sessions)
-        return self._batch(prompts, episodes)
+        return episodes_batch(prompts, episodes, self.tokenizer)
 
     def _reset_environments(self, episodes: list[Episode]) -> None:
         environments = [self.environment(self.environment_config) for _ in episodes]
         for environment, episode in zip(environments, episodes):
             environment.prompt, environment.conversation = episode.record.raw_prompt, episode.conversation
-        resets = self.runner.call_each([functools.partial(env.reset, dict(e.record.extra_info))
-                                        for env, e in zip(environments, episodes)])
+        resets = self.runner.call_each(
+            [functools.partial(env.reset, dict(e.record.extra_info)) for env, e in zip(environments, episodes)]
+        )
         for episode, environment, (_, status) in zip(episodes, environments, resets):
             episode.environment = environment if status == "ok" else None
             episode.environment_errors += status != "ok"
@@ -146,8 +107,11 @@ class AgentLoop:
         its row between turns, only the tokens after its last turn are prefilled, and its tools run
         in the background while the other episodes decode."""
         budget = self.options.budget
-        batcher = self.engine.continuous_batcher(len(episodes), max(len(e.context) for e in episodes) + budget,
-                                                 min(budget, self.options.turn_tokens or budget))
+        batcher = self.engine.continuous_batcher(
+            len(episodes),
+            max(len(e.context) for e in episodes) + budget,
+            min(budget, self.options.turn_tokens or budget),
+        )
         for episode in episodes:  # the samples of one prompt share its prefill
             batcher.add(episode, episode.context, self._turn_limit(episode), group=episode.record.index)
         acting: dict[Future, _Plan] = {}
@@ -170,8 +134,11 @@ class AgentLoop:
                     plan = acting.pop(future)
                     self._apply(plan, *future.result())
                     for episode in plan.calling + plan.talking:
-                        (batcher.release(episode) if episode.done else
-                         batcher.add(episode, episode.context, self._turn_limit(episode)))
+                        (
+                            batcher.release(episode)
+                            if episode.done
+                            else batcher.add(episode, episode.context, self._turn_limit(episode))
+                        )
         self.timing.update(self.engine.timing)
 
     def _turn_limit(self, episode: Episode) -> int:
@@ -183,14 +150,15 @@ class AgentLoop:
         left = max(self._turn_limit(e) for e in active)
         # Rows of their own: the engine shares a prefill between rows of one group index.
         records = [dataclasses.replace(e.record, index=i, prompt_ids=e.context) for i, e in enumerate(active)]
-        batch = self.engine.generate(collate_prompts(records, self.tokenizer.pad_token_id),
-                                     dataclasses.replace(params, n=1, max_new_tokens=left))
+        batch = self.engine.generate(
+            collate_prompts(records, self.tokenizer.pad_token_id), dataclasses.replace(params, n=1, max_new_tokens=left)
+        )
         for part, seconds in getattr(self.engine, "timing", {}).items():
             self.timing[part] = self.timing.get(part, 0.0) + seconds
         for row, episode in enumerate(active):
             keep = batch.response_mask[row].bool()
-            ids = batch.response_ids[row][keep].tolist()[:self._turn_limit(episode)]
-            self._took_turn(episode, ids, batch.sampling_log_probs[row][keep].tolist()[:len(ids)])
+            ids = batch.response_ids[row][keep].tolist()[: self._turn_limit(episode)]
+            self._took_turn(episode, ids, batch.sampling_log_probs[row][keep].tolist()[: len(ids)])
 
     def _took_turn(self, episode: Episode, ids: list[int], log_probs: list[float]) -> None:
         episode.add(ids, log_probs)
@@ -203,11 +171,11 @@ class AgentLoop:
         plan = self._plan(pending)
         self._apply(plan, *self._act(plan))
 
-    def _plan(self, pending: list[Episode]) -> "_Plan":
+    def _plan(self, pending: list[Episode]) -> _Plan:
         """What follows each pending sample's last turn: its tool calls, or the environment's
         answer, or nothing (it was the answer: the episode ends)."""
         for episode in pending:
-            episode.conversation.append({"role": "assistant", "content": self._last_text(episode)})
+            episode.conversation.append({"role": "assistant", "content": last_text(episode, self.tokenizer)})
         parsed = {id(e): self.parse(e.conversation[-1]["content"]) for e in pending}
         calling = [e for e in pending if parsed[id(e)].calls or parsed[id(e)].malformed]
         talking = [e for e in pending if e not in calling and e.environment is not None]
@@ -215,21 +183,22 @@ class AgentLoop:
             episode.done = episode not in calling and episode not in talking
         return _Plan(pending, calling, talking, parsed)
 
-    def _act(self, plan: "_Plan") -> tuple[list, list, float]:
+    def _act(self, plan: _Plan) -> tuple[list, list, float]:
         """The plan's tool calls and environment steps run (safe on a thread: the episodes are not
         touched) -> (tool outputs, environment steps, seconds)."""
         start = time.perf_counter()
         outputs = self.runner.run([plan.parsed[id(e)].calls for e in plan.calling], [e.session for e in plan.calling])
-        steps = self.runner.call_each([functools.partial(e.environment.step, e.conversation[-1]["content"])
-                                       for e in plan.talking])
+        steps = self.runner.call_each(
+            [functools.partial(e.environment.step, e.conversation[-1]["content"]) for e in plan.talking]
+        )
         return outputs, steps, time.perf_counter() - start
 
-    def _apply(self, plan: "_Plan", outputs: list, steps: list, seconds: float) -> None:
+    def _apply(self, plan: _Plan, outputs: list, steps: list, seconds: float) -> None:
         self.timing["tools"] = self.timing.get("tools", 0.0) + seconds
         self._tool_results(plan, outputs)
         self._environment_results(plan.talking, steps)
 
-    def _tool_results(self, plan: "_Plan", outputs: list) -> None:
+    def _tool_results(self, plan: _Plan, outputs: list) -> None:
         """The calls' results (and malformed calls' errors) appended as tool turns."""
         for episode, results in zip(plan.calling, outputs):
             turn = plan.parsed[id(episode)]
@@ -261,7 +230,7 @@ class AgentLoop:
         no room for the model to answer, the budget ends the episode instead."""
         suffix = self.template.suffix_ids(messages)
         if not episode.ids or episode.ids[-1] not in self.eos_ids:  # a turn cut at max_tokens_per_turn:
-            suffix = [self.template.end_id] + suffix                   # closed as the template closes one
+            suffix = [self.template.end_id] + suffix  # closed as the template closes one
         if len(episode.ids) + len(suffix) >= self.options.budget:
             episode.cut = episode.done = True
             return False
@@ -269,57 +238,15 @@ class AgentLoop:
         episode.conversation += messages
         return True
 
-    def _batch(self, prompts: PromptBatch, episodes: list[Episode]) -> RolloutBatch:
-        width = max(1, max(len(e.ids) for e in episodes))
-
-        def rows(values: list[list], fill=0, dtype=torch.long) -> Tensor:         # [N, width], right-padded
-            out = torch.full((len(values), width), fill, dtype=dtype)
-            for i, v in enumerate(values):
-                out[i, :len(v)] = torch.tensor(v, dtype=dtype)
-            return out
-
-        records = [dataclasses.replace(e.record, extra_info={
-            **e.record.extra_info, "num_turns": _turns(e), "tool_calls": e.tool_calls, "tools": e.tools,
-            "tool_outputs": e.tool_outputs, "malformed_tool_calls": e.malformed_calls, "turn_reward": e.turn_reward,
-            "user_turns": e.user_turns, "environment_errors": e.environment_errors,
-            "cut_by_budget": e.cut, "last_turn": self._last_text(e),  # the final answer, for rewards
-            "conversation": self._conversation(e), **_verl_rewards(e)})
-            for e in episodes]
-        trained = rows([e.trained for e in episodes])
-        return RolloutBatch(
-            prompt_ids=prompts.input_ids, prompt_mask=prompts.attention_mask,
-            response_ids=rows([e.ids for e in episodes], self.tokenizer.pad_token_id), response_mask=trained,
-            sampling_log_probs=rows([e.log_probs for e in episodes], dtype=torch.float32) * trained,
-            group_index=torch.tensor([e.record.index for e in episodes]), records=records,
-            response_texts=[self.tokenizer.decode(e.ids, skip_special_tokens=True) for e in episodes],
-            truncated=torch.tensor([e.cut for e in episodes]),
-            response_attention=rows([[1] * len(e.ids) for e in episodes]),
-            turn_rewards=torch.tensor([e.turn_reward for e in episodes]))
-
-
-    def _conversation(self, episode: Episode) -> list[dict]:
-        """The episode's turns as messages, the last assistant turn included (samples.jsonl, reports)."""
-        last = {"role": "assistant", "content": self._last_text(episode)}
-        ended_on_tool = not episode.conversation or episode.conversation[-1]["role"] == "tool"
-        return episode.conversation + [last] if ended_on_tool else list(episode.conversation)
-
-    def _last_text(self, episode: Episode) -> str:
-        """The text of the assistant turn generated last (the final answer, once the episode ends)."""
-        return self.tokenizer.decode(_last_turn(episode), skip_special_tokens=True)
-
 
 @dataclass
 class _Plan:
     """What follows the last turn of each of `pending`."""
+
     pending: list[Episode]
-    calling: list[Episode]    # its tool calls run
-    talking: list[Episode]    # its environment steps
-    parsed: dict              # id(episode) -> its parsed turn
-
-
-def _turns(episode: Episode) -> int:
-    """The prompt, the assistant turns and the tool and user turns between them, as verl counts num_turns."""
-    return 1 + episode.assistant_turns + episode.tool_turns + episode.user_turns
+    calling: list[Episode]  # its tool calls run
+    talking: list[Episode]  # its environment steps
+    parsed: dict  # id(episode) -> its parsed turn
 
 
 def _checked_step(result) -> tuple[str, float, bool] | None:
@@ -336,40 +263,30 @@ def _checked_step(result) -> tuple[str, float, bool] | None:
     return str(observation), reward, bool(done)
 
 
-def _verl_rewards(episode: Episode) -> dict:
-    """What verl's tools and interactions gave, where verl puts it (verl_tools.py): recorded for the
-    reward function, never added to the score; their lifecycle failures counted per tool."""
-    session = episode.session or ToolSession()
-    for name, status in session.failures:
-        episode.counts(name)[status] += 1
-    scores = {**session.reward_scores, **episode.reward_scores}
-    turn_scores = episode.reward_scores.get("user_turn_rewards", [])
-    return {**({"rollout_reward_scores": scores} if scores else {}),
-            **({"tool_rewards": session.tool_rewards} if session.tool_rewards else {}),
-            **({"turn_scores": turn_scores} if turn_scores else {})}
-
-
-def _last_turn(episode: Episode) -> list[int]:
-    """The tokens of the assistant turn just generated: the trailing run of sampled tokens."""
-    start = len(episode.trained)
-    while start > 0 and episode.trained[start - 1]:
-        start -= 1
-    return episode.ids[start:]
-
-
 def build_agent_loop(multi_turn, engine, tokenizer, budget: int) -> AgentLoop:
     """The loop of a rollout.multi_turn section around an engine; `budget`: data.max_response_length."""
     tools = load_tools(multi_turn)
-    limits = ToolLimits(multi_turn.max_parallel_calls, multi_turn.tool_timeout_s, multi_turn.max_tool_response_length,
-                        multi_turn.tool_response_truncate_side)
-    options = AgentOptions(max_assistant_turns=multi_turn.max_assistant_turns or budget,
-                           max_user_turns=multi_turn.max_user_turns, budget=budget, format=multi_turn.format,
-                           limits=limits, turn_tokens=multi_turn.max_tokens_per_turn)
+    limits = ToolLimits(
+        multi_turn.max_parallel_calls,
+        multi_turn.tool_timeout_s,
+        multi_turn.max_tool_response_length,
+        multi_turn.tool_response_truncate_side,
+    )
+    options = AgentOptions(
+        max_assistant_turns=multi_turn.max_assistant_turns or budget,
+        max_user_turns=multi_turn.max_user_turns,
+        budget=budget,
+        format=multi_turn.format,
+        limits=limits,
+        turn_tokens=multi_turn.max_tokens_per_turn,
+    )
     environment, environment_config = None, multi_turn.environment_config
     if multi_turn.environment:
         environment = load_environment(multi_turn.environment)
     elif multi_turn.interaction_config_path:
         environment = InteractionEnvironment
-        environment_config = {"interactions": load_interactions(multi_turn.interaction_config_path),
-                              "timeout_s": multi_turn.tool_timeout_s}
+        environment_config = {
+            "interactions": load_interactions(multi_turn.interaction_config_path),
+            "timeout_s": multi_turn.tool_timeout_s,
+        }
     return AgentLoop(engine, tokenizer, tools, options, engine.eos_ids, environment, environment_config)

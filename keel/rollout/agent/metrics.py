@@ -13,12 +13,15 @@ def agent_metrics(records: list[PromptRecord]) -> dict[str, float]:
     if not infos:
         return {}
     turns = [info["num_turns"] for info in infos]
-    metrics = {"num_turns/mean": statistics.fmean(turns), "num_turns/max": float(max(turns)),
-               "num_turns/min": float(min(turns)),
-               "tools/calls_per_sample": statistics.fmean(info["tool_calls"] for info in infos),
-               "tools/malformed_calls": float(sum(info["malformed_tool_calls"] for info in infos)),
-               "tools/cut_by_budget": statistics.fmean(float(info["cut_by_budget"]) for info in infos),
-               "tools/turn_reward/mean": statistics.fmean(info["turn_reward"] for info in infos)}
+    metrics = {
+        "num_turns/mean": statistics.fmean(turns),
+        "num_turns/max": float(max(turns)),
+        "num_turns/min": float(min(turns)),
+        "tools/calls_per_sample": statistics.fmean(info["tool_calls"] for info in infos),
+        "tools/malformed_calls": float(sum(info["malformed_tool_calls"] for info in infos)),
+        "tools/cut_by_budget": statistics.fmean(float(info["cut_by_budget"]) for info in infos),
+        "tools/turn_reward/mean": statistics.fmean(info["turn_reward"] for info in infos),
+    }
     if any(info["user_turns"] or info["environment_errors"] for info in infos):
         metrics["environment/user_turns/mean"] = statistics.fmean(info["user_turns"] for info in infos)
         metrics["environment/errors"] = float(sum(info["environment_errors"] for info in infos))

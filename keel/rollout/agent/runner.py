@@ -47,12 +47,13 @@ class ToolLimits:
 class ToolSession:
     """One episode's side of its tools: the row's tools_kwargs, the instance of each lifecycle tool,
     and what those instances gave."""
+
     tools_kwargs: dict = field(default_factory=dict)
-    instances: dict[str, str] = field(default_factory=dict)    # tool name -> instance id, created
-    unreleased: dict[str, str] = field(default_factory=dict)   # tool name -> instance id to release
-    broken: dict[str, str] = field(default_factory=dict)       # tool name -> why its create failed
+    instances: dict[str, str] = field(default_factory=dict)  # tool name -> instance id, created
+    unreleased: dict[str, str] = field(default_factory=dict)  # tool name -> instance id to release
+    broken: dict[str, str] = field(default_factory=dict)  # tool name -> why its create failed
     reward_scores: dict[str, float] = field(default_factory=dict)  # calc_reward by tool (verl's name)
-    tool_rewards: list[float] = field(default_factory=list)    # execute's step rewards, in call order
+    tool_rewards: list[float] = field(default_factory=list)  # execute's step rewards, in call order
     failures: list[tuple[str, str]] = field(default_factory=list)  # (tool, error | timeout) outside calls
 
     def kwargs(self, tool_name: str, key: str) -> dict:
@@ -71,12 +72,13 @@ class ToolRunner:
     def run(self, calls: list[list[ToolCall]], sessions: list[ToolSession | dict]) -> list[list[ToolOutput]]:
         """Each sample's calls (past max_parallel_calls: dropped) -> each call's output, for every
         sample at once; `sessions`: each sample's (or its row's tools_kwargs)."""
-        kept = [sample_calls[:self.limits.max_parallel_calls] for sample_calls in calls]
+        kept = [sample_calls[: self.limits.max_parallel_calls] for sample_calls in calls]
         sessions = [s if isinstance(s, ToolSession) else ToolSession(dict(s or {})) for s in sessions]
 
         async def everything():
-            return await asyncio.gather(*[asyncio.gather(*[self._call(c, session) for c in sample])
-                                          for sample, session in zip(kept, sessions)])
+            return await asyncio.gather(
+                *[asyncio.gather(*[self._call(c, session) for c in sample]) for sample, session in zip(kept, sessions)]
+            )
 
         results = [list(outputs) for outputs in asyncio.run(everything())]
         for session, outputs in zip(sessions, results):  # in call order, as verl keeps them
@@ -87,6 +89,7 @@ class ToolRunner:
         """Each function in a thread, all at once, each within the timeout: (its result, "ok"), or
         (what went wrong, "error" | "timeout"). For code of the user's that the model's turns drive
         (an environment's step), which must not hang or end the rollout either."""
+
         async def everything():
             return await asyncio.gather(*[self._in_thread(f) for f in functions])
 
@@ -96,11 +99,13 @@ class ToolRunner:
         """Each sample's session: an instance of every lifecycle tool, created with the row's
         create_kwargs (all samples' at once)."""
         sessions = [ToolSession(dict(kwargs) if isinstance(kwargs, dict) else {}) for kwargs in tools_kwargs]
-        jobs = [(session, tool, str(uuid4())) for session in sessions for tool in self.tools.values()
-                if tool.lifecycle]
-        created = self.call_each([functools.partial(tool.create, instance_id,
-                                                    session.kwargs(tool.name, "create_kwargs"))
-                                  for session, tool, instance_id in jobs])
+        jobs = [(session, tool, str(uuid4())) for session in sessions for tool in self.tools.values() if tool.lifecycle]
+        created = self.call_each(
+            [
+                functools.partial(tool.create, instance_id, session.kwargs(tool.name, "create_kwargs"))
+                for session, tool, instance_id in jobs
+            ]
+        )
         for (session, tool, instance_id), (result, status) in zip(jobs, created):
             if status == "ok":
                 session.instances[tool.name] = session.unreleased[tool.name] = result
@@ -115,18 +120,24 @@ class ToolRunner:
         """Each created instance's calc_reward (verl's rollout_reward_scores), then every instance
         released, the failed ones too."""
         scoring = [(s, name, instance_id) for s in sessions for name, instance_id in s.instances.items()]
-        scores = self.call_each([functools.partial(self.tools[name].calc_reward, instance_id,
-                                                   s.kwargs(name, "calc_reward_kwargs"))
-                                 for s, name, instance_id in scoring])
+        scores = self.call_each(
+            [
+                functools.partial(self.tools[name].calc_reward, instance_id, s.kwargs(name, "calc_reward_kwargs"))
+                for s, name, instance_id in scoring
+            ]
+        )
         for (session, name, _), (result, status) in zip(scoring, scores):
             if status == "ok":
                 session.reward_scores[name] = result
             else:
                 session.failures.append((name, status))
         releasing = [(s, name, instance_id) for s in sessions for name, instance_id in s.unreleased.items()]
-        released = self.call_each([functools.partial(self.tools[name].release, instance_id,
-                                                     s.kwargs(name, "release_kwargs"))
-                                   for s, name, instance_id in releasing])
+        released = self.call_each(
+            [
+                functools.partial(self.tools[name].release, instance_id, s.kwargs(name, "release_kwargs"))
+                for s, name, instance_id in releasing
+            ]
+        )
         for (session, name, _), (_, status) in zip(releasing, released):
             if status != "ok":
                 session.failures.append((name, status))
@@ -137,21 +148,31 @@ class ToolRunner:
         tool = self.tools.get(call.name)
         if tool is None:
             # Counted under one name: the model's names are hostile and would make a metric each.
-            return ToolOutput(f"Error: no tool named {call.name[:60]!r}; the tools are {sorted(self.tools)}",
-                              name=UNKNOWN, status="unknown")
+            return ToolOutput(
+                f"Error: no tool named {call.name[:60]!r}; the tools are {sorted(self.tools)}",
+                name=UNKNOWN,
+                status="unknown",
+            )
         if call.name in session.broken:
-            return ToolOutput(f"Error: {call.name} could not start for this conversation "
-                              f"({session.broken[call.name]})", name=call.name, status="error")
+            return ToolOutput(
+                f"Error: {call.name} could not start for this conversation ({session.broken[call.name]})",
+                name=call.name,
+                status="error",
+            )
         kwargs = session.kwargs(call.name, "execute_kwargs")
-        execute = (functools.partial(tool.execute, call.arguments, session.instances[call.name], **kwargs)
-                   if tool.lifecycle else functools.partial(tool.execute, call.arguments, **kwargs))
+        execute = (
+            functools.partial(tool.execute, call.arguments, session.instances[call.name], **kwargs)
+            if tool.lifecycle
+            else functools.partial(tool.execute, call.arguments, **kwargs)
+        )
         result, status, seconds = await self._in_thread(execute)
         if status == "ok":
             try:
                 output = _as_output(result)
             except Exception as error:  # noqa: BLE001 - a tool's bad result is the model's feedback too
-                output = ToolOutput(f"Error when executing tool: {type(error).__name__}: {str(error)[:200]}",
-                                    status="error")
+                output = ToolOutput(
+                    f"Error when executing tool: {type(error).__name__}: {str(error)[:200]}", status="error"
+                )
         elif status == "timeout":
             output = ToolOutput(f"Error: {call.name} {result}", status="timeout")
         else:
@@ -177,8 +198,9 @@ class ToolRunner:
                 seconds[0] = time.perf_counter() - start
 
         try:
-            result = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self._pool, timed),
-                                            self.limits.timeout_s)
+            result = await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(self._pool, timed), self.limits.timeout_s
+            )
             return result, "ok", seconds[0]
         except asyncio.TimeoutError:
             return f"took longer than {self.limits.timeout_s:g} s", "timeout", seconds[0]
@@ -203,6 +225,7 @@ def _as_output(result) -> ToolOutput:
 
 class _SharedLoop:
     """The one event loop, on a thread of its own, that every async tool and interaction call runs on."""
+
     loop: asyncio.AbstractEventLoop | None = None
     lock = threading.Lock()
 
@@ -233,4 +256,4 @@ def truncate(text: str, limit: int, side: str) -> str:
     if side == "right":  # keep the end
         return TRUNCATED + text[-limit:]
     half = limit // 2
-    return text[:half] + TRUNCATED + text[len(text) - half:]
+    return text[:half] + TRUNCATED + text[len(text) - half :]

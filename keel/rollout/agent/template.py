@@ -26,14 +26,17 @@ class TurnTemplate:
         after = rendered.index(PLACEHOLDER) + len(PLACEHOLDER)
         ends = [(i, tokenizer.decode([i])) for i in stop_ids if rendered.startswith(tokenizer.decode([i]), after)]
         if not ends:
-            raise KeelError(NO_TOOL_ROLE, f"the chat template of {_name(tokenizer)} ends an assistant turn with "
-                            f"{rendered[after:after + 30]!r}, which starts with none of the stop tokens "
-                            f"{[tokenizer.decode([i]) for i in stop_ids]}: the turns the model ends could not be joined "
-                            "to the template's next one",
-                            "use a chat template whose assistant turns end with a stop token (the tokenizer's EOS "
-                            "or one in the model's generation_config.eos_token_id)")
+            raise KeelError(
+                NO_TOOL_ROLE,
+                f"the chat template of {_name(tokenizer)} ends an assistant turn with "
+                f"{rendered[after : after + 30]!r}, which starts with none of the stop tokens "
+                f"{[tokenizer.decode([i]) for i in stop_ids]}: the turns the model ends could not be joined "
+                "to the template's next one",
+                "use a chat template whose assistant turns end with a stop token (the tokenizer's EOS "
+                "or one in the model's generation_config.eos_token_id)",
+            )
         self.end_id, end_text = ends[0]
-        self.prefix = rendered[:after + len(end_text)]
+        self.prefix = rendered[: after + len(end_text)]
         self.check_tool_role()
 
     def suffix_ids(self, messages: list[dict]) -> list[int]:
@@ -41,25 +44,33 @@ class TurnTemplate:
         and the generation prompt of the next assistant turn."""
         rendered = self._render(self.context + messages, generation_prompt=True)
         if not rendered.startswith(self.prefix):  # a template that re-renders earlier turns
-            raise KeelError(NO_TOOL_ROLE, f"the chat template of {_name(self.tokenizer)} renders the turns before a "
-                            f"{messages[0]['role']} message differently once it follows them",
-                            "use a chat template that renders each turn on its own (Qwen2.5, Llama 3, ChatML)")
-        return self.tokenizer.encode(rendered[len(self.prefix):], add_special_tokens=False)
+            raise KeelError(
+                NO_TOOL_ROLE,
+                f"the chat template of {_name(self.tokenizer)} renders the turns before a "
+                f"{messages[0]['role']} message differently once it follows them",
+                "use a chat template that renders each turn on its own (Qwen2.5, Llama 3, ChatML)",
+            )
+        return self.tokenizer.encode(rendered[len(self.prefix) :], add_special_tokens=False)
 
     def check_tool_role(self) -> None:
         """A template that drops or rejects role `tool` would hide every tool result from the model."""
         try:
             rendered = self._render(self.context + [{"role": "tool", "content": PROBE}], generation_prompt=True)
         except Exception as error:  # noqa: BLE001 - jinja's raise_exception in the template
-            raise KeelError(NO_TOOL_ROLE, f"the chat template of {_name(self.tokenizer)} refuses a tool message: "
-                            f"{error}") from None
-        if PROBE not in rendered[len(self.prefix):]:
-            raise KeelError(NO_TOOL_ROLE, f"the chat template of {_name(self.tokenizer)} drops tool messages: their "
-                            "content never reaches the model")
+            raise KeelError(
+                NO_TOOL_ROLE, f"the chat template of {_name(self.tokenizer)} refuses a tool message: {error}"
+            ) from None
+        if PROBE not in rendered[len(self.prefix) :]:
+            raise KeelError(
+                NO_TOOL_ROLE,
+                f"the chat template of {_name(self.tokenizer)} drops tool messages: their "
+                "content never reaches the model",
+            )
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
 
 def _name(tokenizer) -> str:
@@ -90,8 +101,17 @@ def round_trip(tokenizer, tools: list[dict] | None) -> tuple[list[int], list[int
         return tokenizer.encode(text, add_special_tokens=False)
 
     prompt = tokenizer.apply_chat_template(user, tools=tools or None, tokenize=False, add_generation_prompt=True)
-    built = (encode(prompt) + encode(SAMPLE_CALL) + [eos] + turns.suffix_ids([{"role": "tool", "content": "408"}])
-             + encode(answer) + [eos])
-    messages = user + [{"role": "assistant", "content": SAMPLE_CALL}, {"role": "tool", "content": "408"},
-                       {"role": "assistant", "content": answer}]
+    built = (
+        encode(prompt)
+        + encode(SAMPLE_CALL)
+        + [eos]
+        + turns.suffix_ids([{"role": "tool", "content": "408"}])
+        + encode(answer)
+        + [eos]
+    )
+    messages = user + [
+        {"role": "assistant", "content": SAMPLE_CALL},
+        {"role": "tool", "content": "408"},
+        {"role": "assistant", "content": answer},
+    ]
     return built, encode(tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False))

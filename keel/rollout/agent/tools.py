@@ -10,14 +10,15 @@ fed back to the model (and counted), never an exception out of the rollout.
 from __future__ import annotations
 
 import ast
-from abc import ABC, abstractmethod
 import importlib
 import inspect
 import operator
 import typing
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from keel.errors import TOOL_CONFIG, KeelError
 from keel.errors.fixes import closest, nearby_file, setting
@@ -29,12 +30,13 @@ JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", l
 class ToolOutput:
     """What a call gave back: text for the model, a reward to add to the episode's score, metrics;
     and, filled in by the runner, how the call went."""
+
     text: str
-    reward: float = 0.0         # added to the episode's score (keel's tools)
+    reward: float = 0.0  # added to the episode's score (keel's tools)
     metrics: dict = field(default_factory=dict)
     step_reward: float | None = None  # verl's tools' step reward: recorded (tool_rewards), not scored, as in verl
     name: str = ""
-    status: str = "ok"          # ok | error (raised, or bad output) | timeout | unknown (no such tool)
+    status: str = "ok"  # ok | error (raised, or bad output) | timeout | unknown (no such tool)
     seconds: float = 0.0
     truncated: bool = False
 
@@ -86,33 +88,57 @@ def function_schema(fn: Callable, name: str | None = None) -> dict:
             continue
         hint = hints.get(param.name)
         if hint not in JSON_TYPES:
-            raise KeelError(TOOL_CONFIG, f"tool {fn.__name__}: parameter {param.name!r} needs a type hint of "
-                            f"{', '.join(t.__name__ for t in JSON_TYPES)} (got {hint!r})",
-                            "annotate every parameter, e.g. def add(a: int, b: int) -> str")
+            raise KeelError(
+                TOOL_CONFIG,
+                f"tool {fn.__name__}: parameter {param.name!r} needs a type hint of "
+                f"{', '.join(t.__name__ for t in JSON_TYPES)} (got {hint!r})",
+                "annotate every parameter, e.g. def add(a: int, b: int) -> str",
+            )
         properties[param.name] = {"type": JSON_TYPES[hint]}
         if param.default is param.empty:
             required.append(param.name)
     description = inspect.getdoc(fn) or ""
-    return {"type": "function", "function": {"name": name or fn.__name__, "description": description,
-                                             "parameters": {"type": "object", "properties": properties,
-                                                            "required": required}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name or fn.__name__,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
 
 
 # --- built-ins -------------------------------------------------------------------------------------
-_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos}
+_OPERATORS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
 MAX_EXPRESSION = 200
-MAX_MAGNITUDE = 10 ** 30
+MAX_MAGNITUDE = 10**30
 
 
 class Calculator(Tool):
     """Arithmetic on numbers (+ - * / // %, parentheses), parsed, never eval'd: an expression the
     model wrote cannot reach Python. Powers are left out, so no call can take unbounded time."""
 
-    schema = {"type": "function", "function": {
-        "name": "calculator", "description": "Evaluate an arithmetic expression, e.g. 123 * 456",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                       "required": ["expression"]}}}
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression, e.g. 123 * 456",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
 
     def execute(self, parameters: dict, **tools_kwargs) -> str:
         expression = str(parameters.get("expression", ""))
@@ -142,9 +168,14 @@ class PythonCode(Tool):
     what it prints, and the last lines of its error when it fails. The machine's jail is required as
     for code rewards (`isolation` by default): model-written code never runs unfenced."""
 
-    schema = {"type": "function", "function": {
-        "name": "python", "description": "Run a Python program and read what it prints",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "Run a Python program and read what it prints",
+            "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+        },
+    }
 
     def __init__(self, config: dict | None = None, tool_schema: dict | None = None):
         from keel.rewards.bwrap import Limits
@@ -152,15 +183,23 @@ class PythonCode(Tool):
 
         super().__init__(config, tool_schema)
         self.jail = require_jail(self.config.get("require", "isolation"))
-        self.limits = Limits(cpu_s=int(self.config.get("cpu_s", 5)), wall_s=float(self.config.get("wall_s", 10)),
-                             memory_mb=int(self.config.get("memory_mb", 512)))
+        self.limits = Limits(
+            cpu_s=int(self.config.get("cpu_s", 5)),
+            wall_s=float(self.config.get("wall_s", 10)),
+            memory_mb=int(self.config.get("memory_mb", 512)),
+        )
 
     def execute(self, parameters: dict, **tools_kwargs) -> str:
         from keel.rewards.bwrap import run_jailed
         from keel.rewards.sandbox import limit_verdict
 
-        finished = run_jailed(self.jail.mode, str(parameters.get("code", "")), "", self.limits,
-                              accounted=self.jail.protections["accounting"])
+        finished = run_jailed(
+            self.jail.mode,
+            str(parameters.get("code", "")),
+            "",
+            self.limits,
+            accounted=self.jail.protections["accounting"],
+        )
         output = finished.stdout.decode(errors="replace")
         stopped = finished.stopped or limit_verdict(finished, self.limits)
         if stopped:
@@ -184,9 +223,15 @@ def load_tool_config(path: str | Path) -> list[Tool]:
 
     path = Path(path)
     if not path.is_file():
-        raise KeelError(TOOL_CONFIG, f"actor_rollout_ref.rollout.multi_turn.tool_config_path={str(path)!r} does not "
-                        "exist", missing_config_fix(str(path), "actor_rollout_ref.rollout.multi_turn.tool_config_path",
-                                                    "verl's tool config YAML, or a Python file of @tool functions"))
+        raise KeelError(
+            TOOL_CONFIG,
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={str(path)!r} does not exist",
+            missing_config_fix(
+                str(path),
+                "actor_rollout_ref.rollout.multi_turn.tool_config_path",
+                "verl's tool config YAML, or a Python file of @tool functions",
+            ),
+        )
     tools = _tools_of_file(path) if path.suffix == ".py" else _tools_of_yaml(path, yaml.safe_load(path.read_text()))
     _check_names(tools, str(path))
     return tools
@@ -213,8 +258,7 @@ def _check_names(tools: list[Tool], where: str) -> None:
 def missing_config_fix(missing: str, key: str, what: str) -> str:
     """A file there is, named like the missing one; else what the key takes."""
     found = nearby_file(missing, (".yaml", ".yml", ".py"))
-    return (f"set {setting(key, found)} (the file there named most like it)" if found
-            else f"point {key} at {what}")
+    return f"set {setting(key, found)} (the file there named most like it)" if found else f"point {key} at {what}"
 
 
 def _load_file(path: Path):
@@ -231,15 +275,19 @@ def _load_file(path: Path):
         from keel.rollout.agent.verl_tools import verl_unavailable
 
         raise verl_unavailable(error, str(path), path.name) or KeelError(
-            TOOL_CONFIG, f"{path} raised on import: {type(error).__name__}: {error}") from None
+            TOOL_CONFIG, f"{path} raised on import: {type(error).__name__}: {error}"
+        ) from None
     return module
 
 
 def _tools_of_file(path: Path) -> list[Tool]:
     tools = [value for value in vars(_load_file(path)).values() if isinstance(value, Tool)]
     if not tools:
-        raise KeelError(TOOL_CONFIG, f"{path} defines no tools", "decorate a typed function with "
-                        "@keel.rollout.agent.tool, or make a Tool instance at module level")
+        raise KeelError(
+            TOOL_CONFIG,
+            f"{path} defines no tools",
+            "decorate a typed function with @keel.rollout.agent.tool, or make a Tool instance at module level",
+        )
     return tools
 
 
@@ -260,8 +308,11 @@ def _tool_from_entry(entry: Any, where: str, directory: Path) -> Tool:
         return build_verl_tool(cls, entry, where)
     schema = entry.get("tool_schema") or getattr(cls, "schema", None)
     if not schema or "name" not in schema.get("function", {}):
-        raise KeelError(TOOL_CONFIG, f"{where} ({entry['class_name']}) has no tool_schema.function.name",
-                        "add the tool's OpenAI function schema under tool_schema")
+        raise KeelError(
+            TOOL_CONFIG,
+            f"{where} ({entry['class_name']}) has no tool_schema.function.name",
+            "add the tool's OpenAI function schema under tool_schema",
+        )
     return cls(entry.get("config") or {}, schema)
 
 
@@ -271,10 +322,14 @@ def resolve_class(class_name: str, where: str, directory: Path, method: str = "e
     cls, reason = _find_class(class_name, where, directory)
     if not (isinstance(cls, type) and callable(getattr(cls, method, None))):
         near = closest(class_name, BUILTIN) if method == "execute" else None
-        fix = (f"write class_name: {near} in {where.split(' ')[0]} (the built-in tool spelt like it)" if near else
-               f"use one of {sorted(BUILTIN)}, file.py:Class, or an importable module.Class with a {method} method")
-        raise KeelError(TOOL_CONFIG, f"{where}: {class_name!r} names no class with the method {method}(): {reason}",
-                        fix)
+        fix = (
+            f"write class_name: {near} in {where.split(' ')[0]} (the built-in tool spelt like it)"
+            if near
+            else f"use one of {sorted(BUILTIN)}, file.py:Class, or an importable module.Class with a {method} method"
+        )
+        raise KeelError(
+            TOOL_CONFIG, f"{where}: {class_name!r} names no class with the method {method}(): {reason}", fix
+        )
     return cls
 
 

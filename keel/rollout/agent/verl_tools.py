@@ -60,13 +60,18 @@ def verl_unavailable(error: BaseException, where: str, what: str) -> KeelError |
         return None
     missing = getattr(error, "name", None) or ""
     if missing == "verl" or missing.startswith("verl."):
-        return KeelError(VERL_UNAVAILABLE, f"{where}: {what} needs verl, which is not installed here ({error})",
-                         f"{INSTALL} (verl's tool and interaction modules, without its training stack)")
+        return KeelError(
+            VERL_UNAVAILABLE,
+            f"{where}: {what} needs verl, which is not installed here ({error})",
+            f"{INSTALL} (verl's tool and interaction modules, without its training stack)",
+        )
     if not _raised_inside_verl(error.__traceback__):
         return None
-    return KeelError(VERL_UNAVAILABLE, f"{where}: {what} needs verl, which is installed but cannot be imported: "
-                     f"{type(error).__name__}: {error}",
-                     f"pip install {missing}" if missing else INSTALL)
+    return KeelError(
+        VERL_UNAVAILABLE,
+        f"{where}: {what} needs verl, which is installed but cannot be imported: {type(error).__name__}: {error}",
+        f"pip install {missing}" if missing else INSTALL,
+    )
 
 
 def _raised_inside_verl(traceback: TracebackType | None) -> bool:
@@ -85,28 +90,37 @@ def _verl_module(name: str, where: str, what: str):
         return importlib.import_module(name)
     except ImportError as error:
         raise verl_unavailable(error, where, what) or KeelError(
-            VERL_UNAVAILABLE, f"{where}: {what} needs {name}, which cannot be imported: {error}", INSTALL) from None
+            VERL_UNAVAILABLE, f"{where}: {what} needs {name}, which cannot be imported: {error}", INSTALL
+        ) from None
 
 
-def build_verl_tool(cls: type, entry: dict, where: str) -> "VerlTool":
+def build_verl_tool(cls: type, entry: dict, where: str) -> VerlTool:
     """verl's tool built as verl builds it: config and the tool_schema as verl's schema object."""
     schemas = _verl_module("verl.tools.schemas", where, entry["class_name"])
     config = dict(entry.get("config") or {})
     if config.get("type", "native") != "native":
-        raise KeelError(TOOL_CONFIG, f"{where}: config.type is {config['type']!r}; verl 0.9.1 and keel run native "
-                        "tools only (verl removed its MCP tools)", f"set config.type: native in {where.split(' ')[0]}")
+        raise KeelError(
+            TOOL_CONFIG,
+            f"{where}: config.type is {config['type']!r}; verl 0.9.1 and keel run native "
+            "tools only (verl removed its MCP tools)",
+            f"set config.type: native in {where.split(' ')[0]}",
+        )
     raw = entry.get("tool_schema")
     try:
         schema = None if raw is None else schemas.OpenAIFunctionToolSchema.model_validate(raw)
     except Exception as error:  # noqa: BLE001 - pydantic's ValidationError, named
-        raise KeelError(TOOL_CONFIG, f"{where}: tool_schema is not verl's OpenAIFunctionToolSchema: "
-                        f"{str(error).splitlines()[0:3]}", "write it as verl's examples do: {type: function, "
-                        "function: {name, description, parameters: {type: object, properties, required}}}") from None
+        raise KeelError(
+            TOOL_CONFIG,
+            f"{where}: tool_schema is not verl's OpenAIFunctionToolSchema: {str(error).splitlines()[0:3]}",
+            "write it as verl's examples do: {type: function, "
+            "function: {name, description, parameters: {type: object, properties, required}}}",
+        ) from None
     try:
         tool = cls(config=config, tool_schema=schema)
     except Exception as error:  # noqa: BLE001 - the user's class: its error, named
-        raise KeelError(TOOL_CONFIG, f"{where} ({entry['class_name']}) raised when built: "
-                        f"{type(error).__name__}: {error}") from None
+        raise KeelError(
+            TOOL_CONFIG, f"{where} ({entry['class_name']}) raised when built: {type(error).__name__}: {error}"
+        ) from None
     return VerlTool(tool)
 
 
@@ -168,20 +182,28 @@ def load_function_tools(path: str | Path) -> list[Tool]:
 
     path = Path(path)
     if not path.is_file():
-        raise KeelError(TOOL_CONFIG, f"{key}={str(path)!r} does not exist", missing_config_fix(
-            str(path), key, "a Python file of functions decorated with verl's @function_tool"))
+        raise KeelError(
+            TOOL_CONFIG,
+            f"{key}={str(path)!r} does not exist",
+            missing_config_fix(str(path), key, "a Python file of functions decorated with verl's @function_tool"),
+        )
     module = _verl_module("verl.tools.function_tool", key, "function_tool_path")
     try:
         carriers = module.load_function_tools_from_path(str(path))
     except Exception as error:  # noqa: BLE001 - the user's file (or verl's schema inference): named
         raise verl_unavailable(error, key, str(path)) or KeelError(
-            TOOL_CONFIG, f"{path} could not be loaded as verl's function tools: {type(error).__name__}: "
-            f"{str(error)[:300]}", "give each @function_tool a type hint on every parameter and a Google-style "
-            "docstring with an Args: block, and each tool its own name") from None
+            TOOL_CONFIG,
+            f"{path} could not be loaded as verl's function tools: {type(error).__name__}: {str(error)[:300]}",
+            "give each @function_tool a type hint on every parameter and a Google-style "
+            "docstring with an Args: block, and each tool its own name",
+        ) from None
     if not carriers:
-        raise KeelError(TOOL_CONFIG, f"{path} registers no function tools",
-                        "decorate its functions with verl's @function_tool (from verl.tools.function_tool import "
-                        "function_tool), or list keel @tool functions in tool_config_path")
+        raise KeelError(
+            TOOL_CONFIG,
+            f"{path} registers no function tools",
+            "decorate its functions with verl's @function_tool (from verl.tools.function_tool import "
+            "function_tool), or list keel @tool functions in tool_config_path",
+        )
     return [VerlFunctionTool(carrier, module.normalize_function_tool_return) for carrier in carriers]
 
 

@@ -32,6 +32,7 @@ MIN_BLOCK = 16  # tl.dot's least inner size for 16-bit inputs
 class KernelConfig:
     """The Triton kernel's tiling: cache columns per split (0: the whole cache, one pass) and per
     inner step, and its launch settings. None: chosen for the launch's shape by `resolved`."""
+
     split: int | None = None
     block: int = 64
     num_warps: int = 4
@@ -76,9 +77,18 @@ def split_columns(cache_len: int, programs: int, sms: int, minimum: int = 64) ->
     return max(minimum, 1 << (wanted - 1).bit_length())
 
 
-def sdpa_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor,
-                          column: Tensor, visible: Tensor, rows: Tensor | None = None,
-                          sinks: Tensor | None = None) -> Tensor:
+def sdpa_decode_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    pad: Tensor,
+    column: Tensor,
+    visible: Tensor,
+    rows: Tensor | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
     """q [B, H, 1, D], the new token's k/v [B, KV, 1, D] written at `column` of the caches
     [B, KV, L, D]; visible [B, 1, 1, L] -> [B, H * D]. The G query heads of each KV head are given
     to SDPA as G query positions of one head, so K and V are read once, never repeated.
@@ -93,7 +103,7 @@ def sdpa_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_ca
         k_cache[rows, :, column], v_cache[rows, :, column] = k[:, :, 0], v[:, :, 0]
         k_cache, v_cache = k_cache[rows], v_cache[rows]
     batch, heads, _, dim = q.shape
-    grouped = q.view(batch, k_cache.shape[1], heads // k_cache.shape[1], dim)    # [B, KV, G, D]
+    grouped = q.view(batch, k_cache.shape[1], heads // k_cache.shape[1], dim)  # [B, KV, G, D]
     if sinks is not None:
         grouped_sinks = sinks.view(1, k_cache.shape[1], heads // k_cache.shape[1], 1)
         return attention_with_sinks(grouped, k_cache, v_cache, visible, grouped_sinks).reshape(batch, heads * dim)
@@ -106,16 +116,28 @@ def attention_with_sinks(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None
     float32, the sink's share dropped. `visible` [..., L, S] (None: causal). SDPA has no sinks."""
     scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
     if visible is None:
-        visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(scores.shape[-1] - scores.shape[-2])
+        visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(
+            scores.shape[-1] - scores.shape[-2]
+        )
     scores = scores.masked_fill(~visible, float("-inf"))
     sink = sinks.float().expand(*scores.shape[:-1], 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return (probs @ v.float()).to(q.dtype)
 
 
-def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor,
-                            column: Tensor, visible: Tensor | None = None, rows: Tensor | None = None,
-                            sinks: Tensor | None = None, config: KernelConfig = DEFAULT_CONFIG) -> Tensor:
+def triton_decode_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    pad: Tensor,
+    column: Tensor,
+    visible: Tensor | None = None,
+    rows: Tensor | None = None,
+    sinks: Tensor | None = None,
+    config: KernelConfig = DEFAULT_CONFIG,
+) -> Tensor:
     """The same as sdpa_decode_attention in Triton; `visible` is implied by `pad` (the first column
     each row sees) and `column` (read on the device: no host sync).
 
@@ -137,41 +159,55 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_
     split = config.split
     splits = triton.cdiv(cache_len, split)
     out = torch.empty(batch, heads, dim, device=q.device, dtype=q.dtype)
-    partial = out if splits == 1 else torch.empty(batch, kv_heads, splits, group, dim, device=q.device,
-                                                  dtype=torch.float32)
+    partial = (
+        out if splits == 1 else torch.empty(batch, kv_heads, splits, group, dim, device=q.device, dtype=torch.float32)
+    )
     lse = out if splits == 1 else torch.empty(batch, kv_heads, splits, group, device=q.device, dtype=torch.float32)
     block_group = max(16, triton.next_power_of_2(group))
+    # Laid out as the kernel's signature groups them (tensors, strides, split, constants): one
+    # argument a line would hide which stride is whose.
     _decode_attention_kernel[(batch, kv_heads, splits)](
         q, k, v, k_cache, v_cache, out, partial, lse, pad, column, pad if rows is None else rows,
-        pad if sinks is None else sinks, dim ** -0.5,
+        pad if sinks is None else sinks, dim**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), split, splits,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        split, splits,
         GROUP=group, BLOCK_GROUP=block_group, DIM=dim, BLOCK=config.block, ONE_PASS=splits == 1,
         INDIRECT=rows is not None, COLUMN_STRIDE=int(column.numel() > 1), SINKS=sinks is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(batch, kv_heads)](
-            partial, lse, out, pad, column, split, splits, GROUP=group, BLOCK_GROUP=block_group, DIM=dim,
-            COLUMN_STRIDE=int(column.numel() > 1), num_warps=config.merge_warps)
+            partial, lse, out, pad, column, split, splits,
+            GROUP=group, BLOCK_GROUP=block_group, DIM=dim, COLUMN_STRIDE=int(column.numel() > 1),
+            num_warps=config.merge_warps,
+        )  # fmt: skip
     return out.view(batch, heads * dim)
 
 
 def triton_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """The kernel runs on CUDA in 16-bit types (its dot products would round float32 to tf32) with
     a power-of-two head size."""
-    return (triton is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-            and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+    return (
+        triton is not None
+        and device.type == "cuda"
+        and dtype in (torch.bfloat16, torch.float16)
+        and head_dim >= 16
+        and head_dim & (head_dim - 1) == 0
+    )
 
 
 if triton is not None:
+
     @triton.jit
-    def _decode_attention_kernel(Q, K, V, KCache, VCache, Out, PartialOut, PartialLse, Pad, Column, Rows, Sinks,
-                                 scale,
-                                 q_b, q_h, k_b, k_h, v_b, v_h, kc_b, kc_h, kc_l, vc_b, vc_h, vc_l, split_len, splits,
-                                 GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr,
-                                 BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, INDIRECT: tl.constexpr,
-                                 COLUMN_STRIDE: tl.constexpr, SINKS: tl.constexpr):
+    def _decode_attention_kernel(
+        Q, K, V, KCache, VCache, Out, PartialOut, PartialLse, Pad, Column, Rows, Sinks, scale,
+        q_b, q_h, k_b, k_h, v_b, v_h, kc_b, kc_h, kc_l, vc_b, vc_h, vc_l,  # strides: batch, head, column
+        split_len, splits,
+        GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
+        ONE_PASS: tl.constexpr, INDIRECT: tl.constexpr, COLUMN_STRIDE: tl.constexpr, SINKS: tl.constexpr,
+    ):  # fmt: skip
         slot = tl.program_id(0)  # the query row; its cache row is Rows[slot] under continuous batching
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -191,9 +227,10 @@ if triton is not None:
             d = tl.arange(0, DIM)
             in_group = g[:, None] < GROUP
             # The G query heads of this KV head: q is [B, H, 1, D], heads kv_head*G .. kv_head*G + G-1.
-            q = tl.load(Q + slot * q_b + (kv_head * GROUP + g[:, None]) * q_h + d[None, :], mask=in_group,
-                        other=0.0)                                                          # [BG, D]
-            k_new = tl.load(K + slot * k_b + kv_head * k_h + d)                             # [D]
+            q = tl.load(
+                Q + slot * q_b + (kv_head * GROUP + g[:, None]) * q_h + d[None, :], mask=in_group, other=0.0
+            )  # [BG, D]
+            k_new = tl.load(K + slot * k_b + kv_head * k_h + d)  # [D]
             v_new = tl.load(V + slot * v_b + kv_head * v_h + d)
             k_base = KCache + row * kc_b + kv_head * kc_h
             v_base = VCache + row * vc_b + kv_head * vc_h
@@ -208,26 +245,32 @@ if triton is not None:
             acc = tl.zeros([BLOCK_GROUP, DIM], tl.float32) + (v_new.to(tl.float32) * owns_new.to(tl.float32))[None, :]
             m, total, acc = _attend_columns(q, k_base, v_base, kc_l, vc_l, lo, hi, m, total, acc, scale, DIM, BLOCK)
             if SINKS:  # each head's sink logit joins the normaliser once: in the split with the new token
-                sink = tl.load(Sinks + kv_head * GROUP + g, mask=g < GROUP, other=float("-inf")).to(tl.float32)
-                sink = tl.where(owns_new, sink, float("-inf"))
-                m_new = tl.maximum(m, sink)
-                rescale = tl.exp(m - m_new)
-                acc = acc * rescale[:, None]
-                total = total * rescale + tl.exp(sink - m_new)
-                m = m_new
+                m, total, acc = _join_sinks(Sinks + kv_head * GROUP, g, owns_new, m, total, acc, GROUP)
             heads = GROUP * tl.num_programs(1)
             if ONE_PASS:
                 out_ptrs = Out + slot * heads * DIM + (kv_head * GROUP + g[:, None]) * DIM + d[None, :]
                 tl.store(out_ptrs, (acc / total[:, None]).to(Out.dtype.element_ty), mask=in_group)
             else:  # [B, KV, splits, G, D] and [B, KV, splits, G], fp32
                 part = (slot * tl.num_programs(1) + kv_head) * splits + split
-                tl.store(PartialOut + (part * GROUP + g[:, None]) * DIM + d[None, :], acc / total[:, None],
-                         mask=in_group)
+                tl.store(
+                    PartialOut + (part * GROUP + g[:, None]) * DIM + d[None, :], acc / total[:, None], mask=in_group
+                )
                 tl.store(PartialLse + part * GROUP + g, m + tl.log(total), mask=g < GROUP)
 
     @triton.jit
-    def _attend_columns(q, k_base, v_base, kc_l, vc_l, lo, hi, m, total, acc, scale, DIM: tl.constexpr,
-                        BLOCK: tl.constexpr):
+    def _join_sinks(sinks, g, owns_new, m, total, acc, GROUP: tl.constexpr):
+        """The running softmax (maximum m, normaliser total, weighted sum acc) of a KV head's G query
+        heads with each head's sink logit in the normaliser, where this split holds the new token."""
+        sink = tl.load(sinks + g, mask=g < GROUP, other=float("-inf")).to(tl.float32)
+        sink = tl.where(owns_new, sink, float("-inf"))
+        m_new = tl.maximum(m, sink)
+        rescale = tl.exp(m - m_new)
+        return m_new, total * rescale + tl.exp(sink - m_new), acc * rescale[:, None]
+
+    @triton.jit
+    def _attend_columns(
+        q, k_base, v_base, kc_l, vc_l, lo, hi, m, total, acc, scale, DIM: tl.constexpr, BLOCK: tl.constexpr
+    ):
         """Online softmax of q [BG, D] over the cache columns [lo, hi), BLOCK at a time, continuing
         from the running maximum m, normaliser total and weighted sum acc."""
         d = tl.arange(0, DIM)
@@ -235,7 +278,7 @@ if triton is not None:
             cols = start + tl.arange(0, BLOCK)
             seen = (cols >= lo) & (cols < hi)
             k = tl.load(k_base + cols[:, None] * kc_l + d[None, :], mask=seen[:, None], other=0.0)  # [BL, D]
-            scores = tl.dot(q, tl.trans(k)) * scale                                         # [BG, BL] fp32
+            scores = tl.dot(q, tl.trans(k)) * scale  # [BG, BL] fp32
             scores = tl.where(seen[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             rescale = tl.exp(m - m_new)
@@ -247,8 +290,19 @@ if triton is not None:
         return m, total, acc
 
     @triton.jit
-    def _merge_splits_kernel(PartialOut, PartialLse, Out, Pad, Column, split_len, splits, GROUP: tl.constexpr,
-                             BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr, COLUMN_STRIDE: tl.constexpr):
+    def _merge_splits_kernel(
+        PartialOut,
+        PartialLse,
+        Out,
+        Pad,
+        Column,
+        split_len,
+        splits,
+        GROUP: tl.constexpr,
+        BLOCK_GROUP: tl.constexpr,
+        DIM: tl.constexpr,
+        COLUMN_STRIDE: tl.constexpr,
+    ):
         """A row's splits merged by their log-sum-exps: those from its first visible column's split
         to its new token's."""
         slot = tl.program_id(0)
@@ -264,8 +318,9 @@ if triton is not None:
         for split in range(tl.minimum(first, column) // split_len, column // split_len + 1):
             part = (slot * tl.num_programs(1) + kv_head) * splits + split
             lse = tl.load(PartialLse + part * GROUP + g, mask=in_group, other=0.0)
-            out = tl.load(PartialOut + (part * GROUP + g[:, None]) * DIM + d[None, :], mask=in_group[:, None],
-                          other=0.0)
+            out = tl.load(
+                PartialOut + (part * GROUP + g[:, None]) * DIM + d[None, :], mask=in_group[:, None], other=0.0
+            )
             m_new = tl.maximum(m, lse)
             rescale = tl.exp(m - m_new)
             weight = tl.exp(lse - m_new)

@@ -27,13 +27,14 @@ from keel.rollout.native.runner import ModelRunner
 from keel.rollout.native.state import Clock, capture
 from keel.types import SamplingParams
 
-DONE_CHECK_EVERY = 16     # decode steps between looks at which turns ended (a host sync)
-KEYS_PER_PASS = 8         # prefill keys gathered in one pass, in units of max_num_batched_tokens
+DONE_CHECK_EVERY = 16  # decode steps between looks at which turns ended (a host sync)
+KEYS_PER_PASS = 8  # prefill keys gathered in one pass, in units of max_num_batched_tokens
 
 
 @dataclass
 class Finished:
     """A turn that ended: its sampled tokens (the stop token included) and their log-probs."""
+
     key: object
     ids: list[int]
     log_probs: list[float]
@@ -42,37 +43,53 @@ class Finished:
 @dataclass
 class Waiting:
     key: object
-    context: list[int]    # the sequence's whole context: what is cached, then the new tokens
-    limit: int            # tokens this turn may take
+    context: list[int]  # the sequence's whole context: what is cached, then the new tokens
+    limit: int  # tokens this turn may take
     group: object = None  # sequences of one group with the same first context share its prefill
 
 
 @dataclass
 class RowState:
     """The device state of every row (the last one is the scratch row); static, as graphs need."""
-    k: list[Tensor]        # per layer [R + 1, KV, L, D]
+
+    k: list[Tensor]  # per layer [R + 1, KV, L, D]
     v: list[Tensor]
-    length: Tensor         # [R + 1] cache columns written
-    last_token: Tensor     # [R + 1] the token the next step reads: sampled, not yet in the cache
-    count: Tensor          # [R + 1] tokens sampled this turn
-    limit: Tensor          # [R + 1] tokens this turn may take
-    done: Tensor           # [R + 1] bool: the turn ended
-    tokens: Tensor         # [R + 1, T + 1] this turn's tokens
-    log_probs: Tensor      # [R + 1, T + 1]
+    length: Tensor  # [R + 1] cache columns written
+    last_token: Tensor  # [R + 1] the token the next step reads: sampled, not yet in the cache
+    count: Tensor  # [R + 1] tokens sampled this turn
+    limit: Tensor  # [R + 1] tokens this turn may take
+    done: Tensor  # [R + 1] bool: the turn ended
+    tokens: Tensor  # [R + 1, T + 1] this turn's tokens
+    log_probs: Tensor  # [R + 1, T + 1]
 
     @classmethod
-    def allocate(cls, rows: int, max_len: int, turn_tokens: int, *, layers: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> "RowState":
+    def allocate(
+        cls,
+        rows: int,
+        max_len: int,
+        turn_tokens: int,
+        *,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> RowState:
         def zeros(*shape, kind=torch.long):
             return torch.zeros(shape, dtype=kind, device=device)
 
         cache = (rows + 1, kv_heads, max_len, head_dim)
-        return cls(k=[zeros(*cache, kind=dtype) for _ in range(layers)],
-                   v=[zeros(*cache, kind=dtype) for _ in range(layers)],
-                   length=zeros(rows + 1), last_token=zeros(rows + 1), count=zeros(rows + 1), limit=zeros(rows + 1),
-                   done=torch.ones(rows + 1, dtype=torch.bool, device=device),
-                   tokens=zeros(rows + 1, turn_tokens + 1), log_probs=zeros(rows + 1, turn_tokens + 1,
-                                                                            kind=torch.float32))
+        return cls(
+            k=[zeros(*cache, kind=dtype) for _ in range(layers)],
+            v=[zeros(*cache, kind=dtype) for _ in range(layers)],
+            length=zeros(rows + 1),
+            last_token=zeros(rows + 1),
+            count=zeros(rows + 1),
+            limit=zeros(rows + 1),
+            done=torch.ones(rows + 1, dtype=torch.bool, device=device),
+            tokens=zeros(rows + 1, turn_tokens + 1),
+            log_probs=zeros(rows + 1, turn_tokens + 1, kind=torch.float32),
+        )
 
     def record(self, rows: Tensor, token: Tensor, log_prob: Tensor, eos: Tensor, ignore_eos: bool) -> Tensor:
         """This step's token for each of `rows` whose turn goes on, on the device -> which did.
@@ -95,15 +112,29 @@ class ContinuousBatcher:
     """Sequences added with `add` generate one turn each time they are added; `step` admits,
     decodes a few steps and returns the turns that ended; `release` gives a sequence's row back."""
 
-    def __init__(self, runner: ModelRunner, eos: Tensor, shape: tuple[int, int, int], prefill_budget: int,
-                 timing: dict[str, float]):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        eos: Tensor,
+        shape: tuple[int, int, int],
+        prefill_budget: int,
+        timing: dict[str, float],
+    ):
         """`shape`: rows, tokens a row holds, tokens a turn may take; `prefill_budget`: tokens one
         prefill pass takes (max_num_batched_tokens); `timing`: where seconds per part add up."""
         rows, max_len, turn_tokens = self.shape = shape
         self.runner, self.eos, self.prefill_budget, self.timing = runner, eos, prefill_budget, timing
         self.device = runner.device
-        self.state = RowState.allocate(rows, max_len, turn_tokens, layers=runner.layers, kv_heads=runner.kv_heads,
-                                       head_dim=runner.head_dim, dtype=runner.dtype, device=runner.device)
+        self.state = RowState.allocate(
+            rows,
+            max_len,
+            turn_tokens,
+            layers=runner.layers,
+            kv_heads=runner.kv_heads,
+            head_dim=runner.head_dim,
+            dtype=runner.dtype,
+            device=runner.device,
+        )
         self.scratch = rows
         self.graphs: dict[int, tuple[Tensor, Tensor, object]] = {}  # bucket -> (row table, pad, its step)
         self.pool = torch.cuda.graph_pool_handle() if runner.use_cuda_graphs else None
@@ -116,10 +147,10 @@ class ContinuousBatcher:
         self.free = list(range(self.scratch))[::-1]
         self.row_of: dict[object, int] = {}
         self.key_of: dict[int, object] = {}
-        self.contexts: dict[int, list[int]] = {}   # per row: the context so far (cached, then last_token)
+        self.contexts: dict[int, list[int]] = {}  # per row: the context so far (cached, then last_token)
         self.waiting: list[Waiting] = []
         self.active: list[int] = []
-        self.left: dict[int, int] = {}             # per active row: most tokens its turn may still take
+        self.left: dict[int, int] = {}  # per active row: most tokens its turn may still take
         self.state.done.fill_(True)
         self.table: tuple | None = None
 
@@ -136,8 +167,10 @@ class ContinuousBatcher:
         """A turn for `key`: a new sequence, or one returning with its context extended."""
         rows, max_len, turn_tokens = self.shape
         if not 0 < limit <= turn_tokens or len(context) + limit > max_len:
-            raise ValueError(f"a turn of {limit} tokens after {len(context)} does not fit rows of {max_len} tokens, "
-                             f"turns of {turn_tokens}")
+            raise ValueError(
+                f"a turn of {limit} tokens after {len(context)} does not fit rows of {max_len} tokens, "
+                f"turns of {turn_tokens}"
+            )
         if any(w.key == key for w in self.waiting) or self.row_of.get(key) in self.active:
             raise ValueError(f"{key!r} already has a turn under way")
         self.waiting.append(Waiting(key, list(context), limit, group))
@@ -202,7 +235,7 @@ class ContinuousBatcher:
         """The prefill of each (row, start, tokens, group): the rows that begin one group's same
         context are prefilled once, the others get a copy of its KV -> logits [len(items), V]."""
         first_of: dict[tuple, int] = {}  # (group, context) -> its index in `unique`
-        unique, source = [], []          # what is prefilled; each item's index in it
+        unique, source = [], []  # what is prefilled; each item's index in it
         for row, start, new, group in items:
             shared = (group, tuple(new)) if start == 0 and group is not None else None
             if shared is None or shared not in first_of:
@@ -318,8 +351,9 @@ class ContinuousBatcher:
         index = torch.tensor(rows, device=self.device)
         s = self.state
         finished = []
-        for row, count, ids, log_probs in zip(rows, s.count[index].tolist(), s.tokens[index].tolist(),
-                                              s.log_probs[index].tolist()):
+        for row, count, ids, log_probs in zip(
+            rows, s.count[index].tolist(), s.tokens[index].tolist(), s.log_probs[index].tolist()
+        ):
             self.contexts[row] = self.contexts[row] + ids[:count]
             self.left.pop(row, None)
             finished.append(Finished(self.key_of[row], ids[:count], log_probs[:count]))

@@ -49,9 +49,19 @@ def keeps_cache(free_cache_engine: bool | None, cache_bytes: int, device_bytes: 
 
 
 class NativeRolloutEngine:
-    def __init__(self, model, tokenizer, max_num_seqs: int, dtype: torch.dtype, enforce_eager: bool = False,
-                 memory_utilization: float = 0.5, max_num_batched_tokens: int = 8192, compile_step: bool = True,
-                 free_cache_engine: bool | None = None, compile_mode: str | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_num_seqs: int,
+        dtype: torch.dtype,
+        enforce_eager: bool = False,
+        memory_utilization: float = 0.5,
+        max_num_batched_tokens: int = 8192,
+        compile_step: bool = True,
+        free_cache_engine: bool | None = None,
+        compile_mode: str | None = None,
+    ):
         self.tokenizer = tokenizer
         # free_cache_engine=False (verl's key): the KV cache and its CUDA graphs stay between calls
         # and are reused when the next call fits them, as fixed-length batches do. None: kept
@@ -109,8 +119,9 @@ class NativeRolloutEngine:
     @torch.no_grad()
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
         """Every prompt's samples, through the scheduler: rows that finish are refilled."""
-        batcher = self.continuous_batcher(len(prompts), prompts.input_ids.shape[1] + params.max_new_tokens,
-                                          params.max_new_tokens)
+        batcher = self.continuous_batcher(
+            len(prompts), prompts.input_ids.shape[1] + params.max_new_tokens, params.max_new_tokens
+        )
         for i, (ids, mask, record) in enumerate(zip(prompts.input_ids, prompts.attention_mask, prompts.records)):
             batcher.add(i, ids[mask.bool()].tolist(), params.max_new_tokens, group=record.index)
         turns = [None] * len(prompts)
@@ -118,8 +129,9 @@ class NativeRolloutEngine:
             for turn in batcher.step(params):
                 turns[turn.key] = turn
                 batcher.release(turn.key)
-        ids = pad_sequence([torch.tensor(t.ids) for t in turns], batch_first=True,
-                           padding_value=self.tokenizer.pad_token_id)
+        ids = pad_sequence(
+            [torch.tensor(t.ids) for t in turns], batch_first=True, padding_value=self.tokenizer.pad_token_id
+        )
         log_probs = pad_sequence([torch.tensor(t.log_probs) for t in turns], batch_first=True)
         return assemble_batch(prompts, [(ids, log_probs)], self.tokenizer, self.eos_ids, params)
 
@@ -134,8 +146,9 @@ class NativeRolloutEngine:
             kept.reset()  # big enough: its rows, graphs and all
             return kept
         self._kept_batcher = None  # one kept cache: a new one's memory comes first
-        batcher = ContinuousBatcher(self.runner, self.eos, (rows, max_len, turn_tokens), self.max_num_batched_tokens,
-                                    self.timing)
+        batcher = ContinuousBatcher(
+            self.runner, self.eos, (rows, max_len, turn_tokens), self.max_num_batched_tokens, self.timing
+        )
         if self._keeps(batcher.state):
             self._kept_batcher = batcher
         return batcher
@@ -159,6 +172,10 @@ class NativeRolloutEngine:
         per_sequence = self.runner.cache_bytes_per_token() * seq_len
         fits = max(1, int(free * self.memory_utilization // per_sequence))
         if fits < self.max_num_seqs:
-            log.info("native rollout: %d sequences at once (KV cache within %.0f%% of %.1f GB free)", fits,
-                     100 * self.memory_utilization, free / 1e9)
+            log.info(
+                "native rollout: %d sequences at once (KV cache within %.0f%% of %.1f GB free)",
+                fits,
+                100 * self.memory_utilization,
+                free / 1e9,
+            )
         return min(self.max_num_seqs, fits)

@@ -11,7 +11,6 @@ from torch import Tensor
 from keel.rollout.native.attention import attention_with_sinks
 from keel.rollout.native.sampling import Pickers, pick_blocked, pick_token
 
-
 RECOMPILE_LIMIT = 64
 
 
@@ -37,12 +36,19 @@ class StepFunctions:
         self.pickers = Pickers(prepared(pick_token), prepared(pick_blocked))
 
 
-def step_inputs(last_token: Tensor, pad: Tensor, column: Tensor, cache_len: int, embed: Tensor, embed_scale: float,
-                stream_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+def step_inputs(
+    last_token: Tensor,
+    pad: Tensor,
+    column: Tensor,
+    cache_len: int,
+    embed: Tensor,
+    embed_scale: float,
+    stream_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Embeddings [B, hidden] in the residual stream's dtype (times the family's scale), each row's
     position [B] (left padding skipped) and the visible cache columns [B, 1, 1, L]. `column`: the
     cache column of this step's token, one for the batch [1] or each row's own [B]."""
-    positions = column - pad                                                    # [B]
+    positions = column - pad  # [B]
     cols = torch.arange(cache_len, device=pad.device)
     visible = ((cols >= pad[:, None]) & (cols <= column[:, None]))[:, None, None]  # [B, 1, 1, L]
     return embeddings(last_token, embed, embed_scale, stream_dtype), positions, visible
@@ -51,7 +57,6 @@ def step_inputs(last_token: Tensor, pad: Tensor, column: Tensor, cache_len: int,
 def embeddings(ids: Tensor, embed: Tensor, embed_scale: float, stream_dtype: torch.dtype) -> Tensor:
     """The residual stream's start: the tokens' embeddings in its dtype, times the family's scale."""
     return F.embedding(ids, embed).to(stream_dtype) * embed_scale
-
 
 
 def project(x: Tensor, weight: Tensor, low_rank: tuple[Tensor, Tensor] | None, bias: Tensor | None = None) -> Tensor:
@@ -66,10 +71,19 @@ def project(x: Tensor, weight: Tensor, low_rank: tuple[Tensor, Tensor] | None, b
     return y + F.linear(F.linear(x, a), b)
 
 
-
-def attention_inputs(h: Tensor, cos: Tensor, sin: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | None, qkv_lora,
-                     q_norm: Tensor | None, k_norm: Tensor | None, heads: int, kv_heads: int, eps: float
-                     ) -> tuple[Tensor, Tensor, Tensor]:
+def attention_inputs(
+    h: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    qkv_weight: Tensor,
+    qkv_bias: Tensor | None,
+    qkv_lora,
+    q_norm: Tensor | None,
+    k_norm: Tensor | None,
+    heads: int,
+    kv_heads: int,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     """q [B, H, 1, D] and k [B, KV, 1, D] rotated, v [B, KV, 1, D], from the normed hidden state;
     each head's query and key RMS-normed first where the layer has those norms (Qwen3)."""
     batch, head_dim = h.shape[0], cos.shape[-1]
@@ -84,9 +98,17 @@ def attention_inputs(h: Tensor, cos: Tensor, sin: Tensor, qkv_weight: Tensor, qk
     return qk[:, :heads].unsqueeze(2), qk[:, heads:].unsqueeze(2), v
 
 
-
-def attention_output_and_mlp(x: Tensor, attention: Tensor, next_norm: Tensor, o: Tensor, post_norm: Tensor,
-                             gate_up: Tensor, down: Tensor, low_rank, eps: float) -> tuple[Tensor, Tensor]:
+def attention_output_and_mlp(
+    x: Tensor,
+    attention: Tensor,
+    next_norm: Tensor,
+    o: Tensor,
+    post_norm: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    low_rank,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
     """The rest of a decoder layer: output projection and residual, the gated MLP and residual;
     also the next layer's normed input, so the residual stream is read once. `low_rank`: LoRA's
     (o, gate_up, down) adapters, or Nones. Plain tensors, not the LayerWeights, so torch.compile
@@ -98,7 +120,6 @@ def attention_output_and_mlp(x: Tensor, attention: Tensor, next_norm: Tensor, o:
     return x, rms_norm(x, next_norm, eps)
 
 
-
 def residual_add(x: Tensor, y: Tensor) -> Tensor:
     """x + y, rounded as a 16-bit add rounds (both are exact in float32). Written in float32 so
     that inductor fuses the add into the norm that reads it, rather than into the matmul as
@@ -106,20 +127,17 @@ def residual_add(x: Tensor, y: Tensor) -> Tensor:
     return (x.float() + y.float()).to(x.dtype)
 
 
-
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """As Qwen2/Llama compute it: in float32, scaled by the weight in the input dtype."""
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-
 def rope(positions: Tensor, inv_freq: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos [B, 1, D] and sin [B, 1, D] with the rotate-half sign folded in (-sin on the first half)."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]                       # [B, D/2]
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [B, D/2]
     cos = torch.cat([freqs, freqs], dim=-1).cos() * scale
     sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1) * scale
     return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
-
 
 
 def applyrope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -127,7 +145,6 @@ def applyrope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     rotate_half(x) = [-x2, x1] and the minus sign lives in `sin`."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
-
 
 
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None, sinks: Tensor | None = None) -> Tensor:
@@ -142,7 +159,6 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None, s
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=visible is None)
 
 
-
 def within_window(visible: Tensor | None, query_columns: Tensor, end: int, window: int | None) -> Tensor | None:
     """A prefill's mask narrowed to a sliding window: queries at cache columns `query_columns`
     ([L], or [u, L] each row's own) see keys no more than `window` - 1 columns back. `visible`:
@@ -150,7 +166,7 @@ def within_window(visible: Tensor | None, query_columns: Tensor, end: int, windo
     if window is None or end <= window:
         return visible
     keys = torch.arange(end, device=query_columns.device)
-    near = (keys > query_columns[..., None] - window) & (keys <= query_columns[..., None])   # [(u,) L, end]
+    near = (keys > query_columns[..., None] - window) & (keys <= query_columns[..., None])  # [(u,) L, end]
     near = near[:, None] if near.dim() == 3 else near
     return near if visible is None else visible & near
 

@@ -24,8 +24,15 @@ Piece = tuple[int, int, list[int]]  # (cache row, first column, the tokens writt
 
 
 class ModelRunner:
-    def __init__(self, model, dtype: torch.dtype, pad_token_id: int, enforce_eager: bool = False,
-                 compile_step: bool = True, compile_mode: str | None = None):
+    def __init__(
+        self,
+        model,
+        dtype: torch.dtype,
+        pad_token_id: int,
+        enforce_eager: bool = False,
+        compile_step: bool = True,
+        compile_mode: str | None = None,
+    ):
         self.dtype, self.pad_token_id = dtype, pad_token_id
         self.family = family_for(model.config)  # the model's definition: its weights and layer math
         self.kv_heads, self.head_dim = self.family.kv_heads, self.family.head_dim
@@ -35,8 +42,9 @@ class ModelRunner:
         # enforce_eager (verl's key): no CUDA graphs, no compilation; for debugging, and CPU's only way.
         # compile_mode: torch.compile's, for benchmarks/profile_decode.py (max-autotune was slower here).
         self.use_cuda_graphs = not enforce_eager and self.device.type == "cuda"
-        self.kernels = StepFunctions(self.family, self.use_cuda_graphs and compile_step and can_compile(self.device),
-                                     compile_mode)
+        self.kernels = StepFunctions(
+            self.family, self.use_cuda_graphs and compile_step and can_compile(self.device), compile_mode
+        )
         self.eager = StepFunctions(self.family, compiled=False)  # prefill: compute-bound, run eagerly
         use_triton = triton_available(self.device, dtype, self.head_dim)
         self.attention = triton_decode_attention if use_triton else sdpa_decode_attention
@@ -64,9 +72,10 @@ class ModelRunner:
         lengths = torch.tensor([len(new) for _, _, new in pieces], device=device)
         ids = torch.full((u, width), self.pad_token_id, dtype=torch.long)
         for i, (_, _, new) in enumerate(pieces):
-            ids[i, :len(new)] = torch.tensor(new)
+            ids[i, : len(new)] = torch.tensor(new)
         positions = torch.tensor([start for _, start, _ in pieces], device=device)[:, None] + torch.arange(
-            width, device=device)                                                               # [u, m]
+            width, device=device
+        )  # [u, m]
         end = max(start + len(new) for _, start, new in pieces)
         plain_causal = all(start == 0 and len(new) == width for _, start, new in pieces)
         # A padding query sees every column up to its position: finite, and never used.
@@ -77,20 +86,28 @@ class ModelRunner:
         x = embeddings(ids.to(device), w.embed, self.family.embed_scale, w.stream_dtype).flatten(0, 1)  # [u m, H]
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            q, k, v = (t.view(u, width, t.shape[1], t.shape[-1]) for t in (q, k, v))          # [u, m, *, D]
+            q, k, v = (t.view(u, width, t.shape[1], t.shape[-1]) for t in (q, k, v))  # [u, m, *, D]
             k_cache[i][cache_rows, :, cache_columns] = k[piece_of, column_of]
             v_cache[i][cache_rows, :, cache_columns] = v[piece_of, column_of]
             seen = within_window(visible, positions, end, self.family.window(i))
-            attention = grouped_attention(q.transpose(1, 2), k_cache[i][rows, :, :end], v_cache[i][rows, :, :end],
-                                          seen, w.layers[i].sinks)
+            attention = grouped_attention(
+                q.transpose(1, 2), k_cache[i][rows, :, :end], v_cache[i][rows, :, :end], seen, w.layers[i].sinks
+            )
             return attention.transpose(1, 2).reshape(x.shape[0], -1)
 
         h = self.family.layers(self.eager, w, x, positions.flatten(), attend)
         last = h.view(u, width, -1)[torch.arange(u, device=device), lengths - 1]
         return F.linear(last.to(w.lm_head.dtype), w.lm_head)
 
-    def decode_logits(self, last_token: Tensor, pad: Tensor, column: Tensor, k_cache: list[Tensor],
-                      v_cache: list[Tensor], rows: Tensor | None = None) -> Tensor:
+    def decode_logits(
+        self,
+        last_token: Tensor,
+        pad: Tensor,
+        column: Tensor,
+        k_cache: list[Tensor],
+        v_cache: list[Tensor],
+        rows: Tensor | None = None,
+    ) -> Tensor:
         """Logits [B, V] for the last sampled token of every row, its K and V written to the cache
         at `column` (one for the batch, or each row's own). `rows`: each query's row of the cache
         (continuous batching), else query b is row b.
@@ -100,16 +117,27 @@ class ModelRunner:
         gate become a handful of kernels around the matmuls): decoding a small model is bound by
         kernel launches and bytes read, not FLOPs."""
         f, w = self.kernels, self.weights
-        x, positions, visible = f.step_inputs(last_token, pad, column, k_cache[0].shape[2], w.embed,
-                                              self.family.embed_scale, w.stream_dtype)
+        x, positions, visible = f.step_inputs(
+            last_token, pad, column, k_cache[0].shape[2], w.embed, self.family.embed_scale, w.stream_dtype
+        )
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # also writes k, v to the cache
             window, sinks = self.family.window(i), w.layers[i].sinks
             first = window_start(pad, column, window)  # the Triton kernel's; SDPA's is in its mask
             if window is not None:
                 columns = torch.arange(visible.shape[-1], device=pad.device)
-                return self.attention(q, k, v, k_cache[i], v_cache[i], first, column,
-                                      visible & (columns >= first[:, None])[:, None, None], rows, sinks)
+                return self.attention(
+                    q,
+                    k,
+                    v,
+                    k_cache[i],
+                    v_cache[i],
+                    first,
+                    column,
+                    visible & (columns >= first[:, None])[:, None, None],
+                    rows,
+                    sinks,
+                )
             return self.attention(q, k, v, k_cache[i], v_cache[i], first, column, visible, rows, sinks)
 
         h = self.family.layers(f, w, x, positions, attend)

@@ -16,12 +16,14 @@ SAMPLE_BLOCK = 1024  # vocabulary entries per block of two-stage sampling
 
 class Pickers(NamedTuple):
     """The functions that read the logits (the engine passes torch.compile'd copies on GPU)."""
+
     token: Callable
     blocked: Callable
 
 
-def sample(logits: Tensor, params: SamplingParams, pickers: Pickers | None = None,
-           block: int = SAMPLE_BLOCK) -> tuple[Tensor, Tensor]:
+def sample(
+    logits: Tensor, params: SamplingParams, pickers: Pickers | None = None, block: int = SAMPLE_BLOCK
+) -> tuple[Tensor, Tensor]:
     """(token [B], its log-prob under the temperature-scaled distribution [B]) from logits [B, V].
 
     The log-prob is taken from the full distribution, not the top-k/top-p truncated one: it is
@@ -43,8 +45,9 @@ def sample(logits: Tensor, params: SamplingParams, pickers: Pickers | None = Non
     return pickers.blocked(logits, noise(rows, -(-vocab // block)), noise(rows, block), params.temperature)
 
 
-def pick_token(logits: Tensor, filtered: Tensor | None, noise: Tensor | None,
-               temperature: float) -> tuple[Tensor, Tensor]:
+def pick_token(
+    logits: Tensor, filtered: Tensor | None, noise: Tensor | None, temperature: float
+) -> tuple[Tensor, Tensor]:
     """Greedy (no noise) or Gumbel-max over `filtered` (default: all of the scaled logits), and
     the token's log-prob under the full scaled distribution."""
     scaled = logits.float() / temperature
@@ -57,8 +60,7 @@ def pick_token(logits: Tensor, filtered: Tensor | None, noise: Tensor | None,
     return token, log_prob
 
 
-def pick_blocked(logits: Tensor, block_noise: Tensor, inner_noise: Tensor,
-                 temperature: float) -> tuple[Tensor, Tensor]:
+def pick_blocked(logits: Tensor, block_noise: Tensor, inner_noise: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     """Gumbel-max in two stages: a block of the vocabulary, drawn by its mass (the logsumexp of
     its logits), then a token of that block by its logit. P(block) x P(token | block) is the
     softmax, exactly, with noise for the blocks and one block instead of for every token; the
@@ -67,8 +69,8 @@ def pick_blocked(logits: Tensor, block_noise: Tensor, inner_noise: Tensor,
     blocks, size = block_noise.shape[1], inner_noise.shape[1]
     scaled = F.pad(logits.float() / temperature, (0, blocks * size - vocab), value=float("-inf"))
     scaled = scaled.view(rows, blocks, size)
-    block_mass = torch.logsumexp(scaled, dim=-1)                                  # [B, blocks]
-    chosen = (block_mass - block_noise.clamp(min=1e-30).log()).argmax(-1)         # [B]
+    block_mass = torch.logsumexp(scaled, dim=-1)  # [B, blocks]
+    chosen = (block_mass - block_noise.clamp(min=1e-30).log()).argmax(-1)  # [B]
     inner = scaled.gather(1, chosen.view(rows, 1, 1).expand(rows, 1, size)).squeeze(1)  # [B, size]
     offset = (inner - inner_noise.clamp(min=1e-30).log()).argmax(-1)
     log_prob = inner.gather(-1, offset.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(block_mass, dim=-1)

@@ -35,9 +35,12 @@ class DecodeWeights:
         # matmul's inputs; a LoRA base in the compute dtype keeps it there. The embeddings rounded
         # to bf16 were most of the sampler/trainer log-prob gap (0.0072 -> 0.0026 on CPU).
         self.stream_dtype = torch.promote_types(dtype, model.get_input_embeddings().weight.dtype)
-        b = self.buffers = {name: torch.empty(_fused_shape(parts), device=device,
-                                              dtype=self.stream_dtype if name.endswith(STREAM_BUFFERS) else dtype)
-                            for name, parts in sources.items()}
+        b = self.buffers = {
+            name: torch.empty(
+                _fused_shape(parts), device=device, dtype=self.stream_dtype if name.endswith(STREAM_BUFFERS) else dtype
+            )
+            for name, parts in sources.items()
+        }
         self.targets: dict[str, tuple[str, int, torch.Size]] = {}  # parameter -> (buffer, first row, shape)
         for buffer, parts in sources.items():
             rows = itertools.accumulate((p.shape[0] for p in parts), initial=0)
@@ -47,8 +50,10 @@ class DecodeWeights:
         # Tied embeddings: one buffer, or where the embeddings are float32 the head's own copy in
         # the compute dtype, refreshed from them on every load (its matmul rounds its inputs).
         self.lm_head = b.get("lm_head", self.embed if self.embed.dtype == dtype else self.embed.to(dtype))
-        self.rotary = {kind: (inv_freq.detach().to(device, torch.float32), scale)
-                       for kind, (inv_freq, scale) in family.rotary_frequencies(model).items()}
+        self.rotary = {
+            kind: (inv_freq.detach().to(device, torch.float32), scale)
+            for kind, (inv_freq, scale) in family.rotary_frequencies(model).items()
+        }
 
     def norm_after(self, layer: int) -> Tensor:
         """The norm applied to layer `layer`'s output: the next layer's input norm (None where layers
@@ -68,7 +73,7 @@ class DecodeWeights:
             buffer, row, shape = self.targets[name]
             if tensor.shape != shape:  # a part-filled buffer would mix old weights with new
                 raise RuntimeError(f"native rollout: {name} has shape {tuple(tensor.shape)}, not {tuple(shape)}")
-            self.buffers[buffer][row:row + shape[0]].copy_(tensor.detach())
+            self.buffers[buffer][row : row + shape[0]].copy_(tensor.detach())
             if buffer == "embed" and self.lm_head.data_ptr() != self.embed.data_ptr() and "lm_head" not in self.buffers:
                 self.lm_head.copy_(tensor.detach())
             missing.discard(name)
@@ -85,7 +90,7 @@ class DecodeWeights:
             if target is None:
                 continue
             buffer, row, shape = target
-            view = self.buffers[buffer][row:row + shape[0]]
+            view = self.buffers[buffer][row : row + shape[0]]
             if param.shape != shape or param.dtype != view.dtype or param.device != view.device:
                 continue  # another dtype or device: it keeps its own memory
             freed += param.nbytes
@@ -109,9 +114,11 @@ class DecodeWeights:
                 current[0].copy_(a)
                 current[1].copy_(b)
             else:
-                setattr(self.layers[int(layer)], field, (a.to(self.embed.device, self.embed.dtype),
-                                                         b.to(self.embed.device, self.embed.dtype)))
-
+                setattr(
+                    self.layers[int(layer)],
+                    field,
+                    (a.to(self.embed.device, self.embed.dtype), b.to(self.embed.device, self.embed.dtype)),
+                )
 
 
 def _decode_weight_sources(model, family: Family) -> dict[str, list[Tensor]]:
@@ -127,17 +134,15 @@ def _decode_weight_sources(model, family: Family) -> dict[str, list[Tensor]]:
     return sources
 
 
-
 def _fused_low_rank(parts: list[tuple[int, Tensor, Tensor]], rows: int) -> LowRank:
     """(A stacked, B block-diagonal) of a fused projection from its parts' (first row, A, B)."""
     a = torch.cat([part_a for _, part_a, _ in parts])
     b = a.new_zeros(rows, a.shape[0], dtype=parts[0][2].dtype)
     rank_at = 0
     for row, part_a, part_b in parts:
-        b[row:row + part_b.shape[0], rank_at:rank_at + part_a.shape[0]] = part_b
+        b[row : row + part_b.shape[0], rank_at : rank_at + part_a.shape[0]] = part_b
         rank_at += part_a.shape[0]
     return a, b
-
 
 
 def _fused_shape(parts: list[Tensor]) -> torch.Size:

@@ -15,8 +15,10 @@ from keel.rollout.native.models.qwen3_moe import Qwen3MoeFamily
 __all__ = ["FAMILIES", "Family", "LayerWeights", "family_for", "not_by_default", "unsupported_reason"]
 
 FAMILIES: dict[str, type[Family]] = {
-    model_type: family for family in (LlamaFamily, Qwen3MoeFamily, Gemma3Family, Olmo2Family, GptOssFamily)
-    for model_type in family.model_types}
+    model_type: family
+    for family in (LlamaFamily, Qwen3MoeFamily, Gemma3Family, Olmo2Family, GptOssFamily)
+    for model_type in family.model_types
+}
 
 
 def family_for(config) -> Family:

@@ -18,23 +18,24 @@ STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq does not depen
 @dataclass
 class LayerWeights:
     """One decoder layer's decode buffers (a family fills the ones it has; the rest stay None)."""
-    qkv: Tensor                            # [(H + 2 KV) * D, hidden]
+
+    qkv: Tensor  # [(H + 2 KV) * D, hidden]
     o: Tensor
-    input_norm: Tensor | None = None       # None: the layer's input is not normed (OLMo 2)
-    post_norm: Tensor | None = None        # after the attention: before the MLP, or on its output
+    input_norm: Tensor | None = None  # None: the layer's input is not normed (OLMo 2)
+    post_norm: Tensor | None = None  # after the attention: before the MLP, or on its output
     qkv_bias: Tensor | None = None
-    o_bias: Tensor | None = None           # GPT-OSS: biases on every attention projection
-    sinks: Tensor | None = None            # [H]: each head's attention sink logit (GPT-OSS)
-    q_norm: Tensor | None = None           # [D]: RMSNorm of each head's query and key (Qwen3)
+    o_bias: Tensor | None = None  # GPT-OSS: biases on every attention projection
+    sinks: Tensor | None = None  # [H]: each head's attention sink logit (GPT-OSS)
+    q_norm: Tensor | None = None  # [D]: RMSNorm of each head's query and key (Qwen3)
     k_norm: Tensor | None = None
-    gate_up: Tensor | None = None          # [2 * intermediate, hidden]: a dense gated MLP
+    gate_up: Tensor | None = None  # [2 * intermediate, hidden]: a dense gated MLP
     down: Tensor | None = None
-    pre_mlp_norm: Tensor | None = None     # Gemma 3: norms before the MLP and after it
+    pre_mlp_norm: Tensor | None = None  # Gemma 3: norms before the MLP and after it
     post_mlp_norm: Tensor | None = None
-    router: Tensor | None = None           # [E, hidden]: a mixture of experts instead
+    router: Tensor | None = None  # [E, hidden]: a mixture of experts instead
     experts_gate_up: Tensor | None = None  # [E, 2 * intermediate, hidden]
-    experts_down: Tensor | None = None     # [E, hidden, intermediate]
-    router_bias: Tensor | None = None      # GPT-OSS: [E]; its experts' weights [E, in, out] and biases [E, out]
+    experts_down: Tensor | None = None  # [E, hidden, intermediate]
+    router_bias: Tensor | None = None  # GPT-OSS: [E]; its experts' weights [E, in, out] and biases [E, out]
     experts_gate_up_bias: Tensor | None = None
     experts_down_bias: Tensor | None = None
     # LoRA, unmerged. A fused projection's adapters are one: its parts' A stacked by rows, their B
@@ -105,15 +106,17 @@ class Family(ABC):
         -> the final normed hidden state [N, hidden]. The one layer loop: decoding and both prefills
         differ only in `attend(layer index, q, k, v)`, which writes K and V to the cache and attends
         as each needs. `fns`: the step functions, compiled or not (layers.StepFunctions)."""
-        rotary = {kind: fns.rope(positions, inv_freq, scale, x.dtype)
-                  for kind, (inv_freq, scale) in weights.rotary.items()}  # [N, 1, D] cos and sin of each kind
+        rotary = {
+            kind: fns.rope(positions, inv_freq, scale, x.dtype) for kind, (inv_freq, scale) in weights.rotary.items()
+        }  # [N, 1, D] cos and sin of each kind
         first_norm = weights.layers[0].input_norm
         h = x if first_norm is None else fns.norm(x, first_norm, self.eps)
         for i, layer in enumerate(weights.layers):
             q, k, v = fns.attention_inputs(h, *rotary[self.rope_kind(i)], *self.attention_args(layer))
             attention = attend(i, q, k, v)
-            x, h = fns.after_attention[self.layer_kind(layer)](x, attention, weights.norm_after(i),
-                                                               *self.after_attention_args(layer))
+            x, h = fns.after_attention[self.layer_kind(layer)](
+                x, attention, weights.norm_after(i), *self.after_attention_args(layer)
+            )
         return h
 
     def rotary_frequencies(self, model) -> dict[str, tuple[Tensor, float]]:
@@ -132,7 +135,7 @@ class Family(ABC):
     @classmethod
     def unsupported_reason(cls, config) -> str | None:
         """Why this family cannot run a model of this config (one of its model types), or None."""
-        rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
         if rope.get("rope_type", rope.get("type", "default")) not in STATIC_ROPE:
             return f"rope type {rope.get('rope_type')!r} (native supports {sorted(STATIC_ROPE)})"
         return None

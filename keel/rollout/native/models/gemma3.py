@@ -18,9 +18,19 @@ def gemma_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + weight.float())).to(x.dtype)
 
 
-def gemma_attention_inputs(h: Tensor, cos: Tensor, sin: Tensor, qkv_weight: Tensor, qkv_lora, q_norm: Tensor,
-                           k_norm: Tensor, heads: int, kv_heads: int, eps: float, query_scale: float
-                           ) -> tuple[Tensor, Tensor, Tensor]:
+def gemma_attention_inputs(
+    h: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    qkv_weight: Tensor,
+    qkv_lora,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    heads: int,
+    kv_heads: int,
+    eps: float,
+    query_scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     """q [B, H, 1, D], k and v [B, KV, 1, D]: each head's query and key normed, then rotated; the
     query scaled so that the kernels' 1/sqrt(D) makes query_pre_attn_scalar's scale."""
     batch, head_dim = h.shape[0], cos.shape[-1]
@@ -34,9 +44,19 @@ def gemma_attention_inputs(h: Tensor, cos: Tensor, sin: Tensor, qkv_weight: Tens
     return q.unsqueeze(2), k.unsqueeze(2), qkv[:, -kv_size:].view(batch, kv_heads, 1, head_dim)
 
 
-def gemma_attention_output_and_mlp(x: Tensor, attention: Tensor, next_norm: Tensor, o: Tensor, post_norm: Tensor,
-                                   pre_mlp_norm: Tensor, gate_up: Tensor, down: Tensor, post_mlp_norm: Tensor,
-                                   low_rank, eps: float) -> tuple[Tensor, Tensor]:
+def gemma_attention_output_and_mlp(
+    x: Tensor,
+    attention: Tensor,
+    next_norm: Tensor,
+    o: Tensor,
+    post_norm: Tensor,
+    pre_mlp_norm: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    post_mlp_norm: Tensor,
+    low_rank,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
     """The rest of a Gemma 3 layer: the attention's output normed before its residual add, the MLP
     between its two norms, and the next layer's normed input."""
     o_lora, gate_up_lora, down_lora = low_rank
@@ -55,8 +75,8 @@ class Gemma3Family(Family):
 
     def __init__(self, config):
         super().__init__(config)
-        self.embed_scale = config.hidden_size ** 0.5
-        self.query_scale = config.query_pre_attn_scalar ** -0.5 / self.head_dim ** -0.5
+        self.embed_scale = config.hidden_size**0.5
+        self.query_scale = config.query_pre_attn_scalar**-0.5 / self.head_dim**-0.5
 
     @classmethod
     def unsupported_reason(cls, config) -> str | None:
@@ -76,8 +96,10 @@ class Gemma3Family(Family):
 
     def rotary_frequencies(self, model) -> dict[str, tuple[Tensor, float]]:
         rotary = model.get_decoder().rotary_emb
-        return {kind: (getattr(rotary, f"{kind}_inv_freq"), float(getattr(rotary, f"{kind}_attention_scaling", 1.0)))
-                for kind in set(self.config.layer_types)}
+        return {
+            kind: (getattr(rotary, f"{kind}_inv_freq"), float(getattr(rotary, f"{kind}_attention_scaling", 1.0)))
+            for kind in set(self.config.layer_types)
+        }
 
     def rope_kind(self, layer: int) -> str:
         return self.config.layer_types[layer]
@@ -86,15 +108,34 @@ class Gemma3Family(Family):
         return self.config.sliding_window if self.config.layer_types[layer] == "sliding_attention" else None
 
     def layer_sources(self, layer) -> dict[str, list[Tensor]]:
-        return {**projection_sources(layer), "input_norm": [layer.input_layernorm.weight],
-                "post_norm": [layer.post_attention_layernorm.weight],
-                "pre_mlp_norm": [layer.pre_feedforward_layernorm.weight],
-                "post_mlp_norm": [layer.post_feedforward_layernorm.weight]}
+        return {
+            **projection_sources(layer),
+            "input_norm": [layer.input_layernorm.weight],
+            "post_norm": [layer.post_attention_layernorm.weight],
+            "pre_mlp_norm": [layer.pre_feedforward_layernorm.weight],
+            "post_mlp_norm": [layer.post_feedforward_layernorm.weight],
+        }
 
     def attention_args(self, layer: LayerWeights) -> tuple:
-        return (layer.qkv, layer.qkv_lora, layer.q_norm, layer.k_norm, self.heads, self.kv_heads, self.eps,
-                self.query_scale)
+        return (
+            layer.qkv,
+            layer.qkv_lora,
+            layer.q_norm,
+            layer.k_norm,
+            self.heads,
+            self.kv_heads,
+            self.eps,
+            self.query_scale,
+        )
 
     def after_attention_args(self, layer: LayerWeights) -> tuple:
-        return (layer.o, layer.post_norm, layer.pre_mlp_norm, layer.gate_up, layer.down, layer.post_mlp_norm,
-                layer.adapters_after_attention, self.eps)
+        return (
+            layer.o,
+            layer.post_norm,
+            layer.pre_mlp_norm,
+            layer.gate_up,
+            layer.down,
+            layer.post_mlp_norm,
+            layer.adapters_after_attention,
+            self.eps,
+        )

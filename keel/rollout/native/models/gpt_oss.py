@@ -20,8 +20,9 @@ from keel.rollout.native.models.olmo2 import olmo_norm as gpt_oss_norm  # the sa
 from keel.rollout.native.models.qwen3_moe import expert_pairs, grouped_mm_runs
 
 
-def grouped_linear_in_out(x: Tensor, weight: Tensor, bias: Tensor, offsets: Tensor, expert_of_row: Tensor,
-                          grouped: bool) -> Tensor:
+def grouped_linear_in_out(
+    x: Tensor, weight: Tensor, bias: Tensor, offsets: Tensor, expert_of_row: Tensor, grouped: bool
+) -> Tensor:
     """Rows of x [M, in], sorted by expert, each times its expert's weight [E, in, out] plus its
     bias [E, out] (GPT-OSS stores its experts input-major). Where the grouped matmul does not run
     (float32: tests), every expert over every row, each row keeping its own expert's result."""
@@ -40,37 +41,83 @@ def clamped_swiglu(gate_up: Tensor, alpha: float, limit: float) -> Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def gpt_oss_experts(h: Tensor, router: Tensor, router_bias: Tensor, gate_up: Tensor, gate_up_bias: Tensor,
-                    down: Tensor, down_bias: Tensor, top_k: int, alpha: float, limit: float, grouped: bool) -> Tensor:
+def gpt_oss_experts(
+    h: Tensor,
+    router: Tensor,
+    router_bias: Tensor,
+    gate_up: Tensor,
+    gate_up_bias: Tensor,
+    down: Tensor,
+    down_bias: Tensor,
+    top_k: int,
+    alpha: float,
+    limit: float,
+    grouped: bool,
+) -> Tensor:
     """The mixture's output [N, hidden] for normed inputs h [N, hidden], as transformers computes
     it: the top k router logits softmaxed in the input dtype, each expert's output scaled and summed."""
     h = h.to(gate_up.dtype)  # a float32 stream's normed input, cast as autocast casts a matmul's
-    top_logits, experts = torch.topk(F.linear(h, router, router_bias), top_k, dim=-1)   # [N, k]
+    top_logits, experts = torch.topk(F.linear(h, router, router_bias), top_k, dim=-1)  # [N, k]
     weights = torch.softmax(top_logits, dim=-1)
     token, order, offsets, expert_of_row = expert_pairs(experts, gate_up.shape[0])
-    hidden = clamped_swiglu(grouped_linear_in_out(h[token], gate_up, gate_up_bias, offsets, expert_of_row, grouped),
-                            alpha, limit)
-    out = grouped_linear_in_out(hidden, down, down_bias, offsets, expert_of_row, grouped)   # [N k, hidden]
+    hidden = clamped_swiglu(
+        grouped_linear_in_out(h[token], gate_up, gate_up_bias, offsets, expert_of_row, grouped), alpha, limit
+    )
+    out = grouped_linear_in_out(hidden, down, down_bias, offsets, expert_of_row, grouped)  # [N k, hidden]
     out = out * weights.flatten()[order, None]
     return torch.zeros_like(h).index_add_(0, token, out)
 
 
-def gpt_oss_attention_inputs(h: Tensor, cos: Tensor, sin: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | None,
-                             qkv_lora, heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+def gpt_oss_attention_inputs(
+    h: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    qkv_weight: Tensor,
+    qkv_bias: Tensor | None,
+    qkv_lora,
+    heads: int,
+    kv_heads: int,
+) -> tuple[Tensor, Tensor, Tensor]:
     """q [B, H, 1, D] and k [B, KV, 1, D] rotated, v [B, KV, 1, D]: Llama's without q/k norms."""
     return attention_inputs(h, cos, sin, qkv_weight, qkv_bias, qkv_lora, None, None, heads, kv_heads, 0.0)
 
 
-def gpt_oss_attention_output_and_experts(x: Tensor, attention: Tensor, next_norm: Tensor, o: Tensor,
-                                         o_bias: Tensor | None, post_norm: Tensor, router: Tensor,
-                                         router_bias: Tensor, gate_up: Tensor, gate_up_bias: Tensor, down: Tensor,
-                                         down_bias: Tensor, o_lora, top_k: int, alpha: float, limit: float,
-                                         grouped: bool, eps: float) -> tuple[Tensor, Tensor]:
+def gpt_oss_attention_output_and_experts(
+    x: Tensor,
+    attention: Tensor,
+    next_norm: Tensor,
+    o: Tensor,
+    o_bias: Tensor | None,
+    post_norm: Tensor,
+    router: Tensor,
+    router_bias: Tensor,
+    gate_up: Tensor,
+    gate_up_bias: Tensor,
+    down: Tensor,
+    down_bias: Tensor,
+    o_lora,
+    top_k: int,
+    alpha: float,
+    limit: float,
+    grouped: bool,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
     """The rest of a GPT-OSS layer: output projection and residual, the experts and residual, and
     the next layer's normed input."""
     x = residual_add(x, project(attention, o, o_lora, o_bias))
-    experts = gpt_oss_experts(gpt_oss_norm(x, post_norm, eps), router, router_bias, gate_up, gate_up_bias, down,
-                              down_bias, top_k, alpha, limit, grouped)
+    experts = gpt_oss_experts(
+        gpt_oss_norm(x, post_norm, eps),
+        router,
+        router_bias,
+        gate_up,
+        gate_up_bias,
+        down,
+        down_bias,
+        top_k,
+        alpha,
+        limit,
+        grouped,
+    )
     x = residual_add(x, experts)
     return x, gpt_oss_norm(x, next_norm, eps)
 
@@ -80,8 +127,10 @@ class GptOssFamily(Family):
     attention_inputs = staticmethod(gpt_oss_attention_inputs)
     after_attention = {"experts": gpt_oss_attention_output_and_experts}
     norm = staticmethod(gpt_oss_norm)
-    not_by_default = ("GPT-OSS by default: at GPT-OSS-20B's shapes (random weights, bf16, LoRA) its log-probs were 0.25 "
-                      "a token from the trainer's before any update (benchmarks/README.md); rollout.name=native runs it")
+    not_by_default = (
+        "GPT-OSS by default: at GPT-OSS-20B's shapes (random weights, bf16, LoRA) its log-probs were 0.25 "
+        "a token from the trainer's before any update (benchmarks/README.md); rollout.name=native runs it"
+    )
 
     def __init__(self, config):
         super().__init__(config)
@@ -92,11 +141,18 @@ class GptOssFamily(Family):
 
     def layer_sources(self, layer) -> dict[str, list[Tensor]]:
         attn, mlp = layer.self_attn, layer.mlp
-        sources = {**projection_sources(layer), "input_norm": [layer.input_layernorm.weight],
-                   "post_norm": [layer.post_attention_layernorm.weight], "sinks": [attn.sinks],
-                   "router": [mlp.router.weight], "router_bias": [mlp.router.bias],
-                   "experts_gate_up": [mlp.experts.gate_up_proj], "experts_gate_up_bias": [mlp.experts.gate_up_proj_bias],
-                   "experts_down": [mlp.experts.down_proj], "experts_down_bias": [mlp.experts.down_proj_bias]}
+        sources = {
+            **projection_sources(layer),
+            "input_norm": [layer.input_layernorm.weight],
+            "post_norm": [layer.post_attention_layernorm.weight],
+            "sinks": [attn.sinks],
+            "router": [mlp.router.weight],
+            "router_bias": [mlp.router.bias],
+            "experts_gate_up": [mlp.experts.gate_up_proj],
+            "experts_gate_up_bias": [mlp.experts.gate_up_proj_bias],
+            "experts_down": [mlp.experts.down_proj],
+            "experts_down_bias": [mlp.experts.down_proj_bias],
+        }
         if attn.o_proj.bias is not None:
             sources["o_bias"] = [attn.o_proj.bias]
         return sources
@@ -112,6 +168,20 @@ class GptOssFamily(Family):
 
     def after_attention_args(self, layer: LayerWeights) -> tuple:
         experts = layer.experts_gate_up
-        return (layer.o, layer.o_bias, layer.post_norm, layer.router, layer.router_bias, experts,
-                layer.experts_gate_up_bias, layer.experts_down, layer.experts_down_bias, layer.o_lora, self.top_k,
-                self.alpha, self.limit, grouped_mm_runs(experts.device.type, experts.dtype), self.eps)
+        return (
+            layer.o,
+            layer.o_bias,
+            layer.post_norm,
+            layer.router,
+            layer.router_bias,
+            experts,
+            layer.experts_gate_up_bias,
+            layer.experts_down,
+            layer.experts_down_bias,
+            layer.o_lora,
+            self.top_k,
+            self.alpha,
+            self.limit,
+            grouped_mm_runs(experts.device.type, experts.dtype),
+            self.eps,
+        )

@@ -34,8 +34,11 @@ class LlamaFamily(Family):
         return super().unsupported_reason(config)
 
     def layer_sources(self, layer) -> dict[str, list[Tensor]]:
-        return {**projection_sources(layer), "input_norm": [layer.input_layernorm.weight],
-                "post_norm": [layer.post_attention_layernorm.weight]}
+        return {
+            **projection_sources(layer),
+            "input_norm": [layer.input_layernorm.weight],
+            "post_norm": [layer.post_attention_layernorm.weight],
+        }
 
     def rotary_frequencies(self, model) -> dict[str, tuple[Tensor, float]]:
         """Rotary frequencies, and for SmolLM3's NoPE layers none: frequency 0 rotates by nothing
@@ -48,8 +51,16 @@ class LlamaFamily(Family):
         return "none" if layer in self.no_rope else "default"
 
     def attention_args(self, layer: LayerWeights) -> tuple:
-        return layer.qkv, layer.qkv_bias, layer.qkv_lora, layer.q_norm, layer.k_norm, self.heads, self.kv_heads, self.eps
+        return (
+            layer.qkv,
+            layer.qkv_bias,
+            layer.qkv_lora,
+            layer.q_norm,
+            layer.k_norm,
+            self.heads,
+            self.kv_heads,
+            self.eps,
+        )
 
     def after_attention_args(self, layer: LayerWeights) -> tuple:
         return layer.o, layer.post_norm, layer.gate_up, layer.down, layer.adapters_after_attention, self.eps
-

@@ -17,21 +17,40 @@ def olmo_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps)).to(x.dtype)
 
 
-def olmo_attention_inputs(h: Tensor, cos: Tensor, sin: Tensor, qkv_weight: Tensor, qkv_lora, q_norm: Tensor,
-                          k_norm: Tensor, heads: int, kv_heads: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+def olmo_attention_inputs(
+    h: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    qkv_weight: Tensor,
+    qkv_lora,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    heads: int,
+    kv_heads: int,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     """q [B, H, 1, D], k and v [B, KV, 1, D]: the query and key projections normed whole, then rotated."""
     batch, head_dim = h.shape[0], cos.shape[-1]
     qkv = project(h, qkv_weight, qkv_lora)
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     q = olmo_norm(qkv[:, :q_size], q_norm, eps)
-    k = olmo_norm(qkv[:, q_size:q_size + kv_size], k_norm, eps)
+    k = olmo_norm(qkv[:, q_size : q_size + kv_size], k_norm, eps)
     qk = applyrope(torch.cat([q, k], dim=-1).view(batch, heads + kv_heads, head_dim), cos, sin).to(qkv.dtype)
     return qk[:, :heads].unsqueeze(2), qk[:, heads:].unsqueeze(2), qkv[:, -kv_size:].view(batch, kv_heads, 1, head_dim)
 
 
-def olmo_attention_output_and_mlp(x: Tensor, attention: Tensor, next_norm: Tensor | None, o: Tensor,
-                                  post_norm: Tensor, gate_up: Tensor, down: Tensor, post_mlp_norm: Tensor, low_rank,
-                                  eps: float) -> tuple[Tensor, Tensor]:
+def olmo_attention_output_and_mlp(
+    x: Tensor,
+    attention: Tensor,
+    next_norm: Tensor | None,
+    o: Tensor,
+    post_norm: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    post_mlp_norm: Tensor,
+    low_rank,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
     """The attention's output normed before its residual add, the MLP on the unnormed stream and
     its output normed; the next layer's input is the stream itself (the final norm after the last)."""
     o_lora, gate_up_lora, down_lora = low_rank
@@ -56,12 +75,22 @@ class Olmo2Family(Family):
         return super().unsupported_reason(config)
 
     def layer_sources(self, layer) -> dict[str, list[Tensor]]:
-        return {**projection_sources(layer), "post_norm": [layer.post_attention_layernorm.weight],
-                "post_mlp_norm": [layer.post_feedforward_layernorm.weight]}
+        return {
+            **projection_sources(layer),
+            "post_norm": [layer.post_attention_layernorm.weight],
+            "post_mlp_norm": [layer.post_feedforward_layernorm.weight],
+        }
 
     def attention_args(self, layer: LayerWeights) -> tuple:
         return layer.qkv, layer.qkv_lora, layer.q_norm, layer.k_norm, self.heads, self.kv_heads, self.eps
 
     def after_attention_args(self, layer: LayerWeights) -> tuple:
-        return (layer.o, layer.post_norm, layer.gate_up, layer.down, layer.post_mlp_norm,
-                layer.adapters_after_attention, self.eps)
+        return (
+            layer.o,
+            layer.post_norm,
+            layer.gate_up,
+            layer.down,
+            layer.post_mlp_norm,
+            layer.adapters_after_attention,
+            self.eps,
+        )

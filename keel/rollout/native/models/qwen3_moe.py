@@ -27,8 +27,11 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
         return False
     try:
         x = torch.ones(16, 16, device=device_type, dtype=dtype)
-        torch._grouped_mm(x, torch.ones(2, 16, 16, device=device_type, dtype=dtype),
-                          offs=torch.tensor([8, 16], dtype=torch.int32, device=device_type))
+        torch._grouped_mm(
+            x,
+            torch.ones(2, 16, 16, device=device_type, dtype=dtype),
+            offs=torch.tensor([8, 16], dtype=torch.int32, device=device_type),
+        )
         return True
     except (RuntimeError, NotImplementedError):
         return False
@@ -50,38 +53,50 @@ def expert_pairs(experts: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Ten
     """The (token, expert) pairs of a routing's chosen experts [N, k], sorted by expert: each pair's
     token, the sort order (to gather the pairs' routing weights), where each expert's pairs end
     (the grouped matmul's offsets) and each pair's expert. All on the device: no host sync."""
-    pair_expert = experts.flatten()                                                     # [N k]
+    pair_expert = experts.flatten()  # [N k]
     order = torch.argsort(pair_expert, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=experts.device)
     counts.scatter_add_(0, pair_expert.int(), torch.ones_like(pair_expert, dtype=torch.int32))
     return order // experts.shape[1], order, counts.cumsum(0, dtype=torch.int32), pair_expert[order]
 
 
-def routed_experts(h: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k: int, normalize: bool,
-                   grouped: bool = True) -> Tensor:
+def routed_experts(
+    h: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k: int, normalize: bool, grouped: bool = True
+) -> Tensor:
     """The mixture's output [N, hidden] for normed inputs h [N, hidden], as transformers' Qwen3-MoE
     computes it: routing weights in float32 from the softmax over all experts, the top k
     renormalised (`norm_topk_prob`), each expert's output scaled in the input dtype and summed."""
     h = h.to(gate_up.dtype)  # a float32 stream's normed input, cast as autocast casts a matmul's
-    probs = F.softmax(F.linear(h, router).float(), dim=-1)                              # [N, E]
-    weights, experts = torch.topk(probs, top_k, dim=-1)                                 # [N, k]
+    probs = F.softmax(F.linear(h, router).float(), dim=-1)  # [N, E]
+    weights, experts = torch.topk(probs, top_k, dim=-1)  # [N, k]
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     weights = weights.to(h.dtype)
     token, order, offsets, expert_of_row = expert_pairs(experts, gate_up.shape[0])
     gate, up = grouped_linear(h[token], gate_up, offsets, expert_of_row, grouped).chunk(2, dim=-1)
-    out = grouped_linear(F.silu(gate) * up, down, offsets, expert_of_row, grouped)        # [N k, hidden]
+    out = grouped_linear(F.silu(gate) * up, down, offsets, expert_of_row, grouped)  # [N k, hidden]
     out = out * weights.flatten()[order, None]
     return torch.zeros_like(h).index_add_(0, token, out)
 
 
-def attention_output_and_experts(x: Tensor, attention: Tensor, next_norm: Tensor, o: Tensor, post_norm: Tensor,
-                                 router: Tensor, gate_up: Tensor, down: Tensor, o_lora, top_k: int, normalize: bool,
-                                 grouped: bool, eps: float) -> tuple[Tensor, Tensor]:
+def attention_output_and_experts(
+    x: Tensor,
+    attention: Tensor,
+    next_norm: Tensor,
+    o: Tensor,
+    post_norm: Tensor,
+    router: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    o_lora,
+    top_k: int,
+    normalize: bool,
+    grouped: bool,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
     """attention_output_and_mlp with the mixture of experts in place of the MLP."""
     x = residual_add(x, project(attention, o, o_lora))
-    x = residual_add(x, routed_experts(rms_norm(x, post_norm, eps), router, gate_up, down, top_k, normalize,
-                                       grouped))
+    x = residual_add(x, routed_experts(rms_norm(x, post_norm, eps), router, gate_up, down, top_k, normalize, grouped))
     return x, rms_norm(x, next_norm, eps)
 
 
@@ -97,8 +112,11 @@ class Qwen3MoeFamily(LlamaFamily):
         sources = super().layer_sources(layer)  # a dense MLP's too: mlp_only_layers, or off decoder_sparse_step
         mlp = layer.mlp
         if hasattr(mlp, "experts"):
-            sources.update(router=[mlp.gate.weight], experts_gate_up=[mlp.experts.gate_up_proj],
-                           experts_down=[mlp.experts.down_proj])
+            sources.update(
+                router=[mlp.gate.weight],
+                experts_gate_up=[mlp.experts.gate_up_proj],
+                experts_down=[mlp.experts.down_proj],
+            )
         return sources
 
     def layer_kind(self, layer: LayerWeights) -> str:
@@ -108,5 +126,15 @@ class Qwen3MoeFamily(LlamaFamily):
         if layer.router is None:
             return super().after_attention_args(layer)
         experts = layer.experts_gate_up
-        return (layer.o, layer.post_norm, layer.router, experts, layer.experts_down, layer.o_lora, self.top_k,
-                self.normalize, grouped_mm_runs(experts.device.type, experts.dtype), self.eps)
+        return (
+            layer.o,
+            layer.post_norm,
+            layer.router,
+            experts,
+            layer.experts_down,
+            layer.o_lora,
+            self.top_k,
+            self.normalize,
+            grouped_mm_runs(experts.device.type, experts.dtype),
+            self.eps,
+        )

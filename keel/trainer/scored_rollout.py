@@ -1,0 +1,87 @@
+"""A step's samples, generated and scored: n per prompt of the sampler's next batch, or, with
+algorithm.filter_groups, as many generation batches as DAPO's dynamic sampling needs; and ReMax's
+baseline, the score of each prompt's greedy response."""
+
+from __future__ import annotations
+
+import torch
+
+from keel.config.schema import KeelConfig
+from keel.data.prompts import PromptBatch, collate_prompts
+from keel.observe.metrics import Timer
+from keel.trainer.dynamic_sampling import fill_with_signal
+from keel.trainer.setup import Components
+from keel.types import RolloutBatch, SamplingParams
+
+
+def training_sampling(cfg: KeelConfig) -> SamplingParams:
+    """How the training rollout samples (actor_rollout_ref.rollout; validation has val_kwargs)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    return SamplingParams(
+        n=rollout.n,
+        do_sample=rollout.do_sample,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        max_new_tokens=cfg.data.max_response_length,
+        ignore_eos=rollout.ignore_eos,
+    )
+
+
+class ScoredRollout:
+    def __init__(self, cfg: KeelConfig, components: Components, sampling: SamplingParams):
+        self.cfg = cfg
+        self.components = components
+        self.sampling = sampling
+
+    def __call__(self, timer: Timer, seed: int) -> tuple[RolloutBatch, PromptBatch, dict[str, float], dict[str, float]]:
+        """(the step's generated and scored samples, their prompts, reward metrics, generation
+        timing). With algorithm.filter_groups, DAPO's dynamic sampling: prompts whose samples all
+        scored alike are dropped and more generated until data.train_batch_size prompts remain."""
+        parts, filter_groups = self.components, self.cfg.algorithm.filter_groups
+        last: dict[str, dict] = {}
+
+        def next_scored_batch(call: int = 0) -> RolloutBatch:
+            prompts = collate_prompts(
+                [parts.train_data[i] for i in parts.sampler.next_batch()], parts.tokenizer.pad_token_id
+            )
+            with timer("gen"):  # each generation batch of a step samples with a seed of its own
+                batch, last["gen"] = parts.workers.generate(
+                    prompts.repeat_interleave(self.sampling.n), self.sampling, seed + call * 7919
+                )
+            with timer("reward"):
+                scored = parts.reward.score_batch(batch.records, batch.response_texts, batch.response_lengths)
+                batch.scores, batch.reward_extras, last["reward"] = scored.scores, scored.extras, scored.metrics
+            # reward.on_error=mask: not-scored samples leave the update
+            return batch if scored.scored.all() else batch.select(scored.scored.nonzero().squeeze(-1))
+
+        if not filter_groups.enable:
+            batch = next_scored_batch()
+            return batch, _prompts_of(batch, parts.tokenizer.pad_token_id), last["reward"], last["gen"]
+        batch, counts = fill_with_signal(
+            next_scored_batch,
+            self.cfg.data.train_batch_size,
+            filter_groups.metric,
+            filter_groups.max_num_gen_batches,
+            parts.tokenizer.pad_token_id,
+        )
+        return batch, _prompts_of(batch, parts.tokenizer.pad_token_id), {**last["reward"], **counts}, last["gen"]
+
+    def baseline_scores(self, prompts: PromptBatch, batch: RolloutBatch, seed: int) -> torch.Tensor:  # [N]
+        """ReMax (arXiv 2310.10505): the greedy response's score is each prompt's baseline, given
+        to each of the prompt's samples in the batch."""
+        greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=self.sampling.max_new_tokens)
+        baseline, _ = self.components.workers.generate(prompts, greedy, seed)
+        result = self.components.reward.score_batch(
+            baseline.records, baseline.response_texts, baseline.response_lengths, on_error="zero"
+        )
+        by_prompt = dict(zip((r.index for r in baseline.records), result.scores.tolist()))
+        return torch.tensor([by_prompt[r.index] for r in batch.records])
+
+
+def _prompts_of(batch: RolloutBatch, pad_token_id: int) -> PromptBatch:
+    """The batch's prompts, each once (ReMax generates its baseline from them)."""
+    first = {}
+    for record in batch.records:
+        first.setdefault(record.index, record)
+    return collate_prompts(list(first.values()), pad_token_id)
