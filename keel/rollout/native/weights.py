@@ -74,7 +74,7 @@ class DecodeWeights:
             if tensor.shape != shape:  # a part-filled buffer would mix old weights with new
                 raise RuntimeError(f"native rollout: {name} has shape {tuple(tensor.shape)}, not {tuple(shape)}")
             self.buffers[buffer][row : row + shape[0]].copy_(tensor.detach())
-            if buffer == "embed" and self.lm_head.data_ptr() != self.embed.data_ptr() and "lm_head" not in self.buffers:
+            if buffer == "embed" and self.lm_head is not self.embed and "lm_head" not in self.buffers:
                 self.lm_head.copy_(tensor.detach())
             missing.discard(name)
         if missing:  # a caller bug, not a user's: the engine would generate from stale weights

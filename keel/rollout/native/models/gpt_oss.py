@@ -17,22 +17,15 @@ from torch import Tensor
 from keel.rollout.native.layers import attention_inputs, project, residual_add
 from keel.rollout.native.models.base import Family, LayerWeights, projection_sources
 from keel.rollout.native.models.olmo2 import olmo_norm as gpt_oss_norm  # the same RMSNorm: scaled, then cast
-from keel.rollout.native.models.qwen3_moe import expert_pairs, grouped_mm_runs
+from keel.rollout.native.models.qwen3_moe import expert_pairs, grouped_linear, grouped_mm_runs
 
 
-def grouped_linear_in_out(
+def biased_grouped_linear(
     x: Tensor, weight: Tensor, bias: Tensor, offsets: Tensor, expert_of_row: Tensor, grouped: bool
 ) -> Tensor:
-    """Rows of x [M, in], sorted by expert, each times its expert's weight [E, in, out] plus its
-    bias [E, out] (GPT-OSS stores its experts input-major). Where the grouped matmul does not run
-    (float32: tests), every expert over every row, each row keeping its own expert's result."""
-    if grouped:
-        out = torch._grouped_mm(x, weight, offs=offsets)
-    else:
-        out = x.new_zeros(x.shape[0], weight.shape[2])
-        for expert in range(weight.shape[0]):
-            out = torch.where((expert_of_row == expert)[:, None], x @ weight[expert], out)
-    return out + bias[expert_of_row]
+    """Qwen3-MoE's grouped_linear over GPT-OSS's experts, stored input-major ([E, in, out]: passed
+    transposed, a view), plus each row's expert's bias [E, out]."""
+    return grouped_linear(x, weight.mT, offsets, expert_of_row, grouped) + bias[expert_of_row]
 
 
 def clamped_swiglu(gate_up: Tensor, alpha: float, limit: float) -> Tensor:
@@ -61,9 +54,9 @@ def gpt_oss_experts(
     weights = torch.softmax(top_logits, dim=-1)
     token, order, offsets, expert_of_row = expert_pairs(experts, gate_up.shape[0])
     hidden = clamped_swiglu(
-        grouped_linear_in_out(h[token], gate_up, gate_up_bias, offsets, expert_of_row, grouped), alpha, limit
+        biased_grouped_linear(h[token], gate_up, gate_up_bias, offsets, expert_of_row, grouped), alpha, limit
     )
-    out = grouped_linear_in_out(hidden, down, down_bias, offsets, expert_of_row, grouped)  # [N k, hidden]
+    out = biased_grouped_linear(hidden, down, down_bias, offsets, expert_of_row, grouped)  # [N k, hidden]
     out = out * weights.flatten()[order, None]
     return torch.zeros_like(h).index_add_(0, token, out)
 
