@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from keel.bench.workloads import QWEN25_SHAPES
+from keel.bench.workloads import shape_config
 from keel.rollout.native.attention import KernelConfig, sdpa_decode_attention, triton_decode_attention
 
 from graph_timing import graph_seconds  # this folder's scripts run with it on sys.path
@@ -23,9 +23,9 @@ SWEEPS = {  # tilings at the rollout target's batches; splits for a continuous b
     "tiling": (
         [
             KernelConfig(split=0, block=b, num_warps=w, num_stages=s)
-            for b in (32, 64, 128)
-            for w in (4, 8)
-            for s in (2, 3)
+            for b in (16, 32, 64, 128)
+            for w in (2, 4, 8)
+            for s in (2, 3, 4)
         ]
         + [
             KernelConfig(split=sp, block=b, num_warps=w, num_stages=s)
@@ -43,9 +43,9 @@ class Layers:
     """One layer's decode inputs per layer of a model shape, over a cache of `length` columns."""
 
     def __init__(self, shape: str, batch: int, length: int):
-        c = QWEN25_SHAPES[shape]
-        self.heads, self.kv = c["num_attention_heads"], c["num_key_value_heads"]
-        self.dim, self.count = c["hidden_size"] // self.heads, c["num_hidden_layers"]
+        c = shape_config(shape)  # any family's shapes (head size 64 on Qwen2.5, 128 on Qwen3, 256 on Gemma 3)
+        self.heads, self.kv, self.count = c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers
+        self.dim = getattr(c, "head_dim", None) or c.hidden_size // self.heads
         bf16 = dict(device="cuda", dtype=torch.bfloat16)
         self.q = torch.randn(batch, self.heads, 1, self.dim, **bf16)
         self.k, self.v = (torch.randn(batch, self.kv, 1, self.dim, **bf16) for _ in range(2))
