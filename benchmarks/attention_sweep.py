@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from keel.bench.workloads import shape_config
 from keel.rollout.native.attention import KernelConfig, sdpa_decode_attention, triton_decode_attention
@@ -21,7 +22,8 @@ from graph_timing import graph_seconds  # this folder's scripts run with it on s
 
 SWEEPS = {  # tilings at the rollout target's batches; splits for a continuous batch's few long rows
     "tiling": (
-        [
+        [KernelConfig()]  # the engine's default: as `resolved` chooses
+        + [
             KernelConfig(split=0, block=b, num_warps=w, num_stages=s)
             for b in (16, 32, 64, 128)
             for w in (2, 4, 8)
@@ -80,7 +82,11 @@ def sweep(shape: str, batch: int, prompt: int, response: int, configs: list[Kern
     results = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for config in configs:
-        seconds = graph_seconds(lambda config=config: [layers.call(i, config) for i in range(layers.count)])
+        try:
+            seconds = graph_seconds(lambda config=config: [layers.call(i, config) for i in range(layers.count)])
+        except OutOfResources as e:  # large tiles of a large head size: not enough shared memory
+            print(json.dumps({"shape": shape, "batch": batch, **config.__dict__, "skipped": str(e)[:80]}), flush=True)
+            continue
         resolved = config.resolved(prompt + response, batch * layers.kv, sms)  # as the kernel resolves it
         row = {
             "shape": shape,
