@@ -192,4 +192,17 @@ LAUNCH_SEARCHPATH = register(
     "it from the YAML's hydra.searchpath.",
 )
 
+AGENT_REQUEST = register(
+    "KEEL-C022",
+    "An agent's request to keel's OpenAI-compatible endpoint cannot be served",
+    "During a rollout, agent code reaches the policy through keel's endpoint (`/v1/chat/completions`, "
+    "`/v1/completions`). The request asked for what this rollout's engine does not do: sampling settings other "
+    "than the rollout's (its captured CUDA graphs hold temperature, top_p and top_k), more than one choice "
+    "(`n`: each sample is one request of its own), more tokens than the rollout's budget, a body that is not "
+    "a completion request, or no sample to tie the tokens to. The endpoint answers 400 with this code.",
+    "Leave temperature/top_p/top_k unset in the agent (or set them to the rollout's: "
+    "actor_rollout_ref.rollout.temperature, top_p, top_k), ask for n=1, keep max_tokens within the rollout's "
+    "response budget, and send each sample's requests with its own model name (the one keel gives the agent).",
+)
+
 __all__ = [name for name in dir() if name.isupper()]

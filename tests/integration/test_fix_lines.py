@@ -159,6 +159,8 @@ if not torch.cuda.is_available():  # the mistake is asking for a GPU this machin
 NOT_HERE = {
     "KEEL-C009": "the printed fix is a `keel demo --out` command, which runs the whole demo (minutes); "
     "tests/integration/test_demo.py checks that it names a directory that is free",
+    "KEEL-C022": "the fix is in the agent's own requests to keel's endpoint; tests/unit/test_openai_endpoint.py "
+    "sends each refused request again as the fix says and is answered",
     "KEEL-M008": "the fix is a chat template with a tool role in the model's own turn format, which only the "
     "model's makers can write",
     "KEEL-T001": "a non-finite gradient from finite log-probs needs low-precision overflow, which a float32 "

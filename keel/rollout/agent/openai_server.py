@@ -1,0 +1,258 @@
+"""An OpenAI-compatible endpoint over keel's engine service, for agent code and environment
+libraries written against an OpenAI client: `/v1/chat/completions` and `/v1/completions`
+(streamed or not), `/v1/models`. Starlette serves it under uvicorn, as vLLM's and SGLang's
+servers are served (pydantic-free, so it runs where keel's GPU machines run).
+
+Every request belongs to a sample, named by the `X-Keel-Sample` header or else the request's
+`model`: the engine keeps the sample's KV cache across its turns and `traces[sample]` records the
+exact prompt and sampled tokens with their log-probs (trace.py), which is what gets trained.
+
+A chat turn that repeats the conversation so far with the answer keel gave, then adds tool or user
+messages, continues the sampled tokens (the template's text after the answer's stop token, as
+keel's own agent loop does): the answer is never re-encoded from text. Anything else is rendered
+whole; if that does not extend the sample's tokens, the trace counts a prefix break.
+
+Requests are hostile input: a bearer token when set, bodies bounded in size, requests in flight
+bounded, the endpoint on loopback unless told otherwise; a client that goes away mid-answer costs
+its own turn only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from keel.errors import AGENT_REQUEST
+from keel.rollout.agent.parse import HERMES, PARSERS
+from keel.rollout.agent.template import TurnTemplate
+from keel.rollout.agent.trace import Trace, comparable
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+
+
+class RequestError(Exception):
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+class OpenAIEndpoint:
+    """The endpoint's handlers over an EngineService (service.py); `serve` runs it in a thread."""
+
+    def __init__(
+        self,
+        service,
+        tokenizer,
+        token: str | None = None,
+        max_request_bytes: int = 4 << 20,
+        max_in_flight: int = 1024,
+        tool_format: str = "hermes",
+    ):
+        self.service, self.tokenizer, self.token = service, tokenizer, token
+        self.max_request_bytes, self.parse = max_request_bytes, PARSERS[tool_format]
+        self.in_flight = asyncio.Semaphore(max_in_flight)
+        self.traces: dict[str, Trace] = {}
+        self.templates: dict[str, TurnTemplate] = {}  # by the tools' schema
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+            ]
+        )
+        self._server = None
+
+    # --- serving --------------------------------------------------------------------------------
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Start serving in a thread -> the base URL (`.../v1`); port 0: a free one."""
+        import uvicorn
+
+        config = uvicorn.Config(
+            self.app, host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=5
+        )
+        self._server = uvicorn.Server(config)
+        thread = threading.Thread(target=self._server.run, name="keel-openai", daemon=True)
+        thread.start()
+        while not self._server.started:  # bound by uvicorn's own startup, which fails loudly
+            if not thread.is_alive():
+                raise RuntimeError(f"keel's endpoint could not listen on {host}:{port}")
+            time.sleep(0.01)
+        bound = self._server.servers[0].sockets[0].getsockname()
+        self._thread = thread
+        return f"http://{bound[0]}:{bound[1]}/v1"
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join()
+
+    # --- handlers -------------------------------------------------------------------------------
+    async def models(self, request: Request):
+        if not self._authorised(request):
+            return _error("a bearer token is required", 401)
+        return JSONResponse({"object": "list", "data": [{"id": "keel", "object": "model", "owned_by": "keel"}]})
+
+    async def chat(self, request: Request):
+        return await self._handle(request, self._chat_prompt, chat=True)
+
+    async def completions(self, request: Request):
+        return await self._handle(request, self._text_prompt, chat=False)
+
+    async def _handle(self, request: Request, prompt_of, chat: bool):
+        if not self._authorised(request):
+            return _error("a bearer token is required", 401)
+        if self.in_flight.locked():
+            return _error("too many requests in flight", 429)
+        async with self.in_flight:
+            try:
+                body = await self._body(request)
+                sample = request.headers.get("x-keel-sample") or body.get("model")
+                if not isinstance(sample, str) or not sample:
+                    raise RequestError("no sample: send the X-Keel-Sample header or the model name keel gave")
+                limit = self._limit(body)
+                trace = self.traces.setdefault(sample, Trace())
+                prompt = prompt_of(body, trace)
+                completion = await asyncio.wrap_future(self.service.submit(sample, prompt, limit))
+            except RequestError as error:
+                return _error(str(error), error.status)
+            except ValueError as error:  # the engine service's refusal (a turn that cannot fit)
+                return _error(str(error), 400)
+            trace.record(prompt, completion.ids, completion.log_probs, completion.stopped)
+            answer = self._answer(completion, chat)
+            if chat:
+                trace.messages = [comparable(m) for m in body["messages"]] + [comparable(answer["message"])]
+            return self._respond(body, answer, chat, len(prompt), len(completion.ids))
+
+    async def _body(self, request: Request) -> dict:
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_request_bytes):
+            raise RequestError(f"the body is over {self.max_request_bytes} bytes", 413)
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > self.max_request_bytes:
+                raise RequestError(f"the body is over {self.max_request_bytes} bytes", 413)
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise RequestError(f"the body is not JSON: {error}") from None
+        if not isinstance(body, dict):
+            raise RequestError("the body is not a JSON object")
+        return body
+
+    def _limit(self, body: dict) -> int:
+        """The turn's token limit, after refusing settings the engine's graphs do not hold."""
+        params = self.service.params
+        for key in SAMPLING_KEYS:
+            if body.get(key) is not None and body[key] != getattr(params, key):
+                raise RequestError(f"{key}={body[key]!r} differs from the rollout's {getattr(params, key)!r}")
+        if body.get("n", 1) != 1:
+            raise RequestError("n must be 1: each sample sends its own requests")
+        _, _, budget = self.service.shape
+        limit = body.get("max_completion_tokens") or body.get("max_tokens") or budget
+        if not isinstance(limit, int) or isinstance(limit, bool) or not 0 < limit <= budget:
+            raise RequestError(f"max_tokens must be a whole number from 1 to the rollout's {budget}")
+        return limit
+
+    def _chat_prompt(self, body: dict, trace: Trace) -> list[int]:
+        messages, tools = body.get("messages"), body.get("tools") or None
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise RequestError("messages must be a non-empty list of message objects")
+        seen = trace.messages
+        if seen and len(messages) > len(seen) and [comparable(m) for m in messages[: len(seen)]] == seen:
+            # The conversation continues after keel's answer: tokens in, tokens out. An answer cut by
+            # max_tokens gets the end token the template closes a turn with (attended, not trained).
+            template = self._template(tools)
+            ended = [] if trace.finished_turn else [template.end_id]
+            return trace.context + ended + template.suffix_ids(messages[len(seen) :])
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        except Exception as error:  # noqa: BLE001 - jinja's own errors on a malformed conversation
+            raise RequestError(f"the chat template refused the messages: {error}") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _text_prompt(self, body: dict, trace: Trace) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        vocab = len(self.tokenizer)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            return list(prompt)
+        raise RequestError("prompt must be a string or a non-empty list of token ids")
+
+    def _template(self, tools) -> TurnTemplate:
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self.templates:
+            self.templates[key] = TurnTemplate(self.tokenizer, tools, sorted(self.service.stop_ids))
+        return self.templates[key]
+
+    def _answer(self, completion, chat: bool) -> dict:
+        text = self.tokenizer.decode(completion.ids, skip_special_tokens=True)
+        reason = "stop" if completion.stopped else "length"
+        if not chat:
+            return {"text": text, "finish_reason": reason}
+        calls = self.parse(text).calls
+        message = {"role": "assistant", "content": _without_calls(text) if calls else text}
+        if calls:
+            message["tool_calls"] = [
+                {
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+                }
+                for c in calls
+            ]
+            message["content"] = message["content"] or None  # OpenAI's form of a turn that only calls tools
+            reason = "tool_calls" if completion.stopped else reason
+        return {"message": message, "finish_reason": reason}
+
+    def _respond(self, body: dict, answer: dict, chat: bool, prompt_tokens: int, completion_tokens: int):
+        kind = "chat.completion" if chat else "text_completion"
+        head = {"id": f"keel-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.get("model", "keel")}
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        if not body.get("stream"):
+            return JSONResponse({**head, "object": kind, "choices": [{"index": 0, **answer}], "usage": usage})
+        return StreamingResponse(_chunks(head, answer, chat, usage), media_type="text/event-stream")
+
+    def _authorised(self, request: Request) -> bool:
+        return self.token is None or request.headers.get("authorization") == f"Bearer {self.token}"
+
+
+async def _chunks(head: dict, answer: dict, chat: bool, usage: dict):
+    """The answer as server-sent events: the whole turn in one delta (the engine answers a turn
+    when it ends), then its finish reason and usage, then [DONE]."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    if chat:
+        delta = dict(answer["message"])
+        if "tool_calls" in delta:  # a streamed call carries its index, which clients accumulate by
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
+        first = {"index": 0, "delta": delta, "finish_reason": None}
+        last = {"index": 0, "delta": {}, "finish_reason": answer["finish_reason"]}
+    else:
+        first = {"index": 0, "text": answer["text"], "finish_reason": None}
+        last = {"index": 0, "text": "", "finish_reason": answer["finish_reason"]}
+    yield f"data: {json.dumps({**head, 'object': kind, 'choices': [first]})}\n\n"
+    yield f"data: {json.dumps({**head, 'object': kind, 'choices': [last], 'usage': usage})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def _without_calls(text: str) -> str:
+    return HERMES.sub("", text).strip()
+
+
+def _error(message: str, status: int) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error", "code": AGENT_REQUEST}}, status_code=status
+    )

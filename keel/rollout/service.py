@@ -1,0 +1,135 @@
+"""The native engine as a service during a rollout: requests arrive at any time, from any thread
+(keel's agent loop, an OpenAI-compatible HTTP server), and one run loop batches whatever is
+pending into the engine's continuous batch, answering each as it finishes.
+
+A request is one turn of a sequence named by its key: its whole context so far and how many tokens
+the turn may take. A key keeps its row of the KV cache between turns, so a turn that extends the
+key's last context (its prompt, the tokens sampled, then whatever came after) prefills only the new
+tokens. A turn that does not extend it (the client rewrote the history) starts the key again on a
+fresh row: the answer is right either way, and `Completion.extended` says which it was. The
+sampling settings are the service's for its life: the captured CUDA graphs hold them.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from keel.types import SamplingParams
+
+
+@dataclass
+class Completion:
+    """A turn's sampled tokens (the stop token included) with their log-probs."""
+
+    ids: list[int]
+    log_probs: list[float]
+    stopped: bool  # ended by a stop token (else by the turn's token limit)
+    extended: bool  # the context extended the key's previous one (its KV cache was kept)
+
+
+@dataclass
+class _Turn:
+    key: object
+    context: list[int]
+    limit: int
+    future: Future
+    extended: bool = False
+
+
+@dataclass
+class _End:
+    key: object
+
+
+class EngineService:
+    """`submit` a turn -> a Future of its Completion; `end` a key when its episode is over (its row
+    goes to a waiting key). Up to `sequences` keys hold rows at once; more wait for one."""
+
+    def __init__(self, engine, params: SamplingParams, sequences: int, max_len: int, turn_tokens: int):
+        self.engine, self.params = engine, params
+        self.shape = (sequences, max_len, turn_tokens)
+        self.batcher = engine.continuous_batcher(sequences, max_len, turn_tokens)
+        self.stop_ids = set(engine.eos_ids)
+        self.inbox: queue.Queue = queue.Queue()
+        self.pending: dict[object, _Turn] = {}  # key -> its turn under way
+        self.contexts: dict[object, list[int]] = {}  # key -> its last context and what was sampled after it
+        self.error: BaseException | None = None
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="keel-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, key, context: list[int], limit: int) -> Future:
+        """A turn for `key` of at most `limit` tokens after `context`."""
+        future: Future = Future()
+        _, max_len, turn_tokens = self.shape
+        if self.error is not None or self._closed.is_set():
+            future.set_exception(RuntimeError(f"the engine service is closed ({self.error or 'closed'})"))
+        elif not 0 < limit <= turn_tokens or len(context) + limit > max_len:
+            future.set_exception(
+                ValueError(f"{len(context)} tokens and {limit} more exceed {max_len} (turns of {turn_tokens} at most)")
+            )
+        else:
+            self.inbox.put(_Turn(key, list(context), limit, future))
+        return future
+
+    def end(self, key) -> None:
+        """The key's episode is over: its row is free for another."""
+        self.inbox.put(_End(key))
+
+    def close(self) -> None:
+        self._closed.set()
+        self.inbox.put(None)
+        self._thread.join()
+
+    # --- the run loop (its own thread: the only one that touches the batcher) -------------------
+    def _run(self) -> None:
+        try:
+            while not self._closed.is_set():
+                self._take_requests(block=not self.batcher.runnable)
+                if self.batcher.runnable:
+                    for turn in self.batcher.step(self.params):
+                        self._answer(turn)
+        except BaseException as error:  # noqa: BLE001 - every waiting client is told, none hangs
+            self.error = error
+        for turn in self.pending.values():
+            turn.future.set_exception(self.error or RuntimeError("the engine service closed"))
+        self.pending.clear()
+
+    def _take_requests(self, block: bool) -> None:
+        """Everything in the inbox; with `block`, waits for the first (nothing else to do)."""
+        try:
+            item = self.inbox.get(block=block)
+            while True:
+                if item is not None:
+                    self._accept(item)
+                item = self.inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    def _accept(self, item) -> None:
+        if isinstance(item, _End):
+            self.contexts.pop(item.key, None)
+            if item.key in self.batcher.row_of and item.key not in self.pending:
+                self.batcher.release(item.key)
+            return
+        if item.key in self.pending:
+            item.future.set_exception(ValueError(f"{item.key!r} already has a turn under way"))
+            return
+        previous = self.contexts.get(item.key)
+        item.extended = previous is not None and item.context[: len(previous)] == previous
+        if item.extended and len(item.context) == len(previous):
+            item.future.set_exception(ValueError(f"{item.key!r} came back with no new tokens"))
+            return
+        if item.key in self.batcher.row_of and not item.extended:
+            self.batcher.release(item.key)  # the history was rewritten: start again on a fresh row
+        self.pending[item.key] = item
+        self.batcher.add(item.key, item.context, item.limit)
+
+    def _answer(self, finished) -> None:
+        turn = self.pending.pop(finished.key)
+        self.contexts[finished.key] = turn.context + finished.ids
+        stopped = bool(finished.ids) and finished.ids[-1] in self.stop_ids
+        turn.future.set_result(Completion(finished.ids, finished.log_probs, stopped, turn.extended))

@@ -1,0 +1,96 @@
+"""The engine as a service: turns submitted from many threads at once are batched by one run loop,
+answer as the engine's own generate would, keep a key's cache while its context extends, and wait
+for a row (never fail) when every row is taken."""
+
+import threading
+
+import pytest
+import torch
+
+from keel.data.prompts import build_prompt_dataset, collate_prompts
+from keel.models.load import load_causal_lm, load_tokenizer
+from keel.rollout.native import NativeRolloutEngine
+from keel.rollout.service import EngineService
+from keel.types import SamplingParams
+
+GREEDY = SamplingParams(do_sample=False, max_new_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_assets):
+    tokenizer = load_tokenizer(tiny_assets["model"])
+    model = load_causal_lm(tiny_assets["model"], torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # matrices redrawn large enough that greedy decoding does not repeat one token
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    return NativeRolloutEngine(model, tokenizer, 8, torch.float32), tokenizer
+
+
+def prompt_ids(tokenizer, texts):
+    records, _ = build_prompt_dataset([{"prompt": t} for t in texts], tokenizer, max_prompt_length=48)
+    return collate_prompts(records, tokenizer.pad_token_id)
+
+
+def test_turns_from_many_threads_answer_as_generate_does(engine):
+    engine, tokenizer = engine
+    prompts = prompt_ids(tokenizer, ["one", "two two", "three three three", "four"])
+    expected = engine.generate(prompts, GREEDY).response_ids.tolist()
+    service = EngineService(engine, GREEDY, sequences=4, max_len=64, turn_tokens=6)
+    try:
+        contexts = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.input_ids, prompts.attention_mask)]
+        results = [None] * 4
+        threads = [
+            threading.Thread(target=lambda i=i: results.__setitem__(i, service.submit(i, contexts[i], 6).result()))
+            for i in range(4)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        service.close()
+    assert [r.ids for r in results] == expected
+    assert not any(r.extended or r.stopped for r in results)
+
+
+def test_a_key_keeps_its_cache_while_its_context_extends(engine):
+    engine, tokenizer = engine
+    service = EngineService(engine, GREEDY, sequences=2, max_len=64, turn_tokens=6)
+    try:
+        first = service.submit("a", [5, 6, 7], 6).result()
+        extended = service.submit("a", [5, 6, 7] + first.ids + [9, 9], 6).result()
+        rewritten = service.submit("a", [5, 6, 8] + first.ids + [9, 9], 6).result()
+        fresh = service.submit("b", [5, 6, 7] + first.ids + [9, 9], 6).result()
+    finally:
+        service.close()
+    assert extended.extended and not rewritten.extended
+    assert extended.ids == fresh.ids  # reusing the cache changes nothing of the answer
+
+
+def test_a_key_waits_for_a_row_until_another_ends(engine):
+    engine, _ = engine
+    service = EngineService(engine, GREEDY, sequences=1, max_len=64, turn_tokens=6)
+    try:
+        service.submit("first", [5, 6, 7], 6).result()
+        waiting = service.submit("second", [8, 9], 6)
+        assert not waiting.done()  # its row is held by "first", whose episode may go on
+        service.end("first")
+        assert len(waiting.result(timeout=300).ids) == 6
+    finally:
+        service.close()
+
+
+def test_refusals_and_closing_never_hang_a_caller(engine):
+    engine, _ = engine
+    service = EngineService(engine, GREEDY, sequences=1, max_len=16, turn_tokens=6)
+    with pytest.raises(ValueError, match="exceed"):
+        service.submit("long", list(range(5, 20)), 6).result()
+    done = service.submit("a", [5, 6], 6).result()
+    with pytest.raises(ValueError, match="no new tokens"):
+        service.submit("a", [5, 6] + done.ids, 6).result()
+    stuck = service.submit("b", [5, 6], 6)  # no row: "a" holds the only one
+    service.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        stuck.result(timeout=300)
