@@ -13,7 +13,9 @@ from keel.rollout.agent.tools import load_tools
 
 
 def check_multi_turn(cfg: KeelConfig, context: dict) -> list[Finding]:
-    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    multi_turn, agent = cfg.actor_rollout_ref.rollout.multi_turn, cfg.actor_rollout_ref.rollout.agent
+    if agent.function:
+        return [_check_agent(cfg)]
     if not multi_turn.enable:
         return []
     tokenizer = need(context, "tokenizer")
@@ -59,6 +61,21 @@ def check_multi_turn(cfg: KeelConfig, context: dict) -> list[Finding]:
             )
         )
     return found
+
+
+def _check_agent(cfg: KeelConfig) -> Finding:
+    """Agent code as the rollout: the function loads, and what the run does with its requests."""
+    from keel.rollout.agent.external import load_agent_function
+
+    agent = cfg.actor_rollout_ref.rollout.agent
+    function = load_agent_function(agent.function)
+    return Finding(
+        PASS,
+        "agent",
+        f"rollout by {function.__module__}.{function.__name__} through keel's OpenAI-compatible endpoint on "
+        f"{agent.host} ({agent.concurrency} at once, {agent.timeout_s:g} s each); trained: the exact tokens "
+        f"it sampled; a sample whose requests rewrote its history: {agent.on_prefix_break}",
+    )
 
 
 def _named(tools: list) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from keel.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
+from keel.config.agent import AgentConfig
 from keel.config.algorithm import ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_TYPES, AlgorithmConfig  # noqa: F401
 from keel.config.fields import ResourcePool, opt
 from keel.config.multi_turn import MultiTurnConfig
@@ -190,6 +191,7 @@ class RolloutConfig(LogProbBatching):
     )
     val_kwargs: ValKwargs = opt(factory=ValKwargs)
     multi_turn: MultiTurnConfig = opt(factory=MultiTurnConfig)
+    agent: AgentConfig = opt(factory=AgentConfig)
 
 
 @dataclass

@@ -37,6 +37,7 @@ from keel.models.load import (
 from keel.models.lora import adapter_weights, apply_lora, frozen_base, plan_lora, trained_in_full
 from keel.observe.profile import RankProfile
 from keel.rollout.agent import AgentLoop, build_agent_loop
+from keel.rollout.agent.external import ExternalAgentRollout, build_external_agent
 from keel.rollout.base import RolloutEngine
 from keel.rollout.hf import HFRolloutEngine
 from keel.rollout.select import make_rollout_engine
@@ -112,7 +113,8 @@ class RoleWorker:
         self.tokenizer = tokenizer or load_tokenizer(policy.model.path, policy.model.trust_remote_code)
         roles = spec.roles
         self.rollout: RolloutEngine | None = None
-        self.agent: AgentLoop | None = None  # multi-turn: the loop that calls tools around the engine
+        # multi-turn: the loop that calls tools around the engine, or agent code through the endpoint
+        self.agent: AgentLoop | ExternalAgentRollout | None = None
         self.actor: ActorTrainer | None = None
         self.ref: ReferencePolicy | None = None
         if "policy" in roles:
@@ -165,6 +167,9 @@ class RoleWorker:
             self.agent = build_agent_loop(
                 policy.rollout.multi_turn, self.rollout, self.tokenizer, spec.max_response_length
             )
+        if policy.rollout.agent.function:  # agent code behind an OpenAI client drives the engine instead
+            budget = spec.max_response_length
+            self.agent = build_external_agent(policy.rollout.agent, self.rollout, self.tokenizer, budget)
         if spec.with_reference and self.lora:  # the base itself, adapters off: no second model
             self.ref = AdapterlessReference(
                 model, _log_prob_batching(policy.ref), policy.rollout.temperature, placement

@@ -205,4 +205,17 @@ AGENT_REQUEST = register(
     "response budget, and send each sample's requests with its own model name (the one keel gives the agent).",
 )
 
+AGENT_FUNCTION = register(
+    "KEEL-C023",
+    "rollout.agent.function names no async function",
+    "actor_rollout_ref.rollout.agent.function is agent code that runs as the rollout: `module:function` (an "
+    "importable module) or `file.py:function` (relative to the working directory), an `async def` taking "
+    "(client, row, extra_info). The name given does not resolve to one: the module or file is not there, it "
+    "raised on import, it has no such attribute, or the attribute is not an async function.",
+    "Name an async def agent(client, row, extra_info) as file.py:function (relative to the working directory) "
+    "or module:function, e.g. `actor_rollout_ref.rollout.agent.function=my_agent.py:agent`; or unset it, "
+    "`actor_rollout_ref.rollout.agent.function=null`, to roll out with keel's own agent loop.",
+    keys=("actor_rollout_ref.rollout.agent.function",),
+)
+
 __all__ = [name for name in dir() if name.isupper()]

@@ -108,3 +108,14 @@ def split_result(result: Any) -> tuple[Any, dict]:
         if isinstance(value, (numbers.Real, str)):
             extras[str(key)[:64]] = value if not isinstance(value, str) else value[:200]
     return result.get("score"), extras
+
+
+AGENT_WEIGHTS = {"agent": (("agent", None), 1.0)}
+
+
+def agent_reward(record) -> float | None:
+    """The reward agent code returned for its sample (rollout.agent.function), or None: left to the scorers."""
+    value = (record.extra_info or {}).get("agent_reward")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+        return None
+    return float(value)

@@ -20,7 +20,7 @@ from keel.errors import (
 )
 from keel.errors.fixes import setting
 from keel.rewards.code_tests import check_ground_truths
-from keel.rewards.contract import verl_extra_info
+from keel.rewards.contract import AGENT_WEIGHTS, agent_reward, verl_extra_info
 from keel.rewards.executor import ScoringPool
 from keel.rewards.sandbox import require_jail
 from keel.rewards.scorers import DATA_SOURCE_SCORERS, NO_GROUND_TRUTH, SCORERS, RewardFn, scorer_for_source
@@ -201,8 +201,15 @@ class RewardScorer:
         counts by reason, scoring latency and the overlong penalty. `may_skip`: a training step,
         which trainer.guards.nonfinite=skip may drop (SkipStep) when NaN scores fill the batch."""
         on_error = on_error or self.on_error
-        weights = [self.scorers_for(r.data_source) for r in records]
-        results = self._run(records, response_texts, weights)
+        given = [agent_reward(r) for r in records]
+        weights = [AGENT_WEIGHTS if g is not None else self.scorers_for(r.data_source) for r, g in zip(records, given)]
+        rest = [i for i, g in enumerate(given) if g is None]  # what the agent left to the scorers
+        scored_rest = iter(
+            self._run([records[i] for i in rest], [response_texts[i] for i in rest], [weights[i] for i in rest])
+            if rest
+            else []
+        )
+        results = [SampleResult({"agent": g}, None, 0.0) if g is not None else next(scored_rest) for g in given]
         failed = [(i, res.reason) for i, res in enumerate(results) if res.values is None]
         if failed:
             log.warning(

@@ -56,6 +56,7 @@ class EngineService:
         self.inbox: queue.Queue = queue.Queue()
         self.pending: dict[object, _Turn] = {}  # key -> its turn under way
         self.contexts: dict[object, list[int]] = {}  # key -> its last context and what was sampled after it
+        self.ending: set = set()  # keys ended while a turn of theirs was under way
         self.error: BaseException | None = None
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="keel-engine", daemon=True)
@@ -95,7 +96,8 @@ class EngineService:
         except BaseException as error:  # noqa: BLE001 - every waiting client is told, none hangs
             self.error = error
         for turn in self.pending.values():
-            turn.future.set_exception(self.error or RuntimeError("the engine service closed"))
+            if not turn.future.done():
+                turn.future.set_exception(self.error or RuntimeError("the engine service closed"))
         self.pending.clear()
 
     def _take_requests(self, block: bool) -> None:
@@ -112,7 +114,9 @@ class EngineService:
     def _accept(self, item) -> None:
         if isinstance(item, _End):
             self.contexts.pop(item.key, None)
-            if item.key in self.batcher.row_of and item.key not in self.pending:
+            if item.key in self.pending:  # a turn under way (its client gave up): the row goes when it ends
+                self.ending.add(item.key)
+            elif item.key in self.batcher.row_of:
                 self.batcher.release(item.key)
             return
         if item.key in self.pending:
@@ -130,6 +134,11 @@ class EngineService:
 
     def _answer(self, finished) -> None:
         turn = self.pending.pop(finished.key)
-        self.contexts[finished.key] = turn.context + finished.ids
+        if finished.key in self.ending:
+            self.ending.discard(finished.key)
+            self.batcher.release(finished.key)
+        else:
+            self.contexts[finished.key] = turn.context + finished.ids
         stopped = bool(finished.ids) and finished.ids[-1] in self.stop_ids
-        turn.future.set_result(Completion(finished.ids, finished.log_probs, stopped, turn.extended))
+        if not turn.future.done():  # a client that gave up cancelled it
+            turn.future.set_result(Completion(finished.ids, finished.log_probs, stopped, turn.extended))

@@ -9,6 +9,7 @@ import torch
 from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptBatch, collate_prompts
 from keel.observe.metrics import Timer
+from keel.rollout.agent.metrics import external_agent_metrics
 from keel.trainer.dynamic_sampling import fill_with_signal
 from keel.trainer.setup import Components
 from keel.types import RolloutBatch, SamplingParams
@@ -52,8 +53,10 @@ class ScoredRollout:
             with timer("reward"):
                 scored = parts.reward.score_batch(batch.records, batch.response_texts, batch.response_lengths)
                 batch.scores, batch.reward_extras, last["reward"] = scored.scores, scored.extras, scored.metrics
-            # reward.on_error=mask: not-scored samples leave the update
-            return batch if scored.scored.all() else batch.select(scored.scored.nonzero().squeeze(-1))
+            last["reward"].update(external_agent_metrics(batch.records))
+            # reward.on_error=mask: not-scored samples leave the update; so do samples an agent's rollout dropped
+            kept = scored.scored & torch.tensor(["agent_dropped" not in r.extra_info for r in batch.records])
+            return batch if kept.all() else batch.select(kept.nonzero().squeeze(-1))
 
         if not filter_groups.enable:
             batch = next_scored_batch()

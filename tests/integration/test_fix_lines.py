@@ -161,6 +161,8 @@ NOT_HERE = {
     "tests/integration/test_demo.py checks that it names a directory that is free",
     "KEEL-C022": "the fix is in the agent's own requests to keel's endpoint; tests/unit/test_openai_endpoint.py "
     "sends each refused request again as the fix says and is answered",
+    "KEEL-C023": "the fix is the user's own agent function (an async def at the path named); "
+    "tests/integration/test_external_agent.py names a missing one, then the one written",
     "KEEL-M008": "the fix is a chat template with a tool role in the model's own turn format, which only the "
     "model's makers can write",
     "KEEL-T001": "a non-finite gradient from finite log-probs needs low-precision overflow, which a float32 "

@@ -37,3 +37,18 @@ def agent_metrics(records: list[PromptRecord]) -> dict[str, float]:
                 metrics[f"tools/{name}/{key if key == 'calls' else key + 's'}"] = total[key]
         metrics[f"tools/{name}/latency_s"] = total["seconds"] / max(total["calls"], 1)
     return metrics
+
+
+def external_agent_metrics(records: list[PromptRecord]) -> dict[str, float]:
+    """Agent code as the rollout (rollout.agent.function): how its samples ended, before the
+    dropped ones leave the batch."""
+    infos = [r.extra_info for r in records if "agent_status" in r.extra_info]
+    if not infos:
+        return {}
+    return {
+        "agent/errors": float(sum(info["agent_status"] == "error" for info in infos)),
+        "agent/timeouts": float(sum(info["agent_status"] == "timeout" for info in infos)),
+        "agent/prefix_breaks": float(sum(info["prefix_breaks"] for info in infos)),
+        "agent/dropped": float(sum("agent_dropped" in info for info in infos)),
+        "agent/requests_per_sample": statistics.fmean(info["agent_requests"] for info in infos),
+    }

@@ -55,8 +55,11 @@ class OpenAIEndpoint:
         max_request_bytes: int = 4 << 20,
         max_in_flight: int = 1024,
         tool_format: str = "hermes",
+        budget: int | None = None,
     ):
-        self.service, self.tokenizer, self.token = service, tokenizer, token
+        """`budget`: the tokens a sample may add after its first prompt, over all its turns
+        (data.max_response_length in training); None: each turn within the service's limit only."""
+        self.service, self.tokenizer, self.token, self.budget = service, tokenizer, token, budget
         self.max_request_bytes, self.parse = max_request_bytes, PARSERS[tool_format]
         self.in_flight = asyncio.Semaphore(max_in_flight)
         self.traces: dict[str, Trace] = {}
@@ -117,9 +120,9 @@ class OpenAIEndpoint:
                 sample = request.headers.get("x-keel-sample") or body.get("model")
                 if not isinstance(sample, str) or not sample:
                     raise RequestError("no sample: send the X-Keel-Sample header or the model name keel gave")
-                limit = self._limit(body)
                 trace = self.traces.setdefault(sample, Trace())
                 prompt = prompt_of(body, trace)
+                limit = self._within_budget(self._limit(body), trace, prompt)
                 completion = await asyncio.wrap_future(self.service.submit(sample, prompt, limit))
             except RequestError as error:
                 return _error(str(error), error.status)
@@ -161,6 +164,17 @@ class OpenAIEndpoint:
         if not isinstance(limit, int) or isinstance(limit, bool) or not 0 < limit <= budget:
             raise RequestError(f"max_tokens must be a whole number from 1 to the rollout's {budget}")
         return limit
+
+    def _within_budget(self, limit: int, trace: Trace, prompt: list[int]) -> int:
+        """The turn's limit within what the sample's budget leaves after `prompt`."""
+        if self.budget is None:
+            return limit
+        first = trace.stretches[0].prompt if trace.stretches else prompt
+        left = self.budget - (len(prompt) - len(first) if prompt[: len(first)] == first else 0)
+        if left <= 0:
+            trace.budget_spent = True
+            raise RequestError(f"the sample's budget of {self.budget} tokens (data.max_response_length) is spent")
+        return min(limit, left)
 
     def _chat_prompt(self, body: dict, trace: Trace) -> list[int]:
         messages, tools = body.get("messages"), body.get("tools") or None

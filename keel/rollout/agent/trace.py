@@ -41,6 +41,7 @@ class Trace:
     requests: int = 0
     messages: list[dict] | None = None  # chat: the conversation so far, the last answer included
     finished_turn: bool = False  # the last turn ended with a stop token (a next turn may follow it)
+    budget_spent: bool = False  # a request found the sample's token budget spent
 
     @property
     def prefix_breaks(self) -> int:

@@ -1,0 +1,32 @@
+"""keel's keys in verl's rollout.agent section: agent code behind an OpenAI client as the rollout.
+verl's own keys of the section (its agent-loop workers) are accepted as not needed (verl_rules.yaml)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from keel.config.fields import opt
+
+
+@dataclass
+class AgentConfig:
+    function: str | None = opt(
+        None,
+        help="keel: agent code as the rollout, module:function or file.py:function: an async function "
+        "(client, row, extra_info) called for every sample, its OpenAI client pointed at keel's endpoint "
+        "over the policy; it returns the sample's reward, or None to leave it to the reward function",
+    )
+    concurrency: int = opt(64, gt=0, help="keel: agents running at once")
+    timeout_s: float = opt(
+        600.0, gt=0, help="keel: seconds an agent may take; past it, it is cancelled and counted (agent/timeouts)"
+    )
+    on_prefix_break: str = opt(
+        "drop",
+        choices=("drop",),
+        help="keel: a sample whose requests do not extend its earlier tokens (the agent rewrote its history): "
+        "drop leaves it out of the update (agent/prefix_breaks counts them)",
+    )
+    max_prompt_length: int = opt(
+        2048, gt=0, help="keel: tokens an agent's first prompt may take (its own system prompt and tools included)"
+    )
+    host: str = opt("127.0.0.1", help="keel: where the endpoint listens (loopback: only this machine's agents)")

@@ -1,0 +1,217 @@
+"""Agent code as the rollout (`actor_rollout_ref.rollout.agent.function`): an async function
+written against an OpenAI client, run for every sample of the batch at once (at most `concurrency`
+at a time, each within `timeout_s`), its requests served by keel's endpoint over the engine
+service, so the samples' turns share the continuous batch.
+
+    async def agent(client: openai.AsyncOpenAI, row: dict, extra_info: dict) -> float | None
+
+`row` holds the sample's prompt as the data gave it (`prompt`, messages or text), its
+`data_source` and `ground_truth`. The client names the sample on every request (a header), so the
+agent may pass any model name. What it returns is the sample's reward; None leaves the sample to
+the reward function, which scores the text of its last turn.
+
+What is trained is each sample's token trace (trace.py): the exact prompt and sampled tokens.
+An agent that raises or runs past its timeout, or whose requests rewrote its history
+(rollout.agent.on_prefix_break=drop), leaves the update and is counted (`agent/errors`,
+`agent/timeouts`, `agent/prefix_breaks`, `agent/dropped`); the step goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from keel.errors import AGENT_FUNCTION, KeelError
+from keel.rollout.agent.openai_server import OpenAIEndpoint
+from keel.rollout.agent.trace import Stretch, Trace
+from keel.rollout.service import EngineService
+from keel.types import PromptBatch, RolloutBatch, SamplingParams
+
+
+@dataclass
+class ExternalAgentOptions:
+    budget: int  # data.max_response_length: tokens a sample may add after its first prompt
+    max_len: int  # tokens a sample's context may reach
+    concurrency: int = 64
+    timeout_s: float = 600.0
+    host: str = "127.0.0.1"
+
+
+@dataclass
+class Outcome:
+    """How one sample's agent ended."""
+
+    reward: float | None = None
+    status: str = "ok"  # ok | error | timeout
+    error: str | None = None
+
+
+class ExternalAgentRollout:
+    def __init__(self, engine, tokenizer, function, options: ExternalAgentOptions):
+        self.engine, self.tokenizer, self.function, self.options = engine, tokenizer, function, options
+        self.timing: dict[str, float] = {}
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams) -> RolloutBatch:
+        names = [f"sample-{secrets.token_hex(4)}-{i}" for i in range(len(prompts))]
+        rows = min(len(prompts), self.options.concurrency)
+        service = EngineService(
+            self.engine, dataclasses.replace(params, n=1), rows, self.options.max_len, self.options.budget
+        )
+        endpoint = OpenAIEndpoint(service, self.tokenizer, token=secrets.token_urlsafe(16), budget=self.options.budget)
+        try:
+            url = endpoint.serve(self.options.host)
+            outcomes = asyncio.run(self._run_all(url, endpoint.token, names, prompts.records, service))
+        finally:
+            service.close()  # first: a request still waiting is answered, so the endpoint can stop
+            endpoint.close()
+        self.timing = dict(self.engine.timing)
+        traces = [endpoint.traces.get(name) or Trace() for name in names]
+        return traces_batch(prompts, traces, outcomes, self.tokenizer)
+
+    async def _run_all(self, url: str, token: str, names: list[str], records, service) -> list[Outcome]:
+        import openai
+
+        limit = asyncio.Semaphore(self.options.concurrency)
+
+        async def one(name: str, record) -> Outcome:
+            async with limit:
+                client = openai.AsyncOpenAI(
+                    base_url=url, api_key=token, max_retries=0, default_headers={"X-Keel-Sample": name}
+                )
+                try:
+                    return await asyncio.wait_for(self._call(client, record), self.options.timeout_s)
+                except asyncio.TimeoutError:
+                    return Outcome(status="timeout")
+                except Exception as error:  # noqa: BLE001 - the agent is user code: counted, never a lost step
+                    return Outcome(status="error", error=f"{type(error).__name__}: {error}"[:500])
+                finally:
+                    service.end(name)
+                    await client.close()
+
+        return await asyncio.gather(*[one(name, record) for name, record in zip(names, records)])
+
+    async def _call(self, client, record) -> Outcome:
+        row = {"prompt": record.raw_prompt, "data_source": record.data_source, "ground_truth": record.ground_truth}
+        reward = await self.function(client, row, dict(record.extra_info))
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
+            return Outcome(status="error", error=f"the agent returned {type(reward).__name__}, not a number or None")
+        return Outcome(reward=None if reward is None else float(reward))
+
+
+def build_external_agent(agent, engine, tokenizer, budget: int) -> ExternalAgentRollout:
+    """The rollout of a rollout.agent section around the engine; `budget`: data.max_response_length."""
+    if not hasattr(engine, "continuous_batcher"):
+        raise KeelError(
+            AGENT_FUNCTION,
+            f"actor_rollout_ref.rollout.agent.function={agent.function!r} runs on keel's native engine, and "
+            f"this model generates with {type(engine).__name__}",
+            "set actor_rollout_ref.rollout.name=native (keel check says whether the model runs on it), or "
+            "unset actor_rollout_ref.rollout.agent.function",
+        )
+    max_len = agent.max_prompt_length + budget
+    options = ExternalAgentOptions(budget, max_len, agent.concurrency, agent.timeout_s, agent.host)
+    return ExternalAgentRollout(engine, tokenizer, load_agent_function(agent.function), options)
+
+
+def load_agent_function(spec: str, directory: Path | None = None):
+    """`module:function` or `file.py:function` (relative to `directory`, default the working
+    directory) -> the async function, or KEEL-C023 saying why not."""
+    where, _, name = spec.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            path = (directory or Path.cwd()) / where
+            loader = importlib.util.spec_from_file_location(f"keel_agent_{path.stem}", path)
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where) if where else None
+        function = getattr(module, name, None)
+        reason = f"{where!r} has no attribute {name!r}" if function is None else "it is not an async def"
+    except Exception as error:  # noqa: BLE001 - the user's module: missing or raising on import, named
+        function, reason = None, f"{where!r} could not be loaded: {type(error).__name__}: {error}"
+    if not where:
+        reason = "not of the form module:function or file.py:function"
+    if not inspect.iscoroutinefunction(function):
+        raise KeelError(AGENT_FUNCTION, f"actor_rollout_ref.rollout.agent.function={spec!r}: {reason}")
+    return function
+
+
+def traces_batch(prompts: PromptBatch, traces: list[Trace], outcomes: list[Outcome], tokenizer) -> RolloutBatch:
+    """The batch the samples' traces make: each sample's first stretch, its prompt the agent's own
+    first prompt; a sample to drop (its agent failed, or its history was rewritten) keeps its
+    tokens but trains none of them, and says why in extra_info (`agent_dropped`)."""
+    records = prompts.records
+    stretches = [t.stretches[0] if t.stretches else Stretch(list(r.prompt_ids)) for t, r in zip(traces, records)]
+    dropped = [_why_dropped(t, o) for t, o in zip(traces, outcomes)]
+    pad = tokenizer.pad_token_id
+    width = max(1, max(len(s.ids) for s in stretches))
+    prompt_width = max(len(s.prompt) for s in stretches)
+
+    def right(values, fill=0, dtype=torch.long):  # [N, width]
+        out = torch.full((len(values), width), fill, dtype=dtype)
+        for i, v in enumerate(values):
+            out[i, : len(v)] = torch.tensor(v, dtype=dtype)
+        return out
+
+    prompt_ids = torch.full((len(stretches), prompt_width), pad, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    for i, s in enumerate(stretches):  # left-padded
+        prompt_ids[i, prompt_width - len(s.prompt) :] = torch.tensor(s.prompt)
+        prompt_mask[i, prompt_width - len(s.prompt) :] = 1
+    trained = right([s.trained if why is None else [0] * len(s.ids) for s, why in zip(stretches, dropped)])
+    last_turns = [_last_turn(s) for s in stretches]
+    records = [
+        dataclasses.replace(
+            record,
+            extra_info={
+                **record.extra_info,
+                "agent_status": outcome.status,
+                **({"agent_error": outcome.error} if outcome.error else {}),
+                **({"agent_dropped": why} if why else {}),
+                "agent_requests": trace.requests,
+                "prefix_breaks": trace.prefix_breaks,
+                **({"agent_reward": outcome.reward} if outcome.reward is not None and why is None else {}),
+                **({"agent_reward": 0.0} if why else {}),  # not scored: it leaves the update
+                "last_turn": tokenizer.decode(turn, skip_special_tokens=True),
+            },
+        )
+        for record, trace, outcome, why, turn in zip(prompts.records, traces, outcomes, dropped, last_turns)
+    ]
+    return RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=right([s.ids for s in stretches], pad),
+        response_mask=trained,
+        sampling_log_probs=right([s.log_probs for s in stretches], dtype=torch.float32) * trained,
+        group_index=torch.tensor([r.index for r in prompts.records]),
+        records=records,
+        response_texts=[tokenizer.decode(turn, skip_special_tokens=True) for turn in last_turns],
+        truncated=torch.tensor([t.budget_spent or not t.finished_turn for t in traces]),
+        response_attention=right([[1] * len(s.ids) for s in stretches]),
+    )
+
+
+def _why_dropped(trace: Trace, outcome: Outcome) -> str | None:
+    if outcome.status != "ok" and not trace.budget_spent:  # an agent stopped by the budget is a cut sample
+        return outcome.status
+    if trace.prefix_breaks:
+        return "prefix_break"
+    if not trace.stretches:
+        return "no_request"
+    return None
+
+
+def _last_turn(stretch: Stretch) -> list[int]:
+    """The tokens of the last turn the engine sampled: the trailing run of trained tokens."""
+    start = len(stretch.trained)
+    while start > 0 and stretch.trained[start - 1]:
+        start -= 1
+    return stretch.ids[start:]
