@@ -23,6 +23,7 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
+import logging
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,8 @@ class ExternalAgentRollout:
 
     async def _run_all(self, url: str, token: str, names: list[str], records, service) -> list[Outcome]:
         import openai
+
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the step's
 
         limit = asyncio.Semaphore(self.options.concurrency)
 
