@@ -16,6 +16,10 @@
 #                                                 t1's work on each family's shapes (q1,e1,l1,t1 or W)
 #   bash benchmarks/gpu_session.sh large_families [W]  issue 29: GPT-OSS-20B, Qwen3-30B-A3B and Qwen3-8B with
 #                                                 LoRA (o20l,e30l,q8l or W)
+#   bash benchmarks/gpu_session.sh agents         issue 30: m1 through keel's agent loop, then m1a: the same episodes
+#                                                 by an OpenAI-client agent through keel's endpoint (carry the
+#                                                 wheels: starlette uvicorn openai pydantic pydantic-core
+#                                                 annotated-types typing-inspection distro jiter sniffio)
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -88,6 +92,13 @@ families() {
     for w in ${1//,/ }; do
         timeout 170 python3 -m keel bench "$w" --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/$w.log" 2>&1
         tail -1 "$OUT/$w.log" | cut -c1-300
+    done
+}
+
+agents() {  # issue 30: m1a against m1 in one call
+    for w in m1 m1a; do
+        timeout 280 python3 -m keel bench "$w" --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/$w.log" 2>&1
+        tail -3 "$OUT/$w.log"
     done
 }
 

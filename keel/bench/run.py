@@ -265,6 +265,8 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
             k[len("perf/peak_memory_gb/") :]: highest(k) for k in steps[-1] if k.startswith("perf/peak_memory_gb/")
         },
         "log_prob_gap": mean("rollout/log_prob_gap"),
+        # agent code as the rollout (m1a): how its samples ended
+        "agent": {k[len("agent/") :]: mean(k) for k in steps[-1] if k.startswith("agent/")} or None,
         "timing_s": {k[len("timing_s/") :]: mean(k) for k in steps[-1] if k.startswith("timing_s/")},
     }
 

@@ -283,9 +283,38 @@ MULTI_TURN_4x128 = {
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 4,
     "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn": 128,
 }
+
+
+async def instant_agent(client, row, extra_info):
+    """m1a's agent: m1's episode written against an OpenAI client (4 assistant turns of 128 tokens,
+    each answered at once with m1's observation), its requests served by keel's endpoint."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for turn in range(4):
+        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=128)
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        if turn < 3:
+            messages.append({"role": "user", "content": "ok, go on"})
+
+
+# m1a: m1 driven through the OpenAI-compatible endpoint by instant_agent (issue 30)
+AGENT_4x128 = {
+    "actor_rollout_ref.rollout.name": "native",
+    "actor_rollout_ref.rollout.agent.function": "keel.bench.workloads:instant_agent",
+    "actor_rollout_ref.rollout.agent.concurrency": 512,
+    "actor_rollout_ref.rollout.agent.max_prompt_length": 320,
+}
 WORKLOADS.update(
     {
         "m1": Workload("0.5b", 64, 8, 256, 4 * 128 + 3 * 40, overrides=MULTI_TURN_4x128),
+        "m1a": Workload("0.5b", 64, 8, 256, 4 * 128 + 3 * 40, overrides=AGENT_4x128),
+        "tinyma": Workload(
+            "tiny",
+            4,
+            4,
+            32,
+            4 * 8 + 3 * 40,
+            overrides={**AGENT_4x128, "actor_rollout_ref.rollout.agent.concurrency": 16},
+        ),
         "tinym": Workload(
             "tiny",
             4,
