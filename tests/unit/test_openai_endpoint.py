@@ -181,3 +181,23 @@ def test_the_endpoint_wants_its_token_and_survives_garbage_and_hang_ups(endpoint
         assert response.status_code == 200  # the client goes away before reading a byte
     after = client(url).chat.completions.create(model="after", messages=[{"role": "user", "content": "still up?"}])
     assert after.choices[0].message.content is not None and spy.sampled["after"]
+
+
+def test_a_samples_budget_bounds_its_turns_and_then_refuses(endpoint):
+    _, _, spy, tokenizer = endpoint
+    budgeted = OpenAIEndpoint(spy, tokenizer, token=TOKEN, budget=56)
+    url = budgeted.serve()
+    try:
+        chat = client(url).chat.completions
+        messages = [{"role": "user", "content": "count"}]
+        first = chat.create(model="budgeted", messages=messages, max_tokens=16).choices[0].message
+        messages += [first.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        second = chat.create(model="budgeted", messages=messages, max_tokens=16)
+        stretch = budgeted.traces["budgeted"].stretches[0]
+        assert len(stretch.ids) <= 56 and second.usage.completion_tokens < 16  # cut to what the budget left
+        messages += [second.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        with pytest.raises(openai.BadRequestError, match="budget"):
+            chat.create(model="budgeted", messages=messages, max_tokens=16)
+        assert budgeted.traces["budgeted"].budget_spent
+    finally:
+        budgeted.close()
