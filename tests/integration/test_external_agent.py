@@ -73,3 +73,14 @@ def test_an_agent_function_that_is_not_there_is_refused_by_name(tmp_path):
         load_agent_function("no_such_module_here:agent", tmp_path)
     (tmp_path / "agents.py").write_text("async def agent(client, row, extra_info):\n    return 1.0\n")
     assert load_agent_function("agents.py:agent", tmp_path).__name__ == "agent"  # the fix: an async def
+
+
+def test_the_examples_agent_config_names_an_agent_keel_can_load():
+    from keel.config.load import load_config
+    from keel.rollout.agent.external import load_agent_function
+
+    root = Path(__file__).parents[2]
+    cfg = load_config(str(root / "examples" / "agent" / "grpo.yaml"))
+    agent = cfg.actor_rollout_ref.rollout.agent
+    assert cfg.actor_rollout_ref.rollout.name == "native" and agent.function.endswith(":agent")
+    assert load_agent_function(agent.function, root).__name__ == "agent"

@@ -151,8 +151,7 @@ def traces_batch(prompts: PromptBatch, traces: list[Trace], outcomes: list[Outco
     """The batch the samples' traces make: each sample's first stretch, its prompt the agent's own
     first prompt; a sample to drop (its agent failed, or its history was rewritten) keeps its
     tokens but trains none of them, and says why in extra_info (`agent_dropped`)."""
-    records = prompts.records
-    stretches = [t.stretches[0] if t.stretches else Stretch(list(r.prompt_ids)) for t, r in zip(traces, records)]
+    stretches = [_first_stretch(t, r) for t, r in zip(traces, prompts.records)]
     dropped = [_why_dropped(t, o) for t, o in zip(traces, outcomes)]
     pad = tokenizer.pad_token_id
     width = max(1, max(len(s.ids) for s in stretches))
@@ -200,6 +199,11 @@ def traces_batch(prompts: PromptBatch, traces: list[Trace], outcomes: list[Outco
         truncated=torch.tensor([t.budget_spent or not t.finished_turn for t in traces]),
         response_attention=right([[1] * len(s.ids) for s in stretches]),
     )
+
+
+def _first_stretch(trace: Trace, record) -> Stretch:
+    """What is trained of a sample: its first stretch (a sample that never asked: its prompt alone)."""
+    return trace.stretches[0] if trace.stretches else Stretch(list(record.prompt_ids))
 
 
 def _why_dropped(trace: Trace, outcome: Outcome) -> str | None:
