@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 from keel.types import SamplingParams
@@ -57,8 +57,10 @@ class EngineService:
         self.pending: dict[object, _Turn] = {}  # key -> its turn under way
         self.contexts: dict[object, list[int]] = {}  # key -> its last context and what was sampled after it
         self.ending: set = set()  # keys ended while a turn of theirs was under way
+        self.ended: set = set()  # keys whose episode is over
         self.error: BaseException | None = None
         self._closed = threading.Event()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="keel-engine", daemon=True)
         self._thread.start()
 
@@ -66,14 +68,18 @@ class EngineService:
         """A turn for `key` of at most `limit` tokens after `context`."""
         future: Future = Future()
         _, max_len, turn_tokens = self.shape
-        if self.error is not None or self._closed.is_set():
-            future.set_exception(RuntimeError(f"the engine service is closed ({self.error or 'closed'})"))
+        if not context:
+            future.set_exception(ValueError("an empty context: a turn needs at least one token before it"))
         elif not 0 < limit <= turn_tokens or len(context) + limit > max_len:
             future.set_exception(
                 ValueError(f"{len(context)} tokens and {limit} more exceed {max_len} (turns of {turn_tokens} at most)")
             )
         else:
-            self.inbox.put(_Turn(key, list(context), limit, future))
+            with self._lock:  # against the run loop's last drain: a turn is queued before it, or refused
+                if self._closed.is_set():
+                    future.set_exception(RuntimeError(f"the engine service is closed ({self.error or 'closed'})"))
+                else:
+                    self.inbox.put(_Turn(key, list(context), limit, future))
         return future
 
     def end(self, key) -> None:
@@ -95,9 +101,16 @@ class EngineService:
                         self._answer(turn)
         except BaseException as error:  # noqa: BLE001 - every waiting client is told, none hangs
             self.error = error
-        for turn in self.pending.values():
-            if not turn.future.done():
-                turn.future.set_exception(self.error or RuntimeError("the engine service closed"))
+        closed = self.error or RuntimeError("the engine service closed")
+        unanswered = list(self.pending.values())
+        with self._lock:
+            self._closed.set()  # submit refuses from here on; what reached the inbox before is answered below
+            while not self.inbox.empty():
+                item = self.inbox.get_nowait()
+                if isinstance(item, _Turn):
+                    unanswered.append(item)
+        for turn in unanswered:
+            _settle(turn.future, exception=closed)
         self.pending.clear()
 
     def _take_requests(self, block: bool) -> None:
@@ -113,14 +126,16 @@ class EngineService:
 
     def _accept(self, item) -> None:
         if isinstance(item, _End):
+            self.ended.add(item.key)  # a turn of its that arrives later is refused: its row would never be freed
             self.contexts.pop(item.key, None)
             if item.key in self.pending:  # a turn under way (its client gave up): the row goes when it ends
                 self.ending.add(item.key)
             elif item.key in self.batcher.row_of:
                 self.batcher.release(item.key)
             return
-        if item.key in self.pending:
-            item.future.set_exception(ValueError(f"{item.key!r} already has a turn under way"))
+        if item.key in self.pending or item.key in self.ended:
+            why = "already has a turn under way" if item.key in self.pending else "was ended"
+            item.future.set_exception(ValueError(f"{item.key!r} {why}"))
             return
         previous = self.contexts.get(item.key)
         item.extended = previous is not None and item.context[: len(previous)] == previous
@@ -140,5 +155,15 @@ class EngineService:
         else:
             self.contexts[finished.key] = turn.context + finished.ids
         stopped = bool(finished.ids) and finished.ids[-1] in self.stop_ids
-        if not turn.future.done():  # a client that gave up cancelled it
-            turn.future.set_result(Completion(finished.ids, finished.log_probs, stopped, turn.extended))
+        _settle(turn.future, Completion(finished.ids, finished.log_probs, stopped, turn.extended))
+
+
+def _settle(future: Future, result=None, exception: BaseException | None = None) -> None:
+    """Answer a future unless its client gave up (cancelled it, possibly while this runs)."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass

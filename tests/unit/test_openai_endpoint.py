@@ -201,3 +201,23 @@ def test_a_samples_budget_bounds_its_turns_and_then_refuses(endpoint):
         assert budgeted.traces["budgeted"].budget_spent
     finally:
         budgeted.close()
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("completions", {"prompt": ""}),  # no token to start from: once, this stopped the engine for everyone
+        ("completions", {"prompt": "x", "max_tokens": 0}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi", "tool_calls": 1}]}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi", "tool_calls": [{"function": "x"}]}]}),
+        ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": "x"}),
+    ],
+)
+def test_hostile_shapes_are_answered_and_the_engine_keeps_serving(endpoint, path, body):
+    _, url, _, _ = endpoint
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    response = httpx.post(f"{url}/{path}", json={"model": f"hostile-{path}", **body}, headers=headers, timeout=60)
+    assert response.status_code in (200, 400), response.text
+    after = client(url).completions.create(model=f"after-{len(str(body))}", prompt="still up?", max_tokens=2)
+    assert after.choices[0].finish_reason in ("stop", "length")

@@ -24,6 +24,7 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import math
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,23 +67,35 @@ class ExternalAgentRollout:
         service = EngineService(
             self.engine, dataclasses.replace(params, n=1), rows, self.options.max_len, self.options.budget
         )
-        endpoint = OpenAIEndpoint(service, self.tokenizer, token=secrets.token_urlsafe(16), budget=self.options.budget)
+        endpoint = OpenAIEndpoint(
+            service,
+            self.tokenizer,
+            token=secrets.token_urlsafe(16),
+            budget=self.options.budget,
+            max_in_flight=max(1024, self.options.concurrency),
+        )
         try:
             url = endpoint.serve(self.options.host)
-            outcomes = asyncio.run(self._run_all(url, endpoint.token, names, prompts.records, service))
+            # As many agents at once as the engine holds rows: one waiting for a row would spend its timeout.
+            at_once = min(self.options.concurrency, service.batcher.shape[0])
+            outcomes = asyncio.run(self._run_all(url, endpoint.token, names, prompts.records, service, at_once))
         finally:
             service.close()  # first: a request still waiting is answered, so the endpoint can stop
             endpoint.close()
+        if service.error is not None:  # the engine failed (out of memory, ...): not the agents' fault
+            raise service.error
         self.timing = dict(self.engine.timing)
         traces = [endpoint.traces.get(name) or Trace() for name in names]
-        return traces_batch(prompts, traces, outcomes, self.tokenizer)
+        batch = traces_batch(prompts, traces, outcomes, self.tokenizer)
+        _refuse_all_dropped(batch.records, outcomes)
+        return batch
 
-    async def _run_all(self, url: str, token: str, names: list[str], records, service) -> list[Outcome]:
+    async def _run_all(self, url: str, token: str, names: list[str], records, service, at_once: int) -> list[Outcome]:
         import openai
 
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the step's
 
-        limit = asyncio.Semaphore(self.options.concurrency)
+        limit = asyncio.Semaphore(at_once)
 
         async def one(name: str, record) -> Outcome:
             async with limit:
@@ -104,9 +117,11 @@ class ExternalAgentRollout:
     async def _call(self, client, record) -> Outcome:
         row = {"prompt": record.raw_prompt, "data_source": record.data_source, "ground_truth": record.ground_truth}
         reward = await self.function(client, row, dict(record.extra_info))
-        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
-            return Outcome(status="error", error=f"the agent returned {type(reward).__name__}, not a number or None")
-        return Outcome(reward=None if reward is None else float(reward))
+        if reward is None:
+            return Outcome()
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            return Outcome(status="error", error=f"the agent returned {reward!r:.80}, not a finite number or None")
+        return Outcome(reward=float(reward))
 
 
 def build_external_agent(agent, engine, tokenizer, budget: int) -> ExternalAgentRollout:
@@ -199,6 +214,15 @@ def traces_batch(prompts: PromptBatch, traces: list[Trace], outcomes: list[Outco
         truncated=torch.tensor([t.budget_spent or not t.finished_turn for t in traces]),
         response_attention=right([[1] * len(s.ids) for s in stretches]),
     )
+
+
+def _refuse_all_dropped(records, outcomes: list[Outcome]) -> None:
+    """A step whose every sample its agent lost is the agent's bug, not data: said, with the first error."""
+    if records and all("agent_dropped" in r.extra_info for r in records):
+        first = next((o.error for o in outcomes if o.error), None)
+        reasons = sorted({r.extra_info["agent_dropped"] for r in records})
+        said = f"every sample's agent failed this step ({', '.join(reasons)})"
+        raise KeelError(AGENT_FUNCTION, said + (f"; the first: {first}" if first else ""))
 
 
 def _first_stretch(trace: Trace, record) -> Stretch:

@@ -26,7 +26,7 @@ import time
 import uuid
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
@@ -82,14 +82,13 @@ class OpenAIEndpoint:
             self.app, host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=5
         )
         self._server = uvicorn.Server(config)
-        thread = threading.Thread(target=self._server.run, name="keel-openai", daemon=True)
-        thread.start()
+        self._thread = threading.Thread(target=self._server.run, name="keel-openai", daemon=True)
+        self._thread.start()
         while not self._server.started:  # bound by uvicorn's own startup, which fails loudly
-            if not thread.is_alive():
+            if not self._thread.is_alive():
                 raise RuntimeError(f"keel's endpoint could not listen on {host}:{port}")
             time.sleep(0.01)
         bound = self._server.servers[0].sockets[0].getsockname()
-        self._thread = thread
         return f"http://{bound[0]}:{bound[1]}/v1"
 
     def close(self) -> None:
@@ -122,16 +121,21 @@ class OpenAIEndpoint:
                     raise RequestError("no sample: send the X-Keel-Sample header or the model name keel gave")
                 trace = self.traces.setdefault(sample, Trace())
                 prompt = prompt_of(body, trace)
+                seen = [comparable(m) for m in body["messages"]] if chat else None  # checked before sampling
                 limit = self._within_budget(self._limit(body), trace, prompt)
                 completion = await asyncio.wrap_future(self.service.submit(sample, prompt, limit))
             except RequestError as error:
                 return _error(str(error), error.status)
             except ValueError as error:  # the engine service's refusal (a turn that cannot fit)
                 return _error(str(error), 400)
+            except RuntimeError as error:  # the service closed: the rollout is over (or the engine failed)
+                return _error(str(error), 503)
+            except ClientDisconnect:
+                return _error("the client went away", 400)
             trace.record(prompt, completion.ids, completion.log_probs, completion.stopped)
             answer = self._answer(completion, chat)
             if chat:
-                trace.messages = [comparable(m) for m in body["messages"]] + [comparable(answer["message"])]
+                trace.messages = seen + [comparable(answer["message"])]
             return self._respond(body, answer, chat, len(prompt), len(completion.ids))
 
     async def _body(self, request: Request) -> dict:
@@ -160,7 +164,7 @@ class OpenAIEndpoint:
         if body.get("n", 1) != 1:
             raise RequestError("n must be 1: each sample sends its own requests")
         _, _, budget = self.service.shape
-        limit = body.get("max_completion_tokens") or body.get("max_tokens") or budget
+        limit = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), budget)
         if not isinstance(limit, int) or isinstance(limit, bool) or not 0 < limit <= budget:
             raise RequestError(f"max_tokens must be a whole number from 1 to the rollout's {budget}")
         return limit
@@ -180,27 +184,29 @@ class OpenAIEndpoint:
         messages, tools = body.get("messages"), body.get("tools") or None
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise RequestError("messages must be a non-empty list of message objects")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise RequestError("tools must be a list of tool objects")
         seen = trace.messages
-        if seen and len(messages) > len(seen) and [comparable(m) for m in messages[: len(seen)]] == seen:
-            # The conversation continues after keel's answer: tokens in, tokens out. An answer cut by
-            # max_tokens gets the end token the template closes a turn with (attended, not trained).
-            template = self._template(tools)
-            ended = [] if trace.finished_turn else [template.end_id]
-            return trace.context + ended + template.suffix_ids(messages[len(seen) :])
         try:
+            if seen and len(messages) > len(seen) and [comparable(m) for m in messages[: len(seen)]] == seen:
+                # The conversation continues after keel's answer: tokens in, tokens out. An answer cut by
+                # max_tokens gets the end token the template closes a turn with (attended, not trained).
+                template = self._template(tools)
+                ended = [] if trace.finished_turn else [template.end_id]
+                return trace.context + ended + template.suffix_ids(messages[len(seen) :])
             text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-        except Exception as error:  # noqa: BLE001 - jinja's own errors on a malformed conversation
+        except Exception as error:  # noqa: BLE001 - jinja's (or keel's template check's) errors on a malformed conversation
             raise RequestError(f"the chat template refused the messages: {error}") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _text_prompt(self, body: dict, trace: Trace) -> list[int]:
         prompt = body.get("prompt")
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and prompt:
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         vocab = len(self.tokenizer)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
             return list(prompt)
-        raise RequestError("prompt must be a string or a non-empty list of token ids")
+        raise RequestError("prompt must be a non-empty string or a non-empty list of token ids")
 
     def _template(self, tools) -> TurnTemplate:
         key = json.dumps(tools, sort_keys=True)

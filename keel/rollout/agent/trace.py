@@ -69,10 +69,12 @@ def comparable(message) -> dict:
     message = dict(message) if isinstance(message, dict) else {}
     content = message.get("content")
     if isinstance(content, list):  # content parts: the text ones are what a text model sees
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
     calls = []
-    for call in message.get("tool_calls") or []:
-        function = call.get("function", {}) if isinstance(call, dict) else {}
+    tool_calls = message.get("tool_calls")
+    for call in tool_calls if isinstance(tool_calls, list) else []:
+        function = call.get("function") if isinstance(call, dict) else None
+        function = function if isinstance(function, dict) else {}
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:
@@ -80,4 +82,4 @@ def comparable(message) -> dict:
             except json.JSONDecodeError:
                 pass
         calls.append((function.get("name"), json.dumps(arguments, sort_keys=True)))
-    return {"role": message.get("role"), "content": content or "", "tool_calls": calls}
+    return {"role": str(message.get("role")), "content": str(content or ""), "tool_calls": calls}
