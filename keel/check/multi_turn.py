@@ -68,11 +68,11 @@ def _check_agent(cfg: KeelConfig) -> Finding:
     from keel.rollout.agent.external import load_agent_function
 
     agent = cfg.actor_rollout_ref.rollout.agent
-    function = load_agent_function(agent.function)
+    load_agent_function(agent.function)  # KEEL-C023 when it is not an async def there
     return Finding(
         PASS,
         "agent",
-        f"rollout by {function.__module__}.{function.__name__} through keel's OpenAI-compatible endpoint on "
+        f"rollout by {agent.function} (an async def) through keel's OpenAI-compatible endpoint on "
         f"{agent.host} ({agent.concurrency} at once, {agent.timeout_s:g} s each); trained: the exact tokens "
         f"it sampled; a sample whose requests rewrote its history: {agent.on_prefix_break}",
     )
