@@ -55,8 +55,9 @@ class Spy:
 def endpoint(tiny_assets):
     tokenizer = load_tokenizer(tiny_assets["model"])
     model = load_causal_lm(tiny_assets["model"], torch.device("cpu"))
-    engine = NativeRolloutEngine(model, tokenizer, 8, torch.float32)
-    service = Spy(EngineService(engine, SamplingParams(temperature=1.0), sequences=16, max_len=512, turn_tokens=16))
+    engine = NativeRolloutEngine(model, tokenizer, 64, torch.float32)
+    # a row for every sample the module's tests name: none of them is ended, so each keeps its row
+    service = Spy(EngineService(engine, SamplingParams(temperature=1.0), sequences=64, max_len=512, turn_tokens=16))
     server = OpenAIEndpoint(service, tokenizer, token=TOKEN, max_request_bytes=64 << 10, max_in_flight=8)
     url = server.serve()
     yield server, url, service, tokenizer
