@@ -135,12 +135,12 @@ class EngineService:
             return
         if item.key in self.pending or item.key in self.ended:
             why = "already has a turn under way" if item.key in self.pending else "was ended"
-            item.future.set_exception(ValueError(f"{item.key!r} {why}"))
+            _settle(item.future, exception=ValueError(f"{item.key!r} {why}"))
             return
         previous = self.contexts.get(item.key)
         item.extended = previous is not None and item.context[: len(previous)] == previous
         if item.extended and len(item.context) == len(previous):
-            item.future.set_exception(ValueError(f"{item.key!r} came back with no new tokens"))
+            _settle(item.future, exception=ValueError(f"{item.key!r} came back with no new tokens"))
             return
         if item.key in self.batcher.row_of and not item.extended:
             self.batcher.release(item.key)  # the history was rewritten: start again on a fresh row
