@@ -94,3 +94,17 @@ def test_refusals_and_closing_never_hang_a_caller(engine):
     service.close()
     with pytest.raises(RuntimeError, match="closed"):
         stuck.result(timeout=300)
+
+
+def test_a_turn_after_its_key_ended_is_refused_and_keeps_no_row(engine):
+    """An agent cut by its timeout ends its key while its last request may still be on the way:
+    that request must not take a row nobody will free."""
+    engine, _ = engine
+    service = EngineService(engine, GREEDY, sequences=1, max_len=64, turn_tokens=6)
+    try:
+        service.end("late")
+        with pytest.raises(ValueError, match="was ended"):
+            service.submit("late", [5, 6, 7], 6).result(timeout=300)
+        assert len(service.submit("next", [8, 9], 6).result(timeout=300).ids) == 6  # the only row is free
+    finally:
+        service.close()
