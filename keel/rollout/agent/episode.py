@@ -122,7 +122,7 @@ def _conversation(episode: Episode, tokenizer) -> list[dict]:
 
 def last_text(episode: Episode, tokenizer) -> str:
     """The text of the assistant turn generated last (the final answer, once the episode ends)."""
-    return tokenizer.decode(_last_turn(episode), skip_special_tokens=True)
+    return tokenizer.decode(last_sampled_turn(episode.ids, episode.trained), skip_special_tokens=True)
 
 
 def _turns(episode: Episode) -> int:
@@ -145,9 +145,10 @@ def _verl_rewards(episode: Episode) -> dict:
     }
 
 
-def _last_turn(episode: Episode) -> list[int]:
-    """The tokens of the assistant turn just generated: the trailing run of sampled tokens."""
-    start = len(episode.trained)
-    while start > 0 and episode.trained[start - 1]:
+def last_sampled_turn(ids: list[int], trained: list[int]) -> list[int]:
+    """The tokens of the assistant turn generated last: the trailing run of sampled tokens (an
+    Episode's, or an external agent's trace stretch)."""
+    start = len(trained)
+    while start > 0 and trained[start - 1]:
         start -= 1
-    return episode.ids[start:]
+    return ids[start:]

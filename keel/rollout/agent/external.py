@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from keel.errors import AGENT_FUNCTION, KeelError
+from keel.rollout.agent.episode import last_sampled_turn
 from keel.rollout.agent.openai_server import OpenAIEndpoint
 from keel.rollout.agent.trace import Stretch, Trace
 from keel.rollout.service import EngineService
@@ -186,7 +187,7 @@ def traces_batch(prompts: PromptBatch, traces: list[Trace], outcomes: list[Outco
         prompt_ids[i, prompt_width - len(s.prompt) :] = torch.tensor(s.prompt)
         prompt_mask[i, prompt_width - len(s.prompt) :] = 1
     trained = right([s.trained if why is None else [0] * len(s.ids) for s, why in zip(stretches, dropped)])
-    last_turns = [_last_turn(s) for s in stretches]
+    last_turns = [last_sampled_turn(s.ids, s.trained) for s in stretches]
     records = [
         dataclasses.replace(
             record,
@@ -240,11 +241,3 @@ def _why_dropped(trace: Trace, outcome: Outcome) -> str | None:
     if not trace.stretches:
         return "no_request"
     return None
-
-
-def _last_turn(stretch: Stretch) -> list[int]:
-    """The tokens of the last turn the engine sampled: the trailing run of trained tokens."""
-    start = len(stretch.trained)
-    while start > 0 and stretch.trained[start - 1]:
-        start -= 1
-    return stretch.ids[start:]
