@@ -12,7 +12,7 @@ install:
 	  || { apt-get update -qq && apt-get install -y -qq bubblewrap libseccomp2; } \
 	  || echo "keel: could not install bubblewrap (apt-get install bubblewrap); code_exec runs without its jail"; }
 	$(PYTHON) -m pip install -q "$(TORCH)"
-	$(PYTHON) -m pip install -q -e ".[test,tracking]"
+	$(PYTHON) -m pip install -q -e ".[test,tracking,verifiers,openenv]"
 
 # verl without its dependencies: tests compare keel with verl's own reward, tool and config code
 # (tests/verl_shim.py imports those modules without Ray or torch extras).

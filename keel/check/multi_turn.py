@@ -14,7 +14,7 @@ from keel.rollout.agent.tools import load_tools
 
 def check_multi_turn(cfg: KeelConfig, context: dict) -> list[Finding]:
     multi_turn, agent = cfg.actor_rollout_ref.rollout.multi_turn, cfg.actor_rollout_ref.rollout.agent
-    if agent.function:
+    if agent.function or agent.environment:
         return [_check_agent(cfg)]
     if not multi_turn.enable:
         return []
@@ -66,13 +66,19 @@ def check_multi_turn(cfg: KeelConfig, context: dict) -> list[Finding]:
 def _check_agent(cfg: KeelConfig) -> Finding:
     """Agent code as the rollout: the function loads, and what the run does with its requests."""
     from keel.rollout.agent.external import load_agent_function
+    from keel.rollout.agent.library_env import load_environment_agent
 
     agent = cfg.actor_rollout_ref.rollout.agent
-    load_agent_function(agent.function)  # KEEL-C023 when it is not an async def there
+    if agent.environment:
+        load_environment_agent(agent)  # KEEL-C024 when the library, the environment or its class is not there
+        by = f"the environment {agent.environment} (its reward: the environment's)"
+    else:
+        load_agent_function(agent.function)  # KEEL-C023 when it is not an async def there
+        by = f"{agent.function} (an async def)"
     return Finding(
         PASS,
         "agent",
-        f"rollout by {agent.function} (an async def) through keel's OpenAI-compatible endpoint on "
+        f"rollout by {by} through keel's OpenAI-compatible endpoint on "
         f"{agent.host} ({agent.concurrency} at once, {agent.timeout_s:g} s each); trained: the exact tokens "
         f"it sampled; a sample whose requests rewrote its history: {agent.on_prefix_break}",
     )

@@ -29,4 +29,17 @@ class AgentConfig:
     max_prompt_length: int = opt(
         2048, gt=0, help="keel: tokens an agent's first prompt may take (its own system prompt and tools included)"
     )
+    environment: str | None = opt(
+        None,
+        help="keel: an environment library's environment as the rollout, run through the same endpoint: "
+        "verifiers:NAME (a verifiers environment package, loaded with verifiers.load_environment; its dataset "
+        "is the prompts when data.train_files is empty, its rubric the reward) or openenv:module:ClientClass "
+        "(an OpenEnv environment's client; its step rewards summed are the reward)",
+    )
+    environment_args: dict = opt(
+        factory=dict,
+        help="keel: verifiers: the keyword arguments of the environment's load_environment; openenv: base_url "
+        "(its server), action_field and observation_field (the text fields, found when there is one), max_turns, "
+        "max_tokens (a turn's)",
+    )
     host: str = opt("127.0.0.1", help="keel: where the endpoint listens (loopback: only this machine's agents)")

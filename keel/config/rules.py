@@ -343,8 +343,18 @@ def _check_options(cfg: KeelConfig) -> None:
     _check_world(cfg, incompatible)
     _check_token_budgets(cfg)
     _check_rollout_lengths(cfg, incompatible)
-    if not cfg.data.train_files:
-        raise incompatible("data.train_files is empty", "set data.train_files to parquet/jsonl files")
+    agent = cfg.actor_rollout_ref.rollout.agent
+    if not cfg.data.train_files and not (agent.environment or "").startswith("verifiers:"):
+        raise incompatible(
+            "data.train_files is empty",
+            "set data.train_files to parquet/jsonl files (a verifiers environment brings its own dataset)",
+        )
+    if agent.function and agent.environment:
+        raise incompatible(
+            "rollout.agent.function and rollout.agent.environment both name the rollout",
+            f"keep one: {setting(ROLLOUT + '.agent.environment', None)} (your agent function), or "
+            f"{setting(ROLLOUT + '.agent.function', None)} (the environment)",
+        )
     if not cfg.actor_rollout_ref.model.path:
         raise incompatible(
             "actor_rollout_ref.model.path is empty",

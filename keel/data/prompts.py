@@ -159,6 +159,8 @@ def build_prompt_dataset(
     """Template and tokenize every row; drop, truncate or reject prompts over the limit."""
     if truncation not in TRUNCATION_MODES:
         raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
+    if not rows:  # an environment without this split (a tokenizer given no text at all raises)
+        return [], PromptStats(total=0, kept=0, truncated=0, dropped=0, name=name)
     prompts = [_get_prompt(row, i, prompt_key, name) for i, row in enumerate(rows)]
     texts = _render_prompts(prompts, tokenizer, apply_chat_template, name)
     # One batched call: the fast tokenizer encodes the whole dataset in Rust. The chat template

@@ -167,9 +167,10 @@ class RoleWorker:
             self.agent = build_agent_loop(
                 policy.rollout.multi_turn, self.rollout, self.tokenizer, spec.max_response_length
             )
-        if policy.rollout.agent.function:  # agent code behind an OpenAI client drives the engine instead
+        agent = policy.rollout.agent
+        if agent.function or agent.environment:  # agent code behind an OpenAI client drives the engine instead
             budget = spec.max_response_length
-            self.agent = build_external_agent(policy.rollout.agent, self.rollout, self.tokenizer, budget)
+            self.agent = build_external_agent(agent, self.rollout, self.tokenizer, budget)
         if spec.with_reference and self.lora:  # the base itself, adapters off: no second model
             self.ref = AdapterlessReference(
                 model, _log_prob_batching(policy.ref), policy.rollout.temperature, placement

@@ -31,6 +31,7 @@ from keel.rewards.normalize import RunningNormalizer
 from keel.rewards.reward_fn import RewardScorer
 from keel.rewards.service import RewardServiceClient
 from keel.rewards.worker import file_spec, module_location
+from keel.rollout.agent.library_env import environment_rows
 from keel.trainer.roles import WorkerRoles
 from keel.trainer.sharding import decide_sharding
 
@@ -69,8 +70,10 @@ class Inputs:
 def read_prompts(files: list[str], tokenizer, cfg: KeelConfig, name: str):
     """(records, stats): the prompts of `files` as the config says to cut or drop them."""
     d = cfg.data
+    agent = cfg.actor_rollout_ref.rollout.agent
+    rows = load_rows(files, f"data.{name}_files") if files else environment_rows(agent, name)
     return build_prompt_dataset(
-        load_rows(files, f"data.{name}_files"),
+        rows or [],
         tokenizer,
         prompt_key=d.prompt_key,
         max_prompt_length=d.max_prompt_length,
@@ -109,9 +112,11 @@ def build_inputs(cfg: KeelConfig) -> Inputs:
     model_cfg = cfg.actor_rollout_ref.model
     tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
     reward = build_reward(cfg)
+    agent = cfg.actor_rollout_ref.rollout.agent
     train = load_prompts(cfg.data.train_files, tokenizer, cfg, "train")
-    val = load_prompts(cfg.data.val_files, tokenizer, cfg, "val") if cfg.data.val_files else []
-    reward.check_records(train + val, [*cfg.data.train_files, *cfg.data.val_files])
+    val = load_prompts(cfg.data.val_files, tokenizer, cfg, "val") if cfg.data.val_files or agent.environment else []
+    if not agent.environment:  # an environment's rewards are its own, whatever the rows' data_source
+        reward.check_records(train + val, [*cfg.data.train_files, *cfg.data.val_files])
     require_enough_prompts(len(train), cfg)
     return Inputs(tokenizer, train, val, reward)
 

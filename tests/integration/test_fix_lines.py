@@ -163,6 +163,8 @@ NOT_HERE = {
     "sends each refused request again as the fix says and is answered",
     "KEEL-C023": "the fix is the user's own agent function (an async def at the path named); "
     "tests/integration/test_external_agent.py names a missing one, then the one written",
+    "KEEL-C024": "the fix is installing an environment package or naming its own arguments; "
+    "tests/integration/test_environment_libraries.py names missing and broken ones, then loads the fixed one",
     "KEEL-M008": "the fix is a chat template with a tool role in the model's own turn format, which only the "
     "model's makers can write",
     "KEEL-T001": "a non-finite gradient from finite log-probs needs low-precision overflow, which a float32 "

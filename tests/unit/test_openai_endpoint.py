@@ -197,9 +197,10 @@ def test_a_samples_budget_bounds_its_turns_and_then_refuses(endpoint):
         stretch = budgeted.traces["budgeted"].stretches[0]
         assert len(stretch.ids) <= 56 and second.usage.completion_tokens < 16  # cut to what the budget left
         messages += [second.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
-        with pytest.raises(openai.BadRequestError, match="budget"):
+        with pytest.raises(openai.BadRequestError, match="budget") as spent:
             chat.create(model="budgeted", messages=messages, max_tokens=16)
         assert budgeted.traces["budgeted"].budget_spent
+        assert spent.value.type == "context_length_exceeded"  # what clients read as a rollout at its length
     finally:
         budgeted.close()
 

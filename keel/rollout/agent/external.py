@@ -26,7 +26,8 @@ import inspect
 import logging
 import math
 import secrets
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -55,11 +56,43 @@ class Outcome:
     reward: float | None = None
     status: str = "ok"  # ok | error | timeout
     error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # the agent's or environment's own, averaged per step
+
+
+class FunctionAgent:
+    """A user's async function as the agent of each sample. Agents of environment libraries
+    (library_env.py) have the same `run`; theirs returns what `score_group` scores once every
+    sample of the prompt's group has ended (a rubric may rank a group's answers against each other)."""
+
+    def __init__(self, function):
+        self.function = function
+
+    async def run(self, client, row: dict, extra_info: dict) -> Outcome:
+        return outcome_of(await self.function(client, row, extra_info))
+
+
+def outcome_of(value) -> Outcome:
+    """An agent's return value: a number (the reward), None (left to the reward function), or
+    {"reward": number | None, "metrics": {name: number}}."""
+    metrics = {}
+    if isinstance(value, dict):
+        metrics, value = value.get("metrics") or {}, value.get("reward")
+        if not isinstance(metrics, dict) or not all(_finite(v) and isinstance(k, str) for k, v in metrics.items()):
+            return Outcome(status="error", error=f"the agent's metrics {metrics!r:.80} are not {{name: number}}")
+    if value is None:
+        return Outcome(metrics=metrics)
+    if not _finite(value):
+        return Outcome(status="error", error=f"the agent returned {value!r:.80}, not a finite number or None")
+    return Outcome(reward=float(value), metrics={k: float(v) for k, v in metrics.items()})
+
+
+def _finite(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 class ExternalAgentRollout:
-    def __init__(self, engine, tokenizer, function, options: ExternalAgentOptions):
-        self.engine, self.tokenizer, self.function, self.options = engine, tokenizer, function, options
+    def __init__(self, engine, tokenizer, agent, options: ExternalAgentOptions):
+        self.engine, self.tokenizer, self.agent, self.options = engine, tokenizer, agent, options
         self.timing: dict[str, float] = {}
 
     def generate(self, prompts: PromptBatch, params: SamplingParams) -> RolloutBatch:
@@ -99,53 +132,86 @@ class ExternalAgentRollout:
         limit = asyncio.Semaphore(at_once)
         # One client, one connection pool and TLS setup (50 ms each on CPU); each sample's copy names it.
         shared = openai.AsyncOpenAI(base_url=url, api_key=token, max_retries=0)
+        ended: list = [None] * len(names)  # an Outcome, or what the agent's score_group is to score
+        left_in_group = Counter(r.index for r in records)
 
-        async def one(name: str, record) -> Outcome:
+        async def one(i: int, name: str, record) -> None:
             async with limit:
                 client = shared.with_options(default_headers={"X-Keel-Sample": name})
                 try:
-                    return await asyncio.wait_for(self._call(client, record), self.options.timeout_s)
-                except asyncio.TimeoutError:
-                    return Outcome(status="timeout")
-                except Exception as error:  # noqa: BLE001 - the agent is user code: counted, never a lost step
-                    return Outcome(status="error", error=f"{type(error).__name__}: {error}"[:500])
+                    ended[i] = await self._guarded(self.agent.run(client, _row(record), dict(record.extra_info)))
                 finally:
                     service.end(name)
+            left_in_group[record.index] -= 1
+            if not left_in_group[record.index]:  # after the slot is free: a group never waits on itself
+                await self._score_group([j for j, r in enumerate(records) if r.index == record.index], ended)
 
         try:
-            return await asyncio.gather(*[one(name, record) for name, record in zip(names, records)])
+            await asyncio.gather(*[one(i, name, record) for i, (name, record) in enumerate(zip(names, records))])
+            return ended
         finally:
             await shared.close()
 
-    async def _call(self, client, record) -> Outcome:
-        row = {"prompt": record.raw_prompt, "data_source": record.data_source, "ground_truth": record.ground_truth}
-        reward = await self.function(client, row, dict(record.extra_info))
-        if reward is None:
-            return Outcome()
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            return Outcome(status="error", error=f"the agent returned {reward!r:.80}, not a finite number or None")
-        return Outcome(reward=float(reward))
+    async def _guarded(self, call):
+        """The agent's call within its timeout; what it raises is its Outcome, never a lost step."""
+        try:
+            return await asyncio.wait_for(call, self.options.timeout_s)
+        except asyncio.TimeoutError:
+            return Outcome(status="timeout")
+        except Exception as error:  # noqa: BLE001 - the agent is user code: counted, never a lost step
+            return Outcome(status="error", error=f"{type(error).__name__}: {error}"[:500])
+
+    async def _score_group(self, members: list[int], ended: list) -> None:
+        ran = [i for i in members if not isinstance(ended[i], Outcome)]
+        if not ran:
+            return
+        scored = await self._guarded(self.agent.score_group([ended[i] for i in ran]))
+        for i, outcome in zip(ran, scored if isinstance(scored, list) else [scored] * len(ran)):
+            ended[i] = outcome
+
+
+def _row(record) -> dict:
+    return {"prompt": record.raw_prompt, "data_source": record.data_source, "ground_truth": record.ground_truth}
 
 
 def build_external_agent(agent, engine, tokenizer, budget: int) -> ExternalAgentRollout:
     """The rollout of a rollout.agent section around the engine; `budget`: data.max_response_length."""
+    what = "environment" if agent.environment else "function"
     if not hasattr(engine, "continuous_batcher"):
         raise KeelError(
             AGENT_FUNCTION,
-            f"actor_rollout_ref.rollout.agent.function={agent.function!r} runs on keel's native engine, and "
+            f"actor_rollout_ref.rollout.agent.{what}={getattr(agent, what)!r} runs on keel's native engine, and "
             f"this model generates with {type(engine).__name__}",
             "set actor_rollout_ref.rollout.name=native (keel check says whether the model runs on it), or "
-            "unset actor_rollout_ref.rollout.agent.function",
+            f"unset actor_rollout_ref.rollout.agent.{what}",
         )
     max_len = agent.max_prompt_length + budget
     options = ExternalAgentOptions(budget, max_len, agent.concurrency, agent.timeout_s, agent.host)
-    return ExternalAgentRollout(engine, tokenizer, load_agent_function(agent.function), options)
+    if agent.environment:
+        from keel.rollout.agent.library_env import load_environment_agent
+
+        return ExternalAgentRollout(engine, tokenizer, load_environment_agent(agent), options)
+    return ExternalAgentRollout(engine, tokenizer, FunctionAgent(load_agent_function(agent.function)), options)
 
 
 def load_agent_function(spec: str, directory: Path | None = None):
     """`module:function` or `file.py:function` (relative to `directory`, default the working
     directory) -> the async function, or KEEL-C023 saying why not."""
+    try:
+        function, reason = load_attribute(spec, directory), "it is not an async def"
+    except ValueError as error:
+        function, reason = None, str(error)
+    if not inspect.iscoroutinefunction(function):
+        raise KeelError(AGENT_FUNCTION, f"actor_rollout_ref.rollout.agent.function={spec!r}: {reason}")
+    return function
+
+
+def load_attribute(spec: str, directory: Path | None = None):
+    """What `module:name` or `file.py:name` names (a file relative to `directory`, default the
+    working directory); ValueError saying why there is none."""
     where, _, name = spec.rpartition(":")
+    if not where:
+        raise ValueError("not of the form module:name or file.py:name")
     try:
         if where.endswith(".py"):
             path = (directory or Path.cwd()) / where
@@ -153,16 +219,12 @@ def load_agent_function(spec: str, directory: Path | None = None):
             module = importlib.util.module_from_spec(loader)
             loader.loader.exec_module(module)
         else:
-            module = importlib.import_module(where) if where else None
-        function = getattr(module, name, None)
-        reason = f"{where!r} has no attribute {name!r}" if function is None else "it is not an async def"
+            module = importlib.import_module(where)
     except Exception as error:  # noqa: BLE001 - the user's module: missing or raising on import, named
-        function, reason = None, f"{where!r} could not be loaded: {type(error).__name__}: {error}"
-    if not where:
-        reason = "not of the form module:function or file.py:function"
-    if not inspect.iscoroutinefunction(function):
-        raise KeelError(AGENT_FUNCTION, f"actor_rollout_ref.rollout.agent.function={spec!r}: {reason}")
-    return function
+        raise ValueError(f"{where!r} could not be loaded: {type(error).__name__}: {error}") from None
+    if not hasattr(module, name):
+        raise ValueError(f"{where!r} has no attribute {name!r}")
+    return getattr(module, name)
 
 
 def traces_batch(prompts: PromptBatch, traces: list[Trace], outcomes: list[Outcome], tokenizer) -> RolloutBatch:
@@ -197,6 +259,7 @@ def traces_batch(prompts: PromptBatch, traces: list[Trace], outcomes: list[Outco
                 **({"agent_error": outcome.error} if outcome.error else {}),
                 **({"agent_dropped": why} if why else {}),
                 "agent_requests": trace.requests,
+                **({"agent_metrics": outcome.metrics} if outcome.metrics and why is None else {}),
                 "prefix_breaks": trace.prefix_breaks,
                 **({"agent_reward": outcome.reward} if outcome.reward is not None and why is None else {}),
                 **({"agent_reward": 0.0} if why else {}),  # not scored: it leaves the update

@@ -45,10 +45,16 @@ def external_agent_metrics(records: list[PromptRecord]) -> dict[str, float]:
     infos = [r.extra_info for r in records if "agent_status" in r.extra_info]
     if not infos:
         return {}
-    return {
+    metrics = {
         "agent/errors": float(sum(info["agent_status"] == "error" for info in infos)),
         "agent/timeouts": float(sum(info["agent_status"] == "timeout" for info in infos)),
         "agent/prefix_breaks": float(sum(info["prefix_breaks"] for info in infos)),
         "agent/dropped": float(sum("agent_dropped" in info for info in infos)),
         "agent/requests_per_sample": statistics.fmean(info["agent_requests"] for info in infos),
     }
+    own: dict[str, list[float]] = {}  # the agent's or its environment's metrics (a rubric's functions, ...)
+    for info in infos:
+        for name, value in info.get("agent_metrics", {}).items():
+            own.setdefault(name, []).append(value)
+    metrics.update({f"agent/metrics/{name}/mean": statistics.fmean(values) for name, values in own.items()})
+    return metrics

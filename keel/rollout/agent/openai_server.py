@@ -36,12 +36,16 @@ from keel.rollout.agent.template import TurnTemplate
 from keel.rollout.agent.trace import Trace, comparable
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+BUDGET_SPENT = "context_length_exceeded"  # the error type of a turn refused because its sample's budget is spent
 
 
 class RequestError(Exception):
-    def __init__(self, message: str, status: int = 400):
+    """`kind`: OpenAI's error type; context_length_exceeded is what clients (verifiers, ...) read as a
+    rollout that reached its length, not as a failure."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
         super().__init__(message)
-        self.status = status
+        self.status, self.kind = status, kind
 
 
 class OpenAIEndpoint:
@@ -125,7 +129,7 @@ class OpenAIEndpoint:
                 limit = self._within_budget(self._limit(body), trace, prompt)
                 completion = await asyncio.wrap_future(self.service.submit(sample, prompt, limit))
             except RequestError as error:
-                return _error(str(error), error.status)
+                return _error(str(error), error.status, error.kind)
             except ValueError as error:  # the engine service's refusal (a turn that cannot fit)
                 return _error(str(error), 400)
             except RuntimeError as error:  # the service closed: the rollout is over (or the engine failed)
@@ -177,7 +181,11 @@ class OpenAIEndpoint:
         left = self.budget - (len(prompt) - len(first) if prompt[: len(first)] == first else 0)
         if left <= 0:
             trace.budget_spent = True
-            raise RequestError(f"the sample's budget of {self.budget} tokens (data.max_response_length) is spent")
+            raise RequestError(
+                f"the sample's budget of {self.budget} tokens (data.max_response_length) is spent: its context "
+                "length is at the rollout's limit",
+                kind=BUDGET_SPENT,
+            )
         return min(limit, left)
 
     def _chat_prompt(self, body: dict, trace: Trace) -> list[int]:
@@ -272,7 +280,5 @@ def _without_calls(text: str) -> str:
     return HERMES.sub("", text).strip()
 
 
-def _error(message: str, status: int) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": "invalid_request_error", "code": AGENT_REQUEST}}, status_code=status
-    )
+def _error(message: str, status: int, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": AGENT_REQUEST}}, status_code=status)

@@ -1,0 +1,52 @@
+"""Environments of environment libraries as the rollout (`actor_rollout_ref.rollout.agent.environment`),
+run unchanged through keel's OpenAI-compatible endpoint as agent code is (external.py):
+
+- `verifiers:NAME`: a verifiers environment package (verifiers_env.py): its dataset is the prompts,
+  its rollout the agent, its rubric the reward, its rubric's functions keel's metrics.
+- `openenv:module:ClientClass`: an OpenEnv environment's client (openenv_env.py), its server at
+  `environment_args.base_url`: the data's prompts, the model's turns its actions, its step rewards
+  summed the reward.
+"""
+
+from __future__ import annotations
+
+from keel.errors import AGENT_ENVIRONMENT, KeelError
+
+LIBRARIES = ("verifiers", "openenv")
+
+
+def parse_environment(spec: str) -> tuple[str, str]:
+    """`library:rest` -> (library, rest), or KEEL-C024."""
+    library, _, rest = spec.partition(":")
+    if library not in LIBRARIES or not rest:
+        raise environment_error(spec, "not of the form verifiers:NAME or openenv:module:ClientClass")
+    return library, rest
+
+
+def load_environment_agent(agent):
+    """The agent that runs `agent.environment` (a rollout.agent section) for each sample."""
+    library, name = parse_environment(agent.environment)
+    if library == "verifiers":
+        from keel.rollout.agent.verifiers_env import VerifiersAgent, load_verifiers_environment
+
+        return VerifiersAgent(load_verifiers_environment(name, agent.environment_args), name)
+    from keel.rollout.agent.openenv_env import load_openenv_agent
+
+    return load_openenv_agent(name, agent.environment_args)
+
+
+def environment_rows(agent, split: str) -> list[dict] | None:
+    """The prompts an environment brings (verl's schema), or None where the data files give them:
+    a verifiers environment's dataset (`split` train) or eval dataset (val)."""
+    if not agent.environment:
+        return None
+    library, name = parse_environment(agent.environment)
+    if library != "verifiers":
+        return None
+    from keel.rollout.agent.verifiers_env import load_verifiers_environment, verifiers_rows
+
+    return verifiers_rows(load_verifiers_environment(name, agent.environment_args), name, split)
+
+
+def environment_error(spec: str, reason: str) -> KeelError:
+    return KeelError(AGENT_ENVIRONMENT, f"actor_rollout_ref.rollout.agent.environment={spec!r}: {reason}")

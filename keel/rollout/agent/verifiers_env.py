@@ -1,0 +1,101 @@
+"""A verifiers environment (`verifiers:NAME`, the classic `verifiers.Environment` API that its published
+environments are written against) as keel's rollout: each sample is the environment's own `rollout`,
+its model calls made through verifiers' OpenAI chat client at keel's endpoint; each prompt's group is
+scored by the environment's rubric at once (`score_group`: a rubric may compare a group's answers),
+its reward the sample's, its functions' values keel's `agent/metrics/<name>/mean`."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+from keel.rollout.agent.external import Outcome
+from keel.rollout.agent.library_env import environment_error
+
+DATA_KEY = "verifiers"  # extra_info's key holding the environment's own dataset row
+
+
+def load_verifiers_environment(name: str, args: dict):
+    """verifiers.load_environment(name, **args), or KEEL-C024 saying why there is none; loaded once
+    a process (its dataset, the check and the rollout read the same one)."""
+    key = (name, json.dumps(args, sort_keys=True, default=str))
+    if key not in _LOADED:
+        _LOADED[key] = _load(name, args)
+    return _LOADED[key]
+
+
+_LOADED: dict = {}
+
+
+def _load(name: str, args: dict):
+    spec = f"verifiers:{name}"
+    try:
+        import verifiers
+    except ImportError:
+        raise environment_error(spec, "verifiers is not installed (pip install 'keel[verifiers]')") from None
+    load = getattr(verifiers, "load_environment", None)
+    if load is None:  # verifiers 0.4 keeps only its v1 API, whose environments are not loaded this way
+        raise environment_error(
+            spec, f"verifiers {verifiers.__version__} has no classic load_environment (install verifiers<0.4)"
+        )
+    try:
+        env = load(name, **args)
+    except Exception as error:  # noqa: BLE001 - the environment's own code: missing or raising, named
+        raise environment_error(spec, f"load_environment raised {type(error).__name__}: {error}") from None
+    if not isinstance(env, verifiers.Environment):
+        raise environment_error(spec, f"load_environment returned {type(env).__name__}, not a verifiers.Environment")
+    return env
+
+
+def verifiers_rows(env, name: str, split: str) -> list[dict] | None:
+    """The environment's dataset (train) or eval dataset (val) as prompt rows in verl's schema; the
+    environment's row rides in extra_info for its rollout. None: it has no such dataset."""
+    source = env.dataset_source if split == "train" else env.eval_dataset_source
+    if source is None and (env.dataset if split == "train" else env.eval_dataset) is None:
+        return None
+    dataset = env.get_dataset() if split == "train" else env.get_eval_dataset()
+    return [
+        {"prompt": row["prompt"], "data_source": f"verifiers:{name}", "extra_info": {DATA_KEY: dict(row)}}
+        for row in dataset
+    ]
+
+
+class VerifiersAgent:
+    def __init__(self, env, name: str):
+        self.env, self.name = env, name
+
+    async def run(self, client, row: dict, extra_info: dict):
+        """The environment's rollout of this sample's row -> its verifiers State (scored by the group)."""
+        import verifiers
+
+        task = extra_info.get(DATA_KEY)
+        if task is None:
+            raise ValueError(
+                f"this row is not from verifiers:{self.name}'s dataset: leave data.train_files / data.val_files "
+                "empty for the environment's own"
+            )
+        sampling = copy.deepcopy(self.env.sampling_args)  # the environment's own (max_tokens, ...), as its generate
+        return await self.env.rollout(dict(task), verifiers.OpenAIChatCompletionsClient(client), "keel", sampling)
+
+    async def score_group(self, states: list) -> list[Outcome]:
+        await self.env.rubric.score_group(states)
+        outcomes = [_outcome(state) for state in states]
+        for state in states:
+            await self.env.rubric.cleanup(state)
+        return outcomes
+
+
+def _outcome(state) -> Outcome:
+    reward = state.get("reward")
+    metrics = {
+        name: float(value)
+        for name, value in (state.get("metrics") or {}).items()
+        if isinstance(value, (int, float)) and math.isfinite(value)
+    }
+    if reward is None or not math.isfinite(reward):
+        return Outcome(status="error", error=f"the rubric gave reward {reward!r}", metrics=metrics)
+    error = state.get("error")
+    if error is not None:  # the rollout stopped on it; scored as verifiers scores it, and counted
+        return Outcome(float(reward), "error", f"{type(error).__name__}: {error}"[:500], metrics)
+    return Outcome(float(reward), metrics=metrics)
