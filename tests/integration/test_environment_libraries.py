@@ -7,6 +7,7 @@ and their rewards and metrics reach keel's metrics."""
 import json
 import math
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -211,3 +212,17 @@ def test_openenv_environment_errors_name_the_cause(openenv_server):
             load_openenv_agent(name, args)
         assert refused.value.code == AGENT_ENVIRONMENT and said in str(refused.value)
     assert load_openenv_agent("keel_guess_env:GuessEnv", {"base_url": openenv_server}).action_field == "message"
+
+
+def test_the_examples_verifiers_environment_loads_with_its_dataset(monkeypatch):
+    pytest.importorskip("verifiers")
+    from keel.config.load import load_config
+    from keel.rollout.agent.library_env import environment_rows, load_environment_agent
+
+    examples = Path(__file__).parents[2] / "examples"
+    monkeypatch.syspath_prepend(str(examples / "agent"))
+    cfg = load_config(str(examples / "agent" / "verifiers.yaml"))
+    agent = cfg.actor_rollout_ref.rollout.agent
+    assert load_environment_agent(agent).env.rubric is not None
+    train, val = environment_rows(agent, "train"), environment_rows(agent, "val")
+    assert (len(train), len(val)) == (240, 16) and train[0]["extra_info"]["verifiers"]["answer"].isdigit()

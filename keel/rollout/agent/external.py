@@ -127,7 +127,8 @@ class ExternalAgentRollout:
     async def _run_all(self, url: str, token: str, names: list[str], records, service, at_once: int) -> list[Outcome]:
         import openai
 
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the step's
+        for client_log in ("httpx", "httpx2"):  # openai 2 logs through httpx, openai 3 through httpx2
+            logging.getLogger(client_log).setLevel(logging.WARNING)  # a line per request would bury the step's
 
         limit = asyncio.Semaphore(at_once)
         # One client, one connection pool and TLS setup (50 ms each on CPU); each sample's copy names it.
