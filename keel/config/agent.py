@@ -17,6 +17,12 @@ class AgentConfig:
         "over the policy; it returns the sample's reward, or None to leave it to the reward function",
     )
     concurrency: int = opt(64, gt=0, help="keel: agents running at once")
+    processes: int = opt(
+        2,
+        ge=0,
+        help="keel: processes the agents run in, beside the engine's (their Python then never holds the GIL the "
+        "engine's run loop needs); a prompt's samples share one; 0: in the engine's own process",
+    )
     timeout_s: float = opt(
         600.0, gt=0, help="keel: seconds an agent may take; past it, it is cancelled and counted (agent/timeouts)"
     )

@@ -20,19 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
-import importlib.util
-import inspect
-import logging
-import math
 import secrets
-from collections import Counter
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
 from keel.errors import AGENT_FUNCTION, KeelError
+from keel.rollout.agent.agents import Job, Outcome, build_agent, run_agents
 from keel.rollout.agent.episode import last_sampled_turn
 from keel.rollout.agent.openai_server import OpenAIEndpoint
 from keel.rollout.agent.trace import Stretch, Trace
@@ -49,50 +43,21 @@ class ExternalAgentOptions:
     host: str = "127.0.0.1"
 
 
-@dataclass
-class Outcome:
-    """How one sample's agent ended."""
+class InProcessAgents:
+    """The agents in the engine's own process (rollout.agent.processes=0): simplest to debug."""
 
-    reward: float | None = None
-    status: str = "ok"  # ok | error | timeout
-    error: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)  # the agent's or environment's own, averaged per step
+    def __init__(self, agent):
+        self.agent = agent
 
-
-class FunctionAgent:
-    """A user's async function as the agent of each sample. Agents of environment libraries
-    (library_env.py) have the same `run`; theirs returns what `score_group` scores once every
-    sample of the prompt's group has ended (a rubric may rank a group's answers against each other)."""
-
-    def __init__(self, function):
-        self.function = function
-
-    async def run(self, client, row: dict, extra_info: dict) -> Outcome:
-        return outcome_of(await self.function(client, row, extra_info))
-
-
-def outcome_of(value) -> Outcome:
-    """An agent's return value: a number (the reward), None (left to the reward function), or
-    {"reward": number | None, "metrics": {name: number}}."""
-    metrics = {}
-    if isinstance(value, dict):
-        metrics, value = value.get("metrics") or {}, value.get("reward")
-        if not isinstance(metrics, dict) or not all(_finite(v) and isinstance(k, str) for k, v in metrics.items()):
-            return Outcome(status="error", error=f"the agent's metrics {metrics!r:.80} are not {{name: number}}")
-    if value is None:
-        return Outcome(metrics=metrics)
-    if not _finite(value):
-        return Outcome(status="error", error=f"the agent returned {value!r:.80}, not a finite number or None")
-    return Outcome(reward=float(value), metrics={k: float(v) for k, v in metrics.items()})
-
-
-def _finite(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    def run(self, url: str, token: str, jobs: list[Job], at_once: int, timeout_s: float, on_ended) -> list[Outcome]:
+        return asyncio.run(run_agents(self.agent, url, token, jobs, at_once, timeout_s, on_ended))
 
 
 class ExternalAgentRollout:
-    def __init__(self, engine, tokenizer, agent, options: ExternalAgentOptions):
-        self.engine, self.tokenizer, self.agent, self.options = engine, tokenizer, agent, options
+    """`agents`: InProcessAgents, or AgentProcesses (agent_processes.py)."""
+
+    def __init__(self, engine, tokenizer, agents, options: ExternalAgentOptions):
+        self.engine, self.tokenizer, self.agents, self.options = engine, tokenizer, agents, options
         self.timing: dict[str, float] = {}
 
     def generate(self, prompts: PromptBatch, params: SamplingParams) -> RolloutBatch:
@@ -112,7 +77,8 @@ class ExternalAgentRollout:
             url = endpoint.serve(self.options.host)
             # As many agents at once as the engine holds rows: one waiting for a row would spend its timeout.
             at_once = min(self.options.concurrency, service.batcher.shape[0])
-            outcomes = asyncio.run(self._run_all(url, endpoint.token, names, prompts.records, service, at_once))
+            jobs = [Job(name, job_row(r), dict(r.extra_info), r.index) for name, r in zip(names, prompts.records)]
+            outcomes = self.agents.run(url, endpoint.token, jobs, at_once, self.options.timeout_s, service.end)
         finally:
             service.close()  # first: a request still waiting is answered, so the endpoint can stop
             endpoint.close()
@@ -124,54 +90,8 @@ class ExternalAgentRollout:
         _refuse_all_dropped(batch.records, outcomes)
         return batch
 
-    async def _run_all(self, url: str, token: str, names: list[str], records, service, at_once: int) -> list[Outcome]:
-        import openai
 
-        for client_log in ("httpx", "httpx2"):  # openai 2 logs through httpx, openai 3 through httpx2
-            logging.getLogger(client_log).setLevel(logging.WARNING)  # a line per request would bury the step's
-
-        limit = asyncio.Semaphore(at_once)
-        # One client, one connection pool and TLS setup (50 ms each on CPU); each sample's copy names it.
-        shared = openai.AsyncOpenAI(base_url=url, api_key=token, max_retries=0)
-        ended: list = [None] * len(names)  # an Outcome, or what the agent's score_group is to score
-        left_in_group = Counter(r.index for r in records)
-
-        async def one(i: int, name: str, record) -> None:
-            async with limit:
-                client = shared.with_options(default_headers={"X-Keel-Sample": name})
-                try:
-                    ended[i] = await self._guarded(self.agent.run(client, _row(record), dict(record.extra_info)))
-                finally:
-                    service.end(name)
-            left_in_group[record.index] -= 1
-            if not left_in_group[record.index]:  # after the slot is free: a group never waits on itself
-                await self._score_group([j for j, r in enumerate(records) if r.index == record.index], ended)
-
-        try:
-            await asyncio.gather(*[one(i, name, record) for i, (name, record) in enumerate(zip(names, records))])
-            return ended
-        finally:
-            await shared.close()
-
-    async def _guarded(self, call):
-        """The agent's call within its timeout; what it raises is its Outcome, never a lost step."""
-        try:
-            return await asyncio.wait_for(call, self.options.timeout_s)
-        except asyncio.TimeoutError:
-            return Outcome(status="timeout")
-        except Exception as error:  # noqa: BLE001 - the agent is user code: counted, never a lost step
-            return Outcome(status="error", error=f"{type(error).__name__}: {error}"[:500])
-
-    async def _score_group(self, members: list[int], ended: list) -> None:
-        ran = [i for i in members if not isinstance(ended[i], Outcome)]
-        if not ran:
-            return
-        scored = await self._guarded(self.agent.score_group([ended[i] for i in ran]))
-        for i, outcome in zip(ran, scored if isinstance(scored, list) else [scored] * len(ran)):
-            ended[i] = outcome
-
-
-def _row(record) -> dict:
+def job_row(record) -> dict:
     return {"prompt": record.raw_prompt, "data_source": record.data_source, "ground_truth": record.ground_truth}
 
 
@@ -188,44 +108,12 @@ def build_external_agent(agent, engine, tokenizer, budget: int) -> ExternalAgent
         )
     max_len = agent.max_prompt_length + budget
     options = ExternalAgentOptions(budget, max_len, agent.concurrency, agent.timeout_s, agent.host)
-    if agent.environment:
-        from keel.rollout.agent.library_env import load_environment_agent
+    agents = InProcessAgents(build_agent(agent))  # here too when in processes: a bad name fails before any
+    if agent.processes:
+        from keel.rollout.agent.agent_processes import AgentProcesses
 
-        return ExternalAgentRollout(engine, tokenizer, load_environment_agent(agent), options)
-    return ExternalAgentRollout(engine, tokenizer, FunctionAgent(load_agent_function(agent.function)), options)
-
-
-def load_agent_function(spec: str, directory: Path | None = None):
-    """`module:function` or `file.py:function` (relative to `directory`, default the working
-    directory) -> the async function, or KEEL-C023 saying why not."""
-    try:
-        function, reason = load_attribute(spec, directory), "it is not an async def"
-    except ValueError as error:
-        function, reason = None, str(error)
-    if not inspect.iscoroutinefunction(function):
-        raise KeelError(AGENT_FUNCTION, f"actor_rollout_ref.rollout.agent.function={spec!r}: {reason}")
-    return function
-
-
-def load_attribute(spec: str, directory: Path | None = None):
-    """What `module:name` or `file.py:name` names (a file relative to `directory`, default the
-    working directory); ValueError saying why there is none."""
-    where, _, name = spec.rpartition(":")
-    if not where:
-        raise ValueError("not of the form module:name or file.py:name")
-    try:
-        if where.endswith(".py"):
-            path = (directory or Path.cwd()) / where
-            loader = importlib.util.spec_from_file_location(f"keel_agent_{path.stem}", path)
-            module = importlib.util.module_from_spec(loader)
-            loader.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except Exception as error:  # noqa: BLE001 - the user's module: missing or raising on import, named
-        raise ValueError(f"{where!r} could not be loaded: {type(error).__name__}: {error}") from None
-    if not hasattr(module, name):
-        raise ValueError(f"{where!r} has no attribute {name!r}")
-    return getattr(module, name)
+        agents = AgentProcesses(agent, agent.processes)
+    return ExternalAgentRollout(engine, tokenizer, agents, options)
 
 
 def traces_batch(prompts: PromptBatch, traces: list[Trace], outcomes: list[Outcome], tokenizer) -> RolloutBatch:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import typing
 
-from keel.rollout.agent.external import Outcome, load_attribute
+from keel.rollout.agent.agents import Outcome, load_attribute
 from keel.rollout.agent.library_env import environment_error
 from keel.rollout.agent.openai_server import BUDGET_SPENT
 

@@ -10,7 +10,7 @@ import copy
 import json
 import math
 
-from keel.rollout.agent.external import Outcome
+from keel.rollout.agent.agents import Outcome
 from keel.rollout.agent.library_env import environment_error
 
 DATA_KEY = "verifiers"  # extra_info's key holding the environment's own dataset row

@@ -1,0 +1,168 @@
+"""Running agents, one a sample: each within `timeout_s`, at most `at_once` at a time, each with an
+OpenAI client (one shared connection pool; each sample's copy names it in a header) at keel's
+endpoint; a prompt's group scored once all its samples ended (where the agent scores by group).
+What an agent raises or how long it hangs is its sample's Outcome, never a lost step.
+
+This module runs in the engine's process or in agent processes of their own (agent_processes.py),
+so it imports neither torch nor the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from keel.errors import AGENT_FUNCTION, KeelError
+
+
+@dataclass
+class Job:
+    """One sample for an agent: its name (the endpoint's key), the row and extra_info it is given,
+    and its prompt's group."""
+
+    name: str
+    row: dict
+    extra_info: dict
+    group: int
+
+
+@dataclass
+class Outcome:
+    """How one sample's agent ended."""
+
+    reward: float | None = None
+    status: str = "ok"  # ok | error | timeout
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # the agent's or environment's own, averaged per step
+
+
+class FunctionAgent:
+    """A user's async function as the agent of each sample. Agents of environment libraries
+    (library_env.py) have the same `run`; theirs returns what `score_group` scores once every
+    sample of the prompt's group has ended (a rubric may rank a group's answers against each other)."""
+
+    def __init__(self, function):
+        self.function = function
+
+    async def run(self, client, row: dict, extra_info: dict) -> Outcome:
+        return outcome_of(await self.function(client, row, extra_info))
+
+
+def outcome_of(value) -> Outcome:
+    """An agent's return value: a number (the reward), None (left to the reward function), or
+    {"reward": number | None, "metrics": {name: number}}."""
+    metrics = {}
+    if isinstance(value, dict):
+        metrics, value = value.get("metrics") or {}, value.get("reward")
+        if not isinstance(metrics, dict) or not all(_finite(v) and isinstance(k, str) for k, v in metrics.items()):
+            return Outcome(status="error", error=f"the agent's metrics {metrics!r:.80} are not {{name: number}}")
+    if value is None:
+        return Outcome(metrics=metrics)
+    if not _finite(value):
+        return Outcome(status="error", error=f"the agent returned {value!r:.80}, not a finite number or None")
+    return Outcome(reward=float(value), metrics={k: float(v) for k, v in metrics.items()})
+
+
+def _finite(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+async def run_agents(agent, url: str, token: str, jobs: list[Job], at_once: int, timeout_s: float, on_ended):
+    """Every job's agent -> their Outcomes in order; `on_ended(name)` as each sample's agent returns
+    (its KV row can go), before its group is scored."""
+    import openai
+
+    for client_log in ("httpx", "httpx2"):  # openai 2 logs through httpx, openai 3 through httpx2
+        logging.getLogger(client_log).setLevel(logging.WARNING)  # a line per request would bury the step's
+
+    limit = asyncio.Semaphore(at_once)
+    # One client, one connection pool and TLS setup (50 ms each on CPU); each sample's copy names it.
+    shared = openai.AsyncOpenAI(base_url=url, api_key=token, max_retries=0)
+    ended: list = [None] * len(jobs)  # an Outcome, or what the agent's score_group is to score
+    left_in_group = Counter(job.group for job in jobs)
+
+    async def one(i: int, job: Job) -> None:
+        async with limit:
+            client = shared.with_options(default_headers={"X-Keel-Sample": job.name})
+            try:
+                ended[i] = await _guarded(agent.run(client, job.row, job.extra_info), timeout_s)
+            finally:
+                on_ended(job.name)
+        left_in_group[job.group] -= 1
+        if not left_in_group[job.group]:  # after the slot is free: a group never waits on itself
+            members = [j for j, other in enumerate(jobs) if other.group == job.group]
+            await _score_group(agent, members, ended, timeout_s)
+
+    try:
+        await asyncio.gather(*[one(i, job) for i, job in enumerate(jobs)])
+        return ended
+    finally:
+        await shared.close()
+
+
+async def _guarded(call, timeout_s: float):
+    """The agent's call within its timeout; what it raises is its Outcome, never a lost step."""
+    try:
+        return await asyncio.wait_for(call, timeout_s)
+    except asyncio.TimeoutError:
+        return Outcome(status="timeout")
+    except Exception as error:  # noqa: BLE001 - the agent is user code: counted, never a lost step
+        return Outcome(status="error", error=f"{type(error).__name__}: {error}"[:500])
+
+
+async def _score_group(agent, members: list[int], ended: list, timeout_s: float) -> None:
+    ran = [i for i in members if not isinstance(ended[i], Outcome)]
+    if not ran:
+        return
+    scored = await _guarded(agent.score_group([ended[i] for i in ran]), timeout_s)
+    for i, outcome in zip(ran, scored if isinstance(scored, list) else [scored] * len(ran)):
+        ended[i] = outcome
+
+
+def build_agent(section):
+    """The agent a rollout.agent section names: its environment's, or its function."""
+    if section.environment:
+        from keel.rollout.agent.library_env import load_environment_agent
+
+        return load_environment_agent(section)
+    return FunctionAgent(load_agent_function(section.function))
+
+
+def load_agent_function(spec: str, directory: Path | None = None):
+    """`module:function` or `file.py:function` (relative to `directory`, default the working
+    directory) -> the async function, or KEEL-C023 saying why not."""
+    try:
+        function, reason = load_attribute(spec, directory), "it is not an async def"
+    except ValueError as error:
+        function, reason = None, str(error)
+    if not inspect.iscoroutinefunction(function):
+        raise KeelError(AGENT_FUNCTION, f"actor_rollout_ref.rollout.agent.function={spec!r}: {reason}")
+    return function
+
+
+def load_attribute(spec: str, directory: Path | None = None):
+    """What `module:name` or `file.py:name` names (a file relative to `directory`, default the
+    working directory); ValueError saying why there is none."""
+    where, _, name = spec.rpartition(":")
+    if not where:
+        raise ValueError("not of the form module:name or file.py:name")
+    try:
+        if where.endswith(".py"):
+            path = (directory or Path.cwd()) / where
+            loader = importlib.util.spec_from_file_location(f"keel_agent_{path.stem}", path)
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except Exception as error:  # noqa: BLE001 - the user's module: missing or raising on import, named
+        raise ValueError(f"{where!r} could not be loaded: {type(error).__name__}: {error}") from None
+    if not hasattr(module, name):
+        raise ValueError(f"{where!r} has no attribute {name!r}")
+    return getattr(module, name)

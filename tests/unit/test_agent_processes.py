@@ -1,0 +1,61 @@
+"""Agents in processes of their own (rollout.agent.processes): they run outside the engine's
+process, a prompt's group in one process, each sample reported as its agent returns; a process
+that dies or cannot build its agent is said with a code, never a hang."""
+
+import os
+
+import pytest
+
+from keel.config.agent import AgentConfig
+from keel.errors import AGENT_FUNCTION, KeelError
+from keel.rollout.agent.agent_processes import AgentProcesses
+from keel.rollout.agent.agents import Job
+
+AGENTS = """
+import os
+
+
+async def where(client, row, extra_info):
+    return {"reward": 1.0, "metrics": {"pid": float(os.getpid())}}
+
+
+async def dies(client, row, extra_info):
+    if row["prompt"] == "last":
+        os._exit(3)
+    return 1.0
+"""
+
+
+@pytest.fixture
+def agents_file(tmp_path):
+    (tmp_path / "agents.py").write_text(AGENTS)
+    return tmp_path / "agents.py"
+
+
+def run(section: AgentConfig, jobs: list[Job]):
+    pool = AgentProcesses(section, 2)
+    ended = []
+    try:
+        return pool.run("http://127.0.0.1:9/v1", "token", jobs, 8, 60.0, ended.append), ended
+    finally:
+        pool.close()
+
+
+def test_agents_run_in_their_own_processes_a_group_in_one(agents_file):
+    jobs = [Job(f"s{i}", {"prompt": str(i)}, {}, group=i // 4) for i in range(16)]
+    outcomes, ended = run(AgentConfig(function=f"{agents_file}:where"), jobs)
+    pids = [o.metrics["pid"] for o in outcomes]
+    assert os.getpid() not in pids and len(set(pids)) == 2  # both processes, neither the engine's
+    for group in range(4):
+        assert len({pids[i] for i in range(16) if jobs[i].group == group}) == 1
+    assert sorted(ended) == sorted(job.name for job in jobs) and all(o.reward == 1.0 for o in outcomes)
+
+
+def test_a_dead_agent_process_or_a_bad_agent_name_is_said(agents_file):
+    jobs = [Job(f"s{i}", {"prompt": "last" if i == 5 else str(i)}, {}, group=i // 4) for i in range(8)]
+    with pytest.raises(KeelError) as died:
+        run(AgentConfig(function=f"{agents_file}:dies"), jobs)
+    assert died.value.code == AGENT_FUNCTION and "exited (code 3)" in str(died.value)
+    with pytest.raises(KeelError) as missing:
+        run(AgentConfig(function=f"{agents_file}:nowhere"), jobs)
+    assert missing.value.code == AGENT_FUNCTION and "no attribute 'nowhere'" in str(missing.value)
