@@ -95,11 +95,14 @@ families() {
     done
 }
 
-agents() {  # issue 30: m1a against m1 in one call
+agents() {  # issue 30: m1a against m1 in one call, then m1a with its agents in the engine's process
     for w in m1 m1a; do
-        timeout 280 python3 -m keel bench "$w" --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/$w.log" 2>&1
+        timeout 190 python3 -m keel bench "$w" --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/$w.log" 2>&1
         tail -3 "$OUT/$w.log"
     done
+    timeout 190 python3 -m keel bench m1a actor_rollout_ref.rollout.agent.processes=0 --gpus 1 --steps 2 --warmup 1 \
+        --out "$OUT/bench.jsonl" > "$OUT/m1a_in_process.log" 2>&1
+    tail -3 "$OUT/m1a_in_process.log"
 }
 
 large_families() {  # issue 29: the large shapes with LoRA, one after another (o20l,e30l,q8l or W)
