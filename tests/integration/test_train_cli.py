@@ -460,8 +460,11 @@ def test_the_first_mini_batch_takes_its_own_forward_as_old_and_trains_the_same(t
     for a, b in zip(ours, theirs):
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy", "critic/score/mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-        assert a["rollout/log_prob_gap"] > 0 and a["actor/ref_kl"] != 0  # measured, on the recomputed half
+        # measured on the recomputed half: the engine agrees with the trainer to float32 rounding, which on
+        # CPU can be exactly 0 (its prefill is bitwise the trainer's forward), so the bound is what is checked
+        assert 0 <= a["rollout/log_prob_gap"] < 1e-4 and math.isfinite(a["actor/ref_kl"])
         assert (a["perf/old_log_prob_samples"], b["perf/old_log_prob_samples"]) == (8, 16)
+    assert ours[-1]["actor/ref_kl"] > 1e-4  # after an update the policy has moved from the reference
     final = lambda result: weights(sorted(Path(result.run_dir).glob("global_step_*"))[-1] / "actor")  # noqa: E731
     for name, tensor in final(skipped).items():
         torch.testing.assert_close(tensor, final(recomputed)[name], rtol=1e-5, atol=1e-6)
@@ -494,6 +497,7 @@ def test_an_on_policy_update_skips_the_old_log_prob_pass_and_trains_the_same(tin
         ):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     assert a["rollout/log_prob_gap"] > 0 and a["actor/grad_norm"] > 0  # numbers that could differ
+    assert ours[-1]["actor/ref_kl"] > 1e-4  # after an update the policy has moved from the reference
     final = lambda result: weights(sorted(Path(result.run_dir).glob("global_step_*"))[-1] / "actor")  # noqa: E731
     for name, tensor in final(skipped).items():
         torch.testing.assert_close(tensor, final(recomputed)[name], rtol=1e-5, atol=1e-6)
