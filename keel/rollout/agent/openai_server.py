@@ -124,8 +124,7 @@ class OpenAIEndpoint:
                 if not isinstance(sample, str) or not sample:
                     raise RequestError("no sample: send the X-Keel-Sample header or the model name keel gave")
                 trace = self.traces.setdefault(sample, Trace())
-                prompt = prompt_of(body, trace)
-                seen = [comparable(m) for m in body["messages"]] if chat else None  # checked before sampling
+                prompt, conversation = prompt_of(body, trace)
                 limit = self._within_budget(self._limit(body), trace, prompt)
                 completion = await asyncio.wrap_future(self.service.submit(sample, prompt, limit))
             except RequestError as error:
@@ -139,7 +138,7 @@ class OpenAIEndpoint:
             trace.record(prompt, completion.ids, completion.log_probs, completion.stopped)
             answer = self._answer(completion, chat)
             if chat:
-                trace.messages = seen + [comparable(answer["message"])]
+                trace.messages = conversation + [comparable(answer["message"])]
             return self._respond(body, answer, chat, len(prompt), len(completion.ids))
 
     async def _body(self, request: Request) -> dict:
@@ -188,32 +187,33 @@ class OpenAIEndpoint:
             )
         return min(limit, left)
 
-    def _chat_prompt(self, body: dict, trace: Trace) -> list[int]:
+    def _chat_prompt(self, body: dict, trace: Trace) -> tuple[list[int], list[dict]]:
+        """(the prompt's tokens, the conversation as comparable messages, read once)."""
         messages, tools = body.get("messages"), body.get("tools") or None
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise RequestError("messages must be a non-empty list of message objects")
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise RequestError("tools must be a list of tool objects")
-        seen = trace.messages
+        seen, conversation = trace.messages, [comparable(m) for m in messages]
         try:
-            if seen and len(messages) > len(seen) and [comparable(m) for m in messages[: len(seen)]] == seen:
+            if seen and len(messages) > len(seen) and conversation[: len(seen)] == seen:
                 # The conversation continues after keel's answer: tokens in, tokens out. An answer cut by
                 # max_tokens gets the end token the template closes a turn with (attended, not trained).
                 template = self._template(tools)
                 ended = [] if trace.finished_turn else [template.end_id]
-                return trace.context + ended + template.suffix_ids(messages[len(seen) :])
+                return trace.context + ended + template.suffix_ids(messages[len(seen) :]), conversation
             text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         except Exception as error:  # noqa: BLE001 - jinja's (or keel's template check's) errors on a malformed conversation
             raise RequestError(f"the chat template refused the messages: {error}") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=False), conversation
 
-    def _text_prompt(self, body: dict, trace: Trace) -> list[int]:
+    def _text_prompt(self, body: dict, trace: Trace) -> tuple[list[int], None]:
         prompt = body.get("prompt")
         if isinstance(prompt, str) and prompt:
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt, add_special_tokens=False), None
         vocab = len(self.tokenizer)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            return list(prompt)
+            return list(prompt), None
         raise RequestError("prompt must be a non-empty string or a non-empty list of token ids")
 
     def _template(self, tools) -> TurnTemplate:
