@@ -24,7 +24,7 @@ class AgentProcesses:
         self.reports = context.Queue()
         self.inboxes = [context.Queue() for _ in range(count)]
         self.processes = [
-            context.Process(target=_serve, args=(section, inbox, self.reports), name=f"keel-agents-{i}", daemon=True)
+            context.Process(target=_serve, args=(i, section, inbox, self.reports), name=f"keel-agents-{i}", daemon=True)
             for i, inbox in enumerate(self.inboxes)
         ]
         for process in self.processes:
@@ -73,9 +73,8 @@ class AgentProcesses:
                 process.kill()
 
 
-def _serve(section, inbox, reports) -> None:
-    """An agent process: build the agent, then run each batch of jobs it is sent."""
-    index = int(multiprocessing.current_process().name.rsplit("-", 1)[1])
+def _serve(index: int, section, inbox, reports) -> None:
+    """Agent process `index`: build the agent, then run each batch of jobs it is sent."""
     try:
         agent = build_agent(section)
     except BaseException as error:  # noqa: BLE001 - said to the engine's process, which raises it

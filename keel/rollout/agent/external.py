@@ -108,12 +108,12 @@ def build_external_agent(agent, engine, tokenizer, budget: int) -> ExternalAgent
         )
     max_len = agent.max_prompt_length + budget
     options = ExternalAgentOptions(budget, max_len, agent.concurrency, agent.timeout_s, agent.host)
-    agents = InProcessAgents(build_agent(agent))  # here too when in processes: a bad name fails before any
-    if agent.processes:
-        from keel.rollout.agent.agent_processes import AgentProcesses
+    if not agent.processes:
+        return ExternalAgentRollout(engine, tokenizer, InProcessAgents(build_agent(agent)), options)
+    from keel.rollout.agent.agent_processes import AgentProcesses
 
-        agents = AgentProcesses(agent, agent.processes)
-    return ExternalAgentRollout(engine, tokenizer, agents, options)
+    # Each process builds the agent; `keel check` (before training) has loaded it here already.
+    return ExternalAgentRollout(engine, tokenizer, AgentProcesses(agent, agent.processes), options)
 
 
 def traces_batch(prompts: PromptBatch, traces: list[Trace], outcomes: list[Outcome], tokenizer) -> RolloutBatch:
