@@ -1,6 +1,7 @@
 """Agents in processes of their own (rollout.agent.processes): they run outside the engine's
 process, a prompt's group in one process, each sample reported as its agent returns; a process
-that dies or cannot build its agent is said with a code, never a hang."""
+that dies or cannot build its agent is said with a code, never a hang. And what the rollout keeps
+of samples whose agents failed after their budget was spent."""
 
 import os
 
@@ -59,3 +60,30 @@ def test_a_dead_agent_process_or_a_bad_agent_name_is_said(agents_file):
     with pytest.raises(KeelError) as missing:
         run(AgentConfig(function=f"{agents_file}:nowhere"), jobs)
     assert missing.value.code == AGENT_FUNCTION and "no attribute 'nowhere'" in str(missing.value)
+
+
+def test_a_cut_sample_without_a_reward_is_dropped_where_no_reward_function_scores_it(tiny_assets):
+    """A sample its budget stopped is kept when something scores it: an agent function's leaves it to
+    the reward function; an environment's (scored_by_agent) has none, so it leaves the update."""
+    from keel.data.prompts import collate_prompts
+    from keel.models.load import load_tokenizer
+    from keel.rollout.agent.agents import Outcome
+    from keel.rollout.agent.external import traces_batch
+    from keel.rollout.agent.trace import Trace
+    from keel.types import PromptRecord
+
+    tokenizer = load_tokenizer(tiny_assets["model"])
+    records = [PromptRecord(i, [5, 6, 7], "p", "verifiers:x", None) for i in range(3)]
+    prompts = collate_prompts(records, tokenizer.pad_token_id)
+    traces = [Trace() for _ in records]
+    for trace in traces:
+        trace.record([5, 6, 7], [8, 9], [-0.5, -0.5], stopped=False)
+        trace.budget_spent = True  # its next request found the budget spent, then the agent failed
+    outcomes = [Outcome(status="timeout"), Outcome(reward=0.5, status="error", error="late"), Outcome(status="error")]
+
+    def dropped(scored_by_agent: bool) -> list:
+        batch = traces_batch(prompts, traces, outcomes, tokenizer, scored_by_agent)
+        return [r.extra_info.get("agent_dropped") for r in batch.records]
+
+    assert dropped(False) == [None, None, None]  # the reward function scores the two without a reward
+    assert dropped(True) == ["timeout", None, "error"]  # the one with its reward stays

@@ -41,6 +41,7 @@ class ExternalAgentOptions:
     concurrency: int = 64
     timeout_s: float = 600.0
     host: str = "127.0.0.1"
+    scored_by_agent: bool = False  # an environment's: its samples never reach the reward function
 
 
 class InProcessAgents:
@@ -86,7 +87,7 @@ class ExternalAgentRollout:
             raise service.error
         self.timing = dict(self.engine.timing)
         traces = [endpoint.traces.get(name) or Trace() for name in names]
-        batch = traces_batch(prompts, traces, outcomes, self.tokenizer)
+        batch = traces_batch(prompts, traces, outcomes, self.tokenizer, self.options.scored_by_agent)
         _refuse_all_dropped(batch.records, outcomes)
         return batch
 
@@ -107,7 +108,9 @@ def build_external_agent(agent, engine, tokenizer, budget: int) -> ExternalAgent
             f"unset actor_rollout_ref.rollout.agent.{what}",
         )
     max_len = agent.max_prompt_length + budget
-    options = ExternalAgentOptions(budget, max_len, agent.concurrency, agent.timeout_s, agent.host)
+    options = ExternalAgentOptions(
+        budget, max_len, agent.concurrency, agent.timeout_s, agent.host, scored_by_agent=bool(agent.environment)
+    )
     if not agent.processes:
         return ExternalAgentRollout(engine, tokenizer, InProcessAgents(build_agent(agent)), options)
     from keel.rollout.agent.agent_processes import AgentProcesses
@@ -116,12 +119,14 @@ def build_external_agent(agent, engine, tokenizer, budget: int) -> ExternalAgent
     return ExternalAgentRollout(engine, tokenizer, AgentProcesses(agent, agent.processes), options)
 
 
-def traces_batch(prompts: PromptBatch, traces: list[Trace], outcomes: list[Outcome], tokenizer) -> RolloutBatch:
+def traces_batch(
+    prompts: PromptBatch, traces: list[Trace], outcomes: list[Outcome], tokenizer, scored_by_agent: bool = False
+) -> RolloutBatch:
     """The batch the samples' traces make: each sample's first stretch, its prompt the agent's own
     first prompt; a sample to drop (its agent failed, or its history was rewritten) keeps its
     tokens but trains none of them, and says why in extra_info (`agent_dropped`)."""
     stretches = [_first_stretch(t, r) for t, r in zip(traces, prompts.records)]
-    dropped = [_why_dropped(t, o) for t, o in zip(traces, outcomes)]
+    dropped = [_why_dropped(t, o, scored_by_agent) for t, o in zip(traces, outcomes)]
     pad = tokenizer.pad_token_id
     width = max(1, max(len(s.ids) for s in stretches))
     prompt_width = max(len(s.prompt) for s in stretches)
@@ -185,8 +190,11 @@ def _first_stretch(trace: Trace, record) -> Stretch:
     return trace.stretches[0] if trace.stretches else Stretch(list(record.prompt_ids))
 
 
-def _why_dropped(trace: Trace, outcome: Outcome) -> str | None:
-    if outcome.status != "ok" and not trace.budget_spent:  # an agent stopped by the budget is a cut sample
+def _why_dropped(trace: Trace, outcome: Outcome, scored_by_agent: bool) -> str | None:
+    # An agent stopped by the budget is a cut sample, kept where something scores it: its own reward,
+    # or the reward function (which an environment's samples never reach).
+    cut = trace.budget_spent and (outcome.reward is not None or not scored_by_agent)
+    if outcome.status != "ok" and not cut:
         return outcome.status
     if trace.prefix_breaks:
         return "prefix_break"
