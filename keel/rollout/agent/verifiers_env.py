@@ -51,10 +51,9 @@ def _load(name: str, args: dict):
 def verifiers_rows(env, name: str, split: str) -> list[dict] | None:
     """The environment's dataset (train) or eval dataset (val) as prompt rows in verl's schema; the
     environment's row rides in extra_info for its rollout. None: it has no such dataset."""
-    source = env.dataset_source if split == "train" else env.eval_dataset_source
-    if source is None and (env.dataset if split == "train" else env.eval_dataset) is None:
+    dataset = env.build_dataset() if split == "train" else env.build_eval_dataset()  # None: it has none
+    if dataset is None:
         return None
-    dataset = env.get_dataset() if split == "train" else env.get_eval_dataset()
     return [
         {"prompt": row["prompt"], "data_source": f"verifiers:{name}", "extra_info": {DATA_KEY: dict(row)}}
         for row in dataset
