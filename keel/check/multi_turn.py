@@ -70,7 +70,9 @@ def _check_agent(cfg: KeelConfig) -> Finding:
 
     agent = cfg.actor_rollout_ref.rollout.agent
     if agent.environment:
-        load_environment_agent(agent)  # KEEL-C024 when the library, the environment or its class is not there
+        loaded = load_environment_agent(agent)  # KEEL-C024 when the library, the environment or its class is not there
+        if hasattr(loaded, "probe"):  # an environment served elsewhere (OpenEnv's): it answers
+            loaded.probe()
         by = f"the environment {agent.environment} (its reward: the environment's)"
     else:
         load_agent_function(agent.function)  # KEEL-C023 when it is not an async def there

@@ -211,7 +211,12 @@ def test_openenv_environment_errors_name_the_cause(openenv_server):
         with pytest.raises(KeelError) as refused:
             load_openenv_agent(name, args)
         assert refused.value.code == AGENT_ENVIRONMENT and said in str(refused.value)
-    assert load_openenv_agent("keel_guess_env:GuessEnv", {"base_url": openenv_server}).action_field == "message"
+    with pytest.raises(KeelError) as unanswered:  # keel check's probe: nothing listens there
+        load_openenv_agent("keel_guess_env:GuessEnv", {"base_url": "http://127.0.0.1:9"}).probe(timeout_s=10)
+    assert unanswered.value.code == AGENT_ENVIRONMENT and "did not answer a reset" in str(unanswered.value)
+    fixed = load_openenv_agent("keel_guess_env:GuessEnv", {"base_url": openenv_server})
+    fixed.probe()
+    assert fixed.action_field == "message"
 
 
 def test_the_examples_verifiers_environment_loads_with_its_dataset(monkeypatch):

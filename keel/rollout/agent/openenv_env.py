@@ -7,6 +7,7 @@ The step rewards summed are the sample's reward; `agent/metrics/openenv_steps/me
 
 from __future__ import annotations
 
+import asyncio
 import json
 import typing
 
@@ -75,6 +76,19 @@ class OpenEnvAgent:
                 return None
             raise
         return answer.choices[0].message.content or ""
+
+    def probe(self, timeout_s: float = 30.0) -> None:
+        """One reset on a session of its own (`keel check`): KEEL-C024 when the server does not answer."""
+
+        async def reset() -> None:
+            async with self.client_class(base_url=self.base_url) as env:
+                await env.reset()
+
+        try:
+            asyncio.run(asyncio.wait_for(reset(), timeout_s))
+        except Exception as error:  # noqa: BLE001 - refused, timed out, or a server error: each named
+            reason = f"its server at {self.base_url} did not answer a reset: {type(error).__name__}: {error}"
+            raise environment_error(f"openenv:{self.client_class.__name__}", reason) from None
 
     def _text(self, observation) -> str:
         """The observation as the next user message: its text field, or its own fields as JSON."""
