@@ -95,14 +95,16 @@ families() {
     done
 }
 
-agents() {  # issue 30: m1a against m1 in one call, then m1a with its agents in the engine's process
+agents() {  # issue 30: m1a against m1 in one call, then m1a with other admission windows (default 20 ms)
     for w in m1 m1a; do
-        timeout 190 python3 -m keel bench "$w" --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/$w.log" 2>&1
-        tail -3 "$OUT/$w.log"
+        timeout 150 python3 -m keel bench "$w" --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/$w.log" 2>&1
+        tail -1 "$OUT/$w.log" | cut -c1-200
     done
-    timeout 190 python3 -m keel bench m1a actor_rollout_ref.rollout.agent.processes=0 --gpus 1 --steps 2 --warmup 1 \
-        --out "$OUT/bench.jsonl" > "$OUT/m1a_in_process.log" 2>&1
-    tail -3 "$OUT/m1a_in_process.log"
+    for ms in 0 50; do
+        timeout 150 python3 -m keel bench m1a actor_rollout_ref.rollout.agent.admission_window_ms=$ms --gpus 1 --steps 2 \
+            --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/m1a_window_$ms.log" 2>&1
+        tail -1 "$OUT/m1a_window_$ms.log" | cut -c1-200
+    done
 }
 
 large_families() {  # issue 29: the large shapes with LoRA, one after another (o20l,e30l,q8l or W)

@@ -17,6 +17,12 @@ class AgentConfig:
         "over the policy; it returns the sample's reward, or None to leave it to the reward function",
     )
     concurrency: int = opt(64, gt=0, help="keel: agents running at once")
+    admission_window_ms: float = opt(
+        20.0,
+        ge=0,
+        help="keel: the engine holds turns that arrive while arrivals keep coming (a quiet gap this long, or "
+        "four of them at most) and prefills them in one pass; 0: each as it arrives",
+    )
     processes: int = opt(
         2,
         ge=0,

@@ -8,12 +8,18 @@ key's last context (its prompt, the tokens sampled, then whatever came after) pr
 tokens. A turn that does not extend it (the client rewrote the history) starts the key again on a
 fresh row: the answer is right either way, and `Completion.extended` says which it was. The
 sampling settings are the service's for its life: the captured CUDA graphs hold them.
+
+Turns that arrive one request at a time (an HTTP endpoint's) would each be admitted in a prefill pass
+of its own. With an admission window, arriving turns are held until arrivals go quiet for the window
+(or the first has waited four windows) and admitted together, in one pass; rows already decoding go
+on meanwhile.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
@@ -37,6 +43,7 @@ class _Turn:
     limit: int
     future: Future
     extended: bool = False
+    arrived: float = 0.0  # time.monotonic() when the run loop accepted it
 
 
 @dataclass
@@ -48,8 +55,10 @@ class EngineService:
     """`submit` a turn -> a Future of its Completion; `end` a key when its episode is over (its row
     goes to a waiting key). Up to `sequences` keys hold rows at once; more wait for one."""
 
-    def __init__(self, engine, params: SamplingParams, sequences: int, max_len: int, turn_tokens: int):
-        self.engine, self.params = engine, params
+    def __init__(
+        self, engine, params: SamplingParams, sequences: int, max_len: int, turn_tokens: int, admission_s: float = 0.0
+    ):
+        self.engine, self.params, self.admission_s = engine, params, admission_s
         self.shape = (sequences, max_len, turn_tokens)
         self.batcher = engine.continuous_batcher(sequences, max_len, turn_tokens)
         self.stop_ids = set(engine.eos_ids)
@@ -58,6 +67,7 @@ class EngineService:
         self.contexts: dict[object, list[int]] = {}  # key -> its last context and what was sampled after it
         self.ending: set = set()  # keys ended while a turn of theirs was under way
         self.ended: set = set()  # keys whose episode is over
+        self.held: list[_Turn] = []  # accepted, not yet in the batch: admitted together (the admission window)
         self.error: BaseException | None = None
         self._closed = threading.Event()
         self._lock = threading.Lock()
@@ -95,14 +105,15 @@ class EngineService:
     def _run(self) -> None:
         try:
             while not self._closed.is_set():
-                self._take_requests(block=not self.batcher.runnable)
+                self._take_requests(None if self.batcher.runnable else self._until_admission())
+                self._admit_held()
                 if self.batcher.runnable:
                     for turn in self.batcher.step(self.params):
                         self._answer(turn)
         except BaseException as error:  # noqa: BLE001 - every waiting client is told, none hangs
             self.error = error
         closed = self.error or RuntimeError("the engine service closed")
-        unanswered = list(self.pending.values())
+        unanswered = list(self.pending.values())  # held turns are pending too
         with self._lock:
             self._closed.set()  # submit refuses from here on; what reached the inbox before is answered below
             while not self.inbox.empty():
@@ -113,10 +124,11 @@ class EngineService:
             _settle(turn.future, exception=closed)
         self.pending.clear()
 
-    def _take_requests(self, block: bool) -> None:
-        """Everything in the inbox; with `block`, waits for the first (nothing else to do)."""
+    def _take_requests(self, wait: float | None) -> None:
+        """Everything in the inbox; with `wait` (nothing else to do), first waits that long for one
+        (inf: until one comes)."""
         try:
-            item = self.inbox.get(block=block)
+            item = self.inbox.get(timeout=None if wait == float("inf") else wait) if wait else self.inbox.get_nowait()
             while True:
                 if item is not None:
                     self._accept(item)
@@ -145,7 +157,24 @@ class EngineService:
         if item.key in self.batcher.row_of and not item.extended:
             self.batcher.release(item.key)  # the history was rewritten: start again on a fresh row
         self.pending[item.key] = item
-        self.batcher.add(item.key, item.context, item.limit)
+        item.arrived = time.monotonic()
+        self.held.append(item)
+
+    def _until_admission(self) -> float:
+        """Seconds until the held turns are due (inf: none held, wait for a request)."""
+        if not self.held:
+            return float("inf")
+        now = time.monotonic()
+        quiet = self.held[-1].arrived + self.admission_s - now
+        return max(0.0, min(quiet, self.held[0].arrived + 4 * self.admission_s - now))
+
+    def _admit_held(self) -> None:
+        """The held turns into the batch, once arrivals went quiet for the window (or the first
+        waited four windows): one prefill pass for them all."""
+        if self.held and self._until_admission() <= 0.0:
+            for turn in self.held:
+                self.batcher.add(turn.key, turn.context, turn.limit)
+            self.held = []
 
     def _answer(self, finished) -> None:
         turn = self.pending.pop(finished.key)

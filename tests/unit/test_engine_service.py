@@ -108,3 +108,30 @@ def test_a_turn_after_its_key_ended_is_refused_and_keeps_no_row(engine):
         assert len(service.submit("next", [8, 9], 6).result(timeout=300).ids) == 6  # the only row is free
     finally:
         service.close()
+
+
+def test_turns_arriving_within_the_admission_window_share_one_prefill(engine):
+    """Held while arrivals keep coming, then admitted together: one prefill pass for all of them,
+    and the same answers as turns admitted one by one. A close while turns are held answers them."""
+    engine, tokenizer = engine
+    prompts = prompt_ids(tokenizer, [f"turn {'x ' * i}" for i in range(6)])
+    contexts = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.input_ids, prompts.attention_mask)]
+
+    def answers(admission_s: float) -> tuple[list, int]:
+        service = EngineService(engine, GREEDY, sequences=6, max_len=64, turn_tokens=6, admission_s=admission_s)
+        passes, prefill = [], service.batcher.runner.prefill
+        service.batcher.runner.prefill = lambda *a, **k: passes.append(1) or prefill(*a, **k)
+        try:
+            futures = [service.submit(i, context, 6) for i, context in enumerate(contexts)]  # within the window
+            return [f.result(timeout=600).ids for f in futures], len(passes)
+        finally:
+            service.close()
+
+    held, passes = answers(admission_s=5.0)
+    assert passes == 1
+    assert held == answers(admission_s=0.0)[0]
+    service = EngineService(engine, GREEDY, sequences=6, max_len=64, turn_tokens=6, admission_s=600.0)
+    waiting = service.submit("held", contexts[0], 6)
+    service.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        waiting.result(timeout=600)

@@ -42,6 +42,7 @@ class ExternalAgentOptions:
     timeout_s: float = 600.0
     host: str = "127.0.0.1"
     scored_by_agent: bool = False  # an environment's: its samples never reach the reward function
+    admission_s: float = 0.0  # the engine service's admission window
 
 
 class InProcessAgents:
@@ -64,9 +65,9 @@ class ExternalAgentRollout:
     def generate(self, prompts: PromptBatch, params: SamplingParams) -> RolloutBatch:
         names = [f"sample-{secrets.token_hex(4)}-{i}" for i in range(len(prompts))]
         rows = min(len(prompts), self.options.concurrency)
-        service = EngineService(
-            self.engine, dataclasses.replace(params, n=1), rows, self.options.max_len, self.options.budget
-        )
+        one = dataclasses.replace(params, n=1)
+        options = self.options
+        service = EngineService(self.engine, one, rows, options.max_len, options.budget, options.admission_s)
         endpoint = OpenAIEndpoint(
             service,
             self.tokenizer,
@@ -109,7 +110,13 @@ def build_external_agent(agent, engine, tokenizer, budget: int) -> ExternalAgent
         )
     max_len = agent.max_prompt_length + budget
     options = ExternalAgentOptions(
-        budget, max_len, agent.concurrency, agent.timeout_s, agent.host, scored_by_agent=bool(agent.environment)
+        budget,
+        max_len,
+        agent.concurrency,
+        agent.timeout_s,
+        agent.host,
+        scored_by_agent=bool(agent.environment),
+        admission_s=agent.admission_window_ms / 1000,
     )
     if not agent.processes:
         return ExternalAgentRollout(engine, tokenizer, InProcessAgents(build_agent(agent)), options)
