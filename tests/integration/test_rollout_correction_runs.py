@@ -41,7 +41,8 @@ def test_bypass_mode_skips_the_pass_and_trains_as_it_would(tiny_config, baseline
     for a, b in zip(ours, plain_metrics):
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-        assert 0 < a["rollout/log_prob_gap"] < 1e-5  # measured on the first mini-batch's forward
+        # measured on the first mini-batch's forward; on CPU the engine can agree with it exactly (0.0)
+        assert 0 <= a["rollout/log_prob_gap"] < 1e-5
         assert "rollout_corr/kl" in a
     for name, tensor in final_weights(bypass).items():
         torch.testing.assert_close(tensor, final_weights(plain)[name], rtol=1e-5, atol=1e-6)

@@ -497,7 +497,6 @@ def test_an_on_policy_update_skips_the_old_log_prob_pass_and_trains_the_same(tin
         ):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     assert a["rollout/log_prob_gap"] > 0 and a["actor/grad_norm"] > 0  # numbers that could differ
-    assert ours[-1]["actor/ref_kl"] > 1e-4  # after an update the policy has moved from the reference
     final = lambda result: weights(sorted(Path(result.run_dir).glob("global_step_*"))[-1] / "actor")  # noqa: E731
     for name, tensor in final(skipped).items():
         torch.testing.assert_close(tensor, final(recomputed)[name], rtol=1e-5, atol=1e-6)
