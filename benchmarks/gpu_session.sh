@@ -95,16 +95,34 @@ families() {
     done
 }
 
-agents() {  # issue 30: m1a against m1 in one call, then m1a with other admission windows (default 20 ms)
+agents() {  # issue 30: m1a against m1 in one call, then m1a with the endpoint in the engine's process (the
+    # earlier layout), with 4 endpoint processes, and with 8 agent processes beside them
     for w in m1 m1a; do
         timeout 150 python3 -m keel bench "$w" --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/$w.log" 2>&1
         tail -1 "$OUT/$w.log" | cut -c1-200
     done
-    for ms in 0 50; do
-        timeout 150 python3 -m keel bench m1a actor_rollout_ref.rollout.agent.admission_window_ms=$ms --gpus 1 --steps 2 \
-            --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/m1a_window_$ms.log" 2>&1
-        tail -1 "$OUT/m1a_window_$ms.log" | cut -c1-200
+    local key=actor_rollout_ref.rollout.agent
+    for variant in "$key.endpoint_processes=0" "$key.endpoint_processes=4" "$key.endpoint_processes=4 $key.processes=8"; do
+        timeout 150 python3 -m keel bench m1a $variant --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" \
+            > "$OUT/m1a_variant.log" 2>&1
+        echo "$variant: $(tail -1 "$OUT/m1a_variant.log" | cut -c1-200)"
     done
+}
+
+agents_profile() {  # issue 30: where m1a's engine process spends its time (py-spy, carry its wheel), and a
+    # GIL switch interval of 0.5 ms against the default 5 ms
+    timeout 150 python3 -m keel bench m1 --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/m1.log" 2>&1
+    tail -1 "$OUT/m1.log" | cut -c1-200
+    local bench="-m keel bench m1a --gpus 1 --steps 2 --warmup 1 --out $OUT/bench.jsonl"
+    for how in threads gil; do
+        local flags="--threads"; [[ $how == gil ]] && flags="--threads --gil"
+        timeout 200 py-spy record --nonblocking $flags --format raw --rate 100 -o "$OUT/m1a_spy_$how.txt" \
+            -- python3 $bench > "$OUT/m1a_spy_$how.log" 2>&1
+        tail -1 "$OUT/m1a_spy_$how.log" | cut -c1-200
+    done
+    timeout 150 python3 -c "import sys, runpy; sys.setswitchinterval(0.0005); sys.argv = ['keel'] + sys.argv[1:]; \
+runpy.run_module('keel', run_name='__main__', alter_sys=True)" ${bench#-m keel } > "$OUT/m1a_switch.log" 2>&1
+    tail -1 "$OUT/m1a_switch.log" | cut -c1-200
 }
 
 large_families() {  # issue 29: the large shapes with LoRA, one after another (o20l,e30l,q8l or W)

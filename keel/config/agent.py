@@ -29,6 +29,12 @@ class AgentConfig:
         help="keel: processes the agents run in, beside the engine's (their Python then never holds the GIL the "
         "engine's run loop needs); a prompt's samples share one; 0: in the engine's own process",
     )
+    endpoint_processes: int = opt(
+        2,
+        ge=0,
+        help="keel: processes keel's OpenAI endpoint runs in (each parses, templates and tokenizes the requests of "
+        "its agent processes, so a wave of turns reaches the engine together); 0: a thread of the engine's process",
+    )
     timeout_s: float = opt(
         600.0, gt=0, help="keel: seconds an agent may take; past it, it is cancelled and counted (agent/timeouts)"
     )

@@ -37,7 +37,7 @@ def run(section: AgentConfig, jobs: list[Job]):
     pool = AgentProcesses(section, 2)
     ended = []
     try:
-        return pool.run("http://127.0.0.1:9/v1", "token", jobs, 8, 60.0, ended.append), ended
+        return pool.run(["http://127.0.0.1:9/v1"], "token", jobs, 8, 60.0, ended.append), ended
     finally:
         pool.close()
 

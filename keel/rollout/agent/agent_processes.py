@@ -13,7 +13,7 @@ import multiprocessing
 import queue
 
 from keel.errors import AGENT_FUNCTION, KeelError
-from keel.rollout.agent.agents import Job, Outcome, build_agent, run_agents
+from keel.rollout.agent.agents import Job, build_agent, run_agents
 
 POLL_S = 1.0  # how often a wait for the processes' reports looks whether they are still alive
 
@@ -30,12 +30,13 @@ class AgentProcesses:
         for process in self.processes:
             process.start()
 
-    def run(self, url: str, token: str, jobs: list[Job], at_once: int, timeout_s: float, on_ended) -> list[Outcome]:
-        """run_agents over the processes, a prompt's group in one of them -> every job's Outcome."""
+    def run(self, urls: list[str], token: str, jobs: list[Job], at_once: int, timeout_s: float, on_ended):
+        """run_agents over the processes, a prompt's group in one of them, process p's requests to
+        urls[p % len(urls)] (the endpoint's processes) -> every job's Outcome."""
         count = len(self.processes)
         shares = [[i for i, job in enumerate(jobs) if job.group % count == p] for p in range(count)]
-        for inbox, share in zip(self.inboxes, shares):
-            inbox.put((url, token, [jobs[i] for i in share], max(1, -(-at_once // count)), timeout_s))
+        for p, (inbox, share) in enumerate(zip(self.inboxes, shares)):
+            inbox.put((urls[p % len(urls)], token, [jobs[i] for i in share], max(1, -(-at_once // count)), timeout_s))
         outcomes: list = [None] * len(jobs)
         finished = 0
         while finished < count:

@@ -19,6 +19,7 @@ An agent that raises or runs past its timeout, or whose requests rewrote its his
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import secrets
 from dataclasses import dataclass
@@ -27,8 +28,8 @@ import torch
 
 from keel.errors import AGENT_FUNCTION, KeelError
 from keel.rollout.agent.agents import Job, Outcome, build_agent, run_agents
+from keel.rollout.agent.endpoints import EndpointProcesses, InProcessEndpoint
 from keel.rollout.agent.episode import last_sampled_turn
-from keel.rollout.agent.openai_server import OpenAIEndpoint
 from keel.rollout.agent.trace import Stretch, Trace
 from keel.rollout.service import EngineService
 from keel.types import PromptBatch, RolloutBatch, SamplingParams
@@ -43,6 +44,7 @@ class ExternalAgentOptions:
     host: str = "127.0.0.1"
     scored_by_agent: bool = False  # an environment's: its samples never reach the reward function
     admission_s: float = 0.0  # the engine service's admission window
+    endpoint_processes: int = 0  # 0: the endpoint is a thread of the engine's process
 
 
 class InProcessAgents:
@@ -51,8 +53,8 @@ class InProcessAgents:
     def __init__(self, agent):
         self.agent = agent
 
-    def run(self, url: str, token: str, jobs: list[Job], at_once: int, timeout_s: float, on_ended) -> list[Outcome]:
-        return asyncio.run(run_agents(self.agent, url, token, jobs, at_once, timeout_s, on_ended))
+    def run(self, urls: list[str], token: str, jobs, at_once: int, timeout_s: float, on_ended) -> list[Outcome]:
+        return asyncio.run(run_agents(self.agent, urls[0], token, jobs, at_once, timeout_s, on_ended))
 
 
 class ExternalAgentRollout:
@@ -61,36 +63,44 @@ class ExternalAgentRollout:
     def __init__(self, engine, tokenizer, agents, options: ExternalAgentOptions):
         self.engine, self.tokenizer, self.agents, self.options = engine, tokenizer, agents, options
         self.timing: dict[str, float] = {}
+        token, in_flight = secrets.token_urlsafe(16), max(1024, options.concurrency)
+        if options.endpoint_processes:
+            self.endpoints = EndpointProcesses(tokenizer, options.endpoint_processes, options.host, token, in_flight)
+        else:
+            self.endpoints = InProcessEndpoint(tokenizer, options.host, token, in_flight)
 
     def generate(self, prompts: PromptBatch, params: SamplingParams) -> RolloutBatch:
         names = [f"sample-{secrets.token_hex(4)}-{i}" for i in range(len(prompts))]
         rows = min(len(prompts), self.options.concurrency)
-        one = dataclasses.replace(params, n=1)
         options = self.options
+        one = dataclasses.replace(params, n=1)
         service = EngineService(self.engine, one, rows, options.max_len, options.budget, options.admission_s)
-        endpoint = OpenAIEndpoint(
-            service,
-            self.tokenizer,
-            token=secrets.token_urlsafe(16),
-            budget=self.options.budget,
-            max_in_flight=max(1024, self.options.concurrency),
-        )
         try:
-            url = endpoint.serve(self.options.host)
+            urls = self.endpoints.begin(service, options.budget)
             # As many agents at once as the engine holds rows: one waiting for a row would spend its timeout.
-            at_once = min(self.options.concurrency, service.batcher.shape[0])
+            at_once = min(options.concurrency, service.batcher.shape[0])
             jobs = [Job(name, job_row(r), dict(r.extra_info), r.index) for name, r in zip(names, prompts.records)]
-            outcomes = self.agents.run(url, endpoint.token, jobs, at_once, self.options.timeout_s, service.end)
-        finally:
-            service.close()  # first: a request still waiting is answered, so the endpoint can stop
-            endpoint.close()
+            outcomes = self.agents.run(urls, self.endpoints.token, jobs, at_once, options.timeout_s, service.end)
+        except BaseException:
+            service.close()
+            with contextlib.suppress(KeelError):  # the error that stopped the rollout is the one to say
+                self.endpoints.collect()
+            raise
+        service.close()  # first: a request still waiting is answered, so the endpoint can stop
+        found = self.endpoints.collect()
         if service.error is not None:  # the engine failed (out of memory, ...): not the agents' fault
             raise service.error
         self.timing = dict(self.engine.timing)
-        traces = [endpoint.traces.get(name) or Trace() for name in names]
-        batch = traces_batch(prompts, traces, outcomes, self.tokenizer, self.options.scored_by_agent)
+        traces = [found.get(name) or Trace() for name in names]
+        batch = traces_batch(prompts, traces, outcomes, self.tokenizer, options.scored_by_agent)
         _refuse_all_dropped(batch.records, outcomes)
         return batch
+
+    def close(self) -> None:
+        """The endpoint's and the agents' processes stop (they are daemons: they also end with this process)."""
+        self.endpoints.close()
+        if hasattr(self.agents, "close"):
+            self.agents.close()
 
 
 def job_row(record) -> dict:
@@ -117,6 +127,7 @@ def build_external_agent(agent, engine, tokenizer, budget: int) -> ExternalAgent
         agent.host,
         scored_by_agent=bool(agent.environment),
         admission_s=agent.admission_window_ms / 1000,
+        endpoint_processes=agent.endpoint_processes,
     )
     if not agent.processes:
         return ExternalAgentRollout(engine, tokenizer, InProcessAgents(build_agent(agent)), options)

@@ -1,0 +1,251 @@
+"""Where keel's OpenAI endpoint (openai_server.py) runs during rollouts: a thread of the engine's
+process (InProcessEndpoint), or processes of its own (EndpointProcesses,
+`actor_rollout_ref.rollout.agent.endpoint_processes`), as vLLM splits its API servers from its
+engine. Each endpoint process parses requests, renders and tokenizes the conversation, keeps the
+samples' traces and answers in JSON; the engine's process only receives token ids and sends sampled
+ones back. A wave of turns (every sample's next request, arriving together) is then read by several
+processes at once instead of one thread in turn, so the engine gets the wave's turns close together
+and prefills and decodes them as one batch.
+
+Each process serves for the rollout object's life (spawned once: a tokenizer and a web server
+take seconds to start). Per rollout the engine's process `begin`s them over that rollout's
+EngineService and `collect`s their traces at its end. A sample's requests all go to one process
+(its agent's), so its trace is whole in one place.
+
+Messages over each process's pipe (pickled, a few small ones a turn):
+  engine -> endpoint: ("begin", settings), ("answer", n, completion, error), ("collect",), ("stop",)
+  endpoint -> engine: ("ready", url) | ("failed", error), ("turn", n, key, context, limit), ("traces", traces)
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from keel.errors import AGENT_FUNCTION, KeelError
+
+START_S = 120.0  # a process that has not said it listens by then is said to have failed
+
+
+@dataclass
+class EndpointSettings:
+    """What an endpoint process is told at the start of each rollout."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    shape: tuple[int, int, int]  # the engine service's (sequences, max_len, turn_tokens)
+    stop_ids: list[int]
+    budget: int | None
+
+
+class RemoteService:
+    """In an endpoint process: what OpenAIEndpoint needs of an EngineService, each turn sent to the
+    engine's process and answered from it."""
+
+    def __init__(self, connection):
+        self.connection, self.lock = connection, threading.Lock()
+        self.params, self.shape, self.stop_ids = None, (0, 0, 0), set()
+        self.open = False  # between a begin and a collect
+        self.waiting: dict[int, Future] = {}
+        self.numbers = itertools.count()
+
+    def submit(self, key, context: list[int], limit: int) -> Future:
+        future: Future = Future()
+        with self.lock:  # a turn is sent before the rollout's collect, or refused
+            if not self.open:
+                future.set_exception(RuntimeError("no rollout is under way: its requests are over"))
+                return future
+            number = next(self.numbers)
+            self.waiting[number] = future
+            self.connection.send(("turn", number, key, list(context), limit))
+        return future
+
+    def begin(self, settings: EndpointSettings) -> None:
+        self.params = SimpleNamespace(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+        self.shape, self.stop_ids = settings.shape, set(settings.stop_ids)
+        self.open = True
+
+    def answer(self, number: int, completion, error: BaseException | None) -> None:
+        future = self.waiting.pop(number, None)
+        if future is not None and not future.done():
+            future.set_exception(error) if error is not None else future.set_result(completion)
+
+    def collect(self, traces: dict) -> None:
+        with self.lock:
+            self.open = False
+            self.connection.send(("traces", traces))
+
+
+def _serve(connection, tokenizer, options: dict) -> None:
+    """An endpoint process: serve until told to stop, one rollout after another."""
+    from keel.rollout.agent.openai_server import OpenAIEndpoint
+
+    service = RemoteService(connection)
+    try:
+        endpoint = OpenAIEndpoint(service, tokenizer, **options["endpoint"])
+        connection.send(("ready", endpoint.serve(options["host"])))
+    except BaseException as error:  # noqa: BLE001 - said to the engine's process, which raises it
+        connection.send(("failed", RuntimeError(f"keel's endpoint process could not start: {error!r}")))
+        return
+    try:
+        while (message := connection.recv())[0] != "stop":
+            if message[0] == "answer":
+                service.answer(*message[1:])
+            elif message[0] == "begin":
+                endpoint.traces, endpoint.budget = {}, message[1].budget
+                service.begin(message[1])
+            elif message[0] == "collect":
+                service.collect(endpoint.traces)
+    except EOFError:  # the engine's process went away
+        pass
+    finally:
+        endpoint.close()
+
+
+class InProcessEndpoint:
+    """The endpoint as a thread of the engine's process, started for each rollout (endpoint_processes=0)."""
+
+    def __init__(self, tokenizer, host: str, token: str, max_in_flight: int):
+        self.tokenizer, self.host, self.token, self.max_in_flight = tokenizer, host, token, max_in_flight
+        self.endpoint = None
+
+    def begin(self, service, budget: int | None) -> list[str]:
+        from keel.rollout.agent.openai_server import OpenAIEndpoint
+
+        self.endpoint = OpenAIEndpoint(
+            service, self.tokenizer, token=self.token, budget=budget, max_in_flight=self.max_in_flight
+        )
+        return [self.endpoint.serve(self.host)]
+
+    def collect(self) -> dict:
+        """After the rollout's service closed (a request still waiting is answered, so the server can stop)."""
+        if self.endpoint is None:
+            return {}
+        self.endpoint.close()
+        endpoint, self.endpoint = self.endpoint, None
+        return endpoint.traces
+
+    def close(self) -> None:
+        self.collect()
+
+
+class EndpointProcesses:
+    """`count` endpoint processes; `begin(service, budget)` -> their URLs, `collect()` -> the traces."""
+
+    def __init__(self, tokenizer, count: int, host: str, token: str, max_in_flight: int):
+        context = multiprocessing.get_context("spawn")  # not fork: the parent holds threads and CUDA
+        self.token, self.bridges = token, []
+        options = {"host": host, "endpoint": {"token": token, "max_in_flight": max_in_flight}}
+        self.connections, self.processes = [], []
+        for i in range(count):
+            ours, theirs = context.Pipe()
+            process = context.Process(
+                target=_serve, args=(theirs, tokenizer, options), name=f"keel-endpoint-{i}", daemon=True
+            )
+            process.start()
+            theirs.close()
+            self.connections.append(ours)
+            self.processes.append(process)
+        self.urls = [self._ready(c, p) for c, p in zip(self.connections, self.processes)]
+        self.locks = [threading.Lock() for _ in self.connections]
+
+    def _ready(self, connection, process) -> str:
+        if not connection.poll(START_S):
+            raise KeelError(AGENT_FUNCTION, f"{process.name} did not start within {START_S:.0f} s")
+        try:
+            kind, payload = connection.recv()
+        except EOFError:
+            raise KeelError(AGENT_FUNCTION, f"{process.name} exited (code {process.exitcode}) while starting") from None
+        if kind == "failed":
+            raise KeelError(AGENT_FUNCTION, str(payload))
+        return payload
+
+    def begin(self, service, budget: int | None) -> list[str]:
+        """Serve this rollout's turns from `service` -> the processes' base URLs."""
+        params = service.params
+        settings = EndpointSettings(
+            params.temperature, params.top_p, params.top_k, service.shape, sorted(service.stop_ids), budget
+        )
+        self.bridges = []
+        for i, connection in enumerate(self.connections):
+            self._send(i, ("begin", settings))
+            bridge = _Bridge(connection, self.locks[i], service)
+            bridge.start()
+            self.bridges.append(bridge)
+        return self.urls
+
+    def collect(self) -> dict:
+        """After the rollout's service closed: every process's traces, merged (a sample's are in one)."""
+        traces: dict = {}
+        for i, bridge in enumerate(self.bridges):
+            self._send(i, ("collect",))
+            bridge.join()
+            if bridge.error is not None:
+                self._broke(i)
+            traces.update(bridge.traces)
+        self.bridges = []
+        return traces
+
+    def close(self) -> None:
+        for i in range(len(self.connections)):
+            try:
+                self._send(i, ("stop",))
+            except KeelError:  # already gone
+                pass
+        for process in self.processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+
+    def _send(self, i: int, message) -> None:
+        try:
+            with self.locks[i]:
+                self.connections[i].send(message)
+        except OSError:
+            self._broke(i)
+
+    def _broke(self, i: int):
+        process = self.processes[i]
+        process.join(timeout=5)
+        raise KeelError(
+            AGENT_FUNCTION,
+            f"endpoint process {process.name} broke off the rollout (exit code {process.exitcode})",
+            "run with actor_rollout_ref.rollout.agent.endpoint_processes=0 to serve the endpoint from the engine's "
+            "process and see its own error there",
+        )
+
+
+class _Bridge(threading.Thread):
+    """In the engine's process, one an endpoint process for a rollout: its turns into the service,
+    each answer back as the service gives it; ends with the process's traces."""
+
+    def __init__(self, connection, lock, service):
+        super().__init__(name="keel-endpoint-bridge", daemon=True)
+        self.connection, self.lock, self.service = connection, lock, service
+        self.traces: dict = {}
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while (message := self.connection.recv())[0] == "turn":
+                _, number, key, context, limit = message
+                future = self.service.submit(key, context, limit)
+                future.add_done_callback(lambda done, number=number: self._reply(number, done))
+            self.traces = message[1]
+        except (EOFError, OSError) as error:
+            self.error = error
+
+    def _reply(self, number: int, done: Future) -> None:
+        error = done.exception()
+        if error is not None and not isinstance(error, (ValueError, RuntimeError)):
+            error = RuntimeError(str(error))  # the engine's own (CUDA, ...) may not cross a pipe
+        try:
+            with self.lock:
+                self.connection.send(("answer", number, None if error else done.result(), error))
+        except OSError:  # the endpoint process is gone: collect says so
+            pass
