@@ -102,7 +102,7 @@ agents() {  # issue 30: m1a against m1 in one call, then m1a with the endpoint i
         tail -1 "$OUT/$w.log" | cut -c1-200
     done
     local key=actor_rollout_ref.rollout.agent
-    for variant in "$key.endpoint_processes=0" "$key.endpoint_processes=4" "$key.endpoint_processes=4 $key.processes=8"; do
+    for variant in "$key.processes=8" "$key.processes=8 $key.admission_window_ms=50" "$key.processes=8 $key.endpoint_processes=0"; do
         timeout 150 python3 -m keel bench m1a $variant --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" \
             > "$OUT/m1a_variant.log" 2>&1
         echo "$variant: $(tail -1 "$OUT/m1a_variant.log" | cut -c1-200)"

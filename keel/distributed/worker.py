@@ -265,7 +265,8 @@ class RoleWorker:
         start = time.perf_counter()
         generator = self.agent or self.rollout
         batch = generator.generate(prompts, sampling)  # the engine applies the compute dtype itself
-        timing = {f"gen_{part}": seconds for part, seconds in generator.timing.items()}
+        # a part's seconds (timing_s/gen_<part>), or a metric by its full name (agent/engine/...)
+        timing = {name if "/" in name else f"gen_{name}": value for name, value in generator.timing.items()}
         timing["gen_engine"] = time.perf_counter() - start
         return batch, timing
 

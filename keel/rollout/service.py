@@ -69,6 +69,9 @@ class EngineService:
         self.ended: set = set()  # keys whose episode is over
         self.held: list[_Turn] = []  # accepted, not yet in the batch: admitted together (the admission window)
         self.error: BaseException | None = None
+        # what the run loop did: admissions (prefill passes of held turns), turns, decode steps and the
+        # rows they stepped, seconds with nothing to run (waiting on clients)
+        self.stats = {"admissions": 0, "turns": 0, "decode_steps": 0, "row_steps": 0, "idle_s": 0.0}
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="keel-engine", daemon=True)
@@ -105,10 +108,18 @@ class EngineService:
     def _run(self) -> None:
         try:
             while not self._closed.is_set():
-                self._take_requests(None if self.batcher.runnable else self._until_admission())
+                if self.batcher.runnable:
+                    self._take_requests(None)
+                else:
+                    idle = time.monotonic()
+                    self._take_requests(self._until_admission())
+                    self.stats["idle_s"] += time.monotonic() - idle
                 self._admit_held()
                 if self.batcher.runnable:
-                    for turn in self.batcher.step(self.params):
+                    finished = self.batcher.step(self.params)
+                    self.stats["decode_steps"] += 1
+                    self.stats["row_steps"] += len(self.batcher.active) + len(finished)  # the rows it stepped
+                    for turn in finished:
                         self._answer(turn)
         except BaseException as error:  # noqa: BLE001 - every waiting client is told, none hangs
             self.error = error
@@ -172,6 +183,8 @@ class EngineService:
         """The held turns into the batch, once arrivals went quiet for the window (or the first
         waited four windows): one prefill pass for them all."""
         if self.held and self._until_admission() <= 0.0:
+            self.stats["admissions"] += 1
+            self.stats["turns"] += len(self.held)
             for turn in self.held:
                 self.batcher.add(turn.key, turn.context, turn.limit)
             self.held = []
