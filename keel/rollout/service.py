@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 from keel.types import SamplingParams
 
+LOOK_EVERY = 16  # decode steps at most between looks for arrived turns (a host sync each)
+
 
 @dataclass
 class Completion:
@@ -69,9 +71,9 @@ class EngineService:
         self.ended: set = set()  # keys whose episode is over
         self.held: list[_Turn] = []  # accepted, not yet in the batch: admitted together (the admission window)
         self.error: BaseException | None = None
-        # what the run loop did: admissions (prefill passes of held turns), turns, decode steps and the
-        # rows they stepped, seconds with nothing to run (waiting on clients)
-        self.stats = {"admissions": 0, "turns": 0, "decode_steps": 0, "row_steps": 0, "idle_s": 0.0}
+        # what the run loop did: admissions (prefill passes of held turns), turns, decode calls (up to
+        # LOOK_EVERY steps each) and the rows they stepped, seconds with nothing to run (waiting on clients)
+        self.stats = {"admissions": 0, "turns": 0, "decode_calls": 0, "row_steps": 0, "idle_s": 0.0}
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="keel-engine", daemon=True)
@@ -116,8 +118,8 @@ class EngineService:
                     self.stats["idle_s"] += time.monotonic() - idle
                 self._admit_held()
                 if self.batcher.runnable:
-                    finished = self.batcher.step(self.params)
-                    self.stats["decode_steps"] += 1
+                    finished = self.batcher.step(self.params, look_every=LOOK_EVERY)
+                    self.stats["decode_calls"] += 1
                     self.stats["row_steps"] += len(self.batcher.active) + len(finished)  # the rows it stepped
                     for turn in finished:
                         self._answer(turn)

@@ -505,3 +505,25 @@ def test_routed_experts_equal_transformers_mixture_block(grouped):
     )
     assert expected.abs().mean() > 0.1  # the experts contribute: a comparison that can fail
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_turn_arriving_mid_decode_joins_within_look_every_steps(tiny_assets):
+    """Without stop tokens a decode call runs to the first turn's end unlooked; the engine service
+    bounds it, so a turn that arrives while another decodes joins the batch within that many steps
+    instead of waiting out the other's whole turn."""
+    native, _, _, _ = engines(tiny_assets["model"], n=1)
+    params = SamplingParams(temperature=1.0, ignore_eos=True)
+    unbounded = native.continuous_batcher(4, 200, 64)
+    unbounded.add("long", [5] * 10, 64)
+    assert [f.key for f in unbounded.step(params)] == ["long"]  # all 64 steps in one call
+
+    batcher = native.continuous_batcher(4, 200, 64)
+    batcher.add("long", [5] * 10, 64)
+    assert batcher.step(params, look_every=16) == []  # 16 steps: the long turn goes on
+    batcher.add("short", [6] * 10, 4)
+    (short,) = batcher.step(params, look_every=16)
+    assert short.key == "short" and len(short.ids) == 4
+    rest = []
+    while not rest:
+        rest = batcher.step(params, look_every=16)
+    assert [f.key for f in rest] == ["long"] and len(rest[0].ids) == 64

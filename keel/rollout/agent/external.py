@@ -105,14 +105,12 @@ class ExternalAgentRollout:
 
 def engine_service_metrics(stats: dict) -> dict[str, float]:
     """How the agents' turns reached the engine: seconds it had nothing to run (waiting on the agents),
-    its prefill passes of arrived turns, its decode steps and the rows each stepped on average (m1's
-    lockstep episodes: 4 passes, 512 steps of every row)."""
+    its prefill passes of arrived turns and the turns a pass took, the rows a decode call stepped."""
     return {
         "idle": stats["idle_s"],
         "agent/engine/prefill_passes": stats["admissions"],
         "agent/engine/turns_per_pass": stats["turns"] / max(1, stats["admissions"]),
-        "agent/engine/decode_steps": stats["decode_steps"],
-        "agent/engine/rows_per_step": stats["row_steps"] / max(1, stats["decode_steps"]),
+        "agent/engine/rows_per_decode": stats["row_steps"] / max(1, stats["decode_calls"]),
     }
 
 
