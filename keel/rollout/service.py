@@ -44,6 +44,8 @@ class _Turn:
     context: list[int]
     limit: int
     future: Future
+    group: object = None  # turns of one group share their first prompt's prefill
+    notify: queue.Queue | None = None  # told ("turns", [(key, future)]) once the turn is answered
     extended: bool = False
     arrived: float = 0.0  # time.monotonic() when the run loop accepted it
 
@@ -70,6 +72,8 @@ class EngineService:
         self.ending: set = set()  # keys ended while a turn of theirs was under way
         self.ended: set = set()  # keys whose episode is over
         self.held: list[_Turn] = []  # accepted, not yet in the batch: admitted together (the admission window)
+        self.clients: dict[int, queue.Queue] = {}  # the notify queues of submit_many, by id
+        self.told: dict[int, list[_Turn]] = {}  # answered turns not yet put on their client's queue
         self.error: BaseException | None = None
         # what the run loop did: admissions (prefill passes of held turns), turns, decode calls (up to
         # LOOK_EVERY steps each) and the rows they stepped, seconds with nothing to run (waiting on clients)
@@ -81,21 +85,42 @@ class EngineService:
 
     def submit(self, key, context: list[int], limit: int) -> Future:
         """A turn for `key` of at most `limit` tokens after `context`."""
-        future: Future = Future()
+        (future,) = self.submit_many([(key, context, limit, None)])
+        return future
+
+    def submit_many(self, turns: list[tuple], notify: queue.Queue | None = None) -> list[Future]:
+        """Turns (key, context, limit, group) arriving together: the run loop takes them at once, so
+        they are admitted in one prefill pass. With `notify`, the turns a decode step ends (or that
+        are refused) are put there together as ("turns", [(key, future), ...]), and ("closed", error)
+        if the service ends first: a client of many turns waits on one queue, not on each future."""
+        accepted, refused = [], []
+        for key, context, limit, group in turns:
+            turn = _Turn(key, list(context), limit, Future(), group, notify)
+            why = self._unfit(context, limit)
+            if why is None:
+                accepted.append(turn)
+            else:
+                turn.future.set_exception(ValueError(why))
+                refused.append(turn)
+        with self._lock:  # against the run loop's last drain: turns are queued before it, or refused
+            if self._closed.is_set():
+                closed = RuntimeError(f"the engine service is closed ({self.error or 'closed'})")
+                for turn in accepted:
+                    turn.future.set_exception(closed)
+                refused, accepted = refused + accepted, []
+            elif accepted:
+                self.inbox.put(accepted)
+        if notify is not None and refused:
+            notify.put(("turns", [(turn.key, turn.future) for turn in refused]))
+        return [turn.future for turn in accepted + refused]
+
+    def _unfit(self, context: list[int], limit: int) -> str | None:
         _, max_len, turn_tokens = self.shape
         if not context:
-            future.set_exception(ValueError("an empty context: a turn needs at least one token before it"))
-        elif not 0 < limit <= turn_tokens or len(context) + limit > max_len:
-            future.set_exception(
-                ValueError(f"{len(context)} tokens and {limit} more exceed {max_len} (turns of {turn_tokens} at most)")
-            )
-        else:
-            with self._lock:  # against the run loop's last drain: a turn is queued before it, or refused
-                if self._closed.is_set():
-                    future.set_exception(RuntimeError(f"the engine service is closed ({self.error or 'closed'})"))
-                else:
-                    self.inbox.put(_Turn(key, list(context), limit, future))
-        return future
+            return "an empty context: a turn needs at least one token before it"
+        if not 0 < limit <= turn_tokens or len(context) + limit > max_len:
+            return f"{len(context)} tokens and {limit} more exceed {max_len} (turns of {turn_tokens} at most)"
+        return None
 
     def end(self, key) -> None:
         """The key's episode is over: its row is free for another."""
@@ -123,19 +148,25 @@ class EngineService:
                     self.stats["row_steps"] += len(self.batcher.active) + len(finished)  # the rows it stepped
                     for turn in finished:
                         self._answer(turn)
+                self._tell_clients()
         except BaseException as error:  # noqa: BLE001 - every waiting client is told, none hangs
             self.error = error
-        closed = self.error or RuntimeError("the engine service closed")
+        self._refuse_the_rest(self.error or RuntimeError("the engine service closed"))
+
+    def _refuse_the_rest(self, closed: BaseException) -> None:
         unanswered = list(self.pending.values())  # held turns are pending too
         with self._lock:
             self._closed.set()  # submit refuses from here on; what reached the inbox before is answered below
             while not self.inbox.empty():
                 item = self.inbox.get_nowait()
-                if isinstance(item, _Turn):
-                    unanswered.append(item)
+                if isinstance(item, list):
+                    unanswered += item
         for turn in unanswered:
-            _settle(turn.future, exception=closed)
+            self._settle(turn, exception=closed)
         self.pending.clear()
+        self._tell_clients()
+        for client in self.clients.values():
+            client.put(("closed", closed))
 
     def _take_requests(self, wait: float | None) -> None:
         """Everything in the inbox; with `wait` (nothing else to do), first waits that long for one
@@ -143,35 +174,37 @@ class EngineService:
         try:
             item = self.inbox.get(timeout=None if wait == float("inf") else wait) if wait else self.inbox.get_nowait()
             while True:
-                if item is not None:
-                    self._accept(item)
+                if isinstance(item, _End):
+                    self._end(item.key)
+                for turn in item if isinstance(item, list) else []:
+                    self._accept(turn)
                 item = self.inbox.get_nowait()
         except queue.Empty:
             return
 
-    def _accept(self, item) -> None:
-        if isinstance(item, _End):
-            self.ended.add(item.key)  # a turn of its that arrives later is refused: its row would never be freed
-            self.contexts.pop(item.key, None)
-            if item.key in self.pending:  # a turn under way (its client gave up): the row goes when it ends
-                self.ending.add(item.key)
-            elif item.key in self.batcher.row_of:
-                self.batcher.release(item.key)
+    def _end(self, key) -> None:
+        self.ended.add(key)  # a turn of its that arrives later is refused: its row would never be freed
+        self.contexts.pop(key, None)
+        if key in self.pending:  # a turn under way (its client gave up): the row goes when it ends
+            self.ending.add(key)
+        elif key in self.batcher.row_of:
+            self.batcher.release(key)
+
+    def _accept(self, turn: _Turn) -> None:
+        if turn.key in self.pending or turn.key in self.ended:
+            why = "already has a turn under way" if turn.key in self.pending else "was ended"
+            self._settle(turn, exception=ValueError(f"{turn.key!r} {why}"))
             return
-        if item.key in self.pending or item.key in self.ended:
-            why = "already has a turn under way" if item.key in self.pending else "was ended"
-            _settle(item.future, exception=ValueError(f"{item.key!r} {why}"))
+        previous = self.contexts.get(turn.key)
+        turn.extended = previous is not None and turn.context[: len(previous)] == previous
+        if turn.extended and len(turn.context) == len(previous):
+            self._settle(turn, exception=ValueError(f"{turn.key!r} came back with no new tokens"))
             return
-        previous = self.contexts.get(item.key)
-        item.extended = previous is not None and item.context[: len(previous)] == previous
-        if item.extended and len(item.context) == len(previous):
-            _settle(item.future, exception=ValueError(f"{item.key!r} came back with no new tokens"))
-            return
-        if item.key in self.batcher.row_of and not item.extended:
-            self.batcher.release(item.key)  # the history was rewritten: start again on a fresh row
-        self.pending[item.key] = item
-        item.arrived = time.monotonic()
-        self.held.append(item)
+        if turn.key in self.batcher.row_of and not turn.extended:
+            self.batcher.release(turn.key)  # the history was rewritten: start again on a fresh row
+        self.pending[turn.key] = turn
+        turn.arrived = time.monotonic()
+        self.held.append(turn)
 
     def _until_admission(self) -> float:
         """Seconds until the held turns are due (inf: none held, wait for a request)."""
@@ -188,7 +221,7 @@ class EngineService:
             self.stats["admissions"] += 1
             self.stats["turns"] += len(self.held)
             for turn in self.held:
-                self.batcher.add(turn.key, turn.context, turn.limit)
+                self.batcher.add(turn.key, turn.context, turn.limit, group=turn.group)
             self.held = []
 
     def _answer(self, finished) -> None:
@@ -199,7 +232,19 @@ class EngineService:
         else:
             self.contexts[finished.key] = turn.context + finished.ids
         stopped = bool(finished.ids) and finished.ids[-1] in self.stop_ids
-        _settle(turn.future, Completion(finished.ids, finished.log_probs, stopped, turn.extended))
+        self._settle(turn, Completion(finished.ids, finished.log_probs, stopped, turn.extended))
+
+    def _settle(self, turn: _Turn, result=None, exception: BaseException | None = None) -> None:
+        _settle(turn.future, result, exception)
+        if turn.notify is not None:
+            self.clients[id(turn.notify)] = turn.notify
+            self.told.setdefault(id(turn.notify), []).append(turn)
+
+    def _tell_clients(self) -> None:
+        """Each client's turns answered since it was last told, in one message."""
+        for client, turns in self.told.items():
+            self.clients[client].put(("turns", [(turn.key, turn.future) for turn in turns]))
+        self.told = {}
 
 
 def _settle(future: Future, result=None, exception: BaseException | None = None) -> None:

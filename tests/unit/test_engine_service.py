@@ -135,3 +135,29 @@ def test_turns_arriving_within_the_admission_window_share_one_prefill(engine):
     service.close()
     with pytest.raises(RuntimeError, match="closed"):
         waiting.result(timeout=600)
+
+
+def test_turns_submitted_together_share_a_pass_and_are_told_on_one_queue(engine):
+    """keel's agent loop as a client: its turns go in together (one prefill pass, a prompt's group
+    sharing its prefill), the turns a step ends come back in one message on its queue, a refused
+    turn is told there too, and a closing service says so there: the client never waits on nothing."""
+    import queue
+
+    engine, tokenizer = engine
+    prompts = prompt_ids(tokenizer, ["one", "two two", "three three three", "four"])
+    contexts = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.input_ids, prompts.attention_mask)]
+    expected = engine.generate(prompts, GREEDY).response_ids.tolist()
+    service = EngineService(engine, GREEDY, sequences=4, max_len=64, turn_tokens=6)
+    news: queue.Queue = queue.Queue()
+    try:
+        service.submit_many([(i, contexts[i], 6, i) for i in range(4)], notify=news)
+        kind, answered = news.get(timeout=120)
+        assert kind == "turns" and sorted(key for key, _ in answered) == [0, 1, 2, 3]  # one step ended all four
+        assert [future.result().ids for _, future in sorted(answered, key=lambda a: a[0])] == expected
+        assert service.stats["admissions"] == 1 and service.stats["turns"] == 4
+        (refused,) = service.submit_many([("big", contexts[0], 7, None)], notify=news)
+        kind, told = news.get(timeout=120)
+        assert kind == "turns" and told == [("big", refused)] and isinstance(refused.exception(), ValueError)
+    finally:
+        service.close()
+    assert news.get(timeout=120)[0] == "closed"

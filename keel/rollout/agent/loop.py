@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import queue
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from keel.data.prompts import collate_prompts
@@ -31,6 +32,7 @@ from keel.rollout.agent.parse import PARSERS
 from keel.rollout.agent.runner import ToolLimits, ToolRunner
 from keel.rollout.agent.template import TurnTemplate
 from keel.rollout.agent.tools import Tool, load_tools
+from keel.rollout.service import EngineService
 from keel.types import PromptBatch, RolloutBatch, SamplingParams
 
 
@@ -103,43 +105,68 @@ class AgentLoop:
             episode.reward_scores.update(getattr(episode.environment, "reward_scores", None) or {})
 
     def _run_continuously(self, episodes: list[Episode], params: SamplingParams) -> None:
-        """The engine schedules the turns (native's continuous batching): an episode's KV stays in
-        its row between turns, only the tokens after its last turn are prefilled, and its tools run
-        in the background while the other episodes decode."""
+        """The episodes as a client of the engine service (native's continuous batching): an
+        episode's KV stays in its row between turns, only the tokens after its last turn are
+        prefilled, and its tools run in the background while the other episodes decode. The
+        service tells this loop, on one queue, which turns a decode step ended and when tools are done."""
         budget = self.options.budget
-        batcher = self.engine.continuous_batcher(
+        service = EngineService(
+            self.engine,
+            params,
             len(episodes),
             max(len(e.context) for e in episodes) + budget,
             min(budget, self.options.turn_tokens or budget),
         )
-        for episode in episodes:  # the samples of one prompt share its prefill
-            batcher.add(episode, episode.context, self._turn_limit(episode), group=episode.record.index)
-        acting: dict[Future, _Plan] = {}
-        with ThreadPoolExecutor(max_workers=4, thread_name_prefix="keel-turn") as pool:
-            while batcher.busy or acting:
-                if not batcher.runnable:  # every row's episode is in its tools
-                    if not acting:  # nothing would ever give a row back
-                        raise RuntimeError("the agent loop's episodes wait for rows that no episode holds")
-                    wait(acting, return_when=FIRST_COMPLETED)
-                ended = batcher.step(params) if batcher.runnable else []
-                for turn in ended:
-                    self._took_turn(turn.key, turn.ids, turn.log_probs)
-                plan = self._plan([turn.key for turn in ended if not turn.key.done])
-                for turn in ended:
-                    if turn.key.done:  # its last turn: the row goes to a waiting episode
-                        batcher.release(turn.key)
-                if plan.calling or plan.talking:
-                    acting[pool.submit(self._act, plan)] = plan
-                for future in [f for f in acting if f.done()]:
-                    plan = acting.pop(future)
-                    self._apply(plan, *future.result())
-                    for episode in plan.calling + plan.talking:
-                        (
-                            batcher.release(episode)
-                            if episode.done
-                            else batcher.add(episode, episode.context, self._turn_limit(episode))
-                        )
+        news: queue.Queue = queue.Queue()
+        try:
+            # the samples of one prompt share its prefill (their group)
+            self._ask(service, news, episodes, group=lambda e: e.record.index)
+            waiting, acting = len(episodes), 0
+            with ThreadPoolExecutor(max_workers=4, thread_name_prefix="keel-turn") as pool:
+                while waiting or acting:
+                    kind, payload = news.get()
+                    if kind == "closed":  # the engine failed (out of memory, ...)
+                        raise payload
+                    if kind == "turns":
+                        waiting -= len(payload)
+                        acting += self._turns_ended(service, pool, news, payload)
+                    else:  # a plan's tools and environment steps are done
+                        acting -= 1
+                        waiting += self._acted(service, news, *payload)
+        finally:
+            service.close()
         self.timing.update(self.engine.timing)
+
+    def _ask(self, service, news: queue.Queue, episodes: list[Episode], group=lambda e: None) -> None:
+        """The episodes' next assistant turns, submitted together (one prefill pass)."""
+        turns = [(e, e.context, self._turn_limit(e), group(e)) for e in episodes]
+        if turns:
+            service.submit_many(turns, notify=news)
+
+    def _turns_ended(self, service, pool, news: queue.Queue, ended: list) -> int:
+        """Turns a decode step ended: recorded, their tools started -> plans started (0 or 1)."""
+        for episode, future in ended:
+            completion = future.result()  # a refusal here is keel's bug: raised, never a silent sample
+            self._took_turn(episode, completion.ids, completion.log_probs)
+        plan = self._plan([e for e, _ in ended if not e.done])
+        for episode, _ in ended:
+            if episode.done:  # its last turn: the row goes to a waiting episode
+                service.end(episode)
+        if not (plan.calling or plan.talking):
+            return 0
+        acted = pool.submit(self._act, plan)
+        acted.add_done_callback(lambda done: news.put(("acted", (plan, done))))
+        return 1
+
+    def _acted(self, service, news: queue.Queue, plan: _Plan, acted: Future) -> int:
+        """A plan's results appended; its episodes ask again or end -> turns submitted."""
+        self._apply(plan, *acted.result())
+        going = [e for e in plan.calling + plan.talking if not e.done]
+        for episode in plan.calling + plan.talking:
+            if episode.done:
+                service.end(episode)
+        self._ask(service, news, going)
+        return len(going)
 
     def _turn_limit(self, episode: Episode) -> int:
         left = self.options.budget - len(episode.ids)

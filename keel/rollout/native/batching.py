@@ -182,10 +182,7 @@ class ContinuousBatcher:
 
     @torch.no_grad()
     def step(self, params: SamplingParams, look_every: int | None = None) -> list[Finished]:
-        """Admit what has a row, decode up to DONE_CHECK_EVERY steps -> the turns that ended.
-        Without stop tokens (ignore_eos) it decodes to the first turn's end unlooked, unless
-        `look_every` bounds that: a caller whose turns arrive while others decode (the engine
-        service) lets them join within that many steps instead of a whole turn later."""
+        """Admit what has a row, decode up to DONE_CHECK_EVERY (or `look_every`) steps -> the turns that ended."""
         sampling = dataclasses.replace(params, n=1, max_new_tokens=1)  # what the captured graphs hold constant
         if sampling != self.params:
             self.params, self.graphs, self.table = sampling, {}, None
@@ -195,8 +192,7 @@ class ContinuousBatcher:
         if self.active:
             left = [self.left[row] for row in self.active]
             # Without stop tokens no turn ends before its limit: decode to the first that ends, no look between.
-            steps = min(left) if params.ignore_eos else min(DONE_CHECK_EVERY, max(left))
-            steps = min(steps, look_every or steps)
+            steps = min(min(left) if params.ignore_eos else DONE_CHECK_EVERY, max(left), look_every or max(left))
             run = self._bucket_step(params)
             clock.lap("capture")
             for _ in range(steps):
