@@ -46,7 +46,10 @@ class LocalGroup:
         return Replies([self.served.run(method, *per_rank_args[0])])
 
     def shutdown(self) -> None:
-        pass
+        """The worker's helper processes (an agent rollout's) stop with the run, not with this process."""
+        close = getattr(self.worker, "close", None)
+        if close is not None:
+            close()
 
 
 class RayGroup:

@@ -254,6 +254,11 @@ class RoleWorker:
         self._profile = None
         return busy
 
+    def close(self) -> None:
+        """Processes the worker started (an agent rollout's endpoint and agents) stop."""
+        if hasattr(self.agent, "close"):
+            self.agent.close()
+
     def info(self) -> dict:
         return {"rollout_engine": type(self.rollout).__name__ if self.rollout else None, **self.sharding}
 

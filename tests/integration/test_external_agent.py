@@ -4,6 +4,7 @@ rewrite their history or raise are counted and left out of the update, never a l
 
 import json
 import math
+import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,10 @@ def test_an_openai_client_agent_trains_and_its_failures_are_counted(tiny_config,
     run_dir = train(cfg).run_dir
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 2
+    # the endpoint's and the agents' processes ended with the run
+    assert not [
+        p.name for p in multiprocessing.active_children() if p.name.startswith(("keel-endpoint", "keel-agents"))
+    ]
     for m in steps:  # 4 prompts x 4 samples a step: a quarter rewrite their history, a quarter raise
         assert m["agent/prefix_breaks"] == 4 and m["agent/errors"] == 4 and m["agent/dropped"] == 8
         assert m["agent/requests_per_sample"] == pytest.approx(1.75)  # the raising quarter asks once

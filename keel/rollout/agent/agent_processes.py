@@ -81,8 +81,19 @@ def _serve(index: int, section, inbox, reports) -> None:
     except BaseException as error:  # noqa: BLE001 - said to the engine's process, which raises it
         reports.put(("failed", index, error if isinstance(error, KeelError) else RuntimeError(repr(error))))
         return
-    while (work := inbox.get()) is not None:
+    while (work := _next_work(inbox)) is not None:
         url, token, jobs, at_once, timeout_s = work
         ended = lambda name: reports.put(("ended", index, name))  # noqa: E731 - a callback, named for its job
         outcomes = asyncio.run(run_agents(agent, url, token, jobs, at_once, timeout_s, ended))
         reports.put(("outcomes", index, outcomes))
+
+
+def _next_work(inbox):
+    """The next batch of jobs; None once told to stop, or once the engine's process is gone (a Ray
+    worker killed at the end of a run gives no word, and a daemon outlives a killed parent)."""
+    while True:
+        try:
+            return inbox.get(timeout=POLL_S)
+        except queue.Empty:
+            if not multiprocessing.parent_process().is_alive():
+                return None
