@@ -60,9 +60,18 @@ class EngineService:
     goes to a waiting key). Up to `sequences` keys hold rows at once; more wait for one."""
 
     def __init__(
-        self, engine, params: SamplingParams, sequences: int, max_len: int, turn_tokens: int, admission_s: float = 0.0
+        self,
+        engine,
+        params: SamplingParams,
+        sequences: int,
+        max_len: int,
+        turn_tokens: int,
+        admission_s: float = 0.0,
+        groups: dict | None = None,
     ):
-        self.engine, self.params, self.admission_s = engine, params, admission_s
+        """`groups`: key -> its group, for clients that cannot say it (an HTTP endpoint's): keys of
+        one group whose first turns are admitted together with the same tokens share one prefill."""
+        self.engine, self.params, self.admission_s, self.groups = engine, params, admission_s, groups or {}
         self.shape = (sequences, max_len, turn_tokens)
         self.batcher = engine.continuous_batcher(sequences, max_len, turn_tokens)
         self.stop_ids = set(engine.eos_ids)
@@ -221,7 +230,8 @@ class EngineService:
             self.stats["admissions"] += 1
             self.stats["turns"] += len(self.held)
             for turn in self.held:
-                self.batcher.add(turn.key, turn.context, turn.limit, group=turn.group)
+                group = turn.group if turn.group is not None else self.groups.get(turn.key)
+                self.batcher.add(turn.key, turn.context, turn.limit, group=group)
             self.held = []
 
     def _answer(self, finished) -> None:

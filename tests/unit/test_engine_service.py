@@ -161,3 +161,22 @@ def test_turns_submitted_together_share_a_pass_and_are_told_on_one_queue(engine)
     finally:
         service.close()
     assert news.get(timeout=120)[0] == "closed"
+
+
+def test_keys_of_one_group_share_their_first_prefill(engine):
+    """An HTTP endpoint's turns carry no group; the service is told each key's (the sample's prompt)
+    and prefills one copy of a context that several keys of a group start with."""
+    engine, tokenizer = engine
+    prompts = prompt_ids(tokenizer, ["the same prompt", "another one"])
+    same, other = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.input_ids, prompts.attention_mask)]
+    groups = {"a": 0, "b": 0, "c": 0, "d": 1}
+    service = EngineService(engine, GREEDY, sequences=4, max_len=64, turn_tokens=6, groups=groups)
+    try:
+        futures = service.submit_many(
+            [("a", same, 6, None), ("b", same, 6, None), ("c", same, 6, None), ("d", other, 6, None)]
+        )
+        answers = [f.result(timeout=120).ids for f in futures]
+    finally:
+        service.close()
+    assert service.batcher.prefilled == len(same) + len(other)  # a, b and c: one prefill of their prompt
+    assert answers[0] == answers[1] == answers[2]  # greedy from the same cache

@@ -74,7 +74,10 @@ class ExternalAgentRollout:
         rows = min(len(prompts), self.options.concurrency)
         options = self.options
         one = dataclasses.replace(params, n=1)
-        service = EngineService(self.engine, one, rows, options.max_len, options.budget, options.admission_s)
+        groups = {
+            name: record.index for name, record in zip(names, prompts.records)
+        }  # a prompt's samples share its prefill
+        service = EngineService(self.engine, one, rows, options.max_len, options.budget, options.admission_s, groups)
         try:
             urls = self.endpoints.begin(service, options.budget)
             # As many agents at once as the engine holds rows: one waiting for a row would spend its timeout.
