@@ -19,7 +19,10 @@
 #   bash benchmarks/gpu_session.sh agents         issue 30: m1 through keel's agent loop, then m1a: the same episodes
 #                                                 by an OpenAI-client agent through keel's endpoint (carry the
 #                                                 wheels: starlette uvicorn openai pydantic pydantic-core
-#                                                 annotated-types typing-inspection distro jiter sniffio)
+#                                                 annotated-types typing-inspection distro jiter sniffio httpx2
+#                                                 httpcore2 truststore typing-extensions idna anyio h11 httpx
+#                                                 httpcore certifi aiohttp multidict yarl propcache frozenlist
+#                                                 aiosignal aiohappyeyeballs attrs httptools uvloop)
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -95,14 +98,14 @@ families() {
     done
 }
 
-agents() {  # issue 30: m1a against m1 in one call, then m1a with the endpoint in the engine's process (the
-    # earlier layout), with 4 endpoint processes, and with 8 agent processes beside them
+agents() {  # issue 30: m1a against m1 in one call (m1 first: it warms the compile cache), then m1a with an
+    # endpoint process for each agent process, and with 8 of each
     for w in m1 m1a; do
         timeout 150 python3 -m keel bench "$w" --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/$w.log" 2>&1
         tail -1 "$OUT/$w.log" | cut -c1-200
     done
     local key=actor_rollout_ref.rollout.agent
-    for variant in "$key.processes=8" "$key.processes=8 $key.admission_window_ms=50" "$key.processes=8 $key.endpoint_processes=0"; do
+    for variant in "$key.endpoint_processes=4" "$key.endpoint_processes=8 $key.processes=8"; do
         timeout 150 python3 -m keel bench m1a $variant --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" \
             > "$OUT/m1a_variant.log" 2>&1
         echo "$variant: $(tail -1 "$OUT/m1a_variant.log" | cut -c1-200)"
