@@ -70,7 +70,8 @@ class EngineService:
         groups: dict | None = None,
     ):
         """`groups`: key -> its group, for clients that cannot say it (an HTTP endpoint's): keys of
-        one group whose first turns are admitted together with the same tokens share one prefill."""
+        one group whose first turns are admitted together with the same tokens share one prefill.
+        Given, it names every key of the service's life: others are refused."""
         self.engine, self.params, self.admission_s, self.groups = engine, params, admission_s, groups or {}
         self.shape = (sequences, max_len, turn_tokens)
         self.batcher = engine.continuous_batcher(sequences, max_len, turn_tokens)
@@ -112,6 +113,8 @@ class EngineService:
                 turn.future.set_exception(ValueError(why))
                 refused.append(turn)
         with self._lock:  # against the run loop's last drain: turns are queued before it, or refused
+            if notify is not None:  # told "closed" however the service ends
+                self.clients[id(notify)] = notify
             if self._closed.is_set():
                 closed = RuntimeError(f"the engine service is closed ({self.error or 'closed'})")
                 for turn in accepted:
@@ -174,7 +177,9 @@ class EngineService:
             self._settle(turn, exception=closed)
         self.pending.clear()
         self._tell_clients()
-        for client in self.clients.values():
+        with self._lock:
+            clients = list(self.clients.values())
+        for client in clients:
             client.put(("closed", closed))
 
     def _take_requests(self, wait: float | None) -> None:
@@ -200,6 +205,9 @@ class EngineService:
             self.batcher.release(key)
 
     def _accept(self, turn: _Turn) -> None:
+        if self.groups and turn.key not in self.groups:  # a late request of an earlier rollout's sample
+            self._settle(turn, exception=ValueError(f"{turn.key!r} is not a sample of this rollout"))
+            return
         if turn.key in self.pending or turn.key in self.ended:
             why = "already has a turn under way" if turn.key in self.pending else "was ended"
             self._settle(turn, exception=ValueError(f"{turn.key!r} {why}"))
@@ -247,7 +255,6 @@ class EngineService:
     def _settle(self, turn: _Turn, result=None, exception: BaseException | None = None) -> None:
         _settle(turn.future, result, exception)
         if turn.notify is not None:
-            self.clients[id(turn.notify)] = turn.notify
             self.told.setdefault(id(turn.notify), []).append(turn)
 
     def _tell_clients(self) -> None:

@@ -67,6 +67,9 @@ def test_two_endpoint_processes_serve_a_rollout_token_exact_then_the_next(engine
     endpoints = EndpointProcesses(tokenizer, 2, "127.0.0.1", TOKEN, max_in_flight=8)
     try:
         assert len(set(endpoints.urls)) == 2 and all(p.pid != os.getpid() for p in endpoints.processes)
+        with pytest.raises(openai.APIStatusError) as early:  # before any rollout: refused, not a server error
+            episode(endpoints.urls[0], "early")
+        assert early.value.status_code in (400, 503)
         service = spy_service(model)
         first, second = endpoints.begin(service, budget=400)
         episode(first, "a", turns=3)
@@ -95,17 +98,19 @@ def test_two_endpoint_processes_serve_a_rollout_token_exact_then_the_next(engine
 
 def test_a_dead_or_unstartable_endpoint_process_is_said(engine):
     model, tokenizer = engine
-    endpoints = EndpointProcesses(tokenizer, 1, "127.0.0.1", TOKEN, max_in_flight=8)
+    endpoints = EndpointProcesses(tokenizer, 2, "127.0.0.1", TOKEN, max_in_flight=8)
     try:
         service = spy_service(model)
-        (url,) = endpoints.begin(service, budget=400)
-        episode(url, "a", turns=1)
-        endpoints.processes[0].kill()
-        endpoints.processes[0].join()
+        first, second = endpoints.begin(service, budget=400)
+        episode(first, "a", turns=1)
+        episode(second, "b", turns=1)
+        endpoints.processes[1].kill()
+        endpoints.processes[1].join()
         service.close()
         with pytest.raises(KeelError) as broke:
             endpoints.collect()
-        assert broke.value.code == AGENT_FUNCTION and "endpoint process" in str(broke.value)
+        assert broke.value.code == AGENT_FUNCTION and "keel-endpoint-1" in str(broke.value)
+        assert endpoints.bridges == [] and not endpoints.processes[0].exitcode  # the other was asked too, and lives
     finally:
         endpoints.close()
     with pytest.raises(KeelError) as unstartable:

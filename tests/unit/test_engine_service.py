@@ -176,6 +176,8 @@ def test_keys_of_one_group_share_their_first_prefill(engine):
             [("a", same, 6, None), ("b", same, 6, None), ("c", same, 6, None), ("d", other, 6, None)]
         )
         answers = [f.result(timeout=120).ids for f in futures]
+        with pytest.raises(ValueError, match="not a sample of this rollout"):  # an earlier rollout's, say
+            service.submit("sample-of-yesterday", same, 6).result(timeout=120)
     finally:
         service.close()
     assert service.batcher.prefilled == len(same) + len(other)  # a, b and c: one prefill of their prompt

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import pickle
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -49,7 +50,9 @@ class RemoteService:
 
     def __init__(self, connection):
         self.connection, self.lock = connection, threading.Lock()
-        self.params, self.shape, self.stop_ids = None, (0, 0, 0), set()
+        # before the first rollout: settings no request matches (refused with a 400, never a 500)
+        self.params = SimpleNamespace(temperature=None, top_p=None, top_k=None)
+        self.shape, self.stop_ids = (0, 0, 0), set()
         self.open = False  # between a begin and a collect
         self.waiting: dict[int, Future] = {}
         self.numbers = itertools.count()
@@ -66,16 +69,21 @@ class RemoteService:
         return future
 
     def begin(self, settings: EndpointSettings) -> None:
+        """The rollout's settings, then its requests are served; said back, so the engine's process
+        starts the agents only once this process takes their requests."""
         self.params = SimpleNamespace(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
         self.shape, self.stop_ids = settings.shape, set(settings.stop_ids)
-        self.open = True
+        with self.lock:
+            self.open = True
+            self.connection.send(("begun",))
 
     def answer(self, number: int, completion, error: BaseException | None) -> None:
         future = self.waiting.pop(number, None)
         if future is not None and not future.done():
             future.set_exception(error) if error is not None else future.set_result(completion)
 
-    def collect(self, traces: dict) -> None:
+    def collect(self, traces: bytes) -> None:
+        """`traces`: pickled, taken while no handler wrote to them (OpenAIEndpoint.take_traces)."""
         with self.lock:
             self.open = False
             self.connection.send(("traces", traces))
@@ -97,10 +105,11 @@ def _serve(connection, tokenizer, options: dict) -> None:
             if message[0] == "answer":
                 service.answer(*message[1:])
             elif message[0] == "begin":
-                endpoint.traces, endpoint.budget = {}, message[1].budget
+                endpoint.take_traces()  # a previous rollout's late requests, if any: not this one's
+                endpoint.budget = message[1].budget
                 service.begin(message[1])
             elif message[0] == "collect":
-                service.collect(endpoint.traces)
+                service.collect(endpoint.take_traces())
     except EOFError:  # the engine's process went away
         pass
     finally:
@@ -166,30 +175,46 @@ class EndpointProcesses:
         return payload
 
     def begin(self, service, budget: int | None) -> list[str]:
-        """Serve this rollout's turns from `service` -> the processes' base URLs."""
+        """Serve this rollout's turns from `service` -> the processes' base URLs, once every process
+        said it takes the rollout's requests."""
         params = service.params
         settings = EndpointSettings(
             params.temperature, params.top_p, params.top_k, service.shape, sorted(service.stop_ids), budget
         )
-        self.bridges = []
-        for i, connection in enumerate(self.connections):
+        for i in range(len(self.connections)):
             self._send(i, ("begin", settings))
-            bridge = _Bridge(connection, self.locks[i], service)
+        for i, connection in enumerate(self.connections):  # nothing else comes before it: no rollout is open
+            if not connection.poll(START_S) or self._received(i) != ("begun",):
+                self._broke(i)
+        self.bridges = [_Bridge(c, lock, service) for c, lock in zip(self.connections, self.locks)]
+        for bridge in self.bridges:
             bridge.start()
-            self.bridges.append(bridge)
         return self.urls
 
     def collect(self) -> dict:
-        """After the rollout's service closed: every process's traces, merged (a sample's are in one)."""
-        traces: dict = {}
+        """After the rollout's service closed: every process's traces, merged (a sample's are in one).
+        Every process is asked and waited for, then the first that broke off is said."""
+        traces, broken = {}, []
         for i, bridge in enumerate(self.bridges):
-            self._send(i, ("collect",))
+            try:
+                self._send(i, ("collect",))
+            except KeelError:
+                broken.append(i)
+                continue
             bridge.join()
             if bridge.error is not None:
-                self._broke(i)
-            traces.update(bridge.traces)
+                broken.append(i)
+            traces.update(pickle.loads(bridge.traces) if bridge.traces else {})
         self.bridges = []
+        if broken:
+            self._broke(broken[0])
         return traces
+
+    def _received(self, i: int):
+        try:
+            return self.connections[i].recv()
+        except (EOFError, OSError):
+            return None
 
     def close(self) -> None:
         for i in range(len(self.connections)):
@@ -227,7 +252,7 @@ class _Bridge(threading.Thread):
     def __init__(self, connection, lock, service):
         super().__init__(name="keel-endpoint-bridge", daemon=True)
         self.connection, self.lock, self.service = connection, lock, service
-        self.traces: dict = {}
+        self.traces: bytes | None = None  # pickled by the endpoint process
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -242,8 +267,8 @@ class _Bridge(threading.Thread):
 
     def _reply(self, number: int, done: Future) -> None:
         error = done.exception()
-        if error is not None and not isinstance(error, (ValueError, RuntimeError)):
-            error = RuntimeError(str(error))  # the engine's own (CUDA, ...) may not cross a pipe
+        if error is not None:  # plain types only: the engine's own (CUDA, ...) may not cross a pipe
+            error = (ValueError if isinstance(error, ValueError) else RuntimeError)(str(error))
         try:
             with self.lock:
                 self.connection.send(("answer", number, None if error else done.result(), error))

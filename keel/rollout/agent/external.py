@@ -90,9 +90,11 @@ class ExternalAgentRollout:
                 self.endpoints.collect()
             raise
         service.close()  # first: a request still waiting is answered, so the endpoint can stop
-        found = self.endpoints.collect()
         if service.error is not None:  # the engine failed (out of memory, ...): not the agents' fault
+            with contextlib.suppress(KeelError):
+                self.endpoints.collect()
             raise service.error
+        found = self.endpoints.collect()
         self.timing = {**self.engine.timing, **engine_service_metrics(service.stats)}
         traces = [found.get(name) or Trace() for name in names]
         batch = traces_batch(prompts, traces, outcomes, self.tokenizer, options.scored_by_agent)

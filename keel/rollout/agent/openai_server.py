@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 import threading
 import time
 import uuid
@@ -67,6 +68,7 @@ class OpenAIEndpoint:
         self.max_request_bytes, self.parse = max_request_bytes, PARSERS[tool_format]
         self.in_flight = asyncio.Semaphore(max_in_flight)
         self.traces: dict[str, Trace] = {}
+        self.traces_lock = threading.Lock()  # handlers write traces; take_traces reads them from another thread
         self.templates: dict[str, TurnTemplate] = {}  # by the tools' schema
         self.app = Starlette(
             routes=[
@@ -100,6 +102,13 @@ class OpenAIEndpoint:
             self._server.should_exit = True
             self._thread.join()
 
+    def take_traces(self) -> bytes:
+        """The traces so far, pickled while no handler writes to them, and a fresh set in their place
+        (a late request of a sample already taken starts a trace nobody collects)."""
+        with self.traces_lock:
+            traces, self.traces = self.traces, {}
+            return pickle.dumps(traces)
+
     # --- handlers -------------------------------------------------------------------------------
     async def models(self, request: Request):
         if not self._authorised(request):
@@ -123,9 +132,10 @@ class OpenAIEndpoint:
                 sample = request.headers.get("x-keel-sample") or body.get("model")
                 if not isinstance(sample, str) or not sample:
                     raise RequestError("no sample: send the X-Keel-Sample header or the model name keel gave")
-                trace = self.traces.setdefault(sample, Trace())
-                prompt, conversation = prompt_of(body, trace)
-                limit = self._within_budget(self._limit(body), trace, prompt)
+                with self.traces_lock:
+                    trace = self.traces.setdefault(sample, Trace())
+                    prompt, conversation = prompt_of(body, trace)
+                    limit = self._within_budget(self._limit(body), trace, prompt)
                 completion = await asyncio.wrap_future(self.service.submit(sample, prompt, limit))
             except RequestError as error:
                 return _error(str(error), error.status, error.kind)
@@ -135,10 +145,11 @@ class OpenAIEndpoint:
                 return _error(str(error), 503)
             except ClientDisconnect:
                 return _error("the client went away", 400)
-            trace.record(prompt, completion.ids, completion.log_probs, completion.stopped)
             answer = self._answer(completion, chat)
-            if chat:
-                trace.messages = conversation + [comparable(answer["message"])]
+            with self.traces_lock:
+                trace.record(prompt, completion.ids, completion.log_probs, completion.stopped)
+                if chat:
+                    trace.messages = conversation + [comparable(answer["message"])]
             return self._respond(body, answer, chat, len(prompt), len(completion.ids))
 
     async def _body(self, request: Request) -> dict:
