@@ -19,7 +19,6 @@ An agent that raises or runs past its timeout, or whose requests rewrote its his
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import secrets
 from dataclasses import dataclass
@@ -74,32 +73,35 @@ class ExternalAgentRollout:
         rows = min(len(prompts), self.options.concurrency)
         options = self.options
         one = dataclasses.replace(params, n=1)
-        groups = {
-            name: record.index for name, record in zip(names, prompts.records)
-        }  # a prompt's samples share its prefill
+        # a prompt's samples share the prefill of their first turn
+        groups = {name: record.index for name, record in zip(names, prompts.records)}
         service = EngineService(self.engine, one, rows, options.max_len, options.budget, options.admission_s, groups)
+        outcomes = None
         try:
             urls = self.endpoints.begin(service, options.budget)
             # As many agents at once as the engine holds rows: one waiting for a row would spend its timeout.
             at_once = min(options.concurrency, service.batcher.shape[0])
             jobs = [Job(name, job_row(r), dict(r.extra_info), r.index) for name, r in zip(names, prompts.records)]
             outcomes = self.agents.run(urls, self.endpoints.token, jobs, at_once, options.timeout_s, service.end)
-        except BaseException:
-            service.close()
-            with contextlib.suppress(KeelError):  # the error that stopped the rollout is the one to say
-                self.endpoints.collect()
-            raise
-        service.close()  # first: a request still waiting is answered, so the endpoint can stop
+        finally:
+            service.close()  # first: a request still waiting is answered, so the endpoint can stop
+            found = self._traces(quietly=outcomes is None or service.error is not None)
         if service.error is not None:  # the engine failed (out of memory, ...): not the agents' fault
-            with contextlib.suppress(KeelError):
-                self.endpoints.collect()
             raise service.error
-        found = self.endpoints.collect()
         self.timing = {**self.engine.timing, **engine_service_metrics(service.stats)}
         traces = [found.get(name) or Trace() for name in names]
         batch = traces_batch(prompts, traces, outcomes, self.tokenizer, options.scored_by_agent)
         _refuse_all_dropped(batch.records, outcomes)
         return batch
+
+    def _traces(self, quietly: bool) -> dict:
+        """The endpoint's traces; `quietly` when the rollout failed: its error is the one to say."""
+        try:
+            return self.endpoints.collect()
+        except KeelError:
+            if quietly:
+                return {}
+            raise
 
     def close(self) -> None:
         """The endpoint's and the agents' processes stop (they are daemons: they also end with this process)."""
