@@ -263,17 +263,17 @@ class RoleWorker:
         return {"rollout_engine": type(self.rollout).__name__ if self.rollout else None, **self.sharding}
 
     def generate(self, prompts, sampling: SamplingParams, seed: int) -> tuple[RolloutBatch | None, dict]:
-        """This rank's samples, and the engine's own timing of its parts (prefill, decode, ...)."""
+        """This rank's samples, and the engine's own timing of its parts (`timing_s/gen_<part>`: prefill,
+        decode, ...) with what else the generator measured (an agent rollout's `agent/engine/*`)."""
         if prompts is None:  # fewer prompts than ranks
             return None, {}
         torch.manual_seed(seed)  # per step and rank: a resumed run samples what an uninterrupted one would
         start = time.perf_counter()
         generator = self.agent or self.rollout
         batch = generator.generate(prompts, sampling)  # the engine applies the compute dtype itself
-        # a part's seconds (timing_s/gen_<part>), or a metric by its full name (agent/engine/...)
-        timing = {name if "/" in name else f"gen_{name}": value for name, value in generator.timing.items()}
-        timing["gen_engine"] = time.perf_counter() - start
-        return batch, timing
+        timing = {f"timing_s/gen_{part}": seconds for part, seconds in generator.timing.items()}
+        timing["timing_s/gen_engine"] = time.perf_counter() - start
+        return batch, {**timing, **getattr(generator, "metrics", {})}
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         with autocast(self.device, self.compute_dtype):

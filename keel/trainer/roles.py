@@ -68,9 +68,7 @@ class WorkerRoles:
         has no collectives, so the slices may differ in size or be empty)."""
         parts = [_slice_prompts(prompts, start, end) for start, end in contiguous_shares(len(prompts), self.world)]
         results = self._call("generate", [(p, sampling, seed * 1009 + r) for r, p in enumerate(parts)])
-        timing = {
-            k if "/" in k else f"timing_s/{k}": max(t.get(k, 0.0) for _, t in results) for _, t in results for k in t
-        }
+        timing = {k: max(t.get(k, 0.0) for _, t in results) for _, t in results for k in t}
         return concat_rows([b for b, _ in results if b is not None], self.pad_token_id), timing
 
     # --- forward passes ------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ class ExternalAgentRollout:
 
     def __init__(self, engine, tokenizer, agents, options: ExternalAgentOptions):
         self.engine, self.tokenizer, self.agents, self.options = engine, tokenizer, agents, options
-        self.timing: dict[str, float] = {}
+        self.timing: dict[str, float] = {}  # seconds of the engine's parts, and idle (waiting on the agents)
+        self.metrics: dict[str, float] = {}  # how the turns reached the engine
         token, in_flight = secrets.token_urlsafe(16), max(1024, options.concurrency)
         if options.endpoint_processes:
             self.endpoints = EndpointProcesses(tokenizer, options.endpoint_processes, options.host, token, in_flight)
@@ -88,7 +89,8 @@ class ExternalAgentRollout:
             found = self._traces(quietly=outcomes is None or service.error is not None)
         if service.error is not None:  # the engine failed (out of memory, ...): not the agents' fault
             raise service.error
-        self.timing = {**self.engine.timing, **engine_service_metrics(service.stats)}
+        self.timing = {**self.engine.timing, "idle": service.stats["idle_s"]}
+        self.metrics = engine_service_metrics(service.stats)
         traces = [found.get(name) or Trace() for name in names]
         batch = traces_batch(prompts, traces, outcomes, self.tokenizer, options.scored_by_agent)
         _refuse_all_dropped(batch.records, outcomes)
@@ -111,10 +113,9 @@ class ExternalAgentRollout:
 
 
 def engine_service_metrics(stats: dict) -> dict[str, float]:
-    """How the agents' turns reached the engine: seconds it had nothing to run (waiting on the agents),
-    its prefill passes of arrived turns and the turns a pass took, the rows a decode call stepped."""
+    """How the agents' turns reached the engine: its prefill passes of arrived turns and the turns a
+    pass took, the rows a decode call stepped."""
     return {
-        "idle": stats["idle_s"],
         "agent/engine/prefill_passes": stats["admissions"],
         "agent/engine/turns_per_pass": stats["turns"] / max(1, stats["admissions"]),
         "agent/engine/rows_per_decode": stats["row_steps"] / max(1, stats["decode_calls"]),

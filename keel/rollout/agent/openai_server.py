@@ -68,7 +68,7 @@ class OpenAIEndpoint:
         self.max_request_bytes, self.parse = max_request_bytes, PARSERS[tool_format]
         self.in_flight = asyncio.Semaphore(max_in_flight)
         self.traces: dict[str, Trace] = {}
-        self.traces_lock = threading.Lock()  # handlers write traces; take_traces reads them from another thread
+        self.traces_lock = threading.Lock()  # handlers add and record traces; take_traces pickles them elsewhere
         self.templates: dict[str, TurnTemplate] = {}  # by the tools' schema
         self.app = Starlette(
             routes=[
@@ -134,8 +134,8 @@ class OpenAIEndpoint:
                     raise RequestError("no sample: send the X-Keel-Sample header or the model name keel gave")
                 with self.traces_lock:
                     trace = self.traces.setdefault(sample, Trace())
-                    prompt, conversation = prompt_of(body, trace)
-                    limit = self._within_budget(self._limit(body), trace, prompt)
+                prompt, conversation = prompt_of(body, trace)  # reads the trace: no lock, no tokenizing under one
+                limit = self._within_budget(self._limit(body), trace, prompt)
                 completion = await asyncio.wrap_future(self.service.submit(sample, prompt, limit))
             except RequestError as error:
                 return _error(str(error), error.status, error.kind)
