@@ -82,8 +82,8 @@ class EngineService:
         self.ending: set = set()  # keys ended while a turn of theirs was under way
         self.ended: set = set()  # keys whose episode is over
         self.held: list[_Turn] = []  # accepted, not yet in the batch: admitted together (the admission window)
-        self.clients: dict[int, queue.Queue] = {}  # the notify queues of submit_many, by id
-        self.told: dict[int, list[_Turn]] = {}  # answered turns not yet put on their client's queue
+        self.clients: set[queue.Queue] = set()  # the notify queues of submit_many
+        self.told: dict[queue.Queue, list[_Turn]] = {}  # answered turns not yet put on their client's queue
         self.error: BaseException | None = None
         # what the run loop did: admissions (prefill passes of held turns), turns, decode calls (up to
         # LOOK_EVERY steps each) and the rows they stepped, seconds with nothing to run (waiting on clients)
@@ -114,7 +114,7 @@ class EngineService:
                 refused.append(turn)
         with self._lock:  # against the run loop's last drain: turns are queued before it, or refused
             if notify is not None:  # told "closed" however the service ends
-                self.clients[id(notify)] = notify
+                self.clients.add(notify)
             if self._closed.is_set():
                 closed = RuntimeError(f"the engine service is closed ({self.error or 'closed'})")
                 for turn in accepted:
@@ -178,7 +178,7 @@ class EngineService:
         self.pending.clear()
         self._tell_clients()
         with self._lock:
-            clients = list(self.clients.values())
+            clients = list(self.clients)
         for client in clients:
             client.put(("closed", closed))
 
@@ -255,12 +255,12 @@ class EngineService:
     def _settle(self, turn: _Turn, result=None, exception: BaseException | None = None) -> None:
         _settle(turn.future, result, exception)
         if turn.notify is not None:
-            self.told.setdefault(id(turn.notify), []).append(turn)
+            self.told.setdefault(turn.notify, []).append(turn)
 
     def _tell_clients(self) -> None:
         """Each client's turns answered since it was last told, in one message."""
         for client, turns in self.told.items():
-            self.clients[client].put(("turns", [(turn.key, turn.future) for turn in turns]))
+            client.put(("turns", [(turn.key, turn.future) for turn in turns]))
         self.told = {}
 
 
