@@ -98,14 +98,14 @@ families() {
     done
 }
 
-agents() {  # issue 30: m1a against m1 in one call (m1 first: it warms the compile cache), then m1a with an
-    # endpoint process for each agent process, and with 8 of each
+agents() {  # issue 30: m1a against m1 in one call (m1 first: it warms the compile cache), then m1a with the
+    # agent and endpoint processes of the earlier defaults (4 and 2), and with 4 of each
     for w in m1 m1a; do
         timeout 150 python3 -m keel bench "$w" --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" > "$OUT/$w.log" 2>&1
         tail -1 "$OUT/$w.log" | cut -c1-200
     done
     local key=actor_rollout_ref.rollout.agent
-    for variant in "$key.endpoint_processes=4" "$key.endpoint_processes=8 $key.processes=8"; do
+    for variant in "$key.processes=4 $key.endpoint_processes=2" "$key.processes=4 $key.endpoint_processes=4"; do
         timeout 150 python3 -m keel bench m1a $variant --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" \
             > "$OUT/m1a_variant.log" 2>&1
         echo "$variant: $(tail -1 "$OUT/m1a_variant.log" | cut -c1-200)"

@@ -301,7 +301,6 @@ AGENT_4x128 = {
     "actor_rollout_ref.rollout.name": "native",
     "actor_rollout_ref.rollout.agent.function": "keel.bench.workloads:instant_agent",
     "actor_rollout_ref.rollout.agent.concurrency": 512,
-    "actor_rollout_ref.rollout.agent.processes": 4,  # 512 agents' client code beside the engine's process
     "actor_rollout_ref.rollout.agent.max_prompt_length": 320,
 }
 WORKLOADS.update(

@@ -23,17 +23,19 @@ class AgentConfig:
         help="keel: the engine holds turns that arrive while arrivals keep coming (a quiet gap this long, or "
         "four of them at most) and prefills them in one pass; 0: each as it arrives",
     )
-    processes: int = opt(
-        2,
+    processes: int | None = opt(
+        None,
         ge=0,
         help="keel: processes the agents run in, beside the engine's (their Python then never holds the GIL the "
-        "engine's run loop needs); a prompt's samples share one; 0: in the engine's own process",
+        "engine's run loop needs); a prompt's samples share one; 0: in the engine's own process; default: one "
+        "per two CPU cores of the host, 1 to 8",
     )
-    endpoint_processes: int = opt(
-        2,
+    endpoint_processes: int | None = opt(
+        None,
         ge=0,
         help="keel: processes keel's OpenAI endpoint runs in (each parses, templates and tokenizes the requests of "
-        "its agent processes, so a wave of turns reaches the engine together); 0: a thread of the engine's process",
+        "its agent processes, so a wave of turns reaches the engine together); 0: a thread of the engine's process; "
+        "default: as processes (0 when the agents run in the engine's process)",
     )
     timeout_s: float = opt(
         600.0, gt=0, help="keel: seconds an agent may take; past it, it is cancelled and counted (agent/timeouts)"

@@ -87,3 +87,21 @@ def test_a_cut_sample_without_a_reward_is_dropped_where_no_reward_function_score
 
     assert dropped(False) == [None, None, None]  # the reward function scores the two without a reward
     assert dropped(True) == ["timeout", None, "error"]  # the one with its reward stays
+
+
+@pytest.mark.parametrize(("cores", "expected"), [(16, (8, 8)), (64, (8, 8)), (2, (1, 1)), (1, (1, 1)), (None, (1, 1))])
+def test_process_counts_default_to_one_per_two_cores(monkeypatch, cores, expected):
+    from keel.rollout.agent.external import _agent_processes, _endpoint_processes
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    section = AgentConfig(function="agents:where")
+    assert (_agent_processes(section), _endpoint_processes(section)) == expected
+
+
+def test_agents_in_the_engines_process_keep_the_endpoint_there_too():
+    from keel.rollout.agent.external import _agent_processes, _endpoint_processes
+
+    in_process = AgentConfig(function="agents:where", processes=0)
+    assert (_agent_processes(in_process), _endpoint_processes(in_process)) == (0, 0)
+    chosen = AgentConfig(function="agents:where", processes=3, endpoint_processes=5)
+    assert (_agent_processes(chosen), _endpoint_processes(chosen)) == (3, 5)
