@@ -70,6 +70,11 @@ class RolloutBatch:
     # None: the response is the model's alone, response_mask both.
     response_attention: Tensor | None = None
     turn_rewards: Tensor | None = None  # [N] multi-turn: what tools and interactions gave, summed
+    # Agent rollouts with on_prefix_break=segments: rows of one value are one sample's continuous
+    # stretches, in order, trained as sequences of their own; the last is the sample's final segment,
+    # the one scored and counted in its group, and the others take its score and advantage.
+    # None: every row is a whole sample.
+    sample_index: Tensor | None = None
 
     # Filled in by later stages of the step.
     scores: Tensor | None = None  # [N] outcome reward from the reward function
@@ -111,6 +116,14 @@ class RolloutBatch:
     def last_token_index(self) -> Tensor:  # [N] the model's last token (0 for an empty response)
         positions = torch.arange(self.response_mask.shape[1])
         return (self.response_mask.bool() * positions).max(-1).values
+
+    @property
+    def final_segments(self) -> Tensor:  # [N] each row's sample's final segment (itself without segments)
+        if self.sample_index is None:
+            return torch.arange(len(self))
+        _, sample = torch.unique(self.sample_index, return_inverse=True)
+        last = torch.full((int(sample.max()) + 1,), -1, dtype=torch.long)
+        return last.scatter_reduce(0, sample, torch.arange(len(self)), reduce="amax")[sample]
 
     @property
     def response_lengths(self) -> Tensor:  # [N]

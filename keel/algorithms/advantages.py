@@ -12,7 +12,7 @@ critic (`needs_critic`) or a greedy baseline rollout (`needs_baseline`) before c
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -85,10 +85,30 @@ def register_adv_est(
     return decorator
 
 
-def compute_advantage(name: str, inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
+def compute_advantage(
+    name: str, inp: AdvantageInputs, p: AdvantageParams, final_rows: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """`final_rows` ([B] the row of each row's sample's final segment; None: each row is a sample):
+    a sample trained as several rows (segments) counts once in its group's statistics; a group
+    estimator's advantage is a row's scalar, so its other segments take its final segment's. Other
+    estimators see every segment as a trajectory of its own, ending in the sample's reward."""
     if name not in ADV_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; valid: {sorted(ADV_ESTIMATORS)}")
-    return ADV_ESTIMATORS[name](inp, p)
+    estimator = ADV_ESTIMATORS[name]
+    if final_rows is None or not estimator.needs_group:
+        return estimator(inp, p)
+    finals = final_rows.unique()  # sorted
+    advantages, returns = estimator(_rows_of(inp, finals), p)
+    last = (inp.response_mask[finals].bool() * torch.arange(inp.response_mask.shape[1])).max(-1).values
+    of = torch.searchsorted(finals, final_rows)  # each row's sample among `finals`
+    mask = inp.response_mask.to(advantages.dtype)
+    at_last = torch.arange(len(finals))
+    return advantages[at_last, last][of, None] * mask, returns[at_last, last][of, None] * mask
+
+
+def _rows_of(inp: AdvantageInputs, rows: Tensor) -> AdvantageInputs:
+    values = (getattr(inp, f.name) for f in fields(inp))
+    return AdvantageInputs(*(None if value is None else value[rows] for value in values))
 
 
 def _group_mean_std(scores: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:

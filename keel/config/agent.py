@@ -42,9 +42,11 @@ class AgentConfig:
     )
     on_prefix_break: str = opt(
         "drop",
-        choices=("drop",),
+        choices=("drop", "segments"),
         help="keel: a sample whose requests do not extend its earlier tokens (the agent rewrote its history): "
-        "drop leaves it out of the update (agent/prefix_breaks counts them)",
+        "drop leaves it out of the update; segments trains each continuous stretch of it as a sequence of its "
+        "own, all with the sample's reward and advantage, the sample counted once in its group "
+        "(agent/prefix_breaks counts them either way)",
     )
     max_prompt_length: int = opt(
         2048, gt=0, help="keel: tokens an agent's first prompt may take (its own system prompt and tools included)"

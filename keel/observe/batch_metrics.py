@@ -31,8 +31,9 @@ def _masked_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict
 def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
     mask = batch.response_mask
     lengths = batch.response_lengths.float()
+    finals = batch.final_segments.unique()  # a sample trained as segments is one score
     metrics = {
-        **_stats("critic/score", batch.scores),
+        **_stats("critic/score", batch.scores[finals]),
         **_stats("critic/rewards", batch.token_level_rewards.sum(-1)),
         **_masked_stats("critic/advantages", batch.advantages, mask),
         **_masked_stats("critic/returns", batch.returns, mask),

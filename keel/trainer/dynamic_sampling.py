@@ -55,6 +55,8 @@ def fill_with_signal(
         batch = next_scored_batch(calls)
         # A prompt drawn again in a later generation batch (an epoch boundary) is another group.
         batch.group_index = batch.group_index + calls * GROUP_ID_STRIDE
+        if batch.sample_index is not None:  # samples trained as segments: theirs too
+            batch.sample_index = batch.sample_index + calls * GROUP_ID_STRIDE
         calls += 1
         generated += int(torch.unique(batch.group_index).numel())
         keep = groups_with_signal(signal_values(batch, metric), batch.group_index)

@@ -73,6 +73,8 @@ def evaluate(
     for start in range(0, len(records), batch_size):
         prompts = collate_prompts(records[start : start + batch_size], pad_token_id).repeat_interleave(params.n)
         batch = generate(prompts, params)
+        if batch.sample_index is not None:  # a sample trained as segments is judged once, on its final one
+            batch = batch.select(batch.final_segments.unique())
         # a sample the scorer fails on counts as wrong here, and is counted
         result = reward.score_batch(batch.records, batch.response_texts, on_error="zero", may_skip=False)
         not_scored += int(result.metrics["reward/not_scored_ratio"] * len(batch))

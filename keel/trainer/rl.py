@@ -254,6 +254,7 @@ class RLTrainer:
                     batch.token_level_rewards, batch.response_mask, batch.group_index, batch.values, baseline
                 ),
                 self.adv_params,
+                None if batch.sample_index is None else batch.final_segments,
             )
             finite("advantages", batch.advantages, batch.response_mask)
         return metrics

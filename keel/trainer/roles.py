@@ -96,9 +96,8 @@ class WorkerRoles:
         if schedule.epochs != 1:
             return None
         first = torch.zeros(len(batch), dtype=torch.bool)
-        first[
-            minibatch_indices(len(batch), schedule.samples_per_mini_batch, schedule.shuffle, _actor_seed(seed))[0]
-        ] = True
+        mini_rows = _rows_per_mini_batch(batch, schedule.samples_per_mini_batch)
+        first[minibatch_indices(len(batch), mini_rows, schedule.shuffle, _actor_seed(seed))[0]] = True
         return first
 
     def update_actor(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
@@ -153,13 +152,22 @@ def _actor_seed(step_seed: int) -> int:
 def _plan(batch: RolloutBatch, schedule: UpdateSchedule, seed: int, ranks: int) -> list:
     return plan_minibatches(
         batch,
-        schedule.samples_per_mini_batch,
+        _rows_per_mini_batch(batch, schedule.samples_per_mini_batch),
         schedule.epochs,
         schedule.shuffle,
         seed,
         schedule.max_response_length,
         ranks,
     )
+
+
+def _rows_per_mini_batch(batch: RolloutBatch, samples: int) -> int:
+    """A mini-batch's rows: its samples, or, where samples train as several rows (segments), as many
+    rows as keep the update's number of mini-batches what the samples make."""
+    if batch.sample_index is None:
+        return samples
+    count = int(torch.unique(batch.sample_index).numel())
+    return -(-samples * len(batch) // count)
 
 
 def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -4,11 +4,14 @@ baseline, the score of each prompt's greedy response."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptBatch, collate_prompts
 from keel.observe.metrics import Timer
+from keel.rewards.reward_fn import ScoreResult
 from keel.rollout.agent.metrics import external_agent_metrics
 from keel.trainer.dynamic_sampling import fill_with_signal
 from keel.trainer.setup import Components
@@ -51,9 +54,9 @@ class ScoredRollout:
                     prompts.repeat_interleave(self.sampling.n), self.sampling, seed + call * 7919
                 )
             with timer("reward"):
-                scored = parts.reward.score_batch(batch.records, batch.response_texts, batch.response_lengths)
+                scored = score_samples(parts.reward, batch)
                 batch.scores, batch.reward_extras, last["reward"] = scored.scores, scored.extras, scored.metrics
-            last["reward"].update(external_agent_metrics(batch.records))
+            last["reward"].update(external_agent_metrics(batch.records, batch.final_segments))
             # reward.on_error=mask: not-scored samples leave the update; so do samples an agent's rollout dropped
             kept = scored.scored & torch.tensor(["agent_dropped" not in r.extra_info for r in batch.records])
             return batch if kept.all() else batch.select(kept.nonzero().squeeze(-1))
@@ -80,6 +83,27 @@ class ScoredRollout:
         )
         by_prompt = dict(zip((r.index for r in baseline.records), result.scores.tolist()))
         return torch.tensor([by_prompt[r.index] for r in batch.records])
+
+
+def score_samples(reward, batch: RolloutBatch) -> ScoreResult:
+    """The reward of each sample, on its final segment (its last answer), given to its other
+    segments too: a sample is scored once however many rows it trains as."""
+    finals = batch.final_segments
+    rows = finals.unique()  # sorted: the final segments, in batch order
+    if len(rows) == len(batch):
+        return reward.score_batch(batch.records, batch.response_texts, batch.response_lengths)
+    picked = rows.tolist()
+    scored = reward.score_batch(
+        [batch.records[i] for i in picked], [batch.response_texts[i] for i in picked], batch.response_lengths[rows]
+    )
+    of = torch.searchsorted(rows, finals)  # each row's sample among the scored
+    return dataclasses.replace(
+        scored,
+        scores=scored.scores[of],
+        scored=scored.scored[of],
+        reasons=[scored.reasons[i] for i in of.tolist()],
+        extras=[scored.extras[i] for i in of.tolist()] if scored.extras else scored.extras,
+    )
 
 
 def _prompts_of(batch: RolloutBatch, pad_token_id: int) -> PromptBatch:

@@ -65,6 +65,18 @@ def test_an_openai_client_agent_trains_and_its_failures_are_counted(tiny_config,
         assert math.isfinite(m["actor/pg_loss"])
 
 
+def test_with_segments_a_rewritten_history_trains_instead_of_leaving_the_update(tiny_config, tmp_path):
+    cfg = agent_config(tiny_config, tmp_path)
+    cfg["actor_rollout_ref"]["rollout"]["agent"].update({"on_prefix_break": "segments", "processes": 0})
+    run_dir = train(cfg).run_dir
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2
+    for m in steps:  # the rewriting quarter stays (in two segments each); only the raising quarter leaves
+        assert m["agent/prefix_breaks"] == 4 and m["agent/errors"] == 4 and m["agent/dropped"] == 4
+        assert m["critic/score/mean"] == pytest.approx((0 + 0.25 + 0.75) / 3)  # a sample counts once
+        assert math.isfinite(m["actor/pg_loss"])
+
+
 def test_an_agent_function_that_is_not_there_is_refused_by_name(tmp_path):
     from keel.rollout.agent.agents import load_agent_function
 

@@ -13,7 +13,9 @@ the reward function, which scores the text of its last turn.
 What is trained is each sample's token trace (trace.py): the exact prompt and sampled tokens.
 An agent that raises or runs past its timeout, or whose requests rewrote its history
 (rollout.agent.on_prefix_break=drop), leaves the update and is counted (`agent/errors`,
-`agent/timeouts`, `agent/prefix_breaks`, `agent/dropped`); the step goes on.
+`agent/timeouts`, `agent/prefix_breaks`, `agent/dropped`); the step goes on. With
+on_prefix_break=segments a rewritten sample trains each continuous stretch as a row of its own
+(RolloutBatch.sample_index ties them), scored once and counted once in its group.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class ExternalAgentOptions:
     scored_by_agent: bool = False  # an environment's: its samples never reach the reward function
     admission_s: float = 0.0  # the engine service's admission window
     endpoint_processes: int = 0  # 0: the endpoint is a thread of the engine's process
+    segments: bool = False  # a sample whose history was rewritten trains each stretch as a row (else dropped)
 
 
 class InProcessAgents:
@@ -93,7 +96,7 @@ class ExternalAgentRollout:
         self.timing = {**self.engine.timing, "idle": service.stats["idle_s"]}
         self.metrics = engine_service_metrics(service.stats)
         traces = [found.get(name) or Trace() for name in names]
-        batch = traces_batch(prompts, traces, outcomes, self.tokenizer, options.scored_by_agent)
+        batch = traces_batch(prompts, traces, outcomes, self.tokenizer, options.scored_by_agent, options.segments)
         _refuse_all_dropped(batch.records, outcomes)
         return batch
 
@@ -148,6 +151,7 @@ def build_external_agent(agent, engine, tokenizer, budget: int) -> ExternalAgent
         scored_by_agent=bool(agent.environment),
         admission_s=agent.admission_window_ms / 1000,
         endpoint_processes=_endpoint_processes(agent),
+        segments=agent.on_prefix_break == "segments",
     )
     processes = _agent_processes(agent)
     if not processes:
@@ -173,60 +177,93 @@ def _endpoint_processes(agent) -> int:
 
 
 def traces_batch(
-    prompts: PromptBatch, traces: list[Trace], outcomes: list[Outcome], tokenizer, scored_by_agent: bool = False
+    prompts: PromptBatch,
+    traces: list[Trace],
+    outcomes: list[Outcome],
+    tokenizer,
+    scored_by_agent: bool = False,
+    segments: bool = False,
 ) -> RolloutBatch:
-    """The batch the samples' traces make: each sample's first stretch, its prompt the agent's own
-    first prompt; a sample to drop (its agent failed, or its history was rewritten) keeps its
-    tokens but trains none of them, and says why in extra_info (`agent_dropped`)."""
-    stretches = [_first_stretch(t, r) for t, r in zip(traces, prompts.records)]
-    dropped = [_why_dropped(t, o, scored_by_agent) for t, o in zip(traces, outcomes)]
-    pad = tokenizer.pad_token_id
-    width = max(1, max(len(s.ids) for s in stretches))
-    prompt_width = max(len(s.prompt) for s in stretches)
-
-    def right(values, fill=0, dtype=torch.long):  # [N, width]
-        out = torch.full((len(values), width), fill, dtype=dtype)
-        for i, v in enumerate(values):
-            out[i, : len(v)] = torch.tensor(v, dtype=dtype)
-        return out
-
-    prompt_ids = torch.full((len(stretches), prompt_width), pad, dtype=torch.long)
-    prompt_mask = torch.zeros_like(prompt_ids)
-    for i, s in enumerate(stretches):  # left-padded
-        prompt_ids[i, prompt_width - len(s.prompt) :] = torch.tensor(s.prompt)
-        prompt_mask[i, prompt_width - len(s.prompt) :] = 1
-    trained = right([s.trained if why is None else [0] * len(s.ids) for s, why in zip(stretches, dropped)])
+    """The batch the samples' traces make: a row for each sample's first stretch, its prompt the
+    agent's own first prompt; with `segments` (on_prefix_break=segments), a row for each stretch of
+    a sample whose history was rewritten, rows of one sample sharing its sample_index. A sample to
+    drop (its agent failed, or its history was rewritten and segments are off) keeps its tokens but
+    trains none of them, and says why in extra_info (`agent_dropped`)."""
+    rows = []  # (sample, its stretch, its segment number or None, why the sample is dropped)
+    for i, (trace, record, outcome) in enumerate(zip(traces, prompts.records, outcomes)):
+        why = _why_dropped(trace, outcome, scored_by_agent, segments)
+        if why is None and segments and trace.prefix_breaks:
+            rows += [(i, stretch, k, None) for k, stretch in enumerate(trace.stretches)]
+        else:
+            rows.append((i, _first_stretch(trace, record), None, why))
+    stretches = [stretch for _, stretch, _, _ in rows]
+    trained = [s.trained if why is None else [0] * len(s.ids) for _, s, _, why in rows]
     last_turns = [last_sampled_turn(s.ids, s.trained) for s in stretches]
+    texts = [tokenizer.decode(turn, skip_special_tokens=True) for turn in last_turns]
     records = [
-        dataclasses.replace(
-            record,
-            extra_info={
-                **record.extra_info,
-                "agent_status": outcome.status,
-                **({"agent_error": outcome.error} if outcome.error else {}),
-                **({"agent_dropped": why} if why else {}),
-                "agent_requests": trace.requests,
-                **({"agent_metrics": outcome.metrics} if outcome.metrics and why is None else {}),
-                "prefix_breaks": trace.prefix_breaks,
-                **({"agent_reward": outcome.reward} if outcome.reward is not None and why is None else {}),
-                **({"agent_reward": 0.0} if why else {}),  # not scored: it leaves the update
-                "last_turn": tokenizer.decode(turn, skip_special_tokens=True),
-            },
-        )
-        for record, trace, outcome, why, turn in zip(prompts.records, traces, outcomes, dropped, last_turns)
+        _agent_record(prompts.records[i], traces[i], outcomes[i], why, text, k)
+        for (i, _, k, why), text in zip(rows, texts)
     ]
+    # a segment before a sample's last ended where its history was rewritten: neither cut nor finished
+    cut = [(k is None or k == len(traces[i].stretches) - 1) and _cut(traces[i]) for i, _, k, _ in rows]
+    prompt_ids, prompt_mask = _left_padded([s.prompt for s in stretches], tokenizer.pad_token_id)
+    width = max(1, max(len(s.ids) for s in stretches))
+    trained = _right_padded(trained, width)
     return RolloutBatch(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
-        response_ids=right([s.ids for s in stretches], pad),
+        response_ids=_right_padded([s.ids for s in stretches], width, tokenizer.pad_token_id),
         response_mask=trained,
-        sampling_log_probs=right([s.log_probs for s in stretches], dtype=torch.float32) * trained,
-        group_index=torch.tensor([r.index for r in prompts.records]),
+        sampling_log_probs=_right_padded([s.log_probs for s in stretches], width, dtype=torch.float32) * trained,
+        group_index=torch.tensor([r.index for r in records]),
         records=records,
-        response_texts=[tokenizer.decode(turn, skip_special_tokens=True) for turn in last_turns],
-        truncated=torch.tensor([t.budget_spent or not t.finished_turn for t in traces]),
-        response_attention=right([[1] * len(s.ids) for s in stretches]),
+        response_texts=texts,
+        truncated=torch.tensor(cut),
+        response_attention=_right_padded([[1] * len(s.ids) for s in stretches], width),
+        sample_index=torch.tensor([i for i, *_ in rows]) if segments else None,
     )
+
+
+def _cut(trace: Trace) -> bool:
+    return trace.budget_spent or not trace.finished_turn
+
+
+def _agent_record(record, trace: Trace, outcome: Outcome, why: str | None, last_turn: str, segment: int | None):
+    """A row's record: the sample's, with how its agent ended (and, trained as segments, which this is)."""
+    return dataclasses.replace(
+        record,
+        extra_info={
+            **record.extra_info,
+            "agent_status": outcome.status,
+            **({"agent_error": outcome.error} if outcome.error else {}),
+            **({"agent_dropped": why} if why else {}),
+            "agent_requests": trace.requests,
+            **({"agent_metrics": outcome.metrics} if outcome.metrics and why is None else {}),
+            "prefix_breaks": trace.prefix_breaks,
+            **({"agent_segment": segment} if segment is not None else {}),
+            **({"agent_reward": outcome.reward} if outcome.reward is not None and why is None else {}),
+            **({"agent_reward": 0.0} if why else {}),  # not scored: it leaves the update
+            "last_turn": last_turn,
+        },
+    )
+
+
+def _left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) [N, widest], each prompt at the right."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[i, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def _right_padded(values: list[list], width: int, fill=0, dtype=torch.long) -> torch.Tensor:  # [N, width]
+    out = torch.full((len(values), width), fill, dtype=dtype)
+    for i, v in enumerate(values):
+        out[i, : len(v)] = torch.tensor(v, dtype=dtype)
+    return out
 
 
 def _refuse_all_dropped(records, outcomes: list[Outcome]) -> None:
@@ -243,13 +280,13 @@ def _first_stretch(trace: Trace, record) -> Stretch:
     return trace.stretches[0] if trace.stretches else Stretch(list(record.prompt_ids))
 
 
-def _why_dropped(trace: Trace, outcome: Outcome, scored_by_agent: bool) -> str | None:
+def _why_dropped(trace: Trace, outcome: Outcome, scored_by_agent: bool, segments: bool = False) -> str | None:
     # An agent stopped by the budget is a cut sample, kept where something scores it: its own reward,
     # or the reward function (which an environment's samples never reach).
     cut = trace.budget_spent and (outcome.reward is not None or not scored_by_agent)
     if outcome.status != "ok" and not cut:
         return outcome.status
-    if trace.prefix_breaks:
+    if trace.prefix_breaks and not segments:
         return "prefix_break"
     if not trace.stretches:
         return "no_request"

@@ -39,9 +39,12 @@ def agent_metrics(records: list[PromptRecord]) -> dict[str, float]:
     return metrics
 
 
-def external_agent_metrics(records: list[PromptRecord]) -> dict[str, float]:
+def external_agent_metrics(records: list[PromptRecord], final_segments=None) -> dict[str, float]:
     """Agent code as the rollout (rollout.agent.function): how its samples ended, before the
-    dropped ones leave the batch."""
+    dropped ones leave the batch. `final_segments` ([N] each row's sample's final row): a sample
+    trained as segments (on_prefix_break=segments) counts once."""
+    if final_segments is not None:
+        records = [records[i] for i in final_segments.unique().tolist()]
     infos = [r.extra_info for r in records if "agent_status" in r.extra_info]
     if not infos:
         return {}
