@@ -66,9 +66,13 @@ class WorkerRoles:
         """The samples, and the engine's timing of its parts (`timing_s/gen_*`, the slowest rank's:
         where the phase's time went). Contiguous slices of the prompts, one per rank (generation
         has no collectives, so the slices may differ in size or be empty)."""
-        parts = [_slice_prompts(prompts, start, end) for start, end in contiguous_shares(len(prompts), self.world)]
+        shares = contiguous_shares(len(prompts), self.world)
+        parts = [_slice_prompts(prompts, start, end) for start, end in shares]
         results = self._call("generate", [(p, sampling, seed * 1009 + r) for r, p in enumerate(parts)])
         timing = {k: max(t.get(k, 0.0) for _, t in results) for _, t in results for k in t}
+        for (start, _), (batch, _) in zip(shares, results):
+            if batch is not None and batch.sample_index is not None:  # a rank numbers its own samples from 0
+                batch.sample_index = batch.sample_index + start
         return concat_rows([b for b, _ in results if b is not None], self.pad_token_id), timing
 
     # --- forward passes ------------------------------------------------------------------------------

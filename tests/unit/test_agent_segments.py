@@ -102,3 +102,32 @@ def test_segments_keep_the_updates_number_of_mini_batches(tiny_assets):
     batch = two_samples(load_tokenizer(tiny_assets["model"]), segments=True)
     assert _rows_per_mini_batch(batch, 1) == 2  # 2 samples in 3 rows, a sample a mini-batch: 2 of 2 and 1
     assert _rows_per_mini_batch(two_samples(load_tokenizer(tiny_assets["model"]), segments=False), 1) == 1
+
+
+class Results(list):
+    memory = [{"rss_gb": 0.1}, {"rss_gb": 0.1}]
+
+
+class TwoRanks:
+    """A worker group of two ranks whose rollouts each number their samples from 0."""
+
+    world_size = 2
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def call(self, method, per_rank_args):
+        return Results([(self.batch.select(range(len(self.batch))), {"gen": 1.0}) for _ in per_rank_args])
+
+
+def test_samples_of_different_ranks_stay_different_samples(tiny_assets):
+    from keel.trainer.roles import UpdateSchedule, WorkerRoles
+    from keel.types import SamplingParams
+
+    tokenizer = load_tokenizer(tiny_assets["model"])
+    one_rank = two_samples(tokenizer, segments=True)  # samples 0 and 1 in rows [0, 1, 1]
+    roles = WorkerRoles(TwoRanks(one_rank), tokenizer.pad_token_id, UpdateSchedule(2, 1, False, 8))
+    prompts = collate_prompts([PromptRecord(i, [5, 6, 7], "p", "src", None) for i in range(4)], tokenizer.pad_token_id)
+    batch, _ = roles.generate(prompts, SamplingParams(), seed=0)
+    assert batch.sample_index.tolist() == [0, 1, 1, 2, 3, 3]  # the second rank's prompts start at 2
+    assert batch.final_segments.tolist() == [0, 2, 2, 3, 5, 5]
