@@ -285,15 +285,20 @@ MULTI_TURN_4x128 = {
 }
 
 
-async def instant_agent(client, row, extra_info):
+async def instant_agent(client, row, extra_info, turn_tokens: int = 128):
     """m1a's agent: m1's episode written against an OpenAI client (4 assistant turns of 128 tokens,
     each answered at once with m1's observation), its requests served by keel's endpoint."""
     messages = [{"role": "user", "content": row["prompt"]}]
     for turn in range(4):
-        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=128)
+        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=turn_tokens)
         messages.append(reply.choices[0].message.model_dump(exclude_none=True))
         if turn < 3:
             messages.append({"role": "user", "content": "ok, go on"})
+
+
+async def tiny_instant_agent(client, row, extra_info):
+    """tinyma's agent: instant_agent's episode in turns of 8 tokens (tinym's)."""
+    await instant_agent(client, row, extra_info, turn_tokens=8)
 
 
 # m1a: m1 driven through the OpenAI-compatible endpoint by instant_agent (issue 30)
@@ -313,7 +318,11 @@ WORKLOADS.update(
             4,
             32,
             4 * 8 + 3 * 40,
-            overrides={**AGENT_4x128, "actor_rollout_ref.rollout.agent.concurrency": 16},
+            overrides={
+                **AGENT_4x128,
+                "actor_rollout_ref.rollout.agent.function": "keel.bench.workloads:tiny_instant_agent",
+                "actor_rollout_ref.rollout.agent.concurrency": 16,
+            },
         ),
         "tinym": Workload(
             "tiny",

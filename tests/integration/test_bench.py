@@ -93,6 +93,17 @@ def test_the_multi_turn_workload_counts_the_models_tokens_only(tmp_path):
     assert r["timing_s"]["gen_tools"] > 0  # the environment's steps
 
 
+def test_the_agent_workload_drives_the_same_episodes_through_the_endpoint(tmp_path):
+    """tinyma (m1a's shape on the tiny model): tinym's episodes by an OpenAI-client agent through keel's
+    endpoint, every sample's 4 requests answered, none failed or dropped."""
+    pytest.importorskip("openai")
+    out = tmp_path / "ma.jsonl"
+    assert main(["bench", "tinyma", "trainer.device=cpu", "--steps", "1", "--warmup", "0", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["agent"]["requests_per_sample"] == 4
+    assert r["agent"]["errors"] == r["agent"]["dropped"] == r["agent"]["prefix_breaks"] == 0
+
+
 def test_gpu_busy_without_the_profiler_is_the_profiled_gpu_time_over_the_measured_wall_time():
     """The profiler slows the host, not the GPU: a phase's GPU seconds from the profiled step over
     its mean unprofiled wall time, capped at 1; phases without a timer are left out."""
