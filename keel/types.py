@@ -75,6 +75,7 @@ class RolloutBatch:
     # the one scored and counted in its group, and the others take its score and advantage.
     # None: every row is a whole sample.
     sample_index: Tensor | None = None
+    policy_version: Tensor | None = None  # [N] the policy version (actor updates so far) it was sampled from
 
     # Filled in by later stages of the step.
     scores: Tensor | None = None  # [N] outcome reward from the reward function

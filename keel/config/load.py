@@ -50,6 +50,7 @@ def load_config(
         raise combined(problems)
     cfg.validate()
     if schema is KeelConfig:
+        decided += _correct_off_policy(cfg, given)
         decided += [
             f"{key}: keel's {value_at(cfg, key)!r}, verl's {verl!r}: {why}"
             for key, (verl, why) in DIFFERENT_DEFAULTS.items()
@@ -58,6 +59,24 @@ def load_config(
     object.__setattr__(cfg, "decided", decided)  # not a field: it is not saved or compared on resume
     object.__setattr__(cfg, "given", frozenset(given))  # the keys the config set (what keel may choose)
     return cfg
+
+
+def _correct_off_policy(cfg, given: set) -> list[str]:
+    """trainer.mode=async trains samples up to max_off_policy_steps policy versions old: with no
+    rollout correction asked for (rollout_is left unset), token-level truncated IS weights
+    (pi_old / pi_sampler, cut at rollout_is_threshold) correct for it -> what keel decided, for
+    `keel check`. A rollout_is set to null keeps the correction off."""
+    correction = cfg.algorithm.rollout_correction
+    off_policy = cfg.trainer.mode == "async" and cfg.trainer.max_off_policy_steps > 0
+    chosen = "algorithm.rollout_correction.rollout_is" in given
+    if not off_policy or chosen or correction.decoupled or correction.bypass_mode:
+        return []
+    object.__setattr__(correction, "rollout_is", "token")
+    return [
+        "algorithm.rollout_correction.rollout_is: 'token', since trainer.mode=async trains samples up to "
+        f"{cfg.trainer.max_off_policy_steps} policy versions old (truncated IS weights at "
+        f"{correction.rollout_is_threshold} correct for it; set rollout_is or rollout_rs to choose otherwise)"
+    ]
 
 
 def value_at(cfg, dotted: str):

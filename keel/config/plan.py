@@ -30,6 +30,7 @@ class BatchPlan:
     critic: RolePlan | None
     max_tokens_per_step: int  # samples x (max prompt + max response)
     old_log_probs: str = "recomputed each step"  # where the update's old log-probs come from
+    mode: str = "sync: each step trains the samples it generated"  # trainer.mode, explained
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -41,6 +42,7 @@ class BatchPlan:
             ("workers (n_gpus_per_node x nnodes)", self.workers),
             ("tokens per step, at most", self.max_tokens_per_step),
             ("old log-probs", self.old_log_probs),
+            ("training", self.mode),
         ]
         for name, role in (("actor", self.actor), ("critic", self.critic)):
             if role is None:
@@ -78,6 +80,7 @@ class BatchPlan:
                 f"({micro} each per worker), {role.optimizer_steps_per_rollout} optimiser steps a rollout"
             )
         lines.append(f"  old log-probs: {self.old_log_probs}")
+        lines.append(f"  training: {self.mode}")
         return "\n".join(lines)
 
 
@@ -112,6 +115,7 @@ def make_plan(cfg: KeelConfig) -> BatchPlan:
         critic=critic,
         max_tokens_per_step=prompts * n * (cfg.data.max_prompt_length + cfg.data.max_response_length),
         old_log_probs=old_log_probs_source(cfg),
+        mode=training_mode(cfg),
     )
 
 
@@ -136,3 +140,20 @@ def old_log_probs_source(cfg: KeelConfig) -> str:
             return "the update's own forward (on-policy): no pass"
         return "recomputed each step, but the first mini-batch's (the update's own forward)"
     return "recomputed each step"
+
+
+def training_mode(cfg: KeelConfig) -> str:
+    """trainer.mode in a line: what runs ahead, how old a trained sample may be, what it holds."""
+    k = cfg.trainer.max_off_policy_steps
+    if cfg.trainer.mode == "sync" or k == 0:
+        return f"{cfg.trainer.mode}: each step trains the samples it generated"
+    correction = cfg.algorithm.rollout_correction
+    corrected = "bypass mode" if correction.bypass_mode else f"rollout_is={correction.rollout_is}"
+    samples = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
+    tokens = samples * (cfg.data.max_prompt_length + cfg.data.max_response_length)
+    held_mb = k * tokens * 40 / 2**20  # ids, masks and log-probs: about 40 bytes a token on the host
+    return (
+        f"async: generation and scoring run up to {k} step{'s' if k > 1 else ''} ahead of training, so a trained "
+        f"sample is at most {k} policy version{'s' if k > 1 else ''} old (rollout correction: {corrected}); "
+        f"{k} batch{'es' if k > 1 else ''} of {samples} samples wait on the host, about {held_mb:.0f} MB at most"
+    )

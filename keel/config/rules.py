@@ -212,6 +212,12 @@ def _check_algorithm(cfg: KeelConfig, incompatible) -> None:
             "rollout.do_sample=false makes every sample the baseline: all advantages 0",
             f"set {setting(ROLLOUT + '.do_sample', True)}",
         )
+    if cfg.algorithm.filter_groups.enable and cfg.trainer.mode == "async":
+        raise incompatible(
+            "algorithm.filter_groups.enable=true with trainer.mode=async: DAPO's dynamic sampling decides how "
+            "many batches to generate from their scores, which async mode has not yet when it generates ahead",
+            f"set {setting('trainer.mode', 'sync')}, or {setting('algorithm.filter_groups.enable', False)}",
+        )
     if cfg.algorithm.critic_warmup > 0 and not cfg.critic_enabled:
         raise incompatible(
             f"algorithm.critic_warmup={cfg.algorithm.critic_warmup} with no critic: the "

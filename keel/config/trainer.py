@@ -71,3 +71,16 @@ class TrainerConfig(RunOptions):
     guards: GuardsConfig = opt(factory=GuardsConfig)
     hooks: list[str] = opt(factory=list, help="`module:function` called as fn(step, metrics, batch)")
     hook_freq: int = opt(1, gt=0, help="call hooks every N steps")
+    mode: str = opt(
+        "sync",
+        choices=("sync", "async"),
+        help="sync: a step trains the samples it generated; async: generation and scoring run up to "
+        "max_off_policy_steps steps ahead of training, so rewards score on the host while the GPU generates "
+        "and trains, and samples are up to that many policy versions old (rollout correction corrects for it)",
+    )
+    max_off_policy_steps: int = opt(
+        1,
+        ge=0,
+        help="async: how many policy versions older than the one it updates a trained sample may be (0: none, "
+        "which is sync); generation waits for training rather than go further ahead",
+    )

@@ -32,6 +32,7 @@ from keel.observe.guards import (
 from keel.observe.log import warnings_said_once
 from keel.observe.metrics import MetricsLogger, Timer, last_logged_metrics
 from keel.rollout.agent.metrics import agent_metrics
+from keel.trainer.ahead import step_rollout, step_seed
 from keel.trainer.evaluate import Validation
 from keel.trainer.hooks import load_hook, run_hooks
 from keel.trainer.run_directory import RunDirectory
@@ -66,7 +67,9 @@ class RLTrainer:
         start_from = self.resume_from / "actor" if self.resume_from else None
         self.components: Components = build_components(cfg, start_from, inputs)
         self.sampling = training_sampling(cfg)
-        self.rollout = ScoredRollout(cfg, self.components, self.sampling)
+        self.scored = ScoredRollout(cfg, self.components, self.sampling)
+        # the step's samples: generated within it (sync), or ahead of it (async)
+        self.rollout = step_rollout(cfg, self.scored, self.components.sampler, self.components.total_steps)
         self.run_files = RunDirectory(cfg, self.components, check_report)
         self.validation = Validation(cfg, self.components)
         a = cfg.algorithm
@@ -84,7 +87,7 @@ class RLTrainer:
             logger.write(self.run_files.description())
             with warnings_said_once():
                 if self.step == 0 and self.components.val_data and self.cfg.trainer.val_before_train:
-                    logger.log(0, self.validation(self.step, self._seed(), logger))
+                    logger.log(0, self._validate(logger))
                 if self.step >= self.components.total_steps:
                     log.info(
                         "the run is already at step %d of %d: nothing to do (raise "
@@ -97,11 +100,12 @@ class RLTrainer:
                     self.step += 1
                     metrics = self.guarded_step(logger)
                     if self.validation.due(self.step):
-                        metrics.update(self.validation(self.step, self._seed(), logger))
+                        metrics.update(self._validate(logger))
                     logger.log(self.step, metrics)
                     if self._due(self.cfg.trainer.save_freq) or self.step == self.components.total_steps:
                         self.save()
         finally:
+            self.rollout.close()
             logger.close()
             self.components.reward.shutdown()
             self.components.workers.shutdown()
@@ -128,7 +132,7 @@ class RLTrainer:
         parts, workers = self.components, self.components.workers
         finite = self._check_finite
         with timer("step"):
-            batch, prompts, metrics, gen_parts = self.rollout(timer, self._seed())
+            batch, prompts, metrics, gen_parts = self.rollout(timer, self.step)
             updates_actor = self.step >= self.cfg.algorithm.critic_warmup  # verl's count: steps start at 1
             in_update = self._old_log_probs(batch, metrics, timer, updates_actor)
             if self.cfg.ref_enabled:
@@ -164,6 +168,10 @@ class RLTrainer:
         return metrics, batch
 
     # --- pieces of the step --------------------------------------------------------------------
+    def _validate(self, logger: MetricsLogger) -> dict[str, float]:
+        self.rollout.settle()  # the reward function is the validation's alone while it runs
+        return self.validation(self.step, self._seed(), logger)
+
     def _old_log_probs(self, batch: RolloutBatch, metrics: dict[str, float], timer: Timer, updates_actor: bool) -> bool:
         """The old policy's log-probs on the batch, and the engine's gap to them -> whether the
         update measures the gap (and the reference KL) on its own forward instead: on-policy (one
@@ -211,16 +219,7 @@ class RLTrainer:
     def _assign_rewards(self, batch: RolloutBatch) -> dict[str, float]:
         """The outcome score (normalised, if asked) sits on each response's last token; optionally
         minus KL to the reference."""
-        metrics = {}
-        outcome = batch.scores  # [N]
-        if self.components.normalizer is not None:
-            outcome, metrics = self.components.normalizer(batch.scores)
-        if batch.turn_rewards is not None:  # multi-turn: what tools and interactions gave, on top
-            outcome = outcome + batch.turn_rewards
-        last = batch.last_token_index  # [N]
-        scores = torch.zeros_like(batch.response_mask, dtype=torch.float32)  # [N, R]
-        scores[torch.arange(len(batch)), last] = outcome
-        batch.token_level_rewards = scores * batch.response_mask
+        batch.token_level_rewards, metrics = outcome_rewards(batch, self.components.normalizer)
         if not self.cfg.algorithm.use_kl_in_reward:
             return metrics
         kl_coef = self.components.kl_ctrl.value
@@ -242,7 +241,7 @@ class RLTrainer:
         baseline = None
         if needs_baseline_rollout(self.cfg):
             with timer("gen_baseline"):
-                baseline = self.rollout.baseline_scores(prompts, batch, self._seed())
+                baseline = self.scored.baseline_scores(prompts, batch, self._seed())
         with timer("adv"):
             metrics = self._assign_rewards(batch)
             finite("token-level rewards", batch.token_level_rewards, batch.response_mask)
@@ -273,8 +272,7 @@ class RLTrainer:
         check_finite(name, values, mask, policy=self.cfg.trainer.guards.nonfinite)
 
     def _seed(self) -> int:
-        """Per step: sampling and mini-batch order, so a resumed run repeats an uninterrupted one."""
-        return self.cfg.trainer.seed * 100_003 + self.step
+        return step_seed(self.cfg, self.step)
 
     def _due(self, freq: int) -> bool:
         return freq > 0 and self.step % freq == 0
@@ -284,10 +282,17 @@ class RLTrainer:
         if self.resume_from is not None:  # loaded first: a mismatch must leave the directory as it was
             self.load(self.resume_from)
             log.info("resumed from %s at step %d", self.resume_from, self.step)
+        self.rollout.start_at(self.step)
         self.run_files.open(self.step if self.resume_from else None)
 
     def save(self) -> Path:
-        return self.run_files.save(self.step, {"skipped_steps": self.skipped_steps, "warned_steps": self.warned_steps})
+        sampler_state, in_flight = self.rollout.resume_state()  # async: batches in flight are generated again
+        counts = {
+            "skipped_steps": self.skipped_steps,
+            "warned_steps": self.warned_steps,
+            "in_flight_dropped": in_flight,
+        }
+        return self.run_files.save(self.step, counts, sampler_state)
 
     def load(self, path: Path) -> None:
         """Restore everything but the actor weights, which `build_components` loaded from `path`."""
@@ -295,6 +300,20 @@ class RLTrainer:
         self.step = state["step"]
         self.skipped_steps = state.get("skipped_steps", 0)
         self.warned_steps = state.get("warned_steps", {})
+
+
+def outcome_rewards(batch: RolloutBatch, normalizer) -> tuple[torch.Tensor, dict[str, float]]:
+    """[N, R] each sample's outcome score (normalised, if asked; plus what a multi-turn episode's
+    tools and interactions gave) on its response's last token, and the normaliser's metrics."""
+    metrics = {}
+    outcome = batch.scores  # [N]
+    if normalizer is not None:
+        outcome, metrics = normalizer(batch.scores)
+    if batch.turn_rewards is not None:
+        outcome = outcome + batch.turn_rewards
+    scores = torch.zeros_like(batch.response_mask, dtype=torch.float32)  # [N, R]
+    scores[torch.arange(len(batch)), batch.last_token_index] = outcome
+    return scores * batch.response_mask, metrics
 
 
 def recomputed_mask(batch: RolloutBatch) -> torch.Tensor:  # [N, R]

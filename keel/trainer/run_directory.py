@@ -5,6 +5,7 @@ one. The actor's weights are the exception: `build_components` loads them from t
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -14,6 +15,8 @@ from keel.config.load import to_yaml
 from keel.config.plan import make_plan
 from keel.config.schema import KeelConfig
 from keel.trainer.setup import Components
+
+log = logging.getLogger("keel")
 
 
 class RunDirectory:
@@ -38,10 +41,11 @@ class RunDirectory:
             f"{'; check.txt: the whole of keel check' if self.check_report else ''})"
         )
 
-    def save(self, step: int, guard_counts: dict) -> Path:
+    def save(self, step: int, guard_counts: dict, sampler_state: dict | None = None) -> Path:
         """The checkpoint of `step`: the workers' weights and optimisers, and trainer_state.pt (the
         step, the sampler's position, the KL controller, the guards' `guard_counts`, RNG states,
-        the reward normaliser)."""
+        the reward normaliser). `sampler_state`: where a resume draws prompts from, when not the
+        sampler's own position (async mode: the oldest batch in flight's)."""
         parts = self.components
 
         def write(tmp: Path) -> None:
@@ -49,7 +53,7 @@ class RunDirectory:
             torch.save(
                 {
                     "step": step,
-                    "sampler": parts.sampler.state_dict(),
+                    "sampler": sampler_state or parts.sampler.state_dict(),
                     "kl_ctrl": parts.kl_ctrl.state_dict(),
                     **guard_counts,
                     "rng": ckpt.rng_state(),
@@ -80,5 +84,12 @@ class RunDirectory:
         except ValueError as e:  # the dataset or batch size changed since the checkpoint
             raise ckpt.mismatch_error(path, self.cfg, f"{path}: {e}") from e
         parts.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if state.get("in_flight_dropped"):
+            log.info(
+                "trainer.mode=async: %d generated batches were in flight at %s; they are dropped and their "
+                "prompts generated again",
+                state["in_flight_dropped"],
+                path.name,
+            )
         ckpt.set_rng_state(state["rng"])
         return state

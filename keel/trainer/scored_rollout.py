@@ -46,20 +46,11 @@ class ScoredRollout:
         last: dict[str, dict] = {}
 
         def next_scored_batch(call: int = 0) -> RolloutBatch:
-            prompts = collate_prompts(
-                [parts.train_data[i] for i in parts.sampler.next_batch()], parts.tokenizer.pad_token_id
-            )
-            with timer("gen"):  # each generation batch of a step samples with a seed of its own
-                batch, last["gen"] = parts.workers.generate(
-                    prompts.repeat_interleave(self.sampling.n), self.sampling, seed + call * 7919
-                )
+            # each generation batch of a step samples with a seed of its own
+            batch, last["gen"] = self.generate(timer, seed + call * 7919)
             with timer("reward"):
-                scored = score_samples(parts.reward, batch)
-                batch.scores, batch.reward_extras, last["reward"] = scored.scores, scored.extras, scored.metrics
-            last["reward"].update(external_agent_metrics(batch.records, batch.final_segments))
-            # reward.on_error=mask: not-scored samples leave the update; so do samples an agent's rollout dropped
-            kept = scored.scored & torch.tensor(["agent_dropped" not in r.extra_info for r in batch.records])
-            return batch if kept.all() else batch.select(kept.nonzero().squeeze(-1))
+                batch, last["reward"] = self.score(batch)
+            return batch
 
         if not filter_groups.enable:
             batch = next_scored_batch()
@@ -72,6 +63,27 @@ class ScoredRollout:
             parts.tokenizer.pad_token_id,
         )
         return batch, _prompts_of(batch, parts.tokenizer.pad_token_id), {**last["reward"], **counts}, last["gen"]
+
+    def generate(self, timer: Timer, seed: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """The samples of the sampler's next prompts (n each), and the engine's timing of its parts."""
+        parts = self.components
+        prompts = collate_prompts(
+            [parts.train_data[i] for i in parts.sampler.next_batch()], parts.tokenizer.pad_token_id
+        )
+        with timer("gen"):
+            return parts.workers.generate(prompts.repeat_interleave(self.sampling.n), self.sampling, seed)
+
+    def score(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
+        """The batch scored, less the samples that leave the update (reward.on_error=mask's not-scored
+        ones, and those an agent's rollout dropped), and the reward metrics."""
+        scored = score_samples(self.components.reward, batch)
+        batch.scores, batch.reward_extras = scored.scores, scored.extras
+        metrics = {**scored.metrics, **external_agent_metrics(batch.records, batch.final_segments)}
+        kept = scored.scored & torch.tensor(["agent_dropped" not in r.extra_info for r in batch.records])
+        return (batch if kept.all() else batch.select(kept.nonzero().squeeze(-1))), metrics
+
+    def prompts_of(self, batch: RolloutBatch) -> PromptBatch:
+        return _prompts_of(batch, self.components.tokenizer.pad_token_id)
 
     def baseline_scores(self, prompts: PromptBatch, batch: RolloutBatch, seed: int) -> torch.Tensor:  # [N]
         """ReMax (arXiv 2310.10505): the greedy response's score is each prompt's baseline, given

@@ -1,0 +1,153 @@
+"""Where a step's scored samples come from: generated and scored within the step (trainer.mode=sync,
+RolloutWithin), or ahead of it (async, RolloutAhead), which the rest of this docstring is about.
+
+In async mode generation runs ahead of training, by up to max_off_policy_steps batches.
+
+Step j trains batch j. Before it does, every batch up to j + k (k = max_off_policy_steps, never past
+the run's last step) has been generated, each with the policy of the step that generated it, and
+handed to a scoring thread. So while the trainer waits on nothing, the host scores batch j+1 as the GPU
+updates on batch j and generates batch j+k+1: rewards that take seconds (a code jail, a judge) no
+longer add to the step. Generation and training still take turns on the workers (one GPU, one
+process per rank), in the order a synchronous run would call them when k = 0, which then is the
+synchronous run exactly: the same prompts, seeds, samples and updates.
+
+A batch generated at step g and trained at step j was sampled from the policy of `version(g - 1)`
+and updates the one of `version(j - 1)`: its staleness, at most k. Rollout correction is on for
+k >= 1 (keel.config.load turns token-level truncated IS on when nothing else corrects).
+
+A checkpoint records the sampler where the oldest untrained batch drew its prompts: batches in
+flight are dropped at a resume and their prompts generated again, never lost or trained twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from keel.config.schema import KeelConfig
+from keel.data.prompts import PromptBatch
+from keel.data.sampler import ResumableSampler
+from keel.observe.metrics import Timer
+from keel.trainer.scored_rollout import ScoredRollout
+from keel.types import RolloutBatch
+
+
+@dataclass
+class InFlight:
+    """A generated batch on its way to training."""
+
+    step: int  # the step that trains it
+    sampler_state: dict  # the sampler before it drew the batch's prompts: where a resume starts again
+    version: int  # the policy version it was sampled from
+    gen_parts: dict[str, float]  # the engine's timing of its parts
+    scored: Future  # -> (the scored batch, its reward metrics, seconds the scoring took)
+
+
+def step_seed(cfg: KeelConfig, step: int) -> int:
+    """Per step: sampling and mini-batch order, so a resumed run repeats an uninterrupted one."""
+    return cfg.trainer.seed * 100_003 + step
+
+
+def policy_version(cfg: KeelConfig, step: int) -> int:
+    """The policy version after `step` steps: the actor updates so far (none before critic_warmup)."""
+    return max(0, step - max(cfg.algorithm.critic_warmup, 1) + 1)
+
+
+def step_rollout(cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler, last_step: int):
+    """The trainer.mode's rollout: `(timer, step)` -> the batch step `step` trains, its prompts,
+    reward metrics and generation timing; `settle`, `resume_state`, `start_at`, `close` around it."""
+    if cfg.trainer.mode == "sync":
+        return RolloutWithin(cfg, rollout, sampler)
+    return RolloutAhead(cfg, rollout, sampler, last_step)
+
+
+class RolloutWithin:
+    """trainer.mode=sync: each step generates and scores its own batch, from the policy it starts with."""
+
+    def __init__(self, cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler):
+        self.cfg, self.rollout, self.sampler = cfg, rollout, sampler
+
+    def __call__(self, timer: Timer, step: int) -> tuple[RolloutBatch, PromptBatch, dict[str, float], dict[str, float]]:
+        batch, prompts, metrics, gen_parts = self.rollout(timer, step_seed(self.cfg, step))
+        batch.policy_version = torch.full((len(batch),), policy_version(self.cfg, step - 1), dtype=torch.long)
+        return batch, prompts, metrics, gen_parts
+
+    def settle(self) -> None:
+        """Nothing is in flight between steps."""
+
+    def resume_state(self) -> tuple[dict, int]:
+        return self.sampler.state_dict(), 0
+
+    def start_at(self, step: int) -> None:
+        """A resumed run draws on from the sampler's restored position."""
+
+    def close(self) -> None:
+        """No thread of its own to stop."""
+
+
+class RolloutAhead:
+    """trainer.mode=async: `rollout(timer, step)` -> the batch step `step` trains, generated ahead."""
+
+    def __init__(self, cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler, last_step: int):
+        self.cfg, self.rollout, self.sampler, self.last_step = cfg, rollout, sampler, last_step
+        self.bound = cfg.trainer.max_off_policy_steps
+        self.in_flight: deque[InFlight] = deque()
+        self.scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-scoring")
+        self.generated = 0  # the last step whose batch is generated
+
+    def start_at(self, step: int) -> None:
+        """A run resumed after `step`: its next batch is step + 1's."""
+        self.generated = step
+
+    def __call__(self, timer: Timer, step: int) -> tuple[RolloutBatch, PromptBatch, dict[str, float], dict[str, float]]:
+        """(batch `step`'s scored samples, their prompts, reward and staleness metrics, the timing
+        of this step's generation): what ScoredRollout returns in sync mode."""
+        gen_parts: dict[str, float] = {}
+        while self.generated < min(step + self.bound, self.last_step):
+            gen_parts = self._generate(timer, step)
+        flight = self.in_flight.popleft()
+        with timer("wait_reward"):  # what scoring still took once generation and training were done
+            batch, metrics, seconds = flight.scored.result()
+        staleness = policy_version(self.cfg, step - 1) - flight.version
+        batch.policy_version = torch.full((len(batch),), flight.version, dtype=torch.long)
+        metrics = {
+            **metrics,
+            "timing_s/reward": seconds,
+            "async/staleness/mean": float(staleness),
+            "async/staleness/max": float(staleness),
+            "async/in_flight": float(len(self.in_flight)),
+        }
+        return batch, self.rollout.prompts_of(batch), metrics, gen_parts or flight.gen_parts
+
+    def _generate(self, timer: Timer, step: int) -> dict[str, float]:
+        """The next batch, generated now (with the policy step `step` starts from) and sent to scoring."""
+        self.generated += 1
+        state = self.sampler.state_dict()
+        batch, gen_parts = self.rollout.generate(timer, step_seed(self.cfg, self.generated))
+        scored = self.scoring.submit(self._score, batch)
+        version = policy_version(self.cfg, step - 1)
+        self.in_flight.append(InFlight(self.generated, state, version, gen_parts, scored))
+        return gen_parts
+
+    def _score(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float], float]:
+        start = time.perf_counter()
+        batch, metrics = self.rollout.score(batch)
+        return batch, metrics, time.perf_counter() - start
+
+    def settle(self) -> None:
+        """Every batch in flight scored: the reward function is then free for validation's use."""
+        for flight in self.in_flight:
+            flight.scored.exception()  # waits; an error is raised when its step takes the batch
+
+    def resume_state(self) -> tuple[dict, int]:
+        """(the sampler state a resume starts from, the batches in flight it drops)."""
+        if not self.in_flight:
+            return self.sampler.state_dict(), 0
+        return self.in_flight[0].sampler_state, len(self.in_flight)
+
+    def close(self) -> None:
+        self.scoring.shutdown(wait=True, cancel_futures=True)

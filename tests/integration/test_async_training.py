@@ -1,0 +1,157 @@
+"""trainer.mode=async on CPU: with a bound of 0 it is the synchronous run exactly; with a bound of k
+no trained sample is more than k policy versions old, and rollout correction is on; rewards score
+while the next batch generates; a resumed run neither loses nor repeats a prompt."""
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from keel.api import train
+from keel.trainer import ahead, rl
+from keel.trainer.scored_rollout import ScoredRollout
+
+
+def run_config(tiny_config, tmp_path: Path, name: str, **trainer) -> dict:
+    steps = trainer.pop("steps", 4)
+    settings = {"total_training_steps": steps, "save_freq": steps, "test_freq": -1, "val_before_train": False}
+    return dict(
+        tiny_config,
+        trainer={**tiny_config["trainer"], **settings, **trainer, "default_local_dir": str(tmp_path / name)},
+    )
+
+
+def metrics_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def numerics(record: dict) -> dict:
+    """What must match between runs: not wall-clock times, and not async mode's own counts."""
+    return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "perf/", "async/"))}
+
+
+@pytest.fixture
+def trained_batches(monkeypatch):
+    """Per step trained: (the step, its samples' policy versions, its prompts' dataset indices)."""
+    seen = []
+    for kind in (ahead.RolloutWithin, ahead.RolloutAhead):
+
+        def recording(self, timer, step, real=kind.__call__):
+            batch, prompts, metrics, gen_parts = real(self, timer, step)
+            seen.append((step, sorted(set(batch.policy_version.tolist())), sorted(r.index for r in prompts.records)))
+            return batch, prompts, metrics, gen_parts
+
+        monkeypatch.setattr(kind, "__call__", recording)
+    return seen
+
+
+def test_async_with_a_bound_of_0_is_the_synchronous_run_exactly(tiny_config, tmp_path, trained_batches):
+    sync = train(run_config(tiny_config, tmp_path, "sync")).run_dir
+    sync_batches = list(trained_batches)
+    trained_batches.clear()
+    ahead = train(run_config(tiny_config, tmp_path, "async", mode="async", max_off_policy_steps=0)).run_dir
+    assert trained_batches == sync_batches  # the same prompts, each from the policy before its step
+    a, b = (load_file(run / "global_step_4" / "actor" / "model.safetensors") for run in (sync, ahead))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [numerics(m) for m in metrics_of(sync)] == [numerics(m) for m in metrics_of(ahead)]
+    assert all(m["async/staleness/max"] == 0 for m in metrics_of(ahead) if "async/staleness/max" in m)
+
+
+def test_with_a_bound_of_k_no_trained_sample_is_more_than_k_versions_old(tiny_config, tmp_path, trained_batches):
+    run_dir = train(run_config(tiny_config, tmp_path, "k2", steps=5, mode="async", max_off_policy_steps=2)).run_dir
+    steps = [m for m in metrics_of(run_dir) if m["step"] > 0]
+    for (step, versions, _), m in zip(trained_batches, steps):
+        # batch i is generated at step max(1, i - 2), from the policy of the updates before that step
+        assert versions == [max(0, step - 3)]
+        assert m["async/staleness/max"] == min(step - 1, 2) <= 2
+        assert "rollout_corr/rollout_is_mean" in m  # keel turned token-level IS on for the off-policy samples
+    assert [s for s, _, _ in trained_batches] == [1, 2, 3, 4, 5]
+
+
+def test_rewards_score_while_the_next_batch_generates(tiny_config, tmp_path, monkeypatch):
+    """Batch 1's scoring waits until batch 2 is generating (an event, polled with a long limit): in
+    async mode it sees it; a synchronous step would wait for its scores before generating anything."""
+    second_batch_generating, seen = threading.Event(), []
+    real_generate, real_score = ScoredRollout.generate, ScoredRollout.score
+    generated = []
+
+    def generate(self, timer, seed):
+        generated.append(seed)
+        if len(generated) == 2:
+            second_batch_generating.set()
+        return real_generate(self, timer, seed)
+
+    def score(self, batch):
+        if not seen:
+            seen.append((second_batch_generating.wait(timeout=300), threading.current_thread().name))
+        return real_score(self, batch)
+
+    monkeypatch.setattr(ScoredRollout, "generate", generate)
+    monkeypatch.setattr(ScoredRollout, "score", score)
+    train(run_config(tiny_config, tmp_path, "overlap", steps=2, mode="async", max_off_policy_steps=1))
+    ((saw_it, thread),) = seen
+    assert saw_it and thread.startswith("keel-scoring")
+
+
+def test_an_async_run_resumed_neither_loses_nor_repeats_a_prompt(tiny_config, tmp_path, trained_batches, monkeypatch):
+    settings = {"mode": "async", "max_off_policy_steps": 1, "save_freq": 2}
+    train(run_config(tiny_config, tmp_path, "straight", **settings))
+    straight = [prompts for _, _, prompts in trained_batches]
+    trained_batches.clear()
+
+    real_step = rl.RLTrainer.train_step
+
+    def stop_at_step_3(self, logger):
+        if self.step == 3:
+            raise KeyboardInterrupt  # during step 3: batch 3 was generated at step 2, batch 4 not yet
+        return real_step(self, logger)
+
+    stopped = run_config(tiny_config, tmp_path, "stopped", **settings)
+    monkeypatch.setattr(rl.RLTrainer, "train_step", stop_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        train(stopped)
+    monkeypatch.setattr(rl.RLTrainer, "train_step", real_step)
+    state = torch.load(tmp_path / "stopped" / "global_step_2" / "trainer_state.pt", weights_only=False)
+    assert state["in_flight_dropped"] == 1  # batch 3, generated ahead at step 2
+    train(stopped)
+    assert [s for s, _, _ in trained_batches] == [1, 2, 3, 4]  # steps 1-2, then 3-4 after the resume
+    assert [prompts for _, _, prompts in trained_batches] == straight  # every prompt once, in the same order
+
+
+def test_keel_check_explains_the_mode_and_what_keel_decided_for_it(tiny_config):
+    from keel.check.preflight import run_checks
+    from keel.config.load import load_config
+
+    tiny_config["trainer"].update({"mode": "async", "max_off_policy_steps": 2})
+    report = run_checks(load_config(tiny_config))
+    assert "async: generation and scoring run up to 2 steps ahead of training" in report.plan_text
+    assert "at most 2 policy versions old (rollout correction: rollout_is=token)" in report.plan_text
+    decided = load_config(tiny_config).decided
+    assert any(d.startswith("algorithm.rollout_correction.rollout_is: 'token'") for d in decided)
+    # a correction asked off stays off
+    off = load_config(tiny_config, {"algorithm.rollout_correction.rollout_is": None})
+    assert off.algorithm.rollout_correction.rollout_is is None
+
+
+def test_dynamic_sampling_with_async_mode_is_refused_with_the_fix(tiny_config):
+    from keel.config.load import load_config
+    from keel.errors import INCOMPATIBLE_OPTIONS, KeelError
+
+    tiny_config["trainer"]["mode"] = "async"
+    tiny_config["algorithm"]["filter_groups"] = {"enable": True}
+    with pytest.raises(KeelError) as refused:
+        load_config(tiny_config)
+    assert refused.value.code == INCOMPATIBLE_OPTIONS and "trainer.mode=sync" in refused.value.fix
+
+
+def test_verls_v1_trainer_mode_is_refused_by_name_pointing_at_keels_keys(tiny_config):
+    from keel.config.load import load_config
+    from keel.errors import KeelError
+
+    tiny_config["trainer"]["v1"] = {"trainer_mode": "colocate_async"}
+    with pytest.raises(KeelError) as refused:
+        load_config(tiny_config)
+    assert "trainer.v1.trainer_mode" in refused.value.message and "trainer.mode=async" in refused.value.message
