@@ -23,6 +23,7 @@
 #                                                 httpcore2 truststore typing-extensions idna anyio h11 httpx
 #                                                 httpcore certifi aiohttp multidict yarl propcache frozenlist
 #                                                 aiosignal aiohappyeyeballs attrs httptools uvloop)
+#   bash benchmarks/gpu_session.sh async_mode     issue 31: s1 (slow rewards), w2 and m1 in sync then async mode
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -109,6 +110,18 @@ agents() {  # issue 30: m1a against m1 in one call (m1 first: it warms the compi
         timeout 150 python3 -m keel bench m1a $variant --gpus 1 --steps 2 --warmup 1 --out "$OUT/bench.jsonl" \
             > "$OUT/m1a_variant.log" 2>&1
         echo "$variant: $(tail -1 "$OUT/m1a_variant.log" | cut -c1-200)"
+    done
+}
+
+async_mode() {  # issue 31: s1 (1 s of host scoring a sample), w2 and m1, each sync then async in one call; a part
+    # starts only while the call has time left for it (SECONDS: this script's)
+    for w in s1 w2 m1; do
+        for mode in sync async; do
+            (( SECONDS > ${ASYNC_UNTIL:-420} )) && { echo "$w $mode: skipped, the call's time is spent"; continue; }
+            timeout 170 python3 -m keel bench "$w" trainer.mode=$mode --gpus 1 --steps 2 --warmup 1 \
+                --out "$OUT/bench.jsonl" > "$OUT/${w}_$mode.log" 2>&1
+            echo "$w $mode: $(tail -1 "$OUT/${w}_$mode.log" | cut -c1-160)"
+        done
     done
 }
 

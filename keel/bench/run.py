@@ -144,10 +144,10 @@ def run_bench(
     # The profiled step (--profile) is one more after the measured ones: the profiler slows the
     # host, so its time is left out of the record's timings.
     total = warmup + steps + (profile_dir is not None)
-    cfg = load_config(
-        bench_config(name, workload, root, total, gpus),
-        [f"{k}={v}" for k, v in workload.overrides.items()] + list(overrides or []),
-    )
+    settings = [f"{k}={v}" for k, v in workload.overrides.items()] + list(overrides or [])
+    cfg = load_config(bench_config(name, workload, root, total, gpus), settings)
+    if cfg.trainer.mode == "async":  # the run goes on past the measured steps, so they all generate ahead
+        cfg = load_config(bench_config(name, workload, root, total + cfg.trainer.max_off_policy_steps, gpus), settings)
     trainer = RLTrainer(cfg)
     trainer._open_run_dir()
     logger = MetricsLogger(trainer.run_dir, False, total, 0)
@@ -162,6 +162,7 @@ def run_bench(
         engine = trainer.components.workers.group.call("info", [()] * cfg.world_size)[0]["rollout_engine"]
     finally:
         logger.close()
+        trainer.rollout.close()  # async: the batches generated ahead are scored before the reward stops
         trainer.components.reward.shutdown()
         trainer.components.workers.shutdown()
         del trainer  # a one-worker run holds its GPU memory in this process: free it for the next run
@@ -267,6 +268,8 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
         "log_prob_gap": mean("rollout/log_prob_gap"),
         # agent code as the rollout (m1a): how its samples ended
         "agent": {k[len("agent/") :]: mean(k) for k in steps[-1] if k.startswith("agent/")} or None,
+        # trainer.mode=async: how old the trained samples were, how many batches waited
+        "async": {k[len("async/") :]: mean(k) for k in steps[-1] if k.startswith("async/")} or None,
         "timing_s": {k[len("timing_s/") :]: mean(k) for k in steps[-1] if k.startswith("timing_s/")},
     }
 

@@ -4,6 +4,7 @@ Qwen3-MoE, Llama 3.2, Gemma 3) with random weights, fixed response lengths."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from keel.rollout.agent.environment import Environment
 
@@ -236,6 +237,18 @@ WORKLOADS = {
     "g1": Workload("gemma-3-1b", 16, 8, 256, 256),
     "e1": Workload("qwen3-moe-12l", 16, 8, 256, 256),
 }
+# s1: a reward that takes 1 s of host time per sample (keel/bench/slow_reward.py), scored by 64
+# processes, on t1's model with twice its batch: what trainer.mode=async overlaps with the GPU's work.
+SLOW_REWARD = {
+    "custom_reward_function.path": str(Path(__file__).with_name("slow_reward.py")),
+    "reward.num_workers": 64,
+}
+WORKLOADS.update(
+    {
+        "s1": Workload("0.5b", 32, 8, 256, 512, overrides=SLOW_REWARD),
+        "tinys": Workload("tiny", 4, 4, 32, 16, overrides={**SLOW_REWARD, "reward.num_workers": 8}),
+    }
+)
 LORA_64 = {
     "actor_rollout_ref.model.lora_rank": 64,
     "actor_rollout_ref.model.lora_alpha": 128,
