@@ -117,6 +117,7 @@ class RoleWorker:
         self.agent: AgentLoop | ExternalAgentRollout | None = None
         self.actor: ActorTrainer | None = None
         self.ref: ReferencePolicy | None = None
+        self.weights_version = 0  # the policy version the engine's weights are: actor updates synced to it
         if "policy" in roles:
             self._build_policy()
         self.critic = self._build_critic() if "critic" in roles else None
@@ -271,6 +272,7 @@ class RoleWorker:
         start = time.perf_counter()
         generator = self.agent or self.rollout
         batch = generator.generate(prompts, sampling)  # the engine applies the compute dtype itself
+        batch.policy_version = torch.full((len(batch),), self.weights_version, dtype=torch.long)
         timing = {f"timing_s/gen_{part}": seconds for part, seconds in generator.timing.items()}
         timing["timing_s/gen_engine"] = time.perf_counter() - start
         return batch, {**timing, **getattr(generator, "metrics", {})}
@@ -292,6 +294,7 @@ class RoleWorker:
             metrics = self.actor.update(minis)
         start = time.perf_counter()
         self._sync_rollout()
+        self.weights_version += 1
         metrics["timing_s/sync_rollout_weights"] = time.perf_counter() - start
         return metrics
 
@@ -314,8 +317,11 @@ class RoleWorker:
     def save(self, directory: str) -> None:
         save_trainers(Path(directory), self.actor, self.critic, self.rank, self.tokenizer, self._actor_sharded)
 
-    def load(self, directory: str) -> None:
+    def load(self, directory: str, weights_version: int = 0) -> None:
+        """The checkpoint's optimisers and critic (the actor's weights came with the spec), and the
+        policy version its weights are."""
         load_trainers(Path(directory), self.actor, self.critic)
+        self.weights_version = weights_version
 
 
 def _log_prob_batching(role_cfg) -> MicroBatching:

@@ -26,8 +26,6 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-
 from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptBatch
 from keel.data.sampler import ResumableSampler
@@ -42,7 +40,6 @@ class InFlight:
 
     step: int  # the step that trains it
     sampler_state: dict  # the sampler before it drew the batch's prompts: where a resume starts again
-    version: int  # the policy version it was sampled from
     gen_parts: dict[str, float]  # the engine's timing of its parts
     scored: Future  # -> (the scored batch, its reward metrics, seconds the scoring took)
 
@@ -72,9 +69,7 @@ class RolloutWithin:
         self.cfg, self.rollout, self.sampler = cfg, rollout, sampler
 
     def __call__(self, timer: Timer, step: int) -> tuple[RolloutBatch, PromptBatch, dict[str, float], dict[str, float]]:
-        batch, prompts, metrics, gen_parts = self.rollout(timer, step_seed(self.cfg, step))
-        batch.policy_version = torch.full((len(batch),), policy_version(self.cfg, step - 1), dtype=torch.long)
-        return batch, prompts, metrics, gen_parts
+        return self.rollout(timer, step_seed(self.cfg, step))
 
     def settle(self) -> None:
         """Nothing is in flight between steps."""
@@ -108,29 +103,27 @@ class RolloutAhead:
         of this step's generation): what ScoredRollout returns in sync mode."""
         gen_parts: dict[str, float] = {}
         while self.generated < min(step + self.bound, self.last_step):
-            gen_parts = self._generate(timer, step)
+            gen_parts = self._generate(timer)
         flight = self.in_flight.popleft()
         with timer("wait_reward"):  # what scoring still took once generation and training were done
             batch, metrics, seconds = flight.scored.result()
-        staleness = policy_version(self.cfg, step - 1) - flight.version
-        batch.policy_version = torch.full((len(batch),), flight.version, dtype=torch.long)
+        # the versions the workers stamped on the samples against the policy this step updates
+        staleness = (policy_version(self.cfg, step - 1) - batch.policy_version).float()
         metrics = {
             **metrics,
             "timing_s/reward": seconds,
-            "async/staleness/mean": float(staleness),
-            "async/staleness/max": float(staleness),
+            "async/staleness/mean": staleness.mean().item(),
+            "async/staleness/max": staleness.max().item(),
             "async/in_flight": float(len(self.in_flight)),
         }
         return batch, self.rollout.prompts_of(batch), metrics, gen_parts or flight.gen_parts
 
-    def _generate(self, timer: Timer, step: int) -> dict[str, float]:
-        """The next batch, generated now (with the policy step `step` starts from) and sent to scoring."""
+    def _generate(self, timer: Timer) -> dict[str, float]:
+        """The next batch, generated now (with the policy the workers hold) and sent to scoring."""
         self.generated += 1
         state = self.sampler.state_dict()
         batch, gen_parts = self.rollout.generate(timer, step_seed(self.cfg, self.generated))
-        scored = self.scoring.submit(self._score, batch)
-        version = policy_version(self.cfg, step - 1)
-        self.in_flight.append(InFlight(self.generated, state, version, gen_parts, scored))
+        self.in_flight.append(InFlight(self.generated, state, gen_parts, self.scoring.submit(self._score, batch)))
         return gen_parts
 
     def _score(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float], float]:

@@ -119,9 +119,10 @@ class WorkerRoles:
         for group in self._groups():
             group.call("save", [(str(directory),)] * group.world_size)
 
-    def load(self, directory: Path) -> None:
+    def load(self, directory: Path, weights_version: int) -> None:
+        """`weights_version`: the policy version of the checkpoint's weights (its actor updates)."""
         for group in self._groups():
-            group.call("load", [(str(directory),)] * group.world_size)
+            group.call("load", [(str(directory), weights_version)] * group.world_size)
 
     def shutdown(self) -> None:
         for group in self._groups():

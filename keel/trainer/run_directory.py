@@ -14,6 +14,7 @@ from keel import checkpoint as ckpt
 from keel.config.load import to_yaml
 from keel.config.plan import make_plan
 from keel.config.schema import KeelConfig
+from keel.trainer.ahead import policy_version
 from keel.trainer.setup import Components
 
 log = logging.getLogger("keel")
@@ -75,8 +76,8 @@ class RunDirectory:
                 f"{path} was saved {'without' if critic else 'with'} a "
                 f"critic, but this config {'has' if critic else 'has no'} critic",
             )
-        parts.workers.load(path)
         state = torch.load(path / "trainer_state.pt", weights_only=False)
+        parts.workers.load(path, policy_version(self.cfg, state["step"]))
         if parts.normalizer is not None and state.get("normalizer"):
             parts.normalizer.load_state_dict(state["normalizer"])
         try:

@@ -99,7 +99,7 @@ def test_rewards_score_while_the_next_batch_generates(tiny_config, tmp_path, mon
 def test_an_async_run_resumed_neither_loses_nor_repeats_a_prompt(tiny_config, tmp_path, trained_batches, monkeypatch):
     settings = {"mode": "async", "max_off_policy_steps": 1, "save_freq": 2}
     train(run_config(tiny_config, tmp_path, "straight", **settings))
-    straight = [prompts for _, _, prompts in trained_batches]
+    straight = [(prompts, versions) for _, versions, prompts in trained_batches]
     trained_batches.clear()
 
     real_step = rl.RLTrainer.train_step
@@ -118,7 +118,11 @@ def test_an_async_run_resumed_neither_loses_nor_repeats_a_prompt(tiny_config, tm
     assert state["in_flight_dropped"] == 1  # batch 3, generated ahead at step 2
     train(stopped)
     assert [s for s, _, _ in trained_batches] == [1, 2, 3, 4]  # steps 1-2, then 3-4 after the resume
-    assert [prompts for _, _, prompts in trained_batches] == straight  # every prompt once, in the same order
+    assert [prompts for _, _, prompts in trained_batches] == [prompts for prompts, _ in straight]  # each once
+    # the resumed workers know their weights' version: batch 3 is generated again from the checkpoint's
+    # weights (version 2), fresher than the straight run's (version 1), never from a version 0 they do not hold
+    assert [versions for _, versions in straight] == [[0], [0], [1], [2]]
+    assert [versions for _, versions, _ in trained_batches] == [[0], [0], [2], [2]]
 
 
 def test_keel_check_explains_the_mode_and_what_keel_decided_for_it(tiny_config):
