@@ -31,6 +31,7 @@ from keel.data.prompts import PromptBatch
 from keel.data.sampler import ResumableSampler
 from keel.observe.metrics import Timer
 from keel.trainer.scored_rollout import ScoredRollout
+from keel.trainer.seeds import step_seed
 from keel.types import RolloutBatch
 
 
@@ -42,11 +43,6 @@ class InFlight:
     sampler_state: dict  # the sampler before it drew the batch's prompts: where a resume starts again
     gen_parts: dict[str, float]  # the engine's timing of its parts
     scored: Future  # -> (the scored batch, its reward metrics, seconds the scoring took)
-
-
-def step_seed(cfg: KeelConfig, step: int) -> int:
-    """Per step: sampling and mini-batch order, so a resumed run repeats an uninterrupted one."""
-    return cfg.trainer.seed * 100_003 + step
 
 
 def policy_version(cfg: KeelConfig, step: int) -> int:

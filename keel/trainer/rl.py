@@ -32,11 +32,12 @@ from keel.observe.guards import (
 from keel.observe.log import warnings_said_once
 from keel.observe.metrics import MetricsLogger, Timer, last_logged_metrics
 from keel.rollout.agent.metrics import agent_metrics
-from keel.trainer.ahead import step_rollout, step_seed
+from keel.trainer.ahead import step_rollout
 from keel.trainer.evaluate import Validation
 from keel.trainer.hooks import load_hook, run_hooks
 from keel.trainer.run_directory import RunDirectory
 from keel.trainer.scored_rollout import ScoredRollout, training_sampling
+from keel.trainer.seeds import step_seed
 from keel.trainer.setup import Components, Inputs, build_components, needs_baseline_rollout
 from keel.types import RolloutBatch
 

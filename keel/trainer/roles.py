@@ -11,6 +11,7 @@ import torch
 
 from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptBatch
+from keel.trainer.seeds import actor_order_seed, critic_order_seed, rank_seed
 from keel.training.batching import (
     concat_rows,
     contiguous_shares,
@@ -68,7 +69,7 @@ class WorkerRoles:
         has no collectives, so the slices may differ in size or be empty)."""
         shares = contiguous_shares(len(prompts), self.world)
         parts = [_slice_prompts(prompts, start, end) for start, end in shares]
-        results = self._call("generate", [(p, sampling, seed * 1009 + r) for r, p in enumerate(parts)])
+        results = self._call("generate", [(p, sampling, rank_seed(seed, r)) for r, p in enumerate(parts)])
         timing = {k: max(t.get(k, 0.0) for _, t in results) for _, t in results for k in t}
         for (start, _), (batch, _) in zip(shares, results):
             if batch is not None and batch.sample_index is not None:  # a rank numbers its own samples from 0
@@ -101,15 +102,15 @@ class WorkerRoles:
             return None
         first = torch.zeros(len(batch), dtype=torch.bool)
         mini_rows = _rows_per_mini_batch(batch, schedule.samples_per_mini_batch)
-        first[minibatch_indices(len(batch), mini_rows, schedule.shuffle, _actor_seed(seed))[0]] = True
+        first[minibatch_indices(len(batch), mini_rows, schedule.shuffle, actor_order_seed(seed))[0]] = True
         return first
 
     def update_actor(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
-        plan = _plan(batch, self.actor_schedule, _actor_seed(seed), self.world)
+        plan = _plan(batch, self.actor_schedule, actor_order_seed(seed), self.world)
         return combine_metrics(self._call("update_actor", [(p,) for p in plan]))
 
     def update_critic(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
-        plan = _plan(batch, self.critic_schedule, seed * 1000 + 500, self.critic_group.world_size)
+        plan = _plan(batch, self.critic_schedule, critic_order_seed(seed), self.critic_group.world_size)
         return combine_metrics(self._call("update_critic", [(p,) for p in plan], self.critic_group))
 
     # --- checkpoints -----------------------------------------------------------------------------
@@ -147,11 +148,6 @@ class WorkerRoles:
             self.peak_gb[method] = max(m.get("gpu_peak_gb", 0.0) for m in readings)
         self.rss_gb = max([self.rss_gb, *(m["rss_gb"] for m in readings)])
         return results
-
-
-def _actor_seed(step_seed: int) -> int:
-    """The actor's mini-batch order: first_mini_batch and update_actor must agree on it."""
-    return step_seed * 1000
 
 
 def _plan(batch: RolloutBatch, schedule: UpdateSchedule, seed: int, ranks: int) -> list:

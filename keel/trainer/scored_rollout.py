@@ -14,6 +14,7 @@ from keel.observe.metrics import Timer
 from keel.rewards.reward_fn import ScoreResult
 from keel.rollout.agent.metrics import external_agent_metrics
 from keel.trainer.dynamic_sampling import fill_with_signal
+from keel.trainer.seeds import batch_seed
 from keel.trainer.setup import Components
 from keel.types import RolloutBatch, SamplingParams
 
@@ -47,7 +48,7 @@ class ScoredRollout:
 
         def next_scored_batch(call: int = 0) -> RolloutBatch:
             # each generation batch of a step samples with a seed of its own
-            batch, last["gen"] = self.generate(timer, seed + call * 7919)
+            batch, last["gen"] = self.generate(timer, batch_seed(seed, call))
             with timer("reward"):
                 batch, last["reward"] = self.score(batch)
             return batch
