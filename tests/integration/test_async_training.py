@@ -3,11 +3,14 @@ no trained sample is more than k policy versions old, and rollout correction is 
 while the next batch generates; a resumed run neither loses nor repeats a prompt."""
 
 import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from keel.api import train
@@ -159,3 +162,17 @@ def test_verls_v1_trainer_mode_is_refused_by_name_pointing_at_keels_keys(tiny_co
     with pytest.raises(KeelError) as refused:
         load_config(tiny_config)
     assert "trainer.v1.trainer_mode" in refused.value.message and "trainer.mode=async" in refused.value.message
+
+
+def test_async_mode_on_two_ray_workers_validates_while_a_batch_is_in_flight(tiny_config, tmp_path):
+    """Two workers (Ray, on CPU) in async mode, validating every step while the next batch is scored:
+    the run ends, each step after the first trains samples one version old, and validation scored."""
+    tiny_config["trainer"].update({"total_training_steps": 3, "test_freq": 1, "mode": "async"})
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(tiny_config))
+    command = [sys.executable, "-m", "keel", "train", str(config), "trainer.device=cpu", "trainer.n_gpus_per_node=2"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [m for m in metrics_of(Path(tiny_config["trainer"]["default_local_dir"])) if m["step"] > 0]
+    assert [m["async/staleness/max"] for m in steps] == [0.0, 1.0, 1.0]
+    assert all(any(k.startswith("val") for k in m) for m in steps)
