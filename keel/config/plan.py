@@ -114,32 +114,41 @@ def make_plan(cfg: KeelConfig) -> BatchPlan:
         ),
         critic=critic,
         max_tokens_per_step=prompts * n * (cfg.data.max_prompt_length + cfg.data.max_response_length),
-        old_log_probs=old_log_probs_source(cfg),
+        old_log_probs=OLD_LOG_PROBS[old_log_probs_source(cfg)],
         mode=training_mode(cfg),
     )
 
 
-def may_skip_old_log_probs(cfg: KeelConfig) -> bool:
-    """Whether an on-policy update (one mini-batch, one epoch) may take its own forward's log-probs
-    as the old ones. Not when the reward's KL needs them before the update, not under
-    guards.nonfinite=skip (the pass is where a non-finite log-prob skips a step), and not under
-    decoupled rollout correction (it weighs the old policy against the sampler)."""
-    return not (
-        cfg.algorithm.use_kl_in_reward
-        or cfg.trainer.guards.nonfinite == "skip"
-        or cfg.algorithm.rollout_correction.decoupled
-    )
+# Where the update's old log-probs come from: the one place that decides it (the trainer runs it,
+# the batch plan says it).
+OLD_LOG_PROBS = {
+    "sampler": "the sampler's (rollout_correction.bypass_mode): no pass",
+    "update": "the update's own forward (on-policy): no pass",
+    "first_mini_batch": "recomputed each step, but the first mini-batch's (the update's own forward)",
+    "recomputed": "recomputed each step",
+}
 
 
 def old_log_probs_source(cfg: KeelConfig) -> str:
+    """A key of OLD_LOG_PROBS. `sampler` in bypass mode. Otherwise an update's first mini-batch runs
+    before any optimiser step, so its own forward, detached, is the old policy's (`update` when that
+    mini-batch is the whole batch, `first_mini_batch` when one epoch has several): not when the
+    reward's KL needs the old log-probs before the update, not under guards.nonfinite=skip (the pass
+    is where a non-finite log-prob skips a step), not under decoupled rollout correction (it weighs
+    the old policy against the sampler), and not with several epochs (later epochs revisit the
+    samples with the policy moved). `recomputed` else: the old-log-prob pass over the whole batch."""
     actor = cfg.actor_rollout_ref.actor
     if cfg.algorithm.rollout_correction.bypass_mode:
-        return "the sampler's (rollout_correction.bypass_mode): no pass"
-    if may_skip_old_log_probs(cfg) and actor.ppo_epochs == 1:
-        if actor.ppo_mini_batch_size == cfg.data.train_batch_size:
-            return "the update's own forward (on-policy): no pass"
-        return "recomputed each step, but the first mini-batch's (the update's own forward)"
-    return "recomputed each step"
+        return "sampler"
+    own_forward = not (
+        cfg.algorithm.use_kl_in_reward
+        or cfg.trainer.guards.nonfinite == "skip"
+        or cfg.algorithm.rollout_correction.decoupled
+        or actor.ppo_epochs != 1
+    )
+    if not own_forward:
+        return "recomputed"
+    return "update" if actor.ppo_mini_batch_size == cfg.data.train_batch_size else "first_mini_batch"
 
 
 def training_mode(cfg: KeelConfig) -> str:

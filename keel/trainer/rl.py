@@ -17,7 +17,7 @@ from keel.algorithms.advantages import AdvantageInputs, AdvantageParams, compute
 from keel.algorithms.kl import apply_kl_penalty
 from keel.algorithms.rollout_correction import compute_correction
 from keel.algorithms.utils import masked_mean
-from keel.config.plan import make_plan, may_skip_old_log_probs
+from keel.config.plan import make_plan, old_log_probs_source
 from keel.config.schema import GROUP_ESTIMATORS, KeelConfig
 from keel.data.prompts import PromptBatch
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
@@ -180,13 +180,13 @@ class RLTrainer:
         bypass mode (the sampler's log-probs are the old ones). With several mini-batches and one
         epoch the pass skips the first mini-batch's samples (their forward comes before any
         optimiser step) and measures the gap on the rest."""
-        workers = self.components.workers
+        workers, source = self.components.workers, old_log_probs_source(self.cfg)
         if self.correction.bypass_mode or self.correction.decoupled:  # the sampler's log-probs enter the loss
             self._check_finite("sampler log-probs", batch.sampling_log_probs, batch.response_mask)
-        if self.correction.bypass_mode:  # verl's bypass mode: the sampler's policy is the old one
+        if source == "sampler":  # verl's bypass mode: the sampler's policy is the old one
             batch.old_log_probs = batch.sampling_log_probs
             return True
-        if updates_actor and may_skip_old_log_probs(self.cfg):
+        if updates_actor and source != "recomputed":  # the first mini-batch's own forward (all of it, or a part)
             own = workers.first_mini_batch(batch, self._seed())
             if own is not None and bool(own.all()):  # on-policy: the update's forward is every old log-prob
                 return True

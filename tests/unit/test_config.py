@@ -225,6 +225,12 @@ def test_batch_plan_counts():
             "sampler's",
         ),
         (["actor_rollout_ref.actor.ppo_mini_batch_size=4"], "but the first mini-batch's"),
+        # async mode's samples are off-policy: the correction keel turns on needs every old log-prob
+        (["actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.mode=async"], "recomputed each step"),
+        (
+            ["actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.mode=async", "trainer.max_off_policy_steps=0"],
+            "on-policy",
+        ),
     ],
 )
 def test_the_plan_says_where_the_old_log_probs_come_from(overrides, source):
