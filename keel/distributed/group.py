@@ -1,7 +1,9 @@
 """Worker groups: the driver's handle on its workers, in this process or as Ray actors.
 
 `call(method, per_rank_args)` runs `method` on every rank with that rank's arguments and returns the
-results in rank order, with each rank's time and memory reading. A failure anywhere becomes a
+results in rank order, with each rank's time and memory reading; `submit` starts the same call and
+returns a future of it, so the driver may go on (a group's ranks take their calls in the order
+submitted). A failure anywhere becomes a
 KeelError that names the rank, host, role and phase: a worker's exception (with its traceback), a
 worker the system killed (with its last memory reading), or a phase that stalled (with every rank's
 stacks on disk and the ranks that never reached the collective named).
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 from keel.distributed.ray_cluster import Devices, connect_ray, reserve
@@ -44,6 +48,10 @@ class LocalGroup:
 
     def call(self, method: str, per_rank_args: list[tuple]) -> Replies:
         return Replies([self.served.run(method, *per_rank_args[0])])
+
+    def submit(self, method: str, per_rank_args: list[tuple]) -> Future:
+        """The call, run now (the worker is this process): a future that is already done."""
+        return _done(self.call, method, per_rank_args)
 
     def shutdown(self) -> None:
         """The worker's helper processes (an agent rollout's) stop with the run, not with this process."""
@@ -125,7 +133,23 @@ class RayGroup:
             )
 
     def call(self, method: str, per_rank_args: list[tuple]) -> Replies:
+        return self._replies(method, [a.run.remote(method, *args) for a, args in zip(self.actors, per_rank_args)])
+
+    def submit(self, method: str, per_rank_args: list[tuple]) -> Future:
+        """The call sent to every rank now; the future holds its Replies, or the KeelError `call` raises."""
         refs = [a.run.remote(method, *args) for a, args in zip(self.actors, per_rank_args)]
+        future: Future = Future()
+
+        def wait() -> None:
+            try:
+                future.set_result(self._replies(method, refs))
+            except BaseException as error:  # noqa: BLE001 - the caller of result() gets it, as call's did
+                future.set_exception(error)
+
+        threading.Thread(target=wait, name=f"keel-{self.role}-{method}", daemon=True).start()
+        return future
+
+    def _replies(self, method: str, refs: list) -> Replies:
         replies = self._wait(refs, method, list(range(self.world_size)), self.phase_timeout_s)
         self.last_memory.update(enumerate(reply.memory for reply in replies))
         return Replies(replies)
@@ -231,6 +255,15 @@ class RayGroup:
             f"{why}. Ranks that did not arrive: {absent or 'none identified'}; "
             f"still running: {waiting}; every rank's stacks: {path}",
         )
+
+
+def _done(call, *args) -> Future:
+    future: Future = Future()
+    try:
+        future.set_result(call(*args))
+    except BaseException as error:  # noqa: BLE001 - raised by result(), as by the call itself
+        future.set_exception(error)
+    return future
 
 
 def _is_collective_timeout(error) -> bool:

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -392,3 +393,56 @@ def test_a_failing_worker_ends_the_run_with_its_code_and_rank(tiny_config, tmp_p
     if fault.startswith("hang"):  # every rank's stacks were saved; the hung rank's shows where it is
         stacks = list(Path(tiny_config["trainer"]["default_local_dir"]).glob("stacks_update_actor_*.txt"))
         assert stacks and "faults.py" in stacks[0].read_text()
+
+
+class Waiter:
+    """A worker whose call waits for a file (polled with a long limit), or fails."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, master=None):
+        self.rank = rank
+
+    def wait_for(self, path: str, value: int) -> int:
+        for _ in range(6000):
+            if Path(path).exists():
+                return value * 10 + self.rank
+            time.sleep(0.05)
+        raise TimeoutError(path)
+
+    def fail(self) -> None:
+        raise RuntimeError("this rank broke")
+
+
+def test_a_group_call_submitted_is_a_future_the_driver_need_not_wait_on(ray_cluster, tmp_path):
+    """RayGroup.submit returns at once; its future holds the ranks' replies in rank order, or the
+    KeelError `call` would raise naming the rank."""
+    import ray.cloudpickle
+
+    from keel.distributed.group import RayGroup
+    from keel.distributed.ray_cluster import Devices
+    from keel.errors import WORKER_RAISED, KeelError
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import tests/
+    group = RayGroup(
+        Waiter, 2, Devices(False, 2, {}), role="waiters", stacks_dir=tmp_path, phase_timeout_s=None, rendezvous=False
+    )
+    try:
+        flag = tmp_path / "go"
+        first = group.submit("wait_for", [(str(flag), 1), (str(flag), 2)])
+        second = group.submit("wait_for", [(str(flag), 3), (str(flag), 4)])  # queued behind the first
+        assert not first.done() and not second.done()  # the driver goes on while the ranks wait
+        flag.touch()
+        assert first.result(timeout=300) == [10, 21] and second.result(timeout=300) == [30, 41]
+        with pytest.raises(KeelError) as failed:
+            group.submit("fail", [(), ()]).result(timeout=300)
+        assert failed.value.code == WORKER_RAISED and "this rank broke" in str(failed.value)
+    finally:
+        group.shutdown()
+
+
+def test_a_local_groups_submitted_call_has_run_when_it_returns(tmp_path):
+    """One worker in the driver's process: submit runs the call there and then; a failure is in its future."""
+    group = LocalGroup(Waiter())
+    (tmp_path / "go").touch()
+    assert group.submit("wait_for", [(str(tmp_path / "go"), 5)]).result(timeout=0) == [50]
+    failed = group.submit("fail", [()])
+    assert failed.done() and isinstance(failed.exception(), RuntimeError)
