@@ -192,6 +192,8 @@ class RolloutConfig(LogProbBatching):
     val_kwargs: ValKwargs = opt(factory=ValKwargs)
     multi_turn: MultiTurnConfig = opt(factory=MultiTurnConfig)
     agent: AgentConfig = opt(factory=AgentConfig)
+    n_gpus_per_node: int = opt(1, gt=0, help="hybrid_engine=false: the rollout's workers per node")
+    nnodes: int = opt(1, gt=0, help="hybrid_engine=false: the rollout's nodes")
 
 
 @dataclass
@@ -207,6 +209,12 @@ class ActorRolloutRefConfig:
     actor: ActorConfig = opt(factory=ActorConfig)
     rollout: RolloutConfig = opt(factory=RolloutConfig, help="generation: the rollout engine and sampling")
     ref: RefConfig = opt(factory=RefConfig, help="the frozen starting policy, loaded when a KL term needs it")
+    hybrid_engine: bool = opt(
+        True,
+        help="true: the rollout engine shares the actor's workers (and GPUs); false: it runs on workers of its own "
+        "(rollout.n_gpus_per_node x rollout.nnodes, placed by Ray), which take the actor's weights after each update, "
+        "tagged with the policy version; with trainer.mode=async they generate while the actor trains",
+    )
 
 
 @dataclass
@@ -284,6 +292,9 @@ class KeelConfig:
         "reward_model.enable_resource_pool",
         "reward_model.n_gpus_per_node",
         "reward_model.nnodes",
+        "actor_rollout_ref.hybrid_engine",  # where the rollout runs, not what it samples
+        "actor_rollout_ref.rollout.n_gpus_per_node",
+        "actor_rollout_ref.rollout.nnodes",
         # generation engine
         "actor_rollout_ref.rollout.name",
         "actor_rollout_ref.rollout.max_num_seqs",
@@ -324,6 +335,9 @@ class KeelConfig:
             pools["critic"] = self.critic.n_gpus_per_node * self.critic.nnodes
         if self.reward_model.enable_resource_pool:
             pools["reward model"] = self.reward_model.n_gpus_per_node * self.reward_model.nnodes
+        if not self.actor_rollout_ref.hybrid_engine:
+            rollout = self.actor_rollout_ref.rollout
+            pools["rollout"] = rollout.n_gpus_per_node * rollout.nnodes
         return pools
 
     @property

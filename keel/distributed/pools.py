@@ -1,4 +1,4 @@
-"""The run's worker groups: the policy's ranks, a critic pool, a reward model pool. Each is a
+"""The run's worker groups: the policy's ranks, a critic pool, a rollout pool, a reward model pool. Each is a
 RayGroup (placement group, phase timeout, dead-or-stalled diagnosis) serving the worker its
 role builds."""
 
@@ -13,6 +13,7 @@ import torch
 from keel.distributed.dist import port_from_environment
 from keel.distributed.group import RayGroup
 from keel.distributed.ray_cluster import Devices
+from keel.distributed.rollout_worker import RolloutWorker
 from keel.distributed.worker import RoleWorker, WorkerSpec
 from keel.rewards.model import RewardModel, RewardTemplate
 from keel.training.batching import contiguous_shares
@@ -43,6 +44,21 @@ def role_group(
         stacks_dir=stacks_dir,
         phase_timeout_s=cfg.trainer.guards.phase_timeout_s,
         port=port_from_environment() if roles is None else None,
+    )
+
+
+def rollout_group(cfg, total_steps: int, actor_weights: str | None, stacks_dir: Path) -> RayGroup:
+    """The rollout's own workers (actor_rollout_ref.hybrid_engine=false): RolloutWorkers on
+    rollout.n_gpus_per_node x rollout.nnodes devices, generating independently (no process group)."""
+    build = functools.partial(RolloutWorker, WorkerSpec.of(cfg, total_steps, actor_weights))
+    return RayGroup(
+        build,
+        cfg.pools["rollout"],
+        Devices.of(cfg),
+        role="rollout",
+        stacks_dir=stacks_dir,
+        phase_timeout_s=cfg.trainer.guards.phase_timeout_s,
+        rendezvous=False,
     )
 
 

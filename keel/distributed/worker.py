@@ -24,6 +24,7 @@ from keel.config.schema import ActorRolloutRefConfig, CriticConfig, KeelConfig
 from keel.distributed.dist import init_process_group
 from keel.distributed.fsdp import full_parameters
 from keel.distributed.parallelize import parallelize
+from keel.distributed.rollout_worker import agent_around, generate_samples
 from keel.models.load import (
     autocast,
     can_compile,
@@ -36,8 +37,8 @@ from keel.models.load import (
 )
 from keel.models.lora import adapter_weights, apply_lora, frozen_base, plan_lora, trained_in_full
 from keel.observe.profile import RankProfile
-from keel.rollout.agent import AgentLoop, build_agent_loop
-from keel.rollout.agent.external import ExternalAgentRollout, build_external_agent
+from keel.rollout.agent import AgentLoop
+from keel.rollout.agent.external import ExternalAgentRollout
 from keel.rollout.base import RolloutEngine
 from keel.rollout.hf import HFRolloutEngine
 from keel.rollout.select import make_rollout_engine
@@ -57,7 +58,9 @@ class WorkerSpec:
 
     policy: ActorRolloutRefConfig  # the policy's model, actor, rollout and reference
     critic: CriticConfig
-    roles: frozenset[str]  # "policy" (actor, rollout engine, reference), "critic"
+    # "policy" (actor, rollout engine, reference), "actor" (the policy without its engine: the rollout
+    # has workers of its own), "critic"
+    roles: frozenset[str]
     total_steps: int  # the LR schedules' length
     device: str  # trainer.device
     seed: int  # trainer.seed: identical initial weights on every rank
@@ -72,13 +75,15 @@ class WorkerSpec:
     def of(
         cls, cfg: KeelConfig, total_steps: int, actor_weights: str | None = None, roles: frozenset[str] | None = None
     ) -> WorkerSpec:
-        """`roles` by default: the policy, and the critic too unless it has a pool of its own."""
+        """`roles` by default: the policy (without its engine when the rollout has a pool of its own),
+        and the critic too unless it has a pool of its own."""
+        policy = "actor" if "rollout" in cfg.pools else "policy"
         colocated_critic = cfg.critic_enabled and "critic" not in cfg.pools
         t = cfg.trainer
         return cls(
             cfg.actor_rollout_ref,
             cfg.critic,
-            roles or frozenset({"policy", "critic"} if colocated_critic else {"policy"}),
+            roles or frozenset({policy, "critic"} if colocated_critic else {policy}),
             total_steps,
             t.device,
             t.seed,
@@ -118,12 +123,12 @@ class RoleWorker:
         self.actor: ActorTrainer | None = None
         self.ref: ReferencePolicy | None = None
         self.weights_version = 0  # the policy version the engine's weights are: actor updates synced to it
-        if "policy" in roles:
-            self._build_policy()
+        if "policy" in roles or "actor" in roles:
+            self._build_policy(with_engine="policy" in roles)
         self.critic = self._build_critic() if "critic" in roles else None
 
-    def _build_policy(self) -> None:
-        """The actor, its rollout engine and the reference (when a KL term needs one)."""
+    def _build_policy(self, with_engine: bool) -> None:
+        """The actor, its rollout engine (`with_engine`) and the reference (when a KL term needs one)."""
         spec, policy, rank = self.spec, self.spec.policy, self.rank
         torch.manual_seed(spec.seed)  # every rank starts from identical weights
         # With LoRA a checkpoint's actor is its adapters; the base is always model.path.
@@ -138,16 +143,17 @@ class RoleWorker:
         # Built before the actor is sharded (and before LoRA): it reads the whole base weights once.
         # After each update it takes the actor module's, gathered from shards; under LoRA it holds the
         # frozen base for the trainer too and takes only the adapters.
-        self.rollout = make_rollout_engine(
-            policy.rollout,
-            model,
-            self.tokenizer,
-            self.device,
-            self.compute_dtype,
-            log_choice=rank == 0,
-            will_be_sharded=self._actor_sharded,
-            lora=self.lora,
-        )
+        if with_engine:
+            self.rollout = make_rollout_engine(
+                policy.rollout,
+                model,
+                self.tokenizer,
+                self.device,
+                self.compute_dtype,
+                log_choice=rank == 0,
+                will_be_sharded=self._actor_sharded,
+                lora=self.lora,
+            )
         if self.lora:
             model = self._with_adapters(model, policy.model, "actor_rollout_ref.model", spec.actor_weights)
             self._share_base(model)
@@ -164,14 +170,8 @@ class RoleWorker:
         )
         if self.lora:  # adapters loaded from a checkpoint or lora_adapter_path reach the engine now
             self._sync_rollout()
-        if policy.rollout.multi_turn.enable:
-            self.agent = build_agent_loop(
-                policy.rollout.multi_turn, self.rollout, self.tokenizer, spec.max_response_length
-            )
-        agent = policy.rollout.agent
-        if agent.function or agent.environment:  # agent code behind an OpenAI client drives the engine instead
-            budget = spec.max_response_length
-            self.agent = build_external_agent(agent, self.rollout, self.tokenizer, budget)
+        if with_engine:
+            self.agent = agent_around(policy, self.rollout, self.tokenizer, spec.max_response_length)
         if spec.with_reference and self.lora:  # the base itself, adapters off: no second model
             self.ref = AdapterlessReference(
                 model, _log_prob_batching(policy.ref), policy.rollout.temperature, placement
@@ -264,18 +264,19 @@ class RoleWorker:
         return {"rollout_engine": type(self.rollout).__name__ if self.rollout else None, **self.sharding}
 
     def generate(self, prompts, sampling: SamplingParams, seed: int) -> tuple[RolloutBatch | None, dict]:
-        """This rank's samples, and the engine's own timing of its parts (`timing_s/gen_<part>`: prefill,
-        decode, ...) with what else the generator measured (an agent rollout's `agent/engine/*`)."""
-        if prompts is None:  # fewer prompts than ranks
-            return None, {}
-        torch.manual_seed(seed)  # per step and rank: a resumed run samples what an uninterrupted one would
-        start = time.perf_counter()
-        generator = self.agent or self.rollout
-        batch = generator.generate(prompts, sampling)  # the engine applies the compute dtype itself
-        batch.policy_version = torch.full((len(batch),), self.weights_version, dtype=torch.long)
-        timing = {f"timing_s/gen_{part}": seconds for part, seconds in generator.timing.items()}
-        timing["timing_s/gen_engine"] = time.perf_counter() - start
-        return batch, {**timing, **getattr(generator, "metrics", {})}
+        return generate_samples(self.agent or self.rollout, prompts, sampling, seed, self.weights_version)
+
+    def policy_weights(self) -> tuple[list | None, int]:
+        """(the actor's whole weights as (name, tensor) pairs on the host, on rank 0; its policy
+        version): for a rollout on workers of its own. Every rank takes part (a sharded actor's
+        weights are gathered)."""
+        named = (
+            full_parameters(self.actor.model, self.device)
+            if self._actor_sharded
+            else self.actor.model.named_parameters()
+        )
+        weights = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named]
+        return (weights if self.rank == 0 else None), self.weights_version
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         with autocast(self.device, self.compute_dtype):
@@ -304,7 +305,10 @@ class RoleWorker:
 
     def _sync_rollout(self) -> None:
         """The engine sees the updated weights: sharded, gathered a bucket of parameters per
-        collective straight into the engine's own weights."""
+        collective straight into the engine's own weights. (None here: the rollout's own workers take
+        them from policy_weights.)"""
+        if self.rollout is None:
+            return
         if self.lora and not isinstance(self.rollout, HFRolloutEngine):  # hf generates with the module itself
             self.rollout.load_adapters(adapter_weights(self.actor.model))  # the base never changes: never synced
             self.rollout.load_weights(trained_in_full(self.actor.model), every=False)

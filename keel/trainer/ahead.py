@@ -41,8 +41,7 @@ class InFlight:
 
     step: int  # the step that trains it
     sampler_state: dict  # the sampler before it drew the batch's prompts: where a resume starts again
-    gen_parts: dict[str, float]  # the engine's timing of its parts
-    scored: Future  # -> (the scored batch, its reward metrics, seconds the scoring took)
+    scored: Future  # -> (the scored batch, its reward metrics, seconds the scoring took, its generation's timing)
 
 
 def policy_version(cfg: KeelConfig, step: int) -> int:
@@ -97,12 +96,11 @@ class RolloutAhead:
     def __call__(self, timer: Timer, step: int) -> tuple[RolloutBatch, PromptBatch, dict[str, float], dict[str, float]]:
         """(batch `step`'s scored samples, their prompts, reward and staleness metrics, the timing
         of this step's generation): what ScoredRollout returns in sync mode."""
-        gen_parts: dict[str, float] = {}
         while self.generated < min(step + self.bound, self.last_step):
-            gen_parts = self._generate(timer)
+            self._generate(timer)
         flight = self.in_flight.popleft()
-        with timer("wait_reward"):  # what scoring still took once generation and training were done
-            batch, metrics, seconds = flight.scored.result()
+        with timer("wait_reward"):  # what scoring (and a rollout of its own, generating) still took
+            batch, metrics, seconds, gen_parts = flight.scored.result()
         # the versions the workers stamped on the samples against the policy this step updates
         staleness = (policy_version(self.cfg, step - 1) - batch.policy_version).float()
         metrics = {
@@ -112,20 +110,25 @@ class RolloutAhead:
             "async/staleness/max": staleness.max().item(),
             "async/in_flight": float(len(self.in_flight)),
         }
-        return batch, self.rollout.prompts_of(batch), metrics, gen_parts or flight.gen_parts
+        return batch, self.rollout.prompts_of(batch), metrics, gen_parts
 
-    def _generate(self, timer: Timer) -> dict[str, float]:
-        """The next batch, generated now (with the policy the workers hold) and sent to scoring."""
+    def _generate(self, timer: Timer) -> None:
+        """The next batch, from the policy the rollout's workers hold, then scored: generated now on the
+        actor's workers, or started on the rollout's own (the driver goes on to train meanwhile)."""
         self.generated += 1
-        state = self.sampler.state_dict()
-        batch, gen_parts = self.rollout.generate(timer, step_seed(self.cfg, self.generated))
-        self.in_flight.append(InFlight(self.generated, state, gen_parts, self.scoring.submit(self._score, batch)))
-        return gen_parts
+        state, seed = self.sampler.state_dict(), step_seed(self.cfg, self.generated)
+        if self.rollout.apart:
+            generated = self.rollout.submit_generate(seed)
+        else:
+            generated = Future()
+            generated.set_result(self.rollout.generate(timer, seed))
+        self.in_flight.append(InFlight(self.generated, state, self.scoring.submit(self._score, generated)))
 
-    def _score(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float], float]:
+    def _score(self, generated: Future) -> tuple[RolloutBatch, dict[str, float], float, dict[str, float]]:
+        batch, gen_parts = generated.result()
         start = time.perf_counter()
         batch, metrics = self.rollout.score(batch)
-        return batch, metrics, time.perf_counter() - start
+        return batch, metrics, time.perf_counter() - start, gen_parts
 
     def settle(self) -> None:
         """Every batch in flight scored: the reward function is then free for validation's use."""

@@ -4,6 +4,8 @@ the whole batch and nothing is copied."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,12 +41,21 @@ class UpdateSchedule:
 
 class WorkerRoles:
     def __init__(
-        self, group, pad_token_id: int, actor: UpdateSchedule, critic: UpdateSchedule | None = None, critic_group=None
+        self,
+        group,
+        pad_token_id: int,
+        actor: UpdateSchedule,
+        critic: UpdateSchedule | None = None,
+        critic_group=None,
+        rollout_group=None,
     ):
         """`critic_group`: the critic's own workers (critic.enable_resource_pool); by default the
-        critic is colocated in `group`."""
+        critic is colocated in `group`. `rollout_group`: the rollout's own workers
+        (hybrid_engine=false), which take the actor's weights after each update; by default each
+        of `group`'s workers generates with its own engine."""
         self.group = group
         self.critic_group = critic_group or group
+        self.rollout_group = rollout_group
         self.actor_schedule, self.critic_schedule = actor, critic
         self.world = group.world_size
         self.pad_token_id = pad_token_id
@@ -52,13 +63,13 @@ class WorkerRoles:
         self.rss_gb = 0.0
 
     @classmethod
-    def of(cls, group, cfg: KeelConfig, pad_token_id: int, critic_group=None) -> WorkerRoles:
+    def of(cls, group, cfg: KeelConfig, pad_token_id: int, critic_group=None, rollout_group=None) -> WorkerRoles:
         policy = cfg.actor_rollout_ref
         n, shuffle, length = policy.rollout.n, policy.actor.shuffle, cfg.data.max_response_length
         actor = UpdateSchedule(policy.actor.ppo_mini_batch_size * n, policy.actor.ppo_epochs, shuffle, length)
         critic_prompts, _, critic_epochs = cfg.critic_batching
         critic = UpdateSchedule(critic_prompts * n, critic_epochs, shuffle, length) if cfg.critic_enabled else None
-        return cls(group, pad_token_id, actor, critic, critic_group)
+        return cls(group, pad_token_id, actor, critic, critic_group, rollout_group)
 
     # --- rollout -----------------------------------------------------------------------------------
     def generate(
@@ -67,9 +78,18 @@ class WorkerRoles:
         """The samples, and the engine's timing of its parts (`timing_s/gen_*`, the slowest rank's:
         where the phase's time went). Contiguous slices of the prompts, one per rank (generation
         has no collectives, so the slices may differ in size or be empty)."""
-        shares = contiguous_shares(len(prompts), self.world)
+        return self.submit_generate(prompts, sampling, seed).result()
+
+    def submit_generate(self, prompts: PromptBatch, sampling: SamplingParams, seed: int) -> Future:
+        """generate, started: a future of what it returns. On the rollout's own workers the driver
+        goes on (the actor trains) while they generate."""
+        group = self.rollout_group or self.group
+        shares = contiguous_shares(len(prompts), group.world_size)
         parts = [_slice_prompts(prompts, start, end) for start, end in shares]
-        results = self._call("generate", [(p, sampling, rank_seed(seed, r)) for r, p in enumerate(parts)])
+        submitted = group.submit("generate", [(p, sampling, rank_seed(seed, r)) for r, p in enumerate(parts)])
+        return _then(submitted, lambda replies: self._samples(shares, self._noted("generate", replies)))
+
+    def _samples(self, shares: list[tuple[int, int]], results: list) -> tuple[RolloutBatch, dict[str, float]]:
         timing = {k: max(t.get(k, 0.0) for _, t in results) for _, t in results for k in t}
         for (start, _), (batch, _) in zip(shares, results):
             if batch is not None and batch.sample_index is not None:  # a rank numbers its own samples from 0
@@ -107,7 +127,19 @@ class WorkerRoles:
 
     def update_actor(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
         plan = _plan(batch, self.actor_schedule, actor_order_seed(seed), self.world)
-        return combine_metrics(self._call("update_actor", [(p,) for p in plan]))
+        metrics = combine_metrics(self._call("update_actor", [(p,) for p in plan]))
+        if self.rollout_group is not None:
+            metrics.update(self._send_weights())
+        return metrics
+
+    def _send_weights(self) -> dict[str, float]:
+        """The actor's updated weights to the rollout's own workers, with their policy version (it
+        waits for a generation they are running: the next one samples from these weights)."""
+        start = time.perf_counter()
+        weights, version = self._call("policy_weights", [()] * self.world)[0]
+        rollout = self.rollout_group
+        self._call("load_policy", [(weights, version)] * rollout.world_size, rollout)
+        return {"timing_s/sync_rollout_weights": time.perf_counter() - start}
 
     def update_critic(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
         plan = _plan(batch, self.critic_schedule, critic_order_seed(seed), self.critic_group.world_size)
@@ -122,11 +154,11 @@ class WorkerRoles:
 
     def load(self, directory: Path, weights_version: int) -> None:
         """`weights_version`: the policy version of the checkpoint's weights (its actor updates)."""
-        for group in self._groups():
+        for group in self._groups() + ([self.rollout_group] if self.rollout_group else []):
             group.call("load", [(str(directory), weights_version)] * group.world_size)
 
     def shutdown(self) -> None:
-        for group in self._groups():
+        for group in self._groups() + ([self.rollout_group] if self.rollout_group else []):
             group.shutdown()
 
     def _groups(self) -> list:
@@ -141,8 +173,10 @@ class WorkerRoles:
         return metrics
 
     def _call(self, method: str, per_rank_args: list[tuple], group=None) -> list:
-        group = group or self.group
-        results = group.call(method, per_rank_args)
+        return self._noted(method, (group or self.group).call(method, per_rank_args))
+
+    def _noted(self, method: str, results) -> list:
+        """A call's results, its ranks' memory readings noted."""
         readings = results.memory
         if any("gpu_peak_gb" in m for m in readings):
             self.peak_gb[method] = max(m.get("gpu_peak_gb", 0.0) for m in readings)
@@ -169,6 +203,20 @@ def _rows_per_mini_batch(batch: RolloutBatch, samples: int) -> int:
         return samples
     count = int(torch.unique(batch.sample_index).numel())
     return -(-samples * len(batch) // count)
+
+
+def _then(future: Future, read) -> Future:
+    """A future of `read(future's result)`, or of its error."""
+    chained: Future = Future()
+
+    def done(finished: Future) -> None:
+        try:
+            chained.set_result(read(finished.result()))
+        except BaseException as error:  # noqa: BLE001 - handed to whoever waits on it
+            chained.set_exception(error)
+
+    future.add_done_callback(done)
+    return chained
 
 
 def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:

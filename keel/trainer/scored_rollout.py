@@ -5,6 +5,7 @@ baseline, the score of each prompt's greedy response."""
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future
 
 import torch
 
@@ -67,12 +68,25 @@ class ScoredRollout:
 
     def generate(self, timer: Timer, seed: int) -> tuple[RolloutBatch, dict[str, float]]:
         """The samples of the sampler's next prompts (n each), and the engine's timing of its parts."""
+        prompts = self._next_prompts()
+        with timer("gen"):
+            return self.components.workers.generate(prompts, self.sampling, seed)
+
+    def submit_generate(self, seed: int) -> Future:
+        """generate, started on the rollout's own workers: the sampler's next prompts drawn now."""
+        return self.components.workers.submit_generate(self._next_prompts(), self.sampling, seed)
+
+    @property
+    def apart(self) -> bool:
+        """The rollout has workers of its own (hybrid_engine=false): it may generate while the actor trains."""
+        return self.components.workers.rollout_group is not None
+
+    def _next_prompts(self) -> PromptBatch:
         parts = self.components
         prompts = collate_prompts(
             [parts.train_data[i] for i in parts.sampler.next_batch()], parts.tokenizer.pad_token_id
         )
-        with timer("gen"):
-            return parts.workers.generate(prompts.repeat_interleave(self.sampling.n), self.sampling, seed)
+        return prompts.repeat_interleave(self.sampling.n)
 
     def score(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
         """The batch scored, less the samples that leave the update (reward.on_error=mask's not-scored

@@ -20,7 +20,7 @@ from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptRecord, build_prompt_dataset, load_rows
 from keel.data.sampler import ResumableSampler
 from keel.distributed.group import LocalGroup
-from keel.distributed.pools import RewardModelPool, role_group
+from keel.distributed.pools import RewardModelPool, role_group, rollout_group
 from keel.distributed.worker import RoleWorker, WorkerSpec
 from keel.errors import DATA_EMPTY, KeelError
 from keel.errors.fixes import setting, whole_batches
@@ -189,7 +189,17 @@ def build_workers(
         critic_group = role_group(
             cfg, total_steps, None, Path(run_dir), roles=frozenset({"critic"}), world_size=cfg.critic_world_size
         )
-    return WorkerRoles.of(group, cfg, tokenizer.pad_token_id, critic_group)
+    rollout = None
+    if "rollout" in cfg.pools:
+        log.info(
+            "starting %d rollout workers (actor_rollout_ref.hybrid_engine=false: rollout.n_gpus_per_node=%d x "
+            "rollout.nnodes=%d)",
+            cfg.pools["rollout"],
+            cfg.actor_rollout_ref.rollout.n_gpus_per_node,
+            cfg.actor_rollout_ref.rollout.nnodes,
+        )
+        rollout = rollout_group(cfg, total_steps, weights, Path(run_dir))
+    return WorkerRoles.of(group, cfg, tokenizer.pad_token_id, critic_group, rollout)
 
 
 def build_reward(cfg: KeelConfig) -> RewardScorer:

@@ -1,0 +1,87 @@
+"""The rollout on workers of its own (actor_rollout_ref.hybrid_engine=false): a rank holds the
+rollout engine (and the agent loop around it, for multi-turn or agent rollouts) and nothing that
+trains. It starts from the policy's weights (the model path, or a checkpoint's actor) and takes the
+actor's after each update, tagged with their policy version (`load_policy`); every sample it
+generates carries the version it was sampled from. Its ranks generate independently: no process
+group, no collectives.
+
+`generate_samples` is the generation both kinds of worker run (RoleWorker's colocated engine and
+this one), so a sample is made the same way wherever it is made.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from keel.models.load import load_causal_lm, load_tokenizer, quiet_transformers, resolve_device, resolve_dtype
+from keel.rollout.agent import build_agent_loop
+from keel.rollout.agent.external import build_external_agent
+from keel.rollout.select import make_rollout_engine
+from keel.types import RolloutBatch, SamplingParams
+
+
+def generate_samples(generator, prompts, sampling: SamplingParams, seed: int, version: int):
+    """(this rank's samples, each stamped with `version`, and the generator's timing of its parts
+    (`timing_s/gen_<part>`: prefill, decode, ...) with what else it measured (an agent rollout's
+    `agent/engine/*`)); (None, {}) for a rank with no prompts."""
+    if prompts is None:  # fewer prompts than ranks
+        return None, {}
+    torch.manual_seed(seed)  # per step and rank: a resumed run samples what an uninterrupted one would
+    start = time.perf_counter()
+    batch = generator.generate(prompts, sampling)  # the engine applies the compute dtype itself
+    batch.policy_version = torch.full((len(batch),), version, dtype=torch.long)
+    timing = {f"timing_s/gen_{part}": seconds for part, seconds in generator.timing.items()}
+    timing["timing_s/gen_engine"] = time.perf_counter() - start
+    return batch, {**timing, **getattr(generator, "metrics", {})}
+
+
+def agent_around(policy, engine, tokenizer, budget: int):
+    """What drives the engine through a multi-turn or agent rollout (None: the engine alone)."""
+    if policy.rollout.agent.function or policy.rollout.agent.environment:  # agent code behind an OpenAI client
+        return build_external_agent(policy.rollout.agent, engine, tokenizer, budget)
+    if policy.rollout.multi_turn.enable:
+        return build_agent_loop(policy.rollout.multi_turn, engine, tokenizer, budget)
+    return None
+
+
+class RolloutWorker:
+    """One rank of the rollout's own workers; `spec` is the policy's WorkerSpec."""
+
+    def __init__(self, spec, rank: int = 0, world_size: int = 1, master=None, tokenizer=None):
+        quiet_transformers()
+        self.spec, self.rank = spec, rank
+        policy = spec.policy
+        self.device = resolve_device(spec.device)
+        if self.device.type == "cuda":  # a Ray worker sees only its own GPU
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        compute_dtype = resolve_dtype(policy.model.dtype, self.device)
+        self.tokenizer = tokenizer or load_tokenizer(policy.model.path, policy.model.trust_remote_code)
+        torch.manual_seed(spec.seed)
+        model = load_causal_lm(spec.actor_weights or policy.model.path, self.device, policy.model.trust_remote_code)
+        self.rollout = make_rollout_engine(
+            policy.rollout, model, self.tokenizer, self.device, compute_dtype, log_choice=rank == 0
+        )
+        self.agent = agent_around(policy, self.rollout, self.tokenizer, spec.max_response_length)
+        self.weights_version = 0  # the policy version of the weights the engine holds
+
+    def info(self) -> dict:
+        return {"rollout_engine": type(self.rollout).__name__}
+
+    def generate(self, prompts, sampling: SamplingParams, seed: int) -> tuple[RolloutBatch | None, dict]:
+        return generate_samples(self.agent or self.rollout, prompts, sampling, seed, self.weights_version)
+
+    def load_policy(self, named: list, version: int) -> None:
+        """The actor's whole weights, (name, tensor) pairs, as of policy version `version`."""
+        self.rollout.load_weights(named)
+        self.weights_version = version
+
+    def load(self, directory: str, weights_version: int = 0) -> None:
+        """A resumed run: the checkpoint's actor weights came with the spec; their version is the step's."""
+        self.weights_version = weights_version
+
+    def close(self) -> None:
+        """Processes the agent rollout started (its endpoint and agents) stop."""
+        if hasattr(self.agent, "close"):
+            self.agent.close()
