@@ -193,7 +193,7 @@ class RolloutConfig(LogProbBatching):
     multi_turn: MultiTurnConfig = opt(factory=MultiTurnConfig)
     agent: AgentConfig = opt(factory=AgentConfig)
     n_gpus_per_node: int = opt(1, gt=0, help="hybrid_engine=false: the rollout's workers per node")
-    nnodes: int = opt(1, gt=0, help="hybrid_engine=false: the rollout's nodes")
+    nnodes: int = opt(1, ge=0, help="hybrid_engine=false: the rollout's nodes (0, verl's default: 1)")
 
 
 @dataclass
@@ -337,7 +337,7 @@ class KeelConfig:
             pools["reward model"] = self.reward_model.n_gpus_per_node * self.reward_model.nnodes
         if not self.actor_rollout_ref.hybrid_engine:
             rollout = self.actor_rollout_ref.rollout
-            pools["rollout"] = rollout.n_gpus_per_node * rollout.nnodes
+            pools["rollout"] = rollout.n_gpus_per_node * max(rollout.nnodes, 1)
         return pools
 
     @property
