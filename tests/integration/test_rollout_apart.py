@@ -52,3 +52,13 @@ def test_in_async_mode_the_rollout_of_its_own_generates_from_one_version_back(co
     # the starting weights, then each from the weights before the previous step's update
     assert [m["async/staleness/max"] for m in steps] == [0.0, 1.0, 1.0]
     assert all(m["actor/grad_norm"] > 0 for m in steps)
+
+
+def test_lora_with_a_rollout_of_its_own_is_refused_with_the_fix(config):
+    from keel.config.load import load_config
+    from keel.errors import INCOMPATIBLE_OPTIONS, KeelError
+
+    config["actor_rollout_ref"]["model"]["lora_rank"] = 8
+    with pytest.raises(KeelError) as refused:
+        load_config(config, APART)
+    assert refused.value.code == INCOMPATIBLE_OPTIONS and "hybrid_engine=true" in refused.value.fix
