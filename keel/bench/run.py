@@ -162,7 +162,7 @@ def run_bench(
         engine = trainer.components.workers.group.call("info", [()] * cfg.world_size)[0]["rollout_engine"]
     finally:
         logger.close()
-        trainer.rollout.close()  # async: the batches generated ahead are scored before the reward stops
+        trainer.rollout.close()  # async: the batches generated ahead are dropped before the reward stops
         trainer.components.reward.shutdown()
         trainer.components.workers.shutdown()
         del trainer  # a one-worker run holds its GPU memory in this process: free it for the next run

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from keel.config.schema import KeelConfig
@@ -88,6 +88,7 @@ class RolloutAhead:
         self.in_flight: deque[InFlight] = deque()
         self.scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-scoring")
         self.generated = 0  # the last step whose batch is generated
+        self.closed = False
 
     def start_at(self, step: int) -> None:
         """A run resumed after `step`: its next batch is step + 1's."""
@@ -126,6 +127,8 @@ class RolloutAhead:
 
     def _score(self, generated: Future) -> tuple[RolloutBatch, dict[str, float], float, dict[str, float]]:
         batch, gen_parts = generated.result()
+        if self.closed:
+            raise CancelledError("the run ended with this batch in flight")
         start = time.perf_counter()
         batch, metrics = self.rollout.score(batch)
         return batch, metrics, time.perf_counter() - start, gen_parts
@@ -142,4 +145,7 @@ class RolloutAhead:
         return self.in_flight[0].sampler_state, len(self.in_flight)
 
     def close(self) -> None:
-        self.scoring.shutdown(wait=True, cancel_futures=True)
+        """Batches in flight are dropped: scoring not begun is cancelled and none begins after this (the
+        reward function stops next); a run stopped mid-step does not wait for a generation to end."""
+        self.closed = True
+        self.scoring.shutdown(wait=False, cancel_futures=True)

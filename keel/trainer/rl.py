@@ -69,7 +69,6 @@ class RLTrainer:
         self.components: Components = build_components(cfg, start_from, inputs)
         self.sampling = training_sampling(cfg)
         self.scored = ScoredRollout(cfg, self.components, self.sampling)
-        # the step's samples: generated within it (sync), or ahead of it (async)
         self.rollout = step_rollout(cfg, self.scored, self.components.sampler, self.components.total_steps)
         self.run_files = RunDirectory(cfg, self.components, check_report)
         self.validation = Validation(cfg, self.components)
@@ -242,6 +241,7 @@ class RLTrainer:
         baseline = None
         if needs_baseline_rollout(self.cfg):
             with timer("gen_baseline"):
+                self.rollout.settle()  # async: the reward function is the baseline's alone while it scores
                 baseline = self.scored.baseline_scores(prompts, batch, self._seed())
         with timer("adv"):
             metrics = self._assign_rewards(batch)
