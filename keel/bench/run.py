@@ -159,7 +159,8 @@ def run_bench(
                 trainer.components.workers, profile_dir if i == warmup + steps else None, f"{name}_{gpus}gpu", gpu_busy
             ):
                 per_step.append(trainer.guarded_step(logger))
-        engine = trainer.components.workers.group.call("info", [()] * cfg.world_size)[0]["rollout_engine"]
+        generating = trainer.components.workers.rollout_group or trainer.components.workers.group
+        engine = generating.call("info", [()] * generating.world_size)[0]["rollout_engine"]
     finally:
         logger.close()
         trainer.rollout.close()  # async: the batches generated ahead are dropped before the reward stops

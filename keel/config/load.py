@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import os
 import types
 import typing
 from pathlib import Path
@@ -48,9 +49,10 @@ def load_config(
     cfg = _build(schema, tree, prefix="", schema=schema, problems=problems, decided=decided)
     if problems:
         raise combined(problems)
+    if schema is KeelConfig:
+        decided += _async_decisions(cfg, given)
     cfg.validate()
     if schema is KeelConfig:
-        decided += _correct_off_policy(cfg, given)
         decided += [
             f"{key}: keel's {value_at(cfg, key)!r}, verl's {verl!r}: {why}"
             for key, (verl, why) in DIFFERENT_DEFAULTS.items()
@@ -61,22 +63,33 @@ def load_config(
     return cfg
 
 
-def _correct_off_policy(cfg, given: set) -> list[str]:
-    """trainer.mode=async trains samples up to max_off_policy_steps policy versions old: with no
-    rollout correction asked for (rollout_is left unset), token-level truncated IS weights
-    (pi_old / pi_sampler, cut at rollout_is_threshold) correct for it -> what keel decided, for
-    `keel check`. A rollout_is set to null keeps the correction off."""
-    correction = cfg.algorithm.rollout_correction
-    off_policy = cfg.trainer.mode == "async" and cfg.trainer.max_off_policy_steps > 0
-    chosen = "algorithm.rollout_correction.rollout_is" in given
-    if not off_policy or chosen or correction.decoupled or correction.bypass_mode:
+def _async_decisions(cfg, given: set) -> list[str]:
+    """What trainer.mode=async decides that the config left open -> said in `keel check`'s "decided".
+    Its samples are up to max_off_policy_steps policy versions old: with no rollout correction asked
+    for (rollout_is unset; null keeps it off), token-level truncated IS weights (pi_old / pi_sampler,
+    cut at rollout_is_threshold) correct for it. Its rewards score on a thread beside the trainer's:
+    with reward.num_workers unset, in processes (verl's count), where a scorer's own signal-based
+    timeout works and a runaway one is ended, not left running in the trainer."""
+    if cfg.trainer.mode != "async":
         return []
-    object.__setattr__(correction, "rollout_is", "token")
-    return [
-        "algorithm.rollout_correction.rollout_is: 'token', since trainer.mode=async trains samples up to "
-        f"{cfg.trainer.max_off_policy_steps} policy versions old (truncated IS weights at "
-        f"{correction.rollout_is_threshold} correct for it; set rollout_is or rollout_rs to choose otherwise)"
-    ]
+    decided = []
+    correction, k = cfg.algorithm.rollout_correction, cfg.trainer.max_off_policy_steps
+    chosen = "algorithm.rollout_correction.rollout_is" in given
+    sampled = cfg.actor_rollout_ref.rollout.do_sample  # greedy log-probs are temperature 1's: no weights there
+    if k > 0 and sampled and not (chosen or correction.decoupled or correction.bypass_mode):
+        object.__setattr__(correction, "rollout_is", "token")
+        decided.append(
+            f"algorithm.rollout_correction.rollout_is: 'token', since trainer.mode=async trains samples up to {k} "
+            f"policy versions old (truncated IS weights at {correction.rollout_is_threshold} correct for it; set "
+            "rollout_is or rollout_rs to choose otherwise)"
+        )
+    if "reward.num_workers" not in given and cfg.reward.num_workers == 0:
+        object.__setattr__(cfg.reward, "num_workers", min(8, os.cpu_count() or 1))
+        decided.append(
+            f"reward.num_workers: {cfg.reward.num_workers}, since trainer.mode=async scores beside the trainer "
+            "(in processes a scorer's timeout ends it; 0 scores on a thread of the trainer's process)"
+        )
+    return decided
 
 
 def value_at(cfg, dotted: str):

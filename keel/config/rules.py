@@ -219,6 +219,12 @@ def _check_algorithm(cfg: KeelConfig, incompatible) -> None:
             "rollout.do_sample=false makes every sample the baseline: all advantages 0",
             f"set {setting(ROLLOUT + '.do_sample', True)}",
         )
+    if est == "remax" and cfg.trainer.mode == "async":
+        raise incompatible(
+            "algorithm.adv_estimator=remax with trainer.mode=async: ReMax's greedy baseline comes from the policy "
+            "at the update, not the one that sampled the batch, and it scores while the next batch does",
+            f"set {setting('trainer.mode', 'sync')}, or another estimator (grpo, rloo)",
+        )
     if cfg.algorithm.filter_groups.enable and cfg.trainer.mode == "async":
         raise incompatible(
             "algorithm.filter_groups.enable=true with trainer.mode=async: DAPO's dynamic sampling decides how "

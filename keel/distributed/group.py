@@ -83,6 +83,8 @@ class RayGroup:
         self.phase_timeout_s = phase_timeout_s
         self.last_memory: dict[int, dict] = {}  # rank -> its reading after its last call: for _died
         self.hosts: dict[int, str] = {}
+        self.ended: KeelError | None = None  # what shut the group down: every later call raises it
+        self.in_flight: set[Future] = set()  # submitted calls not yet answered: a later call waits for them too
         self.placement, cpus = reserve(ray, devices, world_size)
         env = {k: v for k, v in os.environ.items() if k.startswith("KEEL_")}  # a cluster's workers lack our env
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -90,6 +92,7 @@ class RayGroup:
         actor_class = _worker_actor_class(ray)
         self.actors = [
             actor_class.options(
+                allow_out_of_order_execution=False,  # a rank runs its calls in the order sent (versions rely on it)
                 num_cpus=cpus,
                 num_gpus=1 if devices.gpus else 0,
                 runtime_env={"env_vars": env} if env else None,
@@ -133,24 +136,46 @@ class RayGroup:
             )
 
     def call(self, method: str, per_rank_args: list[tuple]) -> Replies:
-        return self._replies(method, [a.run.remote(method, *args) for a, args in zip(self.actors, per_rank_args)])
+        return self._replies(method, self._send(method, per_rank_args), len(self.in_flight))
+
+    def call_all(self, method: str, args: tuple) -> Replies:
+        """The same arguments on every rank, stored once in Ray's object store (a whole model's weights)."""
+        import ray
+
+        stored = tuple(ray.put(arg) for arg in args)  # each rank's call reads them; none is copied per rank
+        return self.call(method, [stored] * self.world_size)
 
     def submit(self, method: str, per_rank_args: list[tuple]) -> Future:
         """The call sent to every rank now; the future holds its Replies, or the KeelError `call` raises."""
-        refs = [a.run.remote(method, *args) for a, args in zip(self.actors, per_rank_args)]
+        refs, ahead = self._send(method, per_rank_args), len(self.in_flight)
         future: Future = Future()
+        self.in_flight.add(future)  # set.add and set.discard are atomic: no lock with the waiting thread
 
         def wait() -> None:
             try:
-                future.set_result(self._replies(method, refs))
+                future.set_result(self._replies(method, refs, ahead))
             except BaseException as error:  # noqa: BLE001 - the caller of result() gets it, as call's did
                 future.set_exception(error)
+            finally:
+                self.in_flight.discard(future)
 
         threading.Thread(target=wait, name=f"keel-{self.role}-{method}", daemon=True).start()
         return future
 
-    def _replies(self, method: str, refs: list) -> Replies:
-        replies = self._wait(refs, method, list(range(self.world_size)), self.phase_timeout_s)
+    def _send(self, method: str, per_rank_args: list[tuple]) -> list:
+        if self.ended is not None:  # a call after a failure shut the group down says that failure again
+            raise self.ended
+        return [a.run.remote(method, *args) for a, args in zip(self.actors, per_rank_args)]
+
+    def _replies(self, method: str, refs: list, ahead: int = 0) -> Replies:
+        """The replies; `ahead`: calls submitted before it, which the ranks run first (each gets the
+        phase timeout)."""
+        timeout_s = self.phase_timeout_s * (ahead + 1) if self.phase_timeout_s else None
+        try:
+            replies = self._wait(refs, method, list(range(self.world_size)), timeout_s)
+        except KeelError as error:
+            self.ended = self.ended or error
+            raise self.ended from None
         self.last_memory.update(enumerate(reply.memory for reply in replies))
         return Replies(replies)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -275,8 +276,10 @@ class RoleWorker:
             if self._actor_sharded
             else self.actor.model.named_parameters()
         )
-        weights = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named]
-        return (weights if self.rank == 0 else None), self.weights_version
+        if self.rank != 0:  # its part of each gather, none of it kept
+            deque(named, maxlen=0)
+            return None, self.weights_version
+        return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named], self.weights_version
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         with autocast(self.device, self.compute_dtype):

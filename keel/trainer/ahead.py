@@ -49,6 +49,11 @@ def policy_version(cfg: KeelConfig, step: int) -> int:
     return max(0, step - max(cfg.algorithm.critic_warmup, 1) + 1)
 
 
+def sampled_by(cfg: KeelConfig, batch: RolloutBatch, step: int) -> bool:
+    """Whether every sample of `batch` was sampled from the policy step `step` updates."""
+    return batch.policy_version is None or bool((batch.policy_version == policy_version(cfg, step - 1)).all())
+
+
 def step_rollout(cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler, last_step: int):
     """The trainer.mode's rollout: `(timer, step)` -> the batch step `step` trains, its prompts,
     reward metrics and generation timing; `settle`, `resume_state`, `start_at`, `close` around it."""

@@ -32,7 +32,7 @@ from keel.observe.guards import (
 from keel.observe.log import warnings_said_once
 from keel.observe.metrics import MetricsLogger, Timer, last_logged_metrics
 from keel.rollout.agent.metrics import agent_metrics
-from keel.trainer.ahead import step_rollout
+from keel.trainer.ahead import sampled_by, step_rollout
 from keel.trainer.evaluate import Validation
 from keel.trainer.hooks import load_hook, run_hooks
 from keel.trainer.run_directory import RunDirectory
@@ -102,7 +102,7 @@ class RLTrainer:
                     if self.validation.due(self.step):
                         metrics.update(self._validate(logger))
                     logger.log(self.step, metrics)
-                    if self._due(self.cfg.trainer.save_freq) or self.step == self.components.total_steps:
+                    if _due(self.step, self.cfg.trainer.save_freq) or self.step == self.components.total_steps:
                         self.save()
         finally:
             self.rollout.close()
@@ -120,7 +120,7 @@ class RLTrainer:
             self.skipped_steps += 1
             return {"guards/skipped_steps": float(self.skipped_steps)}
         warnings = self.guard(self.step, metrics)
-        if self.hooks and self._due(self.cfg.trainer.hook_freq):
+        if self.hooks and _due(self.step, self.cfg.trainer.hook_freq):
             warnings += run_hooks(self.hooks, self.step, metrics, batch)
         metrics.update(report_warnings(self.step, warnings, self.warned_steps))
         metrics["guards/skipped_steps"] = float(self.skipped_steps)
@@ -155,7 +155,7 @@ class RLTrainer:
                 with timer("update_actor"):
                     metrics.update(workers.update_actor(batch, self._seed()))
                 if in_update:
-                    self._check_log_prob_gap(metrics.get("rollout/log_prob_gap", 0.0))
+                    self._check_log_prob_gap(metrics.get("rollout/log_prob_gap", 0.0), batch)
         logger.log_samples(self.step, _logged_samples(batch, self.cfg.trainer.log_samples))
         metrics.update(_step_report(batch, timer, gen_parts, workers, self.cfg.world_size))
         metrics.update(
@@ -198,7 +198,7 @@ class RLTrainer:
             metrics["rollout/log_prob_gap"] = masked_mean(
                 (batch.sampling_log_probs - batch.old_log_probs).abs(), recomputed
             ).item()
-            self._check_log_prob_gap(metrics["rollout/log_prob_gap"])
+            self._check_log_prob_gap(metrics["rollout/log_prob_gap"], batch)
         return False
 
     def _recomputed_log_probs(self, batch: RolloutBatch) -> tuple[torch.Tensor, float]:
@@ -212,8 +212,10 @@ class RLTrainer:
         old[rows] = self.components.workers.actor_log_probs(batch.select(rows))  # some: on-policy returned earlier
         return old, float(len(rows))
 
-    def _check_log_prob_gap(self, gap: float) -> None:
-        if self.sampling.do_sample:  # greedy engines record log-probs at temperature 1, not the trainer's
+    def _check_log_prob_gap(self, gap: float, batch: RolloutBatch) -> None:
+        # Greedy engines record log-probs at temperature 1, not the trainer's; samples of an older policy
+        # (async mode) differ from the trainer's by its updates since, which is no broken weight sync.
+        if self.sampling.do_sample and sampled_by(self.cfg, batch, self.step):
             check_log_prob_gap(gap, self.step, self.cfg.trainer.guards.max_log_prob_gap)
 
     def _assign_rewards(self, batch: RolloutBatch) -> dict[str, float]:
@@ -241,7 +243,6 @@ class RLTrainer:
         baseline = None
         if needs_baseline_rollout(self.cfg):
             with timer("gen_baseline"):
-                self.rollout.settle()  # async: the reward function is the baseline's alone while it scores
                 baseline = self.scored.baseline_scores(prompts, batch, self._seed())
         with timer("adv"):
             metrics = self._assign_rewards(batch)
@@ -274,9 +275,6 @@ class RLTrainer:
 
     def _seed(self) -> int:
         return step_seed(self.cfg, self.step)
-
-    def _due(self, freq: int) -> bool:
-        return freq > 0 and self.step % freq == 0
 
     # --- run directory and checkpoints ---------------------------------------------------------
     def _open_run_dir(self) -> None:
@@ -315,6 +313,10 @@ def outcome_rewards(batch: RolloutBatch, normalizer) -> tuple[torch.Tensor, dict
     scores = torch.zeros_like(batch.response_mask, dtype=torch.float32)  # [N, R]
     scores[torch.arange(len(batch)), batch.last_token_index] = outcome
     return scores * batch.response_mask, metrics
+
+
+def _due(step: int, freq: int) -> bool:
+    return freq > 0 and step % freq == 0
 
 
 def recomputed_mask(batch: RolloutBatch) -> torch.Tensor:  # [N, R]

@@ -137,8 +137,7 @@ class WorkerRoles:
         waits for a generation they are running: the next one samples from these weights)."""
         start = time.perf_counter()
         weights, version = self._call("policy_weights", [()] * self.world)[0]
-        rollout = self.rollout_group
-        self._call("load_policy", [(weights, version)] * rollout.world_size, rollout)
+        self._noted("load_policy", self.rollout_group.call_all("load_policy", (weights, version)))
         return {"timing_s/sync_rollout_weights": time.perf_counter() - start}
 
     def update_critic(self, batch: RolloutBatch, seed: int) -> dict[str, float]:

@@ -138,6 +138,8 @@ def test_keel_check_explains_the_mode_and_what_keel_decided_for_it(tiny_config):
     assert "at most 2 policy versions old (rollout correction: rollout_is=token)" in report.plan_text
     decided = load_config(tiny_config).decided
     assert any(d.startswith("algorithm.rollout_correction.rollout_is: 'token'") for d in decided)
+    assert any(d.startswith("reward.num_workers: ") for d in decided)  # scored in processes beside the trainer
+    assert load_config(tiny_config).reward.num_workers >= 1
     # a correction asked off stays off
     off = load_config(tiny_config, {"algorithm.rollout_correction.rollout_is": None})
     assert off.algorithm.rollout_correction.rollout_is is None
@@ -176,3 +178,14 @@ def test_async_mode_on_two_ray_workers_validates_while_a_batch_is_in_flight(tiny
     steps = [m for m in metrics_of(Path(tiny_config["trainer"]["default_local_dir"])) if m["step"] > 0]
     assert [m["async/staleness/max"] for m in steps] == [0.0, 1.0, 1.0]
     assert all(any(k.startswith("val") for k in m) for m in steps)
+
+
+def test_remax_with_async_mode_is_refused_with_the_fix(tiny_config):
+    from keel.config.load import load_config
+    from keel.errors import INCOMPATIBLE_OPTIONS, KeelError
+
+    tiny_config["trainer"]["mode"] = "async"
+    tiny_config["algorithm"]["adv_estimator"] = "remax"
+    with pytest.raises(KeelError) as refused:
+        load_config(tiny_config)
+    assert refused.value.code == INCOMPATIBLE_OPTIONS and "trainer.mode=sync" in refused.value.fix
