@@ -151,7 +151,7 @@ class WorkerRoles:
         for group in self._groups():
             group.call("save", [(str(directory),)] * group.world_size)
 
-    def load(self, directory: Path, weights_version: int) -> None:
+    def load(self, directory: Path, weights_version: int = 0) -> None:
         """`weights_version`: the policy version of the checkpoint's weights (its actor updates)."""
         for group in self._groups() + ([self.rollout_group] if self.rollout_group else []):
             group.call("load", [(str(directory), weights_version)] * group.world_size)
