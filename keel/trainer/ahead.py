@@ -50,8 +50,11 @@ def policy_version(cfg: KeelConfig, step: int) -> int:
 
 
 def sampled_by(cfg: KeelConfig, batch: RolloutBatch, step: int) -> bool:
-    """Whether every sample of `batch` was sampled from the policy step `step` updates."""
-    return batch.policy_version is None or bool((batch.policy_version == policy_version(cfg, step - 1)).all())
+    """Whether every sample of `batch` was sampled from the policy step `step` updates: always in sync mode
+    (a skipped step leaves the workers' count of updates behind the steps, never their weights)."""
+    if cfg.trainer.mode == "sync" or batch.policy_version is None:
+        return True
+    return bool((batch.policy_version == policy_version(cfg, step - 1)).all())
 
 
 def step_rollout(cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler, last_step: int):
