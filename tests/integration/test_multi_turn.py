@@ -50,7 +50,7 @@ def test_keel_check_and_train_take_verls_multi_turn_keys(tiny_config, tmp_path):
 def test_a_tool_calling_policy_trains_on_its_own_tokens(tiny_config, tmp_path, monkeypatch):
     """The engine writes a calculator call, then the answer; the tiny model's log-probs of those
     tokens are trained, the tool's output and the template's tokens are only context."""
-    import keel.distributed.worker as worker
+    import keel.distributed.rollout_worker as worker  # where every worker builds its agent loop
     from keel.rollout.agent.loop import build_agent_loop
 
     def scripted_loop(multi_turn, engine, tokenizer, budget):

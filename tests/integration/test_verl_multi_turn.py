@@ -95,7 +95,7 @@ def verl_config(tiny_config, tmp_path: Path, interaction: bool, reward: str) -> 
 
 def scripted(monkeypatch, turns):
     """The policy writes turns(index of its question, its turn)."""
-    import keel.distributed.worker as worker
+    import keel.distributed.rollout_worker as worker  # where every worker builds its agent loop
     from keel.rollout.agent.loop import build_agent_loop
 
     def turn_for(context: str, turn: int) -> str:
