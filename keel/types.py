@@ -54,6 +54,36 @@ class SamplingParams:
     ignore_eos: bool = False  # every response is max_new_tokens long (benchmarks)
 
 
+@dataclass(slots=True)
+class PartialSample:
+    """One sample of a partial rollout (trainer.partial_rollout): generated over rounds, each with the
+    policy of its time; a round that ends before it does keeps its tokens, and the next continues it."""
+
+    group: int  # the samples of one prompt share it; unique over the run
+    record: PromptRecord
+    ids: list[int] = field(default_factory=list)  # sampled so far; a stop token ends a finished one
+    log_probs: list[float] = field(default_factory=list)  # the sampler's, per token
+    versions: list[int] = field(default_factory=list)  # the policy version each token was sampled from
+    finished: bool = False  # ended: a stop token, or the response length
+    truncated: bool = False  # ended at the response length without a stop token
+
+
+@dataclass(frozen=True)
+class RoundEnd:
+    """When a round of partial rollouts ends: once every sample of `groups` has finished and at least
+    `count` groups have all their samples finished; what is under way then is cut."""
+
+    groups: frozenset = frozenset()
+    count: int = 0
+
+    def reached(self, groups: list[int], finished: list[bool]) -> bool:
+        """`groups`, `finished`: per sample of the round."""
+        open_groups = {g for g, done in zip(groups, finished) if not done}
+        if open_groups & self.groups:
+            return False
+        return len(set(groups) - open_groups) >= self.count
+
+
 @dataclass
 class RolloutBatch:
     prompt_ids: Tensor  # [N, P] left-padded
@@ -76,6 +106,9 @@ class RolloutBatch:
     # None: every row is a whole sample.
     sample_index: Tensor | None = None
     policy_version: Tensor | None = None  # [N] the policy version (actor updates so far) it was sampled from
+    # Partial rollouts: [N, R] the policy version each token was sampled from (a sample cut by a weight
+    # update continues under the next one); policy_version is then each sample's oldest.
+    token_versions: Tensor | None = None
 
     # Filled in by later stages of the step.
     scores: Tensor | None = None  # [N] outcome reward from the reward function

@@ -4,6 +4,7 @@ numbers and the fix."""
 
 from __future__ import annotations
 
+from keel.config.async_rules import check_async
 from keel.config.schema import GROUP_ESTIMATORS, KeelConfig
 from keel.errors import BAD_VALUE, BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, TOKEN_BUDGET, KeelError
 from keel.errors.fixes import overrides, setting
@@ -219,18 +220,6 @@ def _check_algorithm(cfg: KeelConfig, incompatible) -> None:
             "rollout.do_sample=false makes every sample the baseline: all advantages 0",
             f"set {setting(ROLLOUT + '.do_sample', True)}",
         )
-    if est == "remax" and cfg.trainer.mode == "async":
-        raise incompatible(
-            "algorithm.adv_estimator=remax with trainer.mode=async: ReMax's greedy baseline comes from the policy "
-            "at the update, not the one that sampled the batch, and it scores while the next batch does",
-            f"set {setting('trainer.mode', 'sync')}, or another estimator (grpo, rloo)",
-        )
-    if cfg.algorithm.filter_groups.enable and cfg.trainer.mode == "async":
-        raise incompatible(
-            "algorithm.filter_groups.enable=true with trainer.mode=async: DAPO's dynamic sampling decides how "
-            "many batches to generate from their scores, which async mode has not yet when it generates ahead",
-            f"set {setting('trainer.mode', 'sync')}, or {setting('algorithm.filter_groups.enable', False)}",
-        )
     if cfg.algorithm.critic_warmup > 0 and not cfg.critic_enabled:
         raise incompatible(
             f"algorithm.critic_warmup={cfg.algorithm.critic_warmup} with no critic: the "
@@ -328,6 +317,7 @@ def _check_options(cfg: KeelConfig) -> None:
     _check_algorithm(cfg, incompatible)
     _check_rollout_correction(cfg, incompatible)
     _check_reward(cfg, incompatible)
+    check_async(cfg, incompatible)
     val = rollout.val_kwargs
     if val.n > 1 and not (val.do_sample and val.temperature > 0):
         raise incompatible(

@@ -84,3 +84,16 @@ class TrainerConfig(RunOptions):
         help="async: how many policy versions older than the one it updates a trained sample may be (0: none, "
         "which is sync); generation waits for training rather than go further ahead",
     )
+    partial_rollout: bool = opt(
+        False,
+        help="async: a step's generation ends when its batch is complete, not at the slowest sample; samples "
+        "still generating keep their tokens and go on under the next policy (each token tagged with its "
+        "version); max_off_policy_steps + 1 batches of prompts are under way; needs the native engine",
+    )
+    off_policy_strategy: str = opt(
+        "wait",
+        choices=("wait", "drop"),
+        help="partial rollouts: wait (a step trains the oldest prompts, once they finished: none passes "
+        "max_off_policy_steps) or drop (a step trains the first groups to finish; a group that would pass the "
+        "bound is dropped, which trains long responses less often than sampled)",
+    )

@@ -11,15 +11,17 @@ this one), so a sample is made the same way wherever it is made.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
+from keel.errors import INCOMPATIBLE_OPTIONS, KeelError
 from keel.models.load import load_causal_lm, load_tokenizer, quiet_transformers, resolve_device, resolve_dtype
 from keel.rollout.agent import build_agent_loop
 from keel.rollout.agent.external import build_external_agent
 from keel.rollout.select import make_rollout_engine
-from keel.types import RolloutBatch, SamplingParams
+from keel.types import PartialSample, RolloutBatch, SamplingParams
 
 
 def generate_samples(generator, prompts, sampling: SamplingParams, seed: int, version: int):
@@ -35,6 +37,37 @@ def generate_samples(generator, prompts, sampling: SamplingParams, seed: int, ve
     timing = {f"timing_s/gen_{part}": seconds for part, seconds in generator.timing.items()}
     timing["timing_s/gen_engine"] = time.perf_counter() - start
     return batch, {**timing, **getattr(generator, "metrics", {})}
+
+
+def continue_samples(engine, samples: list[PartialSample], sampling: SamplingParams, seed: int, version: int, end):
+    """Partial rollouts: a round of this rank's `samples` (RolloutBatch's siblings, the engine's
+    `generate_round`) -> the samples with the tokens sampled now, tagged with `version`, and the
+    engine's timing; ([], {}) for a rank with none."""
+    if not samples:
+        return [], {}
+    if not hasattr(engine, "generate_round"):  # rollout.name=auto fell back to hf for this model
+        raise KeelError(
+            INCOMPATIBLE_OPTIONS,
+            f"trainer.partial_rollout=true, but this model generates with {type(engine).__name__}, which cannot "
+            "end a round part-way (keel's native engine does not support the model)",
+            "set `trainer.partial_rollout=false`",
+        )
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    sampled = engine.generate_round(samples, sampling, end)
+    samples = [
+        dataclasses.replace(
+            s,
+            ids=s.ids + ids,
+            log_probs=s.log_probs + lps,
+            versions=s.versions + [version] * len(ids),
+            finished=done,
+            truncated=truncated,
+        )
+        for s, (ids, lps, done, truncated) in zip(samples, sampled)
+    ]
+    timing = {f"timing_s/gen_{part}": seconds for part, seconds in engine.timing.items()}
+    return samples, {**timing, "timing_s/gen_engine": time.perf_counter() - start}
 
 
 def agent_around(policy, engine, tokenizer, budget: int):
@@ -71,6 +104,9 @@ class RolloutWorker:
 
     def generate(self, prompts, sampling: SamplingParams, seed: int) -> tuple[RolloutBatch | None, dict]:
         return generate_samples(self.agent or self.rollout, prompts, sampling, seed, self.weights_version)
+
+    def generate_round(self, samples: list[PartialSample], sampling: SamplingParams, seed: int, end):
+        return continue_samples(self.rollout, samples, sampling, seed, self.weights_version, end)
 
     def load_policy(self, named: list, version: int) -> None:
         """The actor's whole weights, (name, tensor) pairs, as of policy version `version`."""

@@ -25,7 +25,7 @@ from keel.config.schema import ActorRolloutRefConfig, CriticConfig, KeelConfig
 from keel.distributed.dist import init_process_group
 from keel.distributed.fsdp import full_parameters
 from keel.distributed.parallelize import parallelize
-from keel.distributed.rollout_worker import agent_around, generate_samples
+from keel.distributed.rollout_worker import agent_around, continue_samples, generate_samples
 from keel.models.load import (
     autocast,
     can_compile,
@@ -47,7 +47,7 @@ from keel.training.actor import ActorTrainer
 from keel.training.batching import MicroBatching, MiniBatch
 from keel.training.critic import CriticTrainer
 from keel.training.reference import AdapterlessReference, ReferencePolicy
-from keel.types import RolloutBatch, SamplingParams
+from keel.types import PartialSample, RolloutBatch, SamplingParams
 
 log = logging.getLogger("keel")
 
@@ -266,6 +266,9 @@ class RoleWorker:
 
     def generate(self, prompts, sampling: SamplingParams, seed: int) -> tuple[RolloutBatch | None, dict]:
         return generate_samples(self.agent or self.rollout, prompts, sampling, seed, self.weights_version)
+
+    def generate_round(self, samples: list[PartialSample], sampling: SamplingParams, seed: int, end):
+        return continue_samples(self.rollout, samples, sampling, seed, self.weights_version, end)
 
     def policy_weights(self) -> tuple[list | None, int]:
         """(the actor's whole weights as (name, tensor) pairs on the host, on rank 0; its policy

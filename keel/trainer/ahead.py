@@ -30,8 +30,10 @@ from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptBatch
 from keel.data.sampler import ResumableSampler
 from keel.observe.metrics import Timer
+from keel.trainer.partial import RolloutPartial
 from keel.trainer.scored_rollout import ScoredRollout
 from keel.trainer.seeds import step_seed
+from keel.trainer.versions import policy_version
 from keel.types import RolloutBatch
 
 
@@ -44,24 +46,14 @@ class InFlight:
     scored: Future  # -> (the scored batch, its reward metrics, seconds the scoring took, its generation's timing)
 
 
-def policy_version(cfg: KeelConfig, step: int) -> int:
-    """The policy version after `step` steps: the actor updates so far (none before critic_warmup)."""
-    return max(0, step - max(cfg.algorithm.critic_warmup, 1) + 1)
-
-
-def sampled_by(cfg: KeelConfig, batch: RolloutBatch, step: int) -> bool:
-    """Whether every sample of `batch` was sampled from the policy step `step` updates: always in sync mode
-    (a skipped step leaves the workers' count of updates behind the steps, never their weights)."""
-    if cfg.trainer.mode == "sync" or batch.policy_version is None:
-        return True
-    return bool((batch.policy_version == policy_version(cfg, step - 1)).all())
-
-
 def step_rollout(cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler, last_step: int):
     """The trainer.mode's rollout: `(timer, step)` -> the batch step `step` trains, its prompts,
-    reward metrics and generation timing; `settle`, `resume_state`, `start_at`, `close` around it."""
+    reward metrics and generation timing; `settle`, `resume_state`, `start_at`, `close` around it.
+    With trainer.partial_rollout, a pool of samples under way (keel/trainer/partial.py)."""
     if cfg.trainer.mode == "sync":
         return RolloutWithin(cfg, rollout, sampler)
+    if cfg.trainer.partial_rollout:
+        return RolloutPartial(cfg, rollout, sampler)
     return RolloutAhead(cfg, rollout, sampler, last_step)
 
 
@@ -77,10 +69,10 @@ class RolloutWithin:
     def settle(self) -> None:
         """Nothing is in flight between steps."""
 
-    def resume_state(self) -> tuple[dict, int]:
-        return self.sampler.state_dict(), 0
+    def resume_state(self) -> tuple[dict, dict]:
+        return self.sampler.state_dict(), {}
 
-    def start_at(self, step: int) -> None:
+    def start_at(self, step: int, state: dict | None = None) -> None:
         """A resumed run draws on from the sampler's restored position."""
 
     def close(self) -> None:
@@ -98,7 +90,7 @@ class RolloutAhead:
         self.generated = 0  # the last step whose batch is generated
         self.closed = False
 
-    def start_at(self, step: int) -> None:
+    def start_at(self, step: int, state: dict | None = None) -> None:
         """A run resumed after `step`: its next batch is step + 1's."""
         self.generated = step
 
@@ -146,11 +138,11 @@ class RolloutAhead:
         for flight in self.in_flight:
             flight.scored.exception()  # waits; an error is raised when its step takes the batch
 
-    def resume_state(self) -> tuple[dict, int]:
-        """(the sampler state a resume starts from, the batches in flight it drops)."""
+    def resume_state(self) -> tuple[dict, dict]:
+        """(the sampler state a resume starts from, and how many batches in flight it drops)."""
         if not self.in_flight:
-            return self.sampler.state_dict(), 0
-        return self.in_flight[0].sampler_state, len(self.in_flight)
+            return self.sampler.state_dict(), {}
+        return self.in_flight[0].sampler_state, {"in_flight_dropped": len(self.in_flight)}
 
     def close(self) -> None:
         """Batches in flight are dropped: scoring not begun is cancelled and none begins after this (the

@@ -32,13 +32,14 @@ from keel.observe.guards import (
 from keel.observe.log import warnings_said_once
 from keel.observe.metrics import MetricsLogger, Timer, last_logged_metrics
 from keel.rollout.agent.metrics import agent_metrics
-from keel.trainer.ahead import sampled_by, step_rollout
+from keel.trainer.ahead import step_rollout
 from keel.trainer.evaluate import Validation
 from keel.trainer.hooks import load_hook, run_hooks
 from keel.trainer.run_directory import RunDirectory
 from keel.trainer.scored_rollout import ScoredRollout, training_sampling
 from keel.trainer.seeds import step_seed
 from keel.trainer.setup import Components, Inputs, build_components, needs_baseline_rollout
+from keel.trainer.versions import sampled_by
 from keel.types import RolloutBatch
 
 log = logging.getLogger("keel")
@@ -76,6 +77,7 @@ class RLTrainer:
         self.adv_params = AdvantageParams(gamma=a.gamma, lam=a.lam, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
         self.correction = a.rollout_correction
         self.step = 0
+        self.restored: dict | None = None  # a resumed run's trainer_state
 
     # --- the loop ----------------------------------------------------------------------------
     def fit(self) -> RunResult:
@@ -281,21 +283,17 @@ class RLTrainer:
         if self.resume_from is not None:  # loaded first: a mismatch must leave the directory as it was
             self.load(self.resume_from)
             log.info("resumed from %s at step %d", self.resume_from, self.step)
-        self.rollout.start_at(self.step)
+        self.rollout.start_at(self.step, self.restored)
         self.run_files.open(self.step if self.resume_from else None)
 
     def save(self) -> Path:
-        sampler_state, in_flight = self.rollout.resume_state()  # async: batches in flight are generated again
-        counts = {
-            "skipped_steps": self.skipped_steps,
-            "warned_steps": self.warned_steps,
-            "in_flight_dropped": in_flight,
-        }
+        sampler_state, in_flight = self.rollout.resume_state()  # async: what is in flight is generated again
+        counts = {"skipped_steps": self.skipped_steps, "warned_steps": self.warned_steps, **in_flight}
         return self.run_files.save(self.step, counts, sampler_state)
 
     def load(self, path: Path) -> None:
         """Restore everything but the actor weights, which `build_components` loaded from `path`."""
-        state = self.run_files.load(path)
+        state = self.restored = self.run_files.load(path)
         self.step = state["step"]
         self.skipped_steps = state.get("skipped_steps", 0)
         self.warned_steps = state.get("warned_steps", {})

@@ -22,7 +22,7 @@ from keel.training.batching import (
     shard_batch,
     unshard_rows,
 )
-from keel.types import RolloutBatch, SamplingParams
+from keel.types import PartialSample, RolloutBatch, RoundEnd, SamplingParams
 
 # Metrics every rank reports identically (computed after the gradients were summed); every other
 # update metric is a rank's share of the whole mini-batch, so the ranks' values add up.
@@ -88,6 +88,25 @@ class WorkerRoles:
         parts = [_slice_prompts(prompts, start, end) for start, end in shares]
         submitted = group.submit("generate", [(p, sampling, rank_seed(seed, r)) for r, p in enumerate(parts)])
         return _then(submitted, lambda replies: self._samples(shares, self._noted("generate", replies)))
+
+    def generate_round(
+        self, samples: list[PartialSample], sampling: SamplingParams, seed: int, end: RoundEnd
+    ) -> tuple[list[PartialSample], dict[str, float]]:
+        """Partial rollouts: a round of `samples` (whole groups to a rank, each rank ending at its share of
+        `end`) -> the samples continued, in order, and the slowest rank's timing of the engine's parts."""
+        group = self.rollout_group or self.group
+        groups = list(dict.fromkeys(s.group for s in samples))
+        parts, ends = [], []
+        for (start, stop), (count, count_end) in zip(
+            contiguous_shares(len(groups), group.world_size), contiguous_shares(end.count, group.world_size)
+        ):
+            mine = set(groups[start:stop])
+            parts.append([s for s in samples if s.group in mine])
+            ends.append(RoundEnd(end.groups & mine, count_end - count))
+        per_rank = [(p, sampling, rank_seed(seed, r), e) for r, (p, e) in enumerate(zip(parts, ends))]
+        replies = self._noted("generate_round", group.call("generate_round", per_rank))
+        timing = {k: max(t.get(k, 0.0) for _, t in replies) for _, t in replies for k in t}
+        return [s for continued, _ in replies for s in continued], timing
 
     def _samples(self, shares: list[tuple[int, int]], results: list) -> tuple[RolloutBatch, dict[str, float]]:
         timing = {k: max(t.get(k, 0.0) for _, t in results) for _, t in results for k in t}

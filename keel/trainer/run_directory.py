@@ -14,8 +14,8 @@ from keel import checkpoint as ckpt
 from keel.config.load import to_yaml
 from keel.config.plan import make_plan
 from keel.config.schema import KeelConfig
-from keel.trainer.ahead import policy_version
 from keel.trainer.setup import Components
+from keel.trainer.versions import policy_version
 
 log = logging.getLogger("keel")
 
@@ -87,9 +87,10 @@ class RunDirectory:
         parts.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if state.get("in_flight_dropped"):
             log.info(
-                "trainer.mode=async: %d generated batches were in flight at %s; they are dropped and their "
+                "trainer.mode=async: %d generated %s in flight at %s; they are dropped and their "
                 "prompts generated again",
                 state["in_flight_dropped"],
+                "samples were" if self.cfg.trainer.partial_rollout else "batches were",
                 path.name,
             )
         ckpt.set_rng_state(state["rng"])

@@ -17,7 +17,7 @@ from keel.rollout.agent.metrics import external_agent_metrics
 from keel.trainer.dynamic_sampling import fill_with_signal
 from keel.trainer.seeds import batch_seed
 from keel.trainer.setup import Components
-from keel.types import RolloutBatch, SamplingParams
+from keel.types import PartialSample, RolloutBatch, RoundEnd, SamplingParams
 
 
 def training_sampling(cfg: KeelConfig) -> SamplingParams:
@@ -75,6 +75,10 @@ class ScoredRollout:
     def submit_generate(self, seed: int) -> Future:
         """generate, started on the rollout's own workers: the sampler's next prompts drawn now."""
         return self.components.workers.submit_generate(self._next_prompts(), self.sampling, seed)
+
+    def generate_round(self, samples: list[PartialSample], seed: int, end: RoundEnd):
+        """Partial rollouts: a round of `samples` until `end` -> (them continued, the engine's timing)."""
+        return self.components.workers.generate_round(samples, self.sampling, seed, end)
 
     @property
     def apart(self) -> bool:

@@ -175,6 +175,13 @@ class ContinuousBatcher:
             raise ValueError(f"{key!r} already has a turn under way")
         self.waiting.append(Waiting(key, list(context), limit, group))
 
+    def cut(self) -> list[Finished]:
+        """Every turn under way ended where it is (a partial rollout's round ends): what each row
+        decoding has sampled so far; turns still waiting for a row are dropped with none."""
+        cut = self._read(self.active)
+        self.active, self.waiting = [], []
+        return cut
+
     def release(self, key) -> None:
         row = self.row_of.pop(key)
         del self.key_of[row], self.contexts[row]
@@ -286,25 +293,11 @@ class ContinuousBatcher:
                 self._extend([(row, start, new[:budget])])
                 start, new = start + budget, new[budget:]
             pieces.append((row, start, new))
-        order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i][2]))  # similar widths share a pass
-        passes, current = [], []
-        for i in order:
-            if current and not self._fits([pieces[j] for j in current + [i]], budget):
-                passes.append(current)
-                current = []
-            current.append(i)
-        passes.append(current)
         logits: list[Tensor] = [None] * len(pieces)
-        for indices in passes:
+        for indices in _passes(pieces, budget):
             for i, row_logits in zip(indices, self._extend([pieces[i] for i in indices])):
                 logits[i] = row_logits
         return torch.stack(logits)
-
-    @staticmethod
-    def _fits(pieces, budget: int) -> bool:
-        widest = max(len(new) for _, _, new in pieces)
-        furthest = max(start + len(new) for _, start, new in pieces)
-        return len(pieces) * widest <= budget and len(pieces) * furthest <= KEYS_PER_PASS * budget
 
     def _extend(self, pieces: list[tuple[int, int, list[int]]]) -> Tensor:
         """One prefill pass (the runner's) -> logits [u, V] at each row's last new token."""
@@ -358,3 +351,23 @@ class ContinuousBatcher:
             self.left.pop(row, None)
             finished.append(Finished(self.key_of[row], ids[:count], log_probs[:count]))
         return finished
+
+
+def _passes(pieces: list[tuple[int, int, list[int]]], budget: int) -> list[list[int]]:
+    """Indices of `pieces` per prefill pass, each pass within `budget` new tokens (and its keys within
+    KEYS_PER_PASS budgets); pieces of similar widths share a pass."""
+    order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i][2]))
+    passes, current = [], []
+    for i in order:
+        if current and not _fits([pieces[j] for j in current + [i]], budget):
+            passes.append(current)
+            current = []
+        current.append(i)
+    passes.append(current)
+    return passes
+
+
+def _fits(pieces, budget: int) -> bool:
+    widest = max(len(new) for _, _, new in pieces)
+    furthest = max(start + len(new) for _, start, new in pieces)
+    return len(pieces) * widest <= budget and len(pieces) * furthest <= KEYS_PER_PASS * budget

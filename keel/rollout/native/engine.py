@@ -29,7 +29,7 @@ from keel.rollout.native.batching import ContinuousBatcher
 from keel.rollout.native.layers import StepFunctions
 from keel.rollout.native.models import unsupported_reason
 from keel.rollout.native.runner import ModelRunner
-from keel.types import RolloutBatch, SamplingParams
+from keel.types import PartialSample, RolloutBatch, RoundEnd, SamplingParams
 
 log = logging.getLogger("keel")
 
@@ -134,6 +134,32 @@ class NativeRolloutEngine:
         )
         log_probs = pad_sequence([torch.tensor(t.log_probs) for t in turns], batch_first=True)
         return assemble_batch(prompts, [(ids, log_probs)], self.tokenizer, self.eos_ids, params)
+
+    @torch.no_grad()
+    def generate_round(
+        self, samples: list[PartialSample], params: SamplingParams, end: RoundEnd
+    ) -> list[tuple[list[int], list[float], bool, bool]]:
+        """Partial rollouts: the unfinished `samples` go on (each from its prompt and the tokens it has)
+        until `end` is reached -> per sample, (the tokens sampled now, their log-probs, whether it
+        finished, whether it ended at the response length without a stop token).
+        A continued sample's context is prefilled again: its cached keys were the older policy's."""
+        longest = max(len(s.record.prompt_ids) for s in samples)
+        batcher = self.continuous_batcher(len(samples), longest + params.max_new_tokens, params.max_new_tokens)
+        sampled = [([], [], s.finished, s.truncated) for s in samples]
+        for i, s in enumerate(samples):
+            if not s.finished:  # the fresh samples of a prompt share its prefill
+                context, left = s.record.prompt_ids + s.ids, params.max_new_tokens - len(s.ids)
+                batcher.add(i, context, left, group=None if s.ids else s.group)
+        groups = [s.group for s in samples]
+        stops = set() if params.ignore_eos else set(self.eos_ids)
+        while batcher.busy and not end.reached(groups, [ended for _, _, ended, _ in sampled]):
+            for turn in batcher.step(params):
+                sampled[turn.key] = (turn.ids, turn.log_probs, True, turn.ids[-1] not in stops)
+                batcher.release(turn.key)
+        for turn in batcher.cut():
+            sampled[turn.key] = (turn.ids, turn.log_probs, False, False)
+            batcher.release(turn.key)
+        return sampled
 
     @torch.no_grad()
     def continuous_batcher(self, sequences: int, max_len: int, turn_tokens: int) -> ContinuousBatcher:

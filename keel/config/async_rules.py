@@ -1,0 +1,60 @@
+"""The rules of trainer.mode=async and partial rollouts: what they need, and what they cannot run with."""
+
+from __future__ import annotations
+
+from keel.config.schema import KeelConfig
+from keel.errors.fixes import setting
+
+ROLLOUT = "actor_rollout_ref.rollout"
+
+
+def check_async(cfg: KeelConfig, incompatible) -> None:
+    trainer = cfg.trainer
+    if trainer.mode == "async" and cfg.algorithm.adv_estimator == "remax":
+        raise incompatible(
+            "algorithm.adv_estimator=remax with trainer.mode=async: ReMax's greedy baseline comes from the policy "
+            "at the update, not the one that sampled the batch, and it scores while the next batch does",
+            f"set {setting('trainer.mode', 'sync')}, or another estimator (grpo, rloo)",
+        )
+    if trainer.mode == "async" and cfg.algorithm.filter_groups.enable:
+        raise incompatible(
+            "algorithm.filter_groups.enable=true with trainer.mode=async: DAPO's dynamic sampling decides how "
+            "many batches to generate from their scores, which async mode has not yet when it generates ahead",
+            f"set {setting('trainer.mode', 'sync')}, or {setting('algorithm.filter_groups.enable', False)}",
+        )
+    if trainer.off_policy_strategy == "drop" and not trainer.partial_rollout:
+        raise incompatible(
+            "trainer.off_policy_strategy=drop without trainer.partial_rollout: whole batches are generated at a "
+            "known version and never pass max_off_policy_steps, so nothing would be dropped",
+            f"set {setting('trainer.partial_rollout', True)}, or {setting('trainer.off_policy_strategy', 'wait')}",
+        )
+    if trainer.partial_rollout:
+        _check_partial(cfg, incompatible)
+
+
+def _check_partial(cfg: KeelConfig, incompatible) -> None:
+    trainer, rollout = cfg.trainer, cfg.actor_rollout_ref.rollout
+    if trainer.mode != "async":
+        raise incompatible(
+            "trainer.partial_rollout=true with trainer.mode=sync: a sync step trains what it generated, so no "
+            "sample goes on under the next policy",
+            f"set {setting('trainer.mode', 'async')}, or {setting('trainer.partial_rollout', False)}",
+        )
+    if trainer.max_off_policy_steps == 0:
+        raise incompatible(
+            "trainer.partial_rollout=true with trainer.max_off_policy_steps=0: a sample cut by a weight update "
+            "is trained at least one version after its first tokens",
+            f"set {setting('trainer.max_off_policy_steps', 1)}, or {setting('trainer.partial_rollout', False)}",
+        )
+    if rollout.name == "hf":
+        raise incompatible(
+            "trainer.partial_rollout=true with rollout.name=hf: transformers' generate cannot end a round "
+            "part-way and continue its samples later; keel's native engine does",
+            f"set {setting(ROLLOUT + '.name', 'native')} (or auto), or {setting('trainer.partial_rollout', False)}",
+        )
+    if rollout.multi_turn.enable or rollout.agent.function or rollout.agent.environment:
+        raise incompatible(
+            "trainer.partial_rollout=true with a multi-turn or agent rollout: partial rollouts cut single-turn "
+            "samples; an episode's turns, tools and agent code are not cut and continued yet",
+            f"set {setting('trainer.partial_rollout', False)} (async mode still generates ahead)",
+        )

@@ -1,0 +1,154 @@
+"""Partial rollouts (trainer.mode=async with trainer.partial_rollout): a step's generation no longer
+waits for its slowest sample.
+
+The rollout keeps a pool of samples under way, max_off_policy_steps + 1 batches of prompts. Each step
+runs one round over the whole pool with the policy the step starts with, and ends it when the step's
+batch is complete; what is still generating then is cut, keeps its tokens and the sampler's log-probs,
+and goes on in the next round under the next policy, each token tagged with the version it was sampled
+from (`RolloutBatch.token_versions`). The engine's decode batch stays full instead of thinning to the
+long tail, and a round takes about as long as the newest samples' remaining tokens, not the longest
+response.
+
+When a round ends is trainer.off_policy_strategy:
+- `wait`: when the oldest batch's groups have all finished; it is the step's batch. Prompts train in
+  the order drawn, and no token is more than max_off_policy_steps versions older than the policy its
+  update starts from (the oldest batch was drawn that many rounds ago).
+- `drop`: as soon as any data.train_batch_size groups have finished (the oldest first); a group that
+  would pass the bound by waiting another round is dropped (`async/dropped`), so long responses are
+  trained less often than they are sampled: verl's trade of bias for speed.
+
+Samples are scored when their group trains, once. A checkpoint keeps the pool's prompts, not its
+tokens: a resume generates them again from the start, and draws no prompt twice.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from keel.config.schema import KeelConfig
+from keel.data.prompts import PromptBatch, collate_prompts
+from keel.data.sampler import ResumableSampler
+from keel.observe.metrics import Timer
+from keel.trainer.scored_rollout import ScoredRollout
+from keel.trainer.seeds import step_seed
+from keel.trainer.versions import policy_version
+from keel.types import PartialSample, RolloutBatch, RoundEnd
+
+
+class RolloutPartial:
+    """`rollout(timer, step)` -> the batch step `step` trains, from the pool's round of that step."""
+
+    def __init__(self, cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler):
+        self.cfg, self.rollout, self.sampler = cfg, rollout, sampler
+        self.bound = cfg.trainer.max_off_policy_steps
+        self.drop = cfg.trainer.off_policy_strategy == "drop"
+        self.groups_per_batch = cfg.data.train_batch_size
+        self.pool: list[PartialSample] = []  # in the order drawn: a group's samples together
+        self.restored: list[int] = []  # a resume: the pool's prompts (dataset rows), drawn again first
+        self.next_group = 0
+        self.dropped = 0
+
+    def __call__(self, timer: Timer, step: int) -> tuple[RolloutBatch, PromptBatch, dict[str, float], dict[str, float]]:
+        self._fill_pool()
+        end = self._round_end()
+        gen_parts: dict[str, float] = {}
+        with timer("gen"):
+            while not self._reached(end):  # once, unless a rank's share of `end` fell short
+                self.pool, gen_parts = self.rollout.generate_round(self.pool, step_seed(self.cfg, step), end)
+        trained, dropped = self._take(step)
+        batch = samples_batch(trained, self.rollout.components.tokenizer)
+        with timer("reward"):
+            batch, metrics = self.rollout.score(batch)
+        return batch, self.rollout.prompts_of(batch), {**metrics, **self._metrics(batch, dropped, step)}, gen_parts
+
+    def _fill_pool(self) -> None:
+        """Prompts drawn until the pool holds max_off_policy_steps + 1 batches of groups (a resume's first)."""
+        data = self.rollout.components.train_data
+        while len(_groups(self.pool)) < (self.bound + 1) * self.groups_per_batch:
+            rows, self.restored = self.restored or self.sampler.next_batch(), []
+            for row in rows:
+                self.pool += [PartialSample(self.next_group, data[row]) for _ in range(self.rollout.sampling.n)]
+                self.next_group += 1
+
+    def _round_end(self) -> RoundEnd:
+        if self.drop:
+            return RoundEnd(count=self.groups_per_batch)
+        return RoundEnd(groups=frozenset(_groups(self.pool)[: self.groups_per_batch]))
+
+    def _reached(self, end: RoundEnd) -> bool:
+        return end.reached([s.group for s in self.pool], [s.finished for s in self.pool])
+
+    def _take(self, step: int) -> tuple[list[PartialSample], int]:
+        """(the step's samples: the oldest finished groups, a batch of them; how many samples were
+        dropped), the pool left with the rest. `drop`: groups that would pass the bound by another
+        round are dropped too."""
+        finished = [g for g in _groups(self.pool) if all(s.finished for s in self.pool if s.group == g)]
+        trained = set(finished[: self.groups_per_batch])
+        next_update = policy_version(self.cfg, step)  # the policy the next step's update starts from
+        too_old = {s.group for s in self.pool if s.versions and next_update - s.versions[0] > self.bound}
+        dropped = (too_old - trained) if self.drop else set()
+        taken = [s for s in self.pool if s.group in trained]
+        left = [s for s in self.pool if s.group not in trained and s.group not in dropped]
+        count = len(self.pool) - len(taken) - len(left)
+        self.pool, self.dropped = left, self.dropped + count
+        return taken, count
+
+    def _metrics(self, batch: RolloutBatch, dropped: int, step: int) -> dict[str, float]:
+        staleness = (policy_version(self.cfg, step - 1) - batch.policy_version).float()
+        versions, mask = batch.token_versions, batch.response_mask.bool()
+        spans = (versions.masked_fill(~mask, -1).amax(-1) > batch.policy_version).float()
+        return {
+            "async/staleness/mean": staleness.mean().item(),
+            "async/staleness/max": staleness.max().item(),
+            "async/partial": spans.mean().item(),  # trained samples whose tokens came from more than one policy
+            "async/dropped": float(dropped),
+            "async/in_flight": float(len(self.pool)),
+        }
+
+    def settle(self) -> None:
+        """Nothing is scored between steps."""
+
+    def resume_state(self) -> tuple[dict, dict]:
+        """(the sampler state a resume starts from, what else it needs: the pool's prompts, drawn again
+        first, and how many samples under way it drops)."""
+        rows = [next(s.record.index for s in self.pool if s.group == g) for g in _groups(self.pool)]
+        return self.sampler.state_dict(), {"in_flight_dropped": len(self.pool), "pool_prompts": rows}
+
+    def start_at(self, step: int, state: dict | None = None) -> None:
+        self.restored = list((state or {}).get("pool_prompts", []))
+
+    def close(self) -> None:
+        """No thread of its own to stop."""
+
+
+def _groups(samples: list[PartialSample]) -> list[int]:
+    """The groups of `samples`, in order."""
+    return list(dict.fromkeys(s.group for s in samples))
+
+
+def samples_batch(samples: list[PartialSample], tokenizer) -> RolloutBatch:
+    """Finished samples as a RolloutBatch, their prompts left-padded and responses right-padded as
+    the engines' batches are; each sample's policy version is its oldest token's."""
+    pad = tokenizer.pad_token_id
+    prompts = collate_prompts([s.record for s in samples], pad)
+
+    def padded(rows, value=0, dtype=torch.long):
+        return pad_sequence([torch.tensor(r, dtype=dtype) for r in rows], batch_first=True, padding_value=value)
+
+    ids = padded([s.ids for s in samples], pad)  # [N, R]
+    lengths = torch.tensor([len(s.ids) for s in samples])
+    mask = (torch.arange(ids.shape[1]) < lengths[:, None]).long()
+    return RolloutBatch(
+        prompt_ids=prompts.input_ids,
+        prompt_mask=prompts.attention_mask,
+        response_ids=ids,
+        response_mask=mask,
+        sampling_log_probs=padded([s.log_probs for s in samples], dtype=torch.float32),
+        group_index=torch.tensor([s.group for s in samples]),
+        records=prompts.records,
+        response_texts=tokenizer.batch_decode([s.ids for s in samples], skip_special_tokens=True),
+        truncated=torch.tensor([s.truncated for s in samples]),
+        policy_version=torch.tensor([s.versions[0] for s in samples]),
+        token_versions=padded([s.versions for s in samples]),
+    )
