@@ -2,20 +2,20 @@
 waits for its slowest sample.
 
 The rollout keeps a pool of samples under way, max_off_policy_steps + 1 batches of prompts. Each step
-runs one round over the whole pool with the policy the step starts with, and ends it when the step's
-batch is complete; what is still generating then is cut, keeps its tokens and the sampler's log-probs,
-and goes on in the next round under the next policy, each token tagged with the version it was sampled
-from (`RolloutBatch.token_versions`). The engine's decode batch stays full instead of thinning to the
-long tail, and a round takes about as long as the newest samples' remaining tokens, not the longest
-response.
+runs one round over the whole pool with the policy the step starts with, and ends it as soon as a
+batch of groups (data.train_batch_size prompts, all their samples) has finished; what is still
+generating then is cut, keeps its tokens and the sampler's log-probs, and goes on in the next round
+under the next policy, each token tagged with the version it was sampled from
+(`RolloutBatch.token_versions`). The step trains the finished groups, the oldest first. The engine's
+decode batch stays full instead of thinning to the long tail.
 
-When a round ends is trainer.off_policy_strategy:
-- `wait`: when the oldest batch's groups have all finished; it is the step's batch. Prompts train in
-  the order drawn, and no token is more than max_off_policy_steps versions older than the policy its
-  update starts from (the oldest batch was drawn that many rounds ago).
-- `drop`: as soon as any data.train_batch_size groups have finished (the oldest first); a group that
-  would pass the bound by waiting another round is dropped (`async/dropped`), so long responses are
-  trained less often than they are sampled: verl's trade of bias for speed.
+A group whose first tokens would be more than max_off_policy_steps versions old at the next step's
+update is due: trainer.off_policy_strategy says what happens to it.
+- `wait`: the round also waits for the due groups to finish, and the step trains them first. Every
+  prompt drawn is trained, none with a token past the bound (at most a batch of groups is ever due:
+  one batch is drawn per step).
+- `drop`: the round does not wait for them; a due group still generating is dropped (`async/dropped`),
+  so long responses are trained less often than they are sampled: verl's trade of bias for speed.
 
 Samples are scored when their group trains, once. A checkpoint keeps the pool's prompts, not its
 tokens: a resume generates them again from the start, and draws no prompt twice.
@@ -51,12 +51,13 @@ class RolloutPartial:
 
     def __call__(self, timer: Timer, step: int) -> tuple[RolloutBatch, PromptBatch, dict[str, float], dict[str, float]]:
         self._fill_pool()
-        end = self._round_end()
+        due = self._due(step)
+        end = RoundEnd(count=self.groups_per_batch) if self.drop else RoundEnd(frozenset(due), self.groups_per_batch)
         gen_parts: dict[str, float] = {}
         with timer("gen"):
             while not self._reached(end):  # once, unless a rank's share of `end` fell short
                 self.pool, gen_parts = self.rollout.generate_round(self.pool, step_seed(self.cfg, step), end)
-        trained, dropped = self._take(step)
+        trained, dropped = self._take(due)
         batch = samples_batch(trained, self.rollout.components.tokenizer)
         with timer("reward"):
             batch, metrics = self.rollout.score(batch)
@@ -71,23 +72,21 @@ class RolloutPartial:
                 self.pool += [PartialSample(self.next_group, data[row]) for _ in range(self.rollout.sampling.n)]
                 self.next_group += 1
 
-    def _round_end(self) -> RoundEnd:
-        if self.drop:
-            return RoundEnd(count=self.groups_per_batch)
-        return RoundEnd(groups=frozenset(_groups(self.pool)[: self.groups_per_batch]))
+    def _due(self, step: int) -> set[int]:
+        """The groups that would pass the bound if this step did not train them: their first tokens
+        more than max_off_policy_steps versions older than the policy the next step's update starts from."""
+        next_update = policy_version(self.cfg, step)
+        return {s.group for s in self.pool if s.versions and next_update - s.versions[0] > self.bound}
 
     def _reached(self, end: RoundEnd) -> bool:
         return end.reached([s.group for s in self.pool], [s.finished for s in self.pool])
 
-    def _take(self, step: int) -> tuple[list[PartialSample], int]:
-        """(the step's samples: the oldest finished groups, a batch of them; how many samples were
-        dropped), the pool left with the rest. `drop`: groups that would pass the bound by another
-        round are dropped too."""
+    def _take(self, due: set[int]) -> tuple[list[PartialSample], int]:
+        """(the step's samples: a batch of finished groups, the due ones first, then the oldest; how many
+        samples were dropped: due groups unfinished, with `drop`), the pool left with the rest."""
         finished = [g for g in _groups(self.pool) if all(s.finished for s in self.pool if s.group == g)]
-        trained = set(finished[: self.groups_per_batch])
-        next_update = policy_version(self.cfg, step)  # the policy the next step's update starts from
-        too_old = {s.group for s in self.pool if s.versions and next_update - s.versions[0] > self.bound}
-        dropped = (too_old - trained) if self.drop else set()
+        trained = set(sorted(finished, key=lambda g: g not in due)[: self.groups_per_batch])  # a stable sort
+        dropped = due - trained
         taken = [s for s in self.pool if s.group in trained]
         left = [s for s in self.pool if s.group not in trained and s.group not in dropped]
         count = len(self.pool) - len(taken) - len(left)
