@@ -24,6 +24,8 @@
 #                                                 httpcore certifi aiohttp multidict yarl propcache frozenlist
 #                                                 aiosignal aiohappyeyeballs attrs httptools uvloop)
 #   bash benchmarks/gpu_session.sh async_mode     issue 31: s1 (slow rewards), w2 and m1 in sync then async mode
+#   bash benchmarks/gpu_session.sh partial        issue 31: v2 (EOS-ended lengths) sync, async, async with partial
+#                                                 rollouts (wait, drop); then s1 sync and async profiled (GPU busy)
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -123,6 +125,21 @@ async_mode() {  # issue 31: s1 (1 s of host scoring a sample), w2 and m1, each s
             echo "$w $mode: $(tail -1 "$OUT/${w}_$mode.log" | cut -c1-160)"
         done
     done
+}
+
+partial() {  # issue 31: v2's long tail in sync mode, async mode, and async with partial rollouts (wait, then
+    # drop), then s1 sync and async with a profiled step each (GPU busy per phase); a run starts only while the
+    # call has time left for it (SECONDS: this script's)
+    local async="trainer.mode=async" part="trainer.partial_rollout=true"
+    local runs=("v2 trainer.mode=sync" "v2 $async" "v2 $async $part" "v2 $async $part trainer.off_policy_strategy=drop"
+        "s1 trainer.mode=sync --profile $OUT/profile" "s1 $async --profile $OUT/profile")
+    for run in "${runs[@]}"; do
+        (( SECONDS > ${PARTIAL_UNTIL:-430} )) && { echo "$run: skipped, the call's time is spent"; continue; }
+        timeout 150 python3 -m keel bench $run --gpus 1 --steps 3 --warmup 1 --out "$OUT/bench.jsonl" \
+            > "$OUT/run.log" 2>&1
+        echo "$run: $(tail -1 "$OUT/run.log" | cut -c1-160)"
+    done
+    grep -h -o '"async": {[^}]*}\|"gpu_busy[a-z_]*": {[^}]*}' "$OUT/bench.jsonl"
 }
 
 agents_profile() {  # issue 30: where m1a's engine process spends its time (py-spy, carry its wheel), and a

@@ -35,8 +35,11 @@ REWARD = (
 )
 
 
-def make_model(shape: str, out_dir: Path) -> Path:
-    """A family's released shapes with random weights and keel's byte-level tokenizer (ids < 300)."""
+def make_model(shape: str, out_dir: Path, mean_response: int | None = None) -> Path:
+    """A family's released shapes with random weights and keel's byte-level tokenizer (ids < 300).
+    `mean_response`: responses end by EOS, at lengths about geometric with this mean: the generation
+    config lists one stop token in every `mean_response` of the vocabulary, which a random model samples
+    nearly uniformly (its logits' spread is small)."""
     from transformers import AutoModelForCausalLM
 
     from keel.models.tiny import build_tokenizer
@@ -53,8 +56,16 @@ def make_model(shape: str, out_dir: Path) -> Path:
         (out_dir / RANDOM_WEIGHTS).write_text(json.dumps({"seed": 0}))
         return out_dir
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if mean_response:
+        stops = range(mean_response - 1, config.vocab_size, mean_response)
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, *stops]
+    model.save_pretrained(out_dir)
     return out_dir
+
+
+def _model_dir(workload: Workload) -> str:
+    return f"model_{workload.model}" + (f"_stop{workload.mean_response}" if workload.mean_response else "")
 
 
 def _architecture_parameters(shape: str) -> int:
@@ -84,7 +95,7 @@ def bench_config(name: str, workload: Workload, root: Path, steps: int, gpus: in
     # About 16k tokens per forward, in micro-batches that split each GPU's share evenly (KEEL-C004).
     micro = max(d for d in range(1, per_gpu + 1) if per_gpu % d == 0 and d <= max(1, 16384 // tokens))
     policy = {
-        "model": {"path": str(make_model(workload.model, root / f"model_{workload.model}"))},
+        "model": {"path": str(make_model(workload.model, root / _model_dir(workload), workload.mean_response))},
         "actor": {
             "ppo_mini_batch_size": max(1, workload.prompts // 4),
             "ppo_micro_batch_size_per_gpu": micro,
@@ -93,7 +104,7 @@ def bench_config(name: str, workload: Workload, root: Path, steps: int, gpus: in
         },
         "rollout": {
             "n": workload.n,
-            "ignore_eos": True,
+            "ignore_eos": workload.mean_response is None,
             "log_prob_micro_batch_size_per_gpu": 2 * micro,
             "max_num_seqs": workload.prompts * workload.n,
         },
@@ -224,7 +235,8 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
 
     gpus = cfg.world_size
     samples = w.prompts * w.n
-    seq = w.prompt_length + w.response_length
+    # EOS-ended responses (v2): the trained tokens are the mean length's, not the limit's
+    seq = w.prompt_length + (mean("response_length/mean") if w.mean_response else w.response_length)
     params = stored_parameters(cfg.actor_rollout_ref.model.path) or _architecture_parameters(w.model)
     update_tokens = samples * seq * cfg.actor_rollout_ref.actor.ppo_epochs
     update_s = mean("timing_s/update_actor")
@@ -246,6 +258,7 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
         "active_parameters": active,
         "model_type": shape.model_type,
         "step_time_s": mean("timing_s/step"),
+        "response_length_mean": mean("response_length/mean"),
         "steps_per_s": 1 / mean("timing_s/step"),
         "gen_tokens_per_s": gen_tokens_per_s,
         "decode_tokens_per_s": decode_tokens_per_s,

@@ -222,6 +222,7 @@ class Workload:
     prompt_length: int
     response_length: int
     kl_loss: bool = False  # GRPO with a KL loss to the reference model
+    mean_response: int | None = None  # None: every response response_length long; else EOS ends them (make_model)
     overrides: dict = field(default_factory=dict)
 
 
@@ -245,6 +246,10 @@ SLOW_REWARD = {
 }
 WORKLOADS.update(
     {
+        # v2: w2's shapes and batch with lengths that EOS ends, about geometric with mean 512 (cut at 2048):
+        # a long tail, which partial rollouts (trainer.partial_rollout) keep from holding up each step.
+        "v2": Workload("0.5b", 32, 8, 256, 2048, mean_response=512),
+        "tinyv": Workload("tiny", 4, 4, 32, 64, mean_response=16),
         "s1": Workload("0.5b", 32, 8, 256, 512, overrides=SLOW_REWARD),
         "tinys": Workload("tiny", 4, 4, 32, 16, overrides={**SLOW_REWARD, "reward.num_workers": 8}),
     }

@@ -77,7 +77,7 @@ def test_bench_appends_a_record_with_the_required_fields(tmp_path, capsys, monke
 def test_every_workload_config_is_valid(name, gpus, tmp_path, monkeypatch):
     """Each workload's generated config passes keel's checks on 1 and 2 GPUs (w2's first version
     asked for micro-batches of 7 samples in mini-batches of 64: KEEL-C004 on the GPU machine)."""
-    monkeypatch.setattr(run, "make_model", lambda shape, out_dir: out_dir)
+    monkeypatch.setattr(run, "make_model", lambda shape, out_dir, mean_response=None: out_dir)
     cfg = load_config(run.bench_config(name, WORKLOADS[name], tmp_path, 2, gpus))
     per_gpu = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n // gpus
     assert per_gpu % cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 0
@@ -130,3 +130,15 @@ def test_the_profiled_step_is_one_more_and_left_out_of_the_timings(tmp_path, mon
     assert len(steps) == 3  # warm-up, measured, profiled
     assert record["step_time_s"] == steps[1]["timing_s/step"]
     assert (tmp_path / "profile" / "profile_tiny_1gpu.txt").exists()
+
+
+def test_the_variable_length_workload_ends_responses_by_eos_and_records_partial_rollouts(tmp_path):
+    """tinyv (v2's shape on the tiny model): the generation config's stop tokens end responses at lengths
+    that differ; with partial rollouts the record says how many trained samples spanned two policies."""
+    out = tmp_path / "v.jsonl"
+    settings = ["trainer.mode=async", "trainer.partial_rollout=true", "trainer.device=cpu"]
+    assert main(["bench", "tinyv", *settings, "--steps", "3", "--warmup", "0", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert 1 < r["response_length_mean"] < 64  # ended by stop tokens, not all at the limit
+    assert set(r["async"]) >= {"partial", "dropped", "staleness/max", "in_flight"}
+    assert r["async"]["staleness/max"] <= 1
