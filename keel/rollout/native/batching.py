@@ -103,7 +103,8 @@ class RowState:
         self.last_token[rows] = torch.where(live, token, self.last_token[rows])
         stop = count >= self.limit[rows]
         if not ignore_eos:
-            stop |= torch.isin(token, eos)
+            # a comparison, not torch.isin: with many stop tokens isin sorts, which a CUDA graph cannot capture
+            stop |= (token[:, None] == eos).any(-1)
         self.done[rows] = self.done[rows] | (live & stop)
         return live
 
