@@ -65,31 +65,44 @@ def load_config(
 
 def _async_decisions(cfg, given: set) -> list[str]:
     """What trainer.mode=async decides that the config left open -> said in `keel check`'s "decided".
-    Its samples are up to max_off_policy_steps policy versions old: with no rollout correction asked
-    for (rollout_is unset; null keeps it off), token-level truncated IS weights (pi_old / pi_sampler,
-    cut at rollout_is_threshold) correct for it. Its rewards score on a thread beside the trainer's:
-    with reward.num_workers unset, in processes (verl's count), where a scorer's own signal-based
-    timeout works and a runaway one is ended, not left running in the trainer."""
+    Its samples are up to max_off_policy_steps policy versions old; with no rollout correction asked
+    for, PPO's ratio and clip are taken against the sampler's log-probs (bypass mode: the policy that
+    sampled them is the old one), as verl's fully async trainer does (use_rollout_log_probs), which also
+    saves the old-log-prob pass; a policy loss other than vanilla takes token-level truncated IS weights
+    instead (decoupled). Its rewards score beside the trainer: with reward.num_workers unset, in
+    processes (verl's count), where a scorer's own signal-based timeout works and a runaway one is
+    ended, not left running in the trainer."""
     if cfg.trainer.mode != "async":
         return []
-    decided = []
-    correction, k = cfg.algorithm.rollout_correction, cfg.trainer.max_off_policy_steps
-    chosen = "algorithm.rollout_correction.rollout_is" in given
-    sampled = cfg.actor_rollout_ref.rollout.do_sample  # greedy log-probs are temperature 1's: no weights there
-    if k > 0 and sampled and not (chosen or correction.decoupled or correction.bypass_mode):
-        object.__setattr__(correction, "rollout_is", "token")
-        decided.append(
-            f"algorithm.rollout_correction.rollout_is: 'token', since trainer.mode=async trains samples up to {k} "
-            f"policy versions old (truncated IS weights at {correction.rollout_is_threshold} correct for it; set "
-            "rollout_is or rollout_rs to choose otherwise)"
-        )
+    decided = [_off_policy_correction(cfg, given)] if cfg.trainer.max_off_policy_steps > 0 else []
     if "reward.num_workers" not in given and cfg.reward.num_workers == 0:
         object.__setattr__(cfg.reward, "num_workers", min(8, os.cpu_count() or 1))
         decided.append(
             f"reward.num_workers: {cfg.reward.num_workers}, since trainer.mode=async scores beside the trainer "
             "(in processes a scorer's timeout ends it; 0 scores on a thread of the trainer's process)"
         )
-    return decided
+    return [d for d in decided if d]
+
+
+def _off_policy_correction(cfg, given: set) -> str | None:
+    correction, k = cfg.algorithm.rollout_correction, cfg.trainer.max_off_policy_steps
+    chosen = any(key.startswith("algorithm.rollout_correction.") for key in given)
+    # greedy engines record log-probs at temperature 1, not the policy's: nothing to correct with
+    if chosen or not cfg.actor_rollout_ref.rollout.do_sample or correction.decoupled or correction.bypass_mode:
+        return None
+    why = f"since trainer.mode=async trains samples up to {k} policy version{'s' if k > 1 else ''} old"
+    if cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla":
+        object.__setattr__(correction, "bypass_mode", True)
+        return (
+            f"algorithm.rollout_correction.bypass_mode: true, {why}: PPO's ratio and clip are taken against the "
+            "log-probs of the policy that sampled them, as verl's fully async trainer does, and the old-log-prob "
+            "pass is saved (set rollout_is or rollout_rs for decoupled correction instead)"
+        )
+    object.__setattr__(correction, "rollout_is", "token")
+    return (
+        f"algorithm.rollout_correction.rollout_is: 'token', {why} (truncated IS weights at "
+        f"{correction.rollout_is_threshold} correct for it; set rollout_is or rollout_rs to choose otherwise)"
+    )
 
 
 def value_at(cfg, dotted: str):

@@ -161,8 +161,17 @@ def training_mode(cfg: KeelConfig) -> str:
     samples = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
     tokens = samples * (cfg.data.max_prompt_length + cfg.data.max_response_length)
     held_mb = k * tokens * 40 / 2**20  # ids, masks and log-probs: about 40 bytes a token on the host
+    versions = f"{k} policy version{'s' if k > 1 else ''}"
+    if cfg.trainer.partial_rollout:
+        return (
+            f"async with partial rollouts: {k + 1} batches of {samples} samples are under way; a step's round ends "
+            f"once a batch of groups has finished and the rest go on under the next policy, no token more than "
+            f"{versions} old ({cfg.trainer.off_policy_strategy}: a group that would pass it is "
+            f"{'waited for' if cfg.trainer.off_policy_strategy == 'wait' else 'dropped'}; rollout correction: "
+            f"{corrected}); about {held_mb * (k + 1) / k:.0f} MB on the host at most"
+        )
     return (
         f"async: generation and scoring run up to {k} step{'s' if k > 1 else ''} ahead of training, so a trained "
-        f"sample is at most {k} policy version{'s' if k > 1 else ''} old (rollout correction: {corrected}); "
+        f"sample is at most {versions} old (rollout correction: {corrected}); "
         f"{k} batch{'es' if k > 1 else ''} of {samples} samples wait on the host, about {held_mb:.0f} MB at most"
     )

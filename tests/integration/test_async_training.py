@@ -70,7 +70,7 @@ def test_with_a_bound_of_k_no_trained_sample_is_more_than_k_versions_old(tiny_co
         # batch i is generated at step max(1, i - 2), from the policy of the updates before that step
         assert versions == [max(0, step - 3)]
         assert m["async/staleness/max"] == min(step - 1, 2) <= 2
-        assert "rollout_corr/rollout_is_mean" in m  # keel turned token-level IS on for the off-policy samples
+        assert "timing_s/old_log_prob" not in m  # keel chose bypass mode: the sampler's log-probs are the old ones
     assert [s for s, _, _ in trained_batches] == [1, 2, 3, 4, 5]
 
 
@@ -135,14 +135,17 @@ def test_keel_check_explains_the_mode_and_what_keel_decided_for_it(tiny_config):
     tiny_config["trainer"].update({"mode": "async", "max_off_policy_steps": 2})
     report = run_checks(load_config(tiny_config))
     assert "async: generation and scoring run up to 2 steps ahead of training" in report.plan_text
-    assert "at most 2 policy versions old (rollout correction: rollout_is=token)" in report.plan_text
+    assert "at most 2 policy versions old (rollout correction: bypass mode)" in report.plan_text
     decided = load_config(tiny_config).decided
-    assert any(d.startswith("algorithm.rollout_correction.rollout_is: 'token'") for d in decided)
+    assert any(d.startswith("algorithm.rollout_correction.bypass_mode: true") for d in decided)
     assert any(d.startswith("reward.num_workers: ") for d in decided)  # scored in processes beside the trainer
     assert load_config(tiny_config).reward.num_workers >= 1
     # a correction asked off stays off
     off = load_config(tiny_config, {"algorithm.rollout_correction.rollout_is": None})
-    assert off.algorithm.rollout_correction.rollout_is is None
+    assert off.algorithm.rollout_correction.rollout_is is None and not off.algorithm.rollout_correction.bypass_mode
+    # a policy loss bypass mode cannot take gets truncated IS weights on recomputed old log-probs instead
+    gspo = load_config(tiny_config, {"actor_rollout_ref.actor.policy_loss.loss_mode": "gspo"})
+    assert gspo.algorithm.rollout_correction.rollout_is == "token" and not gspo.algorithm.rollout_correction.bypass_mode
 
 
 def test_dynamic_sampling_with_async_mode_is_refused_with_the_fix(tiny_config):

@@ -252,3 +252,12 @@ def test_partial_rollouts_refuse_what_they_cannot_do_with_the_fix(tiny_config, s
         load_config(tiny_config)
     assert refused.value.code == INCOMPATIBLE_OPTIONS and named in refused.value.message
     assert refused.value.fix.startswith("set `")
+
+
+def test_keel_check_explains_partial_rollouts(tiny_config):
+    from keel.check.preflight import run_checks
+
+    tiny_config["trainer"].update({"mode": "async", "partial_rollout": True, "off_policy_strategy": "drop"})
+    report = run_checks(load_config(tiny_config))
+    assert "async with partial rollouts: 2 batches of 16 samples are under way" in report.plan_text
+    assert "no token more than 1 policy version old (drop: a group that would pass it is dropped" in report.plan_text
