@@ -235,8 +235,7 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
 
     gpus = cfg.world_size
     samples = w.prompts * w.n
-    # EOS-ended responses (v2): the trained tokens are the mean length's, not the limit's
-    seq = w.prompt_length + (mean("response_length/mean") if w.mean_response else w.response_length)
+    seq = w.prompt_length + (mean("response_length/mean") if w.mean_response else w.response_length)  # v2: EOS-ended
     params = stored_parameters(cfg.actor_rollout_ref.model.path) or _architecture_parameters(w.model)
     update_tokens = samples * seq * cfg.actor_rollout_ref.actor.ppo_epochs
     update_s = mean("timing_s/update_actor")

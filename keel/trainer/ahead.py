@@ -33,7 +33,6 @@ from keel.observe.metrics import Timer
 from keel.trainer.partial import RolloutPartial
 from keel.trainer.scored_rollout import ScoredRollout
 from keel.trainer.seeds import step_seed
-from keel.trainer.versions import policy_version
 from keel.types import RolloutBatch
 
 
@@ -103,7 +102,7 @@ class RolloutAhead:
         with timer("wait_reward"):  # what scoring (and a rollout of its own, generating) still took
             batch, metrics, seconds, gen_parts = flight.scored.result()
         # the versions the workers stamped on the samples against the policy this step updates
-        staleness = (policy_version(self.cfg, step - 1) - batch.policy_version).float()
+        staleness = (self.rollout.components.workers.policy_version - batch.policy_version).float()
         metrics = {
             **metrics,
             "timing_s/reward": seconds,

@@ -32,7 +32,6 @@ from keel.data.sampler import ResumableSampler
 from keel.observe.metrics import Timer
 from keel.trainer.scored_rollout import ScoredRollout
 from keel.trainer.seeds import step_seed
-from keel.trainer.versions import policy_version
 from keel.types import PartialSample, RolloutBatch, RoundEnd
 
 
@@ -51,7 +50,7 @@ class RolloutPartial:
 
     def __call__(self, timer: Timer, step: int) -> tuple[RolloutBatch, PromptBatch, dict[str, float], dict[str, float]]:
         self._fill_pool()
-        due = self._due(step)
+        due = self._due(updates=int(step >= self.cfg.algorithm.critic_warmup))
         end = RoundEnd(count=self.groups_per_batch) if self.drop else RoundEnd(frozenset(due), self.groups_per_batch)
         gen_parts: dict[str, float] = {}
         with timer("gen"):
@@ -61,7 +60,7 @@ class RolloutPartial:
         batch = samples_batch(trained, self.rollout.components.tokenizer)
         with timer("reward"):
             batch, metrics = self.rollout.score(batch)
-        return batch, self.rollout.prompts_of(batch), {**metrics, **self._metrics(batch, dropped, step)}, gen_parts
+        return batch, self.rollout.prompts_of(batch), {**metrics, **self._metrics(batch, dropped)}, gen_parts
 
     def _fill_pool(self) -> None:
         """Prompts drawn until the pool holds max_off_policy_steps + 1 batches of groups (a resume's first)."""
@@ -72,10 +71,11 @@ class RolloutPartial:
                 self.pool += [PartialSample(self.next_group, data[row]) for _ in range(self.rollout.sampling.n)]
                 self.next_group += 1
 
-    def _due(self, step: int) -> set[int]:
+    def _due(self, updates: int) -> set[int]:
         """The groups that would pass the bound if this step did not train them: their first tokens
-        more than max_off_policy_steps versions older than the policy the next step's update starts from."""
-        next_update = policy_version(self.cfg, step)
+        more than max_off_policy_steps versions older than the policy the next step's update starts from
+        (`updates`: whether this step updates the actor)."""
+        next_update = self.rollout.components.workers.policy_version + updates
         return {s.group for s in self.pool if s.versions and next_update - s.versions[0] > self.bound}
 
     def _reached(self, end: RoundEnd) -> bool:
@@ -93,8 +93,8 @@ class RolloutPartial:
         self.pool, self.dropped = left, self.dropped + count
         return taken, count
 
-    def _metrics(self, batch: RolloutBatch, dropped: int, step: int) -> dict[str, float]:
-        staleness = (policy_version(self.cfg, step - 1) - batch.policy_version).float()
+    def _metrics(self, batch: RolloutBatch, dropped: int) -> dict[str, float]:
+        staleness = (self.rollout.components.workers.policy_version - batch.policy_version).float()
         versions, mask = batch.token_versions, batch.response_mask.bool()
         spans = (versions.masked_fill(~mask, -1).amax(-1) > batch.policy_version).float()
         return {

@@ -78,6 +78,7 @@ class RLTrainer:
         self.correction = a.rollout_correction
         self.step = 0
         self.restored: dict | None = None  # a resumed run's trainer_state
+        self.updating = 0  # the policy version the current step's update starts from
 
     # --- the loop ----------------------------------------------------------------------------
     def fit(self) -> RunResult:
@@ -133,6 +134,7 @@ class RLTrainer:
         timer = Timer(self.cfg.trainer.guards.phase_timeout_s if self.cfg.world_size == 1 else None, logger.phase)
         parts, workers = self.components, self.components.workers
         finite = self._check_finite
+        self.updating = workers.policy_version  # the policy this step's update starts from
         with timer("step"):
             batch, prompts, metrics, gen_parts = self.rollout(timer, self.step)
             updates_actor = self.step >= self.cfg.algorithm.critic_warmup  # verl's count: steps start at 1
@@ -217,7 +219,7 @@ class RLTrainer:
     def _check_log_prob_gap(self, gap: float, batch: RolloutBatch) -> None:
         # Greedy engines record log-probs at temperature 1, not the trainer's; samples of an older policy
         # (async mode) differ from the trainer's by its updates since, which is no broken weight sync.
-        if self.sampling.do_sample and sampled_by(self.cfg, batch, self.step):
+        if self.sampling.do_sample and sampled_by(self.cfg, batch, self.updating):
             check_log_prob_gap(gap, self.step, self.cfg.trainer.guards.max_log_prob_gap)
 
     def _assign_rewards(self, batch: RolloutBatch) -> dict[str, float]:

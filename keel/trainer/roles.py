@@ -59,6 +59,7 @@ class WorkerRoles:
         self.actor_schedule, self.critic_schedule = actor, critic
         self.world = group.world_size
         self.pad_token_id = pad_token_id
+        self.policy_version = 0  # the policy version the workers hold: actor updates so far (the one source)
         self.peak_gb: dict[str, float] = {}  # method -> the fullest GPU's peak during its last call
         self.rss_gb = 0.0
 
@@ -147,6 +148,7 @@ class WorkerRoles:
     def update_actor(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
         plan = _plan(batch, self.actor_schedule, actor_order_seed(seed), self.world)
         metrics = combine_metrics(self._call("update_actor", [(p,) for p in plan]))
+        self.policy_version += 1
         if self.rollout_group is not None:
             metrics.update(self._send_weights())
         return metrics
@@ -172,6 +174,7 @@ class WorkerRoles:
 
     def load(self, directory: Path, weights_version: int = 0) -> None:
         """`weights_version`: the policy version of the checkpoint's weights (its actor updates)."""
+        self.policy_version = weights_version
         for group in self._groups() + ([self.rollout_group] if self.rollout_group else []):
             group.call("load", [(str(directory), weights_version)] * group.world_size)
 

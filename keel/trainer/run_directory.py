@@ -55,6 +55,7 @@ class RunDirectory:
                 {
                     "step": step,
                     "sampler": sampler_state or parts.sampler.state_dict(),
+                    "policy_version": parts.workers.policy_version,
                     "kl_ctrl": parts.kl_ctrl.state_dict(),
                     **guard_counts,
                     "rng": ckpt.rng_state(),
@@ -77,7 +78,8 @@ class RunDirectory:
                 f"critic, but this config {'has' if critic else 'has no'} critic",
             )
         state = torch.load(path / "trainer_state.pt", weights_only=False)
-        parts.workers.load(path, policy_version(self.cfg, state["step"]))
+        # checkpoints before the version was saved: the steps' count (a skipped step would make it high)
+        parts.workers.load(path, state.get("policy_version", policy_version(self.cfg, state["step"])))
         if parts.normalizer is not None and state.get("normalizer"):
             parts.normalizer.load_state_dict(state["normalizer"])
         try:

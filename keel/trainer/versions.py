@@ -1,5 +1,7 @@
 """Policy versions: how many actor updates a policy has had, and whether a batch was sampled from the
-policy a step updates. Workers stamp each sample (each token, in a partial rollout) with theirs."""
+policy a step updates. Workers stamp each sample (each token, in a partial rollout) with theirs; the
+driver's count is WorkerRoles.policy_version, saved with each checkpoint. `policy_version` is what a
+step count gives, for checkpoints saved before the count was."""
 
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ def policy_version(cfg: KeelConfig, step: int) -> int:
     return max(0, step - max(cfg.algorithm.critic_warmup, 1) + 1)
 
 
-def sampled_by(cfg: KeelConfig, batch: RolloutBatch, step: int) -> bool:
-    """Whether every sample of `batch` was sampled from the policy step `step` updates: always in sync mode
-    (a skipped step leaves the workers' count of updates behind the steps, never their weights)."""
+def sampled_by(cfg: KeelConfig, batch: RolloutBatch, version: int) -> bool:
+    """Whether every sample of `batch` was sampled from policy `version` (the one the step updates):
+    always in sync mode, where each step trains what it generated."""
     if cfg.trainer.mode == "sync" or batch.policy_version is None:
         return True
-    return bool((batch.policy_version == policy_version(cfg, step - 1)).all())
+    return bool((batch.policy_version == version).all())

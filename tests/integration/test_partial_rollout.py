@@ -5,6 +5,7 @@ resumed run neither loses nor repeats a prompt."""
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -138,6 +139,7 @@ def test_a_step_trains_the_due_groups_first_and_drop_drops_the_due_ones_unfinish
     tiny_config["trainer"].update({"mode": "async", "partial_rollout": True, "off_policy_strategy": "drop"})
     rollout = object.__new__(partial.RolloutPartial)
     rollout.cfg, rollout.bound, rollout.groups_per_batch, rollout.dropped = load_config(tiny_config), 1, 1, 0
+    rollout.rollout = SimpleNamespace(components=SimpleNamespace(workers=SimpleNamespace(policy_version=1)))
     record = object()
     rollout.pool = [
         PartialSample(0, record, [1], [-1.0], [1]),
@@ -145,7 +147,7 @@ def test_a_step_trains_the_due_groups_first_and_drop_drops_the_due_ones_unfinish
         PartialSample(2, record, [1], [-1.0], [0], finished=True),
         PartialSample(3, record, [1], [-1.0], [0]),
     ]
-    due = rollout._due(step=2)
+    due = rollout._due(updates=1)  # step 2 updates the policy to version 2
     assert due == {2, 3}
     taken, dropped = rollout._take(due)
     assert [s.group for s in taken] == [2] and dropped == 1 and [s.group for s in rollout.pool] == [0, 1]
