@@ -16,11 +16,12 @@ def check_async(cfg: KeelConfig, incompatible) -> None:
             "at the update, not the one that sampled the batch, and it scores while the next batch does",
             f"set {setting('trainer.mode', 'sync')}, or another estimator (grpo, rloo)",
         )
-    if trainer.mode == "async" and cfg.algorithm.filter_groups.enable:
+    if trainer.mode == "async" and cfg.algorithm.filter_groups.enable and not trainer.partial_rollout:
         raise incompatible(
-            "algorithm.filter_groups.enable=true with trainer.mode=async: DAPO's dynamic sampling decides how "
-            "many batches to generate from their scores, which async mode has not yet when it generates ahead",
-            f"set {setting('trainer.mode', 'sync')}, or {setting('algorithm.filter_groups.enable', False)}",
+            "algorithm.filter_groups.enable=true with trainer.mode=async and whole batches generated ahead: DAPO's "
+            "dynamic sampling decides from their scores how many to generate, which is not known ahead",
+            f"set {setting('trainer.partial_rollout', True)} (a step's rounds go on until enough groups with a "
+            f"signal finished), or {setting('trainer.mode', 'sync')}",
         )
     if trainer.off_policy_strategy == "drop" and not trainer.partial_rollout:
         raise incompatible(

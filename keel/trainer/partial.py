@@ -31,7 +31,7 @@ from keel.data.prompts import PromptBatch, collate_prompts
 from keel.data.sampler import ResumableSampler
 from keel.observe.metrics import Timer
 from keel.trainer.scored_rollout import ScoredRollout
-from keel.trainer.seeds import step_seed
+from keel.trainer.seeds import batch_seed, step_seed
 from keel.types import PartialSample, RolloutBatch, RoundEnd
 
 
@@ -49,18 +49,31 @@ class RolloutPartial:
         self.dropped = 0
 
     def __call__(self, timer: Timer, step: int) -> tuple[RolloutBatch, PromptBatch, dict[str, float], dict[str, float]]:
+        """The step's batch, scored: one round's finished groups; with algorithm.filter_groups (DAPO's
+        dynamic sampling), more rounds with the same policy while too few of them have a signal, the
+        pool refilled from the sampler each time."""
+        updates = int(step >= self.cfg.algorithm.critic_warmup)
+        dropped: list[int] = []
+
+        def next_round(call: int) -> tuple[RolloutBatch, dict[str, float]]:
+            batch, gen_parts, count = self._round(timer, batch_seed(step_seed(self.cfg, step), call), updates)
+            dropped.append(count)
+            return batch, gen_parts
+
+        batch, prompts, metrics, gen_parts = self.rollout.fill(timer, next_round)
+        return batch, prompts, {**metrics, **self._metrics(batch, sum(dropped))}, gen_parts
+
+    def _round(self, timer: Timer, seed: int, updates: int) -> tuple[RolloutBatch, dict[str, float], int]:
+        """One round over the pool -> (a batch of its finished groups, the engine's timing, samples dropped)."""
         self._fill_pool()
-        due = self._due(updates=int(step >= self.cfg.algorithm.critic_warmup))
+        due = self._due(updates)
         end = RoundEnd(count=self.groups_per_batch) if self.drop else RoundEnd(frozenset(due), self.groups_per_batch)
         gen_parts: dict[str, float] = {}
         with timer("gen"):
             while not self._reached(end):  # once, unless a rank's share of `end` fell short
-                self.pool, gen_parts = self.rollout.generate_round(self.pool, step_seed(self.cfg, step), end)
+                self.pool, gen_parts = self.rollout.generate_round(self.pool, seed, end)
         trained, dropped = self._take(due)
-        batch = samples_batch(trained, self.rollout.components.tokenizer)
-        with timer("reward"):
-            batch, metrics = self.rollout.score(batch)
-        return batch, self.rollout.prompts_of(batch), {**metrics, **self._metrics(batch, dropped)}, gen_parts
+        return samples_batch(trained, self.rollout.components.tokenizer), gen_parts, dropped
 
     def _fill_pool(self) -> None:
         """Prompts drawn until the pool holds max_off_policy_steps + 1 batches of groups (a resume's first)."""

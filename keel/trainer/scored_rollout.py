@@ -44,27 +44,32 @@ class ScoredRollout:
         """(the step's generated and scored samples, their prompts, reward metrics, generation
         timing). With algorithm.filter_groups, DAPO's dynamic sampling: prompts whose samples all
         scored alike are dropped and more generated until data.train_batch_size prompts remain."""
-        parts, filter_groups = self.components, self.cfg.algorithm.filter_groups
+        # each generation batch of a step samples with a seed of its own
+        return self.fill(timer, lambda call: self.generate(timer, batch_seed(seed, call)))
+
+    def fill(self, timer: Timer, next_generated) -> tuple[RolloutBatch, PromptBatch, dict, dict[str, float]]:
+        """What __call__ returns, from `next_generated(call)` -> (a generated batch, its timing): called
+        once, or with algorithm.filter_groups until enough prompts with a signal are kept."""
+        pad, filter_groups = self.components.tokenizer.pad_token_id, self.cfg.algorithm.filter_groups
         last: dict[str, dict] = {}
 
         def next_scored_batch(call: int = 0) -> RolloutBatch:
-            # each generation batch of a step samples with a seed of its own
-            batch, last["gen"] = self.generate(timer, batch_seed(seed, call))
+            batch, last["gen"] = next_generated(call)
             with timer("reward"):
                 batch, last["reward"] = self.score(batch)
             return batch
 
         if not filter_groups.enable:
             batch = next_scored_batch()
-            return batch, _prompts_of(batch, parts.tokenizer.pad_token_id), last["reward"], last["gen"]
+            return batch, _prompts_of(batch, pad), last["reward"], last["gen"]
         batch, counts = fill_with_signal(
             next_scored_batch,
             self.cfg.data.train_batch_size,
             filter_groups.metric,
             filter_groups.max_num_gen_batches,
-            parts.tokenizer.pad_token_id,
+            pad,
         )
-        return batch, _prompts_of(batch, parts.tokenizer.pad_token_id), {**last["reward"], **counts}, last["gen"]
+        return batch, _prompts_of(batch, pad), {**last["reward"], **counts}, last["gen"]
 
     def generate(self, timer: Timer, seed: int) -> tuple[RolloutBatch, dict[str, float]]:
         """The samples of the sampler's next prompts (n each), and the engine's timing of its parts."""

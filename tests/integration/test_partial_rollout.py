@@ -263,3 +263,28 @@ def test_keel_check_explains_partial_rollouts(tiny_config):
     report = run_checks(load_config(tiny_config))
     assert "async with partial rollouts: 2 batches of 16 samples are under way" in report.plan_text
     assert "no token more than 1 policy version old (drop: a group that would pass it is dropped" in report.plan_text
+
+
+HALF_WITH_SIGNAL = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Prompts with an even ground truth score 0 for every response: no signal, which DAPO drops."""
+    return float(int(ground_truth) % 2 and len(solution_str) % 2)
+'''
+
+
+def test_dynamic_sampling_in_async_mode_refills_from_more_rounds(tiny_config, tmp_path, ending_model, trained):
+    """DAPO with partial rollouts: half the prompts carry no signal, so a step runs rounds (with the same
+    policy, the pool refilled) until a batch of groups with one has finished."""
+    reward = tmp_path / "half.py"
+    reward.write_text(HALF_WITH_SIGNAL)
+    config = run_config(tiny_config, tmp_path, "dapo", ending_model, steps=4)
+    config["custom_reward_function"] = {"path": str(reward)}
+    config["algorithm"] = {**config["algorithm"], "filter_groups": {"enable": True}}
+    run_dir = train(config).run_dir
+    cfg = load_config(config)
+    for step, batch, rows in trained:
+        assert len(rows) == config["data"]["train_batch_size"] and all(row % 2 for row in rows)  # odd: a signal
+        assert int(token_staleness(step - 1, batch).max()) <= cfg.trainer.max_off_policy_steps
+    metrics = metrics_of(run_dir)
+    assert any(m["dynamic_sampling/gen_batches"] > 1 for m in metrics)
+    assert all(m["dynamic_sampling/kept_prompt_ratio"] < 1 for m in metrics)
