@@ -33,7 +33,7 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
 
     context["memory_gb"] = estimate = estimate_for(cfg)
     total, available, where = device_memory_gb(cfg)
-    required = max(estimate["total"], estimate.get("critic_pool", 0.0))
+    required = max(estimate["total"], estimate.get("critic_pool", 0.0), estimate.get("rollout_pool", 0.0))
     message = f"about {required:.2f} GB needed on {where}, {available:.1f} GB free of {total:.1f} GB"
     if required > available:
         raise KeelError(MEMORY_ESTIMATE, message, _memory_fix(cfg, estimate, available, estimate_for))

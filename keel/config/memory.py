@@ -23,7 +23,8 @@ def estimate_memory_gb(
     of one micro-batch (about 34 bytes x hidden per token per layer, Korthikanti et al. arXiv
     2205.05198, plus one chunk's float32 logits); the KV cache of one generation batch and, for the
     native engine, its decode weights. A critic with a pool of its own is estimated for its own
-    devices, as `critic_pool`, outside the total.
+    devices, as `critic_pool`, outside the total; so is a rollout on workers of its own
+    (hybrid_engine=false: its engine's weights and KV cache, as `rollout_pool`).
 
     What the config alone does not say comes from the caller: the compute dtype's size on the
     device the run resolves to, whether the native engine runs this architecture, and how many
@@ -59,7 +60,13 @@ def estimate_memory_gb(
     critic_lora = lora.get("critic")
     if cfg.critic_enabled and "critic" not in cfg.pools:  # colocated with the actor
         estimate["critic_states"] = _critic_bytes(cfg, params, critic_lora, compute_bytes, cfg.world_size) / gb
+    if not policy.hybrid_engine:  # the rollout's own devices hold the engine: the actor's hold none of it
+        engine = [estimate.pop(key, 0.0) for key in ("kv_cache", "rollout_weights", "rollout_copy")]
+        # hf generates with a whole float32 model of its own
+        rollout_pool = sum(engine) + (0 if native else 4 * params / gb)
     estimate["total"] = sum(estimate.values())
+    if not policy.hybrid_engine:
+        estimate["rollout_pool"] = rollout_pool
     if cfg.critic_enabled and "critic" in cfg.pools:  # the critic pool's devices: states and activations
         states = _critic_bytes(cfg, params, critic_lora, compute_bytes, cfg.critic_world_size)
         estimate["critic_pool"] = (

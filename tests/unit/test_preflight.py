@@ -344,3 +344,15 @@ def test_an_eos_token_transformers_adds_on_load_is_refused(tiny_config, tiny_ass
     report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": str(model)}))
     assert failure_codes(report) == [EOS_ADDED_ON_LOAD]
     assert "<|end_of_turn|>" in report.failures[0].message and "<|im_end|>" in report.failures[0].fix
+
+
+def test_a_rollout_on_workers_of_its_own_is_estimated_on_its_own_devices(tiny_config):
+    """hybrid_engine=false: the engine's decode weights and KV cache leave the actor's devices and are
+    estimated, as rollout_pool, for the rollout's."""
+    cpu = ["trainer.device=cpu"]
+    colocated = run_checks(load_config(tiny_config, cpu)).memory_gb
+    apart = run_checks(load_config(tiny_config, cpu + ["actor_rollout_ref.hybrid_engine=false"])).memory_gb
+    engine = colocated["kv_cache"] + colocated["rollout_weights"]
+    assert "kv_cache" not in apart and "rollout_weights" not in apart
+    assert apart["total"] == pytest.approx(colocated["total"] - engine, rel=0.01)
+    assert apart["rollout_pool"] == pytest.approx(engine, rel=0.01)
