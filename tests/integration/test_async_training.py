@@ -192,3 +192,26 @@ def test_remax_with_async_mode_is_refused_with_the_fix(tiny_config):
     with pytest.raises(KeelError) as refused:
         load_config(tiny_config)
     assert refused.value.code == INCOMPATIBLE_OPTIONS and "trainer.mode=sync" in refused.value.fix
+
+
+def test_a_skipped_step_leaves_the_policy_version_and_the_staleness_true(tiny_config, tmp_path, monkeypatch):
+    """Step 2 is skipped (trainer.guards.nonfinite=skip) before its update: step 3 trains a batch sampled
+    at step 2 from version 1, and updates version 1, so it is 0 versions old; the checkpoint says 2 updates."""
+    from keel.errors import SkipStep
+
+    real = rl.RLTrainer._advantages
+
+    def skip_step_2(self, batch, prompts, timer):
+        if self.step == 2:
+            raise SkipStep("advantages")
+        return real(self, batch, prompts, timer)
+
+    monkeypatch.setattr(rl.RLTrainer, "_advantages", skip_step_2)
+    config = run_config(tiny_config, tmp_path, "skip", mode="async", max_off_policy_steps=1)
+    config["trainer"]["guards"] = {"nonfinite": "skip"}
+    run_dir = train(config).run_dir
+    steps = {m["step"]: m for m in metrics_of(run_dir)}
+    assert steps[2]["guards/skipped_steps"] == 1 and "async/staleness/max" not in steps[2]
+    assert steps[3]["async/staleness/max"] == 0 and steps[4]["async/staleness/max"] == 1
+    state = torch.load(run_dir / "global_step_4" / "trainer_state.pt", weights_only=False)
+    assert state["policy_version"] == 3  # steps 1, 3 and 4 updated
