@@ -288,3 +288,17 @@ def test_dynamic_sampling_in_async_mode_refills_from_more_rounds(tiny_config, tm
     metrics = metrics_of(run_dir)
     assert any(m["dynamic_sampling/gen_batches"] > 1 for m in metrics)
     assert all(m["dynamic_sampling/kept_prompt_ratio"] < 1 for m in metrics)
+
+
+def test_verls_fully_async_recipe_keys_map_to_keels_or_are_refused_by_name(tiny_config):
+    """verl's fully_async_ppo_trainer.yaml: partial_rollout and use_rollout_log_probs are keel's own keys under
+    other names; its staleness threshold (a share of a batch) is refused, pointing at keel's bound."""
+    tiny_config["trainer"]["mode"] = "async"
+    tiny_config["async_training"] = {"partial_rollout": True, "use_rollout_log_probs": True, "require_batches": 1}
+    cfg = load_config(tiny_config)
+    assert cfg.trainer.partial_rollout and cfg.algorithm.rollout_correction.bypass_mode
+    tiny_config["async_training"]["staleness_threshold"] = 0.1
+    with pytest.raises(KeelError) as refused:
+        load_config(tiny_config)
+    assert "async_training.staleness_threshold" in refused.value.message
+    assert "trainer.max_off_policy_steps" in refused.value.message
