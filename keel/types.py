@@ -84,8 +84,15 @@ class RoundEnd:
         return len(set(groups) - open_groups) >= self.count
 
 
-@dataclass
-class RolloutBatch:
+@dataclass(slots=True)
+class GeneratedBatch:
+    """A step's records, one per stage, each a field set of its own and built once from the stage
+    before (`of`): GeneratedBatch (what generation gives: the sampled tokens, the sampler's log-probs,
+    the policy version each sample or token was sampled from), ScoredBatch (and the reward function's
+    scores), RolloutBatch (the training batch: and what the training stage's passes fill in: old and
+    reference log-probs, values, rewards per token, advantages, rollout correction). Every field is
+    per sample (a row), so a sub-batch of any of them is a `select`."""
+
     prompt_ids: Tensor  # [N, P] left-padded
     prompt_mask: Tensor  # [N, P] 1 on prompt tokens
     response_ids: Tensor  # [N, R] right-padded after EOS
@@ -110,23 +117,6 @@ class RolloutBatch:
     # update continues under the next one); policy_version is then each sample's oldest.
     token_versions: Tensor | None = None
 
-    # Filled in by later stages of the step.
-    scores: Tensor | None = None  # [N] outcome reward from the reward function
-    reward_extras: list[dict] | None = None  # [N] other keys of dict results (verl's reward_extra_info)
-    token_level_rewards: Tensor | None = None  # [N, R] score on the last token, minus KL if in reward
-    old_log_probs: Tensor | None = None  # [N, R] actor log-probs before the update
-    # [N] bool: the samples of the update's first mini-batch, whose old log-probs are that update's
-    # own forward (the policy has not moved yet), so the pass skipped them (0 in old_log_probs).
-    own_old_log_probs: Tensor | None = None
-    ref_log_probs: Tensor | None = None  # [N, R]
-    values: Tensor | None = None  # [N, R] critic values
-    advantages: Tensor | None = None  # [N, R]
-    returns: Tensor | None = None  # [N, R]
-    # algorithm.rollout_correction (decoupled mode): truncated IS weights on the policy loss, and
-    # rejection sampling's mask (1: kept), which leaves rejected tokens out of every loss.
-    rollout_is_weights: Tensor | None = None  # [N, R]
-    rollout_keep: Tensor | None = None  # [N, R]
-
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
 
@@ -141,10 +131,6 @@ class RolloutBatch:
     @property
     def attention_mask(self) -> Tensor:  # [N, P + R]
         return torch.cat([self.prompt_mask, self.response_tokens], dim=1)
-
-    @property
-    def loss_mask(self) -> Tensor:  # [N, R] the tokens the losses train on
-        return self.response_mask if self.rollout_keep is None else self.response_mask * self.rollout_keep
 
     @property
     def last_token_index(self) -> Tensor:  # [N] the model's last token (0 for an empty response)
@@ -163,14 +149,14 @@ class RolloutBatch:
     def response_lengths(self) -> Tensor:  # [N]
         return self.response_mask.sum(-1)
 
-    def masked_copies(self, count: int) -> RolloutBatch:
+    def masked_copies(self, count: int):
         """`count` copies of the first sample with the response masked out: fillers that add
         nothing to any loss or count, for ranks or passes that must run in step with others."""
         filler = self.select([0] * count)
         filler.response_mask = torch.zeros_like(filler.response_mask)
         return filler
 
-    def to(self, device: torch.device) -> RolloutBatch:
+    def to(self, device: torch.device):
         """Every tensor field on `device`. Host-to-device copies do not wait for the GPU
         (non_blocking): a blocking copy waits until every kernel queued before it has run, and the
         update made eight of them per micro-batch, each draining the GPU's queue mid-step. CUDA
@@ -181,9 +167,9 @@ class RolloutBatch:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             moved[f.name] = value.to(device, non_blocking=to_gpu) if isinstance(value, Tensor) else value
-        return RolloutBatch(**moved)
+        return type(self)(**moved)
 
-    def select(self, index: Tensor | list[int]) -> RolloutBatch:
+    def select(self, index: Tensor | list[int]):
         """A sub-batch (mini- or micro-batch) with every per-sample field indexed alike."""
         index = torch.as_tensor(index, dtype=torch.long)
         picked = {}
@@ -195,10 +181,46 @@ class RolloutBatch:
                 picked[f.name] = [value[i] for i in index.tolist()]
             else:
                 picked[f.name] = value
-        return RolloutBatch(**picked)
+        return type(self)(**picked)
+
+    @classmethod
+    def of(cls, earlier: GeneratedBatch, **fields):
+        """This stage's record of `earlier`'s samples: its fields, and this stage's `fields`."""
+        return cls(**{f.name: getattr(earlier, f.name) for f in dataclasses.fields(earlier)}, **fields)
 
 
-def trim_padding(batch: RolloutBatch) -> RolloutBatch:
+@dataclass(slots=True)
+class ScoredBatch(GeneratedBatch):
+    """The generated samples and the reward function's results."""
+
+    scores: Tensor | None = None  # [N] outcome reward from the reward function
+    reward_extras: list[dict] | None = None  # [N] other keys of dict results (verl's reward_extra_info)
+
+
+@dataclass(slots=True)
+class RolloutBatch(ScoredBatch):
+    """The training batch: the scored samples and what the step's passes compute for the update."""
+
+    token_level_rewards: Tensor | None = None  # [N, R] score on the last token, minus KL if in reward
+    old_log_probs: Tensor | None = None  # [N, R] actor log-probs before the update
+    # [N] bool: the samples of the update's first mini-batch, whose old log-probs are that update's
+    # own forward (the policy has not moved yet), so the pass skipped them (0 in old_log_probs).
+    own_old_log_probs: Tensor | None = None
+    ref_log_probs: Tensor | None = None  # [N, R]
+    values: Tensor | None = None  # [N, R] critic values
+    advantages: Tensor | None = None  # [N, R]
+    returns: Tensor | None = None  # [N, R]
+    # algorithm.rollout_correction (decoupled mode): truncated IS weights on the policy loss, and
+    # rejection sampling's mask (1: kept), which leaves rejected tokens out of every loss.
+    rollout_is_weights: Tensor | None = None  # [N, R]
+    rollout_keep: Tensor | None = None  # [N, R]
+
+    @property
+    def loss_mask(self) -> Tensor:  # [N, R] the tokens the losses train on
+        return self.response_mask if self.rollout_keep is None else self.response_mask * self.rollout_keep
+
+
+def trim_padding(batch: GeneratedBatch):
     """The same samples without the columns that are padding in all of them: prompt columns on the
     left, response columns on the right. A micro-batch of short samples then costs what they cost,
     not what the longest sample of the whole batch does."""
@@ -214,7 +236,7 @@ def trim_padding(batch: RolloutBatch) -> RolloutBatch:
         elif isinstance(value, Tensor) and value.dim() == 2 and value.shape[1] == full_width:
             value = value[:, :response_width]  # [n, R] fields
         trimmed[f.name] = value
-    return RolloutBatch(**trimmed)
+    return type(batch)(**trimmed)
 
 
 def pad_responses(values: Tensor, width: int, value: float = 0) -> Tensor:

@@ -23,8 +23,7 @@ def estimate_memory_gb(
     of one micro-batch (about 34 bytes x hidden per token per layer, Korthikanti et al. arXiv
     2205.05198, plus one chunk's float32 logits); the KV cache of one generation batch and, for the
     native engine, its decode weights. A critic with a pool of its own is estimated for its own
-    devices, as `critic_pool`, outside the total; so is a rollout on workers of its own
-    (hybrid_engine=false: its engine's weights and KV cache, as `rollout_pool`).
+    devices, as `critic_pool`, outside the total, and a rollout's own (hybrid_engine=false) as `rollout_pool`.
 
     What the config alone does not say comes from the caller: the compute dtype's size on the
     device the run resolves to, whether the native engine runs this architecture, and how many
@@ -38,8 +37,7 @@ def estimate_memory_gb(
     micro = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
     # The float32 logits and their gradient of one LOGITS_CHUNK_TOKENS chunk at a time (kept logits
     # size themselves to the memory a run leaves: forward.logits_chunking).
-    logit_rows = min(micro * cfg.data.max_response_length, logits_chunk_tokens)
-    logits = logit_rows * model_cfg.vocab_size * 4 * 2
+    logits = min(micro * cfg.data.max_response_length, logits_chunk_tokens) * model_cfg.vocab_size * 4 * 2
     estimate = {
         "actor_states": _sharded_bytes(params, True, policy.actor.fsdp_config, cfg.world_size) / gb,
         "activations": (_activation_bytes(model_cfg, micro * seq, compute_bytes) + logits) / gb,
@@ -60,19 +58,21 @@ def estimate_memory_gb(
     critic_lora = lora.get("critic")
     if cfg.critic_enabled and "critic" not in cfg.pools:  # colocated with the actor
         estimate["critic_states"] = _critic_bytes(cfg, params, critic_lora, compute_bytes, cfg.world_size) / gb
-    if not policy.hybrid_engine:  # the rollout's own devices hold the engine: the actor's hold none of it
-        engine = [estimate.pop(key, 0.0) for key in ("kv_cache", "rollout_weights", "rollout_copy")]
-        # hf generates with a whole float32 model of its own
-        rollout_pool = sum(engine) + (0 if native else 4 * params / gb)
+    apart = {} if policy.hybrid_engine else {"rollout_pool": _rollout_apart(estimate, native, params / gb)}
     estimate["total"] = sum(estimate.values())
-    if not policy.hybrid_engine:
-        estimate["rollout_pool"] = rollout_pool
+    estimate.update(apart)
     if cfg.critic_enabled and "critic" in cfg.pools:  # the critic pool's devices: states and activations
         states = _critic_bytes(cfg, params, critic_lora, compute_bytes, cfg.critic_world_size)
-        estimate["critic_pool"] = (
-            states + _activation_bytes(model_cfg, cfg.critic_batching[1] * seq, compute_bytes)
-        ) / gb
+        activations = _activation_bytes(model_cfg, cfg.critic_batching[1] * seq, compute_bytes)
+        estimate["critic_pool"] = (states + activations) / gb
     return {k: float(f"{v:.4g}") for k, v in estimate.items()}  # tiny models stay visible
+
+
+def _rollout_apart(estimate: dict[str, float], native: bool, params_gb: float) -> float:
+    """hybrid_engine=false: the engine's parts leave the actor's devices (`estimate`) -> what the
+    rollout's own devices hold (hf generates with a whole float32 model of its own)."""
+    engine = [estimate.pop(key, 0.0) for key in ("kv_cache", "rollout_weights", "rollout_copy")]
+    return sum(engine) + (0 if native else 4 * params_gb)
 
 
 def _activation_bytes(model_cfg, tokens: int, compute_bytes: int) -> float:

@@ -21,7 +21,7 @@ from keel.models.load import load_causal_lm, load_tokenizer, quiet_transformers,
 from keel.rollout.agent import build_agent_loop
 from keel.rollout.agent.external import build_external_agent
 from keel.rollout.select import make_rollout_engine
-from keel.types import PartialSample, RolloutBatch, SamplingParams
+from keel.types import GeneratedBatch, PartialSample, SamplingParams
 
 
 def generate_samples(generator, prompts, sampling: SamplingParams, seed: int, version: int):
@@ -40,7 +40,7 @@ def generate_samples(generator, prompts, sampling: SamplingParams, seed: int, ve
 
 
 def continue_samples(engine, samples: list[PartialSample], sampling: SamplingParams, seed: int, version: int, end):
-    """Partial rollouts: a round of this rank's `samples` (RolloutBatch's siblings, the engine's
+    """Partial rollouts: a round of this rank's `samples` (GeneratedBatch's siblings, the engine's
     `generate_round`) -> the samples with the tokens sampled now, tagged with `version`, and the
     engine's timing; ([], {}) for a rank with none."""
     if not samples:
@@ -102,7 +102,7 @@ class RolloutWorker:
     def info(self) -> dict:
         return {"rollout_engine": type(self.rollout).__name__}
 
-    def generate(self, prompts, sampling: SamplingParams, seed: int) -> tuple[RolloutBatch | None, dict]:
+    def generate(self, prompts, sampling: SamplingParams, seed: int) -> tuple[GeneratedBatch | None, dict]:
         return generate_samples(self.agent or self.rollout, prompts, sampling, seed, self.weights_version)
 
     def generate_round(self, samples: list[PartialSample], sampling: SamplingParams, seed: int, end):

@@ -47,7 +47,7 @@ from keel.training.actor import ActorTrainer
 from keel.training.batching import MicroBatching, MiniBatch
 from keel.training.critic import CriticTrainer
 from keel.training.reference import AdapterlessReference, ReferencePolicy
-from keel.types import PartialSample, RolloutBatch, SamplingParams
+from keel.types import GeneratedBatch, PartialSample, RolloutBatch, SamplingParams
 
 log = logging.getLogger("keel")
 
@@ -264,7 +264,7 @@ class RoleWorker:
     def info(self) -> dict:
         return {"rollout_engine": type(self.rollout).__name__ if self.rollout else None, **self.sharding}
 
-    def generate(self, prompts, sampling: SamplingParams, seed: int) -> tuple[RolloutBatch | None, dict]:
+    def generate(self, prompts, sampling: SamplingParams, seed: int) -> tuple[GeneratedBatch | None, dict]:
         return generate_samples(self.agent or self.rollout, prompts, sampling, seed, self.weights_version)
 
     def generate_round(self, samples: list[PartialSample], sampling: SamplingParams, seed: int, end):

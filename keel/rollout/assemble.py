@@ -1,4 +1,4 @@
-"""What every engine's generated chunks become: one RolloutBatch, responses right-padded and masked
+"""What every engine's generated chunks become: one GeneratedBatch, responses right-padded and masked
 after their first stop token, sampled log-probs zeroed past it, texts decoded once."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from keel.types import RolloutBatch, SamplingParams, pad_responses
+from keel.types import GeneratedBatch, SamplingParams, pad_responses
 
 
 def stop_token_ids(tokenizer, model) -> list[int]:
@@ -20,7 +20,7 @@ def stop_token_ids(tokenizer, model) -> list[int]:
 
 def assemble_batch(
     prompts, chunks: list[tuple[Tensor, Tensor]], tokenizer, eos_ids: list[int], params: SamplingParams
-) -> RolloutBatch:
+) -> GeneratedBatch:
     """`chunks`: (response ids [b, r], sampled log-probs [b, r]) per chunk of `prompts`, in order."""
     pad = tokenizer.pad_token_id
     width = max(ids.shape[1] for ids, _ in chunks)
@@ -29,7 +29,7 @@ def assemble_batch(
     response_ids, response_mask, truncated = mask_after_eos(
         response_ids, [] if params.ignore_eos else eos_ids, pad, params.max_new_tokens
     )
-    return RolloutBatch(
+    return GeneratedBatch(
         prompt_ids=prompts.input_ids,
         prompt_mask=prompts.attention_mask,
         response_ids=response_ids,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from keel.types import RolloutBatch, SamplingParams
+from keel.types import GeneratedBatch, SamplingParams
 
 
 class RolloutEngine(Protocol):
     timing: dict[str, float]  # seconds per part of the last generate call, if the engine times them
 
-    def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
+    def generate(self, prompts, params: SamplingParams) -> GeneratedBatch:
         """Generate for a PromptBatch whose prompts are already repeated `n` times.
 
         Returns responses right-padded after EOS, their masks (EOS included) and the log-probs of

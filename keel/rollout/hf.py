@@ -10,7 +10,7 @@ from transformers import GenerationConfig, LogitsProcessor
 
 from keel.models.load import autocast
 from keel.rollout.assemble import assemble_batch, stop_token_ids
-from keel.types import RolloutBatch, SamplingParams
+from keel.types import GeneratedBatch, SamplingParams
 
 
 @contextmanager
@@ -52,7 +52,7 @@ class HFRolloutEngine:
             raise RuntimeError(f"hf rollout: no weights given for {sorted(set(mine) - given)[:3]}")
 
     @torch.no_grad()
-    def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
+    def generate(self, prompts, params: SamplingParams) -> GeneratedBatch:
         was_training = self.model.training
         self.model.eval()
         try:

@@ -33,7 +33,7 @@ from keel.observe.metrics import Timer
 from keel.trainer.partial import RolloutPartial
 from keel.trainer.scored_rollout import ScoredRollout
 from keel.trainer.seeds import step_seed
-from keel.types import RolloutBatch
+from keel.types import ScoredBatch
 
 
 @dataclass
@@ -62,7 +62,7 @@ class RolloutWithin:
     def __init__(self, cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler):
         self.cfg, self.rollout, self.sampler = cfg, rollout, sampler
 
-    def __call__(self, timer: Timer, step: int) -> tuple[RolloutBatch, PromptBatch, dict[str, float], dict[str, float]]:
+    def __call__(self, timer: Timer, step: int) -> tuple[ScoredBatch, PromptBatch, dict[str, float], dict[str, float]]:
         return self.rollout(timer, step_seed(self.cfg, step))
 
     def settle(self) -> None:
@@ -93,7 +93,7 @@ class RolloutAhead:
         """A run resumed after `step`: its next batch is step + 1's."""
         self.generated = step
 
-    def __call__(self, timer: Timer, step: int) -> tuple[RolloutBatch, PromptBatch, dict[str, float], dict[str, float]]:
+    def __call__(self, timer: Timer, step: int) -> tuple[ScoredBatch, PromptBatch, dict[str, float], dict[str, float]]:
         """(batch `step`'s scored samples, their prompts, reward and staleness metrics, the timing
         of this step's generation): what ScoredRollout returns in sync mode."""
         while self.generated < min(step + self.bound, self.last_step):
@@ -124,7 +124,7 @@ class RolloutAhead:
             generated.set_result(self.rollout.generate(timer, seed))
         self.in_flight.append(InFlight(self.generated, state, self.scoring.submit(self._score, generated)))
 
-    def _score(self, generated: Future) -> tuple[RolloutBatch, dict[str, float], float, dict[str, float]]:
+    def _score(self, generated: Future) -> tuple[ScoredBatch, dict[str, float], float, dict[str, float]]:
         batch, gen_parts = generated.result()
         if self.closed:
             raise CancelledError("the run ended with this batch in flight")

@@ -9,10 +9,10 @@ from keel.algorithms.groups import groups_with_signal
 from keel.errors import FILTER_GROUPS_EXHAUSTED, KeelError
 from keel.errors.fixes import setting
 from keel.training.batching import concat_rows
-from keel.types import RolloutBatch
+from keel.types import ScoredBatch
 
 
-def signal_values(batch: RolloutBatch, metric: str) -> torch.Tensor:
+def signal_values(batch: ScoredBatch, metric: str) -> torch.Tensor:
     """[N] what must differ within a group: `acc` from the reward function's dict results (the
     score where there is none), else the score."""
     if metric == "acc" and batch.reward_extras and all("acc" in extra for extra in batch.reward_extras):
@@ -37,11 +37,11 @@ def _more_batches_fix(groups: int, calls: int, prompts_wanted: int) -> str | Non
 
 def fill_with_signal(
     next_scored_batch, prompts_wanted: int, metric: str, max_batches: int, pad_token_id: int
-) -> tuple[RolloutBatch, dict[str, float]]:
+) -> tuple[ScoredBatch, dict[str, float]]:
     """`next_scored_batch(call)` -> a generated, scored batch, called until `prompts_wanted` prompts
     with a signal are kept (or `max_batches` calls, 0 for no limit). The batch holds exactly that
     many prompts, each with all its kept samples, in the order they came."""
-    kept: list[RolloutBatch] = []
+    kept: list[ScoredBatch] = []
     groups = generated = calls = 0
     while groups < prompts_wanted:
         if max_batches and calls >= max_batches:

@@ -6,7 +6,7 @@ runs one round over the whole pool with the policy the step starts with, and end
 batch of groups (data.train_batch_size prompts, all their samples) has finished; what is still
 generating then is cut, keeps its tokens and the sampler's log-probs, and goes on in the next round
 under the next policy, each token tagged with the version it was sampled from
-(`RolloutBatch.token_versions`). The step trains the finished groups, the oldest first. The engine's
+(`GeneratedBatch.token_versions`). The step trains the finished groups, the oldest first. The engine's
 decode batch stays full instead of thinning to the long tail.
 
 A group whose first tokens would be more than max_off_policy_steps versions old at the next step's
@@ -32,7 +32,7 @@ from keel.data.sampler import ResumableSampler
 from keel.observe.metrics import Timer
 from keel.trainer.scored_rollout import ScoredRollout
 from keel.trainer.seeds import batch_seed, step_seed
-from keel.types import PartialSample, RolloutBatch, RoundEnd
+from keel.types import GeneratedBatch, PartialSample, RoundEnd, ScoredBatch
 
 
 class RolloutPartial:
@@ -48,14 +48,14 @@ class RolloutPartial:
         self.next_group = 0
         self.dropped = 0
 
-    def __call__(self, timer: Timer, step: int) -> tuple[RolloutBatch, PromptBatch, dict[str, float], dict[str, float]]:
+    def __call__(self, timer: Timer, step: int) -> tuple[ScoredBatch, PromptBatch, dict[str, float], dict[str, float]]:
         """The step's batch, scored: one round's finished groups; with algorithm.filter_groups (DAPO's
         dynamic sampling), more rounds with the same policy while too few of them have a signal, the
         pool refilled from the sampler each time."""
         updates = int(step >= self.cfg.algorithm.critic_warmup)
         dropped: list[int] = []
 
-        def next_round(call: int) -> tuple[RolloutBatch, dict[str, float]]:
+        def next_round(call: int) -> tuple[GeneratedBatch, dict[str, float]]:
             batch, gen_parts, count = self._round(timer, batch_seed(step_seed(self.cfg, step), call), updates)
             dropped.append(count)
             return batch, gen_parts
@@ -63,7 +63,7 @@ class RolloutPartial:
         batch, prompts, metrics, gen_parts = self.rollout.fill(timer, next_round)
         return batch, prompts, {**metrics, **self._metrics(batch, sum(dropped))}, gen_parts
 
-    def _round(self, timer: Timer, seed: int, updates: int) -> tuple[RolloutBatch, dict[str, float], int]:
+    def _round(self, timer: Timer, seed: int, updates: int) -> tuple[GeneratedBatch, dict[str, float], int]:
         """One round over the pool -> (a batch of its finished groups, the engine's timing, samples dropped)."""
         self._fill_pool()
         due = self._due(updates)
@@ -106,7 +106,7 @@ class RolloutPartial:
         self.pool, self.dropped = left, self.dropped + count
         return taken, count
 
-    def _metrics(self, batch: RolloutBatch, dropped: int) -> dict[str, float]:
+    def _metrics(self, batch: ScoredBatch, dropped: int) -> dict[str, float]:
         staleness = (self.rollout.components.workers.policy_version - batch.policy_version).float()
         versions, mask = batch.token_versions, batch.response_mask.bool()
         spans = (versions.masked_fill(~mask, -1).amax(-1) > batch.policy_version).float()
@@ -139,8 +139,8 @@ def _groups(samples: list[PartialSample]) -> list[int]:
     return list(dict.fromkeys(s.group for s in samples))
 
 
-def samples_batch(samples: list[PartialSample], tokenizer) -> RolloutBatch:
-    """Finished samples as a RolloutBatch, their prompts left-padded and responses right-padded as
+def samples_batch(samples: list[PartialSample], tokenizer) -> GeneratedBatch:
+    """Finished samples as a GeneratedBatch, their prompts left-padded and responses right-padded as
     the engines' batches are; each sample's policy version is its oldest token's."""
     pad = tokenizer.pad_token_id
     prompts = collate_prompts([s.record for s in samples], pad)
@@ -151,7 +151,7 @@ def samples_batch(samples: list[PartialSample], tokenizer) -> RolloutBatch:
     ids = padded([s.ids for s in samples], pad)  # [N, R]
     lengths = torch.tensor([len(s.ids) for s in samples])
     mask = (torch.arange(ids.shape[1]) < lengths[:, None]).long()
-    return RolloutBatch(
+    return GeneratedBatch(
         prompt_ids=prompts.input_ids,
         prompt_mask=prompts.attention_mask,
         response_ids=ids,

@@ -136,7 +136,8 @@ class RLTrainer:
         finite = self._check_finite
         self.updating = workers.policy_version  # the policy this step's update starts from
         with timer("step"):
-            batch, prompts, metrics, gen_parts = self.rollout(timer, self.step)
+            scored, prompts, metrics, gen_parts = self.rollout(timer, self.step)
+            batch = RolloutBatch.of(scored)  # the training batch: this step's passes fill in the rest
             updates_actor = self.step >= self.cfg.algorithm.critic_warmup  # verl's count: steps start at 1
             in_update = self._old_log_probs(batch, metrics, timer, updates_actor)
             if self.cfg.ref_enabled:

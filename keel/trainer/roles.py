@@ -22,7 +22,7 @@ from keel.training.batching import (
     shard_batch,
     unshard_rows,
 )
-from keel.types import PartialSample, RolloutBatch, RoundEnd, SamplingParams
+from keel.types import GeneratedBatch, PartialSample, RolloutBatch, RoundEnd, SamplingParams
 
 # Metrics every rank reports identically (computed after the gradients were summed); every other
 # update metric is a rank's share of the whole mini-batch, so the ranks' values add up.
@@ -75,7 +75,7 @@ class WorkerRoles:
     # --- rollout -----------------------------------------------------------------------------------
     def generate(
         self, prompts: PromptBatch, sampling: SamplingParams, seed: int
-    ) -> tuple[RolloutBatch, dict[str, float]]:
+    ) -> tuple[GeneratedBatch, dict[str, float]]:
         """The samples, and the engine's timing of its parts (`timing_s/gen_*`, the slowest rank's:
         where the phase's time went). Contiguous slices of the prompts, one per rank (generation
         has no collectives, so the slices may differ in size or be empty)."""
@@ -109,7 +109,7 @@ class WorkerRoles:
         timing = {k: max(t.get(k, 0.0) for _, t in replies) for _, t in replies for k in t}
         return [s for continued, _ in replies for s in continued], timing
 
-    def _samples(self, shares: list[tuple[int, int]], results: list) -> tuple[RolloutBatch, dict[str, float]]:
+    def _samples(self, shares: list[tuple[int, int]], results: list) -> tuple[GeneratedBatch, dict[str, float]]:
         timing = {k: max(t.get(k, 0.0) for _, t in results) for _, t in results for k in t}
         for (start, _), (batch, _) in zip(shares, results):
             if batch is not None and batch.sample_index is not None:  # a rank numbers its own samples from 0

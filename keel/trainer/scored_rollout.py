@@ -17,7 +17,7 @@ from keel.rollout.agent.metrics import external_agent_metrics
 from keel.trainer.dynamic_sampling import fill_with_signal
 from keel.trainer.seeds import batch_seed
 from keel.trainer.setup import Components
-from keel.types import PartialSample, RolloutBatch, RoundEnd, SamplingParams
+from keel.types import GeneratedBatch, PartialSample, RoundEnd, SamplingParams, ScoredBatch
 
 
 def training_sampling(cfg: KeelConfig) -> SamplingParams:
@@ -40,20 +40,20 @@ class ScoredRollout:
         self.components = components
         self.sampling = sampling
 
-    def __call__(self, timer: Timer, seed: int) -> tuple[RolloutBatch, PromptBatch, dict[str, float], dict[str, float]]:
+    def __call__(self, timer: Timer, seed: int) -> tuple[ScoredBatch, PromptBatch, dict[str, float], dict[str, float]]:
         """(the step's generated and scored samples, their prompts, reward metrics, generation
         timing). With algorithm.filter_groups, DAPO's dynamic sampling: prompts whose samples all
         scored alike are dropped and more generated until data.train_batch_size prompts remain."""
         # each generation batch of a step samples with a seed of its own
         return self.fill(timer, lambda call: self.generate(timer, batch_seed(seed, call)))
 
-    def fill(self, timer: Timer, next_generated) -> tuple[RolloutBatch, PromptBatch, dict, dict[str, float]]:
+    def fill(self, timer: Timer, next_generated) -> tuple[ScoredBatch, PromptBatch, dict, dict[str, float]]:
         """What __call__ returns, from `next_generated(call)` -> (a generated batch, its timing): called
         once, or with algorithm.filter_groups until enough prompts with a signal are kept."""
         pad, filter_groups = self.components.tokenizer.pad_token_id, self.cfg.algorithm.filter_groups
         last: dict[str, dict] = {}
 
-        def next_scored_batch(call: int = 0) -> RolloutBatch:
+        def next_scored_batch(call: int = 0) -> ScoredBatch:
             batch, last["gen"] = next_generated(call)
             with timer("reward"):
                 batch, last["reward"] = self.score(batch)
@@ -71,7 +71,7 @@ class ScoredRollout:
         )
         return batch, _prompts_of(batch, pad), {**last["reward"], **counts}, last["gen"]
 
-    def generate(self, timer: Timer, seed: int) -> tuple[RolloutBatch, dict[str, float]]:
+    def generate(self, timer: Timer, seed: int) -> tuple[GeneratedBatch, dict[str, float]]:
         """The samples of the sampler's next prompts (n each), and the engine's timing of its parts."""
         prompts = self._next_prompts()
         with timer("gen"):
@@ -97,19 +97,19 @@ class ScoredRollout:
         )
         return prompts.repeat_interleave(self.sampling.n)
 
-    def score(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
+    def score(self, batch: GeneratedBatch) -> tuple[ScoredBatch, dict[str, float]]:
         """The batch scored, less the samples that leave the update (reward.on_error=mask's not-scored
         ones, and those an agent's rollout dropped), and the reward metrics."""
         scored = score_samples(self.components.reward, batch)
-        batch.scores, batch.reward_extras = scored.scores, scored.extras
+        batch = ScoredBatch.of(batch, scores=scored.scores, reward_extras=scored.extras)
         metrics = {**scored.metrics, **external_agent_metrics(batch.records, batch.final_segments)}
         kept = scored.scored & torch.tensor(["agent_dropped" not in r.extra_info for r in batch.records])
         return (batch if kept.all() else batch.select(kept.nonzero().squeeze(-1))), metrics
 
-    def prompts_of(self, batch: RolloutBatch) -> PromptBatch:
+    def prompts_of(self, batch: GeneratedBatch) -> PromptBatch:
         return _prompts_of(batch, self.components.tokenizer.pad_token_id)
 
-    def baseline_scores(self, prompts: PromptBatch, batch: RolloutBatch, seed: int) -> torch.Tensor:  # [N]
+    def baseline_scores(self, prompts: PromptBatch, batch: GeneratedBatch, seed: int) -> torch.Tensor:  # [N]
         """ReMax (arXiv 2310.10505): the greedy response's score is each prompt's baseline, given
         to each of the prompt's samples in the batch."""
         greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=self.sampling.max_new_tokens)
@@ -121,7 +121,7 @@ class ScoredRollout:
         return torch.tensor([by_prompt[r.index] for r in batch.records])
 
 
-def score_samples(reward, batch: RolloutBatch) -> ScoreResult:
+def score_samples(reward, batch: GeneratedBatch) -> ScoreResult:
     """The reward of each sample, on its final segment (its last answer), given to its other
     segments too: a sample is scored once however many rows it trains as."""
     finals = batch.final_segments
@@ -142,7 +142,7 @@ def score_samples(reward, batch: RolloutBatch) -> ScoreResult:
     )
 
 
-def _prompts_of(batch: RolloutBatch, pad_token_id: int) -> PromptBatch:
+def _prompts_of(batch: GeneratedBatch, pad_token_id: int) -> PromptBatch:
     """The batch's prompts, each once (ReMax generates its baseline from them)."""
     first = {}
     for record in batch.records:

@@ -6,7 +6,7 @@ step count gives, for checkpoints saved before the count was."""
 from __future__ import annotations
 
 from keel.config.schema import KeelConfig
-from keel.types import RolloutBatch
+from keel.types import GeneratedBatch
 
 
 def policy_version(cfg: KeelConfig, step: int) -> int:
@@ -14,7 +14,7 @@ def policy_version(cfg: KeelConfig, step: int) -> int:
     return max(0, step - max(cfg.algorithm.critic_warmup, 1) + 1)
 
 
-def sampled_by(cfg: KeelConfig, batch: RolloutBatch, version: int) -> bool:
+def sampled_by(cfg: KeelConfig, batch: GeneratedBatch, version: int) -> bool:
     """Whether every sample of `batch` was sampled from policy `version` (the one the step updates):
     always in sync mode, where each step trains what it generated."""
     if cfg.trainer.mode == "sync" or batch.policy_version is None:

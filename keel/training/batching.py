@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from keel.training.step import LossScale, mask_counts
-from keel.types import RolloutBatch, trim_padding
+from keel.types import GeneratedBatch, RolloutBatch, trim_padding
 
 # --- mini-batches ----------------------------------------------------------------------------
 
@@ -123,12 +123,13 @@ def pad_with_masked(part: RolloutBatch, size: int, whole: RolloutBatch) -> Rollo
     return concat_rows([part, whole.masked_copies(missing)], pad_id=0)  # same widths: nothing is padded
 
 
-def concat_rows(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+def concat_rows(batches: list[GeneratedBatch], pad_id: int) -> GeneratedBatch:
     """Batches stacked: prompts left-padded to the widest, responses right-padded to the widest."""
+    kind = type(batches[0])  # every batch of one stage's record
     width = max(b.response_ids.shape[1] for b in batches)
     prompt_width = max(b.prompt_ids.shape[1] for b in batches)
     fields = {}
-    for f in dataclasses.fields(RolloutBatch):
+    for f in dataclasses.fields(kind):
         values = [getattr(b, f.name) for b in batches]
         if values[0] is None:
             fields[f.name] = None
@@ -146,7 +147,7 @@ def concat_rows(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
             )
         else:
             fields[f.name] = torch.cat(values)
-    return RolloutBatch(**fields)
+    return kind(**fields)
 
 
 # --- micro-batches ---------------------------------------------------------------------------

@@ -225,8 +225,17 @@ def test_batch_plan_counts():
             "sampler's",
         ),
         (["actor_rollout_ref.actor.ppo_mini_batch_size=4"], "but the first mini-batch's"),
-        # async mode's samples are off-policy: the correction keel turns on needs every old log-prob
-        (["actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.mode=async"], "recomputed each step"),
+        # async mode's samples are off-policy: keel's bypass mode takes the sampler's as the old ones, and
+        # decoupled correction (chosen, or for a policy loss bypass mode cannot take) needs every old log-prob
+        (["actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.mode=async"], "sampler's"),
+        (
+            [
+                "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                "trainer.mode=async",
+                "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+            ],
+            "recomputed each step",
+        ),
         (
             ["actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.mode=async", "trainer.max_off_policy_steps=0"],
             "on-policy",

@@ -14,7 +14,7 @@ from torch import Tensor
 from keel.rollout.agent.environment import Environment
 from keel.rollout.agent.runner import ToolSession
 from keel.rollout.agent.tools import ToolOutput
-from keel.types import PromptBatch, PromptRecord, RolloutBatch
+from keel.types import GeneratedBatch, PromptBatch, PromptRecord
 
 
 @dataclass(eq=False)  # compared by identity
@@ -65,7 +65,7 @@ class Episode:
         self.tool_outputs.append(output.text)
 
 
-def episodes_batch(prompts: PromptBatch, episodes: list[Episode], tokenizer) -> RolloutBatch:
+def episodes_batch(prompts: PromptBatch, episodes: list[Episode], tokenizer) -> GeneratedBatch:
     """The batch finished episodes make: the response as sampled, with the template's tokens between
     turns attended to but not trained on, and each record's extra_info saying how its episode went."""
     width = max(1, max(len(e.ids) for e in episodes))
@@ -98,7 +98,7 @@ def episodes_batch(prompts: PromptBatch, episodes: list[Episode], tokenizer) -> 
         for e in episodes
     ]
     trained = rows([e.trained for e in episodes])
-    return RolloutBatch(
+    return GeneratedBatch(
         prompt_ids=prompts.input_ids,
         prompt_mask=prompts.attention_mask,
         response_ids=rows([e.ids for e in episodes], tokenizer.pad_token_id),

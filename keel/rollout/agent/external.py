@@ -15,7 +15,7 @@ An agent that raises or runs past its timeout, or whose requests rewrote its his
 (rollout.agent.on_prefix_break=drop), leaves the update and is counted (`agent/errors`,
 `agent/timeouts`, `agent/prefix_breaks`, `agent/dropped`); the step goes on. With
 on_prefix_break=segments a rewritten sample trains each continuous stretch as a row of its own
-(RolloutBatch.sample_index ties them), scored once and counted once in its group.
+(GeneratedBatch.sample_index ties them), scored once and counted once in its group.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from keel.rollout.agent.endpoints import EndpointProcesses, InProcessEndpoint
 from keel.rollout.agent.episode import last_sampled_turn
 from keel.rollout.agent.trace import Stretch, Trace
 from keel.rollout.service import EngineService
-from keel.types import PromptBatch, RolloutBatch, SamplingParams
+from keel.types import GeneratedBatch, PromptBatch, SamplingParams
 
 
 @dataclass
@@ -73,7 +73,7 @@ class ExternalAgentRollout:
         else:
             self.endpoints = InProcessEndpoint(tokenizer, options.host, token, in_flight)
 
-    def generate(self, prompts: PromptBatch, params: SamplingParams) -> RolloutBatch:
+    def generate(self, prompts: PromptBatch, params: SamplingParams) -> GeneratedBatch:
         names = [f"sample-{secrets.token_hex(4)}-{i}" for i in range(len(prompts))]
         rows = min(len(prompts), self.options.concurrency)
         options = self.options
@@ -183,7 +183,7 @@ def traces_batch(
     tokenizer,
     scored_by_agent: bool = False,
     segments: bool = False,
-) -> RolloutBatch:
+) -> GeneratedBatch:
     """The batch the samples' traces make: a row for each sample's first stretch, its prompt the
     agent's own first prompt; with `segments` (on_prefix_break=segments), a row for each stretch of
     a sample whose history was rewritten, rows of one sample sharing its sample_index. A sample to
@@ -209,7 +209,7 @@ def traces_batch(
     prompt_ids, prompt_mask = _left_padded([s.prompt for s in stretches], tokenizer.pad_token_id)
     width = max(1, max(len(s.ids) for s in stretches))
     trained = _right_padded(trained, width)
-    return RolloutBatch(
+    return GeneratedBatch(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
         response_ids=_right_padded([s.ids for s in stretches], width, tokenizer.pad_token_id),

@@ -33,7 +33,7 @@ from keel.rollout.agent.runner import ToolLimits, ToolRunner
 from keel.rollout.agent.template import TurnTemplate
 from keel.rollout.agent.tools import Tool, load_tools
 from keel.rollout.service import EngineService
-from keel.types import PromptBatch, RolloutBatch, SamplingParams
+from keel.types import GeneratedBatch, PromptBatch, SamplingParams
 
 
 @dataclass
@@ -65,7 +65,7 @@ class AgentLoop:
         self.runner = ToolRunner(tools, options.limits)
         self.timing: dict[str, float] = {}
 
-    def generate(self, prompts: PromptBatch, params: SamplingParams) -> RolloutBatch:
+    def generate(self, prompts: PromptBatch, params: SamplingParams) -> GeneratedBatch:
         episodes = [Episode(r, list(r.prompt_ids)) for r in prompts.records]
         self.timing = {}
         sessions = self.runner.open([e.record.extra_info.get("tools_kwargs") for e in episodes])

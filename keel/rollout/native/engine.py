@@ -29,7 +29,7 @@ from keel.rollout.native.batching import ContinuousBatcher
 from keel.rollout.native.layers import StepFunctions
 from keel.rollout.native.models import unsupported_reason
 from keel.rollout.native.runner import ModelRunner
-from keel.types import PartialSample, RolloutBatch, RoundEnd, SamplingParams
+from keel.types import GeneratedBatch, PartialSample, RoundEnd, SamplingParams
 
 log = logging.getLogger("keel")
 
@@ -117,7 +117,7 @@ class NativeRolloutEngine:
 
     # --- generation ------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
+    def generate(self, prompts, params: SamplingParams) -> GeneratedBatch:
         """Every prompt's samples, through the scheduler: rows that finish are refilled."""
         batcher = self.continuous_batcher(
             len(prompts), prompts.input_ids.shape[1] + params.max_new_tokens, params.max_new_tokens
