@@ -50,7 +50,7 @@ def load_config(
     if problems:
         raise combined(problems)
     if schema is KeelConfig:
-        decided += _async_decisions(cfg, given)
+        decided += _async_decisions(cfg, given | set(flatten(tree)))  # verl's keys under keel's names too
     cfg.validate()
     if schema is KeelConfig:
         decided += [

@@ -71,8 +71,9 @@ def estimate_memory_gb(
 def _rollout_apart(estimate: dict[str, float], native: bool, params_gb: float) -> float:
     """hybrid_engine=false: the engine's parts leave the actor's devices (`estimate`) -> what the
     rollout's own devices hold (hf generates with a whole float32 model of its own)."""
-    engine = [estimate.pop(key, 0.0) for key in ("kv_cache", "rollout_weights", "rollout_copy")]
-    return sum(engine) + (0 if native else 4 * params_gb)
+    kv_cache, weights = estimate.pop("kv_cache"), estimate.pop("rollout_weights", 0.0)
+    estimate.pop("rollout_copy", None)  # the actor's ranks' copy for hf: the rollout's own model instead
+    return kv_cache + (weights if native else 4 * params_gb)
 
 
 def _activation_bytes(model_cfg, tokens: int, compute_bytes: int) -> float:

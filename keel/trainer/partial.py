@@ -2,20 +2,20 @@
 waits for its slowest sample.
 
 The rollout keeps a pool of samples under way, max_off_policy_steps + 1 batches of prompts. Each step
-runs one round over the whole pool with the policy the step starts with, and ends it as soon as a
+runs one round over the whole pool with the policy the step starts with, and ends it once the step's
 batch of groups (data.train_batch_size prompts, all their samples) has finished; what is still
 generating then is cut, keeps its tokens and the sampler's log-probs, and goes on in the next round
 under the next policy, each token tagged with the version it was sampled from
-(`GeneratedBatch.token_versions`). The step trains the finished groups, the oldest first. The engine's
-decode batch stays full instead of thinning to the long tail.
+(`GeneratedBatch.token_versions`). The younger batches decode beside the oldest one's long tail instead
+of after it.
 
-A group whose first tokens would be more than max_off_policy_steps versions old at the next step's
-update is due: trainer.off_policy_strategy says what happens to it.
-- `wait`: the round also waits for the due groups to finish, and the step trains them first. Every
-  prompt drawn is trained, none with a token past the bound (at most a batch of groups is ever due:
-  one batch is drawn per step).
-- `drop`: the round does not wait for them; a due group still generating is dropped (`async/dropped`),
-  so long responses are trained less often than they are sampled: verl's trade of bias for speed.
+Which batch a step trains is trainer.off_policy_strategy:
+- `wait`: the oldest batch drawn, once all its groups have finished. Prompts train in the order drawn,
+  as in sync mode, and none is dropped; a batch is drawn k = max_off_policy_steps steps before it
+  trains, so none of its tokens is more than k versions older than the policy its update starts from.
+- `drop`: the first batch of groups to finish (those that would pass the bound by waiting another step
+  first: due); a due group still generating is dropped (`async/dropped`), so long responses are trained
+  less often than they are sampled: verl's trade of bias for speed.
 
 Samples are scored when their group trains, once. A checkpoint keeps the pool's prompts, not its
 tokens: a resume generates them again from the start, and draws no prompt twice.
@@ -44,7 +44,8 @@ class RolloutPartial:
         self.drop = cfg.trainer.off_policy_strategy == "drop"
         self.groups_per_batch = cfg.data.train_batch_size
         self.pool: list[PartialSample] = []  # in the order drawn: a group's samples together
-        self.restored: list[int] = []  # a resume: the pool's prompts (dataset rows), drawn again first
+        self.restored: list[int] = []  # a resume: the pool's prompts (the sampler's rows), drawn again first
+        self.row_of: dict[int, int] = {}  # group -> its prompt's row in the training data (what the sampler gives)
         self.next_group = 0
         self.dropped = 0
 
@@ -66,13 +67,15 @@ class RolloutPartial:
     def _round(self, timer: Timer, seed: int, updates: int) -> tuple[GeneratedBatch, dict[str, float], int]:
         """One round over the pool -> (a batch of its finished groups, the engine's timing, samples dropped)."""
         self._fill_pool()
-        due = self._due(updates)
-        end = RoundEnd(count=self.groups_per_batch) if self.drop else RoundEnd(frozenset(due), self.groups_per_batch)
+        due = self._due(updates) if self.drop else set()
+        oldest = frozenset(_groups(self.pool)[: self.groups_per_batch])
+        end = RoundEnd(count=self.groups_per_batch) if self.drop else RoundEnd(groups=oldest)
         gen_parts: dict[str, float] = {}
         with timer("gen"):
             while not self._reached(end):  # once, unless a rank's share of `end` fell short
-                self.pool, gen_parts = self.rollout.generate_round(self.pool, seed, end)
-        trained, dropped = self._take(due)
+                self.pool, parts = self.rollout.generate_round(self.pool, seed, end)
+                gen_parts = {k: gen_parts.get(k, 0.0) + v for k, v in parts.items()}
+        trained, dropped = self._take(oldest, due)
         return samples_batch(trained, self.rollout.components.tokenizer), gen_parts, dropped
 
     def _fill_pool(self) -> None:
@@ -82,6 +85,7 @@ class RolloutPartial:
             rows, self.restored = self.restored or self.sampler.next_batch(), []
             for row in rows:
                 self.pool += [PartialSample(self.next_group, data[row]) for _ in range(self.rollout.sampling.n)]
+                self.row_of[self.next_group] = row
                 self.next_group += 1
 
     def _due(self, updates: int) -> set[int]:
@@ -94,16 +98,21 @@ class RolloutPartial:
     def _reached(self, end: RoundEnd) -> bool:
         return end.reached([s.group for s in self.pool], [s.finished for s in self.pool])
 
-    def _take(self, due: set[int]) -> tuple[list[PartialSample], int]:
-        """(the step's samples: a batch of finished groups, the due ones first, then the oldest; how many
-        samples were dropped: due groups unfinished, with `drop`), the pool left with the rest."""
-        finished = [g for g in _groups(self.pool) if all(s.finished for s in self.pool if s.group == g)]
-        trained = set(sorted(finished, key=lambda g: g not in due)[: self.groups_per_batch])  # a stable sort
-        dropped = due - trained
+    def _take(self, oldest: frozenset, due: set[int]) -> tuple[list[PartialSample], int]:
+        """(the step's samples, how many samples were dropped), the pool left with the rest. `wait`: the
+        oldest batch of groups; `drop`: a batch of finished groups, the due ones first, then the oldest,
+        and the due groups still unfinished are dropped."""
+        if not self.drop:
+            trained, dropped = set(oldest), set()
+        else:
+            finished = [g for g in _groups(self.pool) if all(s.finished for s in self.pool if s.group == g)]
+            trained = set(sorted(finished, key=lambda g: g not in due)[: self.groups_per_batch])  # a stable sort
+            dropped = due - trained
         taken = [s for s in self.pool if s.group in trained]
         left = [s for s in self.pool if s.group not in trained and s.group not in dropped]
         count = len(self.pool) - len(taken) - len(left)
         self.pool, self.dropped = left, self.dropped + count
+        self.row_of = {g: row for g, row in self.row_of.items() if g not in trained and g not in dropped}
         return taken, count
 
     def _metrics(self, batch: ScoredBatch, dropped: int) -> dict[str, float]:
@@ -124,7 +133,7 @@ class RolloutPartial:
     def resume_state(self) -> tuple[dict, dict]:
         """(the sampler state a resume starts from, what else it needs: the pool's prompts, drawn again
         first, and how many samples under way it drops)."""
-        rows = [next(s.record.index for s in self.pool if s.group == g) for g in _groups(self.pool)]
+        rows = [self.row_of[g] for g in _groups(self.pool)]
         return self.sampler.state_dict(), {"in_flight_dropped": len(self.pool), "pool_prompts": rows}
 
     def start_at(self, step: int, state: dict | None = None) -> None:

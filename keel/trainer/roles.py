@@ -103,7 +103,9 @@ class WorkerRoles:
         ):
             mine = set(groups[start:stop])
             parts.append([s for s in samples if s.group in mine])
-            ends.append(RoundEnd(end.groups & mine, count_end - count))
+            # a rank's share of the count, at least one where it has groups: a share of 0 would end its
+            # round before its groups took a token (the driver takes only the batch it needs)
+            ends.append(RoundEnd(end.groups & mine, min(len(mine), max(count_end - count, 1)) if end.count else 0))
         per_rank = [(p, sampling, rank_seed(seed, r), e) for r, (p, e) in enumerate(zip(parts, ends))]
         replies = self._noted("generate_round", group.call("generate_round", per_rank))
         timing = {k: max(t.get(k, 0.0) for _, t in replies) for _, t in replies for k in t}

@@ -99,9 +99,34 @@ def test_cut_samples_go_on_and_no_trained_token_passes_the_bound(tiny_config, tm
         assert any(m["async/partial"] > 0 for m in metrics)  # samples whose tokens came from two policies trained
         newest = [b.token_versions.masked_fill(~b.response_mask.bool(), -1).amax(-1) for _, b, _ in trained]
         assert any((last > b.policy_version).any() for last, (_, b, _) in zip(newest, trained))
-    # wait: every prompt drawn is trained once, or still under way when the run ends
-    prompts = [row for _, _, rows in trained for row in rows]
-    assert len(prompts) == len(set(prompts)) and sum(m["async/dropped"] for m in metrics) == 0
+    assert sum(m["async/dropped"] for m in metrics) == 0
+    # wait: a step trains the oldest batch drawn, so each step's prompts are the synchronous run's
+    partial_prompts = [rows for _, _, rows in trained]
+    trained.clear()
+    sync = {**config["trainer"], "mode": "sync", "partial_rollout": False, "default_local_dir": str(tmp_path / "sync")}
+    train(dict(config, trainer=sync))
+    assert partial_prompts == [rows for _, _, rows in trained]
+
+
+def test_wait_trains_the_oldest_batch_however_slow_and_drops_nothing(tiny_config):
+    """Bound 2, a batch of one group: groups 0 and 1 (version 0) are still generating while group 2
+    (version 1) has finished. wait's round waits for the oldest (group 0) and the step trains it."""
+    tiny_config["trainer"].update({"mode": "async", "partial_rollout": True, "max_off_policy_steps": 2})
+    rollout = object.__new__(partial.RolloutPartial)
+    rollout.cfg, rollout.bound, rollout.groups_per_batch, rollout.dropped = load_config(tiny_config), 2, 1, 0
+    rollout.drop, rollout.row_of, rollout.sampler = False, {0: 7, 1: 8, 2: 9}, ResumableSampler(16, 4, seed=0)
+    record = object()
+    rollout.pool = [
+        PartialSample(0, record, [1], [-1.0], [0]),
+        PartialSample(1, record, [1], [-1.0], [0]),
+        PartialSample(2, record, [1], [-1.0], [1], finished=True),
+    ]
+    oldest = frozenset([0])
+    assert not rollout._reached(RoundEnd(groups=oldest))  # the round goes on until group 0 has finished
+    rollout.pool[0].finished = True
+    taken, dropped = rollout._take(oldest, set())
+    assert [s.group for s in taken] == [0] and dropped == 0 and [s.group for s in rollout.pool] == [1, 2]
+    assert rollout.resume_state()[1]["pool_prompts"] == [8, 9]  # the sampler's rows of the groups under way
 
 
 def test_drop_trains_whole_batches_within_the_bound_and_accounts_for_every_sample(
@@ -139,6 +164,7 @@ def test_a_step_trains_the_due_groups_first_and_drop_drops_the_due_ones_unfinish
     tiny_config["trainer"].update({"mode": "async", "partial_rollout": True, "off_policy_strategy": "drop"})
     rollout = object.__new__(partial.RolloutPartial)
     rollout.cfg, rollout.bound, rollout.groups_per_batch, rollout.dropped = load_config(tiny_config), 1, 1, 0
+    rollout.drop, rollout.row_of = True, {}
     rollout.rollout = SimpleNamespace(components=SimpleNamespace(workers=SimpleNamespace(policy_version=1)))
     record = object()
     rollout.pool = [
@@ -149,7 +175,7 @@ def test_a_step_trains_the_due_groups_first_and_drop_drops_the_due_ones_unfinish
     ]
     due = rollout._due(updates=1)  # step 2 updates the policy to version 2
     assert due == {2, 3}
-    taken, dropped = rollout._take(due)
+    taken, dropped = rollout._take(frozenset(), due)
     assert [s.group for s in taken] == [2] and dropped == 1 and [s.group for s in rollout.pool] == [0, 1]
 
 
@@ -201,12 +227,22 @@ def test_an_engine_that_cannot_cut_is_refused_with_a_code(ending_model):
     assert refused.value.code == INCOMPATIBLE_OPTIONS and "partial_rollout=false" in refused.value.fix
 
 
+@pytest.mark.parametrize("filtered", [False, True])
 def test_a_resumed_partial_run_neither_loses_nor_repeats_a_prompt(
-    tiny_config, tmp_path, ending_model, trained, monkeypatch
+    tiny_config, tmp_path, ending_model, trained, monkeypatch, filtered
 ):
+    """Stopped during step 3 after a checkpoint at step 2, then resumed: the same prompts each step as a
+    run that never stopped. `filtered`: overlong prompts dropped first, so the sampler's rows are not the
+    data's (the checkpoint keeps the sampler's)."""
+    if filtered:
+        rows = [json.loads(line) for line in Path(tiny_config["data"]["train_files"][0]).read_text().splitlines()]
+        long = [dict(rows[0], prompt="x " * 80) for _ in range(3)]
+        data = tmp_path / "with_long.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in long + rows))
+        tiny_config["data"].update({"train_files": [str(data)], "filter_overlong_prompts": True})
     settings = {"save_freq": 2}
     train(run_config(tiny_config, tmp_path, "straight", ending_model, **settings))
-    straight = [row for _, _, rows in trained for row in rows] + pool_at_end(tmp_path / "straight")
+    straight = [rows for _, _, rows in trained]
     trained.clear()
     real_step = rl.RLTrainer.train_step
 
@@ -225,13 +261,7 @@ def test_a_resumed_partial_run_neither_loses_nor_repeats_a_prompt(
     assert len(state["pool_prompts"]) == batch and state["in_flight_dropped"] == batch * n  # batch 3's, under way
     train(stopped)
     assert [s for s, _, _ in trained] == [1, 2, 3, 4]
-    resumed = [row for _, _, rows in trained for row in rows] + pool_at_end(tmp_path / "stopped")
-    # every prompt drawn is trained once or under way at the end: the same prompts as the straight run's
-    assert len(resumed) == len(set(resumed)) and sorted(resumed) == sorted(straight)
-
-
-def pool_at_end(run_dir: Path) -> list[int]:
-    return torch.load(run_dir / "global_step_4" / "trainer_state.pt", weights_only=False)["pool_prompts"]
+    assert [rows for _, _, rows in trained] == straight  # each prompt once, in the same order
 
 
 @pytest.mark.parametrize(
@@ -297,6 +327,9 @@ def test_verls_fully_async_recipe_keys_map_to_keels_or_are_refused_by_name(tiny_
     tiny_config["async_training"] = {"partial_rollout": True, "use_rollout_log_probs": True, "require_batches": 1}
     cfg = load_config(tiny_config)
     assert cfg.trainer.partial_rollout and cfg.algorithm.rollout_correction.bypass_mode
+    tiny_config["async_training"]["use_rollout_log_probs"] = False  # said under verl's name: keel leaves it off
+    assert not load_config(tiny_config).algorithm.rollout_correction.bypass_mode
+    tiny_config["async_training"]["use_rollout_log_probs"] = True
     tiny_config["async_training"]["staleness_threshold"] = 0.1
     with pytest.raises(KeelError) as refused:
         load_config(tiny_config)

@@ -356,3 +356,13 @@ def test_a_rollout_on_workers_of_its_own_is_estimated_on_its_own_devices(tiny_co
     assert "kv_cache" not in apart and "rollout_weights" not in apart
     assert apart["total"] == pytest.approx(colocated["total"] - engine, rel=0.01)
     assert apart["rollout_pool"] == pytest.approx(engine, rel=0.01)
+
+
+def test_an_hf_rollout_of_its_own_is_one_whole_model_on_its_devices(tiny_config):
+    """hf on 2 sharded workers: colocated, each actor rank holds a whole float32 copy for generating; with
+    the rollout apart, that copy is the rollout's own model, counted once there."""
+    hf = ["trainer.device=cpu", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.name=hf"]
+    colocated = run_checks(load_config(tiny_config, hf)).memory_gb
+    apart = run_checks(load_config(tiny_config, hf + ["actor_rollout_ref.hybrid_engine=false"])).memory_gb
+    assert "rollout_copy" not in apart
+    assert apart["rollout_pool"] == pytest.approx(colocated["kv_cache"] + colocated["rollout_copy"], rel=0.01)
