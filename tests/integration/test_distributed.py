@@ -20,7 +20,7 @@ from keel.distributed.pools import role_group  # noqa: E402
 from keel.distributed.worker import RoleWorker, WorkerSpec  # noqa: E402
 from keel.trainer.roles import WorkerRoles  # noqa: E402
 from keel.trainer.setup import load_prompts  # noqa: E402
-from keel.types import SamplingParams  # noqa: E402
+from keel.types import RolloutBatch, SamplingParams  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,8 @@ def test_two_workers_correct_the_rollout_as_one_process(tiny_config, tmp_path, r
     prompts = collate_prompts(
         load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4], tokenizer.pad_token_id
     ).repeat_interleave(4)
-    batch, _ = one.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
+    generated, _ = one.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
+    batch = RolloutBatch.of(generated)  # the training batch, whose fields the test fills in
     batch = batch.select(list(range(15)))
     torch.manual_seed(0)
     batch.advantages = torch.randn(batch.response_mask.shape) * batch.response_mask
@@ -176,7 +177,8 @@ def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ra
     prompts = collate_prompts(
         load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4], tokenizer.pad_token_id
     ).repeat_interleave(4)
-    batch, _ = one.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
+    generated, _ = one.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
+    batch = RolloutBatch.of(generated)  # the training batch, whose fields the test fills in
     batch = batch.select(list(range(15)))  # odd: one rank's part is padded with a masked sample
     torch.manual_seed(0)
     batch.advantages = torch.randn(batch.response_mask.shape) * batch.response_mask
@@ -236,7 +238,8 @@ def test_a_critic_on_workers_of_its_own_takes_the_same_step(tiny_config, tmp_pat
     prompts = collate_prompts(
         load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4], tokenizer.pad_token_id
     ).repeat_interleave(4)
-    batch, _ = one.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
+    generated, _ = one.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
+    batch = RolloutBatch.of(generated)  # the training batch, whose fields the test fills in
     torch.manual_seed(0)
     batch.advantages = torch.randn(batch.response_mask.shape) * batch.response_mask
     batch.returns = torch.randn(batch.response_mask.shape) * batch.response_mask
