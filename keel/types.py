@@ -68,6 +68,11 @@ class PartialSample:
     truncated: bool = False  # ended at the response length without a stop token
 
 
+def groups_of(samples: list[PartialSample]) -> list[int]:
+    """The groups of `samples`, each once, in order."""
+    return list(dict.fromkeys(s.group for s in samples))
+
+
 @dataclass(frozen=True)
 class RoundEnd:
     """When a round of partial rollouts ends: once every sample of `groups` has finished and at least

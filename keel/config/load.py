@@ -74,14 +74,15 @@ def _async_decisions(cfg, given: set) -> list[str]:
     ended, not left running in the trainer."""
     if cfg.trainer.mode != "async":
         return []
-    decided = [_off_policy_correction(cfg, given)] if cfg.trainer.max_off_policy_steps > 0 else []
+    correction = _off_policy_correction(cfg, given) if cfg.trainer.max_off_policy_steps > 0 else None
+    decided = [correction] if correction else []
     if "reward.num_workers" not in given and cfg.reward.num_workers == 0:
         object.__setattr__(cfg.reward, "num_workers", min(8, os.cpu_count() or 1))
         decided.append(
             f"reward.num_workers: {cfg.reward.num_workers}, since trainer.mode=async scores beside the trainer "
             "(in processes a scorer's timeout ends it; 0 scores on a thread of the trainer's process)"
         )
-    return [d for d in decided if d]
+    return decided
 
 
 def _off_policy_correction(cfg, given: set) -> str | None:

@@ -166,12 +166,17 @@ def training_mode(cfg: KeelConfig) -> str:
         return (
             f"async with partial rollouts: {k + 1} batches of {samples} samples are under way; a step's round ends "
             f"once a batch of groups has finished and the rest go on under the next policy, no token more than "
-            f"{versions} old ({cfg.trainer.off_policy_strategy}: a group that would pass it is "
-            f"{'waited for' if cfg.trainer.off_policy_strategy == 'wait' else 'dropped'}; rollout correction: "
-            f"{corrected}); about {held_mb * (k + 1) / k:.0f} MB on the host at most"
+            f"{versions} old ({_strategy(cfg.trainer.off_policy_strategy)}; rollout correction: {corrected}); "
+            f"about {held_mb * (k + 1) / k:.0f} MB on the host at most"
         )
     return (
         f"async: generation and scoring run up to {k} step{'s' if k > 1 else ''} ahead of training, so a trained "
         f"sample is at most {versions} old (rollout correction: {corrected}); "
         f"{k} batch{'es' if k > 1 else ''} of {samples} samples wait on the host, about {held_mb:.0f} MB at most"
     )
+
+
+def _strategy(strategy: str) -> str:
+    if strategy == "wait":
+        return "wait: a step trains the oldest batch drawn, once all of it has finished"
+    return "drop: a group that would pass it is dropped, and a step trains the first groups to finish"

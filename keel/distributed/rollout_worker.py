@@ -34,9 +34,7 @@ def generate_samples(generator, prompts, sampling: SamplingParams, seed: int, ve
     start = time.perf_counter()
     batch = generator.generate(prompts, sampling)  # the engine applies the compute dtype itself
     batch.policy_version = torch.full((len(batch),), version, dtype=torch.long)
-    timing = {f"timing_s/gen_{part}": seconds for part, seconds in generator.timing.items()}
-    timing["timing_s/gen_engine"] = time.perf_counter() - start
-    return batch, {**timing, **getattr(generator, "metrics", {})}
+    return batch, {**_timing(generator, start), **getattr(generator, "metrics", {})}
 
 
 def continue_samples(engine, samples: list[PartialSample], sampling: SamplingParams, seed: int, version: int, end):
@@ -66,8 +64,14 @@ def continue_samples(engine, samples: list[PartialSample], sampling: SamplingPar
         )
         for s, (ids, lps, done, truncated) in zip(samples, sampled)
     ]
-    timing = {f"timing_s/gen_{part}": seconds for part, seconds in engine.timing.items()}
-    return samples, {**timing, "timing_s/gen_engine": time.perf_counter() - start}
+    return samples, _timing(engine, start)
+
+
+def _timing(generator, start: float) -> dict[str, float]:
+    """The generator's seconds per part of its last call (`timing_s/gen_<part>`: prefill, decode, ...),
+    and the whole call's since `start` (`timing_s/gen_engine`)."""
+    timing = {f"timing_s/gen_{part}": seconds for part, seconds in generator.timing.items()}
+    return {**timing, "timing_s/gen_engine": time.perf_counter() - start}
 
 
 def agent_around(policy, engine, tokenizer, budget: int):

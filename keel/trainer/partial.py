@@ -32,7 +32,7 @@ from keel.data.sampler import ResumableSampler
 from keel.observe.metrics import Timer
 from keel.trainer.scored_rollout import ScoredRollout
 from keel.trainer.seeds import batch_seed, step_seed
-from keel.types import GeneratedBatch, PartialSample, RoundEnd, ScoredBatch
+from keel.types import GeneratedBatch, PartialSample, RoundEnd, ScoredBatch, groups_of
 
 
 class RolloutPartial:
@@ -47,7 +47,6 @@ class RolloutPartial:
         self.restored: list[int] = []  # a resume: the pool's prompts (the sampler's rows), drawn again first
         self.row_of: dict[int, int] = {}  # group -> its prompt's row in the training data (what the sampler gives)
         self.next_group = 0
-        self.dropped = 0
 
     def __call__(self, timer: Timer, step: int) -> tuple[ScoredBatch, PromptBatch, dict[str, float], dict[str, float]]:
         """The step's batch, scored: one round's finished groups; with algorithm.filter_groups (DAPO's
@@ -68,7 +67,7 @@ class RolloutPartial:
         """One round over the pool -> (a batch of its finished groups, the engine's timing, samples dropped)."""
         self._fill_pool()
         due = self._due(updates) if self.drop else set()
-        oldest = frozenset(_groups(self.pool)[: self.groups_per_batch])
+        oldest = frozenset(groups_of(self.pool)[: self.groups_per_batch])
         end = RoundEnd(count=self.groups_per_batch) if self.drop else RoundEnd(groups=oldest)
         gen_parts: dict[str, float] = {}
         with timer("gen"):
@@ -81,7 +80,7 @@ class RolloutPartial:
     def _fill_pool(self) -> None:
         """Prompts drawn until the pool holds max_off_policy_steps + 1 batches of groups (a resume's first)."""
         data = self.rollout.components.train_data
-        while len(_groups(self.pool)) < (self.bound + 1) * self.groups_per_batch:
+        while len(groups_of(self.pool)) < (self.bound + 1) * self.groups_per_batch:
             rows, self.restored = self.restored or self.sampler.next_batch(), []
             for row in rows:
                 self.pool += [PartialSample(self.next_group, data[row]) for _ in range(self.rollout.sampling.n)]
@@ -105,13 +104,13 @@ class RolloutPartial:
         if not self.drop:
             trained, dropped = set(oldest), set()
         else:
-            finished = [g for g in _groups(self.pool) if all(s.finished for s in self.pool if s.group == g)]
+            finished = [g for g in groups_of(self.pool) if all(s.finished for s in self.pool if s.group == g)]
             trained = set(sorted(finished, key=lambda g: g not in due)[: self.groups_per_batch])  # a stable sort
             dropped = due - trained
         taken = [s for s in self.pool if s.group in trained]
         left = [s for s in self.pool if s.group not in trained and s.group not in dropped]
         count = len(self.pool) - len(taken) - len(left)
-        self.pool, self.dropped = left, self.dropped + count
+        self.pool = left
         self.row_of = {g: row for g, row in self.row_of.items() if g not in trained and g not in dropped}
         return taken, count
 
@@ -133,7 +132,7 @@ class RolloutPartial:
     def resume_state(self) -> tuple[dict, dict]:
         """(the sampler state a resume starts from, what else it needs: the pool's prompts, drawn again
         first, and how many samples under way it drops)."""
-        rows = [self.row_of[g] for g in _groups(self.pool)]
+        rows = [self.row_of[g] for g in groups_of(self.pool)]
         return self.sampler.state_dict(), {"in_flight_dropped": len(self.pool), "pool_prompts": rows}
 
     def start_at(self, step: int, state: dict | None = None) -> None:
@@ -141,11 +140,6 @@ class RolloutPartial:
 
     def close(self) -> None:
         """No thread of its own to stop."""
-
-
-def _groups(samples: list[PartialSample]) -> list[int]:
-    """The groups of `samples`, in order."""
-    return list(dict.fromkeys(s.group for s in samples))
 
 
 def samples_batch(samples: list[PartialSample], tokenizer) -> GeneratedBatch:

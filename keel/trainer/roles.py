@@ -22,7 +22,7 @@ from keel.training.batching import (
     shard_batch,
     unshard_rows,
 )
-from keel.types import GeneratedBatch, PartialSample, RolloutBatch, RoundEnd, SamplingParams
+from keel.types import GeneratedBatch, PartialSample, RolloutBatch, RoundEnd, SamplingParams, groups_of
 
 # Metrics every rank reports identically (computed after the gradients were summed); every other
 # update metric is a rank's share of the whole mini-batch, so the ranks' values add up.
@@ -96,7 +96,7 @@ class WorkerRoles:
         """Partial rollouts: a round of `samples` (whole groups to a rank, each rank ending at its share of
         `end`) -> the samples continued, in order, and the slowest rank's timing of the engine's parts."""
         group = self.rollout_group or self.group
-        groups = list(dict.fromkeys(s.group for s in samples))
+        groups = groups_of(samples)
         parts, ends = [], []
         for (start, stop), (count, count_end) in zip(
             contiguous_shares(len(groups), group.world_size), contiguous_shares(end.count, group.world_size)
