@@ -66,6 +66,7 @@ class PartialSample:
     versions: list[int] = field(default_factory=list)  # the policy version each token was sampled from
     finished: bool = False  # ended: a stop token, or the response length
     truncated: bool = False  # ended at the response length without a stop token
+    sample: int = 0  # which of its group's samples it is
 
 
 def groups_of(samples: list[PartialSample]) -> list[int]:

@@ -48,6 +48,26 @@ def tiny_assets(tmp_path_factory) -> dict[str, Path]:
     }
 
 
+@pytest.fixture(scope="session")
+def ending_model(tiny_assets, tmp_path_factory) -> Path:
+    """The tiny model, with EOS's (tied) embedding along the direction its last hidden states share,
+    so responses end at lengths that differ (a random tiny model almost never samples EOS)."""
+    import torch
+
+    from keel.models.load import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_assets["model"])
+    model = load_causal_lm(tiny_assets["model"], torch.device("cpu"))
+    ids = tokenizer("Digits please: 1 2 3 4", return_tensors="pt").input_ids
+    with torch.no_grad():
+        direction = model.model(ids).last_hidden_state[0].mean(0)
+        model.get_output_embeddings().weight[tokenizer.eos_token_id] = 2.0 * direction / direction.norm()
+    out = tmp_path_factory.mktemp("ending") / "model"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 @pytest.fixture
 def tiny_config(tiny_assets, tmp_path) -> dict:
     """A 2-step GRPO config small enough to run in a few seconds on CPU."""

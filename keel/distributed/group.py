@@ -41,6 +41,7 @@ class LocalGroup:
     """One worker in the driver's process: the single-device case, with no Ray and no copies."""
 
     world_size = 1
+    in_process = True  # a callable argument reaches the worker itself, not a copy
 
     def __init__(self, worker):
         self.worker = worker

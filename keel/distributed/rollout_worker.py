@@ -12,6 +12,7 @@ this one), so a sample is made the same way wherever it is made.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 
 import torch
@@ -24,17 +25,26 @@ from keel.rollout.select import make_rollout_engine
 from keel.types import GeneratedBatch, PartialSample, SamplingParams
 
 
-def generate_samples(generator, prompts, sampling: SamplingParams, seed: int, version: int):
+def generate_samples(generator, prompts, sampling: SamplingParams, seed: int, version: int, on_finished=None):
     """(this rank's samples, each stamped with `version`, and the generator's timing of its parts
     (`timing_s/gen_<part>`: prefill, decode, ...) with what else it measured (an agent rollout's
-    `agent/engine/*`)); (None, {}) for a rank with no prompts."""
+    `agent/engine/*`)); (None, {}) for a rank with no prompts. `on_finished(row, response ids)`: told
+    of each sample as it finishes, by an engine that can (the native one, for single-turn samples)."""
     if prompts is None:  # fewer prompts than ranks
         return None, {}
     torch.manual_seed(seed)  # per step and rank: a resumed run samples what an uninterrupted one would
     start = time.perf_counter()
-    batch = generator.generate(prompts, sampling)  # the engine applies the compute dtype itself
+    if on_finished is not None and streams_finished(generator):
+        batch = generator.generate(prompts, sampling, on_finished=on_finished)
+    else:
+        batch = generator.generate(prompts, sampling)  # the engine applies the compute dtype itself
     batch.policy_version = torch.full((len(batch),), version, dtype=torch.long)
     return batch, {**_timing(generator, start), **getattr(generator, "metrics", {})}
+
+
+def streams_finished(generator) -> bool:
+    """Whether the generator tells of each sample as it finishes (`generate(..., on_finished=)`)."""
+    return "on_finished" in inspect.signature(generator.generate).parameters
 
 
 def continue_samples(engine, samples: list[PartialSample], sampling: SamplingParams, seed: int, version: int, end):
@@ -106,8 +116,10 @@ class RolloutWorker:
     def info(self) -> dict:
         return {"rollout_engine": type(self.rollout).__name__}
 
-    def generate(self, prompts, sampling: SamplingParams, seed: int) -> tuple[GeneratedBatch | None, dict]:
-        return generate_samples(self.agent or self.rollout, prompts, sampling, seed, self.weights_version)
+    def generate(
+        self, prompts, sampling: SamplingParams, seed: int, on_finished=None
+    ) -> tuple[GeneratedBatch | None, dict]:
+        return generate_samples(self.agent or self.rollout, prompts, sampling, seed, self.weights_version, on_finished)
 
     def generate_round(self, samples: list[PartialSample], sampling: SamplingParams, seed: int, end):
         return continue_samples(self.rollout, samples, sampling, seed, self.weights_version, end)

@@ -264,8 +264,10 @@ class RoleWorker:
     def info(self) -> dict:
         return {"rollout_engine": type(self.rollout).__name__ if self.rollout else None, **self.sharding}
 
-    def generate(self, prompts, sampling: SamplingParams, seed: int) -> tuple[GeneratedBatch | None, dict]:
-        return generate_samples(self.agent or self.rollout, prompts, sampling, seed, self.weights_version)
+    def generate(
+        self, prompts, sampling: SamplingParams, seed: int, on_finished=None
+    ) -> tuple[GeneratedBatch | None, dict]:
+        return generate_samples(self.agent or self.rollout, prompts, sampling, seed, self.weights_version, on_finished)
 
     def generate_round(self, samples: list[PartialSample], sampling: SamplingParams, seed: int, end):
         return continue_samples(self.rollout, samples, sampling, seed, self.weights_version, end)

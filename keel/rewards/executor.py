@@ -7,6 +7,8 @@ import inspect
 import math
 import multiprocessing
 import time
+from dataclasses import dataclass
+from multiprocessing.pool import AsyncResult
 
 from keel.rewards.worker import SampleResult, SampleTask, resolve, score_sample, score_samples_async
 
@@ -19,23 +21,51 @@ def is_async(spec) -> bool:
 START_SLACK_S = 5.0
 
 
+@dataclass(frozen=True)
+class Started:
+    """A sample's scoring, begun in the pool's worker processes."""
+
+    generation: int  # the pool it runs in (a pool closed since cannot answer)
+    result: AsyncResult
+
+
 class ScoringPool:
     """`num_workers=0` scores in this process (per-sample timeouts still apply, via SIGALRM)."""
 
     def __init__(self, num_workers: int):
         self.num_workers = num_workers
         self._pool = None
+        self._generation = 0  # pools started so far: a task started in a closed one is started again
+        self._queued: list[AsyncResult] = []  # tasks started ahead of `run`, not yet known done
 
-    def run(self, tasks: list[SampleTask], timeout_s: float | None) -> list[SampleResult]:
+    def start(self, task: SampleTask) -> Started | None:
+        """Scoring one sample begun now in a worker process (the caller goes on: generation, say),
+        its result read by `run`; None where `run` scores it itself (in this process, or async)."""
+        if self.num_workers == 0 or any(is_async(spec) for _, spec in task.scorers):
+            return None
+        result = self._get_pool().apply_async(score_sample, (task,))
+        self._queued.append(result)
+        return Started(self._generation, result)
+
+    def run(
+        self, tasks: list[SampleTask], timeout_s: float | None, started: list[Started | None] | None = None
+    ) -> list[SampleResult]:
+        """Each task's result: `started[i]`'s where `start` began task i in this pool, else scored now."""
         if any(is_async(spec) for task in tasks for _, spec in task.scorers):
             return asyncio.run(score_samples_async(tasks))  # I/O-bound scorers: concurrency, not processes
         if self.num_workers == 0:
             return [score_sample(task) for task in tasks]
         pool = self._get_pool()
-        pending = [pool.apply_async(score_sample, (task,)) for task in tasks]
+        started = started or [None] * len(tasks)
+        pending = [
+            s.result if s is not None and s.generation == self._generation else pool.apply_async(score_sample, (task,))
+            for task, s in zip(tasks, started)
+        ]
         # The per-sample limit runs inside each worker; this batch deadline catches what a signal
         # cannot interrupt (a scorer stuck in C code, a worker that died mid-task).
-        waves = math.ceil(len(tasks) / self.num_workers)
+        # Tasks started ahead (for samples trained later) may run before these: they count too.
+        self._queued = [r for r in self._queued if not r.ready()]
+        waves = math.ceil((len(tasks) + len(set(self._queued) - set(pending))) / self.num_workers)
         deadline = time.monotonic() + timeout_s * waves + START_SLACK_S if timeout_s else None
         results, hung = [], False
         for future in pending:
@@ -55,6 +85,8 @@ class ScoringPool:
 
     def close(self) -> None:
         if self._pool is not None:
+            self._generation += 1
+            self._queued = []
             self._pool.terminate()
             self._pool.join()
             self._pool = None

@@ -21,7 +21,7 @@ from keel.errors import (
 from keel.errors.fixes import setting
 from keel.rewards.code_tests import check_ground_truths
 from keel.rewards.contract import AGENT_WEIGHTS, agent_reward, verl_extra_info
-from keel.rewards.executor import ScoringPool
+from keel.rewards.executor import ScoringPool, Started
 from keel.rewards.sandbox import require_jail
 from keel.rewards.scorers import DATA_SOURCE_SCORERS, NO_GROUND_TRUTH, SCORERS, RewardFn, scorer_for_source
 from keel.rewards.worker import (
@@ -48,6 +48,18 @@ class ScoreResult:
     reasons: list[str | None]  # [N] why a sample was not scored
     metrics: dict[str, float]
     extras: list[dict] = field(default_factory=list)  # [N] dict results' other keys (verl's reward_extra_info)
+
+
+@dataclass(frozen=True)
+class StartedSample:
+    """A sample's scoring begun ahead of its batch (`RewardScorer.start`)."""
+
+    text: str  # the response it scores
+    started: Started
+
+    def of(self, text: str) -> Started | None:
+        """The scoring begun, if it is of `text` (a response decoded otherwise is scored again)."""
+        return self.started if text == self.text else None
 
 
 class RewardScorer:
@@ -189,6 +201,17 @@ class RewardScorer:
     def score(self, records: list, response_texts: list[str]) -> torch.Tensor:  # -> [N]
         return self.score_batch(records, response_texts).scores
 
+    def start(self, record, response_text: str) -> StartedSample | None:
+        """One sample's scoring begun now, in the scoring processes, while the caller goes on (a
+        sample that finished while others still generate); `score_batch(..., started=...)` reads
+        it. None where it can only be scored with its batch: a reward service or batched function
+        (one call for the batch), scoring in this process (reward.num_workers=0), or a reward the
+        agent gave."""
+        if self.service is not None or self.batched or agent_reward(record) is not None:
+            return None
+        started = self.pool.start(self._task(record, self.scorers_for(record.data_source), response_text))
+        return None if started is None else StartedSample(response_text, started)
+
     def score_batch(
         self,
         records: list,
@@ -196,16 +219,20 @@ class RewardScorer:
         response_lengths: torch.Tensor | None = None,
         on_error: str | None = None,
         may_skip: bool = True,
+        started: list[StartedSample | None] | None = None,
     ) -> ScoreResult:
         """Scores, which samples were scored, and metrics: the per-scorer breakdown, not-scored
         counts by reason, scoring latency and the overlong penalty. `may_skip`: a training step,
-        which trainer.guards.nonfinite=skip may drop (SkipStep) when NaN scores fill the batch."""
+        which trainer.guards.nonfinite=skip may drop (SkipStep) when NaN scores fill the batch.
+        `started[i]`: sample i's scoring as `start` began it (scored now if None, or if its text
+        is not this one)."""
         on_error = on_error or self.on_error
         given = [agent_reward(r) for r in records]
         weights = [AGENT_WEIGHTS if g is not None else self.scorers_for(r.data_source) for r, g in zip(records, given)]
         rest = [i for i, g in enumerate(given) if g is None]  # what the agent left to the scorers
+        ahead = [started[i] and started[i].of(response_texts[i]) for i in rest] if started else None
         scored_rest = iter(
-            self._run([records[i] for i in rest], [response_texts[i] for i in rest], [weights[i] for i in rest])
+            self._run([records[i] for i in rest], [response_texts[i] for i in rest], [weights[i] for i in rest], ahead)
             if rest
             else []
         )
@@ -254,27 +281,28 @@ class RewardScorer:
             log.warning("skipping the step: %d of %d scores are NaN or infinite", len(nonfinite), total)
             raise SkipStep("rewards")
 
-    def _run(self, records: list, texts: list[str], weights: list[dict]) -> list[SampleResult]:
-        """Each sample's per-scorer values, or the reason it has none."""
+    def _run(self, records: list, texts: list[str], weights: list[dict], started: list) -> list[SampleResult]:
+        """Each sample's per-scorer values, or the reason it has none (`started`: what the pool began)."""
         if self.service is not None:  # reward.service.url: the remote service scores every sample
             return self.service.score(records, texts)
-        tasks = [
-            SampleTask(
-                [(name, spec) for name, (spec, _) in w.items() if spec != REWARD_MODEL],
-                r.data_source,
-                text,
-                r.ground_truth,
-                verl_extra_info(r.extra_info),
-                self.timeout_s,
-            )
-            for r, w, text in zip(records, weights, texts)
-        ]
+        tasks = [self._task(r, w, text) for r, w, text in zip(records, weights, texts)]
         if self.batched:  # custom_reward_function.batched: the custom function scores the whole batch
             results = score_batched(resolve(self.custom), tasks)
         else:
-            results = self.pool.run(tasks, self.timeout_s)
+            results = self.pool.run(tasks, self.timeout_s, started)
         self._add_reward_model_scores(records, texts, weights, results)
         return results
+
+    def _task(self, record, weights: dict, text: str) -> SampleTask:
+        """What a scoring process runs for one sample: its rule scorers (the reward model runs here)."""
+        return SampleTask(
+            [(name, spec) for name, (spec, _) in weights.items() if spec != REWARD_MODEL],
+            record.data_source,
+            text,
+            record.ground_truth,
+            verl_extra_info(record.extra_info),
+            self.timeout_s,
+        )
 
     def _add_reward_model_scores(self, records, texts, weights, results: list[SampleResult]) -> None:
         """The reward model scores its samples in batches on the device, beside the rule scorers."""
@@ -324,6 +352,22 @@ def _score_metrics(results: list[SampleResult], failed: list[tuple[int, str]]) -
                 extras.setdefault(key, []).append(float(value))
     metrics.update({f"reward_extra/{key}/mean": sum(v) / len(v) for key, v in extras.items()})
     return metrics
+
+
+def merge_score_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """The metrics of several scored batches, (metrics, samples) each, as one batch's would read:
+    not-scored counts summed, maxima (and the service's running retry count) the largest, the rest
+    means weighted by samples."""
+    merged: dict[str, float] = {}
+    for name in dict.fromkeys(name for metrics, _ in parts for name in metrics):
+        values = [(metrics[name], count) for metrics, count in parts if name in metrics]
+        if name.startswith("reward/not_scored/"):
+            merged[name] = sum(value for value, _ in values)
+        elif name.endswith("/max") or name == "reward/service_retries":
+            merged[name] = max(value for value, _ in values)
+        else:
+            merged[name] = sum(value * count for value, count in values) / max(sum(c for _, c in values), 1)
+    return merged
 
 
 def _check_scorer_names(by_source: dict[str, dict[str, float]], custom: bool, reward_model: bool) -> None:

@@ -125,11 +125,11 @@ class RolloutAhead:
         self.in_flight.append(InFlight(self.generated, state, self.scoring.submit(self._score, generated)))
 
     def _score(self, generated: Future) -> tuple[ScoredBatch, dict[str, float], float, dict[str, float]]:
-        batch, gen_parts = generated.result()
+        batch, gen_parts, started = generated.result()
         if self.closed:
             raise CancelledError("the run ended with this batch in flight")
         start = time.perf_counter()
-        batch, metrics = self.rollout.score(batch)
+        batch, metrics = self.rollout.score(batch, started)
         return batch, metrics, time.perf_counter() - start, gen_parts
 
     def settle(self) -> None:

@@ -3,6 +3,8 @@ did not all score alike, and go on with more prompts until data.train_batch_size
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from keel.algorithms.groups import groups_with_signal
@@ -10,6 +12,8 @@ from keel.errors import FILTER_GROUPS_EXHAUSTED, KeelError
 from keel.errors.fixes import setting
 from keel.training.batching import concat_rows
 from keel.types import ScoredBatch
+
+log = logging.getLogger("keel")
 
 
 def signal_values(batch: ScoredBatch, metric: str) -> torch.Tensor:
@@ -19,6 +23,8 @@ def signal_values(batch: ScoredBatch, metric: str) -> torch.Tensor:
         return torch.tensor([float(extra["acc"]) for extra in batch.reward_extras])
     return batch.scores
 
+
+REFILL_CALLS = 8  # calls that replacing short groups alone may take before the step trains fewer
 
 GROUP_ID_STRIDE = 1 << 40  # past any dataset's row indices
 
@@ -36,14 +42,23 @@ def _more_batches_fix(groups: int, calls: int, prompts_wanted: int) -> str | Non
 
 
 def fill_with_signal(
-    next_scored_batch, prompts_wanted: int, metric: str, max_batches: int, pad_token_id: int
+    next_scored_batch, prompts_wanted: int, metric: str | None, max_batches: int, pad_token_id: int, whole: int = 0
 ) -> tuple[ScoredBatch, dict[str, float]]:
-    """`next_scored_batch(call)` -> a generated, scored batch, called until `prompts_wanted` prompts
-    with a signal are kept (or `max_batches` calls, 0 for no limit). The batch holds exactly that
-    many prompts, each with all its kept samples, in the order they came."""
+    """`next_scored_batch(call, groups still wanted)` -> a generated, scored batch, called until
+    `prompts_wanted` groups are kept (or `max_batches` calls, 0 for no limit). Kept: with `metric`,
+    DAPO's rule, groups whose samples did not all score alike; with `whole` (partial rollouts,
+    whose rounds can give a few more groups cheaply), only groups with all `whole` samples scored,
+    so a group that reward.on_error=mask left short is replaced. The batch holds exactly that many
+    groups, each with all its kept samples, in the order they came. Replacing short groups alone
+    gives up after REFILL_CALLS calls, training what it has (a scorer failing nearly everything)."""
     kept: list[ScoredBatch] = []
     groups = generated = calls = 0
     while groups < prompts_wanted:
+        if metric is None and calls >= REFILL_CALLS:
+            log.warning(
+                "%d of %d groups scored whole after %d rounds: the step trains those", groups, prompts_wanted, calls
+            )
+            break
         if max_batches and calls >= max_batches:
             raise KeelError(
                 FILTER_GROUPS_EXHAUSTED,
@@ -52,21 +67,28 @@ def fill_with_signal(
                 f"max_num_gen_batches={max_batches}, metric {metric})",
                 _more_batches_fix(groups, calls, prompts_wanted),
             )
-        batch = next_scored_batch(calls)
+        batch = next_scored_batch(calls, prompts_wanted - groups)
         # A prompt drawn again in a later generation batch (an epoch boundary) is another group.
         batch.group_index = batch.group_index + calls * GROUP_ID_STRIDE
         if batch.sample_index is not None:  # samples trained as segments: theirs too
             batch.sample_index = batch.sample_index + calls * GROUP_ID_STRIDE
         calls += 1
         generated += int(torch.unique(batch.group_index).numel())
-        keep = groups_with_signal(signal_values(batch, metric), batch.group_index)
+        keep = _kept_rows(batch, metric, whole)
         if keep.any():
             kept.append(batch.select(keep.nonzero().squeeze(-1)))
             groups += int(torch.unique(kept[-1].group_index).numel())
     batch = concat_rows(kept, pad_token_id)
     first = list(dict.fromkeys(batch.group_index.tolist()))[:prompts_wanted]  # whole groups, in order
     batch = batch.select(torch.isin(batch.group_index, torch.tensor(first)).nonzero().squeeze(-1))
-    return batch, {
-        "dynamic_sampling/gen_batches": float(calls),
-        "dynamic_sampling/kept_prompt_ratio": groups / max(generated, 1),
-    }
+    return batch, {"gen_batches": float(calls), "kept_prompt_ratio": groups / max(generated, 1)}
+
+
+def _kept_rows(batch: ScoredBatch, metric: str | None, whole: int) -> torch.Tensor:  # [N] bool
+    keep = torch.ones(len(batch), dtype=torch.bool)
+    if metric is not None:
+        keep &= groups_with_signal(signal_values(batch, metric), batch.group_index)
+    if whole:
+        _, of, counts = torch.unique(batch.group_index, return_inverse=True, return_counts=True)
+        keep &= counts[of] == whole
+    return keep

@@ -17,8 +17,11 @@ Which batch a step trains is trainer.off_policy_strategy:
   first: due); a due group still generating is dropped (`async/dropped`), so long responses are trained
   less often than they are sampled: verl's trade of bias for speed.
 
-Samples are scored when their group trains, once. A checkpoint keeps the pool's prompts, not its
-tokens: a resume generates them again from the start, and draws no prompt twice.
+A sample begins scoring as soon as a round finds it finished, in the reward's worker processes, so
+the groups a step does not train yet are scored while later steps generate and train; a group that
+a failed scoring left short (reward.on_error=mask) is replaced by another round's. A checkpoint
+keeps the pool's prompts, not its tokens: a resume generates them again from the start, and draws no
+prompt twice.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class RolloutPartial:
         self.restored: list[int] = []  # a resume: the pool's prompts (the sampler's rows), drawn again first
         self.row_of: dict[int, int] = {}  # group -> its prompt's row in the training data (what the sampler gives)
         self.next_group = 0
+        self.scoring: dict[tuple[int, int], object] = {}  # (group, sample) -> its scoring, begun when it finished
 
     def __call__(self, timer: Timer, step: int) -> tuple[ScoredBatch, PromptBatch, dict[str, float], dict[str, float]]:
         """The step's batch, scored: one round's finished groups; with algorithm.filter_groups (DAPO's
@@ -55,27 +59,36 @@ class RolloutPartial:
         updates = int(step >= self.cfg.algorithm.critic_warmup)
         dropped: list[int] = []
 
-        def next_round(call: int) -> tuple[GeneratedBatch, dict[str, float]]:
-            batch, gen_parts, count = self._round(timer, batch_seed(step_seed(self.cfg, step), call), updates)
+        def next_round(call: int, wanted: int) -> tuple[GeneratedBatch, dict[str, float], list]:
+            seed = batch_seed(step_seed(self.cfg, step), call)
+            batch, gen_parts, started, count = self._round(timer, seed, updates, wanted)
             dropped.append(count)
-            return batch, gen_parts
+            return batch, gen_parts, started
 
-        batch, prompts, metrics, gen_parts = self.rollout.fill(timer, next_round)
+        batch, prompts, metrics, gen_parts = self.rollout.fill(timer, next_round, whole_groups=True)
         return batch, prompts, {**metrics, **self._metrics(batch, sum(dropped))}, gen_parts
 
-    def _round(self, timer: Timer, seed: int, updates: int) -> tuple[GeneratedBatch, dict[str, float], int]:
-        """One round over the pool -> (a batch of its finished groups, the engine's timing, samples dropped)."""
+    def _round(
+        self, timer: Timer, seed: int, updates: int, wanted: int
+    ) -> tuple[GeneratedBatch, dict[str, float], list, int]:
+        """One round over the pool -> (`wanted` of its finished groups as a batch, the engine's timing,
+        the samples' scoring begun, samples dropped). Every sample that finished in the round begins
+        scoring now, in the background: the groups that train later are scored by then."""
         self._fill_pool()
         due = self._due(updates) if self.drop else set()
-        oldest = frozenset(groups_of(self.pool)[: self.groups_per_batch])
-        end = RoundEnd(count=self.groups_per_batch) if self.drop else RoundEnd(groups=oldest)
+        oldest = frozenset(groups_of(self.pool)[:wanted])
+        end = RoundEnd(count=wanted) if self.drop else RoundEnd(groups=oldest)
         gen_parts: dict[str, float] = {}
         with timer("gen"):
             while not self._reached(end):  # once, unless a rank's share of `end` fell short
                 self.pool, parts = self.rollout.generate_round(self.pool, seed, end)
                 gen_parts = {k: gen_parts.get(k, 0.0) + v for k, v in parts.items()}
-        trained, dropped = self._take(oldest, due)
-        return samples_batch(trained, self.rollout.components.tokenizer), gen_parts, dropped
+        for s in self.pool:
+            if s.finished and (s.group, s.sample) not in self.scoring:
+                self.scoring[s.group, s.sample] = self.rollout.start_scoring(s.record, s.ids)
+        trained, dropped = self._take(oldest, due, wanted)
+        started = [self.scoring.pop((s.group, s.sample)) for s in trained]
+        return samples_batch(trained, self.rollout.components.tokenizer), gen_parts, started, dropped
 
     def _fill_pool(self) -> None:
         """Prompts drawn until the pool holds max_off_policy_steps + 1 batches of groups (a resume's first)."""
@@ -83,7 +96,9 @@ class RolloutPartial:
         while len(groups_of(self.pool)) < (self.bound + 1) * self.groups_per_batch:
             rows, self.restored = self.restored or self.sampler.next_batch(), []
             for row in rows:
-                self.pool += [PartialSample(self.next_group, data[row]) for _ in range(self.rollout.sampling.n)]
+                self.pool += [
+                    PartialSample(self.next_group, data[row], sample=k) for k in range(self.rollout.sampling.n)
+                ]
                 self.row_of[self.next_group] = row
                 self.next_group += 1
 
@@ -97,21 +112,22 @@ class RolloutPartial:
     def _reached(self, end: RoundEnd) -> bool:
         return end.reached([s.group for s in self.pool], [s.finished for s in self.pool])
 
-    def _take(self, oldest: frozenset, due: set[int]) -> tuple[list[PartialSample], int]:
+    def _take(self, oldest: frozenset, due: set[int], wanted: int) -> tuple[list[PartialSample], int]:
         """(the step's samples, how many samples were dropped), the pool left with the rest. `wait`: the
-        oldest batch of groups; `drop`: a batch of finished groups, the due ones first, then the oldest,
+        `wanted` oldest groups; `drop`: `wanted` finished groups, the due ones first, then the oldest,
         and the due groups still unfinished are dropped."""
         if not self.drop:
             trained, dropped = set(oldest), set()
         else:
             finished = [g for g in groups_of(self.pool) if all(s.finished for s in self.pool if s.group == g)]
-            trained = set(sorted(finished, key=lambda g: g not in due)[: self.groups_per_batch])  # a stable sort
+            trained = set(sorted(finished, key=lambda g: g not in due)[:wanted])  # a stable sort
             dropped = due - trained
         taken = [s for s in self.pool if s.group in trained]
         left = [s for s in self.pool if s.group not in trained and s.group not in dropped]
         count = len(self.pool) - len(taken) - len(left)
         self.pool = left
         self.row_of = {g: row for g, row in self.row_of.items() if g not in trained and g not in dropped}
+        self.scoring = {key: started for key, started in self.scoring.items() if key[0] not in dropped}
         return taken, count
 
     def _metrics(self, batch: ScoredBatch, dropped: int) -> dict[str, float]:

@@ -74,21 +74,23 @@ class WorkerRoles:
 
     # --- rollout -----------------------------------------------------------------------------------
     def generate(
-        self, prompts: PromptBatch, sampling: SamplingParams, seed: int
+        self, prompts: PromptBatch, sampling: SamplingParams, seed: int, on_finished=None
     ) -> tuple[GeneratedBatch, dict[str, float]]:
         """The samples, and the engine's timing of its parts (`timing_s/gen_*`, the slowest rank's:
         where the phase's time went). Contiguous slices of the prompts, one per rank (generation
-        has no collectives, so the slices may differ in size or be empty)."""
-        return self.submit_generate(prompts, sampling, seed).result()
+        has no collectives, so the slices may differ in size or be empty). `on_finished(row, response
+        ids)`: told of each sample as it finishes, where the engine runs in this process and can."""
+        return self.submit_generate(prompts, sampling, seed, on_finished).result()
 
-    def submit_generate(self, prompts: PromptBatch, sampling: SamplingParams, seed: int) -> Future:
+    def submit_generate(self, prompts: PromptBatch, sampling: SamplingParams, seed: int, on_finished=None) -> Future:
         """generate, started: a future of what it returns. On the rollout's own workers the driver
         goes on (the actor trains) while they generate."""
         group = self.rollout_group or self.group
         shares = contiguous_shares(len(prompts), group.world_size)
         parts = [_slice_prompts(prompts, start, end) for start, end in shares]
-        submitted = group.submit("generate", [(p, sampling, rank_seed(seed, r)) for r, p in enumerate(parts)])
-        return _then(submitted, lambda replies: self._samples(shares, self._noted("generate", replies)))
+        told = on_finished if getattr(group, "in_process", False) else None  # one rank: its rows are the prompts'
+        submitted = group.submit("generate", [(p, sampling, rank_seed(seed, r), told) for r, p in enumerate(parts)])
+        return then(submitted, lambda replies: self._samples(shares, self._noted("generate", replies)))
 
     def generate_round(
         self, samples: list[PartialSample], sampling: SamplingParams, seed: int, end: RoundEnd
@@ -228,7 +230,7 @@ def _rows_per_mini_batch(batch: RolloutBatch, samples: int) -> int:
     return -(-samples * len(batch) // count)
 
 
-def _then(future: Future, read) -> Future:
+def then(future: Future, read) -> Future:
     """A future of `read(future's result)`, or of its error."""
     chained: Future = Future()
 

@@ -12,9 +12,10 @@ import torch
 from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptBatch, collate_prompts
 from keel.observe.metrics import Timer
-from keel.rewards.reward_fn import ScoreResult
+from keel.rewards.reward_fn import ScoreResult, StartedSample, merge_score_metrics
 from keel.rollout.agent.metrics import external_agent_metrics
 from keel.trainer.dynamic_sampling import fill_with_signal
+from keel.trainer.roles import then
 from keel.trainer.seeds import batch_seed
 from keel.trainer.setup import Components
 from keel.types import GeneratedBatch, PartialSample, RoundEnd, SamplingParams, ScoredBatch
@@ -45,41 +46,66 @@ class ScoredRollout:
         timing). With algorithm.filter_groups, DAPO's dynamic sampling: prompts whose samples all
         scored alike are dropped and more generated until data.train_batch_size prompts remain."""
         # each generation batch of a step samples with a seed of its own
-        return self.fill(timer, lambda call: self.generate(timer, batch_seed(seed, call)))
+        return self.fill(timer, lambda call, _: self.generate(timer, batch_seed(seed, call)))
 
-    def fill(self, timer: Timer, next_generated) -> tuple[ScoredBatch, PromptBatch, dict, dict[str, float]]:
-        """What __call__ returns, from `next_generated(call)` -> (a generated batch, its timing): called
-        once, or with algorithm.filter_groups until enough prompts with a signal are kept."""
+    def fill(
+        self, timer: Timer, next_generated, whole_groups: bool = False
+    ) -> tuple[ScoredBatch, PromptBatch, dict, dict[str, float]]:
+        """What __call__ returns, from `next_generated(call, groups wanted)` -> (a generated batch, its
+        timing, the scoring its samples began as they finished): called once, or until enough
+        groups are kept: with algorithm.filter_groups those with a signal (DAPO), with
+        `whole_groups` (partial rollouts) those that lost no sample to a failed scoring."""
         pad, filter_groups = self.components.tokenizer.pad_token_id, self.cfg.algorithm.filter_groups
-        last: dict[str, dict] = {}
+        gen: dict[str, float] = {}  # the calls' generation: seconds summed, the rest the last call's
+        scored: list[tuple[dict[str, float], int]] = []  # each call's reward metrics, and its samples
 
-        def next_scored_batch(call: int = 0) -> ScoredBatch:
-            batch, last["gen"] = next_generated(call)
+        def next_scored_batch(call: int = 0, wanted: int = 0) -> ScoredBatch:
+            generated, timing, started = next_generated(call, wanted)
+            gen.update({k: v + (gen.get(k, 0.0) if k.startswith("timing_s/") else 0.0) for k, v in timing.items()})
             with timer("reward"):
-                batch, last["reward"] = self.score(batch)
+                batch, metrics = self.score(generated, started)
+            scored.append((metrics, len(generated)))
             return batch
 
-        if not filter_groups.enable:
-            batch = next_scored_batch()
-            return batch, _prompts_of(batch, pad), last["reward"], last["gen"]
+        if not (filter_groups.enable or whole_groups):
+            batch = next_scored_batch(0, self.cfg.data.train_batch_size)
+            return batch, _prompts_of(batch, pad), scored[0][0], gen
         batch, counts = fill_with_signal(
             next_scored_batch,
             self.cfg.data.train_batch_size,
-            filter_groups.metric,
-            filter_groups.max_num_gen_batches,
+            filter_groups.metric if filter_groups.enable else None,
+            filter_groups.max_num_gen_batches if filter_groups.enable else 0,
             pad,
+            self.sampling.n if whole_groups else 0,
         )
-        return batch, _prompts_of(batch, pad), {**last["reward"], **counts}, last["gen"]
+        prefix = "dynamic_sampling" if filter_groups.enable else "async/refill"
+        metrics = {**merge_score_metrics(scored), **{f"{prefix}/{name}": value for name, value in counts.items()}}
+        return batch, _prompts_of(batch, pad), metrics, gen
 
-    def generate(self, timer: Timer, seed: int) -> tuple[GeneratedBatch, dict[str, float]]:
-        """The samples of the sampler's next prompts (n each), and the engine's timing of its parts."""
+    def generate(self, timer: Timer, seed: int) -> tuple[GeneratedBatch, dict[str, float], list]:
+        """The samples of the sampler's next prompts (n each), the engine's timing of its parts, and
+        each sample's scoring, begun as it finished while the rest generated (None where not begun:
+        an engine in another process, or a reward scored with its batch)."""
         prompts = self._next_prompts()
+        started: list[StartedSample | None] = [None] * len(prompts)
+
+        def finished(row: int, ids: list[int]) -> None:
+            started[row] = self.start_scoring(prompts.records[row], ids)
+
         with timer("gen"):
-            return self.components.workers.generate(prompts, self.sampling, seed)
+            batch, timing = self.components.workers.generate(prompts, self.sampling, seed, finished)
+        return batch, timing, started
 
     def submit_generate(self, seed: int) -> Future:
-        """generate, started on the rollout's own workers: the sampler's next prompts drawn now."""
-        return self.components.workers.submit_generate(self._next_prompts(), self.sampling, seed)
+        """generate, started on the rollout's own workers (the sampler's next prompts drawn now): a
+        future of what generate returns."""
+        submitted = self.components.workers.submit_generate(self._next_prompts(), self.sampling, seed)
+        return then(submitted, lambda generated: (*generated, None))
+
+    def start_scoring(self, record, response_ids: list[int]) -> StartedSample | None:
+        """A finished sample's reward, begun in the scoring processes (see RewardScorer.start)."""
+        text = self.components.tokenizer.decode(response_ids, skip_special_tokens=True)
+        return self.components.reward.start(record, text)
 
     def generate_round(self, samples: list[PartialSample], seed: int, end: RoundEnd):
         """Partial rollouts: a round of `samples` until `end` -> (them continued, the engine's timing)."""
@@ -97,10 +123,11 @@ class ScoredRollout:
         )
         return prompts.repeat_interleave(self.sampling.n)
 
-    def score(self, batch: GeneratedBatch) -> tuple[ScoredBatch, dict[str, float]]:
+    def score(self, batch: GeneratedBatch, started: list | None = None) -> tuple[ScoredBatch, dict[str, float]]:
         """The batch scored, less the samples that leave the update (reward.on_error=mask's not-scored
-        ones, and those an agent's rollout dropped), and the reward metrics."""
-        scored = score_samples(self.components.reward, batch)
+        ones, and those an agent's rollout dropped), and the reward metrics. `started`: per sample, its
+        scoring as begun when it finished (start_scoring), or None."""
+        scored = score_samples(self.components.reward, batch, started)
         batch = ScoredBatch.of(batch, scores=scored.scores, reward_extras=scored.extras)
         metrics = {**scored.metrics, **external_agent_metrics(batch.records, batch.final_segments)}
         kept = scored.scored & torch.tensor(["agent_dropped" not in r.extra_info for r in batch.records])
@@ -121,13 +148,15 @@ class ScoredRollout:
         return torch.tensor([by_prompt[r.index] for r in batch.records])
 
 
-def score_samples(reward, batch: GeneratedBatch) -> ScoreResult:
+def score_samples(reward, batch: GeneratedBatch, started: list | None = None) -> ScoreResult:
     """The reward of each sample, on its final segment (its last answer), given to its other
-    segments too: a sample is scored once however many rows it trains as."""
+    segments too: a sample is scored once however many rows it trains as. `started`: per row, its
+    scoring begun ahead (single-turn rows)."""
     finals = batch.final_segments
     rows = finals.unique()  # sorted: the final segments, in batch order
     if len(rows) == len(batch):
-        return reward.score_batch(batch.records, batch.response_texts, batch.response_lengths)
+        ahead = started if started is not None and len(started) == len(batch) else None
+        return reward.score_batch(batch.records, batch.response_texts, batch.response_lengths, started=ahead)
     picked = rows.tolist()
     scored = reward.score_batch(
         [batch.records[i] for i in picked], [batch.response_texts[i] for i in picked], batch.response_lengths[rows]

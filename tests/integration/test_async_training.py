@@ -87,10 +87,10 @@ def test_rewards_score_while_the_next_batch_generates(tiny_config, tmp_path, mon
             second_batch_generating.set()
         return real_generate(self, timer, seed)
 
-    def score(self, batch):
+    def score(self, batch, started=None):
         if not seen:
             seen.append((second_batch_generating.wait(timeout=300), threading.current_thread().name))
-        return real_score(self, batch)
+        return real_score(self, batch, started)
 
     monkeypatch.setattr(ScoredRollout, "generate", generate)
     monkeypatch.setattr(ScoredRollout, "score", score)

@@ -26,22 +26,6 @@ from keel.types import PartialSample, RoundEnd, SamplingParams
 RESPONSE = 64
 
 
-@pytest.fixture(scope="module")
-def ending_model(tiny_assets, tmp_path_factory) -> Path:
-    """The tiny model, with EOS's (tied) embedding along the direction its last hidden states share,
-    so responses end at lengths that differ (a random tiny model almost never samples EOS)."""
-    tokenizer = load_tokenizer(tiny_assets["model"])
-    model = load_causal_lm(tiny_assets["model"], torch.device("cpu"))
-    ids = tokenizer("Digits please: 1 2 3 4", return_tensors="pt").input_ids
-    with torch.no_grad():
-        direction = model.model(ids).last_hidden_state[0].mean(0)
-        model.get_output_embeddings().weight[tokenizer.eos_token_id] = 2.0 * direction / direction.norm()
-    out = tmp_path_factory.mktemp("ending") / "model"
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
 def run_config(tiny_config, tmp_path: Path, name: str, model: Path, steps: int = 4, **trainer) -> dict:
     settings = {"total_training_steps": steps, "save_freq": steps, "test_freq": -1, "val_before_train": False}
     settings.update({"mode": "async", "partial_rollout": True, **trainer})
@@ -115,6 +99,7 @@ def test_wait_trains_the_oldest_batch_however_slow_and_drops_nothing(tiny_config
     rollout = object.__new__(partial.RolloutPartial)
     rollout.cfg, rollout.bound, rollout.groups_per_batch, rollout.dropped = load_config(tiny_config), 2, 1, 0
     rollout.drop, rollout.row_of, rollout.sampler = False, {0: 7, 1: 8, 2: 9}, ResumableSampler(16, 4, seed=0)
+    rollout.scoring = {}
     record = object()
     rollout.pool = [
         PartialSample(0, record, [1], [-1.0], [0]),
@@ -124,7 +109,7 @@ def test_wait_trains_the_oldest_batch_however_slow_and_drops_nothing(tiny_config
     oldest = frozenset([0])
     assert not rollout._reached(RoundEnd(groups=oldest))  # the round goes on until group 0 has finished
     rollout.pool[0].finished = True
-    taken, dropped = rollout._take(oldest, set())
+    taken, dropped = rollout._take(oldest, set(), 1)
     assert [s.group for s in taken] == [0] and dropped == 0 and [s.group for s in rollout.pool] == [1, 2]
     assert rollout.resume_state()[1]["pool_prompts"] == [8, 9]  # the sampler's rows of the groups under way
 
@@ -164,7 +149,7 @@ def test_a_step_trains_the_due_groups_first_and_drop_drops_the_due_ones_unfinish
     tiny_config["trainer"].update({"mode": "async", "partial_rollout": True, "off_policy_strategy": "drop"})
     rollout = object.__new__(partial.RolloutPartial)
     rollout.cfg, rollout.bound, rollout.groups_per_batch, rollout.dropped = load_config(tiny_config), 1, 1, 0
-    rollout.drop, rollout.row_of = True, {}
+    rollout.drop, rollout.row_of, rollout.scoring = True, {}, {}
     rollout.rollout = SimpleNamespace(components=SimpleNamespace(workers=SimpleNamespace(policy_version=1)))
     record = object()
     rollout.pool = [
@@ -175,7 +160,7 @@ def test_a_step_trains_the_due_groups_first_and_drop_drops_the_due_ones_unfinish
     ]
     due = rollout._due(updates=1)  # step 2 updates the policy to version 2
     assert due == {2, 3}
-    taken, dropped = rollout._take(frozenset(), due)
+    taken, dropped = rollout._take(frozenset(), due, 1)
     assert [s.group for s in taken] == [2] and dropped == 1 and [s.group for s in rollout.pool] == [0, 1]
 
 
@@ -302,9 +287,19 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def test_dynamic_sampling_in_async_mode_refills_from_more_rounds(tiny_config, tmp_path, ending_model, trained):
+def test_dynamic_sampling_in_async_mode_refills_from_more_rounds(
+    tiny_config, tmp_path, ending_model, trained, monkeypatch
+):
     """DAPO with partial rollouts: half the prompts carry no signal, so a step runs rounds (with the same
-    policy, the pool refilled) until a batch of groups with one has finished."""
+    policy, the pool refilled) until a batch of groups with one has finished; a later round takes only
+    the groups still wanted."""
+    wanted, real_round = [], partial.RolloutPartial._round
+
+    def round_wanting(self, timer, seed, updates, count):
+        wanted.append(count)
+        return real_round(self, timer, seed, updates, count)
+
+    monkeypatch.setattr(partial.RolloutPartial, "_round", round_wanting)
     reward = tmp_path / "half.py"
     reward.write_text(HALF_WITH_SIGNAL)
     config = run_config(tiny_config, tmp_path, "dapo", ending_model, steps=4)
@@ -317,7 +312,9 @@ def test_dynamic_sampling_in_async_mode_refills_from_more_rounds(tiny_config, tm
         assert int(token_staleness(step - 1, batch).max()) <= cfg.trainer.max_off_policy_steps
     metrics = metrics_of(run_dir)
     assert any(m["dynamic_sampling/gen_batches"] > 1 for m in metrics)
-    assert all(m["dynamic_sampling/kept_prompt_ratio"] < 1 for m in metrics)
+    assert all(m["dynamic_sampling/kept_prompt_ratio"] < 1 for m in metrics if m["dynamic_sampling/gen_batches"] > 1)
+    per_batch = config["data"]["train_batch_size"]
+    assert wanted[0] == per_batch == max(wanted) and 0 < min(wanted) < per_batch  # a full round, later fewer
 
 
 def test_verls_fully_async_recipe_keys_map_to_keels_or_are_refused_by_name(tiny_config):

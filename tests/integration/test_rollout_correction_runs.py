@@ -96,8 +96,8 @@ def sampler_changed(monkeypatch, change) -> None:
 
     generate = WorkerRoles.generate
 
-    def changed(self, prompts, params, seed):
-        batch, timing = generate(self, prompts, params, seed)
+    def changed(self, prompts, params, seed, on_finished=None):
+        batch, timing = generate(self, prompts, params, seed, on_finished)
         change(batch)
         return batch, timing
 

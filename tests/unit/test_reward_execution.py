@@ -167,3 +167,73 @@ def test_a_per_sample_function_marked_batched_is_told_what_batched_means(per_sam
     scorer = RewardScorer(per_sample, batched=True, max_not_scored_ratio=1.0)
     result = scorer.score_batch([record(), record()], ["1", "2"])
     assert not result.scored.any() and "once with four lists" in result.reasons[0]
+
+
+COUNTING = """
+import os
+
+def compute_score(data_source, solution_str, ground_truth, extra_info):
+    with open(os.path.join(os.path.dirname(__file__), "calls.txt"), "a") as calls:
+        calls.write(solution_str + "\\n")
+    if solution_str == "boom":
+        raise ValueError("no")
+    return float(len(solution_str))
+"""
+
+
+def test_scoring_begun_as_samples_finish_is_read_once_and_equals_the_batchs(tmp_path):
+    """RewardScorer.start begins a sample's scoring in the worker processes (while the rest generate);
+    score_batch(started=...) reads it instead of scoring again, and gives what scoring the batch whole
+    gives, failures included. A start of another text is not used: that sample is scored again."""
+    path = tmp_path / "count.py"
+    path.write_text(COUNTING)
+    calls = tmp_path / "calls.txt"
+    scorer = RewardScorer(("file", str(path), "compute_score"), timeout_s=30, num_workers=2, max_not_scored_ratio=1.0)
+    texts, records = ["a", "bb", "boom", "dddd"], [record(i) for i in range(4)]
+    try:
+        whole = scorer.score_batch(records, texts)
+        calls.unlink()
+        started = [scorer.start(records[0], "a"), scorer.start(records[1], "bb"), None, scorer.start(records[3], "old")]
+        streamed = scorer.score_batch(records, texts, started=started)
+    finally:
+        scorer.close()
+    assert streamed.scores.tolist() == whole.scores.tolist() == [1.0, 2.0, 0.0, 4.0]
+    assert streamed.scored.tolist() == whole.scored.tolist() == [True, True, False, True]
+    assert streamed.reasons == whole.reasons and streamed.metrics.keys() == whole.metrics.keys()
+    # "a" and "bb" once each (begun ahead), "boom" now, "old" ahead but unused and "dddd" scored again
+    assert sorted(calls.read_text().split()) == ["a", "bb", "boom", "dddd", "old"]
+
+
+def test_scoring_begun_in_a_pool_closed_since_is_begun_again(tmp_path):
+    path = tmp_path / "count.py"
+    path.write_text(COUNTING)
+    scorer = RewardScorer(("file", str(path), "compute_score"), timeout_s=30, num_workers=1)
+    try:
+        started = [scorer.start(record(), "abc")]
+        scorer.close()  # as after a hung worker: its queue is gone with it
+        result = scorer.score_batch([record()], ["abc"], started=started)
+    finally:
+        scorer.close()
+    assert result.scores.tolist() == [3.0] and result.scored.all()
+
+
+def test_only_worker_processes_score_ahead():
+    """In this process (num_workers=0) and for batched functions nothing can run beside generation."""
+    assert RewardScorer(flaky).start(record(), "ok") is None
+    assert RewardScorer(flaky, batched=True).start(record(), "ok") is None
+
+
+def test_the_metrics_of_a_steps_scored_batches_read_as_one_batchs(tmp_path):
+    """DAPO and partial rollouts score a step's samples in several batches: their metrics merge into
+    what scoring all of them at once reports."""
+    from keel.rewards.reward_fn import merge_score_metrics
+
+    scorer = RewardScorer(flaky, max_not_scored_ratio=1.0)
+    first, second = ["ok", "boom", "ok"], ["boom", "ok"]
+    parts = [(scorer.score_batch([record()] * len(t), t).metrics, len(t)) for t in (first, second)]
+    whole = scorer.score_batch([record()] * 5, first + second).metrics
+    merged = merge_score_metrics(parts)
+    assert merged.keys() == whole.keys()
+    assert merged["reward/not_scored_ratio"] == pytest.approx(whole["reward/not_scored_ratio"]) == 0.4
+    assert merged["reward/not_scored/raised_ZeroDivisionError"] == whole["reward/not_scored/raised_ZeroDivisionError"]
+    assert merged["timing_s/score_sample/max"] == max(m["timing_s/score_sample/max"] for m, _ in parts)

@@ -117,8 +117,10 @@ class NativeRolloutEngine:
 
     # --- generation ------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts, params: SamplingParams) -> GeneratedBatch:
-        """Every prompt's samples, through the scheduler: rows that finish are refilled."""
+    def generate(self, prompts, params: SamplingParams, on_finished=None) -> GeneratedBatch:
+        """Every prompt's samples, through the scheduler: rows that finish are refilled.
+        `on_finished(row, response ids)` is called as each sample finishes, while others generate
+        (its reward can be scored meanwhile)."""
         batcher = self.continuous_batcher(
             len(prompts), prompts.input_ids.shape[1] + params.max_new_tokens, params.max_new_tokens
         )
@@ -129,6 +131,8 @@ class NativeRolloutEngine:
             for turn in batcher.step(params):
                 turns[turn.key] = turn
                 batcher.release(turn.key)
+                if on_finished is not None:
+                    on_finished(turn.key, turn.ids)
         ids = pad_sequence(
             [torch.tensor(t.ids) for t in turns], batch_first=True, padding_value=self.tokenizer.pad_token_id
         )
