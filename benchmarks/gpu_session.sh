@@ -26,6 +26,10 @@
 #   bash benchmarks/gpu_session.sh async_mode     issue 31: s1 (slow rewards), w2 and m1 in sync then async mode
 #   bash benchmarks/gpu_session.sh partial        issue 31: v2 (EOS-ended lengths) sync, async, async with partial
 #                                                 rollouts (wait, drop); then s1 sync and async profiled (GPU busy)
+#   bash benchmarks/gpu_session.sh scoring        issue 31: the GPU tests, then sv (slow rewards, EOS-ended lengths) in
+#                                                 sync mode scoring each batch whole, then each sample as it finishes
+#   bash benchmarks/gpu_session.sh fifo           issue 31: v2 sync, then async with partial rollouts (wait: first
+#                                                 in, first out), then sv async with partial rollouts
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -140,6 +144,27 @@ partial() {  # issue 31: v2's long tail in sync mode, async mode, and async with
         echo "$run: $(tail -1 "$OUT/run.log" | cut -c1-160)"
     done
     grep -h -o '"async": {[^}]*}\|"gpu_busy[a-z_]*": {[^}]*}' "$OUT/bench.jsonl"
+}
+
+scoring() {  # issue 31: scoring each sample as it finishes (reward.score_ahead), against the batch whole
+    timeout 300 python3 -m pytest -q tests/gpu > "$OUT/gpu_tests.txt" 2>&1; tail -1 "$OUT/gpu_tests.txt"
+    for ahead in false true; do
+        (( SECONDS > ${SCORING_UNTIL:-450} )) && { echo "sv ahead=$ahead: skipped, the call's time is spent"; continue; }
+        timeout 140 python3 -m keel bench sv reward.score_ahead=$ahead --gpus 1 --steps 2 --warmup 1 \
+            --out "$OUT/bench.jsonl" > "$OUT/sv_$ahead.log" 2>&1
+        echo "sv ahead=$ahead: $(tail -1 "$OUT/sv_$ahead.log" | cut -c1-160)"
+    done
+}
+
+fifo() {  # issue 31: partial rollouts' first-in-first-out wait on v2, against sync; sv with partial rollouts
+    local async="trainer.mode=async trainer.partial_rollout=true"
+    for run in "v2 trainer.mode=sync" "v2 $async" "sv $async"; do
+        (( SECONDS > ${FIFO_UNTIL:-430} )) && { echo "$run: skipped, the call's time is spent"; continue; }
+        timeout 170 python3 -m keel bench $run --gpus 1 --steps 3 --warmup 1 --out "$OUT/bench.jsonl" \
+            > "$OUT/run.log" 2>&1
+        echo "$run: $(tail -1 "$OUT/run.log" | cut -c1-160)"
+    done
+    grep -h -o '"async": {[^}]*}' "$OUT/bench.jsonl"
 }
 
 agents_profile() {  # issue 30: where m1a's engine process spends its time (py-spy, carry its wheel), and a

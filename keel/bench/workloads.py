@@ -252,6 +252,9 @@ WORKLOADS.update(
         "tinyv": Workload("tiny", 4, 4, 32, 64, mean_response=16),
         "s1": Workload("0.5b", 32, 8, 256, 512, overrides=SLOW_REWARD),
         "tinys": Workload("tiny", 4, 4, 32, 16, overrides={**SLOW_REWARD, "reward.num_workers": 8}),
+        # sv: s1's slow scorer on lengths that EOS ends (mean 256, cut at 1024): samples finish while others
+        # decode, so their scoring can begin then (reward.score_ahead) instead of after the batch
+        "sv": Workload("0.5b", 32, 8, 256, 1024, mean_response=256, overrides=SLOW_REWARD),
     }
 )
 LORA_64 = {

@@ -62,6 +62,11 @@ class RewardConfig:
     max_not_scored_ratio: float = opt(0.1, ge=0, le=1, help="stop when a batch has more not-scored samples")
     timeout_s: float | None = opt(30.0, gt=0, help="per-sample scoring time limit")
     num_workers: int = opt(0, ge=0, help="scoring processes; 0 scores in the trainer's process")
+    score_ahead: bool = opt(
+        True,
+        help="with num_workers > 0: each sample begins scoring as soon as it finishes, beside the rest's "
+        "generation (single-turn samples of keel's native engine in the trainer's process, and partial rollouts)",
+    )
 
 
 @dataclass

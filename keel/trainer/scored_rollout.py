@@ -104,6 +104,8 @@ class ScoredRollout:
 
     def start_scoring(self, record, response_ids: list[int]) -> StartedSample | None:
         """A finished sample's reward, begun in the scoring processes (see RewardScorer.start)."""
+        if not self.cfg.reward.score_ahead:
+            return None
         text = self.components.tokenizer.decode(response_ids, skip_special_tokens=True)
         return self.components.reward.start(record, text)
 

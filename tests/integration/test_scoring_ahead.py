@@ -43,12 +43,12 @@ def scoring_runs(monkeypatch):
     return scored_now
 
 
-def scored_config(tiny_config, tmp_path: Path, name: str, model: Path, workers: int, **trainer) -> dict:
+def scored_config(tiny_config, tmp_path: Path, name: str, model: Path, ahead: bool = True, **trainer) -> dict:
     reward = tmp_path / "counted.py"
     reward.write_text(COUNTED)
     config = run_config(tiny_config, tmp_path, name, model, **trainer)
     config["custom_reward_function"] = {"path": str(reward)}
-    config["reward"] = {"num_workers": workers, "max_not_scored_ratio": 1.0}
+    config["reward"] = {"num_workers": 2, "max_not_scored_ratio": 1.0, "score_ahead": ahead}
     return config
 
 
@@ -57,7 +57,7 @@ def test_samples_begin_scoring_as_they_finish_and_score_as_a_batch_would(
     tiny_config, tmp_path, ending_model, monkeypatch, scoring_runs, mode
 ):
     """The first sample of each batch begins scoring while the batcher still decodes the rest; none is
-    scored twice; and the run's scores and losses equal a run that scores each batch whole in-process."""
+    scored twice; and the run's scores and losses equal a run that scores each batch whole (score_ahead=false)."""
     decode_steps, first_starts, real_step = [0], {}, ContinuousBatcher.step
 
     def counted_step(self, params, look_every=None):
@@ -82,11 +82,13 @@ def test_samples_begin_scoring_as_they_finish_and_score_as_a_batch_would(
     monkeypatch.setattr(ScoredRollout, "start_scoring", start_scoring)
     monkeypatch.setattr(ScoredRollout, "generate", generate)
     settings = {"mode": mode, "partial_rollout": False, "max_off_policy_steps": 1}
-    ahead = metrics_of(train(scored_config(tiny_config, tmp_path, "ahead", ending_model, 2, **settings)).run_dir)
+    ahead = metrics_of(train(scored_config(tiny_config, tmp_path, "ahead", ending_model, **settings)).run_dir)
     assert scoring_runs and not any(scoring_runs)  # every sample's scoring had begun as it finished
     assert len(first_starts) == len(decode_ends)
     assert all(start < end for start, end in zip(first_starts.values(), decode_ends))
-    whole = metrics_of(train(scored_config(tiny_config, tmp_path, "whole", ending_model, 0, **settings)).run_dir)
+    scoring_runs.clear()
+    whole = metrics_of(train(scored_config(tiny_config, tmp_path, "whole", ending_model, False, **settings)).run_dir)
+    assert scoring_runs and all(scoring_runs)  # score_ahead=false: every batch scored after its generation
     for key in ("critic/score/mean", "actor/pg_loss", "response_length/mean"):
         assert [m[key] for m in ahead] == [m[key] for m in whole], key
 
@@ -119,7 +121,7 @@ def test_partial_rollouts_score_the_groups_that_wait_in_the_background(
     monkeypatch.setattr(partial.RolloutPartial, "__call__", call)
     monkeypatch.setattr(partial.RolloutPartial, "_round", round_noted)
     monkeypatch.setattr(ScoredRollout, "start_scoring", start_scoring)
-    config = scored_config(tiny_config, tmp_path, "pool", ending_model, 2, steps=6, max_off_policy_steps=2)
+    config = scored_config(tiny_config, tmp_path, "pool", ending_model, steps=6, max_off_policy_steps=2)
     train(config)
     assert scoring_runs and not any(scoring_runs)
     assert all(began[ids] <= step for ids, step in trained_at)
@@ -132,7 +134,7 @@ def test_partial_rollouts_replace_a_group_that_a_failed_scoring_left_short(
     """reward.on_error=mask: a prompt whose scorer raises loses its samples. With partial rollouts another
     round's group takes its place: every step trains train_batch_size whole groups, none of them broken."""
     monkeypatch.setenv("KEEL_TEST_FAIL_FIVES", "1")
-    config = scored_config(tiny_config, tmp_path, "refill", ending_model, 2, steps=6)
+    config = scored_config(tiny_config, tmp_path, "refill", ending_model, steps=6)
     batches = []
     real_call = partial.RolloutPartial.__call__
 
