@@ -95,9 +95,9 @@ class GeneratedBatch:
     """A step's records, one per stage, each a field set of its own and built once from the stage
     before (`of`): GeneratedBatch (what generation gives: the sampled tokens, the sampler's log-probs,
     the policy version each sample or token was sampled from), ScoredBatch (and the reward function's
-    scores), RolloutBatch (the training batch: and what the training stage's passes fill in: old and
-    reference log-probs, values, rewards per token, advantages, rollout correction). Every field is
-    per sample (a row), so a sub-batch of any of them is a `select`."""
+    scores), RolloutBatch (the training batch: and what the training stage's passes computed over the
+    scored batch: old and reference log-probs, values, rewards per token, advantages, rollout
+    correction). Every field is per sample (a row), so a sub-batch of any of them is a `select`."""
 
     prompt_ids: Tensor  # [N, P] left-padded
     prompt_mask: Tensor  # [N, P] 1 on prompt tokens

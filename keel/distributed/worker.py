@@ -47,7 +47,7 @@ from keel.training.actor import ActorTrainer
 from keel.training.batching import MicroBatching, MiniBatch
 from keel.training.critic import CriticTrainer
 from keel.training.reference import AdapterlessReference, ReferencePolicy
-from keel.types import GeneratedBatch, PartialSample, RolloutBatch, SamplingParams
+from keel.types import GeneratedBatch, PartialSample, SamplingParams, ScoredBatch
 
 log = logging.getLogger("keel")
 
@@ -286,15 +286,15 @@ class RoleWorker:
             return None, self.weights_version
         return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named], self.weights_version
 
-    def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+    def compute_log_probs(self, batch: ScoredBatch) -> torch.Tensor:
         with autocast(self.device, self.compute_dtype):
             return self.actor.compute_log_probs(batch)
 
-    def compute_ref_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+    def compute_ref_log_probs(self, batch: ScoredBatch) -> torch.Tensor:
         with autocast(self.device, self.compute_dtype):
             return self.ref.compute_log_probs(batch)
 
-    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
+    def compute_values(self, batch: ScoredBatch) -> torch.Tensor:
         with autocast(self.device, self.compute_dtype):
             return self.critic.compute_values(batch)
 

@@ -23,6 +23,7 @@ from keel.rewards.code_tests import check_ground_truths
 from keel.rewards.contract import AGENT_WEIGHTS, agent_reward, verl_extra_info
 from keel.rewards.executor import ScoringPool, Started
 from keel.rewards.sandbox import require_jail
+from keel.rewards.score_metrics import score_metrics
 from keel.rewards.scorers import DATA_SOURCE_SCORERS, NO_GROUND_TRUTH, SCORERS, RewardFn, scorer_for_source
 from keel.rewards.worker import (
     NOT_FINITE,
@@ -209,7 +210,9 @@ class RewardScorer:
         agent gave."""
         if self.service is not None or self.batched or agent_reward(record) is not None:
             return None
-        started = self.pool.start(self._task(record, self.scorers_for(record.data_source), response_text))
+        started = self.pool.start(
+            sample_task(record, self.scorers_for(record.data_source), response_text, self.timeout_s)
+        )
         return None if started is None else StartedSample(response_text, started)
 
     def score_batch(
@@ -257,7 +260,7 @@ class RewardScorer:
         ]
         scores = torch.tensor(totals, dtype=torch.float32)
         scored = torch.tensor([res.values is not None or on_error == "zero" for res in results])
-        metrics = _score_metrics(results, failed)
+        metrics = score_metrics(results, failed)
         if self.service is not None:
             metrics["reward/service_retries"] = float(self.service.retries)
         if self.overlong is not None and response_lengths is not None:
@@ -285,37 +288,13 @@ class RewardScorer:
         """Each sample's per-scorer values, or the reason it has none (`started`: what the pool began)."""
         if self.service is not None:  # reward.service.url: the remote service scores every sample
             return self.service.score(records, texts)
-        tasks = [self._task(r, w, text) for r, w, text in zip(records, weights, texts)]
+        tasks = [sample_task(r, w, text, self.timeout_s) for r, w, text in zip(records, weights, texts)]
         if self.batched:  # custom_reward_function.batched: the custom function scores the whole batch
             results = score_batched(resolve(self.custom), tasks)
         else:
             results = self.pool.run(tasks, self.timeout_s, started)
-        self._add_reward_model_scores(records, texts, weights, results)
+        add_reward_model_scores(self.reward_model, records, texts, weights, results)
         return results
-
-    def _task(self, record, weights: dict, text: str) -> SampleTask:
-        """What a scoring process runs for one sample: its rule scorers (the reward model runs here)."""
-        return SampleTask(
-            [(name, spec) for name, (spec, _) in weights.items() if spec != REWARD_MODEL],
-            record.data_source,
-            text,
-            record.ground_truth,
-            verl_extra_info(record.extra_info),
-            self.timeout_s,
-        )
-
-    def _add_reward_model_scores(self, records, texts, weights, results: list[SampleResult]) -> None:
-        """The reward model scores its samples in batches on the device, beside the rule scorers."""
-        rows = [i for i, w in enumerate(weights) if "reward_model" in w and results[i].values is not None]
-        if not rows:
-            return
-        for i, value in zip(
-            rows, self.reward_model.score([records[i].raw_prompt for i in rows], [texts[i] for i in rows])
-        ):
-            if isinstance(value, str):  # too long to read whole: not scored, never truncated
-                results[i] = SampleResult(None, value, results[i].seconds)
-            else:
-                results[i].values["reward_model"] = value
 
     def close(self) -> None:
         """Stops the scoring processes; the next batch starts them again."""
@@ -328,46 +307,28 @@ class RewardScorer:
             self.reward_model.shutdown()
 
 
-def _score_metrics(results: list[SampleResult], failed: list[tuple[int, str]]) -> dict[str, float]:
-    """Not-scored share and reasons, scoring latency, each scorer's mean when there are several, and
-    the mean of each numeric extra a dict result gave."""
-    metrics = {
-        "reward/not_scored_ratio": len(failed) / max(len(results), 1),
-        "timing_s/score_sample/mean": sum(r.seconds for r in results) / max(len(results), 1),
-        "timing_s/score_sample/max": max((r.seconds for r in results), default=0.0),
-    }
-    for _, reason in failed:
-        key = f"reward/not_scored/{reason.split(':')[0].split(' (')[0].replace(' ', '_')}"
-        metrics[key] = metrics.get(key, 0.0) + 1
-    parts: dict[str, list[float]] = {}
-    for res in results:
-        for name, value in (res.values or {}).items():
-            parts.setdefault(name, []).append(value)
-    if len(parts) > 1:
-        metrics.update({f"reward/{name}/mean": sum(v) / len(v) for name, v in parts.items()})
-    extras: dict[str, list[float]] = {}
-    for res in results:
-        for key, value in (res.extras or {}).items():
-            if not isinstance(value, str):
-                extras.setdefault(key, []).append(float(value))
-    metrics.update({f"reward_extra/{key}/mean": sum(v) / len(v) for key, v in extras.items()})
-    return metrics
+def sample_task(record, weights: dict, text: str, timeout_s: float | None) -> SampleTask:
+    """What a scoring process runs for one sample: its rule scorers (the reward model runs here)."""
+    return SampleTask(
+        [(name, spec) for name, (spec, _) in weights.items() if spec != REWARD_MODEL],
+        record.data_source,
+        text,
+        record.ground_truth,
+        verl_extra_info(record.extra_info),
+        timeout_s,
+    )
 
 
-def merge_score_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
-    """The metrics of several scored batches, (metrics, samples) each, as one batch's would read:
-    not-scored counts summed, maxima (and the service's running retry count) the largest, the rest
-    means weighted by samples."""
-    merged: dict[str, float] = {}
-    for name in dict.fromkeys(name for metrics, _ in parts for name in metrics):
-        values = [(metrics[name], count) for metrics, count in parts if name in metrics]
-        if name.startswith("reward/not_scored/"):
-            merged[name] = sum(value for value, _ in values)
-        elif name.endswith("/max") or name == "reward/service_retries":
-            merged[name] = max(value for value, _ in values)
+def add_reward_model_scores(reward_model, records, texts, weights, results: list[SampleResult]) -> None:
+    """The reward model scores its samples in batches on the device, beside the rule scorers."""
+    rows = [i for i, w in enumerate(weights) if "reward_model" in w and results[i].values is not None]
+    if not rows:
+        return
+    for i, value in zip(rows, reward_model.score([records[i].raw_prompt for i in rows], [texts[i] for i in rows])):
+        if isinstance(value, str):  # too long to read whole: not scored, never truncated
+            results[i] = SampleResult(None, value, results[i].seconds)
         else:
-            merged[name] = sum(value * count for value, count in values) / max(sum(c for _, c in values), 1)
-    return merged
+            results[i].values["reward_model"] = value
 
 
 def _check_scorer_names(by_source: dict[str, dict[str, float]], custom: bool, reward_model: bool) -> None:

@@ -40,7 +40,7 @@ from keel.trainer.scored_rollout import ScoredRollout, training_sampling
 from keel.trainer.seeds import step_seed
 from keel.trainer.setup import Components, Inputs, build_components, needs_baseline_rollout
 from keel.trainer.versions import sampled_by
-from keel.types import RolloutBatch
+from keel.types import RolloutBatch, ScoredBatch
 
 log = logging.getLogger("keel")
 
@@ -133,33 +133,18 @@ class RLTrainer:
         # With Ray workers the group enforces phase_timeout_s itself, collecting every rank's stacks.
         timer = Timer(self.cfg.trainer.guards.phase_timeout_s if self.cfg.world_size == 1 else None, logger.phase)
         parts, workers = self.components, self.components.workers
-        finite = self._check_finite
         self.updating = workers.policy_version  # the policy this step's update starts from
         with timer("step"):
             scored, prompts, metrics, gen_parts = self.rollout(timer, self.step)
-            batch = RolloutBatch.of(scored)  # the training batch: this step's passes fill in the rest
             updates_actor = self.step >= self.cfg.algorithm.critic_warmup  # verl's count: steps start at 1
-            in_update = self._old_log_probs(batch, metrics, timer, updates_actor)
-            if self.cfg.ref_enabled:
-                with timer("ref"):
-                    batch.ref_log_probs = workers.ref_log_probs(batch)
-                    finite("reference log-probs", batch.ref_log_probs, batch.response_mask)
-                    if not in_update:  # else the update's forward measures it, with the gap
-                        metrics["actor/ref_kl"] = masked_mean(
-                            batch.old_log_probs - batch.ref_log_probs, recomputed_mask(batch)
-                        ).item()
-            if self.cfg.critic_enabled:
-                with timer("values"):
-                    batch.values = workers.values(batch)
-                    finite("critic values", batch.values, batch.response_mask)
-            metrics.update(self._advantages(batch, prompts, timer))
+            batch, gap_in_update = self._training_batch(scored, prompts, metrics, timer, updates_actor)
             if self.cfg.critic_enabled:
                 with timer("update_critic"):
                     metrics.update(workers.update_critic(batch, self._seed()))
             if updates_actor:
                 with timer("update_actor"):
                     metrics.update(workers.update_actor(batch, self._seed()))
-                if in_update:
+                if gap_in_update:
                     self._check_log_prob_gap(metrics.get("rollout/log_prob_gap", 0.0), batch)
         logger.log_samples(self.step, _logged_samples(batch, self.cfg.trainer.log_samples))
         metrics.update(_step_report(batch, timer, gen_parts, workers, self.cfg.world_size))
@@ -172,108 +157,124 @@ class RLTrainer:
         )
         return metrics, batch
 
+    def _training_batch(
+        self, scored: ScoredBatch, prompts: PromptBatch, metrics: dict[str, float], timer: Timer, updates_actor: bool
+    ) -> tuple[RolloutBatch, bool]:
+        """The step's passes over the scored samples, then the training batch, built once from them: old
+        and reference log-probs, values, rewards per token, rollout correction, advantages -> (the batch,
+        whether the update measures the engine's gap on its own forward)."""
+        workers, finite = self.components.workers, self._check_finite
+        old, own, gap_in_update = self._old_log_probs(scored, metrics, timer, updates_actor)
+        ref = values = None
+        if self.cfg.ref_enabled:
+            with timer("ref"):
+                ref = workers.ref_log_probs(scored)
+                finite("reference log-probs", ref, scored.response_mask)
+                if not gap_in_update:  # else the update's forward measures it, with the gap
+                    metrics["actor/ref_kl"] = masked_mean(old - ref, recomputed_mask(scored, own)).item()
+        if self.cfg.critic_enabled:
+            with timer("values"):
+                values = workers.values(scored)
+                finite("critic values", values, scored.response_mask)
+        learning = self._advantages(scored, prompts, timer, old, ref, values, metrics)
+        passes = {"old_log_probs": old, "own_old_log_probs": own, "ref_log_probs": ref, "values": values}
+        return RolloutBatch.of(scored, **passes, **learning), gap_in_update
+
     # --- pieces of the step --------------------------------------------------------------------
     def _validate(self, logger: MetricsLogger) -> dict[str, float]:
         self.rollout.settle()  # the reward function is the validation's alone while it runs
         return self.validation(self.step, self._seed(), logger)
 
-    def _old_log_probs(self, batch: RolloutBatch, metrics: dict[str, float], timer: Timer, updates_actor: bool) -> bool:
-        """The old policy's log-probs on the batch, and the engine's gap to them -> whether the
-        update measures the gap (and the reference KL) on its own forward instead: on-policy (one
-        mini-batch, one epoch: its forward, detached, is the old policy's; the pass is saved), or
-        bypass mode (the sampler's log-probs are the old ones). With several mini-batches and one
-        epoch the pass skips the first mini-batch's samples (their forward comes before any
-        optimiser step) and measures the gap on the rest."""
+    def _old_log_probs(
+        self, scored: ScoredBatch, metrics: dict[str, float], timer: Timer, updates_actor: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+        """(the old policy's log-probs on the batch, the samples whose old log-probs are the update's own
+        forward, whether the update measures the engine's gap (and the reference KL) on its own forward
+        instead): on-policy (one mini-batch, one epoch: its forward, detached, is the old policy's; the
+        pass is saved), or bypass mode (the sampler's log-probs are the old ones). With several
+        mini-batches and one epoch the pass skips the first mini-batch's samples (their forward comes
+        before any optimiser step) and measures the gap on the rest."""
         workers, source = self.components.workers, old_log_probs_source(self.cfg)
         if self.correction.bypass_mode or self.correction.decoupled:  # the sampler's log-probs enter the loss
-            self._check_finite("sampler log-probs", batch.sampling_log_probs, batch.response_mask)
+            self._check_finite("sampler log-probs", scored.sampling_log_probs, scored.response_mask)
         if source == "sampler":  # verl's bypass mode: the sampler's policy is the old one
-            batch.old_log_probs = batch.sampling_log_probs
-            return True
+            return scored.sampling_log_probs, None, True
+        own = None
         if updates_actor and source != "recomputed":  # the first mini-batch's own forward (all of it, or a part)
-            own = workers.first_mini_batch(batch, self._seed())
+            own = workers.first_mini_batch(scored, self._seed())
             if own is not None and bool(own.all()):  # on-policy: the update's forward is every old log-prob
-                return True
-            batch.own_old_log_probs = own
+                return None, None, True
         with timer("old_log_prob"):
-            batch.old_log_probs, metrics["perf/old_log_prob_samples"] = self._recomputed_log_probs(batch)
-            recomputed = recomputed_mask(batch)
-            self._check_finite("actor log-probs", batch.old_log_probs, recomputed)
+            old, metrics["perf/old_log_prob_samples"] = self._recomputed_log_probs(scored, own)
+            recomputed = recomputed_mask(scored, own)
+            self._check_finite("actor log-probs", old, recomputed)
             # How far the sampler's log-probs are from the trainer's: numerics, not learning.
-            metrics["rollout/log_prob_gap"] = masked_mean(
-                (batch.sampling_log_probs - batch.old_log_probs).abs(), recomputed
-            ).item()
-            self._check_log_prob_gap(metrics["rollout/log_prob_gap"], batch)
-        return False
+            metrics["rollout/log_prob_gap"] = masked_mean((scored.sampling_log_probs - old).abs(), recomputed).item()
+            self._check_log_prob_gap(metrics["rollout/log_prob_gap"], scored)
+        return old, own, False
 
-    def _recomputed_log_probs(self, batch: RolloutBatch) -> tuple[torch.Tensor, float]:
+    def _recomputed_log_probs(self, scored: ScoredBatch, own: torch.Tensor | None) -> tuple[torch.Tensor, float]:
         """The old-log-prob pass [N, R] over the samples whose old log-probs are not the update's
-        own (0 for those), and how many samples it computed."""
-        own = batch.own_old_log_probs
+        own (`own`; 0 for those), and how many samples it computed."""
         if own is None:
-            return self.components.workers.actor_log_probs(batch), float(len(batch))
+            return self.components.workers.actor_log_probs(scored), float(len(scored))
         rows = (~own).nonzero().squeeze(-1)
-        old = torch.zeros(batch.response_mask.shape)
-        old[rows] = self.components.workers.actor_log_probs(batch.select(rows))  # some: on-policy returned earlier
+        old = torch.zeros(scored.response_mask.shape)
+        old[rows] = self.components.workers.actor_log_probs(scored.select(rows))  # some: on-policy returned earlier
         return old, float(len(rows))
 
-    def _check_log_prob_gap(self, gap: float, batch: RolloutBatch) -> None:
+    def _check_log_prob_gap(self, gap: float, batch: ScoredBatch) -> None:
         # Greedy engines record log-probs at temperature 1, not the trainer's; samples of an older policy
         # (async mode) differ from the trainer's by its updates since, which is no broken weight sync.
         if self.sampling.do_sample and sampled_by(self.cfg, batch, self.updating):
             check_log_prob_gap(gap, self.step, self.cfg.trainer.guards.max_log_prob_gap)
 
-    def _assign_rewards(self, batch: RolloutBatch) -> dict[str, float]:
-        """The outcome score (normalised, if asked) sits on each response's last token; optionally
+    def _token_rewards(
+        self, scored: ScoredBatch, old: torch.Tensor | None, ref: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """[N, R] the outcome score (normalised, if asked) on each response's last token; optionally
         minus KL to the reference."""
-        batch.token_level_rewards, metrics = outcome_rewards(batch, self.components.normalizer)
+        rewards, metrics = outcome_rewards(scored, self.components.normalizer)
         if not self.cfg.algorithm.use_kl_in_reward:
-            return metrics
+            return rewards, metrics
         kl_coef = self.components.kl_ctrl.value
-        batch.token_level_rewards, current_kl = apply_kl_penalty(
-            batch.token_level_rewards,
-            batch.old_log_probs,
-            batch.ref_log_probs,
-            batch.response_mask,
-            kl_coef,
-            self.cfg.algorithm.kl_penalty,
+        rewards, current_kl = apply_kl_penalty(
+            rewards, old, ref, scored.response_mask, kl_coef, self.cfg.algorithm.kl_penalty
         )
-        self.components.kl_ctrl.update(current_kl, len(batch))
-        return {**metrics, "actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": kl_coef}
+        self.components.kl_ctrl.update(current_kl, len(scored))
+        return rewards, {**metrics, "actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": kl_coef}
 
-    def _advantages(self, batch: RolloutBatch, prompts: PromptBatch, timer: Timer) -> dict[str, float]:
-        """Token-level rewards, then advantages and returns, on the batch; ReMax first generates its
-        baseline (timed as gen_baseline)."""
+    def _advantages(
+        self, scored: ScoredBatch, prompts: PromptBatch, timer: Timer, old, ref, values, metrics: dict[str, float]
+    ) -> dict[str, torch.Tensor | None]:
+        """The training batch's learning signal: token-level rewards, rollout correction (decoupled
+        mode), advantages and returns; ReMax first generates its baseline (timed as gen_baseline)."""
         finite = self._check_finite
         baseline = None
         if needs_baseline_rollout(self.cfg):
             with timer("gen_baseline"):
-                baseline = self.scored.baseline_scores(prompts, batch, self._seed())
+                baseline = self.scored.baseline_scores(prompts, scored, self._seed())
         with timer("adv"):
-            metrics = self._assign_rewards(batch)
-            finite("token-level rewards", batch.token_level_rewards, batch.response_mask)
-            if self.correction.decoupled:
-                metrics.update(self._correct_rollout(batch))
-            batch.advantages, batch.returns = compute_advantage(
+            rewards, reward_metrics = self._token_rewards(scored, old, ref)
+            metrics.update(reward_metrics)
+            finite("token-level rewards", rewards, scored.response_mask)
+            correction = self._correct_rollout(scored, old, metrics) if self.correction.decoupled else {}
+            advantages, returns = compute_advantage(
                 self.cfg.algorithm.adv_estimator,
-                AdvantageInputs(
-                    batch.token_level_rewards, batch.response_mask, batch.group_index, batch.values, baseline
-                ),
+                AdvantageInputs(rewards, scored.response_mask, scored.group_index, values, baseline),
                 self.adv_params,
-                None if batch.sample_index is None else batch.final_segments,
+                None if scored.sample_index is None else scored.final_segments,
             )
-            finite("advantages", batch.advantages, batch.response_mask)
-        return metrics
+            finite("advantages", advantages, scored.response_mask)
+        return {"token_level_rewards": rewards, "advantages": advantages, "returns": returns, **correction}
 
-    def _correct_rollout(self, batch: RolloutBatch) -> dict[str, float]:
+    def _correct_rollout(self, scored: ScoredBatch, old: torch.Tensor, metrics: dict[str, float]) -> dict:
         """Decoupled rollout correction, once per batch: the old policy's log-probs against the
         sampler's give the policy loss its IS weights and rejection its mask."""
-        correction = compute_correction(
-            batch.old_log_probs, batch.sampling_log_probs, batch.response_mask, self.correction.params()
-        )
-        batch.rollout_is_weights = correction.weights
-        batch.rollout_keep = correction.keep if self.correction.rollout_rs else None
-        return {name: value.item() for name, value in correction.metrics.items()}
+        correction = compute_correction(old, scored.sampling_log_probs, scored.response_mask, self.correction.params())
+        metrics.update({name: value.item() for name, value in correction.metrics.items()})
+        keep = correction.keep if self.correction.rollout_rs else None
+        return {"rollout_is_weights": correction.weights, "rollout_keep": keep}
 
     def _check_finite(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
         check_finite(name, values, mask, policy=self.cfg.trainer.guards.nonfinite)
@@ -302,7 +303,7 @@ class RLTrainer:
         self.warned_steps = state.get("warned_steps", {})
 
 
-def outcome_rewards(batch: RolloutBatch, normalizer) -> tuple[torch.Tensor, dict[str, float]]:
+def outcome_rewards(batch: ScoredBatch, normalizer) -> tuple[torch.Tensor, dict[str, float]]:
     """[N, R] each sample's outcome score (normalised, if asked; plus what a multi-turn episode's
     tools and interactions gave) on its response's last token, and the normaliser's metrics."""
     metrics = {}
@@ -320,12 +321,13 @@ def _due(step: int, freq: int) -> bool:
     return freq > 0 and step % freq == 0
 
 
-def recomputed_mask(batch: RolloutBatch) -> torch.Tensor:  # [N, R]
-    """The response tokens whose old log-probs the pass computed: where the trainer measures the
-    engine's gap and the reference KL (a sample of the batch when the first mini-batch is skipped)."""
-    if batch.own_old_log_probs is None:
+def recomputed_mask(batch: ScoredBatch, own: torch.Tensor | None) -> torch.Tensor:  # [N, R]
+    """The response tokens whose old log-probs the pass computed (all but `own`'s samples): where the
+    trainer measures the engine's gap and the reference KL (a sample of the batch when the first
+    mini-batch is skipped)."""
+    if own is None:
         return batch.response_mask
-    return batch.response_mask * (~batch.own_old_log_probs)[:, None]
+    return batch.response_mask * (~own)[:, None]
 
 
 def _step_report(batch: RolloutBatch, timer: Timer, gen_parts: dict, workers, world_size: int) -> dict[str, float]:

@@ -22,7 +22,7 @@ from keel.training.batching import (
     shard_batch,
     unshard_rows,
 )
-from keel.types import GeneratedBatch, PartialSample, RolloutBatch, RoundEnd, SamplingParams, groups_of
+from keel.types import GeneratedBatch, PartialSample, RolloutBatch, RoundEnd, SamplingParams, ScoredBatch, groups_of
 
 # Metrics every rank reports identically (computed after the gradients were summed); every other
 # update metric is a rank's share of the whole mini-batch, so the ranks' values add up.
@@ -121,22 +121,22 @@ class WorkerRoles:
         return concat_rows([b for b, _ in results if b is not None], self.pad_token_id), timing
 
     # --- forward passes ------------------------------------------------------------------------------
-    def actor_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+    def actor_log_probs(self, batch: ScoredBatch) -> torch.Tensor:
         return self._per_token("compute_log_probs", batch)
 
-    def ref_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+    def ref_log_probs(self, batch: ScoredBatch) -> torch.Tensor:
         return self._per_token("compute_ref_log_probs", batch)
 
-    def values(self, batch: RolloutBatch) -> torch.Tensor:
+    def values(self, batch: ScoredBatch) -> torch.Tensor:
         return self._per_token("compute_values", batch, self.critic_group)
 
-    def _per_token(self, method: str, batch: RolloutBatch, group=None) -> torch.Tensor:  # [N, R]
+    def _per_token(self, method: str, batch: ScoredBatch, group=None) -> torch.Tensor:  # [N, R]
         group = group or self.group
         index, parts = shard_batch(batch, group.world_size)
         return unshard_rows(index, self._call(method, [(p,) for p in parts], group))
 
     # --- updates -------------------------------------------------------------------------------------
-    def first_mini_batch(self, batch: RolloutBatch, seed: int) -> torch.Tensor | None:
+    def first_mini_batch(self, batch: ScoredBatch, seed: int) -> torch.Tensor | None:
         """[N] bool: the samples that update_actor(batch, seed) takes first, while the policy is
         still the one that generated them (every sample when the update is one mini-batch: it is
         on-policy); None when the update runs several epochs (later epochs take those samples

@@ -12,7 +12,8 @@ import torch
 from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptBatch, collate_prompts
 from keel.observe.metrics import Timer
-from keel.rewards.reward_fn import ScoreResult, StartedSample, merge_score_metrics
+from keel.rewards.reward_fn import ScoreResult, StartedSample
+from keel.rewards.score_metrics import merge_score_metrics
 from keel.rollout.agent.metrics import external_agent_metrics
 from keel.trainer.dynamic_sampling import fill_with_signal
 from keel.trainer.roles import then

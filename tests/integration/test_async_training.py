@@ -201,10 +201,10 @@ def test_a_skipped_step_leaves_the_policy_version_and_the_staleness_true(tiny_co
 
     real = rl.RLTrainer._advantages
 
-    def skip_step_2(self, batch, prompts, timer):
+    def skip_step_2(self, scored, prompts, timer, *passes):
         if self.step == 2:
             raise SkipStep("advantages")
-        return real(self, batch, prompts, timer)
+        return real(self, scored, prompts, timer, *passes)
 
     monkeypatch.setattr(rl.RLTrainer, "_advantages", skip_step_2)
     config = run_config(tiny_config, tmp_path, "skip", mode="async", max_off_policy_steps=1)

@@ -226,7 +226,7 @@ def test_only_worker_processes_score_ahead():
 def test_the_metrics_of_a_steps_scored_batches_read_as_one_batchs(tmp_path):
     """DAPO and partial rollouts score a step's samples in several batches: their metrics merge into
     what scoring all of them at once reports."""
-    from keel.rewards.reward_fn import merge_score_metrics
+    from keel.rewards.score_metrics import merge_score_metrics
 
     scorer = RewardScorer(flaky, max_not_scored_ratio=1.0)
     first, second = ["ok", "boom", "ok"], ["boom", "ok"]
