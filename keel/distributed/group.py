@@ -18,6 +18,7 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
+from keel.distributed.finished import FinishedChannel
 from keel.distributed.ray_cluster import Devices, connect_ray, reserve
 from keel.distributed.serving import ServedWorker
 from keel.errors import PHASE_STALLED, WORKER_DIED, WORKER_RAISED, KeelError
@@ -86,6 +87,7 @@ class RayGroup:
         self.hosts: dict[int, str] = {}
         self.ended: KeelError | None = None  # what shut the group down: every later call raises it
         self.in_flight: set[Future] = set()  # submitted calls not yet answered: a later call waits for them too
+        self.channel: FinishedChannel | None = None  # samples told as they finish (generate's on_finished)
         self.placement, cpus = reserve(ray, devices, world_size)
         env = {k: v for k, v in os.environ.items() if k.startswith("KEEL_")}  # a cluster's workers lack our env
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -163,6 +165,12 @@ class RayGroup:
         threading.Thread(target=wait, name=f"keel-{self.role}-{method}", daemon=True).start()
         return future
 
+    def finished_channel(self) -> FinishedChannel:
+        """Where the ranks tell the driver of each sample as it finishes (started on first use)."""
+        if self.channel is None:
+            self.channel = FinishedChannel()
+        return self.channel
+
     def _send(self, method: str, per_rank_args: list[tuple]) -> list:
         if self.ended is not None:  # a call after a failure shut the group down says that failure again
             raise self.ended
@@ -185,6 +193,9 @@ class RayGroup:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if self.channel is not None:
+            self.channel.shutdown()
+            self.channel = None
         if self.actors:
             for actor in self.actors:
                 ray.kill(actor)

@@ -30,14 +30,18 @@ def generate_samples(generator, prompts, sampling: SamplingParams, seed: int, ve
     (`timing_s/gen_<part>`: prefill, decode, ...) with what else it measured (an agent rollout's
     `agent/engine/*`)); (None, {}) for a rank with no prompts. `on_finished(row, response ids)`: told
     of each sample as it finishes, by an engine that can (the native one, for single-turn samples)."""
-    if prompts is None:  # fewer prompts than ranks
-        return None, {}
-    torch.manual_seed(seed)  # per step and rank: a resumed run samples what an uninterrupted one would
-    start = time.perf_counter()
-    if on_finished is not None and streams_finished(generator):
-        batch = generator.generate(prompts, sampling, on_finished=on_finished)
-    else:
-        batch = generator.generate(prompts, sampling)  # the engine applies the compute dtype itself
+    try:
+        if prompts is None:  # fewer prompts than ranks
+            return None, {}
+        torch.manual_seed(seed)  # per step and rank: a resumed run samples what an uninterrupted one would
+        start = time.perf_counter()
+        if on_finished is not None and streams_finished(generator):
+            batch = generator.generate(prompts, sampling, on_finished=on_finished)
+        else:
+            batch = generator.generate(prompts, sampling)  # the engine applies the compute dtype itself
+    finally:
+        if hasattr(on_finished, "close"):  # a teller to the driver (keel/distributed/finished.py): all told
+            on_finished.close()
     batch.policy_version = torch.full((len(batch),), version, dtype=torch.long)
     return batch, {**_timing(generator, start), **getattr(generator, "metrics", {})}
 

@@ -261,6 +261,8 @@ class RewardScorer:
         scores = torch.tensor(totals, dtype=torch.float32)
         scored = torch.tensor([res.values is not None or on_error == "zero" for res in results])
         metrics = score_metrics(results, failed)
+        if ahead is not None:  # how much of the batch began scoring as it finished, beside generation
+            metrics["reward/scored_ahead"] = sum(a is not None for a in ahead) / max(len(records), 1)
         if self.service is not None:
             metrics["reward/service_retries"] = float(self.service.retries)
         if self.overlong is not None and response_lengths is not None:

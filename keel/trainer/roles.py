@@ -5,6 +5,7 @@ the whole batch and nothing is copied."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,9 +89,15 @@ class WorkerRoles:
         group = self.rollout_group or self.group
         shares = contiguous_shares(len(prompts), group.world_size)
         parts = [_slice_prompts(prompts, start, end) for start, end in shares]
-        told = on_finished if getattr(group, "in_process", False) else None  # one rank: its rows are the prompts'
-        submitted = group.submit("generate", [(p, sampling, rank_seed(seed, r), told) for r, p in enumerate(parts)])
-        return then(submitted, lambda replies: self._samples(shares, self._noted("generate", replies)))
+        tellers, all_told = _tellers(group, on_finished, shares)
+        per_rank = [(p, sampling, rank_seed(seed, r), t) for r, (p, t) in enumerate(zip(parts, tellers))]
+        submitted = group.submit("generate", per_rank)
+
+        def samples(replies) -> tuple[GeneratedBatch, dict[str, float]]:
+            all_told()  # every finished sample handed to on_finished before the batch is
+            return self._samples(shares, self._noted("generate", replies))
+
+        return then(submitted, samples)
 
     def generate_round(
         self, samples: list[PartialSample], sampling: SamplingParams, seed: int, end: RoundEnd
@@ -242,6 +249,18 @@ def then(future: Future, read) -> Future:
 
     future.add_done_callback(done)
     return chained
+
+
+def _tellers(group, on_finished, shares: list[tuple[int, int]]) -> tuple[list, Callable[[], None]]:
+    """Each rank's on_finished (the callback itself for a worker in this process, a teller over the
+    group's channel for Ray ranks, None without one), and what waits until all have told theirs."""
+    if on_finished is None:
+        return [None] * len(shares), lambda: None
+    if getattr(group, "in_process", False):  # one rank: its rows are the prompts'
+        return [on_finished], lambda: None
+    channel = group.finished_channel()
+    call, tellers = channel.open(on_finished, [start for start, _ in shares])
+    return tellers, lambda: channel.wait(call)
 
 
 def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -86,13 +86,9 @@ class ScoredRollout:
     def generate(self, timer: Timer, seed: int) -> tuple[GeneratedBatch, dict[str, float], list]:
         """The samples of the sampler's next prompts (n each), the engine's timing of its parts, and
         each sample's scoring, begun as it finished while the rest generated (None where not begun:
-        an engine in another process, or a reward scored with its batch)."""
+        an engine that cannot tell, or a reward scored with its batch)."""
         prompts = self._next_prompts()
-        started: list[StartedSample | None] = [None] * len(prompts)
-
-        def finished(row: int, ids: list[int]) -> None:
-            started[row] = self.start_scoring(prompts.records[row], ids)
-
+        started, finished = self._scoring_as_finished(prompts)
         with timer("gen"):
             batch, timing = self.components.workers.generate(prompts, self.sampling, seed, finished)
         return batch, timing, started
@@ -100,8 +96,20 @@ class ScoredRollout:
     def submit_generate(self, seed: int) -> Future:
         """generate, started on the rollout's own workers (the sampler's next prompts drawn now): a
         future of what generate returns."""
-        submitted = self.components.workers.submit_generate(self._next_prompts(), self.sampling, seed)
-        return then(submitted, lambda generated: (*generated, None))
+        prompts = self._next_prompts()
+        started, finished = self._scoring_as_finished(prompts)
+        submitted = self.components.workers.submit_generate(prompts, self.sampling, seed, finished)
+        return then(submitted, lambda generated: (*generated, started))
+
+    def _scoring_as_finished(self, prompts: PromptBatch) -> tuple[list, object]:
+        """(per sample, its scoring as begun when it finishes (None until then), the engine's
+        `on_finished` that begins it)."""
+        started: list[StartedSample | None] = [None] * len(prompts)
+
+        def finished(row: int, ids: list[int]) -> None:
+            started[row] = self.start_scoring(prompts.records[row], ids)
+
+        return started, finished
 
     def start_scoring(self, record, response_ids: list[int]) -> StartedSample | None:
         """A finished sample's reward, begun in the scoring processes (see RewardScorer.start)."""

@@ -62,3 +62,18 @@ def test_lora_with_a_rollout_of_its_own_is_refused_with_the_fix(config):
     with pytest.raises(KeelError) as refused:
         load_config(config, APART)
     assert refused.value.code == INCOMPATIBLE_OPTIONS and "hybrid_engine=true" in refused.value.fix
+
+
+@pytest.mark.parametrize("layout", [APART, ["trainer.n_gpus_per_node=2"]], ids=["rollout-apart", "two-ranks"])
+def test_ray_ranks_tell_each_finished_sample_so_its_scoring_begins_beside_generation(config, tmp_path, layout):
+    """Samples generated in Ray workers reach the driver as each finishes (a Ray queue), and their scoring
+    begins in the reward's processes then: all of each batch had begun before the batch came back. With
+    reward.score_ahead=false none had, and the run learns the same."""
+    scoring = ["reward.num_workers=2", "actor_rollout_ref.rollout.name=native"]
+    ahead, _ = train(config, tmp_path, "ahead", *layout, *scoring)
+    assert [m["reward/scored_ahead"] for m in ahead] == [1.0] * 3
+    whole, _ = train(config, tmp_path, "whole", *layout, *scoring, "reward.score_ahead=false")
+    assert [m["reward/scored_ahead"] for m in whole] == [0.0] * 3
+    for mine, theirs in zip(ahead, whole):
+        for key in LEARNING:
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key

@@ -1,0 +1,99 @@
+"""Samples told to the driver as they finish on a Ray rank: generate's `on_finished` across processes.
+
+A rank's engine calls a `TellDriver` for each sample it finishes; the teller puts (call, row, response
+ids) on a Ray queue without waiting for an answer, and one thread of the driver drains the queue into
+the call's callback (the reward's `start`, which begins the sample's scoring while the ranks still
+generate). Each rank ends its part with a marker that says how many samples it told: the queue's
+actor may run puts out of the order sent, so the driver counts them until every sample of a call has
+come through. A side channel: if it fails, the samples are scored with their batch, as without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("keel")
+
+DRAIN_POLL_S = 1.0  # how often the draining thread looks whether the channel was closed
+ALL_TOLD_TIMEOUT_S = 120.0  # the longest a finished batch waits for its samples' last tellings
+
+
+@dataclass
+class TellDriver:
+    """What a rank calls as each sample finishes (`row`: its row in the rank's prompts); `close` after its last."""
+
+    queue_actor: object  # the Ray queue's actor handle: it pickles to the rank
+    call: int
+    offset: int  # the rank's first row in the call's prompts
+    told: int = 0
+
+    def __call__(self, row: int, response_ids: list[int]) -> None:
+        self.queue_actor.put_nowait.remote((self.call, self.offset + row, list(response_ids)))
+        self.told += 1
+
+    def close(self) -> None:
+        self.queue_actor.put_nowait.remote((self.call, None, self.told))
+
+
+class FinishedChannel:
+    """One Ray queue and the driver thread that drains it, for every generate call of a group."""
+
+    def __init__(self):
+        from ray.util.queue import Queue
+
+        self.queue = Queue(actor_options={"num_cpus": 0})
+        # call -> (its callback, [ranks yet to close, samples yet to arrive], set once all have)
+        self.calls: dict[int, tuple[Callable, list[int], threading.Event]] = {}
+        self.next_call = 0
+        self.closed = False
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._drain, name="keel-finished", daemon=True)
+        self.thread.start()
+
+    def open(self, on_finished: Callable[[int, list[int]], None], offsets: list[int]) -> tuple[int, list[TellDriver]]:
+        """A generate call's tellers, one per rank (`offsets`: each rank's first row) -> (the call, them)."""
+        with self.lock:
+            call, self.next_call = self.next_call, self.next_call + 1
+            self.calls[call] = (on_finished, [len(offsets), 0], threading.Event())
+        return call, [TellDriver(self.queue.actor, call, offset) for offset in offsets]
+
+    def wait(self, call: int) -> None:
+        """Until every rank of `call` has told all its samples (or ALL_TOLD_TIMEOUT_S: they are then
+        scored with their batch, none lost)."""
+        _, _, told = self.calls[call]
+        if not told.wait(ALL_TOLD_TIMEOUT_S):
+            log.warning("samples finished on the workers were not all told in time; their batch scores the rest")
+        with self.lock:
+            self.calls.pop(call, None)
+
+    def _drain(self) -> None:
+        while not self.closed:
+            try:
+                call, row, response_ids = self.queue.get(block=True, timeout=DRAIN_POLL_S)
+            except queue.Empty:
+                continue
+            except Exception:  # noqa: BLE001 - the queue's actor is gone (the run is ending): stop draining
+                return
+            with self.lock:
+                entry = self.calls.get(call)
+            if entry is None:  # a call that stopped waiting
+                continue
+            on_finished, left, told = entry
+            if row is None:  # a rank closed: response_ids is how many samples it told
+                left[0], left[1] = left[0] - 1, left[1] + response_ids
+            else:
+                left[1] -= 1
+                try:
+                    on_finished(row, response_ids)
+                except Exception:  # noqa: BLE001 - the sample is scored with its batch, which says any error
+                    log.exception("beginning a finished sample's scoring failed; its batch scores it")
+            if left == [0, 0]:
+                told.set()
+
+    def shutdown(self) -> None:
+        self.closed = True
+        self.queue.shutdown()
