@@ -25,6 +25,9 @@ from keel.errors import PHASE_STALLED, WORKER_DIED, WORKER_RAISED, KeelError
 
 log = logging.getLogger("keel")
 
+PEER_LOST = ("connection reset by peer", "connection closed by peer", "remote process exited", "broken pipe")
+PEER_DEATH_WAIT_S = 30.0  # how long a rank's lost peer has to show up as a death before the rank's error stands
+
 STACKS_TIMEOUT_S = 15.0
 STARTUP_TIMEOUT_S = 600.0
 
@@ -232,10 +235,27 @@ class RayGroup:
                         sorted(pending.values()),
                         f"rank {rank}'s collective timed out after trainer.collective_timeout_s ({first_line})",
                     ) from None
+                if _is_peer_lost(e):  # a rank that died broke this one's collective: name the dead one
+                    self._raise_if_one_died(pending, phase)
                 raise self._raised(rank, phase, e) from None
             except RayError as e:  # the actor died, was killed by Ray's memory monitor, or lost its node
                 raise self._died(rank, phase, e) from None
         return [results[r] for r in ranks]
+
+    def _raise_if_one_died(self, pending: dict, phase: str) -> None:
+        """A rank whose collective lost its peer: if one of the ranks still pending died, that death is
+        the run's error (the lost connection only follows from it). Waits PEER_DEATH_WAIT_S at most."""
+        import ray
+        from ray.exceptions import RayError, RayTaskError
+
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=PEER_DEATH_WAIT_S)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayTaskError:
+                continue
+            except RayError as e:
+                raise self._died(pending[ref], phase, e) from None
 
     def _where(self, rank: int, phase: str) -> str:
         host = self.hosts.get(rank, "?")
@@ -308,6 +328,12 @@ def _is_collective_timeout(error) -> bool:
     own message: the traceback always mentions torch.distributed and timeouts."""
     message = str(getattr(error, "cause", None) or "").lower()
     return "timed out" in message or "timeout" in message
+
+
+def _is_peer_lost(error) -> bool:
+    """A collective whose peer went away (gloo's reset or closed connection, NCCL's remote error)."""
+    message = str(getattr(error, "cause", None) or "").lower()
+    return any(text in message for text in PEER_LOST)
 
 
 def _worker_actor_class(ray):

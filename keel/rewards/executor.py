@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import math
 import multiprocessing
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.pool import AsyncResult
@@ -37,15 +38,18 @@ class ScoringPool:
         self._pool = None
         self._generation = 0  # pools started so far: a task started in a closed one is started again
         self._queued: list[AsyncResult] = []  # tasks started ahead of `run`, not yet known done
+        # `start` may run on another thread than `run` (Ray ranks' finished samples arrive on one)
+        self._lock = threading.Lock()
 
     def start(self, task: SampleTask) -> Started | None:
         """Scoring one sample begun now in a worker process (the caller goes on: generation, say),
         its result read by `run`; None where `run` scores it itself (in this process, or async)."""
         if self.num_workers == 0 or any(is_async(spec) for _, spec in task.scorers):
             return None
-        result = self._get_pool().apply_async(score_sample, (task,))
-        self._queued.append(result)
-        return Started(self._generation, result)
+        with self._lock:
+            result = self._get_pool().apply_async(score_sample, (task,))
+            self._queued.append(result)
+            return Started(self._generation, result)
 
     def run(
         self, tasks: list[SampleTask], timeout_s: float | None, started: list[Started | None] | None = None
@@ -55,17 +59,19 @@ class ScoringPool:
             return asyncio.run(score_samples_async(tasks))  # I/O-bound scorers: concurrency, not processes
         if self.num_workers == 0:
             return [score_sample(task) for task in tasks]
-        pool = self._get_pool()
-        started = started or [None] * len(tasks)
-        pending = [
-            s.result if s is not None and s.generation == self._generation else pool.apply_async(score_sample, (task,))
-            for task, s in zip(tasks, started)
-        ]
+        with self._lock:
+            pool, generation = self._get_pool(), self._generation
+            started = started or [None] * len(tasks)
+            pending = [
+                s.result if s is not None and s.generation == generation else pool.apply_async(score_sample, (task,))
+                for task, s in zip(tasks, started)
+            ]
+            # Tasks started ahead (for samples trained later) may run before these: they count too.
+            self._queued = [r for r in self._queued if not r.ready()]
+            queued = len(set(self._queued) - set(pending))
         # The per-sample limit runs inside each worker; this batch deadline catches what a signal
         # cannot interrupt (a scorer stuck in C code, a worker that died mid-task).
-        # Tasks started ahead (for samples trained later) may run before these: they count too.
-        self._queued = [r for r in self._queued if not r.ready()]
-        waves = math.ceil((len(tasks) + len(set(self._queued) - set(pending))) / self.num_workers)
+        waves = math.ceil((len(tasks) + queued) / self.num_workers)
         deadline = time.monotonic() + timeout_s * waves + START_SLACK_S if timeout_s else None
         results, hung = [], False
         for future in pending:
@@ -84,9 +90,10 @@ class ScoringPool:
         return self._pool
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._generation += 1
-            self._queued = []
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+        with self._lock:
+            if self._pool is not None:
+                self._generation += 1
+                self._queued = []
+                self._pool.terminate()
+                self._pool.join()
+                self._pool = None
