@@ -119,12 +119,14 @@ def _check_world(cfg: KeelConfig, incompatible) -> None:
             "algorithm.adv_estimator=gae): there is nothing to place",
             f"set {setting('critic.enable_resource_pool', False)}",
         )
-    if not cfg.actor_rollout_ref.hybrid_engine and cfg.actor_rollout_ref.model.lora_rank > 0:
+    policy = cfg.actor_rollout_ref
+    if not policy.hybrid_engine and policy.model.lora_rank > 0 and policy.rollout.name == "hf":
         raise incompatible(
-            "actor_rollout_ref.hybrid_engine=false with LoRA (model.lora_rank > 0): the rollout's own workers "
-            "take whole weights after each update, and keel sends a LoRA policy's adapters only to an engine "
-            "beside the actor",
-            f"set {setting('actor_rollout_ref.hybrid_engine', True)}",
+            "actor_rollout_ref.hybrid_engine=false with LoRA (model.lora_rank > 0) and rollout.name=hf: the "
+            "rollout's own workers take only the adapters after each update, which keel's native engine applies "
+            "and transformers' generate cannot",
+            f"set {setting('actor_rollout_ref.rollout.name', 'native')} (or auto), or "
+            f"{setting('actor_rollout_ref.hybrid_engine', True)}",
         )
     critic_mini = cfg.critic_batching[0] * n
     if cfg.critic_enabled and critic_mini < cfg.critic_world_size:

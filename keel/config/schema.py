@@ -213,7 +213,8 @@ class ActorRolloutRefConfig:
         True,
         help="true: the rollout engine shares the actor's workers (and GPUs); false: it runs on workers of its own "
         "(rollout.n_gpus_per_node x rollout.nnodes, placed by Ray), which take the actor's weights after each update, "
-        "tagged with the policy version; with trainer.mode=async they generate while the actor trains",
+        "tagged with the policy version (a LoRA policy's adapters only); with trainer.mode=async they generate "
+        "while the actor trains",
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +24,15 @@ from keel.rollout.agent import build_agent_loop
 from keel.rollout.agent.external import build_external_agent
 from keel.rollout.select import make_rollout_engine
 from keel.types import GeneratedBatch, PartialSample, SamplingParams
+
+
+@dataclass
+class PolicyWeights:
+    """What the actor sends a rollout on workers of its own after an update, on the host: its whole
+    weights, or with LoRA its adapters and the modules it trains in full (the base never changes)."""
+
+    named: list  # (Hugging Face name, tensor): what the engine loads whole
+    adapters: list | None = None  # LoRA: (adapted weight's name, A, B times scaling)
 
 
 def generate_samples(generator, prompts, sampling: SamplingParams, seed: int, version: int, on_finished=None):
@@ -110,10 +120,19 @@ class RolloutWorker:
         compute_dtype = resolve_dtype(policy.model.dtype, self.device)
         self.tokenizer = tokenizer or load_tokenizer(policy.model.path, policy.model.trust_remote_code)
         torch.manual_seed(spec.seed)
-        model = load_causal_lm(spec.actor_weights or policy.model.path, self.device, policy.model.trust_remote_code)
+        lora = policy.model.lora_rank > 0  # the base alone: the actor sends its adapters (PolicyWeights)
+        weights = policy.model.path if lora else (spec.actor_weights or policy.model.path)
+        model = load_causal_lm(weights, self.device, policy.model.trust_remote_code)
         self.rollout = make_rollout_engine(
-            policy.rollout, model, self.tokenizer, self.device, compute_dtype, log_choice=rank == 0
+            policy.rollout, model, self.tokenizer, self.device, compute_dtype, log_choice=rank == 0, lora=lora
         )
+        if lora and not hasattr(self.rollout, "load_adapters"):
+            raise KeelError(
+                INCOMPATIBLE_OPTIONS,
+                f"LoRA with the rollout on workers of its own needs keel's native engine, which applies the "
+                f"adapters the actor sends; this model generates with {type(self.rollout).__name__}",
+                "set `actor_rollout_ref.hybrid_engine=true` (the engine beside the actor)",
+            )
         self.agent = agent_around(policy, self.rollout, self.tokenizer, spec.max_response_length)
         self.weights_version = 0  # the policy version of the weights the engine holds
 
@@ -128,9 +147,13 @@ class RolloutWorker:
     def generate_round(self, samples: list[PartialSample], sampling: SamplingParams, seed: int, end):
         return continue_samples(self.rollout, samples, sampling, seed, self.weights_version, end)
 
-    def load_policy(self, named: list, version: int) -> None:
-        """The actor's whole weights, (name, tensor) pairs, as of policy version `version`."""
-        self.rollout.load_weights(named)
+    def load_policy(self, weights: PolicyWeights, version: int) -> None:
+        """The actor's weights as of policy version `version`: whole, or a LoRA policy's adapters."""
+        if weights.adapters is None:
+            self.rollout.load_weights(weights.named)
+        else:  # the base never changes
+            self.rollout.load_adapters(weights.adapters)
+            self.rollout.load_weights(weights.named, every=False)
         self.weights_version = version
 
     def load(self, directory: str, weights_version: int = 0) -> None:

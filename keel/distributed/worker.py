@@ -25,7 +25,7 @@ from keel.config.schema import ActorRolloutRefConfig, CriticConfig, KeelConfig
 from keel.distributed.dist import init_process_group
 from keel.distributed.fsdp import full_parameters
 from keel.distributed.parallelize import parallelize
-from keel.distributed.rollout_worker import agent_around, continue_samples, generate_samples
+from keel.distributed.rollout_worker import PolicyWeights, agent_around, continue_samples, generate_samples
 from keel.models.load import (
     autocast,
     can_compile,
@@ -195,9 +195,10 @@ class RoleWorker:
 
     def _share_base(self, model) -> None:
         """One copy of the base: a whole (unsharded) LoRA policy's frozen weights become views of the
-        native engine's decode weights. A sharded policy keeps its shard; the engine, the whole."""
-        if self._actor_sharded or isinstance(self.rollout, HFRolloutEngine):  # hf generates with the module
-            return
+        native engine's decode weights. A sharded policy keeps its shard; the engine, the whole. (None
+        here: the rollout's own workers hold their base.)"""
+        if self.rollout is None or self._actor_sharded or isinstance(self.rollout, HFRolloutEngine):
+            return  # hf generates with the module itself
         freed = self.rollout.share_frozen_weights(frozen_base(model))
         if self.rank == 0:
             log.info(
@@ -272,10 +273,14 @@ class RoleWorker:
     def generate_round(self, samples: list[PartialSample], sampling: SamplingParams, seed: int, end):
         return continue_samples(self.rollout, samples, sampling, seed, self.weights_version, end)
 
-    def policy_weights(self) -> tuple[list | None, int]:
-        """(the actor's whole weights as (name, tensor) pairs on the host, on rank 0; its policy
+    def policy_weights(self) -> tuple[PolicyWeights | None, int]:
+        """(the actor's weights on the host, on rank 0: whole, or with LoRA its adapters; its policy
         version): for a rollout on workers of its own. Every rank takes part (a sharded actor's
         weights are gathered)."""
+        if self.lora:
+            adapters = [(name, _on_host(a), _on_host(b)) for name, a, b in adapter_weights(self.actor.model)]
+            named = [(name, _on_host(tensor)) for name, tensor in trained_in_full(self.actor.model)]
+            return (PolicyWeights(named, adapters) if self.rank == 0 else None), self.weights_version
         named = (
             full_parameters(self.actor.model, self.device)
             if self._actor_sharded
@@ -284,7 +289,7 @@ class RoleWorker:
         if self.rank != 0:  # its part of each gather, none of it kept
             deque(named, maxlen=0)
             return None, self.weights_version
-        return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named], self.weights_version
+        return PolicyWeights([(name, _on_host(tensor)) for name, tensor in named]), self.weights_version
 
     def compute_log_probs(self, batch: ScoredBatch) -> torch.Tensor:
         with autocast(self.device, self.compute_dtype):
@@ -334,6 +339,10 @@ class RoleWorker:
         policy version its weights are."""
         load_trainers(Path(directory), self.actor, self.critic)
         self.weights_version = weights_version
+
+
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
 
 
 def _log_prob_batching(role_cfg) -> MicroBatching:

@@ -71,7 +71,10 @@ class WorkerRoles:
         actor = UpdateSchedule(policy.actor.ppo_mini_batch_size * n, policy.actor.ppo_epochs, shuffle, length)
         critic_prompts, _, critic_epochs = cfg.critic_batching
         critic = UpdateSchedule(critic_prompts * n, critic_epochs, shuffle, length) if cfg.critic_enabled else None
-        return cls(group, pad_token_id, actor, critic, critic_group, rollout_group)
+        roles = cls(group, pad_token_id, actor, critic, critic_group, rollout_group)
+        if rollout_group is not None and policy.model.lora_rank > 0:  # its engine holds the base alone: the
+            roles._send_weights()  # adapters a checkpoint or lora_adapter_path gave reach it before it generates
+        return roles
 
     # --- rollout -----------------------------------------------------------------------------------
     def generate(

@@ -54,14 +54,36 @@ def test_in_async_mode_the_rollout_of_its_own_generates_from_one_version_back(co
     assert all(m["actor/grad_norm"] > 0 for m in steps)
 
 
-def test_lora_with_a_rollout_of_its_own_is_refused_with_the_fix(config):
+def test_lora_with_a_rollout_of_its_own_sends_adapters_and_trains_the_colocated_runs_samples(config, tmp_path):
+    """With LoRA the rollout's own workers hold the base from model.path and take only the adapters after
+    each update (the native engine applies them unmerged): the run learns what the colocated one does. A
+    run resumed from its checkpoint sends the checkpoint's adapters before its first generation."""
+    config["actor_rollout_ref"]["model"].update({"lora_rank": 8, "lora_alpha": 16, "target_modules": "all-linear"})
+    config["actor_rollout_ref"]["actor"]["optim"]["lr"] = 1e-2  # adapters that move the samples
+    native = ["actor_rollout_ref.rollout.name=native", "trainer.save_freq=2"]
+    colocated, _ = train(config, tmp_path, "colocated", *native)
+    apart, _ = train(config, tmp_path, "apart", *APART, *native)
+    for mine, theirs in zip(apart, colocated):
+        for key in LEARNING:
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+    assert colocated[1]["response_length/mean"] != colocated[0]["response_length/mean"] or (
+        colocated[2]["critic/score/mean"] != colocated[0]["critic/score/mean"]
+    )  # the adapters changed what was sampled: the weights sent were used
+    resumed, _ = train(config, tmp_path, "apart", *APART, *native, "trainer.total_training_steps=4")
+    straight, _ = train(config, tmp_path, "straight", *APART, *native, "trainer.total_training_steps=4")
+    assert resumed[-1]["step"] == straight[-1]["step"] == 4
+    for key in LEARNING:  # step 4's samples came from the checkpoint's adapters, sent before it generated
+        assert resumed[-1][key] == pytest.approx(straight[-1][key], rel=1e-4, abs=1e-6), key
+
+
+def test_lora_with_a_rollout_of_its_own_on_transformers_generate_is_refused_with_the_fix(config):
     from keel.config.load import load_config
     from keel.errors import INCOMPATIBLE_OPTIONS, KeelError
 
     config["actor_rollout_ref"]["model"]["lora_rank"] = 8
     with pytest.raises(KeelError) as refused:
-        load_config(config, APART)
-    assert refused.value.code == INCOMPATIBLE_OPTIONS and "hybrid_engine=true" in refused.value.fix
+        load_config(config, [*APART, "actor_rollout_ref.rollout.name=hf"])
+    assert refused.value.code == INCOMPATIBLE_OPTIONS and "rollout.name=native" in refused.value.fix
 
 
 @pytest.mark.parametrize("layout", [APART, ["trainer.n_gpus_per_node=2"]], ids=["rollout-apart", "two-ranks"])
