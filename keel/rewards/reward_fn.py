@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import pickle
 from dataclasses import dataclass, field
 
 import torch
@@ -55,12 +56,13 @@ class ScoreResult:
 class StartedSample:
     """A sample's scoring begun ahead of its batch (`RewardScorer.start`)."""
 
-    text: str  # the response it scores
+    task: bytes  # what it scores, pickled: the response, its row's ground truth and extra_info, the scorers
     started: Started
 
-    def of(self, text: str) -> Started | None:
-        """The scoring begun, if it is of `text` (a response decoded otherwise is scored again)."""
-        return self.started if text == self.text else None
+    def of(self, task: SampleTask) -> Started | None:
+        """The scoring begun, if it is `task`'s (a sample whose text or record differs is scored again).
+        Compared pickled: a record's numpy arrays (verl's parquet rows) compare elementwise otherwise."""
+        return self.started if pickle.dumps(task) == self.task else None
 
 
 class RewardScorer:
@@ -210,10 +212,9 @@ class RewardScorer:
         agent gave."""
         if self.service is not None or self.batched or agent_reward(record) is not None:
             return None
-        started = self.pool.start(
-            sample_task(record, self.scorers_for(record.data_source), response_text, self.timeout_s)
-        )
-        return None if started is None else StartedSample(response_text, started)
+        task = sample_task(record, self.scorers_for(record.data_source), response_text, self.timeout_s)
+        started = self.pool.start(task)
+        return None if started is None else StartedSample(pickle.dumps(task), started)
 
     def score_batch(
         self,
@@ -233,7 +234,7 @@ class RewardScorer:
         given = [agent_reward(r) for r in records]
         weights = [AGENT_WEIGHTS if g is not None else self.scorers_for(r.data_source) for r, g in zip(records, given)]
         rest = [i for i, g in enumerate(given) if g is None]  # what the agent left to the scorers
-        ahead = [started[i] and started[i].of(response_texts[i]) for i in rest] if started else None
+        ahead = [self._begun(started[i], records[i], weights[i], response_texts[i]) for i in rest] if started else None
         scored_rest = iter(
             self._run([records[i] for i in rest], [response_texts[i] for i in rest], [weights[i] for i in rest], ahead)
             if rest
@@ -275,6 +276,9 @@ class RewardScorer:
         return ScoreResult(
             scores, scored, [res.reason for res in results], metrics, [res.extras or {} for res in results]
         )
+
+    def _begun(self, started: StartedSample | None, record, weights: dict, text: str) -> Started | None:
+        return started and started.of(sample_task(record, weights, text, self.timeout_s))
 
     def _skip_if_nonfinite(self, failed: list[tuple[int, str]], total: int, may_skip: bool) -> None:
         """trainer.guards.nonfinite=skip: a batch pushed over max_not_scored_ratio by NaN or infinite

@@ -240,3 +240,26 @@ def test_the_metrics_of_a_steps_scored_batches_read_as_one_batchs(tmp_path):
     assert merged["reward/not_scored_ratio"] == pytest.approx(whole["reward/not_scored_ratio"]) == 0.4
     assert merged["reward/not_scored/raised_ZeroDivisionError"] == whole["reward/not_scored/raised_ZeroDivisionError"]
     assert merged["timing_s/score_sample/max"] == max(m["timing_s/score_sample/max"] for m, _ in parts)
+
+
+def test_a_sample_begun_ahead_is_read_only_for_its_own_record(tmp_path):
+    """What was begun is reused only for the same task: the same text and the same row (ground truth and
+    extra_info, numpy arrays as verl's parquet rows hold them included); another row's is scored again."""
+    import numpy as np
+
+    path = tmp_path / "count.py"
+    path.write_text(COUNTING)
+    row = SimpleNamespace(
+        data_source="task", ground_truth=np.array([1, 2]), extra_info={"tests": np.arange(3)}, index=0
+    )
+    other = SimpleNamespace(
+        data_source="task", ground_truth=np.array([1, 3]), extra_info={"tests": np.arange(3)}, index=0
+    )
+    scorer = RewardScorer(("file", str(path), "compute_score"), timeout_s=30, num_workers=1)
+    try:
+        same = scorer.score_batch([row], ["abc"], started=[scorer.start(row, "abc")])
+        changed = scorer.score_batch([other], ["abc"], started=[scorer.start(row, "abc")])
+    finally:
+        scorer.close()
+    assert same.metrics["reward/scored_ahead"] == 1.0 and changed.metrics["reward/scored_ahead"] == 0.0
+    assert same.scores.tolist() == changed.scores.tolist() == [3.0]
