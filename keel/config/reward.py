@@ -65,7 +65,7 @@ class RewardConfig:
     score_ahead: bool = opt(
         True,
         help="with num_workers > 0: each sample begins scoring as soon as it finishes, beside the rest's "
-        "generation (single-turn samples of keel's native engine in the trainer's process, and partial rollouts)",
+        "generation (keel's native engine and agent loop, in any worker layout, and partial rollouts)",
     )
 
 

@@ -1,7 +1,7 @@
 """Samples told to the driver as they finish on a Ray rank: generate's `on_finished` across processes.
 
-A rank's engine calls a `TellDriver` for each sample it finishes; the teller puts (call, row, response
-ids) on a Ray queue without waiting for an answer, and one thread of the driver drains the queue into
+A rank's engine calls a `TellDriver` for each sample it finishes; the teller puts (call, row, (record,
+response text)) on a Ray queue without waiting for an answer, and one thread of the driver drains the queue into
 the call's callback (the reward's `start`, which begins the sample's scoring while the ranks still
 generate). Each rank ends its part with a marker that says how many samples it told: the queue's
 actor may run puts out of the order sent, so the driver counts them until every sample of a call has
@@ -31,8 +31,8 @@ class TellDriver:
     offset: int  # the rank's first row in the call's prompts
     told: int = 0
 
-    def __call__(self, row: int, response_ids: list[int]) -> None:
-        self.queue_actor.put_nowait.remote((self.call, self.offset + row, list(response_ids)))
+    def __call__(self, row: int, record, response_text: str) -> None:
+        self.queue_actor.put_nowait.remote((self.call, self.offset + row, (record, response_text)))
         self.told += 1
 
     def close(self) -> None:
@@ -54,7 +54,7 @@ class FinishedChannel:
         self.thread = threading.Thread(target=self._drain, name="keel-finished", daemon=True)
         self.thread.start()
 
-    def open(self, on_finished: Callable[[int, list[int]], None], offsets: list[int]) -> tuple[int, list[TellDriver]]:
+    def open(self, on_finished: Callable, offsets: list[int]) -> tuple[int, list[TellDriver]]:
         """A generate call's tellers, one per rank (`offsets`: each rank's first row) -> (the call, them)."""
         with self.lock:
             call, self.next_call = self.next_call, self.next_call + 1
@@ -73,7 +73,7 @@ class FinishedChannel:
     def _drain(self) -> None:
         while not self.closed:
             try:
-                call, row, response_ids = self.queue.get(block=True, timeout=DRAIN_POLL_S)
+                call, row, told = self.queue.get(block=True, timeout=DRAIN_POLL_S)
             except queue.Empty:
                 continue
             except Exception:  # noqa: BLE001 - the queue's actor is gone (the run is ending): stop draining
@@ -83,12 +83,12 @@ class FinishedChannel:
             if entry is None:  # a call that stopped waiting
                 continue
             on_finished, left, told = entry
-            if row is None:  # a rank closed: response_ids is how many samples it told
-                left[0], left[1] = left[0] - 1, left[1] + response_ids
+            if row is None:  # a rank closed: `told` is how many samples it told
+                left[0], left[1] = left[0] - 1, left[1] + told
             else:
                 left[1] -= 1
                 try:
-                    on_finished(row, response_ids)
+                    on_finished(row, *told)  # the sample's record and response text
                 except Exception:  # noqa: BLE001 - the sample is scored with its batch, which says any error
                     log.exception("beginning a finished sample's scoring failed; its batch scores it")
             if left == [0, 0]:

@@ -38,8 +38,9 @@ class PolicyWeights:
 def generate_samples(generator, prompts, sampling: SamplingParams, seed: int, version: int, on_finished=None):
     """(this rank's samples, each stamped with `version`, and the generator's timing of its parts
     (`timing_s/gen_<part>`: prefill, decode, ...) with what else it measured (an agent rollout's
-    `agent/engine/*`)); (None, {}) for a rank with no prompts. `on_finished(row, response ids)`: told
-    of each sample as it finishes, by an engine that can (the native one, for single-turn samples)."""
+    `agent/engine/*`)); (None, {}) for a rank with no prompts. `on_finished(row, record, response
+    text)`: told of each sample as it finishes, by a generator that can (the native engine; keel's agent
+    loop on it, for episodes whose record is final when they end)."""
     try:
         if prompts is None:  # fewer prompts than ranks
             return None, {}

@@ -12,10 +12,6 @@ import torch
 from keel.errors import (
     MISSING_GROUND_TRUTH,
     NO_SCORER,
-    REWARD_NOT_NUMBER,
-    SCORER_RAISED,
-    SCORER_TIMEOUT,
-    TOO_MANY_NOT_SCORED,
     KeelError,
     SkipStep,
 )
@@ -24,6 +20,7 @@ from keel.rewards.code_tests import check_ground_truths
 from keel.rewards.contract import AGENT_WEIGHTS, agent_reward, verl_extra_info
 from keel.rewards.executor import ScoringPool, Started
 from keel.rewards.sandbox import require_jail
+from keel.rewards.score_errors import scoring_error, too_many_not_scored
 from keel.rewards.score_metrics import score_metrics
 from keel.rewards.scorers import DATA_SOURCE_SCORERS, NO_GROUND_TRUTH, SCORERS, RewardFn, scorer_for_source
 from keel.rewards.worker import (
@@ -252,7 +249,7 @@ class RewardScorer:
             )
         if failed and on_error == "raise":
             first = records[failed[0][0]]
-            raise _scoring_error(
+            raise scoring_error(
                 first, failed[0][1], response_texts[failed[0][0]], self.timeout_s, self.user_code(first.data_source)
             )
         totals = [
@@ -272,7 +269,7 @@ class RewardScorer:
             metrics["reward/overlong_penalty/mean"] = penalty.mean().item()
         if len(failed) / max(len(records), 1) > self.max_not_scored_ratio:
             self._skip_if_nonfinite(failed, len(records), may_skip)
-            raise _too_many_not_scored(failed, records, self.max_not_scored_ratio)
+            raise too_many_not_scored(failed, records, self.max_not_scored_ratio)
         return ScoreResult(
             scores, scored, [res.reason for res in results], metrics, [res.extras or {} for res in results]
         )
@@ -355,44 +352,6 @@ def _check_scorer_names(by_source: dict[str, dict[str, float]], custom: bool, re
 def _in_files(files: list[str]) -> str:
     """ " in `a.jsonl` or `b.jsonl`": where the rows a fix names are."""
     return "".join(f" in `{f}`" for f in files[:1]) + "".join(f" or `{f}`" for f in files[1:])
-
-
-def _too_many_not_scored(failed: list[tuple[int, str]], records: list, max_ratio: float) -> KeelError:
-    return KeelError(
-        TOO_MANY_NOT_SCORED,
-        f"{len(failed)} of {len(records)} samples could not be scored "
-        f"(over reward.max_not_scored_ratio={max_ratio}); first reason: "
-        f"{failed[0][1]} (data_source={records[failed[0][0]].data_source!r})",
-        "fix the scorer for the reason named; if such failures are expected, set "
-        + setting("reward.max_not_scored_ratio", min(1.0, round(2 * len(failed) / len(records), 1)))
-        + " (twice this batch's share)",
-    )
-
-
-def _scoring_error(
-    record, reason: str, response: str, timeout_s: float | None = None, code: str | None = None
-) -> KeelError:
-    """`code`: "`function` in `file`" of the user's scorer, where the fix is to be made."""
-    where = f"data_source={record.data_source!r}, response {response[:60]!r}"
-    if reason.startswith("not a number"):
-        return KeelError(
-            REWARD_NOT_NUMBER,
-            f"the reward function returned {reason[len('not a number: ') :]} ({where})",
-            f"make {code} return a finite float for every sample (e.g. return float(score))" if code else None,
-        )
-    if reason.startswith("timeout"):
-        return KeelError(
-            SCORER_TIMEOUT,
-            f"scoring took longer than reward.timeout_s={timeout_s} ({where})",
-            f"set {setting('reward.timeout_s', 10 * timeout_s)} if the scorer is just slow, or make it faster"
-            if timeout_s
-            else None,
-        )
-    return KeelError(
-        SCORER_RAISED,
-        f"the scorer {reason} ({where})",
-        f"make {code} score this input without raising (an empty response must score, e.g. 0.0)" if code else None,
-    )
 
 
 def overlong_penalty(lengths: torch.Tensor, max_response_length: int, cfg) -> torch.Tensor:

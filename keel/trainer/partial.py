@@ -85,7 +85,8 @@ class RolloutPartial:
                 gen_parts = {k: gen_parts.get(k, 0.0) + v for k, v in parts.items()}
         for s in self.pool:
             if s.finished and (s.group, s.sample) not in self.scoring:
-                self.scoring[s.group, s.sample] = self.rollout.start_scoring(s.record, s.ids)
+                text = self.rollout.components.tokenizer.decode(s.ids, skip_special_tokens=True)
+                self.scoring[s.group, s.sample] = self.rollout.start_scoring(s.record, text)
         trained, dropped = self._take(oldest, due, wanted)
         started = [self.scoring.pop((s.group, s.sample)) for s in trained]
         return samples_batch(trained, self.rollout.components.tokenizer), gen_parts, started, dropped

@@ -82,8 +82,8 @@ class WorkerRoles:
     ) -> tuple[GeneratedBatch, dict[str, float]]:
         """The samples, and the engine's timing of its parts (`timing_s/gen_*`, the slowest rank's:
         where the phase's time went). Contiguous slices of the prompts, one per rank (generation
-        has no collectives, so the slices may differ in size or be empty). `on_finished(row, response
-        ids)`: told of each sample as it finishes, where the engine runs in this process and can."""
+        has no collectives, so the slices may differ in size or be empty). `on_finished(row, record,
+        response text)`: told of each sample as it finishes, where the generator can."""
         return self.submit_generate(prompts, sampling, seed, on_finished).result()
 
     def submit_generate(self, prompts: PromptBatch, sampling: SamplingParams, seed: int, on_finished=None) -> Future:

@@ -106,17 +106,16 @@ class ScoredRollout:
         `on_finished` that begins it)."""
         started: list[StartedSample | None] = [None] * len(prompts)
 
-        def finished(row: int, ids: list[int]) -> None:
-            started[row] = self.start_scoring(prompts.records[row], ids)
+        def finished(row: int, record, text: str) -> None:  # the record as the batch will hold it
+            started[row] = self.start_scoring(record, text)
 
         return started, finished
 
-    def start_scoring(self, record, response_ids: list[int]) -> StartedSample | None:
+    def start_scoring(self, record, response_text: str) -> StartedSample | None:
         """A finished sample's reward, begun in the scoring processes (see RewardScorer.start)."""
         if not self.cfg.reward.score_ahead:
             return None
-        text = self.components.tokenizer.decode(response_ids, skip_special_tokens=True)
-        return self.components.reward.start(record, text)
+        return self.components.reward.start(record, response_text)
 
     def generate_round(self, samples: list[PartialSample], seed: int, end: RoundEnd):
         """Partial rollouts: a round of `samples` until `end` -> (them continued, the engine's timing)."""

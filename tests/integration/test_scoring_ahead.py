@@ -66,9 +66,9 @@ def test_samples_begin_scoring_as_they_finish_and_score_as_a_batch_would(
 
     real_start = ScoredRollout.start_scoring
 
-    def start_scoring(self, record, ids):
+    def start_scoring(self, record, text):
         first_starts.setdefault(self.components.sampler.state_dict()["position"], decode_steps[0])
-        return real_start(self, record, ids)
+        return real_start(self, record, text)
 
     real_generate = ScoredRollout.generate
     decode_ends = []
@@ -106,16 +106,15 @@ def test_partial_rollouts_score_the_groups_that_wait_in_the_background(
         step_now[0] = step
         return real_call(self, timer, step)
 
-    def start_scoring(self, record, ids):
-        began.setdefault(tuple(ids), step_now[0])
-        return real_start(self, record, ids)
+    def start_scoring(self, record, text):
+        began.setdefault((record.index, text), step_now[0])
+        return real_start(self, record, text)
 
     real_round = partial.RolloutPartial._round
 
     def round_noted(self, timer, seed, updates, wanted):
         batch, gen_parts, started, dropped = real_round(self, timer, seed, updates, wanted)
-        ids = [row[mask.bool()].tolist() for row, mask in zip(batch.response_ids, batch.response_mask)]
-        trained_at.extend((tuple(i), step_now[0]) for i in ids)
+        trained_at.extend(((r.index, text), step_now[0]) for r, text in zip(batch.records, batch.response_texts))
         return batch, gen_parts, started, dropped
 
     monkeypatch.setattr(partial.RolloutPartial, "__call__", call)
@@ -124,8 +123,8 @@ def test_partial_rollouts_score_the_groups_that_wait_in_the_background(
     config = scored_config(tiny_config, tmp_path, "pool", ending_model, steps=6, max_off_policy_steps=2)
     train(config)
     assert scoring_runs and not any(scoring_runs)
-    assert all(began[ids] <= step for ids, step in trained_at)
-    assert any(began[ids] < step for ids, step in trained_at)  # scored while earlier steps trained
+    assert all(began[sample] <= step for sample, step in trained_at)
+    assert any(began[sample] < step for sample, step in trained_at)  # scored while earlier steps trained
 
 
 def test_partial_rollouts_replace_a_group_that_a_failed_scoring_left_short(
@@ -151,3 +150,41 @@ def test_partial_rollouts_replace_a_group_that_a_failed_scoring_left_short(
         assert all(int(r.ground_truth) % 5 or text == "" for r, text in zip(batch.records, batch.response_texts))
     assert any(m["reward/not_scored_ratio"] > 0 for m in metrics)
     assert any(m["async/refill/gen_batches"] > 1 for m in metrics)
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_multi_turn_episodes_begin_scoring_as_each_ends(tiny_config, tmp_path, ahead):
+    """keel's agent loop on the native engine tells each episode as it ends, with the record the batch
+    gives its row (num_turns and the rest of extra_info, which the reward reads): every episode began
+    scoring before its batch was done, and scored as the batch would score it."""
+    from test_multi_turn import REWARD, multi_turn_config
+
+    config = multi_turn_config(tiny_config, tmp_path)
+    reward = tmp_path / "turns.py"
+    reward.write_text(REWARD)
+    config["custom_reward_function"] = {"path": str(reward)}
+    config["reward"] = {"num_workers": 2, "score_ahead": ahead}
+    config["actor_rollout_ref"]["rollout"]["name"] = "native"
+    config["actor_rollout_ref"]["rollout"]["multi_turn"]["max_tokens_per_turn"] = 16
+    config["trainer"]["default_local_dir"] = str(tmp_path / f"ahead_{ahead}")
+    steps = metrics_of(train(config).run_dir)
+    assert [m["reward/scored_ahead"] for m in steps] == [float(ahead)] * 2
+    assert all(m["critic/score/mean"] > 0 for m in steps)  # 0.01 x num_turns at least: the record was read
+
+
+def test_episodes_whose_row_an_environment_completes_score_with_their_batch(tiny_config, tmp_path):
+    """An interaction (an environment) adds its scores to each row as the batch closes it: those episodes
+    cannot be scored before, and are not."""
+    from test_multi_turn import NUDGE, multi_turn_config
+
+    (tmp_path / "nudge.py").write_text(NUDGE)
+    interactions = tmp_path / "interactions.yaml"
+    interactions.write_text("interaction:\n  - name: nudge\n    class_name: nudge.py:Nudge\n    config: {}\n")
+    config = multi_turn_config(tiny_config, tmp_path)
+    multi_turn = config["actor_rollout_ref"]["rollout"]["multi_turn"]
+    del multi_turn["tool_config_path"]
+    multi_turn.update({"interaction_config_path": str(interactions), "max_tokens_per_turn": 16})
+    config["reward"] = {"num_workers": 2}
+    config["actor_rollout_ref"]["rollout"]["name"] = "native"
+    steps = metrics_of(train(config).run_dir)
+    assert [m["reward/scored_ahead"] for m in steps] == [0.0] * 2

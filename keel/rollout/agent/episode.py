@@ -76,27 +76,7 @@ def episodes_batch(prompts: PromptBatch, episodes: list[Episode], tokenizer) -> 
             out[i, : len(v)] = torch.tensor(v, dtype=dtype)
         return out
 
-    records = [
-        dataclasses.replace(
-            e.record,
-            extra_info={
-                **e.record.extra_info,
-                "num_turns": _turns(e),
-                "tool_calls": e.tool_calls,
-                "tools": e.tools,
-                "tool_outputs": e.tool_outputs,
-                "malformed_tool_calls": e.malformed_calls,
-                "turn_reward": e.turn_reward,
-                "user_turns": e.user_turns,
-                "environment_errors": e.environment_errors,
-                "cut_by_budget": e.cut,
-                "last_turn": last_text(e, tokenizer),  # the final answer, for rewards
-                "conversation": _conversation(e, tokenizer),
-                **_verl_rewards(e),
-            },
-        )
-        for e in episodes
-    ]
+    records = [episode_record(e, tokenizer) for e in episodes]
     trained = rows([e.trained for e in episodes])
     return GeneratedBatch(
         prompt_ids=prompts.input_ids,
@@ -106,11 +86,38 @@ def episodes_batch(prompts: PromptBatch, episodes: list[Episode], tokenizer) -> 
         sampling_log_probs=rows([e.log_probs for e in episodes], dtype=torch.float32) * trained,
         group_index=torch.tensor([e.record.index for e in episodes]),
         records=records,
-        response_texts=[tokenizer.decode(e.ids, skip_special_tokens=True) for e in episodes],
+        response_texts=[episode_text(e, tokenizer) for e in episodes],
         truncated=torch.tensor([e.cut for e in episodes]),
         response_attention=rows([[1] * len(e.ids) for e in episodes]),
         turn_rewards=torch.tensor([e.turn_reward for e in episodes]),
     )
+
+
+def episode_record(e: Episode, tokenizer) -> PromptRecord:
+    """The episode's row, its extra_info saying how the episode went (what the reward function reads)."""
+    return dataclasses.replace(
+        e.record,
+        extra_info={
+            **e.record.extra_info,
+            "num_turns": _turns(e),
+            "tool_calls": e.tool_calls,
+            "tools": e.tools,
+            "tool_outputs": e.tool_outputs,
+            "malformed_tool_calls": e.malformed_calls,
+            "turn_reward": e.turn_reward,
+            "user_turns": e.user_turns,
+            "environment_errors": e.environment_errors,
+            "cut_by_budget": e.cut,
+            "last_turn": last_text(e, tokenizer),  # the final answer, for rewards
+            "conversation": _conversation(e, tokenizer),
+            **_verl_rewards(e),
+        },
+    )
+
+
+def episode_text(e: Episode, tokenizer) -> str:
+    """The episode's response as the reward function reads it: every turn's text, the tools' between."""
+    return tokenizer.decode(e.ids, skip_special_tokens=True)
 
 
 def _conversation(episode: Episode, tokenizer) -> list[dict]:

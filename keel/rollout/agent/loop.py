@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from keel.data.prompts import collate_prompts
 from keel.rollout.agent.environment import Environment, load_environment
-from keel.rollout.agent.episode import Episode, episodes_batch, last_text
+from keel.rollout.agent.episode import Episode, episode_record, episode_text, episodes_batch, last_text
 from keel.rollout.agent.interaction import InteractionEnvironment, load_interactions
 from keel.rollout.agent.parse import PARSERS
 from keel.rollout.agent.runner import ToolLimits, ToolRunner
@@ -64,10 +64,21 @@ class AgentLoop:
         self.parse = PARSERS[options.format]
         self.runner = ToolRunner(tools, options.limits)
         self.timing: dict[str, float] = {}
+        # An episode's row is final when it ends, unless an environment or verl's lifecycle tools add to it
+        # as the batch closes them: only then can its reward begin before the batch is done.
+        self.final_when_ended = environment is None and not any(t.lifecycle for t in tools)
+        self.told = None  # on_finished, with each episode's row: told as the episode ends
 
-    def generate(self, prompts: PromptBatch, params: SamplingParams) -> GeneratedBatch:
+    def generate(self, prompts: PromptBatch, params: SamplingParams, on_finished=None) -> GeneratedBatch:
+        """The episodes of every prompt; `on_finished(row, record, response text)` is told of each as it
+        ends, where its row is final then (no environment, no lifecycle tools) and the engine schedules
+        continuously."""
         episodes = [Episode(r, list(r.prompt_ids)) for r in prompts.records]
         self.timing = {}
+        rows = {id(e): row for row, e in enumerate(episodes)}
+        self.told = (
+            (lambda e: on_finished(rows[id(e)], *self._final(e))) if on_finished and self.final_when_ended else None
+        )
         sessions = self.runner.open([e.record.extra_info.get("tools_kwargs") for e in episodes])
         for episode, session in zip(episodes, sessions):
             episode.session = session
@@ -151,7 +162,7 @@ class AgentLoop:
         plan = self._plan([e for e, _ in ended if not e.done])
         for episode, _ in ended:
             if episode.done:  # its last turn: the row goes to a waiting episode
-                service.end(episode)
+                self._end(service, episode)
         if not (plan.calling or plan.talking):
             return 0
         acted = pool.submit(self._act, plan)
@@ -164,9 +175,19 @@ class AgentLoop:
         going = [e for e in plan.calling + plan.talking if not e.done]
         for episode in plan.calling + plan.talking:
             if episode.done:
-                service.end(episode)
+                self._end(service, episode)
         self._ask(service, news, going)
         return len(going)
+
+    def _end(self, service, episode: Episode) -> None:
+        """An ended episode's row goes to a waiting one, and its reward may begin (on_finished)."""
+        service.end(episode)
+        if self.told is not None:
+            self.told(episode)
+
+    def _final(self, episode: Episode) -> tuple:
+        """(the ended episode's record, its response text): what episodes_batch will give its row."""
+        return episode_record(episode, self.tokenizer), episode_text(episode, self.tokenizer)
 
     def _turn_limit(self, episode: Episode) -> int:
         left = self.options.budget - len(episode.ids)

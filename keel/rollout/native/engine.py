@@ -119,8 +119,8 @@ class NativeRolloutEngine:
     @torch.no_grad()
     def generate(self, prompts, params: SamplingParams, on_finished=None) -> GeneratedBatch:
         """Every prompt's samples, through the scheduler: rows that finish are refilled.
-        `on_finished(row, response ids)` is called as each sample finishes, while others generate
-        (its reward can be scored meanwhile)."""
+        `on_finished(row, record, response text)` is called as each sample finishes, while others
+        generate (its reward can be scored meanwhile)."""
         batcher = self.continuous_batcher(
             len(prompts), prompts.input_ids.shape[1] + params.max_new_tokens, params.max_new_tokens
         )
@@ -132,7 +132,8 @@ class NativeRolloutEngine:
                 turns[turn.key] = turn
                 batcher.release(turn.key)
                 if on_finished is not None:
-                    on_finished(turn.key, turn.ids)
+                    text = self.tokenizer.decode(turn.ids, skip_special_tokens=True)
+                    on_finished(turn.key, prompts.records[turn.key], text)
         ids = pad_sequence(
             [torch.tensor(t.ids) for t in turns], batch_first=True, padding_value=self.tokenizer.pad_token_id
         )
