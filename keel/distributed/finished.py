@@ -42,10 +42,13 @@ class TellDriver:
 class FinishedChannel:
     """One Ray queue and the driver thread that drains it, for every generate call of a group."""
 
-    def __init__(self):
-        from ray.util.queue import Queue
+    def __init__(self, channel_queue=None):
+        """`channel_queue`: a Ray queue (one is made), or what a test puts tellings on."""
+        if channel_queue is None:
+            from ray.util.queue import Queue
 
-        self.queue = Queue(actor_options={"num_cpus": 0})
+            channel_queue = Queue(actor_options={"num_cpus": 0})
+        self.queue = channel_queue
         # call -> (its callback, [ranks yet to close, samples yet to arrive], set once all have)
         self.calls: dict[int, tuple[Callable, list[int], threading.Event]] = {}
         self.next_call = 0
@@ -54,16 +57,21 @@ class FinishedChannel:
         self.thread = threading.Thread(target=self._drain, name="keel-finished", daemon=True)
         self.thread.start()
 
-    def open(self, on_finished: Callable, offsets: list[int]) -> tuple[int, list[TellDriver]]:
-        """A generate call's tellers, one per rank (`offsets`: each rank's first row) -> (the call, them)."""
+    def open(self, on_finished: Callable, offsets: list[int]) -> tuple[int | None, list[TellDriver | None]]:
+        """A generate call's tellers, one per rank (`offsets`: each rank's first row) -> (the call, them);
+        none once the channel has stopped (the samples are then scored with their batch)."""
         with self.lock:
+            if self.closed:
+                return None, [None] * len(offsets)
             call, self.next_call = self.next_call, self.next_call + 1
             self.calls[call] = (on_finished, [len(offsets), 0], threading.Event())
         return call, [TellDriver(self.queue.actor, call, offset) for offset in offsets]
 
-    def wait(self, call: int) -> None:
+    def wait(self, call: int | None) -> None:
         """Until every rank of `call` has told all its samples (or ALL_TOLD_TIMEOUT_S: they are then
         scored with their batch, none lost)."""
+        if call is None:
+            return
         _, _, told = self.calls[call]
         if not told.wait(ALL_TOLD_TIMEOUT_S):
             log.warning("samples finished on the workers were not all told in time; their batch scores the rest")
@@ -73,27 +81,39 @@ class FinishedChannel:
     def _drain(self) -> None:
         while not self.closed:
             try:
-                call, row, told = self.queue.get(block=True, timeout=DRAIN_POLL_S)
+                call, row, telling = self.queue.get(block=True, timeout=DRAIN_POLL_S)
             except queue.Empty:
                 continue
-            except Exception:  # noqa: BLE001 - the queue's actor is gone (the run is ending): stop draining
+            except Exception as error:  # noqa: BLE001 - the queue's actor is gone: samples score with their batch
+                if not self.closed:
+                    log.warning(
+                        "finished samples can no longer reach the driver early (%s); batches score whole", error
+                    )
+                self._stop()
                 return
             with self.lock:
                 entry = self.calls.get(call)
             if entry is None:  # a call that stopped waiting
                 continue
-            on_finished, left, told = entry
-            if row is None:  # a rank closed: `told` is how many samples it told
-                left[0], left[1] = left[0] - 1, left[1] + told
+            on_finished, left, all_told = entry
+            if row is None:  # a rank closed: `telling` is how many samples it told
+                left[0], left[1] = left[0] - 1, left[1] + telling
             else:
                 left[1] -= 1
                 try:
-                    on_finished(row, *told)  # the sample's record and response text
+                    on_finished(row, *telling)  # the sample's record and response text
                 except Exception:  # noqa: BLE001 - the sample is scored with its batch, which says any error
                     log.exception("beginning a finished sample's scoring failed; its batch scores it")
             if left == [0, 0]:
+                all_told.set()
+
+    def _stop(self) -> None:
+        """No more tellings: every waiting call is released (its batch scores what was not told)."""
+        with self.lock:
+            self.closed = True
+            for _, _, told in self.calls.values():
                 told.set()
 
     def shutdown(self) -> None:
-        self.closed = True
+        self._stop()
         self.queue.shutdown()

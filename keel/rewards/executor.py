@@ -40,12 +40,13 @@ class ScoringPool:
         self._queued: list[AsyncResult] = []  # tasks started ahead of `run`, not yet known done
         # `start` may run on another thread than `run` (Ray ranks' finished samples arrive on one)
         self._lock = threading.Lock()
+        self._ended = False  # shut down for good: nothing starts ahead any more
 
     def start(self, task: SampleTask) -> Started | None:
         """Scoring one sample begun now in a worker process (the caller goes on: generation, say),
         its result read by `run`; None where `run` scores it itself (in this process, or async)."""
-        if self.num_workers == 0 or any(is_async(spec) for _, spec in task.scorers):
-            return None
+        if self.num_workers == 0 or self._ended or any(is_async(spec) for _, spec in task.scorers):
+            return None  # (after shutdown: a sample a Ray rank tells late starts no new pool)
         with self._lock:
             result = self._get_pool().apply_async(score_sample, (task,))
             self._queued.append(result)
@@ -88,6 +89,11 @@ class ScoringPool:
         if self._pool is None:
             self._pool = multiprocessing.get_context("spawn").Pool(self.num_workers)
         return self._pool
+
+    def shutdown(self) -> None:
+        """For good, at the end of a run: closed, and `start` begins nothing after."""
+        self._ended = True
+        self.close()
 
     def close(self) -> None:
         with self._lock:

@@ -201,6 +201,11 @@ class RewardScorer:
     def score(self, records: list, response_texts: list[str]) -> torch.Tensor:  # -> [N]
         return self.score_batch(records, response_texts).scores
 
+    @property
+    def can_start(self) -> bool:
+        """Whether `start` can begin samples ahead of their batch (scoring processes, scored one by one)."""
+        return self.pool.num_workers > 0 and self.service is None and not self.batched
+
     def start(self, record, response_text: str) -> StartedSample | None:
         """One sample's scoring begun now, in the scoring processes, while the caller goes on (a
         sample that finished while others still generate); `score_batch(..., started=...)` reads
@@ -225,13 +230,13 @@ class RewardScorer:
         """Scores, which samples were scored, and metrics: the per-scorer breakdown, not-scored
         counts by reason, scoring latency and the overlong penalty. `may_skip`: a training step,
         which trainer.guards.nonfinite=skip may drop (SkipStep) when NaN scores fill the batch.
-        `started[i]`: sample i's scoring as `start` began it (scored now if None, or if its text
-        is not this one)."""
+        `started[i]`: sample i's scoring as `start` began it (if None, or another task's: scored now)."""
         on_error = on_error or self.on_error
         given = [agent_reward(r) for r in records]
         weights = [AGENT_WEIGHTS if g is not None else self.scorers_for(r.data_source) for r, g in zip(records, given)]
         rest = [i for i, g in enumerate(given) if g is None]  # what the agent left to the scorers
-        ahead = [self._begun(started[i], records[i], weights[i], response_texts[i]) for i in rest] if started else None
+        tasks = [sample_task(records[i], weights[i], response_texts[i], self.timeout_s) for i in rest]
+        ahead = [_begun(started[i], task) for i, task in zip(rest, tasks)] if started else None
         scored_rest = iter(
             self._run([records[i] for i in rest], [response_texts[i] for i in rest], [weights[i] for i in rest], ahead)
             if rest
@@ -274,9 +279,6 @@ class RewardScorer:
             scores, scored, [res.reason for res in results], metrics, [res.extras or {} for res in results]
         )
 
-    def _begun(self, started: StartedSample | None, record, weights: dict, text: str) -> Started | None:
-        return started and started.of(sample_task(record, weights, text, self.timeout_s))
-
     def _skip_if_nonfinite(self, failed: list[tuple[int, str]], total: int, may_skip: bool) -> None:
         """trainer.guards.nonfinite=skip: a batch pushed over max_not_scored_ratio by NaN or infinite
         scores is skipped like a step with NaN log-probs. Other failures past the ratio still stop."""
@@ -305,9 +307,13 @@ class RewardScorer:
 
     def shutdown(self) -> None:
         """For good, at the end of a run: the scoring processes and a reward model pool's replicas."""
-        self.close()
+        self.pool.shutdown()
         if hasattr(self.reward_model, "shutdown"):
             self.reward_model.shutdown()
+
+
+def _begun(started: StartedSample | None, task: SampleTask) -> Started | None:
+    return started and started.of(task)
 
 
 def sample_task(record, weights: dict, text: str, timeout_s: float | None) -> SampleTask:

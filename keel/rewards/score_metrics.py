@@ -32,14 +32,17 @@ def score_metrics(results: list[SampleResult], failed: list[tuple[int, str]]) ->
     return metrics
 
 
+AGENT_COUNTS = ("agent/errors", "agent/timeouts", "agent/prefix_breaks", "agent/dropped")  # per batch, counted
+
+
 def merge_score_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
     """The metrics of several scored batches, (metrics, samples) each, as one batch's would read:
-    not-scored counts summed, maxima (and the service's running retry count) the largest, the rest
+    not-scored and agent counts summed, maxima (and the service's running retry count) the largest, the rest
     means weighted by samples."""
     merged: dict[str, float] = {}
     for name in dict.fromkeys(name for metrics, _ in parts for name in metrics):
         values = [(metrics[name], count) for metrics, count in parts if name in metrics]
-        if name.startswith("reward/not_scored/"):
+        if name.startswith("reward/not_scored/") or name in AGENT_COUNTS:
             merged[name] = sum(value for value, _ in values)
         elif name.endswith("/max") or name == "reward/service_retries":
             merged[name] = max(value for value, _ in values)

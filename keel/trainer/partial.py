@@ -85,8 +85,7 @@ class RolloutPartial:
                 gen_parts = {k: gen_parts.get(k, 0.0) + v for k, v in parts.items()}
         for s in self.pool:
             if s.finished and (s.group, s.sample) not in self.scoring:
-                text = self.rollout.components.tokenizer.decode(s.ids, skip_special_tokens=True)
-                self.scoring[s.group, s.sample] = self.rollout.start_scoring(s.record, text)
+                self.scoring[s.group, s.sample] = self._start_scoring(s)
         trained, dropped = self._take(oldest, due, wanted)
         started = [self.scoring.pop((s.group, s.sample)) for s in trained]
         return samples_batch(trained, self.rollout.components.tokenizer), gen_parts, started, dropped
@@ -112,6 +111,12 @@ class RolloutPartial:
 
     def _reached(self, end: RoundEnd) -> bool:
         return end.reached([s.group for s in self.pool], [s.finished for s in self.pool])
+
+    def _start_scoring(self, sample: PartialSample):
+        if not self.rollout.scores_ahead:
+            return None
+        text = self.rollout.components.tokenizer.decode(sample.ids, skip_special_tokens=True)
+        return self.rollout.start_scoring(sample.record, text)
 
     def _take(self, oldest: frozenset, due: set[int], wanted: int) -> tuple[list[PartialSample], int]:
         """(the step's samples, how many samples were dropped), the pool left with the rest. `wait`: the
@@ -144,7 +149,8 @@ class RolloutPartial:
         }
 
     def settle(self) -> None:
-        """Nothing is scored between steps."""
+        """Nothing to wait for: samples begun scoring ahead stay in the reward's processes, and a
+        validation's scoring counts them in its deadline."""
 
     def resume_state(self) -> tuple[dict, dict]:
         """(the sampler state a resume starts from, what else it needs: the pool's prompts, drawn again

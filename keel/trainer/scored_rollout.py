@@ -103,19 +103,24 @@ class ScoredRollout:
 
     def _scoring_as_finished(self, prompts: PromptBatch) -> tuple[list, object]:
         """(per sample, its scoring as begun when it finishes (None until then), the engine's
-        `on_finished` that begins it)."""
+        `on_finished` that begins it, None where nothing can begin ahead)."""
         started: list[StartedSample | None] = [None] * len(prompts)
+        if not self.scores_ahead:
+            return started, None  # nothing to tell: generation decodes and sends nothing for it
 
         def finished(row: int, record, text: str) -> None:  # the record as the batch will hold it
             started[row] = self.start_scoring(record, text)
 
         return started, finished
 
+    @property
+    def scores_ahead(self) -> bool:
+        """Whether samples begin scoring as they finish (reward.score_ahead, and a reward that can)."""
+        return self.cfg.reward.score_ahead and self.components.reward.can_start
+
     def start_scoring(self, record, response_text: str) -> StartedSample | None:
         """A finished sample's reward, begun in the scoring processes (see RewardScorer.start)."""
-        if not self.cfg.reward.score_ahead:
-            return None
-        return self.components.reward.start(record, response_text)
+        return self.components.reward.start(record, response_text) if self.scores_ahead else None
 
     def generate_round(self, samples: list[PartialSample], seed: int, end: RoundEnd):
         """Partial rollouts: a round of `samples` until `end` -> (them continued, the engine's timing)."""
