@@ -10,11 +10,12 @@ ROLLOUT = "actor_rollout_ref.rollout"
 
 def check_async(cfg: KeelConfig, incompatible) -> None:
     trainer = cfg.trainer
-    if trainer.mode == "async" and cfg.algorithm.adv_estimator == "remax":
+    if trainer.partial_rollout and cfg.algorithm.adv_estimator == "remax":
         raise incompatible(
-            "algorithm.adv_estimator=remax with trainer.mode=async: ReMax's greedy baseline comes from the policy "
-            "at the update, not the one that sampled the batch, and it scores while the next batch does",
-            f"set {setting('trainer.mode', 'sync')}, or another estimator (grpo, rloo)",
+            "algorithm.adv_estimator=remax with trainer.partial_rollout=true: a group's samples span policy "
+            "versions, and ReMax's greedy baseline comes from one policy, the one that sampled its batch",
+            f"set {setting('trainer.partial_rollout', False)} (async mode generates each batch and its baseline "
+            "with one policy), or another estimator (grpo, rloo)",
         )
     if trainer.mode == "async" and cfg.algorithm.filter_groups.enable and not trainer.partial_rollout:
         raise incompatible(

@@ -27,7 +27,6 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from keel.config.schema import KeelConfig
-from keel.data.prompts import PromptBatch
 from keel.data.sampler import ResumableSampler
 from keel.observe.metrics import Timer
 from keel.trainer.partial import RolloutPartial
@@ -46,8 +45,8 @@ class InFlight:
 
 
 def step_rollout(cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler, last_step: int):
-    """The trainer.mode's rollout: `(timer, step)` -> the batch step `step` trains, its prompts,
-    reward metrics and generation timing; `settle`, `resume_state`, `start_at`, `close` around it.
+    """The trainer.mode's rollout: `(timer, step)` -> the batch step `step` trains, reward metrics and
+    generation timing; `settle`, `resume_state`, `start_at`, `close` around it.
     With trainer.partial_rollout, a pool of samples under way (keel/trainer/partial.py)."""
     if cfg.trainer.mode == "sync":
         return RolloutWithin(cfg, rollout, sampler)
@@ -62,7 +61,7 @@ class RolloutWithin:
     def __init__(self, cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler):
         self.cfg, self.rollout, self.sampler = cfg, rollout, sampler
 
-    def __call__(self, timer: Timer, step: int) -> tuple[ScoredBatch, PromptBatch, dict[str, float], dict[str, float]]:
+    def __call__(self, timer: Timer, step: int) -> tuple[ScoredBatch, dict[str, float], dict[str, float]]:
         return self.rollout(timer, step_seed(self.cfg, step))
 
     def settle(self) -> None:
@@ -93,8 +92,8 @@ class RolloutAhead:
         """A run resumed after `step`: its next batch is step + 1's."""
         self.generated = step
 
-    def __call__(self, timer: Timer, step: int) -> tuple[ScoredBatch, PromptBatch, dict[str, float], dict[str, float]]:
-        """(batch `step`'s scored samples, their prompts, reward and staleness metrics, the timing
+    def __call__(self, timer: Timer, step: int) -> tuple[ScoredBatch, dict[str, float], dict[str, float]]:
+        """(batch `step`'s scored samples, reward and staleness metrics, the timing
         of this step's generation): what ScoredRollout returns in sync mode."""
         while self.generated < min(step + self.bound, self.last_step):
             self._generate(timer)
@@ -110,7 +109,7 @@ class RolloutAhead:
             "async/staleness/max": staleness.max().item(),
             "async/in_flight": float(len(self.in_flight)),
         }
-        return batch, self.rollout.prompts_of(batch), metrics, gen_parts
+        return batch, metrics, gen_parts
 
     def _generate(self, timer: Timer) -> None:
         """The next batch, from the policy the rollout's workers hold, then scored: generated now on the
@@ -125,12 +124,12 @@ class RolloutAhead:
         self.in_flight.append(InFlight(self.generated, state, self.scoring.submit(self._score, generated)))
 
     def _score(self, generated: Future) -> tuple[ScoredBatch, dict[str, float], float, dict[str, float]]:
-        batch, gen_parts, started = generated.result()
+        done = generated.result()
         if self.closed:
             raise CancelledError("the run ended with this batch in flight")
         start = time.perf_counter()
-        batch, metrics = self.rollout.score(batch, started)
-        return batch, metrics, time.perf_counter() - start, gen_parts
+        batch, metrics = self.rollout.score(done)
+        return batch, metrics, time.perf_counter() - start, done.timing
 
     def settle(self) -> None:
         """Every batch in flight scored: the reward function is then free for validation's use."""

@@ -30,10 +30,10 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from keel.config.schema import KeelConfig
-from keel.data.prompts import PromptBatch, collate_prompts
+from keel.data.prompts import collate_prompts
 from keel.data.sampler import ResumableSampler
 from keel.observe.metrics import Timer
-from keel.trainer.scored_rollout import ScoredRollout
+from keel.trainer.scored_rollout import Generated, ScoredRollout
 from keel.trainer.seeds import batch_seed, step_seed
 from keel.types import GeneratedBatch, PartialSample, RoundEnd, ScoredBatch, groups_of
 
@@ -52,21 +52,21 @@ class RolloutPartial:
         self.next_group = 0
         self.scoring: dict[tuple[int, int], object] = {}  # (group, sample) -> its scoring, begun when it finished
 
-    def __call__(self, timer: Timer, step: int) -> tuple[ScoredBatch, PromptBatch, dict[str, float], dict[str, float]]:
+    def __call__(self, timer: Timer, step: int) -> tuple[ScoredBatch, dict[str, float], dict[str, float]]:
         """The step's batch, scored: one round's finished groups; with algorithm.filter_groups (DAPO's
         dynamic sampling), more rounds with the same policy while too few of them have a signal, the
         pool refilled from the sampler each time."""
         updates = int(step >= self.cfg.algorithm.critic_warmup)
         dropped: list[int] = []
 
-        def next_round(call: int, wanted: int) -> tuple[GeneratedBatch, dict[str, float], list]:
+        def next_round(call: int, wanted: int) -> Generated:
             seed = batch_seed(step_seed(self.cfg, step), call)
             batch, gen_parts, started, count = self._round(timer, seed, updates, wanted)
             dropped.append(count)
-            return batch, gen_parts, started
+            return Generated(batch, gen_parts, started)
 
-        batch, prompts, metrics, gen_parts = self.rollout.fill(timer, next_round, whole_groups=True)
-        return batch, prompts, {**metrics, **self._metrics(batch, sum(dropped))}, gen_parts
+        batch, metrics, gen_parts = self.rollout.fill(timer, next_round, whole_groups=True)
+        return batch, {**metrics, **self._metrics(batch, sum(dropped))}, gen_parts
 
     def _round(
         self, timer: Timer, seed: int, updates: int, wanted: int

@@ -19,7 +19,6 @@ from keel.algorithms.rollout_correction import compute_correction
 from keel.algorithms.utils import masked_mean
 from keel.config.plan import make_plan, old_log_probs_source
 from keel.config.schema import GROUP_ESTIMATORS, KeelConfig
-from keel.data.prompts import PromptBatch
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
 from keel.observe.guards import (
     LearningSignalGuard,
@@ -38,7 +37,7 @@ from keel.trainer.hooks import load_hook, run_hooks
 from keel.trainer.run_directory import RunDirectory
 from keel.trainer.scored_rollout import ScoredRollout, training_sampling
 from keel.trainer.seeds import step_seed
-from keel.trainer.setup import Components, Inputs, build_components, needs_baseline_rollout
+from keel.trainer.setup import Components, Inputs, build_components
 from keel.trainer.versions import sampled_by
 from keel.types import RolloutBatch, ScoredBatch
 
@@ -135,9 +134,9 @@ class RLTrainer:
         parts, workers = self.components, self.components.workers
         self.updating = workers.policy_version  # the policy this step's update starts from
         with timer("step"):
-            scored, prompts, metrics, gen_parts = self.rollout(timer, self.step)
+            scored, metrics, gen_parts = self.rollout(timer, self.step)
             updates_actor = self.step >= self.cfg.algorithm.critic_warmup  # verl's count: steps start at 1
-            batch, gap_in_update = self._training_batch(scored, prompts, metrics, timer, updates_actor)
+            batch, gap_in_update = self._training_batch(scored, metrics, timer, updates_actor)
             if self.cfg.critic_enabled:
                 with timer("update_critic"):
                     metrics.update(workers.update_critic(batch, self._seed()))
@@ -158,7 +157,7 @@ class RLTrainer:
         return metrics, batch
 
     def _training_batch(
-        self, scored: ScoredBatch, prompts: PromptBatch, metrics: dict[str, float], timer: Timer, updates_actor: bool
+        self, scored: ScoredBatch, metrics: dict[str, float], timer: Timer, updates_actor: bool
     ) -> tuple[RolloutBatch, bool]:
         """The step's passes over the scored samples, then the training batch, built once from them: old
         and reference log-probs, values, rewards per token, rollout correction, advantages -> (the batch,
@@ -176,7 +175,7 @@ class RLTrainer:
             with timer("values"):
                 values = workers.values(scored)
                 finite("critic values", values, scored.response_mask)
-        learning = self._advantages(scored, prompts, timer, old, ref, values, metrics)
+        learning = self._advantages(scored, timer, old, ref, values, metrics)
         passes = {"old_log_probs": old, "own_old_log_probs": own, "ref_log_probs": ref, "values": values}
         return RolloutBatch.of(scored, **passes, **learning), gap_in_update
 
@@ -245,15 +244,11 @@ class RLTrainer:
         return rewards, {**metrics, "actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": kl_coef}
 
     def _advantages(
-        self, scored: ScoredBatch, prompts: PromptBatch, timer: Timer, old, ref, values, metrics: dict[str, float]
+        self, scored: ScoredBatch, timer: Timer, old, ref, values, metrics: dict[str, float]
     ) -> dict[str, torch.Tensor | None]:
         """The training batch's learning signal: token-level rewards, rollout correction (decoupled
-        mode), advantages and returns; ReMax first generates its baseline (timed as gen_baseline)."""
+        mode), advantages and returns (ReMax's baselines came with the scored batch)."""
         finite = self._check_finite
-        baseline = None
-        if needs_baseline_rollout(self.cfg):
-            with timer("gen_baseline"):
-                baseline = self.scored.baseline_scores(prompts, scored, self._seed())
         with timer("adv"):
             rewards, reward_metrics = self._token_rewards(scored, old, ref)
             metrics.update(reward_metrics)
@@ -261,7 +256,7 @@ class RLTrainer:
             correction = self._correct_rollout(scored, old, metrics) if self.correction.decoupled else {}
             advantages, returns = compute_advantage(
                 self.cfg.algorithm.adv_estimator,
-                AdvantageInputs(rewards, scored.response_mask, scored.group_index, values, baseline),
+                AdvantageInputs(rewards, scored.response_mask, scored.group_index, values, scored.baselines),
                 self.adv_params,
                 None if scored.sample_index is None else scored.final_segments,
             )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -18,8 +19,18 @@ from keel.rollout.agent.metrics import external_agent_metrics
 from keel.trainer.dynamic_sampling import fill_with_signal
 from keel.trainer.roles import then
 from keel.trainer.seeds import batch_seed
-from keel.trainer.setup import Components
+from keel.trainer.setup import Components, needs_baseline_rollout
 from keel.types import GeneratedBatch, PartialSample, RoundEnd, SamplingParams, ScoredBatch
+
+
+@dataclass
+class Generated:
+    """A generation batch on its way to scoring."""
+
+    batch: GeneratedBatch
+    timing: dict[str, float]  # the engine's parts (timing_s/gen_*)
+    started: list | None = None  # per sample, its scoring as begun when it finished (None: not begun)
+    greedy: GeneratedBatch | None = None  # ReMax: each prompt's greedy response, from the same policy
 
 
 def training_sampling(cfg: KeelConfig) -> SamplingParams:
@@ -41,36 +52,39 @@ class ScoredRollout:
         self.cfg = cfg
         self.components = components
         self.sampling = sampling
+        self.needs_baseline = needs_baseline_rollout(cfg)  # ReMax
+        self.greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=sampling.max_new_tokens)
 
-    def __call__(self, timer: Timer, seed: int) -> tuple[ScoredBatch, PromptBatch, dict[str, float], dict[str, float]]:
-        """(the step's generated and scored samples, their prompts, reward metrics, generation
-        timing). With algorithm.filter_groups, DAPO's dynamic sampling: prompts whose samples all
-        scored alike are dropped and more generated until data.train_batch_size prompts remain."""
+    def __call__(self, timer: Timer, seed: int) -> tuple[ScoredBatch, dict[str, float], dict[str, float]]:
+        """(the step's generated and scored samples, reward metrics, generation timing). With
+        algorithm.filter_groups, DAPO's dynamic sampling: prompts whose samples all scored alike are
+        dropped and more generated until data.train_batch_size prompts remain."""
         # each generation batch of a step samples with a seed of its own
         return self.fill(timer, lambda call, _: self.generate(timer, batch_seed(seed, call)))
 
     def fill(
         self, timer: Timer, next_generated, whole_groups: bool = False
-    ) -> tuple[ScoredBatch, PromptBatch, dict, dict[str, float]]:
-        """What __call__ returns, from `next_generated(call, groups wanted)` -> (a generated batch, its
-        timing, the scoring its samples began as they finished): called once, or until enough
-        groups are kept: with algorithm.filter_groups those with a signal (DAPO), with
-        `whole_groups` (partial rollouts) those that lost no sample to a failed scoring."""
+    ) -> tuple[ScoredBatch, dict[str, float], dict[str, float]]:
+        """What __call__ returns, from `next_generated(call, groups wanted)` -> a Generated: called
+        once, or until enough groups are kept: with algorithm.filter_groups those with a signal
+        (DAPO), with `whole_groups` (partial rollouts) those that lost no sample to a failed scoring."""
         pad, filter_groups = self.components.tokenizer.pad_token_id, self.cfg.algorithm.filter_groups
         gen: dict[str, float] = {}  # the calls' generation: seconds summed, the rest the last call's
         scored: list[tuple[dict[str, float], int]] = []  # each call's reward metrics, and its samples
 
         def next_scored_batch(call: int = 0, wanted: int = 0) -> ScoredBatch:
-            generated, timing, started = next_generated(call, wanted)
-            gen.update({k: v + (gen.get(k, 0.0) if k.startswith("timing_s/") else 0.0) for k, v in timing.items()})
+            generated = next_generated(call, wanted)
+            gen.update(
+                {k: v + (gen.get(k, 0.0) if k.startswith("timing_s/") else 0.0) for k, v in generated.timing.items()}
+            )
             with timer("reward"):
-                batch, metrics = self.score(generated, started)
-            scored.append((metrics, len(generated)))
+                batch, metrics = self.score(generated)
+            scored.append((metrics, len(generated.batch)))
             return batch
 
         if not (filter_groups.enable or whole_groups):
             batch = next_scored_batch(0, self.cfg.data.train_batch_size)
-            return batch, _prompts_of(batch, pad), scored[0][0], gen
+            return batch, scored[0][0], gen
         batch, counts = fill_with_signal(
             next_scored_batch,
             self.cfg.data.train_batch_size,
@@ -81,25 +95,34 @@ class ScoredRollout:
         )
         prefix = "dynamic_sampling" if filter_groups.enable else "async/refill"
         metrics = {**merge_score_metrics(scored), **{f"{prefix}/{name}": value for name, value in counts.items()}}
-        return batch, _prompts_of(batch, pad), metrics, gen
+        return batch, metrics, gen
 
-    def generate(self, timer: Timer, seed: int) -> tuple[GeneratedBatch, dict[str, float], list]:
-        """The samples of the sampler's next prompts (n each), the engine's timing of its parts, and
-        each sample's scoring, begun as it finished while the rest generated (None where not begun:
-        an engine that cannot tell, or a reward scored with its batch)."""
+    def generate(self, timer: Timer, seed: int) -> Generated:
+        """The samples of the sampler's next prompts (n each), the engine's timing of its parts, each
+        sample's scoring as begun when it finished while the rest generated, and ReMax's greedy
+        responses, generated next by the same policy."""
         prompts = self._next_prompts()
         started, finished = self._scoring_as_finished(prompts)
         with timer("gen"):
             batch, timing = self.components.workers.generate(prompts, self.sampling, seed, finished)
-        return batch, timing, started
+        greedy = None
+        if self.needs_baseline:
+            with timer("gen_baseline"):
+                greedy, _ = self.components.workers.generate(
+                    _each_once(prompts, self.components.tokenizer.pad_token_id), self.greedy, seed
+                )
+        return Generated(batch, timing, started, greedy)
 
     def submit_generate(self, seed: int) -> Future:
-        """generate, started on the rollout's own workers (the sampler's next prompts drawn now): a
-        future of what generate returns."""
-        prompts = self._next_prompts()
+        """generate, started on the rollout's own workers (the sampler's next prompts drawn now; ReMax's
+        greedy responses sent right after, so the same weights answer): a future of a Generated."""
+        prompts, workers = self._next_prompts(), self.components.workers
         started, finished = self._scoring_as_finished(prompts)
-        submitted = self.components.workers.submit_generate(prompts, self.sampling, seed, finished)
-        return then(submitted, lambda generated: (*generated, started))
+        sampled = workers.submit_generate(prompts, self.sampling, seed, finished)
+        if not self.needs_baseline:
+            return then(sampled, lambda generated: Generated(*generated, started))
+        greedy = workers.submit_generate(_each_once(prompts, self.components.tokenizer.pad_token_id), self.greedy, seed)
+        return then(greedy, lambda baseline: Generated(*sampled.result(), started, baseline[0]))
 
     def _scoring_as_finished(self, prompts: PromptBatch) -> tuple[list, object]:
         """(per sample, its scoring as begun when it finishes (None until then), the engine's
@@ -138,28 +161,25 @@ class ScoredRollout:
         )
         return prompts.repeat_interleave(self.sampling.n)
 
-    def score(self, batch: GeneratedBatch, started: list | None = None) -> tuple[ScoredBatch, dict[str, float]]:
-        """The batch scored, less the samples that leave the update (reward.on_error=mask's not-scored
-        ones, and those an agent's rollout dropped), and the reward metrics. `started`: per sample, its
-        scoring as begun when it finished (start_scoring), or None."""
-        scored = score_samples(self.components.reward, batch, started)
-        batch = ScoredBatch.of(batch, scores=scored.scores, reward_extras=scored.extras)
+    def score(self, generated: Generated) -> tuple[ScoredBatch, dict[str, float]]:
+        """The batch scored (and ReMax's baselines), less the samples that leave the update
+        (reward.on_error=mask's not-scored ones, and those an agent's rollout dropped), and the reward
+        metrics."""
+        batch = generated.batch
+        scored = score_samples(self.components.reward, batch, generated.started)
+        baselines = None if generated.greedy is None else self._baselines(generated.greedy, batch)
+        batch = ScoredBatch.of(batch, scores=scored.scores, reward_extras=scored.extras, baselines=baselines)
         metrics = {**scored.metrics, **external_agent_metrics(batch.records, batch.final_segments)}
         kept = scored.scored & torch.tensor(["agent_dropped" not in r.extra_info for r in batch.records])
         return (batch if kept.all() else batch.select(kept.nonzero().squeeze(-1))), metrics
 
-    def prompts_of(self, batch: GeneratedBatch) -> PromptBatch:
-        return _prompts_of(batch, self.components.tokenizer.pad_token_id)
-
-    def baseline_scores(self, prompts: PromptBatch, batch: GeneratedBatch, seed: int) -> torch.Tensor:  # [N]
+    def _baselines(self, greedy: GeneratedBatch, batch: GeneratedBatch) -> torch.Tensor:  # [N]
         """ReMax (arXiv 2310.10505): the greedy response's score is each prompt's baseline, given
         to each of the prompt's samples in the batch."""
-        greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=self.sampling.max_new_tokens)
-        baseline, _ = self.components.workers.generate(prompts, greedy, seed)
         result = self.components.reward.score_batch(
-            baseline.records, baseline.response_texts, baseline.response_lengths, on_error="zero"
+            greedy.records, greedy.response_texts, greedy.response_lengths, on_error="zero"
         )
-        by_prompt = dict(zip((r.index for r in baseline.records), result.scores.tolist()))
+        by_prompt = dict(zip((r.index for r in greedy.records), result.scores.tolist()))
         return torch.tensor([by_prompt[r.index] for r in batch.records])
 
 
@@ -186,9 +206,9 @@ def score_samples(reward, batch: GeneratedBatch, started: list | None = None) ->
     )
 
 
-def _prompts_of(batch: GeneratedBatch, pad_token_id: int) -> PromptBatch:
-    """The batch's prompts, each once (ReMax generates its baseline from them)."""
-    first = {}
-    for record in batch.records:
+def _each_once(prompts: PromptBatch, pad_token_id: int) -> PromptBatch:
+    """The prompts of a batch that repeats each n times, each once (ReMax's greedy responses)."""
+    first: dict[int, object] = {}
+    for record in prompts.records:
         first.setdefault(record.index, record)
     return collate_prompts(list(first.values()), pad_token_id)

@@ -45,9 +45,9 @@ def trained_batches(monkeypatch):
     for kind in (ahead.RolloutWithin, ahead.RolloutAhead):
 
         def recording(self, timer, step, real=kind.__call__):
-            batch, prompts, metrics, gen_parts = real(self, timer, step)
-            seen.append((step, sorted(set(batch.policy_version.tolist())), sorted(r.index for r in prompts.records)))
-            return batch, prompts, metrics, gen_parts
+            batch, metrics, gen_parts = real(self, timer, step)
+            seen.append((step, sorted(set(batch.policy_version.tolist())), sorted({r.index for r in batch.records})))
+            return batch, metrics, gen_parts
 
         monkeypatch.setattr(kind, "__call__", recording)
     return seen
@@ -89,10 +89,10 @@ def test_rewards_score_while_the_next_batch_generates(tiny_config, tmp_path, mon
             second_batch_generating.set()
         return real_generate(self, timer, seed)
 
-    def score(self, batch, started=None):
+    def score(self, generated):
         if not seen:
             seen.append((second_batch_generating.wait(timeout=300), threading.current_thread().name))
-        return real_score(self, batch, started)
+        return real_score(self, generated)
 
     monkeypatch.setattr(ScoredRollout, "generate", generate)
     monkeypatch.setattr(ScoredRollout, "score", score)
@@ -185,15 +185,38 @@ def test_async_mode_on_two_ray_workers_validates_while_a_batch_is_in_flight(tiny
     assert all(any(k.startswith("val") for k in m) for m in steps)
 
 
-def test_remax_with_async_mode_is_refused_with_the_fix(tiny_config):
+def test_remax_in_async_mode_takes_its_baseline_from_the_policy_that_sampled_the_batch(
+    tiny_config, tmp_path, monkeypatch
+):
+    """ReMax's greedy responses are generated right after their batch, by the same weights, and scored with
+    it: with a bound of 1 the batches trained are a version old, and so are their baselines."""
+    from keel.trainer.scored_rollout import ScoredRollout
+
+    versions, real_score = [], ScoredRollout.score
+
+    def score(self, generated):
+        versions.append((generated.batch.policy_version.unique().tolist(), generated.greedy.policy_version.tolist()))
+        return real_score(self, generated)
+
+    monkeypatch.setattr(ScoredRollout, "score", score)
+    config = run_config(tiny_config, tmp_path, "remax", mode="async", max_off_policy_steps=1)
+    config["algorithm"] = {**config["algorithm"], "adv_estimator": "remax"}
+    steps = [m for m in metrics_of(train(config).run_dir) if m["step"] > 0]
+    assert [sampled for sampled, _ in versions] == [[0], [0], [1], [2]]  # batch 3 is generated at step 2
+    assert all(set(greedy) == set(sampled) for sampled, greedy in versions)
+    assert max(m["async/staleness/max"] for m in steps) == 1
+    assert ["timing_s/gen_baseline" in m for m in steps] == [True, True, True, False]  # steps that generated
+
+
+def test_remax_with_partial_rollouts_is_refused_with_the_fix(tiny_config):
     from keel.config.load import load_config
     from keel.errors import INCOMPATIBLE_OPTIONS, KeelError
 
-    tiny_config["trainer"]["mode"] = "async"
+    tiny_config["trainer"].update({"mode": "async", "partial_rollout": True})
     tiny_config["algorithm"]["adv_estimator"] = "remax"
     with pytest.raises(KeelError) as refused:
         load_config(tiny_config)
-    assert refused.value.code == INCOMPATIBLE_OPTIONS and "trainer.mode=sync" in refused.value.fix
+    assert refused.value.code == INCOMPATIBLE_OPTIONS and "partial_rollout=false" in refused.value.fix
 
 
 def test_a_skipped_step_leaves_the_policy_version_and_the_staleness_true(tiny_config, tmp_path, monkeypatch):
@@ -203,10 +226,10 @@ def test_a_skipped_step_leaves_the_policy_version_and_the_staleness_true(tiny_co
 
     real = rl.RLTrainer._advantages
 
-    def skip_step_2(self, scored, prompts, timer, *passes):
+    def skip_step_2(self, scored, timer, *passes):
         if self.step == 2:
             raise SkipStep("advantages")
-        return real(self, scored, prompts, timer, *passes)
+        return real(self, scored, timer, *passes)
 
     monkeypatch.setattr(rl.RLTrainer, "_advantages", skip_step_2)
     config = run_config(tiny_config, tmp_path, "skip", mode="async", max_off_policy_steps=1)

@@ -56,9 +56,9 @@ def trained(monkeypatch):
     for kind in (partial.RolloutPartial, ahead.RolloutWithin):
 
         def recording(self, timer, step, real=kind.__call__):
-            batch, prompts, metrics, gen_parts = real(self, timer, step)
-            seen.append((step, batch, [r.index for r in prompts.records]))
-            return batch, prompts, metrics, gen_parts
+            batch, metrics, gen_parts = real(self, timer, step)
+            seen.append((step, batch, list(dict.fromkeys(r.index for r in batch.records))))
+            return batch, metrics, gen_parts
 
         monkeypatch.setattr(kind, "__call__", recording)
     return seen

@@ -138,9 +138,9 @@ def test_partial_rollouts_replace_a_group_that_a_failed_scoring_left_short(
     real_call = partial.RolloutPartial.__call__
 
     def call(self, timer, step):
-        batch, prompts, metrics, gen_parts = real_call(self, timer, step)
+        batch, metrics, gen_parts = real_call(self, timer, step)
         batches.append(batch)
-        return batch, prompts, metrics, gen_parts
+        return batch, metrics, gen_parts
 
     monkeypatch.setattr(partial.RolloutPartial, "__call__", call)
     metrics = metrics_of(train(config).run_dir)
