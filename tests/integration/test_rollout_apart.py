@@ -99,3 +99,11 @@ def test_ray_ranks_tell_each_finished_sample_so_its_scoring_begins_beside_genera
     for mine, theirs in zip(ahead, whole):
         for key in LEARNING:
             assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+
+
+def test_remax_with_a_rollout_of_its_own_in_async_mode_sends_its_greedy_pass_after_the_batch(config, tmp_path):
+    """The greedy responses go to the rollout's workers right after their batch (a rank runs its calls in
+    order, so the same weights answer both) while the actor trains."""
+    steps, _ = train(config, tmp_path, "remax", *APART, "trainer.mode=async", "algorithm.adv_estimator=remax")
+    assert [m["async/staleness/max"] for m in steps] == [0.0, 1.0, 1.0]
+    assert all(m["actor/grad_norm"] > 0 and "critic/advantages/mean" in m for m in steps)
