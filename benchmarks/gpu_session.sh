@@ -137,13 +137,19 @@ partial() {  # issue 31: v2's long tail in sync mode, async mode, and async with
     local async="trainer.mode=async" part="trainer.partial_rollout=true"
     local runs=("v2 trainer.mode=sync" "v2 $async" "v2 $async $part" "v2 $async $part trainer.off_policy_strategy=drop"
         "s1 trainer.mode=sync --profile $OUT/profile" "s1 $async --profile $OUT/profile")
-    for run in "${runs[@]}"; do
-        (( SECONDS > ${PARTIAL_UNTIL:-430} )) && { echo "$run: skipped, the call's time is spent"; continue; }
-        timeout 150 python3 -m keel bench $run --gpus 1 --steps 3 --warmup 1 --out "$OUT/bench.jsonl" \
+    bench_runs 150 "${PARTIAL_UNTIL:-430}" "${runs[@]}"
+    grep -h -o '"async": {[^}]*}\|"gpu_busy[a-z_]*": {[^}]*}' "$OUT/bench.jsonl"
+}
+
+bench_runs() {  # LIMIT UNTIL RUN...: each run (a workload and its overrides) for 3 steps under LIMIT seconds,
+    # started only while this script is under UNTIL seconds (SECONDS: the call's time)
+    local limit=$1 until=$2 run
+    for run in "${@:3}"; do
+        (( SECONDS > until )) && { echo "$run: skipped, the call's time is spent"; continue; }
+        timeout "$limit" python3 -m keel bench $run --gpus 1 --steps 3 --warmup 1 --out "$OUT/bench.jsonl" \
             > "$OUT/run.log" 2>&1
         echo "$run: $(tail -1 "$OUT/run.log" | cut -c1-160)"
     done
-    grep -h -o '"async": {[^}]*}\|"gpu_busy[a-z_]*": {[^}]*}' "$OUT/bench.jsonl"
 }
 
 scoring() {  # issue 31: scoring each sample as it finishes (reward.score_ahead), against the batch whole
@@ -158,12 +164,7 @@ scoring() {  # issue 31: scoring each sample as it finishes (reward.score_ahead)
 
 fifo() {  # issue 31: partial rollouts' first-in-first-out wait on v2, against sync; sv with partial rollouts
     local async="trainer.mode=async trainer.partial_rollout=true"
-    for run in "v2 trainer.mode=sync" "v2 $async" "sv $async"; do
-        (( SECONDS > ${FIFO_UNTIL:-430} )) && { echo "$run: skipped, the call's time is spent"; continue; }
-        timeout 170 python3 -m keel bench $run --gpus 1 --steps 3 --warmup 1 --out "$OUT/bench.jsonl" \
-            > "$OUT/run.log" 2>&1
-        echo "$run: $(tail -1 "$OUT/run.log" | cut -c1-160)"
-    done
+    bench_runs 170 "${FIFO_UNTIL:-430}" "v2 trainer.mode=sync" "v2 $async" "sv $async"
     grep -h -o '"async": {[^}]*}' "$OUT/bench.jsonl"
 }
 

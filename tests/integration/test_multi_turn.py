@@ -32,6 +32,18 @@ def multi_turn_config(tiny_config, tmp_path: Path) -> dict:
     return tiny_config
 
 
+def interaction_config(tiny_config, tmp_path: Path) -> dict:
+    """Multi-turn with verl's interaction (nudge.py's Nudge, an environment) instead of tools."""
+    (tmp_path / "nudge.py").write_text(NUDGE)
+    interactions = tmp_path / "interactions.yaml"
+    interactions.write_text("interaction:\n  - name: nudge\n    class_name: nudge.py:Nudge\n    config: {}\n")
+    cfg = multi_turn_config(tiny_config, tmp_path)
+    multi_turn = cfg["actor_rollout_ref"]["rollout"]["multi_turn"]
+    del multi_turn["tool_config_path"]
+    multi_turn.update({"interaction_config_path": str(interactions), "max_tokens_per_turn": 16})
+    return cfg
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -127,13 +139,7 @@ def test_verls_interaction_config_gives_user_turns_in_check_and_train(tiny_confi
     from keel.check.preflight import run_checks
     from keel.config.load import load_config
 
-    (tmp_path / "nudge.py").write_text(NUDGE)
-    interactions = tmp_path / "interactions.yaml"
-    interactions.write_text("interaction:\n  - name: nudge\n    class_name: nudge.py:Nudge\n    config: {}\n")
-    cfg = multi_turn_config(tiny_config, tmp_path)
-    multi_turn = cfg["actor_rollout_ref"]["rollout"]["multi_turn"]
-    del multi_turn["tool_config_path"]
-    multi_turn.update({"interaction_config_path": str(interactions), "max_tokens_per_turn": 16})
+    cfg = interaction_config(tiny_config, tmp_path)
     (tmp_path / "reward.py").write_text(NUDGE_REWARD)
     cfg["custom_reward_function"] = {"path": str(tmp_path / "reward.py")}
     found = [f for f in run_checks(load_config(cfg)).findings if f.check == "multi-turn"]

@@ -175,15 +175,9 @@ def test_multi_turn_episodes_begin_scoring_as_each_ends(tiny_config, tmp_path, a
 def test_episodes_whose_row_an_environment_completes_score_with_their_batch(tiny_config, tmp_path):
     """An interaction (an environment) adds its scores to each row as the batch closes it: those episodes
     cannot be scored before, and are not."""
-    from test_multi_turn import NUDGE, multi_turn_config
+    from test_multi_turn import interaction_config
 
-    (tmp_path / "nudge.py").write_text(NUDGE)
-    interactions = tmp_path / "interactions.yaml"
-    interactions.write_text("interaction:\n  - name: nudge\n    class_name: nudge.py:Nudge\n    config: {}\n")
-    config = multi_turn_config(tiny_config, tmp_path)
-    multi_turn = config["actor_rollout_ref"]["rollout"]["multi_turn"]
-    del multi_turn["tool_config_path"]
-    multi_turn.update({"interaction_config_path": str(interactions), "max_tokens_per_turn": 16})
+    config = interaction_config(tiny_config, tmp_path)
     config["reward"] = {"num_workers": 2}
     config["actor_rollout_ref"]["rollout"]["name"] = "native"
     steps = metrics_of(train(config).run_dir)
