@@ -186,7 +186,7 @@ class ScoredRollout:
 def score_samples(reward, batch: GeneratedBatch, started: list | None = None) -> ScoreResult:
     """The reward of each sample, on its final segment (its last answer), given to its other
     segments too: a sample is scored once however many rows it trains as. `started`: per row, its
-    scoring begun ahead (single-turn rows)."""
+    scoring begun as it finished (a batch whose rows are whole samples)."""
     finals = batch.final_segments
     rows = finals.unique()  # sorted: the final segments, in batch order
     if len(rows) == len(batch):
