@@ -31,6 +31,7 @@ class BatchPlan:
     max_tokens_per_step: int  # samples x (max prompt + max response)
     old_log_probs: str = "recomputed each step"  # where the update's old log-probs come from
     mode: str = "sync: each step trains the samples it generated"  # trainer.mode, explained
+    rewards: str = "in the trainer's process, each batch whole"  # where and when samples are scored
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -43,6 +44,7 @@ class BatchPlan:
             ("tokens per step, at most", self.max_tokens_per_step),
             ("old log-probs", self.old_log_probs),
             ("training", self.mode),
+            ("rewards", self.rewards),
         ]
         for name, role in (("actor", self.actor), ("critic", self.critic)):
             if role is None:
@@ -81,6 +83,7 @@ class BatchPlan:
             )
         lines.append(f"  old log-probs: {self.old_log_probs}")
         lines.append(f"  training: {self.mode}")
+        lines.append(f"  rewards: {self.rewards}")
         return "\n".join(lines)
 
 
@@ -116,7 +119,26 @@ def make_plan(cfg: KeelConfig) -> BatchPlan:
         max_tokens_per_step=prompts * n * (cfg.data.max_prompt_length + cfg.data.max_response_length),
         old_log_probs=OLD_LOG_PROBS[old_log_probs_source(cfg)],
         mode=training_mode(cfg),
+        rewards=reward_scoring(cfg),
     )
+
+
+def reward_scoring(cfg: KeelConfig) -> str:
+    """Where and when a step's samples are scored, in a line: beside generation where it can be."""
+    reward, workers = cfg.reward, cfg.reward.num_workers
+    if reward.service.url:
+        return "by the reward service, each batch whole"
+    if cfg.custom_reward_function.batched:
+        return "by your batched function, each batch whole"
+    if workers == 0:
+        return "in the trainer's process, each batch whole (set reward.num_workers > 0 to score beside generation)"
+    where = f"in {workers} scoring processes"
+    if not reward.score_ahead:
+        return f"{where}, each batch whole (reward.score_ahead=false)"
+    rollout = cfg.actor_rollout_ref.rollout
+    episodes = rollout.agent.function or rollout.agent.environment or rollout.multi_turn.interaction_config_path
+    whole = " (agent code and environments' episodes: each batch whole)" if episodes else ""
+    return f"{where}, each sample as it finishes, beside generation{whole}"
 
 
 # Where the update's old log-probs come from: the one place that decides it (the trainer runs it,

@@ -318,3 +318,17 @@ def test_keel_picks_ddp_or_fsdp_for_the_policy_when_the_config_does_not(shape, g
     assert (why is None) if expected is None else (expected in why and "fsdp_size" in why)
     assert cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size == size
     assert choose_sharding(cfg, model_cfg, params, 1) == why  # chosen once: keel check's stands for the run
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        ([], "in the trainer's process, each batch whole (set reward.num_workers > 0 to score beside generation)"),
+        (["reward.num_workers=4"], "in 4 scoring processes, each sample as it finishes, beside generation"),
+        (["reward.num_workers=4", "reward.score_ahead=false"], "in 4 scoring processes, each batch whole"),
+        (["reward.num_workers=4", "custom_reward_function.batched=true"], "by your batched function, each batch"),
+    ],
+)
+def test_the_plan_says_where_and_when_samples_are_scored(tiny_config, overrides, said):
+    plan = make_plan(load_config(tiny_config, overrides))
+    assert plan.rewards.startswith(said) and f"rewards: {plan.rewards}" in plan.summary()
