@@ -136,9 +136,11 @@ def reward_scoring(cfg: KeelConfig) -> str:
     if not reward.score_ahead:
         return f"{where}, each batch whole (reward.score_ahead=false)"
     rollout = cfg.actor_rollout_ref.rollout
-    episodes = rollout.agent.function or rollout.agent.environment or rollout.multi_turn.interaction_config_path
-    whole = " (agent code and environments' episodes: each batch whole)" if episodes else ""
-    return f"{where}, each sample as it finishes, beside generation{whole}"
+    if rollout.name == "hf":
+        return f"{where}, each batch whole (transformers' generate does not tell samples as they finish)"
+    episodes = rollout.multi_turn.enable or rollout.agent.function or rollout.agent.environment
+    whole = " (episodes with an environment or verl's lifecycle tools, and agent code: each batch whole)"
+    return f"{where}, each sample as it finishes, beside generation" + (whole if episodes else "")
 
 
 # Where the update's old log-probs come from: the one place that decides it (the trainer runs it,

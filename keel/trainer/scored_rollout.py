@@ -5,6 +5,7 @@ baseline, the score of each prompt's greedy response."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ from keel.trainer.roles import then
 from keel.trainer.seeds import batch_seed
 from keel.trainer.setup import Components, needs_baseline_rollout
 from keel.types import GeneratedBatch, PartialSample, RoundEnd, SamplingParams, ScoredBatch
+
+log = logging.getLogger("keel")
 
 
 @dataclass
@@ -122,7 +125,13 @@ class ScoredRollout:
         if not self.needs_baseline:
             return then(sampled, lambda generated: Generated(*generated, started))
         greedy = workers.submit_generate(_each_once(prompts, self.components.tokenizer.pad_token_id), self.greedy, seed)
-        return then(greedy, lambda baseline: Generated(*sampled.result(), started, baseline[0]))
+
+        def with_baseline(baseline) -> Generated:
+            batch, timing = sampled.result()
+            seconds = baseline[1].get("timing_s/gen_engine", 0.0)  # the greedy call's, on the rollout's workers
+            return Generated(batch, {**timing, "timing_s/gen_baseline": seconds}, started, baseline[0])
+
+        return then(greedy, with_baseline)
 
     def _scoring_as_finished(self, prompts: PromptBatch) -> tuple[list, object]:
         """(per sample, its scoring as begun when it finishes (None until then), the engine's
@@ -132,7 +141,10 @@ class ScoredRollout:
             return started, None  # nothing to tell: generation decodes and sends nothing for it
 
         def finished(row: int, record, text: str) -> None:  # the record as the batch will hold it
-            started[row] = self.start_scoring(record, text)
+            try:
+                started[row] = self.start_scoring(record, text)
+            except Exception:  # noqa: BLE001 - never a generation's failure: its batch scores it, and says why
+                log.exception("beginning a finished sample's scoring failed; its batch scores it")
 
         return started, finished
 

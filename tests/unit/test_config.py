@@ -327,6 +327,11 @@ def test_keel_picks_ddp_or_fsdp_for_the_policy_when_the_config_does_not(shape, g
         (["reward.num_workers=4"], "in 4 scoring processes, each sample as it finishes, beside generation"),
         (["reward.num_workers=4", "reward.score_ahead=false"], "in 4 scoring processes, each batch whole"),
         (["reward.num_workers=4", "custom_reward_function.batched=true"], "by your batched function, each batch"),
+        (["reward.num_workers=4", "actor_rollout_ref.rollout.name=hf"], "in 4 scoring processes, each batch whole"),
+        (
+            ["reward.num_workers=4", "actor_rollout_ref.rollout.multi_turn.enable=true"],
+            "in 4 scoring processes, each sample as it finishes, beside generation (episodes with an environment",
+        ),
     ],
 )
 def test_the_plan_says_where_and_when_samples_are_scored(tiny_config, overrides, said):

@@ -5,6 +5,7 @@ interactions gave, the conversation)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -101,7 +102,7 @@ def episode_record(e: Episode, tokenizer) -> PromptRecord:
             **e.record.extra_info,
             "num_turns": _turns(e),
             "tool_calls": e.tool_calls,
-            "tools": e.tools,
+            "tools": _tool_counts(e),
             "tool_outputs": e.tool_outputs,
             "malformed_tool_calls": e.malformed_calls,
             "turn_reward": e.turn_reward,
@@ -137,12 +138,20 @@ def _turns(episode: Episode) -> int:
     return 1 + episode.assistant_turns + episode.tool_turns + episode.user_turns
 
 
+def _tool_counts(episode: Episode) -> dict:
+    """The episode's counts by tool, with its session's lifecycle failures (create, calc_reward, release)
+    added: on a copy, so a row built twice (told as it ends, then batched) counts each failure once."""
+    tools = copy.deepcopy(episode.tools)
+    for name, status in (episode.session or ToolSession()).failures:
+        tools.setdefault(name, {"calls": 0, "error": 0, "timeout": 0, "unknown": 0, "truncated": 0, "seconds": 0.0})
+        tools[name][status] += 1
+    return tools
+
+
 def _verl_rewards(episode: Episode) -> dict:
     """What verl's tools and interactions gave, where verl puts it (verl_tools.py): recorded for the
-    reward function, never added to the score; their lifecycle failures counted per tool."""
+    reward function, never added to the score."""
     session = episode.session or ToolSession()
-    for name, status in session.failures:
-        episode.counts(name)[status] += 1
     scores = {**session.reward_scores, **episode.reward_scores}
     turn_scores = episode.reward_scores.get("user_turn_rewards", [])
     return {
