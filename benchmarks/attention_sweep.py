@@ -16,13 +16,20 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from keel.bench.workloads import shape_config
-from keel.rollout.native.attention import KernelConfig, sdpa_decode_attention, triton_decode_attention
+from keel.rollout.native.attention import (
+    KernelConfig,
+    sdpa_decode_attention,
+    triton_decode_attention,
+)
 
-from graph_timing import graph_seconds  # this folder's scripts run with it on sys.path
+# this folder's scripts run with it on sys.path
+from graph_timing import graph_seconds
 
-SWEEPS = {  # tilings at the rollout target's batches; splits for a continuous batch's few long rows
+# tilings at the rollout target's batches; splits for a continuous batch's few long rows
+SWEEPS = {
     "tiling": (
-        [KernelConfig()]  # the engine's default: as `resolved` chooses
+        # the engine's default: as `resolved` chooses
+        [KernelConfig()]
         + [
             KernelConfig(split=0, block=b, num_warps=w, num_stages=s)
             for b in (16, 32, 64, 128)
@@ -37,7 +44,8 @@ SWEEPS = {  # tilings at the rollout target's batches; splits for a continuous b
             for s in (2, 3)
         ]
     ),
-    "splits": [KernelConfig(split=0), KernelConfig()] + [KernelConfig(split=sp) for sp in (128, 256, 512, 1024)],
+    "splits": [KernelConfig(split=0), KernelConfig()]
+    + [KernelConfig(split=sp) for sp in (128, 256, 512, 1024)],
 }
 
 
@@ -45,8 +53,13 @@ class Layers:
     """One layer's decode inputs per layer of a model shape, over a cache of `length` columns."""
 
     def __init__(self, shape: str, batch: int, length: int):
-        c = shape_config(shape)  # any family's shapes (head size 64 on Qwen2.5, 128 on Qwen3, 256 on Gemma 3)
-        self.heads, self.kv, self.count = c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers
+        # any family's shapes (head size 64 on Qwen2.5, 128 on Qwen3, 256 on Gemma 3)
+        c = shape_config(shape)
+        self.heads, self.kv, self.count = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.num_hidden_layers,
+        )
         self.dim = getattr(c, "head_dim", None) or c.hidden_size // self.heads
         bf16 = dict(device="cuda", dtype=torch.bfloat16)
         self.q = torch.randn(batch, self.heads, 1, self.dim, **bf16)
@@ -62,13 +75,21 @@ class Layers:
         self.column = torch.zeros(1, dtype=torch.long, device="cuda")
 
     def call(self, i: int, config: KernelConfig):
-        return triton_decode_attention(self.q, self.k, self.v, *self.caches[i], self.pad, self.column, config=config)
+        return triton_decode_attention(
+            self.q, self.k, self.v, *self.caches[i], self.pad, self.column, config=config
+        )
 
     def error(self, config: KernelConfig) -> float:
         length = self.caches[0][0].shape[2]
         visible = (torch.arange(length, device="cuda") <= self.column)[None, None, None]
         expected = sdpa_decode_attention(
-            self.q, self.k, self.v, *(c.clone() for c in self.caches[0]), self.pad, self.column, visible
+            self.q,
+            self.k,
+            self.v,
+            *(c.clone() for c in self.caches[0]),
+            self.pad,
+            self.column,
+            visible,
         )
         return (self.call(0, config).float() - expected.float()).abs().max().item()
 
@@ -83,11 +104,20 @@ def sweep(shape: str, batch: int, prompt: int, response: int, configs: list[Kern
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for config in configs:
         try:
-            seconds = graph_seconds(lambda config=config: [layers.call(i, config) for i in range(layers.count)])
-        except OutOfResources as e:  # large tiles of a large head size: not enough shared memory
-            print(json.dumps({"shape": shape, "batch": batch, **config.__dict__, "skipped": str(e)[:80]}), flush=True)
+            seconds = graph_seconds(
+                lambda config=config: [layers.call(i, config) for i in range(layers.count)]
+            )
+        # large tiles of a large head size: not enough shared memory
+        except OutOfResources as e:
+            print(
+                json.dumps(
+                    {"shape": shape, "batch": batch, **config.__dict__, "skipped": str(e)[:80]}
+                ),
+                flush=True,
+            )
             continue
-        resolved = config.resolved(prompt + response, batch * layers.kv, sms)  # as the kernel resolves it
+        # as the kernel resolves it
+        resolved = config.resolved(prompt + response, batch * layers.kv, sms)
         row = {
             "shape": shape,
             "batch": batch,
@@ -121,7 +151,9 @@ def main() -> None:
         for batch in args.batch
     }
     if args.best:
-        Path(args.best).write_text(json.dumps({key: {k: row[k] for k in fields} for key, row in best.items()}))
+        Path(args.best).write_text(
+            json.dumps({key: {k: row[k] for k in fields} for key, row in best.items()})
+        )
 
 
 if __name__ == "__main__":

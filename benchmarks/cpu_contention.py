@@ -50,11 +50,20 @@ def prepare(out: Path) -> None:
     s = DemoSettings()
     make_data(out, s)
     make_tiny_model(
-        out / "init_model", hidden_size=s.hidden_size, num_layers=s.num_layers, num_heads=4, num_kv_heads=2, seed=s.seed
+        out / "init_model",
+        hidden_size=s.hidden_size,
+        num_layers=s.num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        seed=s.seed,
     )
 
 
-VARIANTS = {"keel": {}, "spin": {"GOMP_SPINCOUNT": "300000"}, "one-thread": {"OMP_NUM_THREADS": "1"}}
+VARIANTS = {
+    "keel": {},
+    "spin": {"GOMP_SPINCOUNT": "300000"},
+    "one-thread": {"OMP_NUM_THREADS": "1"},
+}
 
 
 def busy(n: int, cores: str | None) -> list[subprocess.Popen]:
@@ -62,10 +71,16 @@ def busy(n: int, cores: str | None) -> list[subprocess.Popen]:
     return [subprocess.Popen(["taskset", "-c", cores, *cmd] if cores else cmd) for _ in range(n)]
 
 
-def one_run(out: Path, steps: int, variant: str, load: int, cores: str | None, timeout_s: float) -> dict:
+def one_run(
+    out: Path, steps: int, variant: str, load: int, cores: str | None, timeout_s: float
+) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="run_", dir=out))
     env = {
-        **{k: v for k, v in os.environ.items() if k not in VARIANTS["spin"] and k != "OMP_WAIT_POLICY"},
+        **{
+            k: v
+            for k, v in os.environ.items()
+            if k not in VARIANTS["spin"] and k != "OMP_WAIT_POLICY"
+        },
         **VARIANTS[variant],
         "CUDA_VISIBLE_DEVICES": "",
     }
@@ -81,14 +96,17 @@ def one_run(out: Path, steps: int, variant: str, load: int, cores: str | None, t
             stderr=subprocess.PIPE,
             timeout=timeout_s,
         )
-    except subprocess.TimeoutExpired:  # what finished is still a record: the steps in metrics.jsonl
+    # what finished is still a record: the steps in metrics.jsonl
+    except subprocess.TimeoutExpired:
         pass
     finally:
         for p in competitors:
             p.kill()
             p.wait()
     metrics = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    records = (
+        [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    )
     times = [r["timing_s/step"] for r in records if r["step"] >= 2]
     return {
         "variant": variant,
@@ -102,17 +120,24 @@ def one_run(out: Path, steps: int, variant: str, load: int, cores: str | None, t
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--loads", default="0,2")
     parser.add_argument("--variants", default="keel,spin")
-    parser.add_argument("--cores", default=None, help="pin the run and its load to these cores (taskset -c)")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds a run may take (its steps so far count)")
+    parser.add_argument(
+        "--cores", default=None, help="pin the run and its load to these cores (taskset -c)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=300, help="seconds a run may take (its steps so far count)"
+    )
     parser.add_argument("--out", default=None, help="append the records to this JSONL file")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="keel_contention_"))
     prepare(work)
-    alone: dict[str, float] = {}  # variant -> its step alone, the last measured
+    # variant -> its step alone, the last measured
+    alone: dict[str, float] = {}
     for variant in args.variants.split(","):
         for load in (int(x) for x in args.loads.split(",")):
             record = one_run(work, args.steps, variant, load, args.cores, args.timeout)

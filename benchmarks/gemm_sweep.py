@@ -20,7 +20,8 @@ import triton.language as tl
 
 from keel.bench.workloads import QWEN25_SHAPES
 
-from graph_timing import graph_seconds  # this folder's scripts run with it on sys.path
+# this folder's scripts run with it on sys.path
+from graph_timing import graph_seconds
 
 TILINGS = [
     dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=w, num_stages=s)
@@ -31,8 +32,8 @@ TILINGS = [
     for s in (3, 4)
     if bm * bn <= 128 * 128
 ]
-# Split-K for the GEMMs of few output columns (O and down: 896 at 0.5B), whose tiles alone leave SMs idle:
-# each split adds its partial product into a float32 output with atomics.
+# Split-K for the GEMMs of few output columns (O and down: 896 at 0.5B), whose tiles alone leave SMs
+# idle: each split adds its partial product into a float32 output with atomics.
 TILINGS += [
     dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, SPLIT_K=split, num_warps=4, num_stages=s)
     for bm in (64, 128)
@@ -71,10 +72,14 @@ def _linear_kernel(
     k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     for k in range(pid_k * k_len, min(K, (pid_k + 1) * k_len), BLOCK_K):
         x = tl.load(
-            X + rows[:, None] * x_m + (k + ks)[None, :], mask=(rows[:, None] < M) & (k + ks < K)[None, :], other=0.0
+            X + rows[:, None] * x_m + (k + ks)[None, :],
+            mask=(rows[:, None] < M) & (k + ks < K)[None, :],
+            other=0.0,
         )
         w = tl.load(
-            W + cols[:, None] * w_n + (k + ks)[None, :], mask=(cols[:, None] < N) & (k + ks < K)[None, :], other=0.0
+            W + cols[:, None] * w_n + (k + ks)[None, :],
+            mask=(cols[:, None] < N) & (k + ks < K)[None, :],
+            other=0.0,
         )
         acc += tl.dot(x, tl.trans(w))
     out = Y + rows[:, None] * y_m + cols[None, :]
@@ -96,8 +101,14 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, tiling: dict) -> torch.Tenso
     )
     blocks = {key: tiling[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")}
     grid = (triton.cdiv(n, tiling["BLOCK_N"]), triton.cdiv(m, tiling["BLOCK_M"]), split)
-    launch = {} if x.device.type == "cpu" else dict(num_warps=tiling["num_warps"], num_stages=tiling["num_stages"])
-    _linear_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), **blocks, **launch)
+    launch = (
+        {}
+        if x.device.type == "cpu"
+        else dict(num_warps=tiling["num_warps"], num_stages=tiling["num_stages"])
+    )
+    _linear_kernel[grid](
+        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), **blocks, **launch
+    )
     return y if split == 1 else y.to(x.dtype)
 
 
@@ -117,7 +128,10 @@ def gemms(shape: str) -> dict[str, tuple[int, int]]:
 def check(device: str, dtype: torch.dtype) -> None:
     """Every tiling against F.linear on odd sizes (edges masked)."""
     torch.manual_seed(0)
-    x, w = torch.randn(100, 200, device=device, dtype=dtype), torch.randn(150, 200, device=device, dtype=dtype)
+    x, w = (
+        torch.randn(100, 200, device=device, dtype=dtype),
+        torch.randn(150, 200, device=device, dtype=dtype),
+    )
     expected = F.linear(x.float(), w.float())
     splits = [t for t in TILINGS if t["SPLIT_K"] > 1]
     for tiling in TILINGS if device == "cuda" else TILINGS[:2] + splits[:2]:
@@ -132,14 +146,24 @@ def sweep(shape: str, rows: int) -> None:
     for name, (k, n) in gemms(shape).items():
         x = torch.randn(rows, k, **bf16)
         weights = [torch.randn(n, k, **bf16) * 0.02 for _ in range(layers)]
-        variants = {"cublas": lambda w, x=x: F.linear(x, w), "cublaslt": lambda w, x=x: F.linear(x, w)}
-        variants.update({json.dumps(t): (lambda w, t=t, x=x: triton_linear(x, w, t)) for t in TILINGS})
+        variants = {
+            "cublas": lambda w, x=x: F.linear(x, w),
+            "cublaslt": lambda w, x=x: F.linear(x, w),
+        }
+        variants.update(
+            {json.dumps(t): (lambda w, t=t, x=x: triton_linear(x, w, t)) for t in TILINGS}
+        )
         results = {}
         for variant, fn in variants.items():
-            torch.backends.cuda.preferred_blas_library("cublaslt" if variant == "cublaslt" else "cublas")
+            torch.backends.cuda.preferred_blas_library(
+                "cublaslt" if variant == "cublaslt" else "cublas"
+            )
             try:
-                seconds = graph_seconds(lambda fn=fn, weights=weights: [fn(w) for w in weights]) / layers
-            except triton.runtime.errors.OutOfResources:  # the tiling's buffers exceed shared memory
+                seconds = (
+                    graph_seconds(lambda fn=fn, weights=weights: [fn(w) for w in weights]) / layers
+                )
+            # the tiling's buffers exceed shared memory
+            except triton.runtime.errors.OutOfResources:
                 continue
             results[variant] = seconds
             print(
@@ -178,7 +202,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b"])
     p.add_argument("--rows", type=int, nargs="+", default=[128, 256])
-    p.add_argument("--check", action="store_true", help="compare with F.linear (a CPU runs this only)")
+    p.add_argument(
+        "--check", action="store_true", help="compare with F.linear (a CPU runs this only)"
+    )
     args = p.parse_args()
     on_gpu = torch.cuda.is_available()
     if args.check or not on_gpu:

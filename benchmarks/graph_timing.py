@@ -9,7 +9,8 @@ def graph_seconds(fn, reps: int = 20) -> float:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()  # compiles the kernels outside capture
+        # compiles the kernels outside capture
+        fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -19,9 +19,14 @@ import torch
 from transformers import AttentionInterface, AutoModelForCausalLM
 
 from keel.bench.run import make_model
-from keel.rollout.native.attention import sdpa_decode_attention, triton_available, triton_decode_attention
+from keel.rollout.native.attention import (
+    sdpa_decode_attention,
+    triton_available,
+    triton_decode_attention,
+)
 
-from graph_timing import graph_seconds  # this folder's scripts run with it on sys.path
+# this folder's scripts run with it on sys.path
+from graph_timing import graph_seconds
 
 
 class KeelCache:
@@ -29,10 +34,15 @@ class KeelCache:
     first visible column, as the native engine keeps them."""
 
     def __init__(self, config, batch: int, length: int, device, dtype):
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         shape = (batch, config.num_key_value_heads, length, head_dim)
         self.layers = [
-            (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+            (
+                torch.zeros(shape, device=device, dtype=dtype),
+                torch.zeros(shape, device=device, dtype=dtype),
+            )
             for _ in range(config.num_hidden_layers)
         ]
         self.column = torch.zeros(1, dtype=torch.long, device=device)
@@ -44,10 +54,16 @@ class KeelCache:
         ([B, 1, H, D], no weights)."""
         k_cache, v_cache = self.layers[module.layer_idx]
         if self.triton:
-            out = triton_decode_attention(query, key, value, k_cache, v_cache, self.pad, self.column)
+            out = triton_decode_attention(
+                query, key, value, k_cache, v_cache, self.pad, self.column
+            )
         else:
-            visible = (torch.arange(k_cache.shape[2], device=query.device) <= self.column)[None, None, None]
-            out = sdpa_decode_attention(query, key, value, k_cache, v_cache, self.pad, self.column, visible)
+            visible = (torch.arange(k_cache.shape[2], device=query.device) <= self.column)[
+                None, None, None
+            ]
+            out = sdpa_decode_attention(
+                query, key, value, k_cache, v_cache, self.pad, self.column, visible
+            )
         batch, heads, _, dim = query.shape
         return out.view(batch, 1, heads, dim), None
 
@@ -83,7 +99,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--column", type=int, default=384, help="the step's cache column (t1's mean context)")
+    p.add_argument(
+        "--column", type=int, default=384, help="the step's cache column (t1's mean context)"
+    )
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--check", action="store_true")
     args = p.parse_args()
@@ -95,7 +113,10 @@ def main() -> None:
     AttentionInterface.register("keel_decode", torch.compiler.disable(cache.attention))
     model.config._attn_implementation = "keel_decode"
     if args.check:
-        print(json.dumps({"model": args.model, "check_max_abs_logit_diff": check(model, cache)}), flush=True)
+        print(
+            json.dumps({"model": args.model, "check_max_abs_logit_diff": check(model, cache)}),
+            flush=True,
+        )
     if device != "cuda":
         return
     cache.column.fill_(args.column)
@@ -104,7 +125,9 @@ def main() -> None:
     variants = {"hf_modules_graph": model, "hf_modules_compiled_graph": torch.compile(model)}
     for name, module in variants.items():
         with torch.no_grad():
-            seconds = graph_seconds(lambda module=module: decode_step(module, cache, ids, positions))
+            seconds = graph_seconds(
+                lambda module=module: decode_step(module, cache, ids, positions)
+            )
         row = {"model": args.model, "variant": name, "batch": args.batch, "column": args.column}
         print(json.dumps({**row, "ms_per_step": 1e3 * seconds}), flush=True)
 

@@ -50,7 +50,10 @@ def main() -> None:
     p.add_argument("--model", default="0.5b")
     p.add_argument("--variants", nargs="+", default=["compiled_graphs", "graphs", "eager"])
     p.add_argument("--no-profile", action="store_true", help="the timings only")
-    p.add_argument("--attention", help="a JSON file of attention_sweep.py's fastest KernelConfig per shape and batch")
+    p.add_argument(
+        "--attention",
+        help="a JSON file of attention_sweep.py's fastest KernelConfig per shape and batch",
+    )
     args = p.parse_args()
     model_dir = make_model(args.model, Path(tempfile.gettempdir()) / f"keel_profile_{args.model}")
     model = load_causal_lm(model_dir, torch.device("cuda"))
@@ -68,11 +71,14 @@ def main() -> None:
     for name, options in variants.items():
         engine = NativeRolloutEngine(model, tokenizer, 4096, torch.bfloat16, **options)
         if args.attention and engine.attention is triton_decode_attention:
-            config = KernelConfig(**json.loads(Path(args.attention).read_text())[f"{args.model}_{args.batch}"])
+            config = KernelConfig(
+                **json.loads(Path(args.attention).read_text())[f"{args.model}_{args.batch}"]
+            )
             engine.attention = functools.partial(triton_decode_attention, config=config)
             report["attention_config"] = config.__dict__
         start = time.perf_counter()
-        engine.generate(batch, params)  # warm-up (and compilation)
+        # warm-up (and compilation)
+        engine.generate(batch, params)
         torch.cuda.synchronize()
         warm_up = time.perf_counter() - start
         start = time.perf_counter()
@@ -90,11 +96,14 @@ def main() -> None:
     if args.no_profile:
         return
     engine = NativeRolloutEngine(model, tokenizer, 4096, torch.bfloat16)
-    engine.generate(batch, SamplingParams(n=args.n, max_new_tokens=64, ignore_eos=True))  # compiled, warm
+    # compiled, warm
+    engine.generate(batch, SamplingParams(n=args.n, max_new_tokens=64, ignore_eos=True))
     activities = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, with_stack=True) as prof:
         engine.generate(batch, SamplingParams(n=args.n, max_new_tokens=64, ignore_eos=True))
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90)
+    )
     # Which Python line launches the costliest operators (kernels inside a graph replay have none):
     print(
         prof.key_averages(group_by_stack_n=6).table(

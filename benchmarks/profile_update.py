@@ -81,13 +81,15 @@ def main() -> None:
     batch = make_batch(args.samples, args.prompt, args.response)
     tokens = args.samples * (args.prompt + args.response)
 
-    plan = Placement()  # actor.use_torch_compile's vocabulary part is plan.fused_vocab
+    # actor.use_torch_compile's vocabulary part is plan.fused_vocab
+    plan = Placement()
 
     def forward():
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
             response_log_probs(model, batch, 1.0, plan=plan)
 
-    def decoder_only():  # the decoder alone, no lm_head: is the time in the layers or the vocabulary?
+    # the decoder alone, no lm_head: is the time in the layers or the vocabulary?
+    def decoder_only():
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
             model.get_decoder()(input_ids=batch.input_ids.cuda(), use_cache=False)
 
@@ -106,12 +108,22 @@ def main() -> None:
     }
     # actor.use_torch_compile, in its two parts: the vocabulary arithmetic, then the layers too.
     plan = Placement(fused_vocab=True)
-    report["forward_vocab_compiled_s"], report["train_vocab_compiled_s"] = timed(forward), timed(train_step)
+    report["forward_vocab_compiled_s"], report["train_vocab_compiled_s"] = (
+        timed(forward),
+        timed(train_step),
+    )
     compile_blocks(model)
-    report["forward_all_compiled_s"], report["train_all_compiled_s"] = timed(forward), timed(train_step)
+    report["forward_all_compiled_s"], report["train_all_compiled_s"] = (
+        timed(forward),
+        timed(train_step),
+    )
     plan = Placement(fused_vocab=False)
-    report["forward_layers_compiled_s"], report["train_layers_compiled_s"] = timed(forward), timed(train_step)
-    plan = Placement(fused_vocab=True)  # keel's default on GPU: both parts compiled
+    report["forward_layers_compiled_s"], report["train_layers_compiled_s"] = (
+        timed(forward),
+        timed(train_step),
+    )
+    # keel's default on GPU: both parts compiled
+    plan = Placement(fused_vocab=True)
     report["train_issue_share"] = issue_share(train_step)
     python_profile(train_step)
     report["train_tflops"] = 6 * params * tokens / report["train_s"] / 1e12
@@ -123,7 +135,11 @@ def main() -> None:
             fn()
             torch.cuda.synchronize()
         print(f"--- {name}")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+        print(
+            prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=25, max_name_column_width=70
+            )
+        )
     print(json.dumps(report, indent=2))
 
 

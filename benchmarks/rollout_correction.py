@@ -31,7 +31,11 @@ MODES = {
         "rollout_rs": "seq_sum_k1",
         "rollout_rs_threshold": "0.5_2.0",
     },
-    "bypass_k3_rs": {"bypass_mode": True, "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01},
+    "bypass_k3_rs": {
+        "bypass_mode": True,
+        "rollout_rs": "seq_mean_k3",
+        "rollout_rs_threshold": 0.01,
+    },
 }
 ACCURACY = ADDITION.accuracy_key
 
@@ -51,7 +55,9 @@ def run_mode(out: Path, name: str, correction: dict, dtype: str, steps: int, see
     )
     start = time.perf_counter()
     result = train(cfg)
-    metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [
+        json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     steps_logged = [m for m in metrics if m["step"] > 0 and "timing_s/step" in m]
 
     def average(key: str) -> float | None:
@@ -85,8 +91,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--steps", type=int, default=DemoSettings().grpo_steps)
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--seed", type=int, default=DemoSettings().seed, help="the GRPO stage's (trainer.seed)")
-    parser.add_argument("--results", default=str(Path(__file__).parent / "results" / "rollout_correction.jsonl"))
+    parser.add_argument(
+        "--seed", type=int, default=DemoSettings().seed, help="the GRPO stage's (trainer.seed)"
+    )
+    parser.add_argument(
+        "--results", default=str(Path(__file__).parent / "results" / "rollout_correction.jsonl")
+    )
     args = parser.parse_args()
     out = Path(args.out)
     if not (out / "sft").is_dir():

@@ -41,10 +41,14 @@ def drawn_lengths(count: int, median: float, sigma: float, longest: int) -> list
     return (median * torch.exp(sigma * normal)).round().clamp(1, longest).long().tolist()
 
 
-def decode_all(engine, prompts: list[list[int]], lengths: list[int], group: int, rows: int, longest: int) -> float:
+def decode_all(
+    engine, prompts: list[list[int]], lengths: list[int], group: int, rows: int, longest: int
+) -> float:
     """Every sequence generated to its length through one batcher of `rows` rows (one shape for
     every call, so the kept batcher and its graphs serve them all) -> seconds."""
-    params = SamplingParams(do_sample=True, temperature=1.0, max_new_tokens=longest, ignore_eos=True)
+    params = SamplingParams(
+        do_sample=True, temperature=1.0, max_new_tokens=longest, ignore_eos=True
+    )
     batcher = engine.continuous_batcher(rows, len(prompts[0]) + longest, longest)
     for i, (prompt, length) in enumerate(zip(prompts, lengths)):
         batcher.add(i, prompt, length, group=i // group)
@@ -78,7 +82,9 @@ def fixed_chunk(engine, prompts: list[list[int]], group: int, longest: int) -> f
         for i, row in enumerate(prompts)
     ]
     batch = PromptBatch(ids, torch.ones_like(ids), records)
-    params = SamplingParams(do_sample=True, temperature=1.0, max_new_tokens=longest, ignore_eos=True)
+    params = SamplingParams(
+        do_sample=True, temperature=1.0, max_new_tokens=longest, ignore_eos=True
+    )
     engine.generate(batch, params)
     synchronize()
     start = time.perf_counter()
@@ -96,19 +102,30 @@ def main() -> None:
     parser.add_argument("--median", type=float, default=512)
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--rows", type=int, default=256)
-    parser.add_argument("--w2-rows", type=int, default=256)  # w2's batch (32 x 8): its fixed path, in this run
-    parser.add_argument("--model", default="0.5b")  # tiny: a CPU check of the script
+    # w2's batch (32 x 8): its fixed path, in this run
+    parser.add_argument("--w2-rows", type=int, default=256)
+    # tiny: a CPU check of the script
+    parser.add_argument("--model", default="0.5b")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     model_dir = make_model(args.model, Path(tempfile.mkdtemp(prefix="keel_w4_")) / "model")
     device, dtype = (
-        (torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available() else (torch.device("cpu"), torch.float32)
+        (torch.device("cuda"), torch.bfloat16)
+        if torch.cuda.is_available()
+        else (torch.device("cpu"), torch.float32)
     )
     model = load_causal_lm(model_dir, device).to(dtype)
-    engine = NativeRolloutEngine(model, load_tokenizer(model_dir), args.rows, dtype, free_cache_engine=False)
+    engine = NativeRolloutEngine(
+        model, load_tokenizer(model_dir), args.rows, dtype, free_cache_engine=False
+    )
     count = args.prompts * args.n
-    prompts = [torch.randint(10, 200, (args.prompt,)).tolist() for _ in range(args.prompts) for _ in range(args.n)]
-    for p in range(args.prompts):  # a group's samples share their prompt
+    prompts = [
+        torch.randint(10, 200, (args.prompt,)).tolist()
+        for _ in range(args.prompts)
+        for _ in range(args.n)
+    ]
+    # a group's samples share their prompt
+    for p in range(args.prompts):
         for s in range(1, args.n):
             prompts[p * args.n + s] = prompts[p * args.n]
     lengths = drawn_lengths(count, args.median, args.sigma, args.longest)
@@ -117,13 +134,20 @@ def main() -> None:
     def run(prompts_, lengths_):
         return decode_all(engine, prompts_, lengths_, args.n, args.rows, args.longest)
 
-    run(prompts, lengths)  # compilation and graph capture, for every bucket
+    # compilation and graph capture, for every bucket
+    run(prompts, lengths)
     refilled = run(prompts, lengths)
-    chunked = sum(run(prompts[i : i + args.rows], lengths[i : i + args.rows]) for i in range(0, count, args.rows))
+    chunked = sum(
+        run(prompts[i : i + args.rows], lengths[i : i + args.rows])
+        for i in range(0, count, args.rows)
+    )
     fixed_rows = run(prompts[: args.rows], [args.longest] * args.rows)
-    rows_used = engine._kept_batcher.shape[0]  # before the fixed-length path's own cache replaces it
-    fixed_s = fixed_chunk(engine, prompts[: args.rows], args.n, args.longest)  # the fixed-length path, as w2's
-    w2_s = fixed_chunk(engine, prompts[: args.w2_rows], args.n, args.longest)  # w2's own rollout: its rows, 2048 each
+    # before the fixed-length path's own cache replaces it
+    rows_used = engine._kept_batcher.shape[0]
+    # the fixed-length path, as w2's
+    fixed_s = fixed_chunk(engine, prompts[: args.rows], args.n, args.longest)
+    # w2's own rollout: its rows, 2048 each
+    w2_s = fixed_chunk(engine, prompts[: args.w2_rows], args.n, args.longest)
     ordered = sorted(lengths)
     record = {
         "workload": "w4",
@@ -151,8 +175,11 @@ def main() -> None:
         "commit": os.environ.get("KEEL_COMMIT", "unknown"),
     }
     record["refilled_over_fixed"] = record["refilled_tokens_per_s"] / record["fixed_tokens_per_s"]
-    record["refilled_over_chunked"] = record["refilled_tokens_per_s"] / record["chunked_tokens_per_s"]
-    record["refilled_over_w2"] = record["refilled_tokens_per_s"] / record["w2_tokens_per_s"]  # issue 17's w4 target
+    record["refilled_over_chunked"] = (
+        record["refilled_tokens_per_s"] / record["chunked_tokens_per_s"]
+    )
+    # issue 17's w4 target
+    record["refilled_over_w2"] = record["refilled_tokens_per_s"] / record["w2_tokens_per_s"]
     print(json.dumps(record), flush=True)
     if args.out:
         with args.out.open("a") as f:

@@ -8,7 +8,8 @@ from keel import openmp as _openmp  # noqa: F401 - first, before anything loads 
 def _version() -> str:
     try:
         return _metadata.version("keel")
-    except _metadata.PackageNotFoundError:  # running from a source tree that was never installed
+    # running from a source tree that was never installed
+    except _metadata.PackageNotFoundError:
         return "0.0.0+source"
 
 

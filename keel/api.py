@@ -20,7 +20,9 @@ log = logging.getLogger("keel")
 
 
 def train(
-    config: str | Path | dict | KeelConfig | None = None, overrides: list[str] | dict | None = None, check: bool = True
+    config: str | Path | dict | KeelConfig | None = None,
+    overrides: list[str] | dict | None = None,
+    check: bool = True,
 ) -> RunResult:
     """Load and validate a config (path, dict or object, plus overrides), run `keel check` on it
     (unless `check=False`, which is logged), then train."""
@@ -33,7 +35,9 @@ def train(
         log.warning("keel check skipped: problems it would have caught will surface during the run")
         for line in [line for line in cfg.decided if "vLLM" in line] or cfg.decided[:1]:
             log.info("decided for you: %s (`keel check` lists all %d)", line, len(cfg.decided))
-    return RLTrainer(cfg, report.inputs if report else None, render(report) if report else None).fit()
+    return RLTrainer(
+        cfg, report.inputs if report else None, render(report) if report else None
+    ).fit()
 
 
 def preflight(cfg: KeelConfig) -> Report:

@@ -59,14 +59,17 @@ def save_checkpoint(
     final = step_dir(run_dir, step)
     tmp = run_dir / f".global_step_{step}.tmp"
     if tmp.exists():
-        shutil.rmtree(tmp)  # left by a crash during an earlier save
+        # left by a crash during an earlier save
+        shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     write(tmp)
-    if config_yaml is not None:  # the config that made it, compared on resume
+    # the config that made it, compared on resume
+    if config_yaml is not None:
         (tmp / "config.yaml").write_text(config_yaml)
     (tmp / MARKER).write_text(json.dumps({"step": step, "keel_version": __version__}))
     _fsync_tree(tmp)
-    if final.exists():  # the same step saved again after a resume from an earlier one
+    # the same step saved again after a resume from an earlier one
+    if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     _write_atomic(run_dir / LATEST, str(step))
@@ -92,7 +95,9 @@ def write_policy(directory: Path, model, tokenizer, state_dict: dict | None = No
     # name into config.json, which no loader (vLLM, transformers) then recognises.
     config_file = Path(directory) / "config.json"
     config = json.loads(config_file.read_text())
-    architecture = [next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))]
+    architecture = [
+        next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
+    ]
     if config.get("architectures") != architecture:
         config_file.write_text(json.dumps({**config, "architectures": architecture}, indent=2))
     tokenizer.save_pretrained(directory)
@@ -105,11 +110,17 @@ def save_trainers(out: Path, actor, critic, rank: int, tokenizer, actor_sharded:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if actor is not None:
-        whole = None  # unsharded: the module's own state dict
-        if actor_sharded:  # every rank takes part; rank 0 receives it, in CPU memory
-            lora = hasattr(actor.model, "peft_config")  # the adapters only: the base never changes
+        # unsharded: the module's own state dict
+        whole = None
+        # every rank takes part; rank 0 receives it, in CPU memory
+        if actor_sharded:
+            # the adapters only: the base never changes
+            lora = hasattr(actor.model, "peft_config")
             whole = get_model_state_dict(
-                actor.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora)
+                actor.model,
+                options=StateDictOptions(
+                    full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora
+                ),
             )
             whole = whole if lora else _untied(actor.model, whole)
         if rank == 0:
@@ -118,7 +129,8 @@ def save_trainers(out: Path, actor, critic, rank: int, tokenizer, actor_sharded:
         _save_sharded(out / "actor_optim", {"optimizer": _optimizer_state(actor)})
     if critic is not None:
         _save_sharded(
-            out / "critic", {"model": get_model_state_dict(critic.model), "optimizer": _optimizer_state(critic)}
+            out / "critic",
+            {"model": get_model_state_dict(critic.model), "optimizer": _optimizer_state(critic)},
         )
         if rank == 0:
             torch.save(critic.scheduler.state_dict(), out / "critic_scheduler.pt")
@@ -166,7 +178,8 @@ def _load_optimizer(trainer, optim_dir: Path, scheduler_file: Path) -> None:
 def _save_sharded(path: Path, state: dict) -> None:
     import torch.distributed.checkpoint as dcp
 
-    with warnings.catch_warnings():  # one worker writes without a process group, on purpose
+    # one worker writes without a process group, on purpose
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, checkpoint_id=str(path))
 
@@ -211,7 +224,8 @@ def resolve_resume(run_dir: Path, resume_mode: str, cfg=None) -> Path | None:
 def new_run_fix(run_dir: Path, cfg) -> str:
     """The fix that always works for a run directory holding another run: one that does not exist yet."""
     new = free_directory(run_dir)
-    if cfg is None or cfg.trainer.default_local_dir:  # the directory is given outright, not made of the names
+    # the directory is given outright, not made of the names
+    if cfg is None or cfg.trainer.default_local_dir:
         return f"set {setting('trainer.default_local_dir', str(new))} (a run directory that does not exist yet)"
     return f"set {setting('trainer.experiment_name', new.name)} (a new run directory, {new})"
 
@@ -272,7 +286,9 @@ def find_resume_checkpoint(run_dir: Path, resume_mode: str) -> Path | None:
             else f"set {setting('trainer.resume_mode', 'auto')} (the newest complete checkpoint of the run, or "
             "a fresh start when there is none)"
         )
-        raise KeelError(RESUME_PATH, f"trainer.resume_mode={resume_mode!r}: the checkpoint {state}", fix)
+        raise KeelError(
+            RESUME_PATH, f"trainer.resume_mode={resume_mode!r}: the checkpoint {state}", fix
+        )
     return path
 
 
@@ -281,7 +297,11 @@ def checkpoint_step(path: Path) -> int:
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -310,7 +330,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merged: bool 
         raise KeelError(
             NOT_A_CHECKPOINT,
             f"{checkpoint} {state}",
-            f"run `{command.format(found, out_dir)}` (the newest complete checkpoint there)" if found else None,
+            f"run `{command.format(found, out_dir)}` (the newest complete checkpoint there)"
+            if found
+            else None,
         )
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / EXPORT_MARKER).exists():
         raise KeelError(
@@ -339,7 +361,9 @@ def _write_merged(checkpoint: Path, out: Path) -> None:
 
     from keel.models.load import check_model_dir
 
-    base_path = yaml.safe_load((checkpoint / "config.yaml").read_text())["actor_rollout_ref"]["model"]["path"]
+    base_path = yaml.safe_load((checkpoint / "config.yaml").read_text())["actor_rollout_ref"][
+        "model"
+    ]["path"]
     base = AutoModelForCausalLM.from_pretrained(check_model_dir(base_path), dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, checkpoint / "actor").merge_and_unload()
     merged.save_pretrained(out)

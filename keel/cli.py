@@ -22,7 +22,9 @@ def _list_of(parse, choices=None):
         values = [parse(v) for v in text.split(",")]
         bad = [v for v in values if choices is not None and v not in choices]
         if bad:
-            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(sorted(choices))}")
+            raise argparse.ArgumentTypeError(
+                f"unknown {bad}; choose from {', '.join(sorted(choices))}"
+            )
         return values
 
     return convert
@@ -51,10 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     def config_command(name: str, help: str, func) -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=help)
         command.add_argument(
-            "config", nargs="?", help="YAML config file (optional: a verl script passes overrides only)"
+            "config",
+            nargs="?",
+            help="YAML config file (optional: a verl script passes overrides only)",
         )
         command.add_argument(
-            "overrides", nargs="*", help="section.key=value overrides (Hydra's +key=value, ++key=value and ~key too)"
+            "overrides",
+            nargs="*",
+            help="section.key=value overrides (Hydra's +key=value, ++key=value and ~key too)",
         )
         command.set_defaults(func=func)
         return command
@@ -81,10 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     verl_launch(
         config_command("train", "RL-train a policy (PPO, GRPO and relatives)", commands.cmd_train)
-    ).add_argument("--skip-check", action="store_true", help="do not run `keel check` first (logged)")
+    ).add_argument(
+        "--skip-check", action="store_true", help="do not run `keel check` first (logged)"
+    )
     verl_launch(
         config_command(
-            "check", "check a config, its model, data, reward and memory without training", commands.cmd_check
+            "check",
+            "check a config, its model, data, reward and memory without training",
+            commands.cmd_check,
         )
     ).add_argument("--json", action="store_true", help="machine-readable output")
     config_command("sft", "supervised fine-tuning on chat data", commands.cmd_sft)
@@ -107,7 +117,10 @@ MACHINE_COMMANDS = {
         commands.cmd_doctor,
         [
             (["--json"], {"action": "store_true", "help": "machine-readable output"}),
-            (["--path"], {"default": ".", "help": "where checkpoints will go (for the disk check)"}),
+            (
+                ["--path"],
+                {"default": ".", "help": "where checkpoints will go (for the disk check)"},
+            ),
         ],
     ),
     "report": (
@@ -128,7 +141,12 @@ MACHINE_COMMANDS = {
                     "help": "arithmetic: 2-digit addition; tools: multi-turn GRPO calling a calculator",
                 },
             ),
-            (["--out"], {"help": "output directory (default: keel_demo, or keel_demo_tools for --task tools)"}),
+            (
+                ["--out"],
+                {
+                    "help": "output directory (default: keel_demo, or keel_demo_tools for --task tools)"
+                },
+            ),
             (
                 ["--fresh"],
                 {
@@ -174,11 +192,17 @@ def _add_machine_commands(sub) -> None:
 
 
 def _add_reward_server(sub) -> None:
-    serve = sub.add_parser("reward-server", help="serve a scorer over HTTP (POST /score, GET /health)")
+    serve = sub.add_parser(
+        "reward-server", help="serve a scorer over HTTP (POST /score, GET /health)"
+    )
     source = serve.add_mutually_exclusive_group(required=True)
-    source.add_argument("--scorer", help="a built-in scorer: " + ", ".join(sorted(_builtin_scorers())))
+    source.add_argument(
+        "--scorer", help="a built-in scorer: " + ", ".join(sorted(_builtin_scorers()))
+    )
     source.add_argument("--custom", help="PATH[:FUNCTION] of a reward function file")
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: this machine only)")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="bind address (default: this machine only)"
+    )
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--token", help="require `Authorization: Bearer TOKEN`")
     serve.add_argument("--max-request-bytes", type=int, default=8 << 20)
@@ -192,7 +216,8 @@ def _add_reward_server(sub) -> None:
     )
     serve.add_argument("--num-workers", type=int, default=0, help="scoring processes")
     serve.add_argument(
-        "--inject", help="faults for the first /score requests, e.g. 500,malformed,slow (to test a client's retries)"
+        "--inject",
+        help="faults for the first /score requests, e.g. 500,malformed,slow (to test a client's retries)",
     )
     serve.set_defaults(func=commands.cmd_reward_server)
 
@@ -200,13 +225,21 @@ def _add_reward_server(sub) -> None:
 def _add_bench(sub) -> None:
     from keel.bench.workloads import WORKLOADS
 
-    bench = sub.add_parser("bench", help="time a GRPO workload on a random-weight model; prints a JSON record")
-    bench.add_argument(
-        "workload", type=_list_of(str, WORKLOADS), help=f"one or more of {','.join(WORKLOADS)}, comma-separated"
+    bench = sub.add_parser(
+        "bench", help="time a GRPO workload on a random-weight model; prints a JSON record"
     )
-    bench.add_argument("overrides", nargs="*", help="section.key=value overrides of the workload's config")
+    bench.add_argument(
+        "workload",
+        type=_list_of(str, WORKLOADS),
+        help=f"one or more of {','.join(WORKLOADS)}, comma-separated",
+    )
+    bench.add_argument(
+        "overrides", nargs="*", help="section.key=value overrides of the workload's config"
+    )
     bench.add_argument("--steps", type=int, default=5, help="measured steps")
-    bench.add_argument("--warmup", type=int, default=2, help="steps run first and left out of the numbers")
+    bench.add_argument(
+        "--warmup", type=int, default=2, help="steps run first and left out of the numbers"
+    )
     bench.add_argument(
         "--gpus",
         type=_list_of(int),
@@ -228,10 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and hasattr(args, "overrides") and all(_is_override(word) for word in rest):
-        args.overrides = [*args.overrides, *rest]  # overrides after an option, as verl's `... $@` gives them
+        # overrides after an option, as verl's `... $@` gives them
+        args.overrides = [*args.overrides, *rest]
     elif rest:
-        parser.parse_args(argv)  # argparse's own message for what it does not know
-    if getattr(args, "config", None) and _is_override(args.config):  # `keel train key=value ...`, as verl's scripts
+        # argparse's own message for what it does not know
+        parser.parse_args(argv)
+    # `keel train key=value ...`, as verl's scripts
+    if getattr(args, "config", None) and _is_override(args.config):
         args.overrides, args.config = [args.config, *args.overrides], None
     if args.debug:
         # Synchronous kernels put a CUDA error's traceback at the op that caused it; DETAIL makes

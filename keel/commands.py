@@ -69,9 +69,12 @@ def cmd_demo(args) -> int:
     from keel.demo_tools import TOOLS, ToolDemoSettings
 
     settings, task, out = (
-        (ToolDemoSettings(), TOOLS, "keel_demo_tools") if args.task == "tools" else (DemoSettings(), None, "keel_demo")
+        (ToolDemoSettings(), TOOLS, "keel_demo_tools")
+        if args.task == "tools"
+        else (DemoSettings(), None, "keel_demo")
     )
-    if args.smoke:  # a directory of its own: a smoke run never clears a finished demo (other settings)
+    # a directory of its own: a smoke run never clears a finished demo (other settings)
+    if args.smoke:
         settings, out = smoke_settings(settings), f"{out}_smoke"
     print_summary(run_demo(args.out or out, settings, fresh=args.fresh, task=task))
     return 0
@@ -97,15 +100,19 @@ def cmd_reward_server(args) -> int:
             args.custom.rpartition(":")
             if ":" in args.custom.removeprefix("pkg:").removeprefix("file:")
             else (args.custom, "", "")
-        )  # FILE:NAME, or pkg://module:NAME
+            # FILE:NAME, or pkg://module:NAME
+        )
         scorer_fn = load_custom_reward_fn(path, name or "compute_score")
     else:
         scorer_fn = ("builtin", args.scorer)
-    if args.scorer in ("code_exec", "prime_code"):  # the responses run here: this machine's jail is the one that counts
+    # the responses run here: this machine's jail is the one that counts
+    if args.scorer in ("code_exec", "prime_code"):
         from keel.rewards.sandbox import require_jail
 
         print("\n".join(require_jail(args.sandbox_require).describe()), flush=True)
-    scorer = RewardScorer(scorer_fn, timeout_s=args.timeout_s, num_workers=args.num_workers, max_not_scored_ratio=1.0)
+    scorer = RewardScorer(
+        scorer_fn, timeout_s=args.timeout_s, num_workers=args.num_workers, max_not_scored_ratio=1.0
+    )
     server = make_server(
         scorer,
         args.host,
@@ -115,7 +122,10 @@ def cmd_reward_server(args) -> int:
         args.max_concurrency,
         args.inject.split(",") if args.inject else None,
     )
-    print(f"keel reward-server on http://{args.host}:{server.server_address[1]} (POST /score, GET /health)", flush=True)
+    print(
+        f"keel reward-server on http://{args.host}:{server.server_address[1]} (POST /score, GET /health)",
+        flush=True,
+    )
     try:
         server.serve_forever()
     finally:
@@ -167,7 +177,9 @@ def cmd_explain(args) -> int:
     code = args.code.upper()
     code = code if code.startswith("KEEL-") else f"KEEL-{code}"
     if code not in CATALOGUE:
-        print(f"unknown code {args.code!r}; `keel explain --list` shows every code", file=sys.stderr)
+        print(
+            f"unknown code {args.code!r}; `keel explain --list` shows every code", file=sys.stderr
+        )
         return 2
     print(explain(code))
     return 0

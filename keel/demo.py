@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import ClassVar
 
 DATA_SOURCE = "keel/arithmetic"
-MARKER = "keel_demo.json"  # marks a directory as the demo's own, so a rerun may clear it
-RESULT = "result.json"  # a finished demo's table: a rerun shows it again instead of training
+# marks a directory as the demo's own, so a rerun may clear it
+MARKER = "keel_demo.json"
+# a finished demo's table: a rerun shows it again instead of training
+RESULT = "result.json"
 
 
 @dataclass(frozen=True)
@@ -33,11 +35,14 @@ class DemoSettings:
     machines whose numerics differ; the climb is steep, so a chunk may overshoot the target (one
     2-core run's dev accuracy: 6% at step 150, 14% at 275, 38% at 300)."""
 
-    TASK: ClassVar[str] = "addition"  # keel demo --task
-    digits: int = 2  # operands have up to this many digits
+    # keel demo --task
+    TASK: ClassVar[str] = "addition"
+    # operands have up to this many digits
+    digits: int = 2
     n_sft: int = 4000
     n_rl: int = 2000
-    n_dev: int = 200  # decides when SFT stops; disjoint from the held-out set
+    # decides when SFT stops; disjoint from the held-out set
+    n_dev: int = 200
     n_heldout: int = 400
     hidden_size: int = 128
     num_layers: int = 4
@@ -51,10 +56,12 @@ class DemoSettings:
     grpo_prompts: int = 64
     grpo_n: int = 8
     grpo_lr: float = 5e-5
-    grpo_mini_batches: int = 4  # optimiser steps per rollout
+    # optimiser steps per rollout
+    grpo_mini_batches: int = 4
     test_freq: int = 20
     seed: int = 0
-    smoke: bool = False  # `--smoke`: a few steps of each stage, to check a setup
+    # `--smoke`: a few steps of each stage, to check a setup
+    smoke: bool = False
 
 
 # `keel demo --smoke`: every stage runs and writes what it writes, in seconds; nothing is learnt.
@@ -82,16 +89,20 @@ def smoke_settings(settings: DemoSettings) -> DemoSettings:
 @dataclass
 class DemoResult:
     out_dir: Path
-    acc_before: float  # held-out accuracy of the SFT model (greedy)
-    acc_after: float  # after GRPO
+    # held-out accuracy of the SFT model (greedy)
+    acc_before: float
+    # after GRPO
+    acc_after: float
     sft_steps: int
     grpo_steps: int
     seconds: float
     n_params: int
-    calls_before: float | None = None  # the tools demo: share of held-out calls that gave the right answer
+    # the tools demo: share of held-out calls that gave the right answer
+    calls_before: float | None = None
     calls_after: float | None = None
     smoke: bool = False
-    earlier: bool = False  # read back from RESULT: the demo had finished before this run
+    # read back from RESULT: the demo had finished before this run
+    earlier: bool = False
 
 
 def addition_problem(rng: random.Random, digits: int) -> tuple[str, int]:
@@ -108,12 +119,18 @@ def make_data(out: Path, s: DemoSettings) -> dict[str, Path]:
         picked = []
         while len(picked) < n:
             question, answer = addition_problem(rng, s.digits)
-            if question not in seen:  # held-out questions never appear in training
+            # held-out questions never appear in training
+            if question not in seen:
                 seen.add(question)
                 picked.append((question, answer))
         return picked
 
-    heldout, dev, sft, rl = problems(s.n_heldout), problems(s.n_dev), problems(s.n_sft), problems(s.n_rl)
+    heldout, dev, sft, rl = (
+        problems(s.n_heldout),
+        problems(s.n_dev),
+        problems(s.n_sft),
+        problems(s.n_rl),
+    )
 
     def prompt_row(question: str, answer: int) -> dict:
         return {
@@ -127,7 +144,13 @@ def make_data(out: Path, s: DemoSettings) -> dict[str, Path]:
         out,
         {
             "sft": [
-                {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": str(a)}]} for q, a in sft
+                {
+                    "messages": [
+                        {"role": "user", "content": q},
+                        {"role": "assistant", "content": str(a)},
+                    ]
+                }
+                for q, a in sft
             ],
             "rl": [prompt_row(q, a) for q, a in rl],
             "heldout": [prompt_row(q, a) for q, a in heldout],
@@ -155,7 +178,12 @@ def sft_config(out: Path, data: dict[str, Path], model: Path, s: DemoSettings, s
         },
         "model": {"partial_pretrain": str(model)},
         # constant after warm-up, so extending the run by a chunk continues the same schedule
-        "optim": {"lr": s.sft_lr, "weight_decay": 0.0, "lr_warmup_steps": 5, "warmup_style": "constant"},
+        "optim": {
+            "lr": s.sft_lr,
+            "weight_decay": 0.0,
+            "lr_warmup_steps": 5,
+            "warmup_style": "constant",
+        },
         "trainer": {
             "default_local_dir": str(out / "sft"),
             "total_training_steps": steps,
@@ -182,7 +210,11 @@ def grpo_config(out: Path, data: dict[str, Path], s: DemoSettings) -> dict:
                 "ppo_micro_batch_size_per_gpu": s.grpo_prompts // s.grpo_mini_batches * s.grpo_n,
                 "optim": {"lr": s.grpo_lr, "weight_decay": 0.0},
             },
-            "rollout": {"n": s.grpo_n, "temperature": 1.0, "log_prob_micro_batch_size_per_gpu": 256},
+            "rollout": {
+                "n": s.grpo_n,
+                "temperature": 1.0,
+                "log_prob_micro_batch_size_per_gpu": 256,
+            },
         },
         "algorithm": {"adv_estimator": "grpo"},
         "trainer": {
@@ -238,9 +270,12 @@ class DemoTask:
 
     make_data: Callable[[Path, DemoSettings], dict[str, Path]]
     grpo_config: Callable[[Path, dict[str, Path], DemoSettings], dict]
-    dev_accuracy: Callable[[Path, dict[str, Path], DemoSettings], float]  # the SFT model's, greedy
-    accuracy_key: str  # the held-out metric reported
-    calls_key: Callable[[DemoSettings], str] | None = None  # the tools demo's correct calls
+    # the SFT model's, greedy
+    dev_accuracy: Callable[[Path, dict[str, Path], DemoSettings], float]
+    # the held-out metric reported
+    accuracy_key: str
+    # the tools demo's correct calls
+    calls_key: Callable[[DemoSettings], str] | None = None
 
 
 def run_demo(
@@ -274,7 +309,12 @@ def run_demo(
         )
     logger = {"trainer.logger": ["console"] if console else []}
     sft_steps = sft_until_partly_competent(
-        out, data, model, settings, logger, lambda sft_dir: task.dev_accuracy(sft_dir, data, settings)
+        out,
+        data,
+        model,
+        settings,
+        logger,
+        lambda sft_dir: task.dev_accuracy(sft_dir, data, settings),
     )
     grpo = train(task.grpo_config(out, data, settings), logger)
     write_report(grpo.run_dir)
@@ -301,36 +341,46 @@ def stored_result(out: Path) -> DemoResult | None:
     """The table of a demo that finished in `out` (same settings: prepare_out_dir cleared any other)."""
     try:
         stored = json.loads((out / RESULT).read_text())
-    except (OSError, ValueError):  # none yet (or cut short by a killed run): run the demo
+    # none yet (or cut short by a killed run): run the demo
+    except (OSError, ValueError):
         return None
     values = {f.name: stored[f.name] for f in fields(DemoResult) if f.name in stored}
     values.update(out_dir=out, earlier=True)
     try:
         return DemoResult(**values)
-    except TypeError:  # written by a keel whose table had other fields: run the demo
+    # written by a keel whose table had other fields: run the demo
+    except TypeError:
         return None
 
 
 def sft_until_partly_competent(
-    out: Path, data: dict[str, Path], model: Path, s: DemoSettings, logger: dict, dev_accuracy: Callable[[Path], float]
+    out: Path,
+    data: dict[str, Path],
+    model: Path,
+    s: DemoSettings,
+    logger: dict,
+    dev_accuracy: Callable[[Path], float],
 ) -> int:
     """Extend the SFT run chunk by chunk until greedy dev accuracy reaches `sft_target`."""
     from keel.checkpoint import find_resume_checkpoint
     from keel.trainer.sft import sft
 
-    done = find_resume_checkpoint(out / "sft", "auto")  # a rerun continues where the last one stopped
+    # a rerun continues where the last one stopped
+    done = find_resume_checkpoint(out / "sft", "auto")
     steps = max(s.sft_chunk, int(done.name.rsplit("_", 1)[1]) if done else 0)
     keel_log = logging.getLogger("keel")
     while True:
         level = keel_log.level
-        keel_log.setLevel(logging.WARNING if steps > s.sft_chunk else level)  # one "resumed" line per chunk is noise
+        # one "resumed" line per chunk is noise
+        keel_log.setLevel(logging.WARNING if steps > s.sft_chunk else level)
         try:
             sft(sft_config(out, data, model, s, steps), logger)
         finally:
             keel_log.setLevel(level)
         accuracy = dev_accuracy(out / "sft")
         print(
-            f"SFT step {steps}: dev accuracy {100 * accuracy:.1f}% (target {100 * s.sft_target:.0f}%)", file=sys.stderr
+            f"SFT step {steps}: dev accuracy {100 * accuracy:.1f}% (target {100 * s.sft_target:.0f}%)",
+            file=sys.stderr,
         )
         if accuracy >= s.sft_target or steps >= s.sft_max_steps:
             return steps
@@ -382,12 +432,24 @@ def print_summary(r: DemoResult) -> None:
         ("plots", f"{r.out_dir / 'grpo' / 'report.png'}  {r.out_dir / 'sft' / 'report.png'}"),
     ]
     if r.calls_before is not None:
-        rows.insert(2, ("correct calculator calls", f"{100 * r.calls_before:.1f}% -> {100 * r.calls_after:.1f}%"))
+        rows.insert(
+            2,
+            (
+                "correct calculator calls",
+                f"{100 * r.calls_before:.1f}% -> {100 * r.calls_after:.1f}%",
+            ),
+        )
     width = max(len(label) for label, _ in rows)
-    task = "3-digit multiplication with a calculator tool" if r.calls_before is not None else "2-digit addition"
+    task = (
+        "3-digit multiplication with a calculator tool"
+        if r.calls_before is not None
+        else "2-digit addition"
+    )
     print(f"\nkeel demo: {task}, a {r.n_params / 1e6:.1f}M-parameter Qwen2 trained on CPU")
     if r.smoke:
-        print("  smoke run (--smoke): a few steps of each stage to check the setup; the numbers mean nothing")
+        print(
+            "  smoke run (--smoke): a few steps of each stage to check the setup; the numbers mean nothing"
+        )
     if r.earlier:
         print(f"  finished earlier in {r.out_dir}; `keel demo --fresh` runs it again")
     for label, value in rows:
@@ -395,5 +457,8 @@ def print_summary(r: DemoResult) -> None:
 
 
 ADDITION = DemoTask(
-    make_data, grpo_config, lambda sft_dir, data, s: greedy_accuracy(sft_dir, data["dev"]), f"val/{DATA_SOURCE}/acc"
+    make_data,
+    grpo_config,
+    lambda sft_dir, data, s: greedy_accuracy(sft_dir, data["dev"]),
+    f"val/{DATA_SOURCE}/acc",
 )

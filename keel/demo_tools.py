@@ -30,16 +30,22 @@ class ToolDemoSettings(DemoSettings):
     n_heldout: int = 200
     sft_batch: int = 32
     sft_max_length: int = 256
-    max_response_length: int = 128  # the whole trajectory
+    # the whole trajectory
+    max_response_length: int = 128
     grpo_steps: int = 40
     grpo_prompts: int = 32
     grpo_mini_batches: int = 2
     test_freq: int = 10
-    val_n: int = 2  # held-out samples per prompt
+    # held-out samples per prompt
+    val_n: int = 2
 
 
 def tool_call(question: str) -> str:
-    return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": question}}) + "</tool_call>"
+    return (
+        "<tool_call>"
+        + json.dumps({"name": "calculator", "arguments": {"expression": question}})
+        + "</tool_call>"
+    )
 
 
 def make_data(out: Path, s: ToolDemoSettings) -> dict[str, Path]:
@@ -56,7 +62,12 @@ def make_data(out: Path, s: ToolDemoSettings) -> dict[str, Path]:
                 picked.append((f"{a}*{b}", a * b))
         return picked
 
-    heldout, dev, sft, rl = problems(s.n_heldout), problems(s.n_dev), problems(s.n_sft), problems(s.n_rl)
+    heldout, dev, sft, rl = (
+        problems(s.n_heldout),
+        problems(s.n_dev),
+        problems(s.n_sft),
+        problems(s.n_rl),
+    )
 
     def prompt_row(question: str, answer: int) -> dict:
         return {
@@ -86,7 +97,9 @@ def make_data(out: Path, s: ToolDemoSettings) -> dict[str, Path]:
         },
     )
     paths["tools"] = out / "data" / "tools.yaml"
-    paths["tools"].write_text("tools:\n  - class_name: keel.tools.Calculator\n    config: {type: native}\n")
+    paths["tools"].write_text(
+        "tools:\n  - class_name: keel.tools.Calculator\n    config: {type: native}\n"
+    )
     return paths
 
 
@@ -112,7 +125,8 @@ def grpo_config(out: Path, data: dict[str, Path], s: ToolDemoSettings) -> dict:
                 "optim": {"lr": s.grpo_lr, "weight_decay": 0.0},
             },
             # Held-out accuracy as the policy samples (temperature 1): once SFT has taught the call,
-            # greedy decoding copies the tool's answer well; what GRPO raises is how often a sample does.
+            # greedy decoding copies the tool's answer well; what GRPO raises is how often a sample
+            # does.
             "rollout": {
                 "n": s.grpo_n,
                 "temperature": 1.0,
@@ -140,7 +154,9 @@ def dev_accuracy(model_dir: Path, data: dict[str, Path], s: ToolDemoSettings) ->
     from keel.rollout.agent import build_agent_loop
 
     def agent(engine, tokenizer):
-        return build_agent_loop(MultiTurnConfig(**multi_turn(data)), engine, tokenizer, s.max_response_length)
+        return build_agent_loop(
+            MultiTurnConfig(**multi_turn(data)), engine, tokenizer, s.max_response_length
+        )
 
     return greedy_accuracy(model_dir, data["dev"], DATA_SOURCE, s.max_response_length, agent)
 

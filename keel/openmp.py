@@ -15,7 +15,12 @@ import os
 import sys
 
 USER_CHOICE = next(
-    (f"{name}={os.environ[name]}" for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if name in os.environ), None
+    (
+        f"{name}={os.environ[name]}"
+        for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+        if name in os.environ
+    ),
+    None,
 )
 TORCH_CAME_FIRST = "torch" in sys.modules
 if USER_CHOICE is None and not TORCH_CAME_FIRST:
@@ -31,4 +36,7 @@ def how_threads_wait() -> tuple[bool, str]:
             "spinning: torch was imported before keel; on a shared machine a CPU run slows several "
             "times over, so `export OMP_WAIT_POLICY=PASSIVE` before Python starts, or import keel first"
         )
-    return True, "sleeping (OMP_WAIT_POLICY=PASSIVE, set by keel): a CPU run keeps its pace beside busy processes"
+    return (
+        True,
+        "sleeping (OMP_WAIT_POLICY=PASSIVE, set by keel): a CPU run keeps its pace beside busy processes",
+    )

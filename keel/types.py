@@ -16,13 +16,16 @@ from torch import Tensor
 
 @dataclass
 class PromptRecord:
-    index: int  # row index in the dataset, before filtering
+    # row index in the dataset, before filtering
+    index: int
     prompt_ids: list[int]
-    prompt_text: str  # the templated text fed to the model (re-decoded if truncated)
+    # the templated text fed to the model (re-decoded if truncated)
+    prompt_text: str
     data_source: str
     ground_truth: Any
     extra_info: dict = field(default_factory=dict)
-    raw_prompt: str | list[dict] | None = None  # as in the data: a reward model templates it its own way
+    # as in the data: a reward model templates it its own way
+    raw_prompt: str | list[dict] | None = None
 
 
 @dataclass
@@ -49,9 +52,11 @@ class SamplingParams:
     do_sample: bool = True
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # -1: off
+    # -1: off
+    top_k: int = -1
     max_new_tokens: int = 512
-    ignore_eos: bool = False  # every response is max_new_tokens long (benchmarks)
+    # every response is max_new_tokens long (benchmarks)
+    ignore_eos: bool = False
 
 
 @dataclass(slots=True)
@@ -59,14 +64,21 @@ class PartialSample:
     """One sample of a partial rollout (trainer.partial_rollout): generated over rounds, each with the
     policy of its time; a round that ends before it does keeps its tokens, and the next continues it."""
 
-    group: int  # the samples of one prompt share it; unique over the run
+    # the samples of one prompt share it; unique over the run
+    group: int
     record: PromptRecord
-    ids: list[int] = field(default_factory=list)  # sampled so far; a stop token ends a finished one
-    log_probs: list[float] = field(default_factory=list)  # the sampler's, per token
-    versions: list[int] = field(default_factory=list)  # the policy version each token was sampled from
-    finished: bool = False  # ended: a stop token, or the response length
-    truncated: bool = False  # ended at the response length without a stop token
-    sample: int = 0  # which of its group's samples it is
+    # sampled so far; a stop token ends a finished one
+    ids: list[int] = field(default_factory=list)
+    # the sampler's, per token
+    log_probs: list[float] = field(default_factory=list)
+    # the policy version each token was sampled from
+    versions: list[int] = field(default_factory=list)
+    # ended: a stop token, or the response length
+    finished: bool = False
+    # ended at the response length without a stop token
+    truncated: bool = False
+    # which of its group's samples it is
+    sample: int = 0
 
 
 def groups_of(samples: list[PartialSample]) -> list[int]:
@@ -114,13 +126,14 @@ class GeneratedBatch:
     response_attention: Tensor | None = None
     turn_rewards: Tensor | None = None  # [N] multi-turn: what tools and interactions gave, summed
     # Agent rollouts with on_prefix_break=segments: rows of one value are one sample's continuous
-    # stretches, in order, trained as sequences of their own; the last is the sample's final segment,
-    # the one scored and counted in its group, and the others take its score and advantage.
+    # stretches, in order, trained as sequences of their own; the last is the sample's final
+    # segment, the one scored and counted in its group, and the others take its score and advantage.
     # None: every row is a whole sample.
     sample_index: Tensor | None = None
-    policy_version: Tensor | None = None  # [N] the policy version (actor updates so far) it was sampled from
-    # Partial rollouts: [N, R] the policy version each token was sampled from (a sample cut by a weight
-    # update continues under the next one); policy_version is then each sample's oldest.
+    # [N] the policy version (actor updates so far) it was sampled from
+    policy_version: Tensor | None = None
+    # Partial rollouts: [N, R] the policy version each token was sampled from (a sample cut by a
+    # weight update continues under the next one); policy_version is then each sample's oldest.
     token_versions: Tensor | None = None
 
     def __len__(self) -> int:
@@ -144,7 +157,8 @@ class GeneratedBatch:
         return (self.response_mask.bool() * positions).max(-1).values
 
     @property
-    def final_segments(self) -> Tensor:  # [N] each row's sample's final segment (itself without segments)
+    # [N] each row's sample's final segment (itself without segments)
+    def final_segments(self) -> Tensor:
         if self.sample_index is None:
             return torch.arange(len(self))
         _, sample = torch.unique(self.sample_index, return_inverse=True)
@@ -172,7 +186,9 @@ class GeneratedBatch:
         moved = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            moved[f.name] = value.to(device, non_blocking=to_gpu) if isinstance(value, Tensor) else value
+            moved[f.name] = (
+                value.to(device, non_blocking=to_gpu) if isinstance(value, Tensor) else value
+            )
         return type(self)(**moved)
 
     def select(self, index: Tensor | list[int]):
@@ -192,7 +208,9 @@ class GeneratedBatch:
     @classmethod
     def of(cls, earlier: GeneratedBatch, **fields):
         """This stage's record of `earlier`'s samples: its fields, and this stage's `fields`."""
-        return cls(**{f.name: getattr(earlier, f.name) for f in dataclasses.fields(earlier)}, **fields)
+        return cls(
+            **{f.name: getattr(earlier, f.name) for f in dataclasses.fields(earlier)}, **fields
+        )
 
 
 @dataclass(slots=True)
@@ -200,8 +218,10 @@ class ScoredBatch(GeneratedBatch):
     """The generated samples and the reward function's results."""
 
     scores: Tensor | None = None  # [N] outcome reward from the reward function
-    reward_extras: list[dict] | None = None  # [N] other keys of dict results (verl's reward_extra_info)
-    # ReMax: [N] the score of the sample's prompt's greedy response, generated by the policy that sampled it
+    # [N] other keys of dict results (verl's reward_extra_info)
+    reward_extras: list[dict] | None = None
+    # ReMax: [N] the score of the sample's prompt's greedy response, generated by the policy that
+    # sampled it
     baselines: Tensor | None = None
 
 
@@ -209,7 +229,8 @@ class ScoredBatch(GeneratedBatch):
 class RolloutBatch(ScoredBatch):
     """The training batch: the scored samples and what the step's passes compute for the update."""
 
-    token_level_rewards: Tensor | None = None  # [N, R] score on the last token, minus KL if in reward
+    # [N, R] score on the last token, minus KL if in reward
+    token_level_rewards: Tensor | None = None
     old_log_probs: Tensor | None = None  # [N, R] actor log-probs before the update
     # [N] bool: the samples of the update's first mini-batch, whose old log-probs are that update's
     # own forward (the policy has not moved yet), so the pass skipped them (0 in old_log_probs).
@@ -225,7 +246,11 @@ class RolloutBatch(ScoredBatch):
 
     @property
     def loss_mask(self) -> Tensor:  # [N, R] the tokens the losses train on
-        return self.response_mask if self.rollout_keep is None else self.response_mask * self.rollout_keep
+        return (
+            self.response_mask
+            if self.rollout_keep is None
+            else self.response_mask * self.rollout_keep
+        )
 
 
 def trim_padding(batch: GeneratedBatch):
@@ -234,7 +259,8 @@ def trim_padding(batch: GeneratedBatch):
     not what the longest sample of the whole batch does."""
     prompt_width = int(batch.prompt_mask.sum(-1).max())
     real = batch.response_tokens.bool()
-    response_width = max(int((real * torch.arange(1, real.shape[1] + 1)).max()), 1)  # past the last real token
+    # past the last real token
+    response_width = max(int((real * torch.arange(1, real.shape[1] + 1)).max()), 1)
     full_width = batch.response_ids.shape[1]
     trimmed = {}
     for f in dataclasses.fields(batch):

@@ -61,7 +61,9 @@ def ending_model(tiny_assets, tmp_path_factory) -> Path:
     ids = tokenizer("Digits please: 1 2 3 4", return_tensors="pt").input_ids
     with torch.no_grad():
         direction = model.model(ids).last_hidden_state[0].mean(0)
-        model.get_output_embeddings().weight[tokenizer.eos_token_id] = 2.0 * direction / direction.norm()
+        model.get_output_embeddings().weight[tokenizer.eos_token_id] = (
+            2.0 * direction / direction.norm()
+        )
     out = tmp_path_factory.mktemp("ending") / "model"
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -99,7 +101,8 @@ def tiny_config(tiny_assets, tmp_path) -> dict:
     }
 
 
-LOG_PROB = -0.5  # what ScriptedEngine says it sampled each token with
+# what ScriptedEngine says it sampled each token with
+LOG_PROB = -0.5
 
 
 class ScriptedEngine:
@@ -125,4 +128,6 @@ class ScriptedEngine:
         ids = torch.full((len(rows), width), self.tokenizer.pad_token_id)
         for i, row in enumerate(rows):
             ids[i, : min(len(row), width)] = torch.tensor(row[:width])
-        return assemble_batch(prompts, [(ids, torch.full(ids.shape, LOG_PROB))], self.tokenizer, self.eos_ids, params)
+        return assemble_batch(
+            prompts, [(ids, torch.full(ids.shape, LOG_PROB))], self.tokenizer, self.eos_ids, params
+        )

@@ -33,7 +33,9 @@ def load_environment(questions: int = 256, seed: int = 0):
     pairs = [(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(questions)]
     rows = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in pairs]
     parser = vf.Parser()
-    rubric = vf.Rubric(funcs=[last_answer_is_right, answer_length], weights=[1.0, 0.0], parser=parser)
+    rubric = vf.Rubric(
+        funcs=[last_answer_is_right, answer_length], weights=[1.0, 0.0], parser=parser
+    )
     return CheckYourAnswer(
         dataset=Dataset.from_list(rows[16:]),
         eval_dataset=Dataset.from_list(rows[:16]),

@@ -12,6 +12,9 @@ async def agent(client, row, extra_info):
     messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=32)
     messages.append({"role": "assistant", "content": first.choices[0].message.content})
-    messages.append({"role": "user", "content": "Check your answer and give it again, digits only."})
+    messages.append(
+        {"role": "user", "content": "Check your answer and give it again, digits only."}
+    )
     await client.chat.completions.create(model="policy", messages=messages, max_tokens=32)
-    return None  # leave the score to the reward function
+    # leave the score to the reward function
+    return None

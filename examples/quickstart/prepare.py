@@ -38,7 +38,12 @@ def make_rows(n: int, rng: random.Random) -> list[dict]:
 def make_chats(n: int, rng: random.Random) -> list[dict]:
     """SFT demonstrations: the prompt's question, answered with its digits."""
     return [
-        {"messages": [row["prompt"][0], {"role": "assistant", "content": row["reward_model"]["ground_truth"]}]}
+        {
+            "messages": [
+                row["prompt"][0],
+                {"role": "assistant", "content": row["reward_model"]["ground_truth"]},
+            ]
+        }
         for row in make_rows(n, rng)
     ]
 
@@ -51,7 +56,9 @@ def main(out: Path) -> None:
     write_jsonl(out / "sft.jsonl", make_chats(256, rng))
     # A wider initialisation than transformers' 0.02: the random output layer can then express a
     # confident answer, as a pretrained model's can, so LoRA (which leaves it frozen) learns too.
-    make_tiny_model(out / "model", arch="qwen2", hidden_size=64, num_layers=2, initializer_range=0.2)
+    make_tiny_model(
+        out / "model", arch="qwen2", hidden_size=64, num_layers=2, initializer_range=0.2
+    )
     print(f"wrote {out}/train.jsonl, {out}/val.jsonl, {out}/sft.jsonl and {out}/model")
 
 

@@ -4,7 +4,12 @@ whatever it raises is fed back to the model as an error and counted, never fatal
 
 from keel.rollout.agent import Tool
 
-FACTORS = {("km", "mi"): 0.621371, ("mi", "km"): 1.609344, ("kg", "lb"): 2.204623, ("lb", "kg"): 0.453592}
+FACTORS = {
+    ("km", "mi"): 0.621371,
+    ("mi", "km"): 1.609344,
+    ("kg", "lb"): 2.204623,
+    ("lb", "kg"): 0.453592,
+}
 
 
 class UnitConverter(Tool):

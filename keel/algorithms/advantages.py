@@ -44,9 +44,12 @@ EstimatorFn = Callable[[AdvantageInputs, AdvantageParams], tuple[Tensor, Tensor]
 class AdvantageEstimator:
     name: str
     fn: EstimatorFn
-    needs_critic: bool  # reads inp.values
-    needs_baseline: bool  # reads inp.baseline_rewards
-    needs_group: bool  # reads inp.group_index
+    # reads inp.values
+    needs_critic: bool
+    # reads inp.baseline_rewards
+    needs_baseline: bool
+    # reads inp.group_index
+    needs_group: bool
 
     def check_inputs(self, inp: AdvantageInputs) -> None:
         required = {
@@ -56,7 +59,9 @@ class AdvantageEstimator:
         }
         for field_name, needed in required.items():
             if needed and getattr(inp, field_name) is None:
-                raise ValueError(f"advantage estimator {self.name!r} needs `{field_name}`, got None")
+                raise ValueError(
+                    f"advantage estimator {self.name!r} needs `{field_name}`, got None"
+                )
         if inp.token_level_rewards.shape != inp.response_mask.shape:
             raise ValueError(
                 f"token_level_rewards {tuple(inp.token_level_rewards.shape)} and response_mask "
@@ -79,7 +84,9 @@ def register_adv_est(
     def decorator(fn: EstimatorFn) -> EstimatorFn:
         if name in ADV_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADV_ESTIMATORS[name] = AdvantageEstimator(name, fn, needs_critic, needs_baseline, needs_group)
+        ADV_ESTIMATORS[name] = AdvantageEstimator(
+            name, fn, needs_critic, needs_baseline, needs_group
+        )
         return fn
 
     return decorator
@@ -97,10 +104,14 @@ def compute_advantage(
     estimator = ADV_ESTIMATORS[name]
     if final_rows is None or not estimator.needs_group:
         return estimator(inp, p)
-    finals = final_rows.unique()  # sorted
+    # sorted
+    finals = final_rows.unique()
     advantages, returns = estimator(_rows_of(inp, finals), p)
-    last = (inp.response_mask[finals].bool() * torch.arange(inp.response_mask.shape[1])).max(-1).values
-    of = torch.searchsorted(finals, final_rows)  # each row's sample among `finals`
+    last = (
+        (inp.response_mask[finals].bool() * torch.arange(inp.response_mask.shape[1])).max(-1).values
+    )
+    # each row's sample among `finals`
+    of = torch.searchsorted(finals, final_rows)
     mask = inp.response_mask.to(advantages.dtype)
     at_last = torch.arange(len(finals))
     return advantages[at_last, last][of, None] * mask, returns[at_last, last][of, None] * mask
@@ -135,7 +146,11 @@ def gae(inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
     Masked positions inside a response (e.g. tool observations in multi-turn rollouts) are
     skipped: the next value and the running GAE are carried across them unchanged.
     """
-    rewards, values, mask = inp.token_level_rewards, inp.values, inp.response_mask.to(inp.values.dtype)
+    rewards, values, mask = (
+        inp.token_level_rewards,
+        inp.values,
+        inp.response_mask.to(inp.values.dtype),
+    )
     next_value = torch.zeros_like(values[:, 0])  # [B]
     last_gae = torch.zeros_like(values[:, 0])  # [B]
     advantages = torch.zeros_like(values)  # [B, T]
@@ -145,7 +160,8 @@ def gae(inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
         next_value = torch.where(mask[:, t] > 0, values[:, t], next_value)
         last_gae = torch.where(mask[:, t] > 0, gae_t, last_gae)
         advantages[:, t] = last_gae
-    returns = (advantages + values) * mask  # critic target, on the reward's own scale
+    # critic target, on the reward's own scale
+    returns = (advantages + values) * mask
     return masked_whiten(advantages, mask) * mask, returns
 
 
@@ -171,7 +187,9 @@ def rloo(inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
     scores = inp.token_level_rewards.sum(dim=-1)  # [B]
     mean, _, n = _group_mean_std(scores, inp.group_index)
     # mean of the others = (n * mean - score) / (n - 1); a group of one has no others, baseline 0.
-    baseline = torch.where(n > 1, (n * mean - scores) / (n - 1).clamp(min=1), torch.zeros_like(scores))
+    baseline = torch.where(
+        n > 1, (n * mean - scores) / (n - 1).clamp(min=1), torch.zeros_like(scores)
+    )
     adv = (scores - baseline)[:, None] * inp.response_mask  # [B, T]
     return adv, adv
 
@@ -211,7 +229,8 @@ def reinforce_plus_plus_baseline(inp: AdvantageInputs, p: AdvantageParams) -> tu
 def remax(inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
     """ReMax (arXiv 2310.10505): the greedy rollout's reward is the baseline."""
     mask = inp.response_mask.to(inp.token_level_rewards.dtype)
-    returns = (inp.token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1) * mask  # [B, T] reward-to-go
+    # [B, T] reward-to-go
+    returns = (inp.token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1) * mask
     adv = returns - inp.baseline_rewards[:, None] * mask
     return adv, returns
 
@@ -225,7 +244,9 @@ def opo(inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor]:
     _, inverse, counts = torch.unique(inp.group_index, return_inverse=True, return_counts=True)
     weighted = torch.zeros(len(counts), dtype=scores.dtype).index_add_(0, inverse, lengths * scores)
     total = torch.zeros(len(counts), dtype=scores.dtype).index_add_(0, inverse, lengths)
-    baseline = torch.where(counts > 1, weighted / total.clamp(min=1), torch.zeros_like(total))[inverse]
+    baseline = torch.where(counts > 1, weighted / total.clamp(min=1), torch.zeros_like(total))[
+        inverse
+    ]
     adv = (scores - baseline)[:, None] * inp.response_mask
     return adv, adv
 
@@ -250,9 +271,13 @@ def grpo_passk(inp: AdvantageInputs, p: AdvantageParams) -> tuple[Tensor, Tensor
     for group in torch.unique(inp.group_index):
         rows = (inp.group_index == group).nonzero().squeeze(-1)
         if len(rows) < 2:
-            raise ValueError(f"grpo_passk needs 2 or more samples per prompt; group {int(group)} has {len(rows)}")
+            raise ValueError(
+                f"grpo_passk needs 2 or more samples per prompt; group {int(group)} has {len(rows)}"
+            )
         top, where = torch.topk(scores[rows], 2)
         margin = top[0] - top[1]
-        advantages[rows[where[0]]] = margin / (scores[rows].std() + p.epsilon) if p.norm_adv_by_std_in_grpo else margin
+        advantages[rows[where[0]]] = (
+            margin / (scores[rows].std() + p.epsilon) if p.norm_adv_by_std_in_grpo else margin
+        )
     adv = advantages[:, None] * inp.response_mask
     return adv, adv

@@ -30,11 +30,17 @@ def _k2(log_ratio: Tensor) -> Tensor:
 def _k3(log_ratio: Tensor) -> Tensor:
     # Clamps as verl: exp(20) stays finite, and the clamp to [-10, 10] bounds the damage of a
     # token whose policy has drifted far from the reference.
-    kl = torch.clamp(-log_ratio, -20.0, 20.0)  # log(ref / policy)
+    # log(ref / policy)
+    kl = torch.clamp(-log_ratio, -20.0, 20.0)
     return torch.clamp(torch.exp(kl) - kl - 1, -10.0, 10.0)
 
 
-_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"kl": _k1, "abs": _abs, "mse": _k2, "low_var_kl": _k3}
+_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
+    "kl": _k1,
+    "abs": _abs,
+    "mse": _k2,
+    "low_var_kl": _k3,
+}
 _ALIASES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
 KL_ESTIMATORS = (*_ESTIMATORS, *_ALIASES)
 
@@ -70,7 +76,9 @@ class AdaptiveKLController:
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
         if target_kl <= 0 or horizon <= 0:
-            raise ValueError(f"adaptive KL needs target_kl > 0 and horizon > 0, got {target_kl}, {horizon}")
+            raise ValueError(
+                f"adaptive KL needs target_kl > 0 and horizon > 0, got {target_kl}, {horizon}"
+            )
         self.value = init_kl_coef
         self.target = target_kl
         self.horizon = horizon
@@ -90,7 +98,9 @@ class AdaptiveKLController:
 KLController = FixedKLController | AdaptiveKLController
 
 
-def make_kl_controller(kind: str, kl_coef: float, target_kl: float = 0.1, horizon: int = 10000) -> KLController:
+def make_kl_controller(
+    kind: str, kl_coef: float, target_kl: float = 0.1, horizon: int = 10000
+) -> KLController:
     """Defaults for `target_kl` and `horizon` are verl's (`algorithm.kl_ctrl`)."""
     if kind == "fixed":
         return FixedKLController(kl_coef)

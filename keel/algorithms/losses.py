@@ -18,7 +18,12 @@ from torch import Tensor
 
 from .utils import masked_mean, masked_sum
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 
 
 def agg_loss(
@@ -47,28 +52,36 @@ def agg_loss(
         seq_losses = masked_mean(loss_mat, loss_mask, dim=-1)  # [B]
     elif mode == "seq-mean-token-sum":
         seq_losses = masked_sum(loss_mat, loss_mask, dim=-1)  # [B]
-    else:  # seq-mean-token-sum-norm
+    # seq-mean-token-sum-norm
+    else:
         # Dr. GRPO (arXiv 2503.20783): a constant normaliser (the padded length T) instead of each
         # sequence's own length, so long answers are not down-weighted per token.
         # verl sums over sequences here; we take the mean, like the other seq-mean modes.
-        seq_losses = masked_sum(loss_mat, loss_mask, dim=-1) / (norm_length or loss_mask.shape[-1])  # [B]
+        # [B]
+        seq_losses = masked_sum(loss_mat, loss_mask, dim=-1) / (norm_length or loss_mask.shape[-1])
     n_seqs = (loss_mask.sum(dim=-1) > 0).sum().clamp(min=1) if global_seqs is None else global_seqs
     return seq_losses.sum() / n_seqs
 
 
 @dataclass(frozen=True)
 class PolicyLossParams:
-    clip_ratio_low: float = 0.2  # ratio floor 1 - low
-    clip_ratio_high: float = 0.2  # ratio ceiling 1 + high; > low is DAPO's clip-higher (arXiv 2503.14476)
-    clip_ratio_c: float = 3.0  # dual-clip bound on -A * ratio for A < 0 (arXiv 1912.09729)
+    # ratio floor 1 - low
+    clip_ratio_low: float = 0.2
+    # ratio ceiling 1 + high; > low is DAPO's clip-higher (arXiv 2503.14476)
+    clip_ratio_high: float = 0.2
+    # dual-clip bound on -A * ratio for A < 0 (arXiv 1912.09729)
+    clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
-    norm_length: int | None = None  # seq-mean-token-sum-norm's constant: max_response_length
+    # seq-mean-token-sum-norm's constant: max_response_length
+    norm_length: int | None = None
 
     def __post_init__(self) -> None:
         if self.clip_ratio_c <= 1.0:
             raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {self.clip_ratio_c}")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"unknown loss_agg_mode {self.loss_agg_mode!r}; valid: {list(LOSS_AGG_MODES)}")
+            raise ValueError(
+                f"unknown loss_agg_mode {self.loss_agg_mode!r}; valid: {list(LOSS_AGG_MODES)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -77,7 +90,8 @@ class PolicyLossInputs:
     log_prob: Tensor  # [B, T] current policy
     advantages: Tensor  # [B, T]
     response_mask: Tensor  # [B, T]
-    global_tokens: float | Tensor | None = None  # the whole mini-batch's counts (see the top)
+    # the whole mini-batch's counts (see the top)
+    global_tokens: float | Tensor | None = None
     global_seqs: float | Tensor | None = None
     is_weights: Tensor | None = None  # [B, T] rollout correction's, detached
 
@@ -128,7 +142,16 @@ def compute_policy_loss(
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; valid: {sorted(POLICY_LOSSES)}")
     return POLICY_LOSSES[name](
-        PolicyLossInputs(old_log_prob, log_prob, advantages, response_mask, global_tokens, global_seqs, is_weights), p
+        PolicyLossInputs(
+            old_log_prob,
+            log_prob,
+            advantages,
+            response_mask,
+            global_tokens,
+            global_seqs,
+            is_weights,
+        ),
+        p,
     )
 
 
@@ -151,7 +174,8 @@ def vanilla(x: PolicyLossInputs, p: PolicyLossParams) -> tuple[Tensor, dict[str,
     ratio = torch.exp(torch.clamp(x.log_prob - x.old_log_prob, -20.0, 20.0))  # [B, T]
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * torch.clamp(ratio, 1 - p.clip_ratio_low, 1 + p.clip_ratio_high)
-    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)  # pessimistic bound
+    # pessimistic bound
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
     # Dual-clip: for A < 0 the PPO bound grows without limit in the ratio; cap it at -A * c.
     loss_cap = -advantages * p.clip_ratio_c
     negative = advantages < 0

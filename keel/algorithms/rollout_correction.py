@@ -19,7 +19,8 @@ from torch import Tensor
 
 from keel.algorithms.utils import masked_mean, masked_sum
 
-SAFETY_BOUND = 20.0  # log-ratios are clamped to +-20 before exp: exp(20) is finite in fp32
+# log-ratios are clamped to +-20 before exp: exp(20) is finite in fp32
+SAFETY_BOUND = 20.0
 IS_LEVELS = ("token", "sequence")
 # verl's rejection statistics: k1 = -log_ratio (a ratio band), k2 = log_ratio^2 / 2,
 # k3 = exp(log_ratio) - 1 - log_ratio, per token or summed / averaged / maxed over a sequence.
@@ -40,16 +41,22 @@ RS_OPTIONS = (
 
 @dataclass(frozen=True)
 class RejectionRule:
-    option: str  # one of RS_OPTIONS
-    upper: float  # k1: log of the ratio band's top; k2/k3: the statistic's ceiling
-    lower: float | None = None  # k1 only: log of the band's bottom
+    # one of RS_OPTIONS
+    option: str
+    # k1: log of the ratio band's top; k2/k3: the statistic's ceiling
+    upper: float
+    # k1 only: log of the band's bottom
+    lower: float | None = None
 
 
 @dataclass(frozen=True)
 class CorrectionParams:
-    is_level: str | None = None  # "token" | "sequence" | None: no weights
-    is_threshold: float = 2.0  # weights are truncated at this value
-    is_batch_normalize: bool = False  # weights rescaled to mean 1 over the batch
+    # "token" | "sequence" | None: no weights
+    is_level: str | None = None
+    # weights are truncated at this value
+    is_threshold: float = 2.0
+    # weights rescaled to mean 1 over the batch
+    is_batch_normalize: bool = False
     rejection: tuple[RejectionRule, ...] = ()
 
 
@@ -57,7 +64,8 @@ class CorrectionParams:
 class Correction:
     weights: Tensor | None  # [B, T] truncated IS weights, 0 on padding; None when is_level is None
     keep: Tensor  # [B, T] 1 where rejection sampling keeps the token
-    metrics: dict[str, Tensor]  # token means (0-d tensors), verl's names under rollout_corr/
+    # token means (0-d tensors), verl's names under rollout_corr/
+    metrics: dict[str, Tensor]
 
 
 def parse_rejection(rollout_rs: str | None, threshold: str | None) -> tuple[RejectionRule, ...]:
@@ -69,7 +77,9 @@ def parse_rejection(rollout_rs: str | None, threshold: str | None) -> tuple[Reje
     options = list(dict.fromkeys(part.strip() for part in rollout_rs.split(",") if part.strip()))
     unknown = [o for o in options if o not in RS_OPTIONS]
     if unknown or not options:
-        raise ValueError(f"rollout_rs={rollout_rs!r}: {unknown or 'no option'} not among {list(RS_OPTIONS)}")
+        raise ValueError(
+            f"rollout_rs={rollout_rs!r}: {unknown or 'no option'} not among {list(RS_OPTIONS)}"
+        )
     if threshold is None:
         raise ValueError("rollout_rs is set but rollout_rs_threshold is not")
     specs = [part.strip() for part in str(threshold).split(",") if part.strip()]
@@ -90,17 +100,21 @@ def _rule(option: str, spec: str) -> RejectionRule:
         bounds = [float(p) for p in parts]
     except ValueError:
         raise ValueError(
-            f"rollout_rs_threshold {spec!r} for {option} is not a number" + (" or 'lower_upper'" if k1 else "")
+            f"rollout_rs_threshold {spec!r} for {option} is not a number"
+            + (" or 'lower_upper'" if k1 else "")
         ) from None
     if len(bounds) > 2 or not all(b > 0 and math.isfinite(b) for b in bounds):
         raise ValueError(
-            f"rollout_rs_threshold {spec!r} for {option} must be positive" + ("" if k1 else ", one upper bound")
+            f"rollout_rs_threshold {spec!r} for {option} must be positive"
+            + ("" if k1 else ", one upper bound")
         )
     if not k1:
         return RejectionRule(option, bounds[0])
     lower, upper = bounds if len(bounds) == 2 else (1.0 / bounds[0], bounds[0])
     if lower > upper:
-        raise ValueError(f"rollout_rs_threshold {spec!r} for {option}: the lower bound exceeds the upper")
+        raise ValueError(
+            f"rollout_rs_threshold {spec!r} for {option}: the lower bound exceeds the upper"
+        )
     return RejectionRule(option, math.log(upper), math.log(lower))
 
 
@@ -121,7 +135,8 @@ def compute_correction(
     weights = None
     if p.is_level is not None:
         weights, weight_metrics = _is_weights(log_ratio, mask, p)
-        weights = torch.where(keep.bool(), weights, 0.0)  # a rejected token's weight may be nan
+        # a rejected token's weight may be nan
+        weights = torch.where(keep.bool(), weights, 0.0)
         metrics.update(weight_metrics)
     return Correction(weights, keep, metrics)
 
@@ -141,14 +156,17 @@ def _kept_by(rule: RejectionRule, log_ratio: Tensor, mask: Tensor) -> Tensor:
     """1 where `rule` keeps the token (a sequence rule keeps or drops every token of a sequence)."""
     level, _, estimator = rule.option.rpartition("_")
     safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    token_stat = {"k1": -safe, "k2": 0.5 * safe**2, "k3": torch.exp(safe) - 1.0 - safe}[estimator] * mask
+    token_stat = {"k1": -safe, "k2": 0.5 * safe**2, "k3": torch.exp(safe) - 1.0 - safe}[
+        estimator
+    ] * mask
     if level == "token":
         stat = token_stat
     elif level == "seq_sum":
         stat = masked_sum(token_stat, mask, dim=-1)[:, None]
     elif level == "seq_mean":
         stat = masked_mean(token_stat, mask, dim=-1)[:, None]
-    else:  # seq_max: k2 and k3 are >= 0, so padding's 0 never wins over a real token
+    # seq_max: k2 and k3 are >= 0, so padding's 0 never wins over a real token
+    else:
         stat = token_stat.max(dim=-1, keepdim=True).values
     kept = stat <= rule.upper
     if rule.lower is not None:
@@ -156,23 +174,35 @@ def _kept_by(rule: RejectionRule, log_ratio: Tensor, mask: Tensor) -> Tensor:
     return kept.to(mask.dtype).expand_as(mask)
 
 
-def _is_weights(log_ratio: Tensor, mask: Tensor, p: CorrectionParams) -> tuple[Tensor, dict[str, Tensor]]:
+def _is_weights(
+    log_ratio: Tensor, mask: Tensor, p: CorrectionParams
+) -> tuple[Tensor, dict[str, Tensor]]:
     if p.is_level == "token":
         raw = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)) * mask
-    else:  # sequence: the product of the token ratios, on every token of the sequence
+    # sequence: the product of the token ratios, on every token of the sequence
+    else:
         seq_log_ratio = masked_sum(log_ratio, mask, dim=-1)[:, None]
         raw = torch.exp(seq_log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)) * mask
     metrics = {
-        "rollout_corr/rollout_is_mean": masked_mean(raw, mask),  # before truncation, as verl logs it
-        "rollout_corr/rollout_is_ratio_fraction_high": masked_mean((raw > p.is_threshold).to(mask.dtype), mask),
+        # before truncation, as verl logs it
+        "rollout_corr/rollout_is_mean": masked_mean(raw, mask),
+        "rollout_corr/rollout_is_ratio_fraction_high": masked_mean(
+            (raw > p.is_threshold).to(mask.dtype), mask
+        ),
     }
     weights = raw.clamp(max=p.is_threshold)
     if p.is_batch_normalize:
         if p.is_level == "token":
             mean = masked_mean(weights, mask)
-        else:  # one weight per sequence with a valid token
+        # one weight per sequence with a valid token
+        else:
             has_tokens = mask.sum(-1) > 0
-            mean = weights.max(dim=-1).values[has_tokens].mean() if has_tokens.any() else weights.new_ones(())
-        if mean > 1e-8:  # as verl: weights that all vanish are left as they are
+            mean = (
+                weights.max(dim=-1).values[has_tokens].mean()
+                if has_tokens.any()
+                else weights.new_ones(())
+            )
+        # as verl: weights that all vanish are left as they are
+        if mean > 1e-8:
             weights = weights / mean
     return weights, metrics

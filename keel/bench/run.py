@@ -51,7 +51,8 @@ def make_model(shape: str, out_dir: Path, mean_response: int | None = None) -> P
     tokenizer.model_max_length = config.max_position_embeddings
     config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     tokenizer.save_pretrained(out_dir)
-    if shape in DRAWN_ON_DEVICE:  # config and tokenizer only: the weights are drawn on the device at load
+    # config and tokenizer only: the weights are drawn on the device at load
+    if shape in DRAWN_ON_DEVICE:
         config.save_pretrained(out_dir)
         (out_dir / RANDOM_WEIGHTS).write_text(json.dumps({"seed": 0}))
         return out_dir
@@ -65,7 +66,9 @@ def make_model(shape: str, out_dir: Path, mean_response: int | None = None) -> P
 
 
 def _model_dir(workload: Workload) -> str:
-    return f"model_{workload.model}" + (f"_stop{workload.mean_response}" if workload.mean_response else "")
+    return f"model_{workload.model}" + (
+        f"_stop{workload.mean_response}" if workload.mean_response else ""
+    )
 
 
 def _architecture_parameters(shape: str) -> int:
@@ -78,7 +81,9 @@ def make_prompts(workload: Workload, path: Path, count: int) -> Path:
     rng = random.Random(0)
     rows = [
         {
-            "prompt": "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(workload.prompt_length)),
+            "prompt": "".join(
+                rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(workload.prompt_length)
+            ),
             "data_source": "bench",
             "reward_model": {"ground_truth": ""},
         }
@@ -93,9 +98,15 @@ def bench_config(name: str, workload: Workload, root: Path, steps: int, gpus: in
     tokens = workload.prompt_length + workload.response_length
     per_gpu = max(1, samples_per_mini // gpus)
     # About 16k tokens per forward, in micro-batches that split each GPU's share evenly (KEEL-C004).
-    micro = max(d for d in range(1, per_gpu + 1) if per_gpu % d == 0 and d <= max(1, 16384 // tokens))
+    micro = max(
+        d for d in range(1, per_gpu + 1) if per_gpu % d == 0 and d <= max(1, 16384 // tokens)
+    )
     policy = {
-        "model": {"path": str(make_model(workload.model, root / _model_dir(workload), workload.mean_response))},
+        "model": {
+            "path": str(
+                make_model(workload.model, root / _model_dir(workload), workload.mean_response)
+            )
+        },
         "actor": {
             "ppo_mini_batch_size": max(1, workload.prompts // 4),
             "ppo_micro_batch_size_per_gpu": micro,
@@ -113,7 +124,11 @@ def bench_config(name: str, workload: Workload, root: Path, steps: int, gpus: in
     return {
         "data": {
             "train_files": [
-                str(make_prompts(workload, root / f"prompts_{name}.jsonl", workload.prompts * (steps + 1)))
+                str(
+                    make_prompts(
+                        workload, root / f"prompts_{name}.jsonl", workload.prompts * (steps + 1)
+                    )
+                )
             ],
             "apply_chat_template": False,
             "max_prompt_length": workload.prompt_length,
@@ -157,8 +172,12 @@ def run_bench(
     total = warmup + steps + (profile_dir is not None)
     settings = [f"{k}={v}" for k, v in workload.overrides.items()] + list(overrides or [])
     cfg = load_config(bench_config(name, workload, root, total, gpus), settings)
-    if cfg.trainer.mode == "async":  # the run goes on past the measured steps, so they all generate ahead
-        cfg = load_config(bench_config(name, workload, root, total + cfg.trainer.max_off_policy_steps, gpus), settings)
+    # the run goes on past the measured steps, so they all generate ahead
+    if cfg.trainer.mode == "async":
+        cfg = load_config(
+            bench_config(name, workload, root, total + cfg.trainer.max_off_policy_steps, gpus),
+            settings,
+        )
     trainer = RLTrainer(cfg)
     trainer._open_run_dir()
     logger = MetricsLogger(trainer.run_dir, False, total, 0)
@@ -167,17 +186,22 @@ def run_bench(
         for i in range(total):
             trainer.step += 1
             with _profiled(
-                trainer.components.workers, profile_dir if i == warmup + steps else None, f"{name}_{gpus}gpu", gpu_busy
+                trainer.components.workers,
+                profile_dir if i == warmup + steps else None,
+                f"{name}_{gpus}gpu",
+                gpu_busy,
             ):
                 per_step.append(trainer.guarded_step(logger))
         generating = trainer.components.workers.rollout_group or trainer.components.workers.group
         engine = generating.call("info", [()] * generating.world_size)[0]["rollout_engine"]
     finally:
         logger.close()
-        trainer.rollout.close()  # async: the batches generated ahead are dropped before the reward stops
+        # async: the batches generated ahead are dropped before the reward stops
+        trainer.rollout.close()
         trainer.components.reward.shutdown()
         trainer.components.workers.shutdown()
-        del trainer  # a one-worker run holds its GPU memory in this process: free it for the next run
+        # a one-worker run holds its GPU memory in this process: free it for the next run
+        del trainer
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -185,7 +209,8 @@ def run_bench(
     record = summarize(name, workload, cfg, measured)
     record["engine"] = engine
     record["overrides"] = list(overrides or [])
-    if gpu_busy.get("busy"):  # --profile on a GPU: the profiled step's phases, rank 0's GPU
+    # --profile on a GPU: the profiled step's phases, rank 0's GPU
+    if gpu_busy.get("busy"):
         record["gpu_busy"] = gpu_busy["busy"]
         record["gpu_busy_unprofiled"] = busy_unprofiled(gpu_busy["gpu_s"], measured)
     if out is not None:
@@ -235,8 +260,11 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
 
     gpus = cfg.world_size
     samples = w.prompts * w.n
-    seq = w.prompt_length + (mean("response_length/mean") if w.mean_response else w.response_length)  # v2: EOS-ended
-    params = stored_parameters(cfg.actor_rollout_ref.model.path) or _architecture_parameters(w.model)
+    # v2: EOS-ended
+    seq = w.prompt_length + (mean("response_length/mean") if w.mean_response else w.response_length)
+    params = stored_parameters(cfg.actor_rollout_ref.model.path) or _architecture_parameters(
+        w.model
+    )
     update_tokens = samples * seq * cfg.actor_rollout_ref.actor.ppo_epochs
     update_s = mean("timing_s/update_actor")
     shape = shape_config(w.model)
@@ -265,25 +293,36 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
             w, shape, params, (decode_tokens_per_s or gen_tokens_per_s) / gpus, datasheet
         ),
         "update_tokens_per_s": update_tokens / update_s,
-        "update_mfu": update_flops / peak if peak else None,  # None: no GPU to measure a peak on
+        # None: no GPU to measure a peak on
+        "update_mfu": update_flops / peak if peak else None,
         "update_mfu_datasheet": update_flops / (datasheet[0] * 1e12) if datasheet else None,
-        "datasheet": f"{device}: {datasheet[0]} TFLOP/s bf16 dense, {datasheet[1]} TB/s" if datasheet else None,
+        "datasheet": f"{device}: {datasheet[0]} TFLOP/s bf16 dense, {datasheet[1]} TB/s"
+        if datasheet
+        else None,
         "peak_tflops_measured": peak / 1e12 if peak else None,
-        # the samples the pass computed (not the first mini-batch's); an on-policy update has no pass
-        "logprob_tokens_per_s": (mean("perf/old_log_prob_samples") or samples) * seq / mean("timing_s/old_log_prob")
+        # the samples the pass computed (not the first mini-batch's); an on-policy update has no
+        # pass
+        "logprob_tokens_per_s": (mean("perf/old_log_prob_samples") or samples)
+        * seq
+        / mean("timing_s/old_log_prob")
         if mean("timing_s/old_log_prob")
         else None,
         "throughput_tokens_per_s_per_gpu": mean("perf/throughput"),
-        "peak_memory_gb": highest("perf/max_memory_allocated_gb"),  # the fullest GPU, over the whole step
+        # the fullest GPU, over the whole step
+        "peak_memory_gb": highest("perf/max_memory_allocated_gb"),
         "peak_memory_gb_per_phase": {
-            k[len("perf/peak_memory_gb/") :]: highest(k) for k in steps[-1] if k.startswith("perf/peak_memory_gb/")
+            k[len("perf/peak_memory_gb/") :]: highest(k)
+            for k in steps[-1]
+            if k.startswith("perf/peak_memory_gb/")
         },
         "log_prob_gap": mean("rollout/log_prob_gap"),
         # agent code as the rollout (m1a): how its samples ended
         "agent": {k[len("agent/") :]: mean(k) for k in steps[-1] if k.startswith("agent/")} or None,
         # trainer.mode=async: how old the trained samples were, how many batches waited
         "async": {k[len("async/") :]: mean(k) for k in steps[-1] if k.startswith("async/")} or None,
-        "timing_s": {k[len("timing_s/") :]: mean(k) for k in steps[-1] if k.startswith("timing_s/")},
+        "timing_s": {
+            k[len("timing_s/") :]: mean(k) for k in steps[-1] if k.startswith("timing_s/")
+        },
     }
 
 
@@ -317,10 +356,13 @@ def _head_dim(config) -> int:
 
 def active_parameters(config, params: int) -> int:
     """Parameters a token passes through: a mixture of experts' unrouted experts left out."""
-    if config.model_type == "gpt_oss":  # every layer a mixture; experts with biases
+    # every layer a mixture; experts with biases
+    if config.model_type == "gpt_oss":
         hidden, inner = config.hidden_size, config.intermediate_size
         per_expert, sparse = 3 * hidden * inner + 2 * inner + hidden, config.num_hidden_layers
-        return params - sparse * (config.num_local_experts - config.num_experts_per_tok) * per_expert
+        return (
+            params - sparse * (config.num_local_experts - config.num_experts_per_tok) * per_expert
+        )
     experts = getattr(config, "num_experts", 0) or 0
     if not experts:
         return params
@@ -334,7 +376,11 @@ def active_parameters(config, params: int) -> int:
 
 
 def decode_bandwidth_utilisation(
-    w: Workload, shape, params: int, tokens_per_s_per_gpu: float, datasheet: tuple[float, float] | None
+    w: Workload,
+    shape,
+    params: int,
+    tokens_per_s_per_gpu: float,
+    datasheet: tuple[float, float] | None,
 ) -> float | None:
     """Bytes a decode step must read (bf16 weights once, every expert of a mixture included, plus
     every sequence's KV cache at its mean context) per generated token, times tokens/s, over the

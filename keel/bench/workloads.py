@@ -28,7 +28,8 @@ QWEN25_SHAPES = {
     ),
 }
 QWEN25_SHAPES.update(
-    {  # the LoRA workloads' shapes
+    # the LoRA workloads' shapes
+    {
         "3b": dict(
             hidden_size=2048,
             intermediate_size=11008,
@@ -67,12 +68,19 @@ QWEN25_SHAPES["tiny"] = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     tie_word_embeddings=True,
-)  # CPU check of the harness
-QWEN25_COMMON = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+    # CPU check of the harness
+)
+QWEN25_COMMON = dict(
+    vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6
+)
 
 # Other families' released shapes (config.json of each checkpoint), as (model_type, config).
 QWEN3_COMMON = dict(
-    vocab_size=151936, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6, head_dim=128
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    head_dim=128,
 )
 FAMILY_SHAPES = {
     "qwen3-0.6b": (
@@ -115,7 +123,8 @@ FAMILY_SHAPES = {
             tie_word_embeddings=False,
         ),
     ),
-    # the MoE of issue 29's first measurement: Qwen3-30B-A3B's layers, 12 of them, 64 experts, 8 active
+    # the MoE of issue 29's first measurement: Qwen3-30B-A3B's layers, 12 of them, 64 experts, 8
+    # active
     "qwen3-moe-12l": (
         "qwen3_moe",
         dict(
@@ -210,19 +219,27 @@ def shape_config(shape: str):
     """The transformers config of a shape (any key of QWEN25_SHAPES or FAMILY_SHAPES)."""
     from transformers import AutoConfig
 
-    model_type, fields = FAMILY_SHAPES.get(shape) or ("qwen2", {**QWEN25_COMMON, **QWEN25_SHAPES[shape]})
+    model_type, fields = FAMILY_SHAPES.get(shape) or (
+        "qwen2",
+        {**QWEN25_COMMON, **QWEN25_SHAPES[shape]},
+    )
     return AutoConfig.for_model(model_type, **fields)
 
 
 @dataclass(frozen=True)
 class Workload:
-    model: str  # a key of QWEN25_SHAPES or FAMILY_SHAPES
-    prompts: int  # prompts per step
-    n: int  # samples per prompt
+    # a key of QWEN25_SHAPES or FAMILY_SHAPES
+    model: str
+    # prompts per step
+    prompts: int
+    # samples per prompt
+    n: int
     prompt_length: int
     response_length: int
-    kl_loss: bool = False  # GRPO with a KL loss to the reference model
-    mean_response: int | None = None  # None: every response response_length long; else EOS ends them (make_model)
+    # GRPO with a KL loss to the reference model
+    kl_loss: bool = False
+    # None: every response response_length long; else EOS ends them (make_model)
+    mean_response: int | None = None
     overrides: dict = field(default_factory=dict)
 
 
@@ -239,21 +256,24 @@ WORKLOADS = {
     "e1": Workload("qwen3-moe-12l", 16, 8, 256, 256),
 }
 # s1: a reward that takes 1 s of host time per sample (keel/bench/slow_reward.py), scored by 64
-# processes, on t1's model with twice its batch: what trainer.mode=async overlaps with the GPU's work.
+# processes, on t1's model with twice its batch: what trainer.mode=async overlaps with the GPU's
+# work.
 SLOW_REWARD = {
     "custom_reward_function.path": str(Path(__file__).with_name("slow_reward.py")),
     "reward.num_workers": 64,
 }
 WORKLOADS.update(
     {
-        # v2: w2's shapes and batch with lengths that EOS ends, about geometric with mean 512 (cut at 2048):
-        # a long tail, which partial rollouts (trainer.partial_rollout) keep from holding up each step.
+        # v2: w2's shapes and batch with lengths that EOS ends, about geometric with mean 512 (cut
+        # at 2048): a long tail, which partial rollouts (trainer.partial_rollout) keep from holding
+        # up each step.
         "v2": Workload("0.5b", 32, 8, 256, 2048, mean_response=512),
         "tinyv": Workload("tiny", 4, 4, 32, 64, mean_response=16),
         "s1": Workload("0.5b", 32, 8, 256, 512, overrides=SLOW_REWARD),
         "tinys": Workload("tiny", 4, 4, 32, 16, overrides={**SLOW_REWARD, "reward.num_workers": 8}),
-        # sv: s1's slow scorer on lengths that EOS ends (mean 256, cut at 1024): samples finish while others
-        # decode, so their scoring can begin then (reward.score_ahead) instead of after the batch
+        # sv: s1's slow scorer on lengths that EOS ends (mean 256, cut at 1024): samples finish
+        # while others decode, so their scoring can begin then (reward.score_ahead) instead of after
+        # the batch
         "sv": Workload("0.5b", 32, 8, 256, 1024, mean_response=256, overrides=SLOW_REWARD),
     }
 )
@@ -265,13 +285,21 @@ LORA_64 = {
 }
 WORKLOADS.update(
     {
-        "w7": Workload("7b", 16, 8, 512, 512, overrides=LORA_64),  # LoRA on 7B shapes
-        "w3l": Workload("1.5b", 64, 8, 512, 512, kl_loss=True, overrides=LORA_64),  # w3 with LoRA
-        "tinyl": Workload("tiny", 4, 4, 32, 16, overrides={**LORA_64, "actor_rollout_ref.model.lora_rank": 8}),
-        "w32": Workload("32b", 16, 8, 512, 512, overrides=LORA_64),  # LoRA on 32B shapes: one copy of the base
-        "q8l": Workload("qwen3-8b", 16, 8, 512, 512, overrides=LORA_64),  # w7 on Qwen3-8B
-        "e30l": Workload("qwen3-30b-a3b", 16, 8, 512, 512, overrides=LORA_64),  # w7 on Qwen3-30B-A3B
-        "o20l": Workload("gpt-oss-20b", 16, 8, 256, 256, overrides=LORA_64),  # t1's work on GPT-OSS-20B, LoRA
+        # LoRA on 7B shapes
+        "w7": Workload("7b", 16, 8, 512, 512, overrides=LORA_64),
+        # w3 with LoRA
+        "w3l": Workload("1.5b", 64, 8, 512, 512, kl_loss=True, overrides=LORA_64),
+        "tinyl": Workload(
+            "tiny", 4, 4, 32, 16, overrides={**LORA_64, "actor_rollout_ref.model.lora_rank": 8}
+        ),
+        # LoRA on 32B shapes: one copy of the base
+        "w32": Workload("32b", 16, 8, 512, 512, overrides=LORA_64),
+        # w7 on Qwen3-8B
+        "q8l": Workload("qwen3-8b", 16, 8, 512, 512, overrides=LORA_64),
+        # w7 on Qwen3-30B-A3B
+        "e30l": Workload("qwen3-30b-a3b", 16, 8, 512, 512, overrides=LORA_64),
+        # t1's work on GPT-OSS-20B, LoRA
+        "o20l": Workload("gpt-oss-20b", 16, 8, 256, 256, overrides=LORA_64),
         # 7B full-parameter, the optimiser offloaded a bucket at a time, micro-batches as w7's
         "w7f": Workload(
             "7b",
@@ -311,7 +339,9 @@ async def instant_agent(client, row, extra_info, turn_tokens: int = 128):
     each answered at once with m1's observation), its requests served by keel's endpoint."""
     messages = [{"role": "user", "content": row["prompt"]}]
     for turn in range(4):
-        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=turn_tokens)
+        reply = await client.chat.completions.create(
+            model="policy", messages=messages, max_tokens=turn_tokens
+        )
         messages.append(reply.choices[0].message.model_dump(exclude_none=True))
         if turn < 3:
             messages.append({"role": "user", "content": "ok, go on"})
@@ -351,7 +381,10 @@ WORKLOADS.update(
             4,
             32,
             4 * 8 + 3 * 40,
-            overrides={**MULTI_TURN_4x128, "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn": 8},
+            overrides={
+                **MULTI_TURN_4x128,
+                "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn": 8,
+            },
         ),
     }
 )

@@ -39,18 +39,25 @@ class Check:
     level: str
     detail: str
     code: str | None = None
-    fix: str | None = None  # what to run, for a failure
+    # what to run, for a failure
+    fix: str | None = None
 
 
 def check_python(version: tuple[int, int]) -> Check:
     ok = version >= (3, 10)
-    return Check("python", PASS if ok else FAIL, f"{version[0]}.{version[1]}", None if ok else PACKAGE_VERSION)
+    return Check(
+        "python",
+        PASS if ok else FAIL,
+        f"{version[0]}.{version[1]}",
+        None if ok else PACKAGE_VERSION,
+    )
 
 
 def check_torch(version: str) -> Check:
     v = Version(version.split("+")[0])
     if v < Version(MIN_TORCH):
-        # FSDP2's fully_shard; torch 2.3's FSDP could also leave gradients None: the loss moves, nothing learns
+        # FSDP2's fully_shard; torch 2.3's FSDP could also leave gradients None: the loss moves,
+        # nothing learns
         bug = "; 2.3.x has the FSDP gradient bug" if (v.major, v.minor) == (2, 3) else ""
         return Check(
             "torch",
@@ -77,7 +84,11 @@ def check_package(name: str, version: str | None) -> Check:
     v = Version(version)
     if v < Version(low) or (high and v >= Version(high)):
         return Check(
-            name, FAIL, f"{version}: keel supports >= {low}" + (f", < {high}" if high else ""), PACKAGE_VERSION, install
+            name,
+            FAIL,
+            f"{version}: keel supports >= {low}" + (f", < {high}" if high else ""),
+            PACKAGE_VERSION,
+            install,
         )
     return Check(name, PASS, version)
 
@@ -85,12 +96,17 @@ def check_package(name: str, version: str | None) -> Check:
 def check_cuda(torch_cuda: str | None, driver: int | None, gpus: list[str]) -> Check:
     """`driver` is cuDriverGetVersion's number (12040 = CUDA 12.4): the newest CUDA it supports."""
     if torch_cuda is None:
-        return Check("cuda", WARN, "torch is a CPU build: keel runs on CPU only (slow for real models)")
+        return Check(
+            "cuda", WARN, "torch is a CPU build: keel runs on CPU only (slow for real models)"
+        )
     if driver is None:
-        return Check("cuda", WARN, f"torch built for CUDA {torch_cuda}, but no NVIDIA driver found: CPU only")
+        return Check(
+            "cuda", WARN, f"torch built for CUDA {torch_cuda}, but no NVIDIA driver found: CPU only"
+        )
     driver_version = (driver // 1000, driver % 1000 // 10)
     needed = tuple(int(x) for x in torch_cuda.split(".")[:2])
-    if driver_version[0] < needed[0]:  # minor versions are compatible within a major release
+    # minor versions are compatible within a major release
+    if driver_version[0] < needed[0]:
         return Check(
             "cuda",
             FAIL,
@@ -135,7 +151,10 @@ def check_distributed(nccl: bool, ray: str | None) -> Check:
 def check_sandbox(found) -> Check:
     """The jail model-written code runs in: every protection, or the ones missing and why."""
     return Check(
-        "sandbox", PASS if found.complete else WARN, found.summary(), None if found.complete else SANDBOX_INCOMPLETE
+        "sandbox",
+        PASS if found.complete else WARN,
+        found.summary(),
+        None if found.complete else SANDBOX_INCOMPLETE,
     )
 
 
@@ -175,7 +194,10 @@ def check_cpu_threads(as_meant: bool, how: str) -> Check:
 def check_disk(path: str, free_gb: float) -> Check:
     if free_gb < MIN_FREE_DISK_GB:
         return Check(
-            "disk", WARN, f"{free_gb:.1f} GB free at {path}: checkpoints of a 7B model take ~28 GB each", LOW_DISK
+            "disk",
+            WARN,
+            f"{free_gb:.1f} GB free at {path}: checkpoints of a 7B model take ~28 GB each",
+            LOW_DISK,
         )
     return Check("disk", PASS, f"{free_gb:.0f} GB free at {path}")
 
@@ -203,7 +225,9 @@ def collect(path: str = ".") -> list[Check]:
     import torch
 
     gpus = (
-        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available()
+        else []
     )
     capabilities = [torch.cuda.get_device_capability(i) for i in range(len(gpus))]
     return [
@@ -213,7 +237,10 @@ def collect(path: str = ".") -> list[Check]:
         Check("keel", PASS, installed("keel") or "source tree (not installed)"),
         check_cuda(torch.version.cuda, cuda_driver_version(), gpus),
         check_gpu_arch(capabilities, torch.cuda.get_arch_list() if gpus else []),
-        check_distributed(torch.distributed.is_available() and torch.distributed.is_nccl_available(), installed("ray")),
+        check_distributed(
+            torch.distributed.is_available() and torch.distributed.is_nccl_available(),
+            installed("ray"),
+        ),
         check_sandbox(jail()),
         check_sandbox_user(jail()),
         check_sandbox_processes(jail()),
@@ -226,7 +253,9 @@ def render(checks: list[Check]) -> str:
     marks = {PASS: "ok  ", WARN: "warn", FAIL: "FAIL"}
     lines = [f"keel doctor ({platform.node()}, {platform.platform()})"]
     for c in checks:
-        lines.append(f"  [{marks[c.level]}] {c.name:<12} {c.detail}" + (f"  ({c.code})" if c.code else ""))
+        lines.append(
+            f"  [{marks[c.level]}] {c.name:<12} {c.detail}" + (f"  ({c.code})" if c.code else "")
+        )
         lines += [f"         fix: {c.fix}"] if c.fix and c.level != PASS else []
     fails = sum(c.level == FAIL for c in checks)
     warns = sum(c.level == WARN for c in checks)

@@ -11,7 +11,11 @@ def check_rollout_engine(cfg: KeelConfig, context: dict) -> list[Finding]:
     model_cfg = need(context, "model_config")
     engine, reason = engine_for(cfg.actor_rollout_ref.rollout.name, model_cfg)
     if engine == "native":
-        return [Finding(PASS, "rollout engine", f"native: keel's engine runs {model_cfg.model_type!r}")]
+        return [
+            Finding(PASS, "rollout engine", f"native: keel's engine runs {model_cfg.model_type!r}")
+        ]
     if reason is None:
         return [Finding(PASS, "rollout engine", "hf (rollout.name=hf)")]
-    return [Finding(WARN, "rollout engine", f"hf: the native engine does not run {reason}; {HF_COST}")]
+    return [
+        Finding(WARN, "rollout engine", f"hf: the native engine does not run {reason}; {HF_COST}")
+    ]

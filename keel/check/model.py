@@ -18,12 +18,18 @@ def check_tokenizer(cfg: KeelConfig, context: dict) -> list[Finding]:
     from keel.models.load import check_model_dir, load_tokenizer
 
     path = check_model_dir(cfg.actor_rollout_ref.model.path)
-    raw = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
-    context["tokenizer"] = tokenizer = load_tokenizer(path, cfg.actor_rollout_ref.model.trust_remote_code)
+    raw = AutoTokenizer.from_pretrained(
+        path, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code
+    )
+    context["tokenizer"] = tokenizer = load_tokenizer(
+        path, cfg.actor_rollout_ref.model.trust_remote_code
+    )
     found = [Finding(PASS, "tokenizer", f"EOS {tokenizer.eos_token!r}, {len(tokenizer)} tokens")]
     if raw.pad_token_id is None:
         context["pad_from_eos"] = True
-        found.append(Finding(WARN, "tokenizer", f"no pad token: keel pads with EOS {tokenizer.eos_token!r}"))
+        found.append(
+            Finding(WARN, "tokenizer", f"no pad token: keel pads with EOS {tokenizer.eos_token!r}")
+        )
     return found
 
 
@@ -33,8 +39,11 @@ def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
     from keel.models.load import check_model_dir
 
     tokenizer = need(context, "tokenizer")
-    path = check_model_dir(cfg.actor_rollout_ref.model.path)  # a Hub id: its snapshot in the local cache
-    model_cfg = AutoConfig.from_pretrained(path, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+    # a Hub id: its snapshot in the local cache
+    path = check_model_dir(cfg.actor_rollout_ref.model.path)
+    model_cfg = AutoConfig.from_pretrained(
+        path, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code
+    )
     context["model_config"] = model_cfg
     vocab = model_cfg.vocab_size
     _check_vocabulary(tokenizer, vocab, path)
@@ -45,17 +54,20 @@ def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
             TOKEN_BUDGET,
             f"data.max_prompt_length + data.max_response_length = {budget} tokens, "
             f"over the policy's max_position_embeddings={limit}",
-            lengths_within(cfg, limit, "the policy's max_position_embeddings") + ", or use a model with "
+            lengths_within(cfg, limit, "the policy's max_position_embeddings")
+            + ", or use a model with "
             "a longer context (rollout.max_model_len cannot go past the model's positions)",
         )
     from keel.models.load import meta_model
     from keel.models.weight_check import check_weights_match
 
     found = check_special_tokens(tokenizer, model_cfg, path, context.get("pad_from_eos"))
-    try:  # built once: the weights check compares its shapes, the memory estimate counts its parameters
+    # built once: the weights check compares its shapes, the memory estimate counts its parameters
+    try:
         model = meta_model(model_cfg, cfg.actor_rollout_ref.model.trust_remote_code)
         context["parameters"] = sum(p.numel() for p in model.parameters())
-    except Exception:  # an architecture that will not build on the meta device is checked when it loads
+    # an architecture that will not build on the meta device is checked when it loads
+    except Exception:
         model = None
     weights, unmatched = check_weights_match(path, model_cfg, model)
     if unmatched:
@@ -108,12 +120,15 @@ def _plan_lora(cfg: KeelConfig, model, context: dict) -> list[Finding]:
     from keel.models.lora import plan_lora
 
     sections = [("actor", "actor_rollout_ref.model", cfg.actor_rollout_ref.model)]
-    if cfg.critic_enabled and not cfg.critic.model.path:  # a critic of its own model is planned when it loads
+    # a critic of its own model is planned when it loads
+    if cfg.critic_enabled and not cfg.critic.model.path:
         sections.append(("critic", "critic.model", cfg.critic.model))
     found, plans = [], context.setdefault("lora_trainable", {})
     for role, key, m in sections:
         if m.lora_rank and model is not None:
-            plan = plan_lora(model, m.lora_rank, m.target_modules, m.exclude_modules, m.modules_to_save, key)
+            plan = plan_lora(
+                model, m.lora_rank, m.target_modules, m.exclude_modules, m.modules_to_save, key
+            )
             plans[role] = plan.trainable
             found.append(Finding(PASS, "lora", f"{role}: {plan.summary()}"))
     return found
@@ -139,11 +154,16 @@ def check_special_tokens(tokenizer, model_cfg, path: str, pad_from_eos: bool) ->
                     f"generation_config.json in {path} cannot be read ({e}); its EOS ids are not compared",
                 )
             )
-    mismatches = special_token_mismatches(tokenizer, model_cfg, generation_eos, compare_pad=not pad_from_eos, path=path)
+    mismatches = special_token_mismatches(
+        tokenizer, model_cfg, generation_eos, compare_pad=not pad_from_eos, path=path
+    )
     if len(mismatches) >= 2:
         raise KeelError(
             TOKENIZER_MISMATCH,
-            "; ".join(what for what, _ in mismatches) + ": the tokenizer looks like another model's",
+            "; ".join(what for what, _ in mismatches)
+            + ": the tokenizer looks like another model's",
             agree_fix(mismatches),
         )
-    return found + [Finding(WARN, "model", what, TOKENIZER_MISMATCH, fix) for what, fix in mismatches]
+    return found + [
+        Finding(WARN, "model", what, TOKENIZER_MISMATCH, fix) for what, fix in mismatches
+    ]

@@ -13,16 +13,23 @@ from keel.rollout.agent.tools import load_tools
 
 
 def check_multi_turn(cfg: KeelConfig, context: dict) -> list[Finding]:
-    multi_turn, agent = cfg.actor_rollout_ref.rollout.multi_turn, cfg.actor_rollout_ref.rollout.agent
+    multi_turn, agent = (
+        cfg.actor_rollout_ref.rollout.multi_turn,
+        cfg.actor_rollout_ref.rollout.agent,
+    )
     if agent.function or agent.environment:
         return [_check_agent(cfg)]
     if not multi_turn.enable:
         return []
     tokenizer = need(context, "tokenizer")
     tools = load_tools(multi_turn)
-    environment = load_environment(multi_turn.environment).__name__ if multi_turn.environment else None
+    environment = (
+        load_environment(multi_turn.environment).__name__ if multi_turn.environment else None
+    )
     if multi_turn.interaction_config_path:
-        environment = "verl interactions " + ", ".join(load_interactions(multi_turn.interaction_config_path))
+        environment = "verl interactions " + ", ".join(
+            load_interactions(multi_turn.interaction_config_path)
+        )
     found = [
         Finding(PASS, "multi-turn", f"tools: {_named(tools)}; environment: {environment or 'none'}")
         if tools or environment
@@ -70,12 +77,15 @@ def _check_agent(cfg: KeelConfig) -> Finding:
 
     agent = cfg.actor_rollout_ref.rollout.agent
     if agent.environment:
-        loaded = load_environment_agent(agent)  # KEEL-C024 when the library, the environment or its class is not there
-        if hasattr(loaded, "probe"):  # an environment served elsewhere (OpenEnv's): it answers
+        # KEEL-C024 when the library, the environment or its class is not there
+        loaded = load_environment_agent(agent)
+        # an environment served elsewhere (OpenEnv's): it answers
+        if hasattr(loaded, "probe"):
             loaded.probe()
         by = f"the environment {agent.environment} (its reward: the environment's)"
     else:
-        load_agent_function(agent.function)  # KEEL-C023 when it is not an async def there
+        # KEEL-C023 when it is not an async def there
+        load_agent_function(agent.function)
         by = f"{agent.function} (an async def)"
     return Finding(
         PASS,

@@ -39,7 +39,8 @@ class Report:
     plan_text: str
     audit: dict[str, str]
     memory_gb: dict[str, float]
-    inputs: Inputs | None = field(default=None, repr=False)  # for `keel train` to reuse, not load again
+    # for `keel train` to reuse, not load again
+    inputs: Inputs | None = field(default=None, repr=False)
 
     @property
     def failures(self) -> list[Finding]:
@@ -70,7 +71,9 @@ def run_checks(cfg: KeelConfig) -> Report:
         except KeelError as e:
             findings.append(Finding.failed(name, e))
         except Skipped as missing:
-            findings.append(Finding(SKIP, name, f"skipped: needs the {missing} an earlier check could not load"))
+            findings.append(
+                Finding(SKIP, name, f"skipped: needs the {missing} an earlier check could not load")
+            )
     memory = context.get("memory_gb", {})
     plan = make_plan(cfg)
     from keel.trainer.setup import Inputs
@@ -78,7 +81,10 @@ def run_checks(cfg: KeelConfig) -> Report:
     inputs = None
     if all(key in context for key in ("tokenizer", "train_records", "reward")):
         inputs = Inputs(
-            context["tokenizer"], context["train_records"], context.get("val_records", []), context["reward"]
+            context["tokenizer"],
+            context["train_records"],
+            context.get("val_records", []),
+            context["reward"],
         )
     return Report(findings, plan.as_dict(), plan.render(), audit(cfg, context), memory, inputs)
 
@@ -92,11 +98,15 @@ def check_data(cfg: KeelConfig, context: dict) -> list[Finding]:
     found = []
     for name, files in (("train", cfg.data.train_files), ("val", cfg.data.val_files)):
         records, stats = read_prompts(files, need(context, "tokenizer"), cfg, name)
-        if not files and not records:  # no such split: no files, and no environment that brings it
+        # no such split: no files, and no environment that brings it
+        if not files and not records:
             continue
         context[f"{name}_records"] = records
-        found.append(Finding(WARN if stats.truncated or stats.dropped else PASS, "data", stats.summary()))
-    require_enough_prompts(len(context.get("train_records", [])), cfg)  # none: an environment without a train split
+        found.append(
+            Finding(WARN if stats.truncated or stats.dropped else PASS, "data", stats.summary())
+        )
+    # none: an environment without a train split
+    require_enough_prompts(len(context.get("train_records", [])), cfg)
     return found
 
 
@@ -107,7 +117,9 @@ def check_run_dir(cfg: KeelConfig, context: dict) -> list[Finding]:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
-        raise KeelError(RUN_DIR_NOT_WRITABLE, f"cannot write under {existing}: {e}", writable_run_dir(run_dir)) from e
+        raise KeelError(
+            RUN_DIR_NOT_WRITABLE, f"cannot write under {existing}: {e}", writable_run_dir(run_dir)
+        ) from e
     resume = ckpt.resume_point(run_dir, cfg)
     action = f"resume from {resume}" if resume is not None else "start a new run"
     return [Finding(PASS, "run directory", f"{run_dir}: writable; will {action}")]
@@ -120,7 +132,9 @@ def check_trackers(cfg: KeelConfig, context: dict) -> list[Finding]:
     trackers = [name for name in cfg.trainer.logger if name in SINKS]
     for name in trackers:
         require_tracker(name, cfg.trainer.logger)
-    return [Finding(PASS, "trackers", describe_tracker(name, Path(cfg.run_dir))) for name in trackers]
+    return [
+        Finding(PASS, "trackers", describe_tracker(name, Path(cfg.run_dir))) for name in trackers
+    ]
 
 
 CHECKS = [
@@ -177,7 +191,8 @@ def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
     if "train_records" in context:
         from keel.trainer.setup import total_steps
 
-        per_epoch = len(context["train_records"]) // cfg.data.train_batch_size  # the sampler drops the rest
+        # the sampler drops the rest
+        per_epoch = len(context["train_records"]) // cfg.data.train_batch_size
         decided["total training steps"] = f"{total_steps(cfg, per_epoch)} ({per_epoch} per epoch)"
     if context.get("pad_from_eos"):
         decided["pad token"] = "EOS (the tokenizer has none)"
@@ -198,7 +213,8 @@ def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
 def _verl_decisions(lines: list[str]) -> dict[str, str]:
     """What keel took of verl's keys, one entry per reason (forty profiler keys are one line)."""
     by_reason: dict[str, list[str]] = {}
-    for line in lines:  # "key: reason"
+    # "key: reason"
+    for line in lines:
         key, _, reason = line.partition(": ")
         by_reason.setdefault(reason, []).append(key)
     return {
@@ -237,7 +253,9 @@ def _finding_lines(f: Finding) -> list[str]:
     fix when it has one."""
     mark = {PASS: "ok  ", WARN: "warn", FAIL: "FAIL", SKIP: "skip"}[f.level]
     if f.level == FAIL:
-        return [f"  [{mark}] {f.check}"] + [f"         {line}" for line in f.error().render().splitlines()]
+        return [f"  [{mark}] {f.check}"] + [
+            f"         {line}" for line in f.error().render().splitlines()
+        ]
     return [f"  [{mark}] {f.check:<14} {f.message}" + (f"  ({f.code})" if f.code else "")] + (
         [f"         fix: {f.fix}"] if f.fix and f.level == WARN else []
     )
@@ -251,8 +269,13 @@ def render(report: Report) -> str:
     lines.append("decided for you")
     lines += [f"  {key:<26} {value}" for key, value in report.audit.items()]
     if report.memory_gb:
-        lines.append("memory estimate per device (GB): " + ", ".join(f"{k} {v}" for k, v in report.memory_gb.items()))
+        lines.append(
+            "memory estimate per device (GB): "
+            + ", ".join(f"{k} {v}" for k, v in report.memory_gb.items())
+        )
     counts = {level: sum(f.level == level for f in report.findings) for level in (PASS, WARN, FAIL)}
     verdict = "ready to train" if not counts[FAIL] else "fix the failures above before training"
-    lines.append(f"{counts[PASS]} passed, {counts[WARN]} warnings, {counts[FAIL]} failed: {verdict}")
+    lines.append(
+        f"{counts[PASS]} passed, {counts[WARN]} warnings, {counts[FAIL]} failed: {verdict}"
+    )
     return "\n".join(lines)

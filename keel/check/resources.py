@@ -33,10 +33,16 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
 
     context["memory_gb"] = estimate = estimate_for(cfg)
     total, available, where = device_memory_gb(cfg)
-    required = max(estimate["total"], estimate.get("critic_pool", 0.0), estimate.get("rollout_pool", 0.0))
-    message = f"about {required:.2f} GB needed on {where}, {available:.1f} GB free of {total:.1f} GB"
+    required = max(
+        estimate["total"], estimate.get("critic_pool", 0.0), estimate.get("rollout_pool", 0.0)
+    )
+    message = (
+        f"about {required:.2f} GB needed on {where}, {available:.1f} GB free of {total:.1f} GB"
+    )
     if required > available:
-        raise KeelError(MEMORY_ESTIMATE, message, _memory_fix(cfg, estimate, available, estimate_for))
+        raise KeelError(
+            MEMORY_ESTIMATE, message, _memory_fix(cfg, estimate, available, estimate_for)
+        )
     # verl honours param_offload on one GPU; keel uses FSDP (whose offload it is) only across ranks
     idle = [
         f"{key}.fsdp_config.param_offload=true has no effect on one worker (FSDP shards and offloads "
@@ -64,13 +70,20 @@ def _memory_fix(cfg: KeelConfig, estimate: dict, available: float, estimate_for)
             policy.actor.ppo_micro_batch_size_per_gpu,
         ),
     }
-    for key, (term, value) in sorted(terms.items(), key=lambda item: -estimate.get(item[1][0], 0.0)):
+    for key, (term, value) in sorted(
+        terms.items(), key=lambda item: -estimate.get(item[1][0], 0.0)
+    ):
         rest = estimate["total"] - estimate.get(term, 0.0)
         if value <= 1 or rest >= 0.9 * available or not estimate.get(term):
             continue
-        new = max(1, int(value * (0.9 * available - rest) / estimate[term]))  # both terms grow linearly
+        # both terms grow linearly
+        new = max(1, int(value * (0.9 * available - rest) / estimate[term]))
         default = value_at(type(cfg)(), key)
-        new = largest_divisor_at_most(samples, new) if term == "activations" else min(new, max(default, 1))
+        new = (
+            largest_divisor_at_most(samples, new)
+            if term == "activations"
+            else min(new, max(default, 1))
+        )
         after = estimate_for(load_config(to_dict(cfg), {key: new}))["total"]
         if new < value and after <= available:
             return f"set {setting(key, new)} (about {after:.2f} GB then)"
@@ -119,7 +132,13 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
     port = port_from_environment()
     if os.environ.get("RAY_ADDRESS"):
         require_reachable(os.environ["RAY_ADDRESS"])
-        return [Finding(PASS, "workers", f"{world} workers on the Ray cluster at {os.environ['RAY_ADDRESS']}")]
+        return [
+            Finding(
+                PASS,
+                "workers",
+                f"{world} workers on the Ray cluster at {os.environ['RAY_ADDRESS']}",
+            )
+        ]
     if cfg.trainer.nnodes > 1:
         one_node = overrides({"trainer.nnodes": 1, "trainer.n_gpus_per_node": world})
         raise KeelError(
@@ -133,7 +152,9 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
     have = torch.cuda.device_count() if device.type == "cuda" else (os.cpu_count() or 1)
     what = "GPUs" if device.type == "cuda" else "CPU cores"
     needed = Devices.of(cfg).total
-    placed = f"{world} workers" + "".join(f" + {count} for the {role} pool" for role, count in cfg.pools.items())
+    placed = f"{world} workers" + "".join(
+        f" + {count} for the {role} pool" for role, count in cfg.pools.items()
+    )
     if device.type == "cuda" and have < needed:
         raise KeelError(
             NOT_ENOUGH_DEVICES,
@@ -144,7 +165,13 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
         )
     level = WARN if have < needed else PASS
     meeting = f"; rank 0 listens on MASTER_PORT={rendezvous_port(port)}" if port else ""
-    return [Finding(level, "workers", f"{placed} on this machine ({have} {what}), Ray started by keel{meeting}")]
+    return [
+        Finding(
+            level,
+            "workers",
+            f"{placed} on this machine ({have} {what}), Ray started by keel{meeting}",
+        )
+    ]
 
 
 def architecture_parameters(model_cfg) -> int:
@@ -159,7 +186,8 @@ def _compute_dtype(cfg: KeelConfig) -> torch.dtype:
 
     try:
         device = resolve_device(cfg.trainer.device)
-    except KeelError:  # reported by the device check
+    # reported by the device check
+    except KeelError:
         device = torch.device("cpu")
     return resolve_dtype(cfg.actor_rollout_ref.model.dtype, device)
 

@@ -15,11 +15,19 @@ from keel.config.schema import KeelConfig
 from keel.errors import SANDBOX_INCOMPLETE, TOKEN_BUDGET, KeelError
 from keel.rewards.sandbox import jail
 
-ROWS_PER_SOURCE = 4  # rows of each data_source the scorer runs on
+# rows of each data_source the scorer runs on
+ROWS_PER_SOURCE = 4
 
 # Answers a right response could take, written around the ground truth; each is also tried after a
 # think block (reasoning models' functions often require one).
-CANDIDATE_FORMS = ("{}", "#### {}", "\\boxed{{{}}}", "The answer is {}.", "Answer: {}", "<answer>{}</answer>")
+CANDIDATE_FORMS = (
+    "{}",
+    "#### {}",
+    "\\boxed{{{}}}",
+    "The answer is {}.",
+    "Answer: {}",
+    "<answer>{}</answer>",
+)
 THINK_BLOCK = "<think>\nLet me work it out.\n</think>\n"
 
 
@@ -30,7 +38,8 @@ def check_reward(cfg: KeelConfig, context: dict) -> list[Finding]:
 
     scorer = build_reward(cfg)
     environment = cfg.actor_rollout_ref.rollout.agent.environment
-    if environment:  # its rewards are its own: the scorers never see its samples
+    # its rewards are its own: the scorers never see its samples
+    if environment:
         context["reward"] = scorer
         return [Finding(PASS, "reward", f"the environment's own ({environment})")]
     records = need(context, "train_records") + context.get("val_records", [])
@@ -40,12 +49,15 @@ def check_reward(cfg: KeelConfig, context: dict) -> list[Finding]:
         for source, rows in rows_by_source(records).items():
             found += probe_source(scorer, source, rows)
     finally:
-        scorer.close()  # its worker pool; the scorer starts a new one when the trainer reuses it
+        # its worker pool; the scorer starts a new one when the trainer reuses it
+        scorer.close()
     context["reward"] = scorer
     if scorer.runs_model_code(records):
         found.append(sandbox_finding(jail()))
     if cfg.reward_model.enable:
-        found.append(check_reward_model_budget(cfg, scorer.reward_model, records, need(context, "tokenizer")))
+        found.append(
+            check_reward_model_budget(cfg, scorer.reward_model, records, need(context, "tokenizer"))
+        )
     return found
 
 
@@ -64,7 +76,9 @@ def probe_source(scorer, source: str, rows: list) -> list[Finding]:
     function that gives none of the candidate answers a positive score is a warning."""
     bare = [_as_text(r.ground_truth) for r in rows]
     scorer.score_batch(rows, bare, on_error="raise", may_skip=False)
-    empty = scorer.score_batch(rows, [""] * len(rows), on_error="raise", may_skip=False).scores.tolist()
+    empty = scorer.score_batch(
+        rows, [""] * len(rows), on_error="raise", may_skip=False
+    ).scores.tolist()
     found = [
         Finding(
             PASS,
@@ -99,7 +113,9 @@ def truth_texts(ground_truth) -> list[str]:
     (`{"target": ["Paris"]}` -> Paris) and for a list its first item."""
     if isinstance(ground_truth, dict):
         values = [v[0] if isinstance(v, (list, tuple)) and v else v for v in ground_truth.values()]
-        return [_as_text(v) for v in values if isinstance(v, (str, int, float))][:3] or [_as_text(ground_truth)]
+        return [_as_text(v) for v in values if isinstance(v, (str, int, float))][:3] or [
+            _as_text(ground_truth)
+        ]
     if isinstance(ground_truth, (list, tuple)) and ground_truth:
         return [_as_text(ground_truth[0])]
     return [_as_text(ground_truth)]
@@ -123,7 +139,11 @@ def _best_score(scorer, rows: list) -> float:
     for i in range(max(len(c) for c in columns)):
         answers = [c[i] if i < len(c) else c[0] for c in columns]
         try:
-            best = scorer.score_batch(rows, answers, on_error="zero", may_skip=False).scores.max().item()
+            best = (
+                scorer.score_batch(rows, answers, on_error="zero", may_skip=False)
+                .scores.max()
+                .item()
+            )
         except KeelError:
             continue
         if best > 0:
@@ -145,11 +165,16 @@ def sandbox_finding(found) -> Finding:
     """Which of the jail's protections hold for model-written code (check_records has already
     refused a jail short of what reward.sandbox.require asks for)."""
     return Finding(
-        PASS if found.complete else WARN, "sandbox", found.summary(), None if found.complete else SANDBOX_INCOMPLETE
+        PASS if found.complete else WARN,
+        "sandbox",
+        found.summary(),
+        None if found.complete else SANDBOX_INCOMPLETE,
     )
 
 
-def check_reward_model_budget(cfg: KeelConfig, reward_model, records: list, policy_tokenizer) -> Finding:
+def check_reward_model_budget(
+    cfg: KeelConfig, reward_model, records: list, policy_tokenizer
+) -> Finding:
     """The longest prompt, in the reward model's own template and tokens, plus a full-length
     response in its tokens must fit what it reads: a 4096-token rollout scored by a 512-token model
     is an error. The response budget is in the policy's tokens, so it is converted by the ratio of
@@ -158,9 +183,13 @@ def check_reward_model_budget(cfg: KeelConfig, reward_model, records: list, poli
     def count(tokenizer, text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    longest = max(count(reward_model.tokenizer, reward_model.text(r.raw_prompt, "")) for r in records)
+    longest = max(
+        count(reward_model.tokenizer, reward_model.text(r.raw_prompt, "")) for r in records
+    )
     texts = [reward_model.text(r.raw_prompt, "") for r in records[:64]]
-    ratio = max(count(reward_model.tokenizer, t) / max(count(policy_tokenizer, t), 1) for t in texts)
+    ratio = max(
+        count(reward_model.tokenizer, t) / max(count(policy_tokenizer, t), 1) for t in texts
+    )
     response = math.ceil(cfg.data.max_response_length * ratio)
     total = longest + response
     budget = (
@@ -176,5 +205,7 @@ def check_reward_model_budget(cfg: KeelConfig, reward_model, records: list, poli
             "model with a longer context (if its tokenizer's model_max_length is wrong, correct it)",
         )
     return Finding(
-        PASS, "reward model", f"reads {reward_model.max_length} tokens ({reward_model.limited_by}); {budget}: {total}"
+        PASS,
+        "reward model",
+        f"reads {reward_model.max_length} tokens ({reward_model.limited_by}); {budget}: {total}",
     )

@@ -38,7 +38,9 @@ class AgentConfig:
         "default: as processes (0 when the agents run in the engine's process)",
     )
     timeout_s: float = opt(
-        600.0, gt=0, help="keel: seconds an agent may take; past it, it is cancelled and counted (agent/timeouts)"
+        600.0,
+        gt=0,
+        help="keel: seconds an agent may take; past it, it is cancelled and counted (agent/timeouts)",
     )
     on_prefix_break: str = opt(
         "drop",
@@ -49,7 +51,9 @@ class AgentConfig:
         "(agent/prefix_breaks counts them either way)",
     )
     max_prompt_length: int = opt(
-        2048, gt=0, help="keel: tokens an agent's first prompt may take (its own system prompt and tools included)"
+        2048,
+        gt=0,
+        help="keel: tokens an agent's first prompt may take (its own system prompt and tools included)",
     )
     environment: str | None = opt(
         None,
@@ -64,4 +68,6 @@ class AgentConfig:
         "(its server), action_field and observation_field (the text fields, found when there is one), max_turns, "
         "max_tokens (a turn's)",
     )
-    host: str = opt("127.0.0.1", help="keel: where the endpoint listens (loopback: only this machine's agents)")
+    host: str = opt(
+        "127.0.0.1", help="keel: where the endpoint listens (loopback: only this machine's agents)"
+    )

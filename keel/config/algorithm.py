@@ -6,12 +6,19 @@ from dataclasses import dataclass
 
 from keel.algorithms.advantages import ADV_ESTIMATORS as ESTIMATOR_REGISTRY
 from keel.algorithms.kl import KL_ESTIMATORS as KL_TYPES
-from keel.algorithms.rollout_correction import IS_LEVELS, RS_OPTIONS, CorrectionParams, parse_rejection
+from keel.algorithms.rollout_correction import (
+    IS_LEVELS,
+    RS_OPTIONS,
+    CorrectionParams,
+    parse_rejection,
+)
 from keel.config.fields import opt
 
 # The algorithms' registries are the one source of what a key may name.
 ADV_ESTIMATORS = tuple(ESTIMATOR_REGISTRY)
-GROUP_ESTIMATORS = tuple(name for name, estimator in ESTIMATOR_REGISTRY.items() if estimator.needs_group)
+GROUP_ESTIMATORS = tuple(
+    name for name, estimator in ESTIMATOR_REGISTRY.items() if estimator.needs_group
+)
 
 
 @dataclass
@@ -52,7 +59,9 @@ class RolloutCorrectionConfig:
         "pi_rollout on the policy loss, per token or per sequence (null: none)",
     )
     rollout_is_threshold: float = opt(2.0, gt=0, help="the weights are truncated at this value")
-    rollout_is_batch_normalize: bool = opt(False, help="rescale the weights to mean 1 over the batch")
+    rollout_is_batch_normalize: bool = opt(
+        False, help="rescale the weights to mean 1 over the batch"
+    )
     rollout_rs: str | None = opt(
         None,
         help="rejection: comma-separated filters on the ratio ("

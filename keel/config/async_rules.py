@@ -17,7 +17,11 @@ def check_async(cfg: KeelConfig, incompatible) -> None:
             f"set {setting('trainer.partial_rollout', False)} (async mode generates each batch and its baseline "
             "with one policy), or another estimator (grpo, rloo)",
         )
-    if trainer.mode == "async" and cfg.algorithm.filter_groups.enable and not trainer.partial_rollout:
+    if (
+        trainer.mode == "async"
+        and cfg.algorithm.filter_groups.enable
+        and not trainer.partial_rollout
+    ):
         raise incompatible(
             "algorithm.filter_groups.enable=true with trainer.mode=async and whole batches generated ahead: DAPO's "
             "dynamic sampling decides from their scores how many to generate, which is not known ahead",

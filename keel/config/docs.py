@@ -15,7 +15,8 @@ def _rows(cls: type, prefix: str = ""):
         annotation = hints[f.name]
         dotted = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(annotation):
-            if f.metadata.get("help"):  # a section that says what it is for
+            # a section that says what it is for
+            if f.metadata.get("help"):
                 yield dotted, "section", "", "", f.metadata["help"]
             yield from _rows(annotation, dotted + ".")
             continue
@@ -29,7 +30,8 @@ def _rows(cls: type, prefix: str = ""):
         if meta.get("choices"):
             limits.append(" | ".join(map(str, meta["choices"])))
         type_name = annotation.__name__ if isinstance(annotation, type) else str(annotation)
-        type_name = type_name.replace("typing.", "").replace(" | ", " or ")  # a pipe would split the cell
+        # a pipe would split the cell
+        type_name = type_name.replace("typing.", "").replace(" | ", " or ")
         yield dotted, type_name, repr(default), ", ".join(limits), meta.get("help", "")
 
 
@@ -55,7 +57,9 @@ def render_reference() -> str:
         ]
         for key, type_name, default, allowed, help_text in _rows(schema):
             default = f"`{_cell(default)}`" if default else ""
-            lines.append(f"| `{key}` | {type_name} | {default} | {_cell(allowed)} | {_cell(help_text)} |")
+            lines.append(
+                f"| `{key}` | {type_name} | {default} | {_cell(allowed)} | {_cell(help_text)} |"
+            )
     lines += verl_reference()
     return "\n".join(lines) + "\n"
 

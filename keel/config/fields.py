@@ -30,7 +30,8 @@ class ResourcePool:
     policy: the critic trains there, the reward model scores there (one replica per device)."""
 
     enable_resource_pool: bool = opt(
-        False, help="run it on devices of its own (its own Ray workers) instead of beside the policy"
+        False,
+        help="run it on devices of its own (its own Ray workers) instead of beside the policy",
     )
     n_gpus_per_node: int = opt(1, gt=0, help="enable_resource_pool: its workers per node")
     nnodes: int = opt(1, gt=0, help="enable_resource_pool: nodes")

@@ -29,10 +29,12 @@ from keel.errors import (
     KeelError,
 )
 
-KEEL_COPY = Path(__file__).parent / "verl_trainer"  # verl 0.9.1's _generated_ppo_trainer.yaml as ppo_trainer.yaml
+# verl 0.9.1's _generated_ppo_trainer.yaml as ppo_trainer.yaml
+KEEL_COPY = Path(__file__).parent / "verl_trainer"
 KEEL_COPY_VERSION = "0.9.1"
 VERL_TRAINER_CONFIG = ("verl", "trainer", "config")
-DEFAULT_NAME = "ppo_trainer"  # verl's main_ppo: @hydra.main(config_path="config", config_name="ppo_trainer")
+# verl's main_ppo: @hydra.main(config_path="config", config_name="ppo_trainer")
+DEFAULT_NAME = "ppo_trainer"
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,11 @@ def compose_launch(launch: VerlLaunch) -> tuple[dict, list[str]]:
         for part in parents:
             node = node.get(part) if isinstance(node, dict) else None
             mine = mine.get(part) if isinstance(mine, dict) else None
-        if isinstance(node, dict) and leaf in node and not (isinstance(mine, dict) and leaf in mine):
+        if (
+            isinstance(node, dict)
+            and leaf in node
+            and not (isinstance(mine, dict) and leaf in mine)
+        ):
             notes.append(f"{dotted}: verl's default {node.pop(leaf)!r} left out: {why}")
     return tree, notes
 
@@ -94,7 +100,8 @@ def installed_verl() -> list[str]:
 
 
 def config_directory(given: str | None, notes: list[str]) -> Path:
-    if given is None:  # --config-name alone: verl's main_ppo reads its own config directory
+    # --config-name alone: verl's main_ppo reads its own config directory
+    if given is None:
         found, which = verl_trainer_config()
         notes.append(f"--config-path: not given, so verl's trainer config, {which}")
         return found
@@ -107,9 +114,12 @@ def config_directory(given: str | None, notes: list[str]) -> Path:
     path = Path(given).expanduser()
     if path.is_dir():
         return path.resolve()
-    if not path.is_absolute() and path.parts in ((), ("config",)):  # Hydra: relative to verl/trainer/main_ppo.py
+    # Hydra: relative to verl/trainer/main_ppo.py
+    if not path.is_absolute() and path.parts in ((), ("config",)):
         found, which = verl_trainer_config()
-        notes.append(f"--config-path={given}: verl's trainer config as verl's main_ppo reads it, {which}")
+        notes.append(
+            f"--config-path={given}: verl's trainer config as verl's main_ppo reads it, {which}"
+        )
         return found
     if path.is_file():
         raise KeelError(
@@ -141,14 +151,20 @@ def config_name(directory: Path, given: str | None) -> str:
         return name
     present = sorted(p.stem for p in directory.glob("*.yaml"))
     near = difflib.get_close_matches(name, present, n=1, cutoff=0.6)
-    shown = ", ".join(present[:12]) + (", ..." if len(present) > 12 else "") if present else "no YAML file"
+    shown = (
+        ", ".join(present[:12]) + (", ..." if len(present) > 12 else "")
+        if present
+        else "no YAML file"
+    )
     fix = (
         f"pass `{near[0]}` in place of `{given}` (the config there spelt most like it)"
         if near and given
         else f"pass one of the configs of {directory} with --config-name: {shown}"
     )
     raise KeelError(
-        LAUNCH_CONFIG_NAME, f"--config-name {name!r}: {directory} has no {name}.yaml (it holds {shown})", fix
+        LAUNCH_CONFIG_NAME,
+        f"--config-name {name!r}: {directory} has no {name}.yaml (it holds {shown})",
+        fix,
     )
 
 
@@ -158,7 +174,9 @@ def _primary(primary: Path) -> dict:
     except yaml.YAMLError as e:
         raise KeelError(CONFIG_FILE, f"{primary} is not valid YAML: {e}") from e
     if not isinstance(head, dict):
-        raise KeelError(CONFIG_FILE, f"{primary} must hold a mapping of sections, got {type(head).__name__}")
+        raise KeelError(
+            CONFIG_FILE, f"{primary} must hold a mapping of sections, got {type(head).__name__}"
+        )
     return head
 
 
@@ -195,7 +213,9 @@ def _search_entry(entry: str, primary: Path, notes: list[str]) -> str:
             return str(path.resolve())
         if path.parts[-3:] == VERL_TRAINER_CONFIG:
             found, which = verl_trainer_config()
-            notes.append(f"hydra.searchpath {entry}: not under {Path.cwd()}, so verl's trainer config, {which}")
+            notes.append(
+                f"hydra.searchpath {entry}: not under {Path.cwd()}, so verl's trainer config, {which}"
+            )
             return str(found)
     raise KeelError(
         LAUNCH_SEARCHPATH,
@@ -228,12 +248,18 @@ def _compose(directory: Path, name: str, searchpath: list[str]) -> dict:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    quoted = ",".join("'file://" + p.replace("\\", "\\\\").replace("'", "\\'") + "'" for p in searchpath)
+    quoted = ",".join(
+        "'file://" + p.replace("\\", "\\\\").replace("'", "\\'") + "'" for p in searchpath
+    )
     GlobalHydra.instance().clear()
     primary = directory / f"{name}.yaml"
     try:
-        with warnings.catch_warnings(), initialize_config_dir(config_dir=str(directory), version_base=None):
-            warnings.simplefilter("ignore")  # Hydra's notes on search paths; keel's are in `notes`
+        with (
+            warnings.catch_warnings(),
+            initialize_config_dir(config_dir=str(directory), version_base=None),
+        ):
+            # Hydra's notes on search paths; keel's are in `notes`
+            warnings.simplefilter("ignore")
             cfg = compose(name, overrides=[f"hydra.searchpath=[{quoted}]"])
             tree = OmegaConf.to_container(cfg, resolve=False)
     except MissingConfigException as e:
@@ -251,8 +277,11 @@ def _compose(directory: Path, name: str, searchpath: list[str]) -> dict:
 
 
 def _missing_default(error: Exception, primary: Path, directories: list[str]) -> KeelError:
-    text = str(error)  # "In 'NAME': Could not load 'MISSING'."
-    missing = getattr(error, "missing_cfg_file", None) or (text.split("'")[3] if text.count("'") >= 4 else text)
+    # "In 'NAME': Could not load 'MISSING'."
+    text = str(error)
+    missing = getattr(error, "missing_cfg_file", None) or (
+        text.split("'")[3] if text.count("'") >= 4 else text
+    )
     found = sorted({p.stem for d in directories for p in Path(d).glob("*.yaml")} - {primary.stem})
     near = difflib.get_close_matches(missing, found, n=1, cutoff=0.6)
     searched = ", ".join(directories)
@@ -270,7 +299,9 @@ def _missing_default(error: Exception, primary: Path, directories: list[str]) ->
 
 
 def _first_line(error: Exception) -> str:
-    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return next(
+        (line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__
+    )
 
 
 def _near_directory(path: Path) -> str | None:

@@ -22,7 +22,15 @@ from keel.config.schema import KeelConfig
 from keel.config.values import check_field, coerce, field_default
 from keel.config.verl import adapt_verl
 from keel.config.verl_rules import DIFFERENT_DEFAULTS
-from keel.errors import BAD_OVERRIDE, BAD_VALUE, CATALOGUE, CONFIG_FILE, REFERENCE_APART, UNKNOWN_KEY, KeelError
+from keel.errors import (
+    BAD_OVERRIDE,
+    BAD_VALUE,
+    CATALOGUE,
+    CONFIG_FILE,
+    REFERENCE_APART,
+    UNKNOWN_KEY,
+    KeelError,
+)
 from keel.errors.fixes import nearby_file, setting, value_text
 
 
@@ -44,13 +52,15 @@ def load_config(
         _delete_dotted(tree, key) if value is DELETE else _set_dotted(tree, key, value)
     problems: list[KeelError] = []
     given = set(flatten(tree))
-    if schema is KeelConfig:  # verl's SFT trainer has keys of its own; keel's SFT keys are checked as they are
+    # verl's SFT trainer has keys of its own; keel's SFT keys are checked as they are
+    if schema is KeelConfig:
         tree = adapt_verl(tree, _known_keys(schema), _defaults(schema), problems, decided)
     cfg = _build(schema, tree, prefix="", schema=schema, problems=problems, decided=decided)
     if problems:
         raise combined(problems)
     if schema is KeelConfig:
-        decided += _async_decisions(cfg, given | set(flatten(tree)))  # verl's keys under keel's names too
+        # verl's keys under keel's names too
+        decided += _async_decisions(cfg, given | set(flatten(tree)))
     cfg.validate()
     if schema is KeelConfig:
         decided += [
@@ -58,8 +68,10 @@ def load_config(
             for key, (verl, why) in DIFFERENT_DEFAULTS.items()
             if key not in given
         ]
-    object.__setattr__(cfg, "decided", decided)  # not a field: it is not saved or compared on resume
-    object.__setattr__(cfg, "given", frozenset(given))  # the keys the config set (what keel may choose)
+    # not a field: it is not saved or compared on resume
+    object.__setattr__(cfg, "decided", decided)
+    # the keys the config set (what keel may choose)
+    object.__setattr__(cfg, "given", frozenset(given))
     return cfg
 
 
@@ -74,7 +86,9 @@ def _async_decisions(cfg, given: set) -> list[str]:
     ended, not left running in the trainer."""
     if cfg.trainer.mode != "async":
         return []
-    correction = _off_policy_correction(cfg, given) if cfg.trainer.max_off_policy_steps > 0 else None
+    correction = (
+        _off_policy_correction(cfg, given) if cfg.trainer.max_off_policy_steps > 0 else None
+    )
     decided = [correction] if correction else []
     if "reward.num_workers" not in given and cfg.reward.num_workers == 0:
         object.__setattr__(cfg.reward, "num_workers", min(8, os.cpu_count() or 1))
@@ -89,7 +103,12 @@ def _off_policy_correction(cfg, given: set) -> str | None:
     correction, k = cfg.algorithm.rollout_correction, cfg.trainer.max_off_policy_steps
     chosen = any(key.startswith("algorithm.rollout_correction.") for key in given)
     # greedy engines record log-probs at temperature 1, not the policy's: nothing to correct with
-    if chosen or not cfg.actor_rollout_ref.rollout.do_sample or correction.decoupled or correction.bypass_mode:
+    if (
+        chosen
+        or not cfg.actor_rollout_ref.rollout.do_sample
+        or correction.decoupled
+        or correction.bypass_mode
+    ):
         return None
     why = f"since trainer.mode=async trains samples up to {k} policy version{'s' if k > 1 else ''} old"
     if cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla":
@@ -123,7 +142,9 @@ def combined(problems: list[KeelError]) -> KeelError:
         if all(options) and len(set(options)) == len(options)
         else "fix each as its line says"
     )
-    return KeelError(problems[0].code, f"{len(problems)} problems in the config, all of them here:\n{lines}", fix)
+    return KeelError(
+        problems[0].code, f"{len(problems)} problems in the config, all of them here:\n{lines}", fix
+    )
 
 
 def to_dict(cfg: Any) -> dict:
@@ -145,7 +166,9 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def changed_keys(saved: dict, current: dict, may_change: tuple[str, ...], defaults: dict | None = None) -> list[str]:
+def changed_keys(
+    saved: dict, current: dict, may_change: tuple[str, ...], defaults: dict | None = None
+) -> list[str]:
     """`key: old -> new` for every key that differs, except keys starting with a `may_change` entry.
     A key the saved config lacks (added by a newer keel) is unchanged if it holds its default."""
     old, new = flatten(saved), flatten(current)
@@ -193,20 +216,25 @@ def _as_tree(source) -> tuple[dict, list[str]]:
     if isinstance(source, dict):
         return _deep_copy(source), []
     tree = _yaml_file(Path(source))
-    if isinstance(tree.get("defaults"), list):  # a Hydra config (verl's examples): composed as Hydra would
+    # a Hydra config (verl's examples): composed as Hydra would
+    if isinstance(tree.get("defaults"), list):
         return compose_launch(VerlLaunch(str(Path(source).parent), Path(source).stem))
     return tree, []
 
 
 def _yaml_file(path: Path) -> dict:
     if not path.is_file():
-        raise KeelError(CONFIG_FILE, f"config file {str(path)!r} does not exist", _config_file_fix(str(path)))
+        raise KeelError(
+            CONFIG_FILE, f"config file {str(path)!r} does not exist", _config_file_fix(str(path))
+        )
     try:
         tree = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise KeelError(CONFIG_FILE, f"{path} is not valid YAML: {e}") from e
     if not isinstance(tree, dict):
-        raise KeelError(CONFIG_FILE, f"{path} must hold a mapping of sections, got {type(tree).__name__}")
+        raise KeelError(
+            CONFIG_FILE, f"{path} must hold a mapping of sections, got {type(tree).__name__}"
+        )
     return tree
 
 
@@ -214,7 +242,9 @@ def _config_file_fix(missing: str) -> str | None:
     found = nearby_file(missing, (".yaml", ".yml"))
     if found:
         return f"pass `{found}` in place of `{missing}` (the YAML file there named most like it)"
-    folder = next((p for p in [Path(missing).parent, *Path(missing).parent.parents] if p.is_dir()), Path("."))
+    folder = next(
+        (p for p in [Path(missing).parent, *Path(missing).parent.parents] if p.is_dir()), Path(".")
+    )
     present = sorted(p.name for p in folder.glob("*.y*ml"))
     return f"pass the path of an existing YAML file ({folder} holds {present or 'none'})"
 
@@ -234,15 +264,18 @@ def _parse_overrides(overrides, value_now=lambda key: DELETE) -> list[tuple[str,
         return []
     if isinstance(overrides, dict):
         return [
-            (key[1:], DELETE) if key.startswith("~") else (key.lstrip("+"), value) for key, value in overrides.items()
+            (key[1:], DELETE) if key.startswith("~") else (key.lstrip("+"), value)
+            for key, value in overrides.items()
         ]
     parsed = []
     for item in overrides:
-        if item.startswith("~"):  # Hydra's `~key` (or `~key=value`): remove it, keel's default applies
+        # Hydra's `~key` (or `~key=value`): remove it, keel's default applies
+        if item.startswith("~"):
             parsed.append((item[1:].partition("=")[0].strip(), DELETE))
             continue
         key, sep, raw = item.partition("=")
-        key = key.strip().lstrip("+").lstrip("~")  # Hydra's `+key=value` / `++key=value` add or force
+        # Hydra's `+key=value` / `++key=value` add or force
+        key = key.strip().lstrip("+").lstrip("~")
         if not sep or not key:
             now = value_now(key) if key else DELETE
             fix = (
@@ -250,12 +283,15 @@ def _parse_overrides(overrides, value_now=lambda key: DELETE) -> list[tuple[str,
                 if now is not DELETE
                 else f"remove `{item}` (no key is named so); write overrides as `section.key=value`"
             )
-            raise KeelError(BAD_OVERRIDE, f"override {item!r} is not of the form section.key=value", fix)
+            raise KeelError(
+                BAD_OVERRIDE, f"override {item!r} is not of the form section.key=value", fix
+            )
         parsed.append((key, yaml.safe_load(raw) if raw.strip() else None))
     return parsed
 
 
-DELETE = object()  # an override that removes its key
+# an override that removes its key
+DELETE = object()
 
 
 def _delete_dotted(tree: dict, dotted: str) -> None:
@@ -284,7 +320,11 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 def _build(cls: type, tree: Any, prefix: str, schema: type, problems: list, decided: list):
     """The typed tree; what is wrong is added to `problems` and its key left at the default."""
     if not isinstance(tree, dict):
-        problems.append(KeelError(BAD_VALUE, f"{prefix.rstrip('.') or 'config'} must be a mapping, got {tree!r}"))
+        problems.append(
+            KeelError(
+                BAD_VALUE, f"{prefix.rstrip('.') or 'config'} must be a mapping, got {tree!r}"
+            )
+        )
         return cls()
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -296,24 +336,30 @@ def _build(cls: type, tree: Any, prefix: str, schema: type, problems: list, deci
             f = fields[name]
             sub = _dataclass_type(f.type, cls)
             if sub is not None:
-                kwargs[name] = _build(sub, value if value is not None else {}, dotted + ".", schema, problems, decided)
-            elif value is None and not _optional(_resolve(f.type, cls)):  # verl's null: "not set"
+                kwargs[name] = _build(
+                    sub, value if value is not None else {}, dotted + ".", schema, problems, decided
+                )
+            # verl's null: "not set"
+            elif value is None and not _optional(_resolve(f.type, cls)):
                 decided.append(f"{dotted}: null, so keel's default {field_default(f)!r}")
             else:
                 kwargs[name] = check_field(f, coerce(value, _resolve(f.type, cls), dotted), dotted)
         except KeelError as problem:
-            if problem.code == BAD_VALUE and problem.fix == CATALOGUE[BAD_VALUE].fix:  # a value of the wrong type
+            # a value of the wrong type
+            if problem.code == BAD_VALUE and problem.fix == CATALOGUE[BAD_VALUE].fix:
                 problem = KeelError(
-                    BAD_VALUE, problem.message, f"set {setting(dotted, field_default(fields[name]))} (the default)"
+                    BAD_VALUE,
+                    problem.message,
+                    f"set {setting(dotted, field_default(fields[name]))} (the default)",
                 )
             problems.append(problem)
     return cls(**kwargs)
 
 
 def _optional(annotation) -> bool:
-    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(
-        annotation
-    )
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(
+        None
+    ) in typing.get_args(annotation)
 
 
 def _leaf_value(value: Any) -> Any:
@@ -331,7 +377,9 @@ def _first_leaf(value: Any) -> str:
 
 # Placement keys a user might expect for the reference model (the critic and the reward model
 # have them): refused with the reason instead of a spelling suggestion.
-REFERENCE_PLACEMENT = {f"actor_rollout_ref.ref.{key}" for key in ("enable_resource_pool", "n_gpus_per_node", "nnodes")}
+REFERENCE_PLACEMENT = {
+    f"actor_rollout_ref.ref.{key}" for key in ("enable_resource_pool", "n_gpus_per_node", "nnodes")
+}
 
 
 def _unknown_key(dotted: str, schema: type, value: Any):
@@ -348,7 +396,14 @@ def _unknown_key(dotted: str, schema: type, value: Any):
     # only a misspelling is suggested (a few letters off, in the same section): a near name that
     # means another thing (use_remove_padding -> trust_remote_code) is worse than no suggestion.
     close = [k for k in valid if k.endswith("." + dotted)][:1]
-    close = close or [k for k in difflib.get_close_matches(dotted, valid, n=3, cutoff=0.8) if _misspelt(dotted, k)][:1]
+    close = (
+        close
+        or [
+            k
+            for k in difflib.get_close_matches(dotted, valid, n=3, cutoff=0.8)
+            if _misspelt(dotted, k)
+        ][:1]
+    )
     hint = f"did you mean {close[0]!r}?" if close else "see the README for the list of keys"
     raise KeelError(
         UNKNOWN_KEY,
@@ -370,7 +425,9 @@ def _edits(a: str, b: str) -> int:
     d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
     for i in range(1, len(a) + 1):
         for j in range(1, len(b) + 1):
-            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            d[i][j] = min(
+                d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1])
+            )
             if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
                 d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
     return d[len(a)][len(b)]

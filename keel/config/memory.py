@@ -37,42 +37,63 @@ def estimate_memory_gb(
     micro = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
     # The float32 logits and their gradient of one LOGITS_CHUNK_TOKENS chunk at a time (kept logits
     # size themselves to the memory a run leaves: forward.logits_chunking).
-    logits = min(micro * cfg.data.max_response_length, logits_chunk_tokens) * model_cfg.vocab_size * 4 * 2
+    logits = (
+        min(micro * cfg.data.max_response_length, logits_chunk_tokens)
+        * model_cfg.vocab_size
+        * 4
+        * 2
+    )
     estimate = {
         "actor_states": _sharded_bytes(params, True, policy.actor.fsdp_config, cfg.world_size) / gb,
         "activations": (_activation_bytes(model_cfg, micro * seq, compute_bytes) + logits) / gb,
-        "kv_cache": _kv_cache_bytes(model_cfg, seq * policy.rollout.max_num_seqs, compute_bytes) / gb,
+        "kv_cache": _kv_cache_bytes(model_cfg, seq * policy.rollout.max_num_seqs, compute_bytes)
+        / gb,
     }
     native = policy.rollout.name != "hf" and native_rollout
-    if native:  # the native engine's decode weights, in the compute dtype: its only copy
+    # the native engine's decode weights, in the compute dtype: its only copy
+    if native:
         estimate["rollout_weights"] = compute_bytes * params / gb
     if cfg.world_size > 1 and policy.actor.fsdp_config.fsdp_size != 1 and not native:
-        estimate["rollout_copy"] = 4 * params / gb  # sharded: the hf engine generates with a whole copy
+        # sharded: the hf engine generates with a whole copy
+        estimate["rollout_copy"] = 4 * params / gb
     lora = lora_trainable or {}
-    if "actor" in lora:  # the frozen base once (the engine's, when not sharded), the adapters with AdamW
+    # the frozen base once (the engine's, when not sharded), the adapters with AdamW
+    if "actor" in lora:
         shards = _shards(policy.actor.fsdp_config, cfg.world_size)
         base = 0 if native and shards == 1 else compute_bytes * params / shards
         estimate["actor_states"] = (base + 16 * lora["actor"] / shards) / gb
     elif cfg.ref_enabled:
-        estimate["reference"] = _sharded_bytes(params, False, policy.ref.fsdp_config, cfg.world_size) / gb
+        estimate["reference"] = (
+            _sharded_bytes(params, False, policy.ref.fsdp_config, cfg.world_size) / gb
+        )
     critic_lora = lora.get("critic")
-    if cfg.critic_enabled and "critic" not in cfg.pools:  # colocated with the actor
-        estimate["critic_states"] = _critic_bytes(cfg, params, critic_lora, compute_bytes, cfg.world_size) / gb
-    apart = {} if policy.hybrid_engine else {"rollout_pool": _rollout_apart(estimate, native, params / gb)}
+    # colocated with the actor
+    if cfg.critic_enabled and "critic" not in cfg.pools:
+        estimate["critic_states"] = (
+            _critic_bytes(cfg, params, critic_lora, compute_bytes, cfg.world_size) / gb
+        )
+    apart = (
+        {}
+        if policy.hybrid_engine
+        else {"rollout_pool": _rollout_apart(estimate, native, params / gb)}
+    )
     estimate["total"] = sum(estimate.values())
     estimate.update(apart)
-    if cfg.critic_enabled and "critic" in cfg.pools:  # the critic pool's devices: states and activations
+    # the critic pool's devices: states and activations
+    if cfg.critic_enabled and "critic" in cfg.pools:
         states = _critic_bytes(cfg, params, critic_lora, compute_bytes, cfg.critic_world_size)
         activations = _activation_bytes(model_cfg, cfg.critic_batching[1] * seq, compute_bytes)
         estimate["critic_pool"] = (states + activations) / gb
-    return {k: float(f"{v:.4g}") for k, v in estimate.items()}  # tiny models stay visible
+    # tiny models stay visible
+    return {k: float(f"{v:.4g}") for k, v in estimate.items()}
 
 
 def _rollout_apart(estimate: dict[str, float], native: bool, params_gb: float) -> float:
     """hybrid_engine=false: the engine's parts leave the actor's devices (`estimate`) -> what the
     rollout's own devices hold (hf generates with a whole float32 model of its own)."""
     kv_cache, weights = estimate.pop("kv_cache"), estimate.pop("rollout_weights", 0.0)
-    estimate.pop("rollout_copy", None)  # the actor's ranks' copy for hf: the rollout's own model instead
+    # the actor's ranks' copy for hf: the rollout's own model instead
+    estimate.pop("rollout_copy", None)
     return kv_cache + (weights if native else 4 * params_gb)
 
 
@@ -82,7 +103,9 @@ def _activation_bytes(model_cfg, tokens: int, compute_bytes: int) -> float:
     return 34 * model_cfg.hidden_size * model_cfg.num_hidden_layers * tokens * compute_bytes / 2
 
 
-def _critic_bytes(cfg: KeelConfig, params: int, lora_params: int | None, compute_bytes: int, world: int) -> float:
+def _critic_bytes(
+    cfg: KeelConfig, params: int, lora_params: int | None, compute_bytes: int, world: int
+) -> float:
     """The critic's states on one of `world` ranks; with LoRA (`lora_params` trainable), the frozen
     base in the compute dtype and AdamW for the adapters alone."""
     fsdp_cfg = cfg.critic.model.fsdp_config
@@ -104,7 +127,8 @@ def _sharded_bytes(params: int, trained: bool, fsdp_cfg, world: int) -> float:
     """Device bytes of one rank: float32 weights (and gradients, if trained) and AdamW's two
     moments, sharded over the fsdp group, minus what is offloaded to CPU."""
     shards = _shards(fsdp_cfg, world)
-    offloaded = fsdp_cfg.param_offload and shards > 1  # FSDP's: a single rank keeps its weights
+    # FSDP's: a single rank keeps its weights
+    offloaded = fsdp_cfg.param_offload and shards > 1
     weights = 0 if offloaded else (8 if trained else 4) * params
     moments = 0 if (not trained or offloaded or fsdp_cfg.optimizer_offload) else 8 * params
     return (weights + moments) / shards

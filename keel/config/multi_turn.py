@@ -12,7 +12,8 @@ class MultiTurnConfig:
     """verl's rollout.multi_turn: the policy calls tools between its turns (keel.rollout.agent)."""
 
     enable: bool = opt(
-        False, help="multi-turn rollouts with tool calls; data.max_response_length is the whole trajectory's budget"
+        False,
+        help="multi-turn rollouts with tool calls; data.max_response_length is the whole trajectory's budget",
     )
     max_assistant_turns: int | None = opt(
         None,
@@ -30,8 +31,12 @@ class MultiTurnConfig:
         "verl's @function_tool (verl.tools.function_tool), each a tool "
         "beside those of tool_config_path; needs verl importable",
     )
-    max_parallel_calls: int = opt(1, gt=0, help="tool calls run per sample and turn; more are dropped")
-    max_tool_response_length: int = opt(256, gt=0, help="characters of a tool's output the model sees")
+    max_parallel_calls: int = opt(
+        1, gt=0, help="tool calls run per sample and turn; more are dropped"
+    )
+    max_tool_response_length: int = opt(
+        256, gt=0, help="characters of a tool's output the model sees"
+    )
     tool_response_truncate_side: str = opt(
         "middle",
         choices=("left", "middle", "right"),
@@ -43,7 +48,9 @@ class MultiTurnConfig:
         help="how tool calls are written: hermes, <tool_call>{name, arguments}</tool_call>",
     )
     tool_timeout_s: float = opt(
-        30.0, gt=0, help="seconds a tool call (or an environment's step) may take; then the model is told it timed out"
+        30.0,
+        gt=0,
+        help="seconds a tool call (or an environment's step) may take; then the model is told it timed out",
     )
     environment: str | None = opt(
         None,

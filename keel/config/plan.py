@@ -13,12 +13,16 @@ from keel.config.schema import KeelConfig
 
 @dataclass(frozen=True)
 class RolePlan:
-    mini_batches: int  # per ppo epoch
+    # per ppo epoch
+    mini_batches: int
     samples_per_mini_batch: int
-    samples_per_worker: int  # each worker's share of a mini-batch
-    micro_batches_per_mini_batch: int  # on each worker; 0 with a token budget (use_dynamic_bsz)
+    # each worker's share of a mini-batch
+    samples_per_worker: int
+    # on each worker; 0 with a token budget (use_dynamic_bsz)
+    micro_batches_per_mini_batch: int
     optimizer_steps_per_rollout: int
-    max_tokens_per_micro_batch: int | None = None  # use_dynamic_bsz
+    # use_dynamic_bsz
+    max_tokens_per_micro_batch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -28,10 +32,14 @@ class BatchPlan:
     workers: int
     actor: RolePlan
     critic: RolePlan | None
-    max_tokens_per_step: int  # samples x (max prompt + max response)
-    old_log_probs: str = "recomputed each step"  # where the update's old log-probs come from
-    mode: str = "sync: each step trains the samples it generated"  # trainer.mode, explained
-    rewards: str = "in the trainer's process, each batch whole"  # where and when samples are scored
+    # samples x (max prompt + max response)
+    max_tokens_per_step: int
+    # where the update's old log-probs come from
+    old_log_probs: str = "recomputed each step"
+    # trainer.mode, explained
+    mode: str = "sync: each step trains the samples it generated"
+    # where and when samples are scored
+    rewards: str = "in the trainer's process, each batch whole"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -55,7 +63,8 @@ class BatchPlan:
                 (f"{name}: samples per mini-batch per worker", role.samples_per_worker),
                 (
                     f"{name}: micro-batches per mini-batch per worker",
-                    role.micro_batches_per_mini_batch or f"as many as fit {role.max_tokens_per_micro_batch} tokens",
+                    role.micro_batches_per_mini_batch
+                    or f"as many as fit {role.max_tokens_per_micro_batch} tokens",
                 ),
                 (f"{name}: optimiser steps per rollout", role.optimizer_steps_per_rollout),
             ]
@@ -96,14 +105,16 @@ def make_plan(cfg: KeelConfig) -> BatchPlan:
 
     def role(mini_prompts: int, micro: int, epochs: int, max_tokens: int | None) -> RolePlan:
         minis = prompts // mini_prompts
-        per_worker = -(-mini_prompts * n // workers)  # a short share is padded to this size
+        # a short share is padded to this size
+        per_worker = -(-mini_prompts * n // workers)
         micros = 0 if max_tokens else -(-per_worker // micro)
         return RolePlan(minis, mini_prompts * n, per_worker, micros, minis * epochs, max_tokens)
 
     critic = None
     if cfg.critic_enabled:
         critic = role(
-            *cfg.critic_batching, cfg.critic.ppo_max_token_len_per_gpu if cfg.critic.use_dynamic_bsz else None
+            *cfg.critic_batching,
+            cfg.critic.ppo_max_token_len_per_gpu if cfg.critic.use_dynamic_bsz else None,
         )
     return BatchPlan(
         prompts_per_step=prompts,
@@ -116,7 +127,9 @@ def make_plan(cfg: KeelConfig) -> BatchPlan:
             actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
         ),
         critic=critic,
-        max_tokens_per_step=prompts * n * (cfg.data.max_prompt_length + cfg.data.max_response_length),
+        max_tokens_per_step=prompts
+        * n
+        * (cfg.data.max_prompt_length + cfg.data.max_response_length),
         old_log_probs=OLD_LOG_PROBS[old_log_probs_source(cfg)],
         mode=training_mode(cfg),
         rewards=reward_scoring(cfg),
@@ -172,7 +185,9 @@ def old_log_probs_source(cfg: KeelConfig) -> str:
     )
     if not own_forward:
         return "recomputed"
-    return "update" if actor.ppo_mini_batch_size == cfg.data.train_batch_size else "first_mini_batch"
+    return (
+        "update" if actor.ppo_mini_batch_size == cfg.data.train_batch_size else "first_mini_batch"
+    )
 
 
 def training_mode(cfg: KeelConfig) -> str:
@@ -184,7 +199,8 @@ def training_mode(cfg: KeelConfig) -> str:
     corrected = "bypass mode" if correction.bypass_mode else f"rollout_is={correction.rollout_is}"
     samples = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
     tokens = samples * (cfg.data.max_prompt_length + cfg.data.max_response_length)
-    held_mb = k * tokens * 40 / 2**20  # ids, masks and log-probs: about 40 bytes a token on the host
+    # ids, masks and log-probs: about 40 bytes a token on the host
+    held_mb = k * tokens * 40 / 2**20
     versions = f"{k} policy version{'s' if k > 1 else ''}"
     if cfg.trainer.partial_rollout:
         return (
@@ -203,4 +219,6 @@ def training_mode(cfg: KeelConfig) -> str:
 def _strategy(strategy: str) -> str:
     if strategy == "wait":
         return "wait: a step trains the oldest batch drawn, once all of it has finished"
-    return "drop: a group that would pass it is dropped, and a step trains the first groups to finish"
+    return (
+        "drop: a group that would pass it is dropped, and a step trains the first groups to finish"
+    )

@@ -25,7 +25,9 @@ class RewardNormConfig:
 
 @dataclass
 class RewardServiceConfig:
-    url: str | None = opt(None, help="a keel reward-server, e.g. http://127.0.0.1:8000; scores every sample")
+    url: str | None = opt(
+        None, help="a keel reward-server, e.g. http://127.0.0.1:8000; scores every sample"
+    )
     timeout_s: float = opt(30.0, gt=0, help="per request")
     retry_times: int = opt(3, ge=0)
     retry_delay_s: float = opt(1.0, ge=0, help="doubles after each retry")
@@ -59,7 +61,9 @@ class RewardConfig:
         choices=("mask", "zero", "raise"),
         help="a sample the scorer fails on: left out of the update, scored 0, or stop",
     )
-    max_not_scored_ratio: float = opt(0.1, ge=0, le=1, help="stop when a batch has more not-scored samples")
+    max_not_scored_ratio: float = opt(
+        0.1, ge=0, le=1, help="stop when a batch has more not-scored samples"
+    )
     timeout_s: float | None = opt(30.0, gt=0, help="per-sample scoring time limit")
     num_workers: int = opt(0, ge=0, help="scoring processes; 0 scores in the trainer's process")
     score_ahead: bool = opt(
@@ -77,10 +81,14 @@ class RewardModelPathConfig:
 
 @dataclass
 class RewardModelConfig(ResourcePool):
-    enable: bool = opt(False, help="score with a reward model (all data_sources, unless reward.scorers maps them)")
+    enable: bool = opt(
+        False, help="score with a reward model (all data_sources, unless reward.scorers maps them)"
+    )
     model: RewardModelPathConfig = opt(factory=RewardModelPathConfig)
     micro_batch_size_per_gpu: int = opt(16, gt=0)
-    max_length: int | None = opt(None, gt=0, help="tokens it reads; default: its max_position_embeddings")
+    max_length: int | None = opt(
+        None, gt=0, help="tokens it reads; default: its max_position_embeddings"
+    )
 
 
 @dataclass
@@ -92,4 +100,6 @@ class CustomRewardConfig:
         help="the function takes lists (data_sources, solution_strs, ground_truths, "
         "extra_infos) and returns a list of scores",
     )
-    reward_kwargs: dict = opt(factory=dict, help="keyword arguments passed to the function on every call, as verl")
+    reward_kwargs: dict = opt(
+        factory=dict, help="keyword arguments passed to the function on every call, as verl"
+    )

@@ -22,7 +22,14 @@ def _check_batch_arithmetic(cfg: KeelConfig) -> None:
     n = cfg.actor_rollout_ref.rollout.n
     prompts = cfg.data.train_batch_size
     critic_mini, critic_micro, _ = cfg.critic_batching
-    roles = [("actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz)]
+    roles = [
+        (
+            "actor",
+            actor.ppo_mini_batch_size,
+            actor.ppo_micro_batch_size_per_gpu,
+            actor.use_dynamic_bsz,
+        )
+    ]
     if cfg.critic_enabled:
         roles.append(("critic", critic_mini, critic_micro, cfg.critic.use_dynamic_bsz))
     for role, mini, micro, dynamic in roles:
@@ -35,7 +42,8 @@ def _check_batch_arithmetic(cfg: KeelConfig) -> None:
                 f"set {setting(f'{key}.ppo_mini_batch_size', largest_divisor_at_most(prompts, mini))} (the "
                 f"nearest divisor of {prompts}), or `data.train_batch_size={-(-prompts // mini) * mini}`",
             )
-        if (mini * n) % micro and not dynamic:  # a token budget ignores the micro-batch size
+        # a token budget ignores the micro-batch size
+        if (mini * n) % micro and not dynamic:
             raise KeelError(
                 BATCH_ARITHMETIC,
                 f"the {role} mini-batch of {mini} prompts x rollout.n={n} = {mini * n} samples does not "
@@ -65,7 +73,11 @@ def _check_token_budgets(cfg: KeelConfig) -> None:
             policy.ref.log_prob_use_dynamic_bsz,
             policy.ref.log_prob_max_token_len_per_gpu,
         ),
-        ("critic.ppo_max_token_len_per_gpu", cfg.critic.use_dynamic_bsz, cfg.critic.ppo_max_token_len_per_gpu),
+        (
+            "critic.ppo_max_token_len_per_gpu",
+            cfg.critic.use_dynamic_bsz,
+            cfg.critic.ppo_max_token_len_per_gpu,
+        ),
     ]
     for key, enabled, budget in budgets:
         if enabled and budget < longest:
@@ -80,7 +92,10 @@ def _check_token_budgets(cfg: KeelConfig) -> None:
 def _check_rollout_lengths(cfg: KeelConfig, incompatible) -> None:
     """verl's rollout length keys, as vLLM reads them: a sequence must fit max_model_len, and
     without chunked prefill a whole prompt must fit one prefill pass."""
-    rollout, longest = cfg.actor_rollout_ref.rollout, cfg.data.max_prompt_length + cfg.data.max_response_length
+    rollout, longest = (
+        cfg.actor_rollout_ref.rollout,
+        cfg.data.max_prompt_length + cfg.data.max_response_length,
+    )
     if rollout.max_model_len is not None and rollout.max_model_len < longest:
         raise KeelError(
             TOKEN_BUDGET,
@@ -88,9 +103,14 @@ def _check_rollout_lengths(cfg: KeelConfig, incompatible) -> None:
             f"than data.max_prompt_length + data.max_response_length = {longest}: long samples "
             "would not fit",
             f"set {setting(ROLLOUT + '.max_model_len', longest)}, or "
-            + lengths_within(cfg, rollout.max_model_len, "rollout.max_model_len").removeprefix("set "),
+            + lengths_within(cfg, rollout.max_model_len, "rollout.max_model_len").removeprefix(
+                "set "
+            ),
         )
-    if not rollout.enable_chunked_prefill and rollout.max_num_batched_tokens < cfg.data.max_prompt_length:
+    if (
+        not rollout.enable_chunked_prefill
+        and rollout.max_num_batched_tokens < cfg.data.max_prompt_length
+    ):
         raise incompatible(
             f"actor_rollout_ref.rollout.max_num_batched_tokens={rollout.max_num_batched_tokens} is "
             f"below data.max_prompt_length={cfg.data.max_prompt_length} and "
@@ -179,7 +199,8 @@ def _group_size(cfg: KeelConfig) -> int:
     fits = [
         n
         for n in range(2, 17)
-        if actor.use_dynamic_bsz or actor.ppo_mini_batch_size * n % actor.ppo_micro_batch_size_per_gpu == 0
+        if actor.use_dynamic_bsz
+        or actor.ppo_mini_batch_size * n % actor.ppo_micro_batch_size_per_gpu == 0
     ]
     return fits[0] if fits else 2
 
@@ -280,7 +301,9 @@ def _check_rollout_correction(cfg: KeelConfig, incompatible) -> None:
 
 
 def _check_reward(cfg: KeelConfig, incompatible) -> None:
-    if cfg.custom_reward_function.batched and (cfg.reward.scorers or not cfg.custom_reward_function.path):
+    if cfg.custom_reward_function.batched and (
+        cfg.reward.scorers or not cfg.custom_reward_function.path
+    ):
         raise incompatible(
             "custom_reward_function.batched=true needs custom_reward_function.path and no "
             "reward.scorers mapping: a batched function scores every sample itself",
@@ -311,7 +334,10 @@ def _check_reward(cfg: KeelConfig, incompatible) -> None:
 
 def _sampling(val) -> dict:
     """val_kwargs that sample: do_sample on, and a temperature above 0."""
-    return {ROLLOUT + ".val_kwargs.do_sample": True, ROLLOUT + ".val_kwargs.temperature": val.temperature or 1.0}
+    return {
+        ROLLOUT + ".val_kwargs.do_sample": True,
+        ROLLOUT + ".val_kwargs.temperature": val.temperature or 1.0,
+    }
 
 
 def _check_options(cfg: KeelConfig) -> None:

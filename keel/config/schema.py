@@ -17,7 +17,8 @@ from keel.config.multi_turn import MultiTurnConfig
 from keel.config.reward import CustomRewardConfig, RewardConfig, RewardModelConfig
 from keel.config.trainer import TrainerConfig
 
-DTYPES = ("float32", "bfloat16", "auto")  # float16 would need loss scaling
+# float16 would need loss scaling
+DTYPES = ("float32", "bfloat16", "auto")
 
 
 @dataclass
@@ -54,14 +55,19 @@ class LoraOptions:
     """LoRA (peft) on a trained model; lora_rank 0 trains every parameter."""
 
     lora_rank: int = opt(0, ge=0, help="LoRA rank; 0: full-parameter training")
-    lora_alpha: int = opt(16, gt=0, help="LoRA scale numerator (the update is scaled by alpha / rank)")
+    lora_alpha: int = opt(
+        16, gt=0, help="LoRA scale numerator (the update is scaled by alpha / rank)"
+    )
     target_modules: list[str] = opt(
         factory=lambda: ["all-linear"],
         help="all-linear (every projection of every decoder layer), or every projection's name",
     )
-    exclude_modules: list[str] = opt(factory=list, help="linear layers (name patterns) to leave without adapters")
+    exclude_modules: list[str] = opt(
+        factory=list, help="linear layers (name patterns) to leave without adapters"
+    )
     modules_to_save: list[str] = opt(
-        factory=list, help="modules trained in full beside the adapters (e.g. embed_tokens); nothing else may train"
+        factory=list,
+        help="modules trained in full beside the adapters (e.g. embed_tokens); nothing else may train",
     )
     lora_adapter_path: str | None = opt(None, help="start from a saved PEFT adapter directory")
 
@@ -78,7 +84,9 @@ class OptimConfig:
     weight_decay: float = opt(0.01, ge=0)
     lr_warmup_steps: int = opt(-1, help="-1: use lr_warmup_steps_ratio")
     lr_warmup_steps_ratio: float = opt(0.0, ge=0, le=1)
-    warmup_style: str = opt("constant", choices=("constant", "cosine"), help="schedule after warm-up")
+    warmup_style: str = opt(
+        "constant", choices=("constant", "cosine"), help="schedule after warm-up"
+    )
     min_lr_ratio: float = opt(0.0, ge=0, le=1, help="cosine floor as a fraction of lr")
 
 
@@ -89,12 +97,16 @@ class PolicyLossConfig:
 
 @dataclass
 class FSDPConfig:
-    param_offload: bool = opt(False, help="sharded parameters (and their gradients) live in CPU memory")
+    param_offload: bool = opt(
+        False, help="sharded parameters (and their gradients) live in CPU memory"
+    )
     optimizer_offload: bool = opt(
-        False, help="Adam's moments live in CPU memory; the step brings them to the GPU a 1 GiB bucket at a time"
+        False,
+        help="Adam's moments live in CPU memory; the step brings them to the GPU a 1 GiB bucket at a time",
     )
     reshard_after_forward: bool = opt(
-        True, help="free gathered layers after forward: less memory, one more all-gather in backward"
+        True,
+        help="free gathered layers after forward: less memory, one more all-gather in backward",
     )
     fsdp_size: int = opt(
         -1,
@@ -110,7 +122,9 @@ class ActorConfig:
     ppo_mini_batch_size: int = opt(4, gt=0, help="prompts per mini-batch (x rollout.n samples)")
     ppo_micro_batch_size_per_gpu: int = opt(4, gt=0, help="samples per forward/backward")
     use_dynamic_bsz: bool = opt(False, help="micro-batches by token budget instead of sample count")
-    ppo_max_token_len_per_gpu: int = opt(16384, gt=0, help="use_dynamic_bsz: padded tokens per forward/backward")
+    ppo_max_token_len_per_gpu: int = opt(
+        16384, gt=0, help="use_dynamic_bsz: padded tokens per forward/backward"
+    )
     ppo_epochs: int = opt(1, gt=0)
     shuffle: bool = opt(True, help="shuffle samples between mini-batches")
     clip_ratio: float = opt(0.2, gt=0)
@@ -148,7 +162,9 @@ class LogProbBatching:
 
     log_prob_micro_batch_size_per_gpu: int = opt(8, gt=0)
     log_prob_use_dynamic_bsz: bool = opt(False, help="log-prob micro-batches by token budget")
-    log_prob_max_token_len_per_gpu: int = opt(32768, gt=0, help="log_prob_use_dynamic_bsz: padded tokens per forward")
+    log_prob_max_token_len_per_gpu: int = opt(
+        32768, gt=0, help="log_prob_use_dynamic_bsz: padded tokens per forward"
+    )
 
 
 @dataclass
@@ -163,7 +179,9 @@ class RolloutConfig(LogProbBatching):
     top_p: float = opt(1.0, gt=0, le=1)
     top_k: int = opt(-1, ge=-1, help="-1: off")
     do_sample: bool = opt(True)
-    ignore_eos: bool = opt(False, help="generate max_response_length tokens whatever is sampled (benchmarks)")
+    ignore_eos: bool = opt(
+        False, help="generate max_response_length tokens whatever is sampled (benchmarks)"
+    )
     max_num_seqs: int = opt(256, gt=0, help="sequences generated at once")
     max_num_batched_tokens: int = opt(8192, gt=0, help="native: prompt tokens per prefill pass")
     enable_chunked_prefill: bool = opt(
@@ -175,7 +193,9 @@ class RolloutConfig(LogProbBatching):
         gt=0,
         help="longest prompt + response the rollout holds; default: data.max_prompt_length + data.max_response_length",
     )
-    enforce_eager: bool = opt(False, help="native: no CUDA graphs and no torch.compile in decoding (debugging)")
+    enforce_eager: bool = opt(
+        False, help="native: no CUDA graphs and no torch.compile in decoding (debugging)"
+    )
     free_cache_engine: bool | None = opt(
         None,
         help="native: true frees the KV cache after each generation; false "
@@ -193,7 +213,9 @@ class RolloutConfig(LogProbBatching):
     multi_turn: MultiTurnConfig = opt(factory=MultiTurnConfig)
     agent: AgentConfig = opt(factory=AgentConfig)
     n_gpus_per_node: int = opt(1, gt=0, help="hybrid_engine=false: the rollout's workers per node")
-    nnodes: int = opt(1, ge=0, help="hybrid_engine=false: the rollout's nodes (0, verl's default: 1)")
+    nnodes: int = opt(
+        1, ge=0, help="hybrid_engine=false: the rollout's nodes (0, verl's default: 1)"
+    )
 
 
 @dataclass
@@ -207,8 +229,12 @@ class ActorRolloutRefConfig:
 
     model: ModelConfig = opt(factory=ModelConfig)
     actor: ActorConfig = opt(factory=ActorConfig)
-    rollout: RolloutConfig = opt(factory=RolloutConfig, help="generation: the rollout engine and sampling")
-    ref: RefConfig = opt(factory=RefConfig, help="the frozen starting policy, loaded when a KL term needs it")
+    rollout: RolloutConfig = opt(
+        factory=RolloutConfig, help="generation: the rollout engine and sampling"
+    )
+    ref: RefConfig = opt(
+        factory=RefConfig, help="the frozen starting policy, loaded when a KL term needs it"
+    )
     hybrid_engine: bool = opt(
         True,
         help="true: the rollout engine shares the actor's workers (and GPUs); false: it runs on workers of its own "
@@ -220,7 +246,9 @@ class ActorRolloutRefConfig:
 
 @dataclass
 class CriticModelConfig(LoraOptions):
-    path: str | None = opt(None, help="default: the actor's model path; computes in the actor's dtype")
+    path: str | None = opt(
+        None, help="default: the actor's model path; computes in the actor's dtype"
+    )
     fsdp_config: FSDPConfig = opt(factory=FSDPConfig)
 
 
@@ -237,7 +265,9 @@ class CriticConfig(ResourcePool):
     ppo_mini_batch_size: int | None = opt(None, gt=0, help="default: the actor's")
     ppo_micro_batch_size_per_gpu: int | None = opt(None, gt=0, help="default: the actor's")
     use_dynamic_bsz: bool = opt(False, help="micro-batches by token budget (values and updates)")
-    ppo_max_token_len_per_gpu: int = opt(32768, gt=0, help="use_dynamic_bsz: padded tokens per forward")
+    ppo_max_token_len_per_gpu: int = opt(
+        32768, gt=0, help="use_dynamic_bsz: padded tokens per forward"
+    )
     ppo_epochs: int | None = opt(None, gt=0, help="default: the actor's")
     cliprange_value: float = opt(0.5, gt=0)
     loss_agg_mode: str = opt("token-mean", choices=LOSS_AGG_MODES)
@@ -289,11 +319,13 @@ class KeelConfig:
         "critic.model.fsdp_config.",
         "critic.enable_resource_pool",
         "critic.n_gpus_per_node",
-        "critic.nnodes",  # its checkpoint is the same
+        # its checkpoint is the same
+        "critic.nnodes",
         "reward_model.enable_resource_pool",
         "reward_model.n_gpus_per_node",
         "reward_model.nnodes",
-        "actor_rollout_ref.hybrid_engine",  # where the rollout runs, not what it samples
+        # where the rollout runs, not what it samples
+        "actor_rollout_ref.hybrid_engine",
         "actor_rollout_ref.rollout.n_gpus_per_node",
         "actor_rollout_ref.rollout.nnodes",
         # generation engine
@@ -344,9 +376,13 @@ class KeelConfig:
     @property
     def fsdp_roles(self) -> list[tuple[str, object, int]]:
         """(config key, fsdp_config, ranks) of every model this run trains or runs a forward of."""
-        roles = [("actor_rollout_ref.actor", self.actor_rollout_ref.actor.fsdp_config, self.world_size)]
+        roles = [
+            ("actor_rollout_ref.actor", self.actor_rollout_ref.actor.fsdp_config, self.world_size)
+        ]
         if self.ref_enabled:
-            roles.append(("actor_rollout_ref.ref", self.actor_rollout_ref.ref.fsdp_config, self.world_size))
+            roles.append(
+                ("actor_rollout_ref.ref", self.actor_rollout_ref.ref.fsdp_config, self.world_size)
+            )
         if self.critic_enabled:
             roles.append(("critic.model", self.critic.model.fsdp_config, self.critic_world_size))
         return roles

@@ -48,8 +48,12 @@ class SFTTrainerConfig(RunOptions):
 @dataclass
 class SFTConfig:
     data: SFTDataConfig = opt(factory=SFTDataConfig)
-    model: SFTModelConfig = opt(factory=SFTModelConfig, help="the model fine-tuned, and how it computes")
-    optim: SFTOptimConfig = opt(factory=SFTOptimConfig, help="AdamW and its schedule, stepped once per batch")
+    model: SFTModelConfig = opt(
+        factory=SFTModelConfig, help="the model fine-tuned, and how it computes"
+    )
+    optim: SFTOptimConfig = opt(
+        factory=SFTOptimConfig, help="AdamW and its schedule, stepped once per batch"
+    )
     trainer: SFTTrainerConfig = opt(factory=SFTTrainerConfig)
 
     RESUME_MAY_CHANGE = (
@@ -86,7 +90,9 @@ class SFTConfig:
             )
         if not d.train_files:
             raise KeelError(
-                INCOMPATIBLE_OPTIONS, "data.train_files is empty", "set data.train_files to parquet/jsonl files"
+                INCOMPATIBLE_OPTIONS,
+                "data.train_files is empty",
+                "set data.train_files to parquet/jsonl files",
             )
         check_betas("optim", self.optim.betas)
         if not self.model.partial_pretrain:

@@ -11,9 +11,13 @@ from keel.config.fields import opt
 
 @dataclass
 class GuardsConfig:
-    nonfinite: str = opt("stop", choices=("stop", "skip"), help="NaN/inf in a stage: stop, or skip the step")
+    nonfinite: str = opt(
+        "stop", choices=("stop", "skip"), help="NaN/inf in a stage: stop, or skip the step"
+    )
     zero_signal_steps: int = opt(5, gt=0, help="warn after this many steps with no reward variance")
-    max_clip_ratio: float = opt(0.9, ge=0, le=1, help="warn when more responses hit max_response_length")
+    max_clip_ratio: float = opt(
+        0.9, ge=0, le=1, help="warn when more responses hit max_response_length"
+    )
     min_response_length: float = opt(1.5, ge=0, help="warn when responses average fewer tokens")
     min_entropy: float = opt(0.01, ge=0, help="warn below this entropy (collapse)")
     max_kl: float = opt(1.0, gt=0, help="warn above this ppo_kl or ref_kl (blow-up)")
@@ -67,9 +71,13 @@ class TrainerConfig(RunOptions):
     )
     n_gpus_per_node: int = opt(1, gt=0, help="workers per node (CPU processes with device=cpu)")
     nnodes: int = opt(1, gt=0, help="nodes of the Ray cluster (RAY_ADDRESS) to train on")
-    collective_timeout_s: float = opt(300.0, gt=0, help="a collective waiting longer fails (NCCL's default is 600 s)")
+    collective_timeout_s: float = opt(
+        300.0, gt=0, help="a collective waiting longer fails (NCCL's default is 600 s)"
+    )
     guards: GuardsConfig = opt(factory=GuardsConfig)
-    hooks: list[str] = opt(factory=list, help="`module:function` called as fn(step, metrics, batch)")
+    hooks: list[str] = opt(
+        factory=list, help="`module:function` called as fn(step, metrics, batch)"
+    )
     hook_freq: int = opt(1, gt=0, help="call hooks every N steps")
     mode: str = opt(
         "sync",

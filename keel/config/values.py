@@ -24,11 +24,15 @@ def coerce(value: Any, target, dotted: str):
         if value is None:
             return None
         return coerce(value, args[0], dotted)
-    if origin is dict:  # free-form keys (e.g. data_source -> scorer weights); values are typed
+    # free-form keys (e.g. data_source -> scorer weights); values are typed
+    if origin is dict:
         key_type, value_type = typing.get_args(target)
         if not isinstance(value, dict):
             _bad_type(dotted, value, "a mapping")
-        return {coerce(k, key_type, dotted): coerce(v, value_type, f"{dotted}.{k}") for k, v in value.items()}
+        return {
+            coerce(k, key_type, dotted): coerce(v, value_type, f"{dotted}.{k}")
+            for k, v in value.items()
+        }
     if origin is list:
         (item_type,) = typing.get_args(target)
         items = [value] if isinstance(value, (str, int, float)) else value
@@ -48,7 +52,8 @@ def coerce(value: Any, target, dotted: str):
     if target is float:
         if isinstance(value, str):
             try:
-                return float(value)  # YAML reads `1e-6` (no dot) as a string
+                # YAML reads `1e-6` (no dot) as a string
+                return float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -85,7 +90,8 @@ def check_field(f: dataclasses.Field, value: Any, dotted: str):
     ):
         b = meta.get(bound)
         if b is not None and isinstance(value, (int, float)) and not ok(value, b):
-            near = b if bound != "gt" else b + 1 if isinstance(value, int) else field_default(f)  # the nearest allowed
+            # the nearest allowed
+            near = b if bound != "gt" else b + 1 if isinstance(value, int) else field_default(f)
             raise KeelError(
                 BAD_VALUE,
                 f"{dotted}={value} must be {word} {b}",
@@ -99,8 +105,12 @@ def _choice_fix(dotted: str, value: Any, item: Any, choices, default: Any) -> st
     """The choice `item` is a misspelling of, else the default (for a list: without the item)."""
     near = closest(str(item), choices)
     if isinstance(value, list):
-        fixed = [near if v == item else v for v in value] if near else [v for v in value if v != item]
+        fixed = (
+            [near if v == item else v for v in value] if near else [v for v in value if v != item]
+        )
         why = f"{item!r} spelt as the choice" if near else f"without {item!r}"
-        return f"set {setting(dotted, fixed)} ({why}; the choices are {', '.join(map(str, choices))})"
+        return (
+            f"set {setting(dotted, fixed)} ({why}; the choices are {', '.join(map(str, choices))})"
+        )
     why = "the choice spelt like it" if near else "the default"
     return f"set {setting(dotted, near or default)} ({why}; the choices are {', '.join(map(str, choices))})"

@@ -27,7 +27,9 @@ from keel.errors import VERL_UNSUPPORTED, KeelError
 from keel.errors.fixes import setting
 
 
-def adapt_verl(tree: dict, known: set[str], defaults: dict[str, Any], problems: list, decided: list) -> dict:
+def adapt_verl(
+    tree: dict, known: set[str], defaults: dict[str, Any], problems: list, decided: list
+) -> dict:
     """The tree with verl's references resolved, verl's keys taken as the rules say (kept, renamed,
     accepted with a note in `decided`, or refused into `problems`) and verl's "unset" values
     dropped. `known`: keel's own keys; `defaults`: their defaults (what a reference to a key the
@@ -35,12 +37,14 @@ def adapt_verl(tree: dict, known: set[str], defaults: dict[str, Any], problems: 
     flat = _flat(tree, known)
     earlier_releases(flat, decided, problems)
     flat = _renamed(flat, known, decided)
-    for key, source in DERIVED.items():  # as verl's references derive them
+    # as verl's references derive them
+    for key, source in DERIVED.items():
         if key not in flat and source in flat:
             flat[key] = flat[source]
     flat = resolve_references(flat, defaults)
     _reward_manager(flat, defaults, decided, problems)
-    if flat.get("trainer.resume_mode") == "resume_path":  # verl's way to name a checkpoint
+    # verl's way to name a checkpoint
+    if flat.get("trainer.resume_mode") == "resume_path":
         flat["trainer.resume_mode"] = flat.pop("trainer.resume_from_path", None) or "auto"
     kept: dict[str, Any] = {}
     for key, value in flat.items():
@@ -48,7 +52,9 @@ def adapt_verl(tree: dict, known: set[str], defaults: dict[str, Any], problems: 
             value = _loggers(value, decided, problems)
         if key in known:
             if isinstance(value, str) and value in VALUE_ALIASES.get(key, {}):
-                decided.append(f"{key}: {value} is {VALUE_ALIASES[key][value]} in keel (the same numbers)")
+                decided.append(
+                    f"{key}: {value} is {VALUE_ALIASES[key][value]} in keel (the same numbers)"
+                )
                 value = VALUE_ALIASES[key][value]
             if isinstance(value, str) and value in VALUE_REFUSALS.get(key, {}):
                 problems.append(
@@ -59,17 +65,22 @@ def adapt_verl(tree: dict, known: set[str], defaults: dict[str, Any], problems: 
                     )
                 )
                 continue
-            if any(value == unset and type(value) is type(unset) for unset in UNSET_VALUES.get(key, ())):
+            if any(
+                value == unset and type(value) is type(unset) for unset in UNSET_VALUES.get(key, ())
+            ):
                 decided.append(
-                    f"{key}: {value!r} is verl's; " + (NO_VLLM if "rollout.name" in key else "keel's default applies")
+                    f"{key}: {value!r} is verl's; "
+                    + (NO_VLLM if "rollout.name" in key else "keel's default applies")
                 )
             else:
                 kept.setdefault(key, value)
             continue
         rule = rule_for(key)
         if rule is None:
-            kept[key] = value  # not verl's either: the unknown-key error, with a spelling suggestion
-        elif rule.kind == RENAME:  # only those without a new name are left (_renamed took the rest)
+            # not verl's either: the unknown-key error, with a spelling suggestion
+            kept[key] = value
+        # only those without a new name are left (_renamed took the rest)
+        elif rule.kind == RENAME:
             pass
         elif rule.kind == REFUSE and not rule.allowed(value):
             problems.append(
@@ -102,7 +113,8 @@ def _renamed(flat: dict[str, Any], known: set[str], decided: list) -> dict[str, 
             continue
         if renamed.get(target, flat.get(target)) is None:
             renamed[target] = value
-            if target in known and not quiet(key, value):  # else the new name's own rule says what keel does
+            # else the new name's own rule says what keel does
+            if target in known and not quiet(key, value):
                 decided.append(f"{key}: is {target} ({'; '.join(notes)})")
     return renamed
 
@@ -144,13 +156,16 @@ def _without(names: list, refused: str) -> list:
     return [n if n != "tracking" else "wandb" for n in rest] or ["console"]
 
 
-def _reward_manager(flat: dict[str, Any], defaults: dict[str, Any], decided: list, problems: list) -> None:
+def _reward_manager(
+    flat: dict[str, Any], defaults: dict[str, Any], decided: list, problems: list
+) -> None:
     """verl's reward_model.reward_manager (and its reward_kwargs) as keel's settings: naive is keel's
     way, batch is custom_reward_function.batched, dapo is reward.overlong_buffer, prime is scoring
     processes (reward.num_workers)."""
     named = [flat.pop(key, None) for key in ("reward_model.reward_manager", "reward_manager.name")]
     manager = next((name for name in named if name not in (None, "naive")), "naive")
-    flat.pop("reward_model.reward_kwargs", None)  # an empty mapping: nothing to pass
+    # an empty mapping: nothing to pass
+    flat.pop("reward_model.reward_kwargs", None)
     kwargs = {
         key.removeprefix("reward_model.reward_kwargs."): flat.pop(key)
         for key in list(flat)
@@ -180,7 +195,9 @@ def _reward_manager(flat: dict[str, Any], defaults: dict[str, Any], decided: lis
     _reward_kwargs(kwargs, manager, flat, defaults, problems)
 
 
-def _reward_kwargs(kwargs: dict[str, Any], manager: str, flat: dict[str, Any], defaults: dict, problems: list) -> None:
+def _reward_kwargs(
+    kwargs: dict[str, Any], manager: str, flat: dict[str, Any], defaults: dict, problems: list
+) -> None:
     """The reward manager's reward_kwargs: DAPO's overlong_buffer_cfg as reward.overlong_buffer;
     max_resp_len only as data.max_response_length; any other refused by name."""
     for key, value in kwargs.items():
@@ -201,7 +218,8 @@ def _reward_kwargs(kwargs: dict[str, Any], manager: str, flat: dict[str, Any], d
                     "data.max_response_length)",
                 )
             )
-        elif key not in ("max_resp_len", "overlong_buffer_cfg.log"):  # keel logs the penalty always
+        # keel logs the penalty always
+        elif key not in ("max_resp_len", "overlong_buffer_cfg.log"):
             problems.append(
                 KeelError(
                     VERL_UNSUPPORTED,
@@ -239,7 +257,9 @@ def _unflat(flat: dict[str, Any]) -> dict:
 _REFERENCE = re.compile(r"\$\{(oc\.select:)?\s*([^,}]+?)\s*(?:,\s*([^}]*))?\}")
 
 
-def resolve_references(flat: dict[str, Any], defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+def resolve_references(
+    flat: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """verl's OmegaConf references in values: `${a.b}`, `${oc.select:a.b,default}`, `${.x}` (a
     sibling) and `${..x}` (a parent's), within strings too (`checkpoints/${trainer.project_name}`);
     `~/` paths expanded. A reference to a key the config leaves unset takes keel's default for it,

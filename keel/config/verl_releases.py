@@ -21,15 +21,17 @@ OLD_IS = (
     "algorithm.rollout_is_mode",
     "algorithm.rollout_is_veto_threshold",
 )
-# verl 0.7.0's rejection levels on the ratio band [lower, upper], as 0.9.1's k1 options (whose bounds
-# are on -log ratio: a band [l, u] of 0.9.1 keeps ratios in [1/u, 1/l]).
+# verl 0.7.0's rejection levels on the ratio band [lower, upper], as 0.9.1's k1 options (whose
+# bounds are on -log ratio: a band [l, u] of 0.9.1 keeps ratios in [1/u, 1/l]).
 RS_LEVELS = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
 
 
 def earlier_releases(flat: dict[str, Any], decided: list, problems: list) -> None:
     """`flat` (dotted keys) with these keys replaced by their later forms; what cannot be is refused."""
     if any(key in flat for key in OLD_IS):
-        _rollout_is_family({key: flat.pop(key) for key in OLD_IS if key in flat}, flat, decided, problems)
+        _rollout_is_family(
+            {key: flat.pop(key) for key in OLD_IS if key in flat}, flat, decided, problems
+        )
     _rejection_levels(flat, decided, problems)
     if NEW + "use_policy_gradient" in flat:
         if flat.pop(NEW + "use_policy_gradient"):
@@ -50,12 +52,17 @@ def _refuse(problems: list, key: str, value: Any, what: str, fix: str) -> None:
     )
 
 
-def _rollout_is_family(old: dict[str, Any], flat: dict[str, Any], decided: list, problems: list) -> None:
+def _rollout_is_family(
+    old: dict[str, Any], flat: dict[str, Any], decided: list, problems: list
+) -> None:
     """verl 0.6.0: rollout_is (apply the weights, else metrics only), rollout_is_threshold (null: no
     weights at all), _level (token, sequence, geometric), _mode (truncate, mask: zero the weights
     outside [lower, upper]), _veto_threshold (drop a sequence with a token ratio below it)."""
     apply, threshold = old.get("algorithm.rollout_is"), old.get("algorithm.rollout_is_threshold")
-    level, mode = old.get("algorithm.rollout_is_level") or "token", old.get("algorithm.rollout_is_mode")
+    level, mode = (
+        old.get("algorithm.rollout_is_level") or "token",
+        old.get("algorithm.rollout_is_mode"),
+    )
     veto = old.get("algorithm.rollout_is_veto_threshold")
     refused = len(problems)
     if mode not in (None, "truncate"):

@@ -25,10 +25,14 @@ ACCEPT, RENAME, REFUSE = "accept", "rename", "refuse"
 @dataclass(frozen=True)
 class Rule:
     pattern: str
-    kind: str  # ACCEPT | RENAME | REFUSE
-    note: str  # what keel does instead / what verl does, and what to use
-    allowed: Callable[[Any], bool] | None = None  # REFUSE only for values this does not allow
-    target: str | None = None  # RENAME: the key's name now (`a.*` -> `b.*` keeps the rest)
+    # ACCEPT | RENAME | REFUSE
+    kind: str
+    # what keel does instead / what verl does, and what to use
+    note: str
+    # REFUSE only for values this does not allow
+    allowed: Callable[[Any], bool] | None = None
+    # RENAME: the key's name now (`a.*` -> `b.*` keeps the rest)
+    target: str | None = None
 
     def renamed(self, key: str) -> str | None:
         """`key`'s new name under this RENAME rule (None: no key of keel's)."""
@@ -43,16 +47,32 @@ def quiet(key: str, value) -> bool:
 
 
 def _off(value) -> bool:
-    return value in (None, False, 0, 1, "", {}, [], "disabled", "naive", "fsdp", "fsdp2", "register")
+    return value in (
+        None,
+        False,
+        0,
+        1,
+        "",
+        {},
+        [],
+        "disabled",
+        "naive",
+        "fsdp",
+        "fsdp2",
+        "register",
+    )
 
 
-ALLOWED = {  # `unless:` in verl_rules.yaml: the values of a refused key that are verl's defaults
+# `unless:` in verl_rules.yaml: the values of a refused key that are verl's defaults
+ALLOWED = {
     "off": _off,
     "one": lambda value: value in (None, 1),
     "unset": lambda value: value is None,
     "false": lambda value: not value,
 }
-NO_VLLM = "keel generates with its own engine (keel has no vLLM or SGLang), whatever the engine setting"
+NO_VLLM = (
+    "keel generates with its own engine (keel has no vLLM or SGLang), whatever the engine setting"
+)
 
 
 def _rule(entry: dict) -> Rule:
@@ -60,7 +80,11 @@ def _rule(entry: dict) -> Rule:
         return Rule(entry["key"], RENAME, entry["why"], target=entry["rename"])
     if "refuse" in entry:
         unless = entry["unless"]
-        allowed = ALLOWED[unless] if isinstance(unless, str) else (lambda value, listed=tuple(unless): value in listed)
+        allowed = (
+            ALLOWED[unless]
+            if isinstance(unless, str)
+            else (lambda value, listed=tuple(unless): value in listed)
+        )
         return Rule(entry["key"], REFUSE, entry["refuse"], allowed)
     return Rule(entry["key"], ACCEPT, entry["accept"].replace("{NO_VLLM}", NO_VLLM))
 
@@ -68,7 +92,9 @@ def _rule(entry: dict) -> Rule:
 def _load_rules() -> list[Rule]:
     entries = yaml.safe_load((Path(__file__).parent / "verl_rules.yaml").read_text())
     # A rule naming its section wins over a wildcard; otherwise the file's order.
-    return sorted((_rule(entry) for entry in entries), key=lambda rule: rule.pattern.startswith("*"))
+    return sorted(
+        (_rule(entry) for entry in entries), key=lambda rule: rule.pattern.startswith("*")
+    )
 
 
 RULES = _load_rules()
@@ -83,8 +109,10 @@ UNSET_VALUES = {
 
 # verl's values for keys keel has that name the same thing differently, or something keel lacks.
 VALUE_ALIASES = {
-    "algorithm.adv_estimator": {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"},  # same numbers, faster
-    "algorithm.filter_groups.metric": {"reward": "seq_reward"},  # verl 0.9.1's name for the score before KL
+    # same numbers, faster
+    "algorithm.adv_estimator": {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"},
+    # verl 0.9.1's name for the score before KL
+    "algorithm.filter_groups.metric": {"reward": "seq_reward"},
 }
 VALUE_REFUSALS = {
     "actor_rollout_ref.actor.policy_loss.loss_mode": {
@@ -134,7 +162,10 @@ DIFFERENT_DEFAULTS = {
     ),
     "trainer.total_epochs": (30, "one pass over the data unless asked"),
     "data.train_batch_size": (1024, "small defaults that run on one GPU or a CPU"),
-    "actor_rollout_ref.actor.ppo_mini_batch_size": (256, "small defaults that run on one GPU or a CPU"),
+    "actor_rollout_ref.actor.ppo_mini_batch_size": (
+        256,
+        "small defaults that run on one GPU or a CPU",
+    ),
     "trainer.n_gpus_per_node": (8, "one worker unless asked"),
     "trainer.device": ("cuda", "auto: the GPU when there is one, else the CPU"),
     "trainer.logger": (["console", "wandb"], "console only: a tracker is asked for, never assumed"),

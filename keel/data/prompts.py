@@ -14,9 +14,18 @@ from typing import Any
 
 import torch
 
-from keel.errors import DATA_COLUMN, DATA_EMPTY, DATA_FILE, NO_CHAT_TEMPLATE, PROMPT_TOO_LONG, KeelError
+from keel.errors import (
+    DATA_COLUMN,
+    DATA_EMPTY,
+    DATA_FILE,
+    NO_CHAT_TEMPLATE,
+    PROMPT_TOO_LONG,
+    KeelError,
+)
 from keel.errors.fixes import maker_of, nearby_file, setting
-from keel.types import PromptBatch, PromptRecord  # the records this module makes, defined with the others
+
+# the records this module makes, defined with the others
+from keel.types import PromptBatch, PromptRecord
 
 PathLike = str | os.PathLike
 TRUNCATION_MODES = ("error", "left", "right")
@@ -39,7 +48,8 @@ def load_rows(paths: PathLike | list[PathLike], key: str | None = None) -> list[
     rows: list[dict] = []
     for path in paths:
         rows.extend(_load_file(Path(path)))
-    if not rows:  # an empty dataset would otherwise fail deep inside the tokenizer
+    # an empty dataset would otherwise fail deep inside the tokenizer
+    if not rows:
         raise KeelError(DATA_EMPTY, f"the dataset files {[str(p) for p in paths]} hold no rows")
     return rows
 
@@ -51,13 +61,20 @@ def missing_file_fix(missing: str, paths: list[str], key: str | None) -> str | N
     if found:
         fixed = [found if p == missing else p for p in paths]
         given = setting(key, fixed[0] if len(fixed) == 1 else fixed) if key else f"`{found}`"
-        # the script's own folder missing, running it is the fix; else the file there is the one meant
+        # the script's own folder missing, running it is the fix; else the file there is the one
+        # meant
         at = len(options) if maker and not Path(missing).parent.is_dir() else 0
-        options.insert(at, f"set {given} (the file in {Path(found).parent} closest to the name given)")
+        options.insert(
+            at, f"set {given} (the file in {Path(found).parent} closest to the name given)"
+        )
     if options:
         return ", or ".join(options)
-    folder = next((p for p in [Path(missing).parent, *Path(missing).parent.parents] if p.is_dir()), Path("."))
-    present = sorted(p.name for p in folder.iterdir() if p.suffix in (".jsonl", ".parquet", ".json"))
+    folder = next(
+        (p for p in [Path(missing).parent, *Path(missing).parent.parents] if p.is_dir()), Path(".")
+    )
+    present = sorted(
+        p.name for p in folder.iterdir() if p.suffix in (".jsonl", ".parquet", ".json")
+    )
     return (
         f"set {key or 'the path'} to existing .parquet, .jsonl or .json files; the nearest existing folder, "
         f"{folder}, holds {present or 'none'}"
@@ -100,7 +117,9 @@ def _load_json(path: Path) -> list[dict]:
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as e:
-            raise KeelError(DATA_FILE, f"{str(path)!r} line {e.lineno}: invalid JSON: {e.msg}") from e
+            raise KeelError(
+                DATA_FILE, f"{str(path)!r} line {e.lineno}: invalid JSON: {e.msg}"
+            ) from e
         for i, row in enumerate(rows):
             _check_object(row, f"{str(path)!r} item {i}")
         return rows
@@ -124,7 +143,9 @@ def _parse_json_lines(path: Path, text: str) -> list[dict]:
 
 def _check_object(row: Any, where: str) -> None:
     if not isinstance(row, dict):
-        raise KeelError(DATA_FILE, f"{where}: expected a JSON object (one row), got {type(row).__name__}")
+        raise KeelError(
+            DATA_FILE, f"{where}: expected a JSON object (one row), got {type(row).__name__}"
+        )
 
 
 # --- records ----------------------------------------------------------------------------------
@@ -159,7 +180,8 @@ def build_prompt_dataset(
     """Template and tokenize every row; drop, truncate or reject prompts over the limit."""
     if truncation not in TRUNCATION_MODES:
         raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
-    if not rows:  # an environment without this split (a tokenizer given no text at all raises)
+    # an environment without this split (a tokenizer given no text at all raises)
+    if not rows:
         return [], PromptStats(total=0, kept=0, truncated=0, dropped=0, name=name)
     prompts = [_get_prompt(row, i, prompt_key, name) for i, row in enumerate(rows)]
     texts = _render_prompts(prompts, tokenizer, apply_chat_template, name)
@@ -198,7 +220,9 @@ def _get_prompt(row: dict, i: int, prompt_key: str, name: str) -> str | list[dic
         raise KeelError(
             DATA_COLUMN,
             f"{name} data row {i} has no {prompt_key!r} column (or it is null); the row's columns are {sorted(row)}",
-            f"set {setting('data.prompt_key', column)} (the row's prompt-like column)" if column else None,
+            f"set {setting('data.prompt_key', column)} (the row's prompt-like column)"
+            if column
+            else None,
         )
     is_chat = (
         isinstance(prompt, list)
@@ -216,7 +240,16 @@ def _get_prompt(row: dict, i: int, prompt_key: str, name: str) -> str | list[dic
     return prompt
 
 
-PROMPT_NAMES = ("prompt", "question", "problem", "query", "instruction", "input", "messages", "text")
+PROMPT_NAMES = (
+    "prompt",
+    "question",
+    "problem",
+    "query",
+    "instruction",
+    "input",
+    "messages",
+    "text",
+)
 
 
 def _prompt_column(row: dict) -> str | None:
@@ -225,13 +258,19 @@ def _prompt_column(row: dict) -> str | None:
         k
         for k, v in row.items()
         if isinstance(v, str)
-        or (isinstance(v, list) and v and all(isinstance(m, dict) and "role" in m and "content" in m for m in v))
+        or (
+            isinstance(v, list)
+            and v
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in v)
+        )
     ]
     named = [k for k in texts if k.lower() in PROMPT_NAMES]
     return texts[0] if len(texts) == 1 else named[0] if len(named) == 1 else None
 
 
-def _render_prompts(prompts: list[str | list[dict]], tokenizer, apply_chat_template: bool, name: str) -> list[str]:
+def _render_prompts(
+    prompts: list[str | list[dict]], tokenizer, apply_chat_template: bool, name: str
+) -> list[str]:
     """The text the model sees for each prompt."""
     has_template = tokenizer.chat_template is not None
     if apply_chat_template and has_template:
@@ -253,7 +292,9 @@ def _render_prompts(prompts: list[str | list[dict]], tokenizer, apply_chat_templ
     return [p if isinstance(p, str) else "\n".join(m["content"] for m in p) for p in prompts]
 
 
-def _too_long_error(overlong: list[int], all_ids: list[list[int]], limit: int, name: str) -> KeelError:
+def _too_long_error(
+    overlong: list[int], all_ids: list[list[int]], limit: int, name: str
+) -> KeelError:
     first = overlong[0]
     longest = max(len(all_ids[i]) for i in overlong)
     # Say how many rows are affected, so the user can choose between filtering and a higher limit.

@@ -10,9 +10,18 @@ import numpy as np
 
 
 class ResumableSampler:
-    def __init__(self, dataset_size: int, batch_size: int, seed: int, shuffle: bool = True, drop_last: bool = True):
+    def __init__(
+        self,
+        dataset_size: int,
+        batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+        drop_last: bool = True,
+    ):
         if dataset_size < 1 or batch_size < 1:
-            raise ValueError(f"dataset_size ({dataset_size}) and batch_size ({batch_size}) must be at least 1")
+            raise ValueError(
+                f"dataset_size ({dataset_size}) and batch_size ({batch_size}) must be at least 1"
+            )
         if drop_last and batch_size > dataset_size:
             raise ValueError(
                 f"batch_size {batch_size} is larger than the dataset "

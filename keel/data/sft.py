@@ -16,7 +16,8 @@ PROMPT_NAMES = ("prompt", "question", "instruction", "input", "query", "problem"
 @dataclass
 class SFTExample:
     input_ids: list[int]
-    loss_mask: list[int]  # 1 on tokens the model is trained to produce (assistant turns)
+    # 1 on tokens the model is trained to produce (assistant turns)
+    loss_mask: list[int]
 
 
 @dataclass
@@ -29,7 +30,9 @@ class SFTStats:
         return f"{self.name} SFT data: {self.total} examples, {self.truncated} truncated"
 
 
-def row_messages(row: dict, messages_key: str, prompt_key: str, response_key: str, i: int) -> list[dict]:
+def row_messages(
+    row: dict, messages_key: str, prompt_key: str, response_key: str, i: int
+) -> list[dict]:
     """A row as chat messages: a messages column, or a prompt (string or chat) plus a response."""
     if messages_key in row and row[messages_key] is not None:
         return list(row[messages_key])
@@ -50,14 +53,18 @@ def _columns_fix(row: dict) -> str:
     chats = [
         k
         for k, v in row.items()
-        if isinstance(v, list) and v and all(isinstance(m, dict) and "role" in m and "content" in m for m in v)
+        if isinstance(v, list)
+        and v
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in v)
     ]
     prompts = [k for k in row if k.lower() in PROMPT_NAMES]
     responses = [k for k in row if k.lower() in RESPONSE_NAMES]
     if len(chats) == 1:
         return f"set {setting('data.messages_key', chats[0])} (the row's chat column)"
     if len(prompts) == 1 and len(responses) == 1:
-        return f"set {overrides({'data.prompt_key': prompts[0], 'data.response_key': responses[0]})}"
+        return (
+            f"set {overrides({'data.prompt_key': prompts[0], 'data.response_key': responses[0]})}"
+        )
     return "set data.messages_key, or data.prompt_key and data.response_key, to your columns"
 
 
@@ -70,7 +77,9 @@ def tokenize_conversation(messages: list[dict], tokenizer) -> SFTExample:
     """
 
     def ids_of(turns: list[dict], open_assistant: bool) -> list[int]:
-        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=open_assistant)
+        text = tokenizer.apply_chat_template(
+            turns, tokenize=False, add_generation_prompt=open_assistant
+        )
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     input_ids = ids_of(messages, open_assistant=False)
@@ -96,10 +105,16 @@ def build_sft_dataset(
     name: str = "train",
 ) -> tuple[list[SFTExample], SFTStats]:
     if tokenizer.chat_template is None:
-        raise KeelError(NO_CHAT_TEMPLATE, "SFT data is chat messages, but the tokenizer has no chat template")
+        raise KeelError(
+            NO_CHAT_TEMPLATE, "SFT data is chat messages, but the tokenizer has no chat template"
+        )
     examples = []
     for i, row in enumerate(rows):
-        examples.append(tokenize_conversation(row_messages(row, messages_key, prompt_key, response_key, i), tokenizer))
+        examples.append(
+            tokenize_conversation(
+                row_messages(row, messages_key, prompt_key, response_key, i), tokenizer
+            )
+        )
         if not any(examples[-1].loss_mask):
             raise KeelError(
                 NO_ASSISTANT_TURN,
@@ -122,7 +137,9 @@ def build_sft_dataset(
     return examples, SFTStats(len(examples), len(over), name)
 
 
-def _truncate(example: SFTExample, limit: int, truncation: str, i: int, name: str, longest: int) -> SFTExample:
+def _truncate(
+    example: SFTExample, limit: int, truncation: str, i: int, name: str, longest: int
+) -> SFTExample:
     cut = slice(-limit, None) if truncation == "left" else slice(0, limit)
     kept = SFTExample(example.input_ids[cut], example.loss_mask[cut])
     if not any(kept.loss_mask):

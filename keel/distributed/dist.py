@@ -41,7 +41,8 @@ def rendezvous_port(wanted: int | None) -> int:
     if wanted is None:
         return free_port()
     with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store binds: TIME_WAIT is free
+        # as torch's store binds: TIME_WAIT is free
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", wanted))
         except OSError as e:
@@ -55,7 +56,12 @@ def rendezvous_port(wanted: int | None) -> int:
 
 
 def init_process_group(
-    rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device, timeout_s: float
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    device: torch.device,
+    timeout_s: float,
 ) -> None:
     """NCCL for GPU tensors, gloo for CPU ones (CPU-offloaded parameters and gradients need it).
     The timeout bounds every collective: a rank that never arrives makes the others fail after
@@ -93,13 +99,15 @@ def _rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # not Linux
+    # not Linux
+    except OSError:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-BUCKET_BYTES = 256 << 20  # per collective: few calls, bounded extra memory
+# per collective: few calls, bounded extra memory
+BUCKET_BYTES = 256 << 20
 
 
 def byte_buckets(
@@ -123,9 +131,12 @@ def average_gradients(params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYT
     """Data parallelism without sharding (DDP): every rank's gradients replaced by their mean over
     the ranks, one all-reduce per bucket."""
     world = dist.get_world_size()
-    for bucket in byte_buckets([p.grad for p in params], lambda g: g.nbytes, bucket_bytes, key=lambda g: g.dtype):
+    for bucket in byte_buckets(
+        [p.grad for p in params], lambda g: g.nbytes, bucket_bytes, key=lambda g: g.dtype
+    ):
         flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat)  # a sum: gloo has no average
+        # a sum: gloo has no average
+        dist.all_reduce(flat)
         flat.div_(world)
         for grad, reduced in zip(bucket, flat.split([g.numel() for g in bucket])):
             grad.copy_(reduced.view_as(grad))

@@ -30,4 +30,5 @@ def maybe_inject(phase: str, rank: int) -> None:
         while True:
             time.sleep(1)
     if kind == "die":
-        os._exit(137)  # what an out-of-memory kill looks like from outside
+        # what an out-of-memory kill looks like from outside
+        os._exit(137)

@@ -18,17 +18,21 @@ from dataclasses import dataclass
 
 log = logging.getLogger("keel")
 
-DRAIN_POLL_S = 1.0  # how often the draining thread looks whether the channel was closed
-ALL_TOLD_TIMEOUT_S = 120.0  # the longest a finished batch waits for its samples' last tellings
+# how often the draining thread looks whether the channel was closed
+DRAIN_POLL_S = 1.0
+# the longest a finished batch waits for its samples' last tellings
+ALL_TOLD_TIMEOUT_S = 120.0
 
 
 @dataclass
 class TellDriver:
     """What a rank calls as each sample finishes (`row`: its row in the rank's prompts); `close` after its last."""
 
-    queue_actor: object  # the Ray queue's actor handle: it pickles to the rank
+    # the Ray queue's actor handle: it pickles to the rank
+    queue_actor: object
     call: int
-    offset: int  # the rank's first row in the call's prompts
+    # the rank's first row in the call's prompts
+    offset: int
     told: int = 0
 
     def __call__(self, row: int, record, response_text: str) -> None:
@@ -57,7 +61,9 @@ class FinishedChannel:
         self.thread = threading.Thread(target=self._drain, name="keel-finished", daemon=True)
         self.thread.start()
 
-    def open(self, on_finished: Callable, offsets: list[int]) -> tuple[int | None, list[TellDriver | None]]:
+    def open(
+        self, on_finished: Callable, offsets: list[int]
+    ) -> tuple[int | None, list[TellDriver | None]]:
         """A generate call's tellers, one per rank (`offsets`: each rank's first row) -> (the call, them);
         none once the channel has stopped (the samples are then scored with their batch)."""
         with self.lock:
@@ -74,7 +80,9 @@ class FinishedChannel:
             return
         _, _, told = self.calls[call]
         if not told.wait(ALL_TOLD_TIMEOUT_S):
-            log.warning("samples finished on the workers were not all told in time; their batch scores the rest")
+            log.warning(
+                "samples finished on the workers were not all told in time; their batch scores the rest"
+            )
         with self.lock:
             self.calls.pop(call, None)
 
@@ -87,23 +95,29 @@ class FinishedChannel:
             except Exception as error:  # noqa: BLE001 - the queue's actor is gone: samples score with their batch
                 if not self.closed:
                     log.warning(
-                        "finished samples can no longer reach the driver early (%s); batches score whole", error
+                        "finished samples can no longer reach the driver early (%s); batches score whole",
+                        error,
                     )
                 self._stop()
                 return
             with self.lock:
                 entry = self.calls.get(call)
-            if entry is None:  # a call that stopped waiting
+            # a call that stopped waiting
+            if entry is None:
                 continue
             on_finished, left, all_told = entry
-            if row is None:  # a rank closed: `telling` is how many samples it told
+            # a rank closed: `telling` is how many samples it told
+            if row is None:
                 left[0], left[1] = left[0] - 1, left[1] + telling
             else:
                 left[1] -= 1
                 try:
-                    on_finished(row, *telling)  # the sample's record and response text
+                    # the sample's record and response text
+                    on_finished(row, *telling)
                 except Exception:  # noqa: BLE001 - the sample is scored with its batch, which says any error
-                    log.exception("beginning a finished sample's scoring failed; its batch scores it")
+                    log.exception(
+                        "beginning a finished sample's scoring failed; its batch scores it"
+                    )
             if left == [0, 0]:
                 all_told.set()
 

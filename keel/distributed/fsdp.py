@@ -27,8 +27,14 @@ def full_parameters(
     cut to length give the whole."""
     named = list(model.named_parameters())
     for name, param in named:
-        if _shard_group(param) is None:  # replicated, or a layout this does not cover
-            yield name, param.detach().to(device).full_tensor() if hasattr(param, "full_tensor") else param.detach()
+        # replicated, or a layout this does not cover
+        if _shard_group(param) is None:
+            yield (
+                name,
+                param.detach().to(device).full_tensor()
+                if hasattr(param, "full_tensor")
+                else param.detach(),
+            )
     sharded = [(name, param) for name, param in named if _shard_group(param) is not None]
     for bucket in byte_buckets(
         sharded,
@@ -48,7 +54,9 @@ def _shard_group(param):
     if placements is None or param.dim() == 0:
         return None
     sharded = [i for i, p in enumerate(placements) if p == Shard(0)]
-    if len(sharded) != 1 or any(p != Replicate() for i, p in enumerate(placements) if i != sharded[0]):
+    if len(sharded) != 1 or any(
+        p != Replicate() for i, p in enumerate(placements) if i != sharded[0]
+    ):
         return None
     return param.device_mesh, sharded[0]
 
@@ -58,14 +66,16 @@ def _gather_bucket(bucket: list[tuple[str, torch.Tensor]], device: torch.device)
 
     mesh, mesh_dim = _shard_group(bucket[0][1])
     ranks = mesh.size(mesh_dim)
-    slots = [-(-p.shape[0] // ranks) * p[0].numel() for _, p in bucket]  # padded chunk, flattened
+    # padded chunk, flattened
+    slots = [-(-p.shape[0] // ranks) * p[0].numel() for _, p in bucket]
     local = torch.zeros(sum(slots), dtype=bucket[0][1].dtype, device=device)
     offset = 0
     for (_, param), slot in zip(bucket, slots):
         shard = param.to_local().detach().reshape(-1)
         local[offset : offset + shard.numel()].copy_(shard)
         offset += slot
-    gathered = torch.empty(ranks * local.numel(), dtype=local.dtype, device=device)  # flat: gloo wants 1-D
+    # flat: gloo wants 1-D
+    gathered = torch.empty(ranks * local.numel(), dtype=local.dtype, device=device)
     dist.all_gather_into_tensor(gathered, local, group=mesh.get_group(mesh_dim))
     gathered = gathered.view(ranks, -1)
     offset = 0
@@ -96,4 +106,7 @@ def sharding_report(model: nn.Module, role: str) -> dict[str, float]:
             len(large),
             large[:3],
         )
-    return {f"fsdp/{role}_sharded_gb": sharded / 1e9, f"fsdp/{role}_replicated_gb": replicated / 1e9}
+    return {
+        f"fsdp/{role}_sharded_gb": sharded / 1e9,
+        f"fsdp/{role}_replicated_gb": replicated / 1e9,
+    }

@@ -25,8 +25,14 @@ from keel.errors import PHASE_STALLED, WORKER_DIED, WORKER_RAISED, KeelError
 
 log = logging.getLogger("keel")
 
-PEER_LOST = ("connection reset by peer", "connection closed by peer", "remote process exited", "broken pipe")
-PEER_DEATH_WAIT_S = 30.0  # how long a rank's lost peer has to show up as a death before the rank's error stands
+PEER_LOST = (
+    "connection reset by peer",
+    "connection closed by peer",
+    "remote process exited",
+    "broken pipe",
+)
+# how long a rank's lost peer has to show up as a death before the rank's error stands
+PEER_DEATH_WAIT_S = 30.0
 
 STACKS_TIMEOUT_S = 15.0
 STARTUP_TIMEOUT_S = 600.0
@@ -45,7 +51,8 @@ class LocalGroup:
     """One worker in the driver's process: the single-device case, with no Ray and no copies."""
 
     world_size = 1
-    in_process = True  # a callable argument reaches the worker itself, not a copy
+    # a callable argument reaches the worker itself, not a copy
+    in_process = True
 
     def __init__(self, worker):
         self.worker = worker
@@ -86,42 +93,63 @@ class RayGroup:
         ray = connect_ray(devices)
         self.world_size, self.role, self.stacks_dir = world_size, role, stacks_dir
         self.phase_timeout_s = phase_timeout_s
-        self.last_memory: dict[int, dict] = {}  # rank -> its reading after its last call: for _died
+        # rank -> its reading after its last call: for _died
+        self.last_memory: dict[int, dict] = {}
         self.hosts: dict[int, str] = {}
-        self.ended: KeelError | None = None  # what shut the group down: every later call raises it
-        self.in_flight: set[Future] = set()  # submitted calls not yet answered: a later call waits for them too
-        self.channel: FinishedChannel | None = None  # samples told as they finish (generate's on_finished)
+        # what shut the group down: every later call raises it
+        self.ended: KeelError | None = None
+        # submitted calls not yet answered: a later call waits for them too
+        self.in_flight: set[Future] = set()
+        # samples told as they finish (generate's on_finished)
+        self.channel: FinishedChannel | None = None
         self.placement, cpus = reserve(ray, devices, world_size)
-        env = {k: v for k, v in os.environ.items() if k.startswith("KEEL_")}  # a cluster's workers lack our env
+        # a cluster's workers lack our env
+        env = {k: v for k, v in os.environ.items() if k.startswith("KEEL_")}
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         actor_class = _worker_actor_class(ray)
         self.actors = [
             actor_class.options(
-                allow_out_of_order_execution=False,  # a rank runs its calls in the order sent (versions rely on it)
+                # a rank runs its calls in the order sent (versions rely on it)
+                allow_out_of_order_execution=False,
                 num_cpus=cpus,
                 num_gpus=1 if devices.gpus else 0,
                 runtime_env={"env_vars": env} if env else None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement, placement_group_bundle_index=rank
+                ),
             ).remote()
             for rank in range(world_size)
         ]
         ranks = list(range(world_size))
         self.hosts = dict(
-            zip(ranks, self._wait([a.hostname.remote() for a in self.actors], "setup", ranks, STARTUP_TIMEOUT_S))
+            zip(
+                ranks,
+                self._wait(
+                    [a.hostname.remote() for a in self.actors], "setup", ranks, STARTUP_TIMEOUT_S
+                ),
+            )
         )
         master = None
         if rendezvous:
-            master = self._wait([self.actors[0].rendezvous.remote(port)], "setup", [0], STARTUP_TIMEOUT_S)[0]
+            master = self._wait(
+                [self.actors[0].rendezvous.remote(port)], "setup", [0], STARTUP_TIMEOUT_S
+            )[0]
             log.info("%s ranks meet at %s:%d%s", role, *master, " (MASTER_PORT)" if port else "")
-        split_cores = rendezvous and not devices.gpus  # CPU ranks share their node's cores
+        # CPU ranks share their node's cores
+        split_cores = rendezvous and not devices.gpus
         self._wait(
-            [a.setup.remote(build, rank, world_size, master, split_cores) for rank, a in enumerate(self.actors)],
+            [
+                a.setup.remote(build, rank, world_size, master, split_cores)
+                for rank, a in enumerate(self.actors)
+            ],
             "setup",
             ranks,
             STARTUP_TIMEOUT_S,
         )
-        described = self._wait([a.describe.remote() for a in self.actors], "setup", ranks, STARTUP_TIMEOUT_S)
+        described = self._wait(
+            [a.describe.remote() for a in self.actors], "setup", ranks, STARTUP_TIMEOUT_S
+        )
         # what a rank held before its first call
         self.last_memory.update(enumerate(reply.memory for reply in described))
         self._log_ranks([reply.result for reply in described])
@@ -148,14 +176,16 @@ class RayGroup:
         """The same arguments on every rank, stored once in Ray's object store (a whole model's weights)."""
         import ray
 
-        stored = tuple(ray.put(arg) for arg in args)  # each rank's call reads them; none is copied per rank
+        # each rank's call reads them; none is copied per rank
+        stored = tuple(ray.put(arg) for arg in args)
         return self.call(method, [stored] * self.world_size)
 
     def submit(self, method: str, per_rank_args: list[tuple]) -> Future:
         """The call sent to every rank now; the future holds its Replies, or the KeelError `call` raises."""
         refs, ahead = self._send(method, per_rank_args), len(self.in_flight)
         future: Future = Future()
-        self.in_flight.add(future)  # set.add and set.discard are atomic: no lock with the waiting thread
+        # set.add and set.discard are atomic: no lock with the waiting thread
+        self.in_flight.add(future)
 
         def wait() -> None:
             try:
@@ -175,7 +205,8 @@ class RayGroup:
         return self.channel
 
     def _send(self, method: str, per_rank_args: list[tuple]) -> list:
-        if self.ended is not None:  # a call after a failure shut the group down says that failure again
+        # a call after a failure shut the group down says that failure again
+        if self.ended is not None:
             raise self.ended
         return [a.run.remote(method, *args) for a, args in zip(self.actors, per_rank_args)]
 
@@ -235,10 +266,12 @@ class RayGroup:
                         sorted(pending.values()),
                         f"rank {rank}'s collective timed out after trainer.collective_timeout_s ({first_line})",
                     ) from None
-                if _is_peer_lost(e):  # a rank that died broke this one's collective: name the dead one
+                # a rank that died broke this one's collective: name the dead one
+                if _is_peer_lost(e):
                     self._raise_if_one_died(pending, phase)
                 raise self._raised(rank, phase, e) from None
-            except RayError as e:  # the actor died, was killed by Ray's memory monitor, or lost its node
+            # the actor died, was killed by Ray's memory monitor, or lost its node
+            except RayError as e:
                 raise self._died(rank, phase, e) from None
         return [results[r] for r in ranks]
 
@@ -264,7 +297,8 @@ class RayGroup:
     def _raised(self, rank: int, phase: str, error) -> KeelError:
         self.shutdown()
         cause = getattr(error, "cause", None)
-        if isinstance(cause, KeelError):  # the worker's own diagnosis keeps its code
+        # the worker's own diagnosis keeps its code
+        if isinstance(cause, KeelError):
             return KeelError(cause.code, f"{self._where(rank, phase)}: {cause.message}", cause.fix)
         remote = str(error).strip()
         return KeelError(
@@ -298,12 +332,15 @@ class RayGroup:
         for rank, actor in enumerate(self.actors):
             try:
                 stacks[rank] = ray.get(actor.stacks.remote(), timeout=STACKS_TIMEOUT_S)
-            except Exception as e:  # a dead or wedged process cannot answer: say so in the dump
+            # a dead or wedged process cannot answer: say so in the dump
+            except Exception as e:
                 stacks[rank] = {"phase": "?", "in_collective": False, "text": f"(no stacks: {e})"}
         self.stacks_dir.mkdir(parents=True, exist_ok=True)
         path = self.stacks_dir / f"stacks_{phase}_{int(time.time())}.txt"
         path.write_text(
-            "\n\n".join(f"===== {self._where(r, s['phase'])} =====\n{s['text']}" for r, s in stacks.items())
+            "\n\n".join(
+                f"===== {self._where(r, s['phase'])} =====\n{s['text']}" for r, s in stacks.items()
+            )
         )
         absent = [r for r in waiting if not stacks[r]["in_collective"]]
         self.shutdown()

@@ -41,8 +41,13 @@ def parallelize(
     if compile_layers:
         compile_blocks(model)
     sharded = world_size > 1 and fsdp_cfg.fsdp_size != 1
-    # Adam's moments in CPU memory on a GPU; with FSDP's param_offload the update runs on CPU anyway.
-    offload = fsdp_cfg.optimizer_offload and device.type == "cuda" and not (sharded and fsdp_cfg.param_offload)
+    # Adam's moments in CPU memory on a GPU; with FSDP's param_offload the update runs on CPU
+    # anyway.
+    offload = (
+        fsdp_cfg.optimizer_offload
+        and device.type == "cuda"
+        and not (sharded and fsdp_cfg.param_offload)
+    )
     if world_size == 1:
         return model, Placement(fused_vocab=fused_vocab, optimizer_offload=offload), {}
     if not sharded:
@@ -56,7 +61,9 @@ def parallelize(
             ),
             {},
         )
-    model = shard_model(model, make_mesh(device.type, world_size, fsdp_cfg.fsdp_size), compute_dtype, fsdp_cfg)
+    model = shard_model(
+        model, make_mesh(device.type, world_size, fsdp_cfg.fsdp_size), compute_dtype, fsdp_cfg
+    )
     placement = Placement(
         device=device,
         fused_vocab=fused_vocab,
@@ -105,11 +112,18 @@ def make_mesh(device_type: str, world_size: int, fsdp_size: int):
 
     if fsdp_size in (-1, world_size):
         return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
-    return init_device_mesh(device_type, (world_size // fsdp_size, fsdp_size), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(
+        device_type, (world_size // fsdp_size, fsdp_size), mesh_dim_names=("replicate", "shard")
+    )
 
 
 def shard_model(model: nn.Module, mesh, compute_dtype: torch.dtype, fsdp_cfg) -> nn.Module:
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     low_precision = compute_dtype != torch.float32
     options = dict(
@@ -118,9 +132,12 @@ def shard_model(model: nn.Module, mesh, compute_dtype: torch.dtype, fsdp_cfg) ->
         mp_policy=MixedPrecisionPolicy(
             param_dtype=compute_dtype if low_precision else None, reduce_dtype=torch.float32
         ),
-        # Pinned host memory needs an accelerator; CPU workers (gloo) still take FSDP's offload path.
+        # Pinned host memory needs an accelerator; CPU workers (gloo) still take FSDP's offload
+        # path.
         offload_policy=(
-            CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if fsdp_cfg.param_offload else OffloadPolicy()
+            CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+            if fsdp_cfg.param_offload
+            else OffloadPolicy()
         ),
     )
     for block in block_modules(model):

@@ -20,7 +20,8 @@ from keel.training.batching import contiguous_shares
 
 log = logging.getLogger("keel")
 
-POLICY_ROLE = "actor_rollout_ref"  # the colocated roles every worker of the policy's group runs
+# the colocated roles every worker of the policy's group runs
+POLICY_ROLE = "actor_rollout_ref"
 
 
 def role_group(
@@ -87,7 +88,8 @@ class RewardModelPool(RewardTemplate):
     difference."""
 
     def __init__(self, rm_cfg, devices: Devices, stacks_dir: Path, phase_timeout_s: float | None):
-        super().__init__(rm_cfg.model.path, rm_cfg.max_length, rm_cfg.model.trust_remote_code)  # for `keel check`
+        # for `keel check`
+        super().__init__(rm_cfg.model.path, rm_cfg.max_length, rm_cfg.model.trust_remote_code)
         count = devices.pools["reward model"]
         build = functools.partial(RewardModelReplica, rm_cfg, devices.gpus)
         self.group = RayGroup(
@@ -103,7 +105,9 @@ class RewardModelPool(RewardTemplate):
 
     @classmethod
     def of(cls, cfg) -> RewardModelPool:
-        return cls(cfg.reward_model, Devices.of(cfg), Path(cfg.run_dir), cfg.trainer.guards.phase_timeout_s)
+        return cls(
+            cfg.reward_model, Devices.of(cfg), Path(cfg.run_dir), cfg.trainer.guards.phase_timeout_s
+        )
 
     @property
     def replicas(self) -> list:
@@ -112,7 +116,9 @@ class RewardModelPool(RewardTemplate):
     def score(self, raw_prompts: list, responses: list[str]) -> list[float | str]:
         """Every replica scores a contiguous share; the scores come back in order."""
         shares = contiguous_shares(len(responses), self.group.world_size)
-        parts = self.group.call("score", [(raw_prompts[start:end], responses[start:end]) for start, end in shares])
+        parts = self.group.call(
+            "score", [(raw_prompts[start:end], responses[start:end]) for start, end in shares]
+        )
         return [score for part in parts for score in part]
 
     def shutdown(self) -> None:

@@ -18,9 +18,12 @@ class Devices:
     """What the whole run places on the cluster, so any group refuses one too small up front
     instead of waiting forever to be placed."""
 
-    gpus: bool  # GPUs, or CPU processes (trainer.device=cpu)
-    workers: int  # the policy's workers
-    pools: dict[str, int]  # role -> devices, for each role with a pool of its own
+    # GPUs, or CPU processes (trainer.device=cpu)
+    gpus: bool
+    # the policy's workers
+    workers: int
+    # role -> devices, for each role with a pool of its own
+    pools: dict[str, int]
 
     @classmethod
     def of(cls, cfg) -> Devices:
@@ -52,7 +55,9 @@ def require_devices(ray, devices: Devices) -> None:
         needs = [
             f"trainer.n_gpus_per_node x trainer.nnodes = {devices.workers} workers need {devices.workers} {resource}s"
         ] + [f"the {role} pool needs {count} {resource}s" for role, count in devices.pools.items()]
-        raise KeelError(NOT_ENOUGH_DEVICES, "; ".join(needs) + f"; the Ray cluster has {available:g}")
+        raise KeelError(
+            NOT_ENOUGH_DEVICES, "; ".join(needs) + f"; the Ray cluster has {available:g}"
+        )
 
 
 def connect_ray(devices: Devices):
@@ -87,7 +92,8 @@ def connect_ray(devices: Devices):
             else ""
         )
         raise KeelError(
-            RAY_MISSING, f"could not {'join the Ray cluster at ' + address if address else 'start Ray'}: {e}{auth}"
+            RAY_MISSING,
+            f"could not {'join the Ray cluster at ' + address if address else 'start Ray'}: {e}{auth}",
         ) from None
     return ray
 
@@ -106,7 +112,9 @@ def _start_or_join_local(ray, devices_needed: int) -> None:
     except ValueError as e:
         if "existing cluster" not in str(e):
             raise
-        log.info("joining the Ray cluster that `ray start` runs on this machine (RAY_ADDRESS is not set)")
+        log.info(
+            "joining the Ray cluster that `ray start` runs on this machine (RAY_ADDRESS is not set)"
+        )
         ray.init(log_to_driver=True)
 
 
@@ -120,7 +128,8 @@ def require_reachable(address: str, timeout_s: float = 5.0) -> None:
         return
     host, port = where.rsplit(":", 1)
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):  # [::1]:6379
+        # [::1]:6379
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
             return
     except (OSError, ValueError) as e:
         raise KeelError(
@@ -141,11 +150,16 @@ def reserve(ray, devices: Devices, count: int):
     gpus, resource = devices.gpus, devices.resource
     # A GPU worker gets a share of the node's cores: Ray limits a worker's threads to its CPUs,
     # and one core is not enough for a process that launches kernels, gathers and copies.
-    cpus = max(1, min(8, int(ray.cluster_resources().get("CPU", 1) // devices.total) - 1)) if gpus else 1
+    cpus = (
+        max(1, min(8, int(ray.cluster_resources().get("CPU", 1) // devices.total) - 1))
+        if gpus
+        else 1
+    )
     bundle = {"GPU": 1, "CPU": cpus} if gpus else {"CPU": 1}
     group = placement_group([bundle] * count, strategy="PACK")
     if not group.wait(timeout_seconds=60):
         raise KeelError(
-            NOT_ENOUGH_DEVICES, f"{count} {resource}s could not be reserved within 60 s (other jobs hold them)"
+            NOT_ENOUGH_DEVICES,
+            f"{count} {resource}s could not be reserved within 60 s (other jobs hold them)",
         )
     return group, cpus

@@ -19,7 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from keel.errors import INCOMPATIBLE_OPTIONS, KeelError
-from keel.models.load import load_causal_lm, load_tokenizer, quiet_transformers, resolve_device, resolve_dtype
+from keel.models.load import (
+    load_causal_lm,
+    load_tokenizer,
+    quiet_transformers,
+    resolve_device,
+    resolve_dtype,
+)
 from keel.rollout.agent import build_agent_loop
 from keel.rollout.agent.external import build_external_agent
 from keel.rollout.select import make_rollout_engine
@@ -31,27 +37,35 @@ class PolicyWeights:
     """What the actor sends a rollout on workers of its own after an update, on the host: its whole
     weights, or with LoRA its adapters and the modules it trains in full (the base never changes)."""
 
-    named: list  # (Hugging Face name, tensor): what the engine loads whole
-    adapters: list | None = None  # LoRA: (adapted weight's name, A, B times scaling)
+    # (Hugging Face name, tensor): what the engine loads whole
+    named: list
+    # LoRA: (adapted weight's name, A, B times scaling)
+    adapters: list | None = None
 
 
-def generate_samples(generator, prompts, sampling: SamplingParams, seed: int, version: int, on_finished=None):
+def generate_samples(
+    generator, prompts, sampling: SamplingParams, seed: int, version: int, on_finished=None
+):
     """(this rank's samples, each stamped with `version`, and the generator's timing of its parts
     (`timing_s/gen_<part>`: prefill, decode, ...) with what else it measured (an agent rollout's
     `agent/engine/*`)); (None, {}) for a rank with no prompts. `on_finished(row, record, response
     text)`: told of each sample as it finishes, by a generator that can (the native engine; keel's agent
     loop on it, for episodes whose record is final when they end)."""
     try:
-        if prompts is None:  # fewer prompts than ranks
+        # fewer prompts than ranks
+        if prompts is None:
             return None, {}
-        torch.manual_seed(seed)  # per step and rank: a resumed run samples what an uninterrupted one would
+        # per step and rank: a resumed run samples what an uninterrupted one would
+        torch.manual_seed(seed)
         start = time.perf_counter()
         if on_finished is not None and streams_finished(generator):
             batch = generator.generate(prompts, sampling, on_finished=on_finished)
         else:
-            batch = generator.generate(prompts, sampling)  # the engine applies the compute dtype itself
+            # the engine applies the compute dtype itself
+            batch = generator.generate(prompts, sampling)
     finally:
-        if hasattr(on_finished, "close"):  # a teller to the driver (keel/distributed/finished.py): all told
+        # a teller to the driver (keel/distributed/finished.py): all told
+        if hasattr(on_finished, "close"):
             on_finished.close()
     batch.policy_version = torch.full((len(batch),), version, dtype=torch.long)
     return batch, {**_timing(generator, start), **getattr(generator, "metrics", {})}
@@ -62,13 +76,16 @@ def streams_finished(generator) -> bool:
     return "on_finished" in inspect.signature(generator.generate).parameters
 
 
-def continue_samples(engine, samples: list[PartialSample], sampling: SamplingParams, seed: int, version: int, end):
+def continue_samples(
+    engine, samples: list[PartialSample], sampling: SamplingParams, seed: int, version: int, end
+):
     """Partial rollouts: a round of this rank's `samples` (GeneratedBatch's siblings, the engine's
     `generate_round`) -> the samples with the tokens sampled now, tagged with `version`, and the
     engine's timing; ([], {}) for a rank with none."""
     if not samples:
         return [], {}
-    if not hasattr(engine, "generate_round"):  # rollout.name=auto fell back to hf for this model
+    # rollout.name=auto fell back to hf for this model
+    if not hasattr(engine, "generate_round"):
         raise KeelError(
             INCOMPATIBLE_OPTIONS,
             f"trainer.partial_rollout=true, but this model generates with {type(engine).__name__}, which cannot "
@@ -101,7 +118,8 @@ def _timing(generator, start: float) -> dict[str, float]:
 
 def agent_around(policy, engine, tokenizer, budget: int):
     """What drives the engine through a multi-turn or agent rollout (None: the engine alone)."""
-    if policy.rollout.agent.function or policy.rollout.agent.environment:  # agent code behind an OpenAI client
+    # agent code behind an OpenAI client
+    if policy.rollout.agent.function or policy.rollout.agent.environment:
         return build_external_agent(policy.rollout.agent, engine, tokenizer, budget)
     if policy.rollout.multi_turn.enable:
         return build_agent_loop(policy.rollout.multi_turn, engine, tokenizer, budget)
@@ -116,16 +134,26 @@ class RolloutWorker:
         self.spec, self.rank = spec, rank
         policy = spec.policy
         self.device = resolve_device(spec.device)
-        if self.device.type == "cuda":  # a Ray worker sees only its own GPU
+        # a Ray worker sees only its own GPU
+        if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         compute_dtype = resolve_dtype(policy.model.dtype, self.device)
-        self.tokenizer = tokenizer or load_tokenizer(policy.model.path, policy.model.trust_remote_code)
+        self.tokenizer = tokenizer or load_tokenizer(
+            policy.model.path, policy.model.trust_remote_code
+        )
         torch.manual_seed(spec.seed)
-        lora = policy.model.lora_rank > 0  # the base alone: the actor sends its adapters (PolicyWeights)
+        # the base alone: the actor sends its adapters (PolicyWeights)
+        lora = policy.model.lora_rank > 0
         weights = policy.model.path if lora else (spec.actor_weights or policy.model.path)
         model = load_causal_lm(weights, self.device, policy.model.trust_remote_code)
         self.rollout = make_rollout_engine(
-            policy.rollout, model, self.tokenizer, self.device, compute_dtype, log_choice=rank == 0, lora=lora
+            policy.rollout,
+            model,
+            self.tokenizer,
+            self.device,
+            compute_dtype,
+            log_choice=rank == 0,
+            lora=lora,
         )
         if lora and not hasattr(self.rollout, "load_adapters"):
             raise KeelError(
@@ -135,7 +163,8 @@ class RolloutWorker:
                 "set `actor_rollout_ref.hybrid_engine=true` (the engine beside the actor)",
             )
         self.agent = agent_around(policy, self.rollout, self.tokenizer, spec.max_response_length)
-        self.weights_version = 0  # the policy version of the weights the engine holds
+        # the policy version of the weights the engine holds
+        self.weights_version = 0
 
     def info(self) -> dict:
         return {"rollout_engine": type(self.rollout).__name__}
@@ -143,16 +172,21 @@ class RolloutWorker:
     def generate(
         self, prompts, sampling: SamplingParams, seed: int, on_finished=None
     ) -> tuple[GeneratedBatch | None, dict]:
-        return generate_samples(self.agent or self.rollout, prompts, sampling, seed, self.weights_version, on_finished)
+        return generate_samples(
+            self.agent or self.rollout, prompts, sampling, seed, self.weights_version, on_finished
+        )
 
-    def generate_round(self, samples: list[PartialSample], sampling: SamplingParams, seed: int, end):
+    def generate_round(
+        self, samples: list[PartialSample], sampling: SamplingParams, seed: int, end
+    ):
         return continue_samples(self.rollout, samples, sampling, seed, self.weights_version, end)
 
     def load_policy(self, weights: PolicyWeights, version: int) -> None:
         """The actor's weights as of policy version `version`: whole, or a LoRA policy's adapters."""
         if weights.adapters is None:
             self.rollout.load_weights(weights.named)
-        else:  # the base never changes
+        # the base never changes
+        else:
             self.rollout.load_adapters(weights.adapters)
             self.rollout.load_weights(weights.named, every=False)
         self.weights_version = version

@@ -25,8 +25,10 @@ from keel.errors.fixes import overrides
 @dataclass
 class Reply:
     result: Any
-    memory: dict[str, float]  # memory_reading after the call: rss_gb, and gpu_*_gb on a GPU
-    seconds: float  # the call's own time on the worker
+    # memory_reading after the call: rss_gb, and gpu_*_gb on a GPU
+    memory: dict[str, float]
+    # the call's own time on the worker
+    seconds: float
 
 
 def _eager_fix(method: str) -> str:
@@ -47,18 +49,23 @@ class ServedWorker:
 
     def run(self, method: str, *args) -> Reply:
         self.phase = method
-        self.phase_thread = threading.get_ident()  # Ray runs calls on a thread of its own, not main
+        # Ray runs calls on a thread of its own, not main
+        self.phase_thread = threading.get_ident()
         maybe_inject(method, self.rank)
-        if self.device.type == "cuda":  # the reading's peak is this call's
+        # the reading's peak is this call's
+        if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         try:
-            with record_function(f"worker/{method}"):  # a named range in a rank's profile (keel bench --profile)
+            # a named range in a rank's profile (keel bench --profile)
+            with record_function(f"worker/{method}"):
                 result = getattr(self.worker, method)(*args)
         except Exception as error:
             if is_compile_error(error):
                 raise KeelError(
-                    COMPILE_FAILED, f"torch.compile failed in {method}: {_first_lines(str(error))}", _eager_fix(method)
+                    COMPILE_FAILED,
+                    f"torch.compile failed in {method}: {_first_lines(str(error))}",
+                    _eager_fix(method),
                 ) from error
             raise
         self.phase = "idle"
@@ -86,7 +93,9 @@ class ServedWorker:
             busy = ident == self.phase_thread
             if busy:
                 in_collective = "torch/distributed" in stack
-            text.append(f"--- thread {ident}{' (phase ' + self.phase + ')' if busy else ''} ---\n{stack}")
+            text.append(
+                f"--- thread {ident}{' (phase ' + self.phase + ')' if busy else ''} ---\n{stack}"
+            )
         return {"phase": self.phase, "in_collective": in_collective, "text": "\n".join(text)}
 
 
@@ -97,7 +106,8 @@ def is_compile_error(error: BaseException) -> bool:
 
     try:
         from torch._inductor.exc import InductorError
-    except ImportError:  # older torch: inductor failures arrive wrapped in dynamo's
+    # older torch: inductor failures arrive wrapped in dynamo's
+    except ImportError:
         InductorError = TorchDynamoException
     return isinstance(error, (TorchDynamoException, InductorError))
 

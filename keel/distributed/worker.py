@@ -25,7 +25,12 @@ from keel.config.schema import ActorRolloutRefConfig, CriticConfig, KeelConfig
 from keel.distributed.dist import init_process_group
 from keel.distributed.fsdp import full_parameters
 from keel.distributed.parallelize import parallelize
-from keel.distributed.rollout_worker import PolicyWeights, agent_around, continue_samples, generate_samples
+from keel.distributed.rollout_worker import (
+    PolicyWeights,
+    agent_around,
+    continue_samples,
+    generate_samples,
+)
 from keel.models.load import (
     autocast,
     can_compile,
@@ -57,24 +62,37 @@ class WorkerSpec:
     """What a rank builds, cut from the config once: the sections it reads, and the few numbers
     the rest of the config decides."""
 
-    policy: ActorRolloutRefConfig  # the policy's model, actor, rollout and reference
+    # the policy's model, actor, rollout and reference
+    policy: ActorRolloutRefConfig
     critic: CriticConfig
-    # "policy" (actor, rollout engine, reference), "actor" (the policy without its engine: the rollout
-    # has workers of its own), "critic"
+    # "policy" (actor, rollout engine, reference), "actor" (the policy without its engine: the
+    # rollout has workers of its own), "critic"
     roles: frozenset[str]
-    total_steps: int  # the LR schedules' length
-    device: str  # trainer.device
-    seed: int  # trainer.seed: identical initial weights on every rank
+    # the LR schedules' length
+    total_steps: int
+    # trainer.device
+    device: str
+    # trainer.seed: identical initial weights on every rank
+    seed: int
     collective_timeout_s: float
-    max_response_length: int  # seq-mean-token-sum-norm's constant
-    with_reference: bool  # a KL term needs the reference
-    critic_micro_batch: int  # critic.ppo_micro_batch_size_per_gpu, or the actor's
-    actor_weights: str | None  # a checkpoint's actor to start from instead of the model path
-    rollout_correction: RolloutCorrectionConfig | None = None  # algorithm.rollout_correction
+    # seq-mean-token-sum-norm's constant
+    max_response_length: int
+    # a KL term needs the reference
+    with_reference: bool
+    # critic.ppo_micro_batch_size_per_gpu, or the actor's
+    critic_micro_batch: int
+    # a checkpoint's actor to start from instead of the model path
+    actor_weights: str | None
+    # algorithm.rollout_correction
+    rollout_correction: RolloutCorrectionConfig | None = None
 
     @classmethod
     def of(
-        cls, cfg: KeelConfig, total_steps: int, actor_weights: str | None = None, roles: frozenset[str] | None = None
+        cls,
+        cfg: KeelConfig,
+        total_steps: int,
+        actor_weights: str | None = None,
+        roles: frozenset[str] | None = None,
     ) -> WorkerSpec:
         """`roles` by default: the policy (without its engine when the rollout has a pool of its own),
         and the critic too unless it has a pool of its own."""
@@ -109,21 +127,26 @@ class RoleWorker:
         quiet_transformers()
         self.spec, self.rank, self.world_size = spec, rank, world_size
         self.device = resolve_device(spec.device)
-        if self.device.type == "cuda":  # NCCL wants an index; a Ray worker sees only its own GPU
+        # NCCL wants an index; a Ray worker sees only its own GPU
+        if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.compute_dtype = resolve_dtype(spec.policy.model.dtype, self.device)
         if world_size > 1:
             init_process_group(rank, world_size, *master, self.device, spec.collective_timeout_s)
         self.sharding: dict[str, float] = {}
         policy = spec.policy
-        self.tokenizer = tokenizer or load_tokenizer(policy.model.path, policy.model.trust_remote_code)
+        self.tokenizer = tokenizer or load_tokenizer(
+            policy.model.path, policy.model.trust_remote_code
+        )
         roles = spec.roles
         self.rollout: RolloutEngine | None = None
-        # multi-turn: the loop that calls tools around the engine, or agent code through the endpoint
+        # multi-turn: the loop that calls tools around the engine, or agent code through the
+        # endpoint
         self.agent: AgentLoop | ExternalAgentRollout | None = None
         self.actor: ActorTrainer | None = None
         self.ref: ReferencePolicy | None = None
-        self.weights_version = 0  # the policy version the engine's weights are: actor updates synced to it
+        # the policy version the engine's weights are: actor updates synced to it
+        self.weights_version = 0
         if "policy" in roles or "actor" in roles:
             self._build_policy(with_engine="policy" in roles)
         self.critic = self._build_critic() if "critic" in roles else None
@@ -131,7 +154,8 @@ class RoleWorker:
     def _build_policy(self, with_engine: bool) -> None:
         """The actor, its rollout engine (`with_engine`) and the reference (when a KL term needs one)."""
         spec, policy, rank = self.spec, self.spec.policy, self.rank
-        torch.manual_seed(spec.seed)  # every rank starts from identical weights
+        # every rank starts from identical weights
+        torch.manual_seed(spec.seed)
         # With LoRA a checkpoint's actor is its adapters; the base is always model.path.
         weights = policy.model.path if self.lora else (spec.actor_weights or policy.model.path)
         model = load_causal_lm(
@@ -140,10 +164,11 @@ class RoleWorker:
             policy.model.trust_remote_code,
             policy.model.enable_gradient_checkpointing,
             dtype=self.compute_dtype if self.lora else torch.float32,
-        )  # a frozen base
+            # a frozen base
+        )
         # Built before the actor is sharded (and before LoRA): it reads the whole base weights once.
-        # After each update it takes the actor module's, gathered from shards; under LoRA it holds the
-        # frozen base for the trainer too and takes only the adapters.
+        # After each update it takes the actor module's, gathered from shards; under LoRA it holds
+        # the frozen base for the trainer too and takes only the adapters.
         if with_engine:
             self.rollout = make_rollout_engine(
                 policy.rollout,
@@ -156,7 +181,9 @@ class RoleWorker:
                 lora=self.lora,
             )
         if self.lora:
-            model = self._with_adapters(model, policy.model, "actor_rollout_ref.model", spec.actor_weights)
+            model = self._with_adapters(
+                model, policy.model, "actor_rollout_ref.model", spec.actor_weights
+            )
             self._share_base(model)
         model, placement = self._prepare_model(model, policy.actor.fsdp_config, "actor")
         self.actor = ActorTrainer(
@@ -169,18 +196,27 @@ class RoleWorker:
             placement,
             spec.rollout_correction,
         )
-        if self.lora:  # adapters loaded from a checkpoint or lora_adapter_path reach the engine now
+        # adapters loaded from a checkpoint or lora_adapter_path reach the engine now
+        if self.lora:
             self._sync_rollout()
         if with_engine:
-            self.agent = agent_around(policy, self.rollout, self.tokenizer, spec.max_response_length)
-        if spec.with_reference and self.lora:  # the base itself, adapters off: no second model
+            self.agent = agent_around(
+                policy, self.rollout, self.tokenizer, spec.max_response_length
+            )
+        # the base itself, adapters off: no second model
+        if spec.with_reference and self.lora:
             self.ref = AdapterlessReference(
                 model, _log_prob_batching(policy.ref), policy.rollout.temperature, placement
             )
-        elif spec.with_reference:  # the reference is always the starting policy, even on resume
-            ref_model = load_causal_lm(policy.model.path, self.device, policy.model.trust_remote_code)
+        # the reference is always the starting policy, even on resume
+        elif spec.with_reference:
+            ref_model = load_causal_lm(
+                policy.model.path, self.device, policy.model.trust_remote_code
+            )
             ref_model, placement = self._prepare_model(ref_model, policy.ref.fsdp_config, "ref")
-            self.ref = ReferencePolicy(ref_model, _log_prob_batching(policy.ref), policy.rollout.temperature, placement)
+            self.ref = ReferencePolicy(
+                ref_model, _log_prob_batching(policy.ref), policy.rollout.temperature, placement
+            )
 
     @property
     def lora(self) -> bool:
@@ -189,20 +225,26 @@ class RoleWorker:
     def _with_adapters(self, model, m, key: str, checkpoint: str | None = None):
         """peft's LoRA on a model by its section `m` (keel.models.lora: trap 7 is checked on the way),
         starting from a checkpoint's adapters, or a saved adapter (lora_adapter_path), or new ones."""
-        plan = plan_lora(model, m.lora_rank, m.target_modules, m.exclude_modules, m.modules_to_save, key)
+        plan = plan_lora(
+            model, m.lora_rank, m.target_modules, m.exclude_modules, m.modules_to_save, key
+        )
         adapters = checkpoint or m.lora_adapter_path
-        return apply_lora(model, plan, m.lora_rank, m.lora_alpha, m.modules_to_save, self.compute_dtype, adapters)
+        return apply_lora(
+            model, plan, m.lora_rank, m.lora_alpha, m.modules_to_save, self.compute_dtype, adapters
+        )
 
     def _share_base(self, model) -> None:
         """One copy of the base: a whole (unsharded) LoRA policy's frozen weights become views of the
         native engine's decode weights. A sharded policy keeps its shard; the engine, the whole. (None
         here: the rollout's own workers hold their base.)"""
         if self.rollout is None or self._actor_sharded or isinstance(self.rollout, HFRolloutEngine):
-            return  # hf generates with the module itself
+            # hf generates with the module itself
+            return
         freed = self.rollout.share_frozen_weights(frozen_base(model))
         if self.rank == 0:
             log.info(
-                "LoRA: the trainer's frozen base is the rollout engine's weights (%.2f GB not copied)", freed / 1e9
+                "LoRA: the trainer's frozen base is the rollout engine's weights (%.2f GB not copied)",
+                freed / 1e9,
             )
 
     @property
@@ -215,7 +257,8 @@ class RoleWorker:
         compiled = self.spec.policy.actor.use_torch_compile and can_compile(self.device)
         # The hf engine generates with this very module when unsharded; its growing KV cache would
         # recompile the layers at every length, so they stay eager.
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA wraps it
+        # LoRA wraps it
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
         generates_with_it = isinstance(self.rollout, HFRolloutEngine) and self.rollout.model is base
         model, placement, report = parallelize(
             model,
@@ -232,8 +275,10 @@ class RoleWorker:
 
     def _build_critic(self) -> CriticTrainer:
         spec, c = self.spec, self.spec.critic
-        torch.manual_seed(spec.seed)  # the value head's initialisation, identical on every rank
-        lora = c.model.lora_rank > 0  # on the backbone; the value head trains in full
+        # the value head's initialisation, identical on every rank
+        torch.manual_seed(spec.seed)
+        # on the backbone; the value head trains in full
+        lora = c.model.lora_rank > 0
         model = load_critic(
             c.model.path or spec.policy.model.path,
             self.device,
@@ -263,14 +308,21 @@ class RoleWorker:
             self.agent.close()
 
     def info(self) -> dict:
-        return {"rollout_engine": type(self.rollout).__name__ if self.rollout else None, **self.sharding}
+        return {
+            "rollout_engine": type(self.rollout).__name__ if self.rollout else None,
+            **self.sharding,
+        }
 
     def generate(
         self, prompts, sampling: SamplingParams, seed: int, on_finished=None
     ) -> tuple[GeneratedBatch | None, dict]:
-        return generate_samples(self.agent or self.rollout, prompts, sampling, seed, self.weights_version, on_finished)
+        return generate_samples(
+            self.agent or self.rollout, prompts, sampling, seed, self.weights_version, on_finished
+        )
 
-    def generate_round(self, samples: list[PartialSample], sampling: SamplingParams, seed: int, end):
+    def generate_round(
+        self, samples: list[PartialSample], sampling: SamplingParams, seed: int, end
+    ):
         return continue_samples(self.rollout, samples, sampling, seed, self.weights_version, end)
 
     def policy_weights(self) -> tuple[PolicyWeights | None, int]:
@@ -278,18 +330,25 @@ class RoleWorker:
         version): for a rollout on workers of its own. Every rank takes part (a sharded actor's
         weights are gathered)."""
         if self.lora:
-            adapters = [(name, _on_host(a), _on_host(b)) for name, a, b in adapter_weights(self.actor.model)]
+            adapters = [
+                (name, _on_host(a), _on_host(b)) for name, a, b in adapter_weights(self.actor.model)
+            ]
             named = [(name, _on_host(tensor)) for name, tensor in trained_in_full(self.actor.model)]
-            return (PolicyWeights(named, adapters) if self.rank == 0 else None), self.weights_version
+            return (
+                PolicyWeights(named, adapters) if self.rank == 0 else None
+            ), self.weights_version
         named = (
             full_parameters(self.actor.model, self.device)
             if self._actor_sharded
             else self.actor.model.named_parameters()
         )
-        if self.rank != 0:  # its part of each gather, none of it kept
+        # its part of each gather, none of it kept
+        if self.rank != 0:
             deque(named, maxlen=0)
             return None, self.weights_version
-        return PolicyWeights([(name, _on_host(tensor)) for name, tensor in named]), self.weights_version
+        return PolicyWeights(
+            [(name, _on_host(tensor)) for name, tensor in named]
+        ), self.weights_version
 
     def compute_log_probs(self, batch: ScoredBatch) -> torch.Tensor:
         with autocast(self.device, self.compute_dtype):
@@ -322,8 +381,10 @@ class RoleWorker:
         them from policy_weights.)"""
         if self.rollout is None:
             return
-        if self.lora and not isinstance(self.rollout, HFRolloutEngine):  # hf generates with the module itself
-            self.rollout.load_adapters(adapter_weights(self.actor.model))  # the base never changes: never synced
+        # hf generates with the module itself
+        if self.lora and not isinstance(self.rollout, HFRolloutEngine):
+            # the base never changes: never synced
+            self.rollout.load_adapters(adapter_weights(self.actor.model))
             self.rollout.load_weights(trained_in_full(self.actor.model), every=False)
         elif self._actor_sharded:
             self.rollout.load_weights(full_parameters(self.actor.model, self.device))
@@ -332,7 +393,9 @@ class RoleWorker:
 
     # --- checkpoints -----------------------------------------------------------------------------
     def save(self, directory: str) -> None:
-        save_trainers(Path(directory), self.actor, self.critic, self.rank, self.tokenizer, self._actor_sharded)
+        save_trainers(
+            Path(directory), self.actor, self.critic, self.rank, self.tokenizer, self._actor_sharded
+        )
 
     def load(self, directory: str, weights_version: int = 0) -> None:
         """The checkpoint's optimisers and critic (the actor's weights came with the spec), and the

@@ -12,7 +12,8 @@ class Code:
     title: str
     cause: str
     fix: str
-    keys: tuple[str, ...] = field(default_factory=tuple)  # config keys involved
+    # config keys involved
+    keys: tuple[str, ...] = field(default_factory=tuple)
 
 
 CATALOGUE: dict[str, Code] = {}
@@ -34,7 +35,8 @@ class KeelError(Exception):
         self.fix = fix or CATALOGUE[code].fix
         super().__init__(f"{code}: {message}")
 
-    def __reduce__(self):  # crosses process boundaries (Ray workers) with its code intact
+    # crosses process boundaries (Ray workers) with its code intact
+    def __reduce__(self):
         return KeelError, (self.code, self.message, self.fix)
 
     def render(self) -> str:

@@ -113,7 +113,11 @@ TOKEN_BUDGET = register(
     "Set data.max_response_length (or data.max_prompt_length) so the two fit what the model reads (the fix "
     "line gives values that fit), or use a model with a longer context; rollout.max_model_len may be raised up "
     "to the model's positions, not past them.",
-    ("data.max_prompt_length", "data.max_response_length", "actor_rollout_ref.rollout.max_model_len"),
+    (
+        "data.max_prompt_length",
+        "data.max_response_length",
+        "actor_rollout_ref.rollout.max_model_len",
+    ),
 )
 HOOK_LOAD = register(
     "KEEL-C014",
@@ -231,7 +235,10 @@ AGENT_ENVIRONMENT = register(
     "actor_rollout_ref.rollout.agent.environment_args (load_environment's arguments; for OpenEnv base_url, and "
     "action_field / observation_field when its action or observation has several text fields); or unset it, "
     "`actor_rollout_ref.rollout.agent.environment=null`.",
-    keys=("actor_rollout_ref.rollout.agent.environment", "actor_rollout_ref.rollout.agent.environment_args"),
+    keys=(
+        "actor_rollout_ref.rollout.agent.environment",
+        "actor_rollout_ref.rollout.agent.environment_args",
+    ),
 )
 
 __all__ = [name for name in dir() if name.isupper()]

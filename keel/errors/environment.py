@@ -2,7 +2,8 @@
 
 from keel.errors.base import register
 
-# The oldest torch keel runs on: FSDP2's fully_shard (pyproject.toml requires the same; a test checks).
+# The oldest torch keel runs on: FSDP2's fully_shard (pyproject.toml requires the same; a test
+# checks).
 MIN_TORCH = "2.6"
 
 DEVICE_UNAVAILABLE = register(
@@ -22,7 +23,10 @@ MEMORY_ESTIMATE = register(
     "Set the smaller value the fix line gives (actor_rollout_ref.rollout.max_num_seqs or "
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, for the larger of their terms), or lower the "
     "sequence lengths, turn on model.enable_gradient_checkpointing, or use a smaller model.",
-    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.max_num_seqs"),
+    (
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        "actor_rollout_ref.rollout.max_num_seqs",
+    ),
 )
 TORCH_UNSUPPORTED = register(
     "KEEL-E004",

@@ -19,7 +19,12 @@ import yaml
 DATA_SUFFIXES = (".jsonl", ".parquet", ".json")
 # Directories a script of the repository fills (the README's first steps), and what it writes there:
 # a file of these missing there is made by running the script.
-MAKERS = {"examples/data": ("examples/quickstart/prepare.py", ("train.jsonl", "val.jsonl", "sft.jsonl", "model"))}
+MAKERS = {
+    "examples/data": (
+        "examples/quickstart/prepare.py",
+        ("train.jsonl", "val.jsonl", "sft.jsonl", "model"),
+    )
+}
 
 
 def value_text(value: Any) -> str:
@@ -98,9 +103,17 @@ def nearby_model(missing: str, marker: str = "config.json") -> str | None:
     else:
         folder = next((p for p in wanted.parents if p.is_dir()), Path("."))
         found = (
-            [p for p in folder.iterdir() if (p / marker).is_file() and _likeness(p.name, wanted.name) >= 0.8]
+            [
+                p
+                for p in folder.iterdir()
+                if (p / marker).is_file() and _likeness(p.name, wanted.name) >= 0.8
+            ]
             if folder == wanted.parent
-            else [p.parent for p in _files_below(folder, marker, depth=4) if p.parent.name == wanted.name]
+            else [
+                p.parent
+                for p in _files_below(folder, marker, depth=4)
+                if p.parent.name == wanted.name
+            ]
         )
     return shown(found[0], missing) if len(found) == 1 else None
 
@@ -115,7 +128,11 @@ def _files_below(folder: Path, name: str, depth: int, budget: int = 2000) -> lis
     for root, dirs, files in os.walk(folder):
         seen += len(dirs) + len(files)
         level = len(Path(root).relative_to(folder).parts)
-        dirs[:] = [] if level >= depth or seen > budget else sorted(d for d in dirs if not d.startswith("."))
+        dirs[:] = (
+            []
+            if level >= depth or seen > budget
+            else sorted(d for d in dirs if not d.startswith("."))
+        )
         found += [Path(root) / name] if name in files else []
     return found
 
@@ -124,7 +141,11 @@ def maker_of(missing: str) -> str | None:
     """The command that makes `missing`, when it is a file a script of this checkout writes."""
     wanted = Path(missing).absolute()
     for folder, (script, names) in MAKERS.items():
-        if Path(script).is_file() and wanted.parent == Path(folder).absolute() and wanted.name in names:
+        if (
+            Path(script).is_file()
+            and wanted.parent == Path(folder).absolute()
+            and wanted.name in names
+        ):
             return f"python {script}"
     return None
 

@@ -96,7 +96,11 @@ REWARD_SIGNATURE = register(
     "right answers wrong without an error.",
     "Name the parameters as verl does (leave out those you do not use, or take **kwargs), or give the "
     "named ones a default or a value in custom_reward_function.reward_kwargs.",
-    ("custom_reward_function.path", "custom_reward_function.name", "custom_reward_function.reward_kwargs"),
+    (
+        "custom_reward_function.path",
+        "custom_reward_function.name",
+        "custom_reward_function.reward_kwargs",
+    ),
 )
 
 __all__ = [name for name in dir() if name.isupper()]

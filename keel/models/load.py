@@ -12,7 +12,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from keel.errors import DEVICE_UNAVAILABLE, EOS_ADDED_ON_LOAD, MODEL_PATH, NO_EOS, WEIGHTS_BROKEN, KeelError
+from keel.errors import (
+    DEVICE_UNAVAILABLE,
+    EOS_ADDED_ON_LOAD,
+    MODEL_PATH,
+    NO_EOS,
+    WEIGHTS_BROKEN,
+    KeelError,
+)
 from keel.errors.fixes import maker_of, nearby_model, setting
 
 log = logging.getLogger("keel")
@@ -48,12 +55,16 @@ def check_model_dir(path: str | Path, key: str = "actor_rollout_ref.model.path")
 
 def _model_path_fix(missing: str, key: str) -> str:
     found, maker = nearby_model(missing), maker_of(missing)
-    options = [f"set {setting(key, found)} (the model directory there named like it)"] if found else []
+    options = (
+        [f"set {setting(key, found)} (the model directory there named like it)"] if found else []
+    )
     made = [f"run `{maker}`, which writes it"] if maker else []
-    # the script's own folder missing, running it is the fix; else the directory there is the one meant
+    # the script's own folder missing, running it is the fix; else the directory there is the one
+    # meant
     options = made + options if maker and not Path(missing).parent.is_dir() else options + made
     return (
-        ", or ".join(options) or f"set {key} to a local directory saved with save_pretrained (one holding config.json)"
+        ", or ".join(options)
+        or f"set {key} to a local directory saved with save_pretrained (one holding config.json)"
     )
 
 
@@ -62,7 +73,9 @@ def cached_model(repo_id: str, key: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    cache = os.environ.get("HF_HUB_CACHE") or (os.environ["HF_HOME"] + "/hub" if os.environ.get("HF_HOME") else None)
+    cache = os.environ.get("HF_HUB_CACHE") or (
+        os.environ["HF_HOME"] + "/hub" if os.environ.get("HF_HOME") else None
+    )
     try:
         snapshot = Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
     except (LocalEntryNotFoundError, OSError, ValueError):
@@ -78,7 +91,8 @@ def cached_model(repo_id: str, key: str) -> Path:
     return snapshot
 
 
-MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+# safetensors' own limit
+MAX_HEADER_BYTES = 100 << 20
 
 
 def weight_file_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
@@ -91,7 +105,9 @@ def weight_file_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
         try:
             listed = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise KeelError(WEIGHTS_BROKEN, f"{index} is not a safetensors index ({type(e).__name__})") from None
+            raise KeelError(
+                WEIGHTS_BROKEN, f"{index} is not a safetensors index ({type(e).__name__})"
+            ) from None
         absent = [name for name in listed if not (path / name).is_file()]
         if absent:
             raise KeelError(
@@ -110,7 +126,8 @@ def _header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
         length = int.from_bytes(handle.read(8), "little") if size >= 8 else -1
         if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
             raise KeelError(
-                WEIGHTS_BROKEN, f"{file} ({size} bytes) has no safetensors header: truncated or not a safetensors file"
+                WEIGHTS_BROKEN,
+                f"{file} ({size} bytes) has no safetensors header: truncated or not a safetensors file",
             )
         try:
             header = json.loads(handle.read(length))
@@ -118,7 +135,9 @@ def _header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
             end = max((entry["data_offsets"][1] for entry in tensors.values()), default=0)
             shapes = {name: tuple(entry["shape"]) for name, entry in tensors.items()}
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-            raise KeelError(WEIGHTS_BROKEN, f"{file} has a broken safetensors header ({type(e).__name__})") from None
+            raise KeelError(
+                WEIGHTS_BROKEN, f"{file} has a broken safetensors header ({type(e).__name__})"
+            ) from None
     if 8 + length + end > size:
         raise KeelError(
             WEIGHTS_BROKEN,
@@ -142,7 +161,9 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     path = check_model_dir(path)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.eos_token_id is None:
-        raise KeelError(NO_EOS, f"the tokenizer in {path} has no eos_token", _eos_fix(tokenizer, path))
+        raise KeelError(
+            NO_EOS, f"the tokenizer in {path} has no eos_token", _eos_fix(tokenizer, path)
+        )
     if not _in_tokenizer_files(path, tokenizer.eos_token):
         raise KeelError(
             EOS_ADDED_ON_LOAD,
@@ -152,7 +173,11 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
             _eos_fix(tokenizer, path),
         )
     if tokenizer.pad_token_id is None:
-        log.warning("tokenizer in %s has no pad token; using its EOS token %r as pad", path, tokenizer.eos_token)
+        log.warning(
+            "tokenizer in %s has no pad token; using its EOS token %r as pad",
+            path,
+            tokenizer.eos_token,
+        )
         tokenizer.pad_token = tokenizer.eos_token
     # Generation appends on the right, so prompts are padded on the left.
     tokenizer.padding_side = "left"
@@ -168,9 +193,11 @@ def _in_tokenizer_files(path: Path, token: str) -> bool:
     try:
         saved = json.loads(file.read_text())
         vocab = saved["model"].get("vocab") or {}
-        tokens = set(vocab) if isinstance(vocab, dict) else {entry[0] for entry in vocab}  # BPE, or Unigram's list
+        # BPE, or Unigram's list
+        tokens = set(vocab) if isinstance(vocab, dict) else {entry[0] for entry in vocab}
         return token in tokens | {added["content"] for added in saved.get("added_tokens", [])}
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError):  # a format not known here: no verdict
+    # a format not known here: no verdict
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         return True
 
 
@@ -181,7 +208,11 @@ def _eos_fix(tokenizer, path: Path) -> str | None:
     """The token config.json's eos_token_id names, else the one end-of-text token the vocabulary has."""
     config = json.loads((path / "config.json").read_text())
     ids = config.get("eos_token_id")
-    ids = [i for i in (ids if isinstance(ids, list) else [ids]) if isinstance(i, int) and i < len(tokenizer)]
+    ids = [
+        i
+        for i in (ids if isinstance(ids, list) else [ids])
+        if isinstance(i, int) and i < len(tokenizer)
+    ]
     vocab = tokenizer.get_vocab()
     known = [t for t in END_TOKENS if t in vocab]
     token, why = (
@@ -251,8 +282,11 @@ def load_causal_lm(
     if (path / RANDOM_WEIGHTS).is_file():
         model = _random_causal_lm(path, device, dtype)
     else:
-        weight_file_shapes(path)  # a truncated file is a coded error, not a SafetensorError
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        # a truncated file is a coded error, not a SafetensorError
+        weight_file_shapes(path)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code
+        )
     if gradient_checkpointing:
         # Non-reentrant: with a frozen embedding (LoRA) the reentrant kind sees inputs that need no
         # gradient and silently drops every adapter's gradient inside the checkpointed layers.
@@ -284,7 +318,10 @@ class CriticModel(nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids):  # [B, L] -> [B, L]
         hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
         ).last_hidden_state
         # A copy, not a view: FSDP2 hooks the root's backward onto its output, and drops that hook
         # for a view of a tensor made inside the module (it warns so).
@@ -292,7 +329,10 @@ class CriticModel(nn.Module):
 
 
 def load_critic(
-    path: str | Path, device: torch.device, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32
+    path: str | Path,
+    device: torch.device,
+    trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> CriticModel:
     """The critic; its value head is float32 whatever `dtype` the backbone is loaded in (a LoRA
     critic's frozen backbone is in the compute dtype)."""

@@ -25,11 +25,16 @@ ALL_LINEAR = "all-linear"
 class LoraPlan:
     """What LoRA will cover on a model, decided before it is applied (and printed by keel check)."""
 
-    targets: tuple[str, ...]  # leaf names of the linear layers that get adapters (q_proj, ...)
-    layer_linears: tuple[str, ...]  # the leaf names every decoder layer has
-    trainable: int  # parameters that will train (adapters and modules_to_save)
-    total: int  # parameters of the model with adapters
-    frozen_other: tuple[str, ...] = ()  # a mixture's layer modules that get no adapters (experts, router, MLPs)
+    # leaf names of the linear layers that get adapters (q_proj, ...)
+    targets: tuple[str, ...]
+    # the leaf names every decoder layer has
+    layer_linears: tuple[str, ...]
+    # parameters that will train (adapters and modules_to_save)
+    trainable: int
+    # parameters of the model with adapters
+    total: int
+    # a mixture's layer modules that get no adapters (experts, router, MLPs)
+    frozen_other: tuple[str, ...] = ()
 
     def summary(self) -> str:
         share = self.trainable / max(self.total, 1)
@@ -83,7 +88,12 @@ def _refuse_expert_names(target_modules: list[str], key: str, linears: dict) -> 
 
 
 def _refuse_names_outside(
-    outside: list[str], target_modules: list[str], linears: dict, others: set[str], model: nn.Module, key: str
+    outside: list[str],
+    target_modules: list[str],
+    linears: dict,
+    others: set[str],
+    model: nn.Module,
+    key: str,
 ) -> None:
     """target_modules names that are no decoder layer's linear layer: a tied embedding, a mixture's
     experts or router, or nothing this model has."""
@@ -125,13 +135,21 @@ def plan_lora(
     """The plan, or a KeelError (trap 7) saying what the model has."""
     linears = decoder_linears(model)
     others = other_layer_weights(model)
-    if "experts" in others:  # a mixture: its dense MLPs' names are the experts' names to peft
+    # a mixture: its dense MLPs' names are the experts' names to peft
+    if "experts" in others:
         _refuse_expert_names(target_modules, key, linears)
         others |= MLP_NAMES & set(linears)
         linears = {leaf: names for leaf, names in linears.items() if leaf not in MLP_NAMES}
     wanted = set(linears) if target_modules == [ALL_LINEAR] else set(target_modules)
-    excluded = {leaf for leaf in linears for pattern in exclude_modules if fnmatch.fnmatchcase(leaf, pattern)}
-    _refuse_names_outside(sorted(wanted - set(linears)), target_modules, linears, others, model, key)
+    excluded = {
+        leaf
+        for leaf in linears
+        for pattern in exclude_modules
+        if fnmatch.fnmatchcase(leaf, pattern)
+    }
+    _refuse_names_outside(
+        sorted(wanted - set(linears)), target_modules, linears, others, model, key
+    )
     targets = sorted(wanted - excluded)
     if not targets:
         raise KeelError(
@@ -157,10 +175,15 @@ def plan_lora(
     saved = sum(
         p.numel()
         for name, p in model.named_parameters()
-        if any(fnmatch.fnmatchcase(name.rsplit(".", 1)[0].rsplit(".", 1)[-1], pattern) for pattern in modules_to_save)
+        if any(
+            fnmatch.fnmatchcase(name.rsplit(".", 1)[0].rsplit(".", 1)[-1], pattern)
+            for pattern in modules_to_save
+        )
     )
     total = sum(p.numel() for p in model.parameters()) + per_target
-    return LoraPlan(tuple(targets), tuple(sorted(linears)), per_target + saved, total, tuple(sorted(others)))
+    return LoraPlan(
+        tuple(targets), tuple(sorted(linears)), per_target + saved, total, tuple(sorted(others))
+    )
 
 
 def apply_lora(
@@ -189,7 +212,8 @@ def apply_lora(
         peft_model = get_peft_model(model, config)
     for param in peft_model.parameters():
         if not param.requires_grad and param.dtype.is_floating_point:
-            param.data = param.data.to(compute_dtype)  # frozen: never float32, no optimiser state
+            # frozen: never float32, no optimiser state
+            param.data = param.data.to(compute_dtype)
         elif param.requires_grad:
             param.data = param.data.float()
     require_only_adapters_train(peft_model, modules_to_save)
@@ -223,7 +247,11 @@ def frozen_base(peft_model):
     """(Hugging Face name, parameter) of the frozen base: what the rollout engine can share rather
     than copy. modules_to_save's originals are left out, so the engine holds their trained copies."""
     for name, param in peft_model.named_parameters():
-        if not param.requires_grad and ".original_module." not in name and ".modules_to_save." not in name:
+        if (
+            not param.requires_grad
+            and ".original_module." not in name
+            and ".modules_to_save." not in name
+        ):
             yield hf_name(name), param
 
 
@@ -244,7 +272,10 @@ def trained_in_full(peft_model):
     """(Hugging Face name, tensor) of modules_to_save's trained copies: the engine loads them whole."""
     for name, param in peft_model.named_parameters():
         if ".modules_to_save." in name:
-            yield name.removeprefix("base_model.model.").replace(".modules_to_save.default", ""), _whole(param)
+            yield (
+                name.removeprefix("base_model.model.").replace(".modules_to_save.default", ""),
+                _whole(param),
+            )
 
 
 def _whole(param) -> torch.Tensor:

@@ -40,7 +40,8 @@ def build_tokenizer(with_pad: bool = True):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # 256 printable stand-ins for the bytes
+    # 256 printable stand-ins for the bytes
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + alphabet)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -119,8 +120,8 @@ def build_model_config(
 def _family_settings(arch: str, hidden_size: int, num_heads: int, num_layers: int) -> dict:
     """What a family's config needs beside the common sizes, scaled down with them."""
     return {
-        # Qwen3-MoE: 8 experts of which 2 route each token, the last layer dense (mlp_only_layers), as
-        # the released checkpoints' shapes scaled down.
+        # Qwen3-MoE: 8 experts of which 2 route each token, the last layer dense (mlp_only_layers),
+        # as the released checkpoints' shapes scaled down.
         "qwen3_moe": dict(
             num_experts=8,
             num_experts_per_tok=2,
@@ -131,7 +132,10 @@ def _family_settings(arch: str, hidden_size: int, num_heads: int, num_layers: in
         "qwen3": dict(head_dim=hidden_size // num_heads),
         "smollm3": dict(no_rope_layers=[int((i + 1) % 4 != 0) for i in range(num_layers)]),
         "gpt_oss": dict(
-            head_dim=hidden_size // num_heads, num_local_experts=4, num_experts_per_tok=2, sliding_window=16
+            head_dim=hidden_size // num_heads,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=16,
         ),
         # sliding-window and global layers in turn; a window shorter than the tests' prompts
         "gemma3_text": dict(
@@ -165,7 +169,11 @@ def make_tiny_reward_model(out_dir: str | Path, seed: int = 0, **config_override
 
 
 def make_tiny_model(
-    out_dir: str | Path, arch: str = "qwen2", seed: int = 0, with_pad: bool = True, **config_overrides
+    out_dir: str | Path,
+    arch: str = "qwen2",
+    seed: int = 0,
+    with_pad: bool = True,
+    **config_overrides,
 ) -> Path:
     """Write a random-weight model and keel's tokenizer to `out_dir`; returns the path."""
     import torch

@@ -24,7 +24,11 @@ def special_token_mismatches(
         )
 
     def ids(value) -> set[int]:
-        return set(value) if isinstance(value, (list, tuple)) else ({value} if value is not None else set())
+        return (
+            set(value)
+            if isinstance(value, (list, tuple))
+            else ({value} if value is not None else set())
+        )
 
     def named(token_id) -> str:
         return (
@@ -47,7 +51,10 @@ def special_token_mismatches(
             )
         )
     for name in ("pad", "bos") if compare_pad else ("bos",):
-        model_id, tokenizer_id = getattr(model_cfg, f"{name}_token_id", None), getattr(tokenizer, f"{name}_token_id")
+        model_id, tokenizer_id = (
+            getattr(model_cfg, f"{name}_token_id", None),
+            getattr(tokenizer, f"{name}_token_id"),
+        )
         if model_id is not None and tokenizer_id is not None and model_id != tokenizer_id:
             found.append(
                 (
@@ -74,7 +81,10 @@ def context_limit(model_cfg, tokenizer) -> tuple[int | None, str]:
         limits.append((positions, f"max_position_embeddings={positions} in config.json"))
     if tokenizer.model_max_length < _UNSET_MAX_LENGTH:
         limits.append(
-            (tokenizer.model_max_length, f"model_max_length={tokenizer.model_max_length} in its tokenizer_config.json")
+            (
+                tokenizer.model_max_length,
+                f"model_max_length={tokenizer.model_max_length} in its tokenizer_config.json",
+            )
         )
     if not limits:
         return None, "no limit in config.json or the tokenizer"
@@ -86,8 +96,14 @@ def context_limit(model_cfg, tokenizer) -> tuple[int | None, str]:
 
 def agree_fix(mismatches: list[tuple[str, str]]) -> str:
     """One fix for several special tokens that differ: every file change at once."""
-    changes = [fix.split(", or ")[0].removeprefix("set ") for _, fix in mismatches if fix.startswith("set ")]
-    return (f"set {' and '.join(changes)}, or " if changes else "") + "use the tokenizer saved with this model"
+    changes = [
+        fix.split(", or ")[0].removeprefix("set ")
+        for _, fix in mismatches
+        if fix.startswith("set ")
+    ]
+    return (
+        f"set {' and '.join(changes)}, or " if changes else ""
+    ) + "use the tokenizer saved with this model"
 
 
 def vocab_fix(path: str | Path, size: int, key: str = "actor_rollout_ref.model.path") -> str:

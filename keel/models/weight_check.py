@@ -14,7 +14,9 @@ from keel.errors import WEIGHTS_BROKEN, KeelError
 from keel.models.load import weight_file_shapes
 
 
-def check_weights_match(path: str | Path, model_cfg, model: nn.Module | None) -> tuple[str, str | None]:
+def check_weights_match(
+    path: str | Path, model_cfg, model: nn.Module | None
+) -> tuple[str, str | None]:
     """The weight files against `model`, the config's architecture on the meta device (None when it
     would not build there): a tensor of another shape is an error. Returns a summary, and a warning
     when tensors the architecture has are not in the files under their names (transformers renames
@@ -23,11 +25,19 @@ def check_weights_match(path: str | Path, model_cfg, model: nn.Module | None) ->
     if not found:
         return "no safetensors files to check (weights in another format)", None
     if model is None:
-        return f"{len(found)} tensors; shapes not compared (the architecture does not build on the meta device)", None
+        return (
+            f"{len(found)} tensors; shapes not compared (the architecture does not build on the meta device)",
+            None,
+        )
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    if getattr(model_cfg, "tie_word_embeddings", False):  # saved once, as the embedding
+    # saved once, as the embedding
+    if getattr(model_cfg, "tie_word_embeddings", False):
         expected.pop("lm_head.weight", None)
-    pairs = [(name, found[name], shape) for name, shape in expected.items() if name in found and found[name] != shape]
+    pairs = [
+        (name, found[name], shape)
+        for name, shape in expected.items()
+        if name in found and found[name] != shape
+    ]
     wrong = [f"{name} {list(have)} (the config says {list(shape)})" for name, have, shape in pairs]
     if wrong:
         raise KeelError(
@@ -36,7 +46,9 @@ def check_weights_match(path: str | Path, model_cfg, model: nn.Module | None) ->
             + (f" and {len(wrong) - 1} more" if len(wrong) > 1 else ""),
             _config_size_fix(Path(path), [(have, shape) for _, have, shape in pairs]),
         )
-    missing = [name for name in expected if name not in found and not _built_on_load(name, found, model)]
+    missing = [
+        name for name in expected if name not in found and not _built_on_load(name, found, model)
+    ]
     warning = (
         f"{len(missing)} of the {len(expected)} tensors the config's architecture has are not in {path}'s "
         f"weight files under their names (first: {missing[0]}): unless transformers maps them on load, they "
@@ -54,8 +66,11 @@ def _built_on_load(name: str, found: dict, model: nn.Module) -> bool:
     try:
         from transformers.conversion_mapping import WeightConverter, get_model_conversion_mapping
 
-        converters = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightConverter)]
-    except ImportError:  # transformers 4: no conversions, every tensor is saved as the model holds it
+        converters = [
+            c for c in get_model_conversion_mapping(model) if isinstance(c, WeightConverter)
+        ]
+    # transformers 4: no conversions, every tensor is saved as the model holds it
+    except ImportError:
         return False
     for converter in converters:
         for target in converter.target_patterns:
@@ -63,7 +78,8 @@ def _built_on_load(name: str, found: dict, model: nn.Module) -> bool:
                 continue
             prefix = name[: -len(target)]
             sources = [
-                re.compile(re.escape(prefix + source).replace(r"\*", r"\d+")) for source in converter.source_patterns
+                re.compile(re.escape(prefix + source).replace(r"\*", r"\d+"))
+                for source in converter.source_patterns
             ]
             if all(any(pattern.fullmatch(key) for key in found) for pattern in sources):
                 return True

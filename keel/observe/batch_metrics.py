@@ -31,7 +31,8 @@ def _masked_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict
 def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
     mask = batch.response_mask
     lengths = batch.response_lengths.float()
-    finals = batch.final_segments.unique()  # a sample trained as segments is one score
+    # a sample trained as segments is one score
+    finals = batch.final_segments.unique()
     metrics = {
         **_stats("critic/score", batch.scores[finals]),
         **_stats("critic/rewards", batch.token_level_rewards.sum(-1)),
@@ -44,11 +45,15 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
     }
     if batch.values is not None:
         metrics.update(_masked_stats("critic/values", batch.values, mask))
-    # (rollout/log_prob_gap and actor/ref_kl are the trainer's, measured where the old log-probs are.)
+    # (rollout/log_prob_gap and actor/ref_kl are the trainer's, measured where the old log-probs
+    # are.)
     return metrics
 
 
 def throughput_metrics(batch: RolloutBatch, step_seconds: float, workers: int) -> dict[str, float]:
     """Prompt and response tokens per second per worker over the whole step (verl's perf/throughput)."""
     tokens = batch.attention_mask.sum().item()
-    return {"perf/total_num_tokens": float(tokens), "perf/throughput": tokens / max(step_seconds, 1e-9) / workers}
+    return {
+        "perf/total_num_tokens": float(tokens),
+        "perf/throughput": tokens / max(step_seconds, 1e-9) / workers,
+    }

@@ -40,7 +40,9 @@ def check_finite(stage: str, values: torch.Tensor, mask: torch.Tensor | None, po
 def frac_reward_zero_std(scores: torch.Tensor, group_index: torch.Tensor) -> float:
     """Share of prompts whose samples all scored the same: group-relative estimators learn nothing there."""
     groups = group_index.unique()
-    flat = sum(bool((scores[group_index == g].max() - scores[group_index == g].min()) == 0) for g in groups)
+    flat = sum(
+        bool((scores[group_index == g].max() - scores[group_index == g].min()) == 0) for g in groups
+    )
     return flat / len(groups)
 
 
@@ -61,7 +63,8 @@ class LearningSignalGuard:
     def __init__(self, guards_cfg, group_based: bool, fixed_length: bool = False):
         self.cfg = guards_cfg
         self.group_based = group_based
-        self.fixed_length = fixed_length  # rollout.ignore_eos: every response is cut off by design
+        # rollout.ignore_eos: every response is cut off by design
+        self.fixed_length = fixed_length
         self.flat_steps = 0
         self.saw_all_zero = False
 
@@ -90,7 +93,10 @@ class LearningSignalGuard:
                 f"{'in each group ' if self.group_based else ''}is the same "
                 f"(score {metrics.get('critic/score/mean', 0):.3g}); check the scorer on samples.jsonl",
             )
-        if not self.fixed_length and metrics.get("response_length/clip_ratio", 0.0) > c.max_clip_ratio:
+        if (
+            not self.fixed_length
+            and metrics.get("response_length/clip_ratio", 0.0) > c.max_clip_ratio
+        ):
             warn(
                 "responses_cut_off",
                 f"{100 * metrics['response_length/clip_ratio']:.0f}% of responses hit "
@@ -127,18 +133,23 @@ class LearningSignalGuard:
 
     def _first_all_zero(self, metrics: dict[str, float]) -> bool:
         """The first batch whose every score is 0 while responses are not empty (said once a run)."""
-        all_zero = metrics.get("critic/score/max", 1.0) == 0.0 == metrics.get("critic/score/min", 1.0)
+        all_zero = (
+            metrics.get("critic/score/max", 1.0) == 0.0 == metrics.get("critic/score/min", 1.0)
+        )
         if self.saw_all_zero or not all_zero or metrics.get("response_length/mean", 0.0) <= 1.0:
             return False
         self.saw_all_zero = True
         return True
 
 
-def report_warnings(step: int, warnings: list[str], warned_steps: dict[str, int]) -> dict[str, float]:
+def report_warnings(
+    step: int, warnings: list[str], warned_steps: dict[str, int]
+) -> dict[str, float]:
     """Log a step's warnings (a repeat is printed once, keel.observe.log.warnings_said_once) and
     count them by kind in `warned_steps` -> the step's metrics of them."""
     for warning in warnings:
-        kind = getattr(warning, "kind", None)  # a GuardWarning's; a user hook's are told apart by their words
+        # a GuardWarning's; a user hook's are told apart by their words
+        kind = getattr(warning, "kind", None)
         warned_steps[kind or "hook"] = warned_steps.get(kind or "hook", 0) + 1
         log.warning("step %d: %s", step, warning, extra={"kind": kind})
     return {
@@ -186,7 +197,8 @@ def phase_deadline(phase: str, seconds: float | None):
             flush=True,
         )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        os._exit(3)  # the main thread may be stuck in C code: a normal exit would wait forever
+        # the main thread may be stuck in C code: a normal exit would wait forever
+        os._exit(3)
 
     timer = threading.Timer(seconds, expire)
     timer.daemon = True

@@ -6,7 +6,8 @@ import sys
 import threading
 from contextlib import contextmanager
 
-NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")  # what differs between repeats of a warning
+# what differs between repeats of a warning
+NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
 def ensure_console_logging() -> None:
@@ -31,7 +32,8 @@ class SaidOnce(logging.Filter):
         super().__init__()
         self.counts: dict[str, int] = {}
         self.first: dict[str, str] = {}
-        self._lock = threading.Lock()  # scorer and tool threads warn too
+        # scorer and tool threads warn too
+        self._lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:
@@ -49,7 +51,9 @@ class SaidOnce(logging.Filter):
     def summary(self) -> list[str]:
         """A line per warning that repeated."""
         return [
-            f"this warning came {n} times, printed once: {self.first[key]}" for key, n in self.counts.items() if n > 1
+            f"this warning came {n} times, printed once: {self.first[key]}"
+            for key, n in self.counts.items()
+            if n > 1
         ]
 
 

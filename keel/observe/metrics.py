@@ -47,8 +47,12 @@ class Timer:
         if self.on_phase is not None and phase != "step":
             self.on_phase(phase)
         start = time.perf_counter()
-        try:  # record_function: the phase is a named range in profiles (`keel bench --profile`)
-            with phase_deadline(phase, self.deadline_s if phase != "step" else None), record_function(phase):
+        # record_function: the phase is a named range in profiles (`keel bench --profile`)
+        try:
+            with (
+                phase_deadline(phase, self.deadline_s if phase != "step" else None),
+                record_function(phase),
+            ):
                 yield
         finally:
             self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
@@ -59,7 +63,8 @@ class Timer:
 
 def _jsonable(value):
     if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # JSON has no NaN; keep it visible rather than dropping the line
+        # JSON has no NaN; keep it visible rather than dropping the line
+        return str(value)
     return value
 
 
@@ -78,7 +83,8 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
     for line in path.read_text().splitlines():
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:  # a line half-written when the process was killed
+        # a line half-written when the process was killed
+        except json.JSONDecodeError:
             continue
         if record.get("step", 0) <= last_step:
             kept.append(line)
@@ -95,7 +101,8 @@ def last_logged_metrics(path: Path, step: int) -> dict[str, float]:
         for line in path.read_text().splitlines():
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:  # a line half-written when a process was killed
+            # a line half-written when a process was killed
+            except json.JSONDecodeError:
                 continue
             if record.get("step") == step:
                 metrics.update({k: v for k, v in record.items() if k != "step"})
@@ -104,7 +111,13 @@ def last_logged_metrics(path: Path, step: int) -> dict[str, float]:
 
 class MetricsLogger:
     def __init__(
-        self, run_dir: Path, console: bool, total_steps: int, start_step: int, desc: str = "keel train", trackers=None
+        self,
+        run_dir: Path,
+        console: bool,
+        total_steps: int,
+        start_step: int,
+        desc: str = "keel train",
+        trackers=None,
     ):
         """`trackers`: keel.observe.sinks.Trackers, written after metrics.jsonl."""
         self.metrics_path = run_dir / "metrics.jsonl"
@@ -127,11 +140,15 @@ class MetricsLogger:
             )
         self._ticking, self._ticker = threading.Event(), None
         self._log_above_bar = contextlib.ExitStack()
-        if self.bar is not None and not self.bar.disable:  # a terminal: the bar's clock runs within a step too
+        # a terminal: the bar's clock runs within a step too
+        if self.bar is not None and not self.bar.disable:
             from tqdm.contrib.logging import logging_redirect_tqdm
 
-            keel_log = logging.getLogger("keel")  # its own handler (keel.train), or the root's (the CLI)
-            self._log_above_bar.enter_context(logging_redirect_tqdm([keel_log if keel_log.handlers else logging.root]))
+            # its own handler (keel.train), or the root's (the CLI)
+            keel_log = logging.getLogger("keel")
+            self._log_above_bar.enter_context(
+                logging_redirect_tqdm([keel_log if keel_log.handlers else logging.root])
+            )
             self._ticker = threading.Thread(target=self._tick, name="keel-progress", daemon=True)
             self._ticker.start()
 
@@ -145,14 +162,23 @@ class MetricsLogger:
             self.bar.set_postfix_str(name)
 
     @classmethod
-    def for_run(cls, cfg, run_dir: Path, total_steps: int, start_step: int, desc: str = "keel train") -> MetricsLogger:
+    def for_run(
+        cls, cfg, run_dir: Path, total_steps: int, start_step: int, desc: str = "keel train"
+    ) -> MetricsLogger:
         """The logger a run's `trainer` section asks for: console, and the trackers it names."""
         from keel.config.load import to_dict
         from keel.observe.sinks import Trackers
 
         t = cfg.trainer
         trackers = Trackers(t.logger, t.project_name, t.experiment_name, to_dict(cfg), run_dir)
-        return cls(run_dir, "console" in t.logger, total_steps, start_step, desc, trackers if trackers.sinks else None)
+        return cls(
+            run_dir,
+            "console" in t.logger,
+            total_steps,
+            start_step,
+            desc,
+            trackers if trackers.sinks else None,
+        )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.trackers is not None:
@@ -181,7 +207,8 @@ class MetricsLogger:
     def close(self) -> None:
         self._ticking.set()
         if self._ticker is not None:
-            self._ticker.join()  # no refresh after the bar's last draw
+            # no refresh after the bar's last draw
+            self._ticker.join()
         self._log_above_bar.close()
         if self.bar is not None:
             self.bar.close()
@@ -192,7 +219,11 @@ class MetricsLogger:
 def summary_line(step: int, metrics: dict[str, float]) -> str:
     parts = [f"step {step}"]
     parts += [
-        f"{k.split('/', 1)[-1] if k.startswith('actor/') else k}={metrics[k]:.4g}" for k in SUMMARY_KEYS if k in metrics
+        f"{k.split('/', 1)[-1] if k.startswith('actor/') else k}={metrics[k]:.4g}"
+        for k in SUMMARY_KEYS
+        if k in metrics
     ]
-    parts += [f"{k}={v:.3f}" for k, v in metrics.items() if k.startswith("val/") and k.endswith("/acc")]
+    parts += [
+        f"{k}={v:.3f}" for k, v in metrics.items() if k.startswith("val/") and k.endswith("/acc")
+    ]
     return " | ".join(parts)

@@ -29,7 +29,9 @@ class RankProfile:
         busy = phase_busy(events) if gpu else {}
         if path:
             sort = "cuda_time_total" if gpu else "cpu_time_total"
-            table = self.profiler.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90)
+            table = self.profiler.key_averages().table(
+                sort_by=sort, row_limit=60, max_name_column_width=90
+            )
             gaps = "".join(f"{json.dumps(gap)}\n" for gap in idle_gaps(events)) if gpu else ""
             Path(path).write_text(
                 f"GPU busy per phase: {json.dumps(busy)}\n\n"
@@ -39,10 +41,13 @@ class RankProfile:
         return {"busy": busy, "gpu_s": gpu_s}
 
 
-WORKER_PHASES = ("worker/generate", "worker/compute_log_probs", "worker/update_actor")  # named on every rank
+# named on every rank
+WORKER_PHASES = ("worker/generate", "worker/compute_log_probs", "worker/update_actor")
 
 
-def idle_gaps(events, phases: tuple[str, ...] = WORKER_PHASES, top: int = 12, min_length: float = 100.0) -> list[dict]:
+def idle_gaps(
+    events, phases: tuple[str, ...] = WORKER_PHASES, top: int = 12, min_length: float = 100.0
+) -> list[dict]:
     """The longest stretches of `phases` (at least `min_length`, in the profiler's microseconds) in
     which the GPU ran nothing: where it waited on the host. Each says its phase, when it began (ms
     into the phase), its length (ms), the device's last activity before and first after it, and
@@ -54,7 +59,11 @@ def idle_gaps(events, phases: tuple[str, ...] = WORKER_PHASES, top: int = 12, mi
         if e.device_type == DeviceType.CUDA and not e.is_user_annotation
     )
     gaps = []
-    for phase in (e for e in events if e.device_type == DeviceType.CPU and e.is_user_annotation and e.name in phases):
+    for phase in (
+        e
+        for e in events
+        if e.device_type == DeviceType.CPU and e.is_user_annotation and e.name in phases
+    ):
         start, end = phase.time_range.start, phase.time_range.end
         reach, before = start, "(phase start)"
         for lo, hi, name in activity + [(end, end, "(phase end)")]:
@@ -85,14 +94,18 @@ def idle_gaps(events, phases: tuple[str, ...] = WORKER_PHASES, top: int = 12, mi
             "before": following,
             "host": _innermost(host_ops, thread, at + length / 2),
         }
-        for length, phase, start, at, after, following, thread in sorted(gaps, key=lambda gap: -gap[0])[:top]
+        for length, phase, start, at, after, following, thread in sorted(
+            gaps, key=lambda gap: -gap[0]
+        )[:top]
     ]
 
 
 def _innermost(ops, thread: int, moment: float) -> str:
     """The innermost operator the phase's thread was running at `moment` (autograd's own thread
     runs backward beside it)."""
-    around = [e for e in ops if e.thread == thread and e.time_range.start <= moment < e.time_range.end]
+    around = [
+        e for e in ops if e.thread == thread and e.time_range.start <= moment < e.time_range.end
+    ]
     innermost = max(around, key=lambda e: (e.time_range.start, -e.time_range.end), default=None)
     return innermost.name if innermost else "python"
 
@@ -111,7 +124,8 @@ def phase_gpu_seconds(events) -> dict[str, float]:
     the host, not the GPU's work, so these over a phase's unprofiled wall time say how busy the GPU
     is in a run as it normally goes."""
     covered, _ = _phase_times(events)
-    return {name: seconds / 1e6 for name, seconds in covered.items()}  # the profiler counts microseconds
+    # the profiler counts microseconds
+    return {name: seconds / 1e6 for name, seconds in covered.items()}
 
 
 def _phase_times(events) -> tuple[dict[str, float], dict[str, float]]:

@@ -39,7 +39,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
     for line in path.read_text().splitlines():
         try:
             records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut short by a killed run: show the rest
+        # a line cut short by a killed run: show the rest
+        except json.JSONDecodeError:
             continue
     if not records:
         raise KeelError(NO_METRICS, f"{path} has no metrics yet")
@@ -49,7 +50,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def _run_dir_below(path: Path) -> str | None:
     """The fix for a directory that is not a run's: the one run directory below it (checkpoints/ or a
     project's folder), as a command; None (the catalogue's fix) when there are none or several."""
-    found = sorted(p.parent for p in path.glob("**/metrics.jsonl") if len(p.relative_to(path).parts) <= 4)
+    found = sorted(
+        p.parent for p in path.glob("**/metrics.jsonl") if len(p.relative_to(path).parts) <= 4
+    )
     if len(found) != 1:
         return None
     return f"run `keel report {found[0]}` (the run directory below {path})"
@@ -60,14 +63,20 @@ def series(records: list[dict], pattern: str) -> dict[str, tuple[list[int], list
     found: dict[str, tuple[list[int], list[float]]] = {}
     for record in records:
         for name, value in record.items():
-            if fnmatch.fnmatchcase(name, pattern) and isinstance(value, (int, float)) and math.isfinite(value):
+            if (
+                fnmatch.fnmatchcase(name, pattern)
+                and isinstance(value, (int, float))
+                and math.isfinite(value)
+            ):
                 steps, values = found.setdefault(name, ([], []))
                 steps.append(record["step"])
                 values.append(value)
     return found
 
 
-def panel_lines(records: list[dict]) -> list[tuple[str, list[tuple[str, list[int], list[float], str]]]]:
+def panel_lines(
+    records: list[dict],
+) -> list[tuple[str, list[tuple[str, list[int], list[float], str]]]]:
     """[(panel title, [(legend label, steps, values, line style)])], the panels the run has metrics for.
     A curve equal to one drawn before it in its panel (critic/rewards/mean is critic/score/mean
     without a KL penalty) would hide under it: it is dashed, and its label says which it equals."""
@@ -79,7 +88,9 @@ def panel_lines(records: list[dict]) -> list[tuple[str, list[tuple[str, list[int
             for label, (steps, values) in series(records, key).items():
                 same = drawn.setdefault((tuple(steps), tuple(f"{v:.6g}" for v in values)), label)
                 lines.append(
-                    (label, steps, values, "-") if same == label else (f"{label} (= {same})", steps, values, "--")
+                    (label, steps, values, "-")
+                    if same == label
+                    else (f"{label} (= {same})", steps, values, "--")
                 )
         if lines:
             panels.append((title, lines))
@@ -89,7 +100,8 @@ def panel_lines(records: list[dict]) -> list[tuple[str, list[tuple[str, list[int
 def plot(records: list[dict], title: str, out_png: Path) -> list[str]:
     import matplotlib
 
-    matplotlib.use("Agg")  # no display on servers
+    # no display on servers
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = panel_lines(records)
@@ -98,7 +110,14 @@ def plot(records: list[dict], title: str, out_png: Path) -> list[str]:
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.3 * rows), squeeze=False)
     for ax, (name, lines) in zip(axes.flat, panels):
         for label, steps, values, style in lines:
-            ax.plot(steps, values, style, marker="o" if len(steps) < 30 else None, markersize=3, label=label)
+            ax.plot(
+                steps,
+                values,
+                style,
+                marker="o" if len(steps) < 30 else None,
+                markersize=3,
+                label=label,
+            )
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -134,7 +153,9 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path]:
     image = base64.b64encode(png.read_bytes()).decode()
     last = records[-1]
     rows = "".join(
-        f"<tr><td>{html.escape(k)}</td><td>{v:.5g}</td></tr>" for k, v in last.items() if isinstance(v, (int, float))
+        f"<tr><td>{html.escape(k)}</td><td>{v:.5g}</td></tr>"
+        for k, v in last.items()
+        if isinstance(v, (int, float))
     )
     page.write_text(
         f"<!doctype html><html><head><meta charset='utf-8'><title>keel report: {html.escape(name)}</title>"
@@ -162,9 +183,12 @@ def samples_html(run_dir: Path, per_step: int = 3, steps: int = 3) -> str:
     for step in sorted(by_step)[-steps:]:
         parts.append(f"<h3>step {step}</h3>")
         for sample in by_step[step][:per_step]:
-            turns = sample.get("conversation") or [{"role": "assistant", "content": sample.get("response", "")}]
+            turns = sample.get("conversation") or [
+                {"role": "assistant", "content": sample.get("response", "")}
+            ]
             body = "".join(
-                f"<p><b>{html.escape(t['role'])}</b>: <code>{html.escape(str(t['content']))}</code></p>" for t in turns
+                f"<p><b>{html.escape(t['role'])}</b>: <code>{html.escape(str(t['content']))}</code></p>"
+                for t in turns
             )
             parts.append(
                 f"<div style='border-left:3px solid #ccc;padding-left:1em;margin:1em 0'>"

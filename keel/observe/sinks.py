@@ -28,9 +28,14 @@ class WandbSink:
     def __init__(self, project: str, name: str, config: dict, run_dir: Path):
         import wandb
 
-        offline = not (os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") or _wandb_logged_in())
+        offline = not (
+            os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") or _wandb_logged_in()
+        )
         if offline:
-            log.info("wandb: no WANDB_API_KEY, so offline; `wandb sync %s/wandb/offline-run-*` uploads it", run_dir)
+            log.info(
+                "wandb: no WANDB_API_KEY, so offline; `wandb sync %s/wandb/offline-run-*` uploads it",
+                run_dir,
+            )
         self.run = wandb.init(
             project=project,
             name=name,
@@ -48,7 +53,11 @@ class WandbSink:
 
         columns = sorted({key for row in rows for key in row})
         self.run.log(
-            {name: wandb.Table(columns=columns, data=[[str(row.get(c, "")) for c in columns] for row in rows])},
+            {
+                name: wandb.Table(
+                    columns=columns, data=[[str(row.get(c, "")) for c in columns] for row in rows]
+                )
+            },
             step=step,
         )
 
@@ -62,7 +71,9 @@ class TensorBoardSink:
     def __init__(self, project: str, name: str, config: dict, run_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(os.environ.get("TENSORBOARD_DIR") or str(run_dir / "tensorboard"))
+        self.writer = SummaryWriter(
+            os.environ.get("TENSORBOARD_DIR") or str(run_dir / "tensorboard")
+        )
         self.writer.add_text("config", "```\n" + _yaml(config) + "\n```", 0)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -82,23 +93,29 @@ class MlflowSink:
     """MLflow: the experiment is the project and the run is named after the experiment, as in verl.
     MLFLOW_TRACKING_URI names the server; without it, a file store in the run directory."""
 
-    _INVALID = re.compile(r"[^/\w.\- :]")  # what MLflow allows in a metric key
+    # what MLflow allows in a metric key
+    _INVALID = re.compile(r"[^/\w.\- :]")
 
     def __init__(self, project: str, name: str, config: dict, run_dir: Path):
         import mlflow
 
         uri = os.environ.get("MLFLOW_TRACKING_URI")
-        if not uri:  # maintained or not, a file store is the one that needs no server or database
+        # maintained or not, a file store is the one that needs no server or database
+        if not uri:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             uri = (run_dir / "mlruns").resolve().as_uri()
         self.client = mlflow.tracking.MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(project)
-        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
+        experiment_id = (
+            experiment.experiment_id if experiment else self.client.create_experiment(project)
+        )
         self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
         params = [
-            mlflow.entities.Param(self.key(key)[:250], str(value)[:6000]) for key, value in flatten(config).items()
+            mlflow.entities.Param(self.key(key)[:250], str(value)[:6000])
+            for key, value in flatten(config).items()
         ]
-        for start in range(0, len(params), 100):  # MLflow takes at most 100 params a call
+        # MLflow takes at most 100 params a call
+        for start in range(0, len(params), 100):
             self.client.log_batch(self.run_id, params=params[start : start + 100])
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -112,7 +129,9 @@ class MlflowSink:
             self.client.log_batch(self.run_id, metrics=entries[start : start + 1000])
 
     def log_table(self, step: int, name: str, rows: list[dict]) -> None:
-        self.client.log_dict(self.run_id, {"step": step, "rows": rows}, f"{self.key(name)}/step_{step}.json")
+        self.client.log_dict(
+            self.run_id, {"step": step, "rows": rows}, f"{self.key(name)}/step_{step}.json"
+        )
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
@@ -133,7 +152,8 @@ class Trackers:
     def __init__(self, names: list[str], project: str, name: str, config: dict, run_dir: Path):
         self.sinks, self.failed_writes, self._warned = {}, 0, set()
         trackers = [n for n in names if n in SINKS]
-        for tracker in trackers:  # all of them before any starts: a refusal leaves no run open
+        # all of them before any starts: a refusal leaves no run open
+        for tracker in trackers:
             require_tracker(tracker, names)
         for tracker in trackers:
             try:
@@ -160,7 +180,8 @@ class Trackers:
 
     def _failed(self, tracker: str, what: str, error: Exception) -> None:
         self.failed_writes += 1
-        if tracker not in self._warned:  # once per tracker: a dead network would flood the log
+        # once per tracker: a dead network would flood the log
+        if tracker not in self._warned:
             self._warned.add(tracker)
             log.warning(
                 "tracker %s failed (%s: %s: %s); training goes on, metrics.jsonl has every record, "
@@ -195,17 +216,22 @@ def _wandb_logged_in() -> bool:
 
     try:
         return (
-            netrc.netrc().authenticators(os.environ.get("WANDB_BASE_URL", "api.wandb.ai").removeprefix("https://"))
+            netrc.netrc().authenticators(
+                os.environ.get("WANDB_BASE_URL", "api.wandb.ai").removeprefix("https://")
+            )
             is not None
         )
-    except (OSError, netrc.NetrcParseError):  # no ~/.netrc
+    # no ~/.netrc
+    except (OSError, netrc.NetrcParseError):
         return False
 
 
 def describe_tracker(name: str, run_dir: Path) -> str:
     """Where a tracker will write, for `keel check`."""
     if name == "wandb":
-        online = os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") or _wandb_logged_in()
+        online = (
+            os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") or _wandb_logged_in()
+        )
         return f"wandb: {'online' if online else 'offline (no WANDB_API_KEY), files under ' + str(run_dir / 'wandb')}"
     if name == "tensorboard":
         return f"tensorboard: {os.environ.get('TENSORBOARD_DIR') or run_dir / 'tensorboard'}"

@@ -24,7 +24,8 @@ from keel.rewards.launcher import launched
 
 log = logging.getLogger("keel")
 
-CPU_POLL_S = 0.1  # how often a run's CPU time and OOM kills are read from its cgroup
+# how often a run's CPU time and OOM kills are read from its cgroup
+CPU_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -33,16 +34,25 @@ class Limits:
     wall_s: float = 10.0
     memory_mb: int = 512
     output_bytes: int = 1 << 16
-    processes: int = 32  # the program's processes and threads: a fork bomb stops here
+    # the program's processes and threads: a fork bomb stops here
+    processes: int = 32
     open_files: int = 64
-    scratch_mb: int = 16  # the writable /sandbox, in memory
+    # the writable /sandbox, in memory
+    scratch_mb: int = 16
 
 
-SANDBOX_UID = 65534  # nobody
+# nobody
+SANDBOX_UID = 65534
 SCRATCH = "/sandbox"
-AS_NOBODY, IN_USER_NAMESPACE, NO_JAIL = (f"bubblewrap as uid {SANDBOX_UID}", "bubblewrap in a user namespace", "none")
-NO_JAIL_AS_NOBODY = f"none, as uid {SANDBOX_UID}"  # no bubblewrap, but root need not run the program as root
-BWRAP_PROCESSES = 2  # bubblewrap's own processes in a run: its monitor and the namespace's first process
+AS_NOBODY, IN_USER_NAMESPACE, NO_JAIL = (
+    f"bubblewrap as uid {SANDBOX_UID}",
+    "bubblewrap in a user namespace",
+    "none",
+)
+# no bubblewrap, but root need not run the program as root
+NO_JAIL_AS_NOBODY = f"none, as uid {SANDBOX_UID}"
+# bubblewrap's own processes in a run: its monitor and the namespace's first process
+BWRAP_PROCESSES = 2
 
 
 def _interpreter() -> tuple[str, str]:
@@ -50,7 +60,9 @@ def _interpreter() -> tuple[str, str]:
     since -I -S never reads site-packages anyway."""
     executable = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
     prefix = os.path.realpath(sys.base_prefix)
-    return executable, prefix if executable.startswith(prefix + os.sep) else os.path.dirname(executable)
+    return executable, prefix if executable.startswith(prefix + os.sep) else os.path.dirname(
+        executable
+    )
 
 
 def _bwrap_argv(as_root: bool, solution: str, limits: Limits, seccomp_fd: int) -> list[str]:
@@ -76,7 +88,8 @@ def _bwrap_argv(as_root: bool, solution: str, limits: Limits, seccomp_fd: int) -
         "HOME",
         SCRATCH,
     ]
-    if not as_root:  # a user namespace: the solution keeps no capability, even over its own namespaces
+    # a user namespace: the solution keeps no capability, even over its own namespaces
+    if not as_root:
         argv += [
             "--unshare-user",
             "--uid",
@@ -88,7 +101,8 @@ def _bwrap_argv(as_root: bool, solution: str, limits: Limits, seccomp_fd: int) -
             "ALL",
         ]
     argv += [*_filesystem(python_dir, solution, limits), "--"]
-    if as_root:  # mounts need root; the solution does not: every uid becomes nobody, no capability left
+    # mounts need root; the solution does not: every uid becomes nobody, no capability left
+    if as_root:
         argv += [
             "setpriv",
             f"--reuid={SANDBOX_UID}",
@@ -106,7 +120,8 @@ def _filesystem(python_dir: str, solution: str, limits: Limits) -> list[str]:
     /dev/shm of its own, a small writable scratch directory to start in with its file (read-only)
     there, everything else read-only."""
     argv = ["--ro-bind", "/usr", "/usr"]
-    for top in ("bin", "lib", "lib32", "lib64", "sbin"):  # merged /usr: links; otherwise directories
+    # merged /usr: links; otherwise directories
+    for top in ("bin", "lib", "lib32", "lib64", "sbin"):
         path = Path("/", top)
         if path.is_symlink():
             argv += ["--symlink", os.readlink(path), str(path)]
@@ -142,10 +157,17 @@ def _filesystem(python_dir: str, solution: str, limits: Limits) -> list[str]:
     return argv
 
 
-def _command(mode: str, solution: str, limits: Limits, args: list[str], seccomp_fd: int) -> list[str]:
+def _command(
+    mode: str, solution: str, limits: Limits, args: list[str], seccomp_fd: int
+) -> list[str]:
     if mode in (NO_JAIL, NO_JAIL_AS_NOBODY):
         return [_interpreter()[0], "-I", "-S", solution, *args]
-    return _bwrap_argv(mode == AS_NOBODY, solution, limits, seccomp_fd) + ["-I", "-S", f"{SCRATCH}/solution.py", *args]
+    return _bwrap_argv(mode == AS_NOBODY, solution, limits, seccomp_fd) + [
+        "-I",
+        "-S",
+        f"{SCRATCH}/solution.py",
+        *args,
+    ]
 
 
 # Refused inside the jail (EPERM), as Docker's default profile refuses them: new namespaces (a user
@@ -187,7 +209,16 @@ _REFUSED_SYSCALLS = (
 
 
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
-_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
+_NAMESPACE_FLAGS = (
+    0x00020000,
+    0x02000000,
+    0x04000000,
+    0x08000000,
+    0x10000000,
+    0x20000000,
+    0x40000000,
+    0x00000080,
+)
 
 
 @lru_cache(maxsize=1)
@@ -195,7 +226,8 @@ def _seccomp_program() -> bytes | None:
     """The filter as BPF for bwrap --seccomp (libseccomp through pyseccomp), or None without it."""
     try:
         import pyseccomp as seccomp
-    except Exception:  # not installed, or no libseccomp on this machine (pyseccomp raises RuntimeError)
+    # not installed, or no libseccomp on this machine (pyseccomp raises RuntimeError)
+    except Exception:
         return None
     import errno
 
@@ -204,7 +236,8 @@ def _seccomp_program() -> bytes | None:
     for name in _REFUSED_SYSCALLS:
         try:
             program.add_rule(refuse, name)
-        except (ValueError, OSError, RuntimeError):  # a call this libseccomp or architecture does not know
+        # a call this libseccomp or architecture does not know
+        except (ValueError, OSError, RuntimeError):
             log.debug("seccomp: %s unknown here, not filtered", name)
     for flag in _NAMESPACE_FLAGS:
         program.add_rule(refuse, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
@@ -215,7 +248,9 @@ def _seccomp_program() -> bytes | None:
         return out.read()
 
 
-def _launch_spec(limits: Limits, mode: str, group: RunGroup | None, own_namespace: bool, report_fd: int) -> dict:
+def _launch_spec(
+    limits: Limits, mode: str, group: RunGroup | None, own_namespace: bool, report_fd: int
+) -> dict:
     """What the launcher sets on the run's first process before it execs bubblewrap (or the
     interpreter): launcher.py says how and why there rather than in a preexec_fn."""
     rlimits = {
@@ -224,11 +259,13 @@ def _launch_spec(limits: Limits, mode: str, group: RunGroup | None, own_namespac
         "RLIMIT_NOFILE": limits.open_files,
         "RLIMIT_CORE": 0,
     }
-    if group is None:  # no group to bound the tree's memory: each process's address space, at least
+    # no group to bound the tree's memory: each process's address space, at least
+    if group is None:
         rlimits["RLIMIT_AS"] = limits.memory_mb << 20
     nproc = None
     if group is None and (own_namespace or mode in (AS_NOBODY, NO_JAIL_AS_NOBODY)):
-        # In a user namespace of bubblewrap's own, bubblewrap's processes count as the program's user.
+        # In a user namespace of bubblewrap's own, bubblewrap's processes count as the program's
+        # user.
         nproc = limits.processes + (BWRAP_PROCESSES if mode == IN_USER_NAMESPACE else 0)
     return {
         "report_fd": report_fd,
@@ -251,9 +288,12 @@ class Finished:
     returncode: int
     stdout: bytes
     stderr: bytes
-    stopped: str | None  # why keel stopped it (timeout, output, CPU), or None
-    cpu_s: float | None = None  # the whole tree's CPU time, from its cgroup (None without one)
-    oom_killed: bool = False  # the kernel killed it for the group's memory limit
+    # why keel stopped it (timeout, output, CPU), or None
+    stopped: str | None
+    # the whole tree's CPU time, from its cgroup (None without one)
+    cpu_s: float | None = None
+    # the kernel killed it for the group's memory limit
+    oom_killed: bool = False
 
 
 def run_jailed(
@@ -278,16 +318,25 @@ def run_jailed(
             group.remove()
 
 
-def _run_in(mode: str, code: str, stdin: str, limits: Limits, args: list[str], group: RunGroup | None) -> Finished:
+def _run_in(
+    mode: str, code: str, stdin: str, limits: Limits, args: list[str], group: RunGroup | None
+) -> Finished:
     with tempfile.TemporaryDirectory(prefix="keel_sandbox_") as host:
         solution, stdin_file = Path(host, "solution.py"), Path(host, "stdin")
         solution.write_text(code)
         stdin_file.write_text(stdin)
-        solution.chmod(0o444)  # the jail's user reads it through a bind mount, never writes it
-        if _drops_to_nobody(mode):  # its user reaches the solution; without a jail, this is its scratch directory
+        # the jail's user reads it through a bind mount, never writes it
+        solution.chmod(0o444)
+        # its user reaches the solution; without a jail, this is its scratch directory
+        if _drops_to_nobody(mode):
             os.chown(host, SANDBOX_UID, SANDBOX_UID)
-        Path(host, "seccomp.bpf").write_bytes((mode not in (NO_JAIL, NO_JAIL_AS_NOBODY) and _seccomp_program()) or b"")
-        with open(stdin_file, "rb") as stdin_handle, open(Path(host, "seccomp.bpf"), "rb") as seccomp:
+        Path(host, "seccomp.bpf").write_bytes(
+            (mode not in (NO_JAIL, NO_JAIL_AS_NOBODY) and _seccomp_program()) or b""
+        )
+        with (
+            open(stdin_file, "rb") as stdin_handle,
+            open(Path(host, "seccomp.bpf"), "rb") as seccomp,
+        ):
             process = _launch(
                 _command(mode, str(solution), limits, args, seccomp.fileno()),
                 limits,
@@ -306,11 +355,19 @@ def _run_in(mode: str, code: str, stdin: str, limits: Limits, args: list[str], g
             process.stderr.close()
     if group is None:
         return Finished(process.returncode, stdout, stderr, stopped)
-    return Finished(process.returncode, stdout, stderr, stopped, group.cpu_seconds(), group.killed_for_memory())
+    return Finished(
+        process.returncode, stdout, stderr, stopped, group.cpu_seconds(), group.killed_for_memory()
+    )
 
 
 def _launch(
-    command: list[str], limits: Limits, mode: str, group: RunGroup | None, host: str, stdin, seccomp_fd: int
+    command: list[str],
+    limits: Limits,
+    mode: str,
+    group: RunGroup | None,
+    host: str,
+    stdin,
+    seccomp_fd: int,
 ) -> subprocess.Popen:
     """The run's first process, through the launcher; OSError when it could not set the jail up
     (read from a pipe the exec closes, so nothing the program does can look like it)."""
@@ -331,7 +388,8 @@ def _launch(
         report_w = -1
         with os.fdopen(report_r, "rb") as report:
             report_r = -1
-            refused = report.read()  # EOF at the exec, or the launcher's reason before it exits
+            # EOF at the exec, or the launcher's reason before it exits
+            refused = report.read()
     finally:
         for fd in (report_r, report_w):
             if fd >= 0:
@@ -343,7 +401,9 @@ def _launch(
     return process
 
 
-def _collect(process: subprocess.Popen, limits: Limits, group: RunGroup | None) -> tuple[bytes, bytes, str | None]:
+def _collect(
+    process: subprocess.Popen, limits: Limits, group: RunGroup | None
+) -> tuple[bytes, bytes, str | None]:
     """Both pipes read as they fill, never more than the limit held: an endless print costs nothing.
     With a cgroup, the tree's CPU time and OOM kills are watched too: RLIMIT_CPU starts again in
     every child, and a killed child may leave the rest of the tree waiting."""
@@ -358,7 +418,8 @@ def _collect(process: subprocess.Popen, limits: Limits, group: RunGroup | None) 
                 return b"", b"", f"timeout: ran past {limits.wall_s} s"
             if group is not None and group.cpu_seconds() > limits.cpu_s:
                 return b"", b"", f"cpu limit: over {limits.cpu_s} s of CPU"
-            if group is not None and group.killed_for_memory():  # the verdict is in: no need to wait
+            # the verdict is in: no need to wait
+            if group is not None and group.killed_for_memory():
                 return b"", b"", f"memory limit: over {limits.memory_mb} MB"
             for key, _ in selector.select(min(left, CPU_POLL_S)):
                 chunk = os.read(key.fd, 1 << 16)

@@ -27,7 +27,8 @@ log = logging.getLogger("keel")
 
 @dataclass(frozen=True)
 class Layout:
-    memory: Path  # the directory of each controller's group (one directory in v2)
+    # the directory of each controller's group (one directory in v2)
+    memory: Path
     pids: Path
     cpu: Path
     v2: bool
@@ -45,10 +46,13 @@ def _own_group(controller: str, proc_cgroup: str) -> str | None:
 def layout(root: Path = ROOT, proc_cgroup: str | None = None) -> Layout | None:
     """Where a child of this process's own groups would go, or None without usable controllers."""
     proc_cgroup = proc_cgroup if proc_cgroup is not None else Path("/proc/self/cgroup").read_text()
-    if (root / "cgroup.controllers").is_file():  # v2
+    # v2
+    if (root / "cgroup.controllers").is_file():
         own = root / (_own_group("", proc_cgroup) or "/").lstrip("/")
         enabled = (
-            (own / "cgroup.subtree_control").read_text().split() if (own / "cgroup.subtree_control").is_file() else []
+            (own / "cgroup.subtree_control").read_text().split()
+            if (own / "cgroup.subtree_control").is_file()
+            else []
         )
         return Layout(own, own, own, True) if {"memory", "pids"} <= set(enabled) else None
     groups = {c: _own_group(c, proc_cgroup) for c in ("memory", "pids", "cpuacct")}
@@ -56,7 +60,10 @@ def layout(root: Path = ROOT, proc_cgroup: str | None = None) -> Layout | None:
         return None
     # Without a cgroup namespace a container sees the host's path for its group, while its mount
     # shows that group as the root: there, the mount root is ours.
-    dirs = [root / c / g.lstrip("/") if (root / c / g.lstrip("/")).is_dir() else root / c for c, g in groups.items()]
+    dirs = [
+        root / c / g.lstrip("/") if (root / c / g.lstrip("/")).is_dir() else root / c
+        for c, g in groups.items()
+    ]
     return Layout(*dirs, v2=False)
 
 
@@ -67,12 +74,16 @@ class RunGroup:
     def __init__(self, where: Layout, memory_bytes: int, processes: int):
         self.where = where
         name = f"keel-sandbox-{uuid.uuid4().hex[:12]}"
-        self.memory, self.pids, self.cpu = (base / name for base in (where.memory, where.pids, where.cpu))
-        self.dirs = sorted({self.memory, self.pids, self.cpu})  # one directory in v2
+        self.memory, self.pids, self.cpu = (
+            base / name for base in (where.memory, where.pids, where.cpu)
+        )
+        # one directory in v2
+        self.dirs = sorted({self.memory, self.pids, self.cpu})
         try:
             self._make(memory_bytes, processes)
         except OSError:
-            self.remove()  # what was made of it
+            # what was made of it
+            self.remove()
             raise
 
     def _make(self, memory_bytes: int, processes: int) -> None:
@@ -83,7 +94,8 @@ class RunGroup:
             self._write(self.memory, "memory.swap.max", 0, optional=True)
         else:
             self._write(self.memory, "memory.limit_in_bytes", memory_bytes)
-            self._write(self.memory, "memory.memsw.limit_in_bytes", memory_bytes, optional=True)  # no swap
+            # no swap
+            self._write(self.memory, "memory.memsw.limit_in_bytes", memory_bytes, optional=True)
         self._write(self.pids, "pids.max", processes)
 
     @staticmethod
@@ -132,7 +144,10 @@ class RunGroup:
                 return
             except OSError:
                 time.sleep(0.01)
-        log.warning("could not remove the sandbox cgroup %s: a process of the run is still in it", self.dirs[0])
+        log.warning(
+            "could not remove the sandbox cgroup %s: a process of the run is still in it",
+            self.dirs[0],
+        )
 
 
 def create(memory_bytes: int, processes: int) -> RunGroup | None:

@@ -59,7 +59,8 @@ PRELUDE = (
     + "sys.setrecursionlimit(6*10**5)\n"
 )
 
-# Set to None before the solution loads, as verl's reliability_guard does: a program calling them fails.
+# Set to None before the solution loads, as verl's reliability_guard does: a program calling them
+# fails.
 GUARDED_OS = (
     "kill",
     "system",
@@ -110,7 +111,8 @@ def without_main_guard(code: str) -> str:
         last = tree.body[-1]
         if isinstance(last, ast.If) and ast.unparse(last.test).strip() == "__name__ == '__main__'":
             return ast.unparse(tree.body[:-1]) + "\n" + ast.unparse(last.body)
-    except Exception:  # unparsable programs go on as written, and fail to compile below
+    # unparsable programs go on as written, and fail to compile below
+    except Exception:
         pass
     return code
 
@@ -139,7 +141,8 @@ def failure(kind: str, error: BaseException) -> dict:
     return {
         "kind": kind,
         "error": repr(error),
-        "traceback": "Traceback (most recent call last):\n  " + said[said.find('File "<string>"') :],
+        "traceback": "Traceback (most recent call last):\n  "
+        + said[said.find('File "<string>"') :],
     }
 
 
@@ -149,14 +152,16 @@ def run_stdin(code: str, test_input: str) -> dict:
     except Exception as error:
         return failure("compile", error)
     lines = iter(test_input.split("\n"))
-    outer = sys.stdin  # what the module bound as `stdin`: verl serves the input through it too
+    # what the module bound as `stdin`: verl serves the input through it too
+    outer = sys.stdin
     outer.readline = lambda *args: next(lines)
     outer.readlines = lambda *args: test_input.split("\n")
     outer.read = lambda *args: test_input
     builtins.open = lambda *args, **kwargs: io.StringIO(test_input)
     sys.stdin = io.StringIO(test_input)
     quiet, printed = sys.stdout, io.StringIO()
-    printed.close = lambda _: 1  # as verl's capture has it: close() with no argument raises
+    # as verl's capture has it: close() with no argument raises
+    printed.close = lambda _: 1
     sys.stdout = printed
     try:
         method()
@@ -175,7 +180,9 @@ def encoded(value):
         return value
     for kind in (str, int, float):
         if isinstance(value, kind):
-            return kind(value) if type(value) is kind else getattr(kind, f"__{kind.__name__}__")(value)
+            return (
+                kind(value) if type(value) is kind else getattr(kind, f"__{kind.__name__}__")(value)
+            )
     if isinstance(value, (tuple, list)):
         return {"tuple" if isinstance(value, tuple) else "list": [encoded(item) for item in value]}
     return {"dict": [[encoded(key), encoded(item)] for key, item in dict.items(value)]}
@@ -191,7 +198,8 @@ def run_call(code: str, fn_name: str, test_input: str) -> dict:
     try:
         args = [json.loads(line) for line in test_input.split("\n")]
         if isinstance(args[0], dict):
-            try:  # JSON keys are strings; verl makes them ints again (and keeps only that argument)
+            # JSON keys are strings; verl makes them ints again (and keeps only that argument)
+            try:
                 args = [{int(key): item for key, item in args[0].items()}]
             except Exception:
                 pass
@@ -215,12 +223,15 @@ def run_one(job: dict, index: int) -> dict:
 
 
 def child(job: dict, index: int, out: int, harness_out: int) -> None:
-    write, dumps, leave = os.write, json.dumps, os._exit  # the program may rebind the modules' names
+    # the program may rebind the modules' names
+    write, dumps, leave = os.write, json.dumps, os._exit
     os.setpgid(0, 0)
-    os.close(harness_out)  # the program's own writes to fd 1 go nowhere, as in verl
+    # the program's own writes to fd 1 go nowhere, as in verl
+    os.close(harness_out)
     try:
         report = dumps(run_one(job, index))
-    except BaseException:  # e.g. SystemExit while loading, a report that does not encode
+    # e.g. SystemExit while loading, a report that does not encode
+    except BaseException:
         report = '{"kind": "broken"}'
     data = report.encode("utf-8", "surrogatepass")
     while data:
@@ -242,7 +253,8 @@ def collect(reader: int, pid: int, job: dict, deadline: float) -> dict:
         data += chunk
         if len(data) > job["report_bytes"]:
             verdict = {"kind": "output limit"}
-    for target in (-pid, pid):  # its process group: whatever it started goes too
+    # its process group: whatever it started goes too
+    for target in (-pid, pid):
         try:
             os.kill(target, signal.SIGKILL)
         except OSError:
@@ -258,10 +270,12 @@ def collect(reader: int, pid: int, job: dict, deadline: float) -> dict:
 
 def main() -> None:
     job = json.loads(sys.stdin.read())
-    for name in (*PRELUDE_MODULES, "typing"):  # loaded once here rather than in every test's process
+    # loaded once here rather than in every test's process
+    for name in (*PRELUDE_MODULES, "typing"):
         importlib.import_module(name)
     harness_out, null = os.dup(1), os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):  # verl's child process has the null device there
+    # verl's child process has the null device there
+    for fd in (0, 1, 2):
         os.dup2(null, fd)
     reports, started = [], time.monotonic()
     for index in range(len(job["inputs"])):

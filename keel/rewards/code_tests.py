@@ -34,23 +34,31 @@ from typing import Any
 from keel.errors import CODE_TESTS_FORM, KeelError
 from keel.rewards.sandbox import Limits, SandboxViolation, run_python
 
-VERL_TESTS_SCORED = 10  # continuous scores count the first 10 tests (verl: "some problems have enormous test cases")
-VERL_TEST_TIMEOUT_S = 10  # per test, in the continuous pass
-VERL_ALL_TESTS_TIMEOUT_S = 5  # per test, in the pass over all tests (continuous=False)
-REPORT_BYTES = 1 << 20  # what one test may print, at least: more stops the program (not scored)
+# continuous scores count the first 10 tests (verl: "some problems have enormous test cases")
+VERL_TESTS_SCORED = 10
+# per test, in the continuous pass
+VERL_TEST_TIMEOUT_S = 10
+# per test, in the pass over all tests (continuous=False)
+VERL_ALL_TESTS_TIMEOUT_S = 5
+# what one test may print, at least: more stops the program (not scored)
+REPORT_BYTES = 1 << 20
 HARNESS = Path(__file__).with_name("code_harness.py")
 
 STDIN, CALL = "stdin", "call"
-VERL_FORM = '{"inputs": ["1 2\\n"], "outputs": ["3\\n"]} (add "fn_name": "add" for call-style tests)'
+VERL_FORM = (
+    '{"inputs": ["1 2\\n"], "outputs": ["3\\n"]} (add "fn_name": "add" for call-style tests)'
+)
 KEEL_FORM = '[{"input": "1 2\\n", "output": "3"}]'
 
 
 @dataclass(frozen=True)
 class CodeTests:
-    form: str  # "verl" | "keel"
+    # "verl" | "keel"
+    form: str
     inputs: list
     outputs: list
-    fn_name: str | None = None  # verl's call-style tests
+    # verl's call-style tests
+    fn_name: str | None = None
 
 
 def _refuse(what: str) -> KeelError:
@@ -64,7 +72,11 @@ def _refuse(what: str) -> KeelError:
 
 def _items(value: Any) -> list | None:
     """A list-like column (a list, a tuple, an array read from parquet) as a list; None otherwise."""
-    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__len__") or not hasattr(value, "__getitem__"):
+    if (
+        isinstance(value, (str, bytes, dict))
+        or not hasattr(value, "__len__")
+        or not hasattr(value, "__getitem__")
+    ):
         return None
     return list(value)
 
@@ -86,11 +98,19 @@ def parse_tests(ground_truth: Any) -> CodeTests:
             raise _refuse(f"have {len(inputs)} inputs and {len(outputs)} outputs")
         return CodeTests("verl", inputs, outputs, ground_truth.get("fn_name"))
     cases = _items(ground_truth)
-    if cases and all(isinstance(case, dict) and "input" in case and "output" in case for case in cases):
-        return CodeTests("keel", [case["input"] for case in cases], [case["output"] for case in cases])
+    if cases and all(
+        isinstance(case, dict) and "input" in case and "output" in case for case in cases
+    ):
+        return CodeTests(
+            "keel", [case["input"] for case in cases], [case["output"] for case in cases]
+        )
     if cases:
         first = cases[0]
-        shown = f"keys {sorted(map(str, first))}" if isinstance(first, dict) else f"a {type(first).__name__}"
+        shown = (
+            f"keys {sorted(map(str, first))}"
+            if isinstance(first, dict)
+            else f"a {type(first).__name__}"
+        )
         raise _refuse(f'are a list whose first item has {shown}, not "input" and "output"')
     raise _refuse("are empty" if cases == [] else f"are a {type(ground_truth).__name__}")
 
@@ -104,7 +124,9 @@ def check_ground_truths(rows: list) -> None:
             parse_tests(row.ground_truth)
         except KeelError as refused:
             raise KeelError(
-                CODE_TESTS_FORM, f"row {row.index} (data_source {row.data_source!r}): {refused.message}", refused.fix
+                CODE_TESTS_FORM,
+                f"row {row.index} (data_source {row.data_source!r}): {refused.message}",
+                refused.fix,
             ) from None
 
 
@@ -115,11 +137,20 @@ def verl_program(response: str) -> str:
 
 def _clip(text: str, length: int) -> str:
     """verl's metadata shortening: the two ends of a long text."""
-    return text if len(text) <= length else text[: length // 2] + "...(truncated) ..." + text[-length // 2 :]
+    return (
+        text
+        if len(text) <= length
+        else text[: length // 2] + "...(truncated) ..." + text[-length // 2 :]
+    )
 
 
 def run_tests(
-    program: str, inputs: list, outputs: list, fn_name: str | None, timeout_s: float, total_s: float | None = None
+    program: str,
+    inputs: list,
+    outputs: list,
+    fn_name: str | None,
+    timeout_s: float,
+    total_s: float | None = None,
 ) -> list[dict]:
     """Each test's report from the jail: what the program printed or returned, or how it failed.
     A test the data cannot express (verl fails it before running anything) is reported broken."""
@@ -140,19 +171,24 @@ def run_tests(
         "total_s": total_s,
         "report_bytes": report_bytes,
     }
-    seconds = min(total_s or math.inf, (timeout_s + 2) * len(runnable))  # + a second a test for the fork, the report
+    # + a second a test for the fork, the report
+    seconds = min(total_s or math.inf, (timeout_s + 2) * len(runnable))
     limits = Limits(
-        cpu_s=math.ceil(seconds) + 5, wall_s=seconds + 10, output_bytes=report_bytes * len(runnable) + (1 << 16)
+        cpu_s=math.ceil(seconds) + 5,
+        wall_s=seconds + 10,
+        output_bytes=report_bytes * len(runnable) + (1 << 16),
     )
     try:
         printed = run_python(HARNESS.read_text(), json.dumps(job), limits)
     except SandboxViolation as stopped:
-        if str(stopped).startswith(("timeout", "cpu limit")):  # the whole run: every test's time was up
+        # the whole run: every test's time was up
+        if str(stopped).startswith(("timeout", "cpu limit")):
             return [{"kind": "timeout"} for _ in inputs]
         raise
     try:
         ran = json.loads(printed)
-    except ValueError:  # the program took the harness down with it (it runs in the same process tree)
+    # the program took the harness down with it (it runs in the same process tree)
+    except ValueError:
         ran = [{"kind": "broken"} for _ in runnable]
     for index, report in zip(runnable, ran):
         if not isinstance(report, dict):
@@ -194,11 +230,14 @@ def return_matches(output: Any, expected: Any) -> bool:
     tuples) compared as lists."""
     if isinstance(output, tuple):
         output = list(output)
-    matched = output == expected or (isinstance(expected, list) and bool(expected) and output == expected[0])
+    matched = output == expected or (
+        isinstance(expected, list) and bool(expected) and output == expected[0]
+    )
     try:
         if isinstance(output[0], tuple):
             matched = matched or [list(item) for item in output] == expected[0]
-    except Exception:  # outputs that cannot be indexed so, as verl skips them
+    # outputs that cannot be indexed so, as verl skips them
+    except Exception:
         pass
     return matched is True
 
@@ -241,16 +280,21 @@ def judge(report: dict, given: Any, wanted: Any, fn_name: str | None) -> tuple[b
         return -1, {"error": report.get("error"), "traceback": report.get("traceback")}
     try:
         if kind == "ran" and fn_name is None:
-            shown, passed = _clip(str(report["printed"]), 200), printed_matches(str(report["printed"]), wanted)
+            shown, passed = (
+                _clip(str(report["printed"]), 200),
+                printed_matches(str(report["printed"]), wanted),
+            )
             inputs = _clip(given, 300)
         elif kind == "returned" and fn_name is not None:
             shown = _clip(str(report.get("shown")), 200)
             passed = return_matches(_decoded(report["value"]), _expected_return(wanted))
             size = 300 // (given.count("\n") + 1)
             inputs = "\n".join(_clip(line, size) for line in given.strip().split("\n"))
-        else:  # timed out, died, or data verl cannot run
+        # timed out, died, or data verl cannot run
+        else:
             return -1, {}
-    except (ValueError, TypeError, KeyError, RecursionError):  # a report or an expected output that does not read
+    # a report or an expected output that does not read
+    except (ValueError, TypeError, KeyError, RecursionError):
         return -1, {}
     if passed:
         return True, {}
@@ -274,7 +318,11 @@ def compute_score(
 
 
 def _judged(
-    program: str, tests: CodeTests, fn_name: str | None, timeout_s: float, total_s: float | None = None
+    program: str,
+    tests: CodeTests,
+    fn_name: str | None,
+    timeout_s: float,
+    total_s: float | None = None,
 ) -> tuple[list, list[dict]]:
     """verl's result for each test (True, False, -1, -2) and its metadata."""
     results, metadata = [], []
@@ -303,17 +351,23 @@ def _score_verl(
             return True, {}
         if not continuous:
             return False, metadata
-    scored = CodeTests(tests.form, tests.inputs[:VERL_TESTS_SCORED], tests.outputs[:VERL_TESTS_SCORED])
+    scored = CodeTests(
+        tests.form, tests.inputs[:VERL_TESTS_SCORED], tests.outputs[:VERL_TESTS_SCORED]
+    )
     results, metadata = _judged(program, scored, None, timeout_s or VERL_TEST_TIMEOUT_S)
     return sum(result is True for result in results) / len(results), metadata
 
 
-def prime_code(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def prime_code(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """verl's scorer for codecontests, apps, codeforces and taco: compute_score(continuous=True)[0]."""
     return float(compute_score(solution_str, ground_truth, continuous=True)[0])
 
 
-def code_exec(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def code_exec(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """Share of test cases the program passes, in keel's jail. keel's form: each case run as a
     script with the input on stdin, its stdout compared with trailing whitespace ignored; verl's
     form: as prime_code scores it. A program the jail stopped (time, memory, output) raises

@@ -25,14 +25,16 @@ from keel.errors import REWARD_SIGNATURE, KeelError
 
 PER_SAMPLE = ("data_source", "solution_str", "ground_truth", "extra_info")
 BATCHED = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
-SINGLE_TURN = 2  # verl's num_turns for one prompt and one response (its single-turn agent loop)
+# verl's num_turns for one prompt and one response (its single-turn agent loop)
+SINGLE_TURN = 2
 
 
 def call_reward_fn(fn: Callable, names: tuple[str, ...], values: tuple) -> Any:
     """fn called as verl calls it: by keyword, with the names among `names` it declares."""
     try:
         accepted = _keywords(fn, names)
-    except TypeError:  # an unhashable callable (an instance used as a scorer): not cached
+    # an unhashable callable (an instance used as a scorer): not cached
+    except TypeError:
         accepted = _keywords.__wrapped__(fn, names)
     return fn(**{name: value for name, value in zip(names, values) if name in accepted})
 
@@ -44,13 +46,16 @@ def _keywords(fn: Callable, names: tuple[str, ...]) -> frozenset[str]:
     parameters = _parameters(fn)
     if parameters is None or any(p.kind is p.VAR_KEYWORD for p in parameters):
         return frozenset(names)
-    return frozenset(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) & set(names)
+    return frozenset(
+        p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ) & set(names)
 
 
 def _parameters(fn: Callable) -> list[inspect.Parameter] | None:
     try:
         return list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # a builtin without a signature
+    # a builtin without a signature
+    except (TypeError, ValueError):
         return None
 
 
@@ -58,7 +63,9 @@ def unsupplied(fn: Callable, names: tuple[str, ...]) -> list[str]:
     """fn's required parameters that a call by keyword with `names` leaves without a value: names of
     its own, and positional-only ones (which no keyword reaches)."""
     required = [
-        p for p in _parameters(fn) or [] if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        p
+        for p in _parameters(fn) or []
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
     return [p.name for p in required if p.name not in names or p.kind is p.POSITIONAL_ONLY]
 
@@ -76,7 +83,9 @@ def check_signature(fn: Callable, names: tuple[str, ...], path: str, name: str) 
         f"verl's call does not supply: verl (and keel) call it by keyword, as {name}({call}, "
         "**custom_reward_function.reward_kwargs)",
         f"in `{name}` in `{path}`, name the parameters as verl does ({', '.join(names)}; leave out "
-        "those you do not use, or take **kwargs), or give " + ", ".join(missing) + " a default or a "
+        "those you do not use, or take **kwargs), or give "
+        + ", ".join(missing)
+        + " a default or a "
         "value in custom_reward_function.reward_kwargs",
     )
 
@@ -103,7 +112,8 @@ def split_result(result: Any) -> tuple[Any, dict]:
     for key, value in result.items():
         if key == "score":
             continue
-        if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:  # numpy or torch scalar
+        # numpy or torch scalar
+        if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
             value = value.item()
         if isinstance(value, (numbers.Real, str)):
             extras[str(key)[:64]] = value if not isinstance(value, str) else value[:200]
@@ -116,6 +126,11 @@ AGENT_WEIGHTS = {"agent": (("agent", None), 1.0)}
 def agent_reward(record) -> float | None:
     """The reward agent code returned for its sample (rollout.agent.function), or None: left to the scorers."""
     value = (record.extra_info or {}).get("agent_reward")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value != value
+        or abs(value) == float("inf")
+    ):
         return None
     return float(value)

@@ -14,7 +14,9 @@ from keel.rewards.scorers import RewardFn
 from keel.rewards.worker import FILE_PREFIX, PKG_PREFIX, load_module
 
 
-def load_custom_reward_fn(path: str, name: str, reward_kwargs: dict | None = None, batched: bool = False) -> RewardFn:
+def load_custom_reward_fn(
+    path: str, name: str, reward_kwargs: dict | None = None, batched: bool = False
+) -> RewardFn:
     """Import `name` from `path` (verl's custom_reward_function: a python file, `file://FILE` or
     `pkg://package.module`), with `reward_kwargs` bound to every call; refuse a function verl's
     keyword call could not bind."""
@@ -24,8 +26,11 @@ def load_custom_reward_fn(path: str, name: str, reward_kwargs: dict | None = Non
         found = sorted(
             k
             for k, v in vars(module).items()
-            if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == module.__name__
-        )  # its own, not what it imported
+            if callable(v)
+            and not k.startswith("_")
+            and getattr(v, "__module__", None) == module.__name__
+            # its own, not what it imported
+        )
         near = closest(name, found) or (found[0] if len(found) == 1 else None)
         raise KeelError(
             REWARD_FN_LOAD,
@@ -54,7 +59,8 @@ def _import_reward_module(path: str):
         )
     try:
         return load_module(str(file))
-    except Exception as e:  # the user's file: any import-time error is theirs to fix
+    # the user's file: any import-time error is theirs to fix
+    except Exception as e:
         raise KeelError(REWARD_FN_LOAD, f"importing {path} failed: {type(e).__name__}: {e}") from e
 
 
@@ -69,5 +75,6 @@ def _import_package_module(path: str):
             "add its directory to PYTHONPATH, or set custom_reward_function.path to the module's "
             "file",
         ) from e
-    except Exception as e:  # the user's module: any import-time error is theirs to fix
+    # the user's module: any import-time error is theirs to fix
+    except Exception as e:
         raise KeelError(REWARD_FN_LOAD, f"importing {path} failed: {type(e).__name__}: {e}") from e

@@ -26,7 +26,8 @@ START_SLACK_S = 5.0
 class Started:
     """A sample's scoring, begun in the pool's worker processes."""
 
-    generation: int  # the pool it runs in (a pool closed since cannot answer)
+    # the pool it runs in (a pool closed since cannot answer)
+    generation: int
     result: AsyncResult
 
 
@@ -36,35 +37,45 @@ class ScoringPool:
     def __init__(self, num_workers: int):
         self.num_workers = num_workers
         self._pool = None
-        self._generation = 0  # pools started so far: a task started in a closed one is started again
-        self._queued: list[AsyncResult] = []  # tasks started ahead of `run`, not yet known done
+        # pools started so far: a task started in a closed one is started again
+        self._generation = 0
+        # tasks started ahead of `run`, not yet known done
+        self._queued: list[AsyncResult] = []
         # `start` may run on another thread than `run` (Ray ranks' finished samples arrive on one)
         self._lock = threading.Lock()
-        self._ended = False  # shut down for good: nothing starts ahead any more
+        # shut down for good: nothing starts ahead any more
+        self._ended = False
 
     def start(self, task: SampleTask) -> Started | None:
         """Scoring one sample begun now in a worker process (the caller goes on: generation, say),
         its result read by `run`; None where `run` scores it itself (in this process, or async)."""
         if self.num_workers == 0 or self._ended or any(is_async(spec) for _, spec in task.scorers):
-            return None  # (after shutdown: a sample a Ray rank tells late starts no new pool)
+            # (after shutdown: a sample a Ray rank tells late starts no new pool)
+            return None
         with self._lock:
             result = self._get_pool().apply_async(score_sample, (task,))
             self._queued.append(result)
             return Started(self._generation, result)
 
     def run(
-        self, tasks: list[SampleTask], timeout_s: float | None, started: list[Started | None] | None = None
+        self,
+        tasks: list[SampleTask],
+        timeout_s: float | None,
+        started: list[Started | None] | None = None,
     ) -> list[SampleResult]:
         """Each task's result: `started[i]`'s where `start` began task i in this pool, else scored now."""
         if any(is_async(spec) for task in tasks for _, spec in task.scorers):
-            return asyncio.run(score_samples_async(tasks))  # I/O-bound scorers: concurrency, not processes
+            # I/O-bound scorers: concurrency, not processes
+            return asyncio.run(score_samples_async(tasks))
         if self.num_workers == 0:
             return [score_sample(task) for task in tasks]
         with self._lock:
             pool, generation = self._get_pool(), self._generation
             started = started or [None] * len(tasks)
             pending = [
-                s.result if s is not None and s.generation == generation else pool.apply_async(score_sample, (task,))
+                s.result
+                if s is not None and s.generation == generation
+                else pool.apply_async(score_sample, (task,))
                 for task, s in zip(tasks, started)
             ]
             # Tasks started ahead (for samples trained later) may run before these: they count too.
@@ -76,13 +87,20 @@ class ScoringPool:
         deadline = time.monotonic() + timeout_s * waves + START_SLACK_S if timeout_s else None
         results, hung = [], False
         for future in pending:
-            try:  # no reward.timeout_s: wait as long as it takes (an infinite timeout overflows the clock)
-                results.append(future.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())))
+            # no reward.timeout_s: wait as long as it takes (an infinite timeout overflows the
+            # clock)
+            try:
+                results.append(
+                    future.get(
+                        timeout=None if deadline is None else max(0.0, deadline - time.monotonic())
+                    )
+                )
             except multiprocessing.TimeoutError:
                 results.append(SampleResult(None, "timeout (worker killed)", timeout_s or 0.0))
                 hung = True
         if hung:
-            self.close()  # the next batch starts with fresh workers
+            # the next batch starts with fresh workers
+            self.close()
         return results
 
     def _get_pool(self):

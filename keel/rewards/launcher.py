@@ -28,9 +28,11 @@ import sys
 
 CLONE_NEWUSER = 0x10000000
 PR_SET_NO_NEW_PRIVS = 38
-EVERY_ID = "0 0 4294967295"  # the initial namespace's own map
+# the initial namespace's own map
+EVERY_ID = "0 0 4294967295"
 NOBODY = 65534
-LAUNCH_FAILED = 125  # as env(1) and timeout(1) say they failed before running the command
+# as env(1) and timeout(1) say they failed before running the command
+LAUNCH_FAILED = 125
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -48,12 +50,14 @@ def _write(path: str, text: str) -> None:
 def _map_from_helper() -> None:
     """Root's namespace, mapped identically by a helper left outside it."""
     made_r, made_w = os.pipe()
-    helper = os.fork()  # this interpreter registered no at-fork hooks
+    # this interpreter registered no at-fork hooks
+    helper = os.fork()
     if helper == 0:
         status = 1
         try:
             os.close(made_w)
-            if os.read(made_r, 1) == b"1":  # nothing when the namespace could not be made
+            # nothing when the namespace could not be made
+            if os.read(made_r, 1) == b"1":
                 _write(f"/proc/{os.getppid()}/uid_map", EVERY_ID)
                 _write(f"/proc/{os.getppid()}/gid_map", EVERY_ID)
                 status = 0
@@ -76,7 +80,8 @@ def enter_own_namespace() -> None:
         _map_from_helper()
         return
     _unshare()
-    _write("/proc/self/setgroups", "deny")  # the kernel's condition for mapping one's own gid
+    # the kernel's condition for mapping one's own gid
+    _write("/proc/self/setgroups", "deny")
     _write("/proc/self/uid_map", f"{uid} {uid} 1")
     _write("/proc/self/gid_map", f"{gid} {gid} 1")
 
@@ -92,12 +97,15 @@ def become_nobody() -> None:
 
 
 def apply(spec: dict) -> None:
-    for procs in spec.get("cgroup_procs", []):  # first: everything this process starts is in the group
+    # first: everything this process starts is in the group
+    for procs in spec.get("cgroup_procs", []):
         _write(procs, str(os.getpid()))
     for name, value in spec.get("rlimits", {}).items():
-        hard = value + 1 if name == "RLIMIT_CPU" else value  # SIGXCPU at the soft limit, SIGKILL a second later
+        # SIGXCPU at the soft limit, SIGKILL a second later
+        hard = value + 1 if name == "RLIMIT_CPU" else value
         resource.setrlimit(getattr(resource, name), (value, hard))
-    if spec.get("own_namespace"):  # counted apart from every other run
+    # counted apart from every other run
+    if spec.get("own_namespace"):
         enter_own_namespace()
     if spec.get("nproc") is not None:
         resource.setrlimit(resource.RLIMIT_NPROC, (spec["nproc"], spec["nproc"]))
@@ -115,11 +123,13 @@ def main(argv: list[str]) -> None:
     if separator != "--" or not command:
         sys.exit("usage: launcher.py SPEC -- COMMAND...")
     report = spec["report_fd"]
-    os.set_inheritable(report, False)  # closed by the exec: the command never holds it
+    # closed by the exec: the command never holds it
+    os.set_inheritable(report, False)
     try:
         apply(spec)
         os.execvp(command[0], command)
-    except OSError as refused:  # the jail could not be set up, or the command not started
+    # the jail could not be set up, or the command not started
+    except OSError as refused:
         os.write(report, str(refused).encode()[:4096])
         os._exit(LAUNCH_FAILED)
 

@@ -29,7 +29,12 @@ _BINARY = {
     ast.BitAnd: operator.and_,
     ast.MatMult: operator.matmul,
 }
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg, ast.Not: operator.not_, ast.Invert: operator.invert}
+_UNARY = {
+    ast.UAdd: operator.pos,
+    ast.USub: operator.neg,
+    ast.Not: operator.not_,
+    ast.Invert: operator.invert,
+}
 _COMPARE = {
     ast.Eq: operator.eq,
     ast.NotEq: operator.ne,
@@ -50,7 +55,8 @@ class NotALiteral(ValueError):
 
 def literal_value(text: str):
     """What Python's eval(text) returns, for literal arithmetic only (eval skips leading blanks)."""
-    with warnings.catch_warnings():  # `2x`, `1is 2`: the parser's warnings about model text are noise
+    # `2x`, `1is 2`: the parser's warnings about model text are noise
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", SyntaxWarning)
         tree = ast.parse(text.lstrip(" \t"), mode="eval")
     return _evaluate(tree.body)
@@ -71,7 +77,8 @@ def _evaluate(node: ast.AST):
         return _BINARY[type(node.op)](left, right)
     if isinstance(node, ast.Compare) and all(type(op) in _COMPARE for op in node.ops):
         left = _evaluate(node.left)
-        for op, comparator in zip(node.ops, node.comparators):  # chained, stopping at the first False
+        # chained, stopping at the first False
+        for op, comparator in zip(node.ops, node.comparators):
             right = _evaluate(comparator)
             verdict = _COMPARE[type(op)](left, right)
             if not verdict:
@@ -81,7 +88,8 @@ def _evaluate(node: ast.AST):
     if isinstance(node, ast.BoolOp):
         value = _evaluate(node.values[0])
         for operand in node.values[1:]:
-            if bool(value) != isinstance(node.op, ast.And):  # `and` stops at a falsy value, `or` at a truthy one
+            # `and` stops at a falsy value, `or` at a truthy one
+            if bool(value) != isinstance(node.op, ast.And):
                 return value
             value = _evaluate(operand)
         return value
@@ -98,15 +106,22 @@ def _refuse_huge(op: ast.operator, left, right) -> None:
             raise NotALiteral("shift too large")
     elif isinstance(op, ast.Mult):
         for sequence, count in ((left, right), (right, left)):
-            if isinstance(sequence, sequences) and isinstance(count, int) and len(sequence) * count > LONGEST_SEQUENCE:
+            if (
+                isinstance(sequence, sequences)
+                and isinstance(count, int)
+                and len(sequence) * count > LONGEST_SEQUENCE
+            ):
                 raise NotALiteral("repetition too long")
     elif isinstance(op, ast.Mod) and isinstance(left, (str, bytes)):
-        raise NotALiteral("string formatting")  # '%0999999999d' % 1 builds a gigabyte
+        # '%0999999999d' % 1 builds a gigabyte
+        raise NotALiteral("string formatting")
 
 
 def power_too_large(base: int, exponent: int) -> bool:
     """base**exponent past LARGEST_RESULT_BITS: sympy would compute it for minutes, uninterruptibly."""
-    return exponent > 0 and abs(base) > 1 and exponent * abs(base).bit_length() > LARGEST_RESULT_BITS
+    return (
+        exponent > 0 and abs(base) > 1 and exponent * abs(base).bit_length() > LARGEST_RESULT_BITS
+    )
 
 
 # sympy's parse_expr (which verl runs on `Matrix...` answers) is eval underneath; keel hands it
@@ -141,7 +156,9 @@ def parse_literal_matrix(text: str):
         ):
             raise NotALiteral(f"not a literal matrix: {type(node).__name__}")
         if isinstance(node, ast.Call) and (
-            node.keywords or not isinstance(node.func, ast.Name) or node.func.id not in _MATRIX_CALLS
+            node.keywords
+            or not isinstance(node.func, ast.Name)
+            or node.func.id not in _MATRIX_CALLS
         ):
             raise NotALiteral("a call keel does not make")
         if isinstance(node, (ast.BinOp, ast.UnaryOp)) and _list_operand(node):
@@ -163,10 +180,14 @@ def _list_operand(node: ast.AST) -> bool:
 
 def _small_power(node: ast.BinOp) -> bool:
     """A power sympy computes at once: a base with no power in it, a numeric exponent up to 10,000."""
-    if any(isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Pow) for inner in ast.walk(node.left)):
+    if any(
+        isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Pow)
+        for inner in ast.walk(node.left)
+    ):
         return False
     try:
         exponent = _evaluate(node.right)
-    except Exception:  # a symbol in the exponent (it could cancel to anything)
+    # a symbol in the exponent (it could cancel to anything)
+    except Exception:
         return False
     return isinstance(exponent, (int, float, complex)) and abs(exponent) <= 10_000

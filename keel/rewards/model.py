@@ -27,13 +27,17 @@ class RewardTemplate:
         from transformers import AutoConfig, AutoTokenizer
 
         self.path = check_model_dir(path, "reward_model.model.path")
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            self.path, trust_remote_code=trust_remote_code
+        )
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         config = AutoConfig.from_pretrained(self.path, trust_remote_code=trust_remote_code)
-        limit, self.limited_by = context_limit(config, self.tokenizer)  # what it reads, and what says so
+        # what it reads, and what says so
+        limit, self.limited_by = context_limit(config, self.tokenizer)
         self.max_length = max_length or limit
-        if max_length:  # the user's word over the tokenizer's, never past the positions the model has
+        # the user's word over the tokenizer's, never past the positions the model has
+        if max_length:
             positions = getattr(config, "max_position_embeddings", None)
             if positions and max_length > positions:
                 raise KeelError(
@@ -54,10 +58,20 @@ class RewardTemplate:
     def text(self, raw_prompt, response: str) -> str:
         """The conversation as the reward model was trained to read it."""
         if self.tokenizer.chat_template is None:
-            prompt = raw_prompt if isinstance(raw_prompt, str) else "\n".join(m["content"] for m in raw_prompt)
+            prompt = (
+                raw_prompt
+                if isinstance(raw_prompt, str)
+                else "\n".join(m["content"] for m in raw_prompt)
+            )
             return prompt + response
-        chat = [{"role": "user", "content": raw_prompt}] if isinstance(raw_prompt, str) else list(raw_prompt)
-        return self.tokenizer.apply_chat_template(chat + [{"role": "assistant", "content": response}], tokenize=False)
+        chat = (
+            [{"role": "user", "content": raw_prompt}]
+            if isinstance(raw_prompt, str)
+            else list(raw_prompt)
+        )
+        return self.tokenizer.apply_chat_template(
+            chat + [{"role": "assistant", "content": response}], tokenize=False
+        )
 
 
 class RewardModel(RewardTemplate):
@@ -72,7 +86,8 @@ class RewardModel(RewardTemplate):
         from transformers import AutoModelForSequenceClassification
 
         super().__init__(path, max_length, trust_remote_code)
-        weight_file_shapes(self.path)  # a truncated file is a coded error, not a SafetensorError
+        # a truncated file is a coded error, not a SafetensorError
+        weight_file_shapes(self.path)
         self.model = (
             AutoModelForSequenceClassification.from_pretrained(
                 self.path, num_labels=1, trust_remote_code=trust_remote_code
@@ -80,7 +95,8 @@ class RewardModel(RewardTemplate):
             .to(device)
             .eval()
         )
-        self.model.config.pad_token_id = self.tokenizer.pad_token_id  # it finds each sequence's last token by it
+        # it finds each sequence's last token by it
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.device = device
         self.micro_batch_size = micro_batch_size
 
@@ -100,9 +116,12 @@ class RewardModel(RewardTemplate):
         fits = [i for i, x in enumerate(ids) if isinstance(out[i], float)]
         for start in range(0, len(fits), self.micro_batch_size):
             chunk = fits[start : start + self.micro_batch_size]
-            batch = self.tokenizer.pad({"input_ids": [ids[i] for i in chunk]}, padding=True, return_tensors="pt")
+            batch = self.tokenizer.pad(
+                {"input_ids": [ids[i] for i in chunk]}, padding=True, return_tensors="pt"
+            )
             logits = self.model(
-                input_ids=batch["input_ids"].to(self.device), attention_mask=batch["attention_mask"].to(self.device)
+                input_ids=batch["input_ids"].to(self.device),
+                attention_mask=batch["attention_mask"].to(self.device),
             ).logits  # [b, 1]
             for i, value in zip(chunk, logits[:, 0].float().tolist()):
                 out[i] = value

@@ -83,7 +83,8 @@ def compute_score(model_output: str, ground_truth: str) -> tuple[bool, bool, str
             correct = any(verdicts)
         else:
             correct = math_equal(answer, ground_truth)
-    except Exception:  # verl's rule: a comparison that fails is a wrong answer
+    # verl's rule: a comparison that fails is a wrong answer
+    except Exception:
         correct = False
     return correct, well_formatted, answer
 
@@ -110,7 +111,19 @@ def extract_answer(response: str) -> str:
         at = response.lower().rfind(". ")
         if at != -1:
             response = response[:at].strip()
-    for marker in ("be ", "is ", "are ", "=", ": ", "get ", "be\n", "is\n", "are\n", ":\n", "get\n"):
+    for marker in (
+        "be ",
+        "is ",
+        "are ",
+        "=",
+        ": ",
+        "get ",
+        "be\n",
+        "is\n",
+        "are\n",
+        ":\n",
+        "get\n",
+    ):
         at = response.lower().rfind(marker)
         if at != -1:
             response = response[at + len(marker) :].strip()
@@ -153,16 +166,23 @@ def grade_answer(given: str | None, expected: str) -> bool:
     if len(given_normal) == 0:
         return False
     expected_items, given_items = _tuple_items(expected_normal), _tuple_items(given_normal)
-    if len(expected_items) > 1 and (expected_normal[0] != given_normal[0] or expected_normal[-1] != given_normal[-1]):
-        return False  # (a, b) against [a, b]
+    if len(expected_items) > 1 and (
+        expected_normal[0] != given_normal[0] or expected_normal[-1] != given_normal[-1]
+    ):
+        # (a, b) against [a, b]
+        return False
     if len(expected_items) != len(given_items):
         return False
-    return all(_items_equal(truth_item, answer_item) for truth_item, answer_item in zip(expected_items, given_items))
+    return all(
+        _items_equal(truth_item, answer_item)
+        for truth_item, answer_item in zip(expected_items, given_items)
+    )
 
 
 def _items_equal(expected: str, given: str) -> bool:
     if _FRACTION.search(expected) and _FRACTION.search(given):
-        return expected == given  # an unreduced fraction is not the answer
+        # an unreduced fraction is not the answer
+        return expected == given
     if _reads_as_integer(expected) != _reads_as_integer(given):
         return False
     return equal_under_sympy(expected, given)
@@ -176,7 +196,9 @@ def normalize_for_sympy(expr: str) -> str:
         expr = wrapped.group("text")
     expr = expr.replace("\\%", "%").replace("\\$", "$").replace("$", "").replace("%", "")
     expr = expr.replace(" or ", " , ").replace(" and ", " , ")
-    expr = expr.replace("million", "*10^6").replace("billion", "*10^9").replace("trillion", "*10^12")
+    expr = (
+        expr.replace("million", "*10^6").replace("billion", "*10^9").replace("trillion", "*10^12")
+    )
     for unit in _UNITS:
         expr = unit.sub("", expr)
     expr = re.sub(r"\^ *\\circ", "", expr)
@@ -188,20 +210,25 @@ def normalize_for_sympy(expr: str) -> str:
     if "\\" in expr:
         try:
             expr = _latex_to_text(expr)
-        except Exception:  # pylatexenc could not read it: the LaTeX stays
+        # pylatexenc could not read it: the LaTeX stays
+        except Exception:
             pass
     expr = re.sub("- *", "-", expr)
-    expr = re.sub(r"([0-9]) +([0-9])", r"\1+\2", expr)  # 7 3/4 -> 7+3/4
+    # 7 3/4 -> 7+3/4
+    expr = re.sub(r"([0-9]) +([0-9])", r"\1+\2", expr)
     expr = expr.lower()
     if _reads_as_integer(expr):
-        expr = str(int(float(expr.replace(",", ""))))  # int() truncates, as verl's does
+        # int() truncates, as verl's does
+        expr = str(int(float(expr.replace(",", ""))))
     return expr
 
 
 def _latex_to_text(expr: str) -> str:
     from pylatexenc import latex2text
 
-    expr = expr.replace("\\tfrac", "\\frac").replace("\\dfrac", "\\frac").replace("\\frac", " \\frac")
+    expr = (
+        expr.replace("\\tfrac", "\\frac").replace("\\dfrac", "\\frac").replace("\\frac", " \\frac")
+    )
     expr = latex2text.LatexNodes2Text().latex_to_text(expr)
     for symbol, word in _LATEX_SYMBOLS:
         expr = expr.replace(symbol, word)
@@ -219,7 +246,8 @@ def _reads_as_float(text: str) -> bool:
 def _near_integer(value: float) -> bool:
     try:
         return abs(value - int(round(value))) <= 1e-7
-    except Exception:  # inf, nan
+    # inf, nan
+    except Exception:
         return False
 
 
@@ -263,8 +291,15 @@ def equal_under_sympy(expected: str, given: str) -> bool:
         expr = f"({expected})-({given})"
         if not _sympy_may_try(expr) or _could_run_code_or_explode(expr):
             return False
-        transformations = sympy_parser.standard_transformations + (sympy_parser.implicit_multiplication_application,)
-        if simplify(sympy_parser.parse_expr(expr.replace("^", "**"), transformations=transformations)) == 0:
+        transformations = sympy_parser.standard_transformations + (
+            sympy_parser.implicit_multiplication_application,
+        )
+        if (
+            simplify(
+                sympy_parser.parse_expr(expr.replace("^", "**"), transformations=transformations)
+            )
+            == 0
+        ):
             return True
     except Exception:
         pass
@@ -286,7 +321,8 @@ def _could_run_code_or_explode(expr: str) -> bool:
         return True
     for chain in _INTEGER_POWER_CHAIN.finditer(expr.replace("^", "**").replace(" ", "")):
         *bases, exponent = (int(number) for number in chain.group().split("**"))
-        for base in reversed(bases):  # a**b**c is a**(b**c)
+        # a**b**c is a**(b**c)
+        for base in reversed(bases):
             if power_too_large(base, exponent):
                 return True
             exponent = base**exponent

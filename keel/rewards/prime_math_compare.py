@@ -18,10 +18,12 @@ from math import isclose
 
 from keel.rewards.literals import literal_value, parse_literal_matrix
 
-# The MATH set's brace and slash rules, shared with verl's math_reward rule (the same in both of verl's copies).
+# The MATH set's brace and slash rules, shared with verl's math_reward rule (the same in both of
+# verl's copies).
 from keel.rewards.verl_math import braced_frac_arguments, braced_sqrt_arguments, slash_as_frac
 
-TEXT_WRAPPED = re.compile(r"^\\text\{(?P<text>.+?)\}$")  # an answer that is all `\text{...}`
+# an answer that is all `\text{...}`
+TEXT_WRAPPED = re.compile(r"^\\text\{(?P<text>.+?)\}$")
 
 # ---------------------------------------------------------------- MATH (Hendrycks) normalisation
 
@@ -38,7 +40,8 @@ def normalize_answer(answer: str | None) -> str | None:
         if wrapped is not None:
             answer = wrapped.group("text").strip()
         return _strip_latex_noise(answer)
-    except Exception:  # verl's rule: any failure leaves the answer as it is
+    # verl's rule: any failure leaves the answer as it is
+    except Exception:
         return answer
 
 
@@ -55,7 +58,8 @@ def _strip_latex_noise(text: str) -> str:
     if text[0] == ".":
         text = "0" + text
     sides = text.split("=")
-    if len(sides) == 2 and len(sides[0]) <= 2:  # "k = 3" -> "3"
+    # "k = 3" -> "3"
+    if len(sides) == 2 and len(sides[0]) <= 2:
         text = sides[1]
     text = braced_sqrt_arguments(text).replace(" ", "")
     text = braced_frac_arguments(text)
@@ -70,7 +74,8 @@ def _drop_trailing_units(text: str) -> str:
         return text
     parts = text.split("\\text{ ")
     if len(parts) != 2:
-        raise ValueError("more than one unit")  # verl asserts here: the whole normalisation is dropped
+        # verl asserts here: the whole normalisation is dropped
+        raise ValueError("more than one unit")
     return parts[0]
 
 
@@ -88,7 +93,11 @@ PMATRIX = r"\begin{pmatrix}"
 
 
 def math_equal(
-    prediction, reference, include_percentage: bool = True, tolerance: float = 1e-4, pi: float = math.pi
+    prediction,
+    reference,
+    include_percentage: bool = True,
+    tolerance: float = 1e-4,
+    pi: float = math.pi,
 ) -> bool:
     """ToRA's comparison as verl 0.9.1 runs it. Its last step, sympy's `symbolic_equal`, never
     compares in 0.9.1 (it enters `with timeout_limit(...)`, a decorator factory, which raises a
@@ -121,7 +130,8 @@ def _tora_normalize(answer, pi: float):
         return answer[1:]
     if isinstance(answer, str) and any(pattern.match(answer) for pattern in _PERCENT_NUMBER):
         return answer.replace("\\%", "").replace("%", "")
-    if isinstance(answer, str) and "_" in answer:  # `1010_2`: the digits before the base (may raise)
+    # `1010_2`: the digits before the base (may raise)
+    if isinstance(answer, str) and "_" in answer:
         return int(float(answer.split("_")[0]))
     return _substitute_pi(answer, pi)
 
@@ -137,7 +147,8 @@ def _substitute_pi(answer, pi: float):
         at = answer.find("\\pi", at + 1)
     try:
         return literal_value(answer)
-    except Exception:  # verl: eval() failed, the text stays
+    # verl: eval() failed, the text stays
+    except Exception:
         return answer
 
 
@@ -150,20 +161,26 @@ def _as_number(value) -> tuple[bool, float | None]:
         return False, None
 
 
-def _numeric_verdict(prediction, reference, include_percentage: bool, tolerance: float) -> bool | None:
+def _numeric_verdict(
+    prediction, reference, include_percentage: bool, tolerance: float
+) -> bool | None:
     """Equal within `tolerance` (the reference also read as a percentage either way) when both are
     numbers; None when they are not both numbers."""
     try:
         if not (_as_number(prediction)[0] and _as_number(reference)[0]):
             return None
         predicted, expected = _as_number(prediction)[1], _as_number(reference)[1]
-        candidates = [expected / 100, expected, expected * 100] if include_percentage else [expected]
+        candidates = (
+            [expected / 100, expected, expected * 100] if include_percentage else [expected]
+        )
         return any(isclose(candidate, predicted, rel_tol=tolerance) for candidate in candidates)
     except Exception:
         return None
 
 
-def _structural_equal(prediction: str, reference: str, include_percentage: bool, tolerance: float) -> bool:
+def _structural_equal(
+    prediction: str, reference: str, include_percentage: bool, tolerance: float
+) -> bool:
     """Brackets ignored, then part by part: intervals and tuples, comma lists, `Point(...)`, matrices."""
     prediction = _interval_as_brackets(prediction)
     if _equal_without_brackets(prediction, reference):
@@ -176,7 +193,9 @@ def _structural_equal(prediction: str, reference: str, include_percentage: bool,
         and prediction[0] == reference[0]
         and prediction[-1] == reference[-1]
     ):
-        if _parts_equal(prediction[1:-1].split(","), reference[1:-1].split(","), include_percentage, tolerance):
+        if _parts_equal(
+            prediction[1:-1].split(","), reference[1:-1].split(","), include_percentage, tolerance
+        ):
             return True
     if "," in prediction and "," in reference:
         predicted_parts = [part.strip() for part in prediction.split(",")]
@@ -194,7 +213,9 @@ def _structural_equal(prediction: str, reference: str, include_percentage: bool,
     return False
 
 
-def _parts_equal(predicted: list, expected: list, include_percentage: bool, tolerance: float) -> bool:
+def _parts_equal(
+    predicted: list, expected: list, include_percentage: bool, tolerance: float
+) -> bool:
     """Same length and pairwise equal. Every pair is compared (a list, not a generator), so an error
     in any pair propagates as it does in verl. Nested comparisons use the default pi, as verl's do."""
     return len(predicted) == len(expected) and all(
@@ -212,7 +233,9 @@ def _interval_as_brackets(prediction: str) -> str:
 
 
 def _equal_without_brackets(prediction: str, reference: str) -> bool:
-    if (prediction.startswith("[") and prediction.endswith("]") and not reference.startswith("(")) or (
+    if (
+        prediction.startswith("[") and prediction.endswith("]") and not reference.startswith("(")
+    ) or (
         prediction.startswith("(") and prediction.endswith(")") and not reference.startswith("[")
     ):
         prediction, reference = prediction.strip("[]()"), reference.strip("[]()")
@@ -221,19 +244,27 @@ def _equal_without_brackets(prediction: str, reference: str) -> bool:
     return prediction == reference
 
 
-def _sympy_matrix_equal(prediction: str, reference: str, include_percentage: bool, tolerance: float) -> bool:
+def _sympy_matrix_equal(
+    prediction: str, reference: str, include_percentage: bool, tolerance: float
+) -> bool:
     """`Matrix([[1], [2]])` against `\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}`, entry by entry."""
     try:
         entries = parse_literal_matrix(prediction)
         expected = reference.split()[1:-1:2]
         return len(entries) == len(expected) and all(
-            [math_equal(entry, item, include_percentage, tolerance) for item, entry in zip(expected, entries)]
+            [
+                math_equal(entry, item, include_percentage, tolerance)
+                for item, entry in zip(expected, entries)
+            ]
         )
-    except Exception:  # verl: a failed parse or comparison is "not equal"
+    # verl: a failed parse or comparison is "not equal"
+    except Exception:
         return False
 
 
-def _list_matrix_equal(prediction: str, reference: str, include_percentage: bool, tolerance: float) -> bool:
+def _list_matrix_equal(
+    prediction: str, reference: str, include_percentage: bool, tolerance: float
+) -> bool:
     """`[[1, 2], [3, 4]]` against a pmatrix, row by row. A prediction that does not evaluate raises,
     as verl's bare `eval` does."""
     if not isinstance(literal_value(prediction), list):
@@ -248,7 +279,10 @@ def _list_matrix_equal(prediction: str, reference: str, include_percentage: bool
         )
         rows = [row.split("&") if "&" in row else row for row in body.split("\\")]
         return len(rows_predicted) == len(rows) and all(
-            [math_equal(row_p, row, include_percentage, tolerance) for row, row_p in zip(rows, rows_predicted)]
+            [
+                math_equal(row_p, row, include_percentage, tolerance)
+                for row, row_p in zip(rows, rows_predicted)
+            ]
         )
     except Exception:
         return False

@@ -22,7 +22,13 @@ from keel.rewards.executor import ScoringPool, Started
 from keel.rewards.sandbox import require_jail
 from keel.rewards.score_errors import scoring_error, too_many_not_scored
 from keel.rewards.score_metrics import score_metrics
-from keel.rewards.scorers import DATA_SOURCE_SCORERS, NO_GROUND_TRUTH, SCORERS, RewardFn, scorer_for_source
+from keel.rewards.scorers import (
+    DATA_SOURCE_SCORERS,
+    NO_GROUND_TRUTH,
+    SCORERS,
+    RewardFn,
+    scorer_for_source,
+)
 from keel.rewards.worker import (
     NOT_FINITE,
     SampleResult,
@@ -35,8 +41,10 @@ from keel.rewards.worker import (
 log = logging.getLogger("keel")
 
 
-RUN_CODE = (("builtin", "code_exec"), ("builtin", "prime_code"))  # scorers that run the response
-REWARD_MODEL = ("reward_model",)  # the spec naming the reward model in a data_source's scorers
+# scorers that run the response
+RUN_CODE = (("builtin", "code_exec"), ("builtin", "prime_code"))
+# the spec naming the reward model in a data_source's scorers
+REWARD_MODEL = ("reward_model",)
 SERVICE = ("service",)
 
 
@@ -46,14 +54,16 @@ class ScoreResult:
     scored: torch.Tensor  # [N] bool
     reasons: list[str | None]  # [N] why a sample was not scored
     metrics: dict[str, float]
-    extras: list[dict] = field(default_factory=list)  # [N] dict results' other keys (verl's reward_extra_info)
+    # [N] dict results' other keys (verl's reward_extra_info)
+    extras: list[dict] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class StartedSample:
     """A sample's scoring begun ahead of its batch (`RewardScorer.start`)."""
 
-    task: bytes  # what it scores, pickled: the response, its row's ground truth and extra_info, the scorers
+    # what it scores, pickled: the response, its row's ground truth and extra_info, the scorers
+    task: bytes
     started: Started
 
     def of(self, task: SampleTask) -> Started | None:
@@ -143,7 +153,9 @@ class RewardScorer:
             if name == "custom":
                 return f"your function {self.user_code(data_source) or ''}".rstrip()
             chosen = (
-                "" if data_source in self.by_source else " (chosen by data_source, as verl's default_compute_score)"
+                ""
+                if data_source in self.by_source
+                else " (chosen by data_source, as verl's default_compute_score)"
             )
             return f"built-in `{name}`{chosen}"
 
@@ -157,7 +169,8 @@ class RewardScorer:
         spec = self.scorers_for(data_source).get("custom", (None,))[0]
         if isinstance(spec, tuple):
             return f"`{spec[2]}` in `{spec[1]}`" if spec[:1] == ("file",) else None
-        function = getattr(spec, "func", spec)  # a functools.partial when reward_kwargs are bound
+        # a functools.partial when reward_kwargs are bound
+        function = getattr(spec, "func", spec)
         try:
             return f"`{function.__name__}` in `{inspect.getsourcefile(function)}`"
         except (TypeError, AttributeError):
@@ -169,11 +182,17 @@ class RewardScorer:
         `files`: the data files the records come from, for the fix line."""
         needs_truth = set()
         for source in sorted({r.data_source for r in records}):
-            if any(name in SCORERS and name not in NO_GROUND_TRUTH for name in self.scorers_for(source)):
+            if any(
+                name in SCORERS and name not in NO_GROUND_TRUTH for name in self.scorers_for(source)
+            ):
                 needs_truth.add(source)
-        missing = [r.index for r in records if r.data_source in needs_truth and r.ground_truth is None]
+        missing = [
+            r.index for r in records if r.data_source in needs_truth and r.ground_truth is None
+        ]
         if missing:
-            sources = sorted(needs_truth & {r.data_source for r in records if r.ground_truth is None})
+            sources = sorted(
+                needs_truth & {r.data_source for r in records if r.ground_truth is None}
+            )
             raise KeelError(
                 MISSING_GROUND_TRUTH,
                 f"{len(missing)} rows (first: row {missing[0]}) have no "
@@ -184,7 +203,8 @@ class RewardScorer:
             )
         code_rows = [r for r in records if self._runs_code(r.data_source)]
         if code_rows:
-            try:  # every row: test cases in neither form would never score
+            # every row: test cases in neither form would never score
+            try:
                 check_ground_truths(code_rows)
             except KeelError as refused:
                 where = f"{_in_files(files).strip()}: " if files else ""
@@ -198,7 +218,8 @@ class RewardScorer:
     def _runs_code(self, data_source: str) -> bool:
         return any(spec in RUN_CODE for spec, _ in self.scorers_for(data_source).values())
 
-    def score(self, records: list, response_texts: list[str]) -> torch.Tensor:  # -> [N]
+    # -> [N]
+    def score(self, records: list, response_texts: list[str]) -> torch.Tensor:
         return self.score_batch(records, response_texts).scores
 
     @property
@@ -214,7 +235,9 @@ class RewardScorer:
         agent gave."""
         if self.service is not None or self.batched or agent_reward(record) is not None:
             return None
-        task = sample_task(record, self.scorers_for(record.data_source), response_text, self.timeout_s)
+        task = sample_task(
+            record, self.scorers_for(record.data_source), response_text, self.timeout_s
+        )
         started = self.pool.start(task)
         return None if started is None else StartedSample(pickle.dumps(task), started)
 
@@ -233,16 +256,30 @@ class RewardScorer:
         `started[i]`: sample i's scoring as `start` began it (if None, or another task's: scored now)."""
         on_error = on_error or self.on_error
         given = [agent_reward(r) for r in records]
-        weights = [AGENT_WEIGHTS if g is not None else self.scorers_for(r.data_source) for r, g in zip(records, given)]
-        rest = [i for i, g in enumerate(given) if g is None]  # what the agent left to the scorers
-        tasks = [sample_task(records[i], weights[i], response_texts[i], self.timeout_s) for i in rest]
+        weights = [
+            AGENT_WEIGHTS if g is not None else self.scorers_for(r.data_source)
+            for r, g in zip(records, given)
+        ]
+        # what the agent left to the scorers
+        rest = [i for i, g in enumerate(given) if g is None]
+        tasks = [
+            sample_task(records[i], weights[i], response_texts[i], self.timeout_s) for i in rest
+        ]
         ahead = [_begun(started[i], task) for i, task in zip(rest, tasks)] if started else None
         scored_rest = iter(
-            self._run([records[i] for i in rest], [response_texts[i] for i in rest], [weights[i] for i in rest], ahead)
+            self._run(
+                [records[i] for i in rest],
+                [response_texts[i] for i in rest],
+                [weights[i] for i in rest],
+                ahead,
+            )
             if rest
             else []
         )
-        results = [SampleResult({"agent": g}, None, 0.0) if g is not None else next(scored_rest) for g in given]
+        results = [
+            SampleResult({"agent": g}, None, 0.0) if g is not None else next(scored_rest)
+            for g in given
+        ]
         failed = [(i, res.reason) for i, res in enumerate(results) if res.values is None]
         if failed:
             log.warning(
@@ -255,7 +292,11 @@ class RewardScorer:
         if failed and on_error == "raise":
             first = records[failed[0][0]]
             raise scoring_error(
-                first, failed[0][1], response_texts[failed[0][0]], self.timeout_s, self.user_code(first.data_source)
+                first,
+                failed[0][1],
+                response_texts[failed[0][0]],
+                self.timeout_s,
+                self.user_code(first.data_source),
             )
         totals = [
             sum(weight * res.values[name] for name, (_, weight) in w.items()) if res.values else 0.0
@@ -264,8 +305,11 @@ class RewardScorer:
         scores = torch.tensor(totals, dtype=torch.float32)
         scored = torch.tensor([res.values is not None or on_error == "zero" for res in results])
         metrics = score_metrics(results, failed)
-        if ahead is not None:  # how much of the batch began scoring as it finished, beside generation
-            metrics["reward/scored_ahead"] = sum(a is not None for a in ahead) / max(len(records), 1)
+        # how much of the batch began scoring as it finished, beside generation
+        if ahead is not None:
+            metrics["reward/scored_ahead"] = sum(a is not None for a in ahead) / max(
+                len(records), 1
+            )
         if self.service is not None:
             metrics["reward/service_retries"] = float(self.service.retries)
         if self.overlong is not None and response_lengths is not None:
@@ -276,25 +320,39 @@ class RewardScorer:
             self._skip_if_nonfinite(failed, len(records), may_skip)
             raise too_many_not_scored(failed, records, self.max_not_scored_ratio)
         return ScoreResult(
-            scores, scored, [res.reason for res in results], metrics, [res.extras or {} for res in results]
+            scores,
+            scored,
+            [res.reason for res in results],
+            metrics,
+            [res.extras or {} for res in results],
         )
 
     def _skip_if_nonfinite(self, failed: list[tuple[int, str]], total: int, may_skip: bool) -> None:
         """trainer.guards.nonfinite=skip: a batch pushed over max_not_scored_ratio by NaN or infinite
         scores is skipped like a step with NaN log-probs. Other failures past the ratio still stop."""
-        nonfinite = [reason for _, reason in failed if reason.removeprefix("service: ") in NOT_FINITE]
+        nonfinite = [
+            reason for _, reason in failed if reason.removeprefix("service: ") in NOT_FINITE
+        ]
         if not (may_skip and self.nonfinite == "skip" and nonfinite):
             return
         if (len(failed) - len(nonfinite)) / total <= self.max_not_scored_ratio:
-            log.warning("skipping the step: %d of %d scores are NaN or infinite", len(nonfinite), total)
+            log.warning(
+                "skipping the step: %d of %d scores are NaN or infinite", len(nonfinite), total
+            )
             raise SkipStep("rewards")
 
-    def _run(self, records: list, texts: list[str], weights: list[dict], started: list) -> list[SampleResult]:
+    def _run(
+        self, records: list, texts: list[str], weights: list[dict], started: list
+    ) -> list[SampleResult]:
         """Each sample's per-scorer values, or the reason it has none (`started`: what the pool began)."""
-        if self.service is not None:  # reward.service.url: the remote service scores every sample
+        # reward.service.url: the remote service scores every sample
+        if self.service is not None:
             return self.service.score(records, texts)
-        tasks = [sample_task(r, w, text, self.timeout_s) for r, w, text in zip(records, weights, texts)]
-        if self.batched:  # custom_reward_function.batched: the custom function scores the whole batch
+        tasks = [
+            sample_task(r, w, text, self.timeout_s) for r, w, text in zip(records, weights, texts)
+        ]
+        # custom_reward_function.batched: the custom function scores the whole batch
+        if self.batched:
             results = score_batched(resolve(self.custom), tasks)
         else:
             results = self.pool.run(tasks, self.timeout_s, started)
@@ -328,22 +386,35 @@ def sample_task(record, weights: dict, text: str, timeout_s: float | None) -> Sa
     )
 
 
-def add_reward_model_scores(reward_model, records, texts, weights, results: list[SampleResult]) -> None:
+def add_reward_model_scores(
+    reward_model, records, texts, weights, results: list[SampleResult]
+) -> None:
     """The reward model scores its samples in batches on the device, beside the rule scorers."""
-    rows = [i for i, w in enumerate(weights) if "reward_model" in w and results[i].values is not None]
+    rows = [
+        i for i, w in enumerate(weights) if "reward_model" in w and results[i].values is not None
+    ]
     if not rows:
         return
-    for i, value in zip(rows, reward_model.score([records[i].raw_prompt for i in rows], [texts[i] for i in rows])):
-        if isinstance(value, str):  # too long to read whole: not scored, never truncated
+    for i, value in zip(
+        rows, reward_model.score([records[i].raw_prompt for i in rows], [texts[i] for i in rows])
+    ):
+        # too long to read whole: not scored, never truncated
+        if isinstance(value, str):
             results[i] = SampleResult(None, value, results[i].seconds)
         else:
             results[i].values["reward_model"] = value
 
 
-def _check_scorer_names(by_source: dict[str, dict[str, float]], custom: bool, reward_model: bool) -> None:
+def _check_scorer_names(
+    by_source: dict[str, dict[str, float]], custom: bool, reward_model: bool
+) -> None:
     """reward.scorers names only built-in scorers, `custom` with a custom function and
     `reward_model` with a reward model."""
-    known = set(SCORERS) | ({"custom"} if custom else set()) | ({"reward_model"} if reward_model else set())
+    known = (
+        set(SCORERS)
+        | ({"custom"} if custom else set())
+        | ({"reward_model"} if reward_model else set())
+    )
     for source, weights in by_source.items():
         unknown = sorted(set(weights) - known)
         if unknown:
@@ -351,7 +422,9 @@ def _check_scorer_names(by_source: dict[str, dict[str, float]], custom: bool, re
                 NO_SCORER,
                 f"reward.scorers.{source} names {unknown}, which are not scorers",
                 f"use built-in scorers {sorted(SCORERS)}"
-                + (" or custom" if custom else " (set custom_reward_function.path to use `custom`)"),
+                + (
+                    " or custom" if custom else " (set custom_reward_function.path to use `custom`)"
+                ),
             )
 
 

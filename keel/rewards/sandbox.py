@@ -86,10 +86,14 @@ BY_SHARED_UID = f"RLIMIT_NPROC of uid {SANDBOX_UID}, shared by every run on this
 
 @dataclass(frozen=True)
 class Jail:
-    mode: str  # AS_NOBODY | IN_USER_NAMESPACE | NO_JAIL_AS_NOBODY | NO_JAIL
-    protections: dict[str, bool]  # PROTECTIONS -> in force here
-    why_not: str  # when some are missing: what stopped them
-    process_cap: str = ""  # what caps the process count here (BY_*), empty when nothing does
+    # AS_NOBODY | IN_USER_NAMESPACE | NO_JAIL_AS_NOBODY | NO_JAIL
+    mode: str
+    # PROTECTIONS -> in force here
+    protections: dict[str, bool]
+    # when some are missing: what stopped them
+    why_not: str
+    # what caps the process count here (BY_*), empty when nothing does
+    process_cap: str = ""
 
     @property
     def complete(self) -> bool:
@@ -115,7 +119,9 @@ class Jail:
         what caps its processes."""
         facts = f"runs as {self.runs_as()}; {self.caps_processes()}"
         if self.complete:
-            return f"{self.mode}: every protection in force ({', '.join(self.protections)}); {facts}"
+            return (
+                f"{self.mode}: every protection in force ({', '.join(self.protections)}); {facts}"
+            )
         return f"{self.mode}: model-written code runs without {', '.join(self.missing())} ({self.why_not}); {facts}"
 
     def describe(self) -> list[str]:
@@ -134,7 +140,9 @@ _CPU_SIGNALS = {-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU, 128 + si
 def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> str:  # noqa: B008 - frozen, safe to share
     """The solution's stdout; SandboxViolation when a limit stopped it, with the reason."""
     found = jail()
-    finished = run_jailed(found.mode, code, stdin, limits, accounted=found.protections["accounting"])
+    finished = run_jailed(
+        found.mode, code, stdin, limits, accounted=found.protections["accounting"]
+    )
     if finished.stopped:
         raise SandboxViolation(finished.stopped)
     verdict = limit_verdict(finished, limits)
@@ -152,7 +160,11 @@ def limit_verdict(finished: Finished, limits: Limits) -> str | None:
     if finished.cpu_s is not None:
         if finished.oom_killed:
             return f"memory limit: over {limits.memory_mb} MB"
-        return f"cpu limit: over {limits.cpu_s} s of CPU" if finished.cpu_s >= 0.95 * limits.cpu_s else None
+        return (
+            f"cpu limit: over {limits.cpu_s} s of CPU"
+            if finished.cpu_s >= 0.95 * limits.cpu_s
+            else None
+        )
     if finished.returncode in _CPU_SIGNALS:
         return f"cpu limit: over {limits.cpu_s} s of CPU"
     if finished.returncode != 0 and b"MemoryError" in finished.stderr:
@@ -197,8 +209,8 @@ print(json.dumps({
     "filesystem": not os.path.exists(trainer_dir) and refused(lambda: open("/keel_probe", "w")),
     "network": [name for _, name in socket.if_nameindex()] == ["lo"],
     "processes": refused(lambda: os.kill(trainer_pid, 0)),
-    # Owning root's files (its uid mapped to root outside a user namespace) is root's power over them:
-    # changing /dev/null's mode to what it is already tells, and changes nothing.
+    # Owning root's files (its uid mapped to root outside a user namespace) is root's power over
+    # them: changing /dev/null's mode to what it is already tells, and changes nothing.
     "user": (os.getuid() != 0 and status("CapEff") == status("CapPrm") == 0
              and refused(lambda: os.chmod("/dev/null", 0o666))
              and not (os.getuid() == trainer_uid and os.path.exists(trainer_dir))),
@@ -216,31 +228,48 @@ PROBE_LIMITS = Limits(wall_s=60.0, cpu_s=10, processes=12)
 def _probe(mode: str) -> dict[str, bool] | str:
     """The protections a mode gives here, or why it cannot run. The probe runs without a cgroup:
     what caps its processes is what a run has where no cgroup can be had."""
-    args = [str(os.getpid()), str(os.getuid()), os.path.realpath(os.getcwd()), str(PROBE_LIMITS.processes)]
+    args = [
+        str(os.getpid()),
+        str(os.getuid()),
+        os.path.realpath(os.getcwd()),
+        str(PROBE_LIMITS.processes),
+    ]
     try:
         finished = run_jailed(mode, _PROBE, "", PROBE_LIMITS, args, accounted=False)
     except (OSError, ValueError, subprocess.SubprocessError) as error:
         return f"{mode}: {error}"
-    if finished.stopped or finished.returncode != 0:  # bwrap says why on stderr (an old release, a refusal)
+    # bwrap says why on stderr (an old release, a refusal)
+    if finished.stopped or finished.returncode != 0:
         said = finished.stderr.decode(errors="replace").strip().splitlines()
-        return f"{mode}: " + (said[-1] if said else finished.stopped or f"exit status {finished.returncode}")
+        return f"{mode}: " + (
+            said[-1] if said else finished.stopped or f"exit status {finished.returncode}"
+        )
     try:
         checks = json.loads(finished.stdout)
     except ValueError:
         return f"{mode}: the probe's answer was unreadable"
     accounting = _accounting_works(mode)
-    return {**checks, "process count": checks["process count"] or accounting, "accounting": accounting, "output": True}
+    return {
+        **checks,
+        "process count": checks["process count"] or accounting,
+        "accounting": accounting,
+        "output": True,
+    }
 
 
-_COUNT_PROCESSES = _PROBE_TOOLS + "print(processes_started())\n"  # how many children got through
+# how many children got through
+_COUNT_PROCESSES = _PROBE_TOOLS + "print(processes_started())\n"
 
 
 def _accounting_works(mode: str) -> bool:
     """Whether a run can have a cgroup of its own here, tried end to end: the kernel's books read,
     and its pids.max holding."""
     try:
-        finished = run_jailed(mode, _COUNT_PROCESSES, "", PROBE_LIMITS, ["0", "0", "", str(PROBE_LIMITS.processes)])
-    except (OSError, ValueError, subprocess.SubprocessError):  # the child could not join the group
+        finished = run_jailed(
+            mode, _COUNT_PROCESSES, "", PROBE_LIMITS, ["0", "0", "", str(PROBE_LIMITS.processes)]
+        )
+    # the child could not join the group
+    except (OSError, ValueError, subprocess.SubprocessError):
         return False
     return (
         finished.cpu_s is not None
@@ -270,13 +299,19 @@ NO_PROCESS_CAP = (
 )
 
 
-NO_SECCOMP = "no seccomp filter inside the jail (it needs pyseccomp and libseccomp: pip install pyseccomp)"
+NO_SECCOMP = (
+    "no seccomp filter inside the jail (it needs pyseccomp and libseccomp: pip install pyseccomp)"
+)
 
 
 def _shortfalls(protections: dict[str, bool]) -> list[str]:
     return [
         why
-        for name, why in (("accounting", NO_CGROUP), ("process count", NO_PROCESS_CAP), ("syscalls", NO_SECCOMP))
+        for name, why in (
+            ("accounting", NO_CGROUP),
+            ("process count", NO_PROCESS_CAP),
+            ("syscalls", NO_SECCOMP),
+        )
         if not protections[name]
     ]
 
@@ -293,12 +328,18 @@ def jail() -> Jail:
     for mode in modes + ([NO_JAIL_AS_NOBODY] if root else []) + [NO_JAIL]:
         protections = _probe(mode)
         if isinstance(protections, dict):
-            return Jail(mode, protections, "; ".join(failures + _shortfalls(protections)), _process_cap(protections))
+            return Jail(
+                mode,
+                protections,
+                "; ".join(failures + _shortfalls(protections)),
+                _process_cap(protections),
+            )
         failures.append(protections)
     return Jail(NO_JAIL, {name: name == "output" for name in PROTECTIONS}, "; ".join(failures))
 
 
-ISOLATION = ("filesystem", "network", "processes", "user", "process count")  # reward.sandbox.require=isolation
+# reward.sandbox.require=isolation
+ISOLATION = ("filesystem", "network", "processes", "user", "process count")
 
 
 def _jail_fix(found: Jail) -> str:
@@ -327,6 +368,8 @@ def require_jail(required: str) -> Jail:
     message = f"the code sandbox runs without: {', '.join(found.missing())} ({found.why_not})"
     needed = {"all": list(PROTECTIONS), "isolation": ISOLATION, "none": ()}[required]
     if any(not found.protections[name] for name in needed):
-        raise KeelError(SANDBOX_INCOMPLETE, f"{message}; reward.sandbox.require={required}", _jail_fix(found))
+        raise KeelError(
+            SANDBOX_INCOMPLETE, f"{message}; reward.sandbox.require={required}", _jail_fix(found)
+        )
     log.warning("%s; reward.sandbox.require=all refuses to run like this", message)
     return found

@@ -3,11 +3,19 @@ reward.on_error=raise stops at (a non-number, a timeout, a scorer that raised)."
 
 from __future__ import annotations
 
-from keel.errors import REWARD_NOT_NUMBER, SCORER_RAISED, SCORER_TIMEOUT, TOO_MANY_NOT_SCORED, KeelError
+from keel.errors import (
+    REWARD_NOT_NUMBER,
+    SCORER_RAISED,
+    SCORER_TIMEOUT,
+    TOO_MANY_NOT_SCORED,
+    KeelError,
+)
 from keel.errors.fixes import setting
 
 
-def too_many_not_scored(failed: list[tuple[int, str]], records: list, max_ratio: float) -> KeelError:
+def too_many_not_scored(
+    failed: list[tuple[int, str]], records: list, max_ratio: float
+) -> KeelError:
     return KeelError(
         TOO_MANY_NOT_SCORED,
         f"{len(failed)} of {len(records)} samples could not be scored "
@@ -28,7 +36,9 @@ def scoring_error(
         return KeelError(
             REWARD_NOT_NUMBER,
             f"the reward function returned {reason[len('not a number: ') :]} ({where})",
-            f"make {code} return a finite float for every sample (e.g. return float(score))" if code else None,
+            f"make {code} return a finite float for every sample (e.g. return float(score))"
+            if code
+            else None,
         )
     if reason.startswith("timeout"):
         return KeelError(
@@ -41,5 +51,7 @@ def scoring_error(
     return KeelError(
         SCORER_RAISED,
         f"the scorer {reason} ({where})",
-        f"make {code} score this input without raising (an empty response must score, e.g. 0.0)" if code else None,
+        f"make {code} score this input without raising (an empty response must score, e.g. 0.0)"
+        if code
+        else None,
     )

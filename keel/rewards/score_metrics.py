@@ -32,7 +32,8 @@ def score_metrics(results: list[SampleResult], failed: list[tuple[int, str]]) ->
     return metrics
 
 
-AGENT_COUNTS = ("agent/errors", "agent/timeouts", "agent/prefix_breaks", "agent/dropped")  # per batch, counted
+# per batch, counted
+AGENT_COUNTS = ("agent/errors", "agent/timeouts", "agent/prefix_breaks", "agent/dropped")
 
 
 def merge_score_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
@@ -47,5 +48,7 @@ def merge_score_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, 
         elif name.endswith("/max") or name == "reward/service_retries":
             merged[name] = max(value for value, _ in values)
         else:
-            merged[name] = sum(value * count for value, count in values) / max(sum(c for _, c in values), 1)
+            merged[name] = sum(value * count for value, count in values) / max(
+                sum(c for _, c in values), 1
+            )
     return merged

@@ -26,34 +26,49 @@ def _normalise_number(text: str) -> str:
     return text.replace(",", "").rstrip(".").strip()
 
 
-def exact_match(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def exact_match(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """1.0 when the response, stripped of surrounding whitespace, equals the ground truth."""
     return float(solution_str.strip() == str(ground_truth).strip())
 
 
-VERL_GSM8K_CLIP_CHARS = 300  # verl reads only the end of a response
+# verl reads only the end of a response
+VERL_GSM8K_CLIP_CHARS = 300
 
 
-def gsm8k(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def gsm8k(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """verl's GSM8K rule (verl/utils/reward_score/gsm8k.py, strict), so reward curves compare: in the
     last 300 characters, the last `#### <number>` with `,` and `$` removed must equal the ground
     truth as a string (`#### 72.` is not 72). One difference: a ground truth that is not a string
     is compared as its text (verl compares the string with the number itself, and scores 0)."""
     matches = _GSM8K_STRICT.findall(solution_str[-VERL_GSM8K_CLIP_CHARS:])
-    return float(bool(matches) and matches[-1].replace(",", "").replace("$", "") == str(ground_truth))
+    return float(
+        bool(matches) and matches[-1].replace(",", "").replace("$", "") == str(ground_truth)
+    )
 
 
-def gsm8k_lenient(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def gsm8k_lenient(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """GSM8K's strict format read kindly: the last `#### <number>` anywhere in the response, with
     thousands separators and a trailing full stop dropped on both sides, must equal the answer."""
     matches = _GSM8K_STRICT.findall(solution_str)
-    return float(bool(matches) and _normalise_number(matches[-1]) == _normalise_number(str(ground_truth)))
+    return float(
+        bool(matches) and _normalise_number(matches[-1]) == _normalise_number(str(ground_truth))
+    )
 
 
-def gsm8k_flexible(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def gsm8k_flexible(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """GSM8K's flexible mode: the last number anywhere in the response must equal the answer."""
     numbers = _NUMBER.findall(solution_str)
-    return float(bool(numbers) and _normalise_number(numbers[-1]) == _normalise_number(str(ground_truth)))
+    return float(
+        bool(numbers) and _normalise_number(numbers[-1]) == _normalise_number(str(ground_truth))
+    )
 
 
 def last_boxed(text: str) -> str | None:
@@ -67,7 +82,8 @@ def last_boxed(text: str) -> str | None:
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return text[i:j]
-    return None  # unbalanced: the response was cut off
+    # unbalanced: the response was cut off
+    return None
 
 
 _FINAL_ANSWER = re.compile(
@@ -84,7 +100,9 @@ def extract_math_answer(text: str) -> str | None:
     return matches[-1].strip() if matches else None
 
 
-def math_equivalent(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def math_equivalent(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """Mathematical equivalence of the extracted answer and the ground truth (math-verify): `1/2`, `0.5`
     and `\\frac{1}{2}` are the same answer, boxed or after "the answer is". More lenient than verl's
     rules, so no data source picks it: name it in reward.scorers.<data_source>.math_equivalent."""
@@ -95,12 +113,17 @@ def math_equivalent(data_source: str, solution_str: str, ground_truth: Any, extr
         return 0.0
     # math-verify's own timeouts use SIGALRM, which works on the main thread only (not on the reward
     # server's) and cancels keel's alarm; keel's reward.timeout_s bounds the whole scorer instead.
-    gold = parse(f"${ground_truth}$" if "$" not in str(ground_truth) else str(ground_truth), parsing_timeout=None)
+    gold = parse(
+        f"${ground_truth}$" if "$" not in str(ground_truth) else str(ground_truth),
+        parsing_timeout=None,
+    )
     predicted = parse(f"${answer}$", parsing_timeout=None)
     return float(bool(gold) and bool(predicted) and verify(gold, predicted, timeout_seconds=None))
 
 
-def regex_match(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def regex_match(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """The ground truth is a regular expression the whole (stripped) response must match."""
     return float(re.fullmatch(str(ground_truth), solution_str.strip(), re.DOTALL) is not None)
 
@@ -108,8 +131,10 @@ def regex_match(data_source: str, solution_str: str, ground_truth: Any, extra_in
 _CHOICE_PATTERNS = [
     re.compile(r"\\boxed\{\s*\(?([A-J])\)?\s*\}"),
     re.compile(r"answer is\s*:?\s*\(?([A-J])\)?(?![A-Za-z])", re.IGNORECASE),
-    re.compile(r"^\s*\(?([A-J])\)?[.)]?\s*$", re.IGNORECASE),  # the response is just the letter
-    re.compile(r"\(([A-J])\)"),  # a parenthesised letter anywhere (the last one counts)
+    # the response is just the letter
+    re.compile(r"^\s*\(?([A-J])\)?[.)]?\s*$", re.IGNORECASE),
+    # a parenthesised letter anywhere (the last one counts)
+    re.compile(r"\(([A-J])\)"),
 ]
 
 
@@ -121,7 +146,9 @@ def extract_choice(text: str) -> str | None:
     return None
 
 
-def multiple_choice(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def multiple_choice(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """The chosen letter (boxed, 'the answer is (B)', or the bare letter) equals the ground truth's."""
     choice = extract_choice(solution_str)
     return float(choice is not None and choice == str(ground_truth).strip().strip("()").upper())
@@ -146,7 +173,9 @@ def extract_code(text: str) -> str:
     return blocks[-1] if blocks else text
 
 
-def code_exec(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def code_exec(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """Share of test cases the program passes, in keel's sandbox: keel's [{"input", "output"}] form or
     verl's {"inputs", "outputs"} (keel/rewards/code_tests.py)."""
     from keel.rewards.code_tests import code_exec as score_tests
@@ -154,13 +183,17 @@ def code_exec(data_source: str, solution_str: str, ground_truth: Any, extra_info
     return score_tests(data_source, solution_str, ground_truth, extra_info)
 
 
-def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def arithmetic(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """keel's demo task: the response must be the integer answer and nothing else."""
     answer = solution_str.strip()
     return float(re.fullmatch(r"-?\d+", answer) is not None and int(answer) == int(ground_truth))
 
 
-def tool_arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict:
+def tool_arithmetic(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> dict:
     """keel's tools demo: the final answer (the last assistant turn of a multi-turn rollout) must be the
     integer answer; `correct_call`: whether a tool's output was that answer (the right calculator call)."""
     info = extra_info or {}
@@ -192,7 +225,8 @@ SCORERS: dict[str, RewardFn] = {
 }
 
 # data_source values that pick a built-in scorer: every one verl 0.9.1 routes, to the scorer giving
-# verl's score, and keel's own. Data sources starting with "aime" go to math_dapo too (scorer_for_source).
+# verl's score, and keel's own. Data sources starting with "aime" go to math_dapo too
+# (scorer_for_source).
 DATA_SOURCE_SCORERS = {
     **VERL_DATA_SOURCES,
     "aime2024": "math_dapo",

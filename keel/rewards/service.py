@@ -45,14 +45,22 @@ def make_server(
     """`inject`: faults answered to the first POST /score requests, in order (`500`, `malformed`
     JSON, `slow`: 60 s of silence), for testing a client's handling of a failing service."""
     return _Server(
-        (host, port), _ScoreHandler, scorer, token, max_request_bytes, max_concurrency, inject or [], queue_timeout_s
+        (host, port),
+        _ScoreHandler,
+        scorer,
+        token,
+        max_request_bytes,
+        max_concurrency,
+        inject or [],
+        queue_timeout_s,
     )
 
 
 class _ScoreHandler(BaseHTTPRequestHandler):
     """GET /health and POST /score; its settings are the server's (`self.server`)."""
 
-    def log_message(self, *args) -> None:  # one line per request is noise in a training log
+    # one line per request is noise in a training log
+    def log_message(self, *args) -> None:
         pass
 
     def reply(self, status: int, body: dict) -> None:
@@ -76,11 +84,17 @@ class _ScoreHandler(BaseHTTPRequestHandler):
         raw = self.headers.get("Content-Length")
         raw = raw.strip() if raw is not None else None
         if raw is None or not (raw.isascii() and raw.isdigit() and len(raw) <= 18):
-            self.reply(HTTPStatus.LENGTH_REQUIRED, {"error": f"Content-Length must be a byte count, got {raw!r}"})
+            self.reply(
+                HTTPStatus.LENGTH_REQUIRED,
+                {"error": f"Content-Length must be a byte count, got {raw!r}"},
+            )
             return None
         length, limit = int(raw), self.server.max_request_bytes
         if length > limit:
-            self.reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": f"request of {length} bytes is over {limit}"})
+            self.reply(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                {"error": f"request of {length} bytes is over {limit}"},
+            )
             return None
         return length
 
@@ -104,15 +118,19 @@ class _ScoreHandler(BaseHTTPRequestHandler):
         except ValueError as e:
             return self.reply(HTTPStatus.BAD_REQUEST, {"error": f"malformed request: {e}"})
         server = self.server
-        if not server.busy.acquire(timeout=server.queue_timeout_s):  # a burst waits; a flood is told to back off
+        # a burst waits; a flood is told to back off
+        if not server.busy.acquire(timeout=server.queue_timeout_s):
             return self.reply(
                 HTTPStatus.TOO_MANY_REQUESTS,
-                {"error": f"over {server.max_concurrency} requests at once for {server.queue_timeout_s} s"},
+                {
+                    "error": f"over {server.max_concurrency} requests at once for {server.queue_timeout_s} s"
+                },
             )
         try:
             if not self.answered_with_fault(server.next_fault()):
                 self.reply(HTTPStatus.OK, score_request(server.scorer, request))
-        except Exception as e:  # a bug on the server: the client retries a 500
+        # a bug on the server: the client retries a 500
+        except Exception as e:
             self.reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(e).__name__}: {e}"})
         finally:
             server.busy.release()
@@ -133,7 +151,8 @@ class _ScoreHandler(BaseHTTPRequestHandler):
 
 
 class _Server(ThreadingHTTPServer):
-    request_queue_size = 1024  # the listen backlog: socketserver's 5 reset connections under a burst
+    # the listen backlog: socketserver's 5 reset connections under a burst
+    request_queue_size = 1024
     daemon_threads = True
 
     def __init__(
@@ -186,9 +205,15 @@ def score_request(scorer, request: dict) -> dict:
         )
         for i, s in enumerate(request["samples"])
     ]
-    result = scorer.score_batch(records, [s["response"] for s in request["samples"]], on_error="zero")
+    result = scorer.score_batch(
+        records, [s["response"] for s in request["samples"]], on_error="zero"
+    )
     reasons = result.reasons
-    return {"request_id": request.get("request_id"), "scores": result.scores.tolist(), "reasons": reasons}
+    return {
+        "request_id": request.get("request_id"),
+        "scores": result.scores.tolist(),
+        "reasons": reasons,
+    }
 
 
 # --- client -----------------------------------------------------------------------------------
@@ -208,7 +233,12 @@ def read_scores(body, request_id: str, count: int) -> tuple[list[float | None], 
     scores, reasons = body.get("scores"), body.get("reasons", [None] * count)
     if body.get("request_id") != request_id:
         raise BadReply("another request's id")
-    if not isinstance(scores, list) or not isinstance(reasons, list) or len(scores) != count or len(reasons) != count:
+    if (
+        not isinstance(scores, list)
+        or not isinstance(reasons, list)
+        or len(scores) != count
+        or len(reasons) != count
+    ):
         raise BadReply(f"{count} scores and reasons expected")
     checked_scores, checked_reasons = [], []
     for score, reason in zip(scores, reasons):
@@ -238,15 +268,19 @@ class RewardServiceClient:
         self.retry_times = retry_times
         self.retry_delay_s = retry_delay_s
         self.token = token
-        self.retries = 0  # over the run, for the metrics
+        # over the run, for the metrics
+        self.retries = 0
 
     def check_health(self, start: str | None = None) -> None:
         """`start`: the fix when nothing answers (the command that serves the config's scorer there)."""
         try:
             body = self._call("GET", "/health", None, timeout=min(self.timeout_s, 10.0))
-        except Exception as e:  # any failure to reach it: say where and why, before training starts
+        # any failure to reach it: say where and why, before training starts
+        except Exception as e:
             raise KeelError(
-                SERVICE_UNAVAILABLE, f"the reward service at {self.url} is not healthy: {type(e).__name__}: {e}", start
+                SERVICE_UNAVAILABLE,
+                f"the reward service at {self.url} is not healthy: {type(e).__name__}: {e}",
+                start,
             ) from e
         if not isinstance(body, dict) or body.get("status") != "ok":
             raise KeelError(
@@ -275,9 +309,15 @@ class RewardServiceClient:
             if attempt:
                 retried = attempt
                 self.retries += 1
-                delay = self.retry_delay_s * 2 ** (attempt - 1)  # exponential backoff
+                # exponential backoff
+                delay = self.retry_delay_s * 2 ** (attempt - 1)
                 log.warning(
-                    "reward service %s: %s; retry %d of %d in %.1f s", self.url, error, attempt, self.retry_times, delay
+                    "reward service %s: %s; retry %d of %d in %.1f s",
+                    self.url,
+                    error,
+                    attempt,
+                    self.retry_times,
+                    delay,
                 )
                 time.sleep(delay)
             try:
@@ -286,7 +326,8 @@ class RewardServiceClient:
             except urllib.error.HTTPError as e:
                 error = f"HTTP {e.code}"
                 if 400 <= e.code < 500 and e.code != HTTPStatus.TOO_MANY_REQUESTS:
-                    error += " not retried"  # the request itself is wrong: retrying would not help
+                    # the request itself is wrong: retrying would not help
+                    error += " not retried"
                     break
             # Whatever the server or the network did: refused, reset, timed out, a broken status
             # line, a truncated body, JSON of the wrong shape. Retried, then not scored, with why.
@@ -304,7 +345,9 @@ class RewardServiceClient:
                 ]
         seconds = (time.perf_counter() - start) / max(len(records), 1)
         failure = error if error.endswith("not retried") else f"{error} after {retried} retries"
-        return [SampleResult(None, f"service {failure} ({SERVICE_UNAVAILABLE})", seconds)] * len(records)
+        return [SampleResult(None, f"service {failure} ({SERVICE_UNAVAILABLE})", seconds)] * len(
+            records
+        )
 
     def _call(self, method: str, path: str, payload: dict | None, timeout: float) -> dict:
         headers = {"Content-Type": "application/json"}
@@ -313,7 +356,8 @@ class RewardServiceClient:
         data = json.dumps(payload).encode() if payload is not None else None
         request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            body = response.read(MAX_REPLY_BYTES + 1)  # a server that never stops sending costs no memory
+            # a server that never stops sending costs no memory
+            body = response.read(MAX_REPLY_BYTES + 1)
         if len(body) > MAX_REPLY_BYTES:
             raise BadReply(f"over {MAX_REPLY_BYTES} bytes")
         return json.loads(body)

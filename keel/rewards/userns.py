@@ -18,9 +18,13 @@ def available() -> bool:
     report_r, report_w = os.pipe()
     try:
         command = launched(
-            sys.executable, {"report_fd": report_w, "own_namespace": True}, [sys.executable, "-I", "-S", "-c", ""]
+            sys.executable,
+            {"report_fd": report_w, "own_namespace": True},
+            [sys.executable, "-I", "-S", "-c", ""],
         )
-        done = subprocess.run(command, pass_fds=(report_w,), timeout=60, stdin=subprocess.DEVNULL, capture_output=True)
+        done = subprocess.run(
+            command, pass_fds=(report_w,), timeout=60, stdin=subprocess.DEVNULL, capture_output=True
+        )
         return done.returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False

@@ -113,7 +113,8 @@ def _normalise_math_answer(text: str) -> str:
         text = text.replace(old, new)
     for dropped in _MATH_DROPPED_AFTER:
         text = text.replace(dropped, "")
-    if "\\text{ " in text:  # units written on the right, "5 \\text{ cm}"
+    # units written on the right, "5 \\text{ cm}"
+    if "\\text{ " in text:
         value_and_units = text.split("\\text{ ")
         if len(value_and_units) != 2:
             raise _NotNormalisable("more than one \\text{ ")
@@ -126,7 +127,8 @@ def _normalise_math_answer(text: str) -> str:
     if text[0] == ".":
         text = "0" + text
     sides = text.split("=")
-    if len(sides) == 2 and len(sides[0]) <= 2:  # "x = 3", "k=3": the value
+    # "x = 3", "k=3": the value
+    if len(sides) == 2 and len(sides[0]) <= 2:
         text = sides[1]
     text = braced_sqrt_arguments(text).replace(" ", "")
     text = braced_frac_arguments(text)
@@ -138,27 +140,35 @@ def _normalise_math_answer(text: str) -> str:
 def math_answers_equal(answer: str, ground_truth: Any) -> bool:
     """Whether two answers are the same after the MATH normalisation; raw equality where it has none."""
     if not isinstance(ground_truth, str):
-        return answer == ground_truth  # verl falls back to comparing the objects: a string is never a number
+        # verl falls back to comparing the objects: a string is never a number
+        return answer == ground_truth
     try:
         return _normalise_math_answer(answer) == _normalise_math_answer(ground_truth)
     except _NotNormalisable:
         return answer == ground_truth
 
 
-def math_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def math_reward(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """verl's `math_reward` rule: 1.0 when the last `\\boxed{}` equals the ground truth after the MATH
     benchmark's normalisation, else 0.0."""
     answer = _last_boxed_for_math_reward(solution_str)
-    return float(answer is not None and ground_truth is not None and math_answers_equal(answer, ground_truth))
+    return float(
+        answer is not None and ground_truth is not None and math_answers_equal(answer, ground_truth)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
 # math_dapo: Minerva's normalisation, `Answer:` lines first
 
-NO_ANSWER = "[INVALID]"  # verl's `pred` when no `Answer:` line is found
+# verl's `pred` when no `Answer:` line is found
+NO_ANSWER = "[INVALID]"
 _ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
-DAPO_CLIP_CHARS = 300  # verl reads only the end of a response...
-DAPO_BOX_CLIP_CHARS = 100  # ...and looks for a box in the end of that
+# verl reads only the end of a response...
+DAPO_CLIP_CHARS = 300
+# ...and looks for a box in the end of that
+DAPO_BOX_CLIP_CHARS = 100
 
 # Minerva's replacements, in order: spaces and articles go first, then units and TeX decorations.
 _MINERVA_REPLACED = (
@@ -239,7 +249,8 @@ def dapo_judgement(solution_str: str, ground_truth: str) -> tuple[bool, str | No
     tail = solution_str[-DAPO_CLIP_CHARS:]
     lines = _ANSWER_LINE.findall(tail)
     predicted = normalise_minerva_answer(lines[-1] if lines else NO_ANSWER)
-    truth = normalise_minerva_answer(ground_truth)  # raises on a non-string ground truth, as verl does
+    # raises on a non-string ground truth, as verl does
+    truth = normalise_minerva_answer(ground_truth)
     if predicted != NO_ANSWER:
         return predicted == truth, predicted
     boxed = _last_boxed_for_dapo(tail[-DAPO_BOX_CLIP_CHARS:])
@@ -248,7 +259,9 @@ def dapo_judgement(solution_str: str, ground_truth: str) -> tuple[bool, str | No
     return predicted == truth, predicted
 
 
-def math_dapo(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict:
+def math_dapo(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> dict:
     """verl's `math_dapo` rule: {"score": 1.0 or -1.0, "acc": bool, "pred": the answer read}."""
     if not isinstance(ground_truth, str):
         raise TypeError(
@@ -266,7 +279,9 @@ GEO3K_FORMAT_WEIGHT = 0.1
 _GEO3K_FORMAT = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
 
 
-def geo3k(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def geo3k(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """verl's `geo3k` rule: 0.9 when mathruler grades the last boxed answer equal to the ground truth,
     plus 0.1 when the response is `<think>...</think>` followed by a `\\boxed{...}`."""
     from mathruler.grader import extract_boxed_content, grade_answer

@@ -16,8 +16,10 @@ from typing import Any
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _ARTICLE = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = set(string.punctuation)
-TAG_SPAM_LIMIT = 10  # more answer tags than this look like a model gaming the extraction...
-TAG_SPAM_SHARE = 0.25  # ...and get a quarter of the score
+# more answer tags than this look like a model gaming the extraction...
+TAG_SPAM_LIMIT = 10
+# ...and get a quarter of the score
+TAG_SPAM_SHARE = 0.25
 
 
 def normalise_qa_answer(text: str) -> str:
@@ -51,12 +53,17 @@ def targets(ground_truth: Any) -> Any:
         ) from e
 
 
-def search_r1(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def search_r1(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """verl's Search-R1 exact-match rule on the last `<answer>` (see the module's docstring)."""
     answer = last_tagged_answer(solution_str)
     if answer is None:
         return 0.0
     if not matches_any(answer, targets(ground_truth)):
         return 0.0
-    tags_spammed = solution_str.count("<answer>") > TAG_SPAM_LIMIT or solution_str.count("</answer>") > TAG_SPAM_LIMIT
+    tags_spammed = (
+        solution_str.count("<answer>") > TAG_SPAM_LIMIT
+        or solution_str.count("</answer>") > TAG_SPAM_LIMIT
+    )
     return TAG_SPAM_SHARE if tags_spammed else 1.0

@@ -12,10 +12,15 @@ from typing import Any
 
 from keel.errors import NO_SCORER, KeelError
 
-# (keel scorer, the verl module whose rule it reproduces, the data sources verl sends to it), in verl's order.
+# (keel scorer, the verl module whose rule it reproduces, the data sources verl sends to it), in
+# verl's order.
 VERL_ROUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("gsm8k", "gsm8k", ("openai/gsm8k",)),
-    ("math_reward", "math_reward", ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")),
+    (
+        "math_reward",
+        "math_reward",
+        ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"),
+    ),
     ("math_dapo", "math_dapo", ("math_dapo", "math", "math_dapo_reasoning")),
     (
         "prime_math",
@@ -45,12 +50,17 @@ VERL_ROUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ),
     ),
 )
-# Every data source starting with this goes to math_dapo (verl tests it right after math_dapo's list, so
-# a name in a later list that starts with it, had there been one, would go to math_dapo too).
+# Every data source starting with this goes to math_dapo (verl tests it right after math_dapo's
+# list, so a name in a later list that starts with it, had there been one, would go to math_dapo
+# too).
 VERL_PREFIX_ROUTE = ("aime", "math_dapo")
 
-VERL_DATA_SOURCES: dict[str, str] = {source: scorer for scorer, _, sources in VERL_ROUTES for source in sources}
-VERL_MODULES: dict[str, str] = {scorer: f"verl.utils.reward_score.{module}" for scorer, module, _ in VERL_ROUTES}
+VERL_DATA_SOURCES: dict[str, str] = {
+    source: scorer for scorer, _, sources in VERL_ROUTES for source in sources
+}
+VERL_MODULES: dict[str, str] = {
+    scorer: f"verl.utils.reward_score.{module}" for scorer, module, _ in VERL_ROUTES
+}
 
 
 def verl_scorer_name(data_source: Any) -> str | None:
@@ -76,14 +86,18 @@ def verl_result(result: Any) -> Any:
     return float(result[0])
 
 
-def prime_math(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def prime_math(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """verl's prime_math rule (the numina_* data sets), from keel.rewards.prime_math, as a number."""
     from keel.rewards import prime_math as rule
 
     return verl_result(rule.compute_score(solution_str, ground_truth))
 
 
-def prime_code(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def prime_code(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """verl's prime_code rule (codecontests, apps, codeforces, taco): the share of tests passed in keel's
     jail, from keel.rewards.code_tests."""
     from keel.rewards import code_tests
@@ -91,13 +105,16 @@ def prime_code(data_source: str, solution_str: str, ground_truth: Any, extra_inf
     return code_tests.prime_code(data_source, solution_str, ground_truth, extra_info)
 
 
-def _verl_rule(scorer: str, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None) -> Any:
+def _verl_rule(
+    scorer: str, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None
+) -> Any:
     """The raw result of the rule `scorer` as verl's default_compute_score calls it."""
     if scorer == "prime_math":
         from keel.rewards import prime_math as rule
 
         return rule.compute_score(solution_str, ground_truth)
-    if scorer == "prime_code":  # verl's sandbox_fusion_url is not used: keel runs the tests in its own jail
+    # verl's sandbox_fusion_url is not used: keel runs the tests in its own jail
+    if scorer == "prime_code":
         from keel.rewards import code_tests
 
         return code_tests.compute_score(solution_str, ground_truth, continuous=True)

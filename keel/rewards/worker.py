@@ -33,7 +33,8 @@ def file_spec(path: str, name: str, reward_kwargs: dict | None = None) -> tuple:
 
 @dataclass
 class SampleTask:
-    scorers: list[tuple[str, Spec]]  # (name in the breakdown, scorer)
+    # (name in the breakdown, scorer)
+    scorers: list[tuple[str, Spec]]
     data_source: str
     response: str
     ground_truth: Any
@@ -43,10 +44,13 @@ class SampleTask:
 
 @dataclass
 class SampleResult:
-    values: dict[str, float] | None  # per scorer; None when the sample was not scored
-    reason: str | None  # why not: "timeout", "raised ValueError: ...", "not a number: None"
+    # per scorer; None when the sample was not scored
+    values: dict[str, float] | None
+    # why not: "timeout", "raised ValueError: ...", "not a number: None"
+    reason: str | None
     seconds: float
-    extras: dict | None = None  # the extra keys of dict results (verl's reward_extra_info)
+    # the extra keys of dict results (verl's reward_extra_info)
+    extras: dict | None = None
 
 
 class ScoreTimeout(BaseException):
@@ -58,17 +62,21 @@ class NotANumber(Exception):
     pass
 
 
-NOT_FINITE = ("not a number: nan", "not a number: inf", "not a number: -inf")  # reasons of a NaN or inf score
+# reasons of a NaN or inf score
+NOT_FINITE = ("not a number: nan", "not a number: inf", "not a number: -inf")
 
 
-PKG_PREFIX, FILE_PREFIX = "pkg://", "file://"  # verl's two forms of custom_reward_function.path
+# verl's two forms of custom_reward_function.path
+PKG_PREFIX, FILE_PREFIX = "pkg://", "file://"
 
 
 def load_module(path: str):
     """Import a custom reward function's module: a python file by path (`file://` before it allowed),
     or `pkg://package.module` (also `pkg://package/module`), as verl's load_module reads them."""
     if path.startswith(PKG_PREFIX):
-        return importlib.import_module(path.removeprefix(PKG_PREFIX).replace("/", ".").removesuffix(".py"))
+        return importlib.import_module(
+            path.removeprefix(PKG_PREFIX).replace("/", ".").removesuffix(".py")
+        )
     file = Path(path.removeprefix(FILE_PREFIX))
     spec = importlib.util.spec_from_file_location(f"keel_custom_reward_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
@@ -79,7 +87,9 @@ def load_module(path: str):
 def module_location(path: str) -> str:
     """What a worker process imports the function from: a file as an absolute path (workers may run
     elsewhere in the tree), a package module as it is."""
-    return path if path.startswith(PKG_PREFIX) else str(Path(path.removeprefix(FILE_PREFIX)).resolve())
+    return (
+        path if path.startswith(PKG_PREFIX) else str(Path(path.removeprefix(FILE_PREFIX)).resolve())
+    )
 
 
 def load_file_function(path: str, name: str) -> Callable:
@@ -104,14 +114,19 @@ def resolve(spec: Spec) -> Callable:
 def as_number(result: Any) -> float:
     """A scorer's result as a finite float: verl's {"score": x} dicts and 0-d tensors included."""
     result, _ = split_result(result)
-    if hasattr(result, "item") and getattr(result, "ndim", 1) == 0:  # numpy or torch scalar
+    # numpy or torch scalar
+    if hasattr(result, "item") and getattr(result, "ndim", 1) == 0:
         result = result.item()
     try:
-        value = float(result) if isinstance(result, numbers.Real) else None  # bool is Real: True -> 1.0
-    except OverflowError:  # an integer past float's range, e.g. 10**400 from a service
+        # bool is Real: True -> 1.0
+        value = float(result) if isinstance(result, numbers.Real) else None
+    # an integer past float's range, e.g. 10**400 from a service
+    except OverflowError:
         value = math.inf
     if value is None or not math.isfinite(value):
-        raise NotANumber(f"not a number: {result!r}"[:120] if value is None else f"not a number: {value}")
+        raise NotANumber(
+            f"not a number: {result!r}"[:120] if value is None else f"not a number: {value}"
+        )
     return value
 
 
@@ -129,7 +144,8 @@ def call_with_deadline(call: Callable[[], Any], seconds: float | None) -> Any:
     def run() -> None:
         try:
             outcome["value"] = call()
-        except BaseException as error:  # handed to the waiting thread as it is
+        # handed to the waiting thread as it is
+        except BaseException as error:
             outcome["error"] = error
 
     helper = threading.Thread(target=run, name="keel-scorer", daemon=True)
@@ -147,16 +163,19 @@ def _with_alarm(call: Callable[[], Any], seconds: float) -> Any:
         raise ScoreTimeout()
 
     previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds, seconds)  # again and again, if it is swallowed
+    # again and again, if it is swallowed
+    signal.setitimer(signal.ITIMER_REAL, seconds, seconds)
     try:
         return call()
     finally:
-        while True:  # an alarm landing here must not leave the timer running on the trainer's thread
+        # an alarm landing here must not leave the timer running on the trainer's thread
+        while True:
             try:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, previous)
                 break
-            except ScoreTimeout:  # the scorer's time was up anyway: score_sample counts it late
+            # the scorer's time was up anyway: score_sample counts it late
+            except ScoreTimeout:
                 continue
 
 
@@ -188,9 +207,11 @@ async def score_samples_async(tasks: list[SampleTask]) -> list[SampleResult]:
                 if inspect.isawaitable(result):
                     result = await asyncio.wait_for(result, task.timeout_s)
                 outcome.add(name, result)
-        except Exception as e:  # the scorer is user code: any failure is this sample's, with its reason
+        # the scorer is user code: any failure is this sample's, with its reason
+        except Exception as e:
             return SampleResult(None, failure_reason(e), time.perf_counter() - start)
-        if _late(start, task.timeout_s):  # it swallowed the cancellation, or blocked the event loop
+        # it swallowed the cancellation, or blocked the event loop
+        if _late(start, task.timeout_s):
             return SampleResult(None, "timeout", time.perf_counter() - start)
         return SampleResult(outcome.values, None, time.perf_counter() - start, outcome.extras)
 
@@ -217,16 +238,21 @@ def score_batched(fn: Callable, tasks: list[SampleTask]) -> list[SampleResult]:
         returned = call_with_deadline(lambda: call_reward_fn(fn, BATCHED, columns), limit)
         if _late(start, limit):
             raise ScoreTimeout()
-        if isinstance(returned, (str, bytes, dict)) or not hasattr(returned, "__len__"):  # a per-sample function
-            raise NotANumber(f"not a number: the scorer returned {type(returned).__name__}; {BATCHED_CONTRACT}")
+        # a per-sample function
+        if isinstance(returned, (str, bytes, dict)) or not hasattr(returned, "__len__"):
+            raise NotANumber(
+                f"not a number: the scorer returned {type(returned).__name__}; {BATCHED_CONTRACT}"
+            )
         results = list(returned)
         if len(results) != len(tasks):
             raise NotANumber(
                 f"not a number: the batched scorer returned {len(results)} scores for {len(tasks)} samples"
             )
-    except (Exception, ScoreTimeout) as e:  # the scorer is user code: the batch fails together, with the reason
+    # the scorer is user code: the batch fails together, with the reason
+    except (Exception, ScoreTimeout) as e:
         reason = failure_reason(e)
-        if reason.startswith("raised"):  # often a per-sample function handed lists
+        # often a per-sample function handed lists
+        if reason.startswith("raised"):
             reason = f"{reason} ({BATCHED_CONTRACT})"
         return [SampleResult(None, reason, time.perf_counter() - start)] * len(tasks)
     seconds = (time.perf_counter() - start) / max(len(tasks), 1)
@@ -245,18 +271,23 @@ def score_sample(task: SampleTask) -> SampleResult:
     outcome = _Outcome()
     try:
         call_with_deadline(
-            lambda: [outcome.add(name, _call(spec, task)) for name, spec in task.scorers], task.timeout_s
+            lambda: [outcome.add(name, _call(spec, task)) for name, spec in task.scorers],
+            task.timeout_s,
         )
-    except (Exception, ScoreTimeout) as e:  # the scorer is user code: any failure is this sample's, with its reason
+    # the scorer is user code: any failure is this sample's, with its reason
+    except (Exception, ScoreTimeout) as e:
         return SampleResult(None, failure_reason(e), time.perf_counter() - start)
-    if _late(start, task.timeout_s):  # it caught the alarm, or sat in C code the signal cannot enter
+    # it caught the alarm, or sat in C code the signal cannot enter
+    if _late(start, task.timeout_s):
         return SampleResult(None, "timeout", time.perf_counter() - start)
     return SampleResult(outcome.values, None, time.perf_counter() - start, outcome.extras)
 
 
 def _call(spec: Spec, task: SampleTask) -> Any:
     return call_reward_fn(
-        resolve(spec), PER_SAMPLE, (task.data_source, task.response, task.ground_truth, task.extra_info)
+        resolve(spec),
+        PER_SAMPLE,
+        (task.data_source, task.response, task.ground_truth, task.extra_info),
     )
 
 

@@ -19,7 +19,11 @@ def stop_token_ids(tokenizer, model) -> list[int]:
 
 
 def assemble_batch(
-    prompts, chunks: list[tuple[Tensor, Tensor]], tokenizer, eos_ids: list[int], params: SamplingParams
+    prompts,
+    chunks: list[tuple[Tensor, Tensor]],
+    tokenizer,
+    eos_ids: list[int],
+    params: SamplingParams,
 ) -> GeneratedBatch:
     """`chunks`: (response ids [b, r], sampled log-probs [b, r]) per chunk of `prompts`, in order."""
     pad = tokenizer.pad_token_id

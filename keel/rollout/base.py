@@ -8,7 +8,8 @@ from keel.types import GeneratedBatch, SamplingParams
 
 
 class RolloutEngine(Protocol):
-    timing: dict[str, float]  # seconds per part of the last generate call, if the engine times them
+    # seconds per part of the last generate call, if the engine times them
+    timing: dict[str, float]
 
     def generate(self, prompts, params: SamplingParams) -> GeneratedBatch:
         """Generate for a PromptBatch whose prompts are already repeated `n` times.

@@ -29,16 +29,21 @@ def _neutral_generation_config(model):
 class HFRolloutEngine:
     """Generates with the actor module itself, so it always sees the latest weights."""
 
-    def __init__(self, model, tokenizer, max_num_seqs: int = 256, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, model, tokenizer, max_num_seqs: int = 256, dtype: torch.dtype = torch.float32
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
-        self.dtype = dtype  # compute dtype: bf16 runs under autocast over the float32 weights
-        self.timing: dict[str, float] = {}  # transformers' generate is not broken down
+        # compute dtype: bf16 runs under autocast over the float32 weights
+        self.dtype = dtype
+        # transformers' generate is not broken down
+        self.timing: dict[str, float] = {}
         self.eos_ids = stop_token_ids(tokenizer, model)
 
     def sync_weights(self, model) -> None:
-        self.model = model  # same object as the actor's: nothing to copy
+        # same object as the actor's: nothing to copy
+        self.model = model
 
     @torch.no_grad()
     def load_weights(self, named) -> None:
@@ -48,7 +53,8 @@ class HFRolloutEngine:
         for name, tensor in named:
             mine[name].copy_(tensor)
             given.add(name)
-        if given != set(mine):  # a caller bug: generation would mix stale weights with new
+        # a caller bug: generation would mix stale weights with new
+        if given != set(mine):
             raise RuntimeError(f"hf rollout: no weights given for {sorted(set(mine) - given)[:3]}")
 
     @torch.no_grad()
@@ -72,12 +78,14 @@ class HFRolloutEngine:
         self, input_ids: Tensor, attention_mask: Tensor, params: SamplingParams
     ) -> tuple[Tensor, Tensor]:
         device = next(self.model.parameters()).device
-        greedy = not params.do_sample or params.temperature == 0  # temperature 0 means greedy
+        # temperature 0 means greedy
+        greedy = not params.do_sample or params.temperature == 0
         gen_config = GenerationConfig(
             do_sample=not greedy,
             temperature=1.0 if greedy else params.temperature,
             top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else 0,  # 0 switches top-k off in transformers
+            # 0 switches top-k off in transformers
+            top_k=params.top_k if params.top_k > 0 else 0,
             max_new_tokens=params.max_new_tokens,
             eos_token_id=None if params.ignore_eos else self.eos_ids,
             pad_token_id=self.tokenizer.pad_token_id,
@@ -93,7 +101,8 @@ class HFRolloutEngine:
                 generation_config=gen_config,
                 logits_processor=[recorder],
             )
-        return sequences[:, input_ids.shape[1] :].cpu(), recorder.finish(sequences).cpu()  # [B, R] x2
+        # [B, R] x2
+        return sequences[:, input_ids.shape[1] :].cpu(), recorder.finish(sequences).cpu()
 
 
 class _SampledLogProbs(LogitsProcessor):
@@ -107,7 +116,8 @@ class _SampledLogProbs(LogitsProcessor):
     def __init__(self, temperature: float):
         self.temperature = temperature
         self.pending: Tensor | None = None  # [B, V]
-        self.picked: list[Tensor] = []  # R x [B]
+        # R x [B]
+        self.picked: list[Tensor] = []
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         self._collect(input_ids)
@@ -118,7 +128,9 @@ class _SampledLogProbs(LogitsProcessor):
         if self.pending is not None:
             self.picked.append(self.pending.gather(-1, input_ids[:, -1:]).squeeze(-1))
 
-    def finish(self, sequences: Tensor) -> Tensor:  # -> [B, R]
-        self._collect(sequences)  # the token sampled at the last step
+    # -> [B, R]
+    def finish(self, sequences: Tensor) -> Tensor:
+        # the token sampled at the last step
+        self._collect(sequences)
         self.pending = None
         return torch.stack(self.picked, dim=1)

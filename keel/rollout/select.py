@@ -70,7 +70,10 @@ def make_rollout_engine(
                 f"native does not support {reason}; {HF_COST}" if reason else "rollout.name=hf",
             )
         return HFRolloutEngine(
-            copy.deepcopy(model) if will_be_sharded else model, tokenizer, rollout_cfg.max_num_seqs, dtype
+            copy.deepcopy(model) if will_be_sharded else model,
+            tokenizer,
+            rollout_cfg.max_num_seqs,
+            dtype,
         )
     if log_choice:
         log.info(

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from keel.types import SamplingParams
 
-LOOK_EVERY = 16  # decode steps at most between looks for arrived turns (a host sync each)
+# decode steps at most between looks for arrived turns (a host sync each)
+LOOK_EVERY = 16
 
 
 @dataclass
@@ -34,8 +35,10 @@ class Completion:
 
     ids: list[int]
     log_probs: list[float]
-    stopped: bool  # ended by a stop token (else by the turn's token limit)
-    extended: bool  # the context extended the key's previous one (its KV cache was kept)
+    # ended by a stop token (else by the turn's token limit)
+    stopped: bool
+    # the context extended the key's previous one (its KV cache was kept)
+    extended: bool
 
 
 @dataclass
@@ -44,10 +47,13 @@ class _Turn:
     context: list[int]
     limit: int
     future: Future
-    group: object = None  # turns of one group share their first prompt's prefill
-    notify: queue.Queue | None = None  # told ("turns", [(key, future)]) once the turn is answered
+    # turns of one group share their first prompt's prefill
+    group: object = None
+    # told ("turns", [(key, future)]) once the turn is answered
+    notify: queue.Queue | None = None
     extended: bool = False
-    arrived: float = 0.0  # time.monotonic() when the run loop accepted it
+    # time.monotonic() when the run loop accepted it
+    arrived: float = 0.0
 
 
 @dataclass
@@ -72,21 +78,34 @@ class EngineService:
         """`groups`: key -> its group, for clients that cannot say it (an HTTP endpoint's): keys of
         one group whose first turns are admitted together with the same tokens share one prefill.
         Given, it names every key of the service's life: others are refused."""
-        self.engine, self.params, self.admission_s, self.groups = engine, params, admission_s, groups or {}
+        self.engine, self.params, self.admission_s, self.groups = (
+            engine,
+            params,
+            admission_s,
+            groups or {},
+        )
         self.shape = (sequences, max_len, turn_tokens)
         self.batcher = engine.continuous_batcher(sequences, max_len, turn_tokens)
         self.stop_ids = set(engine.eos_ids)
         self.inbox: queue.Queue = queue.Queue()
-        self.pending: dict[object, _Turn] = {}  # key -> its turn under way
-        self.contexts: dict[object, list[int]] = {}  # key -> its last context and what was sampled after it
-        self.ending: set = set()  # keys ended while a turn of theirs was under way
-        self.ended: set = set()  # keys whose episode is over
-        self.held: list[_Turn] = []  # accepted, not yet in the batch: admitted together (the admission window)
-        self.clients: set[queue.Queue] = set()  # the notify queues of submit_many
-        self.told: dict[queue.Queue, list[_Turn]] = {}  # answered turns not yet put on their client's queue
+        # key -> its turn under way
+        self.pending: dict[object, _Turn] = {}
+        # key -> its last context and what was sampled after it
+        self.contexts: dict[object, list[int]] = {}
+        # keys ended while a turn of theirs was under way
+        self.ending: set = set()
+        # keys whose episode is over
+        self.ended: set = set()
+        # accepted, not yet in the batch: admitted together (the admission window)
+        self.held: list[_Turn] = []
+        # the notify queues of submit_many
+        self.clients: set[queue.Queue] = set()
+        # answered turns not yet put on their client's queue
+        self.told: dict[queue.Queue, list[_Turn]] = {}
         self.error: BaseException | None = None
-        # what the run loop did: admissions (prefill passes of held turns), turns, decode calls (up to
-        # LOOK_EVERY steps each) and the rows they stepped, seconds with nothing to run (waiting on clients)
+        # what the run loop did: admissions (prefill passes of held turns), turns, decode calls (up
+        # to LOOK_EVERY steps each) and the rows they stepped, seconds with nothing to run (waiting
+        # on clients)
         self.stats = {"admissions": 0, "turns": 0, "decode_calls": 0, "row_steps": 0, "idle_s": 0.0}
         self._closed = threading.Event()
         self._lock = threading.Lock()
@@ -112,8 +131,10 @@ class EngineService:
             else:
                 turn.future.set_exception(ValueError(why))
                 refused.append(turn)
-        with self._lock:  # against the run loop's last drain: turns are queued before it, or refused
-            if notify is not None:  # told "closed" however the service ends
+        # against the run loop's last drain: turns are queued before it, or refused
+        with self._lock:
+            # told "closed" however the service ends
+            if notify is not None:
                 self.clients.add(notify)
             if self._closed.is_set():
                 closed = RuntimeError(f"the engine service is closed ({self.error or 'closed'})")
@@ -157,7 +178,8 @@ class EngineService:
                 if self.batcher.runnable:
                     finished = self.batcher.step(self.params, look_every=LOOK_EVERY)
                     self.stats["decode_calls"] += 1
-                    self.stats["row_steps"] += len(self.batcher.active) + len(finished)  # the rows it stepped
+                    # the rows it stepped
+                    self.stats["row_steps"] += len(self.batcher.active) + len(finished)
                     for turn in finished:
                         self._answer(turn)
                 self._tell_clients()
@@ -166,9 +188,11 @@ class EngineService:
         self._refuse_the_rest(self.error or RuntimeError("the engine service closed"))
 
     def _refuse_the_rest(self, closed: BaseException) -> None:
-        unanswered = list(self.pending.values())  # held turns are pending too
+        # held turns are pending too
+        unanswered = list(self.pending.values())
         with self._lock:
-            self._closed.set()  # submit refuses from here on; what reached the inbox before is answered below
+            # submit refuses from here on; what reached the inbox before is answered below
+            self._closed.set()
             while not self.inbox.empty():
                 item = self.inbox.get_nowait()
                 if isinstance(item, list):
@@ -186,7 +210,11 @@ class EngineService:
         """Everything in the inbox; with `wait` (nothing else to do), first waits that long for one
         (inf: until one comes)."""
         try:
-            item = self.inbox.get(timeout=None if wait == float("inf") else wait) if wait else self.inbox.get_nowait()
+            item = (
+                self.inbox.get(timeout=None if wait == float("inf") else wait)
+                if wait
+                else self.inbox.get_nowait()
+            )
             while True:
                 if isinstance(item, _End):
                     self._end(item.key)
@@ -197,16 +225,21 @@ class EngineService:
             return
 
     def _end(self, key) -> None:
-        self.ended.add(key)  # a turn of its that arrives later is refused: its row would never be freed
+        # a turn of its that arrives later is refused: its row would never be freed
+        self.ended.add(key)
         self.contexts.pop(key, None)
-        if key in self.pending:  # a turn under way (its client gave up): the row goes when it ends
+        # a turn under way (its client gave up): the row goes when it ends
+        if key in self.pending:
             self.ending.add(key)
         elif key in self.batcher.row_of:
             self.batcher.release(key)
 
     def _accept(self, turn: _Turn) -> None:
-        if self.groups and turn.key not in self.groups:  # a late request of an earlier rollout's sample
-            self._settle(turn, exception=ValueError(f"{turn.key!r} is not a sample of this rollout"))
+        # a late request of an earlier rollout's sample
+        if self.groups and turn.key not in self.groups:
+            self._settle(
+                turn, exception=ValueError(f"{turn.key!r} is not a sample of this rollout")
+            )
             return
         if turn.key in self.pending or turn.key in self.ended:
             why = "already has a turn under way" if turn.key in self.pending else "was ended"
@@ -218,7 +251,8 @@ class EngineService:
             self._settle(turn, exception=ValueError(f"{turn.key!r} came back with no new tokens"))
             return
         if turn.key in self.batcher.row_of and not turn.extended:
-            self.batcher.release(turn.key)  # the history was rewritten: start again on a fresh row
+            # the history was rewritten: start again on a fresh row
+            self.batcher.release(turn.key)
         self.pending[turn.key] = turn
         turn.arrived = time.monotonic()
         self.held.append(turn)

@@ -39,12 +39,17 @@ from keel.types import ScoredBatch
 class InFlight:
     """A generated batch on its way to training."""
 
-    step: int  # the step that trains it
-    sampler_state: dict  # the sampler before it drew the batch's prompts: where a resume starts again
-    scored: Future  # -> (the scored batch, its reward metrics, seconds the scoring took, its generation's timing)
+    # the step that trains it
+    step: int
+    # the sampler before it drew the batch's prompts: where a resume starts again
+    sampler_state: dict
+    # -> (the scored batch, its reward metrics, seconds the scoring took, its generation's timing)
+    scored: Future
 
 
-def step_rollout(cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler, last_step: int):
+def step_rollout(
+    cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler, last_step: int
+):
     """The trainer.mode's rollout: `(timer, step)` -> the batch step `step` trains, reward metrics and
     generation timing; `settle`, `resume_state`, `start_at`, `close` around it.
     With trainer.partial_rollout, a pool of samples under way (keel/trainer/partial.py)."""
@@ -61,7 +66,9 @@ class RolloutWithin:
     def __init__(self, cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler):
         self.cfg, self.rollout, self.sampler = cfg, rollout, sampler
 
-    def __call__(self, timer: Timer, step: int) -> tuple[ScoredBatch, dict[str, float], dict[str, float]]:
+    def __call__(
+        self, timer: Timer, step: int
+    ) -> tuple[ScoredBatch, dict[str, float], dict[str, float]]:
         return self.rollout(timer, step_seed(self.cfg, step))
 
     def settle(self) -> None:
@@ -80,25 +87,31 @@ class RolloutWithin:
 class RolloutAhead:
     """trainer.mode=async: `rollout(timer, step)` -> the batch step `step` trains, generated ahead."""
 
-    def __init__(self, cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler, last_step: int):
+    def __init__(
+        self, cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler, last_step: int
+    ):
         self.cfg, self.rollout, self.sampler, self.last_step = cfg, rollout, sampler, last_step
         self.bound = cfg.trainer.max_off_policy_steps
         self.in_flight: deque[InFlight] = deque()
         self.scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-scoring")
-        self.generated = 0  # the last step whose batch is generated
+        # the last step whose batch is generated
+        self.generated = 0
         self.closed = False
 
     def start_at(self, step: int, state: dict | None = None) -> None:
         """A run resumed after `step`: its next batch is step + 1's."""
         self.generated = step
 
-    def __call__(self, timer: Timer, step: int) -> tuple[ScoredBatch, dict[str, float], dict[str, float]]:
+    def __call__(
+        self, timer: Timer, step: int
+    ) -> tuple[ScoredBatch, dict[str, float], dict[str, float]]:
         """(batch `step`'s scored samples, reward and staleness metrics, the timing
         of this step's generation): what ScoredRollout returns in sync mode."""
         while self.generated < min(step + self.bound, self.last_step):
             self._generate(timer)
         flight = self.in_flight.popleft()
-        with timer("wait_reward"):  # what scoring (and a rollout of its own, generating) still took
+        # what scoring (and a rollout of its own, generating) still took
+        with timer("wait_reward"):
             batch, metrics, seconds, gen_parts = flight.scored.result()
         # the versions the workers stamped on the samples against the policy this step updates
         staleness = (self.rollout.components.workers.policy_version - batch.policy_version).float()
@@ -121,9 +134,13 @@ class RolloutAhead:
         else:
             generated = Future()
             generated.set_result(self.rollout.generate(timer, seed))
-        self.in_flight.append(InFlight(self.generated, state, self.scoring.submit(self._score, generated)))
+        self.in_flight.append(
+            InFlight(self.generated, state, self.scoring.submit(self._score, generated))
+        )
 
-    def _score(self, generated: Future) -> tuple[ScoredBatch, dict[str, float], float, dict[str, float]]:
+    def _score(
+        self, generated: Future
+    ) -> tuple[ScoredBatch, dict[str, float], float, dict[str, float]]:
         done = generated.result()
         if self.closed:
             raise CancelledError("the run ended with this batch in flight")
@@ -134,7 +151,8 @@ class RolloutAhead:
     def settle(self) -> None:
         """Every batch in flight scored: the reward function is then free for validation's use."""
         for flight in self.in_flight:
-            flight.scored.exception()  # waits; an error is raised when its step takes the batch
+            # waits; an error is raised when its step takes the batch
+            flight.scored.exception()
 
     def resume_state(self) -> tuple[dict, dict]:
         """(the sampler state a resume starts from, and how many batches in flight it drops)."""

@@ -19,14 +19,20 @@ log = logging.getLogger("keel")
 def signal_values(batch: ScoredBatch, metric: str) -> torch.Tensor:
     """[N] what must differ within a group: `acc` from the reward function's dict results (the
     score where there is none), else the score."""
-    if metric == "acc" and batch.reward_extras and all("acc" in extra for extra in batch.reward_extras):
+    if (
+        metric == "acc"
+        and batch.reward_extras
+        and all("acc" in extra for extra in batch.reward_extras)
+    ):
         return torch.tensor([float(extra["acc"]) for extra in batch.reward_extras])
     return batch.scores
 
 
-REFILL_CALLS = 8  # calls that replacing short groups alone may take before the step trains fewer
+# calls that replacing short groups alone may take before the step trains fewer
+REFILL_CALLS = 8
 
-GROUP_ID_STRIDE = 1 << 40  # past any dataset's row indices
+# past any dataset's row indices
+GROUP_ID_STRIDE = 1 << 40
 
 
 def _more_batches_fix(groups: int, calls: int, prompts_wanted: int) -> str | None:
@@ -42,7 +48,12 @@ def _more_batches_fix(groups: int, calls: int, prompts_wanted: int) -> str | Non
 
 
 def fill_with_signal(
-    next_scored_batch, prompts_wanted: int, metric: str | None, max_batches: int, pad_token_id: int, whole: int = 0
+    next_scored_batch,
+    prompts_wanted: int,
+    metric: str | None,
+    max_batches: int,
+    pad_token_id: int,
+    whole: int = 0,
 ) -> tuple[ScoredBatch, dict[str, float]]:
     """`next_scored_batch(call, groups wanted)` -> a generated, scored batch, called until
     `prompts_wanted` groups are kept (or `max_batches` calls, 0 for no limit). Kept: with `metric`,
@@ -53,7 +64,8 @@ def fill_with_signal(
     in the order they came. Replacing short groups gives up after REFILL_CALLS calls and trains short
     ones too, as a sync step does (a scorer failing some sample of every group)."""
     kept: list[ScoredBatch] = []
-    short: list[ScoredBatch] = []  # groups a failed scoring left short: what giving up trains
+    # groups a failed scoring left short: what giving up trains
+    short: list[ScoredBatch] = []
     groups = generated = calls = 0
     while groups < prompts_wanted:
         if metric is None and calls >= REFILL_CALLS:
@@ -70,7 +82,8 @@ def fill_with_signal(
         batch = next_scored_batch(calls, prompts_wanted if metric else prompts_wanted - groups)
         # A prompt drawn again in a later generation batch (an epoch boundary) is another group.
         batch.group_index = batch.group_index + calls * GROUP_ID_STRIDE
-        if batch.sample_index is not None:  # samples trained as segments: theirs too
+        # samples trained as segments: theirs too
+        if batch.sample_index is not None:
             batch.sample_index = batch.sample_index + calls * GROUP_ID_STRIDE
         calls += 1
         generated += int(torch.unique(batch.group_index).numel())
@@ -81,12 +94,15 @@ def fill_with_signal(
         if (keep & ~whole_rows).any():
             short.append(batch.select((keep & ~whole_rows).nonzero().squeeze(-1)))
     batch = concat_rows(kept, pad_token_id)
-    first = list(dict.fromkeys(batch.group_index.tolist()))[:prompts_wanted]  # whole groups, in order
+    # whole groups, in order
+    first = list(dict.fromkeys(batch.group_index.tolist()))[:prompts_wanted]
     batch = batch.select(torch.isin(batch.group_index, torch.tensor(first)).nonzero().squeeze(-1))
     return batch, {"gen_batches": float(calls), "kept_prompt_ratio": groups / max(generated, 1)}
 
 
-def _with_short_groups(kept: list, short: list, groups: int, wanted: int, calls: int) -> tuple[list, int]:
+def _with_short_groups(
+    kept: list, short: list, groups: int, wanted: int, calls: int
+) -> tuple[list, int]:
     """Giving up on whole groups: the short ones fill the batch, as in a sync step."""
     log.warning(
         "%d of %d groups scored whole after %d rounds: the step trains groups a failed scoring left short too",
@@ -105,7 +121,9 @@ def _with_short_groups(kept: list, short: list, groups: int, wanted: int, calls:
     return kept, groups
 
 
-def _kept_rows(batch: ScoredBatch, metric: str | None, whole: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _kept_rows(
+    batch: ScoredBatch, metric: str | None, whole: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """([N] bool the rows of groups with a signal (all, without `metric`), [N] bool those of whole groups)."""
     keep = torch.ones(len(batch), dtype=torch.bool)
     if metric is not None:

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 from keel.data.prompts import collate_prompts
 from keel.types import SamplingParams
 
-if TYPE_CHECKING:  # `evaluate` alone (keel demo's) stays a light import
+# `evaluate` alone (keel demo's) stays a light import
+if TYPE_CHECKING:
     from keel.config.schema import KeelConfig
     from keel.observe.metrics import MetricsLogger
     from keel.trainer.setup import Components
@@ -45,9 +46,11 @@ class Validation:
             self.cfg.data,
             keep_samples=self.cfg.trainer.log_val_generations,
         )
-        if samples:  # trainer.log_val_generations, as verl logs them: a table per evaluation
+        # trainer.log_val_generations, as verl logs them: a table per evaluation
+        if samples:
             logger.log_table(step, "val/generations", samples)
-            logger.log_samples(step, [{"split": "val", **sample} for sample in samples])  # keel report's
+            # keel report's
+            logger.log_samples(step, [{"split": "val", **sample} for sample in samples])
         return metrics
 
 
@@ -66,20 +69,29 @@ def evaluate(
         max_new_tokens=data_cfg.max_response_length,
     )
     batch_size = data_cfg.val_batch_size or len(records)
-    values: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))  # source -> var -> values
+    # source -> var -> values
+    values: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     lengths: list[float] = []
     samples: list[dict] = []
     not_scored = 0
     for start in range(0, len(records), batch_size):
-        prompts = collate_prompts(records[start : start + batch_size], pad_token_id).repeat_interleave(params.n)
+        prompts = collate_prompts(
+            records[start : start + batch_size], pad_token_id
+        ).repeat_interleave(params.n)
         batch = generate(prompts, params)
-        if batch.sample_index is not None:  # a sample trained as segments is judged once, on its final one
+        # a sample trained as segments is judged once, on its final one
+        if batch.sample_index is not None:
             batch = batch.select(batch.final_segments.unique())
         # a sample the scorer fails on counts as wrong here, and is counted
-        result = reward.score_batch(batch.records, batch.response_texts, on_error="zero", may_skip=False)
+        result = reward.score_batch(
+            batch.records, batch.response_texts, on_error="zero", may_skip=False
+        )
         not_scored += int(result.metrics["reward/not_scored_ratio"] * len(batch))
         for record, text, score, extras in zip(
-            batch.records, batch.response_texts, result.scores.tolist(), result.extras or [{}] * len(batch)
+            batch.records,
+            batch.response_texts,
+            result.scores.tolist(),
+            result.extras or [{}] * len(batch),
         ):
             values[record.data_source]["reward"].append(score)
             for key, value in extras.items():
@@ -101,7 +113,9 @@ def evaluate(
                     }
                 )
         lengths += batch.response_lengths.float().tolist()
-    metrics = {f"val/{source}/acc": _mean(by_var["reward"]) for source, by_var in sorted(values.items())}
+    metrics = {
+        f"val/{source}/acc": _mean(by_var["reward"]) for source, by_var in sorted(values.items())
+    }
     metrics.update(verl_validation_metrics(values, params.n))
     metrics["val/response_length/mean"] = _mean(lengths)
     metrics["val/not_scored_ratio"] = not_scored / len(lengths)
@@ -115,7 +129,9 @@ def verl_validation_metrics(values: dict[str, dict[str, list[float]]], n: int) -
     for source, by_var in sorted(values.items()):
         core = "acc" if "acc" in by_var else "reward"
         for var, vals in by_var.items():
-            metrics[f"{'val-core' if var == core else 'val-aux'}/{source}/{var}/mean@{n}"] = _mean(vals)
+            metrics[f"{'val-core' if var == core else 'val-aux'}/{source}/{var}/mean@{n}"] = _mean(
+                vals
+            )
     return metrics
 
 

@@ -23,12 +23,14 @@ def load_hook(spec: str, hooks: list[str] | None = None) -> Hook:
 
     module_name, sep, function_name = spec.partition(":")
     if not sep or not module_name or not function_name:
-        dotted = spec.rpartition(".")  # `module.function`, the colon written as a dot
+        # `module.function`, the colon written as a dot
+        dotted = spec.rpartition(".")
         fix = f"set {replaced(f'{dotted[0]}:{dotted[2]}')}" if dotted[0] and not sep else None
         raise KeelError(HOOK_LOAD, f"trainer.hooks entry {spec!r} is not module:function", fix)
     try:
         module = importlib.import_module(module_name)
-    except Exception as e:  # the user's module: whatever it raises on import is theirs to fix
+    # the user's module: whatever it raises on import is theirs to fix
+    except Exception as e:
         found = Path(module_name.replace(".", "/") + ".py")
         fix = (
             f"run with `export PYTHONPATH={Path.cwd()}` ({found} is here, and the keel command does not import "
@@ -37,11 +39,16 @@ def load_hook(spec: str, hooks: list[str] | None = None) -> Hook:
             else None
         )
         raise KeelError(
-            HOOK_LOAD, f"importing {module_name!r} for hook {spec!r} failed: {type(e).__name__}: {e}", fix
+            HOOK_LOAD,
+            f"importing {module_name!r} for hook {spec!r} failed: {type(e).__name__}: {e}",
+            fix,
         ) from e
     hook = getattr(module, function_name, None)
     if not callable(hook):
-        near = closest(function_name, [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")])
+        near = closest(
+            function_name,
+            [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")],
+        )
         raise KeelError(
             HOOK_LOAD,
             f"{module_name!r} has no function {function_name!r}",

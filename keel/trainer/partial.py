@@ -46,13 +46,19 @@ class RolloutPartial:
         self.bound = cfg.trainer.max_off_policy_steps
         self.drop = cfg.trainer.off_policy_strategy == "drop"
         self.groups_per_batch = cfg.data.train_batch_size
-        self.pool: list[PartialSample] = []  # in the order drawn: a group's samples together
-        self.restored: list[int] = []  # a resume: the pool's prompts (the sampler's rows), drawn again first
-        self.row_of: dict[int, int] = {}  # group -> its prompt's row in the training data (what the sampler gives)
+        # in the order drawn: a group's samples together
+        self.pool: list[PartialSample] = []
+        # a resume: the pool's prompts (the sampler's rows), drawn again first
+        self.restored: list[int] = []
+        # group -> its prompt's row in the training data (what the sampler gives)
+        self.row_of: dict[int, int] = {}
         self.next_group = 0
-        self.scoring: dict[tuple[int, int], object] = {}  # (group, sample) -> its scoring, begun when it finished
+        # (group, sample) -> its scoring, begun when it finished
+        self.scoring: dict[tuple[int, int], object] = {}
 
-    def __call__(self, timer: Timer, step: int) -> tuple[ScoredBatch, dict[str, float], dict[str, float]]:
+    def __call__(
+        self, timer: Timer, step: int
+    ) -> tuple[ScoredBatch, dict[str, float], dict[str, float]]:
         """The step's batch, scored: one round's finished groups; with algorithm.filter_groups (DAPO's
         dynamic sampling), more rounds with the same policy while too few of them have a signal, the
         pool refilled from the sampler each time."""
@@ -80,7 +86,8 @@ class RolloutPartial:
         end = RoundEnd(count=wanted) if self.drop else RoundEnd(groups=oldest)
         gen_parts: dict[str, float] = {}
         with timer("gen"):
-            while not self._reached(end):  # once, unless a rank's share of `end` fell short
+            # once, unless a rank's share of `end` fell short
+            while not self._reached(end):
                 self.pool, parts = self.rollout.generate_round(self.pool, seed, end)
                 gen_parts = {k: gen_parts.get(k, 0.0) + v for k, v in parts.items()}
         for s in self.pool:
@@ -88,7 +95,12 @@ class RolloutPartial:
                 self.scoring[s.group, s.sample] = self._start_scoring(s)
         trained, dropped = self._take(oldest, due, wanted)
         started = [self.scoring.pop((s.group, s.sample)) for s in trained]
-        return samples_batch(trained, self.rollout.components.tokenizer), gen_parts, started, dropped
+        return (
+            samples_batch(trained, self.rollout.components.tokenizer),
+            gen_parts,
+            started,
+            dropped,
+        )
 
     def _fill_pool(self) -> None:
         """Prompts drawn until the pool holds max_off_policy_steps + 1 batches of groups (a resume's first)."""
@@ -97,7 +109,8 @@ class RolloutPartial:
             rows, self.restored = self.restored or self.sampler.next_batch(), []
             for row in rows:
                 self.pool += [
-                    PartialSample(self.next_group, data[row], sample=k) for k in range(self.rollout.sampling.n)
+                    PartialSample(self.next_group, data[row], sample=k)
+                    for k in range(self.rollout.sampling.n)
                 ]
                 self.row_of[self.next_group] = row
                 self.next_group += 1
@@ -107,7 +120,9 @@ class RolloutPartial:
         more than max_off_policy_steps versions older than the policy the next step's update starts from
         (`updates`: whether this step updates the actor)."""
         next_update = self.rollout.components.workers.policy_version + updates
-        return {s.group for s in self.pool if s.versions and next_update - s.versions[0] > self.bound}
+        return {
+            s.group for s in self.pool if s.versions and next_update - s.versions[0] > self.bound
+        }
 
     def _reached(self, end: RoundEnd) -> bool:
         return end.reached([s.group for s in self.pool], [s.finished for s in self.pool])
@@ -118,22 +133,33 @@ class RolloutPartial:
         text = self.rollout.components.tokenizer.decode(sample.ids, skip_special_tokens=True)
         return self.rollout.start_scoring(sample.record, text)
 
-    def _take(self, oldest: frozenset, due: set[int], wanted: int) -> tuple[list[PartialSample], int]:
+    def _take(
+        self, oldest: frozenset, due: set[int], wanted: int
+    ) -> tuple[list[PartialSample], int]:
         """(the step's samples, how many samples were dropped), the pool left with the rest. `wait`: the
         `wanted` oldest groups; `drop`: `wanted` finished groups, the due ones first, then the oldest,
         and the due groups still unfinished are dropped."""
         if not self.drop:
             trained, dropped = set(oldest), set()
         else:
-            finished = [g for g in groups_of(self.pool) if all(s.finished for s in self.pool if s.group == g)]
-            trained = set(sorted(finished, key=lambda g: g not in due)[:wanted])  # a stable sort
+            finished = [
+                g
+                for g in groups_of(self.pool)
+                if all(s.finished for s in self.pool if s.group == g)
+            ]
+            # a stable sort
+            trained = set(sorted(finished, key=lambda g: g not in due)[:wanted])
             dropped = due - trained
         taken = [s for s in self.pool if s.group in trained]
         left = [s for s in self.pool if s.group not in trained and s.group not in dropped]
         count = len(self.pool) - len(taken) - len(left)
         self.pool = left
-        self.row_of = {g: row for g, row in self.row_of.items() if g not in trained and g not in dropped}
-        self.scoring = {key: started for key, started in self.scoring.items() if key[0] not in dropped}
+        self.row_of = {
+            g: row for g, row in self.row_of.items() if g not in trained and g not in dropped
+        }
+        self.scoring = {
+            key: started for key, started in self.scoring.items() if key[0] not in dropped
+        }
         return taken, count
 
     def _metrics(self, batch: ScoredBatch, dropped: int) -> dict[str, float]:
@@ -143,7 +169,8 @@ class RolloutPartial:
         return {
             "async/staleness/mean": staleness.mean().item(),
             "async/staleness/max": staleness.max().item(),
-            "async/partial": spans.mean().item(),  # trained samples whose tokens came from more than one policy
+            # trained samples whose tokens came from more than one policy
+            "async/partial": spans.mean().item(),
             "async/dropped": float(dropped),
             "async/in_flight": float(len(self.pool)),
         }
@@ -156,7 +183,10 @@ class RolloutPartial:
         """(the sampler state a resume starts from, what else it needs: the pool's prompts, drawn again
         first, and how many samples under way it drops)."""
         rows = [self.row_of[g] for g in groups_of(self.pool)]
-        return self.sampler.state_dict(), {"in_flight_dropped": len(self.pool), "pool_prompts": rows}
+        return self.sampler.state_dict(), {
+            "in_flight_dropped": len(self.pool),
+            "pool_prompts": rows,
+        }
 
     def start_at(self, step: int, state: dict | None = None) -> None:
         self.restored = list((state or {}).get("pool_prompts", []))
@@ -172,7 +202,9 @@ def samples_batch(samples: list[PartialSample], tokenizer) -> GeneratedBatch:
     prompts = collate_prompts([s.record for s in samples], pad)
 
     def padded(rows, value=0, dtype=torch.long):
-        return pad_sequence([torch.tensor(r, dtype=dtype) for r in rows], batch_first=True, padding_value=value)
+        return pad_sequence(
+            [torch.tensor(r, dtype=dtype) for r in rows], batch_first=True, padding_value=value
+        )
 
     ids = padded([s.ids for s in samples], pad)  # [N, R]
     lengths = torch.tensor([len(s.ids) for s in samples])

@@ -52,7 +52,9 @@ class RunResult:
 
 
 class RLTrainer:
-    def __init__(self, cfg: KeelConfig, inputs: Inputs | None = None, check_report: str | None = None):
+    def __init__(
+        self, cfg: KeelConfig, inputs: Inputs | None = None, check_report: str | None = None
+    ):
         """`check_report`: `keel check`'s whole report on this config, kept in the run directory."""
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
@@ -64,31 +66,44 @@ class RLTrainer:
             cfg.actor_rollout_ref.rollout.ignore_eos,
         )
         self.skipped_steps = 0
-        self.warned_steps: dict[str, int] = {}  # kind -> steps that warned of it
+        # kind -> steps that warned of it
+        self.warned_steps: dict[str, int] = {}
         start_from = self.resume_from / "actor" if self.resume_from else None
         self.components: Components = build_components(cfg, start_from, inputs)
         self.sampling = training_sampling(cfg)
         self.scored = ScoredRollout(cfg, self.components, self.sampling)
-        self.rollout = step_rollout(cfg, self.scored, self.components.sampler, self.components.total_steps)
+        self.rollout = step_rollout(
+            cfg, self.scored, self.components.sampler, self.components.total_steps
+        )
         self.run_files = RunDirectory(cfg, self.components, check_report)
         self.validation = Validation(cfg, self.components)
         a = cfg.algorithm
-        self.adv_params = AdvantageParams(gamma=a.gamma, lam=a.lam, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
+        self.adv_params = AdvantageParams(
+            gamma=a.gamma, lam=a.lam, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo
+        )
         self.correction = a.rollout_correction
         self.step = 0
-        self.restored: dict | None = None  # a resumed run's trainer_state
-        self.updating = 0  # the policy version the current step's update starts from
+        # a resumed run's trainer_state
+        self.restored: dict | None = None
+        # the policy version the current step's update starts from
+        self.updating = 0
 
     # --- the loop ----------------------------------------------------------------------------
     def fit(self) -> RunResult:
         self._open_run_dir()
-        logger = MetricsLogger.for_run(self.cfg, self.run_dir, self.components.total_steps, self.step)
+        logger = MetricsLogger.for_run(
+            self.cfg, self.run_dir, self.components.total_steps, self.step
+        )
         metrics: dict[str, float] = {}
         try:
             logger.write(make_plan(self.cfg).summary())
             logger.write(self.run_files.description())
             with warnings_said_once():
-                if self.step == 0 and self.components.val_data and self.cfg.trainer.val_before_train:
+                if (
+                    self.step == 0
+                    and self.components.val_data
+                    and self.cfg.trainer.val_before_train
+                ):
                     logger.log(0, self._validate(logger))
                 if self.step >= self.components.total_steps:
                     log.info(
@@ -104,7 +119,10 @@ class RLTrainer:
                     if self.validation.due(self.step):
                         metrics.update(self._validate(logger))
                     logger.log(self.step, metrics)
-                    if _due(self.step, self.cfg.trainer.save_freq) or self.step == self.components.total_steps:
+                    if (
+                        _due(self.step, self.cfg.trainer.save_freq)
+                        or self.step == self.components.total_steps
+                    ):
                         self.save()
         finally:
             self.rollout.close()
@@ -118,7 +136,8 @@ class RLTrainer:
         A warning that repeats is printed once and counted (`guards/warned_steps/<kind>`)."""
         try:
             metrics, batch = self.train_step(logger)
-        except SkipStep:  # trainer.guards.nonfinite=skip: the step is dropped, counted, never silent
+        # trainer.guards.nonfinite=skip: the step is dropped, counted, never silent
+        except SkipStep:
             self.skipped_steps += 1
             return {"guards/skipped_steps": float(self.skipped_steps)}
         warnings = self.guard(self.step, metrics)
@@ -129,13 +148,19 @@ class RLTrainer:
         return metrics
 
     def train_step(self, logger: MetricsLogger) -> tuple[dict[str, float], RolloutBatch]:
-        # With Ray workers the group enforces phase_timeout_s itself, collecting every rank's stacks.
-        timer = Timer(self.cfg.trainer.guards.phase_timeout_s if self.cfg.world_size == 1 else None, logger.phase)
+        # With Ray workers the group enforces phase_timeout_s itself, collecting every rank's
+        # stacks.
+        timer = Timer(
+            self.cfg.trainer.guards.phase_timeout_s if self.cfg.world_size == 1 else None,
+            logger.phase,
+        )
         parts, workers = self.components, self.components.workers
-        self.updating = workers.policy_version  # the policy this step's update starts from
+        # the policy this step's update starts from
+        self.updating = workers.policy_version
         with timer("step"):
             scored, metrics, gen_parts = self.rollout(timer, self.step)
-            updates_actor = self.step >= self.cfg.algorithm.critic_warmup  # verl's count: steps start at 1
+            # verl's count: steps start at 1
+            updates_actor = self.step >= self.cfg.algorithm.critic_warmup
             batch, gap_in_update = self._training_batch(scored, metrics, timer, updates_actor)
             if self.cfg.critic_enabled:
                 with timer("update_critic"):
@@ -151,7 +176,9 @@ class RLTrainer:
             {
                 "training/global_step": float(self.step),
                 "training/epoch": float(parts.sampler.epoch),
-                "guards/frac_reward_zero_std": frac_reward_zero_std(batch.scores, batch.group_index),
+                "guards/frac_reward_zero_std": frac_reward_zero_std(
+                    batch.scores, batch.group_index
+                ),
             }
         )
         return metrics, batch
@@ -169,19 +196,28 @@ class RLTrainer:
             with timer("ref"):
                 ref = workers.ref_log_probs(scored)
                 finite("reference log-probs", ref, scored.response_mask)
-                if not gap_in_update:  # else the update's forward measures it, with the gap
-                    metrics["actor/ref_kl"] = masked_mean(old - ref, recomputed_mask(scored, own)).item()
+                # else the update's forward measures it, with the gap
+                if not gap_in_update:
+                    metrics["actor/ref_kl"] = masked_mean(
+                        old - ref, recomputed_mask(scored, own)
+                    ).item()
         if self.cfg.critic_enabled:
             with timer("values"):
                 values = workers.values(scored)
                 finite("critic values", values, scored.response_mask)
         learning = self._advantages(scored, timer, old, ref, values, metrics)
-        passes = {"old_log_probs": old, "own_old_log_probs": own, "ref_log_probs": ref, "values": values}
+        passes = {
+            "old_log_probs": old,
+            "own_old_log_probs": own,
+            "ref_log_probs": ref,
+            "values": values,
+        }
         return RolloutBatch.of(scored, **passes, **learning), gap_in_update
 
     # --- pieces of the step --------------------------------------------------------------------
     def _validate(self, logger: MetricsLogger) -> dict[str, float]:
-        self.rollout.settle()  # the reward function is the validation's alone while it runs
+        # the reward function is the validation's alone while it runs
+        self.rollout.settle()
         return self.validation(self.step, self._seed(), logger)
 
     def _old_log_probs(
@@ -194,37 +230,47 @@ class RLTrainer:
         mini-batches and one epoch the pass skips the first mini-batch's samples (their forward comes
         before any optimiser step) and measures the gap on the rest."""
         workers, source = self.components.workers, old_log_probs_source(self.cfg)
-        if self.correction.bypass_mode or self.correction.decoupled:  # the sampler's log-probs enter the loss
+        # the sampler's log-probs enter the loss
+        if self.correction.bypass_mode or self.correction.decoupled:
             self._check_finite("sampler log-probs", scored.sampling_log_probs, scored.response_mask)
-        if source == "sampler":  # verl's bypass mode: the sampler's policy is the old one
+        # verl's bypass mode: the sampler's policy is the old one
+        if source == "sampler":
             return scored.sampling_log_probs, None, True
         own = None
-        if updates_actor and source != "recomputed":  # the first mini-batch's own forward (all of it, or a part)
+        # the first mini-batch's own forward (all of it, or a part)
+        if updates_actor and source != "recomputed":
             own = workers.first_mini_batch(scored, self._seed())
-            if own is not None and bool(own.all()):  # on-policy: the update's forward is every old log-prob
+            # on-policy: the update's forward is every old log-prob
+            if own is not None and bool(own.all()):
                 return None, None, True
         with timer("old_log_prob"):
             old, metrics["perf/old_log_prob_samples"] = self._recomputed_log_probs(scored, own)
             recomputed = recomputed_mask(scored, own)
             self._check_finite("actor log-probs", old, recomputed)
             # How far the sampler's log-probs are from the trainer's: numerics, not learning.
-            metrics["rollout/log_prob_gap"] = masked_mean((scored.sampling_log_probs - old).abs(), recomputed).item()
+            metrics["rollout/log_prob_gap"] = masked_mean(
+                (scored.sampling_log_probs - old).abs(), recomputed
+            ).item()
             self._check_log_prob_gap(metrics["rollout/log_prob_gap"], scored)
         return old, own, False
 
-    def _recomputed_log_probs(self, scored: ScoredBatch, own: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+    def _recomputed_log_probs(
+        self, scored: ScoredBatch, own: torch.Tensor | None
+    ) -> tuple[torch.Tensor, float]:
         """The old-log-prob pass [N, R] over the samples whose old log-probs are not the update's
         own (`own`; 0 for those), and how many samples it computed."""
         if own is None:
             return self.components.workers.actor_log_probs(scored), float(len(scored))
         rows = (~own).nonzero().squeeze(-1)
         old = torch.zeros(scored.response_mask.shape)
-        old[rows] = self.components.workers.actor_log_probs(scored.select(rows))  # some: on-policy returned earlier
+        # some: on-policy returned earlier
+        old[rows] = self.components.workers.actor_log_probs(scored.select(rows))
         return old, float(len(rows))
 
     def _check_log_prob_gap(self, gap: float, batch: ScoredBatch) -> None:
-        # Greedy engines record log-probs at temperature 1, not the trainer's; samples of an older policy
-        # (async mode) differ from the trainer's by its updates since, which is no broken weight sync.
+        # Greedy engines record log-probs at temperature 1, not the trainer's; samples of an older
+        # policy (async mode) differ from the trainer's by its updates since, which is no broken
+        # weight sync.
         if self.sampling.do_sample and sampled_by(self.cfg, batch, self.updating):
             check_log_prob_gap(gap, self.step, self.cfg.trainer.guards.max_log_prob_gap)
 
@@ -241,7 +287,11 @@ class RLTrainer:
             rewards, old, ref, scored.response_mask, kl_coef, self.cfg.algorithm.kl_penalty
         )
         self.components.kl_ctrl.update(current_kl, len(scored))
-        return rewards, {**metrics, "actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": kl_coef}
+        return rewards, {
+            **metrics,
+            "actor/reward_kl_penalty": current_kl,
+            "actor/reward_kl_penalty_coeff": kl_coef,
+        }
 
     def _advantages(
         self, scored: ScoredBatch, timer: Timer, old, ref, values, metrics: dict[str, float]
@@ -253,20 +303,33 @@ class RLTrainer:
             rewards, reward_metrics = self._token_rewards(scored, old, ref)
             metrics.update(reward_metrics)
             finite("token-level rewards", rewards, scored.response_mask)
-            correction = self._correct_rollout(scored, old, metrics) if self.correction.decoupled else {}
+            correction = (
+                self._correct_rollout(scored, old, metrics) if self.correction.decoupled else {}
+            )
             advantages, returns = compute_advantage(
                 self.cfg.algorithm.adv_estimator,
-                AdvantageInputs(rewards, scored.response_mask, scored.group_index, values, scored.baselines),
+                AdvantageInputs(
+                    rewards, scored.response_mask, scored.group_index, values, scored.baselines
+                ),
                 self.adv_params,
                 None if scored.sample_index is None else scored.final_segments,
             )
             finite("advantages", advantages, scored.response_mask)
-        return {"token_level_rewards": rewards, "advantages": advantages, "returns": returns, **correction}
+        return {
+            "token_level_rewards": rewards,
+            "advantages": advantages,
+            "returns": returns,
+            **correction,
+        }
 
-    def _correct_rollout(self, scored: ScoredBatch, old: torch.Tensor, metrics: dict[str, float]) -> dict:
+    def _correct_rollout(
+        self, scored: ScoredBatch, old: torch.Tensor, metrics: dict[str, float]
+    ) -> dict:
         """Decoupled rollout correction, once per batch: the old policy's log-probs against the
         sampler's give the policy loss its IS weights and rejection its mask."""
-        correction = compute_correction(old, scored.sampling_log_probs, scored.response_mask, self.correction.params())
+        correction = compute_correction(
+            old, scored.sampling_log_probs, scored.response_mask, self.correction.params()
+        )
         metrics.update({name: value.item() for name, value in correction.metrics.items()})
         keep = correction.keep if self.correction.rollout_rs else None
         return {"rollout_is_weights": correction.weights, "rollout_keep": keep}
@@ -279,15 +342,21 @@ class RLTrainer:
 
     # --- run directory and checkpoints ---------------------------------------------------------
     def _open_run_dir(self) -> None:
-        if self.resume_from is not None:  # loaded first: a mismatch must leave the directory as it was
+        # loaded first: a mismatch must leave the directory as it was
+        if self.resume_from is not None:
             self.load(self.resume_from)
             log.info("resumed from %s at step %d", self.resume_from, self.step)
         self.rollout.start_at(self.step, self.restored)
         self.run_files.open(self.step if self.resume_from else None)
 
     def save(self) -> Path:
-        sampler_state, in_flight = self.rollout.resume_state()  # async: what is in flight is generated again
-        counts = {"skipped_steps": self.skipped_steps, "warned_steps": self.warned_steps, **in_flight}
+        # async: what is in flight is generated again
+        sampler_state, in_flight = self.rollout.resume_state()
+        counts = {
+            "skipped_steps": self.skipped_steps,
+            "warned_steps": self.warned_steps,
+            **in_flight,
+        }
         return self.run_files.save(self.step, counts, sampler_state)
 
     def load(self, path: Path) -> None:
@@ -325,7 +394,9 @@ def recomputed_mask(batch: ScoredBatch, own: torch.Tensor | None) -> torch.Tenso
     return batch.response_mask * (~own)[:, None]
 
 
-def _step_report(batch: RolloutBatch, timer: Timer, gen_parts: dict, workers, world_size: int) -> dict[str, float]:
+def _step_report(
+    batch: RolloutBatch, timer: Timer, gen_parts: dict, workers, world_size: int
+) -> dict[str, float]:
     """What a step measures beside its losses: the batch's and the agent loop's statistics, each
     phase's time, generation's parts, throughput and memory."""
     return {
@@ -340,7 +411,8 @@ def _step_report(batch: RolloutBatch, timer: Timer, gen_parts: dict, workers, wo
 
 def _logged_samples(batch: RolloutBatch, limit: int) -> list[dict]:
     """The first `limit` samples of a step as samples.jsonl keeps them (`keel report` reads them)."""
-    rewards = batch.token_level_rewards.sum(-1).tolist()  # the score, minus KL when it is in the reward
+    # the score, minus KL when it is in the reward
+    rewards = batch.token_level_rewards.sum(-1).tolist()
     extras = batch.reward_extras or [{}] * len(batch)
     return [
         {
@@ -351,7 +423,11 @@ def _logged_samples(batch: RolloutBatch, limit: int) -> list[dict]:
             "score": score,
             "reward": reward,
             **({"reward_extra": e} if e else {}),
-            **({"conversation": r.extra_info["conversation"]} if "conversation" in r.extra_info else {}),
+            **(
+                {"conversation": r.extra_info["conversation"]}
+                if "conversation" in r.extra_info
+                else {}
+            ),
         }
         for r, text, score, reward, e in zip(
             batch.records, batch.response_texts, batch.scores.tolist(), rewards, extras

@@ -23,21 +23,39 @@ from keel.training.batching import (
     shard_batch,
     unshard_rows,
 )
-from keel.types import GeneratedBatch, PartialSample, RolloutBatch, RoundEnd, SamplingParams, ScoredBatch, groups_of
+from keel.types import (
+    GeneratedBatch,
+    PartialSample,
+    RolloutBatch,
+    RoundEnd,
+    SamplingParams,
+    ScoredBatch,
+    groups_of,
+)
 
 # Metrics every rank reports identically (computed after the gradients were summed); every other
 # update metric is a rank's share of the whole mini-batch, so the ranks' values add up.
-REPLICATED_METRICS = ("actor/grad_norm", "actor/lr", "critic/grad_norm", "critic/lr", "timing_s/sync_rollout_weights")
+REPLICATED_METRICS = (
+    "actor/grad_norm",
+    "actor/lr",
+    "critic/grad_norm",
+    "critic/lr",
+    "timing_s/sync_rollout_weights",
+)
 
 
 @dataclass(frozen=True)
 class UpdateSchedule:
     """How one role's update cuts a step's batch into mini-batches."""
 
-    samples_per_mini_batch: int  # ppo_mini_batch_size prompts x rollout.n
-    epochs: int  # passes over the batch
-    shuffle: bool  # samples shuffled between mini-batches
-    max_response_length: int  # seq-mean-token-sum-norm's constant
+    # ppo_mini_batch_size prompts x rollout.n
+    samples_per_mini_batch: int
+    # passes over the batch
+    epochs: int
+    # samples shuffled between mini-batches
+    shuffle: bool
+    # seq-mean-token-sum-norm's constant
+    max_response_length: int
 
 
 class WorkerRoles:
@@ -60,23 +78,36 @@ class WorkerRoles:
         self.actor_schedule, self.critic_schedule = actor, critic
         self.world = group.world_size
         self.pad_token_id = pad_token_id
-        self.policy_version = 0  # the policy version the workers hold: actor updates so far (the one source)
-        self.peak_gb: dict[str, float] = {}  # method -> the fullest GPU's peak during its last call
+        # the policy version the workers hold: actor updates so far (the one source)
+        self.policy_version = 0
+        # method -> the fullest GPU's peak during its last call
+        self.peak_gb: dict[str, float] = {}
         self.rss_gb = 0.0
 
     @classmethod
-    def of(cls, group, cfg: KeelConfig, pad_token_id: int, critic_group=None, rollout_group=None) -> WorkerRoles:
+    def of(
+        cls, group, cfg: KeelConfig, pad_token_id: int, critic_group=None, rollout_group=None
+    ) -> WorkerRoles:
         policy = cfg.actor_rollout_ref
         n, shuffle, length = policy.rollout.n, policy.actor.shuffle, cfg.data.max_response_length
-        actor = UpdateSchedule(policy.actor.ppo_mini_batch_size * n, policy.actor.ppo_epochs, shuffle, length)
+        actor = UpdateSchedule(
+            policy.actor.ppo_mini_batch_size * n, policy.actor.ppo_epochs, shuffle, length
+        )
         critic_prompts, _, critic_epochs = cfg.critic_batching
-        critic = UpdateSchedule(critic_prompts * n, critic_epochs, shuffle, length) if cfg.critic_enabled else None
+        critic = (
+            UpdateSchedule(critic_prompts * n, critic_epochs, shuffle, length)
+            if cfg.critic_enabled
+            else None
+        )
         roles = cls(group, pad_token_id, actor, critic, critic_group, rollout_group)
-        if rollout_group is not None and policy.model.lora_rank > 0:  # its engine holds the base alone: the
-            roles._send_weights()  # adapters a checkpoint or lora_adapter_path gave reach it before it generates
+        # its engine holds the base alone: the
+        if rollout_group is not None and policy.model.lora_rank > 0:
+            # adapters a checkpoint or lora_adapter_path gave reach it before it generates
+            roles._send_weights()
         return roles
 
-    # --- rollout -----------------------------------------------------------------------------------
+    # --- rollout
+    # -----------------------------------------------------------------------------------
     def generate(
         self, prompts: PromptBatch, sampling: SamplingParams, seed: int, on_finished=None
     ) -> tuple[GeneratedBatch, dict[str, float]]:
@@ -86,18 +117,23 @@ class WorkerRoles:
         response text)`: told of each sample as it finishes, where the generator can."""
         return self.submit_generate(prompts, sampling, seed, on_finished).result()
 
-    def submit_generate(self, prompts: PromptBatch, sampling: SamplingParams, seed: int, on_finished=None) -> Future:
+    def submit_generate(
+        self, prompts: PromptBatch, sampling: SamplingParams, seed: int, on_finished=None
+    ) -> Future:
         """generate, started: a future of what it returns. On the rollout's own workers the driver
         goes on (the actor trains) while they generate."""
         group = self.rollout_group or self.group
         shares = contiguous_shares(len(prompts), group.world_size)
         parts = [_slice_prompts(prompts, start, end) for start, end in shares]
         tellers, all_told = _tellers(group, on_finished, shares)
-        per_rank = [(p, sampling, rank_seed(seed, r), t) for r, (p, t) in enumerate(zip(parts, tellers))]
+        per_rank = [
+            (p, sampling, rank_seed(seed, r), t) for r, (p, t) in enumerate(zip(parts, tellers))
+        ]
         submitted = group.submit("generate", per_rank)
 
         def samples(replies) -> tuple[GeneratedBatch, dict[str, float]]:
-            all_told()  # every finished sample handed to on_finished before the batch is
+            # every finished sample handed to on_finished before the batch is
+            all_told()
             return self._samples(shares, self._noted("generate", replies))
 
         return then(submitted, samples)
@@ -111,26 +147,37 @@ class WorkerRoles:
         groups = groups_of(samples)
         parts, ends = [], []
         for (start, stop), (count, count_end) in zip(
-            contiguous_shares(len(groups), group.world_size), contiguous_shares(end.count, group.world_size)
+            contiguous_shares(len(groups), group.world_size),
+            contiguous_shares(end.count, group.world_size),
         ):
             mine = set(groups[start:stop])
             parts.append([s for s in samples if s.group in mine])
-            # a rank's share of the count, at least one where it has groups: a share of 0 would end its
-            # round before its groups took a token (the driver takes only the batch it needs)
-            ends.append(RoundEnd(end.groups & mine, min(len(mine), max(count_end - count, 1)) if end.count else 0))
-        per_rank = [(p, sampling, rank_seed(seed, r), e) for r, (p, e) in enumerate(zip(parts, ends))]
+            # a rank's share of the count, at least one where it has groups: a share of 0 would end
+            # its round before its groups took a token (the driver takes only the batch it needs)
+            ends.append(
+                RoundEnd(
+                    end.groups & mine, min(len(mine), max(count_end - count, 1)) if end.count else 0
+                )
+            )
+        per_rank = [
+            (p, sampling, rank_seed(seed, r), e) for r, (p, e) in enumerate(zip(parts, ends))
+        ]
         replies = self._noted("generate_round", group.call("generate_round", per_rank))
         timing = {k: max(t.get(k, 0.0) for _, t in replies) for _, t in replies for k in t}
         return [s for continued, _ in replies for s in continued], timing
 
-    def _samples(self, shares: list[tuple[int, int]], results: list) -> tuple[GeneratedBatch, dict[str, float]]:
+    def _samples(
+        self, shares: list[tuple[int, int]], results: list
+    ) -> tuple[GeneratedBatch, dict[str, float]]:
         timing = {k: max(t.get(k, 0.0) for _, t in results) for _, t in results for k in t}
         for (start, _), (batch, _) in zip(shares, results):
-            if batch is not None and batch.sample_index is not None:  # a rank numbers its own samples from 0
+            # a rank numbers its own samples from 0
+            if batch is not None and batch.sample_index is not None:
                 batch.sample_index = batch.sample_index + start
         return concat_rows([b for b, _ in results if b is not None], self.pad_token_id), timing
 
-    # --- forward passes ------------------------------------------------------------------------------
+    # --- forward passes
+    # ------------------------------------------------------------------------------
     def actor_log_probs(self, batch: ScoredBatch) -> torch.Tensor:
         return self._per_token("compute_log_probs", batch)
 
@@ -145,7 +192,8 @@ class WorkerRoles:
         index, parts = shard_batch(batch, group.world_size)
         return unshard_rows(index, self._call(method, [(p,) for p in parts], group))
 
-    # --- updates -------------------------------------------------------------------------------------
+    # --- updates
+    # -------------------------------------------------------------------------------------
     def first_mini_batch(self, batch: ScoredBatch, seed: int) -> torch.Tensor | None:
         """[N] bool: the samples that update_actor(batch, seed) takes first, while the policy is
         still the one that generated them (every sample when the update is one mini-batch: it is
@@ -156,7 +204,9 @@ class WorkerRoles:
             return None
         first = torch.zeros(len(batch), dtype=torch.bool)
         mini_rows = _rows_per_mini_batch(batch, schedule.samples_per_mini_batch)
-        first[minibatch_indices(len(batch), mini_rows, schedule.shuffle, actor_order_seed(seed))[0]] = True
+        first[
+            minibatch_indices(len(batch), mini_rows, schedule.shuffle, actor_order_seed(seed))[0]
+        ] = True
         return first
 
     def update_actor(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
@@ -176,7 +226,9 @@ class WorkerRoles:
         return {"timing_s/sync_rollout_weights": time.perf_counter() - start}
 
     def update_critic(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
-        plan = _plan(batch, self.critic_schedule, critic_order_seed(seed), self.critic_group.world_size)
+        plan = _plan(
+            batch, self.critic_schedule, critic_order_seed(seed), self.critic_group.world_size
+        )
         return combine_metrics(self._call("update_critic", [(p,) for p in plan], self.critic_group))
 
     # --- checkpoints -----------------------------------------------------------------------------
@@ -259,7 +311,8 @@ def _tellers(group, on_finished, shares: list[tuple[int, int]]) -> tuple[list, C
     group's channel for Ray ranks, None without one), and what waits until all have told theirs."""
     if on_finished is None:
         return [None] * len(shares), lambda: None
-    if getattr(group, "in_process", False):  # one rank: its rows are the prompts'
+    # one rank: its rows are the prompts'
+    if getattr(group, "in_process", False):
         return [on_finished], lambda: None
     channel = group.finished_channel()
     call, tellers = channel.open(on_finished, [start for start, _ in shares])
@@ -278,4 +331,6 @@ def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
 def _slice_prompts(prompts: PromptBatch, start: int, end: int) -> PromptBatch | None:
     if start == end:
         return None
-    return PromptBatch(prompts.input_ids[start:end], prompts.attention_mask[start:end], prompts.records[start:end])
+    return PromptBatch(
+        prompts.input_ids[start:end], prompts.attention_mask[start:end], prompts.records[start:end]
+    )

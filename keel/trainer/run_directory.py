@@ -32,7 +32,9 @@ class RunDirectory:
         """Write the run's description; a resumed run (`resumed_step`) keeps the logs of the steps
         it will not redo."""
         ckpt.init_run_dir(self.path, to_yaml(self.cfg), resumed_step)
-        (self.path / "batch_plan.json").write_text(json.dumps(make_plan(self.cfg).as_dict(), indent=2))
+        (self.path / "batch_plan.json").write_text(
+            json.dumps(make_plan(self.cfg).as_dict(), indent=2)
+        )
         if self.check_report:
             (self.path / "check.txt").write_text(self.check_report + "\n")
 
@@ -64,7 +66,9 @@ class RunDirectory:
                 tmp / "trainer_state.pt",
             )
 
-        return ckpt.save_checkpoint(self.path, step, write, self.cfg.trainer.max_actor_ckpt_to_keep, to_yaml(self.cfg))
+        return ckpt.save_checkpoint(
+            self.path, step, write, self.cfg.trainer.max_actor_ckpt_to_keep, to_yaml(self.cfg)
+        )
 
     def load(self, path: Path) -> dict:
         """Restore the components from the checkpoint at `path`, but the actor's weights -> its
@@ -78,13 +82,17 @@ class RunDirectory:
                 f"critic, but this config {'has' if critic else 'has no'} critic",
             )
         state = torch.load(path / "trainer_state.pt", weights_only=False)
-        # checkpoints before the version was saved: the steps' count (a skipped step would make it high)
-        parts.workers.load(path, state.get("policy_version", policy_version(self.cfg, state["step"])))
+        # checkpoints before the version was saved: the steps' count (a skipped step would make it
+        # high)
+        parts.workers.load(
+            path, state.get("policy_version", policy_version(self.cfg, state["step"]))
+        )
         if parts.normalizer is not None and state.get("normalizer"):
             parts.normalizer.load_state_dict(state["normalizer"])
         try:
             parts.sampler.load_state_dict(state["sampler"])
-        except ValueError as e:  # the dataset or batch size changed since the checkpoint
+        # the dataset or batch size changed since the checkpoint
+        except ValueError as e:
             raise ckpt.mismatch_error(path, self.cfg, f"{path}: {e}") from e
         parts.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if state.get("in_flight_dropped"):

@@ -31,9 +31,12 @@ class Generated:
     """A generation batch on its way to scoring."""
 
     batch: GeneratedBatch
-    timing: dict[str, float]  # the engine's parts (timing_s/gen_*)
-    started: list | None = None  # per sample, its scoring as begun when it finished (None: not begun)
-    greedy: GeneratedBatch | None = None  # ReMax: each prompt's greedy response, from the same policy
+    # the engine's parts (timing_s/gen_*)
+    timing: dict[str, float]
+    # per sample, its scoring as begun when it finished (None: not begun)
+    started: list | None = None
+    # ReMax: each prompt's greedy response, from the same policy
+    greedy: GeneratedBatch | None = None
 
 
 def training_sampling(cfg: KeelConfig) -> SamplingParams:
@@ -55,10 +58,13 @@ class ScoredRollout:
         self.cfg = cfg
         self.components = components
         self.sampling = sampling
-        self.needs_baseline = needs_baseline_rollout(cfg)  # ReMax
+        # ReMax
+        self.needs_baseline = needs_baseline_rollout(cfg)
         self.greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=sampling.max_new_tokens)
 
-    def __call__(self, timer: Timer, seed: int) -> tuple[ScoredBatch, dict[str, float], dict[str, float]]:
+    def __call__(
+        self, timer: Timer, seed: int
+    ) -> tuple[ScoredBatch, dict[str, float], dict[str, float]]:
         """(the step's generated and scored samples, reward metrics, generation timing). With
         algorithm.filter_groups, DAPO's dynamic sampling: prompts whose samples all scored alike are
         dropped and more generated until data.train_batch_size prompts remain."""
@@ -71,14 +77,22 @@ class ScoredRollout:
         """What __call__ returns, from `next_generated(call, groups wanted)` -> a Generated: called
         once, or until enough groups are kept: with algorithm.filter_groups those with a signal
         (DAPO), with `whole_groups` (partial rollouts) those that lost no sample to a failed scoring."""
-        pad, filter_groups = self.components.tokenizer.pad_token_id, self.cfg.algorithm.filter_groups
-        gen: dict[str, float] = {}  # the calls' generation: seconds summed, the rest the last call's
-        scored: list[tuple[dict[str, float], int]] = []  # each call's reward metrics, and its samples
+        pad, filter_groups = (
+            self.components.tokenizer.pad_token_id,
+            self.cfg.algorithm.filter_groups,
+        )
+        # the calls' generation: seconds summed, the rest the last call's
+        gen: dict[str, float] = {}
+        # each call's reward metrics, and its samples
+        scored: list[tuple[dict[str, float], int]] = []
 
         def next_scored_batch(call: int = 0, wanted: int = 0) -> ScoredBatch:
             generated = next_generated(call, wanted)
             gen.update(
-                {k: v + (gen.get(k, 0.0) if k.startswith("timing_s/") else 0.0) for k, v in generated.timing.items()}
+                {
+                    k: v + (gen.get(k, 0.0) if k.startswith("timing_s/") else 0.0)
+                    for k, v in generated.timing.items()
+                }
             )
             with timer("reward"):
                 batch, metrics = self.score(generated)
@@ -97,7 +111,10 @@ class ScoredRollout:
             self.sampling.n if whole_groups else 0,
         )
         prefix = "dynamic_sampling" if filter_groups.enable else "async/refill"
-        metrics = {**merge_score_metrics(scored), **{f"{prefix}/{name}": value for name, value in counts.items()}}
+        metrics = {
+            **merge_score_metrics(scored),
+            **{f"{prefix}/{name}": value for name, value in counts.items()},
+        }
         return batch, metrics, gen
 
     def generate(self, timer: Timer, seed: int) -> Generated:
@@ -124,12 +141,17 @@ class ScoredRollout:
         sampled = workers.submit_generate(prompts, self.sampling, seed, finished)
         if not self.needs_baseline:
             return then(sampled, lambda generated: Generated(*generated, started))
-        greedy = workers.submit_generate(_each_once(prompts, self.components.tokenizer.pad_token_id), self.greedy, seed)
+        greedy = workers.submit_generate(
+            _each_once(prompts, self.components.tokenizer.pad_token_id), self.greedy, seed
+        )
 
         def with_baseline(baseline) -> Generated:
             batch, timing = sampled.result()
-            seconds = baseline[1].get("timing_s/gen_engine", 0.0)  # the greedy call's, on the rollout's workers
-            return Generated(batch, {**timing, "timing_s/gen_baseline": seconds}, started, baseline[0])
+            # the greedy call's, on the rollout's workers
+            seconds = baseline[1].get("timing_s/gen_engine", 0.0)
+            return Generated(
+                batch, {**timing, "timing_s/gen_baseline": seconds}, started, baseline[0]
+            )
 
         return then(greedy, with_baseline)
 
@@ -138,9 +160,11 @@ class ScoredRollout:
         `on_finished` that begins it, None where nothing can begin ahead)."""
         started: list[StartedSample | None] = [None] * len(prompts)
         if not self.scores_ahead:
-            return started, None  # nothing to tell: generation decodes and sends nothing for it
+            # nothing to tell: generation decodes and sends nothing for it
+            return started, None
 
-        def finished(row: int, record, text: str) -> None:  # the record as the batch will hold it
+        # the record as the batch will hold it
+        def finished(row: int, record, text: str) -> None:
             try:
                 started[row] = self.start_scoring(record, text)
             except Exception:  # noqa: BLE001 - never a generation's failure: its batch scores it, and says why
@@ -180,9 +204,13 @@ class ScoredRollout:
         batch = generated.batch
         scored = score_samples(self.components.reward, batch, generated.started)
         baselines = None if generated.greedy is None else self._baselines(generated.greedy, batch)
-        batch = ScoredBatch.of(batch, scores=scored.scores, reward_extras=scored.extras, baselines=baselines)
+        batch = ScoredBatch.of(
+            batch, scores=scored.scores, reward_extras=scored.extras, baselines=baselines
+        )
         metrics = {**scored.metrics, **external_agent_metrics(batch.records, batch.final_segments)}
-        kept = scored.scored & torch.tensor(["agent_dropped" not in r.extra_info for r in batch.records])
+        kept = scored.scored & torch.tensor(
+            ["agent_dropped" not in r.extra_info for r in batch.records]
+        )
         return (batch if kept.all() else batch.select(kept.nonzero().squeeze(-1))), metrics
 
     def _baselines(self, greedy: GeneratedBatch, batch: GeneratedBatch) -> torch.Tensor:  # [N]
@@ -200,15 +228,21 @@ def score_samples(reward, batch: GeneratedBatch, started: list | None = None) ->
     segments too: a sample is scored once however many rows it trains as. `started`: per row, its
     scoring begun as it finished (a batch whose rows are whole samples)."""
     finals = batch.final_segments
-    rows = finals.unique()  # sorted: the final segments, in batch order
+    # sorted: the final segments, in batch order
+    rows = finals.unique()
     if len(rows) == len(batch):
         ahead = started if started is not None and len(started) == len(batch) else None
-        return reward.score_batch(batch.records, batch.response_texts, batch.response_lengths, started=ahead)
+        return reward.score_batch(
+            batch.records, batch.response_texts, batch.response_lengths, started=ahead
+        )
     picked = rows.tolist()
     scored = reward.score_batch(
-        [batch.records[i] for i in picked], [batch.response_texts[i] for i in picked], batch.response_lengths[rows]
+        [batch.records[i] for i in picked],
+        [batch.response_texts[i] for i in picked],
+        batch.response_lengths[rows],
     )
-    of = torch.searchsorted(rows, finals)  # each row's sample among the scored
+    # each row's sample among the scored
+    of = torch.searchsorted(rows, finals)
     return dataclasses.replace(
         scored,
         scores=scored.scores[of],

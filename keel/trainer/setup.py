@@ -97,7 +97,9 @@ def require_enough_prompts(count: int, cfg: KeelConfig) -> None:
             f"{count} training prompts remain after filtering, fewer than "
             f"data.train_batch_size={cfg.data.train_batch_size}",
             whole_batches(
-                count, "actor_rollout_ref.actor.ppo_mini_batch_size", cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+                count,
+                "actor_rollout_ref.actor.ppo_mini_batch_size",
+                cfg.actor_rollout_ref.actor.ppo_mini_batch_size,
             ),
         )
 
@@ -114,19 +116,27 @@ def build_inputs(cfg: KeelConfig) -> Inputs:
     reward = build_reward(cfg)
     agent = cfg.actor_rollout_ref.rollout.agent
     train = load_prompts(cfg.data.train_files, tokenizer, cfg, "train")
-    val = load_prompts(cfg.data.val_files, tokenizer, cfg, "val") if cfg.data.val_files or agent.environment else []
-    if not agent.environment:  # an environment's rewards are its own, whatever the rows' data_source
+    val = (
+        load_prompts(cfg.data.val_files, tokenizer, cfg, "val")
+        if cfg.data.val_files or agent.environment
+        else []
+    )
+    # an environment's rewards are its own, whatever the rows' data_source
+    if not agent.environment:
         reward.check_records(train + val, [*cfg.data.train_files, *cfg.data.val_files])
     require_enough_prompts(len(train), cfg)
     return Inputs(tokenizer, train, val, reward)
 
 
-def build_components(cfg: KeelConfig, actor_weights: Path | None = None, inputs: Inputs | None = None) -> Components:
+def build_components(
+    cfg: KeelConfig, actor_weights: Path | None = None, inputs: Inputs | None = None
+) -> Components:
     """`actor_weights`: a checkpoint's actor directory to start from instead of the model path.
     `inputs`: what `keel check` already loaded and checked (tokenizer, datasets, reward), reused as it is."""
     quiet_transformers()
     seed_everything(cfg.trainer.seed)
-    resolve_device(cfg.trainer.device)  # a missing device fails here, before any model loads
+    # a missing device fails here, before any model loads
+    resolve_device(cfg.trainer.device)
     inputs = inputs or build_inputs(cfg)
     tokenizer, reward = inputs.tokenizer, inputs.reward
     train_data, val_data = inputs.train_records, inputs.val_records
@@ -137,10 +147,13 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None, inputs:
             cfg.algorithm.adv_estimator,
         )
     norm = cfg.reward.normalize
-    sampler = ResumableSampler(len(train_data), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
+    sampler = ResumableSampler(
+        len(train_data), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle
+    )
     steps = total_steps(cfg, sampler.batches_per_epoch)
 
-    sharding = decide_sharding(cfg)  # before any worker starts: they all build the same layout
+    # before any worker starts: they all build the same layout
+    sharding = decide_sharding(cfg)
     if sharding:
         log.info("sharding: %s", sharding)
     workers = build_workers(cfg, steps, actor_weights, tokenizer, cfg.run_dir)
@@ -157,7 +170,9 @@ def build_components(cfg: KeelConfig, actor_weights: Path | None = None, inputs:
             cfg.algorithm.kl_ctrl.target_kl,
             cfg.algorithm.kl_ctrl.horizon,
         ),
-        normalizer=RunningNormalizer(norm.window_size, norm.eps, norm.clip) if norm.enable else None,
+        normalizer=RunningNormalizer(norm.window_size, norm.eps, norm.clip)
+        if norm.enable
+        else None,
         total_steps=steps,
     )
 
@@ -169,7 +184,9 @@ def build_workers(
     weights = str(actor_weights) if actor_weights else None
     # With a pool of its own for any role, Ray places every device user, a single worker included.
     if cfg.world_size == 1 and not cfg.pools:
-        group = LocalGroup(RoleWorker(WorkerSpec.of(cfg, total_steps, weights), tokenizer=tokenizer))
+        group = LocalGroup(
+            RoleWorker(WorkerSpec.of(cfg, total_steps, weights), tokenizer=tokenizer)
+        )
     else:
         log.info(
             "starting %d workers (trainer.n_gpus_per_node=%d x trainer.nnodes=%d)",
@@ -187,7 +204,12 @@ def build_workers(
             cfg.critic.nnodes,
         )
         critic_group = role_group(
-            cfg, total_steps, None, Path(run_dir), roles=frozenset({"critic"}), world_size=cfg.critic_world_size
+            cfg,
+            total_steps,
+            None,
+            Path(run_dir),
+            roles=frozenset({"critic"}),
+            world_size=cfg.critic_world_size,
         )
     rollout = None
     if "rollout" in cfg.pools:
@@ -208,7 +230,8 @@ def build_reward(cfg: KeelConfig) -> RewardScorer:
     if r.service.url:
         s = r.service
         service = RewardServiceClient(s.url, s.timeout_s, s.retry_times, s.retry_delay_s, s.token)
-        service.check_health(serve_fix(cfg))  # the client does not know the scorer; the config names it
+        # the client does not know the scorer; the config names it
+        service.check_health(serve_fix(cfg))
     reward_model = None
     if rm.enable and rm.enable_resource_pool:
         reward_model = RewardModelPool.of(cfg)
@@ -223,8 +246,11 @@ def build_reward(cfg: KeelConfig) -> RewardScorer:
     scorer = None
     if custom.path:
         # a broken file, or a function verl's keyword call cannot bind, fails now
-        scorer = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs, custom.batched)
-        if r.num_workers > 0 and not custom.batched:  # workers import it themselves
+        scorer = load_custom_reward_fn(
+            custom.path, custom.name, custom.reward_kwargs, custom.batched
+        )
+        # workers import it themselves
+        if r.num_workers > 0 and not custom.batched:
             scorer = file_spec(module_location(custom.path), custom.name, custom.reward_kwargs)
     return RewardScorer(
         scorer,

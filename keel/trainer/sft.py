@@ -18,7 +18,14 @@ from keel.data.sampler import ResumableSampler
 from keel.data.sft import SFTExample, build_sft_dataset, collate_sft
 from keel.errors import DATA_EMPTY, KeelError
 from keel.errors.fixes import whole_batches
-from keel.models.load import autocast, load_causal_lm, load_tokenizer, quiet_transformers, resolve_device, resolve_dtype
+from keel.models.load import (
+    autocast,
+    load_causal_lm,
+    load_tokenizer,
+    quiet_transformers,
+    resolve_device,
+    resolve_dtype,
+)
 from keel.models.lora import apply_lora, plan_lora
 from keel.observe.log import ensure_console_logging
 from keel.observe.metrics import MetricsLogger, Timer
@@ -31,7 +38,8 @@ log = logging.getLogger("keel")
 
 @dataclass
 class SFTResult:
-    run_dir: Path  # a Hugging Face model directory once the run finishes
+    # a Hugging Face model directory once the run finishes
+    run_dir: Path
     last_step: int
     last_metrics: dict[str, float]
 
@@ -41,12 +49,15 @@ def token_losses(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, t
     device = next(model.parameters()).device
     input_ids = batch["input_ids"].to(device)  # [B, L]
     logits = (
-        model(input_ids=input_ids, attention_mask=batch["attention_mask"].to(device), use_cache=False)
+        model(
+            input_ids=input_ids, attention_mask=batch["attention_mask"].to(device), use_cache=False
+        )
         .logits[:, :-1]
         .float()
     )  # [B, L-1, V]
     targets = input_ids[:, 1:]  # [B, L-1]
-    mask = batch["loss_mask"][:, 1:].to(device).float()  # a token is learnt where it is predicted
+    # a token is learnt where it is predicted
+    mask = batch["loss_mask"][:, 1:].to(device).float()
     nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
     return (nll * mask).sum(), mask.sum()
 
@@ -68,10 +79,17 @@ class SFTTrainer:
             raise KeelError(
                 DATA_EMPTY,
                 f"{len(self.train_data)} SFT examples, fewer than data.train_batch_size={d.train_batch_size}",
-                whole_batches(len(self.train_data), "data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu),
+                whole_batches(
+                    len(self.train_data),
+                    "data.micro_batch_size_per_gpu",
+                    d.micro_batch_size_per_gpu,
+                ),
             )
         self.sampler = ResumableSampler(len(self.train_data), d.train_batch_size, d.seed, d.shuffle)
-        self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
+        self.total_steps = (
+            cfg.trainer.total_training_steps
+            or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
+        )
         self.model = self._load_model(device)
         self.autocast = partial(autocast, device, resolve_dtype(m.dtype, device))
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
@@ -84,14 +102,27 @@ class SFTTrainer:
         m, checkpoint = self.cfg.model, self.resume_from / "actor" if self.resume_from else None
         if not m.lora_rank:
             return load_causal_lm(
-                checkpoint or m.partial_pretrain, device, m.trust_remote_code, m.enable_gradient_checkpointing
+                checkpoint or m.partial_pretrain,
+                device,
+                m.trust_remote_code,
+                m.enable_gradient_checkpointing,
             )
         dtype = resolve_dtype(m.dtype, device)
-        base = load_causal_lm(m.partial_pretrain, device, m.trust_remote_code, m.enable_gradient_checkpointing, dtype)
-        plan = plan_lora(base, m.lora_rank, m.target_modules, m.exclude_modules, m.modules_to_save, "model")
+        base = load_causal_lm(
+            m.partial_pretrain, device, m.trust_remote_code, m.enable_gradient_checkpointing, dtype
+        )
+        plan = plan_lora(
+            base, m.lora_rank, m.target_modules, m.exclude_modules, m.modules_to_save, "model"
+        )
         log.info(plan.summary())
         return apply_lora(
-            base, plan, m.lora_rank, m.lora_alpha, m.modules_to_save, dtype, checkpoint or m.lora_adapter_path
+            base,
+            plan,
+            m.lora_rank,
+            m.lora_alpha,
+            m.modules_to_save,
+            dtype,
+            checkpoint or m.lora_adapter_path,
         )
 
     def _load(self, files: list[str], name: str) -> list[SFTExample]:
@@ -114,7 +145,9 @@ class SFTTrainer:
         if self.resume_from is not None:
             self.load(self.resume_from)
         ckpt.init_run_dir(self.run_dir, to_yaml(self.cfg), self.step if self.resume_from else None)
-        logger = MetricsLogger.for_run(self.cfg, self.run_dir, self.total_steps, self.step, desc="keel sft")
+        logger = MetricsLogger.for_run(
+            self.cfg, self.run_dir, self.total_steps, self.step, desc="keel sft"
+        )
         metrics: dict[str, float] = {}
         try:
             while self.step < self.total_steps:
@@ -127,25 +160,32 @@ class SFTTrainer:
                     self.save()
         finally:
             logger.close()
-        ckpt.write_policy(self.run_dir, self._finished_model(), self.tokenizer)  # the run directory is the model
+        # the run directory is the model
+        ckpt.write_policy(self.run_dir, self._finished_model(), self.tokenizer)
         return SFTResult(self.run_dir, self.step, metrics)
 
     def train_step(self) -> dict[str, float]:
         timer = Timer()
         with timer("step"), self.autocast():
             batch = [self.train_data[i] for i in self.sampler.next_batch()]
-            n_tokens = sum(sum(e.loss_mask[1:]) for e in batch)  # the mini-batch's loss denominator
+            # the mini-batch's loss denominator
+            n_tokens = sum(sum(e.loss_mask[1:]) for e in batch)
             self.model.train()
-            losses = DeviceTotals()  # read with the gradient norm: no host sync per micro-batch
+            # read with the gradient norm: no host sync per micro-batch
+            losses = DeviceTotals()
             for start in range(0, len(batch), self.cfg.data.micro_batch_size_per_gpu):
                 micro = collate_sft(
-                    batch[start : start + self.cfg.data.micro_batch_size_per_gpu], self.tokenizer.pad_token_id
+                    batch[start : start + self.cfg.data.micro_batch_size_per_gpu],
+                    self.tokenizer.pad_token_id,
                 )
                 nll, _ = token_losses(self.model, micro)
-                backward(nll / n_tokens, "SFT")  # micro-batch sums over the whole batch's token count
+                # micro-batch sums over the whole batch's token count
+                backward(nll / n_tokens, "SFT")
                 losses.add("train/nll", nll)
             lr = self.scheduler.get_last_lr()[0]
-            stepped = apply_gradients(self.model, self.optimizer, self.cfg.optim.clip_grad, "model", totals=losses)
+            stepped = apply_gradients(
+                self.model, self.optimizer, self.cfg.optim.clip_grad, "model", totals=losses
+            )
             self.scheduler.step()
         tokens = sum(len(e.input_ids) for e in batch)
         return {
@@ -167,7 +207,8 @@ class SFTTrainer:
         with self.autocast():
             for start in range(0, len(self.val_data), size):
                 nll, count = token_losses(
-                    self.model, collate_sft(self.val_data[start : start + size], self.tokenizer.pad_token_id)
+                    self.model,
+                    collate_sft(self.val_data[start : start + size], self.tokenizer.pad_token_id),
                 )
                 nll_sum, n_tokens = nll_sum + nll.item(), n_tokens + count.item()
         return {"val/loss": nll_sum / max(n_tokens, 1)}
@@ -187,7 +228,10 @@ class SFTTrainer:
         def write(tmp: Path) -> None:
             ckpt.write_policy(tmp / "actor", self.model, self.tokenizer)
             torch.save(
-                {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                {
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                },
                 tmp / "actor_optim.pt",
             )
             torch.save(

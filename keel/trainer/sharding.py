@@ -19,19 +19,27 @@ from keel.rollout.native.models import unsupported_reason
 from keel.training.forward import LOGITS_CHUNK_TOKENS
 
 KEY = "actor_rollout_ref.actor.fsdp_config.fsdp_size"
-REPLICA_SHARE = 0.5  # a whole replica's estimate within this share of a GPU's memory: replicate
+# a whole replica's estimate within this share of a GPU's memory: replicate
+REPLICA_SHARE = 0.5
 
 
 def choose_sharding(
-    cfg: KeelConfig, model_cfg, params: int, device_bytes: int | None, lora_trainable: dict[str, int] | None = None
+    cfg: KeelConfig,
+    model_cfg,
+    params: int,
+    device_bytes: int | None,
+    lora_trainable: dict[str, int] | None = None,
 ) -> str | None:
     """Sets the actor's fsdp_size on `cfg` when the config left it unset -> why, or None when there
     was nothing to choose (one worker, or the config says). `device_bytes`: one GPU's memory, None
     where the driver has none to measure (FSDP then, as before)."""
     if not _left_to_keel(cfg):
         return None
-    why = getattr(cfg, "sharding", None) or _reason(cfg, model_cfg, params, device_bytes, lora_trainable)
-    object.__setattr__(cfg, "sharding", why)  # not a field: chosen once, by keel check or the trainer
+    why = getattr(cfg, "sharding", None) or _reason(
+        cfg, model_cfg, params, device_bytes, lora_trainable
+    )
+    # not a field: chosen once, by keel check or the trainer
+    object.__setattr__(cfg, "sharding", why)
     return why
 
 
@@ -47,7 +55,11 @@ def _left_to_keel(cfg: KeelConfig) -> bool:
 
 
 def _reason(
-    cfg: KeelConfig, model_cfg, params: int, device_bytes: int | None, lora_trainable: dict[str, int] | None
+    cfg: KeelConfig,
+    model_cfg,
+    params: int,
+    device_bytes: int | None,
+    lora_trainable: dict[str, int] | None,
 ) -> str:
     """Sets fsdp_size (1 or -1) -> why."""
     fsdp, world = cfg.actor_rollout_ref.actor.fsdp_config, cfg.world_size
@@ -71,7 +83,9 @@ def _reason(
     )["total"]
     gpu = device_bytes / 2**30
     if need > REPLICA_SHARE * gpu:
-        return f"{sharded}: a whole replica would need about {need:.1f} GB of each GPU's {gpu:.0f} GB"
+        return (
+            f"{sharded}: a whole replica would need about {need:.1f} GB of each GPU's {gpu:.0f} GB"
+        )
     fsdp.fsdp_size = 1
     return (
         f"DDP ({KEY}=1): a whole replica needs about {need:.1f} GB of each GPU's {gpu:.0f} GB, so every "
@@ -83,15 +97,19 @@ def decide_sharding(cfg: KeelConfig) -> str | None:
     """choose_sharding for a run about to start its workers: the model's architecture read from its
     path (its parameters counted on the meta device)."""
     if not _left_to_keel(cfg) or getattr(cfg, "sharding", None):
-        return getattr(cfg, "sharding", None)  # keel check's choice, made with what it loaded
+        # keel check's choice, made with what it loaded
+        return getattr(cfg, "sharding", None)
     from transformers import AutoConfig
 
     from keel.models.load import check_model_dir, meta_model
     from keel.models.lora import plan_lora
 
     model = cfg.actor_rollout_ref.model
-    try:  # an architecture that does not build on the meta device is sharded, as before
-        model_cfg = AutoConfig.from_pretrained(check_model_dir(model.path), trust_remote_code=model.trust_remote_code)
+    # an architecture that does not build on the meta device is sharded, as before
+    try:
+        model_cfg = AutoConfig.from_pretrained(
+            check_model_dir(model.path), trust_remote_code=model.trust_remote_code
+        )
         meta = meta_model(model_cfg, model.trust_remote_code)
         lora = (
             {
@@ -107,7 +125,9 @@ def decide_sharding(cfg: KeelConfig) -> str | None:
             if model.lora_rank
             else {}
         )
-        return choose_sharding(cfg, model_cfg, sum(p.numel() for p in meta.parameters()), gpu_bytes(cfg), lora)
+        return choose_sharding(
+            cfg, model_cfg, sum(p.numel() for p in meta.parameters()), gpu_bytes(cfg), lora
+        )
     except Exception as error:  # noqa: BLE001 - sizing is advice; the run goes on sharded
         object.__setattr__(
             cfg,

@@ -50,7 +50,9 @@ class ActorTrainer:
         self.temperature = temperature
         self.log_prob_batching = log_prob_batching
         self.update_batching = MicroBatching.of(
-            actor_cfg.ppo_micro_batch_size_per_gpu, actor_cfg.use_dynamic_bsz, actor_cfg.ppo_max_token_len_per_gpu
+            actor_cfg.ppo_micro_batch_size_per_gpu,
+            actor_cfg.use_dynamic_bsz,
+            actor_cfg.ppo_max_token_len_per_gpu,
         )
         self.loss_params = PolicyLossParams(
             clip_ratio_low=actor_cfg.clip_ratio_low or actor_cfg.clip_ratio,
@@ -60,15 +62,21 @@ class ActorTrainer:
             norm_length=max_response_length,
         )
         # verl's bypass mode: the old policy is the sampler's (the trainer set old_log_probs to its
-        # log-probs), and weights and rejection follow the policy as it is now, micro-batch by micro-batch.
+        # log-probs), and weights and rejection follow the policy as it is now, micro-batch by
+        # micro-batch.
         bypass = rollout_correction is not None and rollout_correction.bypass_mode
         self.bypass = rollout_correction.params() if bypass else None
-        self.reinforce = bypass and rollout_correction.loss_type == "reinforce"  # -A log pi, weighted
-        self.optimizer = build_optimizer(model.parameters(), actor_cfg.optim, placement.optimizer_offload)
+        # -A log pi, weighted
+        self.reinforce = bypass and rollout_correction.loss_type == "reinforce"
+        self.optimizer = build_optimizer(
+            model.parameters(), actor_cfg.optim, placement.optimizer_offload
+        )
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps)
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:  # [N, R]
-        return batched_log_probs(self.model, batch, self.log_prob_batching, self.temperature, self.placement)
+        return batched_log_probs(
+            self.model, batch, self.log_prob_batching, self.temperature, self.placement
+        )
 
     def update(self, minis: list[MiniBatch]) -> dict[str, float]:
         return update_role("actor", self.model, self.scheduler, minis, self._update_mini_batch)
@@ -77,16 +85,26 @@ class ActorTrainer:
         scale = mini.scale
         totals, tokens = DeviceTotals(), float(scale.tokens)
         for _, micro in micro_batches(mini.samples, self.update_batching):
-            loss, pg_loss, metrics = self._micro_loss(micro, scale, measure_gaps=self._measures_gaps(micro, mini))
+            loss, pg_loss, metrics = self._micro_loss(
+                micro, scale, measure_gaps=self._measures_gaps(micro, mini)
+            )
             backward(loss, "actor", self.placement.data_parallel_size)
-            totals.add("actor/pg_loss", pg_loss)  # micro-batch losses add up to the mini-batch loss
-            share = float(micro.loss_mask.sum()) / tokens  # token-weighted means
+            # micro-batch losses add up to the mini-batch loss
+            totals.add("actor/pg_loss", pg_loss)
+            # token-weighted means
+            share = float(micro.loss_mask.sum()) / tokens
             for name, value in metrics.items():
                 totals.add(name, value, share)
         metrics = apply_gradients(
-            self.model, self.optimizer, self.cfg.grad_clip, "actor", self.placement.reduce_gradients, totals
+            self.model,
+            self.optimizer,
+            self.cfg.grad_clip,
+            "actor",
+            self.placement.reduce_gradients,
+            totals,
         )
-        if self.bypass is None or not self.bypass.rejection:  # bypass's filters may drop every token here
+        # bypass's filters may drop every token here
+        if self.bypass is None or not self.bypass.rejection:
             check_gradient_flows(metrics["actor/grad_norm"], mini)
         return metrics
 
@@ -119,10 +137,14 @@ class ActorTrainer:
         return torch.where(micro.own_old_log_probs[:, None], log_prob.detach(), micro.old_log_probs)
 
     @staticmethod
-    def _policy_gaps(micro: RolloutBatch, log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _policy_gaps(
+        micro: RolloutBatch, log_prob: torch.Tensor, mask: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """rollout/log_prob_gap (the engine against the trainer) and actor/ref_kl, from the old
         policy's log-probs: token means, which add up over micro-batches and ranks as shares."""
-        gaps = {"rollout/log_prob_gap": masked_mean((micro.sampling_log_probs - log_prob).abs(), mask)}
+        gaps = {
+            "rollout/log_prob_gap": masked_mean((micro.sampling_log_probs - log_prob).abs(), mask)
+        }
         if micro.ref_log_probs is not None:
             gaps["actor/ref_kl"] = masked_mean(log_prob - micro.ref_log_probs, mask)
         return gaps
@@ -133,7 +155,8 @@ class ActorTrainer:
         """(loss to back-propagate, its policy-loss part, per-token metrics on the device) of one
         micro-batch."""
         cfg = self.cfg
-        micro = micro.to(compute_device(self.model, self.placement))  # once, without waiting for the GPU
+        # once, without waiting for the GPU
+        micro = micro.to(compute_device(self.model, self.placement))
         mask = micro.loss_mask  # [b, R]
         log_prob, entropy = response_log_probs(
             self.model,
@@ -147,7 +170,9 @@ class ActorTrainer:
         is_weights = micro.rollout_is_weights
         metrics = {}
         if self.bypass is not None:
-            is_weights, correction_metrics = self._bypass_weights(log_prob.detach(), old_log_prob, mask)
+            is_weights, correction_metrics = self._bypass_weights(
+                log_prob.detach(), old_log_prob, mask
+            )
             metrics.update(correction_metrics)
         pg_loss, pg_metrics = compute_policy_loss(
             "gpg" if self.reinforce else cfg.policy_loss.loss_mode,
@@ -162,12 +187,18 @@ class ActorTrainer:
         loss = pg_loss
         metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
         metrics["actor/entropy"] = masked_mean(entropy.detach(), mask)
-        if measure_gaps:  # what the old-log-prob pass would have measured
+        # what the old-log-prob pass would have measured
+        if measure_gaps:
             metrics.update(self._policy_gaps(micro, log_prob.detach(), mask))
-        if cfg.entropy_coeff > 0:  # entropy and KL terms aggregate like the policy loss
-            loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, **scale.agg_kwargs())
+        # entropy and KL terms aggregate like the policy loss
+        if cfg.entropy_coeff > 0:
+            loss = loss - cfg.entropy_coeff * agg_loss(
+                entropy, mask, cfg.loss_agg_mode, **scale.agg_kwargs()
+            )
         if cfg.use_kl_loss:
             kl = kl_penalty(log_prob, micro.ref_log_probs, cfg.kl_loss_type)  # [b, R]
-            loss = loss + cfg.kl_loss_coef * agg_loss(kl, mask, cfg.loss_agg_mode, **scale.agg_kwargs())
+            loss = loss + cfg.kl_loss_coef * agg_loss(
+                kl, mask, cfg.loss_agg_mode, **scale.agg_kwargs()
+            )
             metrics["actor/kl_loss"] = masked_mean(kl.detach(), mask)
         return loss, pg_loss, metrics

@@ -19,7 +19,9 @@ from keel.types import GeneratedBatch, RolloutBatch, trim_padding
 # --- mini-batches ----------------------------------------------------------------------------
 
 
-def minibatch_indices(n_samples: int, mini_size: int, shuffle: bool, seed: int) -> list[torch.Tensor]:
+def minibatch_indices(
+    n_samples: int, mini_size: int, shuffle: bool, seed: int
+) -> list[torch.Tensor]:
     """Split sample indices into mini-batches; the shuffle depends only on `seed`, so a resumed
     run takes the same mini-batches as an uninterrupted one."""
     if shuffle:
@@ -36,8 +38,10 @@ class MiniBatch:
 
     samples: RolloutBatch
     scale: LossScale
-    on_policy_signal: bool  # first mini-batch, non-zero advantages: its gradient must not be 0
-    first: bool = False  # the update's first mini-batch: the policy is still the sampler's
+    # first mini-batch, non-zero advantages: its gradient must not be 0
+    on_policy_signal: bool
+    # the update's first mini-batch: the policy is still the sampler's
+    first: bool = False
 
 
 def plan_minibatches(
@@ -54,7 +58,9 @@ def plan_minibatches(
     same number of forward passes, which sharded weights need)."""
     per_rank: list[list[MiniBatch]] = [[] for _ in range(world_size)]
     for epoch in range(epochs):
-        for i, index in enumerate(minibatch_indices(len(batch), samples_per_mini, shuffle, seed + epoch)):
+        for i, index in enumerate(
+            minibatch_indices(len(batch), samples_per_mini, shuffle, seed + epoch)
+        ):
             mini = batch.select(index)
             scale = LossScale(*mask_counts(mini.loss_mask), norm_length)
             first = epoch == 0 and i == 0
@@ -78,11 +84,15 @@ def balanced_partitions(lengths: Tensor, parts: int) -> list[Tensor]:
     """Indices for `parts` ranks with equal sample counts (to within one) and token totals as
     close as a greedy pass gets: longest sample first, each into the open rank with fewest tokens.
     Each rank's indices are returned sorted, so its samples keep their batch order."""
-    capacity = [len(lengths) // parts + (1 if r < len(lengths) % parts else 0) for r in range(parts)]
+    capacity = [
+        len(lengths) // parts + (1 if r < len(lengths) % parts else 0) for r in range(parts)
+    ]
     tokens = [0] * parts
     chosen: list[list[int]] = [[] for _ in range(parts)]
     for i in torch.argsort(lengths, descending=True, stable=True).tolist():
-        rank = min((r for r in range(parts) if len(chosen[r]) < capacity[r]), key=lambda r: tokens[r])
+        rank = min(
+            (r for r in range(parts) if len(chosen[r]) < capacity[r]), key=lambda r: tokens[r]
+        )
         chosen[rank].append(i)
         tokens[rank] += int(lengths[i])
     return [torch.tensor(sorted(c), dtype=torch.long) for c in chosen]
@@ -105,7 +115,8 @@ def shard_batch(batch: RolloutBatch, parts: int) -> tuple[list[Tensor], list[Rol
 
 def unshard_rows(index: list[Tensor], results: list[Tensor]) -> Tensor:
     """Per-rank results [part, ...] back into batch order [N, ...]; padding rows are dropped."""
-    if len(results) == 1:  # one worker: already in order
+    # one worker: already in order
+    if len(results) == 1:
         return results[0]
     n = sum(len(i) for i in index)
     out = results[0].new_zeros((n, *results[0].shape[1:]))
@@ -120,12 +131,14 @@ def pad_with_masked(part: RolloutBatch, size: int, whole: RolloutBatch) -> Rollo
     missing = size - len(part)
     if missing == 0:
         return part
-    return concat_rows([part, whole.masked_copies(missing)], pad_id=0)  # same widths: nothing is padded
+    # same widths: nothing is padded
+    return concat_rows([part, whole.masked_copies(missing)], pad_id=0)
 
 
 def concat_rows(batches: list[GeneratedBatch], pad_id: int) -> GeneratedBatch:
     """Batches stacked: prompts left-padded to the widest, responses right-padded to the widest."""
-    kind = type(batches[0])  # every batch of one stage's record
+    # every batch of one stage's record
+    kind = type(batches[0])
     width = max(b.response_ids.shape[1] for b in batches)
     prompt_width = max(b.prompt_ids.shape[1] for b in batches)
     fields = {}
@@ -138,7 +151,10 @@ def concat_rows(batches: list[GeneratedBatch], pad_id: int) -> GeneratedBatch:
         elif f.name in ("prompt_ids", "prompt_mask"):
             fill = pad_id if f.name == "prompt_ids" else 0
             fields[f.name] = torch.cat(
-                [torch.nn.functional.pad(v, (prompt_width - v.shape[1], 0), value=fill) for v in values]
+                [
+                    torch.nn.functional.pad(v, (prompt_width - v.shape[1], 0), value=fill)
+                    for v in values
+                ]
             )
         elif values[0].dim() == 2:
             fill = pad_id if f.name == "response_ids" else 0
@@ -175,16 +191,24 @@ def micro_batches(batch: RolloutBatch, how: MicroBatching) -> list[tuple[Tensor,
     Under data parallelism every rank must run the same number of forward passes (FSDP gathers
     weights in each): dynamic batching agrees on the count with the other ranks, and a rank with
     too few samples runs a masked filler (its index is empty)."""
-    if how.max_tokens is None:  # by count, shortest to longest: similar lengths share a pass, less padding
+    # by count, shortest to longest: similar lengths share a pass, less padding
+    if how.max_tokens is None:
         lengths = sample_tokens(batch)
         index = [rows.sort().values for rows in torch.argsort(lengths, stable=True).split(how.size)]
     else:
-        index = token_budget_bins(batch.prompt_mask.sum(-1), batch.response_tokens.sum(-1), how.max_tokens)
+        index = token_budget_bins(
+            batch.prompt_mask.sum(-1), batch.response_tokens.sum(-1), how.max_tokens
+        )
         index = _split_to_count(index, _count_across_ranks(len(index)))
-    return [(rows, trim_padding(batch.select(rows) if len(rows) else batch.masked_copies(1))) for rows in index]
+    return [
+        (rows, trim_padding(batch.select(rows) if len(rows) else batch.masked_copies(1)))
+        for rows in index
+    ]
 
 
-def token_budget_bins(prompt_lengths: Tensor, response_lengths: Tensor, max_tokens: int) -> list[Tensor]:
+def token_budget_bins(
+    prompt_lengths: Tensor, response_lengths: Tensor, max_tokens: int
+) -> list[Tensor]:
     """Samples packed longest first into micro-batches whose padded size (samples x (longest
     prompt + longest response)) stays within `max_tokens`; a sample longer than that goes alone."""
     order = torch.argsort(prompt_lengths + response_lengths, descending=True, stable=True).tolist()
@@ -208,7 +232,8 @@ def _count_across_ranks(count: int) -> int:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return count
-    agreed = torch.tensor([count])  # a CPU tensor: gloo carries it (keel's GPU groups have gloo too)
+    # a CPU tensor: gloo carries it (keel's GPU groups have gloo too)
+    agreed = torch.tensor([count])
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     return int(agreed.item())
 

@@ -15,18 +15,26 @@ from keel.types import RolloutBatch
 
 
 class CriticTrainer:
-    def __init__(self, critic, critic_cfg, micro_size: int, total_steps: int, placement: Placement = SINGLE):
+    def __init__(
+        self, critic, critic_cfg, micro_size: int, total_steps: int, placement: Placement = SINGLE
+    ):
         self.model = critic
         self.placement = placement
         self.cfg = critic_cfg
-        self.batching = MicroBatching.of(micro_size, critic_cfg.use_dynamic_bsz, critic_cfg.ppo_max_token_len_per_gpu)
-        self.optimizer = build_optimizer(critic.parameters(), critic_cfg.optim, placement.optimizer_offload)
+        self.batching = MicroBatching.of(
+            micro_size, critic_cfg.use_dynamic_bsz, critic_cfg.ppo_max_token_len_per_gpu
+        )
+        self.optimizer = build_optimizer(
+            critic.parameters(), critic_cfg.optim, placement.optimizer_offload
+        )
         self.scheduler = build_scheduler(self.optimizer, critic_cfg.optim, total_steps)
 
     @torch.no_grad()
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:  # [N, R]
         self.model.eval()
-        return per_token_outputs(batch, self.batching, lambda micro: response_values(self.model, micro, self.placement))
+        return per_token_outputs(
+            batch, self.batching, lambda micro: response_values(self.model, micro, self.placement)
+        )
 
     def update(self, minis: list[MiniBatch]) -> dict[str, float]:
         return update_role("critic", self.model, self.scheduler, minis, self._update_mini_batch)
@@ -36,7 +44,8 @@ class CriticTrainer:
         scale = mini.scale
         totals, tokens = DeviceTotals(), float(scale.tokens)
         for _, host_micro in micro_batches(mini.samples, self.batching):
-            micro = host_micro.to(device)  # once, without waiting for the GPU
+            # once, without waiting for the GPU
+            micro = host_micro.to(device)
             mask = micro.loss_mask
             vpreds = response_values(self.model, micro, self.placement)  # [b, R]
             vf_loss, clipfrac = compute_value_loss(
@@ -54,5 +63,10 @@ class CriticTrainer:
             totals.add("critic/vf_clipfrac", clipfrac, share)
             totals.add("critic/vpred_mean", masked_mean(vpreds.detach(), mask), share)
         return apply_gradients(
-            self.model, self.optimizer, self.cfg.grad_clip, "critic", self.placement.reduce_gradients, totals
+            self.model,
+            self.optimizer,
+            self.cfg.grad_clip,
+            "critic",
+            self.placement.reduce_gradients,
+            totals,
         )

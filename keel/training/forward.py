@@ -29,7 +29,8 @@ PLAIN_LM_HEAD = {"qwen2", "qwen3", "qwen3_moe", "llama", "mistral"}
 LOGITS_CHUNK_TOKENS = 1024  # [chunk, V] float32 logits at a time: 0.6 GB for a 151k vocabulary
 # Where a micro-batch's logits fit the budget (logits_budget), backward keeps them rather than
 # running lm_head again, and chunks are wider: fewer, larger launches.
-KEPT_LOGITS_SHARE = 0.1  # of the GPU's memory, and at most half of what is free
+# of the GPU's memory, and at most half of what is free
+KEPT_LOGITS_SHARE = 0.1
 KEPT_LOGITS_CHUNK_TOKENS = 4096
 # Bytes per logit, measured under bf16 autocast. What backward keeps: the compiled vocabulary
 # arithmetic its bf16 input (t1's peak rose 4.7 GB for 2.4G logits), eager float32 logits, and
@@ -43,12 +44,20 @@ CHUNK_BYTES = {"compiled": 6, "eager": 16}
 class LogitsChunking:
     """How lm_head and the vocabulary arithmetic go over a micro-batch's positions."""
 
-    tokens: int  # positions per chunk
-    recompute: bool  # checkpointed: backward runs the chunk's lm_head again instead of keeping its logits
+    # positions per chunk
+    tokens: int
+    # checkpointed: backward runs the chunk's lm_head again instead of keeping its logits
+    recompute: bool
 
 
 def logits_chunking(
-    positions: int, vocab: int, device: torch.device, *, grad: bool, compiled: bool, entropy_grad: bool
+    positions: int,
+    vocab: int,
+    device: torch.device,
+    *,
+    grad: bool,
+    compiled: bool,
+    entropy_grad: bool,
 ) -> LogitsChunking:
     """Chunked and recomputed (activation checkpointing) unless the whole micro-batch's kept logits
     and a wide chunk's working set fit logits_budget: at 0.5B lm_head is about a quarter of the
@@ -58,7 +67,11 @@ def logits_chunking(
         return LogitsChunking(LOGITS_CHUNK_TOKENS, grad)
     budget = logits_budget(device)
     wide_chunk = KEPT_LOGITS_CHUNK_TOKENS * vocab * CHUNK_BYTES["compiled" if compiled else "eager"]
-    kept = positions * vocab * KEPT_BYTES["entropy_grad" if entropy_grad else "compiled" if compiled else "eager"]
+    kept = (
+        positions
+        * vocab
+        * KEPT_BYTES["entropy_grad" if entropy_grad else "compiled" if compiled else "eager"]
+    )
     if wide_chunk + (kept if grad else 0) > budget:
         return LogitsChunking(LOGITS_CHUNK_TOKENS, grad)
     return LogitsChunking(KEPT_LOGITS_CHUNK_TOKENS, False)
@@ -100,7 +113,9 @@ def response_log_probs(
     if getattr(model.config, "model_type", None) not in PLAIN_LM_HEAD:
         out = model(**inputs, use_cache=False, logits_to_keep=targets.shape[1] + 1)
         return _token_stats(out.logits[:, :-1], targets, temperature, with_entropy, entropy_grad)
-    token_stats = plan.token_stats or partial(decoder_token_stats, model, fused_vocab=plan.fused_vocab)
+    token_stats = plan.token_stats or partial(
+        decoder_token_stats, model, fused_vocab=plan.fused_vocab
+    )
     return token_stats(inputs, targets, temperature, with_entropy, entropy_grad)
 
 
@@ -117,7 +132,8 @@ def decoder_token_stats(
     hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
     hidden = hidden[:, -response_len - 1 : -1]  # [B, R, H]
     lm_head = model.get_output_embeddings()
-    flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)  # [B*R, H], [B*R]
+    # [B*R, H], [B*R]
+    flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     token_stats = _compiled_token_stats() if fused_vocab else _token_stats
     chunking = logits_chunking(
         flat_targets.shape[0],
@@ -130,21 +146,41 @@ def decoder_token_stats(
     parts = []
     for start in range(0, flat_targets.shape[0], chunking.tokens):
         chunk = slice(start, start + chunking.tokens)
-        args = (lm_head, token_stats, flat_hidden[chunk], flat_targets[chunk], temperature, with_entropy, entropy_grad)
+        args = (
+            lm_head,
+            token_stats,
+            flat_hidden[chunk],
+            flat_targets[chunk],
+            temperature,
+            with_entropy,
+            entropy_grad,
+        )
         if chunking.recompute:
-            parts.append(torch.utils.checkpoint.checkpoint(_chunk_stats, *args, use_reentrant=False))
+            parts.append(
+                torch.utils.checkpoint.checkpoint(_chunk_stats, *args, use_reentrant=False)
+            )
         else:
             parts.append(_chunk_stats(*args))
     # Reshaped copies, not views: FSDP hooks the outputs of a forward method for backward.
     log_probs = torch.cat([lp for lp, _ in parts]).reshape(targets.shape).clone()
-    entropy = torch.cat([e for _, e in parts]).reshape(targets.shape).clone() if with_entropy else None
+    entropy = (
+        torch.cat([e for _, e in parts]).reshape(targets.shape).clone() if with_entropy else None
+    )
     return log_probs, entropy
 
 
 def _chunk_stats(
-    lm_head, token_stats, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool, entropy_grad: bool
+    lm_head,
+    token_stats,
+    hidden: Tensor,
+    targets: Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
 ) -> tuple[Tensor, Tensor]:
-    log_probs, entropy = token_stats(lm_head(hidden), targets, temperature, with_entropy, entropy_grad)
+    log_probs, entropy = token_stats(
+        lm_head(hidden), targets, temperature, with_entropy, entropy_grad
+    )
     return log_probs, entropy if entropy is not None else torch.zeros_like(log_probs)
 
 
@@ -171,7 +207,9 @@ def _token_stats(
     entropy = None
     if with_entropy:
         entropy = (
-            entropy_from_logits(logits, lse) if entropy_grad else entropy_from_logits(logits.detach(), lse.detach())
+            entropy_from_logits(logits, lse)
+            if entropy_grad
+            else entropy_from_logits(logits.detach(), lse.detach())
         )
     return log_probs, entropy
 
@@ -191,11 +229,16 @@ def per_token_outputs(batch: RolloutBatch, how: MicroBatching, compute) -> Tenso
     # one copy: the host waits for the GPU once, and has little left to do once it has waited.
     # Fillers (no rows) run too: every rank makes the same forward passes.
     width = batch.response_ids.shape[1]
-    results = [(rows, pad_responses(compute(micro), width)) for rows, micro in micro_batches(batch, how)]
+    results = [
+        (rows, pad_responses(compute(micro), width)) for rows, micro in micro_batches(batch, how)
+    ]
     results = [(rows, values) for rows, values in results if len(rows)]
     out = torch.zeros(batch.response_ids.shape)
-    if results:  # a rank may hold fillers only
-        out[torch.cat([rows for rows, _ in results])] = torch.cat([values for _, values in results]).float().cpu()
+    # a rank may hold fillers only
+    if results:
+        out[torch.cat([rows for rows, _ in results])] = (
+            torch.cat([values for _, values in results]).float().cpu()
+        )
     return out * batch.response_mask
 
 
@@ -207,6 +250,8 @@ def batched_log_probs(
     was_training = model.training
     model.eval()
     try:
-        return per_token_outputs(batch, how, lambda micro: response_log_probs(model, micro, temperature, plan=plan)[0])
+        return per_token_outputs(
+            batch, how, lambda micro: response_log_probs(model, micro, temperature, plan=plan)[0]
+        )
     finally:
         model.train(was_training)

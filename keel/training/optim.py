@@ -14,7 +14,8 @@ def build_optimizer(params, optim_cfg, offload: bool = False) -> torch.optim.Opt
     dispatch instead of one per foreach op (a dozen per step, each costing CPU time per
     parameter). CPU keeps the default kernels, whose rounding the CPU tests compare exactly.
     `offload` (fsdp_config.optimizer_offload): the moments live in CPU memory (OffloadedAdamW)."""
-    params = [p for p in params if p.requires_grad]  # a frozen base (LoRA) carries no optimiser state
+    # a frozen base (LoRA) carries no optimiser state
+    params = [p for p in params if p.requires_grad]
     if not params:
         raise KeelError(
             NO_GRADIENT,
@@ -24,7 +25,11 @@ def build_optimizer(params, optim_cfg, offload: bool = False) -> torch.optim.Opt
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
     kind = OffloadedAdamW if offload else torch.optim.AdamW
     return kind(
-        params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay, fused=fused or None
+        params,
+        lr=optim_cfg.lr,
+        betas=tuple(optim_cfg.betas),
+        weight_decay=optim_cfg.weight_decay,
+        fused=fused or None,
     )
 
 
@@ -51,7 +56,8 @@ def build_scheduler(optimizer, optim_cfg, total_steps: int) -> torch.optim.lr_sc
 
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-OFFLOAD_BUCKET_BYTES = 1 << 30  # moments on the device at once during an offloaded step
+# moments on the device at once during an offloaded step
+OFFLOAD_BUCKET_BYTES = 1 << 30
 
 
 class OffloadedAdamW(torch.optim.AdamW):
@@ -63,7 +69,8 @@ class OffloadedAdamW(torch.optim.AdamW):
     def __init__(self, params, bucket_bytes: int = OFFLOAD_BUCKET_BYTES, **kwargs):
         super().__init__(params, **kwargs)
         self.bucket_bytes = bucket_bytes
-        self._host: dict[int, dict[str, torch.Tensor]] = {}  # id(param) -> pinned moments, reused every step
+        # id(param) -> pinned moments, reused every step
+        self._host: dict[int, dict[str, torch.Tensor]] = {}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -73,7 +80,8 @@ class OffloadedAdamW(torch.optim.AdamW):
         try:
             for bucket in self._buckets(every):
                 for group, params in zip(self.param_groups, bucket):
-                    group["params"] = params  # AdamW steps what its groups hold
+                    # AdamW steps what its groups hold
+                    group["params"] = params
                 self._moments_to_device([p for params in bucket for p in params])
                 super().step()
                 self._moments_to_host([p for params in bucket for p in params])
@@ -81,10 +89,12 @@ class OffloadedAdamW(torch.optim.AdamW):
             for group, params in zip(self.param_groups, every):
                 group["params"] = params
         if torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()  # the host copies are complete before anyone reads them
+            # the host copies are complete before anyone reads them
+            torch.cuda.current_stream().synchronize()
 
     def load_state_dict(self, state_dict) -> None:
-        super().load_state_dict(state_dict)  # which puts the moments on the parameters' device
+        # which puts the moments on the parameters' device
+        super().load_state_dict(state_dict)
         self._moments_to_host([p for group in self.param_groups for p in group["params"]])
 
     def _buckets(self, every: list[list[torch.Tensor]]):
@@ -114,10 +124,13 @@ class OffloadedAdamW(torch.optim.AdamW):
                 value = state[key]
                 if value.device.type == "cpu":
                     continue
-                if hasattr(value, "to_local"):  # a DTensor (FSDP2): moved whole, not through a pinned buffer
+                # a DTensor (FSDP2): moved whole, not through a pinned buffer
+                if hasattr(value, "to_local"):
                     state[key] = value.to("cpu")
                     continue
                 host = self._host.setdefault(id(p), {})
                 if key not in host:
-                    host[key] = torch.empty_like(value, device="cpu", pin_memory=torch.cuda.is_available())
+                    host[key] = torch.empty_like(
+                        value, device="cpu", pin_memory=torch.cuda.is_available()
+                    )
                 state[key] = host[key].copy_(value, non_blocking=True)

@@ -14,15 +14,20 @@ import torch
 
 @dataclass(frozen=True)
 class Placement:
-    device: torch.device | None = None  # where it computes, when not its parameters' (FSDP param_offload)
-    fused_vocab: bool = False  # the vocabulary arithmetic through torch.compile (GPU)
-    token_stats: Callable | None = None  # decoder_token_stats registered with FSDP, which then gathers
+    # where it computes, when not its parameters' (FSDP param_offload)
+    device: torch.device | None = None
+    # the vocabulary arithmetic through torch.compile (GPU)
+    fused_vocab: bool = False
+    # decoder_token_stats registered with FSDP, which then gathers
+    token_stats: Callable | None = None
     # the root's parameters (embeddings, lm_head) around it
-    data_parallel_size: int = 1  # ranks whose gradients are averaged
+    # ranks whose gradients are averaged
+    data_parallel_size: int = 1
     # Averages gradients over ranks that each hold the whole model (DDP, fsdp_size=1); FSDP
     # reduces its own, and one rank has nothing to average.
     reduce_gradients: Callable[[list[torch.Tensor]], None] | None = None
-    optimizer_offload: bool = False  # Adam's moments in CPU memory, on the device a bucket at a time
+    # Adam's moments in CPU memory, on the device a bucket at a time
+    optimizer_offload: bool = False
 
 
 SINGLE = Placement()

@@ -11,11 +11,14 @@ from keel.types import RolloutBatch
 
 
 class ReferencePolicy:
-    def __init__(self, model, batching: MicroBatching, temperature: float, placement: Placement = SINGLE):
+    def __init__(
+        self, model, batching: MicroBatching, temperature: float, placement: Placement = SINGLE
+    ):
         self.model = model.eval().requires_grad_(False)
         self.placement = placement
         self.batching = batching
-        self.temperature = temperature  # the actor's, so KL compares the same distributions
+        # the actor's, so KL compares the same distributions
+        self.temperature = temperature
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:  # [N, R]
         return batched_log_probs(self.model, batch, self.batching, self.temperature, self.placement)
@@ -25,9 +28,18 @@ class AdapterlessReference:
     """LoRA's reference: the actor's own base, its adapters switched off for the pass, so no
     second model is held (the base never trains)."""
 
-    def __init__(self, peft_model, batching: MicroBatching, temperature: float, placement: Placement = SINGLE):
-        self.model, self.batching, self.temperature, self.placement = peft_model, batching, temperature, placement
+    def __init__(
+        self, peft_model, batching: MicroBatching, temperature: float, placement: Placement = SINGLE
+    ):
+        self.model, self.batching, self.temperature, self.placement = (
+            peft_model,
+            batching,
+            temperature,
+            placement,
+        )
 
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:  # [N, R]
         with self.model.disable_adapter():
-            return batched_log_probs(self.model, batch, self.batching, self.temperature, self.placement)
+            return batched_log_probs(
+                self.model, batch, self.batching, self.temperature, self.placement
+            )

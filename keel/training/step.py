@@ -16,9 +16,12 @@ from keel.errors import NO_GRADIENT, NONFINITE_LOSS, KeelError
 class LossScale:
     """The denominators of a mini-batch's loss, so micro-batch losses add up to it exactly."""
 
-    tokens: torch.Tensor  # valid tokens in the mini-batch
-    seqs: torch.Tensor  # sequences with a valid token
-    norm_length: int | None  # seq-mean-token-sum-norm's constant
+    # valid tokens in the mini-batch
+    tokens: torch.Tensor
+    # sequences with a valid token
+    seqs: torch.Tensor
+    # seq-mean-token-sum-norm's constant
+    norm_length: int | None
 
     def policy_kwargs(self) -> dict:
         return {"global_tokens": self.tokens, "global_seqs": self.seqs}
@@ -44,7 +47,10 @@ class DeviceTotals:
         device = devices[0] if devices else torch.device("cpu")
         values = (
             torch.stack(
-                [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in self.sums.values()]
+                [
+                    torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
+                    for v in self.sums.values()
+                ]
             ).tolist()
             if self.sums
             else []
@@ -106,10 +112,12 @@ def apply_gradients(
         try:
             optimizer.step()
         finally:
-            del optimizer.found_inf  # a later step must not find it
+            # a later step must not find it
+            del optimizer.found_inf
     totals = totals or DeviceTotals()
     totals.add(f"{role}/grad_norm", grad_norm)
-    metrics = totals.floats()  # the host sync
+    # the host sync
+    metrics = totals.floats()
     if not math.isfinite(metrics[f"{role}/grad_norm"]):
         bad = [name for name, p in named if not torch.isfinite(full_value(p.grad)).all()]
         optimizer.zero_grad(set_to_none=True)
@@ -148,7 +156,9 @@ def clip_gradients(params: list[torch.Tensor], grad_clip: float) -> torch.Tensor
     if _sharded(params):
         return full_value(torch.nn.utils.clip_grad_norm_(params, grad_clip))
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    torch.nn.utils.clip_grads_with_norm_(params, grad_clip, torch.where(torch.isfinite(norm), norm, 0.0))
+    torch.nn.utils.clip_grads_with_norm_(
+        params, grad_clip, torch.where(torch.isfinite(norm), norm, 0.0)
+    )
     return norm
 
 
@@ -162,7 +172,11 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def update_role(
-    role: str, model: nn.Module, scheduler, minis: list, update_mini_batch: Callable[[object], dict[str, float]]
+    role: str,
+    model: nn.Module,
+    scheduler,
+    minis: list,
+    update_mini_batch: Callable[[object], dict[str, float]],
 ) -> dict[str, float]:
     """One RL step's update of a role (actor or critic): an optimiser step per mini-batch, each
     returning its metrics, averaged over the mini-batches; the LR schedule steps once per RL step."""

@@ -20,11 +20,14 @@ def setup(model_dir, n, init_std: float | None = None):
     tokenizer = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir, CUDA)
     generator = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():  # redrawn: the default small init makes greedy decoding repeat one token
+    # redrawn: the default small init makes greedy decoding repeat one token
+    with torch.no_grad():
         for name, p in model.named_parameters():
-            if init_std and (p.dim() >= 2 or name.endswith("bias")):  # matrices, the experts' stacks, biases
+            # matrices, the experts' stacks, biases
+            if init_std and (p.dim() >= 2 or name.endswith("bias")):
                 p.copy_(torch.randn(p.shape, generator=generator, device="cuda") * init_std)
-            elif init_std and name.endswith("sinks"):  # GPT-OSS: sinks that take a real share of the softmax
+            # GPT-OSS: sinks that take a real share of the softmax
+            elif init_std and name.endswith("sinks"):
                 p.copy_(torch.randn(p.shape, generator=generator, device="cuda"))
     rows = [{"prompt": f"Digits please: {i} " * (1 + i % 3)} for i in range(6)]
     records, _ = build_prompt_dataset(rows, tokenizer, max_prompt_length=128)
@@ -49,13 +52,18 @@ def test_graph_replay_equals_eager_and_greedy_equals_hf(tmp_path, arch, init_std
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model, tokenizer, prompts = setup(
-        make_tiny_model(tmp_path / "m", arch=arch, hidden_size=128, num_layers=4), n=3, init_std=init_std
+        make_tiny_model(tmp_path / "m", arch=arch, hidden_size=128, num_layers=4),
+        n=3,
+        init_std=init_std,
     )
     greedy = SamplingParams(do_sample=False, max_new_tokens=40, ignore_eos=True)
     graphs = NativeRolloutEngine(model, tokenizer, 256, torch.float32).generate(prompts, greedy)
-    eager = NativeRolloutEngine(model, tokenizer, 256, torch.float32, enforce_eager=True).generate(prompts, greedy)
+    eager = NativeRolloutEngine(model, tokenizer, 256, torch.float32, enforce_eager=True).generate(
+        prompts, greedy
+    )
     hf = HFRolloutEngine(model, tokenizer).generate(prompts, greedy)
-    assert len(set(hf.response_ids.flatten().tolist())) >= 8  # varied text: a real comparison
+    # varied text: a real comparison
+    assert len(set(hf.response_ids.flatten().tolist())) >= 8
     assert torch.equal(graphs.response_ids, eager.response_ids)
     same = (graphs.response_ids == hf.response_ids).float().mean().item()
     assert same == 1.0, f"{same:.3f} of tokens equal"
@@ -67,7 +75,9 @@ def test_a_kept_graph_replays_with_updated_weights(tmp_path):
     from keel.models.tiny import make_tiny_model
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    model, tokenizer, prompts = setup(make_tiny_model(tmp_path / "m", hidden_size=128, num_layers=4), n=3, init_std=0.2)
+    model, tokenizer, prompts = setup(
+        make_tiny_model(tmp_path / "m", hidden_size=128, num_layers=4), n=3, init_std=0.2
+    )
     greedy = SamplingParams(do_sample=False, max_new_tokens=40, ignore_eos=True)
     kept = NativeRolloutEngine(model, tokenizer, 256, torch.float32, free_cache_engine=False)
     first = kept.generate(prompts, greedy)
@@ -79,7 +89,11 @@ def test_a_kept_graph_replays_with_updated_weights(tmp_path):
     kept.sync_weights(model)
     second = kept.generate(prompts, greedy)
     fresh = NativeRolloutEngine(model, tokenizer, 256, torch.float32).generate(prompts, greedy)
-    assert graphs and {bucket: step for bucket, (_, _, step) in kept._kept_batcher.graphs.items()} == graphs  # replayed
+    # replayed
+    assert (
+        graphs
+        and {bucket: step for bucket, (_, _, step) in kept._kept_batcher.graphs.items()} == graphs
+    )
     assert torch.equal(second.response_ids, fresh.response_ids)
     assert not torch.equal(second.response_ids, first.response_ids)
 
@@ -96,13 +110,16 @@ def test_lora_adapters_unmerged_in_the_graph_equal_eager_and_the_merged_model(tm
     from keel.models.tiny import make_tiny_model
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    model, tokenizer, prompts = setup(make_tiny_model(tmp_path / "m", hidden_size=128, num_layers=4), n=3, init_std=0.2)
+    model, tokenizer, prompts = setup(
+        make_tiny_model(tmp_path / "m", hidden_size=128, num_layers=4), n=3, init_std=0.2
+    )
     greedy = SamplingParams(do_sample=False, max_new_tokens=32, ignore_eos=True)
     kept = NativeRolloutEngine(model, tokenizer, 256, torch.float32, free_cache_engine=False)
     eager = NativeRolloutEngine(model, tokenizer, 256, torch.float32, enforce_eager=True)
     policy = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
     assert kept.share_frozen_weights(frozen_base(policy)) > 0
-    for step in range(2):  # the second round replays the kept graph with the adapters copied in place
+    # the second round replays the kept graph with the adapters copied in place
+    for step in range(2):
         with torch.no_grad():
             for name, p in policy.named_parameters():
                 if "lora_B" in name:
@@ -110,10 +127,14 @@ def test_lora_adapters_unmerged_in_the_graph_equal_eager_and_the_merged_model(tm
         kept.load_adapters(adapter_weights(policy))
         eager.load_adapters(adapter_weights(policy))
         merged = copy.deepcopy(policy).merge_and_unload()
-        ours, theirs = kept.generate(prompts, greedy), HFRolloutEngine(merged, tokenizer).generate(prompts, greedy)
+        ours, theirs = (
+            kept.generate(prompts, greedy),
+            HFRolloutEngine(merged, tokenizer).generate(prompts, greedy),
+        )
         assert torch.equal(ours.response_ids, eager.generate(prompts, greedy).response_ids), step
         same = (ours.response_ids == theirs.response_ids).float().mean().item()
-        assert same >= 0.97, f"round {step}: {same:.3f} of tokens equal the merged model's"  # fp32 reassociation
+        # fp32 reassociation
+        assert same >= 0.97, f"round {step}: {same:.3f} of tokens equal the merged model's"
 
 
 def test_bf16_samples_agree_with_the_trainer(tiny_assets):
@@ -123,7 +144,9 @@ def test_bf16_samples_agree_with_the_trainer(tiny_assets):
     batch = engine.generate(prompts, SamplingParams(n=8, temperature=1.0, max_new_tokens=32))
     with torch.autocast("cuda", dtype=torch.bfloat16):
         trainer = batched_log_probs(model, batch, MicroBatching(64), temperature=1.0)
-    gap = ((trainer - batch.sampling_log_probs).abs() * batch.response_mask).sum() / batch.response_mask.sum()
+    gap = (
+        (trainer - batch.sampling_log_probs).abs() * batch.response_mask
+    ).sum() / batch.response_mask.sum()
     assert float(gap) < 0.02, float(gap)
 
 
@@ -152,25 +175,37 @@ def test_triton_decode_attention_matches_sdpa(kv_heads, group, dim, splits, colu
     batch, length = 9, 300
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     q = torch.randn(batch, kv_heads * group, 1, dim, **bf16)
-    k, v = torch.randn(batch, kv_heads, 1, dim, **bf16), torch.randn(batch, kv_heads, 1, dim, **bf16)
+    k, v = (
+        torch.randn(batch, kv_heads, 1, dim, **bf16),
+        torch.randn(batch, kv_heads, 1, dim, **bf16),
+    )
     k_cache, v_cache = (
         torch.randn(batch, kv_heads, length, dim, **bf16),
         torch.randn(batch, kv_heads, length, dim, **bf16),
     )
     pad = torch.tensor([0, 1, 5, 63, 64, 65, 130, 200, 0], device="cuda")
     column = torch.tensor([column], device="cuda")
-    visible = (torch.arange(length, device="cuda") >= pad[:, None]) & (torch.arange(length, device="cuda") <= column)
+    visible = (torch.arange(length, device="cuda") >= pad[:, None]) & (
+        torch.arange(length, device="cuda") <= column
+    )
     caches = (k_cache.clone(), v_cache.clone())
     sink = torch.randn(kv_heads * group, **bf16) * 3 if sinks else None
-    expected = sdpa_decode_attention(q, k, v, k_cache, v_cache, pad, column, visible[:, None, None], sinks=sink)
-    got = triton_decode_attention(q, k, v, *caches, pad, column, sinks=sink, config=KernelConfig(**SPLITS[splits]))
+    expected = sdpa_decode_attention(
+        q, k, v, k_cache, v_cache, pad, column, visible[:, None, None], sinks=sink
+    )
+    got = triton_decode_attention(
+        q, k, v, *caches, pad, column, sinks=sink, config=KernelConfig(**SPLITS[splits])
+    )
     assert (got.float() - expected.float()).abs().max().item() < 2e-2
-    assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)  # the new token written
+    # the new token written
+    assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
 
 
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("kv_heads, group, dim", [(2, 7, 64), (8, 1, 128)])
-def test_triton_decode_attention_reads_rows_through_the_table_as_sdpa_does(kv_heads, group, dim, splits):
+def test_triton_decode_attention_reads_rows_through_the_table_as_sdpa_does(
+    kv_heads, group, dim, splits
+):
     """Continuous batching: query b is cache row rows[b] at its own column."""
     from keel.rollout.native.attention import (
         KernelConfig,
@@ -187,15 +222,27 @@ def test_triton_decode_attention_reads_rows_through_the_table_as_sdpa_does(kv_he
     column = torch.tensor([0, 63, 64, 130, 299, 1], device="cuda")
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     q = torch.randn(len(rows), kv_heads * group, 1, dim, **bf16)
-    k, v = torch.randn(len(rows), kv_heads, 1, dim, **bf16), torch.randn(len(rows), kv_heads, 1, dim, **bf16)
+    k, v = (
+        torch.randn(len(rows), kv_heads, 1, dim, **bf16),
+        torch.randn(len(rows), kv_heads, 1, dim, **bf16),
+    )
     k_cache = torch.randn(cache_rows, kv_heads, length, dim, **bf16)
     v_cache = torch.randn(cache_rows, kv_heads, length, dim, **bf16)
     pad = torch.zeros_like(rows)
     visible = (torch.arange(length, device="cuda") <= column[:, None])[:, None, None]
     caches = (k_cache.clone(), v_cache.clone())
-    expected = sdpa_decode_attention(q[:5], k[:5], v[:5], k_cache, v_cache, pad[:5], column[:5], visible[:5], rows[:5])
+    expected = sdpa_decode_attention(
+        q[:5], k[:5], v[:5], k_cache, v_cache, pad[:5], column[:5], visible[:5], rows[:5]
+    )
     got = triton_decode_attention(
-        q[:5], k[:5], v[:5], *caches, pad[:5], column[:5], rows=rows[:5], config=KernelConfig(**SPLITS[splits])
+        q[:5],
+        k[:5],
+        v[:5],
+        *caches,
+        pad[:5],
+        column[:5],
+        rows=rows[:5],
+        config=KernelConfig(**SPLITS[splits]),
     )
     assert (got.float() - expected.float()).abs().max().item() < 2e-2
     assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
@@ -214,24 +261,35 @@ def test_continuous_batching_graphs_equal_eager_and_hf(tmp_path, monkeypatch, ar
     torch.backends.cuda.matmul.allow_tf32 = False
     monkeypatch.setattr(batching, "DONE_CHECK_EVERY", 4)
     model, tokenizer, prompts = setup(
-        make_tiny_model(tmp_path / "m", arch=arch, hidden_size=128, num_layers=4), n=3, init_std=init_std
+        make_tiny_model(tmp_path / "m", arch=arch, hidden_size=128, num_layers=4),
+        n=3,
+        init_std=init_std,
     )
     hf = HFRolloutEngine(model, tokenizer)
-    free_run = hf.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=40, ignore_eos=True)).response_ids
-    stop = int(free_run[:, 3:].flatten().mode().values)  # a stop token that really occurs, at varied depths
+    free_run = hf.generate(
+        prompts, SamplingParams(do_sample=False, max_new_tokens=40, ignore_eos=True)
+    ).response_ids
+    # a stop token that really occurs, at varied depths
+    stop = int(free_run[:, 3:].flatten().mode().values)
     graphs = NativeRolloutEngine(model, tokenizer, 5, torch.float32, free_cache_engine=False)
     eager = NativeRolloutEngine(model, tokenizer, 5, torch.float32, enforce_eager=True)
     for engine in (graphs, eager, hf):
         engine.eos_ids = sorted(set(engine.eos_ids) | {stop})
-    graphs.eos, eager.eos = torch.tensor(graphs.eos_ids, device="cuda"), torch.tensor(eager.eos_ids, device="cuda")
+    graphs.eos, eager.eos = (
+        torch.tensor(graphs.eos_ids, device="cuda"),
+        torch.tensor(eager.eos_ids, device="cuda"),
+    )
     greedy = SamplingParams(do_sample=False, max_new_tokens=40)
     ours, theirs = graphs.generate(prompts, greedy), hf.generate(prompts, greedy)
     assert len(set(theirs.response_lengths.tolist())) > 3
-    assert len(graphs._kept_batcher.graphs) > 1  # buckets of several sizes
+    # buckets of several sizes
+    assert len(graphs._kept_batcher.graphs) > 1
     assert torch.equal(ours.response_ids, eager.generate(prompts, greedy).response_ids)
     assert ours.response_ids.tolist() == theirs.response_ids.tolist()
 
-    monkeypatch.setitem(PARSERS, "every-turn", lambda text: ParsedTurn([ToolCall("echo", {"text": text[:12]})], []))
+    monkeypatch.setitem(
+        PARSERS, "every-turn", lambda text: ParsedTurn([ToolCall("echo", {"text": text[:12]})], [])
+    )
 
     @tool
     def echo(text: str) -> str:

@@ -17,16 +17,20 @@ def test_train_on_gpu(estimator, dtype, tiny_config, tiny_assets):
 
     tiny_config["algorithm"]["adv_estimator"] = estimator
     tiny_config["actor_rollout_ref"]["model"]["dtype"] = dtype
-    tiny_config["actor_rollout_ref"]["actor"]["optim"]["lr"] = 1e-6  # verl's default: bf16 weights would not move
+    # verl's default: bf16 weights would not move
+    tiny_config["actor_rollout_ref"]["actor"]["optim"]["lr"] = 1e-6
     tiny_config["trainer"]["device"] = "cuda"
     result = train(tiny_config)
 
     assert result.last_step == 2
-    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     assert all(math.isfinite(v) for r in records for v in r.values())
     before = load_file(tiny_assets["model"] / "model.safetensors")
     after = load_file(Path(result.run_dir) / "global_step_2" / "actor" / "model.safetensors")
-    assert all(t.dtype == torch.float32 for t in after.values())  # float32 master weights
+    # float32 master weights
+    assert all(t.dtype == torch.float32 for t in after.values())
     changed = sum(int((before[k] != after[k]).sum()) for k in before)
     assert changed > 0.5 * sum(t.numel() for t in before.values())
     # sampler and trainer log-probs agree (bf16 rounding allowed)

@@ -90,9 +90,13 @@ def test_a_batch_moves_to_the_gpu_without_waiting_for_it():
     torch.cuda.set_sync_debug_mode("error")
     try:
         with pytest.raises(RuntimeError):
-            batch.response_ids.to(CUDA)  # the blocking copy the update used to make
+            # the blocking copy the update used to make
+            batch.response_ids.to(CUDA)
         moved = batch.to(CUDA)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert moved.response_ids.is_cuda and torch.equal(moved.response_ids.cpu(), batch.response_ids)
-    assert torch.equal(moved.sampling_log_probs.cpu(), batch.sampling_log_probs) and moved.records == batch.records
+    assert (
+        torch.equal(moved.sampling_log_probs.cpu(), batch.sampling_log_probs)
+        and moved.records == batch.records
+    )

@@ -72,12 +72,14 @@ class Applier:
     def __init__(self, monkeypatch):
         self.monkeypatch = monkeypatch
         self.services: list[subprocess.Popen] = []
-        self.corrections: dict[str, str] = {}  # a user's file -> its corrected text
+        # a user's file -> its corrected text
+        self.corrections: dict[str, str] = {}
 
     def apply(self, fix: str, argv: list[str]) -> list[str]:
         option = fix.split(", or ")[0]
         argv = list(argv)
-        for new, old in IN_PLACE.findall(option):  # not on the command line: written in the config file
+        # not on the command line: written in the config file
+        for new, old in IN_PLACE.findall(option):
             argv = [w for a in argv for w in (shlex.split(new) if a == old else [a])] + (
                 [] if old in argv else shlex.split(new)
             )
@@ -95,7 +97,8 @@ class Applier:
         for path in edited:
             Path(path).write_text(self.corrections.pop(path))
         for group in GROUP.findall(option):
-            if not (group in edited or edited and group.isidentifier()):  # the file, the function in it
+            # the file, the function in it
+            if not (group in edited or edited and group.isidentifier()):
                 argv = self._apply_group(group, argv)
         return argv
 
@@ -121,11 +124,14 @@ class Applier:
     def _serve(self, args: list[str]) -> None:
         """Start `keel reward-server ...` and wait for its /health, as a user's second terminal would."""
         service = subprocess.Popen(
-            [sys.executable, "-m", "keel", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            [sys.executable, "-m", "keel", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         self.services.append(service)
         port = args[args.index("--port") + 1]
-        for _ in range(600):  # it imports keel first: tens of seconds on a busy machine
+        # it imports keel first: tens of seconds on a busy machine
+        for _ in range(600):
             with contextlib.suppress(OSError):
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
                 return
@@ -139,7 +145,9 @@ class Applier:
             service.wait(timeout=30)
 
 
-def apply_and_rerun(argv: list[str], code: str, applier: Applier, then: tuple[str, ...] = ()) -> tuple[str, Attempt]:
+def apply_and_rerun(
+    argv: list[str], code: str, applier: Applier, then: tuple[str, ...] = ()
+) -> tuple[str, Attempt]:
     """Make the mistake, apply its fix line as printed, run again: (the fix line, the second run).
     The error must be gone, and the command must then work: where the fixed command stops at another
     check, that check's printed fix is applied too (twice at most), as a user would follow them.
@@ -179,7 +187,13 @@ class Context:
         return ["check", self.config, *overrides]
 
     def train(self, *overrides: str) -> list[str]:
-        return ["train", self.config, "trainer.total_training_steps=1", "trainer.test_freq=-1", *overrides]
+        return [
+            "train",
+            self.config,
+            "trainer.total_training_steps=1",
+            "trainer.test_freq=-1",
+            *overrides,
+        ]
 
     def write(self, name: str, text: str) -> Path:
         path = self.tmp / name

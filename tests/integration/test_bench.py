@@ -32,7 +32,8 @@ REQUIRED = (
 
 
 def test_bench_appends_a_record_with_the_required_fields(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("KEEL_COMMIT", "abc1234")  # what a copy of the tree without git history reports
+    # what a copy of the tree without git history reports
+    monkeypatch.setenv("KEEL_COMMIT", "abc1234")
     out = tmp_path / "results.jsonl"
     assert (
         main(
@@ -57,16 +58,24 @@ def test_bench_appends_a_record_with_the_required_fields(tmp_path, capsys, monke
     r = records[0]
     assert r["workload"] == "tiny" and r["engine"] == "NativeRolloutEngine" and r["n_gpus"] == 1
     assert r["commit"] == "abc1234"
-    assert r["overrides"] == ["trainer.device=cpu"]  # what differed from the workload
-    assert r["step_time_s"] > r["timing_s"]["gen"] > 0 and r["gen_tokens_per_s"] > 0 and r["update_tokens_per_s"] > 0
+    # what differed from the workload
+    assert r["overrides"] == ["trainer.device=cpu"]
+    assert (
+        r["step_time_s"] > r["timing_s"]["gen"] > 0
+        and r["gen_tokens_per_s"] > 0
+        and r["update_tokens_per_s"] > 0
+    )
     # fixed-length responses: every sample generated 16 tokens
     assert r["gen_tokens_per_s"] == 4 * 4 * 16 / r["timing_s"]["gen"]
     # (decode's rate against the whole generation's is a race on a busy machine: not asserted)
     assert r["decode_tokens_per_s"] == 4 * 4 * 15 / r["timing_s"]["gen_decode"]
-    assert r["update_mfu"] is None and r["datasheet"] is None  # no GPU: no peak, no datasheet to read against
+    # no GPU: no peak, no datasheet to read against
+    assert r["update_mfu"] is None and r["datasheet"] is None
     assert r["logprob_tokens_per_s"] > 0
-    assert 0 <= r["log_prob_gap"] < 1e-3  # float32 on CPU: sampler and trainer agree
-    assert capsys.readouterr().out.count('"workload": "tiny"') == 2  # and printed
+    # float32 on CPU: sampler and trainer agree
+    assert 0 <= r["log_prob_gap"] < 1e-3
+    # and printed
+    assert capsys.readouterr().out.count('"workload": "tiny"') == 2
     # --profile: one more step's operators, with keel's phases as named ranges
     table = (tmp_path / "profile" / "profile_tiny_1gpu.txt").read_text()
     assert "update_actor" in table and "aten::mm" in table
@@ -79,7 +88,9 @@ def test_every_workload_config_is_valid(name, gpus, tmp_path, monkeypatch):
     asked for micro-batches of 7 samples in mini-batches of 64: KEEL-C004 on the GPU machine)."""
     monkeypatch.setattr(run, "make_model", lambda shape, out_dir, mean_response=None: out_dir)
     cfg = load_config(run.bench_config(name, WORKLOADS[name], tmp_path, 2, gpus))
-    per_gpu = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n // gpus
+    per_gpu = (
+        cfg.actor_rollout_ref.actor.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n // gpus
+    )
     assert per_gpu % cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 0
 
 
@@ -87,10 +98,26 @@ def test_the_multi_turn_workload_counts_the_models_tokens_only(tmp_path):
     """tinym (m1's shape on the tiny model): 4 assistant turns of 8 tokens with an environment
     answering between them; the record counts the 32 tokens the model generated, not the template's."""
     out = tmp_path / "m.jsonl"
-    assert main(["bench", "tinym", "trainer.device=cpu", "--steps", "1", "--warmup", "0", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "tinym",
+                "trainer.device=cpu",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert r["gen_tokens_per_s"] == pytest.approx(4 * 4 * 32 / r["timing_s"]["gen"])
-    assert r["timing_s"]["gen_tools"] > 0  # the environment's steps
+    # the environment's steps
+    assert r["timing_s"]["gen_tools"] > 0
 
 
 def test_the_agent_workload_drives_the_same_episodes_through_the_endpoint(tmp_path):
@@ -98,7 +125,22 @@ def test_the_agent_workload_drives_the_same_episodes_through_the_endpoint(tmp_pa
     endpoint, every sample's 4 requests answered, none failed or dropped."""
     pytest.importorskip("openai")
     out = tmp_path / "ma.jsonl"
-    assert main(["bench", "tinyma", "trainer.device=cpu", "--steps", "1", "--warmup", "0", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "tinyma",
+                "trainer.device=cpu",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert r["agent"]["requests_per_sample"] == 4
     assert r["agent"]["errors"] == r["agent"]["dropped"] == r["agent"]["prefix_breaks"] == 0
@@ -107,7 +149,10 @@ def test_the_agent_workload_drives_the_same_episodes_through_the_endpoint(tmp_pa
 def test_gpu_busy_without_the_profiler_is_the_profiled_gpu_time_over_the_measured_wall_time():
     """The profiler slows the host, not the GPU: a phase's GPU seconds from the profiled step over
     its mean unprofiled wall time, capped at 1; phases without a timer are left out."""
-    steps = [{"timing_s/gen": 0.4, "timing_s/update_actor": 0.5}, {"timing_s/gen": 0.5, "timing_s/update_actor": 0.5}]
+    steps = [
+        {"timing_s/gen": 0.4, "timing_s/update_actor": 0.5},
+        {"timing_s/gen": 0.5, "timing_s/update_actor": 0.5},
+    ]
     shares = run.busy_unprofiled({"gen": 0.36, "update_actor": 0.6, "worker/generate": 0.3}, steps)
     assert shares == {"gen": 0.8, "update_actor": 1.0}
 
@@ -119,15 +164,22 @@ def test_the_profiled_step_is_one_more_and_left_out_of_the_timings(tmp_path, mon
 
     steps, guarded_step = [], RLTrainer.guarded_step
 
-    def recorded_step(trainer, logger):  # each step's metrics, as the bench sees them
+    # each step's metrics, as the bench sees them
+    def recorded_step(trainer, logger):
         steps.append(guarded_step(trainer, logger))
         return steps[-1]
 
     monkeypatch.setattr(RLTrainer, "guarded_step", recorded_step)
     record = run.run_bench(
-        "tiny", steps=1, warmup=1, overrides=["trainer.device=cpu"], workdir=tmp_path, profile_dir=tmp_path / "profile"
+        "tiny",
+        steps=1,
+        warmup=1,
+        overrides=["trainer.device=cpu"],
+        workdir=tmp_path,
+        profile_dir=tmp_path / "profile",
     )
-    assert len(steps) == 3  # warm-up, measured, profiled
+    # warm-up, measured, profiled
+    assert len(steps) == 3
     assert record["step_time_s"] == steps[1]["timing_s/step"]
     assert (tmp_path / "profile" / "profile_tiny_1gpu.txt").exists()
 
@@ -137,8 +189,11 @@ def test_the_variable_length_workload_ends_responses_by_eos_and_records_partial_
     that differ; with partial rollouts the record says how many trained samples spanned two policies."""
     out = tmp_path / "v.jsonl"
     settings = ["trainer.mode=async", "trainer.partial_rollout=true", "trainer.device=cpu"]
-    assert main(["bench", "tinyv", *settings, "--steps", "3", "--warmup", "0", "--out", str(out)]) == 0
+    assert (
+        main(["bench", "tinyv", *settings, "--steps", "3", "--warmup", "0", "--out", str(out)]) == 0
+    )
     r = json.loads(out.read_text())
-    assert 1 < r["response_length_mean"] < 64  # ended by stop tokens, not all at the limit
+    # ended by stop tokens, not all at the limit
+    assert 1 < r["response_length_mean"] < 64
     assert set(r["async"]) >= {"partial", "dropped", "staleness/max", "in_flight"}
     assert r["async"]["staleness/max"] <= 1

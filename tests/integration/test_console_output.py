@@ -17,13 +17,25 @@ def quickstart(tmp_path_factory) -> Path:
     """A directory holding the quickstart's files and the data and model its prepare.py writes."""
     root = tmp_path_factory.mktemp("quickstart")
     shutil.copytree(EXAMPLES / "quickstart", root / "examples" / "quickstart")
-    subprocess.run([sys.executable, "examples/quickstart/prepare.py"], cwd=root, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "examples/quickstart/prepare.py"],
+        cwd=root,
+        check=True,
+        capture_output=True,
+    )
     return root
 
 
 def test_quickstart_prints_a_page_before_step_1_and_each_warning_once(quickstart):
     run = subprocess.run(
-        [sys.executable, "-m", "keel", "train", "examples/quickstart/grpo.yaml", "trainer.total_training_steps=6"],
+        [
+            sys.executable,
+            "-m",
+            "keel",
+            "train",
+            "examples/quickstart/grpo.yaml",
+            "trainer.total_training_steps=6",
+        ],
         cwd=quickstart,
         capture_output=True,
         text=True,
@@ -33,9 +45,14 @@ def test_quickstart_prints_a_page_before_step_1_and_each_warning_once(quickstart
     first_step = next(i for i, line in enumerate(lines) if line.startswith("step 1 |"))
     assert first_step <= 40, "\n".join(lines[:first_step])
     before = "\n".join(lines[:first_step])
-    for part in ("keel check: 9 passed", "batch plan: 8 prompts x 8 samples = 64", "run directory: "):
+    for part in (
+        "keel check: 9 passed",
+        "batch plan: 8 prompts x 8 samples = 64",
+        "run directory: ",
+    ):
         assert part in before
-    assert "data:\n  train_files" not in before  # the resolved config is in the run directory, not the console
+    # the resolved config is in the run directory, not the console
+    assert "data:\n  train_files" not in before
 
     # The quickstart's responses hit max_response_length every step: the warning is printed once,
     # then counted, and the count is told at the end and kept as a metric.
@@ -69,7 +86,8 @@ def test_a_finished_run_asked_again_returns_its_last_metrics(quickstart, tmp_pat
     ]
     config = str(quickstart / "examples/quickstart/grpo.yaml")
     first = keel.train(config, overrides)
-    again = keel.train(config, overrides)  # "nothing to do": the run is at its last step
+    # "nothing to do": the run is at its last step
+    again = keel.train(config, overrides)
 
     assert again.last_step == first.last_step == 2
     assert again.last_metrics["critic/score/mean"] == first.last_metrics["critic/score/mean"]

@@ -21,14 +21,16 @@ def test_shortened_demo_raises_heldout_accuracy_and_reruns_cleanly(tmp_path):
     assert (out / "grpo" / "report.png").stat().st_size > 10_000
 
     metrics = (out / "grpo" / "metrics.jsonl").read_text()
-    again = run_demo(out, SHORT, console=False)  # the finished demo's table, read back, nothing trained again
+    # the finished demo's table, read back, nothing trained again
+    again = run_demo(out, SHORT, console=False)
     assert again.earlier and not first.earlier
     assert (again.acc_before, again.acc_after, again.sft_steps, again.seconds) == (
         first.acc_before,
         first.acc_after,
         first.sft_steps,
         first.seconds,
-    )  # the wall time is the first run's
+        # the wall time is the first run's
+    )
     assert (out / "grpo" / "metrics.jsonl").read_text() == metrics
 
     other = run_demo(
@@ -47,7 +49,8 @@ def test_shortened_demo_raises_heldout_accuracy_and_reruns_cleanly(tmp_path):
         ),
         console=False,
     )
-    assert other.sft_steps == 5  # other settings: the old demo was cleared, not mixed in
+    # other settings: the old demo was cleared, not mixed in
+    assert other.sft_steps == 5
 
 
 def test_a_smoke_demo_runs_every_stage_and_a_rerun_prints_its_stored_table(tmp_path, capsys):
@@ -63,7 +66,8 @@ def test_a_smoke_demo_runs_every_stage_and_a_rerun_prints_its_stored_table(tmp_p
     assert "finished earlier" in again.out and "--fresh" in again.out
     wall_time = next(line for line in first.splitlines() if "wall time" in line)
     assert wall_time + " (when it ran)" in again.out.splitlines()
-    assert len((again.out + again.err).splitlines()) <= 12  # the table, not a resumed run's logs
+    # the table, not a resumed run's logs
+    assert len((again.out + again.err).splitlines()) <= 12
 
 
 def test_demo_never_touches_a_directory_it_did_not_make(tmp_path):
@@ -72,7 +76,8 @@ def test_demo_never_touches_a_directory_it_did_not_make(tmp_path):
         run_demo(tmp_path, SHORT, console=False)
     assert info.value.code == DEMO_DIR
     assert (tmp_path / "mine.txt").read_text() == "keep"
-    free = f"{tmp_path}_2"  # the fix's directory: one that does not exist yet, so the demo may make it
+    # the fix's directory: one that does not exist yet, so the demo may make it
+    free = f"{tmp_path}_2"
     assert f"`keel demo --out {free}`" in info.value.fix and not Path(free).exists()
 
 
@@ -81,7 +86,8 @@ def test_the_tools_demo_teaches_calculator_calls_and_grpo_raises_sampled_accurac
     call is learnt; multi-turn GRPO (the calculator answering) then raises held-out accuracy."""
     from keel.demo_tools import ToolDemoSettings, run_tools_demo
 
-    short = ToolDemoSettings(grpo_steps=20, test_freq=20)  # the demo's data and SFT, half its GRPO steps
+    # the demo's data and SFT, half its GRPO steps
+    short = ToolDemoSettings(grpo_steps=20, test_freq=20)
     result = run_tools_demo(tmp_path / "tools", short, console=False)
     # measured on 2 CPU cores, the full demo: 14.8% -> 29.7% at step 20, calls 47% -> 59%
     assert result.acc_after >= result.acc_before + 0.05, (result.acc_before, result.acc_after)

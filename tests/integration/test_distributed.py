@@ -27,12 +27,15 @@ from keel.types import RolloutBatch, SamplingParams  # noqa: E402
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2, log_to_driver=False)
+    ray.init(
+        num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2, log_to_driver=False
+    )
     yield ray
     ray.shutdown()
 
 
-SHARDING = {  # fsdp_config keys of each role, by test id
+# fsdp_config keys of each role, by test id
+SHARDING = {
     "fsdp": [],
     "replicated": [
         f"{role}.fsdp_config.fsdp_size=1"
@@ -103,7 +106,8 @@ def ppo_config(
     )
 
 
-ROLLOUT_CORRECTION = {  # decoupled: the trainer's weights and mask travel; bypass: computed per micro-batch
+# decoupled: the trainer's weights and mask travel; bypass: computed per micro-batch
+ROLLOUT_CORRECTION = {
     "decoupled": [
         "algorithm.rollout_correction.rollout_is=token",
         "algorithm.rollout_correction.rollout_rs=token_k1",
@@ -136,34 +140,46 @@ def test_two_workers_correct_the_rollout_as_one_process(tiny_config, tmp_path, r
             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
         ],
     )
-    one = WorkerRoles.of(LocalGroup(RoleWorker(WorkerSpec.of(one_cfg, total_steps=2))), one_cfg, pad_token_id=0)
+    one = WorkerRoles.of(
+        LocalGroup(RoleWorker(WorkerSpec.of(one_cfg, total_steps=2))), one_cfg, pad_token_id=0
+    )
     tokenizer = one.group.worker.tokenizer
     prompts = collate_prompts(
-        load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4], tokenizer.pad_token_id
+        load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4],
+        tokenizer.pad_token_id,
     ).repeat_interleave(4)
     generated, _ = one.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
-    batch = RolloutBatch.of(generated)  # the training batch, whose fields the test fills in
+    # the training batch, whose fields the test fills in
+    batch = RolloutBatch.of(generated)
     batch = batch.select(list(range(15)))
     torch.manual_seed(0)
     batch.advantages = torch.randn(batch.response_mask.shape) * batch.response_mask
-    batch.old_log_probs = batch.sampling_log_probs if mode == "bypass" else one.actor_log_probs(batch)
-    if mode == "decoupled":  # what the trainer would compute, made to vary per token
+    batch.old_log_probs = (
+        batch.sampling_log_probs if mode == "bypass" else one.actor_log_probs(batch)
+    )
+    # what the trainer would compute, made to vary per token
+    if mode == "decoupled":
         batch.rollout_is_weights = (torch.rand(batch.response_mask.shape) * 2) * batch.response_mask
         batch.rollout_keep = (torch.rand(batch.response_mask.shape) > 0.3).float()
-    two = WorkerRoles.of(role_group(two_cfg, 2, None, tmp_path / "stacks"), two_cfg, tokenizer.pad_token_id)
+    two = WorkerRoles.of(
+        role_group(two_cfg, 2, None, tmp_path / "stacks"), two_cfg, tokenizer.pad_token_id
+    )
     try:
         single, split = one.update_actor(batch, seed=3), two.update_actor(batch, seed=3)
     finally:
         two.shutdown()
     assert single["actor/grad_norm"] > 0
-    if mode == "bypass":  # the first mini-batch keeps what the second, after an update, rejects
+    # the first mini-batch keeps what the second, after an update, rejects
+    if mode == "bypass":
         assert 0 < single["rollout_corr/rollout_rs_masked_fraction"] < 1
     for key in [k for k in single if not k.startswith("timing_s/")]:
         assert split[key] == pytest.approx(single[key], rel=1e-4, abs=1e-6), key
 
 
 @pytest.mark.parametrize("sharding", list(SHARDING))
-def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ray_cluster, sharding):
+def test_two_workers_take_the_same_step_as_one_process(
+    tiny_config, tmp_path, ray_cluster, sharding
+):
     """Two workers with token-budget micro-batches against one process with fixed ones: the
     same numbers either way, since every loss is divided by the whole mini-batch's counts. The
     workers shard with FSDP2 (also keeping the actor's layers gathered after forward, and the
@@ -172,25 +188,36 @@ def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ra
     replicated, lora = sharding == "replicated", sharding == "lora"
     one_cfg = ppo_config(tiny_config, 1, lora=lora)
     two_cfg = ppo_config(tiny_config, 2, dynamic=True, sharding=sharding, lora=lora)
-    one = WorkerRoles.of(LocalGroup(RoleWorker(WorkerSpec.of(one_cfg, total_steps=2))), one_cfg, pad_token_id=0)
+    one = WorkerRoles.of(
+        LocalGroup(RoleWorker(WorkerSpec.of(one_cfg, total_steps=2))), one_cfg, pad_token_id=0
+    )
     tokenizer = one.group.worker.tokenizer
     prompts = collate_prompts(
-        load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4], tokenizer.pad_token_id
+        load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4],
+        tokenizer.pad_token_id,
     ).repeat_interleave(4)
     generated, _ = one.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
-    batch = RolloutBatch.of(generated)  # the training batch, whose fields the test fills in
-    batch = batch.select(list(range(15)))  # odd: one rank's part is padded with a masked sample
+    # the training batch, whose fields the test fills in
+    batch = RolloutBatch.of(generated)
+    # odd: one rank's part is padded with a masked sample
+    batch = batch.select(list(range(15)))
     torch.manual_seed(0)
     batch.advantages = torch.randn(batch.response_mask.shape) * batch.response_mask
     batch.returns = torch.randn(batch.response_mask.shape) * batch.response_mask
 
-    two = WorkerRoles.of(role_group(two_cfg, 2, None, tmp_path / "stacks"), two_cfg, tokenizer.pad_token_id)
+    two = WorkerRoles.of(
+        role_group(two_cfg, 2, None, tmp_path / "stacks"), two_cfg, tokenizer.pad_token_id
+    )
     try:
         assert ("fsdp/actor_sharded_gb" in two.group.call("info", [()] * 2)[0]) != replicated
-        for name in ("actor_log_probs", "ref_log_probs", "values"):  # forward passes split across ranks
+        # forward passes split across ranks
+        for name in ("actor_log_probs", "ref_log_probs", "values"):
             single, split = getattr(one, name)(batch), getattr(two, name)(batch)
             torch.testing.assert_close(split, single, atol=1e-5, rtol=1e-4, msg=name)
-        batch.old_log_probs, batch.ref_log_probs = one.actor_log_probs(batch), one.ref_log_probs(batch)
+        batch.old_log_probs, batch.ref_log_probs = (
+            one.actor_log_probs(batch),
+            one.ref_log_probs(batch),
+        )
         batch.values = one.values(batch)
         for update in ("update_critic", "update_actor"):
             single, split = getattr(one, update)(batch, seed=3), getattr(two, update)(batch, seed=3)
@@ -199,32 +226,42 @@ def test_two_workers_take_the_same_step_as_one_process(tiny_config, tmp_path, ra
         # The workers' engines generate with the updated weights (gathered from the shards, or read
         # from the replicated module): the one process's updated policy gives their log-probs.
         after, _ = two.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=1)
-        torch.testing.assert_close(after.sampling_log_probs, one.actor_log_probs(after), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            after.sampling_log_probs, one.actor_log_probs(after), atol=1e-4, rtol=0
+        )
         one.save(tmp_path / "one"), (tmp_path / "two").mkdir(), two.save(tmp_path / "two")
     finally:
         two.shutdown()
     optimizer = one.group.worker.actor.optimizer
     moments = [state["exp_avg"].clone() for state in optimizer.state.values()]
-    one.load(tmp_path / "two")  # saved by 2 ranks, loaded by 1
+    # saved by 2 ranks, loaded by 1
+    one.load(tmp_path / "two")
     for mine, theirs in zip(moments, [state["exp_avg"] for state in optimizer.state.values()]):
         torch.testing.assert_close(theirs, mine, atol=1e-7, rtol=1e-4)
-    weights = "adapter_model.safetensors" if lora else "model.safetensors"  # LoRA saves its adapters only
+    # LoRA saves its adapters only
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
     single, split = (load_file(tmp_path / run / "actor" / weights) for run in ("one", "two"))
     assert single.keys() == split.keys()
-    if lora:  # B starts at 0: it moved, and nothing of the base is in the checkpoint
+    # B starts at 0: it moved, and nothing of the base is in the checkpoint
+    if lora:
         assert (
             all("lora_" in k for k in single)
             and max(float(single[k].abs().max()) for k in single if "lora_B" in k) > 1e-3
         )
     else:
-        import json  # loaders find the model's class by this name, never FSDP's wrapper
+        # loaders find the model's class by this name, never FSDP's wrapper
+        import json
 
-        architectures = json.loads((tmp_path / "two" / "actor" / "config.json").read_text())["architectures"]
+        architectures = json.loads((tmp_path / "two" / "actor" / "config.json").read_text())[
+            "architectures"
+        ]
         assert architectures == ["Qwen2ForCausalLM"]
         initial = load_file(Path(one_cfg.actor_rollout_ref.model.path) / "model.safetensors")
         moved = max(float((initial[k] - single[k]).abs().max()) for k in single)
-        assert moved > 1e-3  # two Adam steps at lr 1e-3
-    for key in single:  # Adam amplifies rounding where a gradient is ~0: 1% of one step's size
+        # two Adam steps at lr 1e-3
+        assert moved > 1e-3
+    # Adam amplifies rounding where a gradient is ~0: 1% of one step's size
+    for key in single:
         torch.testing.assert_close(split[key], single[key], atol=1e-5, rtol=0, msg=key)
 
 
@@ -233,23 +270,32 @@ def test_a_critic_on_workers_of_its_own_takes_the_same_step(tiny_config, tmp_pat
     the critic update equal the colocated single process's, and the checkpoint is the same files:
     the single process loads the pool's critic and computes the same values."""
     one_cfg, pool_cfg = ppo_config(tiny_config, 1), ppo_config(tiny_config, 1, critic_pool=True)
-    one = WorkerRoles.of(LocalGroup(RoleWorker(WorkerSpec.of(one_cfg, total_steps=2))), one_cfg, pad_token_id=0)
+    one = WorkerRoles.of(
+        LocalGroup(RoleWorker(WorkerSpec.of(one_cfg, total_steps=2))), one_cfg, pad_token_id=0
+    )
     tokenizer = one.group.worker.tokenizer
     prompts = collate_prompts(
-        load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4], tokenizer.pad_token_id
+        load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4],
+        tokenizer.pad_token_id,
     ).repeat_interleave(4)
     generated, _ = one.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
-    batch = RolloutBatch.of(generated)  # the training batch, whose fields the test fills in
+    # the training batch, whose fields the test fills in
+    batch = RolloutBatch.of(generated)
     torch.manual_seed(0)
     batch.advantages = torch.randn(batch.response_mask.shape) * batch.response_mask
     batch.returns = torch.randn(batch.response_mask.shape) * batch.response_mask
     batch.values = one.values(batch)
 
     policy = role_group(pool_cfg, 2, None, tmp_path / "stacks")
-    critic = role_group(pool_cfg, 2, None, tmp_path / "stacks", roles=frozenset({"critic"}), world_size=1)
+    critic = role_group(
+        pool_cfg, 2, None, tmp_path / "stacks", roles=frozenset({"critic"}), world_size=1
+    )
     pooled = WorkerRoles.of(policy, pool_cfg, tokenizer.pad_token_id, critic)
     try:
-        assert policy.call("info", [()])[0]["rollout_engine"] and critic.call("info", [()])[0]["rollout_engine"] is None
+        assert (
+            policy.call("info", [()])[0]["rollout_engine"]
+            and critic.call("info", [()])[0]["rollout_engine"] is None
+        )
         torch.testing.assert_close(pooled.values(batch), batch.values, atol=1e-5, rtol=1e-4)
         single, split = one.update_critic(batch, seed=3), pooled.update_critic(batch, seed=3)
         for key in [k for k in single if not k.startswith("timing_s/")]:
@@ -286,30 +332,39 @@ def test_checkpoints_resume_on_a_different_number_of_workers(tiny_config, tmp_pa
     port = free_port()
     proc = keel_train(config, "trainer.n_gpus_per_node=2", env={"MASTER_PORT": str(port)})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f":{port} (MASTER_PORT)" in proc.stderr  # the ranks met where the user said
+    # the ranks met where the user said
+    assert f":{port} (MASTER_PORT)" in proc.stderr
     run_dir = Path(tiny_config["trainer"]["default_local_dir"])
     from transformers import AutoModelForCausalLM
 
     from keel.cli import main
 
     assert main(["export", str(run_dir / "global_step_2"), str(tmp_path / "exported")]) == 0
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")  # a whole model, not shards
-    initial = AutoModelForCausalLM.from_pretrained(tiny_config["actor_rollout_ref"]["model"]["path"])
+    # a whole model, not shards
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    initial = AutoModelForCausalLM.from_pretrained(
+        tiny_config["actor_rollout_ref"]["model"]["path"]
+    )
     assert any(not torch.equal(a, b) for a, b in zip(exported.parameters(), initial.parameters()))
 
     proc = keel_train(config, "trainer.n_gpus_per_node=1", "trainer.total_training_steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "global_step_2" in proc.stderr
-    proc = keel_train(config, "trainer.n_gpus_per_node=2", "trainer.total_training_steps=4")  # and back to 2
+    # and back to 2
+    proc = keel_train(config, "trainer.n_gpus_per_node=2", "trainer.total_training_steps=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "global_step_3" in proc.stderr
     import json
 
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [s for s in steps if s > 0] == [1, 2, 3, 4]
 
 
-def test_sharding_in_pairs_on_four_workers_keeps_the_sampler_on_the_updated_policy(tiny_config, tmp_path):
+def test_sharding_in_pairs_on_four_workers_keeps_the_sampler_on_the_updated_policy(
+    tiny_config, tmp_path
+):
     """fsdp_size=2 on 4 workers: shards within pairs, replicated across them (HSDP). After each
     update every engine takes whole weights gathered within its pair: in float32 the sampler's
     log-probs of step 2 agree with the trainer's, which stale or mis-gathered weights would break."""
@@ -324,7 +379,11 @@ def test_sharding_in_pairs_on_four_workers_keeps_the_sampler_on_the_updated_poli
         timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = (Path(tiny_config["trainer"]["default_local_dir"]) / "metrics.jsonl").read_text().splitlines()
+    lines = (
+        (Path(tiny_config["trainer"]["default_local_dir"]) / "metrics.jsonl")
+        .read_text()
+        .splitlines()
+    )
     second = [m for m in map(json.loads, lines) if m["step"] == 2][-1]
     assert second["rollout/log_prob_gap"] < 1e-4 and second["actor/grad_norm"] > 0
 
@@ -346,8 +405,15 @@ def test_keel_train_with_the_critic_on_workers_of_its_own(tiny_config, tmp_path)
     assert "resumed from" in proc.stderr and "global_step_1" in proc.stderr
     import json
 
-    metrics = (Path(tiny_config["trainer"]["default_local_dir"]) / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in metrics][-2:] == [1, 2] and "critic/vf_loss" in json.loads(metrics[-1])
+    metrics = (
+        (Path(tiny_config["trainer"]["default_local_dir"]) / "metrics.jsonl")
+        .read_text()
+        .splitlines()
+    )
+    assert [json.loads(line)["step"] for line in metrics][-2:] == [
+        1,
+        2,
+    ] and "critic/vf_loss" in json.loads(metrics[-1])
 
 
 @pytest.mark.parametrize(
@@ -357,7 +423,13 @@ def test_keel_train_with_the_critic_on_workers_of_its_own(tiny_config, tmp_path)
             "raise:update_actor:1",
             ["trainer.n_gpus_per_node=2", "trainer.collective_timeout_s=10"],
             "KEEL-P001",
-            ["rank 1 of 2", "role actor_rollout_ref", "phase update_actor", "InjectedFault", "worker traceback"],
+            [
+                "rank 1 of 2",
+                "role actor_rollout_ref",
+                "phase update_actor",
+                "InjectedFault",
+                "worker traceback",
+            ],
         ),
         (
             "die:update_actor:1",
@@ -376,25 +448,34 @@ def test_keel_train_with_the_critic_on_workers_of_its_own(tiny_config, tmp_path)
             "hang:update_actor:1",
             ["trainer.n_gpus_per_node=2", "trainer.guards.phase_timeout_s=20"],
             "KEEL-P003",
-            ["ran past trainer.guards.phase_timeout_s", "Ranks that did not arrive: [1]; still running: [0, 1]"],
+            [
+                "ran past trainer.guards.phase_timeout_s",
+                "Ranks that did not arrive: [1]; still running: [0, 1]",
+            ],
         ),
         (
             "raise:update_critic:0",
             ["algorithm.adv_estimator=gae", "critic.enable_resource_pool=true"],
             "KEEL-P001",
             ["rank 0 of 1", "role critic", "phase update_critic"],
-        ),  # a pool's failure names its own role
+            # a pool's failure names its own role
+        ),
     ],
 )
-def test_a_failing_worker_ends_the_run_with_its_code_and_rank(tiny_config, tmp_path, fault, overrides, code, expected):
+def test_a_failing_worker_ends_the_run_with_its_code_and_rank(
+    tiny_config, tmp_path, fault, overrides, code, expected
+):
     config = write_config(tiny_config, tmp_path / "cfg.yaml")
     proc = keel_train(config, *overrides, env={"KEEL_INJECT_FAULT": fault}, timeout=900)
     assert proc.returncode != 0
     assert f"error[{code}]" in proc.stderr, proc.stderr[-3000:]
     for text in expected:
         assert text in proc.stderr, (text, proc.stderr[-3000:])
-    if fault.startswith("hang"):  # every rank's stacks were saved; the hung rank's shows where it is
-        stacks = list(Path(tiny_config["trainer"]["default_local_dir"]).glob("stacks_update_actor_*.txt"))
+    # every rank's stacks were saved; the hung rank's shows where it is
+    if fault.startswith("hang"):
+        stacks = list(
+            Path(tiny_config["trainer"]["default_local_dir"]).glob("stacks_update_actor_*.txt")
+        )
         assert stacks and "faults.py" in stacks[0].read_text()
 
 
@@ -424,15 +505,24 @@ def test_a_group_call_submitted_is_a_future_the_driver_need_not_wait_on(ray_clus
     from keel.distributed.ray_cluster import Devices
     from keel.errors import WORKER_RAISED, KeelError
 
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import tests/
+    # the workers cannot import tests/
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     group = RayGroup(
-        Waiter, 2, Devices(False, 2, {}), role="waiters", stacks_dir=tmp_path, phase_timeout_s=None, rendezvous=False
+        Waiter,
+        2,
+        Devices(False, 2, {}),
+        role="waiters",
+        stacks_dir=tmp_path,
+        phase_timeout_s=None,
+        rendezvous=False,
     )
     try:
         flag = tmp_path / "go"
         first = group.submit("wait_for", [(str(flag), 1), (str(flag), 2)])
-        second = group.submit("wait_for", [(str(flag), 3), (str(flag), 4)])  # queued behind the first
-        assert not first.done() and not second.done()  # the driver goes on while the ranks wait
+        # queued behind the first
+        second = group.submit("wait_for", [(str(flag), 3), (str(flag), 4)])
+        # the driver goes on while the ranks wait
+        assert not first.done() and not second.done()
         flag.touch()
         assert first.result(timeout=300) == [10, 21] and second.result(timeout=300) == [30, 41]
         with pytest.raises(KeelError) as failed:

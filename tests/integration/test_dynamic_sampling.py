@@ -22,8 +22,17 @@ HALF_FLAT = (
 
 def test_groups_whose_samples_scored_alike_are_found():
     values = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 2.0])
-    groups = torch.tensor([7, 7, 3, 3, 9, 9, 4])  # a lone sample has no signal either
-    assert groups_with_signal(values, groups).tolist() == [False, False, True, True, False, False, False]
+    # a lone sample has no signal either
+    groups = torch.tensor([7, 7, 3, 3, 9, 9, 4])
+    assert groups_with_signal(values, groups).tolist() == [
+        False,
+        False,
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
 
 
 def filtered_run(tiny_config, tmp_path, source, **filter_groups):
@@ -37,19 +46,30 @@ def filtered_run(tiny_config, tmp_path, source, **filter_groups):
 
 def test_only_prompts_with_a_signal_are_trained_on_and_the_batch_is_full(tiny_config, tmp_path):
     result = filtered_run(tiny_config, tmp_path, HALF_FLAT)
-    steps = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     assert result.last_step == 2
-    for step in steps:  # 4 prompts wanted, about half of each generated batch kept
+    # 4 prompts wanted, about half of each generated batch kept
+    for step in steps:
         assert step["dynamic_sampling/gen_batches"] >= 2
         assert 0 < step["dynamic_sampling/kept_prompt_ratio"] < 1
-        assert step["guards/frac_reward_zero_std"] == 0.0  # no flat group reached the update
-    samples = [json.loads(line) for line in (result.run_dir / "samples.jsonl").read_text().splitlines()]
-    assert samples and all(int(s["ground_truth"]) % 2 == 1 for s in samples)  # digit rows: the index is the answer
-    assert len([s for s in samples if s["step"] == 1]) == 4 * 4  # train_batch_size x rollout.n
+        # no flat group reached the update
+        assert step["guards/frac_reward_zero_std"] == 0.0
+    samples = [
+        json.loads(line) for line in (result.run_dir / "samples.jsonl").read_text().splitlines()
+    ]
+    # digit rows: the index is the answer
+    assert samples and all(int(s["ground_truth"]) % 2 == 1 for s in samples)
+    # train_batch_size x rollout.n
+    assert len([s for s in samples if s["step"] == 1]) == 4 * 4
 
 
 def test_a_reward_with_no_signal_stops_after_max_num_gen_batches(tiny_config, tmp_path):
     constant = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
     with pytest.raises(KeelError) as error:
         filtered_run(tiny_config, tmp_path, constant, max_num_gen_batches=3)
-    assert error.value.code == FILTER_GROUPS_EXHAUSTED and "after 3 generation batches" in error.value.message
+    assert (
+        error.value.code == FILTER_GROUPS_EXHAUSTED
+        and "after 3 generation batches" in error.value.message
+    )

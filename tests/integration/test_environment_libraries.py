@@ -51,7 +51,8 @@ def library_config(tiny_config: dict, agent: dict) -> dict:
     tiny_config["actor_rollout_ref"]["rollout"]["name"] = "native"
     tiny_config["data"]["max_response_length"] = 64
     tiny_config["trainer"].update({"test_freq": -1, "val_before_train": False})
-    tiny_config.pop("custom_reward_function", None)  # the environment's rewards are the run's
+    # the environment's rewards are the run's
+    tiny_config.pop("custom_reward_function", None)
     return tiny_config
 
 
@@ -60,26 +61,34 @@ def verifiers_package(tmp_path, monkeypatch):
     pytest.importorskip("verifiers")
     (tmp_path / "keel_ask_twice.py").write_text(VERIFIERS_ENV)
     monkeypatch.syspath_prepend(str(tmp_path))
-    return "keel-ask-twice"  # verifiers' environment id: the module's name with dashes
+    # verifiers' environment id: the module's name with dashes
+    return "keel-ask-twice"
 
 
-def test_a_verifiers_environment_trains_on_its_own_dataset_and_rubric(tiny_config, verifiers_package):
+def test_a_verifiers_environment_trains_on_its_own_dataset_and_rubric(
+    tiny_config, verifiers_package
+):
     from keel.check.preflight import run_checks
     from keel.config.load import load_config
 
     cfg = library_config(tiny_config, {"environment": f"verifiers:{verifiers_package}"})
-    del cfg["data"]["train_files"], cfg["data"]["val_files"]  # the environment's dataset is the prompts
+    # the environment's dataset is the prompts
+    del cfg["data"]["train_files"], cfg["data"]["val_files"]
     (finding,) = [f for f in run_checks(load_config(cfg)).findings if f.check == "agent"]
     assert finding.level == "pass" and verifiers_package in finding.message
     steps = run_metrics(cfg)
     assert len(steps) == 2
-    for m in steps:  # 4 prompts x 4 samples, each episode two turns
+    # 4 prompts x 4 samples, each episode two turns
+    for m in steps:
         assert m["agent/prefix_breaks"] == 0 and m["agent/requests_per_sample"] > 1.5
-        # verifiers' own errors (an empty answer is one) end a rollout: counted, and out of the update
+        # verifiers' own errors (an empty answer is one) end a rollout: counted, and out of the
+        # update
         assert m["agent/dropped"] == m["agent/errors"] < 16
         assert m["agent/metrics/turns_answered/mean"] == 1.0
-        assert m["agent/metrics/group_size/mean"] == 4.0  # scored a group at once, all 4 samples in it
-        assert m["critic/score/mean"] == pytest.approx(1.0)  # the rubric's weighted sum, its reward
+        # scored a group at once, all 4 samples in it
+        assert m["agent/metrics/group_size/mean"] == 4.0
+        # the rubric's weighted sum, its reward
+        assert m["critic/score/mean"] == pytest.approx(1.0)
         assert math.isfinite(m["actor/pg_loss"])
 
 
@@ -88,7 +97,9 @@ def test_verifiers_environment_errors_name_the_cause(tiny_config, verifiers_pack
     from keel.rollout.agent.library_env import load_environment_agent
 
     def agent_of(environment: str, args: dict | None = None):
-        cfg = library_config(tiny_config, {"environment": environment, "environment_args": args or {}})
+        cfg = library_config(
+            tiny_config, {"environment": environment, "environment_args": args or {}}
+        )
         return load_environment_agent(load_config(cfg).actor_rollout_ref.rollout.agent)
 
     for environment, args, said in [
@@ -99,7 +110,10 @@ def test_verifiers_environment_errors_name_the_cause(tiny_config, verifiers_pack
         with pytest.raises(KeelError) as refused:
             agent_of(environment, args)
         assert refused.value.code == AGENT_ENVIRONMENT and said in str(refused.value)
-    assert agent_of(f"verifiers:{verifiers_package}", {"questions": 5}).env.get_dataset().num_rows == 5  # the fix
+    # the fix
+    assert (
+        agent_of(f"verifiers:{verifiers_package}", {"questions": 5}).env.get_dataset().num_rows == 5
+    )
 
 
 OPENENV_ENV = '''
@@ -171,7 +185,9 @@ def openenv_server(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     import keel_guess_env
 
-    server = uvicorn.Server(uvicorn.Config(keel_guess_env.app, host="127.0.0.1", port=0, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(keel_guess_env.app, host="127.0.0.1", port=0, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started and thread.is_alive():
@@ -184,18 +200,24 @@ def openenv_server(tmp_path, monkeypatch):
 
 def test_an_openenv_environment_trains_through_its_client(tiny_config, openenv_server):
     args = {"base_url": openenv_server, "max_tokens": 4}
-    cfg = library_config(tiny_config, {"environment": "openenv:keel_guess_env:GuessEnv", "environment_args": args})
-    cfg["data"]["max_response_length"] = 256  # three turns and the environment's two observations fit
+    cfg = library_config(
+        tiny_config, {"environment": "openenv:keel_guess_env:GuessEnv", "environment_args": args}
+    )
+    # three turns and the environment's two observations fit
+    cfg["data"]["max_response_length"] = 256
     steps = run_metrics(cfg)
     assert len(steps) == 2
-    for m in steps:  # three guesses an episode, each a request; the sum of the step rewards is the reward
+    # three guesses an episode, each a request; the sum of the step rewards is the reward
+    for m in steps:
         assert m["agent/metrics/openenv_steps/mean"] == 3 and m["agent/requests_per_sample"] == 3
         assert m["agent/prefix_breaks"] == 0 and m["agent/dropped"] == 0
-        assert m["critic/score/mean"] == pytest.approx(1.5)  # 0.5 a guess
+        # 0.5 a guess
+        assert m["critic/score/mean"] == pytest.approx(1.5)
         assert math.isfinite(m["actor/pg_loss"])
     import keel_guess_env
 
-    assert len(keel_guess_env.GUESSES) == 2 * 16 * 3  # the model's turns reached the environment as its actions
+    # the model's turns reached the environment as its actions
+    assert len(keel_guess_env.GUESSES) == 2 * 16 * 3
     assert all(isinstance(guess, str) for guess in keel_guess_env.GUESSES)
 
 
@@ -204,16 +226,33 @@ def test_openenv_environment_errors_name_the_cause(openenv_server):
 
     for name, args, said in [
         ("keel_guess_env:GuessEnv", {}, "base_url is not set"),
-        ("keel_guess_env:GuessEnv", {"base_url": openenv_server, "url": 1}, "unknown environment_args ['url']"),
-        ("keel_guess_env:GuessEnvironment", {"base_url": openenv_server}, "not an openenv.core.EnvClient"),
-        ("keel_guess_env:GuessEnv", {"base_url": openenv_server, "action_field": "text"}, "has no field 'text'"),
+        (
+            "keel_guess_env:GuessEnv",
+            {"base_url": openenv_server, "url": 1},
+            "unknown environment_args ['url']",
+        ),
+        (
+            "keel_guess_env:GuessEnvironment",
+            {"base_url": openenv_server},
+            "not an openenv.core.EnvClient",
+        ),
+        (
+            "keel_guess_env:GuessEnv",
+            {"base_url": openenv_server, "action_field": "text"},
+            "has no field 'text'",
+        ),
     ]:
         with pytest.raises(KeelError) as refused:
             load_openenv_agent(name, args)
         assert refused.value.code == AGENT_ENVIRONMENT and said in str(refused.value)
-    with pytest.raises(KeelError) as unanswered:  # keel check's probe: nothing listens there
-        load_openenv_agent("keel_guess_env:GuessEnv", {"base_url": "http://127.0.0.1:9"}).probe(timeout_s=10)
-    assert unanswered.value.code == AGENT_ENVIRONMENT and "did not answer a reset" in str(unanswered.value)
+    # keel check's probe: nothing listens there
+    with pytest.raises(KeelError) as unanswered:
+        load_openenv_agent("keel_guess_env:GuessEnv", {"base_url": "http://127.0.0.1:9"}).probe(
+            timeout_s=10
+        )
+    assert unanswered.value.code == AGENT_ENVIRONMENT and "did not answer a reset" in str(
+        unanswered.value
+    )
     fixed = load_openenv_agent("keel_guess_env:GuessEnv", {"base_url": openenv_server})
     fixed.probe()
     assert fixed.action_field == "message"
@@ -230,4 +269,6 @@ def test_the_examples_verifiers_environment_loads_with_its_dataset(monkeypatch):
     agent = cfg.actor_rollout_ref.rollout.agent
     assert load_environment_agent(agent).env.rubric is not None
     train, val = environment_rows(agent, "train"), environment_rows(agent, "val")
-    assert (len(train), len(val)) == (240, 16) and train[0]["extra_info"]["verifiers"]["answer"].isdigit()
+    assert (len(train), len(val)) == (240, 16) and train[0]["extra_info"]["verifiers"][
+        "answer"
+    ].isdigit()

@@ -37,7 +37,9 @@ async def agent(client, row, extra_info):
 
 def agent_config(tiny_config, tmp_path: Path) -> dict:
     (tmp_path / "my_agent.py").write_text(AGENT)
-    tiny_config["actor_rollout_ref"]["rollout"]["agent"] = {"function": str(tmp_path / "my_agent.py") + ":agent"}
+    tiny_config["actor_rollout_ref"]["rollout"]["agent"] = {
+        "function": str(tmp_path / "my_agent.py") + ":agent"
+    }
     tiny_config["actor_rollout_ref"]["rollout"]["name"] = "native"
     tiny_config["data"]["max_response_length"] = 64
     tiny_config["trainer"].update({"test_freq": -1, "val_before_train": False})
@@ -56,24 +58,35 @@ def test_an_openai_client_agent_trains_and_its_failures_are_counted(tiny_config,
     assert len(steps) == 2
     # the endpoint's and the agents' processes ended with the run
     assert not [
-        p.name for p in multiprocessing.active_children() if p.name.startswith(("keel-endpoint", "keel-agents"))
+        p.name
+        for p in multiprocessing.active_children()
+        if p.name.startswith(("keel-endpoint", "keel-agents"))
     ]
-    for m in steps:  # 4 prompts x 4 samples a step: a quarter rewrite their history, a quarter raise
+    # 4 prompts x 4 samples a step: a quarter rewrite their history, a quarter raise
+    for m in steps:
         assert m["agent/prefix_breaks"] == 4 and m["agent/errors"] == 4 and m["agent/dropped"] == 8
-        assert m["agent/requests_per_sample"] == pytest.approx(1.75)  # the raising quarter asks once
-        assert m["critic/score/mean"] == pytest.approx(0.375)  # the agent's rewards: 0 and 0.75, halves
+        # the raising quarter asks once
+        assert m["agent/requests_per_sample"] == pytest.approx(1.75)
+        # the agent's rewards: 0 and 0.75, halves
+        assert m["critic/score/mean"] == pytest.approx(0.375)
         assert math.isfinite(m["actor/pg_loss"])
 
 
-def test_with_segments_a_rewritten_history_trains_instead_of_leaving_the_update(tiny_config, tmp_path):
+def test_with_segments_a_rewritten_history_trains_instead_of_leaving_the_update(
+    tiny_config, tmp_path
+):
     cfg = agent_config(tiny_config, tmp_path)
-    cfg["actor_rollout_ref"]["rollout"]["agent"].update({"on_prefix_break": "segments", "processes": 0})
+    cfg["actor_rollout_ref"]["rollout"]["agent"].update(
+        {"on_prefix_break": "segments", "processes": 0}
+    )
     run_dir = train(cfg).run_dir
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 2
-    for m in steps:  # the rewriting quarter stays (in two segments each); only the raising quarter leaves
+    # the rewriting quarter stays (in two segments each); only the raising quarter leaves
+    for m in steps:
         assert m["agent/prefix_breaks"] == 4 and m["agent/errors"] == 4 and m["agent/dropped"] == 4
-        assert m["critic/score/mean"] == pytest.approx((0 + 0.25 + 0.75) / 3)  # a sample counts once
+        # a sample counts once
+        assert m["critic/score/mean"] == pytest.approx((0 + 0.25 + 0.75) / 3)
         assert math.isfinite(m["actor/pg_loss"])
 
 
@@ -88,8 +101,11 @@ def test_an_agent_function_that_is_not_there_is_refused_by_name(tmp_path):
         load_agent_function("agents.py:agent", tmp_path)
     with pytest.raises(KeelError, match="could not be loaded"):
         load_agent_function("no_such_module_here:agent", tmp_path)
-    (tmp_path / "agents.py").write_text("async def agent(client, row, extra_info):\n    return 1.0\n")
-    assert load_agent_function("agents.py:agent", tmp_path).__name__ == "agent"  # the fix: an async def
+    (tmp_path / "agents.py").write_text(
+        "async def agent(client, row, extra_info):\n    return 1.0\n"
+    )
+    # the fix: an async def
+    assert load_agent_function("agents.py:agent", tmp_path).__name__ == "agent"
 
 
 def test_the_examples_agent_config_names_an_agent_keel_can_load():

@@ -23,7 +23,13 @@ MODEL = "actor_rollout_ref.model.path="
 
 def digit_rows(n: int, **columns) -> list[dict]:
     return [
-        {"prompt": CHAT, "data_source": "digits", "reward_model": {"ground_truth": str(i)}, **columns} for i in range(n)
+        {
+            "prompt": CHAT,
+            "data_source": "digits",
+            "reward_model": {"ground_truth": str(i)},
+            **columns,
+        }
+        for i in range(n)
     ]
 
 
@@ -46,7 +52,10 @@ def code_rows(c) -> str:
     """verl's apps rows whose tests are in a form of their own (a "tests" list); the user rewrites them."""
     row = {"prompt": CHAT, "data_source": "apps"}
     wrong = {**row, "reward_model": {"ground_truth": json.dumps({"tests": [["1", "1"]]})}}
-    right = {**row, "reward_model": {"ground_truth": json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})}}
+    right = {
+        **row,
+        "reward_model": {"ground_truth": json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})},
+    }
     return "data.train_files=" + c.mistaken(
         "apps.jsonl", (json.dumps(wrong) + "\n") * 8, (json.dumps(right) + "\n") * 8
     )
@@ -56,10 +65,13 @@ def gsm8k_rows(c) -> str:
     """Rows for the built-in gsm8k scorer without the ground truth it compares with; the user adds it."""
     row = {"prompt": CHAT, "data_source": "gsm8k"}
     lines = [json.dumps(row), json.dumps({**row, "reward_model": {"ground_truth": "4"}})]
-    return "data.train_files=" + c.mistaken("gsm.jsonl", (lines[0] + "\n") * 8, (lines[1] + "\n") * 8)
+    return "data.train_files=" + c.mistaken(
+        "gsm.jsonl", (lines[0] + "\n") * 8, (lines[1] + "\n") * 8
+    )
 
 
-# 0.3 s on an empty response (one keel check tries), over a limit of 0.1 s; the fix's 1 s leaves room on a busy machine
+# 0.3 s on an empty response (one keel check tries), over a limit of 0.1 s; the fix's 1 s leaves
+# room on a busy machine
 SLOW_ON_EMPTY = (
     "import time\n\n"
     "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -77,7 +89,13 @@ def launch(c, directory: str, name: str) -> list[str]:
     """verl's launch form, `keel check --config-path DIR --config-name NAME`, over a folder holding the
     tiny config as tiny_base.yaml (`name` may be a YAML written there: its stem is the name)."""
     c.write("tiny_configs/tiny_base.yaml", open(c.config).read())
-    return ["check", "--config-path", str(c.tmp / directory), "--config-name", name.rsplit("/", 1)[-1].split(".")[0]]
+    return [
+        "check",
+        "--config-path",
+        str(c.tmp / directory),
+        "--config-name",
+        name.rsplit("/", 1)[-1].split(".")[0],
+    ]
 
 
 # code -> the mistake: a function of the context giving the command (keel ARGV) that makes it.
@@ -103,7 +121,11 @@ CHECK_CASES = {
     "KEEL-C020": lambda c: launch(
         c,
         "tiny_configs",
-        c.mistaken("tiny_configs/run.yaml", "defaults: [tiyn_base, _self_]\n", "defaults: [tiny_base, _self_]\n"),
+        c.mistaken(
+            "tiny_configs/run.yaml",
+            "defaults: [tiyn_base, _self_]\n",
+            "defaults: [tiny_base, _self_]\n",
+        ),
     ),
     "KEEL-C021": lambda c: launch(
         c,
@@ -114,31 +136,56 @@ CHECK_CASES = {
             "defaults: [tiny_base, _self_]\n",
         ),
     ),
-    "KEEL-M001": lambda c: c.check(f"actor_rollout_ref.model.path={c.assets['model'].parent / 'modle'}"),
-    "KEEL-M002": lambda c: c.check(MODEL + str(c.model_copy("m", tokenizer_config={"eos_token": None}))),
-    "KEEL-M009": lambda c: c.check(MODEL + str(c.model_copy("m9", tokenizer_config={"eos_token": "<|end_of_turn|>"}))),
+    "KEEL-M001": lambda c: c.check(
+        f"actor_rollout_ref.model.path={c.assets['model'].parent / 'modle'}"
+    ),
+    "KEEL-M002": lambda c: c.check(
+        MODEL + str(c.model_copy("m", tokenizer_config={"eos_token": None}))
+    ),
+    "KEEL-M009": lambda c: c.check(
+        MODEL + str(c.model_copy("m9", tokenizer_config={"eos_token": "<|end_of_turn|>"}))
+    ),
     "KEEL-M003": lambda c: c.check(MODEL + str(c.model_copy("m", drop_template=True))),
     "KEEL-M004": lambda c: c.check(more_tokens(c)),
-    "KEEL-M005": lambda c: c.check(MODEL + str(c.model_copy("m", config={"intermediate_size": 128}))),  # weights: 64
+    # weights: 64
+    "KEEL-M005": lambda c: c.check(
+        MODEL + str(c.model_copy("m", config={"intermediate_size": 128}))
+    ),
     "KEEL-M006": lambda c: c.check(
-        MODEL + str(c.model_copy("m", tokenizer_config={"eos_token": "<|endoftext|>", "pad_token": "<|im_start|>"}))
+        MODEL
+        + str(
+            c.model_copy(
+                "m", tokenizer_config={"eos_token": "<|endoftext|>", "pad_token": "<|im_start|>"}
+            )
+        )
     ),
     "KEEL-M007": lambda c: c.check(
-        "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,v_proj]"
+        "actor_rollout_ref.model.lora_rank=8",
+        "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
     ),
     "KEEL-D001": lambda c: c.check(f"data.train_files={c.assets['train'].parent / 'trian.jsonl'}"),
     "KEEL-D002": lambda c: c.check(
         f"data.train_files={c.rows('q.jsonl', [{'question': 'hi'}] * 8)}",
         f"data.val_files={c.rows('q_val.jsonl', [{'question': 'ho'}] * 2)}",
     ),
-    "KEEL-D003": lambda c: c.check(f"data.train_files={c.rows('long.jsonl', digit_rows(8, prompt='x' * 200))}"),
+    "KEEL-D003": lambda c: c.check(
+        f"data.train_files={c.rows('long.jsonl', digit_rows(8, prompt='x' * 200))}"
+    ),
     "KEEL-D004": lambda c: c.check(f"data.train_files={c.rows('two.jsonl', digit_rows(2))}"),
     "KEEL-R001": lambda c: c.check("custom_reward_function.name=compute_scor"),
     "KEEL-R002": lambda c: c.check("custom_reward_function.path=null"),
-    "KEEL-R003": lambda c: c.check(reward(c, SCORE.format("str(len(s))"), SCORE.format("float(len(s))"))),
-    "KEEL-R004": lambda c: c.check("custom_reward_function.path=null", "data.val_files=[]", gsm8k_rows(c)),
-    "KEEL-R005": lambda c: c.check(reward(c, SCORE.format("1 / len(s)"), SCORE.format("1 / len(s) if s else 0.0"))),
-    "KEEL-R009": lambda c: c.check("custom_reward_function.path=null", "data.val_files=[]", code_rows(c)),
+    "KEEL-R003": lambda c: c.check(
+        reward(c, SCORE.format("str(len(s))"), SCORE.format("float(len(s))"))
+    ),
+    "KEEL-R004": lambda c: c.check(
+        "custom_reward_function.path=null", "data.val_files=[]", gsm8k_rows(c)
+    ),
+    "KEEL-R005": lambda c: c.check(
+        reward(c, SCORE.format("1 / len(s)"), SCORE.format("1 / len(s) if s else 0.0"))
+    ),
+    "KEEL-R009": lambda c: c.check(
+        "custom_reward_function.path=null", "data.val_files=[]", code_rows(c)
+    ),
     "KEEL-R010": lambda c: c.check(
         reward(
             c,
@@ -152,7 +199,8 @@ CHECK_CASES = {
     "KEEL-P004": lambda c: c.check("trainer.nnodes=2"),
     "KEEL-P006": lambda c: c.check("actor_rollout_ref.ref.nnodes=2"),
 }
-if not torch.cuda.is_available():  # the mistake is asking for a GPU this machine does not have
+# the mistake is asking for a GPU this machine does not have
+if not torch.cuda.is_available():
     CHECK_CASES["KEEL-E001"] = lambda c: c.check("trainer.device=cuda")
 
 # Codes whose fix cannot be applied here, and why; test_what_can_be_tested_of_the_rest checks them.
@@ -220,7 +268,8 @@ def test_what_can_be_tested_of_the_rest(code):
     for group in re.findall(r"`([^`]*)`", entry.fix):
         words = shlex.split(group)
         if words[0] == "keel":
-            build_parser().parse_args(words[1:])  # exits on a command keel does not have
+            # exits on a command keel does not have
+            build_parser().parse_args(words[1:])
         elif words[0] == "pip":
             for requirement in (w for w in words[2:] if not w.startswith("-")):
                 name, _, floor = requirement.partition(">=")

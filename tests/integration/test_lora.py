@@ -29,17 +29,22 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def test_adapters_train_reach_the_engine_and_leave_the_base_alone(tiny_config, tiny_assets):
     cfg = lora_config(tiny_config)
-    cfg["actor_rollout_ref"]["actor"]["use_kl_loss"] = True  # the reference: the base, adapters off
+    # the reference: the base, adapters off
+    cfg["actor_rollout_ref"]["actor"]["use_kl_loss"] = True
     cfg["trainer"]["total_training_steps"] = 3
     result = train(cfg)
     steps = metrics(result.run_dir)
     assert result.last_step == 3 and all(math.isfinite(m["actor/pg_loss"]) for m in steps)
-    assert steps[-1]["rollout/log_prob_gap"] < 1e-4  # the engine generated with the trained adapters
-    assert steps[-1]["actor/ref_kl"] != 0.0  # the policy moved away from its base
+    # the engine generated with the trained adapters
+    assert steps[-1]["rollout/log_prob_gap"] < 1e-4
+    # the policy moved away from its base
+    assert steps[-1]["actor/ref_kl"] != 0.0
     actor = result.run_dir / "global_step_3" / "actor"
     adapter = load_file(actor / "adapter_model.safetensors")
-    assert adapter and all("lora_" in name for name in adapter)  # the checkpoint holds adapters only
-    assert any(t.abs().sum() > 0 for name, t in adapter.items() if "lora_B" in name)  # B starts at 0, and trained
+    # the checkpoint holds adapters only
+    assert adapter and all("lora_" in name for name in adapter)
+    # B starts at 0, and trained
+    assert any(t.abs().sum() > 0 for name, t in adapter.items() if "lora_B" in name)
 
 
 def test_a_sync_that_never_reaches_the_engine_is_caught(tiny_config, monkeypatch):
@@ -58,9 +63,12 @@ def test_a_sync_that_never_reaches_the_engine_is_caught(tiny_config, monkeypatch
 @pytest.mark.parametrize(
     "model, needle",
     [
-        ({"target_modules": ["q_proj", "v_proj"]}, "would train nothing"),  # half a layer
-        ({"target_modules": ["query_key_value"]}, "do not have"),  # another architecture's name
-        ({"target_modules": ["lm_head"]}, "tied embeddings"),  # would untie them
+        # half a layer
+        ({"target_modules": ["q_proj", "v_proj"]}, "would train nothing"),
+        # another architecture's name
+        ({"target_modules": ["query_key_value"]}, "do not have"),
+        # would untie them
+        ({"target_modules": ["lm_head"]}, "tied embeddings"),
         ({"exclude_modules": ["*"]}, "matches none"),
     ],
 )
@@ -76,8 +84,11 @@ def test_a_parameter_training_outside_the_adapters_is_refused(tiny_assets):
     from keel.models.lora import apply_lora, plan_lora, require_only_adapters_train
 
     model = load_causal_lm(tiny_assets["model"], torch.device("cpu"))
-    peft_model = apply_lora(model, plan_lora(model, 4, ["all-linear"], [], [], "model"), 4, 8, [], torch.float32)
-    peft_model.get_input_embeddings().weight.requires_grad_(True)  # an embedding left trainable by mistake
+    peft_model = apply_lora(
+        model, plan_lora(model, 4, ["all-linear"], [], [], "model"), 4, 8, [], torch.float32
+    )
+    # an embedding left trainable by mistake
+    peft_model.get_input_embeddings().weight.requires_grad_(True)
     with pytest.raises(KeelError) as error:
         require_only_adapters_train(peft_model, [])
     assert error.value.code == LORA_TARGETS and "embed_tokens" in error.value.message
@@ -101,11 +112,16 @@ def test_gradient_checkpointing_gives_lora_the_same_gradients(tiny_assets):
 
     def adapter_grads(checkpointing: bool) -> dict:
         torch.manual_seed(0)
-        model = load_causal_lm(tiny_assets["model"], torch.device("cpu"), gradient_checkpointing=checkpointing)
-        peft_model = apply_lora(model, plan_lora(model, 4, ["all-linear"], [], [], "m"), 4, 8, [], torch.float32)
+        model = load_causal_lm(
+            tiny_assets["model"], torch.device("cpu"), gradient_checkpointing=checkpointing
+        )
+        peft_model = apply_lora(
+            model, plan_lora(model, 4, ["all-linear"], [], [], "m"), 4, 8, [], torch.float32
+        )
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
-                torch.nn.init.normal_(param, std=0.1)  # B starts at 0: give A a gradient too
+                # B starts at 0: give A a gradient too
+                torch.nn.init.normal_(param, std=0.1)
         peft_model.train()
         ids = torch.randint(0, 200, (2, 12))
         peft_model(input_ids=ids, labels=ids).loss.backward()
@@ -131,13 +147,18 @@ def test_export_round_trips_through_peft_and_transformers(tiny_config, tmp_path)
     assert main(["export", str(checkpoint), str(tmp_path / "adapter")]) == 0
     assert main(["export", str(checkpoint), str(tmp_path / "merged"), "--merged"]) == 0
     base = cfg["actor_rollout_ref"]["model"]["path"]
-    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
+    with_adapter = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter"
+    )
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     ids = torch.tensor([[5, 17, 42, 9]])
     kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
-    assert torch.equal(with_adapter.generate(input_ids=ids, **kwargs), merged.generate(input_ids=ids, **kwargs))
+    assert torch.equal(
+        with_adapter.generate(input_ids=ids, **kwargs), merged.generate(input_ids=ids, **kwargs)
+    )
     plain = AutoModelForCausalLM.from_pretrained(base)
-    assert not all(torch.equal(p, q) for p, q in zip(plain.parameters(), merged.parameters()))  # adapters are in
+    # adapters are in
+    assert not all(torch.equal(p, q) for p, q in zip(plain.parameters(), merged.parameters()))
 
 
 def test_the_memory_estimate_knows_lora(tiny_config):
@@ -146,10 +167,17 @@ def test_the_memory_estimate_knows_lora(tiny_config):
 
     ppo = {"actor_rollout_ref.actor.use_kl_loss": True, "algorithm.adv_estimator": "gae"}
     full = run_checks(load_config(tiny_config, ppo)).memory_gb
-    lora = run_checks(load_config(lora_config(tiny_config), {**ppo, "critic.model.lora_rank": 8})).memory_gb
-    assert "reference" in full and "reference" not in lora  # the base with adapters off: no second model
-    # The frozen base has no gradients or AdamW moments, and on one worker it is the engine's weights.
-    assert lora["rollout_weights"] == full["rollout_weights"] and lora["actor_states"] < 0.6 * full["actor_states"]
+    lora = run_checks(
+        load_config(lora_config(tiny_config), {**ppo, "critic.model.lora_rank": 8})
+    ).memory_gb
+    # the base with adapters off: no second model
+    assert "reference" in full and "reference" not in lora
+    # The frozen base has no gradients or AdamW moments, and on one worker it is the engine's
+    # weights.
+    assert (
+        lora["rollout_weights"] == full["rollout_weights"]
+        and lora["actor_states"] < 0.6 * full["actor_states"]
+    )
     assert lora["critic_states"] < 0.6 * full["critic_states"]
 
 
@@ -171,14 +199,20 @@ def test_a_lora_critic_trains_its_adapters_and_value_head_only(tiny_config, tiny
         "trainer.device": "cpu",
     }
     cfg = load_config(tiny_config, overrides)
-    assert any(f.check == "lora" and f.message.startswith("critic: LoRA on") for f in run_checks(cfg).findings)
+    assert any(
+        f.check == "lora" and f.message.startswith("critic: LoRA on")
+        for f in run_checks(cfg).findings
+    )
     worker = LocalGroup(RoleWorker(WorkerSpec.of(cfg, total_steps=2))).worker
     critic = worker.critic.model
     trained = {name for name, p in critic.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in name or name.startswith("value_head.") for name in trained)
     assert {id(p) for group in worker.critic.optimizer.param_groups for p in group["params"]} == {
-        id(p) for p in critic.parameters() if p.requires_grad
-    }  # AdamW holds the adapters' state only
+        id(p)
+        for p in critic.parameters()
+        if p.requires_grad
+        # AdamW holds the adapters' state only
+    }
     base = load_weights(Path(tiny_assets["model"]) / "model.safetensors")
     q = critic.backbone.get_base_model().layers[0].self_attn.q_proj.base_layer.weight
     torch.testing.assert_close(q.float(), base["model.layers.0.self_attn.q_proj.weight"].float())
@@ -192,11 +226,16 @@ def test_a_lora_critic_trains_its_adapters_and_value_head_only(tiny_config, tiny
 def test_a_ppo_run_with_lora_on_both_models_learns_values(tiny_config):
     cfg = lora_config(tiny_config)
     cfg["algorithm"] = {**cfg.get("algorithm", {}), "adv_estimator": "gae"}
-    cfg["critic"] = {**cfg.get("critic", {}), "model": {"lora_rank": 4, "lora_alpha": 8}, "optim": {"lr": 1e-2}}
+    cfg["critic"] = {
+        **cfg.get("critic", {}),
+        "model": {"lora_rank": 4, "lora_alpha": 8},
+        "optim": {"lr": 1e-2},
+    }
     cfg["trainer"]["total_training_steps"] = 3
     steps = metrics(train(cfg).run_dir)
     assert len(steps) == 3 and all(math.isfinite(m["critic/vf_loss"]) for m in steps)
-    assert steps[-1]["critic/vf_loss"] < steps[0]["critic/vf_loss"]  # the value head and adapters learn
+    # the value head and adapters learn
+    assert steps[-1]["critic/vf_loss"] < steps[0]["critic/vf_loss"]
 
 
 @pytest.mark.parametrize(
@@ -213,16 +252,21 @@ def test_a_ppo_run_with_lora_on_both_models_learns_values(tiny_config):
         ("gpt_oss", False),
     ],
 )
-def test_each_native_family_trains_and_its_engine_samples_what_the_trainer_computes(tiny_config, tmp_path, arch, lora):
+def test_each_native_family_trains_and_its_engine_samples_what_the_trainer_computes(
+    tiny_config, tmp_path, arch, lora
+):
     """Qwen3, Qwen3-MoE, Gemma 3, OLMo 2, SmolLM3 and GPT-OSS on the native engine through
     `keel.train`: after every update (adapters only, or every weight, experts included) the engine's
     sampled log-probs are the trainer's."""
     from keel.models.tiny import make_tiny_model
 
     cfg = lora_config(tiny_config) if lora else tiny_config
-    cfg["actor_rollout_ref"]["model"]["path"] = str(make_tiny_model(tmp_path / arch, arch=arch, hidden_size=32))
+    cfg["actor_rollout_ref"]["model"]["path"] = str(
+        make_tiny_model(tmp_path / arch, arch=arch, hidden_size=32)
+    )
     cfg["actor_rollout_ref"]["rollout"]["name"] = "native"
     cfg["trainer"]["total_training_steps"] = 3
-    steps = [m for m in metrics(train(cfg).run_dir) if "actor/pg_loss" in m]  # not the validation's
+    # not the validation's
+    steps = [m for m in metrics(train(cfg).run_dir) if "actor/pg_loss" in m]
     assert len(steps) == 3 and all(math.isfinite(m["actor/pg_loss"]) for m in steps)
     assert all(m["rollout/log_prob_gap"] < 1e-4 for m in steps)

@@ -36,7 +36,9 @@ def interaction_config(tiny_config, tmp_path: Path) -> dict:
     """Multi-turn with verl's interaction (nudge.py's Nudge, an environment) instead of tools."""
     (tmp_path / "nudge.py").write_text(NUDGE)
     interactions = tmp_path / "interactions.yaml"
-    interactions.write_text("interaction:\n  - name: nudge\n    class_name: nudge.py:Nudge\n    config: {}\n")
+    interactions.write_text(
+        "interaction:\n  - name: nudge\n    class_name: nudge.py:Nudge\n    config: {}\n"
+    )
     cfg = multi_turn_config(tiny_config, tmp_path)
     multi_turn = cfg["actor_rollout_ref"]["rollout"]["multi_turn"]
     del multi_turn["tool_config_path"]
@@ -56,34 +58,44 @@ def test_keel_check_and_train_take_verls_multi_turn_keys(tiny_config, tmp_path):
     found = [f for f in run_checks(load_config(cfg)).findings if f.check == "multi-turn"]
     assert [f.level for f in found] == ["pass", "pass"] and "token-in/token-out" in found[1].message
     steps = metrics(train(cfg).run_dir)
-    assert len(steps) == 2 and all(m["num_turns/min"] >= 2 for m in steps)  # the prompt and an answer at least
+    # the prompt and an answer at least
+    assert len(steps) == 2 and all(m["num_turns/min"] >= 2 for m in steps)
 
 
 def test_a_tool_calling_policy_trains_on_its_own_tokens(tiny_config, tmp_path, monkeypatch):
     """The engine writes a calculator call, then the answer; the tiny model's log-probs of those
     tokens are trained, the tool's output and the template's tokens are only context."""
-    import keel.distributed.rollout_worker as worker  # where every worker builds its agent loop
+    # where every worker builds its agent loop
+    import keel.distributed.rollout_worker as worker
     from keel.rollout.agent.loop import build_agent_loop
 
     def scripted_loop(multi_turn, engine, tokenizer, budget):
         answers = {0: CALL, 1: "The answer is 408"}
         return build_agent_loop(
-            multi_turn, ScriptedEngine(tokenizer, lambda text, turn: answers[min(turn, 1)]), tokenizer, budget
+            multi_turn,
+            ScriptedEngine(tokenizer, lambda text, turn: answers[min(turn, 1)]),
+            tokenizer,
+            budget,
         )
 
     monkeypatch.setattr(worker, "build_agent_loop", scripted_loop)
     cfg = multi_turn_config(tiny_config, tmp_path)
     (tmp_path / "reward.py").write_text(REWARD)
     cfg["custom_reward_function"] = {"path": str(tmp_path / "reward.py")}
-    cfg["trainer"]["guards"] = {"max_log_prob_gap": 100.0}  # the script's log-probs are not the model's
+    # the script's log-probs are not the model's
+    cfg["trainer"]["guards"] = {"max_log_prob_gap": 100.0}
     steps = metrics(train(cfg).run_dir)
     last = steps[-1]
-    assert last["tools/calculator/calls"] == 16 and last["num_turns/mean"] == 4  # 4 prompts x 4 samples
+    # 4 prompts x 4 samples
+    assert last["tools/calculator/calls"] == 16 and last["num_turns/mean"] == 4
     assert "tools/calculator/errors" not in last and last["tools/malformed_calls"] == 0
-    assert math.isclose(last["critic/score/mean"], 1.04, abs_tol=1e-6)  # the answer after the tool, 4 turns
+    # the answer after the tool, 4 turns
+    assert math.isclose(last["critic/score/mean"], 1.04, abs_tol=1e-6)
     assert all(math.isfinite(m["actor/pg_loss"]) for m in steps)
-    answer_tokens = len(CALL) + len("The answer is 408")  # keel's tokenizer: a token per byte at most
-    assert last["response_length/mean"] <= answer_tokens + 2  # the model's tokens only, not the tool's
+    # keel's tokenizer: a token per byte at most
+    answer_tokens = len(CALL) + len("The answer is 408")
+    # the model's tokens only, not the tool's
+    assert last["response_length/mean"] <= answer_tokens + 2
 
 
 def test_the_examples_tool_config_holds_a_builtin_and_a_custom_tool():
@@ -146,10 +158,17 @@ def test_verls_interaction_config_gives_user_turns_in_check_and_train(tiny_confi
     assert "verl interactions nudge" in found[0].message
     steps = metrics(train(cfg).run_dir)
     assert len(steps) == 2
-    for m in steps:  # each episode: a turn, "try once more", a turn, then the interaction ends it
-        assert m["environment/user_turns/mean"] == 1 and m["num_turns/max"] == 4 and m["environment/errors"] == 0
-        assert m["tools/turn_reward/mean"] == 0.0  # nothing added to the score, as in verl
-        assert m["critic/score/mean"] == 1.0  # the reward function's sum of the two answers' 0.5
+    # each episode: a turn, "try once more", a turn, then the interaction ends it
+    for m in steps:
+        assert (
+            m["environment/user_turns/mean"] == 1
+            and m["num_turns/max"] == 4
+            and m["environment/errors"] == 0
+        )
+        # nothing added to the score, as in verl
+        assert m["tools/turn_reward/mean"] == 0.0
+        # the reward function's sum of the two answers' 0.5
+        assert m["critic/score/mean"] == 1.0
 
 
 def test_the_examples_interaction_config_asks_for_a_second_look_once():
@@ -160,10 +179,13 @@ def test_the_examples_interaction_config_asks_for_a_second_look_once():
 
     root = Path(__file__).parents[2] / "examples" / "interaction"
     cfg = load_config(root / "grpo.yaml")
-    assert cfg.actor_rollout_ref.rollout.multi_turn.interaction_config_path.endswith("interactions.yaml")
+    assert cfg.actor_rollout_ref.rollout.multi_turn.interaction_config_path.endswith(
+        "interactions.yaml"
+    )
     second_look = load_interactions(root / "interactions.yaml")["second_look"]
     asyncio.run(second_look.start_interaction("a"))
     replies = [
-        asyncio.run(second_look.generate_response("a", [{"role": "assistant", "content": "4"}])) for _ in range(2)
+        asyncio.run(second_look.generate_response("a", [{"role": "assistant", "content": "4"}]))
+        for _ in range(2)
     ]
     assert [done for done, *_ in replies] == [False, True] and "Look again" in replies[0][1]

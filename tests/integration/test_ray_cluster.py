@@ -66,7 +66,15 @@ def test_keel_train_runs_its_workers_on_a_cluster_started_with_ray_start(
         env={**auth, "RAY_ADDRESS": address} if with_address else auth,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Connecting to existing Ray cluster" in proc.stderr  # not a Ray instance of its own
-    assert with_address or "joining the Ray cluster that `ray start` runs on this machine" in proc.stderr
-    lines = (Path(tiny_config["trainer"]["default_local_dir"]) / "metrics.jsonl").read_text().splitlines()
+    # not a Ray instance of its own
+    assert "Connecting to existing Ray cluster" in proc.stderr
+    assert (
+        with_address
+        or "joining the Ray cluster that `ray start` runs on this machine" in proc.stderr
+    )
+    lines = (
+        (Path(tiny_config["trainer"]["default_local_dir"]) / "metrics.jsonl")
+        .read_text()
+        .splitlines()
+    )
     assert json.loads(lines[-1])["step"] == 1

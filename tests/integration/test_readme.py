@@ -48,7 +48,8 @@ def fresh_copy(dest: Path) -> Path:
         .split("\0")
     )
     for name in filter(None, listed):
-        if (ROOT / name).is_file():  # a tracked file deleted in the working tree is not there
+        # a tracked file deleted in the working tree is not there
+        if (ROOT / name).is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, dest / name)
     return dest
@@ -57,10 +58,21 @@ def fresh_copy(dest: Path) -> Path:
 def new_venv(path: Path) -> dict[str, str]:
     """A venv whose bin comes first on PATH, so `python3`, `pip` and `keel` are its own; the
     environment a shell in it would have, without anything pointing at this checkout's keel."""
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(path)], check=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", str(path)], check=True, timeout=300
+    )
     # An outer `make test PYTHON=...` passes its variables to every make below it (MAKEFLAGS): the
     # README's `make demo` must install into the venv, never into the environment running the tests.
-    left_out = ("PYTHONPATH", "PYTHONHOME", "PYTEST_ADDOPTS", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTHON", "TORCH")
+    left_out = (
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PYTEST_ADDOPTS",
+        "MAKEFLAGS",
+        "MFLAGS",
+        "MAKELEVEL",
+        "PYTHON",
+        "TORCH",
+    )
     env = {k: v for k, v in os.environ.items() if k not in left_out}
     env.update(
         PATH=f"{path / 'bin'}{os.pathsep}{os.environ['PATH']}",
@@ -73,10 +85,14 @@ def new_venv(path: Path) -> dict[str, str]:
 
 def run_block(language: str, code: str, cwd: Path, env: dict[str, str]) -> str:
     python = str(Path(env["VIRTUAL_ENV"]) / "bin" / "python")
-    command = ["bash", "-euo", "pipefail", "-c", code] if language == "bash" else [python, "-c", code]
+    command = (
+        ["bash", "-euo", "pipefail", "-c", code] if language == "bash" else [python, "-c", code]
+    )
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
     output = done.stdout + done.stderr
-    assert done.returncode == 0, f"README block failed (exit {done.returncode}):\n{code}\n...\n{output[-4000:]}"
+    assert done.returncode == 0, (
+        f"README block failed (exit {done.returncode}):\n{code}\n...\n{output[-4000:]}"
+    )
     return done.stdout
 
 
@@ -99,8 +115,10 @@ def test_a_new_user_runs_the_readme_in_order(tmp_path):
     assert make_demo and "DEMO_FLAGS=--smoke make demo" in section(readme, "Two commands")
     out = run_block("bash", make_demo[0], clone, env)
     assert "smoke run" in out and (clone / "keel_demo_smoke" / "grpo" / "report.png").is_file()
-    where = run_block("python", "import keel; print(keel.__file__)", tmp_path / "venv", env)  # not beside a keel/
-    assert Path(where.strip()).is_relative_to(clone), where  # the copy's keel, not this checkout's
+    # not beside a keel/
+    where = run_block("python", "import keel; print(keel.__file__)", tmp_path / "venv", env)
+    # the copy's keel, not this checkout's
+    assert Path(where.strip()).is_relative_to(clone), where
 
     blocks = code_blocks(section(readme, "Your own run"))
     assert [language for language, _ in blocks].count("python") >= 1 and len(blocks) >= 3
@@ -113,14 +131,24 @@ def check_your_own_run(clone: Path, snippet_output: str) -> None:
     runs = clone / "checkpoints" / "quickstart"
     quickstart = metrics(runs / "grpo_digits")
     scores = [m["critic/score/mean"] for m in quickstart if "critic/score/mean" in m]
-    assert quickstart[-1]["step"] == 30 and scores[-1] > scores[0] + 0.5, scores  # "lifts the mean score"
-    assert (runs / "grpo_digits" / "report.png").is_file() and (runs / "grpo_digits" / "report.html").is_file()
-    lora = metrics(runs / "grpo_digits_lora")  # a run of its own, not a refused resume of the quickstart's
-    assert lora[-1]["step"] == 30 and (runs / "grpo_digits_lora" / "global_step_30" / "actor").is_dir()
-    assert (runs / "sft_digits" / "config.json").is_file()  # the SFT run directory is a Hugging Face model
+    # "lifts the mean score"
+    assert quickstart[-1]["step"] == 30 and scores[-1] > scores[0] + 0.5, scores
+    assert (runs / "grpo_digits" / "report.png").is_file() and (
+        runs / "grpo_digits" / "report.html"
+    ).is_file()
+    # a run of its own, not a refused resume of the quickstart's
+    lora = metrics(runs / "grpo_digits_lora")
+    assert (
+        lora[-1]["step"] == 30 and (runs / "grpo_digits_lora" / "global_step_30" / "actor").is_dir()
+    )
+    # the SFT run directory is a Hugging Face model
+    assert (runs / "sft_digits" / "config.json").is_file()
     from_sft = yaml.safe_load((runs / "grpo_from_sft" / "config.yaml").read_text())
     assert Path(from_sft["actor_rollout_ref"]["model"]["path"]).name == "sft_digits"
     assert metrics(runs / "grpo_from_sft")[-1]["step"] >= 1
-    run_dir, score = snippet_output.split()[-2:]  # print(result.run_dir, ...["critic/score/mean"])
-    assert Path(run_dir).name != "grpo_digits" and (clone / run_dir / "metrics.jsonl").is_file(), snippet_output
+    # print(result.run_dir, ...["critic/score/mean"])
+    run_dir, score = snippet_output.split()[-2:]
+    assert Path(run_dir).name != "grpo_digits" and (clone / run_dir / "metrics.jsonl").is_file(), (
+        snippet_output
+    )
     assert 0.0 <= float(score) <= 1.0

@@ -12,16 +12,22 @@ from keel.rewards.model import RewardModel
 
 @pytest.fixture(scope="module")
 def reward_model_dir(tmp_path_factory):
-    return make_tiny_reward_model(tmp_path_factory.mktemp("rm") / "rm", hidden_size=32, max_position_embeddings=96)
+    return make_tiny_reward_model(
+        tmp_path_factory.mktemp("rm") / "rm", hidden_size=32, max_position_embeddings=96
+    )
 
 
 def test_reward_model_scores_whole_responses_and_refuses_to_truncate(reward_model_dir):
-    rm = RewardModel(str(reward_model_dir), torch.device("cpu"), micro_batch_size=2, max_length=None)
+    rm = RewardModel(
+        str(reward_model_dir), torch.device("cpu"), micro_batch_size=2, max_length=None
+    )
     chat = [{"role": "user", "content": "2+2?"}]
-    assert rm.text(chat, "4").endswith("<|im_start|>assistant\n4<|im_end|>\n")  # its own template
+    # its own template
+    assert rm.text(chat, "4").endswith("<|im_start|>assistant\n4<|im_end|>\n")
     scores = rm.score([chat, chat, "plain prompt"], ["4", "5", "x" * 200])
     assert isinstance(scores[0], float) and scores[0] != scores[1]
-    assert scores[2].startswith("longer than the reward model reads")  # 96 positions
+    # 96 positions
+    assert scores[2].startswith("longer than the reward model reads")
 
 
 def test_keel_train_with_a_reward_model(tiny_config, reward_model_dir):
@@ -65,12 +71,18 @@ def test_the_tokenizers_model_max_length_is_the_limit_when_it_is_lower(tiny_conf
     report = run_checks(load_config(tiny_config, overrides))
     assert [f.code for f in report.failures] == [TOKEN_BUDGET]
     assert "over the 128 tokens" in report.failures[0].message
-    assert "model_max_length=128" in report.failures[0].message and "1024" in report.failures[0].message
+    assert (
+        "model_max_length=128" in report.failures[0].message
+        and "1024" in report.failures[0].message
+    )
     fits = run_checks(load_config(tiny_config, {**overrides, "data.max_response_length": 32}))
     assert not fits.failures
     assert any("reads 128 tokens (model_max_length=128" in f.message for f in fits.findings)
     # The user may overrule the tokenizer (said in the log), never the positions the model has
-    assert RewardModel(str(rm_dir), torch.device("cpu"), micro_batch_size=2, max_length=512).max_length == 512
+    assert (
+        RewardModel(str(rm_dir), torch.device("cpu"), micro_batch_size=2, max_length=512).max_length
+        == 512
+    )
     with pytest.raises(KeelError) as info:
         RewardModel(str(rm_dir), torch.device("cpu"), micro_batch_size=2, max_length=2048)
     assert info.value.code == TOKEN_BUDGET and "max_position_embeddings=1024" in info.value.message
@@ -96,7 +108,9 @@ def fresh_ray():
     ray.shutdown()
 
 
-def test_a_reward_model_pool_scores_as_the_model_in_process(tiny_config, reward_model_dir, fresh_ray):
+def test_a_reward_model_pool_scores_as_the_model_in_process(
+    tiny_config, reward_model_dir, fresh_ray
+):
     """Two replicas in Ray actors, each scoring a share: the same scores, in order, as one model in
     this process, the too-long sample still refused rather than cut."""
     from keel.distributed.pools import RewardModelPool
@@ -112,20 +126,27 @@ def test_a_reward_model_pool_scores_as_the_model_in_process(tiny_config, reward_
         },
     )
     chat = [{"role": "user", "content": "2+2?"}]
-    prompts, responses = [chat, chat, "plain prompt", chat, chat], ["4", "5", "x" * 200, "four", "22"]
+    prompts, responses = (
+        [chat, chat, "plain prompt", chat, chat],
+        ["4", "5", "x" * 200, "four", "22"],
+    )
     pool = RewardModelPool.of(cfg)
     try:
         assert len(pool.replicas) == 2
         pooled = pool.score(prompts, responses)
     finally:
         pool.shutdown()
-    local = RewardModel(str(reward_model_dir), torch.device("cpu"), micro_batch_size=2, max_length=None)
+    local = RewardModel(
+        str(reward_model_dir), torch.device("cpu"), micro_batch_size=2, max_length=None
+    )
     expected = local.score(prompts, responses)
     assert pooled[2] == expected[2] and pooled[2].startswith("longer than")
     assert pooled[:2] + pooled[3:] == pytest.approx(expected[:2] + expected[3:], abs=1e-5)
 
 
-def test_keel_train_with_a_reward_model_on_its_own_devices(tiny_config, reward_model_dir, fresh_ray):
+def test_keel_train_with_a_reward_model_on_its_own_devices(
+    tiny_config, reward_model_dir, fresh_ray
+):
     from keel.api import train
 
     overrides = {
@@ -148,7 +169,8 @@ def test_a_reward_model_pool_larger_than_the_cluster_is_refused_before_waiting(
     from keel.distributed.pools import RewardModelPool
     from keel.errors import NOT_ENOUGH_DEVICES, KeelError
 
-    ray.init(num_cpus=2, include_dashboard=False)  # a cluster already running, with 2 CPUs
+    # a cluster already running, with 2 CPUs
+    ray.init(num_cpus=2, include_dashboard=False)
     cfg = load_config(
         tiny_config,
         {

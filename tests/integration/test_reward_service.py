@@ -46,7 +46,8 @@ def launch(port, *flags) -> subprocess.Popen:
         stderr=subprocess.PIPE,
     )
     token = flags[flags.index("--token") + 1] if "--token" in flags else None
-    deadline = time.monotonic() + 300  # a long limit: a loaded machine starts it slowly
+    # a long limit: a loaded machine starts it slowly
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
             RewardServiceClient(f"http://127.0.0.1:{port}", token=token).check_health()
@@ -84,7 +85,8 @@ def server(tmp_path):
 
 def rows(n):
     return [
-        SimpleNamespace(data_source="any", ground_truth="7", extra_info={}, raw_prompt="q", index=i) for i in range(n)
+        SimpleNamespace(data_source="any", ground_truth="7", extra_info={}, raw_prompt="q", index=i)
+        for i in range(n)
     ]
 
 
@@ -97,15 +99,22 @@ def test_slow_endpoint_past_the_timeout_is_retried_then_not_scored(server, caplo
     client = RewardServiceClient(server.url, timeout_s=1.0, retry_times=1, retry_delay_s=0.1)
     scorer = RewardScorer(service=client, max_not_scored_ratio=1.0)
     result = scorer.score_batch(rows(2), ["slow", "7"])
-    assert not result.scored.any()  # the whole request timed out: both samples counted, none dropped
+    # the whole request timed out: both samples counted, none dropped
+    assert not result.scored.any()
     assert result.reasons[0] == "service timeout after 1 retries (KEEL-R008)"
     assert result.metrics["reward/not_scored/service_timeout_after_1_retries"] == 2
-    assert result.metrics["reward/not_scored_ratio"] == 1.0 and result.metrics["reward/service_retries"] == 1
-    assert "retry 1 of 1" in caplog.text and "2 of 2 samples not scored" in caplog.text  # the log says so too
+    assert (
+        result.metrics["reward/not_scored_ratio"] == 1.0
+        and result.metrics["reward/service_retries"] == 1
+    )
+    # the log says so too
+    assert "retry 1 of 1" in caplog.text and "2 of 2 samples not scored" in caplog.text
 
 
 def test_connection_refused_fails_the_health_check_and_marks_batches(tmp_path):
-    client = RewardServiceClient(f"http://127.0.0.1:{free_port()}", timeout_s=1, retry_times=1, retry_delay_s=0.05)
+    client = RewardServiceClient(
+        f"http://127.0.0.1:{free_port()}", timeout_s=1, retry_times=1, retry_delay_s=0.05
+    )
     with pytest.raises(KeelError) as info:
         client.check_health()
     assert info.value.code == SERVICE_UNAVAILABLE
@@ -119,7 +128,9 @@ def test_server_restarted_mid_run_is_recovered_by_retries(server):
     server.process.kill()
     server.process.wait()
     restarted = {}
-    threading.Thread(target=lambda: restarted.setdefault("p", start_server(server.path, server.port))).start()
+    threading.Thread(
+        target=lambda: restarted.setdefault("p", start_server(server.path, server.port))
+    ).start()
     try:
         result = client.score(rows(1), ["7"])
         assert result[0].values == {"service": 1.0} and client.retries >= 1
@@ -140,7 +151,9 @@ def test_bearer_token_bad_input_and_size_limits(tmp_path):
             RewardServiceClient(url, retry_times=2).score(rows(1), ["7"])[0].reason
             == "service HTTP 401 not retried (KEEL-R008)"
         )
-        assert RewardServiceClient(url, token="s3cret").score(rows(1), ["7"])[0].values == {"service": 1.0}
+        assert RewardServiceClient(url, token="s3cret").score(rows(1), ["7"])[0].values == {
+            "service": 1.0
+        }
 
         def post(body: bytes) -> int:
             request = urllib.request.Request(
@@ -153,9 +166,14 @@ def test_bearer_token_bad_input_and_size_limits(tmp_path):
             return 200
 
         assert post(b"{not json") == 400
-        assert post(json.dumps({"samples": [{"response": "7"}]}).encode()) == 400  # missing fields
+        # missing fields
+        assert post(json.dumps({"samples": [{"response": "7"}]}).encode()) == 400
         assert (
-            post(json.dumps({"samples": [{"data_source": "a", "response": "x" * 3000, "ground_truth": 1}]}).encode())
+            post(
+                json.dumps(
+                    {"samples": [{"data_source": "a", "response": "x" * 3000, "ground_truth": 1}]}
+                ).encode()
+            )
             == 413
         )
     finally:
@@ -166,13 +184,18 @@ def test_http_500_and_malformed_json_are_retried(tmp_path):
     with serving(tmp_path, "--inject", "500,malformed") as url:
         client = RewardServiceClient(url, retry_times=3, retry_delay_s=0.05)
         result = client.score(rows(2), ["7", "8"])
-        assert [r.values for r in result] == [{"service": 1.0}, {"service": 0.0}] and client.retries == 2
+        assert [r.values for r in result] == [
+            {"service": 1.0},
+            {"service": 0.0},
+        ] and client.retries == 2
 
 
 def test_keel_train_with_the_reward_service(server, tiny_config):
     from keel.api import train
 
-    result = train(tiny_config, {"reward.service.url": server.url, "custom_reward_function.path": None})
+    result = train(
+        tiny_config, {"reward.service.url": server.url, "custom_reward_function.path": None}
+    )
     assert result.last_step == 2 and result.last_metrics["reward/not_scored_ratio"] == 0.0
 
 
@@ -208,21 +231,27 @@ def raw_exchange(port: int, request: bytes) -> bytes:
 )
 def test_a_bad_content_length_is_refused_before_reading(server, length_header):
     head = f"POST /score HTTP/1.1\r\nHost: x\r\n{length_header}\r\n".encode()
-    answer = raw_exchange(server.port, head + b'{"samples": [')  # then nothing: a reading server would hang
+    # then nothing: a reading server would hang
+    answer = raw_exchange(server.port, head + b'{"samples": [')
     assert answer.split(b" ")[1] in (b"400", b"411")
 
 
 def test_a_burst_of_1000_requests_from_50_clients_is_held(server):
-    body = json.dumps({"request_id": "b", "samples": [{"data_source": "a", "response": "7", "ground_truth": 7}]})
+    body = json.dumps(
+        {"request_id": "b", "samples": [{"data_source": "a", "response": "7", "ground_truth": 7}]}
+    )
     statuses, errors = [], []
 
     def client() -> None:
         for _ in range(20):
-            request = urllib.request.Request(server.url + "/score", data=body.encode(), method="POST")
+            request = urllib.request.Request(
+                server.url + "/score", data=body.encode(), method="POST"
+            )
             try:
                 with urllib.request.urlopen(request, timeout=120) as response:
                     statuses.append(response.status)
-            except Exception as error:  # a reset or refusal is what this test looks for
+            # a reset or refusal is what this test looks for
+            except Exception as error:
                 errors.append(repr(error))
 
     threads = [threading.Thread(target=client) for _ in range(50)]
@@ -267,7 +296,9 @@ BROKEN_REPLIES = {
     "not http at all": b"\x00\x01garbage",
     "a JSON list": http_reply(b"[1.0]"),
     "not JSON": http_reply(b"{scores: [1.0]"),
-    "wrong length": http_reply(b'{"request_id": null, "scores": [1.0, 2.0], "reasons": [null, null]}'),
+    "wrong length": http_reply(
+        b'{"request_id": null, "scores": [1.0, 2.0], "reasons": [null, null]}'
+    ),
     "closed without a word": b"",
 }
 
@@ -301,7 +332,9 @@ def test_a_broken_reply_then_a_good_one_recovers(monkeypatch):
 def test_a_score_that_is_not_a_number_is_that_samples_reason(monkeypatch, score, reason):
     monkeypatch.setattr("uuid.uuid4", lambda: SimpleNamespace(hex="fixed"))
     body = b'{"request_id": "fixed", "scores": [%s], "reasons": [null]}' % score.encode()
-    result = RewardServiceClient(HostileServer([http_reply(body)]).url, retry_times=0).score(rows(1), ["7"])
+    result = RewardServiceClient(HostileServer([http_reply(body)]).url, retry_times=0).score(
+        rows(1), ["7"]
+    )
     assert result[0].values is None and result[0].reason == f"service: {reason}"
 
 
@@ -316,8 +349,12 @@ def test_a_code_exec_server_runs_code_in_its_own_jail_and_says_so():
     process = launch(port, "--scorer", "code_exec")
     try:
         tests = json.dumps([{"input": "2 3\n", "output": "5"}])
-        row = SimpleNamespace(data_source="code", ground_truth=tests, extra_info={}, raw_prompt="q", index=0)
-        result = RewardServiceClient(f"http://127.0.0.1:{port}").score([row], ["print(sum(map(int, input().split())))"])
+        row = SimpleNamespace(
+            data_source="code", ground_truth=tests, extra_info={}, raw_prompt="q", index=0
+        )
+        result = RewardServiceClient(f"http://127.0.0.1:{port}").score(
+            [row], ["print(sum(map(int, input().split())))"]
+        )
         assert result[0].values == {"service": 1.0}
     finally:
         process.kill()

@@ -41,7 +41,8 @@ def test_bypass_mode_skips_the_pass_and_trains_as_it_would(tiny_config, baseline
     for a, b in zip(ours, plain_metrics):
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-        # measured on the first mini-batch's forward; on CPU the engine can agree with it exactly (0.0)
+        # measured on the first mini-batch's forward; on CPU the engine can agree with it exactly
+        # (0.0)
         assert 0 <= a["rollout/log_prob_gap"] < 1e-5
         assert "rollout_corr/kl" in a
     for name, tensor in final_weights(bypass).items():
@@ -54,10 +55,15 @@ def test_is_weights_reach_the_policy_loss(tiny_config, baseline):
     _, plain_metrics = baseline
     _, ours = run(tiny_config, "tis", rollout_is="token", rollout_is_threshold=0.001)
     first, plain_first = ours[0], plain_metrics[0]
-    assert first["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-4)  # before truncation
+    # before truncation
+    assert first["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-4)
     assert first["rollout_corr/rollout_is_ratio_fraction_high"] == 1.0
-    assert first["actor/grad_norm"] == pytest.approx(0.001 * plain_first["actor/grad_norm"], rel=0.05)
-    assert first["actor/pg_loss"] == pytest.approx(0.001 * plain_first["actor/pg_loss"], rel=0.05, abs=1e-7)
+    assert first["actor/grad_norm"] == pytest.approx(
+        0.001 * plain_first["actor/grad_norm"], rel=0.05
+    )
+    assert first["actor/pg_loss"] == pytest.approx(
+        0.001 * plain_first["actor/pg_loss"], rel=0.05, abs=1e-7
+    )
 
 
 @pytest.mark.parametrize("mode", [{}, {"bypass_mode": True}])
@@ -66,13 +72,22 @@ def test_rejected_tokens_leave_the_losses_and_the_run_says_so(tiny_config, caplo
     is 0, the weights never move, and each step warns (printed once, then counted); once per batch
     (decoupled) or per micro-batch against the current policy (bypass)."""
     caplog.set_level(logging.WARNING, logger="keel")
-    result, ours = run(tiny_config, "reject", rollout_rs="token_k1", rollout_rs_threshold="1.5_2.0", **mode)
-    assert all(m["rollout_corr/rollout_rs_masked_fraction"] == 1.0 and m["actor/pg_loss"] == 0.0 for m in ours)
+    result, ours = run(
+        tiny_config, "reject", rollout_rs="token_k1", rollout_rs_threshold="1.5_2.0", **mode
+    )
+    assert all(
+        m["rollout_corr/rollout_rs_masked_fraction"] == 1.0 and m["actor/pg_loss"] == 0.0
+        for m in ours
+    )
     start = weights(Path(tiny_config["actor_rollout_ref"]["model"]["path"]))
     for name, tensor in final_weights(result).items():
         torch.testing.assert_close(tensor, start[name])
-    assert sum("rejection dropped 100% of the tokens" in r.getMessage() for r in caplog.records) == 1
-    assert [m["guards/warned_steps/rollout_rejection"] for m in ours] == [float(i + 1) for i in range(len(ours))]
+    assert (
+        sum("rejection dropped 100% of the tokens" in r.getMessage() for r in caplog.records) == 1
+    )
+    assert [m["guards/warned_steps/rollout_rejection"] for m in ours] == [
+        float(i + 1) for i in range(len(ours))
+    ]
 
 
 def test_bypass_reinforce_weights_minus_a_log_pi(tiny_config):
@@ -80,12 +95,19 @@ def test_bypass_reinforce_weights_minus_a_log_pi(tiny_config):
     the first mini-batch's gradient is REINFORCE's (gpg's) times 0.001."""
     _, reinforce = run(tiny_config, "pg", bypass_mode=True, loss_type="reinforce")
     _, weighted = run(
-        tiny_config, "pg_is", bypass_mode=True, loss_type="reinforce", rollout_is="sequence", rollout_is_threshold=0.001
+        tiny_config,
+        "pg_is",
+        bypass_mode=True,
+        loss_type="reinforce",
+        rollout_is="sequence",
+        rollout_is_threshold=0.001,
     )
     tiny_config["actor_rollout_ref"]["actor"]["policy_loss"] = {"loss_mode": "gpg"}
     _, gpg = run(tiny_config, "gpg")
     assert reinforce[0]["actor/grad_norm"] == pytest.approx(gpg[0]["actor/grad_norm"], rel=1e-4)
-    assert weighted[0]["actor/grad_norm"] == pytest.approx(0.001 * gpg[0]["actor/grad_norm"], rel=0.05)
+    assert weighted[0]["actor/grad_norm"] == pytest.approx(
+        0.001 * gpg[0]["actor/grad_norm"], rel=0.05
+    )
     assert weighted[0]["rollout_corr/rollout_is_ratio_fraction_high"] > 0.5
 
 
@@ -104,7 +126,9 @@ def sampler_changed(monkeypatch, change) -> None:
     monkeypatch.setattr(WorkerRoles, "generate", changed)
 
 
-@pytest.mark.parametrize("mode", [{"rollout_is": "token", "rollout_is_threshold": 10.0}, {"bypass_mode": True}])
+@pytest.mark.parametrize(
+    "mode", [{"rollout_is": "token", "rollout_is_threshold": 10.0}, {"bypass_mode": True}]
+)
 def test_the_ratio_is_the_trainers_over_the_samplers(tiny_config, monkeypatch, mode):
     """A sampler 0.3 nats less sure of each token than the trainer: pi_train / pi_rollout = e^0.3,
     KL(rollout || train) per token -0.3, whichever mode computes it."""
@@ -113,11 +137,14 @@ def test_the_ratio_is_the_trainers_over_the_samplers(tiny_config, monkeypatch, m
         batch.sampling_log_probs = batch.sampling_log_probs - 0.3
 
     sampler_changed(monkeypatch, less_sure)
-    tiny_config["trainer"]["guards"] = {"max_log_prob_gap": 1.0}  # a gap of 0.3 is this test's own doing
+    # a gap of 0.3 is this test's own doing
+    tiny_config["trainer"]["guards"] = {"max_log_prob_gap": 1.0}
     _, ours = run(tiny_config, "offset", **mode)
     for m in ours:
         assert m["rollout/log_prob_gap"] == pytest.approx(0.3, abs=1e-3)
-        assert m["rollout_corr/kl"] == pytest.approx(-0.3, abs=0.02 if "bypass_mode" in mode else 1e-4)
+        assert m["rollout_corr/kl"] == pytest.approx(
+            -0.3, abs=0.02 if "bypass_mode" in mode else 1e-4
+        )
     if "rollout_is" in mode:
         assert ours[0]["rollout_corr/rollout_is_mean"] == pytest.approx(math.exp(0.3), rel=1e-3)
 

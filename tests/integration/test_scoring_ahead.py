@@ -35,7 +35,8 @@ def scoring_runs(monkeypatch):
     scored_now, real_run = [], ScoringPool.run
 
     def run(self, tasks, timeout_s, started=None):
-        if started is not None:  # a training batch's (keel check's probes and validation score in one go)
+        # a training batch's (keel check's probes and validation score in one go)
+        if started is not None:
             scored_now.append(sum(s is None for s in started))
         return real_run(self, tasks, timeout_s, started)
 
@@ -43,7 +44,9 @@ def scoring_runs(monkeypatch):
     return scored_now
 
 
-def scored_config(tiny_config, tmp_path: Path, name: str, model: Path, ahead: bool = True, **trainer) -> dict:
+def scored_config(
+    tiny_config, tmp_path: Path, name: str, model: Path, ahead: bool = True, **trainer
+) -> dict:
     reward = tmp_path / "counted.py"
     reward.write_text(COUNTED)
     config = run_config(tiny_config, tmp_path, name, model, **trainer)
@@ -82,13 +85,21 @@ def test_samples_begin_scoring_as_they_finish_and_score_as_a_batch_would(
     monkeypatch.setattr(ScoredRollout, "start_scoring", start_scoring)
     monkeypatch.setattr(ScoredRollout, "generate", generate)
     settings = {"mode": mode, "partial_rollout": False, "max_off_policy_steps": 1}
-    ahead = metrics_of(train(scored_config(tiny_config, tmp_path, "ahead", ending_model, **settings)).run_dir)
-    assert scoring_runs and not any(scoring_runs)  # every sample's scoring had begun as it finished
+    ahead = metrics_of(
+        train(scored_config(tiny_config, tmp_path, "ahead", ending_model, **settings)).run_dir
+    )
+    # every sample's scoring had begun as it finished
+    assert scoring_runs and not any(scoring_runs)
     assert len(first_starts) == len(decode_ends)
     assert all(start < end for start, end in zip(first_starts.values(), decode_ends))
     scoring_runs.clear()
-    whole = metrics_of(train(scored_config(tiny_config, tmp_path, "whole", ending_model, False, **settings)).run_dir)
-    assert scoring_runs and all(scoring_runs)  # score_ahead=false: every batch scored after its generation
+    whole = metrics_of(
+        train(
+            scored_config(tiny_config, tmp_path, "whole", ending_model, False, **settings)
+        ).run_dir
+    )
+    # score_ahead=false: every batch scored after its generation
+    assert scoring_runs and all(scoring_runs)
     for key in ("critic/score/mean", "actor/pg_loss", "response_length/mean"):
         assert [m[key] for m in ahead] == [m[key] for m in whole], key
 
@@ -100,7 +111,11 @@ def test_partial_rollouts_score_the_groups_that_wait_in_the_background(
     began scoring in the round they finished, so some trained samples were scored before their step,
     and no trained sample is scored again when it trains."""
     step_now, began, trained_at = [0], {}, []
-    real_call, real_start, real_round = partial.RolloutPartial.__call__, ScoredRollout.start_scoring, None
+    real_call, real_start, real_round = (
+        partial.RolloutPartial.__call__,
+        ScoredRollout.start_scoring,
+        None,
+    )
 
     def call(self, timer, step):
         step_now[0] = step
@@ -114,17 +129,22 @@ def test_partial_rollouts_score_the_groups_that_wait_in_the_background(
 
     def round_noted(self, timer, seed, updates, wanted):
         batch, gen_parts, started, dropped = real_round(self, timer, seed, updates, wanted)
-        trained_at.extend(((r.index, text), step_now[0]) for r, text in zip(batch.records, batch.response_texts))
+        trained_at.extend(
+            ((r.index, text), step_now[0]) for r, text in zip(batch.records, batch.response_texts)
+        )
         return batch, gen_parts, started, dropped
 
     monkeypatch.setattr(partial.RolloutPartial, "__call__", call)
     monkeypatch.setattr(partial.RolloutPartial, "_round", round_noted)
     monkeypatch.setattr(ScoredRollout, "start_scoring", start_scoring)
-    config = scored_config(tiny_config, tmp_path, "pool", ending_model, steps=6, max_off_policy_steps=2)
+    config = scored_config(
+        tiny_config, tmp_path, "pool", ending_model, steps=6, max_off_policy_steps=2
+    )
     train(config)
     assert scoring_runs and not any(scoring_runs)
     assert all(began[sample] <= step for sample, step in trained_at)
-    assert any(began[sample] < step for sample, step in trained_at)  # scored while earlier steps trained
+    # scored while earlier steps trained
+    assert any(began[sample] < step for sample, step in trained_at)
 
 
 def test_partial_rollouts_replace_a_group_that_a_failed_scoring_left_short(
@@ -147,7 +167,10 @@ def test_partial_rollouts_replace_a_group_that_a_failed_scoring_left_short(
     n, groups = config["actor_rollout_ref"]["rollout"]["n"], config["data"]["train_batch_size"]
     for batch in batches:
         assert len(batch) == n * groups and len(set(batch.group_index.tolist())) == groups
-        assert all(int(r.ground_truth) % 5 or text == "" for r, text in zip(batch.records, batch.response_texts))
+        assert all(
+            int(r.ground_truth) % 5 or text == ""
+            for r, text in zip(batch.records, batch.response_texts)
+        )
     assert any(m["reward/not_scored_ratio"] > 0 for m in metrics)
     assert any(m["async/refill/gen_batches"] > 1 for m in metrics)
 
@@ -169,7 +192,8 @@ def test_multi_turn_episodes_begin_scoring_as_each_ends(tiny_config, tmp_path, a
     config["trainer"]["default_local_dir"] = str(tmp_path / f"ahead_{ahead}")
     steps = metrics_of(train(config).run_dir)
     assert [m["reward/scored_ahead"] for m in steps] == [float(ahead)] * 2
-    assert all(m["critic/score/mean"] > 0 for m in steps)  # 0.01 x num_turns at least: the record was read
+    # 0.01 x num_turns at least: the record was read
+    assert all(m["critic/score/mean"] > 0 for m in steps)
 
 
 def test_episodes_whose_row_an_environment_completes_score_with_their_batch(tiny_config, tmp_path):

@@ -12,7 +12,12 @@ from keel.cli import main
 
 def sft_rows(n: int) -> list[dict]:
     return [
-        {"messages": [{"role": "user", "content": f"{i}+{i}"}, {"role": "assistant", "content": str(2 * i)}]}
+        {
+            "messages": [
+                {"role": "user", "content": f"{i}+{i}"},
+                {"role": "assistant", "content": str(2 * i)},
+            ]
+        }
         for i in range(n)
     ]
 
@@ -57,7 +62,8 @@ def test_sft_learns_and_its_output_is_a_policy_keel_train_takes(sft_config, tiny
     assert [m["step"] for m in metrics] == list(range(1, 9))
     assert metrics[-1]["train/loss"] < metrics[0]["train/loss"] * 0.8
     assert "val/loss" in metrics[-1]
-    AutoModelForCausalLM.from_pretrained(run_dir)  # the run directory is the model
+    # the run directory is the model
+    AutoModelForCausalLM.from_pretrained(run_dir)
 
     tiny_config["actor_rollout_ref"]["model"]["path"] = str(run_dir)
     tiny_config["trainer"]["default_local_dir"] = str(tmp_path / "rl_run")
@@ -69,8 +75,12 @@ def test_sft_learns_and_its_output_is_a_policy_keel_train_takes(sft_config, tiny
 def test_sft_resume_is_exact(sft_config, tmp_path, monkeypatch):
     from keel.trainer import sft
 
-    straight = dict(sft_config, trainer={**sft_config["trainer"], "default_local_dir": str(tmp_path / "a")})
-    stopped = dict(sft_config, trainer={**sft_config["trainer"], "default_local_dir": str(tmp_path / "b")})
+    straight = dict(
+        sft_config, trainer={**sft_config["trainer"], "default_local_dir": str(tmp_path / "a")}
+    )
+    stopped = dict(
+        sft_config, trainer={**sft_config["trainer"], "default_local_dir": str(tmp_path / "b")}
+    )
     sft.sft(straight)
 
     real_step = sft.SFTTrainer.train_step
@@ -86,11 +96,16 @@ def test_sft_resume_is_exact(sft_config, tmp_path, monkeypatch):
     monkeypatch.setattr(sft.SFTTrainer, "train_step", real_step)
     sft.sft(stopped)
 
-    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    a, b = (
+        load_file(tmp_path / "a" / "model.safetensors"),
+        load_file(tmp_path / "b" / "model.safetensors"),
+    )
     assert all(torch.equal(a[k], b[k]) for k in a)
 
     def strip(ms):
-        return [{k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/"))} for m in ms]
+        return [
+            {k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/"))} for m in ms
+        ]
 
     assert strip(read_metrics(tmp_path / "a")) == strip(read_metrics(tmp_path / "b"))
 
@@ -109,10 +124,15 @@ def test_sft_takes_the_lora_keys_and_its_output_is_still_a_model(sft_config, tin
     # learns (slowly: this tiny random model's frozen output layer cannot be confident)
     assert metrics[-1]["train/loss"] < metrics[0]["train/loss"] - 0.1
     base = sft_config["model"]["partial_pretrain"]
-    merged = AutoModelForCausalLM.from_pretrained(result.run_dir)  # the run directory is the merged model
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), result.run_dir / "adapter")
+    # the run directory is the merged model
+    merged = AutoModelForCausalLM.from_pretrained(result.run_dir)
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base), result.run_dir / "adapter"
+    )
     ids = torch.tensor([[5, 17, 42, 9]])
-    torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-5
+    )
 
     sft_config["model"]["target_modules"] = ["q_proj"]
     sft_config["trainer"]["default_local_dir"] = str(tmp_path / "half")

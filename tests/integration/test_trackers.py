@@ -19,7 +19,9 @@ pytest.importorskip("tensorboard")
 
 
 def metrics_jsonl(run_dir: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    return {
+        r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    }
 
 
 def wandb_records(run_dir: Path) -> list[dict]:
@@ -54,7 +56,8 @@ def tracked_run(tiny_config, monkeypatch):
 def test_each_tracker_holds_the_runs_metrics_config_and_validation(tracked_run):
     run_dir, records = tracked_run
     score = {step: records[step]["critic/score/mean"] for step in (1, 2)}
-    val_key = next(k for k in records[2] if k.startswith("val-core/") and k.endswith("/mean@1"))  # verl's name
+    # verl's name
+    val_key = next(k for k in records[2] if k.startswith("val-core/") and k.endswith("/mean@1"))
 
     # TensorBoard: the event files, read with tensorboard's own accumulator.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -72,16 +75,20 @@ def test_each_tracker_holds_the_runs_metrics_config_and_validation(tracked_run):
     history = client.get_metric_history(run.info.run_id, "critic/score/mean")
     assert {m.step: m.value for m in history} == pytest.approx(score)
     assert run.data.metrics[val_key.replace("@", "_at_")] == pytest.approx(records[2][val_key])
-    assert client.list_artifacts(run.info.run_id, "val/generations")  # the validation table
+    # the validation table
+    assert client.list_artifacts(run.info.run_id, "val/generations")
 
     # W&B: offline, no API key; its transaction log, read with its own reader.
     logged = wandb_records(run_dir)
     [header] = [r["run"] for r in logged if r["type"] == "run"]
     assert header["project"] == "keel_t" and header["display_name"] == "trackers"
     assert header["config"]["update"]["data"]["train_batch_size"] == 4
-    history = {r["history"]["step"]["num"]: r["history"]["item"] for r in logged if r["type"] == "history"}
+    history = {
+        r["history"]["step"]["num"]: r["history"]["item"] for r in logged if r["type"] == "history"
+    }
     assert {s: history[s]["critic/score/mean"] for s in (1, 2)} == pytest.approx(score)
-    assert any(key.startswith("val/generations") for item in history.values() for key in item)  # the table
+    # the table
+    assert any(key.startswith("val/generations") for item in history.values() for key in item)
     assert records[2]["tracking/failed_writes"] == 0
 
 
@@ -90,7 +97,8 @@ def test_a_tracker_failing_mid_run_costs_no_step_and_no_record(tiny_config, monk
 
     calls = []
 
-    def flaky(self, step, metrics):  # the disk fills after the first write
+    # the disk fills after the first write
+    def flaky(self, step, metrics):
         calls.append(step)
         if len(calls) > 1:
             raise OSError("No space left on device")
@@ -98,16 +106,23 @@ def test_a_tracker_failing_mid_run_costs_no_step_and_no_record(tiny_config, monk
     monkeypatch.setattr(sinks.TensorBoardSink, "log", flaky)
     monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
     tiny_config["trainer"].update(
-        {"logger": ["tensorboard"], "total_training_steps": 3, "test_freq": -1, "val_before_train": False}
+        {
+            "logger": ["tensorboard"],
+            "total_training_steps": 3,
+            "test_freq": -1,
+            "val_before_train": False,
+        }
     )
     with caplog.at_level(logging.WARNING, logger="keel"):
         result = train(tiny_config)
     records = metrics_jsonl(result.run_dir)
     assert result.last_step == 3 and sorted(records) == [1, 2, 3]
     assert all(math.isfinite(records[s]["actor/pg_loss"]) for s in (1, 2, 3))
-    assert records[3]["tracking/failed_writes"] == 1  # step 2's write; step 3's comes after its record
+    # step 2's write; step 3's comes after its record
+    assert records[3]["tracking/failed_writes"] == 1
     warnings = [r.message for r in caplog.records if "tracker tensorboard failed" in r.getMessage()]
-    assert len(warnings) == 1  # said once, not every step
+    # said once, not every step
+    assert len(warnings) == 1
 
 
 def test_a_tracker_that_is_not_installed_is_refused_before_training(tiny_config, monkeypatch):

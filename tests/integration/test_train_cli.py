@@ -60,12 +60,17 @@ def test_each_estimator_trains_two_steps(estimator, tiny_config, tiny_assets, tm
     run_dir = Path(tiny_config["trainer"]["default_local_dir"])
     steps = [m for m in read_metrics(run_dir) if m["step"] > 0]
     assert [m["step"] for m in steps] == [1, 2]
-    expected = EXPECTED_KEYS + (["critic/vf_loss", "critic/values/mean"] if estimator == "gae" else [])
+    expected = EXPECTED_KEYS + (
+        ["critic/vf_loss", "critic/values/mean"] if estimator == "gae" else []
+    )
     for record in steps:
         missing = [k for k in expected if k not in record]
         assert not missing, f"{estimator}: metrics missing {missing}"
-        assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in record.values()), record
-    assert "val/digits/acc" in read_metrics(run_dir)[0]  # validation before training
+        assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in record.values()), (
+            record
+        )
+    # validation before training
+    assert "val/digits/acc" in read_metrics(run_dir)[0]
 
     before, after = weights(tiny_assets["model"]), weights(run_dir / "global_step_2" / "actor")
     changed = [k for k in before if not torch.equal(before[k], after[k])]
@@ -77,10 +82,17 @@ def test_each_estimator_trains_two_steps(estimator, tiny_config, tiny_assets, tm
     [
         # PPO with KL in the reward (adaptive controller), dual-clip and clip-higher (DAPO)
         {
-            "algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True, "kl_ctrl": {"type": "adaptive"}},
-            "actor_rollout_ref": {"actor": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "ppo_epochs": 2}},
+            "algorithm": {
+                "adv_estimator": "gae",
+                "use_kl_in_reward": True,
+                "kl_ctrl": {"type": "adaptive"},
+            },
+            "actor_rollout_ref": {
+                "actor": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "ppo_epochs": 2}
+            },
         },
-        # GRPO with a KL loss and an entropy bonus; Dr. GRPO's unnormalised advantages and aggregation
+        # GRPO with a KL loss and an entropy bonus; Dr. GRPO's unnormalised advantages and
+        # aggregation
         {
             "algorithm": {"norm_adv_by_std_in_grpo": False},
             "actor_rollout_ref": {
@@ -111,7 +123,8 @@ def test_algorithm_variants_train(overrides, tiny_config, monkeypatch):
     from keel.trainer.rl import RLTrainer
     from keel.training import actor
 
-    used = []  # the policy loss and its parameters, as the actor really calls them
+    # the policy loss and its parameters, as the actor really calls them
+    used = []
     real_loss = actor.compute_policy_loss
     monkeypatch.setattr(
         actor,
@@ -130,7 +143,10 @@ def test_algorithm_variants_train(overrides, tiny_config, monkeypatch):
         a.clip_ratio_low or a.clip_ratio,
         a.clip_ratio_high or a.clip_ratio,
     )
-    assert params.loss_agg_mode == a.loss_agg_mode and params.norm_length == cfg.data.max_response_length
+    assert (
+        params.loss_agg_mode == a.loss_agg_mode
+        and params.norm_length == cfg.data.max_response_length
+    )
     if cfg.ref_enabled:
         assert "actor/ref_kl" in result.last_metrics
     if a.use_kl_loss:
@@ -142,16 +158,26 @@ def test_algorithm_variants_train(overrides, tiny_config, monkeypatch):
 @pytest.mark.parametrize(
     "variant",
     [
-        {},  # GRPO
-        # PPO: critic weights and optimiser, the adaptive KL controller and two epochs must all resume
-        # ... and the reward normaliser's window
+        # GRPO
+        {},
+        # PPO: critic weights and optimiser, the adaptive KL controller and two epochs must all
+        # resume ... and the reward normaliser's window
         {
-            "algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True, "kl_ctrl": {"type": "adaptive"}},
+            "algorithm": {
+                "adv_estimator": "gae",
+                "use_kl_in_reward": True,
+                "kl_ctrl": {"type": "adaptive"},
+            },
             "actor_rollout_ref": {"actor": {"ppo_epochs": 2}},
             "reward": {"normalize": {"enable": True}},
         },
         # LoRA: the adapters and their optimiser state resume, the base is reloaded from model.path
-        {"actor_rollout_ref": {"model": {"lora_rank": 8}, "actor": {"use_kl_loss": True, "optim": {"lr": 2e-2}}}},
+        {
+            "actor_rollout_ref": {
+                "model": {"lora_rank": 8},
+                "actor": {"use_kl_loss": True, "optim": {"lr": 2e-2}},
+            }
+        },
     ],
     ids=["grpo", "ppo-adaptive-kl-norm", "lora"],
 )
@@ -161,16 +187,22 @@ def test_resume_after_stop_matches_uninterrupted_run(variant, tiny_config, tmp_p
 
     tiny_config = _merge(tiny_config, variant)
     tiny_config["trainer"].update({"total_training_steps": 4, "save_freq": 2, "test_freq": -1})
-    tiny_config["actor_rollout_ref"]["actor"]["optim"]["warmup_style"] = "cosine"  # schedule state matters
-    straight = dict(tiny_config, trainer={**tiny_config["trainer"], "default_local_dir": str(tmp_path / "a")})
-    stopped = dict(tiny_config, trainer={**tiny_config["trainer"], "default_local_dir": str(tmp_path / "b")})
+    # schedule state matters
+    tiny_config["actor_rollout_ref"]["actor"]["optim"]["warmup_style"] = "cosine"
+    straight = dict(
+        tiny_config, trainer={**tiny_config["trainer"], "default_local_dir": str(tmp_path / "a")}
+    )
+    stopped = dict(
+        tiny_config, trainer={**tiny_config["trainer"], "default_local_dir": str(tmp_path / "b")}
+    )
     train(straight)
 
     real_step = rl.RLTrainer.train_step
 
     def stop_at_step_3(self, logger):
         if self.step == 3:
-            raise KeyboardInterrupt  # the user pressed Ctrl-C during step 3
+            # the user pressed Ctrl-C during step 3
+            raise KeyboardInterrupt
         return real_step(self, logger)
 
     monkeypatch.setattr(rl.RLTrainer, "train_step", stop_at_step_3)
@@ -178,9 +210,13 @@ def test_resume_after_stop_matches_uninterrupted_run(variant, tiny_config, tmp_p
         train(stopped)
     monkeypatch.setattr(rl.RLTrainer, "train_step", real_step)
     assert (tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text() == "2"
-    train(stopped)  # resume_mode=auto picks up global_step_2
+    # resume_mode=auto picks up global_step_2
+    train(stopped)
 
-    a, b = weights(tmp_path / "a" / "global_step_4" / "actor"), weights(tmp_path / "b" / "global_step_4" / "actor")
+    a, b = (
+        weights(tmp_path / "a" / "global_step_4" / "actor"),
+        weights(tmp_path / "b" / "global_step_4" / "actor"),
+    )
     assert all(torch.equal(a[k], b[k]) for k in a)
     metrics_a, metrics_b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     assert [m["step"] for m in metrics_b] == [0, 1, 2, 3, 4]
@@ -203,7 +239,14 @@ def _numerics(record: dict) -> dict:
 def test_misspelt_key_fails_fast_and_creates_no_run_dir(tiny_config, tmp_path):
     config = write_config(tiny_config, tmp_path / "cfg.yaml")
     proc = subprocess.run(
-        [sys.executable, "-m", "keel", "train", str(config), "actor_rollout_ref.actor.ppo_mini_batch_szie=4"],
+        [
+            sys.executable,
+            "-m",
+            "keel",
+            "train",
+            str(config),
+            "actor_rollout_ref.actor.ppo_mini_batch_szie=4",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -221,7 +264,16 @@ def test_exported_checkpoint_loads_and_generates(tiny_config, tmp_path):
     config = write_config(tiny_config, tmp_path / "cfg.yaml")
     assert main(["train", str(config)]) == 0
     out = tmp_path / "exported"
-    assert main(["export", str(Path(tiny_config["trainer"]["default_local_dir"]) / "global_step_2"), str(out)]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(Path(tiny_config["trainer"]["default_local_dir"]) / "global_step_2"),
+                str(out),
+            ]
+        )
+        == 0
+    )
 
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
@@ -234,7 +286,8 @@ def test_exported_checkpoint_loads_and_generates(tiny_config, tmp_path):
     "change",
     [
         {"data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 1},
-        {"actor_rollout_ref.actor.optim.lr": 1e-6},  # the optimiser state would silently keep the old lr
+        # the optimiser state would silently keep the old lr
+        {"actor_rollout_ref.actor.optim.lr": 1e-6},
     ],
 )
 def test_resume_with_different_settings_is_refused(change, tiny_config):
@@ -248,7 +301,8 @@ def test_resume_with_different_settings_is_refused(change, tiny_config):
         train(tiny_config, {**change, "trainer.total_training_steps": 4})
     assert info.value.code == RESUME_MISMATCH
     assert next(iter(change)) in info.value.message
-    assert {name: (run_dir / name).read_text() for name in before} == before  # the run directory is untouched
+    # the run directory is untouched
+    assert {name: (run_dir / name).read_text() for name in before} == before
 
 
 def test_checkpoint_from_an_older_keel_resumes_and_may_switch_engine(tiny_config):
@@ -261,9 +315,12 @@ def test_checkpoint_from_an_older_keel_resumes_and_may_switch_engine(tiny_config
     train(tiny_config)
     saved = Path(tiny_config["trainer"]["default_local_dir"]) / "global_step_2" / "config.yaml"
     old = yaml.safe_load(saved.read_text())
-    del old["actor_rollout_ref"]["rollout"]["ignore_eos"]  # as a keel without that key wrote it
+    # as a keel without that key wrote it
+    del old["actor_rollout_ref"]["rollout"]["ignore_eos"]
     saved.write_text(yaml.safe_dump(old))
-    result = train(tiny_config, {"trainer.total_training_steps": 3, "actor_rollout_ref.rollout.name": "hf"})
+    result = train(
+        tiny_config, {"trainer.total_training_steps": 3, "actor_rollout_ref.rollout.name": "hf"}
+    )
     assert result.last_step == 3
 
 
@@ -275,7 +332,10 @@ def test_bf16_compute_keeps_float32_master_weights_that_move_at_small_lr(tiny_co
     tiny_config["actor_rollout_ref"]["actor"]["optim"]["lr"] = 1e-6
     result = train(tiny_config)
 
-    before, after = weights(tiny_assets["model"]), weights(result.run_dir / "global_step_2" / "actor")
+    before, after = (
+        weights(tiny_assets["model"]),
+        weights(result.run_dir / "global_step_2" / "actor"),
+    )
     assert all(t.dtype == torch.float32 for t in after.values())
     changed = sum(int((before[k] != after[k]).sum()) for k in before)
     total = sum(t.numel() for t in before.values())
@@ -293,7 +353,12 @@ def test_new_run_over_old_checkpoints_is_refused_and_extending_a_run_is_allowed(
 
     # more steps, a new save frequency and pruning are fine: the same run, continued
     result = train(
-        tiny_config, {"trainer.total_training_steps": 4, "trainer.save_freq": 1, "trainer.max_actor_ckpt_to_keep": 1}
+        tiny_config,
+        {
+            "trainer.total_training_steps": 4,
+            "trainer.save_freq": 1,
+            "trainer.max_actor_ckpt_to_keep": 1,
+        },
     )
     assert result.last_step == 4
     assert [p.name for p in result.run_dir.glob("global_step_*")] == ["global_step_4"]
@@ -320,14 +385,18 @@ def test_nonfinite_log_probs_stop_or_skip_the_step(tiny_config, monkeypatch):
     from keel.training.actor import ActorTrainer
 
     real = ActorTrainer.compute_log_probs
-    monkeypatch.setattr(ActorTrainer, "compute_log_probs", lambda self, batch: real(self, batch) * float("nan"))
+    monkeypatch.setattr(
+        ActorTrainer, "compute_log_probs", lambda self, batch: real(self, batch) * float("nan")
+    )
     with pytest.raises(KeelError) as info:
         train(tiny_config)
     assert info.value.code == NONFINITE_VALUES and "actor log-probs" in info.value.message
 
     tiny_config["trainer"]["default_local_dir"] += "_skip"
     result = train(tiny_config, {"trainer.guards.nonfinite": "skip"})
-    assert [m.get("guards/skipped_steps") for m in read_metrics(result.run_dir) if m["step"] > 0] == [1.0, 2.0]
+    assert [
+        m.get("guards/skipped_steps") for m in read_metrics(result.run_dir) if m["step"] > 0
+    ] == [1.0, 2.0]
 
 
 def test_nan_rewards_stop_or_skip_the_step(tiny_config, tmp_path):
@@ -348,10 +417,13 @@ def test_nan_rewards_stop_or_skip_the_step(tiny_config, tmp_path):
     assert info.value.code == TOO_MANY_NOT_SCORED and "not a number: nan" in info.value.message
 
     tiny_config["trainer"]["default_local_dir"] += "_skip"
-    result = train(tiny_config, {**overrides, "trainer.guards.nonfinite": "skip", "trainer.test_freq": -1})
+    result = train(
+        tiny_config, {**overrides, "trainer.guards.nonfinite": "skip", "trainer.test_freq": -1}
+    )
     steps = [m for m in read_metrics(result.run_dir) if m["step"] > 0]
     assert [m.get("guards/skipped_steps") for m in steps] == [1.0, 2.0]
-    assert "actor/pg_loss" not in steps[0]  # no update
+    # no update
+    assert "actor/pg_loss" not in steps[0]
 
 
 def test_gradients_cut_from_the_weights_stop_the_run(tiny_config, monkeypatch):
@@ -361,7 +433,8 @@ def test_gradients_cut_from_the_weights_stop_the_run(tiny_config, monkeypatch):
 
     real = worker.load_causal_lm
 
-    def frozen(*args, **kwargs):  # e.g. a wrapper that left every weight frozen
+    # e.g. a wrapper that left every weight frozen
+    def frozen(*args, **kwargs):
         return real(*args, **kwargs).requires_grad_(False)
 
     monkeypatch.setattr(worker, "load_causal_lm", frozen)
@@ -382,7 +455,11 @@ def test_weighted_scorers_and_overlong_penalty_in_a_run(tiny_config):
         },
     )
     last = result.last_metrics
-    assert {"reward/custom/mean", "reward/think_answer_format/mean", "reward/overlong_penalty/mean"} <= set(last)
+    assert {
+        "reward/custom/mean",
+        "reward/think_answer_format/mean",
+        "reward/overlong_penalty/mean",
+    } <= set(last)
     assert last["reward/overlong_penalty/mean"] <= 0.0
 
 
@@ -412,7 +489,9 @@ def test_samples_the_scorer_fails_on_leave_the_update_and_are_counted(tiny_confi
     assert sum(m.get("reward/not_scored/raised_ValueError", 0) for m in steps) > 0
 
 
-def test_a_torch_compile_failure_names_the_switch_that_avoids_it(tiny_config, tmp_path, monkeypatch, capsys):
+def test_a_torch_compile_failure_names_the_switch_that_avoids_it(
+    tiny_config, tmp_path, monkeypatch, capsys
+):
     """The layers compile (as on a GPU) with a backend that fails, as inductor can on an unusual
     model or release: the run stops with KEEL-E009 and the key that turns compilation off, not
     with a compiler traceback alone; with that key set the same run trains."""
@@ -437,7 +516,9 @@ def test_a_torch_compile_failure_names_the_switch_that_avoids_it(tiny_config, tm
     assert main(["train", str(write_config(tiny_config, tmp_path / "cfg2.yaml"))]) == 0
 
 
-def test_the_first_mini_batch_takes_its_own_forward_as_old_and_trains_the_same(tiny_config, monkeypatch):
+def test_the_first_mini_batch_takes_its_own_forward_as_old_and_trains_the_same(
+    tiny_config, monkeypatch
+):
     """Several mini-batches: the first runs before any optimiser step, so the pass skips its samples
     and the update's forward gives their old log-probs. Losses, gradients and weights equal the run
     whose pass computes every sample; the gap and reference KL are measured on the rest."""
@@ -447,44 +528,66 @@ def test_the_first_mini_batch_takes_its_own_forward_as_old_and_trains_the_same(t
     computed = []
     original = WorkerRoles.actor_log_probs
     monkeypatch.setattr(
-        WorkerRoles, "actor_log_probs", lambda self, batch: computed.append(len(batch)) or original(self, batch)
+        WorkerRoles,
+        "actor_log_probs",
+        lambda self, batch: computed.append(len(batch)) or original(self, batch),
     )
     tiny_config["actor_rollout_ref"]["actor"].update({"use_kl_loss": True, "kl_loss_coef": 0.1})
-    skipped = train(tiny_config)  # 4 prompts x 4 samples, mini-batches of 2 prompts
-    assert computed == [8, 8]  # half of each step's 16 samples
+    # 4 prompts x 4 samples, mini-batches of 2 prompts
+    skipped = train(tiny_config)
+    # half of each step's 16 samples
+    assert computed == [8, 8]
     monkeypatch.setattr(WorkerRoles, "first_mini_batch", lambda self, batch, seed: None)
     tiny_config["trainer"]["default_local_dir"] += "_with_pass"
     recomputed = train(tiny_config)
     assert computed[2:] == [16, 16]
-    ours, theirs = ([m for m in read_metrics(r.run_dir) if m["step"] > 0] for r in (skipped, recomputed))
+    ours, theirs = (
+        [m for m in read_metrics(r.run_dir) if m["step"] > 0] for r in (skipped, recomputed)
+    )
     for a, b in zip(ours, theirs):
-        for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy", "critic/score/mean"):
+        for key in (
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "actor/kl_loss",
+            "actor/entropy",
+            "critic/score/mean",
+        ):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-        # measured on the recomputed half: the engine agrees with the trainer to float32 rounding, which on
-        # CPU can be exactly 0 (its prefill is bitwise the trainer's forward), so the bound is what is checked
+        # measured on the recomputed half: the engine agrees with the trainer to float32 rounding,
+        # which on CPU can be exactly 0 (its prefill is bitwise the trainer's forward), so the bound
+        # is what is checked
         assert 0 <= a["rollout/log_prob_gap"] < 1e-4 and math.isfinite(a["actor/ref_kl"])
         assert (a["perf/old_log_prob_samples"], b["perf/old_log_prob_samples"]) == (8, 16)
-    assert ours[-1]["actor/ref_kl"] > 1e-4  # after an update the policy has moved from the reference
+    # after an update the policy has moved from the reference
+    assert ours[-1]["actor/ref_kl"] > 1e-4
     final = lambda result: weights(sorted(Path(result.run_dir).glob("global_step_*"))[-1] / "actor")  # noqa: E731
     for name, tensor in final(skipped).items():
         torch.testing.assert_close(tensor, final(recomputed)[name], rtol=1e-5, atol=1e-6)
 
 
-def test_an_on_policy_update_skips_the_old_log_prob_pass_and_trains_the_same(tiny_config, monkeypatch):
+def test_an_on_policy_update_skips_the_old_log_prob_pass_and_trains_the_same(
+    tiny_config, monkeypatch
+):
     """One mini-batch and one epoch: the update's own forward is the old policy's, so the trainer
     skips the pass that recomputes it. The run's numbers (losses, gradient norm, the engine's gap,
     the reference KL) and its weights equal those of the same run with the pass."""
     from keel.api import train
     from keel.trainer.roles import WorkerRoles
 
-    tiny_config["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"] = 4  # the whole batch of 4 prompts
+    # the whole batch of 4 prompts
+    tiny_config["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"] = 4
     tiny_config["actor_rollout_ref"]["actor"].update({"use_kl_loss": True, "kl_loss_coef": 0.1})
     skipped = train(tiny_config)
-    monkeypatch.setattr(WorkerRoles, "first_mini_batch", lambda self, batch, seed: None)  # the whole pass
+    # the whole pass
+    monkeypatch.setattr(WorkerRoles, "first_mini_batch", lambda self, batch, seed: None)
     tiny_config["trainer"]["default_local_dir"] += "_with_pass"
     recomputed = train(tiny_config)
-    ours, theirs = ([m for m in read_metrics(r.run_dir) if m["step"] > 0] for r in (skipped, recomputed))
-    assert all("timing_s/old_log_prob" not in m for m in ours) and all("timing_s/old_log_prob" in m for m in theirs)
+    ours, theirs = (
+        [m for m in read_metrics(r.run_dir) if m["step"] > 0] for r in (skipped, recomputed)
+    )
+    assert all("timing_s/old_log_prob" not in m for m in ours) and all(
+        "timing_s/old_log_prob" in m for m in theirs
+    )
     for a, b in zip(ours, theirs):
         for key in (
             "actor/pg_loss",
@@ -496,7 +599,8 @@ def test_an_on_policy_update_skips_the_old_log_prob_pass_and_trains_the_same(tin
             "critic/score/mean",
         ):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-    assert a["rollout/log_prob_gap"] > 0 and a["actor/grad_norm"] > 0  # numbers that could differ
+    # numbers that could differ
+    assert a["rollout/log_prob_gap"] > 0 and a["actor/grad_norm"] > 0
     final = lambda result: weights(sorted(Path(result.run_dir).glob("global_step_*"))[-1] / "actor")  # noqa: E731
     for name, tensor in final(skipped).items():
         torch.testing.assert_close(tensor, final(recomputed)[name], rtol=1e-5, atol=1e-6)

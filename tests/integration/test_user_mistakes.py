@@ -70,7 +70,8 @@ MISTAKES = {
     "KEEL-C002": lambda a, t: ["data.train_batch_size=-4"],
     "KEEL-C003": lambda a, t: ["data.train_batch_size"],
     "KEEL-C004": lambda a, t: ["actor_rollout_ref.actor.ppo_mini_batch_size=3"],
-    "KEEL-C006": lambda a, t: ["algorithm.critic_warmup=2"],  # GRPO has no critic to warm up
+    # GRPO has no critic to warm up
+    "KEEL-C006": lambda a, t: ["algorithm.critic_warmup=2"],
     "KEEL-C013": lambda a, t: ["data.max_response_length=1000"],
     "KEEL-M001": lambda a, t: [f"actor_rollout_ref.model.path={t / 'nowhere'}"],
     "KEEL-M002": lambda a, t: [f"actor_rollout_ref.model.path={broken_tokenizer(a, t)}"],
@@ -80,8 +81,11 @@ MISTAKES = {
     "KEEL-D002": lambda a, t: [f"data.train_files={data_file(t, [{'question': 'hi'}] * 8)}"],
     "KEEL-D003": lambda a, t: [f"data.train_files={data_file(t, [{'prompt': 'x' * 200}] * 8)}"],
     "KEEL-D004": lambda a, t: [f"data.train_files={data_file(t, [{'prompt': chat('hi')}] * 2)}"],
-    "KEEL-R001": lambda a, t: [f"custom_reward_function.path={reward_file(t, 'def other(*a): return 0')}"],
-    "KEEL-R002": lambda a, t: ["custom_reward_function.path=null"],  # data_source 'digits' has no built-in
+    "KEEL-R001": lambda a, t: [
+        f"custom_reward_function.path={reward_file(t, 'def other(*a): return 0')}"
+    ],
+    # data_source 'digits' has no built-in
+    "KEEL-R002": lambda a, t: ["custom_reward_function.path=null"],
     "KEEL-R004": lambda a, t: [
         "custom_reward_function.path=null",
         f"data.train_files={data_file(t, [{'prompt': chat('hi'), 'data_source': 'gsm8k'}] * 8)}",
@@ -101,7 +105,9 @@ MISTAKES = {
 
 
 @pytest.mark.parametrize("code", list(MISTAKES))
-def test_mistake_gives_its_code_and_leaves_nothing(code, tiny_config, tiny_assets, tmp_path, capsys):
+def test_mistake_gives_its_code_and_leaves_nothing(
+    code, tiny_config, tiny_assets, tmp_path, capsys
+):
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump(tiny_config))
     run_dir = Path(tiny_config["trainer"]["default_local_dir"])
@@ -121,10 +127,21 @@ def test_mistake_gives_its_code_and_leaves_nothing(code, tiny_config, tiny_asset
     assert "\n".join(line.strip() for line in error.splitlines()) in checked
 
 
-def test_weights_of_another_size_than_the_config_are_named(tiny_config, tiny_assets, tmp_path, capsys):
+def test_weights_of_another_size_than_the_config_are_named(
+    tiny_config, tiny_assets, tmp_path, capsys
+):
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump(tiny_config))
-    assert main(["check", str(config), f"actor_rollout_ref.model.path={resized_model(tiny_assets, tmp_path)}"]) == 1
+    assert (
+        main(
+            [
+                "check",
+                str(config),
+                f"actor_rollout_ref.model.path={resized_model(tiny_assets, tmp_path)}",
+            ]
+        )
+        == 1
+    )
     out = capsys.readouterr().out
     assert "error[KEEL-M005]" in out and "mlp" in out and "(the config says" in out
 

@@ -50,14 +50,25 @@ def gsm8k_row(index: int, interaction: bool) -> dict:
     """As verl's examples/data_preprocess/gsm8k_multiturn_w_tool.py (or _w_interaction.py) writes it."""
     question = f"Question {index}: what is 3 times {index} plus 1?"
     prompt = question + " Let's think step by step and output the final answer after `####`."
-    extra_info = {"split": "train", "index": index, "answer": f"#### {solution(index)}", "question": question}
+    extra_info = {
+        "split": "train",
+        "index": index,
+        "answer": f"#### {solution(index)}",
+        "question": question,
+    }
     if interaction:
-        extra_info["interaction_kwargs"] = {"name": "gsm8k", "query": prompt, "ground_truth": solution(index)}
+        extra_info["interaction_kwargs"] = {
+            "name": "gsm8k",
+            "query": prompt,
+            "ground_truth": solution(index),
+        }
     else:
         extra_info.update(
             {
                 "need_tools_kwargs": True,
-                "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": solution(index)}}},
+                "tools_kwargs": {
+                    "calc_gsm8k_reward": {"create_kwargs": {"ground_truth": solution(index)}}
+                },
                 "interaction_kwargs": {"query": prompt, "ground_truth": solution(index)},
             }
         )
@@ -84,18 +95,25 @@ def verl_config(tiny_config, tmp_path: Path, interaction: bool, reward: str) -> 
     )
     tiny_config["actor_rollout_ref"]["rollout"]["multi_turn"] = multi_turn
     tiny_config["data"].update(
-        {"train_files": [str(rows)], "val_files": [str(rows)], "max_prompt_length": 512, "max_response_length": 160}
+        {
+            "train_files": [str(rows)],
+            "val_files": [str(rows)],
+            "max_prompt_length": 512,
+            "max_response_length": 160,
+        }
     )
     tiny_config["trainer"].update(
         {"test_freq": -1, "val_before_train": False, "guards": {"max_log_prob_gap": 100.0}}
-    )  # the script's log-probs are not the model's
+        # the script's log-probs are not the model's
+    )
     tiny_config["custom_reward_function"] = {"path": str(tmp_path / "reward.py")}
     return tiny_config
 
 
 def scripted(monkeypatch, turns):
     """The policy writes turns(index of its question, its turn)."""
-    import keel.distributed.rollout_worker as worker  # where every worker builds its agent loop
+    # where every worker builds its agent loop
+    import keel.distributed.rollout_worker as worker
     from keel.rollout.agent.loop import build_agent_loop
 
     def turn_for(context: str, turn: int) -> str:
@@ -132,8 +150,20 @@ def test_verls_gsm8k_tool_and_tool_config_train_two_steps(tiny_config, tmp_path,
     from verl.tools.gsm8k_tool import Gsm8kTool
 
     created, executed, released = [], [], []
-    spy(monkeypatch, Gsm8kTool, "create", created, lambda args, kwargs, result: (result, kwargs.get("ground_truth")))
-    spy(monkeypatch, Gsm8kTool, "execute", executed, lambda args, kwargs, result: (args[0], args[1]["answer"]))
+    spy(
+        monkeypatch,
+        Gsm8kTool,
+        "create",
+        created,
+        lambda args, kwargs, result: (result, kwargs.get("ground_truth")),
+    )
+    spy(
+        monkeypatch,
+        Gsm8kTool,
+        "execute",
+        executed,
+        lambda args, kwargs, result: (args[0], args[1]["answer"]),
+    )
     spy(monkeypatch, Gsm8kTool, "release", released, lambda args, kwargs, result: args[0])
     scripted(
         monkeypatch,
@@ -145,21 +175,40 @@ def test_verls_gsm8k_tool_and_tool_config_train_two_steps(tiny_config, tmp_path,
     )
     cfg = verl_config(tiny_config, tmp_path, interaction=False, reward=TOOL_REWARD)
     [tools, _] = [f for f in run_checks(load_config(cfg)).findings if f.check == "multi-turn"]
-    assert "calc_gsm8k_reward (verl Gsm8kTool: create, execute, calc_reward, release per sample)" in tools.message
-    assert "not added to the score" in tools.message  # keel check says how verl's rewards are taken
+    assert (
+        "calc_gsm8k_reward (verl Gsm8kTool: create, execute, calc_reward, release per sample)"
+        in tools.message
+    )
+    # keel check says how verl's rewards are taken
+    assert "not added to the score" in tools.message
     steps = metrics(train(cfg).run_dir)
     assert len(steps) == 2
-    for m in steps:  # 4 prompts x 4 samples a step, each calling verl's tool once, scored by its calc_reward
-        assert m["tools/calc_gsm8k_reward/calls"] == 16 and "tools/calc_gsm8k_reward/errors" not in m
-        assert m["critic/score/mean"] == 1.0 and m["tools/turn_reward/mean"] == 0.0 and m["num_turns/mean"] == 4
-    assert len(created) == 32 and len({instance for instance, _ in created}) == 32  # one per sample and tool
+    # 4 prompts x 4 samples a step, each calling verl's tool once, scored by its calc_reward
+    for m in steps:
+        assert (
+            m["tools/calc_gsm8k_reward/calls"] == 16 and "tools/calc_gsm8k_reward/errors" not in m
+        )
+        assert (
+            m["critic/score/mean"] == 1.0
+            and m["tools/turn_reward/mean"] == 0.0
+            and m["num_turns/mean"] == 4
+        )
+    # one per sample and tool
+    assert len(created) == 32 and len({instance for instance, _ in created}) == 32
     ground_truths = dict(created)
-    # create had the row's ground truth: the one the policy, reading that row's question, answered with.
-    assert all(ground_truths[instance] == answer for instance, answer in executed) and len(executed) == 32
-    assert sorted(released) == sorted(ground_truths)  # every instance released
+    # create had the row's ground truth: the one the policy, reading that row's question, answered
+    # with.
+    assert (
+        all(ground_truths[instance] == answer for instance, answer in executed)
+        and len(executed) == 32
+    )
+    # every instance released
+    assert sorted(released) == sorted(ground_truths)
 
 
-def test_verls_gsm8k_interaction_and_interaction_config_train_two_steps(tiny_config, tmp_path, monkeypatch):
+def test_verls_gsm8k_interaction_and_interaction_config_train_two_steps(
+    tiny_config, tmp_path, monkeypatch
+):
     install_verl_0_5_0_files()
     from verl.interactions.gsm8k_interaction import Gsm8kInteraction
 
@@ -171,21 +220,37 @@ def test_verls_gsm8k_interaction_and_interaction_config_train_two_steps(tiny_con
         started,
         lambda args, kwargs, result: (result, kwargs["ground_truth"], kwargs["query"]),
     )
-    spy(monkeypatch, Gsm8kInteraction, "finalize_interaction", finalized, lambda args, kwargs, result: args[0])
+    spy(
+        monkeypatch,
+        Gsm8kInteraction,
+        "finalize_interaction",
+        finalized,
+        lambda args, kwargs, result: args[0],
+    )
     scripted(monkeypatch, lambda index, turn: "#### 0" if turn == 0 else f"#### {solution(index)}")
-    steps = metrics(train(verl_config(tiny_config, tmp_path, interaction=True, reward=INTERACTION_REWARD)).run_dir)
+    steps = metrics(
+        train(
+            verl_config(tiny_config, tmp_path, interaction=True, reward=INTERACTION_REWARD)
+        ).run_dir
+    )
     assert len(steps) == 2
-    for m in steps:  # a wrong answer, verl's "incorrect" reply, the right answer: verl's scores 0 then 1
+    # a wrong answer, verl's "incorrect" reply, the right answer: verl's scores 0 then 1
+    for m in steps:
         assert m["environment/user_turns/mean"] == 1 and m["environment/errors"] == 0
         assert m["critic/score/mean"] == 1.0 and m["tools/turn_reward/mean"] == 0.0
-    assert len(started) == 32 and all(query.startswith(f"Question {int(truth) // 3}:") for _, truth, query in started)
+    assert len(started) == 32 and all(
+        query.startswith(f"Question {int(truth) // 3}:") for _, truth, query in started
+    )
     assert sorted(finalized) == sorted(instance for instance, _, _ in started)
 
 
-def test_verls_tool_config_without_verl_stops_training_with_keel_e012(tiny_config, tmp_path, monkeypatch):
+def test_verls_tool_config_without_verl_stops_training_with_keel_e012(
+    tiny_config, tmp_path, monkeypatch
+):
     for name in [n for n in sys.modules if n == "verl" or n.startswith("verl.")]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "verl", None)  # not installed
+    # not installed
+    monkeypatch.setitem(sys.modules, "verl", None)
     with pytest.raises(KeelError) as error:
         train(verl_config(tiny_config, tmp_path, interaction=False, reward=TOOL_REWARD))
     assert error.value.code == VERL_UNAVAILABLE and "pip install --no-deps" in error.value.fix

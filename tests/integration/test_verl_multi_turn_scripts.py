@@ -18,7 +18,8 @@ import pytest
 
 from test_verl_scripts import MICRO, SMALL
 
-try:  # verl's gsm8k tool class, which verl 0.9.1 no longer ships (tests/data/verl_0_5_0)
+# verl's gsm8k tool class, which verl 0.9.1 no longer ships (tests/data/verl_0_5_0)
+try:
     from verl_shim import install_verl_0_5_0_files
 except ImportError:
     install_verl_0_5_0_files = None
@@ -40,7 +41,8 @@ CPU = {
     "actor_rollout_ref.rollout.n": 2,
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 2,
 }
-ECHO = 'python3() { printf "%s\\0" "$@"; }\n'  # the script's python3 -m verl.trainer.main_ppo, its arguments
+# the script's python3 -m verl.trainer.main_ppo, its arguments
+ECHO = 'python3() { printf "%s\\0" "$@"; }\n'
 
 
 def script_argv(script: Path, home: Path) -> list[str]:
@@ -69,15 +71,23 @@ def gsm8k_rows(n: int, start: int = 0) -> list[dict]:
                 "data_source": "openai/gsm8k",
                 "ability": "math",
                 "prompt": [
-                    {"role": "system", "content": "You are a math expert. Call calc_gsm8k_reward to check."},
-                    {"role": "user", "content": f"What is {i} times 3 plus 4? Put the answer after ####."},
+                    {
+                        "role": "system",
+                        "content": "You are a math expert. Call calc_gsm8k_reward to check.",
+                    },
+                    {
+                        "role": "user",
+                        "content": f"What is {i} times 3 plus 4? Put the answer after ####.",
+                    },
                 ],
                 "reward_model": {"style": "rule", "ground_truth": answer},
                 "extra_info": {
                     "split": "train",
                     "index": i,
                     "need_tools_kwargs": True,
-                    "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": answer}}},
+                    "tools_kwargs": {
+                        "calc_gsm8k_reward": {"create_kwargs": {"ground_truth": answer}}
+                    },
                 },
             }
         )
@@ -89,7 +99,11 @@ def as_keel(argv: list[str], assets: dict, tmp_path: Path) -> list[str]:
     train, val = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
     for path, rows in ((train, gsm8k_rows(8)), (val, gsm8k_rows(2, start=50))):
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    paths = {"data.train_files": train, "data.val_files": val, "actor_rollout_ref.model.path": assets["model"]}
+    paths = {
+        "data.train_files": train,
+        "data.val_files": val,
+        "actor_rollout_ref.model.path": assets["model"],
+    }
     out = []
     for item in argv:
         key = item.split("=", 1)[0].lstrip("+")
@@ -107,16 +121,25 @@ def as_keel(argv: list[str], assets: dict, tmp_path: Path) -> list[str]:
 
 def test_the_scripts_name_their_config_as_verls_main_ppo_reads_it(tmp_path):
     argv = script_argv(SCRIPTS / "run_qwen2.5-3b_gsm8k_multiturn.sh", tmp_path)
-    assert f"--config-path={SCRIPTS / 'config'}" in argv and "--config-name=gsm8k_multiturn_grpo" in argv
+    assert (
+        f"--config-path={SCRIPTS / 'config'}" in argv
+        and "--config-name=gsm8k_multiturn_grpo" in argv
+    )
     assert f"data.train_files={tmp_path}/data/gsm8k/train.parquet" in argv
 
 
 @pytest.mark.parametrize("script", sorted(REFUSED))
-def test_a_verl_multi_turn_script_trains_through_keel_train(script, tiny_assets, tmp_path, monkeypatch):
+def test_a_verl_multi_turn_script_trains_through_keel_train(
+    script, tiny_assets, tmp_path, monkeypatch
+):
     if install_verl_0_5_0_files is None:
-        pytest.skip("verl 0.5.0's gsm8k tool (tests/data/verl_0_5_0, verl_shim.install_verl_0_5_0_files) is absent")
-    install_verl_0_5_0_files()  # verl importable: its gsm8k tool runs unchanged
-    monkeypatch.chdir(tmp_path)  # not verl's checkout: its YAML's hydra.searchpath is not here
+        pytest.skip(
+            "verl 0.5.0's gsm8k tool (tests/data/verl_0_5_0, verl_shim.install_verl_0_5_0_files) is absent"
+        )
+    # verl importable: its gsm8k tool runs unchanged
+    install_verl_0_5_0_files()
+    # not verl's checkout: its YAML's hydra.searchpath is not here
+    monkeypatch.chdir(tmp_path)
     argv = as_keel(script_argv(SCRIPTS / script, tmp_path), tiny_assets, tmp_path)
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -133,7 +156,10 @@ def test_a_verl_multi_turn_script_trains_through_keel_train(script, tiny_assets,
         assert not (tmp_path / "run" / "metrics.jsonl").exists()
         return
     assert status == 0, output[-4000:]
-    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert len(steps) == 2, output[-3000:]
     check = (tmp_path / "run" / "check.txt").read_text()
-    assert "verl's trainer config" in check and "calc_gsm8k_reward" in check  # where it came from; verl's tool
+    # where it came from; verl's tool
+    assert "verl's trainer config" in check and "calc_gsm8k_reward" in check

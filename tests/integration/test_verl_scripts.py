@@ -11,7 +11,9 @@ import yaml
 from keel.api import train
 from keel.errors import KeelError
 
-SCRIPTS = yaml.safe_load((Path(__file__).parents[1] / "data" / "verl_example_overrides.yaml").read_text())
+SCRIPTS = yaml.safe_load(
+    (Path(__file__).parents[1] / "data" / "verl_example_overrides.yaml").read_text()
+)
 # What a CPU test cannot run as the script has it: data and models, sizes, devices, how long.
 SMALL = {
     "data.train_batch_size": 4,
@@ -66,6 +68,7 @@ def test_a_verl_example_script_trains_or_is_refused_by_name(script, tiny_assets,
     except KeelError as error:
         codes = set(re.findall(r"KEEL-[A-Z]\d{3}", f"{error.code} {error.message}"))
         assert codes == {"KEEL-C015"}, f"{script}: {error.render()}"
-        assert not (run_dir / "metrics.jsonl").exists()  # refused before any step
+        # refused before any step
+        assert not (run_dir / "metrics.jsonl").exists()
         return
     assert result.last_step == 2, script

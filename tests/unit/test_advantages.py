@@ -33,8 +33,10 @@ def assert_zero_on_padding(mask, *tensors):
 def test_masked_sum_and_mean():
     x = t([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
     mask = t([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
-    assert masked_sum(x, mask).item() == pytest.approx(7.0)  # 1 + 2 + 4
-    assert masked_mean(x, mask).item() == pytest.approx(7 / 3)  # (1 + 2 + 4) / 3
+    # 1 + 2 + 4
+    assert masked_sum(x, mask).item() == pytest.approx(7.0)
+    # (1 + 2 + 4) / 3
+    assert masked_mean(x, mask).item() == pytest.approx(7 / 3)
     # rows: (1 + 2) / 2 = 1.5; 4 / 1 = 4; an all-padding row gives 0, not nan
     assert_close(masked_mean(x, mask, dim=-1), [1.5, 4.0, 0.0])
     assert_close(masked_sum(x, mask.bool(), dim=-1), [3.0, 4.0, 0.0])
@@ -54,18 +56,22 @@ def test_masked_var_and_whiten():
 
 def test_one_element_has_zero_variance_and_whitens_to_zero_not_nan():
     assert masked_var(t([[5.0, 0.0]]), t([[1, 0]])).item() == 0.0
-    assert masked_whiten(t([[5.0, 0.0]]), t([[1, 0]]))[0, 0].item() == 0.0  # (5 - 5) * rsqrt(0 + 1e-8)
+    # (5 - 5) * rsqrt(0 + 1e-8)
+    assert masked_whiten(t([[5.0, 0.0]]), t([[1, 0]]))[0, 0].item() == 0.0
 
 
 # --- shared batch for the group estimators -----------------------------------------------------
 # B=4, T=3, right-padded. Group 7 = rows 0, 1, 2 (scores 1, 0, 0); group 3 = row 3 alone.
 MASK = t([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 0]])
-REWARDS = t([[0, 0, 1], [0, 0, 0], [0, 0, 0], [0.25, 0.25, 0]])  # row 3 scores 0.25 + 0.25 = 0.5
+# row 3 scores 0.25 + 0.25 = 0.5
+REWARDS = t([[0, 0, 1], [0, 0, 0], [0, 0, 0], [0.25, 0.25, 0]])
 GROUPS = torch.tensor([7, 7, 7, 3])
 
 
 def group_inputs():
-    return AdvantageInputs(token_level_rewards=REWARDS.clone(), response_mask=MASK.clone(), group_index=GROUPS)
+    return AdvantageInputs(
+        token_level_rewards=REWARDS.clone(), response_mask=MASK.clone(), group_index=GROUPS
+    )
 
 
 def test_grpo():
@@ -86,7 +92,9 @@ def test_grpo():
 
 def test_grpo_group_of_two():
     inp = AdvantageInputs(
-        token_level_rewards=t([[0, 1], [0, 0]]), response_mask=t([[1, 1], [1, 0]]), group_index=torch.tensor([0, 0])
+        token_level_rewards=t([[0, 1], [0, 0]]),
+        response_mask=t([[1, 1], [1, 0]]),
+        group_index=torch.tensor([0, 0]),
     )
     adv, _ = compute_advantage("grpo", inp, AdvantageParams())
     # group {1, 0}: mean 0.5, std sqrt(0.5) = 0.70711 -> (1 - 0.5) / 0.70711 = 0.70711, and -0.70711
@@ -94,9 +102,13 @@ def test_grpo_group_of_two():
 
 
 def test_grpo_without_std_is_dr_grpo():
-    adv, _ = compute_advantage("grpo", group_inputs(), AdvantageParams(norm_adv_by_std_in_grpo=False))
+    adv, _ = compute_advantage(
+        "grpo", group_inputs(), AdvantageParams(norm_adv_by_std_in_grpo=False)
+    )
     # group 7: 1 - 1/3 = 0.66667, 0 - 1/3 = -0.33333; group 3 (size 1, mean 0): 0.5
-    assert_close(adv, [[0.66667, 0.66667, 0.66667], [-0.33333, -0.33333, 0], [-0.33333, 0, 0], [0.5, 0.5, 0]])
+    assert_close(
+        adv, [[0.66667, 0.66667, 0.66667], [-0.33333, -0.33333, 0], [-0.33333, 0, 0], [0.5, 0.5, 0]]
+    )
 
 
 def test_rloo():
@@ -136,8 +148,8 @@ def test_reinforce_plus_plus_discounts_and_resets_at_padding():
     # row 1: padded 5 is cut off -> t=1: 2; t=0: 1 + 0.5 * 2 = 2 (3.25 had it leaked)
     assert_close(ret, [[0.25, 0.5, 1.0], [2.0, 2.0, 0.0]])
     # whiten 0.25, 0.5, 1, 2, 2: mean 5.75 / 5 = 1.15; deviations -0.9, -0.65, -0.15, 0.85, 0.85
-    # squares 0.81 + 0.4225 + 0.0225 + 0.7225 + 0.7225 = 2.7; var 2.7 / 4 = 0.675, std 0.82158
-    # -> -0.9 / 0.82158 = -1.09545; -0.65 / .. = -0.79115; -0.15 / .. = -0.18257; 0.85 / .. = 1.03459
+    # squares 0.81 + 0.4225 + 0.0225 + 0.7225 + 0.7225 = 2.7; var 2.7 / 4 = 0.675, std 0.82158 ->
+    # -0.9 / 0.82158 = -1.09545; -0.65 / .. = -0.79115; -0.15 / .. = -0.18257; 0.85 / .. = 1.03459
     assert_close(adv, [[-1.09545, -0.79115, -0.18257], [1.03459, 1.03459, 0.0]])
     assert_zero_on_padding(mask, adv, ret)
 
@@ -145,7 +157,9 @@ def test_reinforce_plus_plus_discounts_and_resets_at_padding():
 def test_remax():
     mask = t([[1, 1, 1], [1, 1, 0]])
     inp = AdvantageInputs(
-        token_level_rewards=t([[0, 0, 1], [0, 0.5, 0]]), response_mask=mask, baseline_rewards=t([0.25, 1.0])
+        token_level_rewards=t([[0, 0, 1], [0, 0.5, 0]]),
+        response_mask=mask,
+        baseline_rewards=t([0.25, 1.0]),
     )
     adv, ret = compute_advantage("remax", inp, AdvantageParams())
     # returns = reward-to-go: row 0 [1, 1, 1]; row 1 [0.5, 0.5, 0]
@@ -160,7 +174,8 @@ def test_gae():
     inp = AdvantageInputs(
         token_level_rewards=t([[0, 0, 1], [0, 1, 0]]),
         response_mask=mask,
-        values=t([[0.5, 0.5, 0.5], [0.2, 0.4, 9.0]]),  # 9.0 sits on padding and must be ignored
+        # 9.0 sits on padding and must be ignored
+        values=t([[0.5, 0.5, 0.5], [0.2, 0.4, 9.0]]),
     )
     adv, ret = compute_advantage("gae", inp, AdvantageParams(gamma=1.0, lam=0.5))
     # row 0, delta_t = r_t + V_{t+1} - V_t, A_t = delta_t + 0.5 * A_{t+1}:
@@ -179,7 +194,9 @@ def test_gae():
 def test_gae_carries_value_across_masked_middle_token():
     # a masked token inside the response (e.g. a tool observation) is skipped: V and A carry over it
     mask = t([[1, 0, 1]])
-    inp = AdvantageInputs(token_level_rewards=t([[0, 0, 1]]), response_mask=mask, values=t([[0.5, 7.0, 0.5]]))
+    inp = AdvantageInputs(
+        token_level_rewards=t([[0, 0, 1]]), response_mask=mask, values=t([[0.5, 7.0, 0.5]])
+    )
     _, ret = compute_advantage("gae", inp, AdvantageParams(gamma=1.0, lam=1.0))
     # t=2: delta 1 - 0.5 = 0.5, A = 0.5; t=1 masked: next V stays 0.5, A stays 0.5
     # t=0: delta 0 + 0.5 - 0.5 = 0, A = 0 + 0.5 = 0.5; returns A + V = 1.0 (7.0 never enters)
@@ -202,7 +219,12 @@ def test_unknown_estimator_lists_valid_names():
 
 @pytest.mark.parametrize(
     "name, missing",
-    [("gae", "values"), ("grpo", "group_index"), ("rloo", "group_index"), ("remax", "baseline_rewards")],
+    [
+        ("gae", "values"),
+        ("grpo", "group_index"),
+        ("rloo", "group_index"),
+        ("remax", "baseline_rewards"),
+    ],
 )
 def test_missing_input_raises(name, missing):
     inp = AdvantageInputs(token_level_rewards=REWARDS, response_mask=MASK)
@@ -225,14 +247,24 @@ def test_a_masked_span_inside_a_response_counts_as_absent(name):
     the turns around it the advantages they get with the span cut out, and 0 on the span: the
     first turn is credited with the final reward (REINFORCE++ used to give it 0)."""
     generator = torch.Generator().manual_seed(0)
-    mask = t([[1, 1, 0, 0, 0, 1, 1, 0], [1, 1, 1, 1, 1, 1, 0, 0], [1, 0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]])
+    mask = t(
+        [
+            [1, 1, 0, 0, 0, 1, 1, 0],
+            [1, 1, 1, 1, 1, 1, 0, 0],
+            [1, 0, 0, 1, 1, 1, 1, 1],
+            [1, 1, 1, 1, 1, 1, 1, 1],
+        ]
+    )
     lengths = mask.sum(-1).long()
-    last = torch.tensor([6, 5, 7, 7])  # the last generated token of each row
+    # the last generated token of each row
+    last = torch.tensor([6, 5, 7, 7])
     rewards = torch.zeros_like(mask)
     rewards[torch.arange(4), last] = torch.randn(4, generator=generator)
     values = torch.randn(mask.shape, generator=generator) * mask
     groups = torch.tensor([0, 0, 1, 1])
-    spanned = AdvantageInputs(rewards, mask, groups, values, baseline_rewards=t([0.1, -0.2, 0.3, 0.0]))
+    spanned = AdvantageInputs(
+        rewards, mask, groups, values, baseline_rewards=t([0.1, -0.2, 0.3, 0.0])
+    )
     keep = mask.bool()
     cut_mask = (torch.arange(8)[None] < lengths[:, None]).float()
     cut = AdvantageInputs(
@@ -248,4 +280,5 @@ def test_a_masked_span_inside_a_response_counts_as_absent(name):
     assert_zero_on_padding(mask, adv, ret)
     torch.testing.assert_close(without_columns(adv, keep), cut_adv, atol=ATOL, rtol=0)
     torch.testing.assert_close(without_columns(ret, keep), cut_ret, atol=ATOL, rtol=0)
-    assert adv[0, :2].abs().sum() > 0  # the turn before the tool's output is credited
+    # the turn before the tool's output is credited
+    assert adv[0, :2].abs().sum() > 0

@@ -14,7 +14,14 @@ import torch
 from keel.data.prompts import build_prompt_dataset, collate_prompts
 from keel.errors import NO_TOOL_ROLE, TOOL_CONFIG, KeelError
 from keel.models.tiny import build_tokenizer
-from keel.rollout.agent import AgentLoop, AgentOptions, Calculator, ToolLimits, load_tool_config, tool
+from keel.rollout.agent import (
+    AgentLoop,
+    AgentOptions,
+    Calculator,
+    ToolLimits,
+    load_tool_config,
+    tool,
+)
 from keel.rollout.agent.metrics import agent_metrics
 from keel.rollout.agent.template import TurnTemplate, first_difference, round_trip
 from keel.types import SamplingParams
@@ -24,10 +31,18 @@ from conftest import LOG_PROB, ScriptedEngine
 CALC = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
 
 
-def rollout(script: dict[str, list[str]], tools, budget: int = 200, limits: ToolLimits | None = None, n: int = 1):
+def rollout(
+    script: dict[str, list[str]],
+    tools,
+    budget: int = 200,
+    limits: ToolLimits | None = None,
+    n: int = 1,
+):
     tokenizer = build_tokenizer()
     records, _ = build_prompt_dataset(
-        [{"prompt": [{"role": "user", "content": p}]} for p in script], tokenizer, max_prompt_length=64
+        [{"prompt": [{"role": "user", "content": p}]} for p in script],
+        tokenizer,
+        max_prompt_length=64,
     )
 
     def turn_for(context: str, turn: int) -> str:
@@ -58,12 +73,15 @@ def test_a_tool_call_is_answered_and_the_trained_tokens_are_the_templates():
         batch.prompt_ids[0][batch.prompt_mask[0].bool()].tolist()
         + batch.response_ids[0][batch.response_attention[0].bool()].tolist()
     )
-    assert first_difference(built, expected) is None and len(built) == len(expected) - 1  # all but the final "\n"
+    # all but the final "\n"
+    assert first_difference(built, expected) is None and len(built) == len(expected) - 1
     trained = batch.response_ids[0][batch.response_mask[0].bool()]
     turns = [
-        tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in (CALC, messages[3]["content"])
+        tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id]
+        for t in (CALC, messages[3]["content"])
     ]
-    assert trained.tolist() == turns[0] + turns[1]  # the model's tokens exactly, and only them
+    # the model's tokens exactly, and only them
+    assert trained.tolist() == turns[0] + turns[1]
     suffix = batch.response_ids[0][(batch.response_attention[0] - batch.response_mask[0]).bool()]
     assert "408" in tokenizer.decode(suffix) and "<|im_start|>assistant" in tokenizer.decode(suffix)
     assert torch.all(batch.sampling_log_probs[0][batch.response_mask[0].bool()] == LOG_PROB)
@@ -71,7 +89,8 @@ def test_a_tool_call_is_answered_and_the_trained_tokens_are_the_templates():
     info = batch.records[0].extra_info
     assert info["num_turns"] == 4 and info["tool_calls"] == 1 and not info["cut_by_budget"]
     assert info["conversation"] == messages[1:] and info["last_turn"] == "The answer is 408"
-    assert batch.last_token_index[0] == batch.response_attention[0].sum() - 1  # the reward's position
+    # the reward's position
+    assert batch.last_token_index[0] == batch.response_attention[0].sum() - 1
     metrics = agent_metrics(batch.records)
     assert metrics["tools/calculator/calls"] == 1 and metrics["num_turns/mean"] == 4
 
@@ -117,16 +136,24 @@ def test_every_bad_tool_is_fed_back_and_counted():
     finally:
         release.set()
     fed_back = {
-        p: tokenizer.decode(batch.response_ids[i][(batch.response_attention[i] - batch.response_mask[i]).bool()])
+        p: tokenizer.decode(
+            batch.response_ids[i][(batch.response_attention[i] - batch.response_mask[i]).bool()]
+        )
         for i, p in enumerate(script)
     }
     assert "RuntimeError: boom" in fed_back["p1"]
     assert "took longer than 0.5 s" in fed_back["p2"]
-    assert "...(truncated)" in fed_back["p3"] and "END" in fed_back["p3"] and "A" * 100 not in fed_back["p3"]
+    assert (
+        "...(truncated)" in fed_back["p3"]
+        and "END" in fed_back["p3"]
+        and "A" * 100 not in fed_back["p3"]
+    )
     assert "no tool named 'rm_rf'" in fed_back["p4"]
     assert "not valid JSON" in fed_back["p5"]
-    assert fed_back["p6"].count("(truncated)") == 2  # max_parallel_calls=2 of the 3
-    assert all(batch.records[i].extra_info["num_turns"] == 4 for i in range(len(script)))  # each answered after
+    # max_parallel_calls=2 of the 3
+    assert fed_back["p6"].count("(truncated)") == 2
+    # each answered after
+    assert all(batch.records[i].extra_info["num_turns"] == 4 for i in range(len(script)))
     metrics = agent_metrics(batch.records)
     assert metrics["tools/explode/errors"] == 1 and metrics["tools/hang/timeouts"] == 1
     assert metrics["tools/flood/truncateds"] == 3 and metrics["tools/unknown_tool/unknowns"] == 1
@@ -144,7 +171,8 @@ def test_the_budget_ends_an_episode_and_says_so():
     "expression, needle",
     [
         ("__import__('os').system('id')", "not arithmetic"),
-        ("9**9**9", "not arithmetic"),  # powers are not offered: no unbounded work
+        # powers are not offered: no unbounded work
+        ("9**9**9", "not arithmetic"),
         ("10000000000*10000000000*10000000000*10000000000", "too large"),
         ("1+" * 200 + "1", "longer than"),
         ("(lambda: 1)()", "not arithmetic"),
@@ -218,9 +246,12 @@ def test_turn_by_turn_tokens_equal_the_templates_rendering_of_the_conversation(t
         user, tools=[Calculator().schema], tokenize=False, add_generation_prompt=True
     )
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    separator = len(encode(prompt) + encode(CALC)) + 1  # the template's first token after the turn's end
-    dropped = built[:separator] + built[separator + 1 :]  # verl #6921: the newline after the end token lost
-    if template != "llama3":  # Llama 3 puts no separator there
+    # the template's first token after the turn's end
+    separator = len(encode(prompt) + encode(CALC)) + 1
+    # verl #6921: the newline after the end token lost
+    dropped = built[:separator] + built[separator + 1 :]
+    # Llama 3 puts no separator there
+    if template != "llama3":
         assert first_difference(dropped, reference) == separator
 
 
@@ -264,9 +295,15 @@ def test_tool_configs_in_verls_format_and_in_python(tmp_path):
     }
     assert add.execute({"a": 2, "b": 3}) == "5"
     cases = {
-        "missing.yaml": ("tools:\n  - class_name: keel.tools.Nope\n", "names no class with the method execute()"),
+        "missing.yaml": (
+            "tools:\n  - class_name: keel.tools.Nope\n",
+            "names no class with the method execute()",
+        ),
         "empty.yaml": ("tools: []\n", "no `tools:` list"),
-        "untyped.py": ("from keel.rollout.agent import tool\n@tool\ndef f(x):\n    return x\n", "type hint"),
+        "untyped.py": (
+            "from keel.rollout.agent import tool\n@tool\ndef f(x):\n    return x\n",
+            "type hint",
+        ),
         "twice.yaml": ("tools:\n" + "  - class_name: keel.tools.Calculator\n" * 2, "share a name"),
     }
     for name, (text, needle) in cases.items():
@@ -282,7 +319,10 @@ def test_an_async_tool_and_a_verl_style_result_are_taken():
     from keel.rollout.agent.runner import ToolRunner
 
     class Echo(Tool):
-        schema = {"type": "function", "function": {"name": "echo", "parameters": {"type": "object"}}}
+        schema = {
+            "type": "function",
+            "function": {"name": "echo", "parameters": {"type": "object"}},
+        }
 
         async def execute(self, parameters: dict, **kwargs):
             return {"echoed": parameters["x"]}, 0.5, {"note": "verl's (response, reward, metrics)"}
@@ -295,11 +335,16 @@ def test_an_async_tool_and_a_verl_style_result_are_taken():
     "code, needle",
     [
         ("print(sum(range(10)))", "45"),
-        ("print(open('/etc/shadow').read())", "Error"),  # the host's files
-        ("import socket; socket.create_connection(('1.1.1.1', 80), timeout=2)", "Error"),  # the network
-        ("import os\nwhile True: os.fork()", "Error"),  # a fork bomb
-        ("while True: pass", "stopped"),  # CPU
-        ("print('x' * 10**8)", "stopped"),  # output
+        # the host's files
+        ("print(open('/etc/shadow').read())", "Error"),
+        # the network
+        ("import socket; socket.create_connection(('1.1.1.1', 80), timeout=2)", "Error"),
+        # a fork bomb
+        ("import os\nwhile True: os.fork()", "Error"),
+        # CPU
+        ("while True: pass", "stopped"),
+        # output
+        ("print('x' * 10**8)", "stopped"),
     ],
 )
 def test_the_python_tool_runs_model_code_in_the_sandbox(code, needle):
@@ -338,13 +383,19 @@ class GuessTheNumber:
 
 def test_an_environment_answers_turns_without_tool_calls():
     tokenizer = build_tokenizer()
-    guesses = {"game one": ["50", "75", "62"], "game two": ["50", "twenty"], "game three": ["1", "2", "3"]}
+    guesses = {
+        "game one": ["50", "75", "62"],
+        "game two": ["50", "twenty"],
+        "game three": ["1", "2", "3"],
+    }
     rows = [
         {"prompt": [{"role": "user", "content": p}], "extra_info": {"secret": secret}}
         for p, secret in [("game one", 62), ("game two", 20), ("game three", 99)]
     ]
     records, _ = build_prompt_dataset(rows, tokenizer, max_prompt_length=64)
-    engine = ScriptedEngine(tokenizer, lambda text, turn: guesses[next(p for p in guesses if p in text)][turn])
+    engine = ScriptedEngine(
+        tokenizer, lambda text, turn: guesses[next(p for p in guesses if p in text)][turn]
+    )
     loop = AgentLoop(
         engine,
         tokenizer,
@@ -353,15 +404,21 @@ def test_an_environment_answers_turns_without_tool_calls():
         [tokenizer.eos_token_id],
         GuessTheNumber,
     )
-    batch = loop.generate(collate_prompts(records, tokenizer.pad_token_id), SamplingParams(do_sample=False))
+    batch = loop.generate(
+        collate_prompts(records, tokenizer.pad_token_id), SamplingParams(do_sample=False)
+    )
     one, two, three = (r.extra_info for r in batch.records)
     assert [m["content"] for m in one["conversation"]] == ["50", "higher", "75", "lower", "62"]
     assert one["turn_reward"] == 1.0 and one["user_turns"] == 2 and one["num_turns"] == 6
-    assert batch.turn_rewards.tolist() == [1.0, 0.0, 0.0]  # added to the score on the last token
-    assert two["environment_errors"] == 1 and two["conversation"][-1]["content"] == "twenty"  # int("twenty") raised
-    assert three["user_turns"] == 2 and three["conversation"][-1]["content"] == "3"  # max_user_turns ended it
+    # added to the score on the last token
+    assert batch.turn_rewards.tolist() == [1.0, 0.0, 0.0]
+    # int("twenty") raised
+    assert two["environment_errors"] == 1 and two["conversation"][-1]["content"] == "twenty"
+    # max_user_turns ended it
+    assert three["user_turns"] == 2 and three["conversation"][-1]["content"] == "3"
     tokens = batch.response_ids[0][(batch.response_attention[0] - batch.response_mask[0]).bool()]
-    assert "user\nhigher" in tokenizer.decode(tokens)  # the observation is a user turn, not trained on
+    # the observation is a user turn, not trained on
+    assert "user\nhigher" in tokenizer.decode(tokens)
     metrics = agent_metrics(batch.records)
     assert metrics["environment/errors"] == 1 and metrics["environment/user_turns/mean"] == 5 / 3
 
@@ -371,7 +428,9 @@ def test_a_turn_cut_by_its_token_cap_is_closed_as_the_template_closes_it():
     token (context, not trained) before the environment's user turn."""
     tokenizer = build_tokenizer()
     records, _ = build_prompt_dataset(
-        [{"prompt": [{"role": "user", "content": "go"}], "extra_info": {"secret": 7}}], tokenizer, max_prompt_length=64
+        [{"prompt": [{"role": "user", "content": "go"}], "extra_info": {"secret": 7}}],
+        tokenizer,
+        max_prompt_length=64,
     )
     engine = ScriptedEngine(tokenizer, lambda text, turn: "abcdefghij")
     loop = AgentLoop(
@@ -382,19 +441,26 @@ def test_a_turn_cut_by_its_token_cap_is_closed_as_the_template_closes_it():
         [tokenizer.eos_token_id],
         GuessTheNumber,
     )
-    loop.environment = type("Talk", (GuessTheNumber,), {"step": lambda self, text: ("more", 0.0, False)})
-    batch = loop.generate(collate_prompts(records, tokenizer.pad_token_id), SamplingParams(do_sample=False))
+    loop.environment = type(
+        "Talk", (GuessTheNumber,), {"step": lambda self, text: ("more", 0.0, False)}
+    )
+    batch = loop.generate(
+        collate_prompts(records, tokenizer.pad_token_id), SamplingParams(do_sample=False)
+    )
     ids, trained = batch.response_ids[0].tolist(), batch.response_mask[0].tolist()
     first = tokenizer.encode("abcdefghij", add_special_tokens=False)[:4]
     assert ids[:4] == first and trained[:5] == [1, 1, 1, 1, 0] and ids[4] == tokenizer.eos_token_id
-    assert sum(trained) == 8  # two turns of 4
+    # two turns of 4
+    assert sum(trained) == 8
 
 
 def test_an_environment_that_names_no_class_with_a_step_is_refused(tmp_path, monkeypatch):
     from keel.rollout.agent.environment import load_environment
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "games.py").write_text("class Game:\n    def step(self, text):\n        return 'ok', 0.0, True\n")
+    (tmp_path / "games.py").write_text(
+        "class Game:\n    def step(self, text):\n        return 'ok', 0.0, True\n"
+    )
     assert load_environment("games.py:Game").__name__ == "Game"
     for name in ("keel.tools.Calculator", "games.py:Nope", "nowhere.Game"):
         with pytest.raises(KeelError) as error:
@@ -460,11 +526,17 @@ def test_verls_interactions_answer_turns_and_are_finalised(tmp_path):
         "  - class_name: talk.py:Polite\n    config: {}\n"
     )
     interactions = load_interactions(config)
-    assert sorted(interactions) == ["gsm8k", "polite"]  # verl's default name: the class's, less "Interaction"
+    # verl's default name: the class's, less "Interaction"
+    assert sorted(interactions) == ["gsm8k", "polite"]
     tokenizer = build_tokenizer()
     rows = [
-        {"prompt": [{"role": "user", "content": f"question {i}"}], "extra_info": {"interaction_kwargs": kwargs}}
-        for i, kwargs in enumerate([{"name": "gsm8k", "ground_truth": "72"}, {"name": "polite"}, {"name": "nobody"}])
+        {
+            "prompt": [{"role": "user", "content": f"question {i}"}],
+            "extra_info": {"interaction_kwargs": kwargs},
+        }
+        for i, kwargs in enumerate(
+            [{"name": "gsm8k", "ground_truth": "72"}, {"name": "polite"}, {"name": "nobody"}]
+        )
     ]
     records, _ = build_prompt_dataset(rows, tokenizer, max_prompt_length=64)
     engine = ScriptedEngine(tokenizer, lambda text, turn: ["70", "72", "71"][turn])
@@ -477,15 +549,34 @@ def test_verls_interactions_answer_turns_and_are_finalised(tmp_path):
         InteractionEnvironment,
         {"interactions": interactions},
     )
-    batch = loop.generate(collate_prompts(records, tokenizer.pad_token_id), SamplingParams(do_sample=False))
+    batch = loop.generate(
+        collate_prompts(records, tokenizer.pad_token_id), SamplingParams(do_sample=False)
+    )
     gsm8k, polite, nobody = (r.extra_info for r in batch.records)
-    assert [m["content"] for m in gsm8k["conversation"]] == ["70", "Your response is incorrect! Try again.", "72"]
-    assert gsm8k["turn_reward"] == 0.0 and gsm8k["user_turns"] == 1 and gsm8k["environment_errors"] == 0
-    assert gsm8k["rollout_reward_scores"] == {"user_turn_rewards": [0.0, 1.0]} and gsm8k["turn_scores"] == [0.0, 1.0]
-    assert polite["user_turns"] == 2 and polite["turn_reward"] == 0.0 and polite["environment_errors"] == 0
-    assert polite["rollout_reward_scores"] == {"user_turn_rewards": []}  # None scores are not kept, as in verl
-    assert nobody["environment_errors"] == 1 and nobody["user_turns"] == 0  # no such interaction: counted
-    assert interactions["gsm8k"]._instance_dict == {}  # finalised
+    assert [m["content"] for m in gsm8k["conversation"]] == [
+        "70",
+        "Your response is incorrect! Try again.",
+        "72",
+    ]
+    assert (
+        gsm8k["turn_reward"] == 0.0
+        and gsm8k["user_turns"] == 1
+        and gsm8k["environment_errors"] == 0
+    )
+    assert gsm8k["rollout_reward_scores"] == {"user_turn_rewards": [0.0, 1.0]} and gsm8k[
+        "turn_scores"
+    ] == [0.0, 1.0]
+    assert (
+        polite["user_turns"] == 2
+        and polite["turn_reward"] == 0.0
+        and polite["environment_errors"] == 0
+    )
+    # None scores are not kept, as in verl
+    assert polite["rollout_reward_scores"] == {"user_turn_rewards": []}
+    # no such interaction: counted
+    assert nobody["environment_errors"] == 1 and nobody["user_turns"] == 0
+    # finalised
+    assert interactions["gsm8k"]._instance_dict == {}
 
 
 @pytest.mark.parametrize(

@@ -46,14 +46,19 @@ def test_agents_run_in_their_own_processes_a_group_in_one(agents_file):
     jobs = [Job(f"s{i}", {"prompt": str(i)}, {}, group=i // 4) for i in range(16)]
     outcomes, ended = run(AgentConfig(function=f"{agents_file}:where"), jobs)
     pids = [o.metrics["pid"] for o in outcomes]
-    assert os.getpid() not in pids and len(set(pids)) == 2  # both processes, neither the engine's
+    # both processes, neither the engine's
+    assert os.getpid() not in pids and len(set(pids)) == 2
     for group in range(4):
         assert len({pids[i] for i in range(16) if jobs[i].group == group}) == 1
-    assert sorted(ended) == sorted(job.name for job in jobs) and all(o.reward == 1.0 for o in outcomes)
+    assert sorted(ended) == sorted(job.name for job in jobs) and all(
+        o.reward == 1.0 for o in outcomes
+    )
 
 
 def test_a_dead_agent_process_or_a_bad_agent_name_is_said(agents_file):
-    jobs = [Job(f"s{i}", {"prompt": "last" if i == 5 else str(i)}, {}, group=i // 4) for i in range(8)]
+    jobs = [
+        Job(f"s{i}", {"prompt": "last" if i == 5 else str(i)}, {}, group=i // 4) for i in range(8)
+    ]
     with pytest.raises(KeelError) as died:
         run(AgentConfig(function=f"{agents_file}:dies"), jobs)
     assert died.value.code == AGENT_FUNCTION and "exited (code 3)" in str(died.value)
@@ -78,18 +83,27 @@ def test_a_cut_sample_without_a_reward_is_dropped_where_no_reward_function_score
     traces = [Trace() for _ in records]
     for trace in traces:
         trace.record([5, 6, 7], [8, 9], [-0.5, -0.5], stopped=False)
-        trace.budget_spent = True  # its next request found the budget spent, then the agent failed
-    outcomes = [Outcome(status="timeout"), Outcome(reward=0.5, status="error", error="late"), Outcome(status="error")]
+        # its next request found the budget spent, then the agent failed
+        trace.budget_spent = True
+    outcomes = [
+        Outcome(status="timeout"),
+        Outcome(reward=0.5, status="error", error="late"),
+        Outcome(status="error"),
+    ]
 
     def dropped(scored_by_agent: bool) -> list:
         batch = traces_batch(prompts, traces, outcomes, tokenizer, scored_by_agent)
         return [r.extra_info.get("agent_dropped") for r in batch.records]
 
-    assert dropped(False) == [None, None, None]  # the reward function scores the two without a reward
-    assert dropped(True) == ["timeout", None, "error"]  # the one with its reward stays
+    # the reward function scores the two without a reward
+    assert dropped(False) == [None, None, None]
+    # the one with its reward stays
+    assert dropped(True) == ["timeout", None, "error"]
 
 
-@pytest.mark.parametrize(("cores", "expected"), [(16, (8, 8)), (64, (8, 8)), (2, (1, 1)), (1, (1, 1)), (None, (1, 1))])
+@pytest.mark.parametrize(
+    ("cores", "expected"), [(16, (8, 8)), (64, (8, 8)), (2, (1, 1)), (1, (1, 1)), (None, (1, 1))]
+)
 def test_process_counts_default_to_one_per_two_cores(monkeypatch, cores, expected):
     from keel.rollout.agent.external import _agent_processes, _endpoint_processes
 

@@ -21,13 +21,17 @@ from keel.types import PromptRecord
 
 def two_samples(tokenizer, segments: bool):
     """Sample 0 continues its history; sample 1 rewrites it before its second turn."""
-    records = [PromptRecord(7, [5, 6, 7], "p", "src", None), PromptRecord(7, [5, 6, 7], "p", "src", None)]
+    records = [
+        PromptRecord(7, [5, 6, 7], "p", "src", None),
+        PromptRecord(7, [5, 6, 7], "p", "src", None),
+    ]
     prompts = collate_prompts(records, tokenizer.pad_token_id)
     kept, rewritten = Trace(), Trace()
     kept.record([5, 6, 7], [20, 21], [-0.1, -0.2], stopped=True)
     kept.record([5, 6, 7, 20, 21, 30], [22], [-0.3], stopped=True)
     rewritten.record([5, 6, 7], [40, 41], [-0.4, -0.5], stopped=True)
-    rewritten.record([5, 9, 7, 40, 41, 30], [42, 43], [-0.6, -0.7], stopped=True)  # its first prompt changed
+    # its first prompt changed
+    rewritten.record([5, 9, 7, 40, 41, 30], [42, 43], [-0.6, -0.7], stopped=True)
     outcomes = [Outcome(reward=1.0), Outcome(reward=0.0)]
     return traces_batch(prompts, [kept, rewritten], outcomes, tokenizer, segments=segments)
 
@@ -43,7 +47,8 @@ def test_a_rewritten_history_trains_as_segments_of_sampled_tokens_only(tiny_asse
     assert [trained(batch, row) for row in range(3)] == [[20, 21, 22], [40, 41], [42, 43]]
     assert batch.sampling_log_probs[2][:2].tolist() == torch.tensor([-0.6, -0.7]).tolist()
     prompts = [batch.prompt_ids[row][batch.prompt_mask[row].bool()].tolist() for row in range(3)]
-    assert prompts == [[5, 6, 7], [5, 6, 7], [5, 9, 7, 40, 41, 30]]  # each segment after its own context
+    # each segment after its own context
+    assert prompts == [[5, 6, 7], [5, 6, 7], [5, 9, 7, 40, 41, 30]]
     assert [r.extra_info.get("agent_segment") for r in batch.records] == [None, 0, 1]
     assert not any("agent_dropped" in r.extra_info for r in batch.records)
     assert batch.final_segments.tolist() == [0, 2, 2] and batch.group_index.tolist() == [7, 7, 7]
@@ -52,7 +57,9 @@ def test_a_rewritten_history_trains_as_segments_of_sampled_tokens_only(tiny_asse
 def test_without_segments_the_rewritten_sample_is_dropped(tiny_assets):
     batch = two_samples(load_tokenizer(tiny_assets["model"]), segments=False)
     assert len(batch) == 2 and batch.sample_index is None
-    assert batch.records[1].extra_info["agent_dropped"] == "prefix_break" and trained(batch, 1) == []
+    assert (
+        batch.records[1].extra_info["agent_dropped"] == "prefix_break" and trained(batch, 1) == []
+    )
 
 
 class CountingReward:
@@ -65,7 +72,9 @@ class CountingReward:
         self.asked += texts
         scores = torch.tensor([float(len(t)) for t in texts])
         extras = [{"text": t} for t in texts]
-        return ScoreResult(scores, torch.ones(len(texts), dtype=torch.bool), [None] * len(texts), {}, extras)
+        return ScoreResult(
+            scores, torch.ones(len(texts), dtype=torch.bool), [None] * len(texts), {}, extras
+        )
 
 
 def test_a_sample_is_scored_once_on_its_final_segment(tiny_assets):
@@ -75,7 +84,11 @@ def test_a_sample_is_scored_once_on_its_final_segment(tiny_assets):
     scored = score_samples(reward, batch)
     assert reward.asked == ["first sample", "the last answer"]
     assert scored.scores.tolist() == [12.0, 15.0, 15.0]
-    assert [e["text"] for e in scored.extras] == ["first sample", "the last answer", "the last answer"]
+    assert [e["text"] for e in scored.extras] == [
+        "first sample",
+        "the last answer",
+        "the last answer",
+    ]
 
 
 def outcome_inputs(scores: list[float], mask: torch.Tensor, groups: list[int]) -> AdvantageInputs:
@@ -87,23 +100,34 @@ def outcome_inputs(scores: list[float], mask: torch.Tensor, groups: list[int]) -
 
 def test_a_sample_counts_once_in_its_group_and_its_segments_share_its_advantage():
     # group 0: sample A in two segments (rows 0, 1), B; group 1: C, D
-    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.float32)
+    mask = torch.tensor(
+        [[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.float32
+    )
     segmented = outcome_inputs([0.5, 0.5, 0.0, 2.0, 0.0], mask, [0, 0, 0, 1, 1])
-    samples = [1, 2, 3, 4]  # A as its final segment alone
+    # A as its final segment alone
+    samples = [1, 2, 3, 4]
     whole = outcome_inputs([0.5, 0.0, 2.0, 0.0], mask[samples], [0, 0, 1, 1])
     for name in ("grpo", "rloo"):
-        advantages, _ = compute_advantage(name, segmented, AdvantageParams(), torch.tensor([1, 1, 2, 3, 4]))
+        advantages, _ = compute_advantage(
+            name, segmented, AdvantageParams(), torch.tensor([1, 1, 2, 3, 4])
+        )
         expected, _ = compute_advantage(name, whole, AdvantageParams())
         assert torch.allclose(advantages[samples], expected)
-        assert torch.allclose(advantages[0], expected[0, 0] * mask[0])  # A's first segment: A's advantage
+        # A's first segment: A's advantage
+        assert torch.allclose(advantages[0], expected[0, 0] * mask[0])
         counted_twice, _ = compute_advantage(name, segmented, AdvantageParams())
-        assert not torch.allclose(counted_twice[samples], expected)  # what the rows alone would give
+        # what the rows alone would give
+        assert not torch.allclose(counted_twice[samples], expected)
 
 
 def test_segments_keep_the_updates_number_of_mini_batches(tiny_assets):
     batch = two_samples(load_tokenizer(tiny_assets["model"]), segments=True)
-    assert _rows_per_mini_batch(batch, 1) == 2  # 2 samples in 3 rows, a sample a mini-batch: 2 of 2 and 1
-    assert _rows_per_mini_batch(two_samples(load_tokenizer(tiny_assets["model"]), segments=False), 1) == 1
+    # 2 samples in 3 rows, a sample a mini-batch: 2 of 2 and 1
+    assert _rows_per_mini_batch(batch, 1) == 2
+    assert (
+        _rows_per_mini_batch(two_samples(load_tokenizer(tiny_assets["model"]), segments=False), 1)
+        == 1
+    )
 
 
 class Results(list):
@@ -119,7 +143,9 @@ class TwoRanks:
         self.batch = batch
 
     def call(self, method, per_rank_args):
-        return Results([(self.batch.select(range(len(self.batch))), {"gen": 1.0}) for _ in per_rank_args])
+        return Results(
+            [(self.batch.select(range(len(self.batch))), {"gen": 1.0}) for _ in per_rank_args]
+        )
 
     def submit(self, method, per_rank_args):
         done = Future()
@@ -132,9 +158,13 @@ def test_samples_of_different_ranks_stay_different_samples(tiny_assets):
     from keel.types import SamplingParams
 
     tokenizer = load_tokenizer(tiny_assets["model"])
-    one_rank = two_samples(tokenizer, segments=True)  # samples 0 and 1 in rows [0, 1, 1]
+    # samples 0 and 1 in rows [0, 1, 1]
+    one_rank = two_samples(tokenizer, segments=True)
     roles = WorkerRoles(TwoRanks(one_rank), tokenizer.pad_token_id, UpdateSchedule(2, 1, False, 8))
-    prompts = collate_prompts([PromptRecord(i, [5, 6, 7], "p", "src", None) for i in range(4)], tokenizer.pad_token_id)
+    prompts = collate_prompts(
+        [PromptRecord(i, [5, 6, 7], "p", "src", None) for i in range(4)], tokenizer.pad_token_id
+    )
     batch, _ = roles.generate(prompts, SamplingParams(), seed=0)
-    assert batch.sample_index.tolist() == [0, 1, 1, 2, 3, 3]  # the second rank's prompts start at 2
+    # the second rank's prompts start at 2
+    assert batch.sample_index.tolist() == [0, 1, 1, 2, 3, 3]
     assert batch.final_segments.tolist() == [0, 2, 2, 3, 5, 5]

@@ -12,10 +12,20 @@ TESTS = Path(__file__).parents[1]
 
 
 def test_every_code_is_triggered_by_some_test():
-    names = {value: name for name, value in vars(codes).items() if isinstance(value, str) and value in codes.CATALOGUE}
+    names = {
+        value: name
+        for name, value in vars(codes).items()
+        if isinstance(value, str) and value in codes.CATALOGUE
+    }
     assert set(names) == set(codes.CATALOGUE)
-    sources = "\n".join(p.read_text() for p in TESTS.rglob("test_*.py") if p.name != Path(__file__).name)
-    untested = sorted(f"{code} ({name})" for code, name in names.items() if name not in sources and code not in sources)
+    sources = "\n".join(
+        p.read_text() for p in TESTS.rglob("test_*.py") if p.name != Path(__file__).name
+    )
+    untested = sorted(
+        f"{code} ({name})"
+        for code, name in names.items()
+        if name not in sources and code not in sources
+    )
     assert not untested, f"codes no test triggers: {untested}"
 
 
@@ -30,9 +40,12 @@ def test_config_choices_match_the_algorithm_registries():
     assert set(schema.ADV_ESTIMATORS) == set(ADV_ESTIMATORS)
     assert set(schema.LOSS_AGG_MODES) == set(LOSS_AGG_MODES)
     assert set(schema.KL_TYPES) == set(KL_ESTIMATORS)
-    assert set(schema.PolicyLossConfig.__dataclass_fields__["loss_mode"].metadata["choices"]) == set(POLICY_LOSSES)
+    assert set(
+        schema.PolicyLossConfig.__dataclass_fields__["loss_mode"].metadata["choices"]
+    ) == set(POLICY_LOSSES)
     assert set(schema.GROUP_ESTIMATORS) == {n for n, e in ADV_ESTIMATORS.items() if e.needs_group}
-    assert {n for n, e in ADV_ESTIMATORS.items() if e.needs_critic} == {"gae"}  # KeelConfig.critic_enabled
+    # KeelConfig.critic_enabled
+    assert {n for n, e in ADV_ESTIMATORS.items() if e.needs_critic} == {"gae"}
 
 
 def test_errors_doc_and_explain_list_every_code(capsys):
@@ -53,5 +66,7 @@ def test_every_code_raised_in_the_code_base_is_in_the_catalogue():
     import re
 
     package = TESTS.parent / "keel"
-    raised = {m for p in package.rglob("*.py") for m in re.findall(r"KEEL-[A-Z]\d{3}", p.read_text())}
+    raised = {
+        m for p in package.rglob("*.py") for m in re.findall(r"KEEL-[A-Z]\d{3}", p.read_text())
+    }
     assert raised <= set(codes.CATALOGUE)

@@ -21,13 +21,19 @@ def v2_tree(root: Path, delegated: str) -> Path:
 def test_v1_layout_follows_each_controllers_own_path(tmp_path):
     for controller in ("memory", "pids", "cpuacct"):
         (tmp_path / controller).mkdir()
-    # A container without a cgroup namespace: the host's path is not under its mount, whose root is its group
+    # A container without a cgroup namespace: the host's path is not under its mount, whose root is
+    # its group
     assert cgroups.layout(tmp_path, V1_PROC).memory == tmp_path / "memory"
     (tmp_path / "memory/job/7").mkdir(parents=True)
     where = cgroups.layout(tmp_path, V1_PROC)
     assert not where.v2
-    assert (where.memory, where.pids, where.cpu) == (tmp_path / "memory/job/7", tmp_path / "pids", tmp_path / "cpuacct")
-    assert cgroups.layout(tmp_path, "0::/\n") is None  # no v1 controllers named: no layout
+    assert (where.memory, where.pids, where.cpu) == (
+        tmp_path / "memory/job/7",
+        tmp_path / "pids",
+        tmp_path / "cpuacct",
+    )
+    # no v1 controllers named: no layout
+    assert cgroups.layout(tmp_path, "0::/\n") is None
 
 
 def test_v2_layout_needs_memory_and_pids_delegated(tmp_path):

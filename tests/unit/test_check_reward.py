@@ -21,7 +21,9 @@ def rows(source: str, n: int, truth=lambda i: str(i), start: int = 0) -> list[di
     ]
 
 
-def check(tiny_config, tmp_path, train_rows: list[dict], reward_source: str | None = None, **overrides):
+def check(
+    tiny_config, tmp_path, train_rows: list[dict], reward_source: str | None = None, **overrides
+):
     train = write_jsonl(tmp_path / "mixed.jsonl", train_rows)
     settings = {"data.train_files": [str(train)], "data.val_files": [], **overrides}
     if reward_source is not None:
@@ -41,7 +43,10 @@ def test_a_mixed_file_whose_second_data_source_has_no_scorer_fails_naming_it(tin
     report = check(tiny_config, tmp_path, data, **{"custom_reward_function.path": None})
     failures = reward_findings(report, FAIL)
     assert [f.code for f in failures] == ["KEEL-R002"]
-    assert "my_lab/puzzles" in failures[0].message and "openai/gsm8k" not in failures[0].message.split(";")[0]
+    assert (
+        "my_lab/puzzles" in failures[0].message
+        and "openai/gsm8k" not in failures[0].message.split(";")[0]
+    )
 
 
 def test_a_function_that_breaks_on_one_data_source_fails_naming_it(tiny_config, tmp_path):
@@ -68,8 +73,13 @@ def test_the_report_names_the_scorer_of_each_data_source_in_train_and_val(tiny_c
         **{"custom_reward_function.path": None, "data.val_files": [str(val)]},
     )
     lines = [f.message for f in reward_findings(report, PASS)]
-    assert any(m.startswith("data_source 'keel/arithmetic': scored by built-in `arithmetic`") for m in lines)
-    assert any(m.startswith("data_source 'openai/gsm8k': scored by built-in `gsm8k`") for m in lines)
+    assert any(
+        m.startswith("data_source 'keel/arithmetic': scored by built-in `arithmetic`")
+        for m in lines
+    )
+    assert any(
+        m.startswith("data_source 'openai/gsm8k': scored by built-in `gsm8k`") for m in lines
+    )
     assert not report.failures
 
 
@@ -80,8 +90,11 @@ def test_a_function_that_never_rewards_is_named_per_data_source(tiny_config, tmp
     )
     report = check(tiny_config, tmp_path, rows("digits", 30) + rows("words", 2, start=40), source)
     warnings = [f.message for f in reward_findings(report, WARN)]
-    assert len(warnings) == 1 and warnings[0].startswith("data_source 'words': the reward function gave no positive")
-    assert "#### x" in warnings[0] and "<think>" in warnings[0]  # it says what it tried
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "data_source 'words': the reward function gave no positive"
+    )
+    # it says what it tried
+    assert "#### x" in warnings[0] and "<think>" in warnings[0]
 
 
 @pytest.mark.parametrize(
@@ -136,4 +149,6 @@ def test_keel_check_prints_the_table_of_scorers(tiny_config, tmp_path, capsys):
     assert main(["check", str(config), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     messages = [f["message"] for f in report["findings"] if f["check"] == "reward"]
-    assert any("'openai/gsm8k': scored by built-in `gsm8k` (chosen by data_source" in m for m in messages)
+    assert any(
+        "'openai/gsm8k': scored by built-in `gsm8k` (chosen by data_source" in m for m in messages
+    )

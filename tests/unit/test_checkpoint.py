@@ -36,13 +36,15 @@ def test_crash_mid_write_leaves_previous_checkpoint_as_latest(tmp_path):
 
 def test_auto_falls_back_to_newest_complete_when_latest_points_at_a_broken_one(tmp_path):
     ckpt.save_checkpoint(tmp_path, 2, write_files)
-    (tmp_path / "global_step_5").mkdir()  # e.g. copied by hand, no COMPLETE marker
+    # e.g. copied by hand, no COMPLETE marker
+    (tmp_path / "global_step_5").mkdir()
     (tmp_path / ckpt.LATEST).write_text("5")
     assert ckpt.find_resume_checkpoint(tmp_path, "auto") == tmp_path / "global_step_2"
 
 
 def test_resume_modes(tmp_path):
-    assert ckpt.find_resume_checkpoint(tmp_path, "auto") is None  # nothing there yet
+    # nothing there yet
+    assert ckpt.find_resume_checkpoint(tmp_path, "auto") is None
     path = ckpt.save_checkpoint(tmp_path, 1, write_files)
     assert ckpt.find_resume_checkpoint(tmp_path, "disable") is None
     assert ckpt.find_resume_checkpoint(tmp_path, str(path)) == path
@@ -54,7 +56,10 @@ def test_resume_modes(tmp_path):
 def test_keep_only_the_newest(tmp_path):
     for step in (1, 2, 3):
         ckpt.save_checkpoint(tmp_path, step, write_files, max_to_keep=2)
-    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_2", "global_step_3"]
+    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == [
+        "global_step_2",
+        "global_step_3",
+    ]
 
 
 def test_export_refuses_an_incomplete_checkpoint(tmp_path):
@@ -67,7 +72,9 @@ def test_export_refuses_an_incomplete_checkpoint(tmp_path):
 
 def test_export_never_deletes_a_directory_it_did_not_write(tmp_path):
     path = ckpt.save_checkpoint(
-        tmp_path / "run", 1, lambda tmp: (tmp / "actor").mkdir() or (tmp / "actor" / "config.json").write_text("{}")
+        tmp_path / "run",
+        1,
+        lambda tmp: (tmp / "actor").mkdir() or (tmp / "actor" / "config.json").write_text("{}"),
     )
     precious = tmp_path / "mine"
     precious.mkdir()

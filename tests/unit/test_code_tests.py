@@ -12,12 +12,19 @@ from keel.rewards.sandbox import Limits, run_python
 
 from verl_shim import verl_module
 
-TIMEOUT_S = 2  # verl's 5 s and 10 s per test, shortened on both sides so an endless loop ends soon
+# verl's 5 s and 10 s per test, shortened on both sides so an endless loop ends soon
+TIMEOUT_S = 2
 ADD = json.dumps({"inputs": ["1 2\n", "3 4\n", "10 -4\n"], "outputs": ["3\n", "7\n", "6\n"]})
 THIRD = json.dumps({"inputs": ["1\n", "2\n"], "outputs": ["0.3333333\n", "0.6666667\n"]})
-ELEVEN = json.dumps({"inputs": [f"{i}\n" for i in range(11)], "outputs": [f"{i}\n" for i in range(10)] + ["wrong"]})
+ELEVEN = json.dumps(
+    {"inputs": [f"{i}\n" for i in range(11)], "outputs": [f"{i}\n" for i in range(10)] + ["wrong"]}
+)
 CALL = json.dumps(
-    {"fn_name": "pair", "inputs": ["1\n2", "[3]\n4", "5\n6"], "outputs": ["[1, 2]", "[[3], 4]", "[[5, 6]]"]}
+    {
+        "fn_name": "pair",
+        "inputs": ["1\n2", "[3]\n4", "5\n6"],
+        "outputs": ["[1, 2]", "[[3], 4]", "[[5, 6]]"],
+    }
 )
 
 READ_ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
@@ -56,7 +63,9 @@ def verl_prime_code():
     checked = prime.apps_check_correctness
 
     def shortened(in_outs, generation, timeout=10, debug=False):
-        return checked(in_outs=in_outs, generation=generation, timeout=min(timeout, TIMEOUT_S), debug=debug)
+        return checked(
+            in_outs=in_outs, generation=generation, timeout=min(timeout, TIMEOUT_S), debug=debug
+        )
 
     prime.apps_check_correctness = shortened
     yield prime.compute_score
@@ -64,7 +73,9 @@ def verl_prime_code():
 
 
 def scores(verl_compute_score, program: str, ground_truth: str) -> tuple[float, float]:
-    keel_score, metadata = compute_score(program, ground_truth, continuous=True, timeout_s=TIMEOUT_S)
+    keel_score, metadata = compute_score(
+        program, ground_truth, continuous=True, timeout_s=TIMEOUT_S
+    )
     verl_score, _ = verl_compute_score(program, ground_truth, continuous=True)
     if keel_score is not True:
         assert len(metadata) == min(len(json.loads(ground_truth)["inputs"]), 10)
@@ -79,14 +90,25 @@ def test_a_stdin_program_scores_as_in_verl(verl_prime_code, name):
 
 def test_the_programs_span_every_score():
     """The comparison above means something: right, partly right and wrong programs among them."""
-    got = {name: compute_score(program, ADD, timeout_s=TIMEOUT_S)[0] for name, program in STDIN_PROGRAMS.items()}
-    assert got["correct, in a fence after prose"] == 1.0 and got["extra whitespace and blank lines"] == 1.0
+    got = {
+        name: compute_score(program, ADD, timeout_s=TIMEOUT_S)[0]
+        for name, program in STDIN_PROGRAMS.items()
+    }
+    assert (
+        got["correct, in a fence after prose"] == 1.0
+        and got["extra whitespace and blank lines"] == 1.0
+    )
     assert got["wrong on a negative number"] == pytest.approx(2 / 3)
     assert got["endless loop"] == got["syntax error"] == got["exit() after printing"] == 0.0
 
 
 @pytest.mark.parametrize(
-    "program", ["print(round(int(input()) / 3, 7))", "print(round(int(input()) / 3, 2))", "print(int(input()) / 3, 0)"]
+    "program",
+    [
+        "print(round(int(input()) / 3, 7))",
+        "print(round(int(input()) / 3, 2))",
+        "print(int(input()) / 3, 0)",
+    ],
 )
 def test_floats_are_compared_as_in_verl(verl_prime_code, program):
     keel_score, verl_score = scores(verl_prime_code, program, THIRD)
@@ -145,8 +167,11 @@ def test_metadata_says_what_went_wrong_as_verl_does():
 def test_prime_code_and_code_exec_read_verl_rows():
     right = STDIN_PROGRAMS["correct, in a fence after prose"]
     assert prime_code("codecontests", right, ADD) == 1.0
-    assert code_exec("codecontests", right, json.loads(ADD)) == 1.0  # the row's object, not only its JSON
-    assert prime_code("taco", STDIN_PROGRAMS["wrong on a negative number"], ADD) == pytest.approx(2 / 3)
+    # the row's object, not only its JSON
+    assert code_exec("codecontests", right, json.loads(ADD)) == 1.0
+    assert prime_code("taco", STDIN_PROGRAMS["wrong on a negative number"], ADD) == pytest.approx(
+        2 / 3
+    )
 
 
 def test_keels_own_form_keeps_its_rule():
@@ -184,16 +209,20 @@ def test_rows_are_checked_before_training_and_the_bad_one_named():
     check_ground_truths(rows[:2])
     with pytest.raises(KeelError) as refused:
         check_ground_truths(rows)
-    assert refused.value.code == "KEEL-R009" and refused.value.message.startswith("row 2 (data_source 'apps')")
+    assert refused.value.code == "KEEL-R009" and refused.value.message.startswith(
+        "row 2 (data_source 'apps')"
+    )
 
 
 @pytest.mark.parametrize(
     "attack",
     [
-        "import posix\nposix.kill(posix.getppid(), 9)",  # takes the harness down
+        # takes the harness down
+        "import posix\nposix.kill(posix.getppid(), 9)",
         "import posix\nfor fd in range(3, 20):\n    try:\n"
         '        posix.write(fd, b\'[{"kind": "ran", "printed": "3"}]\')\n'
-        "    except OSError:\n        pass",  # writes a report of its own
+        # writes a report of its own
+        "    except OSError:\n        pass",
     ],
 )
 def test_a_program_that_attacks_the_harness_gains_nothing(attack):

@@ -19,19 +19,30 @@ from test_native_rollout import engines
 # grouped matmuls, Gemma 3's windows and norms, OLMo 2's output norms, SmolLM3's NoPE layers).
 @pytest.mark.parametrize(
     "arch, init_std, layers",
-    [("qwen2", 0.2, 2), ("qwen3_moe", 0.5, 2), ("gemma3_text", 0.02, 2), ("olmo2", 0.1, 2), ("smollm3", 0.2, 4)],
+    [
+        ("qwen2", 0.2, 2),
+        ("qwen3_moe", 0.5, 2),
+        ("gemma3_text", 0.02, 2),
+        ("olmo2", 0.1, 2),
+        ("smollm3", 0.2, 4),
+    ],
 )
 def test_compiled_decode_step_gives_the_eager_tokens(tmp_path, arch, init_std, layers):
     from keel.models.tiny import make_tiny_model
 
-    model_dir = make_tiny_model(tmp_path / arch, arch=arch, hidden_size=64, num_layers=layers, seed=3)
+    model_dir = make_tiny_model(
+        tmp_path / arch, arch=arch, hidden_size=64, num_layers=layers, seed=3
+    )
     native, _, _, prompts = engines(model_dir, n=2, init_std=init_std)
     greedy = SamplingParams(do_sample=False, max_new_tokens=10, ignore_eos=True)
     eager = native.generate(prompts, greedy)
-    native.kernels = StepFunctions(native.family, compiled=True)  # fullgraph=True: a graph break is an error
+    # fullgraph=True: a graph break is an error
+    native.kernels = StepFunctions(native.family, compiled=True)
     compiled = native.generate(prompts, greedy)
     assert compiled.response_ids.tolist() == eager.response_ids.tolist()
-    torch.testing.assert_close(compiled.sampling_log_probs, eager.sampling_log_probs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        compiled.sampling_log_probs, eager.sampling_log_probs, atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -41,13 +52,20 @@ def test_compiled_layers_and_token_stats_match_eager_with_gradients(tiny_assets,
 
     def loss_and_grads(compiled: bool):
         torch.manual_seed(0)
-        model = load_causal_lm(tiny_assets["model"], torch.device("cpu"), gradient_checkpointing=checkpointing)
+        model = load_causal_lm(
+            tiny_assets["model"], torch.device("cpu"), gradient_checkpointing=checkpointing
+        )
         if compiled:
             compile_blocks(model)
         native, _, _, prompts = engines(tiny_assets["model"], n=2)
         batch = native.generate(prompts, SamplingParams(max_new_tokens=6))
         log_probs, entropy = response_log_probs(
-            model, batch, 0.7, with_entropy=True, entropy_grad=True, plan=Placement(fused_vocab=compiled)
+            model,
+            batch,
+            0.7,
+            with_entropy=True,
+            entropy_grad=True,
+            plan=Placement(fused_vocab=compiled),
         )
         (log_probs.sum() + entropy.sum()).backward()
         return log_probs.detach(), {n: p.grad for n, p in model.named_parameters()}
@@ -76,7 +94,14 @@ def test_a_mixtures_float32_experts_are_left_eager_and_its_dense_layers_compiled
     bfloat16 only there): e1's update took 5.5 s. Those layers run eagerly, where it is grouped."""
     from keel.models.tiny import make_tiny_model
 
-    model = load_causal_lm(make_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_layers=3), torch.device("cpu"))
+    model = load_causal_lm(
+        make_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_layers=3), torch.device("cpu")
+    )
     compile_blocks(model)
-    compiled = ["forward" in vars(layer) for layer in model.model.layers]  # torch.compile replaced its forward
-    assert compiled == [hasattr(layer.mlp, "gate_proj") for layer in model.model.layers] == [False, False, True]
+    # torch.compile replaced its forward
+    compiled = ["forward" in vars(layer) for layer in model.model.layers]
+    assert (
+        compiled
+        == [hasattr(layer.mlp, "gate_proj") for layer in model.model.layers]
+        == [False, False, True]
+    )

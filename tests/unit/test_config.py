@@ -41,17 +41,23 @@ def test_yaml_file_and_overrides_use_verl_names(tmp_path):
     assert cfg.data.train_batch_size == 16
     assert cfg.actor_rollout_ref.rollout.n == 4
     assert cfg.algorithm.adv_estimator == "grpo"
-    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-5  # YAML reads 1e-5 as a string; coerced
+    # YAML reads 1e-5 as a string; coerced
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-5
     assert cfg.trainer.logger == ["console"]
-    assert not cfg.critic_enabled  # grpo needs no critic
+    # grpo needs no critic
+    assert not cfg.critic_enabled
 
 
 @pytest.mark.parametrize(
     "override, suggestion",
     [
-        ("actor_rollout_ref.actor.ppo_mini_batch_szie=4", "actor_rollout_ref.actor.ppo_mini_batch_size"),
+        (
+            "actor_rollout_ref.actor.ppo_mini_batch_szie=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+        ),
         ("trainer.sav_freq=2", "trainer.save_freq"),
-        ("actor.ppo_epochs=2", "actor_rollout_ref.actor.ppo_epochs"),  # section left out
+        # section left out
+        ("actor.ppo_epochs=2", "actor_rollout_ref.actor.ppo_epochs"),
     ],
 )
 def test_unknown_key_names_the_closest_valid_key(override, suggestion):
@@ -61,7 +67,8 @@ def test_unknown_key_names_the_closest_valid_key(override, suggestion):
 
 
 @pytest.mark.parametrize(
-    "override", ["actor_rollout_ref.ref.nnodes=2", "actor_rollout_ref.ref.enable_resource_pool=true"]
+    "override",
+    ["actor_rollout_ref.ref.nnodes=2", "actor_rollout_ref.ref.enable_resource_pool=true"],
 )
 def test_placing_the_reference_apart_from_the_actor_is_refused_with_the_reason(override):
     from keel.errors import REFERENCE_APART
@@ -83,7 +90,8 @@ def test_placing_the_reference_apart_from_the_actor_is_refused_with_the_reason(o
         (
             "trainer.logger=[console,neptune]",
             "'neptune' is not one of",
-        ),  # never silently dropped (verl's swanlab: KEEL-C015)
+            # never silently dropped (verl's swanlab: KEEL-C015)
+        ),
         ("trainer.seed=-1", "must be >= 0"),
         ("actor_rollout_ref.actor.optim.betas=[0.9]", "two numbers in [0, 1)"),
     ],
@@ -110,7 +118,8 @@ def test_batch_arithmetic_names_the_numbers():
     err = error_of(["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
     assert err.code == BATCH_ARITHMETIC
     assert "data.train_batch_size=6" in err.message and "ppo_mini_batch_size=4" in err.message
-    assert "`actor_rollout_ref.actor.ppo_mini_batch_size=3`" in err.fix  # the largest divisor of 6 not above 4
+    # the largest divisor of 6 not above 4
+    assert "`actor_rollout_ref.actor.ppo_mini_batch_size=3`" in err.fix
 
     err = error_of(
         [
@@ -128,19 +137,29 @@ def test_batch_arithmetic_names_the_numbers():
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["algorithm.adv_estimator=grpo"],  # n=1: every group advantage would be 0
+        # n=1: every group advantage would be 0
+        ["algorithm.adv_estimator=grpo"],
         ["algorithm.adv_estimator=gae", "critic.enable=false"],
-        ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.fsdp_size=3"],  # 3 does not divide 2
+        # 3 does not divide 2
+        ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.fsdp_size=3"],
         [
             "trainer.n_gpus_per_node=2",
-            "actor_rollout_ref.actor.fsdp_config.fsdp_size=1",  # no FSDP to offload
+            # no FSDP to offload
+            "actor_rollout_ref.actor.fsdp_config.fsdp_size=1",
             "actor_rollout_ref.actor.fsdp_config.param_offload=true",
         ],
         ["algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.do_sample=false"],
-        ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "algorithm.critic_warmup=3"],
-        ["actor_rollout_ref.rollout.val_kwargs.n=4"],  # four identical greedy answers
-        ["actor_rollout_ref.rollout.val_kwargs.do_sample=true"],  # with temperature 0
-        ["reward_model.enable_resource_pool=true"],  # no reward model to place
+        [
+            "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.rollout.n=2",
+            "algorithm.critic_warmup=3",
+        ],
+        # four identical greedy answers
+        ["actor_rollout_ref.rollout.val_kwargs.n=4"],
+        # with temperature 0
+        ["actor_rollout_ref.rollout.val_kwargs.do_sample=true"],
+        # no reward model to place
+        ["reward_model.enable_resource_pool=true"],
         # a 1024-token prompt fits no 512-token prefill pass without chunked prefill
         [
             "data.max_prompt_length=1024",
@@ -160,12 +179,20 @@ def test_incompatible_options(overrides):
 
 def test_max_model_len_shorter_than_prompt_plus_response_is_refused():
     error = error_of(
-        ["data.max_prompt_length=512", "data.max_response_length=512", "actor_rollout_ref.rollout.max_model_len=1000"]
+        [
+            "data.max_prompt_length=512",
+            "data.max_response_length=512",
+            "actor_rollout_ref.rollout.max_model_len=1000",
+        ]
     )
     assert error.code == TOKEN_BUDGET and "1024" in str(error)
     ok = load_config(
         BASE,
-        ["data.max_prompt_length=512", "data.max_response_length=512", "actor_rollout_ref.rollout.max_model_len=1024"],
+        [
+            "data.max_prompt_length=512",
+            "data.max_response_length=512",
+            "actor_rollout_ref.rollout.max_model_len=1024",
+        ],
     )
     assert ok.actor_rollout_ref.rollout.max_model_len == 1024
 
@@ -186,10 +213,14 @@ def test_batch_plan_counts():
     )
     plan = make_plan(cfg)
     assert plan.prompts_per_step == 8
-    assert plan.samples_per_step == 32  # 8 prompts x n=4
-    assert plan.actor.mini_batches == 4  # 8 / 2 prompts
-    assert plan.actor.samples_per_mini_batch == 8  # 2 prompts x 4
-    assert plan.actor.micro_batches_per_mini_batch == 2  # 8 / 4
+    # 8 prompts x n=4
+    assert plan.samples_per_step == 32
+    # 8 / 2 prompts
+    assert plan.actor.mini_batches == 4
+    # 2 prompts x 4
+    assert plan.actor.samples_per_mini_batch == 8
+    # 8 / 4
+    assert plan.actor.micro_batches_per_mini_batch == 2
     two = make_plan(
         load_config(
             BASE,
@@ -202,31 +233,52 @@ def test_batch_plan_counts():
             ],
         )
     )
-    assert (two.workers, two.actor.samples_per_worker, two.actor.micro_batches_per_mini_batch) == (2, 4, 1)
-    assert plan.actor.optimizer_steps_per_rollout == 8  # 4 mini-batches x 2 epochs
-    assert plan.critic is not None  # gae has a critic, with the actor's sizes
-    assert plan.max_tokens_per_step == 32 * 16  # samples x (10 + 6)
+    assert (two.workers, two.actor.samples_per_worker, two.actor.micro_batches_per_mini_batch) == (
+        2,
+        4,
+        1,
+    )
+    # 4 mini-batches x 2 epochs
+    assert plan.actor.optimizer_steps_per_rollout == 8
+    # gae has a critic, with the actor's sizes
+    assert plan.critic is not None
+    # samples x (10 + 6)
+    assert plan.max_tokens_per_step == 32 * 16
     assert "samples per step (x rollout.n)" in plan.render()
-    assert plan.old_log_probs == "recomputed each step"  # 4 mini-batches
+    # 4 mini-batches
+    assert plan.old_log_probs == "recomputed each step"
 
 
 @pytest.mark.parametrize(
     "overrides, source",
     [
         (["actor_rollout_ref.actor.ppo_mini_batch_size=8"], "on-policy"),
-        (["actor_rollout_ref.actor.ppo_mini_batch_size=8", "algorithm.use_kl_in_reward=true"], "recomputed"),
-        (["actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.guards.nonfinite=skip"], "recomputed"),
         (
-            ["actor_rollout_ref.actor.ppo_mini_batch_size=8", "algorithm.rollout_correction.rollout_is=token"],
+            ["actor_rollout_ref.actor.ppo_mini_batch_size=8", "algorithm.use_kl_in_reward=true"],
             "recomputed",
         ),
         (
-            ["actor_rollout_ref.actor.ppo_mini_batch_size=4", "algorithm.rollout_correction.bypass_mode=true"],
+            ["actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.guards.nonfinite=skip"],
+            "recomputed",
+        ),
+        (
+            [
+                "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                "algorithm.rollout_correction.rollout_is=token",
+            ],
+            "recomputed",
+        ),
+        (
+            [
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "algorithm.rollout_correction.bypass_mode=true",
+            ],
             "sampler's",
         ),
         (["actor_rollout_ref.actor.ppo_mini_batch_size=4"], "but the first mini-batch's"),
-        # async mode's samples are off-policy: keel's bypass mode takes the sampler's as the old ones, and
-        # decoupled correction (chosen, or for a policy loss bypass mode cannot take) needs every old log-prob
+        # async mode's samples are off-policy: keel's bypass mode takes the sampler's as the old
+        # ones, and decoupled correction (chosen, or for a policy loss bypass mode cannot take)
+        # needs every old log-prob
         (["actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.mode=async"], "sampler's"),
         (
             [
@@ -237,7 +289,11 @@ def test_batch_plan_counts():
             "recomputed each step",
         ),
         (
-            ["actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.mode=async", "trainer.max_off_policy_steps=0"],
+            [
+                "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                "trainer.mode=async",
+                "trainer.max_off_policy_steps=0",
+            ],
             "on-policy",
         ),
     ],
@@ -247,7 +303,8 @@ def test_the_plan_says_where_the_old_log_probs_come_from(overrides, source):
     assert source in plan.old_log_probs and source in plan.render()
 
 
-def test_a_second_epoch_needs_every_old_log_prob():  # its first mini-batch runs after optimiser steps
+# its first mini-batch runs after optimiser steps
+def test_a_second_epoch_needs_every_old_log_prob():
     plan = make_plan(
         load_config(
             BASE,
@@ -274,37 +331,53 @@ def test_config_reference_lists_every_key():
     from keel.config.docs import render_reference
 
     doc = Path(__file__).parents[2] / "docs" / "config.md"
-    assert doc.read_text() == render_reference(), "regenerate: python -m keel.config.docs > docs/config.md"
+    assert doc.read_text() == render_reference(), (
+        "regenerate: python -m keel.config.docs > docs/config.md"
+    )
     assert all(f"`{key}`" in doc.read_text() for key in all_keys())
-    assert "`model.partial_pretrain`" in doc.read_text()  # the SFT keys too
+    # the SFT keys too
+    assert "`model.partial_pretrain`" in doc.read_text()
 
 
 def test_token_budget_smaller_than_one_sample_is_refused():
     err = error_of(
-        ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10"]
+        [
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10",
+        ]
     )
     assert err.code == BATCH_ARITHMETIC and "ppo_max_token_len_per_gpu=10" in err.message
     assert "at least" in err.fix
 
 
 def test_more_workers_than_samples_in_a_mini_batch_is_refused():
-    err = error_of(["trainer.n_gpus_per_node=8"])  # BASE: mini-batches of 4 prompts x n=1
+    # BASE: mini-batches of 4 prompts x n=1
+    err = error_of(["trainer.n_gpus_per_node=8"])
     assert err.code == BATCH_ARITHMETIC and "8 workers" in err.message
 
 
 @pytest.mark.parametrize(
     "shape, gpu_gb, overrides, expected, size",
     [
-        ("0.5b", 140, [], "DDP", 1),  # a replica fits an H200 with room: replicated
-        ("7b", 140, [], "would need about", -1),  # it does not: sharded over every worker
-        ("0.5b", None, [], "no GPU here", -1),  # nothing to size it against: sharded, as before
-        ("0.5b", 140, ["actor_rollout_ref.rollout.name=hf"], "rollout engine is hf", -1),  # it would generate
-        ("0.5b", 140, ["actor_rollout_ref.actor.fsdp_config.fsdp_size=-1"], None, -1),  # the config says: as it is
-        ("0.5b", 140, ["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"], None, -1),  # FSDP's keys: FSDP
-        ("0.5b", 140, ["trainer.n_gpus_per_node=1"], None, -1),  # one worker: nothing to pick
+        # a replica fits an H200 with room: replicated
+        ("0.5b", 140, [], "DDP", 1),
+        # it does not: sharded over every worker
+        ("7b", 140, [], "would need about", -1),
+        # nothing to size it against: sharded, as before
+        ("0.5b", None, [], "no GPU here", -1),
+        # it would generate
+        ("0.5b", 140, ["actor_rollout_ref.rollout.name=hf"], "rollout engine is hf", -1),
+        # the config says: as it is
+        ("0.5b", 140, ["actor_rollout_ref.actor.fsdp_config.fsdp_size=-1"], None, -1),
+        # FSDP's keys: FSDP
+        ("0.5b", 140, ["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"], None, -1),
+        # one worker: nothing to pick
+        ("0.5b", 140, ["trainer.n_gpus_per_node=1"], None, -1),
     ],
 )
-def test_keel_picks_ddp_or_fsdp_for_the_policy_when_the_config_does_not(shape, gpu_gb, overrides, expected, size):
+def test_keel_picks_ddp_or_fsdp_for_the_policy_when_the_config_does_not(
+    shape, gpu_gb, overrides, expected, size
+):
     from transformers import Qwen2Config
 
     from keel.bench.workloads import QWEN25_COMMON, QWEN25_SHAPES
@@ -317,17 +390,33 @@ def test_keel_picks_ddp_or_fsdp_for_the_policy_when_the_config_does_not(shape, g
     why = choose_sharding(cfg, model_cfg, params, gpu_gb and gpu_gb * 2**30)
     assert (why is None) if expected is None else (expected in why and "fsdp_size" in why)
     assert cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size == size
-    assert choose_sharding(cfg, model_cfg, params, 1) == why  # chosen once: keel check's stands for the run
+    # chosen once: keel check's stands for the run
+    assert choose_sharding(cfg, model_cfg, params, 1) == why
 
 
 @pytest.mark.parametrize(
     "overrides, said",
     [
-        ([], "in the trainer's process, each batch whole (set reward.num_workers > 0 to score beside generation)"),
-        (["reward.num_workers=4"], "in 4 scoring processes, each sample as it finishes, beside generation"),
-        (["reward.num_workers=4", "reward.score_ahead=false"], "in 4 scoring processes, each batch whole"),
-        (["reward.num_workers=4", "custom_reward_function.batched=true"], "by your batched function, each batch"),
-        (["reward.num_workers=4", "actor_rollout_ref.rollout.name=hf"], "in 4 scoring processes, each batch whole"),
+        (
+            [],
+            "in the trainer's process, each batch whole (set reward.num_workers > 0 to score beside generation)",
+        ),
+        (
+            ["reward.num_workers=4"],
+            "in 4 scoring processes, each sample as it finishes, beside generation",
+        ),
+        (
+            ["reward.num_workers=4", "reward.score_ahead=false"],
+            "in 4 scoring processes, each batch whole",
+        ),
+        (
+            ["reward.num_workers=4", "custom_reward_function.batched=true"],
+            "by your batched function, each batch",
+        ),
+        (
+            ["reward.num_workers=4", "actor_rollout_ref.rollout.name=hf"],
+            "in 4 scoring processes, each batch whole",
+        ),
         (
             ["reward.num_workers=4", "actor_rollout_ref.rollout.multi_turn.enable=true"],
             "in 4 scoring processes, each sample as it finishes, beside generation (episodes with an environment",

@@ -26,7 +26,8 @@ def tables(text: str) -> list[list[str]]:
 def test_every_row_of_the_config_reference_has_its_tables_number_of_cells():
     for text in (render_reference(), DOC.read_text()):
         found = tables(text)
-        assert len(found) >= 4  # RL keys, SFT keys, verl's keys, different defaults
+        # RL keys, SFT keys, verl's keys, different defaults
+        assert len(found) >= 4
         for table in found:
             width = cells(table[0])
             bad = [row for row in table if cells(row) != width]
@@ -34,5 +35,9 @@ def test_every_row_of_the_config_reference_has_its_tables_number_of_cells():
 
 
 def test_a_pipe_in_a_keys_help_is_escaped_not_a_new_cell():
-    row = next(line for line in render_reference().splitlines() if line.startswith("| `trainer.resume_mode`"))
+    row = next(
+        line
+        for line in render_reference().splitlines()
+        if line.startswith("| `trainer.resume_mode`")
+    )
     assert cells(row) == 5 and "auto \\| disable" in row

@@ -11,7 +11,14 @@ import torch
 
 from keel.data.prompts import PromptRecord, build_prompt_dataset, collate_prompts, load_rows
 from keel.data.sampler import ResumableSampler
-from keel.errors import DATA_COLUMN, DATA_EMPTY, DATA_FILE, NO_CHAT_TEMPLATE, PROMPT_TOO_LONG, KeelError
+from keel.errors import (
+    DATA_COLUMN,
+    DATA_EMPTY,
+    DATA_FILE,
+    NO_CHAT_TEMPLATE,
+    PROMPT_TOO_LONG,
+    KeelError,
+)
 from keel.models.tiny import build_tokenizer
 
 GEN_PROMPT = "<|im_start|>assistant\n"
@@ -139,11 +146,17 @@ def test_parquet_rows_with_null_fields_get_defaults(tmp_path, tokenizer):
     rows = load_rows(write_parquet(tmp_path / "d.parquet", [full, {"prompt": "hi"}]))
     records, _ = build_prompt_dataset(rows, tokenizer)
     assert records[0].ground_truth == "4"
-    assert (records[1].data_source, records[1].ground_truth, records[1].extra_info) == ("unknown", None, {})
+    assert (records[1].data_source, records[1].ground_truth, records[1].extra_info) == (
+        "unknown",
+        None,
+        {},
+    )
 
 
 def test_without_chat_template_flag_messages_are_joined(tokenizer):
-    row = {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]}
+    row = {
+        "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    }
     (chat,), _ = build_prompt_dataset([row], tokenizer, apply_chat_template=False)
     (plain,), _ = build_prompt_dataset([{"prompt": "raw"}], tokenizer, apply_chat_template=False)
     assert chat.prompt_text == "be brief\n2+2?"
@@ -191,14 +204,20 @@ def long_and_short_rows() -> list[dict]:
 def test_overlong_prompt_with_error_names_row_length_and_limit(tokenizer):
     with pytest.raises(KeelError) as e:
         build_prompt_dataset(long_and_short_rows(), tokenizer, max_prompt_length=30)
-    full = len(build_prompt_dataset(long_and_short_rows()[:1], tokenizer, max_prompt_length=1000)[0][0].prompt_ids)
+    full = len(
+        build_prompt_dataset(long_and_short_rows()[:1], tokenizer, max_prompt_length=1000)[0][
+            0
+        ].prompt_ids
+    )
     assert e.value.code == PROMPT_TOO_LONG
     assert "row 0" in e.value.message and str(full) in e.value.message and "30" in e.value.message
 
 
 def test_left_truncation_keeps_the_tail_with_generation_prompt(tokenizer):
     (full,), _ = build_prompt_dataset(long_and_short_rows()[:1], tokenizer, max_prompt_length=1000)
-    records, stats = build_prompt_dataset(long_and_short_rows(), tokenizer, max_prompt_length=30, truncation="left")
+    records, stats = build_prompt_dataset(
+        long_and_short_rows(), tokenizer, max_prompt_length=30, truncation="left"
+    )
     assert records[0].prompt_ids == full.prompt_ids[-30:]
     assert records[0].prompt_text.endswith("QUESTION-END<|im_end|>\n" + GEN_PROMPT)
     assert records[0].prompt_text == tokenizer.decode(full.prompt_ids[-30:])
@@ -208,7 +227,9 @@ def test_left_truncation_keeps_the_tail_with_generation_prompt(tokenizer):
 
 def test_right_truncation_keeps_the_head(tokenizer):
     (full,), _ = build_prompt_dataset(long_and_short_rows()[:1], tokenizer, max_prompt_length=1000)
-    records, stats = build_prompt_dataset(long_and_short_rows(), tokenizer, max_prompt_length=30, truncation="right")
+    records, stats = build_prompt_dataset(
+        long_and_short_rows(), tokenizer, max_prompt_length=30, truncation="right"
+    )
     assert records[0].prompt_ids == full.prompt_ids[:30]
     assert records[0].prompt_text.startswith("<|im_start|>user\nSYSTEM-START")
     assert GEN_PROMPT not in records[0].prompt_text
@@ -244,7 +265,9 @@ def test_ten_thousand_rows_load_in_one_batched_pass(tmp_path, tokenizer):
 
 
 def record(ids: list[int]) -> PromptRecord:
-    return PromptRecord(index=0, prompt_ids=ids, prompt_text="", data_source="s", ground_truth=None, extra_info={})
+    return PromptRecord(
+        index=0, prompt_ids=ids, prompt_text="", data_source="s", ground_truth=None, extra_info={}
+    )
 
 
 def test_collate_left_pads_to_the_longest_prompt():
@@ -255,7 +278,9 @@ def test_collate_left_pads_to_the_longest_prompt():
 
 
 def test_collate_real_prompts_end_at_the_same_column(tokenizer):
-    records, _ = build_prompt_dataset([chat_row("a much longer question"), chat_row("hi")], tokenizer)
+    records, _ = build_prompt_dataset(
+        [chat_row("a much longer question"), chat_row("hi")], tokenizer
+    )
     batch = collate_prompts(records, tokenizer.pad_token_id)
     assert batch.input_ids.shape == (2, len(records[0].prompt_ids))
     # Generation appends at the right edge, so every row ends with the generation prompt.
@@ -313,7 +338,8 @@ def test_sampler_without_shuffle_is_in_order():
     assert take_epoch(sampler) == [[0, 1, 2], [3, 4, 5]]
 
 
-@pytest.mark.parametrize("k", [0, 2, 3, 5, 7])  # 3 batches per epoch: mid-epoch and boundaries
+# 3 batches per epoch: mid-epoch and boundaries
+@pytest.mark.parametrize("k", [0, 2, 3, 5, 7])
 def test_sampler_restored_from_state_dict_continues_identically(k):
     uninterrupted = ResumableSampler(dataset_size=10, batch_size=3, seed=123)
     for _ in range(k):
@@ -323,7 +349,9 @@ def test_sampler_restored_from_state_dict_continues_identically(k):
     resumed = ResumableSampler(dataset_size=10, batch_size=3, seed=123)
     resumed.load_state_dict(state)
     assert (resumed.epoch, resumed.position) == (uninterrupted.epoch, uninterrupted.position)
-    assert [resumed.next_batch() for _ in range(8)] == [uninterrupted.next_batch() for _ in range(8)]
+    assert [resumed.next_batch() for _ in range(8)] == [
+        uninterrupted.next_batch() for _ in range(8)
+    ]
 
 
 def test_sampler_state_from_other_dataset_or_batch_size_is_rejected():

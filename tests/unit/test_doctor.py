@@ -2,9 +2,22 @@
 
 import json
 
-from keel.check.doctor import check_cuda, check_disk, check_gpu_arch, check_package, check_python, check_torch
+from keel.check.doctor import (
+    check_cuda,
+    check_disk,
+    check_gpu_arch,
+    check_package,
+    check_python,
+    check_torch,
+)
 from keel.cli import main
-from keel.errors import CUDA_DRIVER_TOO_OLD, GPU_ARCH_UNSUPPORTED, LOW_DISK, PACKAGE_VERSION, TORCH_UNSUPPORTED
+from keel.errors import (
+    CUDA_DRIVER_TOO_OLD,
+    GPU_ARCH_UNSUPPORTED,
+    LOW_DISK,
+    PACKAGE_VERSION,
+    TORCH_UNSUPPORTED,
+)
 
 
 def test_torch_with_the_fsdp_gradient_bug_is_rejected():
@@ -26,8 +39,14 @@ def test_the_torch_keel_needs_is_the_one_pyproject_requires(capsys):
     for name, (low, _) in SUPPORTED.items():
         assert f'"{name}>={low}"' in pyproject, name
     older = f"2.{int(MIN_TORCH.split('.')[1]) - 1}.0"
-    assert check_torch(older).code == TORCH_UNSUPPORTED and check_torch(MIN_TORCH + ".0").level == "pass"
-    assert f">= {MIN_TORCH}" in check_torch(older).detail and f"torch>={MIN_TORCH}" in check_torch(older).fix
+    assert (
+        check_torch(older).code == TORCH_UNSUPPORTED
+        and check_torch(MIN_TORCH + ".0").level == "pass"
+    )
+    assert (
+        f">= {MIN_TORCH}" in check_torch(older).detail
+        and f"torch>={MIN_TORCH}" in check_torch(older).fix
+    )
     assert f"torch >= {MIN_TORCH}" in CATALOGUE[TORCH_UNSUPPORTED].cause
     assert f"torch>={MIN_TORCH}" in CATALOGUE[TORCH_UNSUPPORTED].fix
 
@@ -35,7 +54,8 @@ def test_the_torch_keel_needs_is_the_one_pyproject_requires(capsys):
 def test_package_ranges():
     assert check_package("transformers", "4.40.0").code == PACKAGE_VERSION
     assert check_package("transformers", None).code == PACKAGE_VERSION
-    assert check_package("peft", None).level == "warn"  # only LoRA needs it
+    # only LoRA needs it
+    assert check_package("peft", None).level == "warn"
     assert check_package("transformers", "5.17.0").level == "pass"
     assert check_python((3, 9)).code == PACKAGE_VERSION
 
@@ -44,7 +64,8 @@ def test_driver_older_than_torch_cuda():
     # torch for CUDA 13.0 with a driver that supports up to CUDA 12.4 (cuDriverGetVersion 12040)
     assert check_cuda("13.0", 12040, ["NVIDIA H200"]).code == CUDA_DRIVER_TOO_OLD
     assert check_cuda("12.8", 13000, ["NVIDIA H200"]).level == "pass"
-    assert check_cuda(None, None, []).level == "warn"  # CPU build: runs, slowly
+    # CPU build: runs, slowly
+    assert check_cuda(None, None, []).level == "warn"
 
 
 def test_gpu_without_kernels_in_this_build():

@@ -32,7 +32,9 @@ class Spy:
     def submit(self, key, context, limit):
         future = self.service.submit(key, context, limit)
         future.add_done_callback(
-            lambda done: done.exception() or self.sampled.setdefault(key, []).append(done.result().ids)
+            lambda done: (
+                done.exception() or self.sampled.setdefault(key, []).append(done.result().ids)
+            )
         )
         return future
 
@@ -45,7 +47,11 @@ def engine(tiny_assets):
 
 
 def spy_service(engine):
-    return Spy(EngineService(engine, SamplingParams(temperature=1.0), sequences=8, max_len=512, turn_tokens=16))
+    return Spy(
+        EngineService(
+            engine, SamplingParams(temperature=1.0), sequences=8, max_len=512, turn_tokens=16
+        )
+    )
 
 
 def episode(url: str, sample: str, turns: int = 2, rewrite: bool = False) -> None:
@@ -66,8 +72,11 @@ def test_two_endpoint_processes_serve_a_rollout_token_exact_then_the_next(engine
     model, tokenizer = engine
     endpoints = EndpointProcesses(tokenizer, 2, "127.0.0.1", TOKEN, max_in_flight=8)
     try:
-        assert len(set(endpoints.urls)) == 2 and all(p.pid != os.getpid() for p in endpoints.processes)
-        with pytest.raises(openai.APIStatusError) as early:  # before any rollout: refused, not a server error
+        assert len(set(endpoints.urls)) == 2 and all(
+            p.pid != os.getpid() for p in endpoints.processes
+        )
+        # before any rollout: refused, not a server error
+        with pytest.raises(openai.APIStatusError) as early:
             episode(endpoints.urls[0], "early")
         assert early.value.status_code in (400, 503)
         service = spy_service(model)
@@ -80,13 +89,16 @@ def test_two_endpoint_processes_serve_a_rollout_token_exact_then_the_next(engine
         assert sorted(traces) == ["a", "b", "c"]
         assert [traces[k].requests for k in "abc"] == [3, 2, 2]
         assert traces["a"].prefix_breaks == 0 and traces["c"].prefix_breaks == 1
-        for key in "abc":  # crossed a process boundary both ways: still exactly the engine's tokens
+        # crossed a process boundary both ways: still exactly the engine's tokens
+        for key in "abc":
             assert sampled_in(traces[key]) == [t for ids in service.sampled[key] for t in ids]
-        with pytest.raises(openai.APIStatusError) as over:  # the rollout is over: refused, not queued
+        # the rollout is over: refused, not queued
+        with pytest.raises(openai.APIStatusError) as over:
             episode(first, "late")
         assert over.value.status_code == 503
 
-        service = spy_service(model)  # the next rollout: the same processes, fresh traces
+        # the next rollout: the same processes, fresh traces
+        service = spy_service(model)
         (url, _) = endpoints.begin(service, budget=400)
         episode(url, "d", turns=1)
         service.close()
@@ -110,9 +122,11 @@ def test_a_dead_or_unstartable_endpoint_process_is_said(engine):
         with pytest.raises(KeelError) as broke:
             endpoints.collect()
         assert broke.value.code == AGENT_FUNCTION and "keel-endpoint-1" in str(broke.value)
-        assert endpoints.bridges == [] and not endpoints.processes[0].exitcode  # the other was asked too, and lives
+        # the other was asked too, and lives
+        assert endpoints.bridges == [] and not endpoints.processes[0].exitcode
     finally:
         endpoints.close()
     with pytest.raises(KeelError) as unstartable:
-        EndpointProcesses(tokenizer, 1, "192.0.2.1", TOKEN, max_in_flight=8)  # an address this machine lacks
+        # an address this machine lacks
+        EndpointProcesses(tokenizer, 1, "192.0.2.1", TOKEN, max_in_flight=8)
     assert unstartable.value.code == AGENT_FUNCTION and "could not" in str(unstartable.value)

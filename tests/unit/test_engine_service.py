@@ -21,7 +21,8 @@ def engine(tiny_assets):
     tokenizer = load_tokenizer(tiny_assets["model"])
     model = load_causal_lm(tiny_assets["model"], torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # matrices redrawn large enough that greedy decoding does not repeat one token
+    # matrices redrawn large enough that greedy decoding does not repeat one token
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
@@ -29,7 +30,9 @@ def engine(tiny_assets):
 
 
 def prompt_ids(tokenizer, texts):
-    records, _ = build_prompt_dataset([{"prompt": t} for t in texts], tokenizer, max_prompt_length=48)
+    records, _ = build_prompt_dataset(
+        [{"prompt": t} for t in texts], tokenizer, max_prompt_length=48
+    )
     return collate_prompts(records, tokenizer.pad_token_id)
 
 
@@ -39,10 +42,17 @@ def test_turns_from_many_threads_answer_as_generate_does(engine):
     expected = engine.generate(prompts, GREEDY).response_ids.tolist()
     service = EngineService(engine, GREEDY, sequences=4, max_len=64, turn_tokens=6)
     try:
-        contexts = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.input_ids, prompts.attention_mask)]
+        contexts = [
+            ids[mask.bool()].tolist()
+            for ids, mask in zip(prompts.input_ids, prompts.attention_mask)
+        ]
         results = [None] * 4
         threads = [
-            threading.Thread(target=lambda i=i: results.__setitem__(i, service.submit(i, contexts[i], 6).result()))
+            threading.Thread(
+                target=lambda i=i: results.__setitem__(
+                    i, service.submit(i, contexts[i], 6).result()
+                )
+            )
             for i in range(4)
         ]
         for t in threads:
@@ -66,7 +76,8 @@ def test_a_key_keeps_its_cache_while_its_context_extends(engine):
     finally:
         service.close()
     assert extended.extended and not rewritten.extended
-    assert extended.ids == fresh.ids  # reusing the cache changes nothing of the answer
+    # reusing the cache changes nothing of the answer
+    assert extended.ids == fresh.ids
 
 
 def test_a_key_waits_for_a_row_until_another_ends(engine):
@@ -75,7 +86,8 @@ def test_a_key_waits_for_a_row_until_another_ends(engine):
     try:
         service.submit("first", [5, 6, 7], 6).result()
         waiting = service.submit("second", [8, 9], 6)
-        assert not waiting.done()  # its row is held by "first", whose episode may go on
+        # its row is held by "first", whose episode may go on
+        assert not waiting.done()
         service.end("first")
         assert len(waiting.result(timeout=300).ids) == 6
     finally:
@@ -90,7 +102,8 @@ def test_refusals_and_closing_never_hang_a_caller(engine):
     done = service.submit("a", [5, 6], 6).result()
     with pytest.raises(ValueError, match="no new tokens"):
         service.submit("a", [5, 6] + done.ids, 6).result()
-    stuck = service.submit("b", [5, 6], 6)  # no row: "a" holds the only one
+    # no row: "a" holds the only one
+    stuck = service.submit("b", [5, 6], 6)
     service.close()
     with pytest.raises(RuntimeError, match="closed"):
         stuck.result(timeout=300)
@@ -105,7 +118,8 @@ def test_a_turn_after_its_key_ended_is_refused_and_keeps_no_row(engine):
         service.end("late")
         with pytest.raises(ValueError, match="was ended"):
             service.submit("late", [5, 6, 7], 6).result(timeout=300)
-        assert len(service.submit("next", [8, 9], 6).result(timeout=300).ids) == 6  # the only row is free
+        # the only row is free
+        assert len(service.submit("next", [8, 9], 6).result(timeout=300).ids) == 6
     finally:
         service.close()
 
@@ -115,14 +129,19 @@ def test_turns_arriving_within_the_admission_window_share_one_prefill(engine):
     and the same answers as turns admitted one by one. A close while turns are held answers them."""
     engine, tokenizer = engine
     prompts = prompt_ids(tokenizer, [f"turn {'x ' * i}" for i in range(6)])
-    contexts = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.input_ids, prompts.attention_mask)]
+    contexts = [
+        ids[mask.bool()].tolist() for ids, mask in zip(prompts.input_ids, prompts.attention_mask)
+    ]
 
     def answers(admission_s: float) -> tuple[list, int]:
-        service = EngineService(engine, GREEDY, sequences=6, max_len=64, turn_tokens=6, admission_s=admission_s)
+        service = EngineService(
+            engine, GREEDY, sequences=6, max_len=64, turn_tokens=6, admission_s=admission_s
+        )
         passes, prefill = [], service.batcher.runner.prefill
         service.batcher.runner.prefill = lambda *a, **k: passes.append(1) or prefill(*a, **k)
         try:
-            futures = [service.submit(i, context, 6) for i, context in enumerate(contexts)]  # within the window
+            # within the window
+            futures = [service.submit(i, context, 6) for i, context in enumerate(contexts)]
             return [f.result(timeout=600).ids for f in futures], len(passes)
         finally:
             service.close()
@@ -130,7 +149,9 @@ def test_turns_arriving_within_the_admission_window_share_one_prefill(engine):
     held, passes = answers(admission_s=5.0)
     assert passes == 1
     assert held == answers(admission_s=0.0)[0]
-    service = EngineService(engine, GREEDY, sequences=6, max_len=64, turn_tokens=6, admission_s=600.0)
+    service = EngineService(
+        engine, GREEDY, sequences=6, max_len=64, turn_tokens=6, admission_s=600.0
+    )
     waiting = service.submit("held", contexts[0], 6)
     service.close()
     with pytest.raises(RuntimeError, match="closed"):
@@ -145,19 +166,28 @@ def test_turns_submitted_together_share_a_pass_and_are_told_on_one_queue(engine)
 
     engine, tokenizer = engine
     prompts = prompt_ids(tokenizer, ["one", "two two", "three three three", "four"])
-    contexts = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.input_ids, prompts.attention_mask)]
+    contexts = [
+        ids[mask.bool()].tolist() for ids, mask in zip(prompts.input_ids, prompts.attention_mask)
+    ]
     expected = engine.generate(prompts, GREEDY).response_ids.tolist()
     service = EngineService(engine, GREEDY, sequences=4, max_len=64, turn_tokens=6)
     news: queue.Queue = queue.Queue()
     try:
         service.submit_many([(i, contexts[i], 6, i) for i in range(4)], notify=news)
         kind, answered = news.get(timeout=120)
-        assert kind == "turns" and sorted(key for key, _ in answered) == [0, 1, 2, 3]  # one step ended all four
-        assert [future.result().ids for _, future in sorted(answered, key=lambda a: a[0])] == expected
+        # one step ended all four
+        assert kind == "turns" and sorted(key for key, _ in answered) == [0, 1, 2, 3]
+        assert [
+            future.result().ids for _, future in sorted(answered, key=lambda a: a[0])
+        ] == expected
         assert service.stats["admissions"] == 1 and service.stats["turns"] == 4
         (refused,) = service.submit_many([("big", contexts[0], 7, None)], notify=news)
         kind, told = news.get(timeout=120)
-        assert kind == "turns" and told == [("big", refused)] and isinstance(refused.exception(), ValueError)
+        assert (
+            kind == "turns"
+            and told == [("big", refused)]
+            and isinstance(refused.exception(), ValueError)
+        )
     finally:
         service.close()
     assert news.get(timeout=120)[0] == "closed"
@@ -168,17 +198,27 @@ def test_keys_of_one_group_share_their_first_prefill(engine):
     and prefills one copy of a context that several keys of a group start with."""
     engine, tokenizer = engine
     prompts = prompt_ids(tokenizer, ["the same prompt", "another one"])
-    same, other = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.input_ids, prompts.attention_mask)]
+    same, other = [
+        ids[mask.bool()].tolist() for ids, mask in zip(prompts.input_ids, prompts.attention_mask)
+    ]
     groups = {"a": 0, "b": 0, "c": 0, "d": 1}
     service = EngineService(engine, GREEDY, sequences=4, max_len=64, turn_tokens=6, groups=groups)
     try:
         futures = service.submit_many(
-            [("a", same, 6, None), ("b", same, 6, None), ("c", same, 6, None), ("d", other, 6, None)]
+            [
+                ("a", same, 6, None),
+                ("b", same, 6, None),
+                ("c", same, 6, None),
+                ("d", other, 6, None),
+            ]
         )
         answers = [f.result(timeout=120).ids for f in futures]
-        with pytest.raises(ValueError, match="not a sample of this rollout"):  # an earlier rollout's, say
+        # an earlier rollout's, say
+        with pytest.raises(ValueError, match="not a sample of this rollout"):
             service.submit("sample-of-yesterday", same, 6).result(timeout=120)
     finally:
         service.close()
-    assert service.batcher.prefilled == len(same) + len(other)  # a, b and c: one prefill of their prompt
-    assert answers[0] == answers[1] == answers[2]  # greedy from the same cache
+    # a, b and c: one prefill of their prompt
+    assert service.batcher.prefilled == len(same) + len(other)
+    # greedy from the same cache
+    assert answers[0] == answers[1] == answers[2]

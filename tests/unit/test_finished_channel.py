@@ -32,8 +32,10 @@ def test_a_call_is_told_once_every_rank_has_closed_and_every_sample_arrived():
     told, arrived = [], threading.Event()
     channel = FinishedChannel(StandInQueue())
     call, (rank0, rank1) = channel.open(lambda row, record, text: told.append((row, text)), [0, 2])
-    rank1.close()  # rank 1 told nothing: its close says 0
-    channel.queue.items.put((call, None, 2))  # rank 0's close, arriving before its samples
+    # rank 1 told nothing: its close says 0
+    rank1.close()
+    # rank 0's close, arriving before its samples
+    channel.queue.items.put((call, None, 2))
     threading.Thread(target=lambda: (channel.wait(call), arrived.set())).start()
     rank0(1, "record b", "b")
     rank0(0, "record a", "a")
@@ -47,7 +49,9 @@ def test_a_dead_queue_releases_the_waiting_batch_and_later_calls_tell_nothing():
     channel = FinishedChannel(StandInQueue())
     call, (teller,) = channel.open(lambda row, record, text: told.append(row), [0])
     teller(0, "record", "a")
-    channel.queue.items.put(DIE)  # before the rank closes: its batch must not wait for it
-    channel.wait(call)  # released by the dead queue, not by ALL_TOLD_TIMEOUT_S
+    # before the rank closes: its batch must not wait for it
+    channel.queue.items.put(DIE)
+    # released by the dead queue, not by ALL_TOLD_TIMEOUT_S
+    channel.wait(call)
     assert told == [0]
     assert channel.open(lambda *told: None, [0, 4]) == (None, [None, None])

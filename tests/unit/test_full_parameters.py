@@ -16,14 +16,18 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, world: int, port: int, results):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     try:
         _compare(rank, world, results)
         # gloo aborts the process ("terminate called without an active exception") when a peer
         # tears its group down while another still holds a connection: leave together
         dist.barrier()
-        results.put({"_done": rank})  # past every collective: what gloo does at exit is not keel's
-    except Exception as error:  # the test reads it at once instead of waiting for a result
+        # past every collective: what gloo does at exit is not keel's
+        results.put({"_done": rank})
+    # the test reads it at once instead of waiting for a result
+    except Exception as error:
         results.put({"_error": repr(error)})
         raise
     finally:
@@ -38,7 +42,8 @@ def _compare(rank: int, world: int, results):
     from keel.distributed.fsdp import full_parameters
     from keel.distributed.parallelize import make_mesh, shard_model
 
-    torch.manual_seed(0)  # rows of 301 (vocabulary) and 64 do not split evenly over 3 ranks
+    # rows of 301 (vocabulary) and 64 do not split evenly over 3 ranks
+    torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=301,
         hidden_size=64,
@@ -52,7 +57,8 @@ def _compare(rank: int, world: int, results):
     expected = {name: p.detach().clone() for name, p in model.named_parameters()}
     fsdp = SimpleNamespace(reshard_after_forward=True, param_offload=False, fsdp_size=-1)
     model = shard_model(model, make_mesh("cpu", world, -1), torch.float32, fsdp)
-    gathered = dict(full_parameters(model, torch.device("cpu"), bucket_bytes=20_000))  # several buckets
+    # several buckets
+    gathered = dict(full_parameters(model, torch.device("cpu"), bucket_bytes=20_000))
     if rank == 0:
         results.put(
             {name: bool(torch.equal(gathered[name], whole)) for name, whole in expected.items()}
@@ -67,12 +73,17 @@ def test_bucketed_gather_equals_the_unsharded_model():
     procs = [context.Process(target=_rank, args=(r, 3, port, results)) for r in range(3)]
     for p in procs:
         p.start()
-    messages = []  # rank 0's comparison, then each rank's "done"; an error at once
+    # rank 0's comparison, then each rank's "done"; an error at once
+    messages = []
     while len(messages) < 4:
-        messages.append(results.get(timeout=600))  # long limits: a loaded machine is slow, not wrong
+        # long limits: a loaded machine is slow, not wrong
+        messages.append(results.get(timeout=600))
         assert "_error" not in messages[-1], messages[-1]
-    assert sorted(m["_done"] for m in messages if "_done" in m) == [0, 1, 2]  # every rank finished its work
+    # every rank finished its work
+    assert sorted(m["_done"] for m in messages if "_done" in m) == [0, 1, 2]
     for p in procs:
         p.join(timeout=600)
     outcome = next(m for m in messages if "_names" in m)
-    assert outcome.pop("_names") and outcome and all(outcome.values()), [k for k, ok in outcome.items() if not ok]
+    assert outcome.pop("_names") and outcome and all(outcome.values()), [
+        k for k, ok in outcome.items() if not ok
+    ]

@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from keel.config.load import load_config
-from keel.errors import DATA_EMPTY, DEVICE_UNAVAILABLE, MODEL_PATH, NO_EOS, NO_GRADIENT, NONFINITE_LOSS, KeelError
+from keel.errors import (
+    DATA_EMPTY,
+    DEVICE_UNAVAILABLE,
+    MODEL_PATH,
+    NO_EOS,
+    NO_GRADIENT,
+    NONFINITE_LOSS,
+    KeelError,
+)
 from keel.models.load import load_tokenizer
 from keel.models.tiny import build_tokenizer
 from keel.trainer.rl import RLTrainer
@@ -59,20 +67,24 @@ def test_cuda_requested_without_a_gpu(tiny_config):
     assert code_of(lambda: RLTrainer(cfg)) == DEVICE_UNAVAILABLE
 
 
-@pytest.mark.parametrize("fused", [False, True])  # fused: the step skips itself on the device (found_inf)
+# fused: the step skips itself on the device (found_inf)
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nonfinite_gradient_is_refused_and_weights_unchanged(fused, bad):
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
     (model(torch.tensor([[1.0, 1.0]])).sum()).backward()
-    apply_gradients(model, optimizer, 1.0, "actor")  # one good step first: Adam's state exists
+    # one good step first: Adam's state exists
+    apply_gradients(model, optimizer, 1.0, "actor")
     before = [p.detach().clone() for p in model.parameters()]
     state_before = {k: v.clone() for k, v in optimizer.state[model.weight].items()}
     (model(torch.tensor([[bad, 1.0]])).sum()).backward()
     assert code_of(lambda: apply_gradients(model, optimizer, 1.0, "actor")) == NONFINITE_LOSS
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
-    assert all(torch.equal(v, optimizer.state[model.weight][k]) for k, v in state_before.items())  # step count too
-    assert all(p.grad is None for p in model.parameters())  # the refused gradient does not leak into the next step
+    # step count too
+    assert all(torch.equal(v, optimizer.state[model.weight][k]) for k, v in state_before.items())
+    # the refused gradient does not leak into the next step
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_the_next_forward_under_the_same_autocast_sees_the_stepped_weights():
@@ -99,7 +111,8 @@ def test_a_refused_step_names_only_the_parameters_with_nonfinite_gradients(fused
     with pytest.raises(KeelError) as error:
         apply_gradients(model, optimizer, 1.0, "actor")
     assert "non-finite in 1 parameters, e.g. ['1.bias']" in error.value.message
-    assert not hasattr(optimizer, "found_inf")  # nothing left behind for a later step
+    # nothing left behind for a later step
+    assert not hasattr(optimizer, "found_inf")
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -114,12 +127,14 @@ def test_a_step_returns_its_metrics_and_the_clipped_norm(fused):
         if fused
         else torch.optim.SGD(model.parameters(), lr=1.0)
     )
-    (model(torch.tensor([[3.0, 4.0]])).sum()).backward()  # gradient (3, 4): norm 5
+    # gradient (3, 4): norm 5
+    (model(torch.tensor([[3.0, 4.0]])).sum()).backward()
     totals = DeviceTotals()
     totals.add("actor/pg_loss", torch.tensor(0.25))
     metrics = apply_gradients(model, optimizer, 1.0, "actor", totals=totals)
     assert metrics == {"actor/pg_loss": 0.25, "actor/grad_norm": 5.0}
-    assert torch.allclose(model.weight, torch.tensor([[-0.6, -0.8]]))  # clipped to norm 1, then stepped
+    # clipped to norm 1, then stepped
+    assert torch.allclose(model.weight, torch.tensor([[-0.6, -0.8]]))
 
 
 def test_no_gradient_is_an_error():
@@ -136,14 +151,16 @@ def test_nonfinite_values_stop_or_skip_with_the_stage_named():
     from keel.observe.guards import SkipStep, check_finite
 
     values = torch.tensor([[0.5, float("nan")], [1.0, float("inf")]])
-    mask = torch.tensor([[1, 1], [1, 0]])  # the inf sits on padding and does not count
+    # the inf sits on padding and does not count
+    mask = torch.tensor([[1, 1], [1, 0]])
     with pytest.raises(KeelError) as info:
         check_finite("advantages", values, mask, "stop")
     assert info.value.code == NONFINITE_VALUES
     assert "advantages: 1 of 3 values non-finite (1 NaN)" in info.value.message
     with pytest.raises(SkipStep):
         check_finite("advantages", values, mask, "skip")
-    check_finite("advantages", values, torch.tensor([[1, 0], [1, 0]]), "stop")  # all valid ones finite
+    # all valid ones finite
+    check_finite("advantages", values, torch.tensor([[1, 0], [1, 0]]), "stop")
 
 
 def test_learning_signal_guard_warns_on_flat_rewards_collapse_and_blow_up():
@@ -151,7 +168,9 @@ def test_learning_signal_guard_warns_on_flat_rewards_collapse_and_blow_up():
     from keel.observe.guards import LearningSignalGuard, frac_reward_zero_std
 
     # groups {0: [1, 1]} flat, {1: [0, 1]} not: half the prompts carry no signal
-    assert frac_reward_zero_std(torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1])) == 0.5
+    assert (
+        frac_reward_zero_std(torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1])) == 0.5
+    )
     guard = LearningSignalGuard(GuardsConfig(zero_signal_steps=2), group_based=True)
     flat = {"critic/score/mean": 0.0, "critic/score/max": 0.0, "critic/score/min": 0.0}
     assert guard(1, flat) == []
@@ -177,10 +196,13 @@ def test_a_hung_phase_dumps_stacks_and_exits_with_its_code():
         "import time\nfrom keel.observe.guards import phase_deadline\n"
         "with phase_deadline('gen', 0.5):\n    time.sleep(30)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 3
     assert "error[KEEL-T004]: phase 'gen'" in proc.stderr
-    assert "time.sleep" in proc.stderr or "line 4" in proc.stderr  # the stack shows where it hung
+    # the stack shows where it hung
+    assert "time.sleep" in proc.stderr or "line 4" in proc.stderr
 
 
 def test_a_slow_phase_gets_past_its_limit_with_the_limit_the_fix_names():
@@ -194,11 +216,15 @@ def test_a_slow_phase_gets_past_its_limit_with_the_limit_the_fix_names():
             "import time\nfrom keel.observe.guards import phase_deadline\n"
             f"with phase_deadline('reward', {limit}):\n    time.sleep(3.0)\nprint('done')\n"
         )
-        return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+        )
 
     stopped = run(2.0)
     assert stopped.returncode == 3 and "error[KEEL-T004]" in stopped.stderr
-    limit = float(re.search(r"`trainer\.guards\.phase_timeout_s=([\d.]+)`", stopped.stderr).group(1))
+    limit = float(
+        re.search(r"`trainer\.guards\.phase_timeout_s=([\d.]+)`", stopped.stderr).group(1)
+    )
     assert limit == 4.0
     finished = run(limit)
     assert finished.returncode == 0 and "done" in finished.stdout
@@ -208,7 +234,8 @@ def test_hooks_load_by_name_and_report_bad_specs():
     from keel.errors import HOOK_LOAD
     from keel.trainer.hooks import load_hook, run_hooks
 
-    hook = load_hook("json:dumps")  # any importable function
+    # any importable function
+    hook = load_hook("json:dumps")
     assert callable(hook)
     for spec in ("no_colon", "no_such_module_xyz:f", "json:no_such_function"):
         assert code_of(lambda spec=spec: load_hook(spec)) == HOOK_LOAD
@@ -221,12 +248,16 @@ def test_debug_shows_tracebacks_and_sets_the_debug_environment(tmp_path, monkeyp
     monkeypatch.delenv("CUDA_LAUNCH_BLOCKING", raising=False)
     monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
     missing = str(tmp_path / "missing.yaml")
-    assert main(["train", missing]) == 2  # a coded error, no traceback
+    # a coded error, no traceback
+    assert main(["train", missing]) == 2
     with pytest.raises(KeelError):
         main(["--debug", "train", missing])
     import os
 
-    assert os.environ["CUDA_LAUNCH_BLOCKING"] == "1" and os.environ["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
+    assert (
+        os.environ["CUDA_LAUNCH_BLOCKING"] == "1"
+        and os.environ["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
+    )
 
 
 def test_a_repeated_warning_is_printed_once_counted_and_summed_up(caplog):
@@ -238,9 +269,15 @@ def test_a_repeated_warning_is_printed_once_counted_and_summed_up(caplog):
     with caplog.at_level(logging.INFO, logger="keel"), warnings_said_once(log) as said:
         for step in (1, 2, 3):
             log.warning("step %d: %d%% of responses hit max_response_length", step, 90 + step)
-            log.warning("step %d: %s", step, f"entropy {step / 100} is low", extra={"kind": "entropy_collapse"})
+            log.warning(
+                "step %d: %s",
+                step,
+                f"entropy {step / 100} is low",
+                extra={"kind": "entropy_collapse"},
+            )
         log.warning("%d of %d samples not scored", 1, 8)
-        log.info("resumed at step %d", 3)  # not a warning: never held back
+        # not a warning: never held back
+        log.info("resumed at step %d", 3)
     printed = [r.getMessage() for r in caplog.records]
     assert printed[:3] == [
         "step 1: 91% of responses hit max_response_length (said once; repeats are counted)",
@@ -277,6 +314,11 @@ def test_warnings_are_counted_by_kind_and_a_hooks_by_their_words(caplog):
                 ],
                 warned,
             )
-    assert metrics == {"guards/warnings": 3.0, "guards/warned_steps/ppo_kl": 2.0, "guards/warned_steps/hook": 4.0}
+    assert metrics == {
+        "guards/warnings": 3.0,
+        "guards/warned_steps/ppo_kl": 2.0,
+        "guards/warned_steps/hook": 4.0,
+    }
     shown = [r.getMessage() for r in caplog.records if "said once" in r.getMessage()]
-    assert len(shown) == 3  # the hook's two warnings differ in words: each is printed once
+    # the hook's two warnings differ in words: each is printed once
+    assert len(shown) == 3

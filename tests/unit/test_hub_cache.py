@@ -28,7 +28,9 @@ def test_a_hub_id_in_the_local_cache_loads_offline(tiny_assets, tiny_config, tmp
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert check_model_dir("Qwen/Qwen2.5-0.5B-Instruct") == snapshot
     assert load_tokenizer("Qwen/Qwen2.5-0.5B-Instruct").pad_token_id is not None
-    report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": "Qwen/Qwen2.5-0.5B-Instruct"}))
+    report = run_checks(
+        load_config(tiny_config, {"actor_rollout_ref.model.path": "Qwen/Qwen2.5-0.5B-Instruct"})
+    )
     assert not report.failures, report.failures
 
 

@@ -17,11 +17,18 @@ from pathlib import Path
 import pytest
 
 from keel.rewards import userns
-from keel.rewards.bwrap import IN_USER_NAMESPACE, NO_JAIL_AS_NOBODY, Limits, _interpreter, run_jailed
+from keel.rewards.bwrap import (
+    IN_USER_NAMESPACE,
+    NO_JAIL_AS_NOBODY,
+    Limits,
+    _interpreter,
+    run_jailed,
+)
 from keel.rewards.sandbox import SandboxViolation, jail, limit_verdict
 
 LIMITS = Limits(cpu_s=3, wall_s=30, memory_mb=128, processes=16)
-HOW = {"cgroup": True, "own user namespace": False}  # run_jailed's `accounted`
+# run_jailed's `accounted`
+HOW = {"cgroup": True, "own user namespace": False}
 
 
 def run(code: str, accounted: bool, limits: Limits = LIMITS, args: list[str] = ()) -> str:
@@ -34,7 +41,12 @@ def run(code: str, accounted: bool, limits: Limits = LIMITS, args: list[str] = (
 
 
 def still_runs(accounted: bool) -> None:
-    assert run("import threading\nthreading.Thread(target=print, args=(6 * 7,)).start()", accounted).strip() == "42"
+    assert (
+        run(
+            "import threading\nthreading.Thread(target=print, args=(6 * 7,)).start()", accounted
+        ).strip()
+        == "42"
+    )
 
 
 @pytest.fixture(params=list(HOW), autouse=False)
@@ -95,12 +107,15 @@ MAP_2_GIB = LIFT_LIMITS + textwrap.dedent("""
 
 
 def test_it_cannot_lift_its_limits_and_map_2_gib(accounted):
-    assert run(LIFT_LIMITS + "print('tried')", accounted).split() == ["tried"]  # no LIFTED line
+    # no LIFTED line
+    assert run(LIFT_LIMITS + "print('tried')", accounted).split() == ["tried"]
     try:
         out = run(MAP_2_GIB, accounted)
-    except SandboxViolation as stopped:  # the cgroup's memory limit killed it while it touched the pages
+    # the cgroup's memory limit killed it while it touched the pages
+    except SandboxViolation as stopped:
         assert "memory limit" in str(stopped)
-    else:  # RLIMIT_AS refused the mapping
+    # RLIMIT_AS refused the mapping
+    else:
         assert out.split("\n")[:1] == ["map refused"]
     still_runs(accounted)
 
@@ -129,7 +144,8 @@ def count_forks(n: int) -> str:
 
 def test_200_forks_stop_at_the_cap(accounted):
     started = int(run(count_forks(200), accounted))
-    assert 0 < started < LIMITS.processes  # the program itself is one of its processes
+    # the program itself is one of its processes
+    assert 0 < started < LIMITS.processes
     still_runs(accounted)
 
 
@@ -145,12 +161,14 @@ def _processes_with(marker: str) -> list[int]:
 
 
 def test_a_fork_bomb_is_capped_and_leaves_nothing(accounted):
-    marker = f"bomb-{uuid.uuid4().hex}"  # in every process's command line: the bomb's children are findable
+    # in every process's command line: the bomb's children are findable
+    marker = f"bomb-{uuid.uuid4().hex}"
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
     with pytest.raises(SandboxViolation) as info:
         run(bomb, accounted, Limits(cpu_s=2, wall_s=10, memory_mb=128, processes=8), [marker])
     assert "cpu limit" in str(info.value) or "timeout" in str(info.value)
-    for _ in range(200):  # without a cgroup the kernel tears the pid namespace down after the run returns
+    # without a cgroup the kernel tears the pid namespace down after the run returns
+    for _ in range(200):
         if not _processes_with(marker):
             break
         time.sleep(0.05)
@@ -170,7 +188,10 @@ def _python_nobody_can_run() -> str | None:
     for python in (sys.executable, "/usr/bin/python3"):
         base = Path(_interpreter()[0] if python == sys.executable else os.path.realpath(python))
         reachable = all(os.stat(part).st_mode & 0o001 for part in [*base.parents, base])
-        if reachable and subprocess.run([python, "-c", "import yaml"], capture_output=True).returncode == 0:
+        if (
+            reachable
+            and subprocess.run([python, "-c", "import yaml"], capture_output=True).returncode == 0
+        ):
             return python
     return None
 
@@ -215,11 +236,13 @@ needs_root_and_system_python = pytest.mark.skipif(
 def test_without_bubblewrap_root_still_runs_the_program_as_nobody(tmp_path):
     """A machine without bubblewrap (the GPU image) isolates nothing, but root drops to uid 65534
     with no capability, hard limits and a capped process count; keel doctor names what is missing."""
-    probe = as_root_trainer("probe", path="/usr/local/bin")  # no bwrap on this PATH
+    # no bwrap on this PATH
+    probe = as_root_trainer("probe", path="/usr/local/bin")
     assert probe["mode"] == NO_JAIL_AS_NOBODY
     assert {"filesystem", "network"} <= set(probe["missing"]) and "user" not in probe["missing"]
     assert "process count" not in probe["missing"] and "limits" not in probe["missing"]
-    os.chmod(tmp_path, 0o700)  # the trainer's own directory
+    # the trainer's own directory
+    os.chmod(tmp_path, 0o700)
     attack = (
         WHO_AM_I
         + f"\ntry:\n    open({str(tmp_path)!r} + '/escaped', 'w')\n    print('WROTE')\nexcept OSError:\n    pass\n"
@@ -273,7 +296,9 @@ def test_a_library_hook_that_starts_a_thread_after_fork_does_not_break_a_run():
         text=True,
         timeout=300,
     )
-    done = subprocess.run([sys.executable, "-c", AT_FORK_THREAD], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", AT_FORK_THREAD], capture_output=True, text=True, timeout=300
+    )
     assert done.stdout.split() == [clean.stdout.strip(), "42", "42"], done.stderr
 
 
@@ -283,9 +308,13 @@ def test_a_jail_that_cannot_be_set_up_is_an_error_not_a_program_that_failed(monk
     only a program that failed."""
     from keel.rewards import bwrap, launcher
 
-    program = run_jailed(jail().mode, f"import sys\nsys.exit({launcher.LAUNCH_FAILED})", "", LIMITS, accounted=False)
+    program = run_jailed(
+        jail().mode, f"import sys\nsys.exit({launcher.LAUNCH_FAILED})", "", LIMITS, accounted=False
+    )
     assert program.returncode == launcher.LAUNCH_FAILED and program.stopped is None
     spec = bwrap._launch_spec
-    monkeypatch.setattr(bwrap, "_launch_spec", lambda *args: {**spec(*args), "cgroup_procs": ["/nonexistent/procs"]})
+    monkeypatch.setattr(
+        bwrap, "_launch_spec", lambda *args: {**spec(*args), "cgroup_procs": ["/nonexistent/procs"]}
+    )
     with pytest.raises(OSError, match="could not be set up"):
         run_jailed(jail().mode, "print(1)", "", LIMITS, accounted=False)

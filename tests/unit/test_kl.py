@@ -27,22 +27,29 @@ REF_LOG_PROB = t([[-1.5, -1.0, -0.5]])
 @pytest.mark.parametrize(
     "kind, expected",
     [
-        ("kl", [0.5, -1.0, 0.0]),  # k1: lp - ref
-        ("abs", [0.5, 1.0, 0.0]),  # |lp - ref|
-        ("mse", [0.125, 0.5, 0.0]),  # k2: 0.5 * 0.25, 0.5 * 1, 0
+        # k1: lp - ref
+        ("kl", [0.5, -1.0, 0.0]),
+        # |lp - ref|
+        ("abs", [0.5, 1.0, 0.0]),
+        # k2: 0.5 * 0.25, 0.5 * 1, 0
+        ("mse", [0.125, 0.5, 0.0]),
         # k3: kl = ref - lp = [-0.5, 1, 0]; exp(kl) - kl - 1:
         #   0.60653 + 0.5 - 1 = 0.10653; 2.71828 - 1 - 1 = 0.71828; 1 - 0 - 1 = 0
         ("low_var_kl", [0.10653, 0.71828, 0.0]),
     ],
 )
 def test_kl_estimators(kind, expected):
-    torch.testing.assert_close(kl_penalty(LOG_PROB, REF_LOG_PROB, kind), t([expected]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        kl_penalty(LOG_PROB, REF_LOG_PROB, kind), t([expected]), atol=ATOL, rtol=0
+    )
 
 
 @pytest.mark.parametrize("alias, name", [("k1", "kl"), ("k2", "mse"), ("k3", "low_var_kl")])
 def test_kl_aliases(alias, name):
     assert alias in KL_ESTIMATORS and name in KL_ESTIMATORS
-    torch.testing.assert_close(kl_penalty(LOG_PROB, REF_LOG_PROB, alias), kl_penalty(LOG_PROB, REF_LOG_PROB, name))
+    torch.testing.assert_close(
+        kl_penalty(LOG_PROB, REF_LOG_PROB, alias), kl_penalty(LOG_PROB, REF_LOG_PROB, name)
+    )
 
 
 def test_low_var_kl_is_clamped():
@@ -99,10 +106,13 @@ def test_apply_kl_penalty():
     mask = t([[1, 1, 1], [1, 1, 0]])
     scores = t([[0, 0, 1], [0, 1, 0]])
     ref = torch.zeros(2, 3)
-    log_prob = t([[0.1, 0.2, 0.3], [0.4, -0.2, 5.0]])  # k1 = lp - 0; 5.0 is on padding
+    # k1 = lp - 0; 5.0 is on padding
+    log_prob = t([[0.1, 0.2, 0.3], [0.4, -0.2, 5.0]])
     rewards, current_kl = apply_kl_penalty(scores, log_prob, ref, mask, kl_coef=0.5, kind="kl")
     # rewards = scores - 0.5 * kl on valid tokens:
     #   row 0: -0.05, -0.1, 1 - 0.15 = 0.85; row 1: -0.2, 1 + 0.1 = 1.1, padding 0 - 0 = 0
-    torch.testing.assert_close(rewards, t([[-0.05, -0.1, 0.85], [-0.2, 1.1, 0.0]]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        rewards, t([[-0.05, -0.1, 0.85], [-0.2, 1.1, 0.0]]), atol=ATOL, rtol=0
+    )
     # per-sequence mean KL: (0.1 + 0.2 + 0.3) / 3 = 0.2, (0.4 - 0.2) / 2 = 0.1 -> batch mean 0.15
     assert current_kl == pytest.approx(0.15)

@@ -28,7 +28,11 @@ def imports() -> dict[tuple[str, str], set[str]]:
         part = file.relative_to(KEEL).parts[0].removesuffix(".py")
         for node in ast.walk(ast.parse(file.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:
-                modules = [f"keel.{a.name}" for a in node.names] if node.module == "keel" else [node.module]
+                modules = (
+                    [f"keel.{a.name}" for a in node.names]
+                    if node.module == "keel"
+                    else [node.module]
+                )
             elif isinstance(node, ast.Import):
                 modules = [a.name for a in node.names]
             else:
@@ -41,13 +45,19 @@ def imports() -> dict[tuple[str, str], set[str]]:
 
 
 def test_every_part_of_keel_has_a_layer():
-    parts = {p.name.removesuffix(".py") for p in KEEL.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    parts = {
+        p.name.removesuffix(".py")
+        for p in KEEL.iterdir()
+        if p.suffix == ".py" or (p / "__init__.py").exists()
+    }
     assert parts <= set(LAYER), f"give these a layer: {sorted(parts - set(LAYER))}"
 
 
 def test_no_module_imports_from_a_layer_above_its_own():
     found = imports()
-    upward = {edge: sorted(files) for edge, files in found.items() if LAYER[edge[1]] > LAYER[edge[0]]}
+    upward = {
+        edge: sorted(files) for edge, files in found.items() if LAYER[edge[1]] > LAYER[edge[0]]
+    }
     assert not upward, f"imports from a layer above: {upward}"
 
 

@@ -35,10 +35,14 @@ LOSS_MASK = t([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
 @pytest.mark.parametrize(
     "mode, expected",
     [
-        ("token-mean", 2.5),  # (1 + 2 + 3 + 4) / 4 tokens
-        ("seq-mean-token-sum", 5.0),  # (6 + 4) / 2 seqs
-        ("seq-mean-token-mean", 3.0),  # (6/3 + 4/1) / 2 seqs = (2 + 4) / 2
-        ("seq-mean-token-sum-norm", 10 / 6),  # (6/3 + 4/3) / 2 seqs, T = 3 for every row
+        # (1 + 2 + 3 + 4) / 4 tokens
+        ("token-mean", 2.5),
+        # (6 + 4) / 2 seqs
+        ("seq-mean-token-sum", 5.0),
+        # (6/3 + 4/1) / 2 seqs = (2 + 4) / 2
+        ("seq-mean-token-mean", 3.0),
+        # (6/3 + 4/3) / 2 seqs, T = 3 for every row
+        ("seq-mean-token-sum-norm", 10 / 6),
     ],
 )
 def test_agg_loss_modes(mode, expected):
@@ -54,10 +58,14 @@ MB_MASK = t([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]])
 @pytest.mark.parametrize(
     "mode, expected",
     [
-        ("token-mean", 25 / 6),  # (6 + 4 + 15) / 6 tokens = 4.16667
-        ("seq-mean-token-sum", 25 / 3),  # (6 + 4 + 15) / 3 seqs = 8.33333
-        ("seq-mean-token-mean", 4.5),  # (2 + 4 + 7.5) / 3 seqs
-        ("seq-mean-token-sum-norm", 25 / 9),  # (6/3 + 4/3 + 15/3) / 3 seqs = 2.77778
+        # (6 + 4 + 15) / 6 tokens = 4.16667
+        ("token-mean", 25 / 6),
+        # (6 + 4 + 15) / 3 seqs = 8.33333
+        ("seq-mean-token-sum", 25 / 3),
+        # (2 + 4 + 7.5) / 3 seqs
+        ("seq-mean-token-mean", 4.5),
+        # (6/3 + 4/3 + 15/3) / 3 seqs = 2.77778
+        ("seq-mean-token-sum-norm", 25 / 9),
     ],
 )
 def test_micro_batches_with_global_counts_sum_to_full_batch(mode, expected):
@@ -111,8 +119,10 @@ def test_vanilla_symmetric_with_dual_clip():
     #       r=5.0: max(5.0, 1.2) = 5.0 -> dual clip min(5.0, 3.0) = 3.0
     # token-mean: (-1.2 - 0.5 - 1.1 + 1.5 + 0.8 + 3.0) / 6 = 2.5 / 6 = 0.41667
     assert loss.item() == approx(2.5 / 6)
-    assert m["pg_clipfrac"].item() == approx(2 / 6)  # (r=1.5, A=+1) and (r=0.5, A=-1)
-    assert m["pg_clipfrac_lower"].item() == approx(1 / 6)  # (r=5.0, A=-1)
+    # (r=1.5, A=+1) and (r=0.5, A=-1)
+    assert m["pg_clipfrac"].item() == approx(2 / 6)
+    # (r=5.0, A=-1)
+    assert m["pg_clipfrac_lower"].item() == approx(1 / 6)
     # ppo_kl = mean(old - lp) = -(2 ln1.5 + 2 ln0.5 + ln1.1 + ln5) / 6
     #        = -(0.81093 - 1.38629 + 0.09531 + 1.60944) / 6 = -1.12938 / 6 = -0.18823
     assert m["ppo_kl"].item() == approx(-0.18823)
@@ -120,7 +130,9 @@ def test_vanilla_symmetric_with_dual_clip():
     # d(-A r)/d lp = -A r on unclipped tokens, / 6 tokens; clipped and dual-clipped tokens get 0
     # A=+1: r=0.5 -> -0.5/6 = -0.08333; r=1.1 -> -1.1/6 = -0.18333
     # A=-1: r=1.5 -> 1.5/6 = 0.25
-    torch.testing.assert_close(lp.grad, t([[0, -0.08333, -0.18333, 0], [0.25, 0, 0, 0]]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        lp.grad, t([[0, -0.08333, -0.18333, 0], [0.25, 0, 0, 0]]), atol=ATOL, rtol=0
+    )
 
 
 def test_vanilla_clip_higher_is_asymmetric():
@@ -154,19 +166,26 @@ def test_dual_clip_only_applies_to_negative_advantages():
     # token-mean: (-1.2 + 3 + 2) / 3 = 3.8 / 3 = 1.26667
     assert loss.item() == approx(3.8 / 3)
     assert m["pg_clipfrac_lower"].item() == approx(1 / 3)
-    assert m["pg_clipfrac"].item() == approx(1 / 3)  # only A=+1, r=5: -1.2 > -5
+    # only A=+1, r=5: -1.2 > -5
+    assert m["pg_clipfrac"].item() == approx(1 / 3)
 
 
 def test_vanilla_passes_agg_mode_and_global_counts():
-    old, lp, adv, mask = ppo_batch(ratios=[[1.0, 1.0], [1.0, 1.0]], advantages=[[2, 4], [1, 0]], mask=[[1, 1], [1, 0]])
+    old, lp, adv, mask = ppo_batch(
+        ratios=[[1.0, 1.0], [1.0, 1.0]], advantages=[[2, 4], [1, 0]], mask=[[1, 1], [1, 0]]
+    )
     # r = 1 everywhere -> losses -A: [-2, -4], [-1, pad]
     # seq-mean-token-mean: (-3 + -1) / 2 = -2.0; with global_seqs=4: (-3 - 1) / 4 = -1.0
     p = PolicyLossParams(loss_agg_mode="seq-mean-token-mean")
     assert compute_policy_loss("vanilla", old, lp, adv, mask, p)[0].item() == approx(-2.0)
-    assert compute_policy_loss("vanilla", old, lp, adv, mask, p, global_seqs=4)[0].item() == approx(-1.0)
+    assert compute_policy_loss("vanilla", old, lp, adv, mask, p, global_seqs=4)[0].item() == approx(
+        -1.0
+    )
     # token-mean with global_tokens=7: (-2 - 4 - 1) / 7 = -1.0
     p = PolicyLossParams()
-    assert compute_policy_loss("vanilla", old, lp, adv, mask, p, global_tokens=7)[0].item() == approx(-1.0)
+    assert compute_policy_loss("vanilla", old, lp, adv, mask, p, global_tokens=7)[
+        0
+    ].item() == approx(-1.0)
 
 
 def test_gspo_sequence_level_ratio():
@@ -174,15 +193,18 @@ def test_gspo_sequence_level_ratio():
     log_prob = t([[0.2, 0.4, 100.0], [-0.1, 0.0, -0.2]]).requires_grad_()
     old = torch.zeros_like(log_prob)
     adv = t([[1, 1, 0], [-1, -1, -1]])
-    p = PolicyLossParams(loss_agg_mode="seq-mean-token-mean")  # the paper's objective
+    # the paper's objective
+    p = PolicyLossParams(loss_agg_mode="seq-mean-token-mean")
     loss, m = compute_policy_loss("gspo", old, log_prob, adv, mask, p)
-    # row 0: seq ratio exp((0.2 + 0.4) / 2) = exp(0.3) = 1.34986 > 1.2 -> clipped, A=+1: -1.2 per token
-    # row 1: seq ratio exp((-0.1 + 0 - 0.2) / 3) = exp(-0.1) = 0.90484 in [0.8, 1.2], A=-1: 0.90484
-    # seq-mean-token-mean: (-1.2 + 0.90484) / 2 = -0.14758
+    # row 0: seq ratio exp((0.2 + 0.4) / 2) = exp(0.3) = 1.34986 > 1.2 -> clipped, A=+1: -1.2 per
+    # token row 1: seq ratio exp((-0.1 + 0 - 0.2) / 3) = exp(-0.1) = 0.90484 in [0.8, 1.2], A=-1:
+    # 0.90484 seq-mean-token-mean: (-1.2 + 0.90484) / 2 = -0.14758
     assert loss.item() == approx(-0.14758)
-    assert m["pg_clipfrac"].item() == approx(2 / 5)  # both valid tokens of row 0
+    # both valid tokens of row 0
+    assert m["pg_clipfrac"].item() == approx(2 / 5)
     assert m["pg_clipfrac_lower"].item() == 0.0
-    assert m["ppo_kl"].item() == approx(-0.06)  # -(0.2 + 0.4 - 0.1 + 0 - 0.2) / 5 = -0.3 / 5
+    # -(0.2 + 0.4 - 0.1 + 0 - 0.2) / 5 = -0.3 / 5
+    assert m["ppo_kl"].item() == approx(-0.06)
     loss.backward()
     # row 1, each token: d(-A * ratio)/d lp_t = ratio = 0.90484 (the detached seq ratio times
     # exp(lp - sg(lp)) = 1), / 3 tokens / 2 seqs = 0.15081; row 0 is clipped -> 0
@@ -193,7 +215,9 @@ def test_gspo_honours_loss_agg_mode_as_verl_0_9_1_does():
     mask = t([[1, 1, 0], [1, 1, 1]])
     log_prob = t([[0.2, 0.4, 100.0], [-0.1, 0.0, -0.2]])
     adv = t([[1, 1, 0], [-1, -1, -1]])
-    token_mean = compute_policy_loss("gspo", torch.zeros_like(log_prob), log_prob, adv, mask, PolicyLossParams())[0]
+    token_mean = compute_policy_loss(
+        "gspo", torch.zeros_like(log_prob), log_prob, adv, mask, PolicyLossParams()
+    )[0]
     # token-mean (the default): (2 * -1.2 + 3 * 0.90484) / 5 tokens = 0.06290
     assert token_mean.item() == approx(0.06290)
 
@@ -213,7 +237,9 @@ def _verl_functions(module: str, names: tuple[str, ...], namespace: dict) -> dic
         pytest.skip("verl is not installed (make test installs it)")
     source = (root / (module.replace(".", "/") + ".py")).read_text()
     tree = ast.parse(source)
-    chosen = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
+    chosen = [
+        node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names
+    ]
     for node in chosen:
         node.decorator_list = []
     exec(compile(ast.Module(body=chosen, type_ignores=[]), module, "exec"), namespace)
@@ -226,7 +252,9 @@ def test_gspo_gives_verls_loss_and_gradient_in_every_loss_agg_mode(mode):
     from types import SimpleNamespace
     from typing import Any, Optional
 
-    torch_functional = _verl_functions("utils.torch_functional", ("masked_sum", "masked_mean"), {"torch": torch})
+    torch_functional = _verl_functions(
+        "utils.torch_functional", ("masked_sum", "masked_mean"), {"torch": torch}
+    )
 
     class ActorConfig(SimpleNamespace):
         pass
@@ -249,7 +277,9 @@ def test_gspo_gives_verls_loss_and_gradient_in_every_loss_agg_mode(mode):
     advantages = torch.randn(4, 1, generator=generator).expand(4, 6).contiguous()
     base = old + 0.3 * torch.randn(4, 6, generator=generator)
     keel_lp, verl_lp = base.clone().requires_grad_(), base.clone().requires_grad_()
-    config = ActorConfig(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, global_batch_info={})
+    config = ActorConfig(
+        clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, global_batch_info={}
+    )
     verl_loss, verl_metrics = verl["compute_policy_loss_gspo"](
         old, verl_lp, advantages, mask, loss_agg_mode=mode, config=config
     )
@@ -291,13 +321,16 @@ def test_value_loss_clipping():
     # b: clipped 1.2 (inside); 1.44 vs 1.44 -> 1.44
     # c: clipped -0.5; (-1)^2 = 1 vs (-0.5)^2 = 0.25 -> 1 (clipped is smaller: not active)
     vf_loss, clipfrac = compute_value_loss(vpreds, returns, values, mask, 0.5, "token-mean")
-    assert vf_loss.item() == approx(0.5 * (2.25 + 1.44 + 1.0) / 3)  # 0.5 * 4.69 / 3 = 0.78167
+    # 0.5 * 4.69 / 3 = 0.78167
+    assert vf_loss.item() == approx(0.5 * (2.25 + 1.44 + 1.0) / 3)
     assert clipfrac.item() == approx(1 / 3)
     # seq-mean-token-sum: 0.5 * ((2.25 + 1.44) + 1.0) / 2 = 0.5 * 4.69 / 2 = 1.1725
     vf_loss, _ = compute_value_loss(vpreds, returns, values, mask, 0.5, "seq-mean-token-sum")
     assert vf_loss.item() == approx(1.1725)
     # global_tokens=6 instead of the local 3: 0.5 * 4.69 / 6 = 0.39083
-    vf_loss, _ = compute_value_loss(vpreds, returns, values, mask, 0.5, "token-mean", global_tokens=6)
+    vf_loss, _ = compute_value_loss(
+        vpreds, returns, values, mask, 0.5, "token-mean", global_tokens=6
+    )
     assert vf_loss.item() == approx(0.39083)
 
 
@@ -305,7 +338,9 @@ def test_entropy_from_logits():
     logits = torch.stack([t([0.0, 0.0]), t([0.0, math.log(3.0)])])  # [2, V=2]
     # uniform over 2: ln 2 = 0.69315
     # probs [1/4, 3/4]: logsumexp = ln 4 = 1.38629; sum p z = 0.75 ln 3 = 0.82396 -> 0.56233
-    torch.testing.assert_close(entropy_from_logits(logits), t([0.69315, 0.56233]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        entropy_from_logits(logits), t([0.69315, 0.56233]), atol=ATOL, rtol=0
+    )
 
 
 def test_token_sum_norm_divides_by_the_constant_length_not_the_padded_width():
@@ -314,4 +349,5 @@ def test_token_sum_norm_divides_by_the_constant_length_not_the_padded_width():
     # Dr. GRPO's constant is max_response_length (say 8), whatever the rollout's padded width (3):
     # (1 + 2 + 3) / 8 = 0.75 for the one sequence
     assert agg_loss(loss, mask, "seq-mean-token-sum-norm", norm_length=8).item() == approx(0.75)
-    assert agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == approx(2.0)  # 6 / 3 without it
+    # 6 / 3 without it
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == approx(2.0)

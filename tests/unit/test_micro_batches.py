@@ -14,8 +14,10 @@ def test_token_budget_bins_stay_within_budget_and_cover_every_sample_once():
     assert sorted(torch.cat(bins).tolist()) == list(range(8))
     for b in bins:
         assert len(b) * (int(prompts[b].max()) + int(responses[b].max())) <= 24
-    assert len(bins) < 8  # short samples share a pass
-    assert [len(b) for b in token_budget_bins(prompts, responses, max_tokens=5)] == [1] * 8  # too long: alone
+    # short samples share a pass
+    assert len(bins) < 8
+    # too long: alone
+    assert [len(b) for b in token_budget_bins(prompts, responses, max_tokens=5)] == [1] * 8
 
 
 def test_split_to_count_halves_the_largest_then_adds_fillers():
@@ -28,7 +30,8 @@ def test_dynamic_micro_batches_keep_every_sample_and_mask_fillers():
     batch = make_batch([1, 5, 2, 6, 3])
     parts = micro_batches(batch, MicroBatching(size=2, max_tokens=16))
     assert sorted(torch.cat([rows for rows, _ in parts]).tolist()) == [0, 1, 2, 3, 4]
-    for rows, micro in parts:  # each trimmed to its own widest sample
+    # each trimmed to its own widest sample
+    for rows, micro in parts:
         assert micro.response_ids.shape[1] == int(batch.response_mask[rows].sum(-1).max())
 
 
@@ -37,11 +40,13 @@ def padded_tokens(parts) -> int:
 
 
 def test_fixed_size_micro_batches_group_similar_lengths():
-    batch = make_batch([1, 6, 1, 6, 1, 6, 1, 6])  # alternating: contiguous pairs would each pad to 6
+    # alternating: contiguous pairs would each pad to 6
+    batch = make_batch([1, 6, 1, 6, 1, 6, 1, 6])
     parts = micro_batches(batch, MicroBatching(size=2))
     assert [len(rows) for rows, _ in parts] == [2, 2, 2, 2]
     assert sorted(torch.cat([rows for rows, _ in parts]).tolist()) == list(range(8))
-    contiguous = 4 * 2 * (3 + 6)  # every pair holds a 6-token response
+    # every pair holds a 6-token response
+    contiguous = 4 * 2 * (3 + 6)
     assert padded_tokens(parts) == 2 * 2 * (3 + 1) + 2 * 2 * (3 + 6) < contiguous
 
 
@@ -52,9 +57,17 @@ def test_rejected_tokens_leave_the_loss_denominators_and_the_fillers():
 
     batch = make_batch([3, 5, 2, 6, 4])
     batch.advantages = torch.ones(5, 6)
-    batch.rollout_keep = torch.tensor([[1, 0, 1, 1, 1, 1]] * 5, dtype=torch.float)  # column 1 rejected
-    ranks = plan_minibatches(batch, samples_per_mini=5, epochs=1, shuffle=False, seed=0, norm_length=None, world_size=2)
-    assert int(ranks[0][0].scale.tokens) == (3 + 5 + 2 + 6 + 4) - 5  # every response is long enough to lose one
-    assert all(part.samples.loss_mask.sum() <= part.samples.response_mask.sum() for parts in ranks for part in parts)
+    # column 1 rejected
+    batch.rollout_keep = torch.tensor([[1, 0, 1, 1, 1, 1]] * 5, dtype=torch.float)
+    ranks = plan_minibatches(
+        batch, samples_per_mini=5, epochs=1, shuffle=False, seed=0, norm_length=None, world_size=2
+    )
+    # every response is long enough to lose one
+    assert int(ranks[0][0].scale.tokens) == (3 + 5 + 2 + 6 + 4) - 5
+    assert all(
+        part.samples.loss_mask.sum() <= part.samples.response_mask.sum()
+        for parts in ranks
+        for part in parts
+    )
     filler = batch.masked_copies(1)
     assert filler.loss_mask.sum() == 0

@@ -28,7 +28,8 @@ def test_tiny_model_loads_like_any_hugging_face_checkpoint(arch, expected_class,
         [{"role": "user", "content": "12+5"}], tokenize=False, add_generation_prompt=True
     )
     assert text.endswith("<|im_start|>assistant\n")
-    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text  # lossless round trip
+    # lossless round trip
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token_id is not None
 
 
@@ -52,9 +53,12 @@ def test_weight_headers_catch_every_broken_file(tmp_path, tiny_assets):
     from keel.errors import WEIGHTS_BROKEN, KeelError
     from keel.models.load import weight_file_shapes
 
-    assert weight_file_shapes(tiny_assets["model"])  # the intact model: every tensor's shape
+    # the intact model: every tensor's shape
+    assert weight_file_shapes(tiny_assets["model"])
     cases = {
-        "truncated": lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-100]),
+        "truncated": lambda d: (d / "model.safetensors").write_bytes(
+            (d / "model.safetensors").read_bytes()[:-100]
+        ),
         "no header": lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64),
         "empty": lambda d: (d / "model.safetensors").write_bytes(b""),
         "missing shard": lambda d: (d / "model.safetensors.index.json").write_text(
@@ -91,7 +95,10 @@ def test_a_random_weights_directory_builds_the_same_model_every_time(tmp_path):
     (tmp_path / RANDOM_WEIGHTS).write_text(json.dumps({"seed": 3}))
     first, second = (load_causal_lm(tmp_path, torch.device("cpu")) for _ in range(2))
     assert all(torch.equal(p, q) for p, q in zip(first.parameters(), second.parameters()))
-    assert first.model.layers[1].mlp.up_proj.weight.std() > 0 and next(first.parameters()).dtype == torch.float32
+    assert (
+        first.model.layers[1].mlp.up_proj.weight.std() > 0
+        and next(first.parameters()).dtype == torch.float32
+    )
 
 
 def test_lora_on_a_mixture_of_experts_names_what_stays_frozen_and_refuses_experts_as_targets():
@@ -105,8 +112,11 @@ def test_lora_on_a_mixture_of_experts_names_what_stays_frozen_and_refuses_expert
     model = meta_model(build_model_config("qwen3_moe"))
     plan = plan_lora(model, 8, ["all-linear"], [], [], "actor_rollout_ref.model")
     assert plan.targets == ("k_proj", "o_proj", "q_proj", "v_proj")
-    assert {"experts", "gate", "gate_proj"} <= set(plan.frozen_other) and "experts" in plan.summary()
-    # the router and experts are not linear layers; peft would put gate_proj's adapters on the experts
+    assert {"experts", "gate", "gate_proj"} <= set(
+        plan.frozen_other
+    ) and "experts" in plan.summary()
+    # the router and experts are not linear layers; peft would put gate_proj's adapters on the
+    # experts
     for named, why in (
         (["experts"], "not linear layers"),
         (["q_proj", "gate"], "not linear layers"),

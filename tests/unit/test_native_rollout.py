@@ -23,7 +23,9 @@ PROMPTS = [
 ]
 
 
-def engines(model_dir, n: int, max_num_seqs: int = 256, sharpen: float = 1.0, init_std: float | None = None):
+def engines(
+    model_dir, n: int, max_num_seqs: int = 256, sharpen: float = 1.0, init_std: float | None = None
+):
     """`sharpen` scales the output weights (a random tiny model is nearly uniform: a peaked one
     tests sampling); `init_std` redraws every matrix (with the default small init, greedy decoding
     repeats one token forever, which would make token-by-token comparisons trivial)."""
@@ -32,9 +34,11 @@ def engines(model_dir, n: int, max_num_seqs: int = 256, sharpen: float = 1.0, in
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if init_std and (p.dim() >= 2 or name.endswith("bias")):  # matrices, the experts' stacks, biases
+            # matrices, the experts' stacks, biases
+            if init_std and (p.dim() >= 2 or name.endswith("bias")):
                 p.copy_(torch.randn(p.shape, generator=generator) * init_std)
-            elif init_std and name.endswith("sinks"):  # GPT-OSS: sinks that take a real share of the softmax
+            # GPT-OSS: sinks that take a real share of the softmax
+            elif init_std and name.endswith("sinks"):
                 p.copy_(torch.randn(p.shape, generator=generator))
         model.get_output_embeddings().weight.mul_(sharpen)
     records, _ = build_prompt_dataset(PROMPTS, tokenizer, max_prompt_length=64)
@@ -66,34 +70,52 @@ FAMILIES = [
 
 
 @pytest.mark.parametrize("arch, tied, init_std, layers, distinct", FAMILIES)
-def test_greedy_tokens_are_identical_to_the_hf_engine(tmp_path, arch, tied, init_std, layers, distinct):
+def test_greedy_tokens_are_identical_to_the_hf_engine(
+    tmp_path, arch, tied, init_std, layers, distinct
+):
     from keel.models.tiny import make_tiny_model
 
     model_dir = make_tiny_model(
-        tmp_path / arch, arch=arch, hidden_size=64, num_layers=layers, seed=3, tie_word_embeddings=tied
+        tmp_path / arch,
+        arch=arch,
+        hidden_size=64,
+        num_layers=layers,
+        seed=3,
+        tie_word_embeddings=tied,
     )
-    native, hf, _, prompts = engines(model_dir, n=2, max_num_seqs=4, init_std=init_std)  # chunks of 4: groups split
+    # chunks of 4: groups split
+    native, hf, _, prompts = engines(model_dir, n=2, max_num_seqs=4, init_std=init_std)
     greedy = SamplingParams(do_sample=False, max_new_tokens=24, ignore_eos=True)
     ours, theirs = native.generate(prompts, greedy), hf.generate(prompts, greedy)
-    assert all(len(set(row)) >= distinct for row in theirs.response_ids.tolist())  # a comparison that can fail
+    # a comparison that can fail
+    assert all(len(set(row)) >= distinct for row in theirs.response_ids.tolist())
     assert ours.response_ids.tolist() == theirs.response_ids.tolist()
     assert torch.equal(ours.response_mask, theirs.response_mask)
     assert ours.response_texts == theirs.response_texts
-    torch.testing.assert_close(ours.sampling_log_probs, theirs.sampling_log_probs, atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        ours.sampling_log_probs, theirs.sampling_log_probs, atol=1e-4, rtol=0
+    )
 
 
 def test_samples_follow_the_model_distribution_and_log_probs_match_the_trainer(tiny_assets):
     native, _, model, prompts = engines(tiny_assets["model"], n=400, sharpen=8.0)
-    prompts = type(prompts)(prompts.input_ids[:400], prompts.attention_mask[:400], prompts.records[:400])
+    prompts = type(prompts)(
+        prompts.input_ids[:400], prompts.attention_mask[:400], prompts.records[:400]
+    )
     torch.manual_seed(0)
     params = SamplingParams(n=400, temperature=0.8, max_new_tokens=4)
     batch = native.generate(prompts, params)
-    assert len(set(map(tuple, batch.response_ids.tolist()))) > 50  # 400 samples of one prompt differ
+    # 400 samples of one prompt differ
+    assert len(set(map(tuple, batch.response_ids.tolist()))) > 50
     recomputed = batched_log_probs(model, batch, MicroBatching(100), temperature=0.8)
     torch.testing.assert_close(batch.sampling_log_probs, recomputed, atol=1e-4, rtol=0)
     # The first token's frequencies against the model's probabilities.
-    first_logits = model(input_ids=prompts.input_ids[:1], attention_mask=prompts.attention_mask[:1]).logits[0, -1]
-    assert_drawn_from(batch.response_ids[:, 0], torch.softmax(first_logits.float() / 0.8, -1).detach())
+    first_logits = model(
+        input_ids=prompts.input_ids[:1], attention_mask=prompts.attention_mask[:1]
+    ).logits[0, -1]
+    assert_drawn_from(
+        batch.response_ids[:, 0], torch.softmax(first_logits.float() / 0.8, -1).detach()
+    )
 
 
 def assert_drawn_from(samples: torch.Tensor, probs: torch.Tensor) -> None:
@@ -106,7 +128,8 @@ def assert_drawn_from(samples: torch.Tensor, probs: torch.Tensor) -> None:
     expect = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
     chi2 = float(((observed - expect) ** 2 / expect.clamp(min=1e-9)).sum())
     dof = int(big.sum())
-    assert dof >= 5  # enough well-populated tokens for the test to mean something
+    # enough well-populated tokens for the test to mean something
+    assert dof >= 5
     assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)
 
 
@@ -146,7 +169,9 @@ def test_two_stage_sampling_draws_from_the_softmax(temperature):
     torch.manual_seed(0)
     logits = torch.randn(1000) * 2.5
     draws = 40_000
-    tokens, log_probs = sample(logits.expand(draws, -1).contiguous(), SamplingParams(temperature=temperature), block=64)
+    tokens, log_probs = sample(
+        logits.expand(draws, -1).contiguous(), SamplingParams(temperature=temperature), block=64
+    )
     expected = torch.log_softmax(logits / temperature, -1)
     torch.testing.assert_close(log_probs, expected[tokens], atol=1e-5, rtol=0)
     assert int(tokens.max()) < 1000 and len(set(tokens.tolist())) > 100
@@ -155,12 +180,21 @@ def test_two_stage_sampling_draws_from_the_softmax(temperature):
 
 def test_top_k_keeps_samples_inside_the_top_k(tiny_assets):
     native, _, model, prompts = engines(tiny_assets["model"], n=200, sharpen=8.0)
-    prompts = type(prompts)(prompts.input_ids[:200], prompts.attention_mask[:200], prompts.records[:200])
+    prompts = type(prompts)(
+        prompts.input_ids[:200], prompts.attention_mask[:200], prompts.records[:200]
+    )
     torch.manual_seed(1)
-    batch = native.generate(prompts, SamplingParams(n=200, temperature=1.0, top_k=3, max_new_tokens=1))
-    logits = model(input_ids=prompts.input_ids[:1], attention_mask=prompts.attention_mask[:1]).logits[0, -1]
+    batch = native.generate(
+        prompts, SamplingParams(n=200, temperature=1.0, top_k=3, max_new_tokens=1)
+    )
+    logits = model(
+        input_ids=prompts.input_ids[:1], attention_mask=prompts.attention_mask[:1]
+    ).logits[0, -1]
     allowed = set(logits.topk(3).indices.tolist())
-    assert set(batch.response_ids[:, 0].tolist()) <= allowed and len(set(batch.response_ids[:, 0].tolist())) > 1
+    assert (
+        set(batch.response_ids[:, 0].tolist()) <= allowed
+        and len(set(batch.response_ids[:, 0].tolist())) > 1
+    )
 
 
 def test_ignore_eos_gives_fixed_lengths(tiny_assets):
@@ -178,7 +212,8 @@ def test_other_architectures_fall_back_with_a_reason(tiny_assets):
     assert "gemma2" in unsupported_reason(model.config)
 
 
-@pytest.mark.parametrize("name", ["hf", "auto"])  # chosen, or the fallback for a model native cannot run
+# chosen, or the fallback for a model native cannot run
+@pytest.mark.parametrize("name", ["hf", "auto"])
 def test_a_sharded_lora_policy_without_the_native_engine_is_refused(tiny_assets, name):
     """Only native applies adapters synced on their own; hf would generate from the bare base."""
     from types import SimpleNamespace
@@ -187,7 +222,8 @@ def test_a_sharded_lora_policy_without_the_native_engine_is_refused(tiny_assets,
     from keel.rollout.select import make_rollout_engine
 
     model = load_causal_lm(tiny_assets["model"], torch.device("cpu"))
-    model.config.model_type = "gemma2"  # auto falls back to hf
+    # auto falls back to hf
+    model.config.model_type = "gemma2"
     rollout = SimpleNamespace(name=name, max_num_seqs=4)
     with pytest.raises(KeelError) as error:
         make_rollout_engine(
@@ -200,7 +236,10 @@ def test_a_sharded_lora_policy_without_the_native_engine_is_refused(tiny_assets,
             will_be_sharded=True,
             lora=True,
         )
-    assert error.value.code == INCOMPATIBLE_OPTIONS and "needs the native rollout engine" in error.value.message
+    assert (
+        error.value.code == INCOMPATIBLE_OPTIONS
+        and "needs the native rollout engine" in error.value.message
+    )
     assert (
         make_rollout_engine(
             rollout,
@@ -217,7 +256,9 @@ def test_a_sharded_lora_policy_without_the_native_engine_is_refused(tiny_assets,
 
 
 @pytest.mark.parametrize("rows", [256, 2])
-def test_finished_sequences_leave_the_batch_without_changing_the_rest(tiny_assets, monkeypatch, rows):
+def test_finished_sequences_leave_the_batch_without_changing_the_rest(
+    tiny_assets, monkeypatch, rows
+):
     """Variable lengths: rows that hit EOS leave the decode batch (checked every 2 steps here) and,
     with fewer rows than sequences, waiting sequences take their rows (continuous batching); the
     tokens of every sequence are exactly the hf engine's."""
@@ -227,21 +268,28 @@ def test_finished_sequences_leave_the_batch_without_changing_the_rest(tiny_asset
     native, hf, _, prompts = engines(tiny_assets["model"], n=2, init_std=0.2)
     native.max_num_seqs = rows
     greedy = SamplingParams(do_sample=False, max_new_tokens=30)
-    free_run = hf.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=30, ignore_eos=True)).response_ids
+    free_run = hf.generate(
+        prompts, SamplingParams(do_sample=False, max_new_tokens=30, ignore_eos=True)
+    ).response_ids
 
     # A stop token that really occurs, first at different depths in different rows: lengths vary.
     def first_positions(token):
         hits = (free_run == token).int()
         return tuple(int(h.argmax()) if h.any() else 30 for h in hits)
 
-    stop = max(set(free_run[:, 1:].flatten().tolist()), key=lambda tok: len(set(first_positions(tok))))
+    stop = max(
+        set(free_run[:, 1:].flatten().tolist()), key=lambda tok: len(set(first_positions(tok)))
+    )
     for engine in (native, hf):
         engine.eos_ids = sorted(set(engine.eos_ids) | {stop})
     native.eos = torch.tensor(native.eos_ids)
     ours, theirs = native.generate(prompts, greedy), hf.generate(prompts, greedy)
-    assert len(set(theirs.response_lengths.tolist())) > 1  # the test does exercise variable lengths
+    # the test does exercise variable lengths
+    assert len(set(theirs.response_lengths.tolist())) > 1
     assert ours.response_ids.tolist() == theirs.response_ids.tolist()
-    torch.testing.assert_close(ours.sampling_log_probs, theirs.sampling_log_probs, atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        ours.sampling_log_probs, theirs.sampling_log_probs, atol=1e-4, rtol=0
+    )
 
 
 def test_prefill_in_passes_of_max_num_batched_tokens_gives_the_same_tokens(tiny_assets):
@@ -251,11 +299,14 @@ def test_prefill_in_passes_of_max_num_batched_tokens_gives_the_same_tokens(tiny_
     greedy = SamplingParams(do_sample=False, max_new_tokens=12)
     whole = native.generate(prompts, greedy)
     prompt_len = prompts.input_ids.shape[1]
-    for budget in (prompt_len, 5, 1):  # one prompt per pass; then pieces of 5 tokens, of 1 token
+    # one prompt per pass; then pieces of 5 tokens, of 1 token
+    for budget in (prompt_len, 5, 1):
         native.max_num_batched_tokens = budget
         ours = native.generate(prompts, greedy)
         assert ours.response_ids.tolist() == whole.response_ids.tolist(), budget
-        torch.testing.assert_close(ours.sampling_log_probs, whole.sampling_log_probs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            ours.sampling_log_probs, whole.sampling_log_probs, atol=1e-5, rtol=0
+        )
 
 
 def test_a_kept_cache_is_reused_and_sees_updated_weights(tmp_path):
@@ -267,21 +318,29 @@ def test_a_kept_cache_is_reused_and_sees_updated_weights(tmp_path):
 
     model_dir = make_tiny_model(tmp_path / "m", arch="qwen2", hidden_size=64, num_layers=2, seed=5)
     _, _, model, prompts = engines(model_dir, n=2, init_std=0.2)
-    kept = NativeRolloutEngine(model, load_tokenizer(model_dir), 256, torch.float32, free_cache_engine=False)
+    kept = NativeRolloutEngine(
+        model, load_tokenizer(model_dir), 256, torch.float32, free_cache_engine=False
+    )
     greedy = SamplingParams(do_sample=False, max_new_tokens=12, ignore_eos=True)
     first = kept.generate(prompts, greedy)
     batcher, qkv_address = kept._kept_batcher, kept.layers[0].qkv.data_ptr()
-    with torch.no_grad():  # an "update": every matrix changes
+    # an "update": every matrix changes
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.add_(torch.randn_like(p) * 0.2)
     kept.sync_weights(model)
     second = kept.generate(prompts, greedy)
-    fresh = NativeRolloutEngine(model, load_tokenizer(model_dir), 256, torch.float32).generate(prompts, greedy)
+    fresh = NativeRolloutEngine(model, load_tokenizer(model_dir), 256, torch.float32).generate(
+        prompts, greedy
+    )
     assert kept._kept_batcher is batcher and kept.layers[0].qkv.data_ptr() == qkv_address
     assert second.response_ids.tolist() == fresh.response_ids.tolist()
-    assert second.response_ids.tolist() != first.response_ids.tolist()  # the update mattered
-    torch.testing.assert_close(second.sampling_log_probs, fresh.sampling_log_probs, atol=1e-5, rtol=0)
+    # the update mattered
+    assert second.response_ids.tolist() != first.response_ids.tolist()
+    torch.testing.assert_close(
+        second.sampling_log_probs, fresh.sampling_log_probs, atol=1e-5, rtol=0
+    )
 
 
 def test_lora_runs_unmerged_on_the_trainers_own_base(tmp_path):
@@ -308,14 +367,23 @@ def test_lora_runs_unmerged_on_the_trainers_own_base(tmp_path):
                 if "lora_B" in name:
                     p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
         merged = copy.deepcopy(policy).merge_and_unload()
-        return HFRolloutEngine(merged, native.tokenizer).generate(prompts, greedy).response_ids.tolist()
+        return (
+            HFRolloutEngine(merged, native.tokenizer)
+            .generate(prompts, greedy)
+            .response_ids.tolist()
+        )
 
     expected = train_adapters(seed=1)
     frozen = dict(frozen_base(policy))
     freed = native.share_frozen_weights(frozen.items())
     q = frozen["model.layers.0.self_attn.q_proj.weight"]
-    assert q.untyped_storage().data_ptr() == native.weights.buffers["0.qkv"].untyped_storage().data_ptr()
-    assert freed >= sum(p.nbytes for name, p in frozen.items() if "layers" in name and "proj" in name)
+    assert (
+        q.untyped_storage().data_ptr()
+        == native.weights.buffers["0.qkv"].untyped_storage().data_ptr()
+    )
+    assert freed >= sum(
+        p.nbytes for name, p in frozen.items() if "layers" in name and "proj" in name
+    )
     native.load_adapters(adapter_weights(policy))
     first = native.generate(prompts, greedy).response_ids.tolist()
     assert first == expected
@@ -328,7 +396,9 @@ def test_lora_runs_unmerged_on_the_trainers_own_base(tmp_path):
 @pytest.mark.parametrize(
     "arch, rows, init_std, layers",
     [("qwen2", 256, 0.2, 3)]
-    + list({arch: (arch, 3, init_std, layers) for arch, _, init_std, layers, _ in FAMILIES}.values()),
+    + list(
+        {arch: (arch, 3, init_std, layers) for arch, _, init_std, layers, _ in FAMILIES}.values()
+    ),
 )
 def test_multi_turn_greedy_rollouts_equal_the_hf_engines_and_prefill_only_new_tokens(
     tmp_path, monkeypatch, arch, rows, init_std, layers
@@ -342,17 +412,23 @@ def test_multi_turn_greedy_rollouts_equal_the_hf_engines_and_prefill_only_new_to
     from keel.rollout.agent.parse import PARSERS, ParsedTurn, ToolCall
     from keel.rollout.native import batching
 
-    monkeypatch.setattr(batching, "DONE_CHECK_EVERY", 2)  # turns end, and tools return, at different checks
-    monkeypatch.setitem(PARSERS, "every-turn", lambda text: ParsedTurn([ToolCall("echo", {"text": text[:12]})], []))
+    # turns end, and tools return, at different checks
+    monkeypatch.setattr(batching, "DONE_CHECK_EVERY", 2)
+    monkeypatch.setitem(
+        PARSERS, "every-turn", lambda text: ParsedTurn([ToolCall("echo", {"text": text[:12]})], [])
+    )
 
     @tool
     def echo(text: str) -> str:
         """The text reversed."""
         return text[::-1]
 
-    model_dir = make_tiny_model(tmp_path / "m", arch=arch, hidden_size=64, num_layers=layers, seed=3)
+    model_dir = make_tiny_model(
+        tmp_path / "m", arch=arch, hidden_size=64, num_layers=layers, seed=3
+    )
     native, hf, _, prompts = engines(model_dir, n=2, max_num_seqs=rows, init_std=init_std)
-    native.free_cache_engine = False  # the batcher stays, to be looked at
+    # the batcher stays, to be looked at
+    native.free_cache_engine = False
 
     loops = [
         AgentLoop(
@@ -364,17 +440,25 @@ def test_multi_turn_greedy_rollouts_equal_the_hf_engines_and_prefill_only_new_to
         )
         for engine in (native, hf)
     ]
-    ours, theirs = (loop.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=160)) for loop in loops)
-    assert {"prefill", "decode", "tools"} <= set(loops[0].timing)  # timing_s/gen_* of the engine's parts
-    assert max(r.extra_info["num_turns"] for r in theirs.records) >= 5  # several tool turns: a real comparison
+    ours, theirs = (
+        loop.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=160))
+        for loop in loops
+    )
+    # timing_s/gen_* of the engine's parts
+    assert {"prefill", "decode", "tools"} <= set(loops[0].timing)
+    # several tool turns: a real comparison
+    assert max(r.extra_info["num_turns"] for r in theirs.records) >= 5
     assert ours.response_ids.tolist() == theirs.response_ids.tolist()
     assert torch.equal(ours.response_mask, theirs.response_mask)
-    torch.testing.assert_close(ours.sampling_log_probs, theirs.sampling_log_probs, atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        ours.sampling_log_probs, theirs.sampling_log_probs, atol=1e-4, rtol=0
+    )
     if rows == 256:
         lengths = prompts.attention_mask.sum(-1)
         once_per_group = int(lengths[::2].sum())
         after_turns = int((ours.response_attention - ours.response_mask).sum())
-        returns = sum(r.extra_info["tool_calls"] for r in ours.records)  # each tool turn is followed by a turn
+        # each tool turn is followed by a turn
+        returns = sum(r.extra_info["tool_calls"] for r in ours.records)
         assert native._kept_batcher.prefilled == once_per_group + after_turns + returns
 
 
@@ -385,8 +469,10 @@ def test_free_cache_engine_unset_keeps_a_cache_of_at_most_eight_percent_of_the_g
     gpu = 140 * 2**30
     assert keeps_cache(None, int(0.053 * gpu), gpu) and keeps_cache(None, int(0.08 * gpu), gpu)
     assert not keeps_cache(None, int(0.09 * gpu), gpu)
-    assert not keeps_cache(None, 1, 0)  # CPU: no graphs to keep
-    assert keeps_cache(False, gpu, gpu) and not keeps_cache(True, 1, gpu)  # as set, whatever the size
+    # CPU: no graphs to keep
+    assert not keeps_cache(None, 1, 0)
+    # as set, whatever the size
+    assert keeps_cache(False, gpu, gpu) and not keeps_cache(True, 1, gpu)
 
 
 def test_a_turn_that_does_not_fit_its_batcher_is_refused_before_it_writes(tiny_assets):
@@ -408,30 +494,39 @@ def test_decode_attention_splits_the_cache_only_when_rows_leave_sms_idle():
     from keel.rollout.native.attention import split_columns
 
     sms = 132
-    assert split_columns(2304, programs=256, sms=sms) == 0  # 128 rows x 2 KV heads
+    # 128 rows x 2 KV heads
+    assert split_columns(2304, programs=256, sms=sms) == 0
     assert split_columns(2304, programs=66, sms=sms) == 0
     for programs in (1, 16, 32, 65):
         split = split_columns(2304, programs, sms)
         assert split & (split - 1) == 0 and split >= 64
         splits = -(-2304 // split)
         assert 2 * sms <= programs * splits <= 8 * sms or split == 64, (programs, split)
-    assert split_columns(2304, programs=16, sms=sms) == 128  # 8 rows: 18 splits each
-    assert split_columns(256, programs=2, sms=sms) == 64  # never below one block of columns
+    # 8 rows: 18 splits each
+    assert split_columns(2304, programs=16, sms=sms) == 128
+    # never below one block of columns
+    assert split_columns(256, programs=2, sms=sms) == 64
 
 
 def test_decode_attention_config_is_resolved_for_the_launch_and_keeps_what_is_set():
     from keel.rollout.native.attention import KernelConfig
 
-    wide = KernelConfig().resolved(768, programs=512, sms=132)  # 256 rows x 2 KV heads
-    assert (wide.split, wide.num_stages, wide.block) == (1024, 2, 64)  # one pass: the whole cache
+    # 256 rows x 2 KV heads
+    wide = KernelConfig().resolved(768, programs=512, sms=132)
+    # one pass: the whole cache
+    assert (wide.split, wide.num_stages, wide.block) == (1024, 2, 64)
     narrow = KernelConfig().resolved(2304, programs=16, sms=132)
     assert narrow.split == 128 and narrow.num_stages == 3
     one_pass = KernelConfig(split=0, num_stages=4, block=128).resolved(2304, programs=16, sms=132)
     assert (one_pass.split, one_pass.num_stages, one_pass.block) == (4096, 4, 128)
-    assert KernelConfig(split=32).resolved(2304, programs=16, sms=132).block == 32  # a block within its split
-    tiny = KernelConfig().resolved(8, programs=4, sms=132)  # a prompt and response of 8 tokens
-    assert tiny.block == tiny.split == 16  # tl.dot needs 16
-    assert KernelConfig(split=48).resolved(2304, programs=16, sms=132).block == 32  # a power of two
+    # a block within its split
+    assert KernelConfig(split=32).resolved(2304, programs=16, sms=132).block == 32
+    # a prompt and response of 8 tokens
+    tiny = KernelConfig().resolved(8, programs=4, sms=132)
+    # tl.dot needs 16
+    assert tiny.block == tiny.split == 16
+    # a power of two
+    assert KernelConfig(split=48).resolved(2304, programs=16, sms=132).block == 32
 
 
 INTERPRETED_ATTENTION = """
@@ -474,12 +569,17 @@ def test_triton_decode_attention_matches_sdpa_under_the_interpreter():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
-        [sys.executable, "-c", INTERPRETED_ATTENTION], env=env, capture_output=True, text=True, timeout=1800
+        [sys.executable, "-c", INTERPRETED_ATTENTION],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("grouped", [True, False])  # grouped matmuls, or every expert masked (float32 on a GPU)
+# grouped matmuls, or every expert masked (float32 on a GPU)
+@pytest.mark.parametrize("grouped", [True, False])
 def test_routed_experts_equal_transformers_mixture_block(grouped):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -503,7 +603,8 @@ def test_routed_experts_equal_transformers_mixture_block(grouped):
         config.norm_topk_prob,
         grouped,
     )
-    assert expected.abs().mean() > 0.1  # the experts contribute: a comparison that can fail
+    # the experts contribute: a comparison that can fail
+    assert expected.abs().mean() > 0.1
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -515,11 +616,13 @@ def test_a_turn_arriving_mid_decode_joins_within_look_every_steps(tiny_assets):
     params = SamplingParams(temperature=1.0, ignore_eos=True)
     unbounded = native.continuous_batcher(4, 200, 64)
     unbounded.add("long", [5] * 10, 64)
-    assert [f.key for f in unbounded.step(params)] == ["long"]  # all 64 steps in one call
+    # all 64 steps in one call
+    assert [f.key for f in unbounded.step(params)] == ["long"]
 
     batcher = native.continuous_batcher(4, 200, 64)
     batcher.add("long", [5] * 10, 64)
-    assert batcher.step(params, look_every=16) == []  # 16 steps: the long turn goes on
+    # 16 steps: the long turn goes on
+    assert batcher.step(params, look_every=16) == []
     batcher.add("short", [6] * 10, 4)
     (short,) = batcher.step(params, look_every=16)
     assert short.key == "short" and len(short.ids) == 4

@@ -13,7 +13,9 @@ import pytest
 
 
 def spin_count(code: str, **env: str) -> tuple[str, str]:
-    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    environ = {
+        k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    }
     run = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -26,7 +28,9 @@ def spin_count(code: str, **env: str) -> tuple[str, str]:
 
 
 def test_importing_keel_first_makes_torchs_threads_sleep_while_they_wait():
-    count, said = spin_count("import keel, torch\nfrom keel.openmp import how_threads_wait\nprint(how_threads_wait())")
+    count, said = spin_count(
+        "import keel, torch\nfrom keel.openmp import how_threads_wait\nprint(how_threads_wait())"
+    )
     assert count == "0"
     assert said.startswith("(True, 'sleeping")
 
@@ -36,17 +40,22 @@ def test_a_users_own_choice_is_kept():
         "import keel, torch\nfrom keel.openmp import how_threads_wait\nprint(how_threads_wait())",
         OMP_WAIT_POLICY="ACTIVE",
     )
-    assert int(count) > 300000  # libgomp's spin for an active policy
+    # libgomp's spin for an active policy
+    assert int(count) > 300000
     assert "as set: OMP_WAIT_POLICY=ACTIVE" in said
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="keel check warns for a run on the CPU")
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="keel check warns for a run on the CPU"
+)
 def test_torch_imported_first_spins_and_keel_check_says_so_on_the_cpu(tiny_config, tmp_path):
     import yaml
 
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump(tiny_config))
-    count, said = spin_count(f"import torch\nfrom keel.cli import main\nmain(['check', {str(config)!r}])")
+    count, said = spin_count(
+        f"import torch\nfrom keel.cli import main\nmain(['check', {str(config)!r}])"
+    )
     assert count == "300000"
     assert "[warn] workers" in said and "export OMP_WAIT_POLICY=PASSIVE" in said
 

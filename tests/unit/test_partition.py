@@ -17,16 +17,20 @@ def test_partitions_have_equal_counts_and_balanced_tokens():
     assert sorted(torch.cat(parts).tolist()) == list(range(8))
     assert [len(p) for p in parts] == [4, 4]
     totals = [int(lengths[p].sum()) for p in parts]
-    assert abs(totals[0] - totals[1]) <= 2  # 104 vs 103; a split by position would give 103 vs 104 by luck
-    lengths = torch.tensor([100, 90, 1, 1])  # by position the first rank would get 190 tokens
+    # 104 vs 103; a split by position would give 103 vs 104 by luck
+    assert abs(totals[0] - totals[1]) <= 2
+    # by position the first rank would get 190 tokens
+    lengths = torch.tensor([100, 90, 1, 1])
     assert sorted(int(lengths[p].sum()) for p in balanced_partitions(lengths, 2)) == [91, 101]
 
 
 def test_uneven_batch_is_padded_with_masked_samples_and_unsharded_in_order():
     batch = make_batch([1, 2, 3, 4, 5])
     index, parts = shard_batch(batch, 2)
-    assert [len(p) for p in parts] == [3, 3]  # equal sizes: ranks run the same number of forwards
-    assert sum(int(p.response_mask.sum()) for p in parts) == int(batch.response_mask.sum())  # filler adds none
+    # equal sizes: ranks run the same number of forwards
+    assert [len(p) for p in parts] == [3, 3]
+    # filler adds none
+    assert sum(int(p.response_mask.sum()) for p in parts) == int(batch.response_mask.sum())
     per_rank = [p.response_ids.float() for p in parts]
     assert torch.equal(unshard_rows(index, per_rank), batch.response_ids.float())
 
@@ -34,12 +38,17 @@ def test_uneven_batch_is_padded_with_masked_samples_and_unsharded_in_order():
 def test_a_mini_batch_smaller_than_the_ranks_gives_the_empty_ranks_masked_fillers():
     from keel.training.batching import plan_minibatches
 
-    batch = make_batch([1, 2, 3])  # 3 samples left (reward.on_error=mask), mini-batches of 2, on 2 ranks
+    # 3 samples left (reward.on_error=mask), mini-batches of 2, on 2 ranks
+    batch = make_batch([1, 2, 3])
     batch.advantages = torch.ones_like(batch.response_mask, dtype=torch.float32)
-    per_rank = plan_minibatches(batch, 2, epochs=1, shuffle=False, seed=0, norm_length=None, world_size=2)
-    last = [ranks[-1].samples for ranks in per_rank]  # the last mini-batch holds one sample
+    per_rank = plan_minibatches(
+        batch, 2, epochs=1, shuffle=False, seed=0, norm_length=None, world_size=2
+    )
+    # the last mini-batch holds one sample
+    last = [ranks[-1].samples for ranks in per_rank]
     assert [len(part) for part in last] == [1, 1]
-    assert sorted(int(part.response_mask.sum()) for part in last) == [0, 3]  # one real, one masked filler
+    # one real, one masked filler
+    assert sorted(int(part.response_mask.sum()) for part in last) == [0, 3]
     index, parts = shard_batch(batch.select([2]), 2)
     assert [len(i) for i in index] == [1, 0]
     rows = unshard_rows(index, [p.response_ids.float() for p in parts])
@@ -72,7 +81,11 @@ def test_more_workers_than_the_cluster_has_devices_is_refused(tiny_config):
     cfg = load_config(tiny_config, ["trainer.n_gpus_per_node=4", "trainer.device=cpu"])
     with pytest.raises(KeelError) as info:
         reserve(_Cluster({"CPU": 2.0}), Devices.of(cfg), cfg.world_size)
-    assert info.value.code == NOT_ENOUGH_DEVICES and "4 workers" in info.value.message and "has 2" in info.value.message
+    assert (
+        info.value.code == NOT_ENOUGH_DEVICES
+        and "4 workers" in info.value.message
+        and "has 2" in info.value.message
+    )
 
 
 def test_ray_missing_is_a_coded_error(tiny_config, monkeypatch):
@@ -81,7 +94,8 @@ def test_ray_missing_is_a_coded_error(tiny_config, monkeypatch):
     from keel.config.load import load_config
     from keel.distributed.ray_cluster import connect_ray
 
-    monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray looks like
+    # what an environment without Ray looks like
+    monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(KeelError) as info:
         connect_ray(Devices.of(load_config(tiny_config, ["trainer.n_gpus_per_node=2"])))
     assert info.value.code == RAY_MISSING
@@ -90,7 +104,9 @@ def test_ray_missing_is_a_coded_error(tiny_config, monkeypatch):
 def test_large_parameters_left_unsharded_are_reported(caplog):
     from keel.distributed.fsdp import REPLICATED_WARN_NUMEL, sharding_report
 
-    model = torch.nn.Sequential(torch.nn.Embedding(REPLICATED_WARN_NUMEL // 8, 8), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(REPLICATED_WARN_NUMEL // 8, 8), torch.nn.Linear(8, 2)
+    )
     with caplog.at_level("WARNING", logger="keel"):
         report = sharding_report(model, "actor")
     assert report["fsdp/actor_sharded_gb"] == 0 and report["fsdp/actor_replicated_gb"] > 0

@@ -45,7 +45,15 @@ ANSWERS_BY_TRUTH = {
     "0.75": ["0.75", "\\frac{3}{4}", "3/4", ".75", "75\\%", "75%", "0.7499", "0.8"],
     "12\\%": ["12\\%", "12%", "12", "0.12", "\\frac{12}{100}", "13\\%"],
     "45^\\circ": ["45^\\circ", "45", "45^{\\circ}", "45 degrees", "\\frac{\\pi}{4}", "135^\\circ"],
-    "2\\sqrt{3}": ["2\\sqrt{3}", "2\\sqrt3", "\\sqrt{12}", "2*sqrt(3)", "3.4641", "2 \\sqrt{3}", "3\\sqrt{2}"],
+    "2\\sqrt{3}": [
+        "2\\sqrt{3}",
+        "2\\sqrt3",
+        "\\sqrt{12}",
+        "2*sqrt(3)",
+        "3.4641",
+        "2 \\sqrt{3}",
+        "3\\sqrt{2}",
+    ],
     "\\frac{\\sqrt{2}}{2}": [
         "\\frac{\\sqrt{2}}{2}",
         "\\frac{1}{\\sqrt{2}}",
@@ -54,8 +62,25 @@ ANSWERS_BY_TRUTH = {
         "\\sqrt{0.5}",
         "\\frac{\\sqrt{3}}{2}",
     ],
-    "3\\pi": ["3\\pi", "3 \\pi", "9.42", "9.4248", "\\pi \\cdot 3", "3pi", "3\\cdot\\pi", "2\\pi", "9.43"],
-    "\\frac{\\pi}{3}": ["\\frac{\\pi}{3}", "\\pi/3", "1.0472", "60^\\circ", "\\frac{1}{3}\\pi", "\\frac{\\pi}{6}"],
+    "3\\pi": [
+        "3\\pi",
+        "3 \\pi",
+        "9.42",
+        "9.4248",
+        "\\pi \\cdot 3",
+        "3pi",
+        "3\\cdot\\pi",
+        "2\\pi",
+        "9.43",
+    ],
+    "\\frac{\\pi}{3}": [
+        "\\frac{\\pi}{3}",
+        "\\pi/3",
+        "1.0472",
+        "60^\\circ",
+        "\\frac{1}{3}\\pi",
+        "\\frac{\\pi}{6}",
+    ],
     "(1, 2)": [
         "(1, 2)",
         "(1,2)",
@@ -80,8 +105,23 @@ ANSWERS_BY_TRUTH = {
     "x^2+2x+1": ["x^2+2x+1", "(x+1)^2", "x^{2}+2x+1", "x**2 + 2*x + 1", "x^2+2x+2", "1+2x+x^2"],
     "\\text{B}": ["\\text{B}", "B", "b", "(B)", "\\textbf{B}", "C", "\\text{(B)}"],
     "C": ["C", "\\text{C}", "(C)", "c", "D", "C: 12"],
-    "1,000,000": ["1,000,000", "1000000", "10^6", "1 million", "1{,}000{,}000", "1000000.0", "999999"],
-    "1.5 \\times 10^{6}": ["1.5 \\times 10^{6}", "1500000", "1.5e6", "1.5 \\cdot 10^6", "1,500,000", "15 \\times 10^5"],
+    "1,000,000": [
+        "1,000,000",
+        "1000000",
+        "10^6",
+        "1 million",
+        "1{,}000{,}000",
+        "1000000.0",
+        "999999",
+    ],
+    "1.5 \\times 10^{6}": [
+        "1.5 \\times 10^{6}",
+        "1500000",
+        "1.5e6",
+        "1.5 \\cdot 10^6",
+        "1,500,000",
+        "15 \\times 10^5",
+    ],
     "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}": [
         "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}",
         "\\begin{pmatrix}1\\\\2\\end{pmatrix}",
@@ -100,14 +140,29 @@ ANSWERS_BY_TRUTH = {
         "[[1, 2], [3, 5]]",
         "[x, y]",
     ],
-    "\\{1, 2, 3\\}": ["\\{1, 2, 3\\}", "{1, 2, 3}", "1, 2, 3", "\\{1,2,3\\}", "\\{3, 2, 1\\}", "\\{1, 2\\}"],
+    "\\{1, 2, 3\\}": [
+        "\\{1, 2, 3\\}",
+        "{1, 2, 3}",
+        "1, 2, 3",
+        "\\{1,2,3\\}",
+        "\\{3, 2, 1\\}",
+        "\\{1, 2\\}",
+    ],
     "x = 2": ["x = 2", "2", "x=2", "y = 2", "3"],
     "2 \\text{ cm}": ["2 \\text{ cm}", "2", "2 cm", "2 centimeters", "20 mm"],
     "\\$12.50": ["\\$12.50", "12.50", "$12.5", "12.5", "\\$ 12.50", "13"],
     "a=2, b=3": ["a=2, b=3", "2, 3", "a = 2 and b = 3", "(2, 3)", "3, 2"],
     "\\pm 2": ["\\pm 2", "2, -2", "-2, 2", "\\pm2", "2"],
     "1010_2": ["1010_2", "1010", "10", "1010_{2}", "1011_2"],
-    "-\\frac{1}{2}": ["-\\frac{1}{2}", "-1/2", "-0.5", "\\frac{-1}{2}", "\\frac{1}{2}", "- \\frac{1}{2}", "-.5"],
+    "-\\frac{1}{2}": [
+        "-\\frac{1}{2}",
+        "-1/2",
+        "-0.5",
+        "\\frac{-1}{2}",
+        "\\frac{1}{2}",
+        "- \\frac{1}{2}",
+        "-.5",
+    ],
     "e^{2}": ["e^{2}", "e^2", "7.389", "\\exp(2)", "e^3"],
     "2 + 3i": ["2 + 3i", "2+3i", "3i + 2", "2 - 3i", "(2, 3)"],
     "\\text{(A)}": ["\\text{(A)}", "A", "(A)", "\\textbf{(A)}", "B"],
@@ -116,7 +171,16 @@ ANSWERS_BY_TRUTH = {
     "6.28": ["2\\pi", "6.28", "6.2832", "\\pi \\cdot 2", "2 \\pi"],
     "1000": ["1000", "1{,}000", "1,000", "10^3", "1e3", "1 000", "1000.00", "999"],
     "2.5 \\times 10^{-3}": ["2.5 \\times 10^{-3}", "0.0025", "2.5e-3", "\\frac{1}{400}", "0.025"],
-    "60": ["60", "60 minutes", "1 hour", "60 \\text{ seconds}", "60^\\circ", "60\\%", "\\$60", "61"],
+    "60": [
+        "60",
+        "60 minutes",
+        "1 hour",
+        "60 \\text{ seconds}",
+        "60^\\circ",
+        "60\\%",
+        "\\$60",
+        "61",
+    ],
     "2": ["2", "\\sqrt{4}", "4/2", "2.0000001", "\\boxed{2}", "two", "2\\pi/\\pi", "1+1"],
 }
 
@@ -231,14 +295,17 @@ KNOWN_DIFFERENCES = {
     # octal-escaped string reaches __import__); keel hands sympy no quoted text
     ("\\boxed{re('1/2')}", "\\frac{1}{2}"): "keel gives sympy no string to run",
     # verl's parse_expr runs `Matrix(...)` answers whole; keel only literal matrices (no attributes)
-    ("\\boxed{Matrix([[x.subs(x, 2)]])}", "\\begin{pmatrix} 2 \\end{pmatrix}"): "keel parses literal matrices only",
+    (
+        "\\boxed{Matrix([[x.subs(x, 2)]])}",
+        "\\begin{pmatrix} 2 \\end{pmatrix}",
+    ): "keel parses literal matrices only",
 }
 # Not compared here: verl bounds each sympy comparison at 10 s (a forked process) and scores one
 # past it 0, where keel runs on under reward.timeout_s (see keel/rewards/prime_math.py); verl's eval
 # has no bound at all (`\boxed{9**9**9\pi}` never returns), where keel refuses values too large to
-# build; and when both the answer and the ground truth nest brackets more than about 230 deep, keel's
-# comparison runs out of Python's recursion limit before verl's (four frames a level against two)
-# and calls wrong what verl may call right. No ground truth nests like that.
+# build; and when both the answer and the ground truth nest brackets more than about 230 deep,
+# keel's comparison runs out of Python's recursion limit before verl's (four frames a level against
+# two) and calls wrong what verl may call right. No ground truth nests like that.
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +319,8 @@ def test_the_cases_are_many_and_varied():
     cases = generated_cases()
     assert len(cases) > 500 and len(set(cases)) > 500
     scores = [compute_score(response, truth)[0] for response, truth in cases[::7]]
-    assert 0.2 < sum(scores) / len(scores) < 0.8  # right and wrong answers both well represented
+    # right and wrong answers both well represented
+    assert 0.2 < sum(scores) / len(scores) < 0.8
 
 
 def test_keel_scores_as_verl_does(verl_prime_math):
@@ -270,13 +338,26 @@ def test_known_differences_are_still_differences(verl_prime_math, response, trut
 
 
 def test_a_few_scores_by_hand():
-    assert compute_score("The answer is \\boxed{\\frac{1}{2}}", "0.5") == (True, True, "\\frac{1}{2}")
+    assert compute_score("The answer is \\boxed{\\frac{1}{2}}", "0.5") == (
+        True,
+        True,
+        "\\frac{1}{2}",
+    )
     assert compute_score("Step 1: x.\nStep 2: y.\n\\boxed{7}", "8") == (False, True, "7")
-    assert compute_score("so x = 6/8", "\\frac{3}{4}")[0] is False  # an unreduced fraction is not the answer
-    assert compute_score("\\boxed{2\\pi}", "6.28")[0] is True  # pi as 3.14 too
-    assert compute_score("\\boxed{[1]}", "\\begin{pmatrix} 1 \\end{pmatrix}")[0] is True  # a list against a pmatrix
-    # verl splits the pmatrix at each backslash, so the `\\` between rows makes an empty row: never equal
-    assert compute_score("\\boxed{[[1, 2], [3, 4]]}", "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}")[0] is False
+    # an unreduced fraction is not the answer
+    assert compute_score("so x = 6/8", "\\frac{3}{4}")[0] is False
+    # pi as 3.14 too
+    assert compute_score("\\boxed{2\\pi}", "6.28")[0] is True
+    # a list against a pmatrix
+    assert compute_score("\\boxed{[1]}", "\\begin{pmatrix} 1 \\end{pmatrix}")[0] is True
+    # verl splits the pmatrix at each backslash, so the `\\` between rows makes an empty row: never
+    # equal
+    assert (
+        compute_score(
+            "\\boxed{[[1, 2], [3, 4]]}", "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}"
+        )[0]
+        is False
+    )
 
 
 def octal_escaped(code: str) -> str:
@@ -292,7 +373,10 @@ def octal_escaped(code: str) -> str:
         ("id({payload})", "x"),
         ("__import__('pathlib').Path('{marker}').touch() or \\pi", "3.14"),
         ("[__import__('pathlib').Path('{marker}').touch()]", "\\begin{pmatrix} 1 \\end{pmatrix}"),
-        ("Matrix([[__import__('pathlib').Path('{marker}').touch()]])", "\\begin{pmatrix} 1 \\end{pmatrix}"),
+        (
+            "Matrix([[__import__('pathlib').Path('{marker}').touch()]])",
+            "\\begin{pmatrix} 1 \\end{pmatrix}",
+        ),
         ("Matrix([[1]]).__class__.__init__.__globals__", "\\begin{pmatrix} 1 \\end{pmatrix}"),
     ],
 )
@@ -301,7 +385,11 @@ def test_an_answer_cannot_run_code(tmp_path, answer, truth):
     sympify; the \\pi and matrix branches eval the answer). keel must score them without running them."""
     marker = tmp_path / "ran"
     payload = octal_escaped(f"__import__('pathlib').Path('{marker}').touch()")
-    response = "The answer is \\boxed{" + answer.replace("{payload}", payload).replace("{marker}", str(marker)) + "}"
+    response = (
+        "The answer is \\boxed{"
+        + answer.replace("{payload}", payload).replace("{marker}", str(marker))
+        + "}"
+    )
     correct, _, _ = compute_score(response, truth)
     assert not marker.exists()
     assert correct is False

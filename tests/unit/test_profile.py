@@ -25,7 +25,8 @@ def phase(name, start, end):
 def test_overlapping_activity_counts_once_and_only_inside_the_range():
     assert covered_time([(0, 2), (1, 3), (5, 6), (7, 20)], 1, 10) == 2 + 1 + 3
     assert covered_time([(0, 1)], 2, 4) == 0.0
-    assert covered_time([(0, 10), (2, 3)], 1, 4) == 3  # an interval inside another adds nothing
+    # an interval inside another adds nothing
+    assert covered_time([(0, 10), (2, 3)], 1, 4) == 3
 
 
 def test_each_phase_gets_the_share_of_its_wall_time_the_device_was_busy():
@@ -34,16 +35,22 @@ def test_each_phase_gets_the_share_of_its_wall_time_the_device_was_busy():
         phase("update_actor", 100, 200),
         phase("gen", 200, 300),
         event("kernel", 10, 60),
-        event("kernel", 50, 90),  # gen: 80 of 100
+        # gen: 80 of 100
+        event("kernel", 50, 90),
         event("memcpy", 100, 110),
-        event("kernel", 150, 250),  # update: 10 + 50 of 100
-        event("kernel", 290, 300),  # second gen: 10 + 50 spill-over
-        event("gpu annotation", 0, 300, annotation=True),  # the device's own span: not activity
+        # update: 10 + 50 of 100
+        event("kernel", 150, 250),
+        # second gen: 10 + 50 spill-over
+        event("kernel", 290, 300),
+        # the device's own span: not activity
+        event("gpu annotation", 0, 300, annotation=True),
         event("aten::mm", 0, 300, DeviceType.CPU),
-    ]  # a CPU op: not a phase, not activity
+        # a CPU op: not a phase, not activity
+    ]
     busy = phase_busy(events)
     assert busy == {"gen": (80 + 60) / 200, "update_actor": 0.6}
-    assert phase_gpu_seconds(events) == {"gen": 140e-6, "update_actor": 60e-6}  # the profiler's microseconds
+    # the profiler's microseconds
+    assert phase_gpu_seconds(events) == {"gen": 140e-6, "update_actor": 60e-6}
 
 
 def test_the_longest_idle_gaps_name_what_the_host_was_doing():
@@ -51,15 +58,23 @@ def test_the_longest_idle_gaps_name_what_the_host_was_doing():
         phase("worker/update_actor", 0, 10_000),
         phase("reward", 10_000, 20_000),
         event("fwd", 0, 3_000),
-        event("copy", 2_000, 3_500),  # busy until 3.5 ms
-        event("bwd", 5_000, 9_000),  # 1.5 ms idle before it
-        event("aten::item", 3_400, 4_000, DeviceType.CPU),  # the host waited, then...
-        event("aten::index", 4_200, 4_900, DeviceType.CPU),  # ... indexed on the CPU
-        event("aten::_to_copy", 4_100, 4_950, DeviceType.CPU),  # (the outer op of the index)
-        event("autograd::engine", 4_300, 4_800, DeviceType.CPU, thread=2),  # another thread's
-        event("opt", 9_000, 9_950),  # 0.05 ms: below the floor
+        # busy until 3.5 ms
+        event("copy", 2_000, 3_500),
+        # 1.5 ms idle before it
+        event("bwd", 5_000, 9_000),
+        # the host waited, then...
+        event("aten::item", 3_400, 4_000, DeviceType.CPU),
+        # ... indexed on the CPU
+        event("aten::index", 4_200, 4_900, DeviceType.CPU),
+        # (the outer op of the index)
+        event("aten::_to_copy", 4_100, 4_950, DeviceType.CPU),
+        # another thread's
+        event("autograd::engine", 4_300, 4_800, DeviceType.CPU, thread=2),
+        # 0.05 ms: below the floor
+        event("opt", 9_000, 9_950),
         event("kernel", 12_000, 13_000),
-    ]  # in "reward": not asked for
+        # in "reward": not asked for
+    ]
     assert idle_gaps(events) == [
         {
             "phase": "worker/update_actor",

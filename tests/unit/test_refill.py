@@ -15,7 +15,8 @@ from keel.types import ScoredBatch
 
 from tests_helpers import make_batch
 
-N = 4  # samples per group
+# samples per group
+N = 4
 
 
 def groups(first: int, count: int, kept_per_group: int) -> ScoredBatch:
@@ -59,7 +60,8 @@ def test_a_scorer_failing_in_every_group_trains_the_short_groups_after_the_last_
     with caplog.at_level(logging.WARNING, logger="keel"):
         batch, counts = fill_with_signal(next_round, 4, None, 0, 0, whole=N)
     assert len(asked) == REFILL_CALLS and counts["gen_batches"] == REFILL_CALLS
-    assert len(set(batch.group_index.tolist())) == 4 and len(batch) == 4 * (N - 1)  # short, as a sync step
+    # short, as a sync step
+    assert len(set(batch.group_index.tolist())) == 4 and len(batch) == 4 * (N - 1)
     assert "trains groups a failed scoring left short" in caplog.text
 
 

@@ -11,7 +11,9 @@ from keel.observe.report import panel_lines, series, write_report
 
 def write_metrics(run_dir, records):
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 9, "cut')
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records) + '{"step": 9, "cut'
+    )
 
 
 def test_report_draws_the_panels_a_user_looks_at_first(tmp_path):
@@ -33,7 +35,8 @@ def test_report_draws_the_panels_a_user_looks_at_first(tmp_path):
     png, page = write_report(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     text = page.read_text()
-    assert "data:image/png;base64," in text  # self-contained
+    # self-contained
+    assert "data:image/png;base64," in text
     for panel in (
         "reward",
         "held-out accuracy",
@@ -64,32 +67,47 @@ def test_report_shows_the_last_evaluations_conversations_turn_by_turn(tmp_path):
         {"role": "assistant", "content": "408"},
     ]
     rows = [
-        {"step": 2, "prompt": "12*34=", "response": "ignored", "score": 0.0},  # training's sample
-        {"step": 3, "split": "val", "prompt": "12*34=", "response": "408", "score": 1.0, "conversation": conversation},
+        # training's sample
+        {"step": 2, "prompt": "12*34=", "response": "ignored", "score": 0.0},
+        {
+            "step": 3,
+            "split": "val",
+            "prompt": "12*34=",
+            "response": "408",
+            "score": 1.0,
+            "conversation": conversation,
+        },
     ]
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = write_report(tmp_path)[1].read_text()
     assert "samples (evaluation)" in text and "<b>tool</b>" in text and "ignored" not in text
-    assert "&lt;tool_call&gt;" in text and "<script>" not in text  # the model's and the tool's text, escaped
+    # the model's and the tool's text, escaped
+    assert "&lt;tool_call&gt;" in text and "<script>" not in text
 
 
 def test_a_curve_equal_to_another_is_dashed_and_named_not_hidden():
-    records = [{"step": s, "critic/score/mean": s / 10, "critic/rewards/mean": s / 10} for s in range(1, 4)]
+    records = [
+        {"step": s, "critic/score/mean": s / 10, "critic/rewards/mean": s / 10} for s in range(1, 4)
+    ]
     ((title, lines),) = panel_lines(records)
     assert title == "reward"
     assert [(label, style) for label, _, _, style in lines] == [
         ("critic/score/mean", "-"),
         ("critic/rewards/mean (= critic/score/mean)", "--"),
     ]
-    records[1]["critic/rewards/mean"] = 0.1  # a KL penalty: two curves, both solid
+    # a KL penalty: two curves, both solid
+    records[1]["critic/rewards/mean"] = 0.1
     assert [style for *_, style in panel_lines(records)[0][1]] == ["-", "-"]
 
 
 def test_the_ppo_kl_and_the_reference_kl_are_separate_panels_each_named_for_what_it_is():
     records = [{"step": s, "actor/ppo_kl": 0.01, "actor/entropy": 1.0} for s in range(1, 4)]
     titles = [title for title, _ in panel_lines(records)]
-    assert "PPO KL (update vs rollout policy)" in titles and not any("reference" in t for t in titles)
-    for record in records:  # a run with a reference model (use_kl_loss)
+    assert "PPO KL (update vs rollout policy)" in titles and not any(
+        "reference" in t for t in titles
+    )
+    # a run with a reference model (use_kl_loss)
+    for record in records:
         record.update({"actor/ref_kl": 0.02, "actor/kl_loss": 0.02})
     panels = dict(panel_lines(records))
     assert [line[0] for line in panels["KL to the reference model"]] == [
@@ -102,7 +120,8 @@ def test_the_ppo_kl_and_the_reference_kl_are_separate_panels_each_named_for_what
 def test_the_tools_demos_correct_calculator_calls_get_a_panel():
     from keel.demo_tools import TOOLS, ToolDemoSettings
 
-    key = TOOLS.calls_key(ToolDemoSettings())  # the metric the demo's table reports
+    # the metric the demo's table reports
+    key = TOOLS.calls_key(ToolDemoSettings())
     panels = dict(panel_lines([{"step": 0, key: 0.47}, {"step": 10, key: 0.57}]))
     assert [line[0] for line in panels["correct tool calls (held-out)"]] == [key]
 
@@ -114,4 +133,5 @@ def test_the_report_names_the_run_as_the_user_did_never_by_a_temporary_path(tmp_
     assert "<title>keel report: .../demo/grpo</title>" in page and str(tmp_path) not in page
     monkeypatch.chdir(tmp_path)
     assert "<title>keel report: demo/grpo</title>" in write_report("demo/grpo")[1].read_text()
-    assert "<title>keel report: demo/grpo</title>" in write_report(run)[1].read_text()  # inside the cwd
+    # inside the cwd
+    assert "<title>keel report: demo/grpo</title>" in write_report(run)[1].read_text()

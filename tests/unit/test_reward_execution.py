@@ -27,22 +27,29 @@ def test_failures_are_masked_counted_and_bounded():
     scorer = RewardScorer(flaky, max_not_scored_ratio=0.5, timeout_s=0.5)
     result = scorer.score_batch([record(i) for i in range(4)], ["ok", "boom", "ok", "hang"])
     assert result.scored.tolist() == [True, False, True, False]
-    assert result.reasons[1] == "raised ZeroDivisionError: division by zero" and result.reasons[3] == "timeout"
+    assert (
+        result.reasons[1] == "raised ZeroDivisionError: division by zero"
+        and result.reasons[3] == "timeout"
+    )
     assert result.metrics["reward/not_scored_ratio"] == 0.5
     assert result.metrics["reward/not_scored/raised_ZeroDivisionError"] == 1
     assert result.metrics["reward/not_scored/timeout"] == 1
-    with pytest.raises(KeelError) as info:  # 2 of 4 is over a 0.25 limit
+    # 2 of 4 is over a 0.25 limit
+    with pytest.raises(KeelError) as info:
         RewardScorer(flaky, max_not_scored_ratio=0.25, timeout_s=0.5).score_batch(
             [record(i) for i in range(4)], ["ok", "boom", "ok", "hang"]
         )
-    assert info.value.code == TOO_MANY_NOT_SCORED and "raised ZeroDivisionError" in info.value.message
+    assert (
+        info.value.code == TOO_MANY_NOT_SCORED and "raised ZeroDivisionError" in info.value.message
+    )
 
 
 def test_zero_and_raise_policies():
     zero = RewardScorer(flaky, on_error="zero", max_not_scored_ratio=1.0)
     result = zero.score_batch([record(), record()], ["ok", "boom"])
     assert result.scores.tolist() == [1.0, 0.0] and result.scored.all()
-    assert result.metrics["reward/not_scored_ratio"] == 0.5  # scored 0, still counted
+    # scored 0, still counted
+    assert result.metrics["reward/not_scored_ratio"] == 0.5
     with pytest.raises(KeelError) as info:
         RewardScorer(flaky, on_error="raise").score_batch([record()], ["boom"])
     assert info.value.code == SCORER_RAISED
@@ -67,7 +74,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info):
 def test_worker_processes_survive_hangs_and_crashes(tmp_path):
     path = tmp_path / "scorer.py"
     path.write_text(UNTRUSTED)
-    scorer = RewardScorer(("file", str(path), "compute_score"), timeout_s=1.0, num_workers=2, max_not_scored_ratio=1.0)
+    scorer = RewardScorer(
+        ("file", str(path), "compute_score"), timeout_s=1.0, num_workers=2, max_not_scored_ratio=1.0
+    )
     try:
         result = scorer.score_batch([record(i) for i in range(4)], ["1", "loop", "0", "die"])
         assert result.scores[0] == 1.0 and result.scored.tolist() == [True, False, True, False]
@@ -93,11 +102,13 @@ def test_async_scorers_run_concurrently_with_timeouts():
     scorer = RewardScorer(judge, timeout_s=5.0, max_not_scored_ratio=1.0)
     responses = ["1", "0"] * 5 + ["slow"]
     result = scorer.score_batch([record(i) for i in range(11)], responses)
-    assert most[0] == 11  # all waiting at once, not one after another
+    # all waiting at once, not one after another
+    assert most[0] == 11
     assert result.scores.tolist()[:10] == [1.0, 0.0] * 5 and result.reasons[10] == "timeout"
 
 
-SWALLOWING = [  # scorers that catch keel's timeout and return 0 as if they had scored
+# scorers that catch keel's timeout and return 0 as if they had scored
+SWALLOWING = [
     "try:\n        time.sleep(60)\n    except Exception:\n        return 0.0",
     "try:\n        time.sleep(60)\n    except BaseException:\n        return 0.0",
     "for _ in range(3):\n        try:\n            time.sleep(2)\n        except BaseException:\n            pass\n"
@@ -114,7 +125,10 @@ def test_a_swallowed_timeout_is_still_a_timeout(tmp_path, body, num_workers):
         f"    if solution_str != 'hang':\n        return 1.0\n    {body}\n"
     )
     scorer = RewardScorer(
-        ("file", str(path), "compute_score"), timeout_s=0.5, num_workers=num_workers, max_not_scored_ratio=1.0
+        ("file", str(path), "compute_score"),
+        timeout_s=0.5,
+        num_workers=num_workers,
+        max_not_scored_ratio=1.0,
     )
     try:
         result = scorer.score_batch([record(0), record(1)], ["hang", "ok"])
@@ -135,9 +149,12 @@ def test_off_the_main_thread_the_deadline_answers_without_waiting_for_the_scorer
 
     scorer = RewardScorer(stuck, timeout_s=0.5, max_not_scored_ratio=1.0)
     outcome = {}
-    thread = threading.Thread(target=lambda: outcome.setdefault("r", scorer.score_batch([record()], ["x"])))
+    thread = threading.Thread(
+        target=lambda: outcome.setdefault("r", scorer.score_batch([record()], ["x"]))
+    )
     thread.start()
-    thread.join(timeout=300)  # a scorer-bound wait would never end: the event is set below
+    # a scorer-bound wait would never end: the event is set below
+    thread.join(timeout=300)
     released.set()
     assert "r" in outcome and outcome["r"].reasons == ["timeout"]
 
@@ -159,8 +176,12 @@ def test_batched_scorer_scores_the_batch_in_one_call():
 @pytest.mark.parametrize(
     "per_sample",
     [
-        lambda data_source, solution_str, ground_truth, extra_info=None: 1.0,  # returns a number
-        lambda data_source, solution_str, ground_truth, extra_info=None: float(solution_str.strip() == "1"),  # raises
+        # returns a number
+        lambda data_source, solution_str, ground_truth, extra_info=None: 1.0,
+        # raises
+        lambda data_source, solution_str, ground_truth, extra_info=None: float(
+            solution_str.strip() == "1"
+        ),
     ],
 )
 def test_a_per_sample_function_marked_batched_is_told_what_batched_means(per_sample):
@@ -188,22 +209,32 @@ def test_scoring_begun_as_samples_finish_is_read_once_and_equals_the_batchs(tmp_
     path = tmp_path / "count.py"
     path.write_text(COUNTING)
     calls = tmp_path / "calls.txt"
-    scorer = RewardScorer(("file", str(path), "compute_score"), timeout_s=30, num_workers=2, max_not_scored_ratio=1.0)
+    scorer = RewardScorer(
+        ("file", str(path), "compute_score"), timeout_s=30, num_workers=2, max_not_scored_ratio=1.0
+    )
     texts, records = ["a", "bb", "boom", "dddd"], [record(i) for i in range(4)]
     try:
         whole = scorer.score_batch(records, texts)
         calls.unlink()
-        started = [scorer.start(records[0], "a"), scorer.start(records[1], "bb"), None, scorer.start(records[3], "old")]
+        started = [
+            scorer.start(records[0], "a"),
+            scorer.start(records[1], "bb"),
+            None,
+            scorer.start(records[3], "old"),
+        ]
         streamed = scorer.score_batch(records, texts, started=started)
     finally:
         scorer.close()
     assert streamed.scores.tolist() == whole.scores.tolist() == [1.0, 2.0, 0.0, 4.0]
     assert streamed.scored.tolist() == whole.scored.tolist() == [True, True, False, True]
     assert (
-        streamed.reasons == whole.reasons and streamed.metrics.keys() - {"reward/scored_ahead"} == whole.metrics.keys()
+        streamed.reasons == whole.reasons
+        and streamed.metrics.keys() - {"reward/scored_ahead"} == whole.metrics.keys()
     )
-    assert streamed.metrics["reward/scored_ahead"] == 0.5  # "a" and "bb" of the four
-    # "a" and "bb" once each (begun ahead), "boom" now, "old" ahead but unused and "dddd" scored again
+    # "a" and "bb" of the four
+    assert streamed.metrics["reward/scored_ahead"] == 0.5
+    # "a" and "bb" once each (begun ahead), "boom" now, "old" ahead but unused and "dddd" scored
+    # again
     assert sorted(calls.read_text().split()) == ["a", "bb", "boom", "dddd", "old"]
 
 
@@ -213,7 +244,8 @@ def test_scoring_begun_in_a_pool_closed_since_is_begun_again(tmp_path):
     scorer = RewardScorer(("file", str(path), "compute_score"), timeout_s=30, num_workers=1)
     try:
         started = [scorer.start(record(), "abc")]
-        scorer.close()  # as after a hung worker: its queue is gone with it
+        # as after a hung worker: its queue is gone with it
+        scorer.close()
         result = scorer.score_batch([record()], ["abc"], started=started)
     finally:
         scorer.close()
@@ -237,9 +269,16 @@ def test_the_metrics_of_a_steps_scored_batches_read_as_one_batchs(tmp_path):
     whole = scorer.score_batch([record()] * 5, first + second).metrics
     merged = merge_score_metrics(parts)
     assert merged.keys() == whole.keys()
-    assert merged["reward/not_scored_ratio"] == pytest.approx(whole["reward/not_scored_ratio"]) == 0.4
-    assert merged["reward/not_scored/raised_ZeroDivisionError"] == whole["reward/not_scored/raised_ZeroDivisionError"]
-    assert merged["timing_s/score_sample/max"] == max(m["timing_s/score_sample/max"] for m, _ in parts)
+    assert (
+        merged["reward/not_scored_ratio"] == pytest.approx(whole["reward/not_scored_ratio"]) == 0.4
+    )
+    assert (
+        merged["reward/not_scored/raised_ZeroDivisionError"]
+        == whole["reward/not_scored/raised_ZeroDivisionError"]
+    )
+    assert merged["timing_s/score_sample/max"] == max(
+        m["timing_s/score_sample/max"] for m, _ in parts
+    )
 
 
 def test_a_sample_begun_ahead_is_read_only_for_its_own_record(tmp_path):
@@ -250,10 +289,16 @@ def test_a_sample_begun_ahead_is_read_only_for_its_own_record(tmp_path):
     path = tmp_path / "count.py"
     path.write_text(COUNTING)
     row = SimpleNamespace(
-        data_source="task", ground_truth=np.array([1, 2]), extra_info={"tests": np.arange(3)}, index=0
+        data_source="task",
+        ground_truth=np.array([1, 2]),
+        extra_info={"tests": np.arange(3)},
+        index=0,
     )
     other = SimpleNamespace(
-        data_source="task", ground_truth=np.array([1, 3]), extra_info={"tests": np.arange(3)}, index=0
+        data_source="task",
+        ground_truth=np.array([1, 3]),
+        extra_info={"tests": np.arange(3)},
+        index=0,
     )
     scorer = RewardScorer(("file", str(path), "compute_score"), timeout_s=30, num_workers=1)
     try:
@@ -261,5 +306,7 @@ def test_a_sample_begun_ahead_is_read_only_for_its_own_record(tmp_path):
         changed = scorer.score_batch([other], ["abc"], started=[scorer.start(row, "abc")])
     finally:
         scorer.close()
-    assert same.metrics["reward/scored_ahead"] == 1.0 and changed.metrics["reward/scored_ahead"] == 0.0
+    assert (
+        same.metrics["reward/scored_ahead"] == 1.0 and changed.metrics["reward/scored_ahead"] == 0.0
+    )
     assert same.scores.tolist() == changed.scores.tolist() == [3.0]

@@ -4,7 +4,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from keel.errors import MISSING_GROUND_TRUTH, NO_SCORER, REWARD_FN_LOAD, REWARD_NOT_NUMBER, KeelError
+from keel.errors import (
+    MISSING_GROUND_TRUTH,
+    NO_SCORER,
+    REWARD_FN_LOAD,
+    REWARD_NOT_NUMBER,
+    KeelError,
+)
 from keel.rewards.custom_fn import load_custom_reward_fn
 from keel.rewards.reward_fn import RewardScorer
 from keel.rewards.scorers import arithmetic, exact_match, gsm8k
@@ -18,9 +24,11 @@ def record(data_source="gsm8k", ground_truth="72"):
     "response, expected",
     [
         ("She sold 48 + 24 = 72 clips.\n#### 72", 1.0),
-        ("#### 1,000 then #### 72", 1.0),  # the last answer counts
+        # the last answer counts
+        ("#### 1,000 then #### 72", 1.0),
         ("#### 71", 0.0),
-        ("The answer is 72", 0.0),  # strict: no #### marker
+        # strict: no #### marker
+        ("The answer is 72", 0.0),
         ("", 0.0),
     ],
 )
@@ -33,7 +41,8 @@ def test_gsm8k_strips_thousands_separators():
 
 
 @pytest.mark.parametrize(
-    "response, truth, expected", [(" Paris\n", "Paris", 1.0), ("paris", "Paris", 0.0), ("7", 7, 1.0)]
+    "response, truth, expected",
+    [(" Paris\n", "Paris", 1.0), ("paris", "Paris", 0.0), ("7", 7, 1.0)],
 )
 def test_exact_match(response, truth, expected):
     assert exact_match("x", response, truth) == expected
@@ -53,11 +62,13 @@ def test_rows_without_ground_truth_are_refused_for_built_in_scorers():
     with pytest.raises(KeelError) as info:
         RewardScorer().check_records(rows)
     assert info.value.code == MISSING_GROUND_TRUTH and "row 7" in info.value.message
-    RewardScorer(lambda *a: 1.0).check_records(rows)  # a custom scorer may not need one
+    # a custom scorer may not need one
+    RewardScorer(lambda *a: 1.0).check_records(rows)
 
 
 @pytest.mark.parametrize(
-    "response, expected", [("57", 1.0), (" 57\n", 1.0), ("57.0", 0.0), ("--57", 0.0), ("5 7", 0.0), ("", 0.0)]
+    "response, expected",
+    [("57", 1.0), (" 57\n", 1.0), ("57.0", 0.0), ("--57", 0.0), ("5 7", 0.0), ("", 0.0)],
 )
 def test_arithmetic_scorer(response, expected):
     assert arithmetic("keel/arithmetic", response, "57") == expected
@@ -68,7 +79,9 @@ def test_numpy_and_tensor_rewards_are_numbers():
     import torch
 
     for value in (np.float32(0.5), np.int64(1), torch.tensor(0.25)):
-        assert RewardScorer(lambda *a, v=value: v).score([record()], ["x"]).item() == pytest.approx(float(value))
+        assert RewardScorer(lambda *a, v=value: v).score([record()], ["x"]).item() == pytest.approx(
+            float(value)
+        )
 
 
 def test_custom_reward_function_from_file(tmp_path):
@@ -78,7 +91,10 @@ def test_custom_reward_function_from_file(tmp_path):
         "    return {'score': float(solution_str == ground_truth), 'acc': 1}\n"
     )
     scorer = RewardScorer(load_custom_reward_fn(str(path), "score"))
-    assert scorer.score([record("anything", "a"), record("other", "a")], ["a", "b"]).tolist() == [1.0, 0.0]
+    assert scorer.score([record("anything", "a"), record("other", "a")], ["a", "b"]).tolist() == [
+        1.0,
+        0.0,
+    ]
 
 
 def test_custom_reward_function_errors(tmp_path):
@@ -102,6 +118,7 @@ def test_non_number_reward_is_never_a_silent_zero(bad):
     with pytest.raises(KeelError) as info:
         scorer.score_batch([record()], ["x"], on_error="raise")
     assert info.value.code == REWARD_NOT_NUMBER
-    result = scorer.score_batch([record()], ["x"])  # on_error=mask: not scored, with the reason
+    # on_error=mask: not scored, with the reason
+    result = scorer.score_batch([record()], ["x"])
     assert not result.scored[0] and result.reasons[0].startswith("not a number")
     assert result.metrics["reward/not_scored/not_a_number"] == 1

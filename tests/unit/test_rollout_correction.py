@@ -11,7 +11,8 @@ from keel.algorithms.rollout_correction import CorrectionParams, compute_correct
 
 MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
 # log pi_train - log pi_rollout per token: the ratios e^0.5, 1, e^-0.1 | e^1.5, e^-2
-LOG_RATIO = torch.tensor([[0.5, 0.0, -0.1, 9.0], [1.5, -2.0, 7.0, 7.0]])  # padding holds garbage
+# padding holds garbage
+LOG_RATIO = torch.tensor([[0.5, 0.0, -0.1, 9.0], [1.5, -2.0, 7.0, 7.0]])
 
 
 def correct(p: CorrectionParams, log_ratio=LOG_RATIO, mask=MASK):
@@ -21,14 +22,18 @@ def correct(p: CorrectionParams, log_ratio=LOG_RATIO, mask=MASK):
 
 def test_token_weights_are_the_ratio_truncated_and_zero_on_padding():
     weights = correct(CorrectionParams("token", is_threshold=2.0)).weights
-    expected = torch.tensor([[math.exp(0.5), 1.0, math.exp(-0.1), 0.0], [2.0, math.exp(-2.0), 0.0, 0.0]])
+    expected = torch.tensor(
+        [[math.exp(0.5), 1.0, math.exp(-0.1), 0.0], [2.0, math.exp(-2.0), 0.0, 0.0]]
+    )
     torch.testing.assert_close(weights, expected)
 
 
 def test_sequence_weights_are_the_product_of_the_ratios_on_every_token():
     weights = correct(CorrectionParams("sequence", is_threshold=5.0)).weights
     first, second = math.exp(0.5 + 0.0 - 0.1), min(math.exp(1.5 - 2.0), 5.0)
-    torch.testing.assert_close(weights, torch.tensor([[first] * 3 + [0.0], [second] * 2 + [0.0, 0.0]]))
+    torch.testing.assert_close(
+        weights, torch.tensor([[first] * 3 + [0.0], [second] * 2 + [0.0, 0.0]])
+    )
 
 
 def test_batch_normalized_weights_average_one():
@@ -42,9 +47,14 @@ def test_metrics_measure_the_mismatch_before_truncation():
     metrics = correct(CorrectionParams("token", is_threshold=2.0)).metrics
     valid = LOG_RATIO[MASK.bool()]
     assert metrics["rollout_corr/kl"].item() == pytest.approx(-valid.mean().item())
-    assert metrics["rollout_corr/chi2_token"].item() == pytest.approx(torch.exp(2 * valid).mean().item() - 1)
-    assert metrics["rollout_corr/rollout_is_mean"].item() == pytest.approx(torch.exp(valid).mean().item())
-    assert metrics["rollout_corr/rollout_is_ratio_fraction_high"].item() == pytest.approx(1 / 5)  # e^1.5 only
+    assert metrics["rollout_corr/chi2_token"].item() == pytest.approx(
+        torch.exp(2 * valid).mean().item() - 1
+    )
+    assert metrics["rollout_corr/rollout_is_mean"].item() == pytest.approx(
+        torch.exp(valid).mean().item()
+    )
+    # e^1.5 only
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_high"].item() == pytest.approx(1 / 5)
 
 
 def test_token_k1_keeps_the_ratio_band():
@@ -59,7 +69,8 @@ def test_token_k1_keeps_the_ratio_band():
 def test_sequence_filters_drop_whole_sequences():
     mean_k3 = correct(CorrectionParams(rejection=parse_rejection("seq_mean_k3", "0.1"))).keep
     assert (mean_k3 * MASK).tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
-    max_k2 = correct(CorrectionParams(rejection=parse_rejection("seq_max_k2", "1.5"))).keep  # 2^2/2 = 2 > 1.5
+    # 2^2/2 = 2 > 1.5
+    max_k2 = correct(CorrectionParams(rejection=parse_rejection("seq_max_k2", "1.5"))).keep
     assert (max_k2 * MASK).tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
     both = correct(CorrectionParams(rejection=parse_rejection("token_k2,seq_sum_k1", "0.2,3"))).keep
     # token_k2 keeps 0.5 (k2 0.125) and drops 1.5, -2; seq_sum_k1 keeps sums in [-log 3, log 3]
@@ -72,7 +83,9 @@ def test_garbage_log_probs_give_finite_weights_and_rejection():
     """A sampler out of sync (or hostile numbers) can give log-ratios of thousands: the weights
     stay finite, the filters reject, nothing becomes nan."""
     wild = torch.tensor([[1000.0, -1000.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
-    result = correct(CorrectionParams("sequence", 2.0, rejection=parse_rejection("token_k3", "10")), wild)
+    result = correct(
+        CorrectionParams("sequence", 2.0, rejection=parse_rejection("token_k3", "10")), wild
+    )
     assert torch.isfinite(result.weights).all() and result.weights.max() <= 2.0
     assert (result.keep * MASK)[0].tolist() == [0, 0, 1, 0]
     assert all(torch.isfinite(v) for v in result.metrics.values())
@@ -88,7 +101,10 @@ def test_nan_and_inf_log_probs_never_reach_a_weight():
     assert all(torch.isfinite(v) for v in clean.metrics.values())
     train[0, 1] = float("nan")
     rejected = compute_correction(
-        train, rollout, MASK, CorrectionParams("token", 2.0, rejection=parse_rejection("token_k3", "1"))
+        train,
+        rollout,
+        MASK,
+        CorrectionParams("token", 2.0, rejection=parse_rejection("token_k3", "1")),
     )
     assert rejected.keep[0].tolist()[:3] == [1, 0, 1] and rejected.weights[0, 1] == 0
 
@@ -119,7 +135,9 @@ def test_is_weights_reweight_every_policy_loss():
         plain, _ = compute_policy_loss(mode, old, new, adv, MASK, p)
         ones, _ = compute_policy_loss(mode, old, new, adv, MASK, p, is_weights=torch.ones(2, 4))
         weighted, _ = compute_policy_loss(mode, old, new, adv, MASK, p, is_weights=weights)
-        assert ones.item() == pytest.approx(plain.item()) and weighted.item() != pytest.approx(plain.item()), mode
+        assert ones.item() == pytest.approx(plain.item()) and weighted.item() != pytest.approx(
+            plain.item()
+        ), mode
     # vanilla by hand: -A w min-clipped ratio, token-mean
     ratio = torch.exp(new - old)
     losses = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))

@@ -11,12 +11,16 @@ from keel.errors import INCOMPATIBLE_OPTIONS, KeelError
 from keel.rollout.hf import HFRolloutEngine
 
 
-def test_a_lora_rollout_worker_that_would_generate_with_transformers_refuses_to_start(tiny_config, monkeypatch):
+def test_a_lora_rollout_worker_that_would_generate_with_transformers_refuses_to_start(
+    tiny_config, monkeypatch
+):
     tiny_config["actor_rollout_ref"]["model"]["lora_rank"] = 8
     cfg = load_config(tiny_config, ["actor_rollout_ref.hybrid_engine=false", "trainer.device=cpu"])
     chosen = []
 
-    def hf_as_auto_would_choose(rollout_cfg, model, tokenizer, device, dtype, log_choice, lora=False, **_):
+    def hf_as_auto_would_choose(
+        rollout_cfg, model, tokenizer, device, dtype, log_choice, lora=False, **_
+    ):
         chosen.append(lora)
         return HFRolloutEngine(model, tokenizer, rollout_cfg.max_num_seqs, dtype)
 

@@ -30,8 +30,10 @@ def test_this_machine_gives_every_protection():
 def test_a_correct_program_passes_and_a_wrong_one_scores_zero():
     good = "Here you go:\n```python\na, b = map(int, input().split())\nprint(a + b)\n```"
     assert code_exec("codecontests", good, TESTS) == 1.0
-    assert code_exec("codecontests", "```python\nprint(5)\n```", TESTS) == 0.5  # passes one of two
-    assert code_exec("codecontests", "raise SystemExit(1)", TESTS) == 0.0  # a crash is a wrong answer
+    # passes one of two
+    assert code_exec("codecontests", "```python\nprint(5)\n```", TESTS) == 0.5
+    # a crash is a wrong answer
+    assert code_exec("codecontests", "raise SystemExit(1)", TESTS) == 0.0
     assert extract_code("no fences") == "no fences"
 
 
@@ -62,7 +64,8 @@ def test_limits_stop_a_program_without_a_verdict(program, reason):
     assert reason in str(info.value)
 
 
-WRITES = [  # every call that takes a destination path; each aims at the host directory given
+# every call that takes a destination path; each aims at the host directory given
+WRITES = [
     "open(T + '/w1', 'w').write('x')",
     "os.close(os.open(T + '/w2', os.O_CREAT | os.O_WRONLY))",
     "os.mkdir(T + '/w3')",
@@ -91,7 +94,9 @@ def test_writes_outside_the_scratch_directory_fail_by_every_path(tmp_path):
     data = tmp_path / "data.parquet"
     data.write_text("the trainer's data")
     stamp = data.stat()
-    attempts = "\n".join(f"try:\n    {w}\n    print('WROTE', {w!r})\nexcept OSError:\n    pass" for w in WRITES)
+    attempts = "\n".join(
+        f"try:\n    {w}\n    print('WROTE', {w!r})\nexcept OSError:\n    pass" for w in WRITES
+    )
     program = f"import os, shutil, pathlib\nT = {str(tmp_path)!r}\nopen('notes', 'w').write('n')\n{attempts}\n"
     out = run_python(program, "", LIMITS)
     assert "WROTE" not in out
@@ -132,7 +137,8 @@ def test_no_network_not_even_the_trainers_loopback():
     assert "CONNECTED" not in run_python(program, "", LIMITS)
     listener.setblocking(False)
     with pytest.raises(BlockingIOError):
-        listener.accept()  # nobody called
+        # nobody called
+        listener.accept()
     listener.close()
 
 
@@ -179,7 +185,9 @@ def _as_trainer(
         grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
         print("trainer alive, grew", int(grown_mb), "MB")
     """)
-    return subprocess.run([sys.executable, "-c", trainer], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", trainer], capture_output=True, text=True, timeout=600
+    )
 
 
 def test_it_cannot_signal_the_trainer():
@@ -208,14 +216,18 @@ def test_a_flood_of_output_costs_the_trainer_nothing():
     )
     assert trainer.returncode == 0, trainer.stderr
     assert "stopped: output limit" in trainer.stdout
-    assert int(trainer.stdout.split("grew")[1].split()[0]) < 50  # MB: the cap, not the flood
+    # MB: the cap, not the flood
+    assert int(trainer.stdout.split("grew")[1].split()[0]) < 50
 
 
 def test_a_fork_bomb_ends_and_leaves_nothing_behind():
-    trainer = _as_trainer("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
+    trainer = _as_trainer(
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    )
     assert trainer.returncode == 0, trainer.stderr
     assert "trainer alive" in trainer.stdout
-    assert subprocess.run(["true"]).returncode == 0  # this machine can still start processes
+    # this machine can still start processes
+    assert subprocess.run(["true"]).returncode == 0
 
 
 def test_it_cannot_become_root_or_remount():
@@ -242,7 +254,9 @@ def test_it_cannot_become_root_or_remount():
 
 def test_scratch_space_is_bounded():
     program = "try:\n    open('big', 'wb').write(b'x' * (64 << 20))\nexcept OSError as e:\n    print(type(e).__name__)"
-    assert run_python(program, "", Limits(cpu_s=5, wall_s=30, memory_mb=512, scratch_mb=8)).strip() in (
+    assert run_python(
+        program, "", Limits(cpu_s=5, wall_s=30, memory_mb=512, scratch_mb=8)
+    ).strip() in (
         "OSError",
         "MemoryError",
     )
@@ -252,15 +266,18 @@ def test_stopped_programs_are_not_scored_and_the_trainer_carries_on():
     scorer = RewardScorer(by_source={"code": {"code_exec": 1.0}}, max_not_scored_ratio=1.0)
     row = SimpleNamespace(data_source="code", ground_truth=TESTS, extra_info={}, index=0)
     result = scorer.score_batch(
-        [row, row], ["```python\nwhile True: pass\n```", "a, b = map(int, input().split())\nprint(a + b)"]
+        [row, row],
+        ["```python\nwhile True: pass\n```", "a, b = map(int, input().split())\nprint(a + b)"],
     )
     assert result.scored.tolist() == [False, True] and result.scores[1] == 1.0
     assert result.reasons[0].startswith(
         (
-            "raised SandboxViolation: cpu limit",  # or, on a loaded machine,
+            # or, on a loaded machine,
+            "raised SandboxViolation: cpu limit",
             "raised SandboxViolation: timeout",
         )
-    )  # the wall clock first
+        # the wall clock first
+    )
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0
 
 
@@ -276,16 +293,24 @@ def no_bubblewrap(monkeypatch):
 def test_without_bubblewrap_the_missing_protections_are_named(no_bubblewrap):
     from keel.check.doctor import check_sandbox
 
-    assert no_bubblewrap.mode.startswith("none") and "bubblewrap is not installed" in no_bubblewrap.why_not
+    assert (
+        no_bubblewrap.mode.startswith("none")
+        and "bubblewrap is not installed" in no_bubblewrap.why_not
+    )
     assert {"filesystem", "network", "syscalls"} <= set(no_bubblewrap.missing())
     assert no_bubblewrap.protections["limits"] and no_bubblewrap.protections["output"]
     from keel.check.preflight import sandbox_finding
 
     doctor = check_sandbox(no_bubblewrap)
     assert doctor.level == "warn" and doctor.code == "KEEL-E010" and "filesystem" in doctor.detail
-    assert "runs as " in doctor.detail and "process count" in doctor.detail  # who, and what caps its processes
+    # who, and what caps its processes
+    assert "runs as " in doctor.detail and "process count" in doctor.detail
     check = sandbox_finding(no_bubblewrap)
-    assert check.level == "warn" and check.code == "KEEL-E010" and "runs without filesystem" in check.message
+    assert (
+        check.level == "warn"
+        and check.code == "KEEL-E010"
+        and "runs without filesystem" in check.message
+    )
 
 
 CODE_ROW = SimpleNamespace(data_source="code", ground_truth=TESTS, extra_info={}, index=0)
@@ -298,22 +323,27 @@ def scorer_requiring(require: str) -> RewardScorer:
 def test_model_code_never_runs_unfenced_unless_the_config_says_so(no_bubblewrap, caplog):
     from keel.errors import SANDBOX_INCOMPLETE, KeelError
 
-    for require in ("isolation", "all"):  # isolation is the default
+    # isolation is the default
+    for require in ("isolation", "all"):
         with pytest.raises(KeelError) as info:
             scorer_requiring(require).check_records([CODE_ROW])
         assert info.value.code == SANDBOX_INCOMPLETE and "network" in info.value.message
-    scorer_requiring("none").check_records([CODE_ROW])  # at the user's risk, and said so
+    # at the user's risk, and said so
+    scorer_requiring("none").check_records([CODE_ROW])
     assert "runs without: filesystem, network" in caplog.text
     RewardScorer(by_source={"math": {"math_equivalent": 1.0}}, sandbox_require="all").check_records(
         [SimpleNamespace(data_source="math", ground_truth="1", extra_info={}, index=0)]
-    )  # runs no code
+        # runs no code
+    )
 
 
 def test_a_jail_without_accounting_is_isolation_enough_but_not_all(monkeypatch, caplog):
     from keel.errors import SANDBOX_INCOMPLETE, KeelError
     from keel.rewards import sandbox
 
-    partial = sandbox.Jail(jail().mode, {**jail().protections, "accounting": False}, sandbox.NO_CGROUP)
+    partial = sandbox.Jail(
+        jail().mode, {**jail().protections, "accounting": False}, sandbox.NO_CGROUP
+    )
     monkeypatch.setattr(sandbox, "jail", lambda: partial)
     scorer_requiring("isolation").check_records([CODE_ROW])
     assert "runs without: accounting" in caplog.text
@@ -347,7 +377,9 @@ def test_no_namespaces_keyrings_or_memfds_inside():
     """)
     import pyseccomp
 
-    program = program.replace("ADD_KEY", str(pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, "add_key")))
+    program = program.replace(
+        "ADD_KEY", str(pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, "add_key"))
+    )
     assert run_python(program, "", LIMITS).split("\n")[:2] == ["threads still work", "[]"]
 
 
@@ -403,7 +435,8 @@ def test_cpu_is_bounded_for_the_whole_tree_not_per_process():
 def test_a_program_cannot_fake_a_limit_to_dodge_a_wrong_answer(fake):
     """Not scored would take a wrong answer out of the update: the verdict comes from the kernel's
     books for the run (its cgroup), not from how the program ended."""
-    assert run_python(fake, "", LIMITS) == ""  # an ordinary failure: the test case is failed
+    # an ordinary failure: the test case is failed
+    assert run_python(fake, "", LIMITS) == ""
 
 
 def _processes_of_uid(uid: int) -> int:
@@ -438,7 +471,8 @@ def test_one_run_cannot_starve_another_of_processes():
 
     attacker = threading.Thread(target=attack)
     attacker.start()
-    for _ in range(600):  # until the attacker holds its share of processes (polled, not timed)
+    # until the attacker holds its share of processes (polled, not timed)
+    for _ in range(600):
         if _processes_of_uid(65534) >= 20:
             break
         time.sleep(0.1)
@@ -462,7 +496,8 @@ def test_a_trainer_that_is_not_root_gets_a_user_namespace_jail():
     import tempfile
     from pathlib import Path
 
-    with tempfile.NamedTemporaryFile("w", dir="/tmp", suffix=".jsonl") as secret:  # readable by that user
+    # readable by that user
+    with tempfile.NamedTemporaryFile("w", dir="/tmp", suffix=".jsonl") as secret:
         secret.write("the trainer's data")
         secret.flush()
         os.chmod(secret.name, 0o644)
@@ -498,7 +533,8 @@ def test_a_trainer_that_is_not_root_gets_a_user_namespace_jail():
     assert done.returncode == 0, done.stderr
     mode_line, outside, inside = done.stdout.split("\n")[:3]
     assert mode_line == "bubblewrap in a user namespace ['accounting', 'syscalls']"
-    assert (outside, inside) == ("True", "False")  # the trainer's user sees the file; its jail does not
+    # the trainer's user sees the file; its jail does not
+    assert (outside, inside) == ("True", "False")
 
 
 def test_doctor_names_the_user_and_the_process_cap_and_what_is_missing():
@@ -510,11 +546,23 @@ def test_doctor_names_the_user_and_the_process_cap_and_what_is_missing():
         check_sandbox_user(found).level == "pass"
         and "uid 65534 without capabilities" in check_sandbox_user(found).detail
     )
-    assert check_sandbox_processes(found).level == "pass" and found.process_cap in check_sandbox_processes(found).detail
-    as_root = sandbox.Jail("none", {**found.protections, "user": False, "process count": False}, "", "")
+    assert (
+        check_sandbox_processes(found).level == "pass"
+        and found.process_cap in check_sandbox_processes(found).detail
+    )
+    as_root = sandbox.Jail(
+        "none", {**found.protections, "user": False, "process count": False}, "", ""
+    )
     user, processes = check_sandbox_user(as_root), check_sandbox_processes(as_root)
-    assert (user.level, user.code, processes.level, processes.code) == ("warn", "KEEL-E010", "warn", "KEEL-E010")
-    assert "raise its own limits" in user.detail and "not capped" in processes.detail and processes.fix
+    assert (user.level, user.code, processes.level, processes.code) == (
+        "warn",
+        "KEEL-E010",
+        "warn",
+        "KEEL-E010",
+    )
+    assert (
+        "raise its own limits" in user.detail and "not capped" in processes.detail and processes.fix
+    )
 
 
 def test_an_uncapped_process_count_is_not_isolation(monkeypatch):
@@ -523,7 +571,9 @@ def test_an_uncapped_process_count_is_not_isolation(monkeypatch):
     from keel.errors import SANDBOX_INCOMPLETE, KeelError
     from keel.rewards import sandbox
 
-    uncapped = sandbox.Jail(jail().mode, {**jail().protections, "process count": False}, sandbox.NO_PROCESS_CAP)
+    uncapped = sandbox.Jail(
+        jail().mode, {**jail().protections, "process count": False}, sandbox.NO_PROCESS_CAP
+    )
     monkeypatch.setattr(sandbox, "jail", lambda: uncapped)
     with pytest.raises(KeelError) as info:
         scorer_requiring("isolation").check_records([CODE_ROW])

@@ -20,5 +20,9 @@ def test_every_rank_batch_and_step_of_a_run_samples_with_a_seed_of_its_own():
 
 def test_the_actor_and_the_critic_take_their_mini_batches_in_orders_of_their_own():
     cfg = SimpleNamespace(trainer=SimpleNamespace(seed=0))
-    orders = [f(step_seed(cfg, step)) for step in range(1, 2001) for f in (actor_order_seed, critic_order_seed)]
+    orders = [
+        f(step_seed(cfg, step))
+        for step in range(1, 2001)
+        for f in (actor_order_seed, critic_order_seed)
+    ]
     assert len(set(orders)) == len(orders)

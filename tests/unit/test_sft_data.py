@@ -31,21 +31,33 @@ def test_loss_covers_every_assistant_turn_and_nothing_else(tokenizer):
 
 
 def test_prompt_response_columns_and_chat_prompts(tokenizer):
-    rows = [{"prompt": "3+4", "response": "7"}, {"prompt": [{"role": "user", "content": "5+5"}], "response": "10"}]
+    rows = [
+        {"prompt": "3+4", "response": "7"},
+        {"prompt": [{"role": "user", "content": "5+5"}], "response": "10"},
+    ]
     examples, stats = build_sft_dataset(rows, tokenizer)
     assert [learnt_text(e, tokenizer) for e in examples] == ["7<|im_end|>\n", "10<|im_end|>\n"]
     assert stats.total == 2 and stats.truncated == 0
 
 
 def test_truncation_modes(tokenizer):
-    rows = [{"messages": [{"role": "user", "content": "x" * 40}, {"role": "assistant", "content": "yes"}]}]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "x" * 40},
+                {"role": "assistant", "content": "yes"},
+            ]
+        }
+    ]
     with pytest.raises(KeelError) as info:
         build_sft_dataset(rows, tokenizer, max_length=20)
     assert info.value.code == SFT_TOO_LONG
     kept, stats = build_sft_dataset(rows, tokenizer, max_length=20, truncation="left")
     assert len(kept[0].input_ids) == 20 and stats.truncated == 1
-    assert learnt_text(kept[0], tokenizer) == "yes<|im_end|>\n"  # the end, with the answer, is kept
-    with pytest.raises(KeelError) as info:  # cutting the end removes the answer itself
+    # the end, with the answer, is kept
+    assert learnt_text(kept[0], tokenizer) == "yes<|im_end|>\n"
+    # cutting the end removes the answer itself
+    with pytest.raises(KeelError) as info:
         build_sft_dataset(rows, tokenizer, max_length=20, truncation="right")
     assert info.value.code == NO_ASSISTANT_TURN
 
@@ -67,4 +79,7 @@ def test_collate_right_pads_with_masks(tokenizer):
     short, long_ = (len(e.input_ids) for e in examples)
     assert batch["input_ids"].shape == (2, long_)
     assert batch["attention_mask"][0].tolist() == [1] * short + [0] * (long_ - short)
-    assert batch["loss_mask"][0, short:].sum() == 0 and batch["input_ids"][0, short:].eq(tokenizer.pad_token_id).all()
+    assert (
+        batch["loss_mask"][0, short:].sum() == 0
+        and batch["input_ids"][0, short:].eq(tokenizer.pad_token_id).all()
+    )

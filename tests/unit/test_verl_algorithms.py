@@ -28,7 +28,8 @@ def per_sample(advantages, inputs):
 
 
 def test_opo_subtracts_the_length_weighted_group_mean():
-    # group a: scores 1 and 0 with 2 and 6 tokens: baseline (2*1 + 6*0) / 8 = 0.25; b alone: baseline 0
+    # group a: scores 1 and 0 with 2 and 6 tokens: baseline (2*1 + 6*0) / 8 = 0.25; b alone:
+    # baseline 0
     inp = outcome([1.0, 0.0, 0.5], [0, 0, 1], lengths=[2, 6, 4])
     adv, _ = compute_advantage("opo", inp, AdvantageParams())
     assert per_sample(adv, inp).tolist() == pytest.approx([0.75, -0.25, 0.5])
@@ -53,11 +54,17 @@ def test_grpo_passk_rewards_only_the_best_by_its_margin():
 def test_gpg_loss_is_the_plain_policy_gradient():
     log_prob = torch.tensor([[math.log(0.5), math.log(0.25)]], requires_grad=True)
     loss, _ = compute_policy_loss(
-        "gpg", torch.zeros(1, 2), log_prob, torch.tensor([[2.0, 2.0]]), torch.ones(1, 2), PolicyLossParams()
+        "gpg",
+        torch.zeros(1, 2),
+        log_prob,
+        torch.tensor([[2.0, 2.0]]),
+        torch.ones(1, 2),
+        PolicyLossParams(),
     )
     assert loss.item() == pytest.approx(-(2 * math.log(0.5) + 2 * math.log(0.25)) / 2)
     loss.backward()
-    assert log_prob.grad.tolist() == [[-1.0, -1.0]]  # -A / tokens
+    # -A / tokens
+    assert log_prob.grad.tolist() == [[-1.0, -1.0]]
 
 
 def test_cispo_clips_and_detaches_the_ratio_and_keeps_every_tokens_gradient():
@@ -74,11 +81,16 @@ def test_cispo_clips_and_detaches_the_ratio_and_keeps_every_tokens_gradient():
     )
     assert loss.item() == pytest.approx(-(1.2 * math.log(2.0) + 0.8 * math.log(0.5)) / 2)
     loss.backward()
-    assert log_prob.grad[0].tolist() == pytest.approx([-0.6, -0.4])  # both clipped, both still learn
+    # both clipped, both still learn
+    assert log_prob.grad[0].tolist() == pytest.approx([-0.6, -0.4])
     assert metrics["pg_clipfrac"].item() == 1.0
 
 
-BASE = {"data.train_files": ["a.parquet"], "actor_rollout_ref.model.path": "m", "actor_rollout_ref.rollout.n": 2}
+BASE = {
+    "data.train_files": ["a.parquet"],
+    "actor_rollout_ref.model.path": "m",
+    "actor_rollout_ref.rollout.n": 2,
+}
 
 
 @pytest.mark.parametrize(
@@ -96,4 +108,9 @@ def test_verls_other_algorithms_are_refused_by_name(key, value):
 
 
 def test_verls_vectorised_estimators_are_keels_own():
-    assert load_config({}, {**BASE, "algorithm.adv_estimator": "rloo_vectorized"}).algorithm.adv_estimator == "rloo"
+    assert (
+        load_config(
+            {}, {**BASE, "algorithm.adv_estimator": "rloo_vectorized"}
+        ).algorithm.adv_estimator
+        == "rloo"
+    )

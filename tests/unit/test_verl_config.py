@@ -45,10 +45,13 @@ def test_verls_whole_generated_config_loads_with_its_own_defaults():
     assert len(leaves) > 500
     cfg = load_config(yaml.safe_load(VERL_YAML.read_text()), SMALL)
     assert cfg.algorithm.critic_warmup == 0 and cfg.actor_rollout_ref.actor.grad_clip == 1.0
-    assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"  # its ${...} references resolved
+    # its ${...} references resolved
+    assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"
     assert cfg.critic.loss_agg_mode == cfg.actor_rollout_ref.actor.loss_agg_mode
-    assert cfg.trainer.logger == ["console", "wandb"] and cfg.data.seed == 1  # verl's null: keel's default
-    assert any("tensor_model_parallel_size" in line for line in cfg.decided)  # said, not silent
+    # verl's null: keel's default
+    assert cfg.trainer.logger == ["console", "wandb"] and cfg.data.seed == 1
+    # said, not silent
+    assert any("tensor_model_parallel_size" in line for line in cfg.decided)
 
 
 def test_every_verl_leaf_is_known_by_name():
@@ -61,7 +64,8 @@ def test_every_verl_leaf_is_known_by_name():
             if error.code == UNKNOWN_KEY or "unknown config key" in error.message:
                 unknown.append(key)
     assert not unknown, f"verl keys keel does not know: {unknown}"
-    assert len(set(verl_leaves()) & set(all_keys())) > 100  # and many are keel's own
+    # and many are keel's own
+    assert len(set(verl_leaves()) & set(all_keys())) > 100
 
 
 @pytest.mark.parametrize(
@@ -94,11 +98,17 @@ def test_every_problem_of_a_config_is_reported_at_once():
 
 
 def test_suggestions_are_misspellings_never_another_setting():
-    assert load_config({}, {**SMALL, "actor_rollout_ref.model.use_remove_padding": True})  # accepted: keel's way
+    # accepted: keel's way
+    assert load_config({}, {**SMALL, "actor_rollout_ref.model.use_remove_padding": True})
     error = error_of({"actor_rollout_ref.model.use_remove_paddin": True})
-    assert error.code == UNKNOWN_KEY and "did you mean" not in error.message  # not trust_remote_code
+    # not trust_remote_code
+    assert error.code == UNKNOWN_KEY and "did you mean" not in error.message
     cfg = load_config({}, {**SMALL, "actor_rollout_ref.actor.optim.clip_grad": 0.5})
-    assert cfg.actor_rollout_ref.actor.grad_clip == 0.5 and cfg.actor_rollout_ref.actor.optim.lr == 1e-6  # not lr
+    # not lr
+    assert (
+        cfg.actor_rollout_ref.actor.grad_clip == 0.5
+        and cfg.actor_rollout_ref.actor.optim.lr == 1e-6
+    )
     assert "did you mean 'trainer.save_freq'" in error_of({"trainer.sav_freq": 2}).message
 
 
@@ -117,8 +127,14 @@ def test_verls_command_line_forms(tmp_path, monkeypatch):
         ],
     )
     assert cfg.data.train_files == [f"{tmp_path}/data/train.parquet"]
-    assert cfg.algorithm.critic_warmup == 3 and cfg.data.seed == 7 and cfg.trainer.logger == ["console", "wandb"]
-    assert cfg.actor_rollout_ref.rollout.name == "auto" and any("no vLLM" in line for line in cfg.decided)
+    assert (
+        cfg.algorithm.critic_warmup == 3
+        and cfg.data.seed == 7
+        and cfg.trainer.logger == ["console", "wandb"]
+    )
+    assert cfg.actor_rollout_ref.rollout.name == "auto" and any(
+        "no vLLM" in line for line in cfg.decided
+    )
 
 
 def test_values_verl_derives_from_the_actors_follow_them():
@@ -142,7 +158,10 @@ def test_keel_train_takes_a_verl_script_without_a_config_file(tiny_config, tmp_p
     from keel.config.load import flatten
 
     flat = {k: v for k, v in flatten(tiny_config).items() if v not in ([], None)}
-    overrides = [f"{k}={v}" if not isinstance(v, list) else f"{k}=[{','.join(map(str, v))}]" for k, v in flat.items()]
+    overrides = [
+        f"{k}={v}" if not isinstance(v, list) else f"{k}=[{','.join(map(str, v))}]"
+        for k, v in flat.items()
+    ]
     assert (
         main(
             [
@@ -171,10 +190,16 @@ def test_verls_reward_managers_are_keels_settings():
     )
     assert dapo.reward.overlong_buffer.enable and dapo.reward.overlong_buffer.len == 128
     assert dapo.reward.overlong_buffer.penalty_factor == 0.5
-    batch = load_config({}, {**SMALL, "reward_model.reward_manager": "batch", "custom_reward_function.path": "r.py"})
+    batch = load_config(
+        {}, {**SMALL, "reward_model.reward_manager": "batch", "custom_reward_function.path": "r.py"}
+    )
     assert batch.custom_reward_function.batched
-    assert load_config({}, {**SMALL, "reward_model.reward_manager": "prime"}).reward.num_workers >= 1
-    error = error_of({"reward_model.reward_manager": "dapo", "reward_model.reward_kwargs.max_resp_len": 100})
+    assert (
+        load_config({}, {**SMALL, "reward_model.reward_manager": "prime"}).reward.num_workers >= 1
+    )
+    error = error_of(
+        {"reward_model.reward_manager": "dapo", "reward_model.reward_kwargs.max_resp_len": 100}
+    )
     assert error.code == VERL_UNSUPPORTED and "max_resp_len" in error.message
 
 
@@ -188,8 +213,12 @@ def test_critic_warmup_counts_as_verls(tiny_config):
     result = train(tiny_config)
     import json
 
-    steps = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert ["actor/pg_loss" in m for m in steps] == [False, True] and all("critic/vf_loss" in m for m in steps)
+    steps = [
+        json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert ["actor/pg_loss" in m for m in steps] == [False, True] and all(
+        "critic/vf_loss" in m for m in steps
+    )
 
 
 def test_references_to_unset_keys_take_keels_defaults_and_parents_resolve(tmp_path, monkeypatch):
@@ -199,30 +228,45 @@ def test_references_to_unset_keys_take_keels_defaults_and_parents_resolve(tmp_pa
         "actor_rollout_ref": {"rollout": {"max_model_len": "${..actor.ppo_max_token_len_per_gpu}"}},
         "reward_model": {"reward_kwargs": {}},
     }
-    cfg = load_config(tree, {**SMALL, "data.val_files": ["~/val.parquet"], "~trainer.save_freq": None})
-    assert cfg.trainer.default_local_dir == "ck/keel"  # keel's default project name, not "None"
-    assert cfg.actor_rollout_ref.rollout.max_model_len == 16384  # a parent's key, and keel's default there
+    cfg = load_config(
+        tree, {**SMALL, "data.val_files": ["~/val.parquet"], "~trainer.save_freq": None}
+    )
+    # keel's default project name, not "None"
+    assert cfg.trainer.default_local_dir == "ck/keel"
+    # a parent's key, and keel's default there
+    assert cfg.actor_rollout_ref.rollout.max_model_len == 16384
     assert cfg.data.val_files == [f"{tmp_path}/val.parquet"]
 
 
 def test_a_custom_reward_manager_from_a_file_is_refused():
-    error = error_of({"reward_manager.source": "importlib", "reward_manager.module.path": "my_manager.py"})
+    error = error_of(
+        {"reward_manager.source": "importlib", "reward_manager.module.path": "my_manager.py"}
+    )
     assert error.code == VERL_UNSUPPORTED and "reward_manager.source" in error.message
 
 
 @pytest.mark.parametrize(
     "preset",
-    [  # verl's RolloutCorrectionConfig presets, as a script writes them
-        {"rollout_is": "token", "rollout_is_threshold": 2.0},  # decoupled_token_is
-        {"rollout_is": "sequence", "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": "0.5_2.0"},  # seq MIS
-        {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": 1.001, "rollout_is": "token"},  # geo RS + token TIS
-        {"bypass_mode": True},  # bypass_ppo_clip
-        {"bypass_mode": True, "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01},  # bypass + K3-RS
-        {"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "sequence"},  # bypass_pg_is
+    # verl's RolloutCorrectionConfig presets, as a script writes them
+    [
+        # decoupled_token_is
+        {"rollout_is": "token", "rollout_is_threshold": 2.0},
+        # seq MIS
+        {"rollout_is": "sequence", "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": "0.5_2.0"},
+        # geo RS + token TIS
+        {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": 1.001, "rollout_is": "token"},
+        # bypass_ppo_clip
+        {"bypass_mode": True},
+        # bypass + K3-RS
+        {"bypass_mode": True, "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01},
+        # bypass_pg_is
+        {"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "sequence"},
     ],
 )
 def test_verls_rollout_correction_presets_load(preset):
-    cfg = load_config({}, {**SMALL, **{f"algorithm.rollout_correction.{k}": v for k, v in preset.items()}})
+    cfg = load_config(
+        {}, {**SMALL, **{f"algorithm.rollout_correction.{k}": v for k, v in preset.items()}}
+    )
     rc = cfg.algorithm.rollout_correction
     params = rc.params()
     assert params.is_level is not None or params.rejection or rc.bypass_mode
@@ -254,12 +298,21 @@ def test_verls_rollout_correction_presets_load(preset):
             "sets the policy loss",
         ),
         (
-            {"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "token", "rollout_is_batch_normalize": True},
+            {
+                "bypass_mode": True,
+                "loss_type": "reinforce",
+                "rollout_is": "token",
+                "rollout_is_batch_normalize": True,
+            },
             "KEEL-C006",
             "depend on how the batch is cut",
         ),
         (
-            {"rollout_is": "token", "actor_rollout_ref.rollout.do_sample": False, "actor_rollout_ref.rollout.n": 1},
+            {
+                "rollout_is": "token",
+                "actor_rollout_ref.rollout.do_sample": False,
+                "actor_rollout_ref.rollout.n": 1,
+            },
             "KEEL-C006",
             "greedy",
         ),

@@ -20,7 +20,9 @@ from keel.errors import (
     KeelError,
 )
 
-EXAMPLE = Path(__file__).parents[1] / "data" / "verl_launch" / "examples" / "sglang_multiturn" / "config"
+EXAMPLE = (
+    Path(__file__).parents[1] / "data" / "verl_launch" / "examples" / "sglang_multiturn" / "config"
+)
 REQUIRED = {
     "data.train_files": ["train.parquet"],
     "actor_rollout_ref.model.path": "model",
@@ -50,7 +52,11 @@ def verl_style(
     searchpath=("file://verl/trainer/config",),
     **sections,
 ) -> Path:
-    return write(folder, name, {"hydra": {"searchpath": list(searchpath)}, "defaults": list(defaults), **sections})
+    return write(
+        folder,
+        name,
+        {"hydra": {"searchpath": list(searchpath)}, "defaults": list(defaults), **sections},
+    )
 
 
 def error_of(launch, overrides=None) -> KeelError:
@@ -59,15 +65,22 @@ def error_of(launch, overrides=None) -> KeelError:
     return info.value
 
 
-def test_verls_example_yaml_composes_verls_trainer_config_from_keels_copy(without_verl, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # not a verl checkout: file://verl/trainer/config is not here
+def test_verls_example_yaml_composes_verls_trainer_config_from_keels_copy(
+    without_verl, tmp_path, monkeypatch
+):
+    # not a verl checkout: file://verl/trainer/config is not here
+    monkeypatch.chdir(tmp_path)
     cfg = load_config(VerlLaunch(str(EXAMPLE), "gsm8k_multiturn_grpo"), REQUIRED)
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
-    assert multi_turn.enable and multi_turn.max_assistant_turns == 5  # the example's own values
+    # the example's own values
+    assert multi_turn.enable and multi_turn.max_assistant_turns == 5
     assert cfg.data.max_prompt_length == 1024
-    assert cfg.trainer.total_epochs == 30 and cfg.actor_rollout_ref.actor.clip_ratio_high == 0.2  # ppo_trainer's
-    assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"  # its ${...} references resolved
-    assert any("keel's copy of verl 0.9.1's" in line for line in cfg.decided)  # where it came from, said
+    # ppo_trainer's
+    assert cfg.trainer.total_epochs == 30 and cfg.actor_rollout_ref.actor.clip_ratio_high == 0.2
+    # its ${...} references resolved
+    assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"
+    # where it came from, said
+    assert any("keel's copy of verl 0.9.1's" in line for line in cfg.decided)
 
 
 def test_the_installed_verls_trainer_config_is_the_same_as_keels_copy(tmp_path, monkeypatch):
@@ -78,7 +91,8 @@ def test_the_installed_verls_trainer_config_is_the_same_as_keels_copy(tmp_path, 
     assert any("the installed verl" in line for line in notes)
     monkeypatch.setattr(hydra_compose, "installed_verl", lambda: [])
     copy, _ = compose_launch(VerlLaunch(str(EXAMPLE), "gsm8k_multiturn_grpo"))
-    installed.pop("model_engine", None)  # the only key verl's generated file leaves out (it selects files)
+    # the only key verl's generated file leaves out (it selects files)
+    installed.pop("model_engine", None)
     assert flatten(installed) == flatten(copy)
 
 
@@ -87,13 +101,19 @@ def test_a_verl_checkout_in_the_working_directory_is_hydras_searchpath(tmp_path,
     write(checkout, "ppo_trainer.yaml", {"trainer": {"total_epochs": 3}})
     monkeypatch.chdir(tmp_path)
     tree, _ = compose_launch(VerlLaunch(str(EXAMPLE), "gsm8k_multiturn_grpo"))
-    assert tree["trainer"] == {"total_epochs": 3}  # the checkout's, as verl's script run from its root gets
+    # the checkout's, as verl's script run from its root gets
+    assert tree["trainer"] == {"total_epochs": 3}
 
 
 def test_config_name_alone_and_config_path_config_are_verls_trainer_config(without_verl):
-    for launch in (VerlLaunch(None, "ppo_trainer"), VerlLaunch("config", "ppo_trainer.yaml"), VerlLaunch(None, None)):
+    for launch in (
+        VerlLaunch(None, "ppo_trainer"),
+        VerlLaunch("config", "ppo_trainer.yaml"),
+        VerlLaunch(None, None),
+    ):
         cfg = load_config(launch, REQUIRED)
-        assert cfg.trainer.total_epochs == 30  # verl's default, not keel's
+        # verl's default, not keel's
+        assert cfg.trainer.total_epochs == 30
         assert any("verl's trainer config" in line for line in cfg.decided)
 
 
@@ -106,30 +126,44 @@ def test_a_yaml_file_with_a_defaults_list_is_composed_too(without_verl, tmp_path
 
 def test_overrides_apply_after_composing_with_keels_errors(without_verl, tmp_path):
     path = verl_style(tmp_path)
-    cfg = load_config(VerlLaunch(str(tmp_path), "mine"), {**REQUIRED, "+actor_rollout_ref.actor.clip_ratio": 0.3})
+    cfg = load_config(
+        VerlLaunch(str(tmp_path), "mine"), {**REQUIRED, "+actor_rollout_ref.actor.clip_ratio": 0.3}
+    )
     assert cfg.actor_rollout_ref.actor.clip_ratio == 0.3
-    assert error_of(VerlLaunch(str(tmp_path), path.stem), {"trainer.sav_freq": 2}).code == "KEEL-C001"
+    assert (
+        error_of(VerlLaunch(str(tmp_path), path.stem), {"trainer.sav_freq": 2}).code == "KEEL-C001"
+    )
 
 
 def test_verls_reward_workers_default_is_not_keels_scoring_processes(without_verl, tmp_path):
     verl_style(tmp_path)
     cfg = load_config(VerlLaunch(str(tmp_path), "mine"), REQUIRED)
-    assert cfg.reward.num_workers == 0 and any("reward.num_workers: verl's default 8" in d for d in cfg.decided)
+    assert cfg.reward.num_workers == 0 and any(
+        "reward.num_workers: verl's default 8" in d for d in cfg.decided
+    )
     verl_style(tmp_path, reward={"num_workers": 2})
-    assert load_config(VerlLaunch(str(tmp_path), "mine"), REQUIRED).reward.num_workers == 2  # the YAML's own
+    # the YAML's own
+    assert load_config(VerlLaunch(str(tmp_path), "mine"), REQUIRED).reward.num_workers == 2
     cfg = load_config(VerlLaunch(str(tmp_path), "mine"), {**REQUIRED, "reward.num_workers": 3})
-    assert cfg.reward.num_workers == 3  # an override's
+    # an override's
+    assert cfg.reward.num_workers == 3
 
 
-# --- each coded error ------------------------------------------------------------------------------
+# --- each coded error
+# ------------------------------------------------------------------------------
 
 
 def test_a_config_path_that_is_not_a_directory(tmp_path):
     verl_style(tmp_path / "config_dir")
     error = error_of(VerlLaunch(str(tmp_path / "config_dri"), "mine"))
     assert error.code == LAUNCH_CONFIG_PATH
-    assert error.fix.startswith(f"pass `{tmp_path / 'config_dir'}` in place of `{tmp_path / 'config_dri'}`")
-    assert error_of(VerlLaunch(str(tmp_path / "config_dir" / "mine.yaml"), "mine")).code == LAUNCH_CONFIG_PATH
+    assert error.fix.startswith(
+        f"pass `{tmp_path / 'config_dir'}` in place of `{tmp_path / 'config_dri'}`"
+    )
+    assert (
+        error_of(VerlLaunch(str(tmp_path / "config_dir" / "mine.yaml"), "mine")).code
+        == LAUNCH_CONFIG_PATH
+    )
     assert error_of(VerlLaunch("", "mine")).code == LAUNCH_CONFIG_PATH
 
 
@@ -156,7 +190,11 @@ def test_a_searchpath_that_is_not_there(tmp_path):
     assert error.code == LAUNCH_SEARCHPATH and "nowhere" in error.message
     verl_style(tmp_path, searchpath=["pkg://no_such_package_of_configs"])
     assert error_of(VerlLaunch(str(tmp_path), "mine")).code == LAUNCH_SEARCHPATH
-    write(tmp_path, "mine.yaml", {"hydra": {"searchpath": "file://verl/trainer/config"}, "defaults": ["_self_"]})
+    write(
+        tmp_path,
+        "mine.yaml",
+        {"hydra": {"searchpath": "file://verl/trainer/config"}, "defaults": ["_self_"]},
+    )
     assert error_of(VerlLaunch(str(tmp_path), "mine")).code == LAUNCH_SEARCHPATH
 
 
@@ -169,7 +207,10 @@ def test_the_command_line_gives_coded_errors_never_argparses(tmp_path, capsys):
     verl_style(tmp_path / "conf")
     for argv, code in (
         (["check", "--config-path"], LAUNCH_CONFIG_PATH),
-        (["check", "--config-path", str(tmp_path / "cnof"), "--config-name", "mine"], LAUNCH_CONFIG_PATH),
+        (
+            ["check", "--config-path", str(tmp_path / "cnof"), "--config-name", "mine"],
+            LAUNCH_CONFIG_PATH,
+        ),
         (["train", "--config-path", str(tmp_path / "conf"), "--config-name"], LAUNCH_CONFIG_NAME),
         (["check", "mine.yaml", "--config-name", "mine"], LAUNCH_CONFIG_PATH),
     ):
@@ -194,9 +235,12 @@ def test_overrides_after_an_option_are_overrides(without_verl, tmp_path, capsys)
         == 2
     )
     err = capsys.readouterr().err
-    assert "trainer.sav_freq" in err and "trainer.test_fre" in err  # both read as overrides, both misspelt
+    # both read as overrides, both misspelt
+    assert "trainer.sav_freq" in err and "trainer.test_fre" in err
 
 
 def test_keels_copy_is_verls_generated_trainer_config():
     text = (KEEL_COPY / "ppo_trainer.yaml").read_text()
-    assert "_generated_ppo_trainer.yaml" in text.splitlines()[0] and "defaults" not in yaml.safe_load(text)
+    assert "_generated_ppo_trainer.yaml" in text.splitlines()[
+        0
+    ] and "defaults" not in yaml.safe_load(text)

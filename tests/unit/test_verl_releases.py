@@ -51,7 +51,8 @@ def test_verl_0_6_0s_rollout_is_family_is_rollout_correction():
             "algorithm.rollout_is_threshold": 2.0,
             "algorithm.rollout_is_veto_threshold": None,
         }
-    )  # the level's default: token
+        # the level's default: token
+    )
     assert cfg.algorithm.rollout_correction.rollout_is == "token"
 
 
@@ -74,13 +75,16 @@ def test_rollout_is_false_or_no_threshold_applies_no_weights_as_in_verl_0_6_0():
     ],
 )
 def test_a_rollout_is_setting_with_other_numbers_now_is_refused_with_the_new_key(key, value, new):
-    error = refused({"algorithm.rollout_is": True, "algorithm.rollout_is_threshold": 2.0, key: value})
+    error = refused(
+        {"algorithm.rollout_is": True, "algorithm.rollout_is_threshold": 2.0, key: value}
+    )
     assert error.code == VERL_UNSUPPORTED and key in error.message and new in error.message
     assert error.fix.startswith(f"remove `{key}`")
 
 
 @pytest.mark.parametrize(
-    "level, option", [("token", "token_k1"), ("sequence", "seq_sum_k1"), ("geometric", "seq_mean_k1")]
+    "level, option",
+    [("token", "token_k1"), ("sequence", "seq_sum_k1"), ("geometric", "seq_mean_k1")],
 )
 def test_verl_0_7_0s_rejection_levels_are_k1_options_with_the_same_band(level, option):
     import torch
@@ -88,21 +92,30 @@ def test_verl_0_7_0s_rejection_levels_are_k1_options_with_the_same_band(level, o
     from keel.algorithms.rollout_correction import _kept_by
 
     cfg = loaded(
-        {f"{NEW}rollout_rs": level, f"{NEW}rollout_rs_threshold": 1.5, f"{NEW}rollout_rs_threshold_lower": 0.8}
+        {
+            f"{NEW}rollout_rs": level,
+            f"{NEW}rollout_rs_threshold": 1.5,
+            f"{NEW}rollout_rs_threshold_lower": 0.8,
+        }
     )
     correction = cfg.algorithm.rollout_correction
     assert correction.rollout_rs == option and said(cfg, "verl 0.7.0", option)
     (rule,) = correction.params().rejection
-    ratios = torch.tensor([[0.7, 0.85, 1.4, 1.6]])  # one token a sequence: every level sees the token's ratio
+    # one token a sequence: every level sees the token's ratio
+    ratios = torch.tensor([[0.7, 0.85, 1.4, 1.6]])
     kept = [bool(_kept_by(rule, r.log().reshape(1, 1), torch.ones(1, 1))) for r in ratios[0]]
-    assert kept == [False, True, True, False]  # verl 0.7.0 kept ratios in [0.8, 1.5]
+    # verl 0.7.0 kept ratios in [0.8, 1.5]
+    assert kept == [False, True, True, False]
     cfg = loaded({f"{NEW}rollout_rs": level, f"{NEW}rollout_rs_threshold": 2.0})
-    assert cfg.algorithm.rollout_correction.rollout_rs_threshold == "2.0"  # lower 1/upper: the symmetric band
+    # lower 1/upper: the symmetric band
+    assert cfg.algorithm.rollout_correction.rollout_rs_threshold == "2.0"
 
 
 def test_later_rollout_correction_keys_of_0_6_1_and_0_7_0():
     cfg = loaded({f"{NEW}use_policy_gradient": True, f"{NEW}bypass_mode": True})
-    assert cfg.algorithm.rollout_correction.loss_type == "reinforce" and said(cfg, "use_policy_gradient")
+    assert cfg.algorithm.rollout_correction.loss_type == "reinforce" and said(
+        cfg, "use_policy_gradient"
+    )
     error = refused({f"{NEW}rollout_token_veto_threshold": 1e-4})
     assert error.code == VERL_UNSUPPORTED and "seq_max_k2" in error.message
     error = refused(
@@ -134,7 +147,8 @@ def test_later_rollout_correction_keys_of_0_6_1_and_0_7_0():
     ],
 )
 def test_a_renamed_key_is_taken_under_its_new_name(old, new, value):
-    assert loaded({old: value})  # accepted as its new name is; never the unknown-key error
+    # accepted as its new name is; never the unknown-key error
+    assert loaded({old: value})
 
 
 def test_verl_0_9s_reward_section_is_read_under_the_names_keel_reads():
@@ -146,13 +160,20 @@ def test_verl_0_9s_reward_section_is_read_under_the_names_keel_reads():
             "reward.reward_manager.name": "batch",
         }
     )
-    assert cfg.custom_reward_function.path == "my_reward.py" and cfg.custom_reward_function.name == "f"
-    assert cfg.custom_reward_function.batched  # verl's batch reward manager
+    assert (
+        cfg.custom_reward_function.path == "my_reward.py" and cfg.custom_reward_function.name == "f"
+    )
+    # verl's batch reward manager
+    assert cfg.custom_reward_function.batched
     assert said(cfg, "reward.custom_reward_function.path: is custom_reward_function.path")
     # the old name wins where it is set, as verl 0.9.1's migrate_legacy_reward_impl does
-    cfg = loaded({"custom_reward_function.path": "old.py", "reward.custom_reward_function.path": "new.py"})
+    cfg = loaded(
+        {"custom_reward_function.path": "old.py", "reward.custom_reward_function.path": "new.py"}
+    )
     assert cfg.custom_reward_function.path == "old.py"
-    cfg = loaded({"custom_reward_function.path": None, "reward.custom_reward_function.path": "new.py"})
+    cfg = loaded(
+        {"custom_reward_function.path": None, "reward.custom_reward_function.path": "new.py"}
+    )
     assert cfg.custom_reward_function.path == "new.py"
     error = refused({"reward.sandbox_fusion.url": "http://sandbox"})
     assert error.code == VERL_UNSUPPORTED and "reward_model.sandbox_fusion.url" in error.message
@@ -161,7 +182,8 @@ def test_verl_0_9s_reward_section_is_read_under_the_names_keel_reads():
 def test_verl_0_9_1s_whole_trainer_config_loads():
     tree = yaml.safe_load((KEEL_COPY / "ppo_trainer.yaml").read_text())
     cfg = load_config(tree, SMALL)
-    assert cfg.algorithm.filter_groups.metric == "seq_reward"  # 0.9.1's "reward": the score before KL
+    # 0.9.1's "reward": the score before KL
+    assert cfg.algorithm.filter_groups.metric == "seq_reward"
     leaves = []
 
     def walk(node, prefix=""):
@@ -185,7 +207,9 @@ def test_verl_0_9_1s_whole_trainer_config_loads():
 def test_verls_other_trackers_are_refused_by_name_with_what_keel_offers(tracker):
     error = refused({"trainer.logger": ["console", tracker]})
     assert error.code == VERL_UNSUPPORTED and repr(tracker) in error.message
-    assert all(name in error.message for name in ("wandb", "tensorboard", "mlflow", "metrics.jsonl"))
+    assert all(
+        name in error.message for name in ("wandb", "tensorboard", "mlflow", "metrics.jsonl")
+    )
     assert error.fix.startswith("set `trainer.logger=[console]`")
 
 

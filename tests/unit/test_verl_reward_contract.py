@@ -71,13 +71,22 @@ def test_gsm8k_scores_as_verl_does(response, truth):
 
 
 def test_the_cases_cover_where_the_lenient_scorer_differs():
-    differ = [(r, t) for r, t in GSM8K_CASES if gsm8k("openai/gsm8k", r, t) != gsm8k_lenient("openai/gsm8k", r, t)]
-    assert len(GSM8K_CASES) >= 30 and len(differ) >= 4  # `#### 72.`, `1,250` vs `1,250`, the 300-character window
+    differ = [
+        (r, t)
+        for r, t in GSM8K_CASES
+        if gsm8k("openai/gsm8k", r, t) != gsm8k_lenient("openai/gsm8k", r, t)
+    ]
+    # `#### 72.`, `1,250` vs `1,250`, the 300-character window
+    assert len(GSM8K_CASES) >= 30 and len(differ) >= 4
 
 
 def record(ground_truth="72", extra_info=None):
     return SimpleNamespace(
-        data_source="openai/gsm8k", ground_truth=ground_truth, extra_info=extra_info or {}, index=0, raw_prompt="q"
+        data_source="openai/gsm8k",
+        ground_truth=ground_truth,
+        extra_info=extra_info or {},
+        index=0,
+        raw_prompt="q",
     )
 
 
@@ -99,7 +108,11 @@ def test_a_function_declared_as_verl_declares_it_scores_correctly(tmp_path, num_
     """solution_str first, data_source as a keyword: called by position it would compare the
     data_source with the answer and score every sample 0."""
     path = write(tmp_path, KEYWORD_ONLY)
-    custom = load_custom_reward_fn(path, "compute_score") if num_workers == 0 else file_spec(path, "compute_score")
+    custom = (
+        load_custom_reward_fn(path, "compute_score")
+        if num_workers == 0
+        else file_spec(path, "compute_score")
+    )
     scorer = RewardScorer(custom, num_workers=num_workers)
     try:
         result = scorer.score_batch([record(), record()], ["72", "71"], on_error="raise")
@@ -127,7 +140,9 @@ def test_extra_info_carries_what_verl_adds_without_changing_the_dataset(tmp_path
         "                 and extra_info['split'] == 'train')\n",
     )
     row = record(extra_info={"split": "train"})
-    result = RewardScorer(load_custom_reward_fn(path, "compute_score")).score_batch([row], ["x"], on_error="raise")
+    result = RewardScorer(load_custom_reward_fn(path, "compute_score")).score_batch(
+        [row], ["x"], on_error="raise"
+    )
     assert result.scores.tolist() == [1.0] and row.extra_info == {"split": "train"}
 
 
@@ -152,24 +167,39 @@ def test_a_batched_function_is_called_with_verls_keywords(tmp_path):
         "def compute_score(data_sources, solution_strs, ground_truths, extra_infos, scale=1):\n"
         "    return [scale * float(s == g) for s, g in zip(solution_strs, ground_truths)]\n",
     )
-    scorer = RewardScorer(load_custom_reward_fn(path, "compute_score", {"scale": 2}, batched=True), batched=True)
-    assert scorer.score_batch([record(), record()], ["72", "0"], on_error="raise").scores.tolist() == [2.0, 0.0]
+    scorer = RewardScorer(
+        load_custom_reward_fn(path, "compute_score", {"scale": 2}, batched=True), batched=True
+    )
+    assert scorer.score_batch(
+        [record(), record()], ["72", "0"], on_error="raise"
+    ).scores.tolist() == [2.0, 0.0]
 
 
 @pytest.mark.parametrize(
     "source, needs",
     [
-        ("def compute_score(ds, s, gt, ei=None):\n    return float(s == gt)\n", "['ds', 's', 'gt']"),
-        ("def compute_score(ds, s, gt, ei, **kwargs):\n    return float(s == gt)\n", "['ds', 's', 'gt', 'ei']"),
+        (
+            "def compute_score(ds, s, gt, ei=None):\n    return float(s == gt)\n",
+            "['ds', 's', 'gt']",
+        ),
+        (
+            "def compute_score(ds, s, gt, ei, **kwargs):\n    return float(s == gt)\n",
+            "['ds', 's', 'gt', 'ei']",
+        ),
         ("compute_score = lambda d, s, g, e: float(s == g)\n", "['d', 's', 'g', 'e']"),
-        ("def compute_score(solution, ground_truth, extra_info=None):\n    return 1.0\n", "['solution']"),
+        (
+            "def compute_score(solution, ground_truth, extra_info=None):\n    return 1.0\n",
+            "['solution']",
+        ),
         (
             "def compute_score(data_source, solution_str, ground_truth, /):\n    return 1.0\n",
             "['data_source', 'solution_str', 'ground_truth']",
         ),
     ],
 )
-def test_functions_verl_could_not_call_by_keyword_are_refused_naming_the_parameters(tmp_path, source, needs):
+def test_functions_verl_could_not_call_by_keyword_are_refused_naming_the_parameters(
+    tmp_path, source, needs
+):
     """verl's call binds by keyword: a parameter of another name would get nothing, and binding by
     position instead (keel's old fallback) handed `ei` the ground truth of a `(s, gt, ei)` function."""
     with pytest.raises(KeelError) as caught:
@@ -185,7 +215,9 @@ def test_reward_kwargs_can_supply_a_parameter_verl_does_not(tmp_path):
         "    return scale * float(solution_str == ground_truth)\n",
     )
     scorer = RewardScorer(load_custom_reward_fn(path, "compute_score", {"scale": 3.0}))
-    assert scorer.score_batch([record(), record()], ["72", "7"], on_error="raise").scores.tolist() == [3.0, 0.0]
+    assert scorer.score_batch(
+        [record(), record()], ["72", "7"], on_error="raise"
+    ).scores.tolist() == [3.0, 0.0]
 
 
 def test_a_function_taking_only_some_of_verls_names_gets_each_by_its_name(tmp_path):
@@ -196,7 +228,9 @@ def test_a_function_taking_only_some_of_verls_names_gets_each_by_its_name(tmp_pa
         "    return float(solution_str.startswith('answer') and ground_truth == '72')\n",
     )
     scorer = RewardScorer(load_custom_reward_fn(path, "compute_score"))
-    assert scorer.score_batch([record(), record()], ["answer 72", "72"], on_error="raise").scores.tolist() == [1.0, 0.0]
+    assert scorer.score_batch(
+        [record(), record()], ["answer 72", "72"], on_error="raise"
+    ).scores.tolist() == [1.0, 0.0]
 
 
 @pytest.mark.parametrize("form", ["pkg://{module}", "pkg://{module_path}", "file://{file}"])
@@ -207,10 +241,14 @@ def test_verls_pkg_and_file_forms_of_the_reward_path_load(tmp_path, monkeypatch,
     (package / "gsm8k_score.py").write_text(KEYWORD_ONLY)
     monkeypatch.syspath_prepend(str(tmp_path))
     path = form.format(
-        module="my_rewards.gsm8k_score", module_path="my_rewards/gsm8k_score", file=package / "gsm8k_score.py"
+        module="my_rewards.gsm8k_score",
+        module_path="my_rewards/gsm8k_score",
+        file=package / "gsm8k_score.py",
     )
     scorer = RewardScorer(load_custom_reward_fn(path, "compute_score"))
-    assert scorer.score_batch([record(), record()], ["72", "71"], on_error="raise").scores.tolist() == [1.0, 0.0]
+    assert scorer.score_batch(
+        [record(), record()], ["72", "71"], on_error="raise"
+    ).scores.tolist() == [1.0, 0.0]
 
 
 def test_a_pkg_path_that_does_not_import_says_so():
@@ -243,6 +281,7 @@ def test_the_first_batch_scored_all_zero_with_real_answers_is_a_warning():
     guard = LearningSignalGuard(GuardsConfig(), group_based=True)
     zero = {"critic/score/max": 0.0, "critic/score/min": 0.0, "response_length/mean": 40.0}
     assert any("every score of this batch is 0" in w for w in guard(1, zero))
-    assert not any("every score of this batch is 0" in w for w in guard(2, zero))  # said once
+    # said once
+    assert not any("every score of this batch is 0" in w for w in guard(2, zero))
     fresh = LearningSignalGuard(GuardsConfig(), group_based=True)
     assert fresh(1, {**zero, "critic/score/max": 1.0}) == []

@@ -73,7 +73,16 @@ MATH_ANSWERS = [
     ),
     (
         "\\frac{1}{2}",
-        ["\\frac{1}{2}", "\\\\frac{1}{2}", "1/2", "0.5", "\\dfrac{1}{2}", "\\frac12", "\\tfrac{1}{2}", ".5"],
+        [
+            "\\frac{1}{2}",
+            "\\\\frac{1}{2}",
+            "1/2",
+            "0.5",
+            "\\dfrac{1}{2}",
+            "\\frac12",
+            "\\tfrac{1}{2}",
+            ".5",
+        ],
         ["\\frac{1}{3}"],
     ),
     ("0.5", ["0.5", "1/2", "\\frac{1}{2}", "\\frac12", ".5", "0.50"], ["0.25"]),
@@ -244,13 +253,15 @@ def qa_forms(answer: str) -> list[str]:
 def qa_cases() -> list[tuple[str, object]]:
     cases = []
     for number, target in enumerate(QA_TARGETS):
-        # verl's data holds the targets as a list (a numpy array once read from parquet) or, in some rows, a string
+        # verl's data holds the targets as a list (a numpy array once read from parquet) or, in some
+        # rows, a string
         truth = {"target": [target, np.array(target), target[0]][number % 3]}
         for answer in qa_forms(target[0]):
             cases += [(wrapping.replace("ANS", answer), truth) for wrapping in QA_WRAPPINGS]
         cases += [(malformed.replace("ANS", target[-1]), truth) for malformed in QA_MALFORMED]
     # (verl, once in 64 calls at random, reads "target" before it sees there is no answer: listed in
-    # docs/rewards_verl.md, so a response without tags and a ground truth without "target" is left out)
+    # docs/rewards_verl.md, so a response without tags and a ground truth without "target" is left
+    # out)
     cases += [("<answer>Paris</answer>", "Paris"), ("<answer>Paris</answer>", {"answer": "Paris"})]
     return cases
 
@@ -261,15 +272,29 @@ CODE_PROBLEMS = [
         "a, b = map(int, input().split())\nprint(a + b)",
         "a, b = map(int, input().split())\nprint(a * b)",
     ),
-    ({"inputs": ["abc\n", "x\n"], "outputs": ["cba\n", "x\n"]}, "print(input()[::-1])", "print(input())"),
+    (
+        {"inputs": ["abc\n", "x\n"], "outputs": ["cba\n", "x\n"]},
+        "print(input()[::-1])",
+        "print(input())",
+    ),
 ]
 
 
 def code_cases() -> list[tuple[str, object]]:
     cases = []
     for tests, right, wrong in CODE_PROBLEMS:
-        for program in (right, wrong, "raise SystemExit(3)", "print(", "import sys\nsys.stdout.write('3\\n')"):
-            for wrapping in ("```python\nANS\n```", "Here is my code:\n```python\nANS\n```\nDone.", "ANS"):
+        for program in (
+            right,
+            wrong,
+            "raise SystemExit(3)",
+            "print(",
+            "import sys\nsys.stdout.write('3\\n')",
+        ):
+            for wrapping in (
+                "```python\nANS\n```",
+                "Here is my code:\n```python\nANS\n```\nDone.",
+                "ANS",
+            ):
                 cases += [
                     (wrapping.replace("ANS", program), tests),
                     (wrapping.replace("ANS", program), json.dumps(tests)),
@@ -295,7 +320,8 @@ KNOWN_DIFFERENCES = [
 def outcome(function, data_source: str, response: str, truth: object):
     try:
         result = function(data_source, response, truth)
-    except Exception:  # both raising is agreement: which exception is a detail
+    # both raising is agreement: which exception is a detail
+    except Exception:
         return "raised"
     return result
 
@@ -317,7 +343,11 @@ def differences(data_source: str, cases: list) -> list[tuple]:
         keel_result = outcome(default_compute_score, data_source, response, truth)
         verl_result = outcome(verl.default_compute_score, data_source, response, truth)
         if not same(keel_result, verl_result):
-            known = [why for source, r, t, why in KNOWN_DIFFERENCES if (source, r, t) == (data_source, response, truth)]
+            known = [
+                why
+                for source, r, t, why in KNOWN_DIFFERENCES
+                if (source, r, t) == (data_source, response, truth)
+            ]
             found += [] if known else [(response[:80], truth, keel_result, verl_result)]
     return found
 
@@ -326,7 +356,8 @@ def sampled(cases: list, every: int) -> list:
     return cases[::every]
 
 
-FAMILIES = {  # scorer -> (the cases, how many to skip between two for the slower rules)
+# scorer -> (the cases, how many to skip between two for the slower rules)
+FAMILIES = {
     "gsm8k": (gsm8k_cases, 1),
     "math_reward": (math_cases, 1),
     "math_dapo": (math_cases, 1),
@@ -342,11 +373,19 @@ def test_keel_routes_exactly_the_data_sources_verl_does():
     sources, prefixes = verl_routed_literals()
     assert sources == set(VERL_DATA_SOURCES)
     assert prefixes == {VERL_PREFIX_ROUTE[0]}
-    for source in ALL_SOURCES:  # and training picks the same rule
-        assert scorer_for_source(source) == verl_scorer_name(source) and verl_scorer_name(source) in SCORERS
+    # and training picks the same rule
+    for source in ALL_SOURCES:
+        assert (
+            scorer_for_source(source) == verl_scorer_name(source)
+            and verl_scorer_name(source) in SCORERS
+        )
         assert DATA_SOURCE_SCORERS.get(source, "math_dapo") == verl_scorer_name(source)
-    assert verl_scorer_name("openai/gsm8k") == "gsm8k" and verl_scorer_name("aime_2026_ii") == "math_dapo"
-    assert verl_scorer_name("gsm8k") is None and verl_scorer_name(None) is None  # keel's own name, not verl's
+    assert (
+        verl_scorer_name("openai/gsm8k") == "gsm8k"
+        and verl_scorer_name("aime_2026_ii") == "math_dapo"
+    )
+    # keel's own name, not verl's
+    assert verl_scorer_name("gsm8k") is None and verl_scorer_name(None) is None
 
 
 def test_minerva_normalisation_lists_are_verls():
@@ -360,7 +399,14 @@ def test_minerva_normalisation_lists_are_verls():
 def test_keels_own_sources_keep_their_scorers_and_math_equivalent_is_picked_by_name():
     assert {
         s: scorer_for_source(s)
-        for s in ("gsm8k", "exact_match", "keel/arithmetic", "keel/tool_arithmetic", "code", "my_gsm8k_copy")
+        for s in (
+            "gsm8k",
+            "exact_match",
+            "keel/arithmetic",
+            "keel/tool_arithmetic",
+            "code",
+            "my_gsm8k_copy",
+        )
     } == {
         "gsm8k": "gsm8k",
         "exact_match": "exact_match",
@@ -384,11 +430,16 @@ def test_an_unrouted_data_source_names_itself_and_the_routed_ones():
 
 def skip_or_xfail(scorer: str):
     if scorer == "prime_code" and not has_module("keel.rewards.code_tests"):
-        return [pytest.mark.skip(reason="keel/rewards/code_tests.py (verl's prime_code rule) is not there yet")]
+        return [
+            pytest.mark.skip(
+                reason="keel/rewards/code_tests.py (verl's prime_code rule) is not there yet"
+            )
+        ]
     if scorer == "prime_math" and not has_module("keel.rewards.prime_math"):
         return [
             pytest.mark.xfail(
-                reason="keel/rewards/prime_math.py (verl's prime_math rule) is not there yet", strict=False
+                reason="keel/rewards/prime_math.py (verl's prime_math rule) is not there yet",
+                strict=False,
             )
         ]
     return []
@@ -407,7 +458,8 @@ def test_every_score_is_verls(data_source, scorer):
     make_cases, every = FAMILIES[scorer]
     cases = make_cases()
     first_of_family = data_source == min(s for s in ALL_SOURCES if verl_scorer_name(s) == scorer)
-    if every > 1:  # a slow rule: a sample of the cases, a smaller one past the family's first data source
+    # a slow rule: a sample of the cases, a smaller one past the family's first data source
+    if every > 1:
         cases = sampled(cases, every if first_of_family else every * 4)
     if scorer == "prime_code":
         cases = cases if first_of_family else cases[:4]
@@ -419,18 +471,30 @@ def test_the_known_differences_are_real_and_documented():
     verl = verl_scores()
     doc = open("docs/rewards_verl.md").read()
     for source, response, truth, why in KNOWN_DIFFERENCES:
-        assert default_compute_score(source, response, truth) != verl.default_compute_score(source, response, truth)
+        assert default_compute_score(source, response, truth) != verl.default_compute_score(
+            source, response, truth
+        )
         assert why.split(":")[0] in doc
 
 
 def test_results_are_normalised_as_verl_does():
-    assert default_compute_score("openai/gsm8k", "#### 72", "72") == 1.0  # verl's rule returns an int 0 or a float
+    # verl's rule returns an int 0 or a float
+    assert default_compute_score("openai/gsm8k", "#### 72", "72") == 1.0
     assert type(default_compute_score("openai/gsm8k", "no", "72")) is float
-    assert default_compute_score("math", "Answer: 72", "72") == {"score": 1.0, "acc": True, "pred": "72"}
+    assert default_compute_score("math", "Answer: 72", "72") == {
+        "score": 1.0,
+        "acc": True,
+        "pred": "72",
+    }
     assert (
         default_compute_score(
-            "searchR1_nq", "<answer>x</answer>", {"target": ["x"]}, None, sandbox_fusion_url="http://unused"
+            "searchR1_nq",
+            "<answer>x</answer>",
+            {"target": ["x"]},
+            None,
+            sandbox_fusion_url="http://unused",
         )
         == 1.0
     )
-    assert default_compute_score("searchR1_nq", "no tags", "Paris") == 0.0  # never reads the ground truth then
+    # never reads the ground truth then
+    assert default_compute_score("searchR1_nq", "no tags", "Paris") == 0.0

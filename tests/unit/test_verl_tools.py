@@ -36,13 +36,17 @@ def verl():
 def gsm8k_row(index: int, solution: str) -> dict:
     """A row as verl's examples/data_preprocess/gsm8k_multiturn_w_tool.py writes it."""
     question = (
-        f"Question {index}: what is 8 times 9? Let's think step by step and output the final answer after `####`."
+        f"Question {index}: what is 8 times 9? "
+        "Let's think step by step and output the final answer after `####`."
     )
     return {
         "data_source": "openai/gsm8k",
         "ability": "math",
         "prompt": [
-            {"role": "system", "content": "You are a math expert. Use the `calc_gsm8k_reward` tool."},
+            {
+                "role": "system",
+                "content": "You are a math expert. Use the `calc_gsm8k_reward` tool.",
+            },
             {"role": "user", "content": question},
         ],
         "reward_model": {"style": "rule", "ground_truth": solution},
@@ -62,7 +66,13 @@ def call(name: str, **arguments) -> str:
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
 
 
-def rollout(rows: list[dict], turns: dict[int, list[str]], tools, limits: ToolLimits | None = None, budget: int = 400):
+def rollout(
+    rows: list[dict],
+    turns: dict[int, list[str]],
+    tools,
+    limits: ToolLimits | None = None,
+    budget: int = 400,
+):
     """Episode i writes turns[i] in order (its prompt names its index)."""
     tokenizer = build_tokenizer()
     records, _ = build_prompt_dataset(rows, tokenizer, max_prompt_length=400)
@@ -78,7 +88,9 @@ def rollout(rows: list[dict], turns: dict[int, list[str]], tools, limits: ToolLi
         AgentOptions(max_assistant_turns=4, budget=budget, limits=limits or ToolLimits()),
         [tokenizer.eos_token_id],
     )
-    batch = loop.generate(collate_prompts(records, tokenizer.pad_token_id), SamplingParams(do_sample=False))
+    batch = loop.generate(
+        collate_prompts(records, tokenizer.pad_token_id), SamplingParams(do_sample=False)
+    )
     return [r.extra_info for r in batch.records], batch
 
 
@@ -90,24 +102,42 @@ def test_verls_gsm8k_tool_from_verls_config_runs_its_lifecycle_and_rewards_as_ve
     from verl.tools.gsm8k_tool import Gsm8kTool
     from verl.tools.schemas import OpenAIFunctionToolSchema
 
-    assert isinstance(tool.tool, Gsm8kTool) and isinstance(tool.tool.tool_schema, OpenAIFunctionToolSchema)
+    assert isinstance(tool.tool, Gsm8kTool) and isinstance(
+        tool.tool.tool_schema, OpenAIFunctionToolSchema
+    )
     assert tool.schema["function"]["parameters"]["required"] == ["answer"]
     infos, _ = rollout(
         [gsm8k_row(0, "72"), gsm8k_row(1, "18")],
         {
-            0: [call("calc_gsm8k_reward", answer="70"), call("calc_gsm8k_reward", answer="72"), "#### 72"],
+            0: [
+                call("calc_gsm8k_reward", answer="70"),
+                call("calc_gsm8k_reward", answer="72"),
+                "#### 72",
+            ],
             1: [call("calc_gsm8k_reward", answer="18"), "#### 18"],
         },
         [tool],
     )
     first, second = infos
-    assert first["tool_outputs"] == ["Current parsed answer='70' reward=0.0", "Current parsed answer='72' reward=1.0"]
-    assert first["tool_rewards"] == [-0.05, 0.0]  # verl's gsm8k: -0.05 for an answer that is no better
-    assert first["rollout_reward_scores"] == {"calc_gsm8k_reward": 1.0}  # calc_reward after the last turn
-    assert second["tool_rewards"] == [0.0] and second["rollout_reward_scores"] == {"calc_gsm8k_reward": 1.0}
-    assert first["turn_reward"] == 0.0 and second["turn_reward"] == 0.0  # as verl: nothing added to the score
-    assert tool.tool._instance_dict == {}  # every instance released
-    assert first["tools"]["calc_gsm8k_reward"]["error"] == 0 and first["tools"]["calc_gsm8k_reward"]["calls"] == 2
+    assert first["tool_outputs"] == [
+        "Current parsed answer='70' reward=0.0",
+        "Current parsed answer='72' reward=1.0",
+    ]
+    # verl's gsm8k: -0.05 for an answer that is no better
+    assert first["tool_rewards"] == [-0.05, 0.0]
+    # calc_reward after the last turn
+    assert first["rollout_reward_scores"] == {"calc_gsm8k_reward": 1.0}
+    assert second["tool_rewards"] == [0.0] and second["rollout_reward_scores"] == {
+        "calc_gsm8k_reward": 1.0
+    }
+    # as verl: nothing added to the score
+    assert first["turn_reward"] == 0.0 and second["turn_reward"] == 0.0
+    # every instance released
+    assert tool.tool._instance_dict == {}
+    assert (
+        first["tools"]["calc_gsm8k_reward"]["error"] == 0
+        and first["tools"]["calc_gsm8k_reward"]["calls"] == 2
+    )
 
 
 def test_verls_gsm8k_interaction_from_verls_config_is_scored_as_verl(verl):
@@ -117,7 +147,8 @@ def test_verls_gsm8k_interaction_from_verls_config_is_scored_as_verl(verl):
     assert type(interactions["gsm8k"]).__module__ == "verl.interactions.gsm8k_interaction"
     tokenizer = build_tokenizer()
     rows = [gsm8k_row(0, "72")]
-    rows[0]["extra_info"]["interaction_kwargs"]["name"] = "gsm8k"  # gsm8k_multiturn_w_interaction.py's row
+    # gsm8k_multiturn_w_interaction.py's row
+    rows[0]["extra_info"]["interaction_kwargs"]["name"] = "gsm8k"
     records, _ = build_prompt_dataset(rows, tokenizer, max_prompt_length=400)
     engine = ScriptedEngine(tokenizer, lambda text, turn: ["#### 70", "#### 72"][min(turn, 1)])
     loop = AgentLoop(
@@ -139,8 +170,12 @@ def test_verls_gsm8k_interaction_from_verls_config_is_scored_as_verl(verl):
         "#### 70",
         "Your response is incorrect! You need to reflect on your answer and try again.",
     ]
-    assert info["rollout_reward_scores"] == {"user_turn_rewards": [0.0, 1.0]} and info["turn_reward"] == 0.0
-    assert interactions["gsm8k"]._instance_dict == {}  # finalised
+    assert (
+        info["rollout_reward_scores"] == {"user_turn_rewards": [0.0, 1.0]}
+        and info["turn_reward"] == 0.0
+    )
+    # finalised
+    assert interactions["gsm8k"]._instance_dict == {}
 
 
 def _verl_modules() -> list[str]:
@@ -168,8 +203,14 @@ def test_verls_configs_without_verl_are_keel_e012(without_verl, tmp_path):
     for load, path in [(load_tool_config, TOOL_CONFIG_YAML)]:
         with pytest.raises(KeelError) as error:
             load(path)
-        assert error.value.code == VERL_UNAVAILABLE and "verl.tools.gsm8k_tool.Gsm8kTool needs verl" in str(error.value)
-        assert "pip install --no-deps 'verl==0.9.1'" in error.value.fix and "pydantic" in error.value.fix
+        assert (
+            error.value.code == VERL_UNAVAILABLE
+            and "verl.tools.gsm8k_tool.Gsm8kTool needs verl" in str(error.value)
+        )
+        assert (
+            "pip install --no-deps 'verl==0.9.1'" in error.value.fix
+            and "pydantic" in error.value.fix
+        )
     from keel.rollout.agent.interaction import load_interactions
 
     with pytest.raises(KeelError) as error:
@@ -179,9 +220,12 @@ def test_verls_configs_without_verl_are_keel_e012(without_verl, tmp_path):
     with pytest.raises(KeelError) as error:
         load_tools(MultiTurnConfig(function_tool_path=str(tmp_path / "functions.py")))
     assert error.value.code == VERL_UNAVAILABLE
-    (tmp_path / "mine.py").write_text("from verl.tools.base_tool import BaseTool\n\nclass Mine(BaseTool):\n    pass\n")
+    (tmp_path / "mine.py").write_text(
+        "from verl.tools.base_tool import BaseTool\n\nclass Mine(BaseTool):\n    pass\n"
+    )
     (tmp_path / "tools.yaml").write_text("tools:\n  - class_name: mine.py:Mine\n")
-    with pytest.raises(KeelError) as error:  # the user's own file, built on verl's BaseTool
+    # the user's own file, built on verl's BaseTool
+    with pytest.raises(KeelError) as error:
         load_tool_config(tmp_path / "tools.yaml")
     assert error.value.code == VERL_UNAVAILABLE and "mine.py needs verl" in error.value.message
 
@@ -191,10 +235,14 @@ def test_verl_installed_but_missing_a_package_it_imports_is_keel_e012_naming_it(
 
     if importlib.util.find_spec("verl") is None:
         pytest.skip("verl is not installed (make install: pip install --no-deps verl)")
-    verl_unloaded.setitem(sys.modules, "tensordict", None)  # what verl's package imports first
+    # what verl's package imports first
+    verl_unloaded.setitem(sys.modules, "tensordict", None)
     with pytest.raises(KeelError) as error:
         load_tool_config(TOOL_CONFIG_YAML)
-    assert error.value.code == VERL_UNAVAILABLE and "installed but cannot be imported" in error.value.message
+    assert (
+        error.value.code == VERL_UNAVAILABLE
+        and "installed but cannot be imported" in error.value.message
+    )
     assert "tensordict" in error.value.message and error.value.fix == "pip install tensordict"
 
 
@@ -233,12 +281,23 @@ def test_function_tool_paths_functions_become_tools(verl, tmp_path):
         tool_config_path=str(TOOL_CONFIG_YAML), function_tool_path=str(tmp_path / "functions.py")
     )
     tools = load_tools(multi_turn)
-    assert [t.name for t in tools] == ["calc_gsm8k_reward", "keel_test_lookup", "keel_test_multiply"]
+    assert [t.name for t in tools] == [
+        "calc_gsm8k_reward",
+        "keel_test_lookup",
+        "keel_test_multiply",
+    ]
     from keel.rollout.agent import build_agent_loop
 
-    tokenizer = build_tokenizer()  # the loop a training run builds from the config takes them too
-    built = build_agent_loop(multi_turn, ScriptedEngine(tokenizer, lambda text, turn: ""), tokenizer, 64)
-    assert sorted(built.runner.tools) == ["calc_gsm8k_reward", "keel_test_lookup", "keel_test_multiply"]
+    # the loop a training run builds from the config takes them too
+    tokenizer = build_tokenizer()
+    built = build_agent_loop(
+        multi_turn, ScriptedEngine(tokenizer, lambda text, turn: ""), tokenizer, 64
+    )
+    assert sorted(built.runner.tools) == [
+        "calc_gsm8k_reward",
+        "keel_test_lookup",
+        "keel_test_multiply",
+    ]
     assert tools[2].schema["function"]["parameters"]["properties"]["a"] == {
         "type": "integer",
         "description": "the first number",
@@ -261,7 +320,8 @@ def test_function_tool_paths_functions_become_tools(verl, tmp_path):
             "from verl.tools.function_tool import function_tool\n@function_tool\ndef keel_test_bare(x: int) -> int:\n"
             "    return x\n",
             "could not be loaded as verl's function tools",
-        ),  # no docstring: transformers refuses
+            # no docstring: transformers refuses
+        ),
         ("raise RuntimeError('broken file')\n", "RuntimeError: broken file"),
     ],
 )
@@ -281,7 +341,10 @@ def test_a_function_tool_named_like_a_config_tool_is_refused(verl, tmp_path):
     )
     with pytest.raises(KeelError) as error:
         load_tools(
-            MultiTurnConfig(tool_config_path=str(TOOL_CONFIG_YAML), function_tool_path=str(tmp_path / "functions.py"))
+            MultiTurnConfig(
+                tool_config_path=str(TOOL_CONFIG_YAML),
+                function_tool_path=str(tmp_path / "functions.py"),
+            )
         )
     assert error.value.code == TOOL_CONFIG and "share a name" in error.value.message
 
@@ -343,7 +406,9 @@ HOSTILE_TOOLS = [
 ]
 
 
-def test_a_verl_tool_that_raises_or_hangs_anywhere_in_its_lifecycle_is_counted_not_fatal(verl, tmp_path):
+def test_a_verl_tool_that_raises_or_hangs_anywhere_in_its_lifecycle_is_counted_not_fatal(
+    verl, tmp_path
+):
     (tmp_path / "hostile.py").write_text(HOSTILE)
     (tmp_path / "tools.yaml").write_text(
         "tools:\n"
@@ -364,18 +429,33 @@ def test_a_verl_tool_that_raises_or_hangs_anywhere_in_its_lifecycle_is_counted_n
     )
     released = {t.tool.name: getattr(t.tool, "released", []) for t in tools}
     outputs = dict(zip([n.lower() for n in HOSTILE_TOOLS], infos[0]["tool_outputs"]))
-    assert "could not start" in outputs["createraises"] and "no room for another instance" in outputs["createraises"]
-    assert "could not start" in outputs["createhangs"] and "took longer than 0.5 s" in outputs["executehangs"]
+    assert (
+        "could not start" in outputs["createraises"]
+        and "no room for another instance" in outputs["createraises"]
+    )
+    assert (
+        "could not start" in outputs["createhangs"]
+        and "took longer than 0.5 s" in outputs["executehangs"]
+    )
     assert "not a ToolResponse or a string" in outputs["executeanswersnonsense"]
     counts = {name: infos[0]["tools"][name] for name in outputs}
-    assert counts["createraises"]["error"] == 2 and counts["createhangs"]["timeout"] == 1  # its call and its create
+    # its call and its create
+    assert counts["createraises"]["error"] == 2 and counts["createhangs"]["timeout"] == 1
     assert counts["createhangs"]["error"] == 1 and counts["executehangs"]["timeout"] == 1
     assert counts["releaseraises"]["error"] == 1 and counts["releasehangs"]["timeout"] == 1
-    assert counts["rewardisnan"]["error"] == 1 and "rewardisnan" not in infos[0]["rollout_reward_scores"]
-    assert infos[1]["tools"]["createhangs"]["timeout"] == 1  # the episode that calls nothing: its create, counted
-    # Released: every instance whose create did not raise, the hung create's and the hung execute's too.
+    assert (
+        counts["rewardisnan"]["error"] == 1
+        and "rewardisnan" not in infos[0]["rollout_reward_scores"]
+    )
+    # the episode that calls nothing: its create, counted
+    assert infos[1]["tools"]["createhangs"]["timeout"] == 1
+    # Released: every instance whose create did not raise, the hung create's and the hung execute's
+    # too.
     assert released["createraises"] == [] and len(released["executeanswersnonsense"]) == 2
     assert len(released["createhangs"]) == 2 and len(released["executehangs"]) == 2
-    assert batch.records[0].extra_info["num_turns"] == 4  # the episode went on to its answer
+    # the episode went on to its answer
+    assert batch.records[0].extra_info["num_turns"] == 4
     metrics = agent_metrics(batch.records)
-    assert metrics["tools/executehangs/timeouts"] == 1 and metrics["tools/releaseraises/errors"] == 2
+    assert (
+        metrics["tools/executehangs/timeouts"] == 1 and metrics["tools/releaseraises/errors"] == 2
+    )

@@ -15,28 +15,45 @@ import queue
 from keel.errors import AGENT_FUNCTION, KeelError
 from keel.rollout.agent.agents import Job, build_agent, run_agents
 
-POLL_S = 1.0  # how often a wait for the processes' reports looks whether they are still alive
+# how often a wait for the processes' reports looks whether they are still alive
+POLL_S = 1.0
 
 
 class AgentProcesses:
     def __init__(self, section, count: int):
-        context = multiprocessing.get_context("spawn")  # not fork: the parent holds threads and CUDA
+        # not fork: the parent holds threads and CUDA
+        context = multiprocessing.get_context("spawn")
         self.reports = context.Queue()
         self.inboxes = [context.Queue() for _ in range(count)]
         self.processes = [
-            context.Process(target=_serve, args=(i, section, inbox, self.reports), name=f"keel-agents-{i}", daemon=True)
+            context.Process(
+                target=_serve,
+                args=(i, section, inbox, self.reports),
+                name=f"keel-agents-{i}",
+                daemon=True,
+            )
             for i, inbox in enumerate(self.inboxes)
         ]
         for process in self.processes:
             process.start()
 
-    def run(self, urls: list[str], token: str, jobs: list[Job], at_once: int, timeout_s: float, on_ended):
+    def run(
+        self, urls: list[str], token: str, jobs: list[Job], at_once: int, timeout_s: float, on_ended
+    ):
         """run_agents over the processes, a prompt's group in one of them, process p's requests to
         urls[p % len(urls)] (the endpoint's processes) -> every job's Outcome."""
         count = len(self.processes)
         shares = [[i for i, job in enumerate(jobs) if job.group % count == p] for p in range(count)]
         for p, (inbox, share) in enumerate(zip(self.inboxes, shares)):
-            inbox.put((urls[p % len(urls)], token, [jobs[i] for i in share], max(1, -(-at_once // count)), timeout_s))
+            inbox.put(
+                (
+                    urls[p % len(urls)],
+                    token,
+                    [jobs[i] for i in share],
+                    max(1, -(-at_once // count)),
+                    timeout_s,
+                )
+            )
         outcomes: list = [None] * len(jobs)
         finished = 0
         while finished < count:
@@ -47,7 +64,8 @@ class AgentProcesses:
                 for i, outcome in zip(shares[process], payload):
                     outcomes[i] = outcome
                 finished += 1
-            else:  # "failed": the agent could not be built there (KEEL-C023/C024) or the process broke
+            # "failed": the agent could not be built there (KEEL-C023/C024) or the process broke
+            else:
                 raise payload
         return outcomes
 
@@ -79,7 +97,9 @@ def _serve(index: int, section, inbox, reports) -> None:
     try:
         agent = build_agent(section)
     except BaseException as error:  # noqa: BLE001 - said to the engine's process, which raises it
-        reports.put(("failed", index, error if isinstance(error, KeelError) else RuntimeError(repr(error))))
+        reports.put(
+            ("failed", index, error if isinstance(error, KeelError) else RuntimeError(repr(error)))
+        )
         return
     while (work := _next_work(inbox)) is not None:
         url, token, jobs, at_once, timeout_s = work

@@ -38,9 +38,11 @@ class Outcome:
     """How one sample's agent ended."""
 
     reward: float | None = None
-    status: str = "ok"  # ok | error | timeout
+    # ok | error | timeout
+    status: str = "ok"
     error: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)  # the agent's or environment's own, averaged per step
+    # the agent's or environment's own, averaged per step
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class FunctionAgent:
@@ -61,12 +63,19 @@ def outcome_of(value) -> Outcome:
     metrics = {}
     if isinstance(value, dict):
         metrics, value = value.get("metrics") or {}, value.get("reward")
-        if not isinstance(metrics, dict) or not all(_finite(v) and isinstance(k, str) for k, v in metrics.items()):
-            return Outcome(status="error", error=f"the agent's metrics {metrics!r:.80} are not {{name: number}}")
+        if not isinstance(metrics, dict) or not all(
+            _finite(v) and isinstance(k, str) for k, v in metrics.items()
+        ):
+            return Outcome(
+                status="error",
+                error=f"the agent's metrics {metrics!r:.80} are not {{name: number}}",
+            )
     if value is None:
         return Outcome(metrics=metrics)
     if not _finite(value):
-        return Outcome(status="error", error=f"the agent returned {value!r:.80}, not a finite number or None")
+        return Outcome(
+            status="error", error=f"the agent returned {value!r:.80}, not a finite number or None"
+        )
     return Outcome(reward=float(value), metrics={k: float(v) for k, v in metrics.items()})
 
 
@@ -74,18 +83,26 @@ def _finite(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
-async def run_agents(agent, url: str, token: str, jobs: list[Job], at_once: int, timeout_s: float, on_ended):
+async def run_agents(
+    agent, url: str, token: str, jobs: list[Job], at_once: int, timeout_s: float, on_ended
+):
     """Every job's agent -> their Outcomes in order; `on_ended(name)` as each sample's agent returns
     (its KV row can go), before its group is scored."""
     import openai
 
-    for client_log in ("httpx", "httpx2"):  # openai 2 logs through httpx, openai 3 through httpx2
-        logging.getLogger(client_log).setLevel(logging.WARNING)  # a line per request would bury the step's
+    # openai 2 logs through httpx, openai 3 through httpx2
+    for client_log in ("httpx", "httpx2"):
+        # a line per request would bury the step's
+        logging.getLogger(client_log).setLevel(logging.WARNING)
 
     limit = asyncio.Semaphore(at_once)
-    # One client, one connection pool and TLS setup (50 ms each on CPU); each sample's copy names it.
-    shared = openai.AsyncOpenAI(base_url=url, api_key=token, max_retries=0, http_client=_http_client(openai))
-    ended: list = [None] * len(jobs)  # an Outcome, or what the agent's score_group is to score
+    # One client, one connection pool and TLS setup (50 ms each on CPU); each sample's copy names
+    # it.
+    shared = openai.AsyncOpenAI(
+        base_url=url, api_key=token, max_retries=0, http_client=_http_client(openai)
+    )
+    # an Outcome, or what the agent's score_group is to score
+    ended: list = [None] * len(jobs)
     left_in_group = Counter(job.group for job in jobs)
 
     async def one(i: int, job: Job) -> None:
@@ -96,7 +113,8 @@ async def run_agents(agent, url: str, token: str, jobs: list[Job], at_once: int,
             finally:
                 on_ended(job.name)
         left_in_group[job.group] -= 1
-        if not left_in_group[job.group]:  # after the slot is free: a group never waits on itself
+        # after the slot is free: a group never waits on itself
+        if not left_in_group[job.group]:
             members = [j for j, other in enumerate(jobs) if other.group == job.group]
             await _score_group(agent, members, ended, timeout_s)
 
@@ -114,7 +132,8 @@ def _http_client(openai):
     soon a wave of turns reaches the engine. None: openai's default (httpx)."""
     try:
         return openai.DefaultAioHttpClient()
-    except (AttributeError, RuntimeError):  # an openai without it, or aiohttp not installed
+    # an openai without it, or aiohttp not installed
+    except (AttributeError, RuntimeError):
         return None
 
 
@@ -154,7 +173,9 @@ def load_agent_function(spec: str, directory: Path | None = None):
     except ValueError as error:
         function, reason = None, str(error)
     if not inspect.iscoroutinefunction(function):
-        raise KeelError(AGENT_FUNCTION, f"actor_rollout_ref.rollout.agent.function={spec!r}: {reason}")
+        raise KeelError(
+            AGENT_FUNCTION, f"actor_rollout_ref.rollout.agent.function={spec!r}: {reason}"
+        )
     return function
 
 
@@ -173,7 +194,9 @@ def load_attribute(spec: str, directory: Path | None = None):
         else:
             module = importlib.import_module(where)
     except Exception as error:  # noqa: BLE001 - the user's module: missing or raising on import, named
-        raise ValueError(f"{where!r} could not be loaded: {type(error).__name__}: {error}") from None
+        raise ValueError(
+            f"{where!r} could not be loaded: {type(error).__name__}: {error}"
+        ) from None
     if not hasattr(module, name):
         raise ValueError(f"{where!r} has no attribute {name!r}")
     return getattr(module, name)

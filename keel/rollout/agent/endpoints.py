@@ -29,7 +29,8 @@ from types import SimpleNamespace
 
 from keel.errors import AGENT_FUNCTION, KeelError
 
-START_S = 120.0  # a process that has not said it listens by then is said to have failed
+# a process that has not said it listens by then is said to have failed
+START_S = 120.0
 
 
 @dataclass
@@ -39,7 +40,8 @@ class EndpointSettings:
     temperature: float
     top_p: float
     top_k: int
-    shape: tuple[int, int, int]  # the engine service's (sequences, max_len, turn_tokens)
+    # the engine service's (sequences, max_len, turn_tokens)
+    shape: tuple[int, int, int]
     stop_ids: list[int]
     budget: int | None
 
@@ -53,13 +55,15 @@ class RemoteService:
         # before the first rollout: settings no request matches (refused with a 400, never a 500)
         self.params = SimpleNamespace(temperature=None, top_p=None, top_k=None)
         self.shape, self.stop_ids = (0, 0, 0), set()
-        self.open = False  # between a begin and a collect
+        # between a begin and a collect
+        self.open = False
         self.waiting: dict[int, Future] = {}
         self.numbers = itertools.count()
 
     def submit(self, key, context: list[int], limit: int) -> Future:
         future: Future = Future()
-        with self.lock:  # a turn is sent before the rollout's collect, or refused
+        # a turn is sent before the rollout's collect, or refused
+        with self.lock:
             if not self.open:
                 future.set_exception(RuntimeError("no rollout is under way: its requests are over"))
                 return future
@@ -71,7 +75,9 @@ class RemoteService:
     def begin(self, settings: EndpointSettings) -> None:
         """The rollout's settings, then its requests are served; said back, so the engine's process
         starts the agents only once this process takes their requests."""
-        self.params = SimpleNamespace(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+        self.params = SimpleNamespace(
+            temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k
+        )
         self.shape, self.stop_ids = settings.shape, set(settings.stop_ids)
         with self.lock:
             self.open = True
@@ -98,19 +104,23 @@ def _serve(connection, tokenizer, options: dict) -> None:
         endpoint = OpenAIEndpoint(service, tokenizer, **options["endpoint"])
         connection.send(("ready", endpoint.serve(options["host"])))
     except BaseException as error:  # noqa: BLE001 - said to the engine's process, which raises it
-        connection.send(("failed", RuntimeError(f"keel's endpoint process could not start: {error!r}")))
+        connection.send(
+            ("failed", RuntimeError(f"keel's endpoint process could not start: {error!r}"))
+        )
         return
     try:
         while (message := connection.recv())[0] != "stop":
             if message[0] == "answer":
                 service.answer(*message[1:])
             elif message[0] == "begin":
-                endpoint.take_traces()  # a previous rollout's late requests, if any: not this one's
+                # a previous rollout's late requests, if any: not this one's
+                endpoint.take_traces()
                 endpoint.budget = message[1].budget
                 service.begin(message[1])
             elif message[0] == "collect":
                 service.collect(endpoint.take_traces())
-    except EOFError:  # the engine's process went away
+    # the engine's process went away
+    except EOFError:
         pass
     finally:
         endpoint.close()
@@ -120,14 +130,23 @@ class InProcessEndpoint:
     """The endpoint as a thread of the engine's process, started for each rollout (endpoint_processes=0)."""
 
     def __init__(self, tokenizer, host: str, token: str, max_in_flight: int):
-        self.tokenizer, self.host, self.token, self.max_in_flight = tokenizer, host, token, max_in_flight
+        self.tokenizer, self.host, self.token, self.max_in_flight = (
+            tokenizer,
+            host,
+            token,
+            max_in_flight,
+        )
         self.endpoint = None
 
     def begin(self, service, budget: int | None) -> list[str]:
         from keel.rollout.agent.openai_server import OpenAIEndpoint
 
         self.endpoint = OpenAIEndpoint(
-            service, self.tokenizer, token=self.token, budget=budget, max_in_flight=self.max_in_flight
+            service,
+            self.tokenizer,
+            token=self.token,
+            budget=budget,
+            max_in_flight=self.max_in_flight,
         )
         return [self.endpoint.serve(self.host)]
 
@@ -147,14 +166,18 @@ class EndpointProcesses:
     """`count` endpoint processes; `begin(service, budget)` -> their URLs, `collect()` -> the traces."""
 
     def __init__(self, tokenizer, count: int, host: str, token: str, max_in_flight: int):
-        context = multiprocessing.get_context("spawn")  # not fork: the parent holds threads and CUDA
+        # not fork: the parent holds threads and CUDA
+        context = multiprocessing.get_context("spawn")
         self.token, self.bridges = token, []
         options = {"host": host, "endpoint": {"token": token, "max_in_flight": max_in_flight}}
         self.connections, self.processes = [], []
         for i in range(count):
             ours, theirs = context.Pipe()
             process = context.Process(
-                target=_serve, args=(theirs, tokenizer, options), name=f"keel-endpoint-{i}", daemon=True
+                target=_serve,
+                args=(theirs, tokenizer, options),
+                name=f"keel-endpoint-{i}",
+                daemon=True,
             )
             process.start()
             theirs.close()
@@ -169,7 +192,9 @@ class EndpointProcesses:
         try:
             kind, payload = connection.recv()
         except EOFError:
-            raise KeelError(AGENT_FUNCTION, f"{process.name} exited (code {process.exitcode}) while starting") from None
+            raise KeelError(
+                AGENT_FUNCTION, f"{process.name} exited (code {process.exitcode}) while starting"
+            ) from None
         if kind == "failed":
             raise KeelError(AGENT_FUNCTION, str(payload))
         return payload
@@ -179,11 +204,17 @@ class EndpointProcesses:
         said it takes the rollout's requests."""
         params = service.params
         settings = EndpointSettings(
-            params.temperature, params.top_p, params.top_k, service.shape, sorted(service.stop_ids), budget
+            params.temperature,
+            params.top_p,
+            params.top_k,
+            service.shape,
+            sorted(service.stop_ids),
+            budget,
         )
         for i in range(len(self.connections)):
             self._send(i, ("begin", settings))
-        for i, connection in enumerate(self.connections):  # nothing else comes before it: no rollout is open
+        # nothing else comes before it: no rollout is open
+        for i, connection in enumerate(self.connections):
             if not connection.poll(START_S) or self._received(i) != ("begun",):
                 self._broke(i)
         self.bridges = [_Bridge(c, lock, service) for c, lock in zip(self.connections, self.locks)]
@@ -220,7 +251,8 @@ class EndpointProcesses:
         for i in range(len(self.connections)):
             try:
                 self._send(i, ("stop",))
-            except KeelError:  # already gone
+            # already gone
+            except KeelError:
                 pass
         for process in self.processes:
             process.join(timeout=30)
@@ -252,7 +284,8 @@ class _Bridge(threading.Thread):
     def __init__(self, connection, lock, service):
         super().__init__(name="keel-endpoint-bridge", daemon=True)
         self.connection, self.lock, self.service = connection, lock, service
-        self.traces: bytes | None = None  # pickled by the endpoint process
+        # pickled by the endpoint process
+        self.traces: bytes | None = None
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -267,10 +300,12 @@ class _Bridge(threading.Thread):
 
     def _reply(self, number: int, done: Future) -> None:
         error = done.exception()
-        if error is not None:  # plain types only: the engine's own (CUDA, ...) may not cross a pipe
+        # plain types only: the engine's own (CUDA, ...) may not cross a pipe
+        if error is not None:
             error = (ValueError if isinstance(error, ValueError) else RuntimeError)(str(error))
         try:
             with self.lock:
                 self.connection.send(("answer", number, None if error else done.result(), error))
-        except OSError:  # the endpoint process is gone: collect says so
+        # the endpoint process is gone: collect says so
+        except OSError:
             pass

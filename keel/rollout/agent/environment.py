@@ -17,8 +17,10 @@ class Environment(ABC):
     def __init__(self, config: dict | None = None):
         self.config = config or {}
         self.extra_info: dict = {}
-        self.prompt: str | list[dict] | None = None  # the episode's prompt as in the data, set before reset
-        self.conversation: list[dict] = []  # its turns so far as messages, kept by the loop (read only)
+        # the episode's prompt as in the data, set before reset
+        self.prompt: str | list[dict] | None = None
+        # its turns so far as messages, kept by the loop (read only)
+        self.conversation: list[dict] = []
 
     def reset(self, extra_info: dict) -> None:
         """Before the episode's first turn: its data row's extra_info (the task's own settings,
@@ -37,4 +39,6 @@ def load_environment(class_name: str) -> type[Environment]:
     """`file.py:Class` or `module.Class` (from the working directory), a class with a step method."""
     from keel.rollout.agent.tools import resolve_class
 
-    return resolve_class(class_name, "actor_rollout_ref.rollout.multi_turn.environment", Path.cwd(), method="step")
+    return resolve_class(
+        class_name, "actor_rollout_ref.rollout.multi_turn.environment", Path.cwd(), method="step"
+    )

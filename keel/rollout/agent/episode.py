@@ -18,29 +18,41 @@ from keel.rollout.agent.tools import ToolOutput
 from keel.types import GeneratedBatch, PromptBatch, PromptRecord
 
 
-@dataclass(eq=False)  # compared by identity
+# compared by identity
+@dataclass(eq=False)
 class Episode:
     """One sample's trajectory so far."""
 
     record: PromptRecord
-    context: list[int]  # prompt and response so far: the next turn's prompt
-    ids: list[int] = field(default_factory=list)  # the response
-    trained: list[int] = field(default_factory=list)  # 1 where the model sampled the token
+    # prompt and response so far: the next turn's prompt
+    context: list[int]
+    # the response
+    ids: list[int] = field(default_factory=list)
+    # 1 where the model sampled the token
+    trained: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     assistant_turns: int = 0
     tool_turns: int = 0
-    user_turns: int = 0  # an environment's observations
+    # an environment's observations
+    user_turns: int = 0
     environment: Environment | None = None
-    environment_errors: int = 0  # its reset or step raised, hung, or answered nonsense
+    # its reset or step raised, hung, or answered nonsense
+    environment_errors: int = 0
     tool_calls: int = 0
     malformed_calls: int = 0
-    tools: dict = field(default_factory=dict)  # by tool name: calls, errors, timeouts, unknown, truncated, seconds
-    tool_outputs: list[str] = field(default_factory=list)  # what the model was shown, in order
-    conversation: list[dict] = field(default_factory=list)  # the turns after the prompt, as messages
+    # by tool name: calls, errors, timeouts, unknown, truncated, seconds
+    tools: dict = field(default_factory=dict)
+    # what the model was shown, in order
+    tool_outputs: list[str] = field(default_factory=list)
+    # the turns after the prompt, as messages
+    conversation: list[dict] = field(default_factory=list)
     turn_reward: float = 0.0
-    session: ToolSession | None = None  # its tools' instances (verl's tools) and what they gave
-    reward_scores: dict = field(default_factory=dict)  # verl's rollout_reward_scores: calc_reward, interactions'
-    cut: bool = False  # the budget ended it
+    # its tools' instances (verl's tools) and what they gave
+    session: ToolSession | None = None
+    # verl's rollout_reward_scores: calc_reward, interactions'
+    reward_scores: dict = field(default_factory=dict)
+    # the budget ended it
+    cut: bool = False
     done: bool = False
 
     def add(self, ids: list[int], log_probs: list[float] | None) -> None:
@@ -51,7 +63,8 @@ class Episode:
 
     def counts(self, name: str) -> dict:
         return self.tools.setdefault(
-            name, {"calls": 0, "error": 0, "timeout": 0, "unknown": 0, "truncated": 0, "seconds": 0.0}
+            name,
+            {"calls": 0, "error": 0, "timeout": 0, "unknown": 0, "truncated": 0, "seconds": 0.0},
         )
 
     def count(self, output: ToolOutput) -> None:
@@ -109,7 +122,8 @@ def episode_record(e: Episode, tokenizer) -> PromptRecord:
             "user_turns": e.user_turns,
             "environment_errors": e.environment_errors,
             "cut_by_budget": e.cut,
-            "last_turn": last_text(e, tokenizer),  # the final answer, for rewards
+            # the final answer, for rewards
+            "last_turn": last_text(e, tokenizer),
             "conversation": _conversation(e, tokenizer),
             **_verl_rewards(e),
         },
@@ -130,7 +144,9 @@ def _conversation(episode: Episode, tokenizer) -> list[dict]:
 
 def last_text(episode: Episode, tokenizer) -> str:
     """The text of the assistant turn generated last (the final answer, once the episode ends)."""
-    return tokenizer.decode(last_sampled_turn(episode.ids, episode.trained), skip_special_tokens=True)
+    return tokenizer.decode(
+        last_sampled_turn(episode.ids, episode.trained), skip_special_tokens=True
+    )
 
 
 def _turns(episode: Episode) -> int:
@@ -143,7 +159,10 @@ def _tool_counts(episode: Episode) -> dict:
     added: on a copy, so a row built twice (told as it ends, then batched) counts each failure once."""
     tools = copy.deepcopy(episode.tools)
     for name, status in (episode.session or ToolSession()).failures:
-        tools.setdefault(name, {"calls": 0, "error": 0, "timeout": 0, "unknown": 0, "truncated": 0, "seconds": 0.0})
+        tools.setdefault(
+            name,
+            {"calls": 0, "error": 0, "timeout": 0, "unknown": 0, "truncated": 0, "seconds": 0.0},
+        )
         tools[name][status] += 1
     return tools
 

@@ -39,15 +39,21 @@ from keel.types import GeneratedBatch, PromptBatch, SamplingParams
 
 @dataclass
 class ExternalAgentOptions:
-    budget: int  # data.max_response_length: tokens a sample may add after its first prompt
-    max_len: int  # tokens a sample's context may reach
+    # data.max_response_length: tokens a sample may add after its first prompt
+    budget: int
+    # tokens a sample's context may reach
+    max_len: int
     concurrency: int = 64
     timeout_s: float = 600.0
     host: str = "127.0.0.1"
-    scored_by_agent: bool = False  # an environment's: its samples never reach the reward function
-    admission_s: float = 0.0  # the engine service's admission window
-    endpoint_processes: int = 0  # 0: the endpoint is a thread of the engine's process
-    segments: bool = False  # a sample whose history was rewritten trains each stretch as a row (else dropped)
+    # an environment's: its samples never reach the reward function
+    scored_by_agent: bool = False
+    # the engine service's admission window
+    admission_s: float = 0.0
+    # 0: the endpoint is a thread of the engine's process
+    endpoint_processes: int = 0
+    # a sample whose history was rewritten trains each stretch as a row (else dropped)
+    segments: bool = False
 
 
 class InProcessAgents:
@@ -56,8 +62,12 @@ class InProcessAgents:
     def __init__(self, agent):
         self.agent = agent
 
-    def run(self, urls: list[str], token: str, jobs, at_once: int, timeout_s: float, on_ended) -> list[Outcome]:
-        return asyncio.run(run_agents(self.agent, urls[0], token, jobs, at_once, timeout_s, on_ended))
+    def run(
+        self, urls: list[str], token: str, jobs, at_once: int, timeout_s: float, on_ended
+    ) -> list[Outcome]:
+        return asyncio.run(
+            run_agents(self.agent, urls[0], token, jobs, at_once, timeout_s, on_ended)
+        )
 
 
 class ExternalAgentRollout:
@@ -65,11 +75,15 @@ class ExternalAgentRollout:
 
     def __init__(self, engine, tokenizer, agents, options: ExternalAgentOptions):
         self.engine, self.tokenizer, self.agents, self.options = engine, tokenizer, agents, options
-        self.timing: dict[str, float] = {}  # seconds of the engine's parts, and idle (waiting on the agents)
-        self.metrics: dict[str, float] = {}  # how the turns reached the engine
+        # seconds of the engine's parts, and idle (waiting on the agents)
+        self.timing: dict[str, float] = {}
+        # how the turns reached the engine
+        self.metrics: dict[str, float] = {}
         token, in_flight = secrets.token_urlsafe(16), max(1024, options.concurrency)
         if options.endpoint_processes:
-            self.endpoints = EndpointProcesses(tokenizer, options.endpoint_processes, options.host, token, in_flight)
+            self.endpoints = EndpointProcesses(
+                tokenizer, options.endpoint_processes, options.host, token, in_flight
+            )
         else:
             self.endpoints = InProcessEndpoint(tokenizer, options.host, token, in_flight)
 
@@ -80,23 +94,35 @@ class ExternalAgentRollout:
         one = dataclasses.replace(params, n=1)
         # a prompt's samples share the prefill of their first turn
         groups = {name: record.index for name, record in zip(names, prompts.records)}
-        service = EngineService(self.engine, one, rows, options.max_len, options.budget, options.admission_s, groups)
+        service = EngineService(
+            self.engine, one, rows, options.max_len, options.budget, options.admission_s, groups
+        )
         outcomes = None
         try:
             urls = self.endpoints.begin(service, options.budget)
-            # As many agents at once as the engine holds rows: one waiting for a row would spend its timeout.
+            # As many agents at once as the engine holds rows: one waiting for a row would spend its
+            # timeout.
             at_once = min(options.concurrency, service.batcher.shape[0])
-            jobs = [Job(name, job_row(r), dict(r.extra_info), r.index) for name, r in zip(names, prompts.records)]
-            outcomes = self.agents.run(urls, self.endpoints.token, jobs, at_once, options.timeout_s, service.end)
+            jobs = [
+                Job(name, job_row(r), dict(r.extra_info), r.index)
+                for name, r in zip(names, prompts.records)
+            ]
+            outcomes = self.agents.run(
+                urls, self.endpoints.token, jobs, at_once, options.timeout_s, service.end
+            )
         finally:
-            service.close()  # first: a request still waiting is answered, so the endpoint can stop
+            # first: a request still waiting is answered, so the endpoint can stop
+            service.close()
             found = self._traces(quietly=outcomes is None or service.error is not None)
-        if service.error is not None:  # the engine failed (out of memory, ...): not the agents' fault
+        # the engine failed (out of memory, ...): not the agents' fault
+        if service.error is not None:
             raise service.error
         self.timing = {**self.engine.timing, "idle": service.stats["idle_s"]}
         self.metrics = engine_service_metrics(service.stats)
         traces = [found.get(name) or Trace() for name in names]
-        batch = traces_batch(prompts, traces, outcomes, self.tokenizer, options.scored_by_agent, options.segments)
+        batch = traces_batch(
+            prompts, traces, outcomes, self.tokenizer, options.scored_by_agent, options.segments
+        )
         _refuse_all_dropped(batch.records, outcomes)
         return batch
 
@@ -127,7 +153,11 @@ def engine_service_metrics(stats: dict) -> dict[str, float]:
 
 
 def job_row(record) -> dict:
-    return {"prompt": record.raw_prompt, "data_source": record.data_source, "ground_truth": record.ground_truth}
+    return {
+        "prompt": record.raw_prompt,
+        "data_source": record.data_source,
+        "ground_truth": record.ground_truth,
+    }
 
 
 def build_external_agent(agent, engine, tokenizer, budget: int) -> ExternalAgentRollout:
@@ -173,7 +203,11 @@ def _agent_processes(agent) -> int:
 def _endpoint_processes(agent) -> int:
     """rollout.agent.endpoint_processes, by default as many as the agents' (none for in-process agents:
     the simplest to debug stays in one process)."""
-    return agent.endpoint_processes if agent.endpoint_processes is not None else _agent_processes(agent)
+    return (
+        agent.endpoint_processes
+        if agent.endpoint_processes is not None
+        else _agent_processes(agent)
+    )
 
 
 def traces_batch(
@@ -189,7 +223,8 @@ def traces_batch(
     a sample whose history was rewritten, rows of one sample sharing its sample_index. A sample to
     drop (its agent failed, or its history was rewritten and segments are off) keeps its tokens but
     trains none of them, and says why in extra_info (`agent_dropped`)."""
-    rows = []  # (sample, its stretch, its segment number or None, why the sample is dropped)
+    # (sample, its stretch, its segment number or None, why the sample is dropped)
+    rows = []
     for i, (trace, record, outcome) in enumerate(zip(traces, prompts.records, outcomes)):
         why = _why_dropped(trace, outcome, scored_by_agent, segments)
         if why is None and segments and trace.prefix_breaks:
@@ -204,8 +239,11 @@ def traces_batch(
         _agent_record(prompts.records[i], traces[i], outcomes[i], why, text, k)
         for (i, _, k, why), text in zip(rows, texts)
     ]
-    # a segment before a sample's last ended where its history was rewritten: neither cut nor finished
-    cut = [(k is None or k == len(traces[i].stretches) - 1) and _cut(traces[i]) for i, _, k, _ in rows]
+    # a segment before a sample's last ended where its history was rewritten: neither cut nor
+    # finished
+    cut = [
+        (k is None or k == len(traces[i].stretches) - 1) and _cut(traces[i]) for i, _, k, _ in rows
+    ]
     prompt_ids, prompt_mask = _left_padded([s.prompt for s in stretches], tokenizer.pad_token_id)
     width = max(1, max(len(s.ids) for s in stretches))
     trained = _right_padded(trained, width)
@@ -214,7 +252,10 @@ def traces_batch(
         prompt_mask=prompt_mask,
         response_ids=_right_padded([s.ids for s in stretches], width, tokenizer.pad_token_id),
         response_mask=trained,
-        sampling_log_probs=_right_padded([s.log_probs for s in stretches], width, dtype=torch.float32) * trained,
+        sampling_log_probs=_right_padded(
+            [s.log_probs for s in stretches], width, dtype=torch.float32
+        )
+        * trained,
         group_index=torch.tensor([r.index for r in records]),
         records=records,
         response_texts=texts,
@@ -228,7 +269,9 @@ def _cut(trace: Trace) -> bool:
     return trace.budget_spent or not trace.finished_turn
 
 
-def _agent_record(record, trace: Trace, outcome: Outcome, why: str | None, last_turn: str, segment: int | None):
+def _agent_record(
+    record, trace: Trace, outcome: Outcome, why: str | None, last_turn: str, segment: int | None
+):
     """A row's record: the sample's, with how its agent ended (and, trained as segments, which this is)."""
     return dataclasses.replace(
         record,
@@ -241,8 +284,13 @@ def _agent_record(record, trace: Trace, outcome: Outcome, why: str | None, last_
             **({"agent_metrics": outcome.metrics} if outcome.metrics and why is None else {}),
             "prefix_breaks": trace.prefix_breaks,
             **({"agent_segment": segment} if segment is not None else {}),
-            **({"agent_reward": outcome.reward} if outcome.reward is not None and why is None else {}),
-            **({"agent_reward": 0.0} if why else {}),  # not scored: it leaves the update
+            **(
+                {"agent_reward": outcome.reward}
+                if outcome.reward is not None and why is None
+                else {}
+            ),
+            # not scored: it leaves the update
+            **({"agent_reward": 0.0} if why else {}),
             "last_turn": last_turn,
         },
     )
@@ -259,7 +307,8 @@ def _left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torc
     return ids, mask
 
 
-def _right_padded(values: list[list], width: int, fill=0, dtype=torch.long) -> torch.Tensor:  # [N, width]
+# [N, width]
+def _right_padded(values: list[list], width: int, fill=0, dtype=torch.long) -> torch.Tensor:
     out = torch.full((len(values), width), fill, dtype=dtype)
     for i, v in enumerate(values):
         out[i, : len(v)] = torch.tensor(v, dtype=dtype)
@@ -280,9 +329,11 @@ def _first_stretch(trace: Trace, record) -> Stretch:
     return trace.stretches[0] if trace.stretches else Stretch(list(record.prompt_ids))
 
 
-def _why_dropped(trace: Trace, outcome: Outcome, scored_by_agent: bool, segments: bool = False) -> str | None:
-    # An agent stopped by the budget is a cut sample, kept where something scores it: its own reward,
-    # or the reward function (which an environment's samples never reach).
+def _why_dropped(
+    trace: Trace, outcome: Outcome, scored_by_agent: bool, segments: bool = False
+) -> str | None:
+    # An agent stopped by the budget is a cut sample, kept where something scores it: its own
+    # reward, or the reward function (which an environment's samples never reach).
     cut = trace.budget_spent and (outcome.reward is not None or not scored_by_agent)
     if outcome.status != "ok" and not cut:
         return outcome.status

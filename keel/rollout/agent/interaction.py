@@ -60,23 +60,34 @@ def load_interactions(path: str | Path) -> dict[str, object]:
     for i, entry in enumerate(entries):
         where = f"{path} interaction[{i}]"
         if not isinstance(entry, dict) or "class_name" not in entry:
-            raise KeelError(TOOL_CONFIG, f"{where} has no class_name", "give each interaction a class_name")
-        cls = resolve_class(str(entry["class_name"]), where, path.parent, method="generate_response")
+            raise KeelError(
+                TOOL_CONFIG, f"{where} has no class_name", "give each interaction a class_name"
+            )
+        cls = resolve_class(
+            str(entry["class_name"]), where, path.parent, method="generate_response"
+        )
         name = entry.get("name") or _default_name(cls.__name__)
         if name in interactions:
-            raise KeelError(TOOL_CONFIG, f"{where}: a second interaction named {name!r}", "give each its own name")
+            raise KeelError(
+                TOOL_CONFIG,
+                f"{where}: a second interaction named {name!r}",
+                "give each its own name",
+            )
         try:
             interactions[name] = cls(config={**(entry.get("config") or {}), "name": name})
         except Exception as error:  # noqa: BLE001 - the user's class: its error, named
             raise KeelError(
-                TOOL_CONFIG, f"{where} ({entry['class_name']}) raised when built: {type(error).__name__}: {error}"
+                TOOL_CONFIG,
+                f"{where} ({entry['class_name']}) raised when built: {type(error).__name__}: {error}",
             ) from None
     return interactions
 
 
 def _default_name(class_name: str) -> str:
     """verl's: the class name without its "Interaction" suffix, lower-cased."""
-    return (class_name[: -len("Interaction")] if class_name.endswith("Interaction") else class_name).lower()
+    return (
+        class_name[: -len("Interaction")] if class_name.endswith("Interaction") else class_name
+    ).lower()
 
 
 class InteractionEnvironment(Environment):
@@ -88,9 +99,12 @@ class InteractionEnvironment(Environment):
         self.kwargs = dict(extra_info.get("interaction_kwargs") or {})
         name = self.kwargs.get("name", next(iter(interactions)) if len(interactions) == 1 else None)
         if name not in interactions:
-            raise ValueError(f"extra_info.interaction_kwargs.name is {name!r}, not one of {sorted(interactions)}")
+            raise ValueError(
+                f"extra_info.interaction_kwargs.name is {name!r}, not one of {sorted(interactions)}"
+            )
         self.interaction, self.instance_id = interactions[name], str(uuid4())
-        self.timeout_s = self.config.get("timeout_s")  # the loop's tool_timeout_s
+        # the loop's tool_timeout_s
+        self.timeout_s = self.config.get("timeout_s")
         self.turn_scores: list[float] = []
         _run(self.interaction.start_interaction(self.instance_id, **self.kwargs), self.timeout_s)
 
@@ -102,20 +116,31 @@ class InteractionEnvironment(Environment):
     def step(self, text: str) -> tuple[str, float, bool]:
         """verl's messages: the prompt, then every turn so far (tool calls and results included),
         the model's `text` last. The turn's score is recorded, not added (as in verl)."""
-        prompt = self.prompt if isinstance(self.prompt, list) else [{"role": "user", "content": str(self.prompt)}]
+        prompt = (
+            self.prompt
+            if isinstance(self.prompt, list)
+            else [{"role": "user", "content": str(self.prompt)}]
+        )
         messages = [dict(m) for m in prompt + self.conversation]
         done, reply, score, _ = _run(
-            self.interaction.generate_response(self.instance_id, messages, **self.kwargs), self.timeout_s
+            self.interaction.generate_response(self.instance_id, messages, **self.kwargs),
+            self.timeout_s,
         )
-        if score is not None:  # verl keeps a score that is there
-            if isinstance(score, bool) or not isinstance(score, numbers.Real) or not math.isfinite(score):
+        # verl keeps a score that is there
+        if score is not None:
+            if (
+                isinstance(score, bool)
+                or not isinstance(score, numbers.Real)
+                or not math.isfinite(score)
+            ):
                 raise ValueError(f"generate_response's score is {score!r}, not a finite number")
             self.turn_scores.append(float(score))
         return str(reply), 0.0, bool(done)
 
     def close(self) -> None:
         finalize = self.interaction.finalize_interaction
-        try:  # verl's example takes the instance id; its base class takes nothing
+        # verl's example takes the instance id; its base class takes nothing
+        try:
             inspect.signature(finalize).bind(self.instance_id)
         except TypeError:
             _run(finalize(), self.timeout_s)

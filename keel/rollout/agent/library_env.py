@@ -19,7 +19,9 @@ def parse_environment(spec: str) -> tuple[str, str]:
     """`library:rest` -> (library, rest), or KEEL-C024."""
     library, _, rest = spec.partition(":")
     if library not in LIBRARIES or not rest:
-        raise environment_error(spec, "not of the form verifiers:NAME or openenv:module:ClientClass")
+        raise environment_error(
+            spec, "not of the form verifiers:NAME or openenv:module:ClientClass"
+        )
     return library, rest
 
 
@@ -49,4 +51,6 @@ def environment_rows(agent, split: str) -> list[dict] | None:
 
 
 def environment_error(spec: str, reason: str) -> KeelError:
-    return KeelError(AGENT_ENVIRONMENT, f"actor_rollout_ref.rollout.agent.environment={spec!r}: {reason}")
+    return KeelError(
+        AGENT_ENVIRONMENT, f"actor_rollout_ref.rollout.agent.environment={spec!r}: {reason}"
+    )

@@ -26,7 +26,13 @@ from dataclasses import dataclass, field
 
 from keel.data.prompts import collate_prompts
 from keel.rollout.agent.environment import Environment, load_environment
-from keel.rollout.agent.episode import Episode, episode_record, episode_text, episodes_batch, last_text
+from keel.rollout.agent.episode import (
+    Episode,
+    episode_record,
+    episode_text,
+    episodes_batch,
+    last_text,
+)
 from keel.rollout.agent.interaction import InteractionEnvironment, load_interactions
 from keel.rollout.agent.parse import PARSERS
 from keel.rollout.agent.runner import ToolLimits, ToolRunner
@@ -39,9 +45,12 @@ from keel.types import GeneratedBatch, PromptBatch, SamplingParams
 @dataclass
 class AgentOptions:
     max_assistant_turns: int = 5
-    max_user_turns: int | None = None  # an environment's observations; None: until it says done
-    budget: int = 512  # response tokens of the whole trajectory
-    turn_tokens: int | None = None  # tokens one assistant turn may take; None: the budget left
+    # an environment's observations; None: until it says done
+    max_user_turns: int | None = None
+    # response tokens of the whole trajectory
+    budget: int = 512
+    # tokens one assistant turn may take; None: the budget left
+    turn_tokens: int | None = None
     format: str = "hermes"
     limits: ToolLimits = field(default_factory=ToolLimits)
 
@@ -64,12 +73,16 @@ class AgentLoop:
         self.parse = PARSERS[options.format]
         self.runner = ToolRunner(tools, options.limits)
         self.timing: dict[str, float] = {}
-        # An episode's row is final when it ends, unless an environment or verl's lifecycle tools add to it
-        # as the batch closes them: only then can its reward begin before the batch is done.
+        # An episode's row is final when it ends, unless an environment or verl's lifecycle tools
+        # add to it as the batch closes them: only then can its reward begin before the batch is
+        # done.
         self.final_when_ended = environment is None and not any(t.lifecycle for t in tools)
-        self.told = None  # on_finished, with each episode's row: told as the episode ends
+        # on_finished, with each episode's row: told as the episode ends
+        self.told = None
 
-    def generate(self, prompts: PromptBatch, params: SamplingParams, on_finished=None) -> GeneratedBatch:
+    def generate(
+        self, prompts: PromptBatch, params: SamplingParams, on_finished=None
+    ) -> GeneratedBatch:
         """The episodes of every prompt; `on_finished(row, record, response text)` is told of each as it
         ends, where its row is final then (no environment, no lifecycle tools) and the engine schedules
         continuously."""
@@ -77,7 +90,9 @@ class AgentLoop:
         self.timing = {}
         rows = {id(e): row for row, e in enumerate(episodes)}
         self.told = (
-            (lambda e: on_finished(rows[id(e)], *self._final(e))) if on_finished and self.final_when_ended else None
+            (lambda e: on_finished(rows[id(e)], *self._final(e)))
+            if on_finished and self.final_when_ended
+            else None
         )
         sessions = self.runner.open([e.record.extra_info.get("tools_kwargs") for e in episodes])
         for episode, session in zip(episodes, sessions):
@@ -92,16 +107,23 @@ class AgentLoop:
                     self._assistant_turn(active, params)
                     self._next_turn([e for e in active if not e.done])
             self._close_environments(episodes)
-        finally:  # verl's tools' instances are released whatever happened
+        # verl's tools' instances are released whatever happened
+        finally:
             self.runner.close(sessions)
         return episodes_batch(prompts, episodes, self.tokenizer)
 
     def _reset_environments(self, episodes: list[Episode]) -> None:
         environments = [self.environment(self.environment_config) for _ in episodes]
         for environment, episode in zip(environments, episodes):
-            environment.prompt, environment.conversation = episode.record.raw_prompt, episode.conversation
+            environment.prompt, environment.conversation = (
+                episode.record.raw_prompt,
+                episode.conversation,
+            )
         resets = self.runner.call_each(
-            [functools.partial(env.reset, dict(e.record.extra_info)) for env, e in zip(environments, episodes)]
+            [
+                functools.partial(env.reset, dict(e.record.extra_info))
+                for env, e in zip(environments, episodes)
+            ]
         )
         for episode, environment, (_, status) in zip(episodes, environments, resets):
             episode.environment = environment if status == "ok" else None
@@ -109,10 +131,14 @@ class AgentLoop:
 
     def _close_environments(self, episodes: list[Episode]) -> None:
         """Every environment closed (one that raises or hangs is counted, as a step would be)."""
-        having = [e for e in episodes if callable(getattr(e.environment, "close", None))]  # a class with step only
-        for episode, (_, status) in zip(having, self.runner.call_each([e.environment.close for e in having])):
+        # a class with step only
+        having = [e for e in episodes if callable(getattr(e.environment, "close", None))]
+        for episode, (_, status) in zip(
+            having, self.runner.call_each([e.environment.close for e in having])
+        ):
             episode.environment_errors += status != "ok"
-        for episode in episodes:  # what a verl interaction scored: recorded, not added (interaction.py)
+        # what a verl interaction scored: recorded, not added (interaction.py)
+        for episode in episodes:
             episode.reward_scores.update(getattr(episode.environment, "reward_scores", None) or {})
 
     def _run_continuously(self, episodes: list[Episode], params: SamplingParams) -> None:
@@ -136,19 +162,23 @@ class AgentLoop:
             with ThreadPoolExecutor(max_workers=4, thread_name_prefix="keel-turn") as pool:
                 while waiting or acting:
                     kind, payload = news.get()
-                    if kind == "closed":  # the engine failed (out of memory, ...)
+                    # the engine failed (out of memory, ...)
+                    if kind == "closed":
                         raise payload
                     if kind == "turns":
                         waiting -= len(payload)
                         acting += self._turns_ended(service, pool, news, payload)
-                    else:  # a plan's tools and environment steps are done
+                    # a plan's tools and environment steps are done
+                    else:
                         acting -= 1
                         waiting += self._acted(service, news, *payload)
         finally:
             service.close()
         self.timing.update(self.engine.timing)
 
-    def _ask(self, service, news: queue.Queue, episodes: list[Episode], group=lambda e: None) -> None:
+    def _ask(
+        self, service, news: queue.Queue, episodes: list[Episode], group=lambda e: None
+    ) -> None:
         """The episodes' next assistant turns, submitted together (one prefill pass)."""
         turns = [(e, e.context, self._turn_limit(e), group(e)) for e in episodes]
         if turns:
@@ -157,11 +187,13 @@ class AgentLoop:
     def _turns_ended(self, service, pool, news: queue.Queue, ended: list) -> int:
         """Turns a decode step ended: recorded, their tools started -> plans started (0 or 1)."""
         for episode, future in ended:
-            completion = future.result()  # a refusal here is keel's bug: raised, never a silent sample
+            # a refusal here is keel's bug: raised, never a silent sample
+            completion = future.result()
             self._took_turn(episode, completion.ids, completion.log_probs)
         plan = self._plan([e for e, _ in ended if not e.done])
         for episode, _ in ended:
-            if episode.done:  # its last turn: the row goes to a waiting episode
+            # its last turn: the row goes to a waiting episode
+            if episode.done:
                 self._end(service, episode)
         if not (plan.calling or plan.talking):
             return 0
@@ -197,9 +229,13 @@ class AgentLoop:
         """One generate call for every active episode's next turn (engines without a scheduler)."""
         left = max(self._turn_limit(e) for e in active)
         # Rows of their own: the engine shares a prefill between rows of one group index.
-        records = [dataclasses.replace(e.record, index=i, prompt_ids=e.context) for i, e in enumerate(active)]
+        records = [
+            dataclasses.replace(e.record, index=i, prompt_ids=e.context)
+            for i, e in enumerate(active)
+        ]
         batch = self.engine.generate(
-            collate_prompts(records, self.tokenizer.pad_token_id), dataclasses.replace(params, n=1, max_new_tokens=left)
+            collate_prompts(records, self.tokenizer.pad_token_id),
+            dataclasses.replace(params, n=1, max_new_tokens=left),
         )
         for part, seconds in getattr(self.engine, "timing", {}).items():
             self.timing[part] = self.timing.get(part, 0.0) + seconds
@@ -223,7 +259,9 @@ class AgentLoop:
         """What follows each pending sample's last turn: its tool calls, or the environment's
         answer, or nothing (it was the answer: the episode ends)."""
         for episode in pending:
-            episode.conversation.append({"role": "assistant", "content": last_text(episode, self.tokenizer)})
+            episode.conversation.append(
+                {"role": "assistant", "content": last_text(episode, self.tokenizer)}
+            )
         parsed = {id(e): self.parse(e.conversation[-1]["content"]) for e in pending}
         calling = [e for e in pending if parsed[id(e)].calls or parsed[id(e)].malformed]
         talking = [e for e in pending if e not in calling and e.environment is not None]
@@ -235,9 +273,14 @@ class AgentLoop:
         """The plan's tool calls and environment steps run (safe on a thread: the episodes are not
         touched) -> (tool outputs, environment steps, seconds)."""
         start = time.perf_counter()
-        outputs = self.runner.run([plan.parsed[id(e)].calls for e in plan.calling], [e.session for e in plan.calling])
+        outputs = self.runner.run(
+            [plan.parsed[id(e)].calls for e in plan.calling], [e.session for e in plan.calling]
+        )
         steps = self.runner.call_each(
-            [functools.partial(e.environment.step, e.conversation[-1]["content"]) for e in plan.talking]
+            [
+                functools.partial(e.environment.step, e.conversation[-1]["content"])
+                for e in plan.talking
+            ]
         )
         return outputs, steps, time.perf_counter() - start
 
@@ -262,7 +305,8 @@ class AgentLoop:
         limit = self.options.max_user_turns
         for episode, (result, status) in zip(talking, steps):
             step = _checked_step(result) if status == "ok" else None
-            if step is None:  # raised, hung or answered nonsense: the episode ends, counted
+            # raised, hung or answered nonsense: the episode ends, counted
+            if step is None:
                 episode.environment_errors += 1
                 episode.done = True
                 continue
@@ -277,8 +321,10 @@ class AgentLoop:
         """The messages' turn and the next generation prompt, through the template; when they leave
         no room for the model to answer, the budget ends the episode instead."""
         suffix = self.template.suffix_ids(messages)
-        if not episode.ids or episode.ids[-1] not in self.eos_ids:  # a turn cut at max_tokens_per_turn:
-            suffix = [self.template.end_id] + suffix  # closed as the template closes one
+        # a turn cut at max_tokens_per_turn:
+        if not episode.ids or episode.ids[-1] not in self.eos_ids:
+            # closed as the template closes one
+            suffix = [self.template.end_id] + suffix
         if len(episode.ids) + len(suffix) >= self.options.budget:
             episode.cut = episode.done = True
             return False
@@ -292,9 +338,12 @@ class _Plan:
     """What follows the last turn of each of `pending`."""
 
     pending: list[Episode]
-    calling: list[Episode]  # its tool calls run
-    talking: list[Episode]  # its environment steps
-    parsed: dict  # id(episode) -> its parsed turn
+    # its tool calls run
+    calling: list[Episode]
+    # its environment steps
+    talking: list[Episode]
+    # id(episode) -> its parsed turn
+    parsed: dict
 
 
 def _checked_step(result) -> tuple[str, float, bool] | None:
@@ -337,4 +386,6 @@ def build_agent_loop(multi_turn, engine, tokenizer, budget: int) -> AgentLoop:
             "interactions": load_interactions(multi_turn.interaction_config_path),
             "timeout_s": multi_turn.tool_timeout_s,
         }
-    return AgentLoop(engine, tokenizer, tools, options, engine.eos_ids, environment, environment_config)
+    return AgentLoop(
+        engine, tokenizer, tools, options, engine.eos_ids, environment, environment_config
+    )

@@ -23,7 +23,9 @@ def agent_metrics(records: list[PromptRecord]) -> dict[str, float]:
         "tools/turn_reward/mean": statistics.fmean(info["turn_reward"] for info in infos),
     }
     if any(info["user_turns"] or info["environment_errors"] for info in infos):
-        metrics["environment/user_turns/mean"] = statistics.fmean(info["user_turns"] for info in infos)
+        metrics["environment/user_turns/mean"] = statistics.fmean(
+            info["user_turns"] for info in infos
+        )
         metrics["environment/errors"] = float(sum(info["environment_errors"] for info in infos))
     totals: dict[str, dict[str, float]] = {}
     for info in infos:
@@ -55,9 +57,12 @@ def external_agent_metrics(records: list[PromptRecord], final_segments=None) -> 
         "agent/dropped": float(sum("agent_dropped" in info for info in infos)),
         "agent/requests_per_sample": statistics.fmean(info["agent_requests"] for info in infos),
     }
-    own: dict[str, list[float]] = {}  # the agent's or its environment's metrics (a rubric's functions, ...)
+    # the agent's or its environment's metrics (a rubric's functions, ...)
+    own: dict[str, list[float]] = {}
     for info in infos:
         for name, value in info.get("agent_metrics", {}).items():
             own.setdefault(name, []).append(value)
-    metrics.update({f"agent/metrics/{name}/mean": statistics.fmean(values) for name, values in own.items()})
+    metrics.update(
+        {f"agent/metrics/{name}/mean": statistics.fmean(values) for name, values in own.items()}
+    )
     return metrics

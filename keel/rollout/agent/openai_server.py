@@ -37,7 +37,8 @@ from keel.rollout.agent.template import TurnTemplate
 from keel.rollout.agent.trace import Trace, comparable
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k")
-BUDGET_SPENT = "context_length_exceeded"  # the error type of a turn refused because its sample's budget is spent
+# the error type of a turn refused because its sample's budget is spent
+BUDGET_SPENT = "context_length_exceeded"
 
 
 class RequestError(Exception):
@@ -68,8 +69,10 @@ class OpenAIEndpoint:
         self.max_request_bytes, self.parse = max_request_bytes, PARSERS[tool_format]
         self.in_flight = asyncio.Semaphore(max_in_flight)
         self.traces: dict[str, Trace] = {}
-        self.traces_lock = threading.Lock()  # handlers add and record traces; take_traces pickles them elsewhere
-        self.templates: dict[str, TurnTemplate] = {}  # by the tools' schema
+        # handlers add and record traces; take_traces pickles them elsewhere
+        self.traces_lock = threading.Lock()
+        # by the tools' schema
+        self.templates: dict[str, TurnTemplate] = {}
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -85,12 +88,18 @@ class OpenAIEndpoint:
         import uvicorn
 
         config = uvicorn.Config(
-            self.app, host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=5
+            self.app,
+            host=host,
+            port=port,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=5,
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="keel-openai", daemon=True)
         self._thread.start()
-        while not self._server.started:  # bound by uvicorn's own startup, which fails loudly
+        # bound by uvicorn's own startup, which fails loudly
+        while not self._server.started:
             if not self._thread.is_alive():
                 raise RuntimeError(f"keel's endpoint could not listen on {host}:{port}")
             time.sleep(0.01)
@@ -113,7 +122,9 @@ class OpenAIEndpoint:
     async def models(self, request: Request):
         if not self._authorised(request):
             return _error("a bearer token is required", 401)
-        return JSONResponse({"object": "list", "data": [{"id": "keel", "object": "model", "owned_by": "keel"}]})
+        return JSONResponse(
+            {"object": "list", "data": [{"id": "keel", "object": "model", "owned_by": "keel"}]}
+        )
 
     async def chat(self, request: Request):
         return await self._handle(request, self._chat_prompt, chat=True)
@@ -131,17 +142,22 @@ class OpenAIEndpoint:
                 body = await self._body(request)
                 sample = request.headers.get("x-keel-sample") or body.get("model")
                 if not isinstance(sample, str) or not sample:
-                    raise RequestError("no sample: send the X-Keel-Sample header or the model name keel gave")
+                    raise RequestError(
+                        "no sample: send the X-Keel-Sample header or the model name keel gave"
+                    )
                 with self.traces_lock:
                     trace = self.traces.setdefault(sample, Trace())
-                prompt, conversation = prompt_of(body, trace)  # reads the trace: no lock, no tokenizing under one
+                # reads the trace: no lock, no tokenizing under one
+                prompt, conversation = prompt_of(body, trace)
                 limit = self._within_budget(self._limit(body), trace, prompt)
                 completion = await asyncio.wrap_future(self.service.submit(sample, prompt, limit))
             except RequestError as error:
                 return _error(str(error), error.status, error.kind)
-            except ValueError as error:  # the engine service's refusal (a turn that cannot fit)
+            # the engine service's refusal (a turn that cannot fit)
+            except ValueError as error:
                 return _error(str(error), 400)
-            except RuntimeError as error:  # the service closed: the rollout is over (or the engine failed)
+            # the service closed: the rollout is over (or the engine failed)
+            except RuntimeError as error:
                 return _error(str(error), 503)
             except ClientDisconnect:
                 return _error("the client went away", 400)
@@ -154,7 +170,9 @@ class OpenAIEndpoint:
 
     async def _body(self, request: Request) -> dict:
         declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_request_bytes):
+        if declared is not None and (
+            not declared.isdigit() or int(declared) > self.max_request_bytes
+        ):
             raise RequestError(f"the body is over {self.max_request_bytes} bytes", 413)
         raw = b""
         async for chunk in request.stream():
@@ -174,13 +192,20 @@ class OpenAIEndpoint:
         params = self.service.params
         for key in SAMPLING_KEYS:
             if body.get(key) is not None and body[key] != getattr(params, key):
-                raise RequestError(f"{key}={body[key]!r} differs from the rollout's {getattr(params, key)!r}")
+                raise RequestError(
+                    f"{key}={body[key]!r} differs from the rollout's {getattr(params, key)!r}"
+                )
         if body.get("n", 1) != 1:
             raise RequestError("n must be 1: each sample sends its own requests")
         _, _, budget = self.service.shape
-        limit = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), budget)
+        limit = next(
+            (body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None),
+            budget,
+        )
         if not isinstance(limit, int) or isinstance(limit, bool) or not 0 < limit <= budget:
-            raise RequestError(f"max_tokens must be a whole number from 1 to the rollout's {budget}")
+            raise RequestError(
+                f"max_tokens must be a whole number from 1 to the rollout's {budget}"
+            )
         return limit
 
     def _within_budget(self, limit: int, trace: Trace, prompt: list[int]) -> int:
@@ -201,19 +226,30 @@ class OpenAIEndpoint:
     def _chat_prompt(self, body: dict, trace: Trace) -> tuple[list[int], list[dict]]:
         """(the prompt's tokens, the conversation as comparable messages, read once)."""
         messages, tools = body.get("messages"), body.get("tools") or None
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(isinstance(m, dict) for m in messages)
+        ):
             raise RequestError("messages must be a non-empty list of message objects")
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        if tools is not None and not (
+            isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+        ):
             raise RequestError("tools must be a list of tool objects")
         seen, conversation = trace.messages, [comparable(m) for m in messages]
         try:
             if seen and len(messages) > len(seen) and conversation[: len(seen)] == seen:
-                # The conversation continues after keel's answer: tokens in, tokens out. An answer cut by
-                # max_tokens gets the end token the template closes a turn with (attended, not trained).
+                # The conversation continues after keel's answer: tokens in, tokens out. An answer
+                # cut by max_tokens gets the end token the template closes a turn with (attended,
+                # not trained).
                 template = self._template(tools)
                 ended = [] if trace.finished_turn else [template.end_id]
-                return trace.context + ended + template.suffix_ids(messages[len(seen) :]), conversation
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+                return trace.context + ended + template.suffix_ids(
+                    messages[len(seen) :]
+                ), conversation
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
+            )
         except Exception as error:  # noqa: BLE001 - jinja's (or keel's template check's) errors on a malformed conversation
             raise RequestError(f"the chat template refused the messages: {error}") from None
         return self.tokenizer.encode(text, add_special_tokens=False), conversation
@@ -223,7 +259,11 @@ class OpenAIEndpoint:
         if isinstance(prompt, str) and prompt:
             return self.tokenizer.encode(prompt, add_special_tokens=False), None
         vocab = len(self.tokenizer)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and 0 <= t < vocab for t in prompt)
+        ):
             return list(prompt), None
         raise RequestError("prompt must be a non-empty string or a non-empty list of token ids")
 
@@ -249,20 +289,29 @@ class OpenAIEndpoint:
                 }
                 for c in calls
             ]
-            message["content"] = message["content"] or None  # OpenAI's form of a turn that only calls tools
+            # OpenAI's form of a turn that only calls tools
+            message["content"] = message["content"] or None
             reason = "tool_calls" if completion.stopped else reason
         return {"message": message, "finish_reason": reason}
 
-    def _respond(self, body: dict, answer: dict, chat: bool, prompt_tokens: int, completion_tokens: int):
+    def _respond(
+        self, body: dict, answer: dict, chat: bool, prompt_tokens: int, completion_tokens: int
+    ):
         kind = "chat.completion" if chat else "text_completion"
-        head = {"id": f"keel-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.get("model", "keel")}
+        head = {
+            "id": f"keel-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": body.get("model", "keel"),
+        }
         usage = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         }
         if not body.get("stream"):
-            return JSONResponse({**head, "object": kind, "choices": [{"index": 0, **answer}], "usage": usage})
+            return JSONResponse(
+                {**head, "object": kind, "choices": [{"index": 0, **answer}], "usage": usage}
+            )
         return StreamingResponse(_chunks(head, answer, chat, usage), media_type="text/event-stream")
 
     def _authorised(self, request: Request) -> bool:
@@ -275,8 +324,11 @@ async def _chunks(head: dict, answer: dict, chat: bool, usage: dict):
     kind = "chat.completion.chunk" if chat else "text_completion"
     if chat:
         delta = dict(answer["message"])
-        if "tool_calls" in delta:  # a streamed call carries its index, which clients accumulate by
-            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
+        # a streamed call carries its index, which clients accumulate by
+        if "tool_calls" in delta:
+            delta["tool_calls"] = [
+                {"index": i, **call} for i, call in enumerate(delta["tool_calls"])
+            ]
         first = {"index": 0, "delta": delta, "finish_reason": None}
         last = {"index": 0, "delta": {}, "finish_reason": answer["finish_reason"]}
     else:
@@ -292,4 +344,6 @@ def _without_calls(text: str) -> str:
 
 
 def _error(message: str, status: int, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": AGENT_REQUEST}}, status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "code": AGENT_REQUEST}}, status_code=status
+    )

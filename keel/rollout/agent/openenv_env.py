@@ -16,19 +16,26 @@ from keel.rollout.agent.library_env import environment_error
 from keel.rollout.agent.openai_server import BUDGET_SPENT
 
 ARGS = ("base_url", "action_field", "observation_field", "max_turns", "max_tokens")
-BASE_FIELDS = ("done", "reward", "metadata")  # what every OpenEnv observation has besides its own fields
+# what every OpenEnv observation has besides its own fields
+BASE_FIELDS = ("done", "reward", "metadata")
 
 
 def load_openenv_agent(name: str, args: dict) -> OpenEnvAgent:
     spec = f"openenv:{name}"
     unknown = sorted(set(args) - set(ARGS))
     if unknown or not args.get("base_url"):
-        reason = f"unknown environment_args {unknown}" if unknown else "environment_args.base_url is not set"
+        reason = (
+            f"unknown environment_args {unknown}"
+            if unknown
+            else "environment_args.base_url is not set"
+        )
         raise environment_error(spec, f"{reason} (an OpenEnv environment takes {', '.join(ARGS)})")
     try:
         from openenv.core import EnvClient
     except ImportError:
-        raise environment_error(spec, "openenv-core is not installed (pip install 'keel[openenv]')") from None
+        raise environment_error(
+            spec, "openenv-core is not installed (pip install 'keel[openenv]')"
+        ) from None
     try:
         client_class = load_attribute(name)
     except ValueError as error:
@@ -36,7 +43,9 @@ def load_openenv_agent(name: str, args: dict) -> OpenEnvAgent:
     if not (isinstance(client_class, type) and issubclass(client_class, EnvClient)):
         raise environment_error(spec, f"{name} is not an openenv.core.EnvClient subclass")
     action_class = _action_class(client_class, spec)
-    action_field = args.get("action_field") or _one_text_field(action_class, ("metadata",), spec, "action")
+    action_field = args.get("action_field") or _one_text_field(
+        action_class, ("metadata",), spec, "action"
+    )
     if action_field not in action_class.model_fields:
         raise environment_error(spec, f"{action_class.__name__} has no field {action_field!r}")
     return OpenEnvAgent(client_class, action_class, action_field, args)
@@ -44,20 +53,27 @@ def load_openenv_agent(name: str, args: dict) -> OpenEnvAgent:
 
 class OpenEnvAgent:
     def __init__(self, client_class, action_class, action_field: str, args: dict):
-        self.client_class, self.action_class, self.action_field = client_class, action_class, action_field
+        self.client_class, self.action_class, self.action_field = (
+            client_class,
+            action_class,
+            action_field,
+        )
         self.base_url, self.observation_field = args["base_url"], args.get("observation_field")
         self.max_turns, self.max_tokens = args.get("max_turns"), args.get("max_tokens")
 
     async def run(self, client, row: dict, extra_info: dict) -> Outcome:
         prompt = row["prompt"]
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        messages = (
+            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        )
         reward, steps = 0.0, 0
         async with self.client_class(base_url=self.base_url) as env:
             result = await env.reset()
             messages.append({"role": "user", "content": self._text(result.observation)})
             while not result.done and (self.max_turns is None or steps < self.max_turns):
                 text = await self._turn(client, messages)
-                if text is None:  # the sample's token budget is spent: its episode ends here
+                # the sample's token budget is spent: its episode ends here
+                if text is None:
                     break
                 messages.append({"role": "assistant", "content": text})
                 result = await env.step(self.action_class(**{self.action_field: text}))
@@ -106,11 +122,17 @@ def _action_class(client_class, spec: str):
             args = typing.get_args(base)
             if args and isinstance(args[0], type) and hasattr(args[0], "model_fields"):
                 return args[0]
-    raise environment_error(spec, f"{client_class.__name__} does not name its Action class (EnvClient[Action, ...])")
+    raise environment_error(
+        spec, f"{client_class.__name__} does not name its Action class (EnvClient[Action, ...])"
+    )
 
 
 def _one_text_field(model_class, skip: tuple[str, ...], spec: str, what: str) -> str:
-    texts = [name for name, f in model_class.model_fields.items() if name not in skip and f.annotation is str]
+    texts = [
+        name
+        for name, f in model_class.model_fields.items()
+        if name not in skip and f.annotation is str
+    ]
     if len(texts) != 1:
         raise environment_error(
             spec,

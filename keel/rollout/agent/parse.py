@@ -19,11 +19,13 @@ class ToolCall:
 @dataclass
 class ParsedTurn:
     calls: list[ToolCall]
-    malformed: list[str]  # why each call that could not be read was refused (fed back to the model)
+    # why each call that could not be read was refused (fed back to the model)
+    malformed: list[str]
 
 
 HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-MAX_CALL_CHARS = 20_000  # a call longer than this is refused unread: the model's JSON is hostile input
+# a call longer than this is refused unread: the model's JSON is hostile input
+MAX_CALL_CHARS = 20_000
 
 
 def parse_hermes(text: str) -> ParsedTurn:
@@ -35,13 +37,16 @@ def parse_hermes(text: str) -> ParsedTurn:
         try:
             call = json.loads(body)
         except json.JSONDecodeError as error:
-            malformed.append(f"the tool call is not valid JSON ({error.msg} at character {error.pos})")
+            malformed.append(
+                f"the tool call is not valid JSON ({error.msg} at character {error.pos})"
+            )
             continue
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             malformed.append('a tool call needs {"name": ..., "arguments": {...}}')
             continue
         arguments = call.get("arguments", {})
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        # some models write the arguments as a JSON string
+        if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError:
@@ -50,7 +55,8 @@ def parse_hermes(text: str) -> ParsedTurn:
             malformed.append(f"the arguments of {call['name']!r} are not a JSON object")
             continue
         calls.append(ToolCall(call["name"], arguments))
-    if text.count("<tool_call>") > len(calls) + len(malformed):  # an opening tag never closed
+    # an opening tag never closed
+    if text.count("<tool_call>") > len(calls) + len(malformed):
         malformed.append("a <tool_call> without its </tool_call>")
     return ParsedTurn(calls, malformed)
 

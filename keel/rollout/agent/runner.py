@@ -40,7 +40,8 @@ class ToolLimits:
     max_parallel_calls: int = 1
     timeout_s: float = 30.0
     max_response_chars: int = 256
-    truncate_side: str = "middle"  # verl's tool_response_truncate_side: left | middle | right
+    # verl's tool_response_truncate_side: left | middle | right
+    truncate_side: str = "middle"
 
 
 @dataclass
@@ -49,12 +50,18 @@ class ToolSession:
     and what those instances gave."""
 
     tools_kwargs: dict = field(default_factory=dict)
-    instances: dict[str, str] = field(default_factory=dict)  # tool name -> instance id, created
-    unreleased: dict[str, str] = field(default_factory=dict)  # tool name -> instance id to release
-    broken: dict[str, str] = field(default_factory=dict)  # tool name -> why its create failed
-    reward_scores: dict[str, float] = field(default_factory=dict)  # calc_reward by tool (verl's name)
-    tool_rewards: list[float] = field(default_factory=list)  # execute's step rewards, in call order
-    failures: list[tuple[str, str]] = field(default_factory=list)  # (tool, error | timeout) outside calls
+    # tool name -> instance id, created
+    instances: dict[str, str] = field(default_factory=dict)
+    # tool name -> instance id to release
+    unreleased: dict[str, str] = field(default_factory=dict)
+    # tool name -> why its create failed
+    broken: dict[str, str] = field(default_factory=dict)
+    # calc_reward by tool (verl's name)
+    reward_scores: dict[str, float] = field(default_factory=dict)
+    # execute's step rewards, in call order
+    tool_rewards: list[float] = field(default_factory=list)
+    # (tool, error | timeout) outside calls
+    failures: list[tuple[str, str]] = field(default_factory=list)
 
     def kwargs(self, tool_name: str, key: str) -> dict:
         """verl's extra_info.tools_kwargs.<tool>.<create|execute|calc_reward|release>_kwargs."""
@@ -69,19 +76,27 @@ class ToolRunner:
         self.limits = limits
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="keel-tool")
 
-    def run(self, calls: list[list[ToolCall]], sessions: list[ToolSession | dict]) -> list[list[ToolOutput]]:
+    def run(
+        self, calls: list[list[ToolCall]], sessions: list[ToolSession | dict]
+    ) -> list[list[ToolOutput]]:
         """Each sample's calls (past max_parallel_calls: dropped) -> each call's output, for every
         sample at once; `sessions`: each sample's (or its row's tools_kwargs)."""
         kept = [sample_calls[: self.limits.max_parallel_calls] for sample_calls in calls]
-        sessions = [s if isinstance(s, ToolSession) else ToolSession(dict(s or {})) for s in sessions]
+        sessions = [
+            s if isinstance(s, ToolSession) else ToolSession(dict(s or {})) for s in sessions
+        ]
 
         async def everything():
             return await asyncio.gather(
-                *[asyncio.gather(*[self._call(c, session) for c in sample]) for sample, session in zip(kept, sessions)]
+                *[
+                    asyncio.gather(*[self._call(c, session) for c in sample])
+                    for sample, session in zip(kept, sessions)
+                ]
             )
 
         results = [list(outputs) for outputs in asyncio.run(everything())]
-        for session, outputs in zip(sessions, results):  # in call order, as verl keeps them
+        # in call order, as verl keeps them
+        for session, outputs in zip(sessions, results):
             session.tool_rewards += [o.step_reward for o in outputs if o.step_reward is not None]
         return results
 
@@ -93,16 +108,29 @@ class ToolRunner:
         async def everything():
             return await asyncio.gather(*[self._in_thread(f) for f in functions])
 
-        return [(result, status) for result, status, _ in asyncio.run(everything())] if functions else []
+        return (
+            [(result, status) for result, status, _ in asyncio.run(everything())]
+            if functions
+            else []
+        )
 
     def open(self, tools_kwargs: list[dict | None]) -> list[ToolSession]:
         """Each sample's session: an instance of every lifecycle tool, created with the row's
         create_kwargs (all samples' at once)."""
-        sessions = [ToolSession(dict(kwargs) if isinstance(kwargs, dict) else {}) for kwargs in tools_kwargs]
-        jobs = [(session, tool, str(uuid4())) for session in sessions for tool in self.tools.values() if tool.lifecycle]
+        sessions = [
+            ToolSession(dict(kwargs) if isinstance(kwargs, dict) else {}) for kwargs in tools_kwargs
+        ]
+        jobs = [
+            (session, tool, str(uuid4()))
+            for session in sessions
+            for tool in self.tools.values()
+            if tool.lifecycle
+        ]
         created = self.call_each(
             [
-                functools.partial(tool.create, instance_id, session.kwargs(tool.name, "create_kwargs"))
+                functools.partial(
+                    tool.create, instance_id, session.kwargs(tool.name, "create_kwargs")
+                )
                 for session, tool, instance_id in jobs
             ]
         )
@@ -110,19 +138,26 @@ class ToolRunner:
             if status == "ok":
                 session.instances[tool.name] = session.unreleased[tool.name] = result
                 continue
-            session.broken[tool.name] = f"its create {'took too long' if status == 'timeout' else result}"
+            session.broken[tool.name] = (
+                f"its create {'took too long' if status == 'timeout' else result}"
+            )
             session.failures.append((tool.name, status))
-            if status == "timeout":  # it may have registered the instance before it was cut
+            # it may have registered the instance before it was cut
+            if status == "timeout":
                 session.unreleased[tool.name] = instance_id
         return sessions
 
     def close(self, sessions: list[ToolSession]) -> None:
         """Each created instance's calc_reward (verl's rollout_reward_scores), then every instance
         released, the failed ones too."""
-        scoring = [(s, name, instance_id) for s in sessions for name, instance_id in s.instances.items()]
+        scoring = [
+            (s, name, instance_id) for s in sessions for name, instance_id in s.instances.items()
+        ]
         scores = self.call_each(
             [
-                functools.partial(self.tools[name].calc_reward, instance_id, s.kwargs(name, "calc_reward_kwargs"))
+                functools.partial(
+                    self.tools[name].calc_reward, instance_id, s.kwargs(name, "calc_reward_kwargs")
+                )
                 for s, name, instance_id in scoring
             ]
         )
@@ -131,10 +166,14 @@ class ToolRunner:
                 session.reward_scores[name] = result
             else:
                 session.failures.append((name, status))
-        releasing = [(s, name, instance_id) for s in sessions for name, instance_id in s.unreleased.items()]
+        releasing = [
+            (s, name, instance_id) for s in sessions for name, instance_id in s.unreleased.items()
+        ]
         released = self.call_each(
             [
-                functools.partial(self.tools[name].release, instance_id, s.kwargs(name, "release_kwargs"))
+                functools.partial(
+                    self.tools[name].release, instance_id, s.kwargs(name, "release_kwargs")
+                )
                 for s, name, instance_id in releasing
             ]
         )
@@ -171,7 +210,8 @@ class ToolRunner:
                 output = _as_output(result)
             except Exception as error:  # noqa: BLE001 - a tool's bad result is the model's feedback too
                 output = ToolOutput(
-                    f"Error when executing tool: {type(error).__name__}: {str(error)[:200]}", status="error"
+                    f"Error when executing tool: {type(error).__name__}: {str(error)[:200]}",
+                    status="error",
                 )
         elif status == "timeout":
             output = ToolOutput(f"Error: {call.name} {result}", status="timeout")
@@ -180,7 +220,9 @@ class ToolRunner:
         output.name, output.seconds = call.name, seconds
         if len(output.text) > self.limits.max_response_chars:
             output.truncated = True
-            output.text = truncate(output.text, self.limits.max_response_chars, self.limits.truncate_side)
+            output.text = truncate(
+                output.text, self.limits.max_response_chars, self.limits.truncate_side
+            )
         return output
 
     async def _in_thread(self, function) -> tuple[object, str, float]:
@@ -193,7 +235,11 @@ class ToolRunner:
             start = time.perf_counter()
             try:
                 result = function()
-                return on_shared_loop(result, self.limits.timeout_s) if inspect.iscoroutine(result) else result
+                return (
+                    on_shared_loop(result, self.limits.timeout_s)
+                    if inspect.iscoroutine(result)
+                    else result
+                )
             finally:
                 seconds[0] = time.perf_counter() - start
 
@@ -213,7 +259,8 @@ def _as_output(result) -> ToolOutput:
     if isinstance(result, ToolOutput):
         return result
     parts = result if isinstance(result, tuple) else (result,)
-    text = getattr(parts[0], "text", parts[0])  # verl's ToolResponse carries .text
+    # verl's ToolResponse carries .text
+    text = getattr(parts[0], "text", parts[0])
     reward = float(parts[1]) if len(parts) > 1 else 0.0
     metrics = parts[2] if len(parts) > 2 and isinstance(parts[2], dict) else {}
     if not isinstance(text, str):
@@ -234,7 +281,9 @@ class _SharedLoop:
         with cls.lock:
             if cls.loop is None:
                 cls.loop = asyncio.new_event_loop()
-                threading.Thread(target=cls.loop.run_forever, name="keel-async-tools", daemon=True).start()
+                threading.Thread(
+                    target=cls.loop.run_forever, name="keel-async-tools", daemon=True
+                ).start()
             return cls.loop
 
 
@@ -251,9 +300,11 @@ def on_shared_loop(coroutine, timeout_s: float | None = None):
 
 def truncate(text: str, limit: int, side: str) -> str:
     """verl's tool_response_truncate_side: which end of an over-long output is kept."""
-    if side == "left":  # keep the beginning
+    # keep the beginning
+    if side == "left":
         return text[:limit] + TRUNCATED
-    if side == "right":  # keep the end
+    # keep the end
+    if side == "right":
         return TRUNCATED + text[-limit:]
     half = limit // 2
     return text[:half] + TRUNCATED + text[len(text) - half :]

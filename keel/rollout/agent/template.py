@@ -21,10 +21,17 @@ class TurnTemplate:
         """`stop_ids`: the tokens generation stops at; the template must end a turn with one of them
         (Qwen2.5-Instruct stops at <|im_end|> or <|endoftext|>, and ends its turns with <|im_end|>)."""
         self.tokenizer, self.tools = tokenizer, tools_schema or None
-        self.context = [{"role": "user", "content": "keel-user-turn"}, {"role": "assistant", "content": PLACEHOLDER}]
+        self.context = [
+            {"role": "user", "content": "keel-user-turn"},
+            {"role": "assistant", "content": PLACEHOLDER},
+        ]
         rendered = self._render(self.context, generation_prompt=False)
         after = rendered.index(PLACEHOLDER) + len(PLACEHOLDER)
-        ends = [(i, tokenizer.decode([i])) for i in stop_ids if rendered.startswith(tokenizer.decode([i]), after)]
+        ends = [
+            (i, tokenizer.decode([i]))
+            for i in stop_ids
+            if rendered.startswith(tokenizer.decode([i]), after)
+        ]
         if not ends:
             raise KeelError(
                 NO_TOOL_ROLE,
@@ -43,7 +50,8 @@ class TurnTemplate:
         """Token ids of `messages` (tool results, a user turn) after an assistant turn the model ended,
         and the generation prompt of the next assistant turn."""
         rendered = self._render(self.context + messages, generation_prompt=True)
-        if not rendered.startswith(self.prefix):  # a template that re-renders earlier turns
+        # a template that re-renders earlier turns
+        if not rendered.startswith(self.prefix):
             raise KeelError(
                 NO_TOOL_ROLE,
                 f"the chat template of {_name(self.tokenizer)} renders the turns before a "
@@ -55,10 +63,13 @@ class TurnTemplate:
     def check_tool_role(self) -> None:
         """A template that drops or rejects role `tool` would hide every tool result from the model."""
         try:
-            rendered = self._render(self.context + [{"role": "tool", "content": PROBE}], generation_prompt=True)
+            rendered = self._render(
+                self.context + [{"role": "tool", "content": PROBE}], generation_prompt=True
+            )
         except Exception as error:  # noqa: BLE001 - jinja's raise_exception in the template
             raise KeelError(
-                NO_TOOL_ROLE, f"the chat template of {_name(self.tokenizer)} refuses a tool message: {error}"
+                NO_TOOL_ROLE,
+                f"the chat template of {_name(self.tokenizer)} refuses a tool message: {error}",
             ) from None
         if PROBE not in rendered[len(self.prefix) :]:
             raise KeelError(
@@ -100,7 +111,9 @@ def round_trip(tokenizer, tools: list[dict] | None) -> tuple[list[int], list[int
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
-    prompt = tokenizer.apply_chat_template(user, tools=tools or None, tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        user, tools=tools or None, tokenize=False, add_generation_prompt=True
+    )
     built = (
         encode(prompt)
         + encode(SAMPLE_CALL)
@@ -114,4 +127,6 @@ def round_trip(tokenizer, tools: list[dict] | None) -> tuple[list[int], list[int
         {"role": "tool", "content": "408"},
         {"role": "assistant", "content": answer},
     ]
-    return built, encode(tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False))
+    return built, encode(
+        tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False)
+    )

@@ -23,7 +23,14 @@ from typing import Any
 from keel.errors import TOOL_CONFIG, KeelError
 from keel.errors.fixes import closest, nearby_file, setting
 
-JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+JSON_TYPES = {
+    str: "string",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    list: "array",
+    dict: "object",
+}
 
 
 @dataclass
@@ -32,11 +39,14 @@ class ToolOutput:
     and, filled in by the runner, how the call went."""
 
     text: str
-    reward: float = 0.0  # added to the episode's score (keel's tools)
+    # added to the episode's score (keel's tools)
+    reward: float = 0.0
     metrics: dict = field(default_factory=dict)
-    step_reward: float | None = None  # verl's tools' step reward: recorded (tool_rewards), not scored, as in verl
+    # verl's tools' step reward: recorded (tool_rewards), not scored, as in verl
+    step_reward: float | None = None
     name: str = ""
-    status: str = "ok"  # ok | error (raised, or bad output) | timeout | unknown (no such tool)
+    # ok | error (raised, or bad output) | timeout | unknown (no such tool)
+    status: str = "ok"
     seconds: float = 0.0
     truncated: bool = False
 
@@ -45,7 +55,8 @@ class Tool(ABC):
     """keel's tool: `execute(parameters, **execute_kwargs)` returns text, or (text, reward, metrics),
     plain or async. Subclasses set `schema` (an OpenAI function schema)."""
 
-    lifecycle = False  # True: an instance per episode (create, calc_reward, release: verl_tools.VerlTool)
+    # True: an instance per episode (create, calc_reward, release: verl_tools.VerlTool)
+    lifecycle = False
 
     def __init__(self, config: dict | None = None, tool_schema: dict | None = None):
         self.config = config or {}
@@ -66,7 +77,9 @@ class FunctionTool(Tool):
     def __init__(self, fn: Callable, name: str | None = None):
         super().__init__(tool_schema=function_schema(fn, name))
         self.fn = fn
-        self._accepts_extra = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+        self._accepts_extra = any(
+            p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values()
+        )
 
     def execute(self, parameters: dict, **tools_kwargs):
         return self.fn(**parameters, **(tools_kwargs if self._accepts_extra else {}))
@@ -108,7 +121,8 @@ def function_schema(fn: Callable, name: str | None = None) -> dict:
     }
 
 
-# --- built-ins -------------------------------------------------------------------------------------
+# --- built-ins
+# -------------------------------------------------------------------------------------
 _OPERATORS = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -173,7 +187,11 @@ class PythonCode(Tool):
         "function": {
             "name": "python",
             "description": "Run a Python program and read what it prints",
-            "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string"}},
+                "required": ["code"],
+            },
         },
     }
 
@@ -213,7 +231,8 @@ class PythonCode(Tool):
 BUILTIN = {"keel.tools.Calculator": Calculator, "keel.tools.PythonCode": PythonCode}
 
 
-# --- verl's tool config file --------------------------------------------------------------------------
+# --- verl's tool config file
+# --------------------------------------------------------------------------
 def load_tool_config(path: str | Path) -> list[Tool]:
     """The tools of `tool_config_path`: verl's YAML (`tools: [{class_name, config, tool_schema}]`,
     a class one of keel's built-ins or `module.Class` importable here), or a Python file whose
@@ -232,7 +251,11 @@ def load_tool_config(path: str | Path) -> list[Tool]:
                 "verl's tool config YAML, or a Python file of @tool functions",
             ),
         )
-    tools = _tools_of_file(path) if path.suffix == ".py" else _tools_of_yaml(path, yaml.safe_load(path.read_text()))
+    tools = (
+        _tools_of_file(path)
+        if path.suffix == ".py"
+        else _tools_of_yaml(path, yaml.safe_load(path.read_text()))
+    )
     _check_names(tools, str(path))
     return tools
 
@@ -252,13 +275,21 @@ def load_tools(multi_turn) -> list[Tool]:
 def _check_names(tools: list[Tool], where: str) -> None:
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
-        raise KeelError(TOOL_CONFIG, f"{where}: two tools share a name in {names}", "give every tool its own name")
+        raise KeelError(
+            TOOL_CONFIG,
+            f"{where}: two tools share a name in {names}",
+            "give every tool its own name",
+        )
 
 
 def missing_config_fix(missing: str, key: str, what: str) -> str:
     """A file there is, named like the missing one; else what the key takes."""
     found = nearby_file(missing, (".yaml", ".yml", ".py"))
-    return f"set {setting(key, found)} (the file there named most like it)" if found else f"point {key} at {what}"
+    return (
+        f"set {setting(key, found)} (the file there named most like it)"
+        if found
+        else f"point {key} at {what}"
+    )
 
 
 def _load_file(path: Path):
@@ -294,8 +325,13 @@ def _tools_of_file(path: Path) -> list[Tool]:
 def _tools_of_yaml(path: Path, loaded) -> list[Tool]:
     entries = (loaded or {}).get("tools") if isinstance(loaded, dict) else None
     if not isinstance(entries, list) or not entries:
-        raise KeelError(TOOL_CONFIG, f"{path} has no `tools:` list", "list the tools as verl's tool config does")
-    return [_tool_from_entry(entry, f"{path} tools[{i}]", path.parent) for i, entry in enumerate(entries)]
+        raise KeelError(
+            TOOL_CONFIG, f"{path} has no `tools:` list", "list the tools as verl's tool config does"
+        )
+    return [
+        _tool_from_entry(entry, f"{path} tools[{i}]", path.parent)
+        for i, entry in enumerate(entries)
+    ]
 
 
 def _tool_from_entry(entry: Any, where: str, directory: Path) -> Tool:
@@ -328,7 +364,9 @@ def resolve_class(class_name: str, where: str, directory: Path, method: str = "e
             else f"use one of {sorted(BUILTIN)}, file.py:Class, or an importable module.Class with a {method} method"
         )
         raise KeelError(
-            TOOL_CONFIG, f"{where}: {class_name!r} names no class with the method {method}(): {reason}", fix
+            TOOL_CONFIG,
+            f"{where}: {class_name!r} names no class with the method {method}(): {reason}",
+            fix,
         )
     return cls
 

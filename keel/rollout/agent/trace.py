@@ -19,8 +19,10 @@ class Stretch:
     """One continuous run of a sample's turns: its first prompt, then what followed it."""
 
     prompt: list[int]
-    ids: list[int] = field(default_factory=list)  # after the prompt: sampled and in-between tokens
-    trained: list[int] = field(default_factory=list)  # 1 where the engine sampled the token
+    # after the prompt: sampled and in-between tokens
+    ids: list[int] = field(default_factory=list)
+    # 1 where the engine sampled the token
+    trained: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
 
     @property
@@ -39,9 +41,12 @@ class Trace:
 
     stretches: list[Stretch] = field(default_factory=list)
     requests: int = 0
-    messages: list[dict] | None = None  # chat: the conversation so far, the last answer included
-    finished_turn: bool = False  # the last turn ended with a stop token (a next turn may follow it)
-    budget_spent: bool = False  # a request found the sample's token budget spent
+    # chat: the conversation so far, the last answer included
+    messages: list[dict] | None = None
+    # the last turn ended with a stop token (a next turn may follow it)
+    finished_turn: bool = False
+    # a request found the sample's token budget spent
+    budget_spent: bool = False
 
     @property
     def prefix_breaks(self) -> int:
@@ -51,7 +56,9 @@ class Trace:
     def context(self) -> list[int]:
         return self.stretches[-1].context if self.stretches else []
 
-    def record(self, prompt: list[int], ids: list[int], log_probs: list[float], stopped: bool) -> None:
+    def record(
+        self, prompt: list[int], ids: list[int], log_probs: list[float], stopped: bool
+    ) -> None:
         """A request's prompt and the completion the engine sampled for it."""
         self.requests += 1
         context = self.context
@@ -68,8 +75,13 @@ def comparable(message) -> dict:
     parsed), whatever shape the client sent it in (the openai package adds null fields)."""
     message = dict(message) if isinstance(message, dict) else {}
     content = message.get("content")
-    if isinstance(content, list):  # content parts: the text ones are what a text model sees
-        content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
+    # content parts: the text ones are what a text model sees
+    if isinstance(content, list):
+        content = "".join(
+            str(p.get("text", ""))
+            for p in content
+            if isinstance(p, dict) and p.get("type") == "text"
+        )
     calls = []
     tool_calls = message.get("tool_calls")
     for call in tool_calls if isinstance(tool_calls, list) else []:

@@ -13,7 +13,8 @@ import math
 from keel.rollout.agent.agents import Outcome
 from keel.rollout.agent.library_env import environment_error
 
-DATA_KEY = "verifiers"  # extra_info's key holding the environment's own dataset row
+# extra_info's key holding the environment's own dataset row
+DATA_KEY = "verifiers"
 
 
 def load_verifiers_environment(name: str, args: dict):
@@ -33,29 +34,42 @@ def _load(name: str, args: dict):
     try:
         import verifiers
     except ImportError:
-        raise environment_error(spec, "verifiers is not installed (pip install 'keel[verifiers]')") from None
-    load = getattr(verifiers, "load_environment", None)
-    if load is None:  # verifiers 0.4 keeps only its v1 API, whose environments are not loaded this way
         raise environment_error(
-            spec, f"verifiers {verifiers.__version__} has no classic load_environment (install verifiers<0.4)"
+            spec, "verifiers is not installed (pip install 'keel[verifiers]')"
+        ) from None
+    load = getattr(verifiers, "load_environment", None)
+    # verifiers 0.4 keeps only its v1 API, whose environments are not loaded this way
+    if load is None:
+        raise environment_error(
+            spec,
+            f"verifiers {verifiers.__version__} has no classic load_environment (install verifiers<0.4)",
         )
     try:
         env = load(name, **args)
     except Exception as error:  # noqa: BLE001 - the environment's own code: missing or raising, named
-        raise environment_error(spec, f"load_environment raised {type(error).__name__}: {error}") from None
+        raise environment_error(
+            spec, f"load_environment raised {type(error).__name__}: {error}"
+        ) from None
     if not isinstance(env, verifiers.Environment):
-        raise environment_error(spec, f"load_environment returned {type(env).__name__}, not a verifiers.Environment")
+        raise environment_error(
+            spec, f"load_environment returned {type(env).__name__}, not a verifiers.Environment"
+        )
     return env
 
 
 def verifiers_rows(env, name: str, split: str) -> list[dict] | None:
     """The environment's dataset (train) or eval dataset (val) as prompt rows in verl's schema; the
     environment's row rides in extra_info for its rollout. None: it has no such dataset."""
-    dataset = env.build_dataset() if split == "train" else env.build_eval_dataset()  # None: it has none
+    # None: it has none
+    dataset = env.build_dataset() if split == "train" else env.build_eval_dataset()
     if dataset is None:
         return None
     return [
-        {"prompt": row["prompt"], "data_source": f"verifiers:{name}", "extra_info": {DATA_KEY: dict(row)}}
+        {
+            "prompt": row["prompt"],
+            "data_source": f"verifiers:{name}",
+            "extra_info": {DATA_KEY: dict(row)},
+        }
         for row in dataset
     ]
 
@@ -74,8 +88,11 @@ class VerifiersAgent:
                 f"this row is not from verifiers:{self.name}'s dataset: leave data.train_files / data.val_files "
                 "empty for the environment's own"
             )
-        sampling = copy.deepcopy(self.env.sampling_args)  # the environment's own (max_tokens, ...), as its generate
-        return await self.env.rollout(dict(task), verifiers.OpenAIChatCompletionsClient(client), "keel", sampling)
+        # the environment's own (max_tokens, ...), as its generate
+        sampling = copy.deepcopy(self.env.sampling_args)
+        return await self.env.rollout(
+            dict(task), verifiers.OpenAIChatCompletionsClient(client), "keel", sampling
+        )
 
     async def score_group(self, states: list) -> list[Outcome]:
         await self.env.rubric.score_group(states)
@@ -95,6 +112,7 @@ def _outcome(state) -> Outcome:
     if reward is None or not math.isfinite(reward):
         return Outcome(status="error", error=f"the rubric gave reward {reward!r}", metrics=metrics)
     error = state.get("error")
-    if error is not None:  # the rollout stopped on it; scored as verifiers scores it, and counted
+    # the rollout stopped on it; scored as verifiers scores it, and counted
+    if error is not None:
         return Outcome(float(reward), "error", f"{type(error).__name__}: {error}"[:500], metrics)
     return Outcome(float(reward), metrics=metrics)

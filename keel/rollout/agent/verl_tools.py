@@ -50,7 +50,9 @@ INSTALL = "pip install --no-deps 'verl==0.9.1' && pip install pydantic tensordic
 
 def is_verl_tool(cls: type) -> bool:
     """A subclass of verl's BaseTool (told by its class path, so verl is not imported to ask)."""
-    return any((base.__module__, base.__name__) == VERL_BASE_TOOL for base in getattr(cls, "__mro__", ()))
+    return any(
+        (base.__module__, base.__name__) == VERL_BASE_TOOL for base in getattr(cls, "__mro__", ())
+    )
 
 
 def verl_unavailable(error: BaseException, where: str, what: str) -> KeelError | None:
@@ -90,7 +92,9 @@ def _verl_module(name: str, where: str, what: str):
         return importlib.import_module(name)
     except ImportError as error:
         raise verl_unavailable(error, where, what) or KeelError(
-            VERL_UNAVAILABLE, f"{where}: {what} needs {name}, which cannot be imported: {error}", INSTALL
+            VERL_UNAVAILABLE,
+            f"{where}: {what} needs {name}, which cannot be imported: {error}",
+            INSTALL,
         ) from None
 
 
@@ -119,7 +123,8 @@ def build_verl_tool(cls: type, entry: dict, where: str) -> VerlTool:
         tool = cls(config=config, tool_schema=schema)
     except Exception as error:  # noqa: BLE001 - the user's class: its error, named
         raise KeelError(
-            TOOL_CONFIG, f"{where} ({entry['class_name']}) raised when built: {type(error).__name__}: {error}"
+            TOOL_CONFIG,
+            f"{where} ({entry['class_name']}) raised when built: {type(error).__name__}: {error}",
         ) from None
     return VerlTool(tool)
 
@@ -141,8 +146,10 @@ class VerlTool(Tool):
         if _takes_var_keyword(self.tool.create) and "create_kwargs" not in keywords:
             keywords["create_kwargs"] = dict(create_kwargs)
         created = await _invoke(self.tool.create, instance_id, **keywords)
-        created = created[0] if isinstance(created, tuple) and created else created  # (id, ToolResponse)
-        if created is None:  # a tool that keeps the id it was given and returns nothing
+        # (id, ToolResponse)
+        created = created[0] if isinstance(created, tuple) and created else created
+        # a tool that keeps the id it was given and returns nothing
+        if created is None:
             return instance_id
         if not isinstance(created, str):
             raise TypeError(f"create returned {type(created).__name__}, not an instance id")
@@ -172,7 +179,9 @@ class VerlFunctionTool(Tool):
     async def execute(self, parameters: dict, **execute_kwargs) -> ToolOutput:
         # verl ignores tools_kwargs for function tools ("stateless by design"); so does keel.
         response, reward, metrics = self.normalize(await self.carrier.call(parameters))
-        return ToolOutput(_text(response), metrics=dict(metrics), step_reward=_finite(reward, "the step reward"))
+        return ToolOutput(
+            _text(response), metrics=dict(metrics), step_reward=_finite(reward, "the step reward")
+        )
 
 
 def load_function_tools(path: str | Path) -> list[Tool]:
@@ -185,7 +194,9 @@ def load_function_tools(path: str | Path) -> list[Tool]:
         raise KeelError(
             TOOL_CONFIG,
             f"{key}={str(path)!r} does not exist",
-            missing_config_fix(str(path), key, "a Python file of functions decorated with verl's @function_tool"),
+            missing_config_fix(
+                str(path), key, "a Python file of functions decorated with verl's @function_tool"
+            ),
         )
     module = _verl_module("verl.tools.function_tool", key, "function_tool_path")
     try:
@@ -204,7 +215,9 @@ def load_function_tools(path: str | Path) -> list[Tool]:
             "decorate its functions with verl's @function_tool (from verl.tools.function_tool import "
             "function_tool), or list keel @tool functions in tool_config_path",
         )
-    return [VerlFunctionTool(carrier, module.normalize_function_tool_return) for carrier in carriers]
+    return [
+        VerlFunctionTool(carrier, module.normalize_function_tool_return) for carrier in carriers
+    ]
 
 
 async def _invoke(method, *args, **kwargs):

@@ -21,11 +21,13 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU installs: the SDPA path below
+# CPU installs: the SDPA path below
+except ImportError:
     triton = None
 
 
-MIN_BLOCK = 16  # tl.dot's least inner size for 16-bit inputs
+# tl.dot's least inner size for 16-bit inputs
+MIN_BLOCK = 16
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,8 @@ class KernelConfig:
         split = split_columns(cache_len, programs, sms) if self.split is None else self.split
         split = min(split or whole, whole)
         stages = (2 if programs >= 3 * sms else 3) if self.num_stages is None else self.num_stages
-        # A power of two within its split, but not below tl.dot's 16 (a block past its split is masked).
+        # A power of two within its split, but not below tl.dot's 16 (a block past its split is
+        # masked).
         block = max(MIN_BLOCK, 1 << (min(self.block, split).bit_length() - 1))
         return replace(self, split=split, block=block, num_stages=stages)
 
@@ -106,11 +109,17 @@ def sdpa_decode_attention(
     grouped = q.view(batch, k_cache.shape[1], heads // k_cache.shape[1], dim)  # [B, KV, G, D]
     if sinks is not None:
         grouped_sinks = sinks.view(1, k_cache.shape[1], heads // k_cache.shape[1], 1)
-        return attention_with_sinks(grouped, k_cache, v_cache, visible, grouped_sinks).reshape(batch, heads * dim)
-    return F.scaled_dot_product_attention(grouped, k_cache, v_cache, attn_mask=visible).reshape(batch, heads * dim)
+        return attention_with_sinks(grouped, k_cache, v_cache, visible, grouped_sinks).reshape(
+            batch, heads * dim
+        )
+    return F.scaled_dot_product_attention(grouped, k_cache, v_cache, attn_mask=visible).reshape(
+        batch, heads * dim
+    )
 
 
-def attention_with_sinks(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None, sinks: Tensor) -> Tensor:
+def attention_with_sinks(
+    q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None, sinks: Tensor
+) -> Tensor:
     """Softmax attention of q [..., L, D] over k, v [..., S, D] (heads matched) whose normaliser also
     holds each head's sink logit (`sinks`, broadcast to [..., L, 1]), as GPT-OSS computes it: in
     float32, the sink's share dropped. `visible` [..., L, S] (None: causal). SDPA has no sinks."""
@@ -160,9 +169,15 @@ def triton_decode_attention(
     splits = triton.cdiv(cache_len, split)
     out = torch.empty(batch, heads, dim, device=q.device, dtype=q.dtype)
     partial = (
-        out if splits == 1 else torch.empty(batch, kv_heads, splits, group, dim, device=q.device, dtype=torch.float32)
+        out
+        if splits == 1
+        else torch.empty(batch, kv_heads, splits, group, dim, device=q.device, dtype=torch.float32)
     )
-    lse = out if splits == 1 else torch.empty(batch, kv_heads, splits, group, device=q.device, dtype=torch.float32)
+    lse = (
+        out
+        if splits == 1
+        else torch.empty(batch, kv_heads, splits, group, device=q.device, dtype=torch.float32)
+    )
     block_group = max(16, triton.next_power_of_2(group))
     # Laid out as the kernel's signature groups them (tensors, strides, split, constants): one
     # argument a line would hide which stride is whose.
@@ -203,12 +218,14 @@ if triton is not None:
     @triton.jit
     def _decode_attention_kernel(
         Q, K, V, KCache, VCache, Out, PartialOut, PartialLse, Pad, Column, Rows, Sinks, scale,
-        q_b, q_h, k_b, k_h, v_b, v_h, kc_b, kc_h, kc_l, vc_b, vc_h, vc_l,  # strides: batch, head, column
+        # strides: batch, head, column
+        q_b, q_h, k_b, k_h, v_b, v_h, kc_b, kc_h, kc_l, vc_b, vc_h, vc_l,
         split_len, splits,
         GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
         ONE_PASS: tl.constexpr, INDIRECT: tl.constexpr, COLUMN_STRIDE: tl.constexpr, SINKS: tl.constexpr,
     ):  # fmt: skip
-        slot = tl.program_id(0)  # the query row; its cache row is Rows[slot] under continuous batching
+        # the query row; its cache row is Rows[slot] under continuous batching
+        slot = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         column = tl.load(Column + slot * COLUMN_STRIDE)
@@ -226,9 +243,12 @@ if triton is not None:
             g = tl.arange(0, BLOCK_GROUP)
             d = tl.arange(0, DIM)
             in_group = g[:, None] < GROUP
-            # The G query heads of this KV head: q is [B, H, 1, D], heads kv_head*G .. kv_head*G + G-1.
+            # The G query heads of this KV head: q is [B, H, 1, D], heads kv_head*G .. kv_head*G +
+            # G-1.
             q = tl.load(
-                Q + slot * q_b + (kv_head * GROUP + g[:, None]) * q_h + d[None, :], mask=in_group, other=0.0
+                Q + slot * q_b + (kv_head * GROUP + g[:, None]) * q_h + d[None, :],
+                mask=in_group,
+                other=0.0,
             )  # [BG, D]
             k_new = tl.load(K + slot * k_b + kv_head * k_h + d)  # [D]
             v_new = tl.load(V + slot * v_b + kv_head * v_h + d)
@@ -239,21 +259,34 @@ if triton is not None:
             if owns_new:
                 tl.store(k_base + column * kc_l + d, k_new)
                 tl.store(v_base + column * vc_l + d, v_new)
-            new_score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale  # [BG]
+            # [BG]
+            new_score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
             m = tl.where(owns_new, new_score, float("-inf"))
             total = tl.zeros([BLOCK_GROUP], tl.float32) + owns_new.to(tl.float32)
-            acc = tl.zeros([BLOCK_GROUP, DIM], tl.float32) + (v_new.to(tl.float32) * owns_new.to(tl.float32))[None, :]
-            m, total, acc = _attend_columns(q, k_base, v_base, kc_l, vc_l, lo, hi, m, total, acc, scale, DIM, BLOCK)
-            if SINKS:  # each head's sink logit joins the normaliser once: in the split with the new token
-                m, total, acc = _join_sinks(Sinks + kv_head * GROUP, g, owns_new, m, total, acc, GROUP)
+            acc = (
+                tl.zeros([BLOCK_GROUP, DIM], tl.float32)
+                + (v_new.to(tl.float32) * owns_new.to(tl.float32))[None, :]
+            )
+            m, total, acc = _attend_columns(
+                q, k_base, v_base, kc_l, vc_l, lo, hi, m, total, acc, scale, DIM, BLOCK
+            )
+            # each head's sink logit joins the normaliser once: in the split with the new token
+            if SINKS:
+                m, total, acc = _join_sinks(
+                    Sinks + kv_head * GROUP, g, owns_new, m, total, acc, GROUP
+                )
             heads = GROUP * tl.num_programs(1)
             if ONE_PASS:
-                out_ptrs = Out + slot * heads * DIM + (kv_head * GROUP + g[:, None]) * DIM + d[None, :]
+                out_ptrs = (
+                    Out + slot * heads * DIM + (kv_head * GROUP + g[:, None]) * DIM + d[None, :]
+                )
                 tl.store(out_ptrs, (acc / total[:, None]).to(Out.dtype.element_ty), mask=in_group)
             else:  # [B, KV, splits, G, D] and [B, KV, splits, G], fp32
                 part = (slot * tl.num_programs(1) + kv_head) * splits + split
                 tl.store(
-                    PartialOut + (part * GROUP + g[:, None]) * DIM + d[None, :], acc / total[:, None], mask=in_group
+                    PartialOut + (part * GROUP + g[:, None]) * DIM + d[None, :],
+                    acc / total[:, None],
+                    mask=in_group,
                 )
                 tl.store(PartialLse + part * GROUP + g, m + tl.log(total), mask=g < GROUP)
 
@@ -269,7 +302,19 @@ if triton is not None:
 
     @triton.jit
     def _attend_columns(
-        q, k_base, v_base, kc_l, vc_l, lo, hi, m, total, acc, scale, DIM: tl.constexpr, BLOCK: tl.constexpr
+        q,
+        k_base,
+        v_base,
+        kc_l,
+        vc_l,
+        lo,
+        hi,
+        m,
+        total,
+        acc,
+        scale,
+        DIM: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         """Online softmax of q [BG, D] over the cache columns [lo, hi), BLOCK at a time, continuing
         from the running maximum m, normaliser total and weighted sum acc."""
@@ -277,7 +322,8 @@ if triton is not None:
         for start in range((lo // BLOCK) * BLOCK, hi, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             seen = (cols >= lo) & (cols < hi)
-            k = tl.load(k_base + cols[:, None] * kc_l + d[None, :], mask=seen[:, None], other=0.0)  # [BL, D]
+            # [BL, D]
+            k = tl.load(k_base + cols[:, None] * kc_l + d[None, :], mask=seen[:, None], other=0.0)
             scores = tl.dot(q, tl.trans(k)) * scale  # [BG, BL] fp32
             scores = tl.where(seen[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -319,7 +365,9 @@ if triton is not None:
             part = (slot * tl.num_programs(1) + kv_head) * splits + split
             lse = tl.load(PartialLse + part * GROUP + g, mask=in_group, other=0.0)
             out = tl.load(
-                PartialOut + (part * GROUP + g[:, None]) * DIM + d[None, :], mask=in_group[:, None], other=0.0
+                PartialOut + (part * GROUP + g[:, None]) * DIM + d[None, :],
+                mask=in_group[:, None],
+                other=0.0,
             )
             m_new = tl.maximum(m, lse)
             rescale = tl.exp(m - m_new)

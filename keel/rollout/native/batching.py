@@ -27,8 +27,10 @@ from keel.rollout.native.runner import ModelRunner
 from keel.rollout.native.state import Clock, capture
 from keel.types import SamplingParams
 
-DONE_CHECK_EVERY = 16  # decode steps between looks at which turns ended (a host sync)
-KEYS_PER_PASS = 8  # prefill keys gathered in one pass, in units of max_num_batched_tokens
+# decode steps between looks at which turns ended (a host sync)
+DONE_CHECK_EVERY = 16
+# prefill keys gathered in one pass, in units of max_num_batched_tokens
+KEYS_PER_PASS = 8
 
 
 @dataclass
@@ -43,16 +45,20 @@ class Finished:
 @dataclass
 class Waiting:
     key: object
-    context: list[int]  # the sequence's whole context: what is cached, then the new tokens
-    limit: int  # tokens this turn may take
-    group: object = None  # sequences of one group with the same first context share its prefill
+    # the sequence's whole context: what is cached, then the new tokens
+    context: list[int]
+    # tokens this turn may take
+    limit: int
+    # sequences of one group with the same first context share its prefill
+    group: object = None
 
 
 @dataclass
 class RowState:
     """The device state of every row (the last one is the scratch row); static, as graphs need."""
 
-    k: list[Tensor]  # per layer [R + 1, KV, L, D]
+    # per layer [R + 1, KV, L, D]
+    k: list[Tensor]
     v: list[Tensor]
     length: Tensor  # [R + 1] cache columns written
     last_token: Tensor  # [R + 1] the token the next step reads: sampled, not yet in the cache
@@ -91,7 +97,9 @@ class RowState:
             log_probs=zeros(rows + 1, turn_tokens + 1, kind=torch.float32),
         )
 
-    def record(self, rows: Tensor, token: Tensor, log_prob: Tensor, eos: Tensor, ignore_eos: bool) -> Tensor:
+    def record(
+        self, rows: Tensor, token: Tensor, log_prob: Tensor, eos: Tensor, ignore_eos: bool
+    ) -> Tensor:
         """This step's token for each of `rows` whose turn goes on, on the device -> which did.
         A row whose turn ended writes past its count, where nothing is read."""
         live = ~self.done[rows]
@@ -103,7 +111,8 @@ class RowState:
         self.last_token[rows] = torch.where(live, token, self.last_token[rows])
         stop = count >= self.limit[rows]
         if not ignore_eos:
-            # a comparison, not torch.isin: with many stop tokens isin sorts, which a CUDA graph cannot capture
+            # a comparison, not torch.isin: with many stop tokens isin sorts, which a CUDA graph
+            # cannot capture
             stop |= (token[:, None] == eos).any(-1)
         self.done[rows] = self.done[rows] | (live & stop)
         return live
@@ -124,7 +133,12 @@ class ContinuousBatcher:
         """`shape`: rows, tokens a row holds, tokens a turn may take; `prefill_budget`: tokens one
         prefill pass takes (max_num_batched_tokens); `timing`: where seconds per part add up."""
         rows, max_len, turn_tokens = self.shape = shape
-        self.runner, self.eos, self.prefill_budget, self.timing = runner, eos, prefill_budget, timing
+        self.runner, self.eos, self.prefill_budget, self.timing = (
+            runner,
+            eos,
+            prefill_budget,
+            timing,
+        )
         self.device = runner.device
         self.state = RowState.allocate(
             rows,
@@ -137,10 +151,12 @@ class ContinuousBatcher:
             device=runner.device,
         )
         self.scratch = rows
-        self.graphs: dict[int, tuple[Tensor, Tensor, object]] = {}  # bucket -> (row table, pad, its step)
+        # bucket -> (row table, pad, its step)
+        self.graphs: dict[int, tuple[Tensor, Tensor, object]] = {}
         self.pool = torch.cuda.graph_pool_handle() if runner.use_cuda_graphs else None
         self.params: SamplingParams | None = None
-        self.prefilled = 0  # tokens prefilled over the batcher's life
+        # tokens prefilled over the batcher's life
+        self.prefilled = 0
         self.reset()
 
     def reset(self) -> None:
@@ -148,10 +164,12 @@ class ContinuousBatcher:
         self.free = list(range(self.scratch))[::-1]
         self.row_of: dict[object, int] = {}
         self.key_of: dict[int, object] = {}
-        self.contexts: dict[int, list[int]] = {}  # per row: the context so far (cached, then last_token)
+        # per row: the context so far (cached, then last_token)
+        self.contexts: dict[int, list[int]] = {}
         self.waiting: list[Waiting] = []
         self.active: list[int] = []
-        self.left: dict[int, int] = {}  # per active row: most tokens its turn may still take
+        # per active row: most tokens its turn may still take
+        self.left: dict[int, int] = {}
         self.state.done.fill_(True)
         self.table: tuple | None = None
 
@@ -191,7 +209,8 @@ class ContinuousBatcher:
     @torch.no_grad()
     def step(self, params: SamplingParams, look_every: int | None = None) -> list[Finished]:
         """Admit what has a row, decode up to DONE_CHECK_EVERY (or `look_every`) steps -> the turns that ended."""
-        sampling = dataclasses.replace(params, n=1, max_new_tokens=1)  # what the captured graphs hold constant
+        # what the captured graphs hold constant
+        sampling = dataclasses.replace(params, n=1, max_new_tokens=1)
         if sampling != self.params:
             self.params, self.graphs, self.table = sampling, {}, None
         clock = Clock(self.device)
@@ -199,8 +218,13 @@ class ContinuousBatcher:
         clock.lap("prefill")
         if self.active:
             left = [self.left[row] for row in self.active]
-            # Without stop tokens no turn ends before its limit: decode to the first that ends, no look between.
-            steps = min(min(left) if params.ignore_eos else DONE_CHECK_EVERY, max(left), look_every or max(left))
+            # Without stop tokens no turn ends before its limit: decode to the first that ends, no
+            # look between.
+            steps = min(
+                min(left) if params.ignore_eos else DONE_CHECK_EVERY,
+                max(left),
+                look_every or max(left),
+            )
             run = self._bucket_step(params)
             clock.lap("capture")
             for _ in range(steps):
@@ -213,13 +237,16 @@ class ContinuousBatcher:
             self.timing[part] = self.timing.get(part, 0.0) + seconds
         return finished
 
-    # --- admission: prefill of the new tokens, the turn's first token ------------------------------
+    # --- admission: prefill of the new tokens, the turn's first token
+    # ------------------------------
     def _admit(self, params: SamplingParams) -> list[Finished]:
         admitted, self.waiting = self._take_rows(self.waiting)
         if not admitted:
             return []
         rows = [row for row, _ in admitted]
-        logits = self._prefill_shared([(row, *self._extension(row, item), item.group) for row, item in admitted])
+        logits = self._prefill_shared(
+            [(row, *self._extension(row, item), item.group) for row, item in admitted]
+        )
         self._first_token(rows, logits, [item.limit for _, item in admitted], params)
         done = self.state.done[torch.tensor(rows, device=self.device)].tolist()
         for row, ended, (_, item) in zip(rows, done, admitted):
@@ -242,8 +269,10 @@ class ContinuousBatcher:
     def _prefill_shared(self, items: list[tuple[int, int, list[int], object]]) -> Tensor:
         """The prefill of each (row, start, tokens, group): the rows that begin one group's same
         context are prefilled once, the others get a copy of its KV -> logits [len(items), V]."""
-        first_of: dict[tuple, int] = {}  # (group, context) -> its index in `unique`
-        unique, source = [], []  # what is prefilled; each item's index in it
+        # (group, context) -> its index in `unique`
+        first_of: dict[tuple, int] = {}
+        # what is prefilled; each item's index in it
+        unique, source = [], []
         for row, start, new, group in items:
             shared = (group, tuple(new)) if start == 0 and group is not None else None
             if shared is None or shared not in first_of:
@@ -253,7 +282,8 @@ class ContinuousBatcher:
             source.append(first_of[shared] if shared is not None else len(unique) - 1)
         logits = self._prefill(unique)
         copies = [(row, unique[i][0]) for (row, *_), i in zip(items, source) if unique[i][0] != row]
-        if copies:  # one copy per cache for all of them: columns past a row's context are never read
+        # one copy per cache for all of them: columns past a row's context are never read
+        if copies:
             to, of = (torch.tensor(rows, device=self.device) for rows in zip(*copies))
             width = max(len(new) for _, _, new, _ in items)
             for cache in self.state.k + self.state.v:
@@ -274,7 +304,9 @@ class ContinuousBatcher:
                 admitted.append((row, item))
         return admitted, still
 
-    def _first_token(self, rows: list[int], logits: Tensor, limits: list[int], params: SamplingParams) -> None:
+    def _first_token(
+        self, rows: list[int], logits: Tensor, limits: list[int], params: SamplingParams
+    ) -> None:
         s, device = self.state, self.device
         rows_t = torch.tensor(rows, device=device)
         s.length[rows_t] = torch.tensor([len(self.contexts[row]) for row in rows], device=device)
@@ -305,18 +337,22 @@ class ContinuousBatcher:
         self.prefilled += sum(len(new) for _, _, new in pieces)
         return self.runner.prefill(self.state.k, self.state.v, pieces)
 
-    # --- decoding ----------------------------------------------------------------------------------
+    # --- decoding
+    # ----------------------------------------------------------------------------------
     def _bucket_step(self, params: SamplingParams):
         """The decode step over the active rows: the step of their bucket (the smallest power of
         two holding them), its row table filled with them and the scratch row."""
         bucket = 1 << (len(self.active) - 1).bit_length()
         if bucket not in self.graphs:
             table = torch.full((bucket,), self.scratch, dtype=torch.long, device=self.device)
-            pad = torch.zeros_like(table)  # rows start at column 0
+            # rows start at column 0
+            pad = torch.zeros_like(table)
             step = functools.partial(self._decode, table, pad, params)
-            if self.runner.use_cuda_graphs:  # captured on the scratch row: no sequence is touched
+            # captured on the scratch row: no sequence is touched
+            if self.runner.use_cuda_graphs:
                 step = capture(step, self.pool).replay
-            # The graph reads table and pad at the addresses it was captured with: they live with it.
+            # The graph reads table and pad at the addresses it was captured with: they live with
+            # it.
             self.graphs[bucket] = (table, pad, step)
         table, _, step = self.graphs[bucket]
         if self.table != (bucket, *self.active):

@@ -36,7 +36,8 @@ log = logging.getLogger("keel")
 __all__ = ["NativeRolloutEngine", "unsupported_reason"]
 
 # free_cache_engine unset: a cache this small a share of the GPU stays. Capturing again costs every
-# step: 0.05 s of t1's on Qwen2.5-0.5B, 0.30 s of 1.83 on Qwen3-0.6B, whose t1 cache is 5.3% of an H200.
+# step: 0.05 s of t1's on Qwen2.5-0.5B, 0.30 s of 1.83 on Qwen3-0.6B, whose t1 cache is 5.3% of an
+# H200.
 KEEP_CACHE_SHARE = 0.08
 
 
@@ -72,9 +73,16 @@ class NativeRolloutEngine:
         self.memory_utilization = memory_utilization
         self.dtype = dtype
         self.eos_ids = stop_token_ids(tokenizer, model)
-        self.timing: dict[str, float] = {}  # seconds per part (prefill, capture, decode) of the last call
-        self.runner = ModelRunner(model, dtype, tokenizer.pad_token_id, enforce_eager, compile_step, compile_mode)
-        self.family, self.weights, self.device = self.runner.family, self.runner.weights, self.runner.device
+        # seconds per part (prefill, capture, decode) of the last call
+        self.timing: dict[str, float] = {}
+        self.runner = ModelRunner(
+            model, dtype, tokenizer.pad_token_id, enforce_eager, compile_step, compile_mode
+        )
+        self.family, self.weights, self.device = (
+            self.runner.family,
+            self.runner.weights,
+            self.runner.device,
+        )
         self.layers = self.weights.layers
         self.eos = torch.tensor(self.eos_ids, device=self.device)
         self._kept_batcher: ContinuousBatcher | None = None
@@ -124,7 +132,9 @@ class NativeRolloutEngine:
         batcher = self.continuous_batcher(
             len(prompts), prompts.input_ids.shape[1] + params.max_new_tokens, params.max_new_tokens
         )
-        for i, (ids, mask, record) in enumerate(zip(prompts.input_ids, prompts.attention_mask, prompts.records)):
+        for i, (ids, mask, record) in enumerate(
+            zip(prompts.input_ids, prompts.attention_mask, prompts.records)
+        ):
             batcher.add(i, ids[mask.bool()].tolist(), params.max_new_tokens, group=record.index)
         turns = [None] * len(prompts)
         while batcher.busy:
@@ -135,7 +145,9 @@ class NativeRolloutEngine:
                     text = self.tokenizer.decode(turn.ids, skip_special_tokens=True)
                     on_finished(turn.key, prompts.records[turn.key], text)
         ids = pad_sequence(
-            [torch.tensor(t.ids) for t in turns], batch_first=True, padding_value=self.tokenizer.pad_token_id
+            [torch.tensor(t.ids) for t in turns],
+            batch_first=True,
+            padding_value=self.tokenizer.pad_token_id,
         )
         log_probs = pad_sequence([torch.tensor(t.log_probs) for t in turns], batch_first=True)
         return assemble_batch(prompts, [(ids, log_probs)], self.tokenizer, self.eos_ids, params)
@@ -149,10 +161,13 @@ class NativeRolloutEngine:
         finished, whether it ended at the response length without a stop token).
         A continued sample's context is prefilled again: its cached keys were the older policy's."""
         longest = max(len(s.record.prompt_ids) for s in samples)
-        batcher = self.continuous_batcher(len(samples), longest + params.max_new_tokens, params.max_new_tokens)
+        batcher = self.continuous_batcher(
+            len(samples), longest + params.max_new_tokens, params.max_new_tokens
+        )
         sampled = [([], [], s.finished, s.truncated) for s in samples]
         for i, s in enumerate(samples):
-            if not s.finished:  # the fresh samples of a prompt share its prefill
+            # the fresh samples of a prompt share its prefill
+            if not s.finished:
                 context, left = s.record.prompt_ids + s.ids, params.max_new_tokens - len(s.ids)
                 batcher.add(i, context, left, group=None if s.ids else s.group)
         groups = [s.group for s in samples]
@@ -167,18 +182,29 @@ class NativeRolloutEngine:
         return sampled
 
     @torch.no_grad()
-    def continuous_batcher(self, sequences: int, max_len: int, turn_tokens: int) -> ContinuousBatcher:
+    def continuous_batcher(
+        self, sequences: int, max_len: int, turn_tokens: int
+    ) -> ContinuousBatcher:
         """Rows for up to `sequences` sequences of at most `max_len` tokens (as many as fit memory),
         a turn taking at most `turn_tokens`; kept between calls with free_cache_engine=False."""
         rows = min(sequences, self._sequences_at_once(max_len))
-        self.timing.clear()  # the batcher's steps add theirs
+        # the batcher's steps add theirs
+        self.timing.clear()
         kept = self._kept_batcher
-        if kept is not None and all(have >= want for have, want in zip(kept.shape, (rows, max_len, turn_tokens))):
-            kept.reset()  # big enough: its rows, graphs and all
+        if kept is not None and all(
+            have >= want for have, want in zip(kept.shape, (rows, max_len, turn_tokens))
+        ):
+            # big enough: its rows, graphs and all
+            kept.reset()
             return kept
-        self._kept_batcher = None  # one kept cache: a new one's memory comes first
+        # one kept cache: a new one's memory comes first
+        self._kept_batcher = None
         batcher = ContinuousBatcher(
-            self.runner, self.eos, (rows, max_len, turn_tokens), self.max_num_batched_tokens, self.timing
+            self.runner,
+            self.eos,
+            (rows, max_len, turn_tokens),
+            self.max_num_batched_tokens,
+            self.timing,
         )
         if self._keeps(batcher.state):
             self._kept_batcher = batcher
@@ -186,7 +212,11 @@ class NativeRolloutEngine:
 
     def _keeps(self, state) -> bool:
         """Whether a new scheduler's cache is kept for the next call (free_cache_engine)."""
-        total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
+        total = (
+            torch.cuda.get_device_properties(self.device).total_memory
+            if self.device.type == "cuda"
+            else 0
+        )
         return keeps_cache(self.free_cache_engine, sum(t.nbytes for t in state.k + state.v), total)
 
     def _sequences_at_once(self, seq_len: int) -> int:

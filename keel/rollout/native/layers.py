@@ -21,9 +21,12 @@ class StepFunctions:
 
     def __init__(self, family, compiled: bool, mode: str | None = None):
         if compiled:
-            # Each batch bucket, cache length and dtype is a compiled variant of these few functions;
-            # past dynamo's default of 8, fullgraph=True would make a recompile a hard failure.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            # Each batch bucket, cache length and dtype is a compiled variant of these few
+            # functions; past dynamo's default of 8, fullgraph=True would make a recompile a hard
+            # failure.
+            torch._dynamo.config.recompile_limit = max(
+                torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
+            )
 
         def prepared(fn):
             return torch.compile(fn, fullgraph=True, mode=mode) if compiled else fn
@@ -59,7 +62,9 @@ def embeddings(ids: Tensor, embed: Tensor, embed_scale: float, stream_dtype: tor
     return F.embedding(ids, embed).to(stream_dtype) * embed_scale
 
 
-def project(x: Tensor, weight: Tensor, low_rank: tuple[Tensor, Tensor] | None, bias: Tensor | None = None) -> Tensor:
+def project(
+    x: Tensor, weight: Tensor, low_rank: tuple[Tensor, Tensor] | None, bias: Tensor | None = None
+) -> Tensor:
     """x W^T + b, plus LoRA's update x A^T B^T when adapters are on (B carries the scaling):
     unmerged, as the trainer computes it, so the base stays the trainer's frozen weights. x is
     cast to the weight's dtype first, as autocast casts a float32 stream's matmul inputs."""
@@ -91,10 +96,13 @@ def attention_inputs(
     kv_size = kv_heads * head_dim
     qk = qkv[:, :-kv_size].view(batch, heads + kv_heads, head_dim)
     if q_norm is not None:
-        qk = torch.cat([rms_norm(qk[:, :heads], q_norm, eps), rms_norm(qk[:, heads:], k_norm, eps)], dim=1)
+        qk = torch.cat(
+            [rms_norm(qk[:, :heads], q_norm, eps), rms_norm(qk[:, heads:], k_norm, eps)], dim=1
+        )
     qk = applyrope(qk, cos, sin)
     v = qkv[:, -kv_size:].view(batch, kv_heads, 1, head_dim)
-    qk = qk.to(qkv.dtype)  # rotated in float32 where the stream is (its cos and sin are): rounded once
+    # rotated in float32 where the stream is (its cos and sin are): rounded once
+    qk = qk.to(qkv.dtype)
     return qk[:, :heads].unsqueeze(2), qk[:, heads:].unsqueeze(2), v
 
 
@@ -132,7 +140,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def rope(positions: Tensor, inv_freq: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rope(
+    positions: Tensor, inv_freq: Tensor, scale: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
     """cos [B, 1, D] and sin [B, 1, D] with the rotate-half sign folded in (-sin on the first half)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [B, D/2]
     cos = torch.cat([freqs, freqs], dim=-1).cos() * scale
@@ -147,7 +157,9 @@ def applyrope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-def grouped_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None, sinks: Tensor | None = None) -> Tensor:
+def grouped_attention(
+    q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None, sinks: Tensor | None = None
+) -> Tensor:
     """SDPA of q [u, H, L, D] over k, v [u, KV, S, D]: causal when `visible` is None, else under
     that mask. K/V are repeated to every query head, as transformers' SDPA path does: not every
     fused SDPA kernel that takes a mask also takes grouped heads (enable_gqa). With `sinks` [H]
@@ -159,14 +171,17 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None, s
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=visible is None)
 
 
-def within_window(visible: Tensor | None, query_columns: Tensor, end: int, window: int | None) -> Tensor | None:
+def within_window(
+    visible: Tensor | None, query_columns: Tensor, end: int, window: int | None
+) -> Tensor | None:
     """A prefill's mask narrowed to a sliding window: queries at cache columns `query_columns`
     ([L], or [u, L] each row's own) see keys no more than `window` - 1 columns back. `visible`:
     the mask without the window ([u, 1, L, end], or None for plain causal attention)."""
     if window is None or end <= window:
         return visible
     keys = torch.arange(end, device=query_columns.device)
-    near = (keys > query_columns[..., None] - window) & (keys <= query_columns[..., None])  # [(u,) L, end]
+    # [(u,) L, end]
+    near = (keys > query_columns[..., None] - window) & (keys <= query_columns[..., None])
     near = near[:, None] if near.dim() == 3 else near
     return near if visible is None else visible & near
 

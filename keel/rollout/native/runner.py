@@ -13,14 +13,25 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from keel.models.load import can_compile
-from keel.rollout.native.attention import sdpa_decode_attention, triton_available, triton_decode_attention
-from keel.rollout.native.layers import StepFunctions, embeddings, grouped_attention, window_start, within_window
+from keel.rollout.native.attention import (
+    sdpa_decode_attention,
+    triton_available,
+    triton_decode_attention,
+)
+from keel.rollout.native.layers import (
+    StepFunctions,
+    embeddings,
+    grouped_attention,
+    window_start,
+    within_window,
+)
 from keel.rollout.native.models import family_for
 from keel.rollout.native.sampling import sample
 from keel.rollout.native.weights import DecodeWeights
 from keel.types import SamplingParams
 
-Piece = tuple[int, int, list[int]]  # (cache row, first column, the tokens written from there)
+# (cache row, first column, the tokens written from there)
+Piece = tuple[int, int, list[int]]
 
 
 class ModelRunner:
@@ -34,18 +45,23 @@ class ModelRunner:
         compile_mode: str | None = None,
     ):
         self.dtype, self.pad_token_id = dtype, pad_token_id
-        self.family = family_for(model.config)  # the model's definition: its weights and layer math
+        # the model's definition: its weights and layer math
+        self.family = family_for(model.config)
         self.kv_heads, self.head_dim = self.family.kv_heads, self.family.head_dim
         self.device = next(model.parameters()).device
         self.weights = DecodeWeights(model, self.family, self.device, dtype)
         self.weights.load(model.named_parameters())
-        # enforce_eager (verl's key): no CUDA graphs, no compilation; for debugging, and CPU's only way.
-        # compile_mode: torch.compile's, for benchmarks/profile_decode.py (max-autotune was slower here).
+        # enforce_eager (verl's key): no CUDA graphs, no compilation; for debugging, and CPU's only
+        # way. compile_mode: torch.compile's, for benchmarks/profile_decode.py (max-autotune was
+        # slower here).
         self.use_cuda_graphs = not enforce_eager and self.device.type == "cuda"
         self.kernels = StepFunctions(
-            self.family, self.use_cuda_graphs and compile_step and can_compile(self.device), compile_mode
+            self.family,
+            self.use_cuda_graphs and compile_step and can_compile(self.device),
+            compile_mode,
         )
-        self.eager = StepFunctions(self.family, compiled=False)  # prefill: compute-bound, run eagerly
+        # prefill: compute-bound, run eagerly
+        self.eager = StepFunctions(self.family, compiled=False)
         use_triton = triton_available(self.device, dtype, self.head_dim)
         self.attention = triton_decode_attention if use_triton else sdpa_decode_attention
 
@@ -73,17 +89,24 @@ class ModelRunner:
         ids = torch.full((u, width), self.pad_token_id, dtype=torch.long)
         for i, (_, _, new) in enumerate(pieces):
             ids[i, : len(new)] = torch.tensor(new)
-        positions = torch.tensor([start for _, start, _ in pieces], device=device)[:, None] + torch.arange(
-            width, device=device
-        )  # [u, m]
+        positions = torch.tensor([start for _, start, _ in pieces], device=device)[
+            :, None
+        ] + torch.arange(width, device=device)  # [u, m]
         end = max(start + len(new) for _, start, new in pieces)
         plain_causal = all(start == 0 and len(new) == width for _, start, new in pieces)
         # A padding query sees every column up to its position: finite, and never used.
-        visible = None if plain_causal else (torch.arange(end, device=device) <= positions[:, :, None])[:, None]
+        visible = (
+            None
+            if plain_causal
+            else (torch.arange(end, device=device) <= positions[:, :, None])[:, None]
+        )
         real = torch.arange(width, device=device) < lengths[:, None]
         piece_of, column_of = real.nonzero(as_tuple=True)
         cache_rows, cache_columns = rows[piece_of], positions[piece_of, column_of]
-        x = embeddings(ids.to(device), w.embed, self.family.embed_scale, w.stream_dtype).flatten(0, 1)  # [u m, H]
+        # [u m, H]
+        x = embeddings(ids.to(device), w.embed, self.family.embed_scale, w.stream_dtype).flatten(
+            0, 1
+        )
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             q, k, v = (t.view(u, width, t.shape[1], t.shape[-1]) for t in (q, k, v))  # [u, m, *, D]
@@ -91,7 +114,11 @@ class ModelRunner:
             v_cache[i][cache_rows, :, cache_columns] = v[piece_of, column_of]
             seen = within_window(visible, positions, end, self.family.window(i))
             attention = grouped_attention(
-                q.transpose(1, 2), k_cache[i][rows, :, :end], v_cache[i][rows, :, :end], seen, w.layers[i].sinks
+                q.transpose(1, 2),
+                k_cache[i][rows, :, :end],
+                v_cache[i][rows, :, :end],
+                seen,
+                w.layers[i].sinks,
             )
             return attention.transpose(1, 2).reshape(x.shape[0], -1)
 
@@ -118,12 +145,20 @@ class ModelRunner:
         kernel launches and bytes read, not FLOPs."""
         f, w = self.kernels, self.weights
         x, positions, visible = f.step_inputs(
-            last_token, pad, column, k_cache[0].shape[2], w.embed, self.family.embed_scale, w.stream_dtype
+            last_token,
+            pad,
+            column,
+            k_cache[0].shape[2],
+            w.embed,
+            self.family.embed_scale,
+            w.stream_dtype,
         )
 
-        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # also writes k, v to the cache
+        # also writes k, v to the cache
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             window, sinks = self.family.window(i), w.layers[i].sinks
-            first = window_start(pad, column, window)  # the Triton kernel's; SDPA's is in its mask
+            # the Triton kernel's; SDPA's is in its mask
+            first = window_start(pad, column, window)
             if window is not None:
                 columns = torch.arange(visible.shape[-1], device=pad.device)
                 return self.attention(
@@ -138,7 +173,9 @@ class ModelRunner:
                     rows,
                     sinks,
                 )
-            return self.attention(q, k, v, k_cache[i], v_cache[i], first, column, visible, rows, sinks)
+            return self.attention(
+                q, k, v, k_cache[i], v_cache[i], first, column, visible, rows, sinks
+            )
 
         h = self.family.layers(f, w, x, positions, attend)
         return F.linear(h.to(w.lm_head.dtype), w.lm_head)

@@ -11,7 +11,8 @@ from torch import Tensor
 
 from keel.types import SamplingParams
 
-SAMPLE_BLOCK = 1024  # vocabulary entries per block of two-stage sampling
+# vocabulary entries per block of two-stage sampling
+SAMPLE_BLOCK = 1024
 
 
 class Pickers(NamedTuple):
@@ -22,7 +23,10 @@ class Pickers(NamedTuple):
 
 
 def sample(
-    logits: Tensor, params: SamplingParams, pickers: Pickers | None = None, block: int = SAMPLE_BLOCK
+    logits: Tensor,
+    params: SamplingParams,
+    pickers: Pickers | None = None,
+    block: int = SAMPLE_BLOCK,
 ) -> tuple[Tensor, Tensor]:
     """(token [B], its log-prob under the temperature-scaled distribution [B]) from logits [B, V].
 
@@ -38,11 +42,16 @@ def sample(
     if greedy:
         return pickers.token(logits, None, None, 1.0)
     rows, vocab = logits.shape
-    noise = lambda *shape: torch.empty(shape, device=logits.device, dtype=torch.float32).exponential_()  # noqa: E731
+
+    def noise(*shape: int) -> Tensor:
+        return torch.empty(shape, device=logits.device, dtype=torch.float32).exponential_()
+
     if (params.top_k > 0 and params.top_k < vocab) or params.top_p < 1.0:
         filtered = top_k_top_p(logits.float() / params.temperature, params.top_k, params.top_p)
         return pickers.token(logits, filtered, noise(rows, vocab), params.temperature)
-    return pickers.blocked(logits, noise(rows, -(-vocab // block)), noise(rows, block), params.temperature)
+    return pickers.blocked(
+        logits, noise(rows, -(-vocab // block)), noise(rows, block), params.temperature
+    )
 
 
 def pick_token(
@@ -60,7 +69,9 @@ def pick_token(
     return token, log_prob
 
 
-def pick_blocked(logits: Tensor, block_noise: Tensor, inner_noise: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+def pick_blocked(
+    logits: Tensor, block_noise: Tensor, inner_noise: Tensor, temperature: float
+) -> tuple[Tensor, Tensor]:
     """Gumbel-max in two stages: a block of the vocabulary, drawn by its mass (the logsumexp of
     its logits), then a token of that block by its logit. P(block) x P(token | block) is the
     softmax, exactly, with noise for the blocks and one block instead of for every token; the
@@ -73,7 +84,9 @@ def pick_blocked(logits: Tensor, block_noise: Tensor, inner_noise: Tensor, tempe
     chosen = (block_mass - block_noise.clamp(min=1e-30).log()).argmax(-1)  # [B]
     inner = scaled.gather(1, chosen.view(rows, 1, 1).expand(rows, 1, size)).squeeze(1)  # [B, size]
     offset = (inner - inner_noise.clamp(min=1e-30).log()).argmax(-1)
-    log_prob = inner.gather(-1, offset.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(block_mass, dim=-1)
+    log_prob = inner.gather(-1, offset.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(
+        block_mass, dim=-1
+    )
     return chosen * size + offset, log_prob
 
 
@@ -86,7 +99,8 @@ def top_k_top_p(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     if top_p < 1.0:
         ordered, order = logits.sort(dim=-1, descending=True)
         probs = ordered.softmax(-1)
-        outside = probs.cumsum(-1) - probs > top_p  # the mass before this token already exceeds top_p
+        # the mass before this token already exceeds top_p
+        outside = probs.cumsum(-1) - probs > top_p
         ordered = ordered.masked_fill(outside, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
     return logits

@@ -19,7 +19,8 @@ def capture(step_fn, pool=None) -> torch.cuda.CUDAGraph:
     graph = torch.cuda.CUDAGraph()
     # thread_local: a tool or environment running on another thread (the agent loop overlaps them
     # with decoding) may use CUDA while a bucket's graph is captured.
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # recorded, not run
+    # recorded, not run
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         step_fn()
     return graph
 

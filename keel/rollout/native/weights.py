@@ -19,7 +19,8 @@ from keel.rollout.native.models.base import ADAPTED, LowRank
 
 __all__ = ["DecodeWeights", "LayerWeights"]
 
-STREAM_BUFFERS = ("embed", "norm")  # kept in the residual stream's dtype, not the compute dtype
+# kept in the residual stream's dtype, not the compute dtype
+STREAM_BUFFERS = ("embed", "norm")
 
 
 class DecodeWeights:
@@ -37,19 +38,28 @@ class DecodeWeights:
         self.stream_dtype = torch.promote_types(dtype, model.get_input_embeddings().weight.dtype)
         b = self.buffers = {
             name: torch.empty(
-                _fused_shape(parts), device=device, dtype=self.stream_dtype if name.endswith(STREAM_BUFFERS) else dtype
+                _fused_shape(parts),
+                device=device,
+                dtype=self.stream_dtype if name.endswith(STREAM_BUFFERS) else dtype,
             )
             for name, parts in sources.items()
         }
-        self.targets: dict[str, tuple[str, int, torch.Size]] = {}  # parameter -> (buffer, first row, shape)
+        # parameter -> (buffer, first row, shape)
+        self.targets: dict[str, tuple[str, int, torch.Size]] = {}
         for buffer, parts in sources.items():
             rows = itertools.accumulate((p.shape[0] for p in parts), initial=0)
-            self.targets.update({names[id(p)]: (buffer, row, p.shape) for p, row in zip(parts, rows)})
-        self.layers = [LayerWeights.from_buffers(b, i) for i in range(len(model.get_decoder().layers))]
+            self.targets.update(
+                {names[id(p)]: (buffer, row, p.shape) for p, row in zip(parts, rows)}
+            )
+        self.layers = [
+            LayerWeights.from_buffers(b, i) for i in range(len(model.get_decoder().layers))
+        ]
         self.embed, self.final_norm = b["embed"], b["final_norm"]
         # Tied embeddings: one buffer, or where the embeddings are float32 the head's own copy in
         # the compute dtype, refreshed from them on every load (its matmul rounds its inputs).
-        self.lm_head = b.get("lm_head", self.embed if self.embed.dtype == dtype else self.embed.to(dtype))
+        self.lm_head = b.get(
+            "lm_head", self.embed if self.embed.dtype == dtype else self.embed.to(dtype)
+        )
         self.rotary = {
             kind: (inv_freq.detach().to(device, torch.float32), scale)
             for kind, (inv_freq, scale) in family.rotary_frequencies(model).items()
@@ -58,7 +68,9 @@ class DecodeWeights:
     def norm_after(self, layer: int) -> Tensor:
         """The norm applied to layer `layer`'s output: the next layer's input norm (None where layers
         have none), or the final one."""
-        return self.layers[layer + 1].input_norm if layer + 1 < len(self.layers) else self.final_norm
+        return (
+            self.layers[layer + 1].input_norm if layer + 1 < len(self.layers) else self.final_norm
+        )
 
     @torch.no_grad()
     def load(self, named: Iterable[tuple[str, Tensor]], every: bool = True) -> None:
@@ -71,13 +83,21 @@ class DecodeWeights:
             if name not in self.targets:
                 continue
             buffer, row, shape = self.targets[name]
-            if tensor.shape != shape:  # a part-filled buffer would mix old weights with new
-                raise RuntimeError(f"native rollout: {name} has shape {tuple(tensor.shape)}, not {tuple(shape)}")
+            # a part-filled buffer would mix old weights with new
+            if tensor.shape != shape:
+                raise RuntimeError(
+                    f"native rollout: {name} has shape {tuple(tensor.shape)}, not {tuple(shape)}"
+                )
             self.buffers[buffer][row : row + shape[0]].copy_(tensor.detach())
-            if buffer == "embed" and self.lm_head is not self.embed and "lm_head" not in self.buffers:
+            if (
+                buffer == "embed"
+                and self.lm_head is not self.embed
+                and "lm_head" not in self.buffers
+            ):
                 self.lm_head.copy_(tensor.detach())
             missing.discard(name)
-        if missing:  # a caller bug, not a user's: the engine would generate from stale weights
+        # a caller bug, not a user's: the engine would generate from stale weights
+        if missing:
             raise RuntimeError(f"native rollout: no weights given for {sorted(missing)[:3]}")
 
     def alias(self, named: Iterable[tuple[str, Tensor]]) -> int:
@@ -92,7 +112,8 @@ class DecodeWeights:
             buffer, row, shape = target
             view = self.buffers[buffer][row : row + shape[0]]
             if param.shape != shape or param.dtype != view.dtype or param.device != view.device:
-                continue  # another dtype or device: it keeps its own memory
+                # another dtype or device: it keeps its own memory
+                continue
             freed += param.nbytes
             param.data = view
         return freed
@@ -107,7 +128,9 @@ class DecodeWeights:
             by_buffer.setdefault(buffer, []).append((row, a, b))
         for buffer, parts in by_buffer.items():
             layer, kind = buffer.split(".")
-            a, b = _fused_low_rank(sorted(parts, key=lambda part: part[0]), self.buffers[buffer].shape[0])
+            a, b = _fused_low_rank(
+                sorted(parts, key=lambda part: part[0]), self.buffers[buffer].shape[0]
+            )
             field = ADAPTED[kind]
             current = getattr(self.layers[int(layer)], field)
             if current is not None and current[0].shape == a.shape and current[1].shape == b.shape:
@@ -117,7 +140,10 @@ class DecodeWeights:
                 setattr(
                     self.layers[int(layer)],
                     field,
-                    (a.to(self.embed.device, self.embed.dtype), b.to(self.embed.device, self.embed.dtype)),
+                    (
+                        a.to(self.embed.device, self.embed.dtype),
+                        b.to(self.embed.device, self.embed.dtype),
+                    ),
                 )
 
 
@@ -130,7 +156,9 @@ def _decode_weight_sources(model, family: Family) -> dict[str, list[Tensor]]:
     if model.get_output_embeddings().weight is not decoder.embed_tokens.weight:
         sources["lm_head"] = [model.get_output_embeddings().weight]
     for i, layer in enumerate(decoder.layers):
-        sources.update({f"{i}.{name}": parts for name, parts in family.layer_sources(layer).items()})
+        sources.update(
+            {f"{i}.{name}": parts for name, parts in family.layer_sources(layer).items()}
+        )
     return sources
 
 

@@ -12,7 +12,14 @@ from keel.rollout.native.models.llama import LlamaFamily
 from keel.rollout.native.models.olmo2 import Olmo2Family
 from keel.rollout.native.models.qwen3_moe import Qwen3MoeFamily
 
-__all__ = ["FAMILIES", "Family", "LayerWeights", "family_for", "not_by_default", "unsupported_reason"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "LayerWeights",
+    "family_for",
+    "not_by_default",
+    "unsupported_reason",
+]
 
 FAMILIES: dict[str, type[Family]] = {
     model_type: family

@@ -10,9 +10,11 @@ from torch import Tensor
 
 from keel.rollout.native.layers import rms_norm
 
-LowRank = tuple[Tensor, Tensor]  # LoRA's (A [r, in], B [out, r] times its scaling) of one projection
+# LoRA's (A [r, in], B [out, r] times its scaling) of one projection
+LowRank = tuple[Tensor, Tensor]
 
-STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq does not depend on the sequence length
+# inv_freq does not depend on the sequence length
+STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 
 
 @dataclass
@@ -21,21 +23,26 @@ class LayerWeights:
 
     qkv: Tensor  # [(H + 2 KV) * D, hidden]
     o: Tensor
-    input_norm: Tensor | None = None  # None: the layer's input is not normed (OLMo 2)
-    post_norm: Tensor | None = None  # after the attention: before the MLP, or on its output
+    # None: the layer's input is not normed (OLMo 2)
+    input_norm: Tensor | None = None
+    # after the attention: before the MLP, or on its output
+    post_norm: Tensor | None = None
     qkv_bias: Tensor | None = None
-    o_bias: Tensor | None = None  # GPT-OSS: biases on every attention projection
+    # GPT-OSS: biases on every attention projection
+    o_bias: Tensor | None = None
     sinks: Tensor | None = None  # [H]: each head's attention sink logit (GPT-OSS)
     q_norm: Tensor | None = None  # [D]: RMSNorm of each head's query and key (Qwen3)
     k_norm: Tensor | None = None
     gate_up: Tensor | None = None  # [2 * intermediate, hidden]: a dense gated MLP
     down: Tensor | None = None
-    pre_mlp_norm: Tensor | None = None  # Gemma 3: norms before the MLP and after it
+    # Gemma 3: norms before the MLP and after it
+    pre_mlp_norm: Tensor | None = None
     post_mlp_norm: Tensor | None = None
     router: Tensor | None = None  # [E, hidden]: a mixture of experts instead
     experts_gate_up: Tensor | None = None  # [E, 2 * intermediate, hidden]
     experts_down: Tensor | None = None  # [E, hidden, intermediate]
-    router_bias: Tensor | None = None  # GPT-OSS: [E]; its experts' weights [E, in, out] and biases [E, out]
+    # GPT-OSS: [E]; its experts' weights [E, in, out] and biases [E, out]
+    router_bias: Tensor | None = None
     experts_gate_up_bias: Tensor | None = None
     experts_down_bias: Tensor | None = None
     # LoRA, unmerged. A fused projection's adapters are one: its parts' A stacked by rows, their B
@@ -47,7 +54,13 @@ class LayerWeights:
 
     @classmethod
     def from_buffers(cls, buffers: dict[str, Tensor], layer: int) -> LayerWeights:
-        return cls(**{f.name: buffers[f"{layer}.{f.name}"] for f in fields(cls) if f"{layer}.{f.name}" in buffers})
+        return cls(
+            **{
+                f.name: buffers[f"{layer}.{f.name}"]
+                for f in fields(cls)
+                if f"{layer}.{f.name}" in buffers
+            }
+        )
 
     @property
     def adapters_after_attention(self) -> tuple[LowRank | None, LowRank | None, LowRank | None]:
@@ -58,13 +71,18 @@ def projection_sources(layer) -> dict[str, list[Tensor]]:
     """A Hugging Face layer's attention projections (fused q, k, v; their biases and q/k norms where
     it has them) and, where its MLP is a dense gated one, its projections (fused gate and up)."""
     attn, mlp = layer.self_attn, layer.mlp
-    sources = {"qkv": [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], "o": [attn.o_proj.weight]}
+    sources = {
+        "qkv": [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
+        "o": [attn.o_proj.weight],
+    }
     if attn.q_proj.bias is not None:
         sources["qkv_bias"] = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
     if getattr(attn, "q_norm", None) is not None:
         sources.update(q_norm=[attn.q_norm.weight], k_norm=[attn.k_norm.weight])
     if hasattr(mlp, "gate_proj"):
-        sources.update(gate_up=[mlp.gate_proj.weight, mlp.up_proj.weight], down=[mlp.down_proj.weight])
+        sources.update(
+            gate_up=[mlp.gate_proj.weight, mlp.up_proj.weight], down=[mlp.down_proj.weight]
+        )
     return sources
 
 
@@ -91,14 +109,18 @@ class Family(ABC):
     attention_inputs: Callable
     after_attention: dict[str, Callable]
     norm: Callable = staticmethod(rms_norm)
-    embed_scale: float = 1.0  # the embedding's output times this (exact for 1.0)
-    # Why `rollout.name=auto` does not pick native for this family yet (`native` still runs it), or None.
+    # the embedding's output times this (exact for 1.0)
+    embed_scale: float = 1.0
+    # Why `rollout.name=auto` does not pick native for this family yet (`native` still runs it), or
+    # None.
     not_by_default: str | None = None
 
     def __init__(self, config):
         self.config = config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         self.eps = config.rms_norm_eps
 
     def layers(self, fns, weights, x: Tensor, positions: Tensor, attend: Callable) -> Tensor:
@@ -107,12 +129,15 @@ class Family(ABC):
         differ only in `attend(layer index, q, k, v)`, which writes K and V to the cache and attends
         as each needs. `fns`: the step functions, compiled or not (layers.StepFunctions)."""
         rotary = {
-            kind: fns.rope(positions, inv_freq, scale, x.dtype) for kind, (inv_freq, scale) in weights.rotary.items()
+            kind: fns.rope(positions, inv_freq, scale, x.dtype)
+            for kind, (inv_freq, scale) in weights.rotary.items()
         }  # [N, 1, D] cos and sin of each kind
         first_norm = weights.layers[0].input_norm
         h = x if first_norm is None else fns.norm(x, first_norm, self.eps)
         for i, layer in enumerate(weights.layers):
-            q, k, v = fns.attention_inputs(h, *rotary[self.rope_kind(i)], *self.attention_args(layer))
+            q, k, v = fns.attention_inputs(
+                h, *rotary[self.rope_kind(i)], *self.attention_args(layer)
+            )
             attention = attend(i, q, k, v)
             x, h = fns.after_attention[self.layer_kind(layer)](
                 x, attention, weights.norm_after(i), *self.after_attention_args(layer)
@@ -135,7 +160,9 @@ class Family(ABC):
     @classmethod
     def unsupported_reason(cls, config) -> str | None:
         """Why this family cannot run a model of this config (one of its model types), or None."""
-        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        rope = (
+            getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        )
         if rope.get("rope_type", rope.get("type", "default")) not in STATIC_ROPE:
             return f"rope type {rope.get('rope_type')!r} (native supports {sorted(STATIC_ROPE)})"
         return None

@@ -37,10 +37,13 @@ def gemma_attention_inputs(
     qkv = project(h, qkv_weight, qkv_lora)
     kv_size = kv_heads * head_dim
     qk = qkv[:, :-kv_size].view(batch, heads + kv_heads, head_dim)
-    qk = torch.cat([gemma_norm(qk[:, :heads], q_norm, eps), gemma_norm(qk[:, heads:], k_norm, eps)], dim=1)
+    qk = torch.cat(
+        [gemma_norm(qk[:, :heads], q_norm, eps), gemma_norm(qk[:, heads:], k_norm, eps)], dim=1
+    )
     qk = applyrope(qk, cos, sin)
     q = qk[:, :heads] if query_scale == 1.0 else qk[:, :heads] * query_scale
-    q, k = q.to(qkv.dtype), qk[:, heads:].to(qkv.dtype)  # rotated in the stream's dtype: rounded once
+    # rotated in the stream's dtype: rounded once
+    q, k = q.to(qkv.dtype), qk[:, heads:].to(qkv.dtype)
     return q.unsqueeze(2), k.unsqueeze(2), qkv[:, -kv_size:].view(batch, kv_heads, 1, head_dim)
 
 
@@ -80,7 +83,9 @@ class Gemma3Family(Family):
 
     @classmethod
     def unsupported_reason(cls, config) -> str | None:
-        if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
+        if getattr(config, "final_logit_softcapping", None) or getattr(
+            config, "attn_logit_softcapping", None
+        ):
             return "soft-capped logits"
         if getattr(config, "use_bidirectional_attention", False):
             return "bidirectional attention"
@@ -97,7 +102,10 @@ class Gemma3Family(Family):
     def rotary_frequencies(self, model) -> dict[str, tuple[Tensor, float]]:
         rotary = model.get_decoder().rotary_emb
         return {
-            kind: (getattr(rotary, f"{kind}_inv_freq"), float(getattr(rotary, f"{kind}_attention_scaling", 1.0)))
+            kind: (
+                getattr(rotary, f"{kind}_inv_freq"),
+                float(getattr(rotary, f"{kind}_attention_scaling", 1.0)),
+            )
             for kind in set(self.config.layer_types)
         }
 
@@ -105,7 +113,11 @@ class Gemma3Family(Family):
         return self.config.layer_types[layer]
 
     def window(self, layer: int) -> int | None:
-        return self.config.sliding_window if self.config.layer_types[layer] == "sliding_attention" else None
+        return (
+            self.config.sliding_window
+            if self.config.layer_types[layer] == "sliding_attention"
+            else None
+        )
 
     def layer_sources(self, layer) -> dict[str, list[Tensor]]:
         return {

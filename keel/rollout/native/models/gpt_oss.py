@@ -16,7 +16,9 @@ from torch import Tensor
 
 from keel.rollout.native.layers import attention_inputs, project, residual_add
 from keel.rollout.native.models.base import Family, LayerWeights, projection_sources
-from keel.rollout.native.models.olmo2 import olmo_norm as gpt_oss_norm  # the same RMSNorm: scaled, then cast
+
+# the same RMSNorm: scaled, then cast
+from keel.rollout.native.models.olmo2 import olmo_norm as gpt_oss_norm
 from keel.rollout.native.models.qwen3_moe import expert_pairs, grouped_linear, grouped_mm_runs
 
 
@@ -49,14 +51,18 @@ def gpt_oss_experts(
 ) -> Tensor:
     """The mixture's output [N, hidden] for normed inputs h [N, hidden], as transformers computes
     it: the top k router logits softmaxed in the input dtype, each expert's output scaled and summed."""
-    h = h.to(gate_up.dtype)  # a float32 stream's normed input, cast as autocast casts a matmul's
+    # a float32 stream's normed input, cast as autocast casts a matmul's
+    h = h.to(gate_up.dtype)
     top_logits, experts = torch.topk(F.linear(h, router, router_bias), top_k, dim=-1)  # [N, k]
     weights = torch.softmax(top_logits, dim=-1)
     token, order, offsets, expert_of_row = expert_pairs(experts, gate_up.shape[0])
     hidden = clamped_swiglu(
-        biased_grouped_linear(h[token], gate_up, gate_up_bias, offsets, expert_of_row, grouped), alpha, limit
+        biased_grouped_linear(h[token], gate_up, gate_up_bias, offsets, expert_of_row, grouped),
+        alpha,
+        limit,
     )
-    out = biased_grouped_linear(hidden, down, down_bias, offsets, expert_of_row, grouped)  # [N k, hidden]
+    # [N k, hidden]
+    out = biased_grouped_linear(hidden, down, down_bias, offsets, expert_of_row, grouped)
     out = out * weights.flatten()[order, None]
     return torch.zeros_like(h).index_add_(0, token, out)
 
@@ -72,7 +78,9 @@ def gpt_oss_attention_inputs(
     kv_heads: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q [B, H, 1, D] and k [B, KV, 1, D] rotated, v [B, KV, 1, D]: Llama's without q/k norms."""
-    return attention_inputs(h, cos, sin, qkv_weight, qkv_bias, qkv_lora, None, None, heads, kv_heads, 0.0)
+    return attention_inputs(
+        h, cos, sin, qkv_weight, qkv_bias, qkv_lora, None, None, heads, kv_heads, 0.0
+    )
 
 
 def gpt_oss_attention_output_and_experts(
@@ -154,7 +162,11 @@ class GptOssFamily(Family):
         return "experts"
 
     def window(self, layer: int) -> int | None:
-        return self.config.sliding_window if self.config.layer_types[layer] == "sliding_attention" else None
+        return (
+            self.config.sliding_window
+            if self.config.layer_types[layer] == "sliding_attention"
+            else None
+        )
 
     def attention_args(self, layer: LayerWeights) -> tuple:
         return layer.qkv, layer.qkv_bias, layer.qkv_lora, self.heads, self.kv_heads

@@ -19,7 +19,9 @@ class LlamaFamily(Family):
     def __init__(self, config):
         super().__init__(config)
         # SmolLM3: layers whose no_rope_layers entry is 0 have no rotary embedding
-        self.no_rope = {i for i, uses in enumerate(getattr(config, "no_rope_layers", None) or []) if not uses}
+        self.no_rope = {
+            i for i, uses in enumerate(getattr(config, "no_rope_layers", None) or []) if not uses
+        }
 
     @classmethod
     def unsupported_reason(cls, config) -> str | None:
@@ -28,7 +30,8 @@ class LlamaFamily(Family):
             return "sliding-window attention"
         if getattr(config, "hidden_act", "silu") != "silu":
             return f"activation {config.hidden_act!r}"
-        output_bias = config.model_type != "qwen2" and getattr(config, "attention_bias", False)  # Qwen2: q, k, v only
+        # Qwen2: q, k, v only
+        output_bias = config.model_type != "qwen2" and getattr(config, "attention_bias", False)
         if getattr(config, "mlp_bias", False) or output_bias:
             return "biases on the MLP or the attention output (the fused decode step has none)"
         return super().unsupported_reason(config)
@@ -63,4 +66,11 @@ class LlamaFamily(Family):
         )
 
     def after_attention_args(self, layer: LayerWeights) -> tuple:
-        return layer.o, layer.post_norm, layer.gate_up, layer.down, layer.adapters_after_attention, self.eps
+        return (
+            layer.o,
+            layer.post_norm,
+            layer.gate_up,
+            layer.down,
+            layer.adapters_after_attention,
+            self.eps,
+        )

@@ -35,8 +35,14 @@ def olmo_attention_inputs(
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     q = olmo_norm(qkv[:, :q_size], q_norm, eps)
     k = olmo_norm(qkv[:, q_size : q_size + kv_size], k_norm, eps)
-    qk = applyrope(torch.cat([q, k], dim=-1).view(batch, heads + kv_heads, head_dim), cos, sin).to(qkv.dtype)
-    return qk[:, :heads].unsqueeze(2), qk[:, heads:].unsqueeze(2), qkv[:, -kv_size:].view(batch, kv_heads, 1, head_dim)
+    qk = applyrope(torch.cat([q, k], dim=-1).view(batch, heads + kv_heads, head_dim), cos, sin).to(
+        qkv.dtype
+    )
+    return (
+        qk[:, :heads].unsqueeze(2),
+        qk[:, heads:].unsqueeze(2),
+        qkv[:, -kv_size:].view(batch, kv_heads, 1, head_dim),
+    )
 
 
 def olmo_attention_output_and_mlp(
@@ -82,7 +88,15 @@ class Olmo2Family(Family):
         }
 
     def attention_args(self, layer: LayerWeights) -> tuple:
-        return layer.qkv, layer.qkv_lora, layer.q_norm, layer.k_norm, self.heads, self.kv_heads, self.eps
+        return (
+            layer.qkv,
+            layer.qkv_lora,
+            layer.q_norm,
+            layer.k_norm,
+            self.heads,
+            self.kv_heads,
+            self.eps,
+        )
 
     def after_attention_args(self, layer: LayerWeights) -> tuple:
         return (

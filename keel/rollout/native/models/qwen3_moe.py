@@ -37,7 +37,9 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor, expert_of_row: Tensor, grouped: bool) -> Tensor:
+def grouped_linear(
+    x: Tensor, weight: Tensor, offsets: Tensor, expert_of_row: Tensor, grouped: bool
+) -> Tensor:
     """Rows of x [M, in], sorted by expert, each times its expert's weight [E, out, in]^T. Where the
     grouped matmul does not run (float32: tests), every expert over every row, each row keeping its
     own expert's result: E times the work, still without a host sync."""
@@ -61,12 +63,19 @@ def expert_pairs(experts: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Ten
 
 
 def routed_experts(
-    h: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k: int, normalize: bool, grouped: bool = True
+    h: Tensor,
+    router: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    top_k: int,
+    normalize: bool,
+    grouped: bool = True,
 ) -> Tensor:
     """The mixture's output [N, hidden] for normed inputs h [N, hidden], as transformers' Qwen3-MoE
     computes it: routing weights in float32 from the softmax over all experts, the top k
     renormalised (`norm_topk_prob`), each expert's output scaled in the input dtype and summed."""
-    h = h.to(gate_up.dtype)  # a float32 stream's normed input, cast as autocast casts a matmul's
+    # a float32 stream's normed input, cast as autocast casts a matmul's
+    h = h.to(gate_up.dtype)
     probs = F.softmax(F.linear(h, router).float(), dim=-1)  # [N, E]
     weights, experts = torch.topk(probs, top_k, dim=-1)  # [N, k]
     if normalize:
@@ -96,7 +105,12 @@ def attention_output_and_experts(
 ) -> tuple[Tensor, Tensor]:
     """attention_output_and_mlp with the mixture of experts in place of the MLP."""
     x = residual_add(x, project(attention, o, o_lora))
-    x = residual_add(x, routed_experts(rms_norm(x, post_norm, eps), router, gate_up, down, top_k, normalize, grouped))
+    x = residual_add(
+        x,
+        routed_experts(
+            rms_norm(x, post_norm, eps), router, gate_up, down, top_k, normalize, grouped
+        ),
+    )
     return x, rms_norm(x, next_norm, eps)
 
 
@@ -109,7 +123,8 @@ class Qwen3MoeFamily(LlamaFamily):
         self.top_k, self.normalize = config.num_experts_per_tok, bool(config.norm_topk_prob)
 
     def layer_sources(self, layer) -> dict[str, list[Tensor]]:
-        sources = super().layer_sources(layer)  # a dense MLP's too: mlp_only_layers, or off decoder_sparse_step
+        # a dense MLP's too: mlp_only_layers, or off decoder_sparse_step
+        sources = super().layer_sources(layer)
         mlp = layer.mlp
         if hasattr(mlp, "experts"):
             sources.update(
