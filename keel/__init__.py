@@ -1,19 +1,7 @@
 """keel: reinforcement-learning post-training for Hugging Face language models."""
 
-from importlib import metadata as _metadata
-
 from keel import openmp as _openmp  # noqa: F401 - first, before anything loads torch (the module says why)
-
-
-def _version() -> str:
-    try:
-        return _metadata.version("keel")
-    # running from a source tree that was never installed
-    except _metadata.PackageNotFoundError:
-        return "0.0.0+source"
-
-
-__version__ = _version()
+from keel.version import __version__
 
 
 def __getattr__(name: str):

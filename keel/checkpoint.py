@@ -32,6 +32,7 @@ import yaml
 
 from keel.errors import EXPORT_TARGET, NOT_A_CHECKPOINT, RESUME_MISMATCH, RESUME_PATH, KeelError
 from keel.errors.fixes import free_directory, overrides, setting
+from keel.version import __version__
 
 LATEST = "latest_checkpointed_iteration.txt"
 MARKER = "COMPLETE"
@@ -54,8 +55,6 @@ def save_checkpoint(
     config_yaml: str | None = None,
 ) -> Path:
     """Call `write(tmp_dir)` to fill a checkpoint, then publish it atomically."""
-    from keel import __version__
-
     final = step_dir(run_dir, step)
     tmp = run_dir / f".global_step_{step}.tmp"
     if tmp.exists():

@@ -11,8 +11,9 @@ import logging
 import os
 import sys
 
-from keel import __version__, commands
+from keel import commands
 from keel.errors import KeelError
+from keel.version import __version__
 
 
 def _list_of(parse, choices=None):
