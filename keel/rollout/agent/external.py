@@ -29,9 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from keel.errors import AGENT_FUNCTION, KeelError
-from keel.rollout.agent.agents import Job, Outcome, build_agent, run_agents
+from keel.rollout.agent.agents import Job, build_agent, run_agents
 from keel.rollout.agent.endpoints import EndpointProcesses, InProcessEndpoint
 from keel.rollout.agent.episode import last_sampled_turn
+from keel.rollout.agent.outcome import Outcome
 from keel.rollout.agent.trace import Stretch, Trace
 from keel.rollout.service import EngineService
 from keel.types import GeneratedBatch, PromptBatch, SamplingParams

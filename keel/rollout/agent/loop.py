@@ -37,7 +37,8 @@ from keel.rollout.agent.interaction import InteractionEnvironment, load_interact
 from keel.rollout.agent.parse import PARSERS
 from keel.rollout.agent.runner import ToolLimits, ToolRunner
 from keel.rollout.agent.template import TurnTemplate
-from keel.rollout.agent.tools import Tool, load_tools
+from keel.rollout.agent.tool_types import Tool
+from keel.rollout.agent.tools import load_tools
 from keel.rollout.service import EngineService
 from keel.types import GeneratedBatch, PromptBatch, SamplingParams
 
