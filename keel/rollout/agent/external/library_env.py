@@ -1,5 +1,5 @@
 """Environments of environment libraries as the rollout (`actor_rollout_ref.rollout.agent.environment`),
-run unchanged through keel's OpenAI-compatible endpoint as agent code is (external.py):
+run unchanged through keel's OpenAI-compatible endpoint as agent code is (rollout.py):
 
 - `verifiers:NAME`: a verifiers environment package (verifiers_env.py): its dataset is the prompts,
   its rollout the agent, its rubric the reward, its rubric's functions keel's metrics.
@@ -10,9 +10,9 @@ run unchanged through keel's OpenAI-compatible endpoint as agent code is (extern
 
 from __future__ import annotations
 
-from keel.rollout.agent.openenv_env import load_openenv_agent
-from keel.rollout.agent.outcome import environment_error
-from keel.rollout.agent.verifiers_env import (
+from keel.rollout.agent.external.openenv_env import load_openenv_agent
+from keel.rollout.agent.external.outcome import environment_error
+from keel.rollout.agent.external.verifiers_env import (
     VerifiersAgent,
     load_verifiers_environment,
     verifiers_rows,

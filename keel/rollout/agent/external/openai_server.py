@@ -32,9 +32,9 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from keel.errors import AGENT_REQUEST
+from keel.rollout.agent.external.trace import Trace, comparable
 from keel.rollout.agent.parse import HERMES, PARSERS
 from keel.rollout.agent.template import TurnTemplate
-from keel.rollout.agent.trace import Trace, comparable
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k")
 # the error type of a turn refused because its sample's budget is spent

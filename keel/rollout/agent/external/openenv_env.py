@@ -11,8 +11,8 @@ import asyncio
 import json
 import typing
 
-from keel.rollout.agent.openai_server import BUDGET_SPENT
-from keel.rollout.agent.outcome import Outcome, environment_error, load_attribute
+from keel.rollout.agent.external.openai_server import BUDGET_SPENT
+from keel.rollout.agent.external.outcome import Outcome, environment_error, load_attribute
 
 ARGS = ("base_url", "action_field", "observation_field", "max_turns", "max_tokens")
 # what every OpenEnv observation has besides its own fields

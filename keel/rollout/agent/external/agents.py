@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from keel.errors import AGENT_FUNCTION, KeelError
-from keel.rollout.agent.library_env import load_environment_agent
-from keel.rollout.agent.outcome import Outcome, load_attribute, outcome_of
+from keel.rollout.agent.external.library_env import load_environment_agent
+from keel.rollout.agent.external.outcome import Outcome, load_attribute, outcome_of
 
 
 @dataclass
