@@ -11,7 +11,7 @@ import asyncio
 import json
 import typing
 
-from keel.rollout.agent.external.openai_server import BUDGET_SPENT
+from keel.rollout.agent.external.openai_requests import BUDGET_SPENT
 from keel.rollout.agent.external.outcome import Outcome, environment_error, load_attribute
 
 ARGS = ("base_url", "action_field", "observation_field", "max_turns", "max_tokens")
