@@ -1,4 +1,5 @@
-"""Multi-turn rollouts: the agent loop, tool calls and the tools themselves."""
+"""Multi-turn rollouts: the agent loop, tool calls and the tools themselves; agent code and
+environment libraries behind keel's OpenAI endpoint in external/."""
 
 from keel.rollout.agent.loop import AgentLoop, AgentOptions, build_agent_loop  # noqa: F401
 from keel.rollout.agent.runner import ToolLimits  # noqa: F401
