@@ -72,8 +72,8 @@ def check_multi_turn(cfg: KeelConfig, context: dict) -> list[Finding]:
 
 def _check_agent(cfg: KeelConfig) -> Finding:
     """Agent code as the rollout: the function loads, and what the run does with its requests."""
-    from keel.rollout.agent.agents import load_agent_function
-    from keel.rollout.agent.library_env import load_environment_agent
+    from keel.rollout.agent.external.agents import load_agent_function
+    from keel.rollout.agent.external.library_env import load_environment_agent
 
     agent = cfg.actor_rollout_ref.rollout.agent
     if agent.environment:

@@ -31,7 +31,7 @@ from keel.rewards.normalize import RunningNormalizer
 from keel.rewards.reward_fn import RewardScorer
 from keel.rewards.service import RewardServiceClient
 from keel.rewards.worker import file_spec, module_location
-from keel.rollout.agent.library_env import environment_rows
+from keel.rollout.agent.external.library_env import environment_rows
 from keel.trainer.roles import WorkerRoles
 from keel.trainer.sharding import decide_sharding
 

@@ -94,7 +94,7 @@ def test_a_verifiers_environment_trains_on_its_own_dataset_and_rubric(
 
 def test_verifiers_environment_errors_name_the_cause(tiny_config, verifiers_package):
     from keel.config.load import load_config
-    from keel.rollout.agent.library_env import load_environment_agent
+    from keel.rollout.agent.external.library_env import load_environment_agent
 
     def agent_of(environment: str, args: dict | None = None):
         cfg = library_config(
@@ -222,7 +222,7 @@ def test_an_openenv_environment_trains_through_its_client(tiny_config, openenv_s
 
 
 def test_openenv_environment_errors_name_the_cause(openenv_server):
-    from keel.rollout.agent.openenv_env import load_openenv_agent
+    from keel.rollout.agent.external.openenv_env import load_openenv_agent
 
     for name, args, said in [
         ("keel_guess_env:GuessEnv", {}, "base_url is not set"),
@@ -261,7 +261,7 @@ def test_openenv_environment_errors_name_the_cause(openenv_server):
 def test_the_examples_verifiers_environment_loads_with_its_dataset(monkeypatch):
     pytest.importorskip("verifiers")
     from keel.config.load import load_config
-    from keel.rollout.agent.library_env import environment_rows, load_environment_agent
+    from keel.rollout.agent.external.library_env import environment_rows, load_environment_agent
 
     examples = Path(__file__).parents[2] / "examples"
     monkeypatch.syspath_prepend(str(examples / "agent"))

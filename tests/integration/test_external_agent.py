@@ -91,7 +91,7 @@ def test_with_segments_a_rewritten_history_trains_instead_of_leaving_the_update(
 
 
 def test_an_agent_function_that_is_not_there_is_refused_by_name(tmp_path):
-    from keel.rollout.agent.agents import load_agent_function
+    from keel.rollout.agent.external.agents import load_agent_function
 
     (tmp_path / "agents.py").write_text("def agent(client, row, extra_info):\n    return 1.0\n")
     with pytest.raises(KeelError) as missing:
@@ -110,7 +110,7 @@ def test_an_agent_function_that_is_not_there_is_refused_by_name(tmp_path):
 
 def test_the_examples_agent_config_names_an_agent_keel_can_load():
     from keel.config.load import load_config
-    from keel.rollout.agent.agents import load_agent_function
+    from keel.rollout.agent.external.agents import load_agent_function
 
     root = Path(__file__).parents[2]
     cfg = load_config(str(root / "examples" / "agent" / "grpo.yaml"))

@@ -9,8 +9,8 @@ import pytest
 
 from keel.config.agent import AgentConfig
 from keel.errors import AGENT_FUNCTION, KeelError
-from keel.rollout.agent.agent_processes import AgentProcesses
-from keel.rollout.agent.agents import Job
+from keel.rollout.agent.external.agent_processes import AgentProcesses
+from keel.rollout.agent.external.agents import Job
 
 AGENTS = """
 import os
@@ -72,9 +72,9 @@ def test_a_cut_sample_without_a_reward_is_dropped_where_no_reward_function_score
     the reward function; an environment's (scored_by_agent) has none, so it leaves the update."""
     from keel.data.prompts import collate_prompts
     from keel.models.load import load_tokenizer
-    from keel.rollout.agent.agents import Outcome
-    from keel.rollout.agent.external import traces_batch
-    from keel.rollout.agent.trace import Trace
+    from keel.rollout.agent.external.agents import Outcome
+    from keel.rollout.agent.external.rollout import traces_batch
+    from keel.rollout.agent.external.trace import Trace
     from keel.types import PromptRecord
 
     tokenizer = load_tokenizer(tiny_assets["model"])
@@ -105,7 +105,7 @@ def test_a_cut_sample_without_a_reward_is_dropped_where_no_reward_function_score
     ("cores", "expected"), [(16, (8, 8)), (64, (8, 8)), (2, (1, 1)), (1, (1, 1)), (None, (1, 1))]
 )
 def test_process_counts_default_to_one_per_two_cores(monkeypatch, cores, expected):
-    from keel.rollout.agent.external import _agent_processes, _endpoint_processes
+    from keel.rollout.agent.external.rollout import _agent_processes, _endpoint_processes
 
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
     section = AgentConfig(function="agents:where")
@@ -113,7 +113,7 @@ def test_process_counts_default_to_one_per_two_cores(monkeypatch, cores, expecte
 
 
 def test_agents_in_the_engines_process_keep_the_endpoint_there_too():
-    from keel.rollout.agent.external import _agent_processes, _endpoint_processes
+    from keel.rollout.agent.external.rollout import _agent_processes, _endpoint_processes
 
     in_process = AgentConfig(function="agents:where", processes=0)
     assert (_agent_processes(in_process), _endpoint_processes(in_process)) == (0, 0)

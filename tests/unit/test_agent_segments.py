@@ -11,9 +11,9 @@ from keel.algorithms.advantages import AdvantageInputs, AdvantageParams, compute
 from keel.data.prompts import collate_prompts
 from keel.models.load import load_tokenizer
 from keel.rewards.reward_fn import ScoreResult
-from keel.rollout.agent.agents import Outcome
-from keel.rollout.agent.external import traces_batch
-from keel.rollout.agent.trace import Trace
+from keel.rollout.agent.external.agents import Outcome
+from keel.rollout.agent.external.rollout import traces_batch
+from keel.rollout.agent.external.trace import Trace
 from keel.trainer.roles import _rows_per_mini_batch
 from keel.trainer.scored_rollout import score_samples
 from keel.types import PromptRecord

@@ -10,7 +10,7 @@ import torch
 
 from keel.errors import AGENT_FUNCTION, KeelError
 from keel.models.load import load_causal_lm, load_tokenizer
-from keel.rollout.agent.endpoints import EndpointProcesses
+from keel.rollout.agent.external.endpoints import EndpointProcesses
 from keel.rollout.native import NativeRolloutEngine
 from keel.rollout.service import EngineService
 from keel.types import SamplingParams

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from keel.rollout.agent.environment import Environment
 from keel.rollout.agent.runner import ToolSession
-from keel.rollout.agent.tools import ToolOutput
+from keel.rollout.agent.tool_types import ToolOutput
 from keel.types import GeneratedBatch, PromptBatch, PromptRecord
 
 

@@ -39,7 +39,8 @@ def load_interactions(path: str | Path) -> dict[str, object]:
     build is an error naming its entry, before any model loads."""
     import yaml
 
-    from keel.rollout.agent.tools import missing_config_fix, resolve_class
+    from keel.rollout.agent.tool_types import missing_config_fix
+    from keel.rollout.agent.tools import resolve_class
 
     path = Path(path)
     if not path.is_file():

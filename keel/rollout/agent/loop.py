@@ -18,26 +18,25 @@ per turn over the samples still going, their whole context as the prompt.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import queue
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from keel.data.prompts import collate_prompts
+from keel.rollout.agent.actions import TurnActions, TurnPlan
 from keel.rollout.agent.environment import Environment, load_environment
 from keel.rollout.agent.episode import (
     Episode,
     episode_record,
     episode_text,
     episodes_batch,
-    last_text,
 )
 from keel.rollout.agent.interaction import InteractionEnvironment, load_interactions
 from keel.rollout.agent.parse import PARSERS
 from keel.rollout.agent.runner import ToolLimits, ToolRunner
 from keel.rollout.agent.template import TurnTemplate
-from keel.rollout.agent.tools import Tool, load_tools
+from keel.rollout.agent.tool_types import Tool
+from keel.rollout.agent.tools import load_tools
 from keel.rollout.service import EngineService
 from keel.types import GeneratedBatch, PromptBatch, SamplingParams
 
@@ -72,6 +71,9 @@ class AgentLoop:
         self.template = TurnTemplate(tokenizer, [t.schema for t in tools], eos_ids)
         self.parse = PARSERS[options.format]
         self.runner = ToolRunner(tools, options.limits)
+        self.actions = TurnActions(
+            tokenizer, self.template, self.parse, self.runner, options, self.eos_ids
+        )
         self.timing: dict[str, float] = {}
         # An episode's row is final when it ends, unless an environment or verl's lifecycle tools
         # add to it as the batch closes them: only then can its reward begin before the batch is
@@ -99,47 +101,18 @@ class AgentLoop:
             episode.session = session
         try:
             if self.environment is not None:
-                self._reset_environments(episodes)
+                self.actions.reset_environments(episodes, self.environment, self.environment_config)
             if hasattr(self.engine, "continuous_batcher"):
                 self._run_continuously(episodes, dataclasses.replace(params, n=1))
             else:
                 while active := [e for e in episodes if not e.done]:
                     self._assistant_turn(active, params)
                     self._next_turn([e for e in active if not e.done])
-            self._close_environments(episodes)
+            self.actions.close_environments(episodes)
         # verl's tools' instances are released whatever happened
         finally:
             self.runner.close(sessions)
         return episodes_batch(prompts, episodes, self.tokenizer)
-
-    def _reset_environments(self, episodes: list[Episode]) -> None:
-        environments = [self.environment(self.environment_config) for _ in episodes]
-        for environment, episode in zip(environments, episodes):
-            environment.prompt, environment.conversation = (
-                episode.record.raw_prompt,
-                episode.conversation,
-            )
-        resets = self.runner.call_each(
-            [
-                functools.partial(env.reset, dict(e.record.extra_info))
-                for env, e in zip(environments, episodes)
-            ]
-        )
-        for episode, environment, (_, status) in zip(episodes, environments, resets):
-            episode.environment = environment if status == "ok" else None
-            episode.environment_errors += status != "ok"
-
-    def _close_environments(self, episodes: list[Episode]) -> None:
-        """Every environment closed (one that raises or hangs is counted, as a step would be)."""
-        # a class with step only
-        having = [e for e in episodes if callable(getattr(e.environment, "close", None))]
-        for episode, (_, status) in zip(
-            having, self.runner.call_each([e.environment.close for e in having])
-        ):
-            episode.environment_errors += status != "ok"
-        # what a verl interaction scored: recorded, not added (interaction.py)
-        for episode in episodes:
-            episode.reward_scores.update(getattr(episode.environment, "reward_scores", None) or {})
 
     def _run_continuously(self, episodes: list[Episode], params: SamplingParams) -> None:
         """The episodes as a client of the engine service (native's continuous batching): an
@@ -190,18 +163,18 @@ class AgentLoop:
             # a refusal here is keel's bug: raised, never a silent sample
             completion = future.result()
             self._took_turn(episode, completion.ids, completion.log_probs)
-        plan = self._plan([e for e, _ in ended if not e.done])
+        plan = self.actions.plan([e for e, _ in ended if not e.done])
         for episode, _ in ended:
             # its last turn: the row goes to a waiting episode
             if episode.done:
                 self._end(service, episode)
         if not (plan.calling or plan.talking):
             return 0
-        acted = pool.submit(self._act, plan)
+        acted = pool.submit(self.actions.act, plan)
         acted.add_done_callback(lambda done: news.put(("acted", (plan, done))))
         return 1
 
-    def _acted(self, service, news: queue.Queue, plan: _Plan, acted: Future) -> int:
+    def _acted(self, service, news: queue.Queue, plan: TurnPlan, acted: Future) -> int:
         """A plan's results appended; its episodes ask again or end -> turns submitted."""
         self._apply(plan, *acted.result())
         going = [e for e in plan.calling + plan.talking if not e.done]
@@ -252,112 +225,13 @@ class AgentLoop:
         episode.done = episode.cut or episode.assistant_turns >= self.options.max_assistant_turns
 
     def _next_turn(self, pending: list[Episode]) -> None:
-        plan = self._plan(pending)
-        self._apply(plan, *self._act(plan))
+        plan = self.actions.plan(pending)
+        self._apply(plan, *self.actions.act(plan))
 
-    def _plan(self, pending: list[Episode]) -> _Plan:
-        """What follows each pending sample's last turn: its tool calls, or the environment's
-        answer, or nothing (it was the answer: the episode ends)."""
-        for episode in pending:
-            episode.conversation.append(
-                {"role": "assistant", "content": last_text(episode, self.tokenizer)}
-            )
-        parsed = {id(e): self.parse(e.conversation[-1]["content"]) for e in pending}
-        calling = [e for e in pending if parsed[id(e)].calls or parsed[id(e)].malformed]
-        talking = [e for e in pending if e not in calling and e.environment is not None]
-        for episode in pending:
-            episode.done = episode not in calling and episode not in talking
-        return _Plan(pending, calling, talking, parsed)
-
-    def _act(self, plan: _Plan) -> tuple[list, list, float]:
-        """The plan's tool calls and environment steps run (safe on a thread: the episodes are not
-        touched) -> (tool outputs, environment steps, seconds)."""
-        start = time.perf_counter()
-        outputs = self.runner.run(
-            [plan.parsed[id(e)].calls for e in plan.calling], [e.session for e in plan.calling]
-        )
-        steps = self.runner.call_each(
-            [
-                functools.partial(e.environment.step, e.conversation[-1]["content"])
-                for e in plan.talking
-            ]
-        )
-        return outputs, steps, time.perf_counter() - start
-
-    def _apply(self, plan: _Plan, outputs: list, steps: list, seconds: float) -> None:
+    def _apply(self, plan: TurnPlan, outputs: list, steps: list, seconds: float) -> None:
+        """The plan's results appended; the seconds they took counted as the tools' time."""
         self.timing["tools"] = self.timing.get("tools", 0.0) + seconds
-        self._tool_results(plan, outputs)
-        self._environment_results(plan.talking, steps)
-
-    def _tool_results(self, plan: _Plan, outputs: list) -> None:
-        """The calls' results (and malformed calls' errors) appended as tool turns."""
-        for episode, results in zip(plan.calling, outputs):
-            turn = plan.parsed[id(episode)]
-            episode.malformed_calls += len(turn.malformed)
-            for output in results:
-                episode.count(output)
-            messages = [{"role": "tool", "content": r.text} for r in results]
-            messages += [{"role": "tool", "content": f"Error: {why}"} for why in turn.malformed]
-            episode.tool_turns += self._append(episode, messages)
-
-    def _environment_results(self, talking: list[Episode], steps: list) -> None:
-        """Each environment's observation is its episode's next user turn."""
-        limit = self.options.max_user_turns
-        for episode, (result, status) in zip(talking, steps):
-            step = _checked_step(result) if status == "ok" else None
-            # raised, hung or answered nonsense: the episode ends, counted
-            if step is None:
-                episode.environment_errors += 1
-                episode.done = True
-                continue
-            observation, reward, done = step
-            episode.turn_reward += reward
-            if done or (limit is not None and episode.user_turns >= limit):
-                episode.done = True
-                continue
-            episode.user_turns += self._append(episode, [{"role": "user", "content": observation}])
-
-    def _append(self, episode: Episode, messages: list[dict]) -> bool:
-        """The messages' turn and the next generation prompt, through the template; when they leave
-        no room for the model to answer, the budget ends the episode instead."""
-        suffix = self.template.suffix_ids(messages)
-        # a turn cut at max_tokens_per_turn:
-        if not episode.ids or episode.ids[-1] not in self.eos_ids:
-            # closed as the template closes one
-            suffix = [self.template.end_id] + suffix
-        if len(episode.ids) + len(suffix) >= self.options.budget:
-            episode.cut = episode.done = True
-            return False
-        episode.add(suffix, None)
-        episode.conversation += messages
-        return True
-
-
-@dataclass
-class _Plan:
-    """What follows the last turn of each of `pending`."""
-
-    pending: list[Episode]
-    # its tool calls run
-    calling: list[Episode]
-    # its environment steps
-    talking: list[Episode]
-    # id(episode) -> its parsed turn
-    parsed: dict
-
-
-def _checked_step(result) -> tuple[str, float, bool] | None:
-    """An environment's (observation, reward, done), or None when it is not one."""
-    if not (isinstance(result, tuple) and len(result) == 3):
-        return None
-    observation, reward, done = result
-    try:
-        reward = float(reward)
-    except (TypeError, ValueError):
-        return None
-    if reward != reward or abs(reward) == float("inf"):
-        return None
-    return str(observation), reward, bool(done)
+        self.actions.apply(plan, outputs, steps)
 
 
 def build_agent_loop(multi_turn, engine, tokenizer, budget: int) -> AgentLoop:

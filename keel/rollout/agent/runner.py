@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from uuid import uuid4
 
 from keel.rollout.agent.parse import ToolCall
-from keel.rollout.agent.tools import Tool, ToolOutput
+from keel.rollout.agent.tool_types import Tool, ToolOutput
 
 TRUNCATED = "...(truncated)"
 UNKNOWN = "unknown_tool"

@@ -42,7 +42,7 @@ from types import TracebackType
 from typing import Any
 
 from keel.errors import TOOL_CONFIG, VERL_UNAVAILABLE, KeelError
-from keel.rollout.agent.tools import Tool, ToolOutput
+from keel.rollout.agent.tool_types import Tool, ToolOutput, missing_config_fix
 
 VERL_BASE_TOOL = ("verl.tools.base_tool", "BaseTool")
 INSTALL = "pip install --no-deps 'verl==0.9.1' && pip install pydantic tensordict"
@@ -187,8 +187,6 @@ class VerlFunctionTool(Tool):
 def load_function_tools(path: str | Path) -> list[Tool]:
     """The tools of `function_tool_path`, through verl's own loader (its registry and schemas)."""
     key = "actor_rollout_ref.rollout.multi_turn.function_tool_path"
-    from keel.rollout.agent.tools import missing_config_fix
-
     path = Path(path)
     if not path.is_file():
         raise KeelError(

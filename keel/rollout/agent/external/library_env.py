@@ -1,5 +1,5 @@
 """Environments of environment libraries as the rollout (`actor_rollout_ref.rollout.agent.environment`),
-run unchanged through keel's OpenAI-compatible endpoint as agent code is (external.py):
+run unchanged through keel's OpenAI-compatible endpoint as agent code is (rollout.py):
 
 - `verifiers:NAME`: a verifiers environment package (verifiers_env.py): its dataset is the prompts,
   its rollout the agent, its rubric the reward, its rubric's functions keel's metrics.
@@ -10,7 +10,13 @@ run unchanged through keel's OpenAI-compatible endpoint as agent code is (extern
 
 from __future__ import annotations
 
-from keel.errors import AGENT_ENVIRONMENT, KeelError
+from keel.rollout.agent.external.openenv_env import load_openenv_agent
+from keel.rollout.agent.external.outcome import environment_error
+from keel.rollout.agent.external.verifiers_env import (
+    VerifiersAgent,
+    load_verifiers_environment,
+    verifiers_rows,
+)
 
 LIBRARIES = ("verifiers", "openenv")
 
@@ -29,11 +35,7 @@ def load_environment_agent(agent):
     """The agent that runs `agent.environment` (a rollout.agent section) for each sample."""
     library, name = parse_environment(agent.environment)
     if library == "verifiers":
-        from keel.rollout.agent.verifiers_env import VerifiersAgent, load_verifiers_environment
-
         return VerifiersAgent(load_verifiers_environment(name, agent.environment_args), name)
-    from keel.rollout.agent.openenv_env import load_openenv_agent
-
     return load_openenv_agent(name, agent.environment_args)
 
 
@@ -45,12 +47,4 @@ def environment_rows(agent, split: str) -> list[dict] | None:
     library, name = parse_environment(agent.environment)
     if library != "verifiers":
         return None
-    from keel.rollout.agent.verifiers_env import load_verifiers_environment, verifiers_rows
-
     return verifiers_rows(load_verifiers_environment(name, agent.environment_args), name, split)
-
-
-def environment_error(spec: str, reason: str) -> KeelError:
-    return KeelError(
-        AGENT_ENVIRONMENT, f"actor_rollout_ref.rollout.agent.environment={spec!r}: {reason}"
-    )

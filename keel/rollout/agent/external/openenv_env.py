@@ -11,9 +11,8 @@ import asyncio
 import json
 import typing
 
-from keel.rollout.agent.agents import Outcome, load_attribute
-from keel.rollout.agent.library_env import environment_error
-from keel.rollout.agent.openai_server import BUDGET_SPENT
+from keel.rollout.agent.external.openai_requests import BUDGET_SPENT
+from keel.rollout.agent.external.outcome import Outcome, environment_error, load_attribute
 
 ARGS = ("base_url", "action_field", "observation_field", "max_turns", "max_tokens")
 # what every OpenEnv observation has besides its own fields

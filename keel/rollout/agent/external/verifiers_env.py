@@ -10,8 +10,7 @@ import copy
 import json
 import math
 
-from keel.rollout.agent.agents import Outcome
-from keel.rollout.agent.library_env import environment_error
+from keel.rollout.agent.external.outcome import Outcome, environment_error
 
 # extra_info's key holding the environment's own dataset row
 DATA_KEY = "verifiers"

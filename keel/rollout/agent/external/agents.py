@@ -10,16 +10,15 @@ so it imports neither torch nor the engine.
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import logging
-import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from keel.errors import AGENT_FUNCTION, KeelError
+from keel.rollout.agent.external.library_env import load_environment_agent
+from keel.rollout.agent.external.outcome import Outcome, load_attribute, outcome_of
 
 
 @dataclass
@@ -33,18 +32,6 @@ class Job:
     group: int
 
 
-@dataclass
-class Outcome:
-    """How one sample's agent ended."""
-
-    reward: float | None = None
-    # ok | error | timeout
-    status: str = "ok"
-    error: str | None = None
-    # the agent's or environment's own, averaged per step
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
 class FunctionAgent:
     """A user's async function as the agent of each sample. Agents of environment libraries
     (library_env.py) have the same `run`; theirs returns what `score_group` scores once every
@@ -55,32 +42,6 @@ class FunctionAgent:
 
     async def run(self, client, row: dict, extra_info: dict) -> Outcome:
         return outcome_of(await self.function(client, row, extra_info))
-
-
-def outcome_of(value) -> Outcome:
-    """An agent's return value: a number (the reward), None (left to the reward function), or
-    {"reward": number | None, "metrics": {name: number}}."""
-    metrics = {}
-    if isinstance(value, dict):
-        metrics, value = value.get("metrics") or {}, value.get("reward")
-        if not isinstance(metrics, dict) or not all(
-            _finite(v) and isinstance(k, str) for k, v in metrics.items()
-        ):
-            return Outcome(
-                status="error",
-                error=f"the agent's metrics {metrics!r:.80} are not {{name: number}}",
-            )
-    if value is None:
-        return Outcome(metrics=metrics)
-    if not _finite(value):
-        return Outcome(
-            status="error", error=f"the agent returned {value!r:.80}, not a finite number or None"
-        )
-    return Outcome(reward=float(value), metrics={k: float(v) for k, v in metrics.items()})
-
-
-def _finite(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 async def run_agents(
@@ -159,8 +120,6 @@ async def _score_group(agent, members: list[int], ended: list, timeout_s: float)
 def build_agent(section):
     """The agent a rollout.agent section names: its environment's, or its function."""
     if section.environment:
-        from keel.rollout.agent.library_env import load_environment_agent
-
         return load_environment_agent(section)
     return FunctionAgent(load_agent_function(section.function))
 
@@ -177,26 +136,3 @@ def load_agent_function(spec: str, directory: Path | None = None):
             AGENT_FUNCTION, f"actor_rollout_ref.rollout.agent.function={spec!r}: {reason}"
         )
     return function
-
-
-def load_attribute(spec: str, directory: Path | None = None):
-    """What `module:name` or `file.py:name` names (a file relative to `directory`, default the
-    working directory); ValueError saying why there is none."""
-    where, _, name = spec.rpartition(":")
-    if not where:
-        raise ValueError("not of the form module:name or file.py:name")
-    try:
-        if where.endswith(".py"):
-            path = (directory or Path.cwd()) / where
-            loader = importlib.util.spec_from_file_location(f"keel_agent_{path.stem}", path)
-            module = importlib.util.module_from_spec(loader)
-            loader.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except Exception as error:  # noqa: BLE001 - the user's module: missing or raising on import, named
-        raise ValueError(
-            f"{where!r} could not be loaded: {type(error).__name__}: {error}"
-        ) from None
-    if not hasattr(module, name):
-        raise ValueError(f"{where!r} has no attribute {name!r}")
-    return getattr(module, name)

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 import torch
 
 from keel.errors import AGENT_FUNCTION, KeelError
-from keel.rollout.agent.agents import Job, Outcome, build_agent, run_agents
-from keel.rollout.agent.endpoints import EndpointProcesses, InProcessEndpoint
 from keel.rollout.agent.episode import last_sampled_turn
-from keel.rollout.agent.trace import Stretch, Trace
+from keel.rollout.agent.external.agents import Job, build_agent, run_agents
+from keel.rollout.agent.external.endpoints import EndpointProcesses, InProcessEndpoint
+from keel.rollout.agent.external.outcome import Outcome
+from keel.rollout.agent.external.trace import Stretch, Trace
 from keel.rollout.service import EngineService
 from keel.types import GeneratedBatch, PromptBatch, SamplingParams
 
@@ -186,7 +187,7 @@ def build_external_agent(agent, engine, tokenizer, budget: int) -> ExternalAgent
     processes = _agent_processes(agent)
     if not processes:
         return ExternalAgentRollout(engine, tokenizer, InProcessAgents(build_agent(agent)), options)
-    from keel.rollout.agent.agent_processes import AgentProcesses
+    from keel.rollout.agent.external.agent_processes import AgentProcesses
 
     # Each process builds the agent; `keel check` (before training) has loaded it here already.
     return ExternalAgentRollout(engine, tokenizer, AgentProcesses(agent, processes), options)

@@ -13,7 +13,7 @@ import multiprocessing
 import queue
 
 from keel.errors import AGENT_FUNCTION, KeelError
-from keel.rollout.agent.agents import Job, build_agent, run_agents
+from keel.rollout.agent.external.agents import Job, build_agent, run_agents
 
 # how often a wait for the processes' reports looks whether they are still alive
 POLL_S = 1.0

@@ -97,7 +97,7 @@ class RemoteService:
 
 def _serve(connection, tokenizer, options: dict) -> None:
     """An endpoint process: serve until told to stop, one rollout after another."""
-    from keel.rollout.agent.openai_server import OpenAIEndpoint
+    from keel.rollout.agent.external.openai_server import OpenAIEndpoint
 
     service = RemoteService(connection)
     try:
@@ -139,7 +139,7 @@ class InProcessEndpoint:
         self.endpoint = None
 
     def begin(self, service, budget: int | None) -> list[str]:
-        from keel.rollout.agent.openai_server import OpenAIEndpoint
+        from keel.rollout.agent.external.openai_server import OpenAIEndpoint
 
         self.endpoint = OpenAIEndpoint(
             service,
