@@ -32,7 +32,7 @@ def _list_of(parse, choices=None):
 
 
 def _builtin_scorers() -> list[str]:
-    from keel.rewards.scorers import SCORERS
+    from keel.rewards.registry import SCORERS
 
     return list(SCORERS)
 

@@ -107,7 +107,7 @@ def cmd_reward_server(args) -> int:
         scorer_fn = ("builtin", args.scorer)
     # the responses run here: this machine's jail is the one that counts
     if args.scorer in ("code_exec", "prime_code"):
-        from keel.rewards.sandbox import require_jail
+        from keel.rewards.jail.sandbox import require_jail
 
         print("\n".join(require_jail(args.sandbox_require).describe()), flush=True)
     scorer = RewardScorer(

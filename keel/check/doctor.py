@@ -26,7 +26,7 @@ from keel.errors import (
     TORCH_UNSUPPORTED,
 )
 from keel.openmp import how_threads_wait
-from keel.rewards.sandbox import jail
+from keel.rewards.jail.sandbox import jail
 
 # (minimum, maximum exclusive or None) of what keel is tested with
 SUPPORTED = {"transformers": ("4.51", None), "peft": ("0.13", None), "tokenizers": ("0.20", None)}

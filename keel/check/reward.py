@@ -13,7 +13,7 @@ from keel.check.findings import PASS, WARN, Finding, need
 from keel.config.rules import lengths_within
 from keel.config.schema import KeelConfig
 from keel.errors import SANDBOX_INCOMPLETE, TOKEN_BUDGET, KeelError
-from keel.rewards.sandbox import jail
+from keel.rewards.jail.sandbox import jail
 
 # rows of each data_source the scorer runs on
 ROWS_PER_SOURCE = 4

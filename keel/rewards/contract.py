@@ -23,6 +23,10 @@ from typing import Any
 
 from keel.errors import REWARD_SIGNATURE, KeelError
 
+# a per-sample reward function, as verl calls it: (data_source, solution_str, ground_truth,
+# extra_info) -> a number (or a dict with "score")
+RewardFn = Callable[[str, str, Any, dict], float]
+
 PER_SAMPLE = ("data_source", "solution_str", "ground_truth", "extra_info")
 BATCHED = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
 # verl's num_turns for one prompt and one response (its single-turn agent loop)

@@ -9,8 +9,7 @@ from pathlib import Path
 
 from keel.errors import REWARD_FN_LOAD, KeelError
 from keel.errors.fixes import closest, nearby_file, setting
-from keel.rewards.contract import BATCHED, PER_SAMPLE, check_signature
-from keel.rewards.scorers import RewardFn
+from keel.rewards.contract import BATCHED, PER_SAMPLE, RewardFn, check_signature
 from keel.rewards.worker import FILE_PREFIX, PKG_PREFIX, load_module
 
 

@@ -2,50 +2,18 @@
 
 from __future__ import annotations
 
-import inspect
-import logging
-import pickle
 from dataclasses import dataclass, field
 
 import torch
 
-from keel.errors import (
-    MISSING_GROUND_TRUTH,
-    NO_SCORER,
-    KeelError,
-    SkipStep,
-)
-from keel.errors.fixes import setting
-from keel.rewards.code_tests import check_ground_truths
-from keel.rewards.contract import AGENT_WEIGHTS, agent_reward, verl_extra_info
-from keel.rewards.executor import ScoringPool, Started
-from keel.rewards.sandbox import require_jail
-from keel.rewards.score_errors import scoring_error, too_many_not_scored
+from keel.rewards.ahead import StartedSample, begun, sample_task
+from keel.rewards.choice import ScorerChoice
+from keel.rewards.contract import AGENT_WEIGHTS, agent_reward
+from keel.rewards.executor import ScoringPool
+from keel.rewards.not_scored import NotScoredPolicy
+from keel.rewards.row_checks import check_rows
 from keel.rewards.score_metrics import score_metrics
-from keel.rewards.scorers import (
-    DATA_SOURCE_SCORERS,
-    NO_GROUND_TRUTH,
-    SCORERS,
-    RewardFn,
-    scorer_for_source,
-)
-from keel.rewards.worker import (
-    NOT_FINITE,
-    SampleResult,
-    SampleTask,
-    Spec,
-    resolve,
-    score_batched,
-)
-
-log = logging.getLogger("keel")
-
-
-# scorers that run the response
-RUN_CODE = (("builtin", "code_exec"), ("builtin", "prime_code"))
-# the spec naming the reward model in a data_source's scorers
-REWARD_MODEL = ("reward_model",)
-SERVICE = ("service",)
+from keel.rewards.worker import SampleResult, Spec, resolve, score_batched
 
 
 @dataclass
@@ -58,35 +26,19 @@ class ScoreResult:
     extras: list[dict] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class StartedSample:
-    """A sample's scoring begun ahead of its batch (`RewardScorer.start`)."""
-
-    # what it scores, pickled: the response, its row's ground truth and extra_info, the scorers
-    task: bytes
-    started: Started
-
-    def of(self, task: SampleTask) -> Started | None:
-        """The scoring begun, if it is `task`'s (a sample whose text or record differs is scored again).
-        Compared pickled: a record's numpy arrays (verl's parquet rows) compare elementwise otherwise."""
-        return self.started if pickle.dumps(task) == self.task else None
-
-
 class RewardScorer:
     """Scores a batch of responses; every sample is scored or marked not scored with a reason.
 
-    Per data_source: the weighted scorers named in `reward.scorers`, else the custom function (it
-    serves every data_source, as in verl), else the built-in scorer for that data_source. The name
-    `custom` in `reward.scorers` refers to the custom function, so it can be combined with rules.
-
-    `on_error` decides what a not-scored sample becomes: `mask` (left out of the update), `zero`
-    (scored 0) or `raise` (the run stops). With mask or zero, a share of not-scored samples above
-    `max_not_scored_ratio` stops the run: a scorer failing that often is broken, not unlucky.
+    Who scores which data_source: `ScorerChoice` (keel/rewards/choice.py). What a not-scored sample
+    becomes (`on_error`: mask, zero or raise; past `max_not_scored_ratio` the run stops):
+    `NotScoredPolicy` (keel/rewards/not_scored.py). The keywords are the reward config's, flat, as
+    keel's setup and `keel reward-server` pass them; `custom` is the custom function, a callable or
+    a spec tuple that pickles to the scoring processes (keel.rewards.worker.Spec).
     """
 
     def __init__(
         self,
-        custom: RewardFn | tuple | None = None,
+        custom: Spec | None = None,
         by_source: dict[str, dict[str, float]] | None = None,
         overlong=None,
         max_response_length: int | None = None,
@@ -100,123 +52,37 @@ class RewardScorer:
         sandbox_require: str = "isolation",
         nonfinite: str = "stop",
     ):
-        self.service = service
-        self.nonfinite = nonfinite
-        self.sandbox_require = sandbox_require
-        self.custom = custom
+        self.choice = ScorerChoice(custom, by_source or {}, reward_model, service)
+        self.not_scored = NotScoredPolicy(on_error, max_not_scored_ratio, nonfinite)
+        # the same objects the choice names, used to score
+        self.custom, self.reward_model, self.service = custom, reward_model, service
         self.batched = batched
-        self.reward_model = reward_model
-        self.by_source = by_source or {}
+        self.sandbox_require = sandbox_require
         self.overlong = overlong if overlong is not None and overlong.enable else None
         self.max_response_length = max_response_length
-        self.on_error = on_error
-        self.max_not_scored_ratio = max_not_scored_ratio
         self.timeout_s = timeout_s
         self.pool = ScoringPool(num_workers)
-        _check_scorer_names(self.by_source, bool(custom), bool(reward_model))
 
     def scorers_for(self, data_source: str) -> dict[str, tuple[Spec, float]]:
         """{name: (scorer spec, weight)} for one data_source."""
-        if self.service is not None:
-            return {"service": (SERVICE, 1.0)}
-        if data_source in self.by_source:
-            named = {"custom": self.custom, "reward_model": REWARD_MODEL}
-            return {
-                name: (named.get(name, ("builtin", name)), weight)
-                for name, weight in self.by_source[data_source].items()
-            }
-        if self.reward_model is not None:
-            return {"reward_model": (REWARD_MODEL, 1.0)}
-        if self.custom is not None:
-            return {"custom": (self.custom, 1.0)}
-        name = scorer_for_source(data_source)
-        if name is None:
-            raise KeelError(
-                NO_SCORER,
-                f"no scorer for data_source={data_source!r}; built-in ones serve {sorted(DATA_SOURCE_SCORERS)} and "
-                "every data_source starting with 'aime' (verl's routing)",
-                f"set {setting(f'reward.scorers.{data_source}.exact_match', 1.0)} (1 when the response is the row's "
-                "ground truth, else 0), or set custom_reward_function.path to a file with compute_score(data_source, "
-                "solution_str, ground_truth, extra_info)",
-            )
-        return {name: (("builtin", name), 1.0)}
+        return self.choice.scorers_for(data_source)
 
     def describe(self, data_source: str) -> str:
-        """Who scores `data_source`, in words, for `keel check`: verl users see which rule replaces
-        their default_compute_score."""
-
-        def one(name: str) -> str:
-            if name == "service":
-                return f"the reward service at {self.service.url}"
-            if name == "reward_model":
-                return "the reward model"
-            if name == "custom":
-                return f"your function {self.user_code(data_source) or ''}".rstrip()
-            chosen = (
-                ""
-                if data_source in self.by_source
-                else " (chosen by data_source, as verl's default_compute_score)"
-            )
-            return f"built-in `{name}`{chosen}"
-
-        parts = self.scorers_for(data_source)
-        if len(parts) == 1:
-            return one(next(iter(parts)))
-        return " + ".join(f"{weight} x {one(name)}" for name, (_, weight) in parts.items())
+        """Who scores `data_source`, in words, for `keel check`."""
+        return self.choice.describe(data_source)
 
     def user_code(self, data_source: str) -> str | None:
         """ "`function` in `file`" of the custom function that scores `data_source`, when one does."""
-        spec = self.scorers_for(data_source).get("custom", (None,))[0]
-        if isinstance(spec, tuple):
-            return f"`{spec[2]}` in `{spec[1]}`" if spec[:1] == ("file",) else None
-        # a functools.partial when reward_kwargs are bound
-        function = getattr(spec, "func", spec)
-        try:
-            return f"`{function.__name__}` in `{inspect.getsourcefile(function)}`"
-        except (TypeError, AttributeError):
-            return None
+        return self.choice.user_code(data_source)
 
     def check_records(self, records: list, files: list[str] = ()) -> None:
-        """Fail before any generation if some row could not be scored: no scorer for its
-        data_source, or no ground truth for a built-in scorer (which would score it 0 forever).
+        """Fail before any generation if some row could not be scored (keel/rewards/row_checks.py).
         `files`: the data files the records come from, for the fix line."""
-        needs_truth = set()
-        for source in sorted({r.data_source for r in records}):
-            if any(
-                name in SCORERS and name not in NO_GROUND_TRUTH for name in self.scorers_for(source)
-            ):
-                needs_truth.add(source)
-        missing = [
-            r.index for r in records if r.data_source in needs_truth and r.ground_truth is None
-        ]
-        if missing:
-            sources = sorted(
-                needs_truth & {r.data_source for r in records if r.ground_truth is None}
-            )
-            raise KeelError(
-                MISSING_GROUND_TRUTH,
-                f"{len(missing)} rows (first: row {missing[0]}) have no "
-                "reward_model.ground_truth, which the built-in scorers compare against",
-                f'add "reward_model": {{"ground_truth": ...}} (each row\'s right answer) to the rows of '
-                f"data_source {sources}{_in_files(files)}, or score them with your own "
-                "custom_reward_function",
-            )
-        code_rows = [r for r in records if self._runs_code(r.data_source)]
-        if code_rows:
-            # every row: test cases in neither form would never score
-            try:
-                check_ground_truths(code_rows)
-            except KeelError as refused:
-                where = f"{_in_files(files).strip()}: " if files else ""
-                raise KeelError(refused.code, refused.message, where + refused.fix) from None
-            require_jail(self.sandbox_require)
+        check_rows(self.choice, records, files, self.sandbox_require)
 
     def runs_model_code(self, records: list) -> bool:
         """Whether some row is scored by running the response (code_exec, in keel's sandbox)."""
-        return any(self._runs_code(source) for source in {r.data_source for r in records})
-
-    def _runs_code(self, data_source: str) -> bool:
-        return any(spec in RUN_CODE for spec, _ in self.scorers_for(data_source).values())
+        return any(self.choice.runs_code(source) for source in {r.data_source for r in records})
 
     # -> [N]
     def score(self, records: list, response_texts: list[str]) -> torch.Tensor:
@@ -238,8 +104,7 @@ class RewardScorer:
         task = sample_task(
             record, self.scorers_for(record.data_source), response_text, self.timeout_s
         )
-        started = self.pool.start(task)
-        return None if started is None else StartedSample(pickle.dumps(task), started)
+        return StartedSample.of_task(task, self.pool.start(task))
 
     def score_batch(
         self,
@@ -254,50 +119,16 @@ class RewardScorer:
         counts by reason, scoring latency and the overlong penalty. `may_skip`: a training step,
         which trainer.guards.nonfinite=skip may drop (SkipStep) when NaN scores fill the batch.
         `started[i]`: sample i's scoring as `start` began it (if None, or another task's: scored now)."""
-        on_error = on_error or self.on_error
+        on_error = on_error or self.not_scored.on_error
         given = [agent_reward(r) for r in records]
         weights = [
             AGENT_WEIGHTS if g is not None else self.scorers_for(r.data_source)
             for r, g in zip(records, given)
         ]
-        # what the agent left to the scorers
-        rest = [i for i, g in enumerate(given) if g is None]
-        tasks = [
-            sample_task(records[i], weights[i], response_texts[i], self.timeout_s) for i in rest
-        ]
-        ahead = [_begun(started[i], task) for i, task in zip(rest, tasks)] if started else None
-        scored_rest = iter(
-            self._run(
-                [records[i] for i in rest],
-                [response_texts[i] for i in rest],
-                [weights[i] for i in rest],
-                ahead,
-            )
-            if rest
-            else []
+        results, ahead = self._results(records, response_texts, given, weights, started)
+        failed = self.not_scored.failures(
+            results, records, response_texts, on_error, self.timeout_s, self.user_code
         )
-        results = [
-            SampleResult({"agent": g}, None, 0.0) if g is not None else next(scored_rest)
-            for g in given
-        ]
-        failed = [(i, res.reason) for i, res in enumerate(results) if res.values is None]
-        if failed:
-            log.warning(
-                "%d of %d samples not scored (first: %s); reward.on_error=%s",
-                len(failed),
-                len(records),
-                failed[0][1],
-                on_error,
-            )
-        if failed and on_error == "raise":
-            first = records[failed[0][0]]
-            raise scoring_error(
-                first,
-                failed[0][1],
-                response_texts[failed[0][0]],
-                self.timeout_s,
-                self.user_code(first.data_source),
-            )
         totals = [
             sum(weight * res.values[name] for name, (_, weight) in w.items()) if res.values else 0.0
             for res, w in zip(results, weights)
@@ -316,9 +147,7 @@ class RewardScorer:
             penalty = overlong_penalty(response_lengths, self.max_response_length, self.overlong)
             scores = scores + penalty * scored
             metrics["reward/overlong_penalty/mean"] = penalty.mean().item()
-        if len(failed) / max(len(records), 1) > self.max_not_scored_ratio:
-            self._skip_if_nonfinite(failed, len(records), may_skip)
-            raise too_many_not_scored(failed, records, self.max_not_scored_ratio)
+        self.not_scored.check_share(failed, records, may_skip)
         return ScoreResult(
             scores,
             scored,
@@ -327,19 +156,30 @@ class RewardScorer:
             [res.extras or {} for res in results],
         )
 
-    def _skip_if_nonfinite(self, failed: list[tuple[int, str]], total: int, may_skip: bool) -> None:
-        """trainer.guards.nonfinite=skip: a batch pushed over max_not_scored_ratio by NaN or infinite
-        scores is skipped like a step with NaN log-probs. Other failures past the ratio still stop."""
-        nonfinite = [
-            reason for _, reason in failed if reason.removeprefix("service: ") in NOT_FINITE
-        ]
-        if not (may_skip and self.nonfinite == "skip" and nonfinite):
-            return
-        if (len(failed) - len(nonfinite)) / total <= self.max_not_scored_ratio:
-            log.warning(
-                "skipping the step: %d of %d scores are NaN or infinite", len(nonfinite), total
+    def _results(
+        self, records: list, texts: list[str], given: list, weights: list[dict], started: list
+    ) -> tuple[list[SampleResult], list | None]:
+        """Each sample's result: the agent's reward where it `given` one, else the scorers'; and
+        what `start` began for those the scorers score (None when nothing was passed)."""
+        # what the agent left to the scorers
+        rest = [i for i, g in enumerate(given) if g is None]
+        tasks = [sample_task(records[i], weights[i], texts[i], self.timeout_s) for i in rest]
+        ahead = [begun(started[i], task) for i, task in zip(rest, tasks)] if started else None
+        scored_rest = iter(
+            self._run(
+                [records[i] for i in rest],
+                [texts[i] for i in rest],
+                [weights[i] for i in rest],
+                ahead,
             )
-            raise SkipStep("rewards")
+            if rest
+            else []
+        )
+        results = [
+            SampleResult({"agent": g}, None, 0.0) if g is not None else next(scored_rest)
+            for g in given
+        ]
+        return results, ahead
 
     def _run(
         self, records: list, texts: list[str], weights: list[dict], started: list
@@ -370,22 +210,6 @@ class RewardScorer:
             self.reward_model.shutdown()
 
 
-def _begun(started: StartedSample | None, task: SampleTask) -> Started | None:
-    return started and started.of(task)
-
-
-def sample_task(record, weights: dict, text: str, timeout_s: float | None) -> SampleTask:
-    """What a scoring process runs for one sample: its rule scorers (the reward model runs here)."""
-    return SampleTask(
-        [(name, spec) for name, (spec, _) in weights.items() if spec != REWARD_MODEL],
-        record.data_source,
-        text,
-        record.ground_truth,
-        verl_extra_info(record.extra_info),
-        timeout_s,
-    )
-
-
 def add_reward_model_scores(
     reward_model, records, texts, weights, results: list[SampleResult]
 ) -> None:
@@ -403,34 +227,6 @@ def add_reward_model_scores(
             results[i] = SampleResult(None, value, results[i].seconds)
         else:
             results[i].values["reward_model"] = value
-
-
-def _check_scorer_names(
-    by_source: dict[str, dict[str, float]], custom: bool, reward_model: bool
-) -> None:
-    """reward.scorers names only built-in scorers, `custom` with a custom function and
-    `reward_model` with a reward model."""
-    known = (
-        set(SCORERS)
-        | ({"custom"} if custom else set())
-        | ({"reward_model"} if reward_model else set())
-    )
-    for source, weights in by_source.items():
-        unknown = sorted(set(weights) - known)
-        if unknown:
-            raise KeelError(
-                NO_SCORER,
-                f"reward.scorers.{source} names {unknown}, which are not scorers",
-                f"use built-in scorers {sorted(SCORERS)}"
-                + (
-                    " or custom" if custom else " (set custom_reward_function.path to use `custom`)"
-                ),
-            )
-
-
-def _in_files(files: list[str]) -> str:
-    """ " in `a.jsonl` or `b.jsonl`": where the rows a fix names are."""
-    return "".join(f" in `{f}`" for f in files[:1]) + "".join(f" or `{f}`" for f in files[1:])
 
 
 def overlong_penalty(lengths: torch.Tensor, max_response_length: int, cfg) -> torch.Tensor:

@@ -1,22 +1,15 @@
-"""Built-in rule scorers. Each follows verl's reward contract:
+"""keel's rule scorers, GSM8K's as verl scores it among them. Each follows verl's reward contract:
 `(data_source, solution_str, ground_truth, extra_info) -> float` (or a dict with `score`).
 
-The data sources verl 0.9.1's default_compute_score routes go to the scorers that reproduce verl's
-rules (keel/rewards/verl_math.py, verl_qa.py, verl_routing.py); keel's own scorers serve keel's own
-data sources, or any data source that names them in `reward.scorers`.
+They serve keel's own data sources, or any data source that names them in `reward.scorers`. verl's
+other rules are reproduced in keel/rewards/verl/; keel/rewards/registry.py names every scorer and
+routes data sources to them.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import Any
-
-from keel.rewards.verl_math import geo3k, math_dapo, math_reward
-from keel.rewards.verl_qa import search_r1
-from keel.rewards.verl_routing import VERL_DATA_SOURCES, VERL_PREFIX_ROUTE, prime_code, prime_math
-
-RewardFn = Callable[[str, str, Any, dict], float]
 
 _GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
 _NUMBER = re.compile(r"-?\d[\d,]*\.?\d*|-?\.\d+")
@@ -164,25 +157,6 @@ def think_answer_format(
     return float(_THINK_ANSWER.fullmatch(solution_str) is not None)
 
 
-_CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
-
-
-def extract_code(text: str) -> str:
-    """The last fenced code block, else the whole response."""
-    blocks = _CODE_BLOCK.findall(text)
-    return blocks[-1] if blocks else text
-
-
-def code_exec(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
-) -> float:
-    """Share of test cases the program passes, in keel's sandbox: keel's [{"input", "output"}] form or
-    verl's {"inputs", "outputs"} (keel/rewards/code_tests.py)."""
-    from keel.rewards.code_tests import code_exec as score_tests
-
-    return score_tests(data_source, solution_str, ground_truth, extra_info)
-
-
 def arithmetic(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
 ) -> float:
@@ -201,54 +175,3 @@ def tool_arithmetic(
         "score": arithmetic(data_source, info.get("last_turn", solution_str), ground_truth),
         "correct_call": float(str(ground_truth) in info.get("tool_outputs", [])),
     }
-
-
-SCORERS: dict[str, RewardFn] = {
-    "exact_match": exact_match,
-    "gsm8k": gsm8k,
-    "gsm8k_lenient": gsm8k_lenient,
-    "gsm8k_flexible": gsm8k_flexible,
-    "math_equivalent": math_equivalent,
-    "regex": regex_match,
-    "multiple_choice": multiple_choice,
-    "think_answer_format": think_answer_format,
-    "arithmetic": arithmetic,
-    "tool_arithmetic": tool_arithmetic,
-    "code_exec": code_exec,
-    # verl's rules, under verl's names (the module each reproduces: verl_routing.VERL_MODULES)
-    "math_reward": math_reward,
-    "math_dapo": math_dapo,
-    "prime_math": prime_math,
-    "prime_code": prime_code,
-    "geo3k": geo3k,
-    "search_r1": search_r1,
-}
-
-# data_source values that pick a built-in scorer: every one verl 0.9.1 routes, to the scorer giving
-# verl's score, and keel's own. Data sources starting with "aime" go to math_dapo too
-# (scorer_for_source).
-DATA_SOURCE_SCORERS = {
-    **VERL_DATA_SOURCES,
-    "aime2024": "math_dapo",
-    "aime2025": "math_dapo",
-    "gsm8k": "gsm8k",
-    "exact_match": "exact_match",
-    "keel/arithmetic": "arithmetic",
-    "keel/tool_arithmetic": "tool_arithmetic",
-    "code": "code_exec",
-}
-
-
-def scorer_for_source(data_source: str) -> str | None:
-    """The built-in scorer a data_source picks: DATA_SOURCE_SCORERS, verl's `aime*` prefix, then keel's
-    rule that a name containing "gsm8k" is GSM8K; None when none does."""
-    if data_source in DATA_SOURCE_SCORERS:
-        return DATA_SOURCE_SCORERS[data_source]
-    prefix, scorer = VERL_PREFIX_ROUTE
-    if data_source.startswith(prefix):
-        return scorer
-    return "gsm8k" if "gsm8k" in data_source else None
-
-
-# Scorers that do not compare against a ground truth.
-NO_GROUND_TRUTH = {"think_answer_format"}

@@ -99,7 +99,7 @@ def load_file_function(path: str, name: str) -> Callable:
 @functools.cache
 def _resolve_spec(spec: tuple) -> Callable:
     if spec[0] == "builtin":
-        from keel.rewards.scorers import SCORERS
+        from keel.rewards.registry import SCORERS
 
         return SCORERS[spec[1]]
     fn = load_file_function(spec[1], spec[2])

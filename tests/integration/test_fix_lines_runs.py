@@ -115,7 +115,7 @@ def failing_compiler(c) -> list[str]:
 
 
 def partial_jail(c) -> list[str]:
-    from keel.rewards import sandbox
+    from keel.rewards.jail import sandbox
 
     found = sandbox.jail()
     partial = sandbox.Jail(

@@ -4,7 +4,7 @@ written by hand so that v2's file names are checked too."""
 
 from pathlib import Path
 
-from keel.rewards import cgroups
+from keel.rewards.jail import cgroups
 
 V1_PROC = "9:name=systemd:/\n8:pids:/\n4:memory:/job/7\n2:cpuacct,cpu:/\n0::/\n"
 V2_PROC = "0::/user.slice/keel.scope\n"

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from keel.errors import KeelError
-from keel.rewards.code_tests import check_ground_truths, code_exec, compute_score, prime_code
-from keel.rewards.sandbox import Limits, run_python
+from keel.rewards.jail.sandbox import Limits, run_python
+from keel.rewards.verl.code_tests import check_ground_truths, code_exec, compute_score, prime_code
 
 from verl_shim import verl_module
 

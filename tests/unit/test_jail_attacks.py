@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from keel.rewards import userns
-from keel.rewards.bwrap import (
+from keel.rewards.jail import userns
+from keel.rewards.jail.bwrap import (
     IN_USER_NAMESPACE,
     NO_JAIL_AS_NOBODY,
     Limits,
     _interpreter,
     run_jailed,
 )
-from keel.rewards.sandbox import SandboxViolation, jail, limit_verdict
+from keel.rewards.jail.sandbox import SandboxViolation, jail, limit_verdict
 
 LIMITS = Limits(cpu_s=3, wall_s=30, memory_mb=128, processes=16)
 # run_jailed's `accounted`
@@ -200,8 +200,8 @@ TRAINER_PYTHON = _python_nobody_can_run()
 AS_A_ROOT_TRAINER = textwrap.dedent("""
     import json, sys
     sys.modules["pyseccomp"] = None
-    from keel.rewards.bwrap import Limits, run_jailed
-    from keel.rewards.sandbox import jail
+    from keel.rewards.jail.bwrap import Limits, run_jailed
+    from keel.rewards.jail.sandbox import jail
     mode, code, out = sys.argv[1], sys.argv[2], {}
     if mode == "probe":
         found = jail()
@@ -274,9 +274,9 @@ AT_FORK_THREAD = textwrap.dedent("""
             time.sleep(3600)
     os.register_at_fork(after_in_child=start_a_thread_or_hang)
     threading.Thread(target=threading.Event().wait, daemon=True).start()  # a trainer has threads
-    from keel.rewards import userns
-    from keel.rewards.bwrap import Limits, run_jailed
-    from keel.rewards.sandbox import jail
+    from keel.rewards.jail import userns
+    from keel.rewards.jail.bwrap import Limits, run_jailed
+    from keel.rewards.jail.sandbox import jail
     print(userns.available())  # the run's own namespace, with the hook's thread in every fork
     for accounted in (True, False):
         finished = run_jailed(jail().mode, "print(6 * 7)", "", Limits(cpu_s=3, wall_s=30, memory_mb=128,
@@ -291,7 +291,7 @@ def test_a_library_hook_that_starts_a_thread_after_fork_does_not_break_a_run():
     multithreaded, where the kernel refuses a user namespace, and one that waits can hang. The jail
     is set up by a launcher of its own (a fresh interpreter), so no hook of the trainer's runs."""
     clean = subprocess.run(
-        [sys.executable, "-c", "from keel.rewards import userns; print(userns.available())"],
+        [sys.executable, "-c", "from keel.rewards.jail import userns; print(userns.available())"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -306,7 +306,7 @@ def test_a_jail_that_cannot_be_set_up_is_an_error_not_a_program_that_failed(monk
     """The launcher's failure comes back as an error the scorer reports, never as a run whose
     program printed nothing (a silent score of 0); a program exiting with the launcher's code is
     only a program that failed."""
-    from keel.rewards import bwrap, launcher
+    from keel.rewards.jail import bwrap, launcher
 
     program = run_jailed(
         jail().mode, f"import sys\nsys.exit({launcher.LAUNCH_FAILED})", "", LIMITS, accounted=False

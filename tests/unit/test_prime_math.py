@@ -6,8 +6,8 @@ few places keel departs from verl on purpose are listed in KNOWN_DIFFERENCES wit
 
 import pytest
 
-from keel.rewards.literals import NotALiteral, literal_value
-from keel.rewards.prime_math import compute_score
+from keel.rewards.verl.literals import NotALiteral, literal_value
+from keel.rewards.verl.prime_math import compute_score
 
 # ground truth -> answers a model might give: the same value written otherwise, and wrong ones
 ANSWERS_BY_TRUTH = {
@@ -301,7 +301,7 @@ KNOWN_DIFFERENCES = {
     ): "keel parses literal matrices only",
 }
 # Not compared here: verl bounds each sympy comparison at 10 s (a forked process) and scores one
-# past it 0, where keel runs on under reward.timeout_s (see keel/rewards/prime_math.py); verl's eval
+# past it 0, where keel runs on under reward.timeout_s (see keel/rewards/verl/prime_math.py); verl's eval
 # has no bound at all (`\boxed{9**9**9\pi}` never returns), where keel refuses values too large to
 # build; and when both the answer and the ground truth nest brackets more than about 230 deep,
 # keel's comparison runs out of Python's recursion limit before verl's (four frames a level against

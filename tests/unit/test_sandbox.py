@@ -14,9 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from keel.rewards.jail.sandbox import Limits, SandboxViolation, jail, run_python
 from keel.rewards.reward_fn import RewardScorer
-from keel.rewards.sandbox import Limits, SandboxViolation, jail, run_python
-from keel.rewards.scorers import code_exec, extract_code
+from keel.rewards.verl.code_tests import code_exec, extract_code
 
 TESTS = json.dumps([{"input": "2 3\n", "output": "5"}, {"input": "10 -4\n", "output": "6"}])
 LIMITS = Limits(cpu_s=2, wall_s=20, memory_mb=256)
@@ -175,7 +175,7 @@ def _as_trainer(
     """Runs an attack from a sacrificial trainer process; the attack is told the trainer's pid."""
     trainer = textwrap.dedent(f"""
         import os, resource
-        from keel.rewards.sandbox import Limits, SandboxViolation, run_python
+        from keel.rewards.jail.sandbox import Limits, SandboxViolation, run_python
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         code = {attack_template!r}.replace("TRAINER", str(os.getpid()))
         try:
@@ -339,7 +339,7 @@ def test_model_code_never_runs_unfenced_unless_the_config_says_so(no_bubblewrap,
 
 def test_a_jail_without_accounting_is_isolation_enough_but_not_all(monkeypatch, caplog):
     from keel.errors import SANDBOX_INCOMPLETE, KeelError
-    from keel.rewards import sandbox
+    from keel.rewards.jail import sandbox
 
     partial = sandbox.Jail(
         jail().mode, {**jail().protections, "accounting": False}, sandbox.NO_CGROUP
@@ -505,7 +505,7 @@ def test_a_trainer_that_is_not_root_gets_a_user_namespace_jail():
         script = textwrap.dedent(f"""
             import sys
             sys.modules["pyseccomp"] = None
-            from keel.rewards.sandbox import jail, run_python
+            from keel.rewards.jail.sandbox import jail, run_python
             found = jail()
             print(found.mode, sorted(found.missing()))
             exec({probe!r})
@@ -539,7 +539,7 @@ def test_a_trainer_that_is_not_root_gets_a_user_namespace_jail():
 
 def test_doctor_names_the_user_and_the_process_cap_and_what_is_missing():
     from keel.check.doctor import check_sandbox_processes, check_sandbox_user
-    from keel.rewards import sandbox
+    from keel.rewards.jail import sandbox
 
     found = jail()
     assert (
@@ -569,7 +569,7 @@ def test_an_uncapped_process_count_is_not_isolation(monkeypatch):
     """A fork bomb fills the machine's process table: the default reward.sandbox.require refuses a
     jail that cannot cap it, and says so."""
     from keel.errors import SANDBOX_INCOMPLETE, KeelError
-    from keel.rewards import sandbox
+    from keel.rewards.jail import sandbox
 
     uncapped = sandbox.Jail(
         jail().mode, {**jail().protections, "process count": False}, sandbox.NO_PROCESS_CAP

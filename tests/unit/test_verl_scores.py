@@ -17,8 +17,8 @@ import pytest
 
 from keel.errors import NO_SCORER, KeelError
 from keel.rewards import default_compute_score, verl_scorer_name
-from keel.rewards.scorers import DATA_SOURCE_SCORERS, SCORERS, scorer_for_source
-from keel.rewards.verl_routing import VERL_DATA_SOURCES, VERL_PREFIX_ROUTE
+from keel.rewards.registry import DATA_SOURCE_SCORERS, SCORERS, scorer_for_source
+from keel.rewards.verl.routing import VERL_DATA_SOURCES, VERL_PREFIX_ROUTE
 
 from verl_shim import verl_module
 
@@ -389,7 +389,7 @@ def test_keel_routes_exactly_the_data_sources_verl_does():
 
 
 def test_minerva_normalisation_lists_are_verls():
-    from keel.rewards import verl_math
+    from keel.rewards.verl import verl_math
 
     dapo = verl_module("verl.utils.reward_score.math_dapo")
     assert list(verl_math._MINERVA_REPLACED) == dapo.SUBSTITUTIONS
@@ -429,16 +429,16 @@ def test_an_unrouted_data_source_names_itself_and_the_routed_ones():
 
 
 def skip_or_xfail(scorer: str):
-    if scorer == "prime_code" and not has_module("keel.rewards.code_tests"):
+    if scorer == "prime_code" and not has_module("keel.rewards.verl.code_tests"):
         return [
             pytest.mark.skip(
-                reason="keel/rewards/code_tests.py (verl's prime_code rule) is not there yet"
+                reason="keel/rewards/verl/code_tests.py (verl's prime_code rule) is not there yet"
             )
         ]
-    if scorer == "prime_math" and not has_module("keel.rewards.prime_math"):
+    if scorer == "prime_math" and not has_module("keel.rewards.verl.prime_math"):
         return [
             pytest.mark.xfail(
-                reason="keel/rewards/prime_math.py (verl's prime_math rule) is not there yet",
+                reason="keel/rewards/verl/prime_math.py (verl's prime_math rule) is not there yet",
                 strict=False,
             )
         ]

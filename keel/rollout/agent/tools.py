@@ -90,7 +90,7 @@ def _evaluate(node: ast.AST):
 
 class PythonCode(Tool):
     """The model's Python, run in keel's code sandbox (bubblewrap as an unprivileged user, seccomp, no
-    network, a small scratch directory, CPU, memory, process and output limits: keel.rewards.sandbox):
+    network, a small scratch directory, CPU, memory, process and output limits: keel.rewards.jail.sandbox):
     what it prints, and the last lines of its error when it fails. The machine's jail is required as
     for code rewards (`isolation` by default): model-written code never runs unfenced."""
 
@@ -108,8 +108,8 @@ class PythonCode(Tool):
     }
 
     def __init__(self, config: dict | None = None, tool_schema: dict | None = None):
-        from keel.rewards.bwrap import Limits
-        from keel.rewards.sandbox import require_jail
+        from keel.rewards.jail.bwrap import Limits
+        from keel.rewards.jail.sandbox import require_jail
 
         super().__init__(config, tool_schema)
         self.jail = require_jail(self.config.get("require", "isolation"))
@@ -120,8 +120,8 @@ class PythonCode(Tool):
         )
 
     def execute(self, parameters: dict, **tools_kwargs) -> str:
-        from keel.rewards.bwrap import run_jailed
-        from keel.rewards.sandbox import limit_verdict
+        from keel.rewards.jail.bwrap import run_jailed
+        from keel.rewards.jail.sandbox import limit_verdict
 
         finished = run_jailed(
             self.jail.mode,

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from functools import lru_cache
 
-from keel.rewards.launcher import launched
+from keel.rewards.jail.launcher import launched
 
 
 @lru_cache(maxsize=1)

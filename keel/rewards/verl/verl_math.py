@@ -1,6 +1,6 @@
 """verl 0.9.1's math rules, reimplemented so that keel scores as verl does on the same inputs.
 
-Three rules, named as keel's scorers (see keel/rewards/verl_routing.py for the data sources each serves):
+Three rules, named as keel's scorers (see keel/rewards/verl/routing.py for the data sources each serves):
 
 - `math_reward`: verl's `math_reward.py`, the MATH benchmark's string normalisation (Hendrycks et al.,
   as in lm-evaluation-harness): the last `\\boxed{...}` must equal the ground truth once both are

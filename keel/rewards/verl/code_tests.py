@@ -12,7 +12,7 @@ badly, raises or runs out of time fails; printed output is compared by verl's ru
 line by line, surrounding whitespace and blank lines ignored, lines of numbers within numpy's
 allclose), returned values by equality as verl reads the expected JSON.
 
-The program runs in keel's jail (keel.rewards.code_harness inside keel.rewards.sandbox); what it
+The program runs in keel's jail (keel.rewards.jail.code_harness inside keel.rewards.jail.sandbox); what it
 printed or returned is compared here, outside: a returned object whose `__eq__` always says yes
 (which passes every test in verl) is plain data by the time it is compared. Where keel differs
 from verl on purpose: the jail's limits on memory and output stop a program without a verdict
@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from keel.errors import CODE_TESTS_FORM, KeelError
-from keel.rewards.sandbox import Limits, SandboxViolation, run_python
+from keel.rewards.jail.sandbox import Limits, SandboxViolation, run_python
 
 # continuous scores count the first 10 tests (verl: "some problems have enormous test cases")
 VERL_TESTS_SCORED = 10
@@ -42,7 +43,8 @@ VERL_TEST_TIMEOUT_S = 10
 VERL_ALL_TESTS_TIMEOUT_S = 5
 # what one test may print, at least: more stops the program (not scored)
 REPORT_BYTES = 1 << 20
-HARNESS = Path(__file__).with_name("code_harness.py")
+# the program the jail runs, which runs the model's program (keel never imports it)
+HARNESS = Path(__file__).parents[1] / "jail" / "code_harness.py"
 
 STDIN, CALL = "stdin", "call"
 VERL_FORM = (
@@ -128,6 +130,15 @@ def check_ground_truths(rows: list) -> None:
                 f"row {row.index} (data_source {row.data_source!r}): {refused.message}",
                 refused.fix,
             ) from None
+
+
+_CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+
+
+def extract_code(text: str) -> str:
+    """The program keel's form runs: the last fenced code block, else the whole response."""
+    blocks = _CODE_BLOCK.findall(text)
+    return blocks[-1] if blocks else text
 
 
 def verl_program(response: str) -> str:
@@ -372,8 +383,6 @@ def code_exec(
     script with the input on stdin, its stdout compared with trailing whitespace ignored; verl's
     form: as prime_code scores it. A program the jail stopped (time, memory, output) raises
     SandboxViolation in keel's form, and on memory or output in verl's: the sample is not scored."""
-    from keel.rewards.scorers import extract_code
-
     tests = parse_tests(ground_truth)
     if tests.form == "verl":
         return float(_score_verl(solution_str, tests, True, None)[0])

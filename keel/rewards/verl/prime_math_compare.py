@@ -1,6 +1,6 @@
 """The comparisons behind verl 0.9.1's `prime_math` scorer, in keel's own code: the MATH data set's
 string normalisation (`normalize_answer`) and ToRA's `math_equal` (numbers, percentages, tuples,
-intervals, matrices), with `literal_value` (keel.rewards.literals), keel's stand-in for the `eval()`
+intervals, matrices), with `literal_value` (keel.rewards.verl.literals), keel's stand-in for the `eval()`
 verl runs on the model's answer.
 
 The rules follow verl's to the character, because a verl user's reward curve must not move when
@@ -16,11 +16,11 @@ import math
 import re
 from math import isclose
 
-from keel.rewards.literals import literal_value, parse_literal_matrix
+from keel.rewards.verl.literals import literal_value, parse_literal_matrix
 
 # The MATH set's brace and slash rules, shared with verl's math_reward rule (the same in both of
 # verl's copies).
-from keel.rewards.verl_math import braced_frac_arguments, braced_sqrt_arguments, slash_as_frac
+from keel.rewards.verl.verl_math import braced_frac_arguments, braced_sqrt_arguments, slash_as_frac
 
 # an answer that is all `\text{...}`
 TEXT_WRAPPED = re.compile(r"^\\text\{(?P<text>.+?)\}$")

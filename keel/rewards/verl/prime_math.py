@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
-from keel.rewards.literals import power_too_large
-from keel.rewards.prime_math_compare import TEXT_WRAPPED, math_equal, normalize_answer
+from keel.rewards.verl.literals import power_too_large
+from keel.rewards.verl.prime_math_compare import TEXT_WRAPPED, math_equal, normalize_answer
 
 _UNITS = [
     re.compile(f"{unit}(es)?(s)? *(\\^[0-9]+)?")
@@ -87,6 +88,13 @@ def compute_score(model_output: str, ground_truth: str) -> tuple[bool, bool, str
     except Exception:
         correct = False
     return correct, well_formatted, answer
+
+
+def prime_math(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
+    """The scorer verl's router makes of the rule (the numina_* data sets): `float(triple[0])`."""
+    return float(compute_score(solution_str, ground_truth)[0])
 
 
 # ---------------------------------------------------------------- the answer in a response

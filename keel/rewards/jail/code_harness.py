@@ -1,7 +1,7 @@
 """The program keel's jail runs to test a model's solution the way verl's `prime_code` runs it
 (verl/utils/reward_score/prime_code/testing_util.py), so that the same program passes the same tests.
 
-keel never imports this file: keel.rewards.code_tests hands its text to the jail as the program, and
+keel never imports this file: keel.rewards.verl.code_tests hands its text to the jail as the program, and
 a JSON job on stdin: {"code", "fn_name", "inputs", "timeout_s", "total_s", "report_bytes"}. Each test
 runs in a fresh child process, killed after timeout_s + 1 seconds as verl's global timeout kills its
 own, or when the whole run has taken total_s (verl's pass over every test runs in one process

@@ -1,6 +1,6 @@
 """keel's stand-in for the `eval()` (and sympy's `parse_expr`) verl's prime_math scorer runs on the
 model's answer: the same value for literal arithmetic, NotALiteral for anything else, so a
-response cannot run code in the trainer (keel.rewards.prime_math_compare compares the values)."""
+response cannot run code in the trainer (keel.rewards.verl.prime_math_compare compares the values)."""
 
 from __future__ import annotations
 

@@ -9,10 +9,10 @@ The jail is bubblewrap (`bwrap`, Debian's `bubblewrap`), the sandbox Flatpak run
 - an unprivileged user without capabilities: uid 65534 (`nobody`), dropped to by root inside the jail,
   or mapped in a user namespace for any other user; every rlimit set hard, so it cannot raise one;
 - a seccomp filter refusing new namespaces, keyrings and kernel interfaces a judge never needs;
-- a cgroup per run (keel/rewards/cgroups.py) bounding the whole tree's memory, processes and CPU
+- a cgroup per run (keel/rewards/jail/cgroups.py) bounding the whole tree's memory, processes and CPU
   time, whose books give the CPU and memory verdicts; rlimits on top (open files, file size);
 - its process count capped: the cgroup's pids.max, or where no cgroup can be had RLIMIT_NPROC in a
-  user namespace of the run's own (keel/rewards/launcher.py), which counts that run's processes only;
+  user namespace of the run's own (keel/rewards/jail/launcher.py), which counts that run's processes only;
 - output read as it comes and cut at the limit, and a wall-clock kill of the whole tree.
 A machine that cannot give some of these (no bubblewrap, namespaces or cgroups refused, as in some
 containers) runs solutions with what it has: `jail()` says which protections hold, `keel doctor`
@@ -36,8 +36,8 @@ from functools import lru_cache
 
 from keel.errors import SANDBOX_INCOMPLETE, KeelError
 from keel.errors.fixes import setting
-from keel.rewards import userns
-from keel.rewards.bwrap import (
+from keel.rewards.jail import userns
+from keel.rewards.jail.bwrap import (
     AS_NOBODY,
     IN_USER_NAMESPACE,
     NO_JAIL,

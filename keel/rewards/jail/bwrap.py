@@ -1,12 +1,11 @@
 """How one program runs in the jail: the bubblewrap command line (namespaces, read-only mounts, an
-in-memory scratch directory, an unprivileged user), the seccomp filter, rlimits, the run's cgroup,
-output read as it comes, and the whole tree killed at the end. keel.rewards.sandbox decides what
-a run's end means and which jail this machine gives.
+in-memory scratch directory, an unprivileged user), the seccomp filter (seccomp_filter.py), rlimits,
+the run's cgroup, output read as it comes, and the whole tree killed at the end.
+keel.rewards.jail.sandbox decides what a run's end means and which jail this machine gives.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import selectors
 import signal
@@ -15,14 +14,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
-from keel.rewards import cgroups, userns
-from keel.rewards.cgroups import RunGroup
-from keel.rewards.launcher import launched
-
-log = logging.getLogger("keel")
+from keel.rewards.jail import cgroups, userns
+from keel.rewards.jail.cgroups import RunGroup
+from keel.rewards.jail.launcher import launched
+from keel.rewards.jail.seccomp_filter import seccomp_program
 
 # how often a run's CPU time and OOM kills are read from its cgroup
 CPU_POLL_S = 0.1
@@ -70,7 +67,7 @@ def _bwrap_argv(as_root: bool, solution: str, limits: Limits, seccomp_fd: int) -
     python, python_dir = _interpreter()
     argv = [
         "bwrap",
-        *(["--seccomp", str(seccomp_fd)] if _seccomp_program() else []),
+        *(["--seccomp", str(seccomp_fd)] if seccomp_program() else []),
         "--unshare-pid",
         "--unshare-net",
         "--unshare-ipc",
@@ -170,84 +167,6 @@ def _command(
     ]
 
 
-# Refused inside the jail (EPERM), as Docker's default profile refuses them: new namespaces (a user
-# namespace would give the program every capability over mounts it makes, tmpfs of any size
-# included), keyrings (the user's keyring outlives every run: a channel between samples), and
-# kernel interfaces a judge never needs. clone3 passes its flags in memory a filter cannot read,
-# so it answers ENOSYS and glibc falls back to clone, whose flags are checked.
-_REFUSED_SYSCALLS = (
-    "unshare",
-    "setns",
-    "mount",
-    "umount2",
-    "pivot_root",
-    "chroot",
-    "add_key",
-    "keyctl",
-    "request_key",
-    "io_uring_setup",
-    "io_uring_enter",
-    "io_uring_register",
-    "userfaultfd",
-    "perf_event_open",
-    "bpf",
-    "ptrace",
-    "process_vm_readv",
-    "process_vm_writev",
-    "memfd_create",
-    "name_to_handle_at",
-    "open_by_handle_at",
-    "kexec_load",
-    "init_module",
-    "finit_module",
-    "delete_module",
-    "fsopen",
-    "fsmount",
-    "move_mount",
-    "open_tree",
-)
-
-
-# CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
-_NAMESPACE_FLAGS = (
-    0x00020000,
-    0x02000000,
-    0x04000000,
-    0x08000000,
-    0x10000000,
-    0x20000000,
-    0x40000000,
-    0x00000080,
-)
-
-
-@lru_cache(maxsize=1)
-def _seccomp_program() -> bytes | None:
-    """The filter as BPF for bwrap --seccomp (libseccomp through pyseccomp), or None without it."""
-    try:
-        import pyseccomp as seccomp
-    # not installed, or no libseccomp on this machine (pyseccomp raises RuntimeError)
-    except Exception:
-        return None
-    import errno
-
-    refuse = seccomp.ERRNO(errno.EPERM)
-    program = seccomp.SyscallFilter(seccomp.ALLOW)
-    for name in _REFUSED_SYSCALLS:
-        try:
-            program.add_rule(refuse, name)
-        # a call this libseccomp or architecture does not know
-        except (ValueError, OSError, RuntimeError):
-            log.debug("seccomp: %s unknown here, not filtered", name)
-    for flag in _NAMESPACE_FLAGS:
-        program.add_rule(refuse, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
-    program.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
-    with tempfile.TemporaryFile() as out:
-        program.export_bpf(out)
-        out.seek(0)
-        return out.read()
-
-
 def _launch_spec(
     limits: Limits, mode: str, group: RunGroup | None, own_namespace: bool, report_fd: int
 ) -> dict:
@@ -331,7 +250,7 @@ def _run_in(
         if _drops_to_nobody(mode):
             os.chown(host, SANDBOX_UID, SANDBOX_UID)
         Path(host, "seccomp.bpf").write_bytes(
-            (mode not in (NO_JAIL, NO_JAIL_AS_NOBODY) and _seccomp_program()) or b""
+            (mode not in (NO_JAIL, NO_JAIL_AS_NOBODY) and seccomp_program()) or b""
         )
         with (
             open(stdin_file, "rb") as stdin_handle,
