@@ -19,6 +19,7 @@ from keel.training.forward import LOGITS_CHUNK_TOKENS
 
 def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
     model_cfg = need(context, "model_config")
+    plan = context["plan"]
 
     def estimate_for(config: KeelConfig) -> dict[str, float]:
         return estimate_memory_gb(
@@ -29,6 +30,7 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
             native_rollout=unsupported_reason(model_cfg) is None,
             logits_chunk_tokens=LOGITS_CHUNK_TOKENS,
             lora_trainable=context.get("lora_trainable", {}),
+            actor_fsdp=plan.actor_fsdp(config),
         )
 
     context["memory_gb"] = estimate = estimate_for(cfg)
@@ -58,8 +60,9 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
 def _memory_fix(cfg: KeelConfig, estimate: dict, available: float, estimate_for) -> str | None:
     """One setting that brings the estimate under what is free, for the larger of the two terms a
     setting scales: the KV cache (sequences generated at once) and one micro-batch's activations."""
-    from keel.config.load import load_config, to_dict, value_at
+    from keel.config.load import load_config, to_dict
     from keel.config.rules import largest_divisor_at_most
+    from keel.config.values import value_at
 
     policy = cfg.actor_rollout_ref
     samples = policy.actor.ppo_mini_batch_size * policy.rollout.n
@@ -96,14 +99,18 @@ def check_sharding(cfg: KeelConfig, context: dict) -> list[Finding]:
     from keel.trainer.sharding import choose_sharding, gpu_bytes
 
     model_cfg = need(context, "model_config")
-    why = choose_sharding(
+    plan = context["plan"]
+    sharding = choose_sharding(
         cfg,
+        plan,
         model_cfg,
         context.get("parameters") or architecture_parameters(model_cfg),
         gpu_bytes(cfg),
         context.get("lora_trainable"),
     )
-    return [Finding(PASS, "sharding", why)] if why else []
+    # the plan the trainer takes on, with the choice made here
+    context["plan"] = plan.with_sharding(sharding)
+    return [Finding(PASS, "sharding", sharding.why)] if sharding else []
 
 
 def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:

@@ -2,7 +2,7 @@
 
 Every field may carry constraints (`choices`, `ge`, `gt`, `le`) that `keel.config.load` checks when
 it builds the tree; cross-field rules (batch divisibility, options that need each other) live in
-keel.config.rules, run by `validate()`, each raising a coded error with the numbers and the fix.
+keel.config.rules, run by `load_config`, each raising a coded error with the numbers and the fix.
 """
 
 from __future__ import annotations
@@ -416,9 +416,3 @@ class KeelConfig:
     def run_dir(self) -> str:
         t = self.trainer
         return t.default_local_dir or f"checkpoints/{t.project_name}/{t.experiment_name}"
-
-    def validate(self) -> None:
-        """Cross-field rules (keel.config.rules); single fields are checked by the loader."""
-        from keel.config.rules import check_config
-
-        check_config(self)
