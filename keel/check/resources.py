@@ -116,17 +116,12 @@ def check_sharding(cfg: KeelConfig, context: dict) -> list[Finding]:
 def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
     """Workers against what this machine has, and Ray itself. A cluster in RAY_ADDRESS must
     answer; its resources are checked when the workers are placed."""
-    from keel.distributed.dist import port_from_environment, rendezvous_port
-    from keel.distributed.ray_cluster import Devices, require_reachable
-    from keel.models.load import resolve_device
+    from keel.distributed.dist import port_from_environment
+    from keel.distributed.ray_cluster import require_reachable
 
     world = cfg.world_size
     if world == 1 and not cfg.pools:
-        as_meant, how = how_threads_wait()
-        on_cpu_spinning = not as_meant and resolve_device(cfg.trainer.device).type == "cpu"
-        return [Finding(PASS, "workers", "1 worker in this process")] + (
-            [Finding(WARN, "workers", f"torch's CPU threads: {how}")] if on_cpu_spinning else []
-        )
+        return _one_worker(cfg)
     try:
         import ray  # noqa: F401
     except ImportError:
@@ -155,6 +150,27 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
             "machine), or start the cluster (`ray start --head`, then `ray start --address=HEAD:6379` "
             "on each node) and set RAY_ADDRESS",
         )
+    return _on_this_machine(cfg, port)
+
+
+def _one_worker(cfg: KeelConfig) -> list[Finding]:
+    """One worker, in this process: on the CPU, torch's threads must not spin."""
+    from keel.models.load import resolve_device
+
+    as_meant, how = how_threads_wait()
+    on_cpu_spinning = not as_meant and resolve_device(cfg.trainer.device).type == "cpu"
+    return [Finding(PASS, "workers", "1 worker in this process")] + (
+        [Finding(WARN, "workers", f"torch's CPU threads: {how}")] if on_cpu_spinning else []
+    )
+
+
+def _on_this_machine(cfg: KeelConfig, port: int | None) -> list[Finding]:
+    """Every worker, and every pool's, on a Ray instance keel starts here: enough devices."""
+    from keel.distributed.dist import rendezvous_port
+    from keel.distributed.ray_cluster import Devices
+    from keel.models.load import resolve_device
+
+    world = cfg.world_size
     device = resolve_device(cfg.trainer.device)
     have = torch.cuda.device_count() if device.type == "cuda" else (os.cpu_count() or 1)
     what = "GPUs" if device.type == "cuda" else "CPU cores"

@@ -18,13 +18,13 @@ from typing import Any, NamedTuple
 import yaml
 
 from keel.config.hydra_compose import VerlLaunch, compose_launch
+from keel.config.overrides import DELETE, apply_overrides
 from keel.config.plan import Plan, plan_of
 from keel.config.rules import check_config
 from keel.config.schema import KeelConfig
 from keel.config.values import check_field, coerce, field_default
 from keel.config.verl import adapt_verl
 from keel.errors import (
-    BAD_OVERRIDE,
     BAD_VALUE,
     CATALOGUE,
     CONFIG_FILE,
@@ -80,8 +80,7 @@ class _Loaded:
 
 def _load(source, overrides, schema: type) -> _Loaded:
     tree, decided = _as_tree(source)
-    for key, value in _parse_overrides(overrides, _value_now(tree, schema)):
-        _delete_dotted(tree, key) if value is DELETE else _set_dotted(tree, key, value)
+    apply_overrides(tree, overrides, _value_now(tree, schema))
     problems: list[KeelError] = []
     given = frozenset(flatten(tree))
     # verl's SFT trainer has keys of its own; keel's SFT keys are checked as they are
@@ -220,61 +219,6 @@ def _value_now(tree: dict, schema: type):
 
 def _deep_copy(tree: dict) -> dict:
     return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in tree.items()}
-
-
-def _parse_overrides(overrides, value_now=lambda key: DELETE) -> list[tuple[str, Any]]:
-    if not overrides:
-        return []
-    if isinstance(overrides, dict):
-        return [
-            (key[1:], DELETE) if key.startswith("~") else (key.lstrip("+"), value)
-            for key, value in overrides.items()
-        ]
-    parsed = []
-    for item in overrides:
-        # Hydra's `~key` (or `~key=value`): remove it, keel's default applies
-        if item.startswith("~"):
-            parsed.append((item[1:].partition("=")[0].strip(), DELETE))
-            continue
-        key, sep, raw = item.partition("=")
-        # Hydra's `+key=value` / `++key=value` add or force
-        key = key.strip().lstrip("+").lstrip("~")
-        if not sep or not key:
-            now = value_now(key) if key else DELETE
-            fix = (
-                f"write it as key=value: `{key}={value_text(now)}` in place of `{item}` (the value it has now)"
-                if now is not DELETE
-                else f"remove `{item}` (no key is named so); write overrides as `section.key=value`"
-            )
-            raise KeelError(
-                BAD_OVERRIDE, f"override {item!r} is not of the form section.key=value", fix
-            )
-        parsed.append((key, yaml.safe_load(raw) if raw.strip() else None))
-    return parsed
-
-
-# an override that removes its key
-DELETE = object()
-
-
-def _delete_dotted(tree: dict, dotted: str) -> None:
-    *parents, leaf = dotted.split(".")
-    node = tree
-    for part in parents:
-        node = node.get(part) if isinstance(node, dict) else None
-    if isinstance(node, dict):
-        node.pop(leaf, None)
-
-
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.get(part)
-        if not isinstance(child, dict):
-            child = node[part] = {}
-        node = child
-    node[parts[-1]] = value
 
 
 # --- building the typed tree -------------------------------------------------------------------
