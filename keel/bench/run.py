@@ -175,7 +175,7 @@ def run_bench(
     # the run goes on past the measured steps, so they all generate ahead
     if plan.off_policy.ahead:
         cfg, plan = load_run(
-            bench_config(name, workload, root, total + cfg.trainer.max_off_policy_steps, gpus),
+            bench_config(name, workload, root, total + plan.off_policy.bound, gpus),
             settings,
         )
     trainer = RLTrainer(cfg, plan=plan)
