@@ -431,3 +431,36 @@ def test_keel_picks_ddp_or_fsdp_for_the_policy_when_the_config_does_not(
 def test_the_plan_says_where_and_when_samples_are_scored(tiny_config, overrides, said):
     plan = make_plan(*load_run(tiny_config, overrides))
     assert plan.rewards.startswith(said) and f"rewards: {plan.rewards}" in plan.summary()
+
+
+@pytest.mark.parametrize(
+    "overrides, ahead, bound",
+    [
+        ([], False, 0),
+        # sync: nothing runs ahead, whatever the bound says
+        (["trainer.max_off_policy_steps=3"], False, 0),
+        (["trainer.mode=async"], True, 1),
+        (["trainer.mode=async", "trainer.max_off_policy_steps=0"], True, 0),
+        (["trainer.mode=async", "trainer.max_off_policy_steps=2"], True, 2),
+    ],
+)
+def test_the_off_policy_keys_are_one_value_whose_bound_0_is_sync(overrides, ahead, bound):
+    cfg, plan = load_run(BASE, overrides)
+    assert plan.off_policy == cfg.trainer.off_policy
+    assert (plan.off_policy.ahead, plan.off_policy.bound) == (ahead, bound)
+    assert plan.off_policy.name == ("async" if ahead else "sync")
+
+
+def test_keels_decisions_are_the_plans_and_the_config_stays_as_written():
+    written = ["trainer.mode=async", "trainer.n_gpus_per_node=2"]
+    cfg, plan = load_run(BASE, written)
+    assert plan.rollout_correction.bypass_mode and plan.reward_workers >= 1
+    assert plan.old_log_probs == "sampler"
+    assert "trainer.mode" in plan.given and plan.decided
+    # what the user wrote, nothing added
+    assert cfg == load_config(BASE, written)
+    assert not cfg.algorithm.rollout_correction.bypass_mode and cfg.reward.num_workers == 0
+    assert not hasattr(cfg, "decided") and not hasattr(cfg, "given")
+    # a config object sets every key: nothing is left to keel
+    as_built = load_run(cfg).plan
+    assert as_built.given is not None and not as_built.rollout_correction.bypass_mode
