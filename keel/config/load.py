@@ -89,7 +89,11 @@ def _load(source, overrides, schema: type) -> _Loaded:
     cfg = _build(schema, tree, prefix="", schema=schema, problems=problems, decided=decided)
     if problems:
         raise combined(problems)
-    check_config(cfg) if schema is KeelConfig else cfg.validate()
+    # the rules that span several keys: RL's in keel.config.rules, SFT's its own
+    if schema is KeelConfig:
+        check_config(cfg)
+    else:
+        cfg.validate()
     return _Loaded(cfg, given, frozenset(flatten(tree)), tuple(decided))
 
 
