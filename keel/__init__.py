@@ -18,7 +18,11 @@ def __getattr__(name: str):
         from keel.config.load import load_config
 
         return load_config
+    if name == "load_run":
+        from keel.config.load import load_run
+
+        return load_run
     raise AttributeError(f"module 'keel' has no attribute {name!r}")
 
 
-__all__ = ["__version__", "train", "RLTrainer", "load_config"]
+__all__ = ["__version__", "train", "RLTrainer", "load_config", "load_run"]

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from keel.check.preflight import Report, render, render_brief, run_checks
-from keel.config.load import load_config
+from keel.config.load import load_run
+from keel.config.plan import Plan
 from keel.config.schema import KeelConfig
 from keel.observe.log import ensure_console_logging
 from keel.trainer.rl import RLTrainer, RunResult
@@ -27,24 +28,26 @@ def train(
     """Load and validate a config (path, dict or object, plus overrides), run `keel check` on it
     (unless `check=False`, which is logged), then train."""
     ensure_console_logging()
-    cfg = load_config(config, overrides)
+    cfg, plan = load_run(config, overrides)
     report = None
     if check:
-        report = preflight(cfg)
+        report = preflight(cfg, plan)
+        # with the sharding keel check chose
+        plan = report.run_plan
     else:
         log.warning("keel check skipped: problems it would have caught will surface during the run")
-        for line in [line for line in cfg.decided if "vLLM" in line] or cfg.decided[:1]:
-            log.info("decided for you: %s (`keel check` lists all %d)", line, len(cfg.decided))
+        for line in [line for line in plan.decided if "vLLM" in line] or plan.decided[:1]:
+            log.info("decided for you: %s (`keel check` lists all %d)", line, len(plan.decided))
     return RLTrainer(
-        cfg, report.inputs if report else None, render(report) if report else None
+        cfg, report.inputs if report else None, render(report) if report else None, plan
     ).fit()
 
 
-def preflight(cfg: KeelConfig) -> Report:
+def preflight(cfg: KeelConfig, plan: Plan | None = None) -> Report:
     """Stop before any model weight is loaded if `keel check` finds a failure; returns its report,
     whose inputs (what the checks loaded) the trainer does not load again. Prints the report in
     brief: the whole of it goes to the run directory (check.txt)."""
-    report = run_checks(cfg)
+    report = run_checks(cfg, plan)
     if report.failures:
         print(render(report), file=sys.stderr)
         raise report.first_error()

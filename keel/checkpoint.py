@@ -360,9 +360,8 @@ def _write_merged(checkpoint: Path, out: Path) -> None:
 
     from keel.models.load import check_model_dir
 
-    base_path = yaml.safe_load((checkpoint / "config.yaml").read_text())["actor_rollout_ref"][
-        "model"
-    ]["path"]
+    saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
+    base_path = saved["actor_rollout_ref"]["model"]["path"]
     base = AutoModelForCausalLM.from_pretrained(check_model_dir(base_path), dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, checkpoint / "actor").merge_and_unload()
     merged.save_pretrained(out)

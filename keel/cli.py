@@ -51,55 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def config_command(name: str, help: str, func) -> argparse.ArgumentParser:
-        command = sub.add_parser(name, help=help)
-        command.add_argument(
-            "config",
-            nargs="?",
-            help="YAML config file (optional: a verl script passes overrides only)",
-        )
-        command.add_argument(
-            "overrides",
-            nargs="*",
-            help="section.key=value overrides (Hydra's +key=value, ++key=value and ~key too)",
-        )
-        command.set_defaults(func=func)
-        return command
-
-    def verl_launch(command: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """Hydra's options, as verl's scripts pass them to verl's main_ppo (a missing value is keel's
-        coded error, not argparse's)."""
-        command.add_argument(
-            "--config-path",
-            "-cp",
-            nargs="?",
-            const="",
-            help="verl's launch form: the directory "
-            "of the YAML --config-name names (composed with its defaults: list and hydra.searchpath)",
-        )
-        command.add_argument(
-            "--config-name",
-            "-cn",
-            nargs="?",
-            const="",
-            help="verl's launch form: the YAML's name without .yaml (default ppo_trainer: verl's trainer config)",
-        )
-        return command
-
-    verl_launch(
-        config_command("train", "RL-train a policy (PPO, GRPO and relatives)", commands.cmd_train)
-    ).add_argument(
-        "--skip-check", action="store_true", help="do not run `keel check` first (logged)"
-    )
-    verl_launch(
-        config_command(
-            "check",
-            "check a config, its model, data, reward and memory without training",
-            commands.cmd_check,
-        )
-    ).add_argument("--json", action="store_true", help="machine-readable output")
-    config_command("sft", "supervised fine-tuning on chat data", commands.cmd_sft)
-
+    _add_config_commands(sub)
     _add_machine_commands(sub)
     _add_reward_server(sub)
     _add_bench(sub)
@@ -108,6 +60,64 @@ def build_parser() -> argparse.ArgumentParser:
     explain_cmd.add_argument("--list", action="store_true", help="list every code")
     explain_cmd.set_defaults(func=commands.cmd_explain)
     return parser
+
+
+def _config_command(sub, name: str, help: str, func) -> argparse.ArgumentParser:
+    """A command that reads a config: a YAML file and overrides."""
+    command = sub.add_parser(name, help=help)
+    command.add_argument(
+        "config",
+        nargs="?",
+        help="YAML config file (optional: a verl script passes overrides only)",
+    )
+    command.add_argument(
+        "overrides",
+        nargs="*",
+        help="section.key=value overrides (Hydra's +key=value, ++key=value and ~key too)",
+    )
+    command.set_defaults(func=func)
+    return command
+
+
+def _verl_launch(command: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Hydra's options, as verl's scripts pass them to verl's main_ppo (a missing value is keel's
+    coded error, not argparse's)."""
+    command.add_argument(
+        "--config-path",
+        "-cp",
+        nargs="?",
+        const="",
+        help="verl's launch form: the directory "
+        "of the YAML --config-name names (composed with its defaults: list and hydra.searchpath)",
+    )
+    command.add_argument(
+        "--config-name",
+        "-cn",
+        nargs="?",
+        const="",
+        help="verl's launch form: the YAML's name without .yaml (default ppo_trainer: verl's trainer config)",
+    )
+    return command
+
+
+def _add_config_commands(sub) -> None:
+    """train, check and sft."""
+    _verl_launch(
+        _config_command(
+            sub, "train", "RL-train a policy (PPO, GRPO and relatives)", commands.cmd_train
+        )
+    ).add_argument(
+        "--skip-check", action="store_true", help="do not run `keel check` first (logged)"
+    )
+    _verl_launch(
+        _config_command(
+            sub,
+            "check",
+            "check a config, its model, data, reward and memory without training",
+            commands.cmd_check,
+        )
+    ).add_argument("--json", action="store_true", help="machine-readable output")
+    _config_command(sub, "sft", "supervised fine-tuning on chat data", commands.cmd_sft)
 
 
 # doctor, report, demo and export: commands about this machine, a run or a checkpoint.

@@ -38,9 +38,9 @@ def cmd_check(args) -> int:
     import json
 
     from keel.check.preflight import render, run_checks
-    from keel.config.load import load_config
+    from keel.config.load import load_run
 
-    report = run_checks(load_config(_config_source(args), args.overrides))
+    report = run_checks(*load_run(_config_source(args), args.overrides))
     print(json.dumps(report.as_dict(), indent=2) if args.json else render(report))
     return 1 if report.failures else 0
 

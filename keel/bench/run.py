@@ -160,7 +160,7 @@ def run_bench(
     workdir: Path | None = None,
     profile_dir: Path | None = None,
 ) -> dict:
-    from keel.config.load import load_config
+    from keel.config.load import load_run
     from keel.observe.metrics import MetricsLogger
     from keel.trainer.rl import RLTrainer
 
@@ -171,14 +171,14 @@ def run_bench(
     # host, so its time is left out of the record's timings.
     total = warmup + steps + (profile_dir is not None)
     settings = [f"{k}={v}" for k, v in workload.overrides.items()] + list(overrides or [])
-    cfg = load_config(bench_config(name, workload, root, total, gpus), settings)
+    cfg, plan = load_run(bench_config(name, workload, root, total, gpus), settings)
     # the run goes on past the measured steps, so they all generate ahead
-    if cfg.trainer.mode == "async":
-        cfg = load_config(
-            bench_config(name, workload, root, total + cfg.trainer.max_off_policy_steps, gpus),
+    if plan.off_policy.ahead:
+        cfg, plan = load_run(
+            bench_config(name, workload, root, total + plan.off_policy.bound, gpus),
             settings,
         )
-    trainer = RLTrainer(cfg)
+    trainer = RLTrainer(cfg, plan=plan)
     trainer._open_run_dir()
     logger = MetricsLogger(trainer.run_dir, False, total, 0)
     per_step, gpu_busy = [], {}

@@ -20,7 +20,7 @@ from keel.check.model import check_model, check_tokenizer
 from keel.check.multi_turn import check_multi_turn
 from keel.check.resources import check_memory, check_sharding, check_workers
 from keel.check.reward import check_reward, sandbox_finding  # noqa: F401 (sandbox_finding: tests)
-from keel.config.plan import make_plan
+from keel.config.plan import Plan, make_plan, plan_of
 from keel.config.schema import KeelConfig
 from keel.errors import (
     RUN_DIR_NOT_WRITABLE,
@@ -39,6 +39,8 @@ class Report:
     plan_text: str
     audit: dict[str, str]
     memory_gb: dict[str, float]
+    # keel's decisions for the config, with the sharding chosen here: what the trainer takes on
+    run_plan: Plan | None = field(default=None, repr=False)
     # for `keel train` to reuse, not load again
     inputs: Inputs | None = field(default=None, repr=False)
 
@@ -59,12 +61,13 @@ class Report:
         return self.failures[0].error()
 
 
-def run_checks(cfg: KeelConfig) -> Report:
+def run_checks(cfg: KeelConfig, plan: Plan | None = None) -> Report:
+    """Every check on `cfg` under `plan` (`load_run`'s; None: the config's own, as written)."""
     from keel.models.load import quiet_transformers
 
     quiet_transformers()
     findings: list[Finding] = []
-    context: dict = {}
+    context: dict = {"plan": plan or plan_of(cfg)}
     for name, check in CHECKS:
         try:
             findings += check(cfg, context)
@@ -75,7 +78,8 @@ def run_checks(cfg: KeelConfig) -> Report:
                 Finding(SKIP, name, f"skipped: needs the {missing} an earlier check could not load")
             )
     memory = context.get("memory_gb", {})
-    plan = make_plan(cfg)
+    plan = context["plan"]
+    batch_plan = make_plan(cfg, plan)
     from keel.trainer.setup import Inputs
 
     inputs = None
@@ -86,7 +90,15 @@ def run_checks(cfg: KeelConfig) -> Report:
             context.get("val_records", []),
             context["reward"],
         )
-    return Report(findings, plan.as_dict(), plan.render(), audit(cfg, context), memory, inputs)
+    return Report(
+        findings,
+        batch_plan.as_dict(),
+        batch_plan.render(),
+        audit(cfg, context),
+        memory,
+        plan,
+        inputs,
+    )
 
 
 # --- the checks, in the order a user would fix them ---------------------------------------------
@@ -206,7 +218,7 @@ def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
             "seq-mean-token-sum-norm as Dr. GRPO writes it (a mean over sequences); verl's "
             "loss is this times ppo_micro_batch_size_per_gpu (docs/config.md)"
         )
-    decided.update(_verl_decisions(getattr(cfg, "decided", [])))
+    decided.update(_verl_decisions(context["plan"].decided))
     return decided
 
 

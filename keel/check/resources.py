@@ -19,6 +19,7 @@ from keel.training.forward import LOGITS_CHUNK_TOKENS
 
 def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
     model_cfg = need(context, "model_config")
+    plan = context["plan"]
 
     def estimate_for(config: KeelConfig) -> dict[str, float]:
         return estimate_memory_gb(
@@ -29,6 +30,7 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
             native_rollout=unsupported_reason(model_cfg) is None,
             logits_chunk_tokens=LOGITS_CHUNK_TOKENS,
             lora_trainable=context.get("lora_trainable", {}),
+            actor_fsdp=plan.actor_fsdp(config),
         )
 
     context["memory_gb"] = estimate = estimate_for(cfg)
@@ -58,8 +60,9 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
 def _memory_fix(cfg: KeelConfig, estimate: dict, available: float, estimate_for) -> str | None:
     """One setting that brings the estimate under what is free, for the larger of the two terms a
     setting scales: the KV cache (sequences generated at once) and one micro-batch's activations."""
-    from keel.config.load import load_config, to_dict, value_at
+    from keel.config.load import load_config, to_dict
     from keel.config.rules import largest_divisor_at_most
+    from keel.config.values import value_at
 
     policy = cfg.actor_rollout_ref
     samples = policy.actor.ppo_mini_batch_size * policy.rollout.n
@@ -96,30 +99,29 @@ def check_sharding(cfg: KeelConfig, context: dict) -> list[Finding]:
     from keel.trainer.sharding import choose_sharding, gpu_bytes
 
     model_cfg = need(context, "model_config")
-    why = choose_sharding(
+    plan = context["plan"]
+    sharding = choose_sharding(
         cfg,
+        plan,
         model_cfg,
         context.get("parameters") or architecture_parameters(model_cfg),
         gpu_bytes(cfg),
         context.get("lora_trainable"),
     )
-    return [Finding(PASS, "sharding", why)] if why else []
+    # the plan the trainer takes on, with the choice made here
+    context["plan"] = plan.with_sharding(sharding)
+    return [Finding(PASS, "sharding", sharding.why)] if sharding else []
 
 
 def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
     """Workers against what this machine has, and Ray itself. A cluster in RAY_ADDRESS must
     answer; its resources are checked when the workers are placed."""
-    from keel.distributed.dist import port_from_environment, rendezvous_port
-    from keel.distributed.ray_cluster import Devices, require_reachable
-    from keel.models.load import resolve_device
+    from keel.distributed.dist import port_from_environment
+    from keel.distributed.ray_cluster import require_reachable
 
     world = cfg.world_size
     if world == 1 and not cfg.pools:
-        as_meant, how = how_threads_wait()
-        on_cpu_spinning = not as_meant and resolve_device(cfg.trainer.device).type == "cpu"
-        return [Finding(PASS, "workers", "1 worker in this process")] + (
-            [Finding(WARN, "workers", f"torch's CPU threads: {how}")] if on_cpu_spinning else []
-        )
+        return _one_worker(cfg)
     try:
         import ray  # noqa: F401
     except ImportError:
@@ -148,6 +150,27 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
             "machine), or start the cluster (`ray start --head`, then `ray start --address=HEAD:6379` "
             "on each node) and set RAY_ADDRESS",
         )
+    return _on_this_machine(cfg, port)
+
+
+def _one_worker(cfg: KeelConfig) -> list[Finding]:
+    """One worker, in this process: on the CPU, torch's threads must not spin."""
+    from keel.models.load import resolve_device
+
+    as_meant, how = how_threads_wait()
+    on_cpu_spinning = not as_meant and resolve_device(cfg.trainer.device).type == "cpu"
+    return [Finding(PASS, "workers", "1 worker in this process")] + (
+        [Finding(WARN, "workers", f"torch's CPU threads: {how}")] if on_cpu_spinning else []
+    )
+
+
+def _on_this_machine(cfg: KeelConfig, port: int | None) -> list[Finding]:
+    """Every worker, and every pool's, on a Ray instance keel starts here: enough devices."""
+    from keel.distributed.dist import rendezvous_port
+    from keel.distributed.ray_cluster import Devices
+    from keel.models.load import resolve_device
+
+    world = cfg.world_size
     device = resolve_device(cfg.trainer.device)
     have = torch.cuda.device_count() if device.type == "cuda" else (os.cpu_count() or 1)
     what = "GPUs" if device.type == "cuda" else "CPU cores"

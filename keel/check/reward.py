@@ -36,7 +36,7 @@ def check_reward(cfg: KeelConfig, context: dict) -> list[Finding]:
     empty answer."""
     from keel.trainer.setup import build_reward
 
-    scorer = build_reward(cfg)
+    scorer = build_reward(cfg, context["plan"])
     environment = cfg.actor_rollout_ref.rollout.agent.environment
     # its rewards are its own: the scorers never see its samples
     if environment:

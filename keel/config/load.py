@@ -9,21 +9,22 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import os
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
 from keel.config.hydra_compose import VerlLaunch, compose_launch
+from keel.config.overrides import DELETE, apply_overrides
+from keel.config.plan import Plan, plan_of
+from keel.config.rules import check_config
 from keel.config.schema import KeelConfig
 from keel.config.values import check_field, coerce, field_default
 from keel.config.verl import adapt_verl
-from keel.config.verl_rules import DIFFERENT_DEFAULTS
 from keel.errors import (
-    BAD_OVERRIDE,
     BAD_VALUE,
     CATALOGUE,
     CONFIG_FILE,
@@ -34,6 +35,23 @@ from keel.errors import (
 from keel.errors.fixes import nearby_file, setting, value_text
 
 
+class Run(NamedTuple):
+    """A loaded RL config and keel's plan for it: `cfg, plan = load_run(...)`."""
+
+    config: KeelConfig
+    plan: Plan
+
+
+def load_run(
+    source: str | Path | dict | Any | None = None,
+    overrides: list[str] | dict[str, Any] | None = None,
+) -> Run:
+    """`load_config` for RL, with the plan of what keel decides for the config (made once, here:
+    the config itself is never written to)."""
+    loaded = _load(source, overrides, KeelConfig)
+    return Run(loaded.config, plan_of(loaded.config, loaded.given, loaded.decided, loaded.adapted))
+
+
 def load_config(
     source: str | Path | dict | Any | None = None,
     overrides: list[str] | dict[str, Any] | None = None,
@@ -41,94 +59,42 @@ def load_config(
 ):
     """The one way to get a validated config: from a YAML path, a nested dict or a config object.
 
-    `schema` is the root dataclass (KeelConfig for RL, SFTConfig for SFT); its `validate()` checks
-    the rules that span several keys. verl's keys and values are taken as keel.config.verl says;
-    every problem of the config is reported at once. `cfg.decided` lists what keel took for the
-    user (verl keys it does another way, verl's "unset" values). `VerlLaunch` is verl's
-    `--config-path/--config-name` form; a YAML file with a `defaults:` list is composed the same way.
-    """
+    `schema` is the root dataclass (KeelConfig for RL, SFTConfig for SFT). The rules that span
+    several keys are checked here (keel.config.rules for RL, SFTConfig.validate for SFT). verl's keys
+    and values are taken as keel.config.verl says; every problem of the config is reported at once.
+    What keel took for the user (verl keys it does another way, verl's "unset" values) is the plan's
+    (`load_run`). `VerlLaunch` is verl's `--config-path/--config-name` form; a YAML file with a
+    `defaults:` list is composed the same way."""
+    return _load(source, overrides, schema).config
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    config: Any
+    # the keys the source and overrides set
+    given: frozenset[str]
+    # the keys set once verl's were read under keel's names
+    adapted: frozenset[str]
+    decided: tuple[str, ...]
+
+
+def _load(source, overrides, schema: type) -> _Loaded:
     tree, decided = _as_tree(source)
-    for key, value in _parse_overrides(overrides, _value_now(tree, schema)):
-        _delete_dotted(tree, key) if value is DELETE else _set_dotted(tree, key, value)
+    apply_overrides(tree, overrides, _value_now(tree, schema))
     problems: list[KeelError] = []
-    given = set(flatten(tree))
+    given = frozenset(flatten(tree))
     # verl's SFT trainer has keys of its own; keel's SFT keys are checked as they are
     if schema is KeelConfig:
         tree = adapt_verl(tree, _known_keys(schema), _defaults(schema), problems, decided)
     cfg = _build(schema, tree, prefix="", schema=schema, problems=problems, decided=decided)
     if problems:
         raise combined(problems)
+    # the rules that span several keys: RL's in keel.config.rules, SFT's its own
     if schema is KeelConfig:
-        # verl's keys under keel's names too
-        decided += _async_decisions(cfg, given | set(flatten(tree)))
-    cfg.validate()
-    if schema is KeelConfig:
-        decided += [
-            f"{key}: keel's {value_at(cfg, key)!r}, verl's {verl!r}: {why}"
-            for key, (verl, why) in DIFFERENT_DEFAULTS.items()
-            if key not in given
-        ]
-    # not a field: it is not saved or compared on resume
-    object.__setattr__(cfg, "decided", decided)
-    # the keys the config set (what keel may choose)
-    object.__setattr__(cfg, "given", frozenset(given))
-    return cfg
-
-
-def _async_decisions(cfg, given: set) -> list[str]:
-    """What trainer.mode=async decides that the config left open -> said in `keel check`'s "decided".
-    Its samples are up to max_off_policy_steps policy versions old; with no rollout correction asked
-    for, PPO's ratio and clip are taken against the sampler's log-probs (bypass mode: the policy that
-    sampled them is the old one), as verl's fully async trainer does (use_rollout_log_probs), which also
-    saves the old-log-prob pass; a policy loss other than vanilla takes token-level truncated IS weights
-    instead (decoupled). Its rewards score beside the trainer: with reward.num_workers unset, in
-    processes (verl's count), where a scorer's own signal-based timeout works and a runaway one is
-    ended, not left running in the trainer."""
-    if cfg.trainer.mode != "async":
-        return []
-    correction = (
-        _off_policy_correction(cfg, given) if cfg.trainer.max_off_policy_steps > 0 else None
-    )
-    decided = [correction] if correction else []
-    if "reward.num_workers" not in given and cfg.reward.num_workers == 0:
-        object.__setattr__(cfg.reward, "num_workers", min(8, os.cpu_count() or 1))
-        decided.append(
-            f"reward.num_workers: {cfg.reward.num_workers}, since trainer.mode=async scores beside the trainer "
-            "(in processes a scorer's timeout ends it; 0 scores on a thread of the trainer's process)"
-        )
-    return decided
-
-
-def _off_policy_correction(cfg, given: set) -> str | None:
-    correction, k = cfg.algorithm.rollout_correction, cfg.trainer.max_off_policy_steps
-    chosen = any(key.startswith("algorithm.rollout_correction.") for key in given)
-    # greedy engines record log-probs at temperature 1, not the policy's: nothing to correct with
-    if (
-        chosen
-        or not cfg.actor_rollout_ref.rollout.do_sample
-        or correction.decoupled
-        or correction.bypass_mode
-    ):
-        return None
-    why = f"since trainer.mode=async trains samples up to {k} policy version{'s' if k > 1 else ''} old"
-    if cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla":
-        object.__setattr__(correction, "bypass_mode", True)
-        return (
-            f"algorithm.rollout_correction.bypass_mode: true, {why}: PPO's ratio and clip are taken against the "
-            "log-probs of the policy that sampled them, as verl's fully async trainer does, and the old-log-prob "
-            "pass is saved (set rollout_is or rollout_rs for decoupled correction instead)"
-        )
-    object.__setattr__(correction, "rollout_is", "token")
-    return (
-        f"algorithm.rollout_correction.rollout_is: 'token', {why} (truncated IS weights at "
-        f"{correction.rollout_is_threshold} correct for it; set rollout_is or rollout_rs to choose otherwise)"
-    )
-
-
-def value_at(cfg, dotted: str):
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
+        check_config(cfg)
+    else:
+        cfg.validate()
+    return _Loaded(cfg, given, frozenset(flatten(tree)), tuple(decided))
 
 
 def combined(problems: list[KeelError]) -> KeelError:
@@ -257,61 +223,6 @@ def _value_now(tree: dict, schema: type):
 
 def _deep_copy(tree: dict) -> dict:
     return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in tree.items()}
-
-
-def _parse_overrides(overrides, value_now=lambda key: DELETE) -> list[tuple[str, Any]]:
-    if not overrides:
-        return []
-    if isinstance(overrides, dict):
-        return [
-            (key[1:], DELETE) if key.startswith("~") else (key.lstrip("+"), value)
-            for key, value in overrides.items()
-        ]
-    parsed = []
-    for item in overrides:
-        # Hydra's `~key` (or `~key=value`): remove it, keel's default applies
-        if item.startswith("~"):
-            parsed.append((item[1:].partition("=")[0].strip(), DELETE))
-            continue
-        key, sep, raw = item.partition("=")
-        # Hydra's `+key=value` / `++key=value` add or force
-        key = key.strip().lstrip("+").lstrip("~")
-        if not sep or not key:
-            now = value_now(key) if key else DELETE
-            fix = (
-                f"write it as key=value: `{key}={value_text(now)}` in place of `{item}` (the value it has now)"
-                if now is not DELETE
-                else f"remove `{item}` (no key is named so); write overrides as `section.key=value`"
-            )
-            raise KeelError(
-                BAD_OVERRIDE, f"override {item!r} is not of the form section.key=value", fix
-            )
-        parsed.append((key, yaml.safe_load(raw) if raw.strip() else None))
-    return parsed
-
-
-# an override that removes its key
-DELETE = object()
-
-
-def _delete_dotted(tree: dict, dotted: str) -> None:
-    *parents, leaf = dotted.split(".")
-    node = tree
-    for part in parents:
-        node = node.get(part) if isinstance(node, dict) else None
-    if isinstance(node, dict):
-        node.pop(leaf, None)
-
-
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.get(part)
-        if not isinstance(child, dict):
-            child = node[part] = {}
-        node = child
-    node[parts[-1]] = value
 
 
 # --- building the typed tree -------------------------------------------------------------------

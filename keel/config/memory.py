@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from keel.config.schema import KeelConfig
+from keel.config.schema import FSDPConfig, KeelConfig
 
 
 def estimate_memory_gb(
@@ -15,6 +15,7 @@ def estimate_memory_gb(
     native_rollout: bool,
     logits_chunk_tokens: int,
     lora_trainable: dict[str, int] | None = None,
+    actor_fsdp: FSDPConfig | None = None,
 ) -> dict[str, float]:
     """Per-device estimate for a policy of `params` parameters. float32 master weights (4 B) +
     gradients (4 B) + AdamW moments (8 B) for each trained model, divided among the ranks FSDP
@@ -26,40 +27,28 @@ def estimate_memory_gb(
     devices, as `critic_pool`, outside the total, and a rollout's own (hybrid_engine=false) as `rollout_pool`.
 
     What the config alone does not say comes from the caller: the compute dtype's size on the
-    device the run resolves to, whether the native engine runs this architecture, and how many
-    positions' logits the log-prob pass holds at once. With LoRA (`lora_trainable`: the trainable
-    parameters of each role that has it, "actor" or "critic"), the frozen base is in the compute
-    dtype with no gradients or optimiser state, the reference is that same base, and on one worker
-    the native engine's decode weights are the policy's base itself."""
+    device the run resolves to, whether the native engine runs this architecture, how many
+    positions' logits the log-prob pass holds at once, and the actor's fsdp_config as the run
+    applies it (`actor_fsdp`: the plan's sharding; the config's by default). With LoRA
+    (`lora_trainable`: the trainable parameters of each role that has it, "actor" or "critic"), the
+    frozen base is in the compute dtype with no gradients or optimiser state, the reference is that
+    same base, and on one worker the native engine's decode weights are the policy's base itself."""
     gb = 2**30
     policy = cfg.actor_rollout_ref
-    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
-    micro = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
-    # The float32 logits and their gradient of one LOGITS_CHUNK_TOKENS chunk at a time (kept logits
-    # size themselves to the memory a run leaves: forward.logits_chunking).
-    logits = (
-        min(micro * cfg.data.max_response_length, logits_chunk_tokens)
-        * model_cfg.vocab_size
-        * 4
-        * 2
-    )
-    estimate = {
-        "actor_states": _sharded_bytes(params, True, policy.actor.fsdp_config, cfg.world_size) / gb,
-        "activations": (_activation_bytes(model_cfg, micro * seq, compute_bytes) + logits) / gb,
-        "kv_cache": _kv_cache_bytes(model_cfg, seq * policy.rollout.max_num_seqs, compute_bytes)
-        / gb,
-    }
+    fsdp = actor_fsdp or policy.actor.fsdp_config
     native = policy.rollout.name != "hf" and native_rollout
+    estimate = _policy_estimate(cfg, model_cfg, params, compute_bytes, logits_chunk_tokens)
+    estimate["actor_states"] = _sharded_bytes(params, True, fsdp, cfg.world_size) / gb
     # the native engine's decode weights, in the compute dtype: its only copy
     if native:
         estimate["rollout_weights"] = compute_bytes * params / gb
-    if cfg.world_size > 1 and policy.actor.fsdp_config.fsdp_size != 1 and not native:
+    if cfg.world_size > 1 and fsdp.fsdp_size != 1 and not native:
         # sharded: the hf engine generates with a whole copy
         estimate["rollout_copy"] = 4 * params / gb
     lora = lora_trainable or {}
     # the frozen base once (the engine's, when not sharded), the adapters with AdamW
     if "actor" in lora:
-        shards = _shards(policy.actor.fsdp_config, cfg.world_size)
+        shards = _shards(fsdp, cfg.world_size)
         base = 0 if native and shards == 1 else compute_bytes * params / shards
         estimate["actor_states"] = (base + 16 * lora["actor"] / shards) / gb
     elif cfg.ref_enabled:
@@ -72,15 +61,54 @@ def estimate_memory_gb(
         estimate["critic_states"] = (
             _critic_bytes(cfg, params, critic_lora, compute_bytes, cfg.world_size) / gb
         )
+    return _with_pools(cfg, model_cfg, params, compute_bytes, estimate, native, critic_lora)
+
+
+def _policy_estimate(
+    cfg: KeelConfig, model_cfg, params: int, compute_bytes: int, logits_chunk_tokens: int
+) -> dict[str, float]:
+    """The actor's states' place (filled in by the caller), one micro-batch's activations and the
+    KV cache of one generation batch, in GB."""
+    gb, policy = 2**30, cfg.actor_rollout_ref
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    micro = policy.actor.ppo_micro_batch_size_per_gpu
+    # The float32 logits and their gradient of one LOGITS_CHUNK_TOKENS chunk at a time (kept logits
+    # size themselves to the memory a run leaves: forward.logits_chunking).
+    logits = (
+        min(micro * cfg.data.max_response_length, logits_chunk_tokens)
+        * model_cfg.vocab_size
+        * 4
+        * 2
+    )
+    return {
+        "actor_states": 0.0,
+        "activations": (_activation_bytes(model_cfg, micro * seq, compute_bytes) + logits) / gb,
+        "kv_cache": _kv_cache_bytes(model_cfg, seq * policy.rollout.max_num_seqs, compute_bytes)
+        / gb,
+    }
+
+
+def _with_pools(
+    cfg: KeelConfig,
+    model_cfg,
+    params: int,
+    compute_bytes: int,
+    estimate: dict[str, float],
+    native: bool,
+    critic_lora: int | None,
+) -> dict[str, float]:
+    """The total, then what the rollout's and the critic's own pools hold outside it, rounded."""
+    gb = 2**30
     apart = (
         {}
-        if policy.hybrid_engine
+        if cfg.actor_rollout_ref.hybrid_engine
         else {"rollout_pool": _rollout_apart(estimate, native, params / gb)}
     )
     estimate["total"] = sum(estimate.values())
     estimate.update(apart)
     # the critic pool's devices: states and activations
     if cfg.critic_enabled and "critic" in cfg.pools:
+        seq = cfg.data.max_prompt_length + cfg.data.max_response_length
         states = _critic_bytes(cfg, params, critic_lora, compute_bytes, cfg.critic_world_size)
         activations = _activation_bytes(model_cfg, cfg.critic_batching[1] * seq, compute_bytes)
         estimate["critic_pool"] = (states + activations) / gb

@@ -1,14 +1,154 @@
-"""The batch plan: what one RL step does, in numbers, printed and saved at start.
+"""What keel decides after reading the config, and the batch plan that explains it.
 
-verl's batch sizes are counted in prompts for mini-batches and in samples for micro-batches; the
-plan spells out both so nobody has to multiply by `rollout.n` in their head.
+`Plan` is every decision, made once after load: the config stays what the user wrote. `BatchPlan`
+is what one RL step does, in numbers, printed and saved at start. verl's batch sizes are counted in
+prompts for mini-batches and in samples for micro-batches; the batch plan spells out both so nobody
+has to multiply by `rollout.n` in their head.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import os
+from dataclasses import asdict, dataclass, replace
 
-from keel.config.schema import KeelConfig
+from keel.config.algorithm import RolloutCorrectionConfig
+from keel.config.schema import ActorRolloutRefConfig, FSDPConfig, KeelConfig
+from keel.config.trainer import OffPolicy
+from keel.config.values import value_at
+from keel.config.verl_rules import DIFFERENT_DEFAULTS
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """DDP or FSDP for the policy, chosen by keel when the config left it open."""
+
+    # the actor's fsdp_size: 1 (DDP) or -1 (FSDP over every worker)
+    fsdp_size: int
+    why: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every decision keel makes after reading the config. Read by `keel check`, the trainer and
+    the workers in place of the config's own values where keel chose for the user."""
+
+    # the keys the config set (what keel may choose); None: a config built in code, taken as it is
+    given: frozenset[str] | None
+    # "key: what keel took and why", for `keel check`'s "decided for you"
+    decided: tuple[str, ...]
+    off_policy: OffPolicy
+    # the rollout correction the run applies (async mode may turn it on)
+    rollout_correction: RolloutCorrectionConfig
+    # a key of OLD_LOG_PROBS: where the update's old log-probs come from
+    old_log_probs: str
+    # scoring processes (async mode scores in processes when the config left it open)
+    reward_workers: int
+    # where and when samples are scored, in a line
+    rewards: str
+    # the policy's workers (n_gpus_per_node x nnodes)
+    workers: int
+    # None: nothing to choose (one worker, or the config says), or not chosen yet
+    sharding: Sharding | None = None
+
+    def left_to_keel(self, key_prefix: str) -> bool:
+        """The config set no key under `key_prefix` (a config built in code sets them all)."""
+        return self.given is not None and not any(k.startswith(key_prefix) for k in self.given)
+
+    def with_sharding(self, sharding: Sharding | None) -> Plan:
+        return replace(self, sharding=sharding)
+
+    def actor_fsdp(self, cfg: KeelConfig) -> FSDPConfig:
+        """The actor's fsdp_config as the run applies it: the config's, with keel's fsdp_size."""
+        fsdp = cfg.actor_rollout_ref.actor.fsdp_config
+        return replace(fsdp, fsdp_size=self.sharding.fsdp_size) if self.sharding else fsdp
+
+    def policy(self, cfg: KeelConfig) -> ActorRolloutRefConfig:
+        """The policy's sections as its workers apply them: a copy with keel's sharding."""
+        policy = cfg.actor_rollout_ref
+        if self.sharding is None:
+            return policy
+        return replace(policy, actor=replace(policy.actor, fsdp_config=self.actor_fsdp(cfg)))
+
+
+def plan_of(
+    cfg: KeelConfig,
+    given: frozenset[str] | None = None,
+    decided: tuple[str, ...] = (),
+    adapted: frozenset[str] = frozenset(),
+) -> Plan:
+    """The plan of a loaded config. `given`: the keys its source set (None: all of them);
+    `decided`: what the loader already took for the user (verl keys, verl's nulls); `adapted`: the
+    keys set under keel's names once verl's were read (renamed, derived)."""
+    off = cfg.trainer.off_policy
+    # verl's keys under keel's names too
+    set_keys = None if given is None else given | adapted
+    correction, correction_note = _off_policy_correction(cfg, off, set_keys)
+    left_open = set_keys is not None and "reward.num_workers" not in set_keys
+    workers, workers_note = _reward_workers(cfg, off, left_open)
+    notes = [note for note in (correction_note, workers_note) if note]
+    notes += [
+        f"{key}: keel's {value_at(cfg, key)!r}, verl's {verl!r}: {why}"
+        for key, (verl, why) in DIFFERENT_DEFAULTS.items()
+        if given is not None and key not in given
+    ]
+    return Plan(
+        given=given,
+        decided=(*decided, *notes),
+        off_policy=off,
+        rollout_correction=correction,
+        old_log_probs=old_log_probs_source(cfg, correction),
+        reward_workers=workers,
+        rewards=reward_scoring(cfg, workers),
+        workers=cfg.world_size,
+    )
+
+
+def _reward_workers(cfg: KeelConfig, off: OffPolicy, left_open: bool) -> tuple[int, str | None]:
+    """Async mode scores beside the trainer: with reward.num_workers unset, in processes (verl's
+    count), where a scorer's own signal-based timeout works and a runaway one is ended, not left
+    running in the trainer."""
+    workers = cfg.reward.num_workers
+    if not off.ahead or not left_open or workers != 0:
+        return workers, None
+    workers = min(8, os.cpu_count() or 1)
+    return workers, (
+        f"reward.num_workers: {workers}, since trainer.mode=async scores beside the trainer "
+        "(in processes a scorer's timeout ends it; 0 scores on a thread of the trainer's process)"
+    )
+
+
+def _off_policy_correction(
+    cfg: KeelConfig, off: OffPolicy, given: frozenset[str] | None
+) -> tuple[RolloutCorrectionConfig, str | None]:
+    """Async samples are up to `bound` policy versions old. With no rollout correction asked for,
+    PPO's ratio and clip are taken against the sampler's log-probs (bypass mode: the policy that
+    sampled them is the old one), as verl's fully async trainer does (use_rollout_log_probs), which
+    also saves the old-log-prob pass; a policy loss other than vanilla takes token-level truncated
+    IS weights instead (decoupled)."""
+    correction, k = cfg.algorithm.rollout_correction, off.bound
+    chosen = given is None or any(key.startswith("algorithm.rollout_correction.") for key in given)
+    # greedy engines record log-probs at temperature 1, not the policy's: nothing to correct with
+    if (
+        k == 0
+        or chosen
+        or not cfg.actor_rollout_ref.rollout.do_sample
+        or correction.decoupled
+        or correction.bypass_mode
+    ):
+        return correction, None
+    why = f"since trainer.mode=async trains samples up to {k} policy version{'s' if k > 1 else ''} old"
+    if cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla":
+        return replace(correction, bypass_mode=True), (
+            f"algorithm.rollout_correction.bypass_mode: true, {why}: PPO's ratio and clip are taken "
+            "against the log-probs of the policy that sampled them, as verl's fully async trainer "
+            "does, and the old-log-prob pass is saved (set rollout_is or rollout_rs for decoupled "
+            "correction instead)"
+        )
+    return replace(correction, rollout_is="token"), (
+        f"algorithm.rollout_correction.rollout_is: 'token', {why} (truncated IS weights at "
+        f"{correction.rollout_is_threshold} correct for it; set rollout_is or rollout_rs to choose "
+        "otherwise)"
+    )
 
 
 @dataclass(frozen=True)
@@ -96,7 +236,9 @@ class BatchPlan:
         return "\n".join(lines)
 
 
-def make_plan(cfg: KeelConfig) -> BatchPlan:
+def make_plan(cfg: KeelConfig, plan: Plan | None = None) -> BatchPlan:
+    """The batch plan of `cfg` under `plan` (None: the config's own, as written)."""
+    plan = plan or plan_of(cfg)
     n = cfg.actor_rollout_ref.rollout.n
     prompts = cfg.data.train_batch_size
     actor = cfg.actor_rollout_ref.actor
@@ -130,15 +272,16 @@ def make_plan(cfg: KeelConfig) -> BatchPlan:
         max_tokens_per_step=prompts
         * n
         * (cfg.data.max_prompt_length + cfg.data.max_response_length),
-        old_log_probs=OLD_LOG_PROBS[old_log_probs_source(cfg)],
-        mode=training_mode(cfg),
-        rewards=reward_scoring(cfg),
+        old_log_probs=OLD_LOG_PROBS[plan.old_log_probs],
+        mode=training_mode(cfg, plan),
+        rewards=plan.rewards,
     )
 
 
-def reward_scoring(cfg: KeelConfig) -> str:
-    """Where and when a step's samples are scored, in a line: beside generation where it can be."""
-    reward, workers = cfg.reward, cfg.reward.num_workers
+def reward_scoring(cfg: KeelConfig, workers: int) -> str:
+    """Where and when a step's samples are scored by `workers` scoring processes, in a line:
+    beside generation where it can be."""
+    reward = cfg.reward
     if reward.service.url:
         return "by the reward service, each batch whole"
     if cfg.custom_reward_function.batched:
@@ -166,21 +309,22 @@ OLD_LOG_PROBS = {
 }
 
 
-def old_log_probs_source(cfg: KeelConfig) -> str:
+def old_log_probs_source(cfg: KeelConfig, correction: RolloutCorrectionConfig) -> str:
     """A key of OLD_LOG_PROBS. `sampler` in bypass mode. Otherwise an update's first mini-batch runs
     before any optimiser step, so its own forward, detached, is the old policy's (`update` when that
     mini-batch is the whole batch, `first_mini_batch` when one epoch has several): not when the
     reward's KL needs the old log-probs before the update, not under guards.nonfinite=skip (the pass
     is where a non-finite log-prob skips a step), not under decoupled rollout correction (it weighs
     the old policy against the sampler), and not with several epochs (later epochs revisit the
-    samples with the policy moved). `recomputed` else: the old-log-prob pass over the whole batch."""
+    samples with the policy moved). `recomputed` else: the old-log-prob pass over the whole batch.
+    `correction`: the rollout correction the run applies (the plan's)."""
     actor = cfg.actor_rollout_ref.actor
-    if cfg.algorithm.rollout_correction.bypass_mode:
+    if correction.bypass_mode:
         return "sampler"
     own_forward = not (
         cfg.algorithm.use_kl_in_reward
         or cfg.trainer.guards.nonfinite == "skip"
-        or cfg.algorithm.rollout_correction.decoupled
+        or correction.decoupled
         or actor.ppo_epochs != 1
     )
     if not own_forward:
@@ -190,23 +334,25 @@ def old_log_probs_source(cfg: KeelConfig) -> str:
     )
 
 
-def training_mode(cfg: KeelConfig) -> str:
-    """trainer.mode in a line: what runs ahead, how old a trained sample may be, what it holds."""
-    k = cfg.trainer.max_off_policy_steps
-    if cfg.trainer.mode == "sync" or k == 0:
-        return f"{cfg.trainer.mode}: each step trains the samples it generated"
-    correction = cfg.algorithm.rollout_correction
+def training_mode(cfg: KeelConfig, plan: Plan) -> str:
+    """The off-policy value in a line: what runs ahead, how old a trained sample may be, what it
+    holds."""
+    off = plan.off_policy
+    k = off.bound
+    if k == 0:
+        return f"{off.name}: each step trains the samples it generated"
+    correction = plan.rollout_correction
     corrected = "bypass mode" if correction.bypass_mode else f"rollout_is={correction.rollout_is}"
     samples = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
     tokens = samples * (cfg.data.max_prompt_length + cfg.data.max_response_length)
     # ids, masks and log-probs: about 40 bytes a token on the host
     held_mb = k * tokens * 40 / 2**20
     versions = f"{k} policy version{'s' if k > 1 else ''}"
-    if cfg.trainer.partial_rollout:
+    if off.partial:
         return (
             f"async with partial rollouts: {k + 1} batches of {samples} samples are under way; a step's round ends "
             f"once a batch of groups has finished and the rest go on under the next policy, no token more than "
-            f"{versions} old ({_strategy(cfg.trainer.off_policy_strategy)}; rollout correction: {corrected}); "
+            f"{versions} old ({_strategy(off.strategy)}; rollout correction: {corrected}); "
             f"about {held_mb * (k + 1) / k:.0f} MB on the host at most"
         )
     return (

@@ -2,7 +2,7 @@
 
 Every field may carry constraints (`choices`, `ge`, `gt`, `le`) that `keel.config.load` checks when
 it builds the tree; cross-field rules (batch divisibility, options that need each other) live in
-keel.config.rules, run by `validate()`, each raising a coded error with the numbers and the fix.
+keel.config.rules, run by `load_config`, each raising a coded error with the numbers and the fix.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from keel.config.agent import AgentConfig
 from keel.config.algorithm import ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_TYPES, AlgorithmConfig  # noqa: F401
 from keel.config.fields import ResourcePool, opt
 from keel.config.multi_turn import MultiTurnConfig
+from keel.config.resume import RESUME_MAY_CHANGE
 from keel.config.reward import CustomRewardConfig, RewardConfig, RewardModelConfig
 from keel.config.trainer import TrainerConfig
 
@@ -285,75 +286,8 @@ class KeelConfig:
     reward_model: RewardModelConfig = opt(factory=RewardModelConfig)
     trainer: TrainerConfig = opt(factory=TrainerConfig)
 
-    # Keys a resumed run may change: when it stops; how often it logs, validates and saves; how it
-    # cuts micro-batches; how many workers it has and how they shard; which engine generates.
-    # Anything else would make the resumed run a different run.
-    RESUME_MAY_CHANGE = (
-        # when it stops, what it logs and where
-        "trainer.total_training_steps",
-        "trainer.total_epochs",
-        "trainer.resume_mode",
-        "trainer.logger",
-        "trainer.log_samples",
-        "trainer.default_local_dir",
-        "trainer.project_name",
-        "trainer.experiment_name",
-        "trainer.guards.",
-        "trainer.hooks",
-        "trainer.hook_freq",
-        # validation and checkpoints
-        "trainer.test_freq",
-        "trainer.val_before_train",
-        "data.val_files",
-        "data.val_batch_size",
-        "actor_rollout_ref.rollout.val_kwargs.",
-        "trainer.save_freq",
-        "trainer.max_actor_ckpt_to_keep",
-        # devices, workers, sharding
-        "trainer.device",
-        "trainer.n_gpus_per_node",
-        "trainer.nnodes",
-        "trainer.collective_timeout_s",
-        "actor_rollout_ref.actor.fsdp_config.",
-        "actor_rollout_ref.ref.fsdp_config.",
-        "critic.model.fsdp_config.",
-        "critic.enable_resource_pool",
-        "critic.n_gpus_per_node",
-        # its checkpoint is the same
-        "critic.nnodes",
-        "reward_model.enable_resource_pool",
-        "reward_model.n_gpus_per_node",
-        "reward_model.nnodes",
-        # where the rollout runs, not what it samples
-        "actor_rollout_ref.hybrid_engine",
-        "actor_rollout_ref.rollout.n_gpus_per_node",
-        "actor_rollout_ref.rollout.nnodes",
-        # generation engine
-        "actor_rollout_ref.rollout.name",
-        "actor_rollout_ref.rollout.max_num_seqs",
-        "actor_rollout_ref.rollout.max_num_batched_tokens",
-        "actor_rollout_ref.rollout.gpu_memory_utilization",
-        "actor_rollout_ref.rollout.enforce_eager",
-        "actor_rollout_ref.rollout.free_cache_engine",
-        "actor_rollout_ref.rollout.enable_chunked_prefill",
-        "actor_rollout_ref.rollout.max_model_len",
-        # kernels and compute precision (weights and optimiser state are float32 whatever they are)
-        "actor_rollout_ref.actor.use_torch_compile",
-        "actor_rollout_ref.model.dtype",
-        # micro-batches (the numbers do not depend on them)
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-        "actor_rollout_ref.actor.use_dynamic_bsz",
-        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
-        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
-        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-        "critic.ppo_micro_batch_size_per_gpu",
-        "critic.use_dynamic_bsz",
-        "critic.ppo_max_token_len_per_gpu",
-    )
+    # Keys a resumed run may change (keel.config.resume says which and why).
+    RESUME_MAY_CHANGE = RESUME_MAY_CHANGE
 
     # --- derived settings, so components never re-derive defaults on their own ---
     @property
@@ -416,9 +350,3 @@ class KeelConfig:
     def run_dir(self) -> str:
         t = self.trainer
         return t.default_local_dir or f"checkpoints/{t.project_name}/{t.experiment_name}"
-
-    def validate(self) -> None:
-        """Cross-field rules (keel.config.rules); single fields are checked by the loader."""
-        from keel.config.rules import check_config
-
-        check_config(self)

@@ -9,6 +9,32 @@ from dataclasses import dataclass
 from keel.config.fields import opt
 
 
+@dataclass(frozen=True)
+class OffPolicy:
+    """How far generation runs ahead of training: trainer.mode, max_off_policy_steps,
+    partial_rollout and off_policy_strategy read as one value. `trainer.mode` is keel's shorthand:
+    sync has bound 0 and nothing ahead. async with bound 0 still scores ahead, and trains the
+    samples a sync run would."""
+
+    # generation and scoring run ahead of training (trainer.mode=async)
+    ahead: bool
+    # how many policy versions older than the one it updates a trained sample may be
+    bound: int
+    # a step's round ends when its batch is complete; the rest go on under the next policy
+    partial: bool
+    # partial rollouts: "wait" for the oldest prompts, or "drop" a group past the bound
+    strategy: str
+
+    @property
+    def drop(self) -> bool:
+        return self.strategy == "drop"
+
+    @property
+    def name(self) -> str:
+        """The trainer.mode this value stands for."""
+        return "async" if self.ahead else "sync"
+
+
 @dataclass
 class GuardsConfig:
     nonfinite: str = opt(
@@ -105,3 +131,14 @@ class TrainerConfig(RunOptions):
         "max_off_policy_steps) or drop (a step trains the first groups to finish; a group that would pass the "
         "bound is dropped, which trains long responses less often than sampled)",
     )
+
+    @property
+    def off_policy(self) -> OffPolicy:
+        """The four off-policy keys as one value: the one place trainer.mode is read."""
+        ahead = self.mode == "async"
+        return OffPolicy(
+            ahead=ahead,
+            bound=self.max_off_policy_steps if ahead else 0,
+            partial=self.partial_rollout,
+            strategy=self.off_policy_strategy,
+        )

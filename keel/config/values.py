@@ -12,6 +12,13 @@ from keel.errors import BAD_VALUE, KeelError
 from keel.errors.fixes import closest, setting
 
 
+def value_at(cfg, dotted: str):
+    """The value of a dotted key (`trainer.mode`) in a config tree."""
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
 def field_default(f: dataclasses.Field):
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 

@@ -46,6 +46,14 @@ def adapt_verl(
     # verl's way to name a checkpoint
     if flat.get("trainer.resume_mode") == "resume_path":
         flat["trainer.resume_mode"] = flat.pop("trainer.resume_from_path", None) or "auto"
+    return _unflat(_kept(flat, known, defaults, problems, decided))
+
+
+def _kept(
+    flat: dict[str, Any], known: set[str], defaults: dict[str, Any], problems: list, decided: list
+) -> dict[str, Any]:
+    """The keys keel reads, each value as keel takes it; verl's other keys by their rule (accepted
+    with a note, refused, or, neither keel's nor verl's, left for the unknown-key error)."""
     kept: dict[str, Any] = {}
     for key, value in flat.items():
         if key == "trainer.logger":
@@ -92,7 +100,7 @@ def adapt_verl(
             )
         elif rule.kind == ACCEPT and not quiet(key, value):
             decided.append(f"{key}: {rule.note}")
-    return _unflat(kept)
+    return kept
 
 
 def _renamed(flat: dict[str, Any], known: set[str], decided: list) -> dict[str, Any]:

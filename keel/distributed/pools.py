@@ -31,12 +31,14 @@ def role_group(
     stacks_dir: Path,
     roles: frozenset[str] | None = None,
     world_size: int | None = None,
+    plan=None,
 ) -> RayGroup:
     """RoleWorkers on `world_size` ranks (the policy's workers by default). `roles`: what each
     builds (RoleWorker's default: the policy, and the critic when colocated); a critic pool is a
     second group with roles {"critic"} and a size of its own, whose rank 0 finds a port of its own
-    (MASTER_PORT is the policy group's)."""
-    build = functools.partial(RoleWorker, WorkerSpec.of(cfg, total_steps, actor_weights, roles))
+    (MASTER_PORT is the policy group's). `plan`: keel's decisions, as WorkerSpec.of takes them."""
+    spec = WorkerSpec.of(cfg, total_steps, actor_weights, roles, plan)
+    build = functools.partial(RoleWorker, spec)
     return RayGroup(
         build,
         world_size or cfg.world_size,
@@ -48,10 +50,13 @@ def role_group(
     )
 
 
-def rollout_group(cfg, total_steps: int, actor_weights: str | None, stacks_dir: Path) -> RayGroup:
+def rollout_group(
+    cfg, total_steps: int, actor_weights: str | None, stacks_dir: Path, plan=None
+) -> RayGroup:
     """The rollout's own workers (actor_rollout_ref.hybrid_engine=false): RolloutWorkers on
     rollout.n_gpus_per_node x rollout.nnodes devices, generating independently (no process group)."""
-    build = functools.partial(RolloutWorker, WorkerSpec.of(cfg, total_steps, actor_weights))
+    spec = WorkerSpec.of(cfg, total_steps, actor_weights, plan=plan)
+    build = functools.partial(RolloutWorker, spec)
     return RayGroup(
         build,
         cfg.pools["rollout"],

@@ -21,6 +21,7 @@ import torch
 
 from keel.checkpoint import load_trainers, save_trainers
 from keel.config.algorithm import RolloutCorrectionConfig
+from keel.config.plan import Plan, plan_of
 from keel.config.schema import ActorRolloutRefConfig, CriticConfig, KeelConfig
 from keel.distributed.dist import init_process_group
 from keel.distributed.fsdp import full_parameters
@@ -93,14 +94,17 @@ class WorkerSpec:
         total_steps: int,
         actor_weights: str | None = None,
         roles: frozenset[str] | None = None,
+        plan: Plan | None = None,
     ) -> WorkerSpec:
         """`roles` by default: the policy (without its engine when the rollout has a pool of its own),
-        and the critic too unless it has a pool of its own."""
+        and the critic too unless it has a pool of its own. `plan`: keel's decisions (sharding,
+        rollout correction); None: the config's own, as written."""
+        plan = plan or plan_of(cfg)
         policy = "actor" if "rollout" in cfg.pools else "policy"
         colocated_critic = cfg.critic_enabled and "critic" not in cfg.pools
         t = cfg.trainer
         return cls(
-            cfg.actor_rollout_ref,
+            plan.policy(cfg),
             cfg.critic,
             roles or frozenset({policy, "critic"} if colocated_critic else {policy}),
             total_steps,
@@ -111,7 +115,7 @@ class WorkerSpec:
             cfg.ref_enabled,
             cfg.critic_batching[1],
             actor_weights,
-            cfg.algorithm.rollout_correction,
+            plan.rollout_correction,
         )
 
 

@@ -69,6 +69,10 @@ class LearningSignalGuard:
         self.saw_all_zero = False
 
     def __call__(self, step: int, metrics: dict[str, float]) -> list[GuardWarning]:
+        return self._signal_warnings(metrics) + self._health_warnings(metrics)
+
+    def _signal_warnings(self, metrics: dict[str, float]) -> list[GuardWarning]:
+        """Rewards that teach nothing: all 0 with real answers, or the same for several steps."""
         c, warnings = self.cfg, []
 
         def warn(kind: str, text: str) -> None:
@@ -93,6 +97,15 @@ class LearningSignalGuard:
                 f"{'in each group ' if self.group_based else ''}is the same "
                 f"(score {metrics.get('critic/score/mean', 0):.3g}); check the scorer on samples.jsonl",
             )
+        return warnings
+
+    def _health_warnings(self, metrics: dict[str, float]) -> list[GuardWarning]:
+        """Responses cut off or collapsed, low entropy, rejected tokens, a policy that moved far."""
+        c, warnings = self.cfg, []
+
+        def warn(kind: str, text: str) -> None:
+            warnings.append(GuardWarning(kind, text))
+
         if (
             not self.fixed_length
             and metrics.get("response_length/clip_ratio", 0.0) > c.max_clip_ratio

@@ -13,7 +13,7 @@ synchronous run exactly: the same prompts, seeds, samples and updates.
 
 A batch generated at step g and trained at step j was sampled from the policy of `version(g - 1)`
 and updates the one of `version(j - 1)`: its staleness, at most k. Rollout correction is on for
-k >= 1 (keel.config.load turns token-level truncated IS on when nothing else corrects).
+k >= 1 (keel.config.plan turns it on when nothing else corrects).
 
 A checkpoint records the sampler where the oldest untrained batch drew its prompts: batches in
 flight are dropped at a resume and their prompts generated again, never lost or trained twice.
@@ -27,6 +27,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from keel.config.schema import KeelConfig
+from keel.config.trainer import OffPolicy
 from keel.data.sampler import ResumableSampler
 from keel.observe.metrics import Timer
 from keel.trainer.partial import RolloutPartial
@@ -48,14 +49,18 @@ class InFlight:
 
 
 def step_rollout(
-    cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler, last_step: int
+    cfg: KeelConfig,
+    off_policy: OffPolicy,
+    rollout: ScoredRollout,
+    sampler: ResumableSampler,
+    last_step: int,
 ):
-    """The trainer.mode's rollout: `(timer, step)` -> the batch step `step` trains, reward metrics and
-    generation timing; `settle`, `resume_state`, `start_at`, `close` around it.
-    With trainer.partial_rollout, a pool of samples under way (keel/trainer/partial.py)."""
-    if cfg.trainer.mode == "sync":
+    """The off-policy value's rollout (the plan's): `(timer, step)` -> the batch step `step` trains,
+    reward metrics and generation timing; `settle`, `resume_state`, `start_at`, `close` around it.
+    With partial rollouts, a pool of samples under way (keel/trainer/partial.py)."""
+    if not off_policy.ahead:
         return RolloutWithin(cfg, rollout, sampler)
-    if cfg.trainer.partial_rollout:
+    if off_policy.partial:
         return RolloutPartial(cfg, rollout, sampler)
     return RolloutAhead(cfg, rollout, sampler, last_step)
 

@@ -17,7 +17,7 @@ from keel.algorithms.advantages import AdvantageInputs, AdvantageParams, compute
 from keel.algorithms.kl import apply_kl_penalty
 from keel.algorithms.rollout_correction import compute_correction
 from keel.algorithms.utils import masked_mean
-from keel.config.plan import make_plan, old_log_probs_source
+from keel.config.plan import Plan, make_plan
 from keel.config.schema import GROUP_ESTIMATORS, KeelConfig
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
 from keel.observe.guards import (
@@ -53,9 +53,14 @@ class RunResult:
 
 class RLTrainer:
     def __init__(
-        self, cfg: KeelConfig, inputs: Inputs | None = None, check_report: str | None = None
+        self,
+        cfg: KeelConfig,
+        inputs: Inputs | None = None,
+        check_report: str | None = None,
+        plan: Plan | None = None,
     ):
-        """`check_report`: `keel check`'s whole report on this config, kept in the run directory."""
+        """`check_report`: `keel check`'s whole report on this config, kept in the run directory.
+        `plan`: keel's decisions for the config (`load_run`'s); None: the config's own, as written."""
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.resume_from = ckpt.resume_point(self.run_dir, cfg)
@@ -69,11 +74,15 @@ class RLTrainer:
         # kind -> steps that warned of it
         self.warned_steps: dict[str, int] = {}
         start_from = self.resume_from / "actor" if self.resume_from else None
-        self.components: Components = build_components(cfg, start_from, inputs)
+        self.components: Components = build_components(cfg, start_from, inputs, plan)
         self.sampling = training_sampling(cfg)
         self.scored = ScoredRollout(cfg, self.components, self.sampling)
         self.rollout = step_rollout(
-            cfg, self.scored, self.components.sampler, self.components.total_steps
+            cfg,
+            self.components.plan.off_policy,
+            self.scored,
+            self.components.sampler,
+            self.components.total_steps,
         )
         self.run_files = RunDirectory(cfg, self.components, check_report)
         self.validation = Validation(cfg, self.components)
@@ -81,7 +90,7 @@ class RLTrainer:
         self.adv_params = AdvantageParams(
             gamma=a.gamma, lam=a.lam, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo
         )
-        self.correction = a.rollout_correction
+        self.correction = self.components.plan.rollout_correction
         self.step = 0
         # a resumed run's trainer_state
         self.restored: dict | None = None
@@ -96,7 +105,7 @@ class RLTrainer:
         )
         metrics: dict[str, float] = {}
         try:
-            logger.write(make_plan(self.cfg).summary())
+            logger.write(make_plan(self.cfg, self.components.plan).summary())
             logger.write(self.run_files.description())
             with warnings_said_once():
                 if (
@@ -229,7 +238,7 @@ class RLTrainer:
         pass is saved), or bypass mode (the sampler's log-probs are the old ones). With several
         mini-batches and one epoch the pass skips the first mini-batch's samples (their forward comes
         before any optimiser step) and measures the gap on the rest."""
-        workers, source = self.components.workers, old_log_probs_source(self.cfg)
+        workers, source = self.components.workers, self.components.plan.old_log_probs
         # the sampler's log-probs enter the loss
         if self.correction.bypass_mode or self.correction.decoupled:
             self._check_finite("sampler log-probs", scored.sampling_log_probs, scored.response_mask)
@@ -271,7 +280,9 @@ class RLTrainer:
         # Greedy engines record log-probs at temperature 1, not the trainer's; samples of an older
         # policy (async mode) differ from the trainer's by its updates since, which is no broken
         # weight sync.
-        if self.sampling.do_sample and sampled_by(self.cfg, batch, self.updating):
+        if self.sampling.do_sample and sampled_by(
+            self.components.plan.off_policy, batch, self.updating
+        ):
             check_log_prob_gap(gap, self.step, self.cfg.trainer.guards.max_log_prob_gap)
 
     def _token_rewards(

@@ -33,7 +33,7 @@ class RunDirectory:
         it will not redo."""
         ckpt.init_run_dir(self.path, to_yaml(self.cfg), resumed_step)
         (self.path / "batch_plan.json").write_text(
-            json.dumps(make_plan(self.cfg).as_dict(), indent=2)
+            json.dumps(make_plan(self.cfg, self.components.plan).as_dict(), indent=2)
         )
         if self.check_report:
             (self.path / "check.txt").write_text(self.check_report + "\n")

@@ -16,6 +16,7 @@ import torch
 
 from keel.algorithms.advantages import ADV_ESTIMATORS
 from keel.algorithms.kl import make_kl_controller
+from keel.config.plan import Plan, plan_of
 from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptRecord, build_prompt_dataset, load_rows
 from keel.data.sampler import ResumableSampler
@@ -40,6 +41,8 @@ log = logging.getLogger("keel")
 
 @dataclass
 class Components:
+    # keel's decisions for the config, with the sharding the workers were built with
+    plan: Plan
     tokenizer: object
     train_data: list[PromptRecord]
     val_data: list[PromptRecord]
@@ -108,12 +111,12 @@ def total_steps(cfg: KeelConfig, batches_per_epoch: int) -> int:
     return cfg.trainer.total_training_steps or cfg.trainer.total_epochs * batches_per_epoch
 
 
-def build_inputs(cfg: KeelConfig) -> Inputs:
+def build_inputs(cfg: KeelConfig, plan: Plan) -> Inputs:
     """Tokenizer, prompts and reward, each failing with its code on bad input, and checked against
     each other as `keel check` checks them (enough prompts, a scorer for every row)."""
     model_cfg = cfg.actor_rollout_ref.model
     tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
-    reward = build_reward(cfg)
+    reward = build_reward(cfg, plan)
     agent = cfg.actor_rollout_ref.rollout.agent
     train = load_prompts(cfg.data.train_files, tokenizer, cfg, "train")
     val = (
@@ -129,15 +132,21 @@ def build_inputs(cfg: KeelConfig) -> Inputs:
 
 
 def build_components(
-    cfg: KeelConfig, actor_weights: Path | None = None, inputs: Inputs | None = None
+    cfg: KeelConfig,
+    actor_weights: Path | None = None,
+    inputs: Inputs | None = None,
+    plan: Plan | None = None,
 ) -> Components:
     """`actor_weights`: a checkpoint's actor directory to start from instead of the model path.
-    `inputs`: what `keel check` already loaded and checked (tokenizer, datasets, reward), reused as it is."""
+    `inputs`: what `keel check` already loaded and checked (tokenizer, datasets, reward), reused as it is.
+    `plan`: keel's decisions for the config (`load_run`'s, or `keel check`'s); None: the config's
+    own, as written."""
     quiet_transformers()
     seed_everything(cfg.trainer.seed)
     # a missing device fails here, before any model loads
     resolve_device(cfg.trainer.device)
-    inputs = inputs or build_inputs(cfg)
+    plan = plan or plan_of(cfg)
+    inputs = inputs or build_inputs(cfg, plan)
     tokenizer, reward = inputs.tokenizer, inputs.reward
     train_data, val_data = inputs.train_records, inputs.val_records
     if cfg.critic.enable and not ADV_ESTIMATORS[cfg.algorithm.adv_estimator].needs_critic:
@@ -153,11 +162,12 @@ def build_components(
     steps = total_steps(cfg, sampler.batches_per_epoch)
 
     # before any worker starts: they all build the same layout
-    sharding = decide_sharding(cfg)
-    if sharding:
-        log.info("sharding: %s", sharding)
-    workers = build_workers(cfg, steps, actor_weights, tokenizer, cfg.run_dir)
+    plan = decide_sharding(cfg, plan)
+    if plan.sharding:
+        log.info("sharding: %s", plan.sharding.why)
+    workers = build_workers(cfg, plan, steps, actor_weights, tokenizer, cfg.run_dir)
     return Components(
+        plan=plan,
         tokenizer=tokenizer,
         train_data=train_data,
         val_data=val_data,
@@ -178,14 +188,19 @@ def build_components(
 
 
 def build_workers(
-    cfg: KeelConfig, total_steps: int, actor_weights: Path | None, tokenizer, run_dir: str | Path
+    cfg: KeelConfig,
+    plan: Plan,
+    total_steps: int,
+    actor_weights: Path | None,
+    tokenizer,
+    run_dir: str | Path,
 ) -> WorkerRoles:
     """One worker in this process, or `trainer.n_gpus_per_node x trainer.nnodes` Ray workers."""
     weights = str(actor_weights) if actor_weights else None
     # With a pool of its own for any role, Ray places every device user, a single worker included.
     if cfg.world_size == 1 and not cfg.pools:
         group = LocalGroup(
-            RoleWorker(WorkerSpec.of(cfg, total_steps, weights), tokenizer=tokenizer)
+            RoleWorker(WorkerSpec.of(cfg, total_steps, weights, plan=plan), tokenizer=tokenizer)
         )
     else:
         log.info(
@@ -194,7 +209,7 @@ def build_workers(
             cfg.trainer.n_gpus_per_node,
             cfg.trainer.nnodes,
         )
-        group = role_group(cfg, total_steps, weights, Path(run_dir))
+        group = role_group(cfg, total_steps, weights, Path(run_dir), plan=plan)
     critic_group = None
     if "critic" in cfg.pools:
         log.info(
@@ -210,6 +225,7 @@ def build_workers(
             Path(run_dir),
             roles=frozenset({"critic"}),
             world_size=cfg.critic_world_size,
+            plan=plan,
         )
     rollout = None
     if "rollout" in cfg.pools:
@@ -220,11 +236,12 @@ def build_workers(
             cfg.actor_rollout_ref.rollout.n_gpus_per_node,
             cfg.actor_rollout_ref.rollout.nnodes,
         )
-        rollout = rollout_group(cfg, total_steps, weights, Path(run_dir))
+        rollout = rollout_group(cfg, total_steps, weights, Path(run_dir), plan)
     return WorkerRoles.of(group, cfg, tokenizer.pad_token_id, critic_group, rollout)
 
 
-def build_reward(cfg: KeelConfig) -> RewardScorer:
+def build_reward(cfg: KeelConfig, plan: Plan) -> RewardScorer:
+    """The scorer, in the plan's reward.num_workers processes."""
     custom, r, rm = cfg.custom_reward_function, cfg.reward, cfg.reward_model
     service = None
     if r.service.url:
@@ -250,7 +267,7 @@ def build_reward(cfg: KeelConfig) -> RewardScorer:
             custom.path, custom.name, custom.reward_kwargs, custom.batched
         )
         # workers import it themselves
-        if r.num_workers > 0 and not custom.batched:
+        if plan.reward_workers > 0 and not custom.batched:
             scorer = file_spec(module_location(custom.path), custom.name, custom.reward_kwargs)
     return RewardScorer(
         scorer,
@@ -260,7 +277,7 @@ def build_reward(cfg: KeelConfig) -> RewardScorer:
         r.on_error,
         r.max_not_scored_ratio,
         r.timeout_s,
-        r.num_workers,
+        plan.reward_workers,
         custom.batched,
         reward_model,
         service,

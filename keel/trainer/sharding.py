@@ -2,17 +2,18 @@
 several workers: a model whose whole training state fits each GPU with room to spare is replicated
 (DDP: gradients all-reduced once per mini-batch, no all-gather per layer in every forward and
 backward), a larger one is sharded over every worker (FSDP), as is any policy the hf engine would
-generate with. The choice is made once, on the driver, logged with its reason and shown by `keel
-check`; a config that sets any of the actor's fsdp_config keys (fsdp_size, an offload, ...) is
-taken as it is."""
+generate with. The choice is made once, on the driver, kept in the plan (the config is not written
+to), logged with its reason and shown by `keel check`; a config that sets any of the actor's
+fsdp_config keys (fsdp_size, an offload, ...) is taken as it is."""
 
 from __future__ import annotations
 
-import copy
+from dataclasses import replace
 
 import torch
 
 from keel.config.memory import estimate_memory_gb
+from keel.config.plan import Plan, Sharding
 from keel.config.schema import KeelConfig
 from keel.models.load import resolve_device, resolve_dtype
 from keel.rollout.native.models import unsupported_reason
@@ -25,33 +26,24 @@ REPLICA_SHARE = 0.5
 
 def choose_sharding(
     cfg: KeelConfig,
+    plan: Plan,
     model_cfg,
     params: int,
     device_bytes: int | None,
     lora_trainable: dict[str, int] | None = None,
-) -> str | None:
-    """Sets the actor's fsdp_size on `cfg` when the config left it unset -> why, or None when there
-    was nothing to choose (one worker, or the config says). `device_bytes`: one GPU's memory, None
-    where the driver has none to measure (FSDP then, as before)."""
-    if not _left_to_keel(cfg):
+) -> Sharding | None:
+    """The actor's fsdp_size when the config left it unset, and why; None when there was nothing
+    to choose (one worker, or the config says). A plan that holds a choice keeps it. `device_bytes`:
+    one GPU's memory, None where the driver has none to measure (FSDP then, as before)."""
+    if not _left_to_keel(cfg, plan):
         return None
-    why = getattr(cfg, "sharding", None) or _reason(
-        cfg, model_cfg, params, device_bytes, lora_trainable
-    )
-    # not a field: chosen once, by keel check or the trainer
-    object.__setattr__(cfg, "sharding", why)
-    return why
+    return plan.sharding or _reason(cfg, model_cfg, params, device_bytes, lora_trainable)
 
 
-def _left_to_keel(cfg: KeelConfig) -> bool:
+def _left_to_keel(cfg: KeelConfig, plan: Plan) -> bool:
     """Several workers, and a config that sets none of the actor's FSDP keys (one built in code, with
     no record of what it set, is taken as it is)."""
-    given = getattr(cfg, "given", None)
-    return (
-        cfg.world_size > 1
-        and given is not None
-        and not any(key.startswith("actor_rollout_ref.actor.fsdp_config.") for key in given)
-    )
+    return cfg.world_size > 1 and plan.left_to_keel("actor_rollout_ref.actor.fsdp_config.")
 
 
 def _reason(
@@ -60,45 +52,49 @@ def _reason(
     params: int,
     device_bytes: int | None,
     lora_trainable: dict[str, int] | None,
-) -> str:
-    """Sets fsdp_size (1 or -1) -> why."""
-    fsdp, world = cfg.actor_rollout_ref.actor.fsdp_config, cfg.world_size
-    fsdp.fsdp_size = -1
+) -> Sharding:
+    """fsdp_size 1 or -1, and why."""
+    world = cfg.world_size
     sharded = f"FSDP over all {world} workers ({KEY}=-1)"
     if cfg.actor_rollout_ref.rollout.name == "hf" or unsupported_reason(model_cfg) is not None:
-        return f"{sharded}: the rollout engine is hf, which would generate with the replicated training module"
+        return Sharding(
+            -1,
+            f"{sharded}: the rollout engine is hf, which would generate with the replicated "
+            "training module",
+        )
     if device_bytes is None:
-        return f"{sharded}: no GPU here to size a whole replica against"
-    replica = copy.deepcopy(cfg)
-    replica.actor_rollout_ref.actor.fsdp_config.fsdp_size = 1
+        return Sharding(-1, f"{sharded}: no GPU here to size a whole replica against")
+    replica = replace(cfg.actor_rollout_ref.actor.fsdp_config, fsdp_size=1)
     device = resolve_device(cfg.trainer.device)
     need = estimate_memory_gb(
-        replica,
+        cfg,
         model_cfg,
         params,
         compute_bytes=resolve_dtype(cfg.actor_rollout_ref.model.dtype, device).itemsize,
         native_rollout=True,
         logits_chunk_tokens=LOGITS_CHUNK_TOKENS,
         lora_trainable=lora_trainable,
+        actor_fsdp=replica,
     )["total"]
     gpu = device_bytes / 2**30
     if need > REPLICA_SHARE * gpu:
-        return (
-            f"{sharded}: a whole replica would need about {need:.1f} GB of each GPU's {gpu:.0f} GB"
+        return Sharding(
+            -1,
+            f"{sharded}: a whole replica would need about {need:.1f} GB of each GPU's {gpu:.0f} GB",
         )
-    fsdp.fsdp_size = 1
-    return (
-        f"DDP ({KEY}=1): a whole replica needs about {need:.1f} GB of each GPU's {gpu:.0f} GB, so every "
-        "worker keeps the whole model and gradients are all-reduced once per mini-batch"
+    return Sharding(
+        1,
+        f"DDP ({KEY}=1): a whole replica needs about {need:.1f} GB of each GPU's {gpu:.0f} GB, so "
+        "every worker keeps the whole model and gradients are all-reduced once per mini-batch",
     )
 
 
-def decide_sharding(cfg: KeelConfig) -> str | None:
-    """choose_sharding for a run about to start its workers: the model's architecture read from its
-    path (its parameters counted on the meta device)."""
-    if not _left_to_keel(cfg) or getattr(cfg, "sharding", None):
-        # keel check's choice, made with what it loaded
-        return getattr(cfg, "sharding", None)
+def decide_sharding(cfg: KeelConfig, plan: Plan) -> Plan:
+    """The plan with choose_sharding's choice, for a run about to start its workers: the model's
+    architecture read from its path (its parameters counted on the meta device). `keel check`'s
+    choice, made with what it loaded, is kept."""
+    if not _left_to_keel(cfg, plan) or plan.sharding:
+        return plan
     from transformers import AutoConfig
 
     from keel.models.load import check_model_dir, meta_model
@@ -125,17 +121,15 @@ def decide_sharding(cfg: KeelConfig) -> str | None:
             if model.lora_rank
             else {}
         )
-        return choose_sharding(
-            cfg, model_cfg, sum(p.numel() for p in meta.parameters()), gpu_bytes(cfg), lora
-        )
+        params = sum(p.numel() for p in meta.parameters())
+        sharding = choose_sharding(cfg, plan, model_cfg, params, gpu_bytes(cfg), lora)
     except Exception as error:  # noqa: BLE001 - sizing is advice; the run goes on sharded
-        object.__setattr__(
-            cfg,
-            "sharding",
+        sharding = Sharding(
+            -1,
             f"FSDP over all {cfg.world_size} workers ({KEY}=-1): the model could "
             f"not be sized ({type(error).__name__}: {str(error)[:120]})",
         )
-        return cfg.sharding
+    return plan.with_sharding(sharding)
 
 
 def gpu_bytes(cfg: KeelConfig) -> int | None:

@@ -6,6 +6,7 @@ step count gives, for checkpoints saved before the count was."""
 from __future__ import annotations
 
 from keel.config.schema import KeelConfig
+from keel.config.trainer import OffPolicy
 from keel.types import GeneratedBatch
 
 
@@ -14,9 +15,9 @@ def policy_version(cfg: KeelConfig, step: int) -> int:
     return max(0, step - max(cfg.algorithm.critic_warmup, 1) + 1)
 
 
-def sampled_by(cfg: KeelConfig, batch: GeneratedBatch, version: int) -> bool:
+def sampled_by(off_policy: OffPolicy, batch: GeneratedBatch, version: int) -> bool:
     """Whether every sample of `batch` was sampled from policy `version` (the one the step updates):
-    always in sync mode, where each step trains what it generated."""
-    if cfg.trainer.mode == "sync" or batch.policy_version is None:
+    always when nothing runs ahead (sync), where each step trains what it generated."""
+    if not off_policy.ahead or batch.policy_version is None:
         return True
     return bool((batch.policy_version == version).all())

@@ -176,30 +176,27 @@ def test_an_async_run_resumed_neither_loses_nor_repeats_a_prompt(
 
 def test_keel_check_explains_the_mode_and_what_keel_decided_for_it(tiny_config):
     from keel.check.preflight import run_checks
-    from keel.config.load import load_config
+    from keel.config.load import load_run
 
     tiny_config["trainer"].update({"mode": "async", "max_off_policy_steps": 2})
-    report = run_checks(load_config(tiny_config))
+    report = run_checks(*load_run(tiny_config))
     assert "async: generation and scoring run up to 2 steps ahead of training" in report.plan_text
     assert "at most 2 policy versions old (rollout correction: bypass mode)" in report.plan_text
-    decided = load_config(tiny_config).decided
+    cfg, plan = load_run(tiny_config)
+    decided = plan.decided
     assert any(d.startswith("algorithm.rollout_correction.bypass_mode: true") for d in decided)
     # scored in processes beside the trainer
     assert any(d.startswith("reward.num_workers: ") for d in decided)
-    assert load_config(tiny_config).reward.num_workers >= 1
+    assert plan.reward_workers >= 1
+    # the decisions are the plan's: the config stays what the user wrote
+    assert cfg.reward.num_workers == 0 and not cfg.algorithm.rollout_correction.bypass_mode
     # a correction asked off stays off
-    off = load_config(tiny_config, {"algorithm.rollout_correction.rollout_is": None})
-    assert (
-        off.algorithm.rollout_correction.rollout_is is None
-        and not off.algorithm.rollout_correction.bypass_mode
-    )
+    _, off = load_run(tiny_config, {"algorithm.rollout_correction.rollout_is": None})
+    assert off.rollout_correction.rollout_is is None and not off.rollout_correction.bypass_mode
     # a policy loss bypass mode cannot take gets truncated IS weights on recomputed old log-probs
     # instead
-    gspo = load_config(tiny_config, {"actor_rollout_ref.actor.policy_loss.loss_mode": "gspo"})
-    assert (
-        gspo.algorithm.rollout_correction.rollout_is == "token"
-        and not gspo.algorithm.rollout_correction.bypass_mode
-    )
+    _, gspo = load_run(tiny_config, {"actor_rollout_ref.actor.policy_loss.loss_mode": "gspo"})
+    assert gspo.rollout_correction.rollout_is == "token" and not gspo.rollout_correction.bypass_mode
 
 
 def test_dynamic_sampling_with_async_mode_is_refused_with_the_fix(tiny_config):

@@ -69,12 +69,12 @@ def test_a_verifiers_environment_trains_on_its_own_dataset_and_rubric(
     tiny_config, verifiers_package
 ):
     from keel.check.preflight import run_checks
-    from keel.config.load import load_config
+    from keel.config.load import load_run
 
     cfg = library_config(tiny_config, {"environment": f"verifiers:{verifiers_package}"})
     # the environment's dataset is the prompts
     del cfg["data"]["train_files"], cfg["data"]["val_files"]
-    (finding,) = [f for f in run_checks(load_config(cfg)).findings if f.check == "agent"]
+    (finding,) = [f for f in run_checks(*load_run(cfg)).findings if f.check == "agent"]
     assert finding.level == "pass" and verifiers_package in finding.message
     steps = run_metrics(cfg)
     assert len(steps) == 2

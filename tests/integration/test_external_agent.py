@@ -48,10 +48,10 @@ def agent_config(tiny_config, tmp_path: Path) -> dict:
 
 def test_an_openai_client_agent_trains_and_its_failures_are_counted(tiny_config, tmp_path):
     from keel.check.preflight import run_checks
-    from keel.config.load import load_config
+    from keel.config.load import load_run
 
     cfg = agent_config(tiny_config, tmp_path)
-    (finding,) = [f for f in run_checks(load_config(cfg)).findings if f.check == "agent"]
+    (finding,) = [f for f in run_checks(*load_run(cfg)).findings if f.check == "agent"]
     assert finding.level == "pass" and "my_agent.py:agent" in finding.message
     run_dir = train(cfg).run_dir
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -96,9 +96,9 @@ def test_a_parameter_training_outside_the_adapters_is_refused(tiny_assets):
 
 def test_keel_check_prints_what_lora_trains(tiny_config):
     from keel.check.preflight import run_checks
-    from keel.config.load import load_config
+    from keel.config.load import load_run
 
-    report = run_checks(load_config(lora_config(tiny_config)))
+    report = run_checks(*load_run(lora_config(tiny_config)))
     [lora] = [f.message for f in report.findings if f.check == "lora"]
     assert "q_proj" in lora and "down_proj" in lora and "lm_head and embeddings frozen" in lora
     assert "trainable parameters" in lora and "%" in lora
@@ -163,12 +163,12 @@ def test_export_round_trips_through_peft_and_transformers(tiny_config, tmp_path)
 
 def test_the_memory_estimate_knows_lora(tiny_config):
     from keel.check.preflight import run_checks
-    from keel.config.load import load_config
+    from keel.config.load import load_run
 
     ppo = {"actor_rollout_ref.actor.use_kl_loss": True, "algorithm.adv_estimator": "gae"}
-    full = run_checks(load_config(tiny_config, ppo)).memory_gb
+    full = run_checks(*load_run(tiny_config, ppo)).memory_gb
     lora = run_checks(
-        load_config(lora_config(tiny_config), {**ppo, "critic.model.lora_rank": 8})
+        *load_run(lora_config(tiny_config), {**ppo, "critic.model.lora_rank": 8})
     ).memory_gb
     # the base with adapters off: no second model
     assert "reference" in full and "reference" not in lora

@@ -52,10 +52,10 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def test_keel_check_and_train_take_verls_multi_turn_keys(tiny_config, tmp_path):
     from keel.check.preflight import run_checks
-    from keel.config.load import load_config
+    from keel.config.load import load_run
 
     cfg = multi_turn_config(tiny_config, tmp_path)
-    found = [f for f in run_checks(load_config(cfg)).findings if f.check == "multi-turn"]
+    found = [f for f in run_checks(*load_run(cfg)).findings if f.check == "multi-turn"]
     assert [f.level for f in found] == ["pass", "pass"] and "token-in/token-out" in found[1].message
     steps = metrics(train(cfg).run_dir)
     # the prompt and an answer at least
@@ -149,12 +149,12 @@ def test_verls_interaction_config_gives_user_turns_in_check_and_train(tiny_confi
     turns scheduled by continuous batching); its scores reach the reward function where verl puts
     them (extra_info.rollout_reward_scores) and are not added to the score, as in verl."""
     from keel.check.preflight import run_checks
-    from keel.config.load import load_config
+    from keel.config.load import load_run
 
     cfg = interaction_config(tiny_config, tmp_path)
     (tmp_path / "reward.py").write_text(NUDGE_REWARD)
     cfg["custom_reward_function"] = {"path": str(tmp_path / "reward.py")}
-    found = [f for f in run_checks(load_config(cfg)).findings if f.check == "multi-turn"]
+    found = [f for f in run_checks(*load_run(cfg)).findings if f.check == "multi-turn"]
     assert "verl interactions nudge" in found[0].message
     steps = metrics(train(cfg).run_dir)
     assert len(steps) == 2

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from keel.api import train
-from keel.config.load import load_config
+from keel.config.load import load_config, load_run
 from keel.data.prompts import build_prompt_dataset
 from keel.data.sampler import ResumableSampler
 from keel.distributed.rollout_worker import continue_samples
@@ -370,7 +370,7 @@ def test_keel_check_explains_partial_rollouts(tiny_config):
     tiny_config["trainer"].update(
         {"mode": "async", "partial_rollout": True, "off_policy_strategy": "drop"}
     )
-    report = run_checks(load_config(tiny_config))
+    report = run_checks(*load_run(tiny_config))
     assert "async with partial rollouts: 2 batches of 16 samples are under way" in report.plan_text
     assert (
         "no token more than 1 policy version old (drop: a group that would pass it is dropped"

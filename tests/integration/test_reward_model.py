@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from keel.check.preflight import run_checks
-from keel.config.load import load_config
+from keel.config.load import load_config, load_run
 from keel.errors import TOKEN_BUDGET, KeelError
 from keel.models.tiny import make_tiny_reward_model
 from keel.rewards.model import RewardModel
@@ -49,7 +49,7 @@ def test_check_measures_the_budget_in_the_reward_models_own_tokens(tiny_config, 
         "custom_reward_function.path": None,
         "data.max_response_length": 80,
     }
-    report = run_checks(load_config(tiny_config, overrides))
+    report = run_checks(*load_run(tiny_config, overrides))
     assert [f.code for f in report.failures] == [TOKEN_BUDGET]
     assert "reward model" in report.failures[0].message
 
@@ -68,14 +68,14 @@ def test_the_tokenizers_model_max_length_is_the_limit_when_it_is_lower(tiny_conf
         "custom_reward_function.path": None,
         "data.max_response_length": 120,
     }
-    report = run_checks(load_config(tiny_config, overrides))
+    report = run_checks(*load_run(tiny_config, overrides))
     assert [f.code for f in report.failures] == [TOKEN_BUDGET]
     assert "over the 128 tokens" in report.failures[0].message
     assert (
         "model_max_length=128" in report.failures[0].message
         and "1024" in report.failures[0].message
     )
-    fits = run_checks(load_config(tiny_config, {**overrides, "data.max_response_length": 32}))
+    fits = run_checks(*load_run(tiny_config, {**overrides, "data.max_response_length": 32}))
     assert not fits.failures
     assert any("reads 128 tokens (model_max_length=128" in f.message for f in fits.findings)
     # The user may overrule the tokenizer (said in the log), never the positions the model has

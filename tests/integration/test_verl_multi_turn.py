@@ -13,7 +13,7 @@ import pytest
 
 from keel.api import train
 from keel.check.preflight import run_checks
-from keel.config.load import load_config
+from keel.config.load import load_run
 from keel.errors import VERL_UNAVAILABLE, KeelError
 
 from conftest import ScriptedEngine, write_jsonl
@@ -174,7 +174,7 @@ def test_verls_gsm8k_tool_and_tool_config_train_two_steps(tiny_config, tmp_path,
         ),
     )
     cfg = verl_config(tiny_config, tmp_path, interaction=False, reward=TOOL_REWARD)
-    [tools, _] = [f for f in run_checks(load_config(cfg)).findings if f.check == "multi-turn"]
+    [tools, _] = [f for f in run_checks(*load_run(cfg)).findings if f.check == "multi-turn"]
     assert (
         "calc_gsm8k_reward (verl Gsm8kTool: create, execute, calc_reward, release per sample)"
         in tools.message

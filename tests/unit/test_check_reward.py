@@ -9,7 +9,7 @@ import pytest
 from keel.check.findings import FAIL, PASS, WARN
 from keel.check.preflight import run_checks
 from keel.check.reward import candidate_answers, truth_texts
-from keel.config.load import load_config
+from keel.config.load import load_run
 
 from conftest import digit_rows, write_jsonl
 
@@ -30,7 +30,7 @@ def check(
         reward = tmp_path / "my_reward.py"
         reward.write_text(reward_source)
         settings["custom_reward_function.path"] = str(reward)
-    return run_checks(load_config(tiny_config, settings))
+    return run_checks(*load_run(tiny_config, settings))
 
 
 def reward_findings(report, level):

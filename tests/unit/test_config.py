@@ -2,7 +2,7 @@
 
 import pytest
 
-from keel.config.load import all_keys, load_config
+from keel.config.load import all_keys, load_config, load_run
 from keel.config.plan import make_plan
 from keel.errors import (
     BAD_OVERRIDE,
@@ -299,7 +299,7 @@ def test_batch_plan_counts():
     ],
 )
 def test_the_plan_says_where_the_old_log_probs_come_from(overrides, source):
-    plan = make_plan(load_config(BASE, ["data.train_batch_size=8", *overrides]))
+    plan = make_plan(*load_run(BASE, ["data.train_batch_size=8", *overrides]))
     assert source in plan.old_log_probs and source in plan.render()
 
 
@@ -384,14 +384,19 @@ def test_keel_picks_ddp_or_fsdp_for_the_policy_when_the_config_does_not(
     from keel.models.load import meta_model
     from keel.trainer.sharding import choose_sharding
 
-    cfg = load_config(BASE, ["trainer.n_gpus_per_node=2"] + overrides)
+    cfg, plan = load_run(BASE, ["trainer.n_gpus_per_node=2"] + overrides)
+    written = cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size
     model_cfg = Qwen2Config(**QWEN25_COMMON, **QWEN25_SHAPES[shape])
     params = sum(p.numel() for p in meta_model(model_cfg).parameters())
-    why = choose_sharding(cfg, model_cfg, params, gpu_gb and gpu_gb * 2**30)
+    sharding = choose_sharding(cfg, plan, model_cfg, params, gpu_gb and gpu_gb * 2**30)
+    why = sharding and sharding.why
     assert (why is None) if expected is None else (expected in why and "fsdp_size" in why)
-    assert cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size == size
+    plan = plan.with_sharding(sharding)
+    assert plan.actor_fsdp(cfg).fsdp_size == plan.policy(cfg).actor.fsdp_config.fsdp_size == size
+    # the config stays what the user wrote
+    assert cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size == written
     # chosen once: keel check's stands for the run
-    assert choose_sharding(cfg, model_cfg, params, 1) == why
+    assert choose_sharding(cfg, plan, model_cfg, params, 1) == sharding
 
 
 @pytest.mark.parametrize(
@@ -424,5 +429,38 @@ def test_keel_picks_ddp_or_fsdp_for_the_policy_when_the_config_does_not(
     ],
 )
 def test_the_plan_says_where_and_when_samples_are_scored(tiny_config, overrides, said):
-    plan = make_plan(load_config(tiny_config, overrides))
+    plan = make_plan(*load_run(tiny_config, overrides))
     assert plan.rewards.startswith(said) and f"rewards: {plan.rewards}" in plan.summary()
+
+
+@pytest.mark.parametrize(
+    "overrides, ahead, bound",
+    [
+        ([], False, 0),
+        # sync: nothing runs ahead, whatever the bound says
+        (["trainer.max_off_policy_steps=3"], False, 0),
+        (["trainer.mode=async"], True, 1),
+        (["trainer.mode=async", "trainer.max_off_policy_steps=0"], True, 0),
+        (["trainer.mode=async", "trainer.max_off_policy_steps=2"], True, 2),
+    ],
+)
+def test_the_off_policy_keys_are_one_value_whose_bound_0_is_sync(overrides, ahead, bound):
+    cfg, plan = load_run(BASE, overrides)
+    assert plan.off_policy == cfg.trainer.off_policy
+    assert (plan.off_policy.ahead, plan.off_policy.bound) == (ahead, bound)
+    assert plan.off_policy.name == ("async" if ahead else "sync")
+
+
+def test_keels_decisions_are_the_plans_and_the_config_stays_as_written():
+    written = ["trainer.mode=async", "trainer.n_gpus_per_node=2"]
+    cfg, plan = load_run(BASE, written)
+    assert plan.rollout_correction.bypass_mode and plan.reward_workers >= 1
+    assert plan.old_log_probs == "sampler"
+    assert "trainer.mode" in plan.given and plan.decided
+    # what the user wrote, nothing added
+    assert cfg == load_config(BASE, written)
+    assert not cfg.algorithm.rollout_correction.bypass_mode and cfg.reward.num_workers == 0
+    assert not hasattr(cfg, "decided") and not hasattr(cfg, "given")
+    # a config object sets every key: nothing is left to keel
+    as_built = load_run(cfg).plan
+    assert as_built.given is not None and not as_built.rollout_correction.bypass_mode

@@ -20,7 +20,7 @@ def build_cache(root, repo_id, model_dir):
 
 def test_a_hub_id_in_the_local_cache_loads_offline(tiny_assets, tiny_config, tmp_path, monkeypatch):
     from keel.check.preflight import run_checks
-    from keel.config.load import load_config
+    from keel.config.load import load_run
     from keel.models.load import check_model_dir, load_tokenizer
 
     snapshot = build_cache(tmp_path / "hub", "Qwen/Qwen2.5-0.5B-Instruct", tiny_assets["model"])
@@ -29,7 +29,7 @@ def test_a_hub_id_in_the_local_cache_loads_offline(tiny_assets, tiny_config, tmp
     assert check_model_dir("Qwen/Qwen2.5-0.5B-Instruct") == snapshot
     assert load_tokenizer("Qwen/Qwen2.5-0.5B-Instruct").pad_token_id is not None
     report = run_checks(
-        load_config(tiny_config, {"actor_rollout_ref.model.path": "Qwen/Qwen2.5-0.5B-Instruct"})
+        *load_run(tiny_config, {"actor_rollout_ref.model.path": "Qwen/Qwen2.5-0.5B-Instruct"})
     )
     assert not report.failures, report.failures
 

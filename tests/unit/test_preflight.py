@@ -8,7 +8,7 @@ import pytest
 from keel.check.findings import FAIL, SKIP, WARN
 from keel.check.preflight import run_checks
 from keel.cli import main
-from keel.config.load import load_config
+from keel.config.load import load_run
 from keel.errors import (
     MEMORY_ESTIMATE,
     NO_EOS,
@@ -50,7 +50,7 @@ def test_good_config_passes_with_plan_audit_and_memory(tiny_config, tmp_path, ca
     ],
 )
 def test_failures_before_any_weight_is_loaded(tiny_config, overrides, code):
-    assert code in failure_codes(run_checks(load_config(tiny_config, overrides)))
+    assert code in failure_codes(run_checks(*load_run(tiny_config, overrides)))
 
 
 def test_scorer_that_raises_on_an_empty_answer(tiny_config, tmp_path):
@@ -58,7 +58,7 @@ def test_scorer_that_raises_on_an_empty_answer(tiny_config, tmp_path):
     reward.write_text(
         "def compute_score(solution_str, ground_truth, **kwargs):\n    return 1.0 / len(solution_str)\n"
     )
-    report = run_checks(load_config(tiny_config, {"custom_reward_function.path": str(reward)}))
+    report = run_checks(*load_run(tiny_config, {"custom_reward_function.path": str(reward)}))
     assert failure_codes(report) == [SCORER_RAISED]
     assert "ZeroDivisionError" in report.failures[0].message
 
@@ -67,9 +67,7 @@ def test_run_dir_that_cannot_be_written(tiny_config, tmp_path):
     blocker = tmp_path / "a_file"
     # a file where a folder should be: not writable even for root
     blocker.write_text("")
-    report = run_checks(
-        load_config(tiny_config, {"trainer.default_local_dir": str(blocker / "run")})
-    )
+    report = run_checks(*load_run(tiny_config, {"trainer.default_local_dir": str(blocker / "run")}))
     assert failure_codes(report) == [RUN_DIR_NOT_WRITABLE]
 
 
@@ -80,7 +78,7 @@ def test_tokenizer_bigger_than_the_embedding(tiny_config, tiny_assets, tmp_path)
     # the tokenizer has 260 tokens
     config["vocab_size"] = 200
     (model / "config.json").write_text(json.dumps(config))
-    report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": str(model)}))
+    report = run_checks(*load_run(tiny_config, {"actor_rollout_ref.model.path": str(model)}))
     assert failure_codes(report) == [VOCAB_MISMATCH]
 
 
@@ -92,7 +90,7 @@ def test_broken_tokenizer_fails_and_dependent_checks_are_skipped(
     tok_config = json.loads((model / "tokenizer_config.json").read_text())
     tok_config["eos_token"] = None
     (model / "tokenizer_config.json").write_text(json.dumps(tok_config))
-    report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": str(model)}))
+    report = run_checks(*load_run(tiny_config, {"actor_rollout_ref.model.path": str(model)}))
     assert failure_codes(report) == [NO_EOS]
     assert {f.check for f in report.findings if f.level == SKIP} >= {
         "model",
@@ -118,12 +116,12 @@ def test_train_runs_the_check_first_and_stops_before_the_run_dir_exists(
 
 
 def test_per_rank_memory_shrinks_with_sharding_and_offload(tiny_config):
-    one = run_checks(load_config(tiny_config, ["trainer.device=cpu"])).memory_gb
+    one = run_checks(*load_run(tiny_config, ["trainer.device=cpu"])).memory_gb
     two = run_checks(
-        load_config(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2"])
+        *load_run(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2"])
     ).memory_gb
     offload = run_checks(
-        load_config(
+        *load_run(
             tiny_config,
             [
                 "trainer.device=cpu",
@@ -137,7 +135,7 @@ def test_per_rank_memory_shrinks_with_sharding_and_offload(tiny_config):
     # Adam's 8 B/param leave
     assert offload["actor_states"] == pytest.approx(two["actor_states"] / 2, rel=0.01)
     hf = run_checks(
-        load_config(
+        *load_run(
             tiny_config,
             [
                 "trainer.device=cpu",
@@ -156,9 +154,9 @@ def test_a_critic_pool_is_estimated_on_its_own_devices(tiny_config):
     """Colocated, the critic's states add to the policy's devices; in a pool of its own they leave
     that total and are estimated, sharded over the pool, for the pool's devices."""
     gae = ["trainer.device=cpu", "algorithm.adv_estimator=gae"]
-    colocated = run_checks(load_config(tiny_config, gae)).memory_gb
+    colocated = run_checks(*load_run(tiny_config, gae)).memory_gb
     pooled = run_checks(
-        load_config(
+        *load_run(
             tiny_config, gae + ["critic.enable_resource_pool=true", "critic.n_gpus_per_node=2"]
         )
     ).memory_gb
@@ -176,7 +174,7 @@ def test_param_offload_on_one_worker_is_a_warning_and_not_counted_as_offloaded(t
     so it says so, and estimates the weights on the device. A role that does not run is not named."""
 
     def report(*overrides):
-        return run_checks(load_config(tiny_config, ["trainer.device=cpu", *overrides]))
+        return run_checks(*load_run(tiny_config, ["trainer.device=cpu", *overrides]))
 
     plain = report()
     offload = report(
@@ -197,7 +195,7 @@ def test_memory_estimate_follows_the_resolved_compute_dtype(tiny_config):
 
     def estimate(dtype):
         return run_checks(
-            load_config(
+            *load_run(
                 tiny_config,
                 [
                     "trainer.device=cpu",
@@ -224,9 +222,7 @@ def test_a_ray_address_where_nothing_answers_is_refused_at_once(tiny_config, mon
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
-    report = run_checks(
-        load_config(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2"])
-    )
+    report = run_checks(*load_run(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2"]))
     assert RAY_MISSING in failure_codes(report)
     assert any(
         f"RAY_ADDRESS=127.0.0.1:{port}" in f.message
@@ -239,7 +235,7 @@ def test_more_nodes_than_a_local_ray_instance_has_is_refused(tiny_config, monkey
     from keel.errors import NOT_ENOUGH_DEVICES
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    report = run_checks(load_config(tiny_config, ["trainer.device=cpu", "trainer.nnodes=2"]))
+    report = run_checks(*load_run(tiny_config, ["trainer.device=cpu", "trainer.nnodes=2"]))
     assert NOT_ENOUGH_DEVICES in failure_codes(report)
     assert any("RAY_ADDRESS" in f.fix for f in report.findings if f.code == NOT_ENOUGH_DEVICES)
 
@@ -267,7 +263,7 @@ def test_a_master_port_keel_cannot_use_is_refused_not_ignored(
             "MASTER_PORT", str(taken.getsockname()[1]) if value == "TAKEN" else value
         )
         report = run_checks(
-            load_config(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2"])
+            *load_run(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2"])
         )
     assert failure_codes(report) == [MASTER_PORT_UNUSABLE]
     assert any(said in f.message for f in report.findings if f.code == MASTER_PORT_UNUSABLE)
@@ -279,9 +275,7 @@ def test_a_free_master_port_is_where_rank_0_listens(tiny_config, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     port = free_port()
     monkeypatch.setenv("MASTER_PORT", str(port))
-    report = run_checks(
-        load_config(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2"])
-    )
+    report = run_checks(*load_run(tiny_config, ["trainer.device=cpu", "trainer.n_gpus_per_node=2"]))
     assert not report.failures
     assert any(f"MASTER_PORT={port}" in f.message for f in report.findings if f.check == "workers")
 
@@ -302,7 +296,7 @@ def test_a_tokenizer_whose_eos_the_model_does_not_end_with_is_a_warning_with_the
 
     # what transformers fills in for Qwen2
     path = _retokenized(tiny_assets, tmp_path, eos_token="<|endoftext|>")
-    report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": path}))
+    report = run_checks(*load_run(tiny_config, {"actor_rollout_ref.model.path": path}))
     assert not report.failures
     warned = [f for f in report.findings if f.code == TOKENIZER_MISMATCH]
     assert (
@@ -317,14 +311,14 @@ def test_a_tokenizer_from_another_model_is_refused(tiny_config, tiny_assets, tmp
     from keel.errors import TOKENIZER_MISMATCH
 
     path = _retokenized(tiny_assets, tmp_path, eos_token="<|endoftext|>", pad_token="<|im_start|>")
-    report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": path}))
+    report = run_checks(*load_run(tiny_config, {"actor_rollout_ref.model.path": path}))
     assert failure_codes(report) == [TOKENIZER_MISMATCH]
     assert "EOS" in report.failures[0].message and "PAD" in report.failures[0].message
 
 
 def test_a_budget_over_the_models_positions_is_not_fixed_by_max_model_len(tiny_config):
     report = run_checks(
-        load_config(tiny_config, {"data.max_prompt_length": 1000, "data.max_response_length": 100})
+        *load_run(tiny_config, {"data.max_prompt_length": 1000, "data.max_response_length": 100})
     )
     failure = report.failures[0]
     # 1000 + 24 = 1024
@@ -347,7 +341,7 @@ def test_weights_under_other_names_are_a_warning_that_says_what_would_start_rand
         model / "model.safetensors",
         metadata={"format": "pt"},
     )
-    report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": str(model)}))
+    report = run_checks(*load_run(tiny_config, {"actor_rollout_ref.model.path": str(model)}))
     assert not report.failures
     warned = [f for f in report.findings if f.code == WEIGHTS_BROKEN]
     assert (
@@ -395,7 +389,7 @@ def test_the_rollout_engine_is_named_and_a_fallback_to_hf_says_what_it_costs(
         if sliding
         else make_tiny_model(tmp_path / arch, arch=arch)
     )
-    report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": str(model)}))
+    report = run_checks(*load_run(tiny_config, {"actor_rollout_ref.model.path": str(model)}))
     assert failure_codes(report) == []
     [finding] = [f for f in report.findings if f.check == "rollout engine"]
     assert finding.message.startswith(engine)
@@ -411,7 +405,7 @@ def test_native_named_for_a_family_it_cannot_run_is_refused_by_keel_check(tiny_c
 
     model = sliding_window_qwen2(tmp_path / "m")
     report = run_checks(
-        load_config(
+        *load_run(
             tiny_config,
             {
                 "actor_rollout_ref.model.path": str(model),
@@ -433,7 +427,7 @@ def test_an_eos_token_transformers_adds_on_load_is_refused(tiny_config, tiny_ass
     tok_config = json.loads((model / "tokenizer_config.json").read_text())
     tok_config["eos_token"] = "<|end_of_turn|>"
     (model / "tokenizer_config.json").write_text(json.dumps(tok_config))
-    report = run_checks(load_config(tiny_config, {"actor_rollout_ref.model.path": str(model)}))
+    report = run_checks(*load_run(tiny_config, {"actor_rollout_ref.model.path": str(model)}))
     assert failure_codes(report) == [EOS_ADDED_ON_LOAD]
     assert (
         "<|end_of_turn|>" in report.failures[0].message and "<|im_end|>" in report.failures[0].fix
@@ -444,9 +438,9 @@ def test_a_rollout_on_workers_of_its_own_is_estimated_on_its_own_devices(tiny_co
     """hybrid_engine=false: the engine's decode weights and KV cache leave the actor's devices and are
     estimated, as rollout_pool, for the rollout's."""
     cpu = ["trainer.device=cpu"]
-    colocated = run_checks(load_config(tiny_config, cpu)).memory_gb
+    colocated = run_checks(*load_run(tiny_config, cpu)).memory_gb
     apart = run_checks(
-        load_config(tiny_config, cpu + ["actor_rollout_ref.hybrid_engine=false"])
+        *load_run(tiny_config, cpu + ["actor_rollout_ref.hybrid_engine=false"])
     ).memory_gb
     engine = colocated["kv_cache"] + colocated["rollout_weights"]
     assert "kv_cache" not in apart and "rollout_weights" not in apart
@@ -458,9 +452,9 @@ def test_an_hf_rollout_of_its_own_is_one_whole_model_on_its_devices(tiny_config)
     """hf on 2 sharded workers: colocated, each actor rank holds a whole float32 copy for generating; with
     the rollout apart, that copy is the rollout's own model, counted once there."""
     hf = ["trainer.device=cpu", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.name=hf"]
-    colocated = run_checks(load_config(tiny_config, hf)).memory_gb
+    colocated = run_checks(*load_run(tiny_config, hf)).memory_gb
     apart = run_checks(
-        load_config(tiny_config, hf + ["actor_rollout_ref.hybrid_engine=false"])
+        *load_run(tiny_config, hf + ["actor_rollout_ref.hybrid_engine=false"])
     ).memory_gb
     assert "rollout_copy" not in apart
     assert apart["rollout_pool"] == pytest.approx(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from keel.config.load import all_keys, load_config
+from keel.config.load import all_keys, load_config, load_run
 from keel.errors import UNKNOWN_KEY, VERL_UNSUPPORTED, KeelError
 
 VERL_YAML = Path(__file__).parents[1] / "data" / "verl_ppo_trainer.yaml"
@@ -43,7 +43,7 @@ def error_of(overrides, base=None) -> KeelError:
 def test_verls_whole_generated_config_loads_with_its_own_defaults():
     leaves = verl_leaves()
     assert len(leaves) > 500
-    cfg = load_config(yaml.safe_load(VERL_YAML.read_text()), SMALL)
+    cfg, plan = load_run(yaml.safe_load(VERL_YAML.read_text()), SMALL)
     assert cfg.algorithm.critic_warmup == 0 and cfg.actor_rollout_ref.actor.grad_clip == 1.0
     # its ${...} references resolved
     assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"
@@ -51,7 +51,7 @@ def test_verls_whole_generated_config_loads_with_its_own_defaults():
     # verl's null: keel's default
     assert cfg.trainer.logger == ["console", "wandb"] and cfg.data.seed == 1
     # said, not silent
-    assert any("tensor_model_parallel_size" in line for line in cfg.decided)
+    assert any("tensor_model_parallel_size" in line for line in plan.decided)
 
 
 def test_every_verl_leaf_is_known_by_name():
@@ -114,7 +114,7 @@ def test_suggestions_are_misspellings_never_another_setting():
 
 def test_verls_command_line_forms(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
-    cfg = load_config(
+    cfg, plan = load_run(
         None,
         [
             "data.train_files=~/data/train.parquet",
@@ -133,7 +133,7 @@ def test_verls_command_line_forms(tmp_path, monkeypatch):
         and cfg.trainer.logger == ["console", "wandb"]
     )
     assert cfg.actor_rollout_ref.rollout.name == "auto" and any(
-        "no vLLM" in line for line in cfg.decided
+        "no vLLM" in line for line in plan.decided
     )
 
 

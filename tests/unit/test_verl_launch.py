@@ -10,7 +10,7 @@ import yaml
 from keel.cli import main
 from keel.config import hydra_compose
 from keel.config.hydra_compose import KEEL_COPY, VerlLaunch, compose_launch
-from keel.config.load import flatten, load_config
+from keel.config.load import flatten, load_config, load_run
 from keel.errors import (
     CONFIG_FILE,
     LAUNCH_CONFIG_NAME,
@@ -70,7 +70,7 @@ def test_verls_example_yaml_composes_verls_trainer_config_from_keels_copy(
 ):
     # not a verl checkout: file://verl/trainer/config is not here
     monkeypatch.chdir(tmp_path)
-    cfg = load_config(VerlLaunch(str(EXAMPLE), "gsm8k_multiturn_grpo"), REQUIRED)
+    cfg, plan = load_run(VerlLaunch(str(EXAMPLE), "gsm8k_multiturn_grpo"), REQUIRED)
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
     # the example's own values
     assert multi_turn.enable and multi_turn.max_assistant_turns == 5
@@ -80,7 +80,7 @@ def test_verls_example_yaml_composes_verls_trainer_config_from_keels_copy(
     # its ${...} references resolved
     assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"
     # where it came from, said
-    assert any("keel's copy of verl 0.9.1's" in line for line in cfg.decided)
+    assert any("keel's copy of verl 0.9.1's" in line for line in plan.decided)
 
 
 def test_the_installed_verls_trainer_config_is_the_same_as_keels_copy(tmp_path, monkeypatch):
@@ -111,10 +111,10 @@ def test_config_name_alone_and_config_path_config_are_verls_trainer_config(witho
         VerlLaunch("config", "ppo_trainer.yaml"),
         VerlLaunch(None, None),
     ):
-        cfg = load_config(launch, REQUIRED)
+        cfg, plan = load_run(launch, REQUIRED)
         # verl's default, not keel's
         assert cfg.trainer.total_epochs == 30
-        assert any("verl's trainer config" in line for line in cfg.decided)
+        assert any("verl's trainer config" in line for line in plan.decided)
 
 
 def test_a_yaml_file_with_a_defaults_list_is_composed_too(without_verl, tmp_path, monkeypatch):
@@ -137,9 +137,9 @@ def test_overrides_apply_after_composing_with_keels_errors(without_verl, tmp_pat
 
 def test_verls_reward_workers_default_is_not_keels_scoring_processes(without_verl, tmp_path):
     verl_style(tmp_path)
-    cfg = load_config(VerlLaunch(str(tmp_path), "mine"), REQUIRED)
+    cfg, plan = load_run(VerlLaunch(str(tmp_path), "mine"), REQUIRED)
     assert cfg.reward.num_workers == 0 and any(
-        "reward.num_workers: verl's default 8" in d for d in cfg.decided
+        "reward.num_workers: verl's default 8" in d for d in plan.decided
     )
     verl_style(tmp_path, reward={"num_workers": 2})
     # the YAML's own

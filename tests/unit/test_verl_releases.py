@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from keel.config.hydra_compose import KEEL_COPY
-from keel.config.load import load_config
+from keel.config.load import load_config, load_run
 from keel.errors import UNKNOWN_KEY, VERL_UNSUPPORTED, KeelError
 
 SMALL = {
@@ -20,7 +20,8 @@ NEW = "algorithm.rollout_correction."
 
 
 def loaded(overrides: dict, base: dict | None = None):
-    return load_config(base or {}, {**SMALL, **overrides})
+    """The config and keel's plan for it."""
+    return load_run(base or {}, {**SMALL, **overrides})
 
 
 def refused(overrides: dict) -> KeelError:
@@ -29,12 +30,12 @@ def refused(overrides: dict) -> KeelError:
     return info.value
 
 
-def said(cfg, *words: str) -> bool:
-    return any(all(w in line for w in words) for line in cfg.decided)
+def said(plan, *words: str) -> bool:
+    return any(all(w in line for w in words) for line in plan.decided)
 
 
 def test_verl_0_6_0s_rollout_is_family_is_rollout_correction():
-    cfg = loaded(
+    cfg, plan = loaded(
         {
             "algorithm.rollout_is": True,
             "algorithm.rollout_is_threshold": 3.0,
@@ -44,8 +45,8 @@ def test_verl_0_6_0s_rollout_is_family_is_rollout_correction():
     )
     correction = cfg.algorithm.rollout_correction
     assert (correction.rollout_is, correction.rollout_is_threshold) == ("sequence", 3.0)
-    assert said(cfg, "verl 0.6.0", f"{NEW}rollout_is=sequence", "veto")
-    cfg = loaded(
+    assert said(plan, "verl 0.6.0", f"{NEW}rollout_is=sequence", "veto")
+    cfg, plan = loaded(
         {
             "algorithm.rollout_is": True,
             "algorithm.rollout_is_threshold": 2.0,
@@ -61,9 +62,9 @@ def test_rollout_is_false_or_no_threshold_applies_no_weights_as_in_verl_0_6_0():
         {"algorithm.rollout_is": False, "algorithm.rollout_is_threshold": 2.0},
         {"algorithm.rollout_is": True, "algorithm.rollout_is_threshold": None},
     ):
-        cfg = loaded(overrides)
+        cfg, plan = loaded(overrides)
         assert cfg.algorithm.rollout_correction.rollout_is is None
-        assert said(cfg, "no weights applied")
+        assert said(plan, "no weights applied")
 
 
 @pytest.mark.parametrize(
@@ -91,7 +92,7 @@ def test_verl_0_7_0s_rejection_levels_are_k1_options_with_the_same_band(level, o
 
     from keel.algorithms.rollout_correction import _kept_by
 
-    cfg = loaded(
+    cfg, plan = loaded(
         {
             f"{NEW}rollout_rs": level,
             f"{NEW}rollout_rs_threshold": 1.5,
@@ -99,22 +100,22 @@ def test_verl_0_7_0s_rejection_levels_are_k1_options_with_the_same_band(level, o
         }
     )
     correction = cfg.algorithm.rollout_correction
-    assert correction.rollout_rs == option and said(cfg, "verl 0.7.0", option)
+    assert correction.rollout_rs == option and said(plan, "verl 0.7.0", option)
     (rule,) = correction.params().rejection
     # one token a sequence: every level sees the token's ratio
     ratios = torch.tensor([[0.7, 0.85, 1.4, 1.6]])
     kept = [bool(_kept_by(rule, r.log().reshape(1, 1), torch.ones(1, 1))) for r in ratios[0]]
     # verl 0.7.0 kept ratios in [0.8, 1.5]
     assert kept == [False, True, True, False]
-    cfg = loaded({f"{NEW}rollout_rs": level, f"{NEW}rollout_rs_threshold": 2.0})
+    cfg, plan = loaded({f"{NEW}rollout_rs": level, f"{NEW}rollout_rs_threshold": 2.0})
     # lower 1/upper: the symmetric band
     assert cfg.algorithm.rollout_correction.rollout_rs_threshold == "2.0"
 
 
 def test_later_rollout_correction_keys_of_0_6_1_and_0_7_0():
-    cfg = loaded({f"{NEW}use_policy_gradient": True, f"{NEW}bypass_mode": True})
+    cfg, plan = loaded({f"{NEW}use_policy_gradient": True, f"{NEW}bypass_mode": True})
     assert cfg.algorithm.rollout_correction.loss_type == "reinforce" and said(
-        cfg, "use_policy_gradient"
+        plan, "use_policy_gradient"
     )
     error = refused({f"{NEW}rollout_token_veto_threshold": 1e-4})
     assert error.code == VERL_UNSUPPORTED and "seq_max_k2" in error.message
@@ -152,7 +153,7 @@ def test_a_renamed_key_is_taken_under_its_new_name(old, new, value):
 
 
 def test_verl_0_9s_reward_section_is_read_under_the_names_keel_reads():
-    cfg = loaded(
+    cfg, plan = loaded(
         {
             "reward.custom_reward_function.path": "my_reward.py",
             "reward.custom_reward_function.name": "f",
@@ -165,13 +166,13 @@ def test_verl_0_9s_reward_section_is_read_under_the_names_keel_reads():
     )
     # verl's batch reward manager
     assert cfg.custom_reward_function.batched
-    assert said(cfg, "reward.custom_reward_function.path: is custom_reward_function.path")
+    assert said(plan, "reward.custom_reward_function.path: is custom_reward_function.path")
     # the old name wins where it is set, as verl 0.9.1's migrate_legacy_reward_impl does
-    cfg = loaded(
+    cfg, plan = loaded(
         {"custom_reward_function.path": "old.py", "reward.custom_reward_function.path": "new.py"}
     )
     assert cfg.custom_reward_function.path == "old.py"
-    cfg = loaded(
+    cfg, plan = loaded(
         {"custom_reward_function.path": None, "reward.custom_reward_function.path": "new.py"}
     )
     assert cfg.custom_reward_function.path == "new.py"
@@ -214,7 +215,7 @@ def test_verls_other_trackers_are_refused_by_name_with_what_keel_offers(tracker)
 
 
 def test_verls_tracking_and_file_loggers_are_keels_wandb_and_metrics_file():
-    cfg = loaded({"trainer.logger": ["console", "tracking", "file"]})
+    cfg, plan = loaded({"trainer.logger": ["console", "tracking", "file"]})
     assert cfg.trainer.logger == ["console", "wandb"]
-    assert said(cfg, "tracking is verl's older name of wandb") and said(cfg, "metrics.jsonl")
-    assert loaded({"trainer.logger": "console"}).trainer.logger == ["console"]
+    assert said(plan, "tracking is verl's older name of wandb") and said(plan, "metrics.jsonl")
+    assert loaded({"trainer.logger": "console"}).config.trainer.logger == ["console"]

@@ -262,11 +262,11 @@ def test_keel_check_warns_when_no_right_answer_is_ever_rewarded(tiny_config, tmp
     """The seed's "no-reward training": a function that scores every answer 0 without an error."""
     from keel.check.findings import WARN
     from keel.check.preflight import run_checks
-    from keel.config.load import load_config
+    from keel.config.load import load_run
 
     def reward_warnings(source):
         overrides = {"custom_reward_function.path": write(tmp_path, source)}
-        report = run_checks(load_config(tiny_config, overrides))
+        report = run_checks(*load_run(tiny_config, overrides))
         return [f.message for f in report.findings if f.check == "reward" and f.level == WARN]
 
     never = "def compute_score(solution_str, ground_truth, data_source=None, extra_info=None):\n    return 0.0\n"
