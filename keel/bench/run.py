@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from keel.bench.workloads import DRAWN_ON_DEVICE, WORKLOADS, Workload, shape_config
+from keel.models.families import active_parameters
 from keel.models.load import RANDOM_WEIGHTS, meta_model, stored_parameters
 
 log = logging.getLogger("keel")
@@ -352,27 +353,6 @@ def _generation_rates(w: Workload, samples: int, mean) -> tuple[float, float | N
 
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def active_parameters(config, params: int) -> int:
-    """Parameters a token passes through: a mixture of experts' unrouted experts left out."""
-    # every layer a mixture; experts with biases
-    if config.model_type == "gpt_oss":
-        hidden, inner = config.hidden_size, config.intermediate_size
-        per_expert, sparse = 3 * hidden * inner + 2 * inner + hidden, config.num_hidden_layers
-        return (
-            params - sparse * (config.num_local_experts - config.num_experts_per_tok) * per_expert
-        )
-    experts = getattr(config, "num_experts", 0) or 0
-    if not experts:
-        return params
-    per_expert = 3 * config.hidden_size * config.moe_intermediate_size
-    sparse = [
-        i
-        for i in range(config.num_hidden_layers)
-        if i not in (config.mlp_only_layers or []) and (i + 1) % config.decoder_sparse_step == 0
-    ]
-    return params - len(sparse) * (experts - config.num_experts_per_tok) * per_expert
 
 
 def decode_bandwidth_utilisation(
