@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from keel.demo import DemoResult, DemoSettings, DemoTask, greedy_accuracy, run_demo, write_data
+from keel.demo import DemoSettings, DemoTask, greedy_accuracy, run_demo, write_data
+from keel.demo_result import DemoResult
 
 DATA_SOURCE = "keel/tool_arithmetic"
 
