@@ -630,3 +630,13 @@ def test_a_turn_arriving_mid_decode_joins_within_look_every_steps(tiny_assets):
     while not rest:
         rest = batcher.step(params, look_every=16)
     assert [f.key for f in rest] == ["long"] and len(rest[0].ids) == 64
+
+
+def test_every_native_family_points_to_the_facts_record_of_its_model_types():
+    """A family is one unit: the native engine runs exactly the model types the facts records
+    (models/families.py) name, each through the family whose record names it."""
+    from keel.models.families import FACTS
+    from keel.rollout.native.models import FAMILIES
+
+    assert set(FAMILIES) == set(FACTS)
+    assert all(FACTS[model_type] is family.facts for model_type, family in FAMILIES.items())
