@@ -82,8 +82,10 @@ def project(
 
 class AttentionArgs(NamedTuple):
     """What a layer's attention-inputs function takes after h, cos and sin: the layer's tensors
-    (None where its family has none), then the family's constants. A tuple of plain tensors, not
-    the LayerWeights, so torch.compile guards on their shapes and every layer shares one graph."""
+    (None where its family has none), then the family's constants, each named as the LayerWeights
+    field or the Family attribute it is (models/base.layer_args fills them by name). A tuple of
+    plain tensors, not the LayerWeights, so torch.compile guards on their shapes and every layer
+    shares one graph."""
 
     qkv: Tensor  # [(H + 2 KV) * D, hidden]
     qkv_bias: Tensor | None
@@ -101,7 +103,7 @@ class AttentionArgs(NamedTuple):
 class MlpArgs(NamedTuple):
     """What a dense layer's after-attention function takes after x, the attention and the next
     norm: the output projection, the norms around the MLP (each family reads those it has), the
-    gated MLP, LoRA's adapters of each projection (None: off), then eps."""
+    gated MLP, LoRA's adapters of each projection (None: off), then eps; named as AttentionArgs'."""
 
     o: Tensor
     # after the attention: before the MLP (Llama), or on the attention's output (OLMo 2, Gemma 3)

@@ -5,12 +5,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from functools import cache
+from operator import attrgetter
+from typing import TypeVar
 
 from torch import Tensor
 
 from keel.models.families import FamilyFacts
 from keel.rollout.native.layers import AttentionArgs, LowRank, MlpArgs, rms_norm
 
+# a step function's argument: a NamedTuple of the layer's tensors, then the family's constants
+Args = TypeVar("Args", bound=tuple)
 # inv_freq does not depend on the sequence length
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 
@@ -177,30 +182,34 @@ class Family(ABC):
 
     def attention_args(self, layer: LayerWeights) -> AttentionArgs:
         """What `attention_inputs` takes after h, cos and sin."""
-        return AttentionArgs(
-            qkv=layer.qkv,
-            qkv_bias=layer.qkv_bias,
-            qkv_lora=layer.qkv_lora,
-            q_norm=layer.q_norm,
-            k_norm=layer.k_norm,
-            heads=self.heads,
-            kv_heads=self.kv_heads,
-            eps=self.eps,
-            query_scale=self.query_scale,
-        )
+        return layer_args(AttentionArgs, layer, self)
 
     def after_attention_args(self, layer: LayerWeights) -> tuple:
         """What the layer's `after_attention` function takes after x, attention and the next norm:
         a dense layer's MlpArgs (a family with other kinds of layer adds theirs)."""
-        return MlpArgs(
-            o=layer.o,
-            post_norm=layer.post_norm,
-            pre_mlp_norm=layer.pre_mlp_norm,
-            gate_up=layer.gate_up,
-            down=layer.down,
-            post_mlp_norm=layer.post_mlp_norm,
-            o_lora=layer.o_lora,
-            gate_up_lora=layer.gate_up_lora,
-            down_lora=layer.down_lora,
-            eps=self.eps,
-        )
+        return layer_args(MlpArgs, layer, self)
+
+
+def layer_args(args_type: type[Args], layer: LayerWeights, family: Family) -> Args:
+    """A step function's argument, filled by name: args_type's first fields are the layer's
+    tensors of those names (LayerWeights fields), the rest the family's attributes of those names
+    (its constants). Names, not positions: no two tensors of one shape can trade places."""
+    tensors, constants = _getters(args_type)
+    return args_type._make((*tensors(layer), *constants(family)))
+
+
+@cache
+def _getters(args_type: type) -> tuple[Callable, Callable]:
+    """(the layer's tensors, the family's constants) of args_type, each read as a tuple."""
+    layer_fields = {f.name for f in fields(LayerWeights)}
+    names = args_type._fields
+    tensors = [name for name in names if name in layer_fields]
+    if tuple(tensors) != names[: len(tensors)]:
+        raise TypeError(f"{args_type.__name__}: the layer's tensors come before the constants")
+    return _tuple_getter(tensors), _tuple_getter(names[len(tensors) :])
+
+
+def _tuple_getter(names) -> Callable:
+    # attrgetter of one name gives the value itself, not a tuple of it
+    getter = attrgetter(*names) if names else (lambda _: ())
+    return (lambda obj: (getter(obj),)) if len(names) == 1 else getter

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from keel.models.families import GPT_OSS
 from keel.rollout.native.layers import LowRank, attention_inputs, project, residual_add
-from keel.rollout.native.models.base import Family, LayerWeights, hf_projection_map
+from keel.rollout.native.models.base import Family, LayerWeights, hf_projection_map, layer_args
 
 # the same RMSNorm: scaled, then cast
 from keel.rollout.native.models.olmo2 import olmo_norm as gpt_oss_norm
@@ -42,7 +42,8 @@ def clamped_swiglu(gate_up: Tensor, alpha: float, limit: float) -> Tensor:
 class GptOssExpertsArgs(NamedTuple):
     """What a GPT-OSS layer's after-attention function takes after x, the attention and the next
     norm: the output projection (its bias, its LoRA adapters, or None), the norm before the mixture,
-    the router and the experts (each with its bias), then the family's constants."""
+    the router and the experts (each with its bias), then the family's constants (base.layer_args
+    fills each field by its name)."""
 
     o: Tensor
     o_bias: Tensor | None
@@ -142,20 +143,6 @@ class GptOssFamily(Family):
 
     def after_attention_args(self, layer: LayerWeights) -> tuple:
         experts = layer.experts_gate_up
-        return GptOssExpertsArgs(
-            o=layer.o,
-            o_bias=layer.o_bias,
-            o_lora=layer.o_lora,
-            post_norm=layer.post_norm,
-            router=layer.router,
-            router_bias=layer.router_bias,
-            experts_gate_up=experts,
-            experts_gate_up_bias=layer.experts_gate_up_bias,
-            experts_down=layer.experts_down,
-            experts_down_bias=layer.experts_down_bias,
-            top_k=self.top_k,
-            alpha=self.alpha,
-            limit=self.limit,
-            grouped=grouped_mm_runs(experts.device.type, experts.dtype),
-            eps=self.eps,
-        )
+        # every layer's experts share one device and dtype: one answer, cached
+        self.grouped = grouped_mm_runs(experts.device.type, experts.dtype)
+        return layer_args(GptOssExpertsArgs, layer, self)

@@ -23,7 +23,7 @@ from keel.rollout.native.layers import (
     residual_add,
     rms_norm,
 )
-from keel.rollout.native.models.base import LayerWeights
+from keel.rollout.native.models.base import LayerWeights, layer_args
 from keel.rollout.native.models.llama import LlamaFamily
 
 
@@ -99,7 +99,8 @@ def routed_experts(
 class ExpertsArgs(NamedTuple):
     """What a mixture layer's after-attention function takes after x, the attention and the next
     norm: the output projection (and its LoRA adapters, or None), the norm before the mixture,
-    the router and the experts' weights, then the family's constants."""
+    the router and the experts' weights, then the family's constants (base.layer_args fills each
+    field by its name)."""
 
     o: Tensor
     o_lora: LowRank | None
@@ -160,15 +161,6 @@ class Qwen3MoeFamily(LlamaFamily):
         if layer.router is None:
             return super().after_attention_args(layer)
         experts = layer.experts_gate_up
-        return ExpertsArgs(
-            o=layer.o,
-            o_lora=layer.o_lora,
-            post_norm=layer.post_norm,
-            router=layer.router,
-            experts_gate_up=experts,
-            experts_down=layer.experts_down,
-            top_k=self.top_k,
-            normalize=self.normalize,
-            grouped=grouped_mm_runs(experts.device.type, experts.dtype),
-            eps=self.eps,
-        )
+        # every layer's experts share one device and dtype: one answer, cached
+        self.grouped = grouped_mm_runs(experts.device.type, experts.dtype)
+        return layer_args(ExpertsArgs, layer, self)
