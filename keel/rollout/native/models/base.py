@@ -104,7 +104,8 @@ class Family(ABC):
     - `norm(x, weight, eps)`: its RMSNorm (the first layer's input norm is applied with it).
 
     Each step function takes the layer as one NamedTuple (layers.AttentionArgs, layers.MlpArgs, or
-    a family's own), which torch.compile reads as a tuple of tensors and constants. Where layers
+    a family's own) filled by name from the layer and the family (`layer_args`), which
+    torch.compile reads as a tuple of tensors and constants. Where layers
     differ in their rotary frequencies or see a sliding window of the cache (Gemma 3),
     `rope_kind(i)` and `window(i)` say so."""
 
