@@ -52,6 +52,7 @@ LLAMA = FamilyFacts(
     # SmolLM3's head is plain too, but it was not checked against the chunked path when it came
     # (0a09479): it keeps logits_to_keep until a test compares the two.
     plain_lm_head=frozenset({"qwen2", "qwen3", "llama", "mistral"}),
+    # none of Mistral: its config's sliding window, on by default, is one native does not run
     tiny_fields={
         "qwen2": no_fields,
         "llama": no_fields,
