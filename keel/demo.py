@@ -91,36 +91,38 @@ def addition_problem(rng: random.Random, digits: int) -> tuple[str, int]:
     return f"{a}+{b}=", a + b
 
 
-def make_data(out: Path, s: DemoSettings) -> dict[str, Path]:
-    """SFT chats, RL prompts and a held-out set, disjoint, from one seeded generator."""
-    rng = random.Random(s.seed)
+def disjoint_problems(
+    draw: Callable[[], tuple[str, int]], s: DemoSettings
+) -> tuple[list[tuple[str, int]], ...]:
+    """(held-out, dev, SFT, RL) problems from `draw`, in that order: no question in two of them."""
     seen: set[str] = set()
 
     def problems(n: int) -> list[tuple[str, int]]:
         picked = []
         while len(picked) < n:
-            question, answer = addition_problem(rng, s.digits)
+            question, answer = draw()
             # held-out questions never appear in training
             if question not in seen:
                 seen.add(question)
                 picked.append((question, answer))
         return picked
 
-    heldout, dev, sft, rl = (
-        problems(s.n_heldout),
-        problems(s.n_dev),
-        problems(s.n_sft),
-        problems(s.n_rl),
-    )
+    return problems(s.n_heldout), problems(s.n_dev), problems(s.n_sft), problems(s.n_rl)
 
-    def prompt_row(question: str, answer: int) -> dict:
-        return {
-            "prompt": [{"role": "user", "content": question}],
-            "data_source": DATA_SOURCE,
-            "reward_model": {"ground_truth": str(answer)},
-            "extra_info": {},
-        }
 
+def prompt_row(question: str, answer: int, data_source: str = DATA_SOURCE) -> dict:
+    return {
+        "prompt": [{"role": "user", "content": question}],
+        "data_source": data_source,
+        "reward_model": {"ground_truth": str(answer)},
+        "extra_info": {},
+    }
+
+
+def make_data(out: Path, s: DemoSettings) -> dict[str, Path]:
+    """SFT chats, RL prompts and a held-out set, disjoint, from one seeded generator."""
+    rng = random.Random(s.seed)
+    heldout, dev, sft, rl = disjoint_problems(lambda: addition_problem(rng, s.digits), s)
     return write_data(
         out,
         {
