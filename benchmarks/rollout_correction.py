@@ -18,7 +18,7 @@ from pathlib import Path
 from statistics import mean
 
 from keel.api import train
-from keel.bench.run import source_commit
+from keel.bench.record import source_commit
 from keel.demo import ADDITION, DemoSettings, run_demo
 
 MODES = {

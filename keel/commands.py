@@ -65,7 +65,8 @@ def cmd_report(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from keel.demo import DemoSettings, print_summary, run_demo, smoke_settings
+    from keel.demo import DemoSettings, run_demo, smoke_settings
+    from keel.demo_result import print_summary
     from keel.demo_tools import TOOLS, ToolDemoSettings
 
     settings, task, out = (

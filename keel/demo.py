@@ -16,15 +16,15 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import ClassVar
+
+from keel.demo_result import RESULT, DemoResult, stored_result, val_metric
 
 DATA_SOURCE = "keel/arithmetic"
 # marks a directory as the demo's own, so a rerun may clear it
 MARKER = "keel_demo.json"
-# a finished demo's table: a rerun shows it again instead of training
-RESULT = "result.json"
 
 
 @dataclass(frozen=True)
@@ -86,60 +86,43 @@ def smoke_settings(settings: DemoSettings) -> DemoSettings:
     return replace(settings, **SMOKE)
 
 
-@dataclass
-class DemoResult:
-    out_dir: Path
-    # held-out accuracy of the SFT model (greedy)
-    acc_before: float
-    # after GRPO
-    acc_after: float
-    sft_steps: int
-    grpo_steps: int
-    seconds: float
-    n_params: int
-    # the tools demo: share of held-out calls that gave the right answer
-    calls_before: float | None = None
-    calls_after: float | None = None
-    smoke: bool = False
-    # read back from RESULT: the demo had finished before this run
-    earlier: bool = False
-
-
 def addition_problem(rng: random.Random, digits: int) -> tuple[str, int]:
     a, b = rng.randrange(10**digits), rng.randrange(10**digits)
     return f"{a}+{b}=", a + b
 
 
-def make_data(out: Path, s: DemoSettings) -> dict[str, Path]:
-    """SFT chats, RL prompts and a held-out set, disjoint, from one seeded generator."""
-    rng = random.Random(s.seed)
+def disjoint_problems(
+    draw: Callable[[], tuple[str, int]], s: DemoSettings
+) -> tuple[list[tuple[str, int]], ...]:
+    """(held-out, dev, SFT, RL) problems from `draw`, in that order: no question in two of them."""
     seen: set[str] = set()
 
     def problems(n: int) -> list[tuple[str, int]]:
         picked = []
         while len(picked) < n:
-            question, answer = addition_problem(rng, s.digits)
+            question, answer = draw()
             # held-out questions never appear in training
             if question not in seen:
                 seen.add(question)
                 picked.append((question, answer))
         return picked
 
-    heldout, dev, sft, rl = (
-        problems(s.n_heldout),
-        problems(s.n_dev),
-        problems(s.n_sft),
-        problems(s.n_rl),
-    )
+    return problems(s.n_heldout), problems(s.n_dev), problems(s.n_sft), problems(s.n_rl)
 
-    def prompt_row(question: str, answer: int) -> dict:
-        return {
-            "prompt": [{"role": "user", "content": question}],
-            "data_source": DATA_SOURCE,
-            "reward_model": {"ground_truth": str(answer)},
-            "extra_info": {},
-        }
 
+def prompt_row(question: str, answer: int, data_source: str = DATA_SOURCE) -> dict:
+    return {
+        "prompt": [{"role": "user", "content": question}],
+        "data_source": data_source,
+        "reward_model": {"ground_truth": str(answer)},
+        "extra_info": {},
+    }
+
+
+def make_data(out: Path, s: DemoSettings) -> dict[str, Path]:
+    """SFT chats, RL prompts and a held-out set, disjoint, from one seeded generator."""
+    rng = random.Random(s.seed)
+    heldout, dev, sft, rl = disjoint_problems(lambda: addition_problem(rng, s.digits), s)
     return write_data(
         out,
         {
@@ -255,15 +238,6 @@ def prepare_out_dir(out: Path, s: DemoSettings, fresh: bool) -> None:
     marker.write_text(json.dumps(asdict(s)))
 
 
-def val_metric(run_dir: Path, step: int, key: str) -> float:
-    """A held-out metric logged at `step` (0: before any GRPO update)."""
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record["step"] == step and key in record:
-            return record[key]
-    raise ValueError(f"no {key} at step {step} in {run_dir}")
-
-
 @dataclass(frozen=True)
 class DemoTask:
     """What a demo's task decides; the stages around it are the same for every task."""
@@ -337,22 +311,6 @@ def run_demo(
     return result
 
 
-def stored_result(out: Path) -> DemoResult | None:
-    """The table of a demo that finished in `out` (same settings: prepare_out_dir cleared any other)."""
-    try:
-        stored = json.loads((out / RESULT).read_text())
-    # none yet (or cut short by a killed run): run the demo
-    except (OSError, ValueError):
-        return None
-    values = {f.name: stored[f.name] for f in fields(DemoResult) if f.name in stored}
-    values.update(out_dir=out, earlier=True)
-    try:
-        return DemoResult(**values)
-    # written by a keel whose table had other fields: run the demo
-    except TypeError:
-        return None
-
-
 def sft_until_partly_competent(
     out: Path,
     data: dict[str, Path],
@@ -419,41 +377,6 @@ def greedy_accuracy(
             DataConfig(max_response_length=max_response_length),
         )
     return metrics[f"val/{data_source}/acc"]
-
-
-def print_summary(r: DemoResult) -> None:
-    gain = 100 * (r.acc_after - r.acc_before)
-    rows = [
-        ("held-out accuracy after SFT", f"{100 * r.acc_before:.1f}%"),
-        ("held-out accuracy after GRPO", f"{100 * r.acc_after:.1f}%  ({gain:+.1f} points)"),
-        ("steps", f"SFT {r.sft_steps}, GRPO {r.grpo_steps}"),
-        ("wall time", f"{r.seconds / 60:.1f} min" + (" (when it ran)" if r.earlier else "")),
-        ("run directories", f"{r.out_dir / 'sft'}  {r.out_dir / 'grpo'}"),
-        ("plots", f"{r.out_dir / 'grpo' / 'report.png'}  {r.out_dir / 'sft' / 'report.png'}"),
-    ]
-    if r.calls_before is not None:
-        rows.insert(
-            2,
-            (
-                "correct calculator calls",
-                f"{100 * r.calls_before:.1f}% -> {100 * r.calls_after:.1f}%",
-            ),
-        )
-    width = max(len(label) for label, _ in rows)
-    task = (
-        "3-digit multiplication with a calculator tool"
-        if r.calls_before is not None
-        else "2-digit addition"
-    )
-    print(f"\nkeel demo: {task}, a {r.n_params / 1e6:.1f}M-parameter Qwen2 trained on CPU")
-    if r.smoke:
-        print(
-            "  smoke run (--smoke): a few steps of each stage to check the setup; the numbers mean nothing"
-        )
-    if r.earlier:
-        print(f"  finished earlier in {r.out_dir}; `keel demo --fresh` runs it again")
-    for label, value in rows:
-        print(f"  {label:<{width}}  {value}")
 
 
 ADDITION = DemoTask(

@@ -14,7 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from keel.demo import DemoResult, DemoSettings, DemoTask, greedy_accuracy, run_demo, write_data
+from keel.demo import (
+    DemoSettings,
+    DemoTask,
+    disjoint_problems,
+    greedy_accuracy,
+    prompt_row,
+    run_demo,
+    write_data,
+)
+from keel.demo_result import DemoResult
 
 DATA_SOURCE = "keel/tool_arithmetic"
 
@@ -50,32 +59,14 @@ def tool_call(question: str) -> str:
 
 def make_data(out: Path, s: ToolDemoSettings) -> dict[str, Path]:
     """Tool-use chats for SFT, RL prompts, a dev and a held-out set: disjoint questions `a*b`."""
-    rng, seen = random.Random(s.seed), set()
+    rng = random.Random(s.seed)
+    low, high = 10 ** (s.digits - 1), 10**s.digits
 
-    def problems(n: int) -> list[tuple[str, int]]:
-        picked = []
-        low, high = 10 ** (s.digits - 1), 10**s.digits
-        while len(picked) < n:
-            a, b = rng.randrange(low, high), rng.randrange(low, high)
-            if f"{a}*{b}" not in seen:
-                seen.add(f"{a}*{b}")
-                picked.append((f"{a}*{b}", a * b))
-        return picked
+    def multiplication() -> tuple[str, int]:
+        a, b = rng.randrange(low, high), rng.randrange(low, high)
+        return f"{a}*{b}", a * b
 
-    heldout, dev, sft, rl = (
-        problems(s.n_heldout),
-        problems(s.n_dev),
-        problems(s.n_sft),
-        problems(s.n_rl),
-    )
-
-    def prompt_row(question: str, answer: int) -> dict:
-        return {
-            "prompt": [{"role": "user", "content": question}],
-            "data_source": DATA_SOURCE,
-            "reward_model": {"ground_truth": str(answer)},
-            "extra_info": {},
-        }
+    heldout, dev, sft, rl = disjoint_problems(multiplication, s)
 
     def demonstration(question: str, answer: int) -> dict:
         return {
@@ -91,9 +82,9 @@ def make_data(out: Path, s: ToolDemoSettings) -> dict[str, Path]:
         out,
         {
             "sft": [demonstration(q, a) for q, a in sft],
-            "rl": [prompt_row(q, a) for q, a in rl],
-            "heldout": [prompt_row(q, a) for q, a in heldout],
-            "dev": [prompt_row(q, a) for q, a in dev],
+            "rl": [prompt_row(q, a, DATA_SOURCE) for q, a in rl],
+            "heldout": [prompt_row(q, a, DATA_SOURCE) for q, a in heldout],
+            "dev": [prompt_row(q, a, DATA_SOURCE) for q, a in dev],
         },
     )
     paths["tools"] = out / "data" / "tools.yaml"

@@ -1,13 +1,15 @@
 """Tiny models and a tokenizer built by keel itself, for tests, examples and the demo.
 
 Nothing is downloaded: the tokenizer is byte-level (one token per byte, plus chat special tokens)
-and the model is a Qwen2 or Llama architecture with random weights, saved with `save_pretrained`
-so it loads like any Hugging Face checkpoint.
+and the model is one of the families' architectures (models/families.py) with random weights,
+saved with `save_pretrained` so it loads like any Hugging Face checkpoint.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from keel.models.families import tiny_fields, tiny_model_types
 
 PAD, EOS, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, EOS, IM_START, IM_END]
@@ -77,32 +79,16 @@ def build_model_config(
     tie_word_embeddings: bool = True,
     initializer_range: float = 0.02,
 ):
-    from transformers import (
-        Gemma3TextConfig,
-        GptOssConfig,
-        LlamaConfig,
-        Olmo2Config,
-        Qwen2Config,
-        Qwen3Config,
-        Qwen3MoeConfig,
-        SmolLM3Config,
-    )
+    """A test-sized config of a model type: these common sizes, plus the fields its family's record
+    (models/families.py) gives it."""
+    from transformers import AutoConfig
 
-    configs = {
-        "qwen2": Qwen2Config,
-        "llama": LlamaConfig,
-        "qwen3": Qwen3Config,
-        "qwen3_moe": Qwen3MoeConfig,
-        "gemma3_text": Gemma3TextConfig,
-        "olmo2": Olmo2Config,
-        "smollm3": SmolLM3Config,
-        "gpt_oss": GptOssConfig,
-    }
-    if arch not in configs:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(configs)}")
-    family = _family_settings(arch, hidden_size, num_heads, num_layers)
-    return configs[arch](
-        **family,
+    extra_fields = tiny_fields(arch)
+    if extra_fields is None:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {tiny_model_types()}")
+    return AutoConfig.for_model(
+        arch,
+        **extra_fields(hidden_size, num_heads, num_layers),
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size,
@@ -115,36 +101,6 @@ def build_model_config(
         tie_word_embeddings=tie_word_embeddings,
         initializer_range=initializer_range,
     )
-
-
-def _family_settings(arch: str, hidden_size: int, num_heads: int, num_layers: int) -> dict:
-    """What a family's config needs beside the common sizes, scaled down with them."""
-    return {
-        # Qwen3-MoE: 8 experts of which 2 route each token, the last layer dense (mlp_only_layers),
-        # as the released checkpoints' shapes scaled down.
-        "qwen3_moe": dict(
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=hidden_size // 2,
-            mlp_only_layers=[num_layers - 1],
-            norm_topk_prob=True,
-        ),
-        "qwen3": dict(head_dim=hidden_size // num_heads),
-        "smollm3": dict(no_rope_layers=[int((i + 1) % 4 != 0) for i in range(num_layers)]),
-        "gpt_oss": dict(
-            head_dim=hidden_size // num_heads,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            sliding_window=16,
-        ),
-        # sliding-window and global layers in turn; a window shorter than the tests' prompts
-        "gemma3_text": dict(
-            head_dim=hidden_size // num_heads,
-            query_pre_attn_scalar=hidden_size // num_heads,
-            sliding_window=16,
-            layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)],
-        ),
-    }.get(arch, {})
 
 
 def make_tiny_reward_model(out_dir: str | Path, seed: int = 0, **config_overrides) -> Path:

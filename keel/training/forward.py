@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from keel.algorithms.utils import entropy_from_logits
+from keel.models import families
 from keel.training.batching import MicroBatching, micro_batches
 from keel.training.placement import SINGLE, Placement
 from keel.types import RolloutBatch, pad_responses, position_ids_from_mask
@@ -24,8 +25,9 @@ def _model_inputs(batch: RolloutBatch) -> dict[str, Tensor]:
 
 
 # Architectures whose logits are exactly lm_head(final hidden state): no soft-capping or scaling
-# (Gemma 2, Cohere) that the chunked path below would skip.
-PLAIN_LM_HEAD = {"qwen2", "qwen3", "qwen3_moe", "llama", "mistral"}
+# (Gemma 2, Cohere) that the chunked path below would skip. Each family's record says which of its
+# model types are, and why the others are not (models/families.py).
+PLAIN_LM_HEAD = set(families.PLAIN_LM_HEAD)
 LOGITS_CHUNK_TOKENS = 1024  # [chunk, V] float32 logits at a time: 0.6 GB for a 151k vocabulary
 # Where a micro-batch's logits fit the budget (logits_budget), backward keeps them rather than
 # running lm_head again, and chunks are wider: fewer, larger launches.

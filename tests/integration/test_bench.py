@@ -5,6 +5,7 @@ import json
 import pytest
 
 from keel.bench import run
+from keel.bench.record import busy_unprofiled
 from keel.bench.workloads import WORKLOADS
 from keel.cli import main
 from keel.config.load import load_config
@@ -153,7 +154,7 @@ def test_gpu_busy_without_the_profiler_is_the_profiled_gpu_time_over_the_measure
         {"timing_s/gen": 0.4, "timing_s/update_actor": 0.5},
         {"timing_s/gen": 0.5, "timing_s/update_actor": 0.5},
     ]
-    shares = run.busy_unprofiled({"gen": 0.36, "update_actor": 0.6, "worker/generate": 0.3}, steps)
+    shares = busy_unprofiled({"gen": 0.36, "update_actor": 0.6, "worker/generate": 0.3}, steps)
     assert shares == {"gen": 0.8, "update_actor": 1.0}
 
 

@@ -17,7 +17,17 @@ LAYERS = [
     {"distributed"},
     {"trainer"},
     {"check"},
-    {"api", "cli", "commands", "demo", "demo_tools", "bench", "__main__", "__init__"},
+    {
+        "api",
+        "cli",
+        "commands",
+        "demo",
+        "demo_result",
+        "demo_tools",
+        "bench",
+        "__main__",
+        "__init__",
+    },
 ]
 LAYER = {name: level for level, names in enumerate(LAYERS) for name in names}
 

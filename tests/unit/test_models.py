@@ -126,3 +126,38 @@ def test_lora_on_a_mixture_of_experts_names_what_stays_frozen_and_refuses_expert
             plan_lora(model, 8, named, [], [], "actor_rollout_ref.model")
         assert refused.value.code == LORA_TARGETS and why in refused.value.message
         assert "target_modules=all-linear" in refused.value.fix
+
+
+def test_every_family_record_builds_a_tiny_model_of_each_of_its_tiny_types():
+    """A family's facts record (models/families.py) is where its tiny config lives: each tiny type
+    builds a config of that type, and a record speaks only of its own model types."""
+    from keel.models.families import RECORDS, tiny_model_types
+    from keel.models.tiny import build_model_config
+
+    for facts in RECORDS:
+        assert set(facts.tiny_fields) <= facts.model_types
+        assert facts.plain_lm_head <= facts.model_types
+    assert set(tiny_model_types()) >= {"qwen2", "llama", "qwen3_moe", "gemma3_text", "gpt_oss"}
+    for model_type in tiny_model_types():
+        assert build_model_config(model_type, num_layers=4).model_type == model_type
+    with pytest.raises(ValueError, match="unknown tiny architecture"):
+        build_model_config("mistral")
+
+
+def test_active_parameters_leave_out_the_unrouted_experts():
+    """Qwen3-30B-A3B passes a token through 3.35B of its 30.5B parameters; GPT-OSS-20B through 4.19B
+    of 20.9B (its 3.6B active, plus the 0.58B output head OpenAI's count leaves out); a dense model
+    through all of them."""
+    from keel.bench.workloads import shape_config
+    from keel.models.families import active_parameters
+    from keel.models.load import meta_model
+
+    for shape, total, active in (
+        ("qwen3-30b-a3b", 30.53, 3.35),
+        ("gpt-oss-20b", 20.91, 4.19),
+        ("qwen3-0.6b", 0.60, 0.60),
+    ):
+        config = shape_config(shape)
+        parameters = sum(p.numel() for p in meta_model(config).parameters())
+        assert round(parameters / 1e9, 2) == total
+        assert round(active_parameters(config, parameters) / 1e9, 2) == active

@@ -630,3 +630,39 @@ def test_a_turn_arriving_mid_decode_joins_within_look_every_steps(tiny_assets):
     while not rest:
         rest = batcher.step(params, look_every=16)
     assert [f.key for f in rest] == ["long"] and len(rest[0].ids) == 64
+
+
+def test_every_native_family_points_to_the_facts_record_of_its_model_types():
+    """A family is one unit: the native engine runs exactly the model types the facts records
+    (models/families.py) name, each through the family whose record names it."""
+    from keel.models.families import FACTS
+    from keel.rollout.native.models import FAMILIES
+
+    assert set(FAMILIES) == set(FACTS)
+    assert all(FACTS[model_type] is family.facts for model_type, family in FAMILIES.items())
+
+
+def test_a_step_functions_argument_is_filled_by_name():
+    """Each field of a layer's NamedTuple is the LayerWeights tensor or the family constant of its
+    name, so two tensors of one shape cannot trade places; constants come after the tensors."""
+    from typing import NamedTuple
+
+    from keel.models.tiny import build_model_config
+    from keel.rollout.native.layers import MlpArgs
+    from keel.rollout.native.models import family_for
+    from keel.rollout.native.models.base import LayerWeights, layer_args
+
+    family = family_for(build_model_config("qwen2"))
+    post_norm, gate_up, down, o = (torch.full((2,), float(i)) for i in range(4))
+    layer = LayerWeights(qkv=o, o=o, post_norm=post_norm, gate_up=gate_up, down=down)
+    args = layer_args(MlpArgs, layer, family)
+    filled = (args.o, args.post_norm, args.gate_up, args.down)
+    assert all(a is b for a, b in zip(filled, (o, post_norm, gate_up, down)))
+    assert args.pre_mlp_norm is None and args.eps == family.eps
+
+    class ConstantFirst(NamedTuple):
+        eps: float
+        o: torch.Tensor
+
+    with pytest.raises(TypeError, match="tensors come before the constants"):
+        layer_args(ConstantFirst, layer, family)

@@ -4,6 +4,8 @@ and the decode step's functions compiled once by torch.compile where it can fuse
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -12,6 +14,8 @@ from keel.rollout.native.attention import attention_with_sinks
 from keel.rollout.native.sampling import Pickers, pick_blocked, pick_token
 
 RECOMPILE_LIMIT = 64
+# LoRA's (A [r, in], B [out, r] times its scaling) of one projection
+LowRank = tuple[Tensor, Tensor]
 
 
 class StepFunctions:
@@ -63,7 +67,7 @@ def embeddings(ids: Tensor, embed: Tensor, embed_scale: float, stream_dtype: tor
 
 
 def project(
-    x: Tensor, weight: Tensor, low_rank: tuple[Tensor, Tensor] | None, bias: Tensor | None = None
+    x: Tensor, weight: Tensor, low_rank: LowRank | None, bias: Tensor | None = None
 ) -> Tensor:
     """x W^T + b, plus LoRA's update x A^T B^T when adapters are on (B carries the scaling):
     unmerged, as the trainer computes it, so the base stays the trainer's frozen weights. x is
@@ -76,56 +80,80 @@ def project(
     return y + F.linear(F.linear(x, a), b)
 
 
+class AttentionArgs(NamedTuple):
+    """What a layer's attention-inputs function takes after h, cos and sin: the layer's tensors
+    (None where its family has none), then the family's constants, each named as the LayerWeights
+    field or the Family attribute it is (models/base.layer_args fills them by name). A tuple of
+    plain tensors, not the LayerWeights, so torch.compile guards on their shapes and every layer
+    shares one graph."""
+
+    qkv: Tensor  # [(H + 2 KV) * D, hidden]
+    qkv_bias: Tensor | None
+    qkv_lora: LowRank | None
+    # each head's query and key norm [D] (Qwen3, Gemma 3), or the whole projection's (OLMo 2)
+    q_norm: Tensor | None
+    k_norm: Tensor | None
+    heads: int
+    kv_heads: int
+    eps: float
+    # Gemma 3: the queries times this, so that the kernels' 1/sqrt(D) makes query_pre_attn_scalar's
+    query_scale: float
+
+
+class MlpArgs(NamedTuple):
+    """What a dense layer's after-attention function takes after x, the attention and the next
+    norm: the output projection, the norms around the MLP (each family reads those it has), the
+    gated MLP, LoRA's adapters of each projection (None: off), then eps; named as AttentionArgs'."""
+
+    o: Tensor
+    # after the attention: before the MLP (Llama), or on the attention's output (OLMo 2, Gemma 3)
+    post_norm: Tensor
+    # Gemma 3: before the MLP
+    pre_mlp_norm: Tensor | None
+    gate_up: Tensor  # [2 * intermediate, hidden]
+    down: Tensor
+    # OLMo 2, Gemma 3: on the MLP's output
+    post_mlp_norm: Tensor | None
+    o_lora: LowRank | None
+    gate_up_lora: LowRank | None
+    down_lora: LowRank | None
+    eps: float
+
+
 def attention_inputs(
-    h: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    qkv_weight: Tensor,
-    qkv_bias: Tensor | None,
-    qkv_lora,
-    q_norm: Tensor | None,
-    k_norm: Tensor | None,
-    heads: int,
-    kv_heads: int,
-    eps: float,
+    h: Tensor, cos: Tensor, sin: Tensor, args: AttentionArgs
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q [B, H, 1, D] and k [B, KV, 1, D] rotated, v [B, KV, 1, D], from the normed hidden state;
     each head's query and key RMS-normed first where the layer has those norms (Qwen3)."""
-    batch, head_dim = h.shape[0], cos.shape[-1]
-    qkv = project(h, qkv_weight, qkv_lora, qkv_bias)
-    kv_size = kv_heads * head_dim
-    qk = qkv[:, :-kv_size].view(batch, heads + kv_heads, head_dim)
-    if q_norm is not None:
+    batch, head_dim, heads = h.shape[0], cos.shape[-1], args.heads
+    qkv = project(h, args.qkv, args.qkv_lora, args.qkv_bias)
+    kv_size = args.kv_heads * head_dim
+    qk = qkv[:, :-kv_size].view(batch, heads + args.kv_heads, head_dim)
+    if args.q_norm is not None:
         qk = torch.cat(
-            [rms_norm(qk[:, :heads], q_norm, eps), rms_norm(qk[:, heads:], k_norm, eps)], dim=1
+            [
+                rms_norm(qk[:, :heads], args.q_norm, args.eps),
+                rms_norm(qk[:, heads:], args.k_norm, args.eps),
+            ],
+            dim=1,
         )
     qk = applyrope(qk, cos, sin)
-    v = qkv[:, -kv_size:].view(batch, kv_heads, 1, head_dim)
+    v = qkv[:, -kv_size:].view(batch, args.kv_heads, 1, head_dim)
     # rotated in float32 where the stream is (its cos and sin are): rounded once
     qk = qk.to(qkv.dtype)
     return qk[:, :heads].unsqueeze(2), qk[:, heads:].unsqueeze(2), v
 
 
 def attention_output_and_mlp(
-    x: Tensor,
-    attention: Tensor,
-    next_norm: Tensor,
-    o: Tensor,
-    post_norm: Tensor,
-    gate_up: Tensor,
-    down: Tensor,
-    low_rank,
-    eps: float,
+    x: Tensor, attention: Tensor, next_norm: Tensor, args: MlpArgs
 ) -> tuple[Tensor, Tensor]:
     """The rest of a decoder layer: output projection and residual, the gated MLP and residual;
-    also the next layer's normed input, so the residual stream is read once. `low_rank`: LoRA's
-    (o, gate_up, down) adapters, or Nones. Plain tensors, not the LayerWeights, so torch.compile
-    guards on shapes and every layer shares one compiled graph."""
-    o_lora, gate_up_lora, down_lora = low_rank
-    x = residual_add(x, project(attention, o, o_lora))
-    gate, up = project(rms_norm(x, post_norm, eps), gate_up, gate_up_lora).chunk(2, dim=-1)
-    x = residual_add(x, project(F.silu(gate) * up, down, down_lora))
-    return x, rms_norm(x, next_norm, eps)
+    also the next layer's normed input, so the residual stream is read once."""
+    x = residual_add(x, project(attention, args.o, args.o_lora))
+    normed = rms_norm(x, args.post_norm, args.eps)
+    gate, up = project(normed, args.gate_up, args.gate_up_lora).chunk(2, dim=-1)
+    x = residual_add(x, project(F.silu(gate) * up, args.down, args.down_lora))
+    return x, rms_norm(x, next_norm, args.eps)
 
 
 def residual_add(x: Tensor, y: Tensor) -> Tensor:

@@ -157,7 +157,7 @@ def _decode_weight_sources(model, family: Family) -> dict[str, list[Tensor]]:
         sources["lm_head"] = [model.get_output_embeddings().weight]
     for i, layer in enumerate(decoder.layers):
         sources.update(
-            {f"{i}.{name}": parts for name, parts in family.layer_sources(layer).items()}
+            {f"{i}.{name}": parts for name, parts in family.hf_weight_map(layer).items()}
         )
     return sources
 

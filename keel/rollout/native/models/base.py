@@ -5,14 +5,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from functools import cache
+from operator import attrgetter
+from typing import TypeVar
 
 from torch import Tensor
 
-from keel.rollout.native.layers import rms_norm
+from keel.models.families import FamilyFacts
+from keel.rollout.native.layers import AttentionArgs, LowRank, MlpArgs, rms_norm
 
-# LoRA's (A [r, in], B [out, r] times its scaling) of one projection
-LowRank = tuple[Tensor, Tensor]
-
+# a step function's argument: a NamedTuple of the layer's tensors, then the family's constants
+Args = TypeVar("Args", bound=tuple)
 # inv_freq does not depend on the sequence length
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 
@@ -62,14 +65,11 @@ class LayerWeights:
             }
         )
 
-    @property
-    def adapters_after_attention(self) -> tuple[LowRank | None, LowRank | None, LowRank | None]:
-        return self.o_lora, self.gate_up_lora, self.down_lora
 
-
-def projection_sources(layer) -> dict[str, list[Tensor]]:
-    """A Hugging Face layer's attention projections (fused q, k, v; their biases and q/k norms where
-    it has them) and, where its MLP is a dense gated one, its projections (fused gate and up)."""
+def hf_projection_map(layer) -> dict[str, list[Tensor]]:
+    """The weight map of a Hugging Face layer's attention projections (fused q, k, v; their biases
+    and q/k norms where it has them) and, where its MLP is a dense gated one, of its projections
+    (fused gate and up): the part of a family's `hf_weight_map` that most families share."""
     attn, mlp = layer.self_attn, layer.mlp
     sources = {
         "qkv": [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
@@ -90,27 +90,33 @@ ADAPTED = {"qkv": "qkv_lora", "o": "o_lora", "gate_up": "gate_up_lora", "down": 
 
 
 class Family(ABC):
-    """A family of decoders the engine runs: its model types, the weights of a layer (each decode
-    buffer as the module tensors it is made of, stacked by rows), and the layer's math as pure
-    functions of plain tensors around the attention kernel, which the engine compiles once for
-    every layer (torch.compile guards on shapes, not on which layer's tensors they are):
+    """A family of decoders the engine runs: its facts record (models/families.py: model types and
+    what the trainer and benchmark know of it), its HF weight map (each decode buffer as the module
+    tensors it is made of, stacked by rows), and the layer's math as pure functions of plain
+    tensors around the attention kernel, which the engine compiles once for every layer
+    (torch.compile guards on shapes, not on which layer's tensors they are):
 
-    - `attention_inputs(h, cos, sin, *attention_args(layer))` -> q, k, v rotated, from the
-      layer's normed input;
-    - `after_attention[kind](x, attention, next_norm, *after_attention_args(layer))` -> the
-      residual stream and the next layer's normed input, for each kind of layer the family has
+    - `attention_inputs(h, cos, sin, attention_args(layer))` -> q, k, v rotated, from the layer's
+      normed input;
+    - `after_attention[kind](x, attention, next_norm, after_attention_args(layer))` -> the residual
+      stream and the next layer's normed input, for each kind of layer the family has
       (`layer_kind`);
     - `norm(x, weight, eps)`: its RMSNorm (the first layer's input norm is applied with it).
 
-    Where layers differ in their rotary frequencies or see a sliding window of the cache (Gemma 3),
+    Each step function takes the layer as one NamedTuple (layers.AttentionArgs, layers.MlpArgs, or
+    a family's own) filled by name from the layer and the family (`layer_args`), which
+    torch.compile reads as a tuple of tensors and constants. Where layers
+    differ in their rotary frequencies or see a sliding window of the cache (Gemma 3),
     `rope_kind(i)` and `window(i)` say so."""
 
-    model_types: frozenset[str] = frozenset()
+    facts: FamilyFacts
     attention_inputs: Callable
     after_attention: dict[str, Callable]
     norm: Callable = staticmethod(rms_norm)
     # the embedding's output times this (exact for 1.0)
     embed_scale: float = 1.0
+    # the queries times this before the attention (exact for 1.0; Gemma 3)
+    query_scale: float = 1.0
     # Why `rollout.name=auto` does not pick native for this family yet (`native` still runs it), or
     # None.
     not_by_default: str | None = None
@@ -135,12 +141,11 @@ class Family(ABC):
         first_norm = weights.layers[0].input_norm
         h = x if first_norm is None else fns.norm(x, first_norm, self.eps)
         for i, layer in enumerate(weights.layers):
-            q, k, v = fns.attention_inputs(
-                h, *rotary[self.rope_kind(i)], *self.attention_args(layer)
-            )
+            cos, sin = rotary[self.rope_kind(i)]
+            q, k, v = fns.attention_inputs(h, cos, sin, self.attention_args(layer))
             attention = attend(i, q, k, v)
             x, h = fns.after_attention[self.layer_kind(layer)](
-                x, attention, weights.norm_after(i), *self.after_attention_args(layer)
+                x, attention, weights.norm_after(i), self.after_attention_args(layer)
             )
         return h
 
@@ -168,17 +173,44 @@ class Family(ABC):
         return None
 
     @abstractmethod
-    def layer_sources(self, layer) -> dict[str, list[Tensor]]:
-        """A Hugging Face decoder layer's tensors, by LayerWeights field."""
+    def hf_weight_map(self, layer) -> dict[str, list[Tensor]]:
+        """The family's HF weight map (as nano-vllm's packed_modules_mapping): a Hugging Face
+        decoder layer's tensors by the LayerWeights field they fill, stacked by rows."""
 
     def layer_kind(self, layer: LayerWeights) -> str:
         """Which of `after_attention` the layer runs."""
         return "mlp"
 
-    @abstractmethod
-    def attention_args(self, layer: LayerWeights) -> tuple:
-        """What `attention_inputs` takes after h, cos and sin: the layer's tensors, then constants."""
+    def attention_args(self, layer: LayerWeights) -> AttentionArgs:
+        """What `attention_inputs` takes after h, cos and sin."""
+        return layer_args(AttentionArgs, layer, self)
 
-    @abstractmethod
     def after_attention_args(self, layer: LayerWeights) -> tuple:
-        """What its `after_attention` function takes after x, attention and the next norm."""
+        """What the layer's `after_attention` function takes after x, attention and the next norm:
+        a dense layer's MlpArgs (a family with other kinds of layer adds theirs)."""
+        return layer_args(MlpArgs, layer, self)
+
+
+def layer_args(args_type: type[Args], layer: LayerWeights, family: Family) -> Args:
+    """A step function's argument, filled by name: args_type's first fields are the layer's
+    tensors of those names (LayerWeights fields), the rest the family's attributes of those names
+    (its constants). Names, not positions: no two tensors of one shape can trade places."""
+    tensors, constants = _getters(args_type)
+    return args_type._make((*tensors(layer), *constants(family)))
+
+
+@cache
+def _getters(args_type: type) -> tuple[Callable, Callable]:
+    """(the layer's tensors, the family's constants) of args_type, each read as a tuple."""
+    layer_fields = {f.name for f in fields(LayerWeights)}
+    names = args_type._fields
+    tensors = [name for name in names if name in layer_fields]
+    if tuple(tensors) != names[: len(tensors)]:
+        raise TypeError(f"{args_type.__name__}: the layer's tensors come before the constants")
+    return _tuple_getter(tensors), _tuple_getter(names[len(tensors) :])
+
+
+def _tuple_getter(names) -> Callable:
+    # attrgetter of one name gives the value itself, not a tuple of it
+    getter = attrgetter(*names) if names else (lambda _: ())
+    return (lambda obj: (getter(obj),)) if len(names) == 1 else getter

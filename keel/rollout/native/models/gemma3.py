@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from keel.rollout.native.layers import applyrope, project, residual_add
-from keel.rollout.native.models.base import STATIC_ROPE, Family, LayerWeights, projection_sources
+from keel.models.families import GEMMA3
+from keel.rollout.native.layers import AttentionArgs, MlpArgs, applyrope, project, residual_add
+from keel.rollout.native.models.base import STATIC_ROPE, Family, hf_projection_map
 
 
 def gemma_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -19,59 +20,41 @@ def gemma_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def gemma_attention_inputs(
-    h: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    qkv_weight: Tensor,
-    qkv_lora,
-    q_norm: Tensor,
-    k_norm: Tensor,
-    heads: int,
-    kv_heads: int,
-    eps: float,
-    query_scale: float,
+    h: Tensor, cos: Tensor, sin: Tensor, args: AttentionArgs
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q [B, H, 1, D], k and v [B, KV, 1, D]: each head's query and key normed, then rotated; the
     query scaled so that the kernels' 1/sqrt(D) makes query_pre_attn_scalar's scale."""
-    batch, head_dim = h.shape[0], cos.shape[-1]
-    qkv = project(h, qkv_weight, qkv_lora)
-    kv_size = kv_heads * head_dim
-    qk = qkv[:, :-kv_size].view(batch, heads + kv_heads, head_dim)
+    batch, head_dim, heads, eps = h.shape[0], cos.shape[-1], args.heads, args.eps
+    qkv = project(h, args.qkv, args.qkv_lora)
+    kv_size = args.kv_heads * head_dim
+    qk = qkv[:, :-kv_size].view(batch, heads + args.kv_heads, head_dim)
     qk = torch.cat(
-        [gemma_norm(qk[:, :heads], q_norm, eps), gemma_norm(qk[:, heads:], k_norm, eps)], dim=1
+        [gemma_norm(qk[:, :heads], args.q_norm, eps), gemma_norm(qk[:, heads:], args.k_norm, eps)],
+        dim=1,
     )
     qk = applyrope(qk, cos, sin)
-    q = qk[:, :heads] if query_scale == 1.0 else qk[:, :heads] * query_scale
+    q = qk[:, :heads] if args.query_scale == 1.0 else qk[:, :heads] * args.query_scale
     # rotated in the stream's dtype: rounded once
     q, k = q.to(qkv.dtype), qk[:, heads:].to(qkv.dtype)
-    return q.unsqueeze(2), k.unsqueeze(2), qkv[:, -kv_size:].view(batch, kv_heads, 1, head_dim)
+    return q.unsqueeze(2), k.unsqueeze(2), qkv[:, -kv_size:].view(batch, args.kv_heads, 1, head_dim)
 
 
 def gemma_attention_output_and_mlp(
-    x: Tensor,
-    attention: Tensor,
-    next_norm: Tensor,
-    o: Tensor,
-    post_norm: Tensor,
-    pre_mlp_norm: Tensor,
-    gate_up: Tensor,
-    down: Tensor,
-    post_mlp_norm: Tensor,
-    low_rank,
-    eps: float,
+    x: Tensor, attention: Tensor, next_norm: Tensor, args: MlpArgs
 ) -> tuple[Tensor, Tensor]:
     """The rest of a Gemma 3 layer: the attention's output normed before its residual add, the MLP
     between its two norms, and the next layer's normed input."""
-    o_lora, gate_up_lora, down_lora = low_rank
-    x = residual_add(x, gemma_norm(project(attention, o, o_lora), post_norm, eps))
-    gate, up = project(gemma_norm(x, pre_mlp_norm, eps), gate_up, gate_up_lora).chunk(2, dim=-1)
-    mlp = project(F.gelu(gate, approximate="tanh") * up, down, down_lora)
-    x = residual_add(x, gemma_norm(mlp, post_mlp_norm, eps))
+    eps = args.eps
+    x = residual_add(x, gemma_norm(project(attention, args.o, args.o_lora), args.post_norm, eps))
+    normed = gemma_norm(x, args.pre_mlp_norm, eps)
+    gate, up = project(normed, args.gate_up, args.gate_up_lora).chunk(2, dim=-1)
+    mlp = project(F.gelu(gate, approximate="tanh") * up, args.down, args.down_lora)
+    x = residual_add(x, gemma_norm(mlp, args.post_mlp_norm, eps))
     return x, gemma_norm(x, next_norm, eps)
 
 
 class Gemma3Family(Family):
-    model_types = frozenset({"gemma3_text"})
+    facts = GEMMA3
     attention_inputs = staticmethod(gemma_attention_inputs)
     after_attention = {"mlp": gemma_attention_output_and_mlp}
     norm = staticmethod(gemma_norm)
@@ -119,35 +102,11 @@ class Gemma3Family(Family):
             else None
         )
 
-    def layer_sources(self, layer) -> dict[str, list[Tensor]]:
+    def hf_weight_map(self, layer) -> dict[str, list[Tensor]]:
         return {
-            **projection_sources(layer),
+            **hf_projection_map(layer),
             "input_norm": [layer.input_layernorm.weight],
             "post_norm": [layer.post_attention_layernorm.weight],
             "pre_mlp_norm": [layer.pre_feedforward_layernorm.weight],
             "post_mlp_norm": [layer.post_feedforward_layernorm.weight],
         }
-
-    def attention_args(self, layer: LayerWeights) -> tuple:
-        return (
-            layer.qkv,
-            layer.qkv_lora,
-            layer.q_norm,
-            layer.k_norm,
-            self.heads,
-            self.kv_heads,
-            self.eps,
-            self.query_scale,
-        )
-
-    def after_attention_args(self, layer: LayerWeights) -> tuple:
-        return (
-            layer.o,
-            layer.post_norm,
-            layer.pre_mlp_norm,
-            layer.gate_up,
-            layer.down,
-            layer.post_mlp_norm,
-            layer.adapters_after_attention,
-            self.eps,
-        )

@@ -10,12 +10,15 @@ do: no host synchronisation, so the step is captured in a CUDA graph."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from keel.rollout.native.layers import attention_inputs, project, residual_add
-from keel.rollout.native.models.base import Family, LayerWeights, projection_sources
+from keel.models.families import GPT_OSS
+from keel.rollout.native.layers import LowRank, attention_inputs, project, residual_add
+from keel.rollout.native.models.base import Family, LayerWeights, hf_projection_map, layer_args
 
 # the same RMSNorm: scaled, then cast
 from keel.rollout.native.models.olmo2 import olmo_norm as gpt_oss_norm
@@ -36,96 +39,66 @@ def clamped_swiglu(gate_up: Tensor, alpha: float, limit: float) -> Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def gpt_oss_experts(
-    h: Tensor,
-    router: Tensor,
-    router_bias: Tensor,
-    gate_up: Tensor,
-    gate_up_bias: Tensor,
-    down: Tensor,
-    down_bias: Tensor,
-    top_k: int,
-    alpha: float,
-    limit: float,
-    grouped: bool,
-) -> Tensor:
+class GptOssExpertsArgs(NamedTuple):
+    """What a GPT-OSS layer's after-attention function takes after x, the attention and the next
+    norm: the output projection (its bias, its LoRA adapters, or None), the norm before the mixture,
+    the router and the experts (each with its bias), then the family's constants (base.layer_args
+    fills each field by its name)."""
+
+    o: Tensor
+    o_bias: Tensor | None
+    o_lora: LowRank | None
+    post_norm: Tensor
+    router: Tensor  # [E, hidden]
+    router_bias: Tensor  # [E]
+    experts_gate_up: Tensor  # [E, hidden, 2 * intermediate], gate and up interleaved
+    experts_gate_up_bias: Tensor  # [E, 2 * intermediate]
+    experts_down: Tensor  # [E, intermediate, hidden]
+    experts_down_bias: Tensor  # [E, hidden]
+    top_k: int
+    # the clamped SwiGLU's
+    alpha: float
+    limit: float
+    # the experts run as torch's grouped matmul (qwen3_moe.grouped_mm_runs)
+    grouped: bool
+    eps: float
+
+
+def gpt_oss_experts(h: Tensor, args: GptOssExpertsArgs) -> Tensor:
     """The mixture's output [N, hidden] for normed inputs h [N, hidden], as transformers computes
     it: the top k router logits softmaxed in the input dtype, each expert's output scaled and summed."""
+    gate_up, grouped = args.experts_gate_up, args.grouped
     # a float32 stream's normed input, cast as autocast casts a matmul's
     h = h.to(gate_up.dtype)
-    top_logits, experts = torch.topk(F.linear(h, router, router_bias), top_k, dim=-1)  # [N, k]
+    # [N, k]
+    top_logits, experts = torch.topk(F.linear(h, args.router, args.router_bias), args.top_k, dim=-1)
     weights = torch.softmax(top_logits, dim=-1)
     token, order, offsets, expert_of_row = expert_pairs(experts, gate_up.shape[0])
-    hidden = clamped_swiglu(
-        biased_grouped_linear(h[token], gate_up, gate_up_bias, offsets, expert_of_row, grouped),
-        alpha,
-        limit,
+    hidden = biased_grouped_linear(
+        h[token], gate_up, args.experts_gate_up_bias, offsets, expert_of_row, grouped
     )
-    # [N k, hidden]
-    out = biased_grouped_linear(hidden, down, down_bias, offsets, expert_of_row, grouped)
+    hidden = clamped_swiglu(hidden, args.alpha, args.limit)
+    out = biased_grouped_linear(
+        hidden, args.experts_down, args.experts_down_bias, offsets, expert_of_row, grouped
+    )  # [N k, hidden]
     out = out * weights.flatten()[order, None]
     return torch.zeros_like(h).index_add_(0, token, out)
 
 
-def gpt_oss_attention_inputs(
-    h: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    qkv_weight: Tensor,
-    qkv_bias: Tensor | None,
-    qkv_lora,
-    heads: int,
-    kv_heads: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """q [B, H, 1, D] and k [B, KV, 1, D] rotated, v [B, KV, 1, D]: Llama's without q/k norms."""
-    return attention_inputs(
-        h, cos, sin, qkv_weight, qkv_bias, qkv_lora, None, None, heads, kv_heads, 0.0
-    )
-
-
 def gpt_oss_attention_output_and_experts(
-    x: Tensor,
-    attention: Tensor,
-    next_norm: Tensor,
-    o: Tensor,
-    o_bias: Tensor | None,
-    post_norm: Tensor,
-    router: Tensor,
-    router_bias: Tensor,
-    gate_up: Tensor,
-    gate_up_bias: Tensor,
-    down: Tensor,
-    down_bias: Tensor,
-    o_lora,
-    top_k: int,
-    alpha: float,
-    limit: float,
-    grouped: bool,
-    eps: float,
+    x: Tensor, attention: Tensor, next_norm: Tensor, args: GptOssExpertsArgs
 ) -> tuple[Tensor, Tensor]:
     """The rest of a GPT-OSS layer: output projection and residual, the experts and residual, and
     the next layer's normed input."""
-    x = residual_add(x, project(attention, o, o_lora, o_bias))
-    experts = gpt_oss_experts(
-        gpt_oss_norm(x, post_norm, eps),
-        router,
-        router_bias,
-        gate_up,
-        gate_up_bias,
-        down,
-        down_bias,
-        top_k,
-        alpha,
-        limit,
-        grouped,
-    )
-    x = residual_add(x, experts)
-    return x, gpt_oss_norm(x, next_norm, eps)
+    x = residual_add(x, project(attention, args.o, args.o_lora, args.o_bias))
+    x = residual_add(x, gpt_oss_experts(gpt_oss_norm(x, args.post_norm, args.eps), args))
+    return x, gpt_oss_norm(x, next_norm, args.eps)
 
 
 class GptOssFamily(Family):
-    model_types = frozenset({"gpt_oss"})
-    attention_inputs = staticmethod(gpt_oss_attention_inputs)
+    facts = GPT_OSS
+    # Llama's: without q/k norms (the layer has none), with biases on q, k and v
+    attention_inputs = staticmethod(attention_inputs)
     after_attention = {"experts": gpt_oss_attention_output_and_experts}
     norm = staticmethod(gpt_oss_norm)
     not_by_default = (
@@ -140,10 +113,10 @@ class GptOssFamily(Family):
         self.alpha = float(getattr(config, "swiglu_alpha", 1.702))
         self.limit = float(getattr(config, "swiglu_limit", 7.0))
 
-    def layer_sources(self, layer) -> dict[str, list[Tensor]]:
+    def hf_weight_map(self, layer) -> dict[str, list[Tensor]]:
         attn, mlp = layer.self_attn, layer.mlp
         sources = {
-            **projection_sources(layer),
+            **hf_projection_map(layer),
             "input_norm": [layer.input_layernorm.weight],
             "post_norm": [layer.post_attention_layernorm.weight],
             "sinks": [attn.sinks],
@@ -168,25 +141,8 @@ class GptOssFamily(Family):
             else None
         )
 
-    def attention_args(self, layer: LayerWeights) -> tuple:
-        return layer.qkv, layer.qkv_bias, layer.qkv_lora, self.heads, self.kv_heads
-
     def after_attention_args(self, layer: LayerWeights) -> tuple:
         experts = layer.experts_gate_up
-        return (
-            layer.o,
-            layer.o_bias,
-            layer.post_norm,
-            layer.router,
-            layer.router_bias,
-            experts,
-            layer.experts_gate_up_bias,
-            layer.experts_down,
-            layer.experts_down_bias,
-            layer.o_lora,
-            self.top_k,
-            self.alpha,
-            self.limit,
-            grouped_mm_runs(experts.device.type, experts.dtype),
-            self.eps,
-        )
+        # every layer's experts share one device and dtype: one answer, cached
+        self.grouped = grouped_mm_runs(experts.device.type, experts.dtype)
+        return layer_args(GptOssExpertsArgs, layer, self)

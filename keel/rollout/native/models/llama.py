@@ -7,12 +7,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from keel.models.families import LLAMA
 from keel.rollout.native.layers import attention_inputs, attention_output_and_mlp
-from keel.rollout.native.models.base import Family, LayerWeights, projection_sources
+from keel.rollout.native.models.base import Family, hf_projection_map
 
 
 class LlamaFamily(Family):
-    model_types = frozenset({"qwen2", "qwen3", "llama", "mistral", "smollm3"})
+    facts = LLAMA
     attention_inputs = staticmethod(attention_inputs)
     after_attention = {"mlp": attention_output_and_mlp}
 
@@ -36,9 +37,9 @@ class LlamaFamily(Family):
             return "biases on the MLP or the attention output (the fused decode step has none)"
         return super().unsupported_reason(config)
 
-    def layer_sources(self, layer) -> dict[str, list[Tensor]]:
+    def hf_weight_map(self, layer) -> dict[str, list[Tensor]]:
         return {
-            **projection_sources(layer),
+            **hf_projection_map(layer),
             "input_norm": [layer.input_layernorm.weight],
             "post_norm": [layer.post_attention_layernorm.weight],
         }
@@ -52,25 +53,3 @@ class LlamaFamily(Family):
 
     def rope_kind(self, layer: int) -> str:
         return "none" if layer in self.no_rope else "default"
-
-    def attention_args(self, layer: LayerWeights) -> tuple:
-        return (
-            layer.qkv,
-            layer.qkv_bias,
-            layer.qkv_lora,
-            layer.q_norm,
-            layer.k_norm,
-            self.heads,
-            self.kv_heads,
-            self.eps,
-        )
-
-    def after_attention_args(self, layer: LayerWeights) -> tuple:
-        return (
-            layer.o,
-            layer.post_norm,
-            layer.gate_up,
-            layer.down,
-            layer.adapters_after_attention,
-            self.eps,
-        )

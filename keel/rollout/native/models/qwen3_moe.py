@@ -9,13 +9,21 @@ graph like a dense one, and each expert's weights are read once per step whateve
 from __future__ import annotations
 
 from functools import cache
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from keel.rollout.native.layers import attention_output_and_mlp, project, residual_add, rms_norm
-from keel.rollout.native.models.base import LayerWeights
+from keel.models.families import QWEN3_MOE
+from keel.rollout.native.layers import (
+    LowRank,
+    attention_output_and_mlp,
+    project,
+    residual_add,
+    rms_norm,
+)
+from keel.rollout.native.models.base import LayerWeights, layer_args
 from keel.rollout.native.models.llama import LlamaFamily
 
 
@@ -88,43 +96,55 @@ def routed_experts(
     return torch.zeros_like(h).index_add_(0, token, out)
 
 
+class ExpertsArgs(NamedTuple):
+    """What a mixture layer's after-attention function takes after x, the attention and the next
+    norm: the output projection (and its LoRA adapters, or None), the norm before the mixture,
+    the router and the experts' weights, then the family's constants (base.layer_args fills each
+    field by its name)."""
+
+    o: Tensor
+    o_lora: LowRank | None
+    post_norm: Tensor
+    router: Tensor  # [E, hidden]
+    experts_gate_up: Tensor  # [E, 2 * intermediate, hidden]
+    experts_down: Tensor  # [E, hidden, intermediate]
+    top_k: int
+    # renormalise the top k's routing weights (norm_topk_prob)
+    normalize: bool
+    # the experts run as torch's grouped matmul (grouped_mm_runs)
+    grouped: bool
+    eps: float
+
+
 def attention_output_and_experts(
-    x: Tensor,
-    attention: Tensor,
-    next_norm: Tensor,
-    o: Tensor,
-    post_norm: Tensor,
-    router: Tensor,
-    gate_up: Tensor,
-    down: Tensor,
-    o_lora,
-    top_k: int,
-    normalize: bool,
-    grouped: bool,
-    eps: float,
+    x: Tensor, attention: Tensor, next_norm: Tensor, args: ExpertsArgs
 ) -> tuple[Tensor, Tensor]:
     """attention_output_and_mlp with the mixture of experts in place of the MLP."""
-    x = residual_add(x, project(attention, o, o_lora))
-    x = residual_add(
-        x,
-        routed_experts(
-            rms_norm(x, post_norm, eps), router, gate_up, down, top_k, normalize, grouped
-        ),
+    x = residual_add(x, project(attention, args.o, args.o_lora))
+    experts = routed_experts(
+        rms_norm(x, args.post_norm, args.eps),
+        args.router,
+        args.experts_gate_up,
+        args.experts_down,
+        args.top_k,
+        args.normalize,
+        args.grouped,
     )
-    return x, rms_norm(x, next_norm, eps)
+    x = residual_add(x, experts)
+    return x, rms_norm(x, next_norm, args.eps)
 
 
 class Qwen3MoeFamily(LlamaFamily):
-    model_types = frozenset({"qwen3_moe"})
+    facts = QWEN3_MOE
     after_attention = {"mlp": attention_output_and_mlp, "experts": attention_output_and_experts}
 
     def __init__(self, config):
         super().__init__(config)
         self.top_k, self.normalize = config.num_experts_per_tok, bool(config.norm_topk_prob)
 
-    def layer_sources(self, layer) -> dict[str, list[Tensor]]:
+    def hf_weight_map(self, layer) -> dict[str, list[Tensor]]:
         # a dense MLP's too: mlp_only_layers, or off decoder_sparse_step
-        sources = super().layer_sources(layer)
+        sources = super().hf_weight_map(layer)
         mlp = layer.mlp
         if hasattr(mlp, "experts"):
             sources.update(
@@ -141,15 +161,6 @@ class Qwen3MoeFamily(LlamaFamily):
         if layer.router is None:
             return super().after_attention_args(layer)
         experts = layer.experts_gate_up
-        return (
-            layer.o,
-            layer.post_norm,
-            layer.router,
-            experts,
-            layer.experts_down,
-            layer.o_lora,
-            self.top_k,
-            self.normalize,
-            grouped_mm_runs(experts.device.type, experts.dtype),
-            self.eps,
-        )
+        # every layer's experts share one device and dtype: one answer, cached
+        self.grouped = grouped_mm_runs(experts.device.type, experts.dtype)
+        return layer_args(ExpertsArgs, layer, self)
