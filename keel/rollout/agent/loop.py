@@ -100,7 +100,7 @@ class AgentLoop:
         try:
             if self.environment is not None:
                 self._reset_environments(episodes)
-            if hasattr(self.engine, "continuous_batcher"):
+            if self.engine.capabilities.continuous:
                 self._run_continuously(episodes, dataclasses.replace(params, n=1))
             else:
                 while active := [e for e in episodes if not e.done]:
