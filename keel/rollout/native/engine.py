@@ -3,10 +3,12 @@
 Its parts: the model runner (runner.py: the weights, one copy with fused projections in the
 compute dtype, filled from the policy's parameters after every update; the family's layer math;
 the compiled step functions; the decode attention kernel; one prefill pass and one decode step),
-the scheduler (batching.py: which sequence holds which row of the KV cache, refills, turns,
-budgets, a CUDA graph per batch bucket) and this module: the engine's public face (generate, the
-scheduler the agent loop drives, weight sync and LoRA), and how much of the GPU its cache may take
-and keep.
+the scheduler (scheduler.py, no tensors: which sequence holds which row of the KV cache, refills,
+turns, budgets, prefill packing), the rows' device state (decode_state.py: the cache, each turn's
+tokens, a CUDA graph per batch bucket), the batcher that steps one with the other (batching.py)
+and this module: the engine's public face (generate, the batcher the agent loop drives through the
+engine service, weight sync and LoRA, the capabilities it declares), and how much of the GPU its
+cache may take and keep.
 
 Every generation goes through the scheduler: fixed lengths (ignore_eos) and varying ones, single
 turns and multi-turn episodes. Prefill (compute-bound: plain matmuls and SDPA) runs eagerly over
