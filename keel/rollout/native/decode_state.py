@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from keel.rollout.native.runner import ModelRunner, Piece
-from keel.rollout.native.scheduler import chunk, passes, share_prefill
+from keel.rollout.native.runner import ModelRunner
+from keel.rollout.native.scheduler import Piece, chunk, passes, share_prefill
 from keel.rollout.native.state import capture
 from keel.types import SamplingParams
 

@@ -27,11 +27,9 @@ from keel.rollout.native.layers import (
 )
 from keel.rollout.native.models import family_for
 from keel.rollout.native.sampling import sample
+from keel.rollout.native.scheduler import Piece
 from keel.rollout.native.weights import DecodeWeights
 from keel.types import SamplingParams
-
-# (cache row, first column, the tokens written from there)
-Piece = tuple[int, int, list[int]]
 
 
 class ModelRunner:
