@@ -111,7 +111,11 @@ class ScriptedEngine:
     generation prompts in it). For agent-loop tests: the turns a trained model would write."""
 
     def __init__(self, tokenizer, turn_for):
+        from keel.rollout.base import Capabilities
+
         self.tokenizer, self.turn_for, self.timing = tokenizer, turn_for, {}
+        # generate alone, as the hf engine
+        self.capabilities = Capabilities()
         self.eos_ids = [tokenizer.eos_token_id]
 
     def generate(self, prompts, params):

@@ -12,7 +12,6 @@ this one), so a sample is made the same way wherever it is made.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 from dataclasses import dataclass
 
@@ -43,14 +42,39 @@ class PolicyWeights:
     adapters: list | None = None
 
 
+@dataclass(frozen=True)
+class Generator:
+    """What a worker generates with: its engine, or the agent rollout around it (`agent`), and
+    whether that tells of each sample as it finishes (`generate(..., on_finished=)`)."""
+
+    engine: object
+    agent: object | None
+    streams_finished: bool
+
+    @property
+    def generates(self):
+        """What a batch's `generate` is called on."""
+        return self.agent or self.engine
+
+    def close(self) -> None:
+        """Processes the agent rollout started (an endpoint and agents) stop."""
+        if hasattr(self.agent, "close"):
+            self.agent.close()
+
+
 def generate_samples(
-    generator, prompts, sampling: SamplingParams, seed: int, version: int, on_finished=None
+    generator: Generator,
+    prompts,
+    sampling: SamplingParams,
+    seed: int,
+    version: int,
+    on_finished=None,
 ):
     """(this rank's samples, each stamped with `version`, and the generator's timing of its parts
     (`timing_s/gen_<part>`: prefill, decode, ...) with what else it measured (an agent rollout's
     `agent/engine/*`)); (None, {}) for a rank with no prompts. `on_finished(row, record, response
     text)`: told of each sample as it finishes, by a generator that can (the native engine; keel's agent
-    loop on it, for episodes whose record is final when they end)."""
+    loop, for episodes whose record is final when they end)."""
     try:
         # fewer prompts than ranks
         if prompts is None:
@@ -58,22 +82,18 @@ def generate_samples(
         # per step and rank: a resumed run samples what an uninterrupted one would
         torch.manual_seed(seed)
         start = time.perf_counter()
-        if on_finished is not None and streams_finished(generator):
-            batch = generator.generate(prompts, sampling, on_finished=on_finished)
+        if on_finished is not None and generator.streams_finished:
+            batch = generator.generates.generate(prompts, sampling, on_finished=on_finished)
         else:
             # the engine applies the compute dtype itself
-            batch = generator.generate(prompts, sampling)
+            batch = generator.generates.generate(prompts, sampling)
     finally:
         # a teller to the driver (keel/distributed/finished.py): all told
         if hasattr(on_finished, "close"):
             on_finished.close()
     batch.policy_version = torch.full((len(batch),), version, dtype=torch.long)
-    return batch, {**_timing(generator, start), **getattr(generator, "metrics", {})}
-
-
-def streams_finished(generator) -> bool:
-    """Whether the generator tells of each sample as it finishes (`generate(..., on_finished=)`)."""
-    return "on_finished" in inspect.signature(generator.generate).parameters
+    generates = generator.generates
+    return batch, {**_timing(generates, start), **getattr(generates, "metrics", {})}
 
 
 def continue_samples(
@@ -85,7 +105,7 @@ def continue_samples(
     if not samples:
         return [], {}
     # rollout.name=auto fell back to hf for this model
-    if not hasattr(engine, "generate_round"):
+    if not engine.capabilities.generate_round:
         raise KeelError(
             INCOMPATIBLE_OPTIONS,
             f"trainer.partial_rollout=true, but this model generates with {type(engine).__name__}, which cannot "
@@ -116,14 +136,17 @@ def _timing(generator, start: float) -> dict[str, float]:
     return {**timing, "timing_s/gen_engine": time.perf_counter() - start}
 
 
-def agent_around(policy, engine, tokenizer, budget: int):
-    """What drives the engine through a multi-turn or agent rollout (None: the engine alone)."""
-    # agent code behind an OpenAI client
+def generator_around(policy, engine, tokenizer, budget: int) -> Generator:
+    """The engine, or what drives it through a multi-turn or agent rollout."""
+    # agent code behind an OpenAI client: told of none as it finishes
     if policy.rollout.agent.function or policy.rollout.agent.environment:
-        return build_external_agent(policy.rollout.agent, engine, tokenizer, budget)
+        agent = build_external_agent(policy.rollout.agent, engine, tokenizer, budget)
+        return Generator(engine, agent, streams_finished=False)
+    # keel's agent loop tells of each episode as it ends, whatever the engine
     if policy.rollout.multi_turn.enable:
-        return build_agent_loop(policy.rollout.multi_turn, engine, tokenizer, budget)
-    return None
+        agent = build_agent_loop(policy.rollout.multi_turn, engine, tokenizer, budget)
+        return Generator(engine, agent, streams_finished=True)
+    return Generator(engine, None, engine.capabilities.streams_finished)
 
 
 class RolloutWorker:
@@ -146,7 +169,7 @@ class RolloutWorker:
         lora = policy.model.lora_rank > 0
         weights = policy.model.path if lora else (spec.actor_weights or policy.model.path)
         model = load_causal_lm(weights, self.device, policy.model.trust_remote_code)
-        self.rollout = make_rollout_engine(
+        self.engine = make_rollout_engine(
             policy.rollout,
             model,
             self.tokenizer,
@@ -155,40 +178,42 @@ class RolloutWorker:
             log_choice=rank == 0,
             lora=lora,
         )
-        if lora and not hasattr(self.rollout, "load_adapters"):
+        if lora and not self.engine.capabilities.load_adapters:
             raise KeelError(
                 INCOMPATIBLE_OPTIONS,
                 f"LoRA with the rollout on workers of its own needs keel's native engine, which applies the "
-                f"adapters the actor sends; this model generates with {type(self.rollout).__name__}",
+                f"adapters the actor sends; this model generates with {type(self.engine).__name__}",
                 "set `actor_rollout_ref.hybrid_engine=true` (the engine beside the actor)",
             )
-        self.agent = agent_around(policy, self.rollout, self.tokenizer, spec.max_response_length)
+        self.generator = generator_around(
+            policy, self.engine, self.tokenizer, spec.max_response_length
+        )
         # the policy version of the weights the engine holds
         self.weights_version = 0
 
     def info(self) -> dict:
-        return {"rollout_engine": type(self.rollout).__name__}
+        return {"rollout_engine": type(self.engine).__name__}
 
     def generate(
         self, prompts, sampling: SamplingParams, seed: int, on_finished=None
     ) -> tuple[GeneratedBatch | None, dict]:
         return generate_samples(
-            self.agent or self.rollout, prompts, sampling, seed, self.weights_version, on_finished
+            self.generator, prompts, sampling, seed, self.weights_version, on_finished
         )
 
     def generate_round(
         self, samples: list[PartialSample], sampling: SamplingParams, seed: int, end
     ):
-        return continue_samples(self.rollout, samples, sampling, seed, self.weights_version, end)
+        return continue_samples(self.engine, samples, sampling, seed, self.weights_version, end)
 
     def load_policy(self, weights: PolicyWeights, version: int) -> None:
         """The actor's weights as of policy version `version`: whole, or a LoRA policy's adapters."""
         if weights.adapters is None:
-            self.rollout.load_weights(weights.named)
+            self.engine.load_weights(weights.named)
         # the base never changes
         else:
-            self.rollout.load_adapters(weights.adapters)
-            self.rollout.load_weights(weights.named, every=False)
+            self.engine.load_adapters(weights.adapters)
+            self.engine.load_weights(weights.named, every=False)
         self.weights_version = version
 
     def load(self, directory: str, weights_version: int = 0) -> None:
@@ -197,5 +222,4 @@ class RolloutWorker:
 
     def close(self) -> None:
         """Processes the agent rollout started (its endpoint and agents) stop."""
-        if hasattr(self.agent, "close"):
-            self.agent.close()
+        self.generator.close()

@@ -10,6 +10,7 @@ from transformers import GenerationConfig, LogitsProcessor
 
 from keel.models.load import autocast
 from keel.rollout.assemble import assemble_batch, stop_token_ids
+from keel.rollout.base import Capabilities
 from keel.types import GeneratedBatch, SamplingParams
 
 
@@ -30,9 +31,18 @@ class HFRolloutEngine:
     """Generates with the actor module itself, so it always sees the latest weights."""
 
     def __init__(
-        self, model, tokenizer, max_num_seqs: int = 256, dtype: torch.dtype = torch.float32
+        self,
+        model,
+        tokenizer,
+        max_num_seqs: int = 256,
+        dtype: torch.dtype = torch.float32,
+        owns_weights: bool = False,
     ):
+        """`owns_weights`: `model` is a copy of its own (the policy is sharded), not the policy's
+        module."""
         self.model = model
+        # generate alone: no streaming, no turns, no rounds, no adapters of its own
+        self.capabilities = Capabilities(owns_weights=owns_weights)
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         # compute dtype: bf16 runs under autocast over the float32 weights

@@ -74,6 +74,7 @@ def make_rollout_engine(
             tokenizer,
             rollout_cfg.max_num_seqs,
             dtype,
+            owns_weights=will_be_sharded,
         )
     if log_choice:
         log.info(

@@ -78,12 +78,7 @@ class EngineService:
         """`groups`: key -> its group, for clients that cannot say it (an HTTP endpoint's): keys of
         one group whose first turns are admitted together with the same tokens share one prefill.
         Given, it names every key of the service's life: others are refused."""
-        self.engine, self.params, self.admission_s, self.groups = (
-            engine,
-            params,
-            admission_s,
-            groups or {},
-        )
+        self.engine, self.params, self.groups = engine, params, groups or {}
         self.shape = (sequences, max_len, turn_tokens)
         self.batcher = engine.continuous_batcher(sequences, max_len, turn_tokens)
         self.stop_ids = set(engine.eos_ids)
@@ -96,12 +91,10 @@ class EngineService:
         self.ending: set = set()
         # keys whose episode is over
         self.ended: set = set()
-        # accepted, not yet in the batch: admitted together (the admission window)
-        self.held: list[_Turn] = []
-        # the notify queues of submit_many
-        self.clients: set[queue.Queue] = set()
-        # answered turns not yet put on their client's queue
-        self.told: dict[queue.Queue, list[_Turn]] = {}
+        # accepted, not yet in the batch: admitted together
+        self.window = _AdmissionWindow(admission_s)
+        # the notify queues of submit_many, and what they are told
+        self.clients = _Clients()
         self.error: BaseException | None = None
         # what the run loop did: admissions (prefill passes of held turns), turns, decode calls (up
         # to LOOK_EVERY steps each) and the rows they stepped, seconds with nothing to run (waiting
@@ -125,7 +118,7 @@ class EngineService:
         accepted, refused = [], []
         for key, context, limit, group in turns:
             turn = _Turn(key, list(context), limit, Future(), group, notify)
-            why = self._unfit(context, limit)
+            why = _unfit(self.shape, context, limit)
             if why is None:
                 accepted.append(turn)
             else:
@@ -135,7 +128,7 @@ class EngineService:
         with self._lock:
             # told "closed" however the service ends
             if notify is not None:
-                self.clients.add(notify)
+                self.clients.queues.add(notify)
             if self._closed.is_set():
                 closed = RuntimeError(f"the engine service is closed ({self.error or 'closed'})")
                 for turn in accepted:
@@ -146,14 +139,6 @@ class EngineService:
         if notify is not None and refused:
             notify.put(("turns", [(turn.key, turn.future) for turn in refused]))
         return [turn.future for turn in accepted + refused]
-
-    def _unfit(self, context: list[int], limit: int) -> str | None:
-        _, max_len, turn_tokens = self.shape
-        if not context:
-            return "an empty context: a turn needs at least one token before it"
-        if not 0 < limit <= turn_tokens or len(context) + limit > max_len:
-            return f"{len(context)} tokens and {limit} more exceed {max_len} (turns of {turn_tokens} at most)"
-        return None
 
     def end(self, key) -> None:
         """The key's episode is over: its row is free for another."""
@@ -172,17 +157,17 @@ class EngineService:
                     self._take_requests(None)
                 else:
                     idle = time.monotonic()
-                    self._take_requests(self._until_admission())
+                    self._take_requests(self.window.until_due())
                     self.stats["idle_s"] += time.monotonic() - idle
                 self._admit_held()
                 if self.batcher.runnable:
                     finished = self.batcher.step(self.params, look_every=LOOK_EVERY)
                     self.stats["decode_calls"] += 1
                     # the rows it stepped
-                    self.stats["row_steps"] += len(self.batcher.active) + len(finished)
+                    self.stats["row_steps"] += len(self.batcher.scheduler.active) + len(finished)
                     for turn in finished:
                         self._answer(turn)
-                self._tell_clients()
+                self.clients.tell()
         except BaseException as error:  # noqa: BLE001 - every waiting client is told, none hangs
             self.error = error
         self._refuse_the_rest(self.error or RuntimeError("the engine service closed"))
@@ -198,13 +183,10 @@ class EngineService:
                 if isinstance(item, list):
                     unanswered += item
         for turn in unanswered:
-            self._settle(turn, exception=closed)
+            self.clients.settle(turn, exception=closed)
         self.pending.clear()
-        self._tell_clients()
-        with self._lock:
-            clients = list(self.clients)
-        for client in clients:
-            client.put(("closed", closed))
+        self.clients.tell()
+        self.clients.tell_closed(closed, self._lock)
 
     def _take_requests(self, wait: float | None) -> None:
         """Everything in the inbox; with `wait` (nothing else to do), first waits that long for one
@@ -231,50 +213,42 @@ class EngineService:
         # a turn under way (its client gave up): the row goes when it ends
         if key in self.pending:
             self.ending.add(key)
-        elif key in self.batcher.row_of:
+        elif self.batcher.scheduler.holds(key):
             self.batcher.release(key)
 
     def _accept(self, turn: _Turn) -> None:
         # a late request of an earlier rollout's sample
         if self.groups and turn.key not in self.groups:
-            self._settle(
+            self.clients.settle(
                 turn, exception=ValueError(f"{turn.key!r} is not a sample of this rollout")
             )
             return
         if turn.key in self.pending or turn.key in self.ended:
             why = "already has a turn under way" if turn.key in self.pending else "was ended"
-            self._settle(turn, exception=ValueError(f"{turn.key!r} {why}"))
+            self.clients.settle(turn, exception=ValueError(f"{turn.key!r} {why}"))
             return
         previous = self.contexts.get(turn.key)
         turn.extended = previous is not None and turn.context[: len(previous)] == previous
         if turn.extended and len(turn.context) == len(previous):
-            self._settle(turn, exception=ValueError(f"{turn.key!r} came back with no new tokens"))
+            self.clients.settle(
+                turn, exception=ValueError(f"{turn.key!r} came back with no new tokens")
+            )
             return
-        if turn.key in self.batcher.row_of and not turn.extended:
+        if self.batcher.scheduler.holds(turn.key) and not turn.extended:
             # the history was rewritten: start again on a fresh row
             self.batcher.release(turn.key)
         self.pending[turn.key] = turn
-        turn.arrived = time.monotonic()
-        self.held.append(turn)
-
-    def _until_admission(self) -> float:
-        """Seconds until the held turns are due (inf: none held, wait for a request)."""
-        if not self.held:
-            return float("inf")
-        now = time.monotonic()
-        quiet = self.held[-1].arrived + self.admission_s - now
-        return max(0.0, min(quiet, self.held[0].arrived + 4 * self.admission_s - now))
+        self.window.hold(turn)
 
     def _admit_held(self) -> None:
-        """The held turns into the batch, once arrivals went quiet for the window (or the first
-        waited four windows): one prefill pass for them all."""
-        if self.held and self._until_admission() <= 0.0:
+        """The held turns into the batch once they are due: one prefill pass for them all."""
+        due = self.window.take_due()
+        if due:
             self.stats["admissions"] += 1
-            self.stats["turns"] += len(self.held)
-            for turn in self.held:
+            self.stats["turns"] += len(due)
+            for turn in due:
                 group = turn.group if turn.group is not None else self.groups.get(turn.key)
                 self.batcher.add(turn.key, turn.context, turn.limit, group=group)
-            self.held = []
 
     def _answer(self, finished) -> None:
         turn = self.pending.pop(finished.key)
@@ -284,18 +258,74 @@ class EngineService:
         else:
             self.contexts[finished.key] = turn.context + finished.ids
         stopped = bool(finished.ids) and finished.ids[-1] in self.stop_ids
-        self._settle(turn, Completion(finished.ids, finished.log_probs, stopped, turn.extended))
+        self.clients.settle(
+            turn, Completion(finished.ids, finished.log_probs, stopped, turn.extended)
+        )
 
-    def _settle(self, turn: _Turn, result=None, exception: BaseException | None = None) -> None:
+
+class _AdmissionWindow:
+    """Accepted turns held until arrivals go quiet for `seconds` (or the first has waited four
+    windows), then admitted together."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.held: list[_Turn] = []
+
+    def hold(self, turn: _Turn) -> None:
+        turn.arrived = time.monotonic()
+        self.held.append(turn)
+
+    def until_due(self) -> float:
+        """Seconds until the held turns are due (inf: none held, wait for a request)."""
+        if not self.held:
+            return float("inf")
+        now = time.monotonic()
+        quiet = self.held[-1].arrived + self.seconds - now
+        return max(0.0, min(quiet, self.held[0].arrived + 4 * self.seconds - now))
+
+    def take_due(self) -> list[_Turn]:
+        """The held turns if they are due (none held from then), else none."""
+        if not self.held or self.until_due() > 0.0:
+            return []
+        due, self.held = self.held, []
+        return due
+
+
+class _Clients:
+    """The notify queues of submit_many, and the turns answered since each was last told."""
+
+    def __init__(self):
+        self.queues: set[queue.Queue] = set()
+        # answered turns not yet put on their client's queue
+        self.told: dict[queue.Queue, list[_Turn]] = {}
+
+    def settle(self, turn: _Turn, result=None, exception: BaseException | None = None) -> None:
         _settle(turn.future, result, exception)
         if turn.notify is not None:
             self.told.setdefault(turn.notify, []).append(turn)
 
-    def _tell_clients(self) -> None:
+    def tell(self) -> None:
         """Each client's turns answered since it was last told, in one message."""
         for client, turns in self.told.items():
             client.put(("turns", [(turn.key, turn.future) for turn in turns]))
         self.told = {}
+
+    def tell_closed(self, closed: BaseException, lock: threading.Lock) -> None:
+        """Every client told the service ended (`lock`: against a client joining meanwhile)."""
+        with lock:
+            queues = list(self.queues)
+        for client in queues:
+            client.put(("closed", closed))
+
+
+def _unfit(shape: tuple[int, int, int], context: list[int], limit: int) -> str | None:
+    """Why a turn cannot fit the service's rows (None: it fits)."""
+    _, max_len, turn_tokens = shape
+    if not context:
+        return "an empty context: a turn needs at least one token before it"
+    if not 0 < limit <= turn_tokens or len(context) + limit > max_len:
+        return f"{len(context)} tokens and {limit} more exceed {max_len} (turns of {turn_tokens} at most)"
+    return None
 
 
 def _settle(future: Future, result=None, exception: BaseException | None = None) -> None:

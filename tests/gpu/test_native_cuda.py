@@ -81,7 +81,7 @@ def test_a_kept_graph_replays_with_updated_weights(tmp_path):
     greedy = SamplingParams(do_sample=False, max_new_tokens=40, ignore_eos=True)
     kept = NativeRolloutEngine(model, tokenizer, 256, torch.float32, free_cache_engine=False)
     first = kept.generate(prompts, greedy)
-    graphs = {bucket: step for bucket, (_, _, step) in kept._kept_batcher.graphs.items()}
+    graphs = {bucket: step for bucket, (_, _, step) in kept._kept_batcher.decoding.graphs.items()}
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -92,7 +92,8 @@ def test_a_kept_graph_replays_with_updated_weights(tmp_path):
     # replayed
     assert (
         graphs
-        and {bucket: step for bucket, (_, _, step) in kept._kept_batcher.graphs.items()} == graphs
+        and {bucket: step for bucket, (_, _, step) in kept._kept_batcher.decoding.graphs.items()}
+        == graphs
     )
     assert torch.equal(second.response_ids, fresh.response_ids)
     assert not torch.equal(second.response_ids, first.response_ids)
@@ -283,7 +284,7 @@ def test_continuous_batching_graphs_equal_eager_and_hf(tmp_path, monkeypatch, ar
     ours, theirs = graphs.generate(prompts, greedy), hf.generate(prompts, greedy)
     assert len(set(theirs.response_lengths.tolist())) > 3
     # buckets of several sizes
-    assert len(graphs._kept_batcher.graphs) > 1
+    assert len(graphs._kept_batcher.decoding.graphs) > 1
     assert torch.equal(ours.response_ids, eager.generate(prompts, greedy).response_ids)
     assert ours.response_ids.tolist() == theirs.response_ids.tolist()
 

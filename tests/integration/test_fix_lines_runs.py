@@ -84,10 +84,10 @@ def nan_log_probs(c) -> list[str]:
 
 
 def unsynced_engine(c) -> list[str]:
-    from keel.distributed.worker import RoleWorker
+    from keel.distributed.roles import EngineSync
 
     # the sync bug, verl #7495
-    c.applier.monkeypatch.setattr(RoleWorker, "_sync_rollout", lambda self: None)
+    c.applier.monkeypatch.setattr(EngineSync, "push", lambda self, actor_model: None)
     return c.train(
         "actor_rollout_ref.model.lora_rank=8",
         "actor_rollout_ref.model.target_modules=all-linear",

@@ -49,9 +49,9 @@ def test_adapters_train_reach_the_engine_and_leave_the_base_alone(tiny_config, t
 
 def test_a_sync_that_never_reaches_the_engine_is_caught(tiny_config, monkeypatch):
     """The failure peers' users find weeks later (verl #7495): rollouts from the base model."""
-    from keel.distributed.worker import RoleWorker
+    from keel.distributed.roles import EngineSync
 
-    monkeypatch.setattr(RoleWorker, "_sync_rollout", lambda self: None)
+    monkeypatch.setattr(EngineSync, "push", lambda self, actor_model: None)
     cfg = lora_config(tiny_config)
     cfg["actor_rollout_ref"]["actor"]["optim"]["lr"] = 0.2
     cfg["trainer"]["guards"] = {"max_log_prob_gap": 0.01}

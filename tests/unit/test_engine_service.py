@@ -137,8 +137,10 @@ def test_turns_arriving_within_the_admission_window_share_one_prefill(engine):
         service = EngineService(
             engine, GREEDY, sequences=6, max_len=64, turn_tokens=6, admission_s=admission_s
         )
-        passes, prefill = [], service.batcher.runner.prefill
-        service.batcher.runner.prefill = lambda *a, **k: passes.append(1) or prefill(*a, **k)
+        passes, prefill = [], service.batcher.decoding.runner.prefill
+        service.batcher.decoding.runner.prefill = lambda *a, **k: (
+            passes.append(1) or prefill(*a, **k)
+        )
         try:
             # within the window
             futures = [service.submit(i, context, 6) for i, context in enumerate(contexts)]
@@ -219,6 +221,6 @@ def test_keys_of_one_group_share_their_first_prefill(engine):
     finally:
         service.close()
     # a, b and c: one prefill of their prompt
-    assert service.batcher.prefilled == len(same) + len(other)
+    assert service.batcher.decoding.prefilled == len(same) + len(other)
     # greedy from the same cache
     assert answers[0] == answers[1] == answers[2]

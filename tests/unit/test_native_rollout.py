@@ -459,7 +459,7 @@ def test_multi_turn_greedy_rollouts_equal_the_hf_engines_and_prefill_only_new_to
         after_turns = int((ours.response_attention - ours.response_mask).sum())
         # each tool turn is followed by a turn
         returns = sum(r.extra_info["tool_calls"] for r in ours.records)
-        assert native._kept_batcher.prefilled == once_per_group + after_turns + returns
+        assert native._kept_batcher.decoding.prefilled == once_per_group + after_turns + returns
 
 
 def test_free_cache_engine_unset_keeps_a_cache_of_at_most_eight_percent_of_the_gpu():

@@ -102,7 +102,7 @@ class AgentLoop:
         try:
             if self.environment is not None:
                 self.actions.reset_environments(episodes, self.environment, self.environment_config)
-            if hasattr(self.engine, "continuous_batcher"):
+            if self.engine.capabilities.continuous:
                 self._run_continuously(episodes, dataclasses.replace(params, n=1))
             else:
                 while active := [e for e in episodes if not e.done]:
@@ -210,7 +210,7 @@ class AgentLoop:
             collate_prompts(records, self.tokenizer.pad_token_id),
             dataclasses.replace(params, n=1, max_new_tokens=left),
         )
-        for part, seconds in getattr(self.engine, "timing", {}).items():
+        for part, seconds in self.engine.timing.items():
             self.timing[part] = self.timing.get(part, 0.0) + seconds
         for row, episode in enumerate(active):
             keep = batch.response_mask[row].bool()

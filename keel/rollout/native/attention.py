@@ -168,16 +168,7 @@ def triton_decode_attention(
     split = config.split
     splits = triton.cdiv(cache_len, split)
     out = torch.empty(batch, heads, dim, device=q.device, dtype=q.dtype)
-    partial = (
-        out
-        if splits == 1
-        else torch.empty(batch, kv_heads, splits, group, dim, device=q.device, dtype=torch.float32)
-    )
-    lse = (
-        out
-        if splits == 1
-        else torch.empty(batch, kv_heads, splits, group, device=q.device, dtype=torch.float32)
-    )
+    partial, lse = _split_buffers(out, splits, (batch, kv_heads, group, dim))
     block_group = max(16, triton.next_power_of_2(group))
     # Laid out as the kernel's signature groups them (tensors, strides, split, constants): one
     # argument a line would hide which stride is whose.
@@ -199,6 +190,19 @@ def triton_decode_attention(
             num_warps=config.merge_warps,
         )  # fmt: skip
     return out.view(batch, heads * dim)
+
+
+def _split_buffers(out: Tensor, splits: int, shape: tuple[int, int, int, int]):
+    """Where each split leaves its partial output [B, KV, splits, G, D] and log-sum-exp
+    [B, KV, splits, G], in float32; with one split the kernel writes `out` and uses neither."""
+    if splits == 1:
+        return out, out
+    batch, kv_heads, group, dim = shape
+    partial = torch.empty(
+        batch, kv_heads, splits, group, dim, device=out.device, dtype=torch.float32
+    )
+    lse = torch.empty(batch, kv_heads, splits, group, device=out.device, dtype=torch.float32)
+    return partial, lse
 
 
 def triton_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -254,19 +258,10 @@ if triton is not None:
             v_new = tl.load(V + slot * v_b + kv_head * v_h + d)
             k_base = KCache + row * kc_b + kv_head * kc_h
             v_base = VCache + row * vc_b + kv_head * vc_h
-            # The new token: written to the cache for later steps, used from registers in this one,
-            # and first in its split, so the running maximum is finite from the start.
-            if owns_new:
-                tl.store(k_base + column * kc_l + d, k_new)
-                tl.store(v_base + column * vc_l + d, v_new)
-            # [BG]
-            new_score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
-            m = tl.where(owns_new, new_score, float("-inf"))
-            total = tl.zeros([BLOCK_GROUP], tl.float32) + owns_new.to(tl.float32)
-            acc = (
-                tl.zeros([BLOCK_GROUP, DIM], tl.float32)
-                + (v_new.to(tl.float32) * owns_new.to(tl.float32))[None, :]
-            )
+            m, total, acc = _start_with_new_token(
+                q, k_new, v_new, k_base + column * kc_l + d, v_base + column * vc_l + d, owns_new,
+                scale, BLOCK_GROUP, DIM,
+            )  # fmt: skip
             m, total, acc = _attend_columns(
                 q, k_base, v_base, kc_l, vc_l, lo, hi, m, total, acc, scale, DIM, BLOCK
             )
@@ -275,20 +270,54 @@ if triton is not None:
                 m, total, acc = _join_sinks(
                     Sinks + kv_head * GROUP, g, owns_new, m, total, acc, GROUP
                 )
-            heads = GROUP * tl.num_programs(1)
-            if ONE_PASS:
-                out_ptrs = (
-                    Out + slot * heads * DIM + (kv_head * GROUP + g[:, None]) * DIM + d[None, :]
-                )
-                tl.store(out_ptrs, (acc / total[:, None]).to(Out.dtype.element_ty), mask=in_group)
-            else:  # [B, KV, splits, G, D] and [B, KV, splits, G], fp32
-                part = (slot * tl.num_programs(1) + kv_head) * splits + split
-                tl.store(
-                    PartialOut + (part * GROUP + g[:, None]) * DIM + d[None, :],
-                    acc / total[:, None],
-                    mask=in_group,
-                )
-                tl.store(PartialLse + part * GROUP + g, m + tl.log(total), mask=g < GROUP)
+            _store_split(
+                Out, PartialOut, PartialLse, slot, kv_head, split, splits, g, d, m, total, acc,
+                GROUP, DIM, ONE_PASS,
+            )  # fmt: skip
+
+    @triton.jit
+    def _start_with_new_token(
+        q, k_new, v_new, k_at, v_at, owns_new, scale,
+        BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr,
+    ):  # fmt: skip
+        """The running softmax (maximum, normaliser, weighted sum) of a split: empty, or in the split
+        that owns it the new token, written to the cache at `k_at` and `v_at` for later steps, used
+        from registers in this one, and first in its split, so the running maximum is finite from
+        the start."""
+        if owns_new:
+            tl.store(k_at, k_new)
+            tl.store(v_at, v_new)
+        # [BG]
+        new_score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
+        m = tl.where(owns_new, new_score, float("-inf"))
+        total = tl.zeros([BLOCK_GROUP], tl.float32) + owns_new.to(tl.float32)
+        acc = (
+            tl.zeros([BLOCK_GROUP, DIM], tl.float32)
+            + (v_new.to(tl.float32) * owns_new.to(tl.float32))[None, :]
+        )
+        return m, total, acc
+
+    @triton.jit
+    def _store_split(
+        Out, PartialOut, PartialLse, slot, kv_head, split, splits, g, d, m, total, acc,
+        GROUP: tl.constexpr, DIM: tl.constexpr, ONE_PASS: tl.constexpr,
+    ):  # fmt: skip
+        """A split's result: the row's output itself when it is the only split, else its partial
+        output and log-sum-exp for the merge."""
+        in_group = g[:, None] < GROUP
+        heads = GROUP * tl.num_programs(1)
+        if ONE_PASS:
+            out_ptrs = Out + slot * heads * DIM + (kv_head * GROUP + g[:, None]) * DIM + d[None, :]
+            tl.store(out_ptrs, (acc / total[:, None]).to(Out.dtype.element_ty), mask=in_group)
+        # [B, KV, splits, G, D] and [B, KV, splits, G], fp32
+        else:
+            part = (slot * tl.num_programs(1) + kv_head) * splits + split
+            tl.store(
+                PartialOut + (part * GROUP + g[:, None]) * DIM + d[None, :],
+                acc / total[:, None],
+                mask=in_group,
+            )
+            tl.store(PartialLse + part * GROUP + g, m + tl.log(total), mask=g < GROUP)
 
     @triton.jit
     def _join_sinks(sinks, g, owns_new, m, total, acc, GROUP: tl.constexpr):
@@ -302,20 +331,9 @@ if triton is not None:
 
     @triton.jit
     def _attend_columns(
-        q,
-        k_base,
-        v_base,
-        kc_l,
-        vc_l,
-        lo,
-        hi,
-        m,
-        total,
-        acc,
-        scale,
-        DIM: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
+        q, k_base, v_base, kc_l, vc_l, lo, hi, m, total, acc, scale,
+        DIM: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
         """Online softmax of q [BG, D] over the cache columns [lo, hi), BLOCK at a time, continuing
         from the running maximum m, normaliser total and weighted sum acc."""
         d = tl.arange(0, DIM)
@@ -337,18 +355,10 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits_kernel(
-        PartialOut,
-        PartialLse,
-        Out,
-        Pad,
-        Column,
-        split_len,
-        splits,
-        GROUP: tl.constexpr,
-        BLOCK_GROUP: tl.constexpr,
-        DIM: tl.constexpr,
+        PartialOut, PartialLse, Out, Pad, Column, split_len, splits,
+        GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr,
         COLUMN_STRIDE: tl.constexpr,
-    ):
+    ):  # fmt: skip
         """A row's splits merged by their log-sum-exps: those from its first visible column's split
         to its new token's."""
         slot = tl.program_id(0)

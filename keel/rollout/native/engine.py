@@ -3,10 +3,12 @@
 Its parts: the model runner (runner.py: the weights, one copy with fused projections in the
 compute dtype, filled from the policy's parameters after every update; the family's layer math;
 the compiled step functions; the decode attention kernel; one prefill pass and one decode step),
-the scheduler (batching.py: which sequence holds which row of the KV cache, refills, turns,
-budgets, a CUDA graph per batch bucket) and this module: the engine's public face (generate, the
-scheduler the agent loop drives, weight sync and LoRA), and how much of the GPU its cache may take
-and keep.
+the scheduler (scheduler.py, no tensors: which sequence holds which row of the KV cache, refills,
+turns, budgets, prefill packing), the rows' device state (decode_state.py: the cache, each turn's
+tokens, a CUDA graph per batch bucket), the batcher that steps one with the other (batching.py)
+and this module: the engine's public face (generate, the batcher the agent loop drives through the
+engine service, weight sync and LoRA, the capabilities it declares), and how much of the GPU its
+cache may take and keep.
 
 Every generation goes through the scheduler: fixed lengths (ignore_eos) and varying ones, single
 turns and multi-turn episodes. Prefill (compute-bound: plain matmuls and SDPA) runs eagerly over
@@ -25,7 +27,8 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from keel.rollout.assemble import assemble_batch, stop_token_ids
-from keel.rollout.native.batching import ContinuousBatcher
+from keel.rollout.base import Capabilities
+from keel.rollout.native.batching import ContinuousBatcher, drive
 from keel.rollout.native.layers import StepFunctions
 from keel.rollout.native.models import unsupported_reason
 from keel.rollout.native.runner import ModelRunner
@@ -50,6 +53,15 @@ def keeps_cache(free_cache_engine: bool | None, cache_bytes: int, device_bytes: 
 
 
 class NativeRolloutEngine:
+    capabilities = Capabilities(
+        streams_finished=True,
+        continuous=True,
+        generate_round=True,
+        owns_weights=True,
+        load_adapters=True,
+        shares_frozen_weights=True,
+    )
+
     def __init__(
         self,
         model,
@@ -137,13 +149,11 @@ class NativeRolloutEngine:
         ):
             batcher.add(i, ids[mask.bool()].tolist(), params.max_new_tokens, group=record.index)
         turns = [None] * len(prompts)
-        while batcher.busy:
-            for turn in batcher.step(params):
-                turns[turn.key] = turn
-                batcher.release(turn.key)
-                if on_finished is not None:
-                    text = self.tokenizer.decode(turn.ids, skip_special_tokens=True)
-                    on_finished(turn.key, prompts.records[turn.key], text)
+        for turn in drive(batcher, params):
+            turns[turn.key] = turn
+            if on_finished is not None:
+                text = self.tokenizer.decode(turn.ids, skip_special_tokens=True)
+                on_finished(turn.key, prompts.records[turn.key], text)
         ids = pad_sequence(
             [torch.tensor(t.ids) for t in turns],
             batch_first=True,
@@ -172,10 +182,12 @@ class NativeRolloutEngine:
                 batcher.add(i, context, left, group=None if s.ids else s.group)
         groups = [s.group for s in samples]
         stops = set() if params.ignore_eos else set(self.eos_ids)
-        while batcher.busy and not end.reached(groups, [ended for _, _, ended, _ in sampled]):
-            for turn in batcher.step(params):
-                sampled[turn.key] = (turn.ids, turn.log_probs, True, turn.ids[-1] not in stops)
-                batcher.release(turn.key)
+
+        def round_ended() -> bool:
+            return end.reached(groups, [done for _, _, done, _ in sampled])
+
+        for turn in drive(batcher, params, until=round_ended):
+            sampled[turn.key] = (turn.ids, turn.log_probs, True, turn.ids[-1] not in stops)
         for turn in batcher.cut():
             sampled[turn.key] = (turn.ids, turn.log_probs, False, False)
             batcher.release(turn.key)
@@ -206,18 +218,18 @@ class NativeRolloutEngine:
             self.max_num_batched_tokens,
             self.timing,
         )
-        if self._keeps(batcher.state):
+        if self._keeps(batcher.decoding):
             self._kept_batcher = batcher
         return batcher
 
-    def _keeps(self, state) -> bool:
+    def _keeps(self, rows) -> bool:
         """Whether a new scheduler's cache is kept for the next call (free_cache_engine)."""
         total = (
             torch.cuda.get_device_properties(self.device).total_memory
             if self.device.type == "cuda"
             else 0
         )
-        return keeps_cache(self.free_cache_engine, sum(t.nbytes for t in state.k + state.v), total)
+        return keeps_cache(self.free_cache_engine, rows.cache_bytes(), total)
 
     def _sequences_at_once(self, seq_len: int) -> int:
         """rollout.max_num_seqs, fewer if their KV cache would pass gpu_memory_utilization of the
@@ -229,7 +241,7 @@ class NativeRolloutEngine:
         free, _ = torch.cuda.mem_get_info(self.device)
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         if self._kept_batcher is not None:
-            free += sum(t.nbytes for t in self._kept_batcher.state.k + self._kept_batcher.state.v)
+            free += self._kept_batcher.decoding.cache_bytes()
         per_sequence = self.runner.cache_bytes_per_token() * seq_len
         fits = max(1, int(free * self.memory_utilization // per_sequence))
         if fits < self.max_num_seqs:

@@ -2,7 +2,7 @@
 family (its layer math), the step functions compiled where they fuse, the decode attention kernel,
 and the two forwards every generation is made of: a prefill pass over new tokens of some cache rows,
 and a decode step over the rows generating now. It knows nothing of sequences, turns or budgets:
-the scheduler (batching.py) decides which rows do what."""
+the scheduler (scheduler.py) decides which rows do what, and decode_state.py holds the rows."""
 
 from __future__ import annotations
 
@@ -27,11 +27,9 @@ from keel.rollout.native.layers import (
 )
 from keel.rollout.native.models import family_for
 from keel.rollout.native.sampling import sample
+from keel.rollout.native.scheduler import Piece
 from keel.rollout.native.weights import DecodeWeights
 from keel.types import SamplingParams
-
-# (cache row, first column, the tokens written from there)
-Piece = tuple[int, int, list[int]]
 
 
 class ModelRunner:

@@ -1,4 +1,4 @@
-"""How the scheduler's decode steps become CUDA graphs, and the clock that times each part of a
+"""How the batcher's decode steps become CUDA graphs, and the clock that times each part of a
 generation."""
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ def job_row(record) -> dict:
 def build_external_agent(agent, engine, tokenizer, budget: int) -> ExternalAgentRollout:
     """The rollout of a rollout.agent section around the engine; `budget`: data.max_response_length."""
     what = "environment" if agent.environment else "function"
-    if not hasattr(engine, "continuous_batcher"):
+    if not engine.capabilities.continuous:
         raise KeelError(
             AGENT_FUNCTION,
             f"actor_rollout_ref.rollout.agent.{what}={getattr(agent, what)!r} runs on keel's native engine, and "
