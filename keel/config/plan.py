@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from keel.config.schema import KeelConfig
+from keel.types import OldLogProbSource
 
 
 @dataclass(frozen=True)
@@ -159,24 +160,24 @@ def reward_scoring(cfg: KeelConfig) -> str:
 # Where the update's old log-probs come from: the one place that decides it (the trainer runs it,
 # the batch plan says it).
 OLD_LOG_PROBS = {
-    "sampler": "the sampler's (rollout_correction.bypass_mode): no pass",
-    "update": "the update's own forward (on-policy): no pass",
-    "first_mini_batch": "recomputed each step, but the first mini-batch's (the update's own forward)",
-    "recomputed": "recomputed each step",
+    OldLogProbSource.SAMPLER: "the sampler's (rollout_correction.bypass_mode): no pass",
+    OldLogProbSource.UPDATE: "the update's own forward (on-policy): no pass",
+    OldLogProbSource.FIRST_MINI_BATCH: "recomputed each step, but the first mini-batch's (the update's own forward)",
+    OldLogProbSource.RECOMPUTED: "recomputed each step",
 }
 
 
-def old_log_probs_source(cfg: KeelConfig) -> str:
-    """A key of OLD_LOG_PROBS. `sampler` in bypass mode. Otherwise an update's first mini-batch runs
-    before any optimiser step, so its own forward, detached, is the old policy's (`update` when that
-    mini-batch is the whole batch, `first_mini_batch` when one epoch has several): not when the
+def old_log_probs_source(cfg: KeelConfig) -> OldLogProbSource:
+    """A key of OLD_LOG_PROBS. SAMPLER in bypass mode. Otherwise an update's first mini-batch runs
+    before any optimiser step, so its own forward, detached, is the old policy's (UPDATE when that
+    mini-batch is the whole batch, FIRST_MINI_BATCH when one epoch has several): not when the
     reward's KL needs the old log-probs before the update, not under guards.nonfinite=skip (the pass
     is where a non-finite log-prob skips a step), not under decoupled rollout correction (it weighs
     the old policy against the sampler), and not with several epochs (later epochs revisit the
-    samples with the policy moved). `recomputed` else: the old-log-prob pass over the whole batch."""
+    samples with the policy moved). RECOMPUTED else: the old-log-prob pass over the whole batch."""
     actor = cfg.actor_rollout_ref.actor
     if cfg.algorithm.rollout_correction.bypass_mode:
-        return "sampler"
+        return OldLogProbSource.SAMPLER
     own_forward = not (
         cfg.algorithm.use_kl_in_reward
         or cfg.trainer.guards.nonfinite == "skip"
@@ -184,10 +185,10 @@ def old_log_probs_source(cfg: KeelConfig) -> str:
         or actor.ppo_epochs != 1
     )
     if not own_forward:
-        return "recomputed"
-    return (
-        "update" if actor.ppo_mini_batch_size == cfg.data.train_batch_size else "first_mini_batch"
-    )
+        return OldLogProbSource.RECOMPUTED
+    if actor.ppo_mini_batch_size == cfg.data.train_batch_size:
+        return OldLogProbSource.UPDATE
+    return OldLogProbSource.FIRST_MINI_BATCH
 
 
 def training_mode(cfg: KeelConfig) -> str:

@@ -15,7 +15,7 @@ from keel.training.forward import batched_log_probs, compute_device, response_lo
 from keel.training.optim import build_optimizer, build_scheduler
 from keel.training.placement import SINGLE, Placement
 from keel.training.step import DeviceTotals, LossScale, apply_gradients, backward, update_role
-from keel.types import RolloutBatch
+from keel.types import TrainBatch
 
 
 def check_gradient_flows(grad_norm: float, mini: MiniBatch) -> None:
@@ -73,7 +73,7 @@ class ActorTrainer:
         )
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps)
 
-    def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:  # [N, R]
+    def compute_log_probs(self, batch: TrainBatch) -> torch.Tensor:  # [N, R]
         return batched_log_probs(
             self.model, batch, self.log_prob_batching, self.temperature, self.placement
         )
@@ -108,7 +108,7 @@ class ActorTrainer:
             check_gradient_flows(metrics["actor/grad_norm"], mini)
         return metrics
 
-    def _measures_gaps(self, micro: RolloutBatch, mini: MiniBatch) -> bool:
+    def _measures_gaps(self, micro: TrainBatch, mini: MiniBatch) -> bool:
         """Whether this forward is where the engine's gap is measured: on-policy (the trainer skipped
         the old-log-prob pass), or bypass mode's first mini-batch (the policy is still the sampler's)."""
         return micro.old_log_probs is None or (self.bypass is not None and mini.first)
@@ -126,7 +126,7 @@ class ActorTrainer:
         return weights, correction.metrics
 
     @staticmethod
-    def _old_log_probs(micro: RolloutBatch, log_prob: torch.Tensor) -> torch.Tensor:
+    def _old_log_probs(micro: TrainBatch, log_prob: torch.Tensor) -> torch.Tensor:
         """The batch's old log-probs, or where the trainer skipped their pass (on-policy, or the
         first mini-batch's samples) this forward's own, detached: the same policy, so the ratio is 1
         exactly."""
@@ -138,7 +138,7 @@ class ActorTrainer:
 
     @staticmethod
     def _policy_gaps(
-        micro: RolloutBatch, log_prob: torch.Tensor, mask: torch.Tensor
+        micro: TrainBatch, log_prob: torch.Tensor, mask: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         """rollout/log_prob_gap (the engine against the trainer) and actor/ref_kl, from the old
         policy's log-probs: token means, which add up over micro-batches and ranks as shares."""
@@ -150,7 +150,7 @@ class ActorTrainer:
         return gaps
 
     def _micro_loss(
-        self, micro: RolloutBatch, scale: LossScale, measure_gaps: bool
+        self, micro: TrainBatch, scale: LossScale, measure_gaps: bool
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(loss to back-propagate, its policy-loss part, per-token metrics on the device) of one
         micro-batch."""

@@ -55,7 +55,8 @@ def trained_batches(monkeypatch):
     for kind in (ahead.RolloutWithin, ahead.RolloutAhead):
 
         def recording(self, timer, step, real=kind.__call__):
-            batch, metrics, gen_parts = real(self, timer, step)
+            samples = real(self, timer, step)
+            batch = samples.batch
             seen.append(
                 (
                     step,
@@ -63,7 +64,7 @@ def trained_batches(monkeypatch):
                     sorted({r.index for r in batch.records}),
                 )
             )
-            return batch, metrics, gen_parts
+            return samples
 
         monkeypatch.setattr(kind, "__call__", recording)
     return seen
