@@ -23,7 +23,7 @@ from keel.observe.guards import (
 from keel.observe.log import warnings_said_once
 from keel.observe.metrics import MetricsLogger, Timer, last_logged_metrics
 from keel.rollout.agent.metrics import agent_metrics
-from keel.trainer.ahead import step_rollout
+from keel.trainer.ahead import StepRollout, step_rollout
 from keel.trainer.evaluate import Validation
 from keel.trainer.hooks import load_hook, run_hooks
 from keel.trainer.run_directory import RunDirectory
@@ -44,6 +44,9 @@ class RunResult:
 
 
 class RLTrainer:
+    """The RL loop: each step takes its scored samples from the trainer.mode's rollout, builds the
+    training batch (TrainBatchBuilder), updates the critic and the actor, and reports."""
+
     def __init__(
         self, cfg: KeelConfig, inputs: Inputs | None = None, check_report: str | None = None
     ):
@@ -64,7 +67,8 @@ class RLTrainer:
         self.components: Components = build_components(cfg, start_from, inputs)
         self.sampling = training_sampling(cfg)
         self.scored = ScoredRollout(cfg, self.components, self.sampling)
-        self.rollout = step_rollout(
+        # where each step's scored samples come from
+        self.rollout: StepRollout = step_rollout(
             cfg, self.scored, self.components.sampler, self.components.total_steps
         )
         self.run_files = RunDirectory(cfg, self.components, check_report)
