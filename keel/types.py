@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 
-@dataclass
+@dataclass(slots=True)
 class PromptRecord:
     """One dataset row as the rollout and the reward function see it."""
 
@@ -31,7 +31,7 @@ class PromptRecord:
     raw_prompt: str | list[dict] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class PromptBatch:
     """Prompts collated for generation: token ids left-padded, and each prompt's record."""
 
@@ -51,7 +51,7 @@ class PromptBatch:
         )
 
 
-@dataclass
+@dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How a generation call samples: n per prompt, temperature and the rest."""
 
