@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from keel.algorithms.kl import kl_penalty
@@ -28,6 +30,18 @@ def check_gradient_flows(grad_norm: float, mini: MiniBatch) -> None:
             "the actor's gradient norm is exactly 0 although advantages are not: "
             "the policy loss does not reach the weights",
         )
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class MicroLoss:
+    """One micro-batch's share of the actor's loss, on the device."""
+
+    # what is back-propagated: the policy loss with the entropy and KL terms
+    loss: torch.Tensor
+    # its policy-loss part: the micro-batches' add up to the mini-batch's
+    pg_loss: torch.Tensor
+    # per-token means over the micro-batch, weighted by its share of the tokens when summed
+    metrics: dict[str, torch.Tensor]
 
 
 class ActorTrainer:
@@ -85,15 +99,15 @@ class ActorTrainer:
         scale = mini.scale
         totals, tokens = DeviceTotals(), float(scale.tokens)
         for _, micro in micro_batches(mini.samples, self.update_batching):
-            loss, pg_loss, metrics = self._micro_loss(
+            micro_loss = self._micro_loss(
                 micro, scale, measure_gaps=self._measures_gaps(micro, mini)
             )
-            backward(loss, "actor", self.placement.data_parallel_size)
+            backward(micro_loss.loss, "actor", self.placement.data_parallel_size)
             # micro-batch losses add up to the mini-batch loss
-            totals.add("actor/pg_loss", pg_loss)
+            totals.add("actor/pg_loss", micro_loss.pg_loss)
             # token-weighted means
             share = float(micro.loss_mask.sum()) / tokens
-            for name, value in metrics.items():
+            for name, value in micro_loss.metrics.items():
                 totals.add(name, value, share)
         metrics = apply_gradients(
             self.model,
@@ -149,11 +163,8 @@ class ActorTrainer:
             gaps["actor/ref_kl"] = masked_mean(log_prob - micro.ref_log_probs, mask)
         return gaps
 
-    def _micro_loss(
-        self, micro: TrainBatch, scale: LossScale, measure_gaps: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """(loss to back-propagate, its policy-loss part, per-token metrics on the device) of one
-        micro-batch."""
+    def _micro_loss(self, micro: TrainBatch, scale: LossScale, measure_gaps: bool) -> MicroLoss:
+        """One micro-batch's loss, its policy-loss part and per-token metrics, on the device."""
         cfg = self.cfg
         # once, without waiting for the GPU
         micro = micro.to(compute_device(self.model, self.placement))
@@ -201,4 +212,4 @@ class ActorTrainer:
                 kl, mask, cfg.loss_agg_mode, **scale.agg_kwargs()
             )
             metrics["actor/kl_loss"] = masked_mean(kl.detach(), mask)
-        return loss, pg_loss, metrics
+        return MicroLoss(loss=loss, pg_loss=pg_loss, metrics=metrics)
