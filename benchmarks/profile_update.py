@@ -20,22 +20,26 @@ from keel.bench.workloads import QWEN25_COMMON, QWEN25_SHAPES
 from keel.distributed.parallelize import compile_blocks
 from keel.training.forward import response_log_probs
 from keel.training.placement import Placement
-from keel.types import RolloutBatch
+from keel.types import TrainBatch
 
 
-def make_batch(samples: int, prompt: int, response: int) -> RolloutBatch:
+def make_batch(samples: int, prompt: int, response: int) -> TrainBatch:
     ids = lambda n: torch.randint(10, 200, (samples, n))  # noqa: E731
     ones = lambda n: torch.ones(samples, n, dtype=torch.long)  # noqa: E731
-    return RolloutBatch(
-        ids(prompt),
-        ones(prompt),
-        ids(response),
-        ones(response),
-        torch.zeros(samples, response),
-        torch.arange(samples),
-        [None] * samples,
-        [""] * samples,
-        torch.zeros(samples, dtype=torch.bool),
+    return TrainBatch(
+        prompt_ids=ids(prompt),
+        prompt_mask=ones(prompt),
+        response_ids=ids(response),
+        response_mask=ones(response),
+        sampling_log_probs=torch.zeros(samples, response),
+        group_index=torch.arange(samples),
+        records=[None] * samples,
+        response_texts=[""] * samples,
+        truncated=torch.zeros(samples, dtype=torch.bool),
+        scores=torch.zeros(samples),
+        token_level_rewards=torch.zeros(samples, response),
+        advantages=torch.zeros(samples, response),
+        returns=torch.zeros(samples, response),
     )
 
 

@@ -7,6 +7,7 @@ R = longest response (right-padded). A full sequence is `[prompt | response]`, l
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,8 +15,10 @@ import torch
 from torch import Tensor
 
 
-@dataclass
+@dataclass(slots=True)
 class PromptRecord:
+    """One dataset row as the rollout and the reward function see it."""
+
     # row index in the dataset, before filtering
     index: int
     prompt_ids: list[int]
@@ -28,8 +31,10 @@ class PromptRecord:
     raw_prompt: str | list[dict] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class PromptBatch:
+    """Prompts collated for generation: token ids left-padded, and each prompt's record."""
+
     input_ids: torch.Tensor  # [B, P] left-padded with pad_token_id
     attention_mask: torch.Tensor  # [B, P] 1 on prompt tokens, 0 on padding
     records: list[PromptRecord]
@@ -46,8 +51,10 @@ class PromptBatch:
         )
 
 
-@dataclass
+@dataclass(slots=True, frozen=True)
 class SamplingParams:
+    """How a generation call samples: n per prompt, temperature and the rest."""
+
     n: int = 1
     do_sample: bool = True
     temperature: float = 1.0
@@ -102,14 +109,29 @@ class RoundEnd:
         return len(set(groups) - open_groups) >= self.count
 
 
-@dataclass(slots=True)
+class OldLogProbSource(enum.Enum):
+    """Where the update's old log-probs come from (keel.config.plan.old_log_probs_source decides)."""
+
+    # rollout_correction.bypass_mode: the sampler's log-probs are the old ones, no pass
+    SAMPLER = "sampler"
+    # on-policy (one mini-batch, one epoch): the update's own forward, detached, no pass
+    UPDATE = "update"
+    # one epoch of several mini-batches: the pass skips the first one, whose forward is its own
+    FIRST_MINI_BATCH = "first_mini_batch"
+    # the old-log-prob pass over the whole batch
+    RECOMPUTED = "recomputed"
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
 class GeneratedBatch:
-    """A step's records, one per stage, each a field set of its own and built once from the stage
-    before (`of`): GeneratedBatch (what generation gives: the sampled tokens, the sampler's log-probs,
-    the policy version each sample or token was sampled from), ScoredBatch (and the reward function's
-    scores), RolloutBatch (the training batch: and what the training stage's passes computed over the
-    scored batch: old and reference log-probs, values, rewards per token, advantages, rollout
-    correction). Every field is per sample (a row), so a sub-batch of any of them is a `select`."""
+    """What generation gives: the sampled tokens, the sampler's log-probs and the policy version
+    each sample (or token) was sampled from.
+
+    A step's records are one per stage, each built once from the stage before (`of`):
+    GeneratedBatch, then ScoredBatch (the reward function's scores), then TrainBatch (what the
+    trainer consumes: old and reference log-probs, values, rewards per token, advantages, rollout
+    correction). Every field is per sample (a row), so a sub-batch of any of them is a `select`.
+    None in an optional field means what its comment says, never "not computed yet"."""
 
     prompt_ids: Tensor  # [N, P] left-padded
     prompt_mask: Tensor  # [N, P] 1 on prompt tokens
@@ -124,16 +146,19 @@ class GeneratedBatch:
     # its turns (attended to, never trained on); response_mask is then the model's tokens only.
     # None: the response is the model's alone, response_mask both.
     response_attention: Tensor | None = None
-    turn_rewards: Tensor | None = None  # [N] multi-turn: what tools and interactions gave, summed
+    # [N] multi-turn: what tools and interactions gave, summed; None: no turns
+    turn_rewards: Tensor | None = None
     # Agent rollouts with on_prefix_break=segments: rows of one value are one sample's continuous
     # stretches, in order, trained as sequences of their own; the last is the sample's final
     # segment, the one scored and counted in its group, and the others take its score and advantage.
     # None: every row is a whole sample.
     sample_index: Tensor | None = None
-    # [N] the policy version (actor updates so far) it was sampled from
+    # [N] the policy version (actor updates so far) it was sampled from; None: a generator outside
+    # the workers (validation, benchmarks), which stamp it
     policy_version: Tensor | None = None
     # Partial rollouts: [N, R] the policy version each token was sampled from (a sample cut by a
     # weight update continues under the next one); policy_version is then each sample's oldest.
+    # None: every token is its sample's policy_version.
     token_versions: Tensor | None = None
 
     def __len__(self) -> int:
@@ -173,8 +198,7 @@ class GeneratedBatch:
         """`count` copies of the first sample with the response masked out: fillers that add
         nothing to any loss or count, for ranks or passes that must run in step with others."""
         filler = self.select([0] * count)
-        filler.response_mask = torch.zeros_like(filler.response_mask)
-        return filler
+        return dataclasses.replace(filler, response_mask=torch.zeros_like(filler.response_mask))
 
     def to(self, device: torch.device):
         """Every tensor field on `device`. Host-to-device copies do not wait for the GPU
@@ -213,34 +237,45 @@ class GeneratedBatch:
         )
 
 
-@dataclass(slots=True)
+# The later records extend the one before: keyword-only fields, so a field is required wherever
+# the stage always sets it, whatever came before it. A record of another kind (DPO's pair of
+# scored rows, a teacher's log-probs for distillation) is one more record of this kind, built by
+# `of` from the stage it follows.
+@dataclass(slots=True, kw_only=True, frozen=True)
 class ScoredBatch(GeneratedBatch):
     """The generated samples and the reward function's results."""
 
-    scores: Tensor | None = None  # [N] outcome reward from the reward function
-    # [N] other keys of dict results (verl's reward_extra_info)
+    scores: Tensor  # [N] outcome reward from the reward function
+    # [N] other keys of dict results (verl's reward_extra_info); None: the results were numbers
     reward_extras: list[dict] | None = None
     # ReMax: [N] the score of the sample's prompt's greedy response, generated by the policy that
-    # sampled it
+    # sampled it; None: no baseline rollout
     baselines: Tensor | None = None
 
 
-@dataclass(slots=True)
-class RolloutBatch(ScoredBatch):
-    """The training batch: the scored samples and what the step's passes compute for the update."""
+@dataclass(slots=True, kw_only=True, frozen=True)
+class TrainBatch(ScoredBatch):
+    """The record the trainer consumes: the scored samples and what the step's passes computed
+    over them for the update."""
 
     # [N, R] score on the last token, minus KL if in reward
-    token_level_rewards: Tensor | None = None
-    old_log_probs: Tensor | None = None  # [N, R] actor log-probs before the update
+    token_level_rewards: Tensor
+    advantages: Tensor  # [N, R]
+    returns: Tensor  # [N, R]
+    # [N, R] the actor's log-probs before the update; None: the update's own forward gives them
+    # all (on-policy: one mini-batch, one epoch)
+    old_log_probs: Tensor | None = None
     # [N] bool: the samples of the update's first mini-batch, whose old log-probs are that update's
     # own forward (the policy has not moved yet), so the pass skipped them (0 in old_log_probs).
+    # None: old_log_probs holds every sample's.
     own_old_log_probs: Tensor | None = None
-    ref_log_probs: Tensor | None = None  # [N, R]
-    values: Tensor | None = None  # [N, R] critic values
-    advantages: Tensor | None = None  # [N, R]
-    returns: Tensor | None = None  # [N, R]
+    # [N, R]; None: no reference model
+    ref_log_probs: Tensor | None = None
+    # [N, R] critic values; None: no critic
+    values: Tensor | None = None
     # algorithm.rollout_correction (decoupled mode): truncated IS weights on the policy loss, and
     # rejection sampling's mask (1: kept), which leaves rejected tokens out of every loss.
+    # None: no decoupled correction (no rejection, for rollout_keep).
     rollout_is_weights: Tensor | None = None  # [N, R]
     rollout_keep: Tensor | None = None  # [N, R]
 
@@ -251,6 +286,34 @@ class RolloutBatch(ScoredBatch):
             if self.rollout_keep is None
             else self.response_mask * self.rollout_keep
         )
+
+
+@dataclass(slots=True, kw_only=True)
+class GenerationResult:
+    """One generation call's samples on their way to scoring, with what came with them."""
+
+    batch: GeneratedBatch
+    # the engine's parts (timing_s/gen_*)
+    timing: dict[str, float]
+    # per sample, its scoring as begun when it finished (a rewards StartedSample; None: not begun);
+    # None: nothing began ahead
+    started: list | None = None
+    # ReMax: each prompt's greedy response, from the same policy; None: no baseline rollout
+    greedy: GeneratedBatch | None = None
+    # partial rollouts: samples dropped past the off-policy bound in this round
+    dropped: int = 0
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class StepSamples:
+    """A step's scored samples as its rollout hands them to the trainer, with what producing them
+    measured."""
+
+    batch: ScoredBatch
+    # reward, dynamic-sampling and async metrics (reward/*, dynamic_sampling/*, async/*)
+    metrics: dict[str, float]
+    # generation's parts (timing_s/gen_*): seconds summed over the step's generation calls
+    timing: dict[str, float]
 
 
 def trim_padding(batch: GeneratedBatch):

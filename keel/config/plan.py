@@ -16,6 +16,7 @@ from keel.config.schema import ActorRolloutRefConfig, FSDPConfig, KeelConfig
 from keel.config.trainer import OffPolicy
 from keel.config.values import value_at
 from keel.config.verl_rules import DIFFERENT_DEFAULTS
+from keel.types import OldLogProbSource
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,8 @@ class Plan:
     off_policy: OffPolicy
     # the rollout correction the run applies (async mode may turn it on)
     rollout_correction: RolloutCorrectionConfig
-    # a key of OLD_LOG_PROBS: where the update's old log-probs come from
-    old_log_probs: str
+    # where the update's old log-probs come from
+    old_log_probs: OldLogProbSource
     # scoring processes (async mode scores in processes when the config left it open)
     reward_workers: int
     # where and when samples are scored, in a line
@@ -302,25 +303,25 @@ def reward_scoring(cfg: KeelConfig, workers: int) -> str:
 # Where the update's old log-probs come from: the one place that decides it (the trainer runs it,
 # the batch plan says it).
 OLD_LOG_PROBS = {
-    "sampler": "the sampler's (rollout_correction.bypass_mode): no pass",
-    "update": "the update's own forward (on-policy): no pass",
-    "first_mini_batch": "recomputed each step, but the first mini-batch's (the update's own forward)",
-    "recomputed": "recomputed each step",
+    OldLogProbSource.SAMPLER: "the sampler's (rollout_correction.bypass_mode): no pass",
+    OldLogProbSource.UPDATE: "the update's own forward (on-policy): no pass",
+    OldLogProbSource.FIRST_MINI_BATCH: "recomputed each step, but the first mini-batch's (the update's own forward)",
+    OldLogProbSource.RECOMPUTED: "recomputed each step",
 }
 
 
-def old_log_probs_source(cfg: KeelConfig, correction: RolloutCorrectionConfig) -> str:
-    """A key of OLD_LOG_PROBS. `sampler` in bypass mode. Otherwise an update's first mini-batch runs
-    before any optimiser step, so its own forward, detached, is the old policy's (`update` when that
-    mini-batch is the whole batch, `first_mini_batch` when one epoch has several): not when the
+def old_log_probs_source(cfg: KeelConfig, correction: RolloutCorrectionConfig) -> OldLogProbSource:
+    """A key of OLD_LOG_PROBS. SAMPLER in bypass mode. Otherwise an update's first mini-batch runs
+    before any optimiser step, so its own forward, detached, is the old policy's (UPDATE when that
+    mini-batch is the whole batch, FIRST_MINI_BATCH when one epoch has several): not when the
     reward's KL needs the old log-probs before the update, not under guards.nonfinite=skip (the pass
     is where a non-finite log-prob skips a step), not under decoupled rollout correction (it weighs
     the old policy against the sampler), and not with several epochs (later epochs revisit the
-    samples with the policy moved). `recomputed` else: the old-log-prob pass over the whole batch.
+    samples with the policy moved). RECOMPUTED else: the old-log-prob pass over the whole batch.
     `correction`: the rollout correction the run applies (the plan's)."""
     actor = cfg.actor_rollout_ref.actor
     if correction.bypass_mode:
-        return "sampler"
+        return OldLogProbSource.SAMPLER
     own_forward = not (
         cfg.algorithm.use_kl_in_reward
         or cfg.trainer.guards.nonfinite == "skip"
@@ -328,10 +329,10 @@ def old_log_probs_source(cfg: KeelConfig, correction: RolloutCorrectionConfig) -
         or actor.ppo_epochs != 1
     )
     if not own_forward:
-        return "recomputed"
-    return (
-        "update" if actor.ppo_mini_batch_size == cfg.data.train_batch_size else "first_mini_batch"
-    )
+        return OldLogProbSource.RECOMPUTED
+    if actor.ppo_mini_batch_size == cfg.data.train_batch_size:
+        return OldLogProbSource.UPDATE
+    return OldLogProbSource.FIRST_MINI_BATCH
 
 
 def training_mode(cfg: KeelConfig, plan: Plan) -> str:

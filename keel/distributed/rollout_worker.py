@@ -91,7 +91,8 @@ def generate_samples(
         # a teller to the driver (keel/distributed/finished.py): all told
         if hasattr(on_finished, "close"):
             on_finished.close()
-    batch.policy_version = torch.full((len(batch),), version, dtype=torch.long)
+    version_of = torch.full((len(batch),), version, dtype=torch.long)
+    batch = dataclasses.replace(batch, policy_version=version_of)
     generates = generator.generates
     return batch, {**_timing(generates, start), **getattr(generates, "metrics", {})}
 

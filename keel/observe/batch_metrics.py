@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from keel.algorithms.utils import masked_mean
-from keel.types import RolloutBatch
+from keel.types import TrainBatch
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
@@ -28,7 +28,7 @@ def _masked_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict
     }
 
 
-def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
+def batch_metrics(batch: TrainBatch) -> dict[str, float]:
     mask = batch.response_mask
     lengths = batch.response_lengths.float()
     # a sample trained as segments is one score
@@ -50,7 +50,7 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
     return metrics
 
 
-def throughput_metrics(batch: RolloutBatch, step_seconds: float, workers: int) -> dict[str, float]:
+def throughput_metrics(batch: TrainBatch, step_seconds: float, workers: int) -> dict[str, float]:
     """Prompt and response tokens per second per worker over the whole step (verl's perf/throughput)."""
     tokens = batch.attention_mask.sum().item()
     return {

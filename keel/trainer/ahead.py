@@ -21,10 +21,12 @@ flight are dropped at a resume and their prompts generated again, never lost or 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 from keel.config.schema import KeelConfig
 from keel.config.trainer import OffPolicy
@@ -33,7 +35,7 @@ from keel.observe.metrics import Timer
 from keel.trainer.partial import RolloutPartial
 from keel.trainer.scored_rollout import ScoredRollout
 from keel.trainer.seeds import step_seed
-from keel.types import ScoredBatch
+from keel.types import StepSamples
 
 
 @dataclass
@@ -44,8 +46,27 @@ class InFlight:
     step: int
     # the sampler before it drew the batch's prompts: where a resume starts again
     sampler_state: dict
-    # -> (the scored batch, its reward metrics, seconds the scoring took, its generation's timing)
+    # -> its StepSamples (timing_s/reward: the seconds its scoring took)
     scored: Future
+
+
+class StepRollout(Protocol):
+    """Where a step's scored samples come from: the trainer.mode's strategy."""
+
+    def __call__(self, timer: Timer, step: int) -> StepSamples:
+        """The samples step `step` trains, scored, with reward metrics and generation timing."""
+
+    def settle(self) -> None:
+        """Every batch in flight scored: the reward function is free for validation's use."""
+
+    def resume_state(self) -> tuple[dict, dict]:
+        """(the sampler state a resume starts from, what else it needs in the checkpoint)."""
+
+    def start_at(self, step: int, state: dict | None = None) -> None:
+        """A run (resumed) after `step`, with the checkpoint's trainer state."""
+
+    def close(self) -> None:
+        """What is in flight dropped: the run ends."""
 
 
 def step_rollout(
@@ -54,10 +75,9 @@ def step_rollout(
     rollout: ScoredRollout,
     sampler: ResumableSampler,
     last_step: int,
-):
-    """The off-policy value's rollout (the plan's): `(timer, step)` -> the batch step `step` trains,
-    reward metrics and generation timing; `settle`, `resume_state`, `start_at`, `close` around it.
-    With partial rollouts, a pool of samples under way (keel/trainer/partial.py)."""
+) -> StepRollout:
+    """The off-policy value's rollout (the plan's). With partial rollouts, a pool of samples under
+    way (keel/trainer/partial.py)."""
     if not off_policy.ahead:
         return RolloutWithin(cfg, rollout, sampler)
     if off_policy.partial:
@@ -71,9 +91,7 @@ class RolloutWithin:
     def __init__(self, cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler):
         self.cfg, self.rollout, self.sampler = cfg, rollout, sampler
 
-    def __call__(
-        self, timer: Timer, step: int
-    ) -> tuple[ScoredBatch, dict[str, float], dict[str, float]]:
+    def __call__(self, timer: Timer, step: int) -> StepSamples:
         return self.rollout(timer, step_seed(self.cfg, step))
 
     def settle(self) -> None:
@@ -107,27 +125,25 @@ class RolloutAhead:
         """A run resumed after `step`: its next batch is step + 1's."""
         self.generated = step
 
-    def __call__(
-        self, timer: Timer, step: int
-    ) -> tuple[ScoredBatch, dict[str, float], dict[str, float]]:
-        """(batch `step`'s scored samples, reward and staleness metrics, the timing
-        of this step's generation): what ScoredRollout returns in sync mode."""
+    def __call__(self, timer: Timer, step: int) -> StepSamples:
+        """Batch `step`'s scored samples, with reward and staleness metrics and the timing of its
+        generation: what ScoredRollout returns in sync mode."""
         while self.generated < min(step + self.bound, self.last_step):
             self._generate(timer)
         flight = self.in_flight.popleft()
         # what scoring (and a rollout of its own, generating) still took
         with timer("wait_reward"):
-            batch, metrics, seconds, gen_parts = flight.scored.result()
+            samples: StepSamples = flight.scored.result()
         # the versions the workers stamped on the samples against the policy this step updates
-        staleness = (self.rollout.components.workers.policy_version - batch.policy_version).float()
+        workers = self.rollout.components.workers
+        staleness = (workers.policy_version - samples.batch.policy_version).float()
         metrics = {
-            **metrics,
-            "timing_s/reward": seconds,
+            **samples.metrics,
             "async/staleness/mean": staleness.mean().item(),
             "async/staleness/max": staleness.max().item(),
             "async/in_flight": float(len(self.in_flight)),
         }
-        return batch, metrics, gen_parts
+        return dataclasses.replace(samples, metrics=metrics)
 
     def _generate(self, timer: Timer) -> None:
         """The next batch, from the policy the rollout's workers hold, then scored: generated now on the
@@ -143,15 +159,15 @@ class RolloutAhead:
             InFlight(self.generated, state, self.scoring.submit(self._score, generated))
         )
 
-    def _score(
-        self, generated: Future
-    ) -> tuple[ScoredBatch, dict[str, float], float, dict[str, float]]:
+    def _score(self, generated: Future) -> StepSamples:
+        """The generation's samples scored, with the seconds scoring took (timing_s/reward)."""
         done = generated.result()
         if self.closed:
             raise CancelledError("the run ended with this batch in flight")
         start = time.perf_counter()
-        batch, metrics = self.rollout.score(done)
-        return batch, metrics, time.perf_counter() - start, done.timing
+        samples = self.rollout.score(done)
+        seconds = time.perf_counter() - start
+        return dataclasses.replace(samples, metrics={**samples.metrics, "timing_s/reward": seconds})
 
     def settle(self) -> None:
         """Every batch in flight scored: the reward function is then free for validation's use."""

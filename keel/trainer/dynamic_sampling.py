@@ -3,6 +3,7 @@ did not all score alike, and go on with more prompts until data.train_batch_size
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -79,12 +80,9 @@ def fill_with_signal(
                 f"max_num_gen_batches={max_batches}, metric {metric})",
                 _more_batches_fix(groups, calls, prompts_wanted),
             )
-        batch = next_scored_batch(calls, prompts_wanted if metric else prompts_wanted - groups)
-        # A prompt drawn again in a later generation batch (an epoch boundary) is another group.
-        batch.group_index = batch.group_index + calls * GROUP_ID_STRIDE
-        # samples trained as segments: theirs too
-        if batch.sample_index is not None:
-            batch.sample_index = batch.sample_index + calls * GROUP_ID_STRIDE
+        batch = _apart(
+            next_scored_batch(calls, prompts_wanted if metric else prompts_wanted - groups), calls
+        )
         calls += 1
         generated += int(torch.unique(batch.group_index).numel())
         keep, whole_rows = _kept_rows(batch, metric, whole)
@@ -98,6 +96,14 @@ def fill_with_signal(
     first = list(dict.fromkeys(batch.group_index.tolist()))[:prompts_wanted]
     batch = batch.select(torch.isin(batch.group_index, torch.tensor(first)).nonzero().squeeze(-1))
     return batch, {"gen_batches": float(calls), "kept_prompt_ratio": groups / max(generated, 1)}
+
+
+def _apart(batch: ScoredBatch, calls: int) -> ScoredBatch:
+    """A prompt drawn again in a later generation batch (an epoch boundary) is another group; a
+    sample trained as segments, another sample."""
+    offset = calls * GROUP_ID_STRIDE
+    segments = None if batch.sample_index is None else batch.sample_index + offset
+    return dataclasses.replace(batch, group_index=batch.group_index + offset, sample_index=segments)
 
 
 def _with_short_groups(

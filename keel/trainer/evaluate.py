@@ -35,7 +35,7 @@ class Validation:
         logger.phase("validate")
 
         def generate(prompts, params):
-            return parts.workers.generate(prompts, params, seed)[0]
+            return parts.workers.generation.generate(prompts, params, seed)[0]
 
         metrics, samples = evaluate(
             generate,
@@ -98,20 +98,7 @@ def evaluate(
                 if not isinstance(value, str):
                     values[record.data_source][key].append(float(value))
             if len(samples) < keep_samples:
-                samples.append(
-                    {
-                        "data_source": record.data_source,
-                        "prompt": record.prompt_text,
-                        "response": text,
-                        "ground_truth": str(record.ground_truth),
-                        "score": score,
-                        **(
-                            {"conversation": record.extra_info["conversation"]}
-                            if "conversation" in record.extra_info
-                            else {}
-                        ),
-                    }
-                )
+                samples.append(_kept_sample(record, text, score))
         lengths += batch.response_lengths.float().tolist()
     metrics = {
         f"val/{source}/acc": _mean(by_var["reward"]) for source, by_var in sorted(values.items())
@@ -120,6 +107,19 @@ def evaluate(
     metrics["val/response_length/mean"] = _mean(lengths)
     metrics["val/not_scored_ratio"] = not_scored / len(lengths)
     return metrics, samples
+
+
+def _kept_sample(record, text: str, score: float) -> dict:
+    """A validation generation as it is logged (trainer.log_val_generations)."""
+    conversation = record.extra_info.get("conversation")
+    return {
+        "data_source": record.data_source,
+        "prompt": record.prompt_text,
+        "response": text,
+        "ground_truth": str(record.ground_truth),
+        "score": score,
+        **({"conversation": conversation} if "conversation" in record.extra_info else {}),
+    }
 
 
 def verl_validation_metrics(values: dict[str, dict[str, list[float]]], n: int) -> dict[str, float]:

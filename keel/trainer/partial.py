@@ -26,6 +26,8 @@ prompt twice.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
@@ -33,9 +35,17 @@ from keel.config.schema import KeelConfig
 from keel.data.prompts import collate_prompts
 from keel.data.sampler import ResumableSampler
 from keel.observe.metrics import Timer
-from keel.trainer.scored_rollout import Generated, ScoredRollout
+from keel.trainer.scored_rollout import ScoredRollout
 from keel.trainer.seeds import batch_seed, step_seed
-from keel.types import GeneratedBatch, PartialSample, RoundEnd, ScoredBatch, groups_of
+from keel.types import (
+    GeneratedBatch,
+    GenerationResult,
+    PartialSample,
+    RoundEnd,
+    ScoredBatch,
+    StepSamples,
+    groups_of,
+)
 
 
 class RolloutPartial:
@@ -56,30 +66,28 @@ class RolloutPartial:
         # (group, sample) -> its scoring, begun when it finished
         self.scoring: dict[tuple[int, int], object] = {}
 
-    def __call__(
-        self, timer: Timer, step: int
-    ) -> tuple[ScoredBatch, dict[str, float], dict[str, float]]:
+    def __call__(self, timer: Timer, step: int) -> StepSamples:
         """The step's batch, scored: one round's finished groups; with algorithm.filter_groups (DAPO's
         dynamic sampling), more rounds with the same policy while too few of them have a signal, the
         pool refilled from the sampler each time."""
         updates = int(step >= self.cfg.algorithm.critic_warmup)
         dropped: list[int] = []
 
-        def next_round(call: int, wanted: int) -> Generated:
+        def next_round(call: int, wanted: int) -> GenerationResult:
             seed = batch_seed(step_seed(self.cfg, step), call)
-            batch, gen_parts, started, count = self._round(timer, seed, updates, wanted)
-            dropped.append(count)
-            return Generated(batch, gen_parts, started)
+            generated = self._round(timer, seed, updates, wanted)
+            dropped.append(generated.dropped)
+            return generated
 
-        batch, metrics, gen_parts = self.rollout.fill(timer, next_round, whole_groups=True)
-        return batch, {**metrics, **self._metrics(batch, sum(dropped))}, gen_parts
+        samples = self.rollout.fill(timer, next_round, whole_groups=True)
+        metrics = {**samples.metrics, **self._metrics(samples.batch, sum(dropped))}
+        return dataclasses.replace(samples, metrics=metrics)
 
-    def _round(
-        self, timer: Timer, seed: int, updates: int, wanted: int
-    ) -> tuple[GeneratedBatch, dict[str, float], list, int]:
-        """One round over the pool -> (`wanted` of its finished groups as a batch, the engine's timing,
-        the samples' scoring begun, samples dropped). Every sample that finished in the round begins
-        scoring now, in the background: the groups that train later are scored by then."""
+    def _round(self, timer: Timer, seed: int, updates: int, wanted: int) -> GenerationResult:
+        """One round over the pool -> `wanted` of its finished groups as a batch, with the engine's
+        timing, the samples' scoring begun and how many samples were dropped. Every sample that
+        finished in the round begins scoring now, in the background: the groups that train later
+        are scored by then."""
         self._fill_pool()
         due = self._due(updates) if self.drop else set()
         oldest = frozenset(groups_of(self.pool)[:wanted])
@@ -95,11 +103,11 @@ class RolloutPartial:
                 self.scoring[s.group, s.sample] = self._start_scoring(s)
         trained, dropped = self._take(oldest, due, wanted)
         started = [self.scoring.pop((s.group, s.sample)) for s in trained]
-        return (
-            samples_batch(trained, self.rollout.components.tokenizer),
-            gen_parts,
-            started,
-            dropped,
+        return GenerationResult(
+            batch=samples_batch(trained, self.rollout.components.tokenizer),
+            timing=gen_parts,
+            started=started,
+            dropped=dropped,
         )
 
     def _fill_pool(self) -> None:

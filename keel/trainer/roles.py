@@ -5,33 +5,17 @@ the whole batch and nothing is copied."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from keel.config.schema import KeelConfig
-from keel.data.prompts import PromptBatch
-from keel.trainer.seeds import actor_order_seed, critic_order_seed, rank_seed
-from keel.training.batching import (
-    concat_rows,
-    contiguous_shares,
-    minibatch_indices,
-    plan_minibatches,
-    shard_batch,
-    unshard_rows,
-)
-from keel.types import (
-    GeneratedBatch,
-    PartialSample,
-    RolloutBatch,
-    RoundEnd,
-    SamplingParams,
-    ScoredBatch,
-    groups_of,
-)
+from keel.trainer.generation import Generation
+from keel.trainer.seeds import actor_order_seed, critic_order_seed
+from keel.trainer.worker_memory import MemoryReadings
+from keel.training.batching import minibatch_indices, plan_minibatches, shard_batch, unshard_rows
+from keel.types import ScoredBatch, TrainBatch
 
 # Metrics every rank reports identically (computed after the gradients were summed); every other
 # update metric is a rank's share of the whole mini-batch, so the ranks' values add up.
@@ -80,9 +64,9 @@ class WorkerRoles:
         self.pad_token_id = pad_token_id
         # the policy version the workers hold: actor updates so far (the one source)
         self.policy_version = 0
-        # method -> the fullest GPU's peak during its last call
-        self.peak_gb: dict[str, float] = {}
-        self.rss_gb = 0.0
+        self.memory = MemoryReadings()
+        # generation on the rollout's own workers, or on `group`'s
+        self.generation = Generation(rollout_group or group, pad_token_id, self.memory)
 
     @classmethod
     def of(
@@ -105,76 +89,6 @@ class WorkerRoles:
             # adapters a checkpoint or lora_adapter_path gave reach it before it generates
             roles._send_weights()
         return roles
-
-    # --- rollout
-    # -----------------------------------------------------------------------------------
-    def generate(
-        self, prompts: PromptBatch, sampling: SamplingParams, seed: int, on_finished=None
-    ) -> tuple[GeneratedBatch, dict[str, float]]:
-        """The samples, and the engine's timing of its parts (`timing_s/gen_*`, the slowest rank's:
-        where the phase's time went). Contiguous slices of the prompts, one per rank (generation
-        has no collectives, so the slices may differ in size or be empty). `on_finished(row, record,
-        response text)`: told of each sample as it finishes, where the generator can."""
-        return self.submit_generate(prompts, sampling, seed, on_finished).result()
-
-    def submit_generate(
-        self, prompts: PromptBatch, sampling: SamplingParams, seed: int, on_finished=None
-    ) -> Future:
-        """generate, started: a future of what it returns. On the rollout's own workers the driver
-        goes on (the actor trains) while they generate."""
-        group = self.rollout_group or self.group
-        shares = contiguous_shares(len(prompts), group.world_size)
-        parts = [_slice_prompts(prompts, start, end) for start, end in shares]
-        tellers, all_told = _tellers(group, on_finished, shares)
-        per_rank = [
-            (p, sampling, rank_seed(seed, r), t) for r, (p, t) in enumerate(zip(parts, tellers))
-        ]
-        submitted = group.submit("generate", per_rank)
-
-        def samples(replies) -> tuple[GeneratedBatch, dict[str, float]]:
-            # every finished sample handed to on_finished before the batch is
-            all_told()
-            return self._samples(shares, self._noted("generate", replies))
-
-        return then(submitted, samples)
-
-    def generate_round(
-        self, samples: list[PartialSample], sampling: SamplingParams, seed: int, end: RoundEnd
-    ) -> tuple[list[PartialSample], dict[str, float]]:
-        """Partial rollouts: a round of `samples` (whole groups to a rank, each rank ending at its share of
-        `end`) -> the samples continued, in order, and the slowest rank's timing of the engine's parts."""
-        group = self.rollout_group or self.group
-        groups = groups_of(samples)
-        parts, ends = [], []
-        for (start, stop), (count, count_end) in zip(
-            contiguous_shares(len(groups), group.world_size),
-            contiguous_shares(end.count, group.world_size),
-        ):
-            mine = set(groups[start:stop])
-            parts.append([s for s in samples if s.group in mine])
-            # a rank's share of the count, at least one where it has groups: a share of 0 would end
-            # its round before its groups took a token (the driver takes only the batch it needs)
-            ends.append(
-                RoundEnd(
-                    end.groups & mine, min(len(mine), max(count_end - count, 1)) if end.count else 0
-                )
-            )
-        per_rank = [
-            (p, sampling, rank_seed(seed, r), e) for r, (p, e) in enumerate(zip(parts, ends))
-        ]
-        replies = self._noted("generate_round", group.call("generate_round", per_rank))
-        timing = {k: max(t.get(k, 0.0) for _, t in replies) for _, t in replies for k in t}
-        return [s for continued, _ in replies for s in continued], timing
-
-    def _samples(
-        self, shares: list[tuple[int, int]], results: list
-    ) -> tuple[GeneratedBatch, dict[str, float]]:
-        timing = {k: max(t.get(k, 0.0) for _, t in results) for _, t in results for k in t}
-        for (start, _), (batch, _) in zip(shares, results):
-            # a rank numbers its own samples from 0
-            if batch is not None and batch.sample_index is not None:
-                batch.sample_index = batch.sample_index + start
-        return concat_rows([b for b, _ in results if b is not None], self.pad_token_id), timing
 
     # --- forward passes
     # ------------------------------------------------------------------------------
@@ -209,7 +123,7 @@ class WorkerRoles:
         ] = True
         return first
 
-    def update_actor(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
+    def update_actor(self, batch: TrainBatch, seed: int) -> dict[str, float]:
         plan = _plan(batch, self.actor_schedule, actor_order_seed(seed), self.world)
         metrics = combine_metrics(self._call("update_actor", [(p,) for p in plan]))
         self.policy_version += 1
@@ -222,10 +136,12 @@ class WorkerRoles:
         waits for a generation they are running: the next one samples from these weights)."""
         start = time.perf_counter()
         weights, version = self._call("policy_weights", [()] * self.world)[0]
-        self._noted("load_policy", self.rollout_group.call_all("load_policy", (weights, version)))
+        self.memory.noted(
+            "load_policy", self.rollout_group.call_all("load_policy", (weights, version))
+        )
         return {"timing_s/sync_rollout_weights": time.perf_counter() - start}
 
-    def update_critic(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
+    def update_critic(self, batch: TrainBatch, seed: int) -> dict[str, float]:
         plan = _plan(
             batch, self.critic_schedule, critic_order_seed(seed), self.critic_group.world_size
         )
@@ -251,27 +167,11 @@ class WorkerRoles:
     def _groups(self) -> list:
         return [self.group] + ([self.critic_group] if self.critic_group is not self.group else [])
 
-    def memory_metrics(self) -> dict[str, float]:
-        """Peak GPU memory per phase (the fullest GPU), the step's peak, and the largest worker RSS."""
-        metrics = {f"perf/peak_memory_gb/{method}": gb for method, gb in self.peak_gb.items()}
-        if self.peak_gb:
-            metrics["perf/max_memory_allocated_gb"] = max(self.peak_gb.values())
-        metrics["perf/max_rss_gb"] = self.rss_gb
-        return metrics
-
     def _call(self, method: str, per_rank_args: list[tuple], group=None) -> list:
-        return self._noted(method, (group or self.group).call(method, per_rank_args))
-
-    def _noted(self, method: str, results) -> list:
-        """A call's results, its ranks' memory readings noted."""
-        readings = results.memory
-        if any("gpu_peak_gb" in m for m in readings):
-            self.peak_gb[method] = max(m.get("gpu_peak_gb", 0.0) for m in readings)
-        self.rss_gb = max([self.rss_gb, *(m["rss_gb"] for m in readings)])
-        return results
+        return self.memory.noted(method, (group or self.group).call(method, per_rank_args))
 
 
-def _plan(batch: RolloutBatch, schedule: UpdateSchedule, seed: int, ranks: int) -> list:
+def _plan(batch: TrainBatch, schedule: UpdateSchedule, seed: int, ranks: int) -> list:
     return plan_minibatches(
         batch,
         _rows_per_mini_batch(batch, schedule.samples_per_mini_batch),
@@ -283,40 +183,13 @@ def _plan(batch: RolloutBatch, schedule: UpdateSchedule, seed: int, ranks: int) 
     )
 
 
-def _rows_per_mini_batch(batch: RolloutBatch, samples: int) -> int:
+def _rows_per_mini_batch(batch: TrainBatch, samples: int) -> int:
     """A mini-batch's rows: its samples, or, where samples train as several rows (segments), as many
     rows as keep the update's number of mini-batches what the samples make."""
     if batch.sample_index is None:
         return samples
     count = int(torch.unique(batch.sample_index).numel())
     return -(-samples * len(batch) // count)
-
-
-def then(future: Future, read) -> Future:
-    """A future of `read(future's result)`, or of its error."""
-    chained: Future = Future()
-
-    def done(finished: Future) -> None:
-        try:
-            chained.set_result(read(finished.result()))
-        except BaseException as error:  # noqa: BLE001 - handed to whoever waits on it
-            chained.set_exception(error)
-
-    future.add_done_callback(done)
-    return chained
-
-
-def _tellers(group, on_finished, shares: list[tuple[int, int]]) -> tuple[list, Callable[[], None]]:
-    """Each rank's on_finished (the callback itself for a worker in this process, a teller over the
-    group's channel for Ray ranks, None without one), and what waits until all have told theirs."""
-    if on_finished is None:
-        return [None] * len(shares), lambda: None
-    # one rank: its rows are the prompts'
-    if getattr(group, "in_process", False):
-        return [on_finished], lambda: None
-    channel = group.finished_channel()
-    call, tellers = channel.open(on_finished, [start for start, _ in shares])
-    return tellers, lambda: channel.wait(call)
 
 
 def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -326,11 +199,3 @@ def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
             if name not in REPLICATED_METRICS:
                 combined[name] += value
     return combined
-
-
-def _slice_prompts(prompts: PromptBatch, start: int, end: int) -> PromptBatch | None:
-    if start == end:
-        return None
-    return PromptBatch(
-        prompts.input_ids[start:end], prompts.attention_mask[start:end], prompts.records[start:end]
-    )

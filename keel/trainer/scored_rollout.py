@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
@@ -18,25 +17,20 @@ from keel.rewards.reward_fn import ScoreResult, StartedSample
 from keel.rewards.score_metrics import merge_score_metrics
 from keel.rollout.agent.metrics import external_agent_metrics
 from keel.trainer.dynamic_sampling import fill_with_signal
-from keel.trainer.roles import then
+from keel.trainer.generation import then
 from keel.trainer.seeds import batch_seed
 from keel.trainer.setup import Components, needs_baseline_rollout
-from keel.types import GeneratedBatch, PartialSample, RoundEnd, SamplingParams, ScoredBatch
+from keel.types import (
+    GeneratedBatch,
+    GenerationResult,
+    PartialSample,
+    RoundEnd,
+    SamplingParams,
+    ScoredBatch,
+    StepSamples,
+)
 
 log = logging.getLogger("keel")
-
-
-@dataclass
-class Generated:
-    """A generation batch on its way to scoring."""
-
-    batch: GeneratedBatch
-    # the engine's parts (timing_s/gen_*)
-    timing: dict[str, float]
-    # per sample, its scoring as begun when it finished (None: not begun)
-    started: list | None = None
-    # ReMax: each prompt's greedy response, from the same policy
-    greedy: GeneratedBatch | None = None
 
 
 def training_sampling(cfg: KeelConfig) -> SamplingParams:
@@ -62,19 +56,15 @@ class ScoredRollout:
         self.needs_baseline = needs_baseline_rollout(cfg)
         self.greedy = SamplingParams(n=1, do_sample=False, max_new_tokens=sampling.max_new_tokens)
 
-    def __call__(
-        self, timer: Timer, seed: int
-    ) -> tuple[ScoredBatch, dict[str, float], dict[str, float]]:
-        """(the step's generated and scored samples, reward metrics, generation timing). With
+    def __call__(self, timer: Timer, seed: int) -> StepSamples:
+        """The step's generated and scored samples, with reward metrics and generation timing. With
         algorithm.filter_groups, DAPO's dynamic sampling: prompts whose samples all scored alike are
         dropped and more generated until data.train_batch_size prompts remain."""
         # each generation batch of a step samples with a seed of its own
         return self.fill(timer, lambda call, _: self.generate(timer, batch_seed(seed, call)))
 
-    def fill(
-        self, timer: Timer, next_generated, whole_groups: bool = False
-    ) -> tuple[ScoredBatch, dict[str, float], dict[str, float]]:
-        """What __call__ returns, from `next_generated(call, groups wanted)` -> a Generated: called
+    def fill(self, timer: Timer, next_generated, whole_groups: bool = False) -> StepSamples:
+        """What __call__ returns, from `next_generated(call, groups wanted)` -> a GenerationResult: called
         once, or until enough groups are kept: with algorithm.filter_groups those with a signal
         (DAPO), with `whole_groups` (partial rollouts) those that lost no sample to a failed scoring."""
         pad, filter_groups = (
@@ -95,13 +85,13 @@ class ScoredRollout:
                 }
             )
             with timer("reward"):
-                batch, metrics = self.score(generated)
-            scored.append((metrics, len(generated.batch)))
-            return batch
+                samples = self.score(generated)
+            scored.append((samples.metrics, len(generated.batch)))
+            return samples.batch
 
         if not (filter_groups.enable or whole_groups):
             batch = next_scored_batch(0, self.cfg.data.train_batch_size)
-            return batch, scored[0][0], gen
+            return StepSamples(batch=batch, metrics=scored[0][0], timing=gen)
         batch, counts = fill_with_signal(
             next_scored_batch,
             self.cfg.data.train_batch_size,
@@ -115,42 +105,52 @@ class ScoredRollout:
             **merge_score_metrics(scored),
             **{f"{prefix}/{name}": value for name, value in counts.items()},
         }
-        return batch, metrics, gen
+        return StepSamples(batch=batch, metrics=metrics, timing=gen)
 
-    def generate(self, timer: Timer, seed: int) -> Generated:
+    def generate(self, timer: Timer, seed: int) -> GenerationResult:
         """The samples of the sampler's next prompts (n each), the engine's timing of its parts, each
         sample's scoring as begun when it finished while the rest generated, and ReMax's greedy
         responses, generated next by the same policy."""
         prompts = self._next_prompts()
         started, finished = self._scoring_as_finished(prompts)
         with timer("gen"):
-            batch, timing = self.components.workers.generate(prompts, self.sampling, seed, finished)
+            batch, timing = self.components.workers.generation.generate(
+                prompts, self.sampling, seed, finished
+            )
         greedy = None
         if self.needs_baseline:
             with timer("gen_baseline"):
-                greedy, _ = self.components.workers.generate(
+                greedy, _ = self.components.workers.generation.generate(
                     _each_once(prompts, self.components.tokenizer.pad_token_id), self.greedy, seed
                 )
-        return Generated(batch, timing, started, greedy)
+        return GenerationResult(batch=batch, timing=timing, started=started, greedy=greedy)
 
     def submit_generate(self, seed: int) -> Future:
         """generate, started on the rollout's own workers (the sampler's next prompts drawn now; ReMax's
-        greedy responses sent right after, so the same weights answer): a future of a Generated."""
+        greedy responses sent right after, so the same weights answer): a future of a GenerationResult."""
         prompts, workers = self._next_prompts(), self.components.workers
         started, finished = self._scoring_as_finished(prompts)
-        sampled = workers.submit_generate(prompts, self.sampling, seed, finished)
+        sampled = workers.generation.submit_generate(prompts, self.sampling, seed, finished)
         if not self.needs_baseline:
-            return then(sampled, lambda generated: Generated(*generated, started))
-        greedy = workers.submit_generate(
+            return then(
+                sampled,
+                lambda generated: GenerationResult(
+                    batch=generated[0], timing=generated[1], started=started
+                ),
+            )
+        greedy = workers.generation.submit_generate(
             _each_once(prompts, self.components.tokenizer.pad_token_id), self.greedy, seed
         )
 
-        def with_baseline(baseline) -> Generated:
+        def with_baseline(baseline) -> GenerationResult:
             batch, timing = sampled.result()
             # the greedy call's, on the rollout's workers
             seconds = baseline[1].get("timing_s/gen_engine", 0.0)
-            return Generated(
-                batch, {**timing, "timing_s/gen_baseline": seconds}, started, baseline[0]
+            return GenerationResult(
+                batch=batch,
+                timing={**timing, "timing_s/gen_baseline": seconds},
+                started=started,
+                greedy=baseline[0],
             )
 
         return then(greedy, with_baseline)
@@ -183,7 +183,7 @@ class ScoredRollout:
 
     def generate_round(self, samples: list[PartialSample], seed: int, end: RoundEnd):
         """Partial rollouts: a round of `samples` until `end` -> (them continued, the engine's timing)."""
-        return self.components.workers.generate_round(samples, self.sampling, seed, end)
+        return self.components.workers.generation.generate_round(samples, self.sampling, seed, end)
 
     @property
     def apart(self) -> bool:
@@ -197,10 +197,10 @@ class ScoredRollout:
         )
         return prompts.repeat_interleave(self.sampling.n)
 
-    def score(self, generated: Generated) -> tuple[ScoredBatch, dict[str, float]]:
+    def score(self, generated: GenerationResult) -> StepSamples:
         """The batch scored (and ReMax's baselines), less the samples that leave the update
-        (reward.on_error=mask's not-scored ones, and those an agent's rollout dropped), and the reward
-        metrics."""
+        (reward.on_error=mask's not-scored ones, and those an agent's rollout dropped), with the reward
+        metrics and the generation's timing."""
         batch = generated.batch
         scored = score_samples(self.components.reward, batch, generated.started)
         baselines = None if generated.greedy is None else self._baselines(generated.greedy, batch)
@@ -211,7 +211,9 @@ class ScoredRollout:
         kept = scored.scored & torch.tensor(
             ["agent_dropped" not in r.extra_info for r in batch.records]
         )
-        return (batch if kept.all() else batch.select(kept.nonzero().squeeze(-1))), metrics
+        if not kept.all():
+            batch = batch.select(kept.nonzero().squeeze(-1))
+        return StepSamples(batch=batch, metrics=metrics, timing=generated.timing)
 
     def _baselines(self, greedy: GeneratedBatch, batch: GeneratedBatch) -> torch.Tensor:  # [N]
         """ReMax (arXiv 2310.10505): the greedy response's score is each prompt's baseline, given

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from keel.algorithms.kl import kl_penalty
@@ -15,7 +17,7 @@ from keel.training.forward import batched_log_probs, compute_device, response_lo
 from keel.training.optim import build_optimizer, build_scheduler
 from keel.training.placement import SINGLE, Placement
 from keel.training.step import DeviceTotals, LossScale, apply_gradients, backward, update_role
-from keel.types import RolloutBatch
+from keel.types import TrainBatch
 
 
 def check_gradient_flows(grad_norm: float, mini: MiniBatch) -> None:
@@ -28,6 +30,18 @@ def check_gradient_flows(grad_norm: float, mini: MiniBatch) -> None:
             "the actor's gradient norm is exactly 0 although advantages are not: "
             "the policy loss does not reach the weights",
         )
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class MicroLoss:
+    """One micro-batch's share of the actor's loss, on the device."""
+
+    # what is back-propagated: the policy loss with the entropy and KL terms
+    loss: torch.Tensor
+    # its policy-loss part: the micro-batches' add up to the mini-batch's
+    pg_loss: torch.Tensor
+    # per-token means over the micro-batch, weighted by its share of the tokens when summed
+    metrics: dict[str, torch.Tensor]
 
 
 class ActorTrainer:
@@ -73,7 +87,7 @@ class ActorTrainer:
         )
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps)
 
-    def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:  # [N, R]
+    def compute_log_probs(self, batch: TrainBatch) -> torch.Tensor:  # [N, R]
         return batched_log_probs(
             self.model, batch, self.log_prob_batching, self.temperature, self.placement
         )
@@ -85,15 +99,15 @@ class ActorTrainer:
         scale = mini.scale
         totals, tokens = DeviceTotals(), float(scale.tokens)
         for _, micro in micro_batches(mini.samples, self.update_batching):
-            loss, pg_loss, metrics = self._micro_loss(
+            micro_loss = self._micro_loss(
                 micro, scale, measure_gaps=self._measures_gaps(micro, mini)
             )
-            backward(loss, "actor", self.placement.data_parallel_size)
+            backward(micro_loss.loss, "actor", self.placement.data_parallel_size)
             # micro-batch losses add up to the mini-batch loss
-            totals.add("actor/pg_loss", pg_loss)
+            totals.add("actor/pg_loss", micro_loss.pg_loss)
             # token-weighted means
             share = float(micro.loss_mask.sum()) / tokens
-            for name, value in metrics.items():
+            for name, value in micro_loss.metrics.items():
                 totals.add(name, value, share)
         metrics = apply_gradients(
             self.model,
@@ -108,7 +122,7 @@ class ActorTrainer:
             check_gradient_flows(metrics["actor/grad_norm"], mini)
         return metrics
 
-    def _measures_gaps(self, micro: RolloutBatch, mini: MiniBatch) -> bool:
+    def _measures_gaps(self, micro: TrainBatch, mini: MiniBatch) -> bool:
         """Whether this forward is where the engine's gap is measured: on-policy (the trainer skipped
         the old-log-prob pass), or bypass mode's first mini-batch (the policy is still the sampler's)."""
         return micro.old_log_probs is None or (self.bypass is not None and mini.first)
@@ -126,7 +140,7 @@ class ActorTrainer:
         return weights, correction.metrics
 
     @staticmethod
-    def _old_log_probs(micro: RolloutBatch, log_prob: torch.Tensor) -> torch.Tensor:
+    def _old_log_probs(micro: TrainBatch, log_prob: torch.Tensor) -> torch.Tensor:
         """The batch's old log-probs, or where the trainer skipped their pass (on-policy, or the
         first mini-batch's samples) this forward's own, detached: the same policy, so the ratio is 1
         exactly."""
@@ -138,7 +152,7 @@ class ActorTrainer:
 
     @staticmethod
     def _policy_gaps(
-        micro: RolloutBatch, log_prob: torch.Tensor, mask: torch.Tensor
+        micro: TrainBatch, log_prob: torch.Tensor, mask: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         """rollout/log_prob_gap (the engine against the trainer) and actor/ref_kl, from the old
         policy's log-probs: token means, which add up over micro-batches and ranks as shares."""
@@ -149,11 +163,8 @@ class ActorTrainer:
             gaps["actor/ref_kl"] = masked_mean(log_prob - micro.ref_log_probs, mask)
         return gaps
 
-    def _micro_loss(
-        self, micro: RolloutBatch, scale: LossScale, measure_gaps: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """(loss to back-propagate, its policy-loss part, per-token metrics on the device) of one
-        micro-batch."""
+    def _micro_loss(self, micro: TrainBatch, scale: LossScale, measure_gaps: bool) -> MicroLoss:
+        """One micro-batch's loss, its policy-loss part and per-token metrics, on the device."""
         cfg = self.cfg
         # once, without waiting for the GPU
         micro = micro.to(compute_device(self.model, self.placement))
@@ -201,4 +212,4 @@ class ActorTrainer:
                 kl, mask, cfg.loss_agg_mode, **scale.agg_kwargs()
             )
             metrics["actor/kl_loss"] = masked_mean(kl.detach(), mask)
-        return loss, pg_loss, metrics
+        return MicroLoss(loss=loss, pg_loss=pg_loss, metrics=metrics)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from keel.training.step import LossScale, mask_counts
-from keel.types import GeneratedBatch, RolloutBatch, trim_padding
+from keel.types import GeneratedBatch, TrainBatch, trim_padding
 
 # --- mini-batches ----------------------------------------------------------------------------
 
@@ -36,7 +36,7 @@ class MiniBatch:
     """One rank's part of a mini-batch, carrying the denominators of the whole mini-batch: the
     parts' losses then add up, over micro-batches and over ranks, to the loss of the whole."""
 
-    samples: RolloutBatch
+    samples: TrainBatch
     scale: LossScale
     # first mini-batch, non-zero advantages: its gradient must not be 0
     on_policy_signal: bool
@@ -45,7 +45,7 @@ class MiniBatch:
 
 
 def plan_minibatches(
-    batch: RolloutBatch,
+    batch: TrainBatch,
     samples_per_mini: int,
     epochs: int,
     shuffle: bool,
@@ -98,11 +98,11 @@ def balanced_partitions(lengths: Tensor, parts: int) -> list[Tensor]:
     return [torch.tensor(sorted(c), dtype=torch.long) for c in chosen]
 
 
-def sample_tokens(batch: RolloutBatch) -> Tensor:  # [N]
+def sample_tokens(batch: TrainBatch) -> Tensor:  # [N]
     return batch.prompt_mask.sum(-1) + batch.response_tokens.sum(-1)
 
 
-def shard_batch(batch: RolloutBatch, parts: int) -> tuple[list[Tensor], list[RolloutBatch]]:
+def shard_batch(batch: TrainBatch, parts: int) -> tuple[list[Tensor], list[TrainBatch]]:
     """(each rank's sample indices, each rank's part). Parts are token-balanced and of equal size:
     a part one short gets a copy of a sample with its response masked out, which adds nothing to
     any loss or count but keeps the ranks' forward passes in step."""
@@ -125,7 +125,7 @@ def unshard_rows(index: list[Tensor], results: list[Tensor]) -> Tensor:
     return out
 
 
-def pad_with_masked(part: RolloutBatch, size: int, whole: RolloutBatch) -> RolloutBatch:
+def pad_with_masked(part: TrainBatch, size: int, whole: TrainBatch) -> TrainBatch:
     """`part` of `whole` filled to `size` samples with masked copies of whole's first: a part may
     be empty (a mini-batch with fewer samples than ranks, as reward.on_error=mask can leave)."""
     missing = size - len(part)
@@ -183,7 +183,7 @@ class MicroBatching:
         return cls(size, max_tokens if dynamic else None)
 
 
-def micro_batches(batch: RolloutBatch, how: MicroBatching) -> list[tuple[Tensor, RolloutBatch]]:
+def micro_batches(batch: TrainBatch, how: MicroBatching) -> list[tuple[Tensor, TrainBatch]]:
     """(sample indices, micro-batch) pairs, each micro-batch trimmed to its own longest prompt and
     response. Samples are grouped by length, so the order differs from the batch's (the losses do
     not depend on it: their denominators are the whole mini-batch's).

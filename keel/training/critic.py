@@ -11,7 +11,7 @@ from keel.training.forward import compute_device, per_token_outputs, response_va
 from keel.training.optim import build_optimizer, build_scheduler
 from keel.training.placement import SINGLE, Placement
 from keel.training.step import DeviceTotals, apply_gradients, backward, update_role
-from keel.types import RolloutBatch
+from keel.types import TrainBatch
 
 
 class CriticTrainer:
@@ -30,7 +30,7 @@ class CriticTrainer:
         self.scheduler = build_scheduler(self.optimizer, critic_cfg.optim, total_steps)
 
     @torch.no_grad()
-    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:  # [N, R]
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:  # [N, R]
         self.model.eval()
         return per_token_outputs(
             batch, self.batching, lambda micro: response_values(self.model, micro, self.placement)

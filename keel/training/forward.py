@@ -12,10 +12,10 @@ from keel.algorithms.utils import entropy_from_logits
 from keel.models import families
 from keel.training.batching import MicroBatching, micro_batches
 from keel.training.placement import SINGLE, Placement
-from keel.types import RolloutBatch, pad_responses, position_ids_from_mask
+from keel.types import TrainBatch, pad_responses, position_ids_from_mask
 
 
-def _model_inputs(batch: RolloutBatch) -> dict[str, Tensor]:
+def _model_inputs(batch: TrainBatch) -> dict[str, Tensor]:
     attention_mask = batch.attention_mask  # [B, P + R]
     return {
         "input_ids": batch.input_ids,
@@ -95,7 +95,7 @@ def compute_device(model, plan: Placement = SINGLE) -> torch.device:
 
 def response_log_probs(
     model,
-    batch: RolloutBatch,
+    batch: TrainBatch,
     temperature: float,
     with_entropy: bool = False,
     entropy_grad: bool = False,
@@ -216,7 +216,7 @@ def _token_stats(
     return log_probs, entropy
 
 
-def response_values(critic, batch: RolloutBatch, plan: Placement = SINGLE) -> Tensor:
+def response_values(critic, batch: TrainBatch, plan: Placement = SINGLE) -> Tensor:
     """Critic values [B, R]: the value of the state before each response token."""
     batch = batch.to(compute_device(critic, plan))
     response_len = batch.response_ids.shape[1]
@@ -224,7 +224,7 @@ def response_values(critic, batch: RolloutBatch, plan: Placement = SINGLE) -> Te
     return values[:, -response_len - 1 : -1].float()
 
 
-def per_token_outputs(batch: RolloutBatch, how: MicroBatching, compute) -> Tensor:
+def per_token_outputs(batch: TrainBatch, how: MicroBatching, compute) -> Tensor:
     """`compute(micro)` -> [b, r] for every micro-batch, put back in batch order and width: [N, R]
     (fillers' outputs dropped, padding zeroed)."""
     # Every micro-batch is launched before any result is read, and the results come to the host in
@@ -246,7 +246,7 @@ def per_token_outputs(batch: RolloutBatch, how: MicroBatching, compute) -> Tenso
 
 @torch.no_grad()
 def batched_log_probs(
-    model, batch: RolloutBatch, how: MicroBatching, temperature: float, plan: Placement = SINGLE
+    model, batch: TrainBatch, how: MicroBatching, temperature: float, plan: Placement = SINGLE
 ) -> Tensor:
     """Log-probs for a whole batch without gradients, micro-batch by micro-batch: [N, R]."""
     was_training = model.training

@@ -7,7 +7,7 @@ import torch
 from keel.training.batching import MicroBatching
 from keel.training.forward import batched_log_probs
 from keel.training.placement import SINGLE, Placement
-from keel.types import RolloutBatch
+from keel.types import TrainBatch
 
 
 class ReferencePolicy:
@@ -20,7 +20,7 @@ class ReferencePolicy:
         # the actor's, so KL compares the same distributions
         self.temperature = temperature
 
-    def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:  # [N, R]
+    def compute_log_probs(self, batch: TrainBatch) -> torch.Tensor:  # [N, R]
         return batched_log_probs(self.model, batch, self.batching, self.temperature, self.placement)
 
 
@@ -38,7 +38,7 @@ class AdapterlessReference:
             placement,
         )
 
-    def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:  # [N, R]
+    def compute_log_probs(self, batch: TrainBatch) -> torch.Tensor:  # [N, R]
         with self.model.disable_adapter():
             return batched_log_probs(
                 self.model, batch, self.batching, self.temperature, self.placement

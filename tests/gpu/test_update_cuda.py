@@ -70,21 +70,25 @@ def _optim_cfg():
 
 
 def test_a_batch_moves_to_the_gpu_without_waiting_for_it():
-    """RolloutBatch.to copies without a stream synchronisation (a blocking copy would drain the
+    """TrainBatch.to copies without a stream synchronisation (a blocking copy would drain the
     GPU's queue mid-update); torch's sync debug mode raises on any synchronising call."""
-    from keel.types import RolloutBatch
+    from keel.types import TrainBatch
 
     n, r = 4, 6
-    batch = RolloutBatch(
-        torch.ones(n, 3, dtype=torch.long),
-        torch.ones(n, 3, dtype=torch.long),
-        torch.arange(n * r).view(n, r)[:, 1:],
-        torch.ones(n, r - 1),
-        torch.randn(n, r - 1),
-        torch.arange(n),
-        [None] * n,
-        [""] * n,
-        torch.zeros(n, dtype=torch.bool),
+    batch = TrainBatch(
+        prompt_ids=torch.ones(n, 3, dtype=torch.long),
+        prompt_mask=torch.ones(n, 3, dtype=torch.long),
+        response_ids=torch.arange(n * r).view(n, r)[:, 1:],
+        response_mask=torch.ones(n, r - 1),
+        sampling_log_probs=torch.randn(n, r - 1),
+        group_index=torch.arange(n),
+        records=[None] * n,
+        response_texts=[""] * n,
+        truncated=torch.zeros(n, dtype=torch.bool),
+        scores=torch.zeros(n),
+        token_level_rewards=torch.zeros(n, r - 1),
+        advantages=torch.zeros(n, r - 1),
+        returns=torch.zeros(n, r - 1),
     )
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -55,7 +55,8 @@ def trained_batches(monkeypatch):
     for kind in (ahead.RolloutWithin, ahead.RolloutAhead):
 
         def recording(self, timer, step, real=kind.__call__):
-            batch, metrics, gen_parts = real(self, timer, step)
+            samples = real(self, timer, step)
+            batch = samples.batch
             seen.append(
                 (
                     step,
@@ -63,7 +64,7 @@ def trained_batches(monkeypatch):
                     sorted({r.index for r in batch.records}),
                 )
             )
-            return batch, metrics, gen_parts
+            return samples
 
         monkeypatch.setattr(kind, "__call__", recording)
     return seen
@@ -296,15 +297,16 @@ def test_a_skipped_step_leaves_the_policy_version_and_the_staleness_true(
     """Step 2 is skipped (trainer.guards.nonfinite=skip) before its update: step 3 trains a batch sampled
     at step 2 from version 1, and updates version 1, so it is 0 versions old; the checkpoint says 2 updates."""
     from keel.errors import SkipStep
+    from keel.trainer.train_batch import TrainBatchBuilder
 
-    real = rl.RLTrainer._advantages
+    real = TrainBatchBuilder._learning_signal
 
-    def skip_step_2(self, scored, timer, *passes):
-        if self.step == 2:
+    def skip_step_2(self, scored, old, ref, values, at):
+        if at.step == 2:
             raise SkipStep("advantages")
-        return real(self, scored, timer, *passes)
+        return real(self, scored, old, ref, values, at)
 
-    monkeypatch.setattr(rl.RLTrainer, "_advantages", skip_step_2)
+    monkeypatch.setattr(TrainBatchBuilder, "_learning_signal", skip_step_2)
     config = run_config(tiny_config, tmp_path, "skip", mode="async", max_off_policy_steps=1)
     config["trainer"]["guards"] = {"nonfinite": "skip"}
     run_dir = train(config).run_dir

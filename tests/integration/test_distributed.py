@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from keel.distributed.pools import role_group  # noqa: E402
 from keel.distributed.worker import RoleWorker, WorkerSpec  # noqa: E402
 from keel.trainer.roles import WorkerRoles  # noqa: E402
 from keel.trainer.setup import load_prompts  # noqa: E402
-from keel.types import RolloutBatch, SamplingParams  # noqa: E402
+from keel.types import SamplingParams, TrainBatch  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,18 @@ LORA = [
     "actor_rollout_ref.model.target_modules=all-linear",
     "actor_rollout_ref.actor.optim.lr=1e-2",
 ]
+
+
+def train_batch(generated) -> TrainBatch:
+    """The training batch of `generated`, whose learning signal each test fills in."""
+    zeros = torch.zeros(generated.response_mask.shape)
+    return TrainBatch.of(
+        generated,
+        scores=torch.zeros(len(generated)),
+        token_level_rewards=zeros,
+        advantages=zeros,
+        returns=zeros,
+    )
 
 
 def ppo_config(
@@ -148,19 +161,22 @@ def test_two_workers_correct_the_rollout_as_one_process(tiny_config, tmp_path, r
         load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4],
         tokenizer.pad_token_id,
     ).repeat_interleave(4)
-    generated, _ = one.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
+    generated, _ = one.generation.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
     # the training batch, whose fields the test fills in
-    batch = RolloutBatch.of(generated)
-    batch = batch.select(list(range(15)))
+    batch = train_batch(generated).select(list(range(15)))
     torch.manual_seed(0)
-    batch.advantages = torch.randn(batch.response_mask.shape) * batch.response_mask
-    batch.old_log_probs = (
-        batch.sampling_log_probs if mode == "bypass" else one.actor_log_probs(batch)
+    batch = replace(batch, advantages=torch.randn(batch.response_mask.shape) * batch.response_mask)
+    batch = replace(
+        batch,
+        old_log_probs=batch.sampling_log_probs if mode == "bypass" else one.actor_log_probs(batch),
     )
     # what the trainer would compute, made to vary per token
     if mode == "decoupled":
-        batch.rollout_is_weights = (torch.rand(batch.response_mask.shape) * 2) * batch.response_mask
-        batch.rollout_keep = (torch.rand(batch.response_mask.shape) > 0.3).float()
+        batch = replace(
+            batch,
+            rollout_is_weights=(torch.rand(batch.response_mask.shape) * 2) * batch.response_mask,
+            rollout_keep=(torch.rand(batch.response_mask.shape) > 0.3).float(),
+        )
     two = WorkerRoles.of(
         role_group(two_cfg, 2, None, tmp_path / "stacks"), two_cfg, tokenizer.pad_token_id
     )
@@ -196,14 +212,16 @@ def test_two_workers_take_the_same_step_as_one_process(
         load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4],
         tokenizer.pad_token_id,
     ).repeat_interleave(4)
-    generated, _ = one.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
+    generated, _ = one.generation.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
     # the training batch, whose fields the test fills in
-    batch = RolloutBatch.of(generated)
     # odd: one rank's part is padded with a masked sample
-    batch = batch.select(list(range(15)))
+    batch = train_batch(generated).select(list(range(15)))
     torch.manual_seed(0)
-    batch.advantages = torch.randn(batch.response_mask.shape) * batch.response_mask
-    batch.returns = torch.randn(batch.response_mask.shape) * batch.response_mask
+    batch = replace(
+        batch,
+        advantages=torch.randn(batch.response_mask.shape) * batch.response_mask,
+        returns=torch.randn(batch.response_mask.shape) * batch.response_mask,
+    )
 
     two = WorkerRoles.of(
         role_group(two_cfg, 2, None, tmp_path / "stacks"), two_cfg, tokenizer.pad_token_id
@@ -214,18 +232,17 @@ def test_two_workers_take_the_same_step_as_one_process(
         for name in ("actor_log_probs", "ref_log_probs", "values"):
             single, split = getattr(one, name)(batch), getattr(two, name)(batch)
             torch.testing.assert_close(split, single, atol=1e-5, rtol=1e-4, msg=name)
-        batch.old_log_probs, batch.ref_log_probs = (
-            one.actor_log_probs(batch),
-            one.ref_log_probs(batch),
+        batch = replace(
+            batch, old_log_probs=one.actor_log_probs(batch), ref_log_probs=one.ref_log_probs(batch)
         )
-        batch.values = one.values(batch)
+        batch = replace(batch, values=one.values(batch))
         for update in ("update_critic", "update_actor"):
             single, split = getattr(one, update)(batch, seed=3), getattr(two, update)(batch, seed=3)
             for key in [k for k in single if not k.startswith("timing_s/")]:
                 assert split[key] == pytest.approx(single[key], rel=1e-4, abs=1e-6), key
         # The workers' engines generate with the updated weights (gathered from the shards, or read
         # from the replicated module): the one process's updated policy gives their log-probs.
-        after, _ = two.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=1)
+        after, _ = two.generation.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=1)
         torch.testing.assert_close(
             after.sampling_log_probs, one.actor_log_probs(after), atol=1e-4, rtol=0
         )
@@ -278,13 +295,16 @@ def test_a_critic_on_workers_of_its_own_takes_the_same_step(tiny_config, tmp_pat
         load_prompts(one_cfg.data.train_files, tokenizer, one_cfg, "train")[:4],
         tokenizer.pad_token_id,
     ).repeat_interleave(4)
-    generated, _ = one.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
+    generated, _ = one.generation.generate(prompts, SamplingParams(n=4, max_new_tokens=8), seed=0)
     # the training batch, whose fields the test fills in
-    batch = RolloutBatch.of(generated)
+    batch = train_batch(generated)
     torch.manual_seed(0)
-    batch.advantages = torch.randn(batch.response_mask.shape) * batch.response_mask
-    batch.returns = torch.randn(batch.response_mask.shape) * batch.response_mask
-    batch.values = one.values(batch)
+    batch = replace(
+        batch,
+        advantages=torch.randn(batch.response_mask.shape) * batch.response_mask,
+        returns=torch.randn(batch.response_mask.shape) * batch.response_mask,
+    )
+    batch = replace(batch, values=one.values(batch))
 
     policy = role_group(pool_cfg, 2, None, tmp_path / "stacks")
     critic = role_group(

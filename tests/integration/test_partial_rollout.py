@@ -66,9 +66,10 @@ def trained(monkeypatch):
     for kind in (partial.RolloutPartial, ahead.RolloutWithin):
 
         def recording(self, timer, step, real=kind.__call__):
-            batch, metrics, gen_parts = real(self, timer, step)
+            samples = real(self, timer, step)
+            batch = samples.batch
             seen.append((step, batch, list(dict.fromkeys(r.index for r in batch.records))))
-            return batch, metrics, gen_parts
+            return samples
 
         monkeypatch.setattr(kind, "__call__", recording)
     return seen

@@ -4,6 +4,7 @@ says so. On CPU in float32 the native engine samples with the trainer's own log-
 1e-8), so bypass mode must train exactly like the recomputed pass."""
 
 import copy
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -112,18 +113,17 @@ def test_bypass_reinforce_weights_minus_a_log_pi(tiny_config):
 
 
 def sampler_changed(monkeypatch, change) -> None:
-    """The engine's log-probs, changed by `change(batch)` after each generation: a sampler that
-    disagrees with the trainer on purpose."""
-    from keel.trainer.roles import WorkerRoles
+    """The engine's log-probs, changed by `change(batch)` -> the batch after each generation: a
+    sampler that disagrees with the trainer on purpose."""
+    from keel.trainer.generation import Generation
 
-    generate = WorkerRoles.generate
+    generate = Generation.generate
 
     def changed(self, prompts, params, seed, on_finished=None):
         batch, timing = generate(self, prompts, params, seed, on_finished)
-        change(batch)
-        return batch, timing
+        return change(batch), timing
 
-    monkeypatch.setattr(WorkerRoles, "generate", changed)
+    monkeypatch.setattr(Generation, "generate", changed)
 
 
 @pytest.mark.parametrize(
@@ -134,7 +134,7 @@ def test_the_ratio_is_the_trainers_over_the_samplers(tiny_config, monkeypatch, m
     KL(rollout || train) per token -0.3, whichever mode computes it."""
 
     def less_sure(batch):
-        batch.sampling_log_probs = batch.sampling_log_probs - 0.3
+        return dataclasses.replace(batch, sampling_log_probs=batch.sampling_log_probs - 0.3)
 
     sampler_changed(monkeypatch, less_sure)
     # a gap of 0.3 is this test's own doing
@@ -157,6 +157,7 @@ def test_a_nan_from_the_sampler_stops_or_skips_the_step_by_name(tiny_config, mon
 
     def one_nan(batch):
         batch.sampling_log_probs[0, 0] = float("nan")
+        return batch
 
     sampler_changed(monkeypatch, one_nan)
     tiny_config["trainer"]["guards"] = {"nonfinite": policy}

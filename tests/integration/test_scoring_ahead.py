@@ -128,11 +128,12 @@ def test_partial_rollouts_score_the_groups_that_wait_in_the_background(
     real_round = partial.RolloutPartial._round
 
     def round_noted(self, timer, seed, updates, wanted):
-        batch, gen_parts, started, dropped = real_round(self, timer, seed, updates, wanted)
+        generated = real_round(self, timer, seed, updates, wanted)
+        batch = generated.batch
         trained_at.extend(
             ((r.index, text), step_now[0]) for r, text in zip(batch.records, batch.response_texts)
         )
-        return batch, gen_parts, started, dropped
+        return generated
 
     monkeypatch.setattr(partial.RolloutPartial, "__call__", call)
     monkeypatch.setattr(partial.RolloutPartial, "_round", round_noted)
@@ -158,9 +159,9 @@ def test_partial_rollouts_replace_a_group_that_a_failed_scoring_left_short(
     real_call = partial.RolloutPartial.__call__
 
     def call(self, timer, step):
-        batch, metrics, gen_parts = real_call(self, timer, step)
-        batches.append(batch)
-        return batch, metrics, gen_parts
+        samples = real_call(self, timer, step)
+        batches.append(samples.batch)
+        return samples
 
     monkeypatch.setattr(partial.RolloutPartial, "__call__", call)
     metrics = metrics_of(train(config).run_dir)

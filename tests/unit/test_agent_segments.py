@@ -3,6 +3,7 @@ continuous stretch as a sequence of its own, only on the tokens the engine sampl
 is scored once (on its final segment), counts once in its group, and every segment takes its
 advantage; the update keeps the number of mini-batches its samples make."""
 
+import dataclasses
 from concurrent.futures import Future
 
 import torch
@@ -79,7 +80,9 @@ class CountingReward:
 
 def test_a_sample_is_scored_once_on_its_final_segment(tiny_assets):
     batch = two_samples(load_tokenizer(tiny_assets["model"]), segments=True)
-    batch.response_texts = ["first sample", "an earlier turn", "the last answer"]
+    batch = dataclasses.replace(
+        batch, response_texts=["first sample", "an earlier turn", "the last answer"]
+    )
     reward = CountingReward()
     scored = score_samples(reward, batch)
     assert reward.asked == ["first sample", "the last answer"]
@@ -164,7 +167,7 @@ def test_samples_of_different_ranks_stay_different_samples(tiny_assets):
     prompts = collate_prompts(
         [PromptRecord(i, [5, 6, 7], "p", "src", None) for i in range(4)], tokenizer.pad_token_id
     )
-    batch, _ = roles.generate(prompts, SamplingParams(), seed=0)
+    batch, _ = roles.generation.generate(prompts, SamplingParams(), seed=0)
     # the second rank's prompts start at 2
     assert batch.sample_index.tolist() == [0, 1, 1, 2, 3, 3]
     assert batch.final_segments.tolist() == [0, 2, 2, 3, 5, 5]

@@ -1,5 +1,7 @@
 """Micro-batches by sample count or by token budget (use_dynamic_bsz)."""
 
+import dataclasses
+
 import torch
 
 from keel.training.batching import MicroBatching, _split_to_count, micro_batches, token_budget_bins
@@ -55,10 +57,12 @@ def test_rejected_tokens_leave_the_loss_denominators_and_the_fillers():
     tokens, and a rank's masked filler keeps nothing."""
     from keel.training.batching import plan_minibatches
 
-    batch = make_batch([3, 5, 2, 6, 4])
-    batch.advantages = torch.ones(5, 6)
-    # column 1 rejected
-    batch.rollout_keep = torch.tensor([[1, 0, 1, 1, 1, 1]] * 5, dtype=torch.float)
+    batch = dataclasses.replace(
+        make_batch([3, 5, 2, 6, 4]),
+        advantages=torch.ones(5, 6),
+        # column 1 rejected
+        rollout_keep=torch.tensor([[1, 0, 1, 1, 1, 1]] * 5, dtype=torch.float),
+    )
     ranks = plan_minibatches(
         batch, samples_per_mini=5, epochs=1, shuffle=False, seed=0, norm_length=None, world_size=2
     )

@@ -1,5 +1,7 @@
 """Splitting batches across ranks: equal counts, balanced tokens, nothing lost or counted twice."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -40,7 +42,9 @@ def test_a_mini_batch_smaller_than_the_ranks_gives_the_empty_ranks_masked_filler
 
     # 3 samples left (reward.on_error=mask), mini-batches of 2, on 2 ranks
     batch = make_batch([1, 2, 3])
-    batch.advantages = torch.ones_like(batch.response_mask, dtype=torch.float32)
+    batch = dataclasses.replace(
+        batch, advantages=torch.ones_like(batch.response_mask, dtype=torch.float32)
+    )
     per_rank = plan_minibatches(
         batch, 2, epochs=1, shuffle=False, seed=0, norm_length=None, world_size=2
     )

@@ -3,6 +3,7 @@ with `whole`): rounds ask for the groups still wanted; a scorer that leaves some
 unscored makes the step give up after REFILL_CALLS rounds and train the short groups, as a sync step
 would; one that scores nothing is an error with its code."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -22,9 +23,11 @@ N = 4
 def groups(first: int, count: int, kept_per_group: int) -> ScoredBatch:
     """`count` groups numbered from `first`, each with `kept_per_group` of its N samples left after scoring."""
     batch = make_batch([2] * (count * kept_per_group))
-    batch.group_index = torch.arange(first, first + count).repeat_interleave(kept_per_group)
-    batch.scores = torch.ones(len(batch))
-    return batch
+    return dataclasses.replace(
+        batch,
+        group_index=torch.arange(first, first + count).repeat_interleave(kept_per_group),
+        scores=torch.ones(len(batch)),
+    )
 
 
 def rounds(kept_per_group):

@@ -186,9 +186,9 @@ def test_logits_are_kept_for_backward_only_where_they_fit_the_budget(monkeypatch
 
 
 def test_micro_batches_drop_columns_that_are_padding_in_all_their_samples():
-    from keel.types import RolloutBatch, pad_responses, trim_padding
+    from keel.types import TrainBatch, pad_responses, trim_padding
 
-    batch = RolloutBatch(
+    batch = TrainBatch(
         prompt_ids=torch.tensor([[0, 0, 5, 6], [0, 7, 8, 9]]),
         prompt_mask=torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]]),
         response_ids=torch.tensor([[1, 2, 0, 0], [3, 0, 0, 0]]),
@@ -198,6 +198,10 @@ def test_micro_batches_drop_columns_that_are_padding_in_all_their_samples():
         records=["a", "b"],
         response_texts=["x", "y"],
         truncated=torch.tensor([False, False]),
+        scores=torch.zeros(2),
+        token_level_rewards=torch.zeros(2, 4),
+        advantages=torch.zeros(2, 4),
+        returns=torch.zeros(2, 4),
     )
     small = trim_padding(batch)
     # longest prompt: 3
