@@ -30,9 +30,9 @@
 #                                                 sync mode scoring each batch whole, then each sample as it finishes
 #   bash benchmarks/gpu_session.sh fifo           issue 31: v2 sync, then async with partial rollouts (wait: first
 #                                                 in, first out), then sv async with partial rollouts
-#   bash benchmarks/gpu_session.sh design BASE    issue 46: the GPU tests, then t1 at this tree and at BASE (a folder
-#                                                 holding keel/ of an earlier commit, e.g. git archive into
-#                                                 .whl/baseline, carried), alternating, twice each
+#   bash benchmarks/gpu_session.sh design BASE [N]  issue 46: the GPU tests (SKIP_TESTS=1: none), then t1 at BASE (a
+#                                                 folder holding keel/ of an earlier commit, e.g. git archive into
+#                                                 .whl/baseline, carried) and at this tree, alternating, N rounds
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -205,10 +205,12 @@ levers() {  # what issue 17's CPU-built levers are worth, in one run of each aga
 }
 
 design() {
-    local base=${1:?a folder holding an earlier keel/}
-    timeout 300 python3 -m pytest -q tests/gpu > "$OUT/gpu_tests.txt" 2>&1
-    tail -1 "$OUT/gpu_tests.txt"
-    for round in 1 2; do
+    local base=${1:?a folder holding an earlier keel/} rounds=${2:-1}
+    if [ -z "${SKIP_TESTS:-}" ]; then
+        timeout 300 python3 -m pytest -q tests/gpu > "$OUT/gpu_tests.txt" 2>&1
+        tail -1 "$OUT/gpu_tests.txt"
+    fi
+    for round in $(seq "$rounds"); do
         # python -m puts the working folder first on sys.path: run the baseline from its own folder
         (cd "$base" && PYTHONPATH=$PWD KEEL_COMMIT=${BASE_COMMIT:-baseline} timeout 150 python3 -m keel bench t1 \
             --gpus 1 --steps 3 --warmup 2 --out "$OUT/bench_baseline.jsonl") > "$OUT/design_base_$round.log" 2>&1
