@@ -1,4 +1,5 @@
-"""The CPU demo's GRPO step, alone and beside busy processes (issue 32: a laptop is a shared machine).
+"""The CPU demo's GRPO step, alone and beside busy processes (issue 32: a laptop is a shared
+machine).
 
 Each run is a fresh process training the demo's GRPO stage (its data, model shape and batch) for a
 few steps from the random initial model; SFT is left out, since it changes what is learnt, not

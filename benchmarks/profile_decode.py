@@ -3,7 +3,8 @@ prefill, graph capture and decode per step for each variant (compiled graphs, th
 max-autotune compilation; graphs without compilation; eager), then the top kernels of 64 compiled
 steps.
 
-    python benchmarks/profile_decode.py [--model 0.5b] [--batch 128] [--prompt 256] [--steps 256] [--n 8]
+    python benchmarks/profile_decode.py [--model 0.5b] [--batch 128] [--prompt 256] [--steps 256]
+    [--n 8]
         [--variants compiled_graphs autotuned graphs eager] [--attention BEST.json] [--no-profile]
 """
 

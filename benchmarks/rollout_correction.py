@@ -3,7 +3,8 @@ the demo's SFT model as the start) in each mode of `algorithm.rollout_correction
 the same seed, computing in a chosen dtype so the sampler and the trainer disagree as they do in
 bf16 (the sampler's kernels against the trainer's).
 
-    python benchmarks/rollout_correction.py [--out DIR] [--dtype bfloat16] [--steps 120] [--modes A,B] [--seed N]
+    python benchmarks/rollout_correction.py [--out DIR] [--dtype bfloat16] [--steps 120] [--modes
+    A,B] [--seed N]
 
 The first call runs the whole demo in DIR (its SFT stage is the start of every run here). Prints
 and appends to benchmarks/results/rollout_correction.jsonl one JSON line per mode: held-out

@@ -136,7 +136,8 @@ def save_trainers(out: Path, actor, critic, rank: int, tokenizer, actor_sharded:
 
 
 def load_trainers(path: Path, actor, critic) -> None:
-    """Everything save_trainers wrote but the actor weights, loaded from the checkpoint at start-up."""
+    """Everything save_trainers wrote but the actor weights, loaded from the checkpoint at
+    start-up."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     if actor is not None:
@@ -215,23 +216,29 @@ def resolve_resume(run_dir: Path, resume_mode: str, cfg=None) -> Path | None:
             f"{run_dir} already holds checkpoints ({old[0].name} .. {old[-1].name}) "
             f"and trainer.resume_mode={resume_mode} starts a new run: the two runs' checkpoints "
             "and logs would mix",
-            f"{new_run_fix(run_dir, cfg)}, or {setting('trainer.resume_mode', 'auto')} to continue the run there",
+            f"{new_run_fix(run_dir, cfg)}, or {setting('trainer.resume_mode', 'auto')} to "
+            "continue the run there",
         )
     return found
 
 
 def new_run_fix(run_dir: Path, cfg) -> str:
-    """The fix that always works for a run directory holding another run: one that does not exist yet."""
+    """The fix that always works for a run directory holding another run: one that does not exist
+    yet."""
     new = free_directory(run_dir)
     # the directory is given outright, not made of the names
     if cfg is None or cfg.trainer.default_local_dir:
-        return f"set {setting('trainer.default_local_dir', str(new))} (a run directory that does not exist yet)"
+        return (
+            f"set {setting('trainer.default_local_dir', str(new))} (a run directory that does not "
+            "exist yet)"
+        )
     return f"set {setting('trainer.experiment_name', new.name)} (a new run directory, {new})"
 
 
 def mismatch_error(checkpoint: Path, cfg, message: str, old: dict | None = None) -> KeelError:
     """C008 for a checkpoint another run made: a new run directory first, then (when the settings
-    that differ are known, `old`: key -> the checkpoint's value) resuming with the checkpoint's settings."""
+    that differ are known, `old`: key -> the checkpoint's value) resuming with the checkpoint's
+    settings."""
     back = f", or resume with the checkpoint's settings: {overrides(old)}" if old else ""
     return KeelError(RESUME_MISMATCH, message, new_run_fix(Path(cfg.run_dir), cfg) + back)
 
@@ -280,10 +287,11 @@ def find_resume_checkpoint(run_dir: Path, resume_mode: str) -> Path | None:
         state = "does not exist" if not path.exists() else "is incomplete (no COMPLETE marker)"
         found = _newest_complete(path.parent) or _newest_complete(run_dir)
         fix = (
-            f"set {setting('trainer.resume_mode', str(found))} (the newest complete checkpoint there)"
+            f"set {setting('trainer.resume_mode', str(found))} (the newest complete "
+            "checkpoint there)"
             if found
-            else f"set {setting('trainer.resume_mode', 'auto')} (the newest complete checkpoint of the run, or "
-            "a fresh start when there is none)"
+            else f"set {setting('trainer.resume_mode', 'auto')} (the newest complete checkpoint "
+            "of the run, or a fresh start when there is none)"
         )
         raise KeelError(
             RESUME_PATH, f"trainer.resume_mode={resume_mode!r}: the checkpoint {state}", fix
@@ -337,7 +345,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merged: bool 
         raise KeelError(
             EXPORT_TARGET,
             f"{out_dir} exists, is not empty and is not an earlier keel export",
-            f"run `{command.format(checkpoint, free_directory(out_dir))}` (a directory that does not exist yet)",
+            f"run `{command.format(checkpoint, free_directory(out_dir))}` (a directory that "
+            "does not exist yet)",
         )
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
@@ -354,7 +363,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merged: bool 
 
 
 def _write_merged(checkpoint: Path, out: Path) -> None:
-    """The base model (the run's actor_rollout_ref.model.path) with the checkpoint's adapters merged."""
+    """The base model (the run's actor_rollout_ref.model.path) with the checkpoint's adapters
+    merged."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -95,7 +95,8 @@ def _verl_launch(command: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "-cn",
         nargs="?",
         const="",
-        help="verl's launch form: the YAML's name without .yaml (default ppo_trainer: verl's trainer config)",
+        help="verl's launch form: the YAML's name without .yaml (default ppo_trainer: verl's "
+        "trainer config)",
     )
     return command
 
@@ -140,8 +141,8 @@ MACHINE_COMMANDS = {
         [(["run_dir"], {"help": "a run directory (holds metrics.jsonl)"})],
     ),
     "demo": (
-        "SFT then GRPO on a tiny model that learns addition, or (--task tools) multiplication with a "
-        "calculator tool (CPU, minutes)",
+        "SFT then GRPO on a tiny model that learns addition, or (--task tools) multiplication "
+        "with a calculator tool (CPU, minutes)",
         commands.cmd_demo,
         [
             (
@@ -149,20 +150,23 @@ MACHINE_COMMANDS = {
                 {
                     "choices": ["arithmetic", "tools"],
                     "default": "arithmetic",
-                    "help": "arithmetic: 2-digit addition; tools: multi-turn GRPO calling a calculator",
+                    "help": "arithmetic: 2-digit addition; tools: multi-turn GRPO calling a "
+                    "calculator",
                 },
             ),
             (
                 ["--out"],
                 {
-                    "help": "output directory (default: keel_demo, or keel_demo_tools for --task tools)"
+                    "help": "output directory (default: keel_demo, or keel_demo_tools for --task "
+                    "tools)"
                 },
             ),
             (
                 ["--fresh"],
                 {
                     "action": "store_true",
-                    "help": "start over instead of resuming (a finished demo: instead of showing its table again)",
+                    "help": "start over instead of resuming (a finished demo: instead of showing "
+                    "its table again)",
                 },
             ),
             (
@@ -228,7 +232,8 @@ def _add_reward_server(sub) -> None:
     serve.add_argument("--num-workers", type=int, default=0, help="scoring processes")
     serve.add_argument(
         "--inject",
-        help="faults for the first /score requests, e.g. 500,malformed,slow (to test a client's retries)",
+        help="faults for the first /score requests, e.g. 500,malformed,slow (to test a client's "
+        "retries)",
     )
     serve.set_defaults(func=commands.cmd_reward_server)
 

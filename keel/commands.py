@@ -20,8 +20,10 @@ def _config_source(args):
     if args.config:
         raise KeelError(
             LAUNCH_CONFIG_PATH,
-            f"a config file ({args.config}) and --config-path/--config-name were both given; keel reads one config",
-            f"remove `{args.config}` (the command names its config with --config-path and --config-name)",
+            f"a config file ({args.config}) and --config-path/--config-name were both given; "
+            "keel reads one config",
+            f"remove `{args.config}` (the command names its config with --config-path and "
+            "--config-name)",
         )
     return VerlLaunch(args.config_path, args.config_name)
 
@@ -124,7 +126,8 @@ def cmd_reward_server(args) -> int:
         args.inject.split(",") if args.inject else None,
     )
     print(
-        f"keel reward-server on http://{args.host}:{server.server_address[1]} (POST /score, GET /health)",
+        f"keel reward-server on http://{args.host}:{server.server_address[1]} (POST /score, "
+        "GET /health)",
         flush=True,
     )
     try:

@@ -230,7 +230,8 @@ def prepare_out_dir(out: Path, s: DemoSettings, fresh: bool) -> None:
         raise KeelError(
             DEMO_DIR,
             f"{out} exists and was not made by keel demo; not touching it",
-            f"run `{demo_command(s, free_directory(out))}` (a directory of its own), or empty {out}",
+            f"run `{demo_command(s, free_directory(out))}` (a directory of its own), or empty "
+            f"{out}",
         )
     if marker.exists() and (fresh or json.loads(marker.read_text()) != asdict(s)):
         shutil.rmtree(out)
@@ -337,7 +338,8 @@ def sft_until_partly_competent(
             keel_log.setLevel(level)
         accuracy = dev_accuracy(out / "sft")
         print(
-            f"SFT step {steps}: dev accuracy {100 * accuracy:.1f}% (target {100 * s.sft_target:.0f}%)",
+            f"SFT step {steps}: dev accuracy {100 * accuracy:.1f}% (target "
+            f"{100 * s.sft_target:.0f}%)",
             file=sys.stderr,
         )
         if accuracy >= s.sft_target or steps >= s.sft_max_steps:

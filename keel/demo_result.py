@@ -40,7 +40,8 @@ def val_metric(run_dir: Path, step: int, key: str) -> float:
 
 
 def stored_result(out: Path) -> DemoResult | None:
-    """The table of a demo that finished in `out` (same settings: prepare_out_dir cleared any other)."""
+    """The table of a demo that finished in `out` (same settings: prepare_out_dir cleared any
+    other)."""
     try:
         stored = json.loads((out / RESULT).read_text())
     # none yet (or cut short by a killed run): run the demo
@@ -82,7 +83,8 @@ def print_summary(r: DemoResult) -> None:
     print(f"\nkeel demo: {task}, a {r.n_params / 1e6:.1f}M-parameter Qwen2 trained on CPU")
     if r.smoke:
         print(
-            "  smoke run (--smoke): a few steps of each stage to check the setup; the numbers mean nothing"
+            "  smoke run (--smoke): a few steps of each stage to check the setup; the numbers "
+            "mean nothing"
         )
     if r.earlier:
         print(f"  finished earlier in {r.out_dir}; `keel demo --fresh` runs it again")

@@ -30,7 +30,8 @@ DATA_SOURCE = "keel/tool_arithmetic"
 
 @dataclass(frozen=True)
 class ToolDemoSettings(DemoSettings):
-    """The arithmetic demo's stages, sized for a longer task: a call, the tool's turn, the answer."""
+    """The arithmetic demo's stages, sized for a longer task: a call, the tool's turn, the
+    answer."""
 
     TASK: ClassVar[str] = "tools"
     digits: int = 3

@@ -33,10 +33,12 @@ def how_threads_wait() -> tuple[bool, str]:
         return True, f"as set: {USER_CHOICE}"
     if TORCH_CAME_FIRST:
         return False, (
-            "spinning: torch was imported before keel; on a shared machine a CPU run slows several "
-            "times over, so `export OMP_WAIT_POLICY=PASSIVE` before Python starts, or import keel first"
+            "spinning: torch was imported before keel; on a shared machine a CPU run slows "
+            "several times over, so `export OMP_WAIT_POLICY=PASSIVE` before Python starts, or "
+            "import keel first"
         )
     return (
         True,
-        "sleeping (OMP_WAIT_POLICY=PASSIVE, set by keel): a CPU run keeps its pace beside busy processes",
+        "sleeping (OMP_WAIT_POLICY=PASSIVE, set by keel): a CPU run keeps its pace beside "
+        "busy processes",
     )

@@ -68,8 +68,9 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class PartialSample:
-    """One sample of a partial rollout (trainer.partial_rollout): generated over rounds, each with the
-    policy of its time; a round that ends before it does keeps its tokens, and the next continues it."""
+    """One sample of a partial rollout (trainer.partial_rollout): generated over rounds, each with
+    the policy of its time; a round that ends before it does keeps its tokens, and the next
+    continues it."""
 
     # the samples of one prompt share it; unique over the run
     group: int
@@ -95,8 +96,8 @@ def groups_of(samples: list[PartialSample]) -> list[int]:
 
 @dataclass(frozen=True)
 class RoundEnd:
-    """When a round of partial rollouts ends: once every sample of `groups` has finished and at least
-    `count` groups have all their samples finished; what is under way then is cut."""
+    """When a round of partial rollouts ends: once every sample of `groups` has finished and at
+    least `count` groups have all their samples finished; what is under way then is cut."""
 
     groups: frozenset = frozenset()
     count: int = 0
@@ -110,7 +111,8 @@ class RoundEnd:
 
 
 class OldLogProbSource(enum.Enum):
-    """Where the update's old log-probs come from (keel.config.plan.old_log_probs_source decides)."""
+    """Where the update's old log-probs come from (keel.config.plan.old_log_probs_source
+    decides)."""
 
     # rollout_correction.bypass_mode: the sampler's log-probs are the old ones, no pass
     SAMPLER = "sampler"

@@ -1,4 +1,5 @@
-"""verl's own modules, imported without verl's heavy dependencies, for tests that compare keel with verl.
+"""verl's own modules, imported without verl's heavy dependencies, for tests that compare keel with
+verl.
 
 verl installs with `pip install --no-deps` (make install does). Its package `__init__` files pull in
 Ray, torch and tensordict; the modules the tests run (reward scorers, tool and interaction base
@@ -69,7 +70,8 @@ def install() -> Path:
 
 
 def verl_module(name: str):
-    """verl's module `name` (e.g. "verl.utils.reward_score.math_dapo"), imported through the shim."""
+    """verl's module `name` (e.g. "verl.utils.reward_score.math_dapo"), imported through the
+    shim."""
     install()
     return importlib.import_module(name)
 

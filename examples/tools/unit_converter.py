@@ -1,6 +1,7 @@
-"""A custom tool for examples/tools/tools.yaml: keel's Tool contract is verl's BaseTool, synchronous.
-`execute(parameters, **execute_kwargs)` returns the text the model reads (or text, reward, metrics);
-whatever it raises is fed back to the model as an error and counted, never fatal."""
+"""A custom tool for examples/tools/tools.yaml: keel's Tool contract is verl's BaseTool,
+synchronous. `execute(parameters, **execute_kwargs)` returns the text the model reads (or text,
+reward, metrics); whatever it raises is fed back to the model as an error and counted, never
+fatal."""
 
 from keel.rollout.agent import Tool
 

@@ -188,7 +188,8 @@ _PEAK: list[float] = []
 
 
 def measured_peak_tflops() -> float:
-    """bf16 matmul throughput of this GPU (8192^3, best of several): the ceiling MFU is read against."""
+    """bf16 matmul throughput of this GPU (8192^3, best of several): the ceiling MFU is read
+    against."""
     if not _PEAK:
         a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)

@@ -32,8 +32,8 @@ REWARD = (
 def make_model(shape: str, out_dir: Path, mean_response: int | None = None) -> Path:
     """A family's released shapes with random weights and keel's byte-level tokenizer (ids < 300).
     `mean_response`: responses end by EOS, at lengths about geometric with this mean: the generation
-    config lists one stop token in every `mean_response` of the vocabulary, which a random model samples
-    nearly uniformly (its logits' spread is small)."""
+    config lists one stop token in every `mean_response` of the vocabulary, which a random model
+    samples nearly uniformly (its logits' spread is small)."""
     from transformers import AutoModelForCausalLM
 
     from keel.models.tiny import build_tokenizer
@@ -185,8 +185,9 @@ def run_bench(
 def _run_steps(
     cfg, plan, total: int, profiled: dict[int, Path], label: str
 ) -> tuple[list, str, dict]:
-    """`total` trainer steps of cfg under its plan (those in `profiled` under the profiler, into its folder) ->
-    each step's metrics, the generating engine's name and the profiled GPU's busy shares."""
+    """`total` trainer steps of cfg under its plan (those in `profiled` under the profiler, into its
+    folder) -> each step's metrics, the generating engine's name and the profiled GPU's busy
+    shares."""
     from keel.observe.metrics import MetricsLogger
     from keel.trainer.rl import RLTrainer
 

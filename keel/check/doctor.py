@@ -159,7 +159,8 @@ def check_sandbox(found) -> Check:
 
 
 def check_sandbox_user(found) -> Check:
-    """Who model-written code runs as: an unprivileged user without capabilities, or what it holds."""
+    """Who model-written code runs as: an unprivileged user without capabilities, or what it
+    holds."""
     if found.protections["user"]:
         return Check("sandbox user", PASS, found.runs_as())
     return Check(
@@ -187,7 +188,8 @@ def check_sandbox_processes(found) -> Check:
 
 
 def check_cpu_threads(as_meant: bool, how: str) -> Check:
-    """How torch's OpenMP threads wait (keel/openmp.py): spinning slows a CPU run beside busy processes."""
+    """How torch's OpenMP threads wait (keel/openmp.py): spinning slows a CPU run beside busy
+    processes."""
     return Check("cpu threads", PASS if as_meant else WARN, how)
 
 

@@ -78,7 +78,8 @@ def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
         Finding(
             PASS,
             "model",
-            f"{model_cfg.model_type}, vocab {vocab}, {budget} of {limit or '?'} positions used; weights: {weights}",
+            f"{model_cfg.model_type}, vocab {vocab}, {budget} of {limit or '?'} positions "
+            f"used; weights: {weights}",
         ),
     )
     if tokenizer.model_max_length < budget:
@@ -151,7 +152,8 @@ def check_special_tokens(tokenizer, model_cfg, path: str, pad_from_eos: bool) ->
                 Finding(
                     WARN,
                     "model",
-                    f"generation_config.json in {path} cannot be read ({e}); its EOS ids are not compared",
+                    f"generation_config.json in {path} cannot be read ({e}); its EOS ids are "
+                    "not compared",
                 )
             )
     mismatches = special_token_mismatches(

@@ -61,10 +61,10 @@ def check_multi_turn(cfg: KeelConfig, context: dict) -> list[Finding]:
             Finding(
                 WARN,
                 "multi-turn",
-                f"token-in/token-out: the loop's tokens differ from the chat "
-                f"template's rendering at position {position}: {around(built)} against "
-                f"{around(reference)}; the model is trained on the sampled tokens, which the template "
-                "would render otherwise at inference",
+                "token-in/token-out: the loop's tokens differ from the chat template's rendering "
+                f"at position {position}: {around(built)} against {around(reference)}; the model "
+                "is trained on the sampled tokens, which the template would render otherwise at "
+                "inference",
             )
         )
     return found
@@ -90,9 +90,9 @@ def _check_agent(cfg: KeelConfig) -> Finding:
     return Finding(
         PASS,
         "agent",
-        f"rollout by {by} through keel's OpenAI-compatible endpoint on "
-        f"{agent.host} ({agent.concurrency} at once, {agent.timeout_s:g} s each); trained: the exact tokens "
-        f"it sampled; a sample whose requests rewrote its history: {agent.on_prefix_break}",
+        f"rollout by {by} through keel's OpenAI-compatible endpoint on {agent.host} "
+        f"({agent.concurrency} at once, {agent.timeout_s:g} s each); trained: the exact tokens it "
+        f"sampled; a sample whose requests rewrote its history: {agent.on_prefix_break}",
     )
 
 
@@ -102,7 +102,10 @@ def _named(tools: list) -> str:
 
     def kind(tool) -> str:
         if isinstance(tool, VerlTool):
-            return f"{tool.name} (verl {type(tool.tool).__name__}: create, execute, calc_reward, release per sample)"
+            return (
+                f"{tool.name} (verl {type(tool.tool).__name__}: create, execute, calc_reward, "
+                "release per sample)"
+            )
         if isinstance(tool, VerlFunctionTool):
             return f"{tool.name} (verl function tool)"
         return tool.name
@@ -110,7 +113,7 @@ def _named(tools: list) -> str:
     named = ", ".join(kind(t) for t in tools) or "none"
     if any(isinstance(t, (VerlTool, VerlFunctionTool)) for t in tools):
         named += (
-            "; as in verl, verl's tools' rewards are not added to the score: the reward function reads them "
-            "in extra_info.tool_rewards and extra_info.rollout_reward_scores"
+            "; as in verl, verl's tools' rewards are not added to the score: the reward function "
+            "reads them in extra_info.tool_rewards and extra_info.rollout_reward_scores"
         )
     return named

@@ -191,8 +191,8 @@ def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
     decided = {
         "trainer.default_local_dir": cfg.run_dir,
         "device": f"{device} (trainer.device={cfg.trainer.device})",
-        "compute dtype": f"{resolve_dtype(cfg.actor_rollout_ref.model.dtype, device)}; weights and optimiser "
-        "state float32",
+        "compute dtype": f"{resolve_dtype(cfg.actor_rollout_ref.model.dtype, device)}; weights "
+        "and optimiser state float32",
         "critic": "on" if cfg.critic_enabled else "off",
         "reference model": "on" if cfg.ref_enabled else "off",
         "clip range": f"[1 - {actor.clip_ratio_low or actor.clip_ratio}, "
@@ -236,8 +236,8 @@ def _verl_decisions(lines: list[str]) -> dict[str, str]:
 
 
 def render_brief(report: Report) -> str:
-    """What `keel train` prints before step 1: the verdict, every finding that is not ok, and what keel
-    decided in a few lines; `render` (saved as check.txt in the run directory) has the rest."""
+    """What `keel train` prints before step 1: the verdict, every finding that is not ok, and what
+    keel decided in a few lines; `render` (saved as check.txt in the run directory) has the rest."""
     counts = {level: sum(f.level == level for f in report.findings) for level in (PASS, WARN, FAIL)}
     lines = [f"keel check: {counts[PASS]} passed, {counts[WARN]} warnings, {counts[FAIL]} failed"]
     for f in report.findings:
@@ -252,7 +252,8 @@ def render_brief(report: Report) -> str:
     lines.append("decided for you: " + "; ".join(shown))
     if verl:
         lines += textwrap.wrap(
-            f"{len(verl)} of verl's defaults or keys taken otherwise (check.txt says how and why): {', '.join(verl)}",
+            f"{len(verl)} of verl's defaults or keys taken otherwise (check.txt says how and "
+            f"why): {', '.join(verl)}",
             110,
             initial_indent="  ",
             subsequent_indent="    ",
@@ -261,8 +262,8 @@ def render_brief(report: Report) -> str:
 
 
 def _finding_lines(f: Finding) -> list[str]:
-    """A failure as `keel train` prints the same problem (the error, then the fix); a warning with its
-    fix when it has one."""
+    """A failure as `keel train` prints the same problem (the error, then the fix); a warning with
+    its fix when it has one."""
     mark = {PASS: "ok  ", WARN: "warn", FAIL: "FAIL", SKIP: "skip"}[f.level]
     if f.level == FAIL:
         return [f"  [{mark}] {f.check}"] + [

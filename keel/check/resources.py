@@ -47,8 +47,8 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
         )
     # verl honours param_offload on one GPU; keel uses FSDP (whose offload it is) only across ranks
     idle = [
-        f"{key}.fsdp_config.param_offload=true has no effect on one worker (FSDP shards and offloads "
-        "across 2 or more); the estimate counts those weights on the device"
+        f"{key}.fsdp_config.param_offload=true has no effect on one worker (FSDP shards and "
+        "offloads across 2 or more); the estimate counts those weights on the device"
         for key, fsdp, ranks in cfg.fsdp_roles
         if fsdp.param_offload and ranks == 1
     ]
@@ -145,10 +145,11 @@ def check_workers(cfg: KeelConfig, context: dict) -> list[Finding]:
         one_node = overrides({"trainer.nnodes": 1, "trainer.n_gpus_per_node": world})
         raise KeelError(
             NOT_ENOUGH_DEVICES,
-            f"trainer.nnodes={cfg.trainer.nnodes} but RAY_ADDRESS is not set: a local Ray instance has one node",
-            f"set {one_node} (the same {world} workers on this "
-            "machine), or start the cluster (`ray start --head`, then `ray start --address=HEAD:6379` "
-            "on each node) and set RAY_ADDRESS",
+            f"trainer.nnodes={cfg.trainer.nnodes} but RAY_ADDRESS is not set: a local Ray "
+            "instance has one node",
+            f"set {one_node} (the same {world} workers on this machine), or start the cluster "
+            "(`ray start --head`, then `ray start --address=HEAD:6379` on each node) and set "
+            "RAY_ADDRESS",
         )
     return _on_this_machine(cfg, port)
 

@@ -1,5 +1,5 @@
-"""`keel check`'s reward part: every data_source in the train and validation files is scored on a few
-of its rows before training, and the report says which scorer serves each one.
+"""`keel check`'s reward part: every data_source in the train and validation files is scored on a
+few of its rows before training, and the report says which scorer serves each one.
 
 A scorer that breaks on the second data_source of a mixed file, or a custom function that never
 rewards a right answer for one of them, is found here rather than hours into a run.
@@ -72,8 +72,8 @@ def rows_by_source(records: list) -> dict[str, list]:
 
 
 def probe_source(scorer, source: str, rows: list) -> list[Finding]:
-    """The bare ground truth and an empty answer must score (an error here stops the check); a custom
-    function that gives none of the candidate answers a positive score is a warning."""
+    """The bare ground truth and an empty answer must score (an error here stops the check); a
+    custom function that gives none of the candidate answers a positive score is a warning."""
     bare = [_as_text(r.ground_truth) for r in rows]
     scorer.score_batch(rows, bare, on_error="raise", may_skip=False)
     empty = scorer.score_batch(
@@ -92,10 +92,11 @@ def probe_source(scorer, source: str, rows: list) -> list[Finding]:
             Finding(
                 WARN,
                 "reward",
-                f"data_source {source!r}: the reward function gave no positive score "
-                f"to any answer built from the rows' ground truths: {_tried()}. If it never rewards "
-                "a right answer, training learns nothing (verl's contract: compute_score(data_source=, "
-                "solution_str=, ground_truth=, extra_info=), called by keyword)",
+                f"data_source {source!r}: the reward function gave no positive score to any "
+                f"answer built from the rows' ground truths: {_tried()}. If it never rewards a "
+                "right answer, training learns nothing (verl's contract: "
+                "compute_score(data_source=, solution_str=, ground_truth=, extra_info=), called "
+                "by keyword)",
             )
         )
     return found
@@ -123,8 +124,9 @@ def truth_texts(ground_truth) -> list[str]:
 
 def _tried() -> str:
     return (
-        f"{len(CANDIDATE_FORMS)} forms of each ({', '.join(f.format('x') for f in CANDIDATE_FORMS)}), each "
-        "also after a <think>...</think> block, x being the ground truth or, for a dict or list, each of its "
+        f"{len(CANDIDATE_FORMS)} forms of each "
+        f"({', '.join(f.format('x') for f in CANDIDATE_FORMS)}), each also after a "
+        "<think>...</think> block, x being the ground truth or, for a dict or list, each of its "
         "values"
     )
 
@@ -153,7 +155,8 @@ def _best_score(scorer, rows: list) -> float:
 
 def _judged_by_user_code(scorer, source: str) -> bool:
     """Whether the data_source is scored by something keel did not write (a custom function, a
-    service): the built-in scorers have tests of their own, and some (code, regex) read no bare answer."""
+    service): the built-in scorers have tests of their own, and some (code, regex) read no bare
+    answer."""
     return any(
         spec[0] != "builtin" if isinstance(spec, tuple) else True
         for spec, _ in scorer.scorers_for(source).values()
@@ -194,15 +197,19 @@ def check_reward_model_budget(
     total = longest + response
     budget = (
         f"the longest prompt is {longest} tokens in the reward model's own template, and a "
-        f"data.max_response_length={cfg.data.max_response_length} response about {response} of its tokens"
+        f"data.max_response_length={cfg.data.max_response_length} response about {response} of "
+        "its tokens"
     )
     if reward_model.max_length and total > reward_model.max_length:
         raise KeelError(
             TOKEN_BUDGET,
             f"{budget}: {total}, over the {reward_model.max_length} tokens the reward model "
             f"reads ({reward_model.limited_by})",
-            lengths_within(cfg, reward_model.max_length, "the reward model") + ", or use a reward "
-            "model with a longer context (if its tokenizer's model_max_length is wrong, correct it)",
+            lengths_within(cfg, reward_model.max_length, "the reward model")
+            + ", or use a reward model with a "
+            "longer context (if its "
+            "tokenizer's model_max_length "
+            "is wrong, correct it)",
         )
     return Finding(
         PASS,

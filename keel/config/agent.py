@@ -1,5 +1,6 @@
 """keel's keys in verl's rollout.agent section: agent code behind an OpenAI client as the rollout.
-verl's own keys of the section (its agent-loop workers) are accepted as not needed (verl_rules.yaml)."""
+verl's own keys of the section (its agent-loop workers) are accepted as not needed
+(verl_rules.yaml)."""
 
 from __future__ import annotations
 
@@ -12,61 +13,67 @@ from keel.config.fields import opt
 class AgentConfig:
     function: str | None = opt(
         None,
-        help="keel: agent code as the rollout, module:function or file.py:function: an async function "
-        "(client, row, extra_info) called for every sample, its OpenAI client pointed at keel's endpoint "
-        "over the policy; it returns the sample's reward, or None to leave it to the reward function",
+        help="keel: agent code as the rollout, module:function or file.py:function: an async "
+        "function (client, row, extra_info) called for every sample, its OpenAI client "
+        "pointed at keel's endpoint over the policy; it returns the sample's reward, or None "
+        "to leave it to the reward function",
     )
     concurrency: int = opt(64, gt=0, help="keel: agents running at once")
     admission_window_ms: float = opt(
         20.0,
         ge=0,
-        help="keel: the engine holds turns that arrive while arrivals keep coming (a quiet gap this long, or "
-        "four of them at most) and prefills them in one pass; 0: each as it arrives",
+        help="keel: the engine holds turns that arrive while arrivals keep coming (a quiet gap "
+        "this long, or four of them at most) and prefills them in one pass; 0: each as it "
+        "arrives",
     )
     processes: int | None = opt(
         None,
         ge=0,
-        help="keel: processes the agents run in, beside the engine's (their Python then never holds the GIL the "
-        "engine's run loop needs); a prompt's samples share one; 0: in the engine's own process; default: one "
-        "per two CPU cores of the host, 1 to 8",
+        help="keel: processes the agents run in, beside the engine's (their Python then never "
+        "holds the GIL the engine's run loop needs); a prompt's samples share one; 0: in the "
+        "engine's own process; default: one per two CPU cores of the host, 1 to 8",
     )
     endpoint_processes: int | None = opt(
         None,
         ge=0,
-        help="keel: processes keel's OpenAI endpoint runs in (each parses, templates and tokenizes the requests of "
-        "its agent processes, so a wave of turns reaches the engine together); 0: a thread of the engine's process; "
-        "default: as processes (0 when the agents run in the engine's process)",
+        help="keel: processes keel's OpenAI endpoint runs in (each parses, templates and "
+        "tokenizes the requests of its agent processes, so a wave of turns reaches the "
+        "engine together); 0: a thread of the engine's process; default: as processes (0 "
+        "when the agents run in the engine's process)",
     )
     timeout_s: float = opt(
         600.0,
         gt=0,
-        help="keel: seconds an agent may take; past it, it is cancelled and counted (agent/timeouts)",
+        help="keel: seconds an agent may take; past it, it is cancelled and counted "
+        "(agent/timeouts)",
     )
     on_prefix_break: str = opt(
         "drop",
         choices=("drop", "segments"),
-        help="keel: a sample whose requests do not extend its earlier tokens (the agent rewrote its history): "
-        "drop leaves it out of the update; segments trains each continuous stretch of it as a sequence of its "
-        "own, all with the sample's reward and advantage, the sample counted once in its group "
-        "(agent/prefix_breaks counts them either way)",
+        help="keel: a sample whose requests do not extend its earlier tokens (the agent rewrote "
+        "its history): drop leaves it out of the update; segments trains each continuous "
+        "stretch of it as a sequence of its own, all with the sample's reward and advantage, "
+        "the sample counted once in its group (agent/prefix_breaks counts them either way)",
     )
     max_prompt_length: int = opt(
         2048,
         gt=0,
-        help="keel: tokens an agent's first prompt may take (its own system prompt and tools included)",
+        help="keel: tokens an agent's first prompt may take (its own system prompt and tools "
+        "included)",
     )
     environment: str | None = opt(
         None,
-        help="keel: an environment library's environment as the rollout, run through the same endpoint: "
-        "verifiers:NAME (a verifiers environment package, loaded with verifiers.load_environment; its dataset "
-        "is the prompts when data.train_files is empty, its rubric the reward) or openenv:module:ClientClass "
-        "(an OpenEnv environment's client; its step rewards summed are the reward)",
+        help="keel: an environment library's environment as the rollout, run through the same "
+        "endpoint: verifiers:NAME (a verifiers environment package, loaded with "
+        "verifiers.load_environment; its dataset is the prompts when data.train_files is "
+        "empty, its rubric the reward) or openenv:module:ClientClass (an OpenEnv "
+        "environment's client; its step rewards summed are the reward)",
     )
     environment_args: dict = opt(
         factory=dict,
-        help="keel: verifiers: the keyword arguments of the environment's load_environment; openenv: base_url "
-        "(its server), action_field and observation_field (the text fields, found when there is one), max_turns, "
-        "max_tokens (a turn's)",
+        help="keel: verifiers: the keyword arguments of the environment's load_environment; "
+        "openenv: base_url (its server), action_field and observation_field (the text "
+        "fields, found when there is one), max_turns, max_tokens (a turn's)",
     )
     host: str = opt(
         "127.0.0.1", help="keel: where the endpoint listens (loopback: only this machine's agents)"

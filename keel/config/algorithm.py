@@ -80,7 +80,8 @@ class RolloutCorrectionConfig:
     loss_type: str = opt(
         "ppo_clip",
         choices=("ppo_clip", "reinforce"),
-        help="bypass_mode's loss: PPO's clip (the ratio is pi/pi_rollout), or -A log pi with rollout_is weights",
+        help="bypass_mode's loss: PPO's clip (the ratio is pi/pi_rollout), or -A log pi with "
+        "rollout_is weights",
     )
 
     def params(self) -> CorrectionParams:
@@ -110,7 +111,8 @@ class AlgorithmConfig:
     critic_warmup: int = opt(
         0,
         ge=0,
-        help="the actor is updated from this step on, as verl counts: N trains the critic alone for N - 1 steps",
+        help="the actor is updated from this step on, as verl counts: N trains the critic alone "
+        "for N - 1 steps",
     )
     filter_groups: FilterGroupsConfig = opt(factory=FilterGroupsConfig)
     rollout_correction: RolloutCorrectionConfig = opt(factory=RolloutCorrectionConfig)

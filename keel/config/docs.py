@@ -72,11 +72,16 @@ def verl_reference() -> list[str]:
         "",
         "## verl's keys",
         "",
-        "Every key of verl's `ppo_trainer.yaml` is one of three things. **Honoured**: the tables above have",
-        "it, with verl's meaning. **Accepted**: keel already does what it asks, or it does not apply; what keel",
-        'does instead is below, and `keel check` lists it under "decided for you". **Refused**: the value',
-        "asks for something keel does not do, KEEL-C015 with what to use instead; verl's default value is",
-        "always accepted. verl's `${...}` references are resolved, `null` means keel's default, and every",
+        "Every key of verl's `ppo_trainer.yaml` is one of three things. **Honoured**: the "
+        "tables above have",
+        "it, with verl's meaning. **Accepted**: keel already does what it asks, or it does "
+        "not apply; what keel",
+        'does instead is below, and `keel check` lists it under "decided for you". '
+        "**Refused**: the value",
+        "asks for something keel does not do, KEEL-C015 with what to use instead; verl's "
+        "default value is",
+        "always accepted. verl's `${...}` references are resolved, `null` means keel's "
+        "default, and every",
         "problem of a config is reported at once. The first rule that matches a key applies.",
         "",
         "| verl key | in keel | what keel does |",
@@ -90,17 +95,19 @@ def verl_reference() -> list[str]:
         "",
         "### Same name, checked against verl's arithmetic",
         "",
-        "- `algorithm.critic_warmup` (verl: `trainer.critic_warmup`): counted as verl counts, the actor is "
-        "updated from step N on.",
-        "- GSPO reduces its loss by `loss_agg_mode`, as verl 0.9.1's `gspo` loss does (the paper's "
-        "objective is `seq-mean-token-mean`, which verl's GSPO examples set; the default is `token-mean`).",
-        "- `seq-mean-token-sum-norm` (Dr. GRPO): keel takes the paper's mean over sequences of each "
-        "sequence's token sum / `data.max_response_length`. verl sums over the sequences of each micro-batch "
-        "and averages over micro-batches, so its loss (and gradient) is keel's times the micro-batch's "
-        "sequence count: the same direction, a scale that changes with `ppo_micro_batch_size_per_gpu`. "
-        "`keel check` says so when the mode is used.",
-        "- `token-mean`: keel divides by the whole mini-batch's token count, so micro-batch losses add up to "
-        "it exactly; verl averages micro-batch means, the same when micro-batches hold equal token counts.",
+        "- `algorithm.critic_warmup` (verl: `trainer.critic_warmup`): counted as verl counts, the "
+        "actor is updated from step N on.",
+        "- GSPO reduces its loss by `loss_agg_mode`, as verl 0.9.1's `gspo` loss does (the "
+        "paper's objective is `seq-mean-token-mean`, which verl's GSPO examples set; the default "
+        "is `token-mean`).",
+        "- `seq-mean-token-sum-norm` (Dr. GRPO): keel takes the paper's mean over sequences of "
+        "each sequence's token sum / `data.max_response_length`. verl sums over the sequences of "
+        "each micro-batch and averages over micro-batches, so its loss (and gradient) is keel's "
+        "times the micro-batch's sequence count: the same direction, a scale that changes with "
+        "`ppo_micro_batch_size_per_gpu`. `keel check` says so when the mode is used.",
+        "- `token-mean`: keel divides by the whole mini-batch's token count, so micro-batch "
+        "losses add up to it exactly; verl averages micro-batch means, the same when "
+        "micro-batches hold equal token counts.",
         "",
         "### Defaults keel chose differently",
         "",

@@ -1,13 +1,14 @@
 """verl's launch form, `keel train --config-path DIR --config-name NAME [overrides]`: the YAML
-composed as Hydra composes it for verl (its `defaults:` list, its `hydra.searchpath`), into the plain
-tree keel.config.load takes.
+composed as Hydra composes it for verl (its `defaults:` list, its `hydra.searchpath`), into the
+plain tree keel.config.load takes.
 
 verl's example YAMLs compose verl's trainer config with `defaults: [ppo_trainer, _self_]` and
 `hydra: searchpath: [file://verl/trainer/config]`, a path relative to a checkout of verl. keel finds
 that config wherever it runs: from the installed verl when there is one, else from keel's copy of
 verl 0.9.1's trainer config (verl_trainer/ppo_trainer.yaml); a relative `--config-path=config` is
 verl's trainer config too, as Hydra reads it next to verl's main_ppo.py. Overrides are not given to
-Hydra: keel applies them after composing (load.py), so keel's keys, renames and errors apply to them.
+Hydra: keel applies them after composing (load.py), so keel's keys, renames and errors apply to
+them.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ class VerlLaunch:
 
 
 def compose_launch(launch: VerlLaunch) -> tuple[dict, list[str]]:
-    """The composed tree (OmegaConf references left for keel to resolve after the overrides) and what
-    keel decided on the way (which verl trainer config it used), for `keel check`'s list."""
+    """The composed tree (OmegaConf references left for keel to resolve after the overrides) and
+    what keel decided on the way (which verl trainer config it used), for `keel check`'s list."""
     notes: list[str] = []
     directory = config_directory(launch.config_path, notes)
     name = config_name(directory, launch.config_name)
@@ -72,8 +73,8 @@ def compose_launch(launch: VerlLaunch) -> tuple[dict, list[str]]:
 # Defaults of verl's trainer config that mean another thing in keel, left out unless the YAML or an
 # override sets them (keel's default applies, and `keel check` says so).
 NOT_FROM_VERLS_DEFAULTS = {
-    "reward.num_workers": "verl's reward-loop workers are Ray actors; keel's reward.num_workers are scoring "
-    "processes, 0 (the trainer's process) unless asked",
+    "reward.num_workers": "verl's reward-loop workers are Ray actors; keel's reward.num_workers "
+    "are scoring processes, 0 (the trainer's process) unless asked",
 }
 
 
@@ -125,7 +126,8 @@ def config_directory(given: str | None, notes: list[str]) -> Path:
         raise KeelError(
             LAUNCH_CONFIG_PATH,
             f"--config-path {given!r} is a file; it names a directory",
-            f"pass `{path.parent}` in place of `{given}` (the directory; --config-name {path.stem})",
+            f"pass `{path.parent}` in place of `{given}` (the directory; --config-name "
+            f"{path.stem})",
         )
     near = _near_directory(path)
     raise KeelError(
@@ -133,7 +135,8 @@ def config_directory(given: str | None, notes: list[str]) -> Path:
         f"--config-path {given!r} is not a directory",
         f"pass `{near}` in place of `{given}` (the directory beside it spelt most like it)"
         if near
-        else f"pass a directory that exists with --config-path (the nearest that does is {_existing_parent(path)})",
+        else "pass a directory that exists with --config-path (the nearest that does is "
+        f"{_existing_parent(path)})",
     )
 
 
@@ -188,7 +191,8 @@ def search_path(head: dict, primary: Path, notes: list[str]) -> list[str]:
     if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
         raise KeelError(
             LAUNCH_SEARCHPATH,
-            f"{primary}: hydra.searchpath must be a list of file:// or pkg:// entries, got {entries!r}",
+            f"{primary}: hydra.searchpath must be a list of file:// or pkg:// entries, got "
+            f"{entries!r}",
             f"in `{primary}`, write hydra.searchpath as a list of "
             "directories (file://verl/trainer/config for verl's trainer config)",
         )
@@ -214,7 +218,8 @@ def _search_entry(entry: str, primary: Path, notes: list[str]) -> str:
         if path.parts[-3:] == VERL_TRAINER_CONFIG:
             found, which = verl_trainer_config()
             notes.append(
-                f"hydra.searchpath {entry}: not under {Path.cwd()}, so verl's trainer config, {which}"
+                f"hydra.searchpath {entry}: not under {Path.cwd()}, so verl's trainer config, "
+                f"{which}"
             )
             return str(found)
     raise KeelError(
@@ -228,7 +233,8 @@ def _search_entry(entry: str, primary: Path, notes: list[str]) -> str:
             else f"Hydra reads file:// and pkg://, not {scheme}://"
         )
         + ")",
-        f"in `{primary}`, make hydra.searchpath's entry {entry!r} a directory that exists, or remove it",
+        f"in `{primary}`, make hydra.searchpath's entry {entry!r} a directory that exists, or "
+        "remove it",
     )
 
 
@@ -286,14 +292,17 @@ def _missing_default(error: Exception, primary: Path, directories: list[str]) ->
     near = difflib.get_close_matches(missing, found, n=1, cutoff=0.6)
     searched = ", ".join(directories)
     fix = (
-        f"in `{primary}`, write `{near[0]}` for {missing!r} in its defaults list (the config spelt most like it)"
+        f"in `{primary}`, write `{near[0]}` for {missing!r} in its defaults list (the config "
+        "spelt most like it)"
         if near
-        else f"in `{primary}`, name a config of {searched} in its defaults list, or add the directory "
-        "that holds it to hydra.searchpath (file://verl/trainer/config for verl's ppo_trainer)"
+        else f"in `{primary}`, name a config of {searched} in its defaults list, or add the "
+        "directory that holds it to hydra.searchpath (file://verl/trainer/config for verl's "
+        "ppo_trainer)"
     )
     return KeelError(
         LAUNCH_DEFAULTS,
-        f"{primary}: its defaults list names {missing!r}, which no directory of the search path holds ({searched})",
+        f"{primary}: its defaults list names {missing!r}, which no directory of the search "
+        f"path holds ({searched})",
         fix,
     )
 

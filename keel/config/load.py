@@ -60,11 +60,11 @@ def load_config(
     """The one way to get a validated config: from a YAML path, a nested dict or a config object.
 
     `schema` is the root dataclass (KeelConfig for RL, SFTConfig for SFT). The rules that span
-    several keys are checked here (keel.config.rules for RL, SFTConfig.validate for SFT). verl's keys
-    and values are taken as keel.config.verl says; every problem of the config is reported at once.
-    What keel took for the user (verl keys it does another way, verl's "unset" values) is the plan's
-    (`load_run`). `VerlLaunch` is verl's `--config-path/--config-name` form; a YAML file with a
-    `defaults:` list is composed the same way."""
+    several keys are checked here (keel.config.rules for RL, SFTConfig.validate for SFT). verl's
+    keys and values are taken as keel.config.verl says; every problem of the config is reported at
+    once. What keel took for the user (verl keys it does another way, verl's "unset" values) is the
+    plan's (`load_run`). `VerlLaunch` is verl's `--config-path/--config-name` form; a YAML file with
+    a `defaults:` list is composed the same way."""
     return _load(source, overrides, schema).config
 
 

@@ -24,7 +24,8 @@ def estimate_memory_gb(
     of one micro-batch (about 34 bytes x hidden per token per layer, Korthikanti et al. arXiv
     2205.05198, plus one chunk's float32 logits); the KV cache of one generation batch and, for the
     native engine, its decode weights. A critic with a pool of its own is estimated for its own
-    devices, as `critic_pool`, outside the total, and a rollout's own (hybrid_engine=false) as `rollout_pool`.
+    devices, as `critic_pool`, outside the total, and a rollout's own (hybrid_engine=false) as
+    `rollout_pool`.
 
     What the config alone does not say comes from the caller: the compute dtype's size on the
     device the run resolves to, whether the native engine runs this architecture, how many

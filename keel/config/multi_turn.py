@@ -13,12 +13,14 @@ class MultiTurnConfig:
 
     enable: bool = opt(
         False,
-        help="multi-turn rollouts with tool calls; data.max_response_length is the whole trajectory's budget",
+        help="multi-turn rollouts with tool calls; data.max_response_length is the whole "
+        "trajectory's budget",
     )
     max_assistant_turns: int | None = opt(
         None,
         gt=0,
-        help="assistant turns per trajectory; null: until the model answers without a call or the budget ends",
+        help="assistant turns per trajectory; null: until the model answers without a call or the "
+        "budget ends",
     )
     tool_config_path: str | None = opt(
         None,
@@ -40,7 +42,8 @@ class MultiTurnConfig:
     tool_response_truncate_side: str = opt(
         "middle",
         choices=("left", "middle", "right"),
-        help="which part of a longer output is kept: left (its start), middle (both ends), right (its end)",
+        help="which part of a longer output is kept: left (its start), middle (both ends), right "
+        "(its end)",
     )
     format: str = opt(
         "hermes",
@@ -50,7 +53,8 @@ class MultiTurnConfig:
     tool_timeout_s: float = opt(
         30.0,
         gt=0,
-        help="seconds a tool call (or an environment's step) may take; then the model is told it timed out",
+        help="seconds a tool call (or an environment's step) may take; then the model is told it "
+        "timed out",
     )
     environment: str | None = opt(
         None,

@@ -38,7 +38,8 @@ def parse_overrides(overrides, value_now=lambda key: DELETE) -> list[tuple[str, 
         if not sep or not key:
             now = value_now(key) if key else DELETE
             fix = (
-                f"write it as key=value: `{key}={value_text(now)}` in place of `{item}` (the value it has now)"
+                f"write it as key=value: `{key}={value_text(now)}` in place of `{item}` (the "
+                "value it has now)"
                 if now is not DELETE
                 else f"remove `{item}` (no key is named so); write overrides as `section.key=value`"
             )

@@ -137,13 +137,16 @@ def _off_policy_correction(
         or correction.bypass_mode
     ):
         return correction, None
-    why = f"since trainer.mode=async trains samples up to {k} policy version{'s' if k > 1 else ''} old"
+    why = (
+        f"since trainer.mode=async trains samples up to {k} policy version{'s' if k > 1 else ''} "
+        "old"
+    )
     if cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla":
         return replace(correction, bypass_mode=True), (
-            f"algorithm.rollout_correction.bypass_mode: true, {why}: PPO's ratio and clip are taken "
-            "against the log-probs of the policy that sampled them, as verl's fully async trainer "
-            "does, and the old-log-prob pass is saved (set rollout_is or rollout_rs for decoupled "
-            "correction instead)"
+            f"algorithm.rollout_correction.bypass_mode: true, {why}: PPO's ratio and clip are "
+            "taken against the log-probs of the policy that sampled them, as verl's fully async "
+            "trainer does, and the old-log-prob pass is saved (set rollout_is or rollout_rs for "
+            "decoupled correction instead)"
         )
     return replace(correction, rollout_is="token"), (
         f"algorithm.rollout_correction.rollout_is: 'token', {why} (truncated IS weights at "
@@ -213,11 +216,13 @@ class BatchPlan:
         return "batch plan\n" + "\n".join(f"  {label:<{width}}  {value}" for label, value in rows)
 
     def summary(self) -> str:
-        """The plan in a few lines, as `keel train` prints it before step 1 (`render` is the table)."""
+        """The plan in a few lines, as `keel train` prints it before step 1 (`render` is the
+        table)."""
         workers = f"{self.workers} worker{'s' if self.workers > 1 else ''}"
         lines = [
-            f"batch plan: {self.prompts_per_step} prompts x {self.samples_per_step // self.prompts_per_step} "
-            f"samples = {self.samples_per_step} a step on {workers}, at most {self.max_tokens_per_step} tokens"
+            f"batch plan: {self.prompts_per_step} prompts x "
+            f"{self.samples_per_step // self.prompts_per_step} samples = {self.samples_per_step} "
+            f"a step on {workers}, at most {self.max_tokens_per_step} tokens"
         ]
         for name, role in (("actor", self.actor), ("critic", self.critic)):
             if role is None:
@@ -228,8 +233,9 @@ class BatchPlan:
                 else f"micro-batches of at most {role.max_tokens_per_micro_batch} tokens"
             )
             lines.append(
-                f"  {name}: {role.mini_batches} mini-batches of {role.samples_per_mini_batch} samples "
-                f"({micro} each per worker), {role.optimizer_steps_per_rollout} optimiser steps a rollout"
+                f"  {name}: {role.mini_batches} mini-batches of {role.samples_per_mini_batch} "
+                f"samples ({micro} each per worker), {role.optimizer_steps_per_rollout} optimiser "
+                "steps a rollout"
             )
         lines.append(f"  old log-probs: {self.old_log_probs}")
         lines.append(f"  training: {self.mode}")
@@ -288,15 +294,24 @@ def reward_scoring(cfg: KeelConfig, workers: int) -> str:
     if cfg.custom_reward_function.batched:
         return "by your batched function, each batch whole"
     if workers == 0:
-        return "in the trainer's process, each batch whole (set reward.num_workers > 0 to score beside generation)"
+        return (
+            "in the trainer's process, each batch whole (set reward.num_workers > 0 to score "
+            "beside generation)"
+        )
     where = f"in {workers} scoring processes"
     if not reward.score_ahead:
         return f"{where}, each batch whole (reward.score_ahead=false)"
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.name == "hf":
-        return f"{where}, each batch whole (transformers' generate does not tell samples as they finish)"
+        return (
+            f"{where}, each batch whole (transformers' generate does not tell samples as they "
+            "finish)"
+        )
     episodes = rollout.multi_turn.enable or rollout.agent.function or rollout.agent.environment
-    whole = " (episodes with an environment or verl's lifecycle tools, and agent code: each batch whole)"
+    whole = (
+        " (episodes with an environment or verl's lifecycle tools, and agent code: each batch "
+        "whole)"
+    )
     return f"{where}, each sample as it finishes, beside generation" + (whole if episodes else "")
 
 
@@ -351,15 +366,16 @@ def training_mode(cfg: KeelConfig, plan: Plan) -> str:
     versions = f"{k} policy version{'s' if k > 1 else ''}"
     if off.partial:
         return (
-            f"async with partial rollouts: {k + 1} batches of {samples} samples are under way; a step's round ends "
-            f"once a batch of groups has finished and the rest go on under the next policy, no token more than "
-            f"{versions} old ({_strategy(off.strategy)}; rollout correction: {corrected}); "
-            f"about {held_mb * (k + 1) / k:.0f} MB on the host at most"
+            f"async with partial rollouts: {k + 1} batches of {samples} samples are under way; a "
+            "step's round ends once a batch of groups has finished and the rest go on under the "
+            f"next policy, no token more than {versions} old ({_strategy(off.strategy)}; rollout "
+            f"correction: {corrected}); about {held_mb * (k + 1) / k:.0f} MB on the host at most"
         )
     return (
-        f"async: generation and scoring run up to {k} step{'s' if k > 1 else ''} ahead of training, so a trained "
-        f"sample is at most {versions} old (rollout correction: {corrected}); "
-        f"{k} batch{'es' if k > 1 else ''} of {samples} samples wait on the host, about {held_mb:.0f} MB at most"
+        f"async: generation and scoring run up to {k} step{'s' if k > 1 else ''} ahead of "
+        f"training, so a trained sample is at most {versions} old (rollout correction: "
+        f"{corrected}); {k} batch{'es' if k > 1 else ''} of {samples} samples wait on the host, "
+        f"about {held_mb:.0f} MB at most"
     )
 
 

@@ -49,8 +49,8 @@ class SandboxConfig:
 class RewardConfig:
     scorers: dict[str, dict[str, float]] = opt(
         factory=dict,
-        help="data_source -> {scorer: weight}, e.g. {gsm8k: {gsm8k: 0.9, think_answer_format: 0.1}}; "
-        "sources not listed use the built-in dispatch",
+        help="data_source -> {scorer: weight}, e.g. {gsm8k: {gsm8k: 0.9, think_answer_format: "
+        "0.1}}; sources not listed use the built-in dispatch",
     )
     overlong_buffer: OverlongBufferConfig = opt(factory=OverlongBufferConfig)
     normalize: RewardNormConfig = opt(factory=RewardNormConfig)
@@ -68,8 +68,9 @@ class RewardConfig:
     num_workers: int = opt(0, ge=0, help="scoring processes; 0 scores in the trainer's process")
     score_ahead: bool = opt(
         True,
-        help="with num_workers > 0: each sample begins scoring as soon as it finishes, beside the rest's "
-        "generation (keel's native engine and agent loop, in any worker layout, and partial rollouts)",
+        help="with num_workers > 0: each sample begins scoring as soon as it finishes, beside the "
+        "rest's generation (keel's native engine and agent loop, in any worker layout, and "
+        "partial rollouts)",
     )
 
 

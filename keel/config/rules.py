@@ -39,16 +39,19 @@ def _check_batch_arithmetic(cfg: KeelConfig) -> None:
                 BATCH_ARITHMETIC,
                 f"data.train_batch_size={prompts} prompts do not split into {role} mini-batches of "
                 f"{key}.ppo_mini_batch_size={mini} prompts",
-                f"set {setting(f'{key}.ppo_mini_batch_size', largest_divisor_at_most(prompts, mini))} (the "
-                f"nearest divisor of {prompts}), or `data.train_batch_size={-(-prompts // mini) * mini}`",
+                "set "
+                f"{setting(f'{key}.ppo_mini_batch_size', largest_divisor_at_most(prompts, mini))} "
+                f"(the nearest divisor of {prompts}), or "
+                f"`data.train_batch_size={-(-prompts // mini) * mini}`",
             )
         # a token budget ignores the micro-batch size
         if (mini * n) % micro and not dynamic:
             raise KeelError(
                 BATCH_ARITHMETIC,
-                f"the {role} mini-batch of {mini} prompts x rollout.n={n} = {mini * n} samples does not "
-                f"split into micro-batches of {key}.ppo_micro_batch_size_per_gpu={micro}",
-                f"set {setting(f'{key}.ppo_micro_batch_size_per_gpu', largest_divisor_at_most(mini * n, micro))} "
+                f"the {role} mini-batch of {mini} prompts x rollout.n={n} = {mini * n} samples "
+                f"does not split into micro-batches of {key}.ppo_micro_batch_size_per_gpu={micro}",
+                "set "
+                f"{setting(f'{key}.ppo_micro_batch_size_per_gpu', largest_divisor_at_most(mini * n, micro))} "
                 f"(the largest divisor of {mini * n} up to {micro})",
             )
 
@@ -85,7 +88,8 @@ def _check_token_budgets(cfg: KeelConfig) -> None:
                 BATCH_ARITHMETIC,
                 f"{key}={budget} is smaller than one sample can be: "
                 f"data.max_prompt_length + data.max_response_length = {longest} tokens",
-                f"set {setting(key, 2 * longest)} (at least {longest}; more lets samples share a pass)",
+                f"set {setting(key, 2 * longest)} (at least {longest}; more lets samples "
+                "share a pass)",
             )
 
 
@@ -121,7 +125,8 @@ def _check_rollout_lengths(cfg: KeelConfig, incompatible) -> None:
 
 
 def _check_world(cfg: KeelConfig, incompatible) -> None:
-    """Every rank needs at least one sample of every mini-batch, and FSDP groups must tile the world."""
+    """Every rank needs at least one sample of every mini-batch, and FSDP groups must tile the
+    world."""
     world = cfg.world_size
     n = cfg.actor_rollout_ref.rollout.n
     mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * n
@@ -130,8 +135,9 @@ def _check_world(cfg: KeelConfig, incompatible) -> None:
             BATCH_ARITHMETIC,
             f"an actor mini-batch of {mini} samples cannot be split across "
             f"{world} workers (trainer.n_gpus_per_node x trainer.nnodes)",
-            f"set {setting('actor_rollout_ref.actor.ppo_mini_batch_size', _mini_for(cfg, world))} (the "
-            f"smallest mini-batch of prompts that reaches every worker and divides data.train_batch_size)",
+            f"set {setting('actor_rollout_ref.actor.ppo_mini_batch_size', _mini_for(cfg, world))} "
+            "(the smallest mini-batch of prompts that reaches every worker and divides "
+            "data.train_batch_size)",
         )
     if cfg.critic.enable_resource_pool and not cfg.critic_enabled:
         raise incompatible(
@@ -142,9 +148,9 @@ def _check_world(cfg: KeelConfig, incompatible) -> None:
     policy = cfg.actor_rollout_ref
     if not policy.hybrid_engine and policy.model.lora_rank > 0 and policy.rollout.name == "hf":
         raise incompatible(
-            "actor_rollout_ref.hybrid_engine=false with LoRA (model.lora_rank > 0) and rollout.name=hf: the "
-            "rollout's own workers take only the adapters after each update, which keel's native engine applies "
-            "and transformers' generate cannot",
+            "actor_rollout_ref.hybrid_engine=false with LoRA (model.lora_rank > 0) and "
+            "rollout.name=hf: the rollout's own workers take only the adapters after each update, "
+            "which keel's native engine applies and transformers' generate cannot",
             f"set {setting('actor_rollout_ref.rollout.name', 'native')} (or auto), or "
             f"{setting('actor_rollout_ref.hybrid_engine', True)}",
         )
@@ -154,14 +160,15 @@ def _check_world(cfg: KeelConfig, incompatible) -> None:
             BATCH_ARITHMETIC,
             f"a critic mini-batch of {critic_mini} samples cannot be split across "
             f"{cfg.critic_world_size} critic workers",
-            f"set {setting('critic.ppo_mini_batch_size', _mini_for(cfg, cfg.critic_world_size))}, or use "
-            "fewer critic workers",
+            f"set {setting('critic.ppo_mini_batch_size', _mini_for(cfg, cfg.critic_world_size))}, "
+            "or use fewer critic workers",
         )
     for key, fsdp, ranks in cfg.fsdp_roles:
         if fsdp.fsdp_size != -1 and (fsdp.fsdp_size < 1 or ranks % fsdp.fsdp_size):
             raise incompatible(
                 f"{key}.fsdp_config.fsdp_size={fsdp.fsdp_size} does not divide the {ranks} workers",
-                f"set {setting(key + '.fsdp_config.fsdp_size', -1)} (shard over all {ranks}), or a divisor of {ranks}",
+                f"set {setting(key + '.fsdp_config.fsdp_size', -1)} (shard over all {ranks}), "
+                f"or a divisor of {ranks}",
             )
         if fsdp.fsdp_size == 1 and fsdp.param_offload and ranks > 1:
             raise incompatible(
@@ -177,7 +184,8 @@ def largest_divisor_at_most(total: int, limit: int) -> int:
 
 
 def lengths_within(cfg: KeelConfig, limit: int, read_by: str) -> str:
-    """The fix for prompt plus response over `limit` tokens: the response shortened to fit, else both."""
+    """The fix for prompt plus response over `limit` tokens: the response shortened to fit, else
+    both."""
     prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
     fit = (
         {"data.max_response_length": limit - prompt}
@@ -188,7 +196,8 @@ def lengths_within(cfg: KeelConfig, limit: int, read_by: str) -> str:
 
 
 def _mini_for(cfg: KeelConfig, workers: int) -> int:
-    """The smallest mini-batch of prompts that gives each of `workers` a sample and divides the batch."""
+    """The smallest mini-batch of prompts that gives each of `workers` a sample and divides the
+    batch."""
     prompts, least = cfg.data.train_batch_size, -(-workers // cfg.actor_rollout_ref.rollout.n)
     return next((m for m in range(least, prompts + 1) if prompts % m == 0), least)
 
@@ -222,8 +231,8 @@ def _check_algorithm(cfg: KeelConfig, incompatible) -> None:
     est, rollout = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout
     if cfg.algorithm.filter_groups.enable and rollout.n < 2:
         raise incompatible(
-            f"algorithm.filter_groups.enable=true with actor_rollout_ref.rollout.n={rollout.n}: a group "
-            "of one sample always looks alike, so every prompt would be dropped",
+            f"algorithm.filter_groups.enable=true with actor_rollout_ref.rollout.n={rollout.n}: a "
+            "group of one sample always looks alike, so every prompt would be dropped",
             f"set {setting(ROLLOUT + '.n', _group_size(cfg))}",
         )
     if est in GROUP_ESTIMATORS and rollout.n < 2:
@@ -259,22 +268,24 @@ def _check_rollout_correction(cfg: KeelConfig, incompatible) -> None:
         raise KeelError(
             BAD_VALUE,
             f"{key}: {e}",
-            f"set {key}.rollout_rs to filters among token_k1..seq_max_k3 "
-            "and rollout_rs_threshold to one bound each (k1: lower_upper), or "
-            f"{overrides({key + '.rollout_rs': None, key + '.rollout_rs_threshold': None})} to reject "
-            "nothing",
+            f"set {key}.rollout_rs to filters among token_k1..seq_max_k3 and rollout_rs_threshold "
+            "to one bound each (k1: lower_upper), or "
+            f"{overrides({key + '.rollout_rs': None, key + '.rollout_rs_threshold': None})} to "
+            "reject nothing",
         ) from None
     if not (rc.bypass_mode or rc.decoupled):
         if rc.loss_type != "ppo_clip":
             raise incompatible(
-                f"{key}.loss_type={rc.loss_type} without bypass_mode=true: the loss type is bypass mode's",
-                f"set {setting(key + '.bypass_mode', True)}, or {setting(key + '.loss_type', 'ppo_clip')}",
+                f"{key}.loss_type={rc.loss_type} without bypass_mode=true: the loss type is "
+                "bypass mode's",
+                f"set {setting(key + '.bypass_mode', True)}, or "
+                f"{setting(key + '.loss_type', 'ppo_clip')}",
             )
         return
     if not cfg.actor_rollout_ref.rollout.do_sample:
         raise incompatible(
-            f"{key} with rollout.do_sample=false: greedy engines record log-probs at temperature 1, "
-            "not the distribution the trainer computes",
+            f"{key} with rollout.do_sample=false: greedy engines record log-probs at temperature "
+            "1, not the distribution the trainer computes",
             f"set {setting(ROLLOUT + '.do_sample', True)}",
         )
     loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
@@ -287,16 +298,18 @@ def _check_rollout_correction(cfg: KeelConfig, incompatible) -> None:
         )
     if rc.bypass_mode and rc.rollout_is_batch_normalize:
         raise incompatible(
-            f"{key}.rollout_is_batch_normalize with bypass_mode: bypass mode weighs each micro-batch "
-            "as it trains, so the mean would be a micro-batch's and depend on how the batch is cut",
-            f"set {setting(key + '.rollout_is_batch_normalize', False)}, or {setting(key + '.bypass_mode', False)}",
+            f"{key}.rollout_is_batch_normalize with bypass_mode: bypass mode weighs each "
+            "micro-batch as it trains, so the mean would be a micro-batch's and depend on how "
+            "the batch is cut",
+            f"set {setting(key + '.rollout_is_batch_normalize', False)}, or "
+            f"{setting(key + '.bypass_mode', False)}",
         )
     if rc.bypass_mode and rc.loss_type == "ppo_clip" and rc.rollout_is is not None:
         raise incompatible(
             f"{key}.rollout_is with bypass_mode and loss_type=ppo_clip: the PPO ratio is already "
             "pi / pi_rollout, so verl computes these weights and never applies them",
-            f"set {setting(key + '.rollout_is', None)}, or {setting(key + '.loss_type', 'reinforce')} "
-            "to weight -A log pi with them",
+            f"set {setting(key + '.rollout_is', None)}, or "
+            f"{setting(key + '.loss_type', 'reinforce')} to weight -A log pi with them",
         )
 
 
@@ -307,8 +320,8 @@ def _check_reward(cfg: KeelConfig, incompatible) -> None:
         raise incompatible(
             "custom_reward_function.batched=true needs custom_reward_function.path and no "
             "reward.scorers mapping: a batched function scores every sample itself",
-            f"set {setting('custom_reward_function.batched', False)} (the function scores one sample "
-            "a call), or set custom_reward_function.path and remove reward.scorers",
+            f"set {setting('custom_reward_function.batched', False)} (the function scores one "
+            "sample a call), or set custom_reward_function.path and remove reward.scorers",
         )
     if cfg.reward_model.enable and not cfg.reward_model.model.path:
         raise incompatible(
@@ -318,7 +331,8 @@ def _check_reward(cfg: KeelConfig, incompatible) -> None:
         )
     if cfg.reward_model.enable_resource_pool and not cfg.reward_model.enable:
         raise incompatible(
-            "reward_model.enable_resource_pool=true with reward_model.enable=false: there is no reward model to place",
+            "reward_model.enable_resource_pool=true with reward_model.enable=false: there is "
+            "no reward model to place",
             f"set {setting('reward_model.enable_resource_pool', False)}",
         )
     overlong = cfg.reward.overlong_buffer
@@ -327,8 +341,8 @@ def _check_reward(cfg: KeelConfig, incompatible) -> None:
             f"reward.overlong_buffer.len={overlong.len} is not shorter than "
             f"data.max_response_length={cfg.data.max_response_length}: every response would be "
             "penalised",
-            f"set {setting('reward.overlong_buffer.len', cfg.data.max_response_length // 4)} (a quarter "
-            "of data.max_response_length)",
+            f"set {setting('reward.overlong_buffer.len', cfg.data.max_response_length // 4)} (a "
+            "quarter of data.max_response_length)",
         )
 
 
@@ -355,7 +369,8 @@ def _check_options(cfg: KeelConfig) -> None:
     if val.do_sample and val.temperature == 0:
         raise incompatible(
             "rollout.val_kwargs.do_sample=true with temperature=0 is greedy decoding",
-            f"set {overrides(_sampling(val))}, or {setting(ROLLOUT + '.val_kwargs.do_sample', False)}",
+            f"set {overrides(_sampling(val))}, or "
+            f"{setting(ROLLOUT + '.val_kwargs.do_sample', False)}",
         )
     for key, optim in (
         ("actor_rollout_ref.actor.optim", cfg.actor_rollout_ref.actor.optim),
@@ -373,9 +388,9 @@ def _check_options(cfg: KeelConfig) -> None:
         raise incompatible(
             "rollout.multi_turn.environment and rollout.multi_turn.interaction_config_path both "
             "answer the turns without tool calls",
-            "keep one: "
-            f"{setting(ROLLOUT + '.multi_turn.interaction_config_path', None)} (keel's environment), or "
-            f"{setting(ROLLOUT + '.multi_turn.environment', None)} (verl's interactions)",
+            f"keep one: {setting(ROLLOUT + '.multi_turn.interaction_config_path', None)} (keel's "
+            f"environment), or {setting(ROLLOUT + '.multi_turn.environment', None)} (verl's "
+            "interactions)",
         )
     _check_world(cfg, incompatible)
     _check_token_budgets(cfg)
@@ -384,7 +399,8 @@ def _check_options(cfg: KeelConfig) -> None:
     if not cfg.data.train_files and not (agent.environment or "").startswith("verifiers:"):
         raise incompatible(
             "data.train_files is empty",
-            "set data.train_files to parquet/jsonl files (a verifiers environment brings its own dataset)",
+            "set data.train_files to parquet/jsonl files (a verifiers environment brings its "
+            "own dataset)",
         )
     if agent.function and agent.environment:
         raise incompatible(

@@ -45,7 +45,8 @@ class ModelOptions:
     dtype: str = opt(
         "auto",
         choices=DTYPES,
-        help="compute dtype; auto: bfloat16 on GPU, float32 on CPU. Weights and optimiser state stay float32",
+        help="compute dtype; auto: bfloat16 on GPU, float32 on CPU. Weights and optimiser state "
+        "stay float32",
     )
     trust_remote_code: bool = opt(False)
     enable_gradient_checkpointing: bool = opt(False)
@@ -68,7 +69,8 @@ class LoraOptions:
     )
     modules_to_save: list[str] = opt(
         factory=list,
-        help="modules trained in full beside the adapters (e.g. embed_tokens); nothing else may train",
+        help="modules trained in full beside the adapters (e.g. embed_tokens); nothing else may "
+        "train",
     )
     lora_adapter_path: str | None = opt(None, help="start from a saved PEFT adapter directory")
 
@@ -103,7 +105,8 @@ class FSDPConfig:
     )
     optimizer_offload: bool = opt(
         False,
-        help="Adam's moments live in CPU memory; the step brings them to the GPU a 1 GiB bucket at a time",
+        help="Adam's moments live in CPU memory; the step brings them to the GPU a 1 GiB bucket at "
+        "a time",
     )
     reshard_after_forward: bool = opt(
         True,
@@ -159,7 +162,8 @@ class ValKwargs:
 
 @dataclass
 class LogProbBatching:
-    """Micro-batches of a forward-only log-prob pass: the rollout's (old log-probs) or the reference's."""
+    """Micro-batches of a forward-only log-prob pass: the rollout's (old log-probs) or the
+    reference's."""
 
     log_prob_micro_batch_size_per_gpu: int = opt(8, gt=0)
     log_prob_use_dynamic_bsz: bool = opt(False, help="log-prob micro-batches by token budget")
@@ -187,12 +191,14 @@ class RolloutConfig(LogProbBatching):
     max_num_batched_tokens: int = opt(8192, gt=0, help="native: prompt tokens per prefill pass")
     enable_chunked_prefill: bool = opt(
         True,
-        help="native: a prompt longer than max_num_batched_tokens is prefilled in pieces; false refuses such a config",
+        help="native: a prompt longer than max_num_batched_tokens is prefilled in pieces; false "
+        "refuses such a config",
     )
     max_model_len: int | None = opt(
         None,
         gt=0,
-        help="longest prompt + response the rollout holds; default: data.max_prompt_length + data.max_response_length",
+        help="longest prompt + response the rollout holds; default: data.max_prompt_length + "
+        "data.max_response_length",
     )
     enforce_eager: bool = opt(
         False, help="native: no CUDA graphs and no torch.compile in decoding (debugging)"
@@ -208,7 +214,8 @@ class RolloutConfig(LogProbBatching):
         0.5,
         gt=0,
         le=1,
-        help="native: share of the free GPU memory the KV cache may take (fewer sequences at once if needed)",
+        help="native: share of the free GPU memory the KV cache may take (fewer sequences at once "
+        "if needed)",
     )
     val_kwargs: ValKwargs = opt(factory=ValKwargs)
     multi_turn: MultiTurnConfig = opt(factory=MultiTurnConfig)
@@ -226,7 +233,8 @@ class RefConfig(LogProbBatching):
 
 @dataclass
 class ActorRolloutRefConfig:
-    """verl's actor_rollout_ref: the policy's model, its training, its generation, and the reference."""
+    """verl's actor_rollout_ref: the policy's model, its training, its generation, and the
+    reference."""
 
     model: ModelConfig = opt(factory=ModelConfig)
     actor: ActorConfig = opt(factory=ActorConfig)
@@ -238,10 +246,11 @@ class ActorRolloutRefConfig:
     )
     hybrid_engine: bool = opt(
         True,
-        help="true: the rollout engine shares the actor's workers (and GPUs); false: it runs on workers of its own "
-        "(rollout.n_gpus_per_node x rollout.nnodes, placed by Ray), which take the actor's weights after each update, "
-        "tagged with the policy version (a LoRA policy's adapters only); with trainer.mode=async they generate "
-        "while the actor trains",
+        help="true: the rollout engine shares the actor's workers (and GPUs); false: it runs on "
+        "workers of its own (rollout.n_gpus_per_node x rollout.nnodes, placed by Ray), which "
+        "take the actor's weights after each update, tagged with the policy version (a LoRA "
+        "policy's adapters only); with trainer.mode=async they generate while the actor "
+        "trains",
     )
 
 
@@ -296,7 +305,8 @@ class KeelConfig:
 
     @property
     def pools(self) -> dict[str, int]:
-        """Devices of each role that has a resource pool of its own (besides the policy's workers)."""
+        """Devices of each role that has a resource pool of its own (besides the policy's
+        workers)."""
         pools = {}
         if self.critic_enabled and self.critic.enable_resource_pool:
             pools["critic"] = self.critic.n_gpus_per_node * self.critic.nnodes
@@ -334,7 +344,8 @@ class KeelConfig:
 
     @property
     def critic_batching(self) -> tuple[int, int, int]:
-        """(mini-batch prompts, micro-batch samples, epochs) of the critic: the actor's unless set."""
+        """(mini-batch prompts, micro-batch samples, epochs) of the critic: the actor's unless
+        set."""
         c, actor = self.critic, self.actor_rollout_ref.actor
         return (
             c.ppo_mini_batch_size or actor.ppo_mini_batch_size,

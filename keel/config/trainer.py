@@ -78,8 +78,8 @@ class RunOptions:
     logger: list[str] = opt(
         factory=lambda: ["console"],
         choices=("console", "wandb", "tensorboard", "mlflow"),
-        help="console and experiment trackers (pip install -e '.[tracking]' in keel's checkout); metrics.jsonl is "
-        "always written",
+        help="console and experiment trackers (pip install -e '.[tracking]' in keel's checkout); "
+        "metrics.jsonl is always written",
     )
 
 
@@ -108,28 +108,32 @@ class TrainerConfig(RunOptions):
     mode: str = opt(
         "sync",
         choices=("sync", "async"),
-        help="sync: a step trains the samples it generated; async: generation and scoring run up to "
-        "max_off_policy_steps steps ahead of training, so rewards score on the host while the GPU generates "
-        "and trains, and samples are up to that many policy versions old (rollout correction corrects for it)",
+        help="sync: a step trains the samples it generated; async: generation and scoring run up "
+        "to max_off_policy_steps steps ahead of training, so rewards score on the host while "
+        "the GPU generates and trains, and samples are up to that many policy versions old "
+        "(rollout correction corrects for it)",
     )
     max_off_policy_steps: int = opt(
         1,
         ge=0,
-        help="async: how many policy versions older than the one it updates a trained sample may be (0: none, "
-        "which is sync); generation waits for training rather than go further ahead",
+        help="async: how many policy versions older than the one it updates a trained sample may "
+        "be (0: none, which is sync); generation waits for training rather than go further "
+        "ahead",
     )
     partial_rollout: bool = opt(
         False,
-        help="async: a step's generation ends when its batch is complete, not at the slowest sample; samples "
-        "still generating keep their tokens and go on under the next policy (each token tagged with its "
-        "version); max_off_policy_steps + 1 batches of prompts are under way; needs the native engine",
+        help="async: a step's generation ends when its batch is complete, not at the slowest "
+        "sample; samples still generating keep their tokens and go on under the next policy "
+        "(each token tagged with its version); max_off_policy_steps + 1 batches of prompts "
+        "are under way; needs the native engine",
     )
     off_policy_strategy: str = opt(
         "wait",
         choices=("wait", "drop"),
-        help="partial rollouts: wait (a step trains the oldest prompts, once they finished: none passes "
-        "max_off_policy_steps) or drop (a step trains the first groups to finish; a group that would pass the "
-        "bound is dropped, which trains long responses less often than sampled)",
+        help="partial rollouts: wait (a step trains the oldest prompts, once they finished: none "
+        "passes max_off_policy_steps) or drop (a step trains the first groups to finish; a "
+        "group that would pass the bound is dropped, which trains long responses less often "
+        "than sampled)",
     )
 
     @property

@@ -120,4 +120,7 @@ def _choice_fix(dotted: str, value: Any, item: Any, choices, default: Any) -> st
             f"set {setting(dotted, fixed)} ({why}; the choices are {', '.join(map(str, choices))})"
         )
     why = "the choice spelt like it" if near else "the default"
-    return f"set {setting(dotted, near or default)} ({why}; the choices are {', '.join(map(str, choices))})"
+    return (
+        f"set {setting(dotted, near or default)} ({why}; the choices are "
+        f"{', '.join(map(str, choices))})"
+    )

@@ -68,8 +68,10 @@ def _kept(
                 problems.append(
                     KeelError(
                         VERL_UNSUPPORTED,
-                        f"{key}={value!r} is a verl setting keel does not have: {VALUE_REFUSALS[key][value]}",
-                        f"set {setting(key, defaults[key])} (keel's default; docs/config.md lists the others)",
+                        f"{key}={value!r} is a verl setting keel does not have: "
+                        f"{VALUE_REFUSALS[key][value]}",
+                        f"set {setting(key, defaults[key])} (keel's default; docs/config.md "
+                        "lists the others)",
                     )
                 )
                 continue
@@ -105,8 +107,8 @@ def _kept(
 
 def _renamed(flat: dict[str, Any], known: set[str], decided: list) -> dict[str, Any]:
     """Keys renamed between verl releases under their new names (a key may have been renamed twice).
-    A value under the new name wins unless it is unset (null): the user's, or verl's default where the
-    composed config holds both names."""
+    A value under the new name wins unless it is unset (null): the user's, or verl's default where
+    the composed config holds both names."""
     renamed: dict[str, Any] = {}
     for key, value in flat.items():
         target, notes = key, []
@@ -140,8 +142,8 @@ def _loggers(value: Any, decided: list, problems: list) -> Any:
             kept.append("wandb")
         elif name == "file":
             decided.append(
-                "trainer.logger: file, verl's JSON-lines metrics, is keel's metrics.jsonl in the run "
-                "directory, written always"
+                "trainer.logger: file, verl's JSON-lines metrics, is keel's metrics.jsonl in the "
+                "run directory, written always"
             )
         elif name in VERL_LOGGERS:
             problems.append(
@@ -167,9 +169,9 @@ def _without(names: list, refused: str) -> list:
 def _reward_manager(
     flat: dict[str, Any], defaults: dict[str, Any], decided: list, problems: list
 ) -> None:
-    """verl's reward_model.reward_manager (and its reward_kwargs) as keel's settings: naive is keel's
-    way, batch is custom_reward_function.batched, dapo is reward.overlong_buffer, prime is scoring
-    processes (reward.num_workers)."""
+    """verl's reward_model.reward_manager (and its reward_kwargs) as keel's settings: naive is
+    keel's way, batch is custom_reward_function.batched, dapo is reward.overlong_buffer, prime is
+    scoring processes (reward.num_workers)."""
     named = [flat.pop(key, None) for key in ("reward_model.reward_manager", "reward_manager.name")]
     manager = next((name for name in named if name not in (None, "naive")), "naive")
     # an empty mapping: nothing to pass
@@ -187,8 +189,10 @@ def _reward_manager(
         problems.append(
             KeelError(
                 VERL_UNSUPPORTED,
-                f"reward_model.reward_manager={manager!r} is a verl reward manager keel does not have",
-                f"set {setting('reward_model.reward_manager', 'naive')} (keel's default), or batch, dapo or prime",
+                f"reward_model.reward_manager={manager!r} is a verl reward manager keel does "
+                "not have",
+                f"set {setting('reward_model.reward_manager', 'naive')} (keel's default), or "
+                "batch, dapo or prime",
             )
         )
     if manager != "naive":
@@ -222,8 +226,8 @@ def _reward_kwargs(
                     f"reward_model.reward_kwargs.max_resp_len={value} differs "
                     "from data.max_response_length; keel's overlong penalty measures against "
                     "data.max_response_length",
-                    "remove `reward_model.reward_kwargs.max_resp_len` (the penalty measures against "
-                    "data.max_response_length)",
+                    "remove `reward_model.reward_kwargs.max_resp_len` (the penalty measures "
+                    "against data.max_response_length)",
                 )
             )
         # keel logs the penalty always

@@ -120,8 +120,9 @@ VALUE_REFUSALS = {
         "kl_cov": "KL-Cov (arXiv 2505.22617) penalises the tokens of highest covariance",
         "geo_mean": "GMPO (arXiv 2507.20673) uses the geometric mean of token ratios",
         "sapo": "SAPO replaces the clip with soft gates (tau_pos, tau_neg)",
-        "bypass_mode": "the loss verl sets itself for algorithm.rollout_correction.bypass_mode=true, which keel reads: "
-        "set that key instead",
+        "bypass_mode": "the loss verl sets itself for "
+        "algorithm.rollout_correction.bypass_mode=true, which keel reads: set that "
+        "key instead",
     },
     "algorithm.adv_estimator": {
         "optimal_token_baseline": "per-token optimal baselines",

@@ -35,7 +35,8 @@ TRUNCATION_MODES = ("error", "left", "right")
 
 
 def load_rows(paths: PathLike | list[PathLike], key: str | None = None) -> list[dict]:
-    """Read every file in order and concatenate their rows; `key` is the config key that names them."""
+    """Read every file in order and concatenate their rows; `key` is the config key that names
+    them."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     missing = next((str(p) for p in paths if not Path(p).is_file()), None)
@@ -55,7 +56,8 @@ def load_rows(paths: PathLike | list[PathLike], key: str | None = None) -> list[
 
 
 def missing_file_fix(missing: str, paths: list[str], key: str | None) -> str | None:
-    """A file there is, named like the missing one; else the script that writes it; else what is there."""
+    """A file there is, named like the missing one; else the script that writes it; else what is
+    there."""
     found, maker = nearby_file(missing), maker_of(missing)
     options = [f"run `{maker}`, which writes {Path(missing).parent}"] if maker else []
     if found:
@@ -76,8 +78,8 @@ def missing_file_fix(missing: str, paths: list[str], key: str | None) -> str | N
         p.name for p in folder.iterdir() if p.suffix in (".jsonl", ".parquet", ".json")
     )
     return (
-        f"set {key or 'the path'} to existing .parquet, .jsonl or .json files; the nearest existing folder, "
-        f"{folder}, holds {present or 'none'}"
+        f"set {key or 'the path'} to existing .parquet, .jsonl or .json files; the nearest "
+        f"existing folder, {folder}, holds {present or 'none'}"
     )
 
 
@@ -91,7 +93,8 @@ def _load_file(path: Path) -> list[dict]:
         return _load_json(path)
     raise KeelError(
         DATA_FILE,
-        f"dataset file {str(path)!r} has extension {suffix or '(none)'!r}; keel reads .parquet, .jsonl and .json",
+        f"dataset file {str(path)!r} has extension {suffix or '(none)'!r}; keel reads "
+        ".parquet, .jsonl and .json",
     )
 
 
@@ -219,7 +222,8 @@ def _get_prompt(row: dict, i: int, prompt_key: str, name: str) -> str | list[dic
         column = _prompt_column(row)
         raise KeelError(
             DATA_COLUMN,
-            f"{name} data row {i} has no {prompt_key!r} column (or it is null); the row's columns are {sorted(row)}",
+            f"{name} data row {i} has no {prompt_key!r} column (or it is null); the row's "
+            f"columns are {sorted(row)}",
             f"set {setting('data.prompt_key', column)} (the row's prompt-like column)"
             if column
             else None,

@@ -78,7 +78,8 @@ class ResumableSampler:
                 )
         if not 0 <= state["position"] <= self.batches_per_epoch:
             raise ValueError(
-                f"checkpoint position {state['position']} is outside an epoch of {self.batches_per_epoch} batches"
+                f"checkpoint position {state['position']} is outside an epoch of "
+                f"{self.batches_per_epoch} batches"
             )
         # The checkpoint's seed wins: the batches already trained on came from its order.
         self.seed = state["seed"]

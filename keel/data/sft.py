@@ -146,7 +146,8 @@ def _truncate(
         other = "right" if truncation == "left" else "left"
         raise KeelError(
             NO_ASSISTANT_TURN,
-            f"{name} SFT row {i}: truncation={truncation} to {limit} tokens removes every assistant token",
+            f"{name} SFT row {i}: truncation={truncation} to {limit} tokens removes every "
+            "assistant token",
             f"set {setting('data.max_length', longest)} (the longest example, whole), or "
             f"{setting('data.truncation', other)}",
         )

@@ -30,14 +30,15 @@ def port_from_environment() -> int | None:
         raise KeelError(
             MASTER_PORT_UNUSABLE,
             f"MASTER_PORT={raw!r} is not a port number",
-            f"run `export MASTER_PORT={free_port()}` (a port free here now), or `unset MASTER_PORT` to let "
-            "keel choose one",
+            f"run `export MASTER_PORT={free_port()}` (a port free here now), or `unset "
+            "MASTER_PORT` to let keel choose one",
         )
     return int(raw)
 
 
 def rendezvous_port(wanted: int | None) -> int:
-    """The port rank 0 listens on: MASTER_PORT when given (it must be free here), else a free one."""
+    """The port rank 0 listens on: MASTER_PORT when given (it must be free here), else a free
+    one."""
     if wanted is None:
         return free_port()
     with socket.socket() as s:
@@ -49,8 +50,8 @@ def rendezvous_port(wanted: int | None) -> int:
             raise KeelError(
                 MASTER_PORT_UNUSABLE,
                 f"MASTER_PORT={wanted} is taken on rank 0's node ({e.strerror})",
-                f"run `export MASTER_PORT={free_port()}` (a port free here now), or `unset MASTER_PORT` "
-                "to let keel choose one",
+                f"run `export MASTER_PORT={free_port()}` (a port free here now), or `unset "
+                "MASTER_PORT` to let keel choose one",
             ) from None
     return wanted
 

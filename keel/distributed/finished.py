@@ -1,11 +1,13 @@
-"""Samples told to the driver as they finish on a Ray rank: generate's `on_finished` across processes.
+"""Samples told to the driver as they finish on a Ray rank: generate's `on_finished` across
+processes.
 
-A rank's engine calls a `TellDriver` for each sample it finishes; the teller puts (call, row, (record,
-response text)) on a Ray queue without waiting for an answer, and one thread of the driver drains the queue into
-the call's callback (the reward's `start`, which begins the sample's scoring while the ranks still
-generate). Each rank ends its part with a marker that says how many samples it told: the queue's
-actor may run puts out of the order sent, so the driver counts them until every sample of a call has
-come through. A side channel: if it fails, the samples are scored with their batch, as without it.
+A rank's engine calls a `TellDriver` for each sample it finishes; the teller puts (call, row,
+(record, response text)) on a Ray queue without waiting for an answer, and one thread of the driver
+drains the queue into the call's callback (the reward's `start`, which begins the sample's scoring
+while the ranks still generate). Each rank ends its part with a marker that says how many samples it
+told: the queue's actor may run puts out of the order sent, so the driver counts them until every
+sample of a call has come through. A side channel: if it fails, the samples are scored with their
+batch, as without it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ ALL_TOLD_TIMEOUT_S = 120.0
 
 @dataclass
 class TellDriver:
-    """What a rank calls as each sample finishes (`row`: its row in the rank's prompts); `close` after its last."""
+    """What a rank calls as each sample finishes (`row`: its row in the rank's prompts); `close`
+    after its last."""
 
     # the Ray queue's actor handle: it pickles to the rank
     queue_actor: object
@@ -64,8 +67,8 @@ class FinishedChannel:
     def open(
         self, on_finished: Callable, offsets: list[int]
     ) -> tuple[int | None, list[TellDriver | None]]:
-        """A generate call's tellers, one per rank (`offsets`: each rank's first row) -> (the call, them);
-        none once the channel has stopped (the samples are then scored with their batch)."""
+        """A generate call's tellers, one per rank (`offsets`: each rank's first row) -> (the call,
+        them); none once the channel has stopped (the samples are then scored with their batch)."""
         with self.lock:
             if self.closed:
                 return None, [None] * len(offsets)
@@ -81,7 +84,8 @@ class FinishedChannel:
         _, _, told = self.calls[call]
         if not told.wait(ALL_TOLD_TIMEOUT_S):
             log.warning(
-                "samples finished on the workers were not all told in time; their batch scores the rest"
+                "samples finished on the workers were not all told in time; their batch "
+                "scores the rest"
             )
         with self.lock:
             self.calls.pop(call, None)
@@ -95,7 +99,8 @@ class FinishedChannel:
             except Exception as error:  # noqa: BLE001 - the queue's actor is gone: samples score with their batch
                 if not self.closed:
                     log.warning(
-                        "finished samples can no longer reach the driver early (%s); batches score whole",
+                        "finished samples can no longer reach the driver early (%s); batches "
+                        "score whole",
                         error,
                     )
                 self._stop()

@@ -54,7 +54,8 @@ class LocalGroup:
         return _done(self.call, method, per_rank_args)
 
     def shutdown(self) -> None:
-        """The worker's helper processes (an agent rollout's) stop with the run, not with this process."""
+        """The worker's helper processes (an agent rollout's) stop with the run, not with this
+        process."""
         close = getattr(self.worker, "close", None)
         if close is not None:
             close()
@@ -93,7 +94,8 @@ class RayGroup:
         self._set_up(build, devices, rendezvous, port)
 
     def _set_up(self, build, devices: Devices, rendezvous: bool, port: int | None) -> None:
-        """Each rank's host, the rendezvous, then each rank builds its worker and says where it runs."""
+        """Each rank's host, the rendezvous, then each rank builds its worker and says where it
+        runs."""
         ranks = list(range(self.world_size))
 
         def wait(refs: list, waited: list[int] = ranks) -> list:
@@ -138,7 +140,8 @@ class RayGroup:
         return self._replies(method, self._send(method, per_rank_args), len(self.in_flight))
 
     def call_all(self, method: str, args: tuple) -> Replies:
-        """The same arguments on every rank, stored once in Ray's object store (a whole model's weights)."""
+        """The same arguments on every rank, stored once in Ray's object store (a whole model's
+        weights)."""
         import ray
 
         # each rank's call reads them; none is copied per rank
@@ -146,7 +149,8 @@ class RayGroup:
         return self.call(method, [stored] * self.world_size)
 
     def submit(self, method: str, per_rank_args: list[tuple]) -> Future:
-        """The call sent to every rank now; the future holds its Replies, or the KeelError `call` raises."""
+        """The call sent to every rank now; the future holds its Replies, or the KeelError `call`
+        raises."""
         refs, ahead = self._send(method, per_rank_args), len(self.in_flight)
         future: Future = Future()
         # set.add and set.discard are atomic: no lock with the waiting thread

@@ -107,7 +107,8 @@ def _holds_float32_experts(block: nn.Module) -> bool:
 
 
 def make_mesh(device_type: str, world_size: int, fsdp_size: int):
-    """1-D mesh (shard over every rank), or 2-D (replicate, shard) when fsdp_size splits the world."""
+    """1-D mesh (shard over every rank), or 2-D (replicate, shard) when fsdp_size splits the
+    world."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if fsdp_size in (-1, world_size):

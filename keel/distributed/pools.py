@@ -1,6 +1,6 @@
-"""The run's worker groups: the policy's ranks, a critic pool, a rollout pool, a reward model pool. Each is a
-RayGroup (placement group, phase timeout, dead-or-stalled diagnosis) serving the worker its
-role builds."""
+"""The run's worker groups: the policy's ranks, a critic pool, a rollout pool, a reward model pool.
+Each is a RayGroup (placement group, phase timeout, dead-or-stalled diagnosis) serving the worker
+its role builds."""
 
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def rollout_group(
     cfg, total_steps: int, actor_weights: str | None, stacks_dir: Path, plan=None
 ) -> RayGroup:
     """The rollout's own workers (actor_rollout_ref.hybrid_engine=false): RolloutWorkers on
-    rollout.n_gpus_per_node x rollout.nnodes devices, generating independently (no process group)."""
+    rollout.n_gpus_per_node x rollout.nnodes devices, generating independently (no process
+    group)."""
     spec = WorkerSpec.of(cfg, total_steps, actor_weights, plan=plan)
     build = functools.partial(RolloutWorker, spec)
     return RayGroup(

@@ -71,7 +71,8 @@ class RankWatch:
                     raise self._stalled(
                         phase,
                         sorted(pending.values()),
-                        f"rank {rank}'s collective timed out after trainer.collective_timeout_s ({first_line})",
+                        f"rank {rank}'s collective timed out after "
+                        f"trainer.collective_timeout_s ({first_line})",
                     ) from None
                 # a rank that died broke this one's collective: name the dead one
                 if _is_peer_lost(e):
@@ -83,8 +84,9 @@ class RankWatch:
         return [results[r] for r in ranks]
 
     def _raise_if_one_died(self, pending: dict, phase: str) -> None:
-        """A rank whose collective lost its peer: if one of the ranks still pending died, that death is
-        the run's error (the lost connection only follows from it). Waits PEER_DEATH_WAIT_S at most."""
+        """A rank whose collective lost its peer: if one of the ranks still pending died, that death
+        is the run's error (the lost connection only follows from it). Waits PEER_DEATH_WAIT_S at
+        most."""
         import ray
         from ray.exceptions import RayError, RayTaskError
 
@@ -125,9 +127,9 @@ class RankWatch:
         )
         return KeelError(
             WORKER_DIED,
-            f"{self.where(rank, phase)} died without raising: killed by the "
-            f"system (e.g. out of memory) or crashed in native code. Last memory reading: "
-            f"{reading}. Ray said: {str(error).splitlines()[0] if str(error) else type(error).__name__}",
+            f"{self.where(rank, phase)} died without raising: killed by the system (e.g. out of "
+            f"memory) or crashed in native code. Last memory reading: {reading}. Ray said: "
+            f"{str(error).splitlines()[0] if str(error) else type(error).__name__}",
         )
 
     def _stalled(self, phase: str, waiting: list[int], why: str) -> KeelError:
@@ -166,6 +168,7 @@ def _is_collective_timeout(error) -> bool:
 
 
 def _is_peer_lost(error) -> bool:
-    """A collective whose peer went away (gloo's reset or closed connection, NCCL's remote error)."""
+    """A collective whose peer went away (gloo's reset or closed connection, NCCL's remote
+    error)."""
     message = str(getattr(error, "cause", None) or "").lower()
     return any(text in message for text in PEER_LOST)

@@ -53,7 +53,8 @@ def require_devices(ray, devices: Devices) -> None:
     available = ray.cluster_resources().get(resource, 0)
     if available < devices.total:
         needs = [
-            f"trainer.n_gpus_per_node x trainer.nnodes = {devices.workers} workers need {devices.workers} {resource}s"
+            f"trainer.n_gpus_per_node x trainer.nnodes = {devices.workers} workers need "
+            f"{devices.workers} {resource}s"
         ] + [f"the {role} pool needs {count} {resource}s" for role, count in devices.pools.items()]
         raise KeelError(
             NOT_ENOUGH_DEVICES, "; ".join(needs) + f"; the Ray cluster has {available:g}"
@@ -84,16 +85,17 @@ def connect_ray(devices: Devices):
     except Exception as e:  # noqa: BLE001 - any start/connect failure has one fix
         auth = (
             (
-                "; the address answers, so if the cluster uses Ray's token authentication (on by default "
-                "for clusters Ray starts itself since 2.59), set RAY_AUTH_MODE=token here too, with the "
-                "nodes' token (RAY_AUTH_TOKEN, or the same ~/.ray/auth_token)"
+                "; the address answers, so if the cluster uses Ray's token authentication (on by "
+                "default for clusters Ray starts itself since 2.59), set RAY_AUTH_MODE=token here "
+                "too, with the nodes' token (RAY_AUTH_TOKEN, or the same ~/.ray/auth_token)"
             )
             if address
             else ""
         )
         raise KeelError(
             RAY_MISSING,
-            f"could not {'join the Ray cluster at ' + address if address else 'start Ray'}: {e}{auth}",
+            f"could not {'join the Ray cluster at ' + address if address else 'start Ray'}: "
+            f"{e}{auth}",
         ) from None
     return ray
 
@@ -135,8 +137,8 @@ def require_reachable(address: str, timeout_s: float = 5.0) -> None:
         raise KeelError(
             RAY_MISSING,
             f"nothing answers at RAY_ADDRESS={address} ({e})",
-            "run `unset RAY_ADDRESS` to let keel start a Ray instance on this machine, or start the "
-            "head node there (`ray start --head`) and set RAY_ADDRESS to its host:6379",
+            "run `unset RAY_ADDRESS` to let keel start a Ray instance on this machine, or start "
+            "the head node there (`ray start --head`) and set RAY_ADDRESS to its host:6379",
         ) from None
 
 

@@ -163,8 +163,9 @@ class RoleBuilder:
         return CriticTrainer(model, c, spec.critic_micro_batch, spec.total_steps, placement)
 
     def _with_adapters(self, model, m, key: str, checkpoint: str | None = None):
-        """peft's LoRA on a model by its section `m` (keel.models.lora: trap 7 is checked on the way),
-        starting from a checkpoint's adapters, or a saved adapter (lora_adapter_path), or new ones."""
+        """peft's LoRA on a model by its section `m` (keel.models.lora: trap 7 is checked on the
+        way), starting from a checkpoint's adapters, or a saved adapter (lora_adapter_path), or new
+        ones."""
         plan = plan_lora(
             model, m.lora_rank, m.target_modules, m.exclude_modules, m.modules_to_save, key
         )
@@ -174,16 +175,17 @@ class RoleBuilder:
         )
 
     def _share_base(self, model, log_choice: bool) -> None:
-        """One copy of the base: a whole (unsharded) LoRA policy's frozen weights become views of the
-        native engine's decode weights. A sharded policy keeps its shard; the engine, the whole. (None
-        here: the rollout's own workers hold their base.)"""
+        """One copy of the base: a whole (unsharded) LoRA policy's frozen weights become views of
+        the native engine's decode weights. A sharded policy keeps its shard; the engine, the whole.
+        (None here: the rollout's own workers hold their base.)"""
         engine = self.engine
         if engine is None or self.actor_sharded or not engine.capabilities.shares_frozen_weights:
             return
         freed = engine.share_frozen_weights(frozen_base(model))
         if log_choice:
             log.info(
-                "LoRA: the trainer's frozen base is the rollout engine's weights (%.2f GB not copied)",
+                "LoRA: the trainer's frozen base is the rollout engine's weights (%.2f GB not "
+                "copied)",
                 freed / 1e9,
             )
 

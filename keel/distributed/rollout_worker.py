@@ -34,7 +34,8 @@ from keel.types import GeneratedBatch, PartialSample, SamplingParams
 @dataclass
 class PolicyWeights:
     """What the actor sends a rollout on workers of its own after an update, on the host: its whole
-    weights, or with LoRA its adapters and the modules it trains in full (the base never changes)."""
+    weights, or with LoRA its adapters and the modules it trains in full (the base never
+    changes)."""
 
     # (Hugging Face name, tensor): what the engine loads whole
     named: list
@@ -73,8 +74,8 @@ def generate_samples(
     """(this rank's samples, each stamped with `version`, and the generator's timing of its parts
     (`timing_s/gen_<part>`: prefill, decode, ...) with what else it measured (an agent rollout's
     `agent/engine/*`)); (None, {}) for a rank with no prompts. `on_finished(row, record, response
-    text)`: told of each sample as it finishes, by a generator that can (the native engine; keel's agent
-    loop, for episodes whose record is final when they end)."""
+    text)`: told of each sample as it finishes, by a generator that can (the native engine; keel's
+    agent loop, for episodes whose record is final when they end)."""
     try:
         # fewer prompts than ranks
         if prompts is None:
@@ -109,8 +110,9 @@ def continue_samples(
     if not engine.capabilities.generate_round:
         raise KeelError(
             INCOMPATIBLE_OPTIONS,
-            f"trainer.partial_rollout=true, but this model generates with {type(engine).__name__}, which cannot "
-            "end a round part-way (keel's native engine does not support the model)",
+            "trainer.partial_rollout=true, but this model generates with "
+            f"{type(engine).__name__}, which cannot end a round part-way (keel's native engine "
+            "does not support the model)",
             "set `trainer.partial_rollout=false`",
         )
     torch.manual_seed(seed)
@@ -131,8 +133,8 @@ def continue_samples(
 
 
 def _timing(generator, start: float) -> dict[str, float]:
-    """The generator's seconds per part of its last call (`timing_s/gen_<part>`: prefill, decode, ...),
-    and the whole call's since `start` (`timing_s/gen_engine`)."""
+    """The generator's seconds per part of its last call (`timing_s/gen_<part>`: prefill, decode,
+    ...), and the whole call's since `start` (`timing_s/gen_engine`)."""
     timing = {f"timing_s/gen_{part}": seconds for part, seconds in generator.timing.items()}
     return {**timing, "timing_s/gen_engine": time.perf_counter() - start}
 
@@ -182,8 +184,9 @@ class RolloutWorker:
         if lora and not self.engine.capabilities.load_adapters:
             raise KeelError(
                 INCOMPATIBLE_OPTIONS,
-                f"LoRA with the rollout on workers of its own needs keel's native engine, which applies the "
-                f"adapters the actor sends; this model generates with {type(self.engine).__name__}",
+                "LoRA with the rollout on workers of its own needs keel's native engine, which "
+                "applies the adapters the actor sends; this model generates with "
+                f"{type(self.engine).__name__}",
                 "set `actor_rollout_ref.hybrid_engine=true` (the engine beside the actor)",
             )
         self.generator = generator_around(
@@ -208,7 +211,8 @@ class RolloutWorker:
         return continue_samples(self.engine, samples, sampling, seed, self.weights_version, end)
 
     def load_policy(self, weights: PolicyWeights, version: int) -> None:
-        """The actor's weights as of policy version `version`: whole, or a LoRA policy's adapters."""
+        """The actor's weights as of policy version `version`: whole, or a LoRA policy's
+        adapters."""
         if weights.adapters is None:
             self.engine.load_weights(weights.named)
         # the base never changes
@@ -218,7 +222,8 @@ class RolloutWorker:
         self.weights_version = version
 
     def load(self, directory: str, weights_version: int = 0) -> None:
-        """A resumed run: the checkpoint's actor weights came with the spec; their version is the step's."""
+        """A resumed run: the checkpoint's actor weights came with the spec; their version is the
+        step's."""
         self.weights_version = weights_version
 
     def close(self) -> None:

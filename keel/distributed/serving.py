@@ -32,8 +32,8 @@ class Reply:
 
 
 def _eager_fix(method: str) -> str:
-    """Training compiles the decoder layers (actor.use_torch_compile); generation may run them, or the
-    native engine's own compiled decode step (rollout.enforce_eager)."""
+    """Training compiles the decoder layers (actor.use_torch_compile); generation may run them, or
+    the native engine's own compiled decode step (rollout.enforce_eager)."""
     keys = {"actor_rollout_ref.actor.use_torch_compile": False}
     if method == "generate":
         keys["actor_rollout_ref.rollout.enforce_eager"] = True

@@ -85,9 +85,9 @@ class WorkerSpec:
         roles: frozenset[str] | None = None,
         plan: Plan | None = None,
     ) -> WorkerSpec:
-        """`roles` by default: the policy (without its engine when the rollout has a pool of its own),
-        and the critic too unless it has a pool of its own. `plan`: keel's decisions (sharding,
-        rollout correction); None: the config's own, as written."""
+        """`roles` by default: the policy (without its engine when the rollout has a pool of its
+        own), and the critic too unless it has a pool of its own. `plan`: keel's decisions
+        (sharding, rollout correction); None: the config's own, as written."""
         plan = plan or plan_of(cfg)
         policy = "actor" if "rollout" in cfg.pools else "policy"
         colocated_critic = cfg.critic_enabled and "critic" not in cfg.pools

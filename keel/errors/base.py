@@ -44,7 +44,8 @@ class KeelError(Exception):
 
 
 class SkipStep(Exception):
-    """Raised instead of an error when `trainer.guards.nonfinite=skip`: the step is dropped, counted."""
+    """Raised instead of an error when `trainer.guards.nonfinite=skip`: the step is dropped,
+    counted."""
 
 
 def explain(code: str) -> str:

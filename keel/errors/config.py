@@ -7,16 +7,16 @@ UNKNOWN_KEY = register(
     "Unknown configuration key",
     "A key in the YAML file or a command-line override is not part of keel's configuration; "
     "other frameworks ignore such keys silently, so a misspelt key would never take effect.",
-    "Write the suggested key in place of the misspelt one (the fix line gives `right.key=value`), or remove "
-    "the key; docs/config.md lists every key.",
+    "Write the suggested key in place of the misspelt one (the fix line gives `right.key=value`), "
+    "or remove the key; docs/config.md lists every key.",
 )
 BAD_VALUE = register(
     "KEEL-C002",
     "Configuration value of the wrong type or out of range",
     "A configuration value cannot be converted to the key's type, is outside its allowed range, "
     "or is not one of the allowed choices.",
-    "Set the value the fix line names: the nearest value allowed, the choice spelt like the one given, or the "
-    "key's default; docs/config.md gives each key's type and range.",
+    "Set the value the fix line names: the nearest value allowed, the choice spelt like the one "
+    "given, or the key's default; docs/config.md gives each key's type and range.",
 )
 BAD_OVERRIDE = register(
     "KEEL-C003",
@@ -29,8 +29,9 @@ BATCH_ARITHMETIC = register(
     "Batch sizes do not divide",
     "The batch plan needs samples per step to split evenly into mini-batches and mini-batches "
     "into micro-batches; otherwise some samples would be silently dropped or reused.",
-    "Set the size the fix line names (the nearest divisor: `actor_rollout_ref.actor.ppo_mini_batch_size=2` for "
-    "data.train_batch_size=4 and a mini-batch of 3), so each size divides the one above it.",
+    "Set the size the fix line names (the nearest divisor: "
+    "`actor_rollout_ref.actor.ppo_mini_batch_size=2` for data.train_batch_size=4 and a mini-batch "
+    "of 3), so each size divides the one above it.",
     (
         "data.train_batch_size",
         "actor_rollout_ref.rollout.n",
@@ -42,36 +43,39 @@ CONFIG_FILE = register(
     "KEEL-C005",
     "Configuration file missing or not valid YAML",
     "The configuration path does not exist, cannot be read, or is not a YAML mapping.",
-    "Pass the path of an existing YAML file whose top level is a mapping of sections; for a missing file the "
-    "fix line names the YAML file beside it spelt most like it.",
+    "Pass the path of an existing YAML file whose top level is a mapping of sections; for a "
+    "missing file the fix line names the YAML file beside it spelt most like it.",
 )
 INCOMPATIBLE_OPTIONS = register(
     "KEEL-C006",
     "Options that cannot be used together",
     "Two settings contradict each other, e.g. an advantage estimator that needs a critic with "
     "no critic configured, or a KL loss with no reference model.",
-    "Set the value the fix line names for one of the two settings (e.g. `algorithm.critic_warmup=0` when "
-    "there is no critic).",
+    "Set the value the fix line names for one of the two settings (e.g. "
+    "`algorithm.critic_warmup=0` when there is no critic).",
 )
 RESUME_PATH = register(
     "KEEL-C007",
     "Resume checkpoint not found or incomplete",
     "`trainer.resume_mode` names a checkpoint directory that does not exist or has no "
     "completion marker (it was being written when a run stopped).",
-    "Set `trainer.resume_mode` to a complete `global_step_<N>` directory (the fix line names the newest there "
-    "is), or `trainer.resume_mode=auto` (the run's newest complete checkpoint, or a fresh start).",
+    "Set `trainer.resume_mode` to a complete `global_step_<N>` directory (the fix line names the "
+    "newest there is), or `trainer.resume_mode=auto` (the run's newest complete checkpoint, or a "
+    "fresh start).",
     ("trainer.resume_mode",),
 )
 RESUME_MISMATCH = register(
     "KEEL-C008",
     "Checkpoint does not match the current config or data",
-    "The run directory (trainer.default_local_dir, by default checkpoints/<project>/<experiment>) holds a "
-    "checkpoint of a run with other settings (a learning rate, LoRA, the dataset, a critic), which "
-    "`trainer.resume_mode=auto` would resume; continuing it with these settings would not be the same run.",
-    "Start the new run in a directory that does not exist yet: `trainer.experiment_name=<a new name>` (or "
-    "`trainer.default_local_dir=<a new directory>` when the config sets it); the fix line names a free one. Or "
-    "resume with the checkpoint's settings: set back the keys the message lists as changed (the fix line gives "
-    "their old values). `trainer.resume_mode=disable` does not help: a fresh run is refused where checkpoints are.",
+    "The run directory (trainer.default_local_dir, by default checkpoints/<project>/<experiment>) "
+    "holds a checkpoint of a run with other settings (a learning rate, LoRA, the dataset, a "
+    "critic), which `trainer.resume_mode=auto` would resume; continuing it with these settings "
+    "would not be the same run.",
+    "Start the new run in a directory that does not exist yet: `trainer.experiment_name=<a new "
+    "name>` (or `trainer.default_local_dir=<a new directory>` when the config sets it); the fix "
+    "line names a free one. Or resume with the checkpoint's settings: set back the keys the "
+    "message lists as changed (the fix line gives their old values). "
+    "`trainer.resume_mode=disable` does not help: a fresh run is refused where checkpoints are.",
     ("trainer.experiment_name", "trainer.default_local_dir", "trainer.resume_mode"),
 )
 DEMO_DIR = register(
@@ -86,33 +90,36 @@ EXPORT_TARGET = register(
     "Export target exists and is not an earlier export",
     "`keel export` writes a new directory; it never deletes a directory it did not write itself "
     "(one without keel_export.json), since that could be a run directory or your own files.",
-    "Pass an output directory that does not exist yet: the fix line gives `keel export CHECKPOINT NEW_DIR`.",
+    "Pass an output directory that does not exist yet: the fix line gives `keel export "
+    "CHECKPOINT NEW_DIR`.",
 )
 NOT_A_CHECKPOINT = register(
     "KEEL-C011",
     "Not a complete keel checkpoint",
     "The path given to `keel export` is not a `global_step_<N>` directory with a COMPLETE marker "
     "(it may be missing, or still being written when a run stopped).",
-    "Pass a complete checkpoint directory, e.g. checkpoints/<project>/<experiment>/global_step_<N>; the fix "
-    "line gives `keel export` with the newest one under the path given.",
+    "Pass a complete checkpoint directory, e.g. "
+    "checkpoints/<project>/<experiment>/global_step_<N>; the fix line gives `keel export` with "
+    "the newest one under the path given.",
 )
 NO_METRICS = register(
     "KEEL-C012",
     "No metrics to report",
     "`keel report` reads RUN_DIR/metrics.jsonl, which is missing or empty: the path is not a run "
     "directory, or the run has not finished a step yet.",
-    "Pass the run directory (trainer.default_local_dir) of a run that has logged at least one step.",
+    "Pass the run directory (trainer.default_local_dir) of a run that has logged at least one "
+    "step.",
     ("trainer.default_local_dir",),
 )
 TOKEN_BUDGET = register(
     "KEEL-C013",
     "Prompt plus response longer than the model reads",
     "`data.max_prompt_length + data.max_response_length` is more than the policy's "
-    "`max_position_embeddings` (long rollouts would run past the positions the model was trained on), "
-    "or more than `actor_rollout_ref.rollout.max_model_len`.",
-    "Set data.max_response_length (or data.max_prompt_length) so the two fit what the model reads (the fix "
-    "line gives values that fit), or use a model with a longer context; rollout.max_model_len may be raised up "
-    "to the model's positions, not past them.",
+    "`max_position_embeddings` (long rollouts would run past the positions the model was trained "
+    "on), or more than `actor_rollout_ref.rollout.max_model_len`.",
+    "Set data.max_response_length (or data.max_prompt_length) so the two fit what the model reads "
+    "(the fix line gives values that fit), or use a model with a longer context; "
+    "rollout.max_model_len may be raised up to the model's positions, not past them.",
     (
         "data.max_prompt_length",
         "data.max_response_length",
@@ -122,10 +129,11 @@ TOKEN_BUDGET = register(
 HOOK_LOAD = register(
     "KEEL-C014",
     "A hook cannot be loaded",
-    "An entry of trainer.hooks is not `module:function`, the module does not import, or it has no such function.",
-    "Write hooks as `package.module:function` importable where keel runs (the keel command imports from the "
-    "working directory only with `export PYTHONPATH=$PWD`); the fix line names the function spelt like the "
-    "one given.",
+    "An entry of trainer.hooks is not `module:function`, the module does not import, or it "
+    "has no such function.",
+    "Write hooks as `package.module:function` importable where keel runs (the keel command "
+    "imports from the working directory only with `export PYTHONPATH=$PWD`); the fix line names "
+    "the function spelt like the one given.",
     ("trainer.hooks",),
 )
 VERL_UNSUPPORTED = register(
@@ -141,15 +149,17 @@ VERL_UNSUPPORTED = register(
 TOOL_CONFIG = register(
     "KEEL-C016",
     "A tool or environment the rollout calls cannot be built",
-    "Multi-turn rollouts call the tools in actor_rollout_ref.rollout.multi_turn.tool_config_path (verl's "
-    "format: class_name, config, tool_schema) or given in Python, multi_turn.environment, and verl's "
-    "interactions in multi_turn.interaction_config_path (name, class_name, config): the file is missing or "
-    "malformed, a class name resolves to no class with an execute (tool), step (environment) or "
-    "generate_response (interaction) method, two tools or interactions share a name, a class raises when "
-    "built, or a Python tool's parameters lack type hints, so its schema cannot be derived.",
-    "Fix the entry the message names: a path that exists (for a missing file the fix line names the one "
-    "beside it spelt most like it), class_name one of keel's built-ins (keel.tools.Calculator) or an "
-    "importable module.Class, every tool with a tool_schema.function.name of its own.",
+    "Multi-turn rollouts call the tools in actor_rollout_ref.rollout.multi_turn.tool_config_path "
+    "(verl's format: class_name, config, tool_schema) or given in Python, multi_turn.environment, "
+    "and verl's interactions in multi_turn.interaction_config_path (name, class_name, config): "
+    "the file is missing or malformed, a class name resolves to no class with an execute (tool), "
+    "step (environment) or generate_response (interaction) method, two tools or interactions "
+    "share a name, a class raises when built, or a Python tool's parameters lack type hints, so "
+    "its schema cannot be derived.",
+    "Fix the entry the message names: a path that exists (for a missing file the fix line names "
+    "the one beside it spelt most like it), class_name one of keel's built-ins "
+    "(keel.tools.Calculator) or an importable module.Class, every tool with a "
+    "tool_schema.function.name of its own.",
     (
         "actor_rollout_ref.rollout.multi_turn.tool_config_path",
         "actor_rollout_ref.rollout.multi_turn.environment",
@@ -160,64 +170,72 @@ TOOL_CONFIG = register(
 LAUNCH_CONFIG_PATH = register(
     "KEEL-C018",
     "--config-path is not a directory of configs",
-    "verl's launch form `keel train --config-path DIR --config-name NAME` names a directory of YAML configs (as "
-    "Hydra does; a relative `config` is verl's own trainer config, as verl's main_ppo reads it): the directory "
-    "does not exist, is a file, the option has no value, or a config file was given as well.",
-    "Pass the directory that holds NAME.yaml with --config-path (the fix line names the directory beside the one "
-    "given spelt most like it), and its file's name without .yaml with --config-name; or pass one YAML file as "
-    "`keel train FILE`, not both.",
+    "verl's launch form `keel train --config-path DIR --config-name NAME` names a directory of "
+    "YAML configs (as Hydra does; a relative `config` is verl's own trainer config, as verl's "
+    "main_ppo reads it): the directory does not exist, is a file, the option has no value, or a "
+    "config file was given as well.",
+    "Pass the directory that holds NAME.yaml with --config-path (the fix line names the directory "
+    "beside the one given spelt most like it), and its file's name without .yaml with "
+    "--config-name; or pass one YAML file as `keel train FILE`, not both.",
 )
 LAUNCH_CONFIG_NAME = register(
     "KEEL-C019",
     "--config-name names no config in the directory",
-    "`--config-name NAME` must name NAME.yaml in the --config-path directory (or in verl's trainer config "
-    "without --config-path); that file is not there, or the option has no value.",
-    "Pass the name of a YAML file of that directory, without .yaml (the fix line names the one spelt most like "
-    "the name given).",
+    "`--config-name NAME` must name NAME.yaml in the --config-path directory (or in verl's "
+    "trainer config without --config-path); that file is not there, or the option has no value.",
+    "Pass the name of a YAML file of that directory, without .yaml (the fix line names the one "
+    "spelt most like the name given).",
 )
 LAUNCH_DEFAULTS = register(
     "KEEL-C020",
     "A config's defaults list cannot be composed",
-    "A verl-style YAML composes other configs through its `defaults:` list (verl's trainer config: "
-    "`defaults: [ppo_trainer, _self_]`); an entry names a config found in no directory of the search path "
-    "(the config's own directory and its hydra.searchpath), or the list is malformed, so Hydra cannot compose it.",
-    "Name, in the defaults list, a config of the search path (the fix line names the one spelt most like it); "
-    "for verl's trainer config keep `hydra: searchpath: [file://verl/trainer/config]` in the YAML, which keel "
-    "resolves to the installed verl or its own copy of verl's trainer config.",
+    "A verl-style YAML composes other configs through its `defaults:` list (verl's trainer "
+    "config: `defaults: [ppo_trainer, _self_]`); an entry names a config found in no directory of "
+    "the search path (the config's own directory and its hydra.searchpath), or the list is "
+    "malformed, so Hydra cannot compose it.",
+    "Name, in the defaults list, a config of the search path (the fix line names the one spelt "
+    "most like it); for verl's trainer config keep `hydra: searchpath: "
+    "[file://verl/trainer/config]` in the YAML, which keel resolves to the installed verl or its "
+    "own copy of verl's trainer config.",
 )
 LAUNCH_SEARCHPATH = register(
     "KEEL-C021",
     "A hydra.searchpath entry is not there",
-    "An entry of the YAML's `hydra: searchpath:` list names a directory (file://, relative to the working "
-    "directory as Hydra reads it) or a package (pkg://) that does not exist, so configs its defaults list "
-    "names would not be found. verl's own trainer config (file://verl/trainer/config, pkg://verl.trainer.config) "
-    "is always found: from the installed verl, else keel's copy.",
-    "Make the entry a directory that exists (an absolute path, or one relative to where keel runs), or remove "
-    "it from the YAML's hydra.searchpath.",
+    "An entry of the YAML's `hydra: searchpath:` list names a directory (file://, relative to the "
+    "working directory as Hydra reads it) or a package (pkg://) that does not exist, so configs "
+    "its defaults list names would not be found. verl's own trainer config "
+    "(file://verl/trainer/config, pkg://verl.trainer.config) is always found: from the installed "
+    "verl, else keel's copy.",
+    "Make the entry a directory that exists (an absolute path, or one relative to where keel "
+    "runs), or remove it from the YAML's hydra.searchpath.",
 )
 
 AGENT_REQUEST = register(
     "KEEL-C022",
     "An agent's request to keel's OpenAI-compatible endpoint cannot be served",
-    "During a rollout, agent code reaches the policy through keel's endpoint (`/v1/chat/completions`, "
-    "`/v1/completions`). The request asked for what this rollout's engine does not do: sampling settings other "
-    "than the rollout's (its captured CUDA graphs hold temperature, top_p and top_k), more than one choice "
-    "(`n`: each sample is one request of its own), more tokens than the rollout's budget, a body that is not "
-    "a completion request, or no sample to tie the tokens to. The endpoint answers 400 with this code.",
+    "During a rollout, agent code reaches the policy through keel's endpoint "
+    "(`/v1/chat/completions`, `/v1/completions`). The request asked for what this rollout's "
+    "engine does not do: sampling settings other than the rollout's (its captured CUDA graphs "
+    "hold temperature, top_p and top_k), more than one choice (`n`: each sample is one request of "
+    "its own), more tokens than the rollout's budget, a body that is not a completion request, or "
+    "no sample to tie the tokens to. The endpoint answers 400 with this code.",
     "Leave temperature/top_p/top_k unset in the agent (or set them to the rollout's: "
-    "actor_rollout_ref.rollout.temperature, top_p, top_k), ask for n=1, keep max_tokens within the rollout's "
-    "response budget, and send each sample's requests with its own model name (the one keel gives the agent).",
+    "actor_rollout_ref.rollout.temperature, top_p, top_k), ask for n=1, keep max_tokens within "
+    "the rollout's response budget, and send each sample's requests with its own model name (the "
+    "one keel gives the agent).",
 )
 
 AGENT_FUNCTION = register(
     "KEEL-C023",
     "rollout.agent.function names no async function",
-    "actor_rollout_ref.rollout.agent.function is agent code that runs as the rollout: `module:function` (an "
-    "importable module) or `file.py:function` (relative to the working directory), an `async def` taking "
-    "(client, row, extra_info). The name given does not resolve to one: the module or file is not there, it "
-    "raised on import, it has no such attribute, or the attribute is not an async function.",
-    "Name an async def agent(client, row, extra_info) as file.py:function (relative to the working directory) "
-    "or module:function, e.g. `actor_rollout_ref.rollout.agent.function=my_agent.py:agent`; or unset it, "
+    "actor_rollout_ref.rollout.agent.function is agent code that runs as the rollout: "
+    "`module:function` (an importable module) or `file.py:function` (relative to the working "
+    "directory), an `async def` taking (client, row, extra_info). The name given does not resolve "
+    "to one: the module or file is not there, it raised on import, it has no such attribute, or "
+    "the attribute is not an async function.",
+    "Name an async def agent(client, row, extra_info) as file.py:function (relative to the "
+    "working directory) or module:function, e.g. "
+    "`actor_rollout_ref.rollout.agent.function=my_agent.py:agent`; or unset it, "
     "`actor_rollout_ref.rollout.agent.function=null`, to roll out with keel's own agent loop.",
     keys=("actor_rollout_ref.rollout.agent.function",),
 )
@@ -225,16 +243,17 @@ AGENT_FUNCTION = register(
 AGENT_ENVIRONMENT = register(
     "KEEL-C024",
     "rollout.agent.environment cannot be loaded or run",
-    "actor_rollout_ref.rollout.agent.environment runs an environment library's environment as the rollout: "
-    "`verifiers:NAME` (a verifiers environment package: verifiers.load_environment(NAME, **environment_args)) or "
-    "`openenv:module:ClientClass` (an OpenEnv environment's client, its server at environment_args.base_url). "
-    "The library or the environment is not installed, its loader raised, the class is not what the library "
-    "makes, its action has no one text field to put the model's turn in, or its server does not answer.",
-    "Install the library (pip install 'keel[verifiers]' or 'keel[openenv]') and the environment's package, "
-    "name it as verifiers:NAME or openenv:module:ClientClass, and give what it needs in "
-    "actor_rollout_ref.rollout.agent.environment_args (load_environment's arguments; for OpenEnv base_url, and "
-    "action_field / observation_field when its action or observation has several text fields); or unset it, "
-    "`actor_rollout_ref.rollout.agent.environment=null`.",
+    "actor_rollout_ref.rollout.agent.environment runs an environment library's environment as the "
+    "rollout: `verifiers:NAME` (a verifiers environment package: verifiers.load_environment(NAME, "
+    "**environment_args)) or `openenv:module:ClientClass` (an OpenEnv environment's client, its "
+    "server at environment_args.base_url). The library or the environment is not installed, its "
+    "loader raised, the class is not what the library makes, its action has no one text field to "
+    "put the model's turn in, or its server does not answer.",
+    "Install the library (pip install 'keel[verifiers]' or 'keel[openenv]') and the environment's "
+    "package, name it as verifiers:NAME or openenv:module:ClientClass, and give what it needs in "
+    "actor_rollout_ref.rollout.agent.environment_args (load_environment's arguments; for OpenEnv "
+    "base_url, and action_field / observation_field when its action or observation has several "
+    "text fields); or unset it, `actor_rollout_ref.rollout.agent.environment=null`.",
     keys=(
         "actor_rollout_ref.rollout.agent.environment",
         "actor_rollout_ref.rollout.agent.environment_args",

@@ -28,7 +28,8 @@ MAKERS = {
 
 
 def value_text(value: Any) -> str:
-    """A value as an override writes it: YAML flow style without spaces (true, null, 0.003, [a,b])."""
+    """A value as an override writes it: YAML flow style without spaces (true, null, 0.003,
+    [a,b])."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:
@@ -58,7 +59,8 @@ def setting(key: str, value: Any) -> str:
 
 
 def shown(path: Path | str, like: str) -> str:
-    """`path` as the user wrote its sibling `like`: relative to the working directory when that was."""
+    """`path` as the user wrote its sibling `like`: relative to the working directory when that
+    was."""
     path = Path(path)
     if Path(like).is_absolute():
         return str(path.absolute())
@@ -69,9 +71,9 @@ def shown(path: Path | str, like: str) -> str:
 
 
 def nearby_file(missing: str, suffixes: Iterable[str] = DATA_SUFFIXES) -> str | None:
-    """An existing file to give instead of `missing`, only when it plausibly is the one meant: in the
-    same directory, a name a few letters off or the same stem with another suffix; else, under the
-    nearest existing parent (three levels down at most), a file of the very same name."""
+    """An existing file to give instead of `missing`, only when it plausibly is the one meant: in
+    the same directory, a name a few letters off or the same stem with another suffix; else, under
+    the nearest existing parent (three levels down at most), a file of the very same name."""
     wanted = Path(missing)
     folder = next((p for p in [wanted.parent, *wanted.parent.parents] if p.is_dir()), None)
     if folder is None:
@@ -94,9 +96,9 @@ def nearby_file(missing: str, suffixes: Iterable[str] = DATA_SUFFIXES) -> str | 
 
 
 def nearby_model(missing: str, marker: str = "config.json") -> str | None:
-    """A model directory (one holding config.json) to give instead of `missing`, only a plausible one:
-    the only one below `missing` (a checkpoint's actor/), a sibling named a few letters off, or, under
-    the nearest existing parent, one of the very same name."""
+    """A model directory (one holding config.json) to give instead of `missing`, only a plausible
+    one: the only one below `missing` (a checkpoint's actor/), a sibling named a few letters off,
+    or, under the nearest existing parent, one of the very same name."""
     wanted = Path(missing)
     if wanted.is_dir():
         found = [p.parent for p in [*wanted.glob(f"*/{marker}"), *wanted.glob(f"*/*/{marker}")]]
@@ -164,11 +166,15 @@ def writable_run_dir(run_dir: Path | str) -> str:
         Path(tempfile.gettempdir()),
     )
     new = free_directory(base / "checkpoints" / Path(run_dir).name)
-    return f"set {setting('trainer.default_local_dir', shown(new, 'relative'))} (a folder that can be written)"
+    return (
+        f"set {setting('trainer.default_local_dir', shown(new, 'relative'))} (a folder that can "
+        "be written)"
+    )
 
 
 def free_directory(path: Path | str) -> Path:
-    """`path` itself if nothing is there yet, else the first of `path_2`, `path_3`, ... that is free."""
+    """`path` itself if nothing is there yet, else the first of `path_2`, `path_3`, ... that is
+    free."""
     path = Path(path)
     number, candidate = 2, path
     while candidate.exists():
@@ -183,10 +189,13 @@ def whole_batches(count: int, part_key: str, part: int) -> str | None:
         return None
     if count >= part:
         return (
-            f"set {setting('data.train_batch_size', count // part * part)} (the examples there are, in whole "
-            f"batches of {part_key}={part})"
+            f"set {setting('data.train_batch_size', count // part * part)} (the examples there "
+            f"are, in whole batches of {part_key}={part})"
         )
-    return f"set {overrides({'data.train_batch_size': count, part_key: count})} (one batch of the {count} there are)"
+    return (
+        f"set {overrides({'data.train_batch_size': count, part_key: count})} (one batch of the "
+        f"{count} there are)"
+    )
 
 
 def closest(wrong: str, choices: Iterable[str], cutoff: float = 0.75) -> str | None:

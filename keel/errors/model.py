@@ -5,10 +5,12 @@ from keel.errors.base import register
 MODEL_PATH = register(
     "KEEL-M001",
     "Model path not found or not a Hugging Face model",
-    "The model path does not exist or has no `config.json`; keel loads models from local directories only.",
-    "Point `actor_rollout_ref.model.path` (or `critic.model.path`) at a directory holding config.json (one "
-    "saved by `save_pretrained`): the fix line names one beside the path given, or the script that makes it "
-    "(`python examples/quickstart/prepare.py` for examples/data/model).",
+    "The model path does not exist or has no `config.json`; keel loads models from local "
+    "directories only.",
+    "Point `actor_rollout_ref.model.path` (or `critic.model.path`) at a directory holding "
+    "config.json (one saved by `save_pretrained`): the fix line names one beside the path given, "
+    "or the script that makes it (`python examples/quickstart/prepare.py` for "
+    "examples/data/model).",
     ("actor_rollout_ref.model.path", "critic.model.path"),
 )
 NO_EOS = register(
@@ -16,16 +18,16 @@ NO_EOS = register(
     "Tokenizer has no EOS token",
     "Generation stops at the EOS token and response masks are built from it; without one every "
     "response runs to the length limit.",
-    "Set \"eos_token\" in the model directory's tokenizer_config.json to the model's end-of-turn token (the fix "
-    "line gives the line to write: the token config.json's eos_token_id names).",
+    "Set \"eos_token\" in the model directory's tokenizer_config.json to the model's end-of-turn "
+    "token (the fix line gives the line to write: the token config.json's eos_token_id names).",
 )
 NO_CHAT_TEMPLATE = register(
     "KEEL-M003",
     "Prompt is a chat but the tokenizer has no chat template",
     "A dataset prompt is a list of chat messages, which needs the tokenizer's chat template to "
     "become text; this tokenizer has none.",
-    "Set `data.apply_chat_template=false` to join the messages' contents as plain text, give prompts as plain "
-    "strings, or use a tokenizer with a chat template.",
+    "Set `data.apply_chat_template=false` to join the messages' contents as plain text, give "
+    "prompts as plain strings, or use a tokenizer with a chat template.",
     ("data.apply_chat_template",),
 )
 VOCAB_MISMATCH = register(
@@ -33,8 +35,9 @@ VOCAB_MISMATCH = register(
     "Tokenizer and model disagree on the vocabulary",
     "The tokenizer produces ids (or has special-token ids) that the model's embedding has no row "
     "for; training would index out of range or read garbage rows.",
-    "Resize the model's embeddings to the tokenizer and save it beside the model (the fix line gives the "
-    "command, then the new model path), or use the tokenizer that was saved with the model.",
+    "Resize the model's embeddings to the tokenizer and save it beside the model (the fix line "
+    "gives the command, then the new model path), or use the tokenizer that was saved with the "
+    "model.",
     ("actor_rollout_ref.model.path",),
 )
 
@@ -45,8 +48,9 @@ TOKENIZER_MISMATCH = register(
     "generation_config.json. transformers fills in defaults silently (a Qwen2 tokenizer without "
     "an eos_token gets <|endoftext|>), and a tokenizer copied from another model loads without a "
     "word: responses then end, or are padded, with tokens the model was not trained on.",
-    "Set the tokenizer's special tokens to the model's in tokenizer_config.json (the fix line gives each line "
-    "to write), or use the tokenizer saved with this model; the message names the ids on each side.",
+    "Set the tokenizer's special tokens to the model's in tokenizer_config.json (the fix line "
+    "gives each line to write), or use the tokenizer saved with this model; the message names the "
+    "ids on each side.",
 )
 WEIGHTS_BROKEN = register(
     "KEEL-M005",
@@ -55,40 +59,43 @@ WEIGHTS_BROKEN = register(
     "says (an interrupted download or copy), an index naming files that are missing, or tensors "
     "whose shapes or names are not the ones config.json describes (weights from another model "
     "size) would fail deep inside loading, or load with random values.",
-    "When the weights are another size than config.json says, set the size they have in config.json (the fix "
-    "line names the field) or point the model path at the directory whose config.json matches them; when a "
-    "file is truncated, download or copy the model directory again (compare file sizes with the source).",
+    "When the weights are another size than config.json says, set the size they have in "
+    "config.json (the fix line names the field) or point the model path at the directory whose "
+    "config.json matches them; when a file is truncated, download or copy the model directory "
+    "again (compare file sizes with the source).",
 )
 LORA_TARGETS = register(
     "KEEL-M007",
     "LoRA would not train what it should",
-    "model.target_modules matches nothing, or only some of each decoder layer's projections (the rest "
-    "would train nothing), or names lm_head or the embedding of a model with tied embeddings (an "
-    "adapter would untie them), or a parameter outside the adapters would train: the model learns "
-    "little, or drifts, while the run looks fine.",
-    "Set `actor_rollout_ref.model.target_modules=all-linear` (every projection of every decoder layer), list "
-    "every projection the message names, or name extra trainable modules in model.modules_to_save.",
+    "model.target_modules matches nothing, or only some of each decoder layer's projections (the "
+    "rest would train nothing), or names lm_head or the embedding of a model with tied embeddings "
+    "(an adapter would untie them), or a parameter outside the adapters would train: the model "
+    "learns little, or drifts, while the run looks fine.",
+    "Set `actor_rollout_ref.model.target_modules=all-linear` (every projection of every decoder "
+    "layer), list every projection the message names, or name extra trainable modules in "
+    "model.modules_to_save.",
     ("actor_rollout_ref.model.target_modules", "actor_rollout_ref.model.exclude_modules"),
 )
 EOS_ADDED_ON_LOAD = register(
     "KEEL-M009",
     "The tokenizer's EOS token is not one of its tokens",
-    "tokenizer_config.json names an eos_token that none of the tokenizer's files holds. transformers adds "
-    "such a token silently as a new id when it loads the tokenizer: a row of the embedding the model never "
-    "trained, which it never samples, so no response would end before the length limit.",
+    "tokenizer_config.json names an eos_token that none of the tokenizer's files holds. "
+    "transformers adds such a token silently as a new id when it loads the tokenizer: a row of "
+    "the embedding the model never trained, which it never samples, so no response would end "
+    "before the length limit.",
     'Set "eos_token" in tokenizer_config.json to the model\'s end-of-turn token (the fix line gives the line '
     "to write: the token config.json's eos_token_id names).",
 )
 NO_TOOL_ROLE = register(
     "KEEL-M008",
     "The chat template cannot carry a multi-turn conversation",
-    "Multi-turn rollouts append each tool's output as a `tool` message through the tokenizer's chat "
-    "template, right after the token the model ended its turn with. This template drops or rejects the "
-    "tool role (the model would never see what its tools returned), ends assistant turns with a token "
-    "generation does not stop at, or renders earlier turns differently once more follow: the turns "
-    "would be joined by tokens the template never makes.",
-    "Use a model whose template has a tool role and ends turns with its stop token (Qwen2.5, Llama 3.1 "
-    "and later, Hermes), or set the tokenizer's chat_template to one that does.",
+    "Multi-turn rollouts append each tool's output as a `tool` message through the tokenizer's "
+    "chat template, right after the token the model ended its turn with. This template drops or "
+    "rejects the tool role (the model would never see what its tools returned), ends assistant "
+    "turns with a token generation does not stop at, or renders earlier turns differently once "
+    "more follow: the turns would be joined by tokens the template never makes.",
+    "Use a model whose template has a tool role and ends turns with its stop token (Qwen2.5, "
+    "Llama 3.1 and later, Hermes), or set the tokenizer's chat_template to one that does.",
     ("actor_rollout_ref.rollout.multi_turn.enable",),
 )
 

@@ -39,8 +39,8 @@ NOT_ENOUGH_DEVICES = register(
     "More workers asked for than devices or Ray resources available",
     "trainer.n_gpus_per_node x trainer.nnodes workers need that many GPUs (or CPUs with "
     "trainer.device=cpu), and the machine or the Ray cluster has fewer.",
-    "Set `trainer.nnodes=1` and trainer.n_gpus_per_node to the devices this machine has (the fix line gives "
-    "the values), or add nodes to the Ray cluster (`ray start --address=...` on each).",
+    "Set `trainer.nnodes=1` and trainer.n_gpus_per_node to the devices this machine has (the fix "
+    "line gives the values), or add nodes to the Ray cluster (`ray start --address=...` on each).",
     ("trainer.n_gpus_per_node", "trainer.nnodes"),
 )
 RAY_MISSING = register(
@@ -48,8 +48,8 @@ RAY_MISSING = register(
     "Ray is needed for more than one worker and is not usable",
     "Training on more than one GPU or node runs its workers as Ray actors; Ray is not installed, "
     "or the cluster in RAY_ADDRESS cannot be reached.",
-    "`unset RAY_ADDRESS` to let keel start a local Ray instance when it names a cluster that does not "
-    "answer; `pip install ray` when Ray is missing (keel's install has it).",
+    "`unset RAY_ADDRESS` to let keel start a local Ray instance when it names a cluster that does "
+    "not answer; `pip install ray` when Ray is missing (keel's install has it).",
 )
 MASTER_PORT_UNUSABLE = register(
     "KEEL-P007",
@@ -57,8 +57,8 @@ MASTER_PORT_UNUSABLE = register(
     "MASTER_PORT is set in the environment, so keel's rank 0 listens there for the other ranks "
     "(instead of on a free port it picks), and the value is not a port number or the port is "
     "taken on rank 0's node.",
-    "Set MASTER_PORT to a free port the nodes can reach (`export MASTER_PORT=PORT`; the fix line names one "
-    "free now), or `unset MASTER_PORT` to let keel choose one.",
+    "Set MASTER_PORT to a free port the nodes can reach (`export MASTER_PORT=PORT`; the fix line "
+    "names one free now), or `unset MASTER_PORT` to let keel choose one.",
 )
 REFERENCE_APART = register(
     "KEEL-P006",

@@ -7,8 +7,9 @@ REWARD_FN_LOAD = register(
     "Custom reward function cannot be loaded",
     "`custom_reward_function.path` does not exist, does not import, or has no function named "
     "`custom_reward_function.name`.",
-    "Set the path and the name the fix line gives (the file or function spelt like the one given); the "
-    "function takes (data_source, solution_str, ground_truth, extra_info) and returns a float.",
+    "Set the path and the name the fix line gives (the file or function spelt like the one "
+    "given); the function takes (data_source, solution_str, ground_truth, extra_info) and returns "
+    "a float.",
     ("custom_reward_function.path", "custom_reward_function.name"),
 )
 NO_SCORER = register(
@@ -16,9 +17,9 @@ NO_SCORER = register(
     "No scorer for a data_source",
     "A row's `data_source` matches no built-in scorer and no custom reward function is set; "
     "scoring it as 0 would look like a model that never learns.",
-    "Set `reward.scorers.<data_source>.exact_match=1.0` to score each response against the row's ground "
-    "truth, set `custom_reward_function.path` to a file with your scorer, or set the rows' data_source to one "
-    "a built-in scorer serves (gsm8k, openai/gsm8k, exact_match).",
+    "Set `reward.scorers.<data_source>.exact_match=1.0` to score each response against the row's "
+    "ground truth, set `custom_reward_function.path` to a file with your scorer, or set the rows' "
+    "data_source to one a built-in scorer serves (gsm8k, openai/gsm8k, exact_match).",
     ("custom_reward_function.path", "custom_reward_function.name"),
 )
 REWARD_NOT_NUMBER = register(
@@ -50,18 +51,18 @@ TOO_MANY_NOT_SCORED = register(
     "More than reward.max_not_scored_ratio of a batch's samples raised, hung or returned a "
     "non-number in the scorer; a scorer failing that often is broken, and training on the rest "
     "would quietly follow a different reward than the one you wrote.",
-    "Read the reason in the message (and reward/not_scored/* in the metrics) and fix the scorer; if the "
-    "failures are expected, raise reward.max_not_scored_ratio (the fix line gives twice the batch's share) "
-    "or reward.timeout_s.",
+    "Read the reason in the message (and reward/not_scored/* in the metrics) and fix the scorer; "
+    "if the failures are expected, raise reward.max_not_scored_ratio (the fix line gives twice "
+    "the batch's share) or reward.timeout_s.",
     ("reward.max_not_scored_ratio", "reward.on_error", "reward.timeout_s"),
 )
 SCORER_TIMEOUT = register(
     "KEEL-R007",
     "A scorer took longer than reward.timeout_s",
     "With reward.on_error=raise, one sample whose scoring runs past the limit stops the run.",
-    "Raise reward.timeout_s if the scorer is just slow (the fix line gives ten times the limit), or make it "
-    "faster; during training reward.on_error=mask leaves such samples out of the update (counted as "
-    "reward/not_scored/timeout).",
+    "Raise reward.timeout_s if the scorer is just slow (the fix line gives ten times the limit), "
+    "or make it faster; during training reward.on_error=mask leaves such samples out of the "
+    "update (counted as reward/not_scored/timeout).",
     ("reward.timeout_s", "reward.on_error"),
 )
 SERVICE_UNAVAILABLE = register(
@@ -69,9 +70,9 @@ SERVICE_UNAVAILABLE = register(
     "The reward service is not reachable or not healthy",
     'reward.service.url is set, but GET /health did not answer {"status": "ok"} before training '
     "started: every batch would end up not scored.",
-    "Start the service where the config points (the fix line gives `keel reward-server ... --host H --port "
-    "P` for the config's scorer), check the URL, port and token, or set `reward.service.url=null` to score in "
-    "this process.",
+    "Start the service where the config points (the fix line gives `keel reward-server ... --host "
+    "H --port P` for the config's scorer), check the URL, port and token, or set "
+    "`reward.service.url=null` to score in this process.",
     ("reward.service.url", "reward.service.token"),
 )
 CODE_TESTS_FORM = register(
@@ -83,19 +84,19 @@ CODE_TESTS_FORM = register(
     "A row in neither form, or with no tests, or with more inputs than outputs, has nothing to run the "
     "program against: verl's prime_code scores every response 0 on such a row (1 when it has no tests), "
     "without a word.",
-    'Write the row\'s ground truth in one of the two forms: {"inputs": ["1 2\\n"], "outputs": ["3\\n"]} '
-    'or [{"input": "1 2\\n", "output": "3"}], every input with its expected output.',
+    'Write the row\'s ground truth in one of the two forms: {"inputs": ["1 2\\n"], "outputs": '
+    '["3\\n"]} or [{"input": "1 2\\n", "output": "3"}], every input with its expected output.',
 )
 REWARD_SIGNATURE = register(
     "KEEL-R010",
     "A reward function needs a parameter verl's call does not supply",
-    "verl calls a reward function by keyword: compute_score(data_source=, solution_str=, ground_truth=, "
-    "extra_info=, **reward_kwargs) (batched: data_sources=, solution_strs=, ground_truths=, extra_infos=). "
-    "A required parameter with another name (`(ds, s, gt, ei)`, a typo such as `solution`) would get no "
-    "value; binding parameters by position instead can hand one the value meant for another, which scores "
-    "right answers wrong without an error.",
-    "Name the parameters as verl does (leave out those you do not use, or take **kwargs), or give the "
-    "named ones a default or a value in custom_reward_function.reward_kwargs.",
+    "verl calls a reward function by keyword: compute_score(data_source=, solution_str=, "
+    "ground_truth=, extra_info=, **reward_kwargs) (batched: data_sources=, solution_strs=, "
+    "ground_truths=, extra_infos=). A required parameter with another name (`(ds, s, gt, ei)`, a "
+    "typo such as `solution`) would get no value; binding parameters by position instead can hand "
+    "one the value meant for another, which scores right answers wrong without an error.",
+    "Name the parameters as verl does (leave out those you do not use, or take **kwargs), or give "
+    "the named ones a default or a value in custom_reward_function.reward_kwargs.",
     (
         "custom_reward_function.path",
         "custom_reward_function.name",

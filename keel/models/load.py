@@ -42,8 +42,8 @@ RANDOM_WEIGHTS = "keel_random_weights.json"
 
 
 def check_model_dir(path: str | Path, key: str = "actor_rollout_ref.model.path") -> Path:
-    """The local model directory `path` names: a directory, or a Hugging Face Hub id (`Qwen/Qwen2-7B`)
-    found in this machine's Hub cache. keel never downloads."""
+    """The local model directory `path` names: a directory, or a Hugging Face Hub id
+    (`Qwen/Qwen2-7B`) found in this machine's Hub cache. keel never downloads."""
     if not Path(path).exists() and HUB_ID.fullmatch(str(path)):
         return cached_model(str(path), key)
     path = Path(path)
@@ -84,7 +84,8 @@ def cached_model(repo_id: str, key: str) -> Path:
         where = cache or "the default Hugging Face cache (~/.cache/huggingface/hub)"
         raise KeelError(
             MODEL_PATH,
-            f"{key}={repo_id!r} is a Hugging Face Hub id that is not in {where}; keel downloads nothing",
+            f"{key}={repo_id!r} is a Hugging Face Hub id that is not in {where}; keel "
+            "downloads nothing",
             f"download it where there is network (`huggingface-cli download "
             f"{repo_id}`) into this machine's cache, or set {key} to a local directory",
         )
@@ -112,7 +113,8 @@ def weight_file_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
         if absent:
             raise KeelError(
                 WEIGHTS_BROKEN,
-                f"{index.name} in {path} lists {absent[:3]}, which are missing ({len(absent)} of {len(listed)} files)",
+                f"{index.name} in {path} lists {absent[:3]}, which are missing ({len(absent)} "
+                f"of {len(listed)} files)",
             )
     shapes: dict[str, tuple[int, ...]] = {}
     for file in sorted(path.glob("*.safetensors")):
@@ -127,7 +129,8 @@ def _header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
         if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
             raise KeelError(
                 WEIGHTS_BROKEN,
-                f"{file} ({size} bytes) has no safetensors header: truncated or not a safetensors file",
+                f"{file} ({size} bytes) has no safetensors header: truncated or not a "
+                "safetensors file",
             )
         try:
             header = json.loads(handle.read(length))
@@ -167,9 +170,9 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     if not _in_tokenizer_files(path, tokenizer.eos_token):
         raise KeelError(
             EOS_ADDED_ON_LOAD,
-            f"the eos_token {tokenizer.eos_token!r} of the tokenizer in {path} is in "
-            f"none of its files: transformers added it on load as a new id ({tokenizer.eos_token_id}), "
-            "which the model never trained on and never samples",
+            f"the eos_token {tokenizer.eos_token!r} of the tokenizer in {path} is in none of its "
+            f"files: transformers added it on load as a new id ({tokenizer.eos_token_id}), which "
+            "the model never trained on and never samples",
             _eos_fix(tokenizer, path),
         )
     if tokenizer.pad_token_id is None:
@@ -185,8 +188,8 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
 
 
 def _in_tokenizer_files(path: Path, token: str) -> bool:
-    """Whether tokenizer.json holds `token` (in its vocabulary or its added tokens); True where there
-    is no tokenizer.json to tell (a slow tokenizer's files)."""
+    """Whether tokenizer.json holds `token` (in its vocabulary or its added tokens); True where
+    there is no tokenizer.json to tell (a slow tokenizer's files)."""
     file = path / "tokenizer.json"
     if not file.is_file():
         return True
@@ -205,7 +208,8 @@ END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>", "<eos>", "<|e
 
 
 def _eos_fix(tokenizer, path: Path) -> str | None:
-    """The token config.json's eos_token_id names, else the one end-of-text token the vocabulary has."""
+    """The token config.json's eos_token_id names, else the one end-of-text token the vocabulary
+    has."""
     config = json.loads((path / "config.json").read_text())
     ids = config.get("eos_token_id")
     ids = [
@@ -234,8 +238,9 @@ def resolve_device(name: str) -> torch.device:
         raise KeelError(
             DEVICE_UNAVAILABLE,
             "trainer.device=cuda but torch sees no CUDA device",
-            f"set {setting('trainer.device', 'cpu')} to run on the CPU (slow for real models), or run "
-            f"where torch sees a GPU (a CUDA build of torch: torch.version.cuda is {torch.version.cuda})",
+            f"set {setting('trainer.device', 'cpu')} to run on the CPU (slow for real models), or "
+            "run where torch sees a GPU (a CUDA build of torch: torch.version.cuda is "
+            f"{torch.version.cuda})",
         )
     return torch.device(name)
 

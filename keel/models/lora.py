@@ -39,18 +39,21 @@ class LoraPlan:
     def summary(self) -> str:
         share = self.trainable / max(self.total, 1)
         frozen = (
-            f"; {', '.join(self.frozen_other)} frozen: a mixture's experts, router and dense MLPs get no adapters"
+            f"; {', '.join(self.frozen_other)} frozen: a mixture's experts, router and dense "
+            "MLPs get no adapters"
             if self.frozen_other
             else ""
         )
         return (
-            f"LoRA on {', '.join(self.targets)} of every decoder layer (lm_head and embeddings frozen{frozen}): "
-            f"{self.trainable:,} trainable parameters, {100 * share:.2f}% of {self.total:,}"
+            f"LoRA on {', '.join(self.targets)} of every decoder layer (lm_head and embeddings "
+            f"frozen{frozen}): {self.trainable:,} trainable parameters, {100 * share:.2f}% of "
+            f"{self.total:,}"
         )
 
 
 def decoder_linears(model: nn.Module) -> dict[str, list[str]]:
-    """{leaf name: full names} of the linear layers inside the decoder's blocks (lm_head is not one)."""
+    """{leaf name: full names} of the linear layers inside the decoder's blocks (lm_head is not
+    one)."""
     found: dict[str, list[str]] = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and ".layers." in f".{name}":
@@ -81,8 +84,9 @@ def _refuse_expert_names(target_modules: list[str], key: str, linears: dict) -> 
         raise KeelError(
             LORA_TARGETS,
             f"{key}.target_modules names {named}: on a mixture of experts peft puts those "
-            "adapters on the stacked experts, which keel's LoRA does not adapt (the experts and any dense "
-            f"MLP stay frozen; the attention's projections {sorted(set(linears) - MLP_NAMES)} train)",
+            "adapters on the stacked experts, which keel's LoRA does not adapt (the experts and "
+            "any dense MLP stay frozen; the attention's projections "
+            f"{sorted(set(linears) - MLP_NAMES)} train)",
             f"set {setting(key + '.target_modules', ALL_LINEAR)}",
         )
 
@@ -109,11 +113,11 @@ def _refuse_names_outside(
     if set(outside) & others:
         raise KeelError(
             LORA_TARGETS,
-            f"{key}.target_modules names {sorted(set(outside) & others)}: a mixture's "
-            "stacked experts and router are not linear layers, and keel's LoRA adapts linear layers only "
+            f"{key}.target_modules names {sorted(set(outside) & others)}: a mixture's stacked "
+            "experts and router are not linear layers, and keel's LoRA adapts linear layers only "
             f"(this model's are {sorted(linears)})",
-            f"set {setting(key + '.target_modules', ALL_LINEAR)} (the attention's projections; the experts "
-            "stay frozen)",
+            f"set {setting(key + '.target_modules', ALL_LINEAR)} (the attention's projections; "
+            "the experts stay frozen)",
         )
     if outside:
         raise KeelError(
@@ -163,8 +167,8 @@ def plan_lora(
             LORA_TARGETS,
             f"{key}: adapters on {targets} only; each decoder layer also has "
             f"{sorted(set(linears) - set(targets))}, which would train nothing",
-            f"set {overrides({key + '.target_modules': ALL_LINEAR, key + '.exclude_modules': []})} (every "
-            "projection of every layer), or list them all",
+            f"set {overrides({key + '.target_modules': ALL_LINEAR, key + '.exclude_modules': []})} "
+            "(every projection of every layer), or list them all",
         )
     per_target = sum(
         rank * (m.in_features + m.out_features)
@@ -245,7 +249,8 @@ def hf_name(peft_name: str) -> str:
 
 def frozen_base(peft_model):
     """(Hugging Face name, parameter) of the frozen base: what the rollout engine can share rather
-    than copy. modules_to_save's originals are left out, so the engine holds their trained copies."""
+    than copy. modules_to_save's originals are left out, so the engine holds their trained
+    copies."""
     for name, param in peft_model.named_parameters():
         if (
             not param.requires_grad
@@ -269,7 +274,8 @@ def adapter_weights(peft_model):
 
 
 def trained_in_full(peft_model):
-    """(Hugging Face name, tensor) of modules_to_save's trained copies: the engine loads them whole."""
+    """(Hugging Face name, tensor) of modules_to_save's trained copies: the engine loads them
+    whole."""
     for name, param in peft_model.named_parameters():
         if ".modules_to_save." in name:
             yield (

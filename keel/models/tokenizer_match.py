@@ -43,9 +43,10 @@ def special_token_mismatches(
         wanted = min(model_eos)
         found.append(
             (
-                f"the tokenizer's EOS is {named(tokenizer.eos_token_id)} but the model's config ends "
-                f"with {sorted(named(i) for i in model_eos)}",
-                f"{retoken('eos', wanted)} (the end config.json names), or use the tokenizer saved with this model"
+                f"the tokenizer's EOS is {named(tokenizer.eos_token_id)} but the model's config "
+                f"ends with {sorted(named(i) for i in model_eos)}",
+                f"{retoken('eos', wanted)} (the end config.json names), or use the tokenizer "
+                "saved with this model"
                 if wanted < len(tokenizer)
                 else "use the tokenizer saved with this model",
             )
@@ -58,7 +59,8 @@ def special_token_mismatches(
         if model_id is not None and tokenizer_id is not None and model_id != tokenizer_id:
             found.append(
                 (
-                    f"the tokenizer's {name.upper()} is {named(tokenizer_id)} but config.json says {named(model_id)}",
+                    f"the tokenizer's {name.upper()} is {named(tokenizer_id)} but config.json "
+                    f"says {named(model_id)}",
                     f"{retoken(name, model_id)}, or use the tokenizer saved with this model"
                     if model_id < len(tokenizer)
                     else "use the tokenizer saved with this model",
@@ -73,8 +75,8 @@ _UNSET_MAX_LENGTH = 10**12
 
 def context_limit(model_cfg, tokenizer) -> tuple[int | None, str]:
     """(tokens a model reads, what sets that): the smaller of config.json's max_position_embeddings
-    and the tokenizer's model_max_length, which a fine-tuned model often lowers to what it was trained
-    on while its config keeps the base model's positions."""
+    and the tokenizer's model_max_length, which a fine-tuned model often lowers to what it was
+    trained on while its config keeps the base model's positions."""
     limits = []
     positions = getattr(model_cfg, "max_position_embeddings", None)
     if positions:
@@ -107,13 +109,13 @@ def agree_fix(mismatches: list[tuple[str, str]]) -> str:
 
 
 def vocab_fix(path: str | Path, size: int, key: str = "actor_rollout_ref.model.path") -> str:
-    """The fix for a tokenizer with ids past the embedding: the model with `size` embedding rows (the
-    new rows random, trained from there), saved beside it, then used."""
+    """The fix for a tokenizer with ids past the embedding: the model with `size` embedding rows
+    (the new rows random, trained from there), saved beside it, then used."""
     out = free_directory(Path(f"{path}_resized"))
     code = (
-        f"from transformers import AutoModelForCausalLM as M, AutoTokenizer as T; m = M.from_pretrained('{path}'); "
-        f"m.resize_token_embeddings({size}); m.save_pretrained('{out}'); "
-        f"T.from_pretrained('{path}').save_pretrained('{out}')"
+        "from transformers import AutoModelForCausalLM as M, AutoTokenizer as T; m = "
+        f"M.from_pretrained('{path}'); m.resize_token_embeddings({size}); "
+        f"m.save_pretrained('{out}'); T.from_pretrained('{path}').save_pretrained('{out}')"
     )
     return (
         f'run `python -c "{code}"`, then set {setting(key, str(out))} (the model with an embedding row for '

@@ -20,13 +20,15 @@ def check_weights_match(
     """The weight files against `model`, the config's architecture on the meta device (None when it
     would not build there): a tensor of another shape is an error. Returns a summary, and a warning
     when tensors the architecture has are not in the files under their names (transformers renames
-    some keys on load, so that alone is not an error; unmatched ones would start from random values)."""
+    some keys on load, so that alone is not an error; unmatched ones would start from random
+    values)."""
     found = weight_file_shapes(path)
     if not found:
         return "no safetensors files to check (weights in another format)", None
     if model is None:
         return (
-            f"{len(found)} tensors; shapes not compared (the architecture does not build on the meta device)",
+            f"{len(found)} tensors; shapes not compared (the architecture does not build on "
+            "the meta device)",
             None,
         )
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -50,9 +52,9 @@ def check_weights_match(
         name for name in expected if name not in found and not _built_on_load(name, found, model)
     ]
     warning = (
-        f"{len(missing)} of the {len(expected)} tensors the config's architecture has are not in {path}'s "
-        f"weight files under their names (first: {missing[0]}): unless transformers maps them on load, they "
-        "start from random values"
+        f"{len(missing)} of the {len(expected)} tensors the config's architecture has are not in "
+        f"{path}'s weight files under their names (first: {missing[0]}): unless transformers maps "
+        "them on load, they start from random values"
         if missing
         else None
     )
@@ -88,7 +90,8 @@ def _built_on_load(name: str, found: dict, model: nn.Module) -> bool:
 
 def _config_size_fix(path: Path, shapes: list[tuple[tuple, tuple]]) -> str | None:
     """The config.json field every wrong shape points at, set to the size the weights have: when one
-    field's value is the size the config expects in each, and the weights agree on one other size."""
+    field's value is the size the config expects in each, and the weights agree on one other
+    size."""
     config = json.loads((path / "config.json").read_text())
     fields, sizes = None, set()
     for have, want in shapes:

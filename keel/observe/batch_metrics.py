@@ -51,7 +51,8 @@ def batch_metrics(batch: TrainBatch) -> dict[str, float]:
 
 
 def throughput_metrics(batch: TrainBatch, step_seconds: float, workers: int) -> dict[str, float]:
-    """Prompt and response tokens per second per worker over the whole step (verl's perf/throughput)."""
+    """Prompt and response tokens per second per worker over the whole step (verl's
+    perf/throughput)."""
     tokens = batch.attention_mask.sum().item()
     return {
         "perf/total_num_tokens": float(tokens),

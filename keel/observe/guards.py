@@ -18,7 +18,8 @@ log = logging.getLogger("keel")
 
 
 def check_finite(stage: str, values: torch.Tensor, mask: torch.Tensor | None, policy: str) -> None:
-    """Non-finite rewards, log-probs, values or advantages stop the step before they reach a weight."""
+    """Non-finite rewards, log-probs, values or advantages stop the step before they reach a
+    weight."""
     valid = values if mask is None else values[mask.bool()]
     bad = ~torch.isfinite(valid)
     if not bad.any():
@@ -38,7 +39,8 @@ def check_finite(stage: str, values: torch.Tensor, mask: torch.Tensor | None, po
 
 
 def frac_reward_zero_std(scores: torch.Tensor, group_index: torch.Tensor) -> float:
-    """Share of prompts whose samples all scored the same: group-relative estimators learn nothing there."""
+    """Share of prompts whose samples all scored the same: group-relative estimators learn nothing
+    there."""
     groups = group_index.unique()
     flat = sum(
         bool((scores[group_index == g].max() - scores[group_index == g].min()) == 0) for g in groups
@@ -81,10 +83,11 @@ class LearningSignalGuard:
         if self._first_all_zero(metrics):
             warn(
                 "all_scores_zero",
-                f"every score of this batch is 0 although the model wrote answers (mean "
-                f"{metrics['response_length/mean']:.1f} tokens): a task too hard for the model yet, or a reward "
-                "function that never sees a right answer; compare samples.jsonl with the scorer (verl's "
-                "contract: compute_score(data_source=, solution_str=, ground_truth=, extra_info=))",
+                "every score of this batch is 0 although the model wrote answers (mean "
+                f"{metrics['response_length/mean']:.1f} tokens): a task too hard for the model "
+                "yet, or a reward function that never sees a right answer; compare samples.jsonl "
+                "with the scorer (verl's contract: compute_score(data_source=, solution_str=, "
+                "ground_truth=, extra_info=))",
             )
         flat = metrics.get("critic/score/max", 1.0) == metrics.get("critic/score/min", 0.0)
         if self.group_based:
@@ -94,8 +97,8 @@ class LearningSignalGuard:
             warn(
                 "no_signal",
                 f"no learning signal for {self.flat_steps} steps: every reward "
-                f"{'in each group ' if self.group_based else ''}is the same "
-                f"(score {metrics.get('critic/score/mean', 0):.3g}); check the scorer on samples.jsonl",
+                f"{'in each group ' if self.group_based else ''}is the same (score "
+                f"{metrics.get('critic/score/mean', 0):.3g}); check the scorer on samples.jsonl",
             )
         return warnings
 
@@ -145,7 +148,8 @@ class LearningSignalGuard:
         return warnings
 
     def _first_all_zero(self, metrics: dict[str, float]) -> bool:
-        """The first batch whose every score is 0 while responses are not empty (said once a run)."""
+        """The first batch whose every score is 0 while responses are not empty (said once a
+        run)."""
         all_zero = (
             metrics.get("critic/score/max", 1.0) == 0.0 == metrics.get("critic/score/min", 1.0)
         )
@@ -198,14 +202,14 @@ def phase_deadline(phase: str, seconds: float | None):
 
     def expire() -> None:
         print(
-            f"error[{PHASE_TIMEOUT}]: phase {phase!r} ran past trainer.guards.phase_timeout_s={seconds}; "
-            "stacks of every thread follow",
+            f"error[{PHASE_TIMEOUT}]: phase {phase!r} ran past "
+            f"trainer.guards.phase_timeout_s={seconds}; stacks of every thread follow",
             file=sys.stderr,
             flush=True,
         )
         print(
-            f"fix: if the stacks below show {phase!r} working, not waiting, it is slow, not stuck: set "
-            f"`trainer.guards.phase_timeout_s={2 * seconds:g}`",
+            f"fix: if the stacks below show {phase!r} working, not waiting, it is slow, not "
+            f"stuck: set `trainer.guards.phase_timeout_s={2 * seconds:g}`",
             file=sys.stderr,
             flush=True,
         )

@@ -35,7 +35,8 @@ class Timer:
     dumps every stack and exits (keel.observe.guards.phase_deadline)."""
 
     def __init__(self, deadline_s: float | None = None, on_phase=None):
-        """`on_phase(name)`: told as each phase but the whole step starts (the progress bar shows it)."""
+        """`on_phase(name)`: told as each phase but the whole step starts (the progress bar shows
+        it)."""
         self.times: dict[str, float] = {}
         self.deadline_s = deadline_s
         self.on_phase = on_phase

@@ -34,9 +34,8 @@ class RankProfile:
             )
             gaps = "".join(f"{json.dumps(gap)}\n" for gap in idle_gaps(events)) if gpu else ""
             Path(path).write_text(
-                f"GPU busy per phase: {json.dumps(busy)}\n\n"
-                f"Longest GPU idle gaps (ms; the host's innermost op at the gap's middle):\n{gaps}\n"
-                f"{table}"
+                f"GPU busy per phase: {json.dumps(busy)}\n\nLongest GPU idle gaps (ms; the host's "
+                f"innermost op at the gap's middle):\n{gaps}\n{table}"
             )
         return {"busy": busy, "gpu_s": gpu_s}
 

@@ -1,4 +1,5 @@
-"""`keel report RUN_DIR`: the curves a user looks at first, as a PNG and a self-contained HTML page."""
+"""`keel report RUN_DIR`: the curves a user looks at first, as a PNG and a self-contained HTML
+page."""
 
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def _run_dir_below(path: Path) -> str | None:
-    """The fix for a directory that is not a run's: the one run directory below it (checkpoints/ or a
-    project's folder), as a command; None (the catalogue's fix) when there are none or several."""
+    """The fix for a directory that is not a run's: the one run directory below it (checkpoints/ or
+    a project's folder), as a command; None (the catalogue's fix) when there are none or several."""
     found = sorted(
         p.parent for p in path.glob("**/metrics.jsonl") if len(p.relative_to(path).parts) <= 4
     )
@@ -77,8 +78,8 @@ def series(records: list[dict], pattern: str) -> dict[str, tuple[list[int], list
 def panel_lines(
     records: list[dict],
 ) -> list[tuple[str, list[tuple[str, list[int], list[float], str]]]]:
-    """[(panel title, [(legend label, steps, values, line style)])], the panels the run has metrics for.
-    A curve equal to one drawn before it in its panel (critic/rewards/mean is critic/score/mean
+    """[(panel title, [(legend label, steps, values, line style)])], the panels the run has metrics
+    for. A curve equal to one drawn before it in its panel (critic/rewards/mean is critic/score/mean
     without a KL penalty) would hide under it: it is dashed, and its label says which it equals."""
     panels = []
     for title, keys in PANELS:
@@ -158,12 +159,12 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path]:
         if isinstance(v, (int, float))
     )
     page.write_text(
-        f"<!doctype html><html><head><meta charset='utf-8'><title>keel report: {html.escape(name)}</title>"
-        "<style>body{font-family:sans-serif;margin:2em}td{padding:0 1em}</style></head><body>"
-        f"<h1>keel report</h1><p>{html.escape(name)}: {len(records)} records, "
-        f"panels: {html.escape(', '.join(panels))}</p>"
-        f"<img alt='training curves' style='max-width:100%' src='data:image/png;base64,{image}'>"
-        f"<h2>last record (step {last['step']})</h2><table>{rows}</table>{samples_html(run_dir)}</body></html>"
+        "<!doctype html><html><head><meta charset='utf-8'><title>keel report: "
+        f"{html.escape(name)}</title><style>body{{font-family:sans-serif;margin:2em}}td{{padding:0 "
+        f"1em}}</style></head><body><h1>keel report</h1><p>{html.escape(name)}: {len(records)} "
+        f"records, panels: {html.escape(', '.join(panels))}</p><img alt='training curves' "
+        f"style='max-width:100%' src='data:image/png;base64,{image}'><h2>last record (step "
+        f"{last['step']})</h2><table>{rows}</table>{samples_html(run_dir)}</body></html>"
     )
     return png, page
 
@@ -187,12 +188,14 @@ def samples_html(run_dir: Path, per_step: int = 3, steps: int = 3) -> str:
                 {"role": "assistant", "content": sample.get("response", "")}
             ]
             body = "".join(
-                f"<p><b>{html.escape(t['role'])}</b>: <code>{html.escape(str(t['content']))}</code></p>"
+                f"<p><b>{html.escape(t['role'])}</b>: "
+                f"<code>{html.escape(str(t['content']))}</code></p>"
                 for t in turns
             )
             parts.append(
-                f"<div style='border-left:3px solid #ccc;padding-left:1em;margin:1em 0'>"
-                f"<p><b>prompt</b>: <code>{html.escape(str(sample.get('prompt', '')))}</code></p>{body}"
-                f"<p>score {sample.get('score', float('nan')):.3g}</p></div>"
+                "<div style='border-left:3px solid #ccc;padding-left:1em;margin:1em "
+                "0'><p><b>prompt</b>: "
+                f"<code>{html.escape(str(sample.get('prompt', '')))}</code></p>{body}<p>score "
+                f"{sample.get('score', float('nan')):.3g}</p></div>"
             )
     return f"<h2>samples{' (evaluation)' if chosen is not samples else ''}</h2>" + "".join(parts)

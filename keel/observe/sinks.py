@@ -1,9 +1,9 @@
 """Experiment trackers, by verl's `trainer.logger` names: `wandb`, `tensorboard`, `mlflow` (console
 and metrics.jsonl are keel's own, in keel.observe.metrics).
 
-Each is the library itself (`pip install -e '.[tracking]'` in keel's checkout). A tracker that fails, at start or in the
-middle of a run (network, disk, a revoked key), is logged once and counted in
-`tracking/failed_writes`; training goes on, and metrics.jsonl, written first, keeps every record.
+Each is the library itself (`pip install -e '.[tracking]'` in keel's checkout). A tracker that
+fails, at start or in the middle of a run (network, disk, a revoked key), is logged once and counted
+in `tracking/failed_writes`; training goes on, and metrics.jsonl, written first, keeps every record.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ class WandbSink:
         )
         if offline:
             log.info(
-                "wandb: no WANDB_API_KEY, so offline; `wandb sync %s/wandb/offline-run-*` uploads it",
+                "wandb: no WANDB_API_KEY, so offline; `wandb sync %s/wandb/offline-run-*` "
+                "uploads it",
                 run_dir,
             )
         self.run = wandb.init(
@@ -195,7 +196,8 @@ class Trackers:
 
 def require_tracker(name: str, logger: list[str] | None = None) -> None:
     """The tracker's library must be installed: a run that was asked to log there and silently
-    did not would be found out days later. `logger`: all of trainer.logger, for the fix without it."""
+    did not would be found out days later. `logger`: all of trainer.logger, for the fix without
+    it."""
     import importlib.util
 
     from keel.errors.fixes import setting
@@ -206,7 +208,8 @@ def require_tracker(name: str, logger: list[str] | None = None) -> None:
             TRACKER_UNAVAILABLE,
             f"trainer.logger names {name}, whose package is not installed",
             f"set {setting('trainer.logger', rest)} to train without it, or run `pip install "
-            f"{PACKAGES[name]}` (all of keel's trackers: pip install -e '.[tracking]' in keel's checkout)",
+            f"{PACKAGES[name]}` (all of keel's trackers: pip install -e '.[tracking]' in keel's "
+            "checkout)",
         )
 
 
@@ -232,7 +235,10 @@ def describe_tracker(name: str, run_dir: Path) -> str:
         online = (
             os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") or _wandb_logged_in()
         )
-        return f"wandb: {'online' if online else 'offline (no WANDB_API_KEY), files under ' + str(run_dir / 'wandb')}"
+        return (
+            "wandb: "
+            f"{'online' if online else 'offline (no WANDB_API_KEY), files under ' + str(run_dir / 'wandb')}"
+        )
     if name == "tensorboard":
         return f"tensorboard: {os.environ.get('TENSORBOARD_DIR') or run_dir / 'tensorboard'}"
     return f"mlflow: {os.environ.get('MLFLOW_TRACKING_URI') or (run_dir / 'mlruns')}"

@@ -21,16 +21,17 @@ from typing import Any
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs
 ) -> float | dict:
-    """The score verl 0.9.1's `default_compute_score` gives (a float, or math_dapo's dict {score, acc,
-    pred}); a data source verl routes nowhere raises KEEL-R002. See keel/rewards/registry.py."""
+    """The score verl 0.9.1's `default_compute_score` gives (a float, or math_dapo's dict {score,
+    acc, pred}); a data source verl routes nowhere raises KEEL-R002. See
+    keel/rewards/registry.py."""
     from keel.rewards.registry import default_compute_score as route
 
     return route(data_source, solution_str, ground_truth, extra_info, **kwargs)
 
 
 def verl_scorer_name(data_source: str) -> str | None:
-    """The keel scorer giving verl's rule for `data_source` ("openai/gsm8k" -> "gsm8k"), or None where
-    verl routes it nowhere."""
+    """The keel scorer giving verl's rule for `data_source` ("openai/gsm8k" -> "gsm8k"), or None
+    where verl routes it nowhere."""
     from keel.rewards.verl.routing import verl_scorer_name as name
 
     return name(data_source)

@@ -38,8 +38,9 @@ class StartedSample:
         return None if started is None else cls(pickle.dumps(task), started)
 
     def of(self, task: SampleTask) -> Started | None:
-        """The scoring begun, if it is `task`'s (a sample whose text or record differs is scored again).
-        Compared pickled: a record's numpy arrays (verl's parquet rows) compare elementwise otherwise."""
+        """The scoring begun, if it is `task`'s (a sample whose text or record differs is scored
+        again). Compared pickled: a record's numpy arrays (verl's parquet rows) compare elementwise
+        otherwise."""
         return self.started if pickle.dumps(task) == self.task else None
 
 

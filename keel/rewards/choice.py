@@ -2,8 +2,8 @@
 
 Per data_source: the reward service when there is one; else the weighted scorers named in
 `reward.scorers`; else the reward model; else the custom function (it serves every data_source, as
-in verl); else the built-in scorer for that data_source. The name `custom` in `reward.scorers` refers
-to the custom function, so it can be combined with rules.
+in verl); else the built-in scorer for that data_source. The name `custom` in `reward.scorers`
+refers to the custom function, so it can be combined with rules.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ SERVICE = ("service",)
 class ScorerChoice:
     """Who scores each data source. `custom`: the custom function, a callable or a spec that pickles
     to the scoring processes (keel.rewards.worker.Spec); `by_source`: reward.scorers;
-    `reward_model` and `service`: the reward model and the reward service client, when configured."""
+    `reward_model` and `service`: the reward model and the reward service client, when
+    configured."""
 
     custom: Spec | None = None
     by_source: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -61,11 +62,13 @@ class ScorerChoice:
         if name is None:
             raise KeelError(
                 NO_SCORER,
-                f"no scorer for data_source={data_source!r}; built-in ones serve {sorted(DATA_SOURCE_SCORERS)} and "
-                "every data_source starting with 'aime' (verl's routing)",
-                f"set {setting(f'reward.scorers.{data_source}.exact_match', 1.0)} (1 when the response is the row's "
-                "ground truth, else 0), or set custom_reward_function.path to a file with compute_score(data_source, "
-                "solution_str, ground_truth, extra_info)",
+                f"no scorer for data_source={data_source!r}; built-in ones serve "
+                f"{sorted(DATA_SOURCE_SCORERS)} and every data_source starting with 'aime' "
+                "(verl's routing)",
+                f"set {setting(f'reward.scorers.{data_source}.exact_match', 1.0)} (1 when the "
+                "response is the row's ground truth, else 0), or set custom_reward_function.path "
+                "to a file with compute_score(data_source, solution_str, ground_truth, "
+                "extra_info)",
             )
         return {name: (("builtin", name), 1.0)}
 
@@ -93,7 +96,8 @@ class ScorerChoice:
         return " + ".join(f"{weight} x {one(name)}" for name, (_, weight) in parts.items())
 
     def user_code(self, data_source: str) -> str | None:
-        """ "`function` in `file`" of the custom function that scores `data_source`, when one does."""
+        """ "`function` in `file`" of the custom function that scores `data_source`, when one
+        does."""
         spec = self.scorers_for(data_source).get("custom", (None,))[0]
         if isinstance(spec, tuple):
             return f"`{spec[2]}` in `{spec[1]}`" if spec[:1] == ("file",) else None

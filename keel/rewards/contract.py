@@ -128,7 +128,8 @@ AGENT_WEIGHTS = {"agent": (("agent", None), 1.0)}
 
 
 def agent_reward(record) -> float | None:
-    """The reward agent code returned for its sample (rollout.agent.function), or None: left to the scorers."""
+    """The reward agent code returned for its sample (rollout.agent.function), or None: left to the
+    scorers."""
     value = (record.extra_info or {}).get("agent_reward")
     if (
         isinstance(value, bool)

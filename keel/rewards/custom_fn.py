@@ -52,7 +52,8 @@ def _import_reward_module(path: str):
         raise KeelError(
             REWARD_FN_LOAD,
             f"custom_reward_function.path={path!r} does not exist",
-            f"set {setting('custom_reward_function.path', found)} (the file there named most like it)"
+            f"set {setting('custom_reward_function.path', found)} (the file there named most "
+            "like it)"
             if found
             else None,
         )

@@ -63,7 +63,8 @@ class ScoringPool:
         timeout_s: float | None,
         started: list[Started | None] | None = None,
     ) -> list[SampleResult]:
-        """Each task's result: `started[i]`'s where `start` began task i in this pool, else scored now."""
+        """Each task's result: `started[i]`'s where `start` began task i in this pool, else scored
+        now."""
         if any(is_async(spec) for task in tasks for _, spec in task.scorers):
             # I/O-bound scorers: concurrency, not processes
             return asyncio.run(score_samples_async(tasks))

@@ -44,12 +44,13 @@ class RewardTemplate:
                     TOKEN_BUDGET,
                     f"reward_model.max_length={max_length} is more than the reward model's "
                     f"max_position_embeddings={positions}",
-                    f"set {setting('reward_model.max_length', positions)} (its positions), or leave it unset",
+                    f"set {setting('reward_model.max_length', positions)} (its positions), or "
+                    "leave it unset",
                 )
             if limit and max_length > limit:
                 log.warning(
-                    "reward_model.max_length=%d is over what the reward model reads by default (%s): "
-                    "scores of longer samples are only as good as its training on them",
+                    "reward_model.max_length=%d is over what the reward model reads by default "
+                    "(%s): scores of longer samples are only as good as its training on them",
                     max_length,
                     self.limited_by,
                 )

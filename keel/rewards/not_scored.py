@@ -63,8 +63,9 @@ class NotScoredPolicy:
             raise too_many_not_scored(failed, records, self.max_ratio)
 
     def skip_if_nonfinite(self, failed: list[tuple[int, str]], total: int, may_skip: bool) -> None:
-        """trainer.guards.nonfinite=skip: a batch pushed over max_not_scored_ratio by NaN or infinite
-        scores is skipped like a step with NaN log-probs. Other failures past the ratio still stop."""
+        """trainer.guards.nonfinite=skip: a batch pushed over max_not_scored_ratio by NaN or
+        infinite scores is skipped like a step with NaN log-probs. Other failures past the ratio
+        still stop."""
         nonfinite = [
             reason for _, reason in failed if reason.removeprefix("service: ") in NOT_FINITE
         ]

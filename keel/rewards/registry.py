@@ -74,8 +74,8 @@ NO_GROUND_TRUTH = {"think_answer_format"}
 
 
 def scorer_for_source(data_source: str) -> str | None:
-    """The built-in scorer a data_source picks: DATA_SOURCE_SCORERS, verl's `aime*` prefix, then keel's
-    rule that a name containing "gsm8k" is GSM8K; None when none does."""
+    """The built-in scorer a data_source picks: DATA_SOURCE_SCORERS, verl's `aime*` prefix, then
+    keel's rule that a name containing "gsm8k" is GSM8K; None when none does."""
     if data_source in DATA_SOURCE_SCORERS:
         return DATA_SOURCE_SCORERS[data_source]
     prefix, scorer = VERL_PREFIX_ROUTE
@@ -101,8 +101,9 @@ def default_compute_score(
 ) -> float | dict:
     """verl's `default_compute_score`: the score of `solution_str` by the rule verl 0.9.1 uses for
     `data_source`, a float or (math_dapo) the dict {score, acc, pred}. verl's other keywords
-    (sandbox_fusion_url, concurrent_semaphore, memory_limit_mb) are accepted and not used: code runs in
-    keel's jail. A data source verl routes nowhere raises KEEL-R002 (verl: NotImplementedError)."""
+    (sandbox_fusion_url, concurrent_semaphore, memory_limit_mb) are accepted and not used: code runs
+    in keel's jail. A data source verl routes nowhere raises KEEL-R002 (verl:
+    NotImplementedError)."""
     scorer = verl_scorer_name(data_source)
     if scorer is None:
         routed = sorted(VERL_DATA_SOURCES) + [f"{VERL_PREFIX_ROUTE[0]}*"]
@@ -111,7 +112,7 @@ def default_compute_score(
             f"default_compute_score has no rule for data_source={data_source!r}: verl 0.9.1 routes "
             f"only {', '.join(routed)}",
             f"score data_source={data_source!r} in your own function before falling back to "
-            "keel.rewards.default_compute_score, or set the rows' data_source to one of those it routes "
-            "(keel's own scorers are named in reward.scorers.<data_source>.<scorer>)",
+            "keel.rewards.default_compute_score, or set the rows' data_source to one of those it "
+            "routes (keel's own scorers are named in reward.scorers.<data_source>.<scorer>)",
         )
     return verl_result(_verl_rule(scorer, data_source, solution_str, ground_truth, extra_info))

@@ -72,7 +72,8 @@ class RewardScorer:
         return self.choice.describe(data_source)
 
     def user_code(self, data_source: str) -> str | None:
-        """ "`function` in `file`" of the custom function that scores `data_source`, when one does."""
+        """ "`function` in `file`" of the custom function that scores `data_source`, when one
+        does."""
         return self.choice.user_code(data_source)
 
     def check_records(self, records: list, files: list[str] = ()) -> None:
@@ -90,7 +91,8 @@ class RewardScorer:
 
     @property
     def can_start(self) -> bool:
-        """Whether `start` can begin samples ahead of their batch (scoring processes, scored one by one)."""
+        """Whether `start` can begin samples ahead of their batch (scoring processes, scored one by
+        one)."""
         return self.pool.num_workers > 0 and self.service is None and not self.batched
 
     def start(self, record, response_text: str) -> StartedSample | None:
@@ -118,7 +120,8 @@ class RewardScorer:
         """Scores, which samples were scored, and metrics: the per-scorer breakdown, not-scored
         counts by reason, scoring latency and the overlong penalty. `may_skip`: a training step,
         which trainer.guards.nonfinite=skip may drop (SkipStep) when NaN scores fill the batch.
-        `started[i]`: sample i's scoring as `start` began it (if None, or another task's: scored now)."""
+        `started[i]`: sample i's scoring as `start` began it (if None, or another task's: scored
+        now)."""
         on_error = on_error or self.not_scored.on_error
         given = [agent_reward(r) for r in records]
         weights = [
@@ -184,7 +187,8 @@ class RewardScorer:
     def _run(
         self, records: list, texts: list[str], weights: list[dict], started: list
     ) -> list[SampleResult]:
-        """Each sample's per-scorer values, or the reason it has none (`started`: what the pool began)."""
+        """Each sample's per-scorer values, or the reason it has none (`started`: what the pool
+        began)."""
         # reward.service.url: the remote service scores every sample
         if self.service is not None:
             return self.service.score(records, texts)
@@ -204,7 +208,8 @@ class RewardScorer:
         self.pool.close()
 
     def shutdown(self) -> None:
-        """For good, at the end of a run: the scoring processes and a reward model pool's replicas."""
+        """For good, at the end of a run: the scoring processes and a reward model pool's
+        replicas."""
         self.pool.shutdown()
         if hasattr(self.reward_model, "shutdown"):
             self.reward_model.shutdown()

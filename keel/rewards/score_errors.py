@@ -44,7 +44,8 @@ def scoring_error(
         return KeelError(
             SCORER_TIMEOUT,
             f"scoring took longer than reward.timeout_s={timeout_s} ({where})",
-            f"set {setting('reward.timeout_s', 10 * timeout_s)} if the scorer is just slow, or make it faster"
+            f"set {setting('reward.timeout_s', 10 * timeout_s)} if the scorer is just slow, "
+            "or make it faster"
             if timeout_s
             else None,
         )

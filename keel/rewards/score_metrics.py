@@ -38,8 +38,8 @@ AGENT_COUNTS = ("agent/errors", "agent/timeouts", "agent/prefix_breaks", "agent/
 
 def merge_score_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
     """The metrics of several scored batches, (metrics, samples) each, as one batch's would read:
-    not-scored and agent counts summed, maxima (and the service's running retry count) the largest, the rest
-    means weighted by samples."""
+    not-scored and agent counts summed, maxima (and the service's running retry count) the largest,
+    the rest means weighted by samples."""
     merged: dict[str, float] = {}
     for name in dict.fromkeys(name for metrics, _ in parts for name in metrics):
         values = [(metrics[name], count) for metrics, count in parts if name in metrics]

@@ -33,10 +33,10 @@ VERL_GSM8K_CLIP_CHARS = 300
 def gsm8k(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
 ) -> float:
-    """verl's GSM8K rule (verl/utils/reward_score/gsm8k.py, strict), so reward curves compare: in the
-    last 300 characters, the last `#### <number>` with `,` and `$` removed must equal the ground
-    truth as a string (`#### 72.` is not 72). One difference: a ground truth that is not a string
-    is compared as its text (verl compares the string with the number itself, and scores 0)."""
+    """verl's GSM8K rule (verl/utils/reward_score/gsm8k.py, strict), so reward curves compare: in
+    the last 300 characters, the last `#### <number>` with `,` and `$` removed must equal the ground
+    truth as a string (`#### 72.` is not 72). One difference: a ground truth that is not a string is
+    compared as its text (verl compares the string with the number itself, and scores 0)."""
     matches = _GSM8K_STRICT.findall(solution_str[-VERL_GSM8K_CLIP_CHARS:])
     return float(
         bool(matches) and matches[-1].replace(",", "").replace("$", "") == str(ground_truth)
@@ -96,9 +96,10 @@ def extract_math_answer(text: str) -> str | None:
 def math_equivalent(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
 ) -> float:
-    """Mathematical equivalence of the extracted answer and the ground truth (math-verify): `1/2`, `0.5`
-    and `\\frac{1}{2}` are the same answer, boxed or after "the answer is". More lenient than verl's
-    rules, so no data source picks it: name it in reward.scorers.<data_source>.math_equivalent."""
+    """Mathematical equivalence of the extracted answer and the ground truth (math-verify): `1/2`,
+    `0.5` and `\\frac{1}{2}` are the same answer, boxed or after "the answer is". More lenient than
+    verl's rules, so no data source picks it: name it in
+    reward.scorers.<data_source>.math_equivalent."""
     from math_verify import parse, verify
 
     answer = extract_math_answer(solution_str)
@@ -142,7 +143,8 @@ def extract_choice(text: str) -> str | None:
 def multiple_choice(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
 ) -> float:
-    """The chosen letter (boxed, 'the answer is (B)', or the bare letter) equals the ground truth's."""
+    """The chosen letter (boxed, 'the answer is (B)', or the bare letter) equals the ground
+    truth's."""
     choice = extract_choice(solution_str)
     return float(choice is not None and choice == str(ground_truth).strip().strip("()").upper())
 
@@ -168,8 +170,9 @@ def arithmetic(
 def tool_arithmetic(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
 ) -> dict:
-    """keel's tools demo: the final answer (the last assistant turn of a multi-turn rollout) must be the
-    integer answer; `correct_call`: whether a tool's output was that answer (the right calculator call)."""
+    """keel's tools demo: the final answer (the last assistant turn of a multi-turn rollout) must be
+    the integer answer; `correct_call`: whether a tool's output was that answer (the right
+    calculator call)."""
     info = extra_info or {}
     return {
         "score": arithmetic(data_source, info.get("last_turn", solution_str), ground_truth),

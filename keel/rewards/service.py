@@ -4,7 +4,8 @@ Protocol (JSON): `GET /health` -> {"status": "ok"}; `POST /score` with {"request
 "samples": [{"data_source", "response", "ground_truth", "extra_info"}]} -> {"request_id",
 "scores": [float], "reasons": [str | null]} (a reason marks a sample not scored). Errors are 4xx
 with {"error": ...}. The client retries with backoff; after the retries every sample of the batch
-is not scored with the reason, and the trainer's reward.on_error policy decides: never a silent drop.
+is not scored with the reason, and the trainer's reward.on_error policy decides: never a silent
+drop.
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ class _ScoreHandler(BaseHTTPRequestHandler):
             return self.reply(
                 HTTPStatus.TOO_MANY_REQUESTS,
                 {
-                    "error": f"over {server.max_concurrency} requests at once for {server.queue_timeout_s} s"
+                    "error": f"over {server.max_concurrency} requests at once for "
+                    f"{server.queue_timeout_s} s"
                 },
             )
         try:
@@ -178,7 +180,8 @@ class _Server(ThreadingHTTPServer):
 
 
 def parse_request(body: bytes) -> dict:
-    """A /score body: {"samples": [{data_source, response, ground_truth, ...}, ...]}, or ValueError."""
+    """A /score body: {"samples": [{data_source, response, ground_truth, ...}, ...]}, or
+    ValueError."""
     try:
         request = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
@@ -272,7 +275,8 @@ class RewardServiceClient:
         self.retries = 0
 
     def check_health(self, start: str | None = None) -> None:
-        """`start`: the fix when nothing answers (the command that serves the config's scorer there)."""
+        """`start`: the fix when nothing answers (the command that serves the config's scorer
+        there)."""
         try:
             body = self._call("GET", "/health", None, timeout=min(self.timeout_s, 10.0))
         # any failure to reach it: say where and why, before training starts
@@ -286,7 +290,8 @@ class RewardServiceClient:
             raise KeelError(
                 SERVICE_UNAVAILABLE,
                 f"{self.url}/health answered {str(body)[:200]}",
-                'serve GET /health with {"status": "ok"} (keel reward-server does), or fix reward.service.url',
+                'serve GET /health with {"status": "ok"} (keel reward-server does), or fix '
+                "reward.service.url",
             )
 
     def score(self, records: list, responses: list[str]) -> list[SampleResult]:

@@ -71,8 +71,9 @@ PKG_PREFIX, FILE_PREFIX = "pkg://", "file://"
 
 
 def load_module(path: str):
-    """Import a custom reward function's module: a python file by path (`file://` before it allowed),
-    or `pkg://package.module` (also `pkg://package/module`), as verl's load_module reads them."""
+    """Import a custom reward function's module: a python file by path (`file://` before it
+    allowed), or `pkg://package.module` (also `pkg://package/module`), as verl's load_module reads
+    them."""
     if path.startswith(PKG_PREFIX):
         return importlib.import_module(
             path.removeprefix(PKG_PREFIX).replace("/", ".").removesuffix(".py")
@@ -225,7 +226,8 @@ BATCHED_CONTRACT = (
 
 
 def score_batched(fn: Callable, tasks: list[SampleTask]) -> list[SampleResult]:
-    """One call for the whole batch: fn(data_sources, solution_strs, ground_truths, extra_infos) -> list."""
+    """One call for the whole batch: fn(data_sources, solution_strs, ground_truths, extra_infos) ->
+    list."""
     start = time.perf_counter()
     limit = tasks[0].timeout_s * len(tasks) if tasks and tasks[0].timeout_s else None
     try:
@@ -246,7 +248,8 @@ def score_batched(fn: Callable, tasks: list[SampleTask]) -> list[SampleResult]:
         results = list(returned)
         if len(results) != len(tasks):
             raise NotANumber(
-                f"not a number: the batched scorer returned {len(results)} scores for {len(tasks)} samples"
+                f"not a number: the batched scorer returned {len(results)} scores for "
+                f"{len(tasks)} samples"
             )
     # the scorer is user code: the batch fails together, with the reason
     except (Exception, ScoreTimeout) as e:

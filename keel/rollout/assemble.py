@@ -1,5 +1,5 @@
-"""What every engine's generated chunks become: one GeneratedBatch, responses right-padded and masked
-after their first stop token, sampled log-probs zeroed past it, texts decoded once."""
+"""What every engine's generated chunks become: one GeneratedBatch, responses right-padded and
+masked after their first stop token, sampled log-probs zeroed past it, texts decoded once."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def assemble_batch(
     eos_ids: list[int],
     params: SamplingParams,
 ) -> GeneratedBatch:
-    """`chunks`: (response ids [b, r], sampled log-probs [b, r]) per chunk of `prompts`, in order."""
+    """`chunks`: (response ids [b, r], sampled log-probs [b, r]) per chunk of `prompts`, in
+    order."""
     pad = tokenizer.pad_token_id
     width = max(ids.shape[1] for ids, _ in chunks)
     response_ids = torch.cat([pad_responses(ids, width, pad) for ids, _ in chunks])

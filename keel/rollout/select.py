@@ -16,8 +16,8 @@ log = logging.getLogger("keel")
 
 # What falling back costs, as measured (issue 29, one H200, t1's work: 128 samples of 256 tokens).
 HF_COST = (
-    "hf generates about 30x slower: t1's 128 samples of 256 tokens took 12.8 s on hf for Qwen3-0.6B's "
-    "shapes, 0.39 s on native for Qwen2.5-0.5B's, on one H200"
+    "hf generates about 30x slower: t1's 128 samples of 256 tokens took 12.8 s on hf for "
+    "Qwen3-0.6B's shapes, 0.39 s on native for Qwen2.5-0.5B's, on one H200"
 )
 
 

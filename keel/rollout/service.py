@@ -9,10 +9,10 @@ tokens. A turn that does not extend it (the client rewrote the history) starts t
 fresh row: the answer is right either way, and `Completion.extended` says which it was. The
 sampling settings are the service's for its life: the captured CUDA graphs hold them.
 
-Turns that arrive one request at a time (an HTTP endpoint's) would each be admitted in a prefill pass
-of its own. With an admission window, arriving turns are held until arrivals go quiet for the window
-(or the first has waited four windows) and admitted together, in one pass; rows already decoding go
-on meanwhile.
+Turns that arrive one request at a time (an HTTP endpoint's) would each be admitted in a prefill
+pass of its own. With an admission window, arriving turns are held until arrivals go quiet for the
+window (or the first has waited four windows) and admitted together, in one pass; rows already
+decoding go on meanwhile.
 """
 
 from __future__ import annotations
@@ -113,8 +113,9 @@ class EngineService:
     def submit_many(self, turns: list[tuple], notify: queue.Queue | None = None) -> list[Future]:
         """Turns (key, context, limit, group) arriving together: the run loop takes them at once, so
         they are admitted in one prefill pass. With `notify`, the turns a decode step ends (or that
-        are refused) are put there together as ("turns", [(key, future), ...]), and ("closed", error)
-        if the service ends first: a client of many turns waits on one queue, not on each future."""
+        are refused) are put there together as ("turns", [(key, future), ...]), and ("closed",
+        error) if the service ends first: a client of many turns waits on one queue, not on each
+        future."""
         accepted, refused = [], []
         for key, context, limit, group in turns:
             turn = _Turn(key, list(context), limit, Future(), group, notify)
@@ -324,7 +325,10 @@ def _unfit(shape: tuple[int, int, int], context: list[int], limit: int) -> str |
     if not context:
         return "an empty context: a turn needs at least one token before it"
     if not 0 < limit <= turn_tokens or len(context) + limit > max_len:
-        return f"{len(context)} tokens and {limit} more exceed {max_len} (turns of {turn_tokens} at most)"
+        return (
+            f"{len(context)} tokens and {limit} more exceed {max_len} (turns of {turn_tokens} at "
+            "most)"
+        )
     return None
 
 

@@ -5,9 +5,9 @@ In async mode generation runs ahead of training, by up to max_off_policy_steps b
 
 Step j trains batch j. Before it does, every batch up to j + k (k = max_off_policy_steps, never past
 the run's last step) has been generated, each with the policy of the step that generated it, and
-handed to a scoring thread. So while the trainer waits on nothing, the host scores batch j+1 as the GPU
-updates on batch j and generates batch j+k+1: rewards that take seconds (a code jail, a judge) no
-longer add to the step. Generation and training still take turns on the workers (one GPU, one
+handed to a scoring thread. So while the trainer waits on nothing, the host scores batch j+1 as the
+GPU updates on batch j and generates batch j+k+1: rewards that take seconds (a code jail, a judge)
+no longer add to the step. Generation and training still take turns on the workers (one GPU, one
 process per rank), in the order a synchronous run would call them when k = 0, which then is the
 synchronous run exactly: the same prompts, seeds, samples and updates.
 
@@ -86,7 +86,8 @@ def step_rollout(
 
 
 class RolloutWithin:
-    """trainer.mode=sync: each step generates and scores its own batch, from the policy it starts with."""
+    """trainer.mode=sync: each step generates and scores its own batch, from the policy it starts
+    with."""
 
     def __init__(self, cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler):
         self.cfg, self.rollout, self.sampler = cfg, rollout, sampler
@@ -108,7 +109,8 @@ class RolloutWithin:
 
 
 class RolloutAhead:
-    """trainer.mode=async: `rollout(timer, step)` -> the batch step `step` trains, generated ahead."""
+    """trainer.mode=async: `rollout(timer, step)` -> the batch step `step` trains, generated
+    ahead."""
 
     def __init__(
         self, cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler, last_step: int
@@ -146,8 +148,9 @@ class RolloutAhead:
         return dataclasses.replace(samples, metrics=metrics)
 
     def _generate(self, timer: Timer) -> None:
-        """The next batch, from the policy the rollout's workers hold, then scored: generated now on the
-        actor's workers, or started on the rollout's own (the driver goes on to train meanwhile)."""
+        """The next batch, from the policy the rollout's workers hold, then scored: generated now on
+        the actor's workers, or started on the rollout's own (the driver goes on to train
+        meanwhile)."""
         self.generated += 1
         state, seed = self.sampler.state_dict(), step_seed(self.cfg, self.generated)
         if self.rollout.apart:
@@ -182,7 +185,8 @@ class RolloutAhead:
         return self.in_flight[0].sampler_state, {"in_flight_dropped": len(self.in_flight)}
 
     def close(self) -> None:
-        """Batches in flight are dropped: scoring not begun is cancelled and none begins after this (the
-        reward function stops next); a run stopped mid-step does not wait for a generation to end."""
+        """Batches in flight are dropped: scoring not begun is cancelled and none begins after this
+        (the reward function stops next); a run stopped mid-step does not wait for a generation to
+        end."""
         self.closed = True
         self.scoring.shutdown(wait=False, cancel_futures=True)

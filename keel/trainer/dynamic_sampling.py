@@ -1,5 +1,6 @@
-"""DAPO's dynamic sampling (algorithm.filter_groups): generate, score, keep the prompts whose samples
-did not all score alike, and go on with more prompts until data.train_batch_size of them remain."""
+"""DAPO's dynamic sampling (algorithm.filter_groups): generate, score, keep the prompts whose
+samples did not all score alike, and go on with more prompts until data.train_batch_size of them
+remain."""
 
 from __future__ import annotations
 
@@ -37,14 +38,14 @@ GROUP_ID_STRIDE = 1 << 40
 
 
 def _more_batches_fix(groups: int, calls: int, prompts_wanted: int) -> str | None:
-    """Twice the generation batches this share of prompts with a signal needs; None when no prompt had
-    one (more batches of the same would not either: the scorer or the data is the fix)."""
+    """Twice the generation batches this share of prompts with a signal needs; None when no prompt
+    had one (more batches of the same would not either: the scorer or the data is the fix)."""
     if not groups:
         return None
     needed = -(-prompts_wanted * calls // groups)
     return (
-        f"set {setting('algorithm.filter_groups.max_num_gen_batches', 2 * needed)} (twice the {needed} batches "
-        f"{groups} prompts with a signal in {calls} suggest)"
+        f"set {setting('algorithm.filter_groups.max_num_gen_batches', 2 * needed)} (twice the "
+        f"{needed} batches {groups} prompts with a signal in {calls} suggest)"
     )
 
 
@@ -58,12 +59,12 @@ def fill_with_signal(
 ) -> tuple[ScoredBatch, dict[str, float]]:
     """`next_scored_batch(call, groups wanted)` -> a generated, scored batch, called until
     `prompts_wanted` groups are kept (or `max_batches` calls, 0 for no limit). Kept: with `metric`,
-    DAPO's rule, groups whose samples did not all score alike (each call a whole batch); with `whole`
-    (partial rollouts, whose rounds give a few more groups cheaply), only groups with all `whole`
-    samples scored, so a group that reward.on_error=mask left short is replaced (each call asking for
-    the groups still wanted). The batch holds exactly that many groups, each with all its kept samples,
-    in the order they came. Replacing short groups gives up after REFILL_CALLS calls and trains short
-    ones too, as a sync step does (a scorer failing some sample of every group)."""
+    DAPO's rule, groups whose samples did not all score alike (each call a whole batch); with
+    `whole` (partial rollouts, whose rounds give a few more groups cheaply), only groups with all
+    `whole` samples scored, so a group that reward.on_error=mask left short is replaced (each call
+    asking for the groups still wanted). The batch holds exactly that many groups, each with all its
+    kept samples, in the order they came. Replacing short groups gives up after REFILL_CALLS calls
+    and trains short ones too, as a sync step does (a scorer failing some sample of every group)."""
     kept: list[ScoredBatch] = []
     # groups a failed scoring left short: what giving up trains
     short: list[ScoredBatch] = []
@@ -111,7 +112,8 @@ def _with_short_groups(
 ) -> tuple[list, int]:
     """Giving up on whole groups: the short ones fill the batch, as in a sync step."""
     log.warning(
-        "%d of %d groups scored whole after %d rounds: the step trains groups a failed scoring left short too",
+        "%d of %d groups scored whole after %d rounds: the step trains groups a failed "
+        "scoring left short too",
         groups,
         wanted,
         calls,
@@ -122,7 +124,8 @@ def _with_short_groups(
         raise KeelError(
             TOO_MANY_NOT_SCORED,
             f"no sample of {calls} rounds of generation could be scored",
-            "fix the scorer for the reason in reward/not_scored/* (samples.jsonl shows the responses)",
+            "fix the scorer for the reason in reward/not_scored/* (samples.jsonl shows the "
+            "responses)",
         )
     return kept, groups
 
@@ -130,7 +133,8 @@ def _with_short_groups(
 def _kept_rows(
     batch: ScoredBatch, metric: str | None, whole: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """([N] bool the rows of groups with a signal (all, without `metric`), [N] bool those of whole groups)."""
+    """([N] bool the rows of groups with a signal (all, without `metric`), [N] bool those of whole
+    groups)."""
     keep = torch.ones(len(batch), dtype=torch.bool)
     if metric is not None:
         keep &= groups_with_signal(signal_values(batch, metric), batch.group_index)

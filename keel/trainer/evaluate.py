@@ -1,6 +1,6 @@
-"""Held-out evaluation: generate on held-out prompts with `val_kwargs`, report accuracy per data_source
-as keel logs it (`val/<data_source>/acc`) and as verl does (`val-core/<data_source>/<var>/mean@N`,
-`val-aux/...` for the other variables of dict results)."""
+"""Held-out evaluation: generate on held-out prompts with `val_kwargs`, report accuracy per
+data_source as keel logs it (`val/<data_source>/acc`) and as verl does
+(`val-core/<data_source>/<var>/mean@N`, `val-aux/...` for the other variables of dict results)."""
 
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ def evaluate(
     generate, reward, records, pad_token_id: int, val_kwargs, data_cfg, keep_samples: int = 0
 ) -> tuple[dict[str, float], list[dict]]:
     """(metrics, the first `keep_samples` generations). `val/<data_source>/acc`: the mean score over
-    every sample (mean@n when val_kwargs.n > 1). `generate(prompts, params)` is a rollout engine's or
-    the worker group's."""
+    every sample (mean@n when val_kwargs.n > 1). `generate(prompts, params)` is a rollout engine's
+    or the worker group's."""
     params = SamplingParams(
         n=val_kwargs.n,
         do_sample=val_kwargs.do_sample and val_kwargs.temperature > 0,

@@ -54,8 +54,9 @@ class Generation:
     def generate_round(
         self, samples: list[PartialSample], sampling: SamplingParams, seed: int, end: RoundEnd
     ) -> tuple[list[PartialSample], dict[str, float]]:
-        """Partial rollouts: a round of `samples` (whole groups to a rank, each rank ending at its share of
-        `end`) -> the samples continued, in order, and the slowest rank's timing of the engine's parts."""
+        """Partial rollouts: a round of `samples` (whole groups to a rank, each rank ending at its
+        share of `end`) -> the samples continued, in order, and the slowest rank's timing of the
+        engine's parts."""
         group = self.group
         groups = groups_of(samples)
         parts, ends = [], []

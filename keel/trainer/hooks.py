@@ -33,8 +33,8 @@ def load_hook(spec: str, hooks: list[str] | None = None) -> Hook:
     except Exception as e:
         found = Path(module_name.replace(".", "/") + ".py")
         fix = (
-            f"run with `export PYTHONPATH={Path.cwd()}` ({found} is here, and the keel command does not import "
-            "from the working directory)"
+            f"run with `export PYTHONPATH={Path.cwd()}` ({found} is here, and the keel command "
+            "does not import from the working directory)"
             if isinstance(e, ModuleNotFoundError) and found.is_file()
             else None
         )

@@ -1,21 +1,24 @@
 """Partial rollouts (trainer.mode=async with trainer.partial_rollout): a step's generation no longer
 waits for its slowest sample.
 
-The rollout keeps a pool of samples under way, max_off_policy_steps + 1 batches of prompts. Each step
-runs one round over the whole pool with the policy the step starts with, and ends it once the step's
-batch of groups (data.train_batch_size prompts, all their samples) has finished; what is still
-generating then is cut, keeps its tokens and the sampler's log-probs, and goes on in the next round
-under the next policy, each token tagged with the version it was sampled from
-(`GeneratedBatch.token_versions`). The younger batches decode beside the oldest one's long tail instead
-of after it.
+The rollout keeps a pool of samples under way, max_off_policy_steps + 1 batches of prompts. Each
+step runs one round over the whole pool with the policy the step starts with, and ends it once the
+step's batch of groups (data.train_batch_size prompts, all their samples) has finished; what is
+still generating then is cut, keeps its tokens and the sampler's log-probs, and goes on in the next
+round under the next policy, each token tagged with the version it was sampled from
+(`GeneratedBatch.token_versions`). The younger batches decode beside the oldest one's long tail
+instead of after it.
 
 Which batch a step trains is trainer.off_policy_strategy:
-- `wait`: the oldest batch drawn, once all its groups have finished. Prompts train in the order drawn,
+- `wait`: the oldest batch drawn, once all its groups have finished. Prompts train in the order
+  drawn,
   as in sync mode, and none is dropped; a batch is drawn k = max_off_policy_steps steps before it
-  trains, so none of its tokens is more than k versions older than the policy its update starts from.
-- `drop`: the first batch of groups to finish (those that would pass the bound by waiting another step
-  first: due); a due group still generating is dropped (`async/dropped`), so long responses are trained
-  less often than they are sampled: verl's trade of bias for speed.
+  trains, so none of its tokens is more than k versions older than the policy its update starts
+  from.
+- `drop`: the first batch of groups to finish (those that would pass the bound by waiting another
+  step
+  first: due); a due group still generating is dropped (`async/dropped`), so long responses are
+  trained less often than they are sampled: verl's trade of bias for speed.
 
 A sample begins scoring as soon as a round finds it finished, in the reward's worker processes, so
 the groups a step does not train yet are scored while later steps generate and train; a group that
@@ -49,7 +52,8 @@ from keel.types import (
 
 
 class RolloutPartial:
-    """`rollout(timer, step)` -> the batch step `step` trains, from the pool's round of that step."""
+    """`rollout(timer, step)` -> the batch step `step` trains, from the pool's round of that
+    step."""
 
     def __init__(self, cfg: KeelConfig, rollout: ScoredRollout, sampler: ResumableSampler):
         self.cfg, self.rollout, self.sampler = cfg, rollout, sampler
@@ -67,9 +71,9 @@ class RolloutPartial:
         self.scoring: dict[tuple[int, int], object] = {}
 
     def __call__(self, timer: Timer, step: int) -> StepSamples:
-        """The step's batch, scored: one round's finished groups; with algorithm.filter_groups (DAPO's
-        dynamic sampling), more rounds with the same policy while too few of them have a signal, the
-        pool refilled from the sampler each time."""
+        """The step's batch, scored: one round's finished groups; with algorithm.filter_groups
+        (DAPO's dynamic sampling), more rounds with the same policy while too few of them have a
+        signal, the pool refilled from the sampler each time."""
         updates = int(step >= self.cfg.algorithm.critic_warmup)
         dropped: list[int] = []
 
@@ -111,7 +115,8 @@ class RolloutPartial:
         )
 
     def _fill_pool(self) -> None:
-        """Prompts drawn until the pool holds max_off_policy_steps + 1 batches of groups (a resume's first)."""
+        """Prompts drawn until the pool holds max_off_policy_steps + 1 batches of groups (a resume's
+        first)."""
         data = self.rollout.components.train_data
         while len(groups_of(self.pool)) < (self.bound + 1) * self.groups_per_batch:
             rows, self.restored = self.restored or self.sampler.next_batch(), []
@@ -125,8 +130,8 @@ class RolloutPartial:
 
     def _due(self, updates: int) -> set[int]:
         """The groups that would pass the bound if this step did not train them: their first tokens
-        more than max_off_policy_steps versions older than the policy the next step's update starts from
-        (`updates`: whether this step updates the actor)."""
+        more than max_off_policy_steps versions older than the policy the next step's update starts
+        from (`updates`: whether this step updates the actor)."""
         next_update = self.rollout.components.workers.policy_version + updates
         return {
             s.group for s in self.pool if s.versions and next_update - s.versions[0] > self.bound
@@ -144,9 +149,9 @@ class RolloutPartial:
     def _take(
         self, oldest: frozenset, due: set[int], wanted: int
     ) -> tuple[list[PartialSample], int]:
-        """(the step's samples, how many samples were dropped), the pool left with the rest. `wait`: the
-        `wanted` oldest groups; `drop`: `wanted` finished groups, the due ones first, then the oldest,
-        and the due groups still unfinished are dropped."""
+        """(the step's samples, how many samples were dropped), the pool left with the rest. `wait`:
+        the `wanted` oldest groups; `drop`: `wanted` finished groups, the due ones first, then the
+        oldest, and the due groups still unfinished are dropped."""
         if not self.drop:
             trained, dropped = set(oldest), set()
         else:
@@ -188,8 +193,8 @@ class RolloutPartial:
         validation's scoring counts them in its deadline."""
 
     def resume_state(self) -> tuple[dict, dict]:
-        """(the sampler state a resume starts from, what else it needs: the pool's prompts, drawn again
-        first, and how many samples under way it drops)."""
+        """(the sampler state a resume starts from, what else it needs: the pool's prompts, drawn
+        again first, and how many samples under way it drops)."""
         rows = [self.row_of[g] for g in groups_of(self.pool)]
         return self.sampler.state_dict(), {
             "in_flight_dropped": len(self.pool),

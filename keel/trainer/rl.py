@@ -55,7 +55,8 @@ class RLTrainer:
         plan: Plan | None = None,
     ):
         """`check_report`: `keel check`'s whole report on this config, kept in the run directory.
-        `plan`: keel's decisions for the config (`load_run`'s); None: the config's own, as written."""
+        `plan`: keel's decisions for the config (`load_run`'s); None: the config's own, as
+        written."""
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.resume_from = ckpt.resume_point(self.run_dir, cfg)
@@ -249,7 +250,8 @@ def _step_report(
 
 
 def _logged_samples(batch: TrainBatch, limit: int) -> list[dict]:
-    """The first `limit` samples of a step as samples.jsonl keeps them (`keel report` reads them)."""
+    """The first `limit` samples of a step as samples.jsonl keeps them (`keel report` reads
+    them)."""
     # the score, minus KL when it is in the reward
     rewards = batch.token_level_rewards.sum(-1).tolist()
     extras = batch.reward_extras or [{}] * len(batch)

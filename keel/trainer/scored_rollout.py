@@ -64,9 +64,10 @@ class ScoredRollout:
         return self.fill(timer, lambda call, _: self.generate(timer, batch_seed(seed, call)))
 
     def fill(self, timer: Timer, next_generated, whole_groups: bool = False) -> StepSamples:
-        """What __call__ returns, from `next_generated(call, groups wanted)` -> a GenerationResult: called
-        once, or until enough groups are kept: with algorithm.filter_groups those with a signal
-        (DAPO), with `whole_groups` (partial rollouts) those that lost no sample to a failed scoring."""
+        """What __call__ returns, from `next_generated(call, groups wanted)` -> a GenerationResult:
+        called once, or until enough groups are kept: with algorithm.filter_groups those with a
+        signal (DAPO), with `whole_groups` (partial rollouts) those that lost no sample to a failed
+        scoring."""
         pad, filter_groups = (
             self.components.tokenizer.pad_token_id,
             self.cfg.algorithm.filter_groups,
@@ -108,8 +109,8 @@ class ScoredRollout:
         return StepSamples(batch=batch, metrics=metrics, timing=gen)
 
     def generate(self, timer: Timer, seed: int) -> GenerationResult:
-        """The samples of the sampler's next prompts (n each), the engine's timing of its parts, each
-        sample's scoring as begun when it finished while the rest generated, and ReMax's greedy
+        """The samples of the sampler's next prompts (n each), the engine's timing of its parts,
+        each sample's scoring as begun when it finished while the rest generated, and ReMax's greedy
         responses, generated next by the same policy."""
         prompts = self._next_prompts()
         started, finished = self._scoring_as_finished(prompts)
@@ -126,8 +127,9 @@ class ScoredRollout:
         return GenerationResult(batch=batch, timing=timing, started=started, greedy=greedy)
 
     def submit_generate(self, seed: int) -> Future:
-        """generate, started on the rollout's own workers (the sampler's next prompts drawn now; ReMax's
-        greedy responses sent right after, so the same weights answer): a future of a GenerationResult."""
+        """generate, started on the rollout's own workers (the sampler's next prompts drawn now;
+        ReMax's greedy responses sent right after, so the same weights answer): a future of a
+        GenerationResult."""
         prompts, workers = self._next_prompts(), self.components.workers
         started, finished = self._scoring_as_finished(prompts)
         sampled = workers.generation.submit_generate(prompts, self.sampling, seed, finished)
@@ -174,7 +176,8 @@ class ScoredRollout:
 
     @property
     def scores_ahead(self) -> bool:
-        """Whether samples begin scoring as they finish (reward.score_ahead, and a reward that can)."""
+        """Whether samples begin scoring as they finish (reward.score_ahead, and a reward that
+        can)."""
         return self.cfg.reward.score_ahead and self.components.reward.can_start
 
     def start_scoring(self, record, response_text: str) -> StartedSample | None:
@@ -182,12 +185,14 @@ class ScoredRollout:
         return self.components.reward.start(record, response_text) if self.scores_ahead else None
 
     def generate_round(self, samples: list[PartialSample], seed: int, end: RoundEnd):
-        """Partial rollouts: a round of `samples` until `end` -> (them continued, the engine's timing)."""
+        """Partial rollouts: a round of `samples` until `end` -> (them continued, the engine's
+        timing)."""
         return self.components.workers.generation.generate_round(samples, self.sampling, seed, end)
 
     @property
     def apart(self) -> bool:
-        """The rollout has workers of its own (hybrid_engine=false): it may generate while the actor trains."""
+        """The rollout has workers of its own (hybrid_engine=false): it may generate while the actor
+        trains."""
         return self.components.workers.rollout_group is not None
 
     def _next_prompts(self) -> PromptBatch:
@@ -199,8 +204,8 @@ class ScoredRollout:
 
     def score(self, generated: GenerationResult) -> StepSamples:
         """The batch scored (and ReMax's baselines), less the samples that leave the update
-        (reward.on_error=mask's not-scored ones, and those an agent's rollout dropped), with the reward
-        metrics and the generation's timing."""
+        (reward.on_error=mask's not-scored ones, and those an agent's rollout dropped), with the
+        reward metrics and the generation's timing."""
         batch = generated.batch
         scored = score_samples(self.components.reward, batch, generated.started)
         baselines = None if generated.greedy is None else self._baselines(generated.greedy, batch)

@@ -1,7 +1,8 @@
 """Every seed of an RL run, in one place: each is a pure function of trainer.seed and the step (and
-the rank, the generation batch or the role), so a resumed run draws exactly what an uninterrupted one
-would, in sync mode and in async mode alike. The prompts' order is data.seed's (keel.data.sampler);
-initial weights are trainer.seed itself (the workers seed torch with it before building models)."""
+the rank, the generation batch or the role), so a resumed run draws exactly what an uninterrupted
+one would, in sync mode and in async mode alike. The prompts' order is data.seed's
+(keel.data.sampler); initial weights are trainer.seed itself (the workers seed torch with it before
+building models)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ def step_seed(cfg: KeelConfig, step: int) -> int:
 
 
 def batch_seed(seed: int, call: int) -> int:
-    """A step's `call`-th generation batch (DAPO's dynamic sampling generates several): a seed of its own."""
+    """A step's `call`-th generation batch (DAPO's dynamic sampling generates several): a seed of
+    its own."""
     return seed + call * 7919
 
 
@@ -24,7 +26,8 @@ def rank_seed(seed: int, rank: int) -> int:
 
 
 def actor_order_seed(seed: int) -> int:
-    """The actor update's mini-batch order for a step's `seed` (first_mini_batch and update_actor agree)."""
+    """The actor update's mini-batch order for a step's `seed` (first_mini_batch and update_actor
+    agree)."""
     return seed * 1000
 
 

@@ -138,9 +138,9 @@ def build_components(
     plan: Plan | None = None,
 ) -> Components:
     """`actor_weights`: a checkpoint's actor directory to start from instead of the model path.
-    `inputs`: what `keel check` already loaded and checked (tokenizer, datasets, reward), reused as it is.
-    `plan`: keel's decisions for the config (`load_run`'s, or `keel check`'s); None: the config's
-    own, as written."""
+    `inputs`: what `keel check` already loaded and checked (tokenizer, datasets, reward), reused as
+    it is. `plan`: keel's decisions for the config (`load_run`'s, or `keel check`'s); None: the
+    config's own, as written."""
     quiet_transformers()
     seed_everything(cfg.trainer.seed)
     # a missing device fails here, before any model loads
@@ -230,8 +230,8 @@ def build_workers(
     rollout = None
     if "rollout" in cfg.pools:
         log.info(
-            "starting %d rollout workers (actor_rollout_ref.hybrid_engine=false: rollout.n_gpus_per_node=%d x "
-            "rollout.nnodes=%d)",
+            "starting %d rollout workers (actor_rollout_ref.hybrid_engine=false: "
+            "rollout.n_gpus_per_node=%d x rollout.nnodes=%d)",
             cfg.pools["rollout"],
             cfg.actor_rollout_ref.rollout.n_gpus_per_node,
             cfg.actor_rollout_ref.rollout.nnodes,
@@ -294,7 +294,10 @@ def serve_fix(cfg: KeelConfig) -> str:
     scorer = f"--custom {custom.path}:{custom.name}" if custom.path else "--scorer exact_match"
     token = " --token TOKEN (reward.service.token's)" if cfg.reward.service.token else ""
     start = f"keel reward-server {scorer} --host {url.hostname} --port {url.port or 80}"
-    return f"start the service: `{start}`{token}, or {setting('reward.service.url', None)} to score in this process"
+    return (
+        f"start the service: `{start}`{token}, or {setting('reward.service.url', None)} to score "
+        "in this process"
+    )
 
 
 def needs_baseline_rollout(cfg: KeelConfig) -> bool:

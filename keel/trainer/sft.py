@@ -78,7 +78,8 @@ class SFTTrainer:
         if len(self.train_data) < d.train_batch_size:
             raise KeelError(
                 DATA_EMPTY,
-                f"{len(self.train_data)} SFT examples, fewer than data.train_batch_size={d.train_batch_size}",
+                f"{len(self.train_data)} SFT examples, fewer than "
+                f"data.train_batch_size={d.train_batch_size}",
                 whole_batches(
                     len(self.train_data),
                     "data.micro_batch_size_per_gpu",
@@ -97,8 +98,8 @@ class SFTTrainer:
         self.step = 0
 
     def _load_model(self, device: torch.device):
-        """The model to fine-tune: a checkpoint's when resuming; with LoRA (model.lora_rank) the base
-        from partial_pretrain, frozen in the compute dtype, under peft adapters."""
+        """The model to fine-tune: a checkpoint's when resuming; with LoRA (model.lora_rank) the
+        base from partial_pretrain, frozen in the compute dtype, under peft adapters."""
         m, checkpoint = self.cfg.model, self.resume_from / "actor" if self.resume_from else None
         if not m.lora_rank:
             return load_causal_lm(
@@ -259,6 +260,7 @@ class SFTTrainer:
 
 
 def sft(config=None, overrides=None) -> SFTResult:
-    """Python API: load and validate an SFT config (path, dict or object, plus overrides), then train."""
+    """Python API: load and validate an SFT config (path, dict or object, plus overrides), then
+    train."""
     ensure_console_logging()
     return SFTTrainer(load_config(config, overrides, schema=SFTConfig)).fit()

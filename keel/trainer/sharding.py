@@ -41,8 +41,8 @@ def choose_sharding(
 
 
 def _left_to_keel(cfg: KeelConfig, plan: Plan) -> bool:
-    """Several workers, and a config that sets none of the actor's FSDP keys (one built in code, with
-    no record of what it set, is taken as it is)."""
+    """Several workers, and a config that sets none of the actor's FSDP keys (one built in code,
+    with no record of what it set, is taken as it is)."""
     return cfg.world_size > 1 and plan.left_to_keel("actor_rollout_ref.actor.fsdp_config.")
 
 

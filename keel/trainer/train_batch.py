@@ -215,8 +215,8 @@ def outcome_rewards(batch: ScoredBatch, normalizer) -> tuple[Tensor, dict[str, f
 
 
 def recomputed_mask(batch: ScoredBatch, own: Tensor | None) -> Tensor:  # [N, R]
-    """The response tokens whose old log-probs the pass computed (all but `own`'s samples): where the
-    trainer measures the engine's gap and the reference KL (a sample of the batch when the first
+    """The response tokens whose old log-probs the pass computed (all but `own`'s samples): where
+    the trainer measures the engine's gap and the reference KL (a sample of the batch when the first
     mini-batch is skipped)."""
     if own is None:
         return batch.response_mask

@@ -1,7 +1,7 @@
-"""Policy versions: how many actor updates a policy has had, and whether a batch was sampled from the
-policy a step updates. Workers stamp each sample (each token, in a partial rollout) with theirs; the
-driver's count is WorkerRoles.policy_version, saved with each checkpoint. `policy_version` is what a
-step count gives, for checkpoints saved before the count was."""
+"""Policy versions: how many actor updates a policy has had, and whether a batch was sampled from
+the policy a step updates. Workers stamp each sample (each token, in a partial rollout) with theirs;
+the driver's count is WorkerRoles.policy_version, saved with each checkpoint. `policy_version` is
+what a step count gives, for checkpoints saved before the count was."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from keel.types import GeneratedBatch
 
 
 def policy_version(cfg: KeelConfig, step: int) -> int:
-    """The policy version after `step` steps: the actor updates so far (none before critic_warmup)."""
+    """The policy version after `step` steps: the actor updates so far (none before
+    critic_warmup)."""
     return max(0, step - max(cfg.algorithm.critic_warmup, 1) + 1)
 
 

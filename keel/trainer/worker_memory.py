@@ -21,7 +21,8 @@ class MemoryReadings:
         return results
 
     def metrics(self) -> dict[str, float]:
-        """Peak GPU memory per phase (the fullest GPU), the step's peak, and the largest worker RSS."""
+        """Peak GPU memory per phase (the fullest GPU), the step's peak, and the largest worker
+        RSS."""
         metrics = {f"perf/peak_memory_gb/{method}": gb for method, gb in self.peak_gb.items()}
         if self.peak_gb:
             metrics["perf/max_memory_allocated_gb"] = max(self.peak_gb.values())

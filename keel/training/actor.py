@@ -123,8 +123,9 @@ class ActorTrainer:
         return metrics
 
     def _measures_gaps(self, micro: TrainBatch, mini: MiniBatch) -> bool:
-        """Whether this forward is where the engine's gap is measured: on-policy (the trainer skipped
-        the old-log-prob pass), or bypass mode's first mini-batch (the policy is still the sampler's)."""
+        """Whether this forward is where the engine's gap is measured: on-policy (the trainer
+        skipped the old-log-prob pass), or bypass mode's first mini-batch (the policy is still the
+        sampler's)."""
         return micro.old_log_probs is None or (self.bypass is not None and mini.first)
 
     def _bypass_weights(

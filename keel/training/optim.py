@@ -20,7 +20,8 @@ def build_optimizer(params, optim_cfg, offload: bool = False) -> torch.optim.Opt
         raise KeelError(
             NO_GRADIENT,
             "every parameter of the model is frozen: nothing would train",
-            "unfreeze the model (a wrapper that set requires_grad=False), or use LoRA (model.lora_rank)",
+            "unfreeze the model (a wrapper that set requires_grad=False), or use LoRA "
+            "(model.lora_rank)",
         )
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
     kind = OffloadedAdamW if offload else torch.optim.AdamW

@@ -1,4 +1,5 @@
-"""What every optimiser step shares: the loss's denominators, gradient checks, clipping, stepping."""
+"""What every optimiser step shares: the loss's denominators, gradient checks, clipping,
+stepping."""
 
 from __future__ import annotations
 
@@ -92,15 +93,16 @@ def apply_gradients(
     metrics, the norm's check, the norm): each wait drains the GPU's queue, which then idles while
     Python launches the next mini-batch. Fused Adam and AdamW step before that read, skipping their
     own update on the device when the norm is not finite (found_inf, as GradScaler does), so the
-    weights stay unchanged when the check then refuses the step; others are checked before they step.
-    `reduce_gradients`: averages the gradients over ranks that each hold the whole model (DDP,
+    weights stay unchanged when the check then refuses the step; others are checked before they
+    step. `reduce_gradients`: averages the gradients over ranks that each hold the whole model (DDP,
     fsdp_size=1); FSDP reduces its own."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     missing = [name for name, p in named if p.grad is None]
     if missing:
         raise KeelError(
             NO_GRADIENT,
-            f"{len(missing)} of {len(named)} trainable {role} parameters received no gradient, e.g. {missing[:3]}",
+            f"{len(missing)} of {len(named)} trainable {role} parameters received no "
+            f"gradient, e.g. {missing[:3]}",
         )
     params = [p for _, p in named]
     if reduce_gradients is not None:
@@ -179,7 +181,8 @@ def update_role(
     update_mini_batch: Callable[[object], dict[str, float]],
 ) -> dict[str, float]:
     """One RL step's update of a role (actor or critic): an optimiser step per mini-batch, each
-    returning its metrics, averaged over the mini-batches; the LR schedule steps once per RL step."""
+    returning its metrics, averaged over the mini-batches; the LR schedule steps once per RL
+    step."""
     model.train()
     means = MetricMeans()
     for mini in minis:

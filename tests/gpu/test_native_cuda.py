@@ -1,5 +1,6 @@
 """The native engine on a GPU: CUDA-graph decoding equals eager decoding, greedy tokens equal the
-hf engine's in float32, and bf16 samples' log-probs agree with the trainer's. Run on the GPU machine."""
+hf engine's in float32, and bf16 samples' log-probs agree with the trainer's. Run on the GPU
+machine."""
 
 import pytest
 import torch

@@ -1,5 +1,6 @@
 """The update's GPU paths: logits kept for backward equal the recomputed ones under the compiled
-vocabulary arithmetic, and fused AdamW refuses a non-finite step on the device. Run on the GPU machine."""
+vocabulary arithmetic, and fused AdamW refuses a non-finite step on the device. Run on the GPU
+machine."""
 
 import pytest
 import torch

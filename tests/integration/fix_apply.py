@@ -10,7 +10,8 @@ backticked group in it is one of:
                                  next command to try); `export V=x` / `unset V` set the environment
   `FILE` (with `function`)       a change to the user's own file that the fix line describes in
                                  words (return a float, add the ground truth): the test writes the
-                                 user's corrected file, given beforehand, and only for the file named
+                                 user's corrected file, given beforehand, and only for the file
+                                 named
 Anything else in a first option is a fix this module cannot apply: the test fails, as it should.
 """
 
@@ -122,7 +123,8 @@ class Applier:
         return argv
 
     def _serve(self, args: list[str]) -> None:
-        """Start `keel reward-server ...` and wait for its /health, as a user's second terminal would."""
+        """Start `keel reward-server ...` and wait for its /health, as a user's second terminal
+        would."""
         service = subprocess.Popen(
             [sys.executable, "-m", "keel", *args],
             stdout=subprocess.DEVNULL,
@@ -174,8 +176,8 @@ def apply_and_rerun(
 
 @dataclass
 class Context:
-    """A mistake's surroundings: the tiny config as a file, its assets, a scratch folder (the working
-    directory, so relative paths a fix names land there)."""
+    """A mistake's surroundings: the tiny config as a file, its assets, a scratch folder (the
+    working directory, so relative paths a fix names land there)."""
 
     cfg: dict
     assets: dict
@@ -211,8 +213,8 @@ class Context:
         return path
 
     def model_copy(self, name: str, drop_template: bool = False, **edits: dict) -> Path:
-        """The tiny model copied, with `file.json`'s fields set as `edits[file]` says; without its chat
-        template if `drop_template`."""
+        """The tiny model copied, with `file.json`'s fields set as `edits[file]` says; without its
+        chat template if `drop_template`."""
         import shutil
 
         model = self.tmp / name

@@ -42,8 +42,8 @@ def metrics_of(run_dir: Path) -> list[dict]:
 
 
 def numerics(record: dict) -> dict:
-    """What must match between runs: not wall-clock times, not async mode's own counts, and not how much
-    scoring began beside generation (async mode scores in processes, which can)."""
+    """What must match between runs: not wall-clock times, not async mode's own counts, and not how
+    much scoring began beside generation (async mode scores in processes, which can)."""
     skipped = ("timing_s/", "perf/", "async/", "reward/scored_ahead")
     return {k: v for k, v in record.items() if not k.startswith(skipped)}
 
@@ -110,7 +110,8 @@ def test_with_a_bound_of_k_no_trained_sample_is_more_than_k_versions_old(
 
 def test_rewards_score_while_the_next_batch_generates(tiny_config, tmp_path, monkeypatch):
     """Batch 1's scoring waits until batch 2 is generating (an event, polled with a long limit): in
-    async mode it sees it; a synchronous step would wait for its scores before generating anything."""
+    async mode it sees it; a synchronous step would wait for its scores before generating
+    anything."""
     second_batch_generating, seen = threading.Event(), []
     real_generate, real_score = ScoredRollout.generate, ScoredRollout.score
     generated = []
@@ -225,8 +226,9 @@ def test_verls_v1_trainer_mode_is_refused_by_name_pointing_at_keels_keys(tiny_co
 
 
 def test_async_mode_on_two_ray_workers_validates_while_a_batch_is_in_flight(tiny_config, tmp_path):
-    """Two workers (Ray, on CPU) in async mode, validating every step while the next batch is scored:
-    the run ends, each step after the first trains samples one version old, and validation scored."""
+    """Two workers (Ray, on CPU) in async mode, validating every step while the next batch is
+    scored: the run ends, each step after the first trains samples one version old, and validation
+    scored."""
     tiny_config["trainer"].update({"total_training_steps": 3, "test_freq": 1, "mode": "async"})
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump(tiny_config))
@@ -251,8 +253,9 @@ def test_async_mode_on_two_ray_workers_validates_while_a_batch_is_in_flight(tiny
 def test_remax_in_async_mode_takes_its_baseline_from_the_policy_that_sampled_the_batch(
     tiny_config, tmp_path, monkeypatch
 ):
-    """ReMax's greedy responses are generated right after their batch, by the same weights, and scored with
-    it: with a bound of 1 the batches trained are a version old, and so are their baselines."""
+    """ReMax's greedy responses are generated right after their batch, by the same weights, and
+    scored with it: with a bound of 1 the batches trained are a version old, and so are their
+    baselines."""
     from keel.trainer.scored_rollout import ScoredRollout
 
     versions, real_score = [], ScoredRollout.score
@@ -294,8 +297,9 @@ def test_remax_with_partial_rollouts_is_refused_with_the_fix(tiny_config):
 def test_a_skipped_step_leaves_the_policy_version_and_the_staleness_true(
     tiny_config, tmp_path, monkeypatch
 ):
-    """Step 2 is skipped (trainer.guards.nonfinite=skip) before its update: step 3 trains a batch sampled
-    at step 2 from version 1, and updates version 1, so it is 0 versions old; the checkpoint says 2 updates."""
+    """Step 2 is skipped (trainer.guards.nonfinite=skip) before its update: step 3 trains a batch
+    sampled at step 2 from version 1, and updates version 1, so it is 0 versions old; the checkpoint
+    says 2 updates."""
     from keel.errors import SkipStep
     from keel.trainer.train_batch import TrainBatchBuilder
 

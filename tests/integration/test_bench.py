@@ -97,7 +97,8 @@ def test_every_workload_config_is_valid(name, gpus, tmp_path, monkeypatch):
 
 def test_the_multi_turn_workload_counts_the_models_tokens_only(tmp_path):
     """tinym (m1's shape on the tiny model): 4 assistant turns of 8 tokens with an environment
-    answering between them; the record counts the 32 tokens the model generated, not the template's."""
+    answering between them; the record counts the 32 tokens the model generated, not the
+    template's."""
     out = tmp_path / "m.jsonl"
     assert (
         main(
@@ -122,8 +123,8 @@ def test_the_multi_turn_workload_counts_the_models_tokens_only(tmp_path):
 
 
 def test_the_agent_workload_drives_the_same_episodes_through_the_endpoint(tmp_path):
-    """tinyma (m1a's shape on the tiny model): tinym's episodes by an OpenAI-client agent through keel's
-    endpoint, every sample's 4 requests answered, none failed or dropped."""
+    """tinyma (m1a's shape on the tiny model): tinym's episodes by an OpenAI-client agent through
+    keel's endpoint, every sample's 4 requests answered, none failed or dropped."""
     pytest.importorskip("openai")
     out = tmp_path / "ma.jsonl"
     assert (
@@ -186,8 +187,9 @@ def test_the_profiled_step_is_one_more_and_left_out_of_the_timings(tmp_path, mon
 
 
 def test_the_variable_length_workload_ends_responses_by_eos_and_records_partial_rollouts(tmp_path):
-    """tinyv (v2's shape on the tiny model): the generation config's stop tokens end responses at lengths
-    that differ; with partial rollouts the record says how many trained samples spanned two policies."""
+    """tinyv (v2's shape on the tiny model): the generation config's stop tokens end responses at
+    lengths that differ; with partial rollouts the record says how many trained samples spanned two
+    policies."""
     out = tmp_path / "v.jsonl"
     settings = ["trainer.mode=async", "trainer.partial_rollout=true", "trainer.device=cpu"]
     assert (

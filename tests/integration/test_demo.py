@@ -1,4 +1,5 @@
-"""The demo a new user runs first: GRPO must visibly raise held-out accuracy, and reruns are safe."""
+"""The demo a new user runs first: GRPO must visibly raise held-out accuracy, and reruns are
+safe."""
 
 from pathlib import Path
 

@@ -387,7 +387,8 @@ def test_sharding_in_pairs_on_four_workers_keeps_the_sampler_on_the_updated_poli
 ):
     """fsdp_size=2 on 4 workers: shards within pairs, replicated across them (HSDP). After each
     update every engine takes whole weights gathered within its pair: in float32 the sampler's
-    log-probs of step 2 agree with the trainer's, which stale or mis-gathered weights would break."""
+    log-probs of step 2 agree with the trainer's, which stale or mis-gathered weights would
+    break."""
     import json
 
     config = write_config(tiny_config, tmp_path / "cfg.yaml")
@@ -553,7 +554,8 @@ def test_a_group_call_submitted_is_a_future_the_driver_need_not_wait_on(ray_clus
 
 
 def test_a_local_groups_submitted_call_has_run_when_it_returns(tmp_path):
-    """One worker in the driver's process: submit runs the call there and then; a failure is in its future."""
+    """One worker in the driver's process: submit runs the call there and then; a failure is in its
+    future."""
     group = LocalGroup(Waiter())
     (tmp_path / "go").touch()
     assert group.submit("wait_for", [(str(tmp_path / "go"), 5)]).result(timeout=0) == [50]

@@ -66,7 +66,10 @@ def test_only_prompts_with_a_signal_are_trained_on_and_the_batch_is_full(tiny_co
 
 
 def test_a_reward_with_no_signal_stops_after_max_num_gen_batches(tiny_config, tmp_path):
-    constant = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+    constant = (
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return "
+        "1.0\n"
+    )
     with pytest.raises(KeelError) as error:
         filtered_run(tiny_config, tmp_path, constant, max_num_gen_batches=3)
     assert (

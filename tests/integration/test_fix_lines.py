@@ -49,7 +49,8 @@ def reward(c, body: str, corrected: str | None = None) -> str:
 
 
 def code_rows(c) -> str:
-    """verl's apps rows whose tests are in a form of their own (a "tests" list); the user rewrites them."""
+    """verl's apps rows whose tests are in a form of their own (a "tests" list); the user rewrites
+    them."""
     row = {"prompt": CHAT, "data_source": "apps"}
     wrong = {**row, "reward_model": {"ground_truth": json.dumps({"tests": [["1", "1"]]})}}
     right = {
@@ -62,7 +63,8 @@ def code_rows(c) -> str:
 
 
 def gsm8k_rows(c) -> str:
-    """Rows for the built-in gsm8k scorer without the ground truth it compares with; the user adds it."""
+    """Rows for the built-in gsm8k scorer without the ground truth it compares with; the user adds
+    it."""
     row = {"prompt": CHAT, "data_source": "gsm8k"}
     lines = [json.dumps(row), json.dumps({**row, "reward_model": {"ground_truth": "4"}})]
     return "data.train_files=" + c.mistaken(
@@ -86,8 +88,8 @@ SCORE = (
 
 
 def launch(c, directory: str, name: str) -> list[str]:
-    """verl's launch form, `keel check --config-path DIR --config-name NAME`, over a folder holding the
-    tiny config as tiny_base.yaml (`name` may be a YAML written there: its stem is the name)."""
+    """verl's launch form, `keel check --config-path DIR --config-name NAME`, over a folder holding
+    the tiny config as tiny_base.yaml (`name` may be a YAML written there: its stem is the name)."""
     c.write("tiny_configs/tiny_base.yaml", open(c.config).read())
     return [
         "check",
@@ -205,28 +207,31 @@ if not torch.cuda.is_available():
 
 # Codes whose fix cannot be applied here, and why; test_what_can_be_tested_of_the_rest checks them.
 NOT_HERE = {
-    "KEEL-C009": "the printed fix is a `keel demo --out` command, which runs the whole demo (minutes); "
-    "tests/integration/test_demo.py checks that it names a directory that is free",
-    "KEEL-C022": "the fix is in the agent's own requests to keel's endpoint; tests/unit/test_openai_endpoint.py "
-    "sends each refused request again as the fix says and is answered",
+    "KEEL-C009": "the printed fix is a `keel demo --out` command, which runs the whole demo "
+    "(minutes); tests/integration/test_demo.py checks that it names a directory that "
+    "is free",
+    "KEEL-C022": "the fix is in the agent's own requests to keel's endpoint; "
+    "tests/unit/test_openai_endpoint.py sends each refused request again as the fix "
+    "says and is answered",
     "KEEL-C023": "the fix is the user's own agent function (an async def at the path named); "
     "tests/integration/test_external_agent.py names a missing one, then the one written",
     "KEEL-C024": "the fix is installing an environment package or naming its own arguments; "
-    "tests/integration/test_environment_libraries.py names missing and broken ones, then loads the fixed one",
-    "KEEL-M008": "the fix is a chat template with a tool role in the model's own turn format, which only the "
-    "model's makers can write",
-    "KEEL-T001": "a non-finite gradient from finite log-probs needs low-precision overflow, which a float32 "
-    "CPU run does not give (a diverging one stops at KEEL-T003 first)",
+    "tests/integration/test_environment_libraries.py names missing and broken ones, "
+    "then loads the fixed one",
+    "KEEL-M008": "the fix is a chat template with a tool role in the model's own turn format, "
+    "which only the model's makers can write",
+    "KEEL-T001": "a non-finite gradient from finite log-probs needs low-precision overflow, which "
+    "a float32 CPU run does not give (a diverging one stops at KEEL-T003 first)",
     "KEEL-T002": "caused by code that freezes the model or detaches the loss; the fix is that code",
-    "KEEL-T004": "the process exits (os._exit, from a timer thread) where this test runs keel in-process; "
-    "tests/unit/test_guards.py applies its fix in a subprocess",
+    "KEEL-T004": "the process exits (os._exit, from a timer thread) where this test runs keel "
+    "in-process; tests/unit/test_guards.py applies its fix in a subprocess",
     "KEEL-E004": "installing another torch",
     "KEEL-E005": "an NVIDIA driver",
     "KEEL-E006": "a GPU",
     "KEEL-E007": "installing other package versions",
     "KEEL-E008": "a full disk",
-    "KEEL-E012": "installing verl and the packages it imports (tests/unit/test_verl_tools.py checks the fix line "
-    "names them)",
+    "KEEL-E012": "installing verl and the packages it imports (tests/unit/test_verl_tools.py "
+    "checks the fix line names them)",
     "KEEL-P001": "an exception in a Ray worker: the fix is the worker's own traceback",
     "KEEL-P002": "a Ray worker killed by the system (out of memory)",
     "KEEL-P003": "ranks stalled in a collective across Ray workers",

@@ -218,7 +218,8 @@ def test_the_printed_fix_fixes(code, ctx):  # noqa: F811 - ctx, the fixture
 def test_the_readme_lora_line_after_the_quickstart(ctx):  # noqa: F811
     """The run directory comes from project and experiment names: the fix is a new experiment_name
     whose directory does not exist; `trainer.resume_mode=disable` (the old first suggestion) is
-    refused there too, with the same fix; the second option resumes with the checkpoint's settings."""
+    refused there too, with the same fix; the second option resumes with the checkpoint's
+    settings."""
     import yaml
 
     cfg = {
@@ -251,13 +252,13 @@ def test_the_readme_lora_line_after_the_quickstart(ctx):  # noqa: F811
 
 
 def test_the_quickstart_before_its_prepare_script_ran(ctx):  # noqa: F811
-    """Before `python examples/quickstart/prepare.py` has run, the fix of the missing model and of the
-    missing data is to run it (here a stand-in that writes the tiny model and data)."""
+    """Before `python examples/quickstart/prepare.py` has run, the fix of the missing model and of
+    the missing data is to run it (here a stand-in that writes the tiny model and data)."""
     ctx.write(
         "examples/quickstart/prepare.py",
-        "import shutil\n"
-        f"shutil.copytree({str(ctx.assets['model'])!r}, 'examples/data/model', dirs_exist_ok=True)\n"
-        f"shutil.copy({str(ctx.assets['train'])!r}, 'examples/data/train.jsonl')\n",
+        f"import shutil\nshutil.copytree({str(ctx.assets['model'])!r}, 'examples/data/model', "
+        f"dirs_exist_ok=True)\nshutil.copy({str(ctx.assets['train'])!r}, "
+        "'examples/data/train.jsonl')\n",
     )
     mistake = ctx.check(
         "actor_rollout_ref.model.path=examples/data/model",

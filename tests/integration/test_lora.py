@@ -1,6 +1,7 @@
 """LoRA (peft) on the policy: adapters train and reach the rollout engine, the reference is the
 base with adapters off, the traps are refused before any step, checkpoints resume exactly and export
-round-trips through peft and transformers (resume: test_train_cli.py's resume test, lora variant)."""
+round-trips through peft and transformers (resume: test_train_cli.py's resume test, lora
+variant)."""
 
 import json
 import math

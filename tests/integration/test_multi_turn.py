@@ -1,6 +1,7 @@
-"""Multi-turn GRPO end to end on CPU: keel check and keel train with verl's multi_turn keys and a tool
-config in verl's format; a policy that calls the calculator (scripted turns, the tiny model scoring
-them) trains on its own tokens only, with the tool's result in its context and its reward."""
+"""Multi-turn GRPO end to end on CPU: keel check and keel train with verl's multi_turn keys and a
+tool config in verl's format; a policy that calls the calculator (scripted turns, the tiny model
+scoring them) trains on its own tokens only, with the tool's result in its context and its
+reward."""
 
 import json
 import math

@@ -1,7 +1,7 @@
-"""Partial rollouts on CPU (trainer.partial_rollout, keel's native engine): a step's round ends when its
-batch is complete and the samples still generating go on under the next policy; their earlier tokens
-and log-probs stay as sampled; no trained token is more than max_off_policy_steps versions old; a
-resumed run neither loses nor repeats a prompt."""
+"""Partial rollouts on CPU (trainer.partial_rollout, keel's native engine): a step's round ends when
+its batch is complete and the samples still generating go on under the next policy; their earlier
+tokens and log-probs stay as sampled; no trained token is more than max_off_policy_steps versions
+old; a resumed run neither loses nor repeats a prompt."""
 
 import json
 from pathlib import Path
@@ -76,7 +76,8 @@ def trained(monkeypatch):
 
 
 def token_staleness(cfg_steps_version, batch) -> torch.Tensor:
-    """[N, R] how many versions each trained token is older than the policy its update starts from."""
+    """[N, R] how many versions each trained token is older than the policy its update starts
+    from."""
     return (cfg_steps_version - batch.token_versions)[batch.response_mask.bool()]
 
 
@@ -191,9 +192,10 @@ def _draw(sampler, real_next, drawn: list) -> list[int]:
 
 
 def test_a_step_trains_the_due_groups_first_and_drop_drops_the_due_ones_unfinished(tiny_config):
-    """Step 2, bound 1: the next step's update starts from version 2, so groups sampled from version 0 are
-    due. Group 1 (version 1, finished) is older in the pool than group 2 (version 0, finished), but group 2
-    is due: it trains first. Group 3 (version 0, unfinished) is due too: dropped. Group 0 (version 1) waits."""
+    """Step 2, bound 1: the next step's update starts from version 2, so groups sampled from version
+    0 are due. Group 1 (version 1, finished) is older in the pool than group 2 (version 0,
+    finished), but group 2 is due: it trains first. Group 3 (version 0, unfinished) is due too:
+    dropped. Group 0 (version 1) waits."""
     tiny_config["trainer"].update(
         {"mode": "async", "partial_rollout": True, "off_policy_strategy": "drop"}
     )
@@ -227,9 +229,9 @@ def test_a_step_trains_the_due_groups_first_and_drop_drops_the_due_ones_unfinish
 
 
 def test_a_partial_rollouts_tokens_and_log_probs_are_unchanged_by_the_update_it_spans(ending_model):
-    """One round cut a group part-way; the weights change; the next round continues it: the tokens and
-    log-probs of the first round are kept as sampled (version 0), the rest are the new policy's (version 1),
-    and each token's log-prob is the one its own policy gives it."""
+    """One round cut a group part-way; the weights change; the next round continues it: the tokens
+    and log-probs of the first round are kept as sampled (version 0), the rest are the new policy's
+    (version 1), and each token's log-prob is the one its own policy gives it."""
     tokenizer = load_tokenizer(ending_model)
     model = load_causal_lm(ending_model, torch.device("cpu"))
     engine = NativeRolloutEngine(model, tokenizer, 64, torch.float32)
@@ -288,9 +290,9 @@ def test_an_engine_that_cannot_cut_is_refused_with_a_code(ending_model):
 def test_a_resumed_partial_run_neither_loses_nor_repeats_a_prompt(
     tiny_config, tmp_path, ending_model, trained, monkeypatch, filtered
 ):
-    """Stopped during step 3 after a checkpoint at step 2, then resumed: the same prompts each step as a
-    run that never stopped. `filtered`: overlong prompts dropped first, so the sampler's rows are not the
-    data's (the checkpoint keeps the sampler's)."""
+    """Stopped during step 3 after a checkpoint at step 2, then resumed: the same prompts each step
+    as a run that never stopped. `filtered`: overlong prompts dropped first, so the sampler's rows
+    are not the data's (the checkpoint keeps the sampler's)."""
     if filtered:
         rows = [
             json.loads(line)
@@ -389,8 +391,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def test_dynamic_sampling_in_async_mode_refills_from_more_rounds(
     tiny_config, tmp_path, ending_model, trained, monkeypatch
 ):
-    """DAPO with partial rollouts: half the prompts carry no signal, so a step runs rounds (with the same
-    policy, the pool refilled) until a batch of groups with one has finished, each round a whole batch."""
+    """DAPO with partial rollouts: half the prompts carry no signal, so a step runs rounds (with the
+    same policy, the pool refilled) until a batch of groups with one has finished, each round a
+    whole batch."""
     wanted, real_round = [], partial.RolloutPartial._round
 
     def round_wanting(self, timer, seed, updates, count):
@@ -422,8 +425,9 @@ def test_dynamic_sampling_in_async_mode_refills_from_more_rounds(
 
 
 def test_verls_fully_async_recipe_keys_map_to_keels_or_are_refused_by_name(tiny_config):
-    """verl's fully_async_ppo_trainer.yaml: partial_rollout and use_rollout_log_probs are keel's own keys under
-    other names; its staleness threshold (a share of a batch) is refused, pointing at keel's bound."""
+    """verl's fully_async_ppo_trainer.yaml: partial_rollout and use_rollout_log_probs are keel's own
+    keys under other names; its staleness threshold (a share of a batch) is refused, pointing at
+    keel's bound."""
     tiny_config["trainer"]["mode"] = "async"
     tiny_config["async_training"] = {
         "partial_rollout": True,

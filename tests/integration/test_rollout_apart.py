@@ -1,7 +1,7 @@
-"""The rollout on workers of its own (actor_rollout_ref.hybrid_engine=false), two Ray workers on CPU:
-one generates, one trains, and the trainer sends its weights after each update, tagged with their
-policy version. In sync mode it trains the samples and losses of the colocated run; in async mode the
-rollout generates the next batch while the actor trains, from weights one version old."""
+"""The rollout on workers of its own (actor_rollout_ref.hybrid_engine=false), two Ray workers on
+CPU: one generates, one trains, and the trainer sends its weights after each update, tagged with
+their policy version. In sync mode it trains the samples and losses of the colocated run; in async
+mode the rollout generates the next batch while the actor trains, from weights one version old."""
 
 import json
 import subprocess
@@ -69,9 +69,10 @@ def test_in_async_mode_the_rollout_of_its_own_generates_from_one_version_back(co
 def test_lora_with_a_rollout_of_its_own_sends_adapters_and_trains_the_colocated_runs_samples(
     config, tmp_path
 ):
-    """With LoRA the rollout's own workers hold the base from model.path and take only the adapters after
-    each update (the native engine applies them unmerged): the run learns what the colocated one does. A
-    run resumed from its checkpoint sends the checkpoint's adapters before its first generation."""
+    """With LoRA the rollout's own workers hold the base from model.path and take only the adapters
+    after each update (the native engine applies them unmerged): the run learns what the colocated
+    one does. A run resumed from its checkpoint sends the checkpoint's adapters before its first
+    generation."""
     config["actor_rollout_ref"]["model"].update(
         {"lora_rank": 8, "lora_alpha": 16, "target_modules": "all-linear"}
     )
@@ -113,9 +114,9 @@ def test_lora_with_a_rollout_of_its_own_on_transformers_generate_is_refused_with
 def test_ray_ranks_tell_each_finished_sample_so_its_scoring_begins_beside_generation(
     config, tmp_path, layout
 ):
-    """Samples generated in Ray workers reach the driver as each finishes (a Ray queue), and their scoring
-    begins in the reward's processes then: all of each batch had begun before the batch came back. With
-    reward.score_ahead=false none had, and the run learns the same."""
+    """Samples generated in Ray workers reach the driver as each finishes (a Ray queue), and their
+    scoring begins in the reward's processes then: all of each batch had begun before the batch came
+    back. With reward.score_ahead=false none had, and the run learns the same."""
     scoring = ["reward.num_workers=2", "actor_rollout_ref.rollout.name=native"]
     ahead, _ = train(config, tmp_path, "ahead", *layout, *scoring)
     assert [m["reward/scored_ahead"] for m in ahead] == [1.0] * 3
@@ -129,8 +130,8 @@ def test_ray_ranks_tell_each_finished_sample_so_its_scoring_begins_beside_genera
 def test_remax_with_a_rollout_of_its_own_in_async_mode_sends_its_greedy_pass_after_the_batch(
     config, tmp_path
 ):
-    """The greedy responses go to the rollout's workers right after their batch (a rank runs its calls in
-    order, so the same weights answer both) while the actor trains."""
+    """The greedy responses go to the rollout's workers right after their batch (a rank runs its
+    calls in order, so the same weights answer both) while the actor trains."""
     steps, _ = train(
         config, tmp_path, "remax", *APART, "trainer.mode=async", "algorithm.adv_estimator=remax"
     )

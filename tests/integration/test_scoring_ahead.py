@@ -31,7 +31,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 @pytest.fixture
 def scoring_runs(monkeypatch):
-    """Per training batch scored in the pool: how many of its samples had not begun scoring ahead."""
+    """Per training batch scored in the pool: how many of its samples had not begun scoring
+    ahead."""
     scored_now, real_run = [], ScoringPool.run
 
     def run(self, tasks, timeout_s, started=None):
@@ -59,8 +60,9 @@ def scored_config(
 def test_samples_begin_scoring_as_they_finish_and_score_as_a_batch_would(
     tiny_config, tmp_path, ending_model, monkeypatch, scoring_runs, mode
 ):
-    """The first sample of each batch begins scoring while the batcher still decodes the rest; none is
-    scored twice; and the run's scores and losses equal a run that scores each batch whole (score_ahead=false)."""
+    """The first sample of each batch begins scoring while the batcher still decodes the rest; none
+    is scored twice; and the run's scores and losses equal a run that scores each batch whole
+    (score_ahead=false)."""
     decode_steps, first_starts, real_step = [0], {}, ContinuousBatcher.step
 
     def counted_step(self, params, look_every=None):
@@ -107,9 +109,9 @@ def test_samples_begin_scoring_as_they_finish_and_score_as_a_batch_would(
 def test_partial_rollouts_score_the_groups_that_wait_in_the_background(
     tiny_config, tmp_path, ending_model, monkeypatch, scoring_runs
 ):
-    """Bound 2: younger batches finish in a step's round and train a step or two later. Their samples
-    began scoring in the round they finished, so some trained samples were scored before their step,
-    and no trained sample is scored again when it trains."""
+    """Bound 2: younger batches finish in a step's round and train a step or two later. Their
+    samples began scoring in the round they finished, so some trained samples were scored before
+    their step, and no trained sample is scored again when it trains."""
     step_now, began, trained_at = [0], {}, []
     real_call, real_start, real_round = (
         partial.RolloutPartial.__call__,
@@ -151,8 +153,9 @@ def test_partial_rollouts_score_the_groups_that_wait_in_the_background(
 def test_partial_rollouts_replace_a_group_that_a_failed_scoring_left_short(
     tiny_config, tmp_path, ending_model, monkeypatch
 ):
-    """reward.on_error=mask: a prompt whose scorer raises loses its samples. With partial rollouts another
-    round's group takes its place: every step trains train_batch_size whole groups, none of them broken."""
+    """reward.on_error=mask: a prompt whose scorer raises loses its samples. With partial rollouts
+    another round's group takes its place: every step trains train_batch_size whole groups, none of
+    them broken."""
     monkeypatch.setenv("KEEL_TEST_FAIL_FIVES", "1")
     config = scored_config(tiny_config, tmp_path, "refill", ending_model, steps=6)
     batches = []
@@ -178,9 +181,9 @@ def test_partial_rollouts_replace_a_group_that_a_failed_scoring_left_short(
 
 @pytest.mark.parametrize("ahead", [True, False])
 def test_multi_turn_episodes_begin_scoring_as_each_ends(tiny_config, tmp_path, ahead):
-    """keel's agent loop on the native engine tells each episode as it ends, with the record the batch
-    gives its row (num_turns and the rest of extra_info, which the reward reads): every episode began
-    scoring before its batch was done, and scored as the batch would score it."""
+    """keel's agent loop on the native engine tells each episode as it ends, with the record the
+    batch gives its row (num_turns and the rest of extra_info, which the reward reads): every
+    episode began scoring before its batch was done, and scored as the batch would score it."""
     from test_multi_turn import REWARD, multi_turn_config
 
     config = multi_turn_config(tiny_config, tmp_path)
@@ -198,8 +201,8 @@ def test_multi_turn_episodes_begin_scoring_as_each_ends(tiny_config, tmp_path, a
 
 
 def test_episodes_whose_row_an_environment_completes_score_with_their_batch(tiny_config, tmp_path):
-    """An interaction (an environment) adds its scores to each row as the batch closes it: those episodes
-    cannot be scored before, and are not."""
+    """An interaction (an environment) adds its scores to each row as the batch closes it: those
+    episodes cannot be scored before, and are not."""
     from test_multi_turn import interaction_config
 
     config = interaction_config(tiny_config, tmp_path)

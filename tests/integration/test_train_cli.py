@@ -325,7 +325,8 @@ def test_checkpoint_from_an_older_keel_resumes_and_may_switch_engine(tiny_config
 
 
 def test_bf16_compute_keeps_float32_master_weights_that_move_at_small_lr(tiny_config, tiny_assets):
-    """At RL learning rates an update is far below bf16's resolution; float32 master weights keep it."""
+    """At RL learning rates an update is far below bf16's resolution; float32 master weights keep
+    it."""
     from keel.api import train
 
     tiny_config["actor_rollout_ref"]["model"]["dtype"] = "bfloat16"

@@ -1,5 +1,5 @@
-"""verl's own gsm8k tool and gsm8k interaction train two steps on CPU through keel, unchanged: verl's
-tool and interaction config YAMLs (tests/data/verl_multi_turn), verl's classes (verl 0.9.1's
+"""verl's own gsm8k tool and gsm8k interaction train two steps on CPU through keel, unchanged:
+verl's tool and interaction config YAMLs (tests/data/verl_multi_turn), verl's classes (verl 0.9.1's
 BaseTool and schemas; the gsm8k tool and interactions of verl 0.5.0, which 0.9.1 no longer ships,
 from tests/data/verl_0_5_0 through tests/verl_shim.py), and rows as verl's data preprocessors write
 them. The policy's turns are scripted (conftest.ScriptedEngine), the tiny model trained on them;
@@ -21,10 +21,10 @@ from verl_shim import install_verl_0_5_0_files
 
 CONFIGS = Path(__file__).parents[1] / "data" / "verl_multi_turn"
 SYSTEM_TOOL = (
-    "You are a math expert. You are given a question and you need to solve it step by step. Reasoning step "
-    "by step before any tool call. You should use the `calc_gsm8k_reward` tool after step by step solving "
-    "the question, before generate final answer at least once and refine your answer if necessary. Put "
-    "your final answer in the format of `#### <answer>`."
+    "You are a math expert. You are given a question and you need to solve it step by step. "
+    "Reasoning step by step before any tool call. You should use the `calc_gsm8k_reward` tool "
+    "after step by step solving the question, before generate final answer at least once and "
+    "refine your answer if necessary. Put your final answer in the format of `#### <answer>`."
 )
 SYSTEM_INTERACTION = (
     "You are a math expert. You are given a question and you need to solve it step by step. You "
@@ -47,7 +47,8 @@ def solution(index: int) -> str:
 
 
 def gsm8k_row(index: int, interaction: bool) -> dict:
-    """As verl's examples/data_preprocess/gsm8k_multiturn_w_tool.py (or _w_interaction.py) writes it."""
+    """As verl's examples/data_preprocess/gsm8k_multiturn_w_tool.py (or _w_interaction.py) writes
+    it."""
     question = f"Question {index}: what is 3 times {index} plus 1?"
     prompt = question + " Let's think step by step and output the final answer after `####`."
     extra_info = {
@@ -168,7 +169,8 @@ def test_verls_gsm8k_tool_and_tool_config_train_two_steps(tiny_config, tmp_path,
     scripted(
         monkeypatch,
         lambda index, turn: (
-            f'<tool_call>{{"name": "calc_gsm8k_reward", "arguments": {{"answer": "{solution(index)}"}}}}</tool_call>'
+            f'<tool_call>{{"name": "calc_gsm8k_reward", "arguments": {{"answer": '
+            f'"{solution(index)}"}}}}</tool_call>'
             if turn == 0
             else f"#### {solution(index)}"
         ),

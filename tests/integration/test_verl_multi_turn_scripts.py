@@ -1,12 +1,13 @@
-"""verl's multi-turn example scripts run through `keel train` with only the program name and the paths
-changed, `--config-path/--config-name` included, and sizes shrunk for a CPU (as test_verl_scripts.py
-shrinks them): the command is the one the script builds (bash runs the script with `python3` standing
-for verl's main_ppo and prints its arguments), its config is verl's example YAML composing verl's
-trainer config, its tools verl's gsm8k tool. Two steps on CPU, or a refusal naming each setting keel
-does not have (KEEL-C015).
+"""verl's multi-turn example scripts run through `keel train` with only the program name and the
+paths changed, `--config-path/--config-name` included, and sizes shrunk for a CPU (as
+test_verl_scripts.py shrinks them): the command is the one the script builds (bash runs the script
+with `python3` standing for verl's main_ppo and prints its arguments), its config is verl's example
+YAML composing verl's trainer config, its tools verl's gsm8k tool. Two steps on CPU, or a refusal
+naming each setting keel does not have (KEEL-C015).
 
 The scripts, their YAML and tool config: tests/data/verl_launch (verl's checkout layout, its working
-directory). verl's gsm8k tool class: verl 0.5.0's (tests/data/verl_0_5_0), over the installed verl."""
+directory). verl's gsm8k tool class: verl 0.5.0's (tests/data/verl_0_5_0), over the installed
+verl."""
 
 import contextlib
 import io
@@ -46,7 +47,8 @@ ECHO = 'python3() { printf "%s\\0" "$@"; }\n'
 
 
 def script_argv(script: Path, home: Path) -> list[str]:
-    """The arguments the script passes to verl's main_ppo, as bash builds them (variables, quoting)."""
+    """The arguments the script passes to verl's main_ppo, as bash builds them (variables,
+    quoting)."""
     done = subprocess.run(
         ["bash", "-c", ECHO + 'source "$0"', str(script)],
         cwd=CHECKOUT,
@@ -95,7 +97,8 @@ def gsm8k_rows(n: int, start: int = 0) -> list[dict]:
 
 
 def as_keel(argv: list[str], assets: dict, tmp_path: Path) -> list[str]:
-    """`keel train` and the script's arguments, its data and model paths changed and its sizes shrunk."""
+    """`keel train` and the script's arguments, its data and model paths changed and its sizes
+    shrunk."""
     train, val = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
     for path, rows in ((train, gsm8k_rows(8)), (val, gsm8k_rows(2, start=50))):
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -134,7 +137,8 @@ def test_a_verl_multi_turn_script_trains_through_keel_train(
 ):
     if install_verl_0_5_0_files is None:
         pytest.skip(
-            "verl 0.5.0's gsm8k tool (tests/data/verl_0_5_0, verl_shim.install_verl_0_5_0_files) is absent"
+            "verl 0.5.0's gsm8k tool (tests/data/verl_0_5_0, "
+            "verl_shim.install_verl_0_5_0_files) is absent"
         )
     # verl importable: its gsm8k tool runs unchanged
     install_verl_0_5_0_files()

@@ -1,6 +1,7 @@
 """The agent loop: tool calls parsed, run and answered through the chat template, token-in/token-out
 (the trained tokens are the sampled ones plus exactly the template's between turns, for Qwen2.5's,
-Llama 3's and keel's own templates), masks over tool output, and every bad tool counted, never raised.
+Llama 3's and keel's own templates), masks over tool output, and every bad tool counted, never
+raised.
 
 The engine here is a script (conftest.ScriptedEngine): it answers each context with the next turn
 written for its prompt, so the loop is tested on the turns a trained model would write."""
@@ -207,13 +208,14 @@ QWEN25_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 LLAMA3_TEMPLATE = (
-    "{{- bos_token }}{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
-    "{{- 'Cutting Knowledge Date: December 2023\\nToday Date: 26 Jul 2024\\n\\n' }}{{- '<|eot_id|>' }}"
-    "{%- for message in messages %}{%- if message.role == 'ipython' or message.role == 'tool' %}"
-    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}{{- message.content }}{{- '<|eot_id|>' }}"
-    "{%- else %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim "
-    "+ '<|eot_id|>' }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+    "{{- bos_token }}{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}{{- 'Cutting "
+    "Knowledge Date: December 2023\\nToday Date: 26 Jul 2024\\n\\n' }}{{- '<|eot_id|>' }}{%- for "
+    "message in messages %}{%- if message.role == 'ipython' or message.role == 'tool' %}{{- "
+    "'<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}{{- message.content }}{{- '<|eot_id|>' "
+    "}}{%- else %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
+    "message['content'] | trim + '<|eot_id|>' }}{%- endif %}{%- endfor %}{%- if "
+    "add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- "
+    "endif %}"
 )
 
 
@@ -235,9 +237,9 @@ def tokenizer_with(template: str | None):
 
 @pytest.mark.parametrize("template", ["qwen2.5", "llama3", "keel"])
 def test_turn_by_turn_tokens_equal_the_templates_rendering_of_the_conversation(template):
-    """What keel check runs on the run's tokenizer: the loop's sequence against apply_chat_template of
-    the same messages, and the first position where they differ (none here; a dropped separator is
-    found where it was dropped)."""
+    """What keel check runs on the run's tokenizer: the loop's sequence against apply_chat_template
+    of the same messages, and the first position where they differ (none here; a dropped separator
+    is found where it was dropped)."""
     tokenizer = tokenizer_with(template)
     built, reference = round_trip(tokenizer, [Calculator().schema])
     assert first_difference(built, reference) is None and len(reference) - len(built) in (0, 1)
@@ -268,8 +270,8 @@ def test_a_template_without_a_tool_role_is_refused_by_name():
 
 
 def test_the_turn_end_is_whichever_stop_token_the_template_uses():
-    """Qwen2.5-Instruct stops at <|endoftext|> or <|im_end|>; its turns end with <|im_end|>. A model that
-    stops only at a token its template never ends a turn with cannot be joined turn to turn."""
+    """Qwen2.5-Instruct stops at <|endoftext|> or <|im_end|>; its turns end with <|im_end|>. A model
+    that stops only at a token its template never ends a turn with cannot be joined turn to turn."""
     tokenizer = build_tokenizer()
     endoftext, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     assert TurnTemplate(tokenizer, None, [endoftext, im_end]).end_id == im_end
@@ -424,8 +426,8 @@ def test_an_environment_answers_turns_without_tool_calls():
 
 
 def test_a_turn_cut_by_its_token_cap_is_closed_as_the_template_closes_it():
-    """multi_turn.max_tokens_per_turn: the model's turn stops at the cap, the loop adds the turn's end
-    token (context, not trained) before the environment's user turn."""
+    """multi_turn.max_tokens_per_turn: the model's turn stops at the cap, the loop adds the turn's
+    end token (context, not trained) before the environment's user turn."""
     tokenizer = build_tokenizer()
     records, _ = build_prompt_dataset(
         [{"prompt": [{"role": "user", "content": "go"}], "extra_info": {"secret": 7}}],
@@ -587,7 +589,8 @@ def test_verls_interactions_answer_turns_and_are_finalised(tmp_path):
         ("interaction:\n  - name: x\n", "no class_name"),
         ("interaction:\n  - class_name: nowhere.Interaction\n", "cannot be imported"),
         (
-            "interaction:\n  - {name: a, class_name: talk.py:Polite}\n  - {name: a, class_name: talk.py:Polite}\n",
+            "interaction:\n  - {name: a, class_name: talk.py:Polite}\n  - {name: a, "
+            "class_name: talk.py:Polite}\n",
             "a second interaction named 'a'",
         ),
     ],

@@ -68,8 +68,8 @@ def test_a_dead_agent_process_or_a_bad_agent_name_is_said(agents_file):
 
 
 def test_a_cut_sample_without_a_reward_is_dropped_where_no_reward_function_scores_it(tiny_assets):
-    """A sample its budget stopped is kept when something scores it: an agent function's leaves it to
-    the reward function; an environment's (scored_by_agent) has none, so it leaves the update."""
+    """A sample its budget stopped is kept when something scores it: an agent function's leaves it
+    to the reward function; an environment's (scored_by_agent) has none, so it leaves the update."""
     from keel.data.prompts import collate_prompts
     from keel.models.load import load_tokenizer
     from keel.rollout.agent.external.agents import Outcome

@@ -1,4 +1,5 @@
-"""The error catalogue stays honest: every code is tested, and config choices match the registries."""
+"""The error catalogue stays honest: every code is tested, and config choices match the
+registries."""
 
 from pathlib import Path
 

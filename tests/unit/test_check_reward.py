@@ -50,7 +50,8 @@ def test_a_mixed_file_whose_second_data_source_has_no_scorer_fails_naming_it(tin
 
 
 def test_a_function_that_breaks_on_one_data_source_fails_naming_it(tiny_config, tmp_path):
-    """Only the first rows were probed before: a second data_source deep in the file crashed at step 40."""
+    """Only the first rows were probed before: a second data_source deep in the file crashed at step
+    40."""
     source = (
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    if data_source == 'geometry':\n"
@@ -109,8 +110,9 @@ def test_a_function_that_never_rewards_is_named_per_data_source(tiny_config, tmp
         # a reasoning model's function: no think block, no reward
         (
             lambda i: str(i),
-            "def compute_score(solution_str, ground_truth, **kw):\n"
-            "    return float(solution_str.startswith('<think>') and solution_str.rstrip().endswith(ground_truth))\n",
+            "def compute_score(solution_str, ground_truth, **kw):\n    return "
+            "float(solution_str.startswith('<think>') and "
+            "solution_str.rstrip().endswith(ground_truth))\n",
         ),
         # DAPO's `Answer:` line
         (

@@ -1,5 +1,5 @@
-"""verl's code data scores in keel's jail as verl's own prime_code scores it: the same programs on the
-same rows, scored by both (verl's in this process, as verl runs it; keel's in the jail)."""
+"""verl's code data scores in keel's jail as verl's own prime_code scores it: the same programs on
+the same rows, scored by both (verl's in this process, as verl runs it; keel's in the jail)."""
 
 import json
 from types import SimpleNamespace
@@ -44,8 +44,8 @@ STDIN_PROGRAMS = {
     "if __name__ == '__main__':\n    main()",
     "exit() after printing": f"{READ_ADD}exit()",
     "sys.exit() after printing": f"import sys\n{READ_ADD}sys.exit(0)",
-    "global counter": "total = 0\ndef add(x):\n    global total\n    total += x\nfor x in map(int, input().split()):\n"
-    "    add(x)\nprint(total)",
+    "global counter": "total = 0\ndef add(x):\n    global total\n    total += x\nfor x in "
+    "map(int, input().split()):\n    add(x)\nprint(total)",
     "sys.stdin.buffer": "import sys\nprint(sum(map(int, sys.stdin.buffer.read().split())))",
     "writes to fd 1 itself": "import os\nos.write(1, b'3\\n')",
     "bare stdin.readline": "a, b = map(int, stdin.readline().split())\nprint(a + b)",
@@ -125,8 +125,8 @@ CALL_PROGRAMS = {
     "plain function returning a tuple": "def pair(a, b):\n    return (a, b)",
     "wrong": "def pair(a, b):\n    return [b, a]",
     "right on two of three": "def pair(a, b):\n    return [a, b] if a != 5 else [b, a]",
-    "right on two, with an example printed": "def pair(a, b):\n    return [a, b] if a != 5 else [b, a]\n"
-    "print(pair(1, 2))",
+    "right on two, with an example printed": "def pair(a, b):\n    return [a, b] if a != 5 else "
+    "[b, a]\nprint(pair(1, 2))",
     "missing function": "def other(a, b):\n    return [a, b]",
     "crashes": "def pair(a, b):\n    return [a + b, None][5]",
     "returns a set": "def pair(a, b):\n    return {1}",
@@ -140,8 +140,9 @@ def test_a_call_style_program_scores_as_in_verl(verl_prime_code, name):
 
 
 def test_a_call_style_program_failing_one_test_scores_what_it_prints():
-    """verl's per-test pass leaves fn_name out: after one failure the tests run as stdin programs, so
-    two right answers of three score 0, and a printed example that matches a test's output counts."""
+    """verl's per-test pass leaves fn_name out: after one failure the tests run as stdin programs,
+    so two right answers of three score 0, and a printed example that matches a test's output
+    counts."""
     assert compute_score(CALL_PROGRAMS["class Solution"], CALL) == (True, {})
     assert compute_score(CALL_PROGRAMS["right on two of three"], CALL)[0] == 0.0
     score, metadata = compute_score(CALL_PROGRAMS["right on two, with an example printed"], CALL)
@@ -151,7 +152,10 @@ def test_a_call_style_program_failing_one_test_scores_what_it_prints():
 def test_a_value_that_claims_equality_does_not_pass_in_keel(verl_prime_code):
     """An int whose __eq__ always says yes passes every test in verl; keel compares what the program
     returned as plain data, outside the jail."""
-    program = "class Yes(int):\n    def __eq__(self, other):\n        return True\ndef pair(a, b):\n    return Yes(0)"
+    program = (
+        "class Yes(int):\n    def __eq__(self, other):\n        return True\ndef pair(a, b):\n    "
+        "return Yes(0)"
+    )
     assert verl_prime_code(program, CALL, continuous=True)[0] == 1.0
     assert compute_score(program, CALL)[0] == 0.0
 

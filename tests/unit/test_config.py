@@ -27,7 +27,8 @@ def error_of(overrides, base=BASE) -> KeelError:
 def test_yaml_file_and_overrides_use_verl_names(tmp_path):
     path = tmp_path / "cfg.yaml"
     path.write_text(
-        "data:\n  train_files: [a.parquet]\n  train_batch_size: 16\nactor_rollout_ref:\n  model: {path: m}\n"
+        "data:\n  train_files: [a.parquet]\n  train_batch_size: 16\nactor_rollout_ref:\n  "
+        "model: {path: m}\n"
     )
     cfg = load_config(
         path,
@@ -404,7 +405,8 @@ def test_keel_picks_ddp_or_fsdp_for_the_policy_when_the_config_does_not(
     [
         (
             [],
-            "in the trainer's process, each batch whole (set reward.num_workers > 0 to score beside generation)",
+            "in the trainer's process, each batch whole (set reward.num_workers > 0 to score "
+            "beside generation)",
         ),
         (
             ["reward.num_workers=4"],
@@ -424,7 +426,8 @@ def test_keel_picks_ddp_or_fsdp_for_the_policy_when_the_config_does_not(
         ),
         (
             ["reward.num_workers=4", "actor_rollout_ref.rollout.multi_turn.enable=true"],
-            "in 4 scoring processes, each sample as it finishes, beside generation (episodes with an environment",
+            "in 4 scoring processes, each sample as it finishes, beside generation (episodes "
+            "with an environment",
         ),
     ],
 )

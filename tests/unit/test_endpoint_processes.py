@@ -21,7 +21,8 @@ TOKEN = "s3cret"
 
 
 class Spy:
-    """The engine service, recording every completion it hands out (in this, the engine's, process)."""
+    """The engine service, recording every completion it hands out (in this, the engine's,
+    process)."""
 
     def __init__(self, service):
         self.service, self.sampled = service, {}

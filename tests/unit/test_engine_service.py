@@ -163,7 +163,8 @@ def test_turns_arriving_within_the_admission_window_share_one_prefill(engine):
 def test_turns_submitted_together_share_a_pass_and_are_told_on_one_queue(engine):
     """keel's agent loop as a client: its turns go in together (one prefill pass, a prompt's group
     sharing its prefill), the turns a step ends come back in one message on its queue, a refused
-    turn is told there too, and a closing service says so there: the client never waits on nothing."""
+    turn is told there too, and a closing service says so there: the client never waits on
+    nothing."""
     import queue
 
     engine, tokenizer = engine

@@ -1,6 +1,7 @@
-"""The driver's side of samples told as they finish on Ray ranks (keel/distributed/finished.py), with a
-stand-in for the Ray queue: tellings that arrive out of order are counted until every rank has told all
-its samples; a queue that dies releases every waiting batch, which then scores its samples itself."""
+"""The driver's side of samples told as they finish on Ray ranks (keel/distributed/finished.py),
+with a stand-in for the Ray queue: tellings that arrive out of order are counted until every rank
+has told all its samples; a queue that dies releases every waiting batch, which then scores its
+samples itself."""
 
 import queue
 import threading

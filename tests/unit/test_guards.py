@@ -206,7 +206,8 @@ def test_a_hung_phase_dumps_stacks_and_exits_with_its_code():
 
 
 def test_a_slow_phase_gets_past_its_limit_with_the_limit_the_fix_names():
-    """A phase that takes 3 s under a 2 s limit stops; the fix's limit (twice the old one) lets it finish."""
+    """A phase that takes 3 s under a 2 s limit stops; the fix's limit (twice the old one) lets it
+    finish."""
     import re
     import subprocess
     import sys

@@ -184,7 +184,8 @@ def test_the_machine_says_how_its_processes_are_capped():
 
 
 def _python_nobody_can_run() -> str | None:
-    """A Python with keel's requirements whose interpreter uid 65534 can run (one under /root is not)."""
+    """A Python with keel's requirements whose interpreter uid 65534 can run (one under /root is
+    not)."""
     for python in (sys.executable, "/usr/bin/python3"):
         base = Path(_interpreter()[0] if python == sys.executable else os.path.realpath(python))
         reachable = all(os.stat(part).st_mode & 0o001 for part in [*base.parents, base])
@@ -228,14 +229,16 @@ def as_root_trainer(mode: str, code: str = "", path: str = "/usr/bin:/bin") -> d
 
 needs_root_and_system_python = pytest.mark.skipif(
     os.getuid() != 0 or TRAINER_PYTHON is None or not userns.available(),
-    reason="needs root, a Python with keel's requirements that uid 65534 can run, and user namespaces",
+    reason="needs root, a Python with keel's requirements that uid 65534 can run, and user "
+    "namespaces",
 )
 
 
 @needs_root_and_system_python
 def test_without_bubblewrap_root_still_runs_the_program_as_nobody(tmp_path):
     """A machine without bubblewrap (the GPU image) isolates nothing, but root drops to uid 65534
-    with no capability, hard limits and a capped process count; keel doctor names what is missing."""
+    with no capability, hard limits and a capped process count; keel doctor names what is
+    missing."""
     # no bwrap on this PATH
     probe = as_root_trainer("probe", path="/usr/local/bin")
     assert probe["mode"] == NO_JAIL_AS_NOBODY
@@ -245,7 +248,8 @@ def test_without_bubblewrap_root_still_runs_the_program_as_nobody(tmp_path):
     os.chmod(tmp_path, 0o700)
     attack = (
         WHO_AM_I
-        + f"\ntry:\n    open({str(tmp_path)!r} + '/escaped', 'w')\n    print('WROTE')\nexcept OSError:\n    pass\n"
+        + f"\ntry:\n    open({str(tmp_path)!r} + '/escaped', 'w')\n    print('WROTE')\nexcept "
+        "OSError:\n    pass\n"
     )
     seen = json.loads(as_root_trainer(NO_JAIL_AS_NOBODY, attack)["stdout"].splitlines()[0])
     assert seen["uid"] == 65534 and seen["cap_eff"] == 0 and seen["escalated"] == []

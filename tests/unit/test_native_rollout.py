@@ -463,7 +463,8 @@ def test_multi_turn_greedy_rollouts_equal_the_hf_engines_and_prefill_only_new_to
 
 
 def test_free_cache_engine_unset_keeps_a_cache_of_at_most_eight_percent_of_the_gpu():
-    """Qwen3-0.6B's t1 cache (7.5 GB, 5.3% of an H200) is kept: capturing again cost 0.30 s a step."""
+    """Qwen3-0.6B's t1 cache (7.5 GB, 5.3% of an H200) is kept: capturing again cost 0.30 s a
+    step."""
     from keel.rollout.native.engine import keeps_cache
 
     gpu = 140 * 2**30
@@ -477,7 +478,8 @@ def test_free_cache_engine_unset_keeps_a_cache_of_at_most_eight_percent_of_the_g
 
 def test_a_turn_that_does_not_fit_its_batcher_is_refused_before_it_writes(tiny_assets):
     """Rows of 40 tokens, turns of 8: a longer turn, a context that would pass the row's end, and a
-    second turn for a sequence that has one under way are refused (each would write past a buffer)."""
+    second turn for a sequence that has one under way are refused (each would write past a
+    buffer)."""
     native, _, _, _ = engines(tiny_assets["model"], n=1)
     batcher = native.continuous_batcher(4, 40, 8)
     for context, limit in (([5] * 10, 9), ([5] * 35, 8), ([5] * 10, 0)):

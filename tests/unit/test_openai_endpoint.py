@@ -156,7 +156,10 @@ def test_tool_calls_come_back_in_openais_form(endpoint):
     assert json.loads(call["function"]["arguments"]) == {"expression": "12*34"}
 
 
-CALL_TEXT = 'Let me compute.<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
+CALL_TEXT = (
+    'Let me compute.<tool_call>{"name": "calculator", "arguments": {"expression": '
+    '"12*34"}}</tool_call>'
+)
 
 
 @pytest.mark.parametrize(

@@ -56,7 +56,8 @@ def test_failures_before_any_weight_is_loaded(tiny_config, overrides, code):
 def test_scorer_that_raises_on_an_empty_answer(tiny_config, tmp_path):
     reward = tmp_path / "bad_reward.py"
     reward.write_text(
-        "def compute_score(solution_str, ground_truth, **kwargs):\n    return 1.0 / len(solution_str)\n"
+        "def compute_score(solution_str, ground_truth, **kwargs):\n    return 1.0 / "
+        "len(solution_str)\n"
     )
     report = run_checks(*load_run(tiny_config, {"custom_reward_function.path": str(reward)}))
     assert failure_codes(report) == [SCORER_RAISED]
@@ -171,7 +172,8 @@ def test_a_critic_pool_is_estimated_on_its_own_devices(tiny_config):
 
 def test_param_offload_on_one_worker_is_a_warning_and_not_counted_as_offloaded(tiny_config):
     """verl scripts set param_offload on one GPU; keel offloads only what FSDP shards (2+ workers),
-    so it says so, and estimates the weights on the device. A role that does not run is not named."""
+    so it says so, and estimates the weights on the device. A role that does not run is not
+    named."""
 
     def report(*overrides):
         return run_checks(*load_run(tiny_config, ["trainer.device=cpu", *overrides]))
@@ -435,8 +437,8 @@ def test_an_eos_token_transformers_adds_on_load_is_refused(tiny_config, tiny_ass
 
 
 def test_a_rollout_on_workers_of_its_own_is_estimated_on_its_own_devices(tiny_config):
-    """hybrid_engine=false: the engine's decode weights and KV cache leave the actor's devices and are
-    estimated, as rollout_pool, for the rollout's."""
+    """hybrid_engine=false: the engine's decode weights and KV cache leave the actor's devices and
+    are estimated, as rollout_pool, for the rollout's."""
     cpu = ["trainer.device=cpu"]
     colocated = run_checks(*load_run(tiny_config, cpu)).memory_gb
     apart = run_checks(
@@ -449,8 +451,8 @@ def test_a_rollout_on_workers_of_its_own_is_estimated_on_its_own_devices(tiny_co
 
 
 def test_an_hf_rollout_of_its_own_is_one_whole_model_on_its_devices(tiny_config):
-    """hf on 2 sharded workers: colocated, each actor rank holds a whole float32 copy for generating; with
-    the rollout apart, that copy is the rollout's own model, counted once there."""
+    """hf on 2 sharded workers: colocated, each actor rank holds a whole float32 copy for
+    generating; with the rollout apart, that copy is the rollout's own model, counted once there."""
     hf = ["trainer.device=cpu", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.name=hf"]
     colocated = run_checks(*load_run(tiny_config, hf)).memory_gb
     apart = run_checks(

@@ -273,8 +273,9 @@ MALFORMED = [
 
 
 def generated_cases(wrappings_per_answer: int = 4) -> list[tuple[str, str]]:
-    """Each answer in `wrappings_per_answer` of the wrappings, rotating, so every wrapping meets every
-    kind of answer without the full product's cost (verl forks a process per sympy comparison)."""
+    """Each answer in `wrappings_per_answer` of the wrappings, rotating, so every wrapping meets
+    every kind of answer without the full product's cost (verl forks a process per sympy
+    comparison)."""
     pairs = [(answer, truth) for truth, answers in ANSWERS_BY_TRUTH.items() for answer in answers]
     step = len(WRAPPINGS) // wrappings_per_answer
     return [
@@ -382,7 +383,8 @@ def octal_escaped(code: str) -> str:
 )
 def test_an_answer_cannot_run_code(tmp_path, answer, truth):
     """verl 0.9.1 runs each of these (sympy's parse_expr turns the quoted string into code through
-    sympify; the \\pi and matrix branches eval the answer). keel must score them without running them."""
+    sympify; the \\pi and matrix branches eval the answer). keel must score them without running
+    them."""
     marker = tmp_path / "ran"
     payload = octal_escaped(f"__import__('pathlib').Path('{marker}').touch()")
     response = (
@@ -406,7 +408,8 @@ def test_an_answer_cannot_run_code(tmp_path, answer, truth):
     ],
 )
 def test_an_answer_too_large_to_compute_is_wrong(answer, truth):
-    """verl gives these 0 after its 10 s limit (or hangs, where eval has no limit); keel refuses them at once."""
+    """verl gives these 0 after its 10 s limit (or hangs, where eval has no limit); keel refuses
+    them at once."""
     assert compute_score("\\boxed{" + answer + "}", truth)[0] is False
 
 

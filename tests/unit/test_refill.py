@@ -1,7 +1,7 @@
-"""Partial rollouts replace groups that a failed scoring left short (dynamic_sampling.fill_with_signal
-with `whole`): rounds ask for the groups still wanted; a scorer that leaves some sample of every group
-unscored makes the step give up after REFILL_CALLS rounds and train the short groups, as a sync step
-would; one that scores nothing is an error with its code."""
+"""Partial rollouts replace groups that a failed scoring left short
+(dynamic_sampling.fill_with_signal with `whole`): rounds ask for the groups still wanted; a scorer
+that leaves some sample of every group unscored makes the step give up after REFILL_CALLS rounds and
+train the short groups, as a sync step would; one that scores nothing is an error with its code."""
 
 import dataclasses
 import logging
@@ -21,7 +21,8 @@ N = 4
 
 
 def groups(first: int, count: int, kept_per_group: int) -> ScoredBatch:
-    """`count` groups numbered from `first`, each with `kept_per_group` of its N samples left after scoring."""
+    """`count` groups numbered from `first`, each with `kept_per_group` of its N samples left after
+    scoring."""
     batch = make_batch([2] * (count * kept_per_group))
     return dataclasses.replace(
         batch,
@@ -43,7 +44,8 @@ def rounds(kept_per_group):
 
 
 def test_short_groups_are_replaced_by_the_groups_still_wanted():
-    """The first round's last two groups lost a sample each: the second round asks for two groups more."""
+    """The first round's last two groups lost a sample each: the second round asks for two groups
+    more."""
     next_round, asked = rounds(lambda call, wanted: N)
 
     def first_round_half_short(call: int, wanted: int) -> ScoredBatch:

@@ -111,8 +111,8 @@ def test_async_scorers_run_concurrently_with_timeouts():
 SWALLOWING = [
     "try:\n        time.sleep(60)\n    except Exception:\n        return 0.0",
     "try:\n        time.sleep(60)\n    except BaseException:\n        return 0.0",
-    "for _ in range(3):\n        try:\n            time.sleep(2)\n        except BaseException:\n            pass\n"
-    "    return 0.0",
+    "for _ in range(3):\n        try:\n            time.sleep(2)\n        except BaseException:\n "
+    "           pass\n    return 0.0",
 ]
 
 
@@ -140,7 +140,8 @@ def test_a_swallowed_timeout_is_still_a_timeout(tmp_path, body, num_workers):
 
 def test_off_the_main_thread_the_deadline_answers_without_waiting_for_the_scorer():
     """The reward server scores on its request threads, where no signal reaches: the answer comes
-    at the deadline while the scorer is still blocked (it waits for an event set only afterwards)."""
+    at the deadline while the scorer is still blocked (it waits for an event set only
+    afterwards)."""
     released = threading.Event()
 
     def stuck(data_source, solution_str, ground_truth, extra_info):
@@ -203,9 +204,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info):
 
 
 def test_scoring_begun_as_samples_finish_is_read_once_and_equals_the_batchs(tmp_path):
-    """RewardScorer.start begins a sample's scoring in the worker processes (while the rest generate);
-    score_batch(started=...) reads it instead of scoring again, and gives what scoring the batch whole
-    gives, failures included. A start of another text is not used: that sample is scored again."""
+    """RewardScorer.start begins a sample's scoring in the worker processes (while the rest
+    generate); score_batch(started=...) reads it instead of scoring again, and gives what scoring
+    the batch whole gives, failures included. A start of another text is not used: that sample is
+    scored again."""
     path = tmp_path / "count.py"
     path.write_text(COUNTING)
     calls = tmp_path / "calls.txt"
@@ -253,7 +255,8 @@ def test_scoring_begun_in_a_pool_closed_since_is_begun_again(tmp_path):
 
 
 def test_only_worker_processes_score_ahead():
-    """In this process (num_workers=0) and for batched functions nothing can run beside generation."""
+    """In this process (num_workers=0) and for batched functions nothing can run beside
+    generation."""
     assert RewardScorer(flaky).start(record(), "ok") is None
     assert RewardScorer(flaky, batched=True).start(record(), "ok") is None
 
@@ -282,8 +285,9 @@ def test_the_metrics_of_a_steps_scored_batches_read_as_one_batchs(tmp_path):
 
 
 def test_a_sample_begun_ahead_is_read_only_for_its_own_record(tmp_path):
-    """What was begun is reused only for the same task: the same text and the same row (ground truth and
-    extra_info, numpy arrays as verl's parquet rows hold them included); another row's is scored again."""
+    """What was begun is reused only for the same task: the same text and the same row (ground truth
+    and extra_info, numpy arrays as verl's parquet rows hold them included); another row's is scored
+    again."""
     import numpy as np
 
     path = tmp_path / "count.py"

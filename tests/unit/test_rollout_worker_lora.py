@@ -1,6 +1,7 @@
-"""A rollout on workers of its own with LoRA takes only adapters after each update, which keel's native
-engine applies: where `auto` would give a model transformers' generate (a family the native engine does
-not run), the worker refuses to start, with the code and the fix, rather than generate without them."""
+"""A rollout on workers of its own with LoRA takes only adapters after each update, which keel's
+native engine applies: where `auto` would give a model transformers' generate (a family the native
+engine does not run), the worker refuses to start, with the code and the fix, rather than generate
+without them."""
 
 import pytest
 

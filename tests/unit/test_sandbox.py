@@ -97,7 +97,10 @@ def test_writes_outside_the_scratch_directory_fail_by_every_path(tmp_path):
     attempts = "\n".join(
         f"try:\n    {w}\n    print('WROTE', {w!r})\nexcept OSError:\n    pass" for w in WRITES
     )
-    program = f"import os, shutil, pathlib\nT = {str(tmp_path)!r}\nopen('notes', 'w').write('n')\n{attempts}\n"
+    program = (
+        f"import os, shutil, pathlib\nT = {str(tmp_path)!r}\nopen('notes', "
+        f"'w').write('n')\n{attempts}\n"
+    )
     out = run_python(program, "", LIMITS)
     assert "WROTE" not in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.parquet"]
@@ -253,7 +256,10 @@ def test_it_cannot_become_root_or_remount():
 
 
 def test_scratch_space_is_bounded():
-    program = "try:\n    open('big', 'wb').write(b'x' * (64 << 20))\nexcept OSError as e:\n    print(type(e).__name__)"
+    program = (
+        "try:\n    open('big', 'wb').write(b'x' * (64 << 20))\nexcept OSError as e:\n    "
+        "print(type(e).__name__)"
+    )
     assert run_python(
         program, "", Limits(cpu_s=5, wall_s=30, memory_mb=512, scratch_mb=8)
     ).strip() in (
@@ -461,8 +467,8 @@ def test_one_run_cannot_starve_another_of_processes():
     def attack() -> None:
         try:
             run_python(
-                "import os, time\nfor _ in range(40):\n    try:\n        os.fork() or time.sleep(30)\n"
-                "    except OSError:\n        break\ntime.sleep(30)",
+                "import os, time\nfor _ in range(40):\n    try:\n        os.fork() or "
+                "time.sleep(30)\n    except OSError:\n        break\ntime.sleep(30)",
                 "",
                 Limits(cpu_s=5, wall_s=20, memory_mb=256),
             )
@@ -477,7 +483,10 @@ def test_one_run_cannot_starve_another_of_processes():
             break
         time.sleep(0.1)
     assert _processes_of_uid(65534) >= 20
-    victim = "import threading\nthreading.Thread(target=print, args=(sum(map(int, input().split())),)).start()"
+    victim = (
+        "import threading\nthreading.Thread(target=print, args=(sum(map(int, "
+        "input().split())),)).start()"
+    )
     assert run_python(victim, "2 3\n", LIMITS).strip() == "5"
     attacker.join()
     assert outcome and outcome[0].startswith("timeout")

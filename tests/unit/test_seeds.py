@@ -1,5 +1,5 @@
-"""The run's seeds (keel.trainer.seeds): no two ranks, generation batches or steps of a run sample with
-the same seed, and the actor's and the critic's mini-batch orders differ."""
+"""The run's seeds (keel.trainer.seeds): no two ranks, generation batches or steps of a run sample
+with the same seed, and the actor's and the critic's mini-batch orders differ."""
 
 from types import SimpleNamespace
 

@@ -1,6 +1,6 @@
 """verl's launch form: `keel train --config-path DIR --config-name NAME [overrides]`, the YAML
-composed as Hydra composes it (defaults: list, hydra.searchpath), verl's trainer config found from the
-installed verl or keel's copy of it; each way it can go wrong is a coded error with a fix."""
+composed as Hydra composes it (defaults: list, hydra.searchpath), verl's trainer config found from
+the installed verl or keel's copy of it; each way it can go wrong is a coded error with a fix."""
 
 from pathlib import Path
 

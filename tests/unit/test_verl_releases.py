@@ -1,6 +1,7 @@
 """Keys of verl releases from 0.4 on that later releases renamed: taken under the new name (and
 `keel check` says so) where the numbers are the same, refused by name with the new key where not;
-verl 0.9.1's whole trainer config loads; verl's trackers keel has no sink for are refused by name."""
+verl 0.9.1's whole trainer config loads; verl's trackers keel has no sink for are refused by
+name."""
 
 import pytest
 import yaml

@@ -135,9 +135,9 @@ def test_kwargs_signatures_get_every_name_verl_passes_and_the_reward_kwargs(tmp_
 def test_extra_info_carries_what_verl_adds_without_changing_the_dataset(tmp_path):
     path = write(
         tmp_path,
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    return float(extra_info['num_turns'] == 2 and extra_info['rollout_reward_scores'] == {}\n"
-        "                 and extra_info['split'] == 'train')\n",
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return "
+        "float(extra_info['num_turns'] == 2 and extra_info['rollout_reward_scores'] == {}\n       "
+        "          and extra_info['split'] == 'train')\n",
     )
     row = record(extra_info={"split": "train"})
     result = RewardScorer(load_custom_reward_fn(path, "compute_score")).score_batch(
@@ -201,7 +201,8 @@ def test_functions_verl_could_not_call_by_keyword_are_refused_naming_the_paramet
     tmp_path, source, needs
 ):
     """verl's call binds by keyword: a parameter of another name would get nothing, and binding by
-    position instead (keel's old fallback) handed `ei` the ground truth of a `(s, gt, ei)` function."""
+    position instead (keel's old fallback) handed `ei` the ground truth of a `(s, gt, ei)`
+    function."""
     with pytest.raises(KeelError) as caught:
         load_custom_reward_fn(write(tmp_path, source), "compute_score")
     assert caught.value.code == "KEEL-R010"
@@ -269,7 +270,10 @@ def test_keel_check_warns_when_no_right_answer_is_ever_rewarded(tiny_config, tmp
         report = run_checks(*load_run(tiny_config, overrides))
         return [f.message for f in report.findings if f.check == "reward" and f.level == WARN]
 
-    never = "def compute_score(solution_str, ground_truth, data_source=None, extra_info=None):\n    return 0.0\n"
+    never = (
+        "def compute_score(solution_str, ground_truth, data_source=None, extra_info=None):\n    "
+        "return 0.0\n"
+    )
     assert any("no positive score" in message for message in reward_warnings(never))
     assert reward_warnings(KEYWORD_ONLY.replace("'openai/gsm8k'", "'digits'")) == []
 

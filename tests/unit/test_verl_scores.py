@@ -1,9 +1,9 @@
-"""keel's default_compute_score against verl 0.9.1's own, on generated responses for every data source verl
-routes: right answers in several wrappings (`\\boxed{}`, `Answer: x`, `#### x`, prose, `<answer>`), the
-same answer in equivalent forms (1/2, 0.5, \\frac{1}{2}; 72, 72.0, $72, 72 cm), wrong answers and
-malformed responses (empty, unbalanced braces, very long, unicode, a think block only). Every score must
-be verl's exactly (dicts key by key, numbers by value and type); the differences keel keeps on purpose are
-listed in KNOWN_DIFFERENCES and in docs/rewards_verl.md."""
+"""keel's default_compute_score against verl 0.9.1's own, on generated responses for every data
+source verl routes: right answers in several wrappings (`\\boxed{}`, `Answer: x`, `#### x`, prose,
+`<answer>`), the same answer in equivalent forms (1/2, 0.5, \\frac{1}{2}; 72, 72.0, $72, 72 cm),
+wrong answers and malformed responses (empty, unbalanced braces, very long, unicode, a think block
+only). Every score must be verl's exactly (dicts key by key, numbers by value and type); the
+differences keel keeps on purpose are listed in KNOWN_DIFFERENCES and in docs/rewards_verl.md."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def has_module(name: str) -> bool:
 
 
 def verl_routed_literals() -> tuple[set[str], set[str]]:
-    """(the data sources, the prefixes) written in verl's default_compute_score, read from its source."""
+    """(the data sources, the prefixes) written in verl's default_compute_score, read from its
+    source."""
     tree = ast.parse(inspect.getsource(verl_scores().default_compute_score))
     sources, prefixes = set(), set()
     for node in ast.walk(tree):

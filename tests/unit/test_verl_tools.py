@@ -95,9 +95,10 @@ def rollout(
 
 
 def test_verls_gsm8k_tool_from_verls_config_runs_its_lifecycle_and_rewards_as_verl(verl):
-    """verl's YAML builds verl's class with verl's schema object; each episode gets its own instance,
-    created with the row's ground truth; the model reads the ToolResponse text; the step rewards and
-    calc_reward are recorded where verl puts them, none added to the score; all released."""
+    """verl's YAML builds verl's class with verl's schema object; each episode gets its own
+    instance, created with the row's ground truth; the model reads the ToolResponse text; the step
+    rewards and calc_reward are recorded where verl puts them, none added to the score; all
+    released."""
     [tool] = load_tool_config(TOOL_CONFIG_YAML)
     from verl.tools.gsm8k_tool import Gsm8kTool
     from verl.tools.schemas import OpenAIFunctionToolSchema
@@ -317,8 +318,8 @@ def test_function_tool_paths_functions_become_tools(verl, tmp_path):
     [
         ("def f(x: int) -> int:\n    return x\n", "registers no function tools"),
         (
-            "from verl.tools.function_tool import function_tool\n@function_tool\ndef keel_test_bare(x: int) -> int:\n"
-            "    return x\n",
+            "from verl.tools.function_tool import function_tool\n@function_tool\ndef "
+            "keel_test_bare(x: int) -> int:\n    return x\n",
             "could not be loaded as verl's function tools",
             # no docstring: transformers refuses
         ),
@@ -413,8 +414,9 @@ def test_a_verl_tool_that_raises_or_hangs_anywhere_in_its_lifecycle_is_counted_n
     (tmp_path / "tools.yaml").write_text(
         "tools:\n"
         + "".join(
-            f"  - class_name: hostile.py:{name}\n    config: {{type: native}}\n    tool_schema: {{type: function, "
-            f"function: {{name: {name.lower()}, description: x, parameters: {{type: object, properties: {{}}}}}}}}\n"
+            f"  - class_name: hostile.py:{name}\n    config: {{type: native}}\n    tool_schema: "
+            f"{{type: function, function: {{name: {name.lower()}, description: x, parameters: "
+            "{type: object, properties: {}}}}\n"
             for name in HOSTILE_TOOLS
         )
     )

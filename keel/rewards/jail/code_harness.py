@@ -1,14 +1,15 @@
 """The program keel's jail runs to test a model's solution the way verl's `prime_code` runs it
-(verl/utils/reward_score/prime_code/testing_util.py), so that the same program passes the same tests.
+(verl/utils/reward_score/prime_code/testing_util.py), so that the same program passes the same
+tests.
 
-keel never imports this file: keel.rewards.verl.code_tests hands its text to the jail as the program, and
-a JSON job on stdin: {"code", "fn_name", "inputs", "timeout_s", "total_s", "report_bytes"}. Each test
-runs in a fresh child process, killed after timeout_s + 1 seconds as verl's global timeout kills its
-own, or when the whole run has taken total_s (verl's pass over every test runs in one process
-given timeout_s + 1 seconds in all). The harness prints, for each test, what the program
-printed (stdin tests) or returned (call-style tests), or how it failed. Comparing with the expected
-output happens outside the jail: a program can lie about what it printed, but never sees what was
-expected, and an object whose `__eq__` always says yes cannot leave the jail.
+keel never imports this file: keel.rewards.verl.code_tests hands its text to the jail as the
+program, and a JSON job on stdin: {"code", "fn_name", "inputs", "timeout_s", "total_s",
+"report_bytes"}. Each test runs in a fresh child process, killed after timeout_s + 1 seconds as
+verl's global timeout kills its own, or when the whole run has taken total_s (verl's pass over every
+test runs in one process given timeout_s + 1 seconds in all). The harness prints, for each test,
+what the program printed (stdin tests) or returned (call-style tests), or how it failed. Comparing
+with the expected output happens outside the jail: a program can lie about what it printed, but
+never sees what was expected, and an object whose `__eq__` always says yes cannot leave the jail.
 
 Everything the program meets is as verl sets it: verl's prelude of star imports, stdin programs
 wrapped in a function `code()` (top-level imports kept outside it, a trailing `if __name__ ==

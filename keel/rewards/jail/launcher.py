@@ -114,7 +114,8 @@ def apply(spec: dict) -> None:
 
 
 def launched(python: str, spec: dict, command: list[str]) -> list[str]:
-    """The command line that runs `command` after this launcher applied `spec` (the trainer's side)."""
+    """The command line that runs `command` after this launcher applied `spec` (the trainer's
+    side)."""
     return [python, "-I", "-S", os.path.abspath(__file__), json.dumps(spec), "--", *command]
 
 

@@ -6,17 +6,21 @@ The jail is bubblewrap (`bwrap`, Debian's `bubblewrap`), the sandbox Flatpak run
 - its own mount namespace holding only the system's programs and libraries and the interpreter,
   read-only, plus a size-limited scratch directory in memory (`/sandbox`, its working directory):
   no path on the host is writable, and no project file, dataset or home directory is visible;
-- an unprivileged user without capabilities: uid 65534 (`nobody`), dropped to by root inside the jail,
+- an unprivileged user without capabilities: uid 65534 (`nobody`), dropped to by root inside the
+  jail,
   or mapped in a user namespace for any other user; every rlimit set hard, so it cannot raise one;
 - a seccomp filter refusing new namespaces, keyrings and kernel interfaces a judge never needs;
-- a cgroup per run (keel/rewards/jail/cgroups.py) bounding the whole tree's memory, processes and CPU
+- a cgroup per run (keel/rewards/jail/cgroups.py) bounding the whole tree's memory, processes and
+  CPU
   time, whose books give the CPU and memory verdicts; rlimits on top (open files, file size);
 - its process count capped: the cgroup's pids.max, or where no cgroup can be had RLIMIT_NPROC in a
-  user namespace of the run's own (keel/rewards/jail/launcher.py), which counts that run's processes only;
+  user namespace of the run's own (keel/rewards/jail/launcher.py), which counts that run's processes
+  only;
 - output read as it comes and cut at the limit, and a wall-clock kill of the whole tree.
 A machine that cannot give some of these (no bubblewrap, namespaces or cgroups refused, as in some
 containers) runs solutions with what it has: `jail()` says which protections hold, `keel doctor`
-and `keel check` print them, and `reward.sandbox.require` says what a run needs (isolation by default, or all, or none).
+and `keel check` print them, and `reward.sandbox.require` says what a run needs (isolation by
+default, or all, or none).
 
 What the solution does inside is its own business: a refused write or connection is an error in
 the program, so the test case fails, as on a judge. Only the limits (time, CPU, output, memory)
@@ -60,15 +64,18 @@ PROTECTIONS = {
     "filesystem": "read-only system directories only; writes go to a private in-memory scratch directory",
     "network": "no network (a network namespace of its own)",
     "processes": "cannot see or signal the trainer; every process it starts dies with it (a pid namespace)",
-    "user": f"an unprivileged user without capabilities (uid {SANDBOX_UID}; checked inside: uid, CapEff, CapPrm)",
+    "user": f"an unprivileged user without capabilities (uid {SANDBOX_UID}; checked inside: uid, "
+    "CapEff, CapPrm)",
     "syscalls": "no new namespaces, keyrings or other kernel interfaces a judge never needs (seccomp)",
-    "limits": "CPU time, open files and file size limited per process by hard rlimits the program cannot raise "
-    "(address space too where no cgroup bounds memory)",
-    "process count": "its processes and threads capped, so a fork bomb stops (cgroup pids.max, or RLIMIT_NPROC "
-    "in a user namespace of the run's own)",
-    "accounting": "memory (tmpfs, memfd and kernel memory too), processes and CPU time limited for the whole "
-    "tree by a cgroup, whose books give the verdict (a program cannot fake a limit)",
-    "output": "output read as it comes and cut at the limit; the whole tree killed at the wall-clock limit",
+    "limits": "CPU time, open files and file size limited per process by hard rlimits the program "
+    "cannot raise (address space too where no cgroup bounds memory)",
+    "process count": "its processes and threads capped, so a fork bomb stops (cgroup pids.max, or "
+    "RLIMIT_NPROC in a user namespace of the run's own)",
+    "accounting": "memory (tmpfs, memfd and kernel memory too), processes and CPU time limited "
+    "for the whole tree by a cgroup, whose books give the verdict (a program cannot "
+    "fake a limit)",
+    "output": "output read as it comes and cut at the limit; the whole tree killed at the "
+    "wall-clock limit",
 }
 
 
@@ -111,7 +118,10 @@ class Jail:
     def caps_processes(self) -> str:
         if self.protections.get("process count"):
             how = f" by {self.process_cap}" if self.process_cap else ""
-            return f"process count capped{how} (at most {Limits().processes} processes and threads a run)"
+            return (
+                f"process count capped{how} (at most {Limits().processes} processes and threads a "
+                "run)"
+            )
         return "process count not capped"
 
     def summary(self) -> str:
@@ -122,7 +132,10 @@ class Jail:
             return (
                 f"{self.mode}: every protection in force ({', '.join(self.protections)}); {facts}"
             )
-        return f"{self.mode}: model-written code runs without {', '.join(self.missing())} ({self.why_not}); {facts}"
+        return (
+            f"{self.mode}: model-written code runs without {', '.join(self.missing())} "
+            f"({self.why_not}); {facts}"
+        )
 
     def describe(self) -> list[str]:
         how = {"user": self.runs_as(), "process count": self.caps_processes()}
@@ -343,19 +356,23 @@ ISOLATION = ("filesystem", "network", "processes", "user", "process count")
 
 
 def _jail_fix(found: Jail) -> str:
-    """What this machine can give: the isolation level when it has that; else bubblewrap, else namespaces."""
+    """What this machine can give: the isolation level when it has that; else bubblewrap, else
+    namespaces."""
     if all(found.protections[name] for name in ISOLATION):
         return (
-            f"set {setting('reward.sandbox.require', 'isolation')} (every isolation protection holds here; "
-            f"missing: {', '.join(found.missing())})"
+            f"set {setting('reward.sandbox.require', 'isolation')} (every isolation protection "
+            f"holds here; missing: {', '.join(found.missing())})"
         )
     how = (
         "install bubblewrap: `apt-get install bubblewrap`"
         if shutil.which("bwrap") is None
-        else "run where user and mount namespaces are allowed (a VM, or a container with --security-opt "
-        "seccomp=unconfined)"
+        else "run where user and mount namespaces are allowed (a VM, or a container with "
+        "--security-opt seccomp=unconfined)"
     )
-    return f"{how}; or {setting('reward.sandbox.require', 'none')} runs model code unfenced, at your risk"
+    return (
+        f"{how}; or {setting('reward.sandbox.require', 'none')} runs model code unfenced, at your "
+        "risk"
+    )
 
 
 def require_jail(required: str) -> Jail:

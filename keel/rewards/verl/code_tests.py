@@ -12,9 +12,9 @@ badly, raises or runs out of time fails; printed output is compared by verl's ru
 line by line, surrounding whitespace and blank lines ignored, lines of numbers within numpy's
 allclose), returned values by equality as verl reads the expected JSON.
 
-The program runs in keel's jail (keel.rewards.jail.code_harness inside keel.rewards.jail.sandbox); what it
-printed or returned is compared here, outside: a returned object whose `__eq__` always says yes
-(which passes every test in verl) is plain data by the time it is compared. Where keel differs
+The program runs in keel's jail (keel.rewards.jail.code_harness inside keel.rewards.jail.sandbox);
+what it printed or returned is compared here, outside: a returned object whose `__eq__` always says
+yes (which passes every test in verl) is plain data by the time it is compared. Where keel differs
 from verl on purpose: the jail's limits on memory and output stop a program without a verdict
 (SandboxViolation: the sample is not scored), and the jail has the standard library only.
 
@@ -66,14 +66,16 @@ class CodeTests:
 def _refuse(what: str) -> KeelError:
     return KeelError(
         CODE_TESTS_FORM,
-        f"the code test cases {what}; keel's code scorers read verl's form {VERL_FORM} or keel's {KEEL_FORM}",
+        f"the code test cases {what}; keel's code scorers read verl's form {VERL_FORM} or "
+        f"keel's {KEEL_FORM}",
         f"write each row's reward_model.ground_truth (or its JSON text) as {VERL_FORM}, or as "
         f"{KEEL_FORM}: every input with its expected output, at least one test",
     )
 
 
 def _items(value: Any) -> list | None:
-    """A list-like column (a list, a tuple, an array read from parquet) as a list; None otherwise."""
+    """A list-like column (a list, a tuple, an array read from parquet) as a list; None
+    otherwise."""
     if (
         isinstance(value, (str, bytes, dict))
         or not hasattr(value, "__len__")
@@ -94,7 +96,8 @@ def parse_tests(ground_truth: Any) -> CodeTests:
         inputs, outputs = _items(ground_truth.get("inputs")), _items(ground_truth.get("outputs"))
         if inputs is None or outputs is None:
             raise _refuse(
-                f'are a dict with keys {sorted(map(str, ground_truth))}, without the lists "inputs" and "outputs"'
+                f"are a dict with keys {sorted(map(str, ground_truth))}, without the lists "
+                '"inputs" and "outputs"'
             )
         if len(inputs) != len(outputs) or not inputs:
             raise _refuse(f"have {len(inputs)} inputs and {len(outputs)} outputs")
@@ -211,7 +214,8 @@ def run_tests(
 
 
 def _decoded(value: Any) -> Any:
-    """The harness's encoding of a returned value back to Python: tuples, lists, dicts with their keys."""
+    """The harness's encoding of a returned value back to Python: tuples, lists, dicts with their
+    keys."""
     if not isinstance(value, dict):
         return value
     ((kind, items),) = value.items()
@@ -221,7 +225,8 @@ def _decoded(value: Any) -> Any:
 
 
 def _expected_return(raw: Any) -> Any:
-    """verl's reading of a call-style expected output: JSON, dict keys made ints (and wrapped in a list)."""
+    """verl's reading of a call-style expected output: JSON, dict keys made ints (and wrapped in a
+    list)."""
     expected = json.loads(raw)
     if isinstance(expected, dict):
         try:
@@ -237,8 +242,8 @@ def _expected_return(raw: Any) -> Any:
 
 
 def return_matches(output: Any, expected: Any) -> bool:
-    """verl's rule: equal, or equal to the expected list's first item; a returned tuple (or a list of
-    tuples) compared as lists."""
+    """verl's rule: equal, or equal to the expected list's first item; a returned tuple (or a list
+    of tuples) compared as lists."""
     if isinstance(output, tuple):
         output = list(output)
     matched = output == expected or (
@@ -258,9 +263,10 @@ def _digits(text: str) -> bool:
 
 
 def printed_matches(printed: str, expected: str) -> bool:
-    """verl's rule for stdin programs: the whole text equal with surrounding whitespace ignored (each
-    line stripped or not); else the lines equal to the expected lines stripped, blank ones dropped;
-    else, unless every line is a whole number, the lines as numbers within numpy's allclose."""
+    """verl's rule for stdin programs: the whole text equal with surrounding whitespace ignored
+    (each line stripped or not); else the lines equal to the expected lines stripped, blank ones
+    dropped; else, unless every line is a whole number, the lines as numbers within numpy's
+    allclose."""
     import numpy as np
 
     lines = printed.splitlines()
@@ -349,11 +355,11 @@ def _judged(
 def _score_verl(
     solution_str: str, tests: CodeTests, continuous: bool, timeout_s: float | None
 ) -> tuple[float | bool, list[dict] | dict]:
-    """verl's two passes. The first runs every test (5 s each, 6 s in all) and returns (True, {}) when
-    all pass. Otherwise the first 10 run one by one (10 s each) and score their share: as stdin
-    programs, since verl's per-test cases leave fn_name out (a call-style program that fails one test
-    scores what its printed output earns, usually 0). For stdin tests the first pass cannot change
-    the share (a test passing in 5 s passes in 10), so it is skipped there."""
+    """verl's two passes. The first runs every test (5 s each, 6 s in all) and returns (True, {})
+    when all pass. Otherwise the first 10 run one by one (10 s each) and score their share: as stdin
+    programs, since verl's per-test cases leave fn_name out (a call-style program that fails one
+    test scores what its printed output earns, usually 0). For stdin tests the first pass cannot
+    change the share (a test passing in 5 s passes in 10), so it is skipped there."""
     program = verl_program(solution_str)
     if not continuous or tests.fn_name is not None:
         first_timeout = timeout_s or VERL_ALL_TESTS_TIMEOUT_S
@@ -372,7 +378,8 @@ def _score_verl(
 def prime_code(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
 ) -> float:
-    """verl's scorer for codecontests, apps, codeforces and taco: compute_score(continuous=True)[0]."""
+    """verl's scorer for codecontests, apps, codeforces and taco:
+    compute_score(continuous=True)[0]."""
     return float(compute_score(solution_str, ground_truth, continuous=True)[0])
 
 

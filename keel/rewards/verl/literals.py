@@ -1,6 +1,7 @@
 """keel's stand-in for the `eval()` (and sympy's `parse_expr`) verl's prime_math scorer runs on the
 model's answer: the same value for literal arithmetic, NotALiteral for anything else, so a
-response cannot run code in the trainer (keel.rewards.verl.prime_math_compare compares the values)."""
+response cannot run code in the trainer (keel.rewards.verl.prime_math_compare compares the
+values)."""
 
 from __future__ import annotations
 
@@ -118,7 +119,8 @@ def _refuse_huge(op: ast.operator, left, right) -> None:
 
 
 def power_too_large(base: int, exponent: int) -> bool:
-    """base**exponent past LARGEST_RESULT_BITS: sympy would compute it for minutes, uninterruptibly."""
+    """base**exponent past LARGEST_RESULT_BITS: sympy would compute it for minutes,
+    uninterruptibly."""
     return (
         exponent > 0 and abs(base) > 1 and exponent * abs(base).bit_length() > LARGEST_RESULT_BITS
     )
@@ -179,7 +181,8 @@ def _list_operand(node: ast.AST) -> bool:
 
 
 def _small_power(node: ast.BinOp) -> bool:
-    """A power sympy computes at once: a base with no power in it, a numeric exponent up to 10,000."""
+    """A power sympy computes at once: a base with no power in it, a numeric exponent up to
+    10,000."""
     if any(
         isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Pow)
         for inner in ast.walk(node.left)

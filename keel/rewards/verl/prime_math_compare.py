@@ -1,7 +1,7 @@
 """The comparisons behind verl 0.9.1's `prime_math` scorer, in keel's own code: the MATH data set's
 string normalisation (`normalize_answer`) and ToRA's `math_equal` (numbers, percentages, tuples,
-intervals, matrices), with `literal_value` (keel.rewards.verl.literals), keel's stand-in for the `eval()`
-verl runs on the model's answer.
+intervals, matrices), with `literal_value` (keel.rewards.verl.literals), keel's stand-in for the
+`eval()` verl runs on the model's answer.
 
 The rules follow verl's to the character, because a verl user's reward curve must not move when
 the trainer changes. Where verl runs model-written text as Python (`eval` after substituting
@@ -181,7 +181,8 @@ def _numeric_verdict(
 def _structural_equal(
     prediction: str, reference: str, include_percentage: bool, tolerance: float
 ) -> bool:
-    """Brackets ignored, then part by part: intervals and tuples, comma lists, `Point(...)`, matrices."""
+    """Brackets ignored, then part by part: intervals and tuples, comma lists, `Point(...)`,
+    matrices."""
     prediction = _interval_as_brackets(prediction)
     if _equal_without_brackets(prediction, reference):
         return True
@@ -217,7 +218,8 @@ def _parts_equal(
     predicted: list, expected: list, include_percentage: bool, tolerance: float
 ) -> bool:
     """Same length and pairwise equal. Every pair is compared (a list, not a generator), so an error
-    in any pair propagates as it does in verl. Nested comparisons use the default pi, as verl's do."""
+    in any pair propagates as it does in verl. Nested comparisons use the default pi, as verl's
+    do."""
     return len(predicted) == len(expected) and all(
         [math_equal(p, e, include_percentage, tolerance) for p, e in zip(predicted, expected)]
     )

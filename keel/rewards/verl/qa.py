@@ -1,10 +1,12 @@
-"""verl 0.9.1's question-answering rule for the Search-R1 data sets (`searchR1_nq`, `searchR1_hotpotqa`, ...),
-reimplemented so that keel scores as verl's `search_r1_like_qa_em.py` does.
+"""verl 0.9.1's question-answering rule for the Search-R1 data sets (`searchR1_nq`,
+`searchR1_hotpotqa`, ...), reimplemented so that keel scores as verl's `search_r1_like_qa_em.py`
+does.
 
-The answer is the last `<answer>...</answer>` in the response; it scores 1.0 when it equals one of the
-ground truth's `target` answers after SQuAD's normalisation (lower case, no punctuation, no articles,
-single spaces), 0.25 when it does but the response opens or closes more than ten answer tags, else 0.0.
-The ground truth is verl's dict `{"target": [answers]}` (a single string answer also works).
+The answer is the last `<answer>...</answer>` in the response; it scores 1.0 when it equals one of
+the ground truth's `target` answers after SQuAD's normalisation (lower case, no punctuation, no
+articles, single spaces), 0.25 when it does but the response opens or closes more than ten answer
+tags, else 0.0. The ground truth is verl's dict `{"target": [answers]}` (a single string answer also
+works).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ TAG_SPAM_SHARE = 0.25
 
 
 def normalise_qa_answer(text: str) -> str:
-    """SQuAD's answer normalisation: lower case, punctuation dropped, articles dropped, single spaces."""
+    """SQuAD's answer normalisation: lower case, punctuation dropped, articles dropped, single
+    spaces."""
     text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
     return " ".join(_ARTICLE.sub(" ", text).split())
 

@@ -1,9 +1,10 @@
-"""verl 0.9.1's routing of data sources to rule scorers (`verl.utils.reward_score.default_compute_score`),
-as keel's: the same data sources go to keel scorers that give verl's scores.
+"""verl 0.9.1's routing of data sources to rule scorers
+(`verl.utils.reward_score.default_compute_score`), as keel's: the same data sources go to keel
+scorers that give verl's scores.
 
-The table only: which keel scorer gives verl's rule for a data source. keel/rewards/registry.py calls
-the rules (`default_compute_score`, public as `keel.rewards.default_compute_score`). Kept free of
-imports of the rules, so `keel.rewards.verl_scorer_name` loads none of them.
+The table only: which keel scorer gives verl's rule for a data source. keel/rewards/registry.py
+calls the rules (`default_compute_score`, public as `keel.rewards.default_compute_score`). Kept free
+of imports of the rules, so `keel.rewards.verl_scorer_name` loads none of them.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ VERL_MODULES: dict[str, str] = {
 
 
 def verl_scorer_name(data_source: Any) -> str | None:
-    """The keel scorer giving the rule verl 0.9.1's default_compute_score uses for `data_source` (e.g.
-    "openai/gsm8k" -> "gsm8k", "aime2024" -> "math_dapo"), or None where verl routes it nowhere."""
+    """The keel scorer giving the rule verl 0.9.1's default_compute_score uses for `data_source`
+    (e.g. "openai/gsm8k" -> "gsm8k", "aime2024" -> "math_dapo"), or None where verl routes it
+    nowhere."""
     if not isinstance(data_source, str):
         return None
     for scorer, _, sources in VERL_ROUTES:

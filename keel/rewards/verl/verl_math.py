@@ -1,19 +1,23 @@
 """verl 0.9.1's math rules, reimplemented so that keel scores as verl does on the same inputs.
 
-Three rules, named as keel's scorers (see keel/rewards/verl/routing.py for the data sources each serves):
+Three rules, named as keel's scorers (see keel/rewards/verl/routing.py for the data sources each
+serves):
 
-- `math_reward`: verl's `math_reward.py`, the MATH benchmark's string normalisation (Hendrycks et al.,
+- `math_reward`: verl's `math_reward.py`, the MATH benchmark's string normalisation (Hendrycks et
+  al.,
   as in lm-evaluation-harness): the last `\\boxed{...}` must equal the ground truth once both are
   normalised (`\\dfrac12` = `\\frac{1}{2}`, `0.5` = `\\frac{1}{2}`, `x = 3` = `3`); 1.0 or 0.0.
-- `math_dapo`: verl's `math_dapo.py` (DAPO's rule, Minerva's normalisation): the last `Answer: x` line in
-  the last 300 characters, else a `\\boxed{x}` in the last 100 that equals the ground truth as written;
-  +1 or -1, returned as verl's dict `{score, acc, pred}`.
-- `geo3k`: verl's `geo3k.py`: mathruler's grader on the boxed answer (0.9) plus a format part (0.1) for
+- `math_dapo`: verl's `math_dapo.py` (DAPO's rule, Minerva's normalisation): the last `Answer: x`
+  line in
+  the last 300 characters, else a `\\boxed{x}` in the last 100 that equals the ground truth as
+  written; +1 or -1, returned as verl's dict `{score, acc, pred}`.
+- `geo3k`: verl's `geo3k.py`: mathruler's grader on the boxed answer (0.9) plus a format part (0.1)
+  for
   `<think>...</think> ... \\boxed{...}`.
 
 The quirks are verl's and kept on purpose (reward curves must compare): `math_reward` never scores
-`\\fbox{}`, `math_dapo` compares a boxed answer with the ground truth unnormalised, and so on. Each is
-pinned against verl's own code by tests/unit/test_verl_scores.py.
+`\\fbox{}`, `math_dapo` compares a boxed answer with the ground truth unnormalised, and so on. Each
+is pinned against verl's own code by tests/unit/test_verl_scores.py.
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ class _NotNormalisable(Exception):
 def _last_boxed_for_math_reward(text: str) -> str | None:
     """The content of the last box as verl's math_reward reads it, or None when it reads none.
 
-    A `\\boxed ` with a space anywhere wins: the text after its last occurrence, up to a `$`. Otherwise
-    the last `\\boxed` (or, without one, `\\fbox`) up to the brace that closes its first group; only a
-    `\\boxed{` opened right there yields an answer (so `\\fbox{1}` and `\\boxed\\frac{1}{2}` yield none)."""
+    A `\\boxed ` with a space anywhere wins: the text after its last occurrence, up to a `$`.
+    Otherwise the last `\\boxed` (or, without one, `\\fbox`) up to the brace that closes its first
+    group; only a `\\boxed{` opened right there yields an answer (so `\\fbox{1}` and
+    `\\boxed\\frac{1}{2}` yield none)."""
     if "\\boxed " in text:
         return text.split("\\boxed ")[-1].split("$")[0]
     start = text.rfind("\\boxed")
@@ -67,8 +72,8 @@ def braced_sqrt_arguments(text: str) -> str:
 
 
 def braced_frac_arguments(text: str) -> str:
-    """`\\frac12` -> `\\frac{1}{2}`, `\\frac1{72}` -> `\\frac{1}{72}`; a `\\frac` followed by fewer than two
-    characters leaves the whole text as it was."""
+    """`\\frac12` -> `\\frac{1}{2}`, `\\frac1{72}` -> `\\frac{1}{72}`; a `\\frac` followed by fewer
+    than two characters leaves the whole text as it was."""
     head, *rest = text.split("\\frac")
     pieces = [head]
     for piece in rest:
@@ -138,7 +143,8 @@ def _normalise_math_answer(text: str) -> str:
 
 
 def math_answers_equal(answer: str, ground_truth: Any) -> bool:
-    """Whether two answers are the same after the MATH normalisation; raw equality where it has none."""
+    """Whether two answers are the same after the MATH normalisation; raw equality where it has
+    none."""
     if not isinstance(ground_truth, str):
         # verl falls back to comparing the objects: a string is never a number
         return answer == ground_truth
@@ -151,8 +157,8 @@ def math_answers_equal(answer: str, ground_truth: Any) -> bool:
 def math_reward(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
 ) -> float:
-    """verl's `math_reward` rule: 1.0 when the last `\\boxed{}` equals the ground truth after the MATH
-    benchmark's normalisation, else 0.0."""
+    """verl's `math_reward` rule: 1.0 when the last `\\boxed{}` equals the ground truth after the
+    MATH benchmark's normalisation, else 0.0."""
     answer = _last_boxed_for_math_reward(solution_str)
     return float(
         answer is not None and ground_truth is not None and math_answers_equal(answer, ground_truth)
@@ -184,8 +190,9 @@ _MINERVA_REPLACED = (
     ("\\text{m}", "\\text{}"),
 )
 _MINERVA_UNITS_AND_DECORATIONS = (
-    "square ways integers dollars mph inches hours km units \\ldots sue points feet minutes digits cents "
-    "degrees cm gm pounds meters meals edges students childrentickets multiples \\text{s} \\text{.}"
+    "square ways integers dollars mph inches hours km units \\ldots sue points feet minutes "
+    "digits cents degrees cm gm pounds meters meals edges students childrentickets multiples "
+    "\\text{s} \\text{.}"
 ).split() + [
     "\\text{\ns}",
     "\\text{}^2",
@@ -282,8 +289,8 @@ _GEO3K_FORMAT = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
 def geo3k(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
 ) -> float:
-    """verl's `geo3k` rule: 0.9 when mathruler grades the last boxed answer equal to the ground truth,
-    plus 0.1 when the response is `<think>...</think>` followed by a `\\boxed{...}`."""
+    """verl's `geo3k` rule: 0.9 when mathruler grades the last boxed answer equal to the ground
+    truth, plus 0.1 when the response is `<think>...</think>` followed by a `\\boxed{...}`."""
     from mathruler.grader import extract_boxed_content, grade_answer
 
     accurate = 1.0 if grade_answer(extract_boxed_content(solution_str), ground_truth) else 0.0

@@ -36,7 +36,8 @@ class Environment(ABC):
 
 
 def load_environment(class_name: str) -> type[Environment]:
-    """`file.py:Class` or `module.Class` (from the working directory), a class with a step method."""
+    """`file.py:Class` or `module.Class` (from the working directory), a class with a step
+    method."""
     from keel.rollout.agent.tools import resolve_class
 
     return resolve_class(

@@ -81,7 +81,8 @@ class Episode:
 
 def episodes_batch(prompts: PromptBatch, episodes: list[Episode], tokenizer) -> GeneratedBatch:
     """The batch finished episodes make: the response as sampled, with the template's tokens between
-    turns attended to but not trained on, and each record's extra_info saying how its episode went."""
+    turns attended to but not trained on, and each record's extra_info saying how its episode
+    went."""
     width = max(1, max(len(e.ids) for e in episodes))
 
     def rows(values: list[list], fill=0, dtype=torch.long) -> Tensor:  # [N, width], right-padded
@@ -108,7 +109,8 @@ def episodes_batch(prompts: PromptBatch, episodes: list[Episode], tokenizer) -> 
 
 
 def episode_record(e: Episode, tokenizer) -> PromptRecord:
-    """The episode's row, its extra_info saying how the episode went (what the reward function reads)."""
+    """The episode's row, its extra_info saying how the episode went (what the reward function
+    reads)."""
     return dataclasses.replace(
         e.record,
         extra_info={
@@ -131,12 +133,14 @@ def episode_record(e: Episode, tokenizer) -> PromptRecord:
 
 
 def episode_text(e: Episode, tokenizer) -> str:
-    """The episode's response as the reward function reads it: every turn's text, the tools' between."""
+    """The episode's response as the reward function reads it: every turn's text, the tools'
+    between."""
     return tokenizer.decode(e.ids, skip_special_tokens=True)
 
 
 def _conversation(episode: Episode, tokenizer) -> list[dict]:
-    """The episode's turns as messages, the last assistant turn included (samples.jsonl, reports)."""
+    """The episode's turns as messages, the last assistant turn included (samples.jsonl,
+    reports)."""
     last = {"role": "assistant", "content": last_text(episode, tokenizer)}
     ended_on_tool = not episode.conversation or episode.conversation[-1]["role"] == "tool"
     return episode.conversation + [last] if ended_on_tool else list(episode.conversation)
@@ -150,13 +154,15 @@ def last_text(episode: Episode, tokenizer) -> str:
 
 
 def _turns(episode: Episode) -> int:
-    """The prompt, the assistant turns and the tool and user turns between them, as verl counts num_turns."""
+    """The prompt, the assistant turns and the tool and user turns between them, as verl counts
+    num_turns."""
     return 1 + episode.assistant_turns + episode.tool_turns + episode.user_turns
 
 
 def _tool_counts(episode: Episode) -> dict:
-    """The episode's counts by tool, with its session's lifecycle failures (create, calc_reward, release)
-    added: on a copy, so a row built twice (told as it ends, then batched) counts each failure once."""
+    """The episode's counts by tool, with its session's lifecycle failures (create, calc_reward,
+    release) added: on a copy, so a row built twice (told as it ends, then batched) counts each
+    failure once."""
     tools = copy.deepcopy(episode.tools)
     for name, status in (episode.session or ToolSession()).failures:
         tools.setdefault(

@@ -79,7 +79,8 @@ def load_interactions(path: str | Path) -> dict[str, object]:
         except Exception as error:  # noqa: BLE001 - the user's class: its error, named
             raise KeelError(
                 TOOL_CONFIG,
-                f"{where} ({entry['class_name']}) raised when built: {type(error).__name__}: {error}",
+                f"{where} ({entry['class_name']}) raised when built: {type(error).__name__}: "
+                f"{error}",
             ) from None
     return interactions
 
@@ -111,7 +112,8 @@ class InteractionEnvironment(Environment):
 
     @property
     def reward_scores(self) -> dict[str, list[float]]:
-        """What verl's SGLang rollout gave the reward function (extra_info.rollout_reward_scores)."""
+        """What verl's SGLang rollout gave the reward function
+        (extra_info.rollout_reward_scores)."""
         return {"user_turn_rewards": list(getattr(self, "turn_scores", []))}
 
     def step(self, text: str) -> tuple[str, float, bool]:

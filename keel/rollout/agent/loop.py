@@ -7,7 +7,8 @@ episode; so do the environment saying done, `max_assistant_turns`, `max_user_tur
 response budget (data.max_response_length, the whole trajectory's).
 
 The sequence trained is the sampled tokens exactly, plus the template's tokens between turns, which
-the loss, KL and entropy never see (response_mask 0) but the model attends to (response_attention 1).
+the loss, KL and entropy never see (response_mask 0) but the model attends to (response_attention
+1).
 
 On the native engine the engine schedules the turns (continuous batching): an episode keeps its KV
 between turns, only the tokens after its last turn are prefilled, its tools run while the others
@@ -85,9 +86,9 @@ class AgentLoop:
     def generate(
         self, prompts: PromptBatch, params: SamplingParams, on_finished=None
     ) -> GeneratedBatch:
-        """The episodes of every prompt; `on_finished(row, record, response text)` is told of each as it
-        ends, where its row is final then (no environment, no lifecycle tools) and the engine schedules
-        continuously."""
+        """The episodes of every prompt; `on_finished(row, record, response text)` is told of each
+        as it ends, where its row is final then (no environment, no lifecycle tools) and the engine
+        schedules continuously."""
         episodes = [Episode(r, list(r.prompt_ids)) for r in prompts.records]
         self.timing = {}
         rows = {id(e): row for row, e in enumerate(episodes)}
@@ -118,7 +119,8 @@ class AgentLoop:
         """The episodes as a client of the engine service (native's continuous batching): an
         episode's KV stays in its row between turns, only the tokens after its last turn are
         prefilled, and its tools run in the background while the other episodes decode. The
-        service tells this loop, on one queue, which turns a decode step ended and when tools are done."""
+        service tells this loop, on one queue, which turns a decode step ended and when tools are
+        done."""
         budget = self.options.budget
         service = EngineService(
             self.engine,
@@ -191,7 +193,8 @@ class AgentLoop:
             self.told(episode)
 
     def _final(self, episode: Episode) -> tuple:
-        """(the ended episode's record, its response text): what episodes_batch will give its row."""
+        """(the ended episode's record, its response text): what episodes_batch will give its
+        row."""
         return episode_record(episode, self.tokenizer), episode_text(episode, self.tokenizer)
 
     def _turn_limit(self, episode: Episode) -> int:
@@ -235,7 +238,8 @@ class AgentLoop:
 
 
 def build_agent_loop(multi_turn, engine, tokenizer, budget: int) -> AgentLoop:
-    """The loop of a rollout.multi_turn section around an engine; `budget`: data.max_response_length."""
+    """The loop of a rollout.multi_turn section around an engine; `budget`:
+    data.max_response_length."""
     tools = load_tools(multi_turn)
     limits = ToolLimits(
         multi_turn.max_parallel_calls,

@@ -194,7 +194,8 @@ class ToolRunner:
             )
         if call.name in session.broken:
             return ToolOutput(
-                f"Error: {call.name} could not start for this conversation ({session.broken[call.name]})",
+                f"Error: {call.name} could not start for this conversation "
+                f"({session.broken[call.name]})",
                 name=call.name,
                 status="error",
             )
@@ -227,8 +228,9 @@ class ToolRunner:
 
     async def _in_thread(self, function) -> tuple[object, str, float]:
         """function() on a worker thread within the timeout (an async function's coroutine runs on
-        the shared loop, the thread waiting for it) -> (its result, or what went wrong; "ok" | "timeout" | "error"; the
-        seconds it ran, from when it started rather than when it was queued)."""
+        the shared loop, the thread waiting for it) -> (its result, or what went wrong; "ok" |
+        "timeout" | "error"; the seconds it ran, from when it started rather than when it was
+        queued)."""
         seconds = [self.limits.timeout_s]
 
         def timed():
@@ -271,7 +273,8 @@ def _as_output(result) -> ToolOutput:
 
 
 class _SharedLoop:
-    """The one event loop, on a thread of its own, that every async tool and interaction call runs on."""
+    """The one event loop, on a thread of its own, that every async tool and interaction call runs
+    on."""
 
     loop: asyncio.AbstractEventLoop | None = None
     lock = threading.Lock()

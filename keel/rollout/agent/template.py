@@ -19,7 +19,8 @@ class TurnTemplate:
 
     def __init__(self, tokenizer, tools_schema: list[dict] | None, stop_ids: list[int]):
         """`stop_ids`: the tokens generation stops at; the template must end a turn with one of them
-        (Qwen2.5-Instruct stops at <|im_end|> or <|endoftext|>, and ends its turns with <|im_end|>)."""
+        (Qwen2.5-Instruct stops at <|im_end|> or <|endoftext|>, and ends its turns with
+        <|im_end|>)."""
         self.tokenizer, self.tools = tokenizer, tools_schema or None
         self.context = [
             {"role": "user", "content": "keel-user-turn"},
@@ -37,18 +38,18 @@ class TurnTemplate:
                 NO_TOOL_ROLE,
                 f"the chat template of {_name(tokenizer)} ends an assistant turn with "
                 f"{rendered[after : after + 30]!r}, which starts with none of the stop tokens "
-                f"{[tokenizer.decode([i]) for i in stop_ids]}: the turns the model ends could not be joined "
-                "to the template's next one",
-                "use a chat template whose assistant turns end with a stop token (the tokenizer's EOS "
-                "or one in the model's generation_config.eos_token_id)",
+                f"{[tokenizer.decode([i]) for i in stop_ids]}: the turns the model ends could not "
+                "be joined to the template's next one",
+                "use a chat template whose assistant turns end with a stop token (the tokenizer's "
+                "EOS or one in the model's generation_config.eos_token_id)",
             )
         self.end_id, end_text = ends[0]
         self.prefix = rendered[: after + len(end_text)]
         self.check_tool_role()
 
     def suffix_ids(self, messages: list[dict]) -> list[int]:
-        """Token ids of `messages` (tool results, a user turn) after an assistant turn the model ended,
-        and the generation prompt of the next assistant turn."""
+        """Token ids of `messages` (tool results, a user turn) after an assistant turn the model
+        ended, and the generation prompt of the next assistant turn."""
         rendered = self._render(self.context + messages, generation_prompt=True)
         # a template that re-renders earlier turns
         if not rendered.startswith(self.prefix):
@@ -61,7 +62,8 @@ class TurnTemplate:
         return self.tokenizer.encode(rendered[len(self.prefix) :], add_special_tokens=False)
 
     def check_tool_role(self) -> None:
-        """A template that drops or rejects role `tool` would hide every tool result from the model."""
+        """A template that drops or rejects role `tool` would hide every tool result from the
+        model."""
         try:
             rendered = self._render(
                 self.context + [{"role": "tool", "content": PROBE}], generation_prompt=True
@@ -102,7 +104,8 @@ SAMPLE_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12
 
 def round_trip(tokenizer, tools: list[dict] | None) -> tuple[list[int], list[int]]:
     """(the loop's tokens, the template's) for one conversation, a question, a tool call, its result
-    and an answer: turn by turn as the loop builds it, and apply_chat_template of the same messages."""
+    and an answer: turn by turn as the loop builds it, and apply_chat_template of the same
+    messages."""
     turns = TurnTemplate(tokenizer, tools, [tokenizer.eos_token_id])
     eos = turns.end_id
     user = [{"role": "user", "content": "What is 12*34?"}]

@@ -1,5 +1,5 @@
-"""The types every tool shares: what a call gives back (ToolOutput), keel's Tool, a typed function as
-a tool (`@tool`, its schema derived from its signature), and the fix a missing tool file's error
+"""The types every tool shares: what a call gives back (ToolOutput), keel's Tool, a typed function
+as a tool (`@tool`, its schema derived from its signature), and the fix a missing tool file's error
 names. tools.py (keel's tools, verl's tool config) and verl_tools.py (verl's own classes) build on
 them.
 """
@@ -44,8 +44,8 @@ class ToolOutput:
 
 
 class Tool(ABC):
-    """keel's tool: `execute(parameters, **execute_kwargs)` returns text, or (text, reward, metrics),
-    plain or async. Subclasses set `schema` (an OpenAI function schema)."""
+    """keel's tool: `execute(parameters, **execute_kwargs)` returns text, or (text, reward,
+    metrics), plain or async. Subclasses set `schema` (an OpenAI function schema)."""
 
     # True: an instance per episode (create, calc_reward, release: verl_tools.VerlTool)
     lifecycle = False

@@ -89,10 +89,11 @@ def _evaluate(node: ast.AST):
 
 
 class PythonCode(Tool):
-    """The model's Python, run in keel's code sandbox (bubblewrap as an unprivileged user, seccomp, no
-    network, a small scratch directory, CPU, memory, process and output limits: keel.rewards.jail.sandbox):
-    what it prints, and the last lines of its error when it fails. The machine's jail is required as
-    for code rewards (`isolation` by default): model-written code never runs unfenced."""
+    """The model's Python, run in keel's code sandbox (bubblewrap as an unprivileged user, seccomp,
+    no network, a small scratch directory, CPU, memory, process and output limits:
+    keel.rewards.jail.sandbox): what it prints, and the last lines of its error when it fails. The
+    machine's jail is required as for code rewards (`isolation` by default): model-written code
+    never runs unfenced."""
 
     schema = {
         "type": "function",
@@ -215,7 +216,8 @@ def _tools_of_file(path: Path) -> list[Tool]:
         raise KeelError(
             TOOL_CONFIG,
             f"{path} defines no tools",
-            "decorate a typed function with @keel.rollout.agent.tool, or make a Tool instance at module level",
+            "decorate a typed function with @keel.rollout.agent.tool, or make a Tool instance "
+            "at module level",
         )
     return tools
 
@@ -249,15 +251,16 @@ def _tool_from_entry(entry: Any, where: str, directory: Path) -> Tool:
 
 
 def resolve_class(class_name: str, where: str, directory: Path, method: str = "execute") -> type:
-    """A built-in, `file.py:Class` (relative to `directory`), or an importable `module.Class`: a class
-    with `method` (a tool's execute, an environment's step)."""
+    """A built-in, `file.py:Class` (relative to `directory`), or an importable `module.Class`: a
+    class with `method` (a tool's execute, an environment's step)."""
     cls, reason = _find_class(class_name, where, directory)
     if not (isinstance(cls, type) and callable(getattr(cls, method, None))):
         near = closest(class_name, BUILTIN) if method == "execute" else None
         fix = (
             f"write class_name: {near} in {where.split(' ')[0]} (the built-in tool spelt like it)"
             if near
-            else f"use one of {sorted(BUILTIN)}, file.py:Class, or an importable module.Class with a {method} method"
+            else f"use one of {sorted(BUILTIN)}, file.py:Class, or an importable module.Class with "
+            f"a {method} method"
         )
         raise KeelError(
             TOOL_CONFIG,

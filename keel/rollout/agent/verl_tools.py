@@ -71,7 +71,8 @@ def verl_unavailable(error: BaseException, where: str, what: str) -> KeelError |
         return None
     return KeelError(
         VERL_UNAVAILABLE,
-        f"{where}: {what} needs verl, which is installed but cannot be imported: {type(error).__name__}: {error}",
+        f"{where}: {what} needs verl, which is installed but cannot be imported: "
+        f"{type(error).__name__}: {error}",
         f"pip install {missing}" if missing else INSTALL,
     )
 
@@ -115,7 +116,8 @@ def build_verl_tool(cls: type, entry: dict, where: str) -> VerlTool:
     except Exception as error:  # noqa: BLE001 - pydantic's ValidationError, named
         raise KeelError(
             TOOL_CONFIG,
-            f"{where}: tool_schema is not verl's OpenAIFunctionToolSchema: {str(error).splitlines()[0:3]}",
+            f"{where}: tool_schema is not verl's OpenAIFunctionToolSchema: "
+            f"{str(error).splitlines()[0:3]}",
             "write it as verl's examples do: {type: function, "
             "function: {name, description, parameters: {type: object, properties, required}}}",
         ) from None
@@ -202,7 +204,8 @@ def load_function_tools(path: str | Path) -> list[Tool]:
     except Exception as error:  # noqa: BLE001 - the user's file (or verl's schema inference): named
         raise verl_unavailable(error, key, str(path)) or KeelError(
             TOOL_CONFIG,
-            f"{path} could not be loaded as verl's function tools: {type(error).__name__}: {str(error)[:300]}",
+            f"{path} could not be loaded as verl's function tools: {type(error).__name__}: "
+            f"{str(error)[:300]}",
             "give each @function_tool a type hint on every parameter and a Google-style "
             "docstring with an Args: block, and each tool its own name",
         ) from None
@@ -210,8 +213,8 @@ def load_function_tools(path: str | Path) -> list[Tool]:
         raise KeelError(
             TOOL_CONFIG,
             f"{path} registers no function tools",
-            "decorate its functions with verl's @function_tool (from verl.tools.function_tool import "
-            "function_tool), or list keel @tool functions in tool_config_path",
+            "decorate its functions with verl's @function_tool (from verl.tools.function_tool "
+            "import function_tool), or list keel @tool functions in tool_config_path",
         )
     return [
         VerlFunctionTool(carrier, module.normalize_function_tool_return) for carrier in carriers
@@ -234,7 +237,8 @@ def _takes_var_keyword(method) -> bool:
 
 
 def _text(response: Any) -> str:
-    """verl's ToolResponse's text ("" when it has none, as verl), or a plain string (verl 0.4's tools)."""
+    """verl's ToolResponse's text ("" when it has none, as verl), or a plain string (verl 0.4's
+    tools)."""
     if hasattr(response, "text") and not isinstance(response, str):
         return response.text or ""
     if isinstance(response, str):

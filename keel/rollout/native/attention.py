@@ -120,9 +120,10 @@ def sdpa_decode_attention(
 def attention_with_sinks(
     q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None, sinks: Tensor
 ) -> Tensor:
-    """Softmax attention of q [..., L, D] over k, v [..., S, D] (heads matched) whose normaliser also
-    holds each head's sink logit (`sinks`, broadcast to [..., L, 1]), as GPT-OSS computes it: in
-    float32, the sink's share dropped. `visible` [..., L, S] (None: causal). SDPA has no sinks."""
+    """Softmax attention of q [..., L, D] over k, v [..., S, D] (heads matched) whose normaliser
+    also holds each head's sink logit (`sinks`, broadcast to [..., L, 1]), as GPT-OSS computes it:
+    in float32, the sink's share dropped. `visible` [..., L, S] (None: causal). SDPA has no
+    sinks."""
     scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
     if visible is None:
         visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(
@@ -280,10 +281,10 @@ if triton is not None:
         q, k_new, v_new, k_at, v_at, owns_new, scale,
         BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr,
     ):  # fmt: skip
-        """The running softmax (maximum, normaliser, weighted sum) of a split: empty, or in the split
-        that owns it the new token, written to the cache at `k_at` and `v_at` for later steps, used
-        from registers in this one, and first in its split, so the running maximum is finite from
-        the start."""
+        """The running softmax (maximum, normaliser, weighted sum) of a split: empty, or in the
+        split that owns it the new token, written to the cache at `k_at` and `v_at` for later steps,
+        used from registers in this one, and first in its split, so the running maximum is finite
+        from the start."""
         if owns_new:
             tl.store(k_at, k_new)
             tl.store(v_at, v_new)
@@ -321,8 +322,9 @@ if triton is not None:
 
     @triton.jit
     def _join_sinks(sinks, g, owns_new, m, total, acc, GROUP: tl.constexpr):
-        """The running softmax (maximum m, normaliser total, weighted sum acc) of a KV head's G query
-        heads with each head's sink logit in the normaliser, where this split holds the new token."""
+        """The running softmax (maximum m, normaliser total, weighted sum acc) of a KV head's G
+        query heads with each head's sink logit in the normaliser, where this split holds the new
+        token."""
         sink = tl.load(sinks + g, mask=g < GROUP, other=float("-inf")).to(tl.float32)
         sink = tl.where(owns_new, sink, float("-inf"))
         m_new = tl.maximum(m, sink)

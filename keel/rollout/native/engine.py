@@ -166,10 +166,10 @@ class NativeRolloutEngine:
     def generate_round(
         self, samples: list[PartialSample], params: SamplingParams, end: RoundEnd
     ) -> list[tuple[list[int], list[float], bool, bool]]:
-        """Partial rollouts: the unfinished `samples` go on (each from its prompt and the tokens it has)
-        until `end` is reached -> per sample, (the tokens sampled now, their log-probs, whether it
-        finished, whether it ended at the response length without a stop token).
-        A continued sample's context is prefilled again: its cached keys were the older policy's."""
+        """Partial rollouts: the unfinished `samples` go on (each from its prompt and the tokens it
+        has) until `end` is reached -> per sample, (the tokens sampled now, their log-probs, whether
+        it finished, whether it ended at the response length without a stop token). A continued
+        sample's context is prefilled again: its cached keys were the older policy's."""
         longest = max(len(s.record.prompt_ids) for s in samples)
         batcher = self.continuous_batcher(
             len(samples), longest + params.max_new_tokens, params.max_new_tokens

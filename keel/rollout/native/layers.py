@@ -62,7 +62,8 @@ def step_inputs(
 
 
 def embeddings(ids: Tensor, embed: Tensor, embed_scale: float, stream_dtype: torch.dtype) -> Tensor:
-    """The residual stream's start: the tokens' embeddings in its dtype, times the family's scale."""
+    """The residual stream's start: the tokens' embeddings in its dtype, times the family's
+    scale."""
     return F.embedding(ids, embed).to(stream_dtype) * embed_scale
 
 
@@ -171,7 +172,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def rope(
     positions: Tensor, inv_freq: Tensor, scale: float, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """cos [B, 1, D] and sin [B, 1, D] with the rotate-half sign folded in (-sin on the first half)."""
+    """cos [B, 1, D] and sin [B, 1, D] with the rotate-half sign folded in (-sin on the first
+    half)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [B, D/2]
     cos = torch.cat([freqs, freqs], dim=-1).cos() * scale
     sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1) * scale

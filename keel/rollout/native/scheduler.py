@@ -90,8 +90,8 @@ class Scheduler:
         rows, max_len, turn_tokens = self.shape
         if not 0 < limit <= turn_tokens or len(context) + limit > max_len:
             raise ValueError(
-                f"a turn of {limit} tokens after {len(context)} does not fit rows of {max_len} tokens, "
-                f"turns of {turn_tokens}"
+                f"a turn of {limit} tokens after {len(context)} does not fit rows of {max_len} "
+                f"tokens, turns of {turn_tokens}"
             )
         if any(w.key == key for w in self.waiting) or self.row_of.get(key) in self.active:
             raise ValueError(f"{key!r} already has a turn under way")
@@ -208,8 +208,8 @@ def chunk(pieces: list[Piece], budget: int) -> tuple[list[Piece], list[Piece]]:
 
 
 def passes(pieces: list[Piece], budget: int) -> list[list[int]]:
-    """Indices of `pieces` per prefill pass, each pass within `budget` new tokens (and its keys within
-    KEYS_PER_PASS budgets); pieces of similar widths share a pass."""
+    """Indices of `pieces` per prefill pass, each pass within `budget` new tokens (and its keys
+    within KEYS_PER_PASS budgets); pieces of similar widths share a pass."""
     order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i][2]))
     grouped, current = [], []
     for i in order:

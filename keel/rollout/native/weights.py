@@ -66,8 +66,8 @@ class DecodeWeights:
         }
 
     def norm_after(self, layer: int) -> Tensor:
-        """The norm applied to layer `layer`'s output: the next layer's input norm (None where layers
-        have none), or the final one."""
+        """The norm applied to layer `layer`'s output: the next layer's input norm (None where
+        layers have none), or the final one."""
         return (
             self.layers[layer + 1].input_norm if layer + 1 < len(self.layers) else self.final_norm
         )

@@ -1,9 +1,9 @@
-"""Agents in processes of their own (`actor_rollout_ref.rollout.agent.processes`), as vLLM keeps its API
-server out of the engine's process: an agent's Python (the OpenAI client's requests and parsing, an
-environment's code, a rubric) then never holds the GIL that the engine's run loop and the endpoint
-need between decode steps. Each process builds the agent once, runs the samples of the groups it is
-given (a group stays in one process: its rubric scores it at once) and reports each sample as its
-agent returns (its KV row can go) and as it is scored.
+"""Agents in processes of their own (`actor_rollout_ref.rollout.agent.processes`), as vLLM keeps its
+API server out of the engine's process: an agent's Python (the OpenAI client's requests and parsing,
+an environment's code, a rubric) then never holds the GIL that the engine's run loop and the
+endpoint need between decode steps. Each process builds the agent once, runs the samples of the
+groups it is given (a group stays in one process: its rubric scores it at once) and reports each
+sample as its agent returns (its KV row can go) and as it is scored.
 """
 
 from __future__ import annotations
@@ -78,9 +78,10 @@ class AgentProcesses:
                 if dead:
                     raise KeelError(
                         AGENT_FUNCTION,
-                        f"agent process {dead[0].name} exited (code {dead[0].exitcode}) in the middle of a rollout",
-                        "run with actor_rollout_ref.rollout.agent.processes=0 to see the agent's own error in "
-                        "this process",
+                        f"agent process {dead[0].name} exited (code {dead[0].exitcode}) in "
+                        "the middle of a rollout",
+                        "run with actor_rollout_ref.rollout.agent.processes=0 to see the agent's "
+                        "own error in this process",
                     ) from None
 
     def close(self) -> None:

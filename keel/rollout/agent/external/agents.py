@@ -35,7 +35,8 @@ class Job:
 class FunctionAgent:
     """A user's async function as the agent of each sample. Agents of environment libraries
     (library_env.py) have the same `run`; theirs returns what `score_group` scores once every
-    sample of the prompt's group has ended (a rubric may rank a group's answers against each other)."""
+    sample of the prompt's group has ended (a rubric may rank a group's answers against each
+    other)."""
 
     def __init__(self, function):
         self.function = function
@@ -87,10 +88,10 @@ async def run_agents(
 
 
 def _http_client(openai):
-    """openai's aiohttp transport where it is installed (openai[aiohttp]): with hundreds of requests in
-    flight in one process it spends about half the CPU a request that httpx's connection pool does
-    (which scans its connections on every request), and the agents' own Python is what bounds how
-    soon a wave of turns reaches the engine. None: openai's default (httpx)."""
+    """openai's aiohttp transport where it is installed (openai[aiohttp]): with hundreds of requests
+    in flight in one process it spends about half the CPU a request that httpx's connection pool
+    does (which scans its connections on every request), and the agents' own Python is what bounds
+    how soon a wave of turns reaches the engine. None: openai's default (httpx)."""
     try:
         return openai.DefaultAioHttpClient()
     # an openai without it, or aiohttp not installed

@@ -14,7 +14,8 @@ EngineService and `collect`s their traces at its end. A sample's requests all go
 
 Messages over each process's pipe (pickled, a few small ones a turn):
   engine -> endpoint: ("begin", settings), ("answer", n, completion, error), ("collect",), ("stop",)
-  endpoint -> engine: ("ready", url) | ("failed", error), ("turn", n, key, context, limit), ("traces", traces)
+  endpoint -> engine: ("ready", url) | ("failed", error), ("turn", n, key, context, limit),
+  ("traces", traces)
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def _serve(connection, tokenizer, options: dict) -> None:
 
 
 class InProcessEndpoint:
-    """The endpoint as a thread of the engine's process, started for each rollout (endpoint_processes=0)."""
+    """The endpoint as a thread of the engine's process, started for each rollout
+    (endpoint_processes=0)."""
 
     def __init__(self, tokenizer, host: str, token: str, max_in_flight: int):
         self.tokenizer, self.host, self.token, self.max_in_flight = (
@@ -151,7 +153,8 @@ class InProcessEndpoint:
         return [self.endpoint.serve(self.host)]
 
     def collect(self) -> dict:
-        """After the rollout's service closed (a request still waiting is answered, so the server can stop)."""
+        """After the rollout's service closed (a request still waiting is answered, so the server
+        can stop)."""
         if self.endpoint is None:
             return {}
         self.endpoint.close()
@@ -163,7 +166,8 @@ class InProcessEndpoint:
 
 
 class EndpointProcesses:
-    """`count` endpoint processes; `begin(service, budget)` -> their URLs, `collect()` -> the traces."""
+    """`count` endpoint processes; `begin(service, budget)` -> their URLs, `collect()` -> the
+    traces."""
 
     def __init__(self, tokenizer, count: int, host: str, token: str, max_in_flight: int):
         # not fork: the parent holds threads and CUDA
@@ -223,8 +227,8 @@ class EndpointProcesses:
         return self.urls
 
     def collect(self) -> dict:
-        """After the rollout's service closed: every process's traces, merged (a sample's are in one).
-        Every process is asked and waited for, then the first that broke off is said."""
+        """After the rollout's service closed: every process's traces, merged (a sample's are in
+        one). Every process is asked and waited for, then the first that broke off is said."""
         traces, broken = {}, []
         for i, bridge in enumerate(self.bridges):
             try:
@@ -272,8 +276,8 @@ class EndpointProcesses:
         raise KeelError(
             AGENT_FUNCTION,
             f"endpoint process {process.name} broke off the rollout (exit code {process.exitcode})",
-            "run with actor_rollout_ref.rollout.agent.endpoint_processes=0 to serve the endpoint from the engine's "
-            "process and see its own error there",
+            "run with actor_rollout_ref.rollout.agent.endpoint_processes=0 to serve the endpoint "
+            "from the engine's process and see its own error there",
         )
 
 

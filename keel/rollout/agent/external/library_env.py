@@ -1,5 +1,6 @@
-"""Environments of environment libraries as the rollout (`actor_rollout_ref.rollout.agent.environment`),
-run unchanged through keel's OpenAI-compatible endpoint as agent code is (rollout.py):
+"""Environments of environment libraries as the rollout
+(`actor_rollout_ref.rollout.agent.environment`), run unchanged through keel's OpenAI-compatible
+endpoint as agent code is (rollout.py):
 
 - `verifiers:NAME`: a verifiers environment package (verifiers_env.py): its dataset is the prompts,
   its rollout the agent, its rubric the reward, its rubric's functions keel's metrics.

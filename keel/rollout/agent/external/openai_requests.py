@@ -24,8 +24,8 @@ BUDGET_SPENT = "context_length_exceeded"
 
 
 class RequestError(Exception):
-    """`kind`: OpenAI's error type; context_length_exceeded is what clients (verifiers, ...) read as a
-    rollout that reached its length, not as a failure."""
+    """`kind`: OpenAI's error type; context_length_exceeded is what clients (verifiers, ...) read as
+    a rollout that reached its length, not as a failure."""
 
     def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
         super().__init__(message)
@@ -61,8 +61,8 @@ def within_budget(budget: int | None, limit: int, trace: Trace, prompt: list[int
     if left <= 0:
         trace.budget_spent = True
         raise RequestError(
-            f"the sample's budget of {budget} tokens (data.max_response_length) is spent: its context "
-            "length is at the rollout's limit",
+            f"the sample's budget of {budget} tokens (data.max_response_length) is spent: its "
+            "context length is at the rollout's limit",
             kind=BUDGET_SPENT,
         )
     return min(limit, left)

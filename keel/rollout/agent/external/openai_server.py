@@ -99,8 +99,8 @@ class OpenAIEndpoint:
             self._thread.join()
 
     def take_traces(self) -> bytes:
-        """The traces so far, pickled while no handler writes to them, and a fresh set in their place
-        (a late request of a sample already taken starts a trace nobody collects)."""
+        """The traces so far, pickled while no handler writes to them, and a fresh set in their
+        place (a late request of a sample already taken starts a trace nobody collects)."""
         with self.traces_lock:
             traces, self.traces = self.traces, {}
             return pickle.dumps(traces)

@@ -1,9 +1,10 @@
 """An OpenEnv environment (`openenv:module:ClientClass`, an `openenv.core.EnvClient` subclass, its
 server at `environment_args.base_url`) as keel's rollout. Each sample is one episode on its own
-session: `reset`, then turn by turn the model's answer (through keel's endpoint) is the action's text
-field and the observation's text field the next user message, until the environment says done, the
-sample's token budget is spent or `max_turns` actions were taken (each turn at most `max_tokens`).
-The step rewards summed are the sample's reward; `agent/metrics/openenv_steps/mean` counts the actions."""
+session: `reset`, then turn by turn the model's answer (through keel's endpoint) is the action's
+text field and the observation's text field the next user message, until the environment says done,
+the sample's token budget is spent or `max_turns` actions were taken (each turn at most
+`max_tokens`). The step rewards summed are the sample's reward; `agent/metrics/openenv_steps/mean`
+counts the actions."""
 
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ class OpenEnvAgent:
         return answer.choices[0].message.content or ""
 
     def probe(self, timeout_s: float = 30.0) -> None:
-        """One reset on a session of its own (`keel check`): KEEL-C024 when the server does not answer."""
+        """One reset on a session of its own (`keel check`): KEEL-C024 when the server does not
+        answer."""
 
         async def reset() -> None:
             async with self.client_class(base_url=self.base_url) as env:
@@ -102,7 +104,10 @@ class OpenEnvAgent:
         try:
             asyncio.run(asyncio.wait_for(reset(), timeout_s))
         except Exception as error:  # noqa: BLE001 - refused, timed out, or a server error: each named
-            reason = f"its server at {self.base_url} did not answer a reset: {type(error).__name__}: {error}"
+            reason = (
+                f"its server at {self.base_url} did not answer a reset: {type(error).__name__}: "
+                f"{error}"
+            )
             raise environment_error(f"openenv:{self.client_class.__name__}", reason) from None
 
     def _text(self, observation) -> str:
@@ -115,7 +120,8 @@ class OpenEnvAgent:
 
 
 def _action_class(client_class, spec: str):
-    """The Action class of EnvClient[Action, Observation, State] that the client class subclasses."""
+    """The Action class of EnvClient[Action, Observation, State] that the client class
+    subclasses."""
     for klass in client_class.__mro__:
         for base in getattr(klass, "__orig_bases__", ()):
             args = typing.get_args(base)
@@ -135,7 +141,7 @@ def _one_text_field(model_class, skip: tuple[str, ...], spec: str, what: str) ->
     if len(texts) != 1:
         raise environment_error(
             spec,
-            f"its {what} {model_class.__name__} has {len(texts)} text fields {texts}: name the one for the "
-            f"model's turn in environment_args.{what}_field",
+            f"its {what} {model_class.__name__} has {len(texts)} text fields {texts}: name the "
+            f"one for the model's turn in environment_args.{what}_field",
         )
     return texts[0]

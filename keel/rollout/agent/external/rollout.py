@@ -137,7 +137,8 @@ class ExternalAgentRollout:
             raise
 
     def close(self) -> None:
-        """The endpoint's and the agents' processes stop (they are daemons: they also end with this process)."""
+        """The endpoint's and the agents' processes stop (they are daemons: they also end with this
+        process)."""
         self.endpoints.close()
         if hasattr(self.agents, "close"):
             self.agents.close()
@@ -162,15 +163,16 @@ def job_row(record) -> dict:
 
 
 def build_external_agent(agent, engine, tokenizer, budget: int) -> ExternalAgentRollout:
-    """The rollout of a rollout.agent section around the engine; `budget`: data.max_response_length."""
+    """The rollout of a rollout.agent section around the engine; `budget`:
+    data.max_response_length."""
     what = "environment" if agent.environment else "function"
     if not engine.capabilities.continuous:
         raise KeelError(
             AGENT_FUNCTION,
-            f"actor_rollout_ref.rollout.agent.{what}={getattr(agent, what)!r} runs on keel's native engine, and "
-            f"this model generates with {type(engine).__name__}",
-            "set actor_rollout_ref.rollout.name=native (keel check says whether the model runs on it), or "
-            f"unset actor_rollout_ref.rollout.agent.{what}",
+            f"actor_rollout_ref.rollout.agent.{what}={getattr(agent, what)!r} runs on keel's "
+            f"native engine, and this model generates with {type(engine).__name__}",
+            "set actor_rollout_ref.rollout.name=native (keel check says whether the model runs "
+            f"on it), or unset actor_rollout_ref.rollout.agent.{what}",
         )
     max_len = agent.max_prompt_length + budget
     options = ExternalAgentOptions(
@@ -194,16 +196,17 @@ def build_external_agent(agent, engine, tokenizer, budget: int) -> ExternalAgent
 
 
 def _agent_processes(agent) -> int:
-    """rollout.agent.processes, by default one per two cores (m1a on a 16-core H200 host: 8 agent and 8
-    endpoint processes took 10.6 s a step, 4 and 2 took 12.4 s; benchmarks/results/m1a.jsonl)."""
+    """rollout.agent.processes, by default one per two cores (m1a on a 16-core H200 host: 8 agent
+    and 8 endpoint processes took 10.6 s a step, 4 and 2 took 12.4 s;
+    benchmarks/results/m1a.jsonl)."""
     if agent.processes is not None:
         return agent.processes
     return min(8, max(1, (os.cpu_count() or 2) // 2))
 
 
 def _endpoint_processes(agent) -> int:
-    """rollout.agent.endpoint_processes, by default as many as the agents' (none for in-process agents:
-    the simplest to debug stays in one process)."""
+    """rollout.agent.endpoint_processes, by default as many as the agents' (none for in-process
+    agents: the simplest to debug stays in one process)."""
     return (
         agent.endpoint_processes
         if agent.endpoint_processes is not None
@@ -273,7 +276,8 @@ def _cut(trace: Trace) -> bool:
 def _agent_record(
     record, trace: Trace, outcome: Outcome, why: str | None, last_turn: str, segment: int | None
 ):
-    """A row's record: the sample's, with how its agent ended (and, trained as segments, which this is)."""
+    """A row's record: the sample's, with how its agent ended (and, trained as segments, which this
+    is)."""
     return dataclasses.replace(
         record,
         extra_info={
@@ -317,7 +321,8 @@ def _right_padded(values: list[list], width: int, fill=0, dtype=torch.long) -> t
 
 
 def _refuse_all_dropped(records, outcomes: list[Outcome]) -> None:
-    """A step whose every sample its agent lost is the agent's bug, not data: said, with the first error."""
+    """A step whose every sample its agent lost is the agent's bug, not data: said, with the first
+    error."""
     if records and all("agent_dropped" in r.extra_info for r in records):
         first = next((o.error for o in outcomes if o.error), None)
         reasons = sorted({r.extra_info["agent_dropped"] for r in records})
@@ -326,7 +331,8 @@ def _refuse_all_dropped(records, outcomes: list[Outcome]) -> None:
 
 
 def _first_stretch(trace: Trace, record) -> Stretch:
-    """What is trained of a sample: its first stretch (a sample that never asked: its prompt alone)."""
+    """What is trained of a sample: its first stretch (a sample that never asked: its prompt
+    alone)."""
     return trace.stretches[0] if trace.stretches else Stretch(list(record.prompt_ids))
 
 

@@ -1,8 +1,9 @@
-"""A verifiers environment (`verifiers:NAME`, the classic `verifiers.Environment` API that its published
-environments are written against) as keel's rollout: each sample is the environment's own `rollout`,
-its model calls made through verifiers' OpenAI chat client at keel's endpoint; each prompt's group is
-scored by the environment's rubric at once (`score_group`: a rubric may compare a group's answers),
-its reward the sample's, its functions' values keel's `agent/metrics/<name>/mean`."""
+"""A verifiers environment (`verifiers:NAME`, the classic `verifiers.Environment` API that its
+published environments are written against) as keel's rollout: each sample is the environment's own
+`rollout`, its model calls made through verifiers' OpenAI chat client at keel's endpoint; each
+prompt's group is scored by the environment's rubric at once (`score_group`: a rubric may compare a
+group's answers), its reward the sample's, its functions' values keel's
+`agent/metrics/<name>/mean`."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def _load(name: str, args: dict):
     if load is None:
         raise environment_error(
             spec,
-            f"verifiers {verifiers.__version__} has no classic load_environment (install verifiers<0.4)",
+            f"verifiers {verifiers.__version__} has no classic load_environment (install "
+            "verifiers<0.4)",
         )
     try:
         env = load(name, **args)
@@ -78,14 +80,15 @@ class VerifiersAgent:
         self.env, self.name = env, name
 
     async def run(self, client, row: dict, extra_info: dict):
-        """The environment's rollout of this sample's row -> its verifiers State (scored by the group)."""
+        """The environment's rollout of this sample's row -> its verifiers State (scored by the
+        group)."""
         import verifiers
 
         task = extra_info.get(DATA_KEY)
         if task is None:
             raise ValueError(
-                f"this row is not from verifiers:{self.name}'s dataset: leave data.train_files / data.val_files "
-                "empty for the environment's own"
+                f"this row is not from verifiers:{self.name}'s dataset: leave data.train_files / "
+                "data.val_files empty for the environment's own"
             )
         # the environment's own (max_tokens, ...), as its generate
         sampling = copy.deepcopy(self.env.sampling_args)

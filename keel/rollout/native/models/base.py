@@ -159,7 +159,8 @@ class Family(ABC):
         return "default"
 
     def window(self, layer: int) -> int | None:
-        """The cache columns a query of this layer sees back from its own (sliding window), or None: all."""
+        """The cache columns a query of this layer sees back from its own (sliding window), or None:
+        all."""
         return None
 
     @classmethod

@@ -66,7 +66,8 @@ class GptOssExpertsArgs(NamedTuple):
 
 def gpt_oss_experts(h: Tensor, args: GptOssExpertsArgs) -> Tensor:
     """The mixture's output [N, hidden] for normed inputs h [N, hidden], as transformers computes
-    it: the top k router logits softmaxed in the input dtype, each expert's output scaled and summed."""
+    it: the top k router logits softmaxed in the input dtype, each expert's output scaled and
+    summed."""
     gate_up, grouped = args.experts_gate_up, args.grouped
     # a float32 stream's normed input, cast as autocast casts a matmul's
     h = h.to(gate_up.dtype)
@@ -102,8 +103,9 @@ class GptOssFamily(Family):
     after_attention = {"experts": gpt_oss_attention_output_and_experts}
     norm = staticmethod(gpt_oss_norm)
     not_by_default = (
-        "GPT-OSS by default: at GPT-OSS-20B's shapes (random weights, bf16, LoRA) its log-probs were 0.25 "
-        "a token from the trainer's before any update (benchmarks/README.md); rollout.name=native runs it"
+        "GPT-OSS by default: at GPT-OSS-20B's shapes (random weights, bf16, LoRA) its log-probs "
+        "were 0.25 a token from the trainer's before any update (benchmarks/README.md); "
+        "rollout.name=native runs it"
     )
 
     def __init__(self, config):

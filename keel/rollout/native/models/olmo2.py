@@ -21,7 +21,8 @@ def olmo_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def olmo_attention_inputs(
     h: Tensor, cos: Tensor, sin: Tensor, args: AttentionArgs
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """q [B, H, 1, D], k and v [B, KV, 1, D]: the query and key projections normed whole, then rotated."""
+    """q [B, H, 1, D], k and v [B, KV, 1, D]: the query and key projections normed whole, then
+    rotated."""
     batch, head_dim, heads, kv_heads = h.shape[0], cos.shape[-1], args.heads, args.kv_heads
     qkv = project(h, args.qkv, args.qkv_lora)
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
@@ -41,7 +42,8 @@ def olmo_attention_output_and_mlp(
     x: Tensor, attention: Tensor, next_norm: Tensor | None, args: MlpArgs
 ) -> tuple[Tensor, Tensor]:
     """The attention's output normed before its residual add, the MLP on the unnormed stream and
-    its output normed; the next layer's input is the stream itself (the final norm after the last)."""
+    its output normed; the next layer's input is the stream itself (the final norm after the
+    last)."""
     eps = args.eps
     x = residual_add(x, olmo_norm(project(attention, args.o, args.o_lora), args.post_norm, eps))
     gate, up = project(x, args.gate_up, args.gate_up_lora).chunk(2, dim=-1)

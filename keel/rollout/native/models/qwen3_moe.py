@@ -30,7 +30,8 @@ from keel.rollout.native.models.llama import LlamaFamily
 @cache
 def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     """Whether the experts run as torch's grouped matmul: in bfloat16 (what torch.compile's shape
-    rules accept, and all CUDA's kernel takes), where it runs here, tried once on a small problem."""
+    rules accept, and all CUDA's kernel takes), where it runs here, tried once on a small
+    problem."""
     if dtype != torch.bfloat16:
         return False
     try:
