@@ -155,7 +155,9 @@ def main() -> None:
         "rows": args.rows,
         "prompt_length": args.prompt,
         "lengths": {
-            "distribution": f"lognormal(median {args.median:g}, sigma {args.sigma:g}) cut at {args.longest}",
+            "distribution": (
+                f"lognormal(median {args.median:g}, sigma {args.sigma:g}) cut at {args.longest}"
+            ),
             "mean": tokens / count,
             "p50": ordered[count // 2],
             "p90": ordered[int(count * 0.9)],

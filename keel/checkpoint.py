@@ -1,4 +1,4 @@
-"""Checkpoints: atomic save, resume, and export to a Hugging Face directory.
+"""Checkpoints: atomic save and resume (keel/export.py writes one out for Hugging Face).
 
 A checkpoint `global_step_<N>/` is written into a hidden temporary directory, completed with a
 `COMPLETE` marker, then renamed into place: a crash mid-write leaves only a `.tmp` directory that
@@ -30,13 +30,12 @@ import numpy as np
 import torch
 import yaml
 
-from keel.errors import EXPORT_TARGET, NOT_A_CHECKPOINT, RESUME_MISMATCH, RESUME_PATH, KeelError
+from keel.errors import RESUME_MISMATCH, RESUME_PATH, KeelError
 from keel.errors.fixes import free_directory, overrides, setting
 from keel.version import __version__
 
 LATEST = "latest_checkpointed_iteration.txt"
 MARKER = "COMPLETE"
-EXPORT_MARKER = "keel_export.json"
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -281,11 +280,11 @@ def find_resume_checkpoint(run_dir: Path, resume_mode: str) -> Path | None:
         latest = run_dir / LATEST
         step = latest.read_text().strip() if latest.is_file() else ""
         path = step_dir(run_dir, int(step)) if step.isdigit() else None
-        return path if path is not None and is_complete(path) else _newest_complete(run_dir)
+        return path if path is not None and is_complete(path) else newest_complete(run_dir)
     path = Path(resume_mode)
     if not is_complete(path):
         state = "does not exist" if not path.exists() else "is incomplete (no COMPLETE marker)"
-        found = _newest_complete(path.parent) or _newest_complete(run_dir)
+        found = newest_complete(path.parent) or newest_complete(run_dir)
         fix = (
             f"set {setting('trainer.resume_mode', str(found))} (the newest complete "
             "checkpoint there)"
@@ -322,69 +321,13 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merged: bool = False) -> Path:
-    """Write the checkpoint's policy as a Hugging Face directory (from_pretrained loads it); a
-    LoRA run's is its PEFT adapter directory, or with `merged` the base with the adapters merged in.
-
-    `out_dir` must be new, empty, or an earlier export (it holds EXPORT_MARKER): nothing else is
-    ever deleted.
-    """
-    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    command = f"keel export {{}} {{}}{' --merged' if merged else ''}"
-    if not is_complete(checkpoint):
-        state = "does not exist" if not checkpoint.exists() else "has no COMPLETE marker"
-        found = _newest_complete(checkpoint) or _newest_complete(checkpoint.parent)
-        raise KeelError(
-            NOT_A_CHECKPOINT,
-            f"{checkpoint} {state}",
-            f"run `{command.format(found, out_dir)}` (the newest complete checkpoint there)"
-            if found
-            else None,
-        )
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / EXPORT_MARKER).exists():
-        raise KeelError(
-            EXPORT_TARGET,
-            f"{out_dir} exists, is not empty and is not an earlier keel export",
-            f"run `{command.format(checkpoint, free_directory(out_dir))}` (a directory that "
-            "does not exist yet)",
-        )
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    if merged and (checkpoint / "actor" / "adapter_config.json").exists():
-        _write_merged(checkpoint, tmp)
-    else:
-        shutil.copytree(checkpoint / "actor", tmp)
-    (tmp / EXPORT_MARKER).write_text(json.dumps({"source": str(checkpoint.resolve())}))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-    return out_dir
-
-
-def _write_merged(checkpoint: Path, out: Path) -> None:
-    """The base model (the run's actor_rollout_ref.model.path) with the checkpoint's adapters
-    merged."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from keel.models.load import check_model_dir
-
-    saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
-    base_path = saved["actor_rollout_ref"]["model"]["path"]
-    base = AutoModelForCausalLM.from_pretrained(check_model_dir(base_path), dtype=torch.float32)
-    merged = PeftModel.from_pretrained(base, checkpoint / "actor").merge_and_unload()
-    merged.save_pretrained(out)
-    AutoTokenizer.from_pretrained(checkpoint / "actor").save_pretrained(out)
-
-
 def _checkpoints(run_dir: Path) -> list[Path]:
     """`global_step_<N>` directories, oldest first."""
     found = [p for p in run_dir.glob("global_step_*") if p.name.rsplit("_", 1)[1].isdigit()]
     return sorted(found, key=lambda p: int(p.name.rsplit("_", 1)[1]))
 
 
-def _newest_complete(run_dir: Path) -> Path | None:
+def newest_complete(run_dir: Path) -> Path | None:
     complete = [p for p in _checkpoints(run_dir) if is_complete(p)]
     return complete[-1] if complete else None
 

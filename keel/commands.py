@@ -138,7 +138,7 @@ def cmd_reward_server(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from keel.checkpoint import export_checkpoint
+    from keel.export import export_checkpoint
 
     out = export_checkpoint(args.checkpoint, args.out, merged=args.merged)
     how = (

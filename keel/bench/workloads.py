@@ -371,7 +371,9 @@ WORKLOADS.update(
             4 * 8 + 3 * 40,
             overrides={
                 **AGENT_4x128,
-                "actor_rollout_ref.rollout.agent.function": "keel.bench.workloads:tiny_instant_agent",
+                "actor_rollout_ref.rollout.agent.function": (
+                    "keel.bench.workloads:tiny_instant_agent"
+                ),
                 "actor_rollout_ref.rollout.agent.concurrency": 16,
             },
         ),

@@ -320,7 +320,9 @@ def reward_scoring(cfg: KeelConfig, workers: int) -> str:
 OLD_LOG_PROBS = {
     OldLogProbSource.SAMPLER: "the sampler's (rollout_correction.bypass_mode): no pass",
     OldLogProbSource.UPDATE: "the update's own forward (on-policy): no pass",
-    OldLogProbSource.FIRST_MINI_BATCH: "recomputed each step, but the first mini-batch's (the update's own forward)",
+    OldLogProbSource.FIRST_MINI_BATCH: (
+        "recomputed each step, but the first mini-batch's (the update's own forward)"
+    ),
     OldLogProbSource.RECOMPUTED: "recomputed each step",
 }
 

@@ -142,9 +142,13 @@ VERL_LOGGERS = {
 # verl derives these from another key when they are not set (OmegaConf references in its yaml).
 DERIVED = {
     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": "actor_rollout_ref.actor.use_dynamic_bsz",
-    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": (
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+    ),
     "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": "actor_rollout_ref.actor.use_dynamic_bsz",
-    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": (
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+    ),
     "critic.use_dynamic_bsz": "actor_rollout_ref.actor.use_dynamic_bsz",
     "critic.loss_agg_mode": "actor_rollout_ref.actor.loss_agg_mode",
 }

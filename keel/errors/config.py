@@ -142,8 +142,8 @@ VERL_UNSUPPORTED = register(
     "The key is verl's, and its value asks for something keel does not do (sequence parallelism, "
     "Megatron, a remote sandbox, a feature a later keel adds). Silently ignoring it would train "
     "another run than the one the script describes.",
-    "Remove the key (verl's default then applies) or, for a key keel has, set keel's default (the fix line "
-    "says which); the message says what keel offers instead. Keys "
+    "Remove the key (verl's default then applies) or, for a key keel has, set keel's default "
+    "(the fix line says which); the message says what keel offers instead. Keys "
     'keel does another way are accepted and listed by `keel check` under "decided for you".',
 )
 TOOL_CONFIG = register(

@@ -83,8 +83,8 @@ EOS_ADDED_ON_LOAD = register(
     "transformers adds such a token silently as a new id when it loads the tokenizer: a row of "
     "the embedding the model never trained, which it never samples, so no response would end "
     "before the length limit.",
-    'Set "eos_token" in tokenizer_config.json to the model\'s end-of-turn token (the fix line gives the line '
-    "to write: the token config.json's eos_token_id names).",
+    'Set "eos_token" in tokenizer_config.json to the model\'s end-of-turn token (the fix line '
+    "gives the line to write: the token config.json's eos_token_id names).",
 )
 NO_TOOL_ROLE = register(
     "KEEL-M008",

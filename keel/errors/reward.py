@@ -78,12 +78,13 @@ SERVICE_UNAVAILABLE = register(
 CODE_TESTS_FORM = register(
     "KEEL-R009",
     "Code test cases in an unknown form",
-    "The code scorers (prime_code for verl's codecontests, apps, codeforces and taco; code_exec) read a row's "
-    'reward_model.ground_truth as test cases: verl\'s {"inputs": [...], "outputs": [...]} (with "fn_name" '
-    'for call-style tests), or keel\'s [{"input": ..., "output": ...}], as the object or its JSON text. '
-    "A row in neither form, or with no tests, or with more inputs than outputs, has nothing to run the "
-    "program against: verl's prime_code scores every response 0 on such a row (1 when it has no tests), "
-    "without a word.",
+    "The code scorers (prime_code for verl's codecontests, apps, codeforces and taco; code_exec) "
+    "read a row's reward_model.ground_truth as test cases: verl's "
+    '{"inputs": [...], "outputs": [...]} (with "fn_name" for call-style tests), or keel\'s '
+    '[{"input": ..., "output": ...}], as the object or its JSON text. A row in neither form, or '
+    "with no tests, or with more inputs than outputs, has nothing to run the program against: "
+    "verl's prime_code scores every response 0 on such a row (1 when it has no tests), without a "
+    "word.",
     'Write the row\'s ground truth in one of the two forms: {"inputs": ["1 2\\n"], "outputs": '
     '["3\\n"]} or [{"input": "1 2\\n", "output": "3"}], every input with its expected output.',
 )

@@ -118,6 +118,6 @@ def vocab_fix(path: str | Path, size: int, key: str = "actor_rollout_ref.model.p
         f"m.save_pretrained('{out}'); T.from_pretrained('{path}').save_pretrained('{out}')"
     )
     return (
-        f'run `python -c "{code}"`, then set {setting(key, str(out))} (the model with an embedding row for '
-        "every token), or use the tokenizer saved with this model"
+        f'run `python -c "{code}"`, then set {setting(key, str(out))} (the model with an embedding '
+        "row for every token), or use the tokenizer saved with this model"
     )

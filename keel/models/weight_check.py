@@ -102,6 +102,7 @@ def _config_size_fix(path: Path, shapes: list[tuple[tuple, tuple]]) -> str | Non
     if not fields or len(fields) != 1 or len(sizes) != 1:
         return None
     return (
-        f'set `"{fields.pop()}": {sizes.pop()}` in `{path / "config.json"}` (the size the weights have), '
+        f'set `"{fields.pop()}": {sizes.pop()}` in `{path / "config.json"}` '
+        "(the size the weights have), "
         "or point the model path at the directory whose config.json matches these weights"
     )

@@ -235,10 +235,8 @@ def describe_tracker(name: str, run_dir: Path) -> str:
         online = (
             os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") or _wandb_logged_in()
         )
-        return (
-            "wandb: "
-            f"{'online' if online else 'offline (no WANDB_API_KEY), files under ' + str(run_dir / 'wandb')}"
-        )
+        offline = "offline (no WANDB_API_KEY), files under " + str(run_dir / "wandb")
+        return f"wandb: {'online' if online else offline}"
     if name == "tensorboard":
         return f"tensorboard: {os.environ.get('TENSORBOARD_DIR') or run_dir / 'tensorboard'}"
     return f"mlflow: {os.environ.get('MLFLOW_TRACKING_URI') or (run_dir / 'mlruns')}"

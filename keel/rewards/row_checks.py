@@ -25,8 +25,8 @@ def check_rows(
             MISSING_GROUND_TRUTH,
             f"{len(missing)} rows (first: row {missing[0]}) have no "
             "reward_model.ground_truth, which the built-in scorers compare against",
-            f'add "reward_model": {{"ground_truth": ...}} (each row\'s right answer) to the rows of '
-            f"data_source {sources}{_in_files(files)}, or score them with your own "
+            'add "reward_model": {"ground_truth": ...} (each row\'s right answer) '
+            f"to the rows of data_source {sources}{_in_files(files)}, or score them with your own "
             "custom_reward_function",
         )
     code_rows = [r for r in records if choice.runs_code(r.data_source)]

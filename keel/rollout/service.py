@@ -218,22 +218,11 @@ class EngineService:
             self.batcher.release(key)
 
     def _accept(self, turn: _Turn) -> None:
-        # a late request of an earlier rollout's sample
-        if self.groups and turn.key not in self.groups:
-            self.clients.settle(
-                turn, exception=ValueError(f"{turn.key!r} is not a sample of this rollout")
-            )
-            return
-        if turn.key in self.pending or turn.key in self.ended:
-            why = "already has a turn under way" if turn.key in self.pending else "was ended"
-            self.clients.settle(turn, exception=ValueError(f"{turn.key!r} {why}"))
-            return
         previous = self.contexts.get(turn.key)
         turn.extended = previous is not None and turn.context[: len(previous)] == previous
-        if turn.extended and len(turn.context) == len(previous):
-            self.clients.settle(
-                turn, exception=ValueError(f"{turn.key!r} came back with no new tokens")
-            )
+        why = _refusal(turn, previous, self.groups, self.pending, self.ended)
+        if why is not None:
+            self.clients.settle(turn, exception=ValueError(why))
             return
         if self.batcher.scheduler.holds(turn.key) and not turn.extended:
             # the history was rewritten: start again on a fresh row
@@ -329,6 +318,19 @@ def _unfit(shape: tuple[int, int, int], context: list[int], limit: int) -> str |
             f"{len(context)} tokens and {limit} more exceed {max_len} (turns of {turn_tokens} at "
             "most)"
         )
+    return None
+
+
+def _refusal(turn: _Turn, previous: list[int] | None, groups, pending, ended) -> str | None:
+    """Why the run loop refuses a turn it takes (None: it is accepted); `turn.extended` is set."""
+    # a late request of an earlier rollout's sample
+    if groups and turn.key not in groups:
+        return f"{turn.key!r} is not a sample of this rollout"
+    if turn.key in pending or turn.key in ended:
+        why = "already has a turn under way" if turn.key in pending else "was ended"
+        return f"{turn.key!r} {why}"
+    if turn.extended and len(turn.context) == len(previous):
+        return f"{turn.key!r} came back with no new tokens"
     return None
 
 

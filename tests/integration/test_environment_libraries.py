@@ -14,7 +14,8 @@ import pytest
 from keel.api import train
 from keel.errors import AGENT_ENVIRONMENT, KeelError
 
-VERIFIERS_ENV = '''
+VERIFIERS_ENV = (
+    '''
 import verifiers as vf
 from datasets import Dataset
 
@@ -30,15 +31,18 @@ def turns_answered(state, **kwargs) -> float:
     return len(state["trajectory"]) / 2
 
 
-def group_size(states) -> list:  # a group-level function: verifiers scores a prompt's samples together
+def group_size(states) -> list:  # a group-level function: '''
+    """verifiers scores a prompt's samples together
     return [float(len(states))] * len(states)
 
 
 def load_environment(questions: int = 8):
-    dataset = Dataset.from_list([{"question": f"Count to {i}.", "answer": str(i)} for i in range(questions)])
+    dataset = Dataset.from_list([{"question": f"Count to {i}.", "answer": str(i)} """
+    """for i in range(questions)])
     rubric = vf.Rubric(funcs=[turns_answered, group_size], weights=[1.0, 0.0])
     return AskTwice(dataset=dataset, rubric=rubric, max_turns=2, sampling_args={"max_tokens": 4})
-'''
+"""
+)
 
 
 def run_metrics(cfg: dict) -> list[dict]:
@@ -116,7 +120,8 @@ def test_verifiers_environment_errors_name_the_cause(tiny_config, verifiers_pack
     )
 
 
-OPENENV_ENV = '''
+OPENENV_ENV = (
+    '''
 from openenv.core import EnvClient
 from openenv.core.client_types import StepResult
 from openenv.core.env_server.interfaces import Environment
@@ -153,7 +158,8 @@ class GuessEnvironment(Environment):
         self._state.step_count += 1
         done = self._state.step_count >= 3
         GUESSES.append(action.message)
-        return GuessObservation(prompt="Not it. Again.", turn=self._state.step_count, done=done, reward=0.5)
+        return GuessObservation(prompt="Not it. Again.", turn=self._state.step_count, '''
+    """done=done, reward=0.5)
 
     @property
     def state(self):
@@ -165,15 +171,19 @@ class GuessEnv(EnvClient[GuessAction, GuessObservation, State]):
         return {"message": action.message}
 
     def _parse_result(self, payload):
-        observation = GuessObservation(**payload.get("observation", {}), done=payload.get("done", False))
-        return StepResult(observation=observation, reward=payload.get("reward"), done=payload.get("done", False))
+        observation = GuessObservation(**payload.get("observation", {}), """
+    """done=payload.get("done", False))
+        return StepResult(observation=observation, reward=payload.get("reward"), """
+    """done=payload.get("done", False))
 
     def _parse_state(self, payload):
         return State(**payload)
 
 
-app = create_app(GuessEnvironment, GuessAction, GuessObservation, env_name="guess", max_concurrent_envs=64)
-'''
+app = create_app(GuessEnvironment, GuessAction, GuessObservation, env_name="guess", """
+    """max_concurrent_envs=64)
+"""
+)
 
 
 @pytest.fixture

@@ -14,7 +14,8 @@ from keel.errors import AGENT_FUNCTION, KeelError
 
 pytest.importorskip("openai")
 
-AGENT = """
+AGENT = (
+    """
 import itertools
 
 calls = itertools.count()
@@ -25,7 +26,8 @@ async def agent(client, row, extra_info):
     prompt = row["prompt"]
     messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=3)
-    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "and?"}]
+    messages += [first.choices[0].message.model_dump(exclude_none=True), """
+    """{"role": "user", "content": "and?"}]
     if n % 4 == 1:  # this agent rewrites its history: its tokens must not be trained as sampled
         messages[0] = {"role": "user", "content": "something else entirely"}
     if n % 4 == 2:
@@ -33,6 +35,7 @@ async def agent(client, row, extra_info):
     await client.chat.completions.create(model="policy", messages=messages, max_tokens=3)
     return 0.25 * (n % 4)  # 0 or 0.75 for the samples that stay
 """
+)
 
 
 def agent_config(tiny_config, tmp_path: Path) -> dict:

@@ -188,20 +188,28 @@ def test_the_calculator_refuses_what_is_not_arithmetic(expression, needle):
 QWEN25_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}"
     "{{- messages[0]['content'] }}"
-    "{%- else %}{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}{%- endif %}"
-    '{{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided '
-    'with function signatures within <tools></tools> XML tags:\\n<tools>" }}{%- for tool in tools %}{{- "\\n" }}'
-    '{{- tool | tojson }}{%- endfor %}{{- "\\n</tools>\\n\\nFor each function call, return a json object with function '
-    'name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, '
+    "{%- else %}{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}"
+    "{%- endif %}"
+    '{{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.'
+    "\\n\\nYou are provided "
+    'with function signatures within <tools></tools> XML tags:\\n<tools>" }}'
+    '{%- for tool in tools %}{{- "\\n" }}'
+    '{{- tool | tojson }}{%- endfor %}{{- "\\n</tools>\\n\\nFor each function call, '
+    "return a json object with function "
+    "name and arguments within <tool_call></tool_call> XML tags:"
+    '\\n<tool_call>\\n{\\"name\\": <function-name>, '
     '\\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}{%- else %}'
-    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\n"
+    "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
     "<|im_end|>\\n' }}{%- endif %}{%- endif %}"
     "{%- for message in messages %}"
-    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant' "
-    "and not message.tool_calls) %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) "
+    "or (message.role == 'assistant' and not message.tool_calls) %}"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
-    "{%- elif message.role == 'tool' %}{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}"
     "{{- '<|im_start|>user' }}{%- endif %}{{- '\\n<tool_response>\\n' }}{{- message.content }}"
     "{{- '\\n</tool_response>' }}{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}"
     "{{- '<|im_end|>\\n' }}{%- endif %}{%- endif %}{%- endfor %}"
@@ -470,7 +478,8 @@ def test_an_environment_that_names_no_class_with_a_step_is_refused(tmp_path, mon
         assert error.value.code == TOOL_CONFIG and "step()" in error.value.message, name
 
 
-VERL_INTERACTION = """
+VERL_INTERACTION = (
+    """
 from uuid import uuid4
 
 
@@ -495,7 +504,8 @@ class Gsm8kInteraction(BaseInteraction):  # verl's example, its scorer reduced t
 
     async def generate_response(self, instance_id, messages, **kwargs):
         content = next(m["content"] for m in reversed(messages) if m["role"] == "assistant")
-        assert messages[0]["role"] == "user" and "question" in messages[0]["content"]  # the prompt comes first
+        assert messages[0]["role"] == "user" and "question" in messages[0]["content"]  """
+    """# the prompt comes first
         correct = content.strip() == self._instance_dict[instance_id]["ground_truth"]
         if correct:
             return True, "Your response is correct!", 1.0, {}
@@ -512,6 +522,7 @@ class Polite(BaseInteraction):  # the base class's finalize, which takes no inst
     async def generate_response(self, instance_id, messages, **kwargs):
         return False, "go on", None, {}
 """
+)
 
 
 def test_verls_interactions_answer_turns_and_are_finalised(tmp_path):

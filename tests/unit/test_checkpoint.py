@@ -4,6 +4,7 @@ import pytest
 
 from keel import checkpoint as ckpt
 from keel.errors import EXPORT_TARGET, NOT_A_CHECKPOINT, RESUME_PATH, KeelError
+from keel.export import export_checkpoint
 
 
 def write_files(tmp):
@@ -65,7 +66,7 @@ def test_keep_only_the_newest(tmp_path):
 def test_export_refuses_an_incomplete_checkpoint(tmp_path):
     (tmp_path / "global_step_1" / "actor").mkdir(parents=True)
     with pytest.raises(KeelError) as info:
-        ckpt.export_checkpoint(tmp_path / "global_step_1", tmp_path / "out")
+        export_checkpoint(tmp_path / "global_step_1", tmp_path / "out")
     assert info.value.code == NOT_A_CHECKPOINT
     assert not (tmp_path / "out").exists()
 
@@ -80,9 +81,9 @@ def test_export_never_deletes_a_directory_it_did_not_write(tmp_path):
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
     with pytest.raises(KeelError) as info:
-        ckpt.export_checkpoint(path, precious)
+        export_checkpoint(path, precious)
     assert info.value.code == EXPORT_TARGET
     assert (precious / "notes.txt").read_text() == "keep me"
     # an earlier export is replaced
-    out = ckpt.export_checkpoint(path, tmp_path / "exported")
-    assert ckpt.export_checkpoint(path, out) == out and (out / "config.json").exists()
+    out = export_checkpoint(path, tmp_path / "exported")
+    assert export_checkpoint(path, out) == out and (out / "config.json").exists()

@@ -38,7 +38,9 @@ STDIN_PROGRAMS = {
     "always crashes": "print(1 // 0)",
     "syntax error": "print(1 +\n",
     "endless loop": "while True:\n    pass",
-    "extra whitespace and blank lines": "a, b = map(int, input().split())\nprint()\nprint('  ', a + b, '  ')\nprint()",
+    "extra whitespace and blank lines": (
+        "a, b = map(int, input().split())\nprint()\nprint('  ', a + b, '  ')\nprint()"
+    ),
     "reads sys.stdin": "import sys\nprint(sum(map(int, sys.stdin.read().split())))",
     "main guard": "def main():\n    a, b = map(int, input().split())\n    print(a + b)\n\n"
     "if __name__ == '__main__':\n    main()",
@@ -49,10 +51,16 @@ STDIN_PROGRAMS = {
     "sys.stdin.buffer": "import sys\nprint(sum(map(int, sys.stdin.buffer.read().split())))",
     "writes to fd 1 itself": "import os\nos.write(1, b'3\\n')",
     "bare stdin.readline": "a, b = map(int, stdin.readline().split())\nprint(a + b)",
-    "from sys import stdin": "from sys import stdin\na, b = map(int, stdin.readline().split())\nprint(a + b)",
-    "input = sys.stdin.readline": "import sys\ninput = sys.stdin.readline\nprint(sum(map(int, input().split())))",
+    "from sys import stdin": (
+        "from sys import stdin\na, b = map(int, stdin.readline().split())\nprint(a + b)"
+    ),
+    "input = sys.stdin.readline": (
+        "import sys\ninput = sys.stdin.readline\nprint(sum(map(int, input().split())))"
+    ),
     "open(0)": "print(sum(map(int, open(0).read().split())))",
-    "sys.stdout.write": "import sys\na, b = map(int, input().split())\nsys.stdout.write(str(a + b))",
+    "sys.stdout.write": (
+        "import sys\na, b = map(int, input().split())\nsys.stdout.write(str(a + b))"
+    ),
 }
 
 

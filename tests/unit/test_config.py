@@ -14,6 +14,7 @@ from keel.errors import (
     UNKNOWN_KEY,
     KeelError,
 )
+from keel.types import OldLogProbSource
 
 BASE = {"data": {"train_files": ["train.jsonl"]}, "actor_rollout_ref": {"model": {"path": "model"}}}
 
@@ -458,7 +459,7 @@ def test_keels_decisions_are_the_plans_and_the_config_stays_as_written():
     written = ["trainer.mode=async", "trainer.n_gpus_per_node=2"]
     cfg, plan = load_run(BASE, written)
     assert plan.rollout_correction.bypass_mode and plan.reward_workers >= 1
-    assert plan.old_log_probs == "sampler"
+    assert plan.old_log_probs is OldLogProbSource.SAMPLER
     assert "trainer.mode" in plan.given and plan.decided
     # what the user wrote, nothing added
     assert cfg == load_config(BASE, written)

@@ -56,21 +56,25 @@ def accounted(request):
     return HOW[request.param]
 
 
-WHO_AM_I = textwrap.dedent("""
+WHO_AM_I = textwrap.dedent(
+    """
     import json, os
     status = dict(line.split(":", 1) for line in open("/proc/self/status"))
     escalated = []
     for name, attempt in [("setuid", lambda: os.setuid(0)), ("setgid", lambda: os.setgid(0)),
                           ("setgroups", lambda: os.setgroups([0])),
-                          ("chmod a file of root's", lambda: os.chmod("/dev/null", 0o666))]:  # its mode already
+                          ("chmod a file of root's", lambda: os.chmod("/dev/null", 0o666))]:  """
+    """# its mode already
         try:
             attempt()
             escalated.append(name)
         except OSError:
             pass
-    print(json.dumps({"uid": os.getuid(), "euid": os.geteuid(), "cap_eff": int(status["CapEff"], 16),
+    print(json.dumps({"uid": os.getuid(), "euid": os.geteuid(), "cap_eff": """
+    """int(status["CapEff"], 16),
                       "cap_prm": int(status["CapPrm"], 16), "escalated": escalated}))
-""")
+"""
+)
 
 
 def test_the_program_is_not_root_and_holds_no_capability(accounted):
@@ -198,7 +202,8 @@ def _python_nobody_can_run() -> str | None:
 
 
 TRAINER_PYTHON = _python_nobody_can_run()
-AS_A_ROOT_TRAINER = textwrap.dedent("""
+AS_A_ROOT_TRAINER = textwrap.dedent(
+    """
     import json, sys
     sys.modules["pyseccomp"] = None
     from keel.rewards.jail.bwrap import Limits, run_jailed
@@ -206,11 +211,15 @@ AS_A_ROOT_TRAINER = textwrap.dedent("""
     mode, code, out = sys.argv[1], sys.argv[2], {}
     if mode == "probe":
         found = jail()
-        print(json.dumps({"mode": found.mode, "missing": found.missing(), "summary": found.summary()}))
+        print(json.dumps({"mode": found.mode, "missing": found.missing(), "summary": """
+    """found.summary()}))
         sys.exit()
-    done = run_jailed(mode, code, "", Limits(cpu_s=3, wall_s=30, memory_mb=128, processes=16), accounted=False)
-    print(json.dumps({"returncode": done.returncode, "stdout": done.stdout.decode(), "stderr": done.stderr.decode()}))
-""")
+    done = run_jailed(mode, code, "", Limits(cpu_s=3, wall_s=30, memory_mb=128, processes=16), """
+    """accounted=False)
+    print(json.dumps({"returncode": done.returncode, "stdout": done.stdout.decode(), "stderr": """
+    """done.stderr.decode()}))
+"""
+)
 
 
 def as_root_trainer(mode: str, code: str = "", path: str = "/usr/bin:/bin") -> dict:
@@ -269,7 +278,8 @@ def test_bubblewrap_in_a_user_namespace_never_maps_the_program_to_root():
     assert 0 < int(as_root_trainer(IN_USER_NAMESPACE, count_forks(200))["stdout"]) < 16
 
 
-AT_FORK_THREAD = textwrap.dedent("""
+AT_FORK_THREAD = textwrap.dedent(
+    """
     import os, threading, time
     script = os.getpid()
     def start_a_thread_or_hang():  # as a library's hook may (OpenTelemetry's, imported with mlflow)
@@ -283,10 +293,13 @@ AT_FORK_THREAD = textwrap.dedent("""
     from keel.rewards.jail.sandbox import jail
     print(userns.available())  # the run's own namespace, with the hook's thread in every fork
     for accounted in (True, False):
-        finished = run_jailed(jail().mode, "print(6 * 7)", "", Limits(cpu_s=3, wall_s=30, memory_mb=128,
-                                                                        processes=16), accounted=accounted)
+        finished = run_jailed(jail().mode, "print(6 * 7)", "", """
+    """Limits(cpu_s=3, wall_s=30, memory_mb=128,
+                                                                        processes=16), """
+    """accounted=accounted)
         print(finished.stdout.decode().strip())
-""")
+"""
+)
 
 
 def test_a_library_hook_that_starts_a_thread_after_fork_does_not_break_a_run():

@@ -13,7 +13,7 @@ KEEL = Path(__file__).parents[2] / "keel"
 LAYERS = [
     {"errors", "types", "openmp", "version"},
     {"config", "algorithms"},
-    {"data", "models", "rewards", "rollout", "training", "observe", "checkpoint"},
+    {"data", "models", "rewards", "rollout", "training", "observe", "checkpoint", "export"},
     {"distributed"},
     {"trainer"},
     {"check"},

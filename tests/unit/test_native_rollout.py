@@ -531,12 +531,15 @@ def test_decode_attention_config_is_resolved_for_the_launch_and_keeps_what_is_se
     assert KernelConfig(split=48).resolved(2304, programs=16, sms=132).block == 32
 
 
-INTERPRETED_ATTENTION = """
+INTERPRETED_ATTENTION = (
+    """
 import types, torch
 torch.cuda.get_device_properties = lambda device: types.SimpleNamespace(multi_processor_count=132)
-from keel.rollout.native.attention import KernelConfig, sdpa_decode_attention, triton_decode_attention
+from keel.rollout.native.attention import KernelConfig, sdpa_decode_attention, """
+    """triton_decode_attention
 
-def check(pad, column, length=300, rows=None, cache_rows=None, heads=14, kv=2, dim=64, sinks=False, **config):
+def check(pad, column, length=300, rows=None, cache_rows=None, heads=14, kv=2, dim=64, """
+    """sinks=False, **config):
     torch.manual_seed(0)
     batch = len(pad)
     pad, column = torch.tensor(pad), torch.tensor(column)
@@ -548,20 +551,29 @@ def check(pad, column, length=300, rows=None, cache_rows=None, heads=14, kv=2, d
     visible = ((cols >= pad[:, None]) & (cols <= column.expand(batch)[:, None]))[:, None, None]
     expected_caches = [c.clone() for c in caches]
     expected = sdpa_decode_attention(q, k, v, *expected_caches, pad, column, visible, rows, sinks)
-    got = triton_decode_attention(q, k, v, *caches, pad, column, rows=rows, sinks=sinks, config=KernelConfig(**config))
+    got = triton_decode_attention(q, k, v, *caches, pad, column, rows=rows, sinks=sinks, """
+    """config=KernelConfig(**config))
     assert (got - expected).abs().max() < 1e-4, (pad, column, config)
     assert all(torch.equal(c, e) for c, e in zip(caches, expected_caches)), (pad, column, config)
 
 for config in (dict(split=0), dict(split=64, block=32), dict()):
-    check([0, 1, 63, 64, 65, 130, 200, 256], [256], **config)        # first columns in later splits; a split's start
-    check([0, 10, 64, 129, 200], [0, 63, 64, 130, 299], rows=torch.tensor([7, 2, 11, 0, 5]), cache_rows=12,
-          heads=12, dim=128, **config)                                 # continuous batching: rows, own columns
-check([0, 3], [6], length=8)                                           # a cache shorter than tl.dot's 16
-check([0] * 4, [1000], length=2304)                                    # few rows, long cache: splits by default
-for config in (dict(split=0), dict(split=64, block=32)):                # attention sinks (GPT-OSS), with and
-    check([0, 1, 64, 130, 256], [256], heads=8, kv=2, sinks=True, **config)  # without splits to merge
+    check([0, 1, 63, 64, 65, 130, 200, 256], [256], **config)        """
+    """# first columns in later splits; a split's start
+    check([0, 10, 64, 129, 200], [0, 63, 64, 130, 299], rows=torch.tensor([7, 2, 11, 0, 5]), """
+    """cache_rows=12,
+          heads=12, dim=128, **config)                                 """
+    """# continuous batching: rows, own columns
+check([0, 3], [6], length=8)                                           """
+    """# a cache shorter than tl.dot's 16
+check([0] * 4, [1000], length=2304)                                    """
+    """# few rows, long cache: splits by default
+for config in (dict(split=0), dict(split=64, block=32)):                """
+    """# attention sinks (GPT-OSS), with and
+    check([0, 1, 64, 130, 256], [256], heads=8, kv=2, sinks=True, **config)  """
+    """# without splits to merge
 print("ok")
 """
+)
 
 
 def test_triton_decode_attention_matches_sdpa_under_the_interpreter():

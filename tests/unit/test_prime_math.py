@@ -302,9 +302,9 @@ KNOWN_DIFFERENCES = {
     ): "keel parses literal matrices only",
 }
 # Not compared here: verl bounds each sympy comparison at 10 s (a forked process) and scores one
-# past it 0, where keel runs on under reward.timeout_s (see keel/rewards/verl/prime_math.py); verl's eval
-# has no bound at all (`\boxed{9**9**9\pi}` never returns), where keel refuses values too large to
-# build; and when both the answer and the ground truth nest brackets more than about 230 deep,
+# past it 0, where keel runs on under reward.timeout_s (see keel/rewards/verl/prime_math.py); verl's
+# eval has no bound at all (`\boxed{9**9**9\pi}` never returns), where keel refuses values too large
+# to build; and when both the answer and the ground truth nest brackets more than about 230 deep,
 # keel's comparison runs out of Python's recursion limit before verl's (four frames a level against
 # two) and calls wrong what verl may call right. No ground truth nests like that.
 

@@ -38,12 +38,15 @@ def test_a_correct_program_passes_and_a_wrong_one_scores_zero():
 
 
 def test_a_program_may_use_its_scratch_directory_and_threads():
-    program = textwrap.dedent("""
+    program = textwrap.dedent(
+        """
         import threading, subprocess
         open("notes.txt", "w").write("kept")
         threading.Thread(target=print, args=("thread",)).start()
-        print(open("notes.txt").read(), subprocess.run(["echo", "child"], capture_output=True, text=True).stdout)
-    """)
+        print(open("notes.txt").read(), subprocess.run(["echo", "child"], """
+        """capture_output=True, text=True).stdout)
+    """
+    )
     assert run_python(program, "", LIMITS).split() == ["thread", "kept", "child"]
 
 
@@ -111,17 +114,22 @@ def test_writes_outside_the_scratch_directory_fail_by_every_path(tmp_path):
 def test_nothing_outside_is_readable(tmp_path):
     secret = tmp_path / "answers.jsonl"
     secret.write_text("EXPECTED-OUTPUT-42")
-    program = textwrap.dedent(f"""
+    program = textwrap.dedent(
+        f"""
         import os, glob
         found = []
-        for path in [{str(secret)!r}, "/etc/hostname", "/etc/passwd", "/root/.bashrc", {os.getcwd()!r}]:
+        for path in [{str(secret)!r}, "/etc/hostname", "/etc/passwd", "/root/.bashrc", """
+        f"""{os.getcwd()!r}]:
             try:
-                found.append(open(path).read()[:40] if os.path.isfile(path) else str(os.listdir(path)))
+                found.append(open(path).read()[:40] if os.path.isfile(path) """
+        f"""else str(os.listdir(path)))
             except OSError:
                 pass
-        found += glob.glob("/*/*answers*") + glob.glob("/*/*/*answers*") + glob.glob("/home/*") + glob.glob("/tmp/*")
+        found += glob.glob("/*/*answers*") + glob.glob("/*/*/*answers*") + """
+        f"""glob.glob("/home/*") + glob.glob("/tmp/*")
         print(found)
-    """)
+    """
+    )
     assert run_python(program, "", LIMITS).strip() == "[]"
 
 
@@ -234,7 +242,8 @@ def test_a_fork_bomb_ends_and_leaves_nothing_behind():
 
 
 def test_it_cannot_become_root_or_remount():
-    program = textwrap.dedent("""
+    program = textwrap.dedent(
+        """
         import os, subprocess
         for attempt in (lambda: os.setuid(0), lambda: os.chroot("/")):
             try:
@@ -242,14 +251,16 @@ def test_it_cannot_become_root_or_remount():
                 print("ESCALATED")
             except OSError:
                 pass
-        for cmd in (["mount", "-o", "remount,rw", "/"], ["unshare", "-r", "touch", "/usr/keel_escaped"]):
+        for cmd in (["mount", "-o", "remount,rw", "/"], """
+        """["unshare", "-r", "touch", "/usr/keel_escaped"]):
             try:
                 if subprocess.run(cmd, capture_output=True).returncode == 0:
                     print("ESCALATED", cmd)
             except OSError:
                 pass
         print(os.getuid())
-    """)
+    """
+    )
     out = run_python(program, "", LIMITS)
     assert "ESCALATED" not in out and out.split()[-1] != "0"
     assert not os.path.exists("/usr/keel_escaped")
@@ -362,7 +373,8 @@ def test_no_namespaces_keyrings_or_memfds_inside():
     """A user namespace would give the program every capability over mounts it makes (a tmpfs
     the size of half the host's memory); the user keyring outlives each run (a channel between
     samples); a memfd's pages are outside RLIMIT_AS."""
-    program = textwrap.dedent("""
+    program = textwrap.dedent(
+        """
         import ctypes, os, subprocess
         libc = ctypes.CDLL(None, use_errno=True)
         escaped = []
@@ -375,12 +387,14 @@ def test_no_namespaces_keyrings_or_memfds_inside():
             escaped.append("memfd")
         except OSError:
             pass
-        if libc.syscall(ADD_KEY, b"user", b"keel_probe", b"v", 1, -4) != -1:  # into the user keyring, @u
+        if libc.syscall(ADD_KEY, b"user", b"keel_probe", b"v", 1, -4) != -1:  """
+        """# into the user keyring, @u
             escaped.append("add_key")
         import threading
         threading.Thread(target=print, args=("threads still work",)).start()
         print(escaped)
-    """)
+    """
+    )
     import pyseccomp
 
     program = program.replace(

@@ -61,12 +61,15 @@ class SandboxViolation(Exception):
 
 # What each protection means, in the words `keel doctor` prints.
 PROTECTIONS = {
-    "filesystem": "read-only system directories only; writes go to a private in-memory scratch directory",
+    "filesystem": "read-only system directories only; writes go to a private in-memory "
+    "scratch directory",
     "network": "no network (a network namespace of its own)",
-    "processes": "cannot see or signal the trainer; every process it starts dies with it (a pid namespace)",
+    "processes": "cannot see or signal the trainer; every process it starts dies with it "
+    "(a pid namespace)",
     "user": f"an unprivileged user without capabilities (uid {SANDBOX_UID}; checked inside: uid, "
     "CapEff, CapPrm)",
-    "syscalls": "no new namespaces, keyrings or other kernel interfaces a judge never needs (seccomp)",
+    "syscalls": "no new namespaces, keyrings or other kernel interfaces a judge never needs "
+    "(seccomp)",
     "limits": "CPU time, open files and file size limited per process by hard rlimits the program "
     "cannot raise (address space too where no cgroup bounds memory)",
     "process count": "its processes and threads capped, so a fork bomb stops (cgroup pids.max, or "
@@ -186,9 +189,11 @@ def limit_verdict(finished: Finished, limits: Limits) -> str | None:
 
 
 # Run inside a candidate jail: each protection checked from where the solution stands.
-_PROBE_TOOLS = r"""
+_PROBE_TOOLS = (
+    r"""
 import json, os, resource, socket, sys
-trainer_pid, trainer_uid, trainer_dir, cap = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+trainer_pid, trainer_uid, trainer_dir, cap = int(sys.argv[1]), int(sys.argv[2]), """
+    r"""sys.argv[3], int(sys.argv[4])
 def refused(action):
     try:
         action()
@@ -196,7 +201,8 @@ def refused(action):
         return True
     return False
 def status(field):
-    return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith(field + ":")), 16)
+    return int(next(line.split()[1] for line in open("/proc/self/status") """
+    r"""if line.startswith(field + ":")), 16)
 def processes_started():
     gate, release = os.pipe()
     started = 0
@@ -214,6 +220,7 @@ def processes_started():
         os.wait()
     return started
 """
+)
 _PROBE = (
     _PROBE_TOOLS
     + r"""

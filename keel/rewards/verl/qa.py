@@ -51,7 +51,8 @@ def targets(ground_truth: Any) -> Any:
         return ground_truth["target"]
     except (TypeError, KeyError, IndexError) as e:
         raise TypeError(
-            f'search_r1 reads the ground truth as {{"target": [answers]}} (verl\'s Search-R1 data); '
+            'search_r1 reads the ground truth as {"target": [answers]} '
+            "(verl's Search-R1 data); "
             f"got {type(ground_truth).__name__} {str(ground_truth)[:80]!r}"
         ) from e
 

@@ -227,7 +227,8 @@ if triton is not None:
         q_b, q_h, k_b, k_h, v_b, v_h, kc_b, kc_h, kc_l, vc_b, vc_h, vc_l,
         split_len, splits,
         GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
-        ONE_PASS: tl.constexpr, INDIRECT: tl.constexpr, COLUMN_STRIDE: tl.constexpr, SINKS: tl.constexpr,
+        ONE_PASS: tl.constexpr, INDIRECT: tl.constexpr, COLUMN_STRIDE: tl.constexpr,
+        SINKS: tl.constexpr,
     ):  # fmt: skip
         # the query row; its cache row is Rows[slot] under continuous batching
         slot = tl.program_id(0)
