@@ -242,24 +242,30 @@ def mismatch_error(checkpoint: Path, cfg, message: str, old: dict | None = None)
     return KeelError(RESUME_MISMATCH, message, new_run_fix(Path(cfg.run_dir), cfg) + back)
 
 
-def resume_point(run_dir: Path, cfg) -> Path | None:
+def resume_point(run_dir: Path, cfg, applied=None) -> Path | None:
     """The checkpoint a run resumes from (trainer.resume_mode), once it is known to be this run's:
-    None to start fresh."""
+    None to start fresh. `applied`: the config with keel's decisions in place (`Plan.applied`)."""
     found = resolve_resume(run_dir, cfg.trainer.resume_mode, cfg)
     if found is not None:
-        check_same_run(found, cfg)
+        check_same_run(found, cfg, applied)
     return found
 
 
-def check_same_run(checkpoint: Path, cfg) -> None:
-    """Refuse to resume with settings that would make a different run (a new lr, dataset, model)."""
+def check_same_run(checkpoint: Path, cfg, applied=None) -> None:
+    """Refuse to resume with settings that would make a different run (a new lr, dataset, model).
+    A checkpoint saved before keel kept its decisions out of the config holds them in its
+    config.yaml: it matches `applied`, the config with those decisions in place."""
     from keel.config.load import changed_keys, flatten, to_dict
 
     saved = checkpoint / "config.yaml"
     if not saved.is_file():
         return
     old = yaml.safe_load(saved.read_text())
-    changes = changed_keys(old, to_dict(cfg), cfg.RESUME_MAY_CHANGE, defaults=to_dict(type(cfg)()))
+    defaults = to_dict(type(cfg)())
+    changes = changed_keys(old, to_dict(cfg), cfg.RESUME_MAY_CHANGE, defaults=defaults)
+    if changes and applied is not None:
+        as_applied = changed_keys(old, to_dict(applied), cfg.RESUME_MAY_CHANGE, defaults=defaults)
+        changes = changes if as_applied else []
     if changes:
         old_values = {**flatten(to_dict(type(cfg)())), **flatten(old)}
         raise mismatch_error(

@@ -132,7 +132,7 @@ def check_run_dir(cfg: KeelConfig, context: dict) -> list[Finding]:
         raise KeelError(
             RUN_DIR_NOT_WRITABLE, f"cannot write under {existing}: {e}", writable_run_dir(run_dir)
         ) from e
-    resume = ckpt.resume_point(run_dir, cfg)
+    resume = ckpt.resume_point(run_dir, cfg, context["plan"].applied(cfg))
     action = f"resume from {resume}" if resume is not None else "start a new run"
     return [Finding(PASS, "run directory", f"{run_dir}: writable; will {action}")]
 

@@ -70,6 +70,16 @@ class Plan:
             return policy
         return replace(policy, actor=replace(policy.actor, fsdp_config=self.actor_fsdp(cfg)))
 
+    def applied(self, cfg: KeelConfig) -> KeelConfig:
+        """A copy of `cfg` with keel's decisions in place: what keel before the plan wrote into
+        the config, and so into a checkpoint's config.yaml, which a resume compares against."""
+        return replace(
+            cfg,
+            algorithm=replace(cfg.algorithm, rollout_correction=self.rollout_correction),
+            reward=replace(cfg.reward, num_workers=self.reward_workers),
+            actor_rollout_ref=self.policy(cfg),
+        )
+
 
 def plan_of(
     cfg: KeelConfig,

@@ -165,7 +165,12 @@ def tiny_model_types() -> list[str]:
 
 
 def active_parameters(config, parameters: int) -> int:
-    """Parameters a token passes through: a mixture of experts' unrouted experts left out (all of
-    them for a model type no family knows)."""
+    """Parameters a token passes through: a mixture of experts' unrouted experts left out. A model
+    type no family knows is counted as Qwen's mixtures count (qwen2_moe's config names the same
+    fields) when its config has experts, else whole."""
     facts = FACTS.get(config.model_type)
-    return facts.active_parameters(config, parameters) if facts else parameters
+    if facts is not None:
+        return facts.active_parameters(config, parameters)
+    if getattr(config, "num_experts", 0):
+        return _qwen3_moe_active(config, parameters)
+    return parameters

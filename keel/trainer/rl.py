@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from keel import checkpoint as ckpt
-from keel.config.plan import Plan, make_plan
+from keel.config.plan import Plan, make_plan, plan_of
 from keel.config.schema import GROUP_ESTIMATORS, KeelConfig
 from keel.observe.batch_metrics import batch_metrics, throughput_metrics
 from keel.observe.guards import (
@@ -59,7 +59,9 @@ class RLTrainer:
         written."""
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
-        self.resume_from = ckpt.resume_point(self.run_dir, cfg)
+        # a checkpoint of keel before the plan holds keel's decisions in its config.yaml
+        applied = (plan or plan_of(cfg)).applied(cfg)
+        self.resume_from = ckpt.resume_point(self.run_dir, cfg, applied)
         self.hooks = [load_hook(spec, cfg.trainer.hooks) for spec in cfg.trainer.hooks]
         self.guard = LearningSignalGuard(
             cfg.trainer.guards,

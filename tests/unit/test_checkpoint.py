@@ -87,3 +87,30 @@ def test_export_never_deletes_a_directory_it_did_not_write(tmp_path):
     # an earlier export is replaced
     out = export_checkpoint(path, tmp_path / "exported")
     assert export_checkpoint(path, out) == out and (out / "config.json").exists()
+
+
+def test_an_async_checkpoint_from_before_the_plan_resumes_and_a_changed_run_still_does_not(
+    tmp_path,
+):
+    """keel once wrote its async decisions (bypass mode, reward workers) into the config and so
+    into a checkpoint's config.yaml; the config now stays as written, and a resume still matches
+    such a checkpoint through the plan's applied config, but not a run with another lr."""
+    from keel.config.load import load_run, to_yaml
+    from keel.errors import RESUME_MISMATCH
+
+    written = ["trainer.mode=async"]
+    base = {"data": {"train_files": ["t.jsonl"]}, "actor_rollout_ref": {"model": {"path": "m"}}}
+    cfg, plan = load_run(base, written)
+    assert plan.rollout_correction.bypass_mode and not cfg.algorithm.rollout_correction.bypass_mode
+    old = tmp_path / "global_step_2"
+    old.mkdir()
+    (old / "config.yaml").write_text(to_yaml(plan.applied(cfg)))
+    with pytest.raises(KeelError) as refused:
+        ckpt.check_same_run(old, cfg)
+    assert refused.value.code == RESUME_MISMATCH and "bypass_mode" in refused.value.message
+    ckpt.check_same_run(old, cfg, plan.applied(cfg))
+
+    other, other_plan = load_run(base, [*written, "actor_rollout_ref.actor.optim.lr=0.5"])
+    with pytest.raises(KeelError) as changed:
+        ckpt.check_same_run(old, other, other_plan.applied(other))
+    assert changed.value.code == RESUME_MISMATCH and "optim.lr" in changed.value.message

@@ -161,3 +161,22 @@ def test_active_parameters_leave_out_the_unrouted_experts():
         parameters = sum(p.numel() for p in meta_model(config).parameters())
         assert round(parameters / 1e9, 2) == total
         assert round(active_parameters(config, parameters) / 1e9, 2) == active
+
+
+def test_a_mixture_no_family_knows_is_counted_by_its_experts():
+    """Qwen2-MoE has no native family: its unrouted experts are still left out of the count the
+    benchmark's MFU reads (2 of 8 experts routed, in each of 2 layers)."""
+    from transformers import Qwen2MoeConfig
+
+    from keel.models.families import active_parameters
+
+    config = Qwen2MoeConfig(
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        decoder_sparse_step=1,
+    )
+    # 6 unrouted experts a layer, each gate, up and down projections of 64 x 32
+    assert active_parameters(config, 10**6) == 10**6 - 2 * 6 * 3 * 64 * 32
