@@ -98,7 +98,7 @@ def unsynced_engine(c) -> list[str]:
 
 
 def failing_compiler(c) -> list[str]:
-    from keel.distributed import parallelize, worker
+    from keel.distributed import parallelize, roles
     from keel.distributed.parallelize import block_modules
 
     def failing_backend(graph_module, example_inputs):
@@ -109,7 +109,7 @@ def failing_compiler(c) -> list[str]:
             block.forward = torch.compile(block.forward, backend=failing_backend)
 
     # as on a GPU
-    c.applier.monkeypatch.setattr(worker, "can_compile", lambda device: True)
+    c.applier.monkeypatch.setattr(roles, "can_compile", lambda device: True)
     c.applier.monkeypatch.setattr(parallelize, "compile_blocks", compile_with_failing_backend)
     return c.train()
 

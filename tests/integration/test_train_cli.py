@@ -429,16 +429,16 @@ def test_nan_rewards_stop_or_skip_the_step(tiny_config, tmp_path):
 
 def test_gradients_cut_from_the_weights_stop_the_run(tiny_config, monkeypatch):
     from keel.api import train
-    from keel.distributed import worker
+    from keel.distributed import roles
     from keel.errors import NO_GRADIENT, KeelError
 
-    real = worker.load_causal_lm
+    real = roles.load_causal_lm
 
     # e.g. a wrapper that left every weight frozen
     def frozen(*args, **kwargs):
         return real(*args, **kwargs).requires_grad_(False)
 
-    monkeypatch.setattr(worker, "load_causal_lm", frozen)
+    monkeypatch.setattr(roles, "load_causal_lm", frozen)
     with pytest.raises(KeelError) as info:
         train(tiny_config)
     assert info.value.code == NO_GRADIENT
@@ -496,7 +496,7 @@ def test_a_torch_compile_failure_names_the_switch_that_avoids_it(
     """The layers compile (as on a GPU) with a backend that fails, as inductor can on an unusual
     model or release: the run stops with KEEL-E009 and the key that turns compilation off, not
     with a compiler traceback alone; with that key set the same run trains."""
-    from keel.distributed import parallelize, worker
+    from keel.distributed import parallelize, roles
     from keel.distributed.parallelize import block_modules
 
     def failing_backend(graph_module, example_inputs):
@@ -506,7 +506,7 @@ def test_a_torch_compile_failure_names_the_switch_that_avoids_it(
         for block in block_modules(model):
             block.forward = torch.compile(block.forward, backend=failing_backend)
 
-    monkeypatch.setattr(worker, "can_compile", lambda device: True)
+    monkeypatch.setattr(roles, "can_compile", lambda device: True)
     monkeypatch.setattr(parallelize, "compile_blocks", compile_with_failing_backend)
     tiny_config["trainer"]["total_training_steps"] = 1
     assert main(["train", str(write_config(tiny_config, tmp_path / "cfg.yaml"))]) != 0
