@@ -1,6 +1,7 @@
 """keel: reinforcement-learning post-training for Hugging Face language models."""
 
-from keel import openmp as _openmp  # noqa: F401 - first, before anything loads torch (the module says why)
+# first, before anything loads torch (the module says why)
+from keel import openmp as _openmp  # noqa: F401
 from keel.version import __version__
 
 

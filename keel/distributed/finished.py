@@ -96,7 +96,8 @@ class FinishedChannel:
                 call, row, telling = self.queue.get(block=True, timeout=DRAIN_POLL_S)
             except queue.Empty:
                 continue
-            except Exception as error:  # noqa: BLE001 - the queue's actor is gone: samples score with their batch
+            # the queue's actor is gone: samples score with their batch
+            except Exception as error:  # noqa: BLE001
                 if not self.closed:
                     log.warning(
                         "finished samples can no longer reach the driver early (%s); batches "
@@ -119,7 +120,8 @@ class FinishedChannel:
                 try:
                     # the sample's record and response text
                     on_finished(row, *telling)
-                except Exception:  # noqa: BLE001 - the sample is scored with its batch, which says any error
+                # the sample is scored with its batch, which says any error
+                except Exception:  # noqa: BLE001
                     log.exception(
                         "beginning a finished sample's scoring failed; its batch scores it"
                     )

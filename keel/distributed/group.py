@@ -159,7 +159,8 @@ class RayGroup:
         def wait() -> None:
             try:
                 future.set_result(self._replies(method, refs, ahead))
-            except BaseException as error:  # noqa: BLE001 - the caller of result() gets it, as call's did
+            # the caller of result() gets it, as call's did
+            except BaseException as error:  # noqa: BLE001
                 future.set_exception(error)
             finally:
                 self.in_flight.discard(future)

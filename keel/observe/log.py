@@ -58,7 +58,8 @@ class SaidOnce(logging.Filter):
 
 
 @contextmanager
-def warnings_said_once(logger: logging.Logger = logging.getLogger("keel")):  # noqa: B008 - one logger per name
+# one logger per name
+def warnings_said_once(logger: logging.Logger = logging.getLogger("keel")):  # noqa: B008
     """Within the block, `logger`'s repeated warnings are counted instead of printed; at its end, a
     line per warning that repeated."""
     said_once = SaidOnce()

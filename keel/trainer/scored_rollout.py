@@ -169,7 +169,8 @@ class ScoredRollout:
         def finished(row: int, record, text: str) -> None:
             try:
                 started[row] = self.start_scoring(record, text)
-            except Exception:  # noqa: BLE001 - never a generation's failure: its batch scores it, and says why
+            # never a generation's failure: its batch scores it, and says why
+            except Exception:  # noqa: BLE001
                 log.exception("beginning a finished sample's scoring failed; its batch scores it")
 
         return started, finished

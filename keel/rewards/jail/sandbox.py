@@ -153,7 +153,8 @@ class Jail:
 _CPU_SIGNALS = {-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU, 128 + signal.SIGKILL}
 
 
-def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> str:  # noqa: B008 - frozen, safe to share
+# frozen, safe to share
+def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> str:  # noqa: B008
     """The solution's stdout; SandboxViolation when a limit stopped it, with the reason."""
     found = jail()
     finished = run_jailed(

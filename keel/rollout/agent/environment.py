@@ -31,7 +31,8 @@ class Environment(ABC):
     def step(self, text: str) -> tuple[str, float, bool]:
         """The model's turn (its text) -> (observation for the next user turn, reward, done)."""
 
-    def close(self) -> None:  # noqa: B027 - optional: a no-op unless the environment holds something
+    # optional: a no-op unless the environment holds something
+    def close(self) -> None:  # noqa: B027
         """After the episode's last turn: release what the episode held."""
 
 

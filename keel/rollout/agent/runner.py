@@ -209,7 +209,8 @@ class ToolRunner:
         if status == "ok":
             try:
                 output = _as_output(result)
-            except Exception as error:  # noqa: BLE001 - a tool's bad result is the model's feedback too
+            # a tool's bad result is the model's feedback too
+            except Exception as error:  # noqa: BLE001
                 output = ToolOutput(
                     f"Error when executing tool: {type(error).__name__}: {str(error)[:200]}",
                     status="error",

@@ -104,7 +104,8 @@ def _serve(index: int, section, inbox, reports) -> None:
         return
     while (work := _next_work(inbox)) is not None:
         url, token, jobs, at_once, timeout_s = work
-        ended = lambda name: reports.put(("ended", index, name))  # noqa: E731 - a callback, named for its job
+        # a callback, named for its job
+        ended = lambda name: reports.put(("ended", index, name))  # noqa: E731
         outcomes = asyncio.run(run_agents(agent, url, token, jobs, at_once, timeout_s, ended))
         reports.put(("outcomes", index, outcomes))
 

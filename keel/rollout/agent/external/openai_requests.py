@@ -125,7 +125,8 @@ class PromptReader:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools, tokenize=False, add_generation_prompt=True
             )
-        except Exception as error:  # noqa: BLE001 - jinja's (or keel's template check's) errors on a malformed conversation
+        # jinja's (or keel's template check's) errors on a malformed conversation
+        except Exception as error:  # noqa: BLE001
             raise RequestError(f"the chat template refused the messages: {error}") from None
         return self.tokenizer.encode(text, add_special_tokens=False), conversation
 

@@ -103,7 +103,8 @@ class OpenEnvAgent:
 
         try:
             asyncio.run(asyncio.wait_for(reset(), timeout_s))
-        except Exception as error:  # noqa: BLE001 - refused, timed out, or a server error: each named
+        # refused, timed out, or a server error: each named
+        except Exception as error:  # noqa: BLE001
             reason = (
                 f"its server at {self.base_url} did not answer a reset: {type(error).__name__}: "
                 f"{error}"

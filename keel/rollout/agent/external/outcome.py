@@ -67,7 +67,8 @@ def load_attribute(spec: str, directory: Path | None = None):
             loader.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
-    except Exception as error:  # noqa: BLE001 - the user's module: missing or raising on import, named
+    # the user's module: missing or raising on import, named
+    except Exception as error:  # noqa: BLE001
         raise ValueError(
             f"{where!r} could not be loaded: {type(error).__name__}: {error}"
         ) from None

@@ -47,7 +47,8 @@ def _load(name: str, args: dict):
         )
     try:
         env = load(name, **args)
-    except Exception as error:  # noqa: BLE001 - the environment's own code: missing or raising, named
+    # the environment's own code: missing or raising, named
+    except Exception as error:  # noqa: BLE001
         raise environment_error(
             spec, f"load_environment raised {type(error).__name__}: {error}"
         ) from None
