@@ -60,8 +60,8 @@ class RLTrainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         # a checkpoint of keel before the plan holds keel's decisions in its config.yaml
-        applied = (plan or plan_of(cfg)).applied(cfg)
-        self.resume_from = ckpt.resume_point(self.run_dir, cfg, applied)
+        plan = plan or plan_of(cfg)
+        self.resume_from = ckpt.resume_point(self.run_dir, cfg, plan.applied(cfg))
         self.hooks = [load_hook(spec, cfg.trainer.hooks) for spec in cfg.trainer.hooks]
         self.guard = LearningSignalGuard(
             cfg.trainer.guards,
