@@ -107,3 +107,9 @@ def bradley_terry_loss(
     if center_coefficient:
         losses = losses + center_coefficient * (chosen_scores + rejected_scores) ** 2
     return losses
+
+
+def chosen_nll(policy: PairLogProbs) -> Tensor:
+    """The SFT term on chosen completions: their negative log-likelihood per token, over the whole
+    batch (TRL's `sft` loss type, added with its weight)."""
+    return -policy.chosen.sum() / policy.chosen_tokens.sum().clamp(min=1)
