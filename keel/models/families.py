@@ -144,8 +144,23 @@ GPT_OSS = FamilyFacts(
     active_parameters=_gpt_oss_active,
 )
 
+
+def _phi3_fields(hidden_size: int, num_heads: int, num_layers: int) -> dict:
+    # a sliding window shorter than the tests' prompts, as Phi-3-mini-4k's 2047 is shorter than its
+    # 4096 positions
+    return dict(sliding_window=16)
+
+
+PHI3 = FamilyFacts(
+    model_types=frozenset({"phi3"}),
+    # its logits are lm_head(final hidden state), unscaled and uncapped; a test holds the chunked
+    # path equal to transformers' own head on a tiny Phi-3
+    plain_lm_head=frozenset({"phi3"}),
+    tiny_fields={"phi3": _phi3_fields},
+)
+
 # every family's record, one line each
-RECORDS = (LLAMA, QWEN3_MOE, GEMMA3, OLMO2, GPT_OSS)
+RECORDS = (LLAMA, QWEN3_MOE, GEMMA3, OLMO2, GPT_OSS, PHI3)
 FACTS: dict[str, FamilyFacts] = {
     model_type: facts for facts in RECORDS for model_type in facts.model_types
 }

@@ -44,6 +44,7 @@ FAMILIES = [
     ("olmo2", 0.1),
     ("smollm3", 0.2),
     ("gpt_oss", 0.2),
+    ("phi3", 0.2),
 ]
 
 

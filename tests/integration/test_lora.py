@@ -251,12 +251,14 @@ def test_a_ppo_run_with_lora_on_both_models_learns_values(tiny_config):
         ("smollm3", False),
         ("gpt_oss", True),
         ("gpt_oss", False),
+        ("phi3", True),
+        ("phi3", False),
     ],
 )
 def test_each_native_family_trains_and_its_engine_samples_what_the_trainer_computes(
     tiny_config, tmp_path, arch, lora
 ):
-    """Qwen3, Qwen3-MoE, Gemma 3, OLMo 2, SmolLM3 and GPT-OSS on the native engine through
+    """Qwen3, Qwen3-MoE, Gemma 3, OLMo 2, SmolLM3, GPT-OSS and Phi-3 on the native engine through
     `keel.train`: after every update (adapters only, or every weight, experts included) the engine's
     sampled log-probs are the trainer's."""
     from keel.models.tiny import make_tiny_model

@@ -16,7 +16,8 @@ from test_native_rollout import engines
 
 
 # Each family's layer functions compile whole (Qwen3's per-head norms, Qwen3-MoE's routing and
-# grouped matmuls, Gemma 3's windows and norms, OLMo 2's output norms, SmolLM3's NoPE layers).
+# grouped matmuls, Gemma 3's windows and norms, OLMo 2's output norms, SmolLM3's NoPE layers,
+# Phi-3's fused projections and window).
 @pytest.mark.parametrize(
     "arch, init_std, layers",
     [
@@ -25,6 +26,7 @@ from test_native_rollout import engines
         ("gemma3_text", 0.02, 2),
         ("olmo2", 0.1, 2),
         ("smollm3", 0.2, 4),
+        ("phi3", 0.2, 2),
     ],
 )
 def test_compiled_decode_step_gives_the_eager_tokens(tmp_path, arch, init_std, layers):

@@ -16,6 +16,7 @@ from keel.models.tiny import make_tiny_model
         ("qwen3", "Qwen3ForCausalLM"),
         ("qwen3_moe", "Qwen3MoeForCausalLM"),
         ("gemma3_text", "Gemma3ForCausalLM"),
+        ("phi3", "Phi3ForCausalLM"),
     ],
 )
 def test_tiny_model_loads_like_any_hugging_face_checkpoint(arch, expected_class, tmp_path):

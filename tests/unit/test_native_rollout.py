@@ -54,7 +54,8 @@ def engines(
 # (architecture, tied embeddings, weights' std, layers, fewest distinct greedy tokens a row shows).
 # Gemma 3: sliding-window layers (16 columns, shorter than the prompts) between global ones;
 # SmolLM3: its fourth layer has no rotary embedding; GPT-OSS: attention sinks, biases, sliding
-# windows and experts. Random weights of some families repeat themselves more: the floor keeps
+# windows and experts; Phi-3: fused q/k/v and gate/up projections, a sliding window (16) on every
+# layer. Random weights of some families repeat themselves more: the floor keeps
 # every comparison one that can fail.
 FAMILIES = [
     ("qwen2", True, 0.2, 3, 10),
@@ -66,6 +67,7 @@ FAMILIES = [
     ("olmo2", True, 0.1, 4, 7),
     ("smollm3", True, 0.2, 4, 10),
     ("gpt_oss", False, 0.2, 3, 10),
+    ("phi3", False, 0.2, 3, 10),
 ]
 
 
@@ -343,7 +345,9 @@ def test_a_kept_cache_is_reused_and_sees_updated_weights(tmp_path):
     )
 
 
-def test_lora_runs_unmerged_on_the_trainers_own_base(tmp_path):
+# Phi-3: adapters on its fused projections, each one part of its buffer
+@pytest.mark.parametrize("arch, query", [("qwen2", "q_proj"), ("phi3", "qkv_proj")])
+def test_lora_runs_unmerged_on_the_trainers_own_base(tmp_path, arch, query):
     """One copy of the base: the trainer's frozen weights are views of the engine's buffers, the
     adapters are applied unmerged in the step, and the greedy tokens are the merged model's, after
     the adapters change too (a sync moves only them)."""
@@ -354,7 +358,7 @@ def test_lora_runs_unmerged_on_the_trainers_own_base(tmp_path):
     from keel.models.lora import adapter_weights, frozen_base
     from keel.models.tiny import make_tiny_model
 
-    model_dir = make_tiny_model(tmp_path / "m", arch="qwen2", hidden_size=64, num_layers=3, seed=3)
+    model_dir = make_tiny_model(tmp_path / "m", arch=arch, hidden_size=64, num_layers=3, seed=3)
     native, _, base, prompts = engines(model_dir, n=2, init_std=0.2)
     policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     greedy = SamplingParams(do_sample=False, max_new_tokens=24, ignore_eos=True)
@@ -376,7 +380,7 @@ def test_lora_runs_unmerged_on_the_trainers_own_base(tmp_path):
     expected = train_adapters(seed=1)
     frozen = dict(frozen_base(policy))
     freed = native.share_frozen_weights(frozen.items())
-    q = frozen["model.layers.0.self_attn.q_proj.weight"]
+    q = frozen[f"model.layers.0.self_attn.{query}.weight"]
     assert (
         q.untyped_storage().data_ptr()
         == native.weights.buffers["0.qkv"].untyped_storage().data_ptr()

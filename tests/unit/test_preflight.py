@@ -374,6 +374,7 @@ def sliding_window_qwen2(path):
         ("gemma3_text", "native"),
         ("olmo2", "native"),
         ("smollm3", "native"),
+        ("phi3", "native"),
         ("gpt_oss", "hf"),
         ("qwen2 with a sliding window", "hf"),
     ],

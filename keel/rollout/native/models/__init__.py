@@ -27,6 +27,7 @@ from keel.rollout.native.models.gemma3 import Gemma3Family
 from keel.rollout.native.models.gpt_oss import GptOssFamily
 from keel.rollout.native.models.llama import LlamaFamily
 from keel.rollout.native.models.olmo2 import Olmo2Family
+from keel.rollout.native.models.phi3 import Phi3Family
 from keel.rollout.native.models.qwen3_moe import Qwen3MoeFamily
 
 __all__ = [
@@ -40,7 +41,7 @@ __all__ = [
 
 FAMILIES: dict[str, type[Family]] = {
     model_type: family
-    for family in (LlamaFamily, Qwen3MoeFamily, Gemma3Family, Olmo2Family, GptOssFamily)
+    for family in (LlamaFamily, Qwen3MoeFamily, Gemma3Family, Olmo2Family, GptOssFamily, Phi3Family)
     for model_type in family.facts.model_types
 }
 
