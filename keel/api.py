@@ -10,11 +10,14 @@ import logging
 import sys
 from pathlib import Path
 
+from keel.check.preference import check_preference
 from keel.check.preflight import Report, render, render_brief, run_checks
-from keel.config.load import load_run
+from keel.config.load import load_config, load_run, objective_of
 from keel.config.plan import Plan
+from keel.config.preference import PreferenceConfig
 from keel.config.schema import KeelConfig
 from keel.observe.log import ensure_console_logging
+from keel.trainer.preference import PreferenceResult, PreferenceTrainer
 from keel.trainer.rl import RLTrainer, RunResult
 
 log = logging.getLogger("keel")
@@ -24,10 +27,12 @@ def train(
     config: str | Path | dict | KeelConfig | None = None,
     overrides: list[str] | dict | None = None,
     check: bool = True,
-) -> RunResult:
+) -> RunResult | PreferenceResult:
     """Load and validate a config (path, dict or object, plus overrides), run `keel check` on it
     (unless `check=False`, which is logged), then train."""
     ensure_console_logging()
+    if objective_of(config, overrides) is not None:
+        return train_preference(config, overrides, check)
     cfg, plan = load_run(config, overrides)
     report = None
     if check:
@@ -41,6 +46,26 @@ def train(
     return RLTrainer(
         cfg, report.inputs if report else None, render(report) if report else None, plan
     ).fit()
+
+
+def train_preference(
+    config: str | Path | dict | PreferenceConfig | None = None,
+    overrides: list[str] | dict | None = None,
+    check: bool = True,
+) -> PreferenceResult:
+    """DPO or reward-model training (the config's `objective`), after its `keel check`."""
+    ensure_console_logging()
+    cfg = load_config(config, overrides, schema=PreferenceConfig)
+    if check:
+        report = check_preference(cfg)
+        if report.failures:
+            print(render(report), file=sys.stderr)
+            raise report.first_error()
+        if "console" in cfg.trainer.logger:
+            print(render(report), file=sys.stderr)
+    else:
+        log.warning("keel check skipped: problems it would have caught will surface during the run")
+    return PreferenceTrainer(cfg).fit()
 
 
 def preflight(cfg: KeelConfig, plan: Plan | None = None) -> Report:

@@ -39,10 +39,16 @@ def cmd_train(args) -> int:
 def cmd_check(args) -> int:
     import json
 
+    from keel.check.preference import check_preference
     from keel.check.preflight import render, run_checks
-    from keel.config.load import load_run
+    from keel.config.load import load_config, load_run, objective_of
+    from keel.config.preference import PreferenceConfig
 
-    report = run_checks(*load_run(_config_source(args), args.overrides))
+    source = _config_source(args)
+    if objective_of(source, args.overrides) is not None:
+        report = check_preference(load_config(source, args.overrides, schema=PreferenceConfig))
+    else:
+        report = run_checks(*load_run(source, args.overrides))
     print(json.dumps(report.as_dict(), indent=2) if args.json else render(report))
     return 1 if report.failures else 0
 

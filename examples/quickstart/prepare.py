@@ -3,7 +3,8 @@
 The task: answer each prompt with digits only. The reward (reward.py) is the share of digit
 characters in the response: the random model starts near 0.03 and GRPO raises it to about 1.0 in
 the 30 steps of grpo.yaml. sft.jsonl holds the same task as chats (`messages`) whose answer is the
-prompt's digits, for `keel sft examples/quickstart/sft.yaml`.
+prompt's digits, for `keel sft examples/quickstart/sft.yaml`; preference.jsonl pairs the digits
+(chosen) with an answer in words (rejected), for dpo.yaml and reward_model.yaml.
 
     python examples/quickstart/prepare.py [OUT_DIR]     # default: examples/data
 """
@@ -48,18 +49,40 @@ def make_chats(n: int, rng: random.Random) -> list[dict]:
     ]
 
 
+def make_pairs(n: int, rng: random.Random) -> list[dict]:
+    """Preference pairs (TRL's prompt/chosen/rejected): the digits-only answer is chosen over one
+    that spells the numbers out in words, for DPO and reward-model training."""
+    rejected_forms = ("The numbers are {a} and {b}.", "Sure! {a} and {b}", "I think {a}, {b}")
+    pairs = []
+    for row in make_rows(n, rng):
+        a, b = row["prompt"][0]["content"].split(": ")[1].split()
+        pairs.append(
+            {
+                "prompt": row["prompt"],
+                "chosen": row["reward_model"]["ground_truth"],
+                "rejected": rng.choice(rejected_forms).format(a=a, b=b),
+            }
+        )
+    return pairs
+
+
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
     write_jsonl(out / "train.jsonl", make_rows(256, rng))
     write_jsonl(out / "val.jsonl", make_rows(32, rng))
     write_jsonl(out / "sft.jsonl", make_chats(256, rng))
+    write_jsonl(out / "preference.jsonl", make_pairs(256, rng))
+    write_jsonl(out / "preference_val.jsonl", make_pairs(32, rng))
     # A wider initialisation than transformers' 0.02: the random output layer can then express a
     # confident answer, as a pretrained model's can, so LoRA (which leaves it frozen) learns too.
     make_tiny_model(
         out / "model", arch="qwen2", hidden_size=64, num_layers=2, initializer_range=0.2
     )
-    print(f"wrote {out}/train.jsonl, {out}/val.jsonl, {out}/sft.jsonl and {out}/model")
+    print(
+        f"wrote {out}/train.jsonl, val.jsonl, sft.jsonl, preference.jsonl, "
+        "preference_val.jsonl and model"
+    )
 
 
 if __name__ == "__main__":

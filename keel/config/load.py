@@ -20,6 +20,7 @@ import yaml
 from keel.config.hydra_compose import VerlLaunch, compose_launch
 from keel.config.overrides import DELETE, apply_overrides
 from keel.config.plan import Plan, plan_of
+from keel.config.preference import OBJECTIVES
 from keel.config.rules import check_config
 from keel.config.schema import KeelConfig
 from keel.config.values import check_field, coerce, field_default
@@ -30,6 +31,7 @@ from keel.errors import (
     CONFIG_FILE,
     REFERENCE_APART,
     UNKNOWN_KEY,
+    UNKNOWN_OBJECTIVE,
     KeelError,
 )
 from keel.errors.fixes import nearby_file, setting, value_text
@@ -50,6 +52,30 @@ def load_run(
     the config itself is never written to)."""
     loaded = _load(source, overrides, KeelConfig)
     return Run(loaded.config, plan_of(loaded.config, loaded.given, loaded.decided, loaded.adapted))
+
+
+def objective_of(
+    source: str | Path | dict | Any | None, overrides: list[str] | dict[str, Any] | None = None
+) -> str | None:
+    """The `objective` a `keel train` config names (preference training), or None for RL."""
+    value = _as_tree(source)[0].get("objective")
+    items = (
+        overrides.items()
+        if isinstance(overrides, dict)
+        else (item.split("=", 1) for item in overrides or [] if "=" in item)
+    )
+    for key, given in items:
+        if key.lstrip("+") == "objective":
+            value = given
+    if value is None:
+        return None
+    if value not in OBJECTIVES:
+        raise KeelError(
+            UNKNOWN_OBJECTIVE,
+            f"objective={value!r} is not a training objective keel knows ({', '.join(OBJECTIVES)})",
+            "set objective=dpo or objective=reward_model, or remove the key for RL",
+        )
+    return value
 
 
 def load_config(

@@ -260,4 +260,34 @@ AGENT_ENVIRONMENT = register(
     ),
 )
 
+PREFERENCE_OPTION = register(
+    "KEEL-C025",
+    "Preference-training settings that contradict each other",
+    "A DPO setting is read by other losses only (label_smoothing by robust and simpo), a "
+    "reference-free loss (simpo) was given a reference or a reference-based one none, "
+    "dpo.reference=adapter was asked without LoRA or with a starting adapter (the base alone is "
+    "then not the starting model), or label_smoothing is 0.5 or more.",
+    "Do as the fix line says: the loss that reads the setting, or `dpo.reference=auto` (cached "
+    "log-probs for DPO's losses, none for simpo).",
+    keys=("dpo.loss_type", "dpo.reference", "dpo.label_smoothing", "model.lora_rank"),
+)
+SEPARATE_REFERENCE = register(
+    "KEEL-C026",
+    "A LoRA run holds a second copy of the model as its reference",
+    "With LoRA the reference is the base with the adapters off, which the run already holds; "
+    "`dpo.reference=model` loads another copy of every weight for the same log-probs (a warning: "
+    "the run goes on).",
+    "Set `dpo.reference=adapter` (the base, adapters off) or `dpo.reference=cached` (log-probs "
+    "computed once before training).",
+    keys=("dpo.reference", "model.lora_rank"),
+)
+UNKNOWN_OBJECTIVE = register(
+    "KEEL-C027",
+    "Unknown training objective",
+    "`objective` at the top of a `keel train` config picks preference training: `dpo` or "
+    "`reward_model`. An RL config has no `objective` key.",
+    "Set `objective=dpo` or `objective=reward_model`, or remove the key for RL (PPO, GRPO, ...).",
+    keys=("objective",),
+)
+
 __all__ = [name for name in dir() if name.isupper()]

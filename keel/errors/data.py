@@ -57,4 +57,33 @@ NO_ASSISTANT_TURN = register(
     ("data.messages_key", "data.response_key"),
 )
 
+EMPTY_COMPLETION = register(
+    "KEEL-D007",
+    "Preference pair with an empty completion",
+    "A row's chosen or rejected completion is empty (no text, or chat messages with no assistant "
+    "content): the pair's log-prob or score would compare nothing.",
+    "Remove the row or fill its completion; the message names the row and the column.",
+    ("data.chosen_key", "data.rejected_key"),
+)
+IDENTICAL_PAIR = register(
+    "KEEL-D008",
+    "Preference pair whose chosen and rejected are the same",
+    "Chosen and rejected tokenize to the same tokens, so the pair has no preference to learn: "
+    "DPO's loss is constant on it and a reward model's pushes nowhere. Such rows are dropped "
+    "with this warning; when every row is, the run stops.",
+    "Remove the rows (the message names the first ones), or check that data.chosen_key and "
+    "data.rejected_key name two different columns.",
+    ("data.chosen_key", "data.rejected_key"),
+)
+PAIR_TOO_LONG = register(
+    "KEEL-D009",
+    "Preference pair longer than data.max_length",
+    "A completion with its prompt is over data.max_length tokens and cannot be cut to fit: "
+    "`data.truncation=error`, or the completion alone (with the prompt's last token) is over the "
+    "limit. Completions are never cut: the tokens a preference is about may be the last ones.",
+    "Set `data.max_length` to the longest pair (the fix line gives it), or "
+    "`data.truncation=left` to cut long prompts from their start.",
+    ("data.max_length", "data.truncation"),
+)
+
 __all__ = [name for name in dir() if name.isupper()]

@@ -13,6 +13,7 @@ import torch
 
 from keel.errors import TOKEN_BUDGET, KeelError
 from keel.errors.fixes import setting
+from keel.models.chat import conversation_text
 from keel.models.load import check_model_dir, weight_file_shapes
 from keel.models.tokenizer_match import context_limit
 
@@ -58,21 +59,7 @@ class RewardTemplate:
 
     def text(self, raw_prompt, response: str) -> str:
         """The conversation as the reward model was trained to read it."""
-        if self.tokenizer.chat_template is None:
-            prompt = (
-                raw_prompt
-                if isinstance(raw_prompt, str)
-                else "\n".join(m["content"] for m in raw_prompt)
-            )
-            return prompt + response
-        chat = (
-            [{"role": "user", "content": raw_prompt}]
-            if isinstance(raw_prompt, str)
-            else list(raw_prompt)
-        )
-        return self.tokenizer.apply_chat_template(
-            chat + [{"role": "assistant", "content": response}], tokenize=False
-        )
+        return conversation_text(self.tokenizer, raw_prompt, response)
 
 
 class RewardModel(RewardTemplate):

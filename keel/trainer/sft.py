@@ -20,15 +20,14 @@ from keel.errors import DATA_EMPTY, KeelError
 from keel.errors.fixes import whole_batches
 from keel.models.load import (
     autocast,
-    load_causal_lm,
     load_tokenizer,
     quiet_transformers,
     resolve_device,
     resolve_dtype,
 )
-from keel.models.lora import apply_lora, plan_lora
 from keel.observe.log import ensure_console_logging
 from keel.observe.metrics import MetricsLogger, Timer
+from keel.trainer.offline import OfflineState, finished_model, load_trained_model
 from keel.trainer.setup import seed_everything
 from keel.training.optim import build_optimizer, build_scheduler
 from keel.training.step import DeviceTotals, apply_gradients, backward
@@ -96,34 +95,12 @@ class SFTTrainer:
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
         self.step = 0
+        self.state = OfflineState(self)
 
     def _load_model(self, device: torch.device):
-        """The model to fine-tune: a checkpoint's when resuming; with LoRA (model.lora_rank) the
-        base from partial_pretrain, frozen in the compute dtype, under peft adapters."""
-        m, checkpoint = self.cfg.model, self.resume_from / "actor" if self.resume_from else None
-        if not m.lora_rank:
-            return load_causal_lm(
-                checkpoint or m.partial_pretrain,
-                device,
-                m.trust_remote_code,
-                m.enable_gradient_checkpointing,
-            )
-        dtype = resolve_dtype(m.dtype, device)
-        base = load_causal_lm(
-            m.partial_pretrain, device, m.trust_remote_code, m.enable_gradient_checkpointing, dtype
-        )
-        plan = plan_lora(
-            base, m.lora_rank, m.target_modules, m.exclude_modules, m.modules_to_save, "model"
-        )
-        log.info(plan.summary())
-        return apply_lora(
-            base,
-            plan,
-            m.lora_rank,
-            m.lora_alpha,
-            m.modules_to_save,
-            dtype,
-            checkpoint or m.lora_adapter_path,
+        checkpoint = self.resume_from / "actor" if self.resume_from else None
+        return load_trained_model(
+            self.cfg.model, self.cfg.model.partial_pretrain, device, checkpoint
         )
 
     def _load(self, files: list[str], name: str) -> list[SFTExample]:
@@ -218,45 +195,13 @@ class SFTTrainer:
         return freq > 0 and self.step % freq == 0
 
     def _finished_model(self):
-        """The model the run directory holds: with LoRA the base with the adapters merged (so `keel
-        train` can start from it), the adapters themselves kept in `adapter/`."""
-        if not hasattr(self.model, "peft_config"):
-            return self.model
-        self.model.save_pretrained(self.run_dir / "adapter")
-        return self.model.merge_and_unload()
+        return finished_model(self.model, self.run_dir)
 
     def save(self) -> Path:
-        def write(tmp: Path) -> None:
-            ckpt.write_policy(tmp / "actor", self.model, self.tokenizer)
-            torch.save(
-                {
-                    "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(),
-                },
-                tmp / "actor_optim.pt",
-            )
-            torch.save(
-                {"step": self.step, "sampler": self.sampler.state_dict(), "rng": ckpt.rng_state()},
-                tmp / "trainer_state.pt",
-            )
-
-        return ckpt.save_checkpoint(
-            self.run_dir, self.step, write, self.cfg.trainer.max_ckpt_to_keep, to_yaml(self.cfg)
-        )
+        return self.state.save()
 
     def load(self, path: Path) -> None:
-        """Everything but the weights, which __init__ loaded from `path`."""
-        optim = torch.load(path / "actor_optim.pt", weights_only=False)
-        self.optimizer.load_state_dict(optim["optimizer"])
-        self.scheduler.load_state_dict(optim["scheduler"])
-        state = torch.load(path / "trainer_state.pt", weights_only=False)
-        self.step = state["step"]
-        try:
-            self.sampler.load_state_dict(state["sampler"])
-        except ValueError as e:
-            raise ckpt.mismatch_error(path, self.cfg, f"{path}: {e}") from e
-        ckpt.set_rng_state(state["rng"])
-        log.info("resumed from %s at step %d", path, self.step)
+        self.state.load(path)
 
 
 def sft(config=None, overrides=None) -> SFTResult:

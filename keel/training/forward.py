@@ -136,6 +136,26 @@ def decoder_token_stats(
     lm_head = model.get_output_embeddings()
     # [B*R, H], [B*R]
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    log_probs, entropy = vocab_token_stats(
+        lm_head, flat_hidden, flat_targets, temperature, with_entropy, entropy_grad, fused_vocab
+    )
+    # Reshaped copies, not views: FSDP hooks the outputs of a forward method for backward.
+    log_probs = log_probs.reshape(targets.shape).clone()
+    entropy = entropy.reshape(targets.shape).clone() if with_entropy else None
+    return log_probs, entropy
+
+
+def vocab_token_stats(
+    lm_head,
+    flat_hidden: Tensor,
+    flat_targets: Tensor,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    fused_vocab: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs [N] of the targets [N] from hidden states [N, H], and their entropy [N] when
+    asked: lm_head and the vocabulary arithmetic run on chunks of positions (logits_chunking)."""
     token_stats = _compiled_token_stats() if fused_vocab else _token_stats
     chunking = logits_chunking(
         flat_targets.shape[0],
@@ -163,12 +183,8 @@ def decoder_token_stats(
             )
         else:
             parts.append(_chunk_stats(*args))
-    # Reshaped copies, not views: FSDP hooks the outputs of a forward method for backward.
-    log_probs = torch.cat([lp for lp, _ in parts]).reshape(targets.shape).clone()
-    entropy = (
-        torch.cat([e for _, e in parts]).reshape(targets.shape).clone() if with_entropy else None
-    )
-    return log_probs, entropy
+    log_probs = torch.cat([lp for lp, _ in parts])
+    return log_probs, torch.cat([e for _, e in parts]) if with_entropy else None
 
 
 def _chunk_stats(
