@@ -122,9 +122,14 @@ def run_pair_bench(
         **_keel_steps(cfg, steps, warmup),
     }
     if with_trl:
-        peer = _trl_record(w, model_dir, workdir, steps, warmup)
-        record.update({key: value for key, value in peer.items() if key.startswith("trl_")})
-        record["speedup_vs_trl"] = record["trl_step_time_s"] / record["step_time_s"]
+        try:
+            peer = _trl_record(w, model_dir, workdir, steps, warmup)
+        except subprocess.CalledProcessError as e:
+            # keel's figures are kept; the record says the other side did not run
+            record["trl_error"] = f"benchmarks/trl_dpo.py exited with {e.returncode}"
+        else:
+            record.update({key: value for key, value in peer.items() if key.startswith("trl_")})
+            record["speedup_vs_trl"] = record["trl_step_time_s"] / record["step_time_s"]
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         with out.open("a") as f:
