@@ -10,7 +10,7 @@ reward model reads a sample when it scores (`keel.models.chat.conversation_text`
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from keel.errors import (
     DATA_COLUMN,
@@ -78,7 +78,7 @@ def build_pairs(
         prompt, chosen, rejected = _row_parts(row, columns, i, name)
         pair = tokenize(tokenizer, prompt, chosen, rejected)
         if for_reward_model and columns.margin in row and row[columns.margin] is not None:
-            pair = PreferencePair(*pair[:3], margin=float(row[columns.margin]))
+            pair = replace(pair, margin=float(row[columns.margin]))
         if pair.chosen_ids == pair.rejected_ids:
             identical.append(i)
         else:
