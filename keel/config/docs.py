@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+from keel.config.preference import PreferenceConfig
 from keel.config.schema import KeelConfig
 from keel.config.sft import SFTConfig
 
@@ -47,7 +48,14 @@ def render_reference() -> str:
         "Every key keel accepts, generated from `keel/config/` by",
         "`python -m keel.config.docs > docs/config.md`. Unknown keys are errors (KEEL-C001).",
     ]
-    for title, schema in (("`keel train` (RL)", KeelConfig), ("`keel sft`", SFTConfig)):
+    for title, schema in (
+        ("`keel train` (RL)", KeelConfig),
+        (
+            "`keel train` with `objective: dpo | reward_model` (preference training)",
+            PreferenceConfig,
+        ),
+        ("`keel sft`", SFTConfig),
+    ):
         lines += [
             "",
             f"## {title}",
