@@ -64,6 +64,11 @@ class PreferenceDataConfig:
 @dataclass
 class PreferenceModelConfig(ModelOptions, LoraOptions):
     path: str = opt("", help="local Hugging Face model directory to train")
+    use_torch_compile: bool = opt(
+        True,
+        help="GPU: torch.compile each decoder layer and the log-prob arithmetic over the "
+        "vocabulary",
+    )
 
 
 @dataclass

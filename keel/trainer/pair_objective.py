@@ -22,8 +22,9 @@ class BatchShare:
 
 
 class DPOObjective:
-    def __init__(self, dpo_cfg):
+    def __init__(self, dpo_cfg, fused_vocab: bool = False):
         self.cfg = dpo_cfg
+        self.fused_vocab = fused_vocab
 
     def loss(
         self,
@@ -34,7 +35,7 @@ class DPOObjective:
         totals: DeviceTotals,
     ) -> torch.Tensor:
         c = self.cfg
-        policy, _ = pair_log_probs(model, batch)
+        policy, _ = pair_log_probs(model, batch, self.fused_vocab)
         if reference is not None:
             reference = _on(reference, policy.chosen.device)
         out = dpo_loss(policy, reference, c.loss_type, c.beta, c.label_smoothing, c.simpo_gamma)

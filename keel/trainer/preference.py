@@ -19,10 +19,12 @@ from keel.config.preference import PreferenceConfig
 from keel.data.preference import PairColumns, PreferencePair, build_pairs
 from keel.data.prompts import load_rows
 from keel.data.sampler import ResumableSampler
+from keel.distributed.parallelize import compile_blocks
 from keel.errors import DATA_EMPTY, KeelError
 from keel.errors.fixes import whole_batches
 from keel.models.load import (
     autocast,
+    can_compile,
     load_tokenizer,
     quiet_transformers,
     resolve_device,
@@ -90,13 +92,16 @@ class PreferenceTrainer:
         if self.reward_model:
             # transformers' head finds each sequence's last token by it when the model scores
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        compiled = m.use_torch_compile and can_compile(self.device)
+        if compiled:
+            compile_blocks(self.model)
         self.autocast = partial(autocast, self.device, resolve_dtype(m.dtype, self.device))
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
         self.objective = (
             RewardObjective(cfg.reward_model.center_coefficient)
             if self.reward_model
-            else DPOObjective(cfg.dpo)
+            else DPOObjective(cfg.dpo, fused_vocab=compiled)
         )
         self.reference = NoReference() if self.reward_model else self._reference()
         self.step = 0

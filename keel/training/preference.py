@@ -138,10 +138,12 @@ def _inputs(batch: PairBatch) -> dict:
     }
 
 
-def pair_log_probs(model, batch: PairBatch) -> tuple[PairLogProbs, Tensor]:
+def pair_log_probs(
+    model, batch: PairBatch, fused_vocab: bool = False
+) -> tuple[PairLogProbs, Tensor]:
     """Summed completion log-probs of each pair's two sequences, and each completion token's
-    log-prob [N] (for the SFT term). lm_head runs only on the positions that predict a completion
-    token, in chunks (training.forward)."""
+    log-prob [N]. lm_head runs only on the positions that predict a completion token, in chunks
+    (training.forward); `fused_vocab`: its vocabulary arithmetic compiled (GPU)."""
     device = next(model.parameters()).device
     batch = batch.to(device)
     # position t predicts token t + 1
@@ -150,7 +152,7 @@ def pair_log_probs(model, batch: PairBatch) -> tuple[PairLogProbs, Tensor]:
         hidden = model.get_decoder()(**_inputs(batch)).last_hidden_state  # [rows, L, H]
         flat = hidden.reshape(-1, hidden.shape[-1])[predicting]  # [N, H]
         token_log_probs, _ = vocab_token_stats(
-            model.get_output_embeddings(), flat, batch.targets, 1.0
+            model.get_output_embeddings(), flat, batch.targets, 1.0, fused_vocab=fused_vocab
         )
     else:
         logits = model(**_inputs(batch)).logits  # [rows, L, V]
