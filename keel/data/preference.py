@@ -10,7 +10,7 @@ reward model reads a sample when it scores (`keel.models.chat.conversation_text`
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from keel.errors import (
     DATA_COLUMN,
@@ -78,7 +78,7 @@ def build_pairs(
         prompt, chosen, rejected = _row_parts(row, columns, i, name)
         pair = tokenize(tokenizer, prompt, chosen, rejected)
         if for_reward_model and columns.margin in row and row[columns.margin] is not None:
-            pair = PreferencePair(*pair[:3], margin=float(row[columns.margin]))
+            pair = replace(pair, margin=float(row[columns.margin]))
         if pair.chosen_ids == pair.rejected_ids:
             identical.append(i)
         else:
@@ -134,8 +134,9 @@ def _completion_text(completion) -> str:
 
 def _dpo_pair(tokenizer, prompt, chosen, rejected) -> PreferencePair:
     if isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str):
-        # TRL's standard format: no template, each completion ended by EOS
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        # TRL's standard format: no template, the prompt with the tokenizer's own special tokens
+        # (a Llama BOS), each completion ended by EOS
+        prompt_ids = tokenizer(prompt)["input_ids"]
         ids = [
             tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             for c in (chosen, rejected)
@@ -169,7 +170,9 @@ def _reward_model_pair(tokenizer, prompt, chosen, rejected) -> PreferencePair:
     """Each completion rendered with its prompt as the reward model reads it when scoring; the
     prompt is the two texts' shared leading tokens (what truncation may cut)."""
     whole = [
-        tokenizer(conversation_text(tokenizer, prompt, _completion_text(c)))["input_ids"]
+        tokenizer(
+            conversation_text(tokenizer, prompt, _completion_text(c)), add_special_tokens=False
+        )["input_ids"]
         for c in (chosen, rejected)
     ]
     shared = 0
