@@ -33,6 +33,9 @@
 #   bash benchmarks/gpu_session.sh design BASE [N]  issue 46: the GPU tests (SKIP_TESTS=1: none), then t1 at BASE (a
 #                                                 folder holding keel/ of an earlier commit, e.g. git archive into
 #                                                 .whl/baseline, carried) and at this tree, alternating, N rounds
+#   bash benchmarks/gpu_session.sh dpo            issue 47: the preference and Phi-3 GPU tests, then d1 (DPO, 0.5B shapes)
+#                                                 beside TRL's DPOTrainer (--trl; carry .whl with trl, datasets, dill,
+#                                                 multiprocess), then d1 with a reference pass each step as TRL's
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -219,6 +222,21 @@ design() {
     done
 }
 
+dpo() {
+    timeout 200 python3 -m pytest -q tests/gpu/test_preference_cuda.py tests/gpu/test_native_cuda.py -k "phi3 or preference or packed" \
+        > "$OUT/gpu_dpo_tests.txt" 2>&1; tail -1 "$OUT/gpu_dpo_tests.txt"
+    timeout 240 python3 -m keel bench d1 --trl --steps 5 --warmup 2 --out "$OUT/d1.jsonl" > "$OUT/d1.log" 2>&1
+    timeout 120 python3 -m keel bench d1 dpo.reference=model --steps 5 --warmup 2 --out "$OUT/d1.jsonl" \
+        > "$OUT/d1_model_reference.log" 2>&1
+    python3 - "$OUT/d1.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(r["workload"], r["reference"], r["overrides"], f"step {r['step_time_s']:.3f}s", f"peak {r['peak_memory_gb']:.1f} GB",
+          f"trl {r.get('trl_step_time_s') or 0:.3f}s peak {r.get('trl_peak_memory_gb') or 0:.1f} GB", f"x{r.get('speedup_vs_trl') or 0:.2f}")
+PY
+}
+
 summary() {
     local records=("$OUT"/bench*.jsonl)
     [ -e "${records[0]}" ] || { echo "no records in $OUT yet"; return; }
@@ -235,4 +253,4 @@ PY
 }
 
 "$part" "${@:2}"
-[ "$part" = summary ] || summary
+[ "$part" = summary ] || [ "$part" = dpo ] || summary

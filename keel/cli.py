@@ -239,15 +239,18 @@ def _add_reward_server(sub) -> None:
 
 
 def _add_bench(sub) -> None:
+    from keel.bench.preference import PAIR_WORKLOADS
     from keel.bench.workloads import WORKLOADS
 
     bench = sub.add_parser(
-        "bench", help="time a GRPO workload on a random-weight model; prints a JSON record"
+        "bench",
+        help="time a GRPO (or DPO: d1) workload on a random-weight model; prints a JSON record",
     )
+    names = {**WORKLOADS, **PAIR_WORKLOADS}
     bench.add_argument(
         "workload",
-        type=_list_of(str, WORKLOADS),
-        help=f"one or more of {','.join(WORKLOADS)}, comma-separated",
+        type=_list_of(str, names),
+        help=f"one or more of {','.join(names)}, comma-separated",
     )
     bench.add_argument(
         "overrides", nargs="*", help="section.key=value overrides of the workload's config"
@@ -263,6 +266,12 @@ def _add_bench(sub) -> None:
         help="workers (trainer.n_gpus_per_node); several, comma-separated, run one after another",
     )
     bench.add_argument("--out", help="append the record to this JSON-lines file")
+    bench.add_argument(
+        "--trl",
+        action="store_true",
+        help="DPO workloads: also run TRL's DPOTrainer (benchmarks/trl_dpo.py) on the same model "
+        "and shapes; the record carries both",
+    )
     bench.add_argument(
         "--profile",
         metavar="DIR",

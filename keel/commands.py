@@ -160,10 +160,18 @@ def cmd_bench(args) -> int:
     """Every workload on every worker count, one record each; models are built once per shape."""
     import tempfile
 
+    from keel.bench.preference import PAIR_WORKLOADS, run_pair_bench
     from keel.bench.run import run_bench
 
     workdir = Path(tempfile.mkdtemp(prefix="keel_bench_"))
+    out = Path(args.out) if args.out else None
     for workload in args.workload:
+        if workload in PAIR_WORKLOADS:
+            record = run_pair_bench(
+                workload, args.steps, args.warmup, args.overrides, out, workdir, args.trl
+            )
+            print(json.dumps(record, indent=2), flush=True)
+            continue
         for gpus in args.gpus:
             record = run_bench(
                 workload,

@@ -63,15 +63,20 @@ def collate_pairs(
         for p in pairs
         for completion in (p.chosen_ids, p.rejected_ids)
     ]
+    # Sequences of one length need neither padding nor packing: a row each, and attention takes
+    # its plain causal path (packed rows cost a mask over the whole row).
+    same_length = len({len(ids) for ids, _ in sequences}) == 1
     rows = (
         _packed_rows(sequences, row_tokens)
-        if padding_free
+        if padding_free and not same_length
         else [[i] for i in range(len(sequences))]
     )
     width = max(sum(len(sequences[i][0]) for i in row) for row in rows)
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    attention_mask = None if padding_free else torch.zeros((len(rows), width), dtype=torch.long)
+    attention_mask = (
+        None if padding_free or same_length else torch.zeros((len(rows), width), dtype=torch.long)
+    )
     target_at, target_sequence, last_token_at = [], [], [0] * len(sequences)
     for r, row in enumerate(rows):
         offset = 0
