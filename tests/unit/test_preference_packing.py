@@ -26,10 +26,9 @@ ROWS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def pairs():
+def pairs_of(rows: list[dict]):
     built, _ = build_pairs(
-        ROWS,
+        rows,
         build_tokenizer(),
         PairColumns("prompt", "chosen", "rejected", "margin"),
         max_length=256,
@@ -37,6 +36,11 @@ def pairs():
         for_reward_model=False,
     )
     return built
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    return pairs_of(ROWS)
 
 
 def test_the_families_cover_both_log_prob_paths():
@@ -123,3 +127,24 @@ def test_packed_scores_equal_each_sequence_alone(tmp_path, pairs, arch):
             chosen, rejected = pair_scores(model, batch)
         got = torch.stack([chosen, rejected], dim=1).reshape(-1)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_pairs_of_one_length_take_a_row_each_and_match_too(tmp_path, padding_free):
+    from transformers import AutoModelForCausalLM
+
+    # every sequence 6 tokens: no packing and no padding needed
+    same = pairs_of(
+        [
+            {"prompt": "abc", "chosen": "de", "rejected": "fg"},
+            {"prompt": "hi", "chosen": "jkl", "rejected": "mno"},
+        ]
+    )
+    batch = collate_pairs(same, 0, padding_free=padding_free, row_tokens=ROW_TOKENS)
+    assert batch.input_ids.shape == (4, 6) and batch.attention_mask is None
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path), dtype=torch.float32)
+    with torch.no_grad():
+        summed, _ = pair_log_probs(model.eval(), batch)
+    expected = torch.stack([alone_log_probs(model, ids, n).sum() for ids, n in sequences(same)])
+    got = torch.stack([summed.chosen, summed.rejected], dim=1).reshape(-1)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-6)
