@@ -58,8 +58,11 @@ def collate_pairs(
 ) -> PairBatch:
     """Pairs as one micro-batch: packed into rows of at most `row_tokens` (padding_free), else one
     right-padded row per sequence."""
+    # each sequence with its first target: a token is predicted by the one before it, so with no
+    # prompt the first completion token has no log-prob (as in TRL), and none is read across
+    # sequences
     sequences = [
-        (p.prompt_ids + completion, len(p.prompt_ids))
+        (p.prompt_ids + completion, max(len(p.prompt_ids), 1))
         for p in pairs
         for completion in (p.chosen_ids, p.rejected_ids)
     ]

@@ -148,3 +148,28 @@ def test_pairs_of_one_length_take_a_row_each_and_match_too(tmp_path, padding_fre
     expected = torch.stack([alone_log_probs(model, ids, n).sum() for ids, n in sequences(same)])
     got = torch.stack([summed.chosen, summed.rejected], dim=1).reshape(-1)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_an_empty_prompt_leaves_the_first_completion_token_unpredicted(tmp_path, padding_free):
+    from transformers import AutoModelForCausalLM
+
+    # the strings format with an empty prompt: a sequence is its completion alone; its first token
+    # has nothing before it to predict it (TRL's shifted labels leave it out too)
+    empty = pairs_of(
+        [
+            {"prompt": "", "chosen": "ab", "rejected": "c"},
+            {"prompt": "", "chosen": "d", "rejected": "efg"},
+        ]
+    )
+    assert all(p.prompt_ids == [] for p in empty)
+    batch = collate_pairs(empty, 0, padding_free=padding_free, row_tokens=ROW_TOKENS)
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path), dtype=torch.float32)
+    with torch.no_grad():
+        summed, _ = pair_log_probs(model.eval(), batch)
+    completions = [c for p in empty for c in (p.chosen_ids, p.rejected_ids)]
+    expected = torch.stack([alone_log_probs(model, ids, 1).sum() for ids in completions])
+    got = torch.stack([summed.chosen, summed.rejected], dim=1).reshape(-1)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-6)
+    counted = torch.stack([summed.chosen_tokens, summed.rejected_tokens], dim=1).reshape(-1)
+    assert counted.tolist() == [len(c) - 1 for c in completions]
