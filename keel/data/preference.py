@@ -144,14 +144,22 @@ def _dpo_pair(tokenizer, prompt, chosen, rejected) -> PreferencePair:
         return PreferencePair(prompt_ids, *ids)
     messages = as_messages(prompt)
     prompt_ids = _chat_ids(tokenizer, messages, open_assistant=True)
-    completions = []
+    wholes = []
     for completion in (chosen, rejected):
         turns = as_messages(completion) if not isinstance(completion, str) else None
         turns = turns or [{"role": "assistant", "content": completion}]
-        whole = _chat_ids(tokenizer, messages + turns, open_assistant=False)
-        # TRL's split: what the conversation adds past the opened assistant turn
-        completions.append(whole[len(prompt_ids) :])
-    return PreferencePair(prompt_ids, *completions)
+        wholes.append(_chat_ids(tokenizer, messages + turns, open_assistant=False))
+    # TRL's split: the completion is what the conversation adds past the opened assistant turn, or
+    # past where the two part (a template may open the turn alone with tokens, such as an empty
+    # thought block, that the whole conversation does not have)
+    shared = min(_common_prefix(prompt_ids, whole) for whole in wholes)
+    return PreferencePair(wholes[0][:shared], *(whole[shared:] for whole in wholes))
+
+
+def _common_prefix(ids: list[int], other: list[int]) -> int:
+    return next(
+        (i for i, (a, b) in enumerate(zip(ids, other)) if a != b), min(len(ids), len(other))
+    )
 
 
 def _chat_ids(tokenizer, messages: list[dict], open_assistant: bool) -> list[int]:

@@ -88,6 +88,23 @@ def test_chat_prompt_with_string_completions_uses_the_chat_template(tokenizer):
     assert tokenizer.decode(pair.prompt_ids + pair.chosen_ids) == whole
 
 
+def test_a_template_that_opens_the_turn_otherwise_keeps_the_whole_conversation():
+    # a template whose opened assistant turn starts a thought block that a finished conversation
+    # does not show (as reasoning models' do): the completion starts where the two part, as in TRL
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "assistant\n' }}", "assistant\n<think>\n' }}"
+    )
+    opened = tokenizer.apply_chat_template([USER], tokenize=False, add_generation_prompt=True)
+    assert opened.endswith("assistant\n<think>\n")
+    (pair,), _ = pairs_of([{"prompt": [USER], "chosen": "4", "rejected": "five"}], tokenizer)
+    whole = tokenizer.apply_chat_template(
+        [USER, {"role": "assistant", "content": "4"}], tokenize=False
+    )
+    assert tokenizer.decode(pair.prompt_ids + pair.chosen_ids) == whole
+    assert texts(pair, tokenizer)[1:] == ("4<|im_end|>\n", "five<|im_end|>\n")
+
+
 def test_a_string_prompt_with_chat_completions_is_one_user_turn(tokenizer):
     row = {
         "prompt": "2+2",
