@@ -108,7 +108,10 @@ def collate_pairs(
         target_sequence=torch.tensor(target_sequence),
         last_token_at=torch.tensor(last_token_at),
         completion_tokens=torch.tensor([len(ids) - p for ids, p in sequences], dtype=torch.float),
-        margins=None if None in margins else torch.tensor(margins, dtype=torch.float),
+        # a row without a margin in data that has them: no margin asked, 0
+        margins=None
+        if all(m is None for m in margins)
+        else torch.tensor([m or 0.0 for m in margins], dtype=torch.float),
         tokens=sum(len(ids) for ids, _ in sequences),
     )
 
