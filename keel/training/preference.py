@@ -58,9 +58,8 @@ def collate_pairs(
 ) -> PairBatch:
     """Pairs as one micro-batch: packed into rows of at most `row_tokens` (padding_free), else one
     right-padded row per sequence."""
-    # each sequence with its first target: a token is predicted by the one before it, so with no
-    # prompt the first completion token has no log-prob (as in TRL), and none is read across
-    # sequences
+    # each sequence with its first target: with no prompt, its first token has none before it to
+    # predict it (TRL leaves it out too), rather than the previous sequence's last
     sequences = [
         (p.prompt_ids + completion, max(len(p.prompt_ids), 1))
         for p in pairs
