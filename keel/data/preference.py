@@ -134,8 +134,9 @@ def _completion_text(completion) -> str:
 
 def _dpo_pair(tokenizer, prompt, chosen, rejected) -> PreferencePair:
     if isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str):
-        # TRL's standard format: no template, each completion ended by EOS
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        # TRL's standard format: no template, the prompt with the tokenizer's own special tokens
+        # (a Llama BOS), each completion ended by EOS
+        prompt_ids = tokenizer(prompt)["input_ids"]
         ids = [
             tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             for c in (chosen, rejected)
@@ -143,14 +144,22 @@ def _dpo_pair(tokenizer, prompt, chosen, rejected) -> PreferencePair:
         return PreferencePair(prompt_ids, *ids)
     messages = as_messages(prompt)
     prompt_ids = _chat_ids(tokenizer, messages, open_assistant=True)
-    completions = []
+    wholes = []
     for completion in (chosen, rejected):
         turns = as_messages(completion) if not isinstance(completion, str) else None
         turns = turns or [{"role": "assistant", "content": completion}]
-        whole = _chat_ids(tokenizer, messages + turns, open_assistant=False)
-        # TRL's split: what the conversation adds past the opened assistant turn
-        completions.append(whole[len(prompt_ids) :])
-    return PreferencePair(prompt_ids, *completions)
+        wholes.append(_chat_ids(tokenizer, messages + turns, open_assistant=False))
+    # TRL's split: the completion is what the conversation adds past the opened assistant turn, or
+    # past where the two part (a template may open the turn alone with tokens, such as an empty
+    # thought block, that the whole conversation does not have)
+    shared = min(_common_prefix(prompt_ids, whole) for whole in wholes)
+    return PreferencePair(wholes[0][:shared], *(whole[shared:] for whole in wholes))
+
+
+def _common_prefix(ids: list[int], other: list[int]) -> int:
+    return next(
+        (i for i, (a, b) in enumerate(zip(ids, other)) if a != b), min(len(ids), len(other))
+    )
 
 
 def _chat_ids(tokenizer, messages: list[dict], open_assistant: bool) -> list[int]:
@@ -169,7 +178,9 @@ def _reward_model_pair(tokenizer, prompt, chosen, rejected) -> PreferencePair:
     """Each completion rendered with its prompt as the reward model reads it when scoring; the
     prompt is the two texts' shared leading tokens (what truncation may cut)."""
     whole = [
-        tokenizer(conversation_text(tokenizer, prompt, _completion_text(c)))["input_ids"]
+        tokenizer(
+            conversation_text(tokenizer, prompt, _completion_text(c)), add_special_tokens=False
+        )["input_ids"]
         for c in (chosen, rejected)
     ]
     shared = 0

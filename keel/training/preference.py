@@ -58,8 +58,10 @@ def collate_pairs(
 ) -> PairBatch:
     """Pairs as one micro-batch: packed into rows of at most `row_tokens` (padding_free), else one
     right-padded row per sequence."""
+    # each sequence with its first target: with no prompt, its first token has none before it to
+    # predict it (TRL leaves it out too), rather than the previous sequence's last
     sequences = [
-        (p.prompt_ids + completion, len(p.prompt_ids))
+        (p.prompt_ids + completion, max(len(p.prompt_ids), 1))
         for p in pairs
         for completion in (p.chosen_ids, p.rejected_ids)
     ]

@@ -4,9 +4,11 @@ registries."""
 from pathlib import Path
 
 from keel import errors as codes
+from keel.algorithms import preference as preference_losses
 from keel.algorithms.advantages import ADV_ESTIMATORS
 from keel.algorithms.kl import KL_ESTIMATORS
 from keel.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
+from keel.config import preference as preference_config
 from keel.config import schema
 
 TESTS = Path(__file__).parents[1]
@@ -47,6 +49,13 @@ def test_config_choices_match_the_algorithm_registries():
     assert set(schema.GROUP_ESTIMATORS) == {n for n, e in ADV_ESTIMATORS.items() if e.needs_group}
     # KeelConfig.critic_enabled
     assert {n for n, e in ADV_ESTIMATORS.items() if e.needs_critic} == {"gae"}
+
+
+def test_preference_config_choices_match_the_losses():
+    # keel.config.preference may not import keel.algorithms.preference either
+    assert preference_config.LOSS_TYPES == preference_losses.LOSS_TYPES
+    assert preference_config.REFERENCE_FREE == preference_losses.REFERENCE_FREE
+    assert preference_config.SMOOTHED == preference_losses.SMOOTHED
 
 
 def test_errors_doc_and_explain_list_every_code(capsys):
