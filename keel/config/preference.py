@@ -57,6 +57,11 @@ class PreferenceDataConfig:
         help="pack a micro-batch's sequences into rows without padding (attention kept within "
         "each sequence)",
     )
+    share_prompt: bool = opt(
+        True,
+        help="a pair's prompt computed once, chosen and rejected both attending to it (off "
+        "where the model has a sliding window shorter than data.max_length)",
+    )
     shuffle: bool = opt(True)
     seed: int = opt(1, ge=0)
 
@@ -138,6 +143,7 @@ class PreferenceConfig:
         "data.val_files",
         "data.micro_batch_size_per_gpu",
         "data.padding_free",
+        "data.share_prompt",
     )
 
     @property

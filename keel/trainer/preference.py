@@ -41,6 +41,7 @@ from keel.trainer.reference_logps import (
 )
 from keel.trainer.setup import seed_everything
 from keel.training.optim import build_optimizer, build_scheduler
+from keel.training.pair_layout import can_share_prompt
 from keel.training.preference import collate_pairs
 from keel.training.step import DeviceTotals, apply_gradients, backward
 
@@ -92,6 +93,7 @@ class PreferenceTrainer:
         if self.reward_model:
             # transformers' head finds each sequence's last token by it when the model scores
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.share_prompt = d.share_prompt and can_share_prompt(self.model.config, d.max_length)
         compiled = m.use_torch_compile and can_compile(self.device)
         if compiled:
             compile_blocks(self.model)
@@ -123,7 +125,9 @@ class PreferenceTrainer:
 
     def collate(self, pairs: list[PreferencePair]):
         d = self.cfg.data
-        return collate_pairs(pairs, self.tokenizer.pad_token_id, d.padding_free, 2 * d.max_length)
+        return collate_pairs(
+            pairs, self.tokenizer.pad_token_id, d.padding_free, 2 * d.max_length, self.share_prompt
+        )
 
     def _reference(self):
         kind, m = self.cfg.reference, self.cfg.model

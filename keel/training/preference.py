@@ -1,12 +1,6 @@
-"""Forward passes over preference pairs: each pair's chosen and rejected in one pass, packed
-without padding, to summed completion log-probs (DPO) or to one score per sequence (a reward
-model).
-
-Sequence 2k of a batch is pair k's prompt and chosen completion, 2k + 1 its prompt and rejected.
-Packed rows hold whole sequences back to back, each with positions from 0: transformers keeps
-attention within a sequence when it sees the positions restart and no attention mask (its packed
-sequence detection), so a packed pass equals each sequence's own pass.
-"""
+"""Forward passes over preference pairs: each pair's chosen and rejected in one pass (laid out as
+pair_layout says), to summed completion log-probs (DPO) or to one score per sequence (a reward
+model)."""
 
 from __future__ import annotations
 
@@ -18,6 +12,7 @@ from torch import Tensor
 from keel.algorithms.preference import PairLogProbs
 from keel.data.preference import PreferencePair
 from keel.training.forward import PLAIN_LM_HEAD, _token_stats, vocab_token_stats
+from keel.training.pair_layout import packed_rows, pair_blocks, shared_prompt_mask
 
 
 @dataclass(frozen=True)
@@ -28,8 +23,9 @@ class PairBatch:
     position_ids: Tensor  # [rows, L]
     # [rows, L] with padding; None when packed (the positions say where sequences start)
     attention_mask: Tensor | None
-    # flat index (row * L + position) of each completion token, its token, its sequence: [N] each
-    target_at: Tensor
+    # flat index (row * L + position) of the hidden state that predicts each completion token,
+    # the token, its sequence: [N] each
+    predict_at: Tensor
     targets: Tensor
     target_sequence: Tensor
     # flat index of each sequence's last token: [2 * pairs]
@@ -38,7 +34,7 @@ class PairBatch:
     completion_tokens: Tensor
     # reward_model: each pair's margin, when the data has them: [pairs]
     margins: Tensor | None
-    # tokens the batch holds, padding left out
+    # tokens of the sequences the batch stands for (a shared prompt counted twice), no padding
     tokens: int
 
     @property
@@ -54,81 +50,77 @@ class PairBatch:
 
 
 def collate_pairs(
-    pairs: list[PreferencePair], pad_token_id: int, padding_free: bool, row_tokens: int
+    pairs: list[PreferencePair],
+    pad_token_id: int,
+    padding_free: bool,
+    row_tokens: int,
+    share_prompt: bool = False,
 ) -> PairBatch:
-    """Pairs as one micro-batch: packed into rows of at most `row_tokens` (padding_free), else one
-    right-padded row per sequence."""
-    # each sequence with its first target: with no prompt, its first token has none before it to
-    # predict it (TRL leaves it out too), rather than the previous sequence's last
-    sequences = [
-        (p.prompt_ids + completion, max(len(p.prompt_ids), 1))
-        for p in pairs
-        for completion in (p.chosen_ids, p.rejected_ids)
-    ]
-    # Sequences of one length need neither padding nor packing: a row each, and attention takes
-    # its plain causal path (packed rows cost a mask over the whole row).
-    same_length = len({len(ids) for ids, _ in sequences}) == 1
+    """Pairs as one micro-batch, in the layout pair_layout describes."""
+    blocks = pair_blocks(pairs, share_prompt)
+    lengths = [len(block.tokens) for block in blocks]
+    packing = padding_free or share_prompt
+    # one length and no shared prompt: a row each, no mask (attention's plain causal path)
+    plain = not share_prompt and len(set(lengths)) == 1
     rows = (
-        _packed_rows(sequences, row_tokens)
-        if padding_free and not same_length
-        else [[i] for i in range(len(sequences))]
+        packed_rows(lengths, row_tokens)
+        if packing and not plain
+        else [[i] for i in range(len(blocks))]
     )
-    width = max(sum(len(sequences[i][0]) for i in row) for row in rows)
+    width = max(sum(lengths[i] for i in row) for row in rows)
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    attention_mask = (
-        None if padding_free or same_length else torch.zeros((len(rows), width), dtype=torch.long)
-    )
-    target_at, target_sequence, last_token_at = [], [], [0] * len(sequences)
+    block_ids = torch.full((len(rows), width), -1, dtype=torch.long)
+    parts = torch.zeros((len(rows), width), dtype=torch.long)
+    predict_at, targets, target_sequence = [], [], []
+    last_token_at = [0] * (2 * len(pairs))
     for r, row in enumerate(rows):
         offset = 0
         for i in row:
-            ids, prompt_len = sequences[i]
-            n = len(ids)
-            input_ids[r, offset : offset + n] = torch.tensor(ids)
-            position_ids[r, offset : offset + n] = torch.arange(n)
-            if attention_mask is not None:
-                attention_mask[r, offset : offset + n] = 1
+            block, span = blocks[i], slice(offset, offset + lengths[i])
+            input_ids[r, span] = torch.tensor(block.tokens)
+            position_ids[r, span] = torch.tensor(block.positions)
+            block_ids[r, span] = i
+            parts[r, span] = torch.tensor(block.parts)
             start = r * width + offset
-            target_at.extend(range(start + prompt_len, start + n))
-            target_sequence.extend([i] * (n - prompt_len))
-            last_token_at[i] = start + n - 1
-            offset += n
-        # the padding after the last sequence is a sequence of its own for the packed mask
+            for by, token, sequence in block.targets:
+                predict_at.append(start + by)
+                targets.append(token)
+                target_sequence.append(sequence)
+            for sequence, at in block.last.items():
+                last_token_at[sequence] = start + at
+            offset += lengths[i]
+        # packed rows: the padding after the last block is a sequence of its own
         position_ids[r, offset:] = torch.arange(width - offset)
-    target_at_t = torch.tensor(target_at)
+    target_sequence = torch.tensor(target_sequence)
     margins = [p.margin for p in pairs]
     return PairBatch(
         input_ids=input_ids,
         position_ids=position_ids,
-        attention_mask=attention_mask,
-        target_at=target_at_t,
-        targets=input_ids.reshape(-1)[target_at_t],
-        target_sequence=torch.tensor(target_sequence),
+        attention_mask=_attention_mask(block_ids, parts, share_prompt, padding_free or plain),
+        predict_at=torch.tensor(predict_at),
+        targets=torch.tensor(targets),
+        target_sequence=target_sequence,
         last_token_at=torch.tensor(last_token_at),
-        completion_tokens=torch.tensor([len(ids) - p for ids, p in sequences], dtype=torch.float),
+        completion_tokens=torch.bincount(target_sequence, minlength=2 * len(pairs)).float(),
         # a row without a margin in data that has them: no margin asked, 0
         margins=None
         if all(m is None for m in margins)
         else torch.tensor([m or 0.0 for m in margins], dtype=torch.float),
-        tokens=sum(len(ids) for ids, _ in sequences),
+        tokens=sum(lengths) + (sum(len(p.prompt_ids) for p in pairs) if share_prompt else 0),
     )
 
 
-def _packed_rows(sequences: list[tuple[list[int], int]], row_tokens: int) -> list[list[int]]:
-    """Sequences in order, each into the first row with room (a sequence longer than a row gets a
-    row of its own)."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i, (ids, _) in enumerate(sequences):
-        fits = next((r for r, left in enumerate(room) if left >= len(ids)), None)
-        if fits is None:
-            rows.append([i])
-            room.append(row_tokens - len(ids))
-        else:
-            rows[fits].append(i)
-            room[fits] -= len(ids)
-    return rows
+def _attention_mask(
+    block_ids: Tensor, parts: Tensor, share_prompt: bool, unmasked: bool
+) -> Tensor | None:
+    """The shared prompt's 4-D mask; none for packed sequences (positions say where each starts)
+    or rows without padding; else the 2-D padding mask."""
+    if share_prompt:
+        return shared_prompt_mask(block_ids, parts)
+    if unmasked:
+        return None
+    return (block_ids >= 0).long()
 
 
 def _inputs(batch: PairBatch) -> dict:
@@ -148,8 +140,7 @@ def pair_log_probs(
     (training.forward); `fused_vocab`: its vocabulary arithmetic compiled (GPU)."""
     device = next(model.parameters()).device
     batch = batch.to(device)
-    # position t predicts token t + 1
-    predicting = batch.target_at - 1
+    predicting = batch.predict_at
     if getattr(model.config, "model_type", None) in PLAIN_LM_HEAD:
         hidden = model.get_decoder()(**_inputs(batch)).last_hidden_state  # [rows, L, H]
         flat = hidden.reshape(-1, hidden.shape[-1])[predicting]  # [N, H]

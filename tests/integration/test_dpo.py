@@ -238,10 +238,22 @@ def test_a_resumed_run_without_its_cache_recomputes_it_from_the_starting_model(
     assert_same_metrics(metrics, straight, atol=1e-6)
 
 
-def test_packed_and_padded_micro_batches_give_the_same_step(data, tmp_path):
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["data.share_prompt=false", "data.padding_free=true"],
+        ["data.share_prompt=true", "data.padding_free=true"],
+        ["data.share_prompt=true", "data.padding_free=false"],
+    ],
+)
+def test_every_layout_gives_the_padded_step(data, tmp_path, layout):
     steps = "trainer.total_training_steps=2"
-    packed = read_metrics(dpo(data, tmp_path / "packed", steps, "data.padding_free=true").run_dir)
-    padded = read_metrics(dpo(data, tmp_path / "padded", steps, "data.padding_free=false").run_dir)
+    packed = read_metrics(dpo(data, tmp_path / "packed", steps, *layout).run_dir)
+    padded = read_metrics(
+        dpo(
+            data, tmp_path / "padded", steps, "data.padding_free=false", "data.share_prompt=false"
+        ).run_dir
+    )
     for name in ("train/loss", "logps/chosen", "logps/rejected", "train/grad_norm"):
         assert packed[0][name] == pytest.approx(padded[0][name], abs=1e-5, rel=1e-5), name
     # after one update on the same gradient, the same step again

@@ -8,10 +8,14 @@ import torch
 from keel.data.preference import PairColumns, build_pairs
 from keel.models.families import PLAIN_LM_HEAD
 from keel.models.tiny import build_tokenizer, make_tiny_model, make_tiny_reward_model
+from keel.training.pair_layout import can_share_prompt
 from keel.training.preference import collate_pairs, pair_log_probs, pair_scores
 
 # a family on the chunked lm_head path, and others on the model's own forward
 ARCHS = ["qwen2", "olmo2", "gemma3_text", "phi3"]
+# (padding_free, share_prompt): sequences packed, padded, pairs packed with their prompt once, and
+# a pair a row with its prompt once
+LAYOUTS = [(True, False), (False, False), (True, True), (False, True)]
 # small enough that a micro-batch packs into several rows, each holding several sequences
 ROW_TOKENS = 64
 ROWS = [
@@ -41,6 +45,24 @@ def pairs_of(rows: list[dict]):
 @pytest.fixture(scope="module")
 def pairs():
     return pairs_of(ROWS)
+
+
+def test_a_shared_prompt_is_computed_once(pairs):
+    shared = collate_pairs(pairs, 0, True, ROW_TOKENS, share_prompt=True)
+    apart = collate_pairs(pairs, 0, True, ROW_TOKENS)
+    prompts = sum(len(p.prompt_ids) for p in pairs)
+    # the rows hold each prompt once; the count stands for the sequences, as without sharing
+    assert (shared.attention_mask.diagonal(dim1=-2, dim2=-1)).sum() == shared.input_ids.numel()
+    assert shared.tokens == apart.tokens
+    assert int((shared.input_ids != 0).sum()) == int((apart.input_ids != 0).sum()) - prompts
+
+
+def test_a_window_shorter_than_the_pairs_keeps_prompts_apart(tmp_path):
+    from transformers import AutoConfig
+
+    phi3 = AutoConfig.from_pretrained(make_tiny_model(tmp_path / "phi3", arch="phi3"))
+    assert phi3.sliding_window < 256 and not can_share_prompt(phi3, 256)
+    assert can_share_prompt(phi3, phi3.sliding_window)
 
 
 def test_the_families_cover_both_log_prob_paths():
@@ -87,8 +109,12 @@ def test_packed_log_probs_equal_each_sequence_alone(tmp_path, pairs, arch):
     path = make_tiny_model(tmp_path / arch, arch=arch)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     alone = [alone_log_probs(model, ids, n) for ids, n in sequences(pairs)]
-    for padding_free in (True, False):
-        batch = collate_pairs(pairs, 0, padding_free=padding_free, row_tokens=ROW_TOKENS)
+    # the shared prompt's mask would drop a sliding window shorter than the sequences
+    sharing = can_share_prompt(model.config, 256)
+    for padding_free, share_prompt in LAYOUTS:
+        if share_prompt and not sharing:
+            continue
+        batch = collate_pairs(pairs, 0, padding_free, ROW_TOKENS, share_prompt)
         with torch.no_grad():
             summed, token_log_probs = pair_log_probs(model, batch)
         for i, expected in enumerate(alone):
@@ -121,8 +147,8 @@ def test_packed_scores_equal_each_sequence_alone(tmp_path, pairs, arch):
         path, num_labels=1, dtype=torch.float32
     ).eval()
     expected = torch.stack([alone_score(model, ids) for ids, _ in sequences(pairs)])
-    for padding_free in (True, False):
-        batch = collate_pairs(pairs, 0, padding_free=padding_free, row_tokens=ROW_TOKENS)
+    for padding_free, share_prompt in LAYOUTS:
+        batch = collate_pairs(pairs, 0, padding_free, ROW_TOKENS, share_prompt)
         with torch.no_grad():
             chosen, rejected = pair_scores(model, batch)
         got = torch.stack([chosen, rejected], dim=1).reshape(-1)
