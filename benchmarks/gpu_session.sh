@@ -223,11 +223,13 @@ design() {
 }
 
 dpo() {
-    timeout 200 python3 -m pytest -q tests/gpu/test_preference_cuda.py tests/gpu/test_native_cuda.py -k "phi3 or preference or packed" \
-        > "$OUT/gpu_dpo_tests.txt" 2>&1; tail -1 "$OUT/gpu_dpo_tests.txt"
+    timeout 200 python3 -m pytest -q tests/gpu/test_preference_cuda.py tests/gpu/test_native_cuda.py \
+        -k "${DPO_TESTS:-phi3 or preference or packed}" > "$OUT/gpu_dpo_tests.txt" 2>&1; tail -1 "$OUT/gpu_dpo_tests.txt"
     timeout 240 python3 -m keel bench d1 --trl --steps 5 --warmup 2 --out "$OUT/d1.jsonl" > "$OUT/d1.log" 2>&1
     timeout 120 python3 -m keel bench d1 dpo.reference=model --steps 5 --warmup 2 --out "$OUT/d1.jsonl" \
         > "$OUT/d1_model_reference.log" 2>&1
+    timeout 120 python3 -m keel bench d1 data.share_prompt=false --steps 5 --warmup 2 --out "$OUT/d1.jsonl" \
+        > "$OUT/d1_prompt_twice.log" 2>&1
     python3 - "$OUT/d1.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):

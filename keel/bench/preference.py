@@ -118,6 +118,7 @@ def run_pair_bench(
         "prompt_length": w.prompt_length,
         "completion_length": w.completion_length,
         "reference": cfg.reference,
+        "share_prompt": cfg.data.share_prompt,
         "overrides": list(overrides or []),
         **_keel_steps(cfg, steps, warmup),
     }
