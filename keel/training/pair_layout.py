@@ -108,9 +108,9 @@ def shared_prompt_mask(block_ids: Tensor, parts: Tensor) -> Tensor:
     """[rows, 1, L, L] boolean: a token sees the earlier tokens of its own block, except that a
     rejected token never sees the chosen completion; padding (block -1) sees only itself."""
     same_block = block_ids[:, :, None] == block_ids[:, None, :]
-    index = torch.arange(block_ids.shape[1])
+    index = torch.arange(block_ids.shape[1], device=block_ids.device)
     causal = index[None, :] <= index[:, None]
     crossing = (parts[:, :, None] == REJECTED) & (parts[:, None, :] == CHOSEN)
     allowed = same_block & causal & ~crossing & (block_ids[:, :, None] >= 0)
-    allowed |= torch.eye(block_ids.shape[1], dtype=torch.bool)
+    allowed |= torch.eye(block_ids.shape[1], dtype=torch.bool, device=block_ids.device)
     return allowed[:, None]

@@ -23,6 +23,9 @@ class PairBatch:
     position_ids: Tensor  # [rows, L]
     # [rows, L] with padding; None when packed (the positions say where sequences start)
     attention_mask: Tensor | None
+    # shared prompt: [2, rows, L], each token's block (-1: padding) and part, from which the 4-D
+    # mask is built where the model runs (a [rows, 1, L, L] mask is too large to build on the host)
+    shared_prompt_blocks: Tensor | None
     # flat index (row * L + position) of the hidden state that predicts each completion token,
     # the token, its sequence: [N] each
     predict_at: Tensor
@@ -97,7 +100,8 @@ def collate_pairs(
     return PairBatch(
         input_ids=input_ids,
         position_ids=position_ids,
-        attention_mask=_attention_mask(block_ids, parts, share_prompt, padding_free or plain),
+        attention_mask=None if share_prompt or padding_free or plain else (block_ids >= 0).long(),
+        shared_prompt_blocks=torch.stack([block_ids, parts]) if share_prompt else None,
         predict_at=torch.tensor(predict_at),
         targets=torch.tensor(targets),
         target_sequence=target_sequence,
@@ -111,23 +115,13 @@ def collate_pairs(
     )
 
 
-def _attention_mask(
-    block_ids: Tensor, parts: Tensor, share_prompt: bool, unmasked: bool
-) -> Tensor | None:
-    """The shared prompt's 4-D mask; none for packed sequences (positions say where each starts)
-    or rows without padding; else the 2-D padding mask."""
-    if share_prompt:
-        return shared_prompt_mask(block_ids, parts)
-    if unmasked:
-        return None
-    return (block_ids >= 0).long()
-
-
 def _inputs(batch: PairBatch) -> dict:
     return {
         "input_ids": batch.input_ids,
         "position_ids": batch.position_ids,
-        "attention_mask": batch.attention_mask,
+        "attention_mask": batch.attention_mask
+        if batch.shared_prompt_blocks is None
+        else shared_prompt_mask(*batch.shared_prompt_blocks),
         "use_cache": False,
     }
 

@@ -8,7 +8,7 @@ import torch
 from keel.data.preference import PairColumns, build_pairs
 from keel.models.families import PLAIN_LM_HEAD
 from keel.models.tiny import build_tokenizer, make_tiny_model, make_tiny_reward_model
-from keel.training.pair_layout import can_share_prompt
+from keel.training.pair_layout import can_share_prompt, shared_prompt_mask
 from keel.training.preference import collate_pairs, pair_log_probs, pair_scores
 
 # a family on the chunked lm_head path, and others on the model's own forward
@@ -52,7 +52,13 @@ def test_a_shared_prompt_is_computed_once(pairs):
     apart = collate_pairs(pairs, 0, True, ROW_TOKENS)
     prompts = sum(len(p.prompt_ids) for p in pairs)
     # the rows hold each prompt once; the count stands for the sequences, as without sharing
-    assert (shared.attention_mask.diagonal(dim1=-2, dim2=-1)).sum() == shared.input_ids.numel()
+    mask = shared_prompt_mask(*shared.shared_prompt_blocks)  # [rows, 1, L, L]
+    assert mask.shape == (shared.input_ids.shape[0], 1, *shared.input_ids.shape[1:] * 2)
+    # every token sees itself, and a rejected token never a chosen one
+    assert mask.diagonal(dim1=-2, dim2=-1).all()
+    parts = shared.shared_prompt_blocks[1]
+    rejected_sees_chosen = (parts[:, :, None] == 2) & (parts[:, None, :] == 1) & mask[:, 0]
+    assert not rejected_sees_chosen.any()
     assert shared.tokens == apart.tokens
     assert int((shared.input_ids != 0).sum()) == int((apart.input_ids != 0).sum()) - prompts
 
