@@ -89,6 +89,7 @@ def _check_pairs(cfg: PreferenceConfig, context: dict) -> list[Finding]:
                 truncation=d.truncation,
                 for_reward_model=cfg.objective == "reward_model",
                 name=name,
+                files=files,
             )
         finally:
             logging.getLogger("keel").disabled = False

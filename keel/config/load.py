@@ -73,7 +73,8 @@ def objective_of(
         raise KeelError(
             UNKNOWN_OBJECTIVE,
             f"objective={value!r} is not a training objective keel knows ({', '.join(OBJECTIVES)})",
-            "set objective=dpo or objective=reward_model, or remove the key for RL",
+            f"set {setting('objective', 'dpo')} (DPO) or "
+            f"{setting('objective', 'reward_model')}, or remove the key for RL",
         )
     return value
 

@@ -70,12 +70,13 @@ def build_pairs(
     truncation: str,
     for_reward_model: bool,
     name: str = "train",
+    files: list[str] | tuple[str, ...] = (),
 ) -> tuple[list[PreferencePair], PairStats]:
     """Every row as a tokenized pair that fits max_length; identical pairs dropped (KEEL-D008)."""
     tokenize = _reward_model_pair if for_reward_model else _dpo_pair
     pairs, identical = [], []
     for i, row in enumerate(rows):
-        prompt, chosen, rejected = _row_parts(row, columns, i, name)
+        prompt, chosen, rejected = _row_parts(row, columns, i, name, _files_text(name, files))
         pair = tokenize(tokenizer, prompt, chosen, rejected)
         if for_reward_model and columns.margin in row and row[columns.margin] is not None:
             pair = replace(pair, margin=float(row[columns.margin]))
@@ -83,12 +84,17 @@ def build_pairs(
             identical.append(i)
         else:
             pairs.append(pair)
-    _refuse_or_warn_identical(identical, len(rows), name)
+    _refuse_or_warn_identical(identical, len(rows), name, _files_text(name, files))
     pairs, truncated = fit_to_length(pairs, max_length, truncation, name)
     return pairs, PairStats(name, len(pairs), truncated, len(identical))
 
 
-def _row_parts(row: dict, columns: PairColumns, i: int, name: str) -> tuple:
+def _files_text(name: str, files) -> str:
+    """Where a split's rows are, as a fix line names it: the file itself when there is one."""
+    return f"`{files[0]}`" if len(files) == 1 else f"the {name} files"
+
+
+def _row_parts(row: dict, columns: PairColumns, i: int, name: str, where: str) -> tuple:
     """(prompt, chosen, rejected) of a row; the prompt of whole conversations is their shared
     leading messages (TRL's implicit-prompt format)."""
     missing = [c for c in (columns.chosen, columns.rejected) if c not in row]
@@ -120,7 +126,7 @@ def _row_parts(row: dict, columns: PairColumns, i: int, name: str) -> tuple:
             raise KeelError(
                 EMPTY_COMPLETION,
                 f"{name} preference row {i}: its {column!r} completion is empty",
-                f"remove row {i} of the {name} files, or give it a {column} completion",
+                f"remove row {i} from {where}, or give it a {column} completion",
             )
     return prompt, chosen, rejected
 
@@ -189,14 +195,14 @@ def _reward_model_pair(tokenizer, prompt, chosen, rejected) -> PreferencePair:
     return PreferencePair(whole[0][:shared], whole[0][shared:], whole[1][shared:])
 
 
-def _refuse_or_warn_identical(identical: list[int], total: int, name: str) -> None:
+def _refuse_or_warn_identical(identical: list[int], total: int, name: str, where: str) -> None:
     if not identical:
         return
     message = (
         f"{len(identical)} of {total} {name} preference rows have the same chosen and rejected "
         f"tokens (rows {identical[:5]}{' ...' if len(identical) > 5 else ''})"
     )
-    fix = "remove those rows, or check data.chosen_key and data.rejected_key"
+    fix = f"remove those rows from {where}, or check data.chosen_key and data.rejected_key"
     if len(identical) == total:
         raise KeelError(IDENTICAL_PAIR, message + ": nothing is left to learn from", fix)
     log.warning("warning[%s]: %s; they are dropped\n  fix: %s", IDENTICAL_PAIR, message, fix)

@@ -119,6 +119,7 @@ class PreferenceTrainer:
             truncation=d.truncation,
             for_reward_model=self.cfg.objective == "reward_model",
             name=name,
+            files=files,
         )
         log.info(stats.summary())
         return pairs
