@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from keel.config.fields import opt
 from keel.config.rules import check_betas, largest_divisor_at_most
 from keel.config.schema import LoraOptions, ModelOptions, OptimConfig
-from keel.config.trainer import RunOptions
+from keel.config.trainer import OFFLINE_RESUME_MAY_CHANGE, NamedRun, RunOptions
 from keel.errors import (
     BATCH_ARITHMETIC,
     INCOMPATIBLE_OPTIONS,
@@ -119,7 +119,7 @@ class PreferenceTrainerConfig(RunOptions):
 
 
 @dataclass
-class PreferenceConfig:
+class PreferenceConfig(NamedRun):
     objective: str = opt("dpo", choices=OBJECTIVES, help="dpo, or reward_model (Bradley-Terry)")
     data: PreferenceDataConfig = opt(factory=PreferenceDataConfig)
     model: PreferenceModelConfig = opt(factory=PreferenceModelConfig)
@@ -128,28 +128,7 @@ class PreferenceConfig:
     optim: PreferenceOptimConfig = opt(factory=PreferenceOptimConfig)
     trainer: PreferenceTrainerConfig = opt(factory=PreferenceTrainerConfig)
 
-    RESUME_MAY_CHANGE = (
-        "trainer.total_training_steps",
-        "trainer.total_epochs",
-        "trainer.test_freq",
-        "trainer.save_freq",
-        "trainer.max_ckpt_to_keep",
-        "trainer.resume_mode",
-        "trainer.logger",
-        "trainer.default_local_dir",
-        "trainer.project_name",
-        "trainer.experiment_name",
-        "trainer.device",
-        "data.val_files",
-        "data.micro_batch_size_per_gpu",
-        "data.padding_free",
-        "data.share_prompt",
-    )
-
-    @property
-    def run_dir(self) -> str:
-        t = self.trainer
-        return t.default_local_dir or f"checkpoints/{t.project_name}/{t.experiment_name}"
+    RESUME_MAY_CHANGE = (*OFFLINE_RESUME_MAY_CHANGE, "data.padding_free", "data.share_prompt")
 
     @property
     def reference(self) -> str:

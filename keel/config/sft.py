@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from keel.config.fields import opt
 from keel.config.rules import check_betas, largest_divisor_at_most
 from keel.config.schema import LoraOptions, ModelOptions, OptimConfig
-from keel.config.trainer import RunOptions
+from keel.config.trainer import OFFLINE_RESUME_MAY_CHANGE, NamedRun, RunOptions
 from keel.errors import BATCH_ARITHMETIC, INCOMPATIBLE_OPTIONS, KeelError
 from keel.errors.fixes import setting
 
@@ -46,7 +46,7 @@ class SFTTrainerConfig(RunOptions):
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(NamedRun):
     data: SFTDataConfig = opt(factory=SFTDataConfig)
     model: SFTModelConfig = opt(
         factory=SFTModelConfig, help="the model fine-tuned, and how it computes"
@@ -56,26 +56,7 @@ class SFTConfig:
     )
     trainer: SFTTrainerConfig = opt(factory=SFTTrainerConfig)
 
-    RESUME_MAY_CHANGE = (
-        "trainer.total_training_steps",
-        "trainer.total_epochs",
-        "trainer.test_freq",
-        "trainer.save_freq",
-        "trainer.max_ckpt_to_keep",
-        "trainer.resume_mode",
-        "trainer.logger",
-        "trainer.default_local_dir",
-        "trainer.project_name",
-        "trainer.experiment_name",
-        "trainer.device",
-        "data.val_files",
-        "data.micro_batch_size_per_gpu",
-    )
-
-    @property
-    def run_dir(self) -> str:
-        t = self.trainer
-        return t.default_local_dir or f"checkpoints/{t.project_name}/{t.experiment_name}"
+    RESUME_MAY_CHANGE = OFFLINE_RESUME_MAY_CHANGE
 
     def validate(self) -> None:
         d = self.data

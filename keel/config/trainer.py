@@ -83,6 +83,35 @@ class RunOptions:
     )
 
 
+class NamedRun:
+    """A config whose `trainer` section names its run directory (RL's, SFT's, preference
+    training's)."""
+
+    @property
+    def run_dir(self) -> str:
+        t = self.trainer
+        return t.default_local_dir or f"checkpoints/{t.project_name}/{t.experiment_name}"
+
+
+# The keys a resumed run on fixed data (SFT, DPO, reward models) may change: when it stops, how
+# often it validates, logs and saves, where it writes, and how it cuts micro-batches.
+OFFLINE_RESUME_MAY_CHANGE = (
+    "trainer.total_training_steps",
+    "trainer.total_epochs",
+    "trainer.test_freq",
+    "trainer.save_freq",
+    "trainer.max_ckpt_to_keep",
+    "trainer.resume_mode",
+    "trainer.logger",
+    "trainer.default_local_dir",
+    "trainer.project_name",
+    "trainer.experiment_name",
+    "trainer.device",
+    "data.val_files",
+    "data.micro_batch_size_per_gpu",
+)
+
+
 @dataclass
 class TrainerConfig(RunOptions):
     test_freq: int = opt(-1, help="validate every N steps; -1: never")

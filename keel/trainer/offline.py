@@ -10,10 +10,28 @@ import torch
 
 from keel import checkpoint as ckpt
 from keel.config.load import to_yaml
+from keel.data.sampler import ResumableSampler
+from keel.errors import DATA_EMPTY, KeelError
+from keel.errors.fixes import whole_batches
 from keel.models.load import load_causal_lm, resolve_dtype
 from keel.models.lora import apply_lora, plan_lora
 
 log = logging.getLogger("keel")
+
+
+def fixed_data_schedule(cfg, rows: int, what: str) -> tuple[ResumableSampler, int]:
+    """The sampler over `rows` examples (`what`: their name) and the run's number of steps;
+    fewer rows than one batch stop the run (KEEL-D004)."""
+    d = cfg.data
+    if rows < d.train_batch_size:
+        raise KeelError(
+            DATA_EMPTY,
+            f"{rows} {what}, fewer than data.train_batch_size={d.train_batch_size}",
+            whole_batches(rows, "data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu),
+        )
+    sampler = ResumableSampler(rows, d.train_batch_size, d.seed, d.shuffle)
+    t = cfg.trainer
+    return sampler, t.total_training_steps or t.total_epochs * sampler.batches_per_epoch
 
 
 def load_trained_model(

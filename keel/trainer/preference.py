@@ -18,10 +18,7 @@ from keel.config.load import to_yaml
 from keel.config.preference import PreferenceConfig
 from keel.data.preference import PairColumns, PreferencePair, build_pairs
 from keel.data.prompts import load_rows
-from keel.data.sampler import ResumableSampler
 from keel.distributed.parallelize import compile_blocks
-from keel.errors import DATA_EMPTY, KeelError
-from keel.errors.fixes import whole_batches
 from keel.models.load import (
     autocast,
     can_compile,
@@ -31,7 +28,12 @@ from keel.models.load import (
     resolve_dtype,
 )
 from keel.observe.metrics import MetricsLogger, Timer
-from keel.trainer.offline import OfflineState, finished_model, load_trained_model
+from keel.trainer.offline import (
+    OfflineState,
+    finished_model,
+    fixed_data_schedule,
+    load_trained_model,
+)
 from keel.trainer.pair_objective import BatchShare, DPOObjective, RewardObjective
 from keel.trainer.reference_logps import (
     CACHE_FILE,
@@ -69,23 +71,8 @@ class PreferenceTrainer:
         self.splits = {"train": self._load(d.train_files, "train")}
         self.splits["val"] = self._load(d.val_files, "val") if d.val_files else []
         self.train_pairs = self.splits["train"]
-        if len(self.train_pairs) < d.train_batch_size:
-            raise KeelError(
-                DATA_EMPTY,
-                f"{len(self.train_pairs)} preference pairs, fewer than "
-                f"data.train_batch_size={d.train_batch_size}",
-                whole_batches(
-                    len(self.train_pairs),
-                    "data.micro_batch_size_per_gpu",
-                    d.micro_batch_size_per_gpu,
-                ),
-            )
-        self.sampler = ResumableSampler(
-            len(self.train_pairs), d.train_batch_size, d.seed, d.shuffle
-        )
-        self.total_steps = (
-            cfg.trainer.total_training_steps
-            or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
+        self.sampler, self.total_steps = fixed_data_schedule(
+            cfg, len(self.train_pairs), "preference pairs"
         )
         self.reward_model = cfg.objective == "reward_model"
         checkpoint = self.resume_from / "actor" if self.resume_from else None

@@ -14,10 +14,7 @@ from keel import checkpoint as ckpt
 from keel.config.load import load_config, to_yaml
 from keel.config.sft import SFTConfig
 from keel.data.prompts import load_rows
-from keel.data.sampler import ResumableSampler
 from keel.data.sft import SFTExample, build_sft_dataset, collate_sft
-from keel.errors import DATA_EMPTY, KeelError
-from keel.errors.fixes import whole_batches
 from keel.models.load import (
     autocast,
     load_tokenizer,
@@ -27,7 +24,12 @@ from keel.models.load import (
 )
 from keel.observe.log import ensure_console_logging
 from keel.observe.metrics import MetricsLogger, Timer
-from keel.trainer.offline import OfflineState, finished_model, load_trained_model
+from keel.trainer.offline import (
+    OfflineState,
+    finished_model,
+    fixed_data_schedule,
+    load_trained_model,
+)
 from keel.trainer.setup import seed_everything
 from keel.training.optim import build_optimizer, build_scheduler
 from keel.training.step import DeviceTotals, apply_gradients, backward
@@ -74,21 +76,8 @@ class SFTTrainer:
         self.tokenizer.padding_side = "right"
         self.train_data = self._load(d.train_files, "train")
         self.val_data = self._load(d.val_files, "val") if d.val_files else []
-        if len(self.train_data) < d.train_batch_size:
-            raise KeelError(
-                DATA_EMPTY,
-                f"{len(self.train_data)} SFT examples, fewer than "
-                f"data.train_batch_size={d.train_batch_size}",
-                whole_batches(
-                    len(self.train_data),
-                    "data.micro_batch_size_per_gpu",
-                    d.micro_batch_size_per_gpu,
-                ),
-            )
-        self.sampler = ResumableSampler(len(self.train_data), d.train_batch_size, d.seed, d.shuffle)
-        self.total_steps = (
-            cfg.trainer.total_training_steps
-            or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
+        self.sampler, self.total_steps = fixed_data_schedule(
+            cfg, len(self.train_data), "SFT examples"
         )
         self.model = self._load_model(device)
         self.autocast = partial(autocast, device, resolve_dtype(m.dtype, device))

@@ -62,14 +62,10 @@ def collate_pairs(
     """Pairs as one micro-batch, in the layout pair_layout describes."""
     blocks = pair_blocks(pairs, share_prompt)
     lengths = [len(block.tokens) for block in blocks]
-    packing = padding_free or share_prompt
     # one length and no shared prompt: a row each, no mask (attention's plain causal path)
     plain = not share_prompt and len(set(lengths)) == 1
-    rows = (
-        packed_rows(lengths, row_tokens)
-        if packing and not plain
-        else [[i] for i in range(len(blocks))]
-    )
+    packing = (padding_free or share_prompt) and not plain
+    rows = packed_rows(lengths, row_tokens) if packing else [[i] for i in range(len(blocks))]
     width = max(sum(lengths[i] for i in row) for row in rows)
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
