@@ -36,6 +36,20 @@ def digit_rows(n: int, start: int = 0) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
+def quickstart_data(tmp_path_factory) -> Path:
+    """The quick-start's data and tiny model (its pairs too), written by its own prepare.py."""
+    import importlib.util
+
+    script = Path(__file__).parents[1] / "examples" / "quickstart" / "prepare.py"
+    spec = importlib.util.spec_from_file_location("prepare", script)
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    out = tmp_path_factory.mktemp("quickstart")
+    prepare.main(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory) -> dict[str, Path]:
     from keel.models.tiny import make_tiny_model
 

@@ -1,7 +1,6 @@
 """DPO and reward-model training on the GPU: bf16 autocast over float32 weights, packed pairs."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,13 +16,8 @@ EXAMPLES = Path(__file__).parents[2] / "examples" / "quickstart"
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    sys.path.insert(0, str(EXAMPLES))
-    import prepare
-
-    out = tmp_path_factory.mktemp("data")
-    prepare.main(out)
-    return out
+def data(quickstart_data) -> Path:
+    return quickstart_data
 
 
 def overrides(data: Path, run_dir: Path) -> list[str]:

@@ -2,7 +2,6 @@
 quick-start's preference, every loss learns, the reference is the starting model however it is
 obtained, resume is exact and the run directory is a Hugging Face model."""
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -26,14 +25,8 @@ TRL_METRICS = (
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    """The quick-start's pairs and tiny model, as examples/quickstart/prepare.py writes them."""
-    spec = importlib.util.spec_from_file_location("prepare", QUICKSTART / "prepare.py")
-    prepare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prepare)
-    out = tmp_path_factory.mktemp("quickstart")
-    prepare.main(out)
-    return out
+def data(quickstart_data) -> Path:
+    return quickstart_data
 
 
 def dpo(data: Path, run_dir: Path, *overrides: str):

@@ -2,7 +2,6 @@
 model learns the quick-start's preference, its run directory is a sequence classifier that
 transformers and keel's own reward model load, and GRPO scores with it as it is."""
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -16,14 +15,8 @@ QUICKSTART = Path(__file__).parents[2] / "examples" / "quickstart"
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    """The quick-start's data and tiny model, as examples/quickstart/prepare.py writes them."""
-    spec = importlib.util.spec_from_file_location("prepare", QUICKSTART / "prepare.py")
-    prepare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prepare)
-    out = tmp_path_factory.mktemp("quickstart")
-    prepare.main(out)
-    return out
+def data(quickstart_data) -> Path:
+    return quickstart_data
 
 
 def reward_model(data: Path, run_dir: Path, *overrides: str, train_file: Path | None = None):

@@ -1,7 +1,6 @@
 """Preference-training configs: the option combinations refused with their fix, the objective and
 unknown keys named, and `keel check` on the quick-start's DPO and reward-model configs."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -133,17 +132,6 @@ def test_an_unknown_key_names_the_closest_key(overrides, suggestion):
 def test_an_unknown_key_in_the_config_file_is_named_too():
     error = refused([], {**BASE, "dpo": {"bta": 0.2}})
     assert error.code == UNKNOWN_KEY and "'dpo.beta'" in error.message
-
-
-@pytest.fixture(scope="module")
-def quickstart_data(tmp_path_factory) -> Path:
-    """The quick-start's data and model, written by its own prepare.py."""
-    spec = importlib.util.spec_from_file_location("prepare", QUICKSTART / "prepare.py")
-    prepare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prepare)
-    out = tmp_path_factory.mktemp("quickstart")
-    prepare.main(out)
-    return out
 
 
 def quickstart_overrides(data: Path, run_dir: Path, train: Path | None = None) -> list[str]:
