@@ -34,7 +34,17 @@ def check_preference(cfg: PreferenceConfig) -> Report:
             findings.append(Finding("skip", name, f"skipped: needs the {missing} not loaded"))
     plan = _plan(cfg, context)
     text = "plan\n" + "\n".join(f"  {key:<26} {value}" for key, value in plan.items())
-    return Report(findings, plan, text, {}, {})
+    return Report(findings, plan, text, _decisions(cfg), {})
+
+
+def _decisions(cfg: PreferenceConfig) -> dict[str, str]:
+    """What keel chose where the config left it to keel (`auto`)."""
+    decided = {}
+    if cfg.objective == "dpo" and cfg.dpo.reference == "auto":
+        decided["dpo.reference"] = f"{cfg.reference} (auto: {_reference_text(cfg)})"
+    if cfg.model.dtype == "auto":
+        decided["model.dtype"] = "bfloat16 autocast on a GPU, float32 on CPU (auto)"
+    return decided
 
 
 def _check_model(cfg: PreferenceConfig, context: dict) -> list[Finding]:
@@ -145,7 +155,8 @@ def _plan(cfg: PreferenceConfig, context: dict) -> dict:
         "objective": cfg.objective,
         "pairs per step": d.train_batch_size,
         "micro-batches per step": d.train_batch_size // d.micro_batch_size_per_gpu,
-        "packing": "padding-free rows" if d.padding_free else "one padded row per sequence",
+        "packing": ("a pair's prompt once, " if d.share_prompt else "")
+        + ("rows without padding" if d.padding_free else "padded rows"),
     }
     if "train_pairs" in context:
         plan["train pairs"] = len(context["train_pairs"])
