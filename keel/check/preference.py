@@ -94,7 +94,7 @@ def _check_pairs(cfg: PreferenceConfig, context: dict) -> list[Finding]:
             pairs, stats = build_pairs(
                 load_rows(files, f"data.{name}_files"),
                 tokenizer,
-                PairColumns(d.prompt_key, d.chosen_key, d.rejected_key, d.margin_key),
+                PairColumns.of(d),
                 max_length=d.max_length,
                 truncation=d.truncation,
                 for_reward_model=cfg.objective == "reward_model",

@@ -7,7 +7,7 @@ TRL's names under `dpo.*`, the reward model's under `reward_model.*`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from keel.config.fields import opt
 from keel.config.rules import check_betas, largest_divisor_at_most
@@ -158,8 +158,26 @@ class PreferenceConfig(NamedRun):
                     + ("parquet/jsonl files)" if key.startswith("data") else "a model directory)"),
                 )
         check_betas("optim", self.optim.betas)
+        self._refuse_the_other_objectives_settings()
         if self.objective == "dpo":
             self._validate_dpo()
+
+    def _refuse_the_other_objectives_settings(self) -> None:
+        """dpo.* set for a reward model, or reward_model.* for DPO, would be silently unread."""
+        section = "reward_model" if self.objective == "dpo" else "dpo"
+        value = getattr(self, section)
+        unread = [
+            f"{section}.{f.name}"
+            for f in fields(value)
+            if getattr(value, f.name) != getattr(type(value)(), f.name)
+        ]
+        if unread:
+            other = "reward_model" if section == "reward_model" else "dpo"
+            _refuse(
+                f"{', '.join(unread)} set, but objective={self.objective} reads none of "
+                f"{section}.*",
+                f"set {setting('objective', other)}, or remove the {section}.* settings",
+            )
 
     def _validate_dpo(self) -> None:
         dpo, reference = self.dpo, self.reference

@@ -36,6 +36,11 @@ class PreferencePair:
     # reward_model: how much better chosen is (the data's margin column), else None
     margin: float | None = None
 
+    @property
+    def chosen_targets(self) -> int:
+        """Chosen tokens a log-prob is read for: with no prompt the first has nothing before it."""
+        return len(self.chosen_ids) - (not self.prompt_ids)
+
 
 @dataclass(frozen=True)
 class PairStats:
@@ -59,6 +64,15 @@ class PairColumns:
     chosen: str
     rejected: str
     margin: str
+    # the margin column was named by the user (data.margin_key), so the data must have it
+    margin_named: bool = False
+
+    @classmethod
+    def of(cls, data_cfg) -> PairColumns:
+        """The columns a config's `data` section names."""
+        d = data_cfg
+        named = d.margin_key != type(d).margin_key
+        return cls(d.prompt_key, d.chosen_key, d.rejected_key, d.margin_key, named)
 
 
 def build_pairs(
@@ -78,12 +92,19 @@ def build_pairs(
     for i, row in enumerate(rows):
         prompt, chosen, rejected = _row_parts(row, columns, i, name, _files_text(name, files))
         pair = tokenize(tokenizer, prompt, chosen, rejected)
-        if for_reward_model and columns.margin in row and row[columns.margin] is not None:
-            pair = replace(pair, margin=float(row[columns.margin]))
+        if for_reward_model and row.get(columns.margin) is not None:
+            pair = replace(pair, margin=_margin(row[columns.margin], columns.margin, i, name))
         if pair.chosen_ids == pair.rejected_ids:
             identical.append(i)
         else:
             pairs.append(pair)
+    if for_reward_model and columns.margin_named and not any(columns.margin in r for r in rows):
+        raise KeelError(
+            DATA_COLUMN,
+            f"data.margin_key={columns.margin!r} names no column of the {name} preference rows; "
+            f"their columns are {sorted(rows[0])}",
+            "set data.margin_key to the margin's column, or leave it unset (no margins)",
+        )
     _refuse_or_warn_identical(identical, len(rows), name, _files_text(name, files))
     pairs, truncated = fit_to_length(pairs, max_length, truncation, name)
     return pairs, PairStats(name, len(pairs), truncated, len(identical))
@@ -121,14 +142,51 @@ def _row_parts(row: dict, columns: PairColumns, i: int, name: str, where: str) -
             f"are not whole conversations to find it in; its columns are {sorted(row)}",
             "set data.prompt_key to the prompt's column",
         )
+    _check_forms(columns, (prompt, chosen, rejected), i, name, where)
+    return prompt, chosen, rejected
+
+
+def _check_forms(columns: PairColumns, values: tuple, i: int, name: str, where: str) -> None:
+    """Each part text or a chat; a missing completion is an empty one (EMPTY_COMPLETION)."""
+    prompt, chosen, rejected = values
+    for column, value in (
+        (columns.prompt, prompt),
+        (columns.chosen, chosen),
+        (columns.rejected, rejected),
+    ):
+        if not _text_or_chat(value) and not (value is None and column != columns.prompt):
+            raise KeelError(
+                DATA_COLUMN,
+                f"{name} preference row {i}: its {column!r} is {type(value).__name__}, neither "
+                "a string nor chat messages (a list of role/content dicts)",
+                f"remove row {i} from {where}, or write its {column} as a string",
+            )
     for column, completion in ((columns.chosen, chosen), (columns.rejected, rejected)):
-        if not _completion_text(completion).strip():
+        if completion is None or not _completion_text(completion).strip():
             raise KeelError(
                 EMPTY_COMPLETION,
                 f"{name} preference row {i}: its {column!r} completion is empty",
                 f"remove row {i} from {where}, or give it a {column} completion",
             )
-    return prompt, chosen, rejected
+
+
+def _text_or_chat(value) -> bool:
+    if isinstance(value, str):
+        return True
+    return isinstance(value, list) and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in value
+    )
+
+
+def _margin(value, column: str, i: int, name: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise KeelError(
+            DATA_COLUMN,
+            f"{name} preference row {i}: its margin {value!r} (column {column!r}) is not a number",
+            "give every row a numeric margin (how much better chosen is), or none",
+        ) from None
 
 
 def _completion_text(completion) -> str:

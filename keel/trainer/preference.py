@@ -40,6 +40,7 @@ from keel.trainer.reference_logps import (
     CachedReference,
     ModelReference,
     NoReference,
+    model_identity,
 )
 from keel.trainer.setup import seed_everything
 from keel.training.optim import build_optimizer, build_scheduler
@@ -81,8 +82,8 @@ class PreferenceTrainer:
             # transformers' head finds each sequence's last token by it when the model scores
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.share_prompt = d.share_prompt and can_share_prompt(self.model.config, d.max_length)
-        compiled = m.use_torch_compile and can_compile(self.device)
-        if compiled:
+        self.compiled = m.use_torch_compile and can_compile(self.device)
+        if self.compiled:
             compile_blocks(self.model)
         self.autocast = partial(autocast, self.device, resolve_dtype(m.dtype, self.device))
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
@@ -90,7 +91,7 @@ class PreferenceTrainer:
         self.objective = (
             RewardObjective(cfg.reward_model.center_coefficient)
             if self.reward_model
-            else DPOObjective(cfg.dpo, fused_vocab=compiled)
+            else DPOObjective(cfg.dpo, fused_vocab=self.compiled)
         )
         self.reference = NoReference() if self.reward_model else self._reference()
         self.step = 0
@@ -101,7 +102,7 @@ class PreferenceTrainer:
         pairs, stats = build_pairs(
             load_rows(files, f"data.{name}_files"),
             self.tokenizer,
-            PairColumns(d.prompt_key, d.chosen_key, d.rejected_key, d.margin_key),
+            PairColumns.of(d),
             max_length=d.max_length,
             truncation=d.truncation,
             for_reward_model=self.cfg.objective == "reward_model",
@@ -126,10 +127,9 @@ class PreferenceTrainer:
         if kind == "model":
             return ModelReference(self._starting_model())
         # a fresh run's model is the starting model; a resumed one's has trained
-        identity = f"{m.path}|{m.lora_adapter_path}|{resolve_dtype(m.dtype, self.device)}"
         return CachedReference(
             self.run_dir / CACHE_FILE,
-            identity,
+            model_identity(m, resolve_dtype(m.dtype, self.device)),
             self._starting_model if self.resume_from else lambda: self.model,
             self.collate,
             self.cfg.data.micro_batch_size_per_gpu,
@@ -137,11 +137,14 @@ class PreferenceTrainer:
         )
 
     def _starting_model(self):
-        """The model training starts from, frozen in the compute dtype: the reference."""
+        """The model training starts from, frozen: the reference. Its weights and kernels are the
+        policy's at step 0 (float32 under autocast, compiled where the policy is), so its log-probs
+        are those a fresh run's cache holds."""
         m = self.cfg.model
-        model = load_trained_model(m, m.path, self.device, None)
-        model = model.to(resolve_dtype(m.dtype, self.device))
-        return model.eval().requires_grad_(False)
+        model = load_trained_model(m, m.path, self.device, None).eval().requires_grad_(False)
+        if self.compiled:
+            compile_blocks(model)
+        return model
 
     def fit(self) -> PreferenceResult:
         if self.resume_from is not None:
@@ -192,7 +195,7 @@ class PreferenceTrainer:
         """The loss over `rows` of a split, micro-batch by micro-batch (backward when `train`);
         the tokens it read."""
         pairs = self.splits[split]
-        share = BatchShare(len(rows), sum(len(pairs[i].chosen_ids) for i in rows))
+        share = BatchShare(len(rows), sum(pairs[i].chosen_targets for i in rows))
         size, tokens = self.cfg.data.micro_batch_size_per_gpu, 0
         for start in range(0, len(rows), size):
             micro = list(rows[start : start + size])

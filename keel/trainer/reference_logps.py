@@ -1,10 +1,11 @@
 """DPO's reference log-probs, from where `dpo.reference` says (`PreferenceConfig.reference`).
 
 - cached: each pair's log-probs computed once, before the first update, by the model training
-  starts from (which is the reference), and kept in the run directory (`reference_logps.pt`, with
-  a fingerprint of the model and the data): no second model, no reference pass in a step, and a
-  resumed run reads them again. A resumed run whose file is gone loads the starting model to redo
-  them, since the trained one has moved.
+  starts from (the reference: a fresh run's own policy before its first step), and kept in the
+  run directory (`reference_logps.pt`, with a fingerprint of the model's files, the dtype and the
+  data): no second model, no reference pass in a step, and a resumed run reads them again. A
+  resumed run whose file is gone loads the starting model to redo them, since the trained one has
+  moved.
 - model: a frozen copy of the starting model, a pass in every step (TRL's default).
 - adapter: LoRA's own base with the adapters off, a pass in every step.
 - none: a reference-free loss (SimPO).
@@ -112,6 +113,18 @@ class CachedReference(NoReference):
         values = self.table[split][rows]  # [b, 2]
         tokens = batch.completion_tokens
         return PairLogProbs(values[:, 0], values[:, 1], tokens[0::2], tokens[1::2])
+
+
+def model_identity(m, dtype) -> str:
+    """What the reference's log-probs depend on besides the data: the model's (and starting
+    adapter's) weight files as they are on disk, and the compute dtype. A model retrained in place
+    has other sizes or times, so its old cache is not read."""
+    files = []
+    for folder in filter(None, (m.path, m.lora_adapter_path)):
+        for path in sorted(Path(folder).glob("*.safetensors")) + sorted(Path(folder).glob("*.bin")):
+            stat = path.stat()
+            files.append(f"{path}:{stat.st_size}:{stat.st_mtime_ns}")
+    return "|".join([str(m.path), str(m.lora_adapter_path), str(dtype), *files])
 
 
 def _fingerprint(identity: str, splits: dict[str, list[PreferencePair]]) -> str:

@@ -22,7 +22,9 @@ from torch import Tensor
 
 from keel.data.preference import PreferencePair
 
-PROMPT, CHOSEN, REJECTED = 0, 1, 2
+# Each token's part of its block: the prompt, a completion (in a shared block, the chosen one),
+# and a shared block's rejected completion, which never sees the chosen.
+PROMPT, COMPLETION, REJECTED = 0, 1, 2
 
 
 @dataclass
@@ -34,27 +36,35 @@ class Block:
     parts: list[int] = field(default_factory=list)
     # (offset whose hidden state predicts it, the token, its sequence) per completion token
     targets: list[tuple[int, int, int]] = field(default_factory=list)
-    # sequence -> offset of its last token
+    # sequence -> offset of the token a reward model reads (last_read)
     last: dict[int, int] = field(default_factory=dict)
 
 
-def sequence_block(prompt: list[int], completion: list[int], sequence: int) -> Block:
+def last_read(ids: list[int], pad_token_id: int | None) -> int:
+    """Where transformers' sequence classifiers read a sequence: its last token that is not the
+    pad token (with pad = EOS, the token before a closing EOS), as keel's reward model scores."""
+    return next((i for i in range(len(ids) - 1, -1, -1) if ids[i] != pad_token_id), len(ids) - 1)
+
+
+def sequence_block(
+    prompt: list[int], completion: list[int], sequence: int, pad_token_id: int | None
+) -> Block:
     # with no prompt the first token has nothing before it to predict it (TRL leaves it out too)
     first = max(len(prompt), 1)
     ids = prompt + completion
     return Block(
         ids,
         list(range(len(ids))),
-        [PROMPT] * len(prompt) + [CHOSEN] * len(completion),
+        [PROMPT] * len(prompt) + [COMPLETION] * len(completion),
         [(t - 1, ids[t], sequence) for t in range(first, len(ids))],
-        {sequence: len(ids) - 1},
+        {sequence: last_read(ids, pad_token_id)},
     )
 
 
-def shared_prompt_block(pair: PreferencePair, k: int) -> Block:
+def shared_prompt_block(pair: PreferencePair, k: int, pad_token_id: int | None) -> Block:
     """Prompt, chosen, rejected; rejected's first token is predicted by the prompt's last."""
     p, c = pair.prompt_ids, pair.chosen_ids
-    block = sequence_block(p, c, 2 * k)
+    block = sequence_block(p, c, 2 * k, pad_token_id)
     start = len(block.tokens)
     block.tokens += pair.rejected_ids
     block.positions += list(range(len(p), len(p) + len(pair.rejected_ids)))
@@ -65,15 +75,18 @@ def shared_prompt_block(pair: PreferencePair, k: int) -> Block:
         for by, token in zip(predicted_by, pair.rejected_ids, strict=True)
         if by >= 0
     ]
-    block.last[2 * k + 1] = start + len(pair.rejected_ids) - 1
+    read = last_read(p + pair.rejected_ids, pad_token_id)
+    block.last[2 * k + 1] = read if read < len(p) else start + read - len(p)
     return block
 
 
-def pair_blocks(pairs: list[PreferencePair], share_prompt: bool) -> list[Block]:
+def pair_blocks(
+    pairs: list[PreferencePair], share_prompt: bool, pad_token_id: int | None
+) -> list[Block]:
     if share_prompt:
-        return [shared_prompt_block(pair, k) for k, pair in enumerate(pairs)]
+        return [shared_prompt_block(pair, k, pad_token_id) for k, pair in enumerate(pairs)]
     return [
-        sequence_block(pair.prompt_ids, completion, 2 * k + side)
+        sequence_block(pair.prompt_ids, completion, 2 * k + side, pad_token_id)
         for k, pair in enumerate(pairs)
         for side, completion in enumerate((pair.chosen_ids, pair.rejected_ids))
     ]
@@ -95,8 +108,12 @@ def packed_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
 
 
 def can_share_prompt(config, length: int) -> bool:
-    """Whether the shared prompt's mask holds for this model: it replaces the model's own masks,
-    so a sliding window shorter than `length` (Gemma 3, Phi-3-mini) would be lost."""
+    """Whether the shared prompt's mask holds for this model: a boolean 4-D mask means what it
+    says to sdpa only (eager attention would add it to the scores, flash-attention refuses it);
+    and it replaces the model's own masks, so a sliding window shorter than `length` (Gemma 3,
+    Phi-3-mini) would be lost."""
+    if getattr(config, "_attn_implementation", None) not in (None, "sdpa"):
+        return False
     window = getattr(config, "sliding_window", None)
     if not window or window >= length:
         return True
@@ -110,7 +127,7 @@ def shared_prompt_mask(block_ids: Tensor, parts: Tensor) -> Tensor:
     same_block = block_ids[:, :, None] == block_ids[:, None, :]
     index = torch.arange(block_ids.shape[1], device=block_ids.device)
     causal = index[None, :] <= index[:, None]
-    crossing = (parts[:, :, None] == REJECTED) & (parts[:, None, :] == CHOSEN)
+    crossing = (parts[:, :, None] == REJECTED) & (parts[:, None, :] == COMPLETION)
     allowed = same_block & causal & ~crossing & (block_ids[:, :, None] >= 0)
     allowed |= torch.eye(block_ids.shape[1], dtype=torch.bool, device=block_ids.device)
     return allowed[:, None]

@@ -31,7 +31,8 @@ class PairBatch:
     predict_at: Tensor
     targets: Tensor
     target_sequence: Tensor
-    # flat index of each sequence's last token: [2 * pairs]
+    # flat index of the token a reward model reads in each sequence (pair_layout.last_read):
+    # [2 * pairs]
     last_token_at: Tensor
     # completion tokens of each sequence: [2 * pairs]
     completion_tokens: Tensor
@@ -60,7 +61,7 @@ def collate_pairs(
     share_prompt: bool = False,
 ) -> PairBatch:
     """Pairs as one micro-batch, in the layout pair_layout describes."""
-    blocks = pair_blocks(pairs, share_prompt)
+    blocks = pair_blocks(pairs, share_prompt, pad_token_id)
     lengths = [len(block.tokens) for block in blocks]
     # one length and no shared prompt: a row each, no mask (attention's plain causal path)
     plain = not share_prompt and len(set(lengths)) == 1

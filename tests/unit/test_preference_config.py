@@ -84,9 +84,10 @@ def test_consistent_options_load_and_auto_picks_the_reference(overrides, referen
     assert load(overrides).reference == reference
 
 
-def test_a_reward_model_ignores_dpo_options():
-    cfg = load(["objective=reward_model", "dpo.label_smoothing=0.1"])
-    assert cfg.objective == "reward_model"
+def test_a_reward_model_refuses_dpo_options_it_would_not_read():
+    assert load(["objective=reward_model"]).objective == "reward_model"
+    error = refused(["objective=reward_model", "dpo.label_smoothing=0.1"])
+    assert error.code == PREFERENCE_OPTION and "dpo.label_smoothing" in error.message
 
 
 @pytest.mark.parametrize(
