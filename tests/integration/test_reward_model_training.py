@@ -56,14 +56,25 @@ def test_the_quickstart_reward_model_learns_the_preference(trained):
     assert last["train/loss"] < metrics[0]["train/loss"] and last["train/loss"] < math.log(2)
 
 
-def test_the_run_directory_is_a_reward_model_transformers_and_keel_load(trained):
+@pytest.fixture(scope="module")
+def trained_with_lora(data, tmp_path_factory) -> Path:
+    """The same with LoRA adapters (rank 8) and the score head trained in full beside them."""
+    run_dir = tmp_path_factory.mktemp("rm_lora") / "run"
+    return reward_model(data, run_dir, "model.lora_rank=8", "optim.lr=1e-2").run_dir
+
+
+@pytest.mark.parametrize("which", ["trained", "trained_with_lora"])
+def test_the_run_directory_is_a_reward_model_transformers_and_keel_load(which, request):
     from transformers import AutoModelForSequenceClassification
 
     from keel.rewards.model import RewardModel
 
+    trained = request.getfixturevalue(which)
     classifier = AutoModelForSequenceClassification.from_pretrained(trained)
     assert classifier.config.num_labels == 1
     assert not (trained / "reference_logps.pt").exists()
+    # LoRA's run directory holds the adapters merged; the adapters themselves beside them
+    assert (trained / "adapter").is_dir() == (which == "trained_with_lora")
 
     rm = RewardModel(str(trained), torch.device("cpu"), 4, None)
     # prompts the quick-start's data never holds (its numbers stop at 99)
