@@ -26,7 +26,12 @@ PANELS = [
     ("KL to the reference model", ["actor/ref_kl", "actor/kl_loss", "actor/reward_kl_penalty"]),
     ("policy loss", ["actor/pg_loss"]),
     ("value loss", ["critic/vf_loss"]),
-    ("SFT loss", ["train/loss", "val/loss"]),
+    # SFT's, DPO's or a reward model's
+    ("loss", ["train/loss", "val/loss"]),
+    # preference training (TRL's names): the share of pairs ranked right, and by how much
+    ("pairs ranked right", ["rewards/accuracies", "val/rewards/accuracies"]),
+    ("reward margin (chosen - rejected)", ["rewards/margins", "val/rewards/margins"]),
+    ("completion log-probs", ["logps/chosen", "logps/rejected"]),
     ("gradient norm", ["actor/grad_norm", "critic/grad_norm", "train/grad_norm"]),
     ("step time (s)", ["timing_s/step", "timing_s/gen", "timing_s/update_actor"]),
 ]

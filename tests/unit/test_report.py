@@ -135,3 +135,32 @@ def test_the_report_names_the_run_as_the_user_did_never_by_a_temporary_path(tmp_
     assert "<title>keel report: demo/grpo</title>" in write_report("demo/grpo")[1].read_text()
     # inside the cwd
     assert "<title>keel report: demo/grpo</title>" in write_report(run)[1].read_text()
+
+
+def test_a_dpo_run_gets_the_panels_of_preference_training():
+    records = [
+        {
+            "step": s,
+            "train/loss": 0.69 / s,
+            "rewards/accuracies": 0.3 * s,
+            "rewards/margins": 0.5 * s,
+            "logps/chosen": -40.0 + s,
+            "logps/rejected": -140.0 - s,
+            "train/grad_norm": 1.0,
+            "timing_s/step": 0.1,
+        }
+        for s in range(1, 4)
+    ]
+    records[-1]["val/rewards/accuracies"] = 0.9
+    panels = dict(panel_lines(records))
+    assert [line[0] for line in panels["pairs ranked right"]] == [
+        "rewards/accuracies",
+        "val/rewards/accuracies",
+    ]
+    assert [line[0] for line in panels["completion log-probs"]] == [
+        "logps/chosen",
+        "logps/rejected",
+    ]
+    assert "reward margin (chosen - rejected)" in panels and "loss" in panels
+    # nothing of RL's drawn empty
+    assert "reward" not in panels and "entropy" not in panels
