@@ -88,10 +88,12 @@ def build_pairs(
 ) -> tuple[list[PreferencePair], PairStats]:
     """Every row as a tokenized pair that fits max_length; identical pairs dropped (KEEL-D008)."""
     tokenize = _reward_model_pair if for_reward_model else _dpo_pair
-    pairs, identical = [], []
+    pairs, identical, moved = [], [], []
     for i, row in enumerate(rows):
         prompt, chosen, rejected = _row_parts(row, columns, i, name, _files_text(name, files))
-        pair = tokenize(tokenizer, prompt, chosen, rejected)
+        pair, split_moved = tokenize(tokenizer, prompt, chosen, rejected)
+        if split_moved:
+            moved.append(i)
         if for_reward_model and row.get(columns.margin) is not None:
             pair = replace(pair, margin=_margin(row[columns.margin], columns.margin, i, name))
         if pair.chosen_ids == pair.rejected_ids:
@@ -106,6 +108,15 @@ def build_pairs(
             "set data.margin_key to the margin's column, or leave it unset (no margins)",
         )
     _refuse_or_warn_identical(identical, len(rows), name, _files_text(name, files))
+    if moved:
+        log.warning(
+            "%s preference data: in %d rows (first %s) the chat template opens the assistant "
+            "turn with tokens the whole conversation does not have (a thought block?); their "
+            "completions start where the two renderings part, as TRL's do",
+            name,
+            len(moved),
+            moved[:5],
+        )
     pairs, truncated = fit_to_length(pairs, max_length, truncation, name)
     return pairs, PairStats(name, len(pairs), truncated, len(identical))
 
@@ -196,7 +207,9 @@ def _completion_text(completion) -> str:
     return "".join(str(m.get("content") or "") for m in completion if m.get("role") == "assistant")
 
 
-def _dpo_pair(tokenizer, prompt, chosen, rejected) -> PreferencePair:
+def _dpo_pair(tokenizer, prompt, chosen, rejected) -> tuple[PreferencePair, bool]:
+    """The pair, and whether the chat template's opened assistant turn differs from the turn in
+    the whole conversation (the completion then starts where the two part)."""
     if isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str):
         # TRL's standard format: no template, the prompt with the tokenizer's own special tokens
         # (a Llama BOS), each completion ended by EOS
@@ -205,7 +218,7 @@ def _dpo_pair(tokenizer, prompt, chosen, rejected) -> PreferencePair:
             tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             for c in (chosen, rejected)
         ]
-        return PreferencePair(prompt_ids, *ids)
+        return PreferencePair(prompt_ids, *ids), False
     messages = as_messages(prompt)
     prompt_ids = _chat_ids(tokenizer, messages, open_assistant=True)
     wholes = []
@@ -217,7 +230,8 @@ def _dpo_pair(tokenizer, prompt, chosen, rejected) -> PreferencePair:
     # past where the two part (a template may open the turn alone with tokens, such as an empty
     # thought block, that the whole conversation does not have)
     shared = min(_common_prefix(prompt_ids, whole) for whole in wholes)
-    return PreferencePair(wholes[0][:shared], *(whole[shared:] for whole in wholes))
+    pair = PreferencePair(wholes[0][:shared], *(whole[shared:] for whole in wholes))
+    return pair, shared < len(prompt_ids)
 
 
 def _common_prefix(ids: list[int], other: list[int]) -> int:
@@ -238,7 +252,7 @@ def _chat_ids(tokenizer, messages: list[dict], open_assistant: bool) -> list[int
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _reward_model_pair(tokenizer, prompt, chosen, rejected) -> PreferencePair:
+def _reward_model_pair(tokenizer, prompt, chosen, rejected) -> tuple[PreferencePair, bool]:
     """Each completion rendered with its prompt as the reward model reads it when scoring; the
     prompt is the two texts' shared leading tokens (what truncation may cut)."""
     whole = [
@@ -250,7 +264,7 @@ def _reward_model_pair(tokenizer, prompt, chosen, rejected) -> PreferencePair:
     shared = 0
     while shared < min(map(len, whole)) - 1 and whole[0][shared] == whole[1][shared]:
         shared += 1
-    return PreferencePair(whole[0][:shared], whole[0][shared:], whole[1][shared:])
+    return PreferencePair(whole[0][:shared], whole[0][shared:], whole[1][shared:]), False
 
 
 def _refuse_or_warn_identical(identical: list[int], total: int, name: str, where: str) -> None:

@@ -88,7 +88,7 @@ def test_chat_prompt_with_string_completions_uses_the_chat_template(tokenizer):
     assert tokenizer.decode(pair.prompt_ids + pair.chosen_ids) == whole
 
 
-def test_a_template_that_opens_the_turn_otherwise_keeps_the_whole_conversation():
+def test_a_template_that_opens_the_turn_otherwise_keeps_the_whole_conversation(caplog):
     # a template whose opened assistant turn starts a thought block that a finished conversation
     # does not show (as reasoning models' do): the completion starts where the two part, as in TRL
     tokenizer = build_tokenizer()
@@ -103,6 +103,8 @@ def test_a_template_that_opens_the_turn_otherwise_keeps_the_whole_conversation()
     )
     assert tokenizer.decode(pair.prompt_ids + pair.chosen_ids) == whole
     assert texts(pair, tokenizer)[1:] == ("4<|im_end|>\n", "five<|im_end|>\n")
+    # and the user is told, as TRL tells
+    assert "opens the assistant turn with tokens" in caplog.text
 
 
 def test_a_string_prompt_with_chat_completions_is_one_user_turn(tokenizer):
