@@ -275,6 +275,12 @@ class TrainBatch(ScoredBatch):
     ref_log_probs: Tensor | None = None
     # [N, R] critic values; None: no critic
     values: Tensor | None = None
+    # distillation: the teacher's log-prob of each sampled token [N, R]; None: no teacher
+    teacher_log_probs: Tensor | None = None
+    # distillation.mode=gkd: the teacher's top-k tokens at each response position [N, R, k] and
+    # their log-probs (over the whole vocabulary) [N, R, k]; None: reverse_kl or no teacher
+    teacher_top_ids: Tensor | None = None
+    teacher_top_log_probs: Tensor | None = None
     # algorithm.rollout_correction (decoupled mode): truncated IS weights on the policy loss, and
     # rejection sampling's mask (1: kept), which leaves rejected tokens out of every loss.
     # None: no decoupled correction (no rejection, for rollout_keep).
@@ -332,8 +338,8 @@ def trim_padding(batch: GeneratedBatch):
         value = getattr(batch, f.name)
         if f.name in ("prompt_ids", "prompt_mask"):
             value = value[:, value.shape[1] - prompt_width :]
-        elif isinstance(value, Tensor) and value.dim() == 2 and value.shape[1] == full_width:
-            value = value[:, :response_width]  # [n, R] fields
+        elif isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == full_width:
+            value = value[:, :response_width]  # [n, R] and [n, R, k] fields
         trimmed[f.name] = value
     return type(batch)(**trimmed)
 

@@ -79,9 +79,13 @@ def main(out: Path) -> None:
     make_tiny_model(
         out / "model", arch="qwen2", hidden_size=64, num_layers=2, initializer_range=0.2
     )
+    # distill.yaml's student: half as wide, one layer, the same tokenizer
+    make_tiny_model(
+        out / "student", arch="qwen2", hidden_size=32, num_layers=1, initializer_range=0.2
+    )
     print(
         f"wrote {out}/train.jsonl, val.jsonl, sft.jsonl, preference.jsonl, "
-        "preference_val.jsonl and model"
+        "preference_val.jsonl, model and student"
     )
 
 

@@ -35,3 +35,15 @@ class ResourcePool:
     )
     n_gpus_per_node: int = opt(1, gt=0, help="enable_resource_pool: its workers per node")
     nnodes: int = opt(1, gt=0, help="enable_resource_pool: nodes")
+
+
+@dataclass
+class LogProbBatching:
+    """Micro-batches of a forward-only log-prob pass: the rollout's (old log-probs) or the
+    reference's."""
+
+    log_prob_micro_batch_size_per_gpu: int = opt(8, gt=0)
+    log_prob_use_dynamic_bsz: bool = opt(False, help="log-prob micro-batches by token budget")
+    log_prob_max_token_len_per_gpu: int = opt(
+        32768, gt=0, help="log_prob_use_dynamic_bsz: padded tokens per forward"
+    )

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from keel.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from keel.config.agent import AgentConfig
 from keel.config.algorithm import ADV_ESTIMATORS, GROUP_ESTIMATORS, KL_TYPES, AlgorithmConfig  # noqa: F401
-from keel.config.fields import ResourcePool, opt
+from keel.config.distill import DistillationConfig
+from keel.config.fields import LogProbBatching, ResourcePool, opt
 from keel.config.multi_turn import MultiTurnConfig
 from keel.config.resume import RESUME_MAY_CHANGE
 from keel.config.reward import CustomRewardConfig, RewardConfig, RewardModelConfig
@@ -161,18 +162,6 @@ class ValKwargs:
 
 
 @dataclass
-class LogProbBatching:
-    """Micro-batches of a forward-only log-prob pass: the rollout's (old log-probs) or the
-    reference's."""
-
-    log_prob_micro_batch_size_per_gpu: int = opt(8, gt=0)
-    log_prob_use_dynamic_bsz: bool = opt(False, help="log-prob micro-batches by token budget")
-    log_prob_max_token_len_per_gpu: int = opt(
-        32768, gt=0, help="log_prob_use_dynamic_bsz: padded tokens per forward"
-    )
-
-
-@dataclass
 class RolloutConfig(LogProbBatching):
     name: str = opt(
         "auto",
@@ -294,6 +283,10 @@ class KeelConfig:
     reward: RewardConfig = opt(factory=RewardConfig)
     reward_model: RewardModelConfig = opt(factory=RewardModelConfig)
     trainer: TrainerConfig = opt(factory=TrainerConfig)
+    distillation: DistillationConfig = opt(
+        factory=DistillationConfig,
+        help="on-policy distillation: a frozen teacher scores the student's samples",
+    )
 
     # Keys a resumed run may change (keel.config.resume says which and why).
     RESUME_MAY_CHANGE = RESUME_MAY_CHANGE
@@ -312,6 +305,9 @@ class KeelConfig:
             pools["critic"] = self.critic.n_gpus_per_node * self.critic.nnodes
         if self.reward_model.enable_resource_pool:
             pools["reward model"] = self.reward_model.n_gpus_per_node * self.reward_model.nnodes
+        if self.teacher_enabled and self.distillation.teacher.enable_resource_pool:
+            teacher = self.distillation.teacher
+            pools["teacher"] = teacher.n_gpus_per_node * teacher.nnodes
         if not self.actor_rollout_ref.hybrid_engine:
             rollout = self.actor_rollout_ref.rollout
             pools["rollout"] = rollout.n_gpus_per_node * max(rollout.nnodes, 1)
@@ -356,6 +352,10 @@ class KeelConfig:
     @property
     def ref_enabled(self) -> bool:
         return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def teacher_enabled(self) -> bool:
+        return self.distillation.enable
 
     @property
     def run_dir(self) -> str:

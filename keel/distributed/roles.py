@@ -13,14 +13,15 @@ import torch
 from keel.distributed.fsdp import full_parameters
 from keel.distributed.parallelize import parallelize
 from keel.distributed.rollout_worker import Generator, generator_around
-from keel.models.load import can_compile, load_causal_lm, load_critic
+from keel.models.load import can_compile, load_causal_lm, load_critic, resolve_dtype
 from keel.models.lora import adapter_weights, apply_lora, frozen_base, plan_lora, trained_in_full
 from keel.rollout.base import RolloutEngine
 from keel.rollout.select import make_rollout_engine
-from keel.training.actor import ActorTrainer
+from keel.training.actor import ActorTrainer, GKDLoss
 from keel.training.batching import MicroBatching
 from keel.training.critic import CriticTrainer
 from keel.training.reference import AdapterlessReference, ReferencePolicy
+from keel.training.teacher import Teacher
 
 log = logging.getLogger("keel")
 
@@ -119,6 +120,7 @@ class RoleBuilder:
             spec.max_response_length,
             placement,
             spec.rollout_correction,
+            gkd_loss(spec.distillation),
         )
         engine, sync, generator = self.engine, None, None
         if engine is not None:
@@ -143,6 +145,22 @@ class RoleBuilder:
         ref_model, placement = self._prepare_model(ref_model, policy.ref.fsdp_config, "ref")
         return ReferencePolicy(
             ref_model, log_prob_batching(policy.ref), policy.rollout.temperature, placement
+        )
+
+    def teacher(self) -> Teacher:
+        """The distillation teacher: its own weights (never the student's base, LoRA or not),
+        frozen in its dtype, compiled and sharded as the reference is."""
+        distillation = self.spec.distillation
+        t = distillation.teacher
+        dtype = self.compute_dtype if t.dtype == "auto" else resolve_dtype(t.dtype, self.device)
+        model = load_causal_lm(t.path, self.device, t.trust_remote_code, dtype=dtype)
+        model, placement = self._prepare_model(model, self.spec.policy.ref.fsdp_config, "teacher")
+        return Teacher(
+            model,
+            log_prob_batching(t),
+            self.spec.policy.rollout.temperature,
+            distillation.gkd.top_k if distillation.mode == "gkd" else None,
+            placement,
         )
 
     def critic(self) -> CriticTrainer:
@@ -212,6 +230,13 @@ class RoleBuilder:
         )
         self.sharding.update(report)
         return model, placement
+
+
+def gkd_loss(distillation) -> GKDLoss | None:
+    """The actor's distillation term: gkd's only (reverse_kl's is in the advantages)."""
+    if distillation is None or distillation.mode != "gkd":
+        return None
+    return GKDLoss(beta=distillation.gkd.beta, coef=distillation.coef)
 
 
 def log_prob_batching(role_cfg) -> MicroBatching:

@@ -20,6 +20,7 @@ import torch
 
 from keel.checkpoint import load_trainers, save_trainers
 from keel.config.algorithm import RolloutCorrectionConfig
+from keel.config.distill import DistillationConfig
 from keel.config.plan import Plan, plan_of
 from keel.config.schema import ActorRolloutRefConfig, CriticConfig, KeelConfig
 from keel.distributed.dist import init_process_group
@@ -75,6 +76,8 @@ class WorkerSpec:
     actor_weights: str | None
     # algorithm.rollout_correction
     rollout_correction: RolloutCorrectionConfig | None = None
+    # the distillation section, where a teacher is built ("teacher" in roles)
+    distillation: DistillationConfig | None = None
 
     @classmethod
     def of(
@@ -91,11 +94,13 @@ class WorkerSpec:
         plan = plan or plan_of(cfg)
         policy = "actor" if "rollout" in cfg.pools else "policy"
         colocated_critic = cfg.critic_enabled and "critic" not in cfg.pools
+        colocated_teacher = cfg.teacher_enabled and "teacher" not in cfg.pools
+        default_roles = {policy} | ({"critic"} if colocated_critic else set())
         t = cfg.trainer
         return cls(
             plan.policy(cfg),
             cfg.critic,
-            roles or frozenset({policy, "critic"} if colocated_critic else {policy}),
+            roles or frozenset(default_roles | ({"teacher"} if colocated_teacher else set())),
             total_steps,
             t.device,
             t.seed,
@@ -105,6 +110,7 @@ class WorkerSpec:
             cfg.critic_batching[1],
             actor_weights,
             plan.rollout_correction,
+            cfg.distillation if cfg.teacher_enabled else None,
         )
 
 
@@ -150,6 +156,7 @@ class RoleWorker:
             self.actor, self.ref, self.engine = built.actor, built.ref, built.engine
             self.generator, self.sync = built.generator, built.sync
         self.critic = build.critic() if "critic" in spec.roles else None
+        self.teacher = build.teacher() if "teacher" in spec.roles else None
 
     # --- what the driver calls ------------------------------------------------------------------
     def start_profile(self) -> None:
@@ -215,9 +222,13 @@ class RoleWorker:
         with autocast(self.device, self.compute_dtype):
             return self.actor.compute_log_probs(batch)
 
-    def compute_ref_log_probs(self, batch: ScoredBatch) -> torch.Tensor:
+    def compute_frozen(self, role: str, batch: ScoredBatch):
+        """A frozen model's pass over this rank's part of a batch: the reference's log-probs
+        [n, R] ("ref"), or the distillation teacher's scores (TeacherScores' parts, "teacher")."""
         with autocast(self.device, self.compute_dtype):
-            return self.ref.compute_log_probs(batch)
+            if role == "ref":
+                return self.ref.compute_log_probs(batch)
+            return self.teacher.score(batch).parts()
 
     def compute_values(self, batch: ScoredBatch) -> torch.Tensor:
         with autocast(self.device, self.compute_dtype):

@@ -15,6 +15,7 @@ from keel.trainer.generation import Generation
 from keel.trainer.seeds import actor_order_seed, critic_order_seed
 from keel.trainer.worker_memory import MemoryReadings
 from keel.training.batching import minibatch_indices, plan_minibatches, shard_batch, unshard_rows
+from keel.training.teacher import TeacherScores
 from keel.types import ScoredBatch, TrainBatch
 
 # Metrics every rank reports identically (computed after the gradients were summed); every other
@@ -51,13 +52,18 @@ class WorkerRoles:
         critic: UpdateSchedule | None = None,
         critic_group=None,
         rollout_group=None,
+        teacher_group=None,
     ):
         """`critic_group`: the critic's own workers (critic.enable_resource_pool); by default the
-        critic is colocated in `group`. `rollout_group`: the rollout's own workers
-        (hybrid_engine=false), which take the actor's weights after each update; by default each
-        of `group`'s workers generates with its own engine."""
+        critic is colocated in `group`, and so is the distillation teacher (`teacher_group`).
+        `rollout_group`: the rollout's own workers (hybrid_engine=false), which take the actor's
+        weights after each update; by default each of `group`'s workers generates with its own
+        engine."""
         self.group = group
         self.critic_group = critic_group or group
+        self.teacher_group = teacher_group or group
+        # every group that holds models, each once
+        self.groups = distinct([group, self.critic_group, self.teacher_group])
         self.rollout_group = rollout_group
         self.actor_schedule, self.critic_schedule = actor, critic
         self.world = group.world_size
@@ -70,7 +76,13 @@ class WorkerRoles:
 
     @classmethod
     def of(
-        cls, group, cfg: KeelConfig, pad_token_id: int, critic_group=None, rollout_group=None
+        cls,
+        group,
+        cfg: KeelConfig,
+        pad_token_id: int,
+        critic_group=None,
+        rollout_group=None,
+        teacher_group=None,
     ) -> WorkerRoles:
         policy = cfg.actor_rollout_ref
         n, shuffle, length = policy.rollout.n, policy.actor.shuffle, cfg.data.max_response_length
@@ -83,7 +95,7 @@ class WorkerRoles:
             if cfg.critic_enabled
             else None
         )
-        roles = cls(group, pad_token_id, actor, critic, critic_group, rollout_group)
+        roles = cls(group, pad_token_id, actor, critic, critic_group, rollout_group, teacher_group)
         # its engine holds the base alone: the
         if rollout_group is not None and policy.model.lora_rank > 0:
             # adapters a checkpoint or lora_adapter_path gave reach it before it generates
@@ -93,18 +105,30 @@ class WorkerRoles:
     # --- forward passes
     # ------------------------------------------------------------------------------
     def actor_log_probs(self, batch: ScoredBatch) -> torch.Tensor:
-        return self._per_token("compute_log_probs", batch)
+        return self._per_token("compute_log_probs", batch)[0]
 
     def ref_log_probs(self, batch: ScoredBatch) -> torch.Tensor:
-        return self._per_token("compute_ref_log_probs", batch)
+        return self._per_token("compute_frozen", batch, role="ref")[0]
+
+    def teacher_scores(self, batch: ScoredBatch) -> TeacherScores:
+        return TeacherScores(
+            *self._per_token("compute_frozen", batch, self.teacher_group, role="teacher")
+        )
 
     def values(self, batch: ScoredBatch) -> torch.Tensor:
-        return self._per_token("compute_values", batch, self.critic_group)
+        return self._per_token("compute_values", batch, self.critic_group)[0]
 
-    def _per_token(self, method: str, batch: ScoredBatch, group=None) -> torch.Tensor:  # [N, R]
+    def _per_token(
+        self, method: str, batch: ScoredBatch, group=None, role: str | None = None
+    ) -> list[torch.Tensor]:
+        """`method`'s outputs over the batch, each [N, ...] in batch order: every rank of `group`
+        runs it on its part. `role`: the frozen model whose pass it is (compute_frozen's)."""
         group = group or self.group
         index, parts = shard_batch(batch, group.world_size)
-        return unshard_rows(index, self._call(method, [(p,) for p in parts], group))
+        args = [(p,) if role is None else (role, p) for p in parts]
+        per_rank = self._call(method, args, group, f"compute_{role}" if role else None)
+        per_rank = [r if isinstance(r, tuple) else (r,) for r in per_rank]
+        return [unshard_rows(index, [r[i] for r in per_rank]) for i in range(len(per_rank[0]))]
 
     # --- updates
     # -------------------------------------------------------------------------------------
@@ -151,24 +175,29 @@ class WorkerRoles:
     def save(self, directory: Path) -> None:
         """Every group writes its models' part of one checkpoint (the same files wherever the critic
         trains, so a run may resume with or without a critic pool)."""
-        for group in self._groups():
+        for group in self.groups:
             group.call("save", [(str(directory),)] * group.world_size)
 
     def load(self, directory: Path, weights_version: int = 0) -> None:
         """`weights_version`: the policy version of the checkpoint's weights (its actor updates)."""
         self.policy_version = weights_version
-        for group in self._groups() + ([self.rollout_group] if self.rollout_group else []):
+        for group in self.groups + ([self.rollout_group] if self.rollout_group else []):
             group.call("load", [(str(directory), weights_version)] * group.world_size)
 
     def shutdown(self) -> None:
-        for group in self._groups() + ([self.rollout_group] if self.rollout_group else []):
+        for group in self.groups + ([self.rollout_group] if self.rollout_group else []):
             group.shutdown()
 
-    def _groups(self) -> list:
-        return [self.group] + ([self.critic_group] if self.critic_group is not self.group else [])
+    def _call(
+        self, method: str, per_rank_args: list[tuple], group=None, phase: str | None = None
+    ) -> list:
+        """`phase`: the name its memory readings go by (default: the method's)."""
+        return self.memory.noted(phase or method, (group or self.group).call(method, per_rank_args))
 
-    def _call(self, method: str, per_rank_args: list[tuple], group=None) -> list:
-        return self.memory.noted(method, (group or self.group).call(method, per_rank_args))
+
+def distinct(groups: list) -> list:
+    """The groups, each once (the critic and the teacher share the policy's unless pooled)."""
+    return [g for i, g in enumerate(groups) if all(g is not other for other in groups[:i])]
 
 
 def _plan(batch: TrainBatch, schedule: UpdateSchedule, seed: int, ranks: int) -> list:

@@ -210,23 +210,9 @@ def build_workers(
             cfg.trainer.nnodes,
         )
         group = role_group(cfg, total_steps, weights, Path(run_dir), plan=plan)
-    critic_group = None
-    if "critic" in cfg.pools:
-        log.info(
-            "starting %d critic workers (critic.n_gpus_per_node=%d x critic.nnodes=%d)",
-            cfg.critic_world_size,
-            cfg.critic.n_gpus_per_node,
-            cfg.critic.nnodes,
-        )
-        critic_group = role_group(
-            cfg,
-            total_steps,
-            None,
-            Path(run_dir),
-            roles=frozenset({"critic"}),
-            world_size=cfg.critic_world_size,
-            plan=plan,
-        )
+    # the critic's and the teacher's own workers, where they have pools of their own
+    critic_group = _pool_group(cfg, "critic", "critic", total_steps, run_dir, plan)
+    teacher_group = _pool_group(cfg, "teacher", "distillation.teacher", total_steps, run_dir, plan)
     rollout = None
     if "rollout" in cfg.pools:
         log.info(
@@ -237,7 +223,23 @@ def build_workers(
             cfg.actor_rollout_ref.rollout.nnodes,
         )
         rollout = rollout_group(cfg, total_steps, weights, Path(run_dir), plan)
-    return WorkerRoles.of(group, cfg, tokenizer.pad_token_id, critic_group, rollout)
+    return WorkerRoles.of(group, cfg, tokenizer.pad_token_id, critic_group, rollout, teacher_group)
+
+
+def _pool_group(cfg: KeelConfig, role: str, key: str, total_steps: int, run_dir, plan: Plan):
+    """The RoleWorkers of `role` alone on its own pool (section `key`); None without one."""
+    if role not in cfg.pools:
+        return None
+    log.info("starting %d %s workers (%s.enable_resource_pool)", cfg.pools[role], role, key)
+    return role_group(
+        cfg,
+        total_steps,
+        None,
+        Path(run_dir),
+        roles=frozenset({role}),
+        world_size=cfg.pools[role],
+        plan=plan,
+    )
 
 
 def build_reward(cfg: KeelConfig, plan: Plan) -> RewardScorer:

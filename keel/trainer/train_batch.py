@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from keel.algorithms.advantages import AdvantageInputs, AdvantageParams, compute_advantage
+from keel.algorithms.distill import distill_metrics, reverse_kl_advantages
 from keel.algorithms.kl import apply_kl_penalty
 from keel.algorithms.rollout_correction import compute_correction
 from keel.algorithms.utils import masked_mean
@@ -19,6 +20,7 @@ from keel.observe.metrics import Timer
 from keel.trainer.seeds import step_seed
 from keel.trainer.setup import Components
 from keel.trainer.versions import sampled_by
+from keel.training.teacher import TeacherScores
 from keel.types import OldLogProbSource, SamplingParams, ScoredBatch, TrainBatch
 
 
@@ -110,13 +112,47 @@ class TrainBatchBuilder:
             with timer("values"):
                 values = workers.values(scored)
                 self._finite("critic values", values, scored.response_mask)
+        teacher = self._teacher_scores(scored, old, at) if self.cfg.teacher_enabled else None
+        signal = self._learning_signal(scored, old.values, ref, values, at)
+        if teacher is not None:
+            signal["advantages"] = self._distilled_advantages(
+                signal["advantages"], scored, student_log_probs(scored, old), teacher
+            )
+            self._finite("advantages", signal["advantages"], scored.response_mask)
         return TrainBatch.of(
             scored,
             old_log_probs=old.values,
             own_old_log_probs=old.own,
             ref_log_probs=ref,
             values=values,
-            **self._learning_signal(scored, old.values, ref, values, at),
+            teacher_log_probs=None if teacher is None else teacher.log_probs,
+            teacher_top_ids=None if teacher is None else teacher.top_ids,
+            teacher_top_log_probs=None if teacher is None else teacher.top_log_probs,
+            **signal,
+        )
+
+    def _teacher_scores(self, scored: ScoredBatch, old: OldLogProbs, at: StepState):
+        """The teacher's pass over the samples, and distill/* from it against the student's
+        log-probs before the update."""
+        with at.timer("teacher"):
+            teacher = self.components.workers.teacher_scores(scored)
+            self._finite("teacher log-probs", teacher.log_probs, scored.response_mask)
+        at.metrics.update(
+            distill_metrics(student_log_probs(scored, old), teacher.log_probs, scored.response_mask)
+        )
+        return teacher
+
+    def _distilled_advantages(
+        self, task: Tensor, scored: ScoredBatch, student: Tensor, teacher: TeacherScores
+    ) -> Tensor:
+        """reverse_kl: the task's advantages (weighted by task_reward_coef) plus the teacher's
+        per-token judgement; gkd: the task's alone, weighted (the loss holds the teacher)."""
+        d = self.cfg.distillation
+        task = d.task_reward_coef * task
+        if d.mode != "reverse_kl":
+            return task
+        return task + reverse_kl_advantages(
+            student, teacher.log_probs, scored.response_mask, d.coef, d.kl_estimator
         )
 
     def check_log_prob_gap(self, gap: float, batch: ScoredBatch, at: StepState) -> None:
@@ -212,6 +248,17 @@ def outcome_rewards(batch: ScoredBatch, normalizer) -> tuple[Tensor, dict[str, f
     scores = torch.zeros_like(batch.response_mask, dtype=torch.float32)  # [N, R]
     scores[torch.arange(len(batch)), batch.last_token_index] = outcome
     return scores * batch.response_mask, metrics
+
+
+def student_log_probs(batch: ScoredBatch, old: OldLogProbs) -> Tensor:  # [N, R]
+    """The student's log-probs of its sampled tokens before the update: the old-log-prob pass's,
+    or the sampler's where the update's own forward stands in for that pass (on-policy: the
+    advantages must exist before that forward runs)."""
+    if old.values is None:
+        return batch.sampling_log_probs
+    if old.own is None:
+        return old.values
+    return torch.where(old.own[:, None], batch.sampling_log_probs, old.values)
 
 
 def recomputed_mask(batch: ScoredBatch, own: Tensor | None) -> Tensor:  # [N, R]

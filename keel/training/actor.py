@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from keel.algorithms.distill import generalized_jsd
 from keel.algorithms.kl import kl_penalty
 from keel.algorithms.losses import PolicyLossParams, agg_loss, compute_policy_loss
 from keel.algorithms.rollout_correction import compute_correction
@@ -13,7 +14,7 @@ from keel.algorithms.utils import masked_mean
 from keel.config.algorithm import RolloutCorrectionConfig
 from keel.errors import NO_GRADIENT, KeelError
 from keel.training.batching import MicroBatching, MiniBatch, micro_batches
-from keel.training.forward import batched_log_probs, compute_device, response_log_probs
+from keel.training.forward import batched_log_probs, compute_device, response_vocab_stats
 from keel.training.optim import build_optimizer, build_scheduler
 from keel.training.placement import SINGLE, Placement
 from keel.training.step import DeviceTotals, LossScale, apply_gradients, backward, update_role
@@ -30,6 +31,14 @@ def check_gradient_flows(grad_norm: float, mini: MiniBatch) -> None:
             "the actor's gradient norm is exactly 0 although advantages are not: "
             "the policy loss does not reach the weights",
         )
+
+
+@dataclass(frozen=True)
+class GKDLoss:
+    """distillation.mode=gkd: the generalised JSD to the teacher's top-k, added to the loss."""
+
+    beta: float
+    coef: float
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -55,8 +64,10 @@ class ActorTrainer:
         max_response_length: int,
         placement: Placement = SINGLE,
         rollout_correction: RolloutCorrectionConfig | None = None,
+        gkd: GKDLoss | None = None,
     ):
         self.model = model
+        self.gkd = gkd
         self.placement = placement
         self.cfg = actor_cfg
         # Log-probs are recomputed at the sampling temperature, as verl does, so the PPO ratio
@@ -170,13 +181,15 @@ class ActorTrainer:
         # once, without waiting for the GPU
         micro = micro.to(compute_device(self.model, self.placement))
         mask = micro.loss_mask  # [b, R]
-        log_prob, entropy = response_log_probs(
+        log_prob, entropy, student_top = response_vocab_stats(
             self.model,
             micro,
             self.temperature,
             with_entropy=True,
             entropy_grad=cfg.entropy_coeff > 0,
             plan=self.placement,
+            # gkd: the student's log-probs of the teacher's top-k tokens
+            vocab_extra=micro.teacher_top_ids if self.gkd is not None else None,
         )
         old_log_prob = self._old_log_probs(micro, log_prob)
         is_weights = micro.rollout_is_weights
@@ -213,4 +226,10 @@ class ActorTrainer:
                 kl, mask, cfg.loss_agg_mode, **scale.agg_kwargs()
             )
             metrics["actor/kl_loss"] = masked_mean(kl.detach(), mask)
+        if self.gkd is not None:
+            jsd = generalized_jsd(student_top[0], micro.teacher_top_log_probs, self.gkd.beta)
+            loss = loss + self.gkd.coef * agg_loss(
+                jsd, mask, cfg.loss_agg_mode, **scale.agg_kwargs()
+            )
+            metrics["distill/gkd_loss"] = masked_mean(jsd.detach(), mask)
         return MicroLoss(loss=loss, pg_loss=pg_loss, metrics=metrics)

@@ -38,6 +38,9 @@ KEPT_LOGITS_CHUNK_TOKENS = 4096
 # arithmetic its bf16 input (t1's peak rose 4.7 GB for 2.4G logits), eager float32 logits, and
 # their softmax too when the entropy has a gradient. A chunk's working set while it is computed:
 # eager's float copies and exponentials, or the compiled kernels' bf16 logits and float gradient.
+# What a pass over the vocabulary may add (distillation): None; the top k's log-probs and ids (an
+# int k); the log-probs of given ids (a tensor of them, one row per position).
+VocabExtra = int | Tensor | None
 KEPT_BYTES = {"compiled": 2, "eager": 4, "entropy_grad": 8}
 CHUNK_BYTES = {"compiled": 6, "eager": 16}
 
@@ -109,16 +112,40 @@ def response_log_probs(
     logits are small beside the GPU's memory (logits_chunking), so memory holds only the [B, R, H]
     hidden states. Other models go through `logits_to_keep`.
     """
+    log_probs, entropy, _ = response_vocab_stats(
+        model, batch, temperature, with_entropy, entropy_grad, plan
+    )
+    return log_probs, entropy
+
+
+def response_vocab_stats(
+    model,
+    batch: TrainBatch,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    plan: Placement = SINGLE,
+    vocab_extra: VocabExtra = None,
+) -> tuple[Tensor, Tensor | None, tuple[Tensor, ...]]:
+    """response_log_probs, and what `vocab_extra` asks of each response position's distribution
+    (distillation): an int k, the k most likely tokens' log-probs [B, R, k] and ids [B, R, k]; ids
+    [B, R, k], the log-probs of those tokens [B, R, k]. () when None."""
     batch = batch.to(compute_device(model, plan))
     inputs = _model_inputs(batch)
     targets = batch.response_ids  # [B, R]
+    if isinstance(vocab_extra, Tensor):
+        vocab_extra = vocab_extra.to(targets.device)
     if getattr(model.config, "model_type", None) not in PLAIN_LM_HEAD:
         out = model(**inputs, use_cache=False, logits_to_keep=targets.shape[1] + 1)
-        return _token_stats(out.logits[:, :-1], targets, temperature, with_entropy, entropy_grad)
+        return _token_stats(
+            out.logits[:, :-1], targets, temperature, with_entropy, entropy_grad, vocab_extra
+        )
     token_stats = plan.token_stats or partial(
         decoder_token_stats, model, fused_vocab=plan.fused_vocab
     )
-    return token_stats(inputs, targets, temperature, with_entropy, entropy_grad)
+    return token_stats(
+        inputs, targets, temperature, with_entropy, entropy_grad, vocab_extra=vocab_extra
+    )
 
 
 def decoder_token_stats(
@@ -129,20 +156,32 @@ def decoder_token_stats(
     with_entropy: bool,
     entropy_grad: bool,
     fused_vocab: bool = False,
-) -> tuple[Tensor, Tensor | None]:
+    vocab_extra: VocabExtra = None,
+) -> tuple[Tensor, Tensor | None, tuple[Tensor, ...]]:
     response_len = targets.shape[1]
     hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
     hidden = hidden[:, -response_len - 1 : -1]  # [B, R, H]
     lm_head = model.get_output_embeddings()
     # [B*R, H], [B*R]
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    log_probs, entropy = vocab_token_stats(
-        lm_head, flat_hidden, flat_targets, temperature, with_entropy, entropy_grad, fused_vocab
+    if isinstance(vocab_extra, Tensor):
+        vocab_extra = vocab_extra.reshape(flat_targets.shape[0], -1)  # [B*R, k]
+    log_probs, entropy, extras = vocab_token_stats(
+        lm_head,
+        flat_hidden,
+        flat_targets,
+        temperature,
+        with_entropy,
+        entropy_grad,
+        fused_vocab,
+        vocab_extra,
+        with_extras=True,
     )
     # Reshaped copies, not views: FSDP hooks the outputs of a forward method for backward.
     log_probs = log_probs.reshape(targets.shape).clone()
     entropy = entropy.reshape(targets.shape).clone() if with_entropy else None
-    return log_probs, entropy
+    extras = tuple(e.reshape(*targets.shape, -1).clone() for e in extras)
+    return log_probs, entropy, extras
 
 
 def vocab_token_stats(
@@ -153,9 +192,12 @@ def vocab_token_stats(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     fused_vocab: bool = False,
-) -> tuple[Tensor, Tensor | None]:
+    vocab_extra: VocabExtra = None,
+    with_extras: bool = False,
+):
     """Log-probs [N] of the targets [N] from hidden states [N, H], and their entropy [N] when
-    asked: lm_head and the vocabulary arithmetic run on chunks of positions (logits_chunking)."""
+    asked: lm_head and the vocabulary arithmetic run on chunks of positions (logits_chunking).
+    `with_extras`: a third item, what `vocab_extra` asked (response_vocab_stats)."""
     token_stats = _compiled_token_stats() if fused_vocab else _token_stats
     chunking = logits_chunking(
         flat_targets.shape[0],
@@ -168,6 +210,7 @@ def vocab_token_stats(
     parts = []
     for start in range(0, flat_targets.shape[0], chunking.tokens):
         chunk = slice(start, start + chunking.tokens)
+        extra = vocab_extra[chunk] if isinstance(vocab_extra, Tensor) else vocab_extra
         args = (
             lm_head,
             token_stats,
@@ -176,6 +219,7 @@ def vocab_token_stats(
             temperature,
             with_entropy,
             entropy_grad,
+            extra,
         )
         if chunking.recompute:
             parts.append(
@@ -183,8 +227,12 @@ def vocab_token_stats(
             )
         else:
             parts.append(_chunk_stats(*args))
-    log_probs = torch.cat([lp for lp, _ in parts])
-    return log_probs, torch.cat([e for _, e in parts]) if with_entropy else None
+    log_probs = torch.cat([part[0] for part in parts])
+    entropy = torch.cat([part[1] for part in parts]) if with_entropy else None
+    if not with_extras:
+        return log_probs, entropy
+    extras = tuple(torch.cat([part[2 + i] for part in parts]) for i in range(len(parts[0]) - 2))
+    return log_probs, entropy, extras
 
 
 def _chunk_stats(
@@ -195,11 +243,13 @@ def _chunk_stats(
     temperature: float,
     with_entropy: bool,
     entropy_grad: bool,
-) -> tuple[Tensor, Tensor]:
-    log_probs, entropy = token_stats(
-        lm_head(hidden), targets, temperature, with_entropy, entropy_grad
+    vocab_extra: VocabExtra = None,
+) -> tuple[Tensor, ...]:
+    """(log-probs, entropy or zeros, *what vocab_extra asked): flat, as checkpoint returns them."""
+    log_probs, entropy, extras = token_stats(
+        lm_head(hidden), targets, temperature, with_entropy, entropy_grad, vocab_extra
     )
-    return log_probs, entropy if entropy is not None else torch.zeros_like(log_probs)
+    return log_probs, entropy if entropy is not None else torch.zeros_like(log_probs), *extras
 
 
 @cache
@@ -211,9 +261,15 @@ def _compiled_token_stats():
 
 
 def _token_stats(
-    logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool, entropy_grad: bool
-) -> tuple[Tensor, Tensor | None]:
-    """Log-prob of each target and the entropy, from logits [..., V] scaled by temperature.
+    logits: Tensor,
+    targets: Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+    vocab_extra: VocabExtra = None,
+) -> tuple[Tensor, Tensor | None, tuple[Tensor, ...]]:
+    """Log-prob of each target, the entropy, and what `vocab_extra` asks (response_vocab_stats),
+    from logits [..., V] scaled by temperature.
 
     z[target] - logsumexp(z) rather than a full log_softmax: the [tokens, V] logits are the
     largest tensors of the update, and every pass over them counts."""
@@ -229,7 +285,13 @@ def _token_stats(
             if entropy_grad
             else entropy_from_logits(logits.detach(), lse.detach())
         )
-    return log_probs, entropy
+    extras = ()
+    if isinstance(vocab_extra, Tensor):  # ids [..., k]: their log-probs
+        extras = (logits.gather(-1, vocab_extra) - lse.unsqueeze(-1),)
+    elif vocab_extra is not None:  # k: the k most likely tokens' log-probs and ids
+        top = logits.topk(min(vocab_extra, logits.shape[-1]), dim=-1)
+        extras = (top.values - lse.unsqueeze(-1), top.indices)
+    return log_probs, entropy, extras
 
 
 def response_values(critic, batch: TrainBatch, plan: Placement = SINGLE) -> Tensor:

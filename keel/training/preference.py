@@ -141,7 +141,7 @@ def pair_log_probs(
     else:
         logits = model(**_inputs(batch)).logits  # [rows, L, V]
         flat = logits.reshape(-1, logits.shape[-1])[predicting]
-        token_log_probs, _ = _token_stats(flat, batch.targets, 1.0, False, False)
+        token_log_probs, _, _ = _token_stats(flat, batch.targets, 1.0, False, False)
     sums = torch.zeros(2 * batch.pairs, device=device, dtype=token_log_probs.dtype)
     sums = sums.index_add(0, batch.target_sequence, token_log_probs)
     tokens = batch.completion_tokens

@@ -30,7 +30,7 @@ def _log_probs_and_gradients(model, recompute: bool, monkeypatch):
     }
     model.zero_grad(set_to_none=True)
     with autocast(CUDA, torch.bfloat16):
-        log_probs, entropy = forward.decoder_token_stats(
+        log_probs, entropy, _ = forward.decoder_token_stats(
             model, inputs, ids[:, 20:], 0.9, with_entropy=True, entropy_grad=False, fused_vocab=True
         )
     log_probs.sum().backward()

@@ -1,0 +1,69 @@
+"""The distillation teacher: a frozen causal LM that scores the student's samples in one forward
+pass per micro-batch, as the reference does, at the sampling temperature."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from keel.training.batching import MicroBatching, micro_batches
+from keel.training.forward import response_vocab_stats
+from keel.training.placement import SINGLE, Placement
+from keel.types import TrainBatch
+
+
+@dataclass(frozen=True)
+class TeacherScores:
+    """The teacher's view of a batch of samples, on the host."""
+
+    # [N, R] the log-prob of each sampled token (0 past the response)
+    log_probs: Tensor
+    # [N, R, k] its k most likely tokens at each response position, and their log-probs (over
+    # the whole vocabulary); None: only the sampled tokens were asked for
+    top_ids: Tensor | None = None
+    top_log_probs: Tensor | None = None
+
+    def parts(self) -> tuple[Tensor, ...]:
+        return tuple(t for t in (self.log_probs, self.top_ids, self.top_log_probs) if t is not None)
+
+
+class Teacher:
+    def __init__(
+        self,
+        model,
+        batching: MicroBatching,
+        temperature: float,
+        top_k: int | None,
+        placement: Placement = SINGLE,
+    ):
+        self.model = model.eval().requires_grad_(False)
+        self.batching, self.placement = batching, placement
+        # the student's sampling temperature: both sides compare the same distributions
+        self.temperature = temperature
+        # gkd: the teacher's top-k at every position; reverse_kl: None
+        self.top_k = top_k
+
+    @torch.no_grad()
+    def score(self, batch: TrainBatch) -> TeacherScores:
+        """Micro-batch by micro-batch (fillers run too, so sharded ranks stay in step)."""
+        shape, k = batch.response_ids.shape, self.top_k or 0
+        log_probs = torch.zeros(shape)
+        top_ids = torch.zeros((*shape, k), dtype=torch.long)
+        top_log_probs = torch.zeros((*shape, k))
+        for rows, micro in micro_batches(batch, self.batching):
+            micro_log_probs, _, top = response_vocab_stats(
+                self.model, micro, self.temperature, plan=self.placement, vocab_extra=self.top_k
+            )
+            if not len(rows):
+                continue
+            width = micro_log_probs.shape[1]
+            log_probs[rows, :width] = micro_log_probs.float().cpu()
+            if top:
+                top_log_probs[rows, :width] = top[0].float().cpu()
+                top_ids[rows, :width] = top[1].cpu()
+        mask = batch.response_mask
+        if not k:
+            return TeacherScores(log_probs * mask)
+        return TeacherScores(log_probs * mask, top_ids, top_log_probs * mask[..., None])
