@@ -32,6 +32,9 @@ PANELS = [
     ("pairs ranked right", ["rewards/accuracies", "val/rewards/accuracies"]),
     ("reward margin (chosen - rejected)", ["rewards/margins", "val/rewards/margins"]),
     ("completion log-probs", ["logps/chosen", "logps/rejected"]),
+    # on-policy distillation: the student's reverse KL to the teacher on its own samples
+    ("reverse KL to the teacher", ["distill/reverse_kl", "distill/gkd_loss"]),
+    ("log-prob of the student's tokens", ["distill/teacher_log_prob", "distill/student_log_prob"]),
     ("gradient norm", ["actor/grad_norm", "critic/grad_norm", "train/grad_norm"]),
     ("step time (s)", ["timing_s/step", "timing_s/gen", "timing_s/update_actor"]),
 ]

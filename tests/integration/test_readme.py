@@ -146,9 +146,17 @@ def check_your_own_run(clone: Path, snippet_output: str) -> None:
     from_sft = yaml.safe_load((runs / "grpo_from_sft" / "config.yaml").read_text())
     assert Path(from_sft["actor_rollout_ref"]["model"]["path"]).name == "sft_digits"
     assert metrics(runs / "grpo_from_sft")[-1]["step"] >= 1
+    check_distillation(runs)
     # print(result.run_dir, ...["critic/score/mean"])
     run_dir, score = snippet_output.split()[-2:]
     assert Path(run_dir).name != "grpo_digits" and (clone / run_dir / "metrics.jsonl").is_file(), (
         snippet_output
     )
     assert 0.0 <= float(score) <= 1.0
+
+
+def check_distillation(runs: Path) -> None:
+    """The section says distill/reverse_kl falls (and with gkd the JSD): first steps, last."""
+    for name, key in (("distill_digits", "distill/reverse_kl"), ("gkd_digits", "distill/gkd_loss")):
+        values = [m[key] for m in metrics(runs / name) if key in m]
+        assert len(values) == 30 and sum(values[-5:]) < sum(values[:5]) * 0.8, (name, values)
