@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from keel.algorithms.distill import generalized_jsd, reverse_kl_advantages
+from keel.algorithms.distill import distill_metrics, generalized_jsd, reverse_kl_advantages
 from keel.algorithms.utils import masked_mean
 
 BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
@@ -78,6 +78,16 @@ def test_k1_advantage_gives_the_reverse_kls_gradient_in_expectation():
     reverse_kl = (student.exp() * (student - teacher)).sum()
     (kl_gradient,) = torch.autograd.grad(reverse_kl, student_logits)
     torch.testing.assert_close(policy_gradient, -kl_gradient, atol=ATOL, rtol=0)
+
+
+def test_distill_metrics_are_per_token_means_over_the_response():
+    metrics = distill_metrics(STUDENT, TEACHER, MASK)
+    # s - t on the 5 real tokens: 1, -1, 0, -2, 0
+    assert metrics["distill/reverse_kl"] == pytest.approx(-2 / 5)
+    # -1 - 2 - 0.5 - 3 - 0.2
+    assert metrics["distill/student_log_prob"] == pytest.approx(-6.7 / 5)
+    # -2 - 1 - 0.5 - 1 - 0.2
+    assert metrics["distill/teacher_log_prob"] == pytest.approx(-4.7 / 5)
 
 
 # --- generalised JSD ------------------------------------------------------------------------

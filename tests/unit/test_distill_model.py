@@ -202,6 +202,22 @@ def test_teacher_top_ids_past_the_response_do_not_depend_on_micro_batching(tiny_
     assert torch.equal(cut.top_ids, whole.top_ids)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="Teacher.score (keel/training/teacher.py:51-54) makes its [N, R, k] buffers k = top_k "
+    "wide, but _token_stats takes the top min(k, V): distillation.gkd.top_k above the teacher's "
+    "vocabulary fails with a shape-mismatch RuntimeError instead of keeping the whole vocabulary "
+    "(or a KeelError naming the key)",
+)
+def test_a_top_k_above_the_vocabulary_keeps_the_whole_vocabulary(tiny_models):
+    model = load(tiny_models["teacher"])
+    vocab = model.config.vocab_size
+    batch = make_batch(vocab)
+    scores = Teacher(model, MicroBatching(8), TEMPERATURE, vocab + 10).score(batch)
+    assert scores.top_ids.shape[-1] == vocab
+
+
 # --- the actor's GKD term -------------------------------------------------------------------
 
 
