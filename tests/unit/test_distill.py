@@ -61,15 +61,28 @@ def test_k3_advantage_is_minus_schulmans_k3_times_coef():
     assert advantages[0, 2].item() == 0.0 and advantages[1, 2].item() == 0.0
 
 
-def test_k1_advantage_gives_the_reverse_kls_gradient_in_expectation():
+K3_GRADIENT = (
+    "kl_estimator=k3 as the per-token advantage (keel/algorithms/distill.py:33, "
+    "reverse_kl_advantages) is <= 0 on every token; its expected policy gradient "
+    "E_s[A grad log s] is -grad KL(s||t) + grad KL(t||s), not -grad KL(s||t): the update also "
+    "climbs the forward KL (k3 estimates the KL's value without bias, not its gradient)"
+)
+
+
+@pytest.mark.parametrize(
+    "estimator",
+    ["k1", pytest.param("k3", marks=pytest.mark.xfail(strict=True, reason=K3_GRADIENT))],
+)
+def test_the_advantage_gives_the_reverse_kls_gradient_in_expectation(estimator):
     """Over every token of a small vocabulary, weighted by the student's probability:
-    E_s[A(x) grad log s(x)] is minus the gradient of KL(student || teacher)."""
+    E_s[A(x) grad log s(x)] is minus the gradient of KL(student || teacher), what
+    distillation.mode=reverse_kl means to follow."""
     generator = torch.Generator().manual_seed(3)
     student_logits = torch.randn(7, generator=generator, requires_grad=True)
     teacher = torch.log_softmax(torch.randn(7, generator=generator), -1)
     student = torch.log_softmax(student_logits, -1)
     advantages = reverse_kl_advantages(
-        student.detach(), teacher, torch.ones(7), coef=1.0, estimator="k1"
+        student.detach(), teacher, torch.ones(7), coef=1.0, estimator=estimator
     )
     (policy_gradient,) = torch.autograd.grad(
         (student.detach().exp() * advantages * student).sum(), student_logits
