@@ -15,6 +15,7 @@ from keel.training import forward
 from keel.training.actor import ActorTrainer, GKDLoss
 from keel.training.batching import MicroBatching, plan_minibatches
 from keel.training.forward import batched_log_probs, response_log_probs, response_vocab_stats
+from keel.training.placement import Placement
 from keel.training.teacher import Teacher
 from keel.types import TrainBatch, position_ids_from_mask
 
@@ -148,6 +149,23 @@ def test_vocab_extra_ids_carry_the_gradient_of_the_full_logits(tiny_models, forw
         grads.append([p.grad.clone() for p in model.parameters()])
     for ours, theirs in zip(*grads):
         torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=1e-4)
+
+
+def test_the_compiled_vocabulary_arithmetic_gives_the_same_extras(tiny_models):
+    """actor.use_torch_compile's fused path (torch.compile of the per-chunk arithmetic) returns
+    the eager top-k and gathered log-probs."""
+    model = load(tiny_models["teacher"])
+    batch = make_batch(model.config.vocab_size, seed=5)
+    ids = batch.response_ids[..., None] // torch.tensor([1, 2, 3])
+    with torch.no_grad():
+        for extra in (4, ids):
+            _, _, fused = response_vocab_stats(
+                model, batch, TEMPERATURE, plan=Placement(fused_vocab=True), vocab_extra=extra
+            )
+            _, _, eager = response_vocab_stats(model, batch, TEMPERATURE, vocab_extra=extra)
+            assert len(fused) == len(eager) == (2 if isinstance(extra, int) else 1)
+            for got, expected in zip(fused, eager):
+                torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
 # --- the teacher ----------------------------------------------------------------------------
