@@ -71,7 +71,9 @@ class DistillationConfig:
         "k1",
         choices=KL_ESTIMATORS,
         help="reverse_kl: the per-token estimate of KL(student||teacher) the advantage is minus "
-        "of: k1 = log s - log t (unbiased), k3 = t/s - 1 - log(t/s) (low variance, >= 0)",
+        "of: k1 = log s - log t, whose policy gradient is the reverse KL's; k3 = t/s - 1 - "
+        "log(t/s), lower variance, but as an advantage its expected gradient also climbs "
+        "KL(teacher||student)",
     )
     task_reward_coef: float = opt(
         0.0,

@@ -42,8 +42,8 @@ class Teacher:
         self.batching, self.placement = batching, placement
         # the student's sampling temperature: both sides compare the same distributions
         self.temperature = temperature
-        # gkd: the teacher's top-k at every position; reverse_kl: None
-        self.top_k = top_k
+        # gkd: the teacher's top-k at each position (the vocabulary at most); reverse_kl: None
+        self.top_k = top_k and min(top_k, model.get_output_embeddings().weight.shape[0])
 
     @torch.no_grad()
     def score(self, batch: TrainBatch) -> TeacherScores:
@@ -66,4 +66,6 @@ class Teacher:
         mask = batch.response_mask
         if not k:
             return TeacherScores(log_probs * mask)
-        return TeacherScores(log_probs * mask, top_ids, top_log_probs * mask[..., None])
+        # zeros past each response, whatever the micro-batches' widths were
+        real = mask[..., None]
+        return TeacherScores(log_probs * mask, top_ids * real.long(), top_log_probs * real)

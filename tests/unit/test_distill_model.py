@@ -206,12 +206,6 @@ def test_teacher_scores_do_not_depend_on_micro_batching(tiny_models, batching):
     assert torch.equal(cut.top_ids[real], whole.top_ids[real])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Teacher.score zeroes log_probs and top_log_probs past each response but not top_ids: "
-    "there they hold the model's top-k at padding (one micro-batch) or 0 (a micro-batch trimmed "
-    "to the sample), so the record depends on the micro-batching",
-)
 def test_teacher_top_ids_past_the_response_do_not_depend_on_micro_batching(tiny_models):
     model = load(tiny_models["teacher"])
     batch = make_batch(model.config.vocab_size)
@@ -220,14 +214,6 @@ def test_teacher_top_ids_past_the_response_do_not_depend_on_micro_batching(tiny_
     assert torch.equal(cut.top_ids, whole.top_ids)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="Teacher.score (keel/training/teacher.py:51-54) makes its [N, R, k] buffers k = top_k "
-    "wide, but _token_stats takes the top min(k, V): distillation.gkd.top_k above the teacher's "
-    "vocabulary fails with a shape-mismatch RuntimeError instead of keeping the whole vocabulary "
-    "(or a KeelError naming the key)",
-)
 def test_a_top_k_above_the_vocabulary_keeps_the_whole_vocabulary(tiny_models):
     model = load(tiny_models["teacher"])
     vocab = model.config.vocab_size
