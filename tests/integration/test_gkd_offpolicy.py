@@ -5,6 +5,7 @@ import copy
 import json
 
 import pytest
+import torch
 
 from conftest import digit_rows, write_jsonl
 from test_train_cli import read_metrics
@@ -81,3 +82,38 @@ def test_rollout_correction_weighs_the_students_samples_alone(gkd_config):
     for m in steps:
         corrected = any(key.startswith("rollout_corr/") for key in m)
         assert corrected == bool(m["distill/on_policy"]), m["step"]
+
+
+def test_a_resumed_run_draws_and_trains_as_an_uninterrupted_one(gkd_config, tmp_path, monkeypatch):
+    from keel.api import train
+    from keel.trainer import rl
+
+    from test_train_cli import _numerics, weights
+
+    gkd_config["trainer"].update(total_training_steps=6, save_freq=3)
+    straight = copy.deepcopy(gkd_config)
+    straight["trainer"]["default_local_dir"] = str(tmp_path / "a")
+    stopped = copy.deepcopy(gkd_config)
+    stopped["trainer"]["default_local_dir"] = str(tmp_path / "b")
+    train(straight)
+    real_step = rl.RLTrainer.train_step
+
+    def stop_at_step_4(self, logger):
+        if self.step == 4:
+            raise KeyboardInterrupt
+        return real_step(self, logger)
+
+    monkeypatch.setattr(rl.RLTrainer, "train_step", stop_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        train(stopped)
+    monkeypatch.setattr(rl.RLTrainer, "train_step", real_step)
+    # resumes from global_step_3
+    train(stopped)
+    metrics_a, metrics_b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [m["step"] for m in metrics_b] == [1, 2, 3, 4, 5, 6]
+    # both kinds of step after the resume
+    assert {m["distill/on_policy"] for m in metrics_b[3:]} == {0.0, 1.0}
+    for ma, mb in zip(metrics_a, metrics_b):
+        assert _numerics(ma) == _numerics(mb)
+    a, b = (weights(tmp_path / run / "global_step_6" / "actor") for run in ("a", "b"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -6,9 +6,10 @@ import torch
 
 from keel.config.load import load_config
 from keel.data.prompts import PromptRecord, collate_prompts
+from keel.data.responses import data_batch, response_texts
 from keel.errors import GKD_OFF_POLICY, RESPONSE_COLUMN, KeelError
 from keel.models.tiny import build_tokenizer
-from keel.trainer.data_responses import data_batch, on_policy_step, response_texts
+from keel.trainer.data_responses import on_policy_step
 
 BASE = {
     "data": {"train_files": ["train.jsonl"]},
@@ -109,3 +110,23 @@ def test_lmbda_below_1_is_refused_where_it_cannot_work(overrides, fix):
     assert fix in info.value.fix and "distillation.gkd.lmbda=1" in info.value.fix
     # lmbda 1 (every step the student's) runs with each of them
     config(*overrides)
+
+
+def test_the_prompts_are_refused_as_they_are_read_when_a_row_lacks_its_response(tmp_path):
+    """Before any model loads (keel check reads them so too)."""
+    import json
+
+    from keel.trainer.setup import read_prompts
+
+    rows = [{"prompt": f"Say {i}", "response": str(i)} for i in range(3)] + [{"prompt": "Say 3"}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    base = {**BASE, "data": {"train_files": [str(path)]}}
+    tokenizer = build_tokenizer()
+    cfg = load_config(base, ["distillation.gkd.lmbda=0.5"])
+    with pytest.raises(KeelError) as info:
+        read_prompts([str(path)], tokenizer, cfg, "train")
+    assert info.value.code == RESPONSE_COLUMN and "row 3" in info.value.message
+    # every step on the student's samples: the column is not needed
+    records, _ = read_prompts([str(path)], tokenizer, load_config(base, []), "train")
+    assert len(records) == 4
