@@ -6,7 +6,8 @@ an uninterrupted one would. A data step takes the sampler's next prompts, as a s
 and answers each with its row's `distillation.response_key` column, tokenized after the prompt as
 a generated response is (EOS appended, cut at data.max_response_length). Each prompt is repeated
 rollout.n times, as a sampled step's are: the step's batch then has the shape the batch plan
-divided into mini- and micro-batches and ranks, and the copies change no mean (the JSD's is one).
+divided into mini- and micro-batches and ranks, and n copies of every row leave each loss (a mean
+over tokens or sequences) as it would be with one.
 The samples are marked `from_data`: the gap guard, rollout correction and the policy gradient
 leave them alone, and their old log-probs come from the pass.
 
