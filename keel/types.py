@@ -162,9 +162,18 @@ class GeneratedBatch:
     # weight update continues under the next one); policy_version is then each sample's oldest.
     # None: every token is its sample's policy_version.
     token_versions: Tensor | None = None
+    # [N] bool: True where the response is the data's own (gkd's off-policy steps,
+    # distillation.gkd.lmbda < 1), not sampled: its sampling_log_probs are 0 and mean nothing.
+    # None: every response was sampled.
+    from_data: Tensor | None = None
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
+
+    @property
+    def sampled(self) -> bool:
+        """Every response was sampled (none is the data's): sampling_log_probs are the sampler's."""
+        return self.from_data is None or not bool(self.from_data.any())
 
     @property
     def input_ids(self) -> Tensor:  # [N, P + R]

@@ -45,7 +45,7 @@ class GKDConfig:
         ge=0,
         le=1,
         help="share of steps trained on the student's own samples; the rest train on the data's "
-        "responses (data.response_key). TRL's GKDConfig.lmbda",
+        "responses (distillation.response_key), drawn per step. TRL's GKDConfig.lmbda",
     )
     top_k: int = opt(
         64,

@@ -5,6 +5,7 @@ numbers and the fix."""
 from __future__ import annotations
 
 from keel.config.async_rules import check_async
+from keel.config.gkd_rules import check_gkd_lmbda
 from keel.config.option_rules import (
     ROLLOUT,
     check_algorithm,
@@ -236,6 +237,7 @@ def _check_options(cfg: KeelConfig) -> None:
     check_rollout_correction(cfg, incompatible)
     check_reward(cfg, incompatible)
     check_async(cfg, incompatible)
+    check_gkd_lmbda(cfg)
     val = rollout.val_kwargs
     if val.n > 1 and not (val.do_sample and val.temperature > 0):
         raise incompatible(

@@ -290,4 +290,26 @@ UNKNOWN_OBJECTIVE = register(
     keys=("objective",),
 )
 
+GKD_OFF_POLICY = register(
+    "KEEL-C029",
+    "GKD's on-policy fraction (distillation.gkd.lmbda < 1) cannot work with these settings",
+    "With lmbda < 1 a share of 1 - lmbda of the steps trains on the data's own responses instead "
+    "of the student's samples. That needs distillation.mode=gkd (reverse_kl's advantage is the "
+    "teacher's judgement of the student's own samples), trainer.mode=sync (async mode generates "
+    "a step's batch before the step, under rollout correction that takes the sampler's log-probs "
+    "as the old policy's; partial rollouts keep samples under way across steps), and no "
+    "rollout_correction.bypass_mode (the sampler's log-probs are then the old policy's, and the "
+    "data's responses have no sampler).",
+    "Set `distillation.gkd.lmbda=1` (every step on the student's samples), or do as the fix line "
+    "says: `distillation.mode=gkd`, `trainer.mode=sync`, or "
+    "`algorithm.rollout_correction.bypass_mode=false`.",
+    keys=(
+        "distillation.gkd.lmbda",
+        "distillation.mode",
+        "trainer.mode",
+        "trainer.partial_rollout",
+        "algorithm.rollout_correction.bypass_mode",
+    ),
+)
+
 __all__ = [name for name in dir() if name.isupper()]

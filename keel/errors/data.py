@@ -86,4 +86,17 @@ PAIR_TOO_LONG = register(
     ("data.max_length", "data.truncation"),
 )
 
+RESPONSE_COLUMN = register(
+    "KEEL-D010",
+    "Prompt row without the response GKD's off-policy steps train on",
+    "With distillation.mode=gkd and distillation.gkd.lmbda < 1, a share of the steps trains on "
+    "each prompt row's own response (the `distillation.response_key` column, default "
+    "`response`): a string, the completion of the prompt. A row lacks it, or holds no string "
+    "there.",
+    "Add the column to every training row, point `distillation.response_key` at the column that "
+    "holds the completions (the fix line names the row's text column), or set "
+    "`distillation.gkd.lmbda=1` to train on the student's samples alone.",
+    ("distillation.response_key", "distillation.gkd.lmbda"),
+)
+
 __all__ = [name for name in dir() if name.isupper()]

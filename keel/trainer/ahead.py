@@ -32,6 +32,7 @@ from keel.config.schema import KeelConfig
 from keel.config.trainer import OffPolicy
 from keel.data.sampler import ResumableSampler
 from keel.observe.metrics import Timer
+from keel.trainer.data_responses import with_data_steps
 from keel.trainer.partial import RolloutPartial
 from keel.trainer.scored_rollout import ScoredRollout
 from keel.trainer.seeds import step_seed
@@ -77,9 +78,10 @@ def step_rollout(
     last_step: int,
 ) -> StepRollout:
     """The off-policy value's rollout (the plan's). With partial rollouts, a pool of samples under
-    way (keel/trainer/partial.py)."""
+    way (keel/trainer/partial.py). Sync steps may train on the data's responses instead
+    (distillation.gkd.lmbda < 1, keel/trainer/data_responses.py)."""
     if not off_policy.ahead:
-        return RolloutWithin(cfg, rollout, sampler)
+        return with_data_steps(cfg, RolloutWithin(cfg, rollout, sampler), rollout)
     if off_policy.partial:
         return RolloutPartial(cfg, rollout, sampler)
     return RolloutAhead(cfg, rollout, sampler, last_step)

@@ -33,3 +33,9 @@ def actor_order_seed(seed: int) -> int:
 
 def critic_order_seed(seed: int) -> int:
     return seed * 1000 + 500
+
+
+def on_policy_draw_seed(seed: int) -> int:
+    """GKD's draw (distillation.gkd.lmbda) of whether a step with `seed` trains on the student's
+    samples or on the data's responses."""
+    return seed * 1000 + 250

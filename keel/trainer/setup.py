@@ -19,6 +19,7 @@ from keel.algorithms.kl import make_kl_controller
 from keel.config.plan import Plan, plan_of
 from keel.config.schema import KeelConfig
 from keel.data.prompts import PromptRecord, build_prompt_dataset, load_rows
+from keel.data.responses import response_texts, trains_on_responses
 from keel.data.sampler import ResumableSampler
 from keel.distributed.group import LocalGroup
 from keel.distributed.pools import RewardModelPool, role_group, rollout_group
@@ -75,7 +76,7 @@ def read_prompts(files: list[str], tokenizer, cfg: KeelConfig, name: str):
     d = cfg.data
     agent = cfg.actor_rollout_ref.rollout.agent
     rows = load_rows(files, f"data.{name}_files") if files else environment_rows(agent, name)
-    return build_prompt_dataset(
+    records, stats = build_prompt_dataset(
         rows or [],
         tokenizer,
         prompt_key=d.prompt_key,
@@ -85,6 +86,10 @@ def read_prompts(files: list[str], tokenizer, cfg: KeelConfig, name: str):
         apply_chat_template=d.apply_chat_template,
         name=name,
     )
+    # gkd's off-policy steps train on each row's response: a row without one fails here
+    if name == "train" and trains_on_responses(cfg):
+        response_texts(rows or [], records, cfg)
+    return records, stats
 
 
 def load_prompts(files: list[str], tokenizer, cfg: KeelConfig, name: str) -> list[PromptRecord]:

@@ -77,8 +77,10 @@ class TrainBatchBuilder:
         if source is OldLogProbSource.SAMPLER:
             return OldLogProbs(values=scored.sampling_log_probs, own=None, measured_in_update=True)
         own = None
-        # the first mini-batch's own forward (all of it, or a part)
-        if at.updates_actor and source is not OldLogProbSource.RECOMPUTED:
+        # the first mini-batch's own forward (all of it, or a part); the data's responses (gkd's
+        # off-policy steps) take the pass: the teacher's metrics need the student's log-probs
+        # before the update, and the samples' own are no sampler's
+        if at.updates_actor and source is not OldLogProbSource.RECOMPUTED and scored.sampled:
             own = workers.first_mini_batch(scored, step_seed(self.cfg, at.step))
             # on-policy: the update's forward is every old log-prob
             if own is not None and bool(own.all()):
@@ -88,11 +90,13 @@ class TrainBatchBuilder:
             old, metrics["perf/old_log_prob_samples"] = self._recomputed_log_probs(scored, own)
             recomputed = recomputed_mask(scored, own)
             self._finite("actor log-probs", old, recomputed)
-            # How far the sampler's log-probs are from the trainer's: numerics, not learning.
-            metrics["rollout/log_prob_gap"] = masked_mean(
-                (scored.sampling_log_probs - old).abs(), recomputed
-            ).item()
-            self.check_log_prob_gap(metrics["rollout/log_prob_gap"], scored, at)
+            # How far the sampler's log-probs are from the trainer's: numerics, not learning. The
+            # data's responses have no sampler, so no gap.
+            if scored.sampled:
+                metrics["rollout/log_prob_gap"] = masked_mean(
+                    (scored.sampling_log_probs - old).abs(), recomputed
+                ).item()
+                self.check_log_prob_gap(metrics["rollout/log_prob_gap"], scored, at)
         return OldLogProbs(values=old, own=own, measured_in_update=False)
 
     def train_batch(self, scored: ScoredBatch, old: OldLogProbs, at: StepState) -> TrainBatch:
@@ -148,7 +152,8 @@ class TrainBatchBuilder:
         """reverse_kl: the task's advantages (weighted by task_reward_coef) plus the teacher's
         per-token judgement; gkd: the task's alone, weighted (the loss holds the teacher)."""
         d = self.cfg.distillation
-        task = d.task_reward_coef * task
+        # the data's responses (gkd's off-policy steps): no policy gradient, the JSD alone
+        task = d.task_reward_coef * task if scored.sampled else torch.zeros_like(task)
         if d.mode != "reverse_kl":
             return task
         return task + reverse_kl_advantages(
@@ -158,9 +163,11 @@ class TrainBatchBuilder:
     def check_log_prob_gap(self, gap: float, batch: ScoredBatch, at: StepState) -> None:
         # Greedy engines record log-probs at temperature 1, not the trainer's; samples of an older
         # policy (async mode) differ from the trainer's by its updates since, which is no broken
-        # weight sync.
-        if self.sampling.do_sample and sampled_by(
-            self.components.plan.off_policy, batch, at.updating
+        # weight sync. The data's responses (gkd's off-policy steps) were sampled by no one.
+        if (
+            batch.sampled
+            and self.sampling.do_sample
+            and sampled_by(self.components.plan.off_policy, batch, at.updating)
         ):
             check_log_prob_gap(gap, at.step, self.cfg.trainer.guards.max_log_prob_gap)
 
@@ -185,9 +192,9 @@ class TrainBatchBuilder:
         with at.timer("adv"):
             rewards = self._token_rewards(scored, old, ref, at.metrics)
             self._finite("token-level rewards", rewards, scored.response_mask)
-            correction = (
-                self._correct_rollout(scored, old, at.metrics) if self.correction.decoupled else {}
-            )
+            # the data's responses (gkd's off-policy steps) have no sampler to correct for
+            decoupled = self.correction.decoupled and scored.sampled
+            correction = self._correct_rollout(scored, old, at.metrics) if decoupled else {}
             advantages, returns = compute_advantage(
                 self.cfg.algorithm.adv_estimator,
                 AdvantageInputs(
