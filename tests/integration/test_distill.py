@@ -123,7 +123,7 @@ def test_a_lora_student_s_teacher_at_its_own_path_is_never_its_base(
     for seed in range(3):
         batch = replace(batch, old_log_probs=roles.actor_log_probs(batch))
         assert roles.update_actor(batch, seed=seed)["actor/grad_norm"] > 0
-    # the engine generates with the adapters (LoRA's sync ran) ...
+    # a generation after the updates (the engine took the adapters): the teacher scores as before
     roles.generation.generate(prompts, SamplingParams(n=4, max_new_tokens=8), 1)
     after = roles.teacher_scores(batch).log_probs
     assert torch.equal(after, before)
@@ -134,7 +134,7 @@ def test_a_lora_student_s_teacher_at_its_own_path_is_never_its_base(
         top_k=None,
     )
     torch.testing.assert_close(after, fresh.score(batch).log_probs, atol=1e-6, rtol=1e-6)
-    # ... and the student moved away from the teacher
+    # while the student moved away from it
     moved = (roles.actor_log_probs(batch) - after).abs().max()
     assert moved > 1e-2
     merged = worker.actor.model.merge_and_unload().state_dict()
