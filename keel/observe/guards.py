@@ -62,8 +62,17 @@ class GuardWarning(str):
 class LearningSignalGuard:
     """Warns when a run is burning compute without a signal to learn from."""
 
-    def __init__(self, guards_cfg, group_based: bool, fixed_length: bool = False):
+    def __init__(
+        self,
+        guards_cfg,
+        group_based: bool,
+        fixed_length: bool = False,
+        rewards_teach: bool = True,
+    ):
         self.cfg = guards_cfg
+        # False: the rewards are logged but teach nothing (distillation's teacher does), so
+        # rewards that are all 0 or all alike are no missing signal
+        self.rewards_teach = rewards_teach
         self.group_based = group_based
         # rollout.ignore_eos: every response is cut off by design
         self.fixed_length = fixed_length
@@ -71,7 +80,8 @@ class LearningSignalGuard:
         self.saw_all_zero = False
 
     def __call__(self, step: int, metrics: dict[str, float]) -> list[GuardWarning]:
-        return self._signal_warnings(metrics) + self._health_warnings(metrics)
+        signal = self._signal_warnings(metrics) if self.rewards_teach else []
+        return signal + self._health_warnings(metrics)
 
     def _signal_warnings(self, metrics: dict[str, float]) -> list[GuardWarning]:
         """Rewards that teach nothing: all 0 with real answers, or the same for several steps."""

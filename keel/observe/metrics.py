@@ -20,6 +20,8 @@ SUMMARY_KEYS = (
     "train/loss",
     "val/loss",
     "critic/score/mean",
+    "distill/reverse_kl",
+    "distill/gkd_loss",
     "actor/pg_loss",
     "actor/entropy",
     "actor/ppo_kl",

