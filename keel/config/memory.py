@@ -16,6 +16,7 @@ def estimate_memory_gb(
     logits_chunk_tokens: int,
     lora_trainable: dict[str, int] | None = None,
     actor_fsdp: FSDPConfig | None = None,
+    teacher: tuple[int, int] | None = None,
 ) -> dict[str, float]:
     """Per-device estimate for a policy of `params` parameters. float32 master weights (4 B) +
     gradients (4 B) + AdamW moments (8 B) for each trained model, divided among the ranks FSDP
@@ -33,7 +34,10 @@ def estimate_memory_gb(
     applies it (`actor_fsdp`: the plan's sharding; the config's by default). With LoRA
     (`lora_trainable`: the trainable parameters of each role that has it, "actor" or "critic"), the
     frozen base is in the compute dtype with no gradients or optimiser state, the reference is that
-    same base, and on one worker the native engine's decode weights are the policy's base itself."""
+    same base, and on one worker the native engine's decode weights are the policy's base itself.
+    A distillation teacher (`teacher`: its parameters and the bytes of its dtype) is frozen weights
+    sharded as the reference is: beside the policy as `teacher`, in the total, or on a pool of its
+    own as `teacher_pool`, outside it."""
     gb = 2**30
     policy = cfg.actor_rollout_ref
     fsdp = actor_fsdp or policy.actor.fsdp_config
@@ -62,7 +66,28 @@ def estimate_memory_gb(
         estimate["critic_states"] = (
             _critic_bytes(cfg, params, critic_lora, compute_bytes, cfg.world_size) / gb
         )
-    return _with_pools(cfg, model_cfg, params, compute_bytes, estimate, native, critic_lora)
+    teacher_key, teacher_gb = _teacher_gb(cfg, teacher)
+    if teacher_key == "teacher":
+        estimate["teacher"] = teacher_gb
+    estimate = _with_pools(cfg, model_cfg, params, compute_bytes, estimate, native, critic_lora)
+    if teacher_key == "teacher_pool":
+        estimate["teacher_pool"] = float(f"{teacher_gb:.4g}")
+    return estimate
+
+
+def _teacher_gb(cfg: KeelConfig, teacher: tuple[int, int] | None) -> tuple[str | None, float]:
+    """(where the teacher's weights are: `teacher` beside the policy or `teacher_pool`, GB on one
+    of those devices): its `(parameters, bytes each)`, sharded over the ranks it runs on as the
+    reference is (RoleBuilder.teacher), none on the device where FSDP offloads them."""
+    if teacher is None or not cfg.teacher_enabled:
+        return None, 0.0
+    pooled = "teacher" in cfg.pools
+    ranks = cfg.pools["teacher"] if pooled else cfg.world_size
+    fsdp_cfg = cfg.actor_rollout_ref.ref.fsdp_config
+    shards = _shards(fsdp_cfg, ranks)
+    parameters, bytes_each = teacher
+    on_device = 0 if fsdp_cfg.param_offload and shards > 1 else parameters * bytes_each / shards
+    return ("teacher_pool" if pooled else "teacher"), on_device / 2**30
 
 
 def _policy_estimate(
