@@ -25,8 +25,9 @@ def estimate_memory_gb(
     of one micro-batch (about 34 bytes x hidden per token per layer, Korthikanti et al. arXiv
     2205.05198, plus one chunk's float32 logits); the KV cache of one generation batch and, for the
     native engine, its decode weights. A critic with a pool of its own is estimated for its own
-    devices, as `critic_pool`, outside the total, and a rollout's own (hybrid_engine=false) as
-    `rollout_pool`.
+    devices, as `critic_pool`, outside the total, a rollout's own (hybrid_engine=false) as
+    `rollout_pool`, a distillation teacher's (`teacher`: parameters, its dtype's bytes) as
+    `teacher_pool`, else as `teacher` in the total (frozen, sharded as the reference is).
 
     What the config alone does not say comes from the caller: the compute dtype's size on the
     device the run resolves to, whether the native engine runs this architecture, how many
@@ -34,10 +35,7 @@ def estimate_memory_gb(
     applies it (`actor_fsdp`: the plan's sharding; the config's by default). With LoRA
     (`lora_trainable`: the trainable parameters of each role that has it, "actor" or "critic"), the
     frozen base is in the compute dtype with no gradients or optimiser state, the reference is that
-    same base, and on one worker the native engine's decode weights are the policy's base itself.
-    A distillation teacher (`teacher`: its parameters and the bytes of its dtype) is frozen weights
-    sharded as the reference is: beside the policy as `teacher`, in the total, or on a pool of its
-    own as `teacher_pool`, outside it."""
+    same base, and on one worker the native engine's decode weights are the policy's base itself."""
     gb = 2**30
     policy = cfg.actor_rollout_ref
     fsdp = actor_fsdp or policy.actor.fsdp_config
@@ -66,28 +64,22 @@ def estimate_memory_gb(
         estimate["critic_states"] = (
             _critic_bytes(cfg, params, critic_lora, compute_bytes, cfg.world_size) / gb
         )
-    teacher_key, teacher_gb = _teacher_gb(cfg, teacher)
-    if teacher_key == "teacher":
-        estimate["teacher"] = teacher_gb
-    estimate = _with_pools(cfg, model_cfg, params, compute_bytes, estimate, native, critic_lora)
-    if teacher_key == "teacher_pool":
-        estimate["teacher_pool"] = float(f"{teacher_gb:.4g}")
-    return estimate
+    estimate |= _teacher_gb(cfg, teacher)
+    return _with_pools(cfg, model_cfg, params, compute_bytes, estimate, native, critic_lora)
 
 
-def _teacher_gb(cfg: KeelConfig, teacher: tuple[int, int] | None) -> tuple[str | None, float]:
-    """(where the teacher's weights are: `teacher` beside the policy or `teacher_pool`, GB on one
-    of those devices): its `(parameters, bytes each)`, sharded over the ranks it runs on as the
+def _teacher_gb(cfg: KeelConfig, teacher: tuple[int, int] | None) -> dict[str, float]:
+    """The teacher's weights in GB on one of its devices, as `teacher` beside the policy or as
+    `teacher_pool`: its `(parameters, bytes each)`, sharded over the ranks it runs on as the
     reference is (RoleBuilder.teacher), none on the device where FSDP offloads them."""
     if teacher is None or not cfg.teacher_enabled:
-        return None, 0.0
+        return {}
     pooled = "teacher" in cfg.pools
-    ranks = cfg.pools["teacher"] if pooled else cfg.world_size
     fsdp_cfg = cfg.actor_rollout_ref.ref.fsdp_config
-    shards = _shards(fsdp_cfg, ranks)
+    shards = _shards(fsdp_cfg, cfg.pools["teacher"] if pooled else cfg.world_size)
     parameters, bytes_each = teacher
     on_device = 0 if fsdp_cfg.param_offload and shards > 1 else parameters * bytes_each / shards
-    return ("teacher_pool" if pooled else "teacher"), on_device / 2**30
+    return {("teacher_pool" if pooled else "teacher"): on_device / 2**30}
 
 
 def _policy_estimate(
@@ -123,14 +115,15 @@ def _with_pools(
     native: bool,
     critic_lora: int | None,
 ) -> dict[str, float]:
-    """The total, then what the rollout's and the critic's own pools hold outside it, rounded."""
+    """The total (a teacher's own pool outside it), then what the rollout's and the critic's own
+    pools hold outside it, rounded."""
     gb = 2**30
     apart = (
         {}
         if cfg.actor_rollout_ref.hybrid_engine
         else {"rollout_pool": _rollout_apart(estimate, native, params / gb)}
     )
-    estimate["total"] = sum(estimate.values())
+    estimate["total"] = sum(v for k, v in estimate.items() if k != "teacher_pool")
     estimate.update(apart)
     # the critic pool's devices: states and activations
     if cfg.critic_enabled and "critic" in cfg.pools:
