@@ -21,7 +21,7 @@ from keel.training.forward import LOGITS_CHUNK_TOKENS
 def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
     model_cfg = need(context, "model_config")
     plan = context["plan"]
-    # the teacher's weights count where it runs; not estimated, it is not counted at all
+    # a teacher its check could not read skips the estimate: one without it would be too low
     teacher = need(context, "teacher") if cfg.teacher_enabled else None
 
     def estimate_for(config: KeelConfig) -> dict[str, float]:

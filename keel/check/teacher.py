@@ -147,7 +147,8 @@ def tokenizer_differences(student, teacher, student_pad: int | None) -> list[str
         )
     if extra:
         first = ", ".join(f"{token!r} ({token_id})" for token_id, token in extra[:SHOWN])
-        found.append(f"the teacher has {len(extra)} tokens the student lacks (first: {first})")
+        tokens = "a token" if len(extra) == 1 else f"{len(extra)} tokens"
+        found.append(f"the teacher has {tokens} the student lacks (first: {first})")
     return found
 
 
