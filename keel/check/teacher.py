@@ -14,7 +14,14 @@ import torch
 from keel.check.findings import PASS, WARN, Finding, need
 from keel.config.rules import lengths_within
 from keel.config.schema import KeelConfig
-from keel.errors import TEACHER_VOCAB, TOKEN_BUDGET, VOCAB_MISMATCH, KeelError
+from keel.errors import (
+    INCOMPATIBLE_OPTIONS,
+    TEACHER_VOCAB,
+    TOKEN_BUDGET,
+    VOCAB_MISMATCH,
+    KeelError,
+)
+from keel.errors.fixes import setting
 
 KEY = "distillation.teacher.path"
 # differing tokens named in a message
@@ -52,7 +59,13 @@ def check_teacher(cfg: KeelConfig, context: dict) -> list[Finding]:
             "use a teacher whose tokenizer is the student's: a model of the student's family "
             f"(a larger one of its series), saved with the same tokenizer files, as {KEY}",
         )
-    model_cfg = AutoConfig.from_pretrained(path, trust_remote_code=t.trust_remote_code)
+    try:
+        model_cfg = AutoConfig.from_pretrained(path, trust_remote_code=t.trust_remote_code)
+    except ValueError as e:
+        refused = _remote_code_refused(e, path)
+        if refused is None:
+            raise
+        raise refused from e
     found = _check_rows(cfg, student, model_cfg.vocab_size, student_rows, path)
     _check_positions(cfg, model_cfg)
     parameters, weights, unmatched = _weights(path, model_cfg, t.trust_remote_code)
@@ -93,13 +106,27 @@ def _teacher_tokenizer(path: Path, trust_remote_code: bool):
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
-        raise KeelError(
+        raise _remote_code_refused(e, path) or KeelError(
             TEACHER_VOCAB,
             f"the teacher's tokenizer in {path} cannot be loaded ({e}), so it cannot be compared "
             "with the student's",
             "save the tokenizer the teacher was trained with beside its weights "
             f"(tokenizer.save_pretrained('{path}')): it must be the student's",
         ) from e
+
+
+def _remote_code_refused(error: Exception, path: Path) -> KeelError | None:
+    """transformers' refusal of a model that brings its own code, as keel's error with the key
+    that allows it; None for any other error."""
+    if "trust_remote_code" not in str(error):
+        return None
+    return KeelError(
+        INCOMPATIBLE_OPTIONS,
+        f"the teacher in {path} brings its own model code (config.json's auto_map), which "
+        "distillation.teacher.trust_remote_code=false does not run",
+        f"set {setting(KEY.replace('.path', '.trust_remote_code'), True)} (having read the code "
+        f"in {path}), or use a teacher of an architecture transformers has",
+    )
 
 
 def tokenizer_differences(student, teacher, student_pad: int | None) -> list[str]:

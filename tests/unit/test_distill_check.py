@@ -12,6 +12,7 @@ from keel.check.preflight import render, run_checks
 from keel.config.load import load_run
 from keel.errors import (
     DISTILLATION_OPTION,
+    INCOMPATIBLE_OPTIONS,
     MODEL_PATH,
     TEACHER_VOCAB,
     TOKEN_BUDGET,
@@ -292,3 +293,15 @@ def test_no_teacher_check_without_distillation(tiny_config):
     assert not [f for f in report.findings if f.check == "teacher"]
     assert "teacher" not in report.memory_gb and "teacher" not in report.audit
     assert FAIL not in {f.level for f in report.findings}
+
+
+def test_a_teacher_with_its_own_code_needs_its_trust_remote_code(tiny_config, teacher, tmp_path):
+    other = teacher_copy(teacher, tmp_path)
+    config = json.loads((other / "config.json").read_text())
+    # an architecture transformers does not have, whose code the directory brings
+    config["model_type"] = "keel_custom"
+    config["auto_map"] = {"AutoConfig": "configuration_custom.CustomConfig"}
+    (other / "config.json").write_text(json.dumps(config))
+    report = run_checks(*load_run(tiny_config, distilling(other)))
+    assert failures(report) == [INCOMPATIBLE_OPTIONS]
+    assert report.failures[0].fix.startswith("set `distillation.teacher.trust_remote_code=true`")
