@@ -20,6 +20,7 @@ from keel.check.model import check_model, check_tokenizer
 from keel.check.multi_turn import check_multi_turn
 from keel.check.resources import check_memory, check_sharding, check_workers
 from keel.check.reward import check_reward, sandbox_finding  # noqa: F401 (sandbox_finding: tests)
+from keel.check.teacher import check_teacher
 from keel.config.plan import Plan, make_plan, plan_of
 from keel.config.schema import KeelConfig
 from keel.errors import (
@@ -152,6 +153,7 @@ def check_trackers(cfg: KeelConfig, context: dict) -> list[Finding]:
 CHECKS = [
     ("tokenizer", check_tokenizer),
     ("model", check_model),
+    ("teacher", check_teacher),
     ("rollout engine", check_rollout_engine),
     ("data", check_data),
     ("reward", check_reward),
@@ -173,6 +175,7 @@ _GENERAL_DECISIONS = (
     "compute dtype",
     "critic",
     "reference model",
+    "teacher",
     "clip range",
     "critic batching",
     "total training steps",
@@ -218,8 +221,23 @@ def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
             "seq-mean-token-sum-norm as Dr. GRPO writes it (a mean over sequences); verl's "
             "loss is this times ppo_micro_batch_size_per_gpu (docs/config.md)"
         )
+    if "teacher" in context:
+        decided["teacher"] = _teacher_decision(cfg, context["teacher"].dtype)
     decided.update(_verl_decisions(context["plan"].decided))
     return decided
+
+
+def _teacher_decision(cfg: KeelConfig, dtype) -> str:
+    """The teacher's dtype and place, as keel loads it."""
+    t = cfg.distillation.teacher
+    name = str(dtype).removeprefix("torch.")
+    why = " (dtype auto: the student's compute dtype)" if t.dtype == "auto" else ""
+    where = (
+        f"on a pool of its own, {cfg.pools['teacher']} workers"
+        if "teacher" in cfg.pools
+        else "beside the policy"
+    )
+    return f"{name}{why}, {where}; frozen, {cfg.distillation.mode}"
 
 
 def _verl_decisions(lines: list[str]) -> dict[str, str]:

@@ -8,6 +8,7 @@ import os
 import torch
 
 from keel.check.findings import PASS, WARN, Finding, need
+from keel.check.teacher import count, student_compute_dtype
 from keel.config.memory import estimate_memory_gb
 from keel.config.schema import KeelConfig
 from keel.errors import MEMORY_ESTIMATE, NOT_ENOUGH_DEVICES, RAY_MISSING, KeelError
@@ -20,23 +21,27 @@ from keel.training.forward import LOGITS_CHUNK_TOKENS
 def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
     model_cfg = need(context, "model_config")
     plan = context["plan"]
+    # a teacher its check could not read skips the estimate: one without it would be too low
+    teacher = need(context, "teacher") if cfg.teacher_enabled else None
 
     def estimate_for(config: KeelConfig) -> dict[str, float]:
         return estimate_memory_gb(
             config,
             model_cfg,
             context.get("parameters") or architecture_parameters(model_cfg),
-            compute_bytes=_compute_dtype(config).itemsize,
+            compute_bytes=student_compute_dtype(config).itemsize,
             native_rollout=unsupported_reason(model_cfg) is None,
             logits_chunk_tokens=LOGITS_CHUNK_TOKENS,
             lora_trainable=context.get("lora_trainable", {}),
             actor_fsdp=plan.actor_fsdp(config),
+            teacher=teacher and (teacher.parameters, teacher.dtype.itemsize),
         )
 
     context["memory_gb"] = estimate = estimate_for(cfg)
     total, available, where = device_memory_gb(cfg)
     required = max(
-        estimate["total"], estimate.get("critic_pool", 0.0), estimate.get("rollout_pool", 0.0)
+        estimate["total"],
+        *(estimate.get(f"{role}_pool", 0.0) for role in ("critic", "rollout", "teacher")),
     )
     message = (
         f"about {required:.2f} GB needed on {where}, {available:.1f} GB free of {total:.1f} GB"
@@ -52,8 +57,31 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
         for key, fsdp, ranks in cfg.fsdp_roles
         if fsdp.param_offload and ranks == 1
     ]
-    return [Finding(WARN if required > 0.9 * available else PASS, "memory", message)] + [
-        Finding(WARN, "memory", text) for text in idle
+    return (
+        [Finding(WARN if required > 0.9 * available else PASS, "memory", message)]
+        + _teacher_memory(cfg, estimate, teacher)
+        + [Finding(WARN, "memory", text) for text in idle]
+    )
+
+
+def _teacher_memory(cfg: KeelConfig, estimate: dict, teacher) -> list[Finding]:
+    """The teacher's line of the estimate: its weights, where they are."""
+    if teacher is None:
+        return []
+    dtype = str(teacher.dtype).removeprefix("torch.")
+    if "teacher_pool" in estimate:
+        where = f"each of its own pool's {cfg.pools['teacher']} devices, outside the total above"
+        size = estimate["teacher_pool"]
+    else:
+        where = f"each of the policy's {cfg.world_size} devices, counted in the total above"
+        size = estimate["teacher"]
+    return [
+        Finding(
+            PASS,
+            "memory",
+            f"teacher: its weights, {count(teacher.parameters)} parameters in {dtype} "
+            f"({teacher.dtype.itemsize} B each), about {size:.4g} GB on {where}",
+        )
     ]
 
 
@@ -203,17 +231,6 @@ def architecture_parameters(model_cfg) -> int:
     from keel.models.load import meta_model
 
     return sum(p.numel() for p in meta_model(model_cfg).parameters())
-
-
-def _compute_dtype(cfg: KeelConfig) -> torch.dtype:
-    from keel.models.load import resolve_device, resolve_dtype
-
-    try:
-        device = resolve_device(cfg.trainer.device)
-    # reported by the device check
-    except KeelError:
-        device = torch.device("cpu")
-    return resolve_dtype(cfg.actor_rollout_ref.model.dtype, device)
 
 
 def device_memory_gb(cfg: KeelConfig) -> tuple[float, float, str]:

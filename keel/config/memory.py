@@ -16,6 +16,7 @@ def estimate_memory_gb(
     logits_chunk_tokens: int,
     lora_trainable: dict[str, int] | None = None,
     actor_fsdp: FSDPConfig | None = None,
+    teacher: tuple[int, int] | None = None,
 ) -> dict[str, float]:
     """Per-device estimate for a policy of `params` parameters. float32 master weights (4 B) +
     gradients (4 B) + AdamW moments (8 B) for each trained model, divided among the ranks FSDP
@@ -24,8 +25,9 @@ def estimate_memory_gb(
     of one micro-batch (about 34 bytes x hidden per token per layer, Korthikanti et al. arXiv
     2205.05198, plus one chunk's float32 logits); the KV cache of one generation batch and, for the
     native engine, its decode weights. A critic with a pool of its own is estimated for its own
-    devices, as `critic_pool`, outside the total, and a rollout's own (hybrid_engine=false) as
-    `rollout_pool`.
+    devices, as `critic_pool`, outside the total, a rollout's own (hybrid_engine=false) as
+    `rollout_pool`, a distillation teacher's (`teacher`: parameters, its dtype's bytes) as
+    `teacher_pool`, else as `teacher` in the total (frozen, sharded as the reference is).
 
     What the config alone does not say comes from the caller: the compute dtype's size on the
     device the run resolves to, whether the native engine runs this architecture, how many
@@ -62,7 +64,22 @@ def estimate_memory_gb(
         estimate["critic_states"] = (
             _critic_bytes(cfg, params, critic_lora, compute_bytes, cfg.world_size) / gb
         )
+    estimate |= _teacher_gb(cfg, teacher)
     return _with_pools(cfg, model_cfg, params, compute_bytes, estimate, native, critic_lora)
+
+
+def _teacher_gb(cfg: KeelConfig, teacher: tuple[int, int] | None) -> dict[str, float]:
+    """The teacher's weights in GB on one of its devices, as `teacher` beside the policy or as
+    `teacher_pool`: its `(parameters, bytes each)`, sharded over the ranks it runs on as the
+    reference is (RoleBuilder.teacher), none on the device where FSDP offloads them."""
+    if teacher is None or not cfg.teacher_enabled:
+        return {}
+    pooled = "teacher" in cfg.pools
+    fsdp_cfg = cfg.actor_rollout_ref.ref.fsdp_config
+    shards = _shards(fsdp_cfg, cfg.pools["teacher"] if pooled else cfg.world_size)
+    parameters, bytes_each = teacher
+    on_device = 0 if fsdp_cfg.param_offload and shards > 1 else parameters * bytes_each / shards
+    return {("teacher_pool" if pooled else "teacher"): on_device / 2**30}
 
 
 def _policy_estimate(
@@ -98,14 +115,15 @@ def _with_pools(
     native: bool,
     critic_lora: int | None,
 ) -> dict[str, float]:
-    """The total, then what the rollout's and the critic's own pools hold outside it, rounded."""
+    """The total (a teacher's own pool outside it), then what the rollout's and the critic's own
+    pools hold outside it, rounded."""
     gb = 2**30
     apart = (
         {}
         if cfg.actor_rollout_ref.hybrid_engine
         else {"rollout_pool": _rollout_apart(estimate, native, params / gb)}
     )
-    estimate["total"] = sum(estimate.values())
+    estimate["total"] = sum(v for k, v in estimate.items() if k != "teacher_pool")
     estimate.update(apart)
     # the critic pool's devices: states and activations
     if cfg.critic_enabled and "critic" in cfg.pools:

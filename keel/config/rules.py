@@ -1,10 +1,11 @@
 """The RL config's cross-field rules: batch divisibility, token budgets, rollout lengths, the
-workers' world, and options that need or exclude each other. Each raises a coded error with the
-numbers and the fix."""
+workers' world, and options that need or exclude each other (distillation's in distill_rules).
+Each raises a coded error with the numbers and the fix."""
 
 from __future__ import annotations
 
 from keel.config.async_rules import check_async
+from keel.config.distill_rules import check_distillation
 from keel.config.gkd_rules import check_gkd_lmbda
 from keel.config.option_rules import (
     ROLLOUT,
@@ -22,6 +23,7 @@ RC = "algorithm.rollout_correction"
 def check_config(cfg: KeelConfig) -> None:
     _check_batch_arithmetic(cfg)
     _check_options(cfg)
+    check_distillation(cfg)
 
 
 def _check_batch_arithmetic(cfg: KeelConfig) -> None:

@@ -290,6 +290,26 @@ UNKNOWN_OBJECTIVE = register(
     keys=("objective",),
 )
 
+DISTILLATION_OPTION = register(
+    "KEEL-C028",
+    "Distillation without a teacher, or a distillation setting nothing reads",
+    "distillation.enable=true needs distillation.teacher.path, the frozen teacher that scores the "
+    "student's samples; or a distillation setting was given that this run never reads: any of "
+    "distillation.* while distillation.enable=false, distillation.gkd.* (and response_key) under "
+    "mode=reverse_kl, kl_estimator under mode=gkd, or the teacher's pool sizes without "
+    "teacher.enable_resource_pool. keel refuses what it would silently ignore.",
+    "Set distillation.teacher.path to the teacher's local Hugging Face model directory (its "
+    "tokenizer the student's), or, for a setting nothing reads, do as the fix line says: the mode "
+    "or switch that reads it (`distillation.mode=gkd` for gkd.*), or remove the key.",
+    keys=(
+        "distillation.enable",
+        "distillation.teacher.path",
+        "distillation.mode",
+        "distillation.kl_estimator",
+        "distillation.teacher.enable_resource_pool",
+    ),
+)
+
 GKD_OFF_POLICY = register(
     "KEEL-C029",
     "GKD's on-policy fraction (distillation.gkd.lmbda < 1) cannot work with these settings",

@@ -17,13 +17,21 @@ from typing import Any
 import yaml
 
 DATA_SUFFIXES = (".jsonl", ".parquet", ".json")
-# Directories a script of the repository fills (the README's first steps), and what it writes there:
-# a file of these missing there is made by running the script.
+# Directories a command of the repository's quick-start fills (the README's first steps): the
+# command, the file of this checkout it runs, and what it writes there. A file of these missing
+# there is made by running the command.
 MAKERS = {
     "examples/data": (
+        "python examples/quickstart/prepare.py",
         "examples/quickstart/prepare.py",
-        ("train.jsonl", "val.jsonl", "sft.jsonl", "model"),
-    )
+        ("train.jsonl", "val.jsonl", "sft.jsonl", "model", "student"),
+    ),
+    # distill.yaml's teacher: the SFT run's output
+    "checkpoints/quickstart": (
+        "keel sft examples/quickstart/sft.yaml",
+        "examples/quickstart/sft.yaml",
+        ("sft_digits",),
+    ),
 }
 
 
@@ -140,15 +148,15 @@ def _files_below(folder: Path, name: str, depth: int, budget: int = 2000) -> lis
 
 
 def maker_of(missing: str) -> str | None:
-    """The command that makes `missing`, when it is a file a script of this checkout writes."""
+    """The command that makes `missing`, when it is a file a command of this checkout writes."""
     wanted = Path(missing).absolute()
-    for folder, (script, names) in MAKERS.items():
+    for folder, (command, source, names) in MAKERS.items():
         if (
-            Path(script).is_file()
+            Path(source).is_file()
             and wanted.parent == Path(folder).absolute()
             and wanted.name in names
         ):
-            return f"python {script}"
+            return command
     return None
 
 

@@ -7,11 +7,11 @@ MODEL_PATH = register(
     "Model path not found or not a Hugging Face model",
     "The model path does not exist or has no `config.json`; keel loads models from local "
     "directories only.",
-    "Point `actor_rollout_ref.model.path` (or `critic.model.path`) at a directory holding "
-    "config.json (one saved by `save_pretrained`): the fix line names one beside the path given, "
-    "or the script that makes it (`python examples/quickstart/prepare.py` for "
-    "examples/data/model).",
-    ("actor_rollout_ref.model.path", "critic.model.path"),
+    "Point `actor_rollout_ref.model.path` (or `critic.model.path`, or the distillation teacher's "
+    "`distillation.teacher.path`) at a directory holding config.json (one saved by "
+    "`save_pretrained`): the fix line names one beside the path given, or the script that makes "
+    "it (`python examples/quickstart/prepare.py` for examples/data/model).",
+    ("actor_rollout_ref.model.path", "critic.model.path", "distillation.teacher.path"),
 )
 NO_EOS = register(
     "KEEL-M002",
@@ -97,6 +97,20 @@ NO_TOOL_ROLE = register(
     "Use a model whose template has a tool role and ends turns with its stop token (Qwen2.5, "
     "Llama 3.1 and later, Hermes), or set the tokenizer's chat_template to one that does.",
     ("actor_rollout_ref.rollout.multi_turn.enable",),
+)
+
+TEACHER_VOCAB = register(
+    "KEEL-M010",
+    "Teacher and student tokenizers differ",
+    "On-policy distillation scores the student's sampled token ids with the teacher: the teacher's "
+    "log-prob of id 42 is only the student's token 42 when both tokenizers map every token to the "
+    "same id and end turns (EOS) with the same one. Here a token has another id, is in one "
+    "vocabulary only, or the EOS or pad ids differ: the teacher's log-probs would be of other "
+    "tokens, and the student would learn from noise.",
+    "Use a teacher whose tokenizer is the student's (the same family: a larger model of the "
+    "student's series, saved with the same tokenizer files); the message names the first tokens "
+    "that differ.",
+    ("distillation.teacher.path",),
 )
 
 __all__ = [name for name in dir() if name.isupper()]

@@ -231,6 +231,12 @@ CHECK_CASES = {
     # preference training
     "KEEL-C025": lambda c: dpo_check(c, "dpo.label_smoothing=0.1"),
     "KEEL-C027": lambda c: dpo_check(c, "objective=dop"),
+    # distillation: a gkd setting under reverse_kl (the teacher: the tiny model, the same tokenizer)
+    "KEEL-C028": lambda c: c.check(
+        "distillation.enable=true",
+        f"distillation.teacher.path={c.assets['model']}",
+        "distillation.gkd.top_k=8",
+    ),
     "KEEL-D007": lambda c: dpo_check(c, pairs=mistaken_pairs(c, {**PAIR, "chosen": ""})),
     "KEEL-D008": lambda c: dpo_check(
         c,
@@ -263,6 +269,9 @@ NOT_HERE = {
     "KEEL-C024": "the fix is installing an environment package or naming its own arguments; "
     "tests/integration/test_environment_libraries.py names missing and broken ones, "
     "then loads the fixed one",
+    "KEEL-M010": "the fix is another teacher, one trained with the student's tokenizer; "
+    "tests/unit/test_distill_check.py refuses teachers whose tokenizer differs and takes one "
+    "saved with the student's",
     "KEEL-M008": "the fix is a chat template with a tool role in the model's own turn format, "
     "which only the model's makers can write",
     "KEEL-T001": "a non-finite gradient from finite log-probs needs low-precision overflow, which "

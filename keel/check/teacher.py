@@ -1,0 +1,271 @@
+"""`keel check`'s distillation teacher, from its files (no weights loaded): a Hugging Face model
+directory; the student's tokenizer (the same token -> id map, EOS and pad), since the teacher scores
+the student's token ids; an embedding row for every id the student gives; the token budget within
+its positions; its weight files; and its size, for the memory estimate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from keel.check.findings import PASS, WARN, Finding, need
+from keel.config.rules import lengths_within
+from keel.config.schema import KeelConfig
+from keel.errors import (
+    INCOMPATIBLE_OPTIONS,
+    TEACHER_VOCAB,
+    TOKEN_BUDGET,
+    VOCAB_MISMATCH,
+    KeelError,
+)
+from keel.errors.fixes import setting
+
+KEY = "distillation.teacher.path"
+# differing tokens named in a message
+SHOWN = 3
+
+
+@dataclass(frozen=True)
+class TeacherModel:
+    """What the memory estimate takes of the teacher."""
+
+    path: Path
+    config: Any
+    parameters: int
+    dtype: torch.dtype
+
+
+def check_teacher(cfg: KeelConfig, context: dict) -> list[Finding]:
+    if not cfg.teacher_enabled:
+        return []
+    from transformers import AutoConfig
+
+    from keel.models.load import check_model_dir
+
+    t = cfg.distillation.teacher
+    student = need(context, "tokenizer")
+    student_rows = need(context, "model_config").vocab_size
+    path = check_model_dir(t.path, key=KEY)
+    teacher_tokenizer = _teacher_tokenizer(path, t.trust_remote_code)
+    student_pad = None if context.get("pad_from_eos") else student.pad_token_id
+    differences = tokenizer_differences(student, teacher_tokenizer, student_pad)
+    if differences:
+        raise KeelError(
+            TEACHER_VOCAB,
+            f"the teacher's tokenizer ({path}) is not the student's: " + "; ".join(differences),
+            "use a teacher whose tokenizer is the student's: a model of the student's family "
+            f"(a larger one of its series), saved with the same tokenizer files, as {KEY}",
+        )
+    try:
+        model_cfg = AutoConfig.from_pretrained(path, trust_remote_code=t.trust_remote_code)
+    except ValueError as e:
+        refused = _remote_code_refused(e, path)
+        if refused is None:
+            raise
+        raise refused from e
+    found = _check_rows(cfg, student, model_cfg.vocab_size, student_rows, path)
+    _check_positions(cfg, model_cfg)
+    parameters, weights, unmatched = _weights(path, model_cfg, t.trust_remote_code)
+    dtype = teacher_dtype(cfg, student_compute_dtype(cfg))
+    context["teacher"] = TeacherModel(path, model_cfg, parameters, dtype)
+    if unmatched:
+        from keel.errors import WEIGHTS_BROKEN
+
+        found.append(Finding(WARN, "teacher", unmatched, WEIGHTS_BROKEN))
+    where = (
+        f"on a pool of its own ({cfg.pools['teacher']} workers)"
+        if "teacher" in cfg.pools
+        else "beside the policy"
+    )
+    dtype_name = str(dtype).removeprefix("torch.")
+    why = " (auto: the student's compute dtype)" if t.dtype == "auto" else ""
+    summary = (
+        f"{path}: {model_cfg.model_type}, {count(parameters)} parameters, {dtype_name}{why}, "
+        f"{where}; the student's tokenizer ({len(student)} tokens, EOS {student.eos_token!r}); "
+        f"weights: {weights}"
+    )
+    return [Finding(PASS, "teacher", summary)] + found
+
+
+def count(parameters: int) -> str:
+    """A parameter count as model cards write it: 91.2K, 7.62B."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if parameters >= scale:
+            return f"{parameters / scale:.3g}{unit}"
+    return str(parameters)
+
+
+def _teacher_tokenizer(path: Path, trust_remote_code: bool):
+    """The teacher's tokenizer as saved (no pad filled in): a teacher without one cannot be shown
+    to share the student's."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:
+        raise _remote_code_refused(e, path) or KeelError(
+            TEACHER_VOCAB,
+            f"the teacher's tokenizer in {path} cannot be loaded ({e}), so it cannot be compared "
+            "with the student's",
+            "save the tokenizer the teacher was trained with beside its weights "
+            f"(tokenizer.save_pretrained('{path}')): it must be the student's",
+        ) from e
+
+
+def _remote_code_refused(error: Exception, path: Path) -> KeelError | None:
+    """transformers' refusal of a model that brings its own code, as keel's error with the key
+    that allows it; None for any other error."""
+    if "trust_remote_code" not in str(error):
+        return None
+    return KeelError(
+        INCOMPATIBLE_OPTIONS,
+        f"the teacher in {path} brings its own model code (config.json's auto_map), which "
+        "distillation.teacher.trust_remote_code=false does not run",
+        f"set {setting(KEY.replace('.path', '.trust_remote_code'), True)} (having read the code "
+        f"in {path}), or use a teacher of an architecture transformers has",
+    )
+
+
+def tokenizer_differences(student, teacher, student_pad: int | None) -> list[str]:
+    """What differs between the student's tokenizer and the teacher's: EOS, pad (where both have
+    one of their own), tokens with another id or in one vocabulary only; the first few named."""
+
+    def named(tokenizer, token_id) -> str:
+        return (
+            "none"
+            if token_id is None
+            else f"{token_id} ({tokenizer.convert_ids_to_tokens(token_id)!r})"
+        )
+
+    found = []
+    specials = [("EOS", student.eos_token_id, teacher.eos_token_id)]
+    if student_pad is not None and teacher.pad_token_id is not None:
+        specials.append(("pad", student_pad, teacher.pad_token_id))
+    for name, ours, theirs in specials:
+        if ours != theirs:
+            found.append(
+                f"its {name} is {named(teacher, theirs)}, the student's {named(student, ours)}"
+            )
+    student_vocab, teacher_vocab = student.get_vocab(), teacher.get_vocab()
+    moved = sorted(
+        (token_id, token)
+        for token, token_id in student_vocab.items()
+        if teacher_vocab.get(token) != token_id
+    )
+    extra = sorted(
+        (token_id, token) for token, token_id in teacher_vocab.items() if token not in student_vocab
+    )
+    if moved:
+        first = ", ".join(
+            f"{token!r} is {token_id} in the student's, "
+            + (
+                f"{teacher_vocab[token]} in the teacher's"
+                if token in teacher_vocab
+                else "not in the teacher's"
+            )
+            for token_id, token in moved[:SHOWN]
+        )
+        found.append(
+            f"{len(moved)} of the student's {len(student_vocab)} tokens have another id in the "
+            f"teacher's or none (first: {first})"
+        )
+    if extra:
+        first = ", ".join(f"{token!r} ({token_id})" for token_id, token in extra[:SHOWN])
+        tokens = "a token" if len(extra) == 1 else f"{len(extra)} tokens"
+        found.append(f"the teacher has {tokens} the student lacks (first: {first})")
+    return found
+
+
+def _check_rows(
+    cfg: KeelConfig, student, teacher_rows: int, student_rows: int, path: Path
+) -> list[Finding]:
+    """Every id the student can give has a row in the teacher's embedding (an error for its
+    tokens, a warning for its padding rows); gkd reads the teacher's top-k ids in the student's
+    embedding, where rows past the student's have none."""
+    from keel.models.tokenizer_match import vocab_fix
+
+    if len(student) > teacher_rows:
+        raise KeelError(
+            VOCAB_MISMATCH,
+            f"the student's tokenizer has {len(student)} tokens but the teacher's embedding has "
+            f"{teacher_rows} rows: the teacher cannot score ids >= {teacher_rows}",
+            vocab_fix(path, len(student), key=KEY),
+        )
+    found = []
+    if teacher_rows < student_rows:
+        found.append(
+            Finding(
+                WARN,
+                "teacher",
+                f"the teacher's embedding has {teacher_rows} rows, the student's {student_rows}: "
+                "a sample of one of the student's untrained padding rows (ids past its "
+                f"{len(student)} tokens) would be past the teacher's",
+            )
+        )
+    if cfg.distillation.mode == "gkd" and teacher_rows > student_rows:
+        found.append(
+            Finding(
+                WARN,
+                "teacher",
+                f"the teacher's embedding has {teacher_rows} rows, the student's {student_rows}: "
+                f"gkd's top-{cfg.distillation.gkd.top_k} of the teacher could name an id past the "
+                "student's rows (only an untrained padding row, which is rarely that likely)",
+            )
+        )
+    return found
+
+
+def _check_positions(cfg: KeelConfig, model_cfg) -> None:
+    """The teacher reads whole samples: prompt plus response within its positions."""
+    budget = cfg.data.max_prompt_length + cfg.data.max_response_length
+    limit = getattr(model_cfg, "max_position_embeddings", None)
+    if limit is not None and budget > limit:
+        raise KeelError(
+            TOKEN_BUDGET,
+            f"data.max_prompt_length + data.max_response_length = {budget} tokens, over the "
+            f"teacher's max_position_embeddings={limit}: it cannot score the longest samples",
+            lengths_within(cfg, limit, "the teacher's max_position_embeddings")
+            + ", or use a teacher with a longer context",
+        )
+
+
+def _weights(path: Path, model_cfg, trust_remote_code: bool) -> tuple[int, str, str | None]:
+    """(parameters, the weight files' summary, a warning or None): the files' shapes against the
+    architecture on the meta device (a truncated or wrong-sized file is KEEL-M005)."""
+    from keel.models.load import meta_model, stored_parameters
+    from keel.models.weight_check import check_weights_match
+
+    try:
+        model = meta_model(model_cfg, trust_remote_code)
+    # an architecture that will not build on the meta device: the files' own count
+    except Exception:
+        model = None
+    weights, unmatched = check_weights_match(path, model_cfg, model)
+    parameters = (
+        sum(p.numel() for p in model.parameters()) if model is not None else stored_parameters(path)
+    )
+    return parameters, weights, unmatched
+
+
+def student_compute_dtype(cfg: KeelConfig) -> torch.dtype:
+    """The policy's compute dtype on the device the run resolves to (the CPU where that fails:
+    the device check reports it)."""
+    from keel.models.load import resolve_device, resolve_dtype
+
+    try:
+        device = resolve_device(cfg.trainer.device)
+    except KeelError:
+        device = torch.device("cpu")
+    return resolve_dtype(cfg.actor_rollout_ref.model.dtype, device)
+
+
+def teacher_dtype(cfg: KeelConfig, compute_dtype: torch.dtype) -> torch.dtype:
+    """The teacher's weights' dtype: distillation.teacher.dtype, auto being the student's compute
+    dtype (as RoleBuilder.teacher loads it)."""
+    from keel.models.load import resolve_dtype
+
+    name = cfg.distillation.teacher.dtype
+    return compute_dtype if name == "auto" else resolve_dtype(name, torch.device("cpu"))
