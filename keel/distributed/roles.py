@@ -161,6 +161,7 @@ class RoleBuilder:
             self.spec.policy.rollout.temperature,
             distillation.gkd.top_k if distillation.mode == "gkd" else None,
             placement,
+            student_vocab=student_vocab(self.spec.policy.model),
         )
 
     def critic(self) -> CriticTrainer:
@@ -230,6 +231,16 @@ class RoleBuilder:
         )
         self.sharding.update(report)
         return model, placement
+
+
+def student_vocab(model_cfg) -> int:
+    """The student's embedding rows, from its config (a teacher on a pool of its own has no student
+    model to read them from)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(
+        model_cfg.path, trust_remote_code=model_cfg.trust_remote_code
+    ).vocab_size
 
 
 def gkd_loss(distillation) -> GKDLoss | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache, partial
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -38,9 +39,19 @@ KEPT_LOGITS_CHUNK_TOKENS = 4096
 # arithmetic its bf16 input (t1's peak rose 4.7 GB for 2.4G logits), eager float32 logits, and
 # their softmax too when the entropy has a gradient. A chunk's working set while it is computed:
 # eager's float copies and exponentials, or the compiled kernels' bf16 logits and float gradient.
+
+
+class TopK(NamedTuple):
+    """The k most likely tokens among the first `vocab` ids (a teacher whose embedding has rows
+    past the student's: no id the student has no row for), their log-probs over every id."""
+
+    k: int
+    vocab: int | None = None
+
+
 # What a pass over the vocabulary may add (distillation): None; the top k's log-probs and ids (an
-# int k); the log-probs of given ids (a tensor of them, one row per position).
-VocabExtra = int | Tensor | None
+# int k, or TopK); the log-probs of given ids (a tensor of them, one row per position).
+VocabExtra = int | TopK | Tensor | None
 KEPT_BYTES = {"compiled": 2, "eager": 4, "entropy_grad": 8}
 CHUNK_BYTES = {"compiled": 6, "eager": 16}
 
@@ -289,7 +300,9 @@ def _token_stats(
     if isinstance(vocab_extra, Tensor):  # ids [..., k]: their log-probs
         extras = (logits.gather(-1, vocab_extra) - lse.unsqueeze(-1),)
     elif vocab_extra is not None:  # k: the k most likely tokens' log-probs and ids
-        top = logits.topk(min(vocab_extra, logits.shape[-1]), dim=-1)
+        k, vocab = vocab_extra if isinstance(vocab_extra, TopK) else (vocab_extra, None)
+        kept = logits[..., :vocab]
+        top = kept.topk(min(k, kept.shape[-1]), dim=-1)
         extras = (top.values - lse.unsqueeze(-1), top.indices)
     return log_probs, entropy, extras
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from keel.training.batching import MicroBatching, micro_batches
-from keel.training.forward import response_vocab_stats
+from keel.training.forward import TopK, response_vocab_stats
 from keel.training.placement import SINGLE, Placement
 from keel.types import TrainBatch
 
@@ -37,18 +37,22 @@ class Teacher:
         temperature: float,
         top_k: int | None,
         placement: Placement = SINGLE,
+        student_vocab: int | None = None,
     ):
+        """`student_vocab`: the student's embedding rows; the top k are drawn from those ids
+        (a teacher may have more rows, all padding, that the student could not score)."""
         self.model = model.eval().requires_grad_(False)
         self.batching, self.placement = batching, placement
         # the student's sampling temperature: both sides compare the same distributions
         self.temperature = temperature
         # gkd: the teacher's top-k at each position (the vocabulary at most); reverse_kl: None
-        self.top_k = top_k and min(top_k, model.get_output_embeddings().weight.shape[0])
+        vocab = min(model.get_output_embeddings().weight.shape[0], student_vocab or 1 << 62)
+        self.top_k = TopK(min(top_k, vocab), vocab) if top_k else None
 
     @torch.no_grad()
     def score(self, batch: TrainBatch) -> TeacherScores:
         """Micro-batch by micro-batch (fillers run too, so sharded ranks stay in step)."""
-        shape, k = batch.response_ids.shape, self.top_k or 0
+        shape, k = batch.response_ids.shape, self.top_k.k if self.top_k else 0
         log_probs = torch.zeros(shape)
         top_ids = torch.zeros((*shape, k), dtype=torch.long)
         top_log_probs = torch.zeros((*shape, k))

@@ -289,3 +289,21 @@ def test_the_gkd_metric_over_the_whole_vocabulary_is_trls_loss(tiny_models, beta
     )
     metrics = one_update(actor, batch)
     assert metrics["distill/gkd_loss"] == pytest.approx(expected.item(), abs=ATOL)
+
+
+def test_a_teacher_with_rows_past_the_students_keeps_its_top_k_among_the_students_ids(
+    tiny_models,
+):
+    """Qwen2.5-7B's embedding has 152064 rows, 0.5B's 151936: the ids between are padding rows the
+    student cannot score, so the teacher's top k are drawn from the student's ids."""
+    model = load(tiny_models["teacher"])
+    vocab = model.config.vocab_size
+    batch = make_batch(vocab - 8)
+    scores = Teacher(model, MicroBatching(8), TEMPERATURE, vocab, student_vocab=vocab - 8).score(
+        batch
+    )
+    assert scores.top_ids.shape[-1] == vocab - 8
+    assert int(scores.top_ids.max()) < vocab - 8
+    # log-probs over every id: the kept ones hold less than the whole mass
+    real = batch.response_mask.bool()
+    assert (scores.top_log_probs.exp().sum(-1)[real] <= 1 + 1e-5).all()
