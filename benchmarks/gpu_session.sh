@@ -36,6 +36,8 @@
 #   bash benchmarks/gpu_session.sh dpo            issue 47: the preference and Phi-3 GPU tests, then d1 (DPO, 0.5B shapes)
 #                                                 beside TRL's DPOTrainer (--trl; carry .whl with trl, datasets, dill,
 #                                                 multiprocess), then d1 with a reference pass each step as TRL's
+#   bash benchmarks/gpu_session.sh distill        issue 48: the distillation GPU tests (SKIP_TESTS=1: none), then o1
+#                                                 (1.5B shapes teaching 0.5B at t1's batch) with reverse_kl, then gkd
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -239,6 +241,31 @@ for line in open(sys.argv[1]):
 PY
 }
 
+distill() {  # issue 48: the teacher's pass against the student's old-log-prob pass and update (teacher_share,
+    # target <= 0.5) in both modes; a run starts only while the call has time left for it (SECONDS: this script's)
+    if [ -z "${SKIP_TESTS:-}" ]; then
+        timeout 200 python3 -m pytest -q tests/gpu/test_distill_cuda.py > "$OUT/gpu_distill_tests.txt" 2>&1
+        tail -1 "$OUT/gpu_distill_tests.txt"
+    fi
+    for mode in reverse_kl gkd; do
+        (( SECONDS > ${DISTILL_UNTIL:-400} )) && { echo "o1 $mode: skipped, the call's time is spent"; continue; }
+        timeout 180 python3 -m keel bench o1 distillation.mode=$mode --gpus 1 --steps 5 --warmup 2 \
+            --out "$OUT/o1.jsonl" > "$OUT/o1_$mode.log" 2>&1 \
+            || { echo "o1 $mode: exit $?, the log's end:"; tail -5 "$OUT/o1_$mode.log" | cut -c1-300; }
+    done
+    [ -e "$OUT/o1.jsonl" ] || return
+    python3 - "$OUT/o1.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    t, kl = r["timing_s"], r["distill_reverse_kl_per_step"]
+    print(r["workload"], r["distill_mode"], r["device"], f"step {r['step_time_s']:.3f}s", f"teacher {r['teacher_s']:.3f}s",
+          f"old {r['old_log_prob_s'] or 0:.3f}s", f"update {r['update_actor_s']:.3f}s",
+          f"share {r['teacher_share']:.3f} of {r['teacher_share_of']} (target <= {r['teacher_share_target']})",
+          f"gen {t['gen']:.3f}s", f"peak {r['peak_memory_gb']:.1f} GB", "reverse_kl " + " ".join(f"{k:.3f}" for k in kl))
+PY
+}
+
 summary() {
     local records=("$OUT"/bench*.jsonl)
     [ -e "${records[0]}" ] || { echo "no records in $OUT yet"; return; }
@@ -255,4 +282,4 @@ PY
 }
 
 "$part" "${@:2}"
-[ "$part" = summary ] || [ "$part" = dpo ] || summary
+[ "$part" = summary ] || [ "$part" = dpo ] || [ "$part" = distill ] || summary

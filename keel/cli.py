@@ -239,14 +239,16 @@ def _add_reward_server(sub) -> None:
 
 
 def _add_bench(sub) -> None:
+    from keel.bench.distill import DISTILL_WORKLOADS
     from keel.bench.preference import PAIR_WORKLOADS
     from keel.bench.workloads import WORKLOADS
 
     bench = sub.add_parser(
         "bench",
-        help="time a GRPO (or DPO: d1) workload on a random-weight model; prints a JSON record",
+        help="time a GRPO (or DPO: d1; on-policy distillation: o1) workload on a random-weight "
+        "model; prints a JSON record",
     )
-    names = {**WORKLOADS, **PAIR_WORKLOADS}
+    names = {**WORKLOADS, **PAIR_WORKLOADS, **DISTILL_WORKLOADS}
     bench.add_argument(
         "workload",
         type=_list_of(str, names),

@@ -160,6 +160,7 @@ def cmd_bench(args) -> int:
     """Every workload on every worker count, one record each; models are built once per shape."""
     import tempfile
 
+    from keel.bench.distill import DISTILL_WORKLOADS, run_distill_bench
     from keel.bench.preference import PAIR_WORKLOADS, run_pair_bench
     from keel.bench.run import run_bench
 
@@ -173,7 +174,8 @@ def cmd_bench(args) -> int:
             print(json.dumps(record, indent=2), flush=True)
             continue
         for gpus in args.gpus:
-            record = run_bench(
+            run = run_distill_bench if workload in DISTILL_WORKLOADS else run_bench
+            record = run(
                 workload,
                 steps=args.steps,
                 warmup=args.warmup,

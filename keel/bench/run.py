@@ -13,6 +13,7 @@ import logging
 import random
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,20 +37,12 @@ def make_model(shape: str, out_dir: Path, mean_response: int | None = None) -> P
     samples nearly uniformly (its logits' spread is small)."""
     from transformers import AutoModelForCausalLM
 
-    from keel.models.tiny import build_tokenizer
-
     if (out_dir / "config.json").exists():
         return out_dir
-    tokenizer = build_tokenizer()
     config = shape_config(shape)
-    tokenizer.model_max_length = config.max_position_embeddings
-    config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-    tokenizer.save_pretrained(out_dir)
-    # config and tokenizer only: the weights are drawn on the device at load
     if shape in DRAWN_ON_DEVICE:
-        config.save_pretrained(out_dir)
-        (out_dir / RANDOM_WEIGHTS).write_text(json.dumps({"seed": 0}))
-        return out_dir
+        return write_drawn_model(config, out_dir)
+    tokenizer = _save_tokenizer(config, out_dir)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if mean_response:
@@ -57,6 +50,26 @@ def make_model(shape: str, out_dir: Path, mean_response: int | None = None) -> P
         model.generation_config.eos_token_id = [tokenizer.eos_token_id, *stops]
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def write_drawn_model(config, out_dir: Path, seed: int = 0) -> Path:
+    """A model directory of `config` and keel's byte-level tokenizer only: its random weights are
+    drawn on the device at load (keel.models.load.RANDOM_WEIGHTS), the same at every load."""
+    _save_tokenizer(config, out_dir)
+    config.save_pretrained(out_dir)
+    (out_dir / RANDOM_WEIGHTS).write_text(json.dumps({"seed": seed}))
+    return out_dir
+
+
+def _save_tokenizer(config, out_dir: Path):
+    """keel's byte-level tokenizer, saved to `out_dir`; its EOS and padding become `config`'s."""
+    from keel.models.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.model_max_length = config.max_position_embeddings
+    config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    tokenizer.save_pretrained(out_dir)
+    return tokenizer
 
 
 def _model_dir(workload: Workload) -> str:
@@ -82,14 +95,19 @@ def make_prompts(workload: Workload, path: Path, count: int) -> Path:
     return path
 
 
-def bench_config(name: str, workload: Workload, root: Path, steps: int, gpus: int) -> dict:
+def micro_batch_size(workload: Workload, gpus: int) -> int:
+    """The update's samples per micro-batch on each GPU (log-prob passes take twice as many)."""
     samples_per_mini = max(1, workload.prompts // 4) * workload.n
     tokens = workload.prompt_length + workload.response_length
     per_gpu = max(1, samples_per_mini // gpus)
     # About 16k tokens per forward, in micro-batches that split each GPU's share evenly (KEEL-C004).
-    micro = max(
+    return max(
         d for d in range(1, per_gpu + 1) if per_gpu % d == 0 and d <= max(1, 16384 // tokens)
     )
+
+
+def bench_config(name: str, workload: Workload, root: Path, steps: int, gpus: int) -> dict:
+    micro = micro_batch_size(workload, gpus)
     policy = {
         "model": {
             "path": str(
@@ -149,15 +167,44 @@ def run_bench(
     workdir: Path | None = None,
     profile_dir: Path | None = None,
 ) -> dict:
+    root = Path(workdir or tempfile.mkdtemp(prefix="keel_bench_"))
+    run = measure(
+        name, WORKLOADS[name], (warmup, steps), gpus, list(overrides or []), root, profile_dir
+    )
+    run.record["overrides"] = list(overrides or [])
+    append_record(out, run.record)
+    return run.record
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A bench run: its record, every step's metrics (warm-up first) and the config it ran."""
+
+    record: dict
+    steps: list[dict]
+    warmup: int
+    cfg: object
+
+
+def measure(
+    name: str,
+    workload: Workload,
+    warmup_and_steps: tuple[int, int],
+    gpus: int,
+    settings: list[str],
+    root: Path,
+    profile_dir: Path | None = None,
+) -> Measured:
+    """`workload` run under `name` with `settings` (after the workload's own overrides) for its
+    warm-up and measured steps, and the record of the measured ones."""
     from keel.config.load import load_run
 
-    workload = WORKLOADS[name]
-    root = Path(workdir or tempfile.mkdtemp(prefix="keel_bench_"))
+    warmup, steps = warmup_and_steps
     root.mkdir(parents=True, exist_ok=True)
     # The profiled step (--profile) is one more after the measured ones: the profiler slows the
     # host, so its time is left out of the record's timings.
     total = warmup + steps + (profile_dir is not None)
-    settings = [f"{k}={v}" for k, v in workload.overrides.items()] + list(overrides or [])
+    settings = [f"{k}={v}" for k, v in workload.overrides.items()] + settings
     cfg, plan = load_run(bench_config(name, workload, root, total, gpus), settings)
     # the run goes on past the measured steps, so they all generate ahead
     if plan.off_policy.ahead:
@@ -170,16 +217,19 @@ def run_bench(
     measured = per_step[warmup : warmup + steps]
     record = summarize(name, workload, cfg, measured)
     record["engine"] = engine
-    record["overrides"] = list(overrides or [])
     # --profile on a GPU: the profiled step's phases, rank 0's GPU
     if gpu_busy.get("busy"):
         record["gpu_busy"] = gpu_busy["busy"]
         record["gpu_busy_unprofiled"] = busy_unprofiled(gpu_busy["gpu_s"], measured)
+    return Measured(record, per_step[: warmup + steps], warmup, cfg)
+
+
+def append_record(out: Path | None, record: dict) -> None:
+    """One JSON line appended to `out` (None: nowhere)."""
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         with out.open("a") as f:
             f.write(json.dumps(record) + "\n")
-    return record
 
 
 def _run_steps(

@@ -1,12 +1,14 @@
 """keel bench: a real (tiny) GRPO run timed per phase, one JSON record appended per run."""
 
 import json
+import math
 
 import pytest
 
 from keel.bench import run
+from keel.bench.distill import DISTILL_WORKLOADS, distill_settings, teacher_config
 from keel.bench.record import busy_unprofiled
-from keel.bench.workloads import WORKLOADS
+from keel.bench.workloads import WORKLOADS, shape_config
 from keel.cli import main
 from keel.config.load import load_config
 
@@ -200,3 +202,52 @@ def test_the_variable_length_workload_ends_responses_by_eos_and_records_partial_
     assert 1 < r["response_length_mean"] < 64
     assert set(r["async"]) >= {"partial", "dropped", "staleness/max", "in_flight"}
     assert r["async"]["staleness/max"] <= 1
+
+
+def test_the_distillation_workload_times_the_teachers_pass_against_the_students(tmp_path):
+    """tinyo (o1's harness on tiny shapes, the teacher twice the student's width): the record has
+    the teacher's pass over the student's old-log-prob pass and update (teacher_share), says which
+    passes those were, and carries distill/reverse_kl of every step; gkd on one mini-batch too,
+    where the update's own forward stands in for the old-log-prob pass."""
+    out = tmp_path / "o.jsonl"
+    on_policy_gkd = ["distillation.mode=gkd", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
+    for settings in ([], on_policy_gkd):
+        command = ["bench", "tinyo", "trainer.device=cpu", *settings, "--steps", "1"]
+        assert main([*command, "--warmup", "1", "--out", str(out)]) == 0
+    reverse_kl, gkd = [json.loads(line) for line in out.read_text().splitlines()]
+    for r in (reverse_kl, gkd):
+        assert set(REQUIRED) <= set(r) and r["workload"] == "tinyo"
+        assert r["teacher"] == "tiny-wide" and r["teacher_parameters"] > r["parameters"]
+        assert r["timing_s"]["teacher"] > 0 and r["teacher_share_target"] == 0.5
+        # warm-up and measured step
+        assert len(r["distill_reverse_kl_per_step"]) == 2
+        assert all(math.isfinite(kl) for kl in r["distill_reverse_kl_per_step"])
+    # tiny: 4 prompts x 4 samples in 4 mini-batches; the first mini-batch's forward is its own
+    t = reverse_kl["timing_s"]
+    assert reverse_kl["distill_mode"] == "reverse_kl" and reverse_kl["gkd_top_k"] is None
+    assert reverse_kl["old_log_prob_pass"].startswith("recomputed for 12 of 16 samples")
+    assert reverse_kl["teacher_share_of"] == "old_log_prob + update_actor"
+    assert reverse_kl["teacher_share"] == t["teacher"] / (t["old_log_prob"] + t["update_actor"])
+    assert (
+        gkd["distill_mode"] == "gkd" and gkd["gkd_top_k"] == 64 and gkd["distill"]["gkd_loss"] > 0
+    )
+    assert gkd["overrides"] == ["trainer.device=cpu", *on_policy_gkd]
+    assert gkd["old_log_prob_pass"].startswith("none: on-policy")
+    assert "old_log_prob" not in gkd["timing_s"] and gkd["teacher_share_of"] == "update_actor"
+    assert gkd["teacher_share"] == gkd["timing_s"]["teacher"] / gkd["timing_s"]["update_actor"]
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+@pytest.mark.parametrize("name", sorted(DISTILL_WORKLOADS))
+def test_every_distillation_workload_config_is_valid(name, gpus, tmp_path, monkeypatch):
+    """The student's config with the distillation settings passes keel's checks, and the teacher's
+    vocabulary is the student's (one tokenizer)."""
+    monkeypatch.setattr(run, "make_model", lambda shape, out_dir, mean_response=None: out_dir)
+    w = DISTILL_WORKLOADS[name]
+    student = WORKLOADS[w.student]
+    config = run.bench_config(name, student, tmp_path, 2, gpus)
+    cfg = load_config(config, distill_settings(w, tmp_path / "teacher", gpus))
+    assert cfg.distillation.enable and cfg.distillation.mode == "reverse_kl"
+    teacher, student_shape = teacher_config(w.teacher), shape_config(student.model)
+    assert teacher.vocab_size == student_shape.vocab_size
+    assert teacher.hidden_size > student_shape.hidden_size
