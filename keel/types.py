@@ -354,8 +354,10 @@ def trim_padding(batch: GeneratedBatch):
 
 
 def pad_responses(values: Tensor, width: int, value: float = 0) -> Tensor:
-    """[n, r] -> [n, width], `value` on the right: undoes trim_padding for per-token outputs."""
-    return torch.nn.functional.pad(values, (0, width - values.shape[1]), value=value)
+    """[n, r, ...] -> [n, width, ...], `value` on the right of dimension 1: undoes trim_padding for
+    per-token outputs."""
+    trailing = (0, 0) * (values.dim() - 2)
+    return torch.nn.functional.pad(values, (*trailing, 0, width - values.shape[1]), value=value)
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from keel.training.step import LossScale, mask_counts
-from keel.types import GeneratedBatch, TrainBatch, trim_padding
+from keel.types import GeneratedBatch, TrainBatch, pad_responses, trim_padding
 
 # --- mini-batches ----------------------------------------------------------------------------
 
@@ -158,16 +158,10 @@ def concat_rows(batches: list[GeneratedBatch], pad_id: int) -> GeneratedBatch:
             )
         elif values[0].dim() >= 2:  # [n, R] and [n, R, k]
             fill = pad_id if f.name == "response_ids" else 0
-            fields[f.name] = torch.cat([_pad_responses(v, width, fill) for v in values])
+            fields[f.name] = torch.cat([pad_responses(v, width, fill) for v in values])
         else:
             fields[f.name] = torch.cat(values)
     return kind(**fields)
-
-
-def _pad_responses(values: Tensor, width: int, fill) -> Tensor:
-    """[n, r, ...] -> [n, width, ...], `fill` on the right of dimension 1."""
-    trailing = (0, 0) * (values.dim() - 2)
-    return torch.nn.functional.pad(values, (*trailing, 0, width - values.shape[1]), value=fill)
 
 
 # --- micro-batches ---------------------------------------------------------------------------

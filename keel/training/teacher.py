@@ -11,7 +11,7 @@ from torch import Tensor
 from keel.training.batching import MicroBatching, micro_batches
 from keel.training.forward import TopK, response_vocab_stats
 from keel.training.placement import SINGLE, Placement
-from keel.types import TrainBatch
+from keel.types import TrainBatch, pad_responses
 
 
 @dataclass(frozen=True)
@@ -51,25 +51,33 @@ class Teacher:
 
     @torch.no_grad()
     def score(self, batch: TrainBatch) -> TeacherScores:
-        """Micro-batch by micro-batch (fillers run too, so sharded ranks stay in step)."""
-        shape, k = batch.response_ids.shape, self.top_k.k if self.top_k else 0
-        log_probs = torch.zeros(shape)
-        top_ids = torch.zeros((*shape, k), dtype=torch.long)
-        top_log_probs = torch.zeros((*shape, k))
-        for rows, micro in micro_batches(batch, self.batching):
-            micro_log_probs, _, top = response_vocab_stats(
+        """Micro-batch by micro-batch (fillers run too, so sharded ranks stay in step). Every
+        micro-batch is launched before any result is read, and the results reach the host in one
+        copy each: the host waits for the GPU once."""
+        width, k = batch.response_ids.shape[1], self.top_k.k if self.top_k else 0
+        rows, parts = [], []
+        for micro_rows, micro in micro_batches(batch, self.batching):
+            log_probs, _, top = response_vocab_stats(
                 self.model, micro, self.temperature, plan=self.placement, vocab_extra=self.top_k
             )
-            if not len(rows):
-                continue
-            width = micro_log_probs.shape[1]
-            log_probs[rows, :width] = micro_log_probs.float().cpu()
-            if top:
-                top_log_probs[rows, :width] = top[0].float().cpu()
-                top_ids[rows, :width] = top[1].cpu()
+            if len(micro_rows):
+                rows.append(micro_rows)
+                parts.append([pad_responses(t, width) for t in (log_probs.float(), *top)])
+        order = torch.cat(rows)
+        log_probs, *top = (
+            _in_order(order, torch.cat([p[i] for p in parts]).cpu(), len(batch))
+            for i in range(len(parts[0]))
+        )
         mask = batch.response_mask
         if not k:
             return TeacherScores(log_probs * mask)
         # zeros past each response, whatever the micro-batches' widths were
         real = mask[..., None]
-        return TeacherScores(log_probs * mask, top_ids * real.long(), top_log_probs * real)
+        return TeacherScores(log_probs * mask, top[1] * real.long(), top[0].float() * real)
+
+
+def _in_order(order: Tensor, values: Tensor, n: int) -> Tensor:
+    """Rows `values` of samples `order` put back in batch order: [n, ...]."""
+    out = values.new_zeros((n, *values.shape[1:]))
+    out[order] = values
+    return out
