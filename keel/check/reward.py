@@ -47,7 +47,7 @@ def check_reward(cfg: KeelConfig, context: dict) -> list[Finding]:
     found = []
     try:
         for source, rows in rows_by_source(records).items():
-            found += probe_source(scorer, source, rows)
+            found += probe_source(scorer, source, rows, cfg.rewards_teach)
     finally:
         # its worker pool; the scorer starts a new one when the trainer reuses it
         scorer.close()
@@ -71,9 +71,10 @@ def rows_by_source(records: list) -> dict[str, list]:
     return rows
 
 
-def probe_source(scorer, source: str, rows: list) -> list[Finding]:
+def probe_source(scorer, source: str, rows: list, rewards_teach: bool = True) -> list[Finding]:
     """The bare ground truth and an empty answer must score (an error here stops the check); a
-    custom function that gives none of the candidate answers a positive score is a warning."""
+    custom function that gives none of the candidate answers a positive score is a warning, where
+    the rewards teach (not under distillation with task_reward_coef=0)."""
     bare = [_as_text(r.ground_truth) for r in rows]
     scorer.score_batch(rows, bare, on_error="raise", may_skip=False)
     empty = scorer.score_batch(
@@ -87,7 +88,7 @@ def probe_source(scorer, source: str, rows: list) -> list[Finding]:
             f"{len(rows)} rows (empty answers score {empty})",
         )
     ]
-    if _judged_by_user_code(scorer, source) and _best_score(scorer, rows) <= 0:
+    if rewards_teach and _judged_by_user_code(scorer, source) and _best_score(scorer, rows) <= 0:
         found.append(
             Finding(
                 WARN,

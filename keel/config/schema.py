@@ -358,6 +358,12 @@ class KeelConfig:
         return self.distillation.enable
 
     @property
+    def rewards_teach(self) -> bool:
+        """Whether the reward function's scores reach the update (distillation with
+        task_reward_coef=0 scores and logs them, and learns from the teacher alone)."""
+        return not self.teacher_enabled or self.distillation.task_reward_coef > 0
+
+    @property
     def run_dir(self) -> str:
         t = self.trainer
         return t.default_local_dir or f"checkpoints/{t.project_name}/{t.experiment_name}"

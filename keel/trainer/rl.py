@@ -67,7 +67,7 @@ class RLTrainer:
             cfg.trainer.guards,
             cfg.algorithm.adv_estimator in GROUP_ESTIMATORS,
             cfg.actor_rollout_ref.rollout.ignore_eos,
-            rewards_teach=not cfg.teacher_enabled or cfg.distillation.task_reward_coef > 0,
+            rewards_teach=cfg.rewards_teach,
         )
         self.skipped_steps = 0
         # kind -> steps that warned of it

@@ -154,3 +154,25 @@ def test_keel_check_prints_the_table_of_scorers(tiny_config, tmp_path, capsys):
     assert any(
         "'openai/gsm8k': scored by built-in `gsm8k` (chosen by data_source" in m for m in messages
     )
+
+
+@pytest.mark.parametrize("task_reward_coef, warned", [(0.0, False), (1.0, True)])
+def test_a_reward_that_never_rewards_is_no_warning_where_only_the_teacher_teaches(
+    tiny_config, tmp_path, task_reward_coef, warned
+):
+    """Distillation with task_reward_coef=0 scores and logs the rewards, and learns from the
+    teacher alone: a function that never rewards is no reason to say training learns nothing."""
+    never = "def compute_score(solution_str, ground_truth, **kw):\n    return 0.0\n"
+    teacher = tiny_config["actor_rollout_ref"]["model"]["path"]
+    report = check(
+        tiny_config,
+        tmp_path,
+        rows("digits", 8),
+        never,
+        **{
+            "distillation.enable": True,
+            "distillation.teacher.path": teacher,
+            "distillation.task_reward_coef": task_reward_coef,
+        },
+    )
+    assert bool(reward_findings(report, WARN)) == warned and not report.failures
