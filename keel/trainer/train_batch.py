@@ -129,9 +129,7 @@ class TrainBatchBuilder:
             own_old_log_probs=old.own,
             ref_log_probs=ref,
             values=values,
-            teacher_log_probs=None if teacher is None else teacher.log_probs,
-            teacher_top_ids=None if teacher is None else teacher.top_ids,
-            teacher_top_log_probs=None if teacher is None else teacher.top_log_probs,
+            **({} if teacher is None else teacher.batch_fields()),
             **signal,
         )
 

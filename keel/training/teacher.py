@@ -25,6 +25,14 @@ class TeacherScores:
     top_ids: Tensor | None = None
     top_log_probs: Tensor | None = None
 
+    def batch_fields(self) -> dict[str, Tensor | None]:
+        """TrainBatch's fields of these scores."""
+        return {
+            "teacher_log_probs": self.log_probs,
+            "teacher_top_ids": self.top_ids,
+            "teacher_top_log_probs": self.top_log_probs,
+        }
+
     def parts(self) -> tuple[Tensor, ...]:
         return tuple(t for t in (self.log_probs, self.top_ids, self.top_log_probs) if t is not None)
 
