@@ -153,7 +153,9 @@ class RoleBuilder:
         distillation = self.spec.distillation
         t = distillation.teacher
         dtype = self.compute_dtype if t.dtype == "auto" else resolve_dtype(t.dtype, self.device)
-        model = load_causal_lm(t.path, self.device, t.trust_remote_code, dtype=dtype)
+        model = load_causal_lm(
+            t.path, self.device, t.trust_remote_code, dtype=dtype, key="distillation.teacher.path"
+        )
         model, placement = self._prepare_model(model, self.spec.policy.ref.fsdp_config, "teacher")
         return Teacher(
             model,

@@ -278,12 +278,13 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     gradient_checkpointing: bool = False,
     dtype: torch.dtype = torch.float32,
+    key: str = "actor_rollout_ref.model.path",
 ):
     """Weights in float32 (master weights; a frozen LoRA base in the compute dtype); `autocast`
-    chooses the compute dtype."""
+    chooses the compute dtype. `key`: the setting that names `path`, for the error."""
     from transformers import AutoModelForCausalLM
 
-    path = check_model_dir(path)
+    path = check_model_dir(path, key)
     if (path / RANDOM_WEIGHTS).is_file():
         model = _random_causal_lm(path, device, dtype)
     else:
