@@ -1,0 +1,101 @@
+"""A second reader's attacks on distillation (issue 48): each test shows a way the teacher's
+scores or the settings around it could go wrong, as the user would see it."""
+
+import pytest
+import torch
+
+from keel.config.load import load_run
+from keel.models.load import load_causal_lm
+from keel.models.tiny import make_tiny_model
+from keel.training.batching import MicroBatching
+from keel.training.teacher import Teacher
+from keel.types import TrainBatch
+
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("edges")
+    return {
+        "student": make_tiny_model(root / "student", hidden_size=16, num_layers=1, seed=0),
+        "teacher": make_tiny_model(
+            root / "teacher", hidden_size=32, num_layers=2, seed=1, initializer_range=0.3
+        ),
+        "train": _train_file(root),
+    }
+
+
+def _train_file(root):
+    train = root / "train.jsonl"
+    train.write_text('{"prompt": "a", "answer": "1"}\n')
+    return train
+
+
+def config(models, **distillation):
+    return load_run(
+        {
+            "data": {
+                "train_files": [str(models["train"])],
+                "max_prompt_length": 8,
+                "max_response_length": 6,
+                "train_batch_size": 2,
+            },
+            "actor_rollout_ref": {
+                "model": {"path": str(models["student"]), "dtype": "bfloat16"},
+                "rollout": {"n": 2, "temperature": TEMPERATURE},
+                "actor": {"ppo_mini_batch_size": 2},
+            },
+            "distillation": {
+                "enable": True,
+                "teacher": {"path": str(models["teacher"])},
+                **distillation,
+            },
+            "trainer": {"total_training_steps": 1, "logger": [], "device": "cpu"},
+        }
+    ).config
+
+
+def batch(vocab: int) -> TrainBatch:
+    """Left-padded prompts and right-padded responses, random tokens."""
+    generator = torch.Generator().manual_seed(0)
+    prompt_lengths, response_lengths = [4, 2, 3], [5, 3, 6]
+    n, prompt_width, width = len(prompt_lengths), max(prompt_lengths), max(response_lengths)
+    prompt_mask = torch.tensor([[0] * (prompt_width - p) + [1] * p for p in prompt_lengths])
+    response_mask = torch.tensor([[1] * r + [0] * (width - r) for r in response_lengths])
+    return TrainBatch(
+        prompt_ids=torch.randint(1, vocab, (n, prompt_width), generator=generator) * prompt_mask,
+        prompt_mask=prompt_mask,
+        response_ids=torch.randint(1, vocab, (n, width), generator=generator) * response_mask,
+        response_mask=response_mask,
+        sampling_log_probs=torch.zeros(n, width),
+        group_index=torch.arange(n),
+        records=list(range(n)),
+        response_texts=[str(i) for i in range(n)],
+        truncated=torch.zeros(n, dtype=torch.bool),
+        scores=torch.zeros(n),
+        token_level_rewards=torch.zeros(n, width),
+        advantages=torch.zeros(n, width),
+        returns=torch.zeros(n, width),
+    )
+
+
+def test_a_float32_teacher_scores_in_float32_under_a_bfloat16_student(models):
+    """distillation.teacher.dtype=float32 beside a bfloat16 student: the worker's teacher pass
+    equals the float32 teacher's own, not a bfloat16-autocast one (the setting would otherwise
+    cost twice the memory for bfloat16's numbers)."""
+    from keel.distributed.worker import RoleWorker, WorkerSpec
+
+    cfg = config(models, teacher={"path": str(models["teacher"]), "dtype": "float32"})
+    worker = RoleWorker(WorkerSpec.of(cfg, 1, roles=frozenset({"teacher"})))
+    assert worker.compute_dtype == torch.bfloat16
+    samples = batch(worker.teacher.model.config.vocab_size)
+    (scored,) = worker.compute_frozen("teacher", samples)
+    plain = Teacher(
+        load_causal_lm(models["teacher"], torch.device("cpu")),
+        MicroBatching.of(8, False, 0),
+        TEMPERATURE,
+        None,
+    )
+    expected = plain.score(samples).log_probs
+    torch.testing.assert_close(scored, expected, atol=1e-5, rtol=1e-5)
