@@ -99,3 +99,20 @@ def test_a_float32_teacher_scores_in_float32_under_a_bfloat16_student(models):
     )
     expected = plain.score(samples).log_probs
     torch.testing.assert_close(scored, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ["abs", "mse", "k2"])
+def test_a_kl_estimator_with_no_reading_as_an_advantage_is_refused(models, estimator):
+    """kl_penalty's abs and k2 are no estimate whose policy gradient the help can name: the
+    advantage -|log s - log t| pushes down a token the teacher likes more than the student."""
+    from keel.errors import KeelError
+
+    with pytest.raises(KeelError) as refused:
+        config(models, kl_estimator=estimator)
+    assert refused.value.code == "KEEL-C002"
+    assert "k1" in str(refused.value)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3", "kl", "low_var_kl"])
+def test_k1_and_k3_by_either_name_are_accepted(models, estimator):
+    assert config(models, kl_estimator=estimator).distillation.kl_estimator == estimator
