@@ -116,3 +116,41 @@ def test_a_kl_estimator_with_no_reading_as_an_advantage_is_refused(models, estim
 @pytest.mark.parametrize("estimator", ["k1", "k3", "kl", "low_var_kl"])
 def test_k1_and_k3_by_either_name_are_accepted(models, estimator):
     assert config(models, kl_estimator=estimator).distillation.kl_estimator == estimator
+
+
+def saved_run(models, tmp_path):
+    """A checkpoint directory holding the config of a distillation run."""
+    import yaml
+
+    from keel.config.load import to_dict
+
+    checkpoint = tmp_path / "global_step_1"
+    checkpoint.mkdir()
+    (checkpoint / "config.yaml").write_text(yaml.safe_dump(to_dict(config(models))))
+    return checkpoint
+
+
+@pytest.mark.parametrize(
+    "teacher",
+    [
+        {"log_prob_micro_batch_size_per_gpu": 2},
+        {"log_prob_use_dynamic_bsz": True, "log_prob_max_token_len_per_gpu": 64},
+        {"enable_resource_pool": True, "n_gpus_per_node": 2},
+    ],
+)
+def test_a_resume_may_change_how_the_teacher_is_batched_and_placed(models, tmp_path, teacher):
+    """The teacher's micro-batches and pool change no number (as the reference's and the critic's
+    do not): a run whose teacher ran out of memory resumes with smaller ones."""
+    from keel.checkpoint import check_same_run
+
+    checkpoint = saved_run(models, tmp_path)
+    check_same_run(checkpoint, config(models, teacher={"path": str(models["teacher"]), **teacher}))
+
+
+def test_a_resume_with_another_teacher_is_refused(models, tmp_path):
+    from keel.checkpoint import check_same_run
+    from keel.errors import KeelError
+
+    checkpoint = saved_run(models, tmp_path)
+    with pytest.raises(KeelError, match="distillation.teacher.path"):
+        check_same_run(checkpoint, config(models, teacher={"path": str(models["student"])}))
