@@ -154,3 +154,27 @@ def test_a_resume_with_another_teacher_is_refused(models, tmp_path):
     checkpoint = saved_run(models, tmp_path)
     with pytest.raises(KeelError, match="distillation.teacher.path"):
         check_same_run(checkpoint, config(models, teacher={"path": str(models["student"])}))
+
+
+def test_a_gkd_teacher_with_more_rows_than_the_student_is_no_warning(tiny_config, tmp_path):
+    """The teacher draws its top k among the student's ids (Teacher's student_vocab), so keel
+    check has nothing to warn of when the teacher's embedding has rows past the student's (as
+    Qwen2.5-7B's past 0.5B's)."""
+    from transformers import AutoModelForCausalLM
+
+    from keel.check.findings import WARN
+    from keel.check.preflight import run_checks
+
+    teacher = make_tiny_model(tmp_path / "teacher", hidden_size=48, seed=1)
+    model = AutoModelForCausalLM.from_pretrained(teacher)
+    model.resize_token_embeddings(model.config.vocab_size + 8)
+    model.save_pretrained(teacher)
+    overrides = [
+        "trainer.device=cpu",
+        "distillation.enable=true",
+        f"distillation.teacher.path={teacher}",
+        "distillation.mode=gkd",
+    ]
+    report = run_checks(*load_run(tiny_config, overrides))
+    teacher_findings = [f for f in report.findings if f.check == "teacher"]
+    assert teacher_findings and not [f for f in teacher_findings if f.level == WARN]
