@@ -16,6 +16,7 @@ from keel.config.rules import lengths_within
 from keel.config.schema import KeelConfig
 from keel.errors import (
     INCOMPATIBLE_OPTIONS,
+    MODEL_PATH,
     TEACHER_VOCAB,
     TOKEN_BUDGET,
     VOCAB_MISMATCH,
@@ -66,6 +67,7 @@ def check_teacher(cfg: KeelConfig, context: dict) -> list[Finding]:
         if refused is None:
             raise
         raise refused from e
+    _check_causal_lm(model_cfg, path)
     found = _check_rows(student, model_cfg.vocab_size, student_rows, path)
     _check_positions(cfg, model_cfg)
     parameters, weights, unmatched = _weights(path, model_cfg, t.trust_remote_code)
@@ -204,6 +206,23 @@ def _check_rows(student, teacher_rows: int, student_rows: int, path: Path) -> li
             )
         )
     return found
+
+
+def _check_causal_lm(model_cfg, path: Path) -> None:
+    """The teacher loads as AutoModelForCausalLM (RoleBuilder.teacher): a config transformers maps
+    to no causal LM would otherwise fail only once training began."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    own_code = "AutoModelForCausalLM" in (getattr(model_cfg, "auto_map", None) or {})
+    if own_code or type(model_cfg) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return
+    raise KeelError(
+        MODEL_PATH,
+        f"{KEY}='{path}' is a {model_cfg.model_type} model, which transformers loads as no causal "
+        "LM: the teacher scores each next token, as the student predicts it",
+        f"set {KEY} to a causal LM's directory (a decoder, e.g. a larger model of the student's "
+        "family) saved with the student's tokenizer",
+    )
 
 
 def _check_positions(cfg: KeelConfig, model_cfg) -> None:

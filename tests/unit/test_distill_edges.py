@@ -178,3 +178,26 @@ def test_a_gkd_teacher_with_more_rows_than_the_student_is_no_warning(tiny_config
     report = run_checks(*load_run(tiny_config, overrides))
     teacher_findings = [f for f in report.findings if f.check == "teacher"]
     assert teacher_findings and not [f for f in teacher_findings if f.level == WARN]
+
+
+def test_a_teacher_that_is_no_causal_lm_is_refused_by_keel_check(tiny_config, tmp_path):
+    """A teacher directory transformers maps to no causal LM (here a T5 config beside the student's
+    tokenizer) passed keel check and ended in transformers' ValueError once training began."""
+    import json
+
+    from keel.check.preflight import run_checks
+
+    teacher = make_tiny_model(tmp_path / "teacher", hidden_size=48, seed=1)
+    config_file = teacher / "config.json"
+    saved = json.loads(config_file.read_text())
+    saved.update(model_type="t5", architectures=["T5ForConditionalGeneration"])
+    config_file.write_text(json.dumps(saved))
+    overrides = [
+        "trainer.device=cpu",
+        "distillation.enable=true",
+        f"distillation.teacher.path={teacher}",
+    ]
+    report = run_checks(*load_run(tiny_config, overrides))
+    assert [f.code for f in report.failures] == ["KEEL-M001"]
+    assert "causal" in report.failures[0].message
+    assert "distillation.teacher.path" in report.failures[0].fix
