@@ -201,3 +201,31 @@ def test_a_teacher_that_is_no_causal_lm_is_refused_by_keel_check(tiny_config, tm
     assert [f.code for f in report.failures] == ["KEEL-M001"]
     assert "causal" in report.failures[0].message
     assert "distillation.teacher.path" in report.failures[0].fix
+
+
+class _Readings(list):
+    memory = [{"rss_gb": 0.1, "gpu_peak_gb": 2.0}]
+
+
+class _OneRank:
+    """A worker group of one rank whose every pass gives zeros of the batch's shape."""
+
+    world_size = 1
+
+    def call(self, method, per_rank_args):
+        batch = per_rank_args[0][-1]
+        return _Readings([torch.zeros(batch.response_ids.shape)])
+
+
+def test_the_reference_pass_keeps_its_memory_metric_name_beside_the_teacher(models):
+    """perf/peak_memory_gb/compute_ref_log_probs is the name bench records and dashboards have
+    (benchmarks/results); routing the reference through compute_frozen must not rename it."""
+    from keel.trainer.roles import UpdateSchedule, WorkerRoles
+
+    roles = WorkerRoles(_OneRank(), 0, UpdateSchedule(2, 1, False, 8))
+    roles.ref_log_probs(batch(50))
+    roles.teacher_scores(batch(50))
+    assert set(roles.memory.metrics()) >= {
+        "perf/peak_memory_gb/compute_ref_log_probs",
+        "perf/peak_memory_gb/compute_teacher",
+    }
