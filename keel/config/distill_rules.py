@@ -35,6 +35,7 @@ def check_distillation(cfg: KeelConfig) -> None:
             "(a causal LM whose tokenizer is the student's), or "
             f"{setting(SECTION + '.enable', False)} to train without one",
         )
+    _refuse_dropped_kl_penalty(cfg)
     unread_by_mode = (
         {key: value for key, value in changed.items() if key.startswith(SECTION + ".gkd.")}
         if d.mode == "reverse_kl"
@@ -64,6 +65,21 @@ def check_distillation(cfg: KeelConfig) -> None:
             "the size of the teacher's own pool, and distillation.teacher.enable_resource_pool="
             "false places the teacher beside the policy",
             setting(SECTION + ".teacher.enable_resource_pool", True),
+        )
+
+
+def _refuse_dropped_kl_penalty(cfg: KeelConfig) -> None:
+    """algorithm.use_kl_in_reward puts the penalty in the task's rewards, whose advantage
+    distillation weighs by task_reward_coef: at 0 it would be computed and dropped."""
+    if cfg.algorithm.use_kl_in_reward and cfg.distillation.task_reward_coef == 0:
+        raise KeelError(
+            DISTILLATION_OPTION,
+            "algorithm.use_kl_in_reward=true with distillation.task_reward_coef=0: the KL penalty "
+            "is part of the task's reward, whose advantage a coefficient of 0 leaves out, so the "
+            "reference would be run for nothing",
+            f"set {setting('actor_rollout_ref.actor.use_kl_loss', True)} (the KL to the "
+            "reference as a loss, beside the teacher's signal), or a "
+            "distillation.task_reward_coef above 0, or remove `algorithm.use_kl_in_reward`",
         )
 
 

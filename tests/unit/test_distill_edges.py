@@ -32,28 +32,30 @@ def _train_file(root):
     return train
 
 
+def raw_config(models, **distillation) -> dict:
+    return {
+        "data": {
+            "train_files": [str(models["train"])],
+            "max_prompt_length": 8,
+            "max_response_length": 6,
+            "train_batch_size": 2,
+        },
+        "actor_rollout_ref": {
+            "model": {"path": str(models["student"]), "dtype": "bfloat16"},
+            "rollout": {"n": 2, "temperature": TEMPERATURE},
+            "actor": {"ppo_mini_batch_size": 2},
+        },
+        "distillation": {
+            "enable": True,
+            "teacher": {"path": str(models["teacher"])},
+            **distillation,
+        },
+        "trainer": {"total_training_steps": 1, "logger": [], "device": "cpu"},
+    }
+
+
 def config(models, **distillation):
-    return load_run(
-        {
-            "data": {
-                "train_files": [str(models["train"])],
-                "max_prompt_length": 8,
-                "max_response_length": 6,
-                "train_batch_size": 2,
-            },
-            "actor_rollout_ref": {
-                "model": {"path": str(models["student"]), "dtype": "bfloat16"},
-                "rollout": {"n": 2, "temperature": TEMPERATURE},
-                "actor": {"ppo_mini_batch_size": 2},
-            },
-            "distillation": {
-                "enable": True,
-                "teacher": {"path": str(models["teacher"])},
-                **distillation,
-            },
-            "trainer": {"total_training_steps": 1, "logger": [], "device": "cpu"},
-        }
-    ).config
+    return load_run(raw_config(models, **distillation)).config
 
 
 def batch(vocab: int) -> TrainBatch:
@@ -229,3 +231,20 @@ def test_the_reference_pass_keeps_its_memory_metric_name_beside_the_teacher(mode
         "perf/peak_memory_gb/compute_ref_log_probs",
         "perf/peak_memory_gb/compute_teacher",
     }
+
+
+def test_a_kl_penalty_in_the_reward_the_distilled_advantage_drops_is_refused(models):
+    """algorithm.use_kl_in_reward puts the KL to the reference in the task's rewards, and
+    distillation weighs the task's advantage by task_reward_coef: at 0 the penalty was computed
+    (a reference model loaded for it) and dropped in silence."""
+    from keel.errors import KeelError
+
+    raw = raw_config(models)
+    raw["algorithm"] = {"use_kl_in_reward": True}
+    with pytest.raises(KeelError) as refused:
+        load_run(raw)
+    assert refused.value.code == "KEEL-C028"
+    assert "use_kl_loss" in refused.value.fix
+    # with the task's advantage in the signal, its KL penalty counts with it
+    raw["distillation"]["task_reward_coef"] = 0.5
+    assert load_run(raw).config.algorithm.use_kl_in_reward
