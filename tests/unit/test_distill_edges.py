@@ -248,3 +248,21 @@ def test_a_kl_penalty_in_the_reward_the_distilled_advantage_drops_is_refused(mod
     # with the task's advantage in the signal, its KL penalty counts with it
     raw["distillation"]["task_reward_coef"] = 0.5
     assert load_run(raw).config.algorithm.use_kl_in_reward
+
+
+def test_a_data_response_that_ends_with_eos_ends_with_it_once():
+    """A data row's response saved with its end-of-turn token (SFT-style text): generation stops
+    at the first EOS, so the data step trains on one EOS, not that one and another after it."""
+    from keel.data.prompts import PromptRecord, collate_prompts
+    from keel.data.responses import data_batch
+    from keel.models.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    prompt = tokenizer("Say 12", add_special_tokens=False)["input_ids"]
+    prompts = collate_prompts(
+        [PromptRecord(0, prompt, "Say 12", "d", None)], tokenizer.pad_token_id
+    )
+    with_eos = data_batch(prompts, ["12" + tokenizer.eos_token], tokenizer, 8)
+    plain = data_batch(prompts, ["12"], tokenizer, 8)
+    assert with_eos.response_ids.tolist() == plain.response_ids.tolist()
+    assert with_eos.response_mask.tolist() == plain.response_mask.tolist()
