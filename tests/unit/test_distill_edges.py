@@ -266,3 +266,19 @@ def test_a_data_response_that_ends_with_eos_ends_with_it_once():
     plain = data_batch(prompts, ["12"], tokenizer, 8)
     assert with_eos.response_ids.tolist() == plain.response_ids.tolist()
     assert with_eos.response_mask.tolist() == plain.response_mask.tolist()
+
+
+def test_dynamic_sampling_by_a_reward_that_teaches_nothing_is_refused(models):
+    """algorithm.filter_groups drops the groups whose rewards are all alike; with
+    task_reward_coef=0 the teacher teaches every group, so it threw away samples the teacher would
+    have taught (all of them, with a constant reward, until KEEL-T005)."""
+    from keel.errors import KeelError
+
+    raw = raw_config(models)
+    raw["algorithm"] = {"adv_estimator": "grpo", "filter_groups": {"enable": True}}
+    with pytest.raises(KeelError) as refused:
+        load_run(raw)
+    assert refused.value.code == "KEEL-C028"
+    assert "filter_groups" in refused.value.message
+    raw["distillation"]["task_reward_coef"] = 0.5
+    assert load_run(raw).config.algorithm.filter_groups.enable
