@@ -16,6 +16,7 @@ from keel.config.rules import lengths_within
 from keel.config.schema import KeelConfig
 from keel.errors import (
     INCOMPATIBLE_OPTIONS,
+    MODEL_PATH,
     TEACHER_VOCAB,
     TOKEN_BUDGET,
     VOCAB_MISMATCH,
@@ -66,7 +67,8 @@ def check_teacher(cfg: KeelConfig, context: dict) -> list[Finding]:
         if refused is None:
             raise
         raise refused from e
-    found = _check_rows(cfg, student, model_cfg.vocab_size, student_rows, path)
+    _check_causal_lm(model_cfg, path)
+    found = _check_rows(student, model_cfg.vocab_size, student_rows, path)
     _check_positions(cfg, model_cfg)
     parameters, weights, unmatched = _weights(path, model_cfg, t.trust_remote_code)
     dtype = teacher_dtype(cfg, student_compute_dtype(cfg))
@@ -179,12 +181,10 @@ def tokenizer_differences(student, teacher, student_pad: int | None) -> list[str
     return found
 
 
-def _check_rows(
-    cfg: KeelConfig, student, teacher_rows: int, student_rows: int, path: Path
-) -> list[Finding]:
+def _check_rows(student, teacher_rows: int, student_rows: int, path: Path) -> list[Finding]:
     """Every id the student can give has a row in the teacher's embedding (an error for its
-    tokens, a warning for its padding rows); gkd reads the teacher's top-k ids in the student's
-    embedding, where rows past the student's have none."""
+    tokens, a warning for its padding rows). Rows past the student's are no matter: gkd's top k
+    are drawn among the student's ids (keel.training.teacher)."""
     from keel.models.tokenizer_match import vocab_fix
 
     if len(student) > teacher_rows:
@@ -205,17 +205,24 @@ def _check_rows(
                 f"{len(student)} tokens) would be past the teacher's",
             )
         )
-    if cfg.distillation.mode == "gkd" and teacher_rows > student_rows:
-        found.append(
-            Finding(
-                WARN,
-                "teacher",
-                f"the teacher's embedding has {teacher_rows} rows, the student's {student_rows}: "
-                f"gkd's top-{cfg.distillation.gkd.top_k} of the teacher could name an id past the "
-                "student's rows (only an untrained padding row, which is rarely that likely)",
-            )
-        )
     return found
+
+
+def _check_causal_lm(model_cfg, path: Path) -> None:
+    """The teacher loads as AutoModelForCausalLM (RoleBuilder.teacher): a config transformers maps
+    to no causal LM would otherwise fail only once training began."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    own_code = "AutoModelForCausalLM" in (getattr(model_cfg, "auto_map", None) or {})
+    if own_code or type(model_cfg) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return
+    raise KeelError(
+        MODEL_PATH,
+        f"{KEY}='{path}' is a {model_cfg.model_type} model, which transformers loads as no causal "
+        "LM: the teacher scores each next token, as the student predicts it",
+        f"set {KEY} to a causal LM's directory (a decoder, e.g. a larger model of the student's "
+        "family) saved with the student's tokenizer",
+    )
 
 
 def _check_positions(cfg: KeelConfig, model_cfg) -> None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from keel.algorithms.kl import KL_ESTIMATORS
 from keel.config.fields import LogProbBatching, ResourcePool, opt
 
 DISTILL_MODES = ("reverse_kl", "gkd")
 TEACHER_DTYPES = ("auto", "bfloat16", "float32")
+# k1 and k3 (and their verl names): each advantage's expected gradient is known (the help says
+# which); abs and k2 (mse) follow no divergence's, so the run would learn something unsaid
+REVERSE_KL_ESTIMATORS = ("k1", "k3", "kl", "low_var_kl")
 
 
 @dataclass
@@ -69,7 +71,7 @@ class DistillationConfig:
     coef: float = opt(1.0, gt=0, help="weight of the distillation term")
     kl_estimator: str = opt(
         "k1",
-        choices=KL_ESTIMATORS,
+        choices=REVERSE_KL_ESTIMATORS,
         help="reverse_kl: the per-token estimate of KL(student||teacher) the advantage is minus "
         "of: k1 = log s - log t, whose policy gradient is the reverse KL's; k3 = t/s - 1 - "
         "log(t/s), lower variance, but as an advantage its expected gradient also climbs "

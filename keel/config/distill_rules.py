@@ -35,6 +35,7 @@ def check_distillation(cfg: KeelConfig) -> None:
             "(a causal LM whose tokenizer is the student's), or "
             f"{setting(SECTION + '.enable', False)} to train without one",
         )
+    _refuse_unread_task_reward(cfg)
     unread_by_mode = (
         {key: value for key, value in changed.items() if key.startswith(SECTION + ".gkd.")}
         if d.mode == "reverse_kl"
@@ -64,6 +65,35 @@ def check_distillation(cfg: KeelConfig) -> None:
             "the size of the teacher's own pool, and distillation.teacher.enable_resource_pool="
             "false places the teacher beside the policy",
             setting(SECTION + ".teacher.enable_resource_pool", True),
+        )
+
+
+def _refuse_unread_task_reward(cfg: KeelConfig) -> None:
+    """What acts on the task's rewards alone, where task_reward_coef=0 leaves them out of the
+    signal: algorithm.use_kl_in_reward's penalty (computed, then dropped) and filter_groups (which
+    would drop groups the teacher teaches, whatever their rewards)."""
+    a = cfg.algorithm
+    if cfg.distillation.task_reward_coef > 0:
+        return
+    if a.use_kl_in_reward:
+        raise KeelError(
+            DISTILLATION_OPTION,
+            "algorithm.use_kl_in_reward=true with distillation.task_reward_coef=0: the KL penalty "
+            "is part of the task's reward, whose advantage a coefficient of 0 leaves out, so the "
+            "reference would be run for nothing",
+            f"set {setting('actor_rollout_ref.actor.use_kl_loss', True)} (the KL to the "
+            "reference as a loss, beside the teacher's signal), or a "
+            "distillation.task_reward_coef above 0, or remove `algorithm.use_kl_in_reward`",
+        )
+    if a.filter_groups.enable:
+        raise KeelError(
+            DISTILLATION_OPTION,
+            "algorithm.filter_groups.enable=true with distillation.task_reward_coef=0: dynamic "
+            "sampling drops the groups whose rewards are all alike, but the rewards teach nothing "
+            "here and the teacher teaches every group, so it would discard samples the teacher "
+            "scores (every one, under a constant reward)",
+            f"set {setting('algorithm.filter_groups.enable', False)}, or a "
+            "distillation.task_reward_coef above 0 (the rewards then teach too)",
         )
 
 

@@ -41,6 +41,12 @@ RESUME_MAY_CHANGE = (
     "reward_model.enable_resource_pool",
     "reward_model.n_gpus_per_node",
     "reward_model.nnodes",
+    # the distillation teacher is frozen and holds no checkpoint: its pool and its micro-batches
+    # (a teacher pass out of memory resumes with smaller ones) change no number
+    "distillation.teacher.enable_resource_pool",
+    "distillation.teacher.n_gpus_per_node",
+    "distillation.teacher.nnodes",
+    "distillation.teacher.log_prob_",
     # where the rollout runs, not what it samples
     "actor_rollout_ref.hybrid_engine",
     "actor_rollout_ref.rollout.n_gpus_per_node",

@@ -59,7 +59,9 @@ def data_batch(
     EOS appended, cut at max_response_length (truncated then), right-padded, texts decoded from
     the tokens kept. from_data marks every row; sampling_log_probs are 0."""
     encoded = tokenizer(responses, add_special_tokens=False)["input_ids"]
-    ids = [e + [tokenizer.eos_token_id] for e in encoded]
+    eos = tokenizer.eos_token_id
+    # a response saved with its EOS (SFT-style text) keeps that one: generation stops at the first
+    ids = [e if e[-1:] == [eos] else e + [eos] for e in encoded]
     kept = [i[:max_response_length] for i in ids]
     width = max(len(k) for k in kept)
     response_ids = torch.full((len(kept), width), tokenizer.pad_token_id, dtype=torch.long)

@@ -225,9 +225,12 @@ class RoleWorker:
     def compute_frozen(self, role: str, batch: ScoredBatch):
         """A frozen model's pass over this rank's part of a batch: the reference's log-probs
         [n, R] ("ref"), or the distillation teacher's scores (TeacherScores' parts, "teacher")."""
-        with autocast(self.device, self.compute_dtype):
-            if role == "ref":
+        if role == "ref":
+            with autocast(self.device, self.compute_dtype):
                 return self.ref.compute_log_probs(batch)
+        # the teacher computes in its own dtype (distillation.teacher.dtype): a float32 teacher
+        # beside a bfloat16 student would otherwise pay float32's memory for bfloat16's numbers
+        with autocast(self.device, self.teacher.model.dtype):
             return self.teacher.score(batch).parts()
 
     def compute_values(self, batch: ScoredBatch) -> torch.Tensor:

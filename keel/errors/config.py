@@ -297,7 +297,9 @@ DISTILLATION_OPTION = register(
     "student's samples; or a distillation setting was given that this run never reads: any of "
     "distillation.* while distillation.enable=false, distillation.gkd.* (and response_key) under "
     "mode=reverse_kl, kl_estimator under mode=gkd, or the teacher's pool sizes without "
-    "teacher.enable_resource_pool. keel refuses what it would silently ignore.",
+    "teacher.enable_resource_pool, or algorithm.use_kl_in_reward or filter_groups with "
+    "task_reward_coef=0 (they act on the task's rewards, which that coefficient leaves out of the "
+    "signal). keel refuses what it would silently ignore.",
     "Set distillation.teacher.path to the teacher's local Hugging Face model directory (its "
     "tokenizer the student's), or, for a setting nothing reads, do as the fix line says: the mode "
     "or switch that reads it (`distillation.mode=gkd` for gkd.*), or remove the key.",

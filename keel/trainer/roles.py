@@ -126,7 +126,7 @@ class WorkerRoles:
         group = group or self.group
         index, parts = shard_batch(batch, group.world_size)
         args = [(p,) if role is None else (role, p) for p in parts]
-        per_rank = self._call(method, args, group, f"compute_{role}" if role else None)
+        per_rank = self._call(method, args, group, _FROZEN_PHASES.get(role))
         per_rank = [r if isinstance(r, tuple) else (r,) for r in per_rank]
         return [unshard_rows(index, [r[i] for r in per_rank]) for i in range(len(per_rank[0]))]
 
@@ -193,6 +193,10 @@ class WorkerRoles:
     ) -> list:
         """`phase`: the name its memory readings go by (default: the method's)."""
         return self.memory.noted(phase or method, (group or self.group).call(method, per_rank_args))
+
+
+# compute_frozen's memory readings, by role: the reference's keeps the name its records have
+_FROZEN_PHASES = {"ref": "compute_ref_log_probs", "teacher": "compute_teacher"}
 
 
 def distinct(groups: list) -> list:
