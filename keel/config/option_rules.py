@@ -36,7 +36,8 @@ def check_algorithm(cfg: KeelConfig, incompatible) -> None:
             f"actor_rollout_ref.rollout.n=1: every advantage would be 0 and nothing would learn",
             f"set {setting(ROLLOUT + '.n', group_size(cfg))} (GRPO typically uses 4-16)",
         )
-    if est == "gae" and not cfg.critic_enabled:
+    # where the rewards teach nothing (distillation alone) no advantage is estimated
+    if est == "gae" and not cfg.critic_enabled and cfg.rewards_teach:
         raise incompatible(
             "algorithm.adv_estimator=gae needs a critic but critic.enable=false",
             f"set {setting('critic.enable', True)}, or `algorithm.adv_estimator=grpo`",

@@ -336,7 +336,8 @@ class KeelConfig:
     def critic_enabled(self) -> bool:
         if self.critic.enable is not None:
             return self.critic.enable
-        return self.algorithm.adv_estimator == "gae"
+        # distillation alone estimates no task advantage (rewards_teach), so no critic for it
+        return self.algorithm.adv_estimator == "gae" and self.rewards_teach
 
     @property
     def critic_batching(self) -> tuple[int, int, int]:

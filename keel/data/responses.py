@@ -36,7 +36,11 @@ def response_texts(
 
 def _missing_response(index: int, row: dict, cfg: KeelConfig) -> KeelError:
     key, lmbda = cfg.distillation.response_key, cfg.distillation.gkd.lmbda
-    held = "no such column" if key not in row else f"a {type(row[key]).__name__}, not a string"
+    held = (
+        "no such column"
+        if key not in row
+        else f"a value of type {type(row[key]).__name__}, not a string"
+    )
     # a text column the row has beside the prompt's: where its completions likely are
     not_responses = (cfg.data.prompt_key, "data_source")
     others = [k for k, v in row.items() if isinstance(v, str) and k not in not_responses]

@@ -139,6 +139,9 @@ class TrainBatchBuilder:
         with at.timer("teacher"):
             teacher = self.components.workers.teacher_scores(scored)
             self._finite("teacher log-probs", teacher.log_probs, scored.response_mask)
+            if teacher.top_log_probs is not None:
+                # a [N, R] mask indexes the [N, R, k] log-probs position by position
+                self._finite("teacher top-k log-probs", teacher.top_log_probs, scored.response_mask)
         at.metrics.update(
             distill_metrics(student_log_probs(scored, old), teacher.log_probs, scored.response_mask)
         )
@@ -193,14 +196,7 @@ class TrainBatchBuilder:
             # the data's responses (gkd's off-policy steps) have no sampler to correct for
             decoupled = self.correction.decoupled and scored.sampled
             correction = self._correct_rollout(scored, old, at.metrics) if decoupled else {}
-            advantages, returns = compute_advantage(
-                self.cfg.algorithm.adv_estimator,
-                AdvantageInputs(
-                    rewards, scored.response_mask, scored.group_index, values, scored.baselines
-                ),
-                self.adv_params,
-                None if scored.sample_index is None else scored.final_segments,
-            )
+            advantages, returns = self._task_advantages(scored, rewards, values)
             self._finite("advantages", advantages, scored.response_mask)
         return {
             "token_level_rewards": rewards,
@@ -208,6 +204,20 @@ class TrainBatchBuilder:
             "returns": returns,
             **correction,
         }
+
+    def _task_advantages(self, scored: ScoredBatch, rewards: Tensor, values) -> tuple:
+        """The estimator's advantages and returns [N, R] from the rewards; zeros where the
+        rewards teach nothing (distillation with task_reward_coef=0: no critic was built)."""
+        if not self.cfg.rewards_teach:
+            return torch.zeros_like(rewards), torch.zeros_like(rewards)
+        return compute_advantage(
+            self.cfg.algorithm.adv_estimator,
+            AdvantageInputs(
+                rewards, scored.response_mask, scored.group_index, values, scored.baselines
+            ),
+            self.adv_params,
+            None if scored.sample_index is None else scored.final_segments,
+        )
 
     def _token_rewards(
         self, scored: ScoredBatch, old: Tensor | None, ref: Tensor | None, metrics: dict

@@ -237,6 +237,15 @@ CHECK_CASES = {
         f"distillation.teacher.path={c.assets['model']}",
         "distillation.gkd.top_k=8",
     ),
+    # gkd's data steps (lmbda < 1) need sync steps; the rows hold their responses
+    "KEEL-C029": lambda c: c.check(
+        *gkd_data_steps(c, [{**row, "response": "12"} for row in digit_rows(8)]),
+        "trainer.mode=async",
+    ),
+    # the rows' responses are under another name: the fix names it
+    "KEEL-D010": lambda c: c.check(
+        *gkd_data_steps(c, [{**row, "completion": "12"} for row in digit_rows(8)])
+    ),
     "KEEL-D007": lambda c: dpo_check(c, pairs=mistaken_pairs(c, {**PAIR, "chosen": ""})),
     "KEEL-D008": lambda c: dpo_check(
         c,
@@ -250,6 +259,20 @@ CHECK_CASES = {
     "KEEL-P004": lambda c: c.check("trainer.nnodes=2"),
     "KEEL-P006": lambda c: c.check("actor_rollout_ref.ref.nnodes=2"),
 }
+
+
+def gkd_data_steps(c, rows: list[dict]) -> tuple[str, ...]:
+    """Overrides of a gkd run that trains half its steps on the rows' responses (the teacher: the
+    tiny model, the same tokenizer)."""
+    return (
+        "distillation.enable=true",
+        f"distillation.teacher.path={c.assets['model']}",
+        "distillation.mode=gkd",
+        "distillation.gkd.lmbda=0.5",
+        f"data.train_files={c.rows('responses.jsonl', rows)}",
+    )
+
+
 # the mistake is asking for a GPU this machine does not have
 if not torch.cuda.is_available():
     CHECK_CASES["KEEL-E001"] = lambda c: c.check("trainer.device=cuda")

@@ -88,7 +88,7 @@ def test_a_row_without_the_response_column_is_refused_with_the_column_it_has():
     assert error.code == RESPONSE_COLUMN and "row 1" in error.message
     assert "distillation.response_key=completion" in error.fix
     # a response that is no string
-    with pytest.raises(KeelError, match="a list, not a string"):
+    with pytest.raises(KeelError, match="of type list, not a string"):
         response_texts([{"prompt": "a", "response": ["x"]}], records(tokenizer, ["a"]), cfg)
     texts = response_texts(rows, records(tokenizer, ["a", "b"])[:1], cfg)
     assert texts == {0: "1"}
