@@ -186,7 +186,6 @@ def decoder_token_stats(
         entropy_grad,
         fused_vocab,
         vocab_extra,
-        with_extras=True,
     )
     # Reshaped copies, not views: FSDP hooks the outputs of a forward method for backward.
     log_probs = log_probs.reshape(targets.shape).clone()
@@ -204,11 +203,10 @@ def vocab_token_stats(
     entropy_grad: bool = False,
     fused_vocab: bool = False,
     vocab_extra: VocabExtra = None,
-    with_extras: bool = False,
-):
-    """Log-probs [N] of the targets [N] from hidden states [N, H], and their entropy [N] when
-    asked: lm_head and the vocabulary arithmetic run on chunks of positions (logits_chunking).
-    `with_extras`: a third item, what `vocab_extra` asked (response_vocab_stats)."""
+) -> tuple[Tensor, Tensor | None, tuple[Tensor, ...]]:
+    """Log-probs [N] of the targets [N] from hidden states [N, H], their entropy [N] when asked,
+    and what `vocab_extra` asks (response_vocab_stats): lm_head and the vocabulary arithmetic run
+    on chunks of positions (logits_chunking)."""
     token_stats = _compiled_token_stats() if fused_vocab else _token_stats
     chunking = logits_chunking(
         flat_targets.shape[0],
@@ -240,8 +238,6 @@ def vocab_token_stats(
             parts.append(_chunk_stats(*args))
     log_probs = torch.cat([part[0] for part in parts])
     entropy = torch.cat([part[1] for part in parts]) if with_entropy else None
-    if not with_extras:
-        return log_probs, entropy
     extras = tuple(torch.cat([part[2 + i] for part in parts]) for i in range(len(parts[0]) - 2))
     return log_probs, entropy, extras
 

@@ -135,7 +135,7 @@ def pair_log_probs(
     if getattr(model.config, "model_type", None) in PLAIN_LM_HEAD:
         hidden = model.get_decoder()(**_inputs(batch)).last_hidden_state  # [rows, L, H]
         flat = hidden.reshape(-1, hidden.shape[-1])[predicting]  # [N, H]
-        token_log_probs, _ = vocab_token_stats(
+        token_log_probs, _, _ = vocab_token_stats(
             model.get_output_embeddings(), flat, batch.targets, 1.0, fused_vocab=fused_vocab
         )
     else:
