@@ -47,17 +47,13 @@ def check_model(cfg: KeelConfig, context: dict) -> list[Finding]:
     context["model_config"] = model_cfg
     vocab = model_cfg.vocab_size
     _check_vocabulary(tokenizer, vocab, path)
-    budget = cfg.data.max_prompt_length + cfg.data.max_response_length
-    limit = getattr(model_cfg, "max_position_embeddings", None)
-    if limit is not None and budget > limit:
-        raise KeelError(
-            TOKEN_BUDGET,
-            f"data.max_prompt_length + data.max_response_length = {budget} tokens, "
-            f"over the policy's max_position_embeddings={limit}",
-            lengths_within(cfg, limit, "the policy's max_position_embeddings")
-            + ", or use a model with "
-            "a longer context (rollout.max_model_len cannot go past the model's positions)",
-        )
+    budget, limit = check_positions(
+        cfg,
+        model_cfg,
+        "policy",
+        "use a model with a longer context (rollout.max_model_len cannot go past the model's "
+        "positions)",
+    )
     from keel.models.load import meta_model
     from keel.models.weight_check import check_weights_match
 
@@ -169,3 +165,18 @@ def check_special_tokens(tokenizer, model_cfg, path: str, pad_from_eos: bool) ->
     return found + [
         Finding(WARN, "model", what, TOKENIZER_MISMATCH, fix) for what, fix in mismatches
     ]
+
+
+def check_positions(cfg: KeelConfig, model_cfg, whose: str, other: str) -> tuple[int, int | None]:
+    """Prompt plus response within `whose` model's positions (a coded error naming the lengths
+    that fit, or `other`); returns (those tokens, the positions: None where unknown)."""
+    budget = cfg.data.max_prompt_length + cfg.data.max_response_length
+    limit = getattr(model_cfg, "max_position_embeddings", None)
+    if limit is not None and budget > limit:
+        raise KeelError(
+            TOKEN_BUDGET,
+            f"data.max_prompt_length + data.max_response_length = {budget} tokens, over the "
+            f"{whose}'s max_position_embeddings={limit}",
+            lengths_within(cfg, limit, f"the {whose}'s max_position_embeddings") + f", or {other}",
+        )
+    return budget, limit

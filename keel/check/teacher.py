@@ -12,13 +12,12 @@ from typing import Any
 import torch
 
 from keel.check.findings import PASS, WARN, Finding, need
-from keel.config.rules import lengths_within
+from keel.check.model import check_positions
 from keel.config.schema import KeelConfig
 from keel.errors import (
     INCOMPATIBLE_OPTIONS,
     MODEL_PATH,
     TEACHER_VOCAB,
-    TOKEN_BUDGET,
     VOCAB_MISMATCH,
     KeelError,
 )
@@ -69,7 +68,8 @@ def check_teacher(cfg: KeelConfig, context: dict) -> list[Finding]:
         raise refused from e
     _check_causal_lm(model_cfg, path)
     found = _check_rows(student, model_cfg.vocab_size, student_rows, path)
-    _check_positions(cfg, model_cfg)
+    # it reads whole samples
+    check_positions(cfg, model_cfg, "teacher", "use a teacher with a longer context")
     parameters, weights, unmatched = _weights(path, model_cfg, t.trust_remote_code)
     dtype = teacher_dtype(cfg, student_compute_dtype(cfg))
     context["teacher"] = TeacherModel(path, model_cfg, parameters, dtype)
@@ -223,20 +223,6 @@ def _check_causal_lm(model_cfg, path: Path) -> None:
         f"set {KEY} to a causal LM's directory (a decoder, e.g. a larger model of the student's "
         "family) saved with the student's tokenizer",
     )
-
-
-def _check_positions(cfg: KeelConfig, model_cfg) -> None:
-    """The teacher reads whole samples: prompt plus response within its positions."""
-    budget = cfg.data.max_prompt_length + cfg.data.max_response_length
-    limit = getattr(model_cfg, "max_position_embeddings", None)
-    if limit is not None and budget > limit:
-        raise KeelError(
-            TOKEN_BUDGET,
-            f"data.max_prompt_length + data.max_response_length = {budget} tokens, over the "
-            f"teacher's max_position_embeddings={limit}: it cannot score the longest samples",
-            lengths_within(cfg, limit, "the teacher's max_position_embeddings")
-            + ", or use a teacher with a longer context",
-        )
 
 
 def _weights(path: Path, model_cfg, trust_remote_code: bool) -> tuple[int, str, str | None]:

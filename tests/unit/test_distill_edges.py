@@ -11,6 +11,8 @@ from keel.training.batching import MicroBatching
 from keel.training.teacher import Teacher
 from keel.types import TrainBatch
 
+from tests_helpers import padded_batch
+
 TEMPERATURE = 0.7
 
 
@@ -60,26 +62,7 @@ def config(models, **distillation):
 
 def batch(vocab: int) -> TrainBatch:
     """Left-padded prompts and right-padded responses, random tokens."""
-    generator = torch.Generator().manual_seed(0)
-    prompt_lengths, response_lengths = [4, 2, 3], [5, 3, 6]
-    n, prompt_width, width = len(prompt_lengths), max(prompt_lengths), max(response_lengths)
-    prompt_mask = torch.tensor([[0] * (prompt_width - p) + [1] * p for p in prompt_lengths])
-    response_mask = torch.tensor([[1] * r + [0] * (width - r) for r in response_lengths])
-    return TrainBatch(
-        prompt_ids=torch.randint(1, vocab, (n, prompt_width), generator=generator) * prompt_mask,
-        prompt_mask=prompt_mask,
-        response_ids=torch.randint(1, vocab, (n, width), generator=generator) * response_mask,
-        response_mask=response_mask,
-        sampling_log_probs=torch.zeros(n, width),
-        group_index=torch.arange(n),
-        records=list(range(n)),
-        response_texts=[str(i) for i in range(n)],
-        truncated=torch.zeros(n, dtype=torch.bool),
-        scores=torch.zeros(n),
-        token_level_rewards=torch.zeros(n, width),
-        advantages=torch.zeros(n, width),
-        returns=torch.zeros(n, width),
-    )
+    return padded_batch(vocab, [4, 2, 3], [5, 3, 6], low=1)
 
 
 def test_a_float32_teacher_scores_in_float32_under_a_bfloat16_student(models):

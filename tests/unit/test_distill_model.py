@@ -19,6 +19,8 @@ from keel.training.placement import Placement
 from keel.training.teacher import Teacher
 from keel.types import TrainBatch, position_ids_from_mask
 
+from tests_helpers import padded_batch
+
 TEMPERATURE = 0.7
 ATOL = 1e-5
 
@@ -43,26 +45,7 @@ def load(path):
 
 def make_batch(vocab: int, seed: int = 0) -> TrainBatch:
     """Left-padded prompts and right-padded responses of different lengths, random tokens."""
-    generator = torch.Generator().manual_seed(seed)
-    prompt_lengths, response_lengths = [4, 2, 3, 4, 1], [5, 3, 1, 4, 2]
-    n, prompt_width, width = len(prompt_lengths), max(prompt_lengths), max(response_lengths)
-    prompt_mask = torch.tensor([[0] * (prompt_width - p) + [1] * p for p in prompt_lengths])
-    response_mask = torch.tensor([[1] * r + [0] * (width - r) for r in response_lengths])
-    return TrainBatch(
-        prompt_ids=torch.randint(0, vocab, (n, prompt_width), generator=generator) * prompt_mask,
-        prompt_mask=prompt_mask,
-        response_ids=torch.randint(0, vocab, (n, width), generator=generator) * response_mask,
-        response_mask=response_mask,
-        sampling_log_probs=torch.zeros(n, width),
-        group_index=torch.arange(n),
-        records=list(range(n)),
-        response_texts=[str(i) for i in range(n)],
-        truncated=torch.zeros(n, dtype=torch.bool),
-        scores=torch.zeros(n),
-        token_level_rewards=torch.zeros(n, width),
-        advantages=torch.zeros(n, width),
-        returns=torch.zeros(n, width),
-    )
+    return padded_batch(vocab, [4, 2, 3, 4, 1], [5, 3, 1, 4, 2], seed)
 
 
 def full_log_probs(model, batch: TrainBatch, temperature: float) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """Small batches for unit tests."""
 
+import dataclasses
+
 import torch
 
 from keel.types import TrainBatch
@@ -22,4 +24,22 @@ def make_batch(response_lengths: list[int], width: int = 6) -> TrainBatch:
         token_level_rewards=torch.zeros(n, width),
         advantages=torch.zeros(n, width),
         returns=torch.zeros(n, width),
+    )
+
+
+def padded_batch(
+    vocab: int, prompt_lengths: list[int], response_lengths: list[int], seed: int = 0, low: int = 0
+) -> TrainBatch:
+    """Left-padded prompts and right-padded responses of the given lengths, random tokens in
+    [low, vocab)."""
+    generator = torch.Generator().manual_seed(seed)
+    n, prompt_width, width = len(prompt_lengths), max(prompt_lengths), max(response_lengths)
+    prompt_mask = torch.tensor([[0] * (prompt_width - p) + [1] * p for p in prompt_lengths])
+    batch = make_batch(response_lengths, width)
+    return dataclasses.replace(
+        batch,
+        prompt_ids=torch.randint(low, vocab, (n, prompt_width), generator=generator) * prompt_mask,
+        prompt_mask=prompt_mask,
+        response_ids=torch.randint(low, vocab, (n, width), generator=generator)
+        * batch.response_mask,
     )
