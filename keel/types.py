@@ -29,6 +29,9 @@ class PromptRecord:
     extra_info: dict = field(default_factory=dict)
     # as in the data: a reward model templates it its own way
     raw_prompt: str | list[dict] | None = None
+    # the row's own response (distillation.response_key), which gkd's data steps train on; None:
+    # no step does (keel.data.responses)
+    response: str | None = None
 
 
 @dataclass(slots=True)

@@ -12,7 +12,8 @@ The samples are marked `from_data`: the gap guard, rollout correction and the po
 leave them alone, and their old log-probs come from the pass.
 
 Only sync steps (RolloutWithin) draw: keel.config.gkd_rules refuses lmbda < 1 elsewhere. The rows'
-responses (keel/data/responses.py) are checked as the prompts are read (keel check too).
+responses (keel/data/responses.py) are read, and checked, with the prompts (keel check too), and
+each prompt's record carries its own.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ import dataclasses
 import random
 
 from keel.config.schema import KeelConfig
-from keel.data.prompts import collate_prompts, load_rows
-from keel.data.responses import data_batch, response_texts, trains_on_responses
+from keel.data.prompts import collate_prompts
+from keel.data.responses import data_batch, trains_on_responses
 from keel.observe.metrics import Timer
-from keel.rollout.agent.external.library_env import environment_rows
 from keel.trainer.scored_rollout import ScoredRollout
 from keel.trainer.seeds import on_policy_draw_seed, step_seed
 from keel.types import GenerationResult, StepSamples
@@ -82,9 +82,6 @@ class DataResponses:
 
     def __init__(self, cfg: KeelConfig, rollout: ScoredRollout):
         self.cfg, self.rollout = cfg, rollout
-        parts = rollout.components
-        # train rows by index, as the records were built from them
-        self.texts = response_texts(train_rows(cfg), parts.train_data, cfg)
 
     def __call__(self, timer: Timer) -> StepSamples:
         parts, n = self.rollout.components, self.cfg.actor_rollout_ref.rollout.n
@@ -94,7 +91,8 @@ class DataResponses:
         with timer("data_responses"):
             batch = data_batch(
                 prompts,
-                [self.texts[r.index] for r in prompts.records],
+                # read with the prompts (keel.trainer.setup.read_prompts)
+                [r.response for r in prompts.records],
                 tokenizer,
                 self.cfg.data.max_response_length,
             )
@@ -105,11 +103,3 @@ class DataResponses:
             scored = dataclasses.replace(samples.batch, baselines=samples.batch.scores)
             samples = dataclasses.replace(samples, batch=scored)
         return samples
-
-
-def train_rows(cfg: KeelConfig) -> list[dict]:
-    """The training rows, as keel.trainer.setup read them (the files, or an environment's)."""
-    files = cfg.data.train_files
-    if files:
-        return load_rows(files, "data.train_files")
-    return environment_rows(cfg.actor_rollout_ref.rollout.agent, "train") or []

@@ -86,9 +86,12 @@ def read_prompts(files: list[str], tokenizer, cfg: KeelConfig, name: str):
         apply_chat_template=d.apply_chat_template,
         name=name,
     )
-    # gkd's off-policy steps train on each row's response: a row without one fails here
+    # gkd's off-policy steps train on each row's response: read with its prompt (a row without one
+    # fails here, in keel check too), and carried by its record
     if name == "train" and trains_on_responses(cfg):
-        response_texts(rows or [], records, cfg)
+        texts = response_texts(rows or [], records, cfg)
+        for record in records:
+            record.response = texts[record.index]
     return records, stats
 
 
