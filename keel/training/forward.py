@@ -49,9 +49,9 @@ class TopK(NamedTuple):
     vocab: int | None = None
 
 
-# What a pass over the vocabulary may add (distillation): None; the top k's log-probs and ids (an
-# int k, or TopK); the log-probs of given ids (a tensor of them, one row per position).
-VocabExtra = int | TopK | Tensor | None
+# What a pass over the vocabulary may add (distillation): None; the top k's log-probs and ids
+# (TopK); the log-probs of given ids (a tensor of them, one row per position).
+VocabExtra = TopK | Tensor | None
 KEPT_BYTES = {"compiled": 2, "eager": 4, "entropy_grad": 8}
 CHUNK_BYTES = {"compiled": 6, "eager": 16}
 
@@ -139,7 +139,7 @@ def response_vocab_stats(
     vocab_extra: VocabExtra = None,
 ) -> tuple[Tensor, Tensor | None, tuple[Tensor, ...]]:
     """response_log_probs, and what `vocab_extra` asks of each response position's distribution
-    (distillation): an int k, the k most likely tokens' log-probs [B, R, k] and ids [B, R, k]; ids
+    (distillation): TopK(k), the k most likely tokens' log-probs [B, R, k] and ids [B, R, k]; ids
     [B, R, k], the log-probs of those tokens [B, R, k]. () when None."""
     batch = batch.to(compute_device(model, plan))
     inputs = _model_inputs(batch)
@@ -295,8 +295,8 @@ def _token_stats(
     extras = ()
     if isinstance(vocab_extra, Tensor):  # ids [..., k]: their log-probs
         extras = (logits.gather(-1, vocab_extra) - lse.unsqueeze(-1),)
-    elif vocab_extra is not None:  # k: the k most likely tokens' log-probs and ids
-        k, vocab = vocab_extra if isinstance(vocab_extra, TopK) else (vocab_extra, None)
+    elif vocab_extra is not None:  # TopK: the k most likely tokens' log-probs and ids
+        k, vocab = vocab_extra
         kept = logits[..., :vocab]
         top = kept.topk(min(k, kept.shape[-1]), dim=-1)
         extras = (top.values - lse.unsqueeze(-1), top.indices)
@@ -314,21 +314,34 @@ def response_values(critic, batch: TrainBatch, plan: Placement = SINGLE) -> Tens
 def per_token_outputs(batch: TrainBatch, how: MicroBatching, compute) -> Tensor:
     """`compute(micro)` -> [b, r] for every micro-batch, put back in batch order and width: [N, R]
     (fillers' outputs dropped, padding zeroed)."""
+    return per_token_parts(batch, how, lambda micro: (compute(micro),))[0]
+
+
+def per_token_parts(batch: TrainBatch, how: MicroBatching, compute) -> list[Tensor]:
+    """`compute(micro)` -> a tuple of [b, r, ...] tensors for every micro-batch, each put back in
+    batch order and width: [N, R, ...] on the host (floating ones as float32; fillers' outputs
+    dropped, padding zeroed)."""
     # Every micro-batch is launched before any result is read, and the results come to the host in
-    # one copy: the host waits for the GPU once, and has little left to do once it has waited.
+    # one copy each: the host waits for the GPU once, and has little left to do once it has waited.
     # Fillers (no rows) run too: every rank makes the same forward passes.
     width = batch.response_ids.shape[1]
     results = [
-        (rows, pad_responses(compute(micro), width)) for rows, micro in micro_batches(batch, how)
+        (rows, [pad_responses(t, width) for t in compute(micro)])
+        for rows, micro in micro_batches(batch, how)
     ]
+    # a rank may hold fillers only: their outputs give the shapes
+    shapes = results[0][1]
     results = [(rows, values) for rows, values in results if len(rows)]
-    out = torch.zeros(batch.response_ids.shape)
-    # a rank may hold fillers only
-    if results:
-        out[torch.cat([rows for rows, _ in results])] = (
-            torch.cat([values for _, values in results]).float().cpu()
-        )
-    return out * batch.response_mask
+    order = torch.cat([rows for rows, _ in results]) if results else torch.zeros(0, dtype=int)
+    outputs = []
+    for i, like in enumerate(shapes):
+        dtype = torch.float32 if like.is_floating_point() else like.dtype
+        out = torch.zeros((len(batch), *like.shape[1:]), dtype=dtype)
+        if results:
+            out[order] = torch.cat([values[i] for _, values in results]).to(dtype).cpu()
+        mask = batch.response_mask.reshape(*batch.response_mask.shape, *[1] * (out.dim() - 2))
+        outputs.append(out * mask.to(dtype))
+    return outputs
 
 
 @torch.no_grad()

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from keel.training.batching import MicroBatching, micro_batches
-from keel.training.forward import TopK, response_vocab_stats
+from keel.training.batching import MicroBatching
+from keel.training.forward import TopK, per_token_parts, response_vocab_stats
 from keel.training.placement import SINGLE, Placement
-from keel.types import TrainBatch, pad_responses
+from keel.types import TrainBatch
 
 
 @dataclass(frozen=True)
@@ -59,33 +59,17 @@ class Teacher:
 
     @torch.no_grad()
     def score(self, batch: TrainBatch) -> TeacherScores:
-        """Micro-batch by micro-batch (fillers run too, so sharded ranks stay in step). Every
-        micro-batch is launched before any result is read, and the results reach the host in one
-        copy each: the host waits for the GPU once."""
-        width, k = batch.response_ids.shape[1], self.top_k.k if self.top_k else 0
-        rows, parts = [], []
-        for micro_rows, micro in micro_batches(batch, self.batching):
+        """Micro-batch by micro-batch, as every log-prob pass (per_token_parts); zeros past each
+        response, whatever the micro-batches' widths were."""
+
+        def micro_scores(micro: TrainBatch) -> tuple[Tensor, ...]:
             log_probs, _, top = response_vocab_stats(
                 self.model, micro, self.temperature, plan=self.placement, vocab_extra=self.top_k
             )
-            if len(micro_rows):
-                rows.append(micro_rows)
-                parts.append([pad_responses(t, width) for t in (log_probs.float(), *top)])
-        order = torch.cat(rows)
-        log_probs, *top = (
-            _in_order(order, torch.cat([p[i] for p in parts]).cpu(), len(batch))
-            for i in range(len(parts[0]))
-        )
-        mask = batch.response_mask
-        if not k:
-            return TeacherScores(log_probs * mask)
-        # zeros past each response, whatever the micro-batches' widths were
-        real = mask[..., None]
-        return TeacherScores(log_probs * mask, top[1] * real.long(), top[0].float() * real)
+            # top: the k log-probs, then their ids
+            return (log_probs, *top)
 
-
-def _in_order(order: Tensor, values: Tensor, n: int) -> Tensor:
-    """Rows `values` of samples `order` put back in batch order: [n, ...]."""
-    out = values.new_zeros((n, *values.shape[1:]))
-    out[order] = values
-    return out
+        log_probs, *top = per_token_parts(batch, self.batching, micro_scores)
+        if not top:
+            return TeacherScores(log_probs)
+        return TeacherScores(log_probs, top_ids=top[1], top_log_probs=top[0])

@@ -14,7 +14,7 @@ from keel.models.tiny import make_tiny_model
 from keel.training import forward
 from keel.training.actor import ActorTrainer, GKDLoss
 from keel.training.batching import MicroBatching, plan_minibatches
-from keel.training.forward import batched_log_probs, response_log_probs, response_vocab_stats
+from keel.training.forward import TopK, batched_log_probs, response_log_probs, response_vocab_stats
 from keel.training.placement import Placement
 from keel.training.teacher import Teacher
 from keel.types import TrainBatch, position_ids_from_mask
@@ -83,7 +83,7 @@ def test_vocab_extra_k_gives_the_k_largest_log_probs_of_the_full_logits(tiny_mod
     k = 5
     with torch.no_grad():
         log_probs, _, (top_log_probs, top_ids) = response_vocab_stats(
-            model, batch, TEMPERATURE, vocab_extra=k
+            model, batch, TEMPERATURE, vocab_extra=TopK(k)
         )
         plain, _ = response_log_probs(model, batch, TEMPERATURE)
     top = expected.topk(k, dim=-1)
@@ -141,12 +141,12 @@ def test_the_compiled_vocabulary_arithmetic_gives_the_same_extras(tiny_models):
     batch = make_batch(model.config.vocab_size, seed=5)
     ids = batch.response_ids[..., None] // torch.tensor([1, 2, 3])
     with torch.no_grad():
-        for extra in (4, ids):
+        for extra in (TopK(4), ids):
             _, _, fused = response_vocab_stats(
                 model, batch, TEMPERATURE, plan=Placement(fused_vocab=True), vocab_extra=extra
             )
             _, _, eager = response_vocab_stats(model, batch, TEMPERATURE, vocab_extra=extra)
-            assert len(fused) == len(eager) == (2 if isinstance(extra, int) else 1)
+            assert len(fused) == len(eager) == (2 if isinstance(extra, TopK) else 1)
             for got, expected in zip(fused, eager):
                 torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
