@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from keel.check.findings import PASS, WARN, Finding, need
 from keel.config.rules import lengths_within
 from keel.config.schema import KeelConfig
@@ -180,3 +182,15 @@ def check_positions(cfg: KeelConfig, model_cfg, whose: str, other: str) -> tuple
             lengths_within(cfg, limit, f"the {whose}'s max_position_embeddings") + f", or {other}",
         )
     return budget, limit
+
+
+def compute_dtype(cfg: KeelConfig) -> torch.dtype:
+    """The policy's compute dtype on the device the run resolves to (the CPU where that fails:
+    the device check reports it)."""
+    from keel.models.load import resolve_device, resolve_dtype
+
+    try:
+        device = resolve_device(cfg.trainer.device)
+    except KeelError:
+        device = torch.device("cpu")
+    return resolve_dtype(cfg.actor_rollout_ref.model.dtype, device)

@@ -8,7 +8,8 @@ import os
 import torch
 
 from keel.check.findings import PASS, WARN, Finding, need
-from keel.check.teacher import count, student_compute_dtype
+from keel.check.model import compute_dtype
+from keel.check.teacher import count
 from keel.config.memory import estimate_memory_gb
 from keel.config.schema import KeelConfig
 from keel.errors import MEMORY_ESTIMATE, NOT_ENOUGH_DEVICES, RAY_MISSING, KeelError
@@ -29,7 +30,7 @@ def check_memory(cfg: KeelConfig, context: dict) -> list[Finding]:
             config,
             model_cfg,
             context.get("parameters") or architecture_parameters(model_cfg),
-            compute_bytes=student_compute_dtype(config).itemsize,
+            compute_bytes=compute_dtype(config).itemsize,
             native_rollout=unsupported_reason(model_cfg) is None,
             logits_chunk_tokens=LOGITS_CHUNK_TOKENS,
             lora_trainable=context.get("lora_trainable", {}),

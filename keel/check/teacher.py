@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from keel.check.findings import PASS, WARN, Finding, need
-from keel.check.model import check_positions
+from keel.check.model import check_positions, compute_dtype
 from keel.config.schema import KeelConfig
 from keel.errors import (
     INCOMPATIBLE_OPTIONS,
@@ -71,7 +71,7 @@ def check_teacher(cfg: KeelConfig, context: dict) -> list[Finding]:
     # it reads whole samples
     check_positions(cfg, model_cfg, "teacher", "use a teacher with a longer context")
     parameters, weights, unmatched = _weights(path, model_cfg, t.trust_remote_code)
-    dtype = teacher_dtype(cfg, student_compute_dtype(cfg))
+    dtype = teacher_dtype(cfg, compute_dtype(cfg))
     context["teacher"] = TeacherModel(path, model_cfg, parameters, dtype)
     if unmatched:
         from keel.errors import WEIGHTS_BROKEN
@@ -241,18 +241,6 @@ def _weights(path: Path, model_cfg, trust_remote_code: bool) -> tuple[int, str, 
         sum(p.numel() for p in model.parameters()) if model is not None else stored_parameters(path)
     )
     return parameters, weights, unmatched
-
-
-def student_compute_dtype(cfg: KeelConfig) -> torch.dtype:
-    """The policy's compute dtype on the device the run resolves to (the CPU where that fails:
-    the device check reports it)."""
-    from keel.models.load import resolve_device, resolve_dtype
-
-    try:
-        device = resolve_device(cfg.trainer.device)
-    except KeelError:
-        device = torch.device("cpu")
-    return resolve_dtype(cfg.actor_rollout_ref.model.dtype, device)
 
 
 def teacher_dtype(cfg: KeelConfig, compute_dtype: torch.dtype) -> torch.dtype:
