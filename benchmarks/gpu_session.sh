@@ -38,6 +38,8 @@
 #                                                 multiprocess), then d1 with a reference pass each step as TRL's
 #   bash benchmarks/gpu_session.sh distill        issue 48: the distillation GPU tests (SKIP_TESTS=1: none), then o1
 #                                                 (1.5B shapes teaching 0.5B at t1's batch) with reverse_kl, then gkd
+#   bash benchmarks/gpu_session.sh quickstart     issue 48: the quick-start's GRPO for 3 steps as it is and with one
+#                                                 part swapped each time (QUICK_VARIANTS: "name overrides" lines)
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -266,6 +268,24 @@ for line in open(sys.argv[1]):
 PY
 }
 
+quickstart() {  # issue 48: the quick-start on one GPU (it stopped at step 2 with a NaN gradient at c072db3):
+    # each variant 3 steps without validation or saving, then the README's runs (QUICK_README=1)
+    python3 examples/quickstart/prepare.py > /dev/null
+    local base="trainer.total_training_steps=3 trainer.test_freq=-1 trainer.save_freq=-1"
+    local name args
+    while read -r name args; do
+        (( SECONDS > ${QUICK_UNTIL:-480} )) && { echo "$name: skipped, the call's time is spent"; continue; }
+        timeout 150 python3 -m keel train examples/quickstart/grpo.yaml $base trainer.experiment_name=$name $args \
+            > "$OUT/quick_$name.log" 2>&1
+        echo "$name ($args): exit $? | $(grep -E '^(step [0-9]|error)' "$OUT/quick_$name.log" | tail -2 | cut -c1-220 | tr '\n' ' ')"
+    done <<< "${QUICK_VARIANTS:-base
+eager actor_rollout_ref.rollout.enforce_eager=true
+nocompile actor_rollout_ref.actor.use_torch_compile=false
+hf actor_rollout_ref.rollout.name=hf
+fp32 actor_rollout_ref.model.dtype=float32
+lowlr actor_rollout_ref.actor.optim.lr=3e-4}"
+}
+
 summary() {
     local records=("$OUT"/bench*.jsonl)
     [ -e "${records[0]}" ] || { echo "no records in $OUT yet"; return; }
@@ -282,4 +302,4 @@ PY
 }
 
 "$part" "${@:2}"
-[ "$part" = summary ] || [ "$part" = dpo ] || [ "$part" = distill ] || summary
+[ "$part" = summary ] || [ "$part" = dpo ] || [ "$part" = distill ] || [ "$part" = quickstart ] || summary

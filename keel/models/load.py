@@ -269,7 +269,21 @@ def autocast(device: torch.device, dtype: torch.dtype):
     are not rounded away (bf16 weights lose most updates at RL learning rates such as 1e-6)."""
     if dtype == torch.float32:
         return nullcontext()
+    if device.type == "cuda":
+        avoid_cudnn_attention()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def avoid_cudnn_attention() -> None:
+    """Attention through flash or memory-efficient kernels, never cuDNN's, in every pass that may
+    train in half precision.
+
+    Since torch 2.11 cuDNN is the default SDPA backend on H100 and H200, and its backward returns
+    NaN in dQ when a mask is passed, the length is 64 more than a multiple of 128 and a row's
+    logsumexp is below -88.7 (pytorch#196678; trl#7181 met it in DPO). keel always passes a padding
+    mask, and the quick-start's GRPO stopped at step 2 with KEEL-T001 on its 64-token batch. The
+    other kernels are exact there, and were torch's choice before 2.11."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def load_causal_lm(
