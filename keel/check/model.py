@@ -184,13 +184,18 @@ def check_positions(cfg: KeelConfig, model_cfg, whose: str, other: str) -> tuple
     return budget, limit
 
 
-def compute_dtype(cfg: KeelConfig) -> torch.dtype:
-    """The policy's compute dtype on the device the run resolves to (the CPU where that fails:
-    the device check reports it)."""
-    from keel.models.load import resolve_device, resolve_dtype
+def run_device(cfg: KeelConfig) -> torch.device:
+    """The device the run resolves to (the CPU where that fails: the device check reports it)."""
+    from keel.models.load import resolve_device
 
     try:
-        device = resolve_device(cfg.trainer.device)
+        return resolve_device(cfg.trainer.device)
     except KeelError:
-        device = torch.device("cpu")
-    return resolve_dtype(cfg.actor_rollout_ref.model.dtype, device)
+        return torch.device("cpu")
+
+
+def compute_dtype(cfg: KeelConfig) -> torch.dtype:
+    """The policy's compute dtype on the device the run resolves to."""
+    from keel.models.load import resolve_dtype
+
+    return resolve_dtype(cfg.actor_rollout_ref.model.dtype, run_device(cfg))

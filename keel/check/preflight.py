@@ -20,7 +20,7 @@ from keel.check.model import check_model, check_tokenizer
 from keel.check.multi_turn import check_multi_turn
 from keel.check.resources import check_memory, check_sharding, check_workers
 from keel.check.reward import check_reward, sandbox_finding  # noqa: F401 (sandbox_finding: tests)
-from keel.check.teacher import check_teacher
+from keel.check.teacher import check_teacher, dtype_words
 from keel.config.plan import Plan, make_plan, plan_of
 from keel.config.schema import KeelConfig
 from keel.errors import (
@@ -229,15 +229,13 @@ def audit(cfg: KeelConfig, context: dict) -> dict[str, str]:
 
 def _teacher_decision(cfg: KeelConfig, dtype) -> str:
     """The teacher's dtype and place, as keel loads it."""
-    t = cfg.distillation.teacher
-    name = str(dtype).removeprefix("torch.")
-    why = " (dtype auto: the student's compute dtype)" if t.dtype == "auto" else ""
     where = (
         f"on a pool of its own, {cfg.pools['teacher']} workers"
         if "teacher" in cfg.pools
         else "beside the policy"
     )
-    return f"{name}{why}, {where}; frozen, {cfg.distillation.mode}"
+    dtype_text = dtype_words(cfg.distillation.teacher, dtype)
+    return f"{dtype_text}, {where}; frozen, {cfg.distillation.mode}"
 
 
 def _verl_decisions(lines: list[str]) -> dict[str, str]:

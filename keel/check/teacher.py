@@ -12,11 +12,12 @@ from typing import Any
 import torch
 
 from keel.check.findings import PASS, WARN, Finding, need
-from keel.check.model import check_positions, compute_dtype
+from keel.check.model import check_positions, compute_dtype, run_device
 from keel.config.schema import KeelConfig
 from keel.errors import (
     INCOMPATIBLE_OPTIONS,
     MODEL_PATH,
+    TEACHER_FLOAT8,
     TEACHER_VOCAB,
     VOCAB_MISMATCH,
     KeelError,
@@ -72,6 +73,7 @@ def check_teacher(cfg: KeelConfig, context: dict) -> list[Finding]:
     check_positions(cfg, model_cfg, "teacher", "use a teacher with a longer context")
     parameters, weights, unmatched = _weights(path, model_cfg, t.trust_remote_code)
     dtype = teacher_dtype(cfg, compute_dtype(cfg))
+    _check_float8(cfg)
     context["teacher"] = TeacherModel(path, model_cfg, parameters, dtype)
     if unmatched:
         from keel.errors import WEIGHTS_BROKEN
@@ -82,14 +84,31 @@ def check_teacher(cfg: KeelConfig, context: dict) -> list[Finding]:
         if "teacher" in cfg.pools
         else "beside the policy"
     )
-    dtype_name = str(dtype).removeprefix("torch.")
-    why = " (auto: the student's compute dtype)" if t.dtype == "auto" else ""
     summary = (
-        f"{path}: {model_cfg.model_type}, {count(parameters)} parameters, {dtype_name}{why}, "
+        f"{path}: {model_cfg.model_type}, {count(parameters)} parameters, {dtype_words(t, dtype)}, "
         f"{where}; the student's tokenizer ({len(student)} tokens, EOS {student.eos_token!r}); "
         f"weights: {weights}"
     )
     return [Finding(PASS, "teacher", summary)] + found
+
+
+def dtype_words(t, dtype: torch.dtype) -> str:
+    """The teacher's dtype as keel loads it, and why (distillation.teacher `t`)."""
+    if t.dtype == "float8":
+        return "float8 (its decoder layers' matmuls, torchao; the rest bfloat16)"
+    why = " (auto: the student's compute dtype)" if t.dtype == "auto" else ""
+    return str(dtype).removeprefix("torch.") + why
+
+
+def _check_float8(cfg: KeelConfig) -> None:
+    """A float8 teacher where torchao and float8 tensor cores are, or KEEL-M011."""
+    from keel.models.float8 import float8_unavailable
+
+    if cfg.distillation.teacher.dtype != "float8":
+        return
+    unavailable = float8_unavailable(run_device(cfg))
+    if unavailable:
+        raise KeelError(TEACHER_FLOAT8, f"distillation.teacher.dtype=float8: {unavailable}")
 
 
 def count(parameters: int) -> str:
@@ -249,4 +268,7 @@ def teacher_dtype(cfg: KeelConfig, compute_dtype: torch.dtype) -> torch.dtype:
     from keel.models.load import resolve_dtype
 
     name = cfg.distillation.teacher.dtype
+    if name == "float8":
+        # its decoder layers' weights, which are nearly all of it
+        return torch.float8_e4m3fn
     return compute_dtype if name == "auto" else resolve_dtype(name, torch.device("cpu"))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from keel.config.fields import LogProbBatching, ResourcePool, opt
 
 DISTILL_MODES = ("reverse_kl", "gkd")
-TEACHER_DTYPES = ("auto", "bfloat16", "float32")
+TEACHER_DTYPES = ("auto", "bfloat16", "float32", "float8")
 # k1 and k3 (and their verl names): each advantage's expected gradient is known (the help says
 # which); abs and k2 (mse) follow no divergence's, so the run would learn something unsaid
 REVERSE_KL_ESTIMATORS = ("k1", "k3", "kl", "low_var_kl")
@@ -28,7 +28,9 @@ class TeacherConfig(LogProbBatching, ResourcePool):
         "auto",
         choices=TEACHER_DTYPES,
         help="the frozen teacher's weights; auto: the student's compute dtype (bfloat16 on GPU, "
-        "float32 on CPU)",
+        "float32 on CPU); float8: its decoder layers' matmuls in float8 with a scale per row "
+        "(torchao; GPUs of compute capability 8.9 or later), the rest in bfloat16, the teacher "
+        "whole on each worker",
     )
     trust_remote_code: bool = opt(False)
 

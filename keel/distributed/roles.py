@@ -5,6 +5,7 @@ RoleWorker (worker.py) holds what they build."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -13,6 +14,8 @@ import torch
 from keel.distributed.fsdp import full_parameters
 from keel.distributed.parallelize import parallelize
 from keel.distributed.rollout_worker import Generator, generator_around
+from keel.errors import TEACHER_FLOAT8, KeelError
+from keel.models.float8 import float8_unavailable, quantize_layers_float8
 from keel.models.load import can_compile, load_causal_lm, load_critic, resolve_dtype
 from keel.models.lora import adapter_weights, apply_lora, frozen_base, plan_lora, trained_in_full
 from keel.rollout.base import RolloutEngine
@@ -152,11 +155,17 @@ class RoleBuilder:
         frozen in its dtype, compiled and sharded as the reference is."""
         distillation = self.spec.distillation
         t = distillation.teacher
-        dtype = self.compute_dtype if t.dtype == "auto" else resolve_dtype(t.dtype, self.device)
-        model = load_causal_lm(
-            t.path, self.device, t.trust_remote_code, dtype=dtype, key="distillation.teacher.path"
-        )
-        model, placement = self._prepare_model(model, self.spec.policy.ref.fsdp_config, "teacher")
+        fsdp_cfg = self.spec.policy.ref.fsdp_config
+        if t.dtype == "float8":
+            model = float8_teacher(t, self.device)
+            # whole on each worker: FSDP does not shard torchao's float8 weights
+            fsdp_cfg = dataclasses.replace(fsdp_cfg, fsdp_size=1)
+        else:
+            dtype = self.compute_dtype if t.dtype == "auto" else resolve_dtype(t.dtype, self.device)
+            model = load_causal_lm(
+                t.path, self.device, t.trust_remote_code, dtype=dtype, key=TEACHER_KEY
+            )
+        model, placement = self._prepare_model(model, fsdp_cfg, "teacher")
         return Teacher(
             model,
             log_prob_batching(t),
@@ -233,6 +242,21 @@ class RoleBuilder:
         )
         self.sharding.update(report)
         return model, placement
+
+
+TEACHER_KEY = "distillation.teacher.path"
+
+
+def float8_teacher(t, device: torch.device):
+    """The teacher in bfloat16 with its decoder layers' matmuls in float8, or KEEL-M011 saying why
+    that cannot run here."""
+    unavailable = float8_unavailable(device)
+    if unavailable:
+        raise KeelError(TEACHER_FLOAT8, f"distillation.teacher.dtype=float8: {unavailable}")
+    model = load_causal_lm(
+        t.path, device, t.trust_remote_code, dtype=torch.bfloat16, key=TEACHER_KEY
+    )
+    return quantize_layers_float8(model.eval().requires_grad_(False))
 
 
 def student_vocab(model_cfg) -> int:
