@@ -101,6 +101,23 @@ def test_a_kept_graph_replays_with_updated_weights(tmp_path):
     assert not torch.equal(second.response_ids, first.response_ids)
 
 
+def test_a_kept_cache_captures_again_for_other_sampling_settings(tmp_path):
+    """Validation's settings, then training's, then validation's again on one kept cache: each
+    change drops the graphs and captures new ones (once, into a pool that had no graph left, this
+    failed torch's allocator), and the last call equals the first."""
+    from keel.models.tiny import make_tiny_model
+
+    model, tokenizer, prompts = setup(
+        make_tiny_model(tmp_path / "m", hidden_size=128, num_layers=4), n=3, init_std=0.2
+    )
+    greedy = SamplingParams(do_sample=False, max_new_tokens=40, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.7, max_new_tokens=40, ignore_eos=True)
+    kept = NativeRolloutEngine(model, tokenizer, 256, torch.bfloat16, free_cache_engine=False)
+    first = kept.generate(prompts, greedy)
+    assert kept.generate(prompts, sampled).response_ids.shape == first.response_ids.shape
+    assert torch.equal(kept.generate(prompts, greedy).response_ids, first.response_ids)
+
+
 def test_lora_adapters_unmerged_in_the_graph_equal_eager_and_the_merged_model(tmp_path):
     """One copy of the base on the GPU: the compiled, graph-captured step applies the adapters
     unmerged on the trainer's own base (views of the engine's buffers), and a kept graph reads

@@ -92,12 +92,16 @@ class DecodeState:
         self.scratch = shape[0]
         # bucket -> (row table, pad, its step)
         self.graphs: dict[int, tuple[Tensor, Tensor, object]] = {}
-        self.pool = torch.cuda.graph_pool_handle() if runner.use_cuda_graphs else None
+        self.pool = self._new_pool()
         self.params: SamplingParams | None = None
         # the bucket and rows the tables were last filled with
         self.table: tuple | None = None
         # tokens prefilled over the rows' life
         self.prefilled = 0
+
+    def _new_pool(self):
+        """A private memory pool for CUDA graphs to be captured into."""
+        return torch.cuda.graph_pool_handle() if self.runner.use_cuda_graphs else None
 
     def reset(self) -> None:
         """No turn under way (kept rows, reused by the next call)."""
@@ -113,6 +117,10 @@ class DecodeState:
         sampling = dataclasses.replace(params, n=1, max_new_tokens=1)
         if sampling != self.params:
             self.params, self.graphs, self.table = sampling, {}, None
+            # New graphs go to a new pool. The dropped graphs' pool lives on while a tensor made in
+            # it does, with no graph using it, and capturing into it then fails torch's allocator
+            # (`use_count > 0` INTERNAL ASSERT): validation's settings, then training's.
+            self.pool = self._new_pool()
 
     def prefill(self, items: list[tuple[int, int, list[int], object]]) -> Tensor:
         """The prefill of each (row, start, tokens, group): the rows that begin one group's same
