@@ -245,12 +245,13 @@ class OpenEnvAgent:
         return answer.choices[0].message.model_dump(exclude_none=True)
 
     def probe(self, timeout_s: float = 30.0) -> str:
-        """One reset (and its tools listed) on a session of its own (`keel check`) -> what it
-        offers, said with the OpenEnv in use; KEEL-C024 when the server does not answer."""
+        """One reset, its state (and its tools listed) on a session of its own (`keel check`) ->
+        what it offers, said with the OpenEnv in use; KEEL-C024 when the server does not answer."""
 
         async def reset() -> list[str]:
             async with self.client_class(base_url=self.base_url) as env:
                 await env.reset()
+                await env.state()
                 if not self.tools_offered:
                     return []
                 listed = await env.step(self.core.ListToolsAction())
@@ -261,7 +262,7 @@ class OpenEnvAgent:
         # refused, timed out, a server error or malformed tools: each named
         except Exception as error:  # noqa: BLE001
             reason = (
-                f"its server at {self.base_url} did not answer a reset"
+                f"its server at {self.base_url} did not answer a reset and its state"
                 f"{' and ListToolsAction' if self.tools_offered else ''}: "
                 f"{type(error).__name__}: {error}"
             )
