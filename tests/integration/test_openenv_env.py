@@ -173,6 +173,16 @@ def test_openenv_environment_errors_name_the_cause(openenv_server):
             {"base_url": openenv_server, "action_field": "text"},
             "has no field 'text'",
         ),
+        (
+            "keel_guess_env:GuessEnv",
+            {"base_url": openenv_server, "step_timeout_s": "soon"},
+            "step_timeout_s='soon' is not a number > 0",
+        ),
+        (
+            "keel_guess_env:GuessEnv",
+            {"base_url": openenv_server, "max_tool_chars": 0},
+            "max_tool_chars=0 is not a number > 0",
+        ),
     ]:
         with pytest.raises(KeelError) as refused:
             load_openenv_agent(name, args)

@@ -86,6 +86,12 @@ def load_openenv_agent(name: str, args: dict) -> OpenEnvAgent:
             else "environment_args.base_url is not set"
         )
         raise environment_error(spec, f"{reason} (an OpenEnv environment takes {', '.join(ARGS)})")
+    for key, kind in (("step_timeout_s", (int, float)), ("max_tool_chars", int)):
+        value = args.get(key)
+        if value is not None and not (
+            isinstance(value, kind) and not isinstance(value, bool) and value > 0
+        ):
+            raise environment_error(spec, f"environment_args.{key}={value!r} is not a number > 0")
     core, _ = openenv_core()
     if core is None:
         raise environment_error(spec, "openenv is not installed (pip install 'keel[openenv]')")
