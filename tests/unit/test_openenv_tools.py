@@ -101,3 +101,23 @@ def test_step_rewards_are_finite_numbers_or_the_environments_fault():
     for reward in (float("nan"), float("inf"), "1.0", True, [1]):
         with pytest.raises(EnvironmentFault, match="not a finite number"):
             step_reward(reward)
+
+
+def test_keel_check_names_the_openenv_in_use_old_or_new(monkeypatch):
+    from importlib import metadata
+
+    from keel.rollout.agent.external.openenv_env import openenv_version
+
+    pytest.importorskip("openenv.core")
+    installed = {"openenv-core": "0.3.0"}
+
+    def version(dist):
+        if dist not in installed:
+            raise metadata.PackageNotFoundError(dist)
+        return installed[dist]
+
+    monkeypatch.setattr(metadata, "version", version)
+    assert openenv_version().startswith("openenv-core 0.3.0 (its openenv.core API")
+    installed["openenv"] = "0.10.0"
+    # where both are installed, the new package is the one `openenv` imports
+    assert openenv_version() == "openenv 0.10.0 (its openenv.core API, with MCP tools)"
