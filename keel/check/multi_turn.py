@@ -79,10 +79,12 @@ def _check_agent(cfg: KeelConfig) -> Finding:
     if agent.environment:
         # KEEL-C024 when the library, the environment or its class is not there
         loaded = load_environment_agent(agent)
-        # an environment served elsewhere (OpenEnv's): it answers
-        if hasattr(loaded, "probe"):
-            loaded.probe()
+        # an environment served elsewhere (OpenEnv's): it answers, and says which library
+        # version and tools are in use
+        served = loaded.probe() if hasattr(loaded, "probe") else None
         by = f"the environment {agent.environment} (its reward: the environment's)"
+        if served:
+            by = f"the environment {agent.environment} ({served}; its reward: the environment's)"
     else:
         # KEEL-C023 when it is not an async def there
         load_agent_function(agent.function)

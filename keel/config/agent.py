@@ -67,13 +67,16 @@ class AgentConfig:
         "endpoint: verifiers:NAME (a verifiers environment package, loaded with "
         "verifiers.load_environment; its dataset is the prompts when data.train_files is "
         "empty, its rubric the reward) or openenv:module:ClientClass (an OpenEnv "
-        "environment's client; its step rewards summed are the reward)",
+        "environment's client, e.g. openenv.core:MCPToolClient, whose MCP tools the model "
+        "calls; its step rewards summed are the reward)",
     )
     environment_args: dict = opt(
         factory=dict,
         help="keel: verifiers: the keyword arguments of the environment's load_environment; "
         "openenv: base_url (its server), action_field and observation_field (the text "
-        "fields, found when there is one), max_turns, max_tokens (a turn's)",
+        "fields, found when there is one), max_turns, max_tokens (a turn's), step_timeout_s "
+        "(a reset, step or tool call; default 60), max_tool_chars (a tool result the model is "
+        "shown; default 4096)",
     )
     host: str = opt(
         "127.0.0.1", help="keel: where the endpoint listens (loopback: only this machine's agents)"
