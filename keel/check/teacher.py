@@ -95,13 +95,13 @@ def check_teacher(cfg: KeelConfig, context: dict) -> list[Finding]:
 def dtype_words(t, dtype: torch.dtype) -> str:
     """The teacher's dtype as keel loads it, and why (distillation.teacher `t`)."""
     if t.dtype == "float8":
-        return "float8 (its decoder layers' matmuls, torchao; the rest bfloat16)"
+        return "float8 (its decoder layers' matmuls; the rest bfloat16)"
     why = " (auto: the student's compute dtype)" if t.dtype == "auto" else ""
     return str(dtype).removeprefix("torch.") + why
 
 
 def _check_float8(cfg: KeelConfig) -> None:
-    """A float8 teacher where torchao and float8 tensor cores are, or KEEL-M011."""
+    """A float8 teacher where float8 tensor cores are, or KEEL-M011."""
     from keel.models.float8 import float8_unavailable
 
     if cfg.distillation.teacher.dtype != "float8":

@@ -29,7 +29,7 @@ class TeacherConfig(LogProbBatching, ResourcePool):
         choices=TEACHER_DTYPES,
         help="the frozen teacher's weights; auto: the student's compute dtype (bfloat16 on GPU, "
         "float32 on CPU); float8: its decoder layers' matmuls in float8 with a scale per row "
-        "(torchao; GPUs of compute capability 8.9 or later), the rest in bfloat16, the teacher "
+        "(GPUs of compute capability 8.9 or later), the rest in bfloat16, the teacher "
         "whole on each worker",
     )
     trust_remote_code: bool = opt(False)

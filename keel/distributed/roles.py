@@ -158,7 +158,7 @@ class RoleBuilder:
         fsdp_cfg = self.spec.policy.ref.fsdp_config
         if t.dtype == "float8":
             model = float8_teacher(t, self.device)
-            # whole on each worker: FSDP does not shard torchao's float8 weights
+            # whole on each worker: its float8 weights are buffers, which FSDP does not shard
             fsdp_cfg = dataclasses.replace(fsdp_cfg, fsdp_size=1)
         else:
             dtype = self.compute_dtype if t.dtype == "auto" else resolve_dtype(t.dtype, self.device)

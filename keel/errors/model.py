@@ -116,12 +116,12 @@ TEACHER_VOCAB = register(
 TEACHER_FLOAT8 = register(
     "KEEL-M011",
     "A float8 teacher cannot run here",
-    "distillation.teacher.dtype=float8 runs the teacher's decoder layers as float8 matmuls "
-    "(torchao's e4m3 weights and activations, a scale per row). Those need torchao installed and "
-    "a CUDA GPU with float8 tensor cores (compute capability 8.9 or later: L4, L40S, H100, H200, "
-    "B200); keel would otherwise have to run them some slower way than the setting promises.",
-    "Install torchao (`pip install 'keel[fp8]'`) and run on such a GPU, or set "
-    "`distillation.teacher.dtype=auto` (the student's compute dtype, bfloat16 on a GPU).",
+    "distillation.teacher.dtype=float8 runs the teacher's decoder layers as float8 matmuls (e4m3 "
+    "weights and activations, a scale per row). Those need a CUDA GPU with float8 tensor cores "
+    "(compute capability 8.9 or later: L4, L40S, H100, H200, B200); elsewhere they would run "
+    "slower than the bfloat16 they replace.",
+    "Run on such a GPU, or set `distillation.teacher.dtype=auto` (the student's compute dtype, "
+    "bfloat16 on a GPU).",
     ("distillation.teacher.dtype",),
 )
 

@@ -121,9 +121,8 @@ def test_the_teachers_log_probs_are_a_plain_forwards_in_bf16(tiny_config, tmp_pa
 
 
 def test_a_float8_teachers_log_probs_are_near_a_plain_forwards(tiny_config, tmp_path, monkeypatch):
-    """torchao's float8 decoder layers (3 mantissa bits, a scale per row) against float32: a
+    """keel's float8 decoder layers (3 mantissa bits, a scale per row) against float32: a
     coarser score than bf16's, unbiased."""
-    pytest.importorskip("torchao")
     keel_pass, plain = teacher_pass_and_plain_forward(
         tiny_config, tmp_path, monkeypatch, "cuda", "float8"
     )
