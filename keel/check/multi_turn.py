@@ -82,7 +82,10 @@ def _check_agent(cfg: KeelConfig) -> Finding:
         # an environment served elsewhere (OpenEnv's): it answers
         if hasattr(loaded, "probe"):
             loaded.probe()
-        by = f"the environment {agent.environment} (its reward: the environment's)"
+        # which library API and version runs it (verifiers: classic or v1)
+        api = getattr(loaded, "api", None)
+        by = f"the environment {agent.environment} ({api + '; ' if api else ''}its reward: the "
+        by += "environment's)"
     else:
         # KEEL-C023 when it is not an async def there
         load_agent_function(agent.function)

@@ -64,6 +64,7 @@ class OpenAIEndpoint:
         self.traces_lock = threading.Lock()
         self.prompts = PromptReader(service, tokenizer)
         self.generate_reader = GenerateReader(service, len(tokenizer))
+        self.tokenizer_path = str(getattr(tokenizer, "name_or_path", "") or "")
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -114,9 +115,10 @@ class OpenAIEndpoint:
     async def models(self, request: Request):
         if not self._authorised(request):
             return error_response("a bearer token is required", 401)
-        return JSONResponse(
-            {"object": "list", "data": [{"id": "keel", "object": "model", "owned_by": "keel"}]}
-        )
+        # root: the policy's tokenizer, as vLLM names its model's (clients that render prompts to
+        # token ids themselves, verifiers' TrainClient, load it from there)
+        card = {"id": "keel", "object": "model", "owned_by": "keel", "root": self.tokenizer_path}
+        return JSONResponse({"object": "list", "data": [card]})
 
     async def chat(self, request: Request):
         return await self._handle(request, self.prompts.chat_prompt, chat=True)
