@@ -76,8 +76,9 @@ class AgentConfig:
         help="keel: verifiers v1: verifiers' env config (taskset: the taskset's own config, "
         "agent: its harness and runtime, a local subprocess by default, timeout, ...) and "
         "keel's client (train: token ids through /inference/v1/generate, token-exact, the "
-        "default; eval: chat completions) and renderer (verifiers' TrainClient's renderer "
-        "config, default its default renderer); classic verifiers: the keyword arguments of the "
+        "default; eval: chat completions, where keel continues a conversation's tokens) and "
+        "renderer (verifiers' TrainClient's renderer config, e.g. {name: qwen3}; default auto); "
+        "classic verifiers: the keyword arguments of the "
         "environment's load_environment; "
         "openenv: base_url (its server), action_field and observation_field (the text "
         "fields, found when there is one), max_turns, max_tokens (a turn's)",

@@ -176,6 +176,18 @@ def test_an_environment_whose_episode_is_malformed_is_not_scored(tiny_assets, pa
     assert all("not an Episode" in o.error and o.reward is None for o in outcomes)
 
 
+def test_a_multi_turn_episode_through_chat_continues_the_sampled_tokens(tiny_assets, packages):
+    args = {
+        "client": "eval",
+        "taskset": {"tasks": 2},
+        "agent": {"harness": {"id": "keel-count-v1", "turns": 2, "max_tokens": 4}},
+    }
+    _, outcomes, traces = run_samples(tiny_assets, args, "keel-count-v1")
+    assert [o.status for o in outcomes] == ["ok", "ok"]
+    # both turns one stretch: keel's chat continuation, never the answer encoded again
+    assert [(t.requests, t.prefix_breaks) for t in traces.values()] == [(2, 0), (2, 0)]
+
+
 def test_v1_loader_errors_name_the_cause(packages):
     from keel.rollout.agent.external.verifiers_env import load_verifiers_agent
 

@@ -5,8 +5,11 @@ playing the task against keel's engine, and the Episode's reward and metrics are
 
 The model calls reach keel's endpoint through the verifiers client `environment_args.client` names:
 `train` (default) verifiers' TrainClient, which renders the prompt itself and calls keel's
-token-level `/inference/v1/generate`, so the trace is the exact tokens, never re-tokenised; `eval`
-its EvalClient, which forwards chat requests to `/v1/chat/completions`. The Episode runs on an event
+token-level `/inference/v1/generate`, so the trace is the exact tokens, never re-tokenised (a later
+turn continues them where its renderer bridges turns, Qwen3's and the like; one that renders each
+turn whole, the default renderer, may not: a prefix break, counted); `eval` its EvalClient, which
+forwards chat requests to `/v1/chat/completions`, where keel continues a conversation's sampled
+tokens itself. The Episode runs on an event
 loop of its own (a thread), so an environment that blocks its loop costs its samples their
 timeout (`agent.timeout_s`), never the step.
 
@@ -121,11 +124,10 @@ class VerifiersV1Agent:
         # the sample is the model's name: keel's endpoint keeps each sample's trace by it
         if self.client == "eval":
             return vf.ModelContext(sample, vf.EvalClientConfig(**common))
-        from renderers.configs import DefaultRendererConfig
-
-        renderer = self.renderer if self.renderer is not None else DefaultRendererConfig()
+        # renderer None: verifiers' auto (the model's own renderer where `renderers` knows it by
+        # name, else one that renders each turn whole)
         config = vf.TrainClientConfig(
-            **common, renderer=renderer, renderer_model_name=self._tokenizer_path
+            **common, renderer=self.renderer, renderer_model_name=self._tokenizer_path
         )
         return vf.ModelContext(sample, config)
 
