@@ -39,12 +39,15 @@ class FaultyTask(vf.Task[CountData, vf.State, vf.TaskConfig]):
             return float("nan")
         if fault == "text":
             return "high"
+        if fault == "empty":
+            # keyed scores, none of them: no reward recorded
+            return {}
         return 1.0
 
 
 class FaultyTaskset(vf.Taskset[FaultyTask, vf.TasksetConfig]):
     def load(self):
-        for fault in ("raise", "hang", "nan", "text", "fine"):
+        for fault in ("raise", "hang", "nan", "text", "empty", "fine"):
             yield FaultyTask(CountData(prompt=fault), self.config.task)
 
 
@@ -158,6 +161,7 @@ def test_faults_of_an_environment_are_samples_not_scored_never_zeros(tiny_assets
         "raise": ("error", "the judge fell over"),
         "nan": ("error", "nan"),
         "text": ("error", "high"),
+        "empty": ("error", "recorded no reward"),
         # keel's agent.timeout_s: the sample's, never the step's
         "hang": ("timeout", None),
     }
@@ -166,7 +170,7 @@ def test_faults_of_an_environment_are_samples_not_scored_never_zeros(tiny_assets
         assert outcome.status == status and outcome.reward is None, (fault, outcome)
         assert message is None or message in outcome.error, (fault, outcome)
     # each sample's model call reached keel's engine under its own name
-    assert len(traces) == 5 and all(t.prefix_breaks == 0 for t in traces.values())
+    assert len(traces) == 6 and all(t.prefix_breaks == 0 for t in traces.values())
 
 
 def test_an_environment_whose_episode_is_malformed_is_not_scored(tiny_assets, packages):

@@ -185,6 +185,9 @@ def episode_outcome(episode) -> Outcome:
             if isinstance(value, (int, float)) and math.isfinite(value):
                 metrics.setdefault(key, []).append(float(value))
     means = {key: sum(values) / len(values) for key, values in metrics.items()}
+    if not any(t.rewards for t in traces):
+        # verifiers sums no rewards to 0.0: a sample nothing scored is not one scored zero
+        return Outcome(status="error", error="the episode recorded no reward", metrics=means)
     unscored = [k for t in traces for k, r in t.rewards.items() if r is None]
     if unscored:
         return Outcome(
