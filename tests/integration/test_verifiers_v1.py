@@ -200,6 +200,7 @@ def test_v1_loader_errors_name_the_cause(packages):
         ("keel-count-v1", {"taskset": {"tasks": "many"}}, "tasks"),
         ("keel-count-v1", {"client": "vllm"}, "environment_args.client='vllm'"),
         ("keel-count-v1", {"taskset": [1]}, "must be mappings"),
+        ("keel-count-v1", {"renderer": {"name": "no-such"}}, "environment_args.renderer"),
     ]:
         with pytest.raises(KeelError) as refused:
             load_verifiers_agent(name, args)

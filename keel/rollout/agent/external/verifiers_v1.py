@@ -30,7 +30,8 @@ from keel.rollout.agent.external.outcome import Outcome, environment_error
 
 # extra_info's key holding the task's wire data
 DATA_KEY = "verifiers"
-# environment_args keys keel reads; the rest are verifiers' EnvConfig's own (taskset, agent, ...)
+# environment_args.client: which verifiers client reaches keel's endpoint (keel reads it and
+# environment_args.renderer; the rest is verifiers' EnvConfig's own: taskset, agent, timeout, ...)
 CLIENTS = ("train", "eval")
 
 
@@ -45,6 +46,11 @@ def load_v1_agent(name: str, args: dict) -> VerifiersV1Agent:
     renderer = args.pop("renderer", None)
     if client not in CLIENTS:
         raise environment_error(spec, f"environment_args.client={client!r} is not one of {CLIENTS}")
+    try:
+        # the renderer config, checked before any sample needs it
+        vf.TrainClientConfig(api_key_var="KEEL_ENDPOINT_KEY", renderer=renderer)
+    except Exception as error:  # noqa: BLE001 - pydantic's, said whole
+        raise environment_error(spec, f"environment_args.renderer is not one: {error}") from None
     taskset = args.pop("taskset", {})
     agent = args.pop("agent", {})
     if not isinstance(taskset, dict) or not isinstance(agent, dict):
@@ -86,6 +92,11 @@ class VerifiersV1Agent:
         in extra_info. None for val: a taskset has one split (data.val_files gives one)."""
         if split != "train":
             return None
+        if not self.env.taskset.bounded:
+            raise environment_error(
+                f"verifiers:{self.name}",
+                "its taskset is infinite: keel reads a taskset's tasks as the prompts",
+            )
         return [
             {
                 "prompt": _messages(task.data),
