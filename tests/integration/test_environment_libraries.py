@@ -88,6 +88,8 @@ def test_a_verifiers_environment_trains_on_its_own_dataset_and_rubric(
     del cfg["data"]["train_files"], cfg["data"]["val_files"]
     (finding,) = [f for f in run_checks(*load_run(cfg)).findings if f.check == "agent"]
     assert finding.level == "pass" and verifiers_package in finding.message
+    # which of verifiers' APIs runs it
+    assert "classic API" in finding.message
     steps = run_metrics(cfg)
     assert len(steps) == 2
     # 4 prompts x 4 samples, each episode two turns
