@@ -170,3 +170,19 @@ def test_generate_wants_the_token_and_a_budget_bounds_its_turns(endpoint):
         assert budgeted.traces["tokens-budget"].budget_spent
     finally:
         budgeted.close()
+
+
+def test_ids_past_the_tokenizers_are_taken_back_only_where_the_engine_sampled_them(endpoint):
+    from keel.rollout.agent.external.generate_requests import GenerateReader, RequestError
+    from keel.rollout.agent.external.trace import Trace
+
+    _, _, spy, tokenizer = endpoint
+    vocab = len(tokenizer)
+    reader = GenerateReader(spy, vocab)
+    trace = Trace()
+    # a model's embedding may have rows past its tokenizer's ids, and the engine samples them
+    trace.record([1, 2], [vocab + 2], [-0.5], stopped=False)
+    prompt, _ = reader.prompt({"token_ids": [1, 2, vocab + 2, 5]}, trace)
+    assert prompt == [1, 2, vocab + 2, 5]
+    with pytest.raises(RequestError, match="did not sample"):
+        reader.prompt({"token_ids": [1, 2, vocab + 3]}, trace)

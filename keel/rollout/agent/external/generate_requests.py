@@ -59,7 +59,7 @@ class GenerateReader:
         unknown = sorted(set(body) - TOP_KEYS)
         if unknown:
             raise RequestError(f"unknown keys {unknown}: this endpoint takes {sorted(TOP_KEYS)}")
-        prompt = self._ids(body.get("token_ids"), "token_ids")
+        prompt = self._ids(body.get("token_ids"), "token_ids", _sampled(trace))
         if not prompt:
             raise RequestError("token_ids must be a non-empty list of token ids")
         _, max_len, _ = self.service.shape
@@ -112,17 +112,39 @@ class GenerateReader:
             )
         return limit
 
-    def _ids(self, ids, name: str) -> list[int]:
+    def _ids(self, ids, name: str, sampled=frozenset) -> list[int]:
+        """`ids`, each the tokenizer's or one `sampled()` holds (a model's embedding may have rows
+        past its tokenizer's ids, and the engine may sample them)."""
         if not isinstance(ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in ids
         ):
             raise RequestError(f"{name} must be a list of whole numbers (token ids)")
         outside = [t for t in ids if not 0 <= t < self.vocab]
         if outside:
+            known = sampled()
+            outside = [t for t in outside if t not in known]
+        if outside:
             raise RequestError(
-                f"{name} holds ids outside the vocabulary of {self.vocab}: {outside[:5]}"
+                f"{name} holds ids outside the vocabulary of {self.vocab} that the engine did "
+                f"not sample: {outside[:5]}"
             )
         return list(ids)
+
+
+def _sampled(trace):
+    """-> the ids the engine sampled for this sample so far (read only when needed)."""
+
+    def ids() -> set[int]:
+        if trace is None:
+            return set()
+        return {
+            t
+            for stretch in trace.stretches
+            for t, kept in zip(stretch.ids, stretch.trained)
+            if kept
+        }
+
+    return ids
 
 
 def generate_answer(body: dict, prompt: list[int], completion) -> dict:
