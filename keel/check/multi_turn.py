@@ -82,9 +82,10 @@ def _check_agent(cfg: KeelConfig) -> Finding:
         # an environment served elsewhere (OpenEnv's): it answers, and says which library
         # version and tools are in use
         served = loaded.probe() if hasattr(loaded, "probe") else None
-        by = f"the environment {agent.environment} (its reward: the environment's)"
-        if served:
-            by = f"the environment {agent.environment} ({served}; its reward: the environment's)"
+        # which library API and version runs it (verifiers: classic or v1)
+        api = getattr(loaded, "api", None) or served
+        by = f"the environment {agent.environment} ({api + '; ' if api else ''}its reward: the "
+        by += "environment's)"
     else:
         # KEEL-C023 when it is not an async def there
         load_agent_function(agent.function)

@@ -64,15 +64,23 @@ class AgentConfig:
     environment: str | None = opt(
         None,
         help="keel: an environment library's environment as the rollout, run through the same "
-        "endpoint: verifiers:NAME (a verifiers environment package, loaded with "
-        "verifiers.load_environment; its dataset is the prompts when data.train_files is "
-        "empty, its rubric the reward) or openenv:module:ClientClass (an OpenEnv "
+        "endpoint: verifiers:NAME (a verifiers environment package: with verifiers >= 0.4 a v1 "
+        "taskset loaded by verifiers' own loader, each sample an Episode of its harness, the "
+        "taskset's tasks the prompts; with verifiers <= 0.3 a classic environment loaded with "
+        "verifiers.load_environment, its dataset the prompts; either when data.train_files is "
+        "empty, the environment's reward the reward) or openenv:module:ClientClass (an OpenEnv "
         "environment's client, e.g. openenv.core:MCPToolClient, whose MCP tools the model "
         "calls; its step rewards summed are the reward)",
     )
     environment_args: dict = opt(
         factory=dict,
-        help="keel: verifiers: the keyword arguments of the environment's load_environment; "
+        help="keel: verifiers v1: verifiers' env config (taskset: the taskset's own config, "
+        "agent: its harness and runtime, a local subprocess by default, timeout, ...) and "
+        "keel's client (train: token ids through /inference/v1/generate, token-exact, the "
+        "default; eval: chat completions, where keel continues a conversation's tokens) and "
+        "renderer (verifiers' TrainClient's renderer config, e.g. {name: qwen3}; default auto); "
+        "classic verifiers: the keyword arguments of the "
+        "environment's load_environment; "
         "openenv: base_url (its server), action_field and observation_field (the text "
         "fields, found when there is one), max_turns, max_tokens (a turn's), step_timeout_s "
         "(a reset, step or tool call; default 60), max_tool_chars (a tool result the model is "

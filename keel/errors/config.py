@@ -244,14 +244,17 @@ AGENT_ENVIRONMENT = register(
     "KEEL-C024",
     "rollout.agent.environment cannot be loaded or run",
     "actor_rollout_ref.rollout.agent.environment runs an environment library's environment as the "
-    "rollout: `verifiers:NAME` (a verifiers environment package: verifiers.load_environment(NAME, "
+    "rollout: `verifiers:NAME` (a verifiers environment package: with verifiers >= 0.4 a v1 "
+    "taskset through verifiers' own loader, with <= 0.3 verifiers.load_environment(NAME, "
     "**environment_args)) or `openenv:module:ClientClass` (an OpenEnv environment's client, its "
     "server at environment_args.base_url). The library or the environment is not installed, its "
-    "loader raised, the class is not what the library makes, its action has no one text field to "
-    "put the model's turn in, or its server does not answer.",
+    "loader raised, the class is not what the library makes, environment_args.client or "
+    ".renderer is not one verifiers takes, the taskset is infinite, its action has no one text "
+    "field to put the model's turn in, or its server does not answer.",
     "Install the library (pip install 'keel[verifiers]' or 'keel[openenv]') and the environment's "
     "package, name it as verifiers:NAME or openenv:module:ClientClass, and give what it needs in "
-    "actor_rollout_ref.rollout.agent.environment_args (load_environment's arguments; for OpenEnv "
+    "actor_rollout_ref.rollout.agent.environment_args (verifiers v1: its env config, taskset and "
+    "agent, and client train | eval; classic verifiers: load_environment's arguments; for OpenEnv "
     "base_url, and action_field / observation_field when its action or observation has several "
     "text fields); or unset it, `actor_rollout_ref.rollout.agent.environment=null`.",
     keys=(

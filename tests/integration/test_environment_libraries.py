@@ -44,6 +44,14 @@ def load_environment(questions: int = 8):
 )
 
 
+def classic_verifiers():
+    """verifiers' classic API (<= 0.3); verifiers >= 0.4 has only v1 (test_verifiers_v1.py), and
+    one environment holds one verifiers."""
+    verifiers = pytest.importorskip("verifiers")
+    if not hasattr(verifiers, "load_environment"):
+        pytest.skip(f"verifiers {verifiers.__version__} has no classic API: test_verifiers_v1.py")
+
+
 def run_metrics(cfg: dict) -> list[dict]:
     run_dir = train(cfg).run_dir
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -61,7 +69,7 @@ def library_config(tiny_config: dict, agent: dict) -> dict:
 
 @pytest.fixture
 def verifiers_package(tmp_path, monkeypatch):
-    pytest.importorskip("verifiers")
+    classic_verifiers()
     (tmp_path / "keel_ask_twice.py").write_text(VERIFIERS_ENV)
     monkeypatch.syspath_prepend(str(tmp_path))
     # verifiers' environment id: the module's name with dashes
@@ -79,6 +87,8 @@ def test_a_verifiers_environment_trains_on_its_own_dataset_and_rubric(
     del cfg["data"]["train_files"], cfg["data"]["val_files"]
     (finding,) = [f for f in run_checks(*load_run(cfg)).findings if f.check == "agent"]
     assert finding.level == "pass" and verifiers_package in finding.message
+    # which of verifiers' APIs runs it
+    assert "classic API" in finding.message
     steps = run_metrics(cfg)
     assert len(steps) == 2
     # 4 prompts x 4 samples, each episode two turns
@@ -120,7 +130,7 @@ def test_verifiers_environment_errors_name_the_cause(tiny_config, verifiers_pack
 
 
 def test_the_examples_verifiers_environment_loads_with_its_dataset(monkeypatch):
-    pytest.importorskip("verifiers")
+    classic_verifiers()
     from keel.config.load import load_config
     from keel.rollout.agent.external.library_env import environment_rows, load_environment_agent
 

@@ -1,7 +1,9 @@
 """An OpenAI-compatible endpoint over keel's engine service, for agent code and environment
 libraries written against an OpenAI client: `/v1/chat/completions` and `/v1/completions`
-(streamed or not), `/v1/models`. Starlette serves it under uvicorn, as vLLM's and SGLang's
-servers are served (pydantic-free, so it runs where keel's GPU machines run).
+(streamed or not), `/v1/models`, and the token-level `/inference/v1/generate` (token ids in and
+out, as vLLM's and verifiers' TrainClient's; generate_requests.py). Starlette serves it under
+uvicorn, as vLLM's and SGLang's servers are served (pydantic-free, so it runs where keel's GPU
+machines run).
 
 Every request belongs to a sample, named by the `X-Keel-Sample` header or else the request's
 `model`: the engine keeps the sample's KV cache across its turns and `traces[sample]` records the
@@ -27,6 +29,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from keel.rollout.agent.external.generate_requests import GenerateReader, generate_answer
 from keel.rollout.agent.external.openai_requests import (
     PromptReader,
     RequestError,
@@ -60,11 +63,14 @@ class OpenAIEndpoint:
         # handlers add and record traces; take_traces pickles them elsewhere
         self.traces_lock = threading.Lock()
         self.prompts = PromptReader(service, tokenizer)
+        self.generate_reader = GenerateReader(service, len(tokenizer))
+        self.tokenizer_path = str(getattr(tokenizer, "name_or_path", "") or "")
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/inference/v1/generate", self.generate, methods=["POST"]),
             ]
         )
         self._server = None
@@ -109,9 +115,10 @@ class OpenAIEndpoint:
     async def models(self, request: Request):
         if not self._authorised(request):
             return error_response("a bearer token is required", 401)
-        return JSONResponse(
-            {"object": "list", "data": [{"id": "keel", "object": "model", "owned_by": "keel"}]}
-        )
+        # root: the policy's tokenizer, as vLLM names its model's (clients that render prompts to
+        # token ids themselves, verifiers' TrainClient, load it from there)
+        card = {"id": "keel", "object": "model", "owned_by": "keel", "root": self.tokenizer_path}
+        return JSONResponse({"object": "list", "data": [card]})
 
     async def chat(self, request: Request):
         return await self._handle(request, self.prompts.chat_prompt, chat=True)
@@ -119,7 +126,13 @@ class OpenAIEndpoint:
     async def completions(self, request: Request):
         return await self._handle(request, self.prompts.text_prompt, chat=False)
 
-    async def _handle(self, request: Request, prompt_of, chat: bool):
+    async def generate(self, request: Request):
+        """Token ids in, sampled token ids and their log-probs out; the trace records them as they
+        are."""
+        return await self._handle(request, self.generate_reader.prompt, chat=None)
+
+    async def _handle(self, request: Request, prompt_of, chat: bool | None):
+        """`chat`: True a chat turn, False a text completion, None a token-level generate."""
         if not self._authorised(request):
             return error_response("a bearer token is required", 401)
         if self.in_flight.locked():
@@ -136,7 +149,8 @@ class OpenAIEndpoint:
                     trace = self.traces.setdefault(sample, Trace())
                 # reads the trace: no lock, no tokenizing under one
                 prompt, conversation = prompt_of(body, trace)
-                limit = within_budget(self.budget, self.prompts.limit(body), trace, prompt)
+                limit_of = self.generate_reader.limit if chat is None else self.prompts.limit
+                limit = within_budget(self.budget, limit_of(body), trace, prompt)
                 completion = await asyncio.wrap_future(self.service.submit(sample, prompt, limit))
             except RequestError as error:
                 return error_response(str(error), error.status, error.kind)
@@ -148,6 +162,10 @@ class OpenAIEndpoint:
                 return error_response(str(error), 503)
             except ClientDisconnect:
                 return error_response("the client went away", 400)
+            if chat is None:
+                with self.traces_lock:
+                    trace.record(prompt, completion.ids, completion.log_probs, completion.stopped)
+                return JSONResponse(generate_answer(body, prompt, completion))
             answer = self._answer(completion, chat)
             with self.traces_lock:
                 trace.record(prompt, completion.ids, completion.log_probs, completion.stopped)

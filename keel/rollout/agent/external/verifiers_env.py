@@ -1,5 +1,6 @@
-"""A verifiers environment (`verifiers:NAME`, the classic `verifiers.Environment` API that its
-published environments are written against) as keel's rollout: each sample is the environment's own
+"""A verifiers environment (`verifiers:NAME`) through the API the installed verifiers has: the
+classic `verifiers.Environment` (verifiers <= 0.3) here, the v1 API (verifiers >= 0.4) in
+verifiers_v1.py. The classic one as keel's rollout: each sample is the environment's own
 `rollout`, its model calls made through verifiers' OpenAI chat client at keel's endpoint; each
 prompt's group is scored by the environment's rubric at once (`score_group`: a rubric may compare a
 group's answers), its reward the sample's, its functions' values keel's
@@ -8,13 +9,37 @@ group's answers), its reward the sample's, its functions' values keel's
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import math
 
 from keel.rollout.agent.external.outcome import Outcome, environment_error
+from keel.rollout.agent.external.verifiers_v1 import load_v1_agent
 
 # extra_info's key holding the environment's own dataset row
 DATA_KEY = "verifiers"
+
+
+def load_verifiers_agent(name: str, args: dict):
+    """The agent of `verifiers:NAME` through the API the installed verifiers has: the classic
+    `verifiers.load_environment` (<= 0.3), else `verifiers.v1` (>= 0.4, verifiers_v1.py); loaded
+    once a process (its rows, the check and the rollout read the same one)."""
+    key = ("agent", name, json.dumps(args, sort_keys=True, default=str))
+    if key not in _LOADED:
+        try:
+            import verifiers
+        except ImportError:
+            raise environment_error(
+                f"verifiers:{name}", "verifiers is not installed (pip install 'keel[verifiers]')"
+            ) from None
+        if (
+            hasattr(verifiers, "load_environment")
+            or importlib.util.find_spec("verifiers.v1") is None
+        ):
+            _LOADED[key] = VerifiersAgent(load_verifiers_environment(name, args), name)
+        else:
+            _LOADED[key] = load_v1_agent(name, args)
+    return _LOADED[key]
 
 
 def load_verifiers_environment(name: str, args: dict):
@@ -42,8 +67,8 @@ def _load(name: str, args: dict):
     if load is None:
         raise environment_error(
             spec,
-            f"verifiers {verifiers.__version__} has no classic load_environment (install "
-            "verifiers<0.4)",
+            f"verifiers {verifiers.__version__} has neither the classic load_environment nor "
+            "verifiers.v1 (pip install 'keel[verifiers]')",
         )
     try:
         env = load(name, **args)
@@ -77,8 +102,16 @@ def verifiers_rows(env, name: str, split: str) -> list[dict] | None:
 
 
 class VerifiersAgent:
+    """A classic verifiers Environment's rollout of each sample, scored by its group."""
+
     def __init__(self, env, name: str):
+        import verifiers
+
         self.env, self.name = env, name
+        self.api = f"verifiers {verifiers.__version__}, classic API: {type(env).__name__}"
+
+    def rows(self, split: str) -> list[dict] | None:
+        return verifiers_rows(self.env, self.name, split)
 
     async def run(self, client, row: dict, extra_info: dict):
         """The environment's rollout of this sample's row -> its verifiers State (scored by the
