@@ -290,7 +290,7 @@ NOT_HERE = {
     "KEEL-C023": "the fix is the user's own agent function (an async def at the path named); "
     "tests/integration/test_external_agent.py names a missing one, then the one written",
     "KEEL-C024": "the fix is installing an environment package or naming its own arguments; "
-    "tests/integration/test_environment_libraries.py names missing and broken ones, "
+    "tests/integration/test_verifiers_classic.py names missing and broken ones, "
     "then loads the fixed one",
     "KEEL-M010": "the fix is another teacher, one trained with the student's tokenizer; "
     "tests/unit/test_distill_check.py refuses teachers whose tokenizer differs and takes one "

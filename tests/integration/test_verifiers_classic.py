@@ -1,8 +1,8 @@
-"""Environments of the environment libraries trained unchanged through keel's OpenAI-compatible
-endpoint, end to end on CPU: a verifiers environment (a package built with verifiers' own classes,
-loaded by verifiers.load_environment) trains for two steps through keel.train, and its rewards and
-metrics reach keel's metrics. OpenEnv's tests are test_openenv_env.py's: OpenEnv 0.10 and verifiers
-0.4 cannot share one environment (`make test` runs them under .venv-openenv)."""
+"""verifiers' classic API (<= 0.3) trained unchanged through keel's OpenAI-compatible endpoint,
+end to end on CPU: an environment package built with verifiers' own classes, loaded by
+verifiers.load_environment, trains for two steps through keel.train, and its rewards and metrics
+reach keel's metrics. verifiers 0.4 (v1, test_verifiers_v1.py) has no classic API and pins mcp 2,
+so `make test` runs this file under .venv-openenv, beside OpenEnv's tests."""
 
 import json
 import math
