@@ -96,6 +96,16 @@ class WordRewardClient(MCPToolClient):
         return result
 
 
+class NoRewardClient(MCPToolClient):
+    """A client whose tool results never carry a reward: the environment never judges."""
+
+    def _parse_result(self, payload):
+        result = super()._parse_result(payload)
+        if hasattr(result.observation, "tool_name"):
+            return StepResult(observation=result.observation, reward=None, done=False)
+        return result
+
+
 class NoObservationClient(MCPToolClient):
     """A client whose results carry no observation."""
 
@@ -113,6 +123,7 @@ app = create_app(FaultyEnvironment, CallToolAction, TaskObservation, env_name="f
     [
         ("WordRewardClient", "a step's reward is 'lots', not a finite number"),
         ("NoObservationClient", "an observation is NoneType, not an OpenEnv Observation"),
+        ("NoRewardClient", "gave no reward in 1 step"),
     ],
 )
 def test_malformed_results_end_the_sample_as_an_error(faulty_server, monkeypatch, client, said):

@@ -143,3 +143,24 @@ def test_the_examples_verifiers_environment_loads_with_its_dataset(monkeypatch):
     assert (len(train), len(val)) == (240, 16) and train[0]["extra_info"]["verifiers"][
         "answer"
     ].isdigit()
+
+
+def test_where_verifiers_has_both_apis_each_package_runs_through_its_own(
+    verifiers_package, monkeypatch
+):
+    """verifiers 0.3 has v1 beside its classic names: a package defining the classic
+    load_environment goes to the classic loader, a v1 taskset package (the example's) to v1."""
+    import importlib.util
+
+    import verifiers
+
+    from keel.rollout.agent.external.verifiers_env import classic_api
+
+    assert importlib.util.find_spec("verifiers.v1") is not None, verifiers.__version__
+    monkeypatch.syspath_prepend(
+        str(Path(__file__).parents[2] / "examples" / "agent" / "keel-count-v1")
+    )
+    assert classic_api(verifiers, verifiers_package)
+    assert not classic_api(verifiers, "keel-count-v1")
+    # not importable: the classic loader names the cause, as before v1
+    assert classic_api(verifiers, "no-such-environment")

@@ -186,3 +186,41 @@ def test_ids_past_the_tokenizers_are_taken_back_only_where_the_engine_sampled_th
     assert prompt == [1, 2, vocab + 2, 5]
     with pytest.raises(RequestError, match="did not sample"):
         reader.prompt({"token_ids": [1, 2, vocab + 3]}, trace)
+
+
+def test_settings_that_change_no_token_are_taken(endpoint):
+    """What verifiers' TrainClient and vLLM clients send beside the sampling settings: where a
+    bridged turn's prompt starts (MoE routing replay), no stop ids, no stop strings."""
+    _, url, _, tokenizer = endpoint
+    params = {
+        "max_tokens": 2,
+        "routed_experts_prompt_start": 3,
+        "stop_token_ids": None,
+        "stop": [],
+        "skip_special_tokens": False,
+    }
+    body = {"model": "tokens-neutral", "token_ids": tokenizer.encode("hi")}
+    answered = generate(url, {**body, "sampling_params": params})
+    assert answered.status_code == 200, answered.text
+    assert generate(url, {**body, "sampling_params": {"stop": ["x"]}}).status_code == 400
+
+
+def test_a_prompt_at_the_rollouts_context_reads_as_a_rollout_at_its_length(endpoint):
+    server, url, _, _ = endpoint
+    refused = generate(url, {"model": "tokens-long", "token_ids": [1] * 256})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["type"] == "context_length_exceeded"
+    assert server.traces["tokens-long"].budget_spent
+
+
+def test_json_nested_past_the_parsers_limit_is_refused(endpoint):
+    _, url, _, _ = endpoint
+    root = url.removesuffix("/v1")
+    deep = b"[" * 30_000 + b"]" * 30_000
+    refused = httpx.post(
+        f"{root}/inference/v1/generate",
+        content=deep,
+        headers={"Authorization": f"Bearer {TOKEN}", "content-type": "application/json"},
+        timeout=120,
+    )
+    assert refused.status_code == 400 and "nested too deeply" in refused.json()["error"]["message"]

@@ -19,31 +19,33 @@ from __future__ import annotations
 import math
 import uuid
 
-from keel.rollout.agent.external.openai_requests import SAMPLING_KEYS, RequestError
+from keel.rollout.agent.external.openai_requests import BUDGET_SPENT, SAMPLING_KEYS, RequestError
 
 # top-level keys: the request's own; cache_salt, priority and request_id change no sampled token
 TOP_KEYS = {"model", "token_ids", "sampling_params", "cache_salt", "priority", "request_id"}
-# how the client detokenises: no effect on the tokens sampled
-DETOKENISE_KEYS = {
+# no effect on the tokens sampled: how the client detokenises, and where a bridged turn's prompt
+# starts for the MoE routing replay that verifiers' TrainClient asks of vLLM (keel returns none)
+NO_EFFECT_KEYS = {
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "include_stop_str_in_output",
     "detokenize",
+    "routed_experts_prompt_start",
 }
-# settings the engine does not apply per request: accepted only at the value that changes nothing
+# settings the engine does not apply per request: accepted only at the values that change nothing
 NEUTRAL = {
-    "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "min_p": 0.0,
-    "min_tokens": 0,
-    "seed": None,
-    "stop": None,
-    "prompt_logprobs": None,
-    "ignore_eos": False,
+    "repetition_penalty": (1.0,),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "min_p": (0.0,),
+    "min_tokens": (0,),
+    "seed": (None,),
+    "stop": (None, []),
+    "prompt_logprobs": (None,),
+    "ignore_eos": (False,),
 }
 LIMIT_KEYS = ("max_tokens", "max_completion_tokens")
-KNOWN = set(SAMPLING_KEYS) | DETOKENISE_KEYS | set(NEUTRAL) | set(LIMIT_KEYS)
+KNOWN = set(SAMPLING_KEYS) | NO_EFFECT_KEYS | set(NEUTRAL) | set(LIMIT_KEYS)
 KNOWN |= {"n", "logprobs", "stop_token_ids"}
 
 
@@ -64,8 +66,12 @@ class GenerateReader:
             raise RequestError("token_ids must be a non-empty list of token ids")
         _, max_len, _ = self.service.shape
         if len(prompt) >= max_len:
+            # as a chat turn past the sample's budget: clients read it as a rollout at its length
+            if trace is not None:
+                trace.budget_spent = True
             raise RequestError(
-                f"token_ids holds {len(prompt)} tokens; the rollout's context is {max_len}"
+                f"token_ids holds {len(prompt)} tokens; the rollout's context is {max_len}",
+                kind=BUDGET_SPENT,
             )
         return prompt, None
 
@@ -85,10 +91,10 @@ class GenerateReader:
                     f"{getattr(rollout, key)!r}"
                 )
         for key, neutral in NEUTRAL.items():
-            if params.get(key, neutral) not in (neutral, None) and params[key] != []:
+            if params.get(key) not in (None, *neutral):
                 raise RequestError(
                     f"sampling_params.{key}={params[key]!r}: keel's engine samples without it "
-                    f"(leave it unset or {neutral!r})"
+                    f"(leave it unset or {neutral[0]!r})"
                 )
         if params.get("n", 1) != 1:
             raise RequestError("sampling_params.n must be 1: each sample sends its own requests")
@@ -96,7 +102,7 @@ class GenerateReader:
             raise RequestError(
                 "sampling_params.logprobs must be 0 or 1: keel answers the sampled token's"
             )
-        stops = self._ids(params.get("stop_token_ids", []), "sampling_params.stop_token_ids")
+        stops = self._ids(params.get("stop_token_ids") or [], "sampling_params.stop_token_ids")
         beyond = sorted(set(stops) - set(self.service.stop_ids))
         if beyond:
             raise RequestError(

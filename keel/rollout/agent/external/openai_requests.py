@@ -46,6 +46,9 @@ async def read_body(request: Request, max_bytes: int) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise RequestError(f"the body is not JSON: {error}") from None
+    # arrays nested deeper than the parser's recursion limit
+    except RecursionError:
+        raise RequestError("the body's JSON is nested too deeply") from None
     if not isinstance(body, dict):
         raise RequestError("the body is not a JSON object")
     return body

@@ -165,6 +165,8 @@ class OpenAIEndpoint:
             if chat is None:
                 with self.traces_lock:
                     trace.record(prompt, completion.ids, completion.log_probs, completion.stopped)
+                    # the tokens now run past any conversation a later chat turn could continue
+                    trace.messages = None
                 return JSONResponse(generate_answer(body, prompt, completion))
             answer = self._answer(completion, chat)
             with self.traces_lock:

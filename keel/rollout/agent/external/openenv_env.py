@@ -124,11 +124,14 @@ class Episode:
     reward: float = 0.0
     steps: int = 0
     done: bool = False
+    # whether any step gave a reward (None is none)
+    rewarded: bool = False
 
     def add(self, result) -> None:
         if not hasattr(result, "done"):
             raise EnvironmentFault(f"a step answered {type(result).__name__}, not a StepResult")
         self.reward += step_reward(result.reward)
+        self.rewarded |= result.reward is not None
         self.steps, self.done = self.steps + 1, bool(result.done)
 
 
@@ -172,7 +175,18 @@ class OpenEnvAgent:
                 error=f"the OpenEnv environment at {self.base_url} failed after "
                 f"{episode.steps} steps: {said}"[:500],
             )
-        return Outcome(reward=episode.reward, metrics={"openenv_steps": float(episode.steps)})
+        metrics = {"openenv_steps": float(episode.steps)}
+        if episode.steps and not episode.rewarded:
+            # The environment stepped and never judged (every reward None): not a zero. With no
+            # step the model ended the episode without acting, which earns nothing, as in
+            # OpenEnv's own trainers: otherwise declining to act would never be learnt against.
+            return Outcome(
+                status="error",
+                error=f"the OpenEnv environment at {self.base_url} gave no reward in "
+                f"{episode.steps} step{'s' * (episode.steps != 1)}",
+                metrics=metrics,
+            )
+        return Outcome(reward=episode.reward, metrics=metrics)
 
     async def _text_episode(self, env, client, messages: list[dict], episode: Episode) -> None:
         """The model's turns as the action's text field, the observations as user turns."""

@@ -9,6 +9,7 @@ group's answers), its reward the sample's, its functions' values keel's
 from __future__ import annotations
 
 import copy
+import importlib
 import importlib.util
 import json
 import math
@@ -21,9 +22,8 @@ DATA_KEY = "verifiers"
 
 
 def load_verifiers_agent(name: str, args: dict):
-    """The agent of `verifiers:NAME` through the API the installed verifiers has: the classic
-    `verifiers.load_environment` (<= 0.3), else `verifiers.v1` (>= 0.4, verifiers_v1.py); loaded
-    once a process (its rows, the check and the rollout read the same one)."""
+    """The agent of `verifiers:NAME` through the API its package is written against (classic_api);
+    loaded once a process (its rows, the check and the rollout read the same one)."""
     key = ("agent", name, json.dumps(args, sort_keys=True, default=str))
     if key not in _LOADED:
         try:
@@ -32,14 +32,28 @@ def load_verifiers_agent(name: str, args: dict):
             raise environment_error(
                 f"verifiers:{name}", "verifiers is not installed (pip install 'keel[verifiers]')"
             ) from None
-        if (
-            hasattr(verifiers, "load_environment")
-            or importlib.util.find_spec("verifiers.v1") is None
-        ):
+        if classic_api(verifiers, name):
             _LOADED[key] = VerifiersAgent(load_verifiers_environment(name, args), name)
         else:
             _LOADED[key] = load_v1_agent(name, args)
     return _LOADED[key]
+
+
+def classic_api(verifiers, name: str) -> bool:
+    """Whether `verifiers:NAME` runs through the classic API: the only one the installed verifiers
+    has (<= 0.2), or, where it has both (0.3: v1 beside its classic names), the environment package
+    defines the classic contract's load_environment; a v1 taskset package does not."""
+    has_classic = hasattr(verifiers, "load_environment")
+    if importlib.util.find_spec("verifiers.v1") is None or not has_classic:
+        return has_classic
+    # as verifiers' env_module_name names it: "org/my-env" is my_env
+    module = name.replace("-", "_").split("/")[-1]
+    try:
+        package = importlib.import_module(module)
+    # not importable by that name: the classic loader says why, as it did before v1
+    except ImportError:
+        return True
+    return hasattr(package, "load_environment")
 
 
 def load_verifiers_environment(name: str, args: dict):

@@ -156,6 +156,13 @@ class VerifiersV1Agent:
                 threading.Thread(
                     target=self._loop.run_forever, name="keel-verifiers", daemon=True
                 ).start()
+            failed = (
+                self._started is not None
+                and self._started.done()
+                and (self._started.cancelled() or self._started.exception() is not None)
+            )
+            # a start that failed is tried again by the next sample (each failed one says why)
+            if self._started is None or failed:
                 self._serving = self.env.serving()
                 self._started = asyncio.run_coroutine_threadsafe(
                     self._serving.__aenter__(), self._loop
@@ -196,8 +203,8 @@ def episode_outcome(episode) -> Outcome:
             if isinstance(value, (int, float)) and math.isfinite(value):
                 metrics.setdefault(key, []).append(float(value))
     means = {key: sum(values) / len(values) for key, values in metrics.items()}
-    if not any(t.rewards for t in traces):
-        # verifiers sums no rewards to 0.0: a sample nothing scored is not one scored zero
+    if not all(t.rewards for t in traces):
+        # verifiers sums no rewards to 0.0: a trace nothing scored is not one scored zero
         return Outcome(status="error", error="the episode recorded no reward", metrics=means)
     unscored = [k for t in traces for k, r in t.rewards.items() if r is None]
     if unscored:
