@@ -36,8 +36,9 @@
 #   bash benchmarks/gpu_session.sh dpo            issue 47: the preference and Phi-3 GPU tests, then d1 (DPO, 0.5B shapes)
 #                                                 beside TRL's DPOTrainer (--trl; carry .whl with trl, datasets, dill,
 #                                                 multiprocess), then d1 with a reference pass each step as TRL's
-#   bash benchmarks/gpu_session.sh distill        issue 48: the distillation GPU tests (SKIP_TESTS=1: none), then o1
-#                                                 (1.5B shapes teaching 0.5B at t1's batch) with reverse_kl, then gkd
+#   bash benchmarks/gpu_session.sh distill        issue 48: the distillation GPU tests and the README's quick-start on the
+#                                                 GPU (SKIP_TESTS=1: none), then o1 (1.5B shapes teaching 0.5B at t1's
+#                                                 batch) in each mode with a bf16 and a float8 teacher (O1_RUNS: mode:dtype)
 #   bash benchmarks/gpu_session.sh quickstart     issue 48: the quick-start's GRPO for 3 steps as it is and with one
 #                                                 part swapped each time (QUICK_VARIANTS: "name overrides" lines)
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
@@ -246,14 +247,18 @@ PY
 distill() {  # issue 48: the teacher's pass against the student's old-log-prob pass and update (teacher_share,
     # target <= 0.5) in both modes; a run starts only while the call has time left for it (SECONDS: this script's)
     if [ -z "${SKIP_TESTS:-}" ]; then
-        timeout 200 python3 -m pytest -q tests/gpu/test_distill_cuda.py > "$OUT/gpu_distill_tests.txt" 2>&1
-        tail -1 "$OUT/gpu_distill_tests.txt"
+        timeout 330 python3 -m pytest -q -s tests/gpu/test_distill_cuda.py tests/gpu/test_quickstart_cuda.py \
+            "tests/gpu/test_native_cuda.py::test_a_kept_cache_captures_again_for_other_sampling_settings" \
+            > "$OUT/gpu_distill_tests.txt" 2>&1
+        grep -E "float8 teacher:|passed|failed" "$OUT/gpu_distill_tests.txt" | tail -3
     fi
-    for mode in reverse_kl gkd; do
-        (( SECONDS > ${DISTILL_UNTIL:-400} )) && { echo "o1 $mode: skipped, the call's time is spent"; continue; }
-        timeout 180 python3 -m keel bench o1 distillation.mode=$mode --gpus 1 --steps 5 --warmup 2 \
-            --out "$OUT/o1.jsonl" > "$OUT/o1_$mode.log" 2>&1 \
-            || { echo "o1 $mode: exit $?, the log's end:"; tail -5 "$OUT/o1_$mode.log" | cut -c1-300; }
+    local run
+    for run in ${O1_RUNS:-reverse_kl:bfloat16 reverse_kl:float8 gkd:bfloat16 gkd:float8}; do
+        local mode=${run%%:*} dtype=${run##*:}
+        (( SECONDS > ${DISTILL_UNTIL:-400} )) && { echo "o1 $run: skipped, the call's time is spent"; continue; }
+        timeout 150 python3 -m keel bench o1 distillation.mode=$mode distillation.teacher.dtype=$dtype --gpus 1 \
+            --steps 5 --warmup 2 --out "$OUT/o1.jsonl" > "$OUT/o1_${mode}_$dtype.log" 2>&1 \
+            || { echo "o1 $run: exit $?, the log's end:"; tail -5 "$OUT/o1_${mode}_$dtype.log" | cut -c1-300; }
     done
     [ -e "$OUT/o1.jsonl" ] || return
     python3 - "$OUT/o1.jsonl" <<'PY'
@@ -261,7 +266,7 @@ import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
     t, kl = r["timing_s"], r["distill_reverse_kl_per_step"]
-    print(r["workload"], r["distill_mode"], r["device"], f"step {r['step_time_s']:.3f}s", f"teacher {r['teacher_s']:.3f}s",
+    print(r["workload"], r["distill_mode"], r["teacher_dtype"], r["device"], f"step {r['step_time_s']:.3f}s", f"teacher {r['teacher_s']:.3f}s",
           f"old {r['old_log_prob_s'] or 0:.3f}s", f"update {r['update_actor_s']:.3f}s",
           f"share {r['teacher_share']:.3f} of {r['teacher_share_of']} (target <= {r['teacher_share_target']})",
           f"gen {t['gen']:.3f}s", f"peak {r['peak_memory_gb']:.1f} GB", "reverse_kl " + " ".join(f"{k:.3f}" for k in kl))
