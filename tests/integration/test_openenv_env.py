@@ -5,35 +5,19 @@ reached through OpenEnv's MCPToolClient, each train for two steps through keel.t
 says which OpenEnv is in use and what tools the environment offers. (`make test` runs this file
 under .venv-openenv: OpenEnv 0.10 and verifiers 0.4 cannot share one environment.)"""
 
-import json
 import math
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from library_runs import library_config, run_metrics
 
-from keel.api import train
 from keel.errors import AGENT_ENVIRONMENT, KeelError
 
 pytest.importorskip("openenv.core")
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
-
-
-def run_metrics(cfg: dict) -> list[dict]:
-    run_dir = train(cfg).run_dir
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def library_config(tiny_config: dict, agent: dict) -> dict:
-    tiny_config["actor_rollout_ref"]["rollout"]["agent"] = agent
-    tiny_config["actor_rollout_ref"]["rollout"]["name"] = "native"
-    tiny_config["data"]["max_response_length"] = 64
-    tiny_config["trainer"].update({"test_freq": -1, "val_before_train": False})
-    # the environment's rewards are the run's
-    tiny_config.pop("custom_reward_function", None)
-    return tiny_config
 
 
 @contextmanager

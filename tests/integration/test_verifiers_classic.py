@@ -4,13 +4,12 @@ verifiers.load_environment, trains for two steps through keel.train, and its rew
 reach keel's metrics. verifiers 0.4 (v1, test_verifiers_v1.py) has no classic API and pins mcp 2,
 so `make test` runs this file under .venv-openenv, beside OpenEnv's tests."""
 
-import json
 import math
 from pathlib import Path
 
 import pytest
+from library_runs import library_config, run_metrics
 
-from keel.api import train
 from keel.errors import AGENT_ENVIRONMENT, KeelError
 
 VERIFIERS_ENV = (
@@ -50,21 +49,6 @@ def classic_verifiers():
     verifiers = pytest.importorskip("verifiers")
     if not hasattr(verifiers, "load_environment"):
         pytest.skip(f"verifiers {verifiers.__version__} has no classic API: test_verifiers_v1.py")
-
-
-def run_metrics(cfg: dict) -> list[dict]:
-    run_dir = train(cfg).run_dir
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def library_config(tiny_config: dict, agent: dict) -> dict:
-    tiny_config["actor_rollout_ref"]["rollout"]["agent"] = agent
-    tiny_config["actor_rollout_ref"]["rollout"]["name"] = "native"
-    tiny_config["data"]["max_response_length"] = 64
-    tiny_config["trainer"].update({"test_freq": -1, "val_before_train": False})
-    # the environment's rewards are the run's
-    tiny_config.pop("custom_reward_function", None)
-    return tiny_config
 
 
 @pytest.fixture

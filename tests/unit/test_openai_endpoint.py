@@ -15,6 +15,8 @@ from keel.rollout.native import NativeRolloutEngine
 from keel.rollout.service import EngineService
 from keel.types import SamplingParams
 
+from tests_helpers import Spy
+
 openai = pytest.importorskip("openai")
 
 TOKEN = "s3cret"
@@ -28,27 +30,6 @@ TOOLS = [
         },
     }
 ]
-
-
-class Spy:
-    """The engine service, recording every completion it hands out."""
-
-    def __init__(self, service):
-        self.service, self.sampled, self.extended = service, {}, {}
-
-    def __getattr__(self, name):
-        return getattr(self.service, name)
-
-    def submit(self, key, context, limit):
-        future = self.service.submit(key, context, limit)
-
-        def keep(done):
-            if done.exception() is None:
-                self.sampled.setdefault(key, []).append(done.result().ids)
-                self.extended.setdefault(key, []).append(done.result().extended)
-
-        future.add_done_callback(keep)
-        return future
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Small batches for unit tests."""
+"""Small batches for unit tests, and a spy on the engine service."""
 
 import dataclasses
 
@@ -43,3 +43,24 @@ def padded_batch(
         response_ids=torch.randint(low, vocab, (n, width), generator=generator)
         * batch.response_mask,
     )
+
+
+class Spy:
+    """The engine service, recording every completion it hands out."""
+
+    def __init__(self, service):
+        self.service, self.sampled, self.extended = service, {}, {}
+
+    def __getattr__(self, name):
+        return getattr(self.service, name)
+
+    def submit(self, key, context, limit):
+        future = self.service.submit(key, context, limit)
+
+        def keep(done):
+            if done.exception() is None:
+                self.sampled.setdefault(key, []).append(done.result().ids)
+                self.extended.setdefault(key, []).append(done.result().extended)
+
+        future.add_done_callback(keep)
+        return future
