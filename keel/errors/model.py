@@ -120,8 +120,8 @@ TEACHER_FLOAT8 = register(
     "weights and activations, a scale per row). Those need a CUDA GPU with float8 tensor cores "
     "(compute capability 8.9 or later: L4, L40S, H100, H200, B200); elsewhere they would run "
     "slower than the bfloat16 they replace.",
-    "Run on such a GPU, or set `distillation.teacher.dtype=auto` (the student's compute dtype, "
-    "bfloat16 on a GPU).",
+    "Set `distillation.teacher.dtype=auto` (the student's compute dtype, bfloat16 on a GPU), or "
+    "run on a GPU of compute capability 8.9 or later.",
     ("distillation.teacher.dtype",),
 )
 

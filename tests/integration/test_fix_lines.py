@@ -237,6 +237,12 @@ CHECK_CASES = {
         f"distillation.teacher.path={c.assets['model']}",
         "distillation.gkd.top_k=8",
     ),
+    # a float8 teacher where there are no float8 tensor cores (the CPU): the fix is the default
+    "KEEL-M011": lambda c: c.check(
+        "distillation.enable=true",
+        f"distillation.teacher.path={c.assets['model']}",
+        "distillation.teacher.dtype=float8",
+    ),
     # gkd's data steps (lmbda < 1) need sync steps; the rows hold their responses
     "KEEL-C029": lambda c: c.check(
         *gkd_data_steps(c, [{**row, "response": "12"} for row in digit_rows(8)]),
