@@ -262,3 +262,14 @@ def test_hostile_shapes_are_answered_and_the_engine_keeps_serving(endpoint, path
         model=f"after-{len(str(body))}", prompt="still up?", max_tokens=2
     )
     assert after.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_completion_prompt_of_bools_is_no_token_ids(endpoint):
+    _, url, _, _ = endpoint
+    response = httpx.post(
+        f"{url}/completions",
+        json={"model": "bool-prompt", "prompt": [1, True, False], "max_tokens": 2},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=60,
+    )
+    assert response.status_code == 400 and "list of token ids" in response.text

@@ -141,7 +141,10 @@ class PromptReader:
         if (
             isinstance(prompt, list)
             and prompt
-            and all(isinstance(t, int) and 0 <= t < vocab for t in prompt)
+            # a bool is an int to Python, never a token id
+            and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt
+            )
         ):
             return list(prompt), None
         raise RequestError("prompt must be a non-empty string or a non-empty list of token ids")
