@@ -17,7 +17,6 @@ from keel.config.schema import KeelConfig
 from keel.errors import (
     INCOMPATIBLE_OPTIONS,
     MODEL_PATH,
-    TEACHER_FLOAT8,
     TEACHER_VOCAB,
     VOCAB_MISMATCH,
     KeelError,
@@ -102,13 +101,10 @@ def dtype_words(t, dtype: torch.dtype) -> str:
 
 def _check_float8(cfg: KeelConfig) -> None:
     """A float8 teacher where float8 tensor cores are, or KEEL-M011."""
-    from keel.models.float8 import float8_unavailable
+    from keel.models.float8 import require_float8
 
-    if cfg.distillation.teacher.dtype != "float8":
-        return
-    unavailable = float8_unavailable(run_device(cfg))
-    if unavailable:
-        raise KeelError(TEACHER_FLOAT8, f"distillation.teacher.dtype=float8: {unavailable}")
+    if cfg.distillation.teacher.dtype == "float8":
+        require_float8(run_device(cfg))
 
 
 def count(parameters: int) -> str:

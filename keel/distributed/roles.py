@@ -14,8 +14,7 @@ import torch
 from keel.distributed.fsdp import full_parameters
 from keel.distributed.parallelize import parallelize
 from keel.distributed.rollout_worker import Generator, generator_around
-from keel.errors import TEACHER_FLOAT8, KeelError
-from keel.models.float8 import float8_unavailable, quantize_layers_float8
+from keel.models.float8 import quantize_layers_float8, require_float8
 from keel.models.load import can_compile, load_causal_lm, load_critic, resolve_dtype
 from keel.models.lora import adapter_weights, apply_lora, frozen_base, plan_lora, trained_in_full
 from keel.rollout.base import RolloutEngine
@@ -250,13 +249,11 @@ TEACHER_KEY = "distillation.teacher.path"
 def float8_teacher(t, device: torch.device):
     """The teacher in bfloat16 with its decoder layers' matmuls in float8, or KEEL-M011 saying why
     that cannot run here."""
-    unavailable = float8_unavailable(device)
-    if unavailable:
-        raise KeelError(TEACHER_FLOAT8, f"distillation.teacher.dtype=float8: {unavailable}")
+    require_float8(device)
     model = load_causal_lm(
         t.path, device, t.trust_remote_code, dtype=torch.bfloat16, key=TEACHER_KEY
     )
-    return quantize_layers_float8(model.eval().requires_grad_(False))
+    return quantize_layers_float8(model)
 
 
 def student_vocab(model_cfg) -> int:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from keel.errors import TEACHER_FLOAT8, KeelError
+
 # float8 tensor cores: Ada (8.9) and Hopper (9.0) onwards
 FLOAT8_CAPABILITY = (8, 9)
 FLOAT8 = torch.float8_e4m3fn
@@ -21,18 +23,19 @@ FLOAT8_MAX = torch.finfo(FLOAT8).max
 FLOAT8_ALIGN = 16
 
 
-def float8_unavailable(device: torch.device) -> str | None:
-    """Why float8 matmuls cannot run fast on `device`, or None where they can."""
+def require_float8(device: torch.device) -> None:
+    """KEEL-M011 unless float8 matmuls run fast on `device`, as the teacher's setting asks."""
     if device.type != "cuda":
-        return f"float8 matmuls need a CUDA GPU, and this run computes on {device.type}"
-    capability = torch.cuda.get_device_capability(device)
-    if capability < FLOAT8_CAPABILITY:
-        name = torch.cuda.get_device_name(device)
-        return (
-            f"{name} (compute capability {capability[0]}.{capability[1]}) has no float8 tensor "
-            "cores: they start at 8.9 (L4, L40S, H100, H200, B200)"
+        why = f"float8 matmuls need a CUDA GPU, and this run computes on {device.type}"
+    elif torch.cuda.get_device_capability(device) < FLOAT8_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(device)
+        why = (
+            f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) has no "
+            "float8 tensor cores: they start at 8.9 (L4, L40S, H100, H200, B200)"
         )
-    return None
+    else:
+        return
+    raise KeelError(TEACHER_FLOAT8, f"distillation.teacher.dtype=float8: {why}")
 
 
 def to_float8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
