@@ -19,7 +19,13 @@ from __future__ import annotations
 import math
 import uuid
 
-from keel.rollout.agent.external.openai_requests import BUDGET_SPENT, SAMPLING_KEYS, RequestError
+from keel.rollout.agent.external.openai_requests import (
+    BUDGET_SPENT,
+    LIMIT_KEYS,
+    SAMPLING_KEYS,
+    RequestError,
+    rollout_limit,
+)
 
 # top-level keys: the request's own; cache_salt, priority and request_id change no sampled token
 TOP_KEYS = {"model", "token_ids", "sampling_params", "cache_salt", "priority", "request_id"}
@@ -44,7 +50,6 @@ NEUTRAL = {
     "prompt_logprobs": (None,),
     "ignore_eos": (False,),
 }
-LIMIT_KEYS = ("max_tokens", "max_completion_tokens")
 KNOWN = set(SAMPLING_KEYS) | NO_EFFECT_KEYS | set(NEUTRAL) | set(LIMIT_KEYS)
 KNOWN |= {"n", "logprobs", "stop_token_ids"}
 
@@ -83,21 +88,12 @@ class GenerateReader:
         unknown = sorted(set(params) - KNOWN)
         if unknown:
             raise RequestError(f"sampling_params {unknown} are not ones keel's engine applies")
-        rollout = self.service.params
-        for key in SAMPLING_KEYS:
-            if params.get(key) is not None and params[key] != getattr(rollout, key):
-                raise RequestError(
-                    f"sampling_params.{key}={params[key]!r} differs from the rollout's "
-                    f"{getattr(rollout, key)!r}"
-                )
         for key, neutral in NEUTRAL.items():
             if params.get(key) not in (None, *neutral):
                 raise RequestError(
                     f"sampling_params.{key}={params[key]!r}: keel's engine samples without it "
                     f"(leave it unset or {neutral[0]!r})"
                 )
-        if params.get("n", 1) != 1:
-            raise RequestError("sampling_params.n must be 1: each sample sends its own requests")
         if params.get("logprobs") not in (None, 0, 1) or isinstance(params.get("logprobs"), bool):
             raise RequestError(
                 "sampling_params.logprobs must be 0 or 1: keel answers the sampled token's"
@@ -109,16 +105,9 @@ class GenerateReader:
                 f"sampling_params.stop_token_ids {beyond} are not the rollout's stop tokens "
                 f"{sorted(self.service.stop_ids)}: the engine stops at those"
             )
-        _, _, turn_tokens = self.service.shape
-        limit = next((params[k] for k in LIMIT_KEYS if params.get(k) is not None), turn_tokens)
-        if not isinstance(limit, int) or isinstance(limit, bool) or not 0 < limit <= turn_tokens:
-            raise RequestError(
-                f"sampling_params.max_tokens must be a whole number from 1 to the rollout's "
-                f"{turn_tokens}"
-            )
-        return limit
+        return rollout_limit(params, self.service, "sampling_params.")
 
-    def _ids(self, ids, name: str, sampled=frozenset) -> list[int]:
+    def _ids(self, ids, name: str, sampled=None) -> list[int]:
         """`ids`, each the tokenizer's or one `sampled()` holds (a model's embedding may have rows
         past its tokenizer's ids, and the engine may sample them)."""
         if not isinstance(ids, list) or not all(
@@ -127,7 +116,7 @@ class GenerateReader:
             raise RequestError(f"{name} must be a list of whole numbers (token ids)")
         outside = [t for t in ids if not 0 <= t < self.vocab]
         if outside:
-            known = sampled()
+            known = sampled() if sampled else set()
             outside = [t for t in outside if t not in known]
         if outside:
             raise RequestError(

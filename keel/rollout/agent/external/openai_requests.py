@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from starlette.requests import Request
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+# a turn's token limit, the first one given (OpenAI's newer name first)
+LIMIT_KEYS = ("max_completion_tokens", "max_tokens")
 # the error type of a turn refused because its sample's budget is spent
 BUDGET_SPENT = "context_length_exceeded"
 
@@ -71,6 +73,31 @@ def within_budget(budget: int | None, limit: int, trace: Trace, prompt: list[int
     return min(limit, left)
 
 
+def rollout_limit(settings: dict, service, prefix: str = "") -> int:
+    """A request's turn limit from its `settings` (the chat body, or the generate endpoint's
+    sampling_params, named with `prefix`), after refusing sampling settings that are not the
+    rollout's: the engine's graphs hold those."""
+    rollout = service.params
+    for key in SAMPLING_KEYS:
+        if settings.get(key) is not None and settings[key] != getattr(rollout, key):
+            raise RequestError(
+                f"{prefix}{key}={settings[key]!r} differs from the rollout's "
+                f"{getattr(rollout, key)!r}"
+            )
+    if settings.get("n", 1) != 1:
+        raise RequestError(f"{prefix}n must be 1: each sample sends its own requests")
+    _, _, turn_tokens = service.shape
+    limit = next(
+        (settings[k] for k in LIMIT_KEYS if settings.get(k) is not None),
+        turn_tokens,
+    )
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 0 < limit <= turn_tokens:
+        raise RequestError(
+            f"{prefix}max_tokens must be a whole number from 1 to the rollout's {turn_tokens}"
+        )
+    return limit
+
+
 class PromptReader:
     """A request's turn limit and prompt tokens, over an EngineService's settings and the tokenizer;
     it keeps a turn template per tools' schema."""
@@ -82,24 +109,7 @@ class PromptReader:
 
     def limit(self, body: dict) -> int:
         """The turn's token limit, after refusing settings the engine's graphs do not hold."""
-        params = self.service.params
-        for key in SAMPLING_KEYS:
-            if body.get(key) is not None and body[key] != getattr(params, key):
-                raise RequestError(
-                    f"{key}={body[key]!r} differs from the rollout's {getattr(params, key)!r}"
-                )
-        if body.get("n", 1) != 1:
-            raise RequestError("n must be 1: each sample sends its own requests")
-        _, _, budget = self.service.shape
-        limit = next(
-            (body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None),
-            budget,
-        )
-        if not isinstance(limit, int) or isinstance(limit, bool) or not 0 < limit <= budget:
-            raise RequestError(
-                f"max_tokens must be a whole number from 1 to the rollout's {budget}"
-            )
-        return limit
+        return rollout_limit(body, self.service)
 
     def chat_prompt(self, body: dict, trace: Trace) -> tuple[list[int], list[dict]]:
         """(the prompt's tokens, the conversation as comparable messages, read once)."""
