@@ -8,6 +8,7 @@ import math
 import multiprocessing
 import threading
 import time
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from multiprocessing.pool import AsyncResult
 
@@ -20,6 +21,14 @@ def is_async(spec) -> bool:
 
 # Spawned workers start in about a second (they import no torch); this covers it.
 START_SLACK_S = 5.0
+# How often a wait for a worker's result looks whether the run has ended meanwhile.
+ENDED_POLL_S = 0.25
+
+
+class ScoringEnded(CancelledError):
+    """The run ended (the pool shut down) while a batch was being scored: its workers are gone,
+    so its results will never come. Not a failure of the samples: an async run's batch in flight
+    at the end is dropped, never counted as not scored."""
 
 
 @dataclass(frozen=True)
@@ -88,14 +97,8 @@ class ScoringPool:
         deadline = time.monotonic() + timeout_s * waves + START_SLACK_S if timeout_s else None
         results, hung = [], False
         for future in pending:
-            # no reward.timeout_s: wait as long as it takes (an infinite timeout overflows the
-            # clock)
             try:
-                results.append(
-                    future.get(
-                        timeout=None if deadline is None else max(0.0, deadline - time.monotonic())
-                    )
-                )
+                results.append(self._result(future, deadline))
             except multiprocessing.TimeoutError:
                 results.append(SampleResult(None, "timeout (worker killed)", timeout_s or 0.0))
                 hung = True
@@ -103,6 +106,22 @@ class ScoringPool:
             # the next batch starts with fresh workers
             self.close()
         return results
+
+    def _result(self, future: AsyncResult, deadline: float | None) -> SampleResult:
+        """The worker's result, waited for until `deadline` (None: as long as it takes), or
+        ScoringEnded as soon as the pool shuts down: a terminated pool never answers, and waiting
+        out the deadline kept an async run's last batch, and so the process, alive for minutes."""
+        while True:
+            if self._ended:
+                raise ScoringEnded("the run ended while this batch was scored")
+            left = None if deadline is None else deadline - time.monotonic()
+            try:
+                return future.get(
+                    timeout=ENDED_POLL_S if left is None else max(0.0, min(left, ENDED_POLL_S))
+                )
+            except multiprocessing.TimeoutError:
+                if left is not None and left <= ENDED_POLL_S:
+                    raise
 
     def _get_pool(self):
         if self._pool is None:

@@ -55,3 +55,25 @@ def test_phi3_trains_on_the_native_engine(tiny_config, tmp_path):
     assert result.last_step == 2
     assert all(math.isfinite(v) for r in records for v in r.values())
     assert records[-1]["rollout/log_prob_gap"] < 0.05
+
+
+def test_an_async_run_ends_and_its_process_exits_with_a_batch_still_scoring(tmp_path):
+    """Issue 50: `keel bench s1 trainer.mode=async` did not finish on a fresh H100; the process
+    waited out the batch deadline of the batch generated ahead, whose scoring workers the run's end
+    had terminated. tinys is s1's slow scorer (1 s a sample) on the tiny model, on the GPU; with
+    an hour's reward.timeout_s that wait would outlast the limit here."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "s.jsonl"
+    args = ["bench", "tinys", "trainer.mode=async", "reward.timeout_s=3600", "--gpus", "1"]
+    done = subprocess.run(
+        [sys.executable, "-m", "keel", *args, "--steps", "2", "--warmup", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["device"].startswith("NVIDIA") and record["async"]["staleness/max"] > 0
+    assert "not scored" not in done.stderr + done.stdout and "leaked" not in done.stderr

@@ -2,6 +2,8 @@
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -251,3 +253,24 @@ def test_every_distillation_workload_config_is_valid(name, gpus, tmp_path, monke
     teacher, student_shape = teacher_config(w.teacher), shape_config(student.model)
     assert teacher.vocab_size == student_shape.vocab_size
     assert teacher.hidden_size > student_shape.hidden_size
+
+
+def test_an_async_run_with_a_batch_still_scoring_at_its_end_exits_at_once(tmp_path):
+    """s1 in async mode did not finish on a fresh GPU machine: the bench ends with the batch it
+    generated ahead still in the scoring workers, and the wait for those terminated workers ran to
+    the batch deadline (reward.timeout_s per wave) before the process could exit. tinys is s1's slow
+    scorer on the tiny model; with an hour's reward.timeout_s, that wait would outlast the limit
+    here, and no sample of the dropped batch is reported as not scored."""
+    out = tmp_path / "s.jsonl"
+    args = ["bench", "tinys", "trainer.mode=async", "reward.timeout_s=3600", "trainer.device=cpu"]
+    done = subprocess.run(
+        [sys.executable, "-m", "keel", *args, "--steps", "2", "--warmup", "0", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    # batches were generated ahead, a policy version old
+    assert json.loads(out.read_text())["async"]["staleness/max"] > 0
+    assert "not scored" not in done.stderr + done.stdout
+    assert "leaked" not in done.stderr

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from keel.errors import SCORER_RAISED, SCORER_TIMEOUT, TOO_MANY_NOT_SCORED, KeelError
+from keel.rewards.executor import ScoringEnded
 from keel.rewards.reward_fn import RewardScorer
 
 
@@ -314,3 +315,42 @@ def test_a_sample_begun_ahead_is_read_only_for_its_own_record(tmp_path):
         same.metrics["reward/scored_ahead"] == 1.0 and changed.metrics["reward/scored_ahead"] == 0.0
     )
     assert same.scores.tolist() == changed.scores.tolist() == [3.0]
+
+
+SLEEPING = """
+import os
+import time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info):
+    open(os.path.join(os.path.dirname(__file__), "began"), "w").close()
+    time.sleep(600)
+    return 1.0
+"""
+
+
+def test_a_batch_in_the_workers_when_the_run_ends_is_dropped_not_waited_out(tmp_path):
+    """An async run's last batch is still being scored when the run ends. Shutting the pool down
+    ends the wait for it at once with ScoringEnded (no sample counted as not scored), where it used
+    to wait out the batch deadline, here an hour: past the join's limit below."""
+    path = tmp_path / "sleeping.py"
+    path.write_text(SLEEPING)
+    scorer = RewardScorer(("file", str(path), "compute_score"), timeout_s=3600, num_workers=1)
+    outcome = {}
+
+    def score():
+        try:
+            outcome["result"] = scorer.score_batch([record()], ["x"])
+        except ScoringEnded as ended:
+            outcome["ended"] = ended
+
+    thread = threading.Thread(target=score)
+    thread.start()
+    began = tmp_path / "began"
+    for _ in range(1200):  # the worker is scoring: up to 2 minutes for its spawn
+        if began.exists():
+            break
+        time.sleep(0.1)
+    scorer.shutdown()
+    thread.join(timeout=120)
+    assert began.exists() and not thread.is_alive()
+    assert "ended" in outcome and "result" not in outcome
