@@ -67,6 +67,21 @@ def summarize(name: str, w: Workload, cfg, steps: list[dict]) -> dict:
     }
 
 
+def engine_figures(info: dict, steps: list[dict]) -> dict:
+    """The generating rank's engine (its worker's `info`) in the record: its name, how the actor's
+    weights reach it (path, seconds a step) and whether its KV cache and CUDA graphs stay between
+    steps (seconds a step capturing graphs: none where they are kept)."""
+    mean = partial(_mean, steps)
+    return {
+        "engine": info["rollout_engine"],
+        "weight_sync": {
+            "path": info["weight_sync"],
+            "seconds": mean("timing_s/sync_rollout_weights"),
+        },
+        "kv_cache": {"kept": info["kv_cache_kept"], "capture_s": mean("timing_s/gen_capture")},
+    }
+
+
 def _mean(steps: list[dict], key: str) -> float | None:
     """A metric's mean over the measured steps, or None where none has it."""
     values = [m[key] for m in steps if key in m]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from keel.bench.record import busy_unprofiled, summarize
+from keel.bench.record import busy_unprofiled, engine_figures, summarize
 from keel.bench.workloads import DRAWN_ON_DEVICE, WORKLOADS, Workload, shape_config
 from keel.models.load import RANDOM_WEIGHTS
 
@@ -216,7 +216,7 @@ def measure(
     per_step, engine, gpu_busy = _run_steps(cfg, plan, total, profiled, f"{name}_{gpus}gpu")
     measured = per_step[warmup : warmup + steps]
     record = summarize(name, workload, cfg, measured)
-    record["engine"] = engine
+    record.update(engine_figures(engine, measured))
     # --profile on a GPU: the profiled step's phases, rank 0's GPU
     if gpu_busy.get("busy"):
         record["gpu_busy"] = gpu_busy["busy"]
@@ -234,10 +234,10 @@ def append_record(out: Path | None, record: dict) -> None:
 
 def _run_steps(
     cfg, plan, total: int, profiled: dict[int, Path], label: str
-) -> tuple[list, str, dict]:
+) -> tuple[list, dict, dict]:
     """`total` trainer steps of cfg under its plan (those in `profiled` under the profiler, into its
-    folder) -> each step's metrics, the generating engine's name and the profiled GPU's busy
-    shares."""
+    folder) -> each step's metrics, the generating rank's info (its engine's name, whether its KV
+    cache is kept, how its weights are synced) and the profiled GPU's busy shares."""
     from keel.observe.metrics import MetricsLogger
     from keel.trainer.rl import RLTrainer
 
@@ -251,7 +251,7 @@ def _run_steps(
             with _profiled(trainer.components.workers, profiled.get(i), label, gpu_busy):
                 per_step.append(trainer.guarded_step(logger))
         generating = trainer.components.workers.rollout_group or trainer.components.workers.group
-        engine = generating.call("info", [()] * generating.world_size)[0]["rollout_engine"]
+        engine = generating.call("info", [()] * generating.world_size)[0]
     finally:
         logger.close()
         # async: the batches generated ahead are dropped before the reward stops

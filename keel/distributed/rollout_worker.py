@@ -196,7 +196,12 @@ class RolloutWorker:
         self.weights_version = 0
 
     def info(self) -> dict:
-        return {"rollout_engine": type(self.engine).__name__}
+        return {
+            "rollout_engine": type(self.engine).__name__,
+            "kv_cache_kept": getattr(self.engine, "keeps_cache_now", None),
+            # the actor's weights come gathered to the host and are loaded from there
+            "weight_sync": "through the host",
+        }
 
     def generate(
         self, prompts, sampling: SamplingParams, seed: int, on_finished=None

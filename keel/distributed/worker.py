@@ -178,6 +178,11 @@ class RoleWorker:
     def info(self) -> dict:
         return {
             "rollout_engine": type(self.engine).__name__ if self.engine else None,
+            # the engine's KV cache and CUDA graphs kept between steps (native engine only)
+            "kv_cache_kept": getattr(self.engine, "keeps_cache_now", None),
+            # the actor's weights into this rank's engine device to device, in place; a rollout
+            # on workers of its own takes them through the host (policy_weights)
+            "weight_sync": "in place on the device" if self.sync is not None else None,
             **self.sharding,
         }
 

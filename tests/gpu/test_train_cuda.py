@@ -76,4 +76,7 @@ def test_an_async_run_ends_and_its_process_exits_with_a_batch_still_scoring(tmp_
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads(out.read_text())
     assert record["device"].startswith("NVIDIA") and record["async"]["staleness/max"] > 0
+    # issue 50: weights synced in place, the tiny cache and its graphs kept between steps
+    assert record["weight_sync"]["path"] == "in place on the device"
+    assert record["kv_cache"]["kept"] is True
     assert "not scored" not in done.stderr + done.stdout and "leaked" not in done.stderr

@@ -63,6 +63,10 @@ def test_bench_appends_a_record_with_the_required_fields(tmp_path, capsys, monke
     r = records[0]
     assert r["workload"] == "tiny" and r["engine"] == "NativeRolloutEngine" and r["n_gpus"] == 1
     assert r["commit"] == "abc1234"
+    # one worker: the actor's weights go into its engine device to device; on CPU no graphs, so
+    # no cache is kept (free_cache_engine unset)
+    assert r["weight_sync"]["path"] == "in place on the device" and r["weight_sync"]["seconds"] > 0
+    assert r["kv_cache"]["kept"] is False
     # what differed from the workload
     assert r["overrides"] == ["trainer.device=cpu"]
     assert (

@@ -222,6 +222,11 @@ class NativeRolloutEngine:
             self._kept_batcher = batcher
         return batcher
 
+    @property
+    def keeps_cache_now(self) -> bool:
+        """Whether the last call's KV cache and graphs stay for the next (free_cache_engine)."""
+        return self._kept_batcher is not None
+
     def _keeps(self, rows) -> bool:
         """Whether a new scheduler's cache is kept for the next call (free_cache_engine)."""
         total = (
