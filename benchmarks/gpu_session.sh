@@ -41,6 +41,9 @@
 #                                                 batch) in each mode with a bf16 and a float8 teacher (O1_RUNS: mode:dtype)
 #   bash benchmarks/gpu_session.sh quickstart     issue 48: the quick-start's GRPO for 3 steps as it is and with one
 #                                                 part swapped each time (QUICK_VARIANTS: "name overrides" lines)
+#   bash benchmarks/gpu_session.sh speed          issue 50: the async GPU test, s1 sync then async (SPEED_PART=s1);
+#                                                 t1 profiled, t1 with cuDNN's attention allowed, q1 with its KV cache
+#                                                 freed and kept (SPEED_PART=t1)
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -291,18 +294,37 @@ fp32 actor_rollout_ref.model.dtype=float32
 lowlr actor_rollout_ref.actor.optim.lr=3e-4}"
 }
 
+speed() {  # issue 50: the async GPU test, then s1 sync and async (SPEED_PART=s1), or t1 as it is (profiled), t1
+    # with cuDNN's attention allowed (keel keeps half precision off it: pytorch#196678), and q1 with its KV cache
+    # freed and kept between steps (SPEED_PART=t1); a run starts only while the call has time left for it
+    if [ "${SPEED_PART:-s1}" = s1 ]; then
+        timeout 200 python3 -m pytest -q tests/gpu/test_train_cuda.py -k async > "$OUT/gpu_async_test.txt" 2>&1
+        tail -1 "$OUT/gpu_async_test.txt"
+        bench_runs 170 "${SPEED_UNTIL:-400}" "s1 trainer.mode=sync" "s1 trainer.mode=async"
+        return
+    fi
+    bench_runs 150 "${SPEED_UNTIL:-430}" "t1 --profile $OUT/profile"
+    (( SECONDS > ${SPEED_UNTIL:-430} )) || timeout 150 python3 -c "import sys, keel.models.load as load
+load.avoid_cudnn_attention = lambda: None  # cuDNN's attention allowed, as torch 2.11 chooses
+from keel.cli import main
+sys.exit(main(sys.argv[1:]))" bench t1 --gpus 1 --steps 3 --warmup 1 --out "$OUT/bench_cudnn.jsonl" > "$OUT/t1_cudnn.log" 2>&1
+    bench_runs 150 "${SPEED_UNTIL:-430}" "q1 actor_rollout_ref.rollout.free_cache_engine=true" \
+        "q1 actor_rollout_ref.rollout.free_cache_engine=false"
+}
+
 summary() {
     local records=("$OUT"/bench*.jsonl)
     [ -e "${records[0]}" ] || { echo "no records in $OUT yet"; return; }
     python3 - "${records[@]}" <<'PY'
 import json, sys
-for line in (line for path in sys.argv[1:] for line in open(path)):
+for path, line in ((path, line) for path in sys.argv[1:] for line in open(path)):
     r = json.loads(line)
     t = r["timing_s"]
     print(r["workload"], r["n_gpus"], r.get("overrides", []), f"step {r['step_time_s']:.2f}s", f"gen {t['gen']:.2f}s",
           f"old {t.get('old_log_prob', 0):.3f}s", f"update {t['update_actor']:.2f}s", f"sync {t.get('sync_rollout_weights', 0):.3f}s",
           f"gen {r['gen_tokens_per_s']:.0f} tok/s", f"decode {r.get('decode_tokens_per_s') or 0:.0f} tok/s",
-          f"mfu {r['update_mfu']:.3f}", f"peak {r['peak_memory_gb']:.1f} GB", f"gap {r['log_prob_gap']:.2g}")
+          f"mfu {r['update_mfu']:.3f}", f"peak {r['peak_memory_gb']:.1f} GB", f"gap {r['log_prob_gap']:.2g}",
+          f"waited on reward {t.get('wait_reward', 0):.2f}s", f"capture {t.get('gen_capture', 0):.3f}s", path.rsplit("/", 1)[-1])
 PY
 }
 
