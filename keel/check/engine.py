@@ -9,11 +9,17 @@ from keel.rollout.select import HF_COST, engine_for
 
 def check_rollout_engine(cfg: KeelConfig, context: dict) -> list[Finding]:
     model_cfg = need(context, "model_config")
-    engine, reason = engine_for(cfg.actor_rollout_ref.rollout.name, model_cfg)
+    rollout = cfg.actor_rollout_ref.rollout
+    engine, reason = engine_for(rollout.name, model_cfg, rollout.batch_invariant)
     if engine == "native":
-        return [
-            Finding(PASS, "rollout engine", f"native: keel's engine runs {model_cfg.model_type!r}")
-        ]
+        runs = f"native: keel's engine runs {model_cfg.model_type!r}"
+        if rollout.batch_invariant:
+            runs += (
+                "; batch-invariant (rollout.batch_invariant): the sampler's log-probs and the "
+                "old-log-prob pass equal bit for bit, each token computed alone, eagerly (slower "
+                "generation)"
+            )
+        return [Finding(PASS, "rollout engine", runs)]
     if reason is None:
         return [Finding(PASS, "rollout engine", "hf (rollout.name=hf)")]
     return [

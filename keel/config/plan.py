@@ -341,16 +341,17 @@ def old_log_probs_source(cfg: KeelConfig, correction: RolloutCorrectionConfig) -
     """A key of OLD_LOG_PROBS. SAMPLER in bypass mode. Otherwise an update's first mini-batch runs
     before any optimiser step, so its own forward, detached, is the old policy's (UPDATE when that
     mini-batch is the whole batch, FIRST_MINI_BATCH when one epoch has several): not when the
-    reward's KL needs the old log-probs before the update, not under guards.nonfinite=skip (the pass
-    is where a non-finite log-prob skips a step), not under decoupled rollout correction (it weighs
-    the old policy against the sampler), and not with several epochs (later epochs revisit the
-    samples with the policy moved). RECOMPUTED else: the old-log-prob pass over the whole batch.
-    `correction`: the rollout correction the run applies (the plan's)."""
+    reward's KL needs them before the update, not with a batch-invariant rollout (its pass is the
+    sampler's arithmetic), not under guards.nonfinite=skip (the pass is where a non-finite log-prob
+    skips a step), not under decoupled rollout correction (it weighs the old policy against the
+    sampler), and not with several epochs (later epochs revisit the samples with the policy moved).
+    RECOMPUTED else: the pass over the whole batch. `correction`: the plan's rollout correction."""
     actor = cfg.actor_rollout_ref.actor
     if correction.bypass_mode:
         return OldLogProbSource.SAMPLER
     own_forward = not (
-        cfg.algorithm.use_kl_in_reward
+        cfg.actor_rollout_ref.rollout.batch_invariant
+        or cfg.algorithm.use_kl_in_reward
         or cfg.trainer.guards.nonfinite == "skip"
         or correction.decoupled
         or actor.ppo_epochs != 1

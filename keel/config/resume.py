@@ -63,6 +63,7 @@ RESUME_MAY_CHANGE = (
     # kernels and compute precision (weights and optimiser state are float32 whatever they are)
     "actor_rollout_ref.actor.use_torch_compile",
     "actor_rollout_ref.model.dtype",
+    "actor_rollout_ref.rollout.batch_invariant",
     # micro-batches (the numbers do not depend on them)
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
     "actor_rollout_ref.actor.use_dynamic_bsz",

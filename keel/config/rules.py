@@ -7,6 +7,7 @@ from __future__ import annotations
 from keel.config.async_rules import check_async
 from keel.config.distill_rules import check_distillation
 from keel.config.gkd_rules import check_gkd_lmbda
+from keel.config.invariant_rules import check_batch_invariant
 from keel.config.option_rules import (
     ROLLOUT,
     check_algorithm,
@@ -23,6 +24,7 @@ RC = "algorithm.rollout_correction"
 def check_config(cfg: KeelConfig) -> None:
     _check_batch_arithmetic(cfg)
     _check_options(cfg)
+    check_batch_invariant(cfg)
     check_distillation(cfg)
 
 

@@ -192,6 +192,11 @@ class RolloutConfig(LogProbBatching):
     enforce_eager: bool = opt(
         False, help="native: no CUDA graphs and no torch.compile in decoding (debugging)"
     )
+    batch_invariant: bool = opt(
+        False,
+        help="native: the sampler's log-probs and the old-log-prob pass equal bit for bit "
+        "(log_prob_gap 0), each token computed alone; slower, eager decoding",
+    )
     free_cache_engine: bool | None = opt(
         None,
         help="native: true frees the KV cache after each generation; false "

@@ -42,6 +42,7 @@ from keel.models.load import (
 from keel.models.lora import adapter_weights, trained_in_full
 from keel.observe.profile import RankProfile
 from keel.rollout.base import RolloutEngine
+from keel.rollout.native.scoring import score as invariant_score
 from keel.training.actor import ActorTrainer
 from keel.training.batching import MiniBatch
 from keel.training.reference import AdapterlessReference, ReferencePolicy
@@ -224,6 +225,10 @@ class RoleWorker:
         ), self.weights_version
 
     def compute_log_probs(self, batch: ScoredBatch) -> torch.Tensor:
+        # rollout.batch_invariant: the engine's prefill of each whole sequence, in the sampler's
+        # arithmetic, from the policy's current weights (synced to it after every update)
+        if self.spec.policy.rollout.batch_invariant:
+            return invariant_score(self.engine, batch, self.actor.temperature)
         with autocast(self.device, self.compute_dtype):
             return self.actor.compute_log_probs(batch)
 

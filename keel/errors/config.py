@@ -337,4 +337,24 @@ GKD_OFF_POLICY = register(
     ),
 )
 
+BATCH_INVARIANT_UNSUPPORTED = register(
+    "KEEL-C030",
+    "A batch-invariant rollout cannot run with these settings",
+    "rollout.batch_invariant makes the sampler's log-probs and the old-log-prob pass equal bit for "
+    "bit: keel's native engine computes both, in arithmetic that gives a token the same numbers "
+    "whatever else is in its batch. So it needs the native engine on the actor's own workers "
+    "(hybrid_engine=true: the pass runs on the engine holding the policy's current weights), and "
+    "a model that arithmetic covers: a dense decoder with full attention and a SiLU-gated MLP "
+    "(Qwen2, Qwen3, Llama, Mistral, Phi-3, OLMo 2), not sliding windows (Gemma 3), attention sinks "
+    "(GPT-OSS) or mixtures of experts.",
+    "Set `actor_rollout_ref.rollout.batch_invariant=false` (the sampler's and the trainer's "
+    "log-probs then differ by rounding, which rollout/log_prob_gap reports), or run the native "
+    "engine on the actor's workers with a model it covers.",
+    keys=(
+        "actor_rollout_ref.rollout.batch_invariant",
+        "actor_rollout_ref.rollout.name",
+        "actor_rollout_ref.hybrid_engine",
+    ),
+)
+
 __all__ = [name for name in dir() if name.isupper()]

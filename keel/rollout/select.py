@@ -7,10 +7,12 @@ import logging
 
 import torch
 
-from keel.errors import INCOMPATIBLE_OPTIONS, KeelError
+from keel.errors import BATCH_INVARIANT_UNSUPPORTED, INCOMPATIBLE_OPTIONS, KeelError
 from keel.rollout.base import RolloutEngine
 from keel.rollout.hf import HFRolloutEngine
 from keel.rollout.native import NativeRolloutEngine, not_by_default, unsupported_reason
+from keel.rollout.native.invariant import unsupported_reason as invariant_unsupported
+from keel.rollout.native.models import family_for
 
 log = logging.getLogger("keel")
 
@@ -21,12 +23,15 @@ HF_COST = (
 )
 
 
-def engine_for(name: str, model_config) -> tuple[str, str | None]:
+def engine_for(name: str, model_config, batch_invariant: bool = False) -> tuple[str, str | None]:
     """(the engine `rollout.name` gives this model, why native cannot run it or None). `auto` takes
     native where it supports the model; an explicit `native` that cannot run is an error rather
-    than a silent switch."""
+    than a silent switch. `batch_invariant` (rollout.batch_invariant) needs native and a model its
+    arithmetic covers: KEEL-C030 else."""
     reason = unsupported_reason(model_config) if name != "hf" else None
-    if name == "auto" and not reason:
+    if batch_invariant:
+        _check_batch_invariant(model_config, reason)
+    elif name == "auto" and not reason:
         reason = not_by_default(model_config)
     if name == "native" and reason:
         raise KeelError(
@@ -35,6 +40,20 @@ def engine_for(name: str, model_config) -> tuple[str, str | None]:
             "set `actor_rollout_ref.rollout.name=hf`, or auto (which falls back to hf)",
         )
     return ("hf" if name == "hf" or reason else "native"), reason
+
+
+def _check_batch_invariant(model_config, reason: str | None) -> None:
+    """KEEL-C030 where the native engine, or its batch-invariant arithmetic, cannot run the
+    model."""
+    blocker = reason or invariant_unsupported(family_for(model_config))
+    if blocker:
+        key = "actor_rollout_ref.rollout.batch_invariant"
+        raise KeelError(
+            BATCH_INVARIANT_UNSUPPORTED,
+            f"{key}=true: the native engine's batch-invariant arithmetic does not cover this "
+            f"model ({model_config.model_type}): {blocker}",
+            f"set `{key}=false`",
+        )
 
 
 def make_rollout_engine(
@@ -53,7 +72,7 @@ def make_rollout_engine(
     `will_be_sharded`: the policy module is about to be sharded. The native engine keeps only its
     own decode weights; hf generates with a module, so it gets a whole copy of its own. A sharded
     LoRA policy needs native: only it applies adapters synced on their own to a base it holds."""
-    engine, reason = engine_for(rollout_cfg.name, model.config)
+    engine, reason = engine_for(rollout_cfg.name, model.config, rollout_cfg.batch_invariant)
     if engine == "hf" and will_be_sharded and lora:
         why = f"native does not support this model ({reason})" if reason else "rollout.name=hf"
         raise KeelError(
@@ -80,7 +99,11 @@ def make_rollout_engine(
         log.info(
             "rollout engine: native (%s, %s)",
             model.config.model_type,
-            "eager" if rollout_cfg.enforce_eager or device.type != "cuda" else "CUDA graphs",
+            "batch-invariant, eager"
+            if rollout_cfg.batch_invariant
+            else "eager"
+            if rollout_cfg.enforce_eager or device.type != "cuda"
+            else "CUDA graphs",
         )
     return NativeRolloutEngine(
         model,
@@ -91,4 +114,5 @@ def make_rollout_engine(
         free_cache_engine=rollout_cfg.free_cache_engine,
         memory_utilization=rollout_cfg.gpu_memory_utilization,
         max_num_batched_tokens=rollout_cfg.max_num_batched_tokens,
+        batch_invariant=rollout_cfg.batch_invariant,
     )

@@ -262,6 +262,10 @@ CHECK_CASES = {
         ),
     ),
     "KEEL-D009": lambda c: dpo_check(c, "data.max_length=8"),
+    # a batch-invariant rollout on the hf engine: the fix turns it off (or names native)
+    "KEEL-C030": lambda c: c.check(
+        "actor_rollout_ref.rollout.batch_invariant=true", "actor_rollout_ref.rollout.name=hf"
+    ),
     "KEEL-P004": lambda c: c.check("trainer.nnodes=2"),
     "KEEL-P006": lambda c: c.check("actor_rollout_ref.ref.nnodes=2"),
 }

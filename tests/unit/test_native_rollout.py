@@ -226,7 +226,7 @@ def test_a_sharded_lora_policy_without_the_native_engine_is_refused(tiny_assets,
     model = load_causal_lm(tiny_assets["model"], torch.device("cpu"))
     # auto falls back to hf
     model.config.model_type = "gemma2"
-    rollout = SimpleNamespace(name=name, max_num_seqs=4)
+    rollout = SimpleNamespace(name=name, max_num_seqs=4, batch_invariant=False)
     with pytest.raises(KeelError) as error:
         make_rollout_engine(
             rollout,

@@ -74,6 +74,7 @@ class NativeRolloutEngine:
         compile_step: bool = True,
         free_cache_engine: bool | None = None,
         compile_mode: str | None = None,
+        batch_invariant: bool = False,
     ):
         self.tokenizer = tokenizer
         # free_cache_engine=False (verl's key): the KV cache and its CUDA graphs stay between calls
@@ -88,7 +89,13 @@ class NativeRolloutEngine:
         # seconds per part (prefill, capture, decode) of the last call
         self.timing: dict[str, float] = {}
         self.runner = ModelRunner(
-            model, dtype, tokenizer.pad_token_id, enforce_eager, compile_step, compile_mode
+            model,
+            dtype,
+            tokenizer.pad_token_id,
+            enforce_eager,
+            compile_step,
+            compile_mode,
+            batch_invariant,
         )
         self.family, self.weights, self.device = (
             self.runner.family,
@@ -218,7 +225,8 @@ class NativeRolloutEngine:
             self.max_num_batched_tokens,
             self.timing,
         )
-        if self._keeps(batcher.decoding):
+        cache = batcher.decoding.cache_bytes()
+        if keeps_cache(self.free_cache_engine, cache, device_memory(self.device)):
             self._kept_batcher = batcher
         return batcher
 
@@ -227,33 +235,42 @@ class NativeRolloutEngine:
         """Whether the last call's KV cache and graphs stay for the next (free_cache_engine)."""
         return self._kept_batcher is not None
 
-    def _keeps(self, rows) -> bool:
-        """Whether a new scheduler's cache is kept for the next call (free_cache_engine)."""
-        total = (
-            torch.cuda.get_device_properties(self.device).total_memory
-            if self.device.type == "cuda"
-            else 0
-        )
-        return keeps_cache(self.free_cache_engine, rows.cache_bytes(), total)
-
     def _sequences_at_once(self, seq_len: int) -> int:
-        """rollout.max_num_seqs, fewer if their KV cache would pass gpu_memory_utilization of the
-        memory available: free on the device, cached by torch's allocator but unused (training
-        leaves much there), and the cache this engine keeps (free_cache_engine=False), which a
-        scheduler too small for the next call replaces."""
-        if self.device.type != "cuda":
-            return self.max_num_seqs
-        free, _ = torch.cuda.mem_get_info(self.device)
-        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        if self._kept_batcher is not None:
-            free += self._kept_batcher.decoding.cache_bytes()
-        per_sequence = self.runner.cache_bytes_per_token() * seq_len
-        fits = max(1, int(free * self.memory_utilization // per_sequence))
-        if fits < self.max_num_seqs:
-            log.info(
-                "native rollout: %d sequences at once (KV cache within %.0f%% of %.1f GB free)",
-                fits,
-                100 * self.memory_utilization,
-                free / 1e9,
-            )
-        return min(self.max_num_seqs, fits)
+        """rollout.max_num_seqs, fewer if their KV cache would not fit (sequences_that_fit), the
+        cache this engine keeps counted as free: a scheduler too small for the call replaces it."""
+        kept = self._kept_batcher
+        return sequences_that_fit(
+            self.device,
+            kept.decoding.cache_bytes() if kept is not None else 0,
+            self.runner.cache_bytes_per_token() * seq_len,
+            self.memory_utilization,
+            self.max_num_seqs,
+        )
+
+
+def device_memory(device: torch.device) -> int:
+    """The device's memory in bytes (0 on CPU, where there are no graphs to keep)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def sequences_that_fit(
+    device: torch.device, kept_bytes: int, per_sequence: int, utilization: float, most: int
+) -> int:
+    """`most` sequences, fewer if their KV cache (`per_sequence` bytes each) would pass
+    gpu_memory_utilization of the memory available: free on the device, cached by torch's allocator
+    but unused (training leaves much there), and `kept_bytes` of a kept cache."""
+    if device.type != "cuda":
+        return most
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + kept_bytes
+    fits = max(1, int(free * utilization // per_sequence))
+    if fits < most:
+        log.info(
+            "native rollout: %d sequences at once (KV cache within %.0f%% of %.1f GB free)",
+            fits,
+            100 * utilization,
+            free / 1e9,
+        )
+    return min(most, fits)

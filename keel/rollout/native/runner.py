@@ -7,12 +7,14 @@ the scheduler (scheduler.py) decides which rows do what, and decode_state.py hol
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from keel.models.load import can_compile
+from keel.rollout.native import invariant
 from keel.rollout.native.attention import (
     sdpa_decode_attention,
     triton_available,
@@ -26,7 +28,7 @@ from keel.rollout.native.layers import (
     within_window,
 )
 from keel.rollout.native.models import family_for
-from keel.rollout.native.sampling import sample
+from keel.rollout.native.sampling import sample, token_log_prob
 from keel.rollout.native.scheduler import Piece
 from keel.rollout.native.weights import DecodeWeights
 from keel.types import SamplingParams
@@ -41,6 +43,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         compile_step: bool = True,
         compile_mode: str | None = None,
+        batch_invariant: bool = False,
     ):
         self.dtype, self.pad_token_id = dtype, pad_token_id
         # the model's definition: its weights and layer math
@@ -49,9 +52,13 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.weights = DecodeWeights(model, self.family, self.device, dtype)
         self.weights.load(model.named_parameters())
+        # rollout.batch_invariant: every pass in invariant.RowInvariant's arithmetic, eager (a
+        # compiled or captured step is one fused shape; the row-at-a-time form is many small ones)
+        self.batch_invariant = batch_invariant
         # enforce_eager (verl's key): no CUDA graphs, no compilation; for debugging, and CPU's only
         # way. compile_mode: torch.compile's, for benchmarks/profile_decode.py (max-autotune was
         # slower here).
+        enforce_eager = enforce_eager or batch_invariant
         self.use_cuda_graphs = not enforce_eager and self.device.type == "cuda"
         self.kernels = StepFunctions(
             self.family,
@@ -60,7 +67,7 @@ class ModelRunner:
         )
         # prefill: compute-bound, run eagerly
         self.eager = StepFunctions(self.family, compiled=False)
-        use_triton = triton_available(self.device, dtype, self.head_dim)
+        use_triton = triton_available(self.device, dtype, self.head_dim) and not batch_invariant
         self.attention = triton_decode_attention if use_triton else sdpa_decode_attention
 
     @property
@@ -73,13 +80,47 @@ class ModelRunner:
     def load_weights(self, named: Iterable[tuple[str, Tensor]], every: bool = True) -> None:
         self.weights.load(named, every)
 
+    def arithmetic(self):
+        """The context every pass runs in: batch-invariant (invariant.RowInvariant) or as is."""
+        return invariant.RowInvariant() if self.batch_invariant else nullcontext()
+
     def sample(self, logits: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
-        return sample(logits, params, self.kernels.pickers)
+        with self.arithmetic():
+            return sample(logits, params, self.kernels.pickers, blocked=not self.batch_invariant)
 
     def prefill(self, k_cache: list[Tensor], v_cache: list[Tensor], pieces: list[Piece]) -> Tensor:
         """One prefill pass: each row's new tokens attend to its cached columns and to each other,
         their K and V written after the cached ones -> logits [u, V] at each row's last new token.
         Rows start at cache column 0 (no left padding): a row's positions are its columns."""
+        with self.arithmetic():
+            h, lengths = self._prefill_hidden(k_cache, v_cache, pieces)
+            return self._logits(h[torch.arange(len(pieces), device=self.device), lengths - 1])
+
+    def prefill_hidden(
+        self, k_cache: list[Tensor], v_cache: list[Tensor], pieces: list[Piece]
+    ) -> tuple[Tensor, Tensor]:
+        """prefill's pass up to the final norm -> hidden states [u, m, hidden] at every new token
+        (m: the longest piece's; a shorter piece's tail is padding) and each piece's length [u]."""
+        with self.arithmetic():
+            return self._prefill_hidden(k_cache, v_cache, pieces)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The output layer over final hidden states [..., hidden] -> logits [..., V]."""
+        with self.arithmetic():
+            return self._logits(hidden)
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        return F.linear(hidden.to(self.weights.lm_head.dtype), self.weights.lm_head)
+
+    def log_probs(self, logits: Tensor, tokens: Tensor, temperature: float) -> Tensor:
+        """Each row's token's log-prob under its temperature-scaled logits [rows, V]: the sampler's
+        own expression (sampling.token_log_prob)."""
+        with self.arithmetic():
+            return token_log_prob(logits.float() / temperature, tokens)
+
+    def _prefill_hidden(
+        self, k_cache: list[Tensor], v_cache: list[Tensor], pieces: list[Piece]
+    ) -> tuple[Tensor, Tensor]:
         w, device = self.weights, self.device
         u, width = len(pieces), max(len(new) for _, _, new in pieces)
         rows = torch.tensor([row for row, _, _ in pieces], device=device)
@@ -121,8 +162,7 @@ class ModelRunner:
             return attention.transpose(1, 2).reshape(x.shape[0], -1)
 
         h = self.family.layers(self.eager, w, x, positions.flatten(), attend)
-        last = h.view(u, width, -1)[torch.arange(u, device=device), lengths - 1]
-        return F.linear(last.to(w.lm_head.dtype), w.lm_head)
+        return h.view(u, width, -1), lengths
 
     def decode_logits(
         self,
@@ -141,6 +181,10 @@ class ModelRunner:
         two pure functions that torch.compile fuses on GPU (norms, RoPE, residual adds and the SiLU
         gate become a handful of kernels around the matmuls): decoding a small model is bound by
         kernel launches and bytes read, not FLOPs."""
+        with self.arithmetic():
+            return self._decode_logits(last_token, pad, column, k_cache, v_cache, rows)
+
+    def _decode_logits(self, last_token, pad, column, k_cache, v_cache, rows) -> Tensor:
         f, w = self.kernels, self.weights
         x, positions, visible = f.step_inputs(
             last_token,
@@ -175,5 +219,4 @@ class ModelRunner:
                 q, k, v, k_cache[i], v_cache[i], first, column, visible, rows, sinks
             )
 
-        h = self.family.layers(f, w, x, positions, attend)
-        return F.linear(h.to(w.lm_head.dtype), w.lm_head)
+        return self._logits(self.family.layers(f, w, x, positions, attend))

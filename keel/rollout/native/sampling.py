@@ -27,6 +27,7 @@ def sample(
     params: SamplingParams,
     pickers: Pickers | None = None,
     block: int = SAMPLE_BLOCK,
+    blocked: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """(token [B], its log-prob under the temperature-scaled distribution [B]) from logits [B, V].
 
@@ -34,8 +35,10 @@ def sample(
     what the trainer recomputes, so the sampler/trainer gap measures numerics only (as the hf
     engine does). Sampling is Gumbel-max, argmax(logits - log E) with E ~ Exp(1): a draw from the
     softmax. Noise for every vocabulary entry costs more than the rest of the step's sampling, so
-    plain sampling (no top-k/top-p) draws in two exact stages (pick_blocked). The noise is drawn
-    here, eagerly: eager RNG advances correctly under CUDA graph replay.
+    plain sampling (no top-k/top-p) draws in two exact stages (pick_blocked), unless `blocked` is
+    off: a batch-invariant rollout takes the log-prob's normaliser as its old-log-prob pass does,
+    one logsumexp of the whole row. The noise is drawn here, eagerly: eager RNG advances correctly
+    under CUDA graph replay.
     """
     pickers = pickers or Pickers(pick_token, pick_blocked)
     greedy = not params.do_sample or params.temperature == 0
@@ -49,6 +52,8 @@ def sample(
     if (params.top_k > 0 and params.top_k < vocab) or params.top_p < 1.0:
         filtered = top_k_top_p(logits.float() / params.temperature, params.top_k, params.top_p)
         return pickers.token(logits, filtered, noise(rows, vocab), params.temperature)
+    if not blocked:
+        return pickers.token(logits, None, noise(rows, vocab), params.temperature)
     return pickers.blocked(
         logits, noise(rows, -(-vocab // block)), noise(rows, block), params.temperature
     )
@@ -65,8 +70,12 @@ def pick_token(
         token = candidates.argmax(-1)
     else:
         token = (candidates - noise.clamp(min=1e-30).log()).argmax(-1)
-    log_prob = scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
-    return token, log_prob
+    return token, token_log_prob(scaled, token)
+
+
+def token_log_prob(scaled: Tensor, token: Tensor) -> Tensor:
+    """log softmax(scaled)[token] for each row of the scaled logits [B, V]."""
+    return scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
 
 
 def pick_blocked(

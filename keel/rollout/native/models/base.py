@@ -120,6 +120,9 @@ class Family(ABC):
     # Why `rollout.name=auto` does not pick native for this family yet (`native` still runs it), or
     # None.
     not_by_default: str | None = None
+    # Why rollout.batch_invariant's arithmetic (rollout/native/invariant.py) cannot run this family,
+    # or None: it covers dense decoders with full attention and a SiLU-gated MLP.
+    batch_invariant_blocker: str | None = None
 
     def __init__(self, config):
         self.config = config

@@ -58,6 +58,7 @@ class Gemma3Family(Family):
     attention_inputs = staticmethod(gemma_attention_inputs)
     after_attention = {"mlp": gemma_attention_output_and_mlp}
     norm = staticmethod(gemma_norm)
+    batch_invariant_blocker = "its sliding-window layers and GELU activation"
 
     def __init__(self, config):
         super().__init__(config)

@@ -98,6 +98,7 @@ def gpt_oss_attention_output_and_experts(
 
 class GptOssFamily(Family):
     facts = GPT_OSS
+    batch_invariant_blocker = "its attention sinks and mixture of experts"
     # Llama's: without q/k norms (the layer has none), with biases on q, k and v
     attention_inputs = staticmethod(attention_inputs)
     after_attention = {"experts": gpt_oss_attention_output_and_experts}

@@ -137,6 +137,7 @@ def attention_output_and_experts(
 
 class Qwen3MoeFamily(LlamaFamily):
     facts = QWEN3_MOE
+    batch_invariant_blocker = "its mixture of experts"
     after_attention = {"mlp": attention_output_and_mlp, "experts": attention_output_and_experts}
 
     def __init__(self, config):
