@@ -68,12 +68,59 @@ def test_the_row_functions_equal_the_fused_ones_to_rounding():
     fused = (F.linear(x, w, b), F.rms_norm(x, (32,), eps=1e-6), torch.logsumexp(x, -1))
     for got, want in zip(rows, (*fused, F.silu(x), x.cos())):
         torch.testing.assert_close(got, want)
-    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
-    mask = torch.ones(6, 6, dtype=torch.bool).tril()
-    keys = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
-    want = F.scaled_dot_product_attention(q, *keys, is_causal=True)
-    with invariant.RowInvariant():
-        causal = F.scaled_dot_product_attention(q, *keys, is_causal=True)
-        masked = F.scaled_dot_product_attention(q, *keys, attn_mask=mask)
-    torch.testing.assert_close(causal, want)
-    torch.testing.assert_close(masked, want)
+
+
+def causal_attention_case(length=6, heads=4, kv_heads=2, dim=16):
+    """Queries at every position of two cache rows, against SDPA's causal attention."""
+    torch.manual_seed(0)
+    q = torch.randn(2, heads, length, dim)
+    k_cache, v_cache = torch.randn(2, kv_heads, length, dim), torch.randn(2, kv_heads, length, dim)
+    group = heads // kv_heads
+    want = F.scaled_dot_product_attention(
+        q,
+        k_cache.repeat_interleave(group, dim=1),
+        v_cache.repeat_interleave(group, dim=1),
+        is_causal=True,
+    )
+    rows = torch.arange(2).repeat_interleave(length)
+    last = torch.arange(length).repeat(2)
+    queries = q.transpose(1, 2).flatten(0, 1)  # [2 * length, H, D]
+    return (queries, k_cache, v_cache, rows, torch.zeros_like(last), last), want
+
+
+def test_attention_over_each_querys_columns_equals_sdpa_to_rounding():
+    args, want = causal_attention_case()
+    got = invariant.attend_reference(*args)
+    torch.testing.assert_close(got.view(2, 6, 4, 16).transpose(1, 2), want)
+
+
+def test_the_gpu_kernels_equal_the_fused_functions_under_tritons_interpreter():
+    """invariant_kernels under TRITON_INTERPRET=1 (numpy), in a process of its own: the interpreter
+    is chosen at import. Where Triton is installed (not in keel's CPU install)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import torch, torch.nn.functional as F
+from keel.rollout.native import invariant, invariant_kernels as kernels
+import test_batch_invariant as case
+torch.manual_seed(0)
+x, w, b = torch.randn(70, 100), torch.randn(80, 100), torch.randn(80)
+torch.testing.assert_close(kernels.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(kernels.rms_norm(x, (100,), eps=1e-6), F.rms_norm(x, (100,), eps=1e-6))
+v = torch.randn(3, 5000)
+torch.testing.assert_close(kernels.logsumexp(v, -1), torch.logsumexp(v, -1))
+args, want = case.causal_attention_case(length=70)
+got = kernels.attend(*args)
+torch.testing.assert_close(got.view(2, 70, 4, 16).transpose(1, 2), want, rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+    here = os.path.dirname(__file__)
+    path = os.pathsep.join([os.getcwd(), here, os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.stdout.strip() == "ok", done.stderr[-3000:]

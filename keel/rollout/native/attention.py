@@ -99,11 +99,8 @@ def sdpa_decode_attention(
     With `rows` [B] (continuous batching) query b is cache row rows[b] of a larger cache, and
     `column` [B] is each row's own. `sinks` [H]: each head's attention sink (GPT-OSS), a logit in
     the softmax's normaliser that attends to nothing."""
-    if rows is None:
-        k_cache.index_copy_(2, column, k)
-        v_cache.index_copy_(2, column, v)
-    else:
-        k_cache[rows, :, column], v_cache[rows, :, column] = k[:, :, 0], v[:, :, 0]
+    write_new_token(k, v, k_cache, v_cache, column, rows)
+    if rows is not None:
         k_cache, v_cache = k_cache[rows], v_cache[rows]
     batch, heads, _, dim = q.shape
     grouped = q.view(batch, k_cache.shape[1], heads // k_cache.shape[1], dim)  # [B, KV, G, D]
@@ -115,6 +112,18 @@ def sdpa_decode_attention(
     return F.scaled_dot_product_attention(grouped, k_cache, v_cache, attn_mask=visible).reshape(
         batch, heads * dim
     )
+
+
+def write_new_token(
+    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, column: Tensor, rows: Tensor | None
+) -> None:
+    """The decoding token's k, v [B, KV, 1, D] into the caches at `column` ([1], or [B] each
+    row's), of rows 0..B-1 or of `rows` [B] (continuous batching)."""
+    if rows is None:
+        k_cache.index_copy_(2, column, k)
+        v_cache.index_copy_(2, column, v)
+    else:
+        k_cache[rows, :, column], v_cache[rows, :, column] = k[:, :, 0], v[:, :, 0]
 
 
 def attention_with_sinks(

@@ -9,14 +9,14 @@ on-policy.
 Why one token at a time: a fused kernel picks its tiling (and so its order of additions) by the
 shape it is given; cuBLAS picks split-K by the number of rows, SDPA's kernels pick their blocks
 by the query length, and a reduction kernel splits a row differently when there are few rows. A
-vector product of one shape is one kernel with one order, whichever pass calls it. This is the
-reference form, exact by construction and slow (a kernel per token and op); the same contract in
-fixed-tile Triton kernels is what makes it fast.
+vector product of one shape is one kernel with one order, whichever pass calls it: the reference
+form here, exact by construction and slow (a kernel per token and op), which runs on CPU. On a GPU
+the same contract is kept by fixed-tile Triton kernels (invariant_kernels.py).
 
 RowInvariant is a TorchFunctionMode: inside it, the functions the native engine's layers call for
-those reductions (F.linear, F.rms_norm, F.silu, SDPA, logsumexp, cos and sin) run row by row.
-Elementwise arithmetic (adds, products, casts, gathers) is already the same for each element at
-any shape, and is left as it is."""
+those reductions (F.linear, F.rms_norm, logsumexp) run row by row, and `attend` is the attention
+of both passes. Elementwise arithmetic (adds, products, casts, gathers) is the same for each
+element at any shape, and is left as it is (on CPU the transcendental ones run row by row too)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
+
+from keel.rollout.native import invariant_kernels
+from keel.rollout.native.attention import write_new_token
 
 
 def rows_of(x: Tensor, keep: int) -> Tensor:
@@ -58,81 +61,97 @@ def rowwise(fn):
 
 def logsumexp(x: Tensor, dim, keepdim: bool = False) -> Tensor:
     """torch.logsumexp over the last dim, one row at a time."""
-    if dim not in (-1, x.dim() - 1, (-1,), (x.dim() - 1,)):
-        raise NotImplementedError("batch-invariant logsumexp reduces the last dim only")
+    invariant_kernels.reduces_last_dim(x, dim)
     flat = rows_of(x, 1)
     out = torch.stack([torch.logsumexp(row, dim=0) for row in flat.unbind(0)])
     out = out.view(x.shape[:-1])
     return out.unsqueeze(-1) if keepdim else out
 
 
-def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
+def attend_reference(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor, first: Tensor, last: Tensor
 ) -> Tensor:
-    """SDPA of q [..., L, D] over k, v [..., S, D] (heads matched, or grouped where q has a
-    multiple of k's heads), one query at a time over exactly the keys it sees, in column order:
-    scores, softmax and the weighted sum each a vector op whose shape is the number of keys the
-    query sees. A decoding token and the same token in a prefill see the same keys, so they get the
-    same bits; the masked columns a padded or static cache adds never enter. In float32, rounded to
-    q's dtype once."""
-    if dropout_p:
-        raise NotImplementedError("batch-invariant attention has no dropout")
-    length, keys, dim = q.shape[-2], k.shape[-2], q.shape[-1]
-    scale = dim**-0.5 if scale is None else scale
-    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-3] + (q.shape[-3],))
-    queries = q.expand(*lead, length, dim).reshape(-1, length, dim)
-    heads, kv_heads = q.shape[-3], k.shape[-3]
-    group = heads // kv_heads
-    k_rows = k.expand(*lead[:-1], kv_heads, keys, dim).reshape(-1, kv_heads, keys, dim)
-    v_rows = v.expand(*lead[:-1], kv_heads, keys, v.shape[-1]).reshape(
-        -1, kv_heads, keys, v.shape[-1]
-    )
-    if attn_mask is not None:
-        mask = attn_mask.expand(*lead, length, keys).reshape(-1, length, keys)
-    out = torch.empty(*queries.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
-    for i in range(queries.shape[0]):
-        row, head = divmod(i, heads)
-        k_head, v_head = k_rows[row, head // group], v_rows[row, head // group]
-        for position in range(length):
-            if attn_mask is None:
-                # causal: the last query sees every key
-                seen = torch.arange(keys - length + position + 1, device=q.device)
-            else:
-                seen = mask[i, position].nonzero().squeeze(-1)
-            scores = torch.mv(k_head[seen].float(), queries[i, position].float()) * scale
-            weights = torch.softmax(scores, dim=0)
-            out[i, position] = torch.mv(v_head[seen].float().T.contiguous(), weights).to(q.dtype)
-    if attn_mask is None and not is_causal and length > 1:
-        raise NotImplementedError("batch-invariant attention needs a mask or is_causal")
-    return out.view(*lead, length, v.shape[-1])
+    """attend, one query and head at a time: scores, softmax and the weighted sum each a vector op
+    whose shape is the number of columns the query sees, in float32, rounded to q's dtype once."""
+    heads, dim = q.shape[1], q.shape[2]
+    group = heads // k_cache.shape[1]
+    out = torch.empty_like(q)
+    for n, (row, lo, hi) in enumerate(zip(rows.tolist(), first.tolist(), last.tolist())):
+        for head in range(heads):
+            keys = k_cache[row, head // group, lo : hi + 1].float()
+            values = v_cache[row, head // group, lo : hi + 1].float()
+            weights = torch.softmax(torch.mv(keys, q[n, head].float()) * dim**-0.5, dim=0)
+            out[n, head] = torch.mv(values.T.contiguous(), weights).to(q.dtype)
+    return out
 
 
+def attend(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor, first: Tensor, last: Tensor
+) -> Tensor:
+    """Attention of queries q [N, H, D] over the KV cache [rows, KV, L, D] (grouped heads): query
+    n over cache row rows[n], columns first[n] to last[n] inclusive, exactly those and in column
+    order, so a decoding token and the same token in a prefill get the same bits. -> [N, H, D]."""
+    if q.is_cuda and invariant_kernels.triton is not None:
+        return invariant_kernels.attend(q, k_cache, v_cache, rows, first, last)
+    return attend_reference(q, k_cache, v_cache, rows, first, last)
+
+
+# the reference, on CPU: elementwise functions too, where a vectorised loop's tail may round a
+# transcendental otherwise
 ROWWISE = {
     F.linear: linear,
     F.rms_norm: rms_norm,
     F.silu: rowwise(F.silu),
     torch.logsumexp: logsumexp,
     torch.Tensor.logsumexp: logsumexp,
-    F.scaled_dot_product_attention: attention,
     torch.Tensor.cos: rowwise(torch.Tensor.cos),
     torch.Tensor.sin: rowwise(torch.Tensor.sin),
 }
+# on a GPU: fixed-tile kernels; CUDA's elementwise kernels compute each element alike at any shape
+KERNELS = (
+    {
+        F.linear: invariant_kernels.linear,
+        F.rms_norm: invariant_kernels.rms_norm,
+        torch.logsumexp: invariant_kernels.logsumexp,
+        torch.Tensor.logsumexp: invariant_kernels.logsumexp,
+    }
+    if invariant_kernels.triton is not None
+    else {}
+)
 
 
 class RowInvariant(TorchFunctionMode):
-    """Inside it, the reductions of ROWWISE run one row at a time (this module's docstring)."""
+    """Inside it, the reductions the layers call run in batch-invariant arithmetic: the GPU's
+    kernels (KERNELS) on CUDA tensors, the row-at-a-time reference (ROWWISE) elsewhere."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        # (the mode is off inside its own handler: the row functions call the originals)
-        return ROWWISE.get(func, func)(*args, **kwargs)
+        on_gpu = bool(args) and isinstance(args[0], Tensor) and args[0].is_cuda and KERNELS
+        # (the mode is off inside its own handler: these call the originals)
+        return (KERNELS if on_gpu else ROWWISE).get(func, func)(*args, **kwargs)
+
+
+def decode_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    pad: Tensor,
+    column: Tensor,
+    visible: Tensor | None = None,
+    rows: Tensor | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """The runner's decode attention (attention.sdpa_decode_attention's signature) in this
+    arithmetic: the new token's K and V written at `column`, then `attend` over the columns from
+    the row's first (`pad`) to it. -> [B, H * D]."""
+    batch, heads, _, dim = q.shape
+    write_new_token(k, v, k_cache, v_cache, column, rows)
+    rows = torch.arange(batch, device=q.device) if rows is None else rows
+    last = column.expand(batch).contiguous()
+    attention = attend(q.view(batch, heads, dim), k_cache, v_cache, rows, pad, last)
+    return attention.view(batch, heads * dim)
 
 
 def unsupported_reason(family) -> str | None:

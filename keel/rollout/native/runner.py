@@ -52,23 +52,27 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.weights = DecodeWeights(model, self.family, self.device, dtype)
         self.weights.load(model.named_parameters())
-        # rollout.batch_invariant: every pass in invariant.RowInvariant's arithmetic, eager (a
-        # compiled or captured step is one fused shape; the row-at-a-time form is many small ones)
+        # rollout.batch_invariant: every pass in invariant.RowInvariant's arithmetic, uncompiled
+        # (inductor would fuse and reorder it); a GPU's decode step still replays as a graph
         self.batch_invariant = batch_invariant
         # enforce_eager (verl's key): no CUDA graphs, no compilation; for debugging, and CPU's only
         # way. compile_mode: torch.compile's, for benchmarks/profile_decode.py (max-autotune was
         # slower here).
-        enforce_eager = enforce_eager or batch_invariant
         self.use_cuda_graphs = not enforce_eager and self.device.type == "cuda"
         self.kernels = StepFunctions(
             self.family,
-            self.use_cuda_graphs and compile_step and can_compile(self.device),
+            self.use_cuda_graphs
+            and compile_step
+            and can_compile(self.device)
+            and not batch_invariant,
             compile_mode,
         )
         # prefill: compute-bound, run eagerly
         self.eager = StepFunctions(self.family, compiled=False)
-        use_triton = triton_available(self.device, dtype, self.head_dim) and not batch_invariant
+        use_triton = triton_available(self.device, dtype, self.head_dim)
         self.attention = triton_decode_attention if use_triton else sdpa_decode_attention
+        if batch_invariant:
+            self.attention = invariant.decode_attention
 
     @property
     def layers(self) -> int:
@@ -151,6 +155,11 @@ class ModelRunner:
             q, k, v = (t.view(u, width, t.shape[1], t.shape[-1]) for t in (q, k, v))  # [u, m, *, D]
             k_cache[i][cache_rows, :, cache_columns] = k[piece_of, column_of]
             v_cache[i][cache_rows, :, cache_columns] = v[piece_of, column_of]
+            if self.batch_invariant:
+                # every query, padding's too (finite, never used), over columns 0 to its own
+                last = positions.flatten().clamp(max=k_cache[i].shape[2] - 1)
+                at = (q.flatten(0, 1), k_cache[i], v_cache[i], rows.repeat_interleave(width))
+                return invariant.attend(*at, torch.zeros_like(last), last).flatten(1)
             seen = within_window(visible, positions, end, self.family.window(i))
             attention = grouped_attention(
                 q.transpose(1, 2),

@@ -8,6 +8,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+# sequences prefilled together (their cache is theirs alone, freed after)
+GROUP = 16
+
 
 @torch.no_grad()
 def score(engine, batch, temperature: float) -> Tensor:
@@ -15,23 +18,32 @@ def score(engine, batch, temperature: float) -> Tensor:
     `engine`'s weights at `temperature` -> [N, R] float32 on the host, 0 past each response."""
     attended = batch.response_attention
     attended = batch.response_mask if attended is None else attended
+    sequences = [
+        (
+            batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist(),
+            batch.response_ids[i][: int(attended[i].sum())].tolist(),
+        )
+        for i in range(len(batch.response_ids))
+    ]
     out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
-    for i in range(len(out)):
-        prompt = batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()
-        response = batch.response_ids[i][: int(attended[i].sum())].tolist()
-        out[i, : len(response)] = sequence_log_probs(engine.runner, prompt, response, temperature)
+    for start in range(0, len(sequences), GROUP):
+        group = sequences[start : start + GROUP]
+        for i, log_probs in enumerate(group_log_probs(engine.runner, group, temperature)):
+            out[start + i, : len(log_probs)] = log_probs
     return out
 
 
-def sequence_log_probs(runner, prompt: list[int], response: list[int], temperature: float):
-    """The log-probs of `response`'s tokens after `prompt`, from one prefill of both into a cache
-    of their own."""
-    tokens = prompt + response
-    cache = (1, runner.kv_heads, len(tokens), runner.head_dim)
+def group_log_probs(runner, group: list[tuple[list[int], list[int]]], temperature: float):
+    """Each (prompt, response)'s response log-probs, from one prefill of the group's whole
+    sequences into a cache of their own."""
+    longest = max(len(prompt) + len(response) for prompt, response in group)
+    cache = (len(group), runner.kv_heads, longest, runner.head_dim)
     k = [torch.zeros(cache, dtype=runner.dtype, device=runner.device) for _ in range(runner.layers)]
     v = [torch.zeros(cache, dtype=runner.dtype, device=runner.device) for _ in range(runner.layers)]
-    hidden, _ = runner.prefill_hidden(k, v, [(0, 0, tokens)])
-    # the positions whose next token is a response token
-    logits = runner.logits(hidden[0, len(prompt) - 1 : len(tokens) - 1])
-    ids = torch.tensor(response, device=runner.device)
-    return runner.log_probs(logits, ids, temperature).cpu()
+    pieces = [(row, 0, prompt + response) for row, (prompt, response) in enumerate(group)]
+    hidden, _ = runner.prefill_hidden(k, v, pieces)
+    for row, (prompt, response) in enumerate(group):
+        # the positions whose next token is a response token
+        logits = runner.logits(hidden[row, len(prompt) - 1 : len(prompt) + len(response) - 1])
+        ids = torch.tensor(response, device=runner.device)
+        yield runner.log_probs(logits, ids, temperature).cpu()

@@ -1,0 +1,196 @@
+"""rollout.batch_invariant's arithmetic on a GPU (invariant.py says the contract): Triton kernels
+whose tiling is fixed whatever the shape they are given, so an output row's additions happen in
+one order, decided by its own data only.
+
+- `linear`: x W^T + b in tiles of 64 x 64, K 64 at a time in order, float32 accumulation, no
+  split-K (cuBLAS picks its kernel, and whether to split K, by the number of rows);
+- `rms_norm` and `logsumexp`: one program per row, the row's blocks in order;
+- `attend`: each query over exactly the cache columns it sees, first to last in blocks of 64
+  counted from its first column, an online softmax in float32 (a decoding token and the same
+  token in a prefill run the same program on the same columns).
+
+The matmul is slower than cuBLAS's best tile for a given shape; that is the price of one order."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs: invariant.py's row-at-a-time reference runs there
+    triton = None
+
+TILE = 64  # rows, columns and K of a matmul tile; cache columns per attention block
+NORM_BLOCK = 4096  # vocabulary entries per logsumexp block
+
+
+def precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: float32 inputs exact ("ieee"), not rounded to tf32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear: x [..., K] times weight [N, K] transposed, plus bias [N], in x's dtype."""
+    k, n = x.shape[-1], weight.shape[0]
+    flat = x.reshape(-1, k)
+    out = torch.empty(flat.shape[0], n, device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(flat.shape[0], TILE), triton.cdiv(n, TILE))
+    _linear_kernel[grid](
+        flat, weight, weight if bias is None else bias, out, flat.shape[0], n, k,
+        flat.stride(0), flat.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
+        HAS_BIAS=bias is not None, TILE=TILE, PRECISION=precision(x.dtype),
+        num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out.view(*x.shape[:-1], n)
+
+
+def rms_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, eps=None) -> Tensor:
+    """F.rms_norm over the last dim (eps None: the dtype's machine epsilon, as torch's)."""
+    h = x.shape[-1]
+    flat = x.reshape(-1, h)
+    out = torch.empty_like(flat)
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    _rms_norm_kernel[(flat.shape[0],)](
+        flat, flat if weight is None else weight, out, h, flat.stride(0), out.stride(0), eps,
+        HAS_WEIGHT=weight is not None, BLOCK=triton.next_power_of_2(h),
+    )  # fmt: skip
+    return out.view(x.shape)
+
+
+def reduces_last_dim(x: Tensor, dim) -> None:
+    """The batch-invariant reductions reduce the last dim only (all the layers ask of them)."""
+    if dim not in (-1, x.dim() - 1, (-1,), (x.dim() - 1,)):
+        raise NotImplementedError("batch-invariant reductions reduce the last dim only")
+
+
+def logsumexp(x: Tensor, dim, keepdim: bool = False) -> Tensor:
+    """torch.logsumexp over the last dim, accumulated in float32, in x's dtype (as torch's)."""
+    reduces_last_dim(x, dim)
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.empty(flat.shape[0], device=x.device, dtype=torch.float32)
+    block = min(NORM_BLOCK, triton.next_power_of_2(x.shape[-1]))
+    _logsumexp_kernel[(flat.shape[0],)](flat, out, x.shape[-1], flat.stride(0), BLOCK=block)
+    out = out.to(x.dtype).view(x.shape[:-1])
+    return out.unsqueeze(-1) if keepdim else out
+
+
+def attend(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor, first: Tensor, last: Tensor
+) -> Tensor:
+    """invariant.attend on the GPU: q [N, H, D] over cache rows `rows` [N], columns `first` to
+    `last` [N] inclusive -> [N, H, D]."""
+    n, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    _attend_kernel[(n, kv_heads)](
+        q, k_cache, v_cache, out, rows, first, last, dim**-0.5,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=TILE,
+        PRECISION=precision(q.dtype), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["m"])
+    def _linear_kernel(
+        X, W, B, Out, m, n, k, x_m, x_k, w_n, w_k, out_m,
+        HAS_BIAS: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # (m, the number of rows, is not specialised on: one compiled kernel for every count)
+        rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
+        cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
+        ks = tl.arange(0, TILE)
+        acc = tl.zeros([TILE, TILE], tl.float32)
+        for k0 in range(0, k, TILE):
+            a = tl.load(
+                X + rows[:, None] * x_m + (k0 + ks)[None, :] * x_k,
+                mask=(rows[:, None] < m) & ((k0 + ks)[None, :] < k),
+                other=0.0,
+            )
+            b = tl.load(
+                W + cols[None, :] * w_n + (k0 + ks)[:, None] * w_k,
+                mask=(cols[None, :] < n) & ((k0 + ks)[:, None] < k),
+                other=0.0,
+            )
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(B + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
+        tl.store(
+            Out + rows[:, None] * out_m + cols[None, :],
+            acc.to(Out.dtype.element_ty),
+            mask=(rows[:, None] < m) & (cols[None, :] < n),
+        )
+
+    @triton.jit
+    def _rms_norm_kernel(
+        X, W, Out, h, x_row, out_row, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        x = tl.load(X + row * x_row + cols, mask=cols < h, other=0.0).to(tl.float32)
+        y = x * tl.math.rsqrt(tl.sum(x * x, axis=0) / h + eps)
+        if HAS_WEIGHT:
+            y = y * tl.load(W + cols, mask=cols < h, other=0.0).to(tl.float32)
+        tl.store(Out + row * out_row + cols, y.to(Out.dtype.element_ty), mask=cols < h)
+
+    @triton.jit
+    def _logsumexp_kernel(X, Out, v, x_row, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        top = tl.full([], float("-inf"), tl.float32)
+        total = tl.zeros([], tl.float32)
+        for start in range(0, v, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(X + row * x_row + cols, mask=cols < v, other=float("-inf")).to(tl.float32)
+            new_top = tl.maximum(top, tl.max(x, axis=0))
+            total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), axis=0)
+            top = new_top
+        tl.store(Out + row, top + tl.log(total))
+
+    @triton.jit
+    def _attend_kernel(
+        Q, KCache, VCache, Out, Rows, First, Last, scale,
+        q_n, q_h, kc_r, kc_h, kc_l, vc_r, vc_h, vc_l, out_n, out_h,
+        GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        query = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        row = tl.load(Rows + query).to(tl.int64)
+        first = tl.load(First + query)
+        last = tl.load(Last + query)
+        g = tl.arange(0, BLOCK_GROUP)
+        d = tl.arange(0, DIM)
+        heads = kv_head * GROUP + g
+        in_group = (g < GROUP)[:, None]
+        q = tl.load(Q + query * q_n + heads[:, None] * q_h + d[None, :], mask=in_group, other=0.0)
+        k_base = KCache + row * kc_r + kv_head * kc_h
+        v_base = VCache + row * vc_r + kv_head * vc_h
+        top = tl.full([BLOCK_GROUP], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_GROUP], tl.float32)
+        acc = tl.zeros([BLOCK_GROUP, DIM], tl.float32)
+        # blocks counted from the query's first column: the same blocks in every pass
+        for start in range(first, last + 1, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            seen = cols <= last
+            k = tl.load(k_base + cols[:, None] * kc_l + d[None, :], mask=seen[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            scores = tl.where(seen[None, :], scores, float("-inf"))
+            new_top = tl.maximum(top, tl.max(scores, axis=1))
+            rescale = tl.exp(top - new_top)
+            p = tl.exp(scores - new_top[:, None])
+            v = tl.load(v_base + cols[:, None] * vc_l + d[None, :], mask=seen[:, None], other=0.0)
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            total = total * rescale + tl.sum(p, axis=1)
+            top = new_top
+        out = acc / total[:, None]
+        tl.store(
+            Out + query * out_n + heads[:, None] * out_h + d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=in_group,
+        )
