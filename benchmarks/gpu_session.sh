@@ -44,6 +44,8 @@
 #   bash benchmarks/gpu_session.sh speed          issue 50: the async GPU test, s1 sync then async (SPEED_PART=s1);
 #                                                 t1 profiled, t1 with cuDNN's attention allowed, q1 with its KV cache
 #                                                 freed and kept (SPEED_PART=t1)
+#   bash benchmarks/gpu_session.sh exact          issue 50: the batch-invariant and async GPU tests, s1 sync and async,
+#                                                 t1 and t1 batch-invariant
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -310,6 +312,16 @@ from keel.cli import main
 sys.exit(main(sys.argv[1:]))" bench t1 --gpus 1 --steps 3 --warmup 1 --out "$OUT/bench_cudnn.jsonl" > "$OUT/t1_cudnn.log" 2>&1
     bench_runs 150 "${SPEED_UNTIL:-430}" "q1 actor_rollout_ref.rollout.free_cache_engine=true" \
         "q1 actor_rollout_ref.rollout.free_cache_engine=false"
+}
+
+exact() {  # issue 50 in one call: the batch-invariant and async GPU tests, then s1 sync and async, then t1 as it
+    # is and batch-invariant (log_prob_gap 0, its cost); a run starts only while the call has time left for it
+    timeout 180 python3 -m pytest -q tests/gpu/test_batch_invariant_cuda.py \
+        "tests/gpu/test_train_cuda.py::test_an_async_run_ends_and_its_process_exits_with_a_batch_still_scoring" \
+        > "$OUT/gpu_exact_tests.txt" 2>&1
+    grep -E "passed|failed|Error" "$OUT/gpu_exact_tests.txt" | tail -3
+    bench_runs 130 "${EXACT_UNTIL:-330}" "s1 trainer.mode=sync" "s1 trainer.mode=async" t1 \
+        "t1 actor_rollout_ref.rollout.batch_invariant=true"
 }
 
 summary() {
