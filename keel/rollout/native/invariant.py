@@ -3,8 +3,7 @@ depends on (the matmuls, the norms, attention, the vocabulary's logsumexp) is co
 token at a time, with the same shapes whatever else is in the batch, so a token's numbers do not
 depend on its neighbours, on the batch's size, or on whether it was decoded one step at a time or
 prefilled with its whole sequence. The sampler's log-probs and the old-log-prob pass (the engine's
-prefill of the whole sequence, `NativeRolloutEngine.score`) are then bitwise equal: on-policy is
-on-policy.
+prefill of the whole sequence, scoring.py) are then bitwise equal: on-policy is on-policy.
 
 Why one token at a time: a fused kernel picks its tiling (and so its order of additions) by the
 shape it is given; cuBLAS picks split-K by the number of rows, SDPA's kernels pick their blocks
