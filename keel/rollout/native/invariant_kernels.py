@@ -89,8 +89,9 @@ def attend(
         q, k_cache, v_cache, out, rows, first, last, dim**-0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=TILE,
-        PRECISION=precision(q.dtype), num_warps=4,
+        GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)), DIM=dim,
+        BLOCK_DIM=max(16, triton.next_power_of_2(dim)), BLOCK=TILE, PRECISION=precision(q.dtype),
+        num_warps=4,
     )  # fmt: skip
     return out
 
@@ -156,35 +157,38 @@ if triton is not None:
     def _attend_kernel(
         Q, KCache, VCache, Out, Rows, First, Last, scale,
         q_n, q_h, kc_r, kc_h, kc_l, vc_r, vc_h, vc_l, out_n, out_h,
-        GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
-        PRECISION: tl.constexpr,
+        GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr,
+        BLOCK_DIM: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
+        # (a head of fewer than 16 dims is padded with zeros to tl.dot's least: products of 0)
         query = tl.program_id(0)
         kv_head = tl.program_id(1)
         row = tl.load(Rows + query).to(tl.int64)
         first = tl.load(First + query)
         last = tl.load(Last + query)
         g = tl.arange(0, BLOCK_GROUP)
-        d = tl.arange(0, DIM)
+        d = tl.arange(0, BLOCK_DIM)
         heads = kv_head * GROUP + g
-        in_group = (g < GROUP)[:, None]
+        in_head = d[None, :] < DIM
+        in_group = (g < GROUP)[:, None] & in_head
         q = tl.load(Q + query * q_n + heads[:, None] * q_h + d[None, :], mask=in_group, other=0.0)
         k_base = KCache + row * kc_r + kv_head * kc_h
         v_base = VCache + row * vc_r + kv_head * vc_h
         top = tl.full([BLOCK_GROUP], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_GROUP], tl.float32)
-        acc = tl.zeros([BLOCK_GROUP, DIM], tl.float32)
+        acc = tl.zeros([BLOCK_GROUP, BLOCK_DIM], tl.float32)
         # blocks counted from the query's first column: the same blocks in every pass
         for start in range(first, last + 1, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             seen = cols <= last
-            k = tl.load(k_base + cols[:, None] * kc_l + d[None, :], mask=seen[:, None], other=0.0)
+            rows = seen[:, None] & in_head
+            k = tl.load(k_base + cols[:, None] * kc_l + d[None, :], mask=rows, other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             scores = tl.where(seen[None, :], scores, float("-inf"))
             new_top = tl.maximum(top, tl.max(scores, axis=1))
             rescale = tl.exp(top - new_top)
             p = tl.exp(scores - new_top[:, None])
-            v = tl.load(v_base + cols[:, None] * vc_l + d[None, :], mask=seen[:, None], other=0.0)
+            v = tl.load(v_base + cols[:, None] * vc_l + d[None, :], mask=rows, other=0.0)
             acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             total = total * rescale + tl.sum(p, axis=1)
             top = new_top
