@@ -125,7 +125,7 @@ class RowInvariant(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        on_gpu = bool(args) and isinstance(args[0], Tensor) and args[0].is_cuda and KERNELS
+        on_gpu = bool(KERNELS) and bool(args) and isinstance(args[0], Tensor) and args[0].is_cuda
         # (the mode is off inside its own handler: these call the originals)
         return (KERNELS if on_gpu else ROWWISE).get(func, func)(*args, **kwargs)
 
