@@ -80,6 +80,9 @@ class ScoringPool:
         if self.num_workers == 0:
             return [score_sample(task) for task in tasks]
         with self._lock:
+            # (a batch reaching here after the run ended would start a pool nobody closes)
+            if self._ended:
+                raise ScoringEnded("the run ended before this batch was scored")
             pool, generation = self._get_pool(), self._generation
             started = started or [None] * len(tasks)
             pending = [

@@ -30,7 +30,7 @@ def engine_for(name: str, model_config, batch_invariant: bool = False) -> tuple[
     arithmetic covers: KEEL-C030 else."""
     reason = unsupported_reason(model_config) if name != "hf" else None
     if batch_invariant:
-        _check_batch_invariant(model_config, reason)
+        _check_batch_invariant(model_config, "rollout.name=hf" if name == "hf" else reason)
     elif name == "auto" and not reason:
         reason = not_by_default(model_config)
     if name == "native" and reason:

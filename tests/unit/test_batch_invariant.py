@@ -3,6 +3,8 @@ prefill of each whole sequence) are equal bit for bit, in float32 and bfloat16, 
 different lengths decoded together and prefilled in pieces; without it the same comparison
 differs. The row-at-a-time functions equal the fused ones to rounding."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -52,6 +54,25 @@ def test_the_sampler_and_the_old_log_prob_pass_are_equal_bit_for_bit(tmp_path, a
     # the same comparison without it: the decode step's fused arithmetic is not the prefill's
     sampled, scored, mask = sampled_and_scored(model_dir, dtype, False)
     assert not torch.equal(sampled * mask, scored * mask)
+
+
+def test_a_row_without_a_response_scores_nothing(tmp_path):
+    """A rank's share of a batch is made even with padding rows (no response): they score 0."""
+    from keel.models.tiny import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path, hidden_size=64, num_layers=2)
+    tokenizer, model = load_tokenizer(model_dir), load_causal_lm(model_dir, torch.device("cpu"))
+    records, _ = build_prompt_dataset(PROMPTS, tokenizer, max_prompt_length=64)
+    prompts = collate_prompts(records, tokenizer.pad_token_id)
+    engine = NativeRolloutEngine(model, tokenizer, 256, torch.float32, batch_invariant=True)
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=4, ignore_eos=True)
+    batch = engine.generate(prompts, params)
+    padded = dataclasses.replace(
+        batch, response_mask=batch.response_mask * torch.tensor([[1], [0], [1]])
+    )
+    scored = score(engine, padded, 1.0)
+    assert scored[1].eq(0).all() and scored[0].ne(0).all()
+    assert torch.equal(scored[[0, 2]], batch.sampling_log_probs[[0, 2]])
 
 
 def test_the_row_functions_equal_the_fused_ones_to_rounding():
@@ -111,6 +132,7 @@ x, w, b = torch.randn(70, 100), torch.randn(80, 100), torch.randn(80)
 torch.testing.assert_close(kernels.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 torch.testing.assert_close(kernels.rms_norm(x, (100,), eps=1e-6), F.rms_norm(x, (100,), eps=1e-6))
 v = torch.randn(3, 5000)
+v[1, :4096] = v[2] = float("-inf")  # a first block of -inf, a row of -inf: not NaN
 torch.testing.assert_close(kernels.logsumexp(v, -1), torch.logsumexp(v, -1))
 for dim in (16, 8):  # 8: padded to tl.dot's least 16
     args, want = case.causal_attention_case(length=70, dim=dim)
@@ -125,3 +147,18 @@ print("ok")
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
     )
     assert done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_the_engine_choice_refuses_hf_where_the_config_rule_was_passed_by(tiny_assets):
+    """keel.rollout.select.engine_for, as a library caller reaches it: hf is no batch-invariant
+    engine."""
+    from transformers import AutoConfig
+
+    from keel.errors import BATCH_INVARIANT_UNSUPPORTED, KeelError
+    from keel.rollout.select import engine_for
+
+    config = AutoConfig.from_pretrained(tiny_assets["model"])
+    assert engine_for("native", config, batch_invariant=True) == ("native", None)
+    with pytest.raises(KeelError) as raised:
+        engine_for("hf", config, batch_invariant=True)
+    assert raised.value.code == BATCH_INVARIANT_UNSUPPORTED and "hf" in raised.value.message

@@ -354,3 +354,13 @@ def test_a_batch_in_the_workers_when_the_run_ends_is_dropped_not_waited_out(tmp_
     thread.join(timeout=120)
     assert began.exists() and not thread.is_alive()
     assert "ended" in outcome and "result" not in outcome
+
+
+def test_a_batch_after_the_run_ended_starts_no_pool(tmp_path):
+    path = tmp_path / "count.py"
+    path.write_text(COUNTING)
+    scorer = RewardScorer(("file", str(path), "compute_score"), timeout_s=30, num_workers=1)
+    scorer.shutdown()
+    with pytest.raises(ScoringEnded):
+        scorer.score_batch([record()], ["abc"])
+    assert scorer.pool._pool is None and not (tmp_path / "calls.txt").exists()

@@ -104,8 +104,9 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # (m, the number of rows, is not specialised on: one compiled kernel for every count)
-        rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
-        cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
+        # int64 offsets: rows times a row's stride passes 2^31 in a long pass's wide matmuls
+        rows = (tl.program_id(0) * TILE + tl.arange(0, TILE)).to(tl.int64)
+        cols = (tl.program_id(1) * TILE + tl.arange(0, TILE)).to(tl.int64)
         ks = tl.arange(0, TILE)
         acc = tl.zeros([TILE, TILE], tl.float32)
         for k0 in range(0, k, TILE):
@@ -149,7 +150,9 @@ if triton is not None:
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(X + row * x_row + cols, mask=cols < v, other=float("-inf")).to(tl.float32)
             new_top = tl.maximum(top, tl.max(x, axis=0))
-            total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), axis=0)
+            # while every entry so far is -inf, exp(-inf - -inf) would be NaN: nothing to add
+            shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+            total = total * tl.exp(top - shift) + tl.sum(tl.exp(x - shift), axis=0)
             top = new_top
         tl.store(Out + row, top + tl.log(total))
 
@@ -161,7 +164,7 @@ if triton is not None:
         BLOCK_DIM: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # (a head of fewer than 16 dims is padded with zeros to tl.dot's least: products of 0)
-        query = tl.program_id(0)
+        query = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
         row = tl.load(Rows + query).to(tl.int64)
         first = tl.load(First + query)

@@ -136,7 +136,10 @@ class ModelRunner:
             :, None
         ] + torch.arange(width, device=device)  # [u, m]
         end = max(start + len(new) for _, start, new in pieces)
-        plain_causal = all(start == 0 and len(new) == width for _, start, new in pieces)
+        # (batch-invariant attention reads each query's columns, not a mask)
+        plain_causal = self.batch_invariant or all(
+            start == 0 and len(new) == width for _, start, new in pieces
+        )
         # A padding query sees every column up to its position: finite, and never used.
         visible = (
             None

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-# sequences prefilled together (their cache is theirs alone, freed after)
-GROUP = 16
+# response positions whose logits [rows, V] are made at once
+LOGIT_ROWS = 1024
 
 
 @torch.no_grad()
@@ -26,11 +26,27 @@ def score(engine, batch, temperature: float) -> Tensor:
         for i in range(len(batch.response_ids))
     ]
     out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
-    for start in range(0, len(sequences), GROUP):
-        group = sequences[start : start + GROUP]
-        for i, log_probs in enumerate(group_log_probs(engine.runner, group, temperature)):
-            out[start + i, : len(log_probs)] = log_probs
+    # a padding row (a rank's share made even) has no response: nothing to score
+    scored = [i for i, (_, response) in enumerate(sequences) if response]
+    for group in token_groups(scored, sequences, engine.max_num_batched_tokens):
+        parts = [sequences[i] for i in group]
+        for i, log_probs in zip(group, group_log_probs(engine.runner, parts, temperature)):
+            out[i, : len(log_probs)] = log_probs
     return out
+
+
+def token_groups(indices: list[int], sequences, budget: int) -> list[list[int]]:
+    """The sequences in groups of at most `budget` tokens (rollout.max_num_batched_tokens, a
+    prefill pass's), each at least one sequence: a group's cache and activations are the pass's."""
+    groups, tokens = [], budget
+    for i in indices:
+        length = sum(map(len, sequences[i]))
+        if tokens + length > budget:
+            groups.append([])
+            tokens = 0
+        groups[-1].append(i)
+        tokens += length
+    return groups
 
 
 def group_log_probs(runner, group: list[tuple[list[int], list[int]]], temperature: float):
@@ -43,7 +59,14 @@ def group_log_probs(runner, group: list[tuple[list[int], list[int]]], temperatur
     pieces = [(row, 0, prompt + response) for row, (prompt, response) in enumerate(group)]
     hidden, _ = runner.prefill_hidden(k, v, pieces)
     for row, (prompt, response) in enumerate(group):
-        # the positions whose next token is a response token
-        logits = runner.logits(hidden[row, len(prompt) - 1 : len(prompt) + len(response) - 1])
-        ids = torch.tensor(response, device=runner.device)
-        yield runner.log_probs(logits, ids, temperature).cpu()
+        # the positions whose next token is a response token, LOGIT_ROWS at a time
+        before = hidden[row, len(prompt) - 1 : len(prompt) + len(response) - 1]
+        ids = torch.tensor(response, dtype=torch.long, device=runner.device)
+        yield torch.cat(
+            [
+                runner.log_probs(
+                    runner.logits(before[i : i + LOGIT_ROWS]), ids[i : i + LOGIT_ROWS], temperature
+                ).cpu()
+                for i in range(0, len(response), LOGIT_ROWS)
+            ]
+        )
