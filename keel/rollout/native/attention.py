@@ -100,8 +100,7 @@ def sdpa_decode_attention(
     `column` [B] is each row's own. `sinks` [H]: each head's attention sink (GPT-OSS), a logit in
     the softmax's normaliser that attends to nothing."""
     write_new_token(k, v, k_cache, v_cache, column, rows)
-    if rows is not None:
-        k_cache, v_cache = k_cache[rows], v_cache[rows]
+    k_cache, v_cache = (k_cache, v_cache) if rows is None else (k_cache[rows], v_cache[rows])
     batch, heads, _, dim = q.shape
     grouped = q.view(batch, k_cache.shape[1], heads // k_cache.shape[1], dim)  # [B, KV, G, D]
     if sinks is not None:
@@ -117,8 +116,7 @@ def sdpa_decode_attention(
 def write_new_token(
     k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, column: Tensor, rows: Tensor | None
 ) -> None:
-    """The decoding token's k, v [B, KV, 1, D] into the caches at `column` ([1], or [B] each
-    row's), of rows 0..B-1 or of `rows` [B] (continuous batching)."""
+    """The new token's k, v [B, KV, 1, D] into the caches at `column`: rows 0..B-1, or `rows`."""
     if rows is None:
         k_cache.index_copy_(2, column, k)
         v_cache.index_copy_(2, column, v)
