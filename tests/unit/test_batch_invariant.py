@@ -89,6 +89,11 @@ def test_the_row_functions_equal_the_fused_ones_to_rounding():
     fused = (F.linear(x, w, b), F.rms_norm(x, (32,), eps=1e-6), torch.logsumexp(x, -1))
     for got, want in zip(rows, (*fused, F.silu(x), x.cos())):
         torch.testing.assert_close(got, want)
+    # logsumexp over any dims, as torch's takes them
+    for dim, keepdim in ((1, True), ((0, 2), False), ((0, 2), True)):
+        with invariant.RowInvariant():
+            got = torch.logsumexp(x, dim=dim, keepdim=keepdim)
+        torch.testing.assert_close(got, torch.logsumexp(x, dim=dim, keepdim=keepdim))
 
 
 def causal_attention_case(length=6, heads=4, kv_heads=2, dim=16):
@@ -134,6 +139,7 @@ torch.testing.assert_close(kernels.rms_norm(x, (100,), eps=1e-6), F.rms_norm(x, 
 v = torch.randn(3, 5000)
 v[1, :4096] = v[2] = float("-inf")  # a first block of -inf, a row of -inf: not NaN
 torch.testing.assert_close(kernels.logsumexp(v, -1), torch.logsumexp(v, -1))
+torch.testing.assert_close(kernels.logsumexp(x, 0, True), torch.logsumexp(x, 0, True))
 for dim in (16, 8):  # 8: padded to tl.dot's least 16
     args, want = case.causal_attention_case(length=70, dim=dim)
     got = kernels.attend(*args).view(2, 70, 4, dim).transpose(1, 2)

@@ -59,12 +59,12 @@ def rowwise(fn):
 
 
 def logsumexp(x: Tensor, dim, keepdim: bool = False) -> Tensor:
-    """torch.logsumexp over the last dim, one row at a time."""
-    invariant_kernels.reduces_last_dim(x, dim)
-    flat = rows_of(x, 1)
-    out = torch.stack([torch.logsumexp(row, dim=0) for row in flat.unbind(0)])
-    out = out.view(x.shape[:-1])
-    return out.unsqueeze(-1) if keepdim else out
+    """torch.logsumexp, one row at a time."""
+    return invariant_kernels.over_dims(_logsumexp_rows, x, dim, keepdim)
+
+
+def _logsumexp_rows(rows: Tensor) -> Tensor:
+    return torch.stack([torch.logsumexp(row, dim=0) for row in rows.unbind(0)])
 
 
 def attend_reference(

@@ -13,6 +13,8 @@ The matmul is slower than cuBLAS's best tile for a given shape; that is the pric
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -49,7 +51,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 def rms_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, eps=None) -> Tensor:
     """F.rms_norm over the last dim (eps None: the dtype's machine epsilon, as torch's)."""
     h = x.shape[-1]
-    flat = x.reshape(-1, h)
+    flat = x.reshape(-1, h).contiguous()  # (the kernel steps along a row one element at a time)
     out = torch.empty_like(flat)
     eps = torch.finfo(x.dtype).eps if eps is None else eps
     _rms_norm_kernel[(flat.shape[0],)](
@@ -59,21 +61,29 @@ def rms_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, eps=None
     return out.view(x.shape)
 
 
-def reduces_last_dim(x: Tensor, dim) -> None:
-    """The batch-invariant reductions reduce the last dim only (all the layers ask of them)."""
-    if dim not in (-1, x.dim() - 1, (-1,), (x.dim() - 1,)):
-        raise NotImplementedError("batch-invariant reductions reduce the last dim only")
+def over_dims(reduce_rows, x: Tensor, dim, keepdim: bool) -> Tensor:
+    """A row reduction (rows [R, n] -> [R]) over `dim` of x (a dim or several, as torch's
+    reductions take it): those dims moved last and flattened into each row."""
+    dims = sorted(d % x.dim() for d in (dim if isinstance(dim, (tuple, list)) else (dim,)))
+    moved = x.movedim(dims, list(range(x.dim() - len(dims), x.dim())))
+    kept = moved.shape[: x.dim() - len(dims)]
+    out = reduce_rows(moved.reshape(-1, math.prod(x.shape[d] for d in dims))).view(kept)
+    for d in dims if keepdim else ():
+        out = out.unsqueeze(d)
+    return out
 
 
 def logsumexp(x: Tensor, dim, keepdim: bool = False) -> Tensor:
-    """torch.logsumexp over the last dim, accumulated in float32, in x's dtype (as torch's)."""
-    reduces_last_dim(x, dim)
-    flat = x.reshape(-1, x.shape[-1])
-    out = torch.empty(flat.shape[0], device=x.device, dtype=torch.float32)
-    block = min(NORM_BLOCK, triton.next_power_of_2(x.shape[-1]))
-    _logsumexp_kernel[(flat.shape[0],)](flat, out, x.shape[-1], flat.stride(0), BLOCK=block)
-    out = out.to(x.dtype).view(x.shape[:-1])
-    return out.unsqueeze(-1) if keepdim else out
+    """torch.logsumexp, accumulated in float32, in x's dtype (as torch's)."""
+    return over_dims(_logsumexp_rows, x, dim, keepdim)
+
+
+def _logsumexp_rows(rows: Tensor) -> Tensor:
+    rows = rows.contiguous()  # (the kernel steps along a row one element at a time)
+    out = torch.empty(rows.shape[0], device=rows.device, dtype=torch.float32)
+    block = min(NORM_BLOCK, triton.next_power_of_2(rows.shape[1]))
+    _logsumexp_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=block)
+    return out.to(rows.dtype)
 
 
 def attend(
