@@ -43,7 +43,9 @@
 #                                                 part swapped each time (QUICK_VARIANTS: "name overrides" lines)
 #   bash benchmarks/gpu_session.sh speed          issue 50: the async GPU test, s1 sync then async (SPEED_PART=s1);
 #                                                 t1 profiled, t1 with cuDNN's attention allowed, q1 with its KV cache
-#                                                 freed and kept (SPEED_PART=t1)
+#                                                 freed and kept (SPEED_PART=t1); the invariant and async tests, t1
+#                                                 profiled, t1 with each lever of benchmarks/levers.py (LEVERS), q1
+#                                                 kept and freed, t1 invariant in bypass mode (SPEED_PART=levers)
 #   bash benchmarks/gpu_session.sh exact          issue 50: the batch-invariant and async GPU tests, s1 sync and async,
 #                                                 t1 and t1 batch-invariant
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
@@ -299,6 +301,10 @@ lowlr actor_rollout_ref.actor.optim.lr=3e-4}"
 speed() {  # issue 50: the async GPU test, then s1 sync and async (SPEED_PART=s1), or t1 as it is (profiled), t1
     # with cuDNN's attention allowed (keel keeps half precision off it: pytorch#196678), and q1 with its KV cache
     # freed and kept between steps (SPEED_PART=t1); a run starts only while the call has time left for it
+    if [ "${SPEED_PART:-s1}" = levers ]; then
+        speed_levers
+        return
+    fi
     if [ "${SPEED_PART:-s1}" = s1 ]; then
         timeout 200 python3 -m pytest -q tests/gpu/test_train_cuda.py -k async > "$OUT/gpu_async_test.txt" 2>&1
         tail -1 "$OUT/gpu_async_test.txt"
@@ -312,6 +318,25 @@ from keel.cli import main
 sys.exit(main(sys.argv[1:]))" bench t1 --gpus 1 --steps 3 --warmup 1 --out "$OUT/bench_cudnn.jsonl" > "$OUT/t1_cudnn.log" 2>&1
     bench_runs 150 "${SPEED_UNTIL:-430}" "q1 actor_rollout_ref.rollout.free_cache_engine=true" \
         "q1 actor_rollout_ref.rollout.free_cache_engine=false"
+}
+
+speed_levers() {  # issue 50, second session: the invariant and async GPU tests, t1 as it is (profiled), then t1
+    # with each experimental lever of benchmarks/levers.py, q1 with its KV cache kept and freed, and t1
+    # batch-invariant in bypass mode (the sampler's log-probs are the old ones: the pass fused away)
+    local until=${SPEED_UNTIL:-500} lever
+    timeout 170 python3 -m pytest -q tests/gpu/test_batch_invariant_cuda.py \
+        "tests/gpu/test_train_cuda.py::test_an_async_run_ends_and_its_process_exits_with_a_batch_still_scoring" \
+        > "$OUT/gpu_exact_tests.txt" 2>&1
+    grep -E "passed|failed|Error" "$OUT/gpu_exact_tests.txt" | tail -3
+    bench_runs 150 "$until" "t1 --profile $OUT/profile"
+    for lever in ${LEVERS:-nogc graphs}; do
+        (( SECONDS > until )) && { echo "lever $lever: skipped, the call's time is spent"; continue; }
+        timeout 150 python3 benchmarks/levers.py "$lever" t1 --gpus 1 --steps 3 --warmup 1 \
+            --out "$OUT/bench.jsonl" > "$OUT/lever_$lever.log" 2>&1
+        echo "lever $lever: $(tail -1 "$OUT/lever_$lever.log" | cut -c1-160)"
+    done
+    bench_runs 150 "$until" "q1 actor_rollout_ref.rollout.free_cache_engine=false" q1 \
+        "t1 actor_rollout_ref.rollout.batch_invariant=true algorithm.rollout_correction.bypass_mode=true"
 }
 
 exact() {  # issue 50 in one call: the batch-invariant and async GPU tests, then s1 sync and async, then t1 as it

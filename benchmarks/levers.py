@@ -1,0 +1,67 @@
+"""`keel bench` with an experimental lever switched on in this process, to learn whether it is worth
+building into keel before it is (issue 50). Each lever patches keel as the bench imports it:
+
+  cudnn     half-precision attention may take cuDNN's kernel, as torch 2.11 chooses (keel keeps it off:
+            pytorch#196678), so what avoiding it costs the update shows
+  graphs    the trainer's compiled decoder layers replay as CUDA graphs (torch.compile's
+            reduce-overhead mode: cudagraph trees), taking the host's launches out of the update
+  nogc      Python's cyclic garbage collector off for the run (torchtitan collects on a schedule of
+            its own), so a collection's pause between two kernels shows
+
+  python benchmarks/levers.py LEVER[,LEVER...] t1 --gpus 1 --steps 3 --warmup 1 --out OUT.jsonl
+
+The record gains `"levers": [NAME, ...]` so the rows tell themselves apart.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import torch
+
+
+def cudnn() -> None:
+    import keel.models.load as load
+
+    load.avoid_cudnn_attention = lambda: None
+
+
+def graphs() -> None:
+    import keel.distributed.parallelize as parallelize
+
+    def compile_blocks(model):
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, name, max(getattr(config, name), 32))
+        for block in parallelize.block_modules(model):
+            block.forward = torch.compile(block.forward, mode="reduce-overhead")
+
+    parallelize.compile_blocks = compile_blocks
+
+
+def nogc() -> None:
+    gc.disable()
+
+
+LEVERS = {"cudnn": cudnn, "graphs": graphs, "nogc": nogc}
+
+
+def main(argv: list[str]) -> int:
+    names, bench_args = argv[0].split(","), argv[1:]
+    for name in names:
+        LEVERS[name]()
+    import keel.bench.run as run
+    from keel.cli import main as keel_main
+
+    append_record = run.append_record
+
+    def tagged(out, record):
+        append_record(out, {**record, "levers": names})
+
+    run.append_record = tagged
+    return keel_main(["bench", *bench_args])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
