@@ -1,8 +1,8 @@
 """`keel bench` with an experimental lever switched on in this process, to learn whether it is worth
 building into keel before it is (issue 50). Each lever patches keel as the bench imports it:
 
-  cudnn     half-precision attention may take cuDNN's kernel, as torch 2.11 chooses (keel keeps it off:
-            pytorch#196678), so what avoiding it costs the update shows
+  cudnn     half-precision attention may take cuDNN's kernel, as torch 2.11 chooses (keel keeps
+            it off: pytorch#196678), so what avoiding it costs the update shows
   graphs    the trainer's compiled decoder layers replay as CUDA graphs (torch.compile's
             reduce-overhead mode: cudagraph trees), taking the host's launches out of the update
   nogc      Python's cyclic garbage collector off for the run (torchtitan collects on a schedule of

@@ -480,6 +480,40 @@ def test_free_cache_engine_unset_keeps_a_cache_of_at_most_eight_percent_of_the_g
     assert keeps_cache(False, gpu, gpu) and not keeps_cache(True, 1, gpu)
 
 
+def test_after_a_trained_step_a_larger_cache_stays_where_it_fits_beside_the_steps_memory():
+    """Qwen3-0.6B's t1 cache is 9.4% of an H100: kept once the allocator shows the step's memory
+    leaves room for it, not before a step has trained, and not when the step filled the GPU."""
+    from keel.rollout.native.engine import keeps_cache
+
+    gpu = 80 * 2**30
+    cache = int(0.094 * gpu)
+    assert not keeps_cache(None, cache, gpu)
+    assert keeps_cache(None, cache, gpu, step_reserved=40 * 2**30)
+    assert not keeps_cache(None, cache, gpu, step_reserved=70 * 2**30)
+    # set, it is as set
+    assert not keeps_cache(True, cache, gpu, step_reserved=0)
+
+
+def test_the_engine_reads_the_steps_memory_only_once_weights_came_after_a_generation(
+    tiny_assets, monkeypatch
+):
+    """The first call (nothing trained yet: the allocator holds no update's memory) decides by the
+    cache's share alone; a call after an update's weights arrived also weighs the step's memory."""
+    import keel.rollout.native.engine as engine_module
+
+    native, _, model, prompts = engines(tiny_assets["model"], n=2)
+    seen = []
+    monkeypatch.setattr(engine_module, "keeps_cache", lambda *args: seen.append(args[3]) or False)
+    greedy = SamplingParams(do_sample=False, max_new_tokens=4, ignore_eos=True)
+    native.sync_weights(model)  # before any generation: not a trained step
+    native.generate(prompts, greedy)
+    native.generate(prompts, greedy)
+    native.sync_weights(model)
+    native.generate(prompts, greedy)
+    # on CPU the allocator holds 0 bytes
+    assert seen == [None, None, 0]
+
+
 def test_a_turn_that_does_not_fit_its_batcher_is_refused_before_it_writes(tiny_assets):
     """Rows of 40 tokens, turns of 8: a longer turn, a context that would pass the row's end, and a
     second turn for a sequence that has one under way are refused (each would write past a

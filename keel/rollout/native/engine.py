@@ -42,14 +42,29 @@ __all__ = ["NativeRolloutEngine", "unsupported_reason"]
 # step: 0.05 s of t1's on Qwen2.5-0.5B, 0.30 s of 1.83 on Qwen3-0.6B, whose t1 cache is 5.3% of an
 # H200.
 KEEP_CACHE_SHARE = 0.08
+# Once a step has trained, torch's allocator holds what that step needed (memory freed stays
+# reserved, and nothing here empties it): a larger cache stays too where it fits beside that
+# within this share of the GPU. Qwen3-0.6B's t1 cache is 9.4% of an H100.
+KEEP_CACHE_ROOM = 0.9
 
 
-def keeps_cache(free_cache_engine: bool | None, cache_bytes: int, device_bytes: int) -> bool:
+def keeps_cache(
+    free_cache_engine: bool | None,
+    cache_bytes: int,
+    device_bytes: int,
+    step_reserved: int | None = None,
+) -> bool:
     """free_cache_engine as set, or unset: keep a cache within KEEP_CACHE_SHARE of the device's
-    memory (none on CPU, where there are no graphs to keep)."""
+    memory, or one that fits within KEEP_CACHE_ROOM beside `step_reserved`, the bytes torch's
+    allocator held after a trained step (None before one). None on CPU, where there are no graphs
+    to keep."""
     if free_cache_engine is not None:
         return not free_cache_engine
-    return cache_bytes <= KEEP_CACHE_SHARE * device_bytes
+    if cache_bytes <= KEEP_CACHE_SHARE * device_bytes:
+        return True
+    return (
+        step_reserved is not None and step_reserved + cache_bytes <= KEEP_CACHE_ROOM * device_bytes
+    )
 
 
 class NativeRolloutEngine:
@@ -105,6 +120,8 @@ class NativeRolloutEngine:
         self.layers = self.weights.layers
         self.eos = torch.tensor(self.eos_ids, device=self.device)
         self._kept_batcher: ContinuousBatcher | None = None
+        # None until the first generation; True once weights came after one (a step trained)
+        self._trained: bool | None = None
 
     @property
     def kernels(self) -> StepFunctions:
@@ -132,6 +149,8 @@ class NativeRolloutEngine:
         """The same from (parameter name, whole tensor) pairs: every parameter the engine uses, or
         (every=False) only those that changed."""
         self.runner.load_weights(named, every)
+        if self._trained is not None:
+            self._trained = True
 
     def share_frozen_weights(self, named: Iterable[tuple[str, Tensor]]) -> int:
         """LoRA: the trainer's frozen base parameters become views of the decode weights (one copy
@@ -209,6 +228,7 @@ class NativeRolloutEngine:
         rows = min(sequences, self._sequences_at_once(max_len))
         # the batcher's steps add theirs
         self.timing.clear()
+        self._trained = bool(self._trained)
         kept = self._kept_batcher
         if kept is not None and all(
             have >= want for have, want in zip(kept.shape, (rows, max_len, turn_tokens))
@@ -218,6 +238,7 @@ class NativeRolloutEngine:
             return kept
         # one kept cache: a new one's memory comes first
         self._kept_batcher = None
+        step_reserved = memory_reserved(self.device) if self._trained else None
         batcher = ContinuousBatcher(
             self.runner,
             self.eos,
@@ -226,7 +247,7 @@ class NativeRolloutEngine:
             self.timing,
         )
         cache = batcher.decoding.cache_bytes()
-        if keeps_cache(self.free_cache_engine, cache, device_memory(self.device)):
+        if keeps_cache(self.free_cache_engine, cache, device_memory(self.device), step_reserved):
             self._kept_batcher = batcher
         return batcher
 
@@ -253,6 +274,11 @@ def device_memory(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     return torch.cuda.get_device_properties(device).total_memory
+
+
+def memory_reserved(device: torch.device) -> int:
+    """What torch's allocator holds on the device (0 on CPU)."""
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
 
 
 def sequences_that_fit(
