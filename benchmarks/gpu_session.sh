@@ -321,7 +321,7 @@ sys.exit(main(sys.argv[1:]))" bench t1 --gpus 1 --steps 3 --warmup 1 --out "$OUT
 }
 
 speed_levers() {  # issue 50, second session: the invariant and async GPU tests, t1 as it is (profiled), then t1
-    # with each experimental lever of benchmarks/levers.py, q1 with its KV cache kept and freed, and t1
+    # with each experimental lever of benchmarks/levers.py, q1 as it is (its cache kept) and freed, and t1
     # batch-invariant in bypass mode (the sampler's log-probs are the old ones: the pass fused away)
     local until=${SPEED_UNTIL:-500} lever
     timeout 170 python3 -m pytest -q tests/gpu/test_batch_invariant_cuda.py \
@@ -335,7 +335,7 @@ speed_levers() {  # issue 50, second session: the invariant and async GPU tests,
             --out "$OUT/bench.jsonl" > "$OUT/lever_$lever.log" 2>&1
         echo "lever $lever: $(tail -1 "$OUT/lever_$lever.log" | cut -c1-160)"
     done
-    bench_runs 150 "$until" "q1 actor_rollout_ref.rollout.free_cache_engine=false" q1 \
+    bench_runs 150 "$until" q1 "q1 actor_rollout_ref.rollout.free_cache_engine=true" \
         "t1 actor_rollout_ref.rollout.batch_invariant=true algorithm.rollout_correction.bypass_mode=true"
 }
 
