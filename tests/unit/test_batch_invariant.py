@@ -135,6 +135,14 @@ import test_batch_invariant as case
 torch.manual_seed(0)
 x, w, b = torch.randn(70, 100), torch.randn(80, 100), torch.randn(80)
 torch.testing.assert_close(kernels.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+# a narrow weight with a long K: summed in 4 chunks, and a row's numbers are the same whatever
+# rows come with it
+x, w, b = torch.randn(70, 1100), torch.randn(96, 1100), torch.randn(96)
+full = kernels.linear(x, w, b)
+torch.testing.assert_close(full, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+for rows in (slice(0, 3), slice(5, 6), slice(64, 70)):
+    assert torch.equal(kernels.linear(x[rows], w, b), full[rows])
+x = x[:, :100]
 torch.testing.assert_close(kernels.rms_norm(x, (100,), eps=1e-6), F.rms_norm(x, (100,), eps=1e-6))
 v = torch.randn(3, 5000)
 v[1, :4096] = v[2] = float("-inf")  # a first block of -inf, a row of -inf: not NaN
@@ -153,6 +161,17 @@ print("ok")
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
     )
     assert done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_narrow_matmuls_sum_k_in_chunks_set_by_the_weights_shape():
+    """Qwen2.5-0.5B's decode step: its down projection (896 columns, K 4864) and o projection run
+    in K chunks, so 128 rows still make enough programs; the wide gate-up and the vocabulary's
+    head keep one pass over K. The chunks take the weight's shape only, never the rows."""
+    from keel.rollout.native.invariant_kernels import k_chunks
+
+    tiles = 4864 // 64
+    assert k_chunks(896, 4864) < tiles and k_chunks(896, 896) < 896 // 64
+    assert k_chunks(9728, 896) == 896 // 64 and k_chunks(151936, 896) == 896 // 64
 
 
 def test_the_engine_choice_refuses_hf_where_the_config_rule_was_passed_by(tiny_assets):

@@ -2,8 +2,10 @@
 whose tiling is fixed whatever the shape they are given, so an output row's additions happen in
 one order, decided by its own data only.
 
-- `linear`: x W^T + b in tiles of 64 x 64, K 64 at a time in order, float32 accumulation, no
-  split-K (cuBLAS picks its kernel, and whether to split K, by the number of rows);
+- `linear`: x W^T + b in tiles of 64 x 64, K 64 at a time in order, float32 accumulation. A
+  narrow weight's K is summed in a few chunks, their float32 partials added in order (k_chunks):
+  the chunks are set by the weight's shape alone, where cuBLAS picks its kernel, and whether to
+  split K, by the number of rows;
 - `rms_norm` and `logsumexp`: one program per row, the row's blocks in order;
 - `attend`: each query over exactly the cache columns it sees, first to last in blocks of 64
   counted from its first column, an online softmax in float32 (a decoding token and the same
@@ -25,6 +27,11 @@ except ImportError:  # CPU installs: invariant.py's row-at-a-time reference runs
     triton = None
 
 TILE = 64  # rows, columns and K of a matmul tile; cache columns per attention block
+# Column tiles times K chunks a narrow matmul is cut into, and the fewest K tiles a chunk holds: a
+# decode step's 128 rows are 2 row tiles, and Qwen2.5-0.5B's down projection (896 columns, K 4864)
+# would otherwise be 28 programs stepping through 76 K tiles each on a GPU of 132 SMs.
+SPLIT_PROGRAMS = 64
+CHUNK_TILES = 4
 NORM_BLOCK = 4096  # vocabulary entries per logsumexp block
 
 
@@ -33,18 +40,37 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def k_chunks(n: int, k: int) -> int:
+    """K tiles per chunk of a weight with N columns and K inputs: the whole K, or for a narrow
+    weight a few chunks of at least CHUNK_TILES tiles, SPLIT_PROGRAMS programs per row tile in
+    all. A function of the weight's shape only: a row's additions never depend on the rows beside
+    it."""
+    tiles = math.ceil(k / TILE)
+    chunks = max(1, min(tiles // CHUNK_TILES, SPLIT_PROGRAMS // math.ceil(n / TILE)))
+    return math.ceil(tiles / chunks)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear: x [..., K] times weight [N, K] transposed, plus bias [N], in x's dtype."""
     k, n = x.shape[-1], weight.shape[0]
     flat = x.reshape(-1, k)
-    out = torch.empty(flat.shape[0], n, device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(flat.shape[0], TILE), triton.cdiv(n, TILE))
-    _linear_kernel[grid](
-        flat, weight, weight if bias is None else bias, out, flat.shape[0], n, k,
-        flat.stride(0), flat.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
-        HAS_BIAS=bias is not None, TILE=TILE, PRECISION=precision(x.dtype),
-        num_warps=4, num_stages=3,
+    m = flat.shape[0]
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    chunk = k_chunks(n, k)
+    splits = math.ceil(math.ceil(k / TILE) / chunk)
+    # float32 partials, one [M, N] per chunk, added in order by _sum_chunks_kernel
+    parts = out if splits == 1 else torch.empty(splits, m, n, device=x.device)
+    bias_or_any = weight if bias is None else bias
+    _linear_kernel[(triton.cdiv(m, TILE), triton.cdiv(n, TILE), splits)](
+        flat, weight, bias_or_any, parts, m, n, k, flat.stride(0), flat.stride(1),
+        weight.stride(0), weight.stride(1), n if splits > 1 else out.stride(0), m * n,
+        HAS_BIAS=bias is not None and splits == 1, SPLIT=splits > 1, CHUNK=chunk * TILE,
+        TILE=TILE, PRECISION=precision(x.dtype), num_warps=4, num_stages=3,
     )  # fmt: skip
+    if splits > 1:
+        _sum_chunks_kernel[(triton.cdiv(m * n, 1024),)](
+            parts, bias_or_any, out, m * n, n, splits, HAS_BIAS=bias is not None, BLOCK=1024
+        )
     return out.view(*x.shape[:-1], n)
 
 
@@ -108,36 +134,60 @@ def attend(
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["m"])
+    @triton.jit(do_not_specialize=["m", "part"])
     def _linear_kernel(
-        X, W, B, Out, m, n, k, x_m, x_k, w_n, w_k, out_m,
-        HAS_BIAS: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+        X, W, B, Out, m, n, k, x_m, x_k, w_n, w_k, out_m, part,
+        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
         # (m, the number of rows, is not specialised on: one compiled kernel for every count)
         # int64 offsets: rows times a row's stride passes 2^31 in a long pass's wide matmuls
         rows = (tl.program_id(0) * TILE + tl.arange(0, TILE)).to(tl.int64)
         cols = (tl.program_id(1) * TILE + tl.arange(0, TILE)).to(tl.int64)
+        chunk = tl.program_id(2)
         ks = tl.arange(0, TILE)
         acc = tl.zeros([TILE, TILE], tl.float32)
-        for k0 in range(0, k, TILE):
+        end = tl.minimum(chunk * CHUNK + CHUNK, k)
+        for k0 in range(chunk * CHUNK, end, TILE):
             a = tl.load(
                 X + rows[:, None] * x_m + (k0 + ks)[None, :] * x_k,
-                mask=(rows[:, None] < m) & ((k0 + ks)[None, :] < k),
+                mask=(rows[:, None] < m) & ((k0 + ks)[None, :] < end),
                 other=0.0,
             )
             b = tl.load(
                 W + cols[None, :] * w_n + (k0 + ks)[:, None] * w_k,
-                mask=(cols[None, :] < n) & ((k0 + ks)[:, None] < k),
+                mask=(cols[None, :] < n) & ((k0 + ks)[:, None] < end),
                 other=0.0,
             )
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if HAS_BIAS:
             acc += tl.load(B + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
+        # a chunk's float32 partial, or (one chunk) the output itself
+        if SPLIT:
+            out = acc
+        else:
+            out = acc.to(Out.dtype.element_ty)
         tl.store(
-            Out + rows[:, None] * out_m + cols[None, :],
-            acc.to(Out.dtype.element_ty),
+            Out + chunk.to(tl.int64) * part + rows[:, None] * out_m + cols[None, :],
+            out,
             mask=(rows[:, None] < m) & (cols[None, :] < n),
         )
+
+    @triton.jit(do_not_specialize=["size"])
+    def _sum_chunks_kernel(
+        Parts, B, Out, size, n, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        # the chunks' partials added first to last, then the bias: one order for every row
+        at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = at < size
+        total = tl.load(Parts + at, mask=inside, other=0.0)
+        part = at
+        for _ in range(1, splits):
+            part += size
+            total += tl.load(Parts + part, mask=inside, other=0.0)
+        if HAS_BIAS:
+            total += tl.load(B + at % n, mask=inside, other=0.0).to(tl.float32)
+        tl.store(Out + at, total.to(Out.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _rms_norm_kernel(
