@@ -19,6 +19,11 @@ def check_rollout_engine(cfg: KeelConfig, context: dict) -> list[Finding]:
                 "old-log-prob pass equal bit for bit, each token's sums in an order of its own, "
                 "uncompiled (slower generation)"
             )
+            if not cfg.algorithm.rollout_correction.bypass_mode:
+                runs += (
+                    "; its pass only recomputes the sampler's bits: "
+                    "algorithm.rollout_correction.bypass_mode=true skips it"
+                )
         return [Finding(PASS, "rollout engine", runs)]
     if reason is None:
         return [Finding(PASS, "rollout engine", "hf (rollout.name=hf)")]

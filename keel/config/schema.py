@@ -195,14 +195,16 @@ class RolloutConfig(LogProbBatching):
     batch_invariant: bool = opt(
         False,
         help="native: the sampler's log-probs and the old-log-prob pass equal bit for bit "
-        "(log_prob_gap 0), each token's sums in an order of its own; slower, uncompiled decoding",
+        "(log_prob_gap 0), each token's sums in an order of its own; slower, uncompiled decoding "
+        "(with algorithm.rollout_correction.bypass_mode=true the pass is skipped: the same bits)",
     )
     free_cache_engine: bool | None = opt(
         None,
         help="native: true frees the KV cache after each generation; false "
         "keeps it, and its CUDA graphs, for the next batch of the same "
         "shape; null (keel's default): keeps it while it takes at most "
-        "2% of the GPU's memory",
+        "8% of the GPU's memory, or, once a step has trained, while it fits beside that "
+        "step's memory within 90% of the GPU",
     )
     gpu_memory_utilization: float = opt(
         0.5,

@@ -59,6 +59,25 @@ def test_keel_check_says_what_it_does(tiny_config):
     report = run_checks(*load_run(invariant_config(tiny_config, True)))
     line = next(f for f in report.findings if f.check == "rollout engine")
     assert "batch-invariant" in line.message and "bit for bit" in line.message
+    assert "bypass_mode=true skips it" in line.message
+    cfg = invariant_config(tiny_config, True)
+    cfg["algorithm"] = {**cfg.get("algorithm", {}), "rollout_correction": {"bypass_mode": True}}
+    line = next(f for f in run_checks(*load_run(cfg)).findings if f.check == "rollout engine")
+    assert "skips it" not in line.message
+
+
+def test_in_bypass_mode_the_sampler_s_bits_are_the_old_log_probs_and_no_pass_runs(
+    tiny_config, peaked_model
+):
+    """The fast way to run it: the pass would recompute the sampler's log-probs bit for bit, so
+    bypass mode takes them and skips it; the gap is then the sampler's against the update's own
+    forward, which is not batch-invariant."""
+    cfg = invariant_config(tiny_config, True, peaked_model)
+    cfg["algorithm"] = {**cfg.get("algorithm", {}), "rollout_correction": {"bypass_mode": True}}
+    steps = metrics_of(train(cfg).run_dir)
+    assert all("perf/old_log_prob_samples" not in m for m in steps)
+    assert all("timing_s/old_log_prob" not in m for m in steps)
+    assert all(m["rollout/log_prob_gap"] > 0 for m in steps)
 
 
 @pytest.mark.parametrize(
