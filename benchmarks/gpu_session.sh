@@ -48,8 +48,8 @@
 #                                                 kept and freed, t1 invariant in bypass mode (SPEED_PART=levers)
 #   bash benchmarks/gpu_session.sh exact          issue 50: the batch-invariant and async GPU tests, s1 sync and async,
 #                                                 t1 and t1 batch-invariant
-#   bash benchmarks/gpu_session.sh invariant      issue 50: the batch-invariant GPU tests, t1, t1 invariant in bypass mode
-#                                                 (profiled), t1 invariant with its pass
+#   bash benchmarks/gpu_session.sh invariant      issue 50: the batch-invariant GPU tests (ALL_TESTS=1: all of tests/gpu),
+#                                                 t1, t1 invariant in bypass mode (profiled), t1 invariant with its pass
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -341,9 +341,12 @@ speed_levers() {  # issue 50, second session: the invariant and async GPU tests,
         "t1 actor_rollout_ref.rollout.batch_invariant=true algorithm.rollout_correction.bypass_mode=true"
 }
 
-invariant() {  # issue 50: the batch-invariant GPU tests, then t1 as it is, t1 invariant with the sampler's
-    # log-probs as the old ones (bypass mode: the pass fused away; profiled) and t1 invariant with the pass
-    timeout 150 python3 -m pytest -q tests/gpu/test_batch_invariant_cuda.py > "$OUT/gpu_invariant_tests.txt" 2>&1
+invariant() {  # issue 50: the batch-invariant GPU tests (ALL_TESTS=1: every GPU test), then t1 as it is, t1
+    # invariant with the sampler's log-probs as the old ones (bypass mode: the pass fused away; profiled) and t1
+    # invariant with the pass
+    local tests=tests/gpu/test_batch_invariant_cuda.py
+    [ -n "${ALL_TESTS:-}" ] && tests=tests/gpu
+    timeout 330 python3 -m pytest -q $tests > "$OUT/gpu_invariant_tests.txt" 2>&1
     grep -E "passed|failed|Error" "$OUT/gpu_invariant_tests.txt" | tail -3
     local on=actor_rollout_ref.rollout.batch_invariant=true
     bench_runs 130 "${INVARIANT_UNTIL:-420}" t1 \
