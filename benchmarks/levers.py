@@ -15,6 +15,7 @@ The record gains `"levers": [NAME, ...]` so the rows tell themselves apart.
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
 
@@ -30,14 +31,18 @@ def cudnn() -> None:
 def graphs() -> None:
     import keel.distributed.parallelize as parallelize
 
-    def compile_blocks(model):
-        config = torch._dynamo.config
-        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-        setattr(config, name, max(getattr(config, name), 32))
-        for block in parallelize.block_modules(model):
-            block.forward = torch.compile(block.forward, mode="reduce-overhead")
+    compile_blocks = parallelize.compile_blocks
 
-    parallelize.compile_blocks = compile_blocks
+    def in_graphs(model):
+        # keel's own compile_blocks, its torch.compile calls in reduce-overhead mode
+        compile = torch.compile
+        torch.compile = functools.partial(compile, mode="reduce-overhead")
+        try:
+            compile_blocks(model)
+        finally:
+            torch.compile = compile
+
+    parallelize.compile_blocks = in_graphs
 
 
 def nogc() -> None:

@@ -119,8 +119,9 @@ class NativeRolloutEngine:
         self.layers = self.weights.layers
         self.eos = torch.tensor(self.eos_ids, device=self.device)
         self._kept_batcher: ContinuousBatcher | None = None
-        # None until the first generation; True once weights came after one (a step trained)
-        self._trained: bool | None = None
+        # whether weights came after a generation: a step has trained, and the allocator holds
+        # what it needed
+        self._generated = self._trained = False
 
     @property
     def kernels(self) -> StepFunctions:
@@ -148,8 +149,7 @@ class NativeRolloutEngine:
         """The same from (parameter name, whole tensor) pairs: every parameter the engine uses, or
         (every=False) only those that changed."""
         self.runner.load_weights(named, every)
-        if self._trained is not None:
-            self._trained = True
+        self._trained = self._trained or self._generated
 
     def share_frozen_weights(self, named: Iterable[tuple[str, Tensor]]) -> int:
         """LoRA: the trainer's frozen base parameters become views of the decode weights (one copy
@@ -227,7 +227,7 @@ class NativeRolloutEngine:
         rows = min(sequences, self._sequences_at_once(max_len))
         # the batcher's steps add theirs
         self.timing.clear()
-        self._trained = bool(self._trained)
+        self._generated = True
         kept = self._kept_batcher
         if kept is not None and all(
             have >= want for have, want in zip(kept.shape, (rows, max_len, turn_tokens))

@@ -57,7 +57,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     m = flat.shape[0]
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     chunk = k_chunks(n, k)
-    splits = math.ceil(math.ceil(k / TILE) / chunk)
+    splits = triton.cdiv(k, chunk * TILE)
     # float32 partials, one [M, N] per chunk, added in order by _sum_chunks_kernel
     parts = out if splits == 1 else torch.empty(splits, m, n, device=x.device)
     bias_or_any = weight if bias is None else bias
