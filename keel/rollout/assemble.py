@@ -3,6 +3,7 @@ masked after their first stop token, sampled log-probs zeroed past it, texts dec
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -16,6 +17,16 @@ def stop_token_ids(tokenizer, model) -> list[int]:
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
     return sorted(i for i in ids if i is not None)
+
+
+def padded_rows(rows: list[list], fill, dtype: torch.dtype) -> Tensor:
+    """Lists of different lengths as one [len(rows), longest] tensor, `fill` after each, in one
+    conversion: a tensor per row, then pad_sequence, took 8 ms of host time at t1's 128 x 256
+    while the GPU waited for the next phase."""
+    width = max(map(len, rows), default=0)
+    return torch.as_tensor(
+        np.array([row + [fill] * (width - len(row)) for row in rows]), dtype=dtype
+    )
 
 
 def assemble_batch(

@@ -5,11 +5,22 @@ import torch
 
 from keel.data.prompts import build_prompt_dataset, collate_prompts
 from keel.models.load import load_causal_lm, load_tokenizer
-from keel.rollout.assemble import mask_after_eos
+from keel.rollout.assemble import mask_after_eos, padded_rows
 from keel.rollout.hf import HFRolloutEngine
 from keel.training.batching import MicroBatching
 from keel.training.forward import batched_log_probs
 from keel.types import SamplingParams
+
+
+def test_sampled_rows_of_different_lengths_are_padded_on_the_right_exactly():
+    """The engine's turns (token ids, float32 log-probs as lists) become one tensor each, every
+    value kept exactly and `fill` after the shorter rows."""
+    log_probs = torch.tensor([-0.1, -2.5, -1e-7], dtype=torch.float32).tolist()
+    ids = padded_rows([[5, 151935, 7], [9]], 0, torch.long)
+    values = padded_rows([log_probs, log_probs[:1]], 0.0, torch.float32)
+    assert ids.dtype == torch.long and ids.tolist() == [[5, 151935, 7], [9, 0, 0]]
+    assert values.dtype == torch.float32
+    assert torch.equal(values[0], torch.tensor(log_probs)) and values[1].tolist()[1:] == [0.0, 0.0]
 
 
 def test_mask_covers_tokens_up_to_first_eos():

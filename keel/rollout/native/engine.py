@@ -24,9 +24,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 
-from keel.rollout.assemble import assemble_batch, stop_token_ids
+from keel.rollout.assemble import assemble_batch, padded_rows, stop_token_ids
 from keel.rollout.base import Capabilities
 from keel.rollout.native.batching import ContinuousBatcher, drive
 from keel.rollout.native.layers import StepFunctions
@@ -179,12 +178,8 @@ class NativeRolloutEngine:
             if on_finished is not None:
                 text = self.tokenizer.decode(turn.ids, skip_special_tokens=True)
                 on_finished(turn.key, prompts.records[turn.key], text)
-        ids = pad_sequence(
-            [torch.tensor(t.ids) for t in turns],
-            batch_first=True,
-            padding_value=self.tokenizer.pad_token_id,
-        )
-        log_probs = pad_sequence([torch.tensor(t.log_probs) for t in turns], batch_first=True)
+        ids = padded_rows([t.ids for t in turns], self.tokenizer.pad_token_id, torch.long)
+        log_probs = padded_rows([t.log_probs for t in turns], 0.0, torch.float32)
         return assemble_batch(prompts, [(ids, log_probs)], self.tokenizer, self.eos_ids, params)
 
     @torch.no_grad()
