@@ -49,7 +49,8 @@
 #   bash benchmarks/gpu_session.sh exact          issue 50: the batch-invariant and async GPU tests, s1 sync and async,
 #                                                 t1 and t1 batch-invariant
 #   bash benchmarks/gpu_session.sh invariant      issue 50: the batch-invariant GPU tests (ALL_TESTS=1: all of tests/gpu),
-#                                                 t1, t1 invariant in bypass mode (profiled), t1 invariant with its pass
+#                                                 t1, t1 invariant in bypass mode (profiled), t1 invariant with its pass,
+#                                                 then the workloads in INVARIANT_MORE (e.g. q1)
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -350,7 +351,8 @@ invariant() {  # issue 50: the batch-invariant GPU tests (ALL_TESTS=1: every GPU
     grep -E "passed|failed|Error" "$OUT/gpu_invariant_tests.txt" | tail -3
     local on=actor_rollout_ref.rollout.batch_invariant=true
     bench_runs 130 "${INVARIANT_UNTIL:-420}" t1 \
-        "t1 $on algorithm.rollout_correction.bypass_mode=true --profile $OUT/profile_invariant" "t1 $on"
+        "t1 $on algorithm.rollout_correction.bypass_mode=true --profile $OUT/profile_invariant" "t1 $on" \
+        ${INVARIANT_MORE:-}
 }
 
 exact() {  # issue 50 in one call: the batch-invariant and async GPU tests, then s1 sync and async, then t1 as it
