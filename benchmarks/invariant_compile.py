@@ -1,11 +1,12 @@
-"""Whether a batch-invariant rollout still gives log_prob_gap 0 with its decode step compiled, and
-under which compiler settings: the sampler's log-probs against the old-log-prob pass (scoring.py)
-on the GPU, as tests/gpu/test_batch_invariant_cuda.py checks them, for each variant in a process
-of its own (inductor's settings and caches are per process).
+"""Whether a batch-invariant rollout gives log_prob_gap 0 as this tree builds it (its decode step
+compiled, once that lands), and under which compiler settings: the sampler's log-probs against the
+old-log-prob pass (scoring.py) on the GPU, as tests/gpu/test_batch_invariant_cuda.py checks them,
+for each variant in a process of its own (inductor's settings and caches are per process).
 
     python benchmarks/invariant_compile.py [--variants as_is eager emulate no_fma]
 
-- as_is: keel's engine as it is (decode compiled, prefill taking the same compiled functions);
+- as_is: keel's engine as this tree builds it (with 778ad42 and e360739 cherry-picked: decode
+  compiled, prefill taking the same compiled functions);
 - eager: enforce_eager (no compilation, no CUDA graphs): the reference, 0 by construction;
 - emulate: torch._inductor.config.emulate_precision_casts (inductor rounds where eager would);
 - no_fma: TRITON_DEFAULT_FP_FUSION=0 (no multiply-add contraction in Triton's kernels).
