@@ -32,12 +32,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from keel.config.schema import KeelConfig
 from keel.data.prompts import collate_prompts
 from keel.data.sampler import ResumableSampler
 from keel.observe.metrics import Timer
+from keel.rollout.assemble import padded_rows
 from keel.trainer.scored_rollout import ScoredRollout
 from keel.trainer.seeds import batch_seed, step_seed
 from keel.types import (
@@ -214,12 +214,7 @@ def samples_batch(samples: list[PartialSample], tokenizer) -> GeneratedBatch:
     pad = tokenizer.pad_token_id
     prompts = collate_prompts([s.record for s in samples], pad)
 
-    def padded(rows, value=0, dtype=torch.long):
-        return pad_sequence(
-            [torch.tensor(r, dtype=dtype) for r in rows], batch_first=True, padding_value=value
-        )
-
-    ids = padded([s.ids for s in samples], pad)  # [N, R]
+    ids = padded_rows([s.ids for s in samples], pad, torch.long)  # [N, R]
     lengths = torch.tensor([len(s.ids) for s in samples])
     mask = (torch.arange(ids.shape[1]) < lengths[:, None]).long()
     return GeneratedBatch(
@@ -227,11 +222,11 @@ def samples_batch(samples: list[PartialSample], tokenizer) -> GeneratedBatch:
         prompt_mask=prompts.attention_mask,
         response_ids=ids,
         response_mask=mask,
-        sampling_log_probs=padded([s.log_probs for s in samples], dtype=torch.float32),
+        sampling_log_probs=padded_rows([s.log_probs for s in samples], 0.0, torch.float32),
         group_index=torch.tensor([s.group for s in samples]),
         records=prompts.records,
         response_texts=tokenizer.batch_decode([s.ids for s in samples], skip_special_tokens=True),
         truncated=torch.tensor([s.truncated for s in samples]),
         policy_version=torch.tensor([s.versions[0] for s in samples]),
-        token_versions=padded([s.versions for s in samples]),
+        token_versions=padded_rows([s.versions for s in samples], 0, torch.long),
     )
