@@ -51,9 +51,12 @@ def test_the_sampler_and_the_old_log_prob_pass_are_equal_bit_for_bit(tmp_path, a
     sampled, scored, mask = sampled_and_scored(model_dir, dtype, True, max_num_batched_tokens=8)
     assert mask.sum() == 9 * 12
     assert torch.equal(sampled * mask, scored * mask)
-    # the same comparison without it: the decode step's fused arithmetic is not the prefill's
-    sampled, scored, mask = sampled_and_scored(model_dir, dtype, False)
-    assert not torch.equal(sampled * mask, scored * mask)
+    if dtype == torch.float32:
+        # The same comparison without it: the decode step's fused arithmetic is not the prefill's.
+        # (float32 only: on a CPU without AVX-512, bfloat16's matmuls at these tiny shapes can
+        # happen to be batch-invariant already, so there the control proves nothing either way.)
+        sampled, scored, mask = sampled_and_scored(model_dir, dtype, False)
+        assert not torch.equal(sampled * mask, scored * mask)
 
 
 def test_a_row_without_a_response_scores_nothing(tmp_path):
