@@ -90,7 +90,9 @@ class ModelRunner:
 
     def sample(self, logits: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
         with self.arithmetic():
-            return sample(logits, params, self.kernels.pickers, blocked=not self.batch_invariant)
+            return sample(
+                logits, params, self.kernels.pickers, whole_row_log_prob=self.batch_invariant
+            )
 
     def prefill(self, k_cache: list[Tensor], v_cache: list[Tensor], pieces: list[Piece]) -> Tensor:
         """One prefill pass: each row's new tokens attend to its cached columns and to each other,

@@ -27,7 +27,7 @@ def sample(
     params: SamplingParams,
     pickers: Pickers | None = None,
     block: int = SAMPLE_BLOCK,
-    blocked: bool = True,
+    whole_row_log_prob: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(token [B], its log-prob under the temperature-scaled distribution [B]) from logits [B, V].
 
@@ -35,10 +35,10 @@ def sample(
     what the trainer recomputes, so the sampler/trainer gap measures numerics only (as the hf
     engine does). Sampling is Gumbel-max, argmax(logits - log E) with E ~ Exp(1): a draw from the
     softmax. Noise for every vocabulary entry costs more than the rest of the step's sampling, so
-    plain sampling (no top-k/top-p) draws in two exact stages (pick_blocked), unless `blocked` is
-    off: a batch-invariant rollout takes the log-prob's normaliser as its old-log-prob pass does,
-    one logsumexp of the whole row. The noise is drawn here, eagerly: eager RNG advances correctly
-    under CUDA graph replay.
+    plain sampling (no top-k/top-p) draws in two exact stages (pick_blocked). With
+    `whole_row_log_prob` (a batch-invariant rollout) the token's log-prob is then taken as the
+    old-log-prob pass takes it, one logsumexp of the whole row (token_log_prob). The noise is drawn
+    here, eagerly: eager RNG advances correctly under CUDA graph replay.
     """
     pickers = pickers or Pickers(pick_token, pick_blocked)
     greedy = not params.do_sample or params.temperature == 0
@@ -52,11 +52,12 @@ def sample(
     if (params.top_k > 0 and params.top_k < vocab) or params.top_p < 1.0:
         filtered = top_k_top_p(logits.float() / params.temperature, params.top_k, params.top_p)
         return pickers.token(logits, filtered, noise(rows, vocab), params.temperature)
-    if not blocked:
-        return pickers.token(logits, None, noise(rows, vocab), params.temperature)
-    return pickers.blocked(
+    token, log_prob = pickers.blocked(
         logits, noise(rows, -(-vocab // block)), noise(rows, block), params.temperature
     )
+    if whole_row_log_prob:
+        log_prob = token_log_prob(logits.float() / params.temperature, token)
+    return token, log_prob
 
 
 def pick_token(
