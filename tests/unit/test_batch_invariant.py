@@ -155,6 +155,18 @@ for dim in (16, 8):  # 8: padded to tl.dot's least 16
     args, want = case.causal_attention_case(length=70, dim=dim)
     got = kernels.attend(*args).view(2, 70, 4, dim).transpose(1, 2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+# as operators torch.compile traces (a batch-invariant decode step is compiled): their shapes as
+# the tracer sees them are those they return, and a compiled caller gets the kernels' own bits
+x3, w, b = torch.randn(2, 5, 100), torch.randn(80, 100), torch.randn(80)
+for args in ((x3, w, b), (x3, w, None)):
+    torch.library.opcheck(torch.ops.keel.invariant_linear, args)
+torch.library.opcheck(torch.ops.keel.invariant_rms_norm, (x3, [100], torch.randn(100), 1e-6))
+for dims, keep in (([-1], False), ([0, 2], True)):
+    torch.library.opcheck(torch.ops.keel.invariant_logsumexp, (x3, dims, keep))
+traced = torch.compile(lambda x, w: invariant.KERNELS[F.linear](x, w) * 2, fullgraph=True)
+for rows in (3, 7, 11):
+    x = torch.randn(rows, 100)
+    assert torch.equal(traced(x, w), kernels.linear(x, w) * 2)
 print("ok")
 """
     here = os.path.dirname(__file__)

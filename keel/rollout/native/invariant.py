@@ -106,13 +106,30 @@ ROWWISE = {
     torch.Tensor.cos: rowwise(torch.Tensor.cos),
     torch.Tensor.sin: rowwise(torch.Tensor.sin),
 }
-# on a GPU: fixed-tile kernels; CUDA's elementwise kernels compute each element alike at any shape
+
+
+def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    return torch.ops.keel.invariant_linear(x, weight, bias)
+
+
+def _rms_norm_op(x: Tensor, normalized_shape, weight=None, eps=None) -> Tensor:
+    return torch.ops.keel.invariant_rms_norm(x, list(normalized_shape), weight, eps)
+
+
+def _logsumexp_op(x: Tensor, dim, keepdim: bool = False) -> Tensor:
+    dims = list(dim) if isinstance(dim, (tuple, list)) else [dim]
+    return torch.ops.keel.invariant_logsumexp(x, dims, keepdim)
+
+
+# On a GPU: fixed-tile kernels, as operators torch.compile traces (invariant_kernels). Elementwise
+# work is the same for each element at any shape, eager or compiled, so long as both passes run it
+# the same way: the runner gives prefill the decode step's compiled functions.
 KERNELS = (
     {
-        F.linear: invariant_kernels.linear,
-        F.rms_norm: invariant_kernels.rms_norm,
-        torch.logsumexp: invariant_kernels.logsumexp,
-        torch.Tensor.logsumexp: invariant_kernels.logsumexp,
+        F.linear: _linear_op,
+        F.rms_norm: _rms_norm_op,
+        torch.logsumexp: _logsumexp_op,
+        torch.Tensor.logsumexp: _logsumexp_op,
     }
     if invariant_kernels.triton is not None
     else {}

@@ -112,6 +112,50 @@ def _logsumexp_rows(rows: Tensor) -> Tensor:
     return out.to(rows.dtype)
 
 
+def _fixed_output(x: Tensor, shape) -> Tensor:
+    """A contiguous tensor of `shape` like x, for torch.compile's tracing (register_fake): what a
+    kernel returns, without running it."""
+    return x.new_empty(shape)
+
+
+# The kernels as operators torch.compile can trace (opaque: inductor calls them as they are and
+# fuses the elementwise work around them), so a batch-invariant decode step is compiled too.
+if triton is not None:
+
+    @torch.library.custom_op("keel::invariant_linear", mutates_args=())
+    def linear_op(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        return linear(x, weight, bias)
+
+    @linear_op.register_fake
+    def _(x, weight, bias=None):
+        return _fixed_output(x, (*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.custom_op("keel::invariant_rms_norm", mutates_args=())
+    def rms_norm_op(
+        x: Tensor,
+        normalized_shape: list[int],
+        weight: Tensor | None = None,
+        eps: float | None = None,
+    ) -> Tensor:
+        return rms_norm(x, normalized_shape, weight, eps)
+
+    @rms_norm_op.register_fake
+    def _(x, normalized_shape, weight=None, eps=None):
+        return _fixed_output(x, x.shape)
+
+    @torch.library.custom_op("keel::invariant_logsumexp", mutates_args=())
+    def logsumexp_op(x: Tensor, dim: list[int], keepdim: bool = False) -> Tensor:
+        return logsumexp(x, dim, keepdim)
+
+    @logsumexp_op.register_fake
+    def _(x, dim, keepdim=False):
+        dims = {d % x.dim() for d in dim}
+        shape = [1 if d in dims else size for d, size in enumerate(x.shape)]
+        return _fixed_output(
+            x, shape if keepdim else [s for d, s in enumerate(shape) if d not in dims]
+        )
+
+
 def attend(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor, first: Tensor, last: Tensor
 ) -> Tensor:

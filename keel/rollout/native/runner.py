@@ -52,8 +52,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.weights = DecodeWeights(model, self.family, self.device, dtype)
         self.weights.load(model.named_parameters())
-        # rollout.batch_invariant: every pass in invariant.RowInvariant's arithmetic, uncompiled
-        # (inductor would fuse and reorder it); a GPU's decode step still replays as a graph
+        # rollout.batch_invariant: every pass in invariant.RowInvariant's arithmetic
         self.batch_invariant = batch_invariant
         # enforce_eager (verl's key): no CUDA graphs, no compilation; for debugging, and CPU's only
         # way. compile_mode: torch.compile's, for benchmarks/profile_decode.py (max-autotune was
@@ -61,14 +60,13 @@ class ModelRunner:
         self.use_cuda_graphs = not enforce_eager and self.device.type == "cuda"
         self.kernels = StepFunctions(
             self.family,
-            self.use_cuda_graphs
-            and compile_step
-            and can_compile(self.device)
-            and not batch_invariant,
+            self.use_cuda_graphs and compile_step and can_compile(self.device),
             compile_mode,
         )
-        # prefill: compute-bound, run eagerly
-        self.eager = StepFunctions(self.family, compiled=False)
+        # Prefill is compute-bound and runs eagerly, but a batch-invariant one takes the decode
+        # step's own functions: inductor's fused elementwise work rounds and contracts (FMA) other
+        # than eager kernels do, and the sampler and the old-log-prob pass must agree bit for bit.
+        self.eager = self.kernels if batch_invariant else StepFunctions(self.family, compiled=False)
         use_triton = triton_available(self.device, dtype, self.head_dim)
         self.attention = triton_decode_attention if use_triton else sdpa_decode_attention
         if batch_invariant:
