@@ -141,10 +141,16 @@ class RowInvariant(TorchFunctionMode):
     kernels (KERNELS) on CUDA tensors, the row-at-a-time reference (ROWWISE) elsewhere."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        on_gpu = bool(KERNELS) and bool(args) and isinstance(args[0], Tensor) and args[0].is_cuda
         # (the mode is off inside its own handler: these call the originals)
-        return (KERNELS if on_gpu else ROWWISE).get(func, func)(*args, **kwargs)
+        kwargs = {} if kwargs is None else kwargs
+        if len(args) > 0 and isinstance(args[0], Tensor) and args[0].is_cuda:
+            # Traced by torch.compile (the decode step is compiled): identity tests only, where
+            # torch 2.11's dynamo cannot take the truth of a tuple
+            for reduction, kernel in KERNELS.items():
+                if func is reduction:
+                    return kernel(*args, **kwargs)
+            return func(*args, **kwargs)
+        return ROWWISE.get(func, func)(*args, **kwargs)
 
 
 def decode_attention(
