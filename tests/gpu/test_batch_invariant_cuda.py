@@ -17,8 +17,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 PROMPTS = [{"prompt": "Digits please: 1"}, {"prompt": "a longer prompt here, padded out"}]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_the_sampler_and_the_old_log_prob_pass_are_equal_bit_for_bit_on_the_gpu(tmp_path, arch):
+@pytest.mark.parametrize(
+    "arch, temperature, top_k",
+    [("qwen2", 1.0, -1), ("qwen3", 1.0, -1), ("qwen3", 0.7, -1), ("qwen3", 1.0, 5)],
+)
+def test_the_sampler_and_the_old_log_prob_pass_are_equal_bit_for_bit_on_the_gpu(
+    tmp_path, arch, temperature, top_k
+):
+    """Plain sampling, a temperature (its division is where compiled and eager could differ) and
+    top-k (the other picker)."""
     from keel.models.tiny import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path, arch=arch, hidden_size=128, num_layers=2, seed=1)
@@ -30,7 +37,9 @@ def test_the_sampler_and_the_old_log_prob_pass_are_equal_bit_for_bit_on_the_gpu(
                 p.copy_(torch.randn_like(p) * 0.1)
     records, _ = build_prompt_dataset(PROMPTS, tokenizer, max_prompt_length=64)
     prompts = collate_prompts(records, tokenizer.pad_token_id).repeat_interleave(4)
-    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=16, ignore_eos=True)
+    params = SamplingParams(
+        n=4, temperature=temperature, top_k=top_k, max_new_tokens=16, ignore_eos=True
+    )
     gaps = {}
     for on in (True, False):
         engine = NativeRolloutEngine(
@@ -38,7 +47,8 @@ def test_the_sampler_and_the_old_log_prob_pass_are_equal_bit_for_bit_on_the_gpu(
         )
         torch.manual_seed(0)
         batch = engine.generate(prompts, params)
-        gap = (score(engine, batch, 1.0) - batch.sampling_log_probs).abs() * batch.response_mask
+        gap = (score(engine, batch, temperature) - batch.sampling_log_probs).abs()
+        gap = gap * batch.response_mask
         gaps[on] = float(gap.sum())
     assert gaps[True] == 0.0 and gaps[False] > 0, gaps
 

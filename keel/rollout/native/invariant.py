@@ -134,6 +134,8 @@ KERNELS = (
     if invariant_kernels.triton is not None
     else {}
 )
+# (a plain bool: the handler is traced, and tests it)
+HAVE_KERNELS = len(KERNELS) > 0
 
 
 class RowInvariant(TorchFunctionMode):
@@ -143,7 +145,8 @@ class RowInvariant(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # (the mode is off inside its own handler: these call the originals)
         kwargs = {} if kwargs is None else kwargs
-        if len(args) > 0 and isinstance(args[0], Tensor) and args[0].is_cuda:
+        # a CUDA machine without Triton takes the references below, never plain cuBLAS
+        if HAVE_KERNELS and len(args) > 0 and isinstance(args[0], Tensor) and args[0].is_cuda:
             # Traced by torch.compile (the decode step is compiled): identity tests only, where
             # torch 2.11's dynamo cannot take the truth of a tuple
             for reduction, kernel in KERNELS.items():

@@ -23,7 +23,7 @@ class StepFunctions:
     with Triton; fullgraph, so a graph break is an error), plain functions elsewhere (CPU, or
     `rollout.enforce_eager`, and prefill). A family's layer functions (models/) are among them."""
 
-    def __init__(self, family, compiled: bool, mode: str | None = None):
+    def __init__(self, family, compiled: bool, mode: str | None = None, exact: bool = False):
         if compiled:
             # Each batch bucket, cache length and dtype is a compiled variant of these few
             # functions; past dynamo's default of 8, fullgraph=True would make a recompile a hard
@@ -32,8 +32,16 @@ class StepFunctions:
                 torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
             )
 
+        # exact (rollout.batch_invariant): each intermediate rounded to its dtype as eager rounds
+        # it, and one graph for every shape, so a value's bits do not depend on which ops inductor
+        # fused at a given batch or length
+        options = {"emulate_precision_casts": True} if exact else None
+        dynamic = True if exact else None
+
         def prepared(fn):
-            return torch.compile(fn, fullgraph=True, mode=mode) if compiled else fn
+            if not compiled:
+                return fn
+            return torch.compile(fn, fullgraph=True, mode=mode, dynamic=dynamic, options=options)
 
         self.step_inputs = prepared(step_inputs)
         self.rope = prepared(rope)

@@ -62,15 +62,21 @@ class ModelRunner:
             self.family,
             self.use_cuda_graphs and compile_step and can_compile(self.device),
             compile_mode,
+            exact=batch_invariant,
         )
-        # Prefill is compute-bound and runs eagerly, but a batch-invariant one takes the decode
-        # step's own functions: inductor's fused elementwise work rounds and contracts (FMA) other
-        # than eager kernels do, and the sampler and the old-log-prob pass must agree bit for bit.
-        self.eager = self.kernels if batch_invariant else StepFunctions(self.family, compiled=False)
+        self._eager = StepFunctions(self.family, compiled=False)
         use_triton = triton_available(self.device, dtype, self.head_dim)
         self.attention = triton_decode_attention if use_triton else sdpa_decode_attention
         if batch_invariant:
             self.attention = invariant.decode_attention
+
+    @property
+    def eager(self) -> StepFunctions:
+        """Prefill's functions. Prefill is compute-bound and runs eagerly, but a batch-invariant one
+        takes the decode step's own (whatever replaced them): inductor's fused elementwise work
+        rounds and contracts (FMA) other than eager kernels do, and the sampler and the
+        old-log-prob pass must agree bit for bit."""
+        return self.kernels if self.batch_invariant else self._eager
 
     @property
     def layers(self) -> int:

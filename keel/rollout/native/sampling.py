@@ -36,14 +36,25 @@ def sample(
     engine does). Sampling is Gumbel-max, argmax(logits - log E) with E ~ Exp(1): a draw from the
     softmax. Noise for every vocabulary entry costs more than the rest of the step's sampling, so
     plain sampling (no top-k/top-p) draws in two exact stages (pick_blocked). With
-    `whole_row_log_prob` (a batch-invariant rollout) the token's log-prob is then taken as the
-    old-log-prob pass takes it, one logsumexp of the whole row (token_log_prob). The noise is drawn
-    here, eagerly: eager RNG advances correctly under CUDA graph replay.
+    `whole_row_log_prob` (a batch-invariant rollout) every branch's log-prob is then taken again as
+    the old-log-prob pass takes it, eagerly, one logsumexp of the whole row (token_log_prob). The
+    noise is drawn here, eagerly: eager RNG advances correctly under CUDA graph replay.
     """
     pickers = pickers or Pickers(pick_token, pick_blocked)
+    token, log_prob, temperature = _draw(logits, params, pickers, block)
+    if whole_row_log_prob:
+        # eagerly, as the pass does: a compiled picker may divide by the reciprocal, or fuse
+        log_prob = token_log_prob(logits.float() / temperature, token)
+    return token, log_prob
+
+
+def _draw(
+    logits: Tensor, params: SamplingParams, pickers: Pickers, block: int
+) -> tuple[Tensor, Tensor, float]:
+    """(token, its log-prob, the temperature the log-prob is under) by the pickers."""
     greedy = not params.do_sample or params.temperature == 0
     if greedy:
-        return pickers.token(logits, None, None, 1.0)
+        return (*pickers.token(logits, None, None, 1.0), 1.0)
     rows, vocab = logits.shape
 
     def noise(*shape: int) -> Tensor:
@@ -51,13 +62,12 @@ def sample(
 
     if (params.top_k > 0 and params.top_k < vocab) or params.top_p < 1.0:
         filtered = top_k_top_p(logits.float() / params.temperature, params.top_k, params.top_p)
-        return pickers.token(logits, filtered, noise(rows, vocab), params.temperature)
-    token, log_prob = pickers.blocked(
-        logits, noise(rows, -(-vocab // block)), noise(rows, block), params.temperature
-    )
-    if whole_row_log_prob:
-        log_prob = token_log_prob(logits.float() / params.temperature, token)
-    return token, log_prob
+        picked = pickers.token(logits, filtered, noise(rows, vocab), params.temperature)
+    else:
+        picked = pickers.blocked(
+            logits, noise(rows, -(-vocab // block)), noise(rows, block), params.temperature
+        )
+    return (*picked, params.temperature)
 
 
 def pick_token(
