@@ -16,8 +16,8 @@ def check_rollout_engine(cfg: KeelConfig, context: dict) -> list[Finding]:
         if rollout.batch_invariant:
             runs += (
                 "; batch-invariant (rollout.batch_invariant): the sampler's log-probs and the "
-                "old-log-prob pass equal bit for bit, each token's sums in an order of its own, "
-                "uncompiled (slower generation)"
+                "old-log-prob pass equal bit for bit, each token's sums in an order of its own "
+                "(slower generation)"
             )
             if not cfg.algorithm.rollout_correction.bypass_mode:
                 runs += (

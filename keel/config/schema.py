@@ -195,7 +195,7 @@ class RolloutConfig(LogProbBatching):
     batch_invariant: bool = opt(
         False,
         help="native: the sampler's log-probs and the old-log-prob pass equal bit for bit "
-        "(log_prob_gap 0), each token's sums in an order of its own; slower, uncompiled decoding "
+        "(log_prob_gap 0), each token's sums in an order of its own; slower decoding "
         "(with algorithm.rollout_correction.bypass_mode=true the pass is skipped: the same bits)",
     )
     free_cache_engine: bool | None = opt(
