@@ -52,11 +52,9 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.weights = DecodeWeights(model, self.family, self.device, dtype)
         self.weights.load(model.named_parameters())
-        # rollout.batch_invariant: every pass in invariant.RowInvariant's arithmetic
-        self.batch_invariant = batch_invariant
-        # enforce_eager (verl's key): no CUDA graphs, no compilation; for debugging, and CPU's only
-        # way. compile_mode: torch.compile's, for benchmarks/profile_decode.py (max-autotune was
-        # slower here).
+        self.batch_invariant = batch_invariant  # every pass in invariant.RowInvariant's arithmetic
+        # enforce_eager (verl's key): no CUDA graphs or compilation (debugging; CPU's only way).
+        # compile_mode: torch.compile's, for benchmarks/profile_decode.py (max-autotune: slower).
         self.use_cuda_graphs = not enforce_eager and self.device.type == "cuda"
         self.kernels = StepFunctions(
             self.family,
@@ -72,10 +70,8 @@ class ModelRunner:
 
     @property
     def eager(self) -> StepFunctions:
-        """Prefill's functions. Prefill is compute-bound and runs eagerly, but a batch-invariant one
-        takes the decode step's own (whatever replaced them): inductor's fused elementwise work
-        rounds and contracts (FMA) other than eager kernels do, and the sampler and the
-        old-log-prob pass must agree bit for bit."""
+        """Prefill's functions: eager, but a batch-invariant prefill takes the decode step's (as
+        swapped): the sampler and the old-log-prob pass then fuse and round alike, bit for bit."""
         return self.kernels if self.batch_invariant else self._eager
 
     @property
