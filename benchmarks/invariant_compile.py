@@ -1,12 +1,12 @@
 """Whether a batch-invariant rollout gives log_prob_gap 0 as this tree builds it (its decode step
-compiled, once that lands), and under which compiler settings: the sampler's log-probs against the
+compiled), and under which compiler settings: the sampler's log-probs against the
 old-log-prob pass (scoring.py) on the GPU, as tests/gpu/test_batch_invariant_cuda.py checks them,
 for each variant in a process of its own (inductor's settings and caches are per process).
 
     python benchmarks/invariant_compile.py [--variants as_is eager no_fma]
 
-- as_is: keel's engine as this tree builds it (with branch issue50-invariant-compiled cherry-picked:
-  decode compiled with emulate_precision_casts, prefill taking the same compiled functions);
+- as_is: keel's engine as this tree builds it (decode compiled with emulate_precision_casts,
+  prefill taking the same compiled functions);
 - eager: enforce_eager (no compilation, no CUDA graphs): the reference, 0 by construction;
 - no_fma: TRITON_DEFAULT_FP_FUSION=0 (no multiply-add contraction in Triton's kernels).
 
