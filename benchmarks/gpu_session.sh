@@ -51,6 +51,9 @@
 #   bash benchmarks/gpu_session.sh invariant      issue 50: the batch-invariant GPU tests (ALL_TESTS=1: all of tests/gpu),
 #                                                 t1, t1 invariant in bypass mode (profiled), t1 invariant with its pass,
 #                                                 then the workloads in INVARIANT_MORE (e.g. q1)
+#   bash benchmarks/gpu_session.sh prefix         issue 50: the decode attention's GPU tests, then t1 and q1 with each
+#                                                 prompt's copies read in each row's own cache (noshare) and in one row,
+#                                                 in turn; then the runs in PREFIX_MORE ("- q1 --profile DIR" a plain one)
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -365,6 +368,26 @@ exact() {  # issue 50 in one call: the batch-invariant and async GPU tests, then
         "t1 actor_rollout_ref.rollout.batch_invariant=true"
 }
 
+prefix() {  # issue 50: a prompt's samples read its keys and values in one row (decode_state.SHARE_PREFIX_READS)
+    timeout 150 python3 -m pytest -q tests/gpu/test_native_cuda.py -k "triton_decode_attention or same_bits" \
+        > "$OUT/gpu_prefix_tests.txt" 2>&1
+    grep -E "passed|failed|Error" "$OUT/gpu_prefix_tests.txt" | tail -3
+    local run
+    for run in "noshare t1" "- t1" "noshare q1" "- q1" ${PREFIX_MORE:-}; do
+        (( SECONDS > ${PREFIX_UNTIL:-450} )) && { echo "$run: skipped, the call's time is spent"; continue; }
+        set -- $run
+        local log="$OUT/run_${2}_${1/-/share}.log"
+        if [ "$1" = - ]; then
+            timeout 140 python3 -m keel bench "${@:2}" --gpus 1 --steps 3 --warmup 1 --out "$OUT/bench.jsonl" \
+                > "$log" 2>&1
+        else
+            timeout 140 python3 benchmarks/levers.py "$1" "${@:2}" --gpus 1 --steps 3 --warmup 1 \
+                --out "$OUT/bench.jsonl" > "$log" 2>&1
+        fi
+        echo "$run: $(tail -1 "$log" | cut -c1-160)"
+    done
+}
+
 summary() {
     local records=("$OUT"/bench*.jsonl)
     [ -e "${records[0]}" ] || { echo "no records in $OUT yet"; return; }
@@ -373,7 +396,7 @@ import json, sys
 for path, line in ((path, line) for path in sys.argv[1:] for line in open(path)):
     r = json.loads(line)
     t = r["timing_s"]
-    print(r["workload"], r["n_gpus"], r.get("overrides", []), f"step {r['step_time_s']:.2f}s", f"gen {t['gen']:.2f}s",
+    print(r["workload"], r["n_gpus"], r.get("overrides", []), r.get("levers", []), f"step {r['step_time_s']:.2f}s", f"gen {t['gen']:.2f}s",
           f"old {t.get('old_log_prob', 0):.3f}s", f"update {t['update_actor']:.2f}s", f"sync {t.get('sync_rollout_weights', 0):.3f}s",
           f"gen {r['gen_tokens_per_s']:.0f} tok/s", f"decode {r.get('decode_tokens_per_s') or 0:.0f} tok/s",
           f"mfu {r['update_mfu']:.3f}", f"peak {r['peak_memory_gb']:.1f} GB", f"gap {r['log_prob_gap']:.2g}",

@@ -7,6 +7,9 @@ building into keel before it is (issue 50). Each lever patches keel as the bench
             reduce-overhead mode: cudagraph trees), taking the host's launches out of the update
   nogc      Python's cyclic garbage collector off for the run (torchtitan collects on a schedule of
             its own), so a collection's pause between two kernels shows
+  noshare   every decode row reads its prompt's keys and values in its own cache, as before keel
+            read a prompt's samples' copies in one row (decode_state.SHARE_PREFIX_READS): the
+            baseline that sharing is measured against
 
   python benchmarks/levers.py LEVER[,LEVER...] t1 --gpus 1 --steps 3 --warmup 1 --out OUT.jsonl
 
@@ -49,7 +52,13 @@ def nogc() -> None:
     gc.disable()
 
 
-LEVERS = {"cudnn": cudnn, "graphs": graphs, "nogc": nogc}
+def noshare() -> None:
+    import keel.rollout.native.decode_state as decode_state
+
+    decode_state.SHARE_PREFIX_READS = False
+
+
+LEVERS = {"cudnn": cudnn, "graphs": graphs, "nogc": nogc, "noshare": noshare}
 
 
 def main(argv: list[str]) -> int:

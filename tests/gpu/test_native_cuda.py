@@ -268,6 +268,79 @@ def test_triton_decode_attention_reads_rows_through_the_table_as_sdpa_does(
     assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
 
 
+@pytest.mark.parametrize("splits", SPLITS)
+def test_triton_decode_attention_reads_copied_columns_in_their_source_row(splits):
+    """A prompt's samples hold copies of its prefill's columns: the kernel reads them in the row
+    they were copied from, the same bits in the same order, so the result is bit for bit the same
+    (here where the copies themselves are spoilt)."""
+    from keel.rollout.native.attention import KernelConfig, SharedPrefix, triton_decode_attention
+
+    torch.manual_seed(0)
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    q, k, v = (torch.randn(5, heads, 1, 64, **bf16) for heads in (14, 2, 2))
+    caches = [torch.randn(6, 2, 300, 64, **bf16) for _ in range(2)]
+    for cache in caches:
+        cache[[1, 2, 4], :, :70] = cache[0, :, :70]
+    rows = torch.tensor([2, 0, 4, 3, 1], device="cuda")
+    column = torch.tensor([70, 75, 130, 299, 200], device="cuda")
+    prefix = SharedPrefix(
+        torch.tensor([0, 0, 0, 3, 0], device="cuda"),
+        torch.tensor([70, 0, 70, 0, 70], device="cuda"),
+    )
+    pad, config = torch.zeros_like(rows), KernelConfig(**SPLITS[splits])
+    plain = triton_decode_attention(
+        q, k, v, *[c.clone() for c in caches], pad, column, rows=rows, config=config
+    )
+    for cache in caches:
+        cache[[1, 2, 4], :, :70] = float("nan")
+    shared = triton_decode_attention(
+        q, k, v, *caches, pad, column, rows=rows, prefix=prefix, config=config
+    )
+    assert torch.equal(shared, plain)
+
+
+def test_samples_reading_their_prompt_in_one_row_decode_the_same_bits(tmp_path, monkeypatch):
+    """bf16 on Triton's kernel, EOS on and fewer rows than sequences: a prompt's first row is taken
+    by another sequence while its other samples still decode. Reading the copied prompt in its
+    source row gives the same tokens and log-probs, bit for bit, as every row reading its own; had
+    the copies not ended when their source row was written again, they would differ."""
+    from keel.models.tiny import make_tiny_model
+    from keel.rollout.native import decode_state
+    from keel.rollout.native.attention import triton_decode_attention
+    from keel.rollout.native.scheduler import CopiedPrefixes
+
+    model, tokenizer, prompts = setup(
+        make_tiny_model(tmp_path / "m", hidden_size=128, num_layers=4), n=4, init_std=0.2
+    )
+    free_run = NativeRolloutEngine(model, tokenizer, 24, torch.bfloat16).generate(
+        prompts, SamplingParams(do_sample=False, max_new_tokens=40, ignore_eos=True)
+    )
+    # a stop token that really occurs, at varied depths
+    stop = int(free_run.response_ids[:, 3:].flatten().mode().values)
+
+    def generate(share: bool):
+        monkeypatch.setattr(decode_state, "SHARE_PREFIX_READS", share)
+        engine = NativeRolloutEngine(model, tokenizer, 5, torch.bfloat16)
+        assert engine.attention is triton_decode_attention
+        engine.eos_ids = sorted(set(engine.eos_ids) | {stop})
+        engine.eos = torch.tensor(engine.eos_ids, device="cuda")
+        out = engine.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=40))
+        return out.response_ids, out.sampling_log_probs
+
+    own = generate(share=False)
+    assert len(set((own[0] == stop).int().argmax(1).tolist())) > 3
+    shared = generate(share=True)
+    assert torch.equal(shared[0], own[0]) and torch.equal(shared[1], own[1])
+
+    def never_ended(self, items, copies):
+        width = {row: len(new) for row, _, new, _ in items}
+        return {row: (source, width[row]) for row, source in copies}
+
+    monkeypatch.setattr(CopiedPrefixes, "update", never_ended)
+    stale = generate(share=True)
+    assert not torch.equal(stale[1], own[1])
+
+
 @pytest.mark.parametrize("arch, init_std", FAMILIES)
 def test_continuous_batching_graphs_equal_eager_and_hf(tmp_path, monkeypatch, arch, init_std):
     """EOS on (lengths vary) and fewer rows than sequences: rows are refilled, each batch bucket

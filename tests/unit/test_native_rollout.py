@@ -573,7 +573,7 @@ INTERPRETED_ATTENTION = (
     """
 import types, torch
 torch.cuda.get_device_properties = lambda device: types.SimpleNamespace(multi_processor_count=132)
-from keel.rollout.native.attention import KernelConfig, sdpa_decode_attention, """
+from keel.rollout.native.attention import KernelConfig, SharedPrefix, sdpa_decode_attention, """
     """triton_decode_attention
 
 def check(pad, column, length=300, rows=None, cache_rows=None, heads=14, kv=2, dim=64, """
@@ -609,6 +609,29 @@ for config in (dict(split=0), dict(split=64, block=32)):                """
     """# attention sinks (GPT-OSS), with and
     check([0, 1, 64, 130, 256], [256], heads=8, kv=2, sinks=True, **config)  """
     """# without splits to merge
+
+def check_shared(**config):
+    # rows 1, 2 and 4 hold a copy of row 0's first 70 columns (one prompt's samples); row 3 none
+    torch.manual_seed(0)
+    q, k, v = torch.randn(5, 14, 1, 64), torch.randn(5, 2, 1, 64), torch.randn(5, 2, 1, 64)
+    caches = [torch.randn(6, 2, 300, 64) for _ in range(2)]
+    for cache in caches:
+        cache[[1, 2, 4], :, :70] = cache[0, :, :70]
+    rows, column = torch.tensor([2, 0, 4, 3, 1]), torch.tensor([70, 75, 130, 299, 200])
+    prefix = SharedPrefix(torch.tensor([0, 0, 0, 3, 0]), torch.tensor([70, 0, 70, 0, 70]))
+    pad = torch.zeros(5, dtype=torch.long)
+    args = (q, k, v, *[c.clone() for c in caches], pad, column)
+    plain = triton_decode_attention(*args, rows=rows, config=KernelConfig(**config))
+    # the copies spoilt: only reads in row 0 give the same result
+    for cache in caches:
+        cache[[1, 2, 4], :, :70] = float("nan")
+    shared = triton_decode_attention(
+        q, k, v, *caches, pad, column, rows=rows, prefix=prefix, config=KernelConfig(**config)
+    )
+    assert torch.equal(shared, plain), config
+
+for config in (dict(split=0), dict(split=64, block=32), dict(split=64, block=16)):
+    check_shared(**config)
 print("ok")
 """
 )
@@ -617,7 +640,9 @@ print("ok")
 def test_triton_decode_attention_matches_sdpa_under_the_interpreter():
     """Where Triton is installed (not in keel's CPU install), its interpreter runs the decode
     kernel on the CPU in float32: one pass, splits, the default's choice, continuous batching's
-    row table and per-row columns, a tiny cache; against the cache write and SDPA."""
+    row table and per-row columns, a tiny cache; against the cache write and SDPA. A prompt's
+    samples read its copied columns in the row they were copied from: the same bits, where their
+    own copies are spoilt."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(

@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 
 from keel.rollout.native import scheduler as scheduling
-from keel.rollout.native.scheduler import Scheduler, chunk, passes, share_prefill
+from keel.rollout.native.scheduler import (
+    CopiedPrefixes,
+    Scheduler,
+    chunk,
+    passes,
+    share_prefill,
+)
 
 
 def test_the_scheduler_imports_no_tensor_library():
@@ -128,6 +134,25 @@ def test_a_group_s_same_first_context_is_prefilled_once_and_copied():
     # row 1 shares row 0's prefill; the ungrouped one and the returning one are their own
     assert unique == [(0, 0, [1, 2, 3]), (2, 0, [1, 2, 3]), (3, 4, [5])]
     assert source == [0, 0, 1, 2] and copies == [(1, 0)]
+
+
+def test_a_copied_prompt_is_read_in_its_source_row_until_either_row_writes_within_it():
+    """The decode kernel reads a sample's copied prompt in the row it was copied from: for as long
+    as both rows still hold it. A row that begins again, or a turn written over the copied columns,
+    ends it; a turn after them does not."""
+    prefixes = CopiedPrefixes()
+    group = [(row, 0, [7, 8, 9], "g") for row in range(4)]
+    assert prefixes.update(group, share_prefill(group)[2]) == {r: (0, 3) for r in (1, 2, 3)}
+    # multi-turn: the source's and a copy's next turns go after the prompt's 3 columns
+    assert prefixes.update([(0, 5, [1, 2], None), (2, 3, [4], None)], []) == {}
+    # a copy that begins again (a new sequence in its row) ends only its own entry
+    assert prefixes.update([(3, 0, [5, 5], None)], []) == {3: (3, 0)}
+    # the source row taken by another sequence: every copy of it reads its own columns again
+    assert prefixes.update([(0, 0, [6], None)], []) == {1: (1, 0), 2: (2, 0)}
+    assert prefixes.source_of == {}
+    # a returning sequence prefilled again from within the copied columns
+    prefixes.update(group, share_prefill(group)[2])
+    assert prefixes.update([(1, 2, [9, 1], None)], []) == {1: (1, 0)}
 
 
 def test_prefill_packs_passes_within_the_budget_and_chunks_longer_extensions():

@@ -16,10 +16,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from keel.rollout.native.attention import SharedPrefix
 from keel.rollout.native.runner import ModelRunner
-from keel.rollout.native.scheduler import Piece, chunk, passes, share_prefill
+from keel.rollout.native.scheduler import CopiedPrefixes, Piece, chunk, passes, share_prefill
 from keel.rollout.native.state import capture
 from keel.types import SamplingParams
+
+# Each decode step reads a prompt's keys and values in the one row its samples copied them from
+# (CopiedPrefixes): the same bits, one prompt's columns from HBM once (Triton's kernel only).
+# benchmarks/levers.py's noshare sets it off before the graphs are captured, to measure the reads.
+SHARE_PREFIX_READS = True
 
 
 @dataclass
@@ -36,6 +42,9 @@ class RowState:
     done: Tensor  # [R + 1] bool: the turn ended
     tokens: Tensor  # [R + 1, T + 1] this turn's tokens
     log_probs: Tensor  # [R + 1, T + 1]
+    # [R + 1]: the row whose columns [0, prefix_len) this row's are a copy of (itself: none)
+    prefix_row: Tensor
+    prefix_len: Tensor
 
     @classmethod
     def allocate(cls, shape: tuple[int, int, int], runner: ModelRunner) -> RowState:
@@ -56,6 +65,8 @@ class RowState:
             done=torch.ones(rows + 1, dtype=torch.bool, device=runner.device),
             tokens=zeros(rows + 1, turn_tokens + 1),
             log_probs=zeros(rows + 1, turn_tokens + 1, kind=torch.float32),
+            prefix_row=torch.arange(rows + 1, device=runner.device),
+            prefix_len=zeros(rows + 1),
         )
 
     def record(
@@ -98,6 +109,7 @@ class DecodeState:
         self.table: tuple | None = None
         # tokens prefilled over the rows' life
         self.prefilled = 0
+        self.prefixes = CopiedPrefixes()
 
     def _new_pool(self):
         """A private memory pool for CUDA graphs to be captured into."""
@@ -133,6 +145,11 @@ class DecodeState:
             width = max(len(new) for _, _, new, _ in items)
             for cache in self.state.k + self.state.v:
                 cache[to, :, :width] = cache[of, :, :width]
+        changed = self.prefixes.update(items, copies)
+        if changed:
+            index = torch.tensor(list(changed), device=self.device)
+            row, length = torch.tensor(list(changed.values()), device=self.device).unbind(1)
+            self.state.prefix_row[index], self.state.prefix_len[index] = row, length
         return logits[source]
 
     def first_token(
@@ -194,7 +211,10 @@ class DecodeState:
     def _decode(self, rows: Tensor, pad: Tensor, params: SamplingParams) -> None:
         s = self.state
         column = s.length[rows]
-        logits = self.runner.decode_logits(s.last_token[rows], pad, column, s.k, s.v, rows=rows)
+        prefix = SharedPrefix(s.prefix_row[rows], s.prefix_len[rows])
+        logits = self.runner.decode_logits(
+            s.last_token[rows], pad, column, s.k, s.v, rows, prefix if SHARE_PREFIX_READS else None
+        )
         token, log_prob = self.runner.sample(logits, params)
         s.length[rows] = column + s.record(rows, token, log_prob, self.eos, params.ignore_eos)
 

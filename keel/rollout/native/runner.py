@@ -16,6 +16,7 @@ from torch import Tensor
 from keel.models.load import can_compile
 from keel.rollout.native import invariant
 from keel.rollout.native.attention import (
+    SharedPrefix,
     sdpa_decode_attention,
     triton_available,
     triton_decode_attention,
@@ -186,19 +187,20 @@ class ModelRunner:
         k_cache: list[Tensor],
         v_cache: list[Tensor],
         rows: Tensor | None = None,
+        prefix: SharedPrefix | None = None,
     ) -> Tensor:
         """Logits [B, V] for the last sampled token of every row, its K and V written to the cache
         at `column` (one for the batch, or each row's own). `rows`: each query's row of the cache
-        (continuous batching), else query b is row b.
+        (continuous batching), else query b is row b; `prefix`: where its first columns may be read.
 
         Around the attention (one Triton kernel on GPU, which also writes the cache), each layer is
         two pure functions that torch.compile fuses on GPU (norms, RoPE, residual adds and the SiLU
         gate become a handful of kernels around the matmuls): decoding a small model is bound by
         kernel launches and bytes read, not FLOPs."""
         with self.arithmetic():
-            return self._decode_logits(last_token, pad, column, k_cache, v_cache, rows)
+            return self._decode_logits(last_token, pad, column, k_cache, v_cache, rows, prefix)
 
-    def _decode_logits(self, last_token, pad, column, k_cache, v_cache, rows) -> Tensor:
+    def _decode_logits(self, last_token, pad, column, k_cache, v_cache, rows, prefix) -> Tensor:
         f, w = self.kernels, self.weights
         x, positions, visible = f.step_inputs(
             last_token,
@@ -215,22 +217,11 @@ class ModelRunner:
             window, sinks = self.family.window(i), w.layers[i].sinks
             # the Triton kernel's; SDPA's is in its mask
             first = window_start(pad, column, window)
+            seen = visible
             if window is not None:
                 columns = torch.arange(visible.shape[-1], device=pad.device)
-                return self.attention(
-                    q,
-                    k,
-                    v,
-                    k_cache[i],
-                    v_cache[i],
-                    first,
-                    column,
-                    visible & (columns >= first[:, None])[:, None, None],
-                    rows,
-                    sinks,
-                )
-            return self.attention(
-                q, k, v, k_cache[i], v_cache[i], first, column, visible, rows, sinks
-            )
+                seen = visible & (columns >= first[:, None])[:, None, None]
+            at = (k_cache[i], v_cache[i], first, column, seen, rows, sinks, prefix)
+            return self.attention(q, k, v, *at)
 
         return self._logits(self.family.layers(f, w, x, positions, attend))

@@ -174,6 +174,34 @@ class Scheduler:
         return cached, item.context[cached:]
 
 
+class CopiedPrefixes:
+    """Which rows' first columns are a copy of another row's (a prompt's samples, copied from its
+    one prefill), for as long as both rows hold those columns: the decode kernel reads them in the
+    row they were copied from, one prompt's keys and values for all its samples."""
+
+    def __init__(self):
+        # row -> (the row its first columns are a copy of, how many)
+        self.source_of: dict[int, tuple[int, int]] = {}
+
+    def update(
+        self, items: list[tuple[int, int, list[int], object]], copies: list[tuple[int, int]]
+    ) -> dict[int, tuple[int, int]]:
+        """After the prefill of `items` (row, start, tokens, group), in which each of `copies`
+        (row, source) took a copy of its source's tokens -> (source, length) of every row whose
+        entry changed: its own and 0 where it no longer copies one. A copy ends where either row's
+        columns within it are written again."""
+        changed = {}
+        for row, start, *_ in items:
+            for member, (source, length) in list(self.source_of.items()):
+                if row in (member, source) and start < length:
+                    del self.source_of[member]
+                    changed[member] = (member, 0)
+        width = {row: len(new) for row, _, new, _ in items}
+        for row, source in copies:
+            self.source_of[row] = changed[row] = (source, width[row])
+        return changed
+
+
 def share_prefill(
     items: list[tuple[int, int, list[int], object]],
 ) -> tuple[list[Piece], list[int], list[tuple[int, int]]]:
