@@ -53,7 +53,7 @@
 #                                                 then the workloads in INVARIANT_MORE (e.g. q1)
 #   bash benchmarks/gpu_session.sh prefix         issue 50: the decode attention's GPU tests, then t1 and q1 with each
 #                                                 prompt's copies read in each row's own cache (noshare) and in one row,
-#                                                 in turn; then the runs in PREFIX_MORE ("- q1 --profile DIR" a plain one)
+#                                                 in turn; then PREFIX_MORE's runs, a line each ("- q1 --profile DIR": plain)
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -372,8 +372,9 @@ prefix() {  # issue 50: a prompt's samples read its keys and values in one row (
     timeout 150 python3 -m pytest -q tests/gpu/test_native_cuda.py -k "triton_decode_attention or same_bits" \
         > "$OUT/gpu_prefix_tests.txt" 2>&1
     grep -E "passed|failed|Error" "$OUT/gpu_prefix_tests.txt" | tail -3
-    local run
-    for run in "noshare t1" "- t1" "noshare q1" "- q1" ${PREFIX_MORE:-}; do
+    local run runs=("noshare t1" "- t1" "noshare q1" "- q1")
+    [ -n "${PREFIX_MORE:-}" ] && mapfile -t -O ${#runs[@]} runs <<< "$PREFIX_MORE"
+    for run in "${runs[@]}"; do
         (( SECONDS > ${PREFIX_UNTIL:-450} )) && { echo "$run: skipped, the call's time is spent"; continue; }
         set -- $run
         local log="$OUT/run_${2}_${1/-/share}.log"
