@@ -51,7 +51,7 @@
 #   bash benchmarks/gpu_session.sh invariant      issue 50: the batch-invariant GPU tests (ALL_TESTS=1: all of tests/gpu),
 #                                                 t1, t1 invariant in bypass mode (profiled), t1 invariant with its pass,
 #                                                 then the workloads in INVARIANT_MORE (e.g. q1)
-#   bash benchmarks/gpu_session.sh prefix         issue 50: the decode attention's GPU tests, then t1 and q1 with each
+#   bash benchmarks/gpu_session.sh prefix         issue 50: the decode attention's GPU tests (PREFIX_TESTS: -k), then q1 and t1 with each
 #                                                 prompt's copies read in each row's own cache (noshare) and in one row,
 #                                                 in turn; then PREFIX_MORE's runs, a line each ("- q1 --profile DIR": plain)
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
@@ -369,10 +369,10 @@ exact() {  # issue 50 in one call: the batch-invariant and async GPU tests, then
 }
 
 prefix() {  # issue 50: a prompt's samples read its keys and values in one row (decode_state.SHARE_PREFIX_READS)
-    timeout 150 python3 -m pytest -q tests/gpu/test_native_cuda.py -k "triton_decode_attention or same_bits" \
+    timeout 150 python3 -m pytest -q tests/gpu/test_native_cuda.py -k "${PREFIX_TESTS:-triton_decode_attention or same_bits}" \
         > "$OUT/gpu_prefix_tests.txt" 2>&1
     grep -E "passed|failed|Error" "$OUT/gpu_prefix_tests.txt" | tail -3
-    local run runs=("noshare t1" "- t1" "noshare q1" "- q1")
+    local run runs=("noshare q1" "- q1" "noshare t1" "- t1")
     [ -n "${PREFIX_MORE:-}" ] && mapfile -t -O ${#runs[@]} runs <<< "$PREFIX_MORE"
     for run in "${runs[@]}"; do
         (( SECONDS > ${PREFIX_UNTIL:-450} )) && { echo "$run: skipped, the call's time is spent"; continue; }
