@@ -171,8 +171,8 @@ def decode_attention(
 ) -> Tensor:
     """The runner's decode attention (attention.sdpa_decode_attention's signature) in this
     arithmetic: the new token's K and V written at `column`, then `attend` over the columns from
-    the row's first (`pad`) to it, all read in the row's own cache (`prefix` unused). -> [B, H *
-    D]."""
+    the row's first (`pad`) to it, every column read in the row's own cache (`prefix` is not
+    used) -> [B, H * D]."""
     batch, heads, _, dim = q.shape
     write_new_token(k, v, k_cache, v_cache, column, rows)
     rows = torch.arange(batch, device=q.device) if rows is None else rows

@@ -180,8 +180,9 @@ class CopiedPrefixes:
     row they were copied from, one prompt's keys and values for all its samples."""
 
     def __init__(self):
-        # row -> (the row its first columns are a copy of, how many)
+        # row -> (the row its first columns are a copy of, how many); source row -> its copies
         self.source_of: dict[int, tuple[int, int]] = {}
+        self.copies_of: dict[int, set[int]] = {}
 
     def update(
         self, items: list[tuple[int, int, list[int], object]], copies: list[tuple[int, int]]
@@ -192,13 +193,16 @@ class CopiedPrefixes:
         columns within it are written again."""
         changed = {}
         for row, start, *_ in items:
-            for member, (source, length) in list(self.source_of.items()):
-                if row in (member, source) and start < length:
+            for member in [row, *self.copies_of.get(row, ())]:
+                source, length = self.source_of.get(member, (member, 0))
+                if start < length:
                     del self.source_of[member]
+                    self.copies_of[source].discard(member)
                     changed[member] = (member, 0)
         width = {row: len(new) for row, _, new, _ in items}
         for row, source in copies:
             self.source_of[row] = changed[row] = (source, width[row])
+            self.copies_of.setdefault(source, set()).add(row)
         return changed
 
 
