@@ -655,6 +655,40 @@ def test_triton_decode_attention_matches_sdpa_under_the_interpreter():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_the_decode_kernel_compiles_for_hopper_without_a_gpu(shared, one_pass):
+    """Where Triton is installed, its compiler builds the decode kernel for sm_90 (H100, H200) on
+    any machine: Qwen2.5-0.5B's heads through the row table, with and without copied columns read
+    in their source row, in one pass and in splits. A GPU's time is scarce; a compile error shows
+    here first."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from keel.rollout.native.attention_kernels import decode_attention_kernel
+
+    names = decode_attention_kernel.arg_names
+    pointers = dict.fromkeys(["Q", "K", "V", "KCache", "VCache", "Out", "Sinks"], "*bf16")
+    pointers |= dict.fromkeys(["PartialOut", "PartialLse"], "*fp32")
+    pointers |= dict.fromkeys(["Pad", "Column", "Rows", "PrefixRow", "PrefixLen"], "*i64")
+    constants = dict(GROUP=7, BLOCK_GROUP=16, DIM=64, BLOCK=64, ONE_PASS=one_pass, INDIRECT=True)
+    constants |= dict(COLUMN_STRIDE=1, SINKS=False, SHARED=shared)
+    signature = {
+        name: pointers.get(
+            name, "constexpr" if name in constants else "fp32" if name == "scale" else "i64"
+        )
+        for name in names
+    }
+    source = ASTSource(
+        fn=decode_attention_kernel,
+        signature=signature,
+        constexprs={(names.index(name),): value for name, value in constants.items()},
+    )
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert "decode_attention_kernel" in kernel.asm["ptx"]
+
+
 # grouped matmuls, or every expert masked (float32 on a GPU)
 @pytest.mark.parametrize("grouped", [True, False])
 def test_routed_experts_equal_transformers_mixture_block(grouped):
