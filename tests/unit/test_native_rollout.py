@@ -311,6 +311,44 @@ def test_prefill_in_passes_of_max_num_batched_tokens_gives_the_same_tokens(tiny_
         )
 
 
+def test_the_rows_tables_name_each_copied_prompt_s_source_row(tmp_path):
+    """After a generation, each row's device entry names the row its prompt's keys and values were
+    copied from and how many columns, as CopiedPrefixes has it, and those columns are equal there.
+    The next call's prompts, one sample each, are prefilled over some source rows: their copies
+    end, and what stays still holds equal columns."""
+    from keel.models.tiny import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "m", arch="qwen2", hidden_size=64, num_layers=2, seed=5)
+    _, _, model, prompts = engines(model_dir, n=3, init_std=0.2)
+    kept = NativeRolloutEngine(
+        model, load_tokenizer(model_dir), 256, torch.float32, free_cache_engine=False
+    )
+    greedy = SamplingParams(do_sample=False, max_new_tokens=4, ignore_eos=True)
+
+    def entries():
+        decoding = kept._kept_batcher.decoding
+        state, source_of = decoding.state, decoding.prefixes.source_of
+        copies = {
+            row: (source, length)
+            for row, (source, length) in enumerate(
+                zip(state.prefix_row.tolist(), state.prefix_len.tolist())
+            )
+            if length
+        }
+        assert copies == source_of
+        for row, (source, length) in copies.items():
+            for cache in (state.k[0], state.v[1]):
+                assert torch.equal(cache[row, :, :length], cache[source, :, :length])
+        return copies
+
+    kept.generate(prompts, greedy)
+    first = entries()
+    # each prompt's first row is its group's source: its other 2 samples copy it
+    assert len(first) == 2 * len(prompts) // 3 and len(set(first.values())) == len(prompts) // 3
+    kept.generate(engines(model_dir, n=1, init_std=0.2)[3], greedy)
+    assert len(entries()) < len(first)
+
+
 def test_a_kept_cache_is_reused_and_sees_updated_weights(tmp_path):
     """free_cache_engine=False: the second call of the same shape reuses the first call's scheduler
     and cache (on GPU, its captured graphs), and weights synced in between are used: the output
