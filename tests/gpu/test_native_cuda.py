@@ -283,9 +283,10 @@ def test_triton_decode_attention_reads_copied_columns_in_their_source_row(splits
         cache[[1, 2, 4], :, :70] = cache[0, :, :70]
     rows = torch.tensor([2, 0, 4, 3, 1], device="cuda")
     column = torch.tensor([70, 75, 130, 299, 200], device="cuda")
+    # per cache row
     prefix = SharedPrefix(
-        torch.tensor([0, 0, 0, 3, 0], device="cuda"),
-        torch.tensor([70, 0, 70, 0, 70], device="cuda"),
+        torch.tensor([0, 0, 0, 3, 0, 5], device="cuda"),
+        torch.tensor([0, 70, 70, 0, 70, 0], device="cuda"),
     )
     pad, config = torch.zeros_like(rows), KernelConfig(**SPLITS[splits])
     plain = triton_decode_attention(

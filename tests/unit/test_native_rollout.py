@@ -656,7 +656,8 @@ def check_shared(**config):
     for cache in caches:
         cache[[1, 2, 4], :, :70] = cache[0, :, :70]
     rows, column = torch.tensor([2, 0, 4, 3, 1]), torch.tensor([70, 75, 130, 299, 200])
-    prefix = SharedPrefix(torch.tensor([0, 0, 0, 3, 0]), torch.tensor([70, 0, 70, 0, 70]))
+    # per cache row
+    prefix = SharedPrefix(torch.tensor([0, 0, 0, 3, 0, 5]), torch.tensor([0, 70, 70, 0, 70, 0]))
     pad = torch.zeros(5, dtype=torch.long)
     args = (q, k, v, *[c.clone() for c in caches], pad, column)
     plain = triton_decode_attention(*args, rows=rows, config=KernelConfig(**config))

@@ -69,9 +69,10 @@ DEFAULT_CONFIG = KernelConfig()
 
 
 class SharedPrefix(NamedTuple):
-    """Per query row [B]: the cache row whose columns [0, length) this row's own cache holds a copy
-    of (a prompt's samples, copied from its one prefill; itself and 0 where none), so the Triton
-    kernel reads them there: one prompt's keys and values from HBM once for all its samples."""
+    """Per cache row (the cache's first dimension): the row whose columns [0, length) this row holds
+    a copy of (a prompt's samples, copied from its one prefill; itself and 0 where none), so the
+    Triton kernel reads them there: one prompt's keys and values from HBM once for all its samples.
+    The kernel looks up each query's own cache row: nothing is gathered per step."""
 
     row: Tensor
     length: Tensor

@@ -55,7 +55,7 @@ def decode_attention_kernel(
         # the columns [0, shared) this row holds as a copy of row `source`'s: read there
         source, shared = row, 0
         if SHARED:
-            source, shared = tl.load(PrefixRow + slot).to(tl.int64), tl.load(PrefixLen + slot)
+            source, shared = tl.load(PrefixRow + row).to(tl.int64), tl.load(PrefixLen + row)
         m, total, acc = _attend_columns(
             q, k_base, v_base, (source - row) * kc_b, (source - row) * vc_b, shared, kc_l,
             vc_l, lo, hi, m, total, acc, scale, DIM, BLOCK,

@@ -211,10 +211,8 @@ class DecodeState:
     def _decode(self, rows: Tensor, pad: Tensor, params: SamplingParams) -> None:
         s = self.state
         column = s.length[rows]
-        prefix = SharedPrefix(s.prefix_row[rows], s.prefix_len[rows])
-        logits = self.runner.decode_logits(
-            s.last_token[rows], pad, column, s.k, s.v, rows, prefix if SHARE_PREFIX_READS else None
-        )
+        prefix = SharedPrefix(s.prefix_row, s.prefix_len) if SHARE_PREFIX_READS else None
+        logits = self.runner.decode_logits(s.last_token[rows], pad, column, s.k, s.v, rows, prefix)
         token, log_prob = self.runner.sample(logits, params)
         s.length[rows] = column + s.record(rows, token, log_prob, self.eos, params.ignore_eos)
 
