@@ -2,11 +2,13 @@
 cache, captured in a CUDA graph and replayed (a kernel timed alone from Python measures its launch).
 
     python benchmarks/attention_sweep.py [--sweep tiling|splits] [--batch 128 256] [--prompt 256]
-        [--response 512] [--best FILE]
+        [--response 512] [--shared N] [--best FILE]
 
 For each model shape and batch, every KernelConfig of the sweep (None: as `resolved` chooses) at
 mid-response (the mean context of a fixed-length rollout); one JSON line each (us per layer and the
-KV bytes it streams per second), then the fastest."""
+KV bytes it attends per second), then the fastest. `--shared N`: rows in groups of N, each group's
+rows holding its first row's prompt columns as copies (a prompt's samples), read there
+(attention.SharedPrefix): the bytes attended stay the same, those read from HBM fall."""
 
 import argparse
 import json
@@ -18,6 +20,7 @@ from triton.runtime.errors import OutOfResources
 from keel.bench.workloads import shape_config
 from keel.rollout.native.attention import (
     KernelConfig,
+    SharedPrefix,
     sdpa_decode_attention,
     triton_decode_attention,
 )
@@ -44,6 +47,14 @@ SWEEPS = {
             for s in (2, 3)
         ]
     ),
+    # a prompt's copies read in one row (--shared) against each row's own: do the tilings move?
+    "sharing": [KernelConfig()]
+    + [
+        KernelConfig(split=sp, block=b, num_warps=w, num_stages=3)
+        for sp in (0, 128)
+        for b in (32, 64)
+        for w in (2, 4)
+    ],
     "splits": [KernelConfig(split=0), KernelConfig()]
     + [KernelConfig(split=sp) for sp in (128, 256, 512, 1024)],
 }
@@ -52,7 +63,7 @@ SWEEPS = {
 class Layers:
     """One layer's decode inputs per layer of a model shape, over a cache of `length` columns."""
 
-    def __init__(self, shape: str, batch: int, length: int):
+    def __init__(self, shape: str, batch: int, length: int, prompt: int = 0, shared: int = 1):
         # any family's shapes (head size 64 on Qwen2.5, 128 on Qwen3, 256 on Gemma 3)
         c = shape_config(shape)
         self.heads, self.kv, self.count = (
@@ -73,10 +84,26 @@ class Layers:
         ]
         self.pad = torch.zeros(batch, dtype=torch.long, device="cuda")
         self.column = torch.zeros(1, dtype=torch.long, device="cuda")
+        self.prefix = None
+        if shared > 1:
+            # each group's rows read its first row's prompt columns; that row reads its own
+            rows = torch.arange(batch, device="cuda")
+            source = rows // shared * shared
+            self.prefix = SharedPrefix(source, torch.where(source == rows, 0, prompt))
+            for k_cache, v_cache in self.caches:
+                k_cache[:, :, :prompt] = k_cache[source, :, :prompt]
+                v_cache[:, :, :prompt] = v_cache[source, :, :prompt]
 
     def call(self, i: int, config: KernelConfig):
         return triton_decode_attention(
-            self.q, self.k, self.v, *self.caches[i], self.pad, self.column, config=config
+            self.q,
+            self.k,
+            self.v,
+            *self.caches[i],
+            self.pad,
+            self.column,
+            prefix=self.prefix,
+            config=config,
         )
 
     def error(self, config: KernelConfig) -> float:
@@ -97,8 +124,10 @@ class Layers:
         return 2 * self.count * self.q.shape[0] * self.kv * (column + 1) * self.dim * 2
 
 
-def sweep(shape: str, batch: int, prompt: int, response: int, configs: list[KernelConfig]) -> dict:
-    layers = Layers(shape, batch, prompt + response)
+def sweep(
+    shape: str, batch: int, prompt: int, response: int, configs: list[KernelConfig], shared: int = 1
+) -> dict:
+    layers = Layers(shape, batch, prompt + response, prompt, shared)
     layers.column.fill_(prompt + response // 2)
     results = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -121,6 +150,7 @@ def sweep(shape: str, batch: int, prompt: int, response: int, configs: list[Kern
         row = {
             "shape": shape,
             "batch": batch,
+            "shared": shared,
             "column": prompt + response // 2,
             **config.__dict__,
             "resolved": resolved.__dict__,
@@ -142,11 +172,14 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--response", type=int, default=512)
     p.add_argument("--sweep", choices=SWEEPS, default="tiling")
+    p.add_argument("--shared", type=int, default=1, help="rows a prompt's copies are read for")
     p.add_argument("--best", help="write the fastest KernelConfig per shape and batch here (JSON)")
     args = p.parse_args()
     fields = KernelConfig().__dict__
     best = {
-        f"{shape}_{batch}": sweep(shape, batch, args.prompt, args.response, SWEEPS[args.sweep])
+        f"{shape}_{batch}": sweep(
+            shape, batch, args.prompt, args.response, SWEEPS[args.sweep], args.shared
+        )
         for shape in args.shapes
         for batch in args.batch
     }

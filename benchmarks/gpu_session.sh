@@ -53,7 +53,8 @@
 #                                                 then the workloads in INVARIANT_MORE (e.g. q1)
 #   bash benchmarks/gpu_session.sh prefix         issue 50: the decode attention's GPU tests (PREFIX_TESTS: -k), then q1 and t1 with each
 #                                                 prompt's copies read in each row's own cache (noshare) and in one row,
-#                                                 in turn; then PREFIX_MORE's runs, a line each ("- q1 --profile DIR": plain)
+#                                                 in turn; the kernel alone (attention_sweep.py --shared 1, 8); then
+#                                                 PREFIX_MORE's runs, a line each ("- q1 --profile DIR": plain)
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -372,11 +373,17 @@ prefix() {  # issue 50: a prompt's samples read its keys and values in one row (
     timeout 150 python3 -m pytest -q tests/gpu/test_native_cuda.py -k "${PREFIX_TESTS:-triton_decode_attention or same_bits}" \
         > "$OUT/gpu_prefix_tests.txt" 2>&1
     grep -E "passed|failed|Error" "$OUT/gpu_prefix_tests.txt" | tail -3
-    local run runs=("noshare q1" "- q1" "noshare t1" "- t1")
+    local run runs=("noshare q1" "- q1" "noshare t1" "- t1" "sweep 1" "sweep 8")
     [ -n "${PREFIX_MORE:-}" ] && mapfile -t -O ${#runs[@]} runs <<< "$PREFIX_MORE"
     for run in "${runs[@]}"; do
         (( SECONDS > ${PREFIX_UNTIL:-450} )) && { echo "$run: skipped, the call's time is spent"; continue; }
         set -- $run
+        if [ "$1" = sweep ]; then  # the kernel alone at q1's and t1's shapes, rows reading copies in groups of $2
+            timeout 90 python3 benchmarks/attention_sweep.py --sweep sharing --shapes qwen3-0.6b 0.5b --batch 128 \
+                --response 256 --shared "$2" > "$OUT/attention_shared_$2.txt" 2>&1
+            echo "$run: $(grep -h '^best' "$OUT/attention_shared_$2.txt" | cut -c1-220)"
+            continue
+        fi
         local log="$OUT/run_${2}_${1/-/share}.log"
         if [ "$1" = - ]; then
             timeout 140 python3 -m keel bench "${@:2}" --gpus 1 --steps 3 --warmup 1 --out "$OUT/bench.jsonl" \
