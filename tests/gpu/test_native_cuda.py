@@ -301,10 +301,11 @@ def test_triton_decode_attention_reads_copied_columns_in_their_source_row(splits
 
 
 def test_samples_reading_their_prompt_in_one_row_decode_the_same_bits(tmp_path, monkeypatch):
-    """bf16 on Triton's kernel, EOS on and fewer rows than sequences: a prompt's first row is taken
-    by another sequence while its other samples still decode. Reading the copied prompt in its
-    source row gives the same tokens and log-probs, bit for bit, as every row reading its own; had
-    the copies not ended when their source row was written again, they would differ."""
+    """bf16 on Triton's kernel, sampled, EOS on and fewer rows than sequences: a prompt's samples
+    end at different depths, so its first row is taken by another sequence while its other samples
+    still decode. Reading the copied prompt in its source row gives the same tokens and log-probs,
+    bit for bit, as every row reading its own; had the copies not ended when their source row was
+    written again, they would differ."""
     from keel.models.tiny import make_tiny_model
     from keel.rollout.native import decode_state
     from keel.rollout.native.attention import triton_decode_attention
@@ -313,10 +314,13 @@ def test_samples_reading_their_prompt_in_one_row_decode_the_same_bits(tmp_path, 
     model, tokenizer, prompts = setup(
         make_tiny_model(tmp_path / "m", hidden_size=128, num_layers=4), n=4, init_std=0.2
     )
+    # Sampled: greedy samples of a prompt are one sequence, ending together with their source row.
+    # The noise is drawn eagerly, so a seed gives each run the same draws.
+    torch.manual_seed(0)
     free_run = NativeRolloutEngine(model, tokenizer, 24, torch.bfloat16).generate(
-        prompts, SamplingParams(do_sample=False, max_new_tokens=40, ignore_eos=True)
+        prompts, SamplingParams(max_new_tokens=40, ignore_eos=True)
     )
-    # a stop token that really occurs, at varied depths
+    # a stop token that really occurs
     stop = int(free_run.response_ids[:, 3:].flatten().mode().values)
 
     def generate(share: bool):
@@ -325,11 +329,15 @@ def test_samples_reading_their_prompt_in_one_row_decode_the_same_bits(tmp_path, 
         assert engine.attention is triton_decode_attention
         engine.eos_ids = sorted(set(engine.eos_ids) | {stop})
         engine.eos = torch.tensor(engine.eos_ids, device="cuda")
-        out = engine.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=40))
+        torch.manual_seed(1)
+        out = engine.generate(prompts, SamplingParams(max_new_tokens=40))
         return out.response_ids, out.sampling_log_probs
 
     own = generate(share=False)
-    assert len(set((own[0] == stop).int().argmax(1).tolist())) > 3
+    ends = own[0] == stop
+    # where each sample ended (40: at the length cap), one row a prompt
+    depths = torch.where(ends.any(1), ends.int().argmax(1), 40).view(-1, 4)
+    assert any(len(set(samples)) > 1 for samples in depths.tolist())
     shared = generate(share=True)
     assert torch.equal(shared[0], own[0]) and torch.equal(shared[1], own[1])
 
