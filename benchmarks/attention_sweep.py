@@ -21,7 +21,6 @@ from keel.bench.workloads import shape_config
 from keel.rollout.native.attention import (
     KernelConfig,
     SharedPrefix,
-    rows_a_program,
     sdpa_decode_attention,
     triton_decode_attention,
 )
@@ -48,9 +47,14 @@ SWEEPS = {
             for s in (2, 3)
         ]
     ),
-    # a prompt's copies read in one row (--shared): query rows a program, pipeline stages, splits
-    "sharing": [KernelConfig(rows=r, num_stages=s) for r in (1, 2, 4, 8) for s in (None, 2, 3)]
-    + [KernelConfig(rows=r, split=sp) for r in (4, 8) for sp in (64, 128)],
+    # a prompt's copies read in one row (--shared) against each row's own: do the tilings move?
+    "sharing": [KernelConfig()]
+    + [
+        KernelConfig(split=sp, block=b, num_warps=w, num_stages=3)
+        for sp in (0, 128)
+        for b in (32, 64)
+        for w in (2, 4)
+    ],
     "splits": [KernelConfig(split=0), KernelConfig()]
     + [KernelConfig(split=sp) for sp in (128, 256, 512, 1024)],
 }
@@ -142,8 +146,7 @@ def sweep(
             )
             continue
         # as the kernel resolves it
-        per_program = rows_a_program(config.rows, layers.heads // layers.kv) if shared > 1 else 1
-        resolved = config.resolved(prompt + response, -(-batch // per_program) * layers.kv, sms)
+        resolved = config.resolved(prompt + response, batch * layers.kv, sms)
         row = {
             "shape": shape,
             "batch": batch,

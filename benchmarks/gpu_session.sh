@@ -55,9 +55,6 @@
 #                                                 prompt's copies read in each row's own cache (noshare) and in one row,
 #                                                 in turn; the kernel alone (attention_sweep.py --shared 1, 8); then
 #                                                 PREFIX_MORE's runs, a line each ("- q1 --profile DIR": plain)
-#   bash benchmarks/gpu_session.sh rows           issue 50: the GPU tests of programs of several query rows (ROWS_TESTS: -k),
-#                                                 the kernel alone at q1's shapes with each (attention_sweep.py --shared
-#                                                 8), then q1 with one row a program and with the fastest
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -396,26 +393,6 @@ prefix() {  # issue 50: a prompt's samples read its keys and values in one row (
                 --out "$OUT/bench.jsonl" > "$log" 2>&1
         fi
         echo "$run: $(tail -1 "$log" | cut -c1-160)"
-    done
-}
-
-rows() {  # issue 50: query rows a program where a prompt's copies are read in one row (attention.SHARED_ROWS)
-    timeout 150 python3 -m pytest -q tests/gpu/test_native_cuda.py \
-        -k "${ROWS_TESTS:-copied_columns or blocks_once or same_bits}" > "$OUT/gpu_rows_tests.txt" 2>&1
-    grep -E "passed|failed|Error" "$OUT/gpu_rows_tests.txt" | tail -3
-    timeout 90 python3 benchmarks/attention_sweep.py --sweep sharing --shapes qwen3-0.6b --batch 128 --response 256 \
-        --shared 8 > "$OUT/attention_rows.txt" 2>&1
-    local best lever
-    best=$(python3 -c 'import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{") and "us_per_layer" in l]
-print(min(rows, key=lambda r: r["us_per_layer"])["rows"] or 1)' "$OUT/attention_rows.txt")
-    echo "the kernel alone: fastest with ${best:-?} rows a program"
-    [ "${best:-1}" = 1 ] && best=4
-    for lever in rows1 "rows$best"; do
-        (( SECONDS > ${ROWS_UNTIL:-250} )) && { echo "q1 $lever: skipped, the call's time is spent"; continue; }
-        timeout 120 python3 benchmarks/levers.py "$lever" q1 --gpus 1 --steps 3 --warmup 1 --out "$OUT/bench.jsonl" \
-            > "$OUT/run_q1_$lever.log" 2>&1
-        echo "q1 $lever: $(tail -1 "$OUT/run_q1_$lever.log" | cut -c1-160)"
     done
 }
 

@@ -10,9 +10,6 @@ building into keel before it is (issue 50). Each lever patches keel as the bench
   noshare   every decode row reads its prompt's keys and values in its own cache, as before keel
             read a prompt's samples' copies in one row (decode_state.SHARE_PREFIX_READS): the
             baseline that sharing is measured against
-  rows2, rows4, rows8
-            where copies are read in their source row, that many query rows a program
-            (attention.SHARED_ROWS): a prompt's samples read its whole blocks once
 
   python benchmarks/levers.py LEVER[,LEVER...] t1 --gpus 1 --steps 3 --warmup 1 --out OUT.jsonl
 
@@ -61,17 +58,7 @@ def noshare() -> None:
     decode_state.SHARE_PREFIX_READS = False
 
 
-def shared_rows(rows: int):
-    def lever() -> None:
-        import keel.rollout.native.attention as attention
-
-        attention.SHARED_ROWS = rows
-
-    return lever
-
-
 LEVERS = {"cudnn": cudnn, "graphs": graphs, "nogc": nogc, "noshare": noshare}
-LEVERS |= {f"rows{rows}": shared_rows(rows) for rows in (1, 2, 4, 8)}
 
 
 def main(argv: list[str]) -> int:

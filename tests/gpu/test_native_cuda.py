@@ -2,8 +2,6 @@
 hf engine's in float32, and bf16 samples' log-probs agree with the trainer's. Run on the GPU
 machine."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -270,12 +268,11 @@ def test_triton_decode_attention_reads_rows_through_the_table_as_sdpa_does(
     assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
 
 
-@pytest.mark.parametrize("per_program", [1, 2])
 @pytest.mark.parametrize("splits", SPLITS)
-def test_triton_decode_attention_reads_copied_columns_in_their_source_row(splits, per_program):
+def test_triton_decode_attention_reads_copied_columns_in_their_source_row(splits):
     """A prompt's samples hold copies of its prefill's columns: the kernel reads them in the row
     they were copied from, the same bits in the same order, so the result is bit for bit the same
-    (here where the copies themselves are spoilt), with one query row a program or two."""
+    (here where the copies themselves are spoilt)."""
     from keel.rollout.native.attention import KernelConfig, SharedPrefix, triton_decode_attention
 
     torch.manual_seed(0)
@@ -298,61 +295,19 @@ def test_triton_decode_attention_reads_copied_columns_in_their_source_row(splits
     for cache in caches:
         cache[[1, 2, 4], :, :70] = float("nan")
     shared = triton_decode_attention(
-        q, k, v, *caches, pad, column, rows=rows, prefix=prefix,
-        config=replace(config, rows=per_program),
-    )  # fmt: skip
+        q, k, v, *caches, pad, column, rows=rows, prefix=prefix, config=config
+    )
     assert torch.equal(shared, plain)
 
 
-@pytest.mark.parametrize("per_program", [1, 2, 4, 8])
-@pytest.mark.parametrize("splits", SPLITS)
-def test_a_program_of_one_prompt_s_samples_reads_its_blocks_once_with_the_same_bits(
-    splits, per_program
-):
-    """Qwen3-0.6B's heads (G = 2): a program of several query rows that are one prompt's samples
-    at one column reads the prompt's whole blocks once for them all, then each row's own; rows of
-    two prompts, or at different columns, each read alone. The bits equal one row a program's and
-    every row reading its own columns, where the copies themselves are spoilt."""
-    from keel.rollout.native.attention import KernelConfig, SharedPrefix, triton_decode_attention
-
-    torch.manual_seed(0)
-    bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    q, k, v = (torch.randn(8, heads, 1, 128, **bf16) for heads in (16, 8, 8))
-    caches = [torch.randn(9, 8, 260, 128, **bf16) for _ in range(2)]
-    for cache in caches:
-        cache[1:4, :, :70] = cache[0, :, :70]
-        cache[5:8, :, :100] = cache[4, :, :100]
-    rows = torch.arange(8, device="cuda")
-    column = torch.tensor([130] * 4 + [200] * 3 + [150], device="cuda")
-    prefix = SharedPrefix(
-        torch.tensor([0] * 4 + [4] * 4 + [8], device="cuda"),
-        torch.tensor([0, 70, 70, 70, 0, 100, 100, 100, 0], device="cuda"),
-    )
-    pad, config = torch.zeros_like(rows), KernelConfig(**SPLITS[splits])
-    plain = triton_decode_attention(
-        q, k, v, *[c.clone() for c in caches], pad, column, rows=rows, config=config
-    )
-    for cache in caches:
-        cache[1:4, :, :70] = float("nan")
-        cache[5:8, :, :100] = float("nan")
-    shared = triton_decode_attention(
-        q, k, v, *caches, pad, column, rows=rows, prefix=prefix,
-        config=replace(config, rows=per_program),
-    )  # fmt: skip
-    assert torch.equal(shared, plain)
-
-
-@pytest.mark.parametrize("per_program", [1, 4])
-def test_samples_reading_their_prompt_in_one_row_decode_the_same_bits(
-    tmp_path, monkeypatch, per_program
-):
+def test_samples_reading_their_prompt_in_one_row_decode_the_same_bits(tmp_path, monkeypatch):
     """bf16 on Triton's kernel, sampled, EOS on and fewer rows than sequences: a prompt's samples
     end at different depths, so its first row is taken by another sequence while its other samples
-    still decode. Reading the copied prompt in its source row (one query row a program, or four:
-    a prompt's samples) gives the same tokens and log-probs, bit for bit, as every row reading its
-    own; had the copies not ended when their source row was written again, they would differ."""
+    still decode. Reading the copied prompt in its source row gives the same tokens and log-probs,
+    bit for bit, as every row reading its own; had the copies not ended when their source row was
+    written again, they would differ."""
     from keel.models.tiny import make_tiny_model
-    from keel.rollout.native import attention, decode_state
+    from keel.rollout.native import decode_state
     from keel.rollout.native.attention import triton_decode_attention
     from keel.rollout.native.scheduler import CopiedPrefixes
 
@@ -379,7 +334,6 @@ def test_samples_reading_their_prompt_in_one_row_decode_the_same_bits(
         return out.response_ids, out.sampling_log_probs
 
     own = generate(share=False)
-    monkeypatch.setattr(attention, "SHARED_ROWS", per_program)
     ends = own[0] == stop
     # where each sample ended (40: at the length cap), one row a prompt
     depths = torch.where(ends.any(1), ends.int().argmax(1), 40).view(-1, 4)

@@ -33,10 +33,6 @@ except ImportError:
 
 # tl.dot's least inner size for 16-bit inputs
 MIN_BLOCK = 16
-# Query rows a program where a prompt's samples read its copied columns in one row (SharedPrefix):
-# their queries fill the rows of tl.dot that one row's G heads leave empty, and each whole block of
-# the prompt is loaded once for them all. At most 16 // G rows, so the dot's shape stays.
-SHARED_ROWS = 1
 
 
 @dataclass(frozen=True)
@@ -49,8 +45,6 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int | None = None
     merge_warps: int = 4
-    # query rows a program where copies are read in their source row (SHARED_ROWS when None)
-    rows: int | None = None
 
     def resolved(self, cache_len: int, programs: int, sms: int) -> KernelConfig:
         """This config with split and num_stages chosen for `programs` rows x KV heads over a cache
@@ -198,26 +192,24 @@ def triton_decode_attention(
     batch, heads, _, dim = q.shape
     kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
-    per_program = rows_a_program(config.rows, group) if prefix is not None else 1
-    programs = triton.cdiv(batch, per_program)
-    config = config.resolved(cache_len, programs * kv_heads, _multiprocessors(q.device))
+    sms = _multiprocessors(q.device)
+    config = config.resolved(cache_len, batch * kv_heads, sms)
     split, splits = config.split, triton.cdiv(cache_len, config.split)
     out = torch.empty(batch, heads, dim, device=q.device, dtype=q.dtype)
     partial, lse = _split_buffers(out, splits, (batch, kv_heads, group, dim))
-    block_group = max(16, triton.next_power_of_2(per_program * group))
+    block_group = max(16, triton.next_power_of_2(group))
     # Laid out as the kernel's signature groups them (tensors, strides, split, constants): one
     # argument a line would hide which stride is whose.
-    decode_attention_kernel[(programs, kv_heads, splits)](
+    decode_attention_kernel[(batch, kv_heads, splits)](
         q, k, v, k_cache, v_cache, out, partial, lse, pad, column, pad if rows is None else rows,
         pad if sinks is None else sinks, *(prefix or (pad, pad)), dim**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        batch, split, splits,
+        split, splits,
         GROUP=group, BLOCK_GROUP=block_group, DIM=dim, BLOCK=config.block, ONE_PASS=splits == 1,
         INDIRECT=rows is not None, COLUMN_STRIDE=int(column.numel() > 1), SINKS=sinks is not None,
-        SHARED=prefix is not None, ROWS=per_program, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        SHARED=prefix is not None, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
         merge_splits_kernel[(batch, kv_heads)](
@@ -226,13 +218,6 @@ def triton_decode_attention(
             num_warps=config.merge_warps,
         )  # fmt: skip
     return out.view(batch, heads * dim)
-
-
-def rows_a_program(rows: int | None, group: int) -> int:
-    """Query rows a program reading copies in their source row: `rows` (SHARED_ROWS when None), a
-    power of two, no more than fill tl.dot's 16 query rows with G heads each."""
-    wanted = min(SHARED_ROWS if rows is None else rows, max(1, 16 // group))
-    return 1 << (wanted.bit_length() - 1)
 
 
 def _split_buffers(out: Tensor, splits: int, shape: tuple[int, int, int, int]):
