@@ -593,6 +593,9 @@ def test_decode_attention_config_is_resolved_for_the_launch_and_keeps_what_is_se
     wide = KernelConfig().resolved(768, programs=512, sms=132)
     # one pass: the whole cache
     assert (wide.split, wide.num_stages, wide.block) == (1024, 2, 64)
+    # a prompt's copies read in its one row: three stages, unless set
+    assert KernelConfig().resolved(768, programs=512, sms=132, shared=True).num_stages == 3
+    assert KernelConfig(num_stages=2).resolved(768, 512, 132, shared=True).num_stages == 2
     narrow = KernelConfig().resolved(2304, programs=16, sms=132)
     assert narrow.split == 128 and narrow.num_stages == 3
     one_pass = KernelConfig(split=0, num_stages=4, block=128).resolved(2304, programs=16, sms=132)

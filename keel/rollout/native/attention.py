@@ -46,7 +46,9 @@ class KernelConfig:
     num_stages: int | None = None
     merge_warps: int = 4
 
-    def resolved(self, cache_len: int, programs: int, sms: int) -> KernelConfig:
+    def resolved(
+        self, cache_len: int, programs: int, sms: int, shared: bool = False
+    ) -> KernelConfig:
         """This config with split and num_stages chosen for `programs` rows x KV heads over a cache
         of `cache_len` columns on `sms` SMs, as benchmarks/attention_sweep.py measured them on an
         H200 (benchmarks/README.md):
@@ -54,11 +56,16 @@ class KernelConfig:
           rows of Qwen2.5's two KV heads one pass streams 2.6-3.7 TB/s and every split was slower;
           at 8 rows over 2,304 columns the chosen splits of 128 take 10.9 us a layer against 16.9;
         - two pipeline stages from three programs per SM (1.5B at 256 rows: 36 us a layer against
-          41 with three), three below (21 against 23 at 128 rows)."""
+          41 with three), three below (21 against 23 at 128 rows);
+        - three where a prompt's copies are read in its one row (`shared`), whose reads come
+          from L2: Qwen3-0.6B's 128 rows, 1,024 programs, 48.4 us a layer against 55.0 with two,
+          and 46.8 against 51.3 in another call (one H100); reading their own rows, 71.8 against
+          70.6."""
         whole = max(MIN_BLOCK, 1 << (cache_len - 1).bit_length())
         split = split_columns(cache_len, programs, sms) if self.split is None else self.split
         split = min(split or whole, whole)
-        stages = (2 if programs >= 3 * sms else 3) if self.num_stages is None else self.num_stages
+        stages = 3 if shared or programs < 3 * sms else 2
+        stages = stages if self.num_stages is None else self.num_stages
         # A power of two within its split, but not below tl.dot's 16 (a block past its split is
         # masked).
         block = max(MIN_BLOCK, 1 << (min(self.block, split).bit_length() - 1))
@@ -193,7 +200,7 @@ def triton_decode_attention(
     kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     sms = _multiprocessors(q.device)
-    config = config.resolved(cache_len, batch * kv_heads, sms)
+    config = config.resolved(cache_len, batch * kv_heads, sms, shared=prefix is not None)
     split, splits = config.split, triton.cdiv(cache_len, config.split)
     out = torch.empty(batch, heads, dim, device=q.device, dtype=q.dtype)
     partial, lse = _split_buffers(out, splits, (batch, kv_heads, group, dim))
