@@ -146,7 +146,7 @@ def sweep(
             )
             continue
         # as the kernel resolves it
-        resolved = config.resolved(prompt + response, batch * layers.kv, sms)
+        resolved = config.resolved(prompt + response, batch * layers.kv, sms, shared=shared > 1)
         row = {
             "shape": shape,
             "batch": batch,
