@@ -311,14 +311,16 @@ def test_samples_reading_their_prompt_in_one_row_decode_the_same_bits(tmp_path, 
     from keel.rollout.native.attention import triton_decode_attention
     from keel.rollout.native.scheduler import CopiedPrefixes
 
+    # samples a prompt; tokens a sample at most
+    n, length = 4, 40
     model, tokenizer, prompts = setup(
-        make_tiny_model(tmp_path / "m", hidden_size=128, num_layers=4), n=4, init_std=0.2
+        make_tiny_model(tmp_path / "m", hidden_size=128, num_layers=4), n=n, init_std=0.2
     )
     # Sampled: greedy samples of a prompt are one sequence, ending together with their source row.
     # The noise is drawn eagerly, so a seed gives each run the same draws.
     torch.manual_seed(0)
     free_run = NativeRolloutEngine(model, tokenizer, 24, torch.bfloat16).generate(
-        prompts, SamplingParams(max_new_tokens=40, ignore_eos=True)
+        prompts, SamplingParams(max_new_tokens=length, ignore_eos=True)
     )
     # a stop token that really occurs
     stop = int(free_run.response_ids[:, 3:].flatten().mode().values)
@@ -330,13 +332,13 @@ def test_samples_reading_their_prompt_in_one_row_decode_the_same_bits(tmp_path, 
         engine.eos_ids = sorted(set(engine.eos_ids) | {stop})
         engine.eos = torch.tensor(engine.eos_ids, device="cuda")
         torch.manual_seed(1)
-        out = engine.generate(prompts, SamplingParams(max_new_tokens=40))
+        out = engine.generate(prompts, SamplingParams(max_new_tokens=length))
         return out.response_ids, out.sampling_log_probs
 
     own = generate(share=False)
     ends = own[0] == stop
-    # where each sample ended (40: at the length cap), one row a prompt
-    depths = torch.where(ends.any(1), ends.int().argmax(1), 40).view(-1, 4)
+    # where each sample ended (`length`: at the cap), one row a prompt
+    depths = torch.where(ends.any(1), ends.int().argmax(1), length).view(-1, n)
     assert any(len(set(samples)) > 1 for samples in depths.tolist())
     shared = generate(share=True)
     assert torch.equal(shared[0], own[0]) and torch.equal(shared[1], own[1])
