@@ -388,7 +388,7 @@ prefix() {  # issue 50: a prompt's samples read its keys and values in one row (
         fi
         local log="$OUT/run_${2}_${1/-/share}${3:+_profiled}.log"
         if [ "$1" = - ]; then
-            timeout 140 python3 -m keel bench "${@:2}" --gpus 1 --steps 3 --warmup "${PREFIX_WARMUP:-1}" \
+            timeout 200 python3 -m keel bench "${@:2}" --gpus 1 --steps 3 --warmup "${PREFIX_WARMUP:-1}" \
                 --out "$OUT/bench.jsonl" > "$log" 2>&1
         else
             timeout 140 python3 benchmarks/levers.py "$1" "${@:2}" --gpus 1 --steps 3 --warmup 1 \
