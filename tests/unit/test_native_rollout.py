@@ -642,6 +642,8 @@ for config in (dict(split=0), dict(split=64, block=32), dict()):
     """cache_rows=12,
           heads=12, dim=128, **config)                                 """
     """# continuous batching: rows, own columns
+check([0, 5, 200], [200])                                              """
+    """# a row whose first column is its new token's
 check([0, 3], [6], length=8)                                           """
     """# a cache shorter than tl.dot's 16
 check([0] * 4, [1000], length=2304)                                    """

@@ -204,7 +204,9 @@ def _attend_columns(
     from the running maximum m, normaliser total and weighted sum acc; the columns below
     `shared` read k_shift and v_shift elements on, in the row they are a copy of."""
     d = tl.arange(0, DIM)
-    for start in range((lo // BLOCK) * BLOCK, hi, BLOCK):
+    # no block where there are no columns: a block with none seen would make the maximum -inf
+    first_block = tl.where(lo < hi, (lo // BLOCK) * BLOCK, hi)
+    for start in range(first_block, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         seen = (cols >= lo) & (cols < hi)
         in_shared = (cols < shared)[:, None]

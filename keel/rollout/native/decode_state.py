@@ -27,9 +27,13 @@ from keel.types import SamplingParams
 # benchmarks/levers.py's noshare sets it off before the graphs are captured, to measure the reads.
 SHARE_PREFIX_READS = True
 # With it, in one pass a kernel first walks each prompt's whole blocks once for up to 16 query rows,
-# and each row goes on from there (attention.SharedPrefix's programs): the same bits, shorter
-# chains. benchmarks/levers.py's noprograms sets it off.
+# and each row goes on from there (attention.SharedPrefix's programs): the same bits, a prompt's
+# columns through L2 once a program, not once a row. Where a program holds PROGRAM_ROWS rows or
+# more: on one H100 at 128 rows, Qwen3-0.6B's 8 a program took 48.3 us a layer against 52.1
+# without; Qwen2.5-0.5B's 2 took 15.0 against 10.9 (benchmarks/README.md). benchmarks/levers.py's
+# noprograms sets it off.
 PROMPT_PROGRAMS = True
+PROGRAM_ROWS = 8
 
 
 @dataclass
@@ -213,7 +217,7 @@ class DecodeState:
         if not SHARE_PREFIX_READS:
             return None
         members = prefix_members(self.runner.family.heads // self.runner.kv_heads)
-        if not (PROMPT_PROGRAMS and members):
+        if not (PROMPT_PROGRAMS and members >= PROGRAM_ROWS):
             return SharedPrefix(self.state.prefix_row, self.state.prefix_len)
         programs = torch.zeros(max(1, bucket // 2), 2 + members, dtype=torch.long)
         state_len = torch.zeros(bucket, dtype=torch.long)
