@@ -2,15 +2,13 @@
 cache, captured in a CUDA graph and replayed (a kernel timed alone from Python measures its launch).
 
     python benchmarks/attention_sweep.py [--sweep tiling|splits] [--batch 128 256] [--prompt 256]
-        [--response 512] [--shared N [--programs]] [--best FILE]
+        [--response 512] [--shared N] [--best FILE]
 
 For each model shape and batch, every KernelConfig of the sweep (None: as `resolved` chooses) at
 mid-response (the mean context of a fixed-length rollout); one JSON line each (us per layer and the
 KV bytes it attends per second), then the fastest. `--shared N`: rows in groups of N, each group's
 rows holding its first row's prompt columns as copies (a prompt's samples), read there
-(attention.SharedPrefix): the bytes attended stay the same, those read from HBM fall. With
-`--programs`, as the engine runs it by default: in one pass, prompt programs walk each group's
-prompt once for several rows, and each row goes on from there."""
+(attention.SharedPrefix): the bytes attended stay the same, those read from HBM fall."""
 
 import argparse
 import json
@@ -23,7 +21,6 @@ from keel.bench.workloads import shape_config
 from keel.rollout.native.attention import (
     KernelConfig,
     SharedPrefix,
-    prefix_members,
     sdpa_decode_attention,
     triton_decode_attention,
 )
@@ -66,15 +63,7 @@ SWEEPS = {
 class Layers:
     """One layer's decode inputs per layer of a model shape, over a cache of `length` columns."""
 
-    def __init__(
-        self,
-        shape: str,
-        batch: int,
-        length: int,
-        prompt: int = 0,
-        shared: int = 1,
-        programs: bool = False,
-    ):
+    def __init__(self, shape: str, batch: int, length: int, prompt: int = 0, shared: int = 1):
         # any family's shapes (head size 64 on Qwen2.5, 128 on Qwen3, 256 on Gemma 3)
         c = shape_config(shape)
         self.heads, self.kv, self.count = (
@@ -101,28 +90,9 @@ class Layers:
             rows = torch.arange(batch, device="cuda")
             source = rows // shared * shared
             self.prefix = SharedPrefix(source, torch.where(source == rows, 0, prompt))
-            if programs:
-                self.prefix = self.prefix._replace(**self.programs(batch, prompt, shared))
             for k_cache, v_cache in self.caches:
                 k_cache[:, :, :prompt] = k_cache[source, :, :prompt]
                 v_cache[:, :, :prompt] = v_cache[source, :, :prompt]
-
-    def programs(self, batch: int, prompt: int, shared: int) -> dict:
-        """Each group's rows, prefix_members at a time, as decode_state fills them."""
-        members = prefix_members(self.heads // self.kv)
-        table = torch.full((max(1, batch // 2), 2 + members), -1)
-        table[:, :2] = 0
-        state_len = torch.zeros(batch, dtype=torch.long)
-        chunks = [
-            list(range(at, min(at + members, first + shared)))
-            for first in range(0, batch, shared)
-            for at in range(first, first + shared, members)
-        ]
-        for i, slots in enumerate(chunk for chunk in chunks if len(chunk) > 1):
-            table[i, :2] = torch.tensor([slots[0] // shared * shared, prompt])
-            table[i, 2 : 2 + len(slots)] = torch.tensor(slots)
-            state_len[slots] = prompt
-        return {"programs": table.cuda(), "state_len": state_len.cuda()}
 
     def call(self, i: int, config: KernelConfig):
         return triton_decode_attention(
@@ -155,15 +125,9 @@ class Layers:
 
 
 def sweep(
-    shape: str,
-    batch: int,
-    prompt: int,
-    response: int,
-    configs: list[KernelConfig],
-    shared: int = 1,
-    programs: bool = False,
+    shape: str, batch: int, prompt: int, response: int, configs: list[KernelConfig], shared: int = 1
 ) -> dict:
-    layers = Layers(shape, batch, prompt + response, prompt, shared, programs)
+    layers = Layers(shape, batch, prompt + response, prompt, shared)
     layers.column.fill_(prompt + response // 2)
     results = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -187,7 +151,6 @@ def sweep(
             "shape": shape,
             "batch": batch,
             "shared": shared,
-            "programs": programs,
             "column": prompt + response // 2,
             **config.__dict__,
             "resolved": resolved.__dict__,
@@ -210,19 +173,12 @@ def main() -> None:
     p.add_argument("--response", type=int, default=512)
     p.add_argument("--sweep", choices=SWEEPS, default="tiling")
     p.add_argument("--shared", type=int, default=1, help="rows a prompt's copies are read for")
-    p.add_argument("--programs", action="store_true", help="with --shared: prompt programs")
     p.add_argument("--best", help="write the fastest KernelConfig per shape and batch here (JSON)")
     args = p.parse_args()
     fields = KernelConfig().__dict__
     best = {
         f"{shape}_{batch}": sweep(
-            shape,
-            batch,
-            args.prompt,
-            args.response,
-            SWEEPS[args.sweep],
-            args.shared,
-            args.programs,
+            shape, batch, args.prompt, args.response, SWEEPS[args.sweep], args.shared
         )
         for shape in args.shapes
         for batch in args.batch

@@ -55,8 +55,7 @@
 #                                                 prompt's copies read in each row's own cache (noshare) and in one row,
 #                                                 in turn; the kernel alone (attention_sweep.py --shared 1, 8); then
 #                                                 PREFIX_MORE's runs, a line each ("- q1 --profile DIR": plain);
-#                                                 PREFIX_RUNS: lines in place of the default runs ("sweep 8 programs":
-#                                                 with prompt programs); PREFIX_WARMUP: warm-up steps
+#                                                 PREFIX_RUNS: lines in place of the default runs; PREFIX_WARMUP: steps
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -383,8 +382,8 @@ prefix() {  # issue 50: a prompt's samples read its keys and values in one row (
         set -- $run
         if [ "$1" = sweep ]; then  # the kernel alone at q1's and t1's shapes, rows reading copies in groups of $2
             timeout 90 python3 benchmarks/attention_sweep.py --sweep sharing --shapes qwen3-0.6b 0.5b --batch 128 \
-                --response 256 --shared "$2" ${3:+--programs} > "$OUT/attention_shared_$2${3:+_programs}.txt" 2>&1
-            echo "$run: $(grep -h '^best' "$OUT/attention_shared_$2${3:+_programs}.txt" | cut -c1-220)"
+                --response 256 --shared "$2" > "$OUT/attention_shared_$2.txt" 2>&1
+            echo "$run: $(grep -h '^best' "$OUT/attention_shared_$2.txt" | cut -c1-220)"
             continue
         fi
         local log="$OUT/run_${2}_${1/-/share}${3:+_profiled}.log"

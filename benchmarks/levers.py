@@ -10,8 +10,6 @@ building into keel before it is (issue 50). Each lever patches keel as the bench
   noshare   every decode row reads its prompt's keys and values in its own cache, as before keel
             read a prompt's samples' copies in one row (decode_state.SHARE_PREFIX_READS): the
             baseline that sharing is measured against
-  noprograms  copies read in one row, but no prompt programs (decode_state.PROMPT_PROGRAMS): each
-            row walks its prompt's blocks itself, as before the programs
 
   python benchmarks/levers.py LEVER[,LEVER...] t1 --gpus 1 --steps 3 --warmup 1 --out OUT.jsonl
 
@@ -60,19 +58,7 @@ def noshare() -> None:
     decode_state.SHARE_PREFIX_READS = False
 
 
-def noprograms() -> None:
-    import keel.rollout.native.decode_state as decode_state
-
-    decode_state.PROMPT_PROGRAMS = False
-
-
-LEVERS = {
-    "cudnn": cudnn,
-    "graphs": graphs,
-    "nogc": nogc,
-    "noshare": noshare,
-    "noprograms": noprograms,
-}
+LEVERS = {"cudnn": cudnn, "graphs": graphs, "nogc": nogc, "noshare": noshare}
 
 
 def main(argv: list[str]) -> int:

@@ -300,58 +300,6 @@ def test_triton_decode_attention_reads_copied_columns_in_their_source_row(splits
     assert torch.equal(shared, plain)
 
 
-@pytest.mark.parametrize("block, stages", [(64, 2), (64, 3), (32, 3), (16, 2)])
-@pytest.mark.parametrize("heads, kv_heads, dim", [(14, 2, 64), (16, 8, 128)])
-def test_prompt_programs_leave_each_row_the_bits_of_its_own_walk(
-    heads, kv_heads, dim, block, stages
-):
-    """Prompt programs walk a prompt's whole blocks once for several query rows (Qwen2.5-0.5B's
-    heads: two rows a program; Qwen3-0.6B's: eight), and each row goes on from there: bit for bit
-    the result of each row walking its own columns, here where the copies' whole blocks are spoilt
-    and every row reads its own columns past them."""
-    from keel.rollout.native.attention import (
-        KernelConfig,
-        SharedPrefix,
-        prefix_members,
-        triton_decode_attention,
-    )
-
-    torch.manual_seed(0)
-    bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    # 12 query rows: rows 0-8 hold prompt row 0's 150 columns, row 9-11 their own
-    q = torch.randn(12, heads, 1, dim, **bf16)
-    k, v = (torch.randn(12, kv_heads, 1, dim, **bf16) for _ in "kv")
-    caches = [torch.randn(13, kv_heads, 400, dim, **bf16) for _ in "kv"]
-    for cache in caches:
-        cache[1:9, :, :150] = cache[0, :, :150]
-    rows = torch.tensor([3, 0, 10, 8, 1, 2, 9, 4, 5, 11, 6, 7], device="cuda")
-    column = torch.tensor(
-        [150, 151, 399, 170, 260, 300, 210, 222, 333, 155, 290, 181], device="cuda"
-    )
-    pad, config = torch.zeros_like(rows), KernelConfig(split=0, block=block, num_stages=stages)
-    plain = triton_decode_attention(
-        q, k, v, *[c.clone() for c in caches], pad, column, rows=rows, config=config
-    )
-    members = prefix_members(heads // kv_heads)
-    holders = [i for i, row in enumerate(rows.tolist()) if row <= 8]
-    programs = torch.full((6, 2 + members), -1, device="cuda")
-    programs[:, :2] = 0
-    for i, at in enumerate(range(0, len(holders), members)):
-        slots = holders[at : at + members]
-        programs[i, :2] = torch.tensor([0, 150])
-        programs[i, 2 : 2 + len(slots)] = torch.tensor(slots)
-    state_len = torch.where(rows <= 8, 150, 0)
-    # each row reads its own columns (cache row 12 is no query's)
-    none = torch.zeros(13, dtype=torch.long, device="cuda")
-    own = SharedPrefix(torch.arange(13, device="cuda"), none, programs, state_len)
-    for cache in caches:
-        cache[1:9, :, : 150 // block * block] = float("nan")
-    got = triton_decode_attention(
-        q, k, v, *caches, pad, column, rows=rows, prefix=own, config=config
-    )
-    assert torch.equal(got, plain)
-
-
 def test_samples_reading_their_prompt_in_one_row_decode_the_same_bits(tmp_path, monkeypatch):
     """bf16 on Triton's kernel, sampled, EOS on and fewer rows than sequences: a prompt's samples
     end at different depths, so its first row is taken by another sequence while its other samples

@@ -155,29 +155,6 @@ def test_a_copied_prompt_is_read_in_its_source_row_until_either_row_writes_withi
     assert prefixes.update([(1, 2, [9, 1], None)], []) == {1: (1, 0)}
 
 
-def test_prompt_programs_hold_the_decoding_rows_of_each_prompt_a_few_at_a_time():
-    """A decode step's prompt programs: per prompt, the positions in the step's rows of the rows
-    that hold it (its own row first), `members` at a time; never a program of one row, none for a
-    prompt that only one decoding row holds, none after the copies end."""
-    prefixes = CopiedPrefixes()
-    first = [(row, 0, [7, 8, 9], "g") for row in range(5)]
-    second = [(row, 0, [4, 4], "h") for row in (5, 6)]
-    prefixes.update(first + second, share_prefill(first + second)[2])
-    # rows 0-4 hold prompt g (row 0's), rows 5-6 prompt h (row 5's); row 9 none
-    active = [9, 3, 0, 6, 1, 4, 2, 5]
-    assert prefixes.programs(active, members=2) == [
-        (0, 3, [2, 4]),  # rows 0, 1
-        (0, 3, [6, 1]),  # rows 2, 3
-        (5, 2, [7, 3]),  # rows 5, 6; row 4 alone: none
-    ]
-    assert prefixes.programs(active, members=8) == [(0, 3, [2, 4, 6, 1, 5]), (5, 2, [7, 3])]
-    # prompt h's rows no longer both decode: nothing shared to read
-    assert prefixes.programs([0, 1, 5], members=8) == [(0, 3, [0, 1])]
-    # the source row taken by another sequence: its prompt's copies end
-    prefixes.update([(0, 0, [1], None)], [])
-    assert prefixes.programs(active, members=8) == [(5, 2, [7, 3])]
-
-
 def test_prefill_packs_passes_within_the_budget_and_chunks_longer_extensions():
     leading, last = chunk([(0, 0, list(range(10))), (1, 3, [1, 2])], budget=4)
     # the long extension's leading pieces first, each a pass of its own

@@ -25,7 +25,6 @@ try:
     from keel.rollout.native.attention_kernels import (
         decode_attention_kernel,
         merge_splits_kernel,
-        shared_prefix_kernel,
     )
 # CPU installs: the SDPA path below
 except ImportError:
@@ -80,26 +79,10 @@ class SharedPrefix(NamedTuple):
     """Per cache row (the cache's first dimension): the row whose columns [0, length) this row holds
     a copy of (a prompt's samples, copied from its one prefill; itself and 0 where none), so the
     Triton kernel reads them there: one prompt's keys and values from HBM once for all its samples.
-    The kernel looks up each query's own cache row: nothing is gathered per step.
-
-    `programs` [P, 2 + prefix_members(G)]: per prompt program, the row its columns are in, how many,
-    and the query slots that hold them (-1 past the last; a length of 0: no program), and
-    `state_len` [B]: per query slot, the columns its program walked (0: none). Given, one pass over
-    the cache first walks each prompt's whole blocks once for its slots, and each row goes on from
-    there (the rows begin at column 0)."""
+    The kernel looks up each query's own cache row: nothing is gathered per step."""
 
     row: Tensor
     length: Tensor
-    programs: Tensor | None = None
-    state_len: Tensor | None = None
-
-
-def prefix_members(group: int) -> int:
-    """Query slots a prompt program takes at G query heads per KV head: its dot's 16 rows hold
-    them, as one slot's program holds G heads in 16 rows; 0 (no prompt programs) where one slot's
-    heads fill half of them or more, so nothing is read for more than one slot."""
-    span = 1 << (group - 1).bit_length()
-    return 16 // span if span <= 8 else 0
 
 
 @cache
@@ -203,68 +186,45 @@ def triton_decode_attention(
     One program per row, KV head and split of the cache's columns: a program walks its columns one
     dependent block after another, so a few rows over a long cache (a continuous batch's tail)
     would leave most SMs idle without splits. Each split leaves its partial softmax (output and
-    log-sum-exp) and a second kernel merges a row's splits; a split of the whole cache is one pass.
-    KernelConfig.resolved chooses the split, a runtime argument (a new cache length compiles
-    nothing). A head's sink joins the normaliser in the split that holds the new token.
+    log-sum-exp) and a second kernel merges a row's splits; a split of the whole cache is one pass,
+    without the merge. KernelConfig.resolved chooses the split; the split's length and count are
+    runtime arguments, so a new cache length does not compile the kernels again. A head's sink
+    joins the normaliser in the split that holds the new token, so the merge needs nothing of it.
 
-    `prefix`: the columns a row holds as a copy of another's are read there, so a prompt's keys
-    and values come from HBM once, then L2. With its programs, in one pass, a kernel first walks
-    each prompt's whole blocks once for up to 16 query rows, and each row goes on from there. Both
-    keep the bits: the same blocks in the same order.
+    `prefix`: the columns a row holds as a copy of another's are read there. A prompt's samples run
+    side by side, so its keys and values come from HBM once, then L2: the same bits, same result.
 
     Two slots may share a cache row only at the same column (the batcher's scratch row): a slot's
     write at its column would race another's read of it."""
-    (batch, heads, _, dim), (kv_heads, cache_len) = q.shape, k_cache.shape[1:3]
+    batch, heads, _, dim = q.shape
+    kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
-    sms, shared = _multiprocessors(q.device), prefix is not None
-    config = config.resolved(cache_len, batch * kv_heads, sms, shared=shared)
+    sms = _multiprocessors(q.device)
+    config = config.resolved(cache_len, batch * kv_heads, sms, shared=prefix is not None)
     split, splits = config.split, triton.cdiv(cache_len, config.split)
     out = torch.empty(batch, heads, dim, device=q.device, dtype=q.dtype)
     partial, lse = _split_buffers(out, splits, (batch, kv_heads, group, dim))
     block_group = max(16, triton.next_power_of_2(group))
-    with_state = shared and prefix.programs is not None and splits == 1
-    state = _prefix_states(q, k_cache, v_cache, prefix, config) if with_state else (pad,) * 4
     # Laid out as the kernel's signature groups them (tensors, strides, split, constants): one
     # argument a line would hide which stride is whose.
     decode_attention_kernel[(batch, kv_heads, splits)](
         q, k, v, k_cache, v_cache, out, partial, lse, pad, column, pad if rows is None else rows,
-        pad if sinks is None else sinks, *(prefix[:2] if prefix else (pad, pad)), *state, dim**-0.5,
+        pad if sinks is None else sinks, *(prefix or (pad, pad)), dim**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         split, splits,
         GROUP=group, BLOCK_GROUP=block_group, DIM=dim, BLOCK=config.block, ONE_PASS=splits == 1,
         INDIRECT=rows is not None, COLUMN_STRIDE=int(column.numel() > 1), SINKS=sinks is not None,
-        SHARED=shared, STATE=with_state, num_warps=config.num_warps, num_stages=config.num_stages,
+        SHARED=prefix is not None, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    if splits > 1:  # a row's splits merged by their log-sum-exps
+    if splits > 1:
         merge_splits_kernel[(batch, kv_heads)](
-            partial, lse, out, pad, column, split, splits, GROUP=group, BLOCK_GROUP=block_group,
-            DIM=dim, COLUMN_STRIDE=int(column.numel() > 1), num_warps=config.merge_warps,
+            partial, lse, out, pad, column, split, splits,
+            GROUP=group, BLOCK_GROUP=block_group, DIM=dim, COLUMN_STRIDE=int(column.numel() > 1),
+            num_warps=config.merge_warps,
         )  # fmt: skip
     return out.view(batch, heads * dim)
-
-
-def _prefix_states(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, prefix: SharedPrefix, config: KernelConfig
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Each prompt program's running softmax over its prompt's whole blocks, per query slot and
-    head (shared_prefix_kernel) -> the row kernel's StateLen, StateAcc, StateM, StateTotal."""
-    batch, heads, _, dim = q.shape
-    kv_heads = k_cache.shape[1]
-    group = heads // kv_heads
-    acc = torch.empty(batch, heads, dim, device=q.device, dtype=torch.float32)
-    m, total = (torch.empty(batch, heads, device=q.device, dtype=torch.float32) for _ in "mt")
-    programs = prefix.programs
-    shared_prefix_kernel[(programs.shape[0], kv_heads)](
-        q, k_cache, v_cache, programs, acc, m, total, dim**-0.5,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        GROUP=group, GROUP_SPAN=triton.next_power_of_2(group),
-        MEMBERS=programs.shape[1] - 2, DIM=dim, BLOCK=config.block,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
-    return prefix.state_len, acc, m, total
 
 
 def _split_buffers(out: Tensor, splits: int, shape: tuple[int, int, int, int]):

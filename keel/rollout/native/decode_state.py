@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from keel.rollout.native.attention import SharedPrefix, prefix_members
+from keel.rollout.native.attention import SharedPrefix
 from keel.rollout.native.runner import ModelRunner
 from keel.rollout.native.scheduler import CopiedPrefixes, Piece, chunk, passes, share_prefill
 from keel.rollout.native.state import capture
@@ -26,14 +26,6 @@ from keel.types import SamplingParams
 # (CopiedPrefixes): the same bits, one prompt's columns from HBM once (Triton's kernel only).
 # benchmarks/levers.py's noshare sets it off before the graphs are captured, to measure the reads.
 SHARE_PREFIX_READS = True
-# With it, in one pass a kernel first walks each prompt's whole blocks once for up to 16 query rows,
-# and each row goes on from there (attention.SharedPrefix's programs): the same bits, a prompt's
-# columns through L2 once a program, not once a row. Where a program holds PROGRAM_ROWS rows or
-# more: on one H100 at 128 rows, Qwen3-0.6B's 8 a program took 48.3 us a layer against 52.1
-# without; Qwen2.5-0.5B's 2 took 15.0 against 10.9 (benchmarks/README.md). benchmarks/levers.py's
-# noprograms sets it off.
-PROMPT_PROGRAMS = True
-PROGRAM_ROWS = 8
 
 
 @dataclass
@@ -109,8 +101,8 @@ class DecodeState:
         self.device = runner.device
         self.state = RowState.allocate(shape, runner)
         self.scratch = shape[0]
-        # bucket -> (row table, pad, its prompt programs, its step)
-        self.graphs: dict[int, tuple[Tensor, Tensor, SharedPrefix | None, object]] = {}
+        # bucket -> (row table, pad, its step)
+        self.graphs: dict[int, tuple[Tensor, Tensor, object]] = {}
         self.pool = self._new_pool()
         self.params: SamplingParams | None = None
         # the bucket and rows the tables were last filled with
@@ -158,8 +150,6 @@ class DecodeState:
             index = torch.tensor(list(changed), device=self.device)
             row, length = torch.tensor(list(changed.values()), device=self.device).unbind(1)
             self.state.prefix_row[index], self.state.prefix_len[index] = row, length
-            # the prompt programs follow the copies, even where the same rows decode
-            self.table = None
         return logits[source]
 
     def first_token(
@@ -193,54 +183,19 @@ class DecodeState:
             table = torch.full((bucket,), self.scratch, dtype=torch.long, device=self.device)
             # rows start at column 0
             pad = torch.zeros_like(table)
-            prefix = self._prefix(bucket)
-            step = functools.partial(self._decode, table, pad, prefix, params)
+            step = functools.partial(self._decode, table, pad, params)
             # captured on the scratch row: no sequence is touched
             if self.runner.use_cuda_graphs:
                 step = capture(step, self.pool).replay
-            # The graph reads the table, pad and programs at the addresses it was captured with:
-            # they live with it.
-            self.graphs[bucket] = (table, pad, prefix, step)
-        table, _, prefix, step = self.graphs[bucket]
+            # The graph reads table and pad at the addresses it was captured with: they live with
+            # it.
+            self.graphs[bucket] = (table, pad, step)
+        table, _, step = self.graphs[bucket]
         if self.table != (bucket, *active):
             rows = active + [self.scratch] * (bucket - len(active))
             table.copy_(torch.tensor(rows))
-            if prefix is not None and prefix.programs is not None:
-                self._fill_programs(prefix, active)
             self.table = (bucket, *active)
         return step
-
-    def _prefix(self, bucket: int) -> SharedPrefix | None:
-        """Where a bucket's step reads the rows' copied columns; with PROMPT_PROGRAMS, its prompt
-        programs (at most one per two slots: a program holds two or more) and each slot's walked
-        columns, all empty until filled."""
-        if not SHARE_PREFIX_READS:
-            return None
-        members = prefix_members(self.runner.family.heads // self.runner.kv_heads)
-        if not (PROMPT_PROGRAMS and members >= PROGRAM_ROWS):
-            return SharedPrefix(self.state.prefix_row, self.state.prefix_len)
-        programs = torch.zeros(max(1, bucket // 2), 2 + members, dtype=torch.long)
-        state_len = torch.zeros(bucket, dtype=torch.long)
-        return SharedPrefix(
-            self.state.prefix_row,
-            self.state.prefix_len,
-            programs.to(self.device),
-            state_len.to(self.device),
-        )
-
-    def _fill_programs(self, prefix: SharedPrefix, active: list[int]) -> None:
-        """The bucket's prompt programs for the `active` rows (CopiedPrefixes.programs) and the
-        columns each slot's program walks."""
-        members = prefix.programs.shape[1] - 2
-        programs = torch.zeros(prefix.programs.shape, dtype=torch.long)
-        programs[:, 2:] = -1
-        state_len = torch.zeros(prefix.state_len.shape, dtype=torch.long)
-        for i, (source, length, slots) in enumerate(self.prefixes.programs(active, members)):
-            programs[i, :2] = torch.tensor([source, length])
-            programs[i, 2 : 2 + len(slots)] = torch.tensor(slots)
-            state_len[slots] = length
-        prefix.programs.copy_(programs)
-        prefix.state_len.copy_(state_len)
 
     def read(self, rows: list[int]) -> list[tuple[list[int], list[float]]]:
         """The tokens and log-probs each of `rows` sampled this turn."""
@@ -253,11 +208,10 @@ class DecodeState:
             )
         ]
 
-    def _decode(
-        self, rows: Tensor, pad: Tensor, prefix: SharedPrefix | None, params: SamplingParams
-    ) -> None:
+    def _decode(self, rows: Tensor, pad: Tensor, params: SamplingParams) -> None:
         s = self.state
         column = s.length[rows]
+        prefix = SharedPrefix(s.prefix_row, s.prefix_len) if SHARE_PREFIX_READS else None
         logits = self.runner.decode_logits(s.last_token[rows], pad, column, s.k, s.v, rows, prefix)
         token, log_prob = self.runner.sample(logits, params)
         s.length[rows] = column + s.record(rows, token, log_prob, self.eos, params.ignore_eos)

@@ -205,23 +205,6 @@ class CopiedPrefixes:
             self.copies_of.setdefault(source, set()).add(row)
         return changed
 
-    def programs(self, active: list[int], members: int) -> list[tuple[int, int, list[int]]]:
-        """The prompt programs of a decode step over `active` rows, `members` rows each: (the row
-        a prompt's columns are in, how many, the positions in `active` of the rows that hold them,
-        its own first). A program of one row would read nothing for another: none is made, and
-        that row reads its prompt itself."""
-        position = {row: i for i, row in enumerate(active)}
-        programs = []
-        for source, copies in self.copies_of.items():
-            holders = [source, *sorted(copies)]
-            slots = [position[row] for row in holders if row in position]
-            # one prefill's copies of one context: one length
-            length = self.source_of[min(copies)][1] if copies else 0
-            for at in range(0, len(slots), members):
-                if len(slots[at : at + members]) > 1:
-                    programs.append((source, length, slots[at : at + members]))
-        return programs
-
 
 def share_prefill(
     items: list[tuple[int, int, list[int], object]],
