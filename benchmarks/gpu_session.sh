@@ -55,7 +55,8 @@
 #                                                 prompt's copies read in each row's own cache (noshare) and in one row,
 #                                                 in turn; the kernel alone (attention_sweep.py --shared 1, 8); then
 #                                                 PREFIX_MORE's runs, a line each ("- q1 --profile DIR": plain);
-#                                                 PREFIX_RUNS: lines in place of the default runs; PREFIX_WARMUP: steps
+#                                                 PREFIX_RUNS: lines in place of the default runs; PREFIX_WARMUP: every
+#                                                 run's warm-up steps (1; the bench's own default is 2)
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -391,7 +392,7 @@ prefix() {  # issue 50: a prompt's samples read its keys and values in one row (
             timeout 200 python3 -m keel bench "${@:2}" --gpus 1 --steps 3 --warmup "${PREFIX_WARMUP:-1}" \
                 --out "$OUT/bench.jsonl" > "$log" 2>&1
         else
-            timeout 140 python3 benchmarks/levers.py "$1" "${@:2}" --gpus 1 --steps 3 --warmup 1 \
+            timeout 200 python3 benchmarks/levers.py "$1" "${@:2}" --gpus 1 --steps 3 --warmup "${PREFIX_WARMUP:-1}" \
                 --out "$OUT/bench.jsonl" > "$log" 2>&1
         fi
         echo "$run: $(tail -1 "$log" | cut -c1-160)"
