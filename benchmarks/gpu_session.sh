@@ -53,10 +53,10 @@
 #                                                 then the workloads in INVARIANT_MORE (e.g. q1)
 #   bash benchmarks/gpu_session.sh prefix         issue 50: the decode attention's GPU tests (PREFIX_TESTS: -k), then q1 and t1 with each
 #                                                 prompt's copies read in each row's own cache (noshare) and in one row,
-#                                                 in turn; the kernel alone (attention_sweep.py --shared 1, 8); then
-#                                                 PREFIX_MORE's runs, a line each ("- q1 --profile DIR": plain);
-#                                                 PREFIX_RUNS: lines in place of the default runs; PREFIX_WARMUP: every
-#                                                 run's warm-up steps (1; the bench's own default is 2)
+#                                                 in turn; the kernel alone (attention_sweep.py --shared 1, 8). PREFIX_RUNS:
+#                                                 other runs, a line each, in place of those ("- q1 --profile DIR": plain;
+#                                                 "noshare t1": a lever; "sweep 8"); PREFIX_WARMUP: every run's warm-up
+#                                                 steps (1; the bench's own default is 2)
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -376,9 +376,10 @@ prefix() {  # issue 50: a prompt's samples read its keys and values in one row (
         > "$OUT/gpu_prefix_tests.txt" 2>&1
     grep -E "passed|failed|Error" "$OUT/gpu_prefix_tests.txt" | tail -3
     local run runs=("noshare q1" "- q1" "noshare t1" "- t1" "sweep 1" "sweep 8")
-    [ -n "${PREFIX_RUNS:-}" ] && mapfile -t runs <<< "$PREFIX_RUNS"  # in place of the runs above
-    [ -n "${PREFIX_MORE:-}" ] && mapfile -t -O ${#runs[@]} runs <<< "$PREFIX_MORE"
+    [ -n "${PREFIX_RUNS:-}" ] && mapfile -t runs <<< "$PREFIX_RUNS"
+    local i=0
     for run in "${runs[@]}"; do
+        i=$((i + 1))
         (( SECONDS > ${PREFIX_UNTIL:-450} )) && { echo "$run: skipped, the call's time is spent"; continue; }
         set -- $run
         if [ "$1" = sweep ]; then  # the kernel alone at q1's and t1's shapes, rows reading copies in groups of $2
@@ -387,7 +388,8 @@ prefix() {  # issue 50: a prompt's samples read its keys and values in one row (
             echo "$run: $(grep -h '^best' "$OUT/attention_shared_$2.txt" | cut -c1-220)"
             continue
         fi
-        local log="$OUT/run_${2}_${1/-/share}${3:+_profiled}.log"
+        # numbered: two runs of one workload differ in their arguments
+        local log="$OUT/run_${i}_${2}_${1/-/share}.log"
         if [ "$1" = - ]; then
             timeout 200 python3 -m keel bench "${@:2}" --gpus 1 --steps 3 --warmup "${PREFIX_WARMUP:-1}" \
                 --out "$OUT/bench.jsonl" > "$log" 2>&1
