@@ -35,9 +35,12 @@ def assemble_batch(
     tokenizer,
     eos_ids: list[int],
     params: SamplingParams,
+    texts: list[str | None] | None = None,
 ) -> GeneratedBatch:
     """`chunks`: (response ids [b, r], sampled log-probs [b, r]) per chunk of `prompts`, in
-    order."""
+    order; `texts`: responses the engine has decoded already (None where it has not), each exactly
+    the masked response's text: decoding t1's 128 again took 10 ms of host time while the GPU
+    waited."""
     pad = tokenizer.pad_token_id
     width = max(ids.shape[1] for ids, _ in chunks)
     response_ids = torch.cat([pad_responses(ids, width, pad) for ids, _ in chunks])
@@ -53,11 +56,31 @@ def assemble_batch(
         sampling_log_probs=log_probs * response_mask,
         group_index=torch.tensor([r.index for r in prompts.records]),
         records=list(prompts.records),
-        response_texts=tokenizer.batch_decode(
-            [ids[m.bool()] for ids, m in zip(response_ids, response_mask)], skip_special_tokens=True
-        ),
+        response_texts=_decoded(tokenizer, response_ids, response_mask, texts),
         truncated=truncated,
     )
+
+
+def _decoded(
+    tokenizer, response_ids: Tensor, response_mask: Tensor, texts: list[str | None] | None
+) -> list[str]:
+    """Each response's text: `texts`' where given, the rest decoded in one batch."""
+    texts = list(texts) if texts is not None else [None] * len(response_ids)
+    missing = [i for i, text in enumerate(texts) if text is None]
+    ids, mask = response_ids.numpy(), response_mask.numpy().astype(bool)
+    decoded = tokenizer.batch_decode(
+        [ids[i][mask[i]].tolist() for i in missing], skip_special_tokens=True
+    )
+    for i, text in zip(missing, decoded):
+        texts[i] = text
+    return texts
+
+
+def unpadded_rows(ids: Tensor, mask: Tensor) -> list[list[int]]:
+    """Each row of `ids` where `mask` is set, as lists, in one conversion to numpy: a boolean
+    index and tolist per row took 5 ms of t1's 128 prompts while the GPU waited."""
+    rows, keep = ids.numpy(), mask.numpy().astype(bool)
+    return [row[k].tolist() for row, k in zip(rows, keep)]
 
 
 def mask_after_eos(

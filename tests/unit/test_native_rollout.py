@@ -285,10 +285,30 @@ def test_finished_sequences_leave_the_batch_without_changing_the_rest(
     for engine in (native, hf):
         engine.eos_ids = sorted(set(engine.eos_ids) | {stop})
     native.eos = torch.tensor(native.eos_ids)
-    ours, theirs = native.generate(prompts, greedy), hf.generate(prompts, greedy)
+    told, decoded = {}, []
+    tokenizer = native.tokenizer
+    decode, batch_decode = tokenizer.decode, tokenizer.batch_decode
+    monkeypatch.setattr(
+        tokenizer, "decode", lambda ids, **kw: decoded.append(ids) or decode(ids, **kw)
+    )
+    monkeypatch.setattr(
+        tokenizer,
+        "batch_decode",
+        lambda rows, **kw: decoded.extend(rows) or batch_decode(rows, **kw),
+    )
+    ours = native.generate(
+        prompts, greedy, on_finished=lambda row, _, text: told.update({row: text})
+    )
+    monkeypatch.undo()
+    theirs = hf.generate(prompts, greedy)
     # the test does exercise variable lengths
     assert len(set(theirs.response_lengths.tolist())) > 1
     assert ours.response_ids.tolist() == theirs.response_ids.tolist()
+    # each response decoded once, as it finished; the batch's texts are those, each the masked
+    # response's (the stop token is an ordinary one here, so it stays in the text)
+    assert len(decoded) == len(prompts)
+    assert [told[row] for row in range(len(prompts))] == ours.response_texts
+    assert ours.response_texts == theirs.response_texts
     torch.testing.assert_close(
         ours.sampling_log_probs, theirs.sampling_log_probs, atol=1e-4, rtol=0
     )

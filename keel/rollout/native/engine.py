@@ -25,7 +25,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from keel.rollout.assemble import assemble_batch, padded_rows, stop_token_ids
+from keel.rollout.assemble import assemble_batch, padded_rows, stop_token_ids, unpadded_rows
 from keel.rollout.base import Capabilities
 from keel.rollout.native.batching import ContinuousBatcher, drive
 from keel.rollout.native.layers import StepFunctions
@@ -168,19 +168,20 @@ class NativeRolloutEngine:
         batcher = self.continuous_batcher(
             len(prompts), prompts.input_ids.shape[1] + params.max_new_tokens, params.max_new_tokens
         )
-        for i, (ids, mask, record) in enumerate(
-            zip(prompts.input_ids, prompts.attention_mask, prompts.records)
-        ):
-            batcher.add(i, ids[mask.bool()].tolist(), params.max_new_tokens, group=record.index)
-        turns = [None] * len(prompts)
+        contexts = unpadded_rows(prompts.input_ids, prompts.attention_mask)
+        for i, (context, record) in enumerate(zip(contexts, prompts.records)):
+            batcher.add(i, context, params.max_new_tokens, group=record.index)
+        turns, texts = [None] * len(prompts), [None] * len(prompts)
         for turn in drive(batcher, params):
             turns[turn.key] = turn
             if on_finished is not None:
-                text = self.tokenizer.decode(turn.ids, skip_special_tokens=True)
-                on_finished(turn.key, prompts.records[turn.key], text)
+                # a turn's ids end at its stop token: the masked response's text
+                texts[turn.key] = self.tokenizer.decode(turn.ids, skip_special_tokens=True)
+                on_finished(turn.key, prompts.records[turn.key], texts[turn.key])
         ids = padded_rows([t.ids for t in turns], self.tokenizer.pad_token_id, torch.long)
         log_probs = padded_rows([t.log_probs for t in turns], 0.0, torch.float32)
-        return assemble_batch(prompts, [(ids, log_probs)], self.tokenizer, self.eos_ids, params)
+        chunks = [(ids, log_probs)]
+        return assemble_batch(prompts, chunks, self.tokenizer, self.eos_ids, params, texts)
 
     @torch.no_grad()
     def generate_round(
