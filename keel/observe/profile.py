@@ -33,9 +33,13 @@ class RankProfile:
                 sort_by=sort, row_limit=60, max_name_column_width=90
             )
             gaps = "".join(f"{json.dumps(gap)}\n" for gap in idle_gaps(events)) if gpu else ""
+            kernels = (
+                "".join(f"{json.dumps(row)}\n" for row in phase_kernels(events)) if gpu else ""
+            )
             Path(path).write_text(
                 f"GPU busy per phase: {json.dumps(busy)}\n\nLongest GPU idle gaps (ms; the host's "
-                f"innermost op at the gap's middle):\n{gaps}\n{table}"
+                f"innermost op at the gap's middle):\n{gaps}\nEach phase's costliest kernels "
+                f"(ms in the phase, launches):\n{kernels}\n{table}"
             )
         return {"busy": busy, "gpu_s": gpu_s}
 
@@ -97,6 +101,38 @@ def idle_gaps(
             gaps, key=lambda gap: -gap[0]
         )[:top]
     ]
+
+
+def phase_kernels(
+    events, phases: tuple[str, ...] = WORKER_PHASES, top: int = 25, name_width: int = 90
+) -> list[dict]:
+    """Per phase, the `top` kernels (and copies, fills) by the GPU time they took in it, each
+    name's launches summed: what a phase's time is made of, which the whole step's table mixes
+    (the old-log-prob pass's GEMMs with the update's)."""
+    spans = [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == DeviceType.CPU and e.is_user_annotation and e.name in phases
+    ]
+    totals: dict[tuple[str, str], list[float]] = {}
+    for e in events:
+        if e.device_type != DeviceType.CUDA or e.is_user_annotation:
+            continue
+        for phase, start, end in spans:
+            if start <= e.time_range.start < end:
+                entry = totals.setdefault((phase, e.name[:name_width]), [0.0, 0])
+                entry[0] += e.time_range.end - e.time_range.start
+                entry[1] += 1
+    rows = sorted(totals.items(), key=lambda item: (item[0][0], -item[1][0]))
+    ranked: dict[str, int] = {}
+    kept = []
+    for (phase, name), (micros, launches) in rows:
+        ranked[phase] = ranked.get(phase, 0) + 1
+        if ranked[phase] <= top:
+            kept.append(
+                {"phase": phase, "ms": round(micros / 1e3, 3), "n": launches, "kernel": name}
+            )
+    return kept
 
 
 def _innermost(ops, thread: int, moment: float) -> str:

@@ -5,7 +5,13 @@ from types import SimpleNamespace
 
 from torch.autograd import DeviceType
 
-from keel.observe.profile import covered_time, idle_gaps, phase_busy, phase_gpu_seconds
+from keel.observe.profile import (
+    covered_time,
+    idle_gaps,
+    phase_busy,
+    phase_gpu_seconds,
+    phase_kernels,
+)
 
 
 def event(name, start, end, device=DeviceType.CUDA, annotation=False, thread=1):
@@ -103,3 +109,26 @@ def test_the_longest_idle_gaps_name_what_the_host_was_doing():
         "host": "python",
     } in tail
     assert [g["ms"] for g in tail] == sorted((g["ms"] for g in tail), reverse=True)
+
+
+def test_each_phase_lists_its_own_costliest_kernels_with_launches_summed():
+    events = [
+        phase("worker/compute_log_probs", 0, 1_000),
+        phase("worker/update_actor", 1_000, 5_000),
+        # the pass's GEMM: not the update's
+        event("gemm", 0, 900),
+        event("gemm", 1_000, 1_500),
+        event("gemm", 2_000, 2_500),
+        event("silu", 1_500, 1_800),
+        event("adamw", 4_000, 4_100),
+        # the device's own span, and a host op: neither is a kernel
+        event("gpu annotation", 1_000, 5_000, annotation=True),
+        event("aten::mm", 1_000, 5_000, DeviceType.CPU),
+    ]
+    assert phase_kernels(events) == [
+        {"phase": "worker/compute_log_probs", "ms": 0.9, "n": 1, "kernel": "gemm"},
+        {"phase": "worker/update_actor", "ms": 1.0, "n": 2, "kernel": "gemm"},
+        {"phase": "worker/update_actor", "ms": 0.3, "n": 1, "kernel": "silu"},
+        {"phase": "worker/update_actor", "ms": 0.1, "n": 1, "kernel": "adamw"},
+    ]
+    assert [row["kernel"] for row in phase_kernels(events, top=1)] == ["gemm", "gemm"]
