@@ -39,8 +39,8 @@ def assemble_batch(
 ) -> GeneratedBatch:
     """`chunks`: (response ids [b, r], sampled log-probs [b, r]) per chunk of `prompts`, in
     order; `texts`: responses the engine has decoded already (None where it has not), each exactly
-    the masked response's text: decoding t1's 128 again took 10 ms of host time while the GPU
-    waited."""
+    the masked response's text. Decoding 128 responses of 256 tokens again took 10-16 ms of host
+    time (on the CPU machine) while the GPU waited for the next phase."""
     pad = tokenizer.pad_token_id
     width = max(ids.shape[1] for ids, _ in chunks)
     response_ids = torch.cat([pad_responses(ids, width, pad) for ids, _ in chunks])
@@ -67,7 +67,7 @@ def _decoded(
     """Each response's text: `texts`' where given, the rest decoded in one batch."""
     texts = list(texts) if texts is not None else [None] * len(response_ids)
     missing = [i for i, text in enumerate(texts) if text is None]
-    ids, mask = response_ids.numpy(), response_mask.numpy().astype(bool)
+    ids, mask = response_ids.cpu().numpy(), response_mask.cpu().numpy().astype(bool)
     decoded = tokenizer.batch_decode(
         [ids[i][mask[i]].tolist() for i in missing], skip_special_tokens=True
     )
@@ -78,8 +78,9 @@ def _decoded(
 
 def unpadded_rows(ids: Tensor, mask: Tensor) -> list[list[int]]:
     """Each row of `ids` where `mask` is set, as lists, in one conversion to numpy: a boolean
-    index and tolist per row took 5 ms of t1's 128 prompts while the GPU waited."""
-    rows, keep = ids.numpy(), mask.numpy().astype(bool)
+    index and tolist per row took 4 ms of t1's 128 prompts (on the CPU machine; 1.2 ms now) while
+    the GPU waited."""
+    rows, keep = ids.cpu().numpy(), mask.cpu().numpy().astype(bool)
     return [row[k].tolist() for row, k in zip(rows, keep)]
 
 
