@@ -48,6 +48,16 @@ class RankProfile:
 WORKER_PHASES = ("worker/generate", "worker/compute_log_probs", "worker/update_actor")
 
 
+def _is_activity(e) -> bool:
+    """The device ran something: a kernel, a copy, a fill (not its own annotation spans)."""
+    return e.device_type == DeviceType.CUDA and not e.is_user_annotation
+
+
+def _is_phase(e) -> bool:
+    """A named range of the host's: keel's timer phases, the workers' methods."""
+    return e.device_type == DeviceType.CPU and e.is_user_annotation
+
+
 def idle_gaps(
     events, phases: tuple[str, ...] = WORKER_PHASES, top: int = 12, min_length: float = 100.0
 ) -> list[dict]:
@@ -57,16 +67,10 @@ def idle_gaps(
     the host's innermost operator at its middle ("python" when none: the interpreter between
     operators), which is what the GPU waited for."""
     activity = sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in events
-        if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+        (e.time_range.start, e.time_range.end, e.name) for e in events if _is_activity(e)
     )
     gaps = []
-    for phase in (
-        e
-        for e in events
-        if e.device_type == DeviceType.CPU and e.is_user_annotation and e.name in phases
-    ):
+    for phase in (e for e in events if _is_phase(e) and e.name in phases):
         start, end = phase.time_range.start, phase.time_range.end
         reach, before = start, "(phase start)"
         for lo, hi, name in activity + [(end, end, "(phase end)")]:
@@ -112,27 +116,24 @@ def phase_kernels(
     spans = [
         (e.name, e.time_range.start, e.time_range.end)
         for e in events
-        if e.device_type == DeviceType.CPU and e.is_user_annotation and e.name in phases
+        if _is_phase(e) and e.name in phases
     ]
     totals: dict[tuple[str, str], list[float]] = {}
-    for e in events:
-        if e.device_type != DeviceType.CUDA or e.is_user_annotation:
-            continue
+    for e in filter(_is_activity, events):
         for phase, start, end in spans:
             if start <= e.time_range.start < end:
                 entry = totals.setdefault((phase, e.name[:name_width]), [0.0, 0])
                 entry[0] += e.time_range.end - e.time_range.start
                 entry[1] += 1
-    rows = sorted(totals.items(), key=lambda item: (item[0][0], -item[1][0]))
-    ranked: dict[str, int] = {}
-    kept = []
-    for (phase, name), (micros, launches) in rows:
-        ranked[phase] = ranked.get(phase, 0) + 1
-        if ranked[phase] <= top:
-            kept.append(
-                {"phase": phase, "ms": round(micros / 1e3, 3), "n": launches, "kernel": name}
-            )
-    return kept
+    by_phase: dict[str, list[dict]] = {}
+    for (phase, name), (micros, launches) in totals.items():
+        row = {"phase": phase, "ms": round(micros / 1e3, 3), "n": launches, "kernel": name}
+        by_phase.setdefault(phase, []).append(row)
+    return [
+        row
+        for phase in sorted(by_phase)
+        for row in sorted(by_phase[phase], key=lambda row: -row["ms"])[:top]
+    ]
 
 
 def _innermost(ops, thread: int, moment: float) -> str:
@@ -165,15 +166,11 @@ def phase_gpu_seconds(events) -> dict[str, float]:
 
 def _phase_times(events) -> tuple[dict[str, float], dict[str, float]]:
     """(device-busy time, wall time) per named range, in the profiler's microseconds."""
-    activity = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in events
-        if e.device_type == DeviceType.CUDA and not e.is_user_annotation
-    )
+    activity = sorted((e.time_range.start, e.time_range.end) for e in events if _is_activity(e))
     covered: dict[str, float] = {}
     wall: dict[str, float] = {}
     for e in events:
-        if e.device_type == DeviceType.CPU and e.is_user_annotation:
+        if _is_phase(e):
             start, end = e.time_range.start, e.time_range.end
             covered[e.name] = covered.get(e.name, 0.0) + covered_time(activity, start, end)
             wall[e.name] = wall.get(e.name, 0.0) + (end - start)
