@@ -10,6 +10,8 @@ building into keel before it is (issue 50). Each lever patches keel as the bench
   noshare   every decode row reads its prompt's keys and values in its own cache, as before keel
             read a prompt's samples' copies in one row (decode_state.SHARE_PREFIX_READS): the
             baseline that sharing is measured against
+  norotary  each layer's query and key heads normed and rotated by torch.compile's kernels before
+            the decode attention, as before the kernel did it itself (runner.ROTARY_IN_ATTENTION)
 
   python benchmarks/levers.py LEVER[,LEVER...] t1 --gpus 1 --steps 3 --warmup 1 --out OUT.jsonl
 
@@ -58,7 +60,19 @@ def noshare() -> None:
     decode_state.SHARE_PREFIX_READS = False
 
 
-LEVERS = {"cudnn": cudnn, "graphs": graphs, "nogc": nogc, "noshare": noshare}
+def norotary() -> None:
+    import keel.rollout.native.runner as runner
+
+    runner.ROTARY_IN_ATTENTION = False
+
+
+LEVERS = {
+    "cudnn": cudnn,
+    "graphs": graphs,
+    "nogc": nogc,
+    "noshare": noshare,
+    "norotary": norotary,
+}
 
 
 def main(argv: list[str]) -> int:

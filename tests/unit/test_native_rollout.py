@@ -721,11 +721,12 @@ def test_triton_decode_attention_matches_sdpa_under_the_interpreter():
 
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("one_pass", [False, True])
-def test_the_decode_kernel_compiles_for_hopper_without_a_gpu(shared, one_pass):
+@pytest.mark.parametrize("rotary", ["", "rotary", "rotary_and_norms"])
+def test_the_decode_kernel_compiles_for_hopper_without_a_gpu(shared, one_pass, rotary):
     """Where Triton is installed, its compiler builds the decode kernel for sm_90 (H100, H200) on
     any machine: Qwen2.5-0.5B's heads through the row table, with and without copied columns read
-    in their source row, in one pass and in splits. A GPU's time is scarce; a compile error shows
-    here first."""
+    in their source row, in one pass and in splits, and norming and rotating the projected heads
+    itself. A GPU's time is scarce; a compile error shows here first."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -734,13 +735,16 @@ def test_the_decode_kernel_compiles_for_hopper_without_a_gpu(shared, one_pass):
 
     names = decode_attention_kernel.arg_names
     pointers = dict.fromkeys(["Q", "K", "V", "KCache", "VCache", "Out", "Sinks"], "*bf16")
+    pointers |= dict.fromkeys(["Cos", "Sin", "QNorm", "KNorm"], "*bf16")
     pointers |= dict.fromkeys(["PartialOut", "PartialLse"], "*fp32")
     pointers |= dict.fromkeys(["Pad", "Column", "Rows", "PrefixRow", "PrefixLen"], "*i64")
     constants = dict(GROUP=7, BLOCK_GROUP=16, DIM=64, BLOCK=64, ONE_PASS=one_pass, INDIRECT=True)
     constants |= dict(COLUMN_STRIDE=1, SINKS=False, SHARED=shared)
+    constants |= dict(ROTARY=bool(rotary), QK_NORM=rotary == "rotary_and_norms")
+    floats = ("scale", "eps")
     signature = {
         name: pointers.get(
-            name, "constexpr" if name in constants else "fp32" if name == "scale" else "i64"
+            name, "constexpr" if name in constants else "fp32" if name in floats else "i64"
         )
         for name in names
     }

@@ -86,6 +86,20 @@ class SharedPrefix(NamedTuple):
 
 
 @cache
+class Rotary(NamedTuple):
+    """What turns a layer's projected query and key heads into attention's inputs, for a kernel that
+    does it itself (layers.attention_inputs otherwise): each row's cos and sin [B, 1, D] (the sign
+    of rotate_half in sin), each head's query and key RMSNorm weights [D] (None: the layer has
+    none) and its eps."""
+
+    cos: Tensor
+    sin: Tensor
+    q_norm: Tensor | None
+    k_norm: Tensor | None
+    eps: float
+
+
+@cache
 def _multiprocessors(device: torch.device) -> int:
     """The device's SM count, read once: an eager decode (no CUDA graphs) calls the kernel per layer
     and step."""
@@ -179,9 +193,14 @@ def triton_decode_attention(
     sinks: Tensor | None = None,
     prefix: SharedPrefix | None = None,
     config: KernelConfig = DEFAULT_CONFIG,
+    rotary: Rotary | None = None,
 ) -> Tensor:
     """The same as sdpa_decode_attention in Triton; `visible` is implied by `pad` (the first column
     each row sees) and `column` (read on the device: no host sync).
+
+    `rotary`: q and k are the layer's projection as it is (views of it, any strides), and each
+    program norms and rotates its heads as layers.attention_inputs would (Rotary), so those two to
+    five small kernels per layer do not run.
 
     One program per row, KV head and split of the cache's columns: a program walks its columns one
     dependent block after another, so a few rows over a long cache (a continuous batch's tail)
@@ -205,18 +224,21 @@ def triton_decode_attention(
     out = torch.empty(batch, heads, dim, device=q.device, dtype=q.dtype)
     partial, lse = _split_buffers(out, splits, (batch, kv_heads, group, dim))
     block_group = max(16, triton.next_power_of_2(group))
+    cos, sin, q_norm, k_norm, eps = rotary or (pad, pad, None, None, 0.0)
     # Laid out as the kernel's signature groups them (tensors, strides, split, constants): one
     # argument a line would hide which stride is whose.
     decode_attention_kernel[(batch, kv_heads, splits)](
         q, k, v, k_cache, v_cache, out, partial, lse, pad, column, pad if rows is None else rows,
-        pad if sinks is None else sinks, *(prefix or (pad, pad)), dim**-0.5,
+        pad if sinks is None else sinks, *(prefix or (pad, pad)), cos, sin,
+        pad if q_norm is None else q_norm, pad if k_norm is None else k_norm, eps, dim**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         split, splits,
         GROUP=group, BLOCK_GROUP=block_group, DIM=dim, BLOCK=config.block, ONE_PASS=splits == 1,
         INDIRECT=rows is not None, COLUMN_STRIDE=int(column.numel() > 1), SINKS=sinks is not None,
-        SHARED=prefix is not None, num_warps=config.num_warps, num_stages=config.num_stages,
+        SHARED=prefix is not None, ROTARY=rotary is not None, QK_NORM=q_norm is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
         merge_splits_kernel[(batch, kv_heads)](

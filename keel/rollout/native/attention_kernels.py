@@ -1,7 +1,10 @@
 """Decode attention's Triton kernels (attention.triton_decode_attention launches them and says what
 they compute): one program per row, KV head and split of the cache's columns streams the columns
 that row sees with an online softmax; a second kernel merges a row's splits by their log-sum-exps.
-Imported only where Triton is installed."""
+Where the caller passes the layer's QKV projection as it is (ROTARY), the program also makes its
+query and key heads from it: each head's RMSNorm (QK_NORM, Qwen3) and the rotary embedding, which
+would otherwise be two to five small kernels per layer before this one. Imported only where Triton
+is installed."""
 
 import triton
 import triton.language as tl
@@ -10,13 +13,13 @@ import triton.language as tl
 @triton.jit
 def decode_attention_kernel(
     Q, K, V, KCache, VCache, Out, PartialOut, PartialLse, Pad, Column, Rows, Sinks,
-    PrefixRow, PrefixLen, scale,
+    PrefixRow, PrefixLen, Cos, Sin, QNorm, KNorm, eps, scale,
     # strides: batch, head, column
     q_b, q_h, k_b, k_h, v_b, v_h, kc_b, kc_h, kc_l, vc_b, vc_h, vc_l,
     split_len, splits,
     GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
     ONE_PASS: tl.constexpr, INDIRECT: tl.constexpr, COLUMN_STRIDE: tl.constexpr,
-    SINKS: tl.constexpr, SHARED: tl.constexpr,
+    SINKS: tl.constexpr, SHARED: tl.constexpr, ROTARY: tl.constexpr, QK_NORM: tl.constexpr,
 ):  # fmt: skip
     # the query row; its cache row is Rows[slot] under continuous batching
     slot = tl.program_id(0)
@@ -39,12 +42,18 @@ def decode_attention_kernel(
         in_group = g[:, None] < GROUP
         # The G query heads of this KV head: q is [B, H, 1, D], heads kv_head*G .. kv_head*G +
         # G-1.
-        q = tl.load(
-            Q + slot * q_b + (kv_head * GROUP + g[:, None]) * q_h + d[None, :],
-            mask=in_group,
-            other=0.0,
-        )  # [BG, D]
-        k_new = tl.load(K + slot * k_b + kv_head * k_h + d)  # [D]
+        q_at = Q + slot * q_b + (kv_head * GROUP + g[:, None]) * q_h  # [BG, 1]
+        k_at = K + slot * k_b + kv_head * k_h
+        if ROTARY:
+            cos_at, sin_at = Cos + slot * DIM, Sin + slot * DIM
+            q = _rotated(q_at, in_group, cos_at, sin_at, QNorm, eps, QK_NORM, DIM)
+            q = q.to(Q.dtype.element_ty)  # [BG, D]
+            k_new = _rotated(k_at + tl.zeros([1, 1], tl.int32), d[None, :] < DIM, cos_at, sin_at,
+                             KNorm, eps, QK_NORM, DIM)  # fmt: skip
+            k_new = tl.reshape(k_new, [DIM]).to(K.dtype.element_ty)
+        else:
+            q = tl.load(q_at + d[None, :], mask=in_group, other=0.0)  # [BG, D]
+            k_new = tl.load(k_at + d)  # [D]
         v_new = tl.load(V + slot * v_b + kv_head * v_h + d)
         k_base = KCache + row * kc_b + kv_head * kc_h
         v_base = VCache + row * vc_b + kv_head * vc_h
@@ -67,6 +76,35 @@ def decode_attention_kernel(
             Out, PartialOut, PartialLse, slot, kv_head, split, splits, g, d, m, total, acc,
             GROUP, DIM, ONE_PASS,
         )  # fmt: skip
+
+
+@triton.jit
+def _rotated(
+    x_at, mask, cos_at, sin_at, norm, eps, QK_NORM: tl.constexpr, DIM: tl.constexpr
+):  # fmt: skip
+    """Heads [n, D] of the projection, each starting at x_at [n, 1], as layers.attention_inputs
+    makes them, in float32: RMS-normed by `norm` [D] (QK_NORM), rounded to the projection's dtype
+    twice as that function's norm rounds; then x cos + rotate_half(x) sin, where rotate_half(x) is
+    [x2, x1] and its minus sign lives in `sin` (the row's cos and sin [D] at cos_at, sin_at)."""
+    d = tl.arange(0, DIM)[None, :]
+    half = (d + DIM // 2) % DIM
+    x = tl.load(x_at + d, mask=mask, other=0.0).to(tl.float32)
+    x_half = tl.load(x_at + half, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / DIM + eps)[:, None]
+        x = _scaled(x * rstd, norm + d, x_at.dtype.element_ty)
+        x_half = _scaled(x_half * rstd, norm + half, x_at.dtype.element_ty)
+    cos = tl.load(cos_at + d).to(tl.float32)
+    sin = tl.load(sin_at + d).to(tl.float32)
+    return x * cos + x_half * sin
+
+
+@triton.jit
+def _scaled(normed, weight_at, dtype: tl.constexpr):
+    """weight * normed as rms_norm computes it: the normed value rounded to `dtype`, then the
+    product rounded too."""
+    normed = normed.to(dtype).to(tl.float32)
+    return (tl.load(weight_at).to(tl.float32) * normed).to(dtype).to(tl.float32)
 
 
 @triton.jit

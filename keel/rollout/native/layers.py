@@ -23,7 +23,17 @@ class StepFunctions:
     with Triton; fullgraph, so a graph break is an error), plain functions elsewhere (CPU, or
     `rollout.enforce_eager`, and prefill). A family's layer functions (models/) are among them."""
 
-    def __init__(self, family, compiled: bool, mode: str | None = None, exact: bool = False):
+    def __init__(
+        self,
+        family,
+        compiled: bool,
+        mode: str | None = None,
+        exact: bool = False,
+        rotary_in_attention: bool = False,
+    ):
+        """`rotary_in_attention`: the attention kernel norms and rotates the query and key heads
+        itself (attention.Rotary), so `projection` replaces `attention_inputs`: the projection,
+        its heads as they are."""
         if compiled:
             # Each batch bucket, cache length and dtype is a compiled variant of these few
             # functions; past dynamo's default of 8, fullgraph=True would make a recompile a hard
@@ -47,6 +57,7 @@ class StepFunctions:
         self.rope = prepared(rope)
         self.norm = prepared(family.norm)
         self.attention_inputs = prepared(family.attention_inputs)
+        self.projection = prepared(projected_heads) if rotary_in_attention else None
         self.after_attention = {kind: prepared(fn) for kind, fn in family.after_attention.items()}
         self.pickers = Pickers(prepared(pick_token), prepared(pick_blocked))
 
@@ -151,6 +162,15 @@ def attention_inputs(
     # rotated in float32 where the stream is (its cos and sin are): rounded once
     qk = qk.to(qkv.dtype)
     return qk[:, :heads].unsqueeze(2), qk[:, heads:].unsqueeze(2), v
+
+
+def projected_heads(h: Tensor, args: AttentionArgs) -> tuple[Tensor, Tensor, Tensor]:
+    """attention_inputs' projection alone: q [B, H, 1, D], k and v [B, KV, 1, D], views of it
+    as they are (not normed, not rotated), for a kernel that does the rest (attention.Rotary)."""
+    batch, heads, kv_heads = h.shape[0], args.heads, args.kv_heads
+    qkv = project(h, args.qkv, args.qkv_lora, args.qkv_bias)
+    q, k, v = qkv.view(batch, heads + 2 * kv_heads, 1, -1).split([heads, kv_heads, kv_heads], 1)
+    return q, k, v
 
 
 def attention_output_and_mlp(

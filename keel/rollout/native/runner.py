@@ -23,6 +23,7 @@ from keel.rollout.native.attention import (
 )
 from keel.rollout.native.layers import (
     StepFunctions,
+    attention_inputs,
     embeddings,
     grouped_attention,
     window_start,
@@ -33,6 +34,11 @@ from keel.rollout.native.sampling import sample, token_log_prob
 from keel.rollout.native.scheduler import Piece
 from keel.rollout.native.weights import DecodeWeights
 from keel.types import SamplingParams
+
+# The decode kernel norms and rotates each layer's query and key heads itself (attention.Rotary)
+# where the family's are layers.attention_inputs': two (Qwen2.5) to five (Qwen3) kernels fewer per
+# layer. benchmarks/levers.py's norotary sets it off before an engine is made, to measure it.
+ROTARY_IN_ATTENTION = True
 
 
 class ModelRunner:
@@ -57,14 +63,18 @@ class ModelRunner:
         # enforce_eager (verl's key): no CUDA graphs or compilation (debugging; CPU's only way).
         # compile_mode: torch.compile's, for benchmarks/profile_decode.py (max-autotune: slower).
         self.use_cuda_graphs = not enforce_eager and self.device.type == "cuda"
+        use_triton = triton_available(self.device, dtype, self.head_dim)
         self.kernels = StepFunctions(
             self.family,
             self.use_cuda_graphs and compile_step and can_compile(self.device),
             compile_mode,
             exact=batch_invariant,
+            rotary_in_attention=ROTARY_IN_ATTENTION
+            and use_triton
+            and not batch_invariant
+            and self.family.attention_inputs is attention_inputs,
         )
         self._eager = StepFunctions(self.family, compiled=False)
-        use_triton = triton_available(self.device, dtype, self.head_dim)
         self.attention = triton_decode_attention if use_triton else sdpa_decode_attention
         if batch_invariant:
             self.attention = invariant.decode_attention
@@ -212,8 +222,8 @@ class ModelRunner:
             w.stream_dtype,
         )
 
-        # also writes k, v to the cache
-        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # also writes k, v to the cache; `rotary`: q and k as projected (StepFunctions.projection)
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor, **rotary) -> Tensor:
             window, sinks = self.family.window(i), w.layers[i].sinks
             # the Triton kernel's; SDPA's is in its mask
             first = window_start(pad, column, window)
@@ -222,6 +232,6 @@ class ModelRunner:
                 columns = torch.arange(visible.shape[-1], device=pad.device)
                 seen = visible & (columns >= first[:, None])[:, None, None]
             at = (k_cache[i], v_cache[i], first, column, seen, rows, sinks, prefix)
-            return self.attention(q, k, v, *at)
+            return self.attention(q, k, v, *at, **rotary)
 
         return self._logits(self.family.layers(f, w, x, positions, attend))

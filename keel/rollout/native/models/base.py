@@ -12,6 +12,7 @@ from typing import TypeVar
 from torch import Tensor
 
 from keel.models.families import FamilyFacts
+from keel.rollout.native.attention import Rotary
 from keel.rollout.native.layers import AttentionArgs, LowRank, MlpArgs, rms_norm
 
 # a step function's argument: a NamedTuple of the layer's tensors, then the family's constants
@@ -136,7 +137,9 @@ class Family(ABC):
         """The decoder's layers over the residual stream x [N, hidden] of tokens at `positions` [N]
         -> the final normed hidden state [N, hidden]. The one layer loop: decoding and both prefills
         differ only in `attend(layer index, q, k, v)`, which writes K and V to the cache and attends
-        as each needs. `fns`: the step functions, compiled or not (layers.StepFunctions)."""
+        as each needs. `fns`: the step functions, compiled or not (layers.StepFunctions); where
+        they have a `projection`, q and k come as projected and `attend` also takes the rotary=
+        that makes them attention's inputs (attention.Rotary)."""
         rotary = {
             kind: fns.rope(positions, inv_freq, scale, x.dtype)
             for kind, (inv_freq, scale) in weights.rotary.items()
@@ -145,8 +148,13 @@ class Family(ABC):
         h = x if first_norm is None else fns.norm(x, first_norm, self.eps)
         for i, layer in enumerate(weights.layers):
             cos, sin = rotary[self.rope_kind(i)]
-            q, k, v = fns.attention_inputs(h, cos, sin, self.attention_args(layer))
-            attention = attend(i, q, k, v)
+            args = self.attention_args(layer)
+            if fns.projection is None:
+                attention = attend(i, *fns.attention_inputs(h, cos, sin, args))
+            else:
+                # the attention kernel norms and rotates the heads itself
+                rotation = Rotary(cos, sin, args.q_norm, args.k_norm, args.eps)
+                attention = attend(i, *fns.projection(h, args), rotary=rotation)
             x, h = fns.after_attention[self.layer_kind(layer)](
                 x, attention, weights.norm_after(i), self.after_attention_args(layer)
             )
