@@ -196,11 +196,8 @@ def triton_decode_attention(
     rotary: Rotary | None = None,
 ) -> Tensor:
     """The same as sdpa_decode_attention in Triton; `visible` is implied by `pad` (the first column
-    each row sees) and `column` (read on the device: no host sync).
-
-    `rotary`: q and k are the layer's projection as it is (views of it, any strides), and each
-    program norms and rotates its heads as layers.attention_inputs would (Rotary), so those two to
-    five small kernels per layer do not run.
+    each row sees) and `column` (read on the device: no host sync). `rotary`: q and k are views of
+    the projection, normed and rotated by each program as layers.attention_inputs would.
 
     One program per row, KV head and split of the cache's columns: a program walks its columns one
     dependent block after another, so a few rows over a long cache (a continuous batch's tail)
@@ -212,32 +209,28 @@ def triton_decode_attention(
 
     `prefix`: the columns a row holds as a copy of another's are read there. A prompt's samples run
     side by side, so its keys and values come from HBM once, then L2: the same bits, same result.
-
     Two slots may share a cache row only at the same column (the batcher's scratch row): a slot's
     write at its column would race another's read of it."""
     batch, heads, _, dim = q.shape
-    kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
-    group = heads // kv_heads
-    sms = _multiprocessors(q.device)
-    config = config.resolved(cache_len, batch * kv_heads, sms, shared=prefix is not None)
+    kv_heads, cache_len, group = k_cache.shape[1], k_cache.shape[2], heads // k_cache.shape[1]
+    sms, shared = _multiprocessors(q.device), prefix is not None
+    config = config.resolved(cache_len, batch * kv_heads, sms, shared=shared)
     split, splits = config.split, triton.cdiv(cache_len, config.split)
     out = torch.empty(batch, heads, dim, device=q.device, dtype=q.dtype)
     partial, lse = _split_buffers(out, splits, (batch, kv_heads, group, dim))
     block_group = max(16, triton.next_power_of_2(group))
-    cos, sin, q_norm, k_norm, eps = rotary or (pad, pad, None, None, 0.0)
     # Laid out as the kernel's signature groups them (tensors, strides, split, constants): one
     # argument a line would hide which stride is whose.
     decode_attention_kernel[(batch, kv_heads, splits)](
-        q, k, v, k_cache, v_cache, out, partial, lse, pad, column, pad if rows is None else rows,
-        pad if sinks is None else sinks, *(prefix or (pad, pad)), cos, sin,
-        pad if q_norm is None else q_norm, pad if k_norm is None else k_norm, eps, dim**-0.5,
+        q, k, v, k_cache, v_cache, out, partial, lse, pad, column,
+        *_optional_inputs(pad, rows, sinks, prefix, rotary), dim**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         split, splits,
         GROUP=group, BLOCK_GROUP=block_group, DIM=dim, BLOCK=config.block, ONE_PASS=splits == 1,
         INDIRECT=rows is not None, COLUMN_STRIDE=int(column.numel() > 1), SINKS=sinks is not None,
-        SHARED=prefix is not None, ROTARY=rotary is not None, QK_NORM=q_norm is not None,
+        SHARED=shared, ROTARY=rotary is not None, QK_NORM=_has_norms(rotary),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
@@ -247,6 +240,18 @@ def triton_decode_attention(
             num_warps=config.merge_warps,
         )  # fmt: skip
     return out.view(batch, heads * dim)
+
+
+def _has_norms(rotary: Rotary | None) -> bool:
+    return rotary is not None and rotary.q_norm is not None
+
+
+def _optional_inputs(stand_in: Tensor, rows, sinks, prefix, rotary) -> tuple:
+    """The kernel's optional tensors in its order (Rows, Sinks, PrefixRow, PrefixLen, Cos, Sin,
+    QNorm, KNorm), `stand_in` for each one absent (its flag keeps it unread), then eps."""
+    cos, sin, q_norm, k_norm, eps = rotary or (None, None, None, None, 0.0)
+    tensors = (rows, sinks, *(prefix or (None, None)), cos, sin, q_norm, k_norm)
+    return (*(stand_in if t is None else t for t in tensors), eps)
 
 
 def _split_buffers(out: Tensor, splits: int, shape: tuple[int, int, int, int]):

@@ -42,18 +42,10 @@ def decode_attention_kernel(
         in_group = g[:, None] < GROUP
         # The G query heads of this KV head: q is [B, H, 1, D], heads kv_head*G .. kv_head*G +
         # G-1.
-        q_at = Q + slot * q_b + (kv_head * GROUP + g[:, None]) * q_h  # [BG, 1]
-        k_at = K + slot * k_b + kv_head * k_h
-        if ROTARY:
-            cos_at, sin_at = Cos + slot * DIM, Sin + slot * DIM
-            q = _rotated(q_at, in_group, cos_at, sin_at, QNorm, eps, QK_NORM, DIM)
-            q = q.to(Q.dtype.element_ty)  # [BG, D]
-            k_new = _rotated(k_at + tl.zeros([1, 1], tl.int32), d[None, :] < DIM, cos_at, sin_at,
-                             KNorm, eps, QK_NORM, DIM)  # fmt: skip
-            k_new = tl.reshape(k_new, [DIM]).to(K.dtype.element_ty)
-        else:
-            q = tl.load(q_at + d[None, :], mask=in_group, other=0.0)  # [BG, D]
-            k_new = tl.load(k_at + d)  # [D]
+        q, k_new = _query_and_key(
+            Q + slot * q_b + (kv_head * GROUP + g[:, None]) * q_h, K + slot * k_b + kv_head * k_h,
+            in_group, Cos + slot * DIM, Sin + slot * DIM, QNorm, KNorm, eps, ROTARY, QK_NORM, DIM,
+        )  # fmt: skip
         v_new = tl.load(V + slot * v_b + kv_head * v_h + d)
         k_base = KCache + row * kc_b + kv_head * kc_h
         v_base = VCache + row * vc_b + kv_head * vc_h
@@ -76,6 +68,28 @@ def decode_attention_kernel(
             Out, PartialOut, PartialLse, slot, kv_head, split, splits, g, d, m, total, acc,
             GROUP, DIM, ONE_PASS,
         )  # fmt: skip
+
+
+@triton.jit
+def _query_and_key(
+    q_at, k_at, in_group, cos_at, sin_at, q_norm, k_norm, eps,
+    ROTARY: tl.constexpr, QK_NORM: tl.constexpr, DIM: tl.constexpr,
+):  # fmt: skip
+    """This program's query heads [BG, D] (each starting at q_at [BG, 1]) and the new token's key
+    [D] (at k_at): as given, or made from the projection by `_rotated` (ROTARY) and rounded to its
+    dtype, as layers.attention_inputs rounds them."""
+    d = tl.arange(0, DIM)
+    if ROTARY:
+        q = _rotated(q_at, in_group, cos_at, sin_at, q_norm, eps, QK_NORM, DIM)
+        q = q.to(q_at.dtype.element_ty)
+        # the key as one head [1, D]
+        k = _rotated(k_at + tl.zeros([1, 1], tl.int32), d[None, :] < DIM, cos_at, sin_at, k_norm,
+                     eps, QK_NORM, DIM)  # fmt: skip
+        k = tl.reshape(k, [DIM]).to(k_at.dtype.element_ty)
+    else:
+        q = tl.load(q_at + d[None, :], mask=in_group, other=0.0)
+        k = tl.load(k_at + d)
+    return q, k
 
 
 @triton.jit
