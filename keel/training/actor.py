@@ -13,7 +13,7 @@ from keel.algorithms.rollout_correction import compute_correction
 from keel.algorithms.utils import masked_mean
 from keel.config.algorithm import RolloutCorrectionConfig
 from keel.errors import NO_GRADIENT, KeelError
-from keel.training.batching import MicroBatching, MiniBatch, micro_batches
+from keel.training.batching import MicroBatching, MiniBatch, cut_ahead
 from keel.training.forward import batched_log_probs, compute_device, response_vocab_stats
 from keel.training.optim import build_optimizer, build_scheduler
 from keel.training.placement import SINGLE, Placement
@@ -106,10 +106,10 @@ class ActorTrainer:
     def update(self, minis: list[MiniBatch]) -> dict[str, float]:
         return update_role("actor", self.model, self.scheduler, minis, self._update_mini_batch)
 
-    def _update_mini_batch(self, mini: MiniBatch) -> dict[str, float]:
+    def _update_mini_batch(self, mini: MiniBatch, upcoming: MiniBatch | None) -> dict[str, float]:
         scale = mini.scale
         totals, tokens = DeviceTotals(), float(scale.tokens)
-        for _, micro in micro_batches(mini.samples, self.update_batching):
+        for _, micro in mini.micro_batches(self.update_batching):
             micro_loss = self._micro_loss(
                 micro, scale, measure_gaps=self._measures_gaps(micro, mini)
             )
@@ -127,6 +127,7 @@ class ActorTrainer:
             "actor",
             self.placement.reduce_gradients,
             totals,
+            while_waiting=cut_ahead(upcoming, self.update_batching),
         )
         # bypass's filters may drop every token here
         if self.bypass is None or not self.bypass.rejection:

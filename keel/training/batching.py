@@ -8,7 +8,9 @@ step in `step.py`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -42,6 +44,22 @@ class MiniBatch:
     on_policy_signal: bool
     # the update's first mini-batch: the policy is still the sampler's
     first: bool = False
+    # its micro-batches by how they were cut (micro_batches)
+    _cut: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def micro_batches(self, how: MicroBatching) -> list[tuple[Tensor, TrainBatch]]:
+        """micro_batches(self.samples, how), cut once: ahead of this mini-batch's turn where the
+        update cuts it while the GPU runs the one before (cut_ahead)."""
+        if how not in self._cut:
+            self._cut[how] = micro_batches(self.samples, how)
+        return self._cut[how]
+
+
+def cut_ahead(upcoming: MiniBatch | None, how: MicroBatching) -> Callable[[], object] | None:
+    """The host's work while the GPU finishes a mini-batch, before the sync that ends it: the next
+    mini-batch's micro-batches cut (their sort, selection and trimming on the host had left t1's GPU
+    idle 2.5-3.8 ms at each mini-batch's start, one H100)."""
+    return None if upcoming is None else partial(upcoming.micro_batches, how)
 
 
 def plan_minibatches(

@@ -6,7 +6,7 @@ import torch
 
 from keel.algorithms.losses import compute_value_loss
 from keel.algorithms.utils import masked_mean
-from keel.training.batching import MicroBatching, MiniBatch, micro_batches
+from keel.training.batching import MicroBatching, MiniBatch, cut_ahead
 from keel.training.forward import compute_device, per_token_outputs, response_values
 from keel.training.optim import build_optimizer, build_scheduler
 from keel.training.placement import SINGLE, Placement
@@ -39,11 +39,11 @@ class CriticTrainer:
     def update(self, minis: list[MiniBatch]) -> dict[str, float]:
         return update_role("critic", self.model, self.scheduler, minis, self._update_mini_batch)
 
-    def _update_mini_batch(self, mini: MiniBatch) -> dict[str, float]:
+    def _update_mini_batch(self, mini: MiniBatch, upcoming: MiniBatch | None) -> dict[str, float]:
         device = compute_device(self.model, self.placement)
         scale = mini.scale
         totals, tokens = DeviceTotals(), float(scale.tokens)
-        for _, host_micro in micro_batches(mini.samples, self.batching):
+        for _, host_micro in mini.micro_batches(self.batching):
             # once, without waiting for the GPU
             micro = host_micro.to(device)
             mask = micro.loss_mask
@@ -69,4 +69,5 @@ class CriticTrainer:
             "critic",
             self.placement.reduce_gradients,
             totals,
+            while_waiting=cut_ahead(upcoming, self.batching),
         )

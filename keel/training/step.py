@@ -85,6 +85,7 @@ def apply_gradients(
     role: str,
     reduce_gradients: Callable[[list[torch.Tensor]], None] | None = None,
     totals: DeviceTotals | None = None,
+    while_waiting: Callable[[], object] | None = None,
 ) -> dict[str, float]:
     """Clip, check and step -> `totals`' metrics and f"{role}/grad_norm", read back with one host
     sync. A non-finite or missing gradient stops the run before it is applied.
@@ -95,7 +96,8 @@ def apply_gradients(
     own update on the device when the norm is not finite (found_inf, as GradScaler does), so the
     weights stay unchanged when the check then refuses the step; others are checked before they
     step. `reduce_gradients`: averages the gradients over ranks that each hold the whole model (DDP,
-    fsdp_size=1); FSDP reduces its own."""
+    fsdp_size=1); FSDP reduces its own. `while_waiting`: host work to do before the sync, while the
+    GPU still runs what was launched (the next mini-batch's cut: batching.cut_ahead)."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     missing = [name for name, p in named if p.grad is None]
     if missing:
@@ -118,6 +120,8 @@ def apply_gradients(
             del optimizer.found_inf
     totals = totals or DeviceTotals()
     totals.add(f"{role}/grad_norm", grad_norm)
+    if while_waiting is not None:
+        while_waiting()
     # the host sync
     metrics = totals.floats()
     if not math.isfinite(metrics[f"{role}/grad_norm"]):
@@ -178,15 +182,16 @@ def update_role(
     model: nn.Module,
     scheduler,
     minis: list,
-    update_mini_batch: Callable[[object], dict[str, float]],
+    update_mini_batch: Callable[[object, object | None], dict[str, float]],
 ) -> dict[str, float]:
     """One RL step's update of a role (actor or critic): an optimiser step per mini-batch, each
     returning its metrics, averaged over the mini-batches; the LR schedule steps once per RL
-    step."""
+    step. `update_mini_batch(mini, upcoming)` is told the mini-batch after it (None for the last),
+    whose host work it may do while the GPU runs its own."""
     model.train()
     means = MetricMeans()
-    for mini in minis:
-        for name, value in update_mini_batch(mini).items():
+    for mini, upcoming in zip(minis, [*minis[1:], None]):
+        for name, value in update_mini_batch(mini, upcoming).items():
             means.add(name, value)
     means.add(f"{role}/lr", scheduler.get_last_lr()[0])
     scheduler.step()
