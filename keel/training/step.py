@@ -99,13 +99,7 @@ def apply_gradients(
     fsdp_size=1); FSDP reduces its own. `while_waiting`: host work to do before the sync, while the
     GPU still runs what was launched (the next mini-batch's cut: batching.cut_ahead)."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    missing = [name for name, p in named if p.grad is None]
-    if missing:
-        raise KeelError(
-            NO_GRADIENT,
-            f"{len(missing)} of {len(named)} trainable {role} parameters received no "
-            f"gradient, e.g. {missing[:3]}",
-        )
+    refuse_missing_gradients(named, role)
     params = [p for _, p in named]
     if reduce_gradients is not None:
         reduce_gradients(params)
@@ -141,6 +135,17 @@ def apply_gradients(
     # (lm_head, LoRA's adapters, uncompiled layers) would use the weights from before this step.
     torch.clear_autocast_cache()
     return metrics
+
+
+def refuse_missing_gradients(named: list[tuple[str, torch.Tensor]], role: str) -> None:
+    """A trainable parameter with no gradient stops the run: the loss does not reach it."""
+    missing = [name for name, p in named if p.grad is None]
+    if missing:
+        raise KeelError(
+            NO_GRADIENT,
+            f"{len(missing)} of {len(named)} trainable {role} parameters received no "
+            f"gradient, e.g. {missing[:3]}",
+        )
 
 
 def skips_nonfinite_on_device(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:

@@ -22,6 +22,14 @@ from keel.rollout.native.scheduler import CopiedPrefixes, Piece, chunk, passes, 
 from keel.rollout.native.state import capture
 from keel.types import SamplingParams
 
+try:
+    import triton
+
+    from keel.rollout.native.record_kernel import record_kernel
+# CPU installs: torch's indexing below
+except ImportError:
+    record_kernel = None
+
 # Each decode step reads a prompt's keys and values in the one row its samples copied them from
 # (CopiedPrefixes): the same bits, one prompt's columns from HBM once (Triton's kernel only).
 # benchmarks/levers.py's noshare sets it off before the graphs are captured, to measure the reads.
@@ -70,10 +78,21 @@ class RowState:
         )
 
     def record(
-        self, rows: Tensor, token: Tensor, log_prob: Tensor, eos: Tensor, ignore_eos: bool
+        self,
+        rows: Tensor,
+        token: Tensor,
+        log_prob: Tensor,
+        eos: Tensor,
+        ignore_eos: bool,
+        column: Tensor | None = None,
     ) -> Tensor:
         """This step's token for each of `rows` whose turn goes on, on the device -> which did.
-        A row whose turn ended writes past its count, where nothing is read."""
+        A row whose turn ended writes past its count, where nothing is read. `column`: each row's
+        cache column this step wrote, past which its length moves if its turn went on. On a GPU
+        with Triton, one kernel (record_kernel); two slots share a row only where none reads it
+        (the batcher's scratch row)."""
+        if record_kernel is not None and rows.is_cuda:
+            return self._record_in_kernel(rows, token, log_prob, eos, ignore_eos, column)
         live = ~self.done[rows]
         at = self.count[rows].clamp(max=self.tokens.shape[1] - 1)
         self.tokens[rows, at] = token
@@ -87,6 +106,19 @@ class RowState:
             # cannot capture
             stop |= (token[:, None] == eos).any(-1)
         self.done[rows] = self.done[rows] | (live & stop)
+        if column is not None:
+            self.length[rows] = column + live
+        return live
+
+    def _record_in_kernel(self, rows, token, log_prob, eos, ignore_eos, column) -> Tensor:
+        live = torch.empty_like(rows, dtype=torch.bool)
+        record_kernel[(len(rows),)](
+            rows, token, log_prob, rows if column is None else column, eos, self.tokens,
+            self.log_probs, self.count, self.limit, self.done, self.last_token, self.length, live,
+            self.tokens.stride(0), self.log_probs.stride(0), self.tokens.shape[1] - 1, len(eos),
+            IGNORE_EOS=ignore_eos, BLOCK_EOS=triton.next_power_of_2(max(len(eos), 1)),
+            LENGTH=column is not None,
+        )  # fmt: skip
         return live
 
 
@@ -214,7 +246,7 @@ class DecodeState:
         prefix = SharedPrefix(s.prefix_row, s.prefix_len) if SHARE_PREFIX_READS else None
         logits = self.runner.decode_logits(s.last_token[rows], pad, column, s.k, s.v, rows, prefix)
         token, log_prob = self.runner.sample(logits, params)
-        s.length[rows] = column + s.record(rows, token, log_prob, self.eos, params.ignore_eos)
+        s.record(rows, token, log_prob, self.eos, params.ignore_eos, column)
 
     def _prefill(self, items: list[Piece]) -> Tensor:
         """The new tokens of each (row, start column, tokens), in passes of at most
