@@ -10,6 +10,8 @@ building into keel before it is (issue 50). Each lever patches keel as the bench
   noshare   every decode row reads its prompt's keys and values in its own cache, as before keel
             read a prompt's samples' copies in one row (decode_state.SHARE_PREFIX_READS): the
             baseline that sharing is measured against
+  norecord  the decode step's bookkeeping by torch's indexing, about twenty kernels, as before one
+            Triton kernel did it (decode_state.record_kernel)
   norotary  each layer's query and key heads normed and rotated by torch.compile's kernels before
             the decode attention, as before the kernel did it itself (runner.ROTARY_IN_ATTENTION)
 
@@ -60,6 +62,12 @@ def noshare() -> None:
     decode_state.SHARE_PREFIX_READS = False
 
 
+def norecord() -> None:
+    import keel.rollout.native.decode_state as decode_state
+
+    decode_state.record_kernel = None
+
+
 def norotary() -> None:
     import keel.rollout.native.runner as runner
 
@@ -71,6 +79,7 @@ LEVERS = {
     "graphs": graphs,
     "nogc": nogc,
     "noshare": noshare,
+    "norecord": norecord,
     "norotary": norotary,
 }
 
