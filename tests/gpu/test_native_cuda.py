@@ -221,6 +221,50 @@ def test_triton_decode_attention_matches_sdpa(kv_heads, group, dim, splits, colu
     assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
 
 
+@pytest.mark.parametrize("norm_dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads, group, dim", [(2, 7, 64), (8, 2, 128)])
+def test_the_kernel_norms_and_rotates_the_projection_as_attention_inputs_does(
+    kv_heads, group, dim, norm_dtype
+):
+    """Given the QKV projection as it is (attention.Rotary), the kernel's keys written to the cache
+    are attention_inputs' bits, and its output is the output from attention_inputs' q, k, v:
+    Qwen2.5's shapes without per-head norms, Qwen3's with them (float32 weights, as the trainer's
+    master weights give the stream; and bf16)."""
+    from keel.rollout.native.attention import Rotary, triton_available, triton_decode_attention
+    from keel.rollout.native.layers import AttentionArgs, attention_inputs, projected_heads, rope
+
+    if not triton_available(CUDA, torch.bfloat16, dim):
+        pytest.skip("no Triton")
+    torch.manual_seed(0)
+    batch, hidden, heads, length = 9, 256, kv_heads * group, 300
+    size = (heads + 2 * kv_heads) * dim
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    norms = [
+        (torch.rand(dim, device="cuda") + 0.5).to(norm_dtype) if norm_dtype else None
+        for _ in range(2)
+    ]
+    args = AttentionArgs(
+        torch.randn(size, hidden, **bf16) / hidden**0.5, torch.randn(size, **bf16), None,
+        *norms, heads, kv_heads, 1e-6, 1.0,
+    )  # fmt: skip
+    h = torch.randn(batch, hidden, device="cuda")
+    positions = torch.randint(0, 4000, (batch,), device="cuda")
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, dim, 2, device="cuda").float() / dim))
+    cos, sin = rope(positions, inv_freq, 1.0, torch.float32)
+    caches = [torch.randn(batch, kv_heads, length, dim, **bf16) for _ in range(2)]
+    pad = torch.zeros(batch, dtype=torch.long, device="cuda")
+    column = torch.tensor([250], device="cuda")
+    unfused = [c.clone() for c in caches]
+    expected = triton_decode_attention(*attention_inputs(h, cos, sin, args), *unfused, pad, column)
+    rotary = Rotary(cos, sin, *norms, 1e-6)
+    got = triton_decode_attention(*projected_heads(h, args), *caches, pad, column, rotary=rotary)
+    assert torch.equal(caches[1], unfused[1])
+    keys = (caches[0][:, :, 250] != unfused[0][:, :, 250]).float().mean().item()
+    # the per-head norm's sum in another order may move a bf16 rounding, rarely
+    assert keys == 0 if norm_dtype is None else keys < 0.01, keys
+    assert (got.float() - expected.float()).abs().max().item() < 2e-2
+
+
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("kv_heads, group, dim", [(2, 7, 64), (8, 1, 128)])
 def test_triton_decode_attention_reads_rows_through_the_table_as_sdpa_does(

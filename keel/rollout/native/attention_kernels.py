@@ -97,8 +97,8 @@ def _rotated(
     x_at, mask, cos_at, sin_at, norm, eps, QK_NORM: tl.constexpr, DIM: tl.constexpr
 ):  # fmt: skip
     """Heads [n, D] of the projection, each starting at x_at [n, 1], as layers.attention_inputs
-    makes them, in float32: RMS-normed by `norm` [D] (QK_NORM), rounded to the projection's dtype
-    twice as that function's norm rounds; then x cos + rotate_half(x) sin, where rotate_half(x) is
+    makes them, in float32: RMS-normed by `norm` [D] (QK_NORM), rounded as that function's norm
+    rounds (_scaled); then x cos + rotate_half(x) sin, where rotate_half(x) is
     [x2, x1] and its minus sign lives in `sin` (the row's cos and sin [D] at cos_at, sin_at)."""
     d = tl.arange(0, DIM)[None, :]
     half = (d + DIM // 2) % DIM
@@ -115,10 +115,11 @@ def _rotated(
 
 @triton.jit
 def _scaled(normed, weight_at, dtype: tl.constexpr):
-    """weight * normed as rms_norm computes it: the normed value rounded to `dtype`, then the
-    product rounded too."""
-    normed = normed.to(dtype).to(tl.float32)
-    return (tl.load(weight_at).to(tl.float32) * normed).to(dtype).to(tl.float32)
+    """weight * normed as rms_norm computes it: the normed value rounded to the projection's
+    `dtype`, the product to the weight's (torch's promotion: none for float32 norm weights)."""
+    weight = tl.load(weight_at)
+    product = weight.to(tl.float32) * normed.to(dtype).to(tl.float32)
+    return product.to(weight.dtype).to(tl.float32)
 
 
 @triton.jit

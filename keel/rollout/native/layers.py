@@ -177,12 +177,15 @@ def attention_output_and_mlp(
     x: Tensor, attention: Tensor, next_norm: Tensor, args: MlpArgs
 ) -> tuple[Tensor, Tensor]:
     """The rest of a decoder layer: output projection and residual, the gated MLP and residual;
-    also the next layer's normed input, so the residual stream is read once."""
+    also the next layer's normed input, so the residual stream is read once. That input is
+    returned in the projections' dtype: their matmuls round it to that anyway (`project`, and the
+    output layer's), and here the rounding fuses into the norm's kernel instead of being one more
+    kernel per layer before the next projection."""
     x = residual_add(x, project(attention, args.o, args.o_lora))
     normed = rms_norm(x, args.post_norm, args.eps)
     gate, up = project(normed, args.gate_up, args.gate_up_lora).chunk(2, dim=-1)
     x = residual_add(x, project(F.silu(gate) * up, args.down, args.down_lora))
-    return x, rms_norm(x, next_norm, args.eps)
+    return x, rms_norm(x, next_norm, args.eps).to(args.gate_up.dtype)
 
 
 def residual_add(x: Tensor, y: Tensor) -> Tensor:
