@@ -120,7 +120,8 @@ class ExpertsArgs(NamedTuple):
 def attention_output_and_experts(
     x: Tensor, attention: Tensor, next_norm: Tensor, args: ExpertsArgs
 ) -> tuple[Tensor, Tensor]:
-    """attention_output_and_mlp with the mixture of experts in place of the MLP."""
+    """attention_output_and_mlp with the mixture of experts in place of the MLP (and, as it, the
+    next layer's normed input in the projections' dtype)."""
     x = residual_add(x, project(attention, args.o, args.o_lora))
     experts = routed_experts(
         rms_norm(x, args.post_norm, args.eps),
@@ -132,7 +133,7 @@ def attention_output_and_experts(
         args.grouped,
     )
     x = residual_add(x, experts)
-    return x, rms_norm(x, next_norm, args.eps)
+    return x, rms_norm(x, next_norm, args.eps).to(args.o.dtype)
 
 
 class Qwen3MoeFamily(LlamaFamily):
