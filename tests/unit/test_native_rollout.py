@@ -1,10 +1,6 @@
 """keel's native engine against the hf engine on a tiny model (CPU, float32): the same greedy
 tokens, samples from the same distribution, and log-probs the trainer agrees with."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -15,6 +11,8 @@ from keel.rollout.native import NativeRolloutEngine, unsupported_reason
 from keel.training.batching import MicroBatching
 from keel.training.forward import batched_log_probs
 from keel.types import SamplingParams
+
+from tests_helpers import compile_for_hopper, run_under_triton_interpreter
 
 PROMPTS = [
     {"prompt": "Digits please: 1"},
@@ -708,15 +706,7 @@ def test_triton_decode_attention_matches_sdpa_under_the_interpreter():
     samples read its copied columns in the row they were copied from: the same bits, where their
     own copies are spoilt."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", INTERPRETED_ATTENTION],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    run_under_triton_interpreter(INTERPRETED_ATTENTION)
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -727,13 +717,9 @@ def test_the_decode_kernel_compiles_for_hopper_without_a_gpu(shared, one_pass, r
     any machine: Qwen2.5-0.5B's heads through the row table, with and without copied columns read
     in their source row, in one pass and in splits, and norming and rotating the projected heads
     itself. A GPU's time is scarce; a compile error shows here first."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    pytest.importorskip("triton")
     from keel.rollout.native.attention_kernels import decode_attention_kernel
 
-    names = decode_attention_kernel.arg_names
     pointers = dict.fromkeys(["Q", "K", "V", "KCache", "VCache", "Out", "Sinks"], "*bf16")
     pointers |= dict.fromkeys(["Cos", "Sin", "QNorm", "KNorm"], "*bf16")
     pointers |= dict.fromkeys(["PartialOut", "PartialLse"], "*fp32")
@@ -741,20 +727,8 @@ def test_the_decode_kernel_compiles_for_hopper_without_a_gpu(shared, one_pass, r
     constants = dict(GROUP=7, BLOCK_GROUP=16, DIM=64, BLOCK=64, ONE_PASS=one_pass, INDIRECT=True)
     constants |= dict(COLUMN_STRIDE=1, SINKS=False, SHARED=shared)
     constants |= dict(ROTARY=bool(rotary), QK_NORM=rotary == "rotary_and_norms")
-    floats = ("scale", "eps")
-    signature = {
-        name: pointers.get(
-            name, "constexpr" if name in constants else "fp32" if name in floats else "i64"
-        )
-        for name in names
-    }
-    source = ASTSource(
-        fn=decode_attention_kernel,
-        signature=signature,
-        constexprs={(names.index(name),): value for name, value in constants.items()},
-    )
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-    assert "decode_attention_kernel" in kernel.asm["ptx"]
+    ptx = compile_for_hopper(decode_attention_kernel, pointers, constants, ("scale", "eps"))
+    assert "decode_attention_kernel" in ptx
 
 
 # grouped matmuls, or every expert masked (float32 on a GPU)

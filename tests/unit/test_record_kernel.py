@@ -3,11 +3,9 @@ under Triton's interpreter on the CPU (where Triton is installed; not in keel's 
 field a row's turn reads afterwards is the same, with stop tokens and without, with the cache
 length moved and without, and two slots on the scratch row."""
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests_helpers import compile_for_hopper, run_under_triton_interpreter
 
 INTERPRETED_RECORD = """
 import torch
@@ -60,15 +58,7 @@ print("ok")
 
 def test_the_record_kernel_matches_torch_under_the_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", INTERPRETED_RECORD],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    run_under_triton_interpreter(INTERPRETED_RECORD)
 
 
 @pytest.mark.parametrize("ignore_eos", [True, False])
@@ -76,27 +66,13 @@ def test_the_record_kernel_matches_torch_under_the_interpreter():
 def test_the_record_kernel_compiles_for_hopper_without_a_gpu(ignore_eos, length):
     """Its compiler builds the kernel for sm_90 (H100, H200) on any machine, where Triton is
     installed: a compile error shows here before a GPU's time is spent."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    pytest.importorskip("triton")
     from keel.rollout.native.record_kernel import record_kernel
 
-    names = record_kernel.arg_names
-    pointers = dict.fromkeys(["LogProb", "LogProbs"], "*fp32") | dict.fromkeys(
+    pointers = {name: "*i64" for name in record_kernel.arg_names if name[0].isupper()}
+    pointers |= dict.fromkeys(["LogProb", "LogProbs"], "*fp32") | dict.fromkeys(
         ["Done", "Live"], "*i1"
     )
     constants = dict(IGNORE_EOS=ignore_eos, BLOCK_EOS=2, LENGTH=length)
-    signature = {
-        name: "constexpr"
-        if name in constants
-        else pointers.get(name, "*i64" if name[0].isupper() else "i64")
-        for name in names
-    }
-    source = ASTSource(
-        fn=record_kernel,
-        signature=signature,
-        constexprs={(names.index(name),): value for name, value in constants.items()},
-    )
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-    assert "record_kernel" in kernel.asm["ptx"]
+    pointers = {name: kind for name, kind in pointers.items() if name not in constants}
+    assert "record_kernel" in compile_for_hopper(record_kernel, pointers, constants)

@@ -1,6 +1,10 @@
-"""Small batches for unit tests, and a spy on the engine service."""
+"""Small batches for unit tests, a spy on the engine service, and Triton kernels run or compiled
+without a GPU."""
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -64,3 +68,36 @@ class Spy:
 
         future.add_done_callback(keep)
         return future
+
+
+def run_under_triton_interpreter(script: str) -> None:
+    """`script` in a Python of its own under Triton's interpreter (TRITON_INTERPRET=1, which Triton
+    reads at import), on the CPU: it must exit cleanly, having printed "ok"."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=1800
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def compile_for_hopper(kernel, pointers: dict, constants: dict, floats=()) -> str:
+    """`kernel` compiled by Triton for sm_90 (H100, H200), on any machine -> its PTX. `pointers`:
+    each pointer argument's type ("*bf16"); `constants`: the constexprs' values; `floats`: the fp32
+    scalars; every other argument an i64."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    signature = {
+        name: "constexpr"
+        if name in constants
+        else pointers.get(name, "fp32" if name in floats else "i64")
+        for name in names
+    }
+    source = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(names.index(name),): value for name, value in constants.items()},
+    )
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
