@@ -85,7 +85,6 @@ class SharedPrefix(NamedTuple):
     length: Tensor
 
 
-@cache
 class Rotary(NamedTuple):
     """What turns a layer's projected query and key heads into attention's inputs, for a kernel that
     does it itself (layers.attention_inputs otherwise): each row's cos and sin [B, 1, D] (the sign
