@@ -57,6 +57,11 @@
 #                                                 other runs, a line each, in place of those ("- q1 --profile DIR": plain;
 #                                                 "noshare t1": a lever; "sweep 8"); PREFIX_WARMUP: every run's warm-up
 #                                                 steps (1; the bench's own default is 2)
+#   bash benchmarks/gpu_session.sh counters       issue 50: the decode attention kernel under Nsight Compute (ncu) at q1's
+#                                                 and t1's shapes (attention_ncu.py): duration, throughputs, occupancy, stalls
+#   bash benchmarks/gpu_session.sh fusions [N]    issue 50: the GPU tests the ninth session could not run, then q1 and t1
+#                                                 with the decode fusions off (levers.py norotary,norecord) and on, in
+#                                                 turn, N rounds (1), 5 steps each: the update swings between runs
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -94,6 +99,32 @@ attention() {  # the decode attention's tilings at the rollout target, then spli
     timeout 120 python3 benchmarks/attention_sweep.py --sweep splits --shapes 0.5b --batch 8 16 32 64 128 --prompt 256 \
         --response 2048 > "$OUT/attention_splits.txt" 2>&1
     grep -h "^best" "$OUT/attention_sweep.txt" "$OUT/attention_splits.txt" | cut -c1-200
+}
+
+counters() {  # what bounds the decode attention kernel: Nsight Compute's counters at q1's and t1's shapes, 128 rows
+    local shape
+    for shape in qwen3-0.6b 0.5b; do
+        (cd benchmarks && timeout 200 ncu --set full --clock-control none -k regex:decode_attention_kernel \
+            --launch-skip 28 --launch-count 1 python3 attention_ncu.py --shape "$shape" --shared 8) \
+            > "$OUT/ncu_$shape.txt" 2>&1
+        grep -h -E "Duration|DRAM Throughput|L2 Cache Throughput|Achieved Occupancy|Block Limit|Registers Per|Stall" \
+            "$OUT/ncu_$shape.txt" | sed "s/^/$shape /" | cut -c1-160
+    done
+}
+
+fusions() {  # the ninth session's decode fusions against their levers off, alternating
+    timeout 240 python3 -m pytest -q tests/gpu/test_batch_invariant_cuda.py tests/gpu/test_update_cuda.py \
+        tests/gpu/test_train_cuda.py "tests/gpu/test_native_cuda.py::test_continuous_batching_graphs_equal_eager_and_hf" \
+        > "$OUT/gpu_tests.txt" 2>&1; tail -1 "$OUT/gpu_tests.txt"
+    local round workload
+    for round in $(seq "${1:-1}"); do
+        for workload in q1 t1; do
+            timeout 150 python3 benchmarks/levers.py norotary,norecord "$workload" --gpus 1 --steps 5 --warmup 2 \
+                --out "$OUT/bench.jsonl" > "$OUT/fusions_off_${workload}_$round.log" 2>&1
+            timeout 150 python3 -m keel bench "$workload" --gpus 1 --steps 5 --warmup 2 \
+                --out "$OUT/bench.jsonl" > "$OUT/fusions_on_${workload}_$round.log" 2>&1
+        done
+    done
 }
 
 gemm() {  # the decode step's GEMMs: could a Triton kernel of keel's own beat cuBLAS? (5e9df95: no)
@@ -418,4 +449,4 @@ PY
 }
 
 "$part" "${@:2}"
-[ "$part" = summary ] || [ "$part" = dpo ] || [ "$part" = distill ] || [ "$part" = quickstart ] || summary
+[ "$part" = summary ] || [ "$part" = counters ] || [ "$part" = dpo ] || [ "$part" = distill ] || [ "$part" = quickstart ] || summary
