@@ -45,7 +45,7 @@ class MiniBatch:
     # the update's first mini-batch: the policy is still the sampler's
     first: bool = False
     # its micro-batches by how they were cut (micro_batches)
-    _cut: dict = dataclasses.field(default_factory=dict, repr=False)
+    _cut: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def micro_batches(self, how: MicroBatching) -> list[tuple[Tensor, TrainBatch]]:
         """micro_batches(self.samples, how), cut once: ahead of this mini-batch's turn where the

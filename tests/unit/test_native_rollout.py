@@ -819,3 +819,20 @@ def test_a_step_functions_argument_is_filled_by_name():
 
     with pytest.raises(TypeError, match="tensors come before the constants"):
         layer_args(ConstantFirst, layer, family)
+
+
+@pytest.mark.parametrize(
+    "shape, fused", [("0.5b", True), ("qwen3-0.6b", True), ("gemma-3-1b", False)]
+)
+def test_the_kernel_makes_the_heads_only_where_attention_inputs_would(shape, fused):
+    """The decode kernel norms and rotates the heads itself for families whose attention inputs
+    are layers.attention_inputs' (Qwen2.5, Qwen3), not Gemma 3's own (its query scale and norms);
+    never in batch-invariant mode (its own attention) or without Triton (SDPA)."""
+    from keel.bench.workloads import shape_config
+    from keel.rollout.native.models import family_for
+    from keel.rollout.native.runner import rotary_in_attention
+
+    family = family_for(shape_config(shape))
+    assert rotary_in_attention(family, use_triton=True, batch_invariant=False) is fused
+    assert not rotary_in_attention(family, use_triton=True, batch_invariant=True)
+    assert not rotary_in_attention(family, use_triton=False, batch_invariant=False)

@@ -41,6 +41,14 @@ from keel.types import SamplingParams
 ROTARY_IN_ATTENTION = True
 
 
+def rotary_in_attention(family, use_triton: bool, batch_invariant: bool) -> bool:
+    """Whether the decode attention kernel makes the query and key heads itself: Triton's kernel,
+    not the batch-invariant arithmetic (its own attention), and a family whose attention inputs are
+    layers.attention_inputs', which the kernel does as that function does."""
+    plain_inputs = family.attention_inputs is attention_inputs
+    return ROTARY_IN_ATTENTION and use_triton and not batch_invariant and plain_inputs
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -69,10 +77,7 @@ class ModelRunner:
             self.use_cuda_graphs and compile_step and can_compile(self.device),
             compile_mode,
             exact=batch_invariant,
-            rotary_in_attention=ROTARY_IN_ATTENTION
-            and use_triton
-            and not batch_invariant
-            and self.family.attention_inputs is attention_inputs,
+            rotary_in_attention=rotary_in_attention(self.family, use_triton, batch_invariant),
         )
         self._eager = StepFunctions(self.family, compiled=False)
         self.attention = triton_decode_attention if use_triton else sdpa_decode_attention
