@@ -13,6 +13,7 @@ from keel.algorithms.utils import entropy_from_logits
 from keel.models import families
 from keel.training.batching import MicroBatching, micro_batches
 from keel.training.placement import SINGLE, Placement
+from keel.training.target_log_prob import target_log_probs
 from keel.types import TrainBatch, pad_responses, position_ids_from_mask
 
 
@@ -280,6 +281,10 @@ def _token_stats(
 
     z[target] - logsumexp(z) rather than a full log_softmax: the [tokens, V] logits are the
     largest tensors of the update, and every pass over them counts."""
+    if vocab_extra is None and not (with_entropy and entropy_grad):
+        # the common case: a backward that writes the logits' gradient in one pass
+        log_probs, entropy = target_log_probs(logits, targets, temperature, with_entropy)
+        return log_probs, entropy, ()
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature

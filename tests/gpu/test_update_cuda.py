@@ -1,6 +1,6 @@
 """The update's GPU paths: logits kept for backward equal the recomputed ones under the compiled
-vocabulary arithmetic, and fused AdamW refuses a non-finite step on the device. Run on the GPU
-machine."""
+vocabulary arithmetic, the compiled log-prob's closed-form backward equals autograd's, and fused
+AdamW refuses a non-finite step on the device. Run on the GPU machine."""
 
 import pytest
 import torch
@@ -105,3 +105,27 @@ def test_a_batch_moves_to_the_gpu_without_waiting_for_it():
         torch.equal(moved.sampling_log_probs.cpu(), batch.sampling_log_probs)
         and moved.records == batch.records
     )
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_the_compiled_target_log_prob_backward_equals_autograds(temperature):
+    """The update's compiled vocabulary arithmetic (fused_vocab) at a real vocabulary's width, bf16
+    logits as autocast's lm_head makes them: its closed-form backward (one pass over the logits)
+    gives autograd's gradient through log_softmax, to one bf16 rounding."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    logits = 4 * torch.randn(512, 151_936, device=CUDA, generator=generator)
+    logits = logits.to(torch.bfloat16)
+    targets = torch.randint(0, 151_936, (512,), device=CUDA, generator=generator)
+    weights = torch.randn(512, device=CUDA, generator=generator)
+    ours, theirs = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+
+    log_probs, entropy, _ = forward._compiled_token_stats()(ours, targets, temperature, True, False)
+    (log_probs * weights).sum().backward()
+    z = theirs.float() / temperature
+    expected = torch.log_softmax(z, -1).gather(-1, targets[:, None]).squeeze(-1)
+    (expected * weights).sum().backward()
+
+    torch.testing.assert_close(log_probs, expected.detach(), rtol=0, atol=2e-5)
+    assert not entropy.requires_grad
+    assert ours.grad.dtype == torch.bfloat16 and ours.grad.abs().sum() > 0
+    torch.testing.assert_close(ours.grad.float(), theirs.grad.float(), rtol=8e-3, atol=1e-8)
