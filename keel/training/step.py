@@ -103,15 +103,12 @@ def apply_gradients(
     params = [p for _, p in named]
     if reduce_gradients is not None:
         reduce_gradients(params)
-    grad_norm = clip_gradients(params, grad_clip)
     steps_on_device = skips_nonfinite_on_device(optimizer, params)
     if steps_on_device:
-        optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
-        try:
-            optimizer.step()
-        finally:
-            # a later step must not find it
-            del optimizer.found_inf
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        clip_and_step_on_device(optimizer, grad_norm, grad_clip)
+    else:
+        grad_norm = clip_gradients(params, grad_clip)
     totals = totals or DeviceTotals()
     totals.add(f"{role}/grad_norm", grad_norm)
     if while_waiting is not None:
@@ -157,6 +154,25 @@ def skips_nonfinite_on_device(optimizer: torch.optim.Optimizer, params: list[tor
         and bool(optimizer.defaults.get("fused"))
         and not _sharded(params)
     )
+
+
+def clip_and_step_on_device(
+    optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, grad_clip: float
+) -> None:
+    """The fused step, which divides each gradient by its grad_scale as it reads it: the clip as
+    clip_grads_with_norm_ computes it (a norm above grad_clip brought to it), without a pass of
+    its own over every gradient; and found_inf, a non-finite norm, skips the step on the
+    device."""
+    finite = torch.isfinite(grad_norm)
+    optimizer.found_inf = (~finite).float()
+    # 1 / clip_grads_with_norm_'s clamped coefficient, grad_clip / (norm + 1e-6)
+    divisor = ((grad_norm + 1e-6) / grad_clip).clamp(min=1.0)
+    optimizer.grad_scale = torch.where(finite, divisor, 1.0)
+    try:
+        optimizer.step()
+    finally:
+        # a later step must not find them
+        del optimizer.found_inf, optimizer.grad_scale
 
 
 def clip_gradients(params: list[torch.Tensor], grad_clip: float) -> torch.Tensor:

@@ -129,3 +129,31 @@ def test_the_compiled_target_log_prob_backward_equals_autograds(temperature):
     assert not entropy.requires_grad
     assert ours.grad.dtype == torch.bfloat16 and ours.grad.abs().sum() > 0
     torch.testing.assert_close(ours.grad.float(), theirs.grad.float(), rtol=8e-3, atol=1e-8)
+
+
+def test_the_fused_step_clips_on_the_device_as_clip_then_step_does():
+    """On the GPU the fused AdamW divides each gradient by the clip's divisor as it reads it
+    (grad_scale): the weights after two clipped steps (norms 5 and 2.2 against 1) are those of
+    clip_grads_with_norm_ and a plain step, and the norms reported are those before clipping."""
+    from keel.training.step import clip_gradients
+
+    def stepped(fused: bool):
+        model = torch.nn.Linear(2, 1, bias=False).to(CUDA)
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor([[0.5, -0.25]]))
+        optimizer = build_optimizer(model.parameters(), _optim_cfg())
+        assert optimizer.defaults["fused"]
+        norms = []
+        for x in ([[3.0, 4.0]], [[-1.0, 2.0]]):
+            model(torch.tensor(x, device=CUDA)).sum().backward()
+            if fused:
+                norms.append(apply_gradients(model, optimizer, 1.0, "actor")["actor/grad_norm"])
+            else:
+                norms.append(clip_gradients(list(model.parameters()), 1.0).item())
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        return model.weight.detach(), norms
+
+    (fused, fused_norms), (plain, plain_norms) = stepped(True), stepped(False)
+    torch.testing.assert_close(fused, plain, rtol=0, atol=1e-6)
+    assert fused_norms == pytest.approx(plain_norms) and fused_norms[0] == pytest.approx(5.0)

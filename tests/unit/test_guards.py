@@ -323,3 +323,27 @@ def test_warnings_are_counted_by_kind_and_a_hooks_by_their_words(caplog):
     shown = [r.getMessage() for r in caplog.records if "said once" in r.getMessage()]
     # the hook's two warnings differ in words: each is printed once
     assert len(shown) == 3
+
+
+@pytest.mark.parametrize("grad_clip", [1.0, 10.0])
+def test_the_fused_step_clips_as_it_reads_the_gradients(grad_clip):
+    """Fused AdamW divides each gradient by the clip's divisor as it steps (grad_scale): the
+    weights of a clipped step (norm 5 against 1) and of an unclipped one (against 10) are those of
+    the plain clip-then-step, and the norm reported is the norm before clipping."""
+
+    def stepped(fused: bool):
+        model = torch.nn.Linear(2, 1, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor([[0.5, -0.25]]))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+        norms = []
+        # gradients (3, 4) and (-1, 2): norms 5 and sqrt(5)
+        for x in ([[3.0, 4.0]], [[-1.0, 2.0]]):
+            model(torch.tensor(x)).sum().backward()
+            norms.append(apply_gradients(model, optimizer, grad_clip, "actor")["actor/grad_norm"])
+        return model.weight.detach(), norms, optimizer
+
+    (fused, fused_norms, optimizer), (plain, _, _) = stepped(True), stepped(False)
+    torch.testing.assert_close(fused, plain, rtol=0, atol=1e-6)
+    assert fused_norms == pytest.approx([5.0, 5**0.5])
+    assert not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
