@@ -1,6 +1,9 @@
 """`keel bench` with an experimental lever switched on in this process, to learn whether it is worth
 building into keel before it is (issue 50). Each lever patches keel as the bench imports it:
 
+  autotune  the decode step's functions compiled in max-autotune-no-cudagraphs mode: inductor
+            times its Triton matmul templates against cuBLAS and may fuse epilogues into them
+            (with pdl, the chosen Triton matmuls launch programmatically too)
   cudnn     half-precision attention may take cuDNN's kernel, as torch 2.11 chooses (keel keeps
             it off: pytorch#196678), so what avoiding it costs the update shows
   graphs    the trainer's compiled decoder layers replay as CUDA graphs (torch.compile's
@@ -12,6 +15,9 @@ building into keel before it is (issue 50). Each lever patches keel as the bench
             baseline that sharing is measured against
   norecord  the decode step's bookkeeping by torch's indexing, about twenty kernels, as before one
             Triton kernel did it (decode_state.record_kernel)
+  pdl       the decode step's Triton kernels (inductor's and keel's) launched with Hopper's
+            programmatic dependent launch, each starting as the one before it ends
+            (runner.PROGRAMMATIC_LAUNCH)
   norotary  each layer's query and key heads normed and rotated by torch.compile's kernels before
             the decode attention, as before the kernel did it itself (runner.ROTARY_IN_ATTENTION)
 
@@ -27,6 +33,23 @@ import gc
 import sys
 
 import torch
+
+
+def autotune() -> None:
+    import inspect
+
+    import keel.rollout.native.layers as layers
+
+    init = layers.StepFunctions.__init__
+    signature = inspect.signature(init)
+
+    def tuned(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        if bound.arguments.get("mode") is None:
+            bound.arguments["mode"] = "max-autotune-no-cudagraphs"
+        init(*bound.args, **bound.kwargs)
+
+    layers.StepFunctions.__init__ = tuned
 
 
 def cudnn() -> None:
@@ -68,6 +91,12 @@ def norecord() -> None:
     decode_state.record_kernel = None
 
 
+def pdl() -> None:
+    import keel.rollout.native.runner as runner
+
+    runner.PROGRAMMATIC_LAUNCH = True
+
+
 def norotary() -> None:
     import keel.rollout.native.runner as runner
 
@@ -75,12 +104,14 @@ def norotary() -> None:
 
 
 LEVERS = {
+    "autotune": autotune,
     "cudnn": cudnn,
     "graphs": graphs,
     "nogc": nogc,
     "noshare": noshare,
     "norecord": norecord,
     "norotary": norotary,
+    "pdl": pdl,
 }
 
 

@@ -726,7 +726,7 @@ def test_the_decode_kernel_compiles_for_hopper_without_a_gpu(shared, one_pass, r
     pointers |= dict.fromkeys(["Pad", "Column", "Rows", "PrefixRow", "PrefixLen"], "*i64")
     constants = dict(GROUP=7, BLOCK_GROUP=16, DIM=64, BLOCK=64, ONE_PASS=one_pass, INDIRECT=True)
     constants |= dict(COLUMN_STRIDE=1, SINKS=False, SHARED=shared)
-    constants |= dict(ROTARY=bool(rotary), QK_NORM=rotary == "rotary_and_norms")
+    constants |= dict(ROTARY=bool(rotary), QK_NORM=rotary == "rotary_and_norms", PDL=False)
     ptx = compile_for_hopper(decode_attention_kernel, pointers, constants, ("scale", "eps"))
     assert "decode_attention_kernel" in ptx
 

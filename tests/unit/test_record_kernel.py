@@ -73,6 +73,6 @@ def test_the_record_kernel_compiles_for_hopper_without_a_gpu(ignore_eos, length)
     pointers |= dict.fromkeys(["LogProb", "LogProbs"], "*fp32") | dict.fromkeys(
         ["Done", "Live"], "*i1"
     )
-    constants = dict(IGNORE_EOS=ignore_eos, BLOCK_EOS=2, LENGTH=length)
+    constants = dict(IGNORE_EOS=ignore_eos, BLOCK_EOS=2, LENGTH=length, PDL=False)
     pointers = {name: kind for name, kind in pointers.items() if name not in constants}
     assert "record_kernel" in compile_for_hopper(record_kernel, pointers, constants)

@@ -45,6 +45,8 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int | None = None
     merge_warps: int = 4
+    # launched with Hopper's programmatic dependent launch (runner.programmatic_launch)
+    pdl: bool = False
 
     def resolved(
         self, cache_len: int, programs: int, sms: int, shared: bool = False
@@ -229,14 +231,14 @@ def triton_decode_attention(
         split, splits,
         GROUP=group, BLOCK_GROUP=block_group, DIM=dim, BLOCK=config.block, ONE_PASS=splits == 1,
         INDIRECT=rows is not None, COLUMN_STRIDE=int(column.numel() > 1), SINKS=sinks is not None,
-        SHARED=shared, ROTARY=rotary is not None, QK_NORM=_has_norms(rotary),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        SHARED=shared, ROTARY=rotary is not None, QK_NORM=_has_norms(rotary), PDL=config.pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=config.pdl,
     )  # fmt: skip
     if splits > 1:
         merge_splits_kernel[(batch, kv_heads)](
             partial, lse, out, pad, column, split, splits,
             GROUP=group, BLOCK_GROUP=block_group, DIM=dim, COLUMN_STRIDE=int(column.numel() > 1),
-            num_warps=config.merge_warps,
+            PDL=config.pdl, num_warps=config.merge_warps, launch_pdl=config.pdl,
         )  # fmt: skip
     return out.view(batch, heads * dim)
 

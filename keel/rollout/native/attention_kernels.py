@@ -8,6 +8,7 @@ is installed."""
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -20,7 +21,9 @@ def decode_attention_kernel(
     GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
     ONE_PASS: tl.constexpr, INDIRECT: tl.constexpr, COLUMN_STRIDE: tl.constexpr,
     SINKS: tl.constexpr, SHARED: tl.constexpr, ROTARY: tl.constexpr, QK_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    programmatic_start(PDL)
     # the query row; its cache row is Rows[slot] under continuous batching
     slot = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -68,6 +71,16 @@ def decode_attention_kernel(
             Out, PartialOut, PartialLse, slot, kv_head, split, splits, g, d, m, total, acc,
             GROUP, DIM, ONE_PASS,
         )  # fmt: skip
+
+
+@triton.jit
+def programmatic_start(PDL: tl.constexpr):
+    """Under Hopper's programmatic dependent launch (PDL: launched with launch_pdl) a grid may
+    start while the kernel before it still runs: wait for that kernel's writes before the first
+    read, then let the next such kernel start while this one runs."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -219,10 +232,11 @@ def _attend_columns(
 def merge_splits_kernel(
     PartialOut, PartialLse, Out, Pad, Column, split_len, splits,
     GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr,
-    COLUMN_STRIDE: tl.constexpr,
+    COLUMN_STRIDE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """A row's splits merged by their log-sum-exps: those from its first visible column's split
     to its new token's."""
+    programmatic_start(PDL)
     slot = tl.program_id(0)
     kv_head = tl.program_id(1)
     column = tl.load(Column + slot * COLUMN_STRIDE)

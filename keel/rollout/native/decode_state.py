@@ -53,6 +53,8 @@ class RowState:
     # [R + 1]: the row whose columns [0, prefix_len) this row's are a copy of (itself: none)
     prefix_row: Tensor
     prefix_len: Tensor
+    # the record kernel launched with Hopper's programmatic dependent launch
+    programmatic: bool = False
 
     @classmethod
     def allocate(cls, shape: tuple[int, int, int], runner: ModelRunner) -> RowState:
@@ -75,6 +77,7 @@ class RowState:
             log_probs=zeros(rows + 1, turn_tokens + 1, kind=torch.float32),
             prefix_row=torch.arange(rows + 1, device=runner.device),
             prefix_len=zeros(rows + 1),
+            programmatic=runner.programmatic,
         )
 
     def record(
@@ -117,7 +120,7 @@ class RowState:
             self.log_probs, self.count, self.limit, self.done, self.last_token, self.length, live,
             self.tokens.stride(0), self.log_probs.stride(0), self.tokens.shape[1] - 1, len(eos),
             IGNORE_EOS=ignore_eos, BLOCK_EOS=triton.next_power_of_2(max(len(eos), 1)),
-            LENGTH=column is not None,
+            LENGTH=column is not None, PDL=self.programmatic, launch_pdl=self.programmatic,
         )  # fmt: skip
         return live
 

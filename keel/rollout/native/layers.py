@@ -30,10 +30,12 @@ class StepFunctions:
         mode: str | None = None,
         exact: bool = False,
         rotary_in_attention: bool = False,
+        programmatic: bool = False,
     ):
         """`rotary_in_attention`: the attention kernel norms and rotates the query and key heads
         itself (attention.Rotary), so `projection` replaces `attention_inputs`: the projection,
-        its heads as they are."""
+        its heads as they are. `programmatic`: inductor's kernels take Hopper's programmatic
+        dependent launch (runner.PROGRAMMATIC_LAUNCH)."""
         if compiled:
             # Each batch bucket, cache length and dtype is a compiled variant of these few
             # functions; past dynamo's default of 8, fullgraph=True would make a recompile a hard
@@ -45,13 +47,21 @@ class StepFunctions:
         # exact (rollout.batch_invariant): each intermediate rounded to its dtype as eager rounds
         # it, and one graph for every shape, so a value's bits do not depend on which ops inductor
         # fused at a given batch or length
-        options = {"emulate_precision_casts": True} if exact else None
+        options = {"emulate_precision_casts": True} if exact else {}
+        if programmatic:
+            options["triton.enable_pdl"] = True
         dynamic = True if exact else None
+
+        if mode is not None and options:
+            # torch.compile takes a mode or options, not both: the mode as its options
+            options, mode = {**torch._inductor.list_mode_options(mode), **options}, None
 
         def prepared(fn):
             if not compiled:
                 return fn
-            return torch.compile(fn, fullgraph=True, mode=mode, dynamic=dynamic, options=options)
+            return torch.compile(
+                fn, fullgraph=True, mode=mode, dynamic=dynamic, options=options or None
+            )
 
         self.step_inputs = prepared(step_inputs)
         self.rope = prepared(rope)

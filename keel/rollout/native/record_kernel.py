@@ -7,13 +7,16 @@ shapes. Imported only where Triton is installed."""
 import triton
 import triton.language as tl
 
+from keel.rollout.native.attention_kernels import programmatic_start
+
 
 @triton.jit
 def record_kernel(
     Rows, Token, LogProb, Column, Eos, Tokens, LogProbs, Count, Limit, Done, LastToken, Length,
     Live, tokens_b, log_probs_b, last_at, eos_count,
-    IGNORE_EOS: tl.constexpr, BLOCK_EOS: tl.constexpr, LENGTH: tl.constexpr,
+    IGNORE_EOS: tl.constexpr, BLOCK_EOS: tl.constexpr, LENGTH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    programmatic_start(PDL)
     # one program per slot; its row of the state is Rows[slot]
     slot = tl.program_id(0)
     row = tl.load(Rows + slot)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,7 @@ from torch import Tensor
 from keel.models.load import can_compile
 from keel.rollout.native import invariant
 from keel.rollout.native.attention import (
+    KernelConfig,
     SharedPrefix,
     sdpa_decode_attention,
     triton_available,
@@ -39,6 +41,28 @@ from keel.types import SamplingParams
 # where the family's are layers.attention_inputs': two (Qwen2.5) to five (Qwen3) kernels fewer per
 # layer. benchmarks/levers.py's norotary sets it off before an engine is made, to measure it.
 ROTARY_IN_ATTENTION = True
+
+
+# Hopper's programmatic dependent launch (PDL) for the decode step's Triton kernels, inductor's and
+# keel's: each may start while the kernel before it ends and waits for that kernel's writes before
+# its first read, which takes the launch gap between two kernels out of the step (about 1 us
+# between each two of a step's 250-odd kernels, a quarter of t1's decode by its profile's idle
+# share). Off until measured on a GPU: benchmarks/levers.py's pdl sets it on before an engine is
+# made.
+PROGRAMMATIC_LAUNCH = False
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether the decode step's kernels take Hopper's programmatic dependent launch: switched on
+    (PROGRAMMATIC_LAUNCH), on an sm_90 or newer GPU, with an inductor that emits it."""
+    import torch._inductor.config as inductor
+
+    return (
+        PROGRAMMATIC_LAUNCH
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+        and hasattr(inductor.triton, "enable_pdl")
+    )
 
 
 def rotary_in_attention(family, use_triton: bool, batch_invariant: bool) -> bool:
@@ -72,15 +96,19 @@ class ModelRunner:
         # compile_mode: torch.compile's, for benchmarks/profile_decode.py (max-autotune: slower).
         self.use_cuda_graphs = not enforce_eager and self.device.type == "cuda"
         use_triton = triton_available(self.device, dtype, self.head_dim)
+        self.programmatic = programmatic_launch(self.device)
         self.kernels = StepFunctions(
             self.family,
             self.use_cuda_graphs and compile_step and can_compile(self.device),
             compile_mode,
             exact=batch_invariant,
             rotary_in_attention=rotary_in_attention(self.family, use_triton, batch_invariant),
+            programmatic=self.programmatic,
         )
         self._eager = StepFunctions(self.family, compiled=False)
         self.attention = triton_decode_attention if use_triton else sdpa_decode_attention
+        if use_triton and self.programmatic:
+            self.attention = partial(triton_decode_attention, config=KernelConfig(pdl=True))
         if batch_invariant:
             self.attention = invariant.decode_attention
 
