@@ -66,6 +66,10 @@
 #                                                 programmatic launch's bits, the log-prob's backward), then q1 and t1
 #                                                 as they are, with levers.py pdl, and with pdl,autotune, in turn,
 #                                                 N rounds (1), 3 steps each; a run starts only before PDL_UNTIL (480 s)
+#   bash benchmarks/gpu_session.sh shared         issue 50, tenth session: t1 and q1 as they are and with levers.py
+#                                                 shareprompt (a prompt computed once for its samples), in turn, then
+#                                                 t1 without shuffling mini-batches (verl's default) both ways; a run
+#                                                 starts only before SHARED_UNTIL (470 s). The pdl part runs its GPU test
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -152,6 +156,22 @@ pdl() {  # the tenth session's levers: the decode step's kernels launched progra
                 echo "$workload $levers: $(tail -1 "$log" | cut -c1-160)"
             done
         done
+    done
+}
+
+shared() {  # the tenth session's shared prompts against each sample's own pass, in turn
+    local plain="actor_rollout_ref.actor.shuffle=false" run log i=0
+    for run in "- t1" "shareprompt t1" "- q1" "shareprompt q1" "- t1 $plain" "shareprompt t1 $plain"; do
+        i=$((i + 1))
+        (( SECONDS > ${SHARED_UNTIL:-470} )) && { echo "$run: skipped, the call's time is spent"; continue; }
+        log="$OUT/shared_$i.log"
+        set -- $run
+        if [ "$1" = - ]; then
+            timeout 150 python3 -m keel bench "${@:2}" --gpus 1 --steps 3 --warmup 2 --out "$OUT/bench.jsonl" > "$log" 2>&1
+        else
+            timeout 150 python3 benchmarks/levers.py "$@" --gpus 1 --steps 3 --warmup 2 --out "$OUT/bench.jsonl" > "$log" 2>&1
+        fi
+        echo "$run: $(tail -1 "$log" | cut -c1-160)"
     done
 }
 

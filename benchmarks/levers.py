@@ -18,6 +18,9 @@ building into keel before it is (issue 50). Each lever patches keel as the bench
   pdl       the decode step's Triton kernels (inductor's and keel's) launched with Hopper's
             programmatic dependent launch, each starting as the one before it ends
             (runner.PROGRAMMATIC_LAUNCH)
+  shareprompt  a micro-batch's samples of one prompt computed with the prompt once, through flex
+            attention's block mask (training/shared_prompt.SHARE_PROMPTS), in the old-log-prob
+            pass, the reference's and the update
   norotary  each layer's query and key heads normed and rotated by torch.compile's kernels before
             the decode attention, as before the kernel did it itself (runner.ROTARY_IN_ATTENTION)
 
@@ -97,6 +100,12 @@ def pdl() -> None:
     runner.PROGRAMMATIC_LAUNCH = True
 
 
+def shareprompt() -> None:
+    import keel.training.shared_prompt as shared_prompt
+
+    shared_prompt.SHARE_PROMPTS = True
+
+
 def norotary() -> None:
     import keel.rollout.native.runner as runner
 
@@ -112,6 +121,7 @@ LEVERS = {
     "norecord": norecord,
     "norotary": norotary,
     "pdl": pdl,
+    "shareprompt": shareprompt,
 }
 
 

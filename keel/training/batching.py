@@ -15,6 +15,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from keel.training import shared_prompt
 from keel.training.step import LossScale, mask_counts
 from keel.types import GeneratedBatch, TrainBatch, pad_responses, trim_padding
 
@@ -116,6 +117,17 @@ def balanced_partitions(lengths: Tensor, parts: int) -> list[Tensor]:
     return [torch.tensor(sorted(c), dtype=torch.long) for c in chosen]
 
 
+def prompts_together(groups: Tensor, lengths: Tensor) -> Tensor:
+    """The samples in an order that keeps each prompt's (`groups`: one value a prompt) together,
+    so a micro-batch computes its prompt once (shared_prompt.py): prompts by their longest
+    sample, then each prompt's samples by length, shortest first."""
+    _, group = torch.unique(groups, return_inverse=True)
+    count = int(group.max()) + 1
+    longest = torch.zeros(count, dtype=lengths.dtype).scatter_reduce(0, group, lengths, "amax")
+    key = (longest[group] * count + group) * (int(lengths.max()) + 1) + lengths
+    return torch.argsort(key, stable=True)
+
+
 def sample_tokens(batch: TrainBatch) -> Tensor:  # [N]
     return batch.prompt_mask.sum(-1) + batch.response_tokens.sum(-1)
 
@@ -210,7 +222,10 @@ def micro_batches(batch: TrainBatch, how: MicroBatching) -> list[tuple[Tensor, T
     # by count, shortest to longest: similar lengths share a pass, less padding
     if how.max_tokens is None:
         lengths = sample_tokens(batch)
-        index = [rows.sort().values for rows in torch.argsort(lengths, stable=True).split(how.size)]
+        order = torch.argsort(lengths, stable=True)
+        if shared_prompt.SHARE_PROMPTS:
+            order = prompts_together(batch.group_index, lengths)
+        index = [rows.sort().values for rows in order.split(how.size)]
     else:
         index = token_budget_bins(
             batch.prompt_mask.sum(-1), batch.response_tokens.sum(-1), how.max_tokens

@@ -13,6 +13,7 @@ from keel.algorithms.utils import entropy_from_logits
 from keel.models import families
 from keel.training.batching import MicroBatching, micro_batches
 from keel.training.placement import SINGLE, Placement
+from keel.training.shared_prompt import shared_prompt_stats, shared_prompts_of
 from keel.training.target_log_prob import target_log_probs
 from keel.types import TrainBatch, pad_responses, position_ids_from_mask
 
@@ -142,12 +143,16 @@ def response_vocab_stats(
     """response_log_probs, and what `vocab_extra` asks of each response position's distribution
     (distillation): TopK(k), the k most likely tokens' log-probs [B, R, k] and ids [B, R, k]; ids
     [B, R, k], the log-probs of those tokens [B, R, k]. () when None."""
-    batch = batch.to(compute_device(model, plan))
+    plain = getattr(model.config, "model_type", None) in PLAIN_LM_HEAD
+    # laid out from the host's copy, before the batch moves
+    shared = shared_prompts_of(batch, model.config) if plain and vocab_extra is None else None
+    device = compute_device(model, plan)
+    batch = batch.to(device)
     inputs = _model_inputs(batch)
     targets = batch.response_ids  # [B, R]
     if isinstance(vocab_extra, Tensor):
         vocab_extra = vocab_extra.to(targets.device)
-    if getattr(model.config, "model_type", None) not in PLAIN_LM_HEAD:
+    if not plain:
         out = model(**inputs, use_cache=False, logits_to_keep=targets.shape[1] + 1)
         return _token_stats(
             out.logits[:, :-1], targets, temperature, with_entropy, entropy_grad, vocab_extra
@@ -155,6 +160,10 @@ def response_vocab_stats(
     token_stats = plan.token_stats or partial(
         decoder_token_stats, model, fused_vocab=plan.fused_vocab
     )
+    if shared is not None:
+        return shared_prompt_stats(
+            token_stats, shared.to(device), model.config, temperature, with_entropy, entropy_grad
+        )
     return token_stats(
         inputs, targets, temperature, with_entropy, entropy_grad, vocab_extra=vocab_extra
     )
@@ -169,11 +178,19 @@ def decoder_token_stats(
     entropy_grad: bool,
     fused_vocab: bool = False,
     vocab_extra: VocabExtra = None,
+    predict_at: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, tuple[Tensor, ...]]:
-    response_len = targets.shape[1]
+    """`predict_at` (shared prompts): the flat positions that predict `targets` [T], whose
+    log-probs and entropy come back flat [T]; else those of the responses [B, R]."""
     hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
-    hidden = hidden[:, -response_len - 1 : -1]  # [B, R, H]
     lm_head = model.get_output_embeddings()
+    if predict_at is not None:
+        flat_hidden = hidden.reshape(-1, hidden.shape[-1])[predict_at]
+        return vocab_token_stats(
+            lm_head, flat_hidden, targets, temperature, with_entropy, entropy_grad, fused_vocab
+        )
+    response_len = targets.shape[1]
+    hidden = hidden[:, -response_len - 1 : -1]  # [B, R, H]
     # [B*R, H], [B*R]
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if isinstance(vocab_extra, Tensor):

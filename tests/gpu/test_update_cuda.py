@@ -157,3 +157,42 @@ def test_the_fused_step_clips_on_the_device_as_clip_then_step_does():
     (fused, fused_norms), (plain, plain_norms) = stepped(True), stepped(False)
     torch.testing.assert_close(fused, plain, rtol=0, atol=1e-6)
     assert fused_norms == pytest.approx(plain_norms) and fused_norms[0] == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_prompts_through_flex_attention_give_each_samples_own_pass(
+    tiny_assets, monkeypatch, dtype
+):
+    """On the GPU a prompt's samples share its pass through flex attention's block mask, forward
+    and backward: the log-probs and gradients of each sample's own [prompt | response] pass (to
+    float32's rounding, or to bf16 autocast's), on prompts and responses of varied lengths."""
+    import dataclasses
+    import sys
+    from pathlib import Path
+
+    from keel.training import shared_prompt
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
+    from tests_helpers import padded_batch
+
+    model = load_causal_lm(tiny_assets["model"], CUDA)
+    batch = padded_batch(model.config.vocab_size, [4, 2, 5, 4, 2, 4], [6, 3, 5, 1, 6, 4], 3, 3)
+    prompts = batch.prompt_ids.clone()
+    prompts[3], prompts[5], prompts[4] = prompts[0], prompts[0], prompts[1]
+    batch = dataclasses.replace(batch, prompt_ids=prompts)
+    mask = batch.response_mask.bool().to(CUDA)
+
+    def log_probs_and_gradients(share: bool):
+        monkeypatch.setattr(shared_prompt, "SHARE_PROMPTS", share)
+        model.zero_grad(set_to_none=True)
+        with autocast(CUDA, dtype):
+            log_probs, _ = forward.response_log_probs(model, batch, 0.8)
+        (log_probs * mask).sum().backward()
+        return log_probs * mask, [p.grad.clone() for p in model.parameters()]
+
+    own, shared = log_probs_and_gradients(False), log_probs_and_gradients(True)
+    tolerance = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(shared[0], own[0], rtol=0, atol=tolerance)
+    for ours, theirs in zip(shared[1], own[1]):
+        torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance * 1e-2)
+    assert any(g.abs().sum() > 0 for g in own[1])

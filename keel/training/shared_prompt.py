@@ -1,0 +1,202 @@
+"""A micro-batch's samples of one prompt computed with their prompt once.
+
+GRPO draws n responses to each prompt, and the trainer's passes (old log-probs, reference, the
+update's forward and backward) computed each sample's [prompt | response] whole: the prompt's
+tokens n times over. Here the samples whose prompts are the same tokens form a block, one row:
+the prompt once, then each response at the positions that follow it, with a mask that lets a
+response see the prompt and itself, never another response. Every token's hidden state is the one
+its own sequence gives, so the log-probs are the unshared pass's (to float rounding); at t1's
+shapes (256-token prompts and responses, 8 samples a prompt) a micro-batch of whole groups computes
+9 tokens a sample's 16 before.
+
+The mask is flex attention's on a GPU (a block mask: the blocks a response never sees are skipped,
+so attention does less work than the n sequences did) and a dense boolean one through SDPA on the
+CPU, whose flex attention has no backward. SHARE_PROMPTS turns it on (off until measured on a GPU:
+benchmarks/levers.py shareprompt)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from keel.training.pair_layout import can_share_prompt
+
+SHARE_PROMPTS = False
+
+# each token's segment in its block: the prompt, the block's k-th response (k >= 0), or padding
+PROMPT, PADDING = -1, -2
+
+
+@dataclass(frozen=True)
+class SharedPrompts:
+    """A micro-batch laid out as blocks, one a row, and where its targets are read and go."""
+
+    input_ids: Tensor  # [rows, L]
+    position_ids: Tensor  # [rows, L]
+    segments: Tensor  # [rows, L]
+    # [T] per response token: the flat index into [rows * L] of the position that predicts it,
+    # the token, and its flat index into the micro-batch's [B * R]
+    predict_at: Tensor
+    targets: Tensor
+    scatter_to: Tensor
+    # the micro-batch's [B, R]
+    shape: tuple[int, int]
+
+    def to(self, device: torch.device) -> SharedPrompts:
+        moved = {
+            name: getattr(self, name).to(device, non_blocking=True)
+            for name in ("input_ids", "position_ids", "segments")
+            + ("predict_at", "targets", "scatter_to")
+        }
+        return replace(self, **moved)
+
+    def mask(self, flex: bool):
+        """Flex attention's block mask, or a dense [rows, 1, L, L] boolean mask for SDPA."""
+        if flex:
+            return self._block_mask()
+        index = torch.arange(self.segments.shape[1])
+        return _allowed(self.segments, index[:, None], index[None, :])[:, None]
+
+    def _block_mask(self):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        segments = self.segments
+        rows, length = segments.shape
+
+        def mask_mod(row, head, query, key):
+            return _allowed(segments[row], query, key)
+
+        return create_block_mask(mask_mod, rows, None, length, length, device=segments.device)
+
+    def scattered(self, values: Tensor) -> Tensor:
+        """[T] per target -> [B, R], zero at the response positions that are padding."""
+        flat = values.new_zeros(self.shape[0] * self.shape[1])
+        return flat.index_put((self.scatter_to,), values).view(self.shape)
+
+
+def _allowed(segments: Tensor, query: Tensor, key: Tensor) -> Tensor:
+    """Whether `query` sees `key` (positions of one row, whose tokens' segments are `segments`):
+    an earlier or the same token of the prompt, or of the query's own response; a padding token
+    sees only itself."""
+    own = segments[..., query]
+    seen = segments[..., key]
+    shares = (seen == PROMPT) | (seen == own)
+    return (query == key) | ((key <= query) & (own != PADDING) & shares)
+
+
+def shared_prompts(input_ids: Tensor, attention_mask: Tensor, response_len: int):
+    """The blocks of a micro-batch's rows [B, P + R] (prompts left-padded, responses right-padded,
+    `attention_mask` 1 on real tokens; R = `response_len`) -> SharedPrompts, or None where no two
+    samples have the same prompt, or a prompt is empty (its first response token would have
+    nothing to be predicted by). Built on the host."""
+    input_ids, attention_mask = input_ids.cpu(), attention_mask.cpu().bool()
+    width = input_ids.shape[1] - response_len
+    prompts = [ids[:width][real[:width]] for ids, real in zip(input_ids, attention_mask)]
+    real = attention_mask[:, width:]
+    # past each response's last real token
+    lengths = (real * torch.arange(1, response_len + 1)).max(-1).values.tolist()
+    blocks: dict[tuple, list[int]] = {}
+    for sample, prompt in enumerate(prompts):
+        blocks.setdefault(tuple(prompt.tolist()), []).append(sample)
+    if len(blocks) == len(prompts) or any(len(prompt) == 0 for prompt in prompts):
+        return None
+    built = [
+        _block(prompts[members[0]], members, input_ids[:, width:], lengths, response_len)
+        for members in blocks.values()
+    ]
+    return _rows(built, (len(prompts), response_len))
+
+
+def _block(prompt: Tensor, members: list[int], responses: Tensor, lengths: list[int], width: int):
+    """One block's tokens, positions and segments, and per response token (its predictor's offset
+    in the block, the token, its flat index in [B * R])."""
+    size = len(prompt)
+    tokens, positions, segments = [prompt], [torch.arange(size)], [torch.full((size,), PROMPT)]
+    predict, targets, scatter = [], [], []
+    start = size
+    for k, sample in enumerate(members):
+        n = lengths[sample]
+        tokens.append(responses[sample, :n])
+        positions.append(size + torch.arange(n))
+        segments.append(torch.full((n,), k))
+        # the prompt's last token predicts the first; each response token the next
+        predict.append(torch.cat([torch.tensor([size - 1]), start + torch.arange(n - 1)])[:n])
+        targets.append(responses[sample, :n])
+        scatter.append(sample * width + torch.arange(n))
+        start += n
+    return [torch.cat(part) for part in (tokens, positions, segments, predict, targets, scatter)]
+
+
+def _rows(blocks: list[list[Tensor]], shape: tuple[int, int]) -> SharedPrompts:
+    """One block a row, right-padded to the longest."""
+    length = max(len(block[0]) for block in blocks)
+    input_ids = torch.zeros(len(blocks), length, dtype=torch.long)
+    position_ids = torch.zeros(len(blocks), length, dtype=torch.long)
+    segments = torch.full((len(blocks), length), PADDING, dtype=torch.long)
+    for row, (tokens, positions, segment, *_) in enumerate(blocks):
+        input_ids[row, : len(tokens)] = tokens
+        position_ids[row, : len(tokens)] = positions
+        segments[row, : len(tokens)] = segment
+    predict_at = torch.cat([row * length + block[3] for row, block in enumerate(blocks)])
+    return SharedPrompts(
+        input_ids,
+        position_ids,
+        segments,
+        predict_at,
+        torch.cat([block[4] for block in blocks]),
+        torch.cat([block[5] for block in blocks]),
+        shape,
+    )
+
+
+def shared_prompts_of(batch, config) -> SharedPrompts | None:
+    """The micro-batch's samples of one prompt laid out to compute it once, where that is on
+    (shared_prompt.SHARE_PROMPTS) and the model's attention can take the mask."""
+    if not SHARE_PROMPTS:
+        return None
+    shared = shared_prompts(batch.input_ids, batch.attention_mask, batch.response_ids.shape[1])
+    if shared is None or not can_share_prompt(config, shared.input_ids.shape[1]):
+        return None
+    return shared
+
+
+def shared_prompt_stats(
+    token_stats,
+    shared: SharedPrompts,
+    config,
+    temperature,
+    with_entropy,
+    entropy_grad,
+    flex: bool | None = None,
+) -> tuple[Tensor, Tensor | None, tuple]:
+    """response_vocab_stats over the blocks of `shared`: each target's log-prob (and entropy)
+    read where its position is, put back in [B, R]. `flex`: through flex attention (default: on a
+    GPU; the CPU's has no backward), else SDPA with the dense mask."""
+    flex = shared.input_ids.is_cuda if flex is None else flex
+    inputs = {
+        "input_ids": shared.input_ids,
+        "position_ids": shared.position_ids,
+        "attention_mask": shared.mask(flex),
+    }
+    with attention_implementation(config, "flex_attention" if flex else "sdpa"):
+        log_probs, entropy, _ = token_stats(
+            inputs, shared.targets, temperature, with_entropy, entropy_grad,
+            predict_at=shared.predict_at,
+        )  # fmt: skip
+    entropy = shared.scattered(entropy) if with_entropy else None
+    return shared.scattered(log_probs), entropy, ()
+
+
+@contextlib.contextmanager
+def attention_implementation(config, name: str):
+    """The model attends by `name` (transformers' attention functions) while inside: flex
+    attention for a block mask. Its layers read their config's at each call."""
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before

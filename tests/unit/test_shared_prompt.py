@@ -1,0 +1,149 @@
+"""A micro-batch's samples of one prompt computed with the prompt once (training/shared_prompt.py):
+the log-probs, entropies and gradients of every sample's own [prompt | response] pass, with
+prompts left-padded to different lengths, responses of different lengths, and a sample alone with
+its prompt; the layout's blocks and mask; and when it does not apply."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from keel.models.load import load_causal_lm
+from keel.training import forward, shared_prompt
+from keel.training.shared_prompt import PADDING, PROMPT, shared_prompts
+
+from tests_helpers import padded_batch
+
+
+def _grouped_batch(vocab: int):
+    """Prompts a (3 samples), b (2 samples), c (1 sample): left-padded to 5, responses 1-6."""
+    batch = padded_batch(vocab, [4, 2, 5, 4, 2, 4], [6, 3, 5, 1, 6, 4], seed=3, low=3)
+    prompts = batch.prompt_ids.clone()
+    prompts[3], prompts[5], prompts[4] = prompts[0], prompts[0], prompts[1]
+    group_index = torch.tensor([0, 1, 2, 0, 1, 0])
+    return dataclasses.replace(batch, prompt_ids=prompts, group_index=group_index)
+
+
+def _stats_and_gradients(model, batch, share: bool, monkeypatch):
+    monkeypatch.setattr(shared_prompt, "SHARE_PROMPTS", share)
+    model.zero_grad(set_to_none=True)
+    log_probs, entropy = forward.response_log_probs(model, batch, 0.8, with_entropy=True)
+    mask = batch.response_mask.bool()
+    (log_probs * mask).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    return log_probs * mask, entropy * mask, grads
+
+
+def test_shared_prompts_give_each_samples_own_log_probs_and_gradients(tiny_assets, monkeypatch):
+    model = load_causal_lm(tiny_assets["model"], torch.device("cpu"))
+    batch = _grouped_batch(model.config.vocab_size)
+    assert shared_prompts(batch.input_ids, batch.attention_mask, 6) is not None
+    own = _stats_and_gradients(model, batch, False, monkeypatch)
+    shared = _stats_and_gradients(model, batch, True, monkeypatch)
+    torch.testing.assert_close(shared[0], own[0], rtol=0, atol=2e-5)
+    torch.testing.assert_close(shared[1], own[1], rtol=0, atol=2e-5)
+    for ours, theirs in zip(shared[2], own[2]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
+    assert own[0].abs().sum() > 0 and any(g.abs().sum() > 0 for g in own[2])
+
+
+def test_the_blocks_hold_each_prompt_once_and_each_response_after_it():
+    batch = _grouped_batch(50)
+    shared = shared_prompts(batch.input_ids, batch.attention_mask, 6)
+    # blocks in order of first appearance: a (samples 0, 3, 5), b (1, 4), c (2)
+    lengths = [4 + 6 + 1 + 4, 2 + 3 + 6, 5 + 5]
+    assert shared.input_ids.shape == (3, max(lengths))
+    assert [int((row != PADDING).sum()) for row in shared.segments] == lengths
+    first = shared.segments[0, : lengths[0]].tolist()
+    assert first == [PROMPT] * 4 + [0] * 6 + [1] * 1 + [2] * 4
+    # the second response of a starts again at the position after the prompt
+    assert shared.position_ids[0, 10].item() == 4 and shared.position_ids[0, 11].item() == 4
+    assert shared.input_ids[0, :4].tolist() == batch.prompt_ids[0, 1:].tolist()
+    # every real response token is a target once, read at the position before it
+    assert len(shared.targets) == int(batch.response_mask.sum())
+    flat = batch.response_ids.reshape(-1)
+    assert torch.equal(shared.targets, flat[shared.scatter_to])
+
+
+def test_a_response_sees_its_prompt_and_itself_never_another():
+    batch = _grouped_batch(50)
+    shared = shared_prompts(batch.input_ids, batch.attention_mask, 6)
+    mask = shared.mask(flex=False)[0, 0]  # block a: prompt 0-3, responses 4-9, 10, 11-14
+    assert mask[3, :4].all() and not mask[2, 3]  # the prompt is causal
+    assert mask[10, :4].all() and mask[10, 10] and not mask[10, 4:10].any()
+    assert mask[12, 11:13].all() and not mask[12, 13] and not mask[12, 4:11].any()
+    # block c (10 tokens) is padded to 15: padding sees only itself, and nothing sees it
+    padded = shared.mask(flex=False)[2, 0]
+    assert padded[12, 12] and padded[12].sum() == 1 and not padded[:10, 10:].any()
+
+
+def test_nothing_is_shared_without_a_repeated_prompt_or_with_an_empty_one():
+    distinct = padded_batch(50, [4, 2, 5], [6, 3, 5], seed=1, low=3)
+    assert shared_prompts(distinct.input_ids, distinct.attention_mask, 6) is None
+    empty = padded_batch(50, [0, 0], [3, 2], seed=1, low=3)
+    assert shared_prompts(empty.input_ids, empty.attention_mask, 3) is None
+
+
+@pytest.mark.parametrize("implementation", ["flash_attention_2", "eager"])
+def test_a_model_on_another_attention_keeps_each_samples_own_pass(
+    tiny_assets, monkeypatch, implementation
+):
+    """The mask means what it says to SDPA and flex attention only: a model loaded with another
+    attention computes each sample whole, as before."""
+    monkeypatch.setattr(shared_prompt, "SHARE_PROMPTS", True)
+    model = load_causal_lm(tiny_assets["model"], torch.device("cpu"))
+    batch = _grouped_batch(model.config.vocab_size)
+    model.config._attn_implementation = implementation
+    assert shared_prompt.shared_prompts_of(batch, model.config) is None
+
+
+def test_flex_attentions_block_mask_gives_the_dense_masks_log_probs(tiny_assets):
+    """The GPU's path, flex attention with the block mask, forward only (the CPU's flex attention
+    has no backward): the log-probs of the dense mask's pass through SDPA."""
+    from functools import partial
+
+    model = load_causal_lm(tiny_assets["model"], torch.device("cpu"))
+    batch = _grouped_batch(model.config.vocab_size)
+    shared = shared_prompts(batch.input_ids, batch.attention_mask, 6)
+    stats = partial(forward.decoder_token_stats, model)
+    with torch.no_grad():
+        dense, _, _ = shared_prompt.shared_prompt_stats(
+            stats, shared, model.config, 0.8, False, False, flex=False
+        )
+        flex, _, _ = shared_prompt.shared_prompt_stats(
+            stats, shared, model.config, 0.8, False, False, flex=True
+        )
+    assert model.config._attn_implementation == "sdpa"
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(flex * mask, dense * mask, rtol=0, atol=1e-5)
+    assert (dense * mask).abs().sum() > 0
+
+
+def test_micro_batches_keep_a_prompts_samples_together_when_sharing(monkeypatch):
+    """Shortest first would spread a prompt's samples over micro-batches; sharing keeps them in
+    one, so each computes its prompt once."""
+    from keel.training.batching import MicroBatching, micro_batches
+
+    batch = _grouped_batch(50)
+    # three prompts of two samples; samples' tokens 10, 5, 10, 5, 8, 8
+    batch = dataclasses.replace(batch, group_index=torch.tensor([0, 1, 2, 0, 1, 2]))
+    monkeypatch.setattr(shared_prompt, "SHARE_PROMPTS", True)
+    together = [rows.tolist() for rows, _ in micro_batches(batch, MicroBatching(2))]
+    # prompts by their longest sample: 1 (8), then 0 and 2 (10)
+    assert together == [[1, 4], [0, 3], [2, 5]]
+    monkeypatch.setattr(shared_prompt, "SHARE_PROMPTS", False)
+    by_length = [rows.tolist() for rows, _ in micro_batches(batch, MicroBatching(2))]
+    assert by_length == [[1, 3], [4, 5], [0, 2]]
+
+
+def test_the_old_log_prob_pass_gives_the_same_log_probs_shared(tiny_assets, monkeypatch):
+    from keel.training.batching import MicroBatching
+
+    model = load_causal_lm(tiny_assets["model"], torch.device("cpu"))
+    batch = _grouped_batch(model.config.vocab_size)
+    passes = {}
+    for share in (False, True):
+        monkeypatch.setattr(shared_prompt, "SHARE_PROMPTS", share)
+        passes[share] = forward.batched_log_probs(model, batch, MicroBatching(4), 1.0)
+    torch.testing.assert_close(passes[True], passes[False], rtol=0, atol=2e-5)
+    assert passes[False].abs().sum() > 0
