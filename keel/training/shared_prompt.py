@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -91,65 +92,60 @@ def shared_prompts(input_ids: Tensor, attention_mask: Tensor, response_len: int)
     """The blocks of a micro-batch's rows [B, P + R] (prompts left-padded, responses right-padded,
     `attention_mask` 1 on real tokens; R = `response_len`) -> SharedPrompts, or None where no two
     samples have the same prompt, or a prompt is empty (its first response token would have
-    nothing to be predicted by). Built on the host."""
-    input_ids, attention_mask = input_ids.cpu(), attention_mask.cpu().bool()
-    width = input_ids.shape[1] - response_len
-    prompts = [ids[:width][real[:width]] for ids, real in zip(input_ids, attention_mask)]
-    real = attention_mask[:, width:]
+    nothing to be predicted by). Built on the host, in numpy: about a millisecond for t1's 64."""
+    ids, real = input_ids.cpu().numpy(), attention_mask.cpu().numpy().astype(bool)
+    width = ids.shape[1] - response_len
+    prompts = [row[:width][keep[:width]] for row, keep in zip(ids, real)]
     # past each response's last real token
-    lengths = (real * torch.arange(1, response_len + 1)).max(-1).values.tolist()
-    blocks: dict[tuple, list[int]] = {}
+    lengths = (real[:, width:] * np.arange(1, response_len + 1)).max(-1, initial=0)
+    blocks: dict[bytes, list[int]] = {}
     for sample, prompt in enumerate(prompts):
-        blocks.setdefault(tuple(prompt.tolist()), []).append(sample)
+        blocks.setdefault(prompt.tobytes(), []).append(sample)
     if len(blocks) == len(prompts) or any(len(prompt) == 0 for prompt in prompts):
         return None
     built = [
-        _block(prompts[members[0]], members, input_ids[:, width:], lengths, response_len)
+        _block(prompts[members[0]], members, ids[:, width:], lengths, response_len)
         for members in blocks.values()
     ]
     return _rows(built, (len(prompts), response_len))
 
 
-def _block(prompt: Tensor, members: list[int], responses: Tensor, lengths: list[int], width: int):
+def _block(prompt, members: list[int], responses, lengths, width: int) -> list:
     """One block's tokens, positions and segments, and per response token (its predictor's offset
-    in the block, the token, its flat index in [B * R])."""
-    size = len(prompt)
-    tokens, positions, segments = [prompt], [torch.arange(size)], [torch.full((size,), PROMPT)]
-    predict, targets, scatter = [], [], []
-    start = size
-    for k, sample in enumerate(members):
-        n = lengths[sample]
-        tokens.append(responses[sample, :n])
-        positions.append(size + torch.arange(n))
-        segments.append(torch.full((n,), k))
-        # the prompt's last token predicts the first; each response token the next
-        predict.append(torch.cat([torch.tensor([size - 1]), start + torch.arange(n - 1)])[:n])
-        targets.append(responses[sample, :n])
-        scatter.append(sample * width + torch.arange(n))
-        start += n
-    return [torch.cat(part) for part in (tokens, positions, segments, predict, targets, scatter)]
+    in the block, the token, its flat index in [B * R]), as numpy arrays."""
+    size, n = len(prompt), lengths[members]
+    # each response's first offset in the block
+    starts = size + np.concatenate([[0], np.cumsum(n)[:-1]])
+    within = np.concatenate([np.arange(k) for k in n])  # each response token's index in its own
+    member = np.repeat(np.arange(len(members)), n)
+    sample = np.asarray(members)[member]
+    targets = responses[sample, within]
+    # the prompt's last token predicts a response's first; each response token the next
+    predict = np.where(within == 0, size - 1, starts[member] + within - 1)
+    return [
+        np.concatenate([prompt, targets]),
+        np.concatenate([np.arange(size), size + within]),
+        np.concatenate([np.full(size, PROMPT), member]),
+        predict,
+        targets,
+        sample * width + within,
+    ]
 
 
-def _rows(blocks: list[list[Tensor]], shape: tuple[int, int]) -> SharedPrompts:
+def _rows(blocks: list[list], shape: tuple[int, int]) -> SharedPrompts:
     """One block a row, right-padded to the longest."""
     length = max(len(block[0]) for block in blocks)
-    input_ids = torch.zeros(len(blocks), length, dtype=torch.long)
-    position_ids = torch.zeros(len(blocks), length, dtype=torch.long)
-    segments = torch.full((len(blocks), length), PADDING, dtype=torch.long)
+    input_ids = np.zeros((len(blocks), length), dtype=np.int64)
+    position_ids = np.zeros((len(blocks), length), dtype=np.int64)
+    segments = np.full((len(blocks), length), PADDING, dtype=np.int64)
     for row, (tokens, positions, segment, *_) in enumerate(blocks):
         input_ids[row, : len(tokens)] = tokens
         position_ids[row, : len(tokens)] = positions
         segments[row, : len(tokens)] = segment
-    predict_at = torch.cat([row * length + block[3] for row, block in enumerate(blocks)])
-    return SharedPrompts(
-        input_ids,
-        position_ids,
-        segments,
-        predict_at,
-        torch.cat([block[4] for block in blocks]),
-        torch.cat([block[5] for block in blocks]),
-        shape,
-    )
+    predict_at = np.concatenate([row * length + block[3] for row, block in enumerate(blocks)])
+    targets, scatter_to = (np.concatenate([block[i] for block in blocks]) for i in (4, 5))
+    tensors = (input_ids, position_ids, segments, predict_at, targets, scatter_to)
+    return SharedPrompts(*(torch.from_numpy(t.astype(np.int64)) for t in tensors), shape)
 
 
 def shared_prompts_of(batch, config) -> SharedPrompts | None:
