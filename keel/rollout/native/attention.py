@@ -23,12 +23,14 @@ try:
     import triton
 
     from keel.rollout.native.attention_kernels import (
+        PROGRAMMATIC_LAUNCH_AVAILABLE,
         decode_attention_kernel,
         merge_splits_kernel,
     )
 # CPU installs: the SDPA path below
 except ImportError:
     triton = None
+    PROGRAMMATIC_LAUNCH_AVAILABLE = False
 
 
 # tl.dot's least inner size for 16-bit inputs

@@ -8,7 +8,14 @@ is installed."""
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+# Triton before 3.4: no programmatic launch (PROGRAMMATIC_LAUNCH_AVAILABLE; PDL never set)
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+
+PROGRAMMATIC_LAUNCH_AVAILABLE = gdc_wait is not None
 
 
 @triton.jit

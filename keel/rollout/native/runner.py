@@ -17,6 +17,7 @@ from torch import Tensor
 from keel.models.load import can_compile
 from keel.rollout.native import invariant
 from keel.rollout.native.attention import (
+    PROGRAMMATIC_LAUNCH_AVAILABLE,
     KernelConfig,
     SharedPrefix,
     sdpa_decode_attention,
@@ -54,11 +55,12 @@ PROGRAMMATIC_LAUNCH = False
 
 def programmatic_launch(device: torch.device) -> bool:
     """Whether the decode step's kernels take Hopper's programmatic dependent launch: switched on
-    (PROGRAMMATIC_LAUNCH), on an sm_90 or newer GPU, with an inductor that emits it."""
+    (PROGRAMMATIC_LAUNCH), on an sm_90 or newer GPU, with a Triton and an inductor that emit it."""
     import torch._inductor.config as inductor
 
     return (
         PROGRAMMATIC_LAUNCH
+        and PROGRAMMATIC_LAUNCH_AVAILABLE
         and device.type == "cuda"
         and torch.cuda.get_device_capability(device) >= (9, 0)
         and hasattr(inductor.triton, "enable_pdl")
