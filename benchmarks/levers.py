@@ -20,7 +20,7 @@ building into keel before it is (issue 50). Each lever patches keel as the bench
             (runner.PROGRAMMATIC_LAUNCH)
   shareprompt  a micro-batch's samples of one prompt computed with the prompt once, through flex
             attention's block mask (training/shared_prompt.SHARE_PROMPTS), in the old-log-prob
-            pass, the reference's and the update
+            pass, the reference's, the update and distillation's teacher pass
   norotary  each layer's query and key heads normed and rotated by torch.compile's kernels before
             the decode attention, as before the kernel did it itself (runner.ROTARY_IN_ATTENTION)
 

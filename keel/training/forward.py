@@ -145,7 +145,7 @@ def response_vocab_stats(
     [B, R, k], the log-probs of those tokens [B, R, k]. () when None."""
     plain = getattr(model.config, "model_type", None) in PLAIN_LM_HEAD
     # laid out from the host's copy, before the batch moves
-    shared = shared_prompts_of(batch, model.config) if plain and vocab_extra is None else None
+    shared = shared_prompts_of(batch, model.config) if plain else None
     device = compute_device(model, plan)
     batch = batch.to(device)
     inputs = _model_inputs(batch)
@@ -162,8 +162,9 @@ def response_vocab_stats(
     )
     if shared is not None:
         return shared_prompt_stats(
-            token_stats, shared.to(device), model.config, temperature, with_entropy, entropy_grad
-        )
+            token_stats, shared.to(device), model.config, temperature, with_entropy, entropy_grad,
+            vocab_extra,
+        )  # fmt: skip
     return token_stats(
         inputs, targets, temperature, with_entropy, entropy_grad, vocab_extra=vocab_extra
     )
@@ -181,14 +182,16 @@ def decoder_token_stats(
     predict_at: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, tuple[Tensor, ...]]:
     """`predict_at` (shared prompts): the flat positions that predict `targets` [T], whose
-    log-probs and entropy come back flat [T]; else those of the responses [B, R]."""
+    log-probs, entropy and extras come back flat [T, ...] (ids in `vocab_extra` [T, k]); else
+    those of the responses [B, R, ...]."""
     hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
     lm_head = model.get_output_embeddings()
     if predict_at is not None:
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])[predict_at]
         return vocab_token_stats(
-            lm_head, flat_hidden, targets, temperature, with_entropy, entropy_grad, fused_vocab
-        )
+            lm_head, flat_hidden, targets, temperature, with_entropy, entropy_grad, fused_vocab,
+            vocab_extra,
+        )  # fmt: skip
     response_len = targets.shape[1]
     hidden = hidden[:, -response_len - 1 : -1]  # [B, R, H]
     # [B*R, H], [B*R]

@@ -73,9 +73,13 @@ class SharedPrompts:
         return create_block_mask(mask_mod, rows, None, length, length, device=segments.device)
 
     def scattered(self, values: Tensor) -> Tensor:
-        """[T] per target -> [B, R], zero at the response positions that are padding."""
-        flat = values.new_zeros(self.shape[0] * self.shape[1])
-        return flat.index_put((self.scatter_to,), values).view(self.shape)
+        """[T, ...] per target -> [B, R, ...], zero at the response positions that are padding."""
+        flat = values.new_zeros(self.shape[0] * self.shape[1], *values.shape[1:])
+        return flat.index_put((self.scatter_to,), values).view(*self.shape, *values.shape[1:])
+
+    def per_target(self, values: Tensor) -> Tensor:
+        """[B, R, ...] per response position -> [T, ...] per target."""
+        return values.reshape(self.shape[0] * self.shape[1], *values.shape[2:])[self.scatter_to]
 
 
 def _allowed(segments: Tensor, query: Tensor, key: Tensor) -> Tensor:
@@ -166,11 +170,14 @@ def shared_prompt_stats(
     temperature,
     with_entropy,
     entropy_grad,
+    vocab_extra=None,
     flex: bool | None = None,
 ) -> tuple[Tensor, Tensor | None, tuple]:
-    """response_vocab_stats over the blocks of `shared`: each target's log-prob (and entropy)
-    read where its position is, put back in [B, R]. `flex`: through flex attention (default: on a
-    GPU; the CPU's has no backward), else SDPA with the dense mask."""
+    """response_vocab_stats over the blocks of `shared`: each target's log-prob (its entropy, what
+    `vocab_extra` asks) read where its position is, put back in [B, R, ...]. `flex`: through flex
+    attention (default: on a GPU; the CPU's has no backward), else SDPA with the dense mask."""
+    if isinstance(vocab_extra, Tensor):  # ids [B, R, k]: those of each target's position
+        vocab_extra = shared.per_target(vocab_extra.to(shared.targets.device))
     flex = shared.input_ids.is_cuda if flex is None else flex
     inputs = {
         "input_ids": shared.input_ids,
@@ -178,12 +185,12 @@ def shared_prompt_stats(
         "attention_mask": shared.mask(flex),
     }
     with attention_implementation(config, "flex_attention" if flex else "sdpa"):
-        log_probs, entropy, _ = token_stats(
+        log_probs, entropy, extras = token_stats(
             inputs, shared.targets, temperature, with_entropy, entropy_grad,
-            predict_at=shared.predict_at,
+            vocab_extra=vocab_extra, predict_at=shared.predict_at,
         )  # fmt: skip
     entropy = shared.scattered(entropy) if with_entropy else None
-    return shared.scattered(log_probs), entropy, ()
+    return shared.scattered(log_probs), entropy, tuple(shared.scattered(e) for e in extras)
 
 
 @contextlib.contextmanager

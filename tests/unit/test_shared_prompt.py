@@ -147,3 +147,25 @@ def test_the_old_log_prob_pass_gives_the_same_log_probs_shared(tiny_assets, monk
         passes[share] = forward.batched_log_probs(model, batch, MicroBatching(4), 1.0)
     torch.testing.assert_close(passes[True], passes[False], rtol=0, atol=2e-5)
     assert passes[False].abs().sum() > 0
+
+
+def test_distillations_top_k_and_given_ids_come_back_as_each_samples_own(tiny_assets, monkeypatch):
+    """What distillation asks of each position's distribution: its k most likely tokens (the
+    teacher's pass) and the log-probs of given ids (the student's), at every real response
+    position."""
+    model = load_causal_lm(tiny_assets["model"], torch.device("cpu"))
+    batch = _grouped_batch(model.config.vocab_size)
+    real = batch.response_mask.bool()
+    ids = torch.randint(0, model.config.vocab_size, (*batch.response_ids.shape, 3))
+    for extra in (forward.TopK(4), ids):
+        results = {}
+        for share in (False, True):
+            monkeypatch.setattr(shared_prompt, "SHARE_PROMPTS", share)
+            with torch.no_grad():
+                results[share] = forward.response_vocab_stats(model, batch, 1.0, vocab_extra=extra)[
+                    2
+                ]
+        assert len(results[True]) == len(results[False]) > 0
+        for ours, theirs in zip(results[True], results[False]):
+            assert ours.shape == theirs.shape
+            torch.testing.assert_close(ours[real], theirs[real], rtol=0, atol=2e-5)
