@@ -63,9 +63,9 @@
 #                                                 with the decode fusions off (levers.py norotary,norecord) and on, in
 #                                                 turn, N rounds (1), 5 steps each: the update swings between runs
 #   bash benchmarks/gpu_session.sh pdl [N]        issue 50, tenth session: the GPU tests of sessions 9 and 10 (the
-#                                                 programmatic launch's bits, the log-prob's backward), then q1 and t1
-#                                                 as they are, with levers.py pdl, and with pdl,autotune, in turn,
-#                                                 N rounds (1), 3 steps each; a run starts only before PDL_UNTIL (480 s)
+#                                                 programmatic launch's bits, the log-prob's backward, shared prompts),
+#                                                 then q1 and t1 as they are and with levers.py pdl, in turn, N rounds
+#                                                 (1), 3 steps each; a run starts only before PDL_UNTIL (480 s)
 #   bash benchmarks/gpu_session.sh shared         issue 50, tenth session: t1 and q1 as they are and with levers.py
 #                                                 shareprompt (a prompt computed once for its samples), in turn, then
 #                                                 t1 without shuffling mini-batches (verl's default) both ways; a run
@@ -135,17 +135,17 @@ fusions() {  # the ninth session's decode fusions against their levers off, alte
     done
 }
 
-pdl() {  # the tenth session's levers: the decode step's kernels launched programmatically, and its matmuls
-    # autotuned as well, against the step as it is
+pdl() {  # the tenth session's lever for the decode step: its kernels launched programmatically, against
+    # the step as it is
     timeout 200 python3 -m pytest -q tests/gpu/test_update_cuda.py tests/gpu/test_batch_invariant_cuda.py \
         tests/gpu/test_train_cuda.py "tests/gpu/test_native_cuda.py::test_programmatic_launch_decodes_the_same_bits" \
         > "$OUT/gpu_tests.txt" 2>&1; tail -1 "$OUT/gpu_tests.txt"
     local round workload levers log
     for round in $(seq "${1:-1}"); do
         for workload in q1 t1; do
-            for levers in - pdl pdl,autotune; do
+            for levers in - pdl; do
                 (( SECONDS > ${PDL_UNTIL:-480} )) && { echo "$workload $levers: skipped, the call's time is spent"; continue; }
-                log="$OUT/pdl_${workload}_${levers/,/_}_$round.log"
+                log="$OUT/pdl_${workload}_${levers}_$round.log"
                 if [ "$levers" = - ]; then
                     timeout 150 python3 -m keel bench "$workload" --gpus 1 --steps 3 --warmup 2 \
                         --out "$OUT/bench.jsonl" > "$log" 2>&1

@@ -1,9 +1,6 @@
 """`keel bench` with an experimental lever switched on in this process, to learn whether it is worth
 building into keel before it is (issue 50). Each lever patches keel as the bench imports it:
 
-  autotune  the decode step's functions compiled in max-autotune-no-cudagraphs mode: inductor
-            times its Triton matmul templates against cuBLAS and may fuse epilogues into them
-            (with pdl, the chosen Triton matmuls launch programmatically too)
   cudnn     half-precision attention may take cuDNN's kernel, as torch 2.11 chooses (keel keeps
             it off: pytorch#196678), so what avoiding it costs the update shows
   graphs    the trainer's compiled decoder layers replay as CUDA graphs (torch.compile's
@@ -36,23 +33,6 @@ import gc
 import sys
 
 import torch
-
-
-def autotune() -> None:
-    import inspect
-
-    import keel.rollout.native.layers as layers
-
-    init = layers.StepFunctions.__init__
-    signature = inspect.signature(init)
-
-    def tuned(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
-        if bound.arguments.get("mode") is None:
-            bound.arguments["mode"] = "max-autotune-no-cudagraphs"
-        init(*bound.args, **bound.kwargs)
-
-    layers.StepFunctions.__init__ = tuned
 
 
 def cudnn() -> None:
@@ -113,7 +93,6 @@ def norotary() -> None:
 
 
 LEVERS = {
-    "autotune": autotune,
     "cudnn": cudnn,
     "graphs": graphs,
     "nogc": nogc,

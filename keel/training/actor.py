@@ -180,7 +180,7 @@ class ActorTrainer:
         """One micro-batch's loss, its policy-loss part and per-token metrics, on the device."""
         cfg = self.cfg
         # once, without waiting for the GPU
-        micro = micro.to(compute_device(self.model, self.placement))
+        host_micro, micro = micro, micro.to(compute_device(self.model, self.placement))
         mask = micro.loss_mask  # [b, R]
         log_prob, entropy, student_top = response_vocab_stats(
             self.model,
@@ -191,6 +191,7 @@ class ActorTrainer:
             plan=self.placement,
             # gkd: the student's log-probs of the teacher's top-k tokens
             vocab_extra=micro.teacher_top_ids if self.gkd is not None else None,
+            host_batch=host_micro,
         )
         old_log_prob = self._old_log_probs(micro, log_prob)
         is_weights = micro.rollout_is_weights

@@ -121,6 +121,8 @@ def prompts_together(groups: Tensor, lengths: Tensor) -> Tensor:
     """The samples in an order that keeps each prompt's (`groups`: one value a prompt) together,
     so a micro-batch computes its prompt once (shared_prompt.py): prompts by their longest
     sample, then each prompt's samples by length, shortest first."""
+    if len(groups) == 0:
+        return torch.argsort(lengths)
     _, group = torch.unique(groups, return_inverse=True)
     count = int(group.max()) + 1
     longest = torch.zeros(count, dtype=lengths.dtype).scatter_reduce(0, group, lengths, "amax")

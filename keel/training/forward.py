@@ -139,13 +139,16 @@ def response_vocab_stats(
     entropy_grad: bool = False,
     plan: Placement = SINGLE,
     vocab_extra: VocabExtra = None,
+    host_batch: TrainBatch | None = None,
 ) -> tuple[Tensor, Tensor | None, tuple[Tensor, ...]]:
     """response_log_probs, and what `vocab_extra` asks of each response position's distribution
     (distillation): TopK(k), the k most likely tokens' log-probs [B, R, k] and ids [B, R, k]; ids
-    [B, R, k], the log-probs of those tokens [B, R, k]. () when None."""
+    [B, R, k], the log-probs of those tokens [B, R, k]. () when None. `host_batch`: the batch as
+    the host holds it, where `batch` is already on the device (shared prompts are laid out from
+    it)."""
     plain = getattr(model.config, "model_type", None) in PLAIN_LM_HEAD
     # laid out from the host's copy, before the batch moves
-    shared = shared_prompts_of(batch, model.config) if plain else None
+    shared = shared_prompts_of(host_batch or batch, model.config) if plain else None
     device = compute_device(model, plan)
     batch = batch.to(device)
     inputs = _model_inputs(batch)

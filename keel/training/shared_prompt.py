@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from keel.training.pair_layout import can_share_prompt
@@ -29,6 +30,11 @@ SHARE_PROMPTS = False
 
 # each token's segment in its block: the prompt, the block's k-th response (k >= 0), or padding
 PROMPT, PADDING = -1, -2
+# flex attention's tile (queries and keys): its block mask lists, per query tile, the key tiles
+# seen in part and those seen whole
+FLEX_TILE = 128
+# mask elements made at once while sorting the tiles
+MASK_ELEMENTS = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -58,19 +64,31 @@ class SharedPrompts:
         """Flex attention's block mask, or a dense [rows, 1, L, L] boolean mask for SDPA."""
         if flex:
             return self._block_mask()
-        index = torch.arange(self.segments.shape[1])
+        index = torch.arange(self.segments.shape[1], device=self.segments.device)
         return _allowed(self.segments, index[:, None], index[None, :])[:, None]
 
     def _block_mask(self):
-        from torch.nn.attention.flex_attention import create_block_mask
+        """Flex attention's block mask, its tiles sorted from the mask a few query tiles at a
+        time: create_block_mask would evaluate all [rows, L, L] of it at once, tens of GB at
+        long responses."""
+        from torch.nn.attention.flex_attention import BlockMask
 
-        segments = self.segments
-        rows, length = segments.shape
+        length = self.segments.shape[1]
+        tiles = -(-length // FLEX_TILE)
+        # to whole tiles, so the kernel's last partial tile reads segments within the tensor
+        segments = F.pad(self.segments, (0, tiles * FLEX_TILE - length), value=PADDING)
+        some, every = _seen_tiles(segments)
 
         def mask_mod(row, head, query, key):
             return _allowed(segments[row], query, key)
 
-        return create_block_mask(mask_mod, rows, None, length, length, device=segments.device)
+        return BlockMask.from_kv_blocks(
+            *_tile_lists(some & ~every),
+            *_tile_lists(every),
+            BLOCK_SIZE=FLEX_TILE,
+            mask_mod=mask_mod,
+            seq_lengths=(length, length),
+        )
 
     def scattered(self, values: Tensor) -> Tensor:
         """[T, ...] per target -> [B, R, ...], zero at the response positions that are padding."""
@@ -80,6 +98,32 @@ class SharedPrompts:
     def per_target(self, values: Tensor) -> Tensor:
         """[B, R, ...] per response position -> [T, ...] per target."""
         return values.reshape(self.shape[0] * self.shape[1], *values.shape[2:])[self.scatter_to]
+
+
+def _seen_tiles(segments: Tensor) -> tuple[Tensor, Tensor]:
+    """Per row, query tile and key tile of `segments` [rows, tiles * FLEX_TILE]: whether some of
+    its queries see some of its keys, and whether every query sees every key -> [rows, tiles,
+    tiles] each. The mask is made MASK_ELEMENTS at a time."""
+    rows, padded = segments.shape
+    tiles = padded // FLEX_TILE
+    index = torch.arange(padded, device=segments.device)
+    step = max(1, MASK_ELEMENTS // (rows * FLEX_TILE * padded))
+    some, every = [], []
+    for first in range(0, tiles, step):
+        query = index[first * FLEX_TILE : (first + step) * FLEX_TILE]
+        seen = _allowed(segments, query[:, None], index[None, :])  # [rows, queries, padded]
+        seen = seen.view(rows, -1, FLEX_TILE, tiles, FLEX_TILE)
+        some.append(seen.any(dim=4).any(dim=2))
+        every.append(seen.all(dim=4).all(dim=2))
+    return torch.cat(some, dim=1), torch.cat(every, dim=1)
+
+
+def _tile_lists(tiles: Tensor) -> tuple[Tensor, Tensor]:
+    """[rows, tiles, tiles] -> flex attention's per query tile count of key tiles [rows, 1, tiles]
+    and their indices, those first [rows, 1, tiles, tiles]."""
+    count = tiles.sum(dim=-1, dtype=torch.int32)
+    order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return count[:, None], order[:, None]
 
 
 def _allowed(segments: Tensor, query: Tensor, key: Tensor) -> Tensor:
@@ -95,8 +139,9 @@ def _allowed(segments: Tensor, query: Tensor, key: Tensor) -> Tensor:
 def shared_prompts(input_ids: Tensor, attention_mask: Tensor, response_len: int):
     """The blocks of a micro-batch's rows [B, P + R] (prompts left-padded, responses right-padded,
     `attention_mask` 1 on real tokens; R = `response_len`) -> SharedPrompts, or None where no two
-    samples have the same prompt, or a prompt is empty (its first response token would have
-    nothing to be predicted by). Built on the host, in numpy: about a millisecond for t1's 64."""
+    samples have the same prompt, a prompt is empty (its first response token would have nothing
+    to be predicted by) or every response is. Built on the host, in numpy: about a millisecond
+    for t1's 64."""
     ids, real = input_ids.cpu().numpy(), attention_mask.cpu().numpy().astype(bool)
     width = ids.shape[1] - response_len
     prompts = [row[:width][keep[:width]] for row, keep in zip(ids, real)]
@@ -105,7 +150,8 @@ def shared_prompts(input_ids: Tensor, attention_mask: Tensor, response_len: int)
     blocks: dict[bytes, list[int]] = {}
     for sample, prompt in enumerate(prompts):
         blocks.setdefault(prompt.tobytes(), []).append(sample)
-    if len(blocks) == len(prompts) or any(len(prompt) == 0 for prompt in prompts):
+    empty = any(len(prompt) == 0 for prompt in prompts) or not lengths.any()
+    if len(blocks) == len(prompts) or empty:
         return None
     built = [
         _block(prompts[members[0]], members, ids[:, width:], lengths, response_len)
@@ -154,8 +200,9 @@ def _rows(blocks: list[list], shape: tuple[int, int]) -> SharedPrompts:
 
 def shared_prompts_of(batch, config) -> SharedPrompts | None:
     """The micro-batch's samples of one prompt laid out to compute it once, where that is on
-    (shared_prompt.SHARE_PROMPTS) and the model's attention can take the mask."""
-    if not SHARE_PROMPTS:
+    (SHARE_PROMPTS), the model's attention can take the mask, and the batch is on the host: one
+    already on the device would make the host wait for its copy."""
+    if not SHARE_PROMPTS or batch.prompt_ids.is_cuda:
         return None
     shared = shared_prompts(batch.input_ids, batch.attention_mask, batch.response_ids.shape[1])
     if shared is None or not can_share_prompt(config, shared.input_ids.shape[1]):

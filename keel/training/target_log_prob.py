@@ -53,8 +53,10 @@ def logits_gradient(
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
-    probs = torch.exp(z - lse.unsqueeze(-1))
+    gradient = torch.exp(z - lse.unsqueeze(-1))
     vocab = torch.arange(logits.shape[-1], device=logits.device)
-    onehot = (vocab == targets.unsqueeze(-1)).to(probs.dtype)
+    # onehot - softmax in place, without a float [..., V] one-hot (eager's memory; compiled, the
+    # whole function is one kernel either way)
+    gradient.neg_().add_(vocab == targets.unsqueeze(-1))
     scale = grad if temperature == 1.0 else grad / temperature
-    return ((onehot - probs) * scale.unsqueeze(-1)).to(logits.dtype)
+    return gradient.mul_(scale.unsqueeze(-1)).to(logits.dtype)

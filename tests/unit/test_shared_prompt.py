@@ -169,3 +169,36 @@ def test_distillations_top_k_and_given_ids_come_back_as_each_samples_own(tiny_as
         for ours, theirs in zip(results[True], results[False]):
             assert ours.shape == theirs.shape
             torch.testing.assert_close(ours[real], theirs[real], rtol=0, atol=2e-5)
+
+
+def test_the_block_mask_lists_the_tiles_create_block_mask_would(monkeypatch):
+    """Flex attention's block mask, sorted a few query tiles at a time: the same tiles seen in
+    part and seen whole as create_block_mask's (which evaluates the whole [rows, L, L] mask at
+    once), over blocks longer than a tile: a 300-token prompt and responses of 1 to 260."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from keel.training.shared_prompt import _allowed
+
+    batch = padded_batch(50, [300, 300, 300, 120, 120], [260, 1, 140, 200, 7], seed=2, low=3)
+    prompts = batch.prompt_ids.clone()
+    prompts[1], prompts[2], prompts[4] = prompts[0], prompts[0], prompts[3]
+    batch = dataclasses.replace(batch, prompt_ids=prompts)
+    shared = shared_prompts(batch.input_ids, batch.attention_mask, 260)
+    # a tile's worth of mask at a time: the rows are sorted in several steps
+    monkeypatch.setattr(shared_prompt, "MASK_ELEMENTS", 1)
+    ours = shared.mask(flex=True)
+    rows, length = shared.segments.shape
+
+    def mask_mod(row, head, query, key):
+        return _allowed(shared.segments[row], query, key)
+
+    theirs = create_block_mask(mask_mod, rows, None, length, length, device="cpu")
+    assert torch.equal(ours.to_dense(), theirs.to_dense())
+    assert torch.equal(ours.full_kv_num_blocks, theirs.full_kv_num_blocks)
+    assert ours.full_kv_num_blocks.sum() > 0 and (ours.kv_num_blocks > 0).all()
+
+
+def test_nothing_is_shared_where_every_response_is_empty():
+    batch = _grouped_batch(50)
+    empty = dataclasses.replace(batch, response_mask=torch.zeros_like(batch.response_mask))
+    assert shared_prompts(empty.input_ids, empty.attention_mask, 6) is None
