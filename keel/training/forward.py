@@ -147,9 +147,17 @@ def response_vocab_stats(
     the host holds it, where `batch` is already on the device (shared prompts are laid out from
     it)."""
     plain = getattr(model.config, "model_type", None) in PLAIN_LM_HEAD
-    # laid out from the host's copy, before the batch moves
-    shared = shared_prompts_of(host_batch or batch, model.config) if plain else None
     device = compute_device(model, plan)
+    token_stats = plan.token_stats or partial(
+        decoder_token_stats, model, fused_vocab=plan.fused_vocab
+    )
+    # laid out from the host's copy; the batch itself is then not moved
+    shared = shared_prompts_of(host_batch or batch, model.config) if plain else None
+    if shared is not None:
+        return shared_prompt_stats(
+            token_stats, shared.to(device), model.config, temperature, with_entropy, entropy_grad,
+            vocab_extra,
+        )  # fmt: skip
     batch = batch.to(device)
     inputs = _model_inputs(batch)
     targets = batch.response_ids  # [B, R]
@@ -160,14 +168,6 @@ def response_vocab_stats(
         return _token_stats(
             out.logits[:, :-1], targets, temperature, with_entropy, entropy_grad, vocab_extra
         )
-    token_stats = plan.token_stats or partial(
-        decoder_token_stats, model, fused_vocab=plan.fused_vocab
-    )
-    if shared is not None:
-        return shared_prompt_stats(
-            token_stats, shared.to(device), model.config, temperature, with_entropy, entropy_grad,
-            vocab_extra,
-        )  # fmt: skip
     return token_stats(
         inputs, targets, temperature, with_entropy, entropy_grad, vocab_extra=vocab_extra
     )

@@ -53,11 +53,8 @@ class SharedPrompts:
     shape: tuple[int, int]
 
     def to(self, device: torch.device) -> SharedPrompts:
-        moved = {
-            name: getattr(self, name).to(device, non_blocking=True)
-            for name in ("input_ids", "position_ids", "segments")
-            + ("predict_at", "targets", "scatter_to")
-        }
+        names = ("input_ids", "position_ids", "segments", "predict_at", "targets", "scatter_to")
+        moved = {name: getattr(self, name).to(device, non_blocking=True) for name in names}
         return replace(self, **moved)
 
     def mask(self, flex: bool):
