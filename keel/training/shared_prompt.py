@@ -35,6 +35,8 @@ PROMPT, PADDING = -1, -2
 FLEX_TILE = 128
 # mask elements made at once while sorting the tiles
 MASK_ELEMENTS = 1 << 26
+# transformers' name for keel's flex attention function (flex_attention_forward)
+KEEL_FLEX = "keel_flex"
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,10 @@ class SharedPrompts:
         segments = F.pad(self.segments, (0, tiles * FLEX_TILE - length), value=PADDING)
         some, every = _seen_tiles(segments)
 
+        # indexed [row, position] by tensors: an ellipsis with flex's 0-d indices asks for their
+        # values as Python ints, which its compiled mask cannot give
         def mask_mod(row, head, query, key):
-            return _allowed(segments[row], query, key)
+            return _sees(segments[row, query], segments[row, key], query, key)
 
         return BlockMask.from_kv_blocks(
             *_tile_lists(some & ~every),
@@ -127,8 +131,11 @@ def _allowed(segments: Tensor, query: Tensor, key: Tensor) -> Tensor:
     """Whether `query` sees `key` (positions of one row, whose tokens' segments are `segments`):
     an earlier or the same token of the prompt, or of the query's own response; a padding token
     sees only itself."""
-    own = segments[..., query]
-    seen = segments[..., key]
+    return _sees(segments[..., query], segments[..., key], query, key)
+
+
+def _sees(own: Tensor, seen: Tensor, query: Tensor, key: Tensor) -> Tensor:
+    """_allowed, given the query's segment `own` and the key's `seen`."""
     shares = (seen == PROMPT) | (seen == own)
     return (query == key) | ((key <= query) & (own != PADDING) & shares)
 
@@ -204,6 +211,8 @@ def shared_prompts_of(batch, config) -> SharedPrompts | None:
     shared = shared_prompts(batch.input_ids, batch.attention_mask, batch.response_ids.shape[1])
     if shared is None or not can_share_prompt(config, shared.input_ids.shape[1]):
         return None
+    if getattr(config, "attention_dropout", 0.0):  # flex attention has no dropout
+        return None
     return shared
 
 
@@ -228,7 +237,7 @@ def shared_prompt_stats(
         "position_ids": shared.position_ids,
         "attention_mask": shared.mask(flex),
     }
-    with attention_implementation(config, "flex_attention" if flex else "sdpa"):
+    with attention_implementation(config, KEEL_FLEX if flex else "sdpa"):
         log_probs, entropy, extras = token_stats(
             inputs, shared.targets, temperature, with_entropy, entropy_grad,
             vocab_extra=vocab_extra, predict_at=shared.predict_at,
@@ -237,10 +246,38 @@ def shared_prompt_stats(
     return shared.scattered(log_probs), entropy, tuple(shared.scattered(e) for e in extras)
 
 
+_compiled_flex = None
+
+
+def flex_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers' attention interface (`KEEL_FLEX`): flex attention under the block mask.
+    transformers' own flex function passes a score_mod and its own compiled wrapper; this passes
+    neither, and is traced into the layer's graph where the layer is compiled (else compiled once
+    here: flex attention run eagerly computes the whole [L, L] score matrix). Query heads share
+    key heads by flex's own grouping. -> ([rows, L, heads, head_dim], no weights)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.compiler.is_compiling():
+        attend = flex_attention
+    else:
+        _compiled_flex = _compiled_flex or torch.compile(flex_attention)
+        attend = _compiled_flex
+    out = attend(
+        query, key, value, block_mask=attention_mask, scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
 @contextlib.contextmanager
 def attention_implementation(config, name: str):
-    """The model attends by `name` (transformers' attention functions) while inside: flex
-    attention for a block mask. Its layers read their config's at each call."""
+    """The model attends by `name` (transformers' attention functions, or KEEL_FLEX) while
+    inside. Its layers read their config's at each call."""
+    if name == KEEL_FLEX:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(KEEL_FLEX, flex_attention_forward)
     before = config._attn_implementation
     config._attn_implementation = name
     try:

@@ -202,3 +202,14 @@ def test_nothing_is_shared_where_every_response_is_empty():
     batch = _grouped_batch(50)
     empty = dataclasses.replace(batch, response_mask=torch.zeros_like(batch.response_mask))
     assert shared_prompts(empty.input_ids, empty.attention_mask, 6) is None
+
+
+def test_a_model_with_attention_dropout_keeps_each_samples_own_pass(tiny_assets, monkeypatch):
+    """Flex attention has no dropout: a model that drops attention weights is not shared, so its
+    training keeps the dropout it was configured with."""
+    monkeypatch.setattr(shared_prompt, "SHARE_PROMPTS", True)
+    model = load_causal_lm(tiny_assets["model"], torch.device("cpu"))
+    batch = _grouped_batch(model.config.vocab_size)
+    assert shared_prompt.shared_prompts_of(batch, model.config) is not None
+    model.config.attention_dropout = 0.1
+    assert shared_prompt.shared_prompts_of(batch, model.config) is None
