@@ -213,3 +213,29 @@ def test_a_model_with_attention_dropout_keeps_each_samples_own_pass(tiny_assets,
     assert shared_prompt.shared_prompts_of(batch, model.config) is not None
     model.config.attention_dropout = 0.1
     assert shared_prompt.shared_prompts_of(batch, model.config) is None
+
+
+def test_the_block_masks_mask_traces_without_reading_an_index():
+    """Compiled flex attention traces the mask with its row, query and key as 0-d tensors. Read
+    as a Python int (an ellipsis beside a 0-d index does that), an index is data the compiled
+    graph cannot hold: torch 2.11's flex attention broke out of its graph and failed on an H100.
+    Traced for real, as flex attention's own trace rewrites indexing, the mask reads no value and
+    gives the mask's answer."""
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    batch = _grouped_batch(50)
+    shared = shared_prompts(batch.input_ids, batch.attention_mask, 6)
+    mask_mod = shared.mask(flex=True).mask_mod
+    index = (torch.tensor(0), torch.tensor(0), torch.tensor(5), torch.tensor(2))
+    with TransformGetItemToIndex():
+        traced = make_fx(mask_mod)(*index)
+    dense = shared.mask(flex=False)
+    # a response reading its prompt, another response, itself; padding reading the prompt
+    seen = [(0, 5, 2), (0, 11, 5), (1, 6, 3), (1, 3, 3), (1, 12, 2), (2, 9, 0)]
+    answers = [
+        bool(traced(torch.tensor(row), torch.tensor(0), torch.tensor(query), torch.tensor(key)))
+        for row, query, key in seen
+    ]
+    assert answers == [bool(dense[row, 0, query, key]) for row, query, key in seen]
+    assert answers == [True, False, False, True, False, True]
