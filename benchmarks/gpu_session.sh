@@ -66,10 +66,11 @@
 #                                                 programmatic launch's bits, the log-prob's backward, shared prompts),
 #                                                 then q1 and t1 as they are and with levers.py pdl, in turn, N rounds
 #                                                 (1), 3 steps each; a run starts only before PDL_UNTIL (480 s)
-#   bash benchmarks/gpu_session.sh shared         issue 50, tenth session: t1 and q1 as they are and with levers.py
+#   bash benchmarks/gpu_session.sh shared         issue 50, tenth session: the shared prompts' GPU test (flex attention
+#                                                 forward and backward), then t1 and q1 as they are and with levers.py
 #                                                 shareprompt (a prompt computed once for its samples), in turn, then
 #                                                 t1 without shuffling mini-batches (verl's default) both ways; a run
-#                                                 starts only before SHARED_UNTIL (470 s). The pdl part runs its GPU test
+#                                                 starts only before SHARED_UNTIL (470 s)
 #   bash benchmarks/gpu_session.sh summary        one line per record written so far
 # GPUS defaults to 1,2. Records name the commit in KEEL_COMMIT (set it in the device command, e.g.
 # KEEL_COMMIT=$(git rev-parse --short HEAD) expanded here: the copy there has no history of its own).
@@ -159,7 +160,11 @@ pdl() {  # the tenth session's lever for the decode step: its kernels launched p
     done
 }
 
-shared() {  # the tenth session's shared prompts against each sample's own pass, in turn
+shared() {  # the tenth session's shared prompts against each sample's own pass, in turn; first
+    # their GPU test (flex attention's block mask, forward and backward: the eleventh session's
+    # first try failed there)
+    timeout 90 python3 -m pytest -q tests/gpu/test_update_cuda.py -k shared > "$OUT/gpu_shared_tests.txt" 2>&1
+    tail -1 "$OUT/gpu_shared_tests.txt"
     local plain="actor_rollout_ref.actor.shuffle=false" run log i=0
     for run in "- t1" "shareprompt t1" "- q1" "shareprompt q1" "- t1 $plain" "shareprompt t1 $plain"; do
         i=$((i + 1))
