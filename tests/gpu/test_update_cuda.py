@@ -167,12 +167,9 @@ def test_shared_prompts_through_flex_attention_give_each_samples_own_pass(
     and backward: the log-probs and gradients of each sample's own [prompt | response] pass (to
     float32's rounding, or to bf16 autocast's), on prompts and responses of varied lengths."""
     import dataclasses
-    import sys
-    from pathlib import Path
 
     from keel.training import shared_prompt
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
     from tests_helpers import padded_batch
 
     model = load_causal_lm(tiny_assets["model"], CUDA)
