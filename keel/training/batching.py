@@ -117,13 +117,16 @@ def balanced_partitions(lengths: Tensor, parts: int) -> list[Tensor]:
     return [torch.tensor(sorted(c), dtype=torch.long) for c in chosen]
 
 
-def prompts_together(groups: Tensor, lengths: Tensor) -> Tensor:
-    """The samples in an order that keeps each prompt's (`groups`: one value a prompt) together,
-    so a micro-batch computes its prompt once (shared_prompt.py): prompts by their longest
-    sample, then each prompt's samples by length, shortest first."""
-    if len(groups) == 0:
+def prompts_together(prompts: Tensor, prompt_mask: Tensor, lengths: Tensor) -> Tensor:
+    """The samples in an order that keeps the samples of each prompt together, so a micro-batch
+    computes its prompt once (shared_prompt.py): prompts by their longest sample, then each
+    prompt's samples by length, shortest first. A prompt is its tokens, as shared_prompt.py
+    shares them (left-padded rows [N, P] and their mask), not its group: a prompt drawn twice, or
+    a multi-turn episode's segments, are shared by what they hold."""
+    if len(prompts) == 0:
         return torch.argsort(lengths)
-    _, group = torch.unique(groups, return_inverse=True)
+    tokens = torch.where(prompt_mask.bool(), prompts, -1)
+    _, group = torch.unique(tokens, dim=0, return_inverse=True)
     count = int(group.max()) + 1
     longest = torch.zeros(count, dtype=lengths.dtype).scatter_reduce(0, group, lengths, "amax")
     key = (longest[group] * count + group) * (int(lengths.max()) + 1) + lengths
@@ -226,7 +229,7 @@ def micro_batches(batch: TrainBatch, how: MicroBatching) -> list[tuple[Tensor, T
         lengths = sample_tokens(batch)
         order = torch.argsort(lengths, stable=True)
         if shared_prompt.SHARE_PROMPTS:
-            order = prompts_together(batch.group_index, lengths)
+            order = prompts_together(batch.prompt_ids, batch.prompt_mask, lengths)
         index = [rows.sort().values for rows in order.split(how.size)]
     else:
         index = token_budget_bins(

@@ -125,12 +125,13 @@ def test_micro_batches_keep_a_prompts_samples_together_when_sharing(monkeypatch)
     from keel.training.batching import MicroBatching, micro_batches
 
     batch = _grouped_batch(50)
-    # three prompts of two samples; samples' tokens 10, 5, 10, 5, 8, 8
-    batch = dataclasses.replace(batch, group_index=torch.tensor([0, 1, 2, 0, 1, 2]))
+    # prompt a: samples 0, 3, 5 (tokens 10, 5, 8); b: 1, 4 (5, 8); c: 2 (10). Each sample is its
+    # own group here (a prompt drawn several times): a prompt is shared by its tokens
+    batch = dataclasses.replace(batch, group_index=torch.arange(6))
     monkeypatch.setattr(shared_prompt, "SHARE_PROMPTS", True)
     together = [rows.tolist() for rows, _ in micro_batches(batch, MicroBatching(2))]
-    # prompts by their longest sample: 1 (8), then 0 and 2 (10)
-    assert together == [[1, 4], [0, 3], [2, 5]]
+    # prompts by their longest sample: b (8), then a and c (10)
+    assert together == [[1, 4], [3, 5], [0, 2]]
     monkeypatch.setattr(shared_prompt, "SHARE_PROMPTS", False)
     by_length = [rows.tolist() for rows, _ in micro_batches(batch, MicroBatching(2))]
     assert by_length == [[1, 3], [4, 5], [0, 2]]
