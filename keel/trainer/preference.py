@@ -44,8 +44,8 @@ from keel.trainer.reference_logps import (
 )
 from keel.trainer.setup import seed_everything
 from keel.training.optim import build_optimizer, build_scheduler
-from keel.training.pair_layout import can_share_prompt
 from keel.training.preference import collate_pairs
+from keel.training.shared_prompt import can_share_prompt
 from keel.training.step import DeviceTotals, apply_gradients, backward
 
 log = logging.getLogger("keel")

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from keel.data.preference import PreferencePair
+from keel.training import shared_prompt
 
 # Each token's part of its block: the prompt, a completion (in a shared block, the chosen one),
 # and a shared block's rejected completion, which never sees the chosen.
@@ -107,27 +108,13 @@ def packed_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
     return rows
 
 
-def can_share_prompt(config, length: int) -> bool:
-    """Whether the shared prompt's mask holds for this model: a boolean 4-D mask means what it
-    says to sdpa only (eager attention would add it to the scores, flash-attention refuses it);
-    and it replaces the model's own masks, so a sliding window shorter than `length` (Gemma 3,
-    Phi-3-mini) would be lost."""
-    if getattr(config, "_attn_implementation", None) not in (None, "sdpa"):
-        return False
-    window = getattr(config, "sliding_window", None)
-    if not window or window >= length:
-        return True
-    layer_types = getattr(config, "layer_types", None)
-    return layer_types is not None and "sliding_attention" not in layer_types
-
-
 def shared_prompt_mask(block_ids: Tensor, parts: Tensor) -> Tensor:
-    """[rows, 1, L, L] boolean: a token sees the earlier tokens of its own block, except that a
-    rejected token never sees the chosen completion; padding (block -1) sees only itself."""
-    same_block = block_ids[:, :, None] == block_ids[:, None, :]
+    """[rows, 1, L, L] boolean: within its block, a token sees what shared_prompt's rule lets it
+    (the earlier tokens of the prompt and of its own completion: a rejected token never sees the
+    chosen completion); padding (block -1) sees only itself."""
+    # the parts as shared_prompt's segments: the prompt, the chosen (0) or rejected (1) completion
+    segments = torch.where(parts == PROMPT, shared_prompt.PROMPT, (parts == REJECTED).long())
+    segments = segments.masked_fill(block_ids < 0, shared_prompt.PADDING)
     index = torch.arange(block_ids.shape[1], device=block_ids.device)
-    causal = index[None, :] <= index[:, None]
-    crossing = (parts[:, :, None] == REJECTED) & (parts[:, None, :] == COMPLETION)
-    allowed = same_block & causal & ~crossing & (block_ids[:, :, None] >= 0)
-    allowed |= torch.eye(block_ids.shape[1], dtype=torch.bool, device=block_ids.device)
-    return allowed[:, None]
+    same_block = block_ids[:, :, None] == block_ids[:, None, :]
+    return (same_block & shared_prompt.allowed(segments, index[:, None], index[None, :]))[:, None]

@@ -12,7 +12,7 @@ shapes (256-token prompts and responses, 8 samples a prompt) a micro-batch of wh
 The mask is flex attention's on a GPU (a block mask: the blocks a response never sees are skipped,
 so attention does less work than the n sequences did) and a dense boolean one through SDPA on the
 CPU, whose flex attention has no backward. SHARE_PROMPTS turns it on (off until measured on a GPU:
-benchmarks/levers.py shareprompt)."""
+benchmarks/levers.py shareprompt). DPO's layout of a pair (pair_layout.py) masks by the same rule."""
 
 from __future__ import annotations
 
@@ -23,8 +23,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from keel.training.pair_layout import can_share_prompt
 
 SHARE_PROMPTS = False
 
@@ -64,7 +62,7 @@ class SharedPrompts:
         if flex:
             return self._block_mask()
         index = torch.arange(self.segments.shape[1], device=self.segments.device)
-        return _allowed(self.segments, index[:, None], index[None, :])[:, None]
+        return allowed(self.segments, index[:, None], index[None, :])[:, None]
 
     def _block_mask(self):
         """Flex attention's block mask, its tiles sorted from the mask a few query tiles at a
@@ -112,7 +110,7 @@ def _seen_tiles(segments: Tensor) -> tuple[Tensor, Tensor]:
     some, every = [], []
     for first in range(0, tiles, step):
         query = index[first * FLEX_TILE : (first + step) * FLEX_TILE]
-        seen = _allowed(segments, query[:, None], index[None, :])  # [rows, queries, padded]
+        seen = allowed(segments, query[:, None], index[None, :])  # [rows, queries, padded]
         seen = seen.view(rows, -1, FLEX_TILE, tiles, FLEX_TILE)
         some.append(seen.any(dim=4).any(dim=2))
         every.append(seen.all(dim=4).all(dim=2))
@@ -127,7 +125,7 @@ def _tile_lists(tiles: Tensor) -> tuple[Tensor, Tensor]:
     return count[:, None], order[:, None]
 
 
-def _allowed(segments: Tensor, query: Tensor, key: Tensor) -> Tensor:
+def allowed(segments: Tensor, query: Tensor, key: Tensor) -> Tensor:
     """Whether `query` sees `key` (positions of one row, whose tokens' segments are `segments`):
     an earlier or the same token of the prompt, or of the query's own response; a padding token
     sees only itself."""
@@ -135,7 +133,7 @@ def _allowed(segments: Tensor, query: Tensor, key: Tensor) -> Tensor:
 
 
 def _sees(own: Tensor, seen: Tensor, query: Tensor, key: Tensor) -> Tensor:
-    """_allowed, given the query's segment `own` and the key's `seen`."""
+    """allowed, given the query's segment `own` and the key's `seen`."""
     shares = (seen == PROMPT) | (seen == own)
     return (query == key) | ((key <= query) & (own != PADDING) & shares)
 
@@ -200,6 +198,20 @@ def _rows(blocks: list[list], shape: tuple[int, int]) -> SharedPrompts:
     targets, scatter_to = (np.concatenate([block[i] for block in blocks]) for i in (4, 5))
     tensors = (input_ids, position_ids, segments, predict_at, targets, scatter_to)
     return SharedPrompts(*(torch.from_numpy(t.astype(np.int64)) for t in tensors), shape)
+
+
+def can_share_prompt(config, length: int) -> bool:
+    """Whether the shared prompt's mask holds for this model: a boolean 4-D mask means what it
+    says to sdpa only (eager attention would add it to the scores, flash-attention refuses it);
+    and it replaces the model's own masks, so a sliding window shorter than `length` (Gemma 3,
+    Phi-3-mini) would be lost."""
+    if getattr(config, "_attn_implementation", None) not in (None, "sdpa"):
+        return False
+    window = getattr(config, "sliding_window", None)
+    if not window or window >= length:
+        return True
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types is not None and "sliding_attention" not in layer_types
 
 
 def shared_prompts_of(batch, config) -> SharedPrompts | None:

@@ -11,8 +11,8 @@ from keel.data.preference import PairColumns, PreferencePair, build_pairs
 from keel.errors import DATA_COLUMN, EMPTY_COMPLETION, PREFERENCE_OPTION, KeelError
 from keel.models.tiny import build_tokenizer, make_tiny_model, make_tiny_reward_model
 from keel.trainer.reference_logps import model_identity
-from keel.training.pair_layout import can_share_prompt
 from keel.training.preference import collate_pairs, pair_scores
+from keel.training.shared_prompt import can_share_prompt
 
 GOOD = {"prompt": "1 2", "chosen": "12", "rejected": "one two"}
 

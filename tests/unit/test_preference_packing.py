@@ -8,8 +8,9 @@ import torch
 from keel.data.preference import PairColumns, build_pairs
 from keel.models.families import PLAIN_LM_HEAD
 from keel.models.tiny import build_tokenizer, make_tiny_model, make_tiny_reward_model
-from keel.training.pair_layout import can_share_prompt, shared_prompt_mask
+from keel.training.pair_layout import shared_prompt_mask
 from keel.training.preference import collate_pairs, pair_log_probs, pair_scores
+from keel.training.shared_prompt import can_share_prompt
 
 # a family on the chunked lm_head path, and others on the model's own forward
 ARCHS = ["qwen2", "olmo2", "gemma3_text", "phi3"]

@@ -178,7 +178,7 @@ def test_the_block_mask_lists_the_tiles_create_block_mask_would(monkeypatch):
     once), over blocks longer than a tile: a 300-token prompt and responses of 1 to 260."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from keel.training.shared_prompt import _allowed
+    from keel.training.shared_prompt import allowed
 
     batch = padded_batch(50, [300, 300, 300, 120, 120], [260, 1, 140, 200, 7], seed=2, low=3)
     prompts = batch.prompt_ids.clone()
@@ -191,7 +191,7 @@ def test_the_block_mask_lists_the_tiles_create_block_mask_would(monkeypatch):
     rows, length = shared.segments.shape
 
     def mask_mod(row, head, query, key):
-        return _allowed(shared.segments[row], query, key)
+        return allowed(shared.segments[row], query, key)
 
     theirs = create_block_mask(mask_mod, rows, None, length, length, device="cpu")
     assert torch.equal(ours.to_dense(), theirs.to_dense())
