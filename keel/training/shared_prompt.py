@@ -12,11 +12,13 @@ shapes (256-token prompts and responses, 8 samples a prompt) a micro-batch of wh
 The mask is flex attention's on a GPU (a block mask: the blocks a response never sees are skipped,
 so attention does less work than the n sequences did) and a dense boolean one through SDPA on the
 CPU, whose flex attention has no backward. SHARE_PROMPTS turns it on (off until measured on a GPU:
-benchmarks/levers.py shareprompt). DPO's layout of a pair (pair_layout.py) masks by the same rule."""
+benchmarks/levers.py shareprompt). DPO's layout of a pair (pair_layout.py) masks by the same
+rule."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -258,28 +260,27 @@ def shared_prompt_stats(
     return shared.scattered(log_probs), entropy, tuple(shared.scattered(e) for e in extras)
 
 
-_compiled_flex = None
-
-
 def flex_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """transformers' attention interface (`KEEL_FLEX`): flex attention under the block mask.
     transformers' own flex function passes a score_mod and its own compiled wrapper; this passes
     neither, and is traced into the layer's graph where the layer is compiled (else compiled once
     here: flex attention run eagerly computes the whole [L, L] score matrix). Query heads share
     key heads by flex's own grouping. -> ([rows, L, heads, head_dim], no weights)."""
-    global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
-    if torch.compiler.is_compiling():
-        attend = flex_attention
-    else:
-        _compiled_flex = _compiled_flex or torch.compile(flex_attention)
-        attend = _compiled_flex
+    attend = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
     out = attend(
         query, key, value, block_mask=attention_mask, scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
 
 
 @contextlib.contextmanager
