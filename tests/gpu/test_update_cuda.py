@@ -1,9 +1,11 @@
 """The update's GPU paths: logits kept for backward equal the recomputed ones under the compiled
 vocabulary arithmetic, the compiled log-prob's closed-form backward equals autograd's, and fused
-AdamW refuses a non-finite step on the device. Run on the GPU machine."""
+AdamW refuses a non-finite step on the device; shared prompts through flex attention. Run on the
+GPU machine."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from keel.errors import NONFINITE_LOSS, KeelError
 from keel.models.load import autocast, load_causal_lm
@@ -193,3 +195,49 @@ def test_shared_prompts_through_flex_attention_give_each_samples_own_pass(
     for ours, theirs in zip(shared[1], own[1]):
         torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance * 1e-2)
     assert any(g.abs().sum() > 0 for g in own[1])
+
+
+@pytest.mark.parametrize("inside_compile", [False, True])
+def test_keels_flex_attention_equals_sdpa_under_the_dense_mask(inside_compile):
+    """keel's flex attention function (shared_prompt.KEEL_FLEX) at Qwen2.5-0.5B's heads (14 query
+    heads on 2 key heads, through flex's own grouping), over blocks longer than a tile: its output
+    and its gradients are SDPA's under the dense mask, called eagerly (flex compiled on its own)
+    and inside a compiled function (traced into its graph, as in keel's compiled layers)."""
+    import dataclasses
+
+    from keel.training.shared_prompt import flex_attention_forward, shared_prompts
+
+    from tests_helpers import padded_batch
+
+    batch = padded_batch(50, [300, 300, 300, 120, 120], [260, 1, 140, 200, 7], seed=2, low=3)
+    prompts = batch.prompt_ids.clone()
+    prompts[1], prompts[2], prompts[4] = prompts[0], prompts[0], prompts[3]
+    batch = dataclasses.replace(batch, prompt_ids=prompts)
+    shared = shared_prompts(batch.input_ids, batch.attention_mask, 260).to(CUDA)
+    rows, length = shared.segments.shape
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def leaf(heads):
+        x = torch.randn(rows, heads, length, 64, device=CUDA, generator=generator)
+        return x.to(torch.bfloat16).requires_grad_()
+
+    query, key, value = leaf(14), leaf(2), leaf(2)
+    block_mask, dense = shared.mask(flex=True), shared.mask(flex=False)
+
+    def flex(q, k, v):
+        return flex_attention_forward(None, q, k, v, block_mask, scaling=0.125)[0]
+
+    out = (torch.compile(flex) if inside_compile else flex)(query, key, value)
+    out.float().square().sum().backward()
+    ours = [out.detach(), *(x.grad for x in (query, key, value))]
+    for x in (query, key, value):
+        x.grad = None
+    reference = F.scaled_dot_product_attention(
+        query, key.repeat_interleave(7, 1), value.repeat_interleave(7, 1), attn_mask=dense,
+        scale=0.125,
+    ).transpose(1, 2)  # fmt: skip
+    reference.float().square().sum().backward()
+    theirs = [reference.detach(), *(x.grad for x in (query, key, value))]
+    for got, want in zip(ours, theirs):  # to bf16's rounding, as a share of each tensor's norm
+        assert (got.float() - want.float()).norm() <= 1e-2 * want.float().norm()
+    assert theirs[1].abs().sum() > 0
