@@ -163,7 +163,7 @@ pdl() {  # the tenth session's lever for the decode step: its kernels launched p
 shared() {  # the tenth session's shared prompts against each sample's own pass, in turn; first
     # their GPU test (flex attention's block mask, forward and backward: the eleventh session's
     # first try failed there)
-    timeout 90 python3 -m pytest -q tests/gpu/test_update_cuda.py -k shared > "$OUT/gpu_shared_tests.txt" 2>&1
+    timeout 120 python3 -m pytest -q tests/gpu/test_update_cuda.py -k "shared or flex" > "$OUT/gpu_shared_tests.txt" 2>&1
     tail -1 "$OUT/gpu_shared_tests.txt"
     local plain="actor_rollout_ref.actor.shuffle=false" run log i=0
     for run in "- t1" "shareprompt t1" "- q1" "shareprompt q1" "- t1 $plain" "shareprompt t1 $plain"; do
