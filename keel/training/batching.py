@@ -123,8 +123,8 @@ def prompts_together(prompts: Tensor, prompt_mask: Tensor, lengths: Tensor) -> T
     prompt's samples by length, shortest first. A prompt is its tokens, as shared_prompt.py
     shares them (left-padded rows [N, P] and their mask), not its group: a prompt drawn twice, or
     a multi-turn episode's segments, are shared by what they hold."""
-    if len(prompts) == 0:
-        return torch.argsort(lengths)
+    if prompts.numel() == 0:  # no samples, or only empty prompts: nothing to share
+        return torch.argsort(lengths, stable=True)
     tokens = torch.where(prompt_mask.bool(), prompts, -1)
     _, group = torch.unique(tokens, dim=0, return_inverse=True)
     count = int(group.max()) + 1

@@ -111,7 +111,8 @@ def packed_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
 def shared_prompt_mask(block_ids: Tensor, parts: Tensor) -> Tensor:
     """[rows, 1, L, L] boolean: within its block, a token sees what shared_prompt's rule lets it
     (the earlier tokens of the prompt and of its own completion: a rejected token never sees the
-    chosen completion); padding (block -1) sees only itself."""
+    chosen completion); padding (block -1) sees only itself. A block is laid out prompt, then
+    chosen, then rejected (shared_prompt_block), which the rule's causality relies on."""
     # the parts as shared_prompt's segments: the prompt, the chosen (0) or rejected (1) completion
     segments = torch.where(parts == PROMPT, shared_prompt.PROMPT, (parts == REJECTED).long())
     segments = segments.masked_fill(block_ids < 0, shared_prompt.PADDING)

@@ -268,10 +268,20 @@ def flex_attention_forward(module, query, key, value, attention_mask, scaling=No
     key heads by flex's own grouping. -> ([rows, L, heads, head_dim], no weights)."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    # what this function does not do, never dropped in silence (the models that share need none)
+    unsupported = kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
+    if unsupported or kwargs.get("dropout"):
+        raise NotImplementedError("keel's flex attention has no dropout, softcap or sinks")
+    if torch.is_autocast_enabled(query.device.type):  # as SDPA is cast: q and k leave RoPE float32
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (x.to(dtype) for x in (query, key, value))
     attend = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
     out = attend(
         query, key, value, block_mask=attention_mask, scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
+        # rows under 128 tokens would take flex's decoding kernel, whose tiles for grouped heads
+        # can be taller than the block mask's 128 (then no kernel fits)
+        kernel_options={"FORCE_USE_FLEX_ATTENTION": True},
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 

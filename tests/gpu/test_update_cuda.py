@@ -197,31 +197,43 @@ def test_shared_prompts_through_flex_attention_give_each_samples_own_pass(
     assert any(g.abs().sum() > 0 for g in own[1])
 
 
+# (query heads, key heads, prompts' lengths, responses' lengths): Qwen2.5-0.5B's heads over blocks
+# longer than a tile; four query heads a key head over rows shorter than one, where flex would pick
+# its decoding kernel
+FLEX_SHAPES = {
+    "long": (14, 2, [300, 300, 300, 120, 120], [260, 1, 140, 200, 7]),
+    "short": (8, 2, [40, 40, 40, 20, 20], [30, 5, 20, 12, 3]),
+}
+
+
 @pytest.mark.parametrize("inside_compile", [False, True])
-def test_keels_flex_attention_equals_sdpa_under_the_dense_mask(inside_compile):
-    """keel's flex attention function (shared_prompt.KEEL_FLEX) at Qwen2.5-0.5B's heads (14 query
-    heads on 2 key heads, through flex's own grouping), over blocks longer than a tile: its output
-    and its gradients are SDPA's under the dense mask, called eagerly (flex compiled on its own)
-    and inside a compiled function (traced into its graph, as in keel's compiled layers)."""
+@pytest.mark.parametrize("shape", FLEX_SHAPES)
+def test_keels_flex_attention_equals_sdpa_under_the_dense_mask(shape, inside_compile):
+    """keel's flex attention function (shared_prompt.KEEL_FLEX), its grouped heads through flex's
+    own grouping: its output and its gradients are float32 SDPA's under the dense mask (to bf16's
+    rounding), called eagerly (flex compiled on its own) and inside a compiled function (traced
+    into its graph, as in keel's compiled layers)."""
     import dataclasses
 
     from keel.training.shared_prompt import flex_attention_forward, shared_prompts
 
     from tests_helpers import padded_batch
 
-    batch = padded_batch(50, [300, 300, 300, 120, 120], [260, 1, 140, 200, 7], seed=2, low=3)
+    heads, key_heads, prompt_lengths, response_lengths = FLEX_SHAPES[shape]
+    batch = padded_batch(50, prompt_lengths, response_lengths, seed=2, low=3)
     prompts = batch.prompt_ids.clone()
     prompts[1], prompts[2], prompts[4] = prompts[0], prompts[0], prompts[3]
     batch = dataclasses.replace(batch, prompt_ids=prompts)
-    shared = shared_prompts(batch.input_ids, batch.attention_mask, 260).to(CUDA)
+    shared = shared_prompts(batch.input_ids, batch.attention_mask, max(response_lengths)).to(CUDA)
     rows, length = shared.segments.shape
+    assert (length > 128) == (shape == "long")
     generator = torch.Generator(device="cuda").manual_seed(0)
 
-    def leaf(heads):
-        x = torch.randn(rows, heads, length, 64, device=CUDA, generator=generator)
+    def leaf(count):
+        x = torch.randn(rows, count, length, 64, device=CUDA, generator=generator)
         return x.to(torch.bfloat16).requires_grad_()
 
-    query, key, value = leaf(14), leaf(2), leaf(2)
+    query, key, value = leaf(heads), leaf(key_heads), leaf(key_heads)
     block_mask, dense = shared.mask(flex=True), shared.mask(flex=False)
 
     def flex(q, k, v):
@@ -232,11 +244,12 @@ def test_keels_flex_attention_equals_sdpa_under_the_dense_mask(inside_compile):
     ours = [out.detach(), *(x.grad for x in (query, key, value))]
     for x in (query, key, value):
         x.grad = None
+    group = heads // key_heads
     reference = F.scaled_dot_product_attention(
-        query, key.repeat_interleave(7, 1), value.repeat_interleave(7, 1), attn_mask=dense,
-        scale=0.125,
+        query.float(), key.float().repeat_interleave(group, 1),
+        value.float().repeat_interleave(group, 1), attn_mask=dense, scale=0.125,
     ).transpose(1, 2)  # fmt: skip
-    reference.float().square().sum().backward()
+    reference.square().sum().backward()
     theirs = [reference.detach(), *(x.grad for x in (query, key, value))]
     for got, want in zip(ours, theirs):  # to bf16's rounding, as a share of each tensor's norm
         assert (got.float() - want.float()).norm() <= 1e-2 * want.float().norm()

@@ -240,3 +240,46 @@ def test_the_block_masks_mask_traces_without_reading_an_index():
     ]
     assert answers == [bool(dense[row, 0, query, key]) for row, query, key in seen]
     assert answers == [True, False, False, True, False, True]
+
+
+def test_keels_flex_attention_computes_in_autocasts_dtype_and_refuses_what_it_cannot_do(
+    monkeypatch,
+):
+    """Under autocast the query and key leave RoPE in float32 beside a bf16 value: keel's flex
+    attention hands flex all three in autocast's dtype, as SDPA is cast (no float32 kernel, no
+    dtype mismatch on a torch whose flex attention does not cast). Dropout, a softcap or sinks it
+    does not do, and says so rather than leaving them out."""
+    from keel.training.shared_prompt import flex_attention_forward
+
+    batch = _grouped_batch(50)
+    shared = shared_prompts(batch.input_ids, batch.attention_mask, 6)
+    rows, length = shared.segments.shape
+    query, key = torch.randn(rows, 4, length, 16), torch.randn(rows, 2, length, 16)
+    value = torch.randn(rows, 2, length, 16, dtype=torch.bfloat16)
+    block_mask = shared.mask(flex=True)
+    given = []
+    compiled = shared_prompt._compiled_flex_attention()
+
+    def recorded(q, k, v, **options):
+        given.append((q.dtype, k.dtype, v.dtype))
+        return compiled(q, k, v, **options)
+
+    monkeypatch.setattr(shared_prompt, "_compiled_flex_attention", lambda: recorded)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        out, _ = flex_attention_forward(None, query, key, value, block_mask, scaling=0.25)
+    assert given == [(torch.bfloat16,) * 3]
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, length, 4, 16)
+    for unsupported in ({"dropout": 0.1}, {"softcap": 30.0}, {"s_aux": torch.zeros(4)}):
+        with pytest.raises(NotImplementedError, match="no dropout, softcap or sinks"):
+            flex_attention_forward(None, query, key, value, block_mask, **unsupported)
+
+
+def test_micro_batches_of_empty_prompts_are_cut_by_length_when_sharing(monkeypatch):
+    """Only empty prompts (width 0 once trimmed): nothing to share, and the micro-batches are
+    the unshared ones, not a crash in grouping rows of no tokens."""
+    from keel.training.batching import MicroBatching, micro_batches
+
+    batch = padded_batch(50, [0, 0, 0], [3, 1, 2], seed=1, low=3)
+    monkeypatch.setattr(shared_prompt, "SHARE_PROMPTS", True)
+    assert batch.prompt_ids.shape[1] == 0
+    assert [rows.tolist() for rows, _ in micro_batches(batch, MicroBatching(2))] == [[1, 2], [0]]
