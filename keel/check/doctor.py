@@ -29,7 +29,7 @@ from keel.openmp import how_threads_wait
 from keel.rewards.jail.sandbox import jail
 
 # (minimum, maximum exclusive or None) of what keel is tested with
-SUPPORTED = {"transformers": ("4.51", None), "peft": ("0.13", None), "tokenizers": ("0.20", None)}
+SUPPORTED = {"transformers": ("4.53", None), "peft": ("0.13", None), "tokenizers": ("0.20", None)}
 MIN_FREE_DISK_GB = 10
 
 
